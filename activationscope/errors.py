@@ -1,0 +1,42 @@
+"""Errors raised by activationscope.
+
+Every error is an :class:`ActivationScopeError`; most also inherit the builtin that fits, so
+``except KeyError`` or ``except ValueError`` keep working.
+"""
+
+from __future__ import annotations
+
+
+class ActivationScopeError(Exception):
+    """Root of every error raised by activationscope."""
+
+
+class CaptureError(ActivationScopeError, RuntimeError):
+    """A capture could not proceed (raised from the native hot path)."""
+
+
+class HookPointNotFoundError(ActivationScopeError, KeyError):
+    """A hook point or pattern names nothing in the model or store."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class NativeExtensionError(ActivationScopeError, ImportError):
+    """The native extension is missing or was built against another torch."""
+
+
+class ReductionError(ActivationScopeError, ValueError):
+    """A reduction was given with a wrong name, options or signature."""
+
+
+class StoreError(ActivationScopeError, OSError):
+    """A store could not be created, opened, written or committed."""
+
+
+class StoreExistsError(StoreError, FileExistsError):
+    """A store already exists where a new one was asked for."""
+
+
+class StoreCorruptError(StoreError):
+    """A store failed verification (checksums or structure)."""

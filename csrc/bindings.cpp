@@ -1,0 +1,397 @@
+// The only pybind11 file: the Python-facing side of the hot path (the forward wrapper that
+// extracts tensors from a module call) and the bindings of the pure-ATen core
+// (sink, reductions, store writer).
+//
+// Why a forward wrapper rather than register_forward_hook: once any hook is registered on a
+// module, nn.Module.__call__ leaves its fast path and pays tens of microseconds per call in
+// Python. A native callable installed as the module's instance `forward` keeps that fast
+// path; it calls the original forward and captures its inputs / outputs in C++.
+#include <torch/extension.h>
+
+#include <torch/csrc/Dtype.h>
+#include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "errors.h"
+#include "reductions.h"
+#include "row_consumer.h"
+#include "shard_writer.h"
+#include "sink.h"
+
+#ifndef ACS_TORCH_VERSION
+#define ACS_TORCH_VERSION "unknown"
+#endif
+
+namespace py = pybind11;
+
+namespace acs {
+
+namespace {
+
+enum class Policy : int { EVERY = 0, SAMPLE_N = 1, MAX_K = 2 };
+
+// State shared by every wrapped module of one tracker.
+struct TrackerCore {
+  bool active = true;
+  Policy policy = Policy::EVERY;
+  int64_t sample_every = 1;
+  int64_t max_k = -1;
+  at::Tensor token_mask;            // (batch, pos) bool, or undefined
+  int64_t n_forwards = 0;           // root forwards started
+  int depth = 0;                    // root forward nesting
+  bool capturing = true;            // decision for the current root forward
+  py::object on_new_hook_point;     // (name: str, tensor) -> Sink | None
+  py::object on_forward_start;      // () -> None, or None
+  py::object on_forward_end;        // () -> None, or None
+  std::unordered_map<std::string, std::shared_ptr<Sink>> sinks;  // nullptr = not captured
+
+  bool decide(int64_t index) const {
+    switch (policy) {
+      case Policy::EVERY: return true;
+      case Policy::SAMPLE_N: return index % sample_every == 0;
+      case Policy::MAX_K: return index < max_k;
+    }
+    return true;
+  }
+};
+
+// One tracked module of one tracker.
+struct Site {
+  std::shared_ptr<TrackerCore> core;
+  std::string path;  // module path ("" for the root)
+  bool capture_input = false;
+  bool capture_output = true;
+  bool is_root = false;
+  int64_t n_calls = 0;        // calls outside any root forward (policy fallback)
+  int64_t fwd_seen = -1;      // core->n_forwards at the last call
+  int64_t calls_in_fwd = 0;   // for the #k suffix
+};
+
+using Leaves = std::vector<std::pair<std::string, at::Tensor>>;
+
+// Flatten a module input / output into named tensor leaves: tensors, tuples / lists
+// (named tuples by field), dicts (HF ModelOutput included, by key) and dataclasses (by
+// field). None and other objects are skipped.
+void collect(py::handle obj, const std::string& prefix, Leaves& out, int depth) {
+  if (THPVariable_Check(obj.ptr())) {
+    out.emplace_back(prefix, THPVariable_Unpack(obj.ptr()));
+    return;
+  }
+  if (depth > 8 || obj.is_none()) return;
+  if (PyTuple_Check(obj.ptr()) || PyList_Check(obj.ptr())) {
+    py::sequence seq = py::reinterpret_borrow<py::sequence>(obj);
+    py::object fields = py::getattr(obj, "_fields", py::none());
+    const size_t n = py::len(seq);
+    for (size_t i = 0; i < n; ++i) {
+      std::string key = (!fields.is_none() && PyTuple_Check(fields.ptr()) && i < py::len(fields))
+                            ? py::str(fields[py::int_(i)]).cast<std::string>()
+                            : std::to_string(i);
+      collect(seq[i], prefix + "." + key, out, depth + 1);
+    }
+    return;
+  }
+  if (PyDict_Check(obj.ptr())) {
+    for (auto item : py::reinterpret_borrow<py::dict>(obj)) {
+      collect(item.second, prefix + "." + py::str(item.first).cast<std::string>(), out, depth + 1);
+    }
+    return;
+  }
+  py::handle type = reinterpret_cast<PyObject*>(Py_TYPE(obj.ptr()));
+  if (py::hasattr(type, "__dataclass_fields__")) {
+    py::dict fields = type.attr("__dataclass_fields__");
+    for (auto item : fields) {
+      std::string name = py::str(item.first).cast<std::string>();
+      collect(py::getattr(obj, name.c_str(), py::none()), prefix + "." + name, out, depth + 1);
+    }
+  }
+}
+
+class ForwardWrapper {
+ public:
+  explicit ForwardWrapper(py::object original) : original_(std::move(original)) {}
+
+  void add_site(std::shared_ptr<Site> site) { sites_.push_back(std::move(site)); }
+  bool remove_site(const std::shared_ptr<Site>& site) {
+    for (auto it = sites_.begin(); it != sites_.end(); ++it) {
+      if (*it == site) {
+        sites_.erase(it);
+        return true;
+      }
+    }
+    return false;
+  }
+  size_t n_sites() const { return sites_.size(); }
+  py::object original() const { return original_; }
+
+  py::object call(py::args args, py::kwargs kwargs) {
+    if (sites_.empty() || torch::autograd::get_current_graph_task_id() != -1) {
+      // Not tracked, or a recompute of activation checkpointing during backward.
+      return original_(*args, **kwargs);
+    }
+    // Root bookkeeping (forward boundaries) for every tracker rooted here.
+    std::vector<Site*> roots;
+    for (auto& s : sites_) {
+      if (s->is_root && s->core->active) {
+        TrackerCore& c = *s->core;
+        if (c.depth++ == 0) {
+          c.capturing = c.decide(c.n_forwards);
+          ++c.n_forwards;
+          if (c.on_forward_start && !c.on_forward_start.is_none()) c.on_forward_start();
+        }
+        roots.push_back(s.get());
+      }
+    }
+    struct RootGuard {
+      std::vector<Site*>& roots;
+      bool ok = false;
+      ~RootGuard() {
+        for (Site* s : roots) --s->core->depth;
+      }
+    } guard{roots};
+
+    // Which sites capture this call, and under which names.
+    struct Active {
+      Site* site;
+      std::string base;  // "<path>" or "<path>#k"
+    };
+    std::vector<Active> active;
+    for (auto& s : sites_) {
+      TrackerCore& c = *s->core;
+      if (!c.active) continue;
+      bool take;
+      if (c.depth > 0) {
+        take = c.capturing;
+      } else {
+        take = c.decide(s->n_calls++);
+      }
+      int64_t k = 0;
+      if (s->fwd_seen == c.n_forwards && c.depth > 0) {
+        k = s->calls_in_fwd++;
+      } else {
+        s->fwd_seen = c.n_forwards;
+        s->calls_in_fwd = 1;
+      }
+      if (!take) continue;
+      std::string base = s->path;
+      if (k > 0) base += "#" + std::to_string(k);
+      active.push_back({s.get(), std::move(base)});
+    }
+
+    if (!active.empty()) {
+      Leaves in_leaves;
+      for (auto& a : active) {
+        if (!a.site->capture_input) continue;
+        in_leaves.clear();
+        std::string prefix = join(a.base, "input");
+        const size_t n = args.size();
+        for (size_t i = 0; i < n; ++i) collect(args[i], prefix + "." + std::to_string(i), in_leaves, 0);
+        for (auto item : kwargs) {
+          collect(item.second, prefix + ".kw." + py::str(item.first).cast<std::string>(), in_leaves, 0);
+        }
+        consume_all(*a.site->core, in_leaves);
+      }
+    }
+
+    py::object out = original_(*args, **kwargs);
+
+    if (!active.empty()) {
+      Leaves out_leaves;
+      for (auto& a : active) {
+        if (!a.site->capture_output) continue;
+        out_leaves.clear();
+        collect(out, join(a.base, "output"), out_leaves, 0);
+        consume_all(*a.site->core, out_leaves);
+      }
+    }
+
+    for (Site* s : roots) {
+      TrackerCore& c = *s->core;
+      if (c.depth == 1 && c.on_forward_end && !c.on_forward_end.is_none()) c.on_forward_end();
+    }
+    return out;
+  }
+
+ private:
+  static std::string join(const std::string& base, const char* what) {
+    return base.empty() ? std::string(what) : base + "." + what;
+  }
+
+  static void consume_all(TrackerCore& core, const Leaves& leaves) {
+    if (leaves.empty()) return;
+    std::vector<std::pair<Sink*, const at::Tensor*>> work;
+    work.reserve(leaves.size());
+    for (const auto& leaf : leaves) {
+      auto it = core.sinks.find(leaf.first);
+      if (it == core.sinks.end()) {
+        py::object made = core.on_new_hook_point(leaf.first, leaf.second);
+        std::shared_ptr<Sink> sink =
+            made.is_none() ? nullptr : made.cast<std::shared_ptr<Sink>>();
+        it = core.sinks.emplace(leaf.first, std::move(sink)).first;
+      }
+      if (it->second) work.emplace_back(it->second.get(), &leaf.second);
+    }
+    if (work.empty()) return;
+    at::Tensor mask = core.token_mask;
+    py::gil_scoped_release nogil;
+    for (auto& w : work) w.first->consume(*w.second, mask);
+  }
+
+  py::object original_;
+  std::vector<std::shared_ptr<Site>> sites_;
+};
+
+at::ScalarType to_scalar_type(py::handle dtype) {
+  TORCH_CHECK(THPDtype_Check(dtype.ptr()), "expected a torch.dtype, got ",
+              py::str(py::type::of(dtype)).cast<std::string>());
+  return reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type;
+}
+
+py::dict named_to_dict(const NamedTensors& named) {
+  py::dict d;
+  for (const auto& kv : named) d[py::str(kv.first)] = kv.second;
+  return d;
+}
+
+NamedTensors dict_to_named(const py::dict& d) {
+  NamedTensors out;
+  for (auto item : d) out.emplace_back(item.first.cast<std::string>(), item.second.cast<at::Tensor>());
+  return out;
+}
+
+// ------------------------------------------------------------------ store writer bindings
+void bind_store_writer(py::module_& m) { (void)m; }
+
+}  // namespace
+
+}  // namespace acs
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace acs;
+  m.doc() = "activationscope native core: forward wrapper, capture sinks, reductions, store writer";
+  m.attr("TORCH_VERSION") = ACS_TORCH_VERSION;
+
+  // acs::UserError -> activationscope.errors.CaptureError
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const acs::UserError& e) {
+      py::object cls = py::module_::import("activationscope.errors").attr("CaptureError");
+      PyErr_SetString(cls.ptr(), e.what());
+    }
+  });
+
+  // ---------------------------------------------------------------- capture core
+  py::class_<Arena, std::shared_ptr<Arena>>(m, "Arena")
+      .def(py::init<int64_t>(), py::arg("slab_bytes") = int64_t(64) << 20)
+      .def("reset", &Arena::reset)
+      .def_property_readonly("reserved_bytes", &Arena::reserved_bytes);
+
+  py::class_<Sink, std::shared_ptr<Sink>>(m, "Sink")
+      .def(py::init([](std::string name, bool snapshot, int keep, int placement, py::object storage_dtype,
+                       std::shared_ptr<Arena> arena, int row_kind) {
+             SinkOptions o;
+             o.snapshot = snapshot;
+             o.keep = static_cast<Keep>(keep);
+             o.placement = static_cast<Placement>(placement);
+             if (!storage_dtype.is_none()) o.storage_dtype = to_scalar_type(storage_dtype);
+             (void)row_kind;
+             return std::make_shared<Sink>(std::move(name), o, std::move(arena));
+           }),
+           py::arg("name"), py::arg("snapshot") = true, py::arg("keep") = 0, py::arg("placement") = 0,
+           py::arg("storage_dtype") = py::none(), py::arg("arena") = nullptr, py::arg("row_kind") = -1)
+      .def_property_readonly("name", &Sink::name)
+      .def("consume", &Sink::consume, py::arg("x"), py::arg("token_mask") = at::Tensor(),
+           py::call_guard<py::gil_scoped_release>())
+      .def("records", &Sink::records, py::call_guard<py::gil_scoped_release>())
+      .def("clear_records", &Sink::clear_records, py::call_guard<py::gil_scoped_release>())
+      .def("reference_changed", &Sink::reference_changed, py::arg("all") = false)
+      .def("add_reduction", &Sink::add_reduction)
+      .def_property_readonly("reductions", &Sink::reductions)
+      .def("set_writer", &Sink::set_writer)
+      .def_property_readonly("has_writer", &Sink::has_writer)
+      .def_property_readonly("row_kind", &Sink::row_kind)
+      .def_property_readonly("n_rows", &Sink::n_rows)
+      .def_property_readonly("n_calls", &Sink::n_calls)
+      .def_property_readonly("feature_shape", &Sink::feature_shape);
+
+  py::class_<TrackerCore, std::shared_ptr<TrackerCore>>(m, "TrackerCore")
+      .def(py::init([](py::object on_new, py::object on_start, py::object on_end) {
+             auto c = std::make_shared<TrackerCore>();
+             c->on_new_hook_point = std::move(on_new);
+             c->on_forward_start = std::move(on_start);
+             c->on_forward_end = std::move(on_end);
+             return c;
+           }),
+           py::arg("on_new_hook_point"), py::arg("on_forward_start") = py::none(),
+           py::arg("on_forward_end") = py::none())
+      .def_readwrite("active", &TrackerCore::active)
+      .def_property(
+          "policy", [](const TrackerCore& c) { return static_cast<int>(c.policy); },
+          [](TrackerCore& c, int p) { c.policy = static_cast<Policy>(p); })
+      .def_readwrite("sample_every", &TrackerCore::sample_every)
+      .def_readwrite("max_k", &TrackerCore::max_k)
+      .def_readwrite("token_mask", &TrackerCore::token_mask)
+      .def_readonly("n_forwards", &TrackerCore::n_forwards)
+      .def_readonly("capturing", &TrackerCore::capturing)
+      .def("sinks", [](const TrackerCore& c) {
+        py::dict d;
+        for (const auto& kv : c.sinks)
+          if (kv.second) d[py::str(kv.first)] = kv.second;
+        return d;
+      })
+      .def("forget", [](TrackerCore& c) { c.sinks.clear(); })
+      .def("release_callbacks", [](TrackerCore& c) {
+        c.on_new_hook_point = py::none();
+        c.on_forward_start = py::none();
+        c.on_forward_end = py::none();
+      });
+
+  py::class_<Site, std::shared_ptr<Site>>(m, "Site")
+      .def(py::init([](std::shared_ptr<TrackerCore> core, std::string path, bool cap_in, bool cap_out, bool root) {
+             auto s = std::make_shared<Site>();
+             s->core = std::move(core);
+             s->path = std::move(path);
+             s->capture_input = cap_in;
+             s->capture_output = cap_out;
+             s->is_root = root;
+             return s;
+           }),
+           py::arg("core"), py::arg("path"), py::arg("capture_input"), py::arg("capture_output"),
+           py::arg("is_root") = false)
+      .def_readonly("path", &Site::path);
+
+  py::class_<ForwardWrapper>(m, "ForwardWrapper", py::dynamic_attr())
+      .def(py::init<py::object>(), py::arg("original"))
+      .def("__call__", &ForwardWrapper::call)
+      .def("add_site", &ForwardWrapper::add_site)
+      .def("remove_site", &ForwardWrapper::remove_site)
+      .def_property_readonly("n_sites", &ForwardWrapper::n_sites)
+      .def_property_readonly("original", &ForwardWrapper::original);
+
+  // ---------------------------------------------------------------- reductions
+  py::class_<Reduction, std::shared_ptr<Reduction>>(m, "Reduction")
+      .def("update", &Reduction::update, py::arg("rows"), py::arg("row_offset") = 0,
+           py::call_guard<py::gil_scoped_release>())
+      .def("merge", &Reduction::merge, py::arg("other"), py::call_guard<py::gil_scoped_release>())
+      .def("result", [](const Reduction& r) { return named_to_dict(r.result()); })
+      .def("state", [](const Reduction& r) { return named_to_dict(r.state()); })
+      .def("load_state", [](Reduction& r, const py::dict& d) { r.load_state(dict_to_named(d)); })
+      .def("fresh", &Reduction::fresh)
+      .def_property_readonly("kind", &Reduction::kind)
+      .def_property_readonly("options", &Reduction::options);
+  m.def("make_builtin_reduction", &make_builtin_reduction, py::arg("kind"),
+        py::arg("options") = ReductionOptions{});
+  m.def("make_script_reduction", &make_script_reduction, py::arg("path"),
+        py::arg("options") = ReductionOptions{});
+  m.def("builtin_reduction_kinds", &builtin_reduction_kinds);
+
+  // ---------------------------------------------------------------- store writer
+  py::class_<RowConsumer, std::shared_ptr<RowConsumer>>(m, "RowConsumer");
+  bind_store_writer(m);
+}

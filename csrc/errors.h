@@ -1,0 +1,25 @@
+// A user-facing error raised from native code. bindings.cpp maps it to the Python class
+// activationscope.errors.CaptureError (an ActivationScopeError and a RuntimeError).
+#pragma once
+
+#include <stdexcept>
+#include <string>
+
+#include <c10/util/StringUtil.h>
+
+namespace acs {
+
+class UserError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// ACS_CHECK(cond, "hook point ", name, " must ..., got ", x): throws acs::UserError.
+#define ACS_CHECK(cond, ...)                                   \
+  do {                                                         \
+    if (!(cond)) {                                             \
+      throw ::acs::UserError(::c10::str(__VA_ARGS__));         \
+    }                                                          \
+  } while (0)
+
+}  // namespace acs

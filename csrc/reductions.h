@@ -1,0 +1,63 @@
+// Online reductions: interface used by the capture sink (pure ATen, no Python).
+//
+// A reduction sees the rows of one hook point, batch after batch, and keeps a small state
+// (float64 accumulators for the built-in statistics). States of the same reduction kind
+// merge (workers, ranks, resumed runs), so every built-in is a mergeable monoid.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace acs {
+
+using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
+
+// Options of a reduction; keys depend on the kind (documented in reductions.cpp /
+// activationscope/reductions.py): e.g. "per_feature" (0/1), "bins", "lo", "hi", "k".
+using ReductionOptions = std::map<std::string, double>;
+
+class Reduction {
+ public:
+  virtual ~Reduction() = default;
+
+  // rows: (n_rows, *feature_shape), any dtype, any device. Called without the GIL,
+  // from one thread at a time. row_offset: global row index of rows[0] (top-k row ids).
+  virtual void update(const at::Tensor& rows, int64_t row_offset) = 0;
+
+  // Fold another reduction of the same kind and options into this one (Chan et al. for
+  // moments). Throws c10::Error (TORCH_CHECK) when kinds or options differ.
+  virtual void merge(const Reduction& other) = 0;
+
+  // Final values, e.g. {"mean": (d,), ...}; float64 unless documented otherwise.
+  virtual NamedTensors result() const = 0;
+
+  // Complete state, enough to merge later or to resume (load_state(state()) is identity).
+  virtual NamedTensors state() const = 0;
+  virtual void load_state(const NamedTensors& state) = 0;
+
+  // A new, empty reduction with the same kind and options.
+  virtual std::shared_ptr<Reduction> fresh() const = 0;
+
+  // The kind ("mean", "var", ..., "script") and the options it was made with.
+  virtual std::string kind() const = 0;
+  virtual ReductionOptions options() const = 0;
+};
+
+// Built-in reductions by kind; TORCH_CHECK fails with the list of kinds on an unknown one.
+std::shared_ptr<Reduction> make_builtin_reduction(const std::string& kind,
+                                                  const ReductionOptions& options);
+
+// Custom reduction from a TorchScript file (`torch.jit.save` of a scripted function or
+// module with signature (acc: Optional[Tensor], x: Tensor) -> Tensor), run from C++.
+std::shared_ptr<Reduction> make_script_reduction(const std::string& pt_path,
+                                                 const ReductionOptions& options);
+
+// Names of the built-in kinds, for error messages and the Python side.
+std::vector<std::string> builtin_reduction_kinds();
+
+}  // namespace acs

@@ -1,0 +1,2 @@
+// The shard writer is implemented here.
+#include "shard_writer.h"

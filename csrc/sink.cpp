@@ -1,0 +1,202 @@
+#include "sink.h"
+
+#include <ATen/core/grad_mode.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <c10/util/irange.h>
+#include <sys/mman.h>
+
+#include "errors.h"
+
+namespace acs {
+
+namespace {
+
+constexpr int64_t kAlign = 64;
+constexpr int64_t kHugePage = 2 << 20;
+
+std::string shape_str(at::IntArrayRef s) {
+  std::string out = "(";
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (i) out += ", ";
+    out += std::to_string(s[i]);
+  }
+  if (s.size() == 1) out += ",";
+  return out + ")";
+}
+
+}  // namespace
+
+at::Tensor Arena::empty(at::IntArrayRef sizes, at::ScalarType dtype) {
+  const int64_t item = static_cast<int64_t>(c10::elementSize(dtype));
+  const int64_t nbytes = c10::multiply_integers(sizes) * item;
+  if (nbytes * 4 > slab_bytes_) {
+    return at::empty(sizes, at::TensorOptions().dtype(dtype));
+  }
+  const int64_t aligned = (nbytes + kAlign - 1) / kAlign * kAlign;
+  if (!slab_ || used_ + aligned > capacity_) {
+    at::Tensor s = at::empty({slab_bytes_}, at::TensorOptions().dtype(at::kByte));
+    auto base = reinterpret_cast<uintptr_t>(s.data_ptr());
+    uintptr_t start = (base + kHugePage - 1) / kHugePage * kHugePage;
+    uintptr_t end = (base + slab_bytes_) / kHugePage * kHugePage;
+    if (end > start) {
+      madvise(reinterpret_cast<void*>(start), end - start, MADV_HUGEPAGE);
+    }
+    slab_ = s.storage();
+    used_ = 0;
+    capacity_ = slab_bytes_;
+    reserved_bytes_ += slab_bytes_;
+  }
+  auto t = at::detail::make_tensor<c10::TensorImpl>(
+      c10::Storage(slab_), c10::DispatchKeySet(c10::DispatchKey::CPU),
+      caffe2::TypeMeta::fromScalarType(dtype));
+  t.unsafeGetTensorImpl()->set_sizes_contiguous(sizes);
+  t.unsafeGetTensorImpl()->set_storage_offset(used_ / item);
+  used_ += aligned;
+  return t;
+}
+
+void Arena::reset() {
+  slab_ = c10::Storage();
+  used_ = capacity_ = 0;
+}
+
+Sink::Sink(std::string name, SinkOptions options, std::shared_ptr<Arena> arena)
+    : name_(std::move(name)), options_(options), arena_(std::move(arena)) {}
+
+at::Tensor Sink::snapshot(const at::Tensor& x) {
+  const at::ScalarType dtype = options_.storage_dtype.value_or(x.scalar_type());
+  const bool on_device = !x.device().is_cpu();
+  if (on_device && options_.placement == Placement::GPU) {
+    at::Tensor dst = at::empty(x.sizes(), x.options().dtype(dtype));
+    dst.copy_(x);
+    return dst;
+  }
+  if (on_device) {
+    // Host staging: pinned memory, asynchronous copy ordered on the compute stream, so a
+    // later in-place op on that stream cannot overtake it.
+    at::Tensor dst = at::empty(x.sizes(), at::TensorOptions().dtype(dtype).pinned_memory(true));
+    dst.copy_(x, /*non_blocking=*/true);
+    c10::impl::VirtualGuardImpl impl(x.device().type());
+    auto ev = std::make_shared<c10::Event>(x.device().type());
+    ev->record(impl.getStream(x.device()));
+    pending_.push_back(std::move(ev));
+    return dst;
+  }
+  at::Tensor dst = (options_.keep == Keep::ALL && arena_) ? arena_->empty(x.sizes(), dtype)
+                                                           : at::empty(x.sizes(), at::TensorOptions().dtype(dtype));
+  dst.copy_(x);
+  return dst;
+}
+
+at::Tensor Sink::rows_of(const at::Tensor& x, const at::Tensor& token_mask) {
+  if (row_kind_ == 1) {
+    ACS_CHECK(token_mask.defined() && x.dim() >= 2 && x.size(0) == token_mask.size(0) &&
+                  x.size(1) == token_mask.size(1),
+              "hook point '", name_, "' stores token rows and needs an attention mask of shape ",
+              "(batch, pos) = the first two dims of its activation; got activation ",
+              shape_str(x.sizes()), " and mask ",
+              token_mask.defined() ? shape_str(token_mask.sizes()) : std::string("None"),
+              ". Pass attention_mask= to tracker.set_batch() for every batch.");
+    at::Tensor m = token_mask.device() == x.device() ? token_mask : token_mask.to(x.device());
+    return x.index({m});
+  }
+  if (x.dim() == 0) return x.reshape({1});
+  return x;
+}
+
+void Sink::consume(const at::Tensor& x_in, const at::Tensor& token_mask) {
+  at::AutoGradMode no_grad(false);
+  at::Tensor x = x_in.detach();
+  std::lock_guard<std::mutex> lock(mu_);
+  ++n_calls_;
+  if (x.dim() >= 1 && x.size(0) == 0) return;  // an empty batch is a no-op
+  if (row_kind_ < 0) {
+    row_kind_ = (token_mask.defined() && x.dim() >= 2 && x.size(0) == token_mask.size(0) &&
+                 x.size(1) == token_mask.size(1))
+                    ? 1
+                    : 0;
+  }
+  if (!seen_dtype_) seen_dtype_ = x.scalar_type();
+
+  const bool need_rows = writer_ || !reductions_.empty();
+  at::Tensor rows;
+  if (need_rows) {
+    rows = rows_of(x, token_mask);
+    auto feat = rows.sizes().slice(1);
+    if (n_rows_ == 0 && feature_shape_.empty()) {
+      feature_shape_.assign(feat.begin(), feat.end());
+    } else if (writer_) {
+      ACS_CHECK(at::IntArrayRef(feature_shape_) == feat, "hook point '", name_,
+                "' changed its feature shape from ", shape_str(feature_shape_), " to ",
+                shape_str(feat),
+                "; a store array needs one feature shape per hook point. For sequences of "
+                "varying length pass attention_mask= to tracker.set_batch() so rows are "
+                "tokens, or exclude this hook point.");
+    }
+  }
+
+  if (options_.keep != Keep::NONE && options_.placement != Placement::DISK) {
+    at::Tensor rec;
+    if (options_.snapshot) {
+      rec = snapshot(x);
+    } else {
+      rec = x;
+    }
+    if (options_.keep == Keep::LAST) {
+      records_.clear();
+      versions_.clear();
+      checked_ = 0;
+    }
+    if (!options_.snapshot) versions_.push_back(x._version());
+    records_.push_back(std::move(rec));
+  }
+
+  if (need_rows) {
+    for (auto& r : reductions_) r->update(rows, n_rows_);
+    if (writer_) {
+      if (!rows.device().is_cpu()) {
+        at::Tensor host = at::empty(rows.sizes(), rows.options().device(at::kCPU).pinned_memory(true));
+        host.copy_(rows, /*non_blocking=*/true);
+        c10::impl::VirtualGuardImpl impl(rows.device().type());
+        auto ev = std::make_shared<c10::Event>(rows.device().type());
+        ev->record(impl.getStream(rows.device()));
+        writer_->append(host, ev);
+      } else {
+        writer_->append(rows, nullptr);
+      }
+    }
+    n_rows_ += rows.size(0);
+  }
+}
+
+std::vector<at::Tensor> Sink::records() {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& ev : pending_) ev->synchronize();
+  pending_.clear();
+  return records_;
+}
+
+void Sink::clear_records() {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& ev : pending_) ev->synchronize();
+  pending_.clear();
+  records_.clear();
+  versions_.clear();
+  checked_ = 0;
+}
+
+bool Sink::reference_changed(bool all) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (warned_changed_ || options_.snapshot) return false;
+  const size_t start = all ? 0 : std::min(checked_, versions_.size());
+  checked_ = versions_.size();
+  for (size_t i = start; i < versions_.size() && i < records_.size(); ++i) {
+    if (records_[i]._version() != versions_[i]) {
+      warned_changed_ = true;
+      return true;
+    }
+  }
+  return false;
+}
+
+}  // namespace acs

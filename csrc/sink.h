@@ -1,0 +1,98 @@
+// The capture sink of one hook point: staging copy, in-memory records, reductions and the
+// hand-off to a store writer. Pure ATen; every method here runs without the GIL.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/core/Event.h>
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "reductions.h"
+#include "row_consumer.h"
+
+namespace acs {
+
+// Bump allocator over large slabs: one snapshot is a view into a slab, so capturing does
+// not pay one malloc + fresh page faults per tensor. Slabs ask for transparent huge pages.
+class Arena {
+ public:
+  explicit Arena(int64_t slab_bytes = 64 << 20) : slab_bytes_(slab_bytes) {}
+  // A contiguous, uninitialised CPU tensor of `sizes` and `dtype`, viewing arena memory.
+  at::Tensor empty(at::IntArrayRef sizes, at::ScalarType dtype);
+  void reset();  // drop the arena's own reference to the current slab
+  int64_t reserved_bytes() const { return reserved_bytes_; }
+
+ private:
+  int64_t slab_bytes_;
+  c10::Storage slab_;
+  int64_t used_ = 0;
+  int64_t capacity_ = 0;
+  int64_t reserved_bytes_ = 0;
+};
+
+enum class Keep : int { ALL = 0, LAST = 1, NONE = 2 };
+enum class Placement : int { AUTO = 0, CPU = 1, GPU = 2, DISK = 3 };
+
+struct SinkOptions {
+  bool snapshot = true;            // SNAPSHOT (copy now) vs REFERENCE (keep the tensor)
+  Keep keep = Keep::ALL;           // STORE_ALL / FINAL_ONLY / STREAMING
+  Placement placement = Placement::AUTO;
+  std::optional<at::ScalarType> storage_dtype;  // cast stored rows (e.g. to bfloat16)
+};
+
+class Sink {
+ public:
+  Sink(std::string name, SinkOptions options, std::shared_ptr<Arena> arena);
+
+  // Capture one activation. x: any shape / dtype / device / strides. token_mask: optional
+  // bool (batch, pos); when it matches x's first two dims, rows are the masked tokens
+  // (n_tokens, *x.shape[2:]), else rows are x's first dimension. Thread: no GIL needed.
+  void consume(const at::Tensor& x, const at::Tensor& token_mask);
+
+  const std::string& name() const { return name_; }
+  std::vector<at::Tensor> records();        // waits for pending device copies
+  void clear_records();
+  // REFERENCE mode: true once when a record kept by reference was changed in place after
+  // its capture (version counter moved). `all` rescans every record, else only new ones.
+  bool reference_changed(bool all);
+
+  void add_reduction(std::shared_ptr<Reduction> r) { reductions_.push_back(std::move(r)); }
+  const std::vector<std::shared_ptr<Reduction>>& reductions() const { return reductions_; }
+  void set_writer(std::shared_ptr<RowConsumer> w) { writer_ = std::move(w); }
+  bool has_writer() const { return writer_ != nullptr; }
+
+  int row_kind() const { return row_kind_; }  // -1 unknown, 0 sample rows, 1 token rows
+  int64_t n_rows() const { return n_rows_; }
+  int64_t n_calls() const { return n_calls_; }
+  std::vector<int64_t> feature_shape() const { return feature_shape_; }
+  std::optional<at::ScalarType> seen_dtype() const { return seen_dtype_; }
+  const SinkOptions& options() const { return options_; }
+
+ private:
+  at::Tensor snapshot(const at::Tensor& x);
+  at::Tensor rows_of(const at::Tensor& x, const at::Tensor& token_mask);
+
+  std::string name_;
+  SinkOptions options_;
+  std::shared_ptr<Arena> arena_;
+  std::mutex mu_;
+  std::vector<at::Tensor> records_;
+  std::vector<int64_t> versions_;  // REFERENCE: version counter at capture
+  std::vector<std::shared_ptr<c10::Event>> pending_;  // device copies in flight
+  std::vector<std::shared_ptr<Reduction>> reductions_;
+  std::shared_ptr<RowConsumer> writer_;
+  int row_kind_ = -1;
+  int64_t n_rows_ = 0;
+  int64_t n_calls_ = 0;
+  std::vector<int64_t> feature_shape_;
+  std::optional<at::ScalarType> seen_dtype_;
+  bool warned_changed_ = false;
+  size_t checked_ = 0;
+};
+
+}  // namespace acs

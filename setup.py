@@ -1,0 +1,34 @@
+"""Build the native extension ``activationscope._C`` against the installed torch.
+
+Build with ``pip install --no-build-isolation -e .`` so that the extension is compiled
+against exactly the torch in the environment (build isolation would fetch another one).
+"""
+
+import glob
+import os
+
+import torch
+from setuptools import setup
+from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
+extra_compile_args = {
+    "cxx": [
+        "-O3",
+        "-std=c++17",
+        "-fvisibility=hidden",
+        f'-DACS_TORCH_VERSION="{torch.__version__}"',
+    ]
+}
+
+setup(
+    ext_modules=[
+        CppExtension(
+            name="activationscope._C",
+            sources=sources,
+            include_dirs=[os.path.abspath("csrc")],
+            extra_compile_args=extra_compile_args,
+        )
+    ],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+)
