@@ -1,20 +1,743 @@
-// Placeholder: built-in reductions are implemented here.
+// Online reductions: the built-in statistics (pure ATen, float64 accumulators) and the
+// TorchScript runner for custom reductions.
+//
+// Every built-in keeps a flat state over F "columns": F = prod(feature_shape) in per-feature
+// mode (option per_feature=1, the default), F = 1 in whole-tensor mode (per_feature=0, every
+// value of the batch is one observation). A batch is first turned into a float64 matrix
+// (n, F) on the accumulators' device, then reduced to a batch state, which is folded into the
+// running state by the same `combine` that `merge` uses. Streaming and merging therefore share
+// one code path: the pairwise update of Chan, Golub & LeVeque (1979, 1983) for moments and
+// co-moments (Welford 1962 is its one-row special case), plain sums / extrema / top-k merges
+// for the rest. Accumulators are replaced, never modified in place, so the tensors returned by
+// state() and result() stay valid after further updates.
+//
+// Options (all numbers): per_feature (0/1, default 1) for every kind; ddof (default 0) for
+// var / std / cov; bins (default 64), lo, hi (required) for hist; k (default 10) for topk.
 #include "reductions.h"
+
+#include <torch/script.h>
+
+#include <algorithm>
+#include <cmath>
+#include <sstream>
 
 #include "errors.h"
 
 namespace acs {
 
-std::shared_ptr<Reduction> make_builtin_reduction(const std::string& kind, const ReductionOptions&) {
-  ACS_CHECK(false, "reduction kind '", kind, "' is not available yet");
+namespace {
+
+std::string shape_str(at::IntArrayRef s) {
+  std::ostringstream o;
+  o << "(";
+  for (size_t i = 0; i < s.size(); ++i) o << (i ? ", " : "") << s[i];
+  if (s.size() == 1) o << ",";
+  o << ")";
+  return o.str();
+}
+
+std::string options_str(const ReductionOptions& o) {
+  std::ostringstream s;
+  s << "{";
+  bool first = true;
+  for (const auto& kv : o) {
+    s << (first ? "" : ", ") << kv.first << ": " << kv.second;
+    first = false;
+  }
+  s << "}";
+  return s.str();
+}
+
+std::string join(const std::vector<std::string>& v) {
+  std::string out;
+  for (size_t i = 0; i < v.size(); ++i) out += (i ? ", " : "") + v[i];
+  return out;
+}
+
+const std::vector<std::string>& kinds() {
+  static const std::vector<std::string> k = {"mean", "var", "std", "min", "max", "absmax",
+                                             "l2", "nonzero", "hist", "cov", "topk"};
+  return k;
+}
+
+at::Tensor count_tensor(int64_t n) { return at::scalar_tensor(n, at::TensorOptions().dtype(at::kLong)); }
+
+// How a flat state / result tensor maps back to the feature shape.
+enum class Layout {
+  kFeat,       // (F,)          <-> feature_shape
+  kFeatTrail,  // (F, m)        <-> (*feature_shape, m)
+  kLeadFeat,   // (m, F)        <-> (m, *feature_shape)
+  kRaw,        // kept as is (e.g. the (D, D) co-moment matrix, histogram edges)
+};
+
+struct Slot {
+  std::string name;
+  at::Tensor t;
+  Layout layout;
+};
+using Slots = std::vector<Slot>;
+
+at::Tensor* find_slot(Slots& s, const std::string& name) {
+  for (auto& x : s)
+    if (x.name == name) return &x.t;
   return nullptr;
 }
 
-std::shared_ptr<Reduction> make_script_reduction(const std::string& path, const ReductionOptions&) {
-  ACS_CHECK(false, "script reductions are not available yet (", path, ")");
+std::shared_ptr<Reduction> make_builtin(const std::string& kind, const ReductionOptions& o);
+
+// ------------------------------------------------------------------ base of the built-ins
+class Builtin : public Reduction {
+ public:
+  Builtin(std::string kind, ReductionOptions opts, std::vector<std::string> allowed)
+      : kind_(std::move(kind)), opts_(std::move(opts)) {
+    allowed.push_back("per_feature");
+    for (const auto& kv : opts_) {
+      ACS_CHECK(std::find(allowed.begin(), allowed.end(), kv.first) != allowed.end(),
+                "reduction '", kind_, "' has no option '", kv.first, "'; its options are [",
+                join(allowed), "]");
+      ACS_CHECK(std::isfinite(kv.second), "option '", kv.first, "' of reduction '", kind_,
+                "' must be a finite number, got ", kv.second);
+    }
+    if (!opts_.count("per_feature")) opts_["per_feature"] = 1;
+    const double pf = opts_["per_feature"];
+    ACS_CHECK(pf == 0 || pf == 1, "option 'per_feature' of reduction '", kind_,
+              "' must be 0 or 1, got ", pf);
+    per_feature_ = pf == 1;
+  }
+
+  void update(const at::Tensor& rows_in, int64_t row_offset) override {
+    at::AutoGradMode no_grad(false);
+    ACS_CHECK(rows_in.defined(), "reduction '", kind_, "' got an undefined tensor");
+    ACS_CHECK(!rows_in.is_complex(), "reduction '", kind_,
+              "' needs real-valued rows, got dtype ", rows_in.scalar_type());
+    at::Tensor rows = rows_in.dim() == 0 ? rows_in.reshape({1}) : rows_in;
+    const int64_t n = rows.size(0);
+    if (n == 0) return;  // an empty batch is a no-op
+    at::Tensor x;
+    int64_t width = 1;  // values per row (whole-tensor mode: for row ids)
+    if (per_feature_) {
+      check_feature_shape(rows.sizes().slice(1));
+      if (!device_set_) set_device(rows.device());
+      x = rows.detach().to(device_, at::kDouble).reshape({n, -1});
+    } else {
+      if (rows.numel() == 0) return;
+      if (!device_set_) set_device(rows.device());
+      width = rows.numel() / n;
+      x = rows.detach().to(device_, at::kDouble).reshape({-1, 1});
+    }
+    Slots batch = batch_state(x, row_offset, width);
+    combine(x.size(0), batch);
+    count_ += x.size(0);
+  }
+
+  void merge(const Reduction& other_r) override {
+    at::AutoGradMode no_grad(false);
+    ACS_CHECK(other_r.kind() == kind(), "cannot merge a '", other_r.kind(),
+              "' reduction into a '", kind(), "' reduction; merge needs the same kind");
+    ACS_CHECK(other_r.options() == options(), "cannot merge '", kind_,
+              "' reductions with different options: ", options_str(options()), " vs ",
+              options_str(other_r.options()));
+    const auto* other = dynamic_cast<const Builtin*>(&other_r);
+    TORCH_CHECK(other != nullptr, "internal: reduction kind '", kind_, "' is not a built-in");
+    if (other->count_ == 0) return;
+    if (per_feature_) check_feature_shape(other->feat_);
+    if (!device_set_) set_device(other->device_);
+    Slots s = other->acc_;  // shallow copies; accumulators are never modified in place
+    for (auto& x : s)
+      if (x.t.device() != device_) x.t = x.t.to(device_);
+    const int64_t nb = other->count_;
+    combine(nb, s);
+    count_ += nb;
+  }
+
+  NamedTensors result() const override {
+    NamedTensors out;
+    if (count_ > 0) {
+      for (auto& s : result_slots()) out.emplace_back(s.name, unflatten(s.t, s.layout));
+    }
+    out.emplace_back("count", count_tensor(count_));
+    return out;
+  }
+
+  NamedTensors state() const override {
+    NamedTensors out{{"count", count_tensor(count_)}};
+    if (count_ > 0)
+      for (auto& s : acc_) out.emplace_back(s.name, unflatten(s.t, s.layout));
+    return out;
+  }
+
+  void load_state(const NamedTensors& st) override {
+    at::AutoGradMode no_grad(false);
+    std::map<std::string, at::Tensor> m(st.begin(), st.end());
+    auto it = m.find("count");
+    ACS_CHECK(it != m.end() && it->second.numel() == 1, "state of reduction '", kind_,
+              "' must have a one-element 'count' tensor");
+    const int64_t count = it->second.item<int64_t>();
+    ACS_CHECK(count >= 0, "state 'count' of reduction '", kind_, "' must be >= 0, got ", count);
+    reset();
+    if (count == 0) return;
+    Slots s = empty_slots();
+    std::vector<std::string> names;
+    for (auto& x : s) names.push_back(x.name);
+    bool have_feat = false;
+    std::vector<int64_t> feat;
+    for (auto& x : s) {
+      auto f = m.find(x.name);
+      ACS_CHECK(f != m.end() && f->second.defined(), "state of reduction '", kind_,
+                "' lacks '", x.name, "'; a state needs [count, ", join(names), "]");
+      at::Tensor t = f->second.detach();
+      std::vector<int64_t> tf;
+      at::IntArrayRef sz = t.sizes();
+      switch (x.layout) {
+        case Layout::kFeat: tf.assign(sz.begin(), sz.end()); break;
+        case Layout::kFeatTrail:
+          ACS_CHECK(t.dim() >= 1, "state '", x.name, "' must have at least one dimension");
+          tf.assign(sz.begin(), sz.end() - 1);
+          break;
+        case Layout::kLeadFeat:
+          ACS_CHECK(t.dim() >= 1, "state '", x.name, "' must have at least one dimension");
+          tf.assign(sz.begin() + 1, sz.end());
+          break;
+        case Layout::kRaw: break;
+      }
+      if (x.layout != Layout::kRaw) {
+        if (!have_feat) {
+          feat = tf;
+          have_feat = true;
+        } else {
+          ACS_CHECK(feat == tf, "state tensors of reduction '", kind_,
+                    "' disagree on the feature shape: ", shape_str(feat), " vs ", shape_str(tf));
+        }
+      }
+      x.t = t;
+    }
+    if (have_feat && !per_feature_)
+      ACS_CHECK(feat.empty(), "state of whole-tensor reduction '", kind_,
+                "' must hold scalars per slot, got feature shape ", shape_str(feat));
+    int64_t F = 1;
+    for (auto d : feat) F *= d;
+    set_device(s.front().t.device());
+    for (auto& x : s) {
+      at::Tensor t = x.t.to(device_);
+      switch (x.layout) {
+        case Layout::kFeat: t = t.reshape({F}); break;
+        case Layout::kFeatTrail: t = t.reshape({F, t.size(-1)}); break;
+        case Layout::kLeadFeat: t = t.reshape({t.size(0), F}); break;
+        case Layout::kRaw: break;
+      }
+      x.t = t.to(slot_dtype(x.name)).contiguous();
+    }
+    validate_loaded(s, F);
+    if (per_feature_) {
+      feat_ = feat;
+      has_feat_ = true;
+    }
+    acc_ = std::move(s);
+    count_ = count;
+  }
+
+  // options() holds the defaults too, so fresh() reproduces the same options exactly.
+  std::shared_ptr<Reduction> fresh() const override { return make_builtin(kind_, opts_); }
+  std::string kind() const override { return kind_; }
+  ReductionOptions options() const override { return opts_; }
+
+ protected:
+  // One batch x: (n, F) float64 -> batch state with the slots of empty_slots().
+  virtual Slots batch_state(const at::Tensor& x, int64_t row_offset, int64_t width) const = 0;
+  // Fold a state of nb observations into acc_ (acc_ may be empty when count_ == 0).
+  virtual void combine(int64_t nb, const Slots& b) = 0;
+  // Final values (count is added by the base).
+  virtual Slots result_slots() const = 0;
+  // Names and layouts of the state slots (tensors undefined).
+  virtual Slots empty_slots() const = 0;
+  virtual at::ScalarType slot_dtype(const std::string&) const { return at::kDouble; }
+  virtual void validate_loaded(const Slots&, int64_t) const {}
+
+  double opt(const std::string& k) const { return opts_.at(k); }
+
+  at::Tensor unflatten(const at::Tensor& t, Layout layout) const {
+    std::vector<int64_t> shape = per_feature_ ? feat_ : std::vector<int64_t>{};
+    switch (layout) {
+      case Layout::kFeat: return t.reshape(shape);
+      case Layout::kFeatTrail: shape.push_back(t.size(-1)); return t.reshape(shape);
+      case Layout::kLeadFeat: shape.insert(shape.begin(), t.size(0)); return t.reshape(shape);
+      case Layout::kRaw: return t;
+    }
+    return t;
+  }
+
+  const at::Tensor& get(const std::string& name) const {
+    for (auto& s : acc_)
+      if (s.name == name) return s.t;
+    TORCH_CHECK(false, "internal: no state slot '", name, "' in reduction '", kind_, "'");
+  }
+  static const at::Tensor& get(const Slots& slots, const std::string& name) {
+    for (auto& s : slots)
+      if (s.name == name) return s.t;
+    TORCH_CHECK(false, "internal: no slot '", name, "'");
+  }
+  void set(const std::string& name, at::Tensor t) {
+    at::Tensor* p = find_slot(acc_, name);
+    TORCH_CHECK(p != nullptr, "internal: no state slot '", name, "'");
+    *p = std::move(t);
+  }
+  // Start acc_ from a batch state (the first batch or the first merge).
+  bool adopt_if_empty(const Slots& b) {
+    if (count_ > 0) return false;
+    acc_ = b;
+    return true;
+  }
+
+  std::string kind_;
+  ReductionOptions opts_;
+  bool per_feature_ = true;
+  int64_t count_ = 0;  // observations per column (rows, or values in whole-tensor mode)
+  Slots acc_;
+  std::vector<int64_t> feat_;
+  bool has_feat_ = false;
+  at::Device device_{at::kCPU};
+  bool device_set_ = false;
+
+ private:
+  void set_device(const at::Device& d) {
+    device_ = d;
+    device_set_ = true;
+  }
+  void reset() {
+    count_ = 0;
+    acc_.clear();
+    feat_.clear();
+    has_feat_ = false;
+    device_set_ = false;
+  }
+  void check_feature_shape(at::IntArrayRef feat) {
+    if (!has_feat_) {
+      feat_.assign(feat.begin(), feat.end());
+      has_feat_ = true;
+      return;
+    }
+    ACS_CHECK(feat == at::IntArrayRef(feat_), "reduction '", kind_,
+              "' (per_feature=1) got rows with feature shape ", shape_str(feat),
+              " after ", shape_str(feat_),
+              "; per-feature statistics need one feature shape (use per_feature=0 for a "
+              "whole-tensor statistic)");
+  }
+};
+
+// ------------------------------------------------------------------ mean / var / std
+// Moments: count, mean (F), m2 (F) = sum of squared deviations from the mean. A batch is
+// reduced two-pass (mean, then centred squares, in float64) and folded in with
+//   delta = mean_b - mean_a,  mean = mean_a + delta * nb / n,
+//   m2 = m2_a + m2_b + delta^2 * na * nb / n                 (Chan, Golub & LeVeque 1979).
+class Moments : public Builtin {
+ public:
+  Moments(std::string kind, ReductionOptions o, bool with_m2)
+      : Builtin(std::move(kind), std::move(o), with_m2 ? std::vector<std::string>{"ddof"}
+                                                        : std::vector<std::string>{}),
+        with_m2_(with_m2) {
+    if (with_m2_ && !opts_.count("ddof")) opts_["ddof"] = 0;
+    if (with_m2_)
+      ACS_CHECK(opt("ddof") >= 0 && opt("ddof") == std::floor(opt("ddof")), "option 'ddof' of reduction '",
+                kind_, "' must be a non-negative integer, got ", opt("ddof"));
+  }
+
+ protected:
+  Slots empty_slots() const override {
+    Slots s{{"mean", {}, Layout::kFeat}};
+    if (with_m2_) s.push_back({"m2", {}, Layout::kFeat});
+    return s;
+  }
+  Slots batch_state(const at::Tensor& x, int64_t, int64_t) const override {
+    at::Tensor mean = x.mean(0);
+    Slots s{{"mean", mean, Layout::kFeat}};
+    if (with_m2_) s.push_back({"m2", (x - mean).square().sum(0), Layout::kFeat});
+    return s;
+  }
+  void combine(int64_t nb, const Slots& b) override {
+    if (adopt_if_empty(b)) return;
+    const double na = static_cast<double>(count_), n = na + static_cast<double>(nb);
+    const at::Tensor& ma = get("mean");
+    at::Tensor delta = get(b, "mean") - ma;
+    set("mean", ma + delta * (static_cast<double>(nb) / n));
+    if (with_m2_)
+      set("m2", get("m2") + get(b, "m2") + delta.square() * (na * static_cast<double>(nb) / n));
+  }
+  Slots result_slots() const override {
+    Slots s{{"mean", get("mean"), Layout::kFeat}};
+    if (with_m2_) {
+      const double denom = static_cast<double>(count_) - opt("ddof");
+      at::Tensor var = denom > 0 ? get("m2") / denom : at::full_like(get("m2"), NAN);
+      if (kind_ == "std")
+        s.push_back({"std", var.sqrt(), Layout::kFeat});
+      else
+        s.push_back({"var", var, Layout::kFeat});
+    }
+    return s;
+  }
+
+ private:
+  bool with_m2_;
+};
+
+// ------------------------------------------------------------------ min / max / absmax
+class Extremum : public Builtin {
+ public:
+  Extremum(std::string kind, ReductionOptions o) : Builtin(std::move(kind), std::move(o), {}) {}
+
+ protected:
+  Slots empty_slots() const override { return {{"value", {}, Layout::kFeat}}; }
+  Slots batch_state(const at::Tensor& x, int64_t, int64_t) const override {
+    at::Tensor v;
+    if (kind_ == "min")
+      v = x.amin(0);
+    else if (kind_ == "max")
+      v = x.amax(0);
+    else
+      v = x.abs().amax(0);
+    return {{"value", v, Layout::kFeat}};
+  }
+  void combine(int64_t, const Slots& b) override {
+    if (adopt_if_empty(b)) return;
+    // at::minimum / at::maximum propagate NaN, like torch.amin / amax.
+    set("value", kind_ == "min" ? at::minimum(get("value"), get(b, "value"))
+                                : at::maximum(get("value"), get(b, "value")));
+  }
+  Slots result_slots() const override { return {{kind_, get("value"), Layout::kFeat}}; }
+};
+
+// ------------------------------------------------------------------ l2
+class L2 : public Builtin {
+ public:
+  explicit L2(ReductionOptions o) : Builtin("l2", std::move(o), {}) {}
+
+ protected:
+  Slots empty_slots() const override { return {{"sumsq", {}, Layout::kFeat}}; }
+  Slots batch_state(const at::Tensor& x, int64_t, int64_t) const override {
+    return {{"sumsq", x.square().sum(0), Layout::kFeat}};
+  }
+  void combine(int64_t, const Slots& b) override {
+    if (adopt_if_empty(b)) return;
+    set("sumsq", get("sumsq") + get(b, "sumsq"));
+  }
+  Slots result_slots() const override { return {{"l2", get("sumsq").sqrt(), Layout::kFeat}}; }
+};
+
+// ------------------------------------------------------------------ nonzero
+// Fraction of values != 0 (NaN counts as non-zero, as in torch.count_nonzero).
+class NonZero : public Builtin {
+ public:
+  explicit NonZero(ReductionOptions o) : Builtin("nonzero", std::move(o), {}) {}
+
+ protected:
+  Slots empty_slots() const override { return {{"n_nonzero", {}, Layout::kFeat}}; }
+  at::ScalarType slot_dtype(const std::string&) const override { return at::kLong; }
+  Slots batch_state(const at::Tensor& x, int64_t, int64_t) const override {
+    return {{"n_nonzero", x.ne(0).sum(0, false, at::kLong), Layout::kFeat}};
+  }
+  void combine(int64_t, const Slots& b) override {
+    if (adopt_if_empty(b)) return;
+    set("n_nonzero", get("n_nonzero") + get(b, "n_nonzero"));
+  }
+  Slots result_slots() const override {
+    return {{"nonzero", get("n_nonzero").to(at::kDouble) / static_cast<double>(count_), Layout::kFeat}};
+  }
+};
+
+// ------------------------------------------------------------------ hist
+// Fixed bins over [lo, hi]: bin i holds lo + i*w <= x < lo + (i+1)*w, w = (hi - lo) / bins,
+// and x == hi falls in the last bin (as torch.histc). x < lo and x > hi are counted in
+// underflow / overflow, NaN in nan; +-inf are under/overflow.
+class Hist : public Builtin {
+ public:
+  explicit Hist(ReductionOptions o) : Builtin("hist", std::move(o), {"bins", "lo", "hi"}) {
+    if (!opts_.count("bins")) opts_["bins"] = 64;
+    ACS_CHECK(opts_.count("lo") && opts_.count("hi"),
+              "reduction 'hist' needs options 'lo' and 'hi' (the histogram range), got ",
+              options_str(opts_));
+    const double b = opt("bins");
+    ACS_CHECK(b >= 1 && b == std::floor(b) && b <= (1 << 24),
+              "option 'bins' of reduction 'hist' must be an integer in [1, 2**24], got ", b);
+    ACS_CHECK(opt("lo") < opt("hi"), "options of reduction 'hist' must satisfy lo < hi, got lo=",
+              opt("lo"), " hi=", opt("hi"));
+    bins_ = static_cast<int64_t>(b);
+  }
+
+ protected:
+  Slots empty_slots() const override {
+    return {{"counts", {}, Layout::kFeatTrail},
+            {"underflow", {}, Layout::kFeat},
+            {"overflow", {}, Layout::kFeat},
+            {"nan", {}, Layout::kFeat}};
+  }
+  at::ScalarType slot_dtype(const std::string&) const override { return at::kLong; }
+  void validate_loaded(const Slots& s, int64_t) const override {
+    ACS_CHECK(get(s, "counts").size(-1) == bins_, "state 'counts' of reduction 'hist' must have ",
+              bins_, " bins in its last dimension, got ", get(s, "counts").size(-1));
+  }
+  Slots batch_state(const at::Tensor& x, int64_t, int64_t) const override {
+    const double lo = opt("lo"), hi = opt("hi");
+    const int64_t F = x.size(1);
+    at::Tensor nan = x.isnan();
+    at::Tensor under = x.lt(lo), over = x.gt(hi);
+    at::Tensor in = nan.logical_or(under).logical_or(over).logical_not();
+    at::Tensor idx = ((x - lo) * (static_cast<double>(bins_) / (hi - lo))).floor();
+    idx = idx.clamp(0, static_cast<double>(bins_ - 1)).to(at::kLong);
+    at::Tensor col = at::arange(F, x.options().dtype(at::kLong)).unsqueeze(0).expand_as(idx);
+    at::Tensor flat = (col * bins_ + idx).masked_select(in);
+    at::Tensor counts = at::bincount(flat, {}, F * bins_).to(at::kLong).reshape({F, bins_});
+    return {{"counts", counts, Layout::kFeatTrail},
+            {"underflow", under.sum(0, false, at::kLong), Layout::kFeat},
+            {"overflow", over.sum(0, false, at::kLong), Layout::kFeat},
+            {"nan", nan.sum(0, false, at::kLong), Layout::kFeat}};
+  }
+  void combine(int64_t, const Slots& b) override {
+    if (adopt_if_empty(b)) return;
+    for (const char* k : {"counts", "underflow", "overflow", "nan"}) set(k, get(k) + get(b, k));
+  }
+  Slots result_slots() const override {
+    at::Tensor edges = at::linspace(opt("lo"), opt("hi"), bins_ + 1,
+                                    at::TensorOptions().dtype(at::kDouble).device(device_));
+    return {{"counts", get("counts"), Layout::kFeatTrail},
+            {"edges", edges, Layout::kRaw},
+            {"underflow", get("underflow"), Layout::kFeat},
+            {"overflow", get("overflow"), Layout::kFeat},
+            {"nan", get("nan"), Layout::kFeat}};
+  }
+
+ private:
+  int64_t bins_ = 64;
+};
+
+// ------------------------------------------------------------------ cov
+// Covariance over the flattened features: count, mean (D), comoment (D, D) = sum of outer
+// products of deviations. Batch: C_b = (x - mean_b)^T (x - mean_b); merge:
+//   C = C_a + C_b + outer(delta, delta) * na * nb / n      (Chan, Golub & LeVeque 1979).
+class Cov : public Builtin {
+ public:
+  explicit Cov(ReductionOptions o) : Builtin("cov", std::move(o), {"ddof"}) {
+    if (!opts_.count("ddof")) opts_["ddof"] = 0;
+    ACS_CHECK(opt("ddof") >= 0 && opt("ddof") == std::floor(opt("ddof")),
+              "option 'ddof' of reduction 'cov' must be a non-negative integer, got ", opt("ddof"));
+  }
+
+ protected:
+  Slots empty_slots() const override {
+    return {{"mean", {}, Layout::kFeat}, {"comoment", {}, Layout::kRaw}};
+  }
+  void validate_loaded(const Slots& s, int64_t F) const override {
+    const at::Tensor& c = get(s, "comoment");
+    ACS_CHECK(c.dim() == 2 && c.size(0) == F && c.size(1) == F,
+              "state 'comoment' of reduction 'cov' must be (", F, ", ", F, "), got ",
+              shape_str(c.sizes()));
+  }
+  Slots batch_state(const at::Tensor& x, int64_t, int64_t) const override {
+    at::Tensor mean = x.mean(0);
+    at::Tensor xc = x - mean;
+    return {{"mean", mean, Layout::kFeat}, {"comoment", at::mm(xc.t(), xc), Layout::kRaw}};
+  }
+  void combine(int64_t nb, const Slots& b) override {
+    if (adopt_if_empty(b)) return;
+    const double na = static_cast<double>(count_), n = na + static_cast<double>(nb);
+    const at::Tensor& ma = get("mean");
+    at::Tensor delta = get(b, "mean") - ma;
+    set("comoment", get("comoment") + get(b, "comoment") +
+                        at::outer(delta, delta) * (na * static_cast<double>(nb) / n));
+    set("mean", ma + delta * (static_cast<double>(nb) / n));
+  }
+  Slots result_slots() const override {
+    const double denom = static_cast<double>(count_) - opt("ddof");
+    const at::Tensor& c = get("comoment");
+    return {{"mean", get("mean"), Layout::kFeat},
+            {"cov", denom > 0 ? c / denom : at::full_like(c, NAN), Layout::kRaw}};
+  }
+};
+
+// ------------------------------------------------------------------ topk
+// Per column, the k largest values (descending; NaN ranks above everything, as in
+// torch.topk) with their global row ids. Whole-tensor mode also keeps the flat feature index
+// of each value within its row.
+class TopK : public Builtin {
+ public:
+  explicit TopK(ReductionOptions o) : Builtin("topk", std::move(o), {"k"}) {
+    if (!opts_.count("k")) opts_["k"] = 10;
+    ACS_CHECK(opt("k") >= 1 && opt("k") == std::floor(opt("k")) && opt("k") <= (1 << 24),
+              "option 'k' of reduction 'topk' must be a positive integer, got ", opt("k"));
+    k_ = static_cast<int64_t>(opt("k"));
+  }
+
+ protected:
+  Slots empty_slots() const override {
+    Slots s{{"values", {}, Layout::kLeadFeat}, {"row_ids", {}, Layout::kLeadFeat}};
+    if (!per_feature_) s.push_back({"feature_ids", {}, Layout::kLeadFeat});
+    return s;
+  }
+  at::ScalarType slot_dtype(const std::string& name) const override {
+    return name == "values" ? at::kDouble : at::kLong;
+  }
+  void validate_loaded(const Slots& s, int64_t) const override {
+    const auto& v = get(s, "values");
+    for (auto& x : s)
+      ACS_CHECK(x.t.sizes() == v.sizes(), "state '", x.name, "' of reduction 'topk' must have the shape of 'values' ",
+                shape_str(v.sizes()), ", got ", shape_str(x.t.sizes()));
+  }
+  Slots batch_state(const at::Tensor& x, int64_t row_offset, int64_t width) const override {
+    const int64_t n = x.size(0), k = std::min(k_, n);
+    auto top = at::topk(x, k, 0, /*largest=*/true, /*sorted=*/true);
+    at::Tensor v = std::get<0>(top), local = std::get<1>(top);
+    if (per_feature_) return {{"values", v, Layout::kLeadFeat}, {"row_ids", local + row_offset, Layout::kLeadFeat}};
+    return {{"values", v, Layout::kLeadFeat},
+            {"row_ids", at::floor_divide(local, width) + row_offset, Layout::kLeadFeat},
+            {"feature_ids", at::remainder(local, width), Layout::kLeadFeat}};
+  }
+  void combine(int64_t, const Slots& b) override {
+    if (adopt_if_empty(b)) return;
+    at::Tensor v = at::cat({get("values"), get(b, "values")}, 0);
+    const int64_t k = std::min(k_, v.size(0));
+    auto top = at::topk(v, k, 0, true, true);
+    at::Tensor idx = std::get<1>(top);
+    set("values", std::get<0>(top));
+    for (const char* name : {"row_ids", "feature_ids"}) {
+      if (!find_slot(acc_, name)) continue;
+      set(name, at::cat({get(name), get(b, name)}, 0).gather(0, idx));
+    }
+  }
+  Slots result_slots() const override {
+    Slots s{{"values", get("values"), Layout::kLeadFeat}, {"row_ids", get("row_ids"), Layout::kLeadFeat}};
+    if (!per_feature_) s.push_back({"feature_ids", get("feature_ids"), Layout::kLeadFeat});
+    return s;
+  }
+
+ private:
+  int64_t k_ = 10;
+};
+
+// ------------------------------------------------------------------ TorchScript reductions
+// acc = fn(acc, x) per batch, run from C++ (no Python, no GIL). x is passed as given (dtype,
+// device); acc starts as None unless load_state({"acc": t}) pre-seeded it. A module that also
+// defines merge(a: Tensor, b: Tensor) -> Tensor can be merged.
+class ScriptReduction : public Reduction {
+ public:
+  ScriptReduction(std::string path, ReductionOptions opts, std::shared_ptr<torch::jit::Module> m)
+      : path_(std::move(path)), opts_(std::move(opts)), module_(std::move(m)) {
+    auto fwd = module_->find_method("forward");
+    ACS_CHECK(fwd.has_value(), "custom reduction '", path_,
+              "' has no forward; save a scripted function or a module whose forward is "
+              "(acc: Optional[Tensor], x: Tensor) -> Tensor");
+    const auto& schema = fwd->function().getSchema();
+    const auto& args = schema.arguments();  // self, acc, x
+    ACS_CHECK(args.size() == 3, "custom reduction '", path_, "' must take exactly two arguments ",
+              "(acc: Optional[Tensor], x: Tensor) -> Tensor, got ", schema);
+    acc_optional_ = args[1].type()->kind() == c10::TypeKind::OptionalType;
+    has_merge_ = module_->find_method("merge").has_value();
+  }
+
+  void update(const at::Tensor& rows, int64_t) override {
+    at::AutoGradMode no_grad(false);
+    if (rows.dim() >= 1 && rows.size(0) == 0) return;  // an empty batch is a no-op
+    ACS_CHECK(acc_.defined() || acc_optional_, "custom reduction '", path_,
+              "' declares acc as Tensor, so it cannot start from None: annotate it "
+              "acc: Optional[Tensor] or pre-seed the accumulator (init=...)");
+    std::vector<c10::IValue> in;
+    in.emplace_back(acc_.defined() ? c10::IValue(acc_) : c10::IValue());
+    in.emplace_back(rows.detach());
+    c10::IValue out;
+    try {
+      out = module_->forward(std::move(in));
+    } catch (const std::exception& e) {
+      ACS_CHECK(false, "custom reduction '", path_, "' failed on rows of shape ",
+                shape_str(rows.sizes()), " (", rows.scalar_type(), "): ", e.what());
+    }
+    ACS_CHECK(out.isTensor(), "custom reduction '", path_, "' must return a Tensor, got ",
+              out.tagKind());
+    acc_ = out.toTensor().detach();
+  }
+
+  void merge(const Reduction& other_r) override {
+    at::AutoGradMode no_grad(false);
+    const auto* other = dynamic_cast<const ScriptReduction*>(&other_r);
+    ACS_CHECK(other != nullptr, "cannot merge a '", other_r.kind(),
+              "' reduction into a custom ('script') reduction");
+    ACS_CHECK(other->path_ == path_, "cannot merge custom reductions from different files: '",
+              path_, "' and '", other->path_, "'");
+    ACS_CHECK(has_merge_, "custom reduction '", path_,
+              "' cannot merge: a plain function has no merge rule. Register it as a scripted "
+              "module with forward(acc, x) and merge(a: Tensor, b: Tensor) -> Tensor methods, "
+              "or merge the states yourself");
+    at::Tensor b = other->acc_;
+    if (!b.defined()) return;
+    if (!acc_.defined()) {
+      acc_ = b;
+      return;
+    }
+    c10::IValue out = module_->get_method("merge")({acc_, b});
+    ACS_CHECK(out.isTensor(), "merge of custom reduction '", path_, "' must return a Tensor");
+    acc_ = out.toTensor().detach();
+  }
+
+  NamedTensors result() const override {
+    if (!acc_.defined()) return {};
+    return {{"value", acc_}};
+  }
+  NamedTensors state() const override {
+    if (!acc_.defined()) return {};
+    return {{"acc", acc_}};
+  }
+  void load_state(const NamedTensors& st) override {
+    at::Tensor a;
+    for (const auto& kv : st) {
+      ACS_CHECK(kv.first == "acc", "state of custom reduction '", path_,
+                "' has only the key 'acc', got '", kv.first, "'");
+      a = kv.second;
+    }
+    acc_ = a.defined() ? a.detach() : a;
+  }
+  std::shared_ptr<Reduction> fresh() const override {
+    return std::make_shared<ScriptReduction>(path_, opts_, module_);
+  }
+  std::string kind() const override { return "script"; }
+  ReductionOptions options() const override { return opts_; }
+
+ private:
+  std::string path_;
+  ReductionOptions opts_;
+  std::shared_ptr<torch::jit::Module> module_;  // shared by fresh() copies; forward is const
+  bool acc_optional_ = true;
+  bool has_merge_ = false;
+  at::Tensor acc_;
+};
+
+std::shared_ptr<Reduction> make_builtin(const std::string& kind, const ReductionOptions& o) {
+  if (kind == "mean") return std::make_shared<Moments>("mean", o, false);
+  if (kind == "var") return std::make_shared<Moments>("var", o, true);
+  if (kind == "std") return std::make_shared<Moments>("std", o, true);
+  if (kind == "min" || kind == "max" || kind == "absmax") return std::make_shared<Extremum>(kind, o);
+  if (kind == "l2") return std::make_shared<L2>(o);
+  if (kind == "nonzero") return std::make_shared<NonZero>(o);
+  if (kind == "hist") return std::make_shared<Hist>(o);
+  if (kind == "cov") return std::make_shared<Cov>(o);
+  if (kind == "topk") return std::make_shared<TopK>(o);
   return nullptr;
 }
 
-std::vector<std::string> builtin_reduction_kinds() { return {}; }
+}  // namespace
+
+std::shared_ptr<Reduction> make_builtin_reduction(const std::string& kind, const ReductionOptions& options) {
+  auto r = make_builtin(kind, options);
+  ACS_CHECK(r != nullptr, "reduction kind must be one of [", join(kinds()), "], got '", kind, "'");
+  return r;
+}
+
+std::shared_ptr<Reduction> make_script_reduction(const std::string& path, const ReductionOptions& options) {
+  std::shared_ptr<torch::jit::Module> m;
+  try {
+    m = std::make_shared<torch::jit::Module>(torch::jit::load(path));
+  } catch (const std::exception& e) {
+    ACS_CHECK(false, "custom reduction file '", path, "' could not be loaded as TorchScript: ", e.what());
+  }
+  m->eval();
+  return std::make_shared<ScriptReduction>(path, options, std::move(m));
+}
+
+std::vector<std::string> builtin_reduction_kinds() { return kinds(); }
 
 }  // namespace acs
