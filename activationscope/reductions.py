@@ -1,0 +1,628 @@
+"""Online reductions: built-in streaming statistics and custom TorchScript reductions.
+
+A reduction sees the rows of one hook point batch after batch and keeps a small state. The
+built-ins run in C++ (``activationscope._C``) with float64 accumulators on the rows' device;
+every one of them is mergeable (workers, ranks, resumed runs) so that streaming any split of
+the rows, in any order, gives the one-shot result up to float64 round-off.
+
+Moments (``mean``, ``var``, ``std``, ``cov``) use the pairwise update of Chan, Golub & LeVeque
+[2]_ [3]_: each batch is reduced two-pass in float64, then folded in with
+``delta = mean_b - mean_a``, ``m2 = m2_a + m2_b + delta**2 * n_a * n_b / n``, of which
+Welford's one-pass update [1]_ is the one-row special case.
+
+Custom reductions follow the contract ``(acc: Optional[Tensor], x: Tensor) -> Tensor``: the
+function receives ``acc=None`` on the first batch (unless pre-seeded with ``init=``) and the
+rows ``x`` of each batch, and returns the new accumulator. Functions are compiled with
+TorchScript, saved to a ``.pt`` file and run from C++ with no Python per batch; when
+TorchScript cannot compile one, an :class:`EagerReduction` runs the Python function per batch
+instead, after one :class:`EagerFallbackWarning`.
+
+References
+----------
+.. [1] B. P. Welford, "Note on a method for calculating corrected sums of squares and
+   products", Technometrics 4(3), 1962.
+.. [2] T. F. Chan, G. H. Golub, R. J. LeVeque, "Updating formulae and a pairwise algorithm
+   for computing sample variances", Stanford CS report STAN-CS-79-773, 1979.
+.. [3] T. F. Chan, G. H. Golub, R. J. LeVeque, "Algorithms for computing the sample variance:
+   analysis and recommendations", The American Statistician 37(3), 1983.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import difflib
+import fnmatch
+import inspect
+import os
+import shutil
+import tempfile
+import threading
+import uuid
+import warnings
+import weakref
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+
+from activationscope import _C
+from activationscope.errors import ActivationScopeError, ReductionError
+
+__all__ = [
+    "BUILTIN_REDUCTIONS",
+    "CONTRACT",
+    "EagerFallbackWarning",
+    "EagerReduction",
+    "ReductionFactory",
+    "make_reduction",
+    "merge_states",
+    "pca",
+    "resolve_reductions",
+    "script_reduction",
+]
+
+#: Names of the built-in reductions (``make_reduction("var")`` ...).
+BUILTIN_REDUCTIONS: tuple[str, ...] = tuple(_C.builtin_reduction_kinds())
+
+#: The signature every custom reduction must have.
+CONTRACT = "(acc: Optional[Tensor], x: Tensor) -> Tensor"
+
+Reduction = _C.Reduction
+ReductionLike = Union["_C.Reduction", "EagerReduction"]
+
+
+class EagerFallbackWarning(UserWarning):
+    """A custom reduction could not be compiled with TorchScript and runs as Python."""
+
+
+# ---------------------------------------------------------------------------- TorchScript
+
+
+@contextlib.contextmanager
+def _quiet_jit():
+    """Silence torch's deprecation warnings about ``torch.jit`` (they must not reach users)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*(torch\.jit|TorchScript)", category=DeprecationWarning)
+        yield
+
+
+def _script_types() -> tuple[type, ...]:
+    jit = getattr(torch, "jit", None)
+    return tuple(t for t in (getattr(jit, "ScriptFunction", None), getattr(jit, "ScriptModule", None)) if t)
+
+
+def _is_scripted(obj: Any) -> bool:
+    types = _script_types()
+    return bool(types) and isinstance(obj, types)
+
+
+_lock = threading.Lock()
+_cache_dir: Optional[Path] = None
+# function or scripted object -> saved .pt path, or None when it runs eagerly (warned once)
+_compiled: "weakref.WeakKeyDictionary[Any, Optional[Path]]" = weakref.WeakKeyDictionary()
+
+
+def _scratch_dir() -> Path:
+    global _cache_dir
+    if _cache_dir is None:
+        _cache_dir = Path(tempfile.mkdtemp(prefix="activationscope-reductions-"))
+        atexit.register(shutil.rmtree, _cache_dir, True)
+    return _cache_dir
+
+
+def _fn_name(fn: Any) -> str:
+    if _is_scripted(fn):
+        name = getattr(fn, "original_name" if isinstance(fn, torch.nn.Module) else "name", None)
+    elif isinstance(fn, torch.nn.Module):
+        name = type(fn).__name__
+    else:
+        name = getattr(fn, "__name__", None)
+    return str(name or type(fn).__name__)
+
+
+def _check_signature(fn: Callable) -> None:
+    """Raise ReductionError unless ``fn`` takes exactly two positional parameters."""
+    target = fn.forward if isinstance(fn, torch.nn.Module) else fn
+    name = _fn_name(fn)
+    try:
+        sig = inspect.signature(target)
+    except (TypeError, ValueError) as e:
+        raise ReductionError(f"custom reduction {name!r} has no inspectable signature; it must be {CONTRACT}") from e
+    params = list(sig.parameters.values())
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    if len(params) != 2 or any(p.kind not in positional for p in params):
+        raise ReductionError(
+            f"custom reduction {name!r} must have the signature {CONTRACT}, got {name}{sig}; "
+            "it is called as fn(acc, x) with acc=None on the first batch"
+        )
+
+
+def _schema_acc_optional(scripted: Any) -> bool:
+    """Whether the scripted forward accepts ``acc=None``."""
+    try:
+        schema = scripted.forward.schema if isinstance(scripted, torch.nn.Module) else scripted.schema
+        args = [a for a in schema.arguments if a.name != "self"]
+        if len(args) != 2:
+            raise ReductionError(
+                f"custom reduction {_fn_name(scripted)!r} must have the signature {CONTRACT}, got {schema}"
+            )
+        return isinstance(args[0].type, torch.OptionalType)
+    except AttributeError:  # no schema to look at; the native side checks again
+        return True
+
+
+def _save_scripted(scripted: Any, path: Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _quiet_jit():
+        torch.jit.save(scripted, str(path))
+    return path
+
+
+def _compile(fn: Callable, *, strict: bool) -> Optional[Any]:
+    """torch.jit.script ``fn``; None (or ReductionError when strict) if TorchScript fails."""
+    try:
+        with _quiet_jit():
+            return torch.jit.script(fn)
+    except Exception as e:  # noqa: BLE001 - any TorchScript failure means "run eagerly"
+        if strict:
+            raise ReductionError(
+                f"custom reduction {_fn_name(fn)!r} cannot be compiled with TorchScript: {e}"
+            ) from e
+        warnings.warn(
+            f"custom reduction {_fn_name(fn)!r} could not be compiled with TorchScript "
+            f"({type(e).__name__}: {_first_line(e)}); "
+            "it will run as eager Python once per captured batch, holding the GIL. "
+            "Make it TorchScript-compatible to run it natively.",
+            EagerFallbackWarning,
+            stacklevel=4,
+        )
+        return None
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return lines[0].rstrip(":") if lines else ""
+
+
+def _pt_for(obj: Any) -> Optional[tuple[Path, bool]]:
+    """(cached .pt path, acc accepts None) of a function or scripted object; None if eager."""
+    with _lock:
+        with contextlib.suppress(TypeError):  # TypeError: not weak-referenceable, no caching
+            if obj in _compiled:
+                return _compiled[obj]
+        scripted = obj if _is_scripted(obj) else _compile(obj, strict=False)
+        entry = None
+        if scripted is not None:
+            optional = _schema_acc_optional(scripted)
+            path = _save_scripted(scripted, _scratch_dir() / f"{_fn_name(obj)}-{uuid.uuid4().hex[:12]}.pt")
+            entry = (path, optional)
+        with contextlib.suppress(TypeError):
+            _compiled[obj] = entry
+        return entry
+
+
+# ---------------------------------------------------------------------------- eager fallback
+
+
+class EagerReduction:
+    """A custom reduction run as Python, with the methods of a native ``Reduction``.
+
+    Used when TorchScript cannot compile the function (or is unavailable). Each ``update``
+    calls the Python function once, holding the GIL: correct, but slower than the native path.
+
+    Parameters
+    ----------
+    fn : callable
+        ``fn(acc: Optional[Tensor], x: Tensor) -> Tensor``.
+    options : dict[str, float], optional
+        Kept for :attr:`options` (same meaning as for native reductions).
+    """
+
+    kind = "eager"
+
+    def __init__(self, fn: Callable, options: Optional[Mapping[str, float]] = None):
+        self._fn = fn
+        self._options = dict(options or {})
+        self._acc: Optional[torch.Tensor] = None
+
+    @property
+    def options(self) -> dict[str, float]:
+        return dict(self._options)
+
+    def update(self, rows: torch.Tensor, row_offset: int = 0) -> None:
+        """Fold a batch ``rows : Tensor, (n_rows, *feature_shape), any dtype, any device``."""
+        if rows.dim() >= 1 and rows.shape[0] == 0:
+            return
+        with torch.no_grad():
+            out = self._fn(self._acc, rows.detach())
+        if not isinstance(out, torch.Tensor):
+            raise ReductionError(
+                f"custom reduction {_fn_name(self._fn)!r} must return a Tensor, got {type(out).__name__}"
+            )
+        self._acc = out.detach()
+
+    def merge(self, other: "EagerReduction") -> None:
+        raise ReductionError(
+            f"custom reduction {_fn_name(self._fn)!r} cannot merge: a plain function has no merge rule. "
+            "Script a torch.nn.Module with forward(acc, x) and merge(a, b) methods, or merge the states yourself"
+        )
+
+    def result(self) -> dict[str, torch.Tensor]:
+        return {} if self._acc is None else {"value": self._acc}
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {} if self._acc is None else {"acc": self._acc}
+
+    def load_state(self, state: Mapping[str, torch.Tensor]) -> None:
+        unknown = set(state) - {"acc"}
+        if unknown:
+            raise ReductionError(f"state of a custom reduction has only the key 'acc', got {sorted(unknown)}")
+        acc = state.get("acc")
+        self._acc = None if acc is None else acc.detach()
+
+    def fresh(self) -> "EagerReduction":
+        return EagerReduction(self._fn, self._options)
+
+    def __repr__(self) -> str:
+        return f"EagerReduction({_fn_name(self._fn)!r})"
+
+
+# ---------------------------------------------------------------------------- construction
+
+
+def _parse_options(options: Mapping[str, Any]) -> dict[str, float]:
+    out = {}
+    for k, v in options.items():
+        if isinstance(v, bool):
+            v = float(v)
+        if not isinstance(v, (int, float)):
+            raise ReductionError(f"reduction option {k!r} must be a number, got {v!r}")
+        out[str(k)] = float(v)
+    return out
+
+
+def _is_path_spec(spec: Any) -> bool:
+    if isinstance(spec, os.PathLike):
+        return True
+    return isinstance(spec, str) and (spec.endswith(".pt") or os.sep in spec or "/" in spec)
+
+
+def _unknown_builtin(spec: str) -> ReductionError:
+    close = difflib.get_close_matches(spec, BUILTIN_REDUCTIONS, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return ReductionError(
+        f"reduction must be one of {list(BUILTIN_REDUCTIONS)}, a function {CONTRACT}, "
+        f"a scripted function / module or a path to a .pt file; got {spec!r}{hint}"
+    )
+
+
+def _seed(r: ReductionLike, init: Any) -> ReductionLike:
+    if init is None:
+        return r
+    state = dict(init) if isinstance(init, Mapping) else {"acc": init}
+    for k, v in state.items():
+        if not isinstance(v, torch.Tensor):
+            raise ReductionError(f"initial state {k!r} must be a Tensor, got {type(v).__name__}")
+    try:
+        r.load_state(state)
+    except ActivationScopeError as e:
+        raise ReductionError(str(e)) from e
+    return r
+
+
+def _from_pt(path: Path, options: dict[str, float], name: str) -> "_C.Reduction":
+    try:
+        return _C.make_script_reduction(str(path), options)
+    except ActivationScopeError as e:
+        raise ReductionError(f"custom reduction {name!r}: {e}") from e
+
+
+def make_reduction(spec: Any, *, init: Any = None, **options: float) -> ReductionLike:
+    """Make one reduction from a built-in name, a function, a scripted object or a ``.pt`` path.
+
+    Parameters
+    ----------
+    spec : str | callable | torch.jit.ScriptFunction | torch.jit.ScriptModule | os.PathLike
+        A built-in name from :data:`BUILTIN_REDUCTIONS`; a Python function (or
+        ``nn.Module``) with the contract ``(acc: Optional[Tensor], x: Tensor) -> Tensor``,
+        compiled with TorchScript and run from C++; an already scripted function or module
+        (a module may also define ``merge(a: Tensor, b: Tensor) -> Tensor`` to be
+        mergeable); or the path of a ``.pt`` file saved by :func:`script_reduction` or
+        ``torch.jit.save``.
+    init : Tensor or dict[str, Tensor], optional
+        Initial accumulator of a custom reduction (``load_state({"acc": init})``), or any
+        reduction's state dict (resume from :meth:`state`).
+    **options : float
+        Options of the built-ins: ``per_feature`` (1: reduce over rows, result shape =
+        feature_shape; 0: every value is one observation, result is a scalar), ``ddof``
+        (``var``/``std``/``cov``, default 0: population statistics), ``bins``/``lo``/``hi``
+        (``hist``), ``k`` (``topk``, default 10). Custom reductions keep them as metadata.
+
+    Returns
+    -------
+    activationscope._C.Reduction or EagerReduction
+        An empty reduction (``update(rows, row_offset)``, ``merge``, ``result``, ``state``,
+        ``load_state``, ``fresh``, ``kind``, ``options``). :class:`EagerReduction` only when
+        TorchScript could not compile a Python function (one warning per function).
+
+    Raises
+    ------
+    ReductionError
+        Unknown name (the message lists the valid ones), wrong signature, bad option,
+        unreadable ``.pt``.
+
+    Example
+    -------
+    >>> r = make_reduction("var")
+    >>> r.update(torch.randn(128, 16))
+    >>> r.result()["var"].shape
+    torch.Size([16])
+    """
+    opts = _parse_options(options)
+    if isinstance(spec, str) and not _is_path_spec(spec):
+        if spec not in BUILTIN_REDUCTIONS:
+            raise _unknown_builtin(spec)
+        try:
+            r = _C.make_builtin_reduction(spec, opts)
+        except ActivationScopeError as e:
+            raise ReductionError(str(e)) from e
+        return _seed(r, init)
+    if _is_path_spec(spec):
+        path = Path(spec)
+        if not path.is_file():
+            raise ReductionError(f"custom reduction file {str(path)!r} does not exist")
+        return _seed(_from_pt(path, opts, path.stem), init)
+    if _is_scripted(spec) or callable(spec):
+        if not _is_scripted(spec):
+            _check_signature(spec)
+        entry = _pt_for(spec)
+        if entry is None:
+            return _seed(EagerReduction(spec, opts), init)
+        path, acc_optional = entry
+        if init is None and not acc_optional:
+            raise _needs_optional(spec)
+        return _seed(_from_pt(path, opts, _fn_name(spec)), init)
+    raise ReductionError(
+        f"reduction must be a built-in name {list(BUILTIN_REDUCTIONS)}, a function {CONTRACT}, "
+        f"a scripted function / module or a path to a .pt file; got {type(spec).__name__}"
+    )
+
+
+def _needs_optional(fn: Any) -> ReductionError:
+    return ReductionError(
+        f"custom reduction {_fn_name(fn)!r} must annotate its first parameter as "
+        f"Optional[torch.Tensor] ({CONTRACT}): TorchScript types an unannotated parameter as "
+        "Tensor, which cannot be None on the first batch. Annotate it, or pass init=<Tensor>"
+    )
+
+
+def script_reduction(fn: Callable, path: Union[str, os.PathLike]) -> Path:
+    """Compile a custom reduction with TorchScript and save it as a ``.pt`` file to ship.
+
+    Parameters
+    ----------
+    fn : callable | torch.jit.ScriptFunction | torch.jit.ScriptModule
+        ``(acc: Optional[Tensor], x: Tensor) -> Tensor``.
+    path : str or os.PathLike
+        Destination file (parents are created; an existing file is replaced).
+
+    Returns
+    -------
+    pathlib.Path
+        ``path``; load it with ``make_reduction(path)`` (or ``torch.jit.load``).
+
+    Raises
+    ------
+    ReductionError
+        Wrong signature, or TorchScript cannot compile ``fn`` (no eager fallback here).
+    """
+    if not _is_scripted(fn):
+        if not callable(fn):
+            raise ReductionError(f"custom reduction must be callable {CONTRACT}, got {type(fn).__name__}")
+        _check_signature(fn)
+        fn = _compile(fn, strict=True)
+    _schema_acc_optional(fn)  # raises on a wrong arity
+    return _save_scripted(fn, Path(path))
+
+
+# ---------------------------------------------------------------------------- scope helpers
+
+
+@dataclass(frozen=True)
+class ReductionFactory:
+    """A named reduction spec; calling it makes a fresh, empty reduction.
+
+    Attributes
+    ----------
+    name : str
+        Name of the result in the store (``reductions/<hook point>/<name>``).
+    spec : Any
+        What :func:`make_reduction` accepts.
+    options : dict[str, float]
+    init : Tensor or dict[str, Tensor] or None
+        Initial accumulator / state.
+    """
+
+    name: str
+    spec: Any
+    options: dict = field(default_factory=dict)
+    init: Any = None
+
+    def __call__(self) -> ReductionLike:
+        return make_reduction(self.spec, init=self.init, **self.options)
+
+    @property
+    def is_builtin(self) -> bool:
+        return isinstance(self.spec, str) and self.spec in BUILTIN_REDUCTIONS
+
+    def script_path(self) -> Optional[Path]:
+        """The ``.pt`` file of a custom reduction (to keep with the store); None otherwise."""
+        if self.is_builtin:
+            return None
+        if _is_path_spec(self.spec):
+            return Path(self.spec)
+        entry = _pt_for(self.spec)
+        return entry[0] if entry else None
+
+
+def _default_name(spec: Any) -> str:
+    if isinstance(spec, str) and not _is_path_spec(spec):
+        return spec
+    if _is_path_spec(spec):
+        return Path(spec).stem
+    name = _fn_name(spec)
+    if not name or not str(name).isidentifier():
+        raise ReductionError(
+            f"custom reduction {spec!r} has no usable name ({name!r}); give one as (name, fn)"
+        )
+    return str(name)
+
+
+def _factory(item: Any) -> ReductionFactory:
+    options: dict = {}
+    if isinstance(item, tuple):
+        if not 2 <= len(item) <= 3 or not isinstance(item[0], str):
+            raise ReductionError(
+                f"a reduction tuple must be (name, spec) or (name, spec, {{options}}), got {item!r}"
+            )
+        name, spec = item[0], item[1]
+        if len(item) == 3:
+            if not isinstance(item[2], Mapping):
+                raise ReductionError(f"options of reduction {name!r} must be a dict, got {item[2]!r}")
+            options = dict(item[2])
+    elif isinstance(item, Mapping):
+        if "spec" not in item:
+            raise ReductionError(f"a reduction dict needs a 'spec' key, got keys {sorted(item)}")
+        spec = item["spec"]
+        name = item.get("name") or _default_name(spec)
+        options = dict(item.get("options") or {})
+        if "init" in item:
+            options["init"] = item["init"]
+    else:
+        spec, name = item, _default_name(item)
+    init = options.pop("init", None)
+    f = ReductionFactory(name=name, spec=spec, options=_parse_options(options), init=init)
+    f()  # validate now (name, signature, options, TorchScript), not at the first batch
+    return f
+
+
+def resolve_reductions(
+    reductions: Union[Sequence[Any], Mapping[str, Sequence[Any]], None], hook_point: str
+) -> list[tuple[str, ReductionFactory]]:
+    """The reductions that apply to one hook point, as ``(name, factory)`` pairs.
+
+    Parameters
+    ----------
+    reductions : list of specs, or dict {fnmatch pattern: list of specs}, or None
+        A list applies to every hook point; a dict applies each list to the hook points its
+        pattern matches (``fnmatch.fnmatchcase``), in the dict's order. A spec is anything
+        :func:`make_reduction` accepts, ``(name, spec)``, ``(name, spec, {options})`` or
+        ``{"name": ..., "spec": ..., "options": {...}, "init": tensor}``; ``options`` may hold
+        ``init`` (initial accumulator). Names default to the built-in name, the function's
+        ``__name__`` or the ``.pt`` file's stem.
+    hook_point : str
+
+    Returns
+    -------
+    list[tuple[str, ReductionFactory]]
+
+    Raises
+    ------
+    ReductionError
+        Invalid spec, or two reductions with the same name at this hook point.
+    """
+    if not reductions:
+        return []
+    if isinstance(reductions, Mapping):
+        items: list[tuple[str, Any]] = []
+        for pattern, specs in reductions.items():
+            if fnmatch.fnmatchcase(hook_point, pattern):
+                items += [(pattern, s) for s in _as_list(specs)]
+    else:
+        items = [("*", s) for s in _as_list(reductions)]
+    out: list[tuple[str, ReductionFactory]] = []
+    seen: dict[str, str] = {}
+    for pattern, item in items:
+        f = _factory(item)
+        if f.name in seen:
+            raise ReductionError(
+                f"hook point {hook_point!r} has two reductions named {f.name!r} (patterns "
+                f"{seen[f.name]!r} and {pattern!r}); name one with (name, spec)"
+            )
+        seen[f.name] = pattern
+        out.append((f.name, f))
+    return out
+
+
+def _as_list(specs: Any) -> list:
+    if isinstance(specs, (str, tuple, Mapping)) or callable(specs) or isinstance(specs, os.PathLike):
+        return [specs]
+    return list(specs)
+
+
+def merge_states(spec: Any, states: Iterable[Mapping[str, torch.Tensor]], **options: float) -> ReductionLike:
+    """Merge saved states (workers, ranks, resumed runs) of one reduction.
+
+    Parameters
+    ----------
+    spec : str | callable | ...
+        The reduction, as given to :func:`make_reduction`; ``options`` must be those the
+        states were made with.
+    states : iterable of dict[str, Tensor]
+        Outputs of ``Reduction.state()``.
+
+    Returns
+    -------
+    Reduction
+        Holding the merged state: call ``.result()`` or ``.state()``.
+    """
+    total = make_reduction(spec, **options)
+    for s in states:
+        part = total.fresh()
+        try:
+            part.load_state(dict(s))
+            total.merge(part)
+        except ActivationScopeError as e:
+            raise ReductionError(str(e)) from e
+    return total
+
+
+def pca(cov: Union[Mapping[str, torch.Tensor], torch.Tensor], n_components: Optional[int] = None):
+    """Principal components from a ``cov`` reduction.
+
+    Parameters
+    ----------
+    cov : dict with key "cov" (the result of the ``cov`` reduction) or Tensor, (D, D)
+    n_components : int, optional
+        Keep the first ``n_components`` (all D by default).
+
+    Returns
+    -------
+    explained_variance_ratio : Tensor, (n_components,), float64
+        Eigenvalues divided by their sum (negative round-off eigenvalues clipped to 0),
+        descending.
+    components : Tensor, (n_components, D), float64
+        Unit eigenvectors as rows, same order; the sign makes each row's largest-magnitude
+        entry positive. Project centred rows with ``(x - mean) @ components.T``.
+    """
+    c = cov["cov"] if isinstance(cov, Mapping) else cov
+    if c.dim() != 2 or c.shape[0] != c.shape[1]:
+        raise ReductionError(f"cov must be a square (D, D) matrix, got shape {tuple(c.shape)}")
+    c = c.to(torch.float64)
+    c = (c + c.T) / 2
+    evals, evecs = torch.linalg.eigh(c)
+    evals = evals.flip(0).clamp_min(0)
+    comps = evecs.flip(1).T.contiguous()
+    idx = comps.abs().argmax(dim=1)
+    signs = torch.sign(comps.gather(1, idx[:, None]))
+    signs[signs == 0] = 1
+    comps = comps * signs
+    total = evals.sum()
+    ratio = evals / total if total > 0 else torch.zeros_like(evals)
+    if n_components is not None:
+        ratio, comps = ratio[:n_components], comps[:n_components]
+    return ratio, comps
