@@ -1,0 +1,653 @@
+"""Reductions: every native path against a plain-PyTorch float64 offline reference."""
+
+from __future__ import annotations
+
+import re
+import runpy
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from activationscope import reductions as R
+from activationscope.errors import ActivationScopeError, CaptureError, ReductionError
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.gpu,
+                                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]),
+]
+HIST = {"bins": 12, "lo": -3.0, "hi": 3.0}
+CASES = [  # (kind, options)
+    ("mean", {}), ("var", {}), ("std", {}), ("var", {"ddof": 1}), ("min", {}), ("max", {}),
+    ("absmax", {}), ("l2", {}), ("nonzero", {}), ("hist", HIST), ("cov", {}), ("topk", {"k": 3}),
+]
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------------------- reference
+
+
+def reference(kind: str, rows: torch.Tensor, **opts) -> dict[str, torch.Tensor]:
+    """Offline float64 result on all rows at once (what streaming must reproduce)."""
+    d = rows.to("cpu", torch.float64)
+    per_feature = opts.get("per_feature", 1)
+    if not per_feature:
+        d = d.reshape(-1)
+    n = d.shape[0]
+    out: dict[str, torch.Tensor] = {"count": torch.tensor(n)}
+    ddof = opts.get("ddof", 0)
+    if kind == "mean":
+        out["mean"] = d.mean(0)
+    elif kind in ("var", "std"):
+        out["mean"] = d.mean(0)
+        with warnings.catch_warnings():  # ddof >= n: NaN, as the native side gives
+            warnings.simplefilter("ignore", UserWarning)
+            var = d.var(0, correction=ddof)
+        out[kind] = var if kind == "var" else var.sqrt()
+    elif kind == "min":
+        out["min"] = d.amin(0)
+    elif kind == "max":
+        out["max"] = d.amax(0)
+    elif kind == "absmax":
+        out["absmax"] = d.abs().amax(0)
+    elif kind == "l2":
+        out["l2"] = torch.linalg.vector_norm(d, dim=0)
+    elif kind == "nonzero":
+        out["nonzero"] = (d != 0).to(torch.float64).mean(0)
+    elif kind == "hist":
+        bins, lo, hi = int(opts["bins"]), opts["lo"], opts["hi"]
+        cols = d.reshape(n, -1)
+        counts = torch.stack([torch.histc(c[~c.isnan()], bins=bins, min=lo, max=hi) for c in cols.T]).long()
+        feat = d.shape[1:]
+        out["counts"] = counts.reshape(*feat, bins)
+        out["underflow"] = (d < lo).sum(0)
+        out["overflow"] = (d > hi).sum(0)
+        out["nan"] = d.isnan().sum(0)
+        out["edges"] = torch.linspace(lo, hi, bins + 1, dtype=torch.float64)
+    elif kind == "cov":
+        flat = d.reshape(n, -1)
+        out["mean"] = d.mean(0)
+        out["cov"] = torch.cov(flat.T, correction=ddof).reshape(flat.shape[1], flat.shape[1])
+    elif kind == "topk":
+        k = min(int(opts["k"]), n)
+        out["values"] = d.topk(k, dim=0).values
+    else:
+        raise AssertionError(kind)
+    return out
+
+
+def assert_matches(kind: str, got: dict, rows: torch.Tensor, rtol: float = 1e-10, **opts) -> None:
+    want = reference(kind, rows, **opts)
+    if kind == "topk":
+        assert_topk_ids(got, rows, **opts)
+    assert int(got["count"]) == int(want["count"])
+    for key, w in want.items():
+        g = got[key].cpu()
+        assert g.shape == w.shape, (key, g.shape, w.shape)
+        if g.dtype.is_floating_point:
+            assert g.dtype == torch.float64, key
+            torch.testing.assert_close(g, w.to(g.dtype), rtol=rtol, atol=1e-12, equal_nan=True, msg=key)
+        else:
+            assert torch.equal(g, w.to(g.dtype)), (key, g, w)
+
+
+def assert_topk_ids(got: dict, rows: torch.Tensor, **opts) -> None:
+    d = rows.to(torch.float64).cpu()
+    n = d.shape[0]
+    ids = got["row_ids"].cpu()
+    assert ids.dtype == torch.int64
+    offset = opts.get("row_offset", 0)
+    assert bool(((ids >= offset) & (ids < offset + n)).all())
+    local = ids - offset
+    if opts.get("per_feature", 1):
+        flat = d.reshape(n, -1)
+        cols = torch.arange(flat.shape[1]).expand_as(local.reshape(local.shape[0], -1))
+        picked = flat[local.reshape(local.shape[0], -1), cols].reshape(got["values"].shape)
+    else:
+        picked = d.reshape(n, -1)[local, got["feature_ids"].cpu()]
+    assert torch.equal(picked, got["values"].cpu())
+
+
+def stream(kind: str, batches: list[torch.Tensor], row_offset: int = 0, **opts):
+    r = R.make_reduction(kind, **opts)
+    for b in batches:
+        r.update(b, row_offset)
+        row_offset += b.shape[0]
+    return r
+
+
+def data(n: int, feat: tuple, dtype: torch.dtype, seed: int = 0, device: str = "cpu") -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn((n, *feat), generator=g, dtype=torch.float64) * 1.5
+    x[torch.rand(x.shape, generator=g) < 0.2] = 0.0  # some dead values for nonzero
+    return x.to(dtype).to(device)
+
+
+# ---------------------------------------------------------------------------- built-ins
+
+
+def test_builtin_names():
+    assert set(R.BUILTIN_REDUCTIONS) == {"mean", "var", "std", "min", "max", "absmax", "l2", "nonzero",
+                                         "hist", "cov", "topk"}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind,opts", CASES, ids=[f"{k}{o or ''}" for k, o in CASES])
+def test_streaming_matches_offline_per_feature(kind, opts, dtype, device):
+    x = data(53, (4, 3), dtype, seed=1, device=device)
+    batches = [x[:7], x[7:8], x[8:40], x[40:40], x[40:]]  # unequal sizes and an empty batch
+    r = stream(kind, batches, row_offset=100, **opts)
+    got = r.result()
+    assert assert_matches(kind, got, x, row_offset=100, **opts) is None
+    if kind not in ("cov", "hist"):  # result shape = feature shape
+        key = {"var": "var", "std": "std"}.get(kind, "values" if kind == "topk" else kind)
+        assert got[key].shape[-2:] == (4, 3)
+        assert got[key].device == x.device
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kind,opts", CASES, ids=[f"{k}{o or ''}" for k, o in CASES])
+def test_whole_tensor_mode(kind, opts, dtype):
+    x = data(21, (5,), dtype, seed=2)
+    opts = {**opts, "per_feature": 0}
+    r = stream(kind, [x[:4], x[4:]], **opts)
+    got = r.result()
+    assert_matches(kind, got, x, **opts)
+    assert int(got["count"]) == x.numel()
+    if kind in ("mean", "var", "min", "l2"):
+        assert got[kind].dim() == 0
+
+
+def test_large_offset_keeps_variance():
+    """1e6 + small noise in float32: a float32 one-pass variance would be garbage."""
+    g = torch.Generator().manual_seed(3)
+    x = (1e6 + torch.randn(4000, 8, generator=g, dtype=torch.float64) * 0.25).to(torch.float32)
+    batches = list(x.split(333))
+    r = stream("var", batches)
+    want = x.double().var(0, correction=0)
+    torch.testing.assert_close(r.result()["var"], want, rtol=1e-9, atol=0)
+    # the trap this guards against: one-pass E[x^2] - E[x]^2 in float32 is far off
+    naive = (x * x).mean(0) - x.mean(0) ** 2
+    assert not torch.allclose(naive.double(), want, rtol=1e-2)
+    c = stream("cov", batches).result()["cov"]
+    torch.testing.assert_close(c, torch.cov(x.double().T, correction=0), rtol=1e-9, atol=1e-12)
+
+
+def test_bfloat16_rows_accumulate_in_float64():
+    x = torch.full((4096, 2), 1.0, dtype=torch.bfloat16)  # bf16 sum would stall at 256
+    got = stream("mean", list(x.split(1000))).result()
+    assert torch.equal(got["mean"], torch.ones(2, dtype=torch.float64))
+    assert stream("l2", [x]).result()["l2"][0].item() == 64.0
+
+
+def test_nan_handling():
+    x = torch.tensor([[1.0, 0.0], [float("nan"), 2.0], [3.0, -1.0]])
+    assert torch.isnan(stream("mean", [x]).result()["mean"][0])
+    assert torch.isnan(stream("var", [x[:1], x[1:]]).result()["var"][0])
+    for kind in ("min", "max"):  # like torch.amin / amax: NaN propagates
+        got = stream(kind, [x[:1], x[1:]]).result()[kind]
+        want = getattr(x.double(), "a" + kind)(0)
+        torch.testing.assert_close(got, want, equal_nan=True)
+    assert stream("nonzero", [x]).result()["nonzero"].tolist() == [1.0, 2 / 3]
+    h = stream("hist", [x], bins=4, lo=-2, hi=2).result()
+    assert h["nan"].tolist() == [1, 0] and h["overflow"].tolist() == [1, 0]
+    assert (h["counts"].sum(-1) + h["nan"] + h["overflow"] + h["underflow"]).tolist() == [3, 3]
+
+
+def test_hist_edges_and_bins():
+    x = torch.tensor([-5.0, -2.0, -1.5, 0.0, 0.49, 2.0, 7.0, float("inf"), float("-inf")])
+    h = stream("hist", [x.reshape(-1, 1)], bins=4, lo=-2, hi=2).result()
+    assert h["counts"].tolist() == [[2, 0, 2, 1]]  # -2, -1.5 | - | 0, 0.49 | 2 (x == hi: last bin)
+    assert h["underflow"].tolist() == [2] and h["overflow"].tolist() == [2]
+    assert torch.equal(h["edges"], torch.tensor([-2.0, -1.0, 0.0, 1.0, 2.0], dtype=torch.float64))
+
+
+def test_topk_row_ids_are_global():
+    x = torch.tensor([[1.0, 9.0], [5.0, 2.0], [3.0, 8.0], [7.0, 0.0]])
+    r = R.make_reduction("topk", k=2)
+    r.update(x[:2], 1000)
+    r.update(x[2:], 1002)
+    got = r.result()
+    assert got["values"].tolist() == [[7.0, 9.0], [5.0, 8.0]]
+    assert got["row_ids"].tolist() == [[1003, 1000], [1001, 1002]]
+    w = R.make_reduction("topk", k=1, per_feature=0)
+    w.update(x[:2], 10)
+    w.update(x[2:], 12)
+    got = w.result()
+    assert got["values"].tolist() == [9.0]
+    assert got["row_ids"].tolist() == [10] and got["feature_ids"].tolist() == [1]
+
+
+def test_topk_with_fewer_rows_than_k():
+    got = stream("topk", [torch.tensor([[2.0], [1.0]])], k=5).result()
+    assert got["values"].tolist() == [[2.0], [1.0]]
+
+
+def test_empty_batches_are_noops():
+    r = R.make_reduction("var")
+    r.update(torch.empty(0, 3))
+    assert list(r.state()) == ["count"] and int(r.state()["count"]) == 0
+    r.update(torch.ones(2, 5))  # the empty batch did not fix a feature shape
+    r.update(torch.empty(0, 5))
+    assert int(r.result()["count"]) == 2
+
+
+def test_feature_shape_change_is_an_error():
+    r = R.make_reduction("mean")
+    r.update(torch.ones(2, 3))
+    with pytest.raises(CaptureError, match=r"feature shape \(4,\) after \(3,\)"):
+        r.update(torch.ones(2, 4))
+    w = R.make_reduction("mean", per_feature=0)
+    w.update(torch.ones(2, 3))
+    w.update(torch.zeros(1, 4))
+    assert w.result()["mean"].item() == pytest.approx(6 / 10)
+
+
+def test_rejects_complex_and_bad_options():
+    with pytest.raises(CaptureError, match="real-valued"):
+        R.make_reduction("mean").update(torch.ones(2, 2, dtype=torch.complex64))
+    with pytest.raises(ReductionError, match="needs options 'lo' and 'hi'"):
+        R.make_reduction("hist")
+    with pytest.raises(ReductionError, match=r"has no option 'k'; its options are \[bins, lo, hi"):
+        R.make_reduction("hist", lo=0, hi=1, k=3)
+    with pytest.raises(ReductionError, match="must be a number"):
+        R.make_reduction("topk", k="3")
+    with pytest.raises(ReductionError, match="per_feature"):
+        R.make_reduction("mean", per_feature=2)
+
+
+def test_unknown_builtin_lists_names():
+    with pytest.raises(ReductionError, match=r"one of \['mean', 'var'.*'topk'\].*did you mean 'mean'"):
+        R.make_reduction("means")
+    with pytest.raises(ReductionError):
+        R.make_reduction(42)
+
+
+# ---------------------------------------------------------------------------- merge / state
+
+
+@pytest.mark.parametrize("kind,opts", CASES, ids=[f"{k}{o or ''}" for k, o in CASES])
+def test_merge_any_order_equals_one_shot(kind, opts):
+    x = data(40, (3,), torch.float32, seed=4)
+    parts = [(0, 3), (3, 20), (20, 21), (21, 40)]
+    reds = [stream(kind, [x[a:b]], row_offset=a, **opts) for a, b in parts]
+    for order in ([0, 1, 2, 3], [3, 1, 0, 2], [2, 3, 1, 0]):
+        total = reds[0].fresh()
+        for i in order:
+            total.merge(reds[i])
+        assert_matches(kind, total.result(), x, rtol=1e-9, **opts)
+
+
+def test_merge_into_itself_doubles_counts():
+    r = stream("var", [torch.arange(6.0).reshape(3, 2)])
+    r.merge(r)
+    assert int(r.result()["count"]) == 6
+    torch.testing.assert_close(r.result()["var"], torch.arange(6.0).reshape(3, 2).double().var(0, correction=0))
+
+
+def test_merge_checks_kind_and_options():
+    with pytest.raises(CaptureError, match="cannot merge a 'var' reduction into a 'mean'.*same kind"):
+        R.make_reduction("mean").merge(R.make_reduction("var"))
+    with pytest.raises(CaptureError, match="different options"):
+        R.make_reduction("topk", k=2).merge(R.make_reduction("topk", k=3))
+    a = stream("mean", [torch.ones(2, 3)])
+    with pytest.raises(CaptureError, match="feature shape"):
+        a.merge(stream("mean", [torch.ones(2, 4)]))
+
+
+@pytest.mark.parametrize("kind,opts", CASES, ids=[f"{k}{o or ''}" for k, o in CASES])
+def test_state_roundtrip_and_resume(kind, opts):
+    x = data(30, (2, 2), torch.float32, seed=5)
+    r = stream(kind, [x[:10]], **opts)
+    resumed = r.fresh()
+    assert resumed.options == r.options and resumed.kind == kind
+    assert int(resumed.result()["count"]) == 0
+    resumed.load_state(r.state())
+    resumed.update(x[10:], 10)
+    assert_matches(kind, resumed.result(), x, **opts)
+    empty = r.fresh()
+    empty.load_state(r.fresh().state())
+    assert int(empty.state()["count"]) == 0
+
+
+def test_state_is_not_mutated_by_later_updates():
+    r = stream("mean", [torch.ones(2, 2)])
+    s = r.state()
+    r.update(torch.zeros(2, 2))
+    assert s["mean"].tolist() == [1.0, 1.0]
+
+
+def test_load_state_validates():
+    r = R.make_reduction("var")
+    with pytest.raises(CaptureError, match="lacks 'm2'"):
+        r.load_state({"count": torch.tensor(3), "mean": torch.zeros(2)})
+    with pytest.raises(CaptureError, match="count"):
+        r.load_state({"mean": torch.zeros(2)})
+
+
+def test_merge_states_helper():
+    x = data(25, (3,), torch.float16, seed=6)
+    states = [stream("cov", [x[a:b]]).state() for a, b in [(0, 9), (9, 10), (10, 25)]]
+    merged = R.merge_states("cov", states)
+    assert_matches("cov", merged.result(), x, rtol=1e-9)
+
+
+# ---------------------------------------------------------------------------- properties
+
+
+@st.composite
+def split_case(draw):
+    n = draw(st.integers(1, 40))
+    f = draw(st.integers(1, 4))
+    cuts = sorted(draw(st.lists(st.integers(0, n), max_size=6)))
+    seed = draw(st.integers(0, 2**31 - 1))
+    dtype = draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
+    kind, opts = draw(st.sampled_from(CASES))
+    per_feature = draw(st.sampled_from([0, 1]))
+    return n, f, [0, *cuts, n], seed, dtype, kind, {**opts, "per_feature": per_feature}
+
+
+def _pieces(x, bounds):
+    return [x[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(split_case())
+def test_property_streaming_equals_offline(case):
+    n, f, bounds, seed, dtype, kind, opts = case
+    x = data(n, (f,), dtype, seed=seed)
+    r = stream(kind, _pieces(x, bounds), **opts)
+    assert_matches(kind, r.result(), x, rtol=1e-9, **opts)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(split_case(), st.randoms(use_true_random=False))
+def test_property_merge_associative_any_order(case, rnd):
+    n, f, bounds, seed, dtype, kind, opts = case
+    x = data(n, (f,), dtype, seed=seed)
+    parts = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        parts.append(stream(kind, [x[a:b]], row_offset=a, **opts))
+    rnd.shuffle(parts)
+    # random binary tree of merges
+    while len(parts) > 1:
+        i = rnd.randrange(len(parts) - 1)
+        left, right = parts[i], parts.pop(i + 1)
+        left.merge(right)
+    assert_matches(kind, parts[0].result(), x, rtol=1e-9, **opts)
+
+
+# ---------------------------------------------------------------------------- PCA
+
+
+def test_pca_from_cov():
+    g = torch.Generator().manual_seed(7)
+    z = torch.randn(5000, 3, generator=g, dtype=torch.float64) * torch.tensor([5.0, 2.0, 0.5], dtype=torch.float64)
+    q, _ = torch.linalg.qr(torch.randn(3, 3, generator=g, dtype=torch.float64))
+    x = (z @ q.T).float()
+    cov = stream("cov", list(x.split(700))).result()
+    ratio, comps = R.pca(cov)
+    evals = torch.linalg.eigvalsh(torch.cov(x.double().T, correction=0)).flip(0)
+    torch.testing.assert_close(ratio, evals / evals.sum(), rtol=1e-9, atol=1e-12)
+    assert bool((ratio[:-1] >= ratio[1:]).all())
+    torch.testing.assert_close(comps @ comps.T, torch.eye(3, dtype=torch.float64), rtol=0, atol=1e-10)
+    # first component is the direction of largest variance (q's first column, up to sign)
+    assert abs(float(comps[0] @ q[:, 0])) > 0.999
+    r2, c2 = R.pca(cov["cov"], n_components=2)
+    assert r2.shape == (2,) and c2.shape == (2, 3)
+    with pytest.raises(ReductionError, match="square"):
+        R.pca(torch.zeros(2, 3))
+
+
+# ---------------------------------------------------------------------------- custom reductions
+
+
+def running_max(acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    m = x.amax(0)
+    if acc is None:
+        return m
+    return torch.maximum(acc, m)
+
+
+def sum_rows(acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    s = x.sum(0)
+    if acc is None:
+        return s
+    return acc + s
+
+
+class SumWithMerge(torch.nn.Module):
+    def forward(self, acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        s = x.double().sum(0)
+        if acc is None:
+            return s
+        return acc + s
+
+    @torch.jit.export
+    def merge(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a + b
+
+
+def _quiet_script(obj):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return torch.jit.script(obj)
+
+
+def test_script_reduction_from_function_runs_natively():
+    r = R.make_reduction(running_max)
+    assert isinstance(r, R.Reduction) and r.kind == "script"
+    x = torch.randn(30, 4)
+    for b in x.split(7):
+        r.update(b)
+    assert torch.equal(r.result()["value"], x.amax(0))
+    assert torch.equal(r.state()["acc"], x.amax(0))
+    assert r.fresh().result() == {}
+
+
+def test_script_reduction_from_scriptfunction_and_pt(tmp_path):
+    x = torch.randn(12, 3)
+    sf = _quiet_script(sum_rows)
+    r = R.make_reduction(sf)
+    r.update(x)
+    torch.testing.assert_close(r.result()["value"], x.sum(0))
+
+    path = R.script_reduction(sum_rows, tmp_path / "ship" / "sum_rows.pt")
+    assert path.is_file()
+    for spec in (path, str(path)):
+        r = R.make_reduction(spec)
+        r.update(x[:5])
+        r.update(x[5:])
+        torch.testing.assert_close(r.result()["value"], x.sum(0))
+    (name, factory), = R.resolve_reductions([str(path)], "h")
+    assert name == "sum_rows" and factory.script_path() == path
+
+
+def test_script_reduction_preseeded_accumulator():
+    init = torch.full((3,), 100.0)
+    r = R.make_reduction(sum_rows, init=init)
+    r.update(torch.ones(4, 3))
+    assert r.result()["value"].tolist() == [104.0] * 3
+    (name, f), = R.resolve_reductions([("total", sum_rows, {"init": init})], "layer.output")
+    r = f()
+    r.update(torch.ones(2, 3))
+    assert name == "total" and r.result()["value"].tolist() == [102.0] * 3
+    assert init.tolist() == [100.0] * 3  # the caller's tensor is untouched
+
+
+def test_unannotated_acc_needs_optional_or_init():
+    def plain(acc, x):
+        return x.sum(0) if acc is None else acc + x.sum(0)
+
+    with pytest.raises(ReductionError, match="Optional"):
+        R.make_reduction(plain)
+    r = R.make_reduction(plain, init=torch.zeros(2))
+    r.update(torch.ones(3, 2))
+    assert r.result()["value"].tolist() == [3.0, 3.0]
+
+
+def test_script_module_with_merge_and_plain_function_without():
+    x = torch.randn(20, 2)
+    sm = _quiet_script(SumWithMerge())
+    a, b = R.make_reduction(sm), R.make_reduction(sm)
+    a.update(x[:8])
+    b.update(x[8:])
+    a.merge(b)
+    torch.testing.assert_close(a.result()["value"], x.double().sum(0))
+    p, q = R.make_reduction(sum_rows), R.make_reduction(sum_rows)
+    p.update(x)
+    with pytest.raises(CaptureError, match="cannot merge.*merge\\(a: Tensor, b: Tensor\\)"):
+        p.merge(q)
+    with pytest.raises(CaptureError, match="cannot merge a 'mean'"):
+        p.merge(R.make_reduction("mean"))
+
+
+def test_script_reduction_error_names_the_file():
+    def bad_shape(acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(7, -1)
+
+    r = R.make_reduction(bad_shape)
+    with pytest.raises(CaptureError, match=r"custom reduction '.*bad_shape.*\.pt' failed on rows of shape \(3, 2\)"):
+        r.update(torch.ones(3, 2))
+
+
+@pytest.mark.parametrize("fn", [lambda acc: acc, lambda acc, x, y: x, lambda *a: a[1]], ids=["one", "three", "varargs"])
+def test_wrong_signature_is_reported(fn):
+    with pytest.raises(ReductionError, match=r"'<lambda>' must have the signature \(acc: Optional\[Tensor\], x: Tensor\) -> Tensor"):
+        R.make_reduction(fn)
+
+
+def test_wrong_signature_of_named_function():
+    def three(acc, x, extra):
+        return x
+
+    with pytest.raises(ReductionError, match="'three'.*three\\(acc, x, extra\\)"):
+        R.resolve_reductions([three], "h")
+
+
+def test_resolve_patterns_names_and_duplicates():
+    specs = {"enc.*": ["mean", ("h", "hist", {"lo": -1, "hi": 1})], "*.output": [running_max], "dec.*": ["var"]}
+    got = R.resolve_reductions(specs, "enc.0.output")
+    assert [n for n, _ in got] == ["mean", "h", "running_max"]
+    r = got[1][1]()
+    r.update(torch.zeros(2, 2))
+    assert r.result()["counts"].shape == (2, 64)
+    assert R.resolve_reductions(specs, "other") == []
+    assert [n for n, _ in R.resolve_reductions(["var", {"name": "v1", "spec": "var", "options": {"ddof": 1}}], "x")] == [
+        "var", "v1"]
+    with pytest.raises(ReductionError, match="two reductions named 'mean'"):
+        R.resolve_reductions({"*": ["mean"], "enc.*": ["mean"]}, "enc.0")
+    with pytest.raises(ReductionError, match="no usable name"):
+        R.resolve_reductions([lambda acc, x: x], "h")
+    with pytest.raises(ReductionError, match="lo < hi"):
+        R.resolve_reductions([("h", "hist", {"lo": 1, "hi": 0})], "h")
+
+
+def test_eager_fallback_warns_once_and_works():
+    scale = 2  # a closed-over Python int: TorchScript cannot compile this
+
+    def scaled_sum(acc, x):
+        s = x.sum(0) * scale
+        return s if acc is None else acc + s
+
+    with pytest.warns(R.EagerFallbackWarning, match="'scaled_sum'.*eager Python") as rec:
+        r = R.make_reduction(scaled_sum)
+    assert len([w for w in rec if issubclass(w.category, R.EagerFallbackWarning)]) == 1
+    assert isinstance(r, R.EagerReduction) and r.kind == "eager"
+    x = torch.randn(9, 3)
+    r.update(x[:4])
+    r.update(x[4:4])
+    r.update(x[4:], 4)
+    torch.testing.assert_close(r.result()["value"], x.sum(0) * 2)
+    resumed = r.fresh()
+    resumed.load_state(r.state())
+    torch.testing.assert_close(resumed.result()["value"], x.sum(0) * 2)
+    with pytest.raises(ReductionError, match="cannot merge"):
+        r.merge(resumed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a second reduction of the same function: no new warning
+        R.make_reduction(scaled_sum)
+
+
+def test_eager_fallback_when_torchscript_is_unavailable(monkeypatch):
+    def boom(*a, **k):
+        raise RuntimeError("TorchScript is not available in this build")
+
+    monkeypatch.setattr(torch.jit, "script", boom)
+
+    def count_rows(acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        n = torch.tensor(float(x.shape[0]))
+        return n if acc is None else acc + n
+
+    with pytest.warns(R.EagerFallbackWarning, match="not available"):
+        r = R.make_reduction(count_rows)
+    r.update(torch.ones(3, 2))
+    r.update(torch.ones(4, 2))
+    assert r.result()["value"].item() == 7.0
+    with pytest.raises(ReductionError, match="cannot be compiled"):
+        R.script_reduction(count_rows, "unused.pt")
+
+
+def test_eager_reduction_must_return_tensor():
+    def not_tensor(acc, x):
+        return [x for _ in range(2)]  # a comprehension over range: fine in Python, returns a list
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", R.EagerFallbackWarning)
+        r = R.EagerReduction(not_tensor)
+    with pytest.raises(ReductionError, match="must return a Tensor"):
+        r.update(torch.ones(1, 1))
+
+
+def test_no_deprecation_warning_escapes(tmp_path):
+    def fresh_fn(acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return x.sum(0) if acc is None else acc + x.sum(0)
+
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")  # overrides pytest's filterwarnings for torch.jit
+        r = R.make_reduction(fresh_fn)
+        r.update(torch.ones(2, 2))
+        path = R.script_reduction(fresh_fn, tmp_path / "f.pt")
+        R.make_reduction(path).update(torch.ones(1, 2))
+        R.resolve_reductions([("again", fresh_fn)], "h")
+    leaked = [str(w.message) for w in rec if issubclass(w.category, DeprecationWarning)]
+    assert leaked == []
+    # and the check can fail: torch itself does warn when called directly (if this torch warns)
+    with warnings.catch_warnings(record=True) as raw:
+        warnings.simplefilter("always")
+        torch.jit.script(fresh_fn)
+    if not any(issubclass(w.category, DeprecationWarning) for w in raw):
+        pytest.skip("this torch does not deprecate torch.jit; nothing to suppress")
+
+
+def test_errors_are_activationscope_errors():
+    assert issubclass(ReductionError, ActivationScopeError) and issubclass(ReductionError, ValueError)
+    with pytest.raises(ReductionError, match="does not exist"):
+        R.make_reduction("missing/dir/red.pt")
+
+
+# ---------------------------------------------------------------------------- docs
+
+
+def _doc_blocks() -> list[str]:
+    text = (ROOT / "docs" / "usage" / "reductions.md").read_text()
+    return re.findall(r"```python\n(.*?)```", text, flags=re.S)
+
+
+def test_docs_examples_run(tmp_path, monkeypatch):
+    """Run the doc's python blocks in order, from a real file (TorchScript reads the source)."""
+    blocks = _doc_blocks()
+    assert len(blocks) >= 4
+    script = tmp_path / "reductions_doc.py"
+    script.write_text("\n".join(f"# --- block {i}\n{b}" for i, b in enumerate(blocks)))
+    monkeypatch.chdir(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        runpy.run_path(str(script), run_name="__docs__")
