@@ -23,6 +23,7 @@
 #include "row_consumer.h"
 #include "shard_writer.h"
 #include "sink.h"
+#include "staging_pool.h"
 
 #ifndef ACS_TORCH_VERSION
 #define ACS_TORCH_VERSION "unknown"
@@ -46,6 +47,7 @@ struct TrackerCore {
   int64_t n_forwards = 0;           // root forwards started
   int depth = 0;                    // root forward nesting
   bool capturing = true;            // decision for the current root forward
+  int64_t batch_size = -1;          // first dim of the first tensor captured in this forward
   py::object on_new_hook_point;     // (name: str, tensor) -> Sink | None
   py::object on_forward_start;      // () -> None, or None
   py::object on_forward_end;        // () -> None, or None
@@ -141,6 +143,7 @@ class ForwardWrapper {
         TrackerCore& c = *s->core;
         if (c.depth++ == 0) {
           c.capturing = c.decide(c.n_forwards);
+          c.batch_size = -1;
           ++c.n_forwards;
           if (c.on_forward_start && !c.on_forward_start.is_none()) c.on_forward_start();
         }
@@ -224,6 +227,9 @@ class ForwardWrapper {
 
   static void consume_all(TrackerCore& core, const Leaves& leaves) {
     if (leaves.empty()) return;
+    if (core.batch_size < 0 && leaves.front().second.dim() >= 1) {
+      core.batch_size = leaves.front().second.size(0);
+    }
     std::vector<std::pair<Sink*, const at::Tensor*>> work;
     work.reserve(leaves.size());
     for (const auto& leaf : leaves) {
@@ -288,9 +294,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   // ---------------------------------------------------------------- capture core
   py::class_<Arena, std::shared_ptr<Arena>>(m, "Arena")
-      .def(py::init<int64_t>(), py::arg("slab_bytes") = int64_t(64) << 20)
+      .def(py::init<>())
       .def("reset", &Arena::reset)
       .def_property_readonly("reserved_bytes", &Arena::reserved_bytes);
+
+  m.def("set_staging_pool_bytes", &set_pool_cap_bytes, py::arg("cap_bytes"));
+  m.def("staging_pool_bytes", &pool_cap_bytes);
+  m.def("pooled_staging_bytes", &pooled_bytes);
+  m.def("trim_staging_pool", &trim_pool);
+  m.def("set_staging_prefault", &set_prefault, py::arg("enabled"));
 
   py::class_<Sink, std::shared_ptr<Sink>>(m, "Sink")
       .def(py::init([](std::string name, bool snapshot, int keep, int placement, py::object storage_dtype,
@@ -300,8 +312,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              o.keep = static_cast<Keep>(keep);
              o.placement = static_cast<Placement>(placement);
              if (!storage_dtype.is_none()) o.storage_dtype = to_scalar_type(storage_dtype);
-             (void)row_kind;
-             return std::make_shared<Sink>(std::move(name), o, std::move(arena));
+             auto sink = std::make_shared<Sink>(std::move(name), o, std::move(arena));
+             sink->set_row_kind(row_kind);
+             return sink;
            }),
            py::arg("name"), py::arg("snapshot") = true, py::arg("keep") = 0, py::arg("placement") = 0,
            py::arg("storage_dtype") = py::none(), py::arg("arena") = nullptr, py::arg("row_kind") = -1)
@@ -339,6 +352,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("token_mask", &TrackerCore::token_mask)
       .def_readonly("n_forwards", &TrackerCore::n_forwards)
       .def_readonly("capturing", &TrackerCore::capturing)
+      .def_readonly("batch_size", &TrackerCore::batch_size)
       .def("sinks", [](const TrackerCore& c) {
         py::dict d;
         for (const auto& kv : c.sinks)

@@ -3,16 +3,15 @@
 #include <ATen/core/grad_mode.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/irange.h>
-#include <sys/mman.h>
 
 #include "errors.h"
+#include "staging_pool.h"
 
 namespace acs {
 
 namespace {
 
 constexpr int64_t kAlign = 64;
-constexpr int64_t kHugePage = 2 << 20;
 
 std::string shape_str(at::IntArrayRef s) {
   std::string out = "(";
@@ -29,22 +28,15 @@ std::string shape_str(at::IntArrayRef s) {
 at::Tensor Arena::empty(at::IntArrayRef sizes, at::ScalarType dtype) {
   const int64_t item = static_cast<int64_t>(c10::elementSize(dtype));
   const int64_t nbytes = c10::multiply_integers(sizes) * item;
-  if (nbytes * 4 > slab_bytes_) {
+  if (nbytes * 4 > kSlabBytes) {
     return at::empty(sizes, at::TensorOptions().dtype(dtype));
   }
   const int64_t aligned = (nbytes + kAlign - 1) / kAlign * kAlign;
   if (!slab_ || used_ + aligned > capacity_) {
-    at::Tensor s = at::empty({slab_bytes_}, at::TensorOptions().dtype(at::kByte));
-    auto base = reinterpret_cast<uintptr_t>(s.data_ptr());
-    uintptr_t start = (base + kHugePage - 1) / kHugePage * kHugePage;
-    uintptr_t end = (base + slab_bytes_) / kHugePage * kHugePage;
-    if (end > start) {
-      madvise(reinterpret_cast<void*>(start), end - start, MADV_HUGEPAGE);
-    }
-    slab_ = s.storage();
+    slab_ = acquire_slab();
     used_ = 0;
-    capacity_ = slab_bytes_;
-    reserved_bytes_ += slab_bytes_;
+    capacity_ = kSlabBytes;
+    reserved_bytes_ += kSlabBytes;
   }
   auto t = at::detail::make_tensor<c10::TensorImpl>(
       c10::Storage(slab_), c10::DispatchKeySet(c10::DispatchKey::CPU),

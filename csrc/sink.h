@@ -17,18 +17,17 @@
 
 namespace acs {
 
-// Bump allocator over large slabs: one snapshot is a view into a slab, so capturing does
-// not pay one malloc + fresh page faults per tensor. Slabs ask for transparent huge pages.
+// Bump allocator over pooled staging slabs (staging_pool.h): one snapshot is a view into
+// a slab, so capturing pays neither a malloc nor fresh page faults per tensor.
 class Arena {
  public:
-  explicit Arena(int64_t slab_bytes = 64 << 20) : slab_bytes_(slab_bytes) {}
+  Arena() = default;
   // A contiguous, uninitialised CPU tensor of `sizes` and `dtype`, viewing arena memory.
   at::Tensor empty(at::IntArrayRef sizes, at::ScalarType dtype);
   void reset();  // drop the arena's own reference to the current slab
   int64_t reserved_bytes() const { return reserved_bytes_; }
 
  private:
-  int64_t slab_bytes_;
   c10::Storage slab_;
   int64_t used_ = 0;
   int64_t capacity_ = 0;
@@ -66,7 +65,8 @@ class Sink {
   void set_writer(std::shared_ptr<RowConsumer> w) { writer_ = std::move(w); }
   bool has_writer() const { return writer_ != nullptr; }
 
-  int row_kind() const { return row_kind_; }  // -1 unknown, 0 sample rows, 1 token rows
+  int row_kind() const { return row_kind_; }
+  void set_row_kind(int kind) { row_kind_ = kind; }  // -1 unknown, 0 sample rows, 1 token rows
   int64_t n_rows() const { return n_rows_; }
   int64_t n_calls() const { return n_calls_; }
   std::vector<int64_t> feature_shape() const { return feature_shape_; }

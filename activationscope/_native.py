@@ -1,0 +1,41 @@
+"""Loading of the native extension ``activationscope._C`` with a clear error on mismatch."""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+import torch
+
+from .errors import NativeExtensionError
+
+_module: ModuleType | None = None
+
+
+def load() -> ModuleType:
+    """Import ``activationscope._C`` and check it was built against the running torch.
+
+    Raises
+    ------
+    NativeExtensionError
+        The extension is missing, fails to load, or was built against another torch
+        version; the message names both versions and how to rebuild.
+    """
+    global _module
+    if _module is not None:
+        return _module
+    fix = "rebuild it with `pip install --no-build-isolation -e .` (or `make build`) in this environment"
+    try:
+        mod = importlib.import_module("activationscope._C")
+    except ImportError as e:
+        raise NativeExtensionError(
+            f"the native extension activationscope._C could not be loaded ({e}); it must be built against "
+            f"the installed torch {torch.__version__}: {fix}"
+        ) from e
+    built = getattr(mod, "TORCH_VERSION", "unknown")
+    if built != torch.__version__:
+        raise NativeExtensionError(
+            f"activationscope._C was built against torch {built} but torch {torch.__version__} is installed; {fix}"
+        )
+    _module = mod
+    return mod

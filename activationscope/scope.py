@@ -1,0 +1,596 @@
+"""ActivationScope: capture intermediate activations with native hooks.
+
+The hot path is native: each tracked module's ``forward`` is replaced (on the instance, for
+the lifetime of the tracker) by a C++ callable that calls the original forward and hands
+the tensors of its inputs and outputs to per-hook-point sinks with the GIL released. The
+sinks copy (SNAPSHOT) or keep (REFERENCE) the activation, update reductions, and pass rows
+to a store writer. Python runs once per new hook point and twice per root forward, never
+per tensor.
+"""
+
+from __future__ import annotations
+
+import enum
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from . import _native
+from .errors import ActivationScopeError, CaptureError
+from .hooks import normalize_patterns, select_modules
+
+_C = _native.load()
+
+__all__ = [
+    "ActivationScope",
+    "Tracker",
+    "StoragePolicy",
+    "ReductionPolicy",
+    "CapturePolicy",
+    "CaptureMode",
+]
+
+
+class StoragePolicy(enum.Enum):
+    """Where captured activations are kept.
+
+    AUTO : host memory for in-memory capture (pinned + asynchronous copies when activations
+        live on an accelerator); DISK when a ``store=`` is given.
+    CPU : host memory.
+    GPU : the activation's own device (no device-to-host copy).
+    DISK : streamed into a store (``store=``), nothing kept in memory.
+    """
+
+    AUTO = "auto"
+    CPU = "cpu"
+    GPU = "gpu"
+    DISK = "disk"
+
+
+class ReductionPolicy(enum.Enum):
+    """What is kept next to the reductions.
+
+    STORE_ALL : every captured activation, plus the reductions.
+    STREAMING : reductions only; activations are reduced and dropped (memory stays flat).
+    FINAL_ONLY : only the most recent activation per hook point, plus the reductions.
+    """
+
+    STORE_ALL = "store_all"
+    STREAMING = "streaming"
+    FINAL_ONLY = "final_only"
+
+
+class CapturePolicy(enum.Enum):
+    """When to capture, counted in root forwards (calls of the tracked model).
+
+    EVERY : every forward.
+    SAMPLE_N : forwards 0, n, 2n, ... (``sample_every=n``).
+    MAX_K : the first k forwards (``max_k=k``); later forwards cost one branch per module.
+    """
+
+    EVERY = "every"
+    SAMPLE_N = "sample_n"
+    MAX_K = "max_k"
+
+
+class CaptureMode(enum.Enum):
+    """How an activation is taken.
+
+    SNAPSHOT : copy at the moment of the call (default): later in-place changes by the
+        model (``ReLU(inplace=True)``, in-place residual adds) do not reach the record.
+    REFERENCE : keep the tensor itself (no copy, fastest). A later in-place change is
+        detected through the tensor's version counter and warned about, naming the hook point.
+    """
+
+    REFERENCE = "reference"
+    SNAPSHOT = "snapshot"
+
+
+_CAPTURE_SIDES = ("output", "input", "both")
+_POLICY_CODE = {CapturePolicy.EVERY: 0, CapturePolicy.SAMPLE_N: 1, CapturePolicy.MAX_K: 2}
+_KEEP_CODE = {ReductionPolicy.STORE_ALL: 0, ReductionPolicy.FINAL_ONLY: 1, ReductionPolicy.STREAMING: 2}
+_PLACEMENT_CODE = {StoragePolicy.AUTO: 0, StoragePolicy.CPU: 1, StoragePolicy.GPU: 2, StoragePolicy.DISK: 3}
+
+
+def _parse_enum(value: Any, cls: type[enum.Enum], argument: str) -> enum.Enum:
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, str):
+        for member in cls:
+            if value.lower() in (member.value, member.name.lower()):
+                return member
+    choices = ", ".join(f"{cls.__name__}.{m.name}" for m in cls)
+    raise ValueError(f"{argument} must be one of [{choices}], got {value!r}")
+
+
+def _parse_capture(capture: Any) -> str:
+    if isinstance(capture, CapturePolicy):
+        raise TypeError(
+            f"capture= takes which side to capture ('output', 'input' or 'both'), got {capture}; "
+            f"to choose when to capture, pass capture_policy={capture} instead"
+        )
+    if capture not in _CAPTURE_SIDES:
+        raise ValueError(f"capture must be one of {list(_CAPTURE_SIDES)}, got {capture!r}")
+    return capture
+
+
+class ActivationScope:
+    """Configuration of a capture; ``track(model)`` makes a :class:`Tracker`.
+
+    Parameters
+    ----------
+    capture : {"output", "input", "both"}, default "output"
+        Which side of each tracked module is captured. Inputs are taken before the module
+        runs; positional inputs are ``<module>.input.<i>``, keyword inputs
+        ``<module>.input.kw.<name>``.
+    capture_policy : CapturePolicy, default EVERY
+        When to capture (counted in forwards of the tracked model).
+    sample_every : int, default 1
+        Period of ``CapturePolicy.SAMPLE_N``.
+    max_k : int, optional
+        Number of forwards captured by ``CapturePolicy.MAX_K``.
+    capture_mode : CaptureMode, default SNAPSHOT
+        Copy now (SNAPSHOT) or keep the tensor (REFERENCE).
+    storage : StoragePolicy, default AUTO
+        Where activations go; DISK (the default when ``store=`` is given) streams them into
+        the store.
+    reduction_policy : ReductionPolicy, default STORE_ALL
+        Whether activations are kept next to the reductions.
+    reductions : list or dict, optional
+        Online reductions: a list of specs for every hook point (``["mean", "var"]``, a
+        Python function ``(acc: Optional[Tensor], x: Tensor) -> Tensor`` compiled with
+        TorchScript, a scripted function, or a ``.pt`` path), or ``{fnmatch pattern: list}``
+        per hook point. See :mod:`activationscope.reductions`.
+    store : str, os.PathLike, zarr store or None
+        Capture into a store: a local path, an fsspec URL (``s3://bucket/run.zarr``,
+        ``memory://run``) or a zarr ``Store``. See :mod:`activationscope.store`.
+    store_options : dict, optional
+        Options of the store writer (``overwrite``, ``resume``, ``compression``,
+        ``chunk_rows``, ``shard_bytes``, ``provenance``, ...), see
+        :class:`activationscope.store.StoreWriter`.
+    storage_dtype : torch.dtype, optional
+        Cast stored activations (e.g. ``torch.bfloat16`` to halve memory and disk).
+    capture_parameters : bool, default False
+        Snapshot the model's parameters when the tracker attaches
+        (``tracker.parameters``).
+    include, exclude : list of str, optional
+        Default fnmatch patterns of modules for :meth:`track`.
+
+    Raises
+    ------
+    TypeError
+        ``capture=`` given a CapturePolicy (use ``capture_policy=``).
+    ValueError
+        An unknown policy, side or non-positive ``sample_every`` / ``max_k``.
+
+    Example
+    -------
+    >>> with ActivationScope().track(model) as tracker:   # doctest: +SKIP
+    ...     out = model(x)
+    >>> tracker.activations["0.output"][0].shape          # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        *,
+        capture: str = "output",
+        capture_policy: CapturePolicy | str = CapturePolicy.EVERY,
+        sample_every: int = 1,
+        max_k: int | None = None,
+        capture_mode: CaptureMode | str = CaptureMode.SNAPSHOT,
+        storage: StoragePolicy | str = StoragePolicy.AUTO,
+        reduction_policy: ReductionPolicy | str = ReductionPolicy.STORE_ALL,
+        reductions: Sequence[Any] | Mapping[str, Sequence[Any]] | None = None,
+        store: Any = None,
+        store_options: Mapping[str, Any] | None = None,
+        storage_dtype: torch.dtype | None = None,
+        capture_parameters: bool = False,
+        include: Iterable[str] | None = None,
+        exclude: Iterable[str] | None = None,
+    ) -> None:
+        self.capture = _parse_capture(capture)
+        self.capture_policy = _parse_enum(capture_policy, CapturePolicy, "capture_policy")
+        self.capture_mode = _parse_enum(capture_mode, CaptureMode, "capture_mode")
+        self.storage = _parse_enum(storage, StoragePolicy, "storage")
+        self.reduction_policy = _parse_enum(reduction_policy, ReductionPolicy, "reduction_policy")
+        if not isinstance(sample_every, int) or sample_every < 1:
+            raise ValueError(f"sample_every must be a positive int, got {sample_every!r}")
+        if self.capture_policy is CapturePolicy.MAX_K:
+            if not isinstance(max_k, int) or max_k < 0:
+                raise ValueError(f"capture_policy=CapturePolicy.MAX_K needs max_k= a non-negative int, got {max_k!r}")
+        if storage_dtype is not None and not isinstance(storage_dtype, torch.dtype):
+            raise TypeError(f"storage_dtype must be a torch.dtype, got {storage_dtype!r}")
+        if self.storage is StoragePolicy.DISK and store is None:
+            raise ValueError("storage=StoragePolicy.DISK needs store= (a path, URL or zarr store) to write into")
+        if store is not None and self.storage is StoragePolicy.AUTO:
+            self.storage = StoragePolicy.DISK
+        self.sample_every = sample_every
+        self.max_k = max_k
+        self.reductions = reductions
+        self.store = store
+        self.store_options = dict(store_options or {})
+        self.storage_dtype = storage_dtype
+        self.capture_parameters = bool(capture_parameters)
+        self.include = normalize_patterns(include, "include")
+        self.exclude = normalize_patterns(exclude, "exclude")
+        if reductions is not None:
+            from . import reductions as _red
+
+            _red.validate_reductions(reductions)
+
+    def config(self) -> dict[str, Any]:
+        """The capture configuration as plain JSON-able values (stored as provenance)."""
+        return {
+            "capture": self.capture,
+            "capture_policy": self.capture_policy.name,
+            "sample_every": self.sample_every,
+            "max_k": self.max_k,
+            "capture_mode": self.capture_mode.name,
+            "storage": self.storage.name,
+            "reduction_policy": self.reduction_policy.name,
+            "storage_dtype": None if self.storage_dtype is None else str(self.storage_dtype).replace("torch.", ""),
+            "include": self.include,
+            "exclude": self.exclude,
+        }
+
+    def track(
+        self,
+        model: torch.nn.Module,
+        include: Iterable[str] | None = None,
+        exclude: Iterable[str] | None = None,
+        capture: str | None = None,
+    ) -> "Tracker":
+        """Make a tracker for ``model`` (attached on ``__enter__`` or :meth:`Tracker.attach`).
+
+        Parameters
+        ----------
+        model : torch.nn.Module
+        include, exclude : list of str, optional
+            fnmatch patterns on ``named_modules()`` names; override the scope's.
+        capture : {"output", "input", "both"}, optional
+            Override the scope's side.
+
+        Raises
+        ------
+        HookPointNotFoundError
+            A pattern matches no module.
+        """
+        side = self.capture if capture is None else _parse_capture(capture)
+        inc = normalize_patterns(include, "include") if include is not None else self.include
+        exc = normalize_patterns(exclude, "exclude") if exclude is not None else self.exclude
+        modules = select_modules(model, inc, exc)
+        return Tracker(self, model, modules, side)
+
+
+class Tracker:
+    """Captures activations of one model; made by :meth:`ActivationScope.track`.
+
+    Use it as a context manager (attach on enter; on exit remove exactly its own wrappers,
+    also when the body raises, and close the store) or call :meth:`attach` /
+    :meth:`remove` yourself.
+    """
+
+    def __init__(self, scope: ActivationScope, model: torch.nn.Module,
+                 modules: list[tuple[str, torch.nn.Module]], side: str) -> None:
+        self.scope = scope
+        self.model = model
+        self._modules = modules
+        self._side = side
+        self._core = _C.TrackerCore(self._on_new_hook_point, self._on_forward_start, self._on_forward_end)
+        self._core.policy = _POLICY_CODE[scope.capture_policy]
+        self._core.sample_every = scope.sample_every
+        self._core.max_k = -1 if scope.max_k is None else scope.max_k
+        self._arena = _C.Arena()
+        self._sinks: dict[str, Any] = {}
+        self._reduction_names: dict[str, list[str]] = {}
+        self._installed: list[tuple[torch.nn.Module, Any, Any]] = []
+        self._attached = False
+        self._closed = False
+        self._pending_batch: dict[str, Any] | None = None
+        self._batch: dict[str, Any] | None = None
+        self._n_samples = 0
+        self.parameters: dict[str, torch.Tensor] = {}
+        self.writer = None
+        self._reference_mode = scope.capture_mode is CaptureMode.REFERENCE
+        self._red_factories = None
+        if scope.reductions is not None:
+            from . import reductions as _red
+
+            self._red_factories = _red
+        self._in_memory = scope.storage is not StoragePolicy.DISK
+
+    # ------------------------------------------------------------------ lifecycle
+    def attach(self) -> "Tracker":
+        """Install the native wrappers on every selected module (idempotent).
+
+        Raises
+        ------
+        ActivationScopeError
+            The tracker was already closed (a store tracker cannot be re-attached).
+        """
+        if self._attached:
+            return self
+        if self._closed and self.writer is not None:
+            raise ActivationScopeError("this tracker's store is closed; make a new tracker with resume=True to add rows")
+        if self.scope.store is not None and self.writer is None:
+            from .store import StoreWriter
+
+            self.writer = StoreWriter(
+                self.scope.store,
+                capture_config=self.scope.config(),
+                model=self.model,
+                storage_dtype=self.scope.storage_dtype,
+                **self.scope.store_options,
+            )
+        if self.scope.capture_parameters:
+            with torch.no_grad():
+                self.parameters = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+        cap_in = self._side in ("input", "both")
+        cap_out = self._side in ("output", "both")
+        root_done = False
+        try:
+            for name, module in self._modules:
+                is_root = module is self.model
+                root_done = root_done or is_root
+                self._install(module, _C.Site(self._core, name, cap_in, cap_out, is_root))
+            if not root_done:
+                # the root is wrapped with no capture of its own to see forward boundaries
+                self._install(self.model, _C.Site(self._core, "", False, False, True))
+        except BaseException:
+            self._uninstall_all()
+            raise
+        self._core.active = True
+        self._attached = True
+        return self
+
+    def _install(self, module: torch.nn.Module, site: Any) -> None:
+        current = module.__dict__.get("forward")
+        if isinstance(current, _C.ForwardWrapper):
+            current.add_site(site)
+            wrapper = current
+        else:
+            wrapper = _C.ForwardWrapper(module.forward)
+            wrapper.__wrapped__ = module.forward  # inspect.signature() sees the real forward
+            wrapper._acs_prior = current  # an instance-level forward set by someone else
+            wrapper.add_site(site)
+            object.__setattr__(module, "forward", wrapper)
+        self._installed.append((module, wrapper, site))
+
+    def _uninstall_all(self) -> None:
+        while self._installed:
+            module, wrapper, site = self._installed.pop()
+            wrapper.remove_site(site)
+            if wrapper.n_sites == 0 and module.__dict__.get("forward") is wrapper:
+                prior = getattr(wrapper, "_acs_prior", None)
+                if prior is None:
+                    object.__delattr__(module, "forward")
+                else:
+                    object.__setattr__(module, "forward", prior)
+
+    def remove(self) -> None:
+        """Remove exactly this tracker's wrappers and close its store (if any).
+
+        Records stay readable. After ``remove()`` a store tracker's store is complete.
+        """
+        self._detach()
+        self._finish(status="complete")
+
+    def _detach(self) -> None:
+        self._core.active = False
+        self._uninstall_all()
+        self._attached = False
+
+    def _finish(self, status: str, exc: BaseException | None = None) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.writer is not None:
+            if exc is None:
+                self._write_reductions()
+                self.writer.close(status=status)
+            else:
+                self.writer.abort(exc)
+
+    def __enter__(self) -> "Tracker":
+        return self.attach()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._detach()
+        self._finish(status="complete" if exc is None else "incomplete", exc=exc)
+        if self._reference_mode:
+            self._warn_changed(all_records=True)
+
+    def clear(self) -> None:
+        """Drop every in-memory record (reductions are kept)."""
+        for sink in self._sinks.values():
+            sink.clear_records()
+        self._arena.reset()
+
+    # ------------------------------------------------------------------ batch context
+    def set_batch(
+        self,
+        attention_mask: torch.Tensor | None = None,
+        sample_ids: Sequence[int] | torch.Tensor | None = None,
+        **columns: Any,
+    ) -> None:
+        """Describe the next forward's batch (sticky until changed).
+
+        Parameters
+        ----------
+        attention_mask : Tensor, (batch, pos), bool or 0/1 integers, any device, optional
+            Real tokens. Hook points whose activation starts with ``(batch, pos)`` then
+            store one row per real token (padding never enters the store or the
+            reductions); other hook points store one row per sample.
+        sample_ids : sequence of int or Tensor (batch,), optional
+            Ids of the samples (default: a running counter over captured samples).
+        **columns
+            Per-sample user columns for the row table (labels, text, ...), each of length
+            ``batch``; token columns (e.g. ``token_ids``) of shape (batch, pos) are taken
+            at the real tokens.
+
+        Raises
+        ------
+        ValueError
+            A mask that is not 2-D, or columns whose length is not the batch size.
+        """
+        mask = None
+        if attention_mask is not None:
+            if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
+                raise ValueError(
+                    "attention_mask must be a (batch, pos) tensor, got "
+                    f"{getattr(attention_mask, 'shape', type(attention_mask).__name__)}"
+                )
+            mask = attention_mask.detach().to(torch.bool).contiguous()
+        n = None if mask is None else mask.shape[0]
+        for key, col in columns.items():
+            length = len(col)
+            if n is None:
+                n = length
+            if length != n:
+                raise ValueError(f"column {key!r} has {length} entries, expected the batch size {n}")
+        if sample_ids is not None and n is not None and len(sample_ids) != n:
+            raise ValueError(f"sample_ids has {len(sample_ids)} entries, expected the batch size {n}")
+        self._core.token_mask = mask if mask is not None else torch.Tensor()
+        self._pending_batch = {"attention_mask": mask, "sample_ids": sample_ids, "columns": columns}
+
+    # ------------------------------------------------------------------ callbacks (cold path)
+    def _on_new_hook_point(self, name: str, tensor: torch.Tensor) -> Any:
+        scope = self.scope
+        mask = self._pending_batch["attention_mask"] if self._pending_batch else None
+        token = (
+            mask is not None and tensor.dim() >= 2 and tuple(tensor.shape[:2]) == tuple(mask.shape)
+        )
+        keep = _KEEP_CODE[scope.reduction_policy]
+        if not self._in_memory:
+            keep = 2
+        sink = _C.Sink(
+            name,
+            snapshot=scope.capture_mode is CaptureMode.SNAPSHOT,
+            keep=keep,
+            placement=_PLACEMENT_CODE[scope.storage],
+            storage_dtype=scope.storage_dtype,
+            arena=self._arena,
+            row_kind=1 if token else -1,
+        )
+        if self._red_factories is not None:
+            names = []
+            for red_name, reduction in self._red_factories.reductions_for(scope.reductions, name):
+                sink.add_reduction(reduction)
+                names.append(red_name)
+            self._reduction_names[name] = names
+        if self.writer is not None:
+            feature_shape = tuple(tensor.shape[2:] if token else tensor.shape[1:]) if tensor.dim() else ()
+            dtype = scope.storage_dtype or tensor.dtype
+            sink.set_writer(
+                self.writer.open_array(name, feature_shape, dtype, "token" if token else "sample")
+            )
+        self._sinks[name] = sink
+        return sink
+
+    def _on_forward_start(self) -> None:
+        if self._pending_batch is not None:
+            self._batch = self._pending_batch
+        else:
+            self._batch = None
+
+    def _on_forward_end(self) -> None:
+        if not self._core.capturing:
+            return
+        batch = self._batch or {}
+        n = self._core.batch_size
+        mask = batch.get("attention_mask")
+        if mask is not None:
+            n = mask.shape[0]
+        if n < 0:
+            n = 0
+        if self.writer is not None:
+            ids = batch.get("sample_ids")
+            if ids is None:
+                ids = torch.arange(self._n_samples, self._n_samples + n)
+            self.writer.add_batch(
+                n_samples=n, sample_ids=ids, token_mask=mask, columns=batch.get("columns") or {}
+            )
+            self.writer.maybe_commit()
+        self._n_samples += n
+        if self._reference_mode:
+            self._warn_changed(all_records=False)
+
+    def _warn_changed(self, all_records: bool) -> None:
+        for name, sink in self._sinks.items():
+            if sink.reference_changed(all_records):
+                warnings.warn(
+                    f"hook point {name!r}: a tensor kept by CaptureMode.REFERENCE was changed in place "
+                    "after it was captured (its version counter moved), so the record no longer holds the "
+                    "value at capture time; use CaptureMode.SNAPSHOT (the default) for this model",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+
+    # ------------------------------------------------------------------ results
+    @property
+    def hook_points(self) -> list[str]:
+        """Names of the hook points captured so far, in order of first capture."""
+        return list(self._sinks)
+
+    @property
+    def activations(self) -> dict[str, list[torch.Tensor]]:
+        """``{hook_point: [Tensor per captured call]}`` kept in memory.
+
+        Each tensor has the activation's own shape and dtype (``storage_dtype`` if given),
+        on the host (or the activation's device with ``StoragePolicy.GPU``). SNAPSHOT records
+        are the tracker's own copies (views into its staging arena, alive as long as you
+        hold them); REFERENCE records are the model's tensors, detached. Empty with
+        ``StoragePolicy.DISK`` (read the store) and ``ReductionPolicy.STREAMING``.
+        """
+        if self._reference_mode:
+            self._warn_changed(all_records=True)
+        return {name: sink.records() for name, sink in self._sinks.items()}
+
+    @property
+    def reductions(self) -> dict[str, dict[str, torch.Tensor]]:
+        """``{hook_point: {reduction name: Tensor}}``: current values of the reductions.
+
+        The main value of a reduction is under its name (``"mean"``, ``"var"``); other
+        outputs of the same reduction under ``"<name>.<key>"`` (``"var.count"``).
+        """
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for name, sink in self._sinks.items():
+            names = self._reduction_names.get(name, [])
+            if not names:
+                continue
+            out[name] = {}
+            for red_name, red in zip(names, sink.reductions):
+                out[name].update(_flatten_result(red_name, red))
+        return out
+
+    def reduction_objects(self, hook_point: str) -> dict[str, Any]:
+        """The live reduction objects of one hook point (for ``state()`` / ``merge()``)."""
+        sink = self._sinks[hook_point]
+        return dict(zip(self._reduction_names.get(hook_point, []), sink.reductions))
+
+    def _write_reductions(self) -> None:
+        for name, sink in self._sinks.items():
+            for red_name, red in zip(self._reduction_names.get(name, []), sink.reductions):
+                self.writer.add_reductions(name, red_name, red)
+
+    @property
+    def n_forwards(self) -> int:
+        """Forwards of the tracked model seen while attached (captured or not)."""
+        return self._core.n_forwards
+
+    def __repr__(self) -> str:
+        state = "attached" if self._attached else "detached"
+        return f"<Tracker {type(self.model).__name__} {len(self._modules)} modules, {len(self._sinks)} hook points, {state}>"
+
+
+def _flatten_result(name: str, reduction: Any) -> dict[str, torch.Tensor]:
+    result = reduction.result()
+    out: dict[str, torch.Tensor] = {}
+    main_key = reduction.kind if reduction.kind in result else ("value" if "value" in result else None)
+    if main_key is None and len(result) == 1:
+        main_key = next(iter(result))
+    for key, value in result.items():
+        out[name if key == main_key else f"{name}.{key}"] = value
+    return out

@@ -1,0 +1,139 @@
+#include "staging_pool.h"
+
+#include <c10/core/Allocator.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdlib>
+#include <mutex>
+#include <new>
+#include <thread>
+#include <vector>
+
+namespace acs {
+
+namespace {
+
+struct Pool {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<void*> free_slabs;
+  int64_t cap = -1;
+  bool prefault = true;
+  int want = 0;  // slabs the background thread should prepare
+  bool thread_started = false;
+  pid_t owner = 0;
+};
+
+Pool& pool() {
+  static Pool* p = new Pool();  // leaked on purpose: outlives every storage
+  if (p->owner != getpid()) {
+    // First use, or a child after fork: the parent's thread and lock state are gone.
+    new (p) Pool();
+    p->owner = getpid();
+    const char* env = std::getenv("ACS_STAGING_POOL_BYTES");
+    p->cap = env ? std::atoll(env) : (int64_t(1) << 30);
+  }
+  return *p;
+}
+
+void* map_slab() {
+  void* ptr = mmap(nullptr, kSlabBytes, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+  if (ptr == MAP_FAILED) throw std::bad_alloc();
+  return ptr;
+}
+
+void release_slab(void* ptr) {
+  Pool& p = pool();
+  {
+    std::lock_guard<std::mutex> lock(p.mu);
+    if (int64_t(p.free_slabs.size() + 1) * kSlabBytes <= p.cap) {
+      p.free_slabs.push_back(ptr);
+      return;
+    }
+  }
+  munmap(ptr, kSlabBytes);
+}
+
+void background_loop() {
+  Pool& p = pool();
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lock(p.mu);
+      p.cv.wait(lock, [&] { return p.want > 0; });
+      --p.want;
+      if (int64_t(p.free_slabs.size() + 1) * kSlabBytes > p.cap) continue;
+    }
+    void* ptr = nullptr;
+    try {
+      ptr = map_slab();
+    } catch (...) {
+      continue;
+    }
+    release_slab(ptr);
+  }
+}
+
+}  // namespace
+
+c10::Storage acquire_slab() {
+  Pool& p = pool();
+  void* ptr = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(p.mu);
+    if (!p.free_slabs.empty()) {
+      ptr = p.free_slabs.back();
+      p.free_slabs.pop_back();
+    }
+    if (p.prefault && p.cap >= kSlabBytes && p.free_slabs.empty()) {
+      if (!p.thread_started) {
+        std::thread(background_loop).detach();
+        p.thread_started = true;
+      }
+      p.want = 1;
+      p.cv.notify_one();
+    }
+  }
+  if (!ptr) ptr = map_slab();
+  c10::DataPtr data(ptr, ptr, &release_slab, c10::Device(c10::DeviceType::CPU));
+  return c10::Storage(c10::Storage::use_byte_size_t(), kSlabBytes, std::move(data),
+                      /*allocator=*/nullptr, /*resizable=*/false);
+}
+
+void set_pool_cap_bytes(int64_t cap) {
+  Pool& p = pool();
+  {
+    std::lock_guard<std::mutex> lock(p.mu);
+    p.cap = cap;
+  }
+  if (cap <= 0) trim_pool();
+}
+
+int64_t pool_cap_bytes() { return pool().cap; }
+
+int64_t pooled_bytes() {
+  Pool& p = pool();
+  std::lock_guard<std::mutex> lock(p.mu);
+  return int64_t(p.free_slabs.size()) * kSlabBytes;
+}
+
+void trim_pool() {
+  Pool& p = pool();
+  std::vector<void*> slabs;
+  {
+    std::lock_guard<std::mutex> lock(p.mu);
+    slabs.swap(p.free_slabs);
+  }
+  for (void* s : slabs) munmap(s, kSlabBytes);
+}
+
+void set_prefault(bool enabled) {
+  Pool& p = pool();
+  std::lock_guard<std::mutex> lock(p.mu);
+  p.prefault = enabled;
+}
+
+}  // namespace acs
