@@ -60,8 +60,10 @@ __all__ = [
     "make_reduction",
     "merge_states",
     "pca",
+    "reductions_for",
     "resolve_reductions",
     "script_reduction",
+    "validate_reductions",
 ]
 
 #: Names of the built-in reductions (``make_reduction("var")`` ...).
@@ -556,6 +558,57 @@ def resolve_reductions(
         seen[f.name] = pattern
         out.append((f.name, f))
     return out
+
+
+def validate_reductions(reductions: Union[Sequence[Any], Mapping[str, Sequence[Any]], None]) -> None:
+    """Check every spec of a scope's ``reductions=`` argument, before any capture.
+
+    Parameters
+    ----------
+    reductions : list of specs, or dict {fnmatch pattern: list of specs}, or None
+        As for :func:`resolve_reductions`.
+
+    Raises
+    ------
+    ReductionError
+        The first invalid spec (unknown name, option, signature, ``.pt`` file), a pattern
+        that is not a string, or two reductions with the same name in one list.
+    """
+    if reductions is None:
+        return
+    if isinstance(reductions, Mapping):
+        groups = []
+        for pattern, specs in reductions.items():
+            if not isinstance(pattern, str):
+                raise ReductionError(f"reduction patterns must be str (fnmatch), got {pattern!r}")
+            groups.append((pattern, specs))
+    elif isinstance(reductions, (str, bytes)) or not isinstance(reductions, Iterable):
+        raise ReductionError(
+            f"reductions must be a list of specs or a dict {{pattern: list of specs}}, got {reductions!r}"
+        )
+    else:
+        groups = [("*", reductions)]
+    for pattern, specs in groups:
+        seen: set[str] = set()
+        for item in _as_list(specs):
+            name = _factory(item).name
+            if name in seen:
+                raise ReductionError(
+                    f"two reductions named {name!r} for pattern {pattern!r}; name one with (name, spec)"
+                )
+            seen.add(name)
+
+
+def reductions_for(
+    reductions: Union[Sequence[Any], Mapping[str, Sequence[Any]], None], hook_point: str
+) -> list[tuple[str, ReductionLike]]:
+    """Fresh reductions for one hook point: ``[(name, reduction), ...]``.
+
+    Same rules as :func:`resolve_reductions`, with each factory called once. The objects are
+    native ``_C.Reduction``s except :class:`EagerReduction` (TorchScript fallback), which
+    must be updated from Python.
+    """
+    return [(name, factory()) for name, factory in resolve_reductions(reductions, hook_point)]
 
 
 def _as_list(specs: Any) -> list:

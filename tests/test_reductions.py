@@ -651,3 +651,23 @@ def test_docs_examples_run(tmp_path, monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error", DeprecationWarning)
         runpy.run_path(str(script), run_name="__docs__")
+
+
+def test_validate_reductions_and_reductions_for():
+    R.validate_reductions(None)
+    R.validate_reductions(["mean", ("h", "hist", {"lo": 0, "hi": 1}), running_max])
+    R.validate_reductions({"enc.*": ["var"], "*": ["mean"]})
+    with pytest.raises(ReductionError, match="two reductions named 'var'"):
+        R.validate_reductions(["var", "var"])
+    with pytest.raises(ReductionError, match="list of specs"):
+        R.validate_reductions("mean")
+    with pytest.raises(ReductionError, match="patterns must be str"):
+        R.validate_reductions({3: ["mean"]})
+    with pytest.raises(ReductionError, match="did you mean 'topk'"):
+        R.validate_reductions({"*": ["top_k"]})
+    got = R.reductions_for({"enc.*": ["var", running_max]}, "enc.1")
+    assert [n for n, _ in got] == ["var", "running_max"]
+    assert all(isinstance(r, R.Reduction) for _, r in got)
+    a, b = R.reductions_for(["mean"], "x")[0][1], R.reductions_for(["mean"], "x")[0][1]
+    a.update(torch.ones(1, 2))
+    assert int(b.result()["count"]) == 0  # fresh objects per call
