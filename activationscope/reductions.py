@@ -210,8 +210,8 @@ def _pt_for(obj: Any) -> Optional[tuple[Path, bool]]:
 # ---------------------------------------------------------------------------- eager fallback
 
 
-class EagerReduction:
-    """A custom reduction run as Python, with the methods of a native ``Reduction``.
+class EagerReduction(_C.Reduction):
+    """A custom reduction run as Python, a subclass of the native ``Reduction``.
 
     Used when TorchScript cannot compile the function (or is unavailable). Each ``update``
     calls the Python function once, holding the GIL: correct, but slower than the native path.
@@ -227,6 +227,7 @@ class EagerReduction:
     kind = "eager"
 
     def __init__(self, fn: Callable, options: Optional[Mapping[str, float]] = None):
+        super().__init__()
         self._fn = fn
         self._options = dict(options or {})
         self._acc: Optional[torch.Tensor] = None

@@ -476,7 +476,10 @@ class Tracker:
         )
         if self._red_factories is not None:
             names = []
-            for red_name, reduction in self._red_factories.reductions_for(scope.reductions, name):
+            for red_name, factory in self._red_factories.resolve_reductions(scope.reductions, name):
+                reduction = factory()
+                script = factory.script_path()
+                reduction.script_path = None if script is None else str(script)
                 sink.add_reduction(reduction)
                 names.append(red_name)
             self._reduction_names[name] = names

@@ -252,6 +252,62 @@ class ForwardWrapper {
   std::vector<std::shared_ptr<Site>> sites_;
 };
 
+// Reductions written in Python (the eager fallback of custom reductions) subclass
+// _C.Reduction; the sink calls them without the GIL, so each call takes it back.
+class PyReduction : public Reduction {
+ public:
+  void update(const at::Tensor& rows, int64_t row_offset) override {
+    py::gil_scoped_acquire gil;
+    method("update")(rows, row_offset);
+  }
+  void merge(const Reduction& other) override {
+    py::gil_scoped_acquire gil;
+    method("merge")(py::cast(&other, py::return_value_policy::reference));
+  }
+  NamedTensors result() const override {
+    py::gil_scoped_acquire gil;
+    return to_named(method("result")());
+  }
+  NamedTensors state() const override {
+    py::gil_scoped_acquire gil;
+    return to_named(method("state")());
+  }
+  void load_state(const NamedTensors& st) override {
+    py::gil_scoped_acquire gil;
+    py::dict d;
+    for (const auto& kv : st) d[py::str(kv.first)] = kv.second;
+    method("load_state")(d);
+  }
+  std::shared_ptr<Reduction> fresh() const override {
+    py::gil_scoped_acquire gil;
+    return method("fresh")().cast<std::shared_ptr<Reduction>>();
+  }
+  std::string kind() const override {
+    py::gil_scoped_acquire gil;
+    return py::str(py::getattr(self(), "kind")).cast<std::string>();
+  }
+  ReductionOptions options() const override {
+    py::gil_scoped_acquire gil;
+    py::object o = py::getattr(self(), "options");
+    if (PyCallable_Check(o.ptr())) o = o();
+    return o.cast<ReductionOptions>();
+  }
+
+ private:
+  py::object self() const { return py::cast(static_cast<const Reduction*>(this)); }
+  py::function method(const char* name) const {
+    py::function f = py::get_override(static_cast<const Reduction*>(this), name);
+    TORCH_CHECK(f, "Python reduction does not implement ", name, "()");
+    return f;
+  }
+  static NamedTensors to_named(const py::object& d) {
+    NamedTensors out;
+    for (auto item : py::reinterpret_borrow<py::dict>(d))
+      out.emplace_back(item.first.cast<std::string>(), item.second.cast<at::Tensor>());
+    return out;
+  }
+};
+
 at::ScalarType to_scalar_type(py::handle dtype) {
   TORCH_CHECK(THPDtype_Check(dtype.ptr()), "expected a torch.dtype, got ",
               py::str(py::type::of(dtype)).cast<std::string>());
@@ -389,7 +445,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("original", &ForwardWrapper::original);
 
   // ---------------------------------------------------------------- reductions
-  py::class_<Reduction, std::shared_ptr<Reduction>>(m, "Reduction")
+  py::class_<Reduction, PyReduction, std::shared_ptr<Reduction>>(m, "Reduction", py::dynamic_attr())
+      .def(py::init<>())
       .def("update", &Reduction::update, py::arg("rows"), py::arg("row_offset") = 0,
            py::call_guard<py::gil_scoped_release>())
       .def("merge", &Reduction::merge, py::arg("other"), py::call_guard<py::gil_scoped_release>())
