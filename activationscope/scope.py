@@ -285,6 +285,7 @@ class Tracker:
         self._arena = _C.Arena()
         self._sinks: dict[str, Any] = {}
         self._reduction_names: dict[str, list[str]] = {}
+        self._reduction_objects: dict[str, list[Any]] = {}
         self._installed: list[tuple[torch.nn.Module, Any, Any]] = []
         self._attached = False
         self._closed = False
@@ -475,14 +476,16 @@ class Tracker:
             row_kind=1 if token else -1,
         )
         if self._red_factories is not None:
-            names = []
+            names, objects = [], []
             for red_name, factory in self._red_factories.resolve_reductions(scope.reductions, name):
                 reduction = factory()
                 script = factory.script_path()
                 reduction.script_path = None if script is None else str(script)
                 sink.add_reduction(reduction)
                 names.append(red_name)
+                objects.append(reduction)  # keeps Python subclasses (eager reductions) alive
             self._reduction_names[name] = names
+            self._reduction_objects[name] = objects
         if self.writer is not None:
             feature_shape = tuple(tensor.shape[2:] if token else tensor.shape[1:]) if tensor.dim() else ()
             dtype = scope.storage_dtype or tensor.dtype
@@ -564,18 +567,17 @@ class Tracker:
             if not names:
                 continue
             out[name] = {}
-            for red_name, red in zip(names, sink.reductions):
+            for red_name, red in zip(names, self._reduction_objects[name]):
                 out[name].update(_flatten_result(red_name, red))
         return out
 
     def reduction_objects(self, hook_point: str) -> dict[str, Any]:
         """The live reduction objects of one hook point (for ``state()`` / ``merge()``)."""
-        sink = self._sinks[hook_point]
-        return dict(zip(self._reduction_names.get(hook_point, []), sink.reductions))
+        return dict(zip(self._reduction_names.get(hook_point, []), self._reduction_objects.get(hook_point, [])))
 
     def _write_reductions(self) -> None:
-        for name, sink in self._sinks.items():
-            for red_name, red in zip(self._reduction_names.get(name, []), sink.reductions):
+        for name in self._sinks:
+            for red_name, red in zip(self._reduction_names.get(name, []), self._reduction_objects.get(name, [])):
                 self.writer.add_reductions(name, red_name, red)
 
     @property

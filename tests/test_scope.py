@@ -1,0 +1,677 @@
+"""ActivationScope / Tracker: every captured value is compared with a plain-PyTorch reference
+(``register_forward_hook`` / ``register_forward_pre_hook`` that clone)."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import sys
+import threading
+import warnings
+from collections import defaultdict
+from typing import Optional
+
+import pytest
+import torch
+import torch.utils.checkpoint
+
+import activationscope
+import activationscope as acs
+from activationscope import CaptureMode, CapturePolicy, ReductionPolicy, StoragePolicy
+
+from conftest import SmallCNN, small_transformer, toy_mlp
+
+
+# ----------------------------------------------------------------------------- reference
+def reference_capture(model, run, names=None, side="output"):
+    """Plain Python hooks that clone: {hook point: [tensor per call]} for tensor inputs/outputs."""
+    out = defaultdict(list)
+    handles = []
+    for name, module in model.named_modules():
+        if names is not None and name not in names:
+            continue
+        if names is None and name == "":
+            continue
+        if side in ("input", "both"):
+            def pre(mod, args, _n=name):
+                for i, a in enumerate(args):
+                    if isinstance(a, torch.Tensor):
+                        out[f"{_n}.input.{i}"].append(a.detach().clone())
+            handles.append(module.register_forward_pre_hook(pre))
+        if side in ("output", "both"):
+            def post(mod, args, o, _n=name):
+                if isinstance(o, torch.Tensor):
+                    out[f"{_n}.output"].append(o.detach().clone())
+            handles.append(module.register_forward_hook(post))
+    try:
+        run()
+    finally:
+        for h in handles:
+            h.remove()
+    return dict(out)
+
+
+def assert_same_records(got, want):
+    assert set(want) <= set(got), sorted(set(want) - set(got))
+    for key, tensors in want.items():
+        assert len(got[key]) == len(tensors), key
+        for a, b in zip(got[key], tensors):
+            assert a.dtype == b.dtype and a.shape == b.shape, key
+            assert torch.equal(a, b), key
+
+
+def no_wrappers(model):
+    return all("forward" not in m.__dict__ for m in model.modules())
+
+
+# ----------------------------------------------------------------------------- the seed
+def test_seed_quick_start_verbatim():
+    model = toy_mlp()
+    data = [(torch.randn(4, 16), torch.randn(4, 16)) for _ in range(3)]
+    dataloader = torch.utils.data.DataLoader(data, batch_size=None)
+    loss_fn = torch.nn.MSELoss()
+
+    import activationscope
+
+    with activationscope.ActivationScope().track(model) as tracker:
+        for x, y in dataloader:
+            out = model(x)
+            loss = loss_fn(out, y)
+            loss.backward()
+
+    acts = tracker.activations  # {layer_name: [Tensor, ...]} across all batches
+
+    def run():
+        for x, _ in data:
+            model(x)
+
+    want = reference_capture(model, run)
+    assert set(acts) == set(want)
+    assert_same_records(acts, want)
+    for tensors in acts.values():
+        assert all(not t.requires_grad and t.grad_fn is None for t in tensors)
+    assert no_wrappers(model)
+
+
+@pytest.mark.parametrize("factory,shape", [(toy_mlp, (5, 16)), (SmallCNN, (2, 3, 8, 8))])
+def test_models_both_sides_equal_reference(factory, shape):
+    model = factory().eval()
+    xs = [torch.randn(*shape) for _ in range(2)]
+    with acs.ActivationScope(capture="both").track(model) as tracker:
+        for x in xs:
+            model(x)
+    want = reference_capture(model, lambda: [model(x) for x in xs], side="both")
+    assert_same_records(tracker.activations, want)
+
+
+def test_transformer_encoder_equals_reference(transformer):
+    x = torch.randn(3, 5, 16)
+    with acs.ActivationScope().track(transformer, include=["layers.*"]) as tracker:
+        transformer(x)
+    names = {n for n, _ in transformer.named_modules() if n.startswith("layers.")}
+    want = reference_capture(transformer, lambda: transformer(x), names=names)
+    assert_same_records(tracker.activations, want)
+    assert "layers.0.self_attn.output.0" in tracker.activations  # attention returns a tuple
+
+
+# ----------------------------------------------------------------------------- arguments
+def test_capture_policy_passed_as_capture_raises_typeerror():
+    with pytest.raises(TypeError, match="capture_policy=CapturePolicy.SAMPLE_N"):
+        acs.ActivationScope(capture=CapturePolicy.SAMPLE_N)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"capture": "outputs"}, "capture must be one of"),
+        ({"capture_policy": "sometimes"}, "capture_policy must be one of"),
+        ({"capture_mode": "deep"}, "capture_mode must be one of"),
+        ({"storage": "tape"}, "storage must be one of"),
+        ({"reduction_policy": "all"}, "reduction_policy must be one of"),
+        ({"sample_every": 0}, "sample_every must be a positive int"),
+        ({"capture_policy": CapturePolicy.MAX_K}, "needs max_k="),
+        ({"storage": StoragePolicy.DISK}, "needs store="),
+    ],
+)
+def test_bad_arguments_name_the_argument(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        acs.ActivationScope(**kwargs)
+
+
+def test_policies_accept_strings():
+    scope = acs.ActivationScope(capture_policy="sample_n", capture_mode="reference", storage="cpu")
+    assert scope.capture_policy is CapturePolicy.SAMPLE_N
+    assert scope.capture_mode is CaptureMode.REFERENCE
+    assert scope.storage is StoragePolicy.CPU
+
+
+def test_include_pattern_matching_nothing_names_the_pattern(mlp):
+    with pytest.raises(acs.HookPointNotFoundError, match="'encoder.*' matches no module"):
+        acs.ActivationScope().track(mlp, include=["encoder.*"])
+    with pytest.raises(KeyError):  # also the natural builtin
+        acs.ActivationScope().track(mlp, include=["nope"])
+
+
+def test_exclude_everything_is_an_error(mlp):
+    with pytest.raises(acs.HookPointNotFoundError, match="leave no module"):
+        acs.ActivationScope().track(mlp, exclude=["*"])
+
+
+def test_include_exclude_select_modules(mlp):
+    x = torch.randn(2, 16)
+    with acs.ActivationScope().track(mlp, include=["0", "2", "4", "1"], exclude=["1"]) as tr:
+        mlp(x)
+    assert tr.hook_points == ["0.output", "2.output", "4.output"]
+
+
+def test_track_overrides_capture_side(mlp):
+    with acs.ActivationScope(capture="output").track(mlp, include=["0"], capture="input") as tr:
+        mlp(torch.randn(2, 16))
+    assert tr.hook_points == ["0.input.0"]
+
+
+def test_wrong_reduction_signature_raises_at_construction():
+    def bad(x):
+        return x
+
+    with pytest.raises(acs.ReductionError, match="bad"):
+        acs.ActivationScope(reductions=[bad])
+    with pytest.raises(acs.ReductionError, match="unknown|mean"):
+        acs.ActivationScope(reductions=["meen"])
+
+
+def test_set_batch_validates(mlp):
+    tr = acs.ActivationScope().track(mlp)
+    with pytest.raises(ValueError, match="attention_mask must be a \\(batch, pos\\)"):
+        tr.set_batch(attention_mask=torch.ones(3))
+    with pytest.raises(ValueError, match="column 'label' has 2 entries, expected the batch size 3"):
+        tr.set_batch(attention_mask=torch.ones(3, 4), label=[0, 1])
+
+
+# ----------------------------------------------------------------------------- structured I/O
+@dataclasses.dataclass
+class Out:
+    hidden: torch.Tensor
+    extra: Optional[torch.Tensor] = None
+    note: str = "x"
+
+
+class Structured(torch.nn.Module):
+    def forward(self, x, *, scale=None, bias=0.0):
+        y = x * 2
+        s = x if scale is None else x * scale
+        return (y, [s, None], {"k": y + 1, "text": "hello"}, Out(hidden=y - 1))
+
+
+def test_structured_outputs_are_flattened_into_named_leaves():
+    m = torch.nn.Sequential(Structured())
+    x = torch.randn(2, 3)
+    with acs.ActivationScope().track(m) as tr:
+        m[0](x)
+    acts = tr.activations
+    assert sorted(acts) == sorted(["0.output.0", "0.output.1.0", "0.output.2.k", "0.output.3.hidden"])
+    assert torch.equal(acts["0.output.0"][0], x * 2)
+    assert torch.equal(acts["0.output.1.0"][0], x)
+    assert torch.equal(acts["0.output.2.k"][0], x * 2 + 1)
+    assert torch.equal(acts["0.output.3.hidden"][0], x * 2 - 1)
+
+
+def test_namedtuple_output_uses_field_names():
+    from collections import namedtuple
+
+    Pair = namedtuple("Pair", ["left", "right"])
+
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return Pair(x + 1, x - 1)
+
+    model = torch.nn.Sequential(M())
+    x = torch.randn(2, 2)
+    with acs.ActivationScope().track(model) as tr:
+        model(x)
+    assert torch.equal(tr.activations["0.output.left"][0], x + 1)
+    assert torch.equal(tr.activations["0.output.right"][0], x - 1)
+
+
+def test_hf_model_output_optional_fields():
+    mo = pytest.importorskip("transformers.modeling_outputs")
+
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return mo.BaseModelOutputWithPooling(last_hidden_state=x * 3, pooler_output=None)
+
+    model = torch.nn.Sequential(M())
+    x = torch.randn(2, 4, 3)
+    with acs.ActivationScope().track(model) as tr:
+        model(x)
+    assert list(tr.activations) == ["0.output.last_hidden_state"]
+    assert torch.equal(tr.activations["0.output.last_hidden_state"][0], x * 3)
+
+
+def test_keyword_inputs_and_all_keyword_calls():
+    m = torch.nn.Sequential(Structured())
+    x, scale = torch.randn(2, 3), torch.randn(2, 3)
+    with acs.ActivationScope(capture="input").track(m) as tr:
+        m[0](x, scale=scale)
+        m[0](x=x)
+    acts = tr.activations
+    assert torch.equal(acts["0.input.0"][0], x)
+    assert torch.equal(acts["0.input.kw.scale"][0], scale)
+    assert torch.equal(acts["0.input.kw.x"][0], x)  # all-keyword call, no positional input
+    assert len(acts["0.input.kw.scale"]) == 1
+
+
+def test_module_called_several_times_in_one_forward():
+    class Shared(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            a = self.lin(x)
+            b = self.lin(a[:1])  # second call, other shape
+            return self.lin(b) + 1
+
+    torch.manual_seed(0)
+    model = Shared()
+    xs = [torch.randn(3, 4), torch.randn(3, 4)]
+    with acs.ActivationScope().track(model, include=["lin"]) as tr:
+        for x in xs:
+            model(x)
+    acts = tr.activations
+    assert sorted(acts) == ["lin#1.output", "lin#2.output", "lin.output"]
+    for i, x in enumerate(xs):
+        a = model.lin(x)
+        b = model.lin(a[:1])
+        assert torch.equal(acts["lin.output"][i], a)
+        assert torch.equal(acts["lin#1.output"][i], b)
+        assert torch.equal(acts["lin#2.output"][i], model.lin(b))
+    assert acts["lin#1.output"][0].shape == (1, 4)
+
+
+# ----------------------------------------------------------------------------- in-place
+def test_snapshot_is_the_value_at_call_time_despite_inplace_relu(cnn):
+    x = torch.randn(2, 3, 8, 8)
+    with acs.ActivationScope(capture="both").track(cnn) as tr:
+        cnn(x)
+    acts = tr.activations
+    pre = cnn.bn1(cnn.conv1(x))
+    assert torch.equal(acts["bn1.output"][0], pre)  # before relu1 changed it in place
+    assert acts["bn1.output"][0].min() < 0
+    assert torch.equal(acts["relu1.input.0"][0], pre)  # input taken before the module ran
+    assert torch.equal(acts["relu1.output"][0], torch.relu(pre))
+
+
+def test_reference_mode_warns_naming_the_hook_point(cnn):
+    x = torch.randn(2, 3, 8, 8)
+    with pytest.warns(RuntimeWarning, match="'bn1.output'.*changed in place"):
+        with acs.ActivationScope(capture_mode=CaptureMode.REFERENCE).track(cnn, include=["bn1"]) as tr:
+            cnn(x)
+    assert tr.activations["bn1.output"][0].min() >= 0  # the reference saw the in-place ReLU
+
+
+def test_reference_mode_no_warning_without_inplace(mlp):
+    x = torch.randn(2, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with acs.ActivationScope(capture_mode=CaptureMode.REFERENCE).track(mlp) as tr:
+            mlp(x)
+        acts = tr.activations
+    assert torch.equal(acts["0.output"][0], mlp[0](x))
+
+
+# ----------------------------------------------------------------------------- layouts
+class Layouts(torch.nn.Module):
+    def forward(self, x):
+        return (
+            x.t(),  # non-contiguous
+            x[:, None, None, :].expand(x.shape[0], 3, 4, x.shape[1]),  # stride 0
+            x[:, :0],  # zero-size
+            x.reshape(1, 2, x.shape[0] // 2, x.shape[1]).contiguous(memory_format=torch.channels_last),
+        )
+
+
+def test_noncontiguous_expanded_zero_size_channels_last_in_logical_order():
+    m = torch.nn.Sequential(Layouts())
+    x = torch.randn(4, 6)
+    with acs.ActivationScope().track(m) as tr:
+        out = m(x)
+    acts = tr.activations
+    for i, want in enumerate(out):
+        got = acts[f"0.output.{i}"][0]
+        assert got.shape == want.shape and torch.equal(got, want)
+        assert got.is_contiguous()
+    assert acts["0.output.2"][0].numel() == 0
+
+
+def test_empty_batch_is_a_noop(mlp):
+    with acs.ActivationScope().track(mlp, include=["0"]) as tr:
+        mlp(torch.randn(0, 16))
+        mlp(torch.randn(2, 16))
+    assert [t.shape[0] for t in tr.activations["0.output"]] == [2]
+
+
+# ----------------------------------------------------------------------------- autograd modes
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_checkpoint_recompute_is_not_recorded_twice(use_reentrant):
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = block
+            self.head = torch.nn.Linear(8, 1)
+
+        def forward(self, x):
+            h = torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=use_reentrant)
+            return self.head(h)
+
+    net = Net().train()
+    x = torch.randn(4, 8, requires_grad=True)
+    with acs.ActivationScope().track(net, include=["block.0", "head"]) as tr:
+        for _ in range(2):
+            net(x).sum().backward()
+    acts = tr.activations
+    assert len(acts["block.0.output"]) == 2 and len(acts["head.output"]) == 2
+    assert torch.equal(acts["block.0.output"][0], block[0](x).detach())
+    assert all(t.grad_fn is None and not t.requires_grad for t in acts["block.0.output"])
+
+
+@pytest.mark.parametrize("mode", ["train", "no_grad", "inference_mode"])
+def test_grad_modes(mode, mlp):
+    x = torch.randn(3, 16)
+    ctx = {"train": torch.enable_grad, "no_grad": torch.no_grad, "inference_mode": torch.inference_mode}[mode]
+    with acs.ActivationScope().track(mlp) as tr:
+        with ctx():
+            out = mlp(x)
+            if mode == "train":
+                out.sum().backward()
+    want = reference_capture(mlp, lambda: mlp(x))
+    assert_same_records(tr.activations, want)
+
+
+class _Sentinel:
+    pass
+
+
+class _Double(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, sentinel):
+        ctx.sentinel = sentinel  # lives exactly as long as the graph node
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2, None
+
+
+class _WithGraph(torch.nn.Module):
+    def __init__(self, sentinel):
+        super().__init__()
+        self.sentinel = sentinel
+
+    def forward(self, x):
+        return _Double.apply(x, self.sentinel)
+
+
+@pytest.mark.parametrize("mode", [CaptureMode.SNAPSHOT, CaptureMode.REFERENCE])
+def test_records_do_not_keep_the_graph_alive(mode):
+    import weakref
+
+    sentinel = _Sentinel()
+    ref = weakref.ref(sentinel)
+    model = torch.nn.Sequential(_WithGraph(sentinel), torch.nn.Linear(4, 4))
+    x = torch.randn(2, 4, requires_grad=True)
+    with acs.ActivationScope(capture_mode=mode, capture="both").track(model) as tr:
+        out = model(x)
+    model[0].sentinel = None
+    del sentinel
+    assert ref() is not None  # `out` still holds the graph
+    del out
+    gc.collect()
+    assert ref() is None  # the graph died although the tracker holds every record
+    recs = [t for ts in tr.activations.values() for t in ts]
+    assert len(recs) == 4 and all(t.grad_fn is None and not t.requires_grad for t in recs)
+
+
+# ----------------------------------------------------------------------------- policies
+def test_sample_n_and_max_k_count_forwards(mlp):
+    xs = [torch.randn(2, 16) for _ in range(7)]
+    with acs.ActivationScope(capture_policy=CapturePolicy.SAMPLE_N, sample_every=3).track(mlp, include=["0"]) as tr:
+        for x in xs:
+            mlp(x)
+    got = tr.activations["0.output"]
+    assert len(got) == 3
+    for rec, i in zip(got, [0, 3, 6]):
+        assert torch.equal(rec, mlp[0](xs[i]))
+    with acs.ActivationScope(capture_policy="max_k", max_k=2).track(mlp, include=["0"]) as tr:
+        for x in xs:
+            mlp(x)
+    assert [torch.equal(r, mlp[0](x)) for r, x in zip(tr.activations["0.output"], xs)] == [True, True]
+    assert len(tr.activations["0.output"]) == 2
+    assert tr.n_forwards == 7
+
+
+def _rss_bytes():
+    with open("/proc/self/statm") as f:
+        import os
+
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_memory_flat_over_1000_forwards_with_bounded_capture():
+    model = toy_mlp(64, 2)
+    x = torch.randn(32, 64)
+    with acs.ActivationScope(capture="both", capture_policy="max_k", max_k=3).track(model) as tr:
+        for _ in range(50):
+            model(x)
+        before = _rss_bytes()
+        for _ in range(1000):
+            model(x)
+        after = _rss_bytes()
+    assert all(len(v) == 3 for v in tr.activations.values())
+    assert after - before < 8 << 20
+
+
+def test_streaming_keeps_reductions_only(mlp):
+    xs = [torch.randn(3, 16) for _ in range(4)]
+    with acs.ActivationScope(reduction_policy=ReductionPolicy.STREAMING, reductions=["mean", "max"]).track(mlp) as tr:
+        for x in xs:
+            mlp(x)
+    assert all(len(v) == 0 for v in tr.activations.values())
+    rows = torch.cat([mlp[0](x) for x in xs]).double()
+    torch.testing.assert_close(tr.reductions["0.output"]["mean"], rows.mean(0))
+    torch.testing.assert_close(tr.reductions["0.output"]["max"], rows.max(0).values)
+
+
+def test_final_only_keeps_the_last_record(mlp):
+    xs = [torch.randn(3, 16) for _ in range(3)]
+    with acs.ActivationScope(reduction_policy="final_only", reductions=["mean"]).track(mlp, include=["0"]) as tr:
+        for x in xs:
+            mlp(x)
+    recs = tr.activations["0.output"]
+    assert len(recs) == 1 and torch.equal(recs[0], mlp[0](xs[-1]))
+    torch.testing.assert_close(tr.reductions["0.output"]["mean"], torch.cat([mlp[0](x) for x in xs]).double().mean(0))
+
+
+def test_storage_dtype_casts_records(mlp, float_dtype):
+    x = torch.randn(3, 16)
+    with acs.ActivationScope(storage_dtype=float_dtype).track(mlp, include=["0"]) as tr:
+        mlp(x)
+    rec = tr.activations["0.output"][0]
+    assert rec.dtype == float_dtype and torch.equal(rec, mlp[0](x).to(float_dtype))
+
+
+def test_model_dtype_is_kept(float_dtype):
+    model = toy_mlp().to(float_dtype)
+    x = torch.randn(3, 16, dtype=float_dtype)
+    with acs.ActivationScope().track(model) as tr:
+        model(x)
+    assert_same_records(tr.activations, reference_capture(model, lambda: model(x)))
+    assert tr.activations["0.output"][0].dtype == float_dtype
+
+
+def test_capture_parameters_snapshot(mlp):
+    with acs.ActivationScope(capture_parameters=True).track(mlp) as tr:
+        with torch.no_grad():
+            mlp[0].weight.add_(1.0)
+    assert set(tr.parameters) == {n for n, _ in mlp.named_parameters()}
+    torch.testing.assert_close(tr.parameters["0.weight"] + 1.0, mlp[0].weight)
+
+
+def test_token_mask_excludes_padding_from_reductions(transformer):
+    x = torch.randn(2, 5, 16)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    with acs.ActivationScope(reductions=["mean"]).track(transformer, include=["layers.0"]) as tr:
+        tr.set_batch(attention_mask=mask)
+        transformer(x)
+    out = tr.activations["layers.0.output"][0]
+    assert out.shape == (2, 5, 16)  # in memory the activation keeps its shape
+    torch.testing.assert_close(tr.reductions["layers.0.output"]["mean"], out[mask].double().mean(0))
+
+
+def test_eager_fallback_reduction_runs_in_capture(mlp, monkeypatch):
+    import activationscope.reductions as red
+
+    def total(acc, x):
+        s = x.double().sum(0)
+        return s if acc is None else acc + s
+
+    def no_script(fn, *a, **k):  # TorchScript cannot compile this function
+        raise RuntimeError("unsupported construct")
+
+    monkeypatch.setattr(torch.jit, "script", no_script)
+    with pytest.warns(red.EagerFallbackWarning, match="'total'"):
+        scope = acs.ActivationScope(reductions=[total])
+    xs = [torch.randn(2, 16) for _ in range(3)]
+    with scope.track(mlp, include=["0"]) as tr:
+        for x in xs:
+            mlp(x)
+    torch.testing.assert_close(tr.reductions["0.output"]["total"], torch.cat([mlp[0](x) for x in xs]).double().sum(0))
+
+
+# ----------------------------------------------------------------------------- lifecycle
+def test_exit_removes_exactly_its_wrappers_even_when_body_raises(mlp):
+    with pytest.raises(ZeroDivisionError):
+        with acs.ActivationScope().track(mlp):
+            mlp(torch.randn(2, 16))
+            1 / 0
+    assert no_wrappers(mlp)
+
+
+def test_existing_instance_forward_is_restored(mlp):
+    calls = []
+    original = mlp[0].forward
+
+    def patched(x):
+        calls.append(1)
+        return original(x)
+
+    mlp[0].forward = patched
+    with acs.ActivationScope().track(mlp, include=["0"]) as tr:
+        mlp(torch.randn(2, 16))
+    assert mlp[0].__dict__["forward"] is patched and len(calls) == 1
+    assert len(tr.activations["0.output"]) == 1
+
+
+def test_several_trackers_on_one_model(mlp):
+    x1, x2 = torch.randn(2, 16), torch.randn(2, 16)
+    t1 = acs.ActivationScope().track(mlp, include=["0", "2"]).attach()
+    t2 = acs.ActivationScope(capture="input").track(mlp, include=["0"]).attach()
+    mlp(x1)
+    t1.remove()
+    mlp(x2)
+    t2.remove()
+    assert no_wrappers(mlp)
+    assert len(t1.activations["0.output"]) == 1 and len(t1.activations["2.output"]) == 1
+    assert [torch.equal(a, b) for a, b in zip(t2.activations["0.input.0"], [x1, x2])] == [True, True]
+
+
+def test_attach_remove_clear(mlp):
+    tr = acs.ActivationScope().track(mlp, include=["0"])
+    mlp(torch.randn(2, 16))
+    assert tr.activations == {}
+    tr.attach()
+    tr.attach()  # idempotent
+    mlp(torch.randn(2, 16))
+    assert len(tr.activations["0.output"]) == 1
+    tr.clear()
+    assert tr.activations["0.output"] == []
+    tr.remove()
+    mlp(torch.randn(2, 16))
+    assert tr.activations["0.output"] == [] and no_wrappers(mlp)
+
+
+def test_signature_of_wrapped_forward_is_visible():
+    import inspect
+
+    m = torch.nn.Sequential(Structured())
+    with acs.ActivationScope().track(m):
+        params = inspect.signature(m[0].forward).parameters
+    assert "scale" in params
+
+
+def test_native_extension_version_check(monkeypatch):
+    from activationscope import _native
+
+    monkeypatch.setattr(_native, "_module", None)
+    monkeypatch.setattr(torch, "__version__", "0.0.1-other")
+    with pytest.raises(acs.NativeExtensionError, match=r"built against torch .* but torch 0.0.1-other is installed"):
+        _native.load()
+
+
+# ----------------------------------------------------------------------------- the GIL
+def test_gil_is_released_while_copying():
+    big = torch.randn(16, 1 << 20)  # 64 MiB
+
+    class Emit(torch.nn.Module):
+        def forward(self, x):
+            return big  # no torch op here: only the capture's copy can release the GIL
+
+    model = torch.nn.Sequential(Emit())
+    counter = [0]
+    stop = threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            counter[0] += 1
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(5.0)  # the main thread only yields the GIL when it releases it
+    t = threading.Thread(target=spin)
+    t.start()
+    try:
+        with acs.ActivationScope().track(model) as tr:
+            progress = []
+            for _ in range(3):
+                c0 = counter[0]
+                model(None)
+                progress.append(counter[0] - c0)
+    finally:
+        stop.set()
+        sys.setswitchinterval(old)
+        t.join()
+    assert max(progress) > 0, progress
+    assert torch.equal(tr.activations["0.output"][0], big)
+
+
+# ----------------------------------------------------------------------------- devices
+def test_device_capture_equals_reference(device):
+    model = toy_mlp().to(device)
+    x = torch.randn(4, 16, device=device)
+    with acs.ActivationScope(capture="both").track(model) as tr:
+        model(x)
+    want = {k: [t.cpu() for t in v] for k, v in reference_capture(model, lambda: model(x), side="both").items()}
+    acts = tr.activations
+    assert all(t.device.type == "cpu" for v in acts.values() for t in v)
+    assert_same_records(acts, want)
+
+
+def test_gpu_storage_keeps_device(device):
+    model = toy_mlp().to(device)
+    x = torch.randn(4, 16, device=device)
+    with acs.ActivationScope(storage=StoragePolicy.GPU).track(model, include=["0"]) as tr:
+        model(x)
+    rec = tr.activations["0.output"][0]
+    assert rec.device == x.device and torch.equal(rec, model[0](x))
