@@ -1,0 +1,31 @@
+"""Reading stores back for training and analysis.
+
+- :class:`ActivationDataset`: a map-style torch dataset over the rows of a store (zero-copy
+  views where the store is uncompressed), with row selection and row-table filters.
+- Batch samplers: :class:`SequentialBatchSampler`, :class:`ShuffledBatchSampler`,
+  :class:`ChunkShuffleBatchSampler` (deterministic from seed and epoch, split across
+  ``torch.distributed`` ranks and DataLoader workers).
+- Export: :func:`export_arrow`, :func:`export_parquet`, and :func:`read_arrow` (Arrow IPC
+  back as zero-copy torch views).
+"""
+
+from __future__ import annotations
+
+from .dataset import ActivationDataset, Batch, collate
+from .export import EXPORT_FORMAT, arrow_to_torch, export_arrow, export_parquet, read_arrow
+from .samplers import ChunkShuffleBatchSampler, SequentialBatchSampler, ShuffledBatchSampler, partition_bounds
+
+__all__ = [
+    "ActivationDataset",
+    "Batch",
+    "collate",
+    "SequentialBatchSampler",
+    "ShuffledBatchSampler",
+    "ChunkShuffleBatchSampler",
+    "partition_bounds",
+    "export_arrow",
+    "export_parquet",
+    "read_arrow",
+    "arrow_to_torch",
+    "EXPORT_FORMAT",
+]

@@ -1,0 +1,500 @@
+"""``ActivationDataset``: a map-style torch dataset over the rows of a store.
+
+One item is one *row* (a sample, or a token of a sequence model) of every chosen hook point,
+plus chosen columns of the store's row table. Reads are zero-copy views of the store's
+memory-mapped shards where the store is uncompressed and the rows lie within one shard;
+whole batches go through :meth:`ActivationDataset.__getitems__` (one view per hook point for
+a contiguous batch, one ``torch.index_select`` gather for a random one).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import torch
+from torch.utils.data import Dataset, get_worker_info
+from torch.utils.data._utils import collate as _torch_collate
+
+from ..errors import ActivationScopeError, HookPointNotFoundError
+from ._source import StoreSource, as_source
+
+__all__ = ["ActivationDataset", "Batch", "collate"]
+
+_ROW_ID = "__activationscope_row__"
+
+
+class Batch(Sequence):
+    """One batch as returned by :meth:`ActivationDataset.__getitems__`.
+
+    ``batch.data`` holds the batch itself: ``{hook point: Tensor (rows, *feature_shape)}``
+    plus ``{column: Tensor (rows,) | list}``. As a sequence it has one lightweight mapping per
+    row so that torch's ``default_collate`` accepts it; activationscope registers a collate
+    function for those rows that returns ``batch.data`` without stacking (no copy), see
+    :func:`collate`.
+    """
+
+    __slots__ = ("data", "_n")
+
+    def __init__(self, data: dict[str, Any], n_rows: int) -> None:
+        self.data = data
+        self._n = n_rows
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i: int) -> "_Row":  # type: ignore[override]
+        if isinstance(i, slice):
+            raise TypeError("Batch does not support slicing; index batch.data instead")
+        if not -self._n <= i < self._n:
+            raise IndexError(f"row {i} out of range for a batch of {self._n} rows")
+        return _Row(self, i % self._n)
+
+    def __repr__(self) -> str:
+        keys = ", ".join(self.data)
+        return f"<Batch {self._n} rows: {keys}>"
+
+
+class _Row(Mapping):
+    """Row ``i`` of a :class:`Batch` (views into the batch's tensors)."""
+
+    __slots__ = ("batch", "i")
+
+    def __init__(self, batch: Batch, i: int) -> None:
+        self.batch = batch
+        self.i = i
+
+    def __getitem__(self, key: str) -> Any:
+        return self.batch.data[key][self.i]
+
+    def __iter__(self):
+        return iter(self.batch.data)
+
+    def __len__(self) -> int:
+        return len(self.batch.data)
+
+
+def _to_shared(t: torch.Tensor) -> torch.Tensor:
+    # In a DataLoader worker a batch crosses to the main process through shared memory: copy
+    # it there once (as default_collate does) instead of letting pickling move the store map.
+    storage = t._typed_storage()._new_shared(t.numel(), device=t.device)
+    out = t.new(storage).resize_(t.shape)
+    return out.copy_(t)
+
+
+def _finish(data: Mapping[str, Any]) -> dict[str, Any]:
+    if get_worker_info() is None:
+        return dict(data)
+    return {k: _to_shared(v) if isinstance(v, torch.Tensor) else v for k, v in data.items()}
+
+
+def collate(batch: Any, *, collate_fn_map: Any = None) -> Any:
+    """Collate function for :class:`ActivationDataset` batches (also used by ``default_collate``).
+
+    Parameters
+    ----------
+    batch : Batch or list of row mappings
+        What :meth:`ActivationDataset.__getitems__` returned, or rows of one.
+
+    Returns
+    -------
+    dict
+        ``{hook point: Tensor (rows, *feature_shape)}`` plus row-table columns. For a whole
+        :class:`Batch` these are the batch's own tensors (a view of the store for a contiguous
+        batch within one shard; otherwise the one gathered copy) in the main process, and one
+        copy into shared memory inside a DataLoader worker. Rows from elsewhere are stacked
+        (a copy), as ``default_collate`` would.
+    """
+    if isinstance(batch, Batch):
+        return _finish(batch.data)
+    rows = list(batch)
+    if rows and all(isinstance(r, _Row) for r in rows):
+        parent = rows[0].batch
+        if len(rows) == len(parent) and all(r.batch is parent and r.i == k for k, r in enumerate(rows)):
+            return _finish(parent.data)
+    if isinstance(batch, dict):
+        return _finish(batch)
+    fn_map = collate_fn_map if collate_fn_map is not None else _torch_collate.default_collate_fn_map
+    keys = list(rows[0])
+    return {k: _torch_collate.collate([r[k] for r in rows], collate_fn_map=fn_map) for k in keys}
+
+
+# torch's documented extension point of default_collate: rows of our batches collate to the
+# batch itself, so DataLoader(ActivationDataset(...), batch_size=...) makes no per-row copies.
+_torch_collate.default_collate_fn_map[_Row] = collate
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+class ActivationDataset(Dataset):
+    """Map-style dataset over the rows of a store.
+
+    Parameters
+    ----------
+    store : str, os.PathLike, store object or ActivationDataset
+        A store path or URL (opened read-only with ``activationscope.open_store``), an open
+        store, or a dataset whose store is reused.
+    hook_points : str or list of str, optional
+        Hook points to read; fnmatch patterns allowed (``"blocks.*.output"``). Default: every
+        hook point of the store. All must have the same row kind (``"sample"`` or
+        ``"token"``) and the same number of rows.
+    rows : slice, range, sequence of int or Tensor (k,) int64, optional
+        Store rows to use (before ``filter`` / ``sample_ids``). Default: all rows.
+    columns : str or list of str, optional
+        Row-table columns to return with each item (``"label"``, ``"sample_id"``, ``"pos"``,
+        user columns). Numeric and bool columns come back as tensors, strings as ``str``.
+    filter : pyarrow.compute.Expression or callable, optional
+        Keep rows where the predicate holds: an expression over row-table columns
+        (``pc.field("label") == 1``, ``pc.field("pos") > 0`` to drop BOS tokens), or a
+        callable ``f(table: pyarrow.Table) -> bool mask (rows,)`` (pyarrow / numpy / torch /
+        list) over the row table. Evaluated once, in the constructor.
+    sample_ids : sequence of int, optional
+        Keep rows of these samples only (every token row of a sample for token hook points).
+    open_options : dict, optional
+        Keyword arguments of ``open_store`` when ``store`` is a path or URL.
+
+    Notes
+    -----
+    Items: ``ds[i]`` is ``{hook point: Tensor (*feature_shape)}`` (a view of the store row,
+    stored dtype: float32 / float16 / bfloat16 / integers as stored) plus the chosen
+    columns. ``ds[indices]`` and ``ds.__getitems__(indices)`` read a whole batch; see
+    :meth:`get_batch` for view-or-copy.
+
+    Lifetime: views keep their memory map alive; they stay valid after the dataset is gone.
+    Writing into a view never changes the store on disk (the store maps copy-on-write).
+
+    Processes: the dataset pickles as the store's path plus options and the resolved row
+    selection; DataLoader workers (fork or spawn) reopen the store lazily. After ``fork``
+    the child drops the parent's store objects (``os.register_at_fork``) and reopens.
+
+    Raises
+    ------
+    HookPointNotFoundError
+        A hook point or pattern names nothing in the store.
+    ValueError
+        Hook points of different row kinds or row counts; an unknown column; a filter mask of
+        the wrong length.
+
+    Example
+    -------
+    >>> ds = ActivationDataset("runs/demo.zarr", hook_points=["blocks.3.output"],
+    ...                        columns=["label"], filter=pc.field("pos") > 0)  # doctest: +SKIP
+    >>> loader = DataLoader(ds, batch_sampler=ShuffledBatchSampler(ds, 256, seed=0))  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        store: Any,
+        hook_points: str | Iterable[str] | None = None,
+        rows: slice | range | Sequence[int] | torch.Tensor | None = None,
+        columns: str | Iterable[str] | None = None,
+        filter: pc.Expression | Callable[[pa.Table], Any] | None = None,
+        sample_ids: Iterable[int] | torch.Tensor | None = None,
+        open_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.source: StoreSource = as_source(store, open_options)
+        self.hook_points = self._select_hook_points(hook_points)
+        self.row_kind = self.source.row_kind(self.hook_points[0])
+        self.n_store_rows = self.source.n_rows(self.hook_points[0])
+        self._check_consistent()
+        self.columns = [columns] if isinstance(columns, str) else list(columns or [])
+        self._col_cache: dict[str, Any] | None = None
+        if self.columns:
+            table = self._row_table()
+            missing = [c for c in self.columns if c not in table.column_names]
+            if missing:
+                raise ValueError(
+                    f"columns {missing} are not in the {self.row_kind} row table of {self.source.describe()}; "
+                    f"it has {table.column_names}"
+                )
+        clash = set(self.columns) & set(self.hook_points)
+        if clash:
+            raise ValueError(f"column names clash with hook point names: {sorted(clash)}")
+        # the rows of the dataset: a range of store rows, or an int64 tensor of store rows
+        self._start, self._stop, self._ids = 0, self.n_store_rows, None
+        self._select_rows(rows)
+        if filter is not None or sample_ids is not None:
+            self._apply_filter(filter, sample_ids)
+
+    # ------------------------------------------------------------------ construction
+    def _select_hook_points(self, hook_points: Any) -> list[str]:
+        available = self.source.hook_points
+        if hook_points is None:
+            if not available:
+                raise HookPointNotFoundError(f"the store {self.source.describe()} has no hook points")
+            return available
+        patterns = [hook_points] if isinstance(hook_points, str) else list(hook_points)
+        if not patterns:
+            raise ValueError("hook_points must name at least one hook point, got an empty list")
+        chosen: list[str] = []
+        for pat in patterns:
+            if not isinstance(pat, str):
+                raise TypeError(f"hook_points must be str patterns, got {pat!r}")
+            hits = [pat] if pat in available else fnmatch.filter(available, pat)
+            if not hits:
+                raise HookPointNotFoundError(
+                    f"hook point {pat!r} is not in the store {self.source.describe()}; it has {available}"
+                )
+            chosen.extend(h for h in hits if h not in chosen)
+        return chosen
+
+    def _check_consistent(self) -> None:
+        kinds = {hp: self.source.row_kind(hp) for hp in self.hook_points}
+        if len(set(kinds.values())) > 1:
+            raise ValueError(
+                "hook points of one ActivationDataset must have the same row kind, got "
+                + ", ".join(f"{hp!r}: {k}" for hp, k in kinds.items())
+                + "; make one dataset per row kind"
+            )
+        counts = {hp: self.source.n_rows(hp) for hp in self.hook_points}
+        if len(set(counts.values())) > 1:
+            raise ValueError(
+                "hook points of one ActivationDataset must have the same number of rows, got "
+                + ", ".join(f"{hp!r}: {n}" for hp, n in counts.items())
+            )
+
+    def _row_table(self) -> pa.Table:
+        table = self.source.row_table(self.row_kind)
+        if table.num_rows != self.n_store_rows:
+            raise ActivationScopeError(
+                f"the {self.row_kind} row table of {self.source.describe()} has {table.num_rows} rows, "
+                f"but hook point {self.hook_points[0]!r} has {self.n_store_rows}"
+            )
+        return table
+
+    def _select_rows(self, rows: Any) -> None:
+        n = self.n_store_rows
+        if rows is None:
+            return
+        if isinstance(rows, slice):
+            rows = range(n)[rows]
+        if isinstance(rows, range):
+            rows = range(n)[rows.start : rows.stop : rows.step] if rows.stop > n or rows.start < 0 else rows
+            if rows.step == 1:
+                if rows.start < 0 or rows.stop > n:
+                    raise IndexError(f"rows {rows} out of range for {n} store rows")
+                self._start, self._stop = rows.start, max(rows.start, rows.stop)
+                return
+            ids = torch.arange(rows.start, rows.stop, rows.step, dtype=torch.int64)
+        else:
+            ids = torch.as_tensor(rows)
+            if ids.dtype == torch.bool:
+                if ids.shape != (n,):
+                    raise ValueError(f"a bool rows mask must have shape ({n},), got {tuple(ids.shape)}")
+                ids = ids.nonzero().squeeze(1)
+            if ids.dtype.is_floating_point or ids.dim() != 1:
+                raise TypeError(f"rows must be a slice, range or 1-D integer index, got {rows!r}")
+            ids = ids.to(torch.int64)
+        if ids.numel() and (int(ids.min()) < -n or int(ids.max()) >= n):
+            raise IndexError(f"rows index out of range for {n} store rows")
+        self._ids = torch.where(ids < 0, ids + n, ids).contiguous()
+
+    def _store_ids(self) -> torch.Tensor:
+        return self._ids if self._ids is not None else torch.arange(self._start, self._stop, dtype=torch.int64)
+
+    def _apply_filter(self, filter: Any, sample_ids: Any) -> None:
+        table = self._row_table()
+        n = table.num_rows
+        mask = np.ones(n, dtype=bool)
+        if sample_ids is not None:
+            if "sample_id" not in table.column_names:
+                raise ValueError(f"sample_ids= needs a 'sample_id' column in the {self.row_kind} row table")
+            ids = torch.as_tensor(sample_ids).to(torch.int64).numpy() if not isinstance(sample_ids, pa.Array) else sample_ids
+            hit = pc.is_in(table.column("sample_id"), value_set=pa.array(ids).cast(table.schema.field("sample_id").type))
+            mask &= hit.to_numpy(zero_copy_only=False).astype(bool)
+        if filter is not None:
+            if isinstance(filter, pc.Expression):
+                indexed = table.append_column(_ROW_ID, pa.array(np.arange(n, dtype=np.int64)))
+                kept = indexed.filter(filter).column(_ROW_ID).to_numpy()
+                fmask = np.zeros(n, dtype=bool)
+                fmask[kept] = True
+            elif callable(filter):
+                fmask = _as_bool_mask(filter(table), n, self.row_kind)
+            else:
+                raise TypeError(f"filter must be a pyarrow.compute.Expression or a callable, got {filter!r}")
+            mask &= fmask
+        keep = torch.from_numpy(mask)
+        ids = self._store_ids()
+        self._ids = ids[keep[ids]].contiguous()
+
+    # ------------------------------------------------------------------ pickling
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_col_cache"] = None
+        return state
+
+    # ------------------------------------------------------------------ size and index
+    def __len__(self) -> int:
+        return int(self._ids.numel()) if self._ids is not None else self._stop - self._start
+
+    @property
+    def store(self) -> Any:
+        """The open store (reopened lazily in each process)."""
+        return self.source.store
+
+    def store_rows(self) -> torch.Tensor | range:
+        """Store rows of the dataset, in dataset order: a ``range`` or an int64 Tensor (len,) (a copy)."""
+        return range(self._start, self._stop) if self._ids is None else self._ids.clone()
+
+    def block_boundaries(self) -> torch.Tensor:
+        """Dataset positions where the store's segments (shards) begin, int64 ``(n_blocks + 1,)``.
+
+        Runs of dataset positions between two boundaries lie in one shard. Used by
+        :class:`ChunkShuffleBatchSampler`.
+        """
+        bounds = self.source.boundaries(self.hook_points[0])
+        n = len(self)
+        if self._ids is None:
+            inner = (bounds - self._start).clamp(0, n)
+        else:
+            ids = self._ids
+            if ids.numel() > 1 and not bool((ids[1:] >= ids[:-1]).all()):
+                # unsorted selection: each maximal run inside one shard is a block
+                seg = torch.searchsorted(bounds, ids, right=True)
+                change = (seg[1:] != seg[:-1]).nonzero().squeeze(1) + 1
+                return torch.cat([torch.tensor([0]), change, torch.tensor([n])]).to(torch.int64)
+            inner = torch.searchsorted(ids, bounds)
+        return torch.unique_consecutive(torch.cat([torch.tensor([0]), inner, torch.tensor([n])]).to(torch.int64))
+
+    def _resolve(self, index: Any) -> tuple[int, int] | torch.Tensor:
+        """Dataset positions -> (start, stop) of contiguous store rows, or an int64 Tensor of store rows."""
+        n = len(self)
+        if isinstance(index, slice):
+            index = range(n)[index]
+        if isinstance(index, range) and index.step == 1 or (isinstance(index, range) and len(index) <= 1):
+            if len(index) and (index[0] < 0 or index[-1] >= n):
+                raise IndexError(f"batch {index} out of range for a dataset of {n} rows")
+            a, b = (index[0], index[-1] + 1) if len(index) else (0, 0)
+            if self._ids is None:
+                return (self._start + a, self._start + b)
+            pos = torch.arange(a, b, dtype=torch.int64)
+        else:
+            pos = torch.as_tensor(index if not isinstance(index, range) else list(index))
+            if pos.dtype == torch.bool or pos.dtype.is_floating_point or pos.dim() != 1:
+                raise TypeError(f"a batch index must be a 1-D sequence of ints, got {index!r}")
+            pos = pos.to(torch.int64)
+            if pos.numel():
+                lo, hi = int(pos.min()), int(pos.max())
+                if lo < -n or hi >= n:
+                    raise IndexError(f"batch index out of range for a dataset of {n} rows")
+                if lo < 0:
+                    pos = torch.where(pos < 0, pos + n, pos)
+        ids = pos + self._start if self._ids is None else self._ids[pos]
+        k = ids.numel()
+        if k == 0:
+            return (0, 0)
+        first, last = int(ids[0]), int(ids[-1])
+        if last - first == k - 1 and (k == 1 or bool((ids[1:] - ids[:-1] == 1).all())):
+            return (first, last + 1)
+        return ids
+
+    # ------------------------------------------------------------------ columns
+    def _column_values(self) -> dict[str, Any]:
+        if self._col_cache is None:
+            cache: dict[str, Any] = {}
+            if self.columns:
+                table = self._row_table()
+                for name in self.columns:
+                    col = table.column(name).combine_chunks()
+                    cache[name] = _column_to_torch(col, name)
+            self._col_cache = cache
+        return self._col_cache
+
+    # ------------------------------------------------------------------ reading
+    def get_batch(self, index: Any) -> dict[str, Any]:
+        """Read a whole batch.
+
+        Parameters
+        ----------
+        index : slice, range, sequence of int or Tensor (k,) int64
+            Dataset positions.
+
+        Returns
+        -------
+        dict
+            ``{hook point: Tensor (k, *feature_shape), stored dtype}`` and
+            ``{column: Tensor (k,) | list of str}``. When the positions map to a contiguous
+            run of store rows inside one shard of an uncompressed store, each hook point's
+            tensor is a view of the memory-mapped shard (no copy; writing into it changes
+            neither the store on disk nor other readers' data). Otherwise it is one new
+            tensor: one copy across shards, or one ``torch.index_select`` gather.
+        """
+        where = self._resolve(index)
+        data: dict[str, Any] = {}
+        if isinstance(where, tuple):
+            a, b = where
+            for hp in self.hook_points:
+                data[hp] = self.source.read(hp, a, b)
+            for name, col in self._column_values().items():
+                data[name] = col[a:b] if isinstance(col, torch.Tensor) else col[a:b]
+        else:
+            for hp in self.hook_points:
+                data[hp] = self.source.take(hp, where)
+            for name, col in self._column_values().items():
+                data[name] = col[where] if isinstance(col, torch.Tensor) else [col[i] for i in where.tolist()]
+        return data
+
+    def __getitems__(self, indices: Sequence[int]) -> Batch:
+        """Read a batch for ``DataLoader`` (called with the batch sampler's index list).
+
+        Returns a :class:`Batch`; ``default_collate`` (and :func:`collate`) turn it into the
+        dict of :meth:`get_batch` without stacking rows.
+        """
+        data = self.get_batch(indices)
+        return Batch(data, len(indices))
+
+    def __getitem__(self, index: Any) -> dict[str, Any]:
+        """``ds[i]``: one row (views of the store row); ``ds[slice | list | Tensor]``: :meth:`get_batch`."""
+        if _is_int(index) or (isinstance(index, torch.Tensor) and index.dim() == 0):
+            i = int(index)
+            n = len(self)
+            if not -n <= i < n:
+                raise IndexError(f"index {i} out of range for a dataset of {n} rows")
+            i %= n
+            row = self._start + i if self._ids is None else int(self._ids[i])
+            data = {hp: self.source.read(hp, row, row + 1)[0] for hp in self.hook_points}
+            for name, col in self._column_values().items():
+                data[name] = col[row]
+            return data
+        return self.get_batch(index)
+
+    def __repr__(self) -> str:
+        return (
+            f"ActivationDataset({self.source.describe()}, hook_points={self.hook_points}, "
+            f"columns={self.columns}, rows={len(self)} {self.row_kind} rows)"
+        )
+
+
+def _as_bool_mask(result: Any, n: int, kind: str) -> np.ndarray:
+    if isinstance(result, (pa.ChunkedArray, pa.Array)):
+        if result.null_count:
+            result = pc.fill_null(result, False)
+        arr = result.to_numpy(zero_copy_only=False)
+    elif isinstance(result, torch.Tensor):
+        arr = result.detach().cpu().numpy()
+    else:
+        arr = np.asarray(result)
+    if arr.dtype != bool or arr.shape != (n,):
+        raise ValueError(
+            f"a filter callable must return a bool mask of shape ({n},) over the {kind} row table, "
+            f"got dtype {arr.dtype} shape {arr.shape}"
+        )
+    return arr
+
+
+def _column_to_torch(col: pa.Array, name: str) -> Any:
+    t = col.type
+    if pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t):
+        if col.null_count:
+            raise ValueError(f"row-table column {name!r} has {col.null_count} nulls; filter them out first")
+        arr = col.to_numpy(zero_copy_only=False)
+        if pa.types.is_unsigned_integer(t) and arr.dtype.itemsize > 1 and arr.dtype != np.uint64:
+            arr = arr.astype(np.int64)
+        return torch.from_numpy(np.array(arr, copy=True))
+    return col.to_pylist()

@@ -1,0 +1,288 @@
+"""Batch samplers for :class:`~activationscope.data.ActivationDataset`.
+
+Every sampler yields *batches of dataset positions* (use it as ``DataLoader(ds,
+batch_sampler=...)``) so that :meth:`ActivationDataset.__getitems__` reads a whole batch at
+once. All are deterministic functions of ``(seed, epoch, rank, world_size)``; call
+:meth:`set_epoch` before each epoch to reshuffle.
+
+Splitting
+---------
+- Across ``torch.distributed`` ranks: the epoch's global order (identical on every rank,
+  same seed) is cut into ``world_size`` contiguous parts whose sizes differ by at most one
+  row; rank ``r`` batches part ``r``. The parts cover every position exactly once (no
+  padding, no duplicates). ``even=True`` drops the ``len % world_size`` last positions of the
+  global order instead, so every rank gets the same number of rows (and batches).
+- Across DataLoader workers: the DataLoader iterates the batch sampler in the main process
+  and hands whole batches to workers, so workers never overlap or lose rows.
+
+Samplers
+--------
+- :class:`SequentialBatchSampler`: store order; batches are ``range`` objects (contiguous
+  rows, zero-copy views where the store allows).
+- :class:`ShuffledBatchSampler`: a uniform random permutation of all positions per epoch.
+- :class:`ChunkShuffleBatchSampler`: chunk-aware shuffling for large stores: shuffle the
+  order of blocks (the store's shards, or ``block_rows``-row blocks), then shuffle rows
+  within windows of consecutive blocks of about ``buffer_rows`` rows. See its docstring for
+  how uniform that is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import Sampler
+
+__all__ = [
+    "SequentialBatchSampler",
+    "ShuffledBatchSampler",
+    "ChunkShuffleBatchSampler",
+    "partition_bounds",
+]
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix_seed(seed: int, epoch: int, salt: int = 0) -> int:
+    """A 63-bit generator seed from (seed, epoch, salt): SplitMix64 finalizer (Steele et al., 2014)."""
+    z = (seed * 0x9E3779B97F4A7C15 + epoch * 0xBF58476D1CE4E5B9 + salt * 0x94D049BB133111EB) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+def _dist_defaults(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    dist = torch.distributed
+    initialised = dist.is_available() and dist.is_initialized()
+    if world_size is None:
+        world_size = dist.get_world_size() if initialised else 1
+    if rank is None:
+        rank = dist.get_rank() if initialised else 0
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be an int in [0, {world_size}), got {rank!r}")
+    return rank, world_size
+
+
+def partition_bounds(n: int, rank: int, world_size: int, even: bool = False) -> tuple[int, int]:
+    """Positions ``[start, stop)`` of the global order that belong to ``rank``.
+
+    Parts are contiguous, disjoint and cover ``[0, n)`` (sizes ``n // world_size`` or one
+    more); with ``even=True`` every part has ``n // world_size`` positions and the last
+    ``n % world_size`` positions are left out.
+    """
+    if even:
+        size = n // world_size
+        return rank * size, (rank + 1) * size
+    return (n * rank) // world_size, (n * (rank + 1)) // world_size
+
+
+class _BatchSampler(Sampler[list[int]]):
+    def __init__(
+        self,
+        data_source: Any,
+        batch_size: int,
+        *,
+        drop_last: bool = False,
+        seed: int = 0,
+        rank: int | None = None,
+        world_size: int | None = None,
+        even: bool = False,
+    ) -> None:
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        if not isinstance(seed, int):
+            raise TypeError(f"seed must be an int, got {seed!r}")
+        self.data_source = data_source
+        self.n = data_source if isinstance(data_source, int) else len(data_source)
+        self.batch_size = batch_size
+        self.drop_last = bool(drop_last)
+        self.seed = seed
+        self.rank, self.world_size = _dist_defaults(rank, world_size)
+        self.even = bool(even)
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use the order of ``epoch`` (call before each epoch; every rank with the same value)."""
+        self.epoch = int(epoch)
+
+    def _bounds(self) -> tuple[int, int]:
+        return partition_bounds(self.n, self.rank, self.world_size, self.even)
+
+    def n_rows(self) -> int:
+        """Rows this rank visits per epoch."""
+        a, b = self._bounds()
+        return b - a
+
+    def __len__(self) -> int:
+        rows = self.n_rows()
+        return rows // self.batch_size if self.drop_last else -(-rows // self.batch_size)
+
+    def _order(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __iter__(self) -> Iterator[list[int]]:
+        a, b = self._bounds()
+        part = self._order()[a:b]
+        stop = len(self) * self.batch_size
+        for i in range(0, min(stop, b - a), self.batch_size):
+            yield part[i : i + self.batch_size].tolist()
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(n={self.n}, batch_size={self.batch_size}, seed={self.seed}, "
+            f"epoch={self.epoch}, rank={self.rank}, world_size={self.world_size})"
+        )
+
+
+class SequentialBatchSampler(_BatchSampler):
+    """Batches of consecutive positions, in order.
+
+    Parameters
+    ----------
+    data_source : ActivationDataset, sized object or int
+        What to sample (its ``len``), or the number of rows.
+    batch_size : int
+        Rows per batch (the last batch of a rank may be shorter unless ``drop_last``).
+    drop_last : bool, default False
+        Drop each rank's last incomplete batch.
+    seed : int, default 0
+        Unused (accepted for a uniform signature).
+    rank, world_size : int, optional
+        This process's part; default ``torch.distributed`` when initialised, else 0 / 1.
+    even : bool, default False
+        Equal parts on every rank (see the module docstring).
+
+    Yields
+    ------
+    range
+        Dataset positions ``[start, stop)`` of one batch (a sequence of ints).
+    """
+
+    def __iter__(self) -> Iterator[range]:  # type: ignore[override]
+        a, b = self._bounds()
+        stop = a + len(self) * self.batch_size
+        for i in range(a, min(stop, b), self.batch_size):
+            yield range(i, min(i + self.batch_size, b))
+
+
+class ShuffledBatchSampler(_BatchSampler):
+    """Batches of a uniformly random permutation of all positions (new each epoch).
+
+    The permutation is ``torch.randperm(len, generator)`` seeded from ``(seed, epoch)``; every
+    rank computes the same permutation and takes its contiguous part. Memory: 8 bytes per
+    row for the permutation.
+
+    Parameters
+    ----------
+    data_source, batch_size, drop_last, rank, world_size, even
+        As :class:`SequentialBatchSampler`.
+    seed : int, default 0
+        Base seed, identical on every rank.
+
+    Yields
+    ------
+    list of int
+        Dataset positions of one batch.
+    """
+
+    def _order(self) -> torch.Tensor:
+        g = torch.Generator().manual_seed(_mix_seed(self.seed, self.epoch))
+        return torch.randperm(self.n, generator=g)
+
+
+class ChunkShuffleBatchSampler(_BatchSampler):
+    """Chunk-aware shuffling: random block order, then a random permutation inside windows.
+
+    Reading whole shards (blocks) in sequence keeps reads local (page cache, object storage,
+    compressed chunk decoding) while still mixing rows:
+
+    1. the blocks (the store's shards, or consecutive ``block_rows``-row blocks) are put in a
+       uniformly random order;
+    2. consecutive blocks of that order are grouped into *windows* of at least
+       ``buffer_rows`` rows (the last window may be smaller);
+    3. rows inside each window are uniformly permuted, and the windows are concatenated.
+
+    How uniform: every row is visited exactly once per epoch; the window holding a given
+    row is a uniformly random set of blocks, and within its window a row's position is
+    uniform. Rows of the same block always share a window, so two rows of one block are
+    ``~n / buffer_rows`` times more likely to share a batch than under a global shuffle, and
+    a batch holds rows of at most ``ceil(buffer_rows / block) + 1`` blocks. With
+    ``buffer_rows >= len`` this is a global uniform shuffle; with ``buffer_rows <= block`` it
+    shuffles rows within each block only. Cost: 8 bytes per row for the order.
+
+    Parameters
+    ----------
+    data_source : ActivationDataset or sized object or int
+        What to sample. An ``ActivationDataset`` gives its shard boundaries
+        (:meth:`ActivationDataset.block_boundaries`) unless ``block_rows`` is given.
+    batch_size : int
+        Rows per batch.
+    buffer_rows : int, default 65536
+        Rows per window (the shuffle buffer), counted in rows, not bytes.
+    block_rows : int, optional
+        Fixed block size in rows (default: the dataset's shard boundaries, or 4096 rows for
+        sources without them).
+    drop_last, seed, rank, world_size, even
+        As :class:`ShuffledBatchSampler`.
+
+    Yields
+    ------
+    list of int
+        Dataset positions of one batch.
+    """
+
+    def __init__(
+        self,
+        data_source: Any,
+        batch_size: int,
+        *,
+        buffer_rows: int = 65536,
+        block_rows: int | None = None,
+        drop_last: bool = False,
+        seed: int = 0,
+        rank: int | None = None,
+        world_size: int | None = None,
+        even: bool = False,
+    ) -> None:
+        super().__init__(
+            data_source, batch_size, drop_last=drop_last, seed=seed, rank=rank, world_size=world_size, even=even
+        )
+        if not isinstance(buffer_rows, int) or buffer_rows < 1:
+            raise ValueError(f"buffer_rows must be a positive int, got {buffer_rows!r}")
+        self.buffer_rows = buffer_rows
+        if block_rows is not None:
+            if not isinstance(block_rows, int) or block_rows < 1:
+                raise ValueError(f"block_rows must be a positive int, got {block_rows!r}")
+            bounds = torch.arange(0, self.n, block_rows, dtype=torch.int64)
+        elif hasattr(data_source, "block_boundaries"):
+            bounds = data_source.block_boundaries()[:-1]
+            if bounds.numel() <= 1:  # one shard: use fixed blocks for locality of pages
+                bounds = torch.arange(0, self.n, 4096, dtype=torch.int64)
+        else:
+            bounds = torch.arange(0, self.n, 4096, dtype=torch.int64)
+        self.block_starts = bounds
+        self.block_sizes = torch.diff(bounds, append=torch.tensor([self.n], dtype=torch.int64))
+
+    def _order(self) -> torch.Tensor:
+        g = torch.Generator().manual_seed(_mix_seed(self.seed, self.epoch, salt=1))
+        n_blocks = self.block_starts.numel()
+        if self.n == 0:
+            return torch.empty(0, dtype=torch.int64)
+        perm = torch.randperm(n_blocks, generator=g)
+        starts, sizes = self.block_starts[perm], self.block_sizes[perm]
+        # rows in shuffled block order
+        rows = torch.repeat_interleave(starts - torch.cumsum(sizes, 0) + sizes, sizes) + torch.arange(self.n)
+        # window boundaries: close a window once it holds >= buffer_rows rows
+        out = torch.empty_like(rows)
+        pos, acc, win_start = 0, 0, 0
+        for size in sizes.tolist():
+            acc += size
+            pos += size
+            if acc >= self.buffer_rows or pos == self.n:
+                k = pos - win_start
+                out[win_start:pos] = rows[win_start:pos][torch.randperm(k, generator=g)]
+                win_start, acc = pos, 0
+        return out

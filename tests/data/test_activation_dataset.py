@@ -1,0 +1,176 @@
+"""ActivationDataset against the store read contract (a fake on-disk store with shards)."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pytest
+import torch
+from fake_store import FakeStore, open_fake, write_fake_store
+
+from activationscope.data import ActivationDataset, Batch, collate
+from activationscope.errors import HookPointNotFoundError
+
+N = 40
+D = 6
+
+
+def _rows_table(n, kind):
+    sample = np.arange(n) // (4 if kind == "token" else 1)
+    cols = {"sample_id": pa.array(sample, pa.int64()), "batch": pa.array(sample // 8, pa.int64())}
+    if kind == "token":
+        cols["pos"] = pa.array(np.arange(n) % 4, pa.int64())
+    cols["label"] = pa.array((sample % 2).astype(np.int64))
+    cols["text"] = pa.array([f"s{i}" for i in sample])
+    return pa.table(cols)
+
+
+@pytest.fixture
+def arrays():
+    g = torch.Generator().manual_seed(0)
+    return {
+        "a.output": torch.randn(N, D, generator=g),
+        "b.output": torch.randn(N, 2, 3, generator=g).to(torch.bfloat16),
+    }
+
+
+@pytest.fixture
+def store(tmp_path, arrays):
+    path = write_fake_store(tmp_path / "s", arrays, kinds={k: "token" for k in arrays},
+                            tables={"token": _rows_table(N, "token")}, shard_rows=16)
+    return FakeStore(path)
+
+
+def test_item_values_dtypes_and_columns(store, arrays):
+    ds = ActivationDataset(store, columns=["label", "pos", "sample_id", "text"])
+    assert len(ds) == N and ds.row_kind == "token"
+    assert ds.hook_points == ["a.output", "b.output"]
+    item = ds[17]
+    assert torch.equal(item["a.output"], arrays["a.output"][17])
+    assert item["b.output"].dtype == torch.bfloat16
+    assert torch.equal(item["b.output"], arrays["b.output"][17])
+    assert int(item["label"]) == (17 // 4) % 2 and int(item["pos"]) == 1 and item["text"] == "s4"
+    assert torch.equal(ds[-1]["a.output"], arrays["a.output"][-1])
+    with pytest.raises(IndexError):
+        ds[N]
+
+
+def test_contiguous_batch_within_shard_is_a_view(store, arrays):
+    ds = ActivationDataset(store, hook_points=["a.output"], columns=["label"])
+    shard = store.rows("a.output", 16, 32)
+    batch = ds.get_batch(range(18, 26))
+    assert batch["a.output"].data_ptr() == shard[2:].data_ptr()
+    assert torch.equal(batch["a.output"], arrays["a.output"][18:26])
+    assert torch.equal(batch["label"], torch.tensor([(i // 4) % 2 for i in range(18, 26)]))
+    # a list of consecutive positions is recognised as contiguous
+    assert ds.get_batch(list(range(18, 26)))["a.output"].data_ptr() == shard[2:].data_ptr()
+
+
+def test_batch_across_shards_and_random_batch_are_copies_with_right_values(store, arrays):
+    ds = ActivationDataset(store)
+    across = ds.get_batch(range(10, 30))
+    assert torch.equal(across["a.output"], arrays["a.output"][10:30])
+    assert torch.equal(across["b.output"], arrays["b.output"][10:30])
+    idx = [39, 0, 17, 16, 15, 3, 3]
+    rand = ds.get_batch(idx)
+    assert torch.equal(rand["a.output"], arrays["a.output"][idx])
+    assert torch.equal(rand["b.output"], arrays["b.output"][idx])
+    assert rand["b.output"].dtype == torch.bfloat16
+
+
+def test_getitems_and_default_collate_do_not_stack(store, arrays):
+    ds = ActivationDataset(store, hook_points="a.*", columns=["label"])
+    b = ds.__getitems__(range(0, 8))
+    assert isinstance(b, Batch) and len(b) == 8
+    out = torch.utils.data.default_collate(b)
+    assert out["a.output"].data_ptr() == store.rows("a.output", 0, 16).data_ptr()
+    assert collate(b)["a.output"].data_ptr() == out["a.output"].data_ptr()
+    # rows of a batch taken apart still collate by stacking, as default_collate would
+    rows = [b[3], b[1]]
+    stacked = torch.utils.data.default_collate(rows)
+    assert torch.equal(stacked["a.output"], arrays["a.output"][[3, 1]])
+
+
+def test_writing_into_a_view_does_not_change_the_store(store, arrays, tmp_path):
+    ds = ActivationDataset(store, hook_points=["a.output"])
+    loader = torch.utils.data.DataLoader(ds, batch_size=8)
+    first = next(iter(loader))["a.output"]
+    first.add_(100.0)  # no crash
+    reopened = FakeStore(store.path)
+    assert torch.equal(reopened["a.output"], arrays["a.output"])
+
+
+def test_rows_selection_and_filters(store, arrays):
+    ds = ActivationDataset(store, hook_points=["a.output"], rows=slice(8, 24), columns=["pos"])
+    assert len(ds) == 16 and torch.equal(ds[0]["a.output"], arrays["a.output"][8])
+    # drop BOS tokens with a pyarrow expression
+    ds = ActivationDataset(store, hook_points=["a.output"], columns=["pos"], filter=pc.field("pos") > 0)
+    kept = [i for i in range(N) if i % 4 != 0]
+    assert len(ds) == len(kept)
+    assert torch.equal(ds[:]["a.output"], arrays["a.output"][kept])
+    assert bool((ds[:]["pos"] > 0).all())
+    # a callable over the row table, combined with sample ids and a rows selection
+    ds = ActivationDataset(
+        store, hook_points=["a.output"], rows=range(0, 32), columns=["label", "sample_id"],
+        filter=lambda t: pc.equal(t["label"], 1), sample_ids=[1, 3, 5, 9],
+    )
+    expect = [i for i in range(32) if (i // 4) in (1, 3, 5)]
+    assert torch.equal(ds[:]["a.output"], arrays["a.output"][expect])
+    assert ds[:]["sample_id"].tolist() == [i // 4 for i in expect]
+    # a filtered dataset still reads contiguous runs as views
+    run = ds.get_batch(range(0, 4))
+    assert run["a.output"].data_ptr() == store.rows("a.output", 4, 8).data_ptr()
+
+
+def test_index_tensor_rows_keep_their_order(store, arrays):
+    rows = torch.tensor([30, 2, 7])
+    ds = ActivationDataset(store, hook_points=["a.output"], rows=rows)
+    assert torch.equal(ds[:]["a.output"], arrays["a.output"][rows])
+    assert torch.equal(ds[1]["a.output"], arrays["a.output"][2])
+
+
+def test_errors_name_the_problem(tmp_path, arrays):
+    path = write_fake_store(
+        tmp_path / "mixed",
+        {"tok": torch.zeros(8, 2), "sam": torch.zeros(2, 2), "sam2": torch.zeros(3, 2)},
+        kinds={"tok": "token"},
+        tables={"token": _rows_table(8, "token"), "sample": _rows_table(2, "sample")},
+    )
+    store = FakeStore(path)
+    with pytest.raises(ValueError, match="same row kind.*'tok': token.*'sam': sample"):
+        ActivationDataset(store, hook_points=["tok", "sam"])
+    with pytest.raises(ValueError, match="same number of rows.*'sam': 2.*'sam2': 3"):
+        ActivationDataset(store, hook_points=["sam", "sam2"])
+    with pytest.raises(HookPointNotFoundError, match="'nope'"):
+        ActivationDataset(store, hook_points=["nope"])
+    with pytest.raises(KeyError):
+        ActivationDataset(store, hook_points=["nope*"])
+    with pytest.raises(ValueError, match="columns \\['lbl'\\]"):
+        ActivationDataset(store, hook_points=["tok"], columns=["lbl"])
+    with pytest.raises(ValueError, match="bool mask of shape \\(8,\\)"):
+        ActivationDataset(store, hook_points=["tok"], filter=lambda t: np.ones(3, bool))
+
+
+def test_pickles_as_path_and_reopens(store, arrays):
+    ds = ActivationDataset(store.path, hook_points=["a.output"], columns=["label"], filter=pc.field("pos") > 0,
+                           open_options={"opener": open_fake})
+    ds[:]  # open and map in this process
+    blob = pickle.dumps(ds)
+    assert len(blob) < 10_000  # path, options and the row selection; no activations
+    clone = pickle.loads(blob)
+    assert clone.source._store is None
+    assert torch.equal(clone[:]["a.output"], ds[:]["a.output"])
+    assert torch.equal(clone[:]["label"], ds[:]["label"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.uint8])
+def test_dtypes_come_back_exactly(tmp_path, dtype):
+    t = (torch.arange(30).reshape(10, 3) * 3 - 7).to(dtype) if dtype != torch.uint8 else torch.arange(30, dtype=dtype).reshape(10, 3)
+    path = write_fake_store(tmp_path / "d", {"x": t}, tables={"sample": _rows_table(10, "sample")}, shard_rows=4)
+    ds = ActivationDataset(FakeStore(path))
+    out = ds[:]["x"]
+    assert out.dtype == dtype and torch.equal(out, t)
+    assert ds[[9, 0]]["x"].dtype == dtype
