@@ -638,7 +638,7 @@ def test_gil_is_released_while_copying():
             counter[0] += 1
 
     old = sys.getswitchinterval()
-    sys.setswitchinterval(5.0)  # the main thread only yields the GIL when it releases it
+    sys.setswitchinterval(0.2)  # the main thread yields the GIL only when it releases it (or after 0.2 s)
     t = threading.Thread(target=spin)
     t.start()
     try:
@@ -652,7 +652,7 @@ def test_gil_is_released_while_copying():
         stop.set()
         sys.setswitchinterval(old)
         t.join()
-    assert max(progress) > 0, progress
+    assert min(progress) > 0, progress  # the other thread ran during every capture
     assert torch.equal(tr.activations["0.output"][0], big)
 
 
