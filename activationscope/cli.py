@@ -1,0 +1,674 @@
+"""The ``activationscope`` command (also ``python -m activationscope``).
+
+Subcommands::
+
+    activationscope demo    [--out runs/demo.zarr] [--report DIR] [--corpus]
+    activationscope capture --model MODEL --data DATA --out STORE [options]
+    activationscope info    STORE [--json]
+    activationscope verify  STORE
+    activationscope export  STORE --format parquet|arrow --out FILE [--hook-points HP ...]
+    activationscope report  STORE --out DIR [--hook-points HP ...]
+
+Errors (bad paths, unreadable data, unknown hook points, failing model imports) print one
+line on stderr and exit with status 1 (2 for a wrong command line); ``--debug`` shows the
+traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import ActivationScopeError, HookPointNotFoundError
+
+__all__ = ["main", "build_parser", "CLIError"]
+
+PROG = "activationscope"
+DEFAULT_DEMO_OUT = os.path.join("runs", "demo.zarr")
+DTYPES = ("float32", "float16", "bfloat16", "float64")
+COMPRESSIONS = ("none", "zstd", "blosc-lz4")
+
+
+class CLIError(ActivationScopeError):
+    """A user error reported by the command line (one line, no traceback)."""
+
+
+# ---------------------------------------------------------------------------- parser
+
+
+def _csv(value: str) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``activationscope`` command."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", help="show tracebacks of errors")
+
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Capture activations of PyTorch models into a Zarr v3 store, inspect, verify, export and report them.",
+        parents=[common],
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    p = sub.add_parser(
+        "demo",
+        parents=[common],
+        help="capture all-MiniLM-L6-v2 on 200 movie-review sentences, probe every layer, write a report",
+        description=(
+            "Capture every encoder layer of all-MiniLM-L6-v2 (token rows and mean-pooled sentence rows) "
+            "over the 200 labelled Pang & Lee movie-review sentences into a store, read it back through "
+            "ActivationDataset + DataLoader, train a linear probe per layer (k-fold cross-validated) and "
+            "write an HTML report."
+        ),
+    )
+    p.add_argument("--out", default=DEFAULT_DEMO_OUT, help="store path, overwritten on rerun (default: %(default)s)")
+    p.add_argument("--report", default=None, metavar="DIR",
+                   help="report folder (default: <store folder>/demo-report)")
+    p.add_argument("--no-report", action="store_true", help="skip the HTML report")
+    p.add_argument("--corpus", action="store_true",
+                   help="also capture the 300 unlabelled Lee news articles (label -1; not used by the probe)")
+    p.add_argument("--batch-size", type=int, default=32, help="sentences per forward (default: %(default)s)")
+    p.add_argument("--folds", type=int, default=5, help="cross-validation folds of the probe (default: %(default)s)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    p = sub.add_parser(
+        "capture",
+        parents=[common],
+        help="capture a model's activations over a data set into a store",
+        description="Capture a model's activations over a data set into a store.",
+    )
+    p.add_argument("--model", required=True,
+                   help="'demo', a local Hugging Face model folder, or an import path package.module:factory")
+    p.add_argument("--data", required=True,
+                   help="'demo' (the labelled movie-review sentences), a text file (one sample per line; "
+                        "'__label__X text' lines give labels), or a tensor file (.npy / .pt, samples along dim 0)")
+    p.add_argument("--out", required=True, help="store path or URL")
+    p.add_argument("--include", action="append", default=None, metavar="PATTERN",
+                   help="fnmatch pattern of module names to track (repeatable or comma separated)")
+    p.add_argument("--exclude", action="append", default=None, metavar="PATTERN",
+                   help="fnmatch pattern of module names not to track (repeatable or comma separated)")
+    p.add_argument("--capture", choices=("output", "input", "both"), default="output",
+                   help="which side of each module (default: %(default)s)")
+    p.add_argument("--reduce", type=_csv, default=None, metavar="NAMES",
+                   help="built-in reductions, comma separated, e.g. mean,var,nonzero")
+    p.add_argument("--dtype", choices=DTYPES, default=None, help="store activations as this dtype")
+    p.add_argument("--compression", choices=COMPRESSIONS, default=None, help="chunk compression (default: none)")
+    p.add_argument("--batch-size", type=int, default=32, help="samples per forward (default: %(default)s)")
+    p.add_argument("--max-samples", type=int, default=None, help="capture at most this many samples")
+    p.add_argument("--max-length", type=int, default=128, help="token limit of text samples (default: %(default)s)")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--resume", action="store_true", help="continue an incomplete store from its next sample")
+    group.add_argument("--overwrite", action="store_true", help="replace an existing store")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    p = sub.add_parser("info", parents=[common], help="describe a store",
+                       description="Hook points with shapes, dtypes, rows, bytes, compression, reductions, "
+                                   "provenance and status of a store.")
+    p.add_argument("store", help="store path or URL")
+    p.add_argument("--json", action="store_true", help="print the store's info() as JSON")
+
+    p = sub.add_parser("verify", parents=[common], help="check a store's integrity",
+                       description="Check a store's structure and checksums; exit 1 naming what is damaged.")
+    p.add_argument("store", help="store path or URL")
+
+    p = sub.add_parser("export", parents=[common], help="export rows to Parquet or Arrow",
+                       description="Export a store's rows (activations plus row table) to a Parquet or Arrow IPC file.")
+    p.add_argument("store", help="store path or URL")
+    p.add_argument("--format", required=True, choices=("parquet", "arrow"), help="file format")
+    p.add_argument("--out", required=True, help="output file")
+    p.add_argument("--hook-points", nargs="+", default=None, metavar="HP", help="hook points to export (default: all)")
+
+    p = sub.add_parser("report", parents=[common], help="write an HTML report with plots",
+                       description="Write an HTML page with PNG plots per hook point (activation histogram, "
+                                   "mean/std per unit, dead units, PCA explained variance) and per-layer "
+                                   "probe accuracy when the rows have labels.")
+    p.add_argument("store", help="store path or URL")
+    p.add_argument("--out", required=True, help="report folder (created; index.html inside)")
+    p.add_argument("--hook-points", nargs="+", default=None, metavar="HP", help="hook points to show (default: all)")
+    p.add_argument("--label-column", default="label", help="row-table column with labels (default: %(default)s)")
+    p.add_argument("--folds", type=int, default=5, help="cross-validation folds of the probe (default: %(default)s)")
+    return parser
+
+
+# ---------------------------------------------------------------------------- entry point
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (0 ok, 1 error, 2 usage)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse: --help (0) or a usage error (2)
+        return int(e.code or 0)
+    handler = _COMMANDS[args.command]
+    try:
+        return handler(args) or 0
+    except KeyboardInterrupt:
+        print(f"{PROG} {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 1
+    except Exception as e:  # noqa: BLE001 - the one place that turns errors into exit codes
+        if args.debug:
+            traceback.print_exc()
+        else:
+            print(f"{PROG} {args.command}: error: {_one_line(e)}", file=sys.stderr)
+        return 1
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e.args[0]) if isinstance(e, KeyError) and e.args and not isinstance(e, HookPointNotFoundError) else str(e)
+    text = " ".join(text.split()) or type(e).__name__
+    if not isinstance(e, (ActivationScopeError, OSError, ValueError, KeyError, ImportError)):
+        text = f"{type(e).__name__}: {text}"
+    return text
+
+
+# ---------------------------------------------------------------------------- store access
+
+
+def _open(path: str) -> Any:
+    """Open a store read-only, with a clear error for a path that is not one."""
+    if "://" not in path and not os.path.exists(path):
+        raise CLIError(f"store {path!r} does not exist")
+    from .store import open_store
+
+    return open_store(path)
+
+
+def _dir_bytes(path: str) -> int:
+    total = 0
+    if "://" in path or not os.path.isdir(path):
+        return total
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(root, name))
+            except OSError:
+                pass
+    return total
+
+
+# ---------------------------------------------------------------------------- capture loop
+
+
+@dataclass
+class CaptureSummary:
+    """What a capture did: samples, forwards, wall time (s) and hook points seen."""
+
+    n_samples: int = 0
+    n_forwards: int = 0
+    elapsed_s: float = 0.0
+    hook_points: list[str] = field(default_factory=list)
+    n_bytes: int = 0
+
+
+def run_capture(
+    model: Any,
+    batches: Iterable[tuple[int, Any, dict[str, Any]]],
+    *,
+    out: str,
+    n_total: int,
+    include: list[str] | None,
+    exclude: list[str] | None,
+    reductions: list[str] | None,
+    capture: str = "output",
+    storage_dtype: Any = None,
+    store_options: dict[str, Any] | None = None,
+    progress: bool = True,
+    desc: str = "capture",
+) -> CaptureSummary:
+    """Run ``batches`` through ``model`` with a store tracker attached.
+
+    Parameters
+    ----------
+    batches : iterable of (start, inputs, batch_info)
+        ``inputs`` is a dict of keyword arguments or a Tensor (one positional argument);
+        ``batch_info`` holds the keyword arguments of :meth:`Tracker.set_batch`
+        (``attention_mask``, ``sample_ids``, columns).
+    n_total : int
+        Samples expected (for the progress bar).
+    """
+    import torch
+    from tqdm.auto import tqdm
+
+    from .scope import ActivationScope
+
+    scope = ActivationScope(
+        store=out,
+        store_options=store_options or {},
+        reductions=reductions or None,
+        storage_dtype=storage_dtype,
+        capture=capture,
+    )
+    summary = CaptureSummary()
+    bar = tqdm(total=n_total, unit="samples", desc=desc, disable=not progress, dynamic_ncols=True,
+               file=sys.stderr, leave=True)
+    start = time.perf_counter()
+    try:
+        with torch.inference_mode(), scope.track(model, include=include, exclude=exclude) as tracker:
+            for _, inputs, info in batches:
+                tracker.set_batch(**info)
+                if isinstance(inputs, dict):
+                    model(**inputs)
+                else:
+                    model(inputs)
+                n = _batch_len(inputs)
+                summary.n_samples += n
+                summary.n_forwards += 1
+                elapsed = max(time.perf_counter() - start, 1e-9)
+                summary.n_bytes = _written_bytes(tracker, out)
+                bar.set_postfix_str(f"{summary.n_bytes / 1e6 / elapsed:.1f} MB/s", refresh=False)
+                bar.update(n)
+            summary.hook_points = tracker.hook_points
+    finally:
+        bar.close()
+    summary.elapsed_s = time.perf_counter() - start
+    summary.n_bytes = max(summary.n_bytes, _dir_bytes(out))
+    return summary
+
+
+def _batch_len(inputs: Any) -> int:
+    if isinstance(inputs, dict):
+        first = next(iter(inputs.values()))
+        return int(first.shape[0])
+    return int(inputs.shape[0])
+
+
+def _written_bytes(tracker: Any, out: str) -> int:
+    writer = getattr(tracker, "writer", None)
+    for attr in ("n_bytes", "bytes_written", "n_bytes_written"):
+        value = getattr(writer, attr, None)
+        if isinstance(value, int):
+            return value
+    return _dir_bytes(out)
+
+
+# ---------------------------------------------------------------------------- model and data loading
+
+
+@dataclass
+class LoadedModel:
+    model: Any
+    tokenizer: Any = None
+    name: str = ""
+    default_include: list[str] | None = None
+
+
+def load_model_spec(spec: str) -> LoadedModel:
+    """``demo``, a Hugging Face model folder, or ``package.module:factory``.
+
+    Raises
+    ------
+    CLIError
+        The spec is none of these, the import fails, or the factory does not give an nn.Module.
+    """
+    import torch
+
+    from . import demo
+
+    if spec == "demo":
+        tokenizer, model = demo.load_model()
+        return LoadedModel(model, tokenizer, "all-MiniLM-L6-v2 (demo)", demo.layer_include(model))
+    path = Path(spec)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise CLIError(f"--model {spec!r} is a folder without config.json (not a Hugging Face model folder)")
+        tokenizer, model = demo.load_model(path, pooled=False)
+        return LoadedModel(model, tokenizer, str(path))
+    if ":" not in spec:
+        raise CLIError(
+            f"--model must be 'demo', a Hugging Face model folder or an import path package.module:factory, got {spec!r}"
+        )
+    module_name, _, attr = spec.partition(":")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except Exception as e:  # noqa: BLE001 - any failure of user code at import
+        raise CLIError(f"--model {spec!r}: cannot import {module_name!r}: {type(e).__name__}: {e}") from e
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise CLIError(f"--model {spec!r}: module {module_name!r} has no attribute {attr!r}") from None
+    if not isinstance(obj, torch.nn.Module):
+        if not callable(obj):
+            raise CLIError(f"--model {spec!r} must name an nn.Module or a factory returning one, got {type(obj).__name__}")
+        try:
+            obj = obj()
+        except Exception as e:  # noqa: BLE001
+            raise CLIError(f"--model {spec!r}: the factory raised {type(e).__name__}: {e}") from e
+    if not isinstance(obj, torch.nn.Module):
+        raise CLIError(f"--model {spec!r}: the factory must return a torch.nn.Module, got {type(obj).__name__}")
+    obj.eval()
+    return LoadedModel(obj, None, spec)
+
+
+@dataclass
+class LoadedData:
+    texts: list[str] | None = None
+    tensor: Any = None
+    labels: list[Any] | None = None
+    name: str = ""
+
+    def __len__(self) -> int:
+        return len(self.texts) if self.texts is not None else int(self.tensor.shape[0])
+
+
+def load_data_spec(spec: str) -> LoadedData:
+    """``demo``, a text file (one sample per line) or a tensor file (.npy / .pt).
+
+    Raises
+    ------
+    CLIError
+        Missing or unreadable file, an empty data set, or a tensor file without a tensor.
+    """
+    import torch
+
+    from . import demo
+
+    if spec == "demo":
+        texts, labels = demo.load_polarity()
+        return LoadedData(texts=texts, labels=labels, name="pang_lee_polarity")
+    path = Path(spec)
+    if not path.exists():
+        raise CLIError(f"--data {spec!r} does not exist")
+    if not path.is_file():
+        raise CLIError(f"--data {spec!r} must be a file (text, .npy or .pt), got a folder")
+    suffix = path.suffix.lower()
+    if suffix == ".npy":
+        import numpy as np
+
+        try:
+            array = np.load(path, allow_pickle=False)
+        except Exception as e:  # noqa: BLE001
+            raise CLIError(f"--data {spec!r} is not a readable .npy file: {e}") from e
+        tensor = torch.from_numpy(np.ascontiguousarray(array))
+    elif suffix in (".pt", ".pth"):
+        try:
+            tensor = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001
+            raise CLIError(f"--data {spec!r} is not a readable torch file: {_one_line(e)}") from e
+        if not isinstance(tensor, torch.Tensor):
+            raise CLIError(f"--data {spec!r} must hold one tensor (samples along dim 0), got {type(tensor).__name__}")
+    else:
+        try:
+            raw = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raw = path.read_text(encoding="latin-1")
+        lines = [line.strip() for line in raw.splitlines() if line.strip()]
+        if not lines:
+            raise CLIError(f"--data {spec!r} has no non-empty lines")
+        if all(line.startswith("__label__") for line in lines):
+            labels, texts = [], []
+            for line in lines:
+                tag, _, text = line.partition(" ")
+                labels.append(tag[len("__label__"):])
+                texts.append(text.strip())
+            return LoadedData(texts=texts, labels=labels, name=path.name)
+        return LoadedData(texts=lines, name=path.name)
+    if tensor.dim() == 0 or tensor.shape[0] == 0:
+        raise CLIError(f"--data {spec!r} must have samples along dim 0, got shape {tuple(tensor.shape)}")
+    return LoadedData(tensor=tensor, name=path.name)
+
+
+def text_batches(
+    texts: Sequence[str], tokenizer: Any, batch_size: int, max_length: int,
+    labels: Sequence[Any] | None = None, first_id: int = 0, extra: dict[str, Sequence[Any]] | None = None,
+) -> Iterator[tuple[int, dict[str, Any], dict[str, Any]]]:
+    """Tokenized batches with their ``set_batch`` arguments (mask, sample ids, label, text)."""
+    from . import demo
+
+    for start, enc in demo.iter_text_batches(texts, tokenizer, batch_size, max_length):
+        n = enc["input_ids"].shape[0]
+        info: dict[str, Any] = {
+            "attention_mask": enc["attention_mask"],
+            "sample_ids": list(range(first_id + start, first_id + start + n)),
+            "text": list(texts[start:start + n]),
+        }
+        if labels is not None:
+            info["label"] = list(labels[start:start + n])
+        for key, col in (extra or {}).items():
+            info[key] = list(col[start:start + n])
+        yield start, enc, info
+
+
+def tensor_batches(tensor: Any, batch_size: int, first_id: int = 0) -> Iterator[tuple[int, Any, dict[str, Any]]]:
+    """Slices of ``tensor`` along dim 0 with their sample ids."""
+    if batch_size < 1:
+        raise CLIError(f"--batch-size must be a positive int, got {batch_size}")
+    for start in range(0, tensor.shape[0], batch_size):
+        chunk = tensor[start:start + batch_size]
+        yield start, chunk, {"sample_ids": list(range(first_id + start, first_id + start + chunk.shape[0]))}
+
+
+# ---------------------------------------------------------------------------- commands
+
+
+def _patterns(values: list[str] | None) -> list[str] | None:
+    if values is None:
+        return None
+    out: list[str] = []
+    for v in values:
+        out.extend(_csv(v))
+    return out or None
+
+
+def _check_reductions(names: list[str] | None) -> list[str] | None:
+    if not names:
+        return None
+    from .reductions import BUILTIN_REDUCTIONS
+
+    for name in names:
+        if name not in BUILTIN_REDUCTIONS:
+            raise CLIError(f"--reduce: unknown reduction {name!r}; built-in reductions are {list(BUILTIN_REDUCTIONS)}")
+    return names
+
+
+def _committed_samples(out: str) -> int:
+    """Samples already committed in an existing store (for --resume)."""
+    store = _open(out)
+    info = store.info() if hasattr(store, "info") else {}
+    for key in ("n_samples", "committed_samples"):
+        if isinstance(info, dict) and isinstance(info.get(key), int):
+            return info[key]
+    status = info.get("status") if isinstance(info, dict) else None
+    if isinstance(status, dict) and isinstance(status.get("n_samples"), int):
+        return status["n_samples"]
+    raise CLIError(f"store {out!r} does not say how many samples it holds; cannot --resume it")
+
+
+def cmd_capture(args: argparse.Namespace) -> int:
+    import torch
+
+    if args.batch_size < 1:
+        raise CLIError(f"--batch-size must be a positive int, got {args.batch_size}")
+    if args.max_samples is not None and args.max_samples < 1:
+        raise CLIError(f"--max-samples must be a positive int, got {args.max_samples}")
+    reductions = _check_reductions(args.reduce)
+    out = args.out
+    exists = "://" not in out and os.path.exists(out)
+    if exists and not (args.resume or args.overwrite):
+        raise CLIError(f"store {out!r} already exists; pass --overwrite to replace it or --resume to continue it")
+    if args.resume and not exists:
+        raise CLIError(f"--resume: store {out!r} does not exist")
+
+    data = load_data_spec(args.data)
+    loaded = load_model_spec(args.model)
+    if data.texts is not None and loaded.tokenizer is None:
+        raise CLIError(
+            f"--data {args.data!r} is text, which needs a tokenizer: use --model demo or a Hugging Face model folder "
+            "(or pass a .npy / .pt tensor file)"
+        )
+    n = len(data)
+    if args.max_samples is not None:
+        n = min(n, args.max_samples)
+    first = _committed_samples(out) if args.resume else 0
+    if first >= n:
+        print(f"store {out} already holds {first} samples of {n}; nothing to capture")
+        return 0
+    include = _patterns(args.include) or loaded.default_include
+    exclude = _patterns(args.exclude)
+    if data.texts is not None:
+        texts = data.texts[first:n]
+        labels = data.labels[first:n] if data.labels is not None else None
+        batches = text_batches(texts, loaded.tokenizer, args.batch_size, args.max_length, labels, first_id=first)
+    else:
+        batches = tensor_batches(data.tensor[first:n], args.batch_size, first_id=first)
+    store_options: dict[str, Any] = {
+        "provenance": {"model": loaded.name, "data": data.name, "command": " ".join([PROG, *sys.argv[1:]])},
+    }
+    if args.overwrite:
+        store_options["overwrite"] = True
+    if args.resume:
+        store_options["resume"] = True
+    if args.compression and args.compression != "none":
+        store_options["compression"] = args.compression
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    summary = run_capture(
+        loaded.model, batches, out=out, n_total=n - first, include=include, exclude=exclude,
+        reductions=reductions, capture=args.capture, storage_dtype=dtype, store_options=store_options,
+        progress=not args.no_progress,
+    )
+    print(
+        f"captured {summary.n_samples} samples ({summary.n_forwards} forwards, {len(summary.hook_points)} hook points) "
+        f"in {summary.elapsed_s:.1f} s into {out}"
+    )
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from . import demo
+
+    if args.batch_size < 1:
+        raise CLIError(f"--batch-size must be a positive int, got {args.batch_size}")
+    t0 = time.perf_counter()
+    result = demo.run_demo(
+        out=args.out,
+        report_dir=None if args.no_report else (args.report or os.path.join(os.path.dirname(args.out) or ".", "demo-report")),
+        corpus=args.corpus,
+        batch_size=args.batch_size,
+        n_folds=args.folds,
+        progress=not args.no_progress,
+    )
+    print(result.table())
+    print()
+    print(f"store:  {os.path.abspath(args.out)}")
+    if result.report_path:
+        print(f"report: {os.path.abspath(result.report_path)}")
+    print(f"done in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    store = _open(args.store)
+    info = store.info()
+    if args.json:
+        print(json.dumps(info, indent=2, default=str))
+        return 0
+    print(format_info(info, args.store))
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from .errors import StoreCorruptError
+
+    store = _open(args.store)
+    try:
+        result = store.verify()
+    except StoreCorruptError as e:
+        print(f"{PROG} verify: {args.store}: damaged: {_one_line(e)}", file=sys.stderr)
+        return 1
+    problems = _problems(result)
+    if problems:
+        for p in problems:
+            print(f"{PROG} verify: {args.store}: damaged: {p}", file=sys.stderr)
+        return 1
+    print(f"{args.store}: ok")
+    return 0
+
+
+def _problems(result: Any) -> list[str]:
+    if result is None or result is True:
+        return []
+    if result is False:
+        return ["verification failed"]
+    if isinstance(result, dict):
+        for key in ("problems", "errors", "damaged"):
+            if key in result:
+                return [str(p) for p in result[key] or []]
+        if result.get("ok") is False:
+            return [str(result)]
+        return []
+    if isinstance(result, (list, tuple)):
+        return [str(p) for p in result]
+    for key in ("problems", "errors", "damaged"):
+        if hasattr(result, key):
+            return [str(p) for p in getattr(result, key) or []]
+    if getattr(result, "ok", True) is False:
+        return [str(result)]
+    return []
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from . import data
+
+    store = _open(args.store)
+    hook_points = _check_hook_points(store, args.hook_points)
+    out = Path(args.out)
+    if out.parent and not out.parent.exists():
+        raise CLIError(f"--out {args.out!r}: folder {str(out.parent)!r} does not exist")
+    fn = data.export_parquet if args.format == "parquet" else data.export_arrow
+    fn(store, args.out, hook_points=hook_points)
+    print(f"wrote {args.out} ({os.path.getsize(args.out) / 1e6:.1f} MB, {args.format})")
+    return 0
+
+
+def _check_hook_points(store: Any, hook_points: list[str] | None) -> list[str] | None:
+    if hook_points is None:
+        return None
+    known = list(store.hook_points)
+    for hp in hook_points:
+        if hp not in known:
+            shown = ", ".join(known[:8]) + (", ..." if len(known) > 8 else "")
+            raise HookPointNotFoundError(f"hook point {hp!r} is not in the store; it holds [{shown}]")
+    return hook_points
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from . import report
+
+    store = _open(args.store)
+    hook_points = _check_hook_points(store, args.hook_points)
+    path = report.write_report(store, args.out, hook_points=hook_points, label_column=args.label_column,
+                               n_folds=args.folds)
+    print(f"report: {os.path.abspath(path)}")
+    return 0
+
+
+def format_info(info: dict[str, Any], name: str) -> str:
+    """Human-readable text of a store's ``info()``."""
+    return json.dumps(info, indent=2, default=str)
+
+
+_COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "demo": cmd_demo,
+    "capture": cmd_capture,
+    "info": cmd_info,
+    "verify": cmd_verify,
+    "export": cmd_export,
+    "report": cmd_report,
+}
