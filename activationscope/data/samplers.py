@@ -208,8 +208,10 @@ class ChunkShuffleBatchSampler(_BatchSampler):
     How uniform: every row is visited exactly once per epoch; the window holding a given
     row is a uniformly random set of blocks, and within its window a row's position is
     uniform. Rows of the same block always share a window, so two rows of one block are
-    ``~n / buffer_rows`` times more likely to share a batch than under a global shuffle, and
-    a batch holds rows of at most ``ceil(buffer_rows / block) + 1`` blocks. With
+    about ``len / buffer_rows`` times more likely to share a batch than under a global
+    shuffle, while two rows of different blocks share a window with probability about
+    ``buffer_rows / len``. A batch (of at most ``buffer_rows`` rows) holds rows of at most
+    two windows, i.e. of at most ``2 * ceil(buffer_rows / block)`` blocks of equal size. With
     ``buffer_rows >= len`` this is a global uniform shuffle; with ``buffer_rows <= block`` it
     shuffles rows within each block only. Cost: 8 bytes per row for the order.
 

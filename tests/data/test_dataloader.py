@@ -1,0 +1,72 @@
+"""DataLoader with worker processes (fork and spawn), after the parent already read."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+from fake_store import open_fake, write_fake_store
+from torch.utils.data import DataLoader
+
+from activationscope.data import ActivationDataset, ShuffledBatchSampler
+from activationscope.data._source import StoreSource
+
+N = 64
+
+
+@pytest.fixture(scope="module")
+def store_path(tmp_path_factory):
+    acts = torch.arange(N * 4, dtype=torch.float32).reshape(N, 4)
+    table = pa.table({"sample_id": pa.array(np.arange(N)), "label": pa.array(np.arange(N) % 3)})
+    return write_fake_store(tmp_path_factory.mktemp("dl") / "s", {"x": acts}, tables={"sample": table}, shard_rows=24), acts
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_workers_read_every_row_once(store_path, method):
+    path, acts = store_path
+    ds = ActivationDataset(str(path), columns=["sample_id", "label"], open_options={"opener": open_fake})
+    parent = ds[:]["x"]  # the parent maps the store before the workers start
+    assert torch.equal(parent, acts)
+    sampler = ShuffledBatchSampler(ds, 10, seed=0)
+    loader = DataLoader(ds, batch_sampler=sampler, num_workers=2, multiprocessing_context=mp.get_context(method),
+                        persistent_workers=False)
+    seen = []
+    for batch in loader:
+        ids = batch["sample_id"]
+        assert torch.equal(batch["x"], acts[ids])
+        assert torch.equal(batch["label"], ids % 3)
+        seen += ids.tolist()
+    assert sorted(seen) == list(range(N))
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_default_batch_size_loader_in_workers(store_path, method):
+    path, acts = store_path
+    ds = ActivationDataset(str(path), open_options={"opener": open_fake})
+    ds[0]
+    loader = DataLoader(ds, batch_size=16, num_workers=2, multiprocessing_context=mp.get_context(method))
+    out = torch.cat([b["x"] for b in loader])
+    assert torch.equal(out, acts)
+
+
+def test_fork_child_drops_and_reopens_store(store_path):
+    path, acts = store_path
+    src = StoreSource(str(path), {"opener": open_fake})
+    src.read("x", 0, 4)
+    assert src._store is not None and src._views
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+
+    def child():
+        dropped = src._store is None and not src._views
+        q.put((dropped, src.read("x", 30, 32).tolist()))
+
+    p = ctx.Process(target=child)
+    p.start()
+    dropped, rows = q.get(timeout=60)
+    p.join(60)
+    assert dropped and rows == acts[30:32].tolist()
+    assert src._store is not None  # the parent keeps its own

@@ -1,0 +1,164 @@
+"""Arrow IPC / Parquet export and zero-copy read-back."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import pytest
+import torch
+from fake_store import FakeStore, write_fake_store
+
+from activationscope.data import ActivationDataset, arrow_to_torch, export_arrow, export_parquet, read_arrow
+
+N = 30
+
+
+@pytest.fixture
+def arrays():
+    g = torch.Generator().manual_seed(1)
+    return {
+        "f32": torch.randn(N, 5, generator=g),
+        "bf16": torch.randn(N, 2, 3, generator=g).to(torch.bfloat16),
+        "f16": torch.randn(N, 4, generator=g).to(torch.float16),
+        "i32": torch.arange(N * 2, dtype=torch.int32).reshape(N, 2),
+        "scalar": torch.randn(N, generator=g),
+    }
+
+
+@pytest.fixture
+def store(tmp_path, arrays):
+    table = pa.table({
+        "sample_id": pa.array(np.arange(N), pa.int64()),
+        "label": pa.array(np.arange(N) % 2, pa.int64()),
+        "text": pa.array([f"t{i}" for i in range(N)]),
+    })
+    return FakeStore(write_fake_store(tmp_path / "s", arrays, tables={"sample": table}, shard_rows=8))
+
+
+@pytest.mark.parametrize("tensor_type", ["fixed_shape_tensor", "fixed_size_list"])
+def test_arrow_round_trip_small_batches(store, arrays, tmp_path, tensor_type):
+    path = export_arrow(store, tmp_path / "x.arrow", batch_rows=7, tensor_type=tensor_type)
+    # plain pyarrow reads it: several record batches, large string offsets, bf16 as uint16 bits
+    with pa.ipc.open_file(pa.memory_map(str(path))) as f:
+        assert f.num_record_batches == 5
+        table = f.read_all()
+    schema = table.schema
+    assert schema.field("text").type == pa.large_string()
+    assert schema.field("bf16").metadata[b"activationscope.dtype"] == b"bfloat16"
+    bits = table.column("bf16").combine_chunks()
+    storage = bits.storage if tensor_type == "fixed_shape_tensor" else bits
+    assert storage.type.value_type == pa.uint16() and storage.type.list_size == 6
+    expect_bits = arrays["bf16"].view(torch.int16).numpy().view(np.uint16).reshape(-1)
+    assert np.array_equal(storage.flatten().to_numpy(), expect_bits)
+    if tensor_type == "fixed_shape_tensor":
+        assert isinstance(schema.field("f32").type, pa.FixedShapeTensorType)
+        assert np.array_equal(table.column("f32").combine_chunks().to_numpy_ndarray(), arrays["f32"].numpy())
+    # read back as tensors with exact dtypes
+    back = read_arrow(path)
+    for name, t in arrays.items():
+        assert back[name].dtype == t.dtype and torch.equal(back[name], t), name
+    assert back["label"].tolist() == [i % 2 for i in range(N)] and back["text"][3] == "t3"
+
+
+def test_read_arrow_is_zero_copy_and_writes_do_not_reach_the_file(store, arrays, tmp_path):
+    path = export_arrow(store, tmp_path / "x.arrow", hook_points=["f32", "bf16"], batch_rows=1000)
+    before = path.read_bytes()
+    back = read_arrow(path)
+    # the views lie inside one private map of the whole file
+    t = back["f32"]
+    base = t.untyped_storage().data_ptr()
+    size = path.stat().st_size
+    assert t.untyped_storage().nbytes() == size
+    assert base <= t.data_ptr() and t.data_ptr() + t.numel() * 4 <= base + size
+    t.add_(1.0)
+    back["bf16"].zero_()
+    assert path.read_bytes() == before
+    assert torch.equal(read_arrow(path)["f32"], arrays["f32"])
+    parts = read_arrow(export_arrow(store, tmp_path / "y.arrow", hook_points=["f32"], batch_rows=7), batches=True)
+    assert len(parts) == 5 and torch.equal(torch.cat([p["f32"] for p in parts]), arrays["f32"])
+    assert all(p["f32"].untyped_storage().nbytes() == (tmp_path / "y.arrow").stat().st_size for p in parts)
+
+
+def test_sliced_arrow_tensor_arrays_honour_their_offset(arrays):
+    t = arrays["f32"]
+    storage = pa.FixedSizeListArray.from_arrays(pa.array(t.reshape(-1).numpy()), 5)
+    ext = pa.ExtensionArray.from_storage(pa.fixed_shape_tensor(pa.float32(), [5]), storage)
+    for arr in (storage, ext):
+        for a, b in [(3, 11), (0, 1), (29, 30), (7, 7)]:
+            assert torch.equal(arrow_to_torch(arr.slice(a, b - a)), t[a:b])
+    # slices of slices, and chunked arrays of slices
+    assert torch.equal(arrow_to_torch(ext.slice(4, 20).slice(3, 5)), t[7:12])
+    chunked = pa.chunked_array([ext.slice(2, 3), ext.slice(20, 4)])
+    assert torch.equal(arrow_to_torch(chunked), torch.cat([t[2:5], t[20:24]]))
+    # values whose own child array is offset
+    child = pa.array(t.reshape(-1).numpy()).slice(5)
+    assert torch.equal(arrow_to_torch(pa.FixedSizeListArray.from_arrays(child, 5)), t[1:])
+
+
+def test_offsets_never_32_bit():
+    from activationscope.data.export import _hook_point_field, _large
+
+    f = _hook_point_field("hp", torch.float32, (4096,), "fixed_size_list")
+    # no offsets buffer at all: a fixed-size list column cannot overflow at any size
+    assert pa.types.is_fixed_size_list(f.type)
+    arr = pa.FixedSizeListArray.from_arrays(pa.array(np.zeros(8, np.float32)), 4)
+    assert arr.buffers()[0] is None and len(arr.buffers()) == 3  # validity, child validity, child values
+    assert _large(pa.list_(pa.string())) == pa.large_list(pa.large_string())
+    assert _large(pa.struct([("t", pa.binary())])) == pa.struct([("t", pa.large_binary())])
+
+
+def test_parquet_round_trip_and_filters(store, arrays, tmp_path):
+    path = export_parquet(store, tmp_path / "x.parquet", batch_rows=8, filter=pc.field("label") == 1)
+    pf = pq.ParquetFile(path)
+    assert pf.metadata.num_row_groups == 2
+    table = pf.read()
+    rows = [i for i in range(N) if i % 2 == 1]
+    assert table.column("sample_id").to_pylist() == rows
+    assert isinstance(table.schema.field("f32").type, pa.FixedShapeTensorType)
+    for name, t in arrays.items():
+        col = table.column(name)
+        assert torch.equal(arrow_to_torch(col, table.schema.field(name)), t[rows]), name
+
+
+def test_export_a_dataset_selection(store, arrays, tmp_path):
+    ds = ActivationDataset(store, hook_points=["f32"], rows=[5, 1, 9], columns=["label"])
+    path = export_arrow(ds, tmp_path / "sel.arrow")
+    back = read_arrow(path)
+    assert set(back) == {"f32", "sample_id", "label", "text"}
+    assert torch.equal(back["f32"], arrays["f32"][[5, 1, 9]])
+    assert back["sample_id"].tolist() == [5, 1, 9]
+
+
+def test_export_validates_before_writing(store, tmp_path):
+    with pytest.raises(ValueError, match="batch_rows must be a positive int"):
+        export_arrow(store, tmp_path / "a.arrow", batch_rows=0)
+    with pytest.raises(ValueError, match="tensor_type must be one of"):
+        export_arrow(store, tmp_path / "a.arrow", tensor_type="list")
+    with pytest.raises(ValueError, match="columns \\['nope'\\]"):
+        export_arrow(store, tmp_path / "a.arrow", columns=["nope"])
+    assert list(tmp_path.glob("a.arrow*")) == []
+
+
+def test_empty_export(store, tmp_path):
+    path = export_arrow(store, tmp_path / "e.arrow", hook_points=["f32"], filter=pc.field("label") == 5)
+    back = read_arrow(path)
+    assert back["f32"].shape == (0, 5) and back["f32"].dtype == torch.float32
+
+
+def test_other_readers(store, arrays, tmp_path):
+    pl = pytest.importorskip("polars")
+    duckdb = pytest.importorskip("duckdb")
+    path = export_parquet(store, tmp_path / "x.parquet", hook_points=["f32"], columns=["sample_id", "label"],
+                          tensor_type="fixed_size_list")
+    df = pl.read_parquet(path)
+    assert df["sample_id"].to_list() == list(range(N))
+    got = np.array(df["f32"].to_list(), dtype=np.float32)
+    assert np.array_equal(got, arrays["f32"].numpy())
+    con = duckdb.connect()
+    row = con.execute(f"select f32, label from read_parquet('{path}') where sample_id = 7").fetchone()
+    assert np.array_equal(np.array(row[0], np.float32), arrays["f32"][7].numpy()) and row[1] == 1
+    arrow_path = export_arrow(store, tmp_path / "x.arrow", hook_points=["f32"], columns=["label"])
+    df2 = pl.read_ipc(arrow_path)
+    assert np.array_equal(np.array(df2["f32"].to_list(), dtype=np.float32), arrays["f32"].numpy())

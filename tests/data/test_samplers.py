@@ -1,0 +1,138 @@
+"""Batch samplers: coverage, determinism, rank partitions, chunk locality."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from activationscope.data import (
+    ChunkShuffleBatchSampler,
+    SequentialBatchSampler,
+    ShuffledBatchSampler,
+    partition_bounds,
+)
+
+SAMPLERS = [SequentialBatchSampler, ShuffledBatchSampler, ChunkShuffleBatchSampler]
+
+
+def _flat(sampler):
+    return [i for batch in sampler for i in batch]
+
+
+def test_sequential_yields_ranges_in_order():
+    s = SequentialBatchSampler(10, 4)
+    batches = list(s)
+    assert batches == [range(0, 4), range(4, 8), range(8, 10)] and len(s) == 3
+    assert list(SequentialBatchSampler(10, 4, drop_last=True)) == [range(0, 4), range(4, 8)]
+
+
+@pytest.mark.parametrize("cls", SAMPLERS)
+def test_every_row_once_and_deterministic(cls):
+    s = cls(103, 10, seed=7)
+    first = _flat(s)
+    assert sorted(first) == list(range(103))
+    assert _flat(cls(103, 10, seed=7)) == first
+    assert len(list(s)) == len(s) == 11
+
+
+@pytest.mark.parametrize("cls", [ShuffledBatchSampler, ChunkShuffleBatchSampler])
+def test_epochs_and_seeds_change_the_order(cls):
+    s = cls(500, 50, seed=1, **({"block_rows": 10, "buffer_rows": 100} if cls is ChunkShuffleBatchSampler else {}))
+    e0 = _flat(s)
+    s.set_epoch(1)
+    e1 = _flat(s)
+    assert e0 != e1 and sorted(e1) == list(range(500))
+    s.set_epoch(0)
+    assert _flat(s) == e0
+    assert _flat(cls(500, 50, seed=2)) != _flat(cls(500, 50, seed=1))
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(0, 300), world=st.integers(1, 7), bs=st.integers(1, 40), epoch=st.integers(0, 3),
+       which=st.sampled_from(SAMPLERS))
+def test_ranks_partition_without_overlap_or_loss(n, world, bs, epoch, which):
+    seen = []
+    for rank in range(world):
+        s = which(n, bs, seed=3, rank=rank, world_size=world)
+        s.set_epoch(epoch)
+        part = _flat(s)
+        assert len(part) == s.n_rows()
+        seen += part
+    assert sorted(seen) == list(range(n))
+
+
+def test_even_parts_drop_only_the_remainder():
+    sizes = []
+    seen = []
+    for rank in range(4):
+        s = ShuffledBatchSampler(103, 5, rank=rank, world_size=4, even=True)
+        part = _flat(s)
+        sizes.append(len(part))
+        seen += part
+    assert sizes == [25] * 4 and len(set(seen)) == 100
+    assert partition_bounds(103, 3, 4) == (77, 103)
+
+
+def test_rank_defaults_and_validation():
+    s = ShuffledBatchSampler(10, 2)
+    assert (s.rank, s.world_size) == (0, 1)
+    with pytest.raises(ValueError, match="rank must be an int in \\[0, 2\\), got 2"):
+        ShuffledBatchSampler(10, 2, rank=2, world_size=2)
+    with pytest.raises(ValueError, match="batch_size must be a positive int, got 0"):
+        SequentialBatchSampler(10, 0)
+
+
+def test_rank_defaults_follow_torch_distributed(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        s = ShuffledBatchSampler(10, 2)
+        assert (s.rank, s.world_size) == (0, 1) and dist.is_initialized()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_chunk_shuffle_is_local_and_mixes():
+    n, block, buffer, bs = 1000, 50, 200, 20
+    s = ChunkShuffleBatchSampler(n, bs, block_rows=block, buffer_rows=buffer, seed=0)
+    order = _flat(s)
+    assert sorted(order) == list(range(n))
+    # every window of buffer_rows rows holds exactly buffer/block whole blocks
+    for w in range(0, n, buffer):
+        blocks = {i // block for i in order[w : w + buffer]}
+        assert len(blocks) == buffer // block
+    # each batch touches few blocks, but rows inside a window are mixed (not block-sorted)
+    for batch in s:
+        assert len({i // block for i in batch}) <= buffer // block
+    assert order[:block] != sorted(order[:block])
+    # the first window's blocks are not simply the first blocks
+    assert {i // block for i in order[:buffer]} != set(range(buffer // block))
+
+
+def test_chunk_shuffle_with_a_buffer_over_everything_is_a_full_permutation():
+    s = ChunkShuffleBatchSampler(100, 100, block_rows=10, buffer_rows=1000, seed=5)
+    (batch,) = list(s)
+    # rows of one block spread over the whole epoch
+    positions = [batch.index(i) for i in range(10)]
+    assert max(positions) - min(positions) > 20
+
+
+def test_chunk_shuffle_uses_dataset_block_boundaries():
+    class Source:
+        def __len__(self):
+            return 30
+
+        def block_boundaries(self):
+            return torch.tensor([0, 5, 17, 30])
+
+    s = ChunkShuffleBatchSampler(Source(), 30, buffer_rows=1, seed=0)
+    assert s.block_starts.tolist() == [0, 5, 17] and s.block_sizes.tolist() == [5, 12, 13]
+    (batch,) = list(s)
+    # buffer_rows=1: each block is its own window, so every block is one contiguous run
+    block_of = torch.bucketize(torch.tensor(batch), torch.tensor([5, 17]), right=True).tolist()
+    runs = [b for k, b in enumerate(block_of) if k == 0 or block_of[k - 1] != b]
+    assert sorted(runs) == [0, 1, 2]
+    assert sorted(batch) == list(range(30))
