@@ -1,0 +1,428 @@
+"""An HTML report of a store: one page, PNG plots made with matplotlib (Agg).
+
+Per hook point: a histogram of activation values, mean ± std per unit, the fraction of rows
+where each unit is non-zero (dead units sit at 0), and PCA explained variance. Per store: a
+table of hook points (row kind, rows, feature shape, dtype, bytes, dead-unit fraction) and,
+when the row table has labels, the cross-validated accuracy of a linear probe per hook point
+(see :func:`activationscope.demo.probe_store`).
+
+Statistics come from the store's reductions where it has them (``var`` gives mean and
+variance over every row, ``nonzero`` the non-zero fraction) and otherwise from at most
+``max_rows`` rows, evenly spaced over the store. Histograms and PCA always use those rows.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["HookPointStats", "hook_point_stats", "write_report"]
+
+#: Units (flattened features) above which per-unit plots show an evenly spaced subset.
+MAX_PLOTTED_UNITS = 4096
+#: Features above which PCA is skipped (the covariance would be too large to decompose).
+MAX_PCA_FEATURES = 4096
+N_PCA_COMPONENTS = 50
+
+
+@dataclass
+class HookPointStats:
+    """Statistics of one hook point, as plotted.
+
+    mean, std, nonzero : Tensor (units,) float64, per flattened feature.
+    hist_counts : Tensor (bins,) int64; hist_edges : Tensor (bins + 1,) float64.
+    explained : Tensor (k,) float64, PCA explained variance ratio of the first k components,
+        or None when PCA was skipped (``pca_note`` says why).
+    dead_fraction : fraction of units that are zero in every row (from the ``nonzero``
+        reduction when the store has it, else from the sampled rows).
+    source : "reductions" or "rows (n of N)": where mean / std / nonzero came from.
+    """
+
+    hook_point: str
+    n_rows: int
+    feature_shape: tuple[int, ...]
+    dtype: str
+    kind: str
+    n_bytes: int | None
+    mean: torch.Tensor
+    std: torch.Tensor
+    nonzero: torch.Tensor
+    hist_counts: torch.Tensor
+    hist_edges: torch.Tensor
+    explained: torch.Tensor | None
+    dead_fraction: float
+    source: str
+    n_sampled: int
+    pca_note: str = ""
+    notes: list[str] = field(default_factory=list)
+
+
+def _sample_rows(acts: torch.Tensor, max_rows: int) -> torch.Tensor:
+    n = acts.shape[0]
+    if n <= max_rows:
+        rows = acts
+    else:
+        idx = torch.linspace(0, n - 1, max_rows).round().long()
+        rows = acts.index_select(0, idx)
+    return rows.reshape(rows.shape[0], -1).to(torch.float64)
+
+
+def _reduction(reds: Mapping[str, Any], *names: str) -> torch.Tensor | None:
+    for name in names:
+        value = reds.get(name) if reds else None
+        if isinstance(value, torch.Tensor):
+            return value.reshape(-1).to(torch.float64)
+    return None
+
+
+def hook_point_stats(
+    store: Any,
+    hook_point: str,
+    *,
+    max_rows: int = 20000,
+    bins: int = 80,
+    info: Mapping[str, Any] | None = None,
+) -> HookPointStats:
+    """Compute what the report plots for one hook point.
+
+    Parameters
+    ----------
+    store : an open store (``activationscope.open_store``)
+    hook_point : str
+    max_rows : int
+        Rows sampled (evenly spaced) for histograms, PCA and missing reductions.
+    bins : int
+        Histogram bins over [min, max] of the sampled values.
+    """
+    acts = store[hook_point]
+    n_rows = int(acts.shape[0])
+    feature_shape = tuple(int(s) for s in acts.shape[1:])
+    rows = _sample_rows(acts, max_rows) if n_rows else torch.zeros(0, max(1, math.prod(feature_shape)), dtype=torch.float64)
+    units = rows.shape[1]
+    try:
+        reds = store.reductions.get(hook_point, {}) if hasattr(store.reductions, "get") else store.reductions[hook_point]
+    except (KeyError, AttributeError):
+        reds = {}
+    entry = _hp_info(info, hook_point)
+
+    mean = _reduction(reds, "var.mean", "mean", "std.mean")
+    var = _reduction(reds, "var")
+    std = _reduction(reds, "std")
+    if std is None and var is not None:
+        std = var.clamp_min(0).sqrt()
+    nonzero = _reduction(reds, "nonzero")
+    from_reductions = mean is not None and std is not None and nonzero is not None
+    if mean is None or mean.numel() != units:
+        mean = rows.mean(0) if len(rows) else torch.zeros(units, dtype=torch.float64)
+    if std is None or std.numel() != units:
+        std = rows.std(0, correction=0) if len(rows) else torch.zeros(units, dtype=torch.float64)
+    if nonzero is None or nonzero.numel() != units:
+        nonzero = (rows != 0).double().mean(0) if len(rows) else torch.zeros(units, dtype=torch.float64)
+        from_reductions = False
+    dead_fraction = float((nonzero == 0).double().mean()) if units else 0.0
+
+    finite = rows[torch.isfinite(rows)]
+    if finite.numel():
+        lo, hi = float(finite.min()), float(finite.max())
+        if lo == hi:
+            lo, hi = lo - 0.5, hi + 0.5
+        counts = torch.histc(finite, bins=bins, min=lo, max=hi).to(torch.int64)
+        edges = torch.linspace(lo, hi, bins + 1, dtype=torch.float64)
+    else:
+        counts = torch.zeros(bins, dtype=torch.int64)
+        edges = torch.linspace(0, 1, bins + 1, dtype=torch.float64)
+
+    explained, pca_note = None, ""
+    if units > MAX_PCA_FEATURES:
+        pca_note = f"PCA skipped: {units} features > {MAX_PCA_FEATURES}"
+    elif rows.shape[0] < 2:
+        pca_note = "PCA skipped: fewer than 2 rows"
+    else:
+        centred = rows - rows.mean(0)
+        sv = torch.linalg.svdvals(centred)
+        ev = sv * sv
+        total = ev.sum()
+        if float(total) > 0:
+            explained = (ev / total)[:N_PCA_COMPONENTS]
+        else:
+            pca_note = "PCA skipped: zero variance"
+
+    source = "reductions" if from_reductions else f"rows ({rows.shape[0]:,} of {n_rows:,})"
+    return HookPointStats(
+        hook_point=hook_point, n_rows=n_rows, feature_shape=feature_shape,
+        dtype=str(acts.dtype).replace("torch.", ""), kind=str(entry.get("row_kind", entry.get("kind", "?"))),
+        n_bytes=_int_or_none(entry, "stored_bytes", "nbytes_stored", "bytes_on_disk", "n_bytes_stored"),
+        mean=mean, std=std, nonzero=nonzero, hist_counts=counts, hist_edges=edges,
+        explained=explained, dead_fraction=dead_fraction, source=source, n_sampled=rows.shape[0],
+        pca_note=pca_note,
+    )
+
+
+def _hp_info(info: Mapping[str, Any] | None, hp: str) -> Mapping[str, Any]:
+    if not isinstance(info, Mapping):
+        return {}
+    hps = info.get("hook_points")
+    if isinstance(hps, Mapping):
+        entry = hps.get(hp)
+        return entry if isinstance(entry, Mapping) else {}
+    if isinstance(hps, Sequence):
+        for entry in hps:
+            if isinstance(entry, Mapping) and entry.get("name") == hp:
+                return entry
+    return {}
+
+
+def _int_or_none(entry: Mapping[str, Any], *keys: str) -> int | None:
+    for key in keys:
+        if isinstance(entry.get(key), int):
+            return entry[key]
+    return None
+
+
+# ---------------------------------------------------------------------------- plots
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _units_subset(n: int) -> torch.Tensor:
+    if n <= MAX_PLOTTED_UNITS:
+        return torch.arange(n)
+    return torch.linspace(0, n - 1, MAX_PLOTTED_UNITS).round().long()
+
+
+def plot_hook_point(stats: HookPointStats, path: str | os.PathLike) -> Path:
+    """Write the four-panel PNG of one hook point; returns its path."""
+    plt = _plt()
+    fig, axes = plt.subplots(1, 4, figsize=(16, 3.4), dpi=80)
+    ax = axes[0]
+    edges = stats.hist_edges.numpy()
+    ax.stairs(stats.hist_counts.numpy(), edges, fill=True, color="#4c72b0")
+    ax.set_yscale("log")
+    ax.set_title(f"activation values ({stats.n_sampled:,} rows)")
+    ax.set_xlabel("value")
+    ax.set_ylabel("count (log)")
+
+    ax = axes[1]
+    idx = _units_subset(stats.mean.numel())
+    order = torch.argsort(stats.mean[idx])
+    m = stats.mean[idx][order].numpy()
+    s = stats.std[idx][order].numpy()
+    x = range(len(m))
+    ax.fill_between(x, m - s, m + s, color="#dd8452", alpha=0.35, linewidth=0, label="± std")
+    ax.plot(x, m, color="#c44e52", linewidth=1.2, label="mean")
+    ax.set_title("mean ± std per unit")
+    ax.set_xlabel("unit (sorted by mean)")
+    ax.legend(loc="upper left", fontsize=8, frameon=False)
+
+    ax = axes[2]
+    nz = torch.sort(stats.nonzero[idx]).values.numpy()
+    ax.plot(range(len(nz)), nz, color="#55a868", linewidth=1.5)
+    ax.set_ylim(-0.03, 1.03)
+    ax.set_title(f"non-zero fraction per unit (dead: {stats.dead_fraction:.1%})")
+    ax.set_xlabel("unit (sorted)")
+    ax.set_ylabel("fraction of rows ≠ 0")
+
+    ax = axes[3]
+    if stats.explained is not None:
+        ev = stats.explained.numpy()
+        k = range(1, len(ev) + 1)
+        ax.bar(k, ev, color="#8172b3", label="per component")
+        ax2 = ax.twinx()
+        ax2.plot(k, ev.cumsum(), color="#333333", marker=".", linewidth=1, label="cumulative")
+        ax2.set_ylim(0, 1.02)
+        ax2.set_ylabel("cumulative")
+        ax.set_title(f"PCA explained variance (first {len(ev)})")
+        ax.set_xlabel("component")
+        ax.set_ylabel("ratio")
+    else:
+        ax.text(0.5, 0.5, stats.pca_note or "PCA skipped", ha="center", va="center", transform=ax.transAxes)
+        ax.set_axis_off()
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def plot_probes(probes: Mapping[str, Any], path: str | os.PathLike, n_folds: int) -> Path:
+    """Probe accuracy (mean ± std over folds) per hook point, with the chance level."""
+    plt = _plt()
+    names = list(probes)
+    acc = [probes[n].accuracy for n in names]
+    err = [probes[n].std for n in names]
+    chance = max(p.chance for p in probes.values())
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(names) + 2), 3.6), dpi=80)
+    ax.errorbar(range(len(names)), acc, yerr=err, marker="o", color="#4c72b0", capsize=3, label="probe accuracy")
+    ax.axhline(chance, color="#999999", linestyle="--", linewidth=1, label=f"chance ({chance:.2f})")
+    ax.set_xticks(range(len(names)))
+    ax.set_xticklabels(names, rotation=30, ha="right", fontsize=9)
+    ax.set_ylim(min(chance, min(acc) - max(err, default=0)) - 0.05, 1.0)
+    ax.set_ylabel(f"accuracy ({n_folds}-fold CV)")
+    ax.set_title("linear probe per hook point")
+    ax.legend(loc="best", fontsize=8, frameon=False)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------------------- html
+
+
+_CSS = """
+body { font-family: -apple-system, 'Segoe UI', Helvetica, Arial, sans-serif; margin: 24px 32px; color: #222; max-width: 1320px; }
+h1 { font-size: 22px; margin-bottom: 4px; } h2 { font-size: 17px; margin-top: 28px; border-bottom: 1px solid #ddd; padding-bottom: 4px; }
+h3 { font-size: 14px; margin: 18px 0 4px; font-family: monospace; }
+.meta { color: #555; font-size: 13px; } .meta code { background: #f3f3f3; padding: 1px 4px; }
+table { border-collapse: collapse; font-size: 13px; margin-top: 8px; }
+th, td { border: 1px solid #ddd; padding: 3px 8px; text-align: right; } th { background: #f5f5f5; }
+td.l, th.l { text-align: left; font-family: monospace; }
+img { max-width: 100%; } .note { color: #777; font-size: 12px; }
+.status-complete { color: #2a7a2a; font-weight: 600; } .status-incomplete { color: #b03030; font-weight: 600; }
+"""
+
+
+def _fmt_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    value = float(n)
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if value < 1000 or unit == "TB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1000
+    return f"{value:.1f} TB"
+
+
+def _slug(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in name)
+
+
+def write_report(
+    store: Any,
+    out_dir: str | os.PathLike,
+    *,
+    hook_points: Sequence[str] | None = None,
+    probes: Mapping[str, Any] | None = None,
+    label_column: str = "label",
+    n_folds: int = 5,
+    title: str | None = None,
+    max_rows: int = 20000,
+) -> Path:
+    """Write ``index.html`` and its PNGs into ``out_dir`` (created).
+
+    Parameters
+    ----------
+    store : an open store, or a path / URL (opened read-only)
+    hook_points : list of str, optional
+        Hook points to show (default: all, in store order).
+    probes : {hook point: ProbeResult}, optional
+        Probe results to show; computed with :func:`activationscope.demo.probe_store` when
+        None and the row table has ``label_column``.
+    max_rows : int
+        Rows sampled per hook point for histograms and PCA.
+
+    Returns
+    -------
+    Path of ``index.html``.
+    """
+    if isinstance(store, (str, os.PathLike)):
+        from .store import open_store
+
+        store = open_store(os.fspath(store))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    hps = list(hook_points) if hook_points is not None else list(store.hook_points)
+    info = store.info() if hasattr(store, "info") else {}
+    if probes is None:
+        from .demo import probe_store
+
+        probes = probe_store(store, hps, label_column=label_column, n_folds=n_folds)
+
+    stats = []
+    for hp in hps:
+        st = hook_point_stats(store, hp, max_rows=max_rows, info=info)
+        plot_hook_point(st, out / f"hp_{_slug(hp)}.png")
+        stats.append(st)
+    probe_png = None
+    if probes:
+        probe_png = plot_probes(probes, out / "probes.png", n_folds)
+
+    status = info.get("status") if isinstance(info, Mapping) else None
+    if isinstance(status, Mapping):
+        status = status.get("status", status.get("state"))
+    prov = info.get("provenance") if isinstance(info, Mapping) else None
+    path = getattr(store, "path", None) or getattr(store, "url", None) or ""
+
+    e = html.escape
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'>",
+        f"<title>{e(title or 'activationscope report')}</title><style>{_CSS}</style></head><body>",
+        f"<h1>{e(title or 'activationscope report')}</h1>",
+        "<div class='meta'>",
+        f"store <code>{e(str(path))}</code>" if path else "",
+        f" &middot; status <span class='status-{e(str(status))}'>{e(str(status))}</span>" if status else "",
+        f" &middot; {len(hps)} hook points",
+        "</div>",
+    ]
+    if isinstance(prov, Mapping) and prov:
+        items = []
+        for key in ("model", "data", "command", "torch", "activationscope"):
+            if key in prov and not isinstance(prov[key], (Mapping, list)):
+                items.append(f"{e(key)}: <code>{e(str(prov[key]))}</code>")
+        if items:
+            parts.append("<div class='meta'>" + " &middot; ".join(items) + "</div>")
+
+    parts.append("<h2>Hook points</h2><table><tr><th class='l'>hook point</th><th>rows</th><th>kind</th>"
+                 "<th>feature shape</th><th>dtype</th><th>bytes</th><th>dead units</th><th>PCA top-10</th>"
+                 "<th>probe accuracy</th></tr>")
+    for st in stats:
+        p = probes.get(st.hook_point) if probes else None
+        top10 = "-" if st.explained is None else f"{float(st.explained[:10].sum()):.1%}"
+        parts.append(
+            f"<tr><td class='l'><a href='#{_slug(st.hook_point)}'>{e(st.hook_point)}</a></td><td>{st.n_rows:,}</td>"
+            f"<td>{e(st.kind)}</td><td>{e(str(st.feature_shape))}</td><td>{e(st.dtype)}</td>"
+            f"<td>{_fmt_bytes(st.n_bytes)}</td><td>{st.dead_fraction:.1%}</td><td>{top10}</td>"
+            f"<td>{'-' if p is None else f'{p.accuracy:.3f} ± {p.std:.3f}'}</td></tr>"
+        )
+    parts.append("</table>")
+
+    if probe_png is not None:
+        any_p = next(iter(probes.values()))
+        parts.append("<h2>Linear probes</h2>")
+        parts.append(
+            f"<p class='note'>L2-regularised logistic regression on one row per sample (token rows mean-pooled "
+            f"per sample), {n_folds}-fold stratified cross-validation, {any_p.n_samples} labelled samples, "
+            f"{any_p.n_classes} classes, chance {any_p.chance:.3f}.</p>"
+        )
+        parts.append(f"<img src='{probe_png.name}' alt='probe accuracy per hook point'>")
+    elif probes is not None:
+        parts.append(f"<p class='note'>No probe: the row table has no usable '{e(label_column)}' column.</p>")
+
+    parts.append("<h2>Per hook point</h2>")
+    for st in stats:
+        parts.append(f"<h3 id='{_slug(st.hook_point)}'>{e(st.hook_point)}</h3>")
+        parts.append(
+            f"<div class='note'>{st.n_rows:,} rows &times; {e(str(st.feature_shape))} {e(st.dtype)}; "
+            f"mean/std/non-zero from {e(st.source)}</div>"
+        )
+        parts.append(f"<img src='hp_{_slug(st.hook_point)}.png' alt='{e(st.hook_point)}'>")
+    parts.append("</body></html>")
+    index = out / "index.html"
+    index.write_text("\n".join(p for p in parts if p), encoding="utf-8")
+    return index
