@@ -1,0 +1,1 @@
+"""ActivationScope benchmarks: ``python -m benchmark.runner`` (see ``benchmark/README.md``)."""
