@@ -27,7 +27,10 @@ import torch
 
 from ..errors import ActivationScopeError
 
-__all__ = ["StoreSource", "as_source"]
+__all__ = ["StoreSource", "as_source", "ChunkCache"]
+
+#: Default budget of decoded chunks kept per process for compressed stores.
+DEFAULT_CACHE_BYTES = 256 << 20
 
 _LIVE: "weakref.WeakSet[StoreSource]" = weakref.WeakSet()
 
@@ -43,8 +46,73 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+class ChunkCache:
+    """A least-recently-used cache of decoded chunks, bounded in bytes.
+
+    Parameters
+    ----------
+    max_bytes : int
+        Budget for decoded chunks (bytes); the most recently used chunk is always kept, even
+        when it alone is larger.
+    """
+
+    def __init__(self, max_bytes: int = DEFAULT_CACHE_BYTES) -> None:
+        from collections import OrderedDict
+
+        if not isinstance(max_bytes, int) or max_bytes < 0:
+            raise ValueError(f"cache_bytes must be a non-negative int, got {max_bytes!r}")
+        self.max_bytes = max_bytes
+        self.n_bytes = 0
+        self.n_decoded = 0
+        self._items: "OrderedDict[Any, torch.Tensor]" = OrderedDict()
+
+    def get(self, key: Any, decode: Any) -> torch.Tensor:
+        hit = self._items.get(key)
+        if hit is not None:
+            self._items.move_to_end(key)
+            return hit
+        value = decode()
+        self.n_decoded += 1
+        self._items[key] = value
+        self.n_bytes += value.numel() * value.element_size()
+        while self.n_bytes > self.max_bytes and len(self._items) > 1:
+            _, old = self._items.popitem(last=False)
+            self.n_bytes -= old.numel() * old.element_size()
+        return value
+
+
+class _DecodedSegments(list):
+    """Lazily decoded chunks of a compressed array, as the per-segment list of ``_segments``."""
+
+    def __init__(self, hp: str, array: Any, dtype: torch.dtype, bounds: list[int], cache: ChunkCache) -> None:
+        super().__init__(range(len(bounds) - 1))
+        self.hp, self.array, self.dtype, self.bounds, self.cache = hp, array, dtype, bounds, cache
+
+    def __getitem__(self, k: Any) -> torch.Tensor:  # type: ignore[override]
+        if isinstance(k, slice):
+            return [self[i] for i in range(len(self))[k]]
+        if k < 0:
+            k += len(self)
+        a, b = self.bounds[k], self.bounds[k + 1]
+        return self.cache.get((id(self.array), self.hp, k), lambda: _decode(self.array, a, b, self.dtype))
+
+    def __iter__(self):
+        return (self[k] for k in range(len(self)))
+
+
+def _decode(array: Any, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+    import numpy as np
+
+    arr = np.ascontiguousarray(array[start:stop])
+    t = torch.from_numpy(arr)
+    if dtype == torch.bfloat16:
+        t = t.view(torch.int16).view(torch.bfloat16) if t.dtype != torch.bfloat16 else t
+    return t
+
+
 def _open_store(spec: Any, options: Mapping[str, Any]) -> Any:
     options = dict(options)
+    options.pop("cache_bytes", None)
     opener = options.pop("opener", None)
     if opener is None:
         from ..store import open_store as opener
@@ -78,6 +146,7 @@ class StoreSource:
         self._pid = os.getpid()
         self._views: dict[str, tuple[torch.Tensor, list[torch.Tensor]]] = {}
         self._tables: dict[str, Any] = {}
+        self._cache: ChunkCache | None = None
         _LIVE.add(self)
 
     # ------------------------------------------------------------------ lifecycle
@@ -85,6 +154,7 @@ class StoreSource:
         self._lock = threading.Lock()
         self._views = {}
         self._tables = {}
+        self._cache = None
         if isinstance(self._reopen_spec(), str):
             self._store = None  # reopened lazily from its path or URL
         self._pid = os.getpid()
@@ -153,6 +223,11 @@ class StoreSource:
         if cached is not None:
             return cached
         store = self.store
+        decoded = self._compressed(store, hp)
+        if decoded is not None:
+            cached = (torch.tensor(decoded.bounds, dtype=torch.int64), decoded)
+            self._views[hp] = cached
+            return cached
         bounds = None
         seg_fn = getattr(store, "segments", None)
         if callable(seg_fn):
@@ -167,6 +242,25 @@ class StoreSource:
         cached = (torch.tensor(bounds, dtype=torch.int64), views)
         self._views[hp] = cached
         return cached
+
+    def _compressed(self, store: Any, hp: str) -> "_DecodedSegments | None":
+        """Chunk-wise decoding through zarr-python for compressed arrays (else None)."""
+        info = getattr(store, "compressed_array", None)
+        if not callable(info):
+            return None
+        found = info(hp)  # (zarr array, chunk_rows, torch dtype) or None when uncompressed
+        if found is None:
+            return None
+        array, chunk_rows, dtype = found
+        n = int(array.shape[0])
+        bounds = list(range(0, n, chunk_rows)) + [n]
+        return _DecodedSegments(hp, array, dtype, bounds, self.cache)
+
+    @property
+    def cache(self) -> ChunkCache:
+        if self._cache is None:
+            self._cache = ChunkCache(int(self._options.get("cache_bytes", DEFAULT_CACHE_BYTES)))
+        return self._cache
 
     def boundaries(self, hp: str) -> torch.Tensor:
         """Row boundaries of the segments of ``hp``: int64 ``(n_segments + 1,)``, from 0 to n_rows."""
