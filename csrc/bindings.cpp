@@ -327,7 +327,113 @@ NamedTensors dict_to_named(const py::dict& d) {
 }
 
 // ------------------------------------------------------------------ store writer bindings
-void bind_store_writer(py::module_& m) { (void)m; }
+py::dict shard_record_to_dict(const ShardRecord& r) {
+  py::dict d;
+  d["shard"] = r.shard;
+  d["rows_end"] = r.rows_end;
+  d["file_bytes"] = r.file_bytes;
+  py::list chunks;
+  for (size_t j = 0; j < r.offsets.size(); ++j) {
+    if (r.offsets[j] < 0) continue;
+    chunks.append(py::make_tuple(static_cast<int64_t>(j), r.offsets[j], r.nbytes[j], r.crcs[j]));
+  }
+  d["chunks"] = chunks;  // (chunk in shard, offset, nbytes, crc32c)
+  return d;
+}
+
+void bind_store_writer(py::module_& m) {
+  // acs::StoreIOError -> activationscope.errors.StoreError (tried before the CaptureError
+  // translator, which is registered earlier).
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const acs::StoreIOError& e) {
+      py::object cls = py::module_::import("activationscope.errors").attr("StoreError");
+      PyErr_SetString(cls.ptr(), e.what());
+    }
+  });
+
+  m.def(
+      "crc32c",
+      [](py::buffer b, uint32_t crc) {
+        py::buffer_info info = b.request();
+        const size_t n = static_cast<size_t>(info.size * info.itemsize);
+        py::gil_scoped_release nogil;
+        return crc32c(crc, info.ptr, n);
+      },
+      py::arg("data"), py::arg("crc") = 0, "CRC-32C (Castagnoli) of a contiguous buffer.");
+
+  py::class_<StoreCore, std::shared_ptr<StoreCore>>(m, "StoreCore")
+      .def(py::init([](int64_t max_pending_bytes, bool fsync) {
+             ACS_CHECK(max_pending_bytes > 0, "max_pending_bytes must be positive, got ", max_pending_bytes);
+             return std::make_shared<StoreCore>(max_pending_bytes, fsync);
+           }),
+           py::arg("max_pending_bytes"), py::arg("fsync") = false)
+      .def("drain", &StoreCore::drain, py::call_guard<py::gil_scoped_release>())
+      .def("close", &StoreCore::close, py::call_guard<py::gil_scoped_release>())
+      .def("check", &StoreCore::check)
+      .def_property_readonly("failed", &StoreCore::failed)
+      .def_property_readonly("error", &StoreCore::error)
+      .def_property_readonly("pending_bytes", &StoreCore::pending_bytes)
+      .def_property_readonly("durable_version", &StoreCore::durable_version)
+      .def_property_readonly("max_pending_bytes", &StoreCore::max_pending_bytes)
+      .def("next_to_encode",
+           [](StoreCore& c) -> py::object {
+             WorkItem item;
+             bool ok;
+             {
+               py::gil_scoped_release nogil;
+               ok = c.next_to_encode(&item);
+             }
+             if (!ok) return py::none();
+             at::Tensor flat = item.raw.reshape({-1}).view(at::kByte);
+             return py::make_tuple(item.id, item.array->spec().hook_point, flat,
+                                   static_cast<int64_t>(c10::elementSize(item.array->spec().dtype)));
+           })
+      .def("submit_encoded",
+           [](StoreCore& c, uint64_t id, py::buffer b) {
+             py::buffer_info info = b.request();
+             std::string bytes(static_cast<const char*>(info.ptr), static_cast<size_t>(info.size * info.itemsize));
+             py::gil_scoped_release nogil;
+             c.submit_encoded(id, std::move(bytes));
+           })
+      .def("fail_encoded", &StoreCore::fail_encoded);
+
+  py::class_<ArrayWriter, RowConsumer, std::shared_ptr<ArrayWriter>>(m, "ArrayWriter")
+      .def(py::init([](std::shared_ptr<StoreCore> core, std::string hook_point, std::string dir,
+                       std::string tmp_dir, py::object dtype, std::vector<int64_t> feature_shape,
+                       int64_t chunk_rows, int64_t shard_chunks, int64_t start_row, bool encoded) {
+             ArraySpec s;
+             s.hook_point = std::move(hook_point);
+             s.dir = std::move(dir);
+             s.tmp_dir = std::move(tmp_dir);
+             s.dtype = to_scalar_type(dtype);
+             s.feature_shape = std::move(feature_shape);
+             s.chunk_rows = chunk_rows;
+             s.shard_chunks = shard_chunks;
+             s.start_row = start_row;
+             s.encoded = encoded;
+             return std::make_shared<ArrayWriter>(std::move(core), std::move(s));
+           }),
+           py::arg("core"), py::arg("hook_point"), py::arg("dir"), py::arg("tmp_dir"), py::arg("dtype"),
+           py::arg("feature_shape"), py::arg("chunk_rows"), py::arg("shard_chunks"), py::arg("start_row") = 0,
+           py::arg("encoded") = false)
+      .def(
+          "append", [](ArrayWriter& w, const at::Tensor& rows) { w.append(rows, nullptr); }, py::arg("rows"),
+          py::call_guard<py::gil_scoped_release>())
+      .def("flush", &ArrayWriter::flush, py::call_guard<py::gil_scoped_release>())
+      .def("take_durable",
+           [](ArrayWriter& w) {
+             py::list out;
+             for (const auto& r : w.take_durable()) out.append(shard_record_to_dict(r));
+             return out;
+           })
+      .def_property_readonly("n_rows", &ArrayWriter::n_rows)
+      .def_property_readonly("durable_rows", &ArrayWriter::durable_rows)
+      .def_property_readonly("chunk_bytes", &ArrayWriter::chunk_bytes)
+      .def_property_readonly("row_bytes", &ArrayWriter::row_bytes)
+      .def_property_readonly("hook_point", [](const ArrayWriter& w) { return w.spec().hook_point; });
+}
 
 }  // namespace
 

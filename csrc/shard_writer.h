@@ -1,7 +1,179 @@
 // The store's shard writer (see store/FORMAT.md): receives rows from the hook path, fills
-// chunks and appends them to shard files on a writer thread. Pure ATen, no Python.
+// chunks and appends them to shard files on one writer thread per store. Pure ATen, no
+// Python.
+//
+// Data flow of one array:
+//   ArrayWriter::append (hot path, no GIL)  -- cast + copy rows into the current chunk
+//   full chunk -> StoreCore queue (bounded in bytes, shared by all arrays of the store;
+//                 the producer blocks when it is full = backpressure)
+//   [compressed arrays: chunk -> encode queue -> an encoder (Python thread, numcodecs,
+//    GIL released while compressing) -> submit_encoded -> write queue]
+//   writer thread: append the chunk to the shard's temporary file, crc32c it; when the shard
+//   is complete (or at the final flush): append the shard index (+ its crc32c), fsync if
+//   asked, rename to the shard's key. The rows of renamed shards are "durable".
+// Writer-thread errors are kept and re-raised (StoreIOError) on the next append / flush /
+// check; the thread never throws.
 #pragma once
 
+#include <ATen/ATen.h>
+#include <c10/core/Event.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "errors.h"
 #include "row_consumer.h"
 
-namespace acs {}  // namespace acs
+namespace acs {
+
+// A store I/O failure (disk full, file too large, I/O error). bindings.cpp maps it to
+// activationscope.errors.StoreError.
+class StoreIOError : public UserError {
+ public:
+  using UserError::UserError;
+};
+
+// CRC-32C (Castagnoli), as in the Zarr crc32c codec. `crc` is a previous value (0 to start).
+uint32_t crc32c(uint32_t crc, const void* data, size_t n);
+
+struct ArraySpec {
+  std::string hook_point;
+  std::string dir;                      // local directory of the array (holds c/...)
+  std::string tmp_dir;                  // where shard temporaries live (same filesystem)
+  at::ScalarType dtype = at::kFloat;    // element type written (bfloat16 = its bit pattern)
+  std::vector<int64_t> feature_shape;
+  int64_t chunk_rows = 1;
+  int64_t shard_chunks = 1;             // chunks per shard
+  int64_t start_row = 0;                // first row written; a multiple of the shard rows
+  bool encoded = false;                 // chunks go through the encoder (compression)
+};
+
+// One record per durable shard (renamed, complete).
+struct ShardRecord {
+  int64_t shard = 0;                    // shard index along rows
+  int64_t rows_end = 0;                 // rows of the array covered up to the end of this shard
+  int64_t file_bytes = 0;
+  std::vector<int64_t> offsets;         // per chunk written (others are empty)
+  std::vector<int64_t> nbytes;
+  std::vector<uint32_t> crcs;           // crc32c of the encoded chunk bytes
+};
+
+class ArrayWriter;
+
+struct WorkItem {
+  std::shared_ptr<ArrayWriter> array;
+  int64_t chunk = 0;                    // global chunk index along rows
+  int64_t rows_end = 0;                 // array rows after this chunk's real rows
+  bool final = false;                   // last chunk of the array: close the shard after it
+  at::Tensor raw;                       // contiguous chunk (chunk_rows, *feature_shape)
+  std::string encoded;                  // encoded bytes (compressed arrays)
+  int64_t budget_bytes = 0;             // bytes held against the queue cap
+  uint64_t id = 0;
+};
+
+// One per store: the bounded queue and the writer thread.
+class StoreCore : public std::enable_shared_from_this<StoreCore> {
+ public:
+  StoreCore(int64_t max_pending_bytes, bool fsync);
+  ~StoreCore();
+
+  // Producer side (hot path).
+  void push(WorkItem item);             // blocks while the queue is over its byte cap
+  // Encoder side: next chunk to encode (blocks), or nullptr-array item when shut down.
+  // Returns false when there is nothing more to encode (closing).
+  bool next_to_encode(WorkItem* out);
+  void submit_encoded(uint64_t id, std::string bytes);
+  void fail_encoded(uint64_t id, const std::string& why);
+
+  void drain();                         // wait until every queued chunk is written (or dropped)
+  void close();                         // drain, stop the writer thread and the encoders
+  void check() const;                   // throw StoreIOError if the writer failed
+  bool failed() const;
+  std::string error() const;
+  void set_error(const std::string& e);
+  bool fsync_enabled() const { return fsync_; }
+  int64_t pending_bytes() const;
+  uint64_t durable_version() const { return durable_version_.load(); }
+  void bump_durable() { durable_version_.fetch_add(1); }
+  int64_t max_pending_bytes() const { return max_pending_bytes_; }
+
+ private:
+  void run();
+  void release(int64_t bytes);
+
+  const int64_t max_pending_bytes_;
+  const bool fsync_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_space_;    // producers wait for budget
+  std::condition_variable cv_work_;     // writer waits for work
+  std::condition_variable cv_encode_;   // encoders wait for chunks to encode
+  std::condition_variable cv_idle_;     // drain waits for an empty pipeline
+  std::deque<WorkItem> write_q_;
+  std::deque<WorkItem> encode_q_;       // waiting for an encoder
+  std::vector<WorkItem> encoding_;      // taken by an encoder, in order of id
+  int64_t pending_bytes_ = 0;
+  int64_t in_flight_ = 0;               // items pushed and not yet written / dropped
+  uint64_t next_id_ = 1;
+  bool stop_ = false;
+  std::string error_;
+  std::atomic<bool> failed_{false};
+  std::atomic<uint64_t> durable_version_{0};
+  std::thread thread_;
+};
+
+class ArrayWriter : public RowConsumer, public std::enable_shared_from_this<ArrayWriter> {
+ public:
+  ArrayWriter(std::shared_ptr<StoreCore> core, ArraySpec spec);
+  ~ArrayWriter() override;
+
+  // rows: (n, *feature_shape), any dtype / strides; cast to the array dtype. No GIL.
+  void append(const at::Tensor& rows, std::shared_ptr<c10::Event> ready) override;
+  // Push the partial chunk (zero-padded) as the array's final chunk. Idempotent.
+  void flush();
+
+  int64_t n_rows() const { return n_rows_.load(); }            // rows appended (from row 0)
+  int64_t durable_rows() const { return durable_rows_.load(); }
+  std::vector<ShardRecord> take_durable();                     // records since the last call
+  const ArraySpec& spec() const { return spec_; }
+  int64_t chunk_bytes() const { return chunk_bytes_; }
+  int64_t row_bytes() const { return row_bytes_; }
+
+  // Writer thread only.
+  void write_chunk(WorkItem& item);
+  void abandon_shard();
+
+ private:
+  void push_chunk(bool final);
+  std::string shard_path(int64_t shard) const;
+  void finish_shard(int64_t rows_end);
+
+  std::shared_ptr<StoreCore> core_;
+  ArraySpec spec_;
+  int64_t row_bytes_ = 0;
+  int64_t chunk_bytes_ = 0;
+  std::mutex mu_;                       // producers of this array
+  at::Tensor chunk_;                    // current chunk buffer
+  int64_t fill_ = 0;                    // rows in chunk_
+  int64_t next_chunk_ = 0;              // global index of chunk_
+  bool flushed_ = false;
+  std::atomic<int64_t> n_rows_{0};
+  std::atomic<int64_t> durable_rows_{0};
+  std::mutex rec_mu_;
+  std::vector<ShardRecord> records_;
+  // writer-thread state of the open shard
+  int fd_ = -1;
+  int64_t open_shard_ = -1;
+  std::string tmp_path_;
+  int64_t file_off_ = 0;
+  ShardRecord cur_;
+};
+
+}  // namespace acs

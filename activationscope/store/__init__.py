@@ -1,0 +1,21 @@
+"""The store: a Zarr v3 group of activation arrays, row tables and reductions.
+
+Format: ``store/FORMAT.md`` (version 1). Write with :class:`StoreWriter` (normally through
+``ActivationScope(store=...)``), read with :func:`open_store`.
+
+Example
+-------
+>>> scope = ActivationScope(store="runs/demo.zarr")       # doctest: +SKIP
+>>> with scope.track(model) as tracker:                     # doctest: +SKIP
+...     model(x)
+>>> store = open_store("runs/demo.zarr")                    # doctest: +SKIP
+>>> store["0.output"]                                       # zero-copy view  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from ._format import FORMAT_NAME, FORMAT_VERSION
+from .reader import Store, copy_store, open_store
+from .writer import StoreWriter, model_identity
+
+__all__ = ["StoreWriter", "Store", "open_store", "copy_store", "model_identity", "FORMAT_NAME", "FORMAT_VERSION"]

@@ -1,0 +1,199 @@
+"""Where a store's objects live: a local directory, or any zarr ``Store`` (memory, fsspec).
+
+A backend is a flat key -> bytes map with atomic ``set`` (local: temp file + rename).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any, Iterator
+
+from ..errors import StoreError
+
+
+class LocalBackend:
+    """A store in a local directory; ``set`` is atomic (temp file, optional fsync, rename)."""
+
+    is_local = True
+
+    def __init__(self, root: str | os.PathLike, fsync: bool = False) -> None:
+        self.root = Path(root).absolute()
+        self.fsync = fsync
+
+    def __repr__(self) -> str:
+        return str(self.root)
+
+    def path(self, key: str) -> Path:
+        return self.root / key
+
+    def get(self, key: str) -> bytes | None:
+        try:
+            with open(self.root / key, "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+        except NotADirectoryError:
+            return None
+
+    def set(self, key: str, data: bytes) -> None:
+        p = self.root / key
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.parent / f".{p.name}.{uuid.uuid4().hex[:8]}.tmp"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                if self.fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
+            os.replace(tmp, p)
+        except OSError as e:
+            try:
+                tmp.unlink()
+            except OSError:
+                pass
+            raise StoreError(f"writing {str(p)!r} failed: {e.strerror or e}") from e
+        if self.fsync:
+            fd = os.open(p.parent, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def put_file(self, key: str, local: Path) -> None:
+        if Path(local) != self.root / key:
+            self.set(key, Path(local).read_bytes())
+
+    def delete(self, key: str) -> None:
+        try:
+            (self.root / key).unlink()
+        except FileNotFoundError:
+            pass
+
+    def list(self, prefix: str = "") -> Iterator[str]:
+        base = self.root / prefix if prefix else self.root
+        if not base.exists():
+            return
+        for dirpath, _, files in os.walk(base):
+            for name in files:
+                yield os.path.relpath(os.path.join(dirpath, name), self.root).replace(os.sep, "/")
+
+    def exists(self) -> bool:
+        return self.root.exists()
+
+    def is_empty(self) -> bool:
+        return not self.root.exists() or not any(self.root.iterdir())
+
+    def clear(self) -> None:
+        if self.root.exists():
+            shutil.rmtree(self.root)
+
+    def size(self, key: str) -> int:
+        try:
+            return (self.root / key).stat().st_size
+        except FileNotFoundError:
+            return 0
+
+    def zarr_store(self, read_only: bool = True) -> Any:
+        import zarr
+
+        return zarr.storage.LocalStore(self.root, read_only=read_only)
+
+
+class ZarrBackend:
+    """Any zarr ``Store`` (``MemoryStore``, ``FsspecStore`` for s3:// gs:// memory:// ...)."""
+
+    is_local = False
+
+    def __init__(self, store: Any, label: str | None = None) -> None:
+        self.store = store
+        self.label = label or repr(store)
+
+    def __repr__(self) -> str:
+        return self.label
+
+    def _sync(self, coro: Any) -> Any:
+        from zarr.core.sync import sync
+
+        return sync(coro)
+
+    def get(self, key: str) -> bytes | None:
+        from zarr.core.buffer import default_buffer_prototype
+
+        buf = self._sync(self.store.get(key, prototype=default_buffer_prototype()))
+        return None if buf is None else buf.to_bytes()
+
+    def set(self, key: str, data: bytes) -> None:
+        from zarr.core.buffer import cpu
+
+        try:
+            self._sync(self.store.set(key, cpu.Buffer.from_bytes(data)))
+        except Exception as e:  # remote errors come in many classes
+            raise StoreError(f"writing {key!r} to {self.label} failed: {e}") from e
+
+    def put_file(self, key: str, local: Path) -> None:
+        self.set(key, Path(local).read_bytes())
+
+    def delete(self, key: str) -> None:
+        try:
+            self._sync(self.store.delete(key))
+        except (FileNotFoundError, KeyError):
+            pass
+
+    def list(self, prefix: str = "") -> Iterator[str]:
+        async def collect() -> list[str]:
+            return [k async for k in self.store.list_prefix(prefix)]
+
+        yield from self._sync(collect())
+
+    def exists(self) -> bool:
+        return self.get("zarr.json") is not None
+
+    def is_empty(self) -> bool:
+        return next(iter(self.list("")), None) is None
+
+    def clear(self) -> None:
+        for key in list(self.list("")):
+            self.delete(key)
+
+    def size(self, key: str) -> int:
+        async def getsize() -> int:
+            return await self.store.getsize(key)
+
+        try:
+            return int(self._sync(getsize()))
+        except Exception:
+            data = self.get(key)
+            return 0 if data is None else len(data)
+
+    def zarr_store(self, read_only: bool = True) -> Any:
+        return self.store
+
+
+def resolve(target: Any, *, fsync: bool = False, read_only: bool = False) -> LocalBackend | ZarrBackend:
+    """A backend for a path, a URL (``file://``, ``memory://``, ``s3://``, ...) or a zarr Store."""
+    import zarr
+
+    if isinstance(target, (LocalBackend, ZarrBackend)):
+        return target
+    if isinstance(target, os.PathLike):
+        return LocalBackend(target, fsync=fsync)
+    if isinstance(target, str):
+        if target.startswith("file://"):
+            return LocalBackend(target[len("file://"):], fsync=fsync)
+        if "://" not in target:
+            return LocalBackend(target, fsync=fsync)
+        try:
+            zstore = zarr.storage.FsspecStore.from_url(target, read_only=read_only)
+        except Exception as e:
+            raise StoreError(f"cannot open the store URL {target!r} through fsspec: {e}") from e
+        return ZarrBackend(zstore, label=target)
+    if isinstance(target, zarr.storage.LocalStore):
+        return LocalBackend(target.root, fsync=fsync)
+    if isinstance(target, zarr.abc.store.Store):
+        return ZarrBackend(target)
+    raise TypeError(
+        f"store must be a local path, an fsspec URL (s3://..., memory://...) or a zarr Store, got {type(target).__name__}"
+    )

@@ -1,0 +1,232 @@
+"""The on-disk format, version 1: names, dtypes, codecs and metadata documents.
+
+The spec is ``store/FORMAT.md``; this module is its executable half. Everything here is
+pure (no I/O).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+from typing import Any
+
+import torch
+
+FORMAT_NAME = "activationscope"
+FORMAT_VERSION = 1
+ATTRS_KEY = "activationscope"
+
+#: Default sizes: a chunk is about 1 MiB of rows, a shard about 64 MiB.
+DEFAULT_CHUNK_BYTES = 1 << 20
+DEFAULT_SHARD_BYTES = 64 << 20
+MAX_CHUNK_ROWS = 1 << 16
+
+# torch dtype name -> Zarr v3 data type of the stored elements
+_ZARR_DTYPE = {
+    "float32": "float32",
+    "float16": "float16",
+    "float64": "float64",
+    "bfloat16": "uint16",  # bit patterns; zarr-python 3.1 has no bfloat16
+    "int8": "int8",
+    "int16": "int16",
+    "int32": "int32",
+    "int64": "int64",
+    "uint8": "uint8",
+    "uint16": "uint16",
+    "uint32": "uint32",
+    "uint64": "uint64",
+    "bool": "bool",
+}
+
+SUPPORTED_DTYPES = tuple(_ZARR_DTYPE)
+COMPRESSION_NAMES = (None, "zstd", "blosc-lz4")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).replace("torch.", "")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """``"bfloat16"`` -> ``torch.bfloat16`` (a supported dtype name)."""
+    if name not in _ZARR_DTYPE:
+        raise ValueError(f"dtype must be one of {list(SUPPORTED_DTYPES)}, got {name!r}")
+    return getattr(torch, name)
+
+
+def parse_dtype(dtype: Any, what: str) -> str:
+    """Validate a dtype for a store array; returns its name."""
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"{what} must be a torch.dtype, got {dtype!r}")
+    name = dtype_name(dtype)
+    if name not in _ZARR_DTYPE:
+        raise ValueError(f"{what} must be one of {list(SUPPORTED_DTYPES)}, got {name!r}")
+    return name
+
+
+def zarr_dtype(name: str) -> str:
+    return _ZARR_DTYPE[name]
+
+
+def itemsize(name: str) -> int:
+    return torch.empty((), dtype=torch_dtype(name)).element_size()
+
+
+def node_name(hook_point: str) -> str:
+    """The Zarr node name of a hook point (``/`` and a leading ``__`` escaped with ``%``)."""
+    if not isinstance(hook_point, str) or not hook_point:
+        raise ValueError(f"hook point must be a non-empty str, got {hook_point!r}")
+    out = hook_point.replace("%", "%25").replace("/", "%2F")
+    if out.startswith("__"):
+        out = "%5F" + out[1:]
+    if out in (".", ".."):
+        out = out.replace(".", "%2E")
+    return out
+
+
+# ------------------------------------------------------------------------ codecs
+def parse_compression(compression: Any) -> dict | None:
+    """Normalise ``compression=`` to the Zarr v3 codec document (or None).
+
+    Accepts None, ``"zstd"``, ``"zstd:<level>"``, ``"blosc-lz4"``, a zarr ``ZstdCodec`` /
+    ``BloscCodec`` or a numcodecs ``Zstd`` / ``Blosc``.
+    """
+    if compression is None or compression is False:
+        return None
+    if isinstance(compression, str):
+        name, _, level = compression.partition(":")
+        if name == "zstd":
+            lvl = 3
+            if level:
+                try:
+                    lvl = int(level)
+                except ValueError:
+                    raise ValueError(f"zstd level must be an int, got {level!r} in compression={compression!r}") from None
+            return {"name": "zstd", "configuration": {"level": lvl, "checksum": False}}
+        if name == "blosc-lz4":
+            lvl = int(level) if level.isdigit() else 5
+            return {"name": "blosc", "configuration": {"cname": "lz4", "clevel": lvl, "shuffle": "shuffle", "blocksize": 0}}
+    mod = type(compression).__module__
+    cls = type(compression).__name__
+    if mod.startswith("zarr") and cls in ("ZstdCodec", "BloscCodec"):
+        doc = compression.to_dict()
+        conf = dict(doc.get("configuration") or {})
+        if doc["name"] == "blosc":
+            conf.pop("typesize", None)
+            conf["shuffle"] = str(getattr(conf.get("shuffle"), "value", conf.get("shuffle") or "shuffle"))
+            conf["cname"] = str(getattr(conf.get("cname"), "value", conf.get("cname")))
+            conf.setdefault("blocksize", 0)
+        return {"name": doc["name"], "configuration": conf}
+    if mod.startswith("numcodecs") and cls == "Zstd":
+        return {"name": "zstd", "configuration": {"level": int(compression.level), "checksum": bool(getattr(compression, "checksum", False))}}
+    if mod.startswith("numcodecs") and cls == "Blosc":
+        shuffle = {0: "noshuffle", 1: "shuffle", 2: "bitshuffle"}.get(int(compression.shuffle), "shuffle")
+        return {
+            "name": "blosc",
+            "configuration": {"cname": str(compression.cname), "clevel": int(compression.clevel),
+                              "shuffle": shuffle, "blocksize": int(compression.blocksize)},
+        }
+    raise ValueError(
+        "compression must be one of [None, 'zstd', 'zstd:<level>', 'blosc-lz4'], a zarr ZstdCodec / "
+        f"BloscCodec or a numcodecs Zstd / Blosc, got {compression!r}"
+    )
+
+
+def codec_for_array(compression: dict | None, dtype: str) -> dict | None:
+    """The array's compression codec document (blosc gets the element size as typesize)."""
+    if compression is None:
+        return None
+    doc = json.loads(json.dumps(compression))
+    if doc["name"] == "blosc":
+        doc["configuration"]["typesize"] = itemsize(dtype)
+    return doc
+
+
+def numcodecs_encoder(codec: dict):
+    """A numcodecs object that encodes exactly like the Zarr codec document ``codec``."""
+    import numcodecs
+
+    conf = codec.get("configuration") or {}
+    if codec["name"] == "zstd":
+        return numcodecs.Zstd(level=int(conf.get("level", 0)), checksum=bool(conf.get("checksum", False)))
+    if codec["name"] == "blosc":
+        shuffle = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}[conf.get("shuffle", "shuffle")]
+        return numcodecs.Blosc(cname=conf.get("cname", "lz4"), clevel=int(conf.get("clevel", 5)),
+                               shuffle=shuffle, blocksize=int(conf.get("blocksize", 0)))
+    raise ValueError(f"unknown codec {codec['name']!r}")
+
+
+# ------------------------------------------------------------------------ layout
+def chunk_layout(feature_shape: tuple[int, ...], dtype: str, chunk_rows: int | None,
+                 shard_bytes: int | None) -> tuple[int, int]:
+    """(chunk_rows, chunks per shard) for an array."""
+    row_bytes = max(1, math.prod(feature_shape) * itemsize(dtype))
+    if chunk_rows is None:
+        chunk_rows = max(1, min(MAX_CHUNK_ROWS, DEFAULT_CHUNK_BYTES // row_bytes))
+    chunk_bytes = chunk_rows * row_bytes
+    target = DEFAULT_SHARD_BYTES if shard_bytes is None else shard_bytes
+    shard_chunks = max(1, target // chunk_bytes)
+    return int(chunk_rows), int(shard_chunks)
+
+
+def shard_key(array_path: str, shard: int, ndim_feature: int) -> str:
+    return f"{array_path}/c/{shard}" + "/0" * ndim_feature
+
+
+def bytes_codec(dtype: str) -> dict:
+    if itemsize(dtype) == 1:
+        return {"name": "bytes"}
+    return {"name": "bytes", "configuration": {"endian": "little"}}
+
+
+def array_document(*, n_rows: int, feature_shape: tuple[int, ...], dtype: str, chunk_rows: int,
+                   shard_chunks: int, compression: dict | None, attributes: dict) -> dict:
+    """The ``zarr.json`` of an ``acts/<hook point>`` array."""
+    feat = [int(d) for d in feature_shape]
+    feat_chunk = [max(1, d) for d in feat]
+    inner = [bytes_codec(dtype)]
+    if compression is not None:
+        inner.append(compression)
+    return {
+        "zarr_format": 3,
+        "node_type": "array",
+        "shape": [int(n_rows), *feat],
+        "data_type": zarr_dtype(dtype),
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [chunk_rows * shard_chunks, *feat_chunk]}},
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+        "fill_value": False if dtype == "bool" else 0,
+        "codecs": [
+            {
+                "name": "sharding_indexed",
+                "configuration": {
+                    "chunk_shape": [chunk_rows, *feat_chunk],
+                    "codecs": inner,
+                    "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
+                    "index_location": "end",
+                },
+            }
+        ],
+        "attributes": attributes,
+        "storage_transformers": [],
+    }
+
+
+def group_document(attributes: dict | None = None) -> dict:
+    return {"zarr_format": 3, "node_type": "group", "attributes": attributes or {}}
+
+
+def dumps(doc: Any) -> bytes:
+    return json.dumps(doc, indent=1, sort_keys=False, allow_nan=False).encode()
+
+
+def utc_now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+def check_jsonable(value: Any, what: str) -> Any:
+    """Round-trip ``value`` through JSON; a clear error names ``what`` when it cannot."""
+    try:
+        return json.loads(json.dumps(value, allow_nan=False))
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{what} must be JSON-serialisable (str, int, float, bool, None, list, dict), got an error: {e}") from None

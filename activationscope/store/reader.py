@@ -1,0 +1,516 @@
+"""The read side: :func:`open_store` and :class:`Store`.
+
+Local, uncompressed arrays are read as zero-copy views of memory-mapped shard files
+(``MAP_PRIVATE``: writing into a returned tensor changes only the process's copy, never the
+file). Compressed or remote arrays are decoded through zarr-python, with a bounded cache of
+decoded chunks for slices.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import mmap
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from ..errors import HookPointNotFoundError, StoreCorruptError, StoreError
+from . import _format as F
+from ._backend import LocalBackend, ZarrBackend, resolve
+
+
+class _Reductions(Mapping):
+    """``store.reductions[hook_point][name] -> Tensor`` (read on access)."""
+
+    def __init__(self, store: "Store") -> None:
+        self._store = store
+
+    def __getitem__(self, hook_point: str) -> dict[str, torch.Tensor]:
+        entries = self._store._attrs.get("reductions", {}).get(hook_point)
+        if entries is None:
+            raise HookPointNotFoundError(
+                f"hook point {hook_point!r} has no reductions in this store; hook points with reductions: {list(self)}"
+            )
+        return {name: self._store._read_small(e) for name, e in entries.items()}
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._store._attrs.get("reductions", {}))
+
+    def __len__(self) -> int:
+        return len(self._store._attrs.get("reductions", {}))
+
+
+class Store:
+    """A read-only activationscope store (a snapshot of its last commit).
+
+    Made by :func:`open_store`. Attributes and arrays reflect the commit that was current
+    when the store was opened (or :meth:`refresh` was called): a writer appending at the same
+    time never shows a partial commit.
+
+    Parameters
+    ----------
+    target : str, os.PathLike, or zarr Store
+    cache_bytes : int, default 64 MiB
+        Bound of the cache of decoded chunks (compressed / remote arrays).
+    """
+
+    def __init__(self, target: Any, *, cache_bytes: int = 64 << 20) -> None:
+        self._backend = resolve(target, read_only=True)
+        self._cache_bytes = int(cache_bytes)
+        self._cache: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+        self._cached = 0
+        self._maps: dict[str, tuple[mmap.mmap, bool]] = {}
+        self._zarrays: dict[str, Any] = {}
+        self._lock = threading.RLock()
+        self.refresh()
+
+    # ------------------------------------------------------------------ metadata
+    def refresh(self) -> None:
+        """Re-read the root metadata (see rows committed since opening)."""
+        raw = self._backend.get("zarr.json")
+        if raw is None:
+            raise StoreError(f"no store at {str(self._backend)!r} (no zarr.json)")
+        doc = json.loads(raw)
+        attrs = doc.get("attributes", {}).get(F.ATTRS_KEY)
+        if attrs is None:
+            raise StoreError(f"{str(self._backend)!r} is a Zarr node but not an activationscope store")
+        fmt = attrs.get("format") or {}
+        if fmt.get("name") != F.FORMAT_NAME or int(fmt.get("version", 0)) > F.FORMAT_VERSION:
+            raise StoreError(
+                f"{str(self._backend)!r} has store format {fmt!r}; this version reads {F.FORMAT_NAME} up to "
+                f"v{F.FORMAT_VERSION} (upgrade activationscope)"
+            )
+        with self._lock:
+            self._attrs = attrs
+            self._zarrays.clear()
+            self._cache.clear()
+            self._cached = 0
+
+    @property
+    def attrs(self) -> dict:
+        """The store's metadata (root attribute ``activationscope``), a plain dict."""
+        return self._attrs
+
+    @property
+    def status(self) -> str:
+        """``"complete"`` or ``"incomplete"`` (a run that stopped early, or is still writing)."""
+        return self._attrs["status"]
+
+    @property
+    def hook_points(self) -> list[str]:
+        return list(self._attrs.get("arrays", {}))
+
+    @property
+    def n_samples(self) -> int:
+        return int(self._attrs.get("n_samples", 0))
+
+    @property
+    def path(self) -> str:
+        return str(self._backend)
+
+    def _meta(self, hook_point: str) -> dict:
+        try:
+            return self._attrs["arrays"][hook_point]
+        except KeyError:
+            raise HookPointNotFoundError(
+                f"hook point {hook_point!r} is not in the store {str(self._backend)!r}; it has {self.hook_points}"
+            ) from None
+
+    def n_rows(self, hook_point: str) -> int:
+        """Committed rows of a hook point."""
+        return int(self._meta(hook_point)["n_rows"])
+
+    def row_kind(self, hook_point: str) -> str:
+        """``"sample"`` or ``"token"``."""
+        return self._meta(hook_point)["row_kind"]
+
+    def feature_shape(self, hook_point: str) -> tuple[int, ...]:
+        return tuple(self._meta(hook_point)["feature_shape"])
+
+    def dtype(self, hook_point: str) -> torch.dtype:
+        return F.torch_dtype(self._meta(hook_point)["dtype"])
+
+    def __contains__(self, hook_point: object) -> bool:
+        return hook_point in self._attrs.get("arrays", {})
+
+    def __len__(self) -> int:
+        return len(self.hook_points)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.hook_points)
+
+    # ------------------------------------------------------------------ arrays
+    def __getitem__(self, key: Any) -> torch.Tensor:
+        """``store[hook_point]`` or ``store[hook_point, start:stop]``.
+
+        Returns
+        -------
+        Tensor, (rows, *feature_shape), the stored dtype, CPU
+            A zero-copy view of the memory-mapped shard when the array is local and
+            uncompressed and the rows lie in one shard (the view keeps the mapping alive;
+            writing into it never changes the file); otherwise one copy.
+        """
+        if isinstance(key, tuple):
+            if len(key) != 2 or not isinstance(key[1], slice):
+                raise TypeError(f"store[...] takes a hook point or (hook point, slice), got {key!r}")
+            hook_point, sl = key
+        else:
+            hook_point, sl = key, slice(None)
+        n = self.n_rows(hook_point)
+        start, stop, step = sl.indices(n)
+        if step != 1:
+            return self._read_rows(hook_point, start, stop)[::step] if stop > start else self._read_rows(hook_point, 0, 0)
+        return self._read_rows(hook_point, start, max(start, stop))
+
+    def array(self, hook_point: str) -> torch.Tensor:
+        """Same as ``store[hook_point]``."""
+        return self[hook_point]
+
+    def _read_rows(self, hook_point: str, start: int, stop: int, copy: bool = False) -> torch.Tensor:
+        meta = self._meta(hook_point)
+        dtype = F.torch_dtype(meta["dtype"])
+        feat = tuple(meta["feature_shape"])
+        if stop <= start:
+            return torch.empty((0, *feat), dtype=dtype)
+        shard_rows = int(meta["shard_rows"])
+        if isinstance(self._backend, LocalBackend) and meta.get("compression") is None:
+            parts = []
+            s = start
+            while s < stop:
+                k = s // shard_rows
+                e = min(stop, (k + 1) * shard_rows)
+                view = self._mapped_rows(meta, k, s - k * shard_rows, e - s)
+                if view is None:
+                    parts = None
+                    break
+                parts.append(view)
+                s = e
+            if parts is not None:
+                out = parts[0] if len(parts) == 1 else torch.cat(parts)
+                return out.clone() if copy and len(parts) == 1 else out
+        return self._read_zarr(hook_point, meta, start, stop)
+
+    def _mapped_rows(self, meta: dict, shard: int, local_start: int, n: int) -> torch.Tensor | None:
+        """A view of rows of one shard, or None when its chunks are not laid back to back."""
+        feat = tuple(meta["feature_shape"])
+        dtype = F.torch_dtype(meta["dtype"])
+        key = F.shard_key(meta["path"], shard, len(feat))
+        with self._lock:
+            entry = self._maps.get(key)
+            if entry is None:
+                path = self._backend.path(key)
+                try:
+                    with open(path, "rb") as f:
+                        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+                except FileNotFoundError:
+                    raise StoreCorruptError(
+                        f"hook point {meta['path']!r}: shard {key!r} is missing (committed rows need it)"
+                    ) from None
+                entry = (mm, self._contiguous(mm, meta))
+                self._maps[key] = entry
+        mm, contiguous = entry
+        if not contiguous:
+            return None
+        row_elems = int(np.prod(feat)) if feat else 1
+        item = torch.empty((), dtype=dtype).element_size()
+        if row_elems == 0:
+            return torch.empty((n, *feat), dtype=dtype)
+        t = torch.frombuffer(mm, dtype=dtype, count=n * row_elems, offset=local_start * row_elems * item)
+        return t.view(n, *feat)
+
+    @staticmethod
+    def _contiguous(mm: mmap.mmap, meta: dict) -> bool:
+        chunk_rows = int(meta["chunk_rows"])
+        n_chunks = int(meta["shard_rows"]) // chunk_rows
+        feat = meta["feature_shape"]
+        chunk_bytes = chunk_rows * int(np.prod(feat) if feat else 1) * F.itemsize(meta["dtype"])
+        index_bytes = 16 * n_chunks + 4
+        if len(mm) < index_bytes:
+            return False
+        index = np.frombuffer(mm, dtype="<u8", count=2 * n_chunks, offset=len(mm) - index_bytes).reshape(-1, 2)
+        for j, (off, nb) in enumerate(index):
+            if off == np.iinfo(np.uint64).max:
+                continue
+            if off != j * chunk_bytes or nb != chunk_bytes:
+                return False
+        return True
+
+    def _zarray(self, meta: dict) -> Any:
+        import zarr
+
+        path = meta["path"]
+        arr = self._zarrays.get(path)
+        if arr is None:
+            arr = zarr.open_array(self._backend.zarr_store(read_only=True), path=path, mode="r")
+            self._zarrays[path] = arr
+        return arr
+
+    def _to_torch(self, data: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        t = torch.from_numpy(np.ascontiguousarray(data))
+        if dtype == torch.bfloat16:
+            t = t.view(torch.bfloat16)
+        return t
+
+    def _read_zarr(self, hook_point: str, meta: dict, start: int, stop: int) -> torch.Tensor:
+        """Decode rows through zarr-python, chunk by chunk, through the bounded chunk cache."""
+        dtype = F.torch_dtype(meta["dtype"])
+        arr = self._zarray(meta)
+        chunk_rows = int(meta["chunk_rows"])
+        c0, c1 = start // chunk_rows, (stop - 1) // chunk_rows
+        feat = meta["feature_shape"]
+        row_bytes = max(1, int(np.prod(feat)) if feat else 1) * F.itemsize(meta["dtype"])
+        if (c1 - c0 + 1) * chunk_rows * row_bytes > self._cache_bytes // 2:
+            return self._to_torch(arr[start:stop], dtype)  # big reads bypass the cache
+        parts = []
+        n = int(meta["n_rows"])
+        for c in range(c0, c1 + 1):
+            key = (hook_point, c)
+            with self._lock:
+                t = self._cache.get(key)
+                if t is not None:
+                    self._cache.move_to_end(key)
+            if t is None:
+                lo, hi = c * chunk_rows, min(n, (c + 1) * chunk_rows)
+                t = self._to_torch(arr[lo:hi], dtype)
+                with self._lock:
+                    self._cache[key] = t
+                    self._cached += t.nbytes
+                    while self._cached > self._cache_bytes and len(self._cache) > 1:
+                        _, old = self._cache.popitem(last=False)
+                        self._cached -= old.nbytes
+            lo = max(start, c * chunk_rows) - c * chunk_rows
+            hi = min(stop, (c + 1) * chunk_rows) - c * chunk_rows
+            parts.append(t[lo:hi])
+        return parts[0].clone() if len(parts) == 1 else torch.cat(parts)
+
+    def _read_small(self, entry: dict) -> torch.Tensor:
+        import zarr
+
+        arr = zarr.open_array(self._backend.zarr_store(read_only=True), path=entry["path"], mode="r")
+        data = np.asarray(arr[...])
+        return self._to_torch(data, F.torch_dtype(entry["dtype"])).reshape(entry["shape"])
+
+    @property
+    def reductions(self) -> Mapping[str, dict[str, torch.Tensor]]:
+        """``{hook_point: {name: Tensor}}`` of the reductions stored at close (copies)."""
+        return _Reductions(self)
+
+    def reduction_script(self, hook_point: str, name: str) -> bytes | None:
+        """The ``.pt`` bytes of a custom TorchScript reduction (``torch.jit.load(io.BytesIO(b))``)."""
+        entry = self._attrs.get("reductions", {}).get(hook_point, {}).get(name) or {}
+        key = entry.get("script")
+        return None if key is None else self._backend.get(key)
+
+    # ------------------------------------------------------------------ row tables
+    def row_table(self, kind: str = "sample") -> Any:
+        """The row table of ``kind`` ("sample" or "token") as a ``pyarrow.Table``.
+
+        Row ``i`` of a ``kind`` array whose ``follows_row_table`` is true is described by
+        row ``i`` of this table.
+        """
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        if kind not in ("sample", "token"):
+            raise ValueError(f"kind must be one of ['sample', 'token'], got {kind!r}")
+        info = (self._attrs.get("row_tables") or {}).get(kind) or {"parts": []}
+        tables = []
+        for key in info["parts"]:
+            raw = self._backend.get(key)
+            if raw is None:
+                raise StoreCorruptError(f"row-table part {key!r} listed in the metadata is missing")
+            tables.append(pq.read_table(io.BytesIO(raw)))
+        if not tables:
+            cols = {"sample_id": pa.array([], pa.int64()), "batch": pa.array([], pa.int64())}
+            if kind == "token":
+                cols = {"sample_id": pa.array([], pa.int64()), "pos": pa.array([], pa.int64()), "batch": pa.array([], pa.int64())}
+            return pa.table(cols)
+        return pa.concat_tables(tables, promote_options="default")
+
+    # ------------------------------------------------------------------ checks and info
+    def verify(self) -> list[str]:
+        """Recompute every committed chunk's crc32c and check the structure.
+
+        Returns
+        -------
+        list of str
+            One line per problem, naming the hook point and the chunk (empty: all good).
+        """
+        from .. import _native
+
+        crc32c = _native.load().crc32c
+        problems: list[str] = []
+        for hp in self.hook_points:
+            meta = self._meta(hp)
+            n = int(meta["n_rows"])
+            chunk_rows, shard_rows = int(meta["chunk_rows"]), int(meta["shard_rows"])
+            n_chunks = shard_rows // chunk_rows
+            raw = self._backend.get(meta["manifest"]) if meta.get("manifest") else None
+            if raw is None:
+                if n:
+                    problems.append(f"hook point {hp!r}: manifest {meta.get('manifest')!r} is missing")
+                continue
+            shards = {int(r["shard"]): r for r in json.loads(raw).get("shards", [])}
+            doc_raw = self._backend.get(f"{meta['path']}/zarr.json")
+            if doc_raw is None:
+                problems.append(f"hook point {hp!r}: array document {meta['path']}/zarr.json is missing")
+            elif json.loads(doc_raw)["shape"][0] < n:
+                problems.append(f"hook point {hp!r}: array shape {json.loads(doc_raw)['shape']} has fewer than the {n} committed rows")
+            for k in range(-(-n // shard_rows)):
+                rec = shards.get(k)
+                key = F.shard_key(meta["path"], k, len(meta["feature_shape"]))
+                if rec is None:
+                    problems.append(f"hook point {hp!r}: shard {k} ({key}) has no manifest entry")
+                    continue
+                data = self._backend.get(key)
+                if data is None:
+                    problems.append(f"hook point {hp!r}: shard {k} ({key}) is missing")
+                    continue
+                ib = 16 * n_chunks + 4
+                if len(data) < ib:
+                    problems.append(f"hook point {hp!r}: shard {k} ({key}) is truncated ({len(data)} bytes)")
+                    continue
+                index = np.frombuffer(data, dtype="<u8", count=2 * n_chunks, offset=len(data) - ib).reshape(-1, 2)
+                stored = int.from_bytes(data[-4:], "little")
+                if crc32c(data[len(data) - ib:-4]) != stored:
+                    problems.append(f"hook point {hp!r}: shard {k} ({key}): shard index crc32c mismatch")
+                for j, off, nb, crc in rec["chunks"]:
+                    chunk = k * n_chunks + j
+                    if chunk * chunk_rows >= n:
+                        continue  # past the committed rows
+                    r0, r1 = chunk * chunk_rows, min(n, (chunk + 1) * chunk_rows)
+                    where = f"hook point {hp!r}: chunk {chunk} (rows {r0}-{r1 - 1}, shard {key}, bytes {off}-{off + nb - 1})"
+                    if (int(index[j, 0]), int(index[j, 1])) != (off, nb):
+                        problems.append(f"{where}: shard index entry {tuple(int(x) for x in index[j])} differs from the manifest")
+                        continue
+                    got = crc32c(data[off:off + nb])
+                    if got != crc:
+                        problems.append(f"{where}: crc32c mismatch (manifest {crc:08x}, data {got:08x})")
+        for kind, info in (self._attrs.get("row_tables") or {}).items():
+            for key in info.get("parts", []):
+                if self._backend.get(key) is None:
+                    problems.append(f"row table {kind!r}: part {key!r} is missing")
+        return problems
+
+    def info(self) -> dict:
+        """A summary: arrays (shape, dtype, rows, bytes), compression ratio, reductions, provenance, status."""
+        arrays = {}
+        total_raw = total_disk = 0
+        for hp in self.hook_points:
+            meta = self._meta(hp)
+            n = int(meta["n_rows"])
+            feat = tuple(meta["feature_shape"])
+            raw_bytes = n * (int(np.prod(feat)) if feat else 1) * F.itemsize(meta["dtype"])
+            disk = 0
+            man = self._backend.get(meta["manifest"]) if meta.get("manifest") else None
+            if man is not None:
+                for rec in json.loads(man).get("shards", []):
+                    if rec["shard"] * int(meta["shard_rows"]) < n:
+                        disk += int(rec["file_bytes"])
+            total_raw += raw_bytes
+            total_disk += disk
+            arrays[hp] = {
+                "shape": [n, *feat], "dtype": meta["dtype"], "storage_dtype": meta["storage_dtype"],
+                "row_kind": meta["row_kind"], "n_rows": n, "bytes": raw_bytes, "bytes_on_disk": disk,
+                "compression": (meta.get("compression") or {}).get("name"),
+                "compression_ratio": (raw_bytes / disk) if disk else None,
+                "follows_row_table": meta.get("follows_row_table", True),
+            }
+        return {
+            "path": str(self._backend),
+            "format": self._attrs.get("format"),
+            "status": self.status,
+            "n_samples": self.n_samples,
+            "arrays": arrays,
+            "bytes": total_raw,
+            "bytes_on_disk": total_disk,
+            "compression_ratio": (total_raw / total_disk) if total_disk else None,
+            "reductions": {hp: sorted(v) for hp, v in (self._attrs.get("reductions") or {}).items()},
+            "row_tables": {k: v.get("n_rows", 0) for k, v in (self._attrs.get("row_tables") or {}).items()},
+            "model": self._attrs.get("model"),
+            "provenance": self._attrs.get("provenance"),
+            "library": self._attrs.get("library"),
+            "created": self._attrs.get("created"),
+        }
+
+    # ------------------------------------------------------------------ copies
+    def save(self, target: Any, *, overwrite: bool = False) -> "Store":
+        """Copy the store to ``target`` (a path, URL or zarr Store); returns it opened."""
+        copy_store(self, target, overwrite=overwrite)
+        return open_store(target)
+
+    def close(self) -> None:
+        """Drop the store's own references to its mappings (views keep theirs alive)."""
+        with self._lock:
+            self._maps.clear()
+            self._zarrays.clear()
+            self._cache.clear()
+            self._cached = 0
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<Store {str(self._backend)!r} {self.status}, {len(self.hook_points)} hook points, {self.n_samples} samples>"
+
+
+def open_store(target: Any, *, cache_bytes: int = 64 << 20) -> Store:
+    """Open a store read-only.
+
+    Parameters
+    ----------
+    target : str, os.PathLike, or zarr Store
+        Local path, ``file://`` / ``memory://`` / ``s3://`` URL, or a zarr ``Store``.
+    cache_bytes : int, default 64 MiB
+        Bound of the decoded-chunk cache of compressed / remote arrays.
+
+    Raises
+    ------
+    StoreError
+        Nothing there, not an activationscope store, or a newer format.
+
+    Example
+    -------
+    >>> store = open_store("runs/demo.zarr")              # doctest: +SKIP
+    >>> store["encoder.layer.0.output"].shape             # doctest: +SKIP
+    """
+    if isinstance(target, Store):
+        return target
+    return Store(target, cache_bytes=cache_bytes)
+
+
+def copy_store(source: Any, target: Any, *, overwrite: bool = False) -> None:
+    """Copy every object of a store (e.g. an in-memory one) to ``target``; root metadata last.
+
+    Raises
+    ------
+    StoreExistsError
+        ``target`` is not empty and ``overwrite`` is False.
+    """
+    from ..errors import StoreExistsError
+
+    src = source._backend if isinstance(source, Store) else resolve(source, read_only=True)
+    dst = resolve(target)
+    if not dst.is_empty():
+        if not overwrite:
+            raise StoreExistsError(f"{str(dst)!r} is not empty; pass overwrite=True to replace it")
+        dst.clear()
+    keys = sorted(src.list(""))
+    for key in keys:
+        if key == "zarr.json":
+            continue
+        data = src.get(key)
+        if data is not None:
+            dst.set(key, data)
+    root = src.get("zarr.json")
+    if root is not None:
+        dst.set("zarr.json", root)

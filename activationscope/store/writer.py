@@ -1,0 +1,787 @@
+"""The store writer: native shard writer (``_C.ArrayWriter``) + the commit protocol.
+
+Rows go from the hook path straight into native chunk buffers; one native writer thread per
+store appends full chunks to shard files. Python runs once per forward (:meth:`add_batch`,
+:meth:`maybe_commit`) and commits what the writer thread made durable:
+
+1. data: complete shards (written to a temporary name, index appended, fsync'ed if asked,
+   renamed; remote targets: uploaded from the local staging directory);
+2. row-table parts (Parquet), manifests (per-chunk crc32c), array ``zarr.json`` (shapes),
+   each written atomically (temp + rename);
+3. the root ``zarr.json`` last: it holds the committed sample / row counts, so a reader or a
+   resumed writer sees exactly the committed prefix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+import tempfile
+import threading
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+from .. import _native
+from ..errors import ActivationScopeError, CaptureError, StoreError, StoreExistsError
+from . import _format as F
+from ._backend import LocalBackend, ZarrBackend, resolve
+
+_C = _native.load()
+
+ROW_KINDS = ("sample", "token")
+_RESERVED = {"sample": ("sample_id", "batch"), "token": ("sample_id", "pos", "batch")}
+
+
+@dataclass
+class _Array:
+    hook_point: str
+    node: str
+    path: str
+    feature_shape: tuple[int, ...]
+    dtype: str
+    row_kind: str
+    chunk_rows: int
+    shard_chunks: int
+    compression: dict | None
+    writer: Any = None
+    committed_rows: int = 0
+    last_cum: int = 0
+    follows_row_table: bool = True
+    manifest: dict = field(default_factory=dict)  # shard -> record
+    manifest_dirty: bool = True
+    doc_rows: int = -1  # rows in the written zarr.json (-1: not written)
+
+    @property
+    def shard_rows(self) -> int:
+        return self.chunk_rows * self.shard_chunks
+
+    def meta(self) -> dict:
+        return {
+            "path": self.path,
+            "row_kind": self.row_kind,
+            "feature_shape": list(self.feature_shape),
+            "dtype": self.dtype,
+            "storage_dtype": F.zarr_dtype(self.dtype),
+            "n_rows": self.committed_rows,
+            "chunk_rows": self.chunk_rows,
+            "shard_rows": self.shard_rows,
+            "compression": self.compression,
+            "follows_row_table": self.follows_row_table,
+            "manifest": f"{self.path}/manifest.json",
+        }
+
+
+@dataclass
+class _Batch:
+    index: int
+    n_samples: int
+    cums: dict[str, int]
+    sample: dict[str, Any]
+    token: dict[str, Any] | None
+
+
+def model_identity(model: torch.nn.Module | None) -> dict | None:
+    """Class path and sha256 of the state dict (tensors' bytes in sorted name order)."""
+    if model is None:
+        return None
+    h = hashlib.sha256()
+    n_params = 0
+    with torch.no_grad():
+        sd = model.state_dict()
+        for name in sorted(sd):
+            t = sd[name]
+            if not isinstance(t, torch.Tensor):
+                continue
+            t = t.detach().to("cpu").contiguous()
+            n_params += t.numel()
+            if t.numel():
+                h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    cls = type(model)
+    return {"class": f"{cls.__module__}.{cls.__qualname__}", "state_dict_sha256": h.hexdigest(), "n_elements": n_params}
+
+
+def _library_versions() -> dict:
+    import zarr
+
+    from .. import __version__
+
+    return {"activationscope": __version__, "torch": torch.__version__, "zarr": zarr.__version__}
+
+
+def _positive_int(value: Any, what: str, allow_none: bool = True) -> int | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{what} must be a positive int{' or None' if allow_none else ''}, got {value!r}")
+    return value
+
+
+def _to_column(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        t = value.detach().to("cpu")
+        if t.dtype == torch.bfloat16:
+            t = t.float()
+        a = t.numpy()
+        return a if a.ndim <= 1 else list(a)
+    if isinstance(value, np.ndarray):
+        return value if value.ndim <= 1 else list(value)
+    return list(value)
+
+
+class StoreWriter:
+    """Writes one capture run into a store (local path, fsspec URL or zarr Store).
+
+    Normally made by :class:`activationscope.ActivationScope` (``store=``, ``store_options=``).
+
+    Parameters
+    ----------
+    target : str, os.PathLike or zarr Store
+        Local directory, ``file://`` / ``memory://`` / ``s3://`` ... URL, or a zarr ``Store``.
+    capture_config : dict
+        JSON-able description of the capture (kept in the metadata).
+    model : torch.nn.Module or None
+        Its class path and a sha256 of its state dict are recorded.
+    storage_dtype : torch.dtype or None
+        Cast of the stored rows (informational here; the sink casts).
+    overwrite : bool, default False
+        Replace an existing store at ``target``.
+    resume : bool, default False
+        Continue an existing store: every array is truncated to the committed samples and
+        :attr:`n_samples_committed` says how many samples the caller must skip. A missing
+        store is created.
+    compression : None, "zstd", "zstd:<level>", "blosc-lz4", or a zarr / numcodecs codec
+        Inner-chunk compression (None keeps arrays zero-copy readable).
+    chunk_rows : int, optional
+        Rows per chunk (default: about 1 MiB of rows, at most 65536).
+    shard_bytes : int, optional
+        Target bytes per shard (default 64 MiB); a shard holds a whole number of chunks.
+    fsync : bool, default False
+        fsync shards and metadata before they are renamed into place.
+    max_pending_bytes : int, default 256 MiB
+        Cap of the chunks queued for the writer thread, all arrays together; a full queue
+        blocks the capture (backpressure).
+    provenance : dict, optional
+        User provenance (dataset, commit, ...), JSON-able.
+
+    Raises
+    ------
+    StoreExistsError
+        A store exists at ``target`` and neither ``overwrite`` nor ``resume`` is set.
+    ValueError, TypeError
+        Invalid options (checked before anything is written).
+    """
+
+    def __init__(
+        self,
+        target: Any,
+        *,
+        capture_config: Mapping[str, Any] | None = None,
+        model: torch.nn.Module | None = None,
+        storage_dtype: torch.dtype | None = None,
+        overwrite: bool = False,
+        resume: bool = False,
+        compression: Any = None,
+        chunk_rows: int | None = None,
+        shard_bytes: int | None = None,
+        fsync: bool = False,
+        max_pending_bytes: int = 256 << 20,
+        provenance: Mapping[str, Any] | None = None,
+    ) -> None:
+        # ---- validate everything before the first byte is written
+        if overwrite and resume:
+            raise ValueError("overwrite=True and resume=True exclude each other; pick one")
+        self._compression = F.parse_compression(compression)
+        self._chunk_rows = _positive_int(chunk_rows, "chunk_rows")
+        self._shard_bytes = _positive_int(shard_bytes, "shard_bytes")
+        _positive_int(max_pending_bytes, "max_pending_bytes", allow_none=False)
+        if storage_dtype is not None:
+            F.parse_dtype(storage_dtype, "storage_dtype")
+        if model is not None and not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
+        if provenance is not None and not isinstance(provenance, Mapping):
+            raise TypeError(f"provenance must be a dict or None, got {type(provenance).__name__}")
+        self._capture_config = F.check_jsonable(dict(capture_config or {}), "capture_config")
+        self._provenance = F.check_jsonable(dict(provenance or {}), "provenance")
+        self._storage_dtype = None if storage_dtype is None else F.dtype_name(storage_dtype)
+        self._fsync = bool(fsync)
+        self._backend = resolve(target, fsync=self._fsync)
+        self._model = model_identity(model)
+        self.target = target
+
+        existing = self._read_root()
+        self._state: dict | None = None
+        if existing is not None:
+            ours = existing.get("attributes", {}).get(F.ATTRS_KEY)
+            status = (ours or {}).get("status", "not an activationscope store")
+            if overwrite:
+                self._backend.clear()
+            elif resume:
+                if ours is None:
+                    raise StoreError(
+                        f"{self._backend!r} is a Zarr node but not an activationscope store; it cannot be resumed "
+                        "(pass overwrite=True to replace it)"
+                    )
+                self._check_version(ours)
+                self._state = ours
+            else:
+                raise StoreExistsError(
+                    f"a store already exists at {str(self._backend)!r} (status {status!r}); pass overwrite=True to "
+                    "replace it or resume=True to continue it"
+                )
+        elif not self._backend.is_empty():
+            raise StoreExistsError(
+                f"{str(self._backend)!r} exists and is not empty but holds no Zarr store; choose another path "
+                "or remove it (overwrite=True only replaces stores)"
+            )
+
+        if self._state is not None and self._model is not None:
+            old = (self._state.get("model") or {}).get("state_dict_sha256")
+            if old is not None and old != self._model["state_dict_sha256"]:
+                raise StoreError(
+                    f"cannot resume {str(self._backend)!r}: it was captured from a model with state dict sha256 "
+                    f"{old[:12]}..., this model has {self._model['state_dict_sha256'][:12]}...; pass overwrite=True "
+                    "to start again"
+                )
+
+        # ---- state
+        if isinstance(self._backend, LocalBackend):
+            self._staging = self._backend.root
+            self._own_staging = False
+        else:
+            self._staging = Path(tempfile.mkdtemp(prefix="acs-staging-"))
+            self._own_staging = True
+        self._core = _C.StoreCore(max_pending_bytes, self._fsync)
+        self._arrays: dict[str, _Array] = {}
+        self._pending: list[_Batch] = []
+        self._reductions: dict[str, dict] = {}
+        self._encoders: dict[str, Any] = {}
+        self._encoder_thread: threading.Thread | None = None
+        self._seen_version = -1
+        self._closed = False
+        self._lock = threading.RLock()
+        st = self._state or {}
+        self._created = st.get("created") or F.utc_now()
+        self.n_samples_committed = int(st.get("n_samples", 0))
+        self._n_batches = int(st.get("n_batches", 0))
+        self._row_tables = json.loads(json.dumps(st.get("row_tables") or {
+            "sample": {"parts": [], "n_rows": 0, "columns": []},
+            "token": {"parts": [], "n_rows": 0, "columns": []},
+        }))
+        self._old_arrays: dict[str, dict] = dict(st.get("arrays") or {})
+        self._old_reductions: dict = dict(st.get("reductions") or {})
+        if self._state is not None:
+            self._truncate_to_committed()
+        # the first byte: the root document (status incomplete)
+        self._backend.set("zarr.json", F.dumps(F.group_document({F.ATTRS_KEY: self._root_attrs("incomplete")})))
+        self._backend.set("acts/zarr.json", F.dumps(F.group_document()))
+
+    # ------------------------------------------------------------------ helpers
+    def _read_root(self) -> dict | None:
+        raw = self._backend.get("zarr.json")
+        if raw is None:
+            return None
+        try:
+            return json.loads(raw)
+        except ValueError as e:
+            raise StoreError(f"{str(self._backend)!r}: zarr.json is not valid JSON ({e})") from e
+
+    @staticmethod
+    def _check_version(attrs: dict) -> None:
+        fmt = attrs.get("format") or {}
+        if fmt.get("name") != F.FORMAT_NAME or int(fmt.get("version", 0)) > F.FORMAT_VERSION:
+            raise StoreError(
+                f"store format {fmt!r} is not writable by this version (format {F.FORMAT_NAME} v{F.FORMAT_VERSION})"
+            )
+
+    def _root_attrs(self, status: str) -> dict:
+        arrays = dict(self._old_arrays)
+        for hp, a in self._arrays.items():
+            arrays[hp] = a.meta()
+        reductions = dict(self._old_reductions)
+        reductions.update(self._reductions)
+        return {
+            "format": {"name": F.FORMAT_NAME, "version": F.FORMAT_VERSION},
+            "status": status,
+            "created": self._created,
+            "updated": F.utc_now(),
+            "library": _library_versions(),
+            "model": self._model if self._model is not None else (self._state or {}).get("model"),
+            "capture_config": self._capture_config,
+            "storage_dtype": self._storage_dtype,
+            "provenance": self._provenance,
+            "n_samples": self.n_samples_committed,
+            "n_batches": self._n_batches,
+            "arrays": arrays,
+            "row_tables": self._row_tables,
+            "reductions": reductions,
+        }
+
+    def _truncate_to_committed(self) -> None:
+        """Resume: drop every shard and row-table part past the committed prefix."""
+        b = self._backend
+        for hp, meta in self._old_arrays.items():
+            path, n = meta["path"], int(meta["n_rows"])
+            shard_rows = int(meta["shard_rows"])
+            keep_shards = -(-n // shard_rows)  # shards holding committed rows
+            for key in list(b.list(f"{path}/")):
+                rel = key[len(path) + 1:]
+                if rel.endswith(".tmp") or "/.tmp" in rel or rel.split("/")[-1].startswith("shard-"):
+                    b.delete(key)
+                elif rel.startswith("c/"):
+                    try:
+                        k = int(rel.split("/")[1])
+                    except (IndexError, ValueError):
+                        continue
+                    if k >= keep_shards:
+                        b.delete(key)
+        for kind, tbl in self._row_tables.items():
+            listed = set(tbl.get("parts", []))
+            for key in list(b.list(f"rows/{kind}/")):
+                if key not in listed:
+                    b.delete(key)
+
+    def _raise_if_failed(self) -> None:
+        if self._core.failed:
+            raise StoreError(
+                f"the store writer of {str(self._backend)!r} failed: {self._core.error}; rows committed before the "
+                "failure stay readable (open_store), and resume=True continues from them once the cause is fixed"
+            )
+
+    # ------------------------------------------------------------------ arrays
+    def open_array(self, hook_point: str, feature_shape: tuple, dtype: torch.dtype, row_kind: str) -> Any:
+        """Create (or, when resuming, reopen) the array of a hook point; returns its native writer.
+
+        Parameters
+        ----------
+        hook_point : str
+        feature_shape : tuple of int
+            Shape of one row.
+        dtype : torch.dtype
+            Stored dtype (rows of another dtype are cast on append).
+        row_kind : {"sample", "token"}
+
+        Returns
+        -------
+        _C.ArrayWriter
+            A ``RowConsumer``: the sink calls ``append(rows, ready)`` without the GIL.
+
+        Raises
+        ------
+        StoreError
+            The writer is closed, or a resumed array has another shape / dtype / row kind.
+        ValueError, TypeError
+            Unsupported dtype, invalid feature shape or row kind.
+        """
+        with self._lock:
+            if self._closed:
+                raise StoreError(f"the store writer of {str(self._backend)!r} is closed")
+            if hook_point in self._arrays:
+                raise StoreError(f"hook point {hook_point!r} already has an array in this store writer")
+            name = F.parse_dtype(dtype, f"dtype of hook point {hook_point!r}")
+            if row_kind not in ROW_KINDS:
+                raise ValueError(f"row_kind must be one of {list(ROW_KINDS)}, got {row_kind!r}")
+            feature_shape = tuple(int(d) for d in feature_shape)
+            if any(d < 0 for d in feature_shape):
+                raise ValueError(f"feature_shape of hook point {hook_point!r} must be non-negative, got {feature_shape}")
+            node = F.node_name(hook_point)
+            old = self._old_arrays.get(hook_point)
+            if old is not None:
+                got = (list(feature_shape), name, row_kind)
+                want = (list(old["feature_shape"]), old["dtype"], old["row_kind"])
+                if got != want:
+                    raise StoreError(
+                        f"hook point {hook_point!r} is stored with (feature_shape, dtype, row_kind) = {want} but the "
+                        f"resumed capture gives {got}; resume with the same model and options, or overwrite=True"
+                    )
+                chunk_rows = int(old["chunk_rows"])
+                shard_chunks = int(old["shard_rows"]) // chunk_rows
+                compression = old.get("compression")
+                committed = int(old["n_rows"])
+            else:
+                chunk_rows, shard_chunks = F.chunk_layout(feature_shape, name, self._chunk_rows, self._shard_bytes)
+                compression = F.codec_for_array(self._compression, name)
+                committed = 0
+            arr = _Array(hook_point, node, f"acts/{node}", feature_shape, name, row_kind, chunk_rows, shard_chunks,
+                         compression, committed_rows=committed, last_cum=committed)
+            start = (committed // arr.shard_rows) * arr.shard_rows
+            array_dir = self._staging / arr.path
+            array_dir.mkdir(parents=True, exist_ok=True)
+            writer = _C.ArrayWriter(
+                self._core, hook_point, str(array_dir), str(array_dir), F.torch_dtype(name), list(feature_shape),
+                chunk_rows, shard_chunks, start, compression is not None,
+            )
+            arr.writer = writer
+            if compression is not None:
+                self._encoders[hook_point] = F.numcodecs_encoder(compression)
+                self._start_encoder()
+            if old is not None:
+                arr.follows_row_table = bool(old.get("follows_row_table", True))
+                arr.manifest = self._load_manifest(arr)
+                if committed > start:  # re-feed the committed rows of the partial last shard
+                    from .reader import Store
+
+                    rows = Store(self._backend)._read_rows(hook_point, start, committed, copy=True)
+                    writer.append(rows)
+            self._arrays[hook_point] = arr
+            return writer
+
+    def _load_manifest(self, arr: _Array) -> dict:
+        raw = self._backend.get(f"{arr.path}/manifest.json")
+        if raw is None:
+            return {}
+        doc = json.loads(raw)
+        out = {}
+        for rec in doc.get("shards", []):
+            if rec["shard"] * arr.shard_rows < arr.committed_rows:
+                out[int(rec["shard"])] = rec
+        return out
+
+    def _start_encoder(self) -> None:
+        if self._encoder_thread is not None:
+            return
+        t = threading.Thread(target=self._encode_loop, name="activationscope-encoder", daemon=True)
+        self._encoder_thread = t
+        t.start()
+
+    def _encode_loop(self) -> None:
+        core = self._core
+        while True:
+            item = core.next_to_encode()
+            if item is None:
+                return
+            ident, hook_point, flat, size = item
+            try:
+                data = flat.numpy()
+                if size > 1:
+                    data = data.view(f"<u{size}")
+                encoded = self._encoders[hook_point].encode(data)  # numcodecs releases the GIL
+                core.submit_encoded(ident, encoded)
+            except BaseException as e:  # never die silently: the store fails with the cause
+                core.fail_encoded(ident, f"{type(e).__name__}: {e}")
+
+    # ------------------------------------------------------------------ batches
+    def add_batch(self, n_samples: int, sample_ids: Any = None, token_mask: torch.Tensor | None = None,
+                  columns: Mapping[str, Any] | None = None) -> None:
+        """Record one captured forward: its samples, token rows and user columns.
+
+        Parameters
+        ----------
+        n_samples : int
+            Samples in the forward (``batch``).
+        sample_ids : Tensor (batch,) or list, optional
+            Ids of the samples (default: running counter).
+        token_mask : Tensor, (batch, pos), bool, optional
+            Real tokens: one token row per True entry, in row-major order.
+        columns : dict, optional
+            User columns: per sample (length ``batch``) or per token (``(batch, pos)``
+            tensors, taken at the mask).
+
+        Raises
+        ------
+        ValueError
+            Lengths that do not match ``n_samples``, or a column named like a reserved one.
+        """
+        with self._lock:
+            if self._closed:
+                raise StoreError(f"the store writer of {str(self._backend)!r} is closed")
+            n = int(n_samples)
+            if sample_ids is None:
+                ids: Any = np.arange(self.n_samples_committed + sum(b.n_samples for b in self._pending),
+                                     self.n_samples_committed + sum(b.n_samples for b in self._pending) + n)
+            else:
+                ids = _to_column(sample_ids)
+            if len(ids) != n:
+                raise ValueError(f"sample_ids has {len(ids)} entries, expected n_samples={n}")
+            b = self._n_batches + len(self._pending)
+            sample: dict[str, Any] = {"sample_id": ids, "batch": np.full(n, b, dtype=np.int64)}
+            token: dict[str, Any] | None = None
+            mask = None
+            if token_mask is not None:
+                mask = token_mask.detach().to("cpu").to(torch.bool)
+                if mask.dim() != 2 or mask.shape[0] != n:
+                    raise ValueError(f"token_mask must be (batch={n}, pos), got {tuple(mask.shape)}")
+                idx = mask.nonzero()
+                si, pos = idx[:, 0].numpy(), idx[:, 1].numpy()
+                ids_arr = np.asarray(ids, dtype=object if not isinstance(ids, np.ndarray) else None)
+                token = {"sample_id": ids_arr[si], "pos": pos.astype(np.int64), "batch": np.full(len(si), b, dtype=np.int64)}
+            for key, col in (columns or {}).items():
+                is_token = (isinstance(col, torch.Tensor) and mask is not None and col.dim() >= 2
+                            and tuple(col.shape[:2]) == tuple(mask.shape))
+                kind = "token" if is_token else "sample"
+                if key in _RESERVED[kind]:
+                    raise ValueError(f"column {key!r} clashes with a reserved row-table column {list(_RESERVED[kind])}; rename it")
+                if is_token:
+                    token[key] = _to_column(col.detach().to("cpu")[mask])
+                else:
+                    values = _to_column(col)
+                    if len(values) != n:
+                        raise ValueError(f"column {key!r} has {len(values)} entries, expected n_samples={n}")
+                    sample[key] = values
+            n_tokens = 0 if token is None else len(token["pos"])
+            cums = {}
+            for hp, a in self._arrays.items():
+                cum = a.writer.n_rows
+                got = cum - a.last_cum
+                expected = n if a.row_kind == "sample" else n_tokens
+                if got != expected and a.follows_row_table:
+                    a.follows_row_table = False
+                a.last_cum = cum
+                cums[hp] = cum
+            self._pending.append(_Batch(b, n, cums, sample, token))
+
+    def maybe_commit(self) -> bool:
+        """Commit if the writer thread made new shards durable; cheap otherwise.
+
+        Returns
+        -------
+        bool
+            Whether a commit was written.
+
+        Raises
+        ------
+        StoreError
+            The writer thread failed (disk full, I/O error); committed rows stay readable.
+        """
+        self._raise_if_failed()
+        version = self._core.durable_version
+        if version == self._seen_version:
+            return False
+        with self._lock:
+            self._seen_version = version
+            return self._commit("incomplete")
+
+    # ------------------------------------------------------------------ commit
+    def _commit(self, status: str, force: bool = False) -> bool:
+        b = self._backend
+        # 1. data: shards made durable by the writer thread (remote: upload them first)
+        for a in self._arrays.values():
+            for rec in a.writer.take_durable():
+                key = F.shard_key(a.path, rec["shard"], len(a.feature_shape))
+                if not isinstance(b, LocalBackend):
+                    local = self._staging / key
+                    b.put_file(key, local)
+                    local.unlink()
+                a.manifest[int(rec["shard"])] = {
+                    "shard": int(rec["shard"]), "key": key, "rows_end": int(rec["rows_end"]),
+                    "file_bytes": int(rec["file_bytes"]),
+                    "chunks": [[int(j), int(o), int(nb), int(c)] for (j, o, nb, c) in rec["chunks"]],
+                }
+                a.manifest_dirty = True
+        durable = {hp: max(a.writer.durable_rows, a.committed_rows) for hp, a in self._arrays.items()}
+        k = 0
+        for batch in self._pending:
+            if all(cum <= durable[hp] for hp, cum in batch.cums.items()):
+                k += 1
+            else:
+                break
+        if k == 0 and not force:
+            return False
+        batches, self._pending = self._pending[:k], self._pending[k:]
+        # 2. row-table parts
+        for kind in ROW_KINDS:
+            pieces = [getattr(x, kind) for x in batches if getattr(x, kind) is not None]
+            pieces = [p for p in pieces if len(p["batch"])]
+            if pieces:
+                self._write_part(kind, pieces)
+        for x in batches:
+            for hp, cum in x.cums.items():
+                self._arrays[hp].committed_rows = max(self._arrays[hp].committed_rows, cum)
+            self.n_samples_committed += x.n_samples
+            self._n_batches += 1
+        # 3. manifests and array documents
+        for a in self._arrays.values():
+            if a.manifest_dirty:
+                doc = {
+                    "hook_point": a.hook_point, "chunk_rows": a.chunk_rows, "shard_rows": a.shard_rows,
+                    "shards": [a.manifest[s] for s in sorted(a.manifest)],
+                }
+                b.set(f"{a.path}/manifest.json", json.dumps(doc).encode())
+                a.manifest_dirty = False
+            if a.doc_rows != a.committed_rows:
+                attrs = {F.ATTRS_KEY: {"hook_point": a.hook_point, "dtype": a.dtype, "row_kind": a.row_kind}}
+                doc = F.array_document(n_rows=a.committed_rows, feature_shape=a.feature_shape, dtype=a.dtype,
+                                       chunk_rows=a.chunk_rows, shard_chunks=a.shard_chunks,
+                                       compression=a.compression, attributes=attrs)
+                b.set(f"{a.path}/zarr.json", F.dumps(doc))
+                a.doc_rows = a.committed_rows
+        # 4. the root, last
+        b.set("zarr.json", F.dumps(F.group_document({F.ATTRS_KEY: self._root_attrs(status)})))
+        return True
+
+    def _write_part(self, kind: str, pieces: list[dict]) -> None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        tables = []
+        for p in pieces:
+            cols = {}
+            for key, v in p.items():
+                cols[key] = pa.array(list(v) if isinstance(v, np.ndarray) and v.dtype == object else v)
+            tables.append(pa.table(cols))
+        table = pa.concat_tables(tables, promote_options="default")
+        info = self._row_tables[kind]
+        key = f"rows/{kind}/part-{len(info['parts']):06d}.parquet"
+        sink = io.BytesIO()
+        pq.write_table(table, sink)
+        self._backend.set(key, sink.getvalue())
+        info["parts"].append(key)
+        info["n_rows"] = int(info.get("n_rows", 0)) + table.num_rows
+        for name in table.column_names:
+            if name not in info["columns"]:
+                info["columns"].append(name)
+
+    # ------------------------------------------------------------------ reductions
+    def add_reductions(self, hook_point: str, name: str, reduction: Any, script_path: str | os.PathLike | None = None) -> None:
+        """Store the current result of a reduction as ``reductions/<hook point>/<name>[.<key>]``.
+
+        Parameters
+        ----------
+        hook_point, name : str
+        reduction : object with ``result() -> dict[str, Tensor]`` and ``kind``
+        script_path : path, optional
+            The ``.pt`` of a custom TorchScript reduction (found on the reduction object
+            as ``script_path`` / ``path`` when not given), kept as
+            ``reductions/<hook point>/<name>.pt``.
+        """
+        with self._lock:
+            result = reduction.result()
+            kind = str(getattr(reduction, "kind", "custom"))
+            main = kind if kind in result else ("value" if "value" in result else None)
+            if main is None and len(result) == 1:
+                main = next(iter(result))
+            node = F.node_name(hook_point)
+            entries = self._reductions.setdefault(hook_point, {})
+            self._backend.set("reductions/zarr.json", F.dumps(F.group_document()))
+            self._backend.set(f"reductions/{node}/zarr.json", F.dumps(F.group_document({F.ATTRS_KEY: {"hook_point": hook_point}})))
+            for key, value in result.items():
+                full = name if key == main else f"{name}.{key}"
+                path = f"reductions/{node}/{full}"
+                t = torch.as_tensor(value).detach().to("cpu").contiguous()
+                dname = F.dtype_name(t.dtype)
+                if dname not in F.SUPPORTED_DTYPES:
+                    raise StoreError(f"reduction {name!r} of hook point {hook_point!r}: result {key!r} has unsupported dtype {dname}")
+                self._write_small_array(path, t, {"hook_point": hook_point, "reduction": name, "dtype": dname})
+                entries[full] = {"path": path, "reduction": name, "kind": kind, "dtype": dname, "shape": list(t.shape)}
+            pt = script_path
+            if pt is None:
+                for attr in ("script_path", "path"):
+                    v = getattr(reduction, attr, None)
+                    v = v() if callable(v) else v
+                    if v:
+                        pt = v
+                        break
+            if pt is not None and Path(pt).is_file():
+                key = f"reductions/{node}/{name}.pt"
+                self._backend.set(key, Path(pt).read_bytes())
+                entries[name]["script"] = key if name in entries else None
+
+    def _write_small_array(self, path: str, t: torch.Tensor, attrs: dict) -> None:
+        dname = F.dtype_name(t.dtype)
+        data = t.view(torch.uint16) if dname == "bfloat16" else t
+        arr = data.numpy()
+        shape = tuple(arr.shape)
+        doc = F.array_document(n_rows=shape[0] if shape else 0, feature_shape=shape[1:], dtype=dname,
+                               chunk_rows=max(1, shape[0]) if shape else 1, shard_chunks=1,
+                               compression=None, attributes={F.ATTRS_KEY: attrs})
+        # small arrays: one plain chunk, no sharding
+        doc["shape"] = list(shape)
+        doc["chunk_grid"]["configuration"]["chunk_shape"] = [max(1, d) for d in shape]
+        doc["codecs"] = [F.bytes_codec(dname)]
+        self._backend.set(f"{path}/zarr.json", F.dumps(doc))
+        key = f"{path}/c" + ("/" + "/".join("0" for _ in shape) if shape else "")
+        if arr.size:
+            self._backend.set(key, np.ascontiguousarray(arr).astype(arr.dtype.newbyteorder("<")).tobytes())
+
+    # ------------------------------------------------------------------ close
+    def _stop_threads(self) -> None:
+        self._core.close()
+        if self._encoder_thread is not None:
+            self._encoder_thread.join()
+
+    def close(self, status: str = "complete") -> None:
+        """Flush partial chunks and shards, commit everything, mark the store ``status``.
+
+        Raises
+        ------
+        StoreError
+            The writer thread failed; what was durable before is committed (status
+            "incomplete") and stays readable.
+        """
+        if status not in ("complete", "incomplete"):
+            raise ValueError(f"status must be one of ['complete', 'incomplete'], got {status!r}")
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                for a in self._arrays.values():
+                    try:
+                        a.writer.flush()
+                    except ActivationScopeError:
+                        break
+                self._core.drain()
+                self._stop_threads()
+                if self._core.failed:
+                    self._commit("incomplete", force=True)
+                    self._raise_if_failed()
+                self._commit(status, force=True)
+            finally:
+                self._cleanup()
+
+    def abort(self, exc: BaseException | None = None) -> None:
+        """After an exception in the capture loop: commit what is durable, status "incomplete".
+
+        Never raises (a failure here is reported as a warning, so the first error stays the
+        one the caller sees).
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                self._core.drain()
+                self._stop_threads()
+                self._commit("incomplete", force=True)
+            except BaseException as e:  # noqa: BLE001 - never mask the original exception
+                warnings.warn(f"store {str(self._backend)!r}: committing after {exc!r} failed too: {e}", RuntimeWarning,
+                              stacklevel=2)
+            finally:
+                try:
+                    self._cleanup()
+                except BaseException:  # noqa: BLE001
+                    pass
+
+    def _cleanup(self) -> None:
+        if self._own_staging:
+            shutil.rmtree(self._staging, ignore_errors=True)
+
+    def __enter__(self) -> "StoreWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc is None:
+            self.close()
+        else:
+            self.abort(exc)
+
+    def __del__(self) -> None:
+        try:
+            if not self._closed:
+                self._core.close()
+        except Exception:
+            pass
+
+    @property
+    def path(self) -> str:
+        return str(self._backend)
+
+    def __repr__(self) -> str:
+        return f"<StoreWriter {str(self._backend)!r} {len(self._arrays)} arrays, {self.n_samples_committed} samples committed>"
