@@ -6,13 +6,16 @@ forked children (``os.register_at_fork``, as fsspec does), and turns row request
 few reads as possible:
 
 - ``read(hp, start, stop)``: a contiguous run of rows. A view of the store's memory-mapped
-  data when the run lies within one *segment* (the store's unit of contiguous, zero-copy
-  memory: a shard file); one copy (``torch.cat``) across segments.
+  data when the run lies within one *segment* (a shard file of a local uncompressed store);
+  one copy across segments. Compressed and remote arrays are read through the store, which
+  decodes chunk by chunk through zarr-python with its bounded chunk cache.
 - ``take(hp, index)``: rows at arbitrary positions: one ``torch.index_select`` per segment
   touched, written into one output tensor.
 
-Segments come from the store: ``store.segments(hp)`` (row boundaries) if it has one, else
-the whole array is one segment read with ``store[hp]``.
+Segments come from the store's metadata (``store.attrs["arrays"][hp]["shard_rows"]``, or
+``chunk_rows`` for compressed / remote arrays), or from ``store.segments(hp)`` /
+``store.rows(hp, start, stop)`` on stores that have them; a store with neither is one
+segment, ``store[hp]``.
 """
 
 from __future__ import annotations
@@ -27,10 +30,7 @@ import torch
 
 from ..errors import ActivationScopeError
 
-__all__ = ["StoreSource", "as_source", "ChunkCache"]
-
-#: Default budget of decoded chunks kept per process for compressed stores.
-DEFAULT_CACHE_BYTES = 256 << 20
+__all__ = ["StoreSource", "as_source"]
 
 _LIVE: "weakref.WeakSet[StoreSource]" = weakref.WeakSet()
 
@@ -46,73 +46,8 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-class ChunkCache:
-    """A least-recently-used cache of decoded chunks, bounded in bytes.
-
-    Parameters
-    ----------
-    max_bytes : int
-        Budget for decoded chunks (bytes); the most recently used chunk is always kept, even
-        when it alone is larger.
-    """
-
-    def __init__(self, max_bytes: int = DEFAULT_CACHE_BYTES) -> None:
-        from collections import OrderedDict
-
-        if not isinstance(max_bytes, int) or max_bytes < 0:
-            raise ValueError(f"cache_bytes must be a non-negative int, got {max_bytes!r}")
-        self.max_bytes = max_bytes
-        self.n_bytes = 0
-        self.n_decoded = 0
-        self._items: "OrderedDict[Any, torch.Tensor]" = OrderedDict()
-
-    def get(self, key: Any, decode: Any) -> torch.Tensor:
-        hit = self._items.get(key)
-        if hit is not None:
-            self._items.move_to_end(key)
-            return hit
-        value = decode()
-        self.n_decoded += 1
-        self._items[key] = value
-        self.n_bytes += value.numel() * value.element_size()
-        while self.n_bytes > self.max_bytes and len(self._items) > 1:
-            _, old = self._items.popitem(last=False)
-            self.n_bytes -= old.numel() * old.element_size()
-        return value
-
-
-class _DecodedSegments(list):
-    """Lazily decoded chunks of a compressed array, as the per-segment list of ``_segments``."""
-
-    def __init__(self, hp: str, array: Any, dtype: torch.dtype, bounds: list[int], cache: ChunkCache) -> None:
-        super().__init__(range(len(bounds) - 1))
-        self.hp, self.array, self.dtype, self.bounds, self.cache = hp, array, dtype, bounds, cache
-
-    def __getitem__(self, k: Any) -> torch.Tensor:  # type: ignore[override]
-        if isinstance(k, slice):
-            return [self[i] for i in range(len(self))[k]]
-        if k < 0:
-            k += len(self)
-        a, b = self.bounds[k], self.bounds[k + 1]
-        return self.cache.get((id(self.array), self.hp, k), lambda: _decode(self.array, a, b, self.dtype))
-
-    def __iter__(self):
-        return (self[k] for k in range(len(self)))
-
-
-def _decode(array: Any, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
-    import numpy as np
-
-    arr = np.ascontiguousarray(array[start:stop])
-    t = torch.from_numpy(arr)
-    if dtype == torch.bfloat16:
-        t = t.view(torch.int16).view(torch.bfloat16) if t.dtype != torch.bfloat16 else t
-    return t
-
-
 def _open_store(spec: Any, options: Mapping[str, Any]) -> Any:
     options = dict(options)
-    options.pop("cache_bytes", None)
     opener = options.pop("opener", None)
     if opener is None:
         from ..store import open_store as opener
@@ -146,7 +81,6 @@ class StoreSource:
         self._pid = os.getpid()
         self._views: dict[str, tuple[torch.Tensor, list[torch.Tensor]]] = {}
         self._tables: dict[str, Any] = {}
-        self._cache: ChunkCache | None = None
         _LIVE.add(self)
 
     # ------------------------------------------------------------------ lifecycle
@@ -154,7 +88,6 @@ class StoreSource:
         self._lock = threading.Lock()
         self._views = {}
         self._tables = {}
-        self._cache = None
         if isinstance(self._reopen_spec(), str):
             self._store = None  # reopened lazily from its path or URL
         self._pid = os.getpid()
@@ -210,94 +143,96 @@ class StoreSource:
         return table
 
     def dtype(self, hp: str) -> torch.dtype:
-        return self._segments(hp)[1][0].dtype if self._segments(hp)[1] else self.store[hp].dtype
+        fn = getattr(self.store, "dtype", None)
+        return fn(hp) if callable(fn) else self._segment(hp, 0).dtype
 
     def feature_shape(self, hp: str) -> tuple[int, ...]:
-        segs = self._segments(hp)[1]
-        return tuple(segs[0].shape[1:]) if segs else tuple(self.store[hp].shape[1:])
+        fn = getattr(self.store, "feature_shape", None)
+        return tuple(fn(hp)) if callable(fn) else tuple(self._segment(hp, 0).shape[1:])
+
+    def follows_row_table(self, hp: str) -> bool:
+        """Whether row i of ``hp`` is row i of its row table (True unless the store says not)."""
+        meta = (getattr(self.store, "attrs", None) or {}).get("arrays", {}).get(hp, {})
+        return bool(meta.get("follows_row_table", True)) if isinstance(meta, dict) else True
 
     # ------------------------------------------------------------------ segments
-    def _segments(self, hp: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """(bounds (n_segments + 1,) int64, [view per segment]) of ``hp``; cached."""
+    def _layout(self, hp: str) -> tuple[torch.Tensor, dict[int, torch.Tensor], bool]:
+        """(bounds (n_segments + 1,) int64, memo of segment tensors, memoize?) of ``hp``; cached.
+
+        Segments are the store's shards for local uncompressed arrays (each read is a view
+        of one mapped shard file), its chunks for compressed or remote arrays (each read goes
+        through the store's bounded chunk cache, so segments are not kept here).
+        """
         cached = self._views.get(hp)
         if cached is not None:
             return cached
         store = self.store
-        decoded = self._compressed(store, hp)
-        if decoded is not None:
-            cached = (torch.tensor(decoded.bounds, dtype=torch.int64), decoded)
-            self._views[hp] = cached
-            return cached
-        bounds = None
+        n = int(store.n_rows(hp))
         seg_fn = getattr(store, "segments", None)
+        memoize = True
         if callable(seg_fn):
             bounds = [int(b) for b in seg_fn(hp)]
-        if bounds is None or len(bounds) <= 2:
-            full = store[hp]
-            views = [full]
-            bounds = [0, int(full.shape[0])]
         else:
-            rows = getattr(store, "rows")
-            views = [rows(hp, a, b) for a, b in zip(bounds[:-1], bounds[1:])]
-        cached = (torch.tensor(bounds, dtype=torch.int64), views)
+            meta = (getattr(store, "attrs", None) or {}).get("arrays", {}).get(hp)
+            step = None
+            if isinstance(meta, dict) and meta.get("shard_rows"):
+                local = os.path.isdir(str(getattr(store, "path", "")))
+                if local and meta.get("compression") is None:
+                    step = int(meta["shard_rows"])
+                else:
+                    step = int(meta.get("chunk_rows") or meta["shard_rows"])
+                    memoize = False
+            bounds = list(range(0, n, step)) + [n] if step else [0, n]
+        if not bounds or bounds[0] != 0:
+            bounds = [0, *bounds]
+        cached = (torch.tensor(bounds, dtype=torch.int64), {}, memoize)
         self._views[hp] = cached
         return cached
 
-    def _compressed(self, store: Any, hp: str) -> "_DecodedSegments | None":
-        """Chunk-wise decoding through zarr-python for compressed arrays (else None)."""
-        info = getattr(store, "compressed_array", None)
-        if not callable(info):
-            return None
-        found = info(hp)  # (zarr array, chunk_rows, torch dtype) or None when uncompressed
-        if found is None:
-            return None
-        array, chunk_rows, dtype = found
-        n = int(array.shape[0])
-        bounds = list(range(0, n, chunk_rows)) + [n]
-        return _DecodedSegments(hp, array, dtype, bounds, self.cache)
+    def _rows(self, hp: str, start: int, stop: int) -> torch.Tensor:
+        store = self.store
+        rows = getattr(store, "rows", None)
+        if callable(rows):
+            return rows(hp, start, stop)
+        return store[hp, start:stop]
 
-    @property
-    def cache(self) -> ChunkCache:
-        if self._cache is None:
-            self._cache = ChunkCache(int(self._options.get("cache_bytes", DEFAULT_CACHE_BYTES)))
-        return self._cache
+    def _segment(self, hp: str, k: int) -> torch.Tensor:
+        bounds, memo, memoize = self._layout(hp)
+        seg = memo.get(k)
+        if seg is None:
+            seg = self._rows(hp, int(bounds[k]), int(bounds[k + 1]))
+            if memoize:
+                memo[k] = seg
+        return seg
 
     def boundaries(self, hp: str) -> torch.Tensor:
         """Row boundaries of the segments of ``hp``: int64 ``(n_segments + 1,)``, from 0 to n_rows."""
-        return self._segments(hp)[0]
+        return self._layout(hp)[0]
 
     def read(self, hp: str, start: int, stop: int) -> torch.Tensor:
-        """Rows ``[start, stop)`` of ``hp``: a view within one segment, else one copy."""
-        bounds, views = self._segments(hp)
+        """Rows ``[start, stop)`` of ``hp``: a view within one shard of a mapped store, else one copy."""
+        bounds = self._layout(hp)[0]
         n = int(bounds[-1])
         if not (0 <= start <= stop <= n):
             raise IndexError(f"rows [{start}, {stop}) out of range for hook point {hp!r} with {n} rows")
-        if len(views) == 1:
-            return views[0][start:stop]
-        s0 = int(torch.searchsorted(bounds, start, right=True)) - 1
-        s1 = int(torch.searchsorted(bounds, max(stop - 1, start), right=True)) - 1
-        s0 = min(s0, len(views) - 1)
-        s1 = min(max(s1, s0), len(views) - 1)
-        if s0 == s1:
-            b = int(bounds[s0])
-            return views[s0][start - b : stop - b]
-        parts = []
-        for s in range(s0, s1 + 1):
-            b, e = int(bounds[s]), int(bounds[s + 1])
-            parts.append(views[s][max(start, b) - b : min(stop, e) - b])
-        return torch.cat(parts)
+        k = int(torch.searchsorted(bounds, start, right=True)) - 1
+        if k < len(bounds) - 1 and stop <= int(bounds[k + 1]):
+            b = int(bounds[k])
+            return self._segment(hp, k)[start - b : stop - b]
+        return self._rows(hp, start, stop)
 
     def take(self, hp: str, index: torch.Tensor) -> torch.Tensor:
-        """Rows at ``index`` (int64, (k,)) of ``hp``: a new tensor (one gather per segment)."""
-        bounds, views = self._segments(hp)
-        if len(views) == 1:
-            return torch.index_select(views[0], 0, index)
+        """Rows at ``index`` (int64, (k,)) of ``hp``: a new tensor (one gather per segment touched)."""
+        bounds = self._layout(hp)[0]
+        if index.numel() == 0:
+            return torch.empty((0, *self.feature_shape(hp)), dtype=self.dtype(hp))
+        if bounds.numel() <= 2:
+            return torch.index_select(self._segment(hp, 0), 0, index)
         seg = torch.searchsorted(bounds, index, right=True) - 1
-        first = views[0]
-        out = torch.empty((index.numel(), *first.shape[1:]), dtype=first.dtype)
+        out = torch.empty((index.numel(), *self.feature_shape(hp)), dtype=self.dtype(hp))
         for s in torch.unique(seg).tolist():
             pos = (seg == s).nonzero().squeeze(1)
-            out[pos] = torch.index_select(views[s], 0, index[pos] - bounds[s])
+            out[pos] = torch.index_select(self._segment(hp, s), 0, index[pos] - bounds[s])
         return out
 
 

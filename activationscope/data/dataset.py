@@ -149,6 +149,8 @@ class ActivationDataset(Dataset):
     columns : str or list of str, optional
         Row-table columns to return with each item (``"label"``, ``"sample_id"``, ``"pos"``,
         user columns). Numeric and bool columns come back as tensors, strings as ``str``.
+        Token rows also see the per-sample columns of their sample (``label`` given to
+        ``set_batch``), joined on ``sample_id``.
     filter : pyarrow.compute.Expression or callable, optional
         Keep rows where the predicate holds: an expression over row-table columns
         (``pc.field("label") == 1``, ``pc.field("pos") > 0`` to drop BOS tokens), or a
@@ -261,6 +263,16 @@ class ActivationDataset(Dataset):
 
     def _row_table(self) -> pa.Table:
         table = self.source.row_table(self.row_kind)
+        lost = [hp for hp in self.hook_points if not self.source.follows_row_table(hp)]
+        if lost:
+            raise ActivationScopeError(
+                f"the rows of hook points {lost} do not follow the {self.row_kind} row table of "
+                f"{self.source.describe()}, so columns and filters cannot be used with them"
+            )
+        if self.row_kind == "token":
+            table = _with_sample_columns(table, self.source)
+        if table.num_rows > self.n_store_rows:  # rows committed for other hook points only
+            table = table.slice(0, self.n_store_rows)
         if table.num_rows != self.n_store_rows:
             raise ActivationScopeError(
                 f"the {self.row_kind} row table of {self.source.describe()} has {table.num_rows} rows, "
@@ -469,6 +481,22 @@ class ActivationDataset(Dataset):
             f"ActivationDataset({self.source.describe()}, hook_points={self.hook_points}, "
             f"columns={self.columns}, rows={len(self)} {self.row_kind} rows)"
         )
+
+
+def _with_sample_columns(tokens: pa.Table, source: StoreSource) -> pa.Table:
+    """Token rows plus the per-sample columns (labels, text) of their sample, joined on sample_id."""
+    try:
+        samples = source.row_table("sample")
+    except Exception:  # a store without a sample table
+        return tokens
+    extra = [c for c in samples.column_names if c not in tokens.column_names]
+    if not extra or "sample_id" not in samples.column_names or "sample_id" not in tokens.column_names:
+        return tokens
+    where = pc.index_in(tokens.column("sample_id"), value_set=samples.column("sample_id").combine_chunks())
+    picked = samples.select(extra).take(where)
+    for name in extra:
+        tokens = tokens.append_column(samples.schema.field(name), picked.column(name))
+    return tokens
 
 
 def _as_bool_mask(result: Any, n: int, kind: str) -> np.ndarray:

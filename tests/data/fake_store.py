@@ -102,32 +102,3 @@ class FakeStore:
 def open_fake(spec, **options):
     return FakeStore(spec)
 
-
-class FakeCompressedStore(FakeStore):
-    """The same store, but every array is also held as a zstd-compressed zarr array."""
-
-    def __init__(self, path, chunk_rows=8):
-        super().__init__(path)
-        import zarr
-
-        self.chunk_rows = chunk_rows
-        self._zarr = {}
-        self.n_full_reads = 0
-        for hp in self.hook_points:
-            full = super().__getitem__(hp)
-            store_dtype = torch.int16 if full.dtype == torch.bfloat16 else full.dtype
-            data = full.view(store_dtype).numpy()
-            arr = zarr.create_array(
-                store=zarr.storage.MemoryStore(), shape=data.shape, dtype=data.dtype,
-                chunks=(chunk_rows, *data.shape[1:]), compressors=[zarr.codecs.ZstdCodec(level=3)],
-            )
-            arr[...] = data
-            self._zarr[hp] = (arr, full.dtype)
-
-    def compressed_array(self, hp):
-        arr, dtype = self._zarr[hp]
-        return arr, self.chunk_rows, dtype
-
-    def __getitem__(self, hp):
-        self.n_full_reads += 1
-        return super().__getitem__(hp)

@@ -175,25 +175,3 @@ def test_dtypes_come_back_exactly(tmp_path, dtype):
     assert out.dtype == dtype and torch.equal(out, t)
     assert ds[[9, 0]]["x"].dtype == dtype
 
-
-def test_compressed_store_decodes_chunks_through_a_bounded_cache(tmp_path, arrays):
-    from fake_store import FakeCompressedStore
-
-    path = write_fake_store(tmp_path / "c", arrays, kinds={k: "token" for k in arrays},
-                            tables={"token": _rows_table(N, "token")})
-    store = FakeCompressedStore(path, chunk_rows=8)
-    row_bytes = D * 4
-    ds = ActivationDataset(store, hook_points=["a.output", "b.output"], open_options={"cache_bytes": 2 * 8 * row_bytes})
-    assert torch.equal(ds[:]["a.output"], arrays["a.output"])
-    assert torch.equal(ds[[33, 2, 17]]["b.output"], arrays["b.output"][[33, 2, 17]])
-    assert ds[5]["b.output"].dtype == torch.bfloat16
-    assert store.n_full_reads == 0  # never decoded the whole array
-    cache = ds.source.cache
-    assert cache.n_bytes <= cache.max_bytes
-    ds[9:12]
-    decoded = cache.n_decoded
-    ds[9:12]  # the chunk of rows 8..16 of both hook points is recent: cached
-    ds[10]
-    assert cache.n_decoded == decoded
-    ds[25:28]  # one new chunk per hook point, evicting old ones
-    assert cache.n_decoded == decoded + 2 and cache.n_bytes <= cache.max_bytes

@@ -1,0 +1,125 @@
+"""ActivationDataset on real stores captured with ActivationScope: probe parity, token rows, docs."""
+
+from __future__ import annotations
+
+import re
+import runpy
+from pathlib import Path
+
+import pyarrow.compute as pc
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import activationscope as acs
+
+try:
+    from activationscope.store import open_store  # noqa: F401
+except ImportError:  # the store is not there yet
+    pytest.skip("activationscope.store.open_store is not available", allow_module_level=True)
+
+from activationscope.data import ActivationDataset, SequentialBatchSampler, ShuffledBatchSampler
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _problem(n=600, d=12, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g)
+    w = torch.randn(d, generator=g)
+    y = (x @ w > 0).long()
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(d, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh()).eval()
+    return x, y, model
+
+
+def _train_probe(batches, d_in, epochs_batches):
+    torch.manual_seed(0)
+    probe = torch.nn.Linear(d_in, 2)
+    opt = torch.optim.SGD(probe.parameters(), lr=0.5)
+    for acts, labels in epochs_batches(batches):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(probe(acts.float()), labels).backward()
+        opt.step()
+    return probe
+
+
+def _accuracy(probe, acts, labels):
+    with torch.no_grad():
+        return float((probe(acts.float()).argmax(1) == labels).float().mean())
+
+
+def test_linear_probe_through_dataloader_matches_in_memory(tmp_path):
+    x, y, model = _problem()
+    hp = "3.output"
+    # in-memory capture
+    with acs.ActivationScope().track(model, include=["3"]) as tracker, torch.no_grad():
+        for i in range(0, len(x), 100):
+            model(x[i : i + 100])
+    mem = torch.cat(tracker.activations[hp])
+    # store capture of the same forwards, with labels
+    with acs.ActivationScope(store=tmp_path / "p.zarr").track(model, include=["3"]) as tracker, torch.no_grad():
+        for i in range(0, len(x), 100):
+            tracker.set_batch(sample_ids=range(i, i + 100), label=y[i : i + 100].tolist())
+            model(x[i : i + 100])
+    train, test = slice(0, 480), slice(480, 600)
+    ds = ActivationDataset(str(tmp_path / "p.zarr"), hook_points=[hp], columns=["label"], rows=train)
+    sampler = ShuffledBatchSampler(ds, 32, seed=0)
+
+    def store_batches(_):
+        for epoch in range(5):
+            sampler.set_epoch(epoch)
+            for b in DataLoader(ds, batch_sampler=sampler):
+                yield b[hp], b["label"]
+
+    def memory_batches(_):
+        for epoch in range(5):
+            sampler.set_epoch(epoch)
+            for idx in sampler:
+                yield mem[train][idx], y[train][idx]
+
+    p_store = _train_probe(None, 32, store_batches)
+    p_mem = _train_probe(None, 32, memory_batches)
+    test_ds = ActivationDataset(str(tmp_path / "p.zarr"), hook_points=[hp], columns=["label"], rows=test)
+    held = test_ds[:]
+    acc_store = _accuracy(p_store, held[hp], held["label"])
+    acc_mem = _accuracy(p_mem, mem[test], y[test])
+    assert torch.equal(held[hp], mem[test]) and torch.equal(held["label"], y[test])
+    assert acc_store == acc_mem
+    assert acc_store > 0.85, acc_store  # the probe learns the problem
+
+
+def test_token_rows_filters_and_views(tmp_path, transformer):
+    torch.manual_seed(0)
+    x = torch.randn(4, 7, 16)
+    mask = torch.ones(4, 7, dtype=torch.bool)
+    mask[2:, 4:] = False
+    with acs.ActivationScope(store=tmp_path / "t.zarr").track(transformer, include=["layers.0"]) as tracker, torch.no_grad():
+        tracker.set_batch(attention_mask=mask, sample_ids=[10, 11, 12, 13], label=[0, 1, 0, 1])
+        out = transformer(x, src_key_padding_mask=~mask)
+    store = open_store(tmp_path / "t.zarr")
+    hp = "layers.0.output"
+    assert store.row_kind(hp) == "token" and store.n_rows(hp) == int(mask.sum())
+    ds = ActivationDataset(store, hook_points=[hp], columns=["sample_id", "pos", "label"])
+    full = ds[:]
+    with acs.ActivationScope().track(transformer, include=["layers.0"]) as mem, torch.no_grad():
+        transformer(x, src_key_padding_mask=~mask)
+    ref = mem.activations[hp][0][mask]  # (n_tokens, d_model): real tokens, padding dropped
+    assert torch.equal(full[hp], ref)
+    assert full["pos"].tolist() == [p for b in range(4) for p in range(int(mask[b].sum()))]
+    assert full["sample_id"].tolist() == [10] * 7 + [11] * 7 + [12] * 4 + [13] * 4
+    no_bos = ActivationDataset(store, hook_points=[hp], columns=["pos"], filter=pc.field("pos") > 0)
+    assert len(no_bos) == len(ds) - 4 and bool((no_bos[:]["pos"] > 0).all())
+    ones = ActivationDataset(store, hook_points=[hp], columns=["label"], filter=pc.field("label") == 1)
+    assert len(ones) == 11
+    assert out.shape == (4, 7, 16)
+
+
+def test_docs_examples_run(tmp_path, monkeypatch):
+    text = (ROOT / "docs" / "usage" / "dataset.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert len(blocks) >= 5
+    script = tmp_path / "dataset_doc.py"
+    script.write_text("\n".join(f"# --- block {i}\n{b}" for i, b in enumerate(blocks)))
+    monkeypatch.chdir(tmp_path)
+    runpy.run_path(str(script), run_name="__docs__")
