@@ -172,6 +172,31 @@ class Store:
         """Same as ``store[hook_point]``."""
         return self[hook_point]
 
+    def segments(self, hook_point: str) -> list[int]:
+        """Row boundaries ``[0, ..., n_rows]`` of the units of zero-copy memory (shards).
+
+        ``rows(hook_point, a, b)`` within one segment is a view; across segments one copy.
+        """
+        meta = self._meta(hook_point)
+        n, shard_rows = int(meta["n_rows"]), int(meta["shard_rows"])
+        return list(range(0, n, shard_rows)) + [n]
+
+    def rows(self, hook_point: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``[start, stop)`` of a hook point (a view within one shard, else one copy)."""
+        n = self.n_rows(hook_point)
+        if not (0 <= start <= stop <= n):
+            raise IndexError(f"rows [{start}, {stop}) out of range for hook point {hook_point!r} with {n} rows")
+        return self._read_rows(hook_point, start, stop)
+
+    def compressed_array(self, hook_point: str) -> tuple[Any, int, torch.dtype] | None:
+        """``(zarr array, chunk_rows, torch dtype)`` of an array read through zarr-python
+        (compressed or non-local), or None when it is read zero-copy from memory-mapped shards.
+        The zarr array holds bfloat16 as uint16 bit patterns."""
+        meta = self._meta(hook_point)
+        if isinstance(self._backend, LocalBackend) and meta.get("compression") is None:
+            return None
+        return self._zarray(meta), int(meta["chunk_rows"]), F.torch_dtype(meta["dtype"])
+
     def _read_rows(self, hook_point: str, start: int, stop: int, copy: bool = False) -> torch.Tensor:
         meta = self._meta(hook_point)
         dtype = F.torch_dtype(meta["dtype"])

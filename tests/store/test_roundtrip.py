@@ -1,0 +1,264 @@
+"""Capture into a store and read back: equal to the in-memory capture (plain PyTorch)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import numpy as np
+import pytest
+import torch
+import zarr
+
+import activationscope as acs
+from activationscope.store import StoreWriter, open_store
+
+from store_models import MLP, SmallCNN, batches_mlp, capture_memory, capture_store, make_encoder
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+SMALL = {"chunk_rows": 4, "shard_bytes": 1024}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_mlp_equals_memory_capture(tmp_path, dtype):
+    torch.manual_seed(0)
+    model = MLP().to(dtype).eval()
+    xs = batches_mlp()
+    ref = capture_memory(model, xs, dtype=dtype)
+    capture_store(model, xs, tmp_path / "s.zarr", dtype=dtype, store_options=SMALL)
+    store = open_store(tmp_path / "s.zarr")
+    assert store.status == "complete"
+    assert sorted(store.hook_points) == sorted(ref)
+    for hp, r in ref.items():
+        got = store[hp]
+        assert got.dtype == dtype
+        assert torch.equal(got, r), hp
+        assert store.row_kind(hp) == "sample"
+        assert store.n_rows(hp) == r.shape[0]
+    assert store.attrs["arrays"]["fc1.output"]["dtype"] == str(dtype).removeprefix("torch.")
+    assert store.verify() == []
+
+
+def test_storage_dtype_bfloat16_equals_cast(tmp_path, mlp):
+    xs = batches_mlp()
+    ref = capture_memory(mlp, xs)
+    capture_store(mlp, xs, tmp_path / "s.zarr", storage_dtype=torch.bfloat16)
+    store = open_store(tmp_path / "s.zarr")
+    for hp, r in ref.items():
+        assert store[hp].dtype == torch.bfloat16
+        assert torch.equal(store[hp], r.to(torch.bfloat16)), hp
+
+
+def test_cnn_with_inplace_relu(tmp_path):
+    torch.manual_seed(0)
+    model = SmallCNN().eval()
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(3, 3, 6, 6, generator=g) for _ in range(4)]
+    ref = capture_memory(model, xs)
+    capture_store(model, xs, tmp_path / "s.zarr", store_options={"chunk_rows": 2, "shard_bytes": 2000})
+    store = open_store(tmp_path / "s.zarr")
+    # SNAPSHOT: conv outputs are stored before the in-place ReLU changed them
+    assert (store["conv1.output"] < 0).any()
+    for hp, r in ref.items():
+        assert torch.equal(store[hp], r), hp
+
+
+def test_transformer_token_rows(tmp_path):
+    model = make_encoder()
+    g = torch.Generator().manual_seed(2)
+    batches = []
+    for i in range(4):
+        x = torch.randn(3, 7, 16, generator=g)
+        lengths = torch.tensor([7, 4, 1 + i])
+        mask = torch.arange(7)[None, :] < lengths[:, None]
+        tok = torch.randint(0, 100, (3, 7), generator=g)
+        batches.append((x, mask, tok))
+
+    def run(scope):
+        with scope.track(model, include=["layers.*"], exclude=["*.dropout*", "*.self_attn*"]) as tr:
+            with torch.no_grad():
+                for i, (x, mask, tok) in enumerate(batches):
+                    tr.set_batch(attention_mask=mask, sample_ids=[10 * i + j for j in range(3)],
+                                 label=[i] * 3, token_ids=tok)
+                    model(x, src_key_padding_mask=~mask)
+        return tr
+
+    mem = run(acs.ActivationScope())
+    run(acs.ActivationScope(store=str(tmp_path / "t.zarr"), store_options={"chunk_rows": 8, "shard_bytes": 2048}))
+    store = open_store(tmp_path / "t.zarr")
+    n_tokens = int(sum(m.sum() for _, m, _ in batches))
+    checked = 0
+    for hp, recs in mem.activations.items():
+        if recs[0].dim() < 2 or tuple(recs[0].shape[:2]) != (3, 7):
+            continue
+        ref = torch.cat([r[m] for r, (_, m, _) in zip(recs, batches)])
+        assert store.row_kind(hp) == "token", hp
+        assert torch.equal(store[hp], ref), hp
+        assert store.n_rows(hp) == n_tokens
+        checked += 1
+    assert checked >= 2
+    tokens = store.row_table("token")
+    assert tokens.num_rows == n_tokens
+    mask0 = batches[0][1]
+    idx = mask0.nonzero()
+    assert tokens.column("pos").to_pylist()[: len(idx)] == idx[:, 1].tolist()
+    assert tokens.column("token_ids").to_pylist()[: len(idx)] == batches[0][2][mask0].tolist()
+    samples = store.row_table("sample")
+    assert samples.column("sample_id").to_pylist() == [10 * i + j for i in range(4) for j in range(3)]
+    assert samples.column("label").to_pylist() == [i for i in range(4) for _ in range(3)]
+    assert samples.column("batch").to_pylist() == [i for i in range(4) for _ in range(3)]
+
+
+def test_zero_copy_view_lies_in_the_mapped_shard(tmp_path, mlp):
+    capture_store(mlp, batches_mlp(), tmp_path / "s.zarr")
+    store = open_store(tmp_path / "s.zarr")
+    t = store["fc1.output"]
+    shard = os.path.realpath(tmp_path / "s.zarr" / "acts" / "fc1.output" / "c" / "0" / "0")
+    ptr = t.data_ptr()
+    found = None
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split()
+            lo, hi = (int(v, 16) for v in parts[0].split("-"))
+            if lo <= ptr < hi:
+                found = parts[-1] if len(parts) >= 6 else ""
+                break
+    assert found == shard
+
+
+def test_writing_into_a_view_never_changes_the_file(tmp_path, mlp):
+    capture_store(mlp, batches_mlp(), tmp_path / "s.zarr")
+    shard = tmp_path / "s.zarr" / "acts" / "fc1.output" / "c" / "0" / "0"
+    before = shard.read_bytes()
+    store = open_store(tmp_path / "s.zarr")
+    t = store["fc1.output"]
+    t.fill_(123.0)
+    assert shard.read_bytes() == before
+    fresh = open_store(tmp_path / "s.zarr")["fc1.output"]
+    assert not torch.equal(fresh, t)
+
+
+def test_slices_within_and_across_shards(tmp_path, mlp):
+    xs = batches_mlp(n_batches=10)
+    ref = capture_memory(mlp, xs)["fc1.output"]
+    capture_store(mlp, xs, tmp_path / "s.zarr", store_options={"chunk_rows": 4, "shard_bytes": 4 * 16 * 4 * 2})
+    store = open_store(tmp_path / "s.zarr")
+    assert store.segments("fc1.output")[:3] == [0, 8, 16]
+    assert torch.equal(store["fc1.output", 1:7], ref[1:7])
+    assert torch.equal(store["fc1.output", 5:37], ref[5:37])
+    assert torch.equal(store.rows("fc1.output", 0, 50), ref)
+
+
+def test_plain_zarr_reads_every_array(tmp_path):
+    torch.manual_seed(0)
+    model = MLP().to(torch.bfloat16).eval()
+    xs = batches_mlp()
+    ref = capture_memory(model, xs, dtype=torch.bfloat16)
+    scope = acs.ActivationScope(store=str(tmp_path / "s.zarr"), reductions=["mean"],
+                                store_options={"chunk_rows": 4, "shard_bytes": 1024})
+    with scope.track(model) as tr:
+        with torch.no_grad():
+            for x in xs:
+                model(x.to(torch.bfloat16))
+    g = zarr.open_group(str(tmp_path / "s.zarr"), mode="r")  # no activationscope reader involved
+    for hp, r in ref.items():
+        arr = g[f"acts/{hp}"]
+        assert arr.dtype == np.dtype("uint16")
+        assert np.array_equal(arr[:], r.view(torch.uint16).numpy()), hp
+    red = g["reductions/fc1.output/mean"][...]
+    assert np.array_equal(red, tr.reductions["fc1.output"]["mean"].numpy())
+
+
+def test_reductions_read_back(tmp_path, mlp):
+    scope = acs.ActivationScope(store=str(tmp_path / "s.zarr"), reductions=["mean", "var"])
+    with scope.track(mlp) as tr:
+        for x in batches_mlp():
+            mlp(x)
+    store = open_store(tmp_path / "s.zarr")
+    for hp, reds in tr.reductions.items():
+        for name, value in reds.items():
+            assert torch.equal(store.reductions[hp][name], value), (hp, name)
+
+
+def test_existing_complete_store_needs_overwrite_or_resume(tmp_path, mlp):
+    capture_store(mlp, batches_mlp(1), tmp_path / "s.zarr")
+    with pytest.raises(acs.StoreExistsError, match=r"s\.zarr.*overwrite=True.*resume=True"):
+        StoreWriter(tmp_path / "s.zarr", capture_config={}, model=None, storage_dtype=None)
+    with pytest.raises(FileExistsError):
+        StoreWriter(tmp_path / "s.zarr", capture_config={}, model=None, storage_dtype=None)
+    w = StoreWriter(tmp_path / "s.zarr", capture_config={}, model=None, storage_dtype=None, overwrite=True)
+    w.close()
+    assert open_store(tmp_path / "s.zarr").hook_points == []
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"compression": "lzma"}, r"compression must be one of"),
+        ({"chunk_rows": 0}, r"chunk_rows must be a positive int"),
+        ({"shard_bytes": -1}, r"shard_bytes must be a positive int"),
+        ({"overwrite": True, "resume": True}, r"exclude each other"),
+        ({"provenance": {"bad": object()}}, r"provenance must be JSON"),
+    ],
+)
+def test_invalid_options_write_nothing(tmp_path, kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        StoreWriter(tmp_path / "s.zarr", capture_config={}, model=None, storage_dtype=None, **kwargs)
+    assert not (tmp_path / "s.zarr").exists()
+
+
+def test_shape_change_between_batches_names_the_hook_point(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Identity())
+    scope = acs.ActivationScope(store=str(tmp_path / "s.zarr"))
+    with pytest.raises(acs.ActivationScopeError, match=r"hook point '0\.output'.*feature shape"):
+        with scope.track(model):
+            model(torch.randn(2, 3))
+            model(torch.randn(2, 4))
+    assert open_store(tmp_path / "s.zarr").status == "incomplete"
+
+
+def test_metadata_identity_and_provenance(tmp_path, mlp):
+    capture_store(mlp, batches_mlp(2), tmp_path / "s.zarr", store_options={"provenance": {"dataset": "toy"}})
+    attrs = open_store(tmp_path / "s.zarr").attrs
+    assert attrs["format"] == {"name": "activationscope", "version": 1}
+    assert attrs["provenance"] == {"dataset": "toy"}
+    assert attrs["model"]["class"].endswith("store_models.MLP")
+    assert re.fullmatch(r"[0-9a-f]{64}", attrs["model"]["state_dict_sha256"])
+    assert attrs["library"]["torch"] == torch.__version__
+    assert attrs["n_samples"] == 10
+    assert attrs["capture_config"]["capture"] == "output"
+    doc = json.loads((tmp_path / "s.zarr" / "acts" / "fc1.output" / "zarr.json").read_text())
+    assert doc["codecs"][0]["name"] == "sharding_indexed"
+    info = open_store(tmp_path / "s.zarr").info()
+    assert info["arrays"]["fc1.output"]["shape"] == [10, 16]
+    assert info["status"] == "complete"
+
+
+def test_verify_finds_a_flipped_byte(tmp_path, mlp):
+    capture_store(mlp, batches_mlp(10), tmp_path / "s.zarr", store_options={"chunk_rows": 4, "shard_bytes": 4 * 16 * 4 * 2})
+    store = open_store(tmp_path / "s.zarr")
+    assert store.verify() == []
+    shard = tmp_path / "s.zarr" / "acts" / "fc1.output" / "c" / "1" / "0"
+    data = bytearray(shard.read_bytes())
+    data[4 * 16 * 4 + 5] ^= 0x10  # chunk 1 of shard 1 = chunk 3 of the array
+    shard.write_bytes(bytes(data))
+    problems = open_store(tmp_path / "s.zarr").verify()
+    assert len(problems) == 1
+    assert "fc1.output" in problems[0] and "chunk 3" in problems[0], problems
+
+
+def test_row_count_not_following_the_table_is_flagged(tmp_path):
+    w = StoreWriter(tmp_path / "s.zarr", capture_config={}, model=None, storage_dtype=None)
+    a = w.open_array("a.output", (4,), torch.float32, "sample")
+    b = w.open_array("b.output", (4,), torch.float32, "sample")  # e.g. a module called on 2x the batch
+    for i in range(2):
+        a.append(torch.full((3, 4), float(i)))
+        b.append(torch.full((6, 4), float(i)))
+        w.add_batch(3, list(range(3 * i, 3 * i + 3)), None, {})
+    w.close()
+    store = open_store(tmp_path / "s.zarr")
+    assert store.attrs["arrays"]["a.output"]["follows_row_table"] is True
+    assert store.attrs["arrays"]["b.output"]["follows_row_table"] is False
+    assert store.n_rows("b.output") == 12 and store.n_rows("a.output") == 6
+    assert torch.equal(store["b.output"][6:], torch.ones(6, 4))
