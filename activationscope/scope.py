@@ -278,7 +278,9 @@ class Tracker:
         self.model = model
         self._modules = modules
         self._side = side
-        self._core = _C.TrackerCore(self._on_new_hook_point, self._on_forward_start, self._on_forward_end)
+        # The core's callbacks are bound while attached only: a pybind object is invisible to
+        # the garbage collector, so a permanent Tracker -> core -> Tracker cycle would leak.
+        self._core = _C.TrackerCore(None)
         self._core.policy = _POLICY_CODE[scope.capture_policy]
         self._core.sample_every = scope.sample_every
         self._core.max_k = -1 if scope.max_k is None else scope.max_k
@@ -342,6 +344,9 @@ class Tracker:
         except BaseException:
             self._uninstall_all()
             raise
+        self._core.on_new_hook_point = self._on_new_hook_point
+        self._core.on_forward_start = self._on_forward_start
+        self._core.on_forward_end = self._on_forward_end
         self._core.active = True
         self._attached = True
         return self
@@ -381,6 +386,7 @@ class Tracker:
     def _detach(self) -> None:
         self._core.active = False
         self._uninstall_all()
+        self._core.release_callbacks()
         self._attached = False
 
     def _finish(self, status: str, exc: BaseException | None = None) -> None:

@@ -73,6 +73,10 @@ struct Site {
   int64_t n_calls = 0;        // calls outside any root forward (policy fallback)
   int64_t fwd_seen = -1;      // core->n_forwards at the last call
   int64_t calls_in_fwd = 0;   // for the #k suffix
+  // Fast path of the common case (first call in a forward, one positional tensor input,
+  // a tensor output): hook point names and sinks resolved once.
+  bool in0_resolved = false, out_resolved = false;
+  std::shared_ptr<Sink> in0_sink, out_sink;
 };
 
 using Leaves = std::vector<std::pair<std::string, at::Tensor>>;
@@ -162,6 +166,7 @@ class ForwardWrapper {
     struct Active {
       Site* site;
       std::string base;  // "<path>" or "<path>#k"
+      int64_t k;
     };
     std::vector<Active> active;
     for (auto& s : sites_) {
@@ -183,13 +188,22 @@ class ForwardWrapper {
       if (!take) continue;
       std::string base = s->path;
       if (k > 0) base += "#" + std::to_string(k);
-      active.push_back({s.get(), std::move(base)});
+      active.push_back({s.get(), std::move(base), k});
     }
 
     if (!active.empty()) {
       Leaves in_leaves;
       for (auto& a : active) {
         if (!a.site->capture_input) continue;
+        if (a.k == 0 && args.size() == 1 && kwargs.empty() && THPVariable_Check(args[0].ptr())) {
+          Site& s = *a.site;
+          if (!s.in0_resolved) {
+            s.in0_sink = resolve(*s.core, join(a.base, "input") + ".0", THPVariable_Unpack(args[0].ptr()));
+            s.in0_resolved = true;
+          }
+          if (s.in0_sink) consume_one(*s.core, *s.in0_sink, THPVariable_Unpack(args[0].ptr()));
+          continue;
+        }
         in_leaves.clear();
         std::string prefix = join(a.base, "input");
         const size_t n = args.size();
@@ -207,6 +221,15 @@ class ForwardWrapper {
       Leaves out_leaves;
       for (auto& a : active) {
         if (!a.site->capture_output) continue;
+        if (a.k == 0 && THPVariable_Check(out.ptr())) {
+          Site& s = *a.site;
+          if (!s.out_resolved) {
+            s.out_sink = resolve(*s.core, join(a.base, "output"), THPVariable_Unpack(out.ptr()));
+            s.out_resolved = true;
+          }
+          if (s.out_sink) consume_one(*s.core, *s.out_sink, THPVariable_Unpack(out.ptr()));
+          continue;
+        }
         out_leaves.clear();
         collect(out, join(a.base, "output"), out_leaves, 0);
         consume_all(*a.site->core, out_leaves);
@@ -225,6 +248,23 @@ class ForwardWrapper {
     return base.empty() ? std::string(what) : base + "." + what;
   }
 
+  static std::shared_ptr<Sink> resolve(TrackerCore& core, const std::string& name, const at::Tensor& t) {
+    auto it = core.sinks.find(name);
+    if (it == core.sinks.end()) {
+      py::object made = core.on_new_hook_point(name, t);
+      std::shared_ptr<Sink> sink = made.is_none() ? nullptr : made.cast<std::shared_ptr<Sink>>();
+      it = core.sinks.emplace(name, std::move(sink)).first;
+    }
+    return it->second;
+  }
+
+  static void consume_one(TrackerCore& core, Sink& sink, const at::Tensor& t) {
+    if (core.batch_size < 0 && t.dim() >= 1) core.batch_size = t.size(0);
+    at::Tensor mask = core.token_mask;
+    py::gil_scoped_release nogil;
+    sink.consume(t, mask);
+  }
+
   static void consume_all(TrackerCore& core, const Leaves& leaves) {
     if (leaves.empty()) return;
     if (core.batch_size < 0 && leaves.front().second.dim() >= 1) {
@@ -233,14 +273,8 @@ class ForwardWrapper {
     std::vector<std::pair<Sink*, const at::Tensor*>> work;
     work.reserve(leaves.size());
     for (const auto& leaf : leaves) {
-      auto it = core.sinks.find(leaf.first);
-      if (it == core.sinks.end()) {
-        py::object made = core.on_new_hook_point(leaf.first, leaf.second);
-        std::shared_ptr<Sink> sink =
-            made.is_none() ? nullptr : made.cast<std::shared_ptr<Sink>>();
-        it = core.sinks.emplace(leaf.first, std::move(sink)).first;
-      }
-      if (it->second) work.emplace_back(it->second.get(), &leaf.second);
+      std::shared_ptr<Sink> sink = resolve(core, leaf.first, leaf.second);
+      if (sink) work.emplace_back(sink.get(), &leaf.second);
     }
     if (work.empty()) return;
     at::Tensor mask = core.token_mask;
@@ -506,6 +540,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("on_new_hook_point"), py::arg("on_forward_start") = py::none(),
            py::arg("on_forward_end") = py::none())
       .def_readwrite("active", &TrackerCore::active)
+      .def_readwrite("on_new_hook_point", &TrackerCore::on_new_hook_point)
+      .def_readwrite("on_forward_start", &TrackerCore::on_forward_start)
+      .def_readwrite("on_forward_end", &TrackerCore::on_forward_end)
       .def_property(
           "policy", [](const TrackerCore& c) { return static_cast<int>(c.policy); },
           [](TrackerCore& c, int p) { c.policy = static_cast<Policy>(p); })
@@ -521,7 +558,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           if (kv.second) d[py::str(kv.first)] = kv.second;
         return d;
       })
-      .def("forget", [](TrackerCore& c) { c.sinks.clear(); })
       .def("release_callbacks", [](TrackerCore& c) {
         c.on_new_hook_point = py::none();
         c.on_forward_start = py::none();

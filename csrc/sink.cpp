@@ -4,6 +4,8 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/irange.h>
 
+#include <cstring>
+
 #include "errors.h"
 #include "staging_pool.h"
 
@@ -76,7 +78,13 @@ at::Tensor Sink::snapshot(const at::Tensor& x) {
   }
   at::Tensor dst = (options_.keep == Keep::ALL && arena_) ? arena_->empty(x.sizes(), dtype)
                                                            : at::empty(x.sizes(), at::TensorOptions().dtype(dtype));
-  dst.copy_(x);
+  if (dtype == x.scalar_type() && x.is_contiguous() && x.layout() == at::kStrided && !x.is_conj() &&
+      !x.is_neg()) {
+    // The common case: one memcpy, without the dispatcher and TensorIterator set-up.
+    std::memcpy(dst.data_ptr(), x.const_data_ptr(), x.nbytes());
+  } else {
+    dst.copy_(x);
+  }
   return dst;
 }
 
@@ -98,7 +106,9 @@ at::Tensor Sink::rows_of(const at::Tensor& x, const at::Tensor& token_mask) {
 
 void Sink::consume(const at::Tensor& x_in, const at::Tensor& token_mask) {
   at::AutoGradMode no_grad(false);
-  at::Tensor x = x_in.detach();
+  // A record kept by reference must not hold the autograd graph: detach it. Copies made
+  // under no-grad never record a graph, so the snapshot path skips the detach.
+  const at::Tensor x = (!options_.snapshot && x_in.requires_grad()) ? x_in.detach() : x_in;
   std::lock_guard<std::mutex> lock(mu_);
   ++n_calls_;
   if (x.dim() >= 1 && x.size(0) == 0) return;  // an empty batch is a no-op

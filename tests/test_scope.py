@@ -675,3 +675,23 @@ def test_gpu_storage_keeps_device(device):
         model(x)
     rec = tr.activations["0.output"][0]
     assert rec.device == x.device and torch.equal(rec, model[0](x))
+
+
+def test_tracker_is_freed_after_exit(mlp):
+    import weakref
+
+    with acs.ActivationScope().track(mlp) as tr:
+        mlp(torch.randn(2, 16))
+    ref = weakref.ref(tr)
+    del tr
+    gc.collect()
+    assert ref() is None  # no reference cycle through the native core keeps it (and its records) alive
+
+
+def test_reattach_after_exit_keeps_capturing(mlp):
+    tr = acs.ActivationScope().track(mlp, include=["0"])
+    with tr:
+        mlp(torch.randn(2, 16))
+    with tr:
+        mlp(torch.randn(2, 16))
+    assert len(tr.activations["0.output"]) == 2 and no_wrappers(mlp)
