@@ -1,0 +1,56 @@
+"""Child process of the crash-safety tests: captures a toy MLP into a store.
+
+python store_child.py PATH MODE N_BATCHES [LIMIT_AFTER]
+MODE "run": capture (resume=True), printing "batch <i>" after each forward.
+MODE "diskfull": after LIMIT_AFTER batches, cap file sizes (RLIMIT_FSIZE) and go on; prints
+"ERR <class>: <message>" for the error that stops the capture.
+"""
+
+from __future__ import annotations
+
+import resource
+import signal
+import sys
+import time
+
+import torch
+
+import activationscope as acs
+from store_models import MLP, batches_mlp
+
+OPTIONS = {"chunk_rows": 4, "shard_bytes": 4 * 16 * 4 * 2}  # fc1 rows: 64 B -> 8-row shards
+BATCH = 5
+
+
+def capture(path: str, n_batches: int, *, limit_after: int | None = None, sleep_s: float = 0.0) -> None:
+    torch.manual_seed(0)
+    model = MLP().eval()
+    xs = batches_mlp(n_batches=n_batches, batch=BATCH)
+    scope = acs.ActivationScope(store=path, store_options={**OPTIONS, "resume": True})
+    tracker = scope.track(model)
+    tracker.attach()
+    start = tracker.writer.n_samples_committed
+    print(f"start {start}", flush=True)
+    try:
+        with tracker, torch.no_grad():
+            for i in range(start // BATCH, n_batches):
+                if limit_after is not None and i == limit_after:
+                    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+                    resource.setrlimit(resource.RLIMIT_FSIZE, (100, 100))
+                tracker.set_batch(sample_ids=list(range(i * BATCH, (i + 1) * BATCH)))
+                model(xs[i])
+                print(f"batch {i}", flush=True)
+                if sleep_s:
+                    time.sleep(sleep_s)
+    except acs.ActivationScopeError as e:
+        print(f"ERR {type(e).__name__}: {e}", flush=True)
+        return
+    print("done", flush=True)
+
+
+if __name__ == "__main__":
+    path, mode, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    if mode == "diskfull":
+        capture(path, n, limit_after=int(sys.argv[4]))
+    else:
+        capture(path, n, sleep_s=float(sys.argv[4]) if len(sys.argv) > 4 else 0.0)

@@ -1,0 +1,165 @@
+"""Kill -9 at any moment, disk full, concurrent readers, resume."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import activationscope as acs
+from activationscope.store import StoreWriter, open_store
+
+import store_child
+from store_models import MLP, batches_mlp, capture_memory
+
+HERE = Path(__file__).parent
+N_BATCHES = 12
+
+
+def _child(*args: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent.parent), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.Popen([sys.executable, str(HERE / "store_child.py"), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """An uninterrupted store and the in-memory capture of the same run."""
+    path = tmp_path_factory.mktemp("ref") / "ref.zarr"
+    store_child.capture(str(path), N_BATCHES)
+    torch.manual_seed(0)
+    mem = capture_memory(MLP().eval(), batches_mlp(n_batches=N_BATCHES, batch=store_child.BATCH))
+    return open_store(path), mem
+
+
+def _assert_equal_stores(a, b):
+    assert sorted(a.hook_points) == sorted(b.hook_points)
+    for hp in a.hook_points:
+        assert torch.equal(a[hp], b[hp]), hp
+    for kind in ("sample", "token"):
+        assert a.row_table(kind).to_pydict() == b.row_table(kind).to_pydict()
+    assert a.n_samples == b.n_samples
+
+
+@pytest.mark.parametrize("kill_after", [0, 3, 8])
+def test_sigkill_then_resume_equals_uninterrupted(tmp_path, reference, kill_after):
+    ref_store, mem = reference
+    path = tmp_path / "s.zarr"
+    proc = _child(str(path), "run", str(N_BATCHES), "0.02")
+    try:
+        for line in proc.stdout:
+            if line.startswith(f"batch {kill_after}"):
+                # land anywhere in the writer thread's / commit's work on the next batch
+                import time
+
+                time.sleep(random.Random(kill_after).uniform(0.0, 0.03))
+                os.kill(proc.pid, signal.SIGKILL)
+                break
+    finally:
+        proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.read()
+
+    store = open_store(path)
+    assert store.status == "incomplete"
+    s = store.n_samples
+    assert s % store_child.BATCH == 0 and s <= (kill_after + 2) * store_child.BATCH
+    for hp in store.hook_points:  # committed prefix byte-identical
+        assert store.n_rows(hp) == s
+        assert torch.equal(store[hp], mem[hp][:s]), hp
+    assert store.row_table("sample").column("sample_id").to_pylist() == list(range(s))
+    assert store.verify() == []
+
+    store_child.capture(str(path), N_BATCHES)  # resume=True in-process
+    resumed = open_store(path)
+    assert resumed.status == "complete"
+    _assert_equal_stores(resumed, ref_store)
+    assert resumed.verify() == []
+
+
+def test_resume_reports_committed_samples_and_truncates(tmp_path):
+    path = tmp_path / "s.zarr"
+    w = StoreWriter(path, capture_config={}, model=None, storage_dtype=None, chunk_rows=2, shard_bytes=2 * 16 * 2)
+    a = w.open_array("x", (4,), torch.float32, "sample")
+    for i in range(3):
+        a.append(torch.full((3, 4), float(i)))
+        w.add_batch(3, [3 * i, 3 * i + 1, 3 * i + 2], None, {})
+        w.maybe_commit()
+    a.append(torch.full((2, 4), 9.0))  # rows of a batch that never ends
+    w.abort(RuntimeError("boom"))
+    st = open_store(path)
+    assert st.status == "incomplete"
+    committed = st.n_samples
+    assert committed in (3, 6, 9) and st.n_rows("x") == committed
+    w2 = StoreWriter(path, capture_config={}, model=None, storage_dtype=None, resume=True)
+    assert w2.n_samples_committed == committed
+    a2 = w2.open_array("x", (4,), torch.float32, "sample")
+    assert a2.n_rows == committed
+    for i in range(committed // 3, 4):
+        a2.append(torch.full((3, 4), float(i)))
+        w2.add_batch(3, [3 * i, 3 * i + 1, 3 * i + 2], None, {})
+    w2.close()
+    st = open_store(path)
+    assert st.status == "complete"
+    assert torch.equal(st["x"], torch.arange(4).repeat_interleave(3)[:, None].float().expand(12, 4))
+    assert st.row_table().column("sample_id").to_pylist() == list(range(12))
+    assert st.verify() == []
+
+
+def test_disk_full_is_a_clear_error_and_committed_rows_stay(tmp_path, reference):
+    _, mem = reference
+    path = tmp_path / "s.zarr"
+    proc = _child(str(path), "diskfull", str(N_BATCHES), "8")
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    lines = [l for l in out.splitlines() if l.startswith("ERR ")]
+    assert lines, out
+    assert lines[0].startswith("ERR StoreError") and ("EFBIG" in lines[0] or "too large" in lines[0]), lines[0]
+    store = open_store(path)
+    assert store.status == "incomplete"
+    s = store.n_samples
+    assert 0 < s <= 8 * store_child.BATCH  # fc2 (16-byte rows) completes a shard every 32 rows
+    for hp in store.hook_points:
+        assert torch.equal(store[hp], mem[hp][:s]), hp
+
+
+def test_reader_during_writes_sees_a_consistent_prefix(tmp_path, mlp):
+    xs = batches_mlp(n_batches=10)
+    mem = capture_memory(mlp, xs)
+    scope = acs.ActivationScope(store=str(tmp_path / "s.zarr"), store_options=store_child.OPTIONS)
+    seen = []
+    with scope.track(mlp) as tr, torch.no_grad():
+        for x in xs:
+            mlp(x)
+            st = open_store(tmp_path / "s.zarr")
+            n = st.n_samples
+            for hp in st.hook_points:
+                assert st.n_rows(hp) == n
+                assert torch.equal(st[hp], mem[hp][:n]), hp
+            seen.append(n)
+    assert seen == sorted(seen) and seen[-1] > 0
+
+
+def test_writer_errors_surface_on_the_python_side(tmp_path):
+    path = tmp_path / "s.zarr"
+    w = StoreWriter(path, capture_config={}, model=None, storage_dtype=None, chunk_rows=1, shard_bytes=16)
+    a = w.open_array("x", (4,), torch.float32, "sample")
+    a.append(torch.zeros(1, 4))
+    w.add_batch(1, [0], None, {})
+    w._core.drain()
+    w.maybe_commit()
+    (path / "acts" / "x" / "c").rename(path / "acts" / "x" / "c-moved")
+    (path / "acts" / "x" / "c").write_text("not a directory")  # the next shard cannot be created
+    with pytest.raises(acs.StoreError, match=r"acts/x/c"):
+        for _ in range(100):
+            a.append(torch.zeros(1, 4))
+            w._core.drain()
+    with pytest.raises(acs.StoreError):
+        w.maybe_commit()
+    with pytest.raises(acs.StoreError):
+        w.close()
