@@ -81,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also capture the 300 unlabelled Lee news articles (label -1; not used by the probe)")
     p.add_argument("--batch-size", type=int, default=32, help="sentences per forward (default: %(default)s)")
     p.add_argument("--folds", type=int, default=5, help="cross-validation folds of the probe (default: %(default)s)")
+    p.add_argument("--max-samples", type=int, default=None,
+                   help="use this many labelled sentences, evenly spaced over both classes (quick run)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     p = sub.add_parser(
@@ -152,6 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse: --help (0) or a usage error (2)
         return int(e.code or 0)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     handler = _COMMANDS[args.command]
     try:
         return handler(args) or 0
@@ -529,7 +532,7 @@ def cmd_capture(args: argparse.Namespace) -> int:
     else:
         batches = tensor_batches(data.tensor[first:n], args.batch_size, first_id=first)
     store_options: dict[str, Any] = {
-        "provenance": {"model": loaded.name, "data": data.name, "command": " ".join([PROG, *sys.argv[1:]])},
+        "provenance": {"model": loaded.name, "data": data.name, "command": " ".join([PROG, *args.argv])},
     }
     if args.overwrite:
         store_options["overwrite"] = True
@@ -563,6 +566,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         n_folds=args.folds,
         progress=not args.no_progress,
+        max_samples=args.max_samples,
     )
     print(result.table())
     print()
@@ -633,7 +637,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise CLIError(f"--out {args.out!r}: folder {str(out.parent)!r} does not exist")
     fn = data.export_parquet if args.format == "parquet" else data.export_arrow
     fn(store, args.out, hook_points=hook_points)
-    print(f"wrote {args.out} ({os.path.getsize(args.out) / 1e6:.1f} MB, {args.format})")
+    print(f"wrote {args.out} ({_fmt_bytes(os.path.getsize(args.out))}, {args.format})")
     return 0
 
 
@@ -659,9 +663,90 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fmt_bytes(n: Any) -> str:
+    if not isinstance(n, (int, float)):
+        return "-"
+    value = float(n)
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(value) < 1000 or unit == "TB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1000
+    return f"{value:.1f} TB"
+
+
+def _flat(value: Any) -> str:
+    if isinstance(value, dict):
+        return ", ".join(f"{k}={_flat(v)}" for k, v in value.items() if v not in (None, "", {}, []))
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_flat(v) for v in value) + "]"
+    return str(value)
+
+
+def _reduction_names(names: Iterable[str]) -> str:
+    # "var", "var.mean", "var.count" are outputs of one reduction: show "var" once
+    seen: list[str] = []
+    for name in names:
+        base = name.split(".")[0]
+        if base not in seen:
+            seen.append(base)
+    return ", ".join(seen) or "-"
+
+
 def format_info(info: dict[str, Any], name: str) -> str:
-    """Human-readable text of a store's ``info()``."""
-    return json.dumps(info, indent=2, default=str)
+    """Human-readable text of a store's ``info()``: a header, one line per hook point, totals."""
+    fmt = info.get("format")
+    if isinstance(fmt, dict) and "name" in fmt:
+        fmt_s = f"{fmt['name']} v{fmt.get('version', '?')}"
+    else:
+        fmt_s = _flat(fmt) if fmt else "?"
+    lines = [
+        f"store:    {info.get('path') or name}",
+        f"status:   {info.get('status', '?')}, {info.get('n_samples', '?')} samples, format {fmt_s}",
+    ]
+    if info.get("created"):
+        lines.append(f"created:  {info['created']}")
+    if info.get("model"):
+        lines.append(f"model:    {_flat(info['model'])}")
+    arrays = info.get("arrays") or {}
+    reductions = info.get("reductions") or {}
+    head = ("hook point", "kind", "rows", "shape", "dtype", "bytes", "on disk", "ratio", "reductions")
+    rows = []
+    for hp, a in arrays.items():
+        shape = tuple(a.get("shape", [])[1:])
+        ratio = a.get("compression_ratio")
+        dtype = str(a.get("dtype", "?"))
+        if a.get("compression"):
+            dtype += f" ({a['compression']})"
+        rows.append((
+            hp, str(a.get("row_kind", "?")), f"{a.get('n_rows', 0):,}", str(shape), dtype,
+            _fmt_bytes(a.get("bytes")), _fmt_bytes(a.get("bytes_on_disk")),
+            "-" if ratio is None else f"{ratio:.2f}", _reduction_names(reductions.get(hp, [])),
+        ))
+    lines.append("")
+    if rows:
+        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+        numeric = {2, 5, 6, 7}
+        line = lambda cells: "  ".join(  # noqa: E731
+            c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))
+        ).rstrip()
+        lines.append(line(head))
+        lines.extend(line(r) for r in rows)
+    else:
+        lines.append("(no hook points)")
+    ratio = info.get("compression_ratio")
+    lines.append("")
+    lines.append(
+        f"total:    {len(arrays)} hook points, {_fmt_bytes(info.get('bytes'))} of activations, "
+        f"{_fmt_bytes(info.get('bytes_on_disk'))} on disk" + (f" (compression ratio {ratio:.2f})" if ratio else "")
+    )
+    tables = info.get("row_tables") or {}
+    if tables:
+        lines.append("rows:     " + ", ".join(f"{k} table {v:,} rows" for k, v in tables.items()))
+    if info.get("provenance"):
+        lines.append(f"provenance: {_flat(info['provenance'])}")
+    if info.get("library"):
+        lines.append(f"library:  {_flat(info['library'])}")
+    return "\n".join(lines)
 
 
 _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {

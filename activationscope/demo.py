@@ -399,11 +399,16 @@ def probe_accuracy(
             f"n_folds must be between 2 and the smallest class's size ({int(counts.min())}), got {n_folds}"
         )
     accs = []
-    for test in _stratified_folds(y, n_folds, seed):
-        train_mask = torch.ones(len(y), dtype=torch.bool)
-        train_mask[test] = False
-        pred = _fit_predict(x[train_mask], y[train_mask], x[test], len(classes), l2, max_iter)
-        accs.append(float((pred == y[test]).double().mean()))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # (rows, d_model) problems this small only lose time to thread sync
+    try:
+        for test in _stratified_folds(y, n_folds, seed):
+            train_mask = torch.ones(len(y), dtype=torch.bool)
+            train_mask[test] = False
+            pred = _fit_predict(x[train_mask], y[train_mask], x[test], len(classes), l2, max_iter)
+            accs.append(float((pred == y[test]).double().mean()))
+    finally:
+        torch.set_num_threads(threads)
     t = torch.tensor(accs, dtype=torch.float64)
     return ProbeResult(
         accuracy=float(t.mean()),
@@ -575,12 +580,10 @@ class DemoResult:
 
 
 def _hook_point_bytes(info: Mapping[str, Any], hp: str) -> int:
-    hps = info.get("hook_points", {}) if isinstance(info, Mapping) else {}
-    entry = hps.get(hp, {}) if isinstance(hps, Mapping) else {}
-    for key in ("stored_bytes", "nbytes_stored", "bytes_on_disk", "n_bytes_stored", "n_bytes", "nbytes"):
-        if isinstance(entry.get(key), int):
-            return entry[key]
-    return 0
+    arrays = info.get("arrays", {}) if isinstance(info, Mapping) else {}
+    entry = arrays.get(hp, {}) if isinstance(arrays, Mapping) else {}
+    value = entry.get("bytes_on_disk")
+    return int(value) if isinstance(value, int) else 0
 
 
 def run_demo(
@@ -591,6 +594,7 @@ def run_demo(
     batch_size: int = 32,
     n_folds: int = 5,
     progress: bool = True,
+    max_samples: int | None = None,
 ) -> DemoResult:
     """Capture all-MiniLM-L6-v2 over the labelled sentences, probe every layer, write a report.
 
@@ -608,6 +612,9 @@ def run_demo(
         Folds of the probe's cross-validation.
     progress : bool, default True
         tqdm progress bar on stderr (samples/s, MB/s).
+    max_samples : int, optional
+        Use this many labelled sentences, evenly spaced over the corpus (both classes), for
+        a quick run.
 
     Returns
     -------
@@ -619,6 +626,11 @@ def run_demo(
     out = os.fspath(out)
     tokenizer, model = load_model()
     texts, labels = load_polarity()
+    if max_samples is not None and max_samples < len(texts):
+        if max_samples < 2 * n_folds:
+            raise ValueError(f"max_samples must be at least 2 * n_folds = {2 * n_folds}, got {max_samples}")
+        keep = torch.linspace(0, len(texts) - 1, max_samples).round().long().tolist()
+        texts, labels = [texts[i] for i in keep], [labels[i] for i in keep]
     sources = ["polarity"] * len(texts)
     n_labelled = len(texts)
     if corpus:

@@ -157,8 +157,8 @@ def hook_point_stats(
     source = "reductions" if from_reductions else f"rows ({rows.shape[0]:,} of {n_rows:,})"
     return HookPointStats(
         hook_point=hook_point, n_rows=n_rows, feature_shape=feature_shape,
-        dtype=str(acts.dtype).replace("torch.", ""), kind=str(entry.get("row_kind", entry.get("kind", "?"))),
-        n_bytes=_int_or_none(entry, "stored_bytes", "nbytes_stored", "bytes_on_disk", "n_bytes_stored"),
+        dtype=str(acts.dtype).replace("torch.", ""), kind=_row_kind(store, hook_point, entry),
+        n_bytes=_int_or_none(entry, "bytes_on_disk"),
         mean=mean, std=std, nonzero=nonzero, hist_counts=counts, hist_edges=edges,
         explained=explained, dead_fraction=dead_fraction, source=source, n_sampled=rows.shape[0],
         pca_note=pca_note,
@@ -168,15 +168,18 @@ def hook_point_stats(
 def _hp_info(info: Mapping[str, Any] | None, hp: str) -> Mapping[str, Any]:
     if not isinstance(info, Mapping):
         return {}
-    hps = info.get("hook_points")
-    if isinstance(hps, Mapping):
-        entry = hps.get(hp)
-        return entry if isinstance(entry, Mapping) else {}
-    if isinstance(hps, Sequence):
-        for entry in hps:
-            if isinstance(entry, Mapping) and entry.get("name") == hp:
-                return entry
-    return {}
+    arrays = info.get("arrays")
+    entry = arrays.get(hp) if isinstance(arrays, Mapping) else None
+    return entry if isinstance(entry, Mapping) else {}
+
+
+def _row_kind(store: Any, hp: str, entry: Mapping[str, Any]) -> str:
+    if hasattr(store, "row_kind"):
+        try:
+            return str(store.row_kind(hp))
+        except (KeyError, ValueError):
+            pass
+    return str(entry.get("row_kind", "?"))
 
 
 def _int_or_none(entry: Mapping[str, Any], *keys: str) -> int | None:

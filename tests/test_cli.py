@@ -252,3 +252,258 @@ def test_python_dash_m_runs(tmp_path):
                           capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
     assert proc.returncode == 1
     assert proc.stderr.strip().startswith("activationscope info: error:") and "Traceback" not in proc.stderr
+
+
+# ---------------------------------------------------------------------------- commands on real stores
+
+
+@pytest.fixture
+def toy_store(tmp_path, user_module, capsys):
+    """A store captured by the CLI from usermodels.nets:mlp over 50 samples."""
+    x = tmp_path / "x.npy"
+    np.save(x, np.random.default_rng(0).standard_normal((50, 6)).astype(np.float32))
+    out = tmp_path / "toy.zarr"
+    code, stdout, err = run(capsys, "capture", "--model", "usermodels.nets:mlp", "--data", str(x), "--out", str(out),
+                            "--reduce", "mean,var,nonzero", "--batch-size", "16", "--no-progress")
+    assert code == 0, err
+    assert "captured 50 samples (4 forwards, 3 hook points)" in stdout
+    return out, x
+
+
+def test_capture_stores_the_model_activations(toy_store):
+    import activationscope as acs
+
+    out, x = toy_store
+    model = cli.load_model_spec("usermodels.nets:mlp").model
+    inputs = torch.from_numpy(np.load(x))
+    store = acs.open_store(str(out))
+    assert store.hook_points == ["0.output", "1.output", "2.output"]
+    with torch.no_grad():
+        torch.testing.assert_close(store["0.output"], model[0](inputs))
+        torch.testing.assert_close(store["2.output"], model(inputs))
+    torch.testing.assert_close(store.reductions["1.output"]["mean"], torch.relu(model[0](inputs)).double().mean(0))
+    assert store.row_table("sample").column("sample_id").to_pylist() == list(range(50))
+    assert store.info()["provenance"]["model"] == "usermodels.nets:mlp"
+
+
+def test_capture_dtype_include_and_max_samples(tmp_path, toy_store, capsys):
+    import activationscope as acs
+
+    _, x = toy_store
+    out = tmp_path / "bf16.zarr"
+    code, _, err = run(capsys, "capture", "--model", "usermodels.nets:mlp", "--data", str(x), "--out", str(out),
+                       "--include", "0,2", "--dtype", "bfloat16", "--max-samples", "20", "--no-progress")
+    assert code == 0, err
+    store = acs.open_store(str(out))
+    assert store.hook_points == ["0.output", "2.output"]
+    assert store["0.output"].dtype == torch.bfloat16 and store["0.output"].shape == (20, 5)
+
+
+def test_capture_resume_continues_from_the_next_sample(tmp_path, toy_store, capsys):
+    import activationscope as acs
+
+    _, x = toy_store
+    out = tmp_path / "r.zarr"
+    args = ["capture", "--model", "usermodels.nets:mlp", "--data", str(x), "--out", str(out), "--no-progress"]
+    assert run(capsys, *args, "--max-samples", "20")[0] == 0
+    code, stdout, err = run(capsys, *args, "--resume")
+    assert code == 0, err
+    assert "captured 30 samples" in stdout
+    store = acs.open_store(str(out))
+    model = cli.load_model_spec("usermodels.nets:mlp").model
+    with torch.no_grad():
+        torch.testing.assert_close(store["2.output"], model(torch.from_numpy(np.load(x))))
+    assert store.row_table("sample").column("sample_id").to_pylist() == list(range(50))
+    code, stdout, _ = run(capsys, *args, "--resume")
+    assert code == 0 and "nothing to capture" in stdout
+
+
+def test_capture_overwrite_replaces(tmp_path, toy_store, capsys):
+    import activationscope as acs
+
+    out, x = toy_store
+    code, _, err = run(capsys, "capture", "--model", "usermodels.nets:mlp", "--data", str(x), "--out", str(out),
+                       "--include", "2", "--max-samples", "10", "--overwrite", "--no-progress")
+    assert code == 0, err
+    assert acs.open_store(str(out)).hook_points == ["2.output"]
+
+
+def test_capture_unknown_include_pattern(tmp_path, toy_store, capsys):
+    _, x = toy_store
+    code, _, err = run(capsys, "capture", "--model", "usermodels.nets:mlp", "--data", str(x),
+                       "--out", str(tmp_path / "n.zarr"), "--include", "encoder.*", "--no-progress")
+    assert code == 1
+    _one_error_line(err, "include pattern 'encoder.*' matches no module")
+
+
+def test_info_lists_hook_points(toy_store, capsys):
+    out, _ = toy_store
+    code, stdout, _ = run(capsys, "info", str(out))
+    assert code == 0
+    assert "status:   complete, 50 samples" in stdout
+    lines = {l.split()[0]: l for l in stdout.splitlines() if l.split() and l.split()[0].endswith(".output")}
+    assert set(lines) == {"0.output", "1.output", "2.output"}
+    assert "sample" in lines["1.output"] and "(5,)" in lines["1.output"] and "float32" in lines["1.output"]
+    assert "mean, nonzero, var" in lines["1.output"] or "mean, var, nonzero" in lines["1.output"]
+    assert "provenance: model=usermodels.nets:mlp" in stdout
+
+
+def test_info_json(toy_store, capsys):
+    import json
+
+    out, _ = toy_store
+    code, stdout, _ = run(capsys, "info", str(out), "--json")
+    info = json.loads(stdout)
+    assert code == 0 and info["status"] == "complete" and info["arrays"]["2.output"]["n_rows"] == 50
+
+
+def test_verify_ok_and_damaged(toy_store, capsys):
+    out, _ = toy_store
+    code, stdout, _ = run(capsys, "verify", str(out))
+    assert code == 0 and stdout.strip().endswith(": ok")
+    shard = next((out / "acts" / "1.output").rglob("c/*/*") if (out / "acts" / "1.output").exists() else iter(()), None)
+    if shard is None:
+        shard = max((p for p in (out / "acts").rglob("*") if p.is_file() and p.name[0].isdigit()), key=lambda p: p.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    data[10] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    code, _, err = run(capsys, "verify", str(out))
+    assert code == 1
+    assert "damaged" in err and "1.output" in err and "crc32c" in err and "Traceback" not in err
+
+
+def test_verify_missing_shard(toy_store, capsys):
+    out, _ = toy_store
+    for p in (out / "acts" / "2.output").rglob("*"):
+        if p.is_file() and p.name[0].isdigit():
+            p.unlink()
+    code, _, err = run(capsys, "verify", str(out))
+    assert code == 1 and "2.output" in err and "missing" in err
+
+
+def test_export_parquet_and_arrow(tmp_path, toy_store, capsys):
+    import pyarrow.parquet as pq
+
+    from activationscope.data import read_arrow
+
+    out, x = toy_store
+    code, stdout, err = run(capsys, "export", str(out), "--format", "parquet", "--out", str(tmp_path / "t.parquet"),
+                            "--hook-points", "2.output")
+    assert code == 0, err
+    table = pq.read_table(tmp_path / "t.parquet")
+    assert table.num_rows == 50 and "2.output" in table.column_names and "sample_id" in table.column_names
+    code, _, err = run(capsys, "export", str(out), "--format", "arrow", "--out", str(tmp_path / "t.arrow"))
+    assert code == 0, err
+    back = read_arrow(tmp_path / "t.arrow")
+    model = cli.load_model_spec("usermodels.nets:mlp").model
+    with torch.no_grad():
+        torch.testing.assert_close(back["2.output"], model(torch.from_numpy(np.load(x))))
+
+
+def test_export_unknown_hook_point_and_bad_folder(tmp_path, toy_store, capsys):
+    out, _ = toy_store
+    code, _, err = run(capsys, "export", str(out), "--format", "arrow", "--out", str(tmp_path / "a.arrow"),
+                       "--hook-points", "7.output")
+    assert code == 1
+    _one_error_line(err, "hook point '7.output' is not in the store", "0.output")
+    code, _, err = run(capsys, "export", str(out), "--format", "arrow", "--out", str(tmp_path / "no" / "a.arrow"))
+    assert code == 1
+    _one_error_line(err, "does not exist")
+
+
+def test_report_command(tmp_path, toy_store, capsys):
+    out, _ = toy_store
+    code, stdout, err = run(capsys, "report", str(out), "--out", str(tmp_path / "rep"))
+    assert code == 0, err
+    page = (tmp_path / "rep" / "index.html").read_text()
+    for hp in ("0.output", "1.output", "2.output"):
+        assert (tmp_path / "rep" / f"hp_{hp.replace('.', '_')}.png").stat().st_size > 5000
+        assert hp in page
+    assert "No probe" in page  # the tensor data had no labels
+    assert "report:" in stdout
+
+
+def test_not_a_store(tmp_path, capsys):
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "file.txt").write_text("hi")
+    code, _, err = run(capsys, "info", str(tmp_path / "plain"))
+    assert code == 1
+    _one_error_line(err, "activationscope info: error:")
+
+
+# ---------------------------------------------------------------------------- the real model through the CLI
+
+
+@needs_demo
+@pytest.mark.demo
+def test_capture_demo_model_equals_hidden_states(tmp_path, capsys):
+    import activationscope as acs
+    from activationscope import demo
+
+    out = tmp_path / "d.zarr"
+    code, _, err = run(capsys, "capture", "--model", "demo", "--data", "demo", "--out", str(out), "--max-samples", "6",
+                       "--include", "encoder.layer.1,encoder.layer.4,pool.4", "--reduce", "mean", "--batch-size", "4",
+                       "--no-progress")
+    assert code == 0, err
+    store = acs.open_store(str(out))
+    assert store.hook_points == ["encoder.layer.1.output", "encoder.layer.4.output", "pool.4.output"]
+    assert store.row_kind("encoder.layer.4.output") == "token" and store.row_kind("pool.4.output") == "sample"
+    tokenizer, model = demo.load_model()
+    texts, labels = demo.load_polarity()
+    token_rows = {1: [], 4: []}
+    pooled = []
+    with torch.no_grad():
+        for _, enc in demo.iter_text_batches(texts[:6], tokenizer, 4):
+            hs = super(type(model), model).forward(**enc, output_hidden_states=True).hidden_states
+            mask = enc["attention_mask"].bool()
+            for i in token_rows:
+                token_rows[i].append(hs[i + 1][mask])
+            pooled.append(demo.MaskedMeanPool()(hs[5], enc["attention_mask"]))
+    for i in token_rows:
+        torch.testing.assert_close(store[f"encoder.layer.{i}.output"], torch.cat(token_rows[i]))
+    torch.testing.assert_close(store["pool.4.output"], torch.cat(pooled))
+    # token rows mean-pooled per sample, read back through ActivationDataset + DataLoader
+    x, got_labels = demo.sentence_rows(store, "encoder.layer.4.output")
+    torch.testing.assert_close(x, torch.cat(pooled).double(), rtol=1e-5, atol=1e-6)
+    assert got_labels == labels[:6]
+
+
+@needs_demo
+@pytest.mark.demo
+def test_demo_command_small(tmp_path, capsys):
+    out = tmp_path / "runs" / "demo.zarr"
+    code, stdout, err = run(capsys, "demo", "--out", str(out), "--max-samples", "30", "--folds", "3", "--no-progress")
+    assert code == 0, err
+    lines = stdout.splitlines()
+    assert lines[0].split()[:3] == ["layer", "token", "rows"]
+    layer_lines = [l for l in lines if l[:1].isdigit() and "samples" not in l]
+    assert [l.split()[0] for l in layer_lines] == [str(i) for i in range(6)]
+    for l in layer_lines:
+        assert l.split()[2] == "30" and "±" in l  # 30 sentence rows, a probe accuracy
+    assert f"store:  {out}" in stdout
+    report = tmp_path / "runs" / "demo-report" / "index.html"
+    assert f"report: {report}" in stdout and report.is_file()
+    # rerun overwrites
+    assert run(capsys, "demo", "--out", str(out), "--max-samples", "30", "--folds", "3", "--no-progress", "--no-report")[0] == 0
+
+
+# ---------------------------------------------------------------------------- docs
+
+
+@pytest.mark.parametrize("doc", ["cli.md", "capture.md"])
+def test_docs_examples_run(doc, tmp_path, monkeypatch):
+    """Run the page's python blocks in order, in a scratch directory."""
+    import re
+    import runpy
+
+    text = (ROOT / "docs" / "usage" / doc).read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert len(blocks) >= 4
+    script = tmp_path / f"{doc}.py"
+    script.write_text("\n".join(f"# --- block {i}\n{b}" for i, b in enumerate(blocks)))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        runpy.run_path(str(script), run_name="__docs__")
+    finally:
+        sys.modules.pop("toymodels", None)

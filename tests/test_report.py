@@ -88,7 +88,7 @@ def test_write_report_html_and_pngs(tmp_path):
     store = TinyStore(
         {"enc.0.output": _relu_rows(seed=1), "enc.1.output": _relu_rows(seed=2)},
         info={"status": "complete", "provenance": {"model": "TinyNet", "data": "random"},
-              "hook_points": {"enc.0.output": {"row_kind": "token", "stored_bytes": 32000}}},
+              "arrays": {"enc.0.output": {"row_kind": "token", "bytes_on_disk": 32000}}},
     )
     probes = {
         "enc.0.output": ProbeResult(0.71, 0.05, [0.7, 0.72], 200, 16, 2, 0.5),
