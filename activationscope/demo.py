@@ -556,6 +556,7 @@ class DemoResult:
     n_labelled: int
     capture_s: float
     probe_s: float
+    report_s: float
     total_bytes: int
     n_folds: int
 
@@ -573,7 +574,7 @@ class DemoResult:
         out.append("")
         out.append(
             f"{self.n_samples} samples ({self.n_labelled} labelled), {_fmt_bytes(self.total_bytes)} on disk; "
-            f"capture {self.capture_s:.1f} s, probes {self.probe_s:.1f} s"
+            f"capture {self.capture_s:.1f} s, probes {self.probe_s:.1f} s, report {self.report_s:.1f} s"
             + (f"; chance accuracy {chance:.3f}" if chance is not None else "")
         )
         return "\n".join(out)
@@ -668,6 +669,7 @@ def run_demo(
         total += n_bytes
         layers.append(LayerRow(i, _n_rows(store, tok_hp), _n_rows(store, pool_hp), n_bytes, probes.get(pool_hp)))
     report_path = None
+    t0 = time.perf_counter()
     if report_dir is not None:
         from .report import write_report
 
@@ -677,7 +679,7 @@ def run_demo(
 
     return DemoResult(
         store_path=out, report_path=report_path, layers=layers, n_samples=summary.n_samples,
-        n_labelled=n_labelled, capture_s=summary.elapsed_s, probe_s=probe_s,
+        n_labelled=n_labelled, capture_s=summary.elapsed_s, probe_s=probe_s, report_s=time.perf_counter() - t0,
         total_bytes=_dir_bytes(out) or total, n_folds=n_folds,
     )
 

@@ -145,9 +145,9 @@ def hook_point_stats(
     elif rows.shape[0] < 2:
         pca_note = "PCA skipped: fewer than 2 rows"
     else:
+        # eigenvalues of the (units, units) covariance: cheaper than an SVD of the rows
         centred = rows - rows.mean(0)
-        sv = torch.linalg.svdvals(centred)
-        ev = sv * sv
+        ev = torch.linalg.eigvalsh(centred.T @ centred).flip(0).clamp_min(0)
         total = ev.sum()
         if float(total) > 0:
             explained = (ev / total)[:N_PCA_COMPONENTS]
@@ -358,10 +358,15 @@ def write_report(
         probes = probe_store(store, hps, label_column=label_column, n_folds=n_folds)
 
     stats = []
-    for hp in hps:
-        st = hook_point_stats(store, hp, max_rows=max_rows, info=info)
-        plot_hook_point(st, out / f"hp_{_slug(hp)}.png")
-        stats.append(st)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # many small reductions: thread sync costs more than it saves
+    try:
+        for hp in hps:
+            st = hook_point_stats(store, hp, max_rows=max_rows, info=info)
+            plot_hook_point(st, out / f"hp_{_slug(hp)}.png")
+            stats.append(st)
+    finally:
+        torch.set_num_threads(threads)
     probe_png = None
     if probes:
         probe_png = plot_probes(probes, out / "probes.png", n_folds)
