@@ -123,3 +123,78 @@ def test_docs_examples_run(tmp_path, monkeypatch):
     script.write_text("\n".join(f"# --- block {i}\n{b}" for i, b in enumerate(blocks)))
     monkeypatch.chdir(tmp_path)
     runpy.run_path(str(script), run_name="__docs__")
+
+
+def _capture(path, dtype=None, n=96, d=16, **store_options):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, d), torch.nn.ReLU()).eval()
+    x = torch.randn(n, 8)
+    with acs.ActivationScope(store=path, storage_dtype=dtype, store_options=store_options).track(
+        model, include=["0"]
+    ) as tracker, torch.no_grad():
+        for i in range(0, n, 16):
+            tracker.set_batch(sample_ids=range(i, i + 16), label=[j % 3 for j in range(i, i + 16)])
+            model(x[i : i + 16])
+    ref = model[0](x)
+    return ref if dtype is None else ref.to(dtype)
+
+
+def _mapping_of(ptr):
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split()
+            lo, hi = (int(v, 16) for v in parts[0].split("-"))
+            if lo <= ptr < hi:
+                return parts[5] if len(parts) > 5 else None
+    return None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_real_store_views_gathers_and_dtypes(tmp_path, dtype):
+    # 16 rows of 16 values per chunk, 2 chunks per shard: shards of 32 rows
+    ref = _capture(tmp_path / "s.zarr", dtype, chunk_rows=16, shard_bytes=2 * 16 * 16 * ref_size(dtype))
+    ds = ActivationDataset(str(tmp_path / "s.zarr"), hook_points=["0.output"], columns=["sample_id", "label"])
+    assert ds.block_boundaries().tolist() == [0, 32, 64, 96]
+    view = ds[34:60]["0.output"]
+    assert view.dtype == dtype and torch.equal(view, ref[34:60])
+    backing = _mapping_of(view.data_ptr())
+    assert backing is not None and backing.startswith(str(tmp_path / "s.zarr")), backing
+    across = ds[20:40]["0.output"]
+    assert torch.equal(across, ref[20:40]) and _mapping_of(across.data_ptr()) != backing
+    idx = [95, 0, 33, 64, 3]
+    assert torch.equal(ds[idx]["0.output"], ref[idx]) and ds[idx]["label"].tolist() == [i % 3 for i in idx]
+    # writing into a returned batch (default collate) never reaches the store on disk
+    batch = next(iter(DataLoader(ds, batch_size=8)))["0.output"]
+    batch.add_(1)
+    assert torch.equal(ActivationDataset(str(tmp_path / "s.zarr"), hook_points=["0.output"])[:8]["0.output"], ref[:8])
+
+
+def ref_size(dtype):
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def test_real_compressed_store_reads_through_the_chunk_cache(tmp_path):
+    ref = _capture(tmp_path / "c.zarr", compression="zstd", chunk_rows=16)
+    ds = ActivationDataset(str(tmp_path / "c.zarr"), hook_points=["0.output"], open_options={"cache_bytes": 4096})
+    assert ds.block_boundaries().tolist() == [0, 16, 32, 48, 64, 80, 96]
+    assert torch.equal(ds[:]["0.output"], ref)
+    assert torch.equal(ds[[90, 1, 50]]["0.output"], ref[[90, 1, 50]])
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_real_store_dataloader_workers(tmp_path, method):
+    import multiprocessing as mp
+
+    ref = _capture(tmp_path / "w.zarr", chunk_rows=16, shard_bytes=2 * 16 * 16 * 4)
+    ds = ActivationDataset(str(tmp_path / "w.zarr"), columns=["sample_id"])
+    assert torch.equal(ds[:]["0.output"], ref)  # the parent reads (and maps) first
+    sampler = ShuffledBatchSampler(ds, 10, seed=1)
+    loader = DataLoader(ds, batch_sampler=sampler, num_workers=2, multiprocessing_context=mp.get_context(method))
+    seen = []
+    for b in loader:
+        assert torch.equal(b["0.output"], ref[b["sample_id"]])
+        seen += b["sample_id"].tolist()
+    assert sorted(seen) == list(range(96))
+    seq = DataLoader(ds, batch_sampler=SequentialBatchSampler(ds, 32), num_workers=2,
+                     multiprocessing_context=mp.get_context(method))
+    assert torch.equal(torch.cat([b["0.output"] for b in seq]), ref)
