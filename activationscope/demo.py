@@ -215,6 +215,8 @@ def pooled_model_class() -> type:
                 pooled = pool(out.hidden_states[i + 1], attention_mask)
             return pooled
 
+    PooledBertModel.__qualname__ = "PooledBertModel"  # the store records the model class by name
+    PooledBertModel.__module__ = __name__
     _POOLED_CLASS = PooledBertModel
     return PooledBertModel
 
@@ -688,3 +690,10 @@ def _n_rows(store: Any, hp: str) -> int:
     if hp not in store.hook_points:
         return 0
     return int(store[hp].shape[0])
+
+
+def __getattr__(name: str) -> Any:
+    # ``activationscope.demo.PooledBertModel`` exists once transformers is importable (lazy).
+    if name == "PooledBertModel":
+        return pooled_model_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
