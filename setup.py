@@ -15,7 +15,7 @@ sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
 extra_compile_args = {
     "cxx": [
         "-O3",
-        "-std=c++17",
+        "-std=c++20",
         "-fvisibility=hidden",
         f'-DACS_TORCH_VERSION="{torch.__version__}"',
     ]

@@ -1,6 +1,7 @@
 #include "sink.h"
 
 #include <ATen/core/grad_mode.h>
+#include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/irange.h>
 
@@ -26,6 +27,32 @@ std::string shape_str(at::IntArrayRef s) {
 }
 
 }  // namespace
+
+std::shared_ptr<c10::Event> device_to_host(const at::Tensor& x, const at::Tensor& dst) {
+  // 1. Snapshot on the device, on the compute stream: ordered before any later in-place op
+  //    of the model on that stream, and fast (device bandwidth).
+  // 2. The side stream waits for the snapshot, then copies it to pinned host memory
+  //    asynchronously, overlapping the model's next kernels.
+  // 3. The snapshot's memory is recorded on the side stream so the caching allocator does
+  //    not hand it out again before the copy is done; the returned event marks `dst` ready.
+  const c10::Device dev = x.device();
+  c10::impl::VirtualGuardImpl impl(dev.type());
+  const c10::Stream compute = impl.getStream(dev);
+  at::Tensor snap = at::empty(x.sizes(), x.options().dtype(dst.scalar_type()));
+  snap.copy_(x);
+  c10::Event snapped(dev.type());
+  snapped.record(compute);
+  const c10::Stream side = impl.getStreamFromGlobalPool(dev, /*isHighPriority=*/false);
+  snapped.block(side);
+  {
+    c10::StreamGuard on_side(side);
+    dst.copy_(snap, /*non_blocking=*/true);
+  }
+  impl.recordDataPtrOnStream(snap.storage().data_ptr(), side);
+  auto done = std::make_shared<c10::Event>(dev.type());
+  done->record(side);
+  return done;
+}
 
 at::Tensor Arena::empty(at::IntArrayRef sizes, at::ScalarType dtype) {
   const int64_t item = static_cast<int64_t>(c10::elementSize(dtype));
@@ -66,14 +93,8 @@ at::Tensor Sink::snapshot(const at::Tensor& x) {
     return dst;
   }
   if (on_device) {
-    // Host staging: pinned memory, asynchronous copy ordered on the compute stream, so a
-    // later in-place op on that stream cannot overtake it.
     at::Tensor dst = at::empty(x.sizes(), at::TensorOptions().dtype(dtype).pinned_memory(true));
-    dst.copy_(x, /*non_blocking=*/true);
-    c10::impl::VirtualGuardImpl impl(x.device().type());
-    auto ev = std::make_shared<c10::Event>(x.device().type());
-    ev->record(impl.getStream(x.device()));
-    pending_.push_back(std::move(ev));
+    pending_.push_back(device_to_host(x, dst));
     return dst;
   }
   at::Tensor dst = (options_.keep == Keep::ALL && arena_) ? arena_->empty(x.sizes(), dtype)
@@ -158,11 +179,7 @@ void Sink::consume(const at::Tensor& x_in, const at::Tensor& token_mask) {
     if (writer_) {
       if (!rows.device().is_cpu()) {
         at::Tensor host = at::empty(rows.sizes(), rows.options().device(at::kCPU).pinned_memory(true));
-        host.copy_(rows, /*non_blocking=*/true);
-        c10::impl::VirtualGuardImpl impl(rows.device().type());
-        auto ev = std::make_shared<c10::Event>(rows.device().type());
-        ev->record(impl.getStream(rows.device()));
-        writer_->append(host, ev);
+        writer_->append(host, device_to_host(rows, host));
       } else {
         writer_->append(rows, nullptr);
       }

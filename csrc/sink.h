@@ -34,6 +34,11 @@ class Arena {
   int64_t reserved_bytes_ = 0;
 };
 
+// Asynchronous device-to-host copy of x into pinned host memory `dst` (same shape; dtype
+// of dst), on a side stream, ordered after the compute stream's work up to now. Returns
+// the event after which `dst` may be read.
+std::shared_ptr<c10::Event> device_to_host(const at::Tensor& x, const at::Tensor& dst);
+
 enum class Keep : int { ALL = 0, LAST = 1, NONE = 2 };
 enum class Placement : int { AUTO = 0, CPU = 1, GPU = 2, DISK = 3 };
 
