@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ._util import fmt_bytes
 from .readback import ORDERS, WORKERS
 
 # The seed's published figures (toy model, its own machine): naive hooks vs scope.
@@ -92,7 +93,7 @@ def evaluate(results: dict[str, dict[str, Any]], durability: str) -> list[dict[s
     op = rb.get("open_layer", {})
     ok = op.get("status") == "ok"
     layer = (op.get("extra") or {}).get("layer_bytes")
-    size = f"{layer / 2**30:.2f} GiB" if layer else "1 GiB"
+    size = fmt_bytes(layer) if layer else "1 GiB"
     goals += [
         _goal("open_layer_time", f"open a {size} uncompressed layer (open_store + store[hp]) < 10 ms",
               op.get("median_s") * 1e3 if ok else None, "<", 10.0, unit="ms", missing=miss("readback/open_layer")),

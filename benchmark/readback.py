@@ -48,6 +48,8 @@ def _open_layer(path: str) -> tuple[Any, str, torch.Tensor]:
     if not os.path.exists(path):
         raise Skip(f"the read-back store {path} was not built (see the build_* modes' notes)")
     store = open_store(path)
+    if not store.hook_points:
+        raise Skip(f"the read-back store {path} holds no hook point (did its build fail? see build_*)")
     hp = store.hook_points[0]
     return store, hp, store[hp]
 
@@ -116,6 +118,11 @@ class OpenLayer:
         self.path = store_path(self.ctx, None)
         if not os.path.exists(self.path):
             raise Skip(f"the read-back store {self.path} was not built (see the build_raw note)")
+        # import the reader's modules now: their code is not the layer's memory
+        import activationscope.store  # noqa: F401
+        import numpy  # noqa: F401
+        import pyarrow  # noqa: F401
+        import zarr  # noqa: F401
 
     def run(self, i: int) -> None:
         before = rss_bytes()

@@ -42,18 +42,28 @@ PROFILES: dict[str, dict[str, Any]] = {
     "full": {
         "toy": {"n_forwards": 200, "batch": 32},
         "resnet18": {"n_forwards": 20, "batch": 8},
-        "minilm": {"n_passes": 2, "batch": 32},
+        "minilm": {"n_passes": 1, "batch": 32},
         "readback": {"layer_bytes": 1 << 30, "dl_rows": 1 << 18, "batch_size": 256, "latency_rows": 2000},
-        "repeats": 5, "budget_s": 25.0, "slow_budget_s": 5.0, "open_repeats": 20, "child_timeout_s": 600,
+        "repeats": 5, "budget_s": 25.0, "slow_budget_s": 5.0, "open_repeats": 20, "child_timeout_s": 300,
+        "build_timeout_s": 120, "repeats_by_workload": {"minilm": 3, "resnet18": 3, "readback": 3},
         "readback_workers": (0, 2),
     },
     "quick": {
         "toy": {"n_forwards": 20, "batch": 32},
         "resnet18": {"n_forwards": 2, "batch": 2},
-        "minilm": {"n_passes": 1, "batch": 32, "max_sentences": 64},
+        "minilm": {"n_passes": 1, "batch": 32, "max_sentences": 32},
         "readback": {"layer_bytes": 64 << 20, "dl_rows": 1 << 14, "batch_size": 256, "latency_rows": 200},
-        "repeats": 2, "budget_s": 3.0, "slow_budget_s": 1.0, "open_repeats": 5, "child_timeout_s": 120,
+        "repeats": 2, "budget_s": 3.0, "slow_budget_s": 1.0, "open_repeats": 5, "child_timeout_s": 60,
+        "build_timeout_s": 30,
         "readback_workers": (0, 2),
+        # fewer children to stay under 2 minutes (each costs ~2 s of imports)
+        "modes": {
+            "resnet18": ["plain", "scope_snapshot", "scope_store"],
+            "minilm": ["plain", "naive_clone", "scope_snapshot", "scope_store"],
+            "readback": ["build_raw", "build_zstd", "open_layer", "row_latency:acs", "row_latency:acs_zstd",
+                         "dl:tensor:*:w0", "dl:acs:*:w0", "dl:acs_zstd:sequential:w0",
+                         "dl:tensor:sequential:w2", "dl:acs:sequential:w2"],
+        },
     },
 }
 SLOW_MODES = {"zarr_append", "torchlens", "nnsight"}  # few timed repeats: one is enough to compare
@@ -99,13 +109,26 @@ def workload_available(name: str) -> tuple[bool, str]:
     return True, ""
 
 
+def _in_profile(prof: dict[str, Any], workload: str, mode: str) -> bool:
+    pats = prof.get("modes", {}).get(workload)
+    return pats is None or any(fnmatch.fnmatchcase(mode, p) for p in pats)
+
+
+def _repeats(prof: dict[str, Any], workload: str) -> int:
+    if prof.get("repeats_override") is not None:
+        return prof["repeats_override"]
+    return prof.get("repeats_by_workload", {}).get(workload, prof["repeats"])
+
+
 def plan(args: argparse.Namespace, prof: dict[str, Any]) -> list[dict[str, Any]]:
     specs = []
     for wl in args.workloads:
         if wl == "readback":
             params = dict(prof["readback"])
             for mode in readback.modes(tuple(prof["readback_workers"])):
-                reps = 0 if mode.startswith("build") else (prof["open_repeats"] if mode == "open_layer" else prof["repeats"])
+                if not _in_profile(prof, wl, mode):
+                    continue
+                reps = 0 if mode.startswith("build") else (prof["open_repeats"] if mode == "open_layer" else _repeats(prof, wl))
                 specs.append({"workload": wl, "mode": mode, "params": params, "repeats": reps,
                               "budget_s": prof["budget_s"]})
             continue
@@ -114,13 +137,27 @@ def plan(args: argparse.Namespace, prof: dict[str, Any]) -> list[dict[str, Any]]
             params["n_forwards"] = args.forwards
         modes = TOY_MODES if wl == "toy" else MODEL_MODES
         for mode in modes:
+            if not _in_profile(prof, wl, mode):
+                continue
             slow = mode in SLOW_MODES
             specs.append({"workload": wl, "mode": mode, "params": params,
-                          "repeats": 1 if slow else prof["repeats"],
+                          "repeats": 1 if slow else _repeats(prof, wl),
                           "budget_s": prof["slow_budget_s"] if slow else prof["budget_s"]})
     if args.only:
         specs = [s for s in specs if any(fnmatch.fnmatchcase(f"{s['workload']}/{s['mode']}", p) for p in args.only)]
     return specs
+
+
+def readback_prerequisite(done: dict[str, Any], mode: str) -> str | None:
+    """Why a read-back mode cannot run (its store's build failed), or None."""
+    if mode.startswith("build"):
+        return None
+    needs = ["build_raw"] + (["build_zstd"] if "zstd" in mode else [])
+    for b in needs:
+        rec = done.get(b)
+        if rec is not None and rec.get("status") != "ok":
+            return f"needs the {b} store, whose build was {rec.get('status')}: {rec.get('note', '')[:200]}"
+    return None
 
 
 def run_child(spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
@@ -228,7 +265,8 @@ def _f(x: Any, fmt: str = "{:.3f}") -> str:
     return "-" if x is None else fmt.format(x)
 
 
-def print_summary(doc: dict[str, Any], out=sys.stdout) -> None:
+def print_summary(doc: dict[str, Any], out: Any = None) -> None:
+    out = sys.stdout if out is None else out
     p = lambda *a: print(*a, file=out)  # noqa: E731
     mch = doc["machine"]
     p(f"machine: {mch['cpu_model']}, {mch['n_cpus']} CPUs ({mch['n_cpus_usable']} usable), "
@@ -241,6 +279,10 @@ def print_summary(doc: dict[str, Any], out=sys.stdout) -> None:
             continue
         p("")
         p(f"== {wl}: {doc['workloads'].get(wl, {}).get('description', '')}")
+        wd = doc["workloads"].get(wl, {})
+        if not wd.get("captured_bytes_consistent", True):
+            p("   WARNING: modes captured different bytes: "
+              + ", ".join(f"{m} {fmt_bytes(b)}" for m, b in wd["captured_bytes_by_mode"].items()))
         p(f"{'mode':<18}{'ms/fwd':>9}{'cold':>9}{'x plain':>9}{'cold x':>8}{'x naive':>9}"
           f"{'RSS grow':>11}{'captured':>11}{'on disk':>11}  note")
         for mode, r in recs.items():
@@ -331,7 +373,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     profile = "quick" if args.quick else "full"
     prof = json.loads(json.dumps(PROFILES[profile]))
     if args.repeats is not None:
-        prof["repeats"] = args.repeats
+        prof["repeats"] = prof["repeats_override"] = args.repeats
     if args.layer_mib is not None:
         prof["readback"]["layer_bytes"] = args.layer_mib << 20
         prof["readback"]["dl_rows"] = min(prof["readback"]["dl_rows"], (args.layer_mib << 20) // 1024)
@@ -357,13 +399,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             spec.update(threads=args.threads, ctx=ctx)
             ok, why_not = available.get(wl, (True, ""))
             needs_store = mode in STORE_MODES or wl == "readback"
+            built = readback_prerequisite(doc["results"].get("readback", {}), mode) if wl == "readback" else None
             if not ok:
                 rec = {"workload": wl, "mode": mode, "status": "skipped", "note": why_not}
             elif needs_store and not has_store:
                 rec = {"workload": wl, "mode": mode, "status": "skipped", "note": store_note}
+            elif built:
+                rec = {"workload": wl, "mode": mode, "status": "skipped", "note": built}
             else:
                 print(f"  {wl}/{mode} ...", end="", flush=True)
-                rec = run_child(spec, prof["child_timeout_s"])
+                rec = run_child(spec, prof["build_timeout_s"] if mode.startswith("build") else prof["child_timeout_s"])
                 print(f" {rec['status']} ({rec.get('child_wall_s', 0):.1f} s) {rec.get('note', '')[:160]}", flush=True)
             doc["results"].setdefault(wl, {})[mode] = rec
             doc["workloads"].setdefault(wl, {"params": spec["params"]})
@@ -372,6 +417,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             shutil.rmtree(work, ignore_errors=True)
     describe_workloads(doc, prof)
     derive(doc["results"])
+    check_bytes(doc)
     doc["limits"] = limits(doc["results"], durability)
     doc["seed_comparison"] = seed_comparison(doc["results"])
     doc["goals"] = goals_mod.evaluate(doc["results"], durability)
@@ -383,6 +429,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             json.dump(doc, f, indent=1, default=str)
         print(f"\nwrote {args.json}")
     return doc
+
+
+def check_bytes(doc: dict[str, Any]) -> None:
+    """Flag workloads whose modes did not capture the same number of bytes."""
+    for wl, recs in doc["results"].items():
+        if wl == "readback":
+            continue
+        seen = {m: r["captured_bytes"] for m, r in recs.items()
+                if r.get("status") == "ok" and r.get("captured_bytes") and m != "scope_reductions"}
+        d = doc["workloads"].setdefault(wl, {})
+        d["captured_bytes_consistent"] = len(set(seen.values())) <= 1
+        d["captured_bytes_by_mode"] = seen
 
 
 def describe_workloads(doc: dict[str, Any], prof: dict[str, Any]) -> None:
