@@ -257,18 +257,28 @@ def run_capture(
         capture=capture,
     )
     summary = CaptureSummary()
+    tracker = scope.track(model, include=include, exclude=exclude)  # validates the patterns first
     bar = tqdm(total=n_total, unit="samples", desc=desc, disable=not progress, dynamic_ncols=True,
                file=sys.stderr, leave=True)
     start = time.perf_counter()
     try:
-        with torch.inference_mode(), scope.track(model, include=include, exclude=exclude) as tracker:
-            for _, inputs, info in batches:
+        with torch.inference_mode(), tracker:
+            for first, inputs, info in batches:
                 tracker.set_batch(**info)
-                if isinstance(inputs, dict):
-                    model(**inputs)
-                else:
-                    model(inputs)
                 n = _batch_len(inputs)
+                try:
+                    if isinstance(inputs, dict):
+                        model(**inputs)
+                    else:
+                        model(inputs)
+                except Exception as e:  # noqa: BLE001 - user model code
+                    if isinstance(e, ActivationScopeError):
+                        raise
+                    raise CLIError(
+                        f"the model raised {type(e).__name__}: {' '.join(str(e).split())} on samples "
+                        f"{summary.n_samples}..{summary.n_samples + n - 1} of this run; {out} keeps the rows "
+                        "committed before (status incomplete)"
+                    ) from e
                 summary.n_samples += n
                 summary.n_forwards += 1
                 elapsed = max(time.perf_counter() - start, 1e-9)

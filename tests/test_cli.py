@@ -318,6 +318,19 @@ def test_capture_resume_continues_from_the_next_sample(tmp_path, toy_store, caps
     assert code == 0 and "nothing to capture" in stdout
 
 
+def test_model_failing_mid_capture_is_one_line_and_store_incomplete(tmp_path, toy_store, capsys):
+    import activationscope as acs
+
+    bad = tmp_path / "bad.npy"
+    np.save(bad, np.zeros((10, 7), dtype=np.float32))  # the model takes 6 features
+    out = tmp_path / "bad.zarr"
+    code, _, err = run(capsys, "capture", "--model", "usermodels.nets:mlp", "--data", str(bad), "--out", str(out),
+                       "--no-progress")
+    assert code == 1
+    _one_error_line(err, "the model raised RuntimeError", "samples 0..9", "incomplete")
+    assert acs.open_store(str(out)).status == "incomplete"
+
+
 def test_capture_overwrite_replaces(tmp_path, toy_store, capsys):
     import activationscope as acs
 
