@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from acs_testing import SmallCNN, small_transformer, toy_mlp  # noqa: F401
 
 DEVICES = [
     "cpu",
@@ -20,40 +21,6 @@ def device(request):
 @pytest.fixture(params=FLOAT_DTYPES, ids=lambda d: str(d).replace("torch.", ""))
 def float_dtype(request):
     return request.param
-
-
-def toy_mlp(width: int = 16, depth: int = 3) -> torch.nn.Module:
-    torch.manual_seed(0)
-    layers = []
-    for _ in range(depth):
-        layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
-    return torch.nn.Sequential(*layers)
-
-
-class SmallCNN(torch.nn.Module):
-    """Conv / BatchNorm / in-place ReLU / pooling / linear head."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.conv1 = torch.nn.Conv2d(3, 8, 3, padding=1)
-        self.bn1 = torch.nn.BatchNorm2d(8)
-        self.relu1 = torch.nn.ReLU(inplace=True)
-        self.conv2 = torch.nn.Conv2d(8, 8, 3, padding=1)
-        self.relu2 = torch.nn.ReLU(inplace=True)
-        self.pool = torch.nn.AdaptiveAvgPool2d(1)
-        self.head = torch.nn.Linear(8, 4)
-
-    def forward(self, x):
-        x = self.relu1(self.bn1(self.conv1(x)))
-        x = self.relu2(self.conv2(x))
-        return self.head(self.pool(x).flatten(1))
-
-
-def small_transformer(d_model: int = 16) -> torch.nn.Module:
-    torch.manual_seed(0)
-    layer = torch.nn.TransformerEncoderLayer(d_model, nhead=2, dim_feedforward=32, dropout=0.0, batch_first=True)
-    return torch.nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ import activationscope
 import activationscope as acs
 from activationscope import CaptureMode, CapturePolicy, ReductionPolicy, StoragePolicy
 
-from conftest import SmallCNN, small_transformer, toy_mlp
+from acs_testing import SmallCNN, small_transformer, toy_mlp
 
 
 # ----------------------------------------------------------------------------- reference
