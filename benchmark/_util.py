@@ -30,6 +30,16 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def reset_peak_rss() -> bool:
+    """Reset this process's peak RSS to its current RSS (Linux ``clear_refs`` 5); True if done."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
 def dir_bytes(path: str) -> int:
     """Bytes of all regular files under ``path`` (0 when it does not exist)."""
     if os.path.isfile(path):

@@ -50,6 +50,7 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
             rec["rows_per_repeat"] = sum(wl.rows(f) for f in range(wl.n_forwards))
         mode.setup()
         rec["rss_setup_bytes"] = _util.rss_bytes()
+        rec["peak_reset_after_setup"] = _util.reset_peak_rss()
         cold, reps, info = _util.timed_repeats(
             mode.run, mode.reset, spec["repeats"], spec["budget_s"], describe=mode.describe
         )

@@ -43,6 +43,17 @@ def _require(feature: str) -> Any:
     raise ValueError(feature)
 
 
+def _open_hook_point(path: str) -> tuple[Any, str]:
+    """The store and its (only) hook point, without touching the layer."""
+    open_store = _require("open_store")
+    if not os.path.exists(path):
+        raise Skip(f"the read-back store {path} was not built (see the build_* modes' notes)")
+    store = open_store(path)
+    if not store.hook_points:
+        raise Skip(f"the read-back store {path} holds no hook point (did its build fail? see build_*)")
+    return store, store.hook_points[0]
+
+
 def _open_layer(path: str) -> tuple[Any, str, torch.Tensor]:
     open_store = _require("open_store")
     if not os.path.exists(path):
@@ -197,7 +208,7 @@ def _dataset(kind: str, ctx: dict[str, Any]) -> tuple[Any, int]:
     path = store_path(ctx, "zstd" if kind == "acs_zstd" else None)
     if not os.path.exists(path):
         raise Skip(f"the read-back store {path} was not built (see the build_* notes)")
-    store, hp, _layer = _open_layer(path)
+    _store, hp = _open_hook_point(path)
     ds = ActivationDataset(path, hook_points=[hp])
     return ds, len(ds)
 
@@ -282,7 +293,7 @@ class HFDatasets:
         import datasets
 
         src = store_path(self.ctx, None)
-        _store, hp, _layer = _open_layer(src)
+        _store, hp = _open_hook_point(src)
         out = os.path.join(self.ctx["readback_dir"], "export.parquet")
         remove(out)
         # plain lists: HF datasets does not take Arrow's fixed-shape tensor extension type
