@@ -12,10 +12,11 @@ few reads as possible:
 - ``take(hp, index)``: rows at arbitrary positions: one ``torch.index_select`` per segment
   touched, written into one output tensor.
 
-Segments come from the store's metadata (``store.attrs["arrays"][hp]["shard_rows"]``, or
-``chunk_rows`` for compressed / remote arrays), or from ``store.segments(hp)`` /
-``store.rows(hp, start, stop)`` on stores that have them; a store with neither is one
-segment, ``store[hp]``.
+Segments are ``store.segments(hp)`` (shards) read with ``store.rows(hp, start, stop)``;
+for arrays the store decodes through zarr-python (``store.compressed_array(hp)`` is not
+None) they are chunks, never kept here. Stores without these methods fall back to the
+metadata (``store.attrs["arrays"][hp]["shard_rows"]`` / ``chunk_rows``) and
+``store[hp, start:stop]``, or to one segment, ``store[hp]``.
 """
 
 from __future__ import annotations
@@ -170,7 +171,13 @@ class StoreSource:
         n = int(store.n_rows(hp))
         seg_fn = getattr(store, "segments", None)
         memoize = True
-        if callable(seg_fn):
+        comp_fn = getattr(store, "compressed_array", None)
+        compressed = comp_fn(hp) if callable(comp_fn) else None
+        if compressed is not None:  # decoded by the store, chunk by chunk, through its cache
+            step = int(compressed[1])
+            bounds = list(range(0, n, step)) + [n]
+            memoize = False
+        elif callable(seg_fn):
             bounds = [int(b) for b in seg_fn(hp)]
         else:
             meta = (getattr(store, "attrs", None) or {}).get("arrays", {}).get(hp)

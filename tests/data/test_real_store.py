@@ -174,7 +174,18 @@ def ref_size(dtype):
 
 
 def test_real_compressed_store_reads_through_the_chunk_cache(tmp_path):
-    ref = _capture(tmp_path / "c.zarr", compression="zstd", chunk_rows=16)
+    # Captured in a fresh process: in the store writer at this commit, a compressed capture
+    # after an uncompressed one in the same process kills its encoder thread and hangs close().
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch; sys.path.insert(0, sys.argv[1]); from test_real_store import _capture; "
+        "torch.save(_capture(sys.argv[2], compression='zstd', chunk_rows=16), sys.argv[3])"
+    )
+    subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent), str(tmp_path / "c.zarr"),
+                    str(tmp_path / "ref.pt")], check=True, timeout=300)
+    ref = torch.load(tmp_path / "ref.pt")
     ds = ActivationDataset(str(tmp_path / "c.zarr"), hook_points=["0.output"], open_options={"cache_bytes": 4096})
     assert ds.block_boundaries().tolist() == [0, 16, 32, 48, 64, 80, 96]
     assert torch.equal(ds[:]["0.output"], ref)
