@@ -8,8 +8,19 @@
 // running state by the same `combine` that `merge` uses. Streaming and merging therefore share
 // one code path: the pairwise update of Chan, Golub & LeVeque (1979, 1983) for moments and
 // co-moments (Welford 1962 is its one-row special case), plain sums / extrema / top-k merges
-// for the rest. Accumulators are replaced, never modified in place, so the tensors returned by
-// state() and result() stay valid after further updates.
+// for the rest. The ATen path replaces accumulators, never modifies them in place, so the
+// tensors returned by state() and result() stay valid after further updates.
+//
+// Fast path: a per-feature update of a contiguous CPU batch of float32 / float64 / float16 /
+// bfloat16 for mean, var, std, min, max, absmax, l2 and nonzero skips the float64 copy and the
+// ATen ops. Plain loops read the rows in their own dtype (exactly widened to double) and fold
+// them into the state tensors in place (allocated once, at the first update): the same
+// per-batch two-pass moments and Chan merge, the same sums and NaN-propagating extrema, in
+// float64, so results agree with the ATen path to rounding (summation order within a batch;
+// extrema and nonzero counts are exact). Copy on write keeps earlier state() / result()
+// tensors unchanged (see own_slots). Nuance: when a column holds both +0.0 and -0.0 as its
+// extremum, which zero is kept may differ from torch.amin / amax (they compare equal). Whole-
+// tensor mode, other devices, non-contiguous rows and the other kinds use the ATen path.
 //
 // Options (all numbers): per_feature (0/1, default 1) for every kind; ddof (default 0) for
 // var / std / cov; bins (default 64), lo, hi (required) for hist; k (default 10) for topk.
@@ -18,8 +29,12 @@
 #include <torch/script.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
+#include <cstdint>
 #include <sstream>
+#include <type_traits>
+#include <vector>
 
 #include "errors.h"
 
@@ -85,6 +100,212 @@ at::Tensor* find_slot(Slots& s, const std::string& name) {
 
 std::shared_ptr<Reduction> make_builtin(const std::string& kind, const ReductionOptions& o);
 
+// ------------------------------------------------------------------ fast path kernels
+// Per-feature updates of a contiguous CPU batch: plain loops over (n, d) that fold the rows
+// into the float64 / int64 state in place, with no ATen op and no allocation per update.
+// float32 and float64 rows are read directly and widened to double on load; float16 and
+// bfloat16 rows are first widened (exactly) to float32, a few thousand values at a time, into
+// a small per-thread buffer, and then go through the float32 kernels.
+//
+// Two drivers, both compiled for the baseline ISA and, on x86, for AVX2 (picked at run time;
+// no FMA, so both round alike):
+//  * col_reduce: blocks of kBlock adjacent columns keep their accumulators in registers while
+//    running down the rows (sums);
+//  * row_fold: acc[j] = step(acc[j], x[i][j]) row after row (extrema: the loop vectoriser
+//    turns the NaN-aware selects into compares and blends, the block form would not).
+// Every op accumulates (init reads the running value, done writes it back), so a batch can
+// be fed in row chunks.
+#if defined(__GNUC__)
+#define ACS_INLINE inline __attribute__((always_inline))
+#else
+#define ACS_INLINE inline
+#endif
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#define ACS_AVX2_DISPATCH 1
+#define ACS_TARGET_AVX2 __attribute__((target("avx2")))
+#else
+#define ACS_AVX2_DISPATCH 0
+#endif
+
+constexpr int64_t kBlock = 16;
+constexpr int64_t kConvertChunk = 4096;  // values widened per chunk (half / bfloat16 rows)
+
+// Op: using Acc; static constexpr bool kRowFold; Acc init(j); Acc step(Acc a, double v, j);
+// void done(j, Acc a); kRowFold ops also have Acc* acc (folded in place).
+template <typename T, typename Op>
+ACS_INLINE void col_reduce(const T* __restrict x, int64_t n, int64_t d, Op& op) {
+  using Acc = typename Op::Acc;
+  if constexpr (Op::kRowFold) {
+    Acc* __restrict acc = op.acc;
+    for (int64_t i = 0; i < n; ++i) {
+      const T* __restrict r = x + i * d;
+      for (int64_t j = 0; j < d; ++j) acc[j] = op.step(acc[j], static_cast<double>(r[j]), j);
+    }
+  } else {
+    int64_t j0 = 0;
+    for (; j0 + kBlock <= d; j0 += kBlock) {
+      Acc a[kBlock];
+      for (int64_t k = 0; k < kBlock; ++k) a[k] = op.init(j0 + k);
+      for (int64_t i = 0; i < n; ++i) {
+        const T* r = x + i * d + j0;
+        for (int64_t k = 0; k < kBlock; ++k) a[k] = op.step(a[k], static_cast<double>(r[k]), j0 + k);
+      }
+      for (int64_t k = 0; k < kBlock; ++k) op.done(j0 + k, a[k]);
+    }
+    for (; j0 < d; ++j0) {  // the last d % kBlock columns
+      Acc a = op.init(j0);
+      for (int64_t i = 0; i < n; ++i) a = op.step(a, static_cast<double>(x[i * d + j0]), j0);
+      op.done(j0, a);
+    }
+  }
+}
+
+// IEEE half bits -> float, exact, branch-free so that it vectorises (the method of
+// c10::detail::fp16_ieee_to_fp32_value, whose conversion loop does not vectorise).
+ACS_INLINE float half_bits_to_float(uint16_t h) {
+  const uint32_t w = static_cast<uint32_t>(h) << 16;
+  const uint32_t sign = w & 0x80000000u;
+  const uint32_t two_w = w + w;
+  const float normalized = std::bit_cast<float>((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+  const float denormalized = std::bit_cast<float>((two_w >> 17) | (126u << 23)) - 0.5f;
+  const uint32_t sub = 0u - static_cast<uint32_t>(two_w < (1u << 27));  // zero or subnormal
+  const uint32_t bits =
+      (std::bit_cast<uint32_t>(denormalized) & sub) | (std::bit_cast<uint32_t>(normalized) & ~sub);
+  return std::bit_cast<float>(sign | bits);
+}
+ACS_INLINE void widen(const c10::Half* __restrict x, int64_t m, float* __restrict out) {
+  const uint16_t* h = reinterpret_cast<const uint16_t*>(x);
+  for (int64_t k = 0; k < m; ++k) out[k] = half_bits_to_float(h[k]);
+}
+ACS_INLINE void widen(const c10::BFloat16* __restrict x, int64_t m, float* __restrict out) {
+  const uint16_t* h = reinterpret_cast<const uint16_t*>(x);
+  for (int64_t k = 0; k < m; ++k) out[k] = std::bit_cast<float>(static_cast<uint32_t>(h[k]) << 16);
+}
+
+template <typename T, typename Op>
+ACS_INLINE void reduce_rows(const T* x, int64_t n, int64_t d, Op& op) {
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
+    col_reduce(x, n, d, op);
+  } else {
+    thread_local std::vector<float> buf;
+    const int64_t chunk = std::max<int64_t>(1, kConvertChunk / std::max<int64_t>(d, 1));
+    if (static_cast<int64_t>(buf.size()) < chunk * d) buf.resize(chunk * d);
+    for (int64_t i = 0; i < n; i += chunk) {
+      const int64_t m = std::min(chunk, n - i);
+      widen(x + i * d, m * d, buf.data());
+      col_reduce(static_cast<const float*>(buf.data()), m, d, op);
+    }
+  }
+}
+
+template <typename T, typename Op>
+void reduce_rows_base(const T* x, int64_t n, int64_t d, Op& op) {
+  reduce_rows(x, n, d, op);
+}
+#if ACS_AVX2_DISPATCH
+template <typename T, typename Op>
+ACS_TARGET_AVX2 void reduce_rows_avx2(const T* x, int64_t n, int64_t d, Op& op) {
+  reduce_rows(x, n, d, op);
+}
+bool cpu_has_avx2() {
+  static const bool yes = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") != 0;
+  }();
+  return yes;
+}
+#endif
+
+template <typename T, typename Op>
+void reduce_rows_dispatch(const T* x, int64_t n, int64_t d, Op& op) {
+#if ACS_AVX2_DISPATCH
+  if (cpu_has_avx2()) return reduce_rows_avx2(x, n, d, op);
+#endif
+  reduce_rows_base(x, n, d, op);
+}
+
+// A contiguous CPU batch seen as an (n, d) matrix.
+struct RowsView {
+  const void* data;
+  at::ScalarType dtype;
+  int64_t n, d;
+};
+
+bool fast_dtype(at::ScalarType t) {
+  return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
+}
+
+template <typename Op>
+void run_cols(const RowsView& r, Op& op) {
+  switch (r.dtype) {
+    case at::kFloat: return reduce_rows_dispatch(static_cast<const float*>(r.data), r.n, r.d, op);
+    case at::kDouble: return reduce_rows_dispatch(static_cast<const double*>(r.data), r.n, r.d, op);
+    case at::kHalf: return reduce_rows_dispatch(static_cast<const c10::Half*>(r.data), r.n, r.d, op);
+    case at::kBFloat16:
+      return reduce_rows_dispatch(static_cast<const c10::BFloat16*>(r.data), r.n, r.d, op);
+    default: TORCH_CHECK(false, "internal: no fast reduction path for dtype ", r.dtype);
+  }
+}
+
+// out[j] += column sum (out zeroed by the caller: the batch sums, as x.sum(0)).
+struct SumOp {
+  using Acc = double;
+  static constexpr bool kRowFold = false;
+  double* out;
+  ACS_INLINE double init(int64_t j) const { return out[j]; }
+  ACS_INLINE double step(double a, double v, int64_t) const { return a + v; }
+  ACS_INLINE void done(int64_t j, double a) const { out[j] = a; }
+};
+// out[j] += sum of squared deviations from mean[j] (out zeroed by the caller).
+struct CentredSqOp {
+  using Acc = double;
+  static constexpr bool kRowFold = false;
+  const double* mean;
+  double* out;
+  ACS_INLINE double init(int64_t j) const { return out[j]; }
+  ACS_INLINE double step(double a, double v, int64_t j) const {
+    const double c = v - mean[j];
+    return a + c * c;
+  }
+  ACS_INLINE void done(int64_t j, double a) const { out[j] = a; }
+};
+// acc[j] += sum of squares of the batch (chunk) column, summed apart first as acc + batch.
+struct SumSqAddOp {
+  using Acc = double;
+  static constexpr bool kRowFold = false;
+  double* acc;
+  ACS_INLINE double init(int64_t) const { return 0.0; }
+  ACS_INLINE double step(double a, double v, int64_t) const { return a + v * v; }
+  ACS_INLINE void done(int64_t j, double a) const { acc[j] += a; }
+};
+// acc[j] += number of values != 0 (NaN != 0 is true: counted, as torch.count_nonzero).
+struct NonZeroAddOp {
+  using Acc = int64_t;
+  static constexpr bool kRowFold = false;
+  int64_t* acc;
+  ACS_INLINE int64_t init(int64_t j) const { return acc[j]; }
+  ACS_INLINE int64_t step(int64_t a, double v, int64_t) const { return a + static_cast<int64_t>(v != 0.0); }
+  ACS_INLINE void done(int64_t j, int64_t a) const { acc[j] = a; }
+};
+// Running extremum folded in place; NaN sticks (a NaN value replaces the accumulator and
+// nothing replaces a NaN accumulator), as torch.amin / amax and at::minimum / maximum.
+enum class Ext { kMin, kMax, kAbsMax };
+template <Ext E>
+struct ExtremumOp {
+  using Acc = double;
+  static constexpr bool kRowFold = true;
+  double* acc;
+  ACS_INLINE double step(double a, double v, int64_t) const {
+    if constexpr (E == Ext::kAbsMax) v = std::fabs(v);
+    double m;
+    if constexpr (E == Ext::kMin)
+      m = v < a ? v : a;
+    else
+      m = v > a ? v : a;
+    return v != v ? v : m;
+  }
+};
+
 // ------------------------------------------------------------------ base of the built-ins
 class Builtin : public Reduction {
  public:
@@ -118,6 +339,12 @@ class Builtin : public Reduction {
     if (per_feature_) {
       check_feature_shape(rows.sizes().slice(1));
       if (!device_set_) set_device(rows.device());
+      if (fast_path_applies(rows)) {
+        own_slots();
+        fast_update(RowsView{rows.const_data_ptr(), rows.scalar_type(), n, rows.numel() / n});
+        count_ += n;
+        return;
+      }
       x = rows.detach().to(device_, at::kDouble).reshape({n, -1});
     } else {
       if (rows.numel() == 0) return;
@@ -252,6 +479,11 @@ class Builtin : public Reduction {
   virtual Slots empty_slots() const = 0;
   virtual at::ScalarType slot_dtype(const std::string&) const { return at::kDouble; }
   virtual void validate_loaded(const Slots&, int64_t) const {}
+  // Fast path (per-feature mode, see the kernels above): fold the batch into acc_ in place.
+  // own_slots() has run: every slot is a contiguous CPU (F,) tensor of slot_dtype owned by
+  // this reduction alone, allocated but uninitialised when count_ == 0.
+  virtual bool has_fast_path() const { return false; }
+  virtual void fast_update(const RowsView&) {}
 
   double opt(const std::string& k) const { return opts_.at(k); }
 
@@ -310,6 +542,36 @@ class Builtin : public Reduction {
     has_feat_ = false;
     device_set_ = false;
   }
+  bool fast_path_applies(const at::Tensor& rows) const {
+    return has_fast_path() && device_.is_cpu() && rows.device().is_cpu() &&
+           rows.layout() == at::kStrided && fast_dtype(rows.scalar_type()) && rows.is_contiguous() &&
+           !rows.is_neg() && !rows.is_conj() && !rows._is_zerotensor();
+  }
+  // Make every state slot writable in place: allocate it (first batch), or copy it when it is
+  // shared -- handed out by state() / result() (views of the slot), adopted by or from a
+  // merge, or aliasing the tensor given to load_state -- so that earlier results never
+  // change (copy on write). A shared slot costs one copy on the next update; after that the
+  // slot is private again and updates run without allocating.
+  void own_slots() {
+    int64_t F = 1;
+    for (auto v : feat_) F *= v;
+    const auto cpu = at::TensorOptions().device(at::kCPU);
+    if (count_ == 0) {
+      acc_ = empty_slots();
+      for (auto& s : acc_) s.t = at::empty({F}, cpu.dtype(slot_dtype(s.name)));
+      return;
+    }
+    for (auto& s : acc_) {
+      const at::ScalarType dt = slot_dtype(s.name);
+      const bool own = s.t.use_count() == 1 && s.t.storage().use_count() == 1 &&
+                       s.t.device().is_cpu() && s.t.scalar_type() == dt && s.t.is_contiguous() &&
+                       s.t.numel() == F;
+      if (own) continue;
+      at::Tensor c = at::empty({F}, cpu.dtype(dt));
+      c.copy_(s.t.reshape({F}));
+      s.t = std::move(c);
+    }
+  }
   void check_feature_shape(at::IntArrayRef feat) {
     if (!has_feat_) {
       feat_.assign(feat.begin(), feat.end());
@@ -362,6 +624,37 @@ class Moments : public Builtin {
     if (with_m2_)
       set("m2", get("m2") + get(b, "m2") + delta.square() * (na * static_cast<double>(nb) / n));
   }
+  bool has_fast_path() const override { return true; }
+  // The same two-pass batch state and Chan merge as batch_state + combine, per column.
+  void fast_update(const RowsView& r) override {
+    const int64_t d = r.d;
+    if (static_cast<int64_t>(scratch_.size()) < 2 * d) scratch_.resize(2 * d);
+    double* mb = scratch_.data();  // batch mean
+    double* m2b = mb + d;          // batch sum of squared deviations from mb
+    std::fill(mb, mb + 2 * d, 0.0);
+    SumOp sum{mb};
+    run_cols(r, sum);
+    const double nb = static_cast<double>(r.n);
+    for (int64_t j = 0; j < d; ++j) mb[j] /= nb;  // x.mean(0): sum / n
+    if (with_m2_) {
+      CentredSqOp sq{mb, m2b};
+      run_cols(r, sq);
+    }
+    double* mean = acc_[0].t.mutable_data_ptr<double>();
+    double* m2 = with_m2_ ? acc_[1].t.mutable_data_ptr<double>() : nullptr;
+    if (count_ == 0) {  // adopt the batch state
+      std::copy(mb, mb + d, mean);
+      if (with_m2_) std::copy(m2b, m2b + d, m2);
+      return;
+    }
+    const double na = static_cast<double>(count_), n = na + nb;
+    const double wb = nb / n, wm = na * nb / n;
+    for (int64_t j = 0; j < d; ++j) {
+      const double delta = mb[j] - mean[j];
+      mean[j] = mean[j] + delta * wb;
+      if (with_m2_) m2[j] = m2[j] + m2b[j] + delta * delta * wm;
+    }
+  }
   Slots result_slots() const override {
     Slots s{{"mean", get("mean"), Layout::kFeat}};
     if (with_m2_) {
@@ -377,6 +670,7 @@ class Moments : public Builtin {
 
  private:
   bool with_m2_;
+  std::vector<double> scratch_;  // batch mean and m2 of the fast path (2 * F), kept
 };
 
 // ------------------------------------------------------------------ min / max / absmax
@@ -403,6 +697,21 @@ class Extremum : public Builtin {
                                 : at::maximum(get("value"), get(b, "value")));
   }
   Slots result_slots() const override { return {{kind_, get("value"), Layout::kFeat}}; }
+  bool has_fast_path() const override { return true; }
+  void fast_update(const RowsView& r) override {
+    double* v = acc_[0].t.mutable_data_ptr<double>();
+    if (count_ == 0) std::fill(v, v + r.d, kind_ == "min" ? INFINITY : -INFINITY);
+    if (kind_ == "min") {
+      ExtremumOp<Ext::kMin> op{v};
+      run_cols(r, op);
+    } else if (kind_ == "max") {
+      ExtremumOp<Ext::kMax> op{v};
+      run_cols(r, op);
+    } else {
+      ExtremumOp<Ext::kAbsMax> op{v};
+      run_cols(r, op);
+    }
+  }
 };
 
 // ------------------------------------------------------------------ l2
@@ -420,6 +729,13 @@ class L2 : public Builtin {
     set("sumsq", get("sumsq") + get(b, "sumsq"));
   }
   Slots result_slots() const override { return {{"l2", get("sumsq").sqrt(), Layout::kFeat}}; }
+  bool has_fast_path() const override { return true; }
+  void fast_update(const RowsView& r) override {
+    double* acc = acc_[0].t.mutable_data_ptr<double>();
+    if (count_ == 0) std::fill(acc, acc + r.d, 0.0);
+    SumSqAddOp op{acc};
+    run_cols(r, op);
+  }
 };
 
 // ------------------------------------------------------------------ nonzero
@@ -440,6 +756,13 @@ class NonZero : public Builtin {
   }
   Slots result_slots() const override {
     return {{"nonzero", get("n_nonzero").to(at::kDouble) / static_cast<double>(count_), Layout::kFeat}};
+  }
+  bool has_fast_path() const override { return true; }
+  void fast_update(const RowsView& r) override {
+    int64_t* acc = acc_[0].t.mutable_data_ptr<int64_t>();
+    if (count_ == 0) std::fill(acc, acc + r.d, int64_t{0});
+    NonZeroAddOp op{acc};
+    run_cols(r, op);
   }
 };
 

@@ -671,3 +671,130 @@ def test_validate_reductions_and_reductions_for():
     a, b = R.reductions_for(["mean"], "x")[0][1], R.reductions_for(["mean"], "x")[0][1]
     a.update(torch.ones(1, 2))
     assert int(b.result()["count"]) == 0  # fresh objects per call
+
+
+# ---------------------------------------------------------------------------- native fast path
+# Per-feature updates of contiguous CPU rows (float32/64, float16, bfloat16) of these kinds run
+# plain C++ loops that fold into the state in place; everything else takes the ATen path. A
+# non-contiguous view of the same values takes the ATen path, so the two can be compared.
+
+FAST_KINDS = [("mean", {}), ("var", {}), ("std", {}), ("var", {"ddof": 1}), ("min", {}), ("max", {}),
+              ("absmax", {}), ("l2", {}), ("nonzero", {})]
+
+
+def _non_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """The same values every other element of a buffer (not contiguous: the ATen path)."""
+    y = torch.zeros(*x.shape, 2, dtype=x.dtype)[..., 0]
+    y.copy_(x)
+    assert not y.is_contiguous() and torch.equal(y.isnan(), x.isnan())
+    assert torch.equal(y.nan_to_num(), x.nan_to_num())
+    return y
+
+
+def _special_data(n: int, feat: tuple, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    x = data(n, feat, torch.float64, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    flat = x.view(-1)
+    pick = torch.randperm(flat.numel(), generator=g)
+    flat[pick[:3]] = float("nan")
+    flat[pick[3:5]] = float("inf")
+    flat[pick[5:7]] = float("-inf")
+    flat[pick[7:9]] = -0.0
+    return x.to(dtype)
+
+
+def _assert_same_results(a: dict, b: dict, exact: bool) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        if exact or not a[k].dtype.is_floating_point:
+            assert torch.equal(a[k].nan_to_num(), b[k].nan_to_num()), k
+            assert torch.equal(a[k].isnan(), b[k].isnan()), k
+        else:
+            torch.testing.assert_close(a[k], b[k], rtol=1e-12, atol=1e-12, equal_nan=True, msg=k)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("feat", [(4, 3), (37,), (2, 40)], ids=str)
+@pytest.mark.parametrize("kind,opts", FAST_KINDS, ids=[f"{k}{o or ''}" for k, o in FAST_KINDS])
+@pytest.mark.parametrize("special", [False, True], ids=["finite", "nan_inf"])
+def test_fast_path_equals_aten_path(kind, opts, feat, dtype, special):
+    n = 45
+    x = _special_data(n, feat, dtype, seed=11) if special else data(n, feat, dtype, seed=11)
+    bounds = [0, 7, 8, 30, 30, n]
+    fast = stream(kind, _pieces(x, bounds), **opts)
+    slow = stream(kind, [_non_contiguous(p) for p in _pieces(x, bounds) if p.shape[0] > 0], **opts)
+    _assert_same_results(fast.result(), slow.result(), exact=kind in ("min", "max", "absmax", "nonzero"))
+    _assert_same_results(fast.state(), slow.state(), exact=kind in ("min", "max", "absmax", "nonzero"))
+    if not special:
+        assert_matches(kind, fast.result(), x, **opts)
+
+
+@pytest.mark.parametrize("kind,opts", FAST_KINDS, ids=[f"{k}{o or ''}" for k, o in FAST_KINDS])
+def test_fast_and_aten_updates_interleave(kind, opts):
+    x = data(60, (20,), torch.float32, seed=12)
+    r = R.make_reduction(kind, **opts)
+    for i, p in enumerate(x.split(9)):
+        r.update(p if i % 2 else _non_contiguous(p))
+    assert_matches(kind, r.result(), x, **opts)
+    other = stream(kind, [x[:25]], **opts)
+    other.merge(stream(kind, [x[25:]], **opts))  # merged (ATen) state, then fast updates
+    other.update(x[:10])
+    assert_matches(kind, other.result(), torch.cat([x, x[:10]]), **opts)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_fast_path_widens_every_half_value_exactly(dtype):
+    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    x = bits.view(dtype).reshape(1, -1)  # every bit pattern: subnormals, inf, NaN, -0
+    want = x.to(torch.float64)
+    for kind in ("max", "min"):
+        got = stream(kind, [x]).result()[kind]
+        assert torch.equal(got.isnan(), want.isnan()[0])
+        assert torch.equal(got.nan_to_num(), want[0].nan_to_num())
+        assert torch.equal(got.signbit(), want[0].signbit())
+    mean = stream("mean", [torch.cat([x, x])]).result()["mean"]  # chunked conversion, 2 rows
+    assert torch.equal(mean.nan_to_num(), want[0].nan_to_num())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_fast_path_converts_in_chunks(dtype):
+    x = data(3001, (7,), dtype, seed=13)  # more values than one conversion chunk, ragged end
+    for kind, opts in FAST_KINDS:
+        assert_matches(kind, stream(kind, list(x.split(1500)), **opts).result(), x, **opts)
+
+
+def test_fast_path_large_offset_keeps_variance():
+    g = torch.Generator().manual_seed(14)
+    x = (1e6 + torch.randn(4000, 40, generator=g, dtype=torch.float64) * 0.25).to(torch.float32)
+    got = stream("var", list(x.split(32))).result()["var"]
+    torch.testing.assert_close(got, x.double().var(0, correction=0), rtol=1e-9, atol=0)
+
+
+def test_fast_path_never_changes_handed_out_tensors():
+    x = data(20, (5,), torch.float32, seed=15)
+    for kind, opts in FAST_KINDS:
+        r = stream(kind, [x[:10]], **opts)
+        state, result = r.state(), r.result()
+        keep_s = {k: v.clone() for k, v in state.items()}
+        keep_r = {k: v.clone() for k, v in result.items()}
+        r.update(x[10:])
+        r.update(x[10:])
+        for k in state:
+            assert torch.equal(state[k].nan_to_num(), keep_s[k].nan_to_num()), (kind, k)
+        for k in result:
+            assert torch.equal(result[k].nan_to_num(), keep_r[k].nan_to_num()), (kind, k)
+        assert_matches(kind, r.result(), torch.cat([x, x[10:]]), **opts)
+        # a state given to load_state and a state adopted by a merge stay the caller's
+        given = {k: v.clone() for k, v in stream(kind, [x[:10]], **opts).state().items()}
+        before = {k: v.clone() for k, v in given.items()}
+        loaded = R.make_reduction(kind, **opts)
+        loaded.load_state(given)
+        loaded.update(x[10:])
+        assert all(torch.equal(given[k], before[k]) for k in given), kind
+        src = stream(kind, [x[:10]], **opts)
+        src_state = {k: v.clone() for k, v in src.state().items()}
+        dst = R.make_reduction(kind, **opts)
+        dst.merge(src)
+        dst.update(x[10:])
+        assert all(torch.equal(src.state()[k], src_state[k]) for k in src_state), kind
+        assert_matches(kind, dst.result(), x, **opts)
