@@ -695,3 +695,24 @@ def test_reattach_after_exit_keeps_capturing(mlp):
     with tr:
         mlp(torch.randn(2, 16))
     assert len(tr.activations["0.output"]) == 2 and no_wrappers(mlp)
+
+
+@pytest.mark.parametrize("numel", [4095, 4096, 4099, 100_003, 1 << 20])
+@pytest.mark.parametrize("offset", [0, 1, 3])
+def test_snapshot_copy_exact_for_sizes_and_alignments(numel, offset):
+    # sizes around the streaming-copy threshold (16 KiB), sources at unaligned addresses
+    base = torch.randn(numel + offset)
+    x = base[offset:]
+    assert x.is_contiguous()
+
+    class Emit(torch.nn.Module):
+        def forward(self, _):
+            return x
+
+    model = torch.nn.Sequential(Emit())
+    with acs.ActivationScope().track(model) as tr:
+        model(None)
+        model(None)
+    recs = tr.activations["0.output"]
+    assert len(recs) == 2 and all(torch.equal(r, x) for r in recs)
+    assert recs[0].data_ptr() != x.data_ptr()
