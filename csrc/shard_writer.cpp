@@ -182,6 +182,11 @@ bool StoreCore::next_to_encode(WorkItem* out) {
     if (encode_q_.empty()) return false;  // stopping
     WorkItem item = std::move(encode_q_.front());
     encode_q_.pop_front();
+    if (item.chunk < 0) {  // the final marker: nothing to encode; FIFO keeps it after the
+      write_q_.push_back(std::move(item));  // array's chunks (one encoder submits in order)
+      cv_work_.notify_one();
+      continue;
+    }
     if (failed_.load()) {  // drop: the store already failed
       pending_bytes_ -= item.budget_bytes;
       --in_flight_;

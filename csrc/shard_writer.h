@@ -87,7 +87,8 @@ class StoreCore : public std::enable_shared_from_this<StoreCore> {
 
   // Producer side (hot path).
   void push(WorkItem item);             // blocks while the queue is over its byte cap
-  // Encoder side: next chunk to encode (blocks), or nullptr-array item when shut down.
+  // Encoder side (exactly one encoder thread, so encoded chunks keep their order): next
+  // chunk to encode (blocks); final markers pass straight to the write queue.
   // Returns false when there is nothing more to encode (closing).
   bool next_to_encode(WorkItem* out);
   void submit_encoded(uint64_t id, std::string bytes);

@@ -172,8 +172,11 @@ class ZarrBackend:
         return self.store
 
 
-def resolve(target: Any, *, fsync: bool = False, read_only: bool = False) -> LocalBackend | ZarrBackend:
-    """A backend for a path, a URL (``file://``, ``memory://``, ``s3://``, ...) or a zarr Store."""
+def resolve(target: Any, *, fsync: bool = False, read_only: bool = False,
+            storage_options: dict | None = None) -> LocalBackend | ZarrBackend:
+    """A backend for a path, a URL (``file://``, ``memory://``, ``s3://``, ...) or a zarr Store.
+
+    ``storage_options`` go to fsspec for URLs (credentials, ``client_kwargs``, ...)."""
     import zarr
 
     if isinstance(target, (LocalBackend, ZarrBackend)):
@@ -186,7 +189,7 @@ def resolve(target: Any, *, fsync: bool = False, read_only: bool = False) -> Loc
         if "://" not in target:
             return LocalBackend(target, fsync=fsync)
         try:
-            zstore = zarr.storage.FsspecStore.from_url(target, read_only=read_only)
+            zstore = zarr.storage.FsspecStore.from_url(target, read_only=read_only, storage_options=storage_options)
         except Exception as e:
             raise StoreError(f"cannot open the store URL {target!r} through fsspec: {e}") from e
         return ZarrBackend(zstore, label=target)

@@ -60,8 +60,8 @@ class Store:
         Bound of the cache of decoded chunks (compressed / remote arrays).
     """
 
-    def __init__(self, target: Any, *, cache_bytes: int = 64 << 20) -> None:
-        self._backend = resolve(target, read_only=True)
+    def __init__(self, target: Any, *, cache_bytes: int = 64 << 20, storage_options: dict | None = None) -> None:
+        self._backend = resolve(target, read_only=True, storage_options=storage_options)
         self._cache_bytes = int(cache_bytes)
         self._cache: OrderedDict[tuple, torch.Tensor] = OrderedDict()
         self._cached = 0
@@ -488,7 +488,7 @@ class Store:
         return f"<Store {str(self._backend)!r} {self.status}, {len(self.hook_points)} hook points, {self.n_samples} samples>"
 
 
-def open_store(target: Any, *, cache_bytes: int = 64 << 20) -> Store:
+def open_store(target: Any, *, cache_bytes: int = 64 << 20, storage_options: dict | None = None) -> Store:
     """Open a store read-only.
 
     Parameters
@@ -497,6 +497,8 @@ def open_store(target: Any, *, cache_bytes: int = 64 << 20) -> Store:
         Local path, ``file://`` / ``memory://`` / ``s3://`` URL, or a zarr ``Store``.
     cache_bytes : int, default 64 MiB
         Bound of the decoded-chunk cache of compressed / remote arrays.
+    storage_options : dict, optional
+        fsspec options of a URL (credentials, ``client_kwargs``).
 
     Raises
     ------
@@ -510,7 +512,7 @@ def open_store(target: Any, *, cache_bytes: int = 64 << 20) -> Store:
     """
     if isinstance(target, Store):
         return target
-    return Store(target, cache_bytes=cache_bytes)
+    return Store(target, cache_bytes=cache_bytes, storage_options=storage_options)
 
 
 def copy_store(source: Any, target: Any, *, overwrite: bool = False) -> None:

@@ -170,6 +170,8 @@ class StoreWriter:
         blocks the capture (backpressure).
     provenance : dict, optional
         User provenance (dataset, commit, ...), JSON-able.
+    storage_options : dict, optional
+        fsspec options of a URL target (credentials, ``client_kwargs``).
 
     Raises
     ------
@@ -194,6 +196,7 @@ class StoreWriter:
         fsync: bool = False,
         max_pending_bytes: int = 256 << 20,
         provenance: Mapping[str, Any] | None = None,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         # ---- validate everything before the first byte is written
         if overwrite and resume:
@@ -212,7 +215,7 @@ class StoreWriter:
         self._provenance = F.check_jsonable(dict(provenance or {}), "provenance")
         self._storage_dtype = None if storage_dtype is None else F.dtype_name(storage_dtype)
         self._fsync = bool(fsync)
-        self._backend = resolve(target, fsync=self._fsync)
+        self._backend = resolve(target, fsync=self._fsync, storage_options=dict(storage_options or {}) or None)
         self._model = model_identity(model)
         self.target = target
 

@@ -1,0 +1,191 @@
+"""Compression, in-memory and remote (S3 via moto) stores, copies, and write-read properties."""
+
+from __future__ import annotations
+
+import socket
+
+import numpy as np
+import pytest
+import torch
+import zarr
+from hypothesis import given, settings, strategies as st
+
+import activationscope as acs
+from activationscope.store import StoreWriter, copy_store, open_store
+
+from store_models import batches_mlp, capture_memory, capture_store
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.uint8, torch.bool]
+
+
+def _write(target, data: dict, *, batch: int = 7, **options):
+    w = StoreWriter(target, capture_config={}, model=None, storage_dtype=None, **options)
+    writers = {hp: w.open_array(hp, tuple(t.shape[1:]), t.dtype, "sample") for hp, t in data.items()}
+    n = next(iter(data.values())).shape[0]
+    for s in range(0, n, batch):
+        e = min(n, s + batch)
+        for hp, t in data.items():
+            writers[hp].append(t[s:e])
+        w.add_batch(e - s, list(range(s, e)), None, {})
+        w.maybe_commit()
+    w.close()
+
+
+def _random(shape, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=g) > 0.5
+    if not dtype.is_floating_point:
+        return torch.randint(0, 100, shape, generator=g).to(dtype)
+    t = torch.randn(shape, generator=g).to(dtype)
+    if t.numel() > 3:
+        t.view(-1)[:3] = torch.tensor([float("nan"), float("inf"), -0.0]).to(dtype)
+    return t
+
+
+def _same(a, b):
+    """Bit-exact equality (NaN == NaN)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.dtype.is_floating_point:
+        bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+        return torch.equal(a.view(bits), b.view(bits))
+    return torch.equal(a, b)
+
+
+@pytest.mark.parametrize("compression", ["zstd", "blosc-lz4", zarr.codecs.ZstdCodec(level=1)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_compressed_roundtrip_and_plain_zarr(tmp_path, compression, dtype):
+    data = {"x": _random((90, 16), dtype)}
+    data["x"][:40] = 0  # compressible
+    _write(tmp_path / "s.zarr", data, compression=compression, chunk_rows=8, shard_bytes=4096)
+    store = open_store(tmp_path / "s.zarr")
+    assert _same(store["x"], data["x"])
+    assert _same(store["x", 3:77], data["x"][3:77])
+    assert store.verify() == []
+    info = store.info()
+    assert info["arrays"]["x"]["compression"] in ("zstd", "blosc")
+    assert info["compression_ratio"] > 1.0
+    g = zarr.open_group(str(tmp_path / "s.zarr"), mode="r")
+    raw = data["x"].view(torch.uint16) if dtype == torch.bfloat16 else data["x"]
+    assert np.array_equal(g["acts/x"][:], raw.numpy(), equal_nan=True)
+
+
+def test_compressed_capture_equals_memory(tmp_path, mlp):
+    xs = batches_mlp()
+    ref = capture_memory(mlp, xs)
+    capture_store(mlp, xs, tmp_path / "s.zarr", store_options={"compression": "zstd", "chunk_rows": 4})
+    store = open_store(tmp_path / "s.zarr")
+    for hp, r in ref.items():
+        assert torch.equal(store[hp], r), hp
+
+
+def test_compressed_verify_finds_a_flipped_byte(tmp_path):
+    _write(tmp_path / "s.zarr", {"x": _random((64, 8), torch.float32)}, compression="zstd", chunk_rows=8, shard_bytes=1 << 20)
+    shard = tmp_path / "s.zarr" / "acts" / "x" / "c" / "0" / "0"
+    data = bytearray(shard.read_bytes())
+    data[20] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    problems = open_store(tmp_path / "s.zarr").verify()
+    assert len(problems) == 1 and "'x'" in problems[0] and "chunk 0" in problems[0]
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    n=st.integers(0, 40),
+    feature=st.lists(st.integers(1, 4), min_size=0, max_size=2),
+    chunk_rows=st.integers(1, 9),
+    shard_chunks=st.integers(1, 4),
+    dtype=st.sampled_from(DTYPES),
+    batch=st.integers(1, 11),
+)
+def test_write_then_read_is_identity(tmp_path_factory, n, feature, chunk_rows, shard_chunks, dtype, batch):
+    path = tmp_path_factory.mktemp("h") / "s.zarr"
+    t = _random((n, *feature), dtype, seed=n)
+    item = t.element_size() * int(np.prod(feature) if feature else 1)
+    _write(path, {"x": t}, batch=batch, chunk_rows=chunk_rows, shard_bytes=chunk_rows * shard_chunks * item)
+    store = open_store(path)
+    assert store.n_rows("x") == n
+    assert _same(store["x"], t)
+    if n > 2:
+        assert _same(store["x", 1:n - 1], t[1:n - 1])
+    assert store.verify() == []
+
+
+def test_memory_url_store_and_save(tmp_path, mlp):
+    xs = batches_mlp()
+    ref = capture_memory(mlp, xs)
+    capture_store(mlp, xs, "memory://acs-test/run.zarr", store_options={"chunk_rows": 4, "overwrite": True})
+    store = open_store("memory://acs-test/run.zarr")
+    for hp, r in ref.items():
+        assert torch.equal(store[hp], r), hp
+    saved = store.save(tmp_path / "saved.zarr")
+    assert saved.status == "complete" and saved.verify() == []
+    for hp, r in ref.items():
+        assert torch.equal(saved[hp], r), hp
+    with pytest.raises(acs.StoreExistsError):
+        copy_store(store, tmp_path / "saved.zarr")
+
+
+def test_zarr_memory_store_object():
+    ms = zarr.storage.MemoryStore()
+    data = {"x": _random((30, 5), torch.float16)}
+    _write(ms, data, compression="blosc-lz4", chunk_rows=4)
+    store = open_store(ms)
+    assert _same(store["x"], data["x"])
+    assert store.verify() == []
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def s3():
+    moto_server = pytest.importorskip("moto.server", reason="remote store test needs moto[server] (pip install 'moto[server]')")
+    s3fs = pytest.importorskip("s3fs", reason="remote store test needs s3fs")
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=_free_port(), verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    options = {"key": "test", "secret": "test", "client_kwargs": {"endpoint_url": f"http://{host}:{port}"}}
+    fs = s3fs.S3FileSystem(**options)
+    fs.mkdir("acs-bucket")
+    yield options
+    server.stop()
+
+
+def test_remote_s3_store_resume_and_read(s3, mlp):
+    xs = batches_mlp(n_batches=8)
+    ref = capture_memory(mlp, xs)
+    url = "s3://acs-bucket/run.zarr"
+    opts = {"chunk_rows": 4, "shard_bytes": 4 * 16 * 4 * 2, "storage_options": s3}
+    # first half, then abandon the run (incomplete), then resume the rest
+    scope = acs.ActivationScope(store=url, store_options=opts)
+    with pytest.raises(RuntimeError, match="stop"):
+        with scope.track(mlp) as tr, torch.no_grad():
+            for i, x in enumerate(xs):
+                if i == 5:
+                    raise RuntimeError("stop")
+                tr.set_batch(sample_ids=list(range(5 * i, 5 * i + 5)))
+                mlp(x)
+    first = open_store(url, storage_options=s3)
+    assert first.status == "incomplete"
+    done = first.n_samples
+    for hp in first.hook_points:
+        assert torch.equal(first[hp], ref[hp][:done]), hp
+    scope = acs.ActivationScope(store=url, store_options={**opts, "resume": True})
+    tr = scope.track(mlp)
+    tr.attach()
+    assert tr.writer.n_samples_committed == done
+    with tr, torch.no_grad():
+        for i in range(done // 5, len(xs)):
+            tr.set_batch(sample_ids=list(range(5 * i, 5 * i + 5)))
+            mlp(xs[i])
+    store = open_store(url, storage_options=s3)
+    assert store.status == "complete"
+    for hp, r in ref.items():
+        assert torch.equal(store[hp], r), hp
+    assert store.row_table().column("sample_id").to_pylist() == list(range(40))
+    assert store.verify() == []
