@@ -130,7 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("store", help="store path or URL")
     p.add_argument("--format", required=True, choices=("parquet", "arrow"), help="file format")
     p.add_argument("--out", required=True, help="output file")
-    p.add_argument("--hook-points", nargs="+", default=None, metavar="HP", help="hook points to export (default: all)")
+    p.add_argument("--hook-points", nargs="+", default=None, metavar="HP",
+                   help="hook points or fnmatch patterns to export (default: all; they must share a row kind)")
 
     p = sub.add_parser("report", parents=[common], help="write an HTML report with plots",
                        description="Write an HTML page with PNG plots per hook point (activation histogram, "
@@ -138,7 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "probe accuracy when the rows have labels.")
     p.add_argument("store", help="store path or URL")
     p.add_argument("--out", required=True, help="report folder (created; index.html inside)")
-    p.add_argument("--hook-points", nargs="+", default=None, metavar="HP", help="hook points to show (default: all)")
+    p.add_argument("--hook-points", nargs="+", default=None, metavar="HP",
+                   help="hook points or fnmatch patterns to show (default: all)")
     p.add_argument("--label-column", default="label", help="row-table column with labels (default: %(default)s)")
     p.add_argument("--folds", type=int, default=5, help="cross-validation folds of the probe (default: %(default)s)")
     return parser
@@ -641,7 +643,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from . import data
 
     store = _open(args.store)
-    hook_points = _check_hook_points(store, args.hook_points)
+    hook_points = _one_row_kind(store, _check_hook_points(store, args.hook_points))
     out = Path(args.out)
     if out.parent and not out.parent.exists():
         raise CLIError(f"--out {args.out!r}: folder {str(out.parent)!r} does not exist")
@@ -652,13 +654,38 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def _check_hook_points(store: Any, hook_points: list[str] | None) -> list[str] | None:
+    """Resolve names and fnmatch patterns against the store's hook points, in store order."""
+    import fnmatch
+
     if hook_points is None:
         return None
     known = list(store.hook_points)
+    chosen: set[str] = set()
     for hp in hook_points:
-        if hp not in known:
+        hits = [k for k in known if fnmatch.fnmatchcase(k, hp)] if any(c in hp for c in "*?[") else [hp] if hp in known else []
+        if not hits:
             shown = ", ".join(known[:8]) + (", ..." if len(known) > 8 else "")
+            if any(c in hp for c in "*?["):
+                raise HookPointNotFoundError(f"pattern {hp!r} matches no hook point of the store; it holds [{shown}]")
             raise HookPointNotFoundError(f"hook point {hp!r} is not in the store; it holds [{shown}]")
+        chosen.update(hits)
+    return [k for k in known if k in chosen]
+
+
+def _one_row_kind(store: Any, hook_points: list[str] | None) -> list[str] | None:
+    """Export needs hook points of one row kind; say which to pick when they are mixed."""
+    names = hook_points if hook_points is not None else list(store.hook_points)
+    kinds: dict[str, list[str]] = {}
+    for hp in names:
+        kinds.setdefault(str(store.row_kind(hp)), []).append(hp)
+    if len(kinds) > 1:
+        listing = "; ".join(
+            f"{kind} rows: {', '.join(hps[:4])}{', ...' if len(hps) > 4 else ''}" for kind, hps in kinds.items()
+        )
+        raise CLIError(
+            "exported hook points must have one row kind (token or sample rows), "
+            f"got {listing}; pass --hook-points with one kind and export the other to another file"
+        )
     return hook_points
 
 

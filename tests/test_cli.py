@@ -424,6 +424,58 @@ def test_export_unknown_hook_point_and_bad_folder(tmp_path, toy_store, capsys):
     _one_error_line(err, "does not exist")
 
 
+@pytest.fixture
+def mixed_store(tmp_path):
+    """Token rows (an embedding under an attention mask) and sample rows (a pooled head)."""
+    import activationscope as acs
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.emb = torch.nn.Embedding(20, 4)
+            self.head = torch.nn.Linear(4, 2)
+
+        def forward(self, ids):
+            return self.head(self.emb(ids).mean(1))
+
+    net = Net()
+    ids = torch.randint(0, 20, (6, 5))
+    mask = torch.ones(6, 5, dtype=torch.bool)
+    mask[:, 3:] = False
+    out = tmp_path / "mixed.zarr"
+    with torch.no_grad(), acs.ActivationScope(store=str(out)).track(net) as tracker:
+        tracker.set_batch(attention_mask=mask, label=[0, 1, 0, 1, 0, 1])
+        net(ids)
+    return out
+
+
+def test_export_mixed_row_kinds_says_what_to_pick(tmp_path, mixed_store, capsys):
+    code, _, err = run(capsys, "export", str(mixed_store), "--format", "arrow", "--out", str(tmp_path / "m.arrow"))
+    assert code == 1
+    _one_error_line(err, "one row kind", "token rows: emb.output", "sample rows: head.output", "--hook-points")
+    code, _, err = run(capsys, "export", str(mixed_store), "--format", "arrow", "--out", str(tmp_path / "m.arrow"),
+                       "--hook-points", "emb.*")
+    assert code == 0, err
+    from activationscope.data import read_arrow
+
+    assert read_arrow(tmp_path / "m.arrow")["emb.output"].shape == (18, 4)  # 6 samples x 3 real tokens
+
+
+def test_hook_point_patterns(tmp_path, toy_store, capsys):
+    out, _ = toy_store
+    code, _, err = run(capsys, "export", str(out), "--format", "parquet", "--out", str(tmp_path / "p.parquet"),
+                       "--hook-points", "[12].output")
+    assert code == 0, err
+    import pyarrow.parquet as pq
+
+    names = pq.read_table(tmp_path / "p.parquet").column_names
+    assert "1.output" in names and "2.output" in names and "0.output" not in names
+    code, _, err = run(capsys, "report", str(out), "--out", str(tmp_path / "r"), "--hook-points", "enc*")
+    assert code == 1
+    _one_error_line(err, "pattern 'enc*' matches no hook point")
+
+
 def test_report_command(tmp_path, toy_store, capsys):
     out, _ = toy_store
     code, stdout, err = run(capsys, "report", str(out), "--out", str(tmp_path / "rep"))
@@ -520,3 +572,11 @@ def test_docs_examples_run(doc, tmp_path, monkeypatch):
         runpy.run_path(str(script), run_name="__docs__")
     finally:
         sys.modules.pop("toymodels", None)
+
+
+def test_report_probes_token_and_sample_rows_with_labels(tmp_path, mixed_store, capsys):
+    code, _, err = run(capsys, "report", str(mixed_store), "--out", str(tmp_path / "r"), "--folds", "3")
+    assert code == 0, err
+    page = (tmp_path / "r" / "index.html").read_text()
+    assert "Linear probes" in page and (tmp_path / "r" / "probes.png").is_file()
+    assert "6 labelled samples" in page  # token rows were pooled to one row per sample
