@@ -350,6 +350,8 @@ def write_report(
         store = open_store(os.fspath(store))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    for stale in [*out.glob("hp_*.png"), out / "probes.png"]:  # plots of an earlier report here
+        stale.unlink(missing_ok=True)
     hps = list(hook_points) if hook_points is not None else list(store.hook_points)
     info = store.info() if hasattr(store, "info") else {}
     if probes is None:
