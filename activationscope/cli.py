@@ -303,11 +303,8 @@ def _batch_len(inputs: Any) -> int:
 
 
 def _written_bytes(tracker: Any, out: str) -> int:
-    writer = getattr(tracker, "writer", None)
-    for attr in ("n_bytes", "bytes_written", "n_bytes_written"):
-        value = getattr(writer, attr, None)
-        if isinstance(value, int):
-            return value
+    # Bytes in the store folder so far (durable shards and the shards being appended to);
+    # 0 for remote stores, which upload whole shards at commits.
     return _dir_bytes(out)
 
 
@@ -495,15 +492,7 @@ def _check_reductions(names: list[str] | None) -> list[str] | None:
 
 def _committed_samples(out: str) -> int:
     """Samples already committed in an existing store (for --resume)."""
-    store = _open(out)
-    info = store.info() if hasattr(store, "info") else {}
-    for key in ("n_samples", "committed_samples"):
-        if isinstance(info, dict) and isinstance(info.get(key), int):
-            return info[key]
-    status = info.get("status") if isinstance(info, dict) else None
-    if isinstance(status, dict) and isinstance(status.get("n_samples"), int):
-        return status["n_samples"]
-    raise CLIError(f"store {out!r} does not say how many samples it holds; cannot --resume it")
+    return int(_open(out).n_samples)
 
 
 def cmd_capture(args: argparse.Namespace) -> int:
