@@ -21,6 +21,8 @@ ATTRS_KEY = "activationscope"
 DEFAULT_CHUNK_BYTES = 1 << 20
 DEFAULT_SHARD_BYTES = 64 << 20
 MAX_CHUNK_ROWS = 1 << 16
+#: Cap of chunks per shard: the shard index (16 bytes per chunk) stays <= 16 KiB.
+MAX_SHARD_CHUNKS = 1024
 
 # torch dtype name -> Zarr v3 data type of the stored elements
 _ZARR_DTYPE = {
@@ -166,7 +168,7 @@ def chunk_layout(feature_shape: tuple[int, ...], dtype: str, chunk_rows: int | N
         chunk_rows = max(1, min(MAX_CHUNK_ROWS, DEFAULT_CHUNK_BYTES // row_bytes))
     chunk_bytes = chunk_rows * row_bytes
     target = DEFAULT_SHARD_BYTES if shard_bytes is None else shard_bytes
-    shard_chunks = max(1, target // chunk_bytes)
+    shard_chunks = max(1, min(MAX_SHARD_CHUNKS, target // chunk_bytes))
     return int(chunk_rows), int(shard_chunks)
 
 

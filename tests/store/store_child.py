@@ -35,6 +35,8 @@ def capture(path: str, n_batches: int, *, limit_after: int | None = None, sleep_
         with tracker, torch.no_grad():
             for i in range(start // BATCH, n_batches):
                 if limit_after is not None and i == limit_after:
+                    tracker.writer._core.drain()  # let the shards written so far commit first
+                    tracker.writer.maybe_commit()
                     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
                     resource.setrlimit(resource.RLIMIT_FSIZE, (100, 100))
                 tracker.set_batch(sample_ids=list(range(i * BATCH, (i + 1) * BATCH)))
