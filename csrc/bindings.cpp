@@ -21,6 +21,7 @@
 #include "errors.h"
 #include "reductions.h"
 #include "row_consumer.h"
+#include "shard_map.h"
 #include "shard_writer.h"
 #include "sink.h"
 #include "staging_pool.h"
@@ -606,5 +607,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   // ---------------------------------------------------------------- store writer
   py::class_<RowConsumer, std::shared_ptr<RowConsumer>>(m, "RowConsumer");
+  m.def("map_files_contiguous", &map_files_contiguous, py::arg("paths"), py::arg("stride_bytes"),
+        py::arg("total_bytes"), py::call_guard<py::gil_scoped_release>(),
+        "Map files back to back into one contiguous copy-on-write uint8 tensor (see shard_map.h).");
   bind_store_writer(m);
 }

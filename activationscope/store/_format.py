@@ -17,8 +17,10 @@ FORMAT_NAME = "activationscope"
 FORMAT_VERSION = 1
 ATTRS_KEY = "activationscope"
 
-#: Default sizes: a chunk is about 1 MiB of rows, a shard about 64 MiB.
-DEFAULT_CHUNK_BYTES = 1 << 20
+#: Default sizes: a chunk is about 256 KiB of rows, a shard about 64 MiB.
+DEFAULT_CHUNK_BYTES = 256 << 10
+#: Chunk sizes are rounded to whole pages of this size when the row size allows.
+PAGE_BYTES = 4096
 DEFAULT_SHARD_BYTES = 64 << 20
 MAX_CHUNK_ROWS = 1 << 16
 #: Cap of chunks per shard: the shard index (16 bytes per chunk) stays <= 16 KiB.
@@ -166,6 +168,11 @@ def chunk_layout(feature_shape: tuple[int, ...], dtype: str, chunk_rows: int | N
     row_bytes = max(1, math.prod(feature_shape) * itemsize(dtype))
     if chunk_rows is None:
         chunk_rows = max(1, min(MAX_CHUNK_ROWS, DEFAULT_CHUNK_BYTES // row_bytes))
+        # Whole pages per chunk (so per shard) where possible: shards then map back to back
+        # into one contiguous zero-copy view of the whole array (reader._whole_rows).
+        page_rows = PAGE_BYTES // math.gcd(row_bytes, PAGE_BYTES)
+        if chunk_rows >= page_rows:
+            chunk_rows -= chunk_rows % page_rows
     chunk_bytes = chunk_rows * row_bytes
     target = DEFAULT_SHARD_BYTES if shard_bytes is None else shard_bytes
     shard_chunks = max(1, min(MAX_SHARD_CHUNKS, target // chunk_bytes))

@@ -20,9 +20,12 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
+from .. import _native
 from ..errors import HookPointNotFoundError, StoreCorruptError, StoreError
 from . import _format as F
 from ._backend import LocalBackend, ZarrBackend, resolve
+
+_C = _native.load()
 
 
 class _Reductions(Mapping):
@@ -66,6 +69,7 @@ class Store:
         self._cache: OrderedDict[tuple, torch.Tensor] = OrderedDict()
         self._cached = 0
         self._maps: dict[str, tuple[mmap.mmap, bool]] = {}
+        self._whole: dict[str, tuple[int, torch.Tensor]] = {}
         self._zarrays: dict[str, Any] = {}
         self._lock = threading.RLock()
         self.refresh()
@@ -205,6 +209,11 @@ class Store:
             return torch.empty((0, *feat), dtype=dtype)
         shard_rows = int(meta["shard_rows"])
         if isinstance(self._backend, LocalBackend) and meta.get("compression") is None:
+            if start // shard_rows != (stop - 1) // shard_rows:  # spans shards: one mapping of all
+                whole = self._whole_rows(meta)
+                if whole is not None:
+                    out = whole[start:stop]
+                    return out.clone() if copy else out
             parts = []
             s = start
             while s < stop:
@@ -221,11 +230,9 @@ class Store:
                 return out.clone() if copy and len(parts) == 1 else out
         return self._read_zarr(hook_point, meta, start, stop)
 
-    def _mapped_rows(self, meta: dict, shard: int, local_start: int, n: int) -> torch.Tensor | None:
-        """A view of rows of one shard, or None when its chunks are not laid back to back."""
-        feat = tuple(meta["feature_shape"])
-        dtype = F.torch_dtype(meta["dtype"])
-        key = F.shard_key(meta["path"], shard, len(feat))
+    def _shard_entry(self, meta: dict, shard: int) -> tuple[mmap.mmap, bool]:
+        """(copy-on-write map of one shard file, whether its chunks lie back to back)."""
+        key = F.shard_key(meta["path"], shard, len(meta["feature_shape"]))
         with self._lock:
             entry = self._maps.get(key)
             if entry is None:
@@ -239,7 +246,13 @@ class Store:
                     ) from None
                 entry = (mm, self._contiguous(mm, meta))
                 self._maps[key] = entry
-        mm, contiguous = entry
+        return entry
+
+    def _mapped_rows(self, meta: dict, shard: int, local_start: int, n: int) -> torch.Tensor | None:
+        """A view of rows of one shard, or None when its chunks are not laid back to back."""
+        feat = tuple(meta["feature_shape"])
+        dtype = F.torch_dtype(meta["dtype"])
+        mm, contiguous = self._shard_entry(meta, shard)
         if not contiguous:
             return None
         row_elems = int(np.prod(feat)) if feat else 1
@@ -248,6 +261,34 @@ class Store:
             return torch.empty((n, *feat), dtype=dtype)
         t = torch.frombuffer(mm, dtype=dtype, count=n * row_elems, offset=local_start * row_elems * item)
         return t.view(n, *feat)
+
+    def _whole_rows(self, meta: dict) -> torch.Tensor | None:
+        """Every committed row of a local uncompressed array as ONE zero-copy view.
+
+        The shard files are mapped back to back into one contiguous range of address space
+        (``_C.map_files_contiguous``), which works when a shard's data is a whole number of
+        pages (the default chunk layout ensures it) and each shard's chunks lie back to back.
+        Cached per array and committed row count; None when the layout does not allow it.
+        """
+        feat = tuple(meta["feature_shape"])
+        n, shard_rows = int(meta["n_rows"]), int(meta["shard_rows"])
+        row_bytes = (int(np.prod(feat)) if feat else 1) * F.itemsize(meta["dtype"])
+        stride = shard_rows * row_bytes
+        if n == 0 or row_bytes == 0 or stride % mmap.PAGESIZE:
+            return None
+        with self._lock:
+            cached = self._whole.get(meta["path"])
+        if cached is not None and cached[0] == n:
+            return cached[1]
+        n_shards = -(-n // shard_rows)
+        if not all(self._shard_entry(meta, k)[1] for k in range(n_shards)):
+            return None
+        paths = [str(self._backend.path(F.shard_key(meta["path"], k, len(feat)))) for k in range(n_shards)]
+        flat = _C.map_files_contiguous(paths, stride, n * row_bytes)
+        view = flat.view(F.torch_dtype(meta["dtype"])).view(n, *feat)
+        with self._lock:
+            self._whole[meta["path"]] = (n, view)
+        return view
 
     @staticmethod
     def _contiguous(mm: mmap.mmap, meta: dict) -> bool:
@@ -474,6 +515,7 @@ class Store:
         """Drop the store's own references to its mappings (views keep theirs alive)."""
         with self._lock:
             self._maps.clear()
+            self._whole.clear()
             self._zarrays.clear()
             self._cache.clear()
             self._cached = 0

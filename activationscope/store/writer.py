@@ -160,7 +160,7 @@ class StoreWriter:
     compression : None, "zstd", "zstd:<level>", "blosc-lz4", or a zarr / numcodecs codec
         Inner-chunk compression (None keeps arrays zero-copy readable).
     chunk_rows : int, optional
-        Rows per chunk (default: about 1 MiB of rows, at most 65536).
+        Rows per chunk (default: about 256 KiB of rows in whole 4 KiB pages, at most 65536).
     shard_bytes : int, optional
         Target bytes per shard (default 64 MiB); a shard holds a whole number of chunks.
     fsync : bool, default False
