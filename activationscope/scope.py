@@ -327,6 +327,8 @@ class Tracker:
                 storage_dtype=self.scope.storage_dtype,
                 **self.scope.store_options,
             )
+            # resume: default sample ids continue after the samples already committed
+            self._n_samples = int(self.writer.n_samples_committed)
         if self.scope.capture_parameters:
             with torch.no_grad():
                 self.parameters = {n: p.detach().clone() for n, p in self.model.named_parameters()}
@@ -397,7 +399,18 @@ class Tracker:
             if exc is None:
                 self._write_reductions()
                 self.writer.close(status=status)
-            else:
+                return
+            # The body raised: commit every whole forward captured so far (partial chunks
+            # and shards flushed), status "incomplete", so `resume=True` continues from there.
+            # Never raise over the caller's exception.
+            try:
+                self.writer.close(status="incomplete")
+            except BaseException as e:  # noqa: BLE001
+                warnings.warn(
+                    f"the store could not be fully committed after {exc!r}: {e}; committed rows stay readable",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
                 self.writer.abort(exc)
 
     def __enter__(self) -> "Tracker":
@@ -585,6 +598,12 @@ class Tracker:
         for name in self._sinks:
             for red_name, red in zip(self._reduction_names.get(name, []), self._reduction_objects.get(name, [])):
                 self.writer.add_reductions(name, red_name, red)
+
+    @property
+    def resume_from(self) -> int:
+        """Samples already committed in the store when this tracker attached (``resume=True``);
+        skip that many samples of your data. 0 for a new store or in-memory capture."""
+        return 0 if self.writer is None else int(self.writer.n_samples_committed)
 
     @property
     def n_forwards(self) -> int:
