@@ -43,7 +43,45 @@ const Crc32cTable& crc_table() {
 
 }  // namespace
 
+namespace {
+
+#if defined(__x86_64__)
+// The SSE4.2 crc32 instruction computes exactly CRC-32C (Castagnoli), 8 bytes per
+// instruction: ~10x the table. Chosen at run time; the table below is the fallback.
+__attribute__((target("sse4.2"))) uint32_t crc32c_hw(uint32_t crc, const void* data, size_t n) {
+  const uint8_t* p = static_cast<const uint8_t*>(data);
+  uint64_t c = ~crc;
+  while (n && (reinterpret_cast<uintptr_t>(p) & 7)) {
+    c = __builtin_ia32_crc32qi(static_cast<uint32_t>(c), *p++);
+    --n;
+  }
+  while (n >= 8) {
+    uint64_t v;
+    std::memcpy(&v, p, 8);
+    c = __builtin_ia32_crc32di(c, v);
+    p += 8;
+    n -= 8;
+  }
+  while (n--) c = __builtin_ia32_crc32qi(static_cast<uint32_t>(c), *p++);
+  return ~static_cast<uint32_t>(c);
+}
+#endif
+
+uint32_t crc32c_table(uint32_t crc, const void* data, size_t n);
+
+}  // namespace
+
 uint32_t crc32c(uint32_t crc, const void* data, size_t n) {
+#if defined(__x86_64__)
+  static const bool hw = __builtin_cpu_supports("sse4.2");
+  if (hw) return crc32c_hw(crc, data, n);
+#endif
+  return crc32c_table(crc, data, n);
+}
+
+namespace {
+
+uint32_t crc32c_table(uint32_t crc, const void* data, size_t n) {
   // Slicing-by-8 over a table: ~1-2 GB/s, no CPU feature dispatch needed.
   const auto& T = crc_table().t;
   const uint8_t* p = static_cast<const uint8_t*>(data);
@@ -65,6 +103,8 @@ uint32_t crc32c(uint32_t crc, const void* data, size_t n) {
   while (n--) c = (c >> 8) ^ T[0][(c ^ *p++) & 0xFF];
   return ~c;
 }
+
+}  // namespace
 
 // ------------------------------------------------------------------ I/O helpers
 namespace {
