@@ -543,15 +543,14 @@ class Tracker:
             self._warn_changed(all_records=False)
 
     def _warn_changed(self, all_records: bool) -> None:
-        for name, sink in self._sinks.items():
-            if sink.reference_changed(all_records):
-                warnings.warn(
-                    f"hook point {name!r}: a tensor kept by CaptureMode.REFERENCE was changed in place "
-                    "after it was captured (its version counter moved), so the record no longer holds the "
-                    "value at capture time; use CaptureMode.SNAPSHOT (the default) for this model",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
+        for name in sorted(self._core.changed_references(all_records)):
+            warnings.warn(
+                f"hook point {name!r}: a tensor kept by CaptureMode.REFERENCE was changed in place "
+                "after it was captured (its version counter moved), so the record no longer holds the "
+                "value at capture time; use CaptureMode.SNAPSHOT (the default) for this model",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     # ------------------------------------------------------------------ results
     @property

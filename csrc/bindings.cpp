@@ -559,6 +559,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           if (kv.second) d[py::str(kv.first)] = kv.second;
         return d;
       })
+      .def("changed_references",
+           [](TrackerCore& c, bool all) {
+             // Hook points whose REFERENCE records were changed in place since capture.
+             std::vector<std::string> names;
+             for (const auto& kv : c.sinks)
+               if (kv.second && kv.second->reference_changed(all)) names.push_back(kv.first);
+             return names;
+           },
+           py::arg("all") = false)
       .def("release_callbacks", [](TrackerCore& c) {
         c.on_new_hook_point = py::none();
         c.on_forward_start = py::none();
