@@ -105,6 +105,20 @@ def _parse_enum(value: Any, cls: type[enum.Enum], argument: str) -> enum.Enum:
     raise ValueError(f"{argument} must be one of [{choices}], got {value!r}")
 
 
+def _check_store_options(options: Mapping[str, Any]) -> None:
+    import inspect
+
+    from .store import StoreWriter
+
+    params = inspect.signature(StoreWriter.__init__).parameters
+    fixed = {"self", "target", "capture_config", "model", "storage_dtype"}
+    valid = sorted(n for n, p in params.items() if n not in fixed and p.kind is p.KEYWORD_ONLY)
+    for key in options:
+        if key not in valid:
+            hint = "; storage_dtype is an argument of ActivationScope itself" if key == "storage_dtype" else ""
+            raise TypeError(f"store_options has no option {key!r}; valid options are {valid}{hint}")
+
+
 def _parse_capture(capture: Any) -> str:
     if isinstance(capture, CapturePolicy):
         raise TypeError(
@@ -202,6 +216,15 @@ class ActivationScope:
                 raise ValueError(f"capture_policy=CapturePolicy.MAX_K needs max_k= a non-negative int, got {max_k!r}")
         if storage_dtype is not None and not isinstance(storage_dtype, torch.dtype):
             raise TypeError(f"storage_dtype must be a torch.dtype, got {storage_dtype!r}")
+        if storage_dtype is not None and not storage_dtype.is_floating_point:
+            raise ValueError(
+                "storage_dtype must be a floating-point dtype (torch.float32, torch.float16, torch.bfloat16, ...), "
+                f"got {storage_dtype}: casting activations to it would truncate them"
+            )
+        if store_options:
+            if store is None:
+                raise ValueError(f"store_options={dict(store_options)!r} needs store= (a path, URL or zarr store)")
+            _check_store_options(store_options)
         if self.storage is StoragePolicy.DISK and store is None:
             raise ValueError("storage=StoragePolicy.DISK needs store= (a path, URL or zarr store) to write into")
         if store is not None and self.storage is StoragePolicy.AUTO:
@@ -524,18 +547,13 @@ class Tracker:
         if not self._core.capturing:
             return
         batch = self._batch or {}
-        n = self._core.batch_size
-        mask = batch.get("attention_mask")
-        if mask is not None:
-            n = mask.shape[0]
-        if n < 0:
-            n = 0
+        n = _batch_size(batch, self._core.batch_size)
         if self.writer is not None:
             ids = batch.get("sample_ids")
             if ids is None:
                 ids = torch.arange(self._n_samples, self._n_samples + n)
             self.writer.add_batch(
-                n_samples=n, sample_ids=ids, token_mask=mask, columns=batch.get("columns") or {}
+                n_samples=n, sample_ids=ids, token_mask=batch.get("attention_mask"), columns=batch.get("columns") or {}
             )
             self.writer.maybe_commit()
         self._n_samples += n
@@ -612,6 +630,20 @@ class Tracker:
     def __repr__(self) -> str:
         state = "attached" if self._attached else "detached"
         return f"<Tracker {type(self.model).__name__} {len(self._modules)} modules, {len(self._sinks)} hook points, {state}>"
+
+
+def _batch_size(batch: Mapping[str, Any], from_inputs: int) -> int:
+    """Samples in a forward: the attention mask's rows, else the sample ids, else a user
+    column, else the first dimension of the model's first tensor input (else of the first
+    captured activation); 0 when nothing tells."""
+    mask = batch.get("attention_mask")
+    if mask is not None:
+        return int(mask.shape[0])
+    if batch.get("sample_ids") is not None:
+        return len(batch["sample_ids"])
+    for column in (batch.get("columns") or {}).values():
+        return len(column)
+    return max(0, int(from_inputs))
 
 
 def _flatten_result(name: str, reduction: Any) -> dict[str, torch.Tensor]:

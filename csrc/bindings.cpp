@@ -119,6 +119,22 @@ void collect(py::handle obj, const std::string& prefix, Leaves& out, int depth) 
   }
 }
 
+// Samples in a root forward: the first dimension of the model's first tensor input
+// (positional, else keyword); -1 when the inputs hold no tensor with a dimension.
+int64_t root_batch_size(const py::args& args, const py::kwargs& kwargs) {
+  Leaves leaves;
+  for (size_t i = 0; i < args.size() && leaves.empty(); ++i) collect(args[i], "", leaves, 0);
+  if (leaves.empty()) {
+    for (auto item : kwargs) {
+      collect(item.second, "", leaves, 0);
+      if (!leaves.empty()) break;
+    }
+  }
+  for (const auto& leaf : leaves)
+    if (leaf.second.dim() >= 1) return leaf.second.size(0);
+  return -1;
+}
+
 class ForwardWrapper {
  public:
   explicit ForwardWrapper(py::object original) : original_(std::move(original)) {}
@@ -148,7 +164,7 @@ class ForwardWrapper {
         TrackerCore& c = *s->core;
         if (c.depth++ == 0) {
           c.capturing = c.decide(c.n_forwards);
-          c.batch_size = -1;
+          c.batch_size = root_batch_size(args, kwargs);
           ++c.n_forwards;
           if (c.on_forward_start && !c.on_forward_start.is_none()) c.on_forward_start();
         }

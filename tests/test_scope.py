@@ -726,3 +726,61 @@ def test_snapshot_copy_exact_for_sizes_and_alignments(numel, offset):
     recs = tr.activations["0.output"]
     assert len(recs) == 2 and all(torch.equal(r, x) for r in recs)
     assert recs[0].data_ptr() != x.data_ptr()
+
+
+def test_bad_store_options_and_storage_dtype_are_named(tmp_path):
+    with pytest.raises(TypeError, match="store_options has no option 'compresion'; valid options are .*'compression'"):
+        acs.ActivationScope(store=str(tmp_path / "s.zarr"), store_options={"compresion": "zstd"})
+    with pytest.raises(ValueError, match="store_options=.*needs store="):
+        acs.ActivationScope(store_options={"overwrite": True})
+    with pytest.raises(ValueError, match="storage_dtype must be a floating-point dtype.*torch.int8"):
+        acs.ActivationScope(storage_dtype=torch.int8)
+
+
+class SeqFirst(torch.nn.Module):
+    """Embeds (batch, pos) ids, works sequence-first inside, pools per sample."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(20, 4)
+        self.head = torch.nn.Linear(4, 3)
+
+    def forward(self, ids):
+        h = self.emb(ids.T)  # (pos, batch, d): the first tracked tensor is not per sample
+        return self.head(h.mean(0))
+
+
+class SliceFirst(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        self.a(x[:2])  # a first call on a slice of the batch
+        return self.a(x)
+
+
+@pytest.mark.parametrize("with_ids", [False, True])
+def test_samples_per_forward_come_from_the_model_input(tmp_path, with_ids):
+    model = SeqFirst()
+    path = str(tmp_path / "s.zarr")
+    ids = [torch.randint(0, 20, (6, 9)) for _ in range(2)]
+    with acs.ActivationScope(store=path).track(model, include=["head"]) as tr, torch.no_grad():
+        for i, x in enumerate(ids):
+            if with_ids:
+                tr.set_batch(sample_ids=list(range(i * 6, i * 6 + 6)))
+            model(x)
+    store = acs.open_store(path)
+    assert store.n_samples == 12
+    assert store.row_table("sample").column("sample_id").to_pylist() == list(range(12))
+    assert store.n_rows("head.output") == 12
+
+    model2 = SliceFirst()
+    path2 = str(tmp_path / "t.zarr")
+    with acs.ActivationScope(store=path2).track(model2, include=["a"]) as tr, torch.no_grad():
+        for i in range(2):
+            tr.set_batch(sample_ids=list(range(i * 5, i * 5 + 5)))
+            model2(torch.randn(5, 4))
+    assert acs.open_store(path2).n_samples == 10
