@@ -1,0 +1,23 @@
+"""The README's self-contained examples run as written and print what they say."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+from pathlib import Path
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def _python_blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+
+
+def test_runnable_quick_start_prints_its_comment():
+    block = next(b for b in _python_blocks() if "runnable" not in b and "mse_loss" in b)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(block, "README.md", "exec"), {})
+    expected = re.search(r"^# (\{.*\})$", block, flags=re.M).group(1)
+    assert out.getvalue().strip() == expected
