@@ -172,6 +172,24 @@ class ZarrBackend:
         return self.store
 
 
+def check_local_store_path(root: str | os.PathLike) -> None:
+    """Raise :class:`StoreError` when a local store path (or a folder above it) is a file.
+
+    A store is a directory; an existing regular file there is never replaced, not even with
+    ``overwrite=True`` (which only deletes stores).
+    """
+    p = Path(root).absolute()
+    for q in (p, *p.parents):
+        if q.exists():
+            if not q.is_dir():
+                what = "" if q == p else f" (its folder {str(q)!r} is a file)"
+                raise StoreError(
+                    f"store path {str(p)!r} must be a directory or a path that does not exist yet, got an existing "
+                    f"file{what}; choose a directory path (overwrite=True never deletes a file that is not a store)"
+                )
+            return
+
+
 def resolve(target: Any, *, fsync: bool = False, read_only: bool = False,
             storage_options: dict | None = None) -> LocalBackend | ZarrBackend:
     """A backend for a path, a URL (``file://``, ``memory://``, ``s3://``, ...) or a zarr Store.

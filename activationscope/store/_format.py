@@ -17,7 +17,8 @@ FORMAT_NAME = "activationscope"
 FORMAT_VERSION = 1
 ATTRS_KEY = "activationscope"
 
-#: Default sizes: a chunk is about 256 KiB of rows, a shard about 64 MiB.
+#: Default sizes: a chunk is about 256 KiB of rows, a shard about 64 MiB but at most
+#: MAX_SHARD_ROWS rows (see chunk_layout).
 DEFAULT_CHUNK_BYTES = 256 << 10
 #: Chunk sizes are rounded to whole pages of this size when the row size allows.
 PAGE_BYTES = 4096
@@ -25,6 +26,13 @@ DEFAULT_SHARD_BYTES = 64 << 20
 MAX_CHUNK_ROWS = 1 << 16
 #: Cap of chunks per shard: the shard index (16 bytes per chunk) stays <= 16 KiB.
 MAX_SHARD_CHUNKS = 1024
+#: Cap of rows per shard in the default layout. Rows become durable a whole shard at a time
+#: and a commit needs every array's rows durable, so without it an array of narrow rows (which
+#: fills 64 MiB only after millions of rows) would hold back every commit of the capture.
+MAX_SHARD_ROWS = 16384
+#: Valid compression levels: zstd (the "zstd:<level>" form) and blosc clevel.
+ZSTD_LEVELS = (1, 22)
+BLOSC_CLEVELS = (0, 9)
 
 # torch dtype name -> Zarr v3 data type of the stored elements
 _ZARR_DTYPE = {
@@ -93,24 +101,58 @@ def node_name(hook_point: str) -> str:
 def parse_compression(compression: Any) -> dict | None:
     """Normalise ``compression=`` to the Zarr v3 codec document (or None).
 
-    Accepts None, ``"zstd"``, ``"zstd:<level>"``, ``"blosc-lz4"``, a zarr ``ZstdCodec`` /
-    ``BloscCodec`` or a numcodecs ``Zstd`` / ``Blosc``.
+    Accepts None, ``"zstd"``, ``"zstd:<level>"`` (level 1..22, default 3), ``"blosc-lz4"``,
+    ``"blosc-lz4:<clevel>"`` (clevel 0..9, default 5), a zarr ``ZstdCodec`` / ``BloscCodec``
+    or a numcodecs ``Zstd`` / ``Blosc`` (zstd level at most 22, blosc clevel 0..9).
+
+    Raises
+    ------
+    ValueError
+        An unknown form or a level out of range.
     """
     if compression is None or compression is False:
         return None
     if isinstance(compression, str):
-        name, _, level = compression.partition(":")
+        name, sep, level = compression.partition(":")
         if name == "zstd":
-            lvl = 3
-            if level:
-                try:
-                    lvl = int(level)
-                except ValueError:
-                    raise ValueError(f"zstd level must be an int, got {level!r} in compression={compression!r}") from None
+            lvl = _parse_level(level, 3, "zstd", compression, ZSTD_LEVELS) if sep else 3
             return {"name": "zstd", "configuration": {"level": lvl, "checksum": False}}
         if name == "blosc-lz4":
-            lvl = int(level) if level.isdigit() else 5
+            lvl = _parse_level(level, 5, "blosc-lz4", compression, BLOSC_CLEVELS) if sep else 5
             return {"name": "blosc", "configuration": {"cname": "lz4", "clevel": lvl, "shuffle": "shuffle", "blocksize": 0}}
+    doc = _codec_document(compression)
+    if doc is not None:
+        conf = doc["configuration"]
+        if doc["name"] == "zstd" and not (-(1 << 17) <= int(conf.get("level", 0)) <= ZSTD_LEVELS[1]):
+            raise ValueError(f"zstd level must be at most {ZSTD_LEVELS[1]}, got {conf.get('level')!r} in compression={compression!r}")
+        if doc["name"] == "blosc" and not (BLOSC_CLEVELS[0] <= int(conf.get("clevel", 5)) <= BLOSC_CLEVELS[1]):
+            raise ValueError(
+                f"blosc clevel must be in {BLOSC_CLEVELS[0]}..{BLOSC_CLEVELS[1]}, got {conf.get('clevel')!r} in "
+                f"compression={compression!r}"
+            )
+        return doc
+    raise ValueError(
+        "compression must be one of [None, 'zstd', 'zstd:<level>', 'blosc-lz4'], a zarr ZstdCodec / "
+        f"BloscCodec or a numcodecs Zstd / Blosc, got {compression!r}"
+    )
+
+
+def _parse_level(level: str, default: int, name: str, compression: str, bounds: tuple[int, int]) -> int:
+    lo, hi = bounds
+    try:
+        lvl = int(level)
+    except ValueError:
+        lvl = None
+    if lvl is None or not lo <= lvl <= hi:
+        raise ValueError(
+            f"{name} level must be an int in {lo}..{hi}, got {level!r} in compression={compression!r}; "
+            f"e.g. '{name}:{default}'"
+        )
+    return lvl
+
+
+def _codec_document(compression: Any) -> dict | None:
+    """The codec document of a zarr ZstdCodec / BloscCodec or numcodecs Zstd / Blosc (else None)."""
     mod = type(compression).__module__
     cls = type(compression).__name__
     if mod.startswith("zarr") and cls in ("ZstdCodec", "BloscCodec"):
@@ -131,10 +173,7 @@ def parse_compression(compression: Any) -> dict | None:
             "configuration": {"cname": str(compression.cname), "clevel": int(compression.clevel),
                               "shuffle": shuffle, "blocksize": int(compression.blocksize)},
         }
-    raise ValueError(
-        "compression must be one of [None, 'zstd', 'zstd:<level>', 'blosc-lz4'], a zarr ZstdCodec / "
-        f"BloscCodec or a numcodecs Zstd / Blosc, got {compression!r}"
-    )
+    return None
 
 
 def codec_for_array(compression: dict | None, dtype: str) -> dict | None:
@@ -164,10 +203,20 @@ def numcodecs_encoder(codec: dict):
 # ------------------------------------------------------------------------ layout
 def chunk_layout(feature_shape: tuple[int, ...], dtype: str, chunk_rows: int | None,
                  shard_bytes: int | None) -> tuple[int, int]:
-    """(chunk_rows, chunks per shard) for an array."""
+    """(chunk_rows, chunks per shard) for an array.
+
+    Default (``shard_bytes`` None): a shard is about 64 MiB but at most ``MAX_SHARD_ROWS``
+    rows (rounded down to whole chunks, at least one chunk), so the arrays of one capture
+    complete shards -- and so let commits through -- at similar row counts whatever their
+    row size. Default chunks are about 256 KiB of rows in whole 4 KiB pages where the row
+    size allows (shards then map back to back, ``reader._whole_rows``). An explicit
+    ``shard_bytes`` is taken as given (no row cap).
+    """
     row_bytes = max(1, math.prod(feature_shape) * itemsize(dtype))
     if chunk_rows is None:
         chunk_rows = max(1, min(MAX_CHUNK_ROWS, DEFAULT_CHUNK_BYTES // row_bytes))
+        if shard_bytes is None:
+            chunk_rows = min(chunk_rows, MAX_SHARD_ROWS)
         # Whole pages per chunk (so per shard) where possible: shards then map back to back
         # into one contiguous zero-copy view of the whole array (reader._whole_rows).
         page_rows = PAGE_BYTES // math.gcd(row_bytes, PAGE_BYTES)
@@ -176,6 +225,8 @@ def chunk_layout(feature_shape: tuple[int, ...], dtype: str, chunk_rows: int | N
     chunk_bytes = chunk_rows * row_bytes
     target = DEFAULT_SHARD_BYTES if shard_bytes is None else shard_bytes
     shard_chunks = max(1, min(MAX_SHARD_CHUNKS, target // chunk_bytes))
+    if shard_bytes is None:
+        shard_chunks = max(1, min(shard_chunks, MAX_SHARD_ROWS // chunk_rows))
     return int(chunk_rows), int(shard_chunks)
 
 

@@ -355,9 +355,31 @@ class Store:
             parts.append(t[lo:hi])
         return parts[0].clone() if len(parts) == 1 else torch.cat(parts)
 
+    @staticmethod
+    def _crc_problem(data: bytes, expected: int | None, where: str) -> str | None:
+        """A problem line when ``data`` does not have the recorded crc32c (None: not recorded)."""
+        if expected is None:
+            return None
+        got = int(_C.crc32c(data))
+        if got != int(expected):
+            return f"{where}: crc32c mismatch (metadata {int(expected):08x}, data {got:08x})"
+        return None
+
+    def _check_crc(self, data: bytes, expected: int | None, where: str) -> None:
+        problem = self._crc_problem(data, expected, where)
+        if problem is not None:
+            raise StoreCorruptError(f"{problem} in store {str(self._backend)!r}; run verify to list every damaged file")
+
     def _read_small(self, entry: dict) -> torch.Tensor:
         import zarr
 
+        for key, crc in (entry.get("crc32c") or {}).items():
+            if key.endswith(".pt"):
+                continue  # the script is checked where it is read
+            raw = self._backend.get(key)
+            if raw is None:
+                raise StoreCorruptError(f"reduction chunk {key!r} listed in the metadata of {str(self._backend)!r} is missing")
+            self._check_crc(raw, crc, f"reduction {entry.get('reduction')!r}: chunk {key!r}")
         arr = zarr.open_array(self._backend.zarr_store(read_only=True), path=entry["path"], mode="r")
         data = np.asarray(arr[...])
         return self._to_torch(data, F.torch_dtype(entry["dtype"])).reshape(entry["shape"])
@@ -371,7 +393,12 @@ class Store:
         """The ``.pt`` bytes of a custom TorchScript reduction (``torch.jit.load(io.BytesIO(b))``)."""
         entry = self._attrs.get("reductions", {}).get(hook_point, {}).get(name) or {}
         key = entry.get("script")
-        return None if key is None else self._backend.get(key)
+        if key is None:
+            return None
+        data = self._backend.get(key)
+        if data is not None:
+            self._check_crc(data, (entry.get("crc32c") or {}).get(key), f"reduction {name!r}: script {key!r}")
+        return data
 
     # ------------------------------------------------------------------ row tables
     def row_table(self, kind: str = "sample") -> Any:
@@ -386,11 +413,13 @@ class Store:
         if kind not in ("sample", "token"):
             raise ValueError(f"kind must be one of ['sample', 'token'], got {kind!r}")
         info = (self._attrs.get("row_tables") or {}).get(kind) or {"parts": []}
+        crcs = info.get("crc32c") or {}
         tables = []
         for key in info["parts"]:
             raw = self._backend.get(key)
             if raw is None:
                 raise StoreCorruptError(f"row-table part {key!r} listed in the metadata is missing")
+            self._check_crc(raw, crcs.get(key), f"row table {kind!r}: part {key!r}")
             tables.append(pq.read_table(io.BytesIO(raw)))
         if not tables:
             cols = {"sample_id": pa.array([], pa.int64()), "batch": pa.array([], pa.int64())}
@@ -402,6 +431,9 @@ class Store:
     # ------------------------------------------------------------------ checks and info
     def verify(self) -> list[str]:
         """Recompute every committed chunk's crc32c and check the structure.
+
+        Also checks the crc32c recorded in the metadata of every row-table part and every
+        reduction chunk and script (stores written before they were recorded: presence only).
 
         Returns
         -------
@@ -459,9 +491,26 @@ class Store:
                     if got != crc:
                         problems.append(f"{where}: crc32c mismatch (manifest {crc:08x}, data {got:08x})")
         for kind, info in (self._attrs.get("row_tables") or {}).items():
+            crcs = info.get("crc32c") or {}  # absent in stores written before it was recorded
             for key in info.get("parts", []):
-                if self._backend.get(key) is None:
+                data = self._backend.get(key)
+                if data is None:
                     problems.append(f"row table {kind!r}: part {key!r} is missing")
+                    continue
+                problem = self._crc_problem(data, crcs.get(key), f"row table {kind!r}: part {key!r}")
+                if problem:
+                    problems.append(problem)
+        for hp, entries in (self._attrs.get("reductions") or {}).items():
+            for name, entry in entries.items():
+                for key, crc in (entry.get("crc32c") or {}).items():
+                    where = f"hook point {hp!r}: reduction {name!r}: file {key!r}"
+                    data = self._backend.get(key)
+                    if data is None:
+                        problems.append(f"{where} is missing")
+                        continue
+                    problem = self._crc_problem(data, crc, where)
+                    if problem:
+                        problems.append(problem)
         return problems
 
     def info(self) -> dict:

@@ -32,7 +32,7 @@ import torch
 from .. import _native
 from ..errors import ActivationScopeError, CaptureError, StoreError, StoreExistsError
 from . import _format as F
-from ._backend import LocalBackend, ZarrBackend, resolve
+from ._backend import LocalBackend, ZarrBackend, check_local_store_path, resolve
 
 _C = _native.load()
 
@@ -155,14 +155,17 @@ class StoreWriter:
         Replace an existing store at ``target``.
     resume : bool, default False
         Continue an existing store: every array is truncated to the committed samples and
-        :attr:`n_samples_committed` says how many samples the caller must skip. A missing
-        store is created.
-    compression : None, "zstd", "zstd:<level>", "blosc-lz4", or a zarr / numcodecs codec
-        Inner-chunk compression (None keeps arrays zero-copy readable).
+        :attr:`n_samples_committed` says how many samples the caller must skip. Nothing at
+        ``target`` is an error (drop ``resume=True`` to start a new store).
+    compression : None, "zstd", "zstd:<level>", "blosc-lz4", "blosc-lz4:<clevel>", or a zarr / numcodecs codec
+        Inner-chunk compression (None keeps arrays zero-copy readable); zstd levels 1..22,
+        blosc clevel 0..9.
     chunk_rows : int, optional
-        Rows per chunk (default: about 256 KiB of rows in whole 4 KiB pages, at most 65536).
+        Rows per chunk (default: about 256 KiB of rows in whole 4 KiB pages, at most 16384).
     shard_bytes : int, optional
-        Target bytes per shard (default 64 MiB); a shard holds a whole number of chunks.
+        Target bytes per shard; a shard holds a whole number of chunks. Default: 64 MiB but
+        at most 16384 rows, so that every array completes shards -- and so lets commits
+        through -- every 16384 rows at the latest (rows become durable a whole shard at a time).
     fsync : bool, default False
         fsync shards and metadata before they are renamed into place.
     max_pending_bytes : int, default 256 MiB
@@ -177,6 +180,9 @@ class StoreWriter:
     ------
     StoreExistsError
         A store exists at ``target`` and neither ``overwrite`` nor ``resume`` is set.
+    StoreError
+        ``target`` is an existing file (not a directory), or ``resume`` is set and there is
+        nothing at ``target``.
     ValueError, TypeError
         Invalid options (checked before anything is written).
     """
@@ -216,6 +222,8 @@ class StoreWriter:
         self._storage_dtype = None if storage_dtype is None else F.dtype_name(storage_dtype)
         self._fsync = bool(fsync)
         self._backend = resolve(target, fsync=self._fsync, storage_options=dict(storage_options or {}) or None)
+        if isinstance(self._backend, LocalBackend):
+            check_local_store_path(self._backend.root)
         self._model = model_identity(model)
         self.target = target
 
@@ -239,6 +247,11 @@ class StoreWriter:
                     f"a store already exists at {str(self._backend)!r} (status {status!r}); pass overwrite=True to "
                     "replace it or resume=True to continue it"
                 )
+        elif resume and self._backend.is_empty():
+            raise StoreError(
+                f"resume=True needs a store to continue, but there is nothing to resume at {str(self._backend)!r}; "
+                "drop resume=True to start a new store"
+            )
         elif not self._backend.is_empty():
             raise StoreExistsError(
                 f"{str(self._backend)!r} exists and is not empty but holds no Zarr store; choose another path "
@@ -268,6 +281,7 @@ class StoreWriter:
         self._encoders: dict[str, Any] = {}
         self._encoder_thread: threading.Thread | None = None
         self._seen_version = -1
+        self._unpublished = False  # arrays opened since the root was last written
         self._closed = False
         self._lock = threading.RLock()
         st = self._state or {}
@@ -434,6 +448,8 @@ class StoreWriter:
                     rows = Store(self._backend)._read_rows(hook_point, start, committed, copy=True)
                     writer.append(rows)
             self._arrays[hook_point] = arr
+            if old is None:
+                self._unpublished = True
             return writer
 
     def _load_manifest(self, arr: _Array) -> dict:
@@ -555,7 +571,7 @@ class StoreWriter:
         """
         self._raise_if_failed()
         version = self._core.durable_version
-        if version == self._seen_version:
+        if version == self._seen_version and not self._unpublished:
             return False
         with self._lock:
             self._seen_version = version
@@ -585,7 +601,7 @@ class StoreWriter:
                 k += 1
             else:
                 break
-        if k == 0 and not force:
+        if k == 0 and not force and not self._unpublished:
             return False
         batches, self._pending = self._pending[:k], self._pending[k:]
         # 2. row-table parts
@@ -616,8 +632,10 @@ class StoreWriter:
                 b.set(f"{a.path}/zarr.json", F.dumps(doc))
                 a.doc_rows = a.committed_rows
         # 4. the root, last
+        # (new arrays are listed, with their committed 0 rows, before their first shard)
         b.set("zarr.json", F.dumps(F.group_document({F.ATTRS_KEY: self._root_attrs(status)})))
-        return True
+        self._unpublished = False
+        return k > 0 or force
 
     def _write_part(self, kind: str, pieces: list[dict]) -> None:
         import pyarrow as pa
@@ -634,8 +652,10 @@ class StoreWriter:
         key = f"rows/{kind}/part-{len(info['parts']):06d}.parquet"
         sink = io.BytesIO()
         pq.write_table(table, sink)
-        self._backend.set(key, sink.getvalue())
+        data = sink.getvalue()
+        self._backend.set(key, data)
         info["parts"].append(key)
+        info.setdefault("crc32c", {})[key] = int(_C.crc32c(data))
         info["n_rows"] = int(info.get("n_rows", 0)) + table.num_rows
         for name in table.column_names:
             if name not in info["columns"]:
@@ -671,8 +691,9 @@ class StoreWriter:
                 dname = F.dtype_name(t.dtype)
                 if dname not in F.SUPPORTED_DTYPES:
                     raise StoreError(f"reduction {name!r} of hook point {hook_point!r}: result {key!r} has unsupported dtype {dname}")
-                self._write_small_array(path, t, {"hook_point": hook_point, "reduction": name, "dtype": dname})
-                entries[full] = {"path": path, "reduction": name, "kind": kind, "dtype": dname, "shape": list(t.shape)}
+                crcs = self._write_small_array(path, t, {"hook_point": hook_point, "reduction": name, "dtype": dname})
+                entries[full] = {"path": path, "reduction": name, "kind": kind, "dtype": dname, "shape": list(t.shape),
+                                 "crc32c": crcs}
             pt = script_path
             if pt is None:
                 for attr in ("script_path", "path"):
@@ -683,10 +704,14 @@ class StoreWriter:
                         break
             if pt is not None and Path(pt).is_file():
                 key = f"reductions/{node}/{name}.pt"
-                self._backend.set(key, Path(pt).read_bytes())
-                entries[name]["script"] = key if name in entries else None
+                data = Path(pt).read_bytes()
+                self._backend.set(key, data)
+                if name in entries:
+                    entries[name]["script"] = key
+                    entries[name].setdefault("crc32c", {})[key] = int(_C.crc32c(data))
 
-    def _write_small_array(self, path: str, t: torch.Tensor, attrs: dict) -> None:
+    def _write_small_array(self, path: str, t: torch.Tensor, attrs: dict) -> dict[str, int]:
+        """Write a one-chunk array; returns ``{chunk key: crc32c}`` (empty for a 0-size array)."""
         dname = F.dtype_name(t.dtype)
         data = t.view(torch.uint16) if dname == "bfloat16" else t
         arr = data.numpy()
@@ -700,8 +725,11 @@ class StoreWriter:
         doc["codecs"] = [F.bytes_codec(dname)]
         self._backend.set(f"{path}/zarr.json", F.dumps(doc))
         key = f"{path}/c" + ("/" + "/".join("0" for _ in shape) if shape else "")
-        if arr.size:
-            self._backend.set(key, np.ascontiguousarray(arr).astype(arr.dtype.newbyteorder("<")).tobytes())
+        if not arr.size:
+            return {}
+        data = np.ascontiguousarray(arr).astype(arr.dtype.newbyteorder("<")).tobytes()
+        self._backend.set(key, data)
+        return {key: int(_C.crc32c(data))}
 
     # ------------------------------------------------------------------ close
     def _stop_threads(self) -> None:

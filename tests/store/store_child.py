@@ -1,13 +1,14 @@
 """Child process of the crash-safety tests: captures a toy MLP into a store.
 
 python store_child.py PATH MODE N_BATCHES [LIMIT_AFTER]
-MODE "run": capture (resume=True), printing "batch <i>" after each forward.
+MODE "run": capture (resume=True when a store exists at PATH), printing "batch <i>" after each forward.
 MODE "diskfull": after LIMIT_AFTER batches, cap file sizes (RLIMIT_FSIZE) and go on; prints
 "ERR <class>: <message>" for the error that stops the capture.
 """
 
 from __future__ import annotations
 
+import os
 import resource
 import signal
 import sys
@@ -26,7 +27,8 @@ def capture(path: str, n_batches: int, *, limit_after: int | None = None, sleep_
     torch.manual_seed(0)
     model = MLP().eval()
     xs = batches_mlp(n_batches=n_batches, batch=BATCH)
-    scope = acs.ActivationScope(store=path, store_options={**OPTIONS, "resume": True})
+    resume = os.path.exists(os.path.join(path, "zarr.json"))  # resume=True needs a store to continue
+    scope = acs.ActivationScope(store=path, store_options={**OPTIONS, "resume": resume})
     tracker = scope.track(model)
     tracker.attach()
     start = tracker.writer.n_samples_committed

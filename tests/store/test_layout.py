@@ -1,0 +1,77 @@
+"""Default chunk / shard layout: every array completes shards within MAX_SHARD_ROWS rows, so
+commits come at a steady pace whatever the row size; chunks stay whole pages."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+import torch
+
+import activationscope as acs
+from activationscope.store import _format as F
+
+
+@pytest.mark.parametrize("feature_shape", [(), (1,), (3,), (4,), (7,), (384,), (768,), (4096,), (2, 5)])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "float64"])
+def test_default_shards_hold_at_most_max_shard_rows(feature_shape, dtype):
+    chunk_rows, shard_chunks = F.chunk_layout(feature_shape, dtype, None, None)
+    shard_rows = chunk_rows * shard_chunks
+    row_bytes = math.prod(feature_shape) * F.itemsize(dtype)
+    assert 1 <= shard_rows <= F.MAX_SHARD_ROWS
+    assert shard_chunks <= F.MAX_SHARD_CHUNKS
+    assert shard_rows * row_bytes <= F.DEFAULT_SHARD_BYTES
+    # whole 4 KiB pages per chunk where the row size allows (shards then map back to back)
+    page_rows = F.PAGE_BYTES // math.gcd(row_bytes, F.PAGE_BYTES)
+    if page_rows <= F.MAX_SHARD_ROWS and row_bytes <= F.DEFAULT_CHUNK_BYTES:
+        assert (chunk_rows * row_bytes) % F.PAGE_BYTES == 0, (chunk_rows, row_bytes)
+    # narrow rows: a shard is a good fraction of the cap, not a handful of rows
+    if row_bytes <= 64:
+        assert shard_rows >= F.MAX_SHARD_ROWS // 2
+
+
+def test_explicit_sizes_are_taken_as_given():
+    # an explicit shard_bytes has no row cap; an explicit chunk_rows stays as asked
+    assert F.chunk_layout((1,), "float32", None, 1 << 20) == (65536, 4)
+    assert F.chunk_layout((1,), "float32", 100, 4000) == (100, 10)
+    chunk_rows, shard_chunks = F.chunk_layout((1,), "float32", 1000, None)
+    assert chunk_rows == 1000 and chunk_rows * shard_chunks <= F.MAX_SHARD_ROWS
+
+
+def test_narrow_array_no_longer_holds_back_commits(tmp_path):
+    """One array of 1-float rows next to a wider one: samples are committed during the
+    capture (before the fix, the narrow array's first 64 MiB shard needed 16M rows)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 64), torch.nn.Linear(64, 1)).eval()
+    path = tmp_path / "s.zarr"
+    n_rows, batch = 3 * F.MAX_SHARD_ROWS, 4096
+    xs = torch.randn(n_rows, 2)
+    with torch.no_grad():
+        ref = model(xs)
+    with acs.ActivationScope(store=str(path)).track(model) as tr:
+        with torch.no_grad():
+            for i in range(0, n_rows, batch):
+                model(xs[i:i + batch])
+        deadline = time.monotonic() + 10
+        while tr.writer.n_samples_committed == 0 and time.monotonic() < deadline:
+            tr.writer.maybe_commit()
+            time.sleep(0.01)
+        mid = acs.open_store(path)  # what a capture killed now would keep
+        assert mid.status == "incomplete"
+        assert mid.n_samples >= 2 * F.MAX_SHARD_ROWS, mid.n_samples
+        assert mid.attrs["arrays"]["1.output"]["shard_rows"] <= F.MAX_SHARD_ROWS
+        torch.testing.assert_close(mid["1.output"], ref[:mid.n_samples])
+    assert acs.open_store(path).n_samples == n_rows
+
+
+def test_arrays_are_listed_before_the_first_commit(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4)).eval()
+    with acs.ActivationScope(store=str(tmp_path / "s.zarr")).track(model):
+        with torch.no_grad():
+            model(torch.randn(2, 3))
+        store = acs.open_store(tmp_path / "s.zarr")
+        assert store.n_samples == 0 and store.status == "incomplete"
+        assert store.hook_points == ["0.output"]
+        assert store.n_rows("0.output") == 0 and store["0.output"].shape == (0, 4)
+        assert store.verify() == []

@@ -1,0 +1,81 @@
+"""Store paths and options rejected before anything is written: a file where the store
+should go, resume=True with nothing to resume, compression levels out of range."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import activationscope as acs
+from activationscope.errors import StoreError
+from activationscope.store import StoreWriter
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_store_writer_on_a_regular_file(tmp_path, overwrite):
+    f = tmp_path / "afile"
+    f.write_bytes(b"not a store")
+    with pytest.raises(StoreError, match="afile.*must be a directory.*choose a directory path") as e:
+        StoreWriter(str(f), overwrite=overwrite)
+    assert not isinstance(e.value, NotADirectoryError)
+    assert f.read_bytes() == b"not a store"
+
+
+def test_store_inside_a_file(tmp_path):
+    f = tmp_path / "afile"
+    f.write_bytes(b"x")
+    with pytest.raises(StoreError, match="its folder .*afile.* is a file"):
+        StoreWriter(str(f / "run.zarr"))
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_scope_on_a_regular_file(tmp_path, overwrite):
+    f = tmp_path / "afile"
+    f.write_bytes(b"not a store")
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    scope = acs.ActivationScope(store=str(f), store_options={"overwrite": overwrite})
+    with pytest.raises(StoreError, match="must be a directory") as e:
+        with scope.track(model):
+            model(torch.randn(1, 2))
+    assert not isinstance(e.value, NotADirectoryError)
+    assert f.read_bytes() == b"not a store"
+
+
+def test_resume_with_nothing_to_resume(tmp_path):
+    path = tmp_path / "nope.zarr"
+    with pytest.raises(StoreError, match=r"nothing to resume at .*nope\.zarr.*drop resume=True"):
+        StoreWriter(str(path), resume=True)
+    assert not path.exists()
+    path.mkdir()  # an empty folder is nothing to resume either
+    with pytest.raises(StoreError, match="nothing to resume"):
+        StoreWriter(str(path), resume=True)
+
+
+@pytest.mark.parametrize("compression, match", [
+    ("zstd:99", r"zstd level must be an int in 1\.\.22, got '99'"),
+    ("zstd:0", "zstd level must be an int in 1..22"),
+    ("zstd:", "zstd level must be an int"),
+    ("zstd:fast", "zstd level must be an int"),
+    ("blosc-lz4:10", r"blosc-lz4 level must be an int in 0\.\.9, got '10'"),
+    ("blosc-lz4:x", "blosc-lz4 level must be an int"),
+])
+def test_compression_levels_are_checked(tmp_path, compression, match):
+    with pytest.raises(ValueError, match=match):
+        StoreWriter(str(tmp_path / "s.zarr"), compression=compression)
+    assert not (tmp_path / "s.zarr").exists()
+
+
+def test_codec_object_levels_are_checked(tmp_path):
+    numcodecs = pytest.importorskip("numcodecs")
+    with pytest.raises(ValueError, match="blosc clevel must be in 0..9"):
+        StoreWriter(str(tmp_path / "s.zarr"), compression=numcodecs.Blosc(clevel=12))
+    with pytest.raises(ValueError, match="zstd level must be at most 22"):
+        StoreWriter(str(tmp_path / "s.zarr"), compression=numcodecs.Zstd(level=40))
+
+
+@pytest.mark.parametrize("compression, level", [("zstd:1", 1), ("zstd:22", 22), ("blosc-lz4:0", 0), ("blosc-lz4:9", 9)])
+def test_valid_levels(compression, level):
+    from activationscope.store import _format as F
+
+    conf = F.parse_compression(compression)["configuration"]
+    assert conf.get("level", conf.get("clevel")) == level
