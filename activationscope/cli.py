@@ -49,6 +49,33 @@ def _csv(value: str) -> list[str]:
     return [v.strip() for v in value.split(",") if v.strip()]
 
 
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000 ** 2,
+               "mib": 1 << 20, "g": 1 << 30, "gb": 1000 ** 3, "gib": 1 << 30}
+
+
+def _size(value: str) -> int:
+    """``"1048576"``, ``"4MiB"``, ``"512k"``, ``"64MB"`` -> bytes (a positive int)."""
+    import re
+
+    m = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", value)
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _SIZE_UNITS or int(m.group(1)) <= 0:
+        raise argparse.ArgumentTypeError(
+            f"must be a positive number of bytes, optionally with a unit (k, KiB, M, MiB, MB, G, GiB), got {value!r}"
+        )
+    return int(m.group(1)) * _SIZE_UNITS[unit]
+
+
+def _positive(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive int, got {value!r}")
+    return n
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``activationscope`` command."""
     common = argparse.ArgumentParser(add_help=False)
@@ -107,6 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="built-in reductions, comma separated, e.g. mean,var,nonzero")
     p.add_argument("--dtype", choices=DTYPES, default=None, help="store activations as this dtype")
     p.add_argument("--compression", choices=COMPRESSIONS, default=None, help="chunk compression (default: none)")
+    p.add_argument("--shard-bytes", type=_size, default=None, metavar="BYTES",
+                   help="target bytes per shard file, e.g. 4MiB (default: 64 MiB but at most 16384 rows); rows are "
+                        "committed a whole shard at a time, so smaller shards commit more often")
+    p.add_argument("--chunk-rows", type=_positive, default=None, metavar="N",
+                   help="rows per chunk (default: about 256 KiB of rows, at most 16384)")
     p.add_argument("--batch-size", type=int, default=32, help="samples per forward (default: %(default)s)")
     p.add_argument("--max-samples", type=int, default=None, help="capture at most this many samples")
     p.add_argument("--max-length", type=int, default=128, help="token limit of text samples (default: %(default)s)")
@@ -509,6 +541,10 @@ def cmd_capture(args: argparse.Namespace) -> int:
         raise CLIError(f"store {out!r} already exists; pass --overwrite to replace it or --resume to continue it")
     if args.resume and not exists:
         raise CLIError(f"--resume: store {out!r} does not exist")
+    if "://" not in out:
+        from .store._backend import check_local_store_path
+
+        check_local_store_path(out)  # a file there: fail before loading anything or printing a progress bar
 
     data = load_data_spec(args.data)
     loaded = load_model_spec(args.model)
@@ -541,6 +577,10 @@ def cmd_capture(args: argparse.Namespace) -> int:
         store_options["resume"] = True
     if args.compression and args.compression != "none":
         store_options["compression"] = args.compression
+    if args.shard_bytes is not None:
+        store_options["shard_bytes"] = args.shard_bytes
+    if args.chunk_rows is not None:
+        store_options["chunk_rows"] = args.chunk_rows
     dtype = getattr(torch, args.dtype) if args.dtype else None
     summary = run_capture(
         loaded.model, batches, out=out, n_total=n - first, include=include, exclude=exclude,
@@ -759,6 +799,10 @@ def format_info(info: dict[str, Any], name: str) -> str:
         lines.extend(line(r) for r in rows)
     else:
         lines.append("(no hook points)")
+    if info.get("status") == "incomplete" and not info.get("n_samples"):
+        lines.append("")
+        lines.append("no samples committed yet: a commit needs the rows of whole forwards in complete shards of every "
+                     "array (capture with a smaller --shard-bytes to commit more often)")
     ratio = info.get("compression_ratio")
     lines.append("")
     lines.append(

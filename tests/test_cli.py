@@ -394,6 +394,60 @@ def test_verify_missing_shard(toy_store, capsys):
     assert code == 1 and "2.output" in err and "missing" in err
 
 
+def test_capture_shard_bytes_and_chunk_rows(tmp_path, toy_store, capsys):
+    import activationscope as acs
+
+    _, x = toy_store
+    out = tmp_path / "small.zarr"
+    code, _, err = run(capsys, "capture", "--model", "usermodels.nets:mlp", "--data", str(x), "--out", str(out),
+                       "--shard-bytes", "1KiB", "--chunk-rows", "8", "--no-progress")
+    assert code == 0, err
+    store = acs.open_store(str(out))
+    meta = store.attrs["arrays"]["0.output"]  # 5 float32 = 20 bytes a row
+    assert meta["chunk_rows"] == 8 and meta["shard_rows"] == 8 * (1024 // (8 * 20))
+    assert store.n_samples == 50 and store.verify() == []
+
+
+@pytest.mark.parametrize("value, expected", [("4096", 4096), ("4MiB", 4 << 20), ("512k", 512 << 10), ("64MB", 64 * 10**6)])
+def test_shard_bytes_units(value, expected):
+    args = cli.build_parser().parse_args(["capture", "--model", "m:f", "--data", "d", "--out", "o", "--shard-bytes", value])
+    assert args.shard_bytes == expected
+
+
+@pytest.mark.parametrize("option, value", [("--shard-bytes", "0"), ("--shard-bytes", "4 parsecs"), ("--chunk-rows", "-3")])
+def test_bad_sizes_are_usage_errors(capsys, option, value):
+    code, _, err = run(capsys, "capture", "--model", "m:f", "--data", "d", "--out", "o", option, value)
+    assert code == 2 and option in err and "must be a positive" in err
+
+
+def test_capture_out_is_a_file_fails_before_the_progress_bar(tmp_path, toy_store, capsys):
+    _, x = toy_store
+    f = tmp_path / "afile"
+    f.write_text("keep me")
+    code, out, err = run(capsys, "capture", "--model", "usermodels.nets:mlp", "--data", str(x), "--out", str(f),
+                         "--overwrite")
+    assert code == 1 and out == ""
+    _one_error_line(err, "afile", "must be a directory", "choose a directory path")
+    assert f.read_text() == "keep me"
+
+
+def test_info_of_an_incomplete_store_without_samples_lists_its_arrays(tmp_path, capsys):
+    import activationscope as acs
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU())
+    out = tmp_path / "inc.zarr"
+    with acs.ActivationScope(store=str(out)).track(model):
+        with torch.no_grad():
+            model(torch.randn(2, 3))
+        code, stdout, err = run(capsys, "info", str(out))  # as a capture killed now would leave it
+    assert code == 0, err
+    assert "status:   incomplete, 0 samples" in stdout
+    assert "(no hook points)" not in stdout
+    lines = {l.split()[0]: l for l in stdout.splitlines() if l.split() and l.split()[0].endswith(".output")}
+    assert set(lines) == {"0.output", "1.output"} and "(4,)" in lines["0.output"]
+    assert "no samples committed yet" in stdout and "--shard-bytes" in stdout
+
+
 def test_export_parquet_and_arrow(tmp_path, toy_store, capsys):
     import pyarrow.parquet as pq
 
