@@ -54,7 +54,8 @@ def test_narrow_array_no_longer_holds_back_commits(tmp_path):
             for i in range(0, n_rows, batch):
                 model(xs[i:i + batch])
         deadline = time.monotonic() + 10
-        while tr.writer.n_samples_committed == 0 and time.monotonic() < deadline:
+        # the writer thread commits shards as it completes them: wait for the first two
+        while tr.writer.n_samples_committed < 2 * F.MAX_SHARD_ROWS and time.monotonic() < deadline:
             tr.writer.maybe_commit()
             time.sleep(0.01)
         mid = acs.open_store(path)  # what a capture killed now would keep
