@@ -20,6 +20,8 @@ ATTRS_KEY = "activationscope"
 #: Default sizes: a chunk is about 256 KiB of rows, a shard about 64 MiB but at most
 #: MAX_SHARD_ROWS rows (see chunk_layout).
 DEFAULT_CHUNK_BYTES = 256 << 10
+#: Default chunk size of compressed arrays (decoded whole on read, never memory-mapped).
+COMPRESSED_CHUNK_BYTES = 1 << 20
 #: Chunk sizes are rounded to whole pages of this size when the row size allows.
 PAGE_BYTES = 4096
 DEFAULT_SHARD_BYTES = 64 << 20
@@ -202,7 +204,7 @@ def numcodecs_encoder(codec: dict):
 
 # ------------------------------------------------------------------------ layout
 def chunk_layout(feature_shape: tuple[int, ...], dtype: str, chunk_rows: int | None,
-                 shard_bytes: int | None) -> tuple[int, int]:
+                 shard_bytes: int | None, compressed: bool = False) -> tuple[int, int]:
     """(chunk_rows, chunks per shard) for an array.
 
     Default (``shard_bytes`` None): a shard is about 64 MiB but at most ``MAX_SHARD_ROWS``
@@ -210,11 +212,13 @@ def chunk_layout(feature_shape: tuple[int, ...], dtype: str, chunk_rows: int | N
     complete shards -- and so let commits through -- at similar row counts whatever their
     row size. Default chunks are about 256 KiB of rows in whole 4 KiB pages where the row
     size allows (shards then map back to back, ``reader._whole_rows``). An explicit
-    ``shard_bytes`` is taken as given (no row cap).
+    ``shard_bytes`` is taken as given (no row cap). Compressed arrays (never mapped) get
+    chunks of about ``COMPRESSED_CHUNK_BYTES``: fewer, larger encoder calls.
     """
     row_bytes = max(1, math.prod(feature_shape) * itemsize(dtype))
     if chunk_rows is None:
-        chunk_rows = max(1, min(MAX_CHUNK_ROWS, DEFAULT_CHUNK_BYTES // row_bytes))
+        target_chunk = COMPRESSED_CHUNK_BYTES if compressed else DEFAULT_CHUNK_BYTES
+        chunk_rows = max(1, min(MAX_CHUNK_ROWS, target_chunk // row_bytes))
         if shard_bytes is None:
             chunk_rows = min(chunk_rows, MAX_SHARD_ROWS)
         # Whole pages per chunk (so per shard) where possible: shards then map back to back

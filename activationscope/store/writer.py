@@ -423,7 +423,8 @@ class StoreWriter:
                 compression = old.get("compression")
                 committed = int(old["n_rows"])
             else:
-                chunk_rows, shard_chunks = F.chunk_layout(feature_shape, name, self._chunk_rows, self._shard_bytes)
+                chunk_rows, shard_chunks = F.chunk_layout(feature_shape, name, self._chunk_rows, self._shard_bytes,
+                                                            compressed=self._compression is not None)
                 compression = F.codec_for_array(self._compression, name)
                 committed = 0
             arr = _Array(hook_point, node, f"acts/{node}", feature_shape, name, row_kind, chunk_rows, shard_chunks,
