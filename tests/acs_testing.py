@@ -37,3 +37,30 @@ def small_transformer(d_model: int = 16) -> torch.nn.Module:
     torch.manual_seed(0)
     layer = torch.nn.TransformerEncoderLayer(d_model, nhead=2, dim_feedforward=32, dropout=0.0, batch_first=True)
     return torch.nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+
+
+def python_blocks(path) -> list[str]:
+    """The ```python blocks of a Markdown file, in order."""
+    import re
+    from pathlib import Path
+
+    return re.findall(r"```python\n(.*?)```", Path(path).read_text(), flags=re.S)
+
+
+def run_doc_blocks(path, workdir, *, min_blocks: int = 1) -> None:
+    """Run a Markdown page's python blocks in order as one script inside ``workdir``
+    (a file, so TorchScript can read the source of functions defined there)."""
+    import os
+    import runpy
+    from pathlib import Path
+
+    blocks = python_blocks(path)
+    assert len(blocks) >= min_blocks, f"{path}: {len(blocks)} python blocks, expected at least {min_blocks}"
+    script = Path(workdir) / f"{Path(path).stem}_doc.py"
+    script.write_text("\n".join(f"# --- block {i}\n{b}" for i, b in enumerate(blocks)))
+    cwd = os.getcwd()
+    os.chdir(workdir)
+    try:
+        runpy.run_path(str(script), run_name="__docs__")
+    finally:
+        os.chdir(cwd)

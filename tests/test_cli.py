@@ -612,18 +612,11 @@ def test_demo_command_small(tmp_path, capsys):
 @pytest.mark.parametrize("doc", ["cli.md", "capture.md"])
 def test_docs_examples_run(doc, tmp_path, monkeypatch):
     """Run the page's python blocks in order, in a scratch directory."""
-    import re
-    import runpy
+    from acs_testing import run_doc_blocks
 
-    text = (ROOT / "docs" / "usage" / doc).read_text()
-    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
-    assert len(blocks) >= 4
-    script = tmp_path / f"{doc}.py"
-    script.write_text("\n".join(f"# --- block {i}\n{b}" for i, b in enumerate(blocks)))
-    monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     try:
-        runpy.run_path(str(script), run_name="__docs__")
+        run_doc_blocks(ROOT / "docs" / "usage" / doc, tmp_path, min_blocks=4)
     finally:
         sys.modules.pop("toymodels", None)
 

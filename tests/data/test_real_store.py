@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import re
-import runpy
 from pathlib import Path
 
 import pyarrow.compute as pc
@@ -115,14 +113,10 @@ def test_token_rows_filters_and_views(tmp_path, transformer):
     assert out.shape == (4, 7, 16)
 
 
-def test_docs_examples_run(tmp_path, monkeypatch):
-    text = (ROOT / "docs" / "usage" / "dataset.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
-    assert len(blocks) >= 5
-    script = tmp_path / "dataset_doc.py"
-    script.write_text("\n".join(f"# --- block {i}\n{b}" for i, b in enumerate(blocks)))
-    monkeypatch.chdir(tmp_path)
-    runpy.run_path(str(script), run_name="__docs__")
+def test_docs_examples_run(tmp_path):
+    from acs_testing import run_doc_blocks
+
+    run_doc_blocks(ROOT / "docs" / "usage" / "dataset.md", tmp_path, min_blocks=5)
 
 
 def _capture(path, dtype=None, n=96, d=16, **store_options):
