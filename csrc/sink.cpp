@@ -64,7 +64,7 @@ at::Tensor Arena::empty(at::IntArrayRef sizes, at::ScalarType dtype) {
   }
   const int64_t aligned = (nbytes + kAlign - 1) / kAlign * kAlign;
   if (!slab_ || used_ + aligned > capacity_) {
-    slab_ = acquire_slab();
+    slab_ = acquire_slab(/*expect_more=*/reserved_bytes_ > 0);
     used_ = 0;
     capacity_ = kSlabBytes;
     reserved_bytes_ += kSlabBytes;

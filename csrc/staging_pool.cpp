@@ -39,9 +39,9 @@ Pool& pool() {
   return *p;
 }
 
-void* map_slab() {
+void* map_slab(bool populate) {
   void* ptr = mmap(nullptr, kSlabBytes, PROT_READ | PROT_WRITE,
-                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+                   MAP_PRIVATE | MAP_ANONYMOUS | (populate ? MAP_POPULATE : 0), -1, 0);
   if (ptr == MAP_FAILED) throw std::bad_alloc();
   return ptr;
 }
@@ -69,7 +69,7 @@ void background_loop() {
     }
     void* ptr = nullptr;
     try {
-      ptr = map_slab();
+      ptr = map_slab(/*populate=*/true);
     } catch (...) {
       continue;
     }
@@ -79,7 +79,7 @@ void background_loop() {
 
 }  // namespace
 
-c10::Storage acquire_slab() {
+c10::Storage acquire_slab(bool expect_more) {
   Pool& p = pool();
   void* ptr = nullptr;
   {
@@ -88,7 +88,7 @@ c10::Storage acquire_slab() {
       ptr = p.free_slabs.back();
       p.free_slabs.pop_back();
     }
-    if (p.prefault && p.cap >= kSlabBytes && p.free_slabs.empty()) {
+    if (expect_more && p.prefault && p.cap >= kSlabBytes && p.free_slabs.empty()) {
       if (!p.thread_started) {
         std::thread(background_loop).detach();
         p.thread_started = true;
@@ -97,7 +97,8 @@ c10::Storage acquire_slab() {
       p.cv.notify_one();
     }
   }
-  if (!ptr) ptr = map_slab();
+  // Not populated here: a small capture only pays (and holds) the pages it touches.
+  if (!ptr) ptr = map_slab(/*populate=*/false);
   c10::DataPtr data(ptr, ptr, &release_slab, c10::Device(c10::DeviceType::CPU));
   return c10::Storage(c10::Storage::use_byte_size_t(), kSlabBytes, std::move(data),
                       /*allocator=*/nullptr, /*resizable=*/false);

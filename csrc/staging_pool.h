@@ -16,7 +16,9 @@ namespace acs {
 constexpr int64_t kSlabBytes = int64_t(64) << 20;
 
 // A CPU storage of kSlabBytes, from the pool when one is free. Thread-safe.
-c10::Storage acquire_slab();
+// expect_more: the caller already filled a slab (a large capture), so the background thread
+// prepares (maps and populates) the next one now.
+c10::Storage acquire_slab(bool expect_more);
 
 // Bytes the pool may keep for reuse (default 1 GiB or $ACS_STAGING_POOL_BYTES); 0 frees
 // everything pooled now and disables recycling.
