@@ -55,13 +55,7 @@ def _open_hook_point(path: str) -> tuple[Any, str]:
 
 
 def _open_layer(path: str) -> tuple[Any, str, torch.Tensor]:
-    open_store = _require("open_store")
-    if not os.path.exists(path):
-        raise Skip(f"the read-back store {path} was not built (see the build_* modes' notes)")
-    store = open_store(path)
-    if not store.hook_points:
-        raise Skip(f"the read-back store {path} holds no hook point (did its build fail? see build_*)")
-    hp = store.hook_points[0]
+    store, hp = _open_hook_point(path)
     return store, hp, store[hp]
 
 
