@@ -37,6 +37,8 @@ from ._backend import LocalBackend, ZarrBackend, check_local_store_path, resolve
 _C = _native.load()
 
 ROW_KINDS = ("sample", "token")
+# threads writing a commit's manifests and array documents
+_IO_THREADS = 4
 _RESERVED = {"sample": ("sample_id", "batch"), "token": ("sample_id", "pos", "batch")}
 
 
@@ -56,7 +58,7 @@ class _Array:
     last_cum: int = 0
     follows_row_table: bool = True
     manifest: dict = field(default_factory=dict)  # shard -> record
-    manifest_dirty: bool = True
+    manifest_dirty: bool = False  # a new array has no manifest until its first durable shard
     doc_rows: int = -1  # rows in the written zarr.json (-1: not written)
 
     @property
@@ -280,8 +282,9 @@ class StoreWriter:
         self._reductions: dict[str, dict] = {}
         self._encoders: dict[str, Any] = {}
         self._encoder_thread: threading.Thread | None = None
-        self._seen_version = -1
+        self._seen_version = self._core.durable_version
         self._unpublished = False  # arrays opened since the root was last written
+        self._io_pool: Any = None  # thread pool of _set_many, made on first use
         self._closed = False
         self._lock = threading.RLock()
         st = self._state or {}
@@ -443,6 +446,7 @@ class StoreWriter:
             if old is not None:
                 arr.follows_row_table = bool(old.get("follows_row_table", True))
                 arr.manifest = self._load_manifest(arr)
+                arr.manifest_dirty = True  # rewritten without the shards past the committed rows
                 if committed > start:  # re-feed the committed rows of the partial last shard
                     from .reader import Store
 
@@ -514,8 +518,8 @@ class StoreWriter:
                 raise StoreError(f"the store writer of {str(self._backend)!r} is closed")
             n = int(n_samples)
             if sample_ids is None:
-                ids: Any = np.arange(self.n_samples_committed + sum(b.n_samples for b in self._pending),
-                                     self.n_samples_committed + sum(b.n_samples for b in self._pending) + n)
+                start = self.n_samples_committed + sum(b.n_samples for b in self._pending)
+                ids: Any = np.arange(start, start + n)
             else:
                 ids = _to_column(sample_ids)
             if len(ids) != n:
@@ -616,27 +620,50 @@ class StoreWriter:
                 self._arrays[hp].committed_rows = max(self._arrays[hp].committed_rows, cum)
             self.n_samples_committed += x.n_samples
             self._n_batches += 1
-        # 3. manifests and array documents
+        # 3. manifests and array documents (independent objects: written concurrently)
+        writes: list[tuple[str, bytes]] = []
         for a in self._arrays.values():
             if a.manifest_dirty:
                 doc = {
                     "hook_point": a.hook_point, "chunk_rows": a.chunk_rows, "shard_rows": a.shard_rows,
                     "shards": [a.manifest[s] for s in sorted(a.manifest)],
                 }
-                b.set(f"{a.path}/manifest.json", json.dumps(doc).encode())
-                a.manifest_dirty = False
+                writes.append((f"{a.path}/manifest.json", json.dumps(doc).encode()))
             if a.doc_rows != a.committed_rows:
                 attrs = {F.ATTRS_KEY: {"hook_point": a.hook_point, "dtype": a.dtype, "row_kind": a.row_kind}}
                 doc = F.array_document(n_rows=a.committed_rows, feature_shape=a.feature_shape, dtype=a.dtype,
                                        chunk_rows=a.chunk_rows, shard_chunks=a.shard_chunks,
                                        compression=a.compression, attributes=attrs)
-                b.set(f"{a.path}/zarr.json", F.dumps(doc))
-                a.doc_rows = a.committed_rows
+                writes.append((f"{a.path}/zarr.json", F.dumps(doc)))
+        self._set_many(writes)
+        for a in self._arrays.values():
+            a.manifest_dirty = False
+            a.doc_rows = a.committed_rows
         # 4. the root, last
         # (new arrays are listed, with their committed 0 rows, before their first shard)
         b.set("zarr.json", F.dumps(F.group_document({F.ATTRS_KEY: self._root_attrs(status)})))
         self._unpublished = False
         return k > 0 or force
+
+    def _set_many(self, writes: list[tuple[str, bytes]]) -> None:
+        """Write independent objects; all are written (or one error raised) before returning.
+
+        Creating a file or putting an object is mostly waiting (file-system metadata, network),
+        so more than a few go through a small thread pool; the caller writes the root after.
+        """
+        if len(writes) < 8:
+            for key, data in writes:
+                self._backend.set(key, data)
+            return
+        if self._io_pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._io_pool = ThreadPoolExecutor(_IO_THREADS, thread_name_prefix="activationscope-commit")
+        futures = [self._io_pool.submit(self._backend.set, key, data) for key, data in writes]
+        errors = [f.exception() for f in futures]  # waits for every write
+        for e in errors:
+            if e is not None:
+                raise e
 
     def _write_part(self, kind: str, pieces: list[dict]) -> None:
         import pyarrow as pa
@@ -792,6 +819,9 @@ class StoreWriter:
                     pass
 
     def _cleanup(self) -> None:
+        if self._io_pool is not None:
+            self._io_pool.shutdown(wait=True)
+            self._io_pool = None
         if self._own_staging:
             shutil.rmtree(self._staging, ignore_errors=True)
 

@@ -76,3 +76,48 @@ def test_arrays_are_listed_before_the_first_commit(tmp_path):
         assert store.hook_points == ["0.output"]
         assert store.n_rows("0.output") == 0 and store["0.output"].shape == (0, 4)
         assert store.verify() == []
+
+
+def test_commit_with_many_arrays_writes_every_document(tmp_path):
+    """A commit writes its manifests and array documents concurrently (12 arrays here, over
+    the pool's threshold); every one is there, then the root."""
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(12)]).eval()
+    xs = torch.randn(10, 4)
+    path = tmp_path / "s.zarr"
+    with acs.ActivationScope(store=str(path)).track(model):
+        with torch.no_grad():
+            model(xs)
+    store = acs.open_store(path)
+    assert len(store.hook_points) == 12 and store.status == "complete"
+    for hp in store.hook_points:
+        assert (path / store.attrs["arrays"][hp]["manifest"]).exists()
+        assert store[hp].shape == (10, 4)
+    assert store.verify() == []
+
+
+def test_failed_commit_write_raises_and_keeps_the_last_commit(tmp_path, monkeypatch):
+    """One manifest write of the final commit fails: close raises StoreError naming the file,
+    and the store still opens at its last commit (arrays listed, 0 rows)."""
+    from activationscope.errors import StoreError
+    from activationscope.store import _backend
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(12)]).eval()
+    path = tmp_path / "s.zarr"
+    real_set = _backend.LocalBackend.set
+
+    def failing_set(self, key, data):
+        if key.endswith("acts/5.output/manifest.json"):
+            raise StoreError(f"writing {key!r} failed: No space left on device")
+        real_set(self, key, data)
+
+    scope = acs.ActivationScope(store=str(path))
+    with pytest.raises(StoreError, match="5.output/manifest.json"):
+        with scope.track(model):
+            with torch.no_grad():
+                model(torch.randn(3, 4))
+            monkeypatch.setattr(_backend.LocalBackend, "set", failing_set)
+    monkeypatch.setattr(_backend.LocalBackend, "set", real_set)
+    store = acs.open_store(path)
+    assert store.status == "incomplete" and store.n_samples == 0
+    assert len(store.hook_points) == 12
+    assert store.verify() == []
