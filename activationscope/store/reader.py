@@ -28,6 +28,10 @@ from ._backend import LocalBackend, ZarrBackend, resolve
 _C = _native.load()
 
 
+# shard index entry of a chunk that is not there (Zarr sharding: 2**64 - 1)
+_MISSING = np.uint64(2**64 - 1)
+
+
 class _Reductions(Mapping):
     """``store.reductions[hook_point][name] -> Tensor`` (read on access)."""
 
@@ -300,12 +304,9 @@ class Store:
         if len(mm) < index_bytes:
             return False
         index = np.frombuffer(mm, dtype="<u8", count=2 * n_chunks, offset=len(mm) - index_bytes).reshape(-1, 2)
-        for j, (off, nb) in enumerate(index):
-            if off == np.iinfo(np.uint64).max:
-                continue
-            if off != j * chunk_bytes or nb != chunk_bytes:
-                return False
-        return True
+        present = index[:, 0] != _MISSING
+        at = np.arange(n_chunks, dtype=np.uint64) * np.uint64(chunk_bytes)
+        return bool(np.all(~present | ((index[:, 0] == at) & (index[:, 1] == chunk_bytes))))
 
     def _zarray(self, meta: dict) -> Any:
         import zarr
