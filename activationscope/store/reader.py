@@ -181,12 +181,17 @@ class Store:
         return self[hook_point]
 
     def segments(self, hook_point: str) -> list[int]:
-        """Row boundaries ``[0, ..., n_rows]`` of the units of zero-copy memory (shards).
+        """Row boundaries ``[0, ..., n_rows]`` of the units of zero-copy memory.
 
+        One segment ``[0, n_rows]`` when the array's shards are mapped back to back as one
+        view (local, uncompressed, the default layout); otherwise one segment per shard.
         ``rows(hook_point, a, b)`` within one segment is a view; across segments one copy.
         """
         meta = self._meta(hook_point)
         n, shard_rows = int(meta["n_rows"]), int(meta["shard_rows"])
+        if (n > shard_rows and isinstance(self._backend, LocalBackend) and meta.get("compression") is None
+                and self._whole_rows(meta) is not None):
+            return [0, n]
         return list(range(0, n, shard_rows)) + [n]
 
     def rows(self, hook_point: str, start: int, stop: int) -> torch.Tensor:
