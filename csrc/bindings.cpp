@@ -629,6 +629,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("make_script_reduction", &make_script_reduction, py::arg("path"),
         py::arg("options") = ReductionOptions{});
   m.def("builtin_reduction_kinds", &builtin_reduction_kinds);
+  m.def("update_reductions", &update_reductions, py::arg("reductions"), py::arg("rows"),
+        py::arg("row_offset") = 0, py::call_guard<py::gil_scoped_release>(),
+        "Update several reductions with the same rows, as a capture sink does (built-in moments "
+        "and extrema share their passes over the rows).");
 
   // ---------------------------------------------------------------- store writer
   py::class_<RowConsumer, std::shared_ptr<RowConsumer>>(m, "RowConsumer");

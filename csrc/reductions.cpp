@@ -22,6 +22,12 @@
 // extremum, which zero is kept may differ from torch.amin / amax (they compare equal). Whole-
 // tensor mode, other devices, non-contiguous rows and the other kinds use the ATen path.
 //
+// Fused path (update_reductions, what a capture sink calls): when a hook point has several
+// of mean / var / std / min / max / absmax, one sweep computes the batch's column sums,
+// minima and maxima, one more its centred squares, and each reduction folds these shared
+// batch statistics in (the same Chan merge; extrema folded exactly): one or two passes over
+// the rows instead of one or two per reduction, with the same results.
+//
 // Options (all numbers): per_feature (0/1, default 1) for every kind; ddof (default 0) for
 // var / std / cov; bins (default 64), lo, hi (required) for hist; k (default 10) for topk.
 #include "reductions.h"
@@ -131,16 +137,12 @@ constexpr int64_t kBlock = 16;
 constexpr int64_t kConvertChunk = 4096;  // values widened per chunk (half / bfloat16 rows)
 
 // Op: using Acc; static constexpr bool kRowFold; Acc init(j); Acc step(Acc a, double v, j);
-// void done(j, Acc a); kRowFold ops also have Acc* acc (folded in place).
+// void done(j, Acc a); kRowFold ops instead have fold_row(const T* row, d) (state in place).
 template <typename T, typename Op>
 ACS_INLINE void col_reduce(const T* __restrict x, int64_t n, int64_t d, Op& op) {
   using Acc = typename Op::Acc;
   if constexpr (Op::kRowFold) {
-    Acc* __restrict acc = op.acc;
-    for (int64_t i = 0; i < n; ++i) {
-      const T* __restrict r = x + i * d;
-      for (int64_t j = 0; j < d; ++j) acc[j] = op.step(acc[j], static_cast<double>(r[j]), j);
-    }
+    for (int64_t i = 0; i < n; ++i) op.fold_row(x + i * d, d);
   } else {
     int64_t j0 = 0;
     for (; j0 + kBlock <= d; j0 += kBlock) {
@@ -304,7 +306,52 @@ struct ExtremumOp {
       m = v > a ? v : a;
     return v != v ? v : m;
   }
+  ACS_INLINE void fold(int64_t j, double v) const { acc[j] = step(acc[j], v, j); }
+  template <typename T>
+  ACS_INLINE void fold_row(const T* __restrict r, int64_t d) const {
+    double* __restrict a = acc;
+    for (int64_t j = 0; j < d; ++j) a[j] = step(a[j], static_cast<double>(r[j]), j);
+  }
 };
+// The shared first pass of the fused path (update_reductions): column sums, minima and
+// maxima of a batch in one sweep (sum[] zeroed, mn[] = +inf, mx[] = -inf by the caller).
+// Each column is summed in row order from 0, as SumOp, so the batch mean is the same.
+struct SumMinMaxOp {
+  using Acc = double;
+  static constexpr bool kRowFold = true;
+  double* sum;
+  double* mn;
+  double* mx;
+  // A row at a time, through restrict-qualified parameters so that the loop vectorises: the
+  // compiler must know that the three state arrays do not overlap. (Folding four rows per
+  // load / store of the state measured slower: the dependent selects then bound the loop.)
+  template <typename T>
+  static ACS_INLINE void row(const T* __restrict r, int64_t d, double* __restrict s, double* __restrict lo,
+                             double* __restrict hi) {
+    for (int64_t j = 0; j < d; ++j) {
+      const double v = static_cast<double>(r[j]);
+      s[j] += v;
+      const double a = lo[j], b = hi[j];
+      const double m = v < a ? v : a, M = v > b ? v : b;
+      lo[j] = v != v ? v : m;
+      hi[j] = v != v ? v : M;
+    }
+  }
+  template <typename T>
+  ACS_INLINE void fold_row(const T* r, int64_t d) const { row(r, d, sum, mn, mx); }
+};
+
+// Per-column statistics of one contiguous CPU batch (n, d), shared by the built-ins that
+// update together (see update_reductions). Pointers are null for statistics not computed.
+struct BatchStats {
+  int64_t n = 0, d = 0;
+  const double* mean = nullptr;  // x.mean(0)
+  const double* m2 = nullptr;    // ((x - mean) ** 2).sum(0)
+  const double* min = nullptr;   // x.amin(0), NaN-propagating
+  const double* max = nullptr;   // x.amax(0)
+  const double* absmax = nullptr;
+};
+enum StatBits : unsigned { kStatMean = 1, kStatM2 = 2, kStatMin = 4, kStatMax = 8, kStatAbsMax = 16 };
 
 // ------------------------------------------------------------------ base of the built-ins
 class Builtin : public Reduction {
@@ -463,6 +510,25 @@ class Builtin : public Reduction {
     count_ = count;
   }
 
+  // Fused path (update_reductions). stats_needed(): the StatBits this kind can be updated
+  // from (0: none). fused_begin(rows): the checks and preparation of update() for the fast
+  // path; true when this reduction takes the shared statistics of `rows`, false when it
+  // must go through update(). fused_end(stats): fold them in, as fast_update would.
+  virtual unsigned stats_needed() const { return 0; }
+  bool fused_begin(const at::Tensor& rows) {
+    if (!per_feature_ || stats_needed() == 0 || rows.dim() == 0 || rows.size(0) == 0 || rows.is_complex())
+      return false;
+    check_feature_shape(rows.sizes().slice(1));
+    if (!device_set_) set_device(rows.device());
+    if (!fast_path_applies(rows)) return false;
+    own_slots();
+    return true;
+  }
+  void fused_end(const BatchStats& s) {
+    fold_stats(s);
+    count_ += s.n;
+  }
+
   // options() holds the defaults too, so fresh() reproduces the same options exactly.
   std::shared_ptr<Reduction> fresh() const override { return make_builtin(kind_, opts_); }
   std::string kind() const override { return kind_; }
@@ -484,6 +550,7 @@ class Builtin : public Reduction {
   // this reduction alone, allocated but uninitialised when count_ == 0.
   virtual bool has_fast_path() const { return false; }
   virtual void fast_update(const RowsView&) {}
+  virtual void fold_stats(const BatchStats&) {}
 
   double opt(const std::string& k) const { return opts_.at(k); }
 
@@ -640,6 +707,11 @@ class Moments : public Builtin {
       CentredSqOp sq{mb, m2b};
       run_cols(r, sq);
     }
+    fold_batch(mb, m2b, r.n, d);
+  }
+  unsigned stats_needed() const override { return with_m2_ ? kStatMean | kStatM2 : kStatMean; }
+  void fold_stats(const BatchStats& s) override { fold_batch(s.mean, s.m2, s.n, s.d); }
+  void fold_batch(const double* mb, const double* m2b, int64_t n_batch, int64_t d) {
     double* mean = acc_[0].t.mutable_data_ptr<double>();
     double* m2 = with_m2_ ? acc_[1].t.mutable_data_ptr<double>() : nullptr;
     if (count_ == 0) {  // adopt the batch state
@@ -647,6 +719,7 @@ class Moments : public Builtin {
       if (with_m2_) std::copy(m2b, m2b + d, m2);
       return;
     }
+    const double nb = static_cast<double>(n_batch);
     const double na = static_cast<double>(count_), n = na + nb;
     const double wb = nb / n, wm = na * nb / n;
     for (int64_t j = 0; j < d; ++j) {
@@ -710,6 +783,23 @@ class Extremum : public Builtin {
     } else {
       ExtremumOp<Ext::kAbsMax> op{v};
       run_cols(r, op);
+    }
+  }
+  unsigned stats_needed() const override {
+    return kind_ == "min" ? kStatMin : kind_ == "max" ? kStatMax : kStatAbsMax;
+  }
+  // Fold the batch extremum into the running one (exact: min / max do not round; NaN sticks).
+  void fold_stats(const BatchStats& s) override {
+    double* v = acc_[0].t.mutable_data_ptr<double>();
+    const double* b = kind_ == "min" ? s.min : kind_ == "max" ? s.max : s.absmax;
+    if (count_ == 0) {
+      std::copy(b, b + s.d, v);
+    } else if (kind_ == "min") {
+      ExtremumOp<Ext::kMin> op{v};
+      for (int64_t j = 0; j < s.d; ++j) op.fold(j, b[j]);
+    } else {  // max, and absmax (b already holds |x| maxima)
+      ExtremumOp<Ext::kMax> op{v};
+      for (int64_t j = 0; j < s.d; ++j) op.fold(j, b[j]);
     }
   }
 };
@@ -1062,5 +1152,75 @@ std::shared_ptr<Reduction> make_script_reduction(const std::string& path, const 
 }
 
 std::vector<std::string> builtin_reduction_kinds() { return kinds(); }
+
+void update_reductions(const std::vector<std::shared_ptr<Reduction>>& reductions, const at::Tensor& rows,
+                       int64_t row_offset) {
+  std::vector<Builtin*> fused;
+  bool grouped = false;  // every reduction was either updated or put in `fused`
+  if (reductions.size() >= 2 && rows.defined()) {
+    at::AutoGradMode no_grad(false);
+    int n_candidates = 0;
+    for (const auto& r : reductions) {
+      auto* b = dynamic_cast<Builtin*>(r.get());
+      if (b != nullptr && b->stats_needed() != 0) ++n_candidates;
+    }
+    if (n_candidates >= 2) {
+      grouped = true;
+      for (const auto& r : reductions) {
+        auto* b = dynamic_cast<Builtin*>(r.get());
+        if (b != nullptr && b->fused_begin(rows)) {
+          fused.push_back(b);
+        } else {
+          r->update(rows, row_offset);
+        }
+      }
+    }
+  }
+  if (!grouped) {
+    for (const auto& r : reductions) r->update(rows, row_offset);
+    return;
+  }
+  if (fused.empty()) return;
+  // One pass for sums and extrema, one for centred squares, shared by every fused reduction.
+  unsigned need = 0;
+  for (auto* b : fused) need |= b->stats_needed();
+  const int64_t n = rows.size(0), d = rows.numel() / n;
+  thread_local std::vector<double> buf;
+  if (static_cast<int64_t>(buf.size()) < 5 * d) buf.resize(5 * d);
+  double* sum = buf.data();
+  double* mn = sum + d;
+  double* mx = mn + d;
+  double* m2 = mx + d;
+  double* ax = m2 + d;
+  const RowsView view{rows.const_data_ptr(), rows.scalar_type(), n, d};
+  BatchStats st;
+  st.n = n;
+  st.d = d;
+  if (need & (kStatMean | kStatM2 | kStatMin | kStatMax)) {
+    std::fill(sum, sum + d, 0.0);
+    std::fill(mn, mn + d, INFINITY);
+    std::fill(mx, mx + d, -INFINITY);
+    SumMinMaxOp op{sum, mn, mx};
+    run_cols(view, op);
+    const double nb = static_cast<double>(n);
+    for (int64_t j = 0; j < d; ++j) sum[j] /= nb;  // the batch mean, as Moments::fast_update
+    st.mean = sum;
+    st.min = mn;
+    st.max = mx;
+  }
+  if (need & kStatM2) {
+    std::fill(m2, m2 + d, 0.0);
+    CentredSqOp op{sum, m2};
+    run_cols(view, op);
+    st.m2 = m2;
+  }
+  if (need & kStatAbsMax) {
+    std::fill(ax, ax + d, -INFINITY);
+    ExtremumOp<Ext::kAbsMax> op{ax};
+    run_cols(view, op);
+    st.absmax = ax;
+  }
+  for (auto* b : fused) b->fused_end(st);
+}
 
 }  // namespace acs

@@ -57,6 +57,14 @@ std::shared_ptr<Reduction> make_builtin_reduction(const std::string& kind,
 std::shared_ptr<Reduction> make_script_reduction(const std::string& pt_path,
                                                  const ReductionOptions& options);
 
+// Update every reduction of a hook point with the same rows, in order. Built-in mean / var /
+// std / min / max / absmax (per feature) on a contiguous CPU batch share one pass for the
+// batch sums and extrema and one for the centred squares, instead of a pass each; results
+// are the same as separate updates (same summation order; extrema are exact). The others,
+// and batches off the fast path, go through update().
+void update_reductions(const std::vector<std::shared_ptr<Reduction>>& reductions, const at::Tensor& rows,
+                       int64_t row_offset);
+
 // Names of the built-in kinds, for error messages and the Python side.
 std::vector<std::string> builtin_reduction_kinds();
 

@@ -177,7 +177,7 @@ void Sink::consume(const at::Tensor& x_in, const at::Tensor& token_mask) {
   }
 
   if (need_rows) {
-    for (auto& r : reductions_) r->update(rows, n_rows_);
+    update_reductions(reductions_, rows, n_rows_);
     if (writer_) {
       if (!rows.device().is_cpu()) {
         at::Tensor host = at::empty(rows.sizes(), rows.options().device(at::kCPU).pinned_memory(true));

@@ -798,3 +798,68 @@ def test_fast_path_never_changes_handed_out_tensors():
         dst.update(x[10:])
         assert all(torch.equal(src.state()[k], src_state[k]) for k in src_state), kind
         assert_matches(kind, dst.result(), x, **opts)
+
+
+# ---------------------------------------------------------------------------- fused updates
+# A capture sink updates all reductions of a hook point together (_C.update_reductions):
+# built-in moments and extrema then share their passes over the rows. The results must be
+# those of separate updates, bit for bit (same summation order; extrema are exact).
+
+FUSED_GROUPS = [
+    ["mean", "var", "min", "max"],
+    ["mean", "var", "std", "min", "max", "absmax", "l2", "nonzero"],
+    ["max", "absmax"],
+    ["var", ("hist", HIST), ("topk", {"k": 3}), "min", ("var", {"ddof": 1}), ("mean", {"per_feature": 0})],
+]
+
+
+def _make_group(group):
+    out = []
+    for g in group:
+        kind, opts = (g, {}) if isinstance(g, str) else g
+        out.append(R.make_reduction(kind, **opts))
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("special", [False, True], ids=["finite", "nan_inf"])
+@pytest.mark.parametrize("group", FUSED_GROUPS, ids=["4", "8", "2", "mixed"])
+def test_fused_update_equals_separate_updates(group, dtype, special):
+    from activationscope import _native
+
+    C = _native.load()
+    x = _special_data(45, (4, 9), dtype, seed=21) if special else data(45, (4, 9), dtype, seed=21)
+    bounds = [0, 7, 8, 30, 30, 45]
+    fused, separate = _make_group(group), _make_group(group)
+    offset = 0
+    for i, p in enumerate(_pieces(x, bounds)):
+        p = _non_contiguous(p) if i == 2 and p.shape[0] else p  # one batch off the fast path
+        C.update_reductions(fused, p, offset)
+        for r in separate:
+            r.update(p, offset)
+        offset += p.shape[0]
+    for a, b in zip(fused, separate):
+        _assert_same_results(a.result(), b.result(), exact=True)
+        _assert_same_results(a.state(), b.state(), exact=True)
+    if not special:
+        for g, r in zip(group, fused):
+            kind, opts = (g, {}) if isinstance(g, str) else g
+            assert_matches(kind, r.result(), x, **opts)
+
+
+def test_fused_update_checks_feature_shape_and_keeps_handed_out_state():
+    from activationscope import _native
+
+    C = _native.load()
+    x = data(20, (5,), torch.float32, seed=22)
+    group = _make_group(["mean", "var", "min", "max"])
+    C.update_reductions(group, x[:10])
+    before = [{k: v.clone() for k, v in r.state().items()} for r in group]
+    handed = [r.state() for r in group]
+    C.update_reductions(group, x[10:])
+    for h, b in zip(handed, before):  # copy on write: earlier states unchanged
+        assert all(torch.equal(h[k], b[k]) for k in b)
+    with pytest.raises(ActivationScopeError, match=r"feature shape \(6,\) after \(5,\)"):
+        C.update_reductions(group, torch.zeros(3, 6))
+    for g, r in zip(["mean", "var", "min", "max"], group):
+        assert_matches(g, r.result(), x)
