@@ -155,7 +155,7 @@ class ForwardWrapper {
   py::object call(py::args args, py::kwargs kwargs) {
     if (sites_.empty() || torch::autograd::get_current_graph_task_id() != -1) {
       // Not tracked, or a recompute of activation checkpointing during backward.
-      return original_(*args, **kwargs);
+      return call_original(args, kwargs);
     }
     // Root bookkeeping (forward boundaries) for every tracker rooted here.
     std::vector<Site*> roots;
@@ -232,7 +232,7 @@ class ForwardWrapper {
       }
     }
 
-    py::object out = original_(*args, **kwargs);
+    py::object out = call_original(args, kwargs);
 
     if (!active.empty()) {
       Leaves out_leaves;
@@ -275,9 +275,20 @@ class ForwardWrapper {
     return it->second;
   }
 
+  // original_(*args, **kwargs) without building a new tuple and dict for the call.
+  py::object call_original(const py::args& args, const py::kwargs& kwargs) const {
+    PyObject* r = PyObject_Call(original_.ptr(), args.ptr(), PyDict_GET_SIZE(kwargs.ptr()) ? kwargs.ptr() : nullptr);
+    if (r == nullptr) throw py::error_already_set();
+    return py::reinterpret_steal<py::object>(r);
+  }
+
   static void consume_one(TrackerCore& core, Sink& sink, const at::Tensor& t) {
     if (core.batch_size < 0 && t.dim() >= 1) core.batch_size = t.size(0);
     at::Tensor mask = core.token_mask;
+    if (sink.keeps_reference_only()) {  // a few pointer updates: not worth a GIL hand-off
+      sink.consume(t, mask);
+      return;
+    }
     py::gil_scoped_release nogil;
     sink.consume(t, mask);
   }

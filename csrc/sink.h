@@ -69,6 +69,11 @@ class Sink {
   const std::vector<std::shared_ptr<Reduction>>& reductions() const { return reductions_; }
   void set_writer(std::shared_ptr<RowConsumer> w) { writer_ = std::move(w); }
   bool has_writer() const { return writer_ != nullptr; }
+  // consume() only keeps a reference (no copy, reduction or store hand-off): callers need
+  // not release the GIL for it.
+  bool keeps_reference_only() const {
+    return !options_.snapshot && reductions_.empty() && writer_ == nullptr;
+  }
 
   int row_kind() const { return row_kind_; }
   void set_row_kind(int kind) { row_kind_ = kind; }  // -1 unknown, 0 sample rows, 1 token rows
