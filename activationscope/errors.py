@@ -22,6 +22,27 @@ class HookPointNotFoundError(ActivationScopeError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class ReductionResults(dict):
+    """``{reduction name: Tensor}`` of one hook point; a missing name raises
+    :class:`ReductionNotFoundError` naming the hook point and the names there are."""
+
+    def __init__(self, hook_point: str, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.hook_point = hook_point
+
+    def __missing__(self, name: str):
+        raise ReductionNotFoundError(
+            f"hook point {self.hook_point!r} has no reduction {name!r}; its reductions: {sorted(self)}"
+        )
+
+
+class ReductionNotFoundError(ActivationScopeError, KeyError):
+    """A hook point has no reduction (or reduction output) of the name asked for."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
 class NativeExtensionError(ActivationScopeError, ImportError):
     """The native extension is missing or was built against another torch."""
 

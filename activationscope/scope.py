@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from . import _native
-from .errors import ActivationScopeError, CaptureError
+from .errors import ActivationScopeError, CaptureError, ReductionResults
 from .hooks import normalize_patterns, select_modules
 
 _C = _native.load()
@@ -602,7 +602,7 @@ class Tracker:
             names = self._reduction_names.get(name, [])
             if not names:
                 continue
-            out[name] = {}
+            out[name] = ReductionResults(name)
             for red_name, red in zip(names, self._reduction_objects[name]):
                 out[name].update(_flatten_result(red_name, red))
         return out

@@ -863,3 +863,28 @@ def test_fused_update_checks_feature_shape_and_keeps_handed_out_state():
         C.update_reductions(group, torch.zeros(3, 6))
     for g, r in zip(["mean", "var", "min", "max"], group):
         assert_matches(g, r.result(), x)
+
+
+def test_missing_reduction_name_is_a_clear_error(tmp_path):
+    """tracker.reductions[hp][name] and store.reductions[hp][name] with a name that is not
+    there: ReductionNotFoundError (a KeyError) naming the hook point and the names there are."""
+    import pickle
+
+    import activationscope as acs
+    from activationscope.errors import ReductionNotFoundError
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4)).eval()
+    with acs.ActivationScope(reductions=["mean", "max"], store=str(tmp_path / "s.zarr")).track(model) as tr:
+        with torch.no_grad():
+            model(torch.randn(5, 3))
+        live = tr.reductions["0.output"]
+    stored = acs.open_store(tmp_path / "s.zarr").reductions["0.output"]
+    for got in (live, stored):
+        assert torch.allclose(got["mean"].float(), live["mean"].float())
+        with pytest.raises(ReductionNotFoundError, match=r"hook point '0.output' has no reduction 'var'; its reductions: \[.*'max'.*'mean'"):
+            got["var"]
+        with pytest.raises(KeyError):
+            got["var"]
+        assert got.get("var") is None and "var" not in got
+        again = pickle.loads(pickle.dumps(got))
+        assert again.keys() == got.keys() and again.hook_point == "0.output"

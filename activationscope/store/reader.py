@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from .. import _native
-from ..errors import HookPointNotFoundError, StoreCorruptError, StoreError
+from ..errors import HookPointNotFoundError, ReductionResults, StoreCorruptError, StoreError
 from . import _format as F
 from ._backend import LocalBackend, ZarrBackend, resolve
 
@@ -44,7 +44,7 @@ class _Reductions(Mapping):
             raise HookPointNotFoundError(
                 f"hook point {hook_point!r} has no reductions in this store; hook points with reductions: {list(self)}"
             )
-        return {name: self._store._read_small(e) for name, e in entries.items()}
+        return ReductionResults(hook_point, {name: self._store._read_small(e) for name, e in entries.items()})
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._store._attrs.get("reductions", {}))
