@@ -6,7 +6,9 @@ A backend is a flat key -> bytes map with atomic ``set`` (local: temp file + ren
 from __future__ import annotations
 
 import os
+import queue
 import shutil
+import threading
 import uuid
 from pathlib import Path
 from typing import Any, Iterator
@@ -15,13 +17,74 @@ from ..errors import StoreError
 
 
 class LocalBackend:
-    """A store in a local directory; ``set`` is atomic (temp file, optional fsync, rename)."""
+    """A store in a local directory; ``set`` is atomic (temp file, optional fsync, rename).
+
+    Creating a file is the slow part of a small atomic write on many file systems (a new
+    inode and directory entry; about 1 ms on some virtual disks, against about 0.1 ms to
+    fill an existing one). A writer that knows which keys its next commit will write can
+    :meth:`reserve` them: a background thread creates their (empty) temporary files ahead of
+    time, and ``set`` then only fills and renames one. :meth:`release` removes the unused.
+    """
 
     is_local = True
 
     def __init__(self, root: str | os.PathLike, fsync: bool = False) -> None:
         self.root = Path(root).absolute()
         self.fsync = fsync
+        self._spare: dict[str, Path] = {}  # key -> an empty temporary file made for it
+        self._spare_lock = threading.Lock()
+        self._spare_queue: queue.SimpleQueue | None = None
+        self._spare_thread: threading.Thread | None = None
+        self._releasing = False
+
+    @staticmethod
+    def _temp_name(p: Path) -> Path:
+        return p.parent / f".{p.name}.{uuid.uuid4().hex[:8]}.tmp"
+
+    def reserve(self, keys: list[str]) -> None:
+        """Create empty temporary files for ``keys`` in the background (best effort)."""
+        if not keys or self._releasing:
+            return
+        if self._spare_thread is None:
+            self._spare_queue = queue.SimpleQueue()
+            self._spare_thread = threading.Thread(target=self._reserve_loop, name="activationscope-reserve",
+                                                  daemon=True)
+            self._spare_thread.start()
+        for key in keys:
+            self._spare_queue.put(key)
+
+    def _reserve_loop(self) -> None:
+        q = self._spare_queue
+        while True:
+            key = q.get()
+            if key is None or self._releasing:
+                return
+            with self._spare_lock:
+                if key in self._spare:
+                    continue
+            tmp = self._temp_name(self.root / key)
+            try:
+                tmp.parent.mkdir(parents=True, exist_ok=True)
+                os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            except OSError:
+                continue  # set() makes its own
+            with self._spare_lock:
+                if self._releasing or key in self._spare:
+                    _unlink_quietly(tmp)
+                else:
+                    self._spare[key] = tmp
+
+    def release(self) -> None:
+        """Stop reserving and remove the temporary files no ``set`` used."""
+        self._releasing = True
+        if self._spare_thread is not None:
+            self._spare_queue.put(None)
+            self._spare_thread.join()
+            self._spare_thread = None
+        with self._spare_lock:
+            spare, self._spare = self._spare, {}
+        for tmp in spare.values():
+            _unlink_quietly(tmp)
 
     def __repr__(self) -> str:
         return str(self.root)
@@ -40,8 +103,11 @@ class LocalBackend:
 
     def set(self, key: str, data: bytes) -> None:
         p = self.root / key
-        p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.parent / f".{p.name}.{uuid.uuid4().hex[:8]}.tmp"
+        with self._spare_lock:
+            tmp = self._spare.pop(key, None)
+        if tmp is None:
+            p.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self._temp_name(p)
         try:
             with open(tmp, "wb") as f:
                 f.write(data)
@@ -100,6 +166,13 @@ class LocalBackend:
         import zarr
 
         return zarr.storage.LocalStore(self.root, read_only=read_only)
+
+
+def _unlink_quietly(path: Path) -> None:
+    try:
+        path.unlink()
+    except OSError:
+        pass
 
 
 class ZarrBackend:

@@ -433,8 +433,7 @@ class StoreWriter:
             arr = _Array(hook_point, node, f"acts/{node}", feature_shape, name, row_kind, chunk_rows, shard_chunks,
                          compression, committed_rows=committed, last_cum=committed)
             start = (committed // arr.shard_rows) * arr.shard_rows
-            array_dir = self._staging / arr.path
-            array_dir.mkdir(parents=True, exist_ok=True)
+            array_dir = self._staging / arr.path  # made by the writer thread with the first shard
             writer = _C.ArrayWriter(
                 self._core, hook_point, str(array_dir), str(array_dir), F.torch_dtype(name), list(feature_shape),
                 chunk_rows, shard_chunks, start, compression is not None,
@@ -455,6 +454,7 @@ class StoreWriter:
             self._arrays[hook_point] = arr
             if old is None:
                 self._unpublished = True
+            self._reserve([f"{arr.path}/zarr.json", f"{arr.path}/manifest.json"])
             return writer
 
     def _load_manifest(self, arr: _Array) -> dict:
@@ -643,7 +643,14 @@ class StoreWriter:
         # (new arrays are listed, with their committed 0 rows, before their first shard)
         b.set("zarr.json", F.dumps(F.group_document({F.ATTRS_KEY: self._root_attrs(status)})))
         self._unpublished = False
+        if not self._closed:  # the next commit will rewrite these: make their files now
+            self._reserve([key for key, _ in writes] + ["zarr.json"])
         return k > 0 or force
+
+    def _reserve(self, keys: list[str]) -> None:
+        reserve = getattr(self._backend, "reserve", None)
+        if reserve is not None:
+            reserve(keys)
 
     def _set_many(self, writes: list[tuple[str, bytes]]) -> None:
         """Write independent objects; all are written (or one error raised) before returning.
@@ -819,6 +826,9 @@ class StoreWriter:
                     pass
 
     def _cleanup(self) -> None:
+        release = getattr(self._backend, "release", None)
+        if release is not None:
+            release()
         if self._io_pool is not None:
             self._io_pool.shutdown(wait=True)
             self._io_pool = None

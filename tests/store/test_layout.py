@@ -121,3 +121,43 @@ def test_failed_commit_write_raises_and_keeps_the_last_commit(tmp_path, monkeypa
     assert store.status == "incomplete" and store.n_samples == 0
     assert len(store.hook_points) == 12
     assert store.verify() == []
+
+
+def test_reserved_temporary_files_are_used_then_released(tmp_path):
+    """LocalBackend.reserve makes empty temporary files ahead of time; set() fills and renames
+    one; release() removes the unused; nothing else is left in the directory."""
+    from activationscope.store._backend import LocalBackend
+
+    b = LocalBackend(tmp_path / "s")
+    b.reserve(["a/zarr.json", "b/zarr.json"])
+    deadline = time.monotonic() + 10
+    while len(b._spare) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sorted(b._spare) == ["a/zarr.json", "b/zarr.json"]
+    spare = b._spare["a/zarr.json"]
+    assert spare.exists() and spare.stat().st_size == 0
+    b.set("a/zarr.json", b'{"x": 1}')
+    assert not spare.exists() and b.get("a/zarr.json") == b'{"x": 1}'
+    b.release()
+    b.reserve(["c/zarr.json"])  # after release: ignored
+    files = sorted(str(p.relative_to(tmp_path / "s")) for p in (tmp_path / "s").rglob("*") if p.is_file())
+    assert files == ["a/zarr.json"]
+
+
+def test_capture_leaves_no_temporary_files(tmp_path):
+    """Commits during the capture (small shards) and at the close use reserved files; the
+    closed store holds no temporary file."""
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(10)]).eval()
+    path = tmp_path / "s.zarr"
+    xs = torch.randn(64, 8)
+    with acs.ActivationScope(store=str(path), store_options={"chunk_rows": 16, "shard_bytes": 16 * 8 * 4}).track(model) as tr:
+        with torch.no_grad():
+            for i in range(0, 64, 8):
+                model(xs[i:i + 8])
+                time.sleep(0.02)
+                tr.writer.maybe_commit()
+    assert not [p for p in path.rglob("*.tmp")]
+    store = acs.open_store(path)
+    assert store.n_samples == 64 and store.verify() == []
+    with torch.no_grad():
+        torch.testing.assert_close(store["9.output"], model(xs))
