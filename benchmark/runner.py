@@ -41,7 +41,7 @@ STORE_MODES = {"scope_store", "scope_store_zstd"}
 PROFILES: dict[str, dict[str, Any]] = {
     "full": {
         "toy": {"n_forwards": 200, "batch": 32},
-        "resnet18": {"n_forwards": 20, "batch": 8},
+        "resnet18": {"n_forwards": 10, "batch": 8},
         "minilm": {"n_passes": 1, "batch": 32},
         "readback": {"layer_bytes": 1 << 30, "dl_rows": 1 << 18, "batch_size": 256, "latency_rows": 2000},
         "repeats": 5, "budget_s": 25.0, "slow_budget_s": 5.0, "open_repeats": 20, "child_timeout_s": 300,
@@ -95,9 +95,13 @@ def detect_durability(requested: str) -> tuple[str, str]:
     return "buffered", "StoreWriter has no fsync / durability option: buffered writes assumed"
 
 
+def _torchvision_imports() -> bool:
+    from . import workloads
+
+    return workloads._torchvision_resnet18() is not None
+
+
 def workload_available(name: str) -> tuple[bool, str]:
-    if name == "resnet18" and importlib.util.find_spec("torchvision") is None:
-        return False, "torchvision is not installed (pip install torchvision matching torch); ResNet-18 skipped"
     if name == "minilm":
         from . import workloads
         from ._util import Skip
@@ -450,7 +454,9 @@ def describe_workloads(doc: dict[str, Any], prof: dict[str, Any]) -> None:
             d["description"] = (f"nn.Sequential of 48 x Linear(256,256), batch {p['batch']}, {p['n_forwards']} forwards, "
                                 "capture='both' (every input and output)")
         elif wl == "resnet18":
-            d["description"] = f"torchvision ResNet-18 (random init), batch {p['batch']}, {p['n_forwards']} forwards, outputs"
+            src = "torchvision" if _torchvision_imports() else "plain-PyTorch definition (torchvision not importable)"
+            d["description"] = (f"ResNet-18 ({src}), random init, batch {p['batch']}, {p['n_forwards']} forwards, "
+                                "every module's output")
         elif wl == "minilm":
             d["description"] = (f"all-MiniLM-L6-v2, Pang & Lee sentences, batch {p['batch']}, {p['n_passes']} pass(es), "
                                 "token rows of every encoder layer's output")

@@ -85,14 +85,82 @@ def toy(n_forwards: int = 200, batch: int = 32, n_layers: int = 48, width: int =
     )
 
 
-def resnet18(n_forwards: int = 20, batch: int = 8) -> Workload:
-    """torchvision ResNet-18 (random weights: no download), 224 x 224 inputs, every module's output."""
-    if importlib.util.find_spec("torchvision") is None:
-        raise Skip("torchvision is not installed (pip install torchvision matching torch); ResNet-18 skipped")
-    import torchvision
+class _BasicBlock(torch.nn.Module):
+    """ResNet basic block, as ``torchvision.models.resnet.BasicBlock`` (same module names)."""
 
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        nn = torch.nn
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.downsample = None
+        if stride != 1 or cin != cout:
+            self.downsample = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return self.relu(out + identity)
+
+
+class ResNet18(torch.nn.Module):
+    """ResNet-18 (He et al. 2016, "Deep Residual Learning for Image Recognition"), laid out
+    and named as ``torchvision.models.resnet18`` (conv1, bn1, relu, maxpool, layer1..4 of two
+    basic blocks, avgpool, fc): the benchmark's conv net where torchvision is not importable."""
+
+    def __init__(self, num_classes: int = 1000) -> None:
+        super().__init__()
+        nn = torch.nn
+        self.conv1 = nn.Conv2d(3, 64, 7, 2, 3, bias=False)
+        self.bn1 = nn.BatchNorm2d(64)
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(3, 2, 1)
+        widths = [64, 128, 256, 512]
+        cin = 64
+        for i, w in enumerate(widths):
+            stride = 1 if i == 0 else 2
+            setattr(self, f"layer{i + 1}", nn.Sequential(_BasicBlock(cin, w, stride), _BasicBlock(w, w, 1)))
+            cin = w
+        self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
+        self.fc = nn.Linear(512, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+def _torchvision_resnet18() -> torch.nn.Module | None:
+    """torchvision's ResNet-18 (random weights), or None when torchvision does not import
+    (absent, or built for another torch: its compiled ops then fail to load)."""
+    if importlib.util.find_spec("torchvision") is None:
+        return None
+    try:
+        import torchvision
+
+        return torchvision.models.resnet18(weights=None)
+    except Exception:  # noqa: BLE001 - any import failure means: use the local definition
+        return None
+
+
+def resnet18(n_forwards: int = 10, batch: int = 8) -> Workload:
+    """ResNet-18 (random weights: no download), 224 x 224 inputs, every module's output.
+
+    torchvision's model when torchvision imports; otherwise :class:`ResNet18`, the same
+    architecture and module names defined here (the description says which ran).
+    """
     torch.manual_seed(0)
-    model = torchvision.models.resnet18(weights=None).eval()
+    model = _torchvision_resnet18()
+    source = "torchvision"
+    if model is None:
+        torch.manual_seed(0)
+        model = ResNet18()
+        source = "plain-PyTorch (torchvision not importable)"
+    model = model.eval()
     batches = [torch.randn(batch, 3, 224, 224) for _ in range(2)]
     return Workload(
         name="resnet18",
@@ -100,7 +168,7 @@ def resnet18(n_forwards: int = 20, batch: int = 8) -> Workload:
         batches=batches,
         n_forwards=n_forwards,
         capture="output",
-        description=f"torchvision ResNet-18 (random init), batch {batch}, {n_forwards} forwards, every module's output",
+        description=f"ResNet-18, {source}, random init, batch {batch}, {n_forwards} forwards, every module's output",
     )
 
 

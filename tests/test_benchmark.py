@@ -105,3 +105,22 @@ def test_quick_runner_produces_documented_keys(tmp_path):
     assert "goals:" in printed and ("[PASS]" in printed or "[FAIL]" in printed)
     # scratch folder removed
     assert not Path(doc["settings"]["workdir"]).exists()
+
+
+def test_resnet18_definition_matches_torchvision_layout():
+    """Without torchvision the conv workload runs benchmark.workloads.ResNet18: the same
+    architecture (parameter count of torchvision's resnet18) and module names."""
+    import torch
+
+    from benchmark.workloads import ResNet18
+
+    torch.manual_seed(0)
+    m = ResNet18().eval()
+    assert sum(p.numel() for p in m.parameters()) == 11_689_512
+    names = {n for n, _ in m.named_modules()}
+    for n in ("conv1", "bn1", "maxpool", "layer1.0.conv2", "layer2.0.downsample.0", "layer2.0.downsample.1",
+              "layer4.1.bn2", "avgpool", "fc"):
+        assert n in names, n
+    assert "layer1.0.downsample" not in names  # as torchvision: no projection where the shape stays
+    with torch.no_grad():
+        assert m(torch.randn(2, 3, 64, 64)).shape == (2, 1000)
