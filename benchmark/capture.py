@@ -420,7 +420,8 @@ class NNsightMode(Mode):
 
 class TorchLensMode(Mode):
     name = "torchlens"
-    doc = "TorchLens log_forward_pass(model, x, layers_to_save='all') per forward (every op, not only modules)"
+    doc = ("TorchLens trace(model, x) (2.x; log_forward_pass(..., layers_to_save='all') before) per forward, "
+           "saving every op's output (every op, not only modules)")
 
     def setup(self) -> None:
         if importlib.util.find_spec("torchlens") is None:
@@ -432,11 +433,26 @@ class TorchLensMode(Mode):
     def run(self, i: int) -> None:
         wl = self.wl
         logs = []
+        trace = getattr(self.tl, "trace", None)
         for f in range(wl.n_forwards):
             b = wl.batch(f)
-            x = b if not isinstance(b, dict) else [b]
-            logs.append(self.tl.log_forward_pass(wl.model, x, layers_to_save="all", vis_opt="none"))
+            if trace is not None:  # TorchLens 2.x: saves every op's output by default
+                logs.append(trace(wl.model, None, input_kwargs=b) if isinstance(b, dict) else trace(wl.model, b))
+            else:
+                x = b if not isinstance(b, dict) else [b]
+                logs.append(self.tl.log_forward_pass(wl.model, x, layers_to_save="all", vis_opt="none"))
         self.logs = logs
+
+    def describe(self) -> dict[str, Any]:
+        """Bytes TorchLens saved (every op's output, so more than the modules' outputs)."""
+        total = 0
+        for log in self.logs or []:
+            for layer in getattr(log, "layer_list", []):
+                v = getattr(layer, "out", None)
+                if v is None:
+                    v = getattr(layer, "tensor_contents", None)
+                total += sum(t.nbytes for t in leaf_tensors(v)) if v is not None else 0
+        return {"captured_bytes": total} if total else {}
 
     def reset(self) -> None:
         self.logs = None
