@@ -353,6 +353,18 @@ struct BatchStats {
 };
 enum StatBits : unsigned { kStatMean = 1, kStatM2 = 2, kStatMin = 4, kStatMax = 8, kStatAbsMax = 16 };
 
+// Mean of na + nb observations from the means of two parts. Chan et al.'s form
+// ma + (mb - ma) * nb / n where both are finite (it keeps precision when the means are close);
+// the weighted sum ma * na / n + mb * nb / n where one is +-inf or NaN, so that an infinite
+// part stays infinite (Chan's delta would make inf - inf = NaN), and +inf with -inf or any
+// NaN gives NaN, as torch.mean over all the values does.
+at::Tensor merge_means(const at::Tensor& ma, const at::Tensor& mb, double na, double nb) {
+  const double n = na + nb;
+  at::Tensor chan = ma + (mb - ma) * (nb / n);
+  at::Tensor finite = at::isfinite(ma).logical_and(at::isfinite(mb));
+  return at::where(finite, chan, ma * (na / n) + mb * (nb / n));
+}
+
 // ------------------------------------------------------------------ base of the built-ins
 class Builtin : public Reduction {
  public:
@@ -687,7 +699,7 @@ class Moments : public Builtin {
     const double na = static_cast<double>(count_), n = na + static_cast<double>(nb);
     const at::Tensor& ma = get("mean");
     at::Tensor delta = get(b, "mean") - ma;
-    set("mean", ma + delta * (static_cast<double>(nb) / n));
+    set("mean", merge_means(ma, get(b, "mean"), na, static_cast<double>(nb)));
     if (with_m2_)
       set("m2", get("m2") + get(b, "m2") + delta.square() * (na * static_cast<double>(nb) / n));
   }
@@ -722,9 +734,11 @@ class Moments : public Builtin {
     const double nb = static_cast<double>(n_batch);
     const double na = static_cast<double>(count_), n = na + nb;
     const double wb = nb / n, wm = na * nb / n;
+    const double wa = na / n;
     for (int64_t j = 0; j < d; ++j) {
       const double delta = mb[j] - mean[j];
-      mean[j] = mean[j] + delta * wb;
+      // as merge_means: Chan's update for finite means, the weighted sum otherwise
+      mean[j] = std::isfinite(mean[j]) && std::isfinite(mb[j]) ? mean[j] + delta * wb : mean[j] * wa + mb[j] * wb;
       if (with_m2_) m2[j] = m2[j] + m2b[j] + delta * delta * wm;
     }
   }
@@ -955,7 +969,7 @@ class Cov : public Builtin {
     at::Tensor delta = get(b, "mean") - ma;
     set("comoment", get("comoment") + get(b, "comoment") +
                         at::outer(delta, delta) * (na * static_cast<double>(nb) / n));
-    set("mean", ma + delta * (static_cast<double>(nb) / n));
+    set("mean", merge_means(ma, get(b, "mean"), na, static_cast<double>(nb)));
   }
   Slots result_slots() const override {
     const double denom = static_cast<double>(count_) - opt("ddof");

@@ -888,3 +888,29 @@ def test_missing_reduction_name_is_a_clear_error(tmp_path):
         assert got.get("var") is None and "var" not in got
         again = pickle.loads(pickle.dumps(got))
         assert again.keys() == got.keys() and again.hook_point == "0.output"
+
+
+@pytest.mark.parametrize("kind", ["mean", "var", "std", "cov"])
+def test_infinite_values_stay_infinite_across_batches(kind):
+    """A column whose only non-finite value is -inf (or +inf) has mean -inf (+inf), as
+    torch.mean over all values, whichever batch holds it and whichever path (fast, ATen,
+    fused, merge) folds it in; +inf with -inf, or NaN, gives NaN."""
+    from activationscope import _native
+
+    C = _native.load()
+    inf = float("inf")
+    cols = torch.tensor([[1.0, inf, 1.0, 1.0], [-inf, 2.0, inf, float("nan")], [2.0, 3.0, -inf, 4.0]])
+    want = cols.double().mean(0)
+    for split in ([1, 2], [2, 1], [1, 1, 1]):
+        parts = list(cols.split(split))
+        fast = stream(kind, parts)
+        slow = stream(kind, [_non_contiguous(p) for p in parts])
+        fused = [R.make_reduction(kind), R.make_reduction("max")]
+        for p in parts:
+            C.update_reductions(fused, p)
+        merged = stream(kind, parts[:1])
+        merged.merge(stream(kind, parts[1:]))
+        for r in (fast, slow, fused[0], merged):
+            got = r.result()["mean"]
+            assert torch.equal(got.isnan(), want.isnan()), (split, got)
+            assert torch.equal(got.nan_to_num(), want.nan_to_num()), (split, got)
