@@ -317,6 +317,7 @@ class Tracker:
         self._pending_batch: dict[str, Any] | None = None
         self._batch: dict[str, Any] | None = None
         self._n_samples = 0
+        self._open_forward: int | None = None  # index of a root forward that started and has not ended
         self.parameters: dict[str, torch.Tensor] = {}
         self.writer = None
         self._reference_mode = scope.capture_mode is CaptureMode.REFERENCE
@@ -405,6 +406,8 @@ class Tracker:
 
         Records stay readable. After ``remove()`` a store tracker's store is complete.
         """
+        if self._open_forward is not None:  # the last forward raised, caught
+            self._forward_raised(at_exit=True)
         self._detach()
         self._finish(status="complete")
 
@@ -440,6 +443,8 @@ class Tracker:
         return self.attach()
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        if exc is None and self._open_forward is not None:  # the last forward raised, caught
+            self._forward_raised(at_exit=True)
         self._detach()
         self._finish(status="complete" if exc is None else "incomplete", exc=exc)
         if self._reference_mode:
@@ -538,12 +543,16 @@ class Tracker:
         return sink
 
     def _on_forward_start(self) -> None:
+        if self._open_forward is not None:
+            self._forward_raised()
+        self._open_forward = self._core.n_forwards - 1 if self._core.capturing else None
         if self._pending_batch is not None:
             self._batch = self._pending_batch
         else:
             self._batch = None
 
     def _on_forward_end(self) -> None:
+        self._open_forward = None
         if not self._core.capturing:
             return
         batch = self._batch or {}
@@ -559,6 +568,29 @@ class Tracker:
         self._n_samples += n
         if self._reference_mode:
             self._warn_changed(all_records=False)
+
+    def _forward_raised(self, at_exit: bool = False) -> None:
+        """A root forward raised, the exception was caught and the capture went on: the hook
+        points that ran before the error recorded that forward, the others did not."""
+        k, self._open_forward = self._open_forward, None
+        partial = self.writer.rows_since_last_batch() if self.writer is not None else {}
+        where = f"hook points {sorted(partial)} recorded rows of it" if partial else \
+            "the hook points that ran before the error recorded it"
+        if at_exit:  # the last forward: the store ends at the whole forward before it
+            effect = ("Their in-memory records and streaming reductions include that partial forward; "
+                      "the store does not (it ends at the last whole forward).")
+        else:
+            effect = ("Their records (and streaming reductions) include that partial forward, and in a "
+                      "store their rows no longer line up with the sample row table (follows_row_table "
+                      "becomes False).")
+        warnings.warn(
+            f"forward {k} of the tracked model raised and the exception was caught inside the capture; "
+            f"{where}, the others did not. {effect} To keep every hook point aligned, let the exception "
+            "leave the `with` block (a store then commits every whole forward before it, status "
+            "'incomplete', and resume=True continues) or check the batch before calling the model.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
     def _warn_changed(self, all_records: bool) -> None:
         for name in sorted(self._core.changed_references(all_records)):

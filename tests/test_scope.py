@@ -796,3 +796,74 @@ def test_small_capture_holds_little_memory():
     time.sleep(0.2)  # no background slab preparation may start for a capture this small
     assert _rss_bytes() - before < 32 << 20
     assert len(tr.activations["0.output"]) == 1
+
+
+class _RaisesOnCall(torch.nn.Module):
+    def __init__(self, bad_calls):
+        super().__init__()
+        self.bad_calls, self.n = set(bad_calls), 0
+
+    def forward(self, x):
+        self.n += 1
+        if self.n in self.bad_calls:
+            raise RuntimeError("bad batch")
+        return x
+
+
+def _bomb_model(bad_calls):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 4), _RaisesOnCall(bad_calls), torch.nn.Linear(4, 4)).eval()
+
+
+@pytest.mark.parametrize("last", [False, True], ids=["middle", "last"])
+def test_caught_exception_in_a_forward_warns_with_the_partial_hook_points(tmp_path, last):
+    """A forward that raises inside the capture, with the exception caught by the caller: a
+    RuntimeWarning names the hook points that recorded the partial forward (at the next
+    forward, or at the end of the capture when it was the last one)."""
+    import warnings
+
+    model = _bomb_model({3} if not last else {4})
+    path = tmp_path / "s.zarr"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad(), acs.ActivationScope(store=str(path)).track(model):
+            for i in range(4):
+                try:
+                    model(torch.randn(2, 4))
+                except RuntimeError:
+                    pass
+    msgs = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    bad = 2 if not last else 3
+    assert len(msgs) == 1 and msgs[0].startswith(f"forward {bad} of the tracked model raised"), msgs
+    assert "hook points ['0.output'] recorded rows of it" in msgs[0]
+    store = acs.open_store(path)
+    assert store.status == "complete" and store.n_samples == 6 and store.verify() == []
+    if last:  # the partial last forward is not committed: every array ends aligned
+        assert "the store does not (it ends at the last whole forward)" in msgs[0]
+        assert store.attrs["arrays"]["0.output"]["follows_row_table"] is True
+        assert store.n_rows("0.output") == 6 and store.n_rows("2.output") == 6
+    else:
+        assert "no longer line up with the sample row table" in msgs[0]
+        assert store.attrs["arrays"]["0.output"]["follows_row_table"] is False
+        assert store.n_rows("0.output") == 8 and store.n_rows("2.output") == 6
+
+
+def test_uncaught_or_uncaptured_failures_do_not_warn(tmp_path):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any warning fails the test
+        model = _bomb_model({2})
+        with pytest.raises(RuntimeError, match="bad batch"):  # the exception ends the capture
+            with torch.no_grad(), acs.ActivationScope(store=str(tmp_path / "a.zarr")).track(model):
+                for _ in range(3):
+                    model(torch.randn(2, 4))
+        assert acs.open_store(tmp_path / "a.zarr").n_samples == 2
+        model = _bomb_model({2})  # forward 1 is not captured (max_k=1): nothing partial
+        with torch.no_grad(), acs.ActivationScope(capture_policy=acs.CapturePolicy.MAX_K, max_k=1).track(model) as tr:
+            for _ in range(3):
+                try:
+                    model(torch.randn(2, 4))
+                except RuntimeError:
+                    pass
+        assert len(tr.activations["0.output"]) == 1

@@ -561,6 +561,13 @@ class StoreWriter:
                 cums[hp] = cum
             self._pending.append(_Batch(b, n, cums, sample, token))
 
+    def rows_since_last_batch(self) -> dict[str, int]:
+        """``{hook_point: rows}`` appended since the last :meth:`add_batch` (rows of a forward
+        that has not been recorded, e.g. one that raised); empty when every array is even."""
+        with self._lock:
+            out = {hp: int(a.writer.n_rows) - a.last_cum for hp, a in self._arrays.items()}
+        return {hp: n for hp, n in out.items() if n}
+
     def maybe_commit(self) -> bool:
         """Commit if the writer thread made new shards durable; cheap otherwise.
 
