@@ -22,6 +22,20 @@ class HookPointNotFoundError(ActivationScopeError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class HookPointResults(dict):
+    """``{hook_point: value}``; a missing hook point raises :class:`HookPointNotFoundError`
+    naming the hook points there are (``what``: what the values are, for the message)."""
+
+    def __init__(self, what: str, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.what = what
+
+    def __missing__(self, hook_point: str):
+        raise HookPointNotFoundError(
+            f"hook point {hook_point!r} has no {self.what}; hook points with {self.what}: {sorted(self)}"
+        )
+
+
 class ReductionResults(dict):
     """``{reduction name: Tensor}`` of one hook point; a missing name raises
     :class:`ReductionNotFoundError` naming the hook point and the names there are."""

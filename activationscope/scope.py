@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from . import _native
-from .errors import ActivationScopeError, CaptureError, ReductionResults
+from .errors import ActivationScopeError, CaptureError, HookPointResults, ReductionResults
 from .hooks import normalize_patterns, select_modules
 
 _C = _native.load()
@@ -629,7 +629,7 @@ class Tracker:
         The main value of a reduction is under its name (``"mean"``, ``"var"``); other
         outputs of the same reduction under ``"<name>.<key>"`` (``"var.count"``).
         """
-        out: dict[str, dict[str, torch.Tensor]] = {}
+        out: dict[str, dict[str, torch.Tensor]] = HookPointResults("reductions")
         for name, sink in self._sinks.items():
             names = self._reduction_names.get(name, [])
             if not names:

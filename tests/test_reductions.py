@@ -888,6 +888,11 @@ def test_missing_reduction_name_is_a_clear_error(tmp_path):
         assert got.get("var") is None and "var" not in got
         again = pickle.loads(pickle.dumps(got))
         assert again.keys() == got.keys() and again.hook_point == "0.output"
+    from activationscope.errors import HookPointNotFoundError
+
+    for reds in (tr.reductions, acs.open_store(tmp_path / "s.zarr").reductions):
+        with pytest.raises(HookPointNotFoundError, match=r"hook point 'nope.output' has no reductions( in this store)?; hook points with reductions: \['0.output'\]"):
+            reds["nope.output"]
 
 
 @pytest.mark.parametrize("kind", ["mean", "var", "std", "cov"])
