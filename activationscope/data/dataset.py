@@ -318,8 +318,10 @@ class ActivationDataset(Dataset):
             if "sample_id" not in table.column_names:
                 raise ValueError(f"sample_ids= needs a 'sample_id' column in the {self.row_kind} row table")
             ids = torch.as_tensor(sample_ids).to(torch.int64).numpy() if not isinstance(sample_ids, pa.Array) else sample_ids
-            hit = pc.is_in(table.column("sample_id"), value_set=pa.array(ids).cast(table.schema.field("sample_id").type))
+            wanted = pa.array(ids).cast(table.schema.field("sample_id").type)
+            hit = pc.is_in(table.column("sample_id"), value_set=wanted)
             mask &= hit.to_numpy(zero_copy_only=False).astype(bool)
+            some = wanted.slice(0, 5).to_pylist()
         if filter is not None:
             if isinstance(filter, pc.Expression):
                 indexed = table.append_column(_ROW_ID, pa.array(np.arange(n, dtype=np.int64)))
@@ -333,6 +335,12 @@ class ActivationDataset(Dataset):
             mask &= fmask
         keep = torch.from_numpy(mask)
         ids = self._store_ids()
+        if sample_ids is not None and not bool(keep[ids].any()) and len(ids):
+            # an intersection with rows= and filter=, but none at all is a mistake
+            raise ValueError(
+                f"none of the sample_ids= (e.g. {some}) is in this dataset's {self.row_kind} row table "
+                "(within rows=, after filter=); read the ids there are with store.row_table()['sample_id']"
+            )
         self._ids = ids[keep[ids]].contiguous()
 
     # ------------------------------------------------------------------ pickling

@@ -123,6 +123,9 @@ def test_rows_selection_and_filters(store, arrays):
     # a filtered dataset still reads contiguous runs as views
     run = ds.get_batch(range(0, 4))
     assert run["a.output"].data_ptr() == store.rows("a.output", 4, 8).data_ptr()
+    # sample ids of which none is there: an error, not an empty dataset
+    with pytest.raises(ValueError, match=r"none of the sample_ids= \(e.g. \[1000000, 9\]\) is in this dataset's (sample|token) row table"):
+        ActivationDataset(store, hook_points=["a.output"], rows=range(0, 32), sample_ids=[10**6, 9])
 
 
 def test_index_tensor_rows_keep_their_order(store, arrays):
