@@ -636,7 +636,9 @@ class StoreWriter:
                     "shards": [a.manifest[s] for s in sorted(a.manifest)],
                 }
                 writes.append((f"{a.path}/manifest.json", json.dumps(doc).encode()))
-            if a.doc_rows != a.committed_rows:
+            # an array without rows gets its document with its first rows, or at the close
+            # (until then the root lists it with n_rows 0: one file per commit, not one per array)
+            if a.doc_rows != a.committed_rows and (a.committed_rows > 0 or force):
                 attrs = {F.ATTRS_KEY: {"hook_point": a.hook_point, "dtype": a.dtype, "row_kind": a.row_kind}}
                 doc = F.array_document(n_rows=a.committed_rows, feature_shape=a.feature_shape, dtype=a.dtype,
                                        chunk_rows=a.chunk_rows, shard_chunks=a.shard_chunks,
@@ -645,7 +647,8 @@ class StoreWriter:
         self._set_many(writes)
         for a in self._arrays.values():
             a.manifest_dirty = False
-            a.doc_rows = a.committed_rows
+            if a.committed_rows > 0 or force:
+                a.doc_rows = a.committed_rows
         # 4. the root, last
         # (new arrays are listed, with their committed 0 rows, before their first shard)
         b.set("zarr.json", F.dumps(F.group_document({F.ATTRS_KEY: self._root_attrs(status)})))
