@@ -15,6 +15,7 @@ import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from . import _native
@@ -560,7 +561,7 @@ class Tracker:
         if self.writer is not None:
             ids = batch.get("sample_ids")
             if ids is None:
-                ids = torch.arange(self._n_samples, self._n_samples + n)
+                ids = np.arange(self._n_samples, self._n_samples + n, dtype=np.int64)
             self.writer.add_batch(
                 n_samples=n, sample_ids=ids, token_mask=batch.get("attention_mask"), columns=batch.get("columns") or {}
             )
