@@ -497,6 +497,27 @@ void bind_store_writer(py::module_& m) {
       .def_property_readonly("hook_point", [](const ArrayWriter& w) { return w.spec().hook_point; });
 }
 
+// tp_call of ForwardWrapper: the arguments exactly as CPython passes them (the caller's
+// tuple, kwargs NULL or the caller's dict), without pybind11's dispatcher building a new
+// args tuple and kwargs dict per call: one call per tracked module per forward, so this is
+// the hot path, and fewer container objects also mean fewer garbage-collector passes.
+// `__call__` stays defined for Python-level lookups; the slot is what calls go through.
+PyObject* forward_wrapper_tp_call(PyObject* self, PyObject* args, PyObject* kwargs) {
+  try {
+    auto& w = py::cast<ForwardWrapper&>(py::handle(self));
+    static PyObject* empty = PyDict_New();  // never modified; kept for the process
+    auto a = py::reinterpret_borrow<py::args>(args);
+    auto k = py::reinterpret_borrow<py::kwargs>(kwargs != nullptr ? kwargs : empty);
+    return w.call(a, k).release().ptr();
+  } catch (py::error_already_set& e) {
+    e.restore();
+    return nullptr;
+  } catch (...) {
+    py::detail::try_translate_exceptions();  // the module's translators, then pybind11's
+    return nullptr;
+  }
+}
+
 }  // namespace
 
 }  // namespace acs
@@ -615,13 +636,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("is_root") = false)
       .def_readonly("path", &Site::path);
 
-  py::class_<ForwardWrapper>(m, "ForwardWrapper", py::dynamic_attr())
+  auto forward_wrapper_cls = py::class_<ForwardWrapper>(m, "ForwardWrapper", py::dynamic_attr());
+  forward_wrapper_cls
       .def(py::init<py::object>(), py::arg("original"))
       .def("__call__", &ForwardWrapper::call)
       .def("add_site", &ForwardWrapper::add_site)
       .def("remove_site", &ForwardWrapper::remove_site)
       .def_property_readonly("n_sites", &ForwardWrapper::n_sites)
       .def_property_readonly("original", &ForwardWrapper::original);
+  reinterpret_cast<PyTypeObject*>(forward_wrapper_cls.ptr())->tp_call = forward_wrapper_tp_call;
+  PyType_Modified(reinterpret_cast<PyTypeObject*>(forward_wrapper_cls.ptr()));
 
   // ---------------------------------------------------------------- reductions
   py::class_<Reduction, PyReduction, std::shared_ptr<Reduction>>(m, "Reduction", py::dynamic_attr())
