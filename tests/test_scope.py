@@ -867,3 +867,22 @@ def test_uncaught_or_uncaptured_failures_do_not_warn(tmp_path):
                 except RuntimeError:
                     pass
         assert len(tr.activations["0.output"]) == 1
+
+
+def test_native_errors_reach_the_caller_through_the_wrapper(tmp_path):
+    """An error raised by the native sink during a wrapped module call (here: a store array
+    whose feature shape changes) reaches the caller as CaptureError with its message; the
+    wrapper is called with positional and keyword arguments alike."""
+
+    class Slice(torch.nn.Module):
+        def forward(self, x, width=4):
+            return x[:, :width]
+
+    model = torch.nn.Sequential(Slice()).eval()
+    with pytest.raises(acs.CaptureError, match=r"hook point '0.output' changed its feature shape from \(4,\) to \(3,\)"):
+        with torch.no_grad(), acs.ActivationScope(store=str(tmp_path / "s.zarr")).track(model):
+            model[0](torch.randn(2, 8))
+            model[0](torch.randn(2, 8), width=4)
+            model[0](x=torch.randn(2, 8), width=3)
+    store = acs.open_store(tmp_path / "s.zarr")
+    assert store.status == "incomplete"
