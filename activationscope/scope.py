@@ -407,8 +407,6 @@ class Tracker:
 
         Records stay readable. After ``remove()`` a store tracker's store is complete.
         """
-        if self._open_forward is not None:  # the last forward raised, caught
-            self._forward_raised(at_exit=True)
         self._detach()
         self._finish(status="complete")
 
@@ -422,6 +420,8 @@ class Tracker:
         if self._closed:
             return
         self._closed = True
+        if exc is None and self._open_forward is not None:  # the last forward raised, caught
+            self._forward_raised(at_exit=True)
         if self.writer is not None:
             if exc is None:
                 self._write_reductions()
@@ -444,8 +444,6 @@ class Tracker:
         return self.attach()
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc is None and self._open_forward is not None:  # the last forward raised, caught
-            self._forward_raised(at_exit=True)
         self._detach()
         self._finish(status="complete" if exc is None else "incomplete", exc=exc)
         if self._reference_mode:
