@@ -19,7 +19,7 @@ $(VENV)/bin/python:
 $(STAMP): $(VENV)/bin/python pyproject.toml setup.py
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q "setuptools>=77" wheel "pybind11>=2.11" ninja
+	$(PIP) install -q "setuptools>=77" wheel "pybind11>=2.11" ninja "numpy>=1.26"
 	$(PIP) install -q --no-build-isolation -e ".[dev,demo]"
 	touch $(STAMP) activationscope/.native-stamp
 

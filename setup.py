@@ -5,9 +5,16 @@ against exactly the torch in the environment (build isolation would fetch anothe
 """
 
 import glob
+import importlib.util
 import os
+import sys
 
-import torch
+# torch prints "Failed to initialize NumPy" while building without numpy: install it first
+# (make install does; with --no-build-isolation pip does not install build requirements).
+if importlib.util.find_spec("numpy") is None:
+    sys.exit("numpy must be installed before building activationscope._C: pip install 'numpy>=1.26'")
+
+import torch  # noqa: E402
 from setuptools import setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 

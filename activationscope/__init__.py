@@ -9,15 +9,15 @@ Quick start::
     with activationscope.ActivationScope().track(model) as tracker:
         out = model(x)
     acts = tracker.activations  # {hook_point: [Tensor per captured call]}
+
+Names are loaded on first use: ``import activationscope`` imports neither torch nor the
+native extension; ``activationscope.ActivationScope`` loads both (and raises
+``NativeExtensionError`` if the extension does not match the installed torch).
 """
 
-from __future__ import annotations
+import importlib as _importlib
 
-from . import _native
-
-_native.load()
-
-from .errors import (  # noqa: E402
+from .errors import (
     ActivationScopeError,
     CaptureError,
     HookPointNotFoundError,
@@ -28,16 +28,22 @@ from .errors import (  # noqa: E402
     StoreError,
     StoreExistsError,
 )
-from .scope import (  # noqa: E402
-    ActivationScope,
-    CaptureMode,
-    CapturePolicy,
-    ReductionPolicy,
-    StoragePolicy,
-    Tracker,
-)
 
 __version__ = "0.1.0"
+
+# public name -> submodule that defines it (imported on first access)
+_LAZY = {
+    "ActivationScope": ".scope",
+    "Tracker": ".scope",
+    "CaptureMode": ".scope",
+    "CapturePolicy": ".scope",
+    "ReductionPolicy": ".scope",
+    "StoragePolicy": ".scope",
+    "open_store": ".store",
+    "Store": ".store",
+    "StoreWriter": ".store",
+    "ActivationDataset": ".data",
+}
 
 __all__ = [
     "ActivationScope",
@@ -46,6 +52,10 @@ __all__ = [
     "CapturePolicy",
     "ReductionPolicy",
     "StoragePolicy",
+    "open_store",
+    "Store",
+    "StoreWriter",
+    "ActivationDataset",
     "ActivationScopeError",
     "CaptureError",
     "HookPointNotFoundError",
@@ -60,13 +70,13 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    # The store and dataset modules import zarr / pyarrow: load them on first use.
-    if name in ("open_store", "Store", "StoreWriter"):
-        from . import store
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'activationscope' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(module, __name__), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
 
-        return getattr(store, name)
-    if name in ("ActivationDataset",):
-        from . import data
 
-        return getattr(data, name)
-    raise AttributeError(f"module 'activationscope' has no attribute {name!r}")
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -294,6 +294,21 @@ class Tracker:
     Use it as a context manager (attach on enter; on exit remove exactly its own wrappers,
     also when the body raises, and close the store) or call :meth:`attach` /
     :meth:`remove` yourself.
+
+    Attributes
+    ----------
+    writer : activationscope.store.StoreWriter or None
+        The writer of a store capture (``store=``), made by :meth:`attach` (so ``None``
+        before it, and always ``None`` for an in-memory capture). Read-only use:
+        ``writer.n_samples_committed`` (int, samples already in the store: 0 for a new
+        store, the committed count for ``resume=True``; equal to :attr:`resume_from`),
+        ``writer.path`` (str, where it writes). Do not call its write methods yourself: the
+        tracker drives the commit protocol.
+    parameters : dict of str to Tensor
+        With ``capture_parameters=True``: ``{name: Tensor}`` clones of the model's
+        parameters taken at :meth:`attach`; otherwise empty.
+    model : torch.nn.Module
+        The tracked model.
     """
 
     def __init__(self, scope: ActivationScope, model: torch.nn.Module,
@@ -441,9 +456,12 @@ class Tracker:
                 self.writer.abort(exc)
 
     def __enter__(self) -> "Tracker":
+        """Attach (see :meth:`attach`) and return the tracker."""
         return self.attach()
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        """Remove this tracker's wrappers and close its store: status ``complete``, or
+        ``incomplete`` when the body raised (the exception propagates)."""
         self._detach()
         self._finish(status="complete" if exc is None else "incomplete", exc=exc)
         if self._reference_mode:
@@ -626,7 +644,36 @@ class Tracker:
         """``{hook_point: {reduction name: Tensor}}``: current values of the reductions.
 
         The main value of a reduction is under its name (``"mean"``, ``"var"``); other
-        outputs of the same reduction under ``"<name>.<key>"`` (``"var.count"``).
+        outputs of the same reduction under ``"<name>.<key>"`` (``"var.count"``,
+        ``"hist.edges"``). Values cover every row captured so far (streaming; no row is
+        kept for them).
+
+        Returns
+        -------
+        dict of str to dict of str to Tensor
+            On the host (CPU), fresh tensors (copies of the accumulators). Keys, shapes and
+            dtypes per kind, for rows ``(rows, *feature_shape)`` and the default
+            ``per_feature=1`` (with ``per_feature=0`` read ``feature_shape`` as ``()``):
+
+            - ``mean``, ``var``, ``std``, ``min``, ``max``, ``absmax``, ``l2``, ``nonzero``:
+              ``(*feature_shape)``, float64 (``nonzero``: fraction of values != 0); ``var``
+              and ``std`` also ``<name>.mean``;
+            - ``hist``: ``<name>.counts`` ``(*feature_shape, bins)`` int64,
+              ``<name>.edges`` ``(bins + 1,)`` float64, ``<name>.underflow`` /
+              ``.overflow`` / ``.nan`` ``(*feature_shape)`` int64;
+            - ``cov``: ``(D, D)`` float64 with ``D = prod(feature_shape)``, and
+              ``<name>.mean`` ``(D,)``;
+            - ``topk``: ``<name>.values`` ``(k, *feature_shape)`` float64 and
+              ``<name>.row_ids`` ``(k, *feature_shape)`` int64 (global store row of each
+              value);
+            - every reduction: ``<name>.count``, int64 scalar, observations per output value;
+            - custom TorchScript reductions: the accumulator the function returns (its own
+              shape and dtype).
+
+        Raises
+        ------
+        HookPointNotFoundError
+            Indexing a hook point that has no reductions (the message lists those that do).
         """
         out: dict[str, dict[str, torch.Tensor]] = HookPointResults("reductions")
         for name, sink in self._sinks.items():

@@ -351,6 +351,7 @@ class ActivationDataset(Dataset):
 
     # ------------------------------------------------------------------ size and index
     def __len__(self) -> int:
+        """Number of rows in the dataset (after ``rows=``, ``sample_ids=`` and ``filter=``)."""
         return int(self._ids.numel()) if self._ids is not None else self._stop - self._start
 
     @property

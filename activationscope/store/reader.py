@@ -112,14 +112,18 @@ class Store:
 
     @property
     def hook_points(self) -> list[str]:
+        """Names of the stored hook points (``acts/<hook point>``), in capture order."""
         return list(self._attrs.get("arrays", {}))
 
     @property
     def n_samples(self) -> int:
+        """Committed samples (rows of the sample row table); 0 for a store killed before its
+        first commit."""
         return int(self._attrs.get("n_samples", 0))
 
     @property
     def path(self) -> str:
+        """Where the store lives: a local directory or a URL."""
         return str(self._backend)
 
     def _meta(self, hook_point: str) -> dict:
@@ -139,18 +143,35 @@ class Store:
         return self._meta(hook_point)["row_kind"]
 
     def feature_shape(self, hook_point: str) -> tuple[int, ...]:
+        """Shape of one row of ``hook_point`` (its array is ``(rows, *feature_shape)``).
+
+        Raises
+        ------
+        HookPointNotFoundError
+            ``hook_point`` is not in the store.
+        """
         return tuple(self._meta(hook_point)["feature_shape"])
 
     def dtype(self, hook_point: str) -> torch.dtype:
+        """The stored torch dtype of ``hook_point`` (``torch.bfloat16`` included).
+
+        Raises
+        ------
+        HookPointNotFoundError
+            ``hook_point`` is not in the store.
+        """
         return F.torch_dtype(self._meta(hook_point)["dtype"])
 
     def __contains__(self, hook_point: object) -> bool:
+        """Whether ``hook_point`` is stored."""
         return hook_point in self._attrs.get("arrays", {})
 
     def __len__(self) -> int:
+        """Number of stored hook points."""
         return len(self.hook_points)
 
     def __iter__(self) -> Iterator[str]:
+        """Iterate over the stored hook point names."""
         return iter(self.hook_points)
 
     # ------------------------------------------------------------------ arrays
@@ -392,7 +413,30 @@ class Store:
 
     @property
     def reductions(self) -> Mapping[str, dict[str, torch.Tensor]]:
-        """``{hook_point: {name: Tensor}}`` of the reductions stored at close (copies)."""
+        """``{hook_point: {name: Tensor}}`` of the reductions stored at close.
+
+        Read on access from ``reductions/<hook point>/<name>`` (each value a copy on the
+        host, checked against its crc32c). Keys, shapes and dtypes are those of
+        :attr:`Tracker.reductions <activationscope.Tracker.reductions>` at the end of the
+        capture: for rows ``(rows, *feature_shape)``, ``mean`` / ``var`` / ``std`` /
+        ``min`` / ``max`` / ``absmax`` / ``l2`` / ``nonzero`` are ``(*feature_shape)``
+        float64; ``<hist>.counts`` ``(*feature_shape, bins)`` int64 and ``<hist>.edges``
+        ``(bins + 1,)`` float64; ``cov`` ``(D, D)`` float64, ``D = prod(feature_shape)``;
+        ``<topk>.values`` ``(k, *feature_shape)`` float64 and ``<topk>.row_ids`` int64;
+        ``<name>.count`` an int64 scalar (observations per output value).
+
+        Returns
+        -------
+        Mapping of str to dict of str to Tensor
+            Hook points with reductions (``list(store.reductions)``) to their results.
+
+        Raises
+        ------
+        HookPointNotFoundError
+            Indexing a hook point without reductions (the message lists those with some).
+        StoreCorruptError
+            A reduction's bytes do not match their recorded crc32c.
+        """
         return _Reductions(self)
 
     def reduction_script(self, hook_point: str, name: str) -> bytes | None:
@@ -576,9 +620,11 @@ class Store:
             self._cached = 0
 
     def __enter__(self) -> "Store":
+        """Return the store; :meth:`close` on exit."""
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        """:meth:`close` the store."""
         self.close()
 
     def __repr__(self) -> str:

@@ -846,9 +846,11 @@ class StoreWriter:
             shutil.rmtree(self._staging, ignore_errors=True)
 
     def __enter__(self) -> "StoreWriter":
+        """Return the writer: :meth:`close` on a normal exit, :meth:`abort` when the body raised."""
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        """:meth:`close` (status ``complete``), or :meth:`abort` when the body raised."""
         if exc is None:
             self.close()
         else:
@@ -863,6 +865,7 @@ class StoreWriter:
 
     @property
     def path(self) -> str:
+        """Where the store is written: a local directory or a URL."""
         return str(self._backend)
 
     def __repr__(self) -> str:
