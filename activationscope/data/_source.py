@@ -222,6 +222,8 @@ class StoreSource:
         n = int(bounds[-1])
         if not (0 <= start <= stop <= n):
             raise IndexError(f"rows [{start}, {stop}) out of range for hook point {hp!r} with {n} rows")
+        if not self._layout(hp)[2]:  # decoded by the store: read just these rows through its cache
+            return self._rows(hp, start, stop)
         k = int(torch.searchsorted(bounds, start, right=True)) - 1
         if k < len(bounds) - 1 and stop <= int(bounds[k + 1]):
             b = int(bounds[k])

@@ -2,8 +2,10 @@
 
 Local, uncompressed arrays are read as zero-copy views of memory-mapped shard files
 (``MAP_PRIVATE``: writing into a returned tensor changes only the process's copy, never the
-file). Compressed or remote arrays are decoded through zarr-python, with a bounded cache of
-decoded chunks for slices.
+file). Local compressed arrays are decoded chunk by chunk from the shard files on a small
+thread pool (``_decode``): the chunks of one read side by side, and the next chunks of a
+sequential reader ahead of it. Remote arrays are decoded through zarr-python. Decoded chunks
+go through a bounded cache.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 
 from .. import _native
 from ..errors import HookPointNotFoundError, ReductionResults, StoreCorruptError, StoreError
+from . import _decode
 from . import _format as F
 from ._backend import LocalBackend, ZarrBackend, resolve
 
@@ -76,6 +79,10 @@ class Store:
         self._whole: dict[str, tuple[int, torch.Tensor]] = {}
         self._zarrays: dict[str, Any] = {}
         self._lock = threading.RLock()
+        self._indexes: dict[str, tuple[np.ndarray, int]] = {}  # shard file -> (checked index, size)
+        self._inflight: dict[tuple, Any] = {}  # (hook point, chunk) -> Future of its decode
+        self._next_start: dict[str, int] = {}  # where a sequential reader of a hook point goes next
+        self._pid = os.getpid()
         self.refresh()
 
     # ------------------------------------------------------------------ metadata
@@ -99,6 +106,7 @@ class Store:
             self._zarrays.clear()
             self._cache.clear()
             self._cached = 0
+            self._indexes.clear()
 
     @property
     def attrs(self) -> dict:
@@ -258,7 +266,155 @@ class Store:
             if parts is not None:
                 out = parts[0] if len(parts) == 1 else torch.cat(parts)
                 return out.clone() if copy and len(parts) == 1 else out
+        if self._decodes_locally(meta):
+            return self._read_decoded(hook_point, meta, start, stop)
         return self._read_zarr(hook_point, meta, start, stop)
+
+    # ------------------------------------------------------------------ local compressed arrays
+    def _decodes_locally(self, meta: dict) -> bool:
+        comp = meta.get("compression")
+        return (isinstance(self._backend, LocalBackend) and isinstance(comp, dict)
+                and comp.get("name") in ("zstd", "blosc"))
+
+    def _shard_index(self, path: str, n_chunks: int) -> tuple[np.ndarray, int]:
+        with self._lock:
+            entry = self._indexes.get(path)
+        if entry is None:
+            entry = _decode.read_index(path, n_chunks)
+            with self._lock:
+                self._indexes[path] = entry
+        return entry
+
+    def _decode_chunk(self, hook_point: str, meta: dict, c: int, out: np.ndarray | None = None) -> torch.Tensor | None:
+        """Decode chunk ``c`` of a local compressed array (runs on the decode pool).
+
+        Into ``out`` (uint8, exactly the chunk's committed bytes) when given (returns None),
+        else into a new tensor ``(rows of the chunk, *feature_shape)``.
+        """
+        feat = tuple(meta["feature_shape"])
+        chunk_rows, shard_rows, n = int(meta["chunk_rows"]), int(meta["shard_rows"]), int(meta["n_rows"])
+        row_bytes = (int(np.prod(feat)) if feat else 1) * F.itemsize(meta["dtype"])
+        shard_chunks = shard_rows // chunk_rows
+        shard, j = divmod(c, shard_chunks)
+        key = F.shard_key(meta["path"], shard, len(feat))
+        path = str(self._backend.path(key))
+        index, _size = self._shard_index(path, shard_chunks)
+        lo, hi = c * chunk_rows, min(n, (c + 1) * chunk_rows)
+        off, nbytes = int(index[j, 0]), int(index[j, 1])
+        where = f"hook point {hook_point!r}: chunk {c} (rows {lo}-{hi - 1}, shard {key})"
+        if index[j, 0] == _decode.MISSING:
+            raise StoreCorruptError(f"{where} is missing from its shard, but its rows are committed; "
+                                    "run `activationscope verify` on the store")
+        with open(path, "rb") as f:
+            data = os.pread(f.fileno(), nbytes, off)
+        if len(data) != nbytes:
+            raise StoreCorruptError(f"{where}: read {len(data)} of its {nbytes} bytes (the file shrank)")
+        full = chunk_rows * row_bytes  # every chunk is written whole (the last one too)
+        if out is not None and out.nbytes == full:
+            _decode.decode_into(meta["compression"], self._decoder(meta), data, out, where)
+            return None
+        buf = np.empty(full, dtype=np.uint8)
+        _decode.decode_into(meta["compression"], self._decoder(meta), data, buf, where)
+        if out is not None:
+            out[:] = buf[: out.nbytes]
+            return None
+        t = torch.from_numpy(buf[: (hi - lo) * row_bytes]).view(F.torch_dtype(meta["dtype"]))
+        return t.view(hi - lo, *feat)
+
+    def _decoder(self, meta: dict) -> Any:
+        key = ("decoder", meta["path"])
+        dec = self._zarrays.get(key)
+        if dec is None:
+            dec = _decode.decoder(meta["compression"])
+            self._zarrays[key] = dec
+        return dec
+
+    def _cache_put(self, key: tuple, t: torch.Tensor) -> None:
+        with self._lock:
+            self._inflight.pop(key, None)
+            if key in self._cache:
+                return
+            self._cache[key] = t
+            self._cached += t.nbytes
+            while self._cached > self._cache_bytes and len(self._cache) > 1:
+                _, old = self._cache.popitem(last=False)
+                self._cached -= old.nbytes
+
+    def _chunk_future(self, hook_point: str, meta: dict, c: int) -> Any:
+        """A future of decoded chunk ``c`` (cached; one decode per chunk however many readers)."""
+        key = (hook_point, c)
+        with self._lock:
+            fut = self._inflight.get(key)
+            if fut is not None:
+                return fut
+
+            def work() -> torch.Tensor:
+                try:
+                    t = self._decode_chunk(hook_point, meta, c)
+                except BaseException:
+                    with self._lock:
+                        self._inflight.pop(key, None)
+                    raise
+                self._cache_put(key, t)
+                return t
+
+            fut = _decode.pool().submit(work)
+            self._inflight[key] = fut
+            return fut
+
+    def _read_decoded(self, hook_point: str, meta: dict, start: int, stop: int) -> torch.Tensor:
+        """Rows ``[start, stop)`` of a local compressed array: one new tensor.
+
+        Chunks decode on the decode pool side by side; a read that starts where the last one
+        of this hook point stopped (a sequential reader) also starts decoding the next chunks.
+        Reads larger than half the cache decode straight into the result, without caching.
+        """
+        if self._pid != os.getpid():  # forked: the parent's decode futures never finish here
+            with self._lock:
+                self._inflight.clear()
+                self._pid = os.getpid()
+        dtype = F.torch_dtype(meta["dtype"])
+        feat = tuple(meta["feature_shape"])
+        chunk_rows, n = int(meta["chunk_rows"]), int(meta["n_rows"])
+        row_bytes = (int(np.prod(feat)) if feat else 1) * F.itemsize(meta["dtype"])
+        out = torch.empty((stop - start, *feat), dtype=dtype)
+        if row_bytes == 0:
+            return out
+        flat = out.view(-1).view(torch.uint8).numpy()
+        c0, c1 = start // chunk_rows, (stop - 1) // chunk_rows
+        big = (c1 - c0 + 1) * chunk_rows * row_bytes > self._cache_bytes // 2
+        waits = []
+        for c in range(c0, c1 + 1):
+            lo, hi = max(start, c * chunk_rows), min(stop, (c + 1) * chunk_rows)
+            dst = flat[(lo - start) * row_bytes:(hi - start) * row_bytes]
+            with self._lock:
+                t = self._cache.get((hook_point, c))
+                if t is not None:
+                    self._cache.move_to_end((hook_point, c))
+            if t is not None:
+                dst[:] = t.view(-1).view(torch.uint8).numpy()[(lo - c * chunk_rows) * row_bytes:(hi - c * chunk_rows) * row_bytes]
+            elif big and lo == c * chunk_rows and (hi == (c + 1) * chunk_rows or hi == n):
+                waits.append((None, _decode.pool().submit(self._decode_chunk, hook_point, meta, c, dst), None))
+            else:
+                waits.append((c, self._chunk_future(hook_point, meta, c), (lo, hi, dst)))
+        # a sequential reader: decode the chunks after this read while it is consumed
+        with self._lock:
+            sequential = self._next_start.get(hook_point, 0) == start
+            self._next_start[hook_point] = stop
+        if sequential and not big:
+            ahead = min(_decode.n_decode_threads(), max(1, (self._cache_bytes // 4) // max(1, chunk_rows * row_bytes)))
+            last = (n - 1) // chunk_rows
+            for c in range(c1 + 1, min(last, c1 + ahead) + 1):
+                with self._lock:
+                    known = (hook_point, c) in self._cache or (hook_point, c) in self._inflight
+                if not known:
+                    self._chunk_future(hook_point, meta, c)
+        for c, fut, part in waits:
+            t = fut.result()
+            if part is not None:
+                lo, hi, dst = part
+                dst[:] = t.view(-1).view(torch.uint8).numpy()[(lo - c * chunk_rows) * row_bytes:(hi - c * chunk_rows) * row_bytes]
+        return out
 
     def _shard_entry(self, meta: dict, shard: int) -> tuple[mmap.mmap, bool]:
         """(copy-on-write map of one shard file, whether its chunks lie back to back)."""
@@ -618,6 +774,7 @@ class Store:
             self._zarrays.clear()
             self._cache.clear()
             self._cached = 0
+            self._indexes.clear()
 
     def __enter__(self) -> "Store":
         """Return the store; :meth:`close` on exit."""

@@ -1,0 +1,157 @@
+"""Decoding compressed chunks of local stores, in parallel and ahead of the reader (private).
+
+zarr-python decodes a sharded array one ``arr[lo:hi]`` call at a time through its async
+machinery (a few milliseconds of overhead per chunk, one chunk at a time). For a local
+store the reader knows every chunk's place from the shard index, so it reads the bytes with
+``os.pread`` and decodes them with numcodecs (which releases the GIL) on a small thread
+pool: the chunks of one read decode side by side, and a sequential reader gets the next
+chunks decoded while it consumes the current ones.
+
+Everything read from the file is checked before use: the shard index's crc32c, every
+offset and size against the file size, and the decoded size against the chunk size
+(from the codec's own frame header, before decoding into the destination).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from ..errors import StoreCorruptError
+
+#: Shard index entry of a chunk that was never written (Zarr sharding: 2**64 - 1).
+MISSING = np.uint64(2**64 - 1)
+
+_ZSTD_MAGIC = 0xFD2FB528
+
+_pool: ThreadPoolExecutor | None = None
+_pool_pid = -1
+_pool_lock = threading.Lock()
+
+
+def n_decode_threads() -> int:
+    """Decode threads: the CPUs this process may run on, at most 4 (at least 1)."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    return max(1, min(4, n))
+
+
+def pool() -> ThreadPoolExecutor:
+    """The process's decode pool (made anew in a forked child: threads do not survive fork)."""
+    global _pool, _pool_pid
+    if _pool is None or _pool_pid != os.getpid():
+        with _pool_lock:
+            if _pool is None or _pool_pid != os.getpid():
+                _pool = ThreadPoolExecutor(max_workers=n_decode_threads(), thread_name_prefix="activationscope-decode")
+                _pool_pid = os.getpid()
+    return _pool
+
+
+def _after_fork_in_child() -> None:
+    global _pool, _pool_pid, _pool_lock
+    _pool, _pool_pid, _pool_lock = None, -1, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def decoded_size(codec: dict, data: bytes | memoryview) -> int | None:
+    """Bytes the encoded chunk ``data`` decodes to, from the codec's frame header.
+
+    Zstd: the frame content size (RFC 8878, section 3.1.1.1); None when the frame does not
+    record it. Blosc: ``nbytes`` of the blosc header. Raises ValueError on a malformed header.
+    """
+    name = codec.get("name")
+    if name == "zstd":
+        if len(data) < 6 or int.from_bytes(data[0:4], "little") != _ZSTD_MAGIC:
+            raise ValueError("not a zstd frame (bad magic number)")
+        fhd = data[4]
+        fcs_flag, single_segment, dict_flag = fhd >> 6, (fhd >> 5) & 1, fhd & 3
+        pos = 5 + (0 if single_segment else 1) + (0, 1, 2, 4)[dict_flag]
+        size_bytes = (1 if single_segment else 0, 2, 4, 8)[fcs_flag]
+        if size_bytes == 0:
+            return None
+        if len(data) < pos + size_bytes:
+            raise ValueError("zstd frame header is truncated")
+        value = int.from_bytes(data[pos:pos + size_bytes], "little")
+        return value + 256 if size_bytes == 2 else value
+    if name == "blosc":
+        if len(data) < 16:
+            raise ValueError("blosc header is truncated")
+        return int.from_bytes(data[4:8], "little")
+    raise ValueError(f"unknown codec {name!r}")
+
+
+def decoder(codec: dict) -> Any:
+    """A numcodecs object that decodes chunks of the Zarr codec document ``codec``."""
+    from . import _format as F
+
+    return F.numcodecs_encoder(codec)
+
+
+def read_index(path: str, n_chunks: int) -> tuple[np.ndarray, int]:
+    """The shard index of the shard file ``path``: ``((n_chunks, 2) uint64 (offset, nbytes), file size)``.
+
+    Checks the index's crc32c and that every written chunk lies inside the file, before the
+    index's data is used. Raises StoreCorruptError naming the file and what is wrong.
+    """
+    from . import reader
+
+    index_bytes = 16 * n_chunks + 4
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < index_bytes:
+                raise StoreCorruptError(
+                    f"shard {path!r} has {size} bytes, fewer than its index ({index_bytes} bytes): the file is "
+                    "truncated; run `activationscope verify` on the store"
+                )
+            raw = os.pread(f.fileno(), index_bytes, size - index_bytes)
+    except FileNotFoundError:
+        raise StoreCorruptError(f"shard {path!r} is missing (committed rows need it)") from None
+    stored = int.from_bytes(raw[-4:], "little")
+    if int(reader._C.crc32c(raw[:-4])) != stored:
+        raise StoreCorruptError(f"shard {path!r}: shard index crc32c mismatch; run `activationscope verify` on the store")
+    index = np.frombuffer(raw, dtype="<u8", count=2 * n_chunks).reshape(-1, 2).copy()
+    present = index[:, 0] != MISSING
+    ends = index[present, 0] + index[present, 1]
+    if len(ends) and (int(ends.max()) > size - index_bytes or bool((ends < index[present, 0]).any())):
+        raise StoreCorruptError(
+            f"shard {path!r}: a shard index entry points past the end of the chunk data ({size - index_bytes} bytes); "
+            "run `activationscope verify` on the store"
+        )
+    return index, size
+
+
+def decode_into(codec: dict, dec: Any, data: bytes, out: np.ndarray, where: str) -> None:
+    """Decode ``data`` into ``out`` (a uint8 array of exactly the chunk's size), or raise
+    StoreCorruptError naming ``where`` when the chunk does not decode to that size."""
+    try:
+        n = decoded_size(codec, data)
+    except ValueError as e:
+        raise StoreCorruptError(f"{where} does not decode: {e}; run `activationscope verify` on the store") from None
+    if n is not None and n != out.nbytes:
+        raise StoreCorruptError(
+            f"{where} decodes to {n} bytes, expected {out.nbytes}; run `activationscope verify` on the store"
+        )
+    try:
+        if n is None:  # a frame without its size: decode, then check
+            got = np.frombuffer(dec.decode(data), dtype=np.uint8)
+            if got.nbytes != out.nbytes:
+                raise StoreCorruptError(
+                    f"{where} decodes to {got.nbytes} bytes, expected {out.nbytes}; run `activationscope verify`"
+                )
+            out[:] = got
+        else:
+            dec.decode(data, out=out)
+    except StoreCorruptError:
+        raise
+    except Exception as e:  # noqa: BLE001 (numcodecs raises RuntimeError / ValueError)
+        raise StoreCorruptError(f"{where} does not decode: {e}; run `activationscope verify` on the store") from None

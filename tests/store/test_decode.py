@@ -1,0 +1,208 @@
+"""Local compressed arrays: parallel, read-ahead decoding straight from the shard files,
+checked against zarr-python and against the written tensors; damaged chunks are errors."""
+
+from __future__ import annotations
+
+import numcodecs
+import numpy as np
+import pytest
+import torch
+import zarr
+from hypothesis import given, settings, strategies as st
+
+from activationscope.errors import StoreCorruptError
+from activationscope.store import StoreWriter, open_store
+from activationscope.store import _decode
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.uint8, torch.bool]
+
+
+def _write(target, t: torch.Tensor, *, batch: int = 7, **options) -> None:
+    w = StoreWriter(target, capture_config={}, model=None, storage_dtype=None, **options)
+    arr = w.open_array("x", tuple(t.shape[1:]), t.dtype, "sample")
+    for s in range(0, t.shape[0], batch):
+        e = min(t.shape[0], s + batch)
+        arr.append(t[s:e])
+        w.add_batch(e - s, list(range(s, e)), None, {})
+        w.maybe_commit()
+    w.close()
+
+
+def _data(shape, dtype, seed=0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=g) > 0.5
+    if not dtype.is_floating_point:
+        return torch.randint(0, 100, shape, generator=g).to(dtype)
+    t = torch.randn(shape, generator=g).to(dtype)
+    t[: shape[0] // 3] = 0  # compressible
+    return t
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype.is_floating_point:
+        return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+    return t
+
+
+def _zarr_reference(path, dtype) -> torch.Tensor:
+    raw = torch.from_numpy(np.ascontiguousarray(zarr.open_group(str(path), mode="r")["acts/x"][:]))
+    return raw.view(torch.bfloat16) if dtype == torch.bfloat16 else raw
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    n=st.integers(1, 120),
+    feature=st.lists(st.integers(1, 5), min_size=0, max_size=2),
+    chunk_rows=st.integers(1, 13),
+    shard_chunks=st.integers(1, 4),
+    dtype=st.sampled_from(DTYPES),
+    compression=st.sampled_from(["zstd", "zstd:1", "blosc-lz4"]),
+    cuts=st.lists(st.integers(0, 120), min_size=2, max_size=8),
+)
+def test_decoded_reads_equal_written_rows_and_zarr(tmp_path_factory, n, feature, chunk_rows, shard_chunks, dtype,
+                                                   compression, cuts):
+    path = tmp_path_factory.mktemp("d") / "s.zarr"
+    t = _data((n, *feature), dtype, seed=n)
+    item = t.element_size() * int(np.prod(feature) if feature else 1)
+    _write(path, t, compression=compression, chunk_rows=chunk_rows, shard_bytes=chunk_rows * shard_chunks * item)
+    # a small cache: reads bigger than half of it decode straight into the result
+    store = open_store(path, cache_bytes=4 * chunk_rows * item)
+    assert store._decodes_locally(store._meta("x"))
+    assert torch.equal(_bits(store["x"]), _bits(t))
+    assert torch.equal(_bits(_zarr_reference(path, dtype)), _bits(t))
+    bounds = sorted({min(c, n) for c in cuts} | {0, n})
+    for a, b in zip(bounds, bounds[1:]):  # a sequential reader: read-ahead, cache hits
+        assert torch.equal(_bits(store.rows("x", a, b)), _bits(t[a:b])), (a, b)
+    for a, b in zip(bounds[::-1][1:], bounds[::-1]):  # backwards: no read-ahead
+        assert torch.equal(_bits(store.rows("x", a, b)), _bits(t[a:b])), (a, b)
+
+
+@pytest.mark.parametrize("compression", ["zstd", "blosc-lz4"])
+def test_sequential_reader_gets_the_next_chunks_decoded_ahead(tmp_path, compression):
+    t = _data((400, 16), torch.float32)
+    _write(tmp_path / "s.zarr", t, batch=50, compression=compression, chunk_rows=10, shard_bytes=10 * 64 * 5)
+    store = open_store(tmp_path / "s.zarr")
+    assert torch.equal(store.rows("x", 0, 10), t[0:10])
+    ahead = [(hp, c) for hp, c in list(store._cache) + list(store._inflight) if c > 0]
+    assert ahead, "a sequential read did not start decoding the next chunk"
+    for a in range(10, 400, 10):
+        assert torch.equal(store.rows("x", a, a + 10), t[a:a + 10])
+    # a returned batch is the reader's own copy: writing into it leaves the cache intact
+    got = store.rows("x", 390, 400)
+    got.fill_(7)
+    assert torch.equal(store.rows("x", 390, 400), t[390:400])
+
+
+def test_dataloader_workers_read_compressed_rows(tmp_path):
+    from activationscope.data import ActivationDataset, SequentialBatchSampler
+
+    t = _data((300, 8), torch.float32)
+    _write(tmp_path / "s.zarr", t, compression="zstd", chunk_rows=16)
+    ds = ActivationDataset(tmp_path / "s.zarr")
+    _ = ds[0:20]  # the parent decodes and starts read-ahead before the workers fork
+    loader = torch.utils.data.DataLoader(ds, batch_sampler=SequentialBatchSampler(ds, batch_size=23), num_workers=2)
+    got = torch.cat([b["x"] for b in loader])
+    assert torch.equal(got, t)
+
+
+def _one_shard(tmp_path, compression="zstd"):
+    t = _data((64, 8), torch.float32)
+    _write(tmp_path / "s.zarr", t, compression=compression, chunk_rows=8, shard_bytes=1 << 20)
+    return t, tmp_path / "s.zarr" / "acts" / "x" / "c" / "0" / "0"
+
+
+def _index(shard_bytes: bytes, n_chunks: int) -> np.ndarray:
+    return np.frombuffer(shard_bytes, "<u8", count=2 * n_chunks, offset=len(shard_bytes) - 16 * n_chunks - 4).reshape(-1, 2)
+
+
+def _rewrite_index(data: bytearray, n_chunks: int, index: np.ndarray) -> bytes:
+    from activationscope import _native
+
+    ib = 16 * n_chunks + 4
+    raw = index.astype("<u8").tobytes()
+    data[len(data) - ib:len(data) - 4] = raw
+    data[len(data) - 4:] = int(_native.load().crc32c(raw)).to_bytes(4, "little")
+    return bytes(data)
+
+
+def _n_chunks(path) -> int:
+    meta = open_store(path).attrs["arrays"]["x"]
+    return meta["shard_rows"] // meta["chunk_rows"]
+
+
+def test_truncated_shard_is_an_error_not_zeros(tmp_path):
+    _t, shard = _one_shard(tmp_path)
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(StoreCorruptError, match="truncated"):
+        open_store(tmp_path / "s.zarr")["x"]
+
+
+def test_index_entry_past_the_end_is_an_error(tmp_path):
+    _t, shard = _one_shard(tmp_path)
+    n_chunks = _n_chunks(tmp_path / "s.zarr")
+    data = bytearray(shard.read_bytes())
+    index = _index(bytes(data), n_chunks).copy()
+    index[2, 1] = len(data) * 4
+    shard.write_bytes(_rewrite_index(data, n_chunks, index))
+    with pytest.raises(StoreCorruptError, match="past the end"):
+        open_store(tmp_path / "s.zarr").rows("x", 16, 24)
+
+
+def test_damaged_index_crc_is_an_error(tmp_path):
+    _t, shard = _one_shard(tmp_path)
+    data = bytearray(shard.read_bytes())
+    data[-10] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(StoreCorruptError, match="crc32c"):
+        open_store(tmp_path / "s.zarr")["x"]
+
+
+def test_missing_committed_chunk_is_an_error_not_fill_values(tmp_path):
+    _t, shard = _one_shard(tmp_path)
+    n_chunks = _n_chunks(tmp_path / "s.zarr")
+    data = bytearray(shard.read_bytes())
+    index = _index(bytes(data), n_chunks).copy()
+    index[3] = [2**64 - 1, 2**64 - 1]
+    shard.write_bytes(_rewrite_index(data, n_chunks, index))
+    store = open_store(tmp_path / "s.zarr")
+    assert store.rows("x", 0, 8).shape == (8, 8)  # other chunks still read
+    with pytest.raises(StoreCorruptError, match="chunk 3 .* missing"):
+        store.rows("x", 24, 32)
+
+
+@pytest.mark.parametrize("compression", ["zstd", "blosc-lz4"])
+def test_chunk_of_the_wrong_decoded_size_is_an_error(tmp_path, compression):
+    t, shard = _one_shard(tmp_path, compression)
+    n_chunks = _n_chunks(tmp_path / "s.zarr")
+    data = bytearray(shard.read_bytes())
+    index = _index(bytes(data), n_chunks).copy()
+    enc = (numcodecs.Zstd() if compression == "zstd" else numcodecs.Blosc(cname="lz4")).encode(
+        t[:4].numpy().tobytes())  # half a chunk's bytes
+    off = len(data) - 16 * n_chunks - 4  # the end of the chunk data
+    body = bytes(data[:off]) + enc
+    index[1] = [off, len(enc)]
+    shard.write_bytes(_rewrite_index(bytearray(body + bytes(data[off:])), n_chunks, index))
+    store = open_store(tmp_path / "s.zarr")
+    assert torch.equal(store.rows("x", 0, 8), t[0:8])
+    with pytest.raises(StoreCorruptError, match="decodes to 128 bytes, expected 256"):
+        store.rows("x", 8, 16)
+
+
+def test_garbage_chunk_is_an_error(tmp_path):
+    _t, shard = _one_shard(tmp_path)
+    n_chunks = _n_chunks(tmp_path / "s.zarr")
+    data = bytearray(shard.read_bytes())
+    index = _index(bytes(data), n_chunks)
+    off = int(index[5, 0])
+    data[off:off + 4] = b"\x00\x01\x02\x03"  # no zstd magic number
+    shard.write_bytes(bytes(data))
+    with pytest.raises(StoreCorruptError, match="chunk 5 .*does not decode"):
+        open_store(tmp_path / "s.zarr").rows("x", 40, 48)
+
+
+@pytest.mark.parametrize("n", [0, 1, 255, 256, 65535, 65536 + 256, 1 << 20])
+def test_zstd_frame_content_size_is_read_from_the_header(n):
+    # frames of the header size classes (1, 2 and 4-byte content size fields)
+    enc = numcodecs.Zstd(level=1).encode(np.zeros(n, np.uint8))
+    assert _decode.decoded_size({"name": "zstd"}, enc) == n
