@@ -224,6 +224,9 @@ class StoreSource:
             raise IndexError(f"rows [{start}, {stop}) out of range for hook point {hp!r} with {n} rows")
         if not self._layout(hp)[2]:  # decoded by the store: read just these rows through its cache
             return self._rows(hp, start, stop)
+        hint = getattr(self.store, "will_read", None)
+        if callable(hint):  # cold pages: have the kernel read ahead of the consumer
+            hint(hp, start, stop)
         k = int(torch.searchsorted(bounds, start, right=True)) - 1
         if k < len(bounds) - 1 and stop <= int(bounds[k + 1]):
             b = int(bounds[k])

@@ -10,6 +10,7 @@ go through a bounded cache.
 
 from __future__ import annotations
 
+import ctypes
 import io
 import json
 import mmap
@@ -33,6 +34,34 @@ _C = _native.load()
 
 # shard index entry of a chunk that is not there (Zarr sharding: 2**64 - 1)
 _MISSING = np.uint64(2**64 - 1)
+
+#: Read-ahead of a sequential reader of memory-mapped rows: the next READ_AHEAD_BYTES after a
+#: read are advised (``madvise(MADV_WILLNEED)``), renewed when less than half is left.
+READ_AHEAD_BYTES = 16 << 20
+_MADV_WILLNEED = 3
+
+
+def _load_madvise() -> Any:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):  # not a POSIX libc: no hints, reads work the same
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_madvise = _load_madvise()
+
+
+def _will_need(addr: int, nbytes: int) -> None:
+    """Ask the kernel to start reading the pages of ``[addr, addr + nbytes)`` of a file
+    mapping (asynchronous; a hint, errors ignored): page faults on them then find the data
+    in the page cache instead of waiting for one read-around each."""
+    if _madvise is None or nbytes <= 0:
+        return
+    lo = addr - addr % mmap.PAGESIZE
+    _madvise(lo, nbytes + (addr - lo), _MADV_WILLNEED)
 
 
 class _Reductions(Mapping):
@@ -82,6 +111,7 @@ class Store:
         self._indexes: dict[str, tuple[np.ndarray, int]] = {}  # shard file -> (checked index, size)
         self._inflight: dict[tuple, Any] = {}  # (hook point, chunk) -> Future of its decode
         self._next_start: dict[str, int] = {}  # where a sequential reader of a hook point goes next
+        self._advised: dict[str, tuple[int, int]] = {}  # hook point -> (last hinted start, advised until row)
         self._pid = os.getpid()
         self.refresh()
 
@@ -229,6 +259,60 @@ class Store:
         if not (0 <= start <= stop <= n):
             raise IndexError(f"rows [{start}, {stop}) out of range for hook point {hook_point!r} with {n} rows")
         return self._read_rows(hook_point, start, stop)
+
+    def will_read(self, hook_point: str, start: int, stop: int) -> None:
+        """Hint that rows ``[start, stop)`` of a hook point are read next (cold reads).
+
+        For a local uncompressed array, the kernel is asked to start reading those rows'
+        pages (``madvise(MADV_WILLNEED)`` on the mapping) before they are touched, and, for a
+        reader that moves forward (each hinted read starting at or after the last one, at
+        most half a read-ahead past the advised range: sequential batches, also when
+        DataLoader workers take turns), the next ``READ_AHEAD_BYTES`` after them, so that
+        the disk reads ahead of the consumer instead of one page-fault read-around at a
+        time. Costs one ``madvise`` per
+        about 8 MiB read when the pages are already cached. Other arrays: nothing.
+        ``ActivationDataset`` calls it for every contiguous batch.
+        """
+        meta = self._meta(hook_point)
+        n = int(meta["n_rows"])
+        if _madvise is None or not isinstance(self._backend, LocalBackend) or meta.get("compression") is not None:
+            return
+        start, stop = max(0, int(start)), min(n, int(stop))
+        if stop <= start:
+            return
+        feat = tuple(meta["feature_shape"])
+        row_bytes = (int(np.prod(feat)) if feat else 1) * F.itemsize(meta["dtype"])
+        if row_bytes == 0:
+            return
+        ahead_rows = max(1, READ_AHEAD_BYTES // row_bytes)
+        with self._lock:
+            last_start, until = self._advised.get(hook_point, (-1, 0))
+            forward = last_start <= start <= until + ahead_rows // 2  # small gaps: workers taking turns
+            if forward and stop + ahead_rows // 2 <= until:
+                self._advised[hook_point] = (start, until)
+                return  # already advised
+            lo = max(start, until) if forward else start
+            hi = min(n, stop + ahead_rows) if (forward or start == 0) else stop
+            self._advised[hook_point] = (start, hi)
+        self._advise_rows(meta, lo, hi, row_bytes)
+
+    def _advise_rows(self, meta: dict, lo: int, hi: int, row_bytes: int) -> None:
+        shard_rows = int(meta["shard_rows"])
+        whole = None
+        if hi - 1 >= shard_rows:
+            whole = self._whole_rows(meta)
+        if whole is not None:
+            _will_need(whole.data_ptr() + lo * row_bytes, (hi - lo) * row_bytes)
+            return
+        s = lo
+        while s < hi:
+            k = s // shard_rows
+            e = min(hi, (k + 1) * shard_rows)
+            view = self._mapped_rows(meta, k, s - k * shard_rows, e - s)
+            if view is None:
+                return
+            _will_need(view.data_ptr(), (e - s) * row_bytes)
+            s = e
 
     def compressed_array(self, hook_point: str) -> tuple[Any, int, torch.dtype] | None:
         """``(zarr array, chunk_rows, torch dtype)`` of an array read through zarr-python
@@ -426,11 +510,15 @@ class Store:
                 try:
                     with open(path, "rb") as f:
                         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+                        # the index with pread, not through the map: a page fault there would
+                        # read the kernel's whole read-around window (MiBs) of a cold file
+                        index_bytes = 16 * (int(meta["shard_rows"]) // int(meta["chunk_rows"])) + 4
+                        tail = os.pread(f.fileno(), index_bytes, max(0, len(mm) - index_bytes))
                 except FileNotFoundError:
                     raise StoreCorruptError(
                         f"hook point {meta['path']!r}: shard {key!r} is missing (committed rows need it)"
                     ) from None
-                entry = (mm, self._contiguous(mm, meta))
+                entry = (mm, self._contiguous(tail, meta))
                 self._maps[key] = entry
         return entry
 
@@ -477,15 +565,16 @@ class Store:
         return view
 
     @staticmethod
-    def _contiguous(mm: mmap.mmap, meta: dict) -> bool:
+    def _contiguous(tail: bytes, meta: dict) -> bool:
+        """Whether the shard whose last bytes (its index) are ``tail`` holds its chunks back to back."""
         chunk_rows = int(meta["chunk_rows"])
         n_chunks = int(meta["shard_rows"]) // chunk_rows
         feat = meta["feature_shape"]
         chunk_bytes = chunk_rows * int(np.prod(feat) if feat else 1) * F.itemsize(meta["dtype"])
         index_bytes = 16 * n_chunks + 4
-        if len(mm) < index_bytes:
+        if len(tail) < index_bytes:
             return False
-        index = np.frombuffer(mm, dtype="<u8", count=2 * n_chunks, offset=len(mm) - index_bytes).reshape(-1, 2)
+        index = np.frombuffer(tail, dtype="<u8", count=2 * n_chunks, offset=len(tail) - index_bytes).reshape(-1, 2)
         present = index[:, 0] != _MISSING
         at = np.arange(n_chunks, dtype=np.uint64) * np.uint64(chunk_bytes)
         return bool(np.all(~present | ((index[:, 0] == at) & (index[:, 1] == chunk_bytes))))

@@ -1,0 +1,91 @@
+"""Cold reads: ``Store.will_read`` asks the kernel to read a sequential reader's next pages
+ahead (madvise WILLNEED), checked with a residency count (mincore) after eviction."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from activationscope.data import ActivationDataset, SequentialBatchSampler
+from activationscope.store import StoreWriter, open_store
+from activationscope.store import reader
+from benchmark import pagecache
+
+
+def _write(path, t: torch.Tensor, **options) -> None:
+    w = StoreWriter(path, capture_config={}, model=None, storage_dtype=None, **options)
+    arr = w.open_array("x", tuple(t.shape[1:]), t.dtype, "sample")
+    for s in range(0, t.shape[0], 512):
+        e = min(t.shape[0], s + 512)
+        arr.append(t[s:e])
+        w.add_batch(e - s, list(range(s, e)), None, {})
+    w.close()
+
+
+def _shards(path):
+    return str(path / "acts" / "x" / "c")
+
+
+def _cold_store(tmp_path, n_rows=8192):
+    t = torch.randn(n_rows, 256)  # 1 KiB rows: 8 MiB, shards of 1 MiB
+    path = tmp_path / "s.zarr"
+    _write(path, t, shard_bytes=1 << 20)
+    pagecache.evict(_shards(path))
+    if pagecache.resident(_shards(path))[0]:
+        pytest.skip("this filesystem keeps the pages in memory (tmpfs?): no cold reads to test")
+    return t, path
+
+
+def _wait_resident(path, at_least: int, timeout_s: float = 20.0) -> int:
+    end = time.monotonic() + timeout_s  # the kernel reads asynchronously
+    while True:
+        n = pagecache.resident(_shards(path))[0]
+        if n >= at_least or time.monotonic() > end:
+            return n
+        time.sleep(0.02)
+
+
+def test_will_read_starts_reading_the_rows_and_the_window_after_them(tmp_path, monkeypatch):
+    monkeypatch.setattr(reader, "READ_AHEAD_BYTES", 4 << 20)
+    _t, path = _cold_store(tmp_path)
+    store = open_store(path)
+    store.will_read("x", 0, 256)  # a first sequential batch: its rows and 4 MiB after them
+    pages = _wait_resident(path, (4 << 20) // 4096)
+    assert pages >= (4 << 20) // 4096
+    assert pages < (8 << 20) // 4096  # not the whole array: a window
+
+
+def test_random_reads_are_not_read_ahead(tmp_path, monkeypatch):
+    monkeypatch.setattr(reader, "READ_AHEAD_BYTES", 4 << 20)
+    _t, path = _cold_store(tmp_path)
+    store = open_store(path)
+    store.will_read("x", 6000, 6016)  # a jump: just those 16 KiB
+    assert _wait_resident(path, 4) >= 4
+    time.sleep(0.2)
+    assert pagecache.resident(_shards(path))[0] < 256
+
+
+def test_sequential_dataset_reads_hint_and_return_the_same_rows(tmp_path):
+    t, path = _cold_store(tmp_path)
+    ds = ActivationDataset(path)
+    calls = []
+    real = ds.store.will_read
+    ds.store.will_read = lambda hp, a, b: (calls.append((a, b)), real(hp, a, b))
+    got = torch.cat([ds.get_batch(b)["x"] for b in SequentialBatchSampler(ds, batch_size=1000)])
+    assert torch.equal(got, t)
+    assert calls[:2] == [(0, 1000), (1000, 2000)]
+
+
+def test_will_read_is_a_no_op_for_compressed_arrays_and_clips_ranges(tmp_path):
+    t = torch.randn(300, 8)
+    _write(tmp_path / "z.zarr", t, compression="zstd")
+    store = open_store(tmp_path / "z.zarr")
+    store.will_read("x", 0, 10_000)
+    assert torch.equal(store["x"], t)
+    _write(tmp_path / "r.zarr", t)
+    store = open_store(tmp_path / "r.zarr")
+    store.will_read("x", -5, 10_000)
+    store.will_read("x", 200, 100)
+    assert torch.equal(store["x"], t)
