@@ -43,6 +43,7 @@ _LAZY = {
     "Store": ".store",
     "StoreWriter": ".store",
     "ActivationDataset": ".data",
+    "to_dask": ".analysis.dask",
 }
 
 __all__ = [
@@ -56,6 +57,7 @@ __all__ = [
     "Store",
     "StoreWriter",
     "ActivationDataset",
+    "to_dask",
     "ActivationScopeError",
     "CaptureError",
     "HookPointNotFoundError",

@@ -244,8 +244,31 @@ def bytes_codec(dtype: str) -> dict:
     return {"name": "bytes", "configuration": {"endian": "little"}}
 
 
+def feature_dimension_names(hook_point: str, ndim: int) -> list[str]:
+    """Names of the feature dimensions of a hook point's rows: ``<hook point>.dim<i>``.
+
+    Unique per hook point, so arrays of different widths never share a dimension name (xarray
+    merges the arrays of a group into one Dataset and rejects one name with two sizes); a
+    reduction with the shape of a row (mean, var, ...) uses the same names, so it lines up
+    with its activation array.
+    """
+    return [f"{hook_point}.dim{i}" for i in range(ndim)]
+
+
+def dimension_names(hook_point: str, row_kind: str, follows_row_table: bool, ndim_feature: int) -> list[str]:
+    """The Zarr ``dimension_names`` of an ``acts/<hook point>`` array.
+
+    The row dimension is the row kind (``"sample"`` or ``"token"``) when row *i* of the array
+    is row *i* of that row table, so every such array shares it (and its length); otherwise
+    ``<hook point>.rows``. Feature dimensions: :func:`feature_dimension_names`.
+    """
+    rows = row_kind if follows_row_table else f"{hook_point}.rows"
+    return [rows, *feature_dimension_names(hook_point, ndim_feature)]
+
+
 def array_document(*, n_rows: int, feature_shape: tuple[int, ...], dtype: str, chunk_rows: int,
-                   shard_chunks: int, compression: dict | None, attributes: dict) -> dict:
+                   shard_chunks: int, compression: dict | None, attributes: dict,
+                   dimension_names: list[str] | None = None) -> dict:
     """The ``zarr.json`` of an ``acts/<hook point>`` array."""
     feat = [int(d) for d in feature_shape]
     feat_chunk = [max(1, d) for d in feat]
@@ -273,6 +296,7 @@ def array_document(*, n_rows: int, feature_shape: tuple[int, ...], dtype: str, c
         ],
         "attributes": attributes,
         "storage_transformers": [],
+        **({"dimension_names": list(dimension_names)} if dimension_names is not None else {}),
     }
 
 

@@ -642,7 +642,9 @@ class StoreWriter:
                 attrs = {F.ATTRS_KEY: {"hook_point": a.hook_point, "dtype": a.dtype, "row_kind": a.row_kind}}
                 doc = F.array_document(n_rows=a.committed_rows, feature_shape=a.feature_shape, dtype=a.dtype,
                                        chunk_rows=a.chunk_rows, shard_chunks=a.shard_chunks,
-                                       compression=a.compression, attributes=attrs)
+                                       compression=a.compression, attributes=attrs,
+                                       dimension_names=F.dimension_names(a.hook_point, a.row_kind,
+                                                                         a.follows_row_table, len(a.feature_shape)))
                 writes.append((f"{a.path}/zarr.json", F.dumps(doc)))
         self._set_many(writes)
         for a in self._arrays.values():
@@ -736,7 +738,13 @@ class StoreWriter:
                 dname = F.dtype_name(t.dtype)
                 if dname not in F.SUPPORTED_DTYPES:
                     raise StoreError(f"reduction {name!r} of hook point {hook_point!r}: result {key!r} has unsupported dtype {dname}")
-                crcs = self._write_small_array(path, t, {"hook_point": hook_point, "reduction": name, "dtype": dname})
+                arr = self._arrays.get(hook_point)
+                if arr is not None and tuple(t.shape) == arr.feature_shape:
+                    dims = F.feature_dimension_names(hook_point, t.dim())
+                else:
+                    dims = [f"{hook_point}.{full}.dim{i}" for i in range(t.dim())]
+                crcs = self._write_small_array(path, t, {"hook_point": hook_point, "reduction": name, "dtype": dname},
+                                               dims)
                 entries[full] = {"path": path, "reduction": name, "kind": kind, "dtype": dname, "shape": list(t.shape),
                                  "crc32c": crcs}
             pt = script_path
@@ -755,7 +763,8 @@ class StoreWriter:
                     entries[name]["script"] = key
                     entries[name].setdefault("crc32c", {})[key] = int(_C.crc32c(data))
 
-    def _write_small_array(self, path: str, t: torch.Tensor, attrs: dict) -> dict[str, int]:
+    def _write_small_array(self, path: str, t: torch.Tensor, attrs: dict,
+                           dimension_names: list[str] | None = None) -> dict[str, int]:
         """Write a one-chunk array; returns ``{chunk key: crc32c}`` (empty for a 0-size array)."""
         dname = F.dtype_name(t.dtype)
         data = t.view(torch.uint16) if dname == "bfloat16" else t
@@ -763,7 +772,8 @@ class StoreWriter:
         shape = tuple(arr.shape)
         doc = F.array_document(n_rows=shape[0] if shape else 0, feature_shape=shape[1:], dtype=dname,
                                chunk_rows=max(1, shape[0]) if shape else 1, shard_chunks=1,
-                               compression=None, attributes={F.ATTRS_KEY: attrs})
+                               compression=None, attributes={F.ATTRS_KEY: attrs},
+                               dimension_names=dimension_names)
         # small arrays: one plain chunk, no sharding
         doc["shape"] = list(shape)
         doc["chunk_grid"]["configuration"]["chunk_shape"] = [max(1, d) for d in shape]

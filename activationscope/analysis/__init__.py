@@ -1,0 +1,1 @@
+"""Analysis of stores: Dask arrays and data frames over a store (:mod:`.dask`)."""

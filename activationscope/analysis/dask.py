@@ -1,0 +1,279 @@
+"""Stores bigger than one process's memory: Dask arrays and data frames over a store.
+
+Dask (``dask.array``, ``dask.dataframe``, ``dask.distributed``) does the scheduling, the
+spilling and the cluster; this module only describes a store's committed rows to it:
+
+- :func:`to_dask`: one hook point as a ``dask.array`` whose blocks are the store's shards
+  (one task reads one shard), only the committed rows, the stored dtype (bfloat16 as
+  ``ml_dtypes.bfloat16``);
+- :func:`row_table_dask`: a row table as a ``dask.dataframe`` (one partition per committed
+  Parquet part);
+- :func:`moments` and :func:`pca`: float64 reductions over such an array, computed by
+  whatever scheduler is active (threads, processes, or a ``dask.distributed`` cluster).
+
+The task graphs hold only zarr-python, numpy and pandas callables: a worker reading them
+imports neither torch nor activationscope (so a worker's memory limit is about the data).
+
+Needs the ``dask`` extra: ``pip install 'activationscope[dask]'``.
+
+Example
+-------
+>>> import dask
+>>> from activationscope.analysis.dask import to_dask, pca
+>>> x = to_dask("runs/demo.zarr", "encoder.layer.0.output")   # doctest: +SKIP
+>>> x.mean(axis=0, dtype="float64").compute()                  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..errors import StoreCorruptError
+from ..store import _format as F
+from ..store._backend import LocalBackend
+from ..store.reader import Store, open_store
+
+__all__ = ["to_dask", "row_table_dask", "moments", "pca", "numpy_dtype"]
+
+
+def _require(module: str) -> Any:
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise ImportError(
+            f"{module} is needed for Dask analysis but is not installed ({e}); install the extra: "
+            "pip install 'activationscope[dask]'"
+        ) from None
+
+
+def numpy_dtype(dtype_name: str) -> np.dtype:
+    """The numpy dtype of a stored torch dtype name; ``"bfloat16"`` -> ``ml_dtypes.bfloat16``."""
+    if dtype_name == "bfloat16":
+        return np.dtype(_require("ml_dtypes").bfloat16)
+    if dtype_name not in F.SUPPORTED_DTYPES:
+        raise ValueError(f"dtype must be one of {list(F.SUPPORTED_DTYPES)}, got {dtype_name!r}")
+    return np.dtype("bool" if dtype_name == "bool" else dtype_name)
+
+
+def _open(store: Any, storage_options: dict | None) -> Store:
+    if isinstance(store, Store):
+        return store
+    return open_store(store, storage_options=storage_options)
+
+
+def to_dask(store: Any, hook_point: str, *, storage_options: dict | None = None) -> Any:
+    """The committed rows of a hook point as a lazy ``dask.array``, one block per shard.
+
+    Parameters
+    ----------
+    store : str, os.PathLike, zarr Store or :class:`~activationscope.store.Store`
+        A local path, an fsspec URL (``s3://...``) or an opened store.
+    hook_point : str
+    storage_options : dict, optional
+        fsspec options of a URL.
+
+    Returns
+    -------
+    dask.array.Array, (rows, *feature_shape)
+        ``rows`` = the committed ``n_rows`` of the root metadata at the time of the call (rows
+        written after it, or past the last commit, are never read). Blocks along ``rows`` are
+        the shards (``shard_rows`` rows each, the last one shorter); feature dimensions are
+        whole. dtype: the stored dtype as numpy; bfloat16 is ``ml_dtypes.bfloat16`` (the
+        stored uint16 bit patterns reinterpreted, bit-exact; ``.astype("float32")`` is
+        exact). Each block is read (decoded when compressed) through zarr-python when
+        computed: a copy, nothing stays mapped.
+
+    Raises
+    ------
+    HookPointNotFoundError
+        ``hook_point`` is not in the store.
+    StoreCorruptError
+        The array's ``zarr.json`` disagrees with the root metadata (shape, dtype, chunks),
+        or is missing while rows are committed.
+    ImportError
+        dask (or ml_dtypes for bfloat16) is not installed.
+
+    Example
+    -------
+    >>> x = to_dask("runs/demo.zarr", "encoder.layer.0.output")     # doctest: +SKIP
+    >>> x.astype("float64").mean(axis=0).compute()                   # doctest: +SKIP
+    """
+    da = _require("dask.array")
+    import zarr
+
+    st = _open(store, storage_options)
+    meta = st._meta(hook_point)
+    n = int(meta["n_rows"])
+    feat = tuple(int(d) for d in meta["feature_shape"])
+    shard_rows = int(meta["shard_rows"])
+    dtype = numpy_dtype(meta["dtype"])
+    if n < 0 or shard_rows <= 0:
+        raise StoreCorruptError(f"hook point {hook_point!r}: n_rows {n} / shard_rows {shard_rows} in the metadata are invalid")
+    if n == 0:
+        return da.zeros((0, *feat), dtype=dtype, chunks=(shard_rows, *feat))
+    try:
+        arr = zarr.open_array(st._backend.zarr_store(read_only=True), path=meta["path"], mode="r")
+    except Exception as e:  # zarr raises several classes for a missing or broken document
+        raise StoreCorruptError(
+            f"hook point {hook_point!r}: the array {meta['path']!r} of store {st.path!r} cannot be opened ({e}) "
+            f"although {n} rows are committed; run verify"
+        ) from e
+    stored = np.dtype(F.zarr_dtype(meta["dtype"]))
+    want_chunks = (shard_rows, *(max(1, d) for d in feat))
+    problems = []
+    if tuple(arr.shape[1:]) != feat or arr.shape[0] < n:
+        problems.append(f"shape {tuple(arr.shape)} does not hold ({n}, *{feat})")
+    if arr.dtype != stored:
+        problems.append(f"data type {arr.dtype} is not {stored}")
+    shards = tuple(getattr(arr, "shards", None) or arr.chunks)
+    if shards != want_chunks:
+        problems.append(f"shard shape {shards} is not {want_chunks}")
+    if problems:
+        raise StoreCorruptError(
+            f"hook point {hook_point!r}: the array document {meta['path']}/zarr.json disagrees with the root "
+            f"metadata of {st.path!r}: {'; '.join(problems)}"
+        )
+    x = da.from_zarr(arr, chunks=(shard_rows, *feat))[:n]
+    if meta["dtype"] == "bfloat16":
+        x = x.view(dtype)
+    return x
+
+
+def row_table_dask(store: Any, kind: str = "sample", *, storage_options: dict | None = None) -> Any:
+    """A row table as a ``dask.dataframe``: one partition per committed Parquet part.
+
+    Parameters
+    ----------
+    store : str, os.PathLike, zarr Store or :class:`~activationscope.store.Store`
+    kind : {"sample", "token"}
+    storage_options : dict, optional
+        fsspec options of a URL.
+
+    Returns
+    -------
+    dask.dataframe.DataFrame
+        Rows in row-table order (partition ``p`` is part ``p``); row *i* describes row *i* of
+        every ``kind`` array whose ``follows_row_table`` is true. Only the parts listed in
+        the root metadata are read. Parts whose schemas differ (a user column first seen in
+        a later forward) and stores that are not a local directory or URL (an in-memory zarr
+        Store) are read eagerly with :meth:`Store.row_table` (which also checks each part's
+        crc32c) and split into as many partitions.
+
+    Raises
+    ------
+    ValueError
+        ``kind`` is not "sample" or "token".
+    """
+    dd = _require("dask.dataframe")
+    if kind not in ("sample", "token"):
+        raise ValueError(f"kind must be one of ['sample', 'token'], got {kind!r}")
+    st = _open(store, storage_options)
+    parts = list(((st.attrs.get("row_tables") or {}).get(kind) or {}).get("parts", []))
+    for key in parts:
+        if not isinstance(key, str) or not key.startswith(f"rows/{kind}/") or ".." in key.split("/"):
+            raise StoreCorruptError(f"row table {kind!r}: part key {key!r} in the metadata of {st.path!r} is not under rows/{kind}/")
+    urls = None
+    if isinstance(st._backend, LocalBackend):
+        urls = [str(st._backend.path(key)) for key in parts]
+    elif isinstance(store, str) and "://" in store:
+        urls = [store.rstrip("/") + "/" + key for key in parts]
+    if urls:
+        import pyarrow.parquet as pq
+
+        if isinstance(st._backend, LocalBackend):
+            fs_opts: dict = {}
+            schemas = [pq.read_schema(u) for u in urls]
+        else:
+            import fsspec
+
+            fs_opts = {"storage_options": storage_options or {}}
+            schemas = []
+            for u in urls:
+                with fsspec.open(u, "rb", **(storage_options or {})) as f:
+                    schemas.append(pq.read_schema(f))
+        if all(s.equals(schemas[0]) for s in schemas):
+            return dd.read_parquet(urls, split_row_groups=False, **fs_opts)
+    table = st.row_table(kind).to_pandas()
+    return dd.from_pandas(table, npartitions=max(1, len(parts)), sort=False)
+
+
+def moments(x: Any) -> dict[str, Any]:
+    """Per-feature mean and population variance (ddof 0) of a dask array, in float64.
+
+    Two passes (the mean, then the squared deviations from it), each a tree reduction of
+    per-block partial sums in float64; no block is held longer than its own task.
+
+    Parameters
+    ----------
+    x : dask.array.Array, (rows, *feature_shape), any real dtype (bfloat16 as ml_dtypes)
+
+    Returns
+    -------
+    dict
+        ``{"mean": ndarray (*feature_shape,) float64, "var": same, "count": int}``.
+    """
+    dask = _require("dask")
+    n = int(x.shape[0])
+    x64 = x.astype(np.float64)
+    mean = x64.mean(axis=0).compute() if n else np.full(x.shape[1:], np.nan)
+    if not n:
+        return {"mean": mean, "var": mean.copy(), "count": 0}
+    (var,) = dask.compute(((x64 - mean) ** 2).mean(axis=0))
+    return {"mean": mean, "var": var, "count": n}
+
+
+def pca(x: Any, n_components: int | None = None) -> dict[str, Any]:
+    """Principal components of the rows of a dask array, from the float64 covariance.
+
+    Two passes: the mean, then ``C = (X - mean)^T (X - mean) / rows`` (population
+    covariance, as the store's ``cov`` reduction) as a tree sum of per-block products in
+    float64; then ``numpy.linalg.eigh`` of ``C`` on the client. The client holds only
+    ``(features, features)`` float64, so the feature count must be moderate (a few
+    thousand); the rows can be any number.
+
+    Parameters
+    ----------
+    x : dask.array.Array, (rows, features), any real dtype
+    n_components : int, optional
+        Components kept (default: all).
+
+    Returns
+    -------
+    dict
+        ``mean`` (features,), ``cov`` (features, features), ``explained_variance``
+        (k,) in decreasing order, ``explained_variance_ratio`` (k,), ``components``
+        (k, features), unit rows (the sign of each is fixed so that its largest-magnitude
+        entry is positive); all float64 numpy arrays. ``count``: rows.
+
+    Raises
+    ------
+    ValueError
+        ``x`` is not 2-d, has fewer than 2 rows, or ``n_components`` is out of range.
+    """
+    if x.ndim != 2:
+        raise ValueError(f"pca needs a (rows, features) array, got shape {tuple(x.shape)}; reshape it first")
+    n, d = int(x.shape[0]), int(x.shape[1])
+    if n < 2:
+        raise ValueError(f"pca needs at least 2 rows, got {n}")
+    k = d if n_components is None else n_components
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= d:
+        raise ValueError(f"n_components must be an int in 1..{d}, got {n_components!r}")
+    x64 = x.astype(np.float64)
+    mean = x64.mean(axis=0).compute()
+    xc = x64 - mean
+    cov = (xc.T @ xc).compute() / n
+    values, vectors = np.linalg.eigh(cov)
+    order = np.argsort(values)[::-1][:k]
+    values, comps = values[order], vectors[:, order].T
+    signs = np.sign(comps[np.arange(k), np.argmax(np.abs(comps), axis=1)])
+    comps = comps * np.where(signs == 0, 1.0, signs)[:, None]
+    total = float(np.trace(cov))
+    return {
+        "mean": mean, "cov": cov, "explained_variance": values,
+        "explained_variance_ratio": values / total if total > 0 else np.full(k, np.nan),
+        "components": comps, "count": n,
+    }

@@ -1,0 +1,257 @@
+"""Readers that are not ours (xarray, TensorStore) and Dask analysis of a store.
+
+References are plain numpy / torch over the rows read back by our own reader, which the
+store tests check against the captured tensors.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import activationscope as acs
+
+dask = pytest.importorskip("dask")
+da = pytest.importorskip("dask.array")
+ml_dtypes = pytest.importorskip("ml_dtypes")
+
+from activationscope.analysis.dask import moments, pca, row_table_dask, to_dask  # noqa: E402
+
+GOLDEN = Path(__file__).resolve().parents[2] / "store" / "golden" / "v1"
+
+
+class Encoder(torch.nn.Module):
+    """Token activations (batch, pos, d_model) at encoder.<i>, and a sample-level head."""
+
+    def __init__(self, d_model: int = 12) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(50, d_model)
+        self.encoder = torch.nn.ModuleList(torch.nn.Linear(d_model, d_model) for _ in range(2))
+        self.head = torch.nn.Linear(d_model, 3)
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)
+        for layer in self.encoder:
+            x = torch.relu(layer(x)) + 5.0  # a common offset: naive one-pass variances fail on it
+        return self.head(x.mean(1))
+
+
+def _capture(path, *, storage_dtype=None, compression=None, n_batches=5, shard_bytes=None):
+    model = Encoder().eval()
+    gen = torch.Generator().manual_seed(1)
+    opts = {"compression": compression}
+    if shard_bytes is not None:
+        opts.update(shard_bytes=shard_bytes, chunk_rows=8)
+    scope = acs.ActivationScope(store=str(path), storage_dtype=storage_dtype, reductions=["mean", "var"],
+                                store_options=opts)
+    with scope.track(model, include=["encoder.*", "head"]) as tracker, torch.no_grad():
+        for b in range(n_batches):
+            lengths = torch.randint(2, 9, (6,), generator=gen)
+            mask = torch.arange(8)[None, :] < lengths[:, None]
+            ids = torch.randint(1, 50, (6, 8), generator=gen) * mask
+            tracker.set_batch(attention_mask=mask, sample_ids=torch.arange(6 * b, 6 * b + 6),
+                              label=torch.arange(6) % 2, token_ids=ids)
+            model(ids)
+    return acs.open_store(str(path))
+
+
+def _as_numpy(t: torch.Tensor) -> np.ndarray:
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.uint16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+@pytest.mark.parametrize("storage_dtype", [None, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_to_dask_equals_store(tmp_path, storage_dtype, compression):
+    store = _capture(tmp_path / "s.zarr", storage_dtype=storage_dtype, compression=compression, shard_bytes=1024)
+    assert store.row_kind("encoder.0.output") == "token"
+    for hp in store.hook_points:
+        x = to_dask(str(tmp_path / "s.zarr"), hp)
+        ref = _as_numpy(store[hp])
+        meta = store.attrs["arrays"][hp]
+        assert x.shape == ref.shape == (store.n_rows(hp), *store.feature_shape(hp))
+        assert x.dtype == (np.dtype(ml_dtypes.bfloat16) if storage_dtype is torch.bfloat16 else np.float32)
+        shard_rows = int(meta["shard_rows"])
+        if store.row_kind(hp) == "token":
+            assert shard_rows < x.shape[0]  # several shards, so block alignment is tested
+        assert all(c == shard_rows for c in x.chunks[0][:-1]) and 0 < x.chunks[0][-1] <= shard_rows
+        got = x.compute()
+        assert got.dtype == ref.dtype
+        np.testing.assert_array_equal(got.view(np.uint8), ref.view(np.uint8))  # bit-exact
+    assert acs.to_dask(store, "head.output").shape == (30, 3)
+
+
+def test_to_dask_reads_only_committed_rows(tmp_path):
+    """The root's n_rows bounds the array, not the array's own (possibly ahead) shape."""
+    path = tmp_path / "s.zarr"
+    full = _capture(path, shard_bytes=1024)
+    hp = "encoder.1.output"
+    ref = full[hp].clone().numpy()
+    root = json.loads((path / "zarr.json").read_text())
+    root["attributes"]["activationscope"]["arrays"][hp]["n_rows"] = 7  # as a commit in progress leaves it
+    (path / "zarr.json").write_text(json.dumps(root))
+    x = to_dask(str(path), hp)
+    assert json.loads((path / root["attributes"]["activationscope"]["arrays"][hp]["path"] / "zarr.json")
+                      .read_text())["shape"][0] == len(ref) > 7
+    assert x.shape == (7, 12)
+    np.testing.assert_array_equal(x.compute(), ref[:7])
+
+
+def test_to_dask_rejects_a_document_that_disagrees(tmp_path):
+    path = tmp_path / "s.zarr"
+    store = _capture(path, n_batches=1)
+    hp = "head.output"
+    doc_path = path / store.attrs["arrays"][hp]["path"] / "zarr.json"
+    doc = json.loads(doc_path.read_text())
+    doc["data_type"] = "float64"
+    doc_path.write_text(json.dumps(doc))
+    with pytest.raises(acs.StoreCorruptError, match="head.output.*data type float64"):
+        to_dask(str(path), hp)
+
+
+def test_row_table_dask(tmp_path):
+    store = _capture(tmp_path / "s.zarr", n_batches=4)
+    for kind in ("sample", "token"):
+        ddf = row_table_dask(str(tmp_path / "s.zarr"), kind)
+        ref = store.row_table(kind).to_pandas()
+        got = ddf.compute().reset_index(drop=True)
+        assert list(got.columns) == list(ref.columns)
+        assert len(got) == store.attrs["row_tables"][kind]["n_rows"] == len(ref)
+        for col in ref.columns:
+            np.testing.assert_array_equal(got[col].to_numpy(), ref[col].to_numpy())
+    # token rows line up with the token arrays' rows
+    assert len(row_table_dask(store, "token")) == store.n_rows("encoder.0.output")
+
+
+def test_moments_and_pca_equal_store_and_float64_reference(tmp_path):
+    store = _capture(tmp_path / "s.zarr", n_batches=6, shard_bytes=1024)
+    hp = "encoder.1.output"
+    x = to_dask(store, hp)
+    ref = store[hp].double()
+    m = moments(x)
+    red = store.reductions[hp]
+    np.testing.assert_allclose(m["mean"], red["mean"].numpy(), rtol=1e-12, atol=0)
+    np.testing.assert_allclose(m["var"], red["var"].numpy(), rtol=1e-10, atol=1e-14)
+    assert m["count"] == int(red["var.count"]) == len(ref)
+    p = pca(x, n_components=4)
+    xc = ref - ref.mean(0)
+    cov = (xc.T @ xc / len(ref)).numpy()
+    np.testing.assert_allclose(p["cov"], cov, rtol=1e-10, atol=1e-13)
+    ev, vecs = np.linalg.eigh(cov)
+    np.testing.assert_allclose(p["explained_variance"], ev[::-1][:4], rtol=1e-9)
+    for i in range(4):  # components up to sign
+        assert abs(abs(float(p["components"][i] @ vecs[:, -1 - i])) - 1) < 1e-8
+    with pytest.raises(ValueError, match="n_components must be an int in 1..12"):
+        pca(x, n_components=13)
+
+
+def test_xarray_opens_the_store_with_named_dimensions(tmp_path):
+    xr = pytest.importorskip("xarray")
+    path = tmp_path / "s.zarr"
+    store = _capture(path, storage_dtype=torch.bfloat16)
+    ds = xr.open_zarr(str(path), group="acts", consolidated=False)
+    for hp in store.hook_points:
+        var = ds[hp]
+        kind = store.row_kind(hp)
+        assert var.dims == (kind, f"{hp}.dim0")
+        bits = store[hp].view(torch.uint16).numpy()  # bfloat16 is stored as uint16 bit patterns
+        np.testing.assert_array_equal(var.values, bits)
+    assert ds.sizes["token"] == store.attrs["row_tables"]["token"]["n_rows"]
+    assert ds.sizes["sample"] == store.n_samples == 30
+    red = xr.open_zarr(str(path), group="reductions/encoder.0.output", consolidated=False)
+    assert red["mean"].dims == ("encoder.0.output.dim0",)  # lines up with the activation's features
+    np.testing.assert_array_equal(red["mean"].values, store.reductions["encoder.0.output"]["mean"].numpy())
+
+
+def test_tensorstore_reads_the_store(tmp_path):
+    ts = pytest.importorskip("tensorstore")
+    path = tmp_path / "s.zarr"
+    store = _capture(path, compression="zstd", shard_bytes=1024)
+    for hp in store.hook_points:
+        arr = ts.open({"driver": "zarr3", "kvstore": f"file://{path}/{store.attrs['arrays'][hp]['path']}"},
+                      read=True).result()
+        n = store.n_rows(hp)
+        got = arr[:n].read().result()
+        np.testing.assert_array_equal(got, store[hp].numpy())
+        assert arr.domain.labels[0] == store.row_kind(hp)
+
+
+def test_old_stores_without_dimension_names_still_read(tmp_path):
+    src = GOLDEN / "mlp_f32.zarr"
+    docs = list(src.glob("acts/*/zarr.json"))
+    assert docs and all("dimension_names" not in json.loads(p.read_text()) for p in docs)
+    store = acs.open_store(src)
+    expected = torch.load(GOLDEN / "expected.pt")
+    for hp in store.hook_points:
+        x = to_dask(store, hp).compute()
+        np.testing.assert_array_equal(x, store[hp].numpy())
+    assert store.verify() == []
+    assert expected  # the golden expectations exist (test_golden compares them)
+
+
+@pytest.mark.slow
+def test_distributed_pca_on_a_store_larger_than_a_worker(tmp_path):
+    """LocalCluster with 2 workers whose memory limit is below the store's size, and whose
+    room above their own imports is below half of it: moments and PCA must stream shards
+    (a worker over 95 % of its limit is killed, and the computation fails with KilledWorker)."""
+    distributed = pytest.importorskip("distributed")
+
+    def _worker_rss() -> int:  # nested: pickled by value, so a worker never imports this module (torch)
+        import dask.array  # noqa: F401 - what a worker imports to run the chunk functions
+        import psutil  # distributed depends on it
+        import zarr  # noqa: F401
+
+        return psutil.Process().memory_info().rss
+
+    limit = 288 << 20
+    d, batch, n_batches = 256, 4096, 80  # 320 MiB of float32 rows
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, d)).eval()
+    scope = acs.ActivationScope(store=str(tmp_path / "big.zarr"), reductions=["mean", "var", "cov"],
+                                store_options={"shard_bytes": 4 << 20})
+    gen = torch.Generator().manual_seed(0)
+    with scope.track(model, include=["0"]) as tracker, torch.no_grad():
+        for _ in range(n_batches):
+            tracker.set_batch()
+            model(torch.randn(batch, 16, generator=gen) * 3 + 10)
+    store = acs.open_store(str(tmp_path / "big.zarr"))
+    hp = "0.output"
+    store_bytes = store.info()["arrays"][hp]["bytes_on_disk"]
+    assert store_bytes > limit
+    x = to_dask(str(tmp_path / "big.zarr"), hp)
+    assert x.numblocks[0] >= 64
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, memory_limit=limit, processes=True,
+                                  dashboard_address=None) as cluster, distributed.Client(cluster) as client:
+        rss = client.run(_worker_rss)
+        assert len(rss) == 2
+        assert store_bytes / 2 > limit - min(rss.values())  # each worker's half exceeds its room
+        p = pca(x, n_components=8)  # two passes: the mean, then the covariance
+        assert len(client.run(_worker_rss)) == 2
+    red = store.reductions[hp]
+    np.testing.assert_allclose(p["mean"], red["mean"].numpy(), rtol=1e-12)
+    np.testing.assert_allclose(np.diag(p["cov"]), red["var"].numpy(), rtol=1e-10)
+    np.testing.assert_allclose(p["cov"], red["cov"].numpy(), rtol=1e-9, atol=1e-12)
+    # float64 reference, two passes over blocks of rows (plain torch)
+    rows = store[hp]
+    mean = sum(rows[i:i + 65536].double().sum(0) for i in range(0, len(rows), 65536)) / len(rows)
+    cov = torch.zeros(d, d, dtype=torch.float64)
+    for i in range(0, len(rows), 65536):
+        xc = rows[i:i + 65536].double() - mean
+        cov += xc.T @ xc
+    cov = (cov / len(rows)).numpy()
+    np.testing.assert_allclose(p["mean"], mean.numpy(), rtol=1e-12)
+    np.testing.assert_allclose(p["cov"], cov, rtol=1e-10, atol=1e-13)
+    ev = np.linalg.eigvalsh(cov)[::-1][:8]
+    np.testing.assert_allclose(p["explained_variance"], ev, rtol=1e-9)
+
+
+def test_distributed_doc_runs(tmp_path):
+    from acs_testing import run_doc_blocks
+
+    run_doc_blocks(Path(__file__).resolve().parents[2] / "docs" / "usage" / "distributed.md", tmp_path, min_blocks=5)
