@@ -1,10 +1,11 @@
-// A user-facing error raised from native code. bindings.cpp maps it to the Python class
+// A user-facing error raised from native code. py_errors.cpp maps it to the Python class
 // activationscope.errors.CaptureError (an ActivationScopeError and a RuntimeError).
 #pragma once
 
 #include <stdexcept>
 #include <string>
 
+#include <c10/util/ArrayRef.h>
 #include <c10/util/StringUtil.h>
 
 namespace acs {
@@ -21,5 +22,16 @@ class UserError : public std::runtime_error {
       throw ::acs::UserError(::c10::str(__VA_ARGS__));         \
     }                                                          \
   } while (0)
+
+// A shape for error messages: "(2, 3)", "(4,)", "()".
+inline std::string shape_str(c10::IntArrayRef s) {
+  std::string out = "(";
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (i) out += ", ";
+    out += std::to_string(s[i]);
+  }
+  if (s.size() == 1) out += ",";
+  return out + ")";
+}
 
 }  // namespace acs

@@ -17,7 +17,7 @@ namespace acs {
 
 using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
 
-// Options of a reduction; keys depend on the kind (documented in reductions.cpp /
+// Options of a reduction; keys depend on the kind (documented in reductions_builtin.cpp /
 // activationscope/reductions.py): e.g. "per_feature" (0/1), "bins", "lo", "hi", "k".
 using ReductionOptions = std::map<std::string, double>;
 

@@ -34,7 +34,7 @@
 
 namespace acs {
 
-// A store I/O failure (disk full, file too large, I/O error). bindings.cpp maps it to
+// A store I/O failure (disk full, file too large, I/O error). py_errors.cpp maps it to
 // activationscope.errors.StoreError.
 class StoreIOError : public UserError {
  public:

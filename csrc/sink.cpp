@@ -18,17 +18,12 @@ namespace {
 
 constexpr int64_t kAlign = 64;
 
-std::string shape_str(at::IntArrayRef s) {
-  std::string out = "(";
-  for (size_t i = 0; i < s.size(); ++i) {
-    if (i) out += ", ";
-    out += std::to_string(s[i]);
-  }
-  if (s.size() == 1) out += ",";
-  return out + ")";
-}
-
 }  // namespace
+
+bool is_token_rows(const at::Tensor& x, const at::Tensor& token_mask) {
+  return token_mask.defined() && token_mask.dim() == 2 && x.dim() >= 2 && x.size(0) == token_mask.size(0) &&
+         x.size(1) == token_mask.size(1);
+}
 
 std::shared_ptr<c10::Event> device_to_host(const at::Tensor& x, const at::Tensor& dst) {
   // 1. Snapshot on the device, on the compute stream: ordered before any later in-place op
@@ -113,8 +108,7 @@ at::Tensor Sink::snapshot(const at::Tensor& x) {
 
 at::Tensor Sink::rows_of(const at::Tensor& x, const at::Tensor& token_mask) {
   if (row_kind_ == 1) {
-    ACS_CHECK(token_mask.defined() && x.dim() >= 2 && x.size(0) == token_mask.size(0) &&
-                  x.size(1) == token_mask.size(1),
+    ACS_CHECK(is_token_rows(x, token_mask),
               "hook point '", name_, "' stores token rows and needs an attention mask of shape ",
               "(batch, pos) = the first two dims of its activation; got activation ",
               shape_str(x.sizes()), " and mask ",
@@ -136,10 +130,7 @@ void Sink::consume(const at::Tensor& x_in, const at::Tensor& token_mask) {
   ++n_calls_;
   if (x.dim() >= 1 && x.size(0) == 0) return;  // an empty batch is a no-op
   if (row_kind_ < 0) {
-    row_kind_ = (token_mask.defined() && x.dim() >= 2 && x.size(0) == token_mask.size(0) &&
-                 x.size(1) == token_mask.size(1))
-                    ? 1
-                    : 0;
+    row_kind_ = is_token_rows(x, token_mask) ? 1 : 0;
   }
   if (!seen_dtype_) seen_dtype_ = x.scalar_type();
 

@@ -39,6 +39,11 @@ class Arena {
 // the event after which `dst` may be read.
 std::shared_ptr<c10::Event> device_to_host(const at::Tensor& x, const at::Tensor& dst);
 
+// The token-row rule: x (batch, pos, ...) holds one row per token when a (batch, pos) token
+// mask is set and x's first two dims are the mask's; otherwise one row per sample. The one
+// definition of the rule (the Python side calls it through _C.is_token_rows).
+bool is_token_rows(const at::Tensor& x, const at::Tensor& token_mask);
+
 enum class Keep : int { ALL = 0, LAST = 1, NONE = 2 };
 enum class Placement : int { AUTO = 0, CPU = 1, GPU = 2, DISK = 3 };
 

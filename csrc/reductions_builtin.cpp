@@ -1,5 +1,5 @@
-// Online reductions: the built-in statistics (pure ATen, float64 accumulators) and the
-// TorchScript runner for custom reductions.
+// Online reductions: the built-in statistics (pure ATen, float64 accumulators). The fast
+// path loops live in reduction_kernels.cpp, the TorchScript runner in reductions_script.cpp.
 //
 // Every built-in keeps a flat state over F "columns": F = prod(feature_shape) in per-feature
 // mode (option per_feature=1, the default), F = 1 in whole-tensor mode (per_feature=0, every
@@ -11,7 +11,7 @@
 // for the rest. The ATen path replaces accumulators, never modifies them in place, so the
 // tensors returned by state() and result() stay valid after further updates.
 //
-// Fast path: a per-feature update of a contiguous CPU batch of float32 / float64 / float16 /
+// Fast path (reduction_kernels.h): a per-feature update of a contiguous CPU batch of float32 / float64 / float16 /
 // bfloat16 for mean, var, std, min, max, absmax, l2 and nonzero skips the float64 copy and the
 // ATen ops. Plain loops read the rows in their own dtype (exactly widened to double) and fold
 // them into the state tensors in place (allocated once, at the first update): the same
@@ -32,30 +32,23 @@
 // var / std / cov; bins (default 64), lo, hi (required) for hist; k (default 10) for topk.
 #include "reductions.h"
 
-#include <torch/script.h>
+#include <ATen/core/grad_mode.h>
 
 #include <algorithm>
-#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <sstream>
-#include <type_traits>
 #include <vector>
 
 #include "errors.h"
+#include "reduction_kernels.h"
 
 namespace acs {
 
 namespace {
 
-std::string shape_str(at::IntArrayRef s) {
-  std::ostringstream o;
-  o << "(";
-  for (size_t i = 0; i < s.size(); ++i) o << (i ? ", " : "") << s[i];
-  if (s.size() == 1) o << ",";
-  o << ")";
-  return o.str();
-}
+using kernels::fast_dtype;
+using kernels::RowsView;
 
 std::string options_str(const ReductionOptions& o) {
   std::ostringstream s;
@@ -105,241 +98,6 @@ at::Tensor* find_slot(Slots& s, const std::string& name) {
 }
 
 std::shared_ptr<Reduction> make_builtin(const std::string& kind, const ReductionOptions& o);
-
-// ------------------------------------------------------------------ fast path kernels
-// Per-feature updates of a contiguous CPU batch: plain loops over (n, d) that fold the rows
-// into the float64 / int64 state in place, with no ATen op and no allocation per update.
-// float32 and float64 rows are read directly and widened to double on load; float16 and
-// bfloat16 rows are first widened (exactly) to float32, a few thousand values at a time, into
-// a small per-thread buffer, and then go through the float32 kernels.
-//
-// Two drivers, both compiled for the baseline ISA and, on x86, for AVX2 (picked at run time;
-// no FMA, so both round alike):
-//  * col_reduce: blocks of kBlock adjacent columns keep their accumulators in registers while
-//    running down the rows (sums);
-//  * row_fold: acc[j] = step(acc[j], x[i][j]) row after row (extrema: the loop vectoriser
-//    turns the NaN-aware selects into compares and blends, the block form would not).
-// Every op accumulates (init reads the running value, done writes it back), so a batch can
-// be fed in row chunks.
-#if defined(__GNUC__)
-#define ACS_INLINE inline __attribute__((always_inline))
-#else
-#define ACS_INLINE inline
-#endif
-#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
-#define ACS_AVX2_DISPATCH 1
-#define ACS_TARGET_AVX2 __attribute__((target("avx2")))
-#else
-#define ACS_AVX2_DISPATCH 0
-#endif
-
-constexpr int64_t kBlock = 16;
-constexpr int64_t kConvertChunk = 4096;  // values widened per chunk (half / bfloat16 rows)
-
-// Op: using Acc; static constexpr bool kRowFold; Acc init(j); Acc step(Acc a, double v, j);
-// void done(j, Acc a); kRowFold ops instead have fold_row(const T* row, d) (state in place).
-template <typename T, typename Op>
-ACS_INLINE void col_reduce(const T* __restrict x, int64_t n, int64_t d, Op& op) {
-  using Acc = typename Op::Acc;
-  if constexpr (Op::kRowFold) {
-    for (int64_t i = 0; i < n; ++i) op.fold_row(x + i * d, d);
-  } else {
-    int64_t j0 = 0;
-    for (; j0 + kBlock <= d; j0 += kBlock) {
-      Acc a[kBlock];
-      for (int64_t k = 0; k < kBlock; ++k) a[k] = op.init(j0 + k);
-      for (int64_t i = 0; i < n; ++i) {
-        const T* r = x + i * d + j0;
-        for (int64_t k = 0; k < kBlock; ++k) a[k] = op.step(a[k], static_cast<double>(r[k]), j0 + k);
-      }
-      for (int64_t k = 0; k < kBlock; ++k) op.done(j0 + k, a[k]);
-    }
-    for (; j0 < d; ++j0) {  // the last d % kBlock columns
-      Acc a = op.init(j0);
-      for (int64_t i = 0; i < n; ++i) a = op.step(a, static_cast<double>(x[i * d + j0]), j0);
-      op.done(j0, a);
-    }
-  }
-}
-
-// IEEE half bits -> float, exact, branch-free so that it vectorises (the method of
-// c10::detail::fp16_ieee_to_fp32_value, whose conversion loop does not vectorise).
-ACS_INLINE float half_bits_to_float(uint16_t h) {
-  const uint32_t w = static_cast<uint32_t>(h) << 16;
-  const uint32_t sign = w & 0x80000000u;
-  const uint32_t two_w = w + w;
-  const float normalized = std::bit_cast<float>((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
-  const float denormalized = std::bit_cast<float>((two_w >> 17) | (126u << 23)) - 0.5f;
-  const uint32_t sub = 0u - static_cast<uint32_t>(two_w < (1u << 27));  // zero or subnormal
-  const uint32_t bits =
-      (std::bit_cast<uint32_t>(denormalized) & sub) | (std::bit_cast<uint32_t>(normalized) & ~sub);
-  return std::bit_cast<float>(sign | bits);
-}
-ACS_INLINE void widen(const c10::Half* __restrict x, int64_t m, float* __restrict out) {
-  const uint16_t* h = reinterpret_cast<const uint16_t*>(x);
-  for (int64_t k = 0; k < m; ++k) out[k] = half_bits_to_float(h[k]);
-}
-ACS_INLINE void widen(const c10::BFloat16* __restrict x, int64_t m, float* __restrict out) {
-  const uint16_t* h = reinterpret_cast<const uint16_t*>(x);
-  for (int64_t k = 0; k < m; ++k) out[k] = std::bit_cast<float>(static_cast<uint32_t>(h[k]) << 16);
-}
-
-template <typename T, typename Op>
-ACS_INLINE void reduce_rows(const T* x, int64_t n, int64_t d, Op& op) {
-  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
-    col_reduce(x, n, d, op);
-  } else {
-    thread_local std::vector<float> buf;
-    const int64_t chunk = std::max<int64_t>(1, kConvertChunk / std::max<int64_t>(d, 1));
-    if (static_cast<int64_t>(buf.size()) < chunk * d) buf.resize(chunk * d);
-    for (int64_t i = 0; i < n; i += chunk) {
-      const int64_t m = std::min(chunk, n - i);
-      widen(x + i * d, m * d, buf.data());
-      col_reduce(static_cast<const float*>(buf.data()), m, d, op);
-    }
-  }
-}
-
-template <typename T, typename Op>
-void reduce_rows_base(const T* x, int64_t n, int64_t d, Op& op) {
-  reduce_rows(x, n, d, op);
-}
-#if ACS_AVX2_DISPATCH
-template <typename T, typename Op>
-ACS_TARGET_AVX2 void reduce_rows_avx2(const T* x, int64_t n, int64_t d, Op& op) {
-  reduce_rows(x, n, d, op);
-}
-bool cpu_has_avx2() {
-  static const bool yes = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") != 0;
-  }();
-  return yes;
-}
-#endif
-
-template <typename T, typename Op>
-void reduce_rows_dispatch(const T* x, int64_t n, int64_t d, Op& op) {
-#if ACS_AVX2_DISPATCH
-  if (cpu_has_avx2()) return reduce_rows_avx2(x, n, d, op);
-#endif
-  reduce_rows_base(x, n, d, op);
-}
-
-// A contiguous CPU batch seen as an (n, d) matrix.
-struct RowsView {
-  const void* data;
-  at::ScalarType dtype;
-  int64_t n, d;
-};
-
-bool fast_dtype(at::ScalarType t) {
-  return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
-}
-
-template <typename Op>
-void run_cols(const RowsView& r, Op& op) {
-  switch (r.dtype) {
-    case at::kFloat: return reduce_rows_dispatch(static_cast<const float*>(r.data), r.n, r.d, op);
-    case at::kDouble: return reduce_rows_dispatch(static_cast<const double*>(r.data), r.n, r.d, op);
-    case at::kHalf: return reduce_rows_dispatch(static_cast<const c10::Half*>(r.data), r.n, r.d, op);
-    case at::kBFloat16:
-      return reduce_rows_dispatch(static_cast<const c10::BFloat16*>(r.data), r.n, r.d, op);
-    default: TORCH_CHECK(false, "internal: no fast reduction path for dtype ", r.dtype);
-  }
-}
-
-// out[j] += column sum (out zeroed by the caller: the batch sums, as x.sum(0)).
-struct SumOp {
-  using Acc = double;
-  static constexpr bool kRowFold = false;
-  double* out;
-  ACS_INLINE double init(int64_t j) const { return out[j]; }
-  ACS_INLINE double step(double a, double v, int64_t) const { return a + v; }
-  ACS_INLINE void done(int64_t j, double a) const { out[j] = a; }
-};
-// out[j] += sum of squared deviations from mean[j] (out zeroed by the caller).
-struct CentredSqOp {
-  using Acc = double;
-  static constexpr bool kRowFold = false;
-  const double* mean;
-  double* out;
-  ACS_INLINE double init(int64_t j) const { return out[j]; }
-  ACS_INLINE double step(double a, double v, int64_t j) const {
-    const double c = v - mean[j];
-    return a + c * c;
-  }
-  ACS_INLINE void done(int64_t j, double a) const { out[j] = a; }
-};
-// acc[j] += sum of squares of the batch (chunk) column, summed apart first as acc + batch.
-struct SumSqAddOp {
-  using Acc = double;
-  static constexpr bool kRowFold = false;
-  double* acc;
-  ACS_INLINE double init(int64_t) const { return 0.0; }
-  ACS_INLINE double step(double a, double v, int64_t) const { return a + v * v; }
-  ACS_INLINE void done(int64_t j, double a) const { acc[j] += a; }
-};
-// acc[j] += number of values != 0 (NaN != 0 is true: counted, as torch.count_nonzero).
-struct NonZeroAddOp {
-  using Acc = int64_t;
-  static constexpr bool kRowFold = false;
-  int64_t* acc;
-  ACS_INLINE int64_t init(int64_t j) const { return acc[j]; }
-  ACS_INLINE int64_t step(int64_t a, double v, int64_t) const { return a + static_cast<int64_t>(v != 0.0); }
-  ACS_INLINE void done(int64_t j, int64_t a) const { acc[j] = a; }
-};
-// Running extremum folded in place; NaN sticks (a NaN value replaces the accumulator and
-// nothing replaces a NaN accumulator), as torch.amin / amax and at::minimum / maximum.
-enum class Ext { kMin, kMax, kAbsMax };
-template <Ext E>
-struct ExtremumOp {
-  using Acc = double;
-  static constexpr bool kRowFold = true;
-  double* acc;
-  ACS_INLINE double step(double a, double v, int64_t) const {
-    if constexpr (E == Ext::kAbsMax) v = std::fabs(v);
-    double m;
-    if constexpr (E == Ext::kMin)
-      m = v < a ? v : a;
-    else
-      m = v > a ? v : a;
-    return v != v ? v : m;
-  }
-  ACS_INLINE void fold(int64_t j, double v) const { acc[j] = step(acc[j], v, j); }
-  template <typename T>
-  ACS_INLINE void fold_row(const T* __restrict r, int64_t d) const {
-    double* __restrict a = acc;
-    for (int64_t j = 0; j < d; ++j) a[j] = step(a[j], static_cast<double>(r[j]), j);
-  }
-};
-// The shared first pass of the fused path (update_reductions): column sums, minima and
-// maxima of a batch in one sweep (sum[] zeroed, mn[] = +inf, mx[] = -inf by the caller).
-// Each column is summed in row order from 0, as SumOp, so the batch mean is the same.
-struct SumMinMaxOp {
-  using Acc = double;
-  static constexpr bool kRowFold = true;
-  double* sum;
-  double* mn;
-  double* mx;
-  // A row at a time, through restrict-qualified parameters so that the loop vectorises: the
-  // compiler must know that the three state arrays do not overlap. (Folding four rows per
-  // load / store of the state measured slower: the dependent selects then bound the loop.)
-  template <typename T>
-  static ACS_INLINE void row(const T* __restrict r, int64_t d, double* __restrict s, double* __restrict lo,
-                             double* __restrict hi) {
-    for (int64_t j = 0; j < d; ++j) {
-      const double v = static_cast<double>(r[j]);
-      s[j] += v;
-      const double a = lo[j], b = hi[j];
-      const double m = v < a ? v : a, M = v > b ? v : b;
-      lo[j] = v != v ? v : m;
-      hi[j] = v != v ? v : M;
-    }
-  }
-  template <typename T>
-  ACS_INLINE void fold_row(const T* r, int64_t d) const { row(r, d, sum, mn, mx); }
-};
 
 // Per-column statistics of one contiguous CPU batch (n, d), shared by the built-ins that
 // update together (see update_reductions). Pointers are null for statistics not computed.
@@ -711,13 +469,11 @@ class Moments : public Builtin {
     double* mb = scratch_.data();  // batch mean
     double* m2b = mb + d;          // batch sum of squared deviations from mb
     std::fill(mb, mb + 2 * d, 0.0);
-    SumOp sum{mb};
-    run_cols(r, sum);
+    kernels::add_column_sums(r, mb);
     const double nb = static_cast<double>(r.n);
     for (int64_t j = 0; j < d; ++j) mb[j] /= nb;  // x.mean(0): sum / n
     if (with_m2_) {
-      CentredSqOp sq{mb, m2b};
-      run_cols(r, sq);
+      kernels::add_centred_squares(r, mb, m2b);
     }
     fold_batch(mb, m2b, r.n, d);
   }
@@ -785,19 +541,13 @@ class Extremum : public Builtin {
   }
   Slots result_slots() const override { return {{kind_, get("value"), Layout::kFeat}}; }
   bool has_fast_path() const override { return true; }
+  kernels::Ext ext() const {
+    return kind_ == "min" ? kernels::Ext::kMin : kind_ == "max" ? kernels::Ext::kMax : kernels::Ext::kAbsMax;
+  }
   void fast_update(const RowsView& r) override {
     double* v = acc_[0].t.mutable_data_ptr<double>();
     if (count_ == 0) std::fill(v, v + r.d, kind_ == "min" ? INFINITY : -INFINITY);
-    if (kind_ == "min") {
-      ExtremumOp<Ext::kMin> op{v};
-      run_cols(r, op);
-    } else if (kind_ == "max") {
-      ExtremumOp<Ext::kMax> op{v};
-      run_cols(r, op);
-    } else {
-      ExtremumOp<Ext::kAbsMax> op{v};
-      run_cols(r, op);
-    }
+    kernels::fold_extremum(ext(), r, v);
   }
   unsigned stats_needed() const override {
     return kind_ == "min" ? kStatMin : kind_ == "max" ? kStatMax : kStatAbsMax;
@@ -808,12 +558,8 @@ class Extremum : public Builtin {
     const double* b = kind_ == "min" ? s.min : kind_ == "max" ? s.max : s.absmax;
     if (count_ == 0) {
       std::copy(b, b + s.d, v);
-    } else if (kind_ == "min") {
-      ExtremumOp<Ext::kMin> op{v};
-      for (int64_t j = 0; j < s.d; ++j) op.fold(j, b[j]);
-    } else {  // max, and absmax (b already holds |x| maxima)
-      ExtremumOp<Ext::kMax> op{v};
-      for (int64_t j = 0; j < s.d; ++j) op.fold(j, b[j]);
+    } else {  // absmax: b already holds |x| maxima
+      kernels::fold_extremum_values(ext(), b, s.d, v);
     }
   }
 };
@@ -837,8 +583,7 @@ class L2 : public Builtin {
   void fast_update(const RowsView& r) override {
     double* acc = acc_[0].t.mutable_data_ptr<double>();
     if (count_ == 0) std::fill(acc, acc + r.d, 0.0);
-    SumSqAddOp op{acc};
-    run_cols(r, op);
+    kernels::add_sum_squares(r, acc);
   }
 };
 
@@ -865,8 +610,7 @@ class NonZero : public Builtin {
   void fast_update(const RowsView& r) override {
     int64_t* acc = acc_[0].t.mutable_data_ptr<int64_t>();
     if (count_ == 0) std::fill(acc, acc + r.d, int64_t{0});
-    NonZeroAddOp op{acc};
-    run_cols(r, op);
+    kernels::add_nonzero_counts(r, acc);
   }
 };
 
@@ -1038,101 +782,6 @@ class TopK : public Builtin {
   int64_t k_ = 10;
 };
 
-// ------------------------------------------------------------------ TorchScript reductions
-// acc = fn(acc, x) per batch, run from C++ (no Python, no GIL). x is passed as given (dtype,
-// device); acc starts as None unless load_state({"acc": t}) pre-seeded it. A module that also
-// defines merge(a: Tensor, b: Tensor) -> Tensor can be merged.
-class ScriptReduction : public Reduction {
- public:
-  ScriptReduction(std::string path, ReductionOptions opts, std::shared_ptr<torch::jit::Module> m)
-      : path_(std::move(path)), opts_(std::move(opts)), module_(std::move(m)) {
-    auto fwd = module_->find_method("forward");
-    ACS_CHECK(fwd.has_value(), "custom reduction '", path_,
-              "' has no forward; save a scripted function or a module whose forward is "
-              "(acc: Optional[Tensor], x: Tensor) -> Tensor");
-    const auto& schema = fwd->function().getSchema();
-    const auto& args = schema.arguments();  // self, acc, x
-    ACS_CHECK(args.size() == 3, "custom reduction '", path_, "' must take exactly two arguments ",
-              "(acc: Optional[Tensor], x: Tensor) -> Tensor, got ", schema);
-    acc_optional_ = args[1].type()->kind() == c10::TypeKind::OptionalType;
-    has_merge_ = module_->find_method("merge").has_value();
-  }
-
-  void update(const at::Tensor& rows, int64_t) override {
-    at::AutoGradMode no_grad(false);
-    if (rows.dim() >= 1 && rows.size(0) == 0) return;  // an empty batch is a no-op
-    ACS_CHECK(acc_.defined() || acc_optional_, "custom reduction '", path_,
-              "' declares acc as Tensor, so it cannot start from None: annotate it "
-              "acc: Optional[Tensor] or pre-seed the accumulator (init=...)");
-    std::vector<c10::IValue> in;
-    in.emplace_back(acc_.defined() ? c10::IValue(acc_) : c10::IValue());
-    in.emplace_back(rows.detach());
-    c10::IValue out;
-    try {
-      out = module_->forward(std::move(in));
-    } catch (const std::exception& e) {
-      ACS_CHECK(false, "custom reduction '", path_, "' failed on rows of shape ",
-                shape_str(rows.sizes()), " (", rows.scalar_type(), "): ", e.what());
-    }
-    ACS_CHECK(out.isTensor(), "custom reduction '", path_, "' must return a Tensor, got ",
-              out.tagKind());
-    acc_ = out.toTensor().detach();
-  }
-
-  void merge(const Reduction& other_r) override {
-    at::AutoGradMode no_grad(false);
-    const auto* other = dynamic_cast<const ScriptReduction*>(&other_r);
-    ACS_CHECK(other != nullptr, "cannot merge a '", other_r.kind(),
-              "' reduction into a custom ('script') reduction");
-    ACS_CHECK(other->path_ == path_, "cannot merge custom reductions from different files: '",
-              path_, "' and '", other->path_, "'");
-    ACS_CHECK(has_merge_, "custom reduction '", path_,
-              "' cannot merge: a plain function has no merge rule. Register it as a scripted "
-              "module with forward(acc, x) and merge(a: Tensor, b: Tensor) -> Tensor methods, "
-              "or merge the states yourself");
-    at::Tensor b = other->acc_;
-    if (!b.defined()) return;
-    if (!acc_.defined()) {
-      acc_ = b;
-      return;
-    }
-    c10::IValue out = module_->get_method("merge")({acc_, b});
-    ACS_CHECK(out.isTensor(), "merge of custom reduction '", path_, "' must return a Tensor");
-    acc_ = out.toTensor().detach();
-  }
-
-  NamedTensors result() const override {
-    if (!acc_.defined()) return {};
-    return {{"value", acc_}};
-  }
-  NamedTensors state() const override {
-    if (!acc_.defined()) return {};
-    return {{"acc", acc_}};
-  }
-  void load_state(const NamedTensors& st) override {
-    at::Tensor a;
-    for (const auto& kv : st) {
-      ACS_CHECK(kv.first == "acc", "state of custom reduction '", path_,
-                "' has only the key 'acc', got '", kv.first, "'");
-      a = kv.second;
-    }
-    acc_ = a.defined() ? a.detach() : a;
-  }
-  std::shared_ptr<Reduction> fresh() const override {
-    return std::make_shared<ScriptReduction>(path_, opts_, module_);
-  }
-  std::string kind() const override { return "script"; }
-  ReductionOptions options() const override { return opts_; }
-
- private:
-  std::string path_;
-  ReductionOptions opts_;
-  std::shared_ptr<torch::jit::Module> module_;  // shared by fresh() copies; forward is const
-  bool acc_optional_ = true;
-  bool has_merge_ = false;
-  at::Tensor acc_;
-};
-
 std::shared_ptr<Reduction> make_builtin(const std::string& kind, const ReductionOptions& o) {
   if (kind == "mean") return std::make_shared<Moments>("mean", o, false);
   if (kind == "var") return std::make_shared<Moments>("var", o, true);
@@ -1148,21 +797,11 @@ std::shared_ptr<Reduction> make_builtin(const std::string& kind, const Reduction
 
 }  // namespace
 
+
 std::shared_ptr<Reduction> make_builtin_reduction(const std::string& kind, const ReductionOptions& options) {
   auto r = make_builtin(kind, options);
   ACS_CHECK(r != nullptr, "reduction kind must be one of [", join(kinds()), "], got '", kind, "'");
   return r;
-}
-
-std::shared_ptr<Reduction> make_script_reduction(const std::string& path, const ReductionOptions& options) {
-  std::shared_ptr<torch::jit::Module> m;
-  try {
-    m = std::make_shared<torch::jit::Module>(torch::jit::load(path));
-  } catch (const std::exception& e) {
-    ACS_CHECK(false, "custom reduction file '", path, "' could not be loaded as TorchScript: ", e.what());
-  }
-  m->eval();
-  return std::make_shared<ScriptReduction>(path, options, std::move(m));
 }
 
 std::vector<std::string> builtin_reduction_kinds() { return kinds(); }
@@ -1214,8 +853,7 @@ void update_reductions(const std::vector<std::shared_ptr<Reduction>>& reductions
     std::fill(sum, sum + d, 0.0);
     std::fill(mn, mn + d, INFINITY);
     std::fill(mx, mx + d, -INFINITY);
-    SumMinMaxOp op{sum, mn, mx};
-    run_cols(view, op);
+    kernels::add_sums_fold_min_max(view, sum, mn, mx);
     const double nb = static_cast<double>(n);
     for (int64_t j = 0; j < d; ++j) sum[j] /= nb;  // the batch mean, as Moments::fast_update
     st.mean = sum;
@@ -1224,14 +862,12 @@ void update_reductions(const std::vector<std::shared_ptr<Reduction>>& reductions
   }
   if (need & kStatM2) {
     std::fill(m2, m2 + d, 0.0);
-    CentredSqOp op{sum, m2};
-    run_cols(view, op);
+    kernels::add_centred_squares(view, sum, m2);
     st.m2 = m2;
   }
   if (need & kStatAbsMax) {
     std::fill(ax, ax + d, -INFINITY);
-    ExtremumOp<Ext::kAbsMax> op{ax};
-    run_cols(view, op);
+    kernels::fold_extremum(kernels::Ext::kAbsMax, view, ax);
     st.absmax = ax;
   }
   for (auto* b : fused) b->fused_end(st);

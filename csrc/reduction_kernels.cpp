@@ -1,0 +1,293 @@
+// Fast path kernels of the built-in reductions (reduction_kernels.h): the per-column loops
+// and their drivers, compiled for the baseline ISA and, on x86, for AVX2.
+#include "reduction_kernels.h"
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+namespace acs::kernels {
+
+namespace {
+
+// ------------------------------------------------------------------ fast path kernels
+// Per-feature updates of a contiguous CPU batch: plain loops over (n, d) that fold the rows
+// into the float64 / int64 state in place, with no ATen op and no allocation per update.
+// float32 and float64 rows are read directly and widened to double on load; float16 and
+// bfloat16 rows are first widened (exactly) to float32, a few thousand values at a time, into
+// a small per-thread buffer, and then go through the float32 kernels.
+//
+// Two drivers, both compiled for the baseline ISA and, on x86, for AVX2 (picked at run time;
+// no FMA, so both round alike):
+//  * col_reduce: blocks of kBlock adjacent columns keep their accumulators in registers while
+//    running down the rows (sums);
+//  * row_fold: acc[j] = step(acc[j], x[i][j]) row after row (extrema: the loop vectoriser
+//    turns the NaN-aware selects into compares and blends, the block form would not).
+// Every op accumulates (init reads the running value, done writes it back), so a batch can
+// be fed in row chunks.
+#if defined(__GNUC__)
+#define ACS_INLINE inline __attribute__((always_inline))
+#else
+#define ACS_INLINE inline
+#endif
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#define ACS_AVX2_DISPATCH 1
+#define ACS_TARGET_AVX2 __attribute__((target("avx2")))
+#else
+#define ACS_AVX2_DISPATCH 0
+#endif
+
+constexpr int64_t kBlock = 16;
+constexpr int64_t kConvertChunk = 4096;  // values widened per chunk (half / bfloat16 rows)
+
+// Op: using Acc; static constexpr bool kRowFold; Acc init(j); Acc step(Acc a, double v, j);
+// void done(j, Acc a); kRowFold ops instead have fold_row(const T* row, d) (state in place).
+template <typename T, typename Op>
+ACS_INLINE void col_reduce(const T* __restrict x, int64_t n, int64_t d, Op& op) {
+  using Acc = typename Op::Acc;
+  if constexpr (Op::kRowFold) {
+    for (int64_t i = 0; i < n; ++i) op.fold_row(x + i * d, d);
+  } else {
+    int64_t j0 = 0;
+    for (; j0 + kBlock <= d; j0 += kBlock) {
+      Acc a[kBlock];
+      for (int64_t k = 0; k < kBlock; ++k) a[k] = op.init(j0 + k);
+      for (int64_t i = 0; i < n; ++i) {
+        const T* r = x + i * d + j0;
+        for (int64_t k = 0; k < kBlock; ++k) a[k] = op.step(a[k], static_cast<double>(r[k]), j0 + k);
+      }
+      for (int64_t k = 0; k < kBlock; ++k) op.done(j0 + k, a[k]);
+    }
+    for (; j0 < d; ++j0) {  // the last d % kBlock columns
+      Acc a = op.init(j0);
+      for (int64_t i = 0; i < n; ++i) a = op.step(a, static_cast<double>(x[i * d + j0]), j0);
+      op.done(j0, a);
+    }
+  }
+}
+
+// IEEE half bits -> float, exact, branch-free so that it vectorises (the method of
+// c10::detail::fp16_ieee_to_fp32_value, whose conversion loop does not vectorise).
+ACS_INLINE float half_bits_to_float(uint16_t h) {
+  const uint32_t w = static_cast<uint32_t>(h) << 16;
+  const uint32_t sign = w & 0x80000000u;
+  const uint32_t two_w = w + w;
+  const float normalized = std::bit_cast<float>((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+  const float denormalized = std::bit_cast<float>((two_w >> 17) | (126u << 23)) - 0.5f;
+  const uint32_t sub = 0u - static_cast<uint32_t>(two_w < (1u << 27));  // zero or subnormal
+  const uint32_t bits =
+      (std::bit_cast<uint32_t>(denormalized) & sub) | (std::bit_cast<uint32_t>(normalized) & ~sub);
+  return std::bit_cast<float>(sign | bits);
+}
+ACS_INLINE void widen(const c10::Half* __restrict x, int64_t m, float* __restrict out) {
+  const uint16_t* h = reinterpret_cast<const uint16_t*>(x);
+  for (int64_t k = 0; k < m; ++k) out[k] = half_bits_to_float(h[k]);
+}
+ACS_INLINE void widen(const c10::BFloat16* __restrict x, int64_t m, float* __restrict out) {
+  const uint16_t* h = reinterpret_cast<const uint16_t*>(x);
+  for (int64_t k = 0; k < m; ++k) out[k] = std::bit_cast<float>(static_cast<uint32_t>(h[k]) << 16);
+}
+
+template <typename T, typename Op>
+ACS_INLINE void reduce_rows(const T* x, int64_t n, int64_t d, Op& op) {
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
+    col_reduce(x, n, d, op);
+  } else {
+    thread_local std::vector<float> buf;
+    const int64_t chunk = std::max<int64_t>(1, kConvertChunk / std::max<int64_t>(d, 1));
+    if (static_cast<int64_t>(buf.size()) < chunk * d) buf.resize(chunk * d);
+    for (int64_t i = 0; i < n; i += chunk) {
+      const int64_t m = std::min(chunk, n - i);
+      widen(x + i * d, m * d, buf.data());
+      col_reduce(static_cast<const float*>(buf.data()), m, d, op);
+    }
+  }
+}
+
+template <typename T, typename Op>
+void reduce_rows_base(const T* x, int64_t n, int64_t d, Op& op) {
+  reduce_rows(x, n, d, op);
+}
+#if ACS_AVX2_DISPATCH
+template <typename T, typename Op>
+ACS_TARGET_AVX2 void reduce_rows_avx2(const T* x, int64_t n, int64_t d, Op& op) {
+  reduce_rows(x, n, d, op);
+}
+bool cpu_has_avx2() {
+  static const bool yes = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") != 0;
+  }();
+  return yes;
+}
+#endif
+
+template <typename T, typename Op>
+void reduce_rows_dispatch(const T* x, int64_t n, int64_t d, Op& op) {
+#if ACS_AVX2_DISPATCH
+  if (cpu_has_avx2()) return reduce_rows_avx2(x, n, d, op);
+#endif
+  reduce_rows_base(x, n, d, op);
+}
+
+template <typename Op>
+void run_cols(const RowsView& r, Op& op) {
+  switch (r.dtype) {
+    case at::kFloat: return reduce_rows_dispatch(static_cast<const float*>(r.data), r.n, r.d, op);
+    case at::kDouble: return reduce_rows_dispatch(static_cast<const double*>(r.data), r.n, r.d, op);
+    case at::kHalf: return reduce_rows_dispatch(static_cast<const c10::Half*>(r.data), r.n, r.d, op);
+    case at::kBFloat16:
+      return reduce_rows_dispatch(static_cast<const c10::BFloat16*>(r.data), r.n, r.d, op);
+    default: TORCH_CHECK(false, "internal: no fast reduction path for dtype ", r.dtype);
+  }
+}
+
+// out[j] += column sum (out zeroed by the caller: the batch sums, as x.sum(0)).
+struct SumOp {
+  using Acc = double;
+  static constexpr bool kRowFold = false;
+  double* out;
+  ACS_INLINE double init(int64_t j) const { return out[j]; }
+  ACS_INLINE double step(double a, double v, int64_t) const { return a + v; }
+  ACS_INLINE void done(int64_t j, double a) const { out[j] = a; }
+};
+// out[j] += sum of squared deviations from mean[j] (out zeroed by the caller).
+struct CentredSqOp {
+  using Acc = double;
+  static constexpr bool kRowFold = false;
+  const double* mean;
+  double* out;
+  ACS_INLINE double init(int64_t j) const { return out[j]; }
+  ACS_INLINE double step(double a, double v, int64_t j) const {
+    const double c = v - mean[j];
+    return a + c * c;
+  }
+  ACS_INLINE void done(int64_t j, double a) const { out[j] = a; }
+};
+// acc[j] += sum of squares of the batch (chunk) column, summed apart first as acc + batch.
+struct SumSqAddOp {
+  using Acc = double;
+  static constexpr bool kRowFold = false;
+  double* acc;
+  ACS_INLINE double init(int64_t) const { return 0.0; }
+  ACS_INLINE double step(double a, double v, int64_t) const { return a + v * v; }
+  ACS_INLINE void done(int64_t j, double a) const { acc[j] += a; }
+};
+// acc[j] += number of values != 0 (NaN != 0 is true: counted, as torch.count_nonzero).
+struct NonZeroAddOp {
+  using Acc = int64_t;
+  static constexpr bool kRowFold = false;
+  int64_t* acc;
+  ACS_INLINE int64_t init(int64_t j) const { return acc[j]; }
+  ACS_INLINE int64_t step(int64_t a, double v, int64_t) const { return a + static_cast<int64_t>(v != 0.0); }
+  ACS_INLINE void done(int64_t j, int64_t a) const { acc[j] = a; }
+};
+// Running extremum folded in place; NaN sticks (a NaN value replaces the accumulator and
+// nothing replaces a NaN accumulator), as torch.amin / amax and at::minimum / maximum.
+template <Ext E>
+struct ExtremumOp {
+  using Acc = double;
+  static constexpr bool kRowFold = true;
+  double* acc;
+  ACS_INLINE double step(double a, double v, int64_t) const {
+    if constexpr (E == Ext::kAbsMax) v = std::fabs(v);
+    double m;
+    if constexpr (E == Ext::kMin)
+      m = v < a ? v : a;
+    else
+      m = v > a ? v : a;
+    return v != v ? v : m;
+  }
+  ACS_INLINE void fold(int64_t j, double v) const { acc[j] = step(acc[j], v, j); }
+  template <typename T>
+  ACS_INLINE void fold_row(const T* __restrict r, int64_t d) const {
+    double* __restrict a = acc;
+    for (int64_t j = 0; j < d; ++j) a[j] = step(a[j], static_cast<double>(r[j]), j);
+  }
+};
+// The shared first pass of the fused path (update_reductions): column sums, minima and
+// maxima of a batch in one sweep (sum[] zeroed, mn[] = +inf, mx[] = -inf by the caller).
+// Each column is summed in row order from 0, as SumOp, so the batch mean is the same.
+struct SumMinMaxOp {
+  using Acc = double;
+  static constexpr bool kRowFold = true;
+  double* sum;
+  double* mn;
+  double* mx;
+  // A row at a time, through restrict-qualified parameters so that the loop vectorises: the
+  // compiler must know that the three state arrays do not overlap. (Folding four rows per
+  // load / store of the state measured slower: the dependent selects then bound the loop.)
+  template <typename T>
+  static ACS_INLINE void row(const T* __restrict r, int64_t d, double* __restrict s, double* __restrict lo,
+                             double* __restrict hi) {
+    for (int64_t j = 0; j < d; ++j) {
+      const double v = static_cast<double>(r[j]);
+      s[j] += v;
+      const double a = lo[j], b = hi[j];
+      const double m = v < a ? v : a, M = v > b ? v : b;
+      lo[j] = v != v ? v : m;
+      hi[j] = v != v ? v : M;
+    }
+  }
+  template <typename T>
+  ACS_INLINE void fold_row(const T* r, int64_t d) const { row(r, d, sum, mn, mx); }
+};
+
+}  // namespace
+
+void add_column_sums(const RowsView& r, double* out) {
+  SumOp op{out};
+  run_cols(r, op);
+}
+
+void add_centred_squares(const RowsView& r, const double* mean, double* out) {
+  CentredSqOp op{mean, out};
+  run_cols(r, op);
+}
+
+void add_sum_squares(const RowsView& r, double* acc) {
+  SumSqAddOp op{acc};
+  run_cols(r, op);
+}
+
+void add_nonzero_counts(const RowsView& r, int64_t* acc) {
+  NonZeroAddOp op{acc};
+  run_cols(r, op);
+}
+
+void fold_extremum(Ext e, const RowsView& r, double* acc) {
+  switch (e) {
+    case Ext::kMin: {
+      ExtremumOp<Ext::kMin> op{acc};
+      return run_cols(r, op);
+    }
+    case Ext::kMax: {
+      ExtremumOp<Ext::kMax> op{acc};
+      return run_cols(r, op);
+    }
+    case Ext::kAbsMax: {
+      ExtremumOp<Ext::kAbsMax> op{acc};
+      return run_cols(r, op);
+    }
+  }
+}
+
+void fold_extremum_values(Ext e, const double* v, int64_t d, double* acc) {
+  if (e == Ext::kMin) {
+    ExtremumOp<Ext::kMin> op{acc};
+    for (int64_t j = 0; j < d; ++j) op.fold(j, v[j]);
+  } else {  // max, and absmax (v already holds |x| maxima)
+    ExtremumOp<Ext::kMax> op{acc};
+    for (int64_t j = 0; j < d; ++j) op.fold(j, v[j]);
+  }
+}
+
+void add_sums_fold_min_max(const RowsView& r, double* sum, double* mn, double* mx) {
+  SumMinMaxOp op{sum, mn, mx};
+  run_cols(r, op);
+}
+
+}  // namespace acs::kernels

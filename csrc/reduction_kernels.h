@@ -1,0 +1,44 @@
+// Fast path kernels of the built-in reductions: plain loops over a contiguous CPU batch seen
+// as an (n, d) matrix that fold the rows into float64 / int64 per-column state in place, with
+// no ATen op and no allocation per call (see reduction_kernels.cpp for the drivers). Every
+// kernel accumulates into what the caller passes, so a batch can be fed in row chunks.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+
+namespace acs::kernels {
+
+// A contiguous CPU batch seen as an (n, d) matrix of `dtype` (one of fast_dtype()).
+struct RowsView {
+  const void* data;
+  at::ScalarType dtype;
+  int64_t n, d;
+};
+
+// float32, float64, float16 and bfloat16: the dtypes the kernels read.
+inline bool fast_dtype(at::ScalarType t) {
+  return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
+}
+
+enum class Ext { kMin, kMax, kAbsMax };
+
+// out[j] += column sum (out zeroed by the caller: the batch sums, as x.sum(0)).
+void add_column_sums(const RowsView& r, double* out);
+// out[j] += sum of squared deviations from mean[j] (out zeroed by the caller).
+void add_centred_squares(const RowsView& r, const double* mean, double* out);
+// acc[j] += sum of squares of the batch column, summed apart first as acc + batch.
+void add_sum_squares(const RowsView& r, double* acc);
+// acc[j] += number of values != 0 (NaN != 0 is true: counted, as torch.count_nonzero).
+void add_nonzero_counts(const RowsView& r, int64_t* acc);
+// acc[j] = min / max / max-abs of acc[j] and the column; NaN sticks (a NaN value replaces the
+// accumulator and nothing replaces a NaN accumulator), as torch.amin / amax.
+void fold_extremum(Ext e, const RowsView& r, double* acc);
+// The same fold of d values v[j] (a batch's extrema) into acc[j]; kAbsMax folds v as given.
+void fold_extremum_values(Ext e, const double* v, int64_t d, double* acc);
+// Column sums, minima and maxima in one sweep (sum[] zeroed, mn[] = +inf, mx[] = -inf by the
+// caller); each column is summed in row order from 0, as add_column_sums.
+void add_sums_fold_min_max(const RowsView& r, double* sum, double* mn, double* mx);
+
+}  // namespace acs::kernels

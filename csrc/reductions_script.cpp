@@ -1,0 +1,124 @@
+// Custom reductions from TorchScript files, run from C++ (no Python, no GIL).
+#include "reductions.h"
+
+#include <torch/script.h>
+
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "errors.h"
+
+namespace acs {
+
+namespace {
+
+// ------------------------------------------------------------------ TorchScript reductions
+// acc = fn(acc, x) per batch, run from C++ (no Python, no GIL). x is passed as given (dtype,
+// device); acc starts as None unless load_state({"acc": t}) pre-seeded it. A module that also
+// defines merge(a: Tensor, b: Tensor) -> Tensor can be merged.
+class ScriptReduction : public Reduction {
+ public:
+  ScriptReduction(std::string path, ReductionOptions opts, std::shared_ptr<torch::jit::Module> m)
+      : path_(std::move(path)), opts_(std::move(opts)), module_(std::move(m)) {
+    auto fwd = module_->find_method("forward");
+    ACS_CHECK(fwd.has_value(), "custom reduction '", path_,
+              "' has no forward; save a scripted function or a module whose forward is "
+              "(acc: Optional[Tensor], x: Tensor) -> Tensor");
+    const auto& schema = fwd->function().getSchema();
+    const auto& args = schema.arguments();  // self, acc, x
+    ACS_CHECK(args.size() == 3, "custom reduction '", path_, "' must take exactly two arguments ",
+              "(acc: Optional[Tensor], x: Tensor) -> Tensor, got ", schema);
+    acc_optional_ = args[1].type()->kind() == c10::TypeKind::OptionalType;
+    has_merge_ = module_->find_method("merge").has_value();
+  }
+
+  void update(const at::Tensor& rows, int64_t) override {
+    at::AutoGradMode no_grad(false);
+    if (rows.dim() >= 1 && rows.size(0) == 0) return;  // an empty batch is a no-op
+    ACS_CHECK(acc_.defined() || acc_optional_, "custom reduction '", path_,
+              "' declares acc as Tensor, so it cannot start from None: annotate it "
+              "acc: Optional[Tensor] or pre-seed the accumulator (init=...)");
+    std::vector<c10::IValue> in;
+    in.emplace_back(acc_.defined() ? c10::IValue(acc_) : c10::IValue());
+    in.emplace_back(rows.detach());
+    c10::IValue out;
+    try {
+      out = module_->forward(std::move(in));
+    } catch (const std::exception& e) {
+      ACS_CHECK(false, "custom reduction '", path_, "' failed on rows of shape ",
+                shape_str(rows.sizes()), " (", rows.scalar_type(), "): ", e.what());
+    }
+    ACS_CHECK(out.isTensor(), "custom reduction '", path_, "' must return a Tensor, got ",
+              out.tagKind());
+    acc_ = out.toTensor().detach();
+  }
+
+  void merge(const Reduction& other_r) override {
+    at::AutoGradMode no_grad(false);
+    const auto* other = dynamic_cast<const ScriptReduction*>(&other_r);
+    ACS_CHECK(other != nullptr, "cannot merge a '", other_r.kind(),
+              "' reduction into a custom ('script') reduction");
+    ACS_CHECK(other->path_ == path_, "cannot merge custom reductions from different files: '",
+              path_, "' and '", other->path_, "'");
+    ACS_CHECK(has_merge_, "custom reduction '", path_,
+              "' cannot merge: a plain function has no merge rule. Register it as a scripted "
+              "module with forward(acc, x) and merge(a: Tensor, b: Tensor) -> Tensor methods, "
+              "or merge the states yourself");
+    at::Tensor b = other->acc_;
+    if (!b.defined()) return;
+    if (!acc_.defined()) {
+      acc_ = b;
+      return;
+    }
+    c10::IValue out = module_->get_method("merge")({acc_, b});
+    ACS_CHECK(out.isTensor(), "merge of custom reduction '", path_, "' must return a Tensor");
+    acc_ = out.toTensor().detach();
+  }
+
+  NamedTensors result() const override {
+    if (!acc_.defined()) return {};
+    return {{"value", acc_}};
+  }
+  NamedTensors state() const override {
+    if (!acc_.defined()) return {};
+    return {{"acc", acc_}};
+  }
+  void load_state(const NamedTensors& st) override {
+    at::Tensor a;
+    for (const auto& kv : st) {
+      ACS_CHECK(kv.first == "acc", "state of custom reduction '", path_,
+                "' has only the key 'acc', got '", kv.first, "'");
+      a = kv.second;
+    }
+    acc_ = a.defined() ? a.detach() : a;
+  }
+  std::shared_ptr<Reduction> fresh() const override {
+    return std::make_shared<ScriptReduction>(path_, opts_, module_);
+  }
+  std::string kind() const override { return "script"; }
+  ReductionOptions options() const override { return opts_; }
+
+ private:
+  std::string path_;
+  ReductionOptions opts_;
+  std::shared_ptr<torch::jit::Module> module_;  // shared by fresh() copies; forward is const
+  bool acc_optional_ = true;
+  bool has_merge_ = false;
+  at::Tensor acc_;
+};
+
+}  // namespace
+
+std::shared_ptr<Reduction> make_script_reduction(const std::string& path, const ReductionOptions& options) {
+  std::shared_ptr<torch::jit::Module> m;
+  try {
+    m = std::make_shared<torch::jit::Module>(torch::jit::load(path));
+  } catch (const std::exception& e) {
+    ACS_CHECK(false, "custom reduction file '", path, "' could not be loaded as TorchScript: ", e.what());
+  }
+  m->eval();
+  return std::make_shared<ScriptReduction>(path, options, std::move(m));
+}
+
+}  // namespace acs
