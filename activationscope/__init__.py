@@ -27,6 +27,7 @@ from .errors import (
     StoreCorruptError,
     StoreError,
     StoreExistsError,
+    StoreLockedError,
 )
 
 __version__ = "0.1.0"
@@ -67,6 +68,7 @@ __all__ = [
     "StoreError",
     "StoreExistsError",
     "StoreCorruptError",
+    "StoreLockedError",
     "__version__",
 ]
 

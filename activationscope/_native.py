@@ -39,3 +39,15 @@ def load() -> ModuleType:
         )
     _module = mod
     return mod
+
+
+def optional() -> ModuleType | None:
+    """The native extension when it loads and matches the running torch, else None.
+
+    Reading a store never needs it (it is faster with it): readers call this, capture calls
+    :func:`load`.
+    """
+    try:
+        return load()
+    except NativeExtensionError:
+        return None

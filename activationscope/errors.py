@@ -85,4 +85,9 @@ class StoreExistsError(StoreError, FileExistsError):
 
 
 class StoreCorruptError(StoreError):
-    """A store failed verification (checksums or structure)."""
+    """A store is damaged or breaks a rule of its format (FORMAT.md §9); the message names the
+    file, what is wrong and the fix."""
+
+
+class StoreLockedError(StoreError):
+    """Another writer holds the store's writer lock (the message names its pid and host)."""

@@ -1,6 +1,12 @@
-"""Where a store's objects live: a local directory, or any zarr ``Store`` (memory, fsspec).
+"""Where a store's objects live: the storage contract and its backends.
 
-A backend is a flat key -> bytes map with atomic ``set`` (local: temp file + rename).
+One contract, :class:`StoreBackend` (as zarr-python keeps its ``abc/store.py``): a flat
+``key -> bytes`` map with atomic ``set`` and stated :class:`Capabilities`. Backends:
+:class:`LocalBackend` (a directory; temp file + rename; memory-mappable), :class:`MemoryBackend`
+(a zarr ``MemoryStore``), :class:`FsspecBackend` (a zarr ``FsspecStore``: ``s3://``, ``gs://``,
+``memory://``, ...) and :class:`ZarrBackend` (any other zarr ``Store``). Every key is checked
+(:func:`_validate.check_key`) before use: a key can never name anything outside the store.
+The reusable test suite every backend passes is ``tests/store/backend_suite.py``.
 """
 
 from __future__ import annotations
@@ -8,12 +14,93 @@ from __future__ import annotations
 import os
 import queue
 import shutil
+import stat
 import threading
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Protocol, runtime_checkable
 
 from ..errors import StoreError
+from ._validate import MAX_JSON_BYTES, check_key, corrupt
+
+#: Key of the writer lock (FORMAT.md §7): never part of the data, never listed or copied.
+LOCK_KEY = ".activationscope-writer.lock"
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend guarantees.
+
+    Attributes
+    ----------
+    atomic_write : bool
+        ``set`` replaces an object whole: a reader sees the old bytes or the new ones.
+    atomic_rename : bool
+        ``set`` writes a temporary file and renames it into place (a local file system).
+    conditional_write : bool
+        ``set_if_absent`` is atomic across processes (``O_EXCL``, S3 ``If-None-Match``).
+    mmap : bool
+        Objects are regular local files that :meth:`LocalBackend.path` names and readers
+        memory-map (zero-copy views).
+    """
+
+    atomic_write: bool
+    atomic_rename: bool
+    conditional_write: bool
+    mmap: bool
+
+
+@runtime_checkable
+class StoreBackend(Protocol):
+    """The storage contract of a store: a flat map of ``/``-separated keys to bytes.
+
+    Every method validates its key (relative, no ``..``); a key naming something that is not
+    a regular file inside the store raises :class:`StoreCorruptError`, never reads or
+    writes elsewhere.
+    """
+
+    capabilities: Capabilities
+
+    def get(self, key: str, max_bytes: int | None = MAX_JSON_BYTES) -> bytes | None:
+        """The whole object, None when absent; :class:`StoreCorruptError` when it is larger than ``max_bytes``."""
+
+    def get_range(self, key: str, start: int, length: int) -> bytes | None:
+        """``length`` bytes from ``start`` (fewer at the end of the object), None when absent."""
+
+    def size(self, key: str) -> int | None:
+        """The object's size in bytes, None when absent."""
+
+    def set(self, key: str, data: bytes) -> None:
+        """Write an object atomically (readers see the old bytes or the new ones)."""
+
+    def set_if_absent(self, key: str, data: bytes) -> bool:
+        """Write an object only if there is none; True when this call wrote it."""
+
+    def put_file(self, key: str, local: Path) -> None:
+        """Upload a local file as ``key``."""
+
+    def delete(self, key: str) -> None:
+        """Remove an object (nothing when absent)."""
+
+    def list(self, prefix: str = "") -> Iterator[str]:
+        """Keys starting with ``prefix`` (the writer lock excluded)."""
+
+    def exists(self) -> bool:
+        """Whether the store location exists (a local directory, or a root ``zarr.json``)."""
+
+    def is_empty(self) -> bool:
+        """Whether the location holds no object (the writer lock excluded)."""
+
+    def clear(self) -> None:
+        """Remove every object but the writer lock."""
+
+    def zarr_store(self, read_only: bool = True) -> Any:
+        """The zarr ``Store`` of the same objects (for plain zarr-python access)."""
+
+
+def _inside(real: str, root_real: str) -> bool:
+    return real == root_real or real.startswith(root_real.rstrip(os.sep) + os.sep)
 
 
 class LocalBackend:
@@ -27,6 +114,7 @@ class LocalBackend:
     """
 
     is_local = True
+    capabilities = Capabilities(atomic_write=True, atomic_rename=True, conditional_write=True, mmap=True)
 
     def __init__(self, root: str | os.PathLike, fsync: bool = False) -> None:
         self.root = Path(root).absolute()
@@ -64,7 +152,7 @@ class LocalBackend:
                     continue
             tmp = self._temp_name(self.root / key)
             try:
-                tmp.parent.mkdir(parents=True, exist_ok=True)
+                self._make_parent(tmp, key)
                 os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
             except OSError:
                 continue  # set() makes its own
@@ -89,25 +177,110 @@ class LocalBackend:
     def __repr__(self) -> str:
         return str(self.root)
 
-    def path(self, key: str) -> Path:
-        return self.root / key
+    # ------------------------------------------------------------------ safe paths
+    def _root_real(self) -> str:
+        return os.path.realpath(self.root)
 
-    def get(self, key: str) -> bytes | None:
+    def _check_inside(self, p: Path, key: str) -> None:
+        """Refuse a path whose real location (symlinks resolved) is outside the store."""
+        if not _inside(os.path.realpath(p), self._root_real()):
+            raise corrupt(self, f"{key!r} resolves to {os.path.realpath(p)!r}, outside the store (a symlink "
+                                "leaving the store); a store never refers to files outside itself")
+
+    def _make_parent(self, p: Path, key: str) -> None:
+        """Make the folders of ``p``, checking first that the deepest existing one is inside the store."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        q = p.parent
+        while not q.exists() and q != q.parent:
+            q = q.parent
+        self._check_inside(q, key)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        self._check_inside(p.parent, key)
+
+    def path(self, key: str) -> Path:
+        """The local path of a key: checked to be inside the store (symlinks resolved)."""
+        check_key(key, store=self, what="key")
+        p = self.root / key
+        self._check_inside(p, key)
+        return p
+
+    def _open_regular(self, key: str) -> tuple[int, int] | None:
+        """(fd, size) of a regular file inside the store, None when absent.
+
+        Opened non-blocking (a FIFO never blocks) and checked with ``fstat``: anything but
+        a regular file raises :class:`StoreCorruptError`.
+        """
+        p = self.path(key)
         try:
-            with open(self.root / key, "rb") as f:
-                return f.read()
-        except FileNotFoundError:
+            fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except (FileNotFoundError, NotADirectoryError):
             return None
-        except NotADirectoryError:
+        except OSError as e:
+            raise StoreError(f"store {str(self)!r}: cannot open {key!r}: {e.strerror or e}") from e
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            kind = ("a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode)
+                    else "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)
+                    else "a socket" if stat.S_ISSOCK(st.st_mode) else "not a regular file")
+            raise corrupt(self, f"{key!r} must be a regular file, got {kind}")
+        return fd, st.st_size
+
+    def get(self, key: str, max_bytes: int | None = MAX_JSON_BYTES) -> bytes | None:
+        """The bytes of a regular file inside the store (None when absent).
+
+        Raises
+        ------
+        StoreCorruptError
+            Not a regular file, outside the store, or larger than ``max_bytes``.
+        """
+        opened = self._open_regular(key)
+        if opened is None:
             return None
+        fd, size = opened
+        try:
+            if max_bytes is not None and size > max_bytes:
+                raise corrupt(self, f"{key!r} holds {size} bytes, more than the {max_bytes} such a file may hold")
+            chunks, left = [], size
+            while left > 0:
+                b = os.read(fd, min(left, 1 << 30))
+                if not b:
+                    break
+                chunks.append(b)
+                left -= len(b)
+            return b"".join(chunks)
+        finally:
+            os.close(fd)
+
+    def get_range(self, key: str, start: int, length: int) -> bytes | None:
+        opened = self._open_regular(key)
+        if opened is None:
+            return None
+        fd, size = opened
+        try:
+            if start >= size or length <= 0:
+                return b""
+            return os.pread(fd, min(length, size - start), start)
+        finally:
+            os.close(fd)
+
+    def size(self, key: str) -> int | None:
+        opened = self._open_regular(key)
+        if opened is None:
+            return None
+        os.close(opened[0])
+        return opened[1]
 
     def set(self, key: str, data: bytes) -> None:
+        check_key(key, store=self, what="key")
         p = self.root / key
         with self._spare_lock:
             tmp = self._spare.pop(key, None)
         if tmp is None:
-            p.parent.mkdir(parents=True, exist_ok=True)
+            self._make_parent(p, key)
             tmp = self._temp_name(p)
+        else:
+            self._check_inside(p.parent, key)
         try:
             with open(tmp, "wb") as f:
                 f.write(data)
@@ -128,39 +301,66 @@ class LocalBackend:
             finally:
                 os.close(fd)
 
+    def set_if_absent(self, key: str, data: bytes) -> bool:
+        """Create ``key`` with ``data`` unless it exists (``O_EXCL``: atomic); True when created."""
+        check_key(key, store=self, what="key")
+        p = self.root / key
+        self._make_parent(p, key)
+        try:
+            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+        except FileExistsError:
+            return False
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+        return True
+
     def put_file(self, key: str, local: Path) -> None:
         if Path(local) != self.root / key:
             self.set(key, Path(local).read_bytes())
 
     def delete(self, key: str) -> None:
+        check_key(key, store=self, what="key")
+        p = self.root / key
+        if not p.parent.exists():
+            return
+        self._check_inside(p.parent, key)  # the key itself may be a link: unlink removes the link only
         try:
-            (self.root / key).unlink()
+            p.unlink()
         except FileNotFoundError:
             pass
 
     def list(self, prefix: str = "") -> Iterator[str]:
+        if prefix:
+            check_key(prefix.rstrip("/"), store=self, what="prefix")
         base = self.root / prefix if prefix else self.root
         if not base.exists():
             return
-        for dirpath, _, files in os.walk(base):
+        self._check_inside(base, prefix or ".")
+        for dirpath, _, files in os.walk(base):  # never follows a symlinked folder
             for name in files:
-                yield os.path.relpath(os.path.join(dirpath, name), self.root).replace(os.sep, "/")
+                key = os.path.relpath(os.path.join(dirpath, name), self.root).replace(os.sep, "/")
+                if key != LOCK_KEY:
+                    yield key
 
     def exists(self) -> bool:
         return self.root.exists()
 
     def is_empty(self) -> bool:
-        return not self.root.exists() or not any(self.root.iterdir())
+        return not self.root.exists() or not any(p.name != LOCK_KEY for p in self.root.iterdir())
 
     def clear(self) -> None:
-        if self.root.exists():
-            shutil.rmtree(self.root)
-
-    def size(self, key: str) -> int:
-        try:
-            return (self.root / key).stat().st_size
-        except FileNotFoundError:
-            return 0
+        """Remove everything in the store folder but the writer lock (links removed, never followed)."""
+        if not self.root.exists():
+            return
+        for p in self.root.iterdir():
+            if p.name == LOCK_KEY:
+                continue
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
 
     def zarr_store(self, read_only: bool = True) -> Any:
         import zarr
@@ -176,9 +376,14 @@ def _unlink_quietly(path: Path) -> None:
 
 
 class ZarrBackend:
-    """Any zarr ``Store`` (``MemoryStore``, ``FsspecStore`` for s3:// gs:// memory:// ...)."""
+    """Any zarr ``Store``; :class:`MemoryBackend` and :class:`FsspecBackend` are its common kinds.
+
+    ``set`` is one ``put`` (object stores replace an object whole). ``set_if_absent`` is
+    atomic only where :attr:`capabilities` says so (the generic one checks, then writes).
+    """
 
     is_local = False
+    capabilities = Capabilities(atomic_write=True, atomic_rename=False, conditional_write=False, mmap=False)
 
     def __init__(self, store: Any, label: str | None = None) -> None:
         self.store = store
@@ -192,37 +397,95 @@ class ZarrBackend:
 
         return sync(coro)
 
-    def get(self, key: str) -> bytes | None:
+    def _get(self, key: str, byte_range: Any = None) -> bytes | None:
         from zarr.core.buffer import default_buffer_prototype
 
-        buf = self._sync(self.store.get(key, prototype=default_buffer_prototype()))
+        try:
+            buf = self._sync(self.store.get(key, prototype=default_buffer_prototype(), byte_range=byte_range))
+        except (FileNotFoundError, KeyError):
+            return None
+        except OSError as e:
+            raise StoreError(f"reading {key!r} from {self.label} failed: {e}") from e
         return None if buf is None else buf.to_bytes()
+
+    def get(self, key: str, max_bytes: int | None = MAX_JSON_BYTES) -> bytes | None:
+        check_key(key, store=self, what="key")
+        if max_bytes is not None:
+            size = self.size(key)
+            if size is None:
+                return None
+            if size > max_bytes:
+                raise corrupt(self, f"{key!r} holds {size} bytes, more than the {max_bytes} such a file may hold")
+        data = self._get(key)
+        if data is not None and max_bytes is not None and len(data) > max_bytes:
+            raise corrupt(self, f"{key!r} holds {len(data)} bytes, more than the {max_bytes} such a file may hold")
+        return data
+
+    def get_range(self, key: str, start: int, length: int) -> bytes | None:
+        from zarr.abc.store import RangeByteRequest
+
+        check_key(key, store=self, what="key")
+        size = self.size(key)
+        if size is None:
+            return None
+        if start >= size or length <= 0:
+            return b""
+        return self._get(key, RangeByteRequest(start, min(size, start + length)))
+
+    def size(self, key: str) -> int | None:
+        check_key(key, store=self, what="key")
+
+        async def getsize() -> int | None:
+            if not await self.store.exists(key):
+                return None
+            return await self.store.getsize(key)
+
+        try:
+            n = self._sync(getsize())
+        except (FileNotFoundError, KeyError):
+            return None
+        return None if n is None else int(n)
 
     def set(self, key: str, data: bytes) -> None:
         from zarr.core.buffer import cpu
 
+        check_key(key, store=self, what="key")
         try:
             self._sync(self.store.set(key, cpu.Buffer.from_bytes(data)))
         except Exception as e:  # remote errors come in many classes
             raise StoreError(f"writing {key!r} to {self.label} failed: {e}") from e
 
+    def set_if_absent(self, key: str, data: bytes) -> bool:
+        """Write ``key`` unless it exists; True when this call wrote it (not atomic here)."""
+        check_key(key, store=self, what="key")
+        if self.size(key) is not None:
+            return False
+        self.set(key, data)
+        return self._get(key) == data
+
     def put_file(self, key: str, local: Path) -> None:
         self.set(key, Path(local).read_bytes())
 
     def delete(self, key: str) -> None:
+        check_key(key, store=self, what="key")
         try:
             self._sync(self.store.delete(key))
         except (FileNotFoundError, KeyError):
             pass
 
     def list(self, prefix: str = "") -> Iterator[str]:
+        if prefix:
+            check_key(prefix.rstrip("/"), store=self, what="prefix")
+
         async def collect() -> list[str]:
             return [k async for k in self.store.list_prefix(prefix)]
 
-        yield from self._sync(collect())
+        for key in self._sync(collect()):
+            if key != LOCK_KEY:
+                yield key
 
     def exists(self) -> bool:
-        return self.get("zarr.json") is not None
+        return self.size("zarr.json") is not None
 
     def is_empty(self) -> bool:
         return next(iter(self.list("")), None) is None
@@ -231,18 +494,66 @@ class ZarrBackend:
         for key in list(self.list("")):
             self.delete(key)
 
-    def size(self, key: str) -> int:
-        async def getsize() -> int:
-            return await self.store.getsize(key)
-
-        try:
-            return int(self._sync(getsize()))
-        except Exception:
-            data = self.get(key)
-            return 0 if data is None else len(data)
-
     def zarr_store(self, read_only: bool = True) -> Any:
         return self.store
+
+
+class MemoryBackend(ZarrBackend):
+    """A zarr ``MemoryStore`` (one process); ``set_if_absent`` is atomic (one dict insert)."""
+
+    capabilities = Capabilities(atomic_write=True, atomic_rename=False, conditional_write=True, mmap=False)
+
+    def set_if_absent(self, key: str, data: bytes) -> bool:
+        from zarr.core.buffer import cpu
+
+        check_key(key, store=self, what="key")
+        buf = cpu.Buffer.from_bytes(data)
+        self._sync(self.store.set_if_not_exists(key, buf))
+        return self._get(key) == data
+
+
+class FsspecBackend(ZarrBackend):
+    """A zarr ``FsspecStore`` (``s3://``, ``gs://``, ``memory://`` ...).
+
+    ``set_if_absent`` is a conditional put (S3 ``If-None-Match: *``; fsspec memory: exclusive
+    create) where the file system offers one, atomic across processes and hosts; elsewhere a
+    check then a write (:attr:`capabilities` ``conditional_write`` False).
+    """
+
+    def __init__(self, store: Any, label: str | None = None) -> None:
+        super().__init__(store, label)
+        fs = getattr(store, "fs", None)
+        inner = getattr(fs, "sync_fs", fs)  # zarr wraps synchronous file systems
+        names = {type(fs).__name__, type(inner).__name__}
+        self._conditional = bool(names & {"S3FileSystem", "MemoryFileSystem"})
+        self.capabilities = Capabilities(atomic_write=True, atomic_rename=False,
+                                         conditional_write=self._conditional, mmap=False)
+
+    def set_if_absent(self, key: str, data: bytes) -> bool:
+        check_key(key, store=self, what="key")
+        if not self._conditional:
+            return super().set_if_absent(key, data)
+        path = f"{self.store.path.rstrip('/')}/{key}"
+
+        async def put() -> bool:
+            try:
+                await self.store.fs._pipe_file(path, data, mode="create")
+            except FileExistsError:
+                return False
+            except OSError as e:
+                if "PreconditionFailed" in str(e) or "412" in str(e):
+                    return False
+                raise
+            return True
+
+        try:
+            return bool(self._sync(put()))
+        except FileExistsError:
+            return False
+        except Exception as e:  # remote errors come in many classes
+            if "PreconditionFailed" in str(e) or "412" in str(e):
+                return False
+            raise StoreError(f"writing {key!r} to {self.label} failed: {e}") from e
 
 
 def check_local_store_path(root: str | os.PathLike) -> None:
@@ -264,7 +575,7 @@ def check_local_store_path(root: str | os.PathLike) -> None:
 
 
 def resolve(target: Any, *, fsync: bool = False, read_only: bool = False,
-            storage_options: dict | None = None) -> LocalBackend | ZarrBackend:
+            storage_options: dict | None = None) -> StoreBackend:
     """A backend for a path, a URL (``file://``, ``memory://``, ``s3://``, ...) or a zarr Store.
 
     ``storage_options`` go to fsspec for URLs (credentials, ``client_kwargs``, ...)."""
@@ -283,9 +594,13 @@ def resolve(target: Any, *, fsync: bool = False, read_only: bool = False,
             zstore = zarr.storage.FsspecStore.from_url(target, read_only=read_only, storage_options=storage_options)
         except Exception as e:
             raise StoreError(f"cannot open the store URL {target!r} through fsspec: {e}") from e
-        return ZarrBackend(zstore, label=target)
+        return FsspecBackend(zstore, label=target)
     if isinstance(target, zarr.storage.LocalStore):
         return LocalBackend(target.root, fsync=fsync)
+    if isinstance(target, zarr.storage.MemoryStore):
+        return MemoryBackend(target)
+    if isinstance(target, zarr.storage.FsspecStore):
+        return FsspecBackend(target)
     if isinstance(target, zarr.abc.store.Store):
         return ZarrBackend(target)
     raise TypeError(

@@ -318,3 +318,15 @@ def check_jsonable(value: Any, what: str) -> Any:
         return json.loads(json.dumps(value, allow_nan=False))
     except (TypeError, ValueError) as e:
         raise TypeError(f"{what} must be JSON-serialisable (str, int, float, bool, None, list, dict), got an error: {e}") from None
+
+
+def crc32c(data: Any) -> int:
+    """CRC-32C (Castagnoli) of a bytes-like object: the native one, else google_crc32c (a zarr dependency)."""
+    from .. import _native
+
+    mod = _native.optional()
+    if mod is not None:
+        return int(mod.crc32c(data))
+    import google_crc32c
+
+    return int(google_crc32c.value(bytes(data) if not isinstance(data, bytes) else data))

@@ -1,23 +1,30 @@
 """The read side: :func:`open_store` and :class:`Store`.
 
+Everything read from a store is validated before use (``_validate``, FORMAT.md §9): the root
+metadata when the store is opened, each shard's index (its crc32c, every committed chunk
+present and inside the file) before a row of it is returned, sizes before any allocation.
+
 Local, uncompressed arrays are read as zero-copy views of memory-mapped shard files
-(``MAP_PRIVATE``: writing into a returned tensor changes only the process's copy, never the
-file). Local compressed arrays are decoded chunk by chunk from the shard files on a small
-thread pool (``_decode``): the chunks of one read side by side, and the next chunks of a
-sequential reader ahead of it. Remote arrays are decoded through zarr-python. Decoded chunks
-go through a bounded cache.
+(private mappings: writing into a returned tensor changes only the process's copy, never the
+file). Other arrays (compressed, remote, or shards whose chunks are not back to back) are
+decoded chunk by chunk on a small thread pool (``_decode``): the chunks of one read side by
+side, and the next chunks of a sequential reader ahead of it; each chunk's place comes from
+the checked shard index and its decoded size is checked. Decoded chunks go through a bounded
+cache.
 """
 
 from __future__ import annotations
 
 import ctypes
 import io
-import json
+import math
 import mmap
+import operator
 import os
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import numpy as np
@@ -27,13 +34,11 @@ from .. import _native
 from ..errors import HookPointNotFoundError, ReductionResults, StoreCorruptError, StoreError
 from . import _decode
 from . import _format as F
-from ._backend import LocalBackend, ZarrBackend, resolve
-
-_C = _native.load()
-
+from . import _validate as V
+from ._backend import LocalBackend, resolve
 
 # shard index entry of a chunk that is not there (Zarr sharding: 2**64 - 1)
-_MISSING = np.uint64(2**64 - 1)
+_MISSING = 2**64 - 1
 
 #: Read-ahead of a sequential reader of memory-mapped rows: the next READ_AHEAD_BYTES after a
 #: read are advised (``madvise(MADV_WILLNEED)``), renewed when less than half is left.
@@ -62,6 +67,28 @@ def _will_need(addr: int, nbytes: int) -> None:
         return
     lo = addr - addr % mmap.PAGESIZE
     _madvise(lo, nbytes + (addr - lo), _MADV_WILLNEED)
+
+
+
+@dataclass(frozen=True)
+class _ShardIndex:
+    key: str
+    file_bytes: int
+    entries: tuple[tuple[int, int], ...]  # (offset, nbytes) per slot; _MISSING for absent
+    contiguous: bool  # every committed chunk at slot * chunk_bytes, chunk_bytes long
+    bad: dict  # slot -> what is wrong with a committed chunk (it raises when read)
+
+    def check(self, slot: int, backend: Any) -> None:
+        """Raise :class:`StoreCorruptError` when committed chunk ``slot`` cannot be read."""
+        if slot in self.bad:
+            raise V.corrupt(backend, self.bad[slot])
+
+
+def _layout(meta: dict) -> tuple[int, int, int, int]:
+    """(row_bytes, chunk_rows, chunks per shard, chunk_bytes) of an array entry (validated)."""
+    rb = V.row_bytes(meta)
+    chunk_rows = int(meta["chunk_rows"])
+    return rb, chunk_rows, int(meta["shard_rows"]) // chunk_rows, chunk_rows * rb
 
 
 class _Reductions(Mapping):
@@ -97,18 +124,27 @@ class Store:
     target : str, os.PathLike, or zarr Store
     cache_bytes : int, default 64 MiB
         Bound of the cache of decoded chunks (compressed / remote arrays).
+
+    Raises
+    ------
+    StoreError
+        Nothing at ``target``, not an activationscope store, or a newer format version.
+    StoreCorruptError
+        The root metadata breaks a rule of FORMAT.md §9 (the message names the field).
     """
 
     def __init__(self, target: Any, *, cache_bytes: int = 64 << 20, storage_options: dict | None = None) -> None:
+        if isinstance(cache_bytes, bool) or not isinstance(cache_bytes, int) or cache_bytes < 0:
+            raise TypeError(f"cache_bytes must be a non-negative int, got {cache_bytes!r}")
         self._backend = resolve(target, read_only=True, storage_options=storage_options)
         self._cache_bytes = int(cache_bytes)
         self._cache: OrderedDict[tuple, torch.Tensor] = OrderedDict()
         self._cached = 0
-        self._maps: dict[str, tuple[mmap.mmap, bool]] = {}
+        self._maps: dict[str, torch.Tensor] = {}
+        self._indexes: dict[str, _ShardIndex] = {}
         self._whole: dict[str, tuple[int, torch.Tensor]] = {}
         self._zarrays: dict[str, Any] = {}
         self._lock = threading.RLock()
-        self._indexes: dict[str, tuple[np.ndarray, int]] = {}  # shard file -> (checked index, size)
         self._inflight: dict[tuple, Any] = {}  # (hook point, chunk) -> Future of its decode
         self._next_start: dict[str, int] = {}  # where a sequential reader of a hook point goes next
         self._advised: dict[str, tuple[int, int]] = {}  # hook point -> (last hinted start, advised until row)
@@ -117,26 +153,19 @@ class Store:
 
     # ------------------------------------------------------------------ metadata
     def refresh(self) -> None:
-        """Re-read the root metadata (see rows committed since opening)."""
-        raw = self._backend.get("zarr.json")
+        """Re-read (and re-validate) the root metadata: see rows committed since opening."""
+        raw = self._backend.get("zarr.json", max_bytes=V.MAX_JSON_BYTES)
         if raw is None:
             raise StoreError(f"no store at {str(self._backend)!r} (no zarr.json)")
-        doc = json.loads(raw)
-        attrs = doc.get("attributes", {}).get(F.ATTRS_KEY)
+        attrs = V.parse_root(raw, store=self._backend)
         if attrs is None:
             raise StoreError(f"{str(self._backend)!r} is a Zarr node but not an activationscope store")
-        fmt = attrs.get("format") or {}
-        if fmt.get("name") != F.FORMAT_NAME or int(fmt.get("version", 0)) > F.FORMAT_VERSION:
-            raise StoreError(
-                f"{str(self._backend)!r} has store format {fmt!r}; this version reads {F.FORMAT_NAME} up to "
-                f"v{F.FORMAT_VERSION} (upgrade activationscope)"
-            )
         with self._lock:
             self._attrs = attrs
             self._zarrays.clear()
+            self._indexes.clear()
             self._cache.clear()
             self._cached = 0
-            self._indexes.clear()
 
     @property
     def attrs(self) -> dict:
@@ -165,6 +194,8 @@ class Store:
         return str(self._backend)
 
     def _meta(self, hook_point: str) -> dict:
+        if not isinstance(hook_point, str):
+            raise HookPointNotFoundError(f"hook point must be a str, got {hook_point!r}; this store has {self.hook_points}")
         try:
             return self._attrs["arrays"][hook_point]
         except KeyError:
@@ -214,14 +245,22 @@ class Store:
 
     # ------------------------------------------------------------------ arrays
     def __getitem__(self, key: Any) -> torch.Tensor:
-        """``store[hook_point]`` or ``store[hook_point, start:stop]``.
+        """``store[hook_point]`` or ``store[hook_point, rows]`` with ``rows`` a slice (any step).
 
         Returns
         -------
         Tensor, (rows, *feature_shape), the stored dtype, CPU
             A zero-copy view of the memory-mapped shard when the array is local and
-            uncompressed and the rows lie in one shard (the view keeps the mapping alive;
-            writing into it never changes the file); otherwise one copy.
+            uncompressed, the rows lie in one shard (or the shards map back to back) and the
+            step is positive (the view keeps the mapping alive; writing into it never changes
+            the file); otherwise one copy (a negative step is always a copy).
+
+        Raises
+        ------
+        HookPointNotFoundError
+            The hook point is not in the store.
+        TypeError
+            ``rows`` is not a slice of ints.
         """
         if isinstance(key, tuple):
             if len(key) != 2 or not isinstance(key[1], slice):
@@ -230,32 +269,57 @@ class Store:
         else:
             hook_point, sl = key, slice(None)
         n = self.n_rows(hook_point)
-        start, stop, step = sl.indices(n)
-        if step != 1:
-            return self._read_rows(hook_point, start, stop)[::step] if stop > start else self._read_rows(hook_point, 0, 0)
-        return self._read_rows(hook_point, start, max(start, stop))
+        try:
+            start, stop, step = sl.indices(n)
+        except TypeError:
+            raise TypeError(f"store[{hook_point!r}, rows]: rows must be a slice of ints or None, got {sl!r}") from None
+        r = range(start, stop, step)
+        if len(r) == 0:
+            return self._read_rows(hook_point, 0, 0)
+        if step == 1:
+            return self._read_rows(hook_point, start, stop)
+        lo, hi = min(r[0], r[-1]), max(r[0], r[-1]) + 1
+        rows = self._read_rows(hook_point, lo, hi)
+        if step > 0:
+            return rows[::step]
+        return rows.flip(0)[::-step] if rows.shape[0] else rows
 
     def array(self, hook_point: str) -> torch.Tensor:
         """Same as ``store[hook_point]``."""
         return self[hook_point]
 
+    def _mappable(self, meta: dict) -> bool:
+        return isinstance(self._backend, LocalBackend) and meta.get("compression") is None
+
     def segments(self, hook_point: str) -> list[int]:
         """Row boundaries ``[0, ..., n_rows]`` of the units of zero-copy memory.
 
         One segment ``[0, n_rows]`` when the array's shards are mapped back to back as one
-        view (local, uncompressed, the default layout); otherwise one segment per shard.
-        ``rows(hook_point, a, b)`` within one segment is a view; across segments one copy.
+        view (local, uncompressed, the default layout, native extension present); otherwise
+        one segment per shard. ``rows(hook_point, a, b)`` within one segment is a view;
+        across segments one copy.
         """
         meta = self._meta(hook_point)
         n, shard_rows = int(meta["n_rows"]), int(meta["shard_rows"])
-        if (n > shard_rows and isinstance(self._backend, LocalBackend) and meta.get("compression") is None
-                and self._whole_rows(meta) is not None):
+        if n > shard_rows and self._mappable(meta) and self._whole_rows(meta) is not None:
             return [0, n]
         return list(range(0, n, shard_rows)) + [n]
 
     def rows(self, hook_point: str, start: int, stop: int) -> torch.Tensor:
-        """Rows ``[start, stop)`` of a hook point (a view within one shard, else one copy)."""
+        """Rows ``[start, stop)`` of a hook point (a view within one shard, else one copy).
+
+        Raises
+        ------
+        TypeError
+            ``start`` or ``stop`` is not an int.
+        IndexError
+            Not ``0 <= start <= stop <= n_rows``.
+        """
         n = self.n_rows(hook_point)
+        try:
+            start, stop = operator.index(start), operator.index(stop)
+        except TypeError:
+            raise TypeError(f"rows({hook_point!r}, start, stop): start and stop must be ints, got {start!r}, {stop!r}") from None
         if not (0 <= start <= stop <= n):
             raise IndexError(f"rows [{start}, {stop}) out of range for hook point {hook_point!r} with {n} rows")
         return self._read_rows(hook_point, start, stop)
@@ -315,11 +379,12 @@ class Store:
             s = e
 
     def compressed_array(self, hook_point: str) -> tuple[Any, int, torch.dtype] | None:
-        """``(zarr array, chunk_rows, torch dtype)`` of an array read through zarr-python
+        """``(zarr array, chunk_rows, torch dtype)`` of an array read by decoding chunks
         (compressed or non-local), or None when it is read zero-copy from memory-mapped shards.
-        The zarr array holds bfloat16 as uint16 bit patterns."""
+        The zarr array holds bfloat16 as uint16 bit patterns (plain zarr-python access; the
+        store's own reads validate each shard first)."""
         meta = self._meta(hook_point)
-        if isinstance(self._backend, LocalBackend) and meta.get("compression") is None:
+        if self._mappable(meta):
             return None
         return self._zarray(meta), int(meta["chunk_rows"]), F.torch_dtype(meta["dtype"])
 
@@ -329,8 +394,12 @@ class Store:
         feat = tuple(meta["feature_shape"])
         if stop <= start:
             return torch.empty((0, *feat), dtype=dtype)
+        if stop > int(meta["n_rows"]):
+            raise IndexError(f"rows [{start}, {stop}) out of range for hook point {hook_point!r} with {meta['n_rows']} rows")
+        if V.row_bytes(meta) == 0:
+            return torch.empty((stop - start, *feat), dtype=dtype)
         shard_rows = int(meta["shard_rows"])
-        if isinstance(self._backend, LocalBackend) and meta.get("compression") is None:
+        if self._mappable(meta):
             if start // shard_rows != (stop - 1) // shard_rows:  # spans shards: one mapping of all
                 whole = self._whole_rows(meta)
                 if whole is not None:
@@ -350,57 +419,188 @@ class Store:
             if parts is not None:
                 out = parts[0] if len(parts) == 1 else torch.cat(parts)
                 return out.clone() if copy and len(parts) == 1 else out
-        if self._decodes_locally(meta):
-            return self._read_decoded(hook_point, meta, start, stop)
-        return self._read_zarr(hook_point, meta, start, stop)
+        return self._read_decoded(hook_point, meta, start, stop)
 
-    # ------------------------------------------------------------------ local compressed arrays
+    # ---------------------------------------------------------------- shard index
+    def _shard_key(self, meta: dict, shard: int) -> str:
+        return F.shard_key(meta["path"], shard, len(meta["feature_shape"]))
+
+    def _shard_index(self, meta: dict, shard: int) -> _ShardIndex:
+        """Read and check a shard's index before any of its rows is used.
+
+        Checks: the file exists and is a regular file, holds at least the index, and the
+        index crc32c matches (else raises). Each chunk holding committed rows must be present
+        and lie inside the data part of the file (uncompressed: exactly ``chunk_bytes``
+        long); one that is not is recorded in ``bad`` and raises when it is read, so the
+        other chunks of the shard stay readable.
+
+        Raises
+        ------
+        StoreCorruptError
+            Naming the shard file and what is wrong.
+        """
+        key = self._shard_key(meta, shard)
+        with self._lock:
+            cached = self._indexes.get(key)
+        if cached is not None:
+            return cached
+        rb, chunk_rows, n_chunks, chunk_bytes = _layout(meta)
+        n = int(meta["n_rows"])
+        shard_rows = n_chunks * chunk_rows
+        hp = meta["path"]
+        size = self._backend.size(key)
+        if size is None:
+            raise V.corrupt(self._backend, f"shard {key!r} of array {hp!r} is missing; its rows "
+                                           f"{shard * shard_rows}.. are committed (n_rows {n})")
+        index_bytes = 16 * n_chunks + 4
+        if size < index_bytes:
+            raise V.corrupt(self._backend, f"shard {key!r} is truncated: {size} bytes, fewer than its "
+                                           f"{index_bytes}-byte index")
+        raw = self._backend.get_range(key, size - index_bytes, index_bytes)
+        if raw is None or len(raw) != index_bytes:
+            raise V.corrupt(self._backend, f"shard {key!r} changed while it was read")
+        stored = int.from_bytes(raw[-4:], "little")
+        got = F.crc32c(raw[:-4])
+        if got != stored:
+            raise V.corrupt(self._backend, f"shard {key!r}: shard index crc32c mismatch (stored {stored:08x}, "
+                                           f"computed {got:08x})")
+        flat = np.frombuffer(raw, dtype="<u8", count=2 * n_chunks).tolist()
+        entries = tuple((flat[2 * j], flat[2 * j + 1]) for j in range(n_chunks))
+        data_end = size - index_bytes
+        committed = max(0, min(n_chunks, -(-(n - shard * shard_rows) // chunk_rows)))
+        contiguous = True
+        compressed = meta.get("compression") is not None
+        bad: dict[int, str] = {}
+        for j in range(committed):
+            off, nb = entries[j]
+            c = shard * n_chunks + j
+            where = (f"chunk {c} (rows {c * chunk_rows}-{min(n, (c + 1) * chunk_rows) - 1}, shard {key!r}) of "
+                     f"array {hp!r}")
+            if off == _MISSING and nb == _MISSING:
+                bad[j] = f"{where} is missing from the shard index although its rows are committed (it would read as fill values)"
+            elif off + nb > data_end:
+                bad[j] = (f"{where}: its index entry (offset {off}, {nb} bytes) points past the end of the chunk data "
+                          f"({data_end} bytes)")
+            elif not compressed and nb != chunk_bytes:
+                bad[j] = f"{where}: {nb} bytes, expected chunk_bytes {chunk_bytes} (uncompressed chunk)"
+            elif off != j * chunk_bytes:
+                contiguous = False
+        contiguous = contiguous and not bad
+        out = _ShardIndex(key, size, entries, contiguous and not compressed, bad)
+        with self._lock:
+            self._indexes[key] = out
+        return out
+
+    # ---------------------------------------------------------------- mapped reads
+    def _map(self, key: str, nbytes: int) -> torch.Tensor:
+        """A private (copy-on-write) read mapping of the first ``nbytes`` of a shard, uint8."""
+        with self._lock:
+            t = self._maps.get(key)
+        if t is not None and t.numel() >= nbytes:
+            return t
+        path = str(self._backend.path(key))
+        C = _native.optional()
+        try:
+            if C is not None:
+                stride = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+                t = C.map_files_contiguous([path], stride, nbytes)
+            else:
+                t = torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="c", shape=(nbytes,)))
+        except (OSError, ValueError, RuntimeError) as e:
+            raise V.corrupt(self._backend, f"shard {key!r} cannot be mapped: {e}") from None
+        with self._lock:
+            self._maps[key] = t
+        return t
+
+    def _mapped_rows(self, meta: dict, shard: int, local_start: int, n: int) -> torch.Tensor | None:
+        """A view of rows of one shard, or None when its chunks are not laid back to back."""
+        feat = tuple(meta["feature_shape"])
+        dtype = F.torch_dtype(meta["dtype"])
+        idx = self._shard_index(meta, shard)
+        if not idx.contiguous:
+            return None
+        rb, chunk_rows, n_chunks, _ = _layout(meta)
+        committed = min(int(meta["n_rows"]) - shard * n_chunks * chunk_rows, n_chunks * chunk_rows)
+        flat = self._map(idx.key, committed * rb)
+        return flat[local_start * rb:(local_start + n) * rb].view(dtype).view(n, *feat)
+
+    def _whole_rows(self, meta: dict) -> torch.Tensor | None:
+        """Every committed row of a local uncompressed array as ONE zero-copy view.
+
+        The shard files are mapped back to back into one contiguous range of address space
+        (``_C.map_files_contiguous``), which works when a shard's data is a whole number of
+        pages (the default chunk layout ensures it) and each shard's chunks lie back to back.
+        Cached per array and committed row count; None when the layout does not allow it or
+        the native extension is absent.
+        """
+        C = _native.optional()
+        rb = V.row_bytes(meta)
+        n, shard_rows = int(meta["n_rows"]), int(meta["shard_rows"])
+        stride = shard_rows * rb
+        if C is None or n == 0 or rb == 0 or stride % mmap.PAGESIZE:
+            return None
+        with self._lock:
+            cached = self._whole.get(meta["path"])
+        if cached is not None and cached[0] == n:
+            return cached[1]
+        n_shards = -(-n // shard_rows)
+        if not all(self._shard_index(meta, k).contiguous for k in range(n_shards)):
+            return None
+        paths = [str(self._backend.path(self._shard_key(meta, k))) for k in range(n_shards)]
+        try:
+            flat = C.map_files_contiguous(paths, stride, n * rb)
+        except (OSError, RuntimeError) as e:
+            raise V.corrupt(self._backend, f"the shards of array {meta['path']!r} cannot be mapped: {e}") from None
+        view = flat.view(F.torch_dtype(meta["dtype"])).view(n, *meta["feature_shape"])
+        with self._lock:
+            self._whole[meta["path"]] = (n, view)
+        return view
+
+    # ---------------------------------------------------------------- decoded reads
+    def _zarray(self, meta: dict) -> Any:
+        import zarr
+
+        path = meta["path"]
+        arr = self._zarrays.get(path)
+        if arr is None:
+            arr = zarr.open_array(self._backend.zarr_store(read_only=True), path=path, mode="r")
+            self._zarrays[path] = arr
+        return arr
+
     def _decodes_locally(self, meta: dict) -> bool:
         comp = meta.get("compression")
         return (isinstance(self._backend, LocalBackend) and isinstance(comp, dict)
                 and comp.get("name") in ("zstd", "blosc"))
 
-    def _shard_index(self, path: str, n_chunks: int) -> tuple[np.ndarray, int]:
-        with self._lock:
-            entry = self._indexes.get(path)
-        if entry is None:
-            entry = _decode.read_index(path, n_chunks)
-            with self._lock:
-                self._indexes[path] = entry
-        return entry
-
     def _decode_chunk(self, hook_point: str, meta: dict, c: int, out: np.ndarray | None = None) -> torch.Tensor | None:
-        """Decode chunk ``c`` of a local compressed array (runs on the decode pool).
+        """Decode chunk ``c`` of an array read by decoding (runs on the decode pool).
 
-        Into ``out`` (uint8, exactly the chunk's committed bytes) when given (returns None),
-        else into a new tensor ``(rows of the chunk, *feature_shape)``.
+        Its place comes from the checked shard index (:meth:`_shard_index`); the decoded size
+        must be exactly the chunk's (from the codec's frame header, before decoding). Into
+        ``out`` (uint8, exactly the chunk's committed bytes) when given (returns None), else
+        into a new tensor ``(rows of the chunk, *feature_shape)``.
         """
         feat = tuple(meta["feature_shape"])
-        chunk_rows, shard_rows, n = int(meta["chunk_rows"]), int(meta["shard_rows"]), int(meta["n_rows"])
-        row_bytes = (int(np.prod(feat)) if feat else 1) * F.itemsize(meta["dtype"])
-        shard_chunks = shard_rows // chunk_rows
+        row_bytes, chunk_rows, shard_chunks, full = _layout(meta)
+        n = int(meta["n_rows"])
         shard, j = divmod(c, shard_chunks)
-        key = F.shard_key(meta["path"], shard, len(feat))
-        path = str(self._backend.path(key))
-        index, _size = self._shard_index(path, shard_chunks)
+        idx = self._shard_index(meta, shard)
+        idx.check(j, self._backend)
         lo, hi = c * chunk_rows, min(n, (c + 1) * chunk_rows)
-        off, nbytes = int(index[j, 0]), int(index[j, 1])
-        where = f"hook point {hook_point!r}: chunk {c} (rows {lo}-{hi - 1}, shard {key})"
-        if index[j, 0] == _decode.MISSING:
-            raise StoreCorruptError(f"{where} is missing from its shard, but its rows are committed; "
-                                    "run `activationscope verify` on the store")
-        with open(path, "rb") as f:
-            data = os.pread(f.fileno(), nbytes, off)
-        if len(data) != nbytes:
-            raise StoreCorruptError(f"{where}: read {len(data)} of its {nbytes} bytes (the file shrank)")
-        full = chunk_rows * row_bytes  # every chunk is written whole (the last one too)
-        if out is not None and out.nbytes == full:
-            _decode.decode_into(meta["compression"], self._decoder(meta), data, out, where)
-            return None
-        buf = np.empty(full, dtype=np.uint8)
-        _decode.decode_into(meta["compression"], self._decoder(meta), data, buf, where)
+        off, nbytes = idx.entries[j]
+        where = f"hook point {hook_point!r}: chunk {c} (rows {lo}-{hi - 1}, shard {idx.key})"
+        data = self._backend.get_range(idx.key, off, nbytes)
+        if data is None or len(data) != nbytes:
+            raise V.corrupt(self._backend, f"{where}: read {len(data or b'')} of its {nbytes} bytes (the file shrank)")
+        codec = meta.get("compression")
+        buf = out if out is not None and out.nbytes == full else np.empty(full, dtype=np.uint8)
+        if codec is None:
+            buf[:] = np.frombuffer(data, dtype=np.uint8)
+        else:
+            _decode.decode_into(codec, self._decoder(meta), data, buf, where)
         if out is not None:
-            out[:] = buf[: out.nbytes]
+            if buf is not out:
+                out[:] = buf[: out.nbytes]
             return None
         t = torch.from_numpy(buf[: (hi - lo) * row_bytes]).view(F.torch_dtype(meta["dtype"]))
         return t.view(hi - lo, *feat)
@@ -500,139 +700,12 @@ class Store:
                 dst[:] = t.view(-1).view(torch.uint8).numpy()[(lo - c * chunk_rows) * row_bytes:(hi - c * chunk_rows) * row_bytes]
         return out
 
-    def _shard_entry(self, meta: dict, shard: int) -> tuple[mmap.mmap, bool]:
-        """(copy-on-write map of one shard file, whether its chunks lie back to back)."""
-        key = F.shard_key(meta["path"], shard, len(meta["feature_shape"]))
-        with self._lock:
-            entry = self._maps.get(key)
-            if entry is None:
-                path = self._backend.path(key)
-                try:
-                    with open(path, "rb") as f:
-                        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-                        # the index with pread, not through the map: a page fault there would
-                        # read the kernel's whole read-around window (MiBs) of a cold file
-                        index_bytes = 16 * (int(meta["shard_rows"]) // int(meta["chunk_rows"])) + 4
-                        tail = os.pread(f.fileno(), index_bytes, max(0, len(mm) - index_bytes))
-                except FileNotFoundError:
-                    raise StoreCorruptError(
-                        f"hook point {meta['path']!r}: shard {key!r} is missing (committed rows need it)"
-                    ) from None
-                entry = (mm, self._contiguous(tail, meta))
-                self._maps[key] = entry
-        return entry
-
-    def _mapped_rows(self, meta: dict, shard: int, local_start: int, n: int) -> torch.Tensor | None:
-        """A view of rows of one shard, or None when its chunks are not laid back to back."""
-        feat = tuple(meta["feature_shape"])
-        dtype = F.torch_dtype(meta["dtype"])
-        mm, contiguous = self._shard_entry(meta, shard)
-        if not contiguous:
-            return None
-        row_elems = int(np.prod(feat)) if feat else 1
-        item = torch.empty((), dtype=dtype).element_size()
-        if row_elems == 0:
-            return torch.empty((n, *feat), dtype=dtype)
-        t = torch.frombuffer(mm, dtype=dtype, count=n * row_elems, offset=local_start * row_elems * item)
-        return t.view(n, *feat)
-
-    def _whole_rows(self, meta: dict) -> torch.Tensor | None:
-        """Every committed row of a local uncompressed array as ONE zero-copy view.
-
-        The shard files are mapped back to back into one contiguous range of address space
-        (``_C.map_files_contiguous``), which works when a shard's data is a whole number of
-        pages (the default chunk layout ensures it) and each shard's chunks lie back to back.
-        Cached per array and committed row count; None when the layout does not allow it.
-        """
-        feat = tuple(meta["feature_shape"])
-        n, shard_rows = int(meta["n_rows"]), int(meta["shard_rows"])
-        row_bytes = (int(np.prod(feat)) if feat else 1) * F.itemsize(meta["dtype"])
-        stride = shard_rows * row_bytes
-        if n == 0 or row_bytes == 0 or stride % mmap.PAGESIZE:
-            return None
-        with self._lock:
-            cached = self._whole.get(meta["path"])
-        if cached is not None and cached[0] == n:
-            return cached[1]
-        n_shards = -(-n // shard_rows)
-        if not all(self._shard_entry(meta, k)[1] for k in range(n_shards)):
-            return None
-        paths = [str(self._backend.path(F.shard_key(meta["path"], k, len(feat)))) for k in range(n_shards)]
-        flat = _C.map_files_contiguous(paths, stride, n * row_bytes)
-        view = flat.view(F.torch_dtype(meta["dtype"])).view(n, *feat)
-        with self._lock:
-            self._whole[meta["path"]] = (n, view)
-        return view
-
-    @staticmethod
-    def _contiguous(tail: bytes, meta: dict) -> bool:
-        """Whether the shard whose last bytes (its index) are ``tail`` holds its chunks back to back."""
-        chunk_rows = int(meta["chunk_rows"])
-        n_chunks = int(meta["shard_rows"]) // chunk_rows
-        feat = meta["feature_shape"]
-        chunk_bytes = chunk_rows * int(np.prod(feat) if feat else 1) * F.itemsize(meta["dtype"])
-        index_bytes = 16 * n_chunks + 4
-        if len(tail) < index_bytes:
-            return False
-        index = np.frombuffer(tail, dtype="<u8", count=2 * n_chunks, offset=len(tail) - index_bytes).reshape(-1, 2)
-        present = index[:, 0] != _MISSING
-        at = np.arange(n_chunks, dtype=np.uint64) * np.uint64(chunk_bytes)
-        return bool(np.all(~present | ((index[:, 0] == at) & (index[:, 1] == chunk_bytes))))
-
-    def _zarray(self, meta: dict) -> Any:
-        import zarr
-
-        path = meta["path"]
-        arr = self._zarrays.get(path)
-        if arr is None:
-            arr = zarr.open_array(self._backend.zarr_store(read_only=True), path=path, mode="r")
-            self._zarrays[path] = arr
-        return arr
-
-    def _to_torch(self, data: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        t = torch.from_numpy(np.ascontiguousarray(data))
-        if dtype == torch.bfloat16:
-            t = t.view(torch.bfloat16)
-        return t
-
-    def _read_zarr(self, hook_point: str, meta: dict, start: int, stop: int) -> torch.Tensor:
-        """Decode rows through zarr-python, chunk by chunk, through the bounded chunk cache."""
-        dtype = F.torch_dtype(meta["dtype"])
-        arr = self._zarray(meta)
-        chunk_rows = int(meta["chunk_rows"])
-        c0, c1 = start // chunk_rows, (stop - 1) // chunk_rows
-        feat = meta["feature_shape"]
-        row_bytes = max(1, int(np.prod(feat)) if feat else 1) * F.itemsize(meta["dtype"])
-        if (c1 - c0 + 1) * chunk_rows * row_bytes > self._cache_bytes // 2:
-            return self._to_torch(arr[start:stop], dtype)  # big reads bypass the cache
-        parts = []
-        n = int(meta["n_rows"])
-        for c in range(c0, c1 + 1):
-            key = (hook_point, c)
-            with self._lock:
-                t = self._cache.get(key)
-                if t is not None:
-                    self._cache.move_to_end(key)
-            if t is None:
-                lo, hi = c * chunk_rows, min(n, (c + 1) * chunk_rows)
-                t = self._to_torch(arr[lo:hi], dtype)
-                with self._lock:
-                    self._cache[key] = t
-                    self._cached += t.nbytes
-                    while self._cached > self._cache_bytes and len(self._cache) > 1:
-                        _, old = self._cache.popitem(last=False)
-                        self._cached -= old.nbytes
-            lo = max(start, c * chunk_rows) - c * chunk_rows
-            hi = min(stop, (c + 1) * chunk_rows) - c * chunk_rows
-            parts.append(t[lo:hi])
-        return parts[0].clone() if len(parts) == 1 else torch.cat(parts)
-
-    @staticmethod
-    def _crc_problem(data: bytes, expected: int | None, where: str) -> str | None:
+    # ------------------------------------------------------------------ small files
+    def _crc_problem(self, data: bytes, expected: int | None, where: str) -> str | None:
         """A problem line when ``data`` does not have the recorded crc32c (None: not recorded)."""
         if expected is None:
             return None
-        got = int(_C.crc32c(data))
+        got = F.crc32c(data)
         if got != int(expected):
             return f"{where}: crc32c mismatch (metadata {int(expected):08x}, data {got:08x})"
         return None
@@ -640,21 +713,29 @@ class Store:
     def _check_crc(self, data: bytes, expected: int | None, where: str) -> None:
         problem = self._crc_problem(data, expected, where)
         if problem is not None:
-            raise StoreCorruptError(f"{problem} in store {str(self._backend)!r}; run verify to list every damaged file")
+            raise V.corrupt(self._backend, problem)
 
     def _read_small(self, entry: dict) -> torch.Tensor:
-        import zarr
-
-        for key, crc in (entry.get("crc32c") or {}).items():
-            if key.endswith(".pt"):
-                continue  # the script is checked where it is read
-            raw = self._backend.get(key)
-            if raw is None:
-                raise StoreCorruptError(f"reduction chunk {key!r} listed in the metadata of {str(self._backend)!r} is missing")
-            self._check_crc(raw, crc, f"reduction {entry.get('reduction')!r}: chunk {key!r}")
-        arr = zarr.open_array(self._backend.zarr_store(read_only=True), path=entry["path"], mode="r")
-        data = np.asarray(arr[...])
-        return self._to_torch(data, F.torch_dtype(entry["dtype"])).reshape(entry["shape"])
+        """A reduction result: its one chunk, size-checked against its shape before it is read."""
+        shape = [int(d) for d in entry["shape"]]
+        dtype = F.torch_dtype(entry["dtype"])
+        numel = math.prod(shape)
+        if numel == 0:
+            return torch.empty(shape, dtype=dtype)
+        key = entry["path"] + "/c" + "".join("/0" for _ in shape)
+        expected = numel * F.itemsize(entry["dtype"])
+        where = f"reduction {entry.get('reduction')!r}: chunk {key!r}"
+        size = self._backend.size(key)
+        if size is None:
+            raise V.corrupt(self._backend, f"{where} listed in the metadata is missing")
+        if size != expected:
+            raise V.corrupt(self._backend, f"{where} holds {size} bytes, but its shape {shape} and dtype "
+                                           f"{entry['dtype']} need {expected}")
+        raw = self._backend.get(key, max_bytes=expected)
+        if raw is None or len(raw) != expected:
+            raise V.corrupt(self._backend, f"{where} changed while it was read")
+        self._check_crc(raw, (entry.get("crc32c") or {}).get(key), where)
+        return torch.frombuffer(bytearray(raw), dtype=dtype).reshape(shape)
 
     @property
     def reductions(self) -> Mapping[str, dict[str, torch.Tensor]]:
@@ -680,19 +761,25 @@ class Store:
         HookPointNotFoundError
             Indexing a hook point without reductions (the message lists those with some).
         StoreCorruptError
-            A reduction's bytes do not match their recorded crc32c.
+            A reduction's file is missing, of another size than its shape and dtype need,
+            or does not match its recorded crc32c.
         """
         return _Reductions(self)
 
     def reduction_script(self, hook_point: str, name: str) -> bytes | None:
-        """The ``.pt`` bytes of a custom TorchScript reduction (``torch.jit.load(io.BytesIO(b))``)."""
+        """The ``.pt`` bytes of a custom TorchScript reduction, or None.
+
+        Never loaded or run here. ``torch.jit.load(io.BytesIO(b))`` of a file from a store
+        someone else wrote runs code of theirs: load it only from a store you trust.
+        """
         entry = self._attrs.get("reductions", {}).get(hook_point, {}).get(name) or {}
         key = entry.get("script")
         if key is None:
             return None
-        data = self._backend.get(key)
-        if data is not None:
-            self._check_crc(data, (entry.get("crc32c") or {}).get(key), f"reduction {name!r}: script {key!r}")
+        data = self._backend.get(key, max_bytes=V.MAX_FILE_BYTES)
+        if data is None:
+            raise V.corrupt(self._backend, f"reduction {name!r}: script {key!r} listed in the metadata is missing")
+        self._check_crc(data, (entry.get("crc32c") or {}).get(key), f"reduction {name!r}: script {key!r}")
         return data
 
     # ------------------------------------------------------------------ row tables
@@ -701,6 +788,14 @@ class Store:
 
         Row ``i`` of a ``kind`` array whose ``follows_row_table`` is true is described by
         row ``i`` of this table.
+
+        Raises
+        ------
+        ValueError
+            ``kind`` is neither "sample" nor "token".
+        StoreCorruptError
+            A listed part is missing, damaged (crc32c, Parquet), or the parts hold another
+            number of rows than the metadata's ``n_rows``.
         """
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -710,123 +805,235 @@ class Store:
         info = (self._attrs.get("row_tables") or {}).get(kind) or {"parts": []}
         crcs = info.get("crc32c") or {}
         tables = []
-        for key in info["parts"]:
-            raw = self._backend.get(key)
+        for key in info.get("parts", []):
+            raw = self._backend.get(key, max_bytes=V.MAX_FILE_BYTES)
             if raw is None:
-                raise StoreCorruptError(f"row-table part {key!r} listed in the metadata is missing")
+                raise V.corrupt(self._backend, f"row-table part {key!r} listed in the metadata is missing")
             self._check_crc(raw, crcs.get(key), f"row table {kind!r}: part {key!r}")
-            tables.append(pq.read_table(io.BytesIO(raw)))
+            try:
+                tables.append(pq.read_table(io.BytesIO(raw)))
+            except Exception as e:  # pyarrow raises ArrowInvalid / OSError / ...
+                raise V.corrupt(self._backend, f"row-table part {key!r} is not a readable Parquet file "
+                                               f"({type(e).__name__}: {e})") from None
         if not tables:
+            if int(info.get("n_rows", 0)):
+                raise V.corrupt(self._backend, f"row table {kind!r} lists no parts, but the metadata says n_rows "
+                                               f"{info['n_rows']}")
             cols = {"sample_id": pa.array([], pa.int64()), "batch": pa.array([], pa.int64())}
             if kind == "token":
                 cols = {"sample_id": pa.array([], pa.int64()), "pos": pa.array([], pa.int64()), "batch": pa.array([], pa.int64())}
             return pa.table(cols)
-        return pa.concat_tables(tables, promote_options="default")
+        try:
+            table = pa.concat_tables(tables, promote_options="default")
+        except Exception as e:  # parts whose columns do not fit together
+            raise V.corrupt(self._backend, f"the parts of row table {kind!r} do not fit together ({e})") from None
+        if "n_rows" in info and table.num_rows != int(info["n_rows"]):
+            raise V.corrupt(self._backend, f"row table {kind!r} has {table.num_rows} rows in its parts, but the "
+                                           f"metadata says n_rows {info['n_rows']}")
+        return table
 
     # ------------------------------------------------------------------ checks and info
     def verify(self) -> list[str]:
-        """Recompute every committed chunk's crc32c and check the structure.
+        """Check that every read succeeds and returns what was written.
 
-        Also checks the crc32c recorded in the metadata of every row-table part and every
-        reduction chunk and script (stores written before they were recorded: presence only).
+        Per array with committed rows: its array document (shape, data type, chunk shapes),
+        its manifest covering every committed chunk, every shard's index (crc32c, each
+        committed chunk present and inside the file), each committed chunk's crc32c and (for
+        compressed arrays) that it decodes to the right size. Row tables: every part present,
+        its crc32c (when recorded), readable, the parts' rows equal to ``n_rows``. Reductions:
+        every file's crc32c (when recorded) and its size against shape and dtype. An array
+        with no committed rows may lack its document and manifest (FORMAT.md §7).
 
         Returns
         -------
         list of str
-            One line per problem, naming the hook point and the chunk (empty: all good).
+            One line per problem, naming the hook point, the file and what is wrong (empty:
+            all good); at most 20 lines per array.
         """
-        from .. import _native
-
-        crc32c = _native.load().crc32c
         problems: list[str] = []
         for hp in self.hook_points:
-            meta = self._meta(hp)
-            n = int(meta["n_rows"])
-            chunk_rows, shard_rows = int(meta["chunk_rows"]), int(meta["shard_rows"])
-            n_chunks = shard_rows // chunk_rows
-            raw = self._backend.get(meta["manifest"]) if meta.get("manifest") else None
-            if raw is None:
-                if n:
-                    problems.append(f"hook point {hp!r}: manifest {meta.get('manifest')!r} is missing")
-                continue
-            shards = {int(r["shard"]): r for r in json.loads(raw).get("shards", [])}
-            doc_raw = self._backend.get(f"{meta['path']}/zarr.json")
-            if doc_raw is None:
-                problems.append(f"hook point {hp!r}: array document {meta['path']}/zarr.json is missing")
-            elif json.loads(doc_raw)["shape"][0] < n:
-                problems.append(f"hook point {hp!r}: array shape {json.loads(doc_raw)['shape']} has fewer than the {n} committed rows")
-            for k in range(-(-n // shard_rows)):
-                rec = shards.get(k)
-                key = F.shard_key(meta["path"], k, len(meta["feature_shape"]))
-                if rec is None:
-                    problems.append(f"hook point {hp!r}: shard {k} ({key}) has no manifest entry")
-                    continue
-                data = self._backend.get(key)
-                if data is None:
-                    problems.append(f"hook point {hp!r}: shard {k} ({key}) is missing")
-                    continue
-                ib = 16 * n_chunks + 4
-                if len(data) < ib:
-                    problems.append(f"hook point {hp!r}: shard {k} ({key}) is truncated ({len(data)} bytes)")
-                    continue
-                index = np.frombuffer(data, dtype="<u8", count=2 * n_chunks, offset=len(data) - ib).reshape(-1, 2)
-                stored = int.from_bytes(data[-4:], "little")
-                if crc32c(data[len(data) - ib:-4]) != stored:
-                    problems.append(f"hook point {hp!r}: shard {k} ({key}): shard index crc32c mismatch")
-                for j, off, nb, crc in rec["chunks"]:
-                    chunk = k * n_chunks + j
-                    if chunk * chunk_rows >= n:
-                        continue  # past the committed rows
-                    r0, r1 = chunk * chunk_rows, min(n, (chunk + 1) * chunk_rows)
-                    where = f"hook point {hp!r}: chunk {chunk} (rows {r0}-{r1 - 1}, shard {key}, bytes {off}-{off + nb - 1})"
-                    if (int(index[j, 0]), int(index[j, 1])) != (off, nb):
-                        problems.append(f"{where}: shard index entry {tuple(int(x) for x in index[j])} differs from the manifest")
-                        continue
-                    got = crc32c(data[off:off + nb])
-                    if got != crc:
-                        problems.append(f"{where}: crc32c mismatch (manifest {crc:08x}, data {got:08x})")
-        for kind, info in (self._attrs.get("row_tables") or {}).items():
+            mine: list[str] = []
+            try:
+                self._verify_array(hp, mine)
+            except StoreCorruptError as e:
+                mine.append(f"hook point {hp!r}: {e}")
+            if len(mine) > 20:
+                mine = mine[:20] + [f"hook point {hp!r}: ... and {len(mine) - 20} more problems"]
+            problems += mine
+        tables = self._attrs.get("row_tables") or {}
+        for kind, info in tables.items():
             crcs = info.get("crc32c") or {}  # absent in stores written before it was recorded
+            total = 0
+            readable = True
             for key in info.get("parts", []):
-                data = self._backend.get(key)
+                try:
+                    data = self._backend.get(key, max_bytes=V.MAX_FILE_BYTES)
+                except StoreCorruptError as e:
+                    problems.append(f"row table {kind!r}: {e}")
+                    readable = False
+                    continue
                 if data is None:
                     problems.append(f"row table {kind!r}: part {key!r} is missing")
+                    readable = False
                     continue
                 problem = self._crc_problem(data, crcs.get(key), f"row table {kind!r}: part {key!r}")
                 if problem:
                     problems.append(problem)
+                    readable = False
+                    continue
+                try:
+                    import pyarrow.parquet as pq
+
+                    total += pq.read_metadata(io.BytesIO(data)).num_rows
+                except Exception as e:  # noqa: BLE001 - any Parquet failure
+                    problems.append(f"row table {kind!r}: part {key!r} is not a readable Parquet file ({e})")
+                    readable = False
+            if readable and total != int(info.get("n_rows", 0)):
+                problems.append(f"row table {kind!r}: its parts hold {total} rows, the metadata says n_rows "
+                                f"{info.get('n_rows', 0)}")
+        if "sample" in tables and self.n_samples != int(tables["sample"].get("n_rows", 0)):
+            problems.append(f"n_samples {self.n_samples} differs from the sample row table's n_rows "
+                            f"{tables['sample'].get('n_rows', 0)}")
+        for hp in self.hook_points:
+            meta = self._meta(hp)
+            table = tables.get(meta["row_kind"])
+            if meta.get("follows_row_table", True) and table is not None and int(meta["n_rows"]) > int(table.get("n_rows", 0)):
+                problems.append(f"hook point {hp!r}: n_rows {meta['n_rows']} exceeds the {table.get('n_rows', 0)} "
+                                f"rows of the {meta['row_kind']} row table it follows")
         for hp, entries in (self._attrs.get("reductions") or {}).items():
             for name, entry in entries.items():
+                where = f"hook point {hp!r}: reduction {name!r}"
                 for key, crc in (entry.get("crc32c") or {}).items():
-                    where = f"hook point {hp!r}: reduction {name!r}: file {key!r}"
-                    data = self._backend.get(key)
-                    if data is None:
-                        problems.append(f"{where} is missing")
+                    try:
+                        data = self._backend.get(key, max_bytes=V.MAX_FILE_BYTES)
+                    except StoreCorruptError as e:
+                        problems.append(f"{where}: {e}")
                         continue
-                    problem = self._crc_problem(data, crc, where)
+                    if data is None:
+                        problems.append(f"{where}: file {key!r} is missing")
+                        continue
+                    problem = self._crc_problem(data, crc, f"{where}: file {key!r}")
                     if problem:
                         problems.append(problem)
+                try:
+                    self._read_small(entry)
+                except StoreCorruptError as e:
+                    line = f"{where}: {e}"
+                    if not any(line.startswith(p.split(":")[0]) and "crc32c" in p for p in problems[-3:]):
+                        problems.append(line)
         return problems
 
+    def _verify_array(self, hp: str, problems: list[str]) -> None:
+        meta = self._meta(hp)
+        n = int(meta["n_rows"])
+        if n == 0:
+            return  # nothing committed: the document and manifest may not exist yet
+        rb, chunk_rows, n_chunks, chunk_bytes = _layout(meta)
+        shard_rows = n_chunks * chunk_rows
+        doc_key = f"{meta['path']}/zarr.json"
+        raw = self._backend.get(doc_key)
+        if raw is None:
+            problems.append(f"hook point {hp!r}: array document {doc_key} is missing")
+        else:
+            doc = V.loads_json(raw, store=self._backend, key=doc_key)
+            feat = list(meta["feature_shape"])
+            want_chunk = [shard_rows, *[max(1, d) for d in feat]]
+            try:
+                shape = doc["shape"]
+                grid = doc["chunk_grid"]["configuration"]["chunk_shape"]
+                inner = doc["codecs"][0]["configuration"]["chunk_shape"]
+                dtype = doc["data_type"]
+            except (KeyError, IndexError, TypeError):
+                problems.append(f"hook point {hp!r}: array document {doc_key} lacks shape / chunk_grid / codecs / data_type")
+            else:
+                if not isinstance(shape, list) or not shape or shape[1:] != feat or not isinstance(shape[0], int) or shape[0] < n:
+                    problems.append(f"hook point {hp!r}: array document {doc_key} has shape {shape!r}, expected "
+                                    f"[>= {n} committed rows, *{feat}]")
+                if grid != want_chunk or inner != [chunk_rows, *want_chunk[1:]] or dtype != F.zarr_dtype(meta["dtype"]):
+                    problems.append(f"hook point {hp!r}: array document {doc_key} (chunk shape {grid!r}, inner "
+                                    f"{inner!r}, data type {dtype!r}) disagrees with the metadata")
+        man_raw = self._backend.get(meta["manifest"])
+        if man_raw is None:
+            problems.append(f"hook point {hp!r}: manifest {meta['manifest']!r} is missing")
+            return
+        shards = V.parse_manifest(V.loads_json(man_raw, store=self._backend, key=meta["manifest"]), meta,
+                                  store=self._backend, key=meta["manifest"])
+        needed = -(-n // shard_rows)
+        listed = sorted(k for k in shards if k < needed)
+        if len(listed) < needed:
+            first = next(k for k in range(needed) if k not in shards)
+            problems.append(f"hook point {hp!r}: {needed - len(listed)} of the {needed} shards holding its {n} "
+                            f"committed rows have no manifest entry (first: shard {first}, "
+                            f"{self._shard_key(meta, first)})")
+        for k in listed:
+            rec = shards[k]
+            key = self._shard_key(meta, k)
+            try:
+                idx = self._shard_index(meta, k)
+            except StoreCorruptError as e:
+                problems.append(f"hook point {hp!r}: {e}")
+                continue
+            in_manifest = {int(c[0]): c for c in rec.get("chunks", [])}
+            committed = min(n_chunks, -(-(n - k * shard_rows) // chunk_rows))
+            for j in range(committed):
+                chunk = k * n_chunks + j
+                r0, r1 = chunk * chunk_rows, min(n, (chunk + 1) * chunk_rows)
+                c = in_manifest.get(j)
+                if c is None:
+                    problems.append(f"hook point {hp!r}: chunk {chunk} (rows {r0}-{r1 - 1}, shard {key}) has no "
+                                    "manifest entry (its crc32c cannot be checked)")
+                    continue
+                if j in idx.bad:
+                    problems.append(f"hook point {hp!r}: {idx.bad[j]}")
+                    continue
+                _, off, nb, crc = c
+                where = f"hook point {hp!r}: chunk {chunk} (rows {r0}-{r1 - 1}, shard {key}, bytes {off}-{off + nb - 1})"
+                if idx.entries[j] != (off, nb):
+                    problems.append(f"{where}: shard index entry {idx.entries[j]} differs from the manifest")
+                    continue
+                data = self._backend.get_range(key, off, nb)
+                got = F.crc32c(data or b"")
+                if got != crc:
+                    problems.append(f"{where}: crc32c mismatch (manifest {crc:08x}, data {got:08x})")
+                    continue
+                if meta.get("compression") is not None:
+                    try:
+                        self._decode_chunk(hp, meta, chunk)
+                    except StoreCorruptError as e:
+                        problems.append(f"{where}: {e}")
+        if not problems and self._mappable(meta):
+            try:
+                self._read_rows(hp, 0, n)
+            except StoreCorruptError as e:
+                problems.append(f"hook point {hp!r}: {e}")
+
     def info(self) -> dict:
-        """A summary: arrays (shape, dtype, rows, bytes), compression ratio, reductions, provenance, status."""
+        """A summary: arrays (shape, dtype, rows, bytes), compression ratio, reductions, provenance, status.
+
+        Raises
+        ------
+        StoreCorruptError
+            A manifest is damaged (run :meth:`verify` for the full list).
+        """
         arrays = {}
         total_raw = total_disk = 0
         for hp in self.hook_points:
             meta = self._meta(hp)
             n = int(meta["n_rows"])
             feat = tuple(meta["feature_shape"])
-            raw_bytes = n * (int(np.prod(feat)) if feat else 1) * F.itemsize(meta["dtype"])
+            raw_bytes = n * V.row_bytes(meta)
             disk = 0
-            man = self._backend.get(meta["manifest"]) if meta.get("manifest") else None
+            man = self._backend.get(meta["manifest"])
             if man is not None:
-                for rec in json.loads(man).get("shards", []):
-                    if rec["shard"] * int(meta["shard_rows"]) < n:
+                shards = V.parse_manifest(V.loads_json(man, store=self._backend, key=meta["manifest"]), meta,
+                                          store=self._backend, key=meta["manifest"])
+                for k, rec in shards.items():
+                    if k * int(meta["shard_rows"]) < n:
                         disk += int(rec["file_bytes"])
             total_raw += raw_bytes
             total_disk += disk
             arrays[hp] = {
-                "shape": [n, *feat], "dtype": meta["dtype"], "storage_dtype": meta["storage_dtype"],
+                "shape": [n, *feat], "dtype": meta["dtype"], "storage_dtype": F.zarr_dtype(meta["dtype"]),
                 "row_kind": meta["row_kind"], "n_rows": n, "bytes": raw_bytes, "bytes_on_disk": disk,
                 "compression": (meta.get("compression") or {}).get("name"),
                 "compression_ratio": (raw_bytes / disk) if disk else None,
@@ -859,11 +1066,11 @@ class Store:
         """Drop the store's own references to its mappings (views keep theirs alive)."""
         with self._lock:
             self._maps.clear()
+            self._indexes.clear()
             self._whole.clear()
             self._zarrays.clear()
             self._cache.clear()
             self._cached = 0
-            self._indexes.clear()
 
     def __enter__(self) -> "Store":
         """Return the store; :meth:`close` on exit."""
@@ -911,22 +1118,30 @@ def copy_store(source: Any, target: Any, *, overwrite: bool = False) -> None:
     ------
     StoreExistsError
         ``target`` is not empty and ``overwrite`` is False.
+    StoreLockedError
+        A writer holds ``target``.
+    StoreCorruptError
+        The source holds a file that is not a regular file inside it (a symlink leaving it,
+        a FIFO, a device): nothing is copied through it.
     """
     from ..errors import StoreExistsError
 
+    from ._lock import WriterLock
+
     src = source._backend if isinstance(source, Store) else resolve(source, read_only=True)
     dst = resolve(target)
-    if not dst.is_empty():
-        if not overwrite:
-            raise StoreExistsError(f"{str(dst)!r} is not empty; pass overwrite=True to replace it")
-        dst.clear()
-    keys = sorted(src.list(""))
-    for key in keys:
-        if key == "zarr.json":
-            continue
-        data = src.get(key)
-        if data is not None:
-            dst.set(key, data)
-    root = src.get("zarr.json")
-    if root is not None:
-        dst.set("zarr.json", root)
+    with WriterLock(dst):  # no writer may be writing the target meanwhile
+        if not dst.is_empty():
+            if not overwrite:
+                raise StoreExistsError(f"{str(dst)!r} is not empty; pass overwrite=True to replace it")
+            dst.clear()
+        keys = sorted(src.list(""))
+        for key in keys:
+            if key == "zarr.json":
+                continue
+            data = src.get(key, max_bytes=None)  # regular files inside the store only (links are refused)
+            if data is not None:
+                dst.set(key, data)
+        root = src.get("zarr.json")
+        if root is not None:
+            dst.set("zarr.json", root)

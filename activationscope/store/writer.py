@@ -32,7 +32,9 @@ import torch
 from .. import _native
 from ..errors import ActivationScopeError, CaptureError, StoreError, StoreExistsError
 from . import _format as F
-from ._backend import LocalBackend, ZarrBackend, check_local_store_path, resolve
+from . import _validate as V
+from ._backend import LocalBackend, check_local_store_path, resolve
+from ._lock import WriterLock
 
 _C = _native.load()
 
@@ -228,21 +230,37 @@ class StoreWriter:
             check_local_store_path(self._backend.root)
         self._model = model_identity(model)
         self.target = target
+        self._closed = True  # until the end of __init__: __del__ and close() do nothing
+        # one writer at a time: the lock is held from here to close() / abort()
+        self._writer_lock = WriterLock(self._backend).acquire()
+        try:
+            self._open_existing(overwrite, resume)
+            self._setup(max_pending_bytes)
+        except BaseException:
+            self._writer_lock.discard_root()
+            raise
 
-        existing = self._read_root()
+    def _open_existing(self, overwrite: bool, resume: bool) -> None:
+        """Check what is at the target (under the writer lock) and set up the state."""
+        if overwrite:
+            if self._backend.size("zarr.json") is not None or self._backend.is_empty():
+                self._backend.clear()  # a store (even a damaged one) or nothing: replaced
+            else:
+                raise StoreExistsError(
+                    f"{str(self._backend)!r} exists and is not empty but holds no Zarr store; choose another path "
+                    "or remove it (overwrite=True only replaces stores)"
+                )
+        raw = self._backend.get("zarr.json", max_bytes=V.MAX_JSON_BYTES)
         self._state: dict | None = None
-        if existing is not None:
-            ours = existing.get("attributes", {}).get(F.ATTRS_KEY)
+        if raw is not None:
+            ours = V.parse_root(raw, store=self._backend)  # every path and size checked before use
             status = (ours or {}).get("status", "not an activationscope store")
-            if overwrite:
-                self._backend.clear()
-            elif resume:
+            if resume:
                 if ours is None:
                     raise StoreError(
                         f"{self._backend!r} is a Zarr node but not an activationscope store; it cannot be resumed "
                         "(pass overwrite=True to replace it)"
                     )
-                self._check_version(ours)
                 self._state = ours
             else:
                 raise StoreExistsError(
@@ -260,6 +278,8 @@ class StoreWriter:
                 "or remove it (overwrite=True only replaces stores)"
             )
 
+    # ------------------------------------------------------------------ helpers
+    def _setup(self, max_pending_bytes: int) -> None:
         if self._state is not None and self._model is not None:
             old = (self._state.get("model") or {}).get("state_dict_sha256")
             if old is not None and old != self._model["state_dict_sha256"]:
@@ -302,24 +322,6 @@ class StoreWriter:
         # the first byte: the root document (status incomplete)
         self._backend.set("zarr.json", F.dumps(F.group_document({F.ATTRS_KEY: self._root_attrs("incomplete")})))
         self._backend.set("acts/zarr.json", F.dumps(F.group_document()))
-
-    # ------------------------------------------------------------------ helpers
-    def _read_root(self) -> dict | None:
-        raw = self._backend.get("zarr.json")
-        if raw is None:
-            return None
-        try:
-            return json.loads(raw)
-        except ValueError as e:
-            raise StoreError(f"{str(self._backend)!r}: zarr.json is not valid JSON ({e})") from e
-
-    @staticmethod
-    def _check_version(attrs: dict) -> None:
-        fmt = attrs.get("format") or {}
-        if fmt.get("name") != F.FORMAT_NAME or int(fmt.get("version", 0)) > F.FORMAT_VERSION:
-            raise StoreError(
-                f"store format {fmt!r} is not writable by this version (format {F.FORMAT_NAME} v{F.FORMAT_VERSION})"
-            )
 
     def _root_attrs(self, status: str) -> dict:
         arrays = dict(self._old_arrays)
@@ -458,15 +460,13 @@ class StoreWriter:
             return writer
 
     def _load_manifest(self, arr: _Array) -> dict:
-        raw = self._backend.get(f"{arr.path}/manifest.json")
+        key = f"{arr.path}/manifest.json"
+        raw = self._backend.get(key, max_bytes=V.MAX_JSON_BYTES)
         if raw is None:
             return {}
-        doc = json.loads(raw)
-        out = {}
-        for rec in doc.get("shards", []):
-            if rec["shard"] * arr.shard_rows < arr.committed_rows:
-                out[int(rec["shard"])] = rec
-        return out
+        shards = V.parse_manifest(V.loads_json(raw, store=self._backend, key=key), self._old_arrays[arr.hook_point],
+                                  store=self._backend, key=key)
+        return {k: rec for k, rec in shards.items() if k * arr.shard_rows < arr.committed_rows}
 
     def _start_encoder(self) -> None:
         if self._encoder_thread is not None:
@@ -854,6 +854,7 @@ class StoreWriter:
             self._io_pool = None
         if self._own_staging:
             shutil.rmtree(self._staging, ignore_errors=True)
+        self._writer_lock.release()
 
     def __enter__(self) -> "StoreWriter":
         """Return the writer: :meth:`close` on a normal exit, :meth:`abort` when the body raised."""

@@ -88,27 +88,3 @@ def test_map_files_contiguous_checks_its_input(tmp_path):
         _C.map_files_contiguous([str(a), str(b)], 4096, 4096 + 200)
     with pytest.raises(acs.CaptureError, match="multiple of"):
         _C.map_files_contiguous([str(a)], 1000, 100)
-
-
-def _index_file(entries: list[tuple[int, int]]) -> bytes:
-    import numpy as np
-
-    return b"\0" * 64 + np.asarray(entries, dtype="<u8").tobytes() + b"\0\0\0\0"
-
-
-def test_shard_layout_check_reads_the_shard_index():
-    """Chunks back to back (missing trailing chunks allowed) -> True; a chunk elsewhere, of
-    another size, or a file shorter than its index -> False (rows are then read by zarr)."""
-    from activationscope.store.reader import Store
-
-    meta = {"chunk_rows": 4, "shard_rows": 16, "feature_shape": [2], "dtype": "float32"}  # 32 B chunks
-    missing = 2**64 - 1
-    cases = {
-        "back to back": ([(0, 32), (32, 32), (64, 32), (96, 32)], True),
-        "trailing chunks missing": ([(0, 32), (32, 32), (missing, missing), (missing, missing)], True),
-        "chunk moved": ([(0, 32), (64, 32), (32, 32), (96, 32)], False),
-        "chunk of another size": ([(0, 32), (32, 30), (64, 32), (96, 32)], False),
-    }
-    for name, (entries, want) in cases.items():
-        assert Store._contiguous(_index_file(entries), meta) is want, name
-    assert Store._contiguous(b"\0" * 10, meta) is False

@@ -1,0 +1,177 @@
+"""The exclusive writer lock of a store: one writer at a time (FORMAT.md §7).
+
+Local stores: ``fcntl.flock`` on ``<store>/.activationscope-writer.lock`` (released by the
+kernel when the holder exits, however it exits). Object stores: a marker object of the same
+key created with a conditional put (S3 ``If-None-Match: *``), deleted by :meth:`release`; a
+marker left by a writer that died on this host is taken over, one left from another host
+must be deleted by hand (the error says which). The lock file holds ``{"pid", "host",
+"started", "token"}`` of the holder, which the error of a second writer names.
+
+Readers never take the lock: they see the last commit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import uuid
+from typing import Any
+
+from ..errors import StoreLockedError
+from . import _format as F
+from ._backend import LOCK_KEY, LocalBackend
+
+
+def _holder_text(raw: bytes | None) -> str:
+    try:
+        h = json.loads(raw or b"")
+        return f"pid {h['pid']} on host {h['host']!r} (since {h['started']})"
+    except (ValueError, KeyError, TypeError):
+        return "another process (it has not written its pid yet)"
+
+
+def _pid_alive(pid: Any) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class WriterLock:
+    """The exclusive writer lock of one store; :meth:`acquire` raises when another writer holds it.
+
+    Parameters
+    ----------
+    backend : StoreBackend
+        The store's backend (local: a lock file; elsewhere: a marker object).
+    """
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+        self.token = uuid.uuid4().hex
+        self._fd: int | None = None
+        self._held = False
+        self.created_root = False  # whether acquire() made the store folder
+
+    def _me(self) -> bytes:
+        return json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": F.utc_now(),
+                           "token": self.token}).encode()
+
+    def acquire(self) -> "WriterLock":
+        """Take the lock.
+
+        Raises
+        ------
+        StoreLockedError
+            Another writer (this process or another one) holds it; the message names its pid
+            and host.
+        """
+        if isinstance(self.backend, LocalBackend):
+            self._acquire_local()
+        else:
+            self._acquire_marker()
+        self._held = True
+        return self
+
+    def _locked_error(self, holder: bytes | None, extra: str = "") -> StoreLockedError:
+        return StoreLockedError(
+            f"store {str(self.backend)!r} is being written by {_holder_text(holder)}; one writer at a time: wait "
+            f"for it to finish, or write elsewhere (overwrite=True is refused while a writer holds the store){extra}"
+        )
+
+    def _acquire_local(self) -> None:
+        import fcntl
+
+        root = self.backend.root
+        if not root.exists():
+            root.mkdir(parents=True, exist_ok=True)
+            self.created_root = True
+        path = root / LOCK_KEY
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o666)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                try:
+                    holder = os.pread(fd, 4096, 0)
+                finally:
+                    os.close(fd)
+                raise self._locked_error(holder) from None
+            try:  # the file may have been replaced between open and flock: lock the current one
+                same = os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, self._me(), 0)
+        self._fd = fd
+
+    def _acquire_marker(self) -> None:
+        b = self.backend
+        for _ in range(2):
+            if b.set_if_absent(LOCK_KEY, self._me()):
+                return
+            raw = b.get(LOCK_KEY, max_bytes=4096)
+            try:
+                h = json.loads(raw or b"")
+            except ValueError:
+                h = {}
+            if isinstance(h, dict) and h.get("host") == socket.gethostname() and not _pid_alive(h.get("pid")):
+                b.delete(LOCK_KEY)  # left by a writer of this host that died: take it over
+                continue
+            raise self._locked_error(raw, f"; if that writer is gone, delete {str(b).rstrip('/')}/{LOCK_KEY}")
+        raise self._locked_error(None)
+
+    def release(self) -> None:
+        """Give the lock back (nothing when not held)."""
+        if not self._held:
+            return
+        self._held = False
+        if self._fd is not None:
+            import fcntl
+
+            fd, self._fd = self._fd, None
+            try:
+                os.ftruncate(fd, 0)
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            finally:
+                os.close(fd)
+            return
+        try:
+            raw = self.backend.get(LOCK_KEY, max_bytes=4096)
+            if raw is not None and json.loads(raw).get("token") == self.token:
+                self.backend.delete(LOCK_KEY)
+        except Exception:  # noqa: BLE001 - a marker we cannot delete only blocks later writers, who are told how
+            pass
+
+    def discard_root(self) -> None:
+        """Release, and remove the store folder when :meth:`acquire` made it and nothing else is in it."""
+        self.release()
+        if self.created_root and isinstance(self.backend, LocalBackend):
+            try:
+                (self.backend.root / LOCK_KEY).unlink()
+                self.backend.root.rmdir()
+            except OSError:
+                pass
+
+    def __del__(self) -> None:
+        try:
+            if self._fd is not None:  # a writer dropped without close(): the lock goes with it
+                os.close(self._fd)
+                self._fd = None
+        except Exception:  # noqa: BLE001
+            pass
+
+    def __enter__(self) -> "WriterLock":
+        return self.acquire()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()

@@ -1,0 +1,277 @@
+"""Validation of everything read from a store, before it is used (FORMAT.md §9).
+
+A store may come from someone else: every key, size, shape and count taken from its
+metadata is checked here, with plain Python ints (no overflow), before a file is opened,
+a byte is allocated or anything is deleted. A violation raises :class:`StoreCorruptError`
+naming the file, the field, what is wrong and the fix. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from typing import Any
+
+from ..errors import StoreCorruptError, StoreError
+from . import _format as F
+
+#: Cap of a metadata document (root / array ``zarr.json``, manifest) read from a store.
+MAX_JSON_BYTES = 64 << 20
+#: Cap of a row-table part or a reduction script file read whole.
+MAX_FILE_BYTES = 4 << 30
+#: Bounds of the numbers of the metadata (each far above any real capture).
+MAX_ROWS = 1 << 48
+MAX_FEATURE_DIMS = 32
+MAX_ROW_BYTES = 1 << 34
+MAX_CHUNK_BYTES = 1 << 34
+MAX_SHARD_CHUNKS = 1 << 20
+MAX_REDUCTION_BYTES = 1 << 34
+MAX_NAME_CHARS = 4096
+
+FIX = "restore the store from an intact copy or capture it again (`activationscope verify STORE` lists every damaged file)"
+
+_PART = re.compile(r"rows/(sample|token)/[^/]+")
+
+
+def corrupt(store: Any, what: str, fix: str = FIX) -> StoreCorruptError:
+    """``StoreCorruptError("store <path>: <what>; <fix>")``."""
+    return StoreCorruptError(f"store {str(store)!r}: {what}; {fix}")
+
+
+def check_key(key: Any, *, store: Any, what: str, under: str | None = None) -> str:
+    """A relative key of the store: ``/``-separated names, none empty, ``.`` or ``..``.
+
+    Raises
+    ------
+    StoreCorruptError
+        Not a str, absolute, a backslash, a NUL, an empty / ``.`` / ``..`` component, or not
+        under ``under/``.
+    """
+    ok = (isinstance(key, str) and 0 < len(key) <= MAX_NAME_CHARS and "\\" not in key and "\x00" not in key
+          and not key.startswith("/") and all(p not in ("", ".", "..") for p in key.split("/")))
+    if ok and under is not None:
+        ok = key.startswith(under.rstrip("/") + "/")
+    if not ok:
+        where = f" under {under!r}" if under else ""
+        raise corrupt(store, f"{what} must be a relative path inside the store{where} (no '..', no absolute path), "
+                             f"got {key!r}")
+    return key
+
+
+def loads_json(raw: bytes, *, store: Any, key: str) -> Any:
+    """Parse a JSON document of the store; a damaged one raises :class:`StoreCorruptError` naming it."""
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise corrupt(store, f"{key} is not valid JSON ({type(e).__name__}: {e})") from None
+
+
+def _int(v: Any, lo: int, hi: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+
+
+class _Checker:
+    def __init__(self, store: Any, key: str) -> None:
+        self.store, self.key = store, key
+
+    def fail(self, field: str, constraint: str, got: Any) -> StoreCorruptError:
+        r = repr(got)
+        if len(r) > 200:
+            r = r[:200] + "..."
+        return corrupt(self.store, f"{self.key} field {field} must be {constraint}, got {r}")
+
+    def int(self, d: dict, name: str, field: str, lo: int = 0, hi: int = MAX_ROWS, default: Any = ...) -> int:
+        v = d.get(name, default)
+        if v is ... or not _int(v, lo, hi):
+            raise self.fail(field, f"an int in {lo}..{hi}", d.get(name))
+        return v
+
+    def dict(self, v: Any, field: str, optional: bool = False) -> dict:
+        if v is None and optional:
+            return {}
+        if not isinstance(v, dict):
+            raise self.fail(field, "a JSON object", v)
+        return v
+
+    def keyed(self, v: Any, field: str, under: str | None = None) -> str:
+        return check_key(v, store=self.store, what=f"{self.key} field {field}", under=under)
+
+    def crcs(self, v: Any, field: str, under: str) -> dict:
+        d = self.dict(v, field, optional=True)
+        for k, c in d.items():
+            self.keyed(k, f"{field} key", under)
+            if not _int(c, 0, (1 << 32) - 1):
+                raise self.fail(f"{field}[{k!r}]", "a crc32c (an int in 0..2**32-1)", c)
+        return d
+
+
+def check_format(attrs: dict, *, store: Any, key: str = "zarr.json") -> None:
+    """Check ``format``: name ``activationscope``, an int version 1..FORMAT_VERSION.
+
+    Raises
+    ------
+    StoreError
+        A newer version (upgrade activationscope).
+    StoreCorruptError
+        Another name, or a version that is not a positive int.
+    """
+    c = _Checker(store, key)
+    fmt = attrs.get("format")
+    if not isinstance(fmt, dict) or fmt.get("name") != F.FORMAT_NAME:
+        raise c.fail("format", f"{{'name': {F.FORMAT_NAME!r}, 'version': <int>}}", fmt)
+    v = fmt.get("version")
+    if not _int(v, 1, 1 << 31):
+        raise c.fail("format.version", "a positive int", v)
+    if v > F.FORMAT_VERSION:
+        raise StoreError(
+            f"store {str(store)!r} has format version {v}; this activationscope reads versions up to "
+            f"{F.FORMAT_VERSION}: upgrade activationscope"
+        )
+
+
+def row_bytes(meta: dict) -> int:
+    return math.prod(meta["feature_shape"]) * F.itemsize(meta["dtype"])
+
+
+def check_array_entry(hp: str, meta: Any, c: _Checker) -> None:
+    f = f"arrays[{hp!r}]"
+    c.dict(meta, f)
+    c.keyed(meta.get("path"), f"{f}.path", "acts")
+    c.keyed(meta.get("manifest"), f"{f}.manifest", "acts")
+    if meta.get("row_kind") not in ("sample", "token"):
+        raise c.fail(f"{f}.row_kind", "one of ['sample', 'token']", meta.get("row_kind"))
+    if meta.get("dtype") not in F.SUPPORTED_DTYPES:
+        raise c.fail(f"{f}.dtype", f"one of {list(F.SUPPORTED_DTYPES)}", meta.get("dtype"))
+    feat = meta.get("feature_shape")
+    if (not isinstance(feat, list) or len(feat) > MAX_FEATURE_DIMS
+            or not all(_int(d, 0, MAX_ROW_BYTES) for d in feat)):
+        raise c.fail(f"{f}.feature_shape", f"a list of at most {MAX_FEATURE_DIMS} non-negative ints", feat)
+    rb = row_bytes(meta)
+    if rb > MAX_ROW_BYTES:
+        raise c.fail(f"{f}.feature_shape", f"rows of at most {MAX_ROW_BYTES} bytes", feat)
+    c.int(meta, "n_rows", f"{f}.n_rows")
+    chunk_rows = c.int(meta, "chunk_rows", f"{f}.chunk_rows", 1, MAX_ROWS)
+    shard_rows = c.int(meta, "shard_rows", f"{f}.shard_rows", 1, MAX_ROWS)
+    if shard_rows % chunk_rows or shard_rows // chunk_rows > MAX_SHARD_CHUNKS:
+        raise c.fail(f"{f}.shard_rows", f"a multiple (at most {MAX_SHARD_CHUNKS}x) of chunk_rows={chunk_rows}", shard_rows)
+    if max(1, rb) * chunk_rows > MAX_CHUNK_BYTES:
+        raise c.fail(f"{f}.chunk_rows", f"chunks of at most {MAX_CHUNK_BYTES} bytes", chunk_rows)
+    comp = meta.get("compression")
+    if comp is not None:
+        if not isinstance(comp, dict) or comp.get("name") not in ("zstd", "blosc") or not isinstance(
+                comp.get("configuration", {}), dict):
+            raise c.fail(f"{f}.compression", "null or a zstd / blosc codec document", comp)
+    if "follows_row_table" in meta and not isinstance(meta["follows_row_table"], bool):
+        raise c.fail(f"{f}.follows_row_table", "a bool", meta["follows_row_table"])
+    if "storage_dtype" in meta and meta["storage_dtype"] != F.zarr_dtype(meta["dtype"]):
+        raise c.fail(f"{f}.storage_dtype", repr(F.zarr_dtype(meta["dtype"])), meta["storage_dtype"])
+
+
+def check_reduction_entry(hp: str, name: str, e: Any, c: _Checker) -> None:
+    f = f"reductions[{hp!r}][{name!r}]"
+    c.dict(e, f)
+    c.keyed(e.get("path"), f"{f}.path", "reductions")
+    if e.get("dtype") not in F.SUPPORTED_DTYPES:
+        raise c.fail(f"{f}.dtype", f"one of {list(F.SUPPORTED_DTYPES)}", e.get("dtype"))
+    shape = e.get("shape")
+    if not isinstance(shape, list) or len(shape) > MAX_FEATURE_DIMS or not all(_int(d, 0, MAX_REDUCTION_BYTES) for d in shape):
+        raise c.fail(f"{f}.shape", f"a list of at most {MAX_FEATURE_DIMS} non-negative ints", shape)
+    if math.prod(shape) * F.itemsize(e["dtype"]) > MAX_REDUCTION_BYTES:
+        raise c.fail(f"{f}.shape", f"a result of at most {MAX_REDUCTION_BYTES} bytes", shape)
+    if e.get("script") is not None:
+        s = c.keyed(e["script"], f"{f}.script", "reductions")
+        if not s.endswith(".pt"):
+            raise c.fail(f"{f}.script", "a key ending in '.pt'", s)
+    c.crcs(e.get("crc32c"), f"{f}.crc32c", "reductions")
+
+
+def check_root_attrs(attrs: Any, *, store: Any, key: str = "zarr.json") -> dict:
+    """Validate the root metadata (FORMAT.md §2, §9) and return it.
+
+    Raises
+    ------
+    StoreCorruptError
+        The first field that breaks a rule, named with its path (``arrays['x'].n_rows``).
+    StoreError
+        A newer format version.
+    """
+    c = _Checker(store, key)
+    c.dict(attrs, f"attributes[{F.ATTRS_KEY!r}]")
+    check_format(attrs, store=store, key=key)
+    if attrs.get("status") not in ("complete", "incomplete"):
+        raise c.fail("status", "one of ['complete', 'incomplete']", attrs.get("status"))
+    c.int(attrs, "n_samples", "n_samples", default=0)
+    c.int(attrs, "n_batches", "n_batches", default=0)
+    arrays = c.dict(attrs.get("arrays"), "arrays", optional=True)
+    paths: dict[str, str] = {}
+    for hp, meta in arrays.items():
+        check_array_entry(hp, meta, c)
+        if meta["path"] in paths:
+            raise c.fail(f"arrays[{hp!r}].path", "unique", f"{meta['path']} (also the path of {paths[meta['path']]!r})")
+        paths[meta["path"]] = hp
+    tables = c.dict(attrs.get("row_tables"), "row_tables", optional=True)
+    for kind, info in tables.items():
+        f = f"row_tables[{kind!r}]"
+        if kind not in ("sample", "token"):
+            raise c.fail("row_tables key", "one of ['sample', 'token']", kind)
+        c.dict(info, f)
+        parts = info.get("parts", [])
+        if not isinstance(parts, list):
+            raise c.fail(f"{f}.parts", "a list of keys", parts)
+        for p in parts:
+            c.keyed(p, f"{f}.parts[]", f"rows/{kind}")
+        if len(set(parts)) != len(parts):
+            dup = sorted({p for p in parts if parts.count(p) > 1})
+            raise c.fail(f"{f}.parts", "a list without repeats", f"{dup} listed more than once")
+        c.int(info, "n_rows", f"{f}.n_rows", default=0)
+        cols = info.get("columns", [])
+        if not isinstance(cols, list) or not all(isinstance(x, str) for x in cols):
+            raise c.fail(f"{f}.columns", "a list of str", cols)
+        c.crcs(info.get("crc32c"), f"{f}.crc32c", f"rows/{kind}")
+    reductions = c.dict(attrs.get("reductions"), "reductions", optional=True)
+    for hp, entries in reductions.items():
+        for name, e in c.dict(entries, f"reductions[{hp!r}]").items():
+            check_reduction_entry(hp, name, e, c)
+    return attrs
+
+
+def parse_root(raw: bytes, *, store: Any, key: str = "zarr.json") -> dict | None:
+    """The root document's ``activationscope`` attributes, validated; None for another Zarr group."""
+    doc = loads_json(raw, store=store, key=key)
+    if not isinstance(doc, dict):
+        raise corrupt(store, f"{key} must hold a JSON object, got {type(doc).__name__}")
+    attributes = doc.get("attributes", {})
+    if not isinstance(attributes, dict):
+        raise corrupt(store, f"{key} field attributes must be a JSON object, got {type(attributes).__name__}")
+    attrs = attributes.get(F.ATTRS_KEY)
+    if attrs is None:
+        return None
+    return check_root_attrs(attrs, store=store, key=key)
+
+
+def parse_manifest(doc: Any, meta: dict, *, store: Any, key: str) -> dict[int, dict]:
+    """``{shard: record}`` of a manifest (FORMAT.md §5), each record checked against the array."""
+    c = _Checker(store, key)
+    c.dict(doc, "(document)")
+    shards = doc.get("shards", [])
+    if not isinstance(shards, list):
+        raise c.fail("shards", "a list", shards)
+    n_chunks = meta["shard_rows"] // meta["chunk_rows"]
+    out: dict[int, dict] = {}
+    for i, rec in enumerate(shards):
+        f = f"shards[{i}]"
+        c.dict(rec, f)
+        k = c.int(rec, "shard", f"{f}.shard", 0, MAX_ROWS)
+        c.int(rec, "file_bytes", f"{f}.file_bytes", 0, 1 << 62)
+        chunks = rec.get("chunks", [])
+        if not isinstance(chunks, list):
+            raise c.fail(f"{f}.chunks", "a list", chunks)
+        for ch in chunks:
+            if (not isinstance(ch, list) or len(ch) != 4 or not _int(ch[0], 0, n_chunks - 1)
+                    or not _int(ch[1], 0, 1 << 62) or not _int(ch[2], 0, 1 << 62) or not _int(ch[3], 0, (1 << 32) - 1)):
+                raise c.fail(f"{f}.chunks[]", f"[slot 0..{n_chunks - 1}, offset, nbytes, crc32c] of ints", ch)
+        if k in out:
+            raise c.fail(f"{f}.shard", "unique", k)
+        out[k] = rec
+    return out

@@ -1,0 +1,73 @@
+"""Small valid stores to damage (hostile-store and fuzz tests), and helpers to edit them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from activationscope.store import StoreWriter
+
+HP = "0.output"
+N_ROWS = 320
+FEATURE = 8  # float32: 32-byte rows
+CHUNK_ROWS = 16
+SHARD_ROWS = 64  # 4 chunks per shard: 5 shards
+
+
+class _Mean:
+    kind = "mean"
+
+    def __init__(self, value: torch.Tensor) -> None:
+        self.value = value
+
+    def result(self) -> dict:
+        return {"mean": self.value}
+
+
+def make_store(path: Path, *, compression=None, n_rows: int = N_ROWS) -> torch.Tensor:
+    """A ``0.output`` store of ``n_rows`` float32 rows (8 features), 64-row shards of 16-row chunks,
+    batches of 32 samples with a ``label`` column, and a ``mean`` reduction. Returns the rows."""
+    g = torch.Generator().manual_seed(0)
+    data = torch.randn(n_rows, FEATURE, generator=g)
+    w = StoreWriter(path, compression=compression, chunk_rows=CHUNK_ROWS, shard_bytes=SHARD_ROWS * FEATURE * 4)
+    a = w.open_array(HP, (FEATURE,), torch.float32, "sample")
+    for s in range(0, n_rows, 32):
+        e = min(n_rows, s + 32)
+        a.append(data[s:e])
+        w.add_batch(e - s, list(range(s, e)), None, {"label": torch.arange(s, e) % 3})
+        w.maybe_commit()
+    w.add_reductions(HP, "mean", _Mean(data.double().mean(0)))
+    w.close()
+    return data
+
+
+def shard(path: Path, k: int) -> Path:
+    return path / "acts" / HP / "c" / str(k) / "0"
+
+
+def root(path: Path) -> dict:
+    return json.loads((path / "zarr.json").read_text())
+
+
+def edit_root(path: Path, fn) -> None:
+    """Apply ``fn`` to the root document's ``activationscope`` attributes and write it back."""
+    doc = json.loads((path / "zarr.json").read_text())
+    fn(doc["attributes"]["activationscope"])
+    (path / "zarr.json").write_text(json.dumps(doc))
+
+
+def set_index(path: Path, k: int, slot: int, offset: int, nbytes: int, n_chunks: int = SHARD_ROWS // CHUNK_ROWS) -> None:
+    """Rewrite one entry of shard ``k``'s index, with a valid index crc32c."""
+    import google_crc32c
+
+    p = shard(path, k)
+    data = bytearray(p.read_bytes())
+    ib = 16 * n_chunks + 4
+    index = np.frombuffer(bytes(data[-ib:-4]), dtype="<u8").copy().reshape(-1, 2)
+    index[slot] = (offset, nbytes)
+    raw = index.astype("<u8").tobytes()
+    data[-ib:] = raw + int(google_crc32c.value(raw)).to_bytes(4, "little")
+    p.write_bytes(bytes(data))

@@ -1,0 +1,416 @@
+"""Stores from someone else: damaged or hostile inputs are refused with StoreCorruptError
+naming the file, never crash, hang, read or delete outside the store, or read as zeros
+(issue 12; the rules are FORMAT.md §9)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import activationscope as acs
+from activationscope.errors import StoreCorruptError, StoreError
+from activationscope.store import StoreWriter, open_store
+
+from hostile import HP, N_ROWS, SHARD_ROWS, edit_root, make_store, root, set_index, shard
+
+
+@pytest.fixture
+def plain(tmp_path):
+    path = tmp_path / "s.zarr"
+    return path, make_store(path)
+
+
+@pytest.fixture
+def zstd(tmp_path):
+    path = tmp_path / "z.zarr"
+    return path, make_store(path, compression="zstd")
+
+
+def _victim(tmp_path: Path) -> Path:
+    """A folder outside the store, shaped like what a hostile path would delete or read."""
+    v = tmp_path / "victim"
+    for sub in ("c/9/0", "rows/sample/part-000009.parquet", "x"):
+        (v / sub).parent.mkdir(parents=True, exist_ok=True)
+        (v / sub).write_bytes(b"keep me")
+    return v
+
+
+def _files(p: Path) -> dict[str, bytes]:
+    return {str(q.relative_to(p)): q.read_bytes() for q in sorted(p.rglob("*")) if q.is_file()}
+
+
+def _within(seconds: float, fn):
+    """Run fn in a thread; fail (instead of hanging the suite) when it does not return in time."""
+    out: dict = {}
+
+    def run():
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # noqa: BLE001
+            out["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"hung for more than {seconds} s"
+    if "error" in out:
+        raise out["error"]
+    return out.get("value")
+
+
+def test_valid_store_reads_back(plain, zstd):
+    for path, data in (plain, zstd):
+        s = open_store(path)
+        assert torch.equal(s[HP], data) and s.verify() == []
+        assert torch.equal(s.reductions[HP]["mean"], data.double().mean(0))
+        assert s.row_table().column("label").to_pylist() == [i % 3 for i in range(N_ROWS)]
+
+
+# ---------------------------------------------------------------- 2. paths reaching outside
+@pytest.mark.parametrize("edit, field", [
+    (lambda a: a["row_tables"].update({"../../victim": {"parts": [], "n_rows": 0}}), "row_tables key"),
+    (lambda a: a["row_tables"]["sample"]["parts"].append("../victim/rows/sample/part-000009.parquet"), "parts"),
+    (lambda a: a["row_tables"]["sample"]["parts"].append("rows/sample/../../../victim/x"), "parts"),
+    (lambda a: a["arrays"][HP].update(path="../victim"), "path"),
+    (lambda a: a["arrays"][HP].update(path="acts/../../victim"), "path"),
+    (lambda a: a["arrays"][HP].update(path="/tmp/victim"), "path"),
+    (lambda a: a["arrays"][HP].update(manifest="acts/../../victim/x"), "manifest"),
+    (lambda a: a["reductions"][HP]["mean"].update(script="reductions/../../../../../../etc/passwd.pt"), "script"),
+    (lambda a: a["reductions"][HP]["mean"].update(path="reductions/../../victim"), "path"),
+    (lambda a: a["reductions"][HP]["mean"]["crc32c"].update({"/etc/passwd": 1}), "crc32c"),
+])
+def test_metadata_paths_outside_the_store_are_refused(tmp_path, plain, edit, field):
+    path, _ = plain
+    victim = _victim(tmp_path)
+    before = _files(victim)
+    edit_root(path, edit)
+    with pytest.raises(StoreCorruptError, match=f"zarr.json field .*{field}.*inside the store|zarr.json field .*{field}"):
+        open_store(path)
+    with pytest.raises(StoreCorruptError):
+        StoreWriter(path, resume=True).close()
+    assert _files(victim) == before
+
+
+def test_symlinked_folder_leaving_the_store(tmp_path, plain):
+    """acts/0.output replaced by a link to a folder outside: resume deletes nothing there,
+    reads read nothing from there."""
+    path, _ = plain
+    victim = tmp_path / "victim"
+    shutil.copytree(path / "acts" / HP, victim)
+    for extra in ("c/9/0", "c/7/0"):
+        (victim / extra).parent.mkdir(parents=True, exist_ok=True)
+        (victim / extra).write_bytes(b"keep me")
+    before = _files(victim)
+    shutil.rmtree(path / "acts" / HP)
+    (path / "acts" / HP).symlink_to(victim)
+    with pytest.raises(StoreCorruptError, match="outside the store"):
+        StoreWriter(path, resume=True)
+    with pytest.raises(StoreCorruptError, match="outside the store"):
+        open_store(path)[HP]
+    assert _files(victim) == before
+
+
+def test_file_symlink_leaving_the_store(tmp_path, plain):
+    path, _ = plain
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"secret bytes")
+    part = path / "rows" / "sample" / "part-000000.parquet"
+    part.unlink()
+    part.symlink_to(secret)
+    with pytest.raises(StoreCorruptError, match="part-000000.parquet.*outside the store"):
+        open_store(path).row_table()
+    # 7. save() refuses the link: no byte of the target is copied
+    with pytest.raises(StoreCorruptError, match="outside the store"):
+        open_store(path).save(tmp_path / "copy.zarr")
+    copied = tmp_path / "copy.zarr"
+    assert not any(b"secret bytes" in q.read_bytes() for q in copied.rglob("*") if q.is_file())
+
+
+# ---------------------------------------------------------------- 3. hangs and unbounded reads
+@pytest.mark.parametrize("where", ["shard", "root", "manifest", "part"])
+def test_fifo_instead_of_a_file(plain, where):
+    path, _ = plain
+    target = {"shard": shard(path, 1), "root": path / "zarr.json", "manifest": path / "acts" / HP / "manifest.json",
+              "part": path / "rows" / "sample" / "part-000000.parquet"}[where]
+    target.unlink()
+    os.mkfifo(target)
+
+    def read():
+        s = open_store(path)
+        problems = s.verify()  # a FIFO manifest is only read by verify: reported there
+        assert any("must be a regular file, got a FIFO" in p for p in problems), problems
+        s[HP].sum()
+        s.row_table()
+
+    with pytest.raises(StoreCorruptError, match="must be a regular file, got a FIFO"):
+        _within(20, read) if where != "manifest" else (_within(20, read), open_store(path).info())
+
+
+def test_root_linked_to_dev_zero_and_oversized(plain):
+    path, _ = plain
+    (path / "zarr.json").unlink()
+    (path / "zarr.json").symlink_to("/dev/zero")
+    with pytest.raises(StoreCorruptError, match="outside the store"):
+        _within(20, lambda: open_store(path))
+    (path / "zarr.json").unlink()
+    with open(path / "zarr.json", "wb") as f:  # sparse: 1 GiB that takes no disk
+        f.truncate(1 << 30)
+    with pytest.raises(StoreCorruptError, match="zarr.json.*1073741824 bytes, more than"):
+        _within(20, lambda: open_store(path))
+
+
+def test_directory_instead_of_a_shard(plain):
+    path, _ = plain
+    shard(path, 2).unlink()
+    shard(path, 2).mkdir()
+    with pytest.raises(StoreCorruptError, match="must be a regular file, got a directory"):
+        open_store(path)[HP]
+
+
+# ---------------------------------------------------------------- 4. memory from metadata
+def test_huge_n_rows(plain):
+    path, _ = plain
+    edit_root(path, lambda a: a["arrays"][HP].update(n_rows=1 << 40))
+    s = open_store(path)
+    problems = _within(30, s.verify)
+    assert 1 <= len(problems) <= 21 and any("have no manifest entry" in p for p in problems), problems
+    with pytest.raises(StoreCorruptError, match="c/5/0.*missing"):
+        s[HP]
+    with pytest.raises(StoreCorruptError, match="missing"):
+        s[HP, (1 << 40) - 3:]
+
+
+@pytest.mark.parametrize("shape", [[6 << 27], [1 << 20, 1 << 20], [3]])
+def test_reduction_shape_checked_against_its_file(plain, shape):
+    path, _ = plain
+    edit_root(path, lambda a: a["reductions"][HP]["mean"].update(shape=shape))
+    with pytest.raises(StoreCorruptError, match=r"mean.*(holds 64 bytes, but its shape|shape must be)"):
+        open_store(path).reductions[HP]["mean"]
+
+
+@pytest.mark.parametrize("field, value", [
+    ("feature_shape", [1 << 40]), ("feature_shape", [-1]), ("feature_shape", [2.5]), ("n_rows", -1),
+    ("n_rows", 1 << 60), ("chunk_rows", 0), ("shard_rows", 63), ("dtype", "float128"), ("row_kind", "pixel"),
+    ("compression", {"name": "lzma"}), ("n_rows", "320"), ("n_rows", True), ("follows_row_table", "yes"),
+])
+def test_array_fields_out_of_range(plain, field, value):
+    path, _ = plain
+    edit_root(path, lambda a: a["arrays"][HP].update({field: value}))
+    with pytest.raises(StoreCorruptError, match=rf"zarr.json field arrays\['0.output'\]\.{field} must be"):
+        open_store(path)
+
+
+# ---------------------------------------------------------------- 5. silent zeros, wrong bytes
+@pytest.mark.parametrize("fixture", ["plain", "zstd"])
+def test_missing_shard_is_an_error_not_zeros(request, fixture):
+    path, data = request.getfixturevalue(fixture)
+    shard(path, 2).unlink()
+    s = open_store(path)
+    assert torch.equal(s[HP, :128], data[:128])  # rows of other shards still read
+    with pytest.raises(StoreCorruptError, match=r"c/2/0.*missing"):
+        s[HP, 130:140]
+    with pytest.raises(StoreCorruptError, match=r"c/2/0.*missing"):
+        s[HP]
+    assert any("c/2/0" in p for p in s.verify())
+
+
+@pytest.mark.parametrize("fixture", ["plain", "zstd"])
+@pytest.mark.parametrize("entry", ["past the end", "absent"])
+def test_index_entry_past_the_end_or_absent(request, fixture, entry):
+    path, data = request.getfixturevalue(fixture)
+    off, nb = (10 << 20, 512) if entry == "past the end" else (2**64 - 1, 2**64 - 1)
+    set_index(path, 1, 2, off, nb)
+    s = open_store(path)
+    match = "past the end" if entry == "past the end" else "missing from the shard index"
+    with pytest.raises(StoreCorruptError, match=match):
+        s[HP, 64 + 2 * 16:64 + 3 * 16]
+    assert torch.equal(s[HP, :64], data[:64])
+    assert any(match in p for p in s.verify())
+
+
+def test_chunks_out_of_order_read_right(plain):
+    """A valid shard whose chunks are not back to back (another Zarr writer) reads right."""
+    path, data = plain
+    p = shard(path, 0)
+    raw = bytearray(p.read_bytes())
+    c = 16 * 8 * 4
+    raw[0:c], raw[c:2 * c] = raw[c:2 * c], raw[0:c]
+    p.write_bytes(bytes(raw))
+    set_index(path, 0, 0, c, c)
+    set_index(path, 0, 1, 0, c)
+    s = open_store(path)
+    assert torch.equal(s[HP, :64], data[:64]) and torch.equal(s[HP], data)
+
+
+def test_uncompressed_chunk_of_another_size(plain):
+    path, _ = plain
+    set_index(path, 0, 1, 512, 500)
+    with pytest.raises(StoreCorruptError, match="500 bytes, expected chunk_bytes 512"):
+        open_store(path)[HP, :64]
+
+
+@pytest.mark.parametrize("fixture", ["plain", "zstd"])
+def test_shard_shorter_than_its_index(request, fixture):
+    path, data = request.getfixturevalue(fixture)
+    shard(path, 4).write_bytes(b"\0" * 40)  # a 68-byte index cannot fit
+    s = open_store(path)
+    with pytest.raises(StoreCorruptError, match=r"c/4/0.*truncated: 40 bytes, fewer than its 68-byte index"):
+        s[HP, 256:]
+    assert torch.equal(s[HP, :256], data[:256])
+
+
+def test_row_table_part_listed_twice_or_missing(plain):
+    path, _ = plain
+    parts = root(path)["attributes"]["activationscope"]["row_tables"]["sample"]["parts"]
+    edit_root(path, lambda a: a["row_tables"]["sample"]["parts"].insert(1, parts[0]))
+    with pytest.raises(StoreCorruptError, match="listed more than once"):
+        open_store(path)
+    import pyarrow.parquet as pq
+
+    left = N_ROWS - pq.read_metadata(path / parts[0]).num_rows
+    edit_root(path, lambda a: a["row_tables"]["sample"].update(parts=parts[1:]))
+    s = open_store(path)
+    assert any(f"parts hold {left} rows" in p and "n_rows 320" in p for p in s.verify())
+    with pytest.raises(StoreCorruptError, match=f"{left} rows in its parts|lists no parts.*n_rows 320"):
+        s.row_table()
+
+
+# ---------------------------------------------------------------- 6. errors that name the file
+@pytest.mark.parametrize("fixture", ["plain", "zstd"])
+def test_corrupt_shard_index(request, fixture):
+    path, _ = request.getfixturevalue(fixture)
+    p = shard(path, 3)
+    raw = bytearray(p.read_bytes())
+    raw[-10] ^= 0xFF
+    p.write_bytes(bytes(raw))
+    with pytest.raises(StoreCorruptError, match=r"c/3/0.*shard index crc32c mismatch.*activationscope verify"):
+        open_store(path)[HP]
+
+
+def test_truncated_root(plain):
+    path, _ = plain
+    raw = (path / "zarr.json").read_bytes()
+    (path / "zarr.json").write_bytes(raw[: len(raw) // 2])
+    with pytest.raises(StoreCorruptError, match="zarr.json is not valid JSON.*activationscope verify"):
+        open_store(path)
+    with pytest.raises(StoreCorruptError, match="zarr.json is not valid JSON"):
+        StoreWriter(path, resume=True)
+
+
+@pytest.mark.parametrize("version", ["two", None, 1.9, True, 0, [1]])
+def test_bad_format_versions(plain, version):
+    path, _ = plain
+    edit_root(path, lambda a: a["format"].update(version=version))
+    with pytest.raises(StoreCorruptError, match="format.version must be a positive int"):
+        open_store(path)
+
+
+def test_newer_format_version(plain):
+    path, _ = plain
+    edit_root(path, lambda a: a["format"].update(version=2))
+    with pytest.raises(StoreError, match="format version 2.*upgrade activationscope") as e:
+        open_store(path)
+    assert not isinstance(e.value, StoreCorruptError)
+
+
+def test_corrupt_compressed_chunk_names_the_shard(zstd):
+    path, _ = zstd
+    p = shard(path, 0)
+    raw = bytearray(p.read_bytes())
+    raw[0:4] = b"\0\0\0\0"  # the zstd magic number
+    p.write_bytes(bytes(raw))
+    with pytest.raises(StoreCorruptError, match=r"c/0/0.*does not decode"):
+        open_store(path)[HP, :16]
+
+
+def test_corrupt_parquet_part(plain):
+    path, _ = plain
+    edit_root(path, lambda a: a["row_tables"]["sample"].pop("crc32c"))  # no checksum to catch it first
+    key = root(path)["attributes"]["activationscope"]["row_tables"]["sample"]["parts"][-1]
+    (path / key).write_bytes(b"PAR1 garbage")
+    with pytest.raises(StoreCorruptError, match=f"{key}' is not a readable Parquet file"):
+        open_store(path).row_table()
+
+
+# ---------------------------------------------------------------- 8. verify = every read succeeds
+def test_store_killed_before_its_first_commit_verifies(tmp_path):
+    path = tmp_path / "early.zarr"
+    w = StoreWriter(path, chunk_rows=16, shard_bytes=1 << 20)
+    a = w.open_array(HP, (8,), torch.float32, "sample")
+    a.append(torch.randn(5, 8))  # rows written, never committed
+    w.maybe_commit()  # publishes the array with n_rows 0 (no document yet)
+    killed = tmp_path / "killed.zarr"
+    shutil.copytree(path, killed, ignore=shutil.ignore_patterns(".activationscope-writer.lock"))
+    w.close()
+    assert not (killed / "acts" / HP / "zarr.json").exists()
+    s = open_store(killed)
+    assert s.n_rows(HP) == 0 and s.verify() == [] and s[HP].shape == (0, 8)
+
+
+def _shrink_doc(path):
+    p = path / "acts" / HP / "zarr.json"
+    doc = json.loads(p.read_text())
+    doc["shape"][0] = 100
+    p.write_text(json.dumps(doc))
+
+
+def _drop_manifest_chunk(path):
+    p = path / "acts" / HP / "manifest.json"
+    doc = json.loads(p.read_text())
+    doc["shards"][1]["chunks"].pop(2)
+    p.write_text(json.dumps(doc))
+
+
+EDITS = {
+    "array document shape": _shrink_doc,
+    "manifest chunk dropped": _drop_manifest_chunk,
+    "chunk_rows": lambda p: edit_root(p, lambda a: a["arrays"][HP].update(chunk_rows=32)),
+    "dtype": lambda p: edit_root(p, lambda a: a["arrays"][HP].update(dtype="float16", storage_dtype="float16")),
+    "feature_shape": lambda p: edit_root(p, lambda a: a["arrays"][HP].update(feature_shape=[4])),
+    "compression": lambda p: edit_root(p, lambda a: a["arrays"][HP].update(compression={"name": "zstd", "configuration": {"level": 3}})),
+    "n_rows + 1": lambda p: edit_root(p, lambda a: a["arrays"][HP].update(n_rows=N_ROWS + 1)),
+    "row table n_rows": lambda p: edit_root(p, lambda a: a["row_tables"]["sample"].update(n_rows=300)),
+    "n_samples": lambda p: edit_root(p, lambda a: a.update(n_samples=300)),
+    "shard_rows": lambda p: edit_root(p, lambda a: a["arrays"][HP].update(shard_rows=128)),
+    "reduction dtype": lambda p: edit_root(p, lambda a: a["reductions"][HP]["mean"].update(dtype="float32")),
+}
+
+
+@pytest.mark.parametrize("name", list(EDITS))
+def test_verify_finds_every_metadata_edit_that_breaks_a_read(plain, name):
+    """Either open_store refuses the store, or verify() reports it, or every read succeeds and
+    returns the rows that were written."""
+    path, data = plain
+    EDITS[name](path)
+    try:
+        s = open_store(path)
+    except StoreCorruptError:
+        return
+    problems = s.verify()
+    if problems:
+        return
+    pytest.fail(f"verify() passed a store edited at {name!r}")
+
+
+# ---------------------------------------------------------------- 9. scripts are never loaded
+def test_reduction_scripts_never_loaded(plain, monkeypatch):
+    path, data = plain
+
+    def refuse(*a, **k):
+        raise AssertionError("torch.jit.load called")
+
+    monkeypatch.setattr(torch.jit, "load", refuse)
+    script = path / "reductions" / HP / "mean.pt"
+    script.write_bytes(b"not a script")
+    edit_root(path, lambda a: a["reductions"][HP]["mean"].update(script=f"reductions/{HP}/mean.pt"))
+    s = open_store(path)
+    assert torch.equal(s.reductions[HP]["mean"], data.double().mean(0))
+    s.verify()
+    s.info()
+    assert s.reduction_script(HP, "mean") == b"not a script"
