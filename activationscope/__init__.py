@@ -16,6 +16,9 @@ native extension; ``activationscope.ActivationScope`` loads both (and raises
 """
 
 import importlib as _importlib
+import importlib.abc as _importlib_abc
+import importlib.util as _importlib_util
+import sys as _sys
 
 from .errors import (
     ActivationScopeError,
@@ -34,12 +37,12 @@ __version__ = "0.1.0"
 
 # public name -> submodule that defines it (imported on first access)
 _LAZY = {
-    "ActivationScope": ".scope",
-    "Tracker": ".scope",
-    "CaptureMode": ".scope",
-    "CapturePolicy": ".scope",
-    "ReductionPolicy": ".scope",
-    "StoragePolicy": ".scope",
+    "ActivationScope": ".capture.scope",
+    "Tracker": ".capture.scope",
+    "CaptureMode": ".capture.scope",
+    "CapturePolicy": ".capture.scope",
+    "ReductionPolicy": ".capture.scope",
+    "StoragePolicy": ".capture.scope",
     "open_store": ".store",
     "Store": ".store",
     "StoreWriter": ".store",
@@ -71,6 +74,30 @@ __all__ = [
     "StoreLockedError",
     "__version__",
 ]
+
+
+# Modules importable under the path the docs show, defined elsewhere in the layout.
+_MODULE_ALIASES = {f"{__name__}.reductions": f"{__name__}.capture.reductions"}
+
+
+class _AliasFinder(_importlib_abc.MetaPathFinder, _importlib_abc.Loader):
+    """``import activationscope.reductions`` gives the module ``activationscope.capture.reductions``
+    itself (one module object, loaded on first import)."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname in _MODULE_ALIASES:
+            return _importlib_util.spec_from_loader(fullname, self)
+        return None
+
+    def create_module(self, spec):
+        return _importlib.import_module(_MODULE_ALIASES[spec.name])
+
+    def exec_module(self, module):
+        pass
+
+
+if not any(isinstance(f, _AliasFinder) for f in _sys.meta_path):
+    _sys.meta_path.append(_AliasFinder())
 
 
 def __getattr__(name: str):

@@ -37,7 +37,7 @@ def leaf_tensors(obj: Any) -> list[torch.Tensor]:
 
 def selected_modules(wl: Workload) -> list[tuple[str, torch.nn.Module]]:
     """The modules ActivationScope tracks for this workload (same selection for every mode)."""
-    from activationscope.hooks import select_modules
+    from activationscope.capture.hooks import select_modules
 
     return select_modules(wl.model, wl.include, None)
 

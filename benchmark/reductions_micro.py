@@ -23,7 +23,7 @@ import time
 import torch
 
 import activationscope as acs
-from activationscope import reductions as R
+from activationscope.capture import reductions as R
 
 KINDS = ["mean", "var", "std", "min", "max", "absmax", "l2", "nonzero"]
 

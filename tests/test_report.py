@@ -7,8 +7,8 @@ import re
 import pytest
 import torch
 
-from activationscope import report
-from activationscope.demo import ProbeResult
+from activationscope.analysis import report
+from activationscope.analysis.demo import ProbeResult
 
 
 class TinyStore:

@@ -461,11 +461,11 @@ def _rss_bytes():
 
 
 def test_memory_flat_over_1000_forwards_with_bounded_capture():
-    acs.scope._C.set_staging_prefault(False)  # no background slab preparation while measuring
+    acs.capture.scope._C.set_staging_prefault(False)  # no background slab preparation while measuring
     try:
         _memory_flat()
     finally:
-        acs.scope._C.set_staging_prefault(True)
+        acs.capture.scope._C.set_staging_prefault(True)
 
 
 def _memory_flat():
@@ -474,7 +474,7 @@ def _memory_flat():
     with acs.ActivationScope(capture="both", capture_policy="max_k", max_k=3).track(model) as tr:
         for _ in range(50):
             model(x)
-        C = acs.scope._C
+        C = acs.capture.scope._C
         before, pooled_before = _rss_bytes(), C.pooled_staging_bytes()
         for _ in range(1000):
             model(x)
@@ -542,7 +542,7 @@ def test_token_mask_excludes_padding_from_reductions(transformer):
 
 
 def test_eager_fallback_reduction_runs_in_capture(mlp, monkeypatch):
-    import activationscope.reductions as red
+    import activationscope.capture.reductions as red
 
     def total(acc, x):
         s = x.double().sum(0)
@@ -623,7 +623,7 @@ def test_signature_of_wrapped_forward_is_visible():
 
 
 def test_native_extension_version_check(monkeypatch):
-    from activationscope import _native
+    from activationscope.capture import _native
 
     monkeypatch.setattr(_native, "_module", None)
     monkeypatch.setattr(torch, "__version__", "0.0.1-other")

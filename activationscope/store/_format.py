@@ -322,7 +322,7 @@ def check_jsonable(value: Any, what: str) -> Any:
 
 def crc32c(data: Any) -> int:
     """CRC-32C (Castagnoli) of a bytes-like object: the native one, else google_crc32c (a zarr dependency)."""
-    from .. import _native
+    from ..capture import _native
 
     mod = _native.optional()
     if mod is not None:

@@ -30,7 +30,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from .. import _native
+from ..capture import _native
 from ..errors import HookPointNotFoundError, ReductionResults, StoreCorruptError, StoreError
 from . import _decode
 from . import _format as F

@@ -29,7 +29,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from .. import _native
+from ..capture import _native
 from ..errors import ActivationScopeError, CaptureError, StoreError, StoreExistsError
 from . import _format as F
 from . import _validate as V

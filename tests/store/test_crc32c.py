@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from activationscope import _native
+from activationscope.capture import _native
 
 _C = _native.load()
 

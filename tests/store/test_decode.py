@@ -117,7 +117,7 @@ def _index(shard_bytes: bytes, n_chunks: int) -> np.ndarray:
 
 
 def _rewrite_index(data: bytearray, n_chunks: int, index: np.ndarray) -> bytes:
-    from activationscope import _native
+    from activationscope.capture import _native
 
     ib = 16 * n_chunks + 4
     raw = index.astype("<u8").tobytes()

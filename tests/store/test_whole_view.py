@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import activationscope as acs
-from activationscope import _native
+from activationscope.capture import _native
 
 _C = _native.load()
 

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from .errors import HookPointNotFoundError
+from ..errors import HookPointNotFoundError
 
 __all__ = ["select_modules", "hook_point_module", "normalize_patterns"]
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import ActivationScopeError, HookPointNotFoundError
+from ..errors import ActivationScopeError, HookPointNotFoundError
 
 __all__ = ["main", "build_parser", "CLIError"]
 
@@ -220,7 +220,7 @@ def _open(path: str) -> Any:
     """Open a store read-only, with a clear error for a path that is not one."""
     if "://" not in path and not os.path.exists(path):
         raise CLIError(f"store {path!r} does not exist")
-    from .store import open_store
+    from ..store import open_store
 
     return open_store(path)
 
@@ -281,7 +281,7 @@ def run_capture(
     import torch
     from tqdm.auto import tqdm
 
-    from .scope import ActivationScope
+    from ..capture.scope import ActivationScope
 
     scope = ActivationScope(
         store=out,
@@ -361,7 +361,7 @@ def load_model_spec(spec: str) -> LoadedModel:
     """
     import torch
 
-    from . import demo
+    from ..analysis import demo
 
     if spec == "demo":
         tokenizer, model = demo.load_model()
@@ -422,7 +422,7 @@ def load_data_spec(spec: str) -> LoadedData:
     """
     import torch
 
-    from . import demo
+    from ..analysis import demo
 
     if spec == "demo":
         texts, labels = demo.load_polarity()
@@ -474,7 +474,7 @@ def text_batches(
     labels: Sequence[Any] | None = None, first_id: int = 0, extra: dict[str, Sequence[Any]] | None = None,
 ) -> Iterator[tuple[int, dict[str, Any], dict[str, Any]]]:
     """Tokenized batches with their ``set_batch`` arguments (mask, sample ids, label, text)."""
-    from . import demo
+    from ..analysis import demo
 
     for start, enc in demo.iter_text_batches(texts, tokenizer, batch_size, max_length):
         n = enc["input_ids"].shape[0]
@@ -514,7 +514,7 @@ def _patterns(values: list[str] | None) -> list[str] | None:
 def _check_reductions(names: list[str] | None) -> list[str] | None:
     if not names:
         return None
-    from .reductions import BUILTIN_REDUCTIONS
+    from ..capture.reductions import BUILTIN_REDUCTIONS
 
     for name in names:
         if name not in BUILTIN_REDUCTIONS:
@@ -542,7 +542,7 @@ def cmd_capture(args: argparse.Namespace) -> int:
     if args.resume and not exists:
         raise CLIError(f"--resume: store {out!r} does not exist")
     if "://" not in out:
-        from .store._backend import check_local_store_path
+        from ..store._backend import check_local_store_path
 
         check_local_store_path(out)  # a file there: fail before loading anything or printing a progress bar
 
@@ -595,7 +595,7 @@ def cmd_capture(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from . import demo
+    from ..analysis import demo
 
     if args.batch_size < 1:
         raise CLIError(f"--batch-size must be a positive int, got {args.batch_size}")
@@ -629,7 +629,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from .errors import StoreCorruptError
+    from ..errors import StoreCorruptError
 
     store = _open(args.store)
     try:
@@ -669,7 +669,7 @@ def _problems(result: Any) -> list[str]:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from . import data
+    from .. import data
 
     store = _open(args.store)
     hook_points = _one_row_kind(store, _check_hook_points(store, args.hook_points))
@@ -719,7 +719,7 @@ def _one_row_kind(store: Any, hook_points: list[str] | None) -> list[str] | None
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from . import report
+    from ..analysis import report
 
     store = _open(args.store)
     hook_points = _check_hook_points(store, args.hook_points)

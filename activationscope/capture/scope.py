@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from . import _native
-from .errors import ActivationScopeError, CaptureError, HookPointResults, ReductionResults
+from ..errors import ActivationScopeError, CaptureError, HookPointResults, ReductionResults
 from .hooks import normalize_patterns, select_modules
 
 _C = _native.load()
@@ -109,7 +109,7 @@ def _parse_enum(value: Any, cls: type[enum.Enum], argument: str) -> enum.Enum:
 def _check_store_options(options: Mapping[str, Any]) -> None:
     import inspect
 
-    from .store import StoreWriter
+    from ..store import StoreWriter
 
     params = inspect.signature(StoreWriter.__init__).parameters
     fixed = {"self", "target", "capture_config", "model", "storage_dtype"}
@@ -358,7 +358,7 @@ class Tracker:
         if self._closed and self.writer is not None:
             raise ActivationScopeError("this tracker's store is closed; make a new tracker with resume=True to add rows")
         if self.scope.store is not None and self.writer is None:
-            from .store import StoreWriter
+            from ..store import StoreWriter
 
             self.writer = StoreWriter(
                 self.scope.store,

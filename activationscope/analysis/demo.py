@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from .errors import ActivationScopeError
+from ..errors import ActivationScopeError
 
 __all__ = [
     "DemoDependencyError",
@@ -471,7 +471,7 @@ def sentence_rows(
     """
     from torch.utils.data import DataLoader
 
-    from .data import ActivationDataset
+    from ..data import ActivationDataset
 
     try:
         ds = ActivationDataset(store, hook_points=[hook_point], columns=["sample_id", label_column])
@@ -623,8 +623,8 @@ def run_demo(
     -------
     DemoResult
     """
-    from .cli import run_capture, text_batches
-    from .store import open_store
+    from ..cli import run_capture, text_batches
+    from ..store import open_store
 
     out = os.fspath(out)
     tokenizer, model = load_model()
@@ -677,7 +677,7 @@ def run_demo(
 
         report_path = str(write_report(store, report_dir, probes=probes, n_folds=n_folds,
                                        title="activationscope demo: all-MiniLM-L6-v2 on Pang & Lee sentences"))
-    from .cli import _dir_bytes
+    from ..cli import _dir_bytes
 
     return DemoResult(
         store_path=out, report_path=report_path, layers=layers, n_samples=summary.n_samples,

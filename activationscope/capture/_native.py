@@ -7,7 +7,7 @@ from types import ModuleType
 
 import torch
 
-from .errors import NativeExtensionError
+from ..errors import NativeExtensionError
 
 _module: ModuleType | None = None
 

@@ -345,7 +345,7 @@ def write_report(
     Path of ``index.html``.
     """
     if isinstance(store, (str, os.PathLike)):
-        from .store import open_store
+        from ..store import open_store
 
         store = open_store(os.fspath(store))
     out = Path(out_dir)
