@@ -97,13 +97,16 @@ class _AliasFinder(_importlib_abc.MetaPathFinder, _importlib_abc.Loader):
 
 
 if not any(isinstance(f, _AliasFinder) for f in _sys.meta_path):
-    _sys.meta_path.append(_AliasFinder())
+    _sys.meta_path.insert(0, _AliasFinder())
 
 
 def __getattr__(name: str):
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'activationscope' has no attribute {name!r}")
+    if module == ".capture.scope":
+        # The store layer registers its writer with capture (capture never imports store).
+        _importlib.import_module(".store", __name__)
     value = getattr(_importlib.import_module(module, __name__), name)
     globals()[name] = value  # later lookups skip __getattr__
     return value

@@ -28,46 +28,6 @@ class ReductionNotFoundError(_MessageKeyError):
     """A hook point has no reduction (or reduction output) of the name asked for."""
 
 
-class _Results(dict):
-    """A dict whose missing key raises ``_error`` with the message of :meth:`_missing_message`."""
-
-    _error: type = KeyError
-
-    def _missing_message(self, key: str) -> str:
-        raise NotImplementedError
-
-    def __missing__(self, key: str):
-        raise self._error(self._missing_message(key))
-
-
-class HookPointResults(_Results):
-    """``{hook_point: value}``; a missing hook point raises :class:`HookPointNotFoundError`
-    naming the hook points there are (``what``: what the values are, for the message)."""
-
-    _error = HookPointNotFoundError
-
-    def __init__(self, what: str, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.what = what
-
-    def _missing_message(self, hook_point: str) -> str:
-        return f"hook point {hook_point!r} has no {self.what}; hook points with {self.what}: {sorted(self)}"
-
-
-class ReductionResults(_Results):
-    """``{reduction name: Tensor}`` of one hook point; a missing name raises
-    :class:`ReductionNotFoundError` naming the hook point and the names there are."""
-
-    _error = ReductionNotFoundError
-
-    def __init__(self, hook_point: str, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.hook_point = hook_point
-
-    def _missing_message(self, name: str) -> str:
-        return f"hook point {self.hook_point!r} has no reduction {name!r}; its reductions: {sorted(self)}"
-
-
 class NativeExtensionError(ActivationScopeError, ImportError):
     """The native extension is missing or was built against another torch."""
 

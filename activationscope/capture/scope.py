@@ -19,8 +19,10 @@ import numpy as np
 import torch
 
 from . import _native
-from ..errors import ActivationScopeError, CaptureError, HookPointResults, ReductionResults
+from ..errors import ActivationScopeError, CaptureError
 from .hooks import normalize_patterns, select_modules
+from .results import HookPointResults, ReductionResults
+from .writer import open_writer, writer_options
 
 _C = _native.load()
 
@@ -107,13 +109,7 @@ def _parse_enum(value: Any, cls: type[enum.Enum], argument: str) -> enum.Enum:
 
 
 def _check_store_options(options: Mapping[str, Any]) -> None:
-    import inspect
-
-    from ..store import StoreWriter
-
-    params = inspect.signature(StoreWriter.__init__).parameters
-    fixed = {"self", "target", "capture_config", "model", "storage_dtype"}
-    valid = sorted(n for n, p in params.items() if n not in fixed and p.kind is p.KEYWORD_ONLY)
+    valid = writer_options()
     for key in options:
         if key not in valid:
             hint = "; storage_dtype is an argument of ActivationScope itself" if key == "storage_dtype" else ""
@@ -297,8 +293,9 @@ class Tracker:
 
     Attributes
     ----------
-    writer : activationscope.store.StoreWriter or None
-        The writer of a store capture (``store=``), made by :meth:`attach` (so ``None``
+    writer : activationscope.capture.writer.ActivationWriter or None
+        The writer of a store capture (``store=``; an :class:`activationscope.store.StoreWriter`
+        unless another writer is registered), made by :meth:`attach` (so ``None``
         before it, and always ``None`` for an in-memory capture). Read-only use:
         ``writer.n_samples_committed`` (int, samples already in the store: 0 for a new
         store, the committed count for ``resume=True``; equal to :attr:`resume_from`),
@@ -358,9 +355,7 @@ class Tracker:
         if self._closed and self.writer is not None:
             raise ActivationScopeError("this tracker's store is closed; make a new tracker with resume=True to add rows")
         if self.scope.store is not None and self.writer is None:
-            from ..store import StoreWriter
-
-            self.writer = StoreWriter(
+            self.writer = open_writer(
                 self.scope.store,
                 capture_config=self.scope.config(),
                 model=self.model,

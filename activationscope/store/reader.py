@@ -31,7 +31,8 @@ import numpy as np
 import torch
 
 from ..capture import _native
-from ..errors import HookPointNotFoundError, ReductionResults, StoreCorruptError, StoreError
+from ..capture.results import ReductionResults
+from ..errors import HookPointNotFoundError, StoreCorruptError, StoreError
 from . import _decode
 from . import _format as F
 from . import _validate as V

@@ -1,0 +1,98 @@
+"""The writer interface of a capture: what a tracker needs from the store it streams into.
+
+Capture does not import the store layer. ``activationscope.store`` registers its
+:class:`~activationscope.store.StoreWriter` here when it is imported (``import activationscope``
+then ``activationscope.ActivationScope`` imports it), and a tracker with ``store=`` asks
+:func:`open_writer` for one. Another writer (a test fake, a different backend) registers
+itself the same way.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from typing import Any, Callable, Protocol, runtime_checkable
+
+from ..errors import ActivationScopeError
+
+
+@runtime_checkable
+class ActivationWriter(Protocol):
+    """A store being written by one capture.
+
+    Attributes
+    ----------
+    n_samples_committed : int
+        Samples already in the store when the writer opened (0 for a new store; resume
+        continues after them).
+    path : str
+        Where it writes.
+    """
+
+    n_samples_committed: int
+
+    @property
+    def path(self) -> str: ...
+
+    def open_array(self, hook_point: str, feature_shape: tuple, dtype: Any, row_kind: str) -> Any:
+        """The native row consumer (``_C.RowConsumer``) of a new hook point's array;
+        ``row_kind`` is ``"sample"`` or ``"token"``."""
+
+    def add_batch(self, n_samples: int, sample_ids: Any = None, token_mask: Any = None,
+                  columns: Mapping[str, Any] | None = None) -> None:
+        """The row-table entries of one captured forward."""
+
+    def maybe_commit(self) -> bool:
+        """Commit what is durable when due; True when a commit happened."""
+
+    def rows_since_last_batch(self) -> dict[str, int]:
+        """Rows each array received since the last :meth:`add_batch` (a partial forward)."""
+
+    def add_reductions(self, hook_point: str, name: str, reduction: Any, script_path: Any = None) -> None:
+        """Store the state and result of a reduction of ``hook_point``."""
+
+    def close(self, status: str = "complete") -> None:
+        """Commit everything and mark the store ``status``."""
+
+    def abort(self, exc: BaseException | None = None) -> None:
+        """Leave the store at its last commit (status incomplete); never raises."""
+
+
+#: ``factory(target, *, capture_config, model, storage_dtype, **store_options) -> ActivationWriter``
+WriterFactory = Callable[..., ActivationWriter]
+
+_FIXED = ("target", "capture_config", "model", "storage_dtype")
+_factory: WriterFactory | None = None
+
+
+def register_writer(factory: WriterFactory) -> None:
+    """Make ``factory`` the writer of ``ActivationScope(store=...)`` captures.
+
+    Parameters
+    ----------
+    factory : callable
+        ``factory(target, *, capture_config, model, storage_dtype, **store_options)``; its other
+        keyword-only parameters are the valid ``store_options``.
+    """
+    global _factory
+    _factory = factory
+
+
+def _require() -> WriterFactory:
+    if _factory is None:
+        raise ActivationScopeError(
+            "ActivationScope(store=...) needs a store writer, and none is registered; "
+            "import activationscope.store first (activationscope.ActivationScope does)"
+        )
+    return _factory
+
+
+def writer_options() -> list[str]:
+    """The valid ``store_options`` of the registered writer, sorted."""
+    params = inspect.signature(_require()).parameters
+    return sorted(n for n, p in params.items() if n not in _FIXED and p.kind is p.KEYWORD_ONLY)
+
+
+def open_writer(target: Any, **kwargs: Any) -> ActivationWriter:
+    """A writer for ``target`` from the registered factory (arguments as :data:`WriterFactory`)."""
+    return _require()(target, **kwargs)
