@@ -40,20 +40,6 @@ def reset_peak_rss() -> bool:
         return False
 
 
-def dir_bytes(path: str) -> int:
-    """Bytes of all regular files under ``path`` (0 when it does not exist)."""
-    if os.path.isfile(path):
-        return os.path.getsize(path)
-    total = 0
-    for root, _dirs, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.path.getsize(os.path.join(root, name))
-            except OSError:
-                pass
-    return total
-
-
 def remove(path: str) -> None:
     """Delete a file or a directory tree if it exists."""
     if os.path.isdir(path):
@@ -112,11 +98,3 @@ def median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
-def fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"

@@ -16,7 +16,9 @@ from typing import Any
 
 import torch
 
-from ._util import Skip, dir_bytes, remove
+from activationscope.sizes import dir_bytes
+
+from ._util import Skip, remove
 from .workloads import Workload
 
 REDUCTIONS = ["mean", "var", "min", "max"]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._util import fmt_bytes
+from activationscope.sizes import format_bytes as fmt_bytes
+
 from .readback import ORDERS, WORKERS
 
 # The seed's published figures (toy model, its own machine): naive hooks vs scope.

@@ -15,7 +15,9 @@ from typing import Any
 
 import torch
 
-from ._util import Skip, dir_bytes, remove, rss_bytes
+from activationscope.sizes import dir_bytes
+
+from ._util import Skip, remove, rss_bytes
 
 WIDTH = 256
 BUILD_BATCH = 8192

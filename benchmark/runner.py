@@ -22,9 +22,10 @@ import tempfile
 import time
 from typing import Any
 
+from activationscope.sizes import format_bytes as fmt_bytes
+
 from . import goals as goals_mod
 from . import readback
-from ._util import fmt_bytes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCHEMA_VERSION = 1

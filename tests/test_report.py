@@ -88,7 +88,7 @@ def test_write_report_html_and_pngs(tmp_path):
     store = TinyStore(
         {"enc.0.output": _relu_rows(seed=1), "enc.1.output": _relu_rows(seed=2)},
         info={"status": "complete", "provenance": {"model": "TinyNet", "data": "random"},
-              "arrays": {"enc.0.output": {"row_kind": "token", "bytes_on_disk": 32000}}},
+              "arrays": {"enc.0.output": {"row_kind": "token", "bytes_on_disk": 32768}}},
     )
     probes = {
         "enc.0.output": ProbeResult(0.71, 0.05, [0.7, 0.72], 200, 16, 2, 0.5),
@@ -105,7 +105,7 @@ def test_write_report_html_and_pngs(tmp_path):
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
     assert "0.710 ± 0.050" in page and "0.800 ± 0.030" in page
     assert "18.8%" in page  # 3 of 16 units dead
-    assert "32.0 kB" in page and "token" in page and "TinyNet" in page
+    assert "32.0 KiB" in page and "token" in page and "TinyNet" in page
     assert "status-complete" in page
 
 

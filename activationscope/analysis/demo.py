@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from ..errors import ActivationScopeError
+from ..sizes import dir_bytes, format_bytes
 
 __all__ = [
     "DemoDependencyError",
@@ -528,14 +529,6 @@ def probe_store(
 # ---------------------------------------------------------------------------- the demo
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000.0
-    return f"{n:.1f} TB"
-
-
 @dataclass
 class LayerRow:
     """One line of the demo's table."""
@@ -567,7 +560,7 @@ class DemoResult:
         lines = []
         for row in self.layers:
             acc = "-" if row.probe is None else f"{row.probe.accuracy:.3f} ± {row.probe.std:.3f}"
-            lines.append((str(row.layer), f"{row.token_rows:,}", f"{row.sentence_rows:,}", _fmt_bytes(row.n_bytes), acc))
+            lines.append((str(row.layer), f"{row.token_rows:,}", f"{row.sentence_rows:,}", format_bytes(row.n_bytes), acc))
         chance = next((r.probe.chance for r in self.layers if r.probe is not None), None)
         widths = [max(len(h), *(len(l[i]) for l in lines)) for i, h in enumerate(head)]
         fmt = lambda cells: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
@@ -575,7 +568,7 @@ class DemoResult:
         out += [fmt(l) for l in lines]
         out.append("")
         out.append(
-            f"{self.n_samples} samples ({self.n_labelled} labelled), {_fmt_bytes(self.total_bytes)} on disk; "
+            f"{self.n_samples} samples ({self.n_labelled} labelled), {format_bytes(self.total_bytes)} on disk; "
             f"capture {self.capture_s:.1f} s, probes {self.probe_s:.1f} s, report {self.report_s:.1f} s"
             + (f"; chance accuracy {chance:.3f}" if chance is not None else "")
         )
@@ -677,12 +670,11 @@ def run_demo(
 
         report_path = str(write_report(store, report_dir, probes=probes, n_folds=n_folds,
                                        title="activationscope demo: all-MiniLM-L6-v2 on Pang & Lee sentences"))
-    from ..cli import _dir_bytes
 
     return DemoResult(
         store_path=out, report_path=report_path, layers=layers, n_samples=summary.n_samples,
         n_labelled=n_labelled, capture_s=summary.elapsed_s, probe_s=probe_s, report_s=time.perf_counter() - t0,
-        total_bytes=_dir_bytes(out) or total, n_folds=n_folds,
+        total_bytes=dir_bytes(out) or total, n_folds=n_folds,
     )
 
 

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ..sizes import format_bytes
 __all__ = ["HookPointStats", "hook_point_stats", "write_report"]
 
 #: Units (flattened features) above which per-unit plots show an evenly spaced subset.
@@ -301,17 +302,6 @@ img { max-width: 100%; } .note { color: #777; font-size: 12px; }
 """
 
 
-def _fmt_bytes(n: int | None) -> str:
-    if n is None:
-        return "-"
-    value = float(n)
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if value < 1000 or unit == "TB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1000
-    return f"{value:.1f} TB"
-
-
 def _slug(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_" else "_" for c in name)
 
@@ -407,7 +397,7 @@ def write_report(
         parts.append(
             f"<tr><td class='l'><a href='#{_slug(st.hook_point)}'>{e(st.hook_point)}</a></td><td>{st.n_rows:,}</td>"
             f"<td>{e(st.kind)}</td><td>{e(str(st.feature_shape))}</td><td>{e(st.dtype)}</td>"
-            f"<td>{_fmt_bytes(st.n_bytes)}</td><td>{st.dead_fraction:.1%}</td><td>{top10}</td>"
+            f"<td>{format_bytes(st.n_bytes)}</td><td>{st.dead_fraction:.1%}</td><td>{top10}</td>"
             f"<td>{'-' if p is None else f'{p.accuracy:.3f} ± {p.std:.3f}'}</td></tr>"
         )
     parts.append("</table>")

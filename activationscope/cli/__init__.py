@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ActivationScopeError, HookPointNotFoundError
+from ..sizes import dir_bytes, format_bytes
 
 __all__ = ["main", "build_parser", "CLIError"]
 
@@ -225,19 +226,6 @@ def _open(path: str) -> Any:
     return open_store(path)
 
 
-def _dir_bytes(path: str) -> int:
-    total = 0
-    if "://" in path or not os.path.isdir(path):
-        return total
-    for root, _, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.path.getsize(os.path.join(root, name))
-            except OSError:
-                pass
-    return total
-
-
 # ---------------------------------------------------------------------------- capture loop
 
 
@@ -317,13 +305,13 @@ def run_capture(
                 summary.n_forwards += 1
                 elapsed = max(time.perf_counter() - start, 1e-9)
                 summary.n_bytes = _written_bytes(tracker, out)
-                bar.set_postfix_str(f"{summary.n_bytes / 1e6 / elapsed:.1f} MB/s", refresh=False)
+                bar.set_postfix_str(f"{format_bytes(summary.n_bytes / elapsed)}/s", refresh=False)
                 bar.update(n)
             summary.hook_points = tracker.hook_points
     finally:
         bar.close()
     summary.elapsed_s = time.perf_counter() - start
-    summary.n_bytes = max(summary.n_bytes, _dir_bytes(out))
+    summary.n_bytes = max(summary.n_bytes, dir_bytes(out))
     return summary
 
 
@@ -337,7 +325,7 @@ def _batch_len(inputs: Any) -> int:
 def _written_bytes(tracker: Any, out: str) -> int:
     # Bytes in the store folder so far (durable shards and the shards being appended to);
     # 0 for remote stores, which upload whole shards at commits.
-    return _dir_bytes(out)
+    return dir_bytes(out)
 
 
 # ---------------------------------------------------------------------------- model and data loading
@@ -678,7 +666,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise CLIError(f"--out {args.out!r}: folder {str(out.parent)!r} does not exist")
     fn = data.export_parquet if args.format == "parquet" else data.export_arrow
     fn(store, args.out, hook_points=hook_points)
-    print(f"wrote {args.out} ({_fmt_bytes(os.path.getsize(args.out))}, {args.format})")
+    print(f"wrote {args.out} ({format_bytes(os.path.getsize(args.out))}, {args.format})")
     return 0
 
 
@@ -729,17 +717,6 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fmt_bytes(n: Any) -> str:
-    if not isinstance(n, (int, float)):
-        return "-"
-    value = float(n)
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if abs(value) < 1000 or unit == "TB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1000
-    return f"{value:.1f} TB"
-
-
 def _flat(value: Any) -> str:
     if isinstance(value, dict):
         return ", ".join(f"{k}={_flat(v)}" for k, v in value.items() if v not in (None, "", {}, []))
@@ -785,7 +762,7 @@ def format_info(info: dict[str, Any], name: str) -> str:
             dtype += f" ({a['compression']})"
         rows.append((
             hp, str(a.get("row_kind", "?")), f"{a.get('n_rows', 0):,}", str(shape), dtype,
-            _fmt_bytes(a.get("bytes")), _fmt_bytes(a.get("bytes_on_disk")),
+            format_bytes(a.get("bytes")), format_bytes(a.get("bytes_on_disk")),
             "-" if ratio is None else f"{ratio:.2f}", _reduction_names(reductions.get(hp, [])),
         ))
     lines.append("")
@@ -806,8 +783,8 @@ def format_info(info: dict[str, Any], name: str) -> str:
     ratio = info.get("compression_ratio")
     lines.append("")
     lines.append(
-        f"total:    {len(arrays)} hook points, {_fmt_bytes(info.get('bytes'))} of activations, "
-        f"{_fmt_bytes(info.get('bytes_on_disk'))} on disk" + (f" (compression ratio {ratio:.2f})" if ratio else "")
+        f"total:    {len(arrays)} hook points, {format_bytes(info.get('bytes'))} of activations, "
+        f"{format_bytes(info.get('bytes_on_disk'))} on disk" + (f" (compression ratio {ratio:.2f})" if ratio else "")
     )
     tables = info.get("row_tables") or {}
     if tables:
