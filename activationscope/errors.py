@@ -36,6 +36,11 @@ class ReductionError(ActivationScopeError, ValueError):
     """A reduction was given with a wrong name, options or signature."""
 
 
+class SpecError(ActivationScopeError, ValueError):
+    """A model or data specification (``--model`` / ``--data`` of the command line) names
+    nothing usable."""
+
+
 class StoreError(ActivationScopeError, OSError):
     """A store could not be created, opened, written or committed."""
 
@@ -51,3 +56,14 @@ class StoreCorruptError(StoreError):
 
 class StoreLockedError(StoreError):
     """Another writer holds the store's writer lock (the message names its pid and host)."""
+
+
+def one_line(e: BaseException) -> str:
+    """The message of ``e`` on one line, for a command line or a progress log: the KeyError
+    message unquoted, the class name in front for errors that are not ours or a builtin
+    whose name says what went wrong."""
+    text = str(e.args[0]) if isinstance(e, KeyError) and e.args and not isinstance(e, HookPointNotFoundError) else str(e)
+    text = " ".join(text.split()) or type(e).__name__
+    if not isinstance(e, (ActivationScopeError, OSError, ValueError, KeyError, ImportError)):
+        text = f"{type(e).__name__}: {text}"
+    return text

@@ -616,7 +616,7 @@ def run_demo(
     -------
     DemoResult
     """
-    from ..cli import run_capture, text_batches
+    from .capture_run import run_capture, text_batches
     from ..store import open_store
 
     out = os.fspath(out)
