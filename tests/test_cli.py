@@ -558,7 +558,7 @@ def test_not_a_store(tmp_path, capsys):
 @pytest.mark.demo
 def test_capture_demo_model_equals_hidden_states(tmp_path, capsys):
     import activationscope as acs
-    from activationscope.analysis import demo
+    from activationscope.analysis import demo, pooling
 
     out = tmp_path / "d.zarr"
     code, _, err = run(capsys, "capture", "--model", "demo", "--data", "demo", "--out", str(out), "--max-samples", "6",
@@ -583,7 +583,7 @@ def test_capture_demo_model_equals_hidden_states(tmp_path, capsys):
         torch.testing.assert_close(store[f"encoder.layer.{i}.output"], torch.cat(token_rows[i]))
     torch.testing.assert_close(store["pool.4.output"], torch.cat(pooled))
     # token rows mean-pooled per sample, read back through ActivationDataset + DataLoader
-    x, got_labels = demo.sentence_rows(store, "encoder.layer.4.output")
+    x, got_labels = pooling.sentence_rows(store, "encoder.layer.4.output")
     torch.testing.assert_close(x, torch.cat(pooled).double(), rtol=1e-5, atol=1e-6)
     assert got_labels == labels[:6]
 

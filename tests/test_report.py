@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from activationscope.analysis import report
-from activationscope.analysis.demo import ProbeResult
+from activationscope.analysis.probes import ProbeResult
 
 
 class TinyStore:

@@ -12,7 +12,8 @@ per encoder layer, ``pool.<i>`` (:class:`MaskedMeanPool`), that mean-pools the o
 hook point of its own (``pool.<i>.output``, one row per sample), next to the token rows of
 ``encoder.layer.<i>.output`` (one row per real token; padding never enters the store).
 
-Everything here needs the ``demo`` extra (``pip install -e '.[demo]'``).
+The probes are :mod:`activationscope.analysis.probes`, the pooling of token rows
+:mod:`activationscope.analysis.pooling`. Everything here needs the ``demo`` extra (``pip install -e '.[demo]'``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import importlib.util
 import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ import torch
 
 from ..errors import ActivationScopeError
 from ..sizes import dir_bytes, format_bytes
+from .probes import ProbeResult, probe_store
 
 __all__ = [
     "DemoDependencyError",
@@ -41,8 +43,6 @@ __all__ = [
     "load_model",
     "layer_include",
     "iter_text_batches",
-    "probe_accuracy",
-    "ProbeResult",
 ]
 
 #: Built-in reductions the demo materialises for every hook point.
@@ -294,236 +294,6 @@ def iter_text_batches(
         chunk = list(texts[start:start + batch_size])
         encoded = tokenizer(chunk, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
         yield start, dict(encoded)
-
-
-# ---------------------------------------------------------------------------- probe
-
-
-@dataclass
-class ProbeResult:
-    """k-fold cross-validated accuracy of a linear probe.
-
-    accuracy : mean accuracy over folds, in [0, 1]. std : its standard deviation over folds.
-    fold_accuracies : one per fold. n_samples, n_features, n_classes : the problem's size.
-    chance : accuracy of always predicting the most frequent class.
-    """
-
-    accuracy: float
-    std: float
-    fold_accuracies: list[float] = field(default_factory=list)
-    n_samples: int = 0
-    n_features: int = 0
-    n_classes: int = 0
-    chance: float = 0.0
-
-
-def _stratified_folds(y: torch.Tensor, n_folds: int, seed: int) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    folds: list[list[torch.Tensor]] = [[] for _ in range(n_folds)]
-    offset = 0
-    for cls in torch.unique(y):
-        idx = torch.nonzero(y == cls).flatten()
-        idx = idx[torch.randperm(len(idx), generator=gen)]
-        for j, part in enumerate(idx.tensor_split(n_folds)):
-            folds[(j + offset) % n_folds].append(part)
-        offset += len(idx) % n_folds
-    return [torch.cat(f) if f else torch.empty(0, dtype=torch.long) for f in folds]
-
-
-def _fit_predict(x_train, y_train, x_test, n_classes: int, l2: float, max_iter: int) -> torch.Tensor:
-    mean = x_train.mean(0)
-    std = x_train.std(0, correction=0).clamp_min(1e-6)
-    xt = (x_train - mean) / std
-    xs = (x_test - mean) / std
-    w = torch.zeros(xt.shape[1], n_classes, dtype=xt.dtype, requires_grad=True)
-    b = torch.zeros(n_classes, dtype=xt.dtype, requires_grad=True)
-    opt = torch.optim.LBFGS([w, b], lr=1.0, max_iter=max_iter, line_search_fn="strong_wolfe")
-
-    def closure():
-        opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(xt @ w + b, y_train) + l2 * (w * w).sum()
-        loss.backward()
-        return loss
-
-    with torch.enable_grad():
-        opt.step(closure)
-    with torch.no_grad():
-        return (xs @ w + b).argmax(1)
-
-
-def probe_accuracy(
-    x: torch.Tensor,
-    labels: Sequence[Any] | torch.Tensor,
-    *,
-    n_folds: int = 5,
-    seed: int = 0,
-    l2: float = 1e-2,
-    max_iter: int = 100,
-) -> ProbeResult:
-    """k-fold cross-validated accuracy of an L2-regularised multinomial logistic regression.
-
-    Folds are stratified by label and shuffled with ``seed``; features are standardised
-    with the training fold's mean and std; the model is fitted with L-BFGS in float64.
-
-    Parameters
-    ----------
-    x : Tensor, (rows, *feature_shape), any real dtype, CPU
-        One row per sample (features are flattened).
-    labels : sequence or Tensor (rows,)
-        Any hashable labels (ints, strings); at least 2 classes.
-    n_folds : int, default 5
-        Number of folds, at least 2 and at most the smallest class's size.
-    l2 : float, default 1e-2
-        Weight of the squared L2 norm of the weights in the loss (mean cross-entropy).
-
-    Returns
-    -------
-    ProbeResult
-
-    Raises
-    ------
-    ValueError
-        Fewer than 2 classes, mismatched lengths, or too few samples for ``n_folds``.
-    """
-    x = torch.as_tensor(x).detach().reshape(len(x), -1).to(torch.float64)
-    if isinstance(labels, torch.Tensor):
-        labels = labels.tolist()
-    labels = list(labels)
-    if len(labels) != x.shape[0]:
-        raise ValueError(f"labels has {len(labels)} entries, expected one per row of x ({x.shape[0]})")
-    classes = sorted(set(labels), key=lambda v: (str(type(v)), v))
-    if len(classes) < 2:
-        raise ValueError(f"a probe needs at least 2 classes, got {classes!r}")
-    index = {c: i for i, c in enumerate(classes)}
-    y = torch.tensor([index[v] for v in labels], dtype=torch.long)
-    counts = torch.bincount(y, minlength=len(classes))
-    if n_folds < 2 or int(counts.min()) < n_folds:
-        raise ValueError(
-            f"n_folds must be between 2 and the smallest class's size ({int(counts.min())}), got {n_folds}"
-        )
-    accs = []
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # (rows, d_model) problems this small only lose time to thread sync
-    try:
-        for test in _stratified_folds(y, n_folds, seed):
-            train_mask = torch.ones(len(y), dtype=torch.bool)
-            train_mask[test] = False
-            pred = _fit_predict(x[train_mask], y[train_mask], x[test], len(classes), l2, max_iter)
-            accs.append(float((pred == y[test]).double().mean()))
-    finally:
-        torch.set_num_threads(threads)
-    t = torch.tensor(accs, dtype=torch.float64)
-    return ProbeResult(
-        accuracy=float(t.mean()),
-        std=float(t.std(correction=0)),
-        fold_accuracies=accs,
-        n_samples=len(y),
-        n_features=x.shape[1],
-        n_classes=len(classes),
-        chance=float(counts.max()) / len(y),
-    )
-
-
-def pool_by_sample(rows: torch.Tensor, sample_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean of token rows per sample.
-
-    Parameters
-    ----------
-    rows : Tensor, (rows, *feature_shape)
-    sample_ids : Tensor, (rows,), int64
-
-    Returns
-    -------
-    (ids, pooled) : Tensor (n_samples,) sorted unique ids, Tensor (n_samples, *feature_shape) float64
-    """
-    ids, inverse = torch.unique(sample_ids, return_inverse=True)
-    flat = rows.reshape(rows.shape[0], -1).to(torch.float64)
-    total = torch.zeros(len(ids), flat.shape[1], dtype=torch.float64).index_add_(0, inverse, flat)
-    count = torch.bincount(inverse, minlength=len(ids)).to(torch.float64).unsqueeze(1)
-    return ids, (total / count).reshape(len(ids), *rows.shape[1:])
-
-
-# ---------------------------------------------------------------------------- probing a store
-
-
-def _is_label(v: Any) -> bool:
-    if v is None:
-        return False
-    if isinstance(v, float) and v != v:  # NaN
-        return False
-    if isinstance(v, (int,)) and not isinstance(v, bool) and v < 0:
-        return False  # -1 marks unlabelled rows (the demo's --corpus)
-    return not (isinstance(v, str) and v == "")
-
-
-def sentence_rows(
-    store: Any, hook_point: str, label_column: str = "label", batch_size: int = 8192
-) -> tuple[torch.Tensor, list[Any]] | None:
-    """Read one hook point back through ``ActivationDataset`` + ``DataLoader``, one row per sample.
-
-    Token rows are mean-pooled per ``sample_id`` (exactly the masked mean, since padding
-    never enters the store); sample rows are used as they are. Unlabelled rows (missing
-    label, ``-1``, empty string) are dropped.
-
-    Returns
-    -------
-    (x, labels) : Tensor (n_samples, *feature_shape) float64, list of labels; or None when the
-        store's row table has no ``label_column``.
-    """
-    from torch.utils.data import DataLoader
-
-    from ..data import ActivationDataset
-
-    try:
-        ds = ActivationDataset(store, hook_points=[hook_point], columns=["sample_id", label_column])
-    except (ValueError, KeyError) as e:
-        if label_column in str(e):
-            return None
-        raise
-    rows, ids, labels = [], [], []
-    for batch in DataLoader(ds, batch_size=batch_size, shuffle=False):
-        rows.append(torch.as_tensor(batch[hook_point]).to(torch.float64))
-        ids.append(torch.as_tensor(batch["sample_id"]).to(torch.long))
-        lab = batch[label_column]
-        labels.extend(lab.tolist() if isinstance(lab, torch.Tensor) else list(lab))
-    if not rows:
-        return None
-    x = torch.cat(rows)
-    sid = torch.cat(ids)
-    keep = torch.tensor([_is_label(v) for v in labels], dtype=torch.bool)
-    if not bool(keep.any()):
-        return None
-    label_of = {}
-    for i, v in zip(sid[keep].tolist(), (v for v, k in zip(labels, keep.tolist()) if k)):
-        label_of.setdefault(i, v)
-    uids, pooled = pool_by_sample(x[keep], sid[keep])
-    return pooled, [label_of[i] for i in uids.tolist()]
-
-
-def probe_store(
-    store: Any,
-    hook_points: Sequence[str] | None = None,
-    *,
-    label_column: str = "label",
-    n_folds: int = 5,
-    seed: int = 0,
-) -> dict[str, ProbeResult]:
-    """A cross-validated linear probe (:func:`probe_accuracy`) per hook point of a store.
-
-    Hook points whose rows have no labels, fewer than 2 classes or too few samples per class
-    for ``n_folds`` are left out of the result.
-    """
-    out: dict[str, ProbeResult] = {}
-    for hp in hook_points if hook_points is not None else list(store.hook_points):
-        got = sentence_rows(store, hp, label_column)
-        if got is None:
-            continue
-        x, labels = got
-        try:
-            out[hp] = probe_accuracy(x, labels, n_folds=n_folds, seed=seed)
-        except ValueError:
-            continue
-    return out
 
 
 # ---------------------------------------------------------------------------- the demo

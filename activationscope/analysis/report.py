@@ -4,7 +4,7 @@ Per hook point: a histogram of activation values, mean ± std per unit, the frac
 where each unit is non-zero (dead units sit at 0), and PCA explained variance. Per store: a
 table of hook points (row kind, rows, feature shape, dtype, bytes, dead-unit fraction) and,
 when the row table has labels, the cross-validated accuracy of a linear probe per hook point
-(see :func:`activationscope.demo.probe_store`).
+(see :func:`activationscope.analysis.probes.probe_store`).
 
 Statistics come from the store's reductions where it has them (``var`` gives mean and
 variance over every row, ``nonzero`` the non-zero fraction) and otherwise from at most
@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from ..sizes import format_bytes
+from .pca import explained_variance_ratio
 __all__ = ["HookPointStats", "hook_point_stats", "write_report"]
 
 #: Units (flattened features) above which per-unit plots show an evenly spaced subset.
@@ -140,20 +141,7 @@ def hook_point_stats(
         counts = torch.zeros(bins, dtype=torch.int64)
         edges = torch.linspace(0, 1, bins + 1, dtype=torch.float64)
 
-    explained, pca_note = None, ""
-    if units > MAX_PCA_FEATURES:
-        pca_note = f"PCA skipped: {units} features > {MAX_PCA_FEATURES}"
-    elif rows.shape[0] < 2:
-        pca_note = "PCA skipped: fewer than 2 rows"
-    else:
-        # eigenvalues of the (units, units) covariance: cheaper than an SVD of the rows
-        centred = rows - rows.mean(0)
-        ev = torch.linalg.eigvalsh(centred.T @ centred).flip(0).clamp_min(0)
-        total = ev.sum()
-        if float(total) > 0:
-            explained = (ev / total)[:N_PCA_COMPONENTS]
-        else:
-            pca_note = "PCA skipped: zero variance"
+    explained, pca_note = explained_variance_ratio(rows, N_PCA_COMPONENTS, MAX_PCA_FEATURES)
 
     source = "reductions" if from_reductions else f"rows ({rows.shape[0]:,} of {n_rows:,})"
     return HookPointStats(
@@ -325,7 +313,7 @@ def write_report(
     hook_points : list of str, optional
         Hook points to show (default: all, in store order).
     probes : {hook point: ProbeResult}, optional
-        Probe results to show; computed with :func:`activationscope.demo.probe_store` when
+        Probe results to show; computed with :func:`activationscope.analysis.probes.probe_store` when
         None and the row table has ``label_column``.
     max_rows : int
         Rows sampled per hook point for histograms and PCA.
@@ -345,7 +333,7 @@ def write_report(
     hps = list(hook_points) if hook_points is not None else list(store.hook_points)
     info = store.info() if hasattr(store, "info") else {}
     if probes is None:
-        from .demo import probe_store
+        from .probes import probe_store
 
         probes = probe_store(store, hps, label_column=label_column, n_folds=n_folds)
 
