@@ -519,9 +519,7 @@ class Tracker:
     def _on_new_hook_point(self, name: str, tensor: torch.Tensor) -> Any:
         scope = self.scope
         mask = self._pending_batch["attention_mask"] if self._pending_batch else None
-        token = (
-            mask is not None and tensor.dim() >= 2 and tuple(tensor.shape[:2]) == tuple(mask.shape)
-        )
+        token = _C.is_token_rows(tensor, mask)  # the rule of the native sink (sink.h)
         keep = _KEEP_CODE[scope.reduction_policy]
         if not self._in_memory:
             keep = 2

@@ -537,8 +537,7 @@ class StoreWriter:
                 ids_arr = np.asarray(ids, dtype=object if not isinstance(ids, np.ndarray) else None)
                 token = {"sample_id": ids_arr[si], "pos": pos.astype(np.int64), "batch": np.full(len(si), b, dtype=np.int64)}
             for key, col in (columns or {}).items():
-                is_token = (isinstance(col, torch.Tensor) and mask is not None and col.dim() >= 2
-                            and tuple(col.shape[:2]) == tuple(mask.shape))
+                is_token = isinstance(col, torch.Tensor) and _C.is_token_rows(col, mask)  # the sink's rule
                 kind = "token" if is_token else "sample"
                 if key in _RESERVED[kind]:
                     raise ValueError(f"column {key!r} clashes with a reserved row-table column {list(_RESERVED[kind])}; rename it")
