@@ -12,11 +12,10 @@ few reads as possible:
 - ``take(hp, index)``: rows at arbitrary positions: one ``torch.index_select`` per segment
   touched, written into one output tensor.
 
-Segments are ``store.segments(hp)`` (shards) read with ``store.rows(hp, start, stop)``;
-for arrays the store decodes through zarr-python (``store.compressed_array(hp)`` is not
-None) they are chunks, never kept here. Stores without these methods fall back to the
-metadata (``store.attrs["arrays"][hp]["shard_rows"]`` / ``chunk_rows``) and
-``store[hp, start:stop]``, or to one segment, ``store[hp]``.
+What a source needs from a store is the :class:`RowSource` protocol: the store decides its
+segments (``row_blocks``: mapped shards, kept as views, or chunks decoded per read), this
+module only routes row requests to them. :class:`activationscope.store.Store` implements
+it, and so do the test fakes (``tests/data/fake_store.py``).
 """
 
 from __future__ import annotations
@@ -25,13 +24,49 @@ import os
 import threading
 import weakref
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from ..errors import ActivationScopeError
 
-__all__ = ["StoreSource", "as_source"]
+__all__ = ["RowSource", "StoreSource", "as_source"]
+
+
+@runtime_checkable
+class RowSource(Protocol):
+    """The read contract of a store, as the data layer uses it.
+
+    Rows of a hook point are a ``(n_rows, *feature_shape)`` tensor of ``dtype``; the row
+    table of ``kind`` (``"sample"`` / ``"token"``) describes them when
+    ``follows_row_table(hook_point)``.
+    """
+
+    @property
+    def hook_points(self) -> list[str]: ...
+
+    def n_rows(self, hook_point: str) -> int: ...
+
+    def row_kind(self, hook_point: str) -> str: ...
+
+    def dtype(self, hook_point: str) -> torch.dtype: ...
+
+    def feature_shape(self, hook_point: str) -> tuple[int, ...]: ...
+
+    def follows_row_table(self, hook_point: str) -> bool: ...
+
+    def row_table(self, kind: str) -> Any:
+        """The row table of ``kind`` as a ``pyarrow.Table``."""
+
+    def row_blocks(self, hook_point: str) -> tuple[list[int], bool]:
+        """``(bounds [0, ..., n_rows], views)``: the units to read in; ``views`` True when
+        ``rows`` within one unit is a view a reader may keep, False when each read decodes."""
+
+    def rows(self, hook_point: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``[start, stop)``; raises IndexError outside ``[0, n_rows]``."""
+
+    def will_read(self, hook_point: str, start: int, stop: int) -> None:
+        """Hint that rows ``[start, stop)`` are read next (may do nothing)."""
 
 _LIVE: "weakref.WeakSet[StoreSource]" = weakref.WeakSet()
 
@@ -53,6 +88,9 @@ def _open_store(spec: Any, options: Mapping[str, Any]) -> Any:
     if opener is None:
         from ..store import open_store as opener
     return opener(spec, **options)
+
+
+_CONTRACT = [n for n in RowSource.__dict__ if not n.startswith("_")]
 
 
 class StoreSource:
@@ -78,7 +116,7 @@ class StoreSource:
             self._store = None
         else:
             self._spec = spec
-            self._store = spec if hasattr(spec, "hook_points") else None
+            self._store = spec if isinstance(spec, RowSource) else None
         self._pid = os.getpid()
         self._views: dict[str, tuple[torch.Tensor, list[torch.Tensor]]] = {}
         self._tables: dict[str, Any] = {}
@@ -111,7 +149,13 @@ class StoreSource:
             with self._lock:
                 if self._store is None:
                     spec = self._reopen_spec()
-                    self._store = spec if hasattr(spec, "hook_points") else _open_store(spec, self._options)
+                    self._store = spec if isinstance(spec, RowSource) else _open_store(spec, self._options)
+                    if not isinstance(self._store, RowSource):
+                        missing = [m for m in _CONTRACT if not hasattr(self._store, m)]
+                        raise ActivationScopeError(
+                            f"{type(self._store).__name__} from {self.describe()} is not a store the data layer can "
+                            f"read: it lacks {missing} of the RowSource protocol (activationscope.data._source)"
+                        )
         return self._store
 
     def __getstate__(self) -> dict[str, Any]:
@@ -144,64 +188,36 @@ class StoreSource:
         return table
 
     def dtype(self, hp: str) -> torch.dtype:
-        fn = getattr(self.store, "dtype", None)
-        return fn(hp) if callable(fn) else self._segment(hp, 0).dtype
+        return self.store.dtype(hp)
 
     def feature_shape(self, hp: str) -> tuple[int, ...]:
-        fn = getattr(self.store, "feature_shape", None)
-        return tuple(fn(hp)) if callable(fn) else tuple(self._segment(hp, 0).shape[1:])
+        return tuple(self.store.feature_shape(hp))
 
     def follows_row_table(self, hp: str) -> bool:
-        """Whether row i of ``hp`` is row i of its row table (True unless the store says not)."""
-        meta = (getattr(self.store, "attrs", None) or {}).get("arrays", {}).get(hp, {})
-        return bool(meta.get("follows_row_table", True)) if isinstance(meta, dict) else True
+        """Whether row i of ``hp`` is row i of its row table."""
+        return bool(self.store.follows_row_table(hp))
 
     # ------------------------------------------------------------------ segments
     def _layout(self, hp: str) -> tuple[torch.Tensor, dict[int, torch.Tensor], bool]:
         """(bounds (n_segments + 1,) int64, memo of segment tensors, memoize?) of ``hp``; cached.
 
-        Segments are the store's shards for local uncompressed arrays (each read is a view
-        of one mapped shard file), its chunks for compressed or remote arrays (each read goes
-        through the store's bounded chunk cache, so segments are not kept here).
+        The store's ``row_blocks``: its shards for local uncompressed arrays (each read is a
+        view of one mapped shard file, kept), its chunks for compressed or remote arrays (each
+        read goes through the store's bounded chunk cache, so segments are not kept here).
         """
         cached = self._views.get(hp)
         if cached is not None:
             return cached
-        store = self.store
-        n = int(store.n_rows(hp))
-        seg_fn = getattr(store, "segments", None)
-        memoize = True
-        comp_fn = getattr(store, "compressed_array", None)
-        compressed = comp_fn(hp) if callable(comp_fn) else None
-        if compressed is not None:  # decoded by the store, chunk by chunk, through its cache
-            step = int(compressed[1])
-            bounds = list(range(0, n, step)) + [n]
-            memoize = False
-        elif callable(seg_fn):
-            bounds = [int(b) for b in seg_fn(hp)]
-        else:
-            meta = (getattr(store, "attrs", None) or {}).get("arrays", {}).get(hp)
-            step = None
-            if isinstance(meta, dict) and meta.get("shard_rows"):
-                local = os.path.isdir(str(getattr(store, "path", "")))
-                if local and meta.get("compression") is None:
-                    step = int(meta["shard_rows"])
-                else:
-                    step = int(meta.get("chunk_rows") or meta["shard_rows"])
-                    memoize = False
-            bounds = list(range(0, n, step)) + [n] if step else [0, n]
+        bounds, memoize = self.store.row_blocks(hp)
+        bounds = [int(b) for b in bounds]
         if not bounds or bounds[0] != 0:
             bounds = [0, *bounds]
-        cached = (torch.tensor(bounds, dtype=torch.int64), {}, memoize)
+        cached = (torch.tensor(bounds, dtype=torch.int64), {}, bool(memoize))
         self._views[hp] = cached
         return cached
 
     def _rows(self, hp: str, start: int, stop: int) -> torch.Tensor:
-        store = self.store
-        rows = getattr(store, "rows", None)
-        if callable(rows):
-            return rows(hp, start, stop)
-        return store[hp, start:stop]
+        return self.store.rows(hp, start, stop)
 
     def _segment(self, hp: str, k: int) -> torch.Tensor:
         bounds, memo, memoize = self._layout(hp)
@@ -224,9 +240,7 @@ class StoreSource:
             raise IndexError(f"rows [{start}, {stop}) out of range for hook point {hp!r} with {n} rows")
         if not self._layout(hp)[2]:  # decoded by the store: read just these rows through its cache
             return self._rows(hp, start, stop)
-        hint = getattr(self.store, "will_read", None)
-        if callable(hint):  # cold pages: have the kernel read ahead of the consumer
-            hint(hp, start, stop)
+        self.store.will_read(hp, start, stop)  # cold pages: have the kernel read ahead of the consumer
         k = int(torch.searchsorted(bounds, start, right=True)) - 1
         if k < len(bounds) - 1 and stop <= int(bounds[k + 1]):
             b = int(bounds[k])

@@ -306,6 +306,28 @@ class Store:
             return [0, n]
         return list(range(0, n, shard_rows)) + [n]
 
+    def row_blocks(self, hook_point: str) -> tuple[list[int], bool]:
+        """The units a reader should read ``hook_point`` in, and whether they are views.
+
+        Returns
+        -------
+        (bounds, views) : list of int, ``[0, ..., n_rows]``, and bool. ``views`` True: the
+            units are :meth:`segments`, and ``rows(a, b)`` within one is a view of mapped
+            memory that a reader may keep. False (compressed or non-local arrays): the units
+            are chunks, each read is decoded through the store's bounded chunk cache and
+            should not be kept.
+        """
+        if self.compressed_array(hook_point) is None:
+            return self.segments(hook_point), True
+        meta = self._meta(hook_point)
+        n, step = int(meta["n_rows"]), int(meta["chunk_rows"])
+        return list(range(0, n, step)) + [n], False
+
+    def follows_row_table(self, hook_point: str) -> bool:
+        """Whether row i of ``hook_point`` is row i of its row table (the array's
+        ``follows_row_table`` metadata, store/FORMAT.md; True when absent)."""
+        return bool(self._meta(hook_point).get("follows_row_table", True))
+
     def rows(self, hook_point: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``[start, stop)`` of a hook point (a view within one shard, else one copy).
 

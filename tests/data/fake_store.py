@@ -2,7 +2,8 @@
 
 Used to test the data module against the contract independently of the real store: each
 hook point is a list of raw shard files (rows, *feature_shape) mapped copy-on-write, row
-tables are Parquet files. ``segments`` / ``rows`` expose the shard boundaries.
+tables are Parquet files. It implements the ``RowSource`` protocol of
+``activationscope.data._source``; ``row_blocks`` / ``rows`` expose the shard boundaries.
 """
 
 from __future__ import annotations
@@ -67,8 +68,20 @@ class FakeStore:
     def row_table(self, kind):
         return pq.read_table(Path(self.path) / f"rows_{kind}.parquet")
 
-    def segments(self, hp):
-        return list(self._meta[hp]["bounds"])
+    def dtype(self, hp):
+        return getattr(torch, self._meta[hp]["dtype"])
+
+    def feature_shape(self, hp):
+        return tuple(self._meta[hp]["shape"])
+
+    def follows_row_table(self, hp):
+        return True
+
+    def row_blocks(self, hp):
+        return list(self._meta[hp]["bounds"]), True
+
+    def will_read(self, hp, start, stop):
+        pass
 
     def _shard(self, hp, k):
         key = (hp, k)
