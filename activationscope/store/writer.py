@@ -115,7 +115,7 @@ def model_identity(model: torch.nn.Module | None) -> dict | None:
 def _library_versions() -> dict:
     import zarr
 
-    from .. import __version__
+    from .._version import __version__
 
     return {"activationscope": __version__, "torch": torch.__version__, "zarr": zarr.__version__}
 

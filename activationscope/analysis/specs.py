@@ -1,0 +1,141 @@
+"""Model and data specifications of the command line, loaded: ``--model`` is ``demo``, a
+Hugging Face model folder or ``package.module:factory``; ``--data`` is ``demo``, a text file
+(one sample per line, optionally ``__label__<tag> text``) or a tensor file (``.npy`` /
+``.pt``, samples along dim 0)."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import SpecError, one_line
+
+
+@dataclass
+class LoadedModel:
+    model: Any
+    tokenizer: Any = None
+    name: str = ""
+    default_include: list[str] | None = None
+
+
+def load_model_spec(spec: str) -> LoadedModel:
+    """``demo``, a Hugging Face model folder, or ``package.module:factory``.
+
+    Raises
+    ------
+    SpecError
+        The spec is none of these, the import fails, or the factory does not give an nn.Module.
+    """
+    import torch
+
+    from . import demo
+
+    if spec == "demo":
+        tokenizer, model = demo.load_model()
+        return LoadedModel(model, tokenizer, "all-MiniLM-L6-v2 (demo)", demo.layer_include(model))
+    path = Path(spec)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise SpecError(f"--model {spec!r} is a folder without config.json (not a Hugging Face model folder)")
+        tokenizer, model = demo.load_model(path, pooled=False)
+        return LoadedModel(model, tokenizer, str(path))
+    if ":" not in spec:
+        raise SpecError(
+            f"--model must be 'demo', a Hugging Face model folder or an import path package.module:factory, got {spec!r}"
+        )
+    module_name, _, attr = spec.partition(":")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except Exception as e:  # noqa: BLE001 - any failure of user code at import
+        raise SpecError(f"--model {spec!r}: cannot import {module_name!r}: {type(e).__name__}: {e}") from e
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise SpecError(f"--model {spec!r}: module {module_name!r} has no attribute {attr!r}") from None
+    if not isinstance(obj, torch.nn.Module):
+        if not callable(obj):
+            raise SpecError(f"--model {spec!r} must name an nn.Module or a factory returning one, got {type(obj).__name__}")
+        try:
+            obj = obj()
+        except Exception as e:  # noqa: BLE001
+            raise SpecError(f"--model {spec!r}: the factory raised {type(e).__name__}: {e}") from e
+    if not isinstance(obj, torch.nn.Module):
+        raise SpecError(f"--model {spec!r}: the factory must return a torch.nn.Module, got {type(obj).__name__}")
+    obj.eval()
+    return LoadedModel(obj, None, spec)
+
+
+@dataclass
+class LoadedData:
+    texts: list[str] | None = None
+    tensor: Any = None
+    labels: list[Any] | None = None
+    name: str = ""
+
+    def __len__(self) -> int:
+        return len(self.texts) if self.texts is not None else int(self.tensor.shape[0])
+
+
+def load_data_spec(spec: str) -> LoadedData:
+    """``demo``, a text file (one sample per line) or a tensor file (.npy / .pt).
+
+    Raises
+    ------
+    SpecError
+        Missing or unreadable file, an empty data set, or a tensor file without a tensor.
+    """
+    import torch
+
+    from . import demo
+
+    if spec == "demo":
+        texts, labels = demo.load_polarity()
+        return LoadedData(texts=texts, labels=labels, name="pang_lee_polarity")
+    path = Path(spec)
+    if not path.exists():
+        raise SpecError(f"--data {spec!r} does not exist")
+    if not path.is_file():
+        raise SpecError(f"--data {spec!r} must be a file (text, .npy or .pt), got a folder")
+    suffix = path.suffix.lower()
+    if suffix == ".npy":
+        import numpy as np
+
+        try:
+            array = np.load(path, allow_pickle=False)
+        except Exception as e:  # noqa: BLE001
+            raise SpecError(f"--data {spec!r} is not a readable .npy file: {e}") from e
+        tensor = torch.from_numpy(np.ascontiguousarray(array))
+    elif suffix in (".pt", ".pth"):
+        try:
+            tensor = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001
+            raise SpecError(f"--data {spec!r} is not a readable torch file: {one_line(e)}") from e
+        if not isinstance(tensor, torch.Tensor):
+            raise SpecError(f"--data {spec!r} must hold one tensor (samples along dim 0), got {type(tensor).__name__}")
+    else:
+        try:
+            raw = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raw = path.read_text(encoding="latin-1")
+        lines = [line.strip() for line in raw.splitlines() if line.strip()]
+        if not lines:
+            raise SpecError(f"--data {spec!r} has no non-empty lines")
+        if all(line.startswith("__label__") for line in lines):
+            labels, texts = [], []
+            for line in lines:
+                tag, _, text = line.partition(" ")
+                labels.append(tag[len("__label__"):])
+                texts.append(text.strip())
+            return LoadedData(texts=texts, labels=labels, name=path.name)
+        return LoadedData(texts=lines, name=path.name)
+    if tensor.dim() == 0 or tensor.shape[0] == 0:
+        raise SpecError(f"--data {spec!r} must have samples along dim 0, got shape {tuple(tensor.shape)}")
+    return LoadedData(tensor=tensor, name=path.name)
