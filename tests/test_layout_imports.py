@@ -151,3 +151,25 @@ def test_the_checker_sees_upward_imports(tmp_path, source, upward):
     fake.write_text(source + "\n")
     deps = _imports("activationscope.capture.fake", fake, set(mods))
     assert any(_layer(d) is not None and _layer(d) > 0 for d in deps) is upward, deps
+
+
+def _doc_imports() -> list[tuple[str, str]]:
+    """(file, import statement) for every activationscope import in README.md and docs/."""
+    root = PKG.parent
+    out = []
+    for path in [root / "README.md", *sorted((root / "docs").rglob("*.md"))]:
+        for line in path.read_text(encoding="utf-8").splitlines():
+            text = line.strip()
+            if text.startswith(("import activationscope", "from activationscope")) and " import " in text or text.startswith("import activationscope"):
+                out.append((path.relative_to(root).as_posix(), text.split("#")[0].strip()))
+    return out
+
+
+def test_every_import_the_docs_show_works():
+    found = _doc_imports()
+    assert len(found) >= 10, found  # the docs do show imports; the scan must see them
+    for where, statement in found:
+        try:
+            exec(statement, {})
+        except ImportError as e:
+            raise AssertionError(f"{where}: {statement!r} fails: {e}") from e
