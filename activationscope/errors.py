@@ -11,6 +11,18 @@ class ActivationScopeError(Exception):
     """Root of every error raised by activationscope."""
 
 
+class ArgumentTypeError(ActivationScopeError, TypeError):
+    """An argument of the wrong type (the message names the argument, expected and actual)."""
+
+
+class ArgumentValueError(ActivationScopeError, ValueError):
+    """An argument of the right type but an unsupported value (named, with the constraint)."""
+
+
+class RowIndexError(ActivationScopeError, IndexError):
+    """A row, row range or index outside the rows there are."""
+
+
 class CaptureError(ActivationScopeError, RuntimeError):
     """A capture could not proceed (raised from the native hot path)."""
 

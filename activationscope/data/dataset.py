@@ -20,7 +20,13 @@ import torch
 from torch.utils.data import Dataset, get_worker_info
 from torch.utils.data._utils import collate as _torch_collate
 
-from ..errors import ActivationScopeError, HookPointNotFoundError
+from ..errors import (
+    ActivationScopeError,
+    ArgumentTypeError,
+    ArgumentValueError,
+    HookPointNotFoundError,
+    RowIndexError,
+)
 from ._source import StoreSource, as_source
 
 __all__ = ["ActivationDataset", "Batch", "collate"]
@@ -49,9 +55,9 @@ class Batch(Sequence):
 
     def __getitem__(self, i: int) -> "_Row":  # type: ignore[override]
         if isinstance(i, slice):
-            raise TypeError("Batch does not support slicing; index batch.data instead")
+            raise ArgumentTypeError("Batch does not support slicing; index batch.data instead")
         if not -self._n <= i < self._n:
-            raise IndexError(f"row {i} out of range for a batch of {self._n} rows")
+            raise RowIndexError(f"row {i} out of range for a batch of {self._n} rows")
         return _Row(self, i % self._n)
 
     def __repr__(self) -> str:
@@ -130,6 +136,13 @@ _torch_collate.default_collate_fn_map[_Row] = collate
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _as_index(x: Any) -> torch.Tensor:
+    """An index as a tensor; an empty list or tuple is an empty int64 index (not float32)."""
+    if isinstance(x, (list, tuple)) and len(x) == 0:
+        return torch.empty(0, dtype=torch.int64)
+    return torch.as_tensor(x)
 
 
 class ActivationDataset(Dataset):
@@ -211,13 +224,13 @@ class ActivationDataset(Dataset):
             table = self._row_table()
             missing = [c for c in self.columns if c not in table.column_names]
             if missing:
-                raise ValueError(
+                raise ArgumentValueError(
                     f"columns {missing} are not in the {self.row_kind} row table of {self.source.describe()}; "
                     f"it has {table.column_names}"
                 )
         clash = set(self.columns) & set(self.hook_points)
         if clash:
-            raise ValueError(f"column names clash with hook point names: {sorted(clash)}")
+            raise ArgumentValueError(f"column names clash with hook point names: {sorted(clash)}")
         # the rows of the dataset: a range of store rows, or an int64 tensor of store rows
         self._start, self._stop, self._ids = 0, self.n_store_rows, None
         self._select_rows(rows)
@@ -233,11 +246,11 @@ class ActivationDataset(Dataset):
             return available
         patterns = [hook_points] if isinstance(hook_points, str) else list(hook_points)
         if not patterns:
-            raise ValueError("hook_points must name at least one hook point, got an empty list")
+            raise ArgumentValueError("hook_points must name at least one hook point, got an empty list")
         chosen: list[str] = []
         for pat in patterns:
             if not isinstance(pat, str):
-                raise TypeError(f"hook_points must be str patterns, got {pat!r}")
+                raise ArgumentTypeError(f"hook_points must be str patterns, got {pat!r}")
             hits = [pat] if pat in available else fnmatch.filter(available, pat)
             if not hits:
                 raise HookPointNotFoundError(
@@ -249,14 +262,14 @@ class ActivationDataset(Dataset):
     def _check_consistent(self) -> None:
         kinds = {hp: self.source.row_kind(hp) for hp in self.hook_points}
         if len(set(kinds.values())) > 1:
-            raise ValueError(
+            raise ArgumentValueError(
                 "hook points of one ActivationDataset must have the same row kind, got "
                 + ", ".join(f"{hp!r}: {k}" for hp, k in kinds.items())
                 + "; make one dataset per row kind"
             )
         counts = {hp: self.source.n_rows(hp) for hp in self.hook_points}
         if len(set(counts.values())) > 1:
-            raise ValueError(
+            raise ArgumentValueError(
                 "hook points of one ActivationDataset must have the same number of rows, got "
                 + ", ".join(f"{hp!r}: {n}" for hp, n in counts.items())
             )
@@ -290,21 +303,21 @@ class ActivationDataset(Dataset):
             rows = range(n)[rows.start : rows.stop : rows.step] if rows.stop > n or rows.start < 0 else rows
             if rows.step == 1:
                 if rows.start < 0 or rows.stop > n:
-                    raise IndexError(f"rows {rows} out of range for {n} store rows")
+                    raise RowIndexError(f"rows {rows} out of range for {n} store rows")
                 self._start, self._stop = rows.start, max(rows.start, rows.stop)
                 return
             ids = torch.arange(rows.start, rows.stop, rows.step, dtype=torch.int64)
         else:
-            ids = torch.as_tensor(rows)
+            ids = _as_index(rows)
             if ids.dtype == torch.bool:
                 if ids.shape != (n,):
-                    raise ValueError(f"a bool rows mask must have shape ({n},), got {tuple(ids.shape)}")
+                    raise ArgumentValueError(f"a bool rows mask must have shape ({n},), got {tuple(ids.shape)}")
                 ids = ids.nonzero().squeeze(1)
             if ids.dtype.is_floating_point or ids.dim() != 1:
-                raise TypeError(f"rows must be a slice, range or 1-D integer index, got {rows!r}")
+                raise ArgumentTypeError(f"rows must be a slice, range or 1-D integer index, got {rows!r}")
             ids = ids.to(torch.int64)
         if ids.numel() and (int(ids.min()) < -n or int(ids.max()) >= n):
-            raise IndexError(f"rows index out of range for {n} store rows")
+            raise RowIndexError(f"rows index out of range for {n} store rows")
         self._ids = torch.where(ids < 0, ids + n, ids).contiguous()
 
     def _store_ids(self) -> torch.Tensor:
@@ -316,7 +329,7 @@ class ActivationDataset(Dataset):
         mask = np.ones(n, dtype=bool)
         if sample_ids is not None:
             if "sample_id" not in table.column_names:
-                raise ValueError(f"sample_ids= needs a 'sample_id' column in the {self.row_kind} row table")
+                raise ArgumentValueError(f"sample_ids= needs a 'sample_id' column in the {self.row_kind} row table")
             ids = torch.as_tensor(sample_ids).to(torch.int64).numpy() if not isinstance(sample_ids, pa.Array) else sample_ids
             wanted = pa.array(ids).cast(table.schema.field("sample_id").type)
             hit = pc.is_in(table.column("sample_id"), value_set=wanted)
@@ -331,13 +344,13 @@ class ActivationDataset(Dataset):
             elif callable(filter):
                 fmask = _as_bool_mask(filter(table), n, self.row_kind)
             else:
-                raise TypeError(f"filter must be a pyarrow.compute.Expression or a callable, got {filter!r}")
+                raise ArgumentTypeError(f"filter must be a pyarrow.compute.Expression or a callable, got {filter!r}")
             mask &= fmask
         keep = torch.from_numpy(mask)
         ids = self._store_ids()
         if sample_ids is not None and not bool(keep[ids].any()) and len(ids):
             # an intersection with rows= and filter=, but none at all is a mistake
-            raise ValueError(
+            raise ArgumentValueError(
                 f"none of the sample_ids= (e.g. {some}) is in this dataset's {self.row_kind} row table "
                 "(within rows=, after filter=); read the ids there are with store.row_table()['sample_id']"
             )
@@ -390,20 +403,20 @@ class ActivationDataset(Dataset):
             index = range(n)[index]
         if isinstance(index, range) and index.step == 1 or (isinstance(index, range) and len(index) <= 1):
             if len(index) and (index[0] < 0 or index[-1] >= n):
-                raise IndexError(f"batch {index} out of range for a dataset of {n} rows")
+                raise RowIndexError(f"batch {index} out of range for a dataset of {n} rows")
             a, b = (index[0], index[-1] + 1) if len(index) else (0, 0)
             if self._ids is None:
                 return (self._start + a, self._start + b)
             pos = torch.arange(a, b, dtype=torch.int64)
         else:
-            pos = torch.as_tensor(index if not isinstance(index, range) else list(index))
+            pos = _as_index(index if not isinstance(index, range) else list(index))
             if pos.dtype == torch.bool or pos.dtype.is_floating_point or pos.dim() != 1:
-                raise TypeError(f"a batch index must be a 1-D sequence of ints, got {index!r}")
+                raise ArgumentTypeError(f"a batch index must be a 1-D sequence of ints, got {index!r}")
             pos = pos.to(torch.int64)
             if pos.numel():
                 lo, hi = int(pos.min()), int(pos.max())
                 if lo < -n or hi >= n:
-                    raise IndexError(f"batch index out of range for a dataset of {n} rows")
+                    raise RowIndexError(f"batch index out of range for a dataset of {n} rows")
                 if lo < 0:
                     pos = torch.where(pos < 0, pos + n, pos)
         ids = pos + self._start if self._ids is None else self._ids[pos]
@@ -476,7 +489,7 @@ class ActivationDataset(Dataset):
             i = int(index)
             n = len(self)
             if not -n <= i < n:
-                raise IndexError(f"index {i} out of range for a dataset of {n} rows")
+                raise RowIndexError(f"index {i} out of range for a dataset of {n} rows")
             i %= n
             row = self._start + i if self._ids is None else int(self._ids[i])
             data = {hp: self.source.read(hp, row, row + 1)[0] for hp in self.hook_points}
@@ -518,7 +531,7 @@ def _as_bool_mask(result: Any, n: int, kind: str) -> np.ndarray:
     else:
         arr = np.asarray(result)
     if arr.dtype != bool or arr.shape != (n,):
-        raise ValueError(
+        raise ArgumentValueError(
             f"a filter callable must return a bool mask of shape ({n},) over the {kind} row table, "
             f"got dtype {arr.dtype} shape {arr.shape}"
         )
@@ -529,7 +542,7 @@ def _column_to_torch(col: pa.Array, name: str) -> Any:
     t = col.type
     if pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t):
         if col.null_count:
-            raise ValueError(f"row-table column {name!r} has {col.null_count} nulls; filter them out first")
+            raise ArgumentValueError(f"row-table column {name!r} has {col.null_count} nulls; filter them out first")
         arr = col.to_numpy(zero_copy_only=False)
         if pa.types.is_unsigned_integer(t) and arr.dtype.itemsize > 1 and arr.dtype != np.uint64:
             arr = arr.astype(np.int64)

@@ -41,7 +41,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from ..errors import ActivationScopeError
+from ..errors import ActivationScopeError, ArgumentValueError
 from .dataset import ActivationDataset
 
 __all__ = ["export_arrow", "export_parquet", "read_arrow", "arrow_to_torch", "EXPORT_FORMAT"]
@@ -144,21 +144,21 @@ def _dataset_for(source: Any, hook_points: Any, columns: Any, rows: Any, filter:
     chosen = table.column_names if columns is None else ([columns] if isinstance(columns, str) else list(columns))
     missing = [c for c in chosen if c not in table.column_names]
     if missing:
-        raise ValueError(f"columns {missing} are not in the {ds.row_kind} row table; it has {table.column_names}")
+        raise ArgumentValueError(f"columns {missing} are not in the {ds.row_kind} row table; it has {table.column_names}")
     ds._export_columns = chosen  # type: ignore[attr-defined]
     return ds
 
 
 def _schema(ds: ActivationDataset, col_names: list[str], tensor_type: str) -> pa.Schema:
     if tensor_type not in ("fixed_shape_tensor", "fixed_size_list"):
-        raise ValueError(f"tensor_type must be one of ['fixed_shape_tensor', 'fixed_size_list'], got {tensor_type!r}")
+        raise ArgumentValueError(f"tensor_type must be one of ['fixed_shape_tensor', 'fixed_size_list'], got {tensor_type!r}")
     fields = []
     for hp in ds.hook_points:
         fields.append(_hook_point_field(hp, ds.source.dtype(hp), ds.source.feature_shape(hp), tensor_type))
     table = ds._row_table()
     for name in col_names:
         if name in ds.hook_points:
-            raise ValueError(f"row-table column {name!r} clashes with a hook point of the same name")
+            raise ArgumentValueError(f"row-table column {name!r} clashes with a hook point of the same name")
         f = table.schema.field(name)
         fields.append(pa.field(name, _large(f.type), f.nullable, f.metadata))
     meta = {b"activationscope.row_kind": ds.row_kind.encode(), b"activationscope.format": EXPORT_FORMAT.encode()}
@@ -186,7 +186,7 @@ def _record_batches(ds: ActivationDataset, schema: pa.Schema, col_names: list[st
 def _export(kind: str, source: Any, path: Any, hook_points: Any, columns: Any, batch_rows: int,
             rows: Any, filter: Any, tensor_type: str, compression: Any) -> Path:
     if not isinstance(batch_rows, int) or batch_rows < 1:
-        raise ValueError(f"batch_rows must be a positive int, got {batch_rows!r}")
+        raise ArgumentValueError(f"batch_rows must be a positive int, got {batch_rows!r}")
     ds = _dataset_for(source, hook_points, columns, rows, filter)
     col_names = getattr(ds, "_export_columns", None)
     if col_names is None:

@@ -34,6 +34,8 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
+from ..errors import ArgumentTypeError, ArgumentValueError
+
 __all__ = [
     "SequentialBatchSampler",
     "ShuffledBatchSampler",
@@ -60,9 +62,9 @@ def _dist_defaults(rank: int | None, world_size: int | None) -> tuple[int, int]:
     if rank is None:
         rank = dist.get_rank() if initialised else 0
     if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+        raise ArgumentValueError(f"world_size must be a positive int, got {world_size!r}")
     if not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ValueError(f"rank must be an int in [0, {world_size}), got {rank!r}")
+        raise ArgumentValueError(f"rank must be an int in [0, {world_size}), got {rank!r}")
     return rank, world_size
 
 
@@ -92,9 +94,9 @@ class _BatchSampler(Sampler[list[int]]):
         even: bool = False,
     ) -> None:
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+            raise ArgumentValueError(f"batch_size must be a positive int, got {batch_size!r}")
         if not isinstance(seed, int):
-            raise TypeError(f"seed must be an int, got {seed!r}")
+            raise ArgumentTypeError(f"seed must be an int, got {seed!r}")
         self.data_source = data_source
         self.n = data_source if isinstance(data_source, int) else len(data_source)
         self.batch_size = batch_size
@@ -253,11 +255,11 @@ class ChunkShuffleBatchSampler(_BatchSampler):
             data_source, batch_size, drop_last=drop_last, seed=seed, rank=rank, world_size=world_size, even=even
         )
         if not isinstance(buffer_rows, int) or buffer_rows < 1:
-            raise ValueError(f"buffer_rows must be a positive int, got {buffer_rows!r}")
+            raise ArgumentValueError(f"buffer_rows must be a positive int, got {buffer_rows!r}")
         self.buffer_rows = buffer_rows
         if block_rows is not None:
             if not isinstance(block_rows, int) or block_rows < 1:
-                raise ValueError(f"block_rows must be a positive int, got {block_rows!r}")
+                raise ArgumentValueError(f"block_rows must be a positive int, got {block_rows!r}")
             bounds = torch.arange(0, self.n, block_rows, dtype=torch.int64)
         elif hasattr(data_source, "block_boundaries"):
             bounds = data_source.block_boundaries()[:-1]

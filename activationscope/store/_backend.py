@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Protocol, runtime_checkable
 
-from ..errors import StoreError
+from ..errors import ArgumentTypeError, StoreError
 from ._validate import MAX_JSON_BYTES, check_key, corrupt
 
 #: Key of the writer lock (FORMAT.md §7): never part of the data, never listed or copied.
@@ -603,6 +603,6 @@ def resolve(target: Any, *, fsync: bool = False, read_only: bool = False,
         return FsspecBackend(target)
     if isinstance(target, zarr.abc.store.Store):
         return ZarrBackend(target)
-    raise TypeError(
+    raise ArgumentTypeError(
         f"store must be a local path, an fsspec URL (s3://..., memory://...) or a zarr Store, got {type(target).__name__}"
     )

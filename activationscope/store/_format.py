@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from ..errors import ArgumentTypeError, ArgumentValueError
+
 FORMAT_NAME = "activationscope"
 FORMAT_VERSION = 1
 ATTRS_KEY = "activationscope"
@@ -65,17 +67,17 @@ def dtype_name(dtype: torch.dtype) -> str:
 def torch_dtype(name: str) -> torch.dtype:
     """``"bfloat16"`` -> ``torch.bfloat16`` (a supported dtype name)."""
     if name not in _ZARR_DTYPE:
-        raise ValueError(f"dtype must be one of {list(SUPPORTED_DTYPES)}, got {name!r}")
+        raise ArgumentValueError(f"dtype must be one of {list(SUPPORTED_DTYPES)}, got {name!r}")
     return getattr(torch, name)
 
 
 def parse_dtype(dtype: Any, what: str) -> str:
     """Validate a dtype for a store array; returns its name."""
     if not isinstance(dtype, torch.dtype):
-        raise TypeError(f"{what} must be a torch.dtype, got {dtype!r}")
+        raise ArgumentTypeError(f"{what} must be a torch.dtype, got {dtype!r}")
     name = dtype_name(dtype)
     if name not in _ZARR_DTYPE:
-        raise ValueError(f"{what} must be one of {list(SUPPORTED_DTYPES)}, got {name!r}")
+        raise ArgumentValueError(f"{what} must be one of {list(SUPPORTED_DTYPES)}, got {name!r}")
     return name
 
 
@@ -90,7 +92,7 @@ def itemsize(name: str) -> int:
 def node_name(hook_point: str) -> str:
     """The Zarr node name of a hook point (``/`` and a leading ``__`` escaped with ``%``)."""
     if not isinstance(hook_point, str) or not hook_point:
-        raise ValueError(f"hook point must be a non-empty str, got {hook_point!r}")
+        raise ArgumentValueError(f"hook point must be a non-empty str, got {hook_point!r}")
     out = hook_point.replace("%", "%25").replace("/", "%2F")
     if out.startswith("__"):
         out = "%5F" + out[1:]
@@ -126,14 +128,14 @@ def parse_compression(compression: Any) -> dict | None:
     if doc is not None:
         conf = doc["configuration"]
         if doc["name"] == "zstd" and not (-(1 << 17) <= int(conf.get("level", 0)) <= ZSTD_LEVELS[1]):
-            raise ValueError(f"zstd level must be at most {ZSTD_LEVELS[1]}, got {conf.get('level')!r} in compression={compression!r}")
+            raise ArgumentValueError(f"zstd level must be at most {ZSTD_LEVELS[1]}, got {conf.get('level')!r} in compression={compression!r}")
         if doc["name"] == "blosc" and not (BLOSC_CLEVELS[0] <= int(conf.get("clevel", 5)) <= BLOSC_CLEVELS[1]):
-            raise ValueError(
+            raise ArgumentValueError(
                 f"blosc clevel must be in {BLOSC_CLEVELS[0]}..{BLOSC_CLEVELS[1]}, got {conf.get('clevel')!r} in "
                 f"compression={compression!r}"
             )
         return doc
-    raise ValueError(
+    raise ArgumentValueError(
         "compression must be one of [None, 'zstd', 'zstd:<level>', 'blosc-lz4'], a zarr ZstdCodec / "
         f"BloscCodec or a numcodecs Zstd / Blosc, got {compression!r}"
     )
@@ -146,7 +148,7 @@ def _parse_level(level: str, default: int, name: str, compression: str, bounds: 
     except ValueError:
         lvl = None
     if lvl is None or not lo <= lvl <= hi:
-        raise ValueError(
+        raise ArgumentValueError(
             f"{name} level must be an int in {lo}..{hi}, got {level!r} in compression={compression!r}; "
             f"e.g. '{name}:{default}'"
         )
@@ -199,7 +201,7 @@ def numcodecs_encoder(codec: dict):
         shuffle = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}[conf.get("shuffle", "shuffle")]
         return numcodecs.Blosc(cname=conf.get("cname", "lz4"), clevel=int(conf.get("clevel", 5)),
                                shuffle=shuffle, blocksize=int(conf.get("blocksize", 0)))
-    raise ValueError(f"unknown codec {codec['name']!r}")
+    raise ArgumentValueError(f"unknown codec {codec['name']!r}")
 
 
 # ------------------------------------------------------------------------ layout
@@ -317,7 +319,7 @@ def check_jsonable(value: Any, what: str) -> Any:
     try:
         return json.loads(json.dumps(value, allow_nan=False))
     except (TypeError, ValueError) as e:
-        raise TypeError(f"{what} must be JSON-serialisable (str, int, float, bool, None, list, dict), got an error: {e}") from None
+        raise ArgumentTypeError(f"{what} must be JSON-serialisable (str, int, float, bool, None, list, dict), got an error: {e}") from None
 
 
 def crc32c(data: Any) -> int:

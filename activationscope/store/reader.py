@@ -32,7 +32,14 @@ import torch
 
 from ..capture import _native
 from ..capture.results import ReductionResults
-from ..errors import HookPointNotFoundError, StoreCorruptError, StoreError
+from ..errors import (
+    ArgumentTypeError,
+    ArgumentValueError,
+    HookPointNotFoundError,
+    RowIndexError,
+    StoreCorruptError,
+    StoreError,
+)
 from . import _decode
 from . import _format as F
 from . import _validate as V
@@ -136,7 +143,7 @@ class Store:
 
     def __init__(self, target: Any, *, cache_bytes: int = 64 << 20, storage_options: dict | None = None) -> None:
         if isinstance(cache_bytes, bool) or not isinstance(cache_bytes, int) or cache_bytes < 0:
-            raise TypeError(f"cache_bytes must be a non-negative int, got {cache_bytes!r}")
+            raise ArgumentTypeError(f"cache_bytes must be a non-negative int, got {cache_bytes!r}")
         self._backend = resolve(target, read_only=True, storage_options=storage_options)
         self._cache_bytes = int(cache_bytes)
         self._cache: OrderedDict[tuple, torch.Tensor] = OrderedDict()
@@ -265,7 +272,7 @@ class Store:
         """
         if isinstance(key, tuple):
             if len(key) != 2 or not isinstance(key[1], slice):
-                raise TypeError(f"store[...] takes a hook point or (hook point, slice), got {key!r}")
+                raise ArgumentTypeError(f"store[...] takes a hook point or (hook point, slice), got {key!r}")
             hook_point, sl = key
         else:
             hook_point, sl = key, slice(None)
@@ -273,7 +280,7 @@ class Store:
         try:
             start, stop, step = sl.indices(n)
         except TypeError:
-            raise TypeError(f"store[{hook_point!r}, rows]: rows must be a slice of ints or None, got {sl!r}") from None
+            raise ArgumentTypeError(f"store[{hook_point!r}, rows]: rows must be a slice of ints or None, got {sl!r}") from None
         r = range(start, stop, step)
         if len(r) == 0:
             return self._read_rows(hook_point, 0, 0)
@@ -342,9 +349,9 @@ class Store:
         try:
             start, stop = operator.index(start), operator.index(stop)
         except TypeError:
-            raise TypeError(f"rows({hook_point!r}, start, stop): start and stop must be ints, got {start!r}, {stop!r}") from None
+            raise ArgumentTypeError(f"rows({hook_point!r}, start, stop): start and stop must be ints, got {start!r}, {stop!r}") from None
         if not (0 <= start <= stop <= n):
-            raise IndexError(f"rows [{start}, {stop}) out of range for hook point {hook_point!r} with {n} rows")
+            raise RowIndexError(f"rows [{start}, {stop}) out of range for hook point {hook_point!r} with {n} rows")
         return self._read_rows(hook_point, start, stop)
 
     def will_read(self, hook_point: str, start: int, stop: int) -> None:
@@ -418,7 +425,7 @@ class Store:
         if stop <= start:
             return torch.empty((0, *feat), dtype=dtype)
         if stop > int(meta["n_rows"]):
-            raise IndexError(f"rows [{start}, {stop}) out of range for hook point {hook_point!r} with {meta['n_rows']} rows")
+            raise RowIndexError(f"rows [{start}, {stop}) out of range for hook point {hook_point!r} with {meta['n_rows']} rows")
         if V.row_bytes(meta) == 0:
             return torch.empty((stop - start, *feat), dtype=dtype)
         shard_rows = int(meta["shard_rows"])
@@ -586,7 +593,11 @@ class Store:
         path = meta["path"]
         arr = self._zarrays.get(path)
         if arr is None:
-            arr = zarr.open_array(self._backend.zarr_store(read_only=True), path=path, mode="r")
+            try:
+                arr = zarr.open_array(self._backend.zarr_store(read_only=True), path=path, mode="r")
+            except Exception as e:  # zarr raises many classes for a damaged document
+                raise V.corrupt(self._backend, f"array document {path}/zarr.json does not open with zarr "
+                                               f"({type(e).__name__}: {e})") from None
             self._zarrays[path] = arr
         return arr
 
@@ -824,7 +835,7 @@ class Store:
         import pyarrow.parquet as pq
 
         if kind not in ("sample", "token"):
-            raise ValueError(f"kind must be one of ['sample', 'token'], got {kind!r}")
+            raise ArgumentValueError(f"kind must be one of ['sample', 'token'], got {kind!r}")
         info = (self._attrs.get("row_tables") or {}).get(kind) or {"parts": []}
         crcs = info.get("crc32c") or {}
         tables = []

@@ -30,13 +30,19 @@ import numpy as np
 import torch
 
 from ..capture import _native
-from ..errors import ActivationScopeError, CaptureError, StoreError, StoreExistsError
+from ..errors import (
+    ActivationScopeError,
+    ArgumentTypeError,
+    ArgumentValueError,
+    CaptureError,
+    StoreError,
+    StoreExistsError,
+)
 from . import _format as F
 from . import _validate as V
 from ._backend import LocalBackend, check_local_store_path, resolve
 from ._lock import WriterLock
 
-_C = _native.load()
 
 ROW_KINDS = ("sample", "token")
 # threads writing a commit's manifests and array documents
@@ -124,7 +130,7 @@ def _positive_int(value: Any, what: str, allow_none: bool = True) -> int | None:
     if value is None and allow_none:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{what} must be a positive int{' or None' if allow_none else ''}, got {value!r}")
+        raise ArgumentValueError(f"{what} must be a positive int{' or None' if allow_none else ''}, got {value!r}")
     return value
 
 
@@ -208,9 +214,10 @@ class StoreWriter:
         provenance: Mapping[str, Any] | None = None,
         storage_options: Mapping[str, Any] | None = None,
     ) -> None:
+        _native.load()  # writing needs the native extension (reading does not): say so first
         # ---- validate everything before the first byte is written
         if overwrite and resume:
-            raise ValueError("overwrite=True and resume=True exclude each other; pick one")
+            raise ArgumentValueError("overwrite=True and resume=True exclude each other; pick one")
         self._compression = F.parse_compression(compression)
         self._chunk_rows = _positive_int(chunk_rows, "chunk_rows")
         self._shard_bytes = _positive_int(shard_bytes, "shard_bytes")
@@ -218,9 +225,9 @@ class StoreWriter:
         if storage_dtype is not None:
             F.parse_dtype(storage_dtype, "storage_dtype")
         if model is not None and not isinstance(model, torch.nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
+            raise ArgumentTypeError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
         if provenance is not None and not isinstance(provenance, Mapping):
-            raise TypeError(f"provenance must be a dict or None, got {type(provenance).__name__}")
+            raise ArgumentTypeError(f"provenance must be a dict or None, got {type(provenance).__name__}")
         self._capture_config = F.check_jsonable(dict(capture_config or {}), "capture_config")
         self._provenance = F.check_jsonable(dict(provenance or {}), "provenance")
         self._storage_dtype = None if storage_dtype is None else F.dtype_name(storage_dtype)
@@ -296,7 +303,7 @@ class StoreWriter:
         else:
             self._staging = Path(tempfile.mkdtemp(prefix="acs-staging-"))
             self._own_staging = True
-        self._core = _C.StoreCore(max_pending_bytes, self._fsync)
+        self._core = _native.load().StoreCore(max_pending_bytes, self._fsync)
         self._arrays: dict[str, _Array] = {}
         self._pending: list[_Batch] = []
         self._reductions: dict[str, dict] = {}
@@ -409,10 +416,10 @@ class StoreWriter:
                 raise StoreError(f"hook point {hook_point!r} already has an array in this store writer")
             name = F.parse_dtype(dtype, f"dtype of hook point {hook_point!r}")
             if row_kind not in ROW_KINDS:
-                raise ValueError(f"row_kind must be one of {list(ROW_KINDS)}, got {row_kind!r}")
+                raise ArgumentValueError(f"row_kind must be one of {list(ROW_KINDS)}, got {row_kind!r}")
             feature_shape = tuple(int(d) for d in feature_shape)
             if any(d < 0 for d in feature_shape):
-                raise ValueError(f"feature_shape of hook point {hook_point!r} must be non-negative, got {feature_shape}")
+                raise ArgumentValueError(f"feature_shape of hook point {hook_point!r} must be non-negative, got {feature_shape}")
             node = F.node_name(hook_point)
             old = self._old_arrays.get(hook_point)
             if old is not None:
@@ -436,7 +443,7 @@ class StoreWriter:
                          compression, committed_rows=committed, last_cum=committed)
             start = (committed // arr.shard_rows) * arr.shard_rows
             array_dir = self._staging / arr.path  # made by the writer thread with the first shard
-            writer = _C.ArrayWriter(
+            writer = _native.load().ArrayWriter(
                 self._core, hook_point, str(array_dir), str(array_dir), F.torch_dtype(name), list(feature_shape),
                 chunk_rows, shard_chunks, start, compression is not None,
             )
@@ -523,7 +530,7 @@ class StoreWriter:
             else:
                 ids = _to_column(sample_ids)
             if len(ids) != n:
-                raise ValueError(f"sample_ids has {len(ids)} entries, expected n_samples={n}")
+                raise ArgumentValueError(f"sample_ids has {len(ids)} entries, expected n_samples={n}")
             b = self._n_batches + len(self._pending)
             sample: dict[str, Any] = {"sample_id": ids, "batch": np.full(n, b, dtype=np.int64)}
             token: dict[str, Any] | None = None
@@ -531,22 +538,22 @@ class StoreWriter:
             if token_mask is not None:
                 mask = token_mask.detach().to("cpu").to(torch.bool)
                 if mask.dim() != 2 or mask.shape[0] != n:
-                    raise ValueError(f"token_mask must be (batch={n}, pos), got {tuple(mask.shape)}")
+                    raise ArgumentValueError(f"token_mask must be (batch={n}, pos), got {tuple(mask.shape)}")
                 idx = mask.nonzero()
                 si, pos = idx[:, 0].numpy(), idx[:, 1].numpy()
                 ids_arr = np.asarray(ids, dtype=object if not isinstance(ids, np.ndarray) else None)
                 token = {"sample_id": ids_arr[si], "pos": pos.astype(np.int64), "batch": np.full(len(si), b, dtype=np.int64)}
             for key, col in (columns or {}).items():
-                is_token = isinstance(col, torch.Tensor) and _C.is_token_rows(col, mask)  # the sink's rule
+                is_token = isinstance(col, torch.Tensor) and _native.load().is_token_rows(col, mask)  # the sink's rule
                 kind = "token" if is_token else "sample"
                 if key in _RESERVED[kind]:
-                    raise ValueError(f"column {key!r} clashes with a reserved row-table column {list(_RESERVED[kind])}; rename it")
+                    raise ArgumentValueError(f"column {key!r} clashes with a reserved row-table column {list(_RESERVED[kind])}; rename it")
                 if is_token:
                     token[key] = _to_column(col.detach().to("cpu")[mask])
                 else:
                     values = _to_column(col)
                     if len(values) != n:
-                        raise ValueError(f"column {key!r} has {len(values)} entries, expected n_samples={n}")
+                        raise ArgumentValueError(f"column {key!r} has {len(values)} entries, expected n_samples={n}")
                     sample[key] = values
             n_tokens = 0 if token is None else len(token["pos"])
             cums = {}
@@ -701,7 +708,7 @@ class StoreWriter:
         data = sink.getvalue()
         self._backend.set(key, data)
         info["parts"].append(key)
-        info.setdefault("crc32c", {})[key] = int(_C.crc32c(data))
+        info.setdefault("crc32c", {})[key] = F.crc32c(data)
         info["n_rows"] = int(info.get("n_rows", 0)) + table.num_rows
         for name in table.column_names:
             if name not in info["columns"]:
@@ -760,7 +767,7 @@ class StoreWriter:
                 self._backend.set(key, data)
                 if name in entries:
                     entries[name]["script"] = key
-                    entries[name].setdefault("crc32c", {})[key] = int(_C.crc32c(data))
+                    entries[name].setdefault("crc32c", {})[key] = F.crc32c(data)
 
     def _write_small_array(self, path: str, t: torch.Tensor, attrs: dict,
                            dimension_names: list[str] | None = None) -> dict[str, int]:
@@ -783,7 +790,7 @@ class StoreWriter:
             return {}
         data = np.ascontiguousarray(arr).astype(arr.dtype.newbyteorder("<")).tobytes()
         self._backend.set(key, data)
-        return {key: int(_C.crc32c(data))}
+        return {key: F.crc32c(data)}
 
     # ------------------------------------------------------------------ close
     def _stop_threads(self) -> None:
@@ -801,7 +808,7 @@ class StoreWriter:
             "incomplete") and stays readable.
         """
         if status not in ("complete", "incomplete"):
-            raise ValueError(f"status must be one of ['complete', 'incomplete'], got {status!r}")
+            raise ArgumentValueError(f"status must be one of ['complete', 'incomplete'], got {status!r}")
         with self._lock:
             if self._closed:
                 return

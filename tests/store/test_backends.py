@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import socket
-
 import numpy as np
 import pytest
 import torch
@@ -134,26 +132,6 @@ def test_zarr_memory_store_object():
     store = open_store(ms)
     assert _same(store["x"], data["x"])
     assert store.verify() == []
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def s3():
-    moto_server = pytest.importorskip("moto.server", reason="remote store test needs moto[server] (pip install 'moto[server]')")
-    s3fs = pytest.importorskip("s3fs", reason="remote store test needs s3fs")
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=_free_port(), verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    options = {"key": "test", "secret": "test", "client_kwargs": {"endpoint_url": f"http://{host}:{port}"}}
-    fs = s3fs.S3FileSystem(**options)
-    fs.mkdir("acs-bucket")
-    yield options
-    server.stop()
 
 
 def test_remote_s3_store_resume_and_read(s3, mlp):
