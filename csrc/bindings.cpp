@@ -284,6 +284,12 @@ void bind_capture(py::module_& m) {
       .def_readwrite("sample_every", &TrackerCore::sample_every)
       .def_readwrite("max_k", &TrackerCore::max_k)
       .def_readwrite("token_mask", &TrackerCore::token_mask)
+      .def_readwrite("token_rows", &TrackerCore::token_rows)
+      .def_property_readonly("auto_token_mask",
+                             [](const TrackerCore& c) { return c.auto_mask.defined() ? c.auto_mask : at::empty({0}); })
+      .def_readwrite("stop_after_last", &TrackerCore::stop_after_last)
+      .def_property_readonly("stop_learnt", [](const TrackerCore& c) { return c.stop_count > 0; })
+      .def_readonly("stopped", &TrackerCore::stopped)
       .def_readonly("n_forwards", &TrackerCore::n_forwards)
       .def_readonly("capturing", &TrackerCore::capturing)
       .def_readonly("batch_size", &TrackerCore::batch_size)
@@ -372,6 +378,7 @@ void bind_store(py::module_& m) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "activationscope native core: forward wrapper, capture sinks, reductions, store writer";
   m.attr("TORCH_VERSION") = ACS_TORCH_VERSION;
+  m.attr("_StopForward") = py::handle(acs::stop_forward_type());
   acs::register_error_translators();
   acs::bind_capture(m);
   acs::bind_reductions(m);

@@ -56,9 +56,9 @@ void collect(py::handle obj, const std::string& prefix, Leaves& out, int depth) 
   }
 }
 
-// Samples in a root forward: the first dimension of the model's first tensor input
-// (positional, else keyword); -1 when the inputs hold no tensor with a dimension.
-int64_t root_batch_size(const py::args& args, const py::kwargs& kwargs) {
+// The model's first tensor input with a dimension (positional, else keyword), or undefined.
+// Its first dimension is the forward's samples; with rows="token" its first two are (batch, pos).
+at::Tensor root_first_input(const py::args& args, const py::kwargs& kwargs) {
   Leaves leaves;
   for (size_t i = 0; i < args.size() && leaves.empty(); ++i) collect(args[i], "", leaves, 0);
   if (leaves.empty()) {
@@ -68,11 +68,19 @@ int64_t root_batch_size(const py::args& args, const py::kwargs& kwargs) {
     }
   }
   for (const auto& leaf : leaves)
-    if (leaf.second.dim() >= 1) return leaf.second.size(0);
-  return -1;
+    if (leaf.second.dim() >= 1) return leaf.second;
+  return at::Tensor();
 }
 
 }  // namespace
+
+PyObject* stop_forward_type() {
+  static PyObject* type = PyErr_NewExceptionWithDoc(
+      "activationscope._C._StopForward",
+      "Internal: ends a tracked forward after its last hook point (stop_after_last).",
+      PyExc_BaseException, nullptr);
+  return type;
+}
 
 py::object ForwardWrapper::call(py::args args, py::kwargs kwargs) {
   if (sites_.empty() || torch::autograd::get_current_graph_task_id() != -1) {
@@ -86,7 +94,20 @@ py::object ForwardWrapper::call(py::args args, py::kwargs kwargs) {
       TrackerCore& c = *s->core;
       if (c.depth++ == 0) {
         c.capturing = c.decide(c.n_forwards);
-        c.batch_size = root_batch_size(args, kwargs);
+        at::Tensor first = root_first_input(args, kwargs);
+        c.batch_size = first.defined() ? first.size(0) : -1;
+        if (c.token_rows) {
+          if (first.defined() && first.dim() >= 2) {
+            if (!c.auto_mask.defined() || c.auto_mask.size(0) != first.size(0) || c.auto_mask.size(1) != first.size(1))
+              c.auto_mask = at::ones({first.size(0), first.size(1)}, at::TensorOptions().dtype(at::kBool));
+          } else {
+            c.auto_mask = at::Tensor();
+          }
+        }
+        c.n_consumed = 0;
+        c.last_sink.reset();
+        c.stop_now = false;
+        c.stopped = false;
         ++c.n_forwards;
         if (c.on_forward_start && !c.on_forward_start.is_none()) c.on_forward_start();
       }
@@ -102,11 +123,6 @@ py::object ForwardWrapper::call(py::args args, py::kwargs kwargs) {
   } guard{roots};
 
   // Which sites capture this call, and under which names.
-  struct Active {
-    Site* site;
-    std::string base;  // "<path>" or "<path>#k"
-    int64_t k;
-  };
   std::vector<Active> active;
   for (auto& s : sites_) {
     TrackerCore& c = *s->core;
@@ -140,7 +156,7 @@ py::object ForwardWrapper::call(py::args args, py::kwargs kwargs) {
           s.in0_sink = resolve(*s.core, join(a.base, "input") + ".0", THPVariable_Unpack(args[0].ptr()));
           s.in0_resolved = true;
         }
-        if (s.in0_sink) consume_one(*s.core, *s.in0_sink, THPVariable_Unpack(args[0].ptr()));
+        if (s.in0_sink) consume_one(*s.core, s.in0_sink, THPVariable_Unpack(args[0].ptr()));
         continue;
       }
       in_leaves.clear();
@@ -154,9 +170,24 @@ py::object ForwardWrapper::call(py::args args, py::kwargs kwargs) {
     }
   }
 
-  py::object out = call_original(args, kwargs);
+  bool stopped = stop_point(active, roots);
+  py::object out = py::none();
+  if (!stopped) {
+    try {
+      out = call_original(args, kwargs);
+    } catch (py::error_already_set& e) {
+      if (roots.empty() || !e.matches(stop_forward_type())) throw;
+      py::object target = py::getattr(e.value(), "args")[py::int_(0)];
+      void* who = PyLong_AsVoidPtr(target.ptr());
+      bool mine = false;
+      for (Site* s : roots) mine = mine || (s->core.get() == who && s->core->depth == 1);
+      if (!mine) throw;  // another tracker's stop: its own root catches it
+      stopped = true;
+      static_cast<TrackerCore*>(who)->stopped = true;
+    }
+  }
 
-  if (!active.empty()) {
+  if (!active.empty() && !stopped) {
     Leaves out_leaves;
     for (auto& a : active) {
       if (!a.site->capture_output) continue;
@@ -166,20 +197,51 @@ py::object ForwardWrapper::call(py::args args, py::kwargs kwargs) {
           s.out_sink = resolve(*s.core, join(a.base, "output"), THPVariable_Unpack(out.ptr()));
           s.out_resolved = true;
         }
-        if (s.out_sink) consume_one(*s.core, *s.out_sink, THPVariable_Unpack(out.ptr()));
+        if (s.out_sink) consume_one(*s.core, s.out_sink, THPVariable_Unpack(out.ptr()));
         continue;
       }
       out_leaves.clear();
       collect(out, join(a.base, "output"), out_leaves, 0);
       consume_all(*a.site->core, out_leaves);
     }
+    stopped = stop_point(active, roots);
   }
 
+  bool none = stopped;
   for (Site* s : roots) {
     TrackerCore& c = *s->core;
-    if (c.depth == 1 && c.on_forward_end && !c.on_forward_end.is_none()) c.on_forward_end();
+    if (c.depth != 1) continue;
+    if (c.stop_after_last && c.capturing) {
+      none = true;  // with stop_after_last a captured forward returns None (documented)
+      if (c.stop_count < 0 && !c.stopped && c.n_consumed > 0) {
+        c.stop_count = c.n_consumed;  // the first whole captured forward: learn its stop point
+        c.stop_sink = c.last_sink;
+      }
+    }
+    if (c.on_forward_end && !c.on_forward_end.is_none()) c.on_forward_end();
   }
-  return out;
+  return none ? py::none() : out;
+}
+
+// After captures: true when a tracker rooted at this call reached its stop point (the forward
+// then ends here and returns None); raises the stop exception when the root of a tracker that
+// reached it is further up the call stack.
+bool ForwardWrapper::stop_point(const std::vector<Active>& active, const std::vector<Site*>& roots) {
+  for (const auto& a : active) {
+    TrackerCore& c = *a.site->core;
+    if (!c.stop_now) continue;
+    c.stop_now = false;
+    for (Site* s : roots) {
+      if (s->core.get() == &c && c.depth == 1) {
+        c.stopped = true;
+        return true;
+      }
+    }
+    py::object target = py::reinterpret_steal<py::object>(PyLong_FromVoidPtr(&c));
+    PyErr_SetObject(stop_forward_type(), target.ptr());
+    throw py::error_already_set();
+  }
+  return false;
 }
 
 std::string ForwardWrapper::join(const std::string& base, const char* what) {
@@ -203,15 +265,16 @@ py::object ForwardWrapper::call_original(const py::args& args, const py::kwargs&
   return py::reinterpret_steal<py::object>(r);
 }
 
-void ForwardWrapper::consume_one(TrackerCore& core, Sink& sink, const at::Tensor& t) {
+void ForwardWrapper::consume_one(TrackerCore& core, const std::shared_ptr<Sink>& sink, const at::Tensor& t) {
   if (core.batch_size < 0 && t.dim() >= 1) core.batch_size = t.size(0);
-  at::Tensor mask = core.token_mask;
-  if (sink.keeps_reference_only()) {  // a few pointer updates: not worth a GIL hand-off
-    sink.consume(t, mask);
-    return;
+  at::Tensor mask = core.mask();
+  if (sink->keeps_reference_only()) {  // a few pointer updates: not worth a GIL hand-off
+    sink->consume(t, mask);
+  } else {
+    py::gil_scoped_release nogil;
+    sink->consume(t, mask);
   }
-  py::gil_scoped_release nogil;
-  sink.consume(t, mask);
+  core.note(sink);
 }
 
 void ForwardWrapper::consume_all(TrackerCore& core, const Leaves& leaves) {
@@ -219,16 +282,19 @@ void ForwardWrapper::consume_all(TrackerCore& core, const Leaves& leaves) {
   if (core.batch_size < 0 && leaves.front().second.dim() >= 1) {
     core.batch_size = leaves.front().second.size(0);
   }
-  std::vector<std::pair<Sink*, const at::Tensor*>> work;
+  std::vector<std::pair<std::shared_ptr<Sink>, const at::Tensor*>> work;
   work.reserve(leaves.size());
   for (const auto& leaf : leaves) {
     std::shared_ptr<Sink> sink = resolve(core, leaf.first, leaf.second);
-    if (sink) work.emplace_back(sink.get(), &leaf.second);
+    if (sink) work.emplace_back(std::move(sink), &leaf.second);
   }
   if (work.empty()) return;
-  at::Tensor mask = core.token_mask;
-  py::gil_scoped_release nogil;
-  for (auto& w : work) w.first->consume(*w.second, mask);
+  at::Tensor mask = core.mask();
+  {
+    py::gil_scoped_release nogil;
+    for (auto& w : work) w.first->consume(*w.second, mask);
+  }
+  for (auto& w : work) core.note(w.first);
 }
 
 // tp_call of ForwardWrapper: the arguments exactly as CPython passes them (the caller's

@@ -36,10 +36,34 @@ struct TrackerCore {
   int depth = 0;                    // root forward nesting
   bool capturing = true;            // decision for the current root forward
   int64_t batch_size = -1;          // first dim of the first tensor captured in this forward
+  // rows="token": without a mask, (batch, pos) are the first two dims of the model's first
+  // tensor input; auto_mask is that all-true (batch, pos) mask of the current forward.
+  bool token_rows = false;
+  at::Tensor auto_mask;
+  // stop_after_last: end a captured forward once it has made as many captures as the first
+  // whole captured forward and the last of them was that forward's last hook point.
+  bool stop_after_last = false;
+  int64_t n_consumed = 0;           // captures (sink calls) in this root forward
+  std::shared_ptr<Sink> last_sink;  // the sink of the last of them
+  int64_t stop_count = -1;          // captures of the first whole captured forward (-1: not learnt)
+  std::shared_ptr<Sink> stop_sink;  // its last hook point
+  bool stop_now = false;            // this forward has reached the stop point
+  bool stopped = false;             // the last root forward was stopped there
   py::object on_new_hook_point;     // (name: str, tensor) -> Sink | None
   py::object on_forward_start;      // () -> None, or None
   py::object on_forward_end;        // () -> None, or None
   std::unordered_map<std::string, std::shared_ptr<Sink>> sinks;  // nullptr = not captured
+
+  // The token mask of this forward: the user's (set_batch), else the rows="token" one.
+  at::Tensor mask() const { return token_mask.defined() ? token_mask : auto_mask; }
+
+  // One capture of `sink` in a root forward: counts towards the stop point.
+  void note(const std::shared_ptr<Sink>& sink) {
+    if (!stop_after_last || depth == 0) return;
+    ++n_consumed;
+    last_sink = sink;
+    if (stop_count > 0 && n_consumed == stop_count && sink == stop_sink) stop_now = true;
+  }
 
   bool decide(int64_t index) const {
     switch (policy) {
@@ -67,8 +91,21 @@ struct Site {
   std::shared_ptr<Sink> in0_sink, out_sink;
 };
 
+// The private exception type that ends a forward at its stop point (stop_after_last): raised
+// by the wrapper whose capture completed the forward, caught by the root wrapper of the same
+// tracker (its argument is the tracker core's address). A BaseException, so that model code's
+// `except Exception:` does not swallow it. Bound as activationscope._C._StopForward.
+PyObject* stop_forward_type();
+
 class ForwardWrapper {
  public:
+  // A site that captures the current call, and the name it captures under.
+  struct Active {
+    Site* site;
+    std::string base;  // "<path>" or "<path>#k"
+    int64_t k;
+  };
+
   explicit ForwardWrapper(py::object original) : original_(std::move(original)) {}
 
   void add_site(std::shared_ptr<Site> site) { sites_.push_back(std::move(site)); }
@@ -92,7 +129,8 @@ class ForwardWrapper {
   static std::string join(const std::string& base, const char* what);
   static std::shared_ptr<Sink> resolve(TrackerCore& core, const std::string& name, const at::Tensor& t);
   py::object call_original(const py::args& args, const py::kwargs& kwargs) const;
-  static void consume_one(TrackerCore& core, Sink& sink, const at::Tensor& t);
+  static bool stop_point(const std::vector<Active>& active, const std::vector<Site*>& roots);
+  static void consume_one(TrackerCore& core, const std::shared_ptr<Sink>& sink, const at::Tensor& t);
   static void consume_all(TrackerCore& core, const std::vector<std::pair<std::string, at::Tensor>>& leaves);
 
   py::object original_;

@@ -114,6 +114,9 @@ at::Tensor Sink::rows_of(const at::Tensor& x, const at::Tensor& token_mask) {
               shape_str(x.sizes()), " and mask ",
               token_mask.defined() ? shape_str(token_mask.sizes()) : std::string("None"),
               ". Pass attention_mask= to tracker.set_batch() for every batch.");
+    if (token_mask.device().is_cpu() && token_mask.all().item<bool>()) {
+      return x.flatten(0, 1);  // every position is a token (rows="token" without a mask): a view
+    }
     at::Tensor m = token_mask.device() == x.device() ? token_mask : token_mask.to(x.device());
     return x.index({m});
   }

@@ -46,6 +46,7 @@ def run_capture(
     store_options: dict[str, Any] | None = None,
     progress: bool = True,
     desc: str = "capture",
+    stop_after_last: bool = False,
 ) -> CaptureSummary:
     """Run ``batches`` through ``model`` with a store tracker attached.
 
@@ -57,6 +58,8 @@ def run_capture(
         (``attention_mask``, ``sample_ids``, columns).
     n_total : int
         Samples expected (for the progress bar).
+    stop_after_last : bool, default False
+        End each forward after its last tracked hook point (``ActivationScope(stop_after_last=True)``).
     """
     import torch
     from tqdm.auto import tqdm
@@ -70,6 +73,7 @@ def run_capture(
         reductions=reductions or None,
         storage_dtype=storage_dtype,
         capture=capture,
+        stop_after_last=stop_after_last,
     )
     summary = CaptureSummary()
     tracker = scope.track(model, include=include, exclude=exclude)  # validates the patterns first

@@ -92,6 +92,7 @@ class CaptureMode(enum.Enum):
 
 
 _CAPTURE_SIDES = ("output", "input", "both")
+_ROWS = ("auto", "token")
 _POLICY_CODE = {CapturePolicy.EVERY: 0, CapturePolicy.SAMPLE_N: 1, CapturePolicy.MAX_K: 2}
 _KEEP_CODE = {ReductionPolicy.STORE_ALL: 0, ReductionPolicy.FINAL_ONLY: 1, ReductionPolicy.STREAMING: 2}
 _PLACEMENT_CODE = {StoragePolicy.AUTO: 0, StoragePolicy.CPU: 1, StoragePolicy.GPU: 2, StoragePolicy.DISK: 3}
@@ -168,6 +169,23 @@ class ActivationScope:
         (``tracker.parameters``).
     include, exclude : list of str, optional
         Default fnmatch patterns of modules for :meth:`track`.
+    rows : {"auto", "token"}, default "auto"
+        What a stored row is. ``"auto"``: one row per real token for hook points whose
+        activation starts with the ``(batch, pos)`` of an attention mask given to
+        :meth:`Tracker.set_batch`, else one row per sample. ``"token"``: one row per token
+        also without a mask: ``(batch, pos)`` are the first two dimensions of the model's
+        first tensor input (token ids ``(batch, pos)``, or embeddings ``(batch, pos, d)``),
+        and every hook point whose activation starts with them stores
+        ``(batch * pos, *rest)`` rows, in ``(sample, position)`` order; a mask given to
+        ``set_batch`` still leaves padding out.
+    stop_after_last : bool, default False
+        End each captured forward as soon as every tracked hook point of it has been
+        captured: the modules after the last hook point (later layers, the unembedding)
+        do not run, and the forward returns ``None``. Which hook point is last is learnt
+        from the first captured forward (call order), which runs in full. Records, stores
+        and reductions are exactly those of a full run. Forwards that the capture policy
+        skips run in full and return their output. See the capture guide for what it
+        assumes (every forward reaches the same hook points in the same order).
 
     Raises
     ------
@@ -200,8 +218,16 @@ class ActivationScope:
         capture_parameters: bool = False,
         include: Iterable[str] | None = None,
         exclude: Iterable[str] | None = None,
+        rows: str = "auto",
+        stop_after_last: bool = False,
     ) -> None:
         self.capture = _parse_capture(capture)
+        if rows not in _ROWS:
+            raise ValueError(f"rows must be one of {list(_ROWS)}, got {rows!r}")
+        if not isinstance(stop_after_last, bool):
+            raise TypeError(f"stop_after_last must be a bool, got {stop_after_last!r}")
+        self.rows = rows
+        self.stop_after_last = stop_after_last
         self.capture_policy = _parse_enum(capture_policy, CapturePolicy, "capture_policy")
         self.capture_mode = _parse_enum(capture_mode, CaptureMode, "capture_mode")
         self.storage = _parse_enum(storage, StoragePolicy, "storage")
@@ -253,6 +279,8 @@ class ActivationScope:
             "storage_dtype": None if self.storage_dtype is None else str(self.storage_dtype).replace("torch.", ""),
             "include": self.include,
             "exclude": self.exclude,
+            "rows": self.rows,
+            "stop_after_last": self.stop_after_last,
         }
 
     def track(
@@ -261,6 +289,7 @@ class ActivationScope:
         include: Iterable[str] | None = None,
         exclude: Iterable[str] | None = None,
         capture: str | None = None,
+        stop_after_last: bool | None = None,
     ) -> "Tracker":
         """Make a tracker for ``model`` (attached on ``__enter__`` or :meth:`Tracker.attach`).
 
@@ -271,17 +300,29 @@ class ActivationScope:
             fnmatch patterns on ``named_modules()`` names; override the scope's.
         capture : {"output", "input", "both"}, optional
             Override the scope's side.
+        stop_after_last : bool, optional
+            Override the scope's ``stop_after_last``: end each captured forward after its
+            last tracked hook point; the forward then returns ``None``.
 
         Raises
         ------
         HookPointNotFoundError
             A pattern matches no module.
+
+        Example
+        -------
+        >>> with scope.track(model, include=["blocks.2.hook_resid_post"],
+        ...                  stop_after_last=True) as tracker:        # doctest: +SKIP
+        ...     model(tokens)                                        # returns None
         """
         side = self.capture if capture is None else _parse_capture(capture)
         inc = normalize_patterns(include, "include") if include is not None else self.include
         exc = normalize_patterns(exclude, "exclude") if exclude is not None else self.exclude
+        if stop_after_last is not None and not isinstance(stop_after_last, bool):
+            raise TypeError(f"stop_after_last must be a bool, got {stop_after_last!r}")
         modules = select_modules(model, inc, exc)
-        return Tracker(self, model, modules, side)
+        stop = self.stop_after_last if stop_after_last is None else stop_after_last
+        return Tracker(self, model, modules, side, stop_after_last=stop)
 
 
 class Tracker:
@@ -309,7 +350,7 @@ class Tracker:
     """
 
     def __init__(self, scope: ActivationScope, model: torch.nn.Module,
-                 modules: list[tuple[str, torch.nn.Module]], side: str) -> None:
+                 modules: list[tuple[str, torch.nn.Module]], side: str, stop_after_last: bool = False) -> None:
         self.scope = scope
         self.model = model
         self._modules = modules
@@ -320,6 +361,9 @@ class Tracker:
         self._core.policy = _POLICY_CODE[scope.capture_policy]
         self._core.sample_every = scope.sample_every
         self._core.max_k = -1 if scope.max_k is None else scope.max_k
+        self._core.token_rows = scope.rows == "token"
+        self._core.stop_after_last = bool(stop_after_last)
+        self.stop_after_last = bool(stop_after_last)
         self._arena = _C.Arena()
         self._sinks: dict[str, Any] = {}
         self._reduction_names: dict[str, list[str]] = {}
@@ -331,6 +375,8 @@ class Tracker:
         self._batch: dict[str, Any] | None = None
         self._n_samples = 0
         self._open_forward: int | None = None  # index of a root forward that started and has not ended
+        self._stop_learnt = False  # stop_after_last: the stop point was known when this forward started
+        self._warned_stop = False
         self.parameters: dict[str, torch.Tensor] = {}
         self.writer = None
         self._reference_mode = scope.capture_mode is CaptureMode.REFERENCE
@@ -357,7 +403,7 @@ class Tracker:
         if self.scope.store is not None and self.writer is None:
             self.writer = open_writer(
                 self.scope.store,
-                capture_config=self.scope.config(),
+                capture_config={**self.scope.config(), "stop_after_last": self.stop_after_last},
                 model=self.model,
                 storage_dtype=self.scope.storage_dtype,
                 **self.scope.store_options,
@@ -519,6 +565,9 @@ class Tracker:
     def _on_new_hook_point(self, name: str, tensor: torch.Tensor) -> Any:
         scope = self.scope
         mask = self._pending_batch["attention_mask"] if self._pending_batch else None
+        if mask is None and scope.rows == "token":
+            mask = self._core.auto_token_mask  # (batch, pos) of the model's first input, all true
+            mask = mask if mask.dim() == 2 else None
         token = _C.is_token_rows(tensor, mask)  # the rule of the native sink (sink.h)
         keep = _KEEP_CODE[scope.reduction_policy]
         if not self._in_memory:
@@ -553,6 +602,7 @@ class Tracker:
         return sink
 
     def _on_forward_start(self) -> None:
+        self._stop_learnt = self.stop_after_last and self._core.stop_learnt
         if self._open_forward is not None:
             self._forward_raised()
         self._open_forward = self._core.n_forwards - 1 if self._core.capturing else None
@@ -565,14 +615,29 @@ class Tracker:
         self._open_forward = None
         if not self._core.capturing:
             return
+        if self._stop_learnt and not self._core.stopped and not self._warned_stop:
+            self._warned_stop = True
+            warnings.warn(
+                f"forward {self._core.n_forwards - 1} of the tracked model ran to its end without reaching the stop "
+                "point of stop_after_last=True (the last hook point of the first captured forward, after as many "
+                "captures): its hook points differ from the first forward's. Its capture is whole, but a forward "
+                "whose extra hook points come after the stop point would lose them; use stop_after_last=False "
+                "for models whose hook points change from forward to forward",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         batch = self._batch or {}
         n = _batch_size(batch, self._core.batch_size)
         if self.writer is not None:
             ids = batch.get("sample_ids")
             if ids is None:
                 ids = np.arange(self._n_samples, self._n_samples + n, dtype=np.int64)
+            mask = batch.get("attention_mask")
+            if mask is None and self.scope.rows == "token":
+                mask = self._core.auto_token_mask
+                mask = mask if mask.dim() == 2 else None
             self.writer.add_batch(
-                n_samples=n, sample_ids=ids, token_mask=batch.get("attention_mask"), columns=batch.get("columns") or {}
+                n_samples=n, sample_ids=ids, token_mask=mask, columns=batch.get("columns") or {}
             )
             self.writer.maybe_commit()
         self._n_samples += n

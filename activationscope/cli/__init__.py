@@ -138,6 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "committed a whole shard at a time, so smaller shards commit more often")
     p.add_argument("--chunk-rows", type=_positive, default=None, metavar="N",
                    help="rows per chunk (default: about 256 KiB of rows, at most 16384)")
+    p.add_argument("--stop-after-last", action="store_true",
+                   help="end each forward after its last tracked hook point (later layers do not run)")
     p.add_argument("--batch-size", type=int, default=32, help="samples per forward (default: %(default)s)")
     p.add_argument("--max-samples", type=int, default=None, help="capture at most this many samples")
     p.add_argument("--max-length", type=int, default=128, help="token limit of text samples (default: %(default)s)")
@@ -305,7 +307,7 @@ def cmd_capture(args: argparse.Namespace) -> int:
     summary = run_capture(
         loaded.model, batches, out=out, n_total=n - first, include=include, exclude=exclude,
         reductions=reductions, capture=args.capture, storage_dtype=dtype, store_options=store_options,
-        progress=not args.no_progress,
+        progress=not args.no_progress, stop_after_last=args.stop_after_last,
     )
     print(
         f"captured {summary.n_samples} samples ({summary.n_forwards} forwards, {len(summary.hook_points)} hook points) "

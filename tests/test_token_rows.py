@@ -1,0 +1,113 @@
+"""``rows="token"``: one row per token without an attention mask, taken from the (batch, pos)
+of the model's first input; a mask, when given, still leaves padding out."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import activationscope as acs
+
+
+class TinyLM(torch.nn.Module):
+    """Token ids (batch, pos) -> embeddings -> two blocks -> a pooled (batch, d) head."""
+
+    def __init__(self, vocab: int = 50, d: int = 8) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(vocab, d)
+        self.block0 = torch.nn.Linear(d, d)
+        self.block1 = torch.nn.Linear(d, d)
+        self.head = torch.nn.Linear(d, 3)
+
+    def forward(self, ids):
+        x = self.block1(torch.relu(self.block0(self.embed(ids))))
+        return self.head(x.mean(1))
+
+
+def _batches():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, 50, (3, 5), generator=g), torch.randint(0, 50, (2, 7), generator=g)]
+
+
+def test_store_has_one_row_per_token_in_sample_position_order(tmp_path):
+    model = TinyLM().eval()
+    scope = acs.ActivationScope(store=tmp_path / "s.zarr", rows="token", reductions=["mean"])
+    with torch.no_grad(), scope.track(model, include=["block0", "block1", "head"]):
+        for ids in _batches():
+            model(ids)
+    store = acs.open_store(tmp_path / "s.zarr")
+    with torch.no_grad():  # plain PyTorch reference
+        ref0 = torch.cat([model.block0(model.embed(ids)).reshape(-1, 8) for ids in _batches()])
+        heads = torch.cat([model(ids) for ids in _batches()])
+    assert store.row_kind("block0.output") == "token" and store.row_kind("head.output") == "sample"
+    assert torch.equal(store["block0.output"], ref0)
+    assert store.n_rows("block1.output") == 3 * 5 + 2 * 7
+    assert torch.equal(store["head.output"], heads)  # (batch, 3): not (batch, pos), one row per sample
+    table = store.row_table("token")
+    assert table["sample_id"].to_pylist() == [s for s in range(3) for _ in range(5)] + [s for s in (3, 4) for _ in range(7)]
+    assert table["pos"].to_pylist() == list(range(5)) * 3 + list(range(7)) * 2
+    assert torch.allclose(store.reductions["block0.output"]["mean"], ref0.double().mean(0))
+    assert store.attrs["capture_config"]["rows"] == "token"
+
+
+def test_without_rows_token_a_sequence_output_is_one_row_per_sample(tmp_path):
+    model = TinyLM().eval()
+    ids = _batches()[0]
+    with torch.no_grad(), acs.ActivationScope(store=tmp_path / "s.zarr").track(model, include=["block0"]):
+        model(ids)
+    store = acs.open_store(tmp_path / "s.zarr")
+    assert store.row_kind("block0.output") == "sample" and store["block0.output"].shape == (3, 5, 8)
+
+
+def test_a_mask_still_leaves_padding_out(tmp_path):
+    model = TinyLM().eval()
+    ids = _batches()[0]
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0]])
+    scope = acs.ActivationScope(store=tmp_path / "s.zarr", rows="token")
+    with torch.no_grad(), scope.track(model, include=["block0"]) as tracker:
+        tracker.set_batch(attention_mask=mask)
+        model(ids)
+    store = acs.open_store(tmp_path / "s.zarr")
+    with torch.no_grad():
+        ref = model.block0(model.embed(ids))[mask.bool()]
+    assert torch.equal(store["block0.output"], ref)
+    assert store.row_table("token")["pos"].to_pylist() == [0, 1, 2, 3, 4, 0, 1, 0, 1, 2]
+
+
+def test_in_memory_reductions_and_embedding_inputs(transformer):
+    # an encoder fed embeddings (batch, pos, d): (batch, pos) are the input's first two dims
+    x = torch.randn(4, 6, 16)
+    scope = acs.ActivationScope(rows="token", reductions=["mean", "max"])
+    with torch.no_grad(), scope.track(transformer, include=["layers.0"]) as tracker:
+        transformer(x)
+    with torch.no_grad():
+        ref = transformer.layers[0](x).reshape(-1, 16).double()
+    assert torch.allclose(tracker.reductions["layers.0.output"]["mean"], ref.mean(0), atol=1e-6)
+    assert torch.equal(tracker.reductions["layers.0.output"]["max"], ref.max(0).values)
+    assert tracker.activations["layers.0.output"][0].shape == (4, 6, 16)  # records keep their shape
+
+
+def test_rows_is_validated():
+    with pytest.raises(ValueError, match=r"rows must be one of \['auto', 'token'\], got 'tokens'"):
+        acs.ActivationScope(rows="tokens")
+
+
+def test_token_rows_with_hf_keyword_inputs(tmp_path):
+    class KwModel(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.embed = torch.nn.Embedding(20, 4)
+
+        def forward(self, input_ids=None):
+            return self.embed(input_ids)
+
+    model = KwModel()
+    ids = torch.randint(0, 20, (2, 3))
+    with torch.no_grad(), acs.ActivationScope(store=tmp_path / "s.zarr", rows="token").track(model, include=["embed"]):
+        model(input_ids=ids)
+    store = acs.open_store(tmp_path / "s.zarr")
+    assert torch.equal(store["embed.output"], model.embed.weight[ids.reshape(-1)].detach())
+    assert np.array_equal(store.row_table("token")["pos"].to_numpy(), [0, 1, 2, 0, 1, 2])
