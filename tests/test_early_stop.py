@@ -243,7 +243,7 @@ def test_last_hook_point_is_the_last_module(mlp):
 
 @needs_demo
 def test_minilm_store_equals_full_run(tmp_path):
-    from activationscope import demo
+    from activationscope.analysis import demo
 
     tokenizer, model = demo.load_model(pooled=False)
     texts = ["a short one .", "a somewhat longer sentence with more tokens in it .", "mid length text here ."]
