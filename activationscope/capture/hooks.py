@@ -5,6 +5,11 @@ A *hook point* is a named capture site: ``<module path>.output``, ``<module path
 (``<module path>.output.last_hidden_state``, ``<module path>.output.0``) and ``#k`` after the
 module path for the k-th call of one module within one forward (``blocks.0#1.output``).
 Modules are selected by fnmatch patterns on their ``named_modules()`` names.
+
+A TransformerLens ``HookPoint`` (an identity module that exists to be hooked) is recorded
+under its TransformerLens name, the module path itself (``blocks.0.hook_resid_post``,
+``blocks.0.attn.hook_z``, ``#k`` appended for later calls in one forward), not
+``<path>.output``: its input and output are the same tensor, captured once.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import torch
 
 from ..errors import HookPointNotFoundError
 
-__all__ = ["select_modules", "hook_point_module", "normalize_patterns"]
+__all__ = ["select_modules", "hook_point_module", "normalize_patterns", "is_hook_point_module", "rename_hook_point"]
 
 
 def normalize_patterns(patterns: str | Iterable[str] | None, argument: str) -> list[str] | None:
@@ -107,6 +112,29 @@ def hook_point_module(hook_point: str) -> str:
     if hook_point.startswith(("output", "input")):
         return ""
     return hook_point.split("#")[0]
+
+
+def is_hook_point_module(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is a TransformerLens ``HookPoint`` (checked by class, without
+    importing TransformerLens)."""
+    return any(c.__name__ == "HookPoint" and c.__module__.startswith("transformer_lens")
+               for c in type(module).__mro__)
+
+
+def rename_hook_point(name: str, hook_point_paths: frozenset[str], side: str) -> str | None:
+    """The recorded name of the capture site ``name`` (``<path>[#k].output`` or
+    ``<path>[#k].input.0``) when ``<path>`` is a TransformerLens ``HookPoint``:
+    ``<path>[#k]``; ``None`` for its input when both sides are captured (the same tensor as
+    its output). Other names are returned unchanged.
+    """
+    if not hook_point_paths:
+        return name
+    for suffix, is_input in ((".output", False), (".input.0", True)):
+        if name.endswith(suffix):
+            base = name[: -len(suffix)]
+            if base.split("#")[0] in hook_point_paths:
+                return None if is_input and side == "both" else base
+    return name
 
 
 def _examples(names: Sequence[str], n: int = 8) -> str:

@@ -20,7 +20,7 @@ import torch
 
 from . import _native
 from ..errors import ActivationScopeError, CaptureError
-from .hooks import normalize_patterns, select_modules
+from .hooks import is_hook_point_module, normalize_patterns, rename_hook_point, select_modules
 from .results import HookPointResults, ReductionResults
 from .writer import open_writer, writer_options
 
@@ -355,6 +355,8 @@ class Tracker:
         self.model = model
         self._modules = modules
         self._side = side
+        # TransformerLens HookPoints are recorded under their own names (hooks.rename_hook_point)
+        self._hook_point_paths = frozenset(n for n, m in modules if is_hook_point_module(m))
         # The core's callbacks are bound while attached only: a pybind object is invisible to
         # the garbage collector, so a permanent Tracker -> core -> Tracker cycle would leak.
         self._core = _C.TrackerCore(None)
@@ -563,6 +565,9 @@ class Tracker:
 
     # ------------------------------------------------------------------ callbacks (cold path)
     def _on_new_hook_point(self, name: str, tensor: torch.Tensor) -> Any:
+        name = rename_hook_point(name, self._hook_point_paths, self._side)
+        if name is None:  # a HookPoint's input, already captured as its output
+            return None
         scope = self.scope
         mask = self._pending_batch["attention_mask"] if self._pending_batch else None
         if mask is None and scope.rows == "token":
@@ -668,7 +673,8 @@ class Tracker:
         )
 
     def _warn_changed(self, all_records: bool) -> None:
-        for name in sorted(self._core.changed_references(all_records)):
+        changed = (rename_hook_point(n, self._hook_point_paths, self._side) for n in self._core.changed_references(all_records))
+        for name in sorted(n for n in changed if n is not None):
             warnings.warn(
                 f"hook point {name!r}: a tensor kept by CaptureMode.REFERENCE was changed in place "
                 "after it was captured (its version counter moved), so the record no longer holds the "

@@ -5,14 +5,15 @@
 - Batch samplers: :class:`SequentialBatchSampler`, :class:`ShuffledBatchSampler`,
   :class:`ChunkShuffleBatchSampler` (deterministic from seed and epoch, split across
   ``torch.distributed`` ranks and DataLoader workers).
-- Export: :func:`export_arrow`, :func:`export_parquet`, and :func:`read_arrow` (Arrow IPC
-  back as zero-copy torch views).
+- Export: :func:`export_arrow`, :func:`export_parquet`, :func:`export_hf` (a Hugging Face
+  ``datasets`` dataset, also in SAELens's cached-activations layout), and :func:`read_arrow`
+  (Arrow IPC back as zero-copy torch views).
 """
 
 from __future__ import annotations
 
 from .dataset import ActivationDataset, Batch, collate
-from .export import EXPORT_FORMAT, arrow_to_torch, export_arrow, export_parquet, read_arrow
+from .export import EXPORT_FORMAT, arrow_to_torch, export_arrow, export_hf, export_parquet, read_arrow
 from .samplers import ChunkShuffleBatchSampler, SequentialBatchSampler, ShuffledBatchSampler, partition_bounds
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "partition_bounds",
     "export_arrow",
     "export_parquet",
+    "export_hf",
     "read_arrow",
     "arrow_to_torch",
     "EXPORT_FORMAT",

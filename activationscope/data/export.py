@@ -29,6 +29,7 @@ temporary name then renamed, so a failed export leaves no partial file.
 
 from __future__ import annotations
 
+import copy
 import json
 import mmap
 import os
@@ -44,7 +45,7 @@ import torch
 from ..errors import ActivationScopeError, ArgumentValueError
 from .dataset import ActivationDataset
 
-__all__ = ["export_arrow", "export_parquet", "read_arrow", "arrow_to_torch", "EXPORT_FORMAT"]
+__all__ = ["export_arrow", "export_parquet", "export_hf", "read_arrow", "arrow_to_torch", "EXPORT_FORMAT"]
 
 EXPORT_FORMAT = "activationscope-export/1"
 _META_DTYPE = b"activationscope.dtype"
@@ -135,11 +136,14 @@ def _tensor_to_arrow(t: torch.Tensor, field: pa.Field) -> pa.Array:
 
 
 def _dataset_for(source: Any, hook_points: Any, columns: Any, rows: Any, filter: Any) -> ActivationDataset:
-    if isinstance(source, ActivationDataset):
-        if hook_points is None and columns is None and rows is None and filter is None:
+    if isinstance(source, ActivationDataset) and hook_points is None and rows is None and filter is None:
+        if columns is None:
             return source
-        source = source.source
-    ds = ActivationDataset(source, hook_points=hook_points, rows=rows, filter=filter)
+        ds = copy.copy(source)  # the dataset's own row selection, other columns
+    else:
+        if isinstance(source, ActivationDataset):
+            source = source.source
+        ds = ActivationDataset(source, hook_points=hook_points, rows=rows, filter=filter)
     table = ds._row_table()
     chosen = table.column_names if columns is None else ([columns] if isinstance(columns, str) else list(columns))
     missing = [c for c in chosen if c not in table.column_names]
@@ -147,6 +151,14 @@ def _dataset_for(source: Any, hook_points: Any, columns: Any, rows: Any, filter:
         raise ArgumentValueError(f"columns {missing} are not in the {ds.row_kind} row table; it has {table.column_names}")
     ds._export_columns = chosen  # type: ignore[attr-defined]
     return ds
+
+
+def _export_columns(ds: ActivationDataset, columns: Any) -> list[str]:
+    """Row-table columns to export: those chosen by ``columns=``, else all of them."""
+    chosen = getattr(ds, "_export_columns", None)
+    if chosen is not None:
+        return chosen
+    return ds._row_table().column_names if columns is None else list(ds.columns)
 
 
 def _schema(ds: ActivationDataset, col_names: list[str], tensor_type: str) -> pa.Schema:
@@ -188,9 +200,7 @@ def _export(kind: str, source: Any, path: Any, hook_points: Any, columns: Any, b
     if not isinstance(batch_rows, int) or batch_rows < 1:
         raise ArgumentValueError(f"batch_rows must be a positive int, got {batch_rows!r}")
     ds = _dataset_for(source, hook_points, columns, rows, filter)
-    col_names = getattr(ds, "_export_columns", None)
-    if col_names is None:
-        col_names = ds._row_table().column_names if columns is None else list(ds.columns)
+    col_names = _export_columns(ds, columns)
     schema = _schema(ds, col_names, tensor_type)
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
@@ -290,6 +300,283 @@ def export_parquet(
         ``path``.
     """
     return _export("parquet", store, path, hook_points, columns, batch_rows, rows, filter, tensor_type, compression)
+
+
+# ---------------------------------------------------------------------- Hugging Face datasets
+# HF Array2D..Array5D store nested lists with 32-bit offsets: bound the values per record batch
+_HF_MAX_VALUES = (1 << 31) - 1
+
+
+def _hf_feature(shape: tuple[int, ...], dtype_name: str) -> Any:
+    """The ``datasets`` feature of one example of ``shape`` (``()`` a scalar)."""
+    from datasets import Array2D, Array3D, Array4D, Array5D, List, Value
+
+    if not shape:
+        return Value(dtype_name)
+    if len(shape) == 1:
+        return List(Value(dtype_name), length=int(shape[0]))
+    kinds = {2: Array2D, 3: Array3D, 4: Array4D, 5: Array5D}
+    if len(shape) not in kinds:
+        raise ActivationScopeError(
+            f"Hugging Face datasets holds arrays of at most 5 dimensions per example, got {shape}; "
+            "export one row per example (context_size=None) or fewer feature dimensions"
+        )
+    return kinds[len(shape)](shape=tuple(int(d) for d in shape), dtype=dtype_name)
+
+
+def _hf_values(t: torch.Tensor, bfloat16: str) -> pa.Array:
+    """All values of ``t`` as one flat Arrow array (bfloat16 upcast to float32, or its bits)."""
+    t = t.detach().cpu()
+    if t.dtype == torch.bfloat16:
+        t = t.float() if bfloat16 == "float32" else t.view(torch.int16)
+    flat = t.contiguous().reshape(-1).numpy()
+    if t.dtype == torch.int16 and bfloat16 == "bits" and flat.dtype == np.int16:
+        flat = flat.view(np.uint16)
+    if flat.dtype == np.bool_:
+        return pa.array(flat)
+    return pa.Array.from_buffers(pa.from_numpy_dtype(flat.dtype), flat.size, [None, pa.py_buffer(flat)])
+
+
+def _hf_column(values: pa.Array, shape: tuple[int, ...], feature: Any) -> pa.Array:
+    """Flat values of whole examples of ``shape`` -> the Arrow array of ``feature``."""
+    if not shape:
+        return values
+    if len(shape) == 1:
+        return pa.FixedSizeListArray.from_arrays(values, int(shape[0]))
+    arr: pa.Array = values
+    for d in reversed(shape):  # lists of the innermost dimension first
+        count = len(arr) // d
+        arr = pa.ListArray.from_arrays(pa.array(np.arange(0, count * d + 1, d, dtype=np.int32)), arr)
+    return pa.ExtensionArray.from_storage(feature(), arr)  # an ArrayND feature, called, is its Arrow type
+
+
+def _hf_plan(ds: ActivationDataset, col_names: list[str], context_size: int | None, bfloat16: str):
+    """``datasets.Features`` of the export, and the example shape of each hook point."""
+    import datasets
+
+    group = () if context_size is None else (context_size,)
+    table = ds._row_table()
+    features: dict[str, Any] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for hp in ds.hook_points:
+        dtype = ds.source.dtype(hp)
+        if dtype == torch.bfloat16:
+            name = "float32" if bfloat16 == "float32" else "uint16"
+        elif dtype in _TORCH_TO_ARROW:
+            name = _dtype_name(dtype)
+        else:
+            raise ActivationScopeError(f"hook point {hp!r} has dtype {dtype}, which export does not support")
+        shapes[hp] = group + tuple(ds.source.feature_shape(hp))
+        features[hp] = _hf_feature(shapes[hp], name)
+    for name in col_names:
+        if name in ds.hook_points:
+            raise ValueError(f"row-table column {name!r} clashes with a hook point of the same name")
+        inner = datasets.Features.from_arrow_schema(pa.schema([table.schema.field(name)]))[name]
+        features[name] = inner if context_size is None else datasets.List(inner, length=context_size)
+    return datasets.Features(features), shapes
+
+
+def _hf_tables(ds: ActivationDataset, features: Any, shapes: dict[str, tuple[int, ...]], col_names: list[str],
+               n_rows: int, context_size: int | None, batch_rows: int, bfloat16: str):
+    """pyarrow tables of the export's schema, ``batch_rows`` store rows (whole examples) each."""
+    group = context_size or 1
+    per_row = max([1] + [int(np.prod(shapes[hp][1 if context_size else 0:])) for hp in ds.hook_points])
+    step = max(group, min(batch_rows, _HF_MAX_VALUES // per_row) // group * group)
+    schema = features.arrow_schema
+    table = ds._row_table() if col_names else None
+    ids = ds.store_rows()
+    for start in range(0, n_rows, step):
+        stop = min(start + step, n_rows)
+        batch = ds.get_batch(range(start, stop))
+        arrays = [_hf_column(_hf_values(batch[hp], bfloat16), shapes[hp], features[hp]) for hp in ds.hook_points]
+        if col_names:
+            part = table.slice(ids.start + start, stop - start) if isinstance(ids, range) else \
+                table.take(pa.array(ids[start:stop].numpy()))
+            for name in col_names:
+                col = part.column(name).combine_chunks()
+                arrays.append(col if context_size is None else pa.FixedSizeListArray.from_arrays(col, context_size))
+        yield pa.Table.from_arrays(arrays, names=list(features)).cast(schema)
+
+
+def export_hf(
+    store: Any,
+    path: str | os.PathLike,
+    hook_points: str | Iterable[str] | None = None,
+    columns: str | Iterable[str] | None = None,
+    *,
+    context_size: int | None = None,
+    drop_last: bool = False,
+    file_format: str = "arrow",
+    bfloat16: str = "float32",
+    rows: Any = None,
+    filter: Any = None,
+    batch_rows: int = 65536,
+) -> Path:
+    """Write rows of a store as a Hugging Face ``datasets`` dataset.
+
+    ``file_format="arrow"`` writes a directory in the layout of ``Dataset.save_to_disk``
+    (read it with ``datasets.load_from_disk(path)``); ``"parquet"`` writes one Parquet file
+    whose schema carries the ``datasets`` features (``datasets.Dataset.from_parquet(path)``
+    or ``load_dataset("parquet", data_files=path)``). Either way the columns are typed, so
+    ``with_format("torch")`` gives tensors of the right shapes.
+
+    Columns: one per hook point, named by the hook point; the chosen row-table columns with
+    their own types. An example is one store row (``context_size=None``): a feature shape
+    ``(d,)`` is ``List(Value(dtype), length=d)``, 2 to 5 dimensions ``Array2D`` ..
+    ``Array5D``. With ``context_size=n`` an example is ``n`` consecutive rows: hook point
+    columns ``Array2D((n, d))`` (the layout of SAELens's cached activations, whose
+    ``ActivationsStore(cached_activations_path=path)`` reads it) and row-table columns
+    ``List(..., length=n)`` (``token_ids`` becomes SAELens's token id column). Token rows are
+    packed in store order, so a group can span samples (as SAELens packs documents into
+    its context windows); padding never enters, since the store holds none.
+
+    Dtypes: float32, float16, float64 and integers as stored. **bfloat16** has no
+    ``datasets`` dtype: ``bfloat16="float32"`` (default) writes the exact float32 values,
+    ``"bits"`` the uint16 bit patterns (``with_format("torch")`` shows them as int64;
+    ``torch.from_numpy(x.numpy().astype(np.uint16).view(np.int16)).view(torch.bfloat16)``
+    restores the values). Note that ``with_format("torch")`` converts floating columns to float32
+    and integer columns to int64 unless given ``dtype=``; float16 and bfloat16 values
+    survive that exactly, float64 values do not (pass ``with_format("torch", dtype=torch.float64)``).
+
+    Parameters
+    ----------
+    store : str, os.PathLike, store object or ActivationDataset
+        The rows to export (a dataset exports its own selection).
+    path : str or os.PathLike
+        The directory (``"arrow"``) or file (``"parquet"``) to write; replaced as a whole
+        at the end (written to a temporary name first), so a failed export leaves nothing.
+    hook_points : str or list of str, optional
+        Hook points (patterns allowed); default all, which must share a row kind and count.
+    columns : str or list of str, optional
+        Row-table columns; default all of them (``[]`` for none).
+    context_size : int, optional
+        Rows per example (see above); default one row per example.
+    drop_last : bool, default False
+        With ``context_size``, leave out the last ``n_rows % context_size`` rows instead of
+        raising.
+    file_format : {"arrow", "parquet"}
+    bfloat16 : {"float32", "bits"}
+    rows, filter
+        Row selection, as :class:`ActivationDataset`.
+    batch_rows : int, default 65536
+        Store rows per record batch (bounds the memory held during the export).
+
+    Returns
+    -------
+    pathlib.Path
+        ``path``.
+
+    Raises
+    ------
+    ValueError
+        Bad arguments; ``n_rows`` not a multiple of ``context_size`` without ``drop_last``.
+    ActivationScopeError
+        A hook point of more than 5 dimensions per example, or a dtype without an Arrow type.
+    ImportError
+        ``datasets`` is not installed (``pip install datasets``).
+
+    Example
+    -------
+    >>> export_hf("runs/demo.zarr", "runs/demo-hf", hook_points="encoder.layer.3.output")  # doctest: +SKIP
+    >>> datasets.load_from_disk("runs/demo-hf").with_format("torch")[:8]                   # doctest: +SKIP
+    """
+    if file_format not in ("arrow", "parquet"):
+        raise ValueError(f"file_format must be one of ['arrow', 'parquet'], got {file_format!r}")
+    if bfloat16 not in ("float32", "bits"):
+        raise ValueError(f"bfloat16 must be one of ['float32', 'bits'], got {bfloat16!r}")
+    if context_size is not None and (not isinstance(context_size, int) or isinstance(context_size, bool)
+                                     or context_size < 1):
+        raise ValueError(f"context_size must be a positive int or None, got {context_size!r}")
+    if not isinstance(batch_rows, int) or batch_rows < 1:
+        raise ValueError(f"batch_rows must be a positive int, got {batch_rows!r}")
+    try:
+        import datasets
+    except ImportError as e:
+        raise ImportError("export_hf needs the Hugging Face datasets library: pip install datasets") from e
+    ds = _dataset_for(source=store, hook_points=hook_points, columns=columns, rows=rows, filter=filter)
+    col_names = _export_columns(ds, columns)
+    n_rows = len(ds)
+    if context_size is not None and n_rows % context_size:
+        if not drop_last:
+            raise ValueError(
+                f"the {n_rows} rows of {ds.hook_points} must be a multiple of context_size={context_size} "
+                f"(remainder {n_rows % context_size}); pass drop_last=True to leave out the last "
+                f"{n_rows % context_size} rows, or another context_size"
+            )
+        n_rows -= n_rows % context_size
+    features, shapes = _hf_plan(ds, col_names, context_size, bfloat16)
+    path = Path(path)
+    _check_replaceable(path, file_format)
+    tmp = path.with_name(path.name + ".tmp")
+    stream = path.with_name(path.name + ".stream.tmp")
+    _remove(tmp)
+    try:
+        tables = _hf_tables(ds, features, shapes, col_names, n_rows, context_size, batch_rows, bfloat16)
+        if file_format == "parquet":
+            with pq.ParquetWriter(str(tmp), features.arrow_schema, compression="zstd") as writer:
+                for t in tables:
+                    writer.write_table(t)
+        else:
+            with pa.OSFile(str(stream), "wb") as sink, pa.ipc.new_stream(sink, features.arrow_schema) as writer:
+                for t in tables:
+                    writer.write_table(t)
+            with _quiet_datasets():
+                datasets.Dataset.from_file(str(stream)).save_to_disk(str(tmp))
+        _remove(path)
+        os.replace(tmp, path)
+    except BaseException:
+        _remove(tmp)
+        raise
+    finally:
+        stream.unlink(missing_ok=True)
+    return path
+
+
+def _check_replaceable(path: Path, file_format: str) -> None:
+    """An existing ``path`` is replaced only if it is what this export writes: a file for
+    Parquet, a ``save_to_disk`` directory (or an empty one) for Arrow."""
+    if not path.exists() and not path.is_symlink():
+        return
+    if file_format == "parquet":
+        if path.is_dir():
+            raise FileExistsError(f"export path {str(path)!r} must be a file for file_format='parquet', got a directory")
+        return
+    if not path.is_dir():
+        raise FileExistsError(
+            f"export path {str(path)!r} must be a directory (a datasets save_to_disk layout) for "
+            "file_format='arrow', got an existing file; remove it or choose another path"
+        )
+    entries = {p.name for p in path.iterdir()}
+    if entries and not {"state.json", "dataset_info.json"} <= entries:
+        raise FileExistsError(
+            f"export path {str(path)!r} is a directory that is not a datasets export ({len(entries)} entries, "
+            "no state.json / dataset_info.json); it is left alone: remove it or choose another path"
+        )
+
+
+def _remove(p: Path) -> None:
+    import shutil
+
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p)
+    elif p.exists() or p.is_symlink():
+        p.unlink()
+
+
+class _quiet_datasets:
+    """Hide ``datasets``' progress bars while it copies an export into place."""
+
+    def __enter__(self) -> None:
+        from datasets.utils import logging as hf_logging
+
+        self._was = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+
+    def __exit__(self, *exc: Any) -> None:
+        from datasets.utils import logging as hf_logging
+
+        if self._was:
+            hf_logging.enable_progress_bar()
 
 
 # ---------------------------------------------------------------------- reading back

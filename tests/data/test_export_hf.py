@@ -1,0 +1,140 @@
+"""Hugging Face datasets export: load_from_disk / from_parquet give ActivationDataset's tensors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+from fake_store import FakeStore, write_fake_store
+
+import activationscope as acs
+from activationscope.data import ActivationDataset, export_hf
+
+datasets = pytest.importorskip("datasets", reason="the HF export needs `pip install datasets`")
+
+N = 24
+
+
+@pytest.fixture
+def arrays():
+    g = torch.Generator().manual_seed(3)
+    return {
+        "f32": torch.randn(N, 5, generator=g),
+        "bf16": torch.randn(N, 2, 3, generator=g).to(torch.bfloat16),
+        "f16": torch.randn(N, 4, generator=g).to(torch.float16),
+        "f64": torch.randn(N, 3, generator=g, dtype=torch.float64),
+        "i32": torch.arange(N * 2, dtype=torch.int32).reshape(N, 2),
+        "conv": torch.randn(N, 2, 3, 4, generator=g),
+        "scalar": torch.randn(N, generator=g),
+    }
+
+
+@pytest.fixture
+def store(tmp_path, arrays):
+    table = pa.table({
+        "sample_id": pa.array(np.arange(N), pa.int64()),
+        "label": pa.array(np.arange(N) % 3, pa.int64()),
+        "text": pa.array([f"t{i}" for i in range(N)]),
+    })
+    return FakeStore(write_fake_store(tmp_path / "s", arrays, tables={"sample": table}, shard_rows=7))
+
+
+def _load(path, file_format, tmp_path):
+    if file_format == "arrow":
+        return datasets.load_from_disk(str(path))
+    return datasets.Dataset.from_parquet(str(path), cache_dir=str(tmp_path / "hf-cache"))
+
+
+@pytest.mark.parametrize("file_format", ["arrow", "parquet"])
+def test_hf_export_gives_the_dataset_tensors(store, arrays, tmp_path, file_format):
+    out = tmp_path / ("hf" if file_format == "arrow" else "hf.parquet")
+    export_hf(store, out, file_format=file_format, batch_rows=10)   # three record batches
+    hf = _load(out, file_format, tmp_path)
+    assert len(hf) == N
+    feats = hf.features
+    assert feats["f32"] == datasets.List(datasets.Value("float32"), length=5)
+    assert feats["bf16"] == datasets.Array2D((2, 3), "float32")         # bf16 upcast, exactly
+    assert feats["f16"] == datasets.List(datasets.Value("float16"), length=4)
+    assert feats["conv"] == datasets.Array3D((2, 3, 4), "float32")
+    assert feats["scalar"] == datasets.Value("float32") and feats["i32"].feature == datasets.Value("int32")
+    assert feats["text"] == datasets.Value("string")
+
+    ours = ActivationDataset(store, columns=["sample_id", "label"])[:]
+    theirs = hf.with_format("torch")[:]
+    for name in ("f32", "conv", "scalar"):
+        assert theirs[name].dtype == torch.float32 and torch.equal(theirs[name], ours[name]), name
+    # with_format("torch") turns floats into float32 and ints into int64 (datasets' defaults);
+    # float16 and bfloat16 values are exact in float32
+    assert torch.equal(theirs["bf16"], ours["bf16"].float()) and theirs["bf16"].shape == (N, 2, 3)
+    assert torch.equal(theirs["f16"], ours["f16"].float())
+    assert torch.equal(theirs["i32"], ours["i32"].long())
+    exact = hf.with_format("torch", columns=["f64"], dtype=torch.float64)[:]["f64"]
+    assert exact.dtype == torch.float64 and torch.equal(exact, arrays["f64"])
+    assert torch.equal(theirs["label"], ours["label"]) and torch.equal(theirs["sample_id"], ours["sample_id"])
+    assert hf["text"][:3] == ["t0", "t1", "t2"]
+    # one example at a time, as a DataLoader over the HF dataset reads it
+    assert torch.equal(hf.with_format("torch")[5]["conv"], arrays["conv"][5])
+
+
+def test_hf_export_bf16_bits_and_a_selection(store, arrays, tmp_path):
+    ds = ActivationDataset(store, hook_points=["bf16", "f32"], rows=slice(3, 20), columns=["label"])
+    export_hf(ds, tmp_path / "bits", columns=["label"], bfloat16="bits")
+    hf = datasets.load_from_disk(str(tmp_path / "bits"))
+    assert hf.features["bf16"] == datasets.Array2D((2, 3), "uint16") and hf.column_names == ["bf16", "f32", "label"]
+    bits = hf.with_format("torch")[:]["bf16"]                 # int64 holding the uint16 patterns
+    assert bits.dtype == torch.int64 and int(bits.min()) >= 0 and int(bits.max()) < 1 << 16
+    back = torch.from_numpy(bits.numpy().astype(np.uint16).view(np.int16)).view(torch.bfloat16)
+    assert torch.equal(back, arrays["bf16"][3:20])
+    assert torch.equal(hf.with_format("torch")[:]["f32"], arrays["f32"][3:20])
+
+
+def test_hf_export_groups_rows_into_examples(store, arrays, tmp_path):
+    with pytest.raises(ValueError, match=r"multiple of context_size=5 \(remainder 4\); pass drop_last=True"):
+        export_hf(store, tmp_path / "g", hook_points=["f32"], context_size=5)
+    assert not (tmp_path / "g").exists()
+    export_hf(store, tmp_path / "g", hook_points=["f32", "conv"], columns=["sample_id"], context_size=5,
+              drop_last=True, batch_rows=7)
+    hf = datasets.load_from_disk(str(tmp_path / "g"))
+    assert hf.features["f32"] == datasets.Array2D((5, 5), "float32")
+    assert hf.features["conv"] == datasets.Array4D((5, 2, 3, 4), "float32")
+    assert hf.features["sample_id"] == datasets.List(datasets.Value("int64"), length=5)
+    got = hf.with_format("torch")[:]
+    assert torch.equal(got["f32"], arrays["f32"][:20].reshape(4, 5, 5))
+    assert torch.equal(got["conv"], arrays["conv"][:20].reshape(4, 5, 2, 3, 4))
+    assert got["sample_id"].tolist() == np.arange(20).reshape(4, 5).tolist()
+
+
+def test_hf_export_never_replaces_what_it_did_not_write(store, tmp_path):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    with pytest.raises(FileExistsError, match="not a datasets export"):
+        export_hf(store, mine)
+    assert (mine / "notes.txt").read_text() == "keep me"
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    with pytest.raises(FileExistsError, match="got an existing file"):
+        export_hf(store, a_file)
+    export_hf(store, tmp_path / "hf", hook_points=["f32"])
+    export_hf(store, tmp_path / "hf", hook_points=["f16"])     # a previous export is replaced
+    assert datasets.load_from_disk(str(tmp_path / "hf")).column_names[0] == "f16"
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_hf_export_of_token_rows_from_a_real_capture(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(30, 8), torch.nn.Linear(8, 8))
+    tokens = torch.randint(1, 30, (4, 6))
+    mask = torch.ones(4, 6, dtype=torch.bool)
+    mask[2:, 4:] = False
+    with acs.ActivationScope(store=str(tmp_path / "t.zarr"), storage_dtype=torch.bfloat16).track(model) as tracker:
+        tracker.set_batch(attention_mask=mask, token_ids=tokens, label=[0, 1, 0, 1])
+        model(tokens)
+    export_hf(str(tmp_path / "t.zarr"), tmp_path / "t-hf")
+    hf = datasets.load_from_disk(str(tmp_path / "t-hf")).with_format("torch")
+    ds = ActivationDataset(str(tmp_path / "t.zarr"), columns=["token_ids", "pos", "label"])
+    assert len(hf) == len(ds) == 20                       # padding never entered
+    got, ours = hf[:], ds[:]
+    assert torch.equal(got["1.output"], ours["1.output"].float())
+    assert torch.equal(got["token_ids"], tokens[mask]) and torch.equal(got["label"], ours["label"])

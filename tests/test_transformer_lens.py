@@ -1,0 +1,86 @@
+"""TransformerLens HookPoints are recorded under their TransformerLens names."""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import warnings
+
+import pytest
+import torch
+
+import activationscope as acs
+from activationscope.hooks import rename_hook_point
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    tl = pytest.importorskip("transformer_lens", reason="needs `pip install transformer-lens`")
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = tl.HookedTransformerConfig(n_layers=2, d_model=16, n_ctx=8, d_head=4, n_heads=4, d_vocab=50,
+                                     act_fn="relu", d_mlp=32, seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # HookedTransformer's own deprecation notice
+        return tl.HookedTransformer(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return torch.randint(0, 50, (3, 8), generator=torch.Generator().manual_seed(0))
+
+
+def test_hook_points_have_their_transformer_lens_names_and_values(model, tokens):
+    _, cache = model.run_with_cache(tokens)
+    with acs.ActivationScope().track(model, include=["blocks.*.hook_*", "hook_embed"]) as tracker:
+        model(tokens)
+    names = set(tracker.activations)
+    expected = {k for k in cache.keys() if fnmatch.fnmatchcase(k, "blocks.*.hook_*")} | {"hook_embed"}
+    assert "blocks.0.hook_resid_post" in names and "blocks.1.hook_mlp_out" in names
+    assert {n.split("#")[0] for n in names} == expected
+    # ln1 runs once per q, k, v input in one forward: later calls are <name>#1, #2
+    assert {"blocks.0.ln1.hook_scale#1", "blocks.0.ln1.hook_scale#2"} <= names
+    for name in expected:
+        (record,) = tracker.activations[name]
+        assert torch.equal(record, cache[name]), name
+
+
+@pytest.mark.parametrize("side", ["output", "input", "both"])
+def test_every_cached_hook_is_recorded_once_on_any_side(model, tokens, side):
+    _, cache = model.run_with_cache(tokens)
+    with acs.ActivationScope(capture=side).track(model) as tracker:
+        model(tokens)
+    acts = tracker.activations
+    for name in cache.keys():
+        assert name in acts, name
+        assert torch.equal(acts[name][0], cache[name]), name
+        assert f"{name}.output" not in acts and f"{name}.input.0" not in acts
+    # other modules keep the usual names
+    if side != "input":
+        assert "blocks.0.attn.output" in acts
+    if side != "output":
+        assert "blocks.0.ln1.input.0" in acts
+
+
+def test_store_of_a_hooked_transformer(model, tokens, tmp_path):
+    mask = torch.ones(3, 8, dtype=torch.bool)
+    mask[1:, 6:] = False
+    with acs.ActivationScope(store=str(tmp_path / "tl.zarr")).track(model, include=["blocks.*.hook_resid_post"]) as tr:
+        tr.set_batch(attention_mask=mask)
+        model(tokens)
+    store = acs.open_store(str(tmp_path / "tl.zarr"))
+    assert store.hook_points == ["blocks.0.hook_resid_post", "blocks.1.hook_resid_post"]
+    _, cache = model.run_with_cache(tokens)
+    assert torch.equal(store["blocks.1.hook_resid_post"], cache["blocks.1.hook_resid_post"][mask])
+
+
+def test_rename_rule():
+    paths = frozenset({"blocks.0.hook_resid_post"})
+    assert rename_hook_point("blocks.0.hook_resid_post.output", paths, "output") == "blocks.0.hook_resid_post"
+    assert rename_hook_point("blocks.0.hook_resid_post#2.output", paths, "output") == "blocks.0.hook_resid_post#2"
+    assert rename_hook_point("blocks.0.hook_resid_post.input.0", paths, "input") == "blocks.0.hook_resid_post"
+    assert rename_hook_point("blocks.0.hook_resid_post.input.0", paths, "both") is None
+    assert rename_hook_point("blocks.0.mlp.output", paths, "output") == "blocks.0.mlp.output"
+    assert rename_hook_point("blocks.0.hook_resid_post.output", frozenset(), "output") == "blocks.0.hook_resid_post.output"
