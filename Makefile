@@ -32,7 +32,7 @@ activationscope/.native-stamp: $(STAMP) $(NATIVE) setup.py
 	touch $@
 
 test: install
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -rs -p no:cacheprovider tests
 
 demo: install
 	$(PY) -m activationscope demo

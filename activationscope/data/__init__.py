@@ -7,13 +7,13 @@
   ``torch.distributed`` ranks and DataLoader workers).
 - Export: :func:`export_arrow`, :func:`export_parquet`, :func:`export_hf` (a Hugging Face
   ``datasets`` dataset, also in SAELens's cached-activations layout), and :func:`read_arrow`
-  (Arrow IPC back as zero-copy torch views).
+  (Arrow IPC back as zero-copy torch views), :func:`to_pandas` (an export as a DataFrame).
 """
 
 from __future__ import annotations
 
 from .dataset import ActivationDataset, Batch, collate
-from .export import EXPORT_FORMAT, arrow_to_torch, export_arrow, export_hf, export_parquet, read_arrow
+from .export import EXPORT_FORMAT, arrow_to_torch, export_arrow, export_hf, export_parquet, read_arrow, to_pandas
 from .samplers import ChunkShuffleBatchSampler, SequentialBatchSampler, ShuffledBatchSampler, partition_bounds
 
 __all__ = [
@@ -27,6 +27,7 @@ __all__ = [
     "export_arrow",
     "export_parquet",
     "export_hf",
+    "to_pandas",
     "read_arrow",
     "arrow_to_torch",
     "EXPORT_FORMAT",

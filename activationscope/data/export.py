@@ -45,7 +45,7 @@ import torch
 from ..errors import ActivationScopeError, ArgumentValueError
 from .dataset import ActivationDataset
 
-__all__ = ["export_arrow", "export_parquet", "export_hf", "read_arrow", "arrow_to_torch", "EXPORT_FORMAT"]
+__all__ = ["export_arrow", "export_parquet", "export_hf", "to_pandas", "read_arrow", "arrow_to_torch", "EXPORT_FORMAT"]
 
 EXPORT_FORMAT = "activationscope-export/1"
 _META_DTYPE = b"activationscope.dtype"
@@ -577,6 +577,39 @@ class _quiet_datasets:
 
         if self._was:
             hf_logging.enable_progress_bar()
+
+
+# ---------------------------------------------------------------------- pandas
+def to_pandas(table: pa.Table, **kwargs: Any) -> Any:
+    """An exported table as a pandas DataFrame, whatever the hook point column type.
+
+    ``pa.Table.to_pandas(split_blocks=True)`` raises ``KeyError`` on fixed-shape tensor
+    columns in pyarrow 26 (an upstream fault). This hands pandas the storage of such
+    columns (fixed-size lists of ``prod(feature_shape)`` values) instead; other columns and
+    the field metadata are unchanged.
+
+    Parameters
+    ----------
+    table : pyarrow.Table
+        E.g. ``pq.read_table(path)`` of :func:`export_parquet` or an Arrow IPC export.
+    **kwargs
+        Passed to ``pyarrow.Table.to_pandas`` (``split_blocks``, ``self_destruct``, ...).
+
+    Returns
+    -------
+    pandas.DataFrame
+        Hook point cells are flat numpy arrays ``(prod(feature_shape),)`` of the stored
+        dtype (bfloat16 as uint16 bits, as in the file).
+    """
+    columns, fields = [], []
+    for field, col in zip(table.schema, table.columns):
+        if isinstance(field.type, pa.BaseExtensionType):
+            storage = field.type.storage_type
+            col = pa.chunked_array([c.storage for c in col.chunks], type=storage)
+            field = pa.field(field.name, storage, field.nullable, field.metadata)
+        columns.append(col)
+        fields.append(field)
+    return pa.Table.from_arrays(columns, schema=pa.schema(fields, metadata=table.schema.metadata)).to_pandas(**kwargs)
 
 
 # ---------------------------------------------------------------------- reading back

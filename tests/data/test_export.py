@@ -162,3 +162,21 @@ def test_other_readers(store, arrays, tmp_path):
     arrow_path = export_arrow(store, tmp_path / "x.arrow", hook_points=["f32"], columns=["label"])
     df2 = pl.read_ipc(arrow_path)
     assert np.array_equal(np.array(df2["f32"].to_list(), dtype=np.float32), arrays["f32"].numpy())
+
+
+def test_pandas_reads_every_export(store, arrays, tmp_path):
+    from activationscope.data import to_pandas
+
+    pytest.importorskip("pandas")
+    tensor = pq.read_table(export_parquet(store, tmp_path / "t.parquet", hook_points=["f32", "bf16"]))
+    flat = pq.read_table(export_parquet(store, tmp_path / "l.parquet", hook_points=["f32", "bf16"],
+                                        tensor_type="fixed_size_list"))
+    frames = [to_pandas(tensor, split_blocks=True), to_pandas(tensor), flat.to_pandas(split_blocks=True),
+              to_pandas(flat, split_blocks=True)]
+    for frame in frames:
+        assert np.array_equal(np.stack(frame["f32"].to_numpy()), arrays["f32"].numpy())
+        bits = arrays["bf16"].view(torch.int16).numpy().view(np.uint16).reshape(N, -1)
+        assert np.array_equal(np.stack(frame["bf16"].to_numpy()), bits)
+        assert frame["label"].tolist() == [i % 2 for i in range(N)] and frame["text"][3] == "t3"
+    # the field metadata survives the workaround
+    assert to_pandas.__doc__ and tensor.schema.field("bf16").metadata[b"activationscope.dtype"] == b"bfloat16"
