@@ -486,11 +486,11 @@ def format_info(info: dict[str, Any], name: str) -> str:
         lines.append(f"model:    {_flat(info['model'])}")
     arrays = info.get("arrays") or {}
     reductions = info.get("reductions") or {}
-    head = ("hook point", "kind", "rows", "shape", "dtype", "bytes", "on disk", "ratio", "reductions")
+    head = ("hook point", "kind", "rows", "shape", "dtype", "bytes", "on disk", "data/disk", "reductions")
     rows = []
     for hp, a in arrays.items():
         shape = tuple(a.get("shape", [])[1:])
-        ratio = a.get("compression_ratio")
+        ratio = a.get("data_to_disk_ratio")
         dtype = str(a.get("dtype", "?"))
         if a.get("compression"):
             dtype += f" ({a['compression']})"
@@ -514,11 +514,13 @@ def format_info(info: dict[str, Any], name: str) -> str:
         lines.append("")
         lines.append("no samples committed yet: a commit needs the rows of whole forwards in complete shards of every "
                      "array (capture with a smaller --shard-bytes to commit more often)")
-    ratio = info.get("compression_ratio")
+    ratio = info.get("data_to_disk_ratio")
     lines.append("")
     lines.append(
         f"total:    {len(arrays)} hook points, {format_bytes(info.get('bytes'))} of activations, "
-        f"{format_bytes(info.get('bytes_on_disk'))} on disk" + (f" (compression ratio {ratio:.2f})" if ratio else "")
+        f"{format_bytes(info.get('bytes_on_disk'))} on disk"
+        + (f" (data/disk {ratio:.2f}: activation bytes per byte of shard files, which also hold each array's "
+           "full-size last chunk and the shard indexes; not a compression ratio)" if ratio else "")
     )
     tables = info.get("row_tables") or {}
     if tables:

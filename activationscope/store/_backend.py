@@ -11,6 +11,7 @@ The reusable test suite every backend passes is ``tests/store/backend_suite.py``
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import shutil
@@ -555,6 +556,39 @@ class FsspecBackend(ZarrBackend):
                 return False
             raise StoreError(f"writing {key!r} to {self.label} failed: {e}") from e
 
+
+def describe_local_path(path: str | os.PathLike) -> tuple[str, str] | None:
+    """What is at a local path, for messages that must not guess: ``None`` when nothing is
+    there, else ``(kind, description)`` with ``kind`` one of ``"store"`` (an activationscope
+    store), ``"zarr"`` (a Zarr node that is not one), ``"empty"`` (an empty folder),
+    ``"folder"`` (a folder with other things in it) and ``"file"``.
+
+    Reads only the root ``zarr.json`` (at most ``MAX_JSON_BYTES``) and the folder listing.
+    """
+    p = Path(path)
+    if not p.exists() and not p.is_symlink():
+        return None
+    if not p.is_dir():
+        size = p.stat().st_size if p.exists() else 0
+        return "file", f"a file ({size:,} bytes)"
+    entries = sorted(e.name for e in p.iterdir())
+    if not entries:
+        return "empty", "an empty folder"
+    root = p / "zarr.json"
+    if root.is_file() and root.stat().st_size <= MAX_JSON_BYTES:
+        try:
+            meta = json.loads(root.read_bytes())
+        except ValueError:
+            meta = None
+        attrs = meta.get("attributes") if isinstance(meta, dict) else None
+        ours = attrs.get("activationscope") if isinstance(attrs, dict) else None
+        if isinstance(ours, dict):
+            return "store", (f"an activationscope store (status {ours.get('status', '?')!r}, "
+                             f"{int(ours.get('n_samples', 0) or 0):,} samples)")
+        if isinstance(meta, dict):
+            return "zarr", "a Zarr node that is not an activationscope store"
+    shown = ", ".join(repr(e) for e in entries[:3]) + (", ..." if len(entries) > 3 else "")
+    return "folder", f"a folder that is not a store ({len(entries)} entries: {shown})"
 
 def check_local_store_path(root: str | os.PathLike) -> None:
     """Raise :class:`StoreError` when a local store path (or a folder above it) is a file.

@@ -1042,7 +1042,14 @@ class Store:
                 problems.append(f"hook point {hp!r}: {e}")
 
     def info(self) -> dict:
-        """A summary: arrays (shape, dtype, rows, bytes), compression ratio, reductions, provenance, status.
+        """A summary: arrays (shape, dtype, rows, bytes), reductions, provenance, status.
+
+        Sizes: ``bytes`` is the size of the committed rows (``rows x prod(feature_shape) x
+        itemsize``), ``bytes_on_disk`` the size of their shard files, and
+        ``data_to_disk_ratio`` = ``bytes / bytes_on_disk``. That ratio is not a compression
+        ratio: shard files also hold the padding of each array's last chunk (written full
+        size) and the shard index, so a small uncompressed store shows well below 1; only
+        for arrays much larger than a chunk does it approach the codec's compression ratio.
 
         Raises
         ------
@@ -1070,7 +1077,7 @@ class Store:
                 "shape": [n, *feat], "dtype": meta["dtype"], "storage_dtype": F.zarr_dtype(meta["dtype"]),
                 "row_kind": meta["row_kind"], "n_rows": n, "bytes": raw_bytes, "bytes_on_disk": disk,
                 "compression": (meta.get("compression") or {}).get("name"),
-                "compression_ratio": (raw_bytes / disk) if disk else None,
+                "data_to_disk_ratio": (raw_bytes / disk) if disk else None,
                 "follows_row_table": meta.get("follows_row_table", True),
             }
         return {
@@ -1081,7 +1088,7 @@ class Store:
             "arrays": arrays,
             "bytes": total_raw,
             "bytes_on_disk": total_disk,
-            "compression_ratio": (total_raw / total_disk) if total_disk else None,
+            "data_to_disk_ratio": (total_raw / total_disk) if total_disk else None,
             "reductions": {hp: sorted(v) for hp, v in (self._attrs.get("reductions") or {}).items()},
             "row_tables": {k: v.get("n_rows", 0) for k, v in (self._attrs.get("row_tables") or {}).items()},
             "model": self._attrs.get("model"),

@@ -63,7 +63,7 @@ def test_compressed_roundtrip_and_plain_zarr(tmp_path, compression, dtype):
     assert store.verify() == []
     info = store.info()
     assert info["arrays"]["x"]["compression"] in ("zstd", "blosc")
-    assert info["compression_ratio"] > 1.0
+    assert info["data_to_disk_ratio"] > 1.0
     g = zarr.open_group(str(tmp_path / "s.zarr"), mode="r")
     raw = data["x"].view(torch.uint16) if dtype == torch.bfloat16 else data["x"]
     assert np.array_equal(g["acts/x"][:], raw.numpy(), equal_nan=True)

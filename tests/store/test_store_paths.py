@@ -79,3 +79,38 @@ def test_valid_levels(compression, level):
 
     conf = F.parse_compression(compression)["configuration"]
     assert conf.get("level", conf.get("clevel")) == level
+
+
+def test_describe_local_path_says_what_is_there(tmp_path):
+    from activationscope.store._backend import describe_local_path
+
+    assert describe_local_path(tmp_path / "nothing") is None
+    (tmp_path / "f.txt").write_text("hello")
+    assert describe_local_path(tmp_path / "f.txt") == ("file", "a file (5 bytes)")
+    (tmp_path / "empty").mkdir()
+    assert describe_local_path(tmp_path / "empty") == ("empty", "an empty folder")
+    (tmp_path / "photos").mkdir()
+    for name in ("a.jpg", "b.jpg", "c.jpg", "d.jpg"):
+        (tmp_path / "photos" / name).write_bytes(b"x")
+    kind, text = describe_local_path(tmp_path / "photos")
+    assert kind == "folder" and text == "a folder that is not a store (4 entries: 'a.jpg', 'b.jpg', 'c.jpg', ...)"
+    import zarr
+
+    zarr.open_group(str(tmp_path / "plain.zarr"), mode="w")
+    assert describe_local_path(tmp_path / "plain.zarr")[0] == "zarr"
+    model = torch.nn.Linear(2, 2)
+    with acs.ActivationScope(store=str(tmp_path / "s.zarr")).track(model):
+        model(torch.randn(3, 2))
+    assert describe_local_path(tmp_path / "s.zarr") == (
+        "store", "an activationscope store (status 'complete', 3 samples)")
+
+
+def test_info_names_its_size_ratio_for_what_it_is(tmp_path):
+    model = torch.nn.Linear(4, 4)
+    with acs.ActivationScope(store=str(tmp_path / "s.zarr")).track(model):
+        model(torch.randn(8, 4))
+    info = acs.open_store(str(tmp_path / "s.zarr")).info()
+    assert "compression_ratio" not in info and "compression_ratio" not in info["arrays"]["output"]
+    a = info["arrays"]["output"]
+    assert a["bytes"] == 8 * 4 * 4
+    assert a["data_to_disk_ratio"] == pytest.approx(a["bytes"] / a["bytes_on_disk"]) and a["data_to_disk_ratio"] < 0.5
