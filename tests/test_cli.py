@@ -131,10 +131,14 @@ def test_capture_unknown_reduction(capsys, tmp_path):
 
 
 def test_capture_refuses_existing_store(capsys, tmp_path):
-    (tmp_path / "o.zarr").mkdir()
+    import activationscope as acs
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    with acs.ActivationScope(store=str(tmp_path / "o.zarr")).track(model):
+        model(torch.randn(3, 2))
     code, _, err = run(capsys, "capture", "--model", "m:f", "--data", "demo", "--out", str(tmp_path / "o.zarr"))
     assert code == 1
-    _one_error_line(err, "already exists", "--overwrite", "--resume")
+    _one_error_line(err, "is an activationscope store (status 'complete', 3 samples)", "--overwrite", "--resume")
 
 
 def test_capture_resume_needs_a_store(capsys, tmp_path):
@@ -428,7 +432,7 @@ def test_capture_out_is_a_file_fails_before_the_progress_bar(tmp_path, toy_store
     code, out, err = run(capsys, "capture", "--model", "usermodels.nets:mlp", "--data", str(x), "--out", str(f),
                          "--overwrite")
     assert code == 1 and out == ""
-    _one_error_line(err, "afile", "must be a directory", "choose a directory path")
+    _one_error_line(err, "afile", "is a file (7 bytes)", "choose another path", "never deletes anything else")
     assert f.read_text() == "keep me"
 
 
@@ -603,6 +607,15 @@ def test_demo_command_small(tmp_path, capsys):
     assert f"store:  {out}" in stdout
     report = tmp_path / "runs" / "demo-report" / "index.html"
     assert f"report: {report}" in stdout and report.is_file()
+    # the report probes every layer: sentence rows, and token rows mean-pooled per sentence (docs/usage/cli.md)
+    import re
+
+    page = report.read_text()
+    acc = dict(re.findall(r"<a href='#[^']+'>([^<]+)</a></td>(?:<td>[^<]*</td>){7}<td>([^<]*)</td></tr>", page))
+    for i in range(6):
+        tok, pool = acc[f"encoder.layer.{i}.output"], acc[f"pool.{i}.output"]
+        assert "±" in tok and "±" in pool, (i, tok, pool)
+        assert abs(float(tok.split()[0]) - float(pool.split()[0])) <= 0.05, (i, tok, pool)  # pool.i is that mean
     # rerun overwrites
     assert run(capsys, "demo", "--out", str(out), "--max-samples", "30", "--folds", "3", "--no-progress", "--no-report")[0] == 0
 

@@ -21,3 +21,144 @@ def test_info_calls_its_size_ratio_data_over_disk(tmp_path, capsys):
     code, out, _ = run(capsys, "info", str(tmp_path / "s.zarr"))
     assert code == 0
     assert "(compression ratio" not in out and "data/disk" in out and "not a compression ratio" in out
+
+
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import textwrap  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+
+def test_debug_before_the_command_shows_the_traceback(tmp_path, capsys):
+    for argv in (["--debug", "info", str(tmp_path / "nope.zarr")], ["info", str(tmp_path / "nope.zarr"), "--debug"]):
+        code, _, err = run(capsys, *argv)
+        assert code == 1 and "Traceback" in err and "does not exist" in err, argv
+    code, _, err = run(capsys, "info", str(tmp_path / "nope.zarr"))
+    assert code == 1 and "Traceback" not in err
+
+
+@pytest.fixture
+def failing_module(tmp_path, monkeypatch):
+    pkg = tmp_path / "failnets"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "nets.py").write_text(textwrap.dedent("""
+        import torch
+
+        class FailsAfter(torch.nn.Module):
+            def __init__(self, ok_batches):
+                super().__init__()
+                torch.manual_seed(0)
+                self.lin = torch.nn.Linear(6, 4)
+                self.ok = ok_batches
+            def forward(self, x):
+                y = self.lin(x)
+                if self.ok == 0:
+                    raise RuntimeError("bad batch")
+                self.ok -= 1
+                return y
+
+        def first():
+            return FailsAfter(0)
+        def third():
+            return FailsAfter(2)
+        def good():
+            return FailsAfter(-1)
+    """))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    x = tmp_path / "x.npy"
+    np.save(x, np.random.default_rng(0).standard_normal((40, 6)).astype(np.float32))
+    yield x
+    for name in [m for m in sys.modules if m.startswith("failnets")]:
+        del sys.modules[name]
+
+
+def _capture(capsys, factory, x, out, *extra):
+    return run(capsys, "capture", "--model", f"failnets.nets:{factory}", "--data", str(x), "--out", str(out),
+               "--batch-size", "8", "--no-progress", *extra)
+
+
+def test_a_capture_failing_before_any_commit_leaves_no_store(failing_module, tmp_path, capsys):
+    out = tmp_path / "run.zarr"
+    code, _, err = _capture(capsys, "first", failing_module, out)
+    assert code == 1 and "bad batch" in err and "no row was committed, so the new store" in err and "was removed" in err
+    assert not out.exists()
+    code, stdout, err = _capture(capsys, "good", failing_module, out)     # the corrected rerun: no --overwrite
+    assert code == 0, err
+    assert acs.open_store(str(out)).n_samples == 40
+    # an empty folder that was there before stays, empty
+    (tmp_path / "mine").mkdir()
+    code, _, err = _capture(capsys, "first", failing_module, tmp_path / "mine")
+    assert code == 1 and (tmp_path / "mine").is_dir() and list((tmp_path / "mine").iterdir()) == []
+
+
+def test_a_capture_failing_after_commits_keeps_them(failing_module, tmp_path, capsys):
+    out = tmp_path / "run.zarr"
+    code, _, err = _capture(capsys, "third", failing_module, out, "--shard-bytes", "128", "--chunk-rows", "8")
+    assert code == 1 and "keeps the rows committed before" in err and "--resume" in err
+    store = acs.open_store(str(out))
+    assert store.status == "incomplete" and store.n_samples == 16
+
+
+@pytest.mark.parametrize("what", ["file", "folder", "zarr"])
+def test_out_that_is_not_a_store_is_named_and_never_offered_for_overwrite(failing_module, tmp_path, capsys, what):
+    target = tmp_path / "target"
+    if what == "file":
+        target.write_text("precious")
+        said = "is a file (8 bytes)"
+    elif what == "folder":
+        target.mkdir()
+        (target / "notes.txt").write_text("precious")
+        said = "is a folder that is not a store (1 entry: 'notes.txt')"
+    else:
+        import zarr
+
+        zarr.open_group(str(target), mode="w").attrs["mine"] = 1
+        said = "is a Zarr node that is not an activationscope store"
+    before = sorted(p.name for p in target.rglob("*")) if target.is_dir() else target.read_text()
+    for extra in ([], ["--overwrite"]):
+        code, _, err = _capture(capsys, "good", failing_module, target, *extra)
+        assert code == 1 and said in err and "choose another path" in err, err
+        assert "pass --overwrite" not in err
+    after = sorted(p.name for p in target.rglob("*")) if target.is_dir() else target.read_text()
+    assert after == before
+
+
+def test_model_folder_that_does_not_exist(failing_module, tmp_path, capsys):
+    code, _, err = run(capsys, "capture", "--model", "./no-such-dir", "--data", str(failing_module), "--out",
+                       str(tmp_path / "o.zarr"))
+    assert code == 1 and "--model './no-such-dir' does not exist: no such folder" in err
+    assert not (tmp_path / "o.zarr").exists()
+
+
+def test_text_file_named_npy(failing_module, tmp_path, capsys):
+    fake = tmp_path / "sentences.npy"
+    fake.write_text("a first sentence\na second one\n")
+    code, _, err = _capture(capsys, "good", fake, tmp_path / "o.zarr")
+    assert code == 1 and "sentences.npy' is a text file" in err and "pickle" not in err.lower()
+
+
+def test_export_hf_from_the_command_line(failing_module, tmp_path, capsys):
+    datasets = pytest.importorskip("datasets")
+    out = tmp_path / "run.zarr"
+    assert _capture(capsys, "good", failing_module, out)[0] == 0
+    code, stdout, err = run(capsys, "export", str(out), "--format", "hf", "--out", str(tmp_path / "hf"),
+                            "--hook-points", "lin.output")
+    assert code == 0, err
+    assert "load_from_disk" in stdout
+    got = datasets.load_from_disk(str(tmp_path / "hf")).with_format("torch")[:]["lin.output"]
+    assert torch.equal(got, acs.open_store(str(out))["lin.output"])
+    code, _, err = run(capsys, "export", str(out), "--format", "parquet", "--out", str(tmp_path / "hf"))
+    assert code == 1 and "is a folder" in err
+
+
+def test_help_does_not_import_torch():
+    code = ("import sys\nfrom activationscope.cli import main\n"
+            "for argv in (['--help'], ['capture', '--help'], ['report', '--help']):\n"
+            "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+            "print('torch' in sys.modules, 'numpy' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "False False"

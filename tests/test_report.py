@@ -74,9 +74,10 @@ def test_pca_explained_variance_of_low_rank_data():
 
 
 def test_pca_skipped_for_wide_features_with_reason():
-    st = report.hook_point_stats(TinyStore({"conv": torch.randn(3, 8, 32, 32)}), "conv")
+    st = report.hook_point_stats(TinyStore({"conv": torch.randn(3, 8, 32, 32)}), "conv", feature_axis=None)
     assert st.explained is None and "8192 features" in st.pca_note
     assert st.feature_shape == (8, 32, 32) and st.mean.shape == (8192,)
+    assert "per-unit panels show 4,096 of 8,192 units, evenly spaced" in " ".join(report.unit_notes(st))
 
 
 def test_constant_activation_does_not_break_histogram():
@@ -114,3 +115,108 @@ def test_write_report_without_labels_says_so(tmp_path):
     index = report.write_report(store, tmp_path / "rep", probes={})
     page = index.read_text()
     assert "No probe" in page and "probes.png" not in page
+
+
+def _conv_rows(n=64, c=4, hw=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, c, hw, hw, generator=g) * torch.arange(1, c + 1).view(1, c, 1, 1) + torch.arange(c).view(1, c, 1, 1)
+    x = torch.relu(x)
+    x[:, 1] = 0  # a dead channel
+    return x
+
+
+def test_conv_layers_are_reduced_per_channel():
+    x = _conv_rows()
+    st = report.hook_point_stats(TinyStore({"conv": x}), "conv")
+    assert st.unit_name == "channel" and st.feature_axis == 0 and st.mean.shape == (4,)
+    per_channel = x.double().transpose(0, 1).reshape(4, -1)
+    torch.testing.assert_close(st.mean, per_channel.mean(1))
+    torch.testing.assert_close(st.std, per_channel.std(1, correction=0))
+    torch.testing.assert_close(st.nonzero, (per_channel != 0).double().mean(1))
+    assert st.dead_fraction == 0.25
+    assert "the 4 channels along axis 0 of (4, 8, 8), each over rows x 64 positions" in " ".join(report.unit_notes(st))
+    # the same from per-position reductions over every row (combined exactly)
+    flat = x.double().reshape(len(x), -1)
+    reds = {"conv": {"var": flat.var(0, correction=0), "var.mean": flat.mean(0), "nonzero": (flat != 0).double().mean(0)}}
+    st2 = report.hook_point_stats(TinyStore({"conv": x}, reductions=reds), "conv", max_rows=8)
+    assert st2.source == "reductions"
+    torch.testing.assert_close(st2.mean, per_channel.mean(1))
+    torch.testing.assert_close(st2.std, per_channel.std(1, correction=0))
+    torch.testing.assert_close(st2.nonzero, (per_channel != 0).double().mean(1))
+    # another axis on request: channels last
+    st3 = report.hook_point_stats(TinyStore({"conv": x}), "conv", feature_axis=-1)
+    torch.testing.assert_close(st3.mean, x.double().permute(3, 0, 1, 2).reshape(8, -1).mean(1))
+    with pytest.raises(ValueError, match="feature_axis must be"):
+        report.hook_point_stats(TinyStore({"conv": x}), "conv", feature_axis=3)
+
+
+def test_nonzero_panel_only_where_it_informs(tmp_path):
+    dense = torch.randn(200, 16, generator=torch.Generator().manual_seed(0))  # no exact zeros (no ReLU)
+    st = report.hook_point_stats(TinyStore({"h": dense}), "h")
+    assert not report.has_informative_nonzero(st)
+    assert "no non-zero panel: every unit is non-zero in every row" in report.unit_notes(st)
+    assert report.has_informative_nonzero(report.hook_point_stats(TinyStore({"h": _relu_rows()}), "h"))
+    page = report.write_report(TinyStore({"h": dense, "r": _relu_rows()}), tmp_path / "rep", probes={}).read_text()
+    assert page.count("no non-zero panel") == 1
+
+
+def _labelled_store(path, labels):
+    import activationscope as acs
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 6))
+    x = torch.randn(len(labels), 6) + torch.tensor(labels, dtype=torch.float32)[:, None] * 2
+    with acs.ActivationScope(store=str(path)).track(model) as tracker:
+        tracker.set_batch(label=list(labels))
+        model(x)
+    return acs.open_store(str(path))
+
+
+def test_folds_come_from_the_class_counts(tmp_path):
+    from activationscope.analysis.probes import choose_folds, probe_store
+
+    assert choose_folds([0] * 4 + [1] * 4, 5) == (4, "4-fold instead of 5: the smallest class (0) has 4 labelled samples")
+    assert choose_folds([0] * 9 + [1] * 6, 5) == (5, "")
+    store = _labelled_store(tmp_path / "s.zarr", [0, 1] * 4)                 # 8 samples, 4 per class
+    probes = probe_store(store, n_folds=5)
+    assert probes["0.output"].n_folds == 4 and "smallest class" in probes["0.output"].note
+    assert probes["0.output"].accuracy > 0.5
+    page = report.write_report(store, tmp_path / "rep", n_folds=5).read_text()
+    assert "4-fold stratified cross-validation" in page and "Folds chosen from the class counts: 4-fold instead of 5" in page
+    assert "No probe" not in page
+    one = _labelled_store(tmp_path / "one.zarr", [0, 0, 0, 1])
+    probes = probe_store(one, n_folds=5)
+    assert not probes and "class 1 has 1 labelled sample" in probes.skipped["0.output"]
+    page = report.write_report(one, tmp_path / "rep1", n_folds=5).read_text()
+    assert "No probe for any hook point: class 1 has 1 labelled sample" in page
+
+
+def test_report_in_a_real_browser(tmp_path):
+    """Render the page with headless Chromium: every plot loads and the page is not blank."""
+    import shutil
+    import subprocess
+
+    browser = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+    if browser is None:
+        pytest.skip("no Chromium (apt-get install chromium)")
+    store = TinyStore({"conv": _conv_rows(), "mlp": _relu_rows(), "dense": torch.randn(100, 8)})
+    probes = {"mlp": ProbeResult(0.8, 0.05, [0.75, 0.85], 100, 16, 2, 0.5, n_folds=2, note="2-fold instead of 5")}
+    index = report.write_report(store, tmp_path / "rep", probes=probes)
+    shot = tmp_path / "shot.png"
+    # a script in the page records how many images decoded with a real size
+    html = index.read_text().replace("</body>", "<script>window.onload=()=>{document.title='loaded:'+"
+                                     "[...document.images].filter(i=>i.complete&&i.naturalWidth>100).length}</script></body>")
+    index.write_text(html)
+    run = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", f"--screenshot={shot}",
+                          "--window-size=1300,2400", "--virtual-time-budget=5000", index.as_uri()],
+                         capture_output=True, text=True, timeout=120)
+    assert shot.is_file(), run.stderr[-2000:]
+    dom = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=5000",
+                          "--dump-dom", index.as_uri()], capture_output=True, text=True, timeout=120).stdout
+    assert "<title>loaded:4</title>" in dom  # probes.png and the three hook point plots
+    import matplotlib.image
+
+    img = matplotlib.image.imread(str(shot))
+    assert img.shape[0] >= 2000 and img.shape[1] >= 1200
+    ink = (img[..., :3].mean(-1) < 0.9).mean()         # share of pixels that are not near-white
+    assert ink > 0.02, ink

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import activationscope as acs
-from activationscope.hooks import rename_hook_point
+from activationscope.capture.hooks import rename_hook_point
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 with warnings.catch_warnings():

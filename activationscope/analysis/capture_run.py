@@ -77,6 +77,8 @@ def run_capture(
     )
     summary = CaptureSummary()
     tracker = scope.track(model, include=include, exclude=exclude)  # validates the patterns first
+    new_store = not (store_options or {}).get("resume")
+    folder_existed = "://" not in str(out) and os.path.isdir(out)
     bar = tqdm(total=n_total, unit="samples", desc=desc, disable=not progress, dynamic_ncols=True,
                file=sys.stderr, leave=True)
     start = time.perf_counter()
@@ -95,8 +97,7 @@ def run_capture(
                         raise
                     raise CaptureError(
                         f"the model raised {type(e).__name__}: {' '.join(str(e).split())} on samples "
-                        f"{summary.n_samples}..{summary.n_samples + n - 1} of this run; {out} keeps the rows "
-                        "committed before (status incomplete)"
+                        f"{summary.n_samples}..{summary.n_samples + n - 1} of this run"
                     ) from e
                 summary.n_samples += n
                 summary.n_forwards += 1
@@ -105,6 +106,18 @@ def run_capture(
                 bar.set_postfix_str(f"{format_bytes(summary.n_bytes / elapsed)}/s", refresh=False)
                 bar.update(n)
             summary.hook_points = tracker.hook_points
+    except BaseException as e:
+        # a new store that holds no committed row is removed, so the corrected rerun needs no
+        # --overwrite; otherwise it keeps every row committed before the failure
+        from ..store import remove_if_empty
+
+        removed = new_store and remove_if_empty(out, remove_folder=not folder_existed)
+        tail = (f"no row was committed, so the new store {out} was removed" if removed else
+                f"{out} keeps the rows committed before (status incomplete; --resume continues it)")
+        if isinstance(e, CaptureError) and not isinstance(e.__cause__, ActivationScopeError):
+            raise CaptureError(f"{e}; {tail}") from e.__cause__
+        e.add_note(tail)
+        raise
     finally:
         bar.close()
     summary.elapsed_s = time.perf_counter() - start

@@ -403,7 +403,9 @@ def run_demo(
     t0 = time.perf_counter()
     n_layers = model.config.num_hidden_layers
     pool_hps = [f"pool.{i}.output" for i in range(n_layers)]
-    probes = probe_store(store, [hp for hp in pool_hps if hp in store.hook_points], n_folds=n_folds)
+    token_hps = [f"encoder.layer.{i}.output" for i in range(n_layers)]
+    # sentence rows, and token rows mean-pooled per sentence (what docs/usage/cli.md promises)
+    probes = probe_store(store, [hp for hp in pool_hps + token_hps if hp in store.hook_points], n_folds=n_folds)
     probe_s = time.perf_counter() - t0
     info = store.info()
     layers = []

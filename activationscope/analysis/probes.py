@@ -11,7 +11,7 @@ import torch
 
 from .pooling import sentence_rows
 
-__all__ = ["ProbeResult", "probe_accuracy", "probe_store"]
+__all__ = ["ProbeResult", "ProbeResults", "choose_folds", "probe_accuracy", "probe_store"]
 
 
 @dataclass
@@ -21,6 +21,7 @@ class ProbeResult:
     accuracy : mean accuracy over folds, in [0, 1]. std : its standard deviation over folds.
     fold_accuracies : one per fold. n_samples, n_features, n_classes : the problem's size.
     chance : accuracy of always predicting the most frequent class.
+    n_folds : folds used. note : why they differ from the folds asked for ("" when they do not).
     """
 
     accuracy: float
@@ -30,6 +31,49 @@ class ProbeResult:
     n_features: int = 0
     n_classes: int = 0
     chance: float = 0.0
+    n_folds: int = 0
+    note: str = ""
+
+
+class ProbeResults(dict):
+    """``{hook point: ProbeResult}`` of :func:`probe_store`; ``skipped`` holds
+    ``{hook point: reason}`` for the hook points it could not probe."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.skipped: dict[str, str] = {}
+
+
+def choose_folds(labels: Sequence[Any], n_folds: int) -> tuple[int, str]:
+    """Folds for a stratified cross-validation of ``labels``: ``n_folds``, or fewer when the
+    smallest class has fewer samples (every fold needs one of each class).
+
+    Returns
+    -------
+    (folds, note) : int, str
+        ``note`` says what was done when ``folds != n_folds`` ("" otherwise).
+
+    Raises
+    ------
+    ValueError
+        Fewer than 2 classes, a class with a single sample, or ``n_folds < 2``.
+    """
+    if n_folds < 2:
+        raise ValueError(f"n_folds must be at least 2, got {n_folds}")
+    counts: dict[Any, int] = {}
+    for v in labels:
+        counts[v] = counts.get(v, 0) + 1
+    if len(counts) < 2:
+        raise ValueError(f"a probe needs at least 2 classes, got {sorted(map(str, counts))}")
+    smallest_class, smallest = min(counts.items(), key=lambda kv: kv[1])
+    if smallest < 2:
+        raise ValueError(
+            f"class {smallest_class!r} has {smallest} labelled sample; a cross-validated probe needs at least 2 per class"
+        )
+    if smallest >= n_folds:
+        return n_folds, ""
+    return smallest, (f"{smallest}-fold instead of {n_folds}: the smallest class ({smallest_class!r}) has "
+                      f"{smallest} labelled samples")
 
 
 def _stratified_folds(y: torch.Tensor, n_folds: int, seed: int) -> list[torch.Tensor]:
@@ -136,6 +180,7 @@ def probe_accuracy(
         n_features=x.shape[1],
         n_classes=len(classes),
         chance=float(counts.max()) / len(y),
+        n_folds=n_folds,
     )
 
 
@@ -151,17 +196,30 @@ def probe_store(
 ) -> dict[str, ProbeResult]:
     """A cross-validated linear probe (:func:`probe_accuracy`) per hook point of a store.
 
-    Hook points whose rows have no labels, fewer than 2 classes or too few samples per class
-    for ``n_folds`` are left out of the result.
+    Folds come from the class counts (:func:`choose_folds`): ``n_folds``, or as many as the
+    smallest class has samples when that is fewer (each result's ``n_folds`` and ``note``
+    say so). Hook points that cannot be probed (no ``label_column``, no labelled row, fewer
+    than 2 classes, a class with a single sample) are left out of the result, with the
+    reason in its ``skipped`` mapping.
+
+    Returns
+    -------
+    ProbeResults
+        ``{hook point: ProbeResult}`` plus ``.skipped`` ``{hook point: reason}``.
     """
-    out: dict[str, ProbeResult] = {}
+    out = ProbeResults()
     for hp in hook_points if hook_points is not None else list(store.hook_points):
         got = sentence_rows(store, hp, label_column)
         if got is None:
+            out.skipped[hp] = f"the row table has no labelled {label_column!r} column"
             continue
         x, labels = got
         try:
-            out[hp] = probe_accuracy(x, labels, n_folds=n_folds, seed=seed)
-        except ValueError:
+            folds, note = choose_folds(labels, n_folds)
+            result = probe_accuracy(x, labels, n_folds=folds, seed=seed)
+        except ValueError as e:
+            out.skipped[hp] = str(e)
             continue
+        result.note = note
+        out[hp] = result
     return out

@@ -38,7 +38,10 @@ N_PCA_COMPONENTS = 50
 class HookPointStats:
     """Statistics of one hook point, as plotted.
 
-    mean, std, nonzero : Tensor (units,) float64, per flattened feature.
+    mean, std, nonzero : Tensor (units,) float64, per unit: a flattened feature, or with
+        ``feature_axis`` a channel (statistics over rows and every other feature position).
+    unit_name : "unit" or "channel"; feature_axis : the axis of ``feature_shape`` a channel
+        indexes (None: every position is a unit).
     hist_counts : Tensor (bins,) int64; hist_edges : Tensor (bins + 1,) float64.
     explained : Tensor (k,) float64, PCA explained variance ratio of the first k components,
         or None when PCA was skipped (``pca_note`` says why).
@@ -64,6 +67,8 @@ class HookPointStats:
     n_sampled: int
     pca_note: str = ""
     notes: list[str] = field(default_factory=list)
+    unit_name: str = "unit"
+    feature_axis: int | None = None
 
 
 def _sample_rows(acts: torch.Tensor, max_rows: int) -> torch.Tensor:
@@ -91,6 +96,7 @@ def hook_point_stats(
     max_rows: int = 20000,
     bins: int = 80,
     info: Mapping[str, Any] | None = None,
+    feature_axis: int | None | str = "auto",
 ) -> HookPointStats:
     """Compute what the report plots for one hook point.
 
@@ -102,6 +108,14 @@ def hook_point_stats(
         Rows sampled (evenly spaced) for histograms, PCA and missing reductions.
     bins : int
         Histogram bins over [min, max] of the sampled values.
+    feature_axis : int, None or "auto", default "auto"
+        What a *unit* of the per-unit panels is. An int ``k``: the channels along axis ``k``
+        of the feature shape, each reduced over rows and every other feature position (a
+        conv output ``(C, H, W)`` with ``k = 0`` gives ``C`` channels over rows x H x W).
+        None: every feature position is a unit. "auto": 0 for features of 2 or more
+        dimensions (channels first, as ``nn.Conv*`` outputs), None otherwise. Statistics
+        from reductions are combined exactly (equal counts per position); dead channels are
+        channels that are zero at every position of every row.
     """
     acts = store[hook_point]
     n_rows = int(acts.shape[0])
@@ -128,7 +142,17 @@ def hook_point_stats(
     if nonzero is None or nonzero.numel() != units:
         nonzero = (rows != 0).double().mean(0) if len(rows) else torch.zeros(units, dtype=torch.float64)
         from_reductions = False
-    dead_fraction = float((nonzero == 0).double().mean()) if units else 0.0
+    axis = (0 if len(feature_shape) >= 2 else None) if feature_axis == "auto" else feature_axis
+    if axis is not None:
+        if not isinstance(axis, int) or not -len(feature_shape) <= axis < len(feature_shape):
+            raise ValueError(
+                f"feature_axis must be None, 'auto' or an axis of the feature shape {feature_shape} of "
+                f"{hook_point!r}, got {feature_axis!r}"
+            )
+        axis %= len(feature_shape)
+        mean, std, nonzero = _per_channel(mean, std, nonzero, feature_shape, axis)
+    n_units = mean.numel()
+    dead_fraction = float((nonzero == 0).double().mean()) if n_units else 0.0
 
     finite = rows[torch.isfinite(rows)]
     if finite.numel():
@@ -150,8 +174,21 @@ def hook_point_stats(
         n_bytes=_int_or_none(entry, "bytes_on_disk"),
         mean=mean, std=std, nonzero=nonzero, hist_counts=counts, hist_edges=edges,
         explained=explained, dead_fraction=dead_fraction, source=source, n_sampled=rows.shape[0],
-        pca_note=pca_note,
+        pca_note=pca_note, unit_name="unit" if axis is None else "channel", feature_axis=axis,
     )
+
+
+def _per_channel(mean: torch.Tensor, std: torch.Tensor, nonzero: torch.Tensor, shape: tuple[int, ...],
+                 axis: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-position mean / std / non-zero fraction (over the same rows) -> per channel of
+    ``axis``: mean of means, sqrt(mean of (var + mean^2) - mean^2), mean of fractions."""
+    def channels(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(shape).movedim(axis, 0).reshape(shape[axis], -1)
+
+    m, sd, nz = channels(mean), channels(std), channels(nonzero)
+    mean_c = m.mean(1)
+    var_c = ((sd * sd + m * m).mean(1) - mean_c * mean_c).clamp_min(0)
+    return mean_c, var_c.sqrt(), nz.mean(1)
 
 
 def _hp_info(info: Mapping[str, Any] | None, hp: str) -> Mapping[str, Any]:
@@ -196,6 +233,12 @@ def _units_subset(n: int) -> torch.Tensor:
     return torch.linspace(0, n - 1, MAX_PLOTTED_UNITS).round().long()
 
 
+def has_informative_nonzero(stats: HookPointStats) -> bool:
+    """Whether the non-zero panel says anything: False when every unit is non-zero in every
+    row (a layer without ReLU-like zeros would show a flat line at 1)."""
+    return bool(stats.nonzero.numel()) and float(stats.nonzero.min()) < 1.0
+
+
 def plot_hook_point(stats: HookPointStats, path: str | os.PathLike) -> Path:
     """Write the four-panel PNG of one hook point; returns its path."""
     plt = _plt()
@@ -209,24 +252,32 @@ def plot_hook_point(stats: HookPointStats, path: str | os.PathLike) -> Path:
     ax.set_ylabel("count (log)")
 
     ax = axes[1]
-    idx = _units_subset(stats.mean.numel())
+    unit = stats.unit_name
+    n_units = stats.mean.numel()
+    idx = _units_subset(n_units)
+    shown = "" if len(idx) == n_units else f"\n{len(idx):,} of {n_units:,} {unit}s shown, evenly spaced"
     order = torch.argsort(stats.mean[idx])
     m = stats.mean[idx][order].numpy()
     s = stats.std[idx][order].numpy()
     x = range(len(m))
     ax.fill_between(x, m - s, m + s, color="#dd8452", alpha=0.35, linewidth=0, label="± std")
     ax.plot(x, m, color="#c44e52", linewidth=1.2, label="mean")
-    ax.set_title("mean ± std per unit")
-    ax.set_xlabel("unit (sorted by mean)")
+    ax.set_title(f"mean ± std per {unit}{shown}")
+    ax.set_xlabel(f"{unit} (sorted by mean)")
     ax.legend(loc="upper left", fontsize=8, frameon=False)
 
     ax = axes[2]
-    nz = torch.sort(stats.nonzero[idx]).values.numpy()
-    ax.plot(range(len(nz)), nz, color="#55a868", linewidth=1.5)
-    ax.set_ylim(-0.03, 1.03)
-    ax.set_title(f"non-zero fraction per unit (dead: {stats.dead_fraction:.1%})")
-    ax.set_xlabel("unit (sorted)")
-    ax.set_ylabel("fraction of rows ≠ 0")
+    if not has_informative_nonzero(stats):
+        ax.text(0.5, 0.5, f"no exact zeros: every {unit} is non-zero\nin every row (no dead {unit}s),\n"
+                "so no non-zero panel", ha="center", va="center", transform=ax.transAxes, fontsize=10)
+        ax.set_axis_off()
+    else:
+        nz = torch.sort(stats.nonzero[idx]).values.numpy()
+        ax.plot(range(len(nz)), nz, color="#55a868", linewidth=1.5)
+        ax.set_ylim(-0.03, 1.03)
+        ax.set_title(f"non-zero fraction per {unit} (dead: {stats.dead_fraction:.1%}){shown}")
+        ax.set_xlabel(f"{unit} (sorted)")
+        ax.set_ylabel("fraction of rows ≠ 0" if unit == "unit" else "fraction of values ≠ 0")
 
     ax = axes[3]
     if stats.explained is not None:
@@ -248,6 +299,28 @@ def plot_hook_point(stats: HookPointStats, path: str | os.PathLike) -> Path:
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def unit_notes(st: HookPointStats) -> list[str]:
+    """What the per-unit panels of ``st`` show, in words: channels, subsampling, no zeros."""
+    notes = []
+    n = st.mean.numel()
+    if st.feature_axis is not None:
+        per = math.prod(st.feature_shape) // max(st.feature_shape[st.feature_axis], 1)
+        notes.append(f"per-{st.unit_name} panels: the {n:,} channels along axis {st.feature_axis} of "
+                     f"{st.feature_shape}, each over rows x {per:,} positions")
+    if n > MAX_PLOTTED_UNITS:
+        notes.append(f"per-{st.unit_name} panels show {MAX_PLOTTED_UNITS:,} of {n:,} {st.unit_name}s, evenly spaced "
+                     "(after sorting the shown ones)")
+    if not has_informative_nonzero(st):
+        notes.append(f"no non-zero panel: every {st.unit_name} is non-zero in every row")
+    return notes
+
+
+def _folds_used(probes: Mapping[str, Any], n_folds: int) -> int | str:
+    """The folds of the probes shown: one number, or a range when they differ."""
+    used = sorted({int(getattr(p, "n_folds", 0) or n_folds) for p in probes.values()})
+    return used[0] if len(used) == 1 else f"{used[0]}-{used[-1]}"
 
 
 def plot_probes(probes: Mapping[str, Any], path: str | os.PathLike, n_folds: int) -> Path:
@@ -349,7 +422,7 @@ def write_report(
         torch.set_num_threads(threads)
     probe_png = None
     if probes:
-        probe_png = plot_probes(probes, out / "probes.png", n_folds)
+        probe_png = plot_probes(probes, out / "probes.png", _folds_used(probes, n_folds))
 
     status = info.get("status") if isinstance(info, Mapping) else None
     if isinstance(status, Mapping):
@@ -392,14 +465,23 @@ def write_report(
 
     if probe_png is not None:
         any_p = next(iter(probes.values()))
+        folds = _folds_used(probes, n_folds)
+        notes = sorted({getattr(p, "note", "") for p in probes.values()} - {""})
         parts.append("<h2>Linear probes</h2>")
         parts.append(
             f"<p class='note'>L2-regularised logistic regression on one row per sample (token rows mean-pooled "
-            f"per sample), {n_folds}-fold stratified cross-validation, {any_p.n_samples} labelled samples, "
+            f"per sample), {folds}-fold stratified cross-validation, {any_p.n_samples} labelled samples, "
             f"{any_p.n_classes} classes, chance {any_p.chance:.3f}.</p>"
         )
+        for note in notes:
+            parts.append(f"<p class='note'>Folds chosen from the class counts: {e(note)}.</p>")
         parts.append(f"<img src='{probe_png.name}' alt='probe accuracy per hook point'>")
-    elif probes is not None:
+    skipped = getattr(probes, "skipped", {}) if probes is not None else {}
+    if skipped:
+        reasons = sorted(set(skipped.values()))
+        which = "any hook point" if not probes else ", ".join(sorted(skipped))
+        parts.append(f"<p class='note'>No probe for {e(which)}: {e('; '.join(reasons))}.</p>")
+    elif probes is not None and not probes:
         parts.append(f"<p class='note'>No probe: the row table has no usable '{e(label_column)}' column.</p>")
 
     parts.append("<h2>Per hook point</h2>")
@@ -409,6 +491,8 @@ def write_report(
             f"<div class='note'>{st.n_rows:,} rows &times; {e(str(st.feature_shape))} {e(st.dtype)}; "
             f"mean/std/non-zero from {e(st.source)}</div>"
         )
+        for note in unit_notes(st):
+            parts.append(f"<div class='note'>{e(note)}</div>")
         parts.append(f"<img src='hp_{_slug(st.hook_point)}.png' alt='{e(st.hook_point)}'>")
     parts.append("</body></html>")
     index = out / "index.html"

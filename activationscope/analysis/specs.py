@@ -39,6 +39,14 @@ def load_model_spec(spec: str) -> LoadedModel:
         tokenizer, model = demo.load_model()
         return LoadedModel(model, tokenizer, "all-MiniLM-L6-v2 (demo)", demo.layer_include(model))
     path = Path(spec)
+    looks_like_path = spec.startswith((".", "/", "~")) or os.sep in spec or (os.altsep or os.sep) in spec
+    if looks_like_path and ":" not in spec and not path.exists():
+        raise SpecError(
+            f"--model {spec!r} does not exist: no such folder (expected a Hugging Face model folder with config.json, "
+            "'demo', or an import path package.module:factory)"
+        )
+    if path.exists() and not path.is_dir():
+        raise SpecError(f"--model {spec!r} is a file; pass its folder (a Hugging Face model folder with config.json)")
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise SpecError(f"--model {spec!r} is a folder without config.json (not a Hugging Face model folder)")
@@ -84,6 +92,19 @@ class LoadedData:
         return len(self.texts) if self.texts is not None else int(self.tensor.shape[0])
 
 
+def _looks_like_text(path: Path) -> bool:
+    """Whether the first 4 KiB of a file decode as UTF-8 without NUL bytes."""
+    with open(path, "rb") as f:
+        head = f.read(4096)
+    if b"\x00" in head:
+        return False
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as e:  # a cut multi-byte character at the end is still text
+        return e.start >= len(head) - 3
+    return True
+
+
 def load_data_spec(spec: str) -> LoadedData:
     """``demo``, a text file (one sample per line) or a tensor file (.npy / .pt).
 
@@ -108,6 +129,14 @@ def load_data_spec(spec: str) -> LoadedData:
     if suffix == ".npy":
         import numpy as np
 
+        with open(path, "rb") as f:
+            magic = f.read(6)
+        if magic != b"\x93NUMPY":
+            kind = "a text file" if _looks_like_text(path) else "not a .npy file"
+            raise SpecError(
+                f"--data {spec!r} is {kind}: a .npy file starts with b'\\x93NUMPY', this one with {magic!r}; "
+                "save arrays with numpy.save, or give text (one sample per line) a .txt name"
+            )
         try:
             array = np.load(path, allow_pickle=False)
         except Exception as e:  # noqa: BLE001

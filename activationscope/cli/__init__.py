@@ -77,14 +77,16 @@ def _positive(value: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``activationscope`` command."""
+    # --debug goes before or after the command: the subcommands' copy must not reset the
+    # value given before the command to its default (argparse's subparser defaults win)
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--debug", action="store_true", help="show tracebacks of errors")
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks of errors")
 
     parser = argparse.ArgumentParser(
         prog=PROG,
         description="Capture activations of PyTorch models into a Zarr v3 store, inspect, verify, export and report them.",
-        parents=[common],
     )
+    parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
@@ -158,11 +160,19 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Check a store's structure and checksums; exit 1 naming what is damaged.")
     p.add_argument("store", help="store path or URL")
 
-    p = sub.add_parser("export", parents=[common], help="export rows to Parquet or Arrow",
+    p = sub.add_parser("export", parents=[common], help="export rows to Parquet, Arrow or Hugging Face datasets",
                        description="Export a store's rows (activations plus row table) to a Parquet or Arrow IPC file.")
     p.add_argument("store", help="store path or URL")
-    p.add_argument("--format", required=True, choices=("parquet", "arrow"), help="file format")
-    p.add_argument("--out", required=True, help="output file")
+    p.add_argument("--format", required=True, choices=("parquet", "arrow", "hf"),
+                   help="file format; hf: a Hugging Face datasets folder (datasets.load_from_disk)")
+    p.add_argument("--out", required=True, help="output file (a folder for --format hf)")
+    p.add_argument("--tensor-type", choices=("fixed_shape_tensor", "fixed_size_list"), default="fixed_shape_tensor",
+                   help="Arrow type of hook point columns for parquet / arrow; fixed_size_list where pandas "
+                        "(split_blocks=True) reads the file (default: %(default)s)")
+    p.add_argument("--context-size", type=_positive, default=None, metavar="N",
+                   help="--format hf: N consecutive rows per example, SAELens's cached-activations layout")
+    p.add_argument("--drop-last", action="store_true",
+                   help="--format hf with --context-size: leave out the rows that do not fill the last example")
     p.add_argument("--hook-points", nargs="+", default=None, metavar="HP",
                    help="hook points or fnmatch patterns to export (default: all; they must share a row kind)")
 
@@ -193,8 +203,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler = _COMMANDS[args.command]
     try:
         return handler(args) or 0
-    except KeyboardInterrupt:
-        print(f"{PROG} {args.command}: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:
+        notes = "".join(f"; {n}" for n in getattr(e, "__notes__", ()))
+        print(f"{PROG} {args.command}: interrupted{notes}", file=sys.stderr)
         return 130
     except BrokenPipeError:
         return 1
@@ -202,7 +213,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.debug:
             traceback.print_exc()
         else:
-            print(f"{PROG} {args.command}: error: {one_line(e)}", file=sys.stderr)
+            notes = "".join(f"; {n}" for n in getattr(e, "__notes__", ()))
+            print(f"{PROG} {args.command}: error: {one_line(e)}{notes}", file=sys.stderr)
         return 1
 
 
@@ -246,6 +258,33 @@ def _committed_samples(out: str) -> int:
     return int(_open(out).n_samples)
 
 
+def _check_out(out: str, *, resume: bool, overwrite: bool) -> None:
+    """Refuse an --out that is not a store (or a new or empty path), saying what is there;
+    --overwrite and --resume are offered only where they apply."""
+    if "://" in out:
+        return
+    from ..store._backend import check_local_store_path, describe_local_path
+
+    found = describe_local_path(out)
+    kind = found[0] if found else None
+    if kind is None:
+        if resume:
+            raise CLIError(f"--resume: store {out!r} does not exist; drop --resume to start a new store")
+        check_local_store_path(out)  # a file above it
+        return
+    if kind == "empty":
+        if resume:
+            raise CLIError(f"--resume: {out!r} is an empty folder, not a store; drop --resume to start a new store")
+        return
+    if kind != "store":
+        raise CLIError(
+            f"--out {out!r} is {found[1]}; choose another path (--overwrite only replaces activationscope stores, "
+            "and never deletes anything else)"
+        )
+    if not (resume or overwrite):
+        raise CLIError(f"--out {out!r} is {found[1]}; pass --overwrite to replace it or --resume to continue it")
+
+
 def cmd_capture(args: argparse.Namespace) -> int:
     import torch
 
@@ -258,15 +297,7 @@ def cmd_capture(args: argparse.Namespace) -> int:
         raise CLIError(f"--max-samples must be a positive int, got {args.max_samples}")
     reductions = _check_reductions(args.reduce)
     out = args.out
-    exists = "://" not in out and os.path.exists(out)
-    if exists and not (args.resume or args.overwrite):
-        raise CLIError(f"store {out!r} already exists; pass --overwrite to replace it or --resume to continue it")
-    if args.resume and not exists:
-        raise CLIError(f"--resume: store {out!r} does not exist")
-    if "://" not in out:
-        from ..store._backend import check_local_store_path
-
-        check_local_store_path(out)  # a file there: fail before loading anything or printing a progress bar
+    _check_out(out, resume=args.resume, overwrite=args.overwrite)  # before loading anything
 
     data = load_data_spec(args.data)
     loaded = load_model_spec(args.model)
@@ -321,6 +352,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     if args.batch_size < 1:
         raise CLIError(f"--batch-size must be a positive int, got {args.batch_size}")
+    _check_out(args.out, resume=False, overwrite=True)  # the demo replaces its own store, nothing else
     t0 = time.perf_counter()
     result = demo.run_demo(
         out=args.out,
@@ -398,8 +430,18 @@ def cmd_export(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.parent and not out.parent.exists():
         raise CLIError(f"--out {args.out!r}: folder {str(out.parent)!r} does not exist")
+    if args.context_size is not None and args.format != "hf":
+        raise CLIError(f"--context-size applies to --format hf only, got --format {args.format}")
+    if args.format == "hf":
+        data.export_hf(store, args.out, hook_points=hook_points, context_size=args.context_size,
+                       drop_last=args.drop_last)
+        size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+        print(f"wrote {args.out} ({format_bytes(size)}, Hugging Face datasets: datasets.load_from_disk({args.out!r}))")
+        return 0
+    if out.is_dir():
+        raise CLIError(f"--out {args.out!r} is a folder; --format {args.format} writes one file: give a file path")
     fn = data.export_parquet if args.format == "parquet" else data.export_arrow
-    fn(store, args.out, hook_points=hook_points)
+    fn(store, args.out, hook_points=hook_points, tensor_type=args.tensor_type)
     print(f"wrote {args.out} ({format_bytes(os.path.getsize(args.out))}, {args.format})")
     return 0
 

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 from ..capture.writer import register_writer
 from ._format import FORMAT_NAME, FORMAT_VERSION
+from ._remove import remove_if_empty
 from .reader import Store, copy_store, open_store
 from .writer import StoreWriter, model_identity
 
 register_writer(StoreWriter)  # the writer of ActivationScope(store=...) captures
 
-__all__ = ["StoreWriter", "Store", "open_store", "copy_store", "model_identity", "FORMAT_NAME", "FORMAT_VERSION"]
+__all__ = ["StoreWriter", "Store", "open_store", "copy_store", "remove_if_empty", "model_identity", "FORMAT_NAME", "FORMAT_VERSION"]

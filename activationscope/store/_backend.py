@@ -588,7 +588,8 @@ def describe_local_path(path: str | os.PathLike) -> tuple[str, str] | None:
         if isinstance(meta, dict):
             return "zarr", "a Zarr node that is not an activationscope store"
     shown = ", ".join(repr(e) for e in entries[:3]) + (", ..." if len(entries) > 3 else "")
-    return "folder", f"a folder that is not a store ({len(entries)} entries: {shown})"
+    count = f"{len(entries)} entr{'y' if len(entries) == 1 else 'ies'}"
+    return "folder", f"a folder that is not a store ({count}: {shown})"
 
 def check_local_store_path(root: str | os.PathLike) -> None:
     """Raise :class:`StoreError` when a local store path (or a folder above it) is a file.

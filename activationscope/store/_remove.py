@@ -1,0 +1,60 @@
+"""Removing a store that holds no committed row (what a capture failing on its first
+batches leaves behind), so that the corrected rerun does not need ``overwrite=True``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._backend import LOCK_KEY, LocalBackend, resolve
+from ._lock import WriterLock
+
+
+def remove_if_empty(target: Any, *, remove_folder: bool = True, storage_options: dict | None = None) -> bool:
+    """Remove the store at ``target`` if it is an activationscope store with no committed row.
+
+    A store qualifies when it opens, ``n_samples == 0`` and every hook point has 0 committed
+    rows. Everything is removed under the store's writer lock (a store being written by
+    someone else is left alone); anything that is not such a store is never touched.
+
+    Parameters
+    ----------
+    target : str, os.PathLike or zarr Store
+        As :func:`open_store`.
+    remove_folder : bool, default True
+        For a local store, also remove its (then empty) folder; pass False when the folder
+        existed before the capture.
+
+    Returns
+    -------
+    bool
+        Whether the store was removed.
+    """
+    from .reader import open_store
+
+    try:
+        store = open_store(target, storage_options=storage_options)
+    except Exception:  # noqa: BLE001 - not a readable store: not ours to remove
+        return False
+    try:
+        if store.n_samples != 0 or any(store.n_rows(hp) for hp in store.hook_points):
+            return False
+    finally:
+        store.close()
+    backend = resolve(target, storage_options=storage_options)
+    lock = WriterLock(backend)
+    try:
+        lock.acquire()
+    except Exception:  # noqa: BLE001 - another writer holds it
+        return False
+    try:
+        backend.clear()
+    finally:
+        lock.release()
+    if isinstance(backend, LocalBackend):
+        try:
+            (backend.root / LOCK_KEY).unlink(missing_ok=True)
+            if remove_folder:
+                backend.root.rmdir()
+        except OSError:
+            pass
+    return True
