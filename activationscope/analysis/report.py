@@ -1,7 +1,10 @@
 """An HTML report of a store: one page, PNG plots made with matplotlib (Agg).
 
 Per hook point: a histogram of activation values, mean ± std per unit, the fraction of rows
-where each unit is non-zero (dead units sit at 0), and PCA explained variance. Per store: a
+where each unit is non-zero (dead units sit at 0; only when some value is exactly zero), and
+PCA explained variance. A unit is a feature of ``(d,)`` rows and a channel of rows with 2 or
+more dimensions (conv outputs, see :func:`hook_point_stats`); panels of more than
+``MAX_PLOTTED_UNITS`` units show an evenly spaced subset and say so. Per store: a
 table of hook points (row kind, rows, feature shape, dtype, bytes, dead-unit fraction) and,
 when the row table has labels, the cross-validated accuracy of a linear probe per hook point
 (see :func:`activationscope.analysis.probes.probe_store`).
@@ -377,6 +380,7 @@ def write_report(
     n_folds: int = 5,
     title: str | None = None,
     max_rows: int = 20000,
+    feature_axis: int | None | str = "auto",
 ) -> Path:
     """Write ``index.html`` and its PNGs into ``out_dir`` (created).
 
@@ -388,8 +392,14 @@ def write_report(
     probes : {hook point: ProbeResult}, optional
         Probe results to show; computed with :func:`activationscope.analysis.probes.probe_store` when
         None and the row table has ``label_column``.
+    n_folds : int, default 5
+        Folds of the probes computed here (fewer when the smallest class is smaller; the
+        page says so).
     max_rows : int
         Rows sampled per hook point for histograms and PCA.
+    feature_axis : int, None or "auto"
+        What a unit of the per-unit panels is (see :func:`hook_point_stats`): "auto" makes
+        it a channel (axis 0) for rows of 2 or more dimensions.
 
     Returns
     -------
@@ -415,7 +425,7 @@ def write_report(
     torch.set_num_threads(1)  # many small reductions: thread sync costs more than it saves
     try:
         for hp in hps:
-            st = hook_point_stats(store, hp, max_rows=max_rows, info=info)
+            st = hook_point_stats(store, hp, max_rows=max_rows, info=info, feature_axis=feature_axis)
             plot_hook_point(st, out / f"hp_{_slug(hp)}.png")
             stats.append(st)
     finally:
