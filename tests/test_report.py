@@ -148,6 +148,11 @@ def test_conv_layers_are_reduced_per_channel():
     torch.testing.assert_close(st3.mean, x.double().permute(3, 0, 1, 2).reshape(8, -1).mean(1))
     with pytest.raises(ValueError, match="feature_axis must be"):
         report.hook_point_stats(TinyStore({"conv": x}), "conv", feature_axis=3)
+    # (pos, d_model) rows of a sequence model: the d_model features, each over rows x positions
+    seq = torch.randn(20, 5, 8, generator=torch.Generator().manual_seed(1))
+    st4 = report.hook_point_stats(TinyStore({"seq": seq}), "seq")
+    assert st4.unit_name == "feature" and st4.feature_axis == 1 and st4.mean.shape == (8,)
+    torch.testing.assert_close(st4.mean, seq.double().reshape(-1, 8).mean(0))
 
 
 def test_nonzero_panel_only_where_it_informs(tmp_path):

@@ -112,11 +112,12 @@ def hook_point_stats(
     bins : int
         Histogram bins over [min, max] of the sampled values.
     feature_axis : int, None or "auto", default "auto"
-        What a *unit* of the per-unit panels is. An int ``k``: the channels along axis ``k``
+        What a *unit* of the per-unit panels is. An int ``k``: the indices along axis ``k``
         of the feature shape, each reduced over rows and every other feature position (a
         conv output ``(C, H, W)`` with ``k = 0`` gives ``C`` channels over rows x H x W).
-        None: every feature position is a unit. "auto": 0 for features of 2 or more
-        dimensions (channels first, as ``nn.Conv*`` outputs), None otherwise. Statistics
+        None: every feature position is a unit. "auto": axis 0 (channels) for features of 3
+        or more dimensions (``nn.Conv2d`` / ``Conv3d`` outputs), the last axis for 2
+        (``(pos, d_model)`` rows of a sequence model captured without a mask), None for 1. Statistics
         from reductions are combined exactly (equal counts per position); dead channels are
         channels that are zero at every position of every row.
     """
@@ -145,7 +146,10 @@ def hook_point_stats(
     if nonzero is None or nonzero.numel() != units:
         nonzero = (rows != 0).double().mean(0) if len(rows) else torch.zeros(units, dtype=torch.float64)
         from_reductions = False
-    axis = (0 if len(feature_shape) >= 2 else None) if feature_axis == "auto" else feature_axis
+    if feature_axis == "auto":  # channels first for conv maps, the last axis of (pos, d_model) rows
+        axis = 0 if len(feature_shape) >= 3 else (-1 if len(feature_shape) == 2 else None)
+    else:
+        axis = feature_axis
     if axis is not None:
         if not isinstance(axis, int) or not -len(feature_shape) <= axis < len(feature_shape):
             raise ValueError(
@@ -177,7 +181,8 @@ def hook_point_stats(
         n_bytes=_int_or_none(entry, "bytes_on_disk"),
         mean=mean, std=std, nonzero=nonzero, hist_counts=counts, hist_edges=edges,
         explained=explained, dead_fraction=dead_fraction, source=source, n_sampled=rows.shape[0],
-        pca_note=pca_note, unit_name="unit" if axis is None else "channel", feature_axis=axis,
+        pca_note=pca_note, feature_axis=axis,
+        unit_name="unit" if axis is None else ("channel" if axis == 0 else "feature"),
     )
 
 
