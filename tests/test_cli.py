@@ -102,10 +102,14 @@ def test_capture_missing_data_file(capsys, tmp_path):
 
 def test_capture_unreadable_npy(capsys, tmp_path):
     bad = tmp_path / "bad.npy"
-    bad.write_bytes(b"not numpy at all")
+    bad.write_bytes(b"\x93NUMPY\x01\x00garbage header")          # the magic, then nothing numpy can read
     code, _, err = run(capsys, "capture", "--model", "m:f", "--data", str(bad), "--out", str(tmp_path / "o.zarr"))
     assert code == 1
     _one_error_line(err, "bad.npy", "not a readable .npy file")
+    bad.write_bytes(b"\x00\x01binary, not numpy at all")
+    code, _, err = run(capsys, "capture", "--model", "m:f", "--data", str(bad), "--out", str(tmp_path / "o.zarr"))
+    assert code == 1
+    _one_error_line(err, "bad.npy", "is not a .npy file", "starts with")
 
 
 def test_capture_pt_file_without_tensor(capsys, tmp_path):
@@ -332,8 +336,22 @@ def test_model_failing_mid_capture_is_one_line_and_store_incomplete(tmp_path, to
     code, _, err = run(capsys, "capture", "--model", "usermodels.nets:mlp", "--data", str(bad), "--out", str(out),
                        "--no-progress")
     assert code == 1
-    _one_error_line(err, "the model raised RuntimeError", "samples 0..9", "incomplete")
-    assert acs.open_store(str(out)).status == "incomplete"
+    # the first batch failed: nothing was committed, so the new store is gone (a rerun needs no --overwrite)
+    _one_error_line(err, "the model raised RuntimeError", "samples 0..9", "no row was committed", "was removed")
+    assert not out.exists()
+    # failing after rows were committed keeps them: status incomplete
+    wide = tmp_path / "wide.npy"
+    np.save(wide, np.zeros((30, 7), dtype=np.float32))   # samples 20.. do not fit the model
+    _, x = toy_store
+    code, _, err = run(capsys, "capture", "--model", "usermodels.nets:mlp", "--data", str(x), "--out", str(out),
+                       "--no-progress", "--batch-size", "10", "--max-samples", "20")
+    assert code == 0, err
+    code, _, err = run(capsys, "capture", "--model", "usermodels.nets:mlp", "--data", str(wide), "--out", str(out),
+                       "--no-progress", "--resume")
+    assert code == 1
+    _one_error_line(err, "the model raised RuntimeError", "keeps the rows committed before", "incomplete")
+    store = acs.open_store(str(out))
+    assert store.status == "incomplete" and store.n_samples == 20
 
 
 def test_capture_overwrite_replaces(tmp_path, toy_store, capsys):
