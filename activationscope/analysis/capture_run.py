@@ -8,6 +8,7 @@ Model and data specs are loaded by :mod:`.specs`.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Iterable, Iterator, Sequence
