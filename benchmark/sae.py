@@ -132,7 +132,7 @@ def check(modes: Modes, hps: list[str]) -> None:
     for fn in (modes.scope_store, modes.scope_store_stop):
         store = acs.open_store(fn(hps))
         for hp in hps:
-            got = store[f"{hp}.output", 0:n]
+            got = store[hp, 0:n]  # HookPoints are stored under their TransformerLens names
             if not torch.equal(got, cache[hp].reshape(n, D_MODEL)):
                 raise RuntimeError(f"{fn.__name__}: {hp} differs from run_with_cache")
     for hp, path in zip(hps, modes.saelens_runner(hps)):

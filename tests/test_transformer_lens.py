@@ -84,3 +84,16 @@ def test_rename_rule():
     assert rename_hook_point("blocks.0.hook_resid_post.input.0", paths, "both") is None
     assert rename_hook_point("blocks.0.mlp.output", paths, "output") == "blocks.0.mlp.output"
     assert rename_hook_point("blocks.0.hook_resid_post.output", frozenset(), "output") == "blocks.0.hook_resid_post.output"
+
+
+def test_readme_transformer_lens_example_runs(tmp_path, monkeypatch, capsys):
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S) if "HookedTransformer(" in b)
+    monkeypatch.chdir(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        exec(compile(block, "README.md", "exec"), {})
+    assert "torch.Size([2048, 64])" in capsys.readouterr().out
