@@ -631,6 +631,17 @@ def test_native_extension_version_check(monkeypatch):
         _native.load()
 
 
+def test_native_extension_built_from_older_sources_is_refused(monkeypatch):
+    from activationscope.capture import _native
+
+    monkeypatch.setattr(_native, "_module", None)
+    monkeypatch.setattr(_native, "REQUIRED", ("is_token_rows", "no_such_native_function"))
+    with pytest.raises(acs.NativeExtensionError, match=r"built from older sources \(it lacks \['no_such_native_function'\]\); rebuild"):
+        _native.load()
+    monkeypatch.setattr(_native, "REQUIRED", ("is_token_rows",))
+    assert _native.load().is_token_rows is not None
+
+
 # ----------------------------------------------------------------------------- the GIL
 def test_gil_is_released_while_copying():
     big = torch.randn(16, 1 << 20)  # 64 MiB

@@ -11,6 +11,10 @@ from ..errors import NativeExtensionError
 
 _module: ModuleType | None = None
 
+#: Names the Python side calls that the newest native sources added: an extension built
+#: from older sources lacks them and is refused with the fix, not an AttributeError later.
+REQUIRED = ("is_token_rows",)
+
 
 def load() -> ModuleType:
     """Import ``activationscope._C`` and check it was built against the running torch.
@@ -18,8 +22,9 @@ def load() -> ModuleType:
     Raises
     ------
     NativeExtensionError
-        The extension is missing, fails to load, or was built against another torch
-        version; the message names both versions and how to rebuild.
+        The extension is missing, fails to load, was built against another torch version
+        (the message names both versions), or was built from older sources (it lacks a name
+        of ``REQUIRED``); the message says how to rebuild.
     """
     global _module
     if _module is not None:
@@ -36,6 +41,11 @@ def load() -> ModuleType:
     if built != torch.__version__:
         raise NativeExtensionError(
             f"activationscope._C was built against torch {built} but torch {torch.__version__} is installed; {fix}"
+        )
+    missing = [name for name in REQUIRED if not hasattr(mod, name)]
+    if missing:
+        raise NativeExtensionError(
+            f"activationscope._C was built from older sources (it lacks {missing}); {fix}"
         )
     _module = mod
     return mod
