@@ -48,6 +48,7 @@ _LAZY = {
     "StoreWriter": ".store",
     "ActivationDataset": ".data",
     "to_dask": ".analysis.dask",
+    "RankStore": ".distributed",
 }
 
 __all__ = [
@@ -62,6 +63,7 @@ __all__ = [
     "StoreWriter",
     "ActivationDataset",
     "to_dask",
+    "RankStore",
     "ActivationScopeError",
     "CaptureError",
     "HookPointNotFoundError",

@@ -160,6 +160,13 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Check a store's structure and checksums; exit 1 naming what is damaged.")
     p.add_argument("store", help="store path or URL")
 
+    p = sub.add_parser("consolidate", parents=[common], help="commit the rank stores of a multi-rank capture",
+                       description="Commit the complete rank stores under STORE/ranks/ (a torchrun capture whose "
+                                   "commit crashed, or Slurm / Ray tasks that each wrote a rank store) into one "
+                                   "store, root metadata last. Safe to rerun.")
+    p.add_argument("store", help="store path")
+    p.add_argument("--world-size", type=int, default=None, help="expected number of rank stores")
+
     p = sub.add_parser("export", parents=[common], help="export rows to Parquet, Arrow or Hugging Face datasets",
                        description="Export a store's rows (activations plus row table) to a Parquet or Arrow IPC file.")
     p.add_argument("store", help="store path or URL")
@@ -382,6 +389,21 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_consolidate(args: argparse.Namespace) -> int:
+    if not os.path.isdir(args.store):
+        raise CLIError(f"store {args.store!r} does not exist")
+    from .store.ranks import commit_ranks
+
+    summary = commit_ranks(args.store, world_size=args.world_size)
+    if summary.get("already_committed"):
+        print(f"{args.store}: already committed ({summary['n_ranks']} ranks, {summary['n_samples']} samples)")
+        return 0
+    copied = sum(a["copied_bytes"] for a in summary["arrays"].values())
+    print(f"{args.store}: committed {summary['n_ranks']} rank stores, {summary['n_samples']} samples, "
+          f"{len(summary['arrays'])} hook points ({copied} bytes of tail rows re-chunked)")
+    return 0
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     from ..errors import StoreCorruptError
 
@@ -579,6 +601,7 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "capture": cmd_capture,
     "info": cmd_info,
     "verify": cmd_verify,
+    "consolidate": cmd_consolidate,
     "export": cmd_export,
     "report": cmd_report,
 }

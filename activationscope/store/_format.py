@@ -17,6 +17,8 @@ from ..errors import ArgumentTypeError, ArgumentValueError
 
 FORMAT_NAME = "activationscope"
 FORMAT_VERSION = 1
+#: Highest version readers accept: 2 = stores committed from rank stores (FORMAT.md section 9).
+MAX_READ_VERSION = 2
 ATTRS_KEY = "activationscope"
 
 #: Default sizes: a chunk is about 256 KiB of rows, a shard about 64 MiB but at most
@@ -234,6 +236,44 @@ def chunk_layout(feature_shape: tuple[int, ...], dtype: str, chunk_rows: int | N
     if shard_bytes is None:
         shard_chunks = max(1, min(shard_chunks, MAX_SHARD_ROWS // chunk_rows))
     return int(chunk_rows), int(shard_chunks)
+
+
+def parse_shard_rows(shard_rows: Any, chunk_rows: int | None) -> dict[str, int] | None:
+    """Normalise ``shard_rows=`` (int, or ``{"sample": int, "token": int}``) to a dict per row kind.
+
+    Raises
+    ------
+    ValueError, TypeError
+        Not a positive int (or a dict of them for both kinds), or ``chunk_rows`` does not divide it.
+    """
+    if shard_rows is None:
+        return None
+    if isinstance(shard_rows, dict):
+        if set(shard_rows) != {"sample", "token"}:
+            raise ValueError(f"shard_rows as a dict must have the keys ['sample', 'token'], got {sorted(shard_rows)!r}")
+        out = dict(shard_rows)
+    else:
+        out = {"sample": shard_rows, "token": shard_rows}
+    for kind, n in out.items():
+        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+            raise ValueError(f"shard_rows[{kind!r}] must be a positive int, got {n!r}")
+        if chunk_rows is not None and n % chunk_rows:
+            raise ValueError(f"shard_rows[{kind!r}] must be a multiple of chunk_rows={chunk_rows}, got {n}")
+    return out
+
+
+def chunk_layout_for_shard_rows(feature_shape: tuple[int, ...], dtype: str, shard_rows: int,
+                                chunk_rows: int | None, compressed: bool = False) -> tuple[int, int]:
+    """(chunk_rows, chunks per shard) for an exact ``shard_rows``: chunks are ``chunk_rows``
+    when given (a divisor of ``shard_rows``), else the largest divisor of ``shard_rows`` not
+    above the default chunk rows of :func:`chunk_layout`."""
+    if chunk_rows is None:
+        target, _ = chunk_layout(feature_shape, dtype, None, None, compressed)
+        target = max(1, min(target, shard_rows))
+        chunk_rows = max(d for d in range(1, target + 1) if shard_rows % d == 0)
+    if shard_rows % chunk_rows:
+        raise ValueError(f"shard_rows={shard_rows} must be a multiple of chunk_rows={chunk_rows}")
+    return int(chunk_rows), int(shard_rows // chunk_rows)
 
 
 def shard_key(array_path: str, shard: int, ndim_feature: int) -> str:

@@ -123,10 +123,10 @@ def check_format(attrs: dict, *, store: Any, key: str = "zarr.json") -> None:
     v = fmt.get("version")
     if not _int(v, 1, 1 << 31):
         raise c.fail("format.version", "a positive int", v)
-    if v > F.FORMAT_VERSION:
+    if v > F.MAX_READ_VERSION:
         raise StoreError(
             f"store {str(store)!r} has format version {v}; this activationscope reads versions up to "
-            f"{F.FORMAT_VERSION}: upgrade activationscope"
+            f"{F.MAX_READ_VERSION}: upgrade activationscope"
         )
 
 

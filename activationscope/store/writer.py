@@ -146,6 +146,30 @@ def _to_column(value: Any) -> Any:
     return list(value)
 
 
+def _write_small_array(backend: Any, path: str, t: torch.Tensor, attrs: dict,
+                       dimension_names: list[str] | None = None) -> dict[str, int]:
+    """Write a one-chunk array; returns ``{chunk key: crc32c}`` (empty for a 0-size array)."""
+    dname = F.dtype_name(t.dtype)
+    data = t.view(torch.uint16) if dname == "bfloat16" else t
+    arr = data.numpy()
+    shape = tuple(arr.shape)
+    doc = F.array_document(n_rows=shape[0] if shape else 0, feature_shape=shape[1:], dtype=dname,
+                           chunk_rows=max(1, shape[0]) if shape else 1, shard_chunks=1,
+                           compression=None, attributes={F.ATTRS_KEY: attrs},
+                           dimension_names=dimension_names)
+    # small arrays: one plain chunk, no sharding
+    doc["shape"] = list(shape)
+    doc["chunk_grid"]["configuration"]["chunk_shape"] = [max(1, d) for d in shape]
+    doc["codecs"] = [F.bytes_codec(dname)]
+    backend.set(f"{path}/zarr.json", F.dumps(doc))
+    key = f"{path}/c" + ("/" + "/".join("0" for _ in shape) if shape else "")
+    if not arr.size:
+        return {}
+    data = np.ascontiguousarray(arr).astype(arr.dtype.newbyteorder("<")).tobytes()
+    backend.set(key, data)
+    return {key: F.crc32c(data)}
+
+
 class StoreWriter:
     """Writes one capture run into a store (local path, fsspec URL or zarr Store).
 
@@ -176,6 +200,12 @@ class StoreWriter:
         Target bytes per shard; a shard holds a whole number of chunks. Default: 64 MiB but
         at most 16384 rows, so that every array completes shards -- and so lets commits
         through -- every 16384 rows at the latest (rows become durable a whole shard at a time).
+    shard_rows : int or dict, optional
+        Exact rows per shard of every array of a row kind (an int for both kinds, or
+        ``{"sample": int, "token": int}``); excludes ``shard_bytes``. Chunks are then the
+        largest divisor of it not above the default chunk size (or ``chunk_rows``, which must
+        divide it). Multi-rank captures use it so that every array of a kind, on every rank,
+        has the same shards (``store/FORMAT.md`` §10).
     fsync : bool, default False
         fsync shards and metadata before they are renamed into place.
     max_pending_bytes : int, default 256 MiB
@@ -209,6 +239,7 @@ class StoreWriter:
         compression: Any = None,
         chunk_rows: int | None = None,
         shard_bytes: int | None = None,
+        shard_rows: int | Mapping[str, int] | None = None,
         fsync: bool = False,
         max_pending_bytes: int = 256 << 20,
         provenance: Mapping[str, Any] | None = None,
@@ -221,6 +252,9 @@ class StoreWriter:
         self._compression = F.parse_compression(compression)
         self._chunk_rows = _positive_int(chunk_rows, "chunk_rows")
         self._shard_bytes = _positive_int(shard_bytes, "shard_bytes")
+        self._shard_rows = F.parse_shard_rows(shard_rows, self._chunk_rows)
+        if self._shard_rows is not None and self._shard_bytes is not None:
+            raise ValueError("shard_rows and shard_bytes exclude each other; pick one")
         _positive_int(max_pending_bytes, "max_pending_bytes", allow_none=False)
         if storage_dtype is not None:
             F.parse_dtype(storage_dtype, "storage_dtype")
@@ -307,6 +341,7 @@ class StoreWriter:
         self._arrays: dict[str, _Array] = {}
         self._pending: list[_Batch] = []
         self._reductions: dict[str, dict] = {}
+        self._states: dict[str, dict] = {}
         self._encoders: dict[str, Any] = {}
         self._encoder_thread: threading.Thread | None = None
         self._seen_version = self._core.durable_version
@@ -351,6 +386,7 @@ class StoreWriter:
             "arrays": arrays,
             "row_tables": self._row_tables,
             "reductions": reductions,
+            **({"reduction_states": self._states} if self._states else {}),
         }
 
     def _truncate_to_committed(self) -> None:
@@ -435,8 +471,13 @@ class StoreWriter:
                 compression = old.get("compression")
                 committed = int(old["n_rows"])
             else:
-                chunk_rows, shard_chunks = F.chunk_layout(feature_shape, name, self._chunk_rows, self._shard_bytes,
-                                                            compressed=self._compression is not None)
+                if self._shard_rows is not None:
+                    chunk_rows, shard_chunks = F.chunk_layout_for_shard_rows(
+                        feature_shape, name, self._shard_rows[row_kind], self._chunk_rows,
+                        compressed=self._compression is not None)
+                else:
+                    chunk_rows, shard_chunks = F.chunk_layout(feature_shape, name, self._chunk_rows, self._shard_bytes,
+                                                                compressed=self._compression is not None)
                 compression = F.codec_for_array(self._compression, name)
                 committed = 0
             arr = _Array(hook_point, node, f"acts/{node}", feature_shape, name, row_kind, chunk_rows, shard_chunks,
@@ -769,28 +810,37 @@ class StoreWriter:
                     entries[name]["script"] = key
                     entries[name].setdefault("crc32c", {})[key] = F.crc32c(data)
 
+    def add_reduction_state(self, hook_point: str, name: str, reduction: Any, n_rows: int | None = None) -> None:
+        """Store the mergeable state of a reduction (``reduction.state()``), for a later merge.
+
+        Written by each rank of a multi-rank capture, as small arrays
+        ``reductions/<hook point>/<name>.rank_state.<key>`` listed under ``reduction_states`` in the
+        root metadata with the reduction's ``kind``, ``options`` and the rows it covers
+        (``n_rows``) (``store/FORMAT.md`` §10).
+        """
+        with self._lock:
+            state = reduction.state()
+            kind = str(getattr(reduction, "kind", "custom"))
+            options = getattr(reduction, "options", {})
+            options = options() if callable(options) else options
+            node = F.node_name(hook_point)
+            keys = {}
+            for key, value in state.items():
+                t = torch.as_tensor(value).detach().to("cpu").contiguous()
+                dname = F.dtype_name(t.dtype)
+                if dname not in F.SUPPORTED_DTYPES:
+                    raise StoreError(f"reduction {name!r} of hook point {hook_point!r}: state {key!r} has unsupported dtype {dname}")
+                path = f"reductions/{node}/{name}.rank_state.{key}"
+                crcs = _write_small_array(self._backend, path, t, {"hook_point": hook_point, "reduction": name})
+                keys[key] = {"path": path, "dtype": dname, "shape": list(t.shape), "crc32c": crcs}
+            self._states.setdefault(hook_point, {})[name] = {
+                "kind": kind, "options": F.check_jsonable(dict(options or {}), "reduction options"), "state": keys,
+                **({} if n_rows is None else {"n_rows": int(n_rows)})}
+
     def _write_small_array(self, path: str, t: torch.Tensor, attrs: dict,
                            dimension_names: list[str] | None = None) -> dict[str, int]:
         """Write a one-chunk array; returns ``{chunk key: crc32c}`` (empty for a 0-size array)."""
-        dname = F.dtype_name(t.dtype)
-        data = t.view(torch.uint16) if dname == "bfloat16" else t
-        arr = data.numpy()
-        shape = tuple(arr.shape)
-        doc = F.array_document(n_rows=shape[0] if shape else 0, feature_shape=shape[1:], dtype=dname,
-                               chunk_rows=max(1, shape[0]) if shape else 1, shard_chunks=1,
-                               compression=None, attributes={F.ATTRS_KEY: attrs},
-                               dimension_names=dimension_names)
-        # small arrays: one plain chunk, no sharding
-        doc["shape"] = list(shape)
-        doc["chunk_grid"]["configuration"]["chunk_shape"] = [max(1, d) for d in shape]
-        doc["codecs"] = [F.bytes_codec(dname)]
-        self._backend.set(f"{path}/zarr.json", F.dumps(doc))
-        key = f"{path}/c" + ("/" + "/".join("0" for _ in shape) if shape else "")
-        if not arr.size:
-            return {}
-        data = np.ascontiguousarray(arr).astype(arr.dtype.newbyteorder("<")).tobytes()
-        self._backend.set(key, data)
-        return {key: F.crc32c(data)}
+        return _write_small_array(self._backend, path, t, attrs, dimension_names)
 
     # ------------------------------------------------------------------ close
     def _stop_threads(self) -> None:

@@ -1,0 +1,443 @@
+"""Many writers, one store: rank stores and their commit into one store (format v2).
+
+In the style of ``torch.distributed.checkpoint``: every rank (or Slurm array task, Ray task)
+writes its rows into its own namespace ``ranks/<rank>`` of the store with the ordinary
+:class:`~activationscope.store.StoreWriter` and its commits; then ONE committer
+(:func:`commit_ranks`: rank 0 of a ``torchrun`` capture, or ``activationscope consolidate``)
+builds the store from the complete rank stores, the root ``zarr.json`` last. Nothing goes
+through a collective while capturing.
+
+Row order (``store/FORMAT.md`` §10): every array of a row kind has the same ``shard_rows``
+``S`` on every rank. Rank ``r`` with ``n_r`` rows has ``f_r = n_r // S`` full shards and a
+tail of ``n_r - f_r * S`` rows. The store holds the full shards of rank 0, then those of rank
+1, ... (the shard files themselves, linked, never rewritten), then the tails of rank 0, 1, ...
+re-chunked into new shards (at most one shard of rows copied per rank per array). The row
+tables follow the same order, with a ``rank`` column, so row *i* of every array that follows
+its table is still row *i* of the table.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import threading
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from .. import _native
+from ..errors import StoreError, StoreExistsError
+from . import _format as F
+from ._backend import LocalBackend, resolve
+from ._lock import WriterLock
+from .reader import Store
+from .writer import ROW_KINDS, _library_versions, _write_small_array
+
+RANKS_DIR = "ranks"
+#: Version of stores committed from rank stores (one-process stores stay version 1).
+DISTRIBUTED_FORMAT_VERSION = 2
+
+
+def rank_target(target: Any, rank: int) -> str:
+    """Where rank ``rank`` writes: ``<store>/ranks/<rank, 5 digits>`` (a path or URL)."""
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise ValueError(f"rank must be a non-negative int, got {rank!r}")
+    if isinstance(target, os.PathLike):
+        target = os.fspath(target)
+    if not isinstance(target, str):
+        raise TypeError(f"a multi-rank store must be a local path or a URL, got {type(target).__name__}")
+    return f"{target.rstrip('/')}/{RANKS_DIR}/{rank:05d}"
+
+
+def _root_doc(attrs: dict) -> bytes:
+    return F.dumps(F.group_document({F.ATTRS_KEY: attrs}))
+
+
+def prepare_root(target: Any, *, world_size: int, overwrite: bool = False, resume: bool = False,
+                 storage_options: dict | None = None) -> None:
+    """Make (or check) the root of a multi-rank store before the ranks write (rank 0 only).
+
+    Writes a root ``zarr.json`` with status ``incomplete``, no arrays, and
+    ``distributed = {"world_size", "committed": false}``, so the store opens (as incomplete)
+    while the ranks write.
+
+    Raises
+    ------
+    StoreExistsError
+        Something is at ``target`` and neither ``overwrite`` nor ``resume`` is set.
+    StoreError
+        ``resume`` of a store captured with another world size, or of a store whose ranks
+        were already committed.
+    """
+    b = resolve(target, storage_options=storage_options)
+    if isinstance(b, LocalBackend):
+        b.root.mkdir(parents=True, exist_ok=True)
+    with WriterLock(b):  # the store's writer lock, as every writer takes it
+        _prepare_root(b, world_size, overwrite, resume)
+
+
+def _prepare_root(b: Any, world_size: int, overwrite: bool, resume: bool) -> None:
+    raw = b.get("zarr.json")
+    if raw is not None:
+        attrs = (json.loads(raw).get("attributes") or {}).get(F.ATTRS_KEY)
+        if overwrite:
+            b.clear()
+        elif resume and attrs is not None:
+            dist = attrs.get("distributed") or {}
+            if dist.get("committed"):
+                raise StoreError(f"the multi-rank store {str(b)!r} is already committed; there is nothing to resume "
+                                 "(pass overwrite=True to capture it again)")
+            if dist.get("world_size") not in (None, world_size):
+                raise StoreError(f"{str(b)!r} was captured by {dist.get('world_size')} ranks, this run has "
+                                 f"{world_size}; resume with the same number of ranks or overwrite=True")
+        else:
+            status = (attrs or {}).get("status", "not an activationscope store")
+            raise StoreExistsError(f"a store already exists at {str(b)!r} (status {status!r}); pass overwrite=True to "
+                                   "replace it or resume=True to continue it")
+    elif not b.is_empty() and not overwrite:
+        raise StoreExistsError(f"{str(b)!r} exists and is not empty but holds no Zarr store; choose another path")
+    attrs = {
+        "format": {"name": F.FORMAT_NAME, "version": DISTRIBUTED_FORMAT_VERSION},
+        "status": "incomplete", "created": F.utc_now(), "updated": F.utc_now(), "library": _library_versions(),
+        "model": None, "capture_config": {}, "storage_dtype": None, "provenance": {}, "n_samples": 0,
+        "n_batches": 0, "arrays": {}, "row_tables": {k: {"parts": [], "n_rows": 0, "columns": []} for k in ROW_KINDS},
+        "reductions": {}, "distributed": {"world_size": int(world_size), "committed": False},
+    }
+    b.set("zarr.json", _root_doc(attrs))
+
+
+def _rank_dirs(b: Any) -> list[int]:
+    ranks = set()
+    for key in b.list(f"{RANKS_DIR}/"):
+        parts = key.split("/")
+        if len(parts) == 3 and parts[2] == "zarr.json" and parts[1].isdigit() and len(parts[1]) == 5:
+            ranks.add(int(parts[1]))
+    return sorted(ranks)
+
+
+def _check_same(stores: list[Store], what: str, get: Callable[[Store], Any]) -> Any:
+    first = get(stores[0])
+    for r, st in enumerate(stores[1:], 1):
+        if get(st) != first:
+            raise StoreError(f"rank stores disagree on {what}: rank 0 has {first!r}, rank {r} has {get(st)!r}; "
+                             "every rank must capture the same model with the same options")
+    return first
+
+
+class _TailWriter:
+    """The native shard writer of one array, writing shards from a given shard index on."""
+
+    def __init__(self, directory: Path, meta: dict, first_shard: int) -> None:
+        _C = _native.load()
+        self.compression = meta.get("compression")
+        self.core = _C.StoreCore(64 << 20, False)
+        self.writer = _C.ArrayWriter(
+            self.core, meta["path"], str(directory), str(directory), F.torch_dtype(meta["dtype"]),
+            list(meta["feature_shape"]), int(meta["chunk_rows"]), int(meta["shard_rows"]) // int(meta["chunk_rows"]),
+            first_shard * int(meta["shard_rows"]), self.compression is not None)
+        self.thread = None
+        if self.compression is not None:
+            self.encoder = F.numcodecs_encoder(self.compression)
+            self.thread = threading.Thread(target=self._encode_loop, daemon=True)
+            self.thread.start()
+
+    def _encode_loop(self) -> None:
+        while True:
+            item = self.core.next_to_encode()
+            if item is None:
+                return
+            ident, _, flat, size = item
+            try:
+                data = flat.numpy()
+                if size > 1:
+                    data = data.view(f"<u{size}")
+                self.core.submit_encoded(ident, self.encoder.encode(data))
+            except BaseException as e:  # noqa: BLE001 - the writer fails with the cause
+                self.core.fail_encoded(ident, f"{type(e).__name__}: {e}")
+
+    def write(self, rows: torch.Tensor) -> list[dict]:
+        try:
+            if len(rows):
+                self.writer.append(rows)
+            self.writer.flush()
+            self.core.drain()
+        finally:
+            self.core.close()
+            if self.thread is not None:
+                self.thread.join()
+        if self.core.failed:
+            raise StoreError(f"writing the re-chunked tail rows of {self.writer.hook_point!r} failed: {self.core.error}")
+        return list(self.writer.take_durable())
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    """Put ``src``'s bytes at ``dst`` without rewriting them (a hard link; a copy where the
+    file system has none); an existing ``dst`` (a rerun) is replaced."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    if dst.exists() and os.path.samefile(src, dst):
+        return  # a rerun: already linked (rename onto the same inode would leave the temporary)
+    tmp = dst.parent / f".{dst.name}.link.tmp"
+    try:
+        tmp.unlink()
+    except FileNotFoundError:
+        pass
+    try:
+        os.link(src, tmp)
+    except OSError:
+        shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
+
+
+def _merge_states(hp: str, name: str, entries: list[dict], stores: list[Store],
+                  make: Callable[[str, str, dict], Any] | None) -> Any:
+    from .. import reductions as R
+
+    kind = entries[0]["kind"]
+    for e in entries[1:]:
+        if e["kind"] != kind or e["options"] != entries[0]["options"]:
+            raise StoreError(f"rank stores disagree on reduction {name!r} of hook point {hp!r}: "
+                             f"{entries[0]['kind']}{entries[0]['options']} vs {e['kind']}{e['options']}")
+    total = make(hp, name, entries[0]) if make is not None else None
+    if total is None:
+        if kind not in R.BUILTIN_REDUCTIONS:
+            raise StoreError(
+                f"reduction {name!r} of hook point {hp!r} is a custom reduction ({kind!r}); its rank states can only "
+                "be merged by the capture that defined it (torchrun), never by running code from a store")
+        total = R.make_reduction(kind, **entries[0]["options"])
+    total = total.fresh()
+    for st, e in zip(stores, entries):
+        state = {}
+        for key, arr in e["state"].items():
+            state[key] = st._read_small({**arr, "reduction": name})
+        part = total.fresh()
+        part.load_state(state)
+        total.merge(part)
+    return total
+
+
+def commit_ranks(target: Any, *, storage_options: dict | None = None,
+                 make_reduction: Callable[[str, str, dict], Any] | None = None,
+                 world_size: int | None = None) -> dict:
+    """Commit the complete rank stores under ``<target>/ranks/`` into one store (format v2).
+
+    Idempotent: a commit that crashed part way is finished by running it again (the rank
+    stores stay until the root ``zarr.json`` is written, then are removed).
+
+    Parameters
+    ----------
+    target : str or os.PathLike
+        The store (local path; the rank stores are ``<target>/ranks/<rank>``).
+    make_reduction : callable, optional
+        ``(hook_point, name, entry) -> reduction`` for custom reductions (the capture's own
+        objects); built-in reductions are made from their recorded kind and options.
+    world_size : int, optional
+        Expected number of rank stores (default: the root's ``distributed.world_size``).
+
+    Returns
+    -------
+    dict
+        ``{"n_ranks", "n_samples", "arrays": {hook point: {"n_rows", "linked_shards",
+        "copied_rows", "copied_bytes", "copied_shards"}}}``.
+
+    Raises
+    ------
+    StoreError
+        No rank stores, a rank store that is not complete (resume it first), rank stores
+        that disagree (model, arrays, layout), or a custom reduction without ``make_reduction``.
+    """
+    b = resolve(target, storage_options=storage_options)
+    if not isinstance(b, LocalBackend):
+        raise StoreError(f"committing rank stores needs a local store path for now, got {str(b)!r}")
+    with WriterLock(b):  # one committer (or writer) at a time: a second one gets StoreLockedError
+        return _commit_ranks(b, make_reduction, world_size)
+
+
+def _commit_ranks(b: Any, make_reduction: Callable[[str, str, dict], Any] | None, world_size: int | None) -> dict:
+    raw = b.get("zarr.json")
+    root_attrs = ((json.loads(raw).get("attributes") or {}).get(F.ATTRS_KEY) or {}) if raw else {}
+    dist = root_attrs.get("distributed") or {}
+    ranks = _rank_dirs(b)
+    if dist.get("committed"):
+        if ranks:  # crashed while removing the rank stores: finish that
+            shutil.rmtree(b.root / RANKS_DIR, ignore_errors=True)
+        return {"n_ranks": int(dist.get("world_size", 0)), "n_samples": int(root_attrs.get("n_samples", 0)),
+                "arrays": {}, "already_committed": True}
+    expected = world_size or dist.get("world_size")
+    if not ranks:
+        raise StoreError(f"no rank stores under {str(b)!r}/{RANKS_DIR}/; nothing to commit")
+    if ranks != list(range(len(ranks))) or (expected is not None and len(ranks) != int(expected)):
+        raise StoreError(f"rank stores under {str(b)!r}/{RANKS_DIR}/ are ranks {ranks}, expected 0..{(expected or len(ranks)) - 1}; "
+                         "a rank is missing (rerun it)")
+    stores = [Store(b.root / RANKS_DIR / f"{r:05d}") for r in ranks]
+    for r, st in enumerate(stores):
+        if st.status != "complete":
+            raise StoreError(f"rank {r} store {st.path!r} is {st.status!r}: resume that rank (resume=True) so it "
+                             "completes, then commit")
+    model = _check_same(stores, "the model (class, state dict sha256)",
+                        lambda s: (s.attrs.get("model") or {}).get("state_dict_sha256"))
+    del model
+    hps = _check_same(stores, "the hook points", lambda s: sorted(s.hook_points))
+    layout_keys = ("row_kind", "feature_shape", "dtype", "storage_dtype", "chunk_rows", "shard_rows", "compression")
+    shard_rows: dict[str, int] = {}
+    arrays: dict[str, dict] = {}
+    summary: dict[str, dict] = {}
+    for hp in hps:
+        meta = _check_same(stores, f"the layout of hook point {hp!r}",
+                           lambda s: {k: s.attrs["arrays"][hp].get(k) for k in layout_keys})
+        kind, S = meta["row_kind"], int(meta["shard_rows"])
+        if shard_rows.setdefault(kind, S) != S:
+            raise StoreError(f"arrays of row kind {kind!r} have shard_rows {shard_rows[kind]} and {S} ({hp!r}); a "
+                             "multi-rank capture needs one shard_rows per row kind (store_options shard_rows=...)")
+        path = stores[0].attrs["arrays"][hp]["path"]
+        ns = [s.n_rows(hp) for s in stores]
+        fulls = [n // S for n in ns]
+        F_total = sum(fulls)
+        nd = len(meta["feature_shape"])
+        array_dir = b.root / path
+        manifest: list[dict] = []
+        base = 0
+        for r, st in enumerate(stores):
+            man = json.loads(st._backend.get(f"{path}/manifest.json") or b'{"shards": []}')
+            recs = {int(x["shard"]): x for x in man.get("shards", [])}
+            for k in range(fulls[r]):
+                rec = recs.get(k)
+                if rec is None:
+                    raise StoreError(f"rank {r}: shard {k} of {hp!r} has no manifest entry; run verify on {st.path!r}")
+                src = st._backend.path(F.shard_key(path, k, nd))
+                _link_or_copy(src, b.root / F.shard_key(path, base + k, nd))
+                manifest.append({**rec, "shard": base + k, "key": F.shard_key(path, base + k, nd),
+                                 "rows_end": (base + k + 1) * S})
+            base += fulls[r]
+        tails = [st._read_rows(hp, f * S, n, copy=True) for st, f, n in zip(stores, fulls, ns)]
+        tail = torch.cat(tails) if tails else torch.empty(0)
+        for stale in list(b.list(f"{path}/c/")):  # shards of an earlier, crashed commit past the full ones
+            try:
+                if int(stale[len(path) + 3:].split("/")[0]) >= F_total:
+                    b.delete(stale)
+            except ValueError:
+                continue
+        recs = _TailWriter(array_dir, stores[0].attrs["arrays"][hp], F_total).write(tail) if len(tail) else []
+        for rec in recs:
+            manifest.append({"shard": int(rec["shard"]), "key": F.shard_key(path, int(rec["shard"]), nd),
+                             "rows_end": int(rec["rows_end"]), "file_bytes": int(rec["file_bytes"]),
+                             "chunks": [[int(j), int(o), int(nb), int(c)] for (j, o, nb, c) in rec["chunks"]]})
+        n_total = sum(ns)
+        follows = all(bool(s.attrs["arrays"][hp].get("follows_row_table", True)) for s in stores)
+        b.set(f"{path}/manifest.json", json.dumps({"hook_point": hp, "chunk_rows": meta["chunk_rows"],
+                                                   "shard_rows": S, "shards": manifest}).encode())
+        attrs = {F.ATTRS_KEY: {"hook_point": hp, "dtype": meta["dtype"], "row_kind": kind}}
+        doc = F.array_document(n_rows=n_total, feature_shape=tuple(meta["feature_shape"]), dtype=meta["dtype"],
+                               chunk_rows=int(meta["chunk_rows"]), shard_chunks=S // int(meta["chunk_rows"]),
+                               compression=meta["compression"], attributes=attrs,
+                               dimension_names=F.dimension_names(hp, kind, follows, nd))
+        b.set(f"{path}/zarr.json", F.dumps(doc))
+        arrays[hp] = {**stores[0].attrs["arrays"][hp], "n_rows": n_total, "follows_row_table": follows}
+        summary[hp] = {"n_rows": n_total, "rank_rows": ns, "linked_shards": F_total, "copied_rows": int(len(tail)),
+                       "copied_shards": len(recs), "copied_bytes": sum(int(r["file_bytes"]) for r in recs)}
+    b.set("acts/zarr.json", F.dumps(F.group_document()))
+    # row tables: same order (full shards of every rank, then tails), a rank column
+    row_tables = {}
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    for kind in ROW_KINDS:
+        tables = [s.row_table(kind) for s in stores]
+        tables = [t.append_column("rank", pa.array(np.full(t.num_rows, r, dtype=np.int64))) for r, t in enumerate(tables)]
+        S = shard_rows.get(kind)
+        for hp, meta in arrays.items():
+            if meta["row_kind"] == kind and meta["follows_row_table"]:
+                for r, t in enumerate(tables):
+                    if summary[hp]["rank_rows"][r] != t.num_rows:
+                        raise StoreError(f"rank {r}: hook point {hp!r} has {summary[hp]['rank_rows'][r]} rows but "
+                                         f"its {kind} row table {t.num_rows}; run verify on the rank store")
+        if S is None:
+            heads, tails = tables, []
+        else:
+            heads = [t.slice(0, (t.num_rows // S) * S) for t in tables]
+            tails = [t.slice((t.num_rows // S) * S) for t in tables]
+        parts = [t for t in heads + tails if t.num_rows]
+        info = {"parts": [], "n_rows": 0, "columns": []}
+        if parts:
+            table = pa.concat_tables(parts, promote_options="default")
+            sink = io.BytesIO()
+            pq.write_table(table, sink)
+            data = sink.getvalue()
+            key = f"rows/{kind}/part-000000.parquet"
+            b.set(key, data)
+            info = {"parts": [key], "n_rows": table.num_rows, "columns": list(table.column_names),
+                    "crc32c": {key: int(_native.load().crc32c(data))}}
+        row_tables[kind] = info
+    # reductions: every rank's float64 state merged (Chan et al. for moments), results written
+    reductions: dict[str, dict] = {}
+    state_hps = _check_same(stores, "the reductions", lambda s: {
+        hp: sorted(v) for hp, v in (s.attrs.get("reduction_states") or {}).items()})
+    if stores[0].attrs.get("reductions") and not state_hps:
+        raise StoreError("the rank stores hold reduction results but no reduction states; they cannot be merged")
+    for hp, names in state_hps.items():
+        node = F.node_name(hp)
+        b.set("reductions/zarr.json", F.dumps(F.group_document()))
+        b.set(f"reductions/{node}/zarr.json", F.dumps(F.group_document({F.ATTRS_KEY: {"hook_point": hp}})))
+        entries_out = reductions.setdefault(hp, {})
+        for name in names:
+            entries = [s.attrs["reduction_states"][hp][name] for s in stores]
+            for r, (st, e) in enumerate(zip(stores, entries)):
+                n = st.n_rows(hp) if hp in st.hook_points else 0
+                if "n_rows" in e and int(e["n_rows"]) != n:
+                    raise StoreError(f"rank {r}: the state of reduction {name!r} of hook point {hp!r} covers "
+                                     f"{e['n_rows']} rows, the rank store holds {n}; it would give a partial result")
+            total = _merge_states(hp, name, entries, stores, make_reduction)
+            result = total.result()
+            kind = str(getattr(total, "kind", entries[0]["kind"]))
+            main = kind if kind in result else ("value" if "value" in result else None)
+            if main is None and len(result) == 1:
+                main = next(iter(result))
+            feat = tuple(arrays[hp]["feature_shape"]) if hp in arrays else None
+            for key, value in result.items():
+                full = name if key == main else f"{name}.{key}"
+                path = f"reductions/{node}/{full}"
+                t = torch.as_tensor(value).detach().to("cpu").contiguous()
+                dname = F.dtype_name(t.dtype)
+                dims = (F.feature_dimension_names(hp, t.dim()) if feat is not None and tuple(t.shape) == feat
+                        else [f"{hp}.{full}.dim{i}" for i in range(t.dim())])
+                crcs = _write_small_array(b, path, t, {"hook_point": hp, "reduction": name, "dtype": dname}, dims)
+                entries_out[full] = {"path": path, "reduction": name, "kind": kind, "dtype": dname,
+                                     "shape": list(t.shape), "crc32c": crcs}
+            src_script = (stores[0].attrs.get("reductions") or {}).get(hp, {}).get(name, {}).get("script")
+            if src_script:
+                data = stores[0]._backend.get(src_script)
+                if data is not None and name in entries_out:
+                    b.set(src_script, data)
+                    entries_out[name]["script"] = src_script
+                    entries_out[name].setdefault("crc32c", {})[src_script] = int(_native.load().crc32c(data))
+    first = stores[0].attrs
+    attrs = {
+        "format": {"name": F.FORMAT_NAME, "version": DISTRIBUTED_FORMAT_VERSION},
+        "status": "complete",
+        "created": root_attrs.get("created") or first.get("created"),
+        "updated": F.utc_now(),
+        "library": _library_versions(),
+        "model": first.get("model"),
+        "capture_config": first.get("capture_config", {}),
+        "storage_dtype": first.get("storage_dtype"),
+        "provenance": first.get("provenance", {}),
+        "n_samples": sum(s.n_samples for s in stores),
+        "n_batches": sum(int(s.attrs.get("n_batches", 0)) for s in stores),
+        "arrays": arrays,
+        "row_tables": row_tables,
+        "reductions": reductions,
+        "distributed": {
+            "world_size": len(stores), "committed": True, "shard_rows": shard_rows,
+            "row_order": "full shards of rank 0, 1, ..., then the tails of rank 0, 1, ... (FORMAT.md section 10)",
+            "ranks": [{"rank": r, "n_samples": s.n_samples, "n_batches": int(s.attrs.get("n_batches", 0)),
+                       "n_rows": {hp: s.n_rows(hp) for hp in hps}} for r, s in enumerate(stores)],
+        },
+    }
+    for st in stores:
+        st.close()
+    b.set("zarr.json", _root_doc(attrs))  # the commit point
+    shutil.rmtree(b.root / RANKS_DIR, ignore_errors=True)
+    return {"n_ranks": len(stores), "n_samples": attrs["n_samples"], "arrays": summary}

@@ -1,0 +1,207 @@
+"""Multi-rank capture: torchrun --standalone --nproc_per_node=2 (gloo, CPU) into one store.
+
+Reference: a one-process capture of the same batches (rank 0's, then rank 1's), its rows
+put in the documented order (store/FORMAT.md section 10: the full shards of every rank, then
+every rank's tail), and plain float64 torch statistics.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import activationscope as acs
+
+HERE = Path(__file__).resolve().parent
+SCRIPT = HERE / "torchrun_capture.py"
+sys.path.insert(0, str(HERE))
+import torchrun_capture as job  # noqa: E402
+
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+WORLD = 2
+
+
+def _torchrun(store: Path, *extra: str, max_restarts: int = 0) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parents[1]), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    cmd = [str(TORCHRUN), "--standalone", f"--nproc_per_node={WORLD}", f"--max-restarts={max_restarts}",
+           str(SCRIPT), str(store), *extra]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def _documented_order(rank_rows: list[int], S: int) -> np.ndarray:
+    """Row indices into the rank-major concatenation, in the store's documented order."""
+    starts = np.cumsum([0, *rank_rows[:-1]])
+    heads = [np.arange(s, s + (n // S) * S) for s, n in zip(starts, rank_rows)]
+    tails = [np.arange(s + (n // S) * S, s + n) for s, n in zip(starts, rank_rows)]
+    return np.concatenate(heads + tails)
+
+
+@pytest.fixture(scope="module")
+def captured(tmp_path_factory):
+    root = tmp_path_factory.mktemp("torchrun")
+    store = root / "two.zarr"
+    out = _torchrun(store)
+    assert out.returncode == 0, out.stderr[-3000:]
+    # one process, the same batches in rank order (batch composition as on the ranks: same numerics)
+    model = job.toy_mlp(job.WIDTH, 3).eval()
+    one = root / "one.zarr"
+    scope = acs.ActivationScope(store=str(one), reductions=["mean", "var", "cov"], store_options=job.STORE_OPTIONS,
+                                process_group=False)
+    order = [b for r in range(WORLD) for b in job.batches_of(r, WORLD)]
+    with scope.track(model) as tracker, torch.no_grad():
+        for b in order:
+            tracker.set_batch(sample_ids=torch.arange(b * job.BATCH, (b + 1) * job.BATCH))
+            model(job.batch(b))
+    summary = json.loads(Path(str(store) + ".summary.json").read_text())
+    return store, one, summary
+
+
+def test_two_ranks_make_one_store_equal_to_one_process(captured):
+    store_path, one_path, summary = captured
+    store, one = acs.open_store(store_path), acs.open_store(one_path)
+    assert store.status == "complete" and store.attrs["format"]["version"] == 2
+    assert not (store_path / "ranks").exists()
+    rank_rows = [len(job.batches_of(r, WORLD)) * job.BATCH for r in range(WORLD)]
+    S = job.STORE_OPTIONS["shard_rows"]
+    assert sum(rank_rows) % S and all(n % S for n in rank_rows)  # tails that are not whole shards
+    perm = _documented_order(rank_rows, S)
+    assert store.hook_points == one.hook_points and len(store.hook_points) >= 3
+    for hp in store.hook_points:
+        got, ref = store[hp], one[hp][torch.from_numpy(perm)]
+        assert got.shape == ref.shape == (sum(rank_rows), job.WIDTH)
+        assert torch.equal(got.view(torch.int32), ref.view(torch.int32))  # byte-identical
+        # at most one shard of rows copied per rank per array; every full shard linked
+        s = summary["arrays"][hp]
+        assert s["rank_rows"] == rank_rows and s["linked_shards"] == sum(n // S for n in rank_rows)
+        assert s["copied_rows"] == sum(n % S for n in rank_rows) <= WORLD * S
+        assert s["copied_shards"] <= WORLD
+    table, ref_table = store.row_table("sample"), one.row_table("sample")
+    assert table.column("sample_id").to_pylist() == np.asarray(ref_table.column("sample_id"))[perm].tolist()
+    ranks = np.repeat(np.arange(WORLD), rank_rows)[perm]
+    assert table.column("rank").to_pylist() == ranks.tolist()
+    assert store.verify() == []
+
+
+def test_merged_reductions_equal_one_process(captured):
+    store_path, one_path, _ = captured
+    store, one = acs.open_store(store_path), acs.open_store(one_path)
+    for hp in store.hook_points:
+        got, ref = store.reductions[hp], one.reductions[hp]
+        rows = one[hp].double()
+        for name in ("mean", "var", "cov"):
+            torch.testing.assert_close(got[name], ref[name], rtol=1e-12, atol=1e-15)
+        torch.testing.assert_close(got["mean"], rows.mean(0), rtol=1e-12, atol=1e-15)
+        torch.testing.assert_close(got["var"], rows.var(0, correction=0), rtol=1e-11, atol=1e-15)
+        assert int(got["var.count"]) == len(rows)
+
+
+def test_other_readers_read_the_multi_rank_store(captured):
+    import zarr
+
+    store_path, _, _ = captured
+    store = acs.open_store(store_path)
+    for hp in store.hook_points:
+        arr = zarr.open_array(str(store_path / store.attrs["arrays"][hp]["path"]), mode="r")
+        np.testing.assert_array_equal(arr[:], store[hp].numpy())
+    ds = acs.ActivationDataset(str(store_path), hook_points=store.hook_points[:1])
+    assert len(ds) == store.n_samples
+
+
+def test_a_killed_rank_leaves_rank_stores_and_resume_ends_identical(captured, tmp_path):
+    ref_path, _, _ = captured
+    store = tmp_path / "killed.zarr"
+    out = _torchrun(store, "--die-at-batch", "17", "--die-rank", "1")
+    assert out.returncode != 0
+    opened = acs.open_store(store)
+    assert opened.status == "incomplete" and opened.hook_points == []
+    rank1 = acs.open_store(store / "ranks" / "00001")
+    assert rank1.status == "incomplete"
+    committed = rank1.n_samples
+    assert 0 < committed <= 8 * job.BATCH  # 8 batches (1, 3, ..., 15) ran before the death at batch 17
+    ref = acs.open_store(ref_path)
+    ref_rank1 = np.concatenate([np.arange(b * job.BATCH, (b + 1) * job.BATCH) for b in job.batches_of(1, WORLD)])
+    assert rank1.row_table("sample").column("sample_id").to_pylist() == ref_rank1[:committed].tolist()
+    out = _torchrun(store, "--resume")
+    assert out.returncode == 0, out.stderr[-3000:]
+    final = acs.open_store(store)
+    assert final.status == "complete"
+    for hp in ref.hook_points:
+        assert torch.equal(final[hp].view(torch.int32), ref[hp].view(torch.int32))
+    _same_files(store, ref_path)
+
+
+def _same_files(a: Path, b: Path) -> None:
+    """Every shard, manifest and array document of two stores is byte-identical."""
+    keys = sorted(str(p.relative_to(a)) for p in (a / "acts").rglob("*") if p.is_file())
+    assert keys == sorted(str(p.relative_to(b)) for p in (b / "acts").rglob("*") if p.is_file())
+    for k in keys:
+        assert (a / k).read_bytes() == (b / k).read_bytes(), k
+
+
+def test_rank_stores_without_a_process_group_and_consolidate(captured, tmp_path, monkeypatch):
+    """Slurm / Ray style: each task writes a rank store (RankStore), one command commits;
+    a commit that crashes part way is finished by rerunning consolidate."""
+    from activationscope import cli
+    from activationscope.store import ranks as R
+
+    ref_path, _, _ = captured
+    store = tmp_path / "tasks.zarr"
+    model = job.toy_mlp(job.WIDTH, 3).eval()
+    for r in range(WORLD):
+        scope = acs.ActivationScope(store=str(store), reductions=["mean", "var", "cov"],
+                                    store_options=job.STORE_OPTIONS, process_group=acs.RankStore(r, WORLD))
+        with scope.track(model) as tracker, torch.no_grad():
+            for b in job.batches_of(r, WORLD):
+                tracker.set_batch(sample_ids=torch.arange(b * job.BATCH, (b + 1) * job.BATCH))
+                model(job.batch(b))
+    assert acs.open_store(store).status == "incomplete"
+    calls = {"n": 0}
+    real = R._TailWriter.write
+
+    def crash_on_third(self, rows):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise OSError("simulated crash inside the commit")
+        return real(self, rows)
+
+    monkeypatch.setattr(R._TailWriter, "write", crash_on_third)
+    assert cli.main(["consolidate", str(store)]) == 1
+    assert acs.open_store(store).status == "incomplete" and (store / "ranks").is_dir()
+    monkeypatch.setattr(R._TailWriter, "write", real)
+    assert cli.main(["consolidate", str(store)]) == 0
+    assert cli.main(["consolidate", str(store)]) == 0  # rerun: already committed
+    final, ref = acs.open_store(store), acs.open_store(ref_path)
+    assert final.status == "complete" and not (store / "ranks").exists()
+    for hp in ref.hook_points:
+        assert torch.equal(final[hp].view(torch.int32), ref[hp].view(torch.int32))
+        for name in ("mean", "var", "cov"):
+            torch.testing.assert_close(final.reductions[hp][name], ref.reductions[hp][name], rtol=1e-12, atol=1e-15)
+    _same_files(store, ref_path)
+    assert final.verify() == []
+
+
+def test_a_rank_store_that_is_not_complete_is_not_committed(tmp_path):
+    from activationscope.store.ranks import commit_ranks
+
+    store = tmp_path / "s.zarr"
+    model = job.toy_mlp(job.WIDTH, 3).eval()
+    scope = acs.ActivationScope(store=str(store), store_options=job.STORE_OPTIONS, process_group=acs.RankStore(0, 2))
+    with scope.track(model), torch.no_grad():
+        model(job.batch(0))
+    with pytest.raises(acs.StoreError, match=r"ranks \[0\], expected 0..1; a rank is missing"):
+        commit_ranks(store)
+    shutil.copytree(store / "ranks" / "00000", store / "ranks" / "00001")
+    root = json.loads((store / "ranks" / "00001" / "zarr.json").read_text())
+    root["attributes"]["activationscope"]["status"] = "incomplete"
+    (store / "ranks" / "00001" / "zarr.json").write_text(json.dumps(root))
+    with pytest.raises(acs.StoreError, match="rank 1 store .* is 'incomplete': resume that rank"):
+        commit_ranks(store)

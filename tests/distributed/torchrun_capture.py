@@ -1,0 +1,69 @@
+"""A capture script run by the tests under torchrun (or as one process with WORLD_SIZE unset).
+
+    torchrun --standalone --nproc_per_node=2 torchrun_capture.py STORE [--resume] [--die-at-batch K --die-rank R]
+
+Rank r captures batches r, r + world, r + 2 world, ... of a fixed synthetic data set (batch b
+is seeded by b). The summary of rank 0's commit goes to STORE + ".summary.json".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import activationscope as acs  # noqa: E402
+from acs_testing import toy_mlp  # noqa: E402
+
+N_BATCHES, BATCH, WIDTH = 21, 7, 16
+STORE_OPTIONS = {"shard_rows": 16, "chunk_rows": 8}
+
+
+def batch(b: int) -> torch.Tensor:
+    return torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(1000 + b)) + 3.0
+
+
+def batches_of(rank: int, world: int) -> list[int]:
+    return list(range(rank, N_BATCHES, world))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("store")
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--die-at-batch", type=int, default=-1)
+    p.add_argument("--die-rank", type=int, default=1)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    distributed = "WORLD_SIZE" in os.environ
+    if distributed:
+        dist.init_process_group("gloo")
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    model = toy_mlp(WIDTH, 3).eval()
+    scope = acs.ActivationScope(store=args.store, reductions=["mean", "var", "cov"],
+                                store_options={**STORE_OPTIONS, "resume": args.resume})
+    with scope.track(model) as tracker, torch.no_grad():
+        skip = tracker.resume_from // BATCH
+        for i, b in enumerate(batches_of(rank, world)):
+            if i < skip:
+                continue
+            if b == args.die_at_batch and rank == args.die_rank:
+                os._exit(3)  # dies mid-capture: no exit path runs
+            tracker.set_batch(sample_ids=torch.arange(b * BATCH, (b + 1) * BATCH))
+            model(batch(b))
+    summary = getattr(tracker._ranks, "summary", None)
+    if rank == 0 and summary is not None:
+        with open(args.store + ".summary.json", "w") as f:
+            json.dump(summary, f)
+    if distributed:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
