@@ -78,10 +78,10 @@ def _local_root(store: Any) -> str:
     path = os.fspath(store) if isinstance(store, (str, os.PathLike)) else None
     if path is not None and path.startswith("file://"):
         path = path[len("file://"):]
-    if path is None or "://" in path:
+    if path is None:
         raise StoreError(
-            f"a multi-rank capture needs store= a local path every rank can reach (a shared file system), got "
-            f"{store!r}; pass process_group=False to give each rank its own store"
+            f"a multi-rank capture needs store= a path every rank can reach (a shared file system) or a URL "
+            f"(s3://...), got {store!r}; pass process_group=False to give each rank its own store"
         )
     return path
 
@@ -93,6 +93,7 @@ class RankSession:
         self.group, self.rank, self.world_size, self.root = group, rank, world_size, root
         self.standalone = standalone
         self.summary: dict | None = None
+        self.storage_options: dict | None = None
 
     def _gather(self, obj: Any) -> list:
         import torch.distributed as dist
@@ -116,22 +117,24 @@ class RankSession:
             from .errors import StoreExistsError
             from .store._backend import resolve as _resolve
 
-            if _resolve(self.root).get("zarr.json") is None:
+            so = opts.get("storage_options")
+            if _resolve(self.root, storage_options=so).get("zarr.json") is None:
                 try:
-                    R.prepare_root(self.root, world_size=self.world_size)
+                    R.prepare_root(self.root, world_size=self.world_size, storage_options=so)
                 except StoreExistsError:
                     pass  # another task made it first
             target = R.rank_target(self.root, self.rank)
-            exists = _resolve(target).get("zarr.json") is not None
+            exists = _resolve(target, storage_options=so).get("zarr.json") is not None
             opts["resume"], opts["overwrite"] = resume and exists, overwrite and exists
             return target, opts
         error = None
         if self.rank == 0:
             try:
-                R.prepare_root(self.root, world_size=self.world_size, overwrite=overwrite, resume=resume)
+                R.prepare_root(self.root, world_size=self.world_size, overwrite=overwrite, resume=resume,
+                               storage_options=opts.get("storage_options"))
             except Exception as e:  # noqa: BLE001 - every rank must learn it
                 error = e
-        seen = self._gather({"root": os.path.abspath(self.root.removeprefix("file://")),
+        seen = self._gather({"root": self.root if "://" in self.root else os.path.abspath(self.root),
                              "error": None if error is None else f"{type(error).__name__}: {error}"})
         roots = {s["root"] for s in seen}
         if len(roots) != 1:
@@ -142,9 +145,10 @@ class RankSession:
         if seen[0]["error"] is not None:
             raise StoreError(f"rank 0 could not prepare the store {self.root!r}: {seen[0]['error']}")
         target = R.rank_target(self.root, self.rank)
+        self.storage_options = opts.get("storage_options")
         from .store._backend import resolve
 
-        exists = resolve(target).get("zarr.json") is not None
+        exists = resolve(target, storage_options=opts.get("storage_options")).get("zarr.json") is not None
         opts["resume"] = resume and exists
         opts["overwrite"] = overwrite or (not resume and exists)
         return target, opts
@@ -215,7 +219,8 @@ class RankSession:
                 def make(hp: str, name: str, entry: dict) -> Any:
                     return tracker.reduction_objects(hp).get(name)
 
-                self.summary = R.commit_ranks(self.root, make_reduction=make, world_size=self.world_size)
+                self.summary = R.commit_ranks(self.root, make_reduction=make, world_size=self.world_size,
+                                              storage_options=self.storage_options)
             except BaseException as e:  # noqa: BLE001
                 outcome = f"{type(e).__name__}: {e}"
         outcomes = self._gather(outcome)

@@ -22,6 +22,7 @@ import io
 import json
 import os
 import shutil
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any, Callable
@@ -250,20 +251,73 @@ def commit_ranks(target: Any, *, storage_options: dict | None = None,
         that disagree (model, arrays, layout), or a custom reduction without ``make_reduction``.
     """
     b = resolve(target, storage_options=storage_options)
-    if not isinstance(b, LocalBackend):
-        raise StoreError(f"committing rank stores needs a local store path for now, got {str(b)!r}")
+    if not isinstance(b, LocalBackend) and not (isinstance(target, str) and "://" in target):
+        raise StoreError(f"committing rank stores needs a local path or a URL, got {target!r}")
     with WriterLock(b):  # one committer (or writer) at a time: a second one gets StoreLockedError
-        return _commit_ranks(b, make_reduction, world_size)
+        return _commit_ranks(b, target, storage_options, make_reduction, world_size)
 
 
-def _commit_ranks(b: Any, make_reduction: Callable[[str, str, dict], Any] | None, world_size: int | None) -> dict:
+def _remove_ranks(b: Any) -> None:
+    if isinstance(b, LocalBackend):
+        shutil.rmtree(b.root / RANKS_DIR, ignore_errors=True)
+        return
+    for key in list(b.list(f"{RANKS_DIR}/")):
+        b.delete(key)
+
+
+def _remote_path(b: Any, key: str) -> str:
+    return f"{b.store.path.rstrip('/')}/{key}"
+
+
+def _put_root(b: Any, data: bytes, etag: str | None) -> None:
+    """The commit point. Local: atomic rename. S3: a conditional put (``If-Match`` the root
+    read at the start of the commit, ``If-None-Match: *`` when there was none), so of two
+    committers racing past the lock only one replaces the root; the other gets StoreError."""
+    if isinstance(b, LocalBackend) or not getattr(b, "_conditional", False) or \
+            type(getattr(b.store.fs, "sync_fs", b.store.fs)).__name__ != "S3FileSystem":
+        b.set("zarr.json", data)
+        return
+    fs = b.store.fs
+    path = _remote_path(b, "zarr.json")
+    bucket, key, _ = fs.split_path(path)
+    cond = {"IfMatch": etag} if etag else {"IfNoneMatch": "*"}
+
+    async def put() -> None:
+        await fs._call_s3("put_object", Bucket=bucket, Key=key, Body=data, **cond)
+
+    try:
+        b._sync(put())
+    except Exception as e:  # botocore / s3fs wrap the 412 in several classes
+        text = str(e)
+        if any(m in text for m in ("PreconditionFailed", "412", "ConditionalRequestConflict", "pre-conditions")):
+            raise StoreError(f"another committer replaced the root of {str(b)!r} first (conditional write "
+                             f"{cond} failed); this commit is void, the store holds the other one") from e
+        raise StoreError(f"writing the root of {str(b)!r} failed: {e}") from e
+
+
+def _root_etag(b: Any) -> str | None:
+    if isinstance(b, LocalBackend) or type(getattr(b.store.fs, "sync_fs", b.store.fs)).__name__ != "S3FileSystem":
+        return None
+
+    async def info() -> dict:
+        return await b.store.fs._info(_remote_path(b, "zarr.json"), refresh=True)
+
+    try:
+        return b._sync(info()).get("ETag")
+    except FileNotFoundError:
+        return None
+
+
+def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
+                  make_reduction: Callable[[str, str, dict], Any] | None, world_size: int | None) -> dict:
+    etag = _root_etag(b)
     raw = b.get("zarr.json")
     root_attrs = ((json.loads(raw).get("attributes") or {}).get(F.ATTRS_KEY) or {}) if raw else {}
     dist = root_attrs.get("distributed") or {}
     ranks = _rank_dirs(b)
     if dist.get("committed"):
         if ranks:  # crashed while removing the rank stores: finish that
-            shutil.rmtree(b.root / RANKS_DIR, ignore_errors=True)
+            _remove_ranks(b)
         return {"n_ranks": int(dist.get("world_size", 0)), "n_samples": int(root_attrs.get("n_samples", 0)),
                 "arrays": {}, "already_committed": True}
     expected = world_size or dist.get("world_size")
@@ -272,7 +326,9 @@ def _commit_ranks(b: Any, make_reduction: Callable[[str, str, dict], Any] | None
     if ranks != list(range(len(ranks))) or (expected is not None and len(ranks) != int(expected)):
         raise StoreError(f"rank stores under {str(b)!r}/{RANKS_DIR}/ are ranks {ranks}, expected 0..{(expected or len(ranks)) - 1}; "
                          "a rank is missing (rerun it)")
-    stores = [Store(b.root / RANKS_DIR / f"{r:05d}") for r in ranks]
+    local = isinstance(b, LocalBackend)
+    stores = [Store(b.root / RANKS_DIR / f"{r:05d}") if local else
+              Store(rank_target(target, r), storage_options=storage_options) for r in ranks]
     for r, st in enumerate(stores):
         if st.status != "complete":
             raise StoreError(f"rank {r} store {st.path!r} is {st.status!r}: resume that rank (resume=True) so it "
@@ -297,7 +353,8 @@ def _commit_ranks(b: Any, make_reduction: Callable[[str, str, dict], Any] | None
         fulls = [n // S for n in ns]
         F_total = sum(fulls)
         nd = len(meta["feature_shape"])
-        array_dir = b.root / path
+        staging = None if local else tempfile.mkdtemp(prefix="acs-commit-")
+        array_dir = b.root / path if local else Path(staging) / path
         manifest: list[dict] = []
         base = 0
         for r, st in enumerate(stores):
@@ -307,8 +364,12 @@ def _commit_ranks(b: Any, make_reduction: Callable[[str, str, dict], Any] | None
                 rec = recs.get(k)
                 if rec is None:
                     raise StoreError(f"rank {r}: shard {k} of {hp!r} has no manifest entry; run verify on {st.path!r}")
-                src = st._backend.path(F.shard_key(path, k, nd))
-                _link_or_copy(src, b.root / F.shard_key(path, base + k, nd))
+                if local:
+                    src = st._backend.path(F.shard_key(path, k, nd))
+                    _link_or_copy(src, b.root / F.shard_key(path, base + k, nd))
+                else:  # object storage: a server-side copy, no bytes through this process
+                    src = _remote_path(b, f"{RANKS_DIR}/{r:05d}/{F.shard_key(path, k, nd)}")
+                    b._sync(b.store.fs._copy(src, _remote_path(b, F.shard_key(path, base + k, nd))))
                 manifest.append({**rec, "shard": base + k, "key": F.shard_key(path, base + k, nd),
                                  "rows_end": (base + k + 1) * S})
             base += fulls[r]
@@ -322,9 +383,14 @@ def _commit_ranks(b: Any, make_reduction: Callable[[str, str, dict], Any] | None
                 continue
         recs = _TailWriter(array_dir, stores[0].attrs["arrays"][hp], F_total).write(tail) if len(tail) else []
         for rec in recs:
+            if not local:
+                key = F.shard_key(path, int(rec["shard"]), nd)
+                b.put_file(key, Path(staging) / key)
             manifest.append({"shard": int(rec["shard"]), "key": F.shard_key(path, int(rec["shard"]), nd),
                              "rows_end": int(rec["rows_end"]), "file_bytes": int(rec["file_bytes"]),
                              "chunks": [[int(j), int(o), int(nb), int(c)] for (j, o, nb, c) in rec["chunks"]]})
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
         n_total = sum(ns)
         follows = all(bool(s.attrs["arrays"][hp].get("follows_row_table", True)) for s in stores)
         b.set(f"{path}/manifest.json", json.dumps({"hook_point": hp, "chunk_rows": meta["chunk_rows"],
@@ -438,6 +504,6 @@ def _commit_ranks(b: Any, make_reduction: Callable[[str, str, dict], Any] | None
     }
     for st in stores:
         st.close()
-    b.set("zarr.json", _root_doc(attrs))  # the commit point
-    shutil.rmtree(b.root / RANKS_DIR, ignore_errors=True)
+    _put_root(b, _root_doc(attrs), etag)  # the commit point
+    _remove_ranks(b)
     return {"n_ranks": len(stores), "n_samples": attrs["n_samples"], "arrays": summary}

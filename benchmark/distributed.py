@@ -1,0 +1,180 @@
+"""``python -m benchmark.distributed``: multi-rank capture and Dask analysis, side by side.
+
+1. Capture throughput of 2 ranks (``torchrun --standalone --nproc_per_node=2``, gloo, one
+   torch thread per rank) against 1 process (one thread), same total data (the same forwards
+   split between the ranks), into a store on local disk. Goal: >= 1.7x on a 2-core machine.
+   The disk floor (writing the same bytes with plain ``write`` calls) is printed next to it.
+2. The commit of the 2-rank store: time, shards linked, and bytes copied per array (goal: at
+   most one shard per rank per array).
+3. PCA of one array of that store through Dask (``activationscope.analysis.dask.pca``, local
+   threaded scheduler) against in-process torch (``store[hp]`` -> float64 covariance ->
+   ``eigh``), the same rows.
+
+Figures are medians over ``--repeats`` runs, run one after the other in this process's
+children; the result goes to ``benchmark/results/distributed.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+CHILD = r'''
+import json, os, sys, time
+import torch
+import torch.distributed as dist
+sys.path.insert(0, REPO)
+import activationscope as acs
+
+torch.set_num_threads(1)
+store, n_forwards, width, depth, batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+distributed = "WORLD_SIZE" in os.environ
+if distributed:
+    dist.init_process_group("gloo")
+rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+torch.manual_seed(0)
+model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(depth)]).eval()
+xs = [torch.randn(batch, width, generator=torch.Generator().manual_seed(f)) for f in range(rank, n_forwards, world)]
+scope = acs.ActivationScope(store=store, store_options={"shard_rows": 4096})
+if distributed:
+    dist.barrier()
+t0 = time.perf_counter()
+with scope.track(model) as tracker, torch.no_grad():
+    for x in xs:
+        model(x)
+    t_capture = time.perf_counter() - t0
+t_total = time.perf_counter() - t0
+summary = getattr(tracker._ranks, "summary", None) if tracker._ranks is not None else None
+out = {"rank": rank, "capture_s": t_capture, "total_s": t_total, "summary": summary}
+with open(store + f".rank{rank}.json", "w") as f:
+    json.dump(out, f)
+if distributed:
+    dist.destroy_process_group()
+'''
+
+
+def _run(cmd: list[str], env: dict) -> None:
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
+    if out.returncode:
+        raise RuntimeError(f"{cmd[0]} failed:\n{out.stderr[-3000:]}")
+
+
+def capture(tmp: str, world: int, args: argparse.Namespace) -> dict:
+    script = os.path.join(tmp, "child.py")
+    with open(script, "w") as f:
+        f.write(f"REPO = {REPO!r}\n" + CHILD)
+    store = os.path.join(tmp, f"w{world}.zarr")
+    shutil.rmtree(store, ignore_errors=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
+    base = [str(args.n_forwards), str(args.width), str(args.depth), str(args.batch)]
+    if world == 1:
+        _run([sys.executable, script, store, *base], env)
+    else:
+        torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+        _run([torchrun, "--standalone", f"--nproc_per_node={world}", script, store, *base], env)
+    ranks = [json.load(open(store + f".rank{r}.json")) for r in range(world)]
+    import activationscope as acs
+
+    st = acs.open_store(store)
+    n_bytes = sum(st.info()["arrays"][hp]["bytes"] for hp in st.hook_points)
+    assert st.status == "complete" and st.n_samples == args.n_forwards * args.batch
+    return {"capture_s": max(r["capture_s"] for r in ranks), "total_s": max(r["total_s"] for r in ranks),
+            "bytes": n_bytes, "summary": ranks[0]["summary"], "store": store}
+
+
+def disk_floor_s(tmp: str, n_bytes: int) -> float:
+    block = os.urandom(1 << 20)
+    path = os.path.join(tmp, "floor.bin")
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        for _ in range(-(-n_bytes // len(block))):
+            f.write(block)
+    t = time.perf_counter() - t0
+    os.unlink(path)
+    return t
+
+
+def pca_times(store: str, hp: str) -> dict:
+    import numpy as np
+    import torch
+
+    import activationscope as acs
+    from activationscope.analysis.dask import pca, to_dask
+
+    st = acs.open_store(store)
+    t0 = time.perf_counter()
+    p = pca(to_dask(store, hp), n_components=8)
+    t_dask = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    x = st[hp].double()
+    xc = x - x.mean(0)
+    cov = (xc.T @ xc) / len(x)
+    ev = torch.linalg.eigvalsh(cov).flip(0)[:8]
+    t_torch = time.perf_counter() - t0
+    assert np.allclose(p["explained_variance"], ev.numpy(), rtol=1e-9)
+    return {"dask_s": t_dask, "torch_s": t_torch}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--n-forwards", type=int, default=200)
+    p.add_argument("--width", type=int, default=256)
+    p.add_argument("--depth", type=int, default=8)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default=os.path.join(REPO, "benchmark", "results", "distributed.json"))
+    args = p.parse_args(argv)
+    runs: dict[str, list] = {"w1": [], "w2": [], "floor": [], "pca": []}
+    with tempfile.TemporaryDirectory(prefix="acs-bench-dist-") as tmp:
+        for _ in range(args.repeats):  # side by side: one of each per repeat
+            one = capture(tmp, 1, args)
+            two = capture(tmp, 2, args)
+            runs["w1"].append(one)
+            runs["w2"].append(two)
+            runs["floor"].append(disk_floor_s(tmp, one["bytes"]))
+            runs["pca"].append(pca_times(two["store"], "0.output"))
+    med = statistics.median
+    summary = runs["w2"][-1]["summary"]
+    doc = {
+        "settings": vars(args),
+        "bytes": runs["w1"][0]["bytes"],
+        "one_rank_capture_s": med(r["total_s"] for r in runs["w1"]),
+        "two_ranks_capture_s": med(r["total_s"] for r in runs["w2"]),
+        "two_ranks_capture_only_s": med(r["capture_s"] for r in runs["w2"]),
+        "commit_s": med(r["total_s"] - r["capture_s"] for r in runs["w2"]),
+        "disk_floor_s": med(runs["floor"]),
+        "copied_per_array": {hp: {k: a[k] for k in ("linked_shards", "copied_shards", "copied_rows", "copied_bytes")}
+                             for hp, a in summary["arrays"].items()},
+        "dask_pca_s": med(r["dask_s"] for r in runs["pca"]),
+        "torch_pca_s": med(r["torch_s"] for r in runs["pca"]),
+    }
+    doc["speedup_2_vs_1"] = doc["one_rank_capture_s"] / doc["two_ranks_capture_s"]
+    doc["goal_speedup_1_7"] = doc["speedup_2_vs_1"] >= 1.7
+    doc["goal_one_shard_per_rank"] = all(a["copied_shards"] <= 2 for a in doc["copied_per_array"].values())
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(doc, f, indent=1)
+    print(f"data: {doc['bytes'] / 2**20:.1f} MiB over {args.n_forwards} forwards of {args.depth} x Linear({args.width}), "
+          f"batch {args.batch}; 1 torch thread per process; medians of {args.repeats}")
+    print(f"capture (incl. commit): 1 process {doc['one_rank_capture_s']:.3f} s, 2 ranks {doc['two_ranks_capture_s']:.3f} s "
+          f"-> {doc['speedup_2_vs_1']:.2f}x (goal >= 1.7x: {'met' if doc['goal_speedup_1_7'] else 'NOT met'}); "
+          f"disk floor (plain writes of the same bytes) {doc['disk_floor_s']:.3f} s")
+    print(f"commit of the 2-rank store: {doc['commit_s']:.3f} s; per array: "
+          + ", ".join(f"{hp}: {a['linked_shards']} linked, {a['copied_shards']} copied ({a['copied_bytes']} B)"
+                      for hp, a in list(doc["copied_per_array"].items())[:3]) + " ...")
+    print(f"PCA of 0.output: Dask {doc['dask_pca_s']:.3f} s, in-process torch {doc['torch_pca_s']:.3f} s "
+          f"({doc['dask_pca_s'] / doc['torch_pca_s']:.2f}x)")
+    return doc
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""Rank stores and their commit on S3 (a moto server on 127.0.0.1): server-side copies, the
+root written last with a conditional put; of two racing committers exactly one wins."""
+
+from __future__ import annotations
+
+import socket
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import activationscope as acs
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import torchrun_capture as job  # noqa: E402
+
+WORLD = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def s3():
+    moto_server = pytest.importorskip("moto.server", reason="needs moto[server]")
+    s3fs = pytest.importorskip("s3fs", reason="needs s3fs")
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=_free_port(), verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    options = {"key": "test", "secret": "test", "client_kwargs": {"endpoint_url": f"http://{host}:{port}"}}
+    s3fs.S3FileSystem(**options).mkdir("acs-ranks")
+    yield options
+    server.stop()
+
+
+def _write_ranks(store, storage_options=None):
+    model = job.toy_mlp(job.WIDTH, 3).eval()
+    opts = dict(job.STORE_OPTIONS)
+    if storage_options:
+        opts["storage_options"] = storage_options
+    for r in range(WORLD):
+        scope = acs.ActivationScope(store=store, reductions=["mean", "var"], store_options=opts,
+                                    process_group=acs.RankStore(r, WORLD))
+        with scope.track(model) as tracker, torch.no_grad():
+            for b in job.batches_of(r, WORLD):
+                tracker.set_batch(sample_ids=torch.arange(b * job.BATCH, (b + 1) * job.BATCH))
+                model(job.batch(b))
+
+
+def test_rank_stores_commit_on_s3_equal_local(s3, tmp_path):
+    from activationscope.store.ranks import commit_ranks
+
+    url = "s3://acs-ranks/run.zarr"
+    _write_ranks(url, s3)
+    _write_ranks(str(tmp_path / "local.zarr"))
+    assert acs.open_store(url, storage_options=s3).status == "incomplete"
+    results, errors = [], []
+    gate = threading.Barrier(2)
+
+    def commit():
+        gate.wait()
+        try:
+            results.append(commit_ranks(url, storage_options=s3))
+        except acs.StoreError as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=commit) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 1 and len(errors) == 1, (results, errors)  # exactly one committer wins
+    assert "lock" in str(errors[0]).lower() or "another committer" in str(errors[0])
+    commit_ranks(str(tmp_path / "local.zarr"))
+    remote, local = acs.open_store(url, storage_options=s3), acs.open_store(tmp_path / "local.zarr")
+    assert remote.status == "complete" and remote.attrs["format"]["version"] == 2
+    for hp in local.hook_points:
+        assert torch.equal(remote[hp].view(torch.int32), local[hp].view(torch.int32))
+        torch.testing.assert_close(remote.reductions[hp]["mean"], local.reductions[hp]["mean"], rtol=0, atol=0)
+    assert remote.row_table("sample").equals(local.row_table("sample"))
+    assert remote.verify() == []
+    from activationscope.store._backend import resolve
+
+    assert not list(resolve(url, storage_options=s3).list("ranks/"))
+
+
+def test_root_put_is_conditional_on_s3(s3):
+    """The commit point is a conditional put: a root replaced since the commit read it wins."""
+    from activationscope.store import ranks as R
+    from activationscope.store._backend import resolve
+
+    b = resolve("s3://acs-ranks/cond.zarr", storage_options=s3)
+    b.set("zarr.json", b"{}")
+    etag = R._root_etag(b)
+    assert etag
+    b.set("zarr.json", b'{"other": 1}')  # another committer got there first
+    with pytest.raises(acs.StoreError, match="another committer replaced the root"):
+        R._put_root(b, b'{"mine": 1}', etag)
+    assert b.get("zarr.json") == b'{"other": 1}'
+    R._put_root(b, b'{"mine": 2}', R._root_etag(b))
+    assert b.get("zarr.json") == b'{"mine": 2}'
+    b2 = resolve("s3://acs-ranks/fresh.zarr", storage_options=s3)
+    R._put_root(b2, b"{}", None)  # If-None-Match: * on a new store
+    with pytest.raises(acs.StoreError, match="another committer"):
+        R._put_root(b2, b"{}", None)
