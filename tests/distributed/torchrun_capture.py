@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -54,7 +55,13 @@ def main() -> None:
             if i < skip:
                 continue
             if b == args.die_at_batch and rank == args.die_rank:
-                os._exit(3)  # dies mid-capture: no exit path runs
+                # die once something is committed (the writer thread makes shards durable in the
+                # background; on a loaded machine it may lag the forwards), then with no exit path
+                deadline = time.monotonic() + 30
+                while tracker.writer.n_samples_committed == 0 and time.monotonic() < deadline:
+                    tracker.writer.maybe_commit()
+                    time.sleep(0.01)
+                os._exit(3)
             tracker.set_batch(sample_ids=torch.arange(b * BATCH, (b + 1) * BATCH))
             model(batch(b))
     summary = getattr(tracker._ranks, "summary", None)
