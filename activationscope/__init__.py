@@ -48,7 +48,7 @@ _LAZY = {
     "StoreWriter": ".store",
     "ActivationDataset": ".data",
     "to_dask": ".analysis.dask",
-    "RankStore": ".distributed",
+    "RankStore": ".store",
 }
 
 __all__ = [

@@ -53,7 +53,7 @@ with scope.track(model) as tracker, torch.no_grad():
         model(x)
     t_capture = time.perf_counter() - t0
 t_total = time.perf_counter() - t0
-summary = getattr(tracker._ranks, "summary", None) if tracker._ranks is not None else None
+summary = getattr(tracker.writer, "summary", None)
 out = {"rank": rank, "capture_s": t_capture, "total_s": t_total, "summary": summary}
 with open(store + f".rank{rank}.json", "w") as f:
     json.dump(out, f)

@@ -392,7 +392,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 def cmd_consolidate(args: argparse.Namespace) -> int:
     if not os.path.isdir(args.store):
         raise CLIError(f"store {args.store!r} does not exist")
-    from .store.ranks import commit_ranks
+    from ..store.ranks import commit_ranks
 
     summary = commit_ranks(args.store, world_size=args.world_size)
     if summary.get("already_committed"):

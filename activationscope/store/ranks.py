@@ -30,7 +30,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from .. import _native
+from ..capture import _native
 from ..errors import StoreError, StoreExistsError
 from . import _format as F
 from ._backend import LocalBackend, resolve
@@ -195,7 +195,7 @@ def _link_or_copy(src: Path, dst: Path) -> None:
 
 def _merge_states(hp: str, name: str, entries: list[dict], stores: list[Store],
                   make: Callable[[str, str, dict], Any] | None) -> Any:
-    from .. import reductions as R
+    from ..capture import reductions as R
 
     kind = entries[0]["kind"]
     for e in entries[1:]:
@@ -507,3 +507,310 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
     _put_root(b, _root_doc(attrs), etag)  # the commit point
     _remove_ranks(b)
     return {"n_ranks": len(stores), "n_samples": attrs["n_samples"], "arrays": summary}
+
+
+# ---------------------------------------------------------------------------- the capture side
+class RankStore:
+    """``store_options={"process_group": ...}`` for a rank without a process group (Slurm array task, Ray task).
+
+    The capture writes rank ``rank`` of ``world_size`` into ``<store>/ranks/<rank>`` and
+    commits nothing; once every rank store is complete, ``activationscope consolidate STORE``
+    (or :func:`activationscope.store.ranks.commit_ranks`) commits them into one store.
+
+    Parameters
+    ----------
+    rank : int
+        0 .. world_size - 1.
+    world_size : int
+        Number of rank stores the store will hold.
+    """
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise ValueError(f"rank must be an int in 0..{world_size - 1}, got {rank!r}")
+        self.rank, self.world_size = rank, world_size
+
+    def __repr__(self) -> str:
+        return f"RankStore(rank={self.rank}, world_size={self.world_size})"
+
+
+def detect(process_group: Any, store: Any) -> "RankSession | None":
+    """The rank session of a capture, or None for a one-process capture.
+
+    ``process_group``: None (use the default group when ``torch.distributed`` is initialised
+    with more than one rank), False (never; e.g. a store per rank), or a process group.
+    """
+    if process_group is False or store is None:
+        return None
+    import torch.distributed as dist
+
+    if isinstance(process_group, RankStore):
+        return RankSession(None, process_group.rank, process_group.world_size, _local_root(store), standalone=True)
+    if process_group is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        group = None
+    else:
+        group = process_group
+    world = dist.get_world_size(group)
+    if world <= 1 and process_group is None:
+        return None
+    return RankSession(group, dist.get_rank(group), world, _local_root(store))
+
+
+def _local_root(store: Any) -> str:
+    path = os.fspath(store) if isinstance(store, (str, os.PathLike)) else None
+    if path is not None and path.startswith("file://"):
+        path = path[len("file://"):]
+    if path is None:
+        raise StoreError(
+            f"a multi-rank capture needs store= a path every rank can reach (a shared file system) or a URL "
+            f"(s3://...), got {store!r}; pass process_group=False to give each rank its own store"
+        )
+    return path
+
+
+class RankSession:
+    """One rank's part of a multi-rank capture (see the module docstring)."""
+
+    def __init__(self, group: Any, rank: int, world_size: int, root: str, standalone: bool = False) -> None:
+        self.group, self.rank, self.world_size, self.root = group, rank, world_size, root
+        self.standalone = standalone
+        self.summary: dict | None = None
+        self.storage_options: dict | None = None
+
+    def _gather(self, obj: Any) -> list:
+        import torch.distributed as dist
+
+        out: list = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def writer_options(self, store_options: dict) -> tuple[str, dict]:
+        """Prepare the root (rank 0), agree on it, and return this rank's store and options."""
+        
+        opts = dict(store_options)
+        overwrite, resume = bool(opts.pop("overwrite", False)), bool(opts.pop("resume", False))
+        if opts.get("shard_bytes") is not None:
+            raise ValueError("a multi-rank capture takes store_options shard_rows= (rows per shard, the same on every "
+                             "rank), not shard_bytes=")
+        opts.setdefault("shard_rows", F.MAX_SHARD_ROWS)
+        if self.standalone:  # no process group: the first task makes the root, nobody clears it
+            from ..errors import StoreExistsError
+            from ._backend import resolve as _resolve
+
+            so = opts.get("storage_options")
+            if _resolve(self.root, storage_options=so).get("zarr.json") is None:
+                try:
+                    prepare_root(self.root, world_size=self.world_size, storage_options=so)
+                except StoreExistsError:
+                    pass  # another task made it first
+            target = rank_target(self.root, self.rank)
+            exists = _resolve(target, storage_options=so).get("zarr.json") is not None
+            opts["resume"], opts["overwrite"] = resume and exists, overwrite and exists
+            return target, opts
+        error = None
+        if self.rank == 0:
+            try:
+                prepare_root(self.root, world_size=self.world_size, overwrite=overwrite, resume=resume,
+                               storage_options=opts.get("storage_options"))
+            except Exception as e:  # noqa: BLE001 - every rank must learn it
+                error = e
+        seen = self._gather({"root": self.root if "://" in self.root else os.path.abspath(self.root),
+                             "error": None if error is None else f"{type(error).__name__}: {error}"})
+        roots = {s["root"] for s in seen}
+        if len(roots) != 1:
+            raise StoreError(f"the ranks of a multi-rank capture must name one store, got {sorted(roots)}; pass "
+                             "process_group=False to give each rank its own store")
+        if error is not None:
+            raise error
+        if seen[0]["error"] is not None:
+            raise StoreError(f"rank 0 could not prepare the store {self.root!r}: {seen[0]['error']}")
+        target = rank_target(self.root, self.rank)
+        self.storage_options = opts.get("storage_options")
+        from ._backend import resolve
+
+        exists = resolve(target, storage_options=opts.get("storage_options")).get("zarr.json") is not None
+        opts["resume"] = resume and exists
+        opts["overwrite"] = overwrite or (not resume and exists)
+        return target, opts
+
+    def _save_states(self, w: Any, live: dict) -> None:
+        """Store every reduction's state over ALL rows of this rank store.
+
+        ``live``: ``{(hook point, name): reduction}`` the capture handed to ``add_reductions``.
+        A resumed rank continues the state stored by the run before it (when that run
+        finished) or, when it was killed before storing one, folds the committed rows it left
+        back into the reduction (read from the rank store), so the merged reductions cover
+        every row. A hook point with committed rows but neither a stored state nor new rows
+        keeps no state, and the commit then refuses (never a partial reduction).
+        """
+        old_states = ((w._state or {}).get("reduction_states") or {})
+        reader = None
+        for (hp, name), red in live.items():
+            old_arr = w._old_arrays.get(hp) or {}
+            n_open = int(old_arr.get("n_rows", 0))
+            n_total = int(w._arrays[hp].last_cum) if hp in w._arrays else n_open  # rows of whole forwards
+            if n_open > 0:
+                if reader is None:
+                    reader = Store(w._backend)
+                part = red.fresh()
+                old = (old_states.get(hp) or {}).get(name)
+                if old is not None and int(old.get("n_rows", -1)) == n_open and old.get("kind") == str(red.kind):
+                    part.load_state({k: reader._read_small({**e, "reduction": name}).clone()
+                                     for k, e in old["state"].items()})
+                else:
+                    part.update(reader._read_rows(hp, 0, n_open, copy=True))
+                red.merge(part)
+            w.add_reduction_state(hp, name, red, n_rows=n_total)
+        for hp, names in old_states.items():  # stored states of hook points that saw no new rows
+            for name, entry in names.items():
+                if (hp, name) not in live:
+                    w._states.setdefault(hp, {})[name] = entry
+
+    def finish(self, w: Any, live: dict, exc: BaseException | None) -> None:
+        """Close this rank's store, agree on the outcome, commit on rank 0 (see the module)."""
+        error = None
+        if exc is None:
+            try:
+                self._save_states(w, live)
+                w.close(status="complete")
+            except BaseException as e:  # noqa: BLE001 - the other ranks must hear of it
+                error = e
+                w.abort(e)
+        else:
+            w.abort(exc)
+        mine = exc or error
+        if self.standalone:
+            if error is not None:
+                raise error
+            return
+        seen = self._gather(None if mine is None else f"{type(mine).__name__}: {mine}")
+        failed = {r: s for r, s in enumerate(seen) if s is not None}
+        outcome = None
+        if not failed and self.rank == 0:
+            try:
+                def make(hp: str, name: str, entry: dict) -> Any:
+                    return live.get((hp, name))
+
+                self.summary = commit_ranks(self.root, make_reduction=make, world_size=self.world_size,
+                                            storage_options=self.storage_options)
+            except BaseException as e:  # noqa: BLE001
+                outcome = f"{type(e).__name__}: {e}"
+        outcomes = self._gather(outcome)
+        if error is not None:
+            raise error
+        if failed and exc is None:
+            raise StoreError(
+                f"multi-rank capture into {self.root!r}: rank(s) {sorted(failed)} failed ({'; '.join(failed.values())}); "
+                "nothing was committed. Every rank's committed rows are kept in its rank store: rerun with "
+                "store_options resume=True to continue, or run `activationscope consolidate` once every rank store "
+                "is complete"
+            )
+        if outcomes[0] is not None and exc is None:
+            raise StoreError(f"rank 0 could not commit the multi-rank store {self.root!r}: {outcomes[0]}; the rank "
+                             "stores are kept: run `activationscope consolidate STORE` to finish the commit")
+
+
+class RankWriter:
+    """The writer of one rank of a multi-rank capture: its rank store's :class:`StoreWriter`,
+    plus the end of the capture (states, outcome exchange, rank 0's commit).
+
+    Made by :func:`open_capture_writer` (the writer ``ActivationScope(store=...)`` uses);
+    ``summary`` holds rank 0's commit summary after a successful close.
+    """
+
+    def __init__(self, session: RankSession, inner: Any) -> None:
+        self._session, self._inner = session, inner
+        self._live: dict = {}
+        self._done = False
+
+    def __getattr__(self, name: str) -> Any:  # open_array, add_batch, maybe_commit, n_samples_committed, ...
+        return getattr(self._inner, name)
+
+    @property
+    def path(self) -> str:
+        """Where this rank writes (its rank store)."""
+        return self._inner.path
+
+    @property
+    def summary(self) -> dict | None:
+        """Rank 0's commit summary (``commit_ranks``), None elsewhere or before the close."""
+        return self._session.summary
+
+    @property
+    def rank(self) -> int:
+        """This process's rank."""
+        return self._session.rank
+
+    def add_reductions(self, hook_point: str, name: str, reduction: Any, *args: Any, **kwargs: Any) -> None:
+        """Store the reduction in the rank store and keep it for the merged result."""
+        self._inner.add_reductions(hook_point, name, reduction, *args, **kwargs)
+        self._live[(hook_point, name)] = reduction
+
+    def close(self, status: str = "complete") -> None:
+        """Close the rank store; every rank then learns the outcome and rank 0 commits once.
+
+        Raises
+        ------
+        StoreError
+            This or another rank failed, or rank 0's commit failed (nothing committed; the
+            rank stores stay for resume / ``consolidate``).
+        """
+        if self._done:
+            return
+        self._done = True
+        exc = None if status == "complete" else StoreError("the capture on this rank stopped early")
+        self._session.finish(self._inner, self._live, exc)
+
+    def abort(self, exc: BaseException | None = None) -> None:
+        """After an exception: the rank store keeps its commits; the others learn of it. Never raises."""
+        if self._done:
+            return
+        self._done = True
+        try:
+            self._session.finish(self._inner, self._live, exc or StoreError("aborted"))
+        except BaseException:  # noqa: BLE001 - never mask the caller's exception
+            pass
+
+
+def open_capture_writer(target: Any, *, process_group: Any = None, **options: Any) -> Any:
+    """The writer of ``ActivationScope(store=...)`` captures (registered with the capture layer).
+
+    A :class:`StoreWriter` for a one-process capture, or a :class:`RankWriter` writing this
+    rank's rank store when ``torch.distributed`` is initialised with more than one rank (or
+    ``process_group`` is a process group or a :class:`RankStore`).
+
+    Parameters
+    ----------
+    target, **options
+        As :class:`StoreWriter`.
+    process_group : ProcessGroup, RankStore, False or None
+        None: the default group when ``torch.distributed`` is initialised with more than one
+        rank; False: never (one store per process); a process group; or a
+        :class:`RankStore` (a task without a process group).
+    """
+    from .writer import StoreWriter
+
+    session = detect(process_group, target)
+    if session is None:
+        return StoreWriter(target, **options)
+    fixed = {k: options.pop(k) for k in ("capture_config", "model", "storage_dtype") if k in options}
+    rank_target_, opts = session.writer_options(options)
+    return RankWriter(session, StoreWriter(rank_target_, **fixed, **opts))
+
+
+def _capture_writer_signature() -> Any:
+    import inspect
+
+    from .writer import StoreWriter
+
+    params = [p for n, p in inspect.signature(StoreWriter.__init__).parameters.items() if n != "self"]
+    params.append(inspect.Parameter("process_group", inspect.Parameter.KEYWORD_ONLY, default=None))
+    return inspect.Signature(params)
+
+
+# the valid store_options are StoreWriter's plus process_group (capture.writer.writer_options)
+open_capture_writer.__signature__ = _capture_writer_signature()  # type: ignore[attr-defined]

@@ -41,12 +41,12 @@ def s3():
 
 def _write_ranks(store, storage_options=None):
     model = job.toy_mlp(job.WIDTH, 3).eval()
-    opts = dict(job.STORE_OPTIONS)
+    opts = {**job.STORE_OPTIONS, "process_group": acs.RankStore(0, WORLD)}
     if storage_options:
         opts["storage_options"] = storage_options
     for r in range(WORLD):
-        scope = acs.ActivationScope(store=store, reductions=["mean", "var"], store_options=opts,
-                                    process_group=acs.RankStore(r, WORLD))
+        scope = acs.ActivationScope(store=store, reductions=["mean", "var"],
+                                    store_options={**opts, "process_group": acs.RankStore(r, WORLD)})
         with scope.track(model) as tracker, torch.no_grad():
             for b in job.batches_of(r, WORLD):
                 tracker.set_batch(sample_ids=torch.arange(b * job.BATCH, (b + 1) * job.BATCH))

@@ -54,8 +54,7 @@ def captured(tmp_path_factory):
     # one process, the same batches in rank order (batch composition as on the ranks: same numerics)
     model = job.toy_mlp(job.WIDTH, 3).eval()
     one = root / "one.zarr"
-    scope = acs.ActivationScope(store=str(one), reductions=["mean", "var", "cov"], store_options=job.STORE_OPTIONS,
-                                process_group=False)
+    scope = acs.ActivationScope(store=str(one), reductions=["mean", "var", "cov"], store_options={**job.STORE_OPTIONS, "process_group": False})
     order = [b for r in range(WORLD) for b in job.batches_of(r, WORLD)]
     with scope.track(model) as tracker, torch.no_grad():
         for b in order:
@@ -158,7 +157,7 @@ def test_rank_stores_without_a_process_group_and_consolidate(captured, tmp_path,
     model = job.toy_mlp(job.WIDTH, 3).eval()
     for r in range(WORLD):
         scope = acs.ActivationScope(store=str(store), reductions=["mean", "var", "cov"],
-                                    store_options=job.STORE_OPTIONS, process_group=acs.RankStore(r, WORLD))
+                                    store_options={**job.STORE_OPTIONS, "process_group": acs.RankStore(r, WORLD)})
         with scope.track(model) as tracker, torch.no_grad():
             for b in job.batches_of(r, WORLD):
                 tracker.set_batch(sample_ids=torch.arange(b * job.BATCH, (b + 1) * job.BATCH))
@@ -194,7 +193,7 @@ def test_a_rank_store_that_is_not_complete_is_not_committed(tmp_path):
 
     store = tmp_path / "s.zarr"
     model = job.toy_mlp(job.WIDTH, 3).eval()
-    scope = acs.ActivationScope(store=str(store), store_options=job.STORE_OPTIONS, process_group=acs.RankStore(0, 2))
+    scope = acs.ActivationScope(store=str(store), store_options={**job.STORE_OPTIONS, "process_group": acs.RankStore(0, 2)})
     with scope.track(model), torch.no_grad():
         model(job.batch(0))
     with pytest.raises(acs.StoreError, match=r"ranks \[0\], expected 0..1; a rank is missing"):

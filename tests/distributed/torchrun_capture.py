@@ -64,7 +64,7 @@ def main() -> None:
                 os._exit(3)
             tracker.set_batch(sample_ids=torch.arange(b * BATCH, (b + 1) * BATCH))
             model(batch(b))
-    summary = getattr(tracker._ranks, "summary", None)
+    summary = getattr(tracker.writer, "summary", None)
     if rank == 0 and summary is not None:
         with open(args.store + ".summary.json", "w") as f:
             json.dump(summary, f)

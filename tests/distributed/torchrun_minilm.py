@@ -19,7 +19,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import activationscope as acs  # noqa: E402
-from activationscope.demo import load_model  # noqa: E402
+from activationscope.analysis.demo import load_model  # noqa: E402
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven tired cats sleep under warm red blankets".split()
 TEXTS = [" ".join(WORDS[i % 7: i % 7 + 3 + (i * 5) % 11]) for i in range(20)]
@@ -43,8 +43,8 @@ def main() -> None:
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, args.world)
     tokenizer, model = load_model(pooled=False)
     order = batches_of(rank, world) if distributed else [b for r in range(world) for b in batches_of(r, world)]
-    scope = acs.ActivationScope(store=args.store, reductions=["mean", "var"], store_options=STORE_OPTIONS,
-                                process_group=None if distributed else False)
+    scope = acs.ActivationScope(store=args.store, reductions=["mean", "var"],
+                                store_options={**STORE_OPTIONS, "process_group": None if distributed else False})
     with scope.track(model, include=["encoder.layer.0.output.dense", "encoder.layer.5.output", "pooler"]) as tracker, \
             torch.no_grad():
         for b in order:
