@@ -17,7 +17,7 @@ from ..errors import ArgumentTypeError, ArgumentValueError
 
 FORMAT_NAME = "activationscope"
 FORMAT_VERSION = 1
-#: Highest version readers accept: 2 = stores committed from rank stores (FORMAT.md section 9).
+#: Highest version readers accept: 2 = stores committed from rank stores (FORMAT.md section 10).
 MAX_READ_VERSION = 2
 ATTRS_KEY = "activationscope"
 
