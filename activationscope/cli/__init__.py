@@ -22,7 +22,7 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -523,13 +523,19 @@ def _flat(value: Any) -> str:
     return str(value)
 
 
-def _reduction_names(names: Iterable[str]) -> str:
-    # "var", "var.mean", "var.count" are outputs of one reduction: show "var" once
+def _reduction_names(names: Iterable[str], partial: Mapping[str, Any] | None = None) -> str:
+    # "var", "var.mean", "var.count" are outputs of one reduction: show "var" once; a reduction
+    # over part of the rows (a resume that did not continue it) says so
     seen: list[str] = []
     for name in names:
         base = name.split(".")[0]
         if base not in seen:
             seen.append(base)
+    for name, cov in (partial or {}).items():
+        base = name.split(".")[0]
+        label = f"{base} (partial: {cov['n_rows']:,} of {cov['of_rows']:,} rows)"
+        if label not in seen:
+            seen.append(label)
     return ", ".join(seen) or "-"
 
 
@@ -561,7 +567,8 @@ def format_info(info: dict[str, Any], name: str) -> str:
         rows.append((
             hp, str(a.get("row_kind", "?")), f"{a.get('n_rows', 0):,}", str(shape), dtype,
             format_bytes(a.get("bytes")), format_bytes(a.get("bytes_on_disk")),
-            "-" if ratio is None else f"{ratio:.2f}", _reduction_names(reductions.get(hp, [])),
+            "-" if ratio is None else f"{ratio:.2f}",
+            _reduction_names(reductions.get(hp, []), (info.get("partial_reductions") or {}).get(hp)),
         ))
     lines.append("")
     if rows:

@@ -106,18 +106,22 @@ class _Reductions(Mapping):
         self._store = store
 
     def __getitem__(self, hook_point: str) -> dict[str, torch.Tensor]:
-        entries = self._store._attrs.get("reductions", {}).get(hook_point)
+        entries = self._store._complete_reductions().get(hook_point)
         if entries is None:
+            partial = self._store.partial_reductions.get(hook_point)
+            why = (f"; its reductions {sorted(partial)} cover only part of its rows (see store.partial_reductions)"
+                   if partial else "")
             raise HookPointNotFoundError(
-                f"hook point {hook_point!r} has no reductions in this store; hook points with reductions: {list(self)}"
+                f"hook point {hook_point!r} has no reductions in this store{why}; "
+                f"hook points with reductions: {list(self)}"
             )
         return ReductionResults(hook_point, {name: self._store._read_small(e) for name, e in entries.items()})
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._store._attrs.get("reductions", {}))
+        return iter(self._store._complete_reductions())
 
     def __len__(self) -> int:
-        return len(self._store._attrs.get("reductions", {}))
+        return len(self._store._complete_reductions())
 
 
 class Store:
@@ -200,6 +204,36 @@ class Store:
     def path(self) -> str:
         """Where the store lives: a local directory or a URL."""
         return str(self._backend)
+
+    def _reduction_coverage(self, hook_point: str, entry: dict) -> tuple[int, int] | None:
+        """(rows covered, rows stored) of a reduction entry that covers fewer rows than its
+        hook point's array; None when it covers all (or the store predates the record)."""
+        if "n_rows" not in entry:
+            return None
+        stored = int((self._attrs.get("arrays", {}).get(hook_point) or {}).get("n_rows", 0))
+        covered = int(entry["n_rows"])
+        return None if covered == stored else (covered, stored)
+
+    def _complete_reductions(self) -> dict[str, dict]:
+        out = {}
+        for hp, entries in (self._attrs.get("reductions") or {}).items():
+            keep = {n: e for n, e in entries.items() if self._reduction_coverage(hp, e) is None}
+            if keep:
+                out[hp] = keep
+        return out
+
+    @property
+    def partial_reductions(self) -> dict[str, dict[str, tuple[int, int]]]:
+        """``{hook_point: {name: (rows covered, rows stored)}}`` of the reductions that do not
+        cover every stored row of their hook point (a resumed run that did not continue
+        them). They are left out of :attr:`reductions`."""
+        out: dict[str, dict[str, tuple[int, int]]] = {}
+        for hp, entries in (self._attrs.get("reductions") or {}).items():
+            for name, entry in entries.items():
+                cov = self._reduction_coverage(hp, entry)
+                if cov is not None:
+                    out.setdefault(hp, {})[name] = cov
+        return out
 
     def _meta(self, hook_point: str) -> dict:
         if not isinstance(hook_point, str):
@@ -773,7 +807,8 @@ class Store:
 
     @property
     def reductions(self) -> Mapping[str, dict[str, torch.Tensor]]:
-        """``{hook_point: {name: Tensor}}`` of the reductions stored at close.
+        """``{hook_point: {name: Tensor}}`` of the reductions stored at close, each over every
+        stored row of its hook point (:attr:`partial_reductions` lists the others).
 
         Read on access from ``reductions/<hook point>/<name>`` (each value a copy on the
         host, checked against its crc32c). Keys, shapes and dtypes are those of
@@ -937,7 +972,10 @@ class Store:
         for hp, entries in (self._attrs.get("reductions") or {}).items():
             for name, entry in entries.items():
                 where = f"hook point {hp!r}: reduction {name!r}"
-                for key, crc in (entry.get("crc32c") or {}).items():
+                files = dict(entry.get("crc32c") or {})
+                for part in (entry.get("state") or {}).values():  # the state a resume continues from
+                    files.update(part.get("crc32c") or {})
+                for key, crc in files.items():
                     try:
                         data = self._backend.get(key, max_bytes=V.MAX_FILE_BYTES)
                     except StoreCorruptError as e:
@@ -1089,7 +1127,9 @@ class Store:
             "bytes": total_raw,
             "bytes_on_disk": total_disk,
             "data_to_disk_ratio": (total_raw / total_disk) if total_disk else None,
-            "reductions": {hp: sorted(v) for hp, v in (self._attrs.get("reductions") or {}).items()},
+            "reductions": {hp: sorted(v) for hp, v in self._complete_reductions().items()},
+            "partial_reductions": {hp: {n: {"n_rows": c[0], "of_rows": c[1]} for n, c in v.items()}
+                                   for hp, v in self.partial_reductions.items()},
             "row_tables": {k: v.get("n_rows", 0) for k, v in (self._attrs.get("row_tables") or {}).items()},
             "model": self._attrs.get("model"),
             "provenance": self._attrs.get("provenance"),

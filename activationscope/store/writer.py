@@ -369,8 +369,9 @@ class StoreWriter:
         arrays = dict(self._old_arrays)
         for hp, a in self._arrays.items():
             arrays[hp] = a.meta()
-        reductions = dict(self._old_reductions)
-        reductions.update(self._reductions)
+        reductions = {hp: dict(entries) for hp, entries in self._old_reductions.items()}
+        for hp, entries in self._reductions.items():  # per name: a reduction not continued stays (as partial)
+            reductions.setdefault(hp, {}).update(entries)
         return {
             "format": {"name": F.FORMAT_NAME, "version": F.FORMAT_VERSION},
             "status": status,
@@ -532,8 +533,8 @@ class StoreWriter:
             ident, hook_point, flat, size = item
             try:
                 data = flat.numpy()
-                if size > 1:
-                    data = data.view(f"<u{size}")
+                if size > 1:  # the element size is blosc's typesize (complex128: 16-byte elements)
+                    data = data.view(f"<u{size}" if size <= 8 else f"V{size}")
                 encoded = self._encoders[hook_point].encode(data)  # numcodecs releases the GIL
                 core.submit_encoded(ident, encoded)
             except BaseException as e:  # never die silently: the store fails with the cause
@@ -756,17 +757,23 @@ class StoreWriter:
                 info["columns"].append(name)
 
     # ------------------------------------------------------------------ reductions
-    def add_reductions(self, hook_point: str, name: str, reduction: Any, script_path: str | os.PathLike | None = None) -> None:
-        """Store the current result of a reduction as ``reductions/<hook point>/<name>[.<key>]``.
+    def add_reductions(self, hook_point: str, name: str, reduction: Any, script_path: str | os.PathLike | None = None,
+                       n_rows: int | None = None) -> None:
+        """Store the current result of a reduction as ``reductions/<hook point>/<name>[.<key>]``,
+        and its state (``state()``) as ``reductions/<hook point>/<name>.state.<key>``, so a
+        resumed capture continues it (:meth:`stored_reduction_state`).
 
         Parameters
         ----------
         hook_point, name : str
-        reduction : object with ``result() -> dict[str, Tensor]`` and ``kind``
+        reduction : object with ``result() -> dict[str, Tensor]``, ``state()`` and ``kind``
         script_path : path, optional
             The ``.pt`` of a custom TorchScript reduction (found on the reduction object
             as ``script_path`` / ``path`` when not given), kept as
             ``reductions/<hook point>/<name>.pt``.
+        n_rows : int, optional
+            Rows of the hook point's array the reduction covers (recorded as ``n_rows`` of
+            each entry: a reader shows a reduction over fewer rows than its array as partial).
         """
         with self._lock:
             result = reduction.result()
@@ -794,6 +801,26 @@ class StoreWriter:
                                                dims)
                 entries[full] = {"path": path, "reduction": name, "kind": kind, "dtype": dname, "shape": list(t.shape),
                                  "crc32c": crcs}
+                if n_rows is not None:
+                    entries[full]["n_rows"] = int(n_rows)
+            state_fn = getattr(reduction, "state", None)
+            state = state_fn() if callable(state_fn) else None
+            if state and result:
+                # the state is listed on the main entry (or the first one when there is no main)
+                owner = entries[name] if name in entries else entries[f"{name}.{next(iter(result))}"]
+                saved = {}
+                for key, value in state.items():
+                    path = f"reductions/{node}/{name}.state.{key}"
+                    t = torch.as_tensor(value).detach().to("cpu").contiguous()
+                    dname = F.dtype_name(t.dtype)
+                    if dname not in F.SUPPORTED_DTYPES:
+                        saved = None  # a state this format cannot hold: the result stays, resume rebuilds
+                        break
+                    crcs = self._write_small_array(path, t, {"hook_point": hook_point, "reduction": name,
+                                                            "state": key, "dtype": dname})
+                    saved[key] = {"path": path, "dtype": dname, "shape": list(t.shape), "crc32c": crcs}
+                if saved is not None:
+                    owner["state"] = saved
             pt = script_path
             if pt is None:
                 for attr in ("script_path", "path"):
@@ -836,6 +863,39 @@ class StoreWriter:
             self._states.setdefault(hook_point, {})[name] = {
                 "kind": kind, "options": F.check_jsonable(dict(options or {}), "reduction options"), "state": keys,
                 **({} if n_rows is None else {"n_rows": int(n_rows)})}
+
+    def committed_rows(self, hook_point: str) -> int:
+        """Rows of ``hook_point`` committed before this writer opened (0 for a new array)."""
+        old = self._old_arrays.get(hook_point)
+        return 0 if old is None else int(old["n_rows"])
+
+    def stored_reduction_state(self, hook_point: str, name: str, kind: str) -> tuple[dict[str, torch.Tensor], int] | None:
+        """The state of reduction ``name`` of ``hook_point`` stored by an earlier run, and
+        the rows it covers; None when the store holds no usable state for it (none stored,
+        another kind, or written before states were stored).
+
+        Raises
+        ------
+        StoreCorruptError
+            A listed state file is missing or fails its checksum.
+        """
+        entries = self._old_reductions.get(hook_point) or {}
+        owner = next((e for e in entries.values() if e.get("reduction") == name and "state" in e), None)
+        if owner is None or owner.get("kind") != kind or "n_rows" not in owner:
+            return None
+        from .reader import Store
+
+        reader = Store(self._backend)
+        state = {}
+        for key, e in owner["state"].items():
+            state[key] = reader._read_small({**e, "reduction": name}).clone()
+        return state, int(owner["n_rows"])
+
+    def read_committed_rows(self, hook_point: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``[start, stop)`` of ``hook_point`` as committed before this writer opened (a copy)."""
+        from .reader import Store
+
+        return Store(self._backend)._read_rows(hook_point, start, stop, copy=True)
 
     def _write_small_array(self, path: str, t: torch.Tensor, attrs: dict,
                            dimension_names: list[str] | None = None) -> dict[str, int]:

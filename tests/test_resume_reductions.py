@@ -1,0 +1,130 @@
+"""Reductions of a resumed store cover every stored row (issue: resume reductions merged with
+the stored state). Reference: the same statistic in plain PyTorch over all rows at once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from activationscope import ActivationScope, open_store
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU())
+
+
+def _batches(n, rows=8):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(rows, 6, generator=g) * 3 - 1 for _ in range(n)]
+
+
+def _run(model, path, xs, reductions, *, resume=False, kill=False):
+    opts = {"resume": True} if resume else {}
+    try:
+        with ActivationScope(store=path, reductions=reductions, store_options=opts).track(model):
+            for x in xs:
+                model(x)
+            if kill:
+                raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        pass
+
+
+def _ref_rows(model, xs):
+    with torch.no_grad():
+        return torch.cat([model[0](x) for x in xs]).double()
+
+
+def _check(store, ref, names):
+    r = store.reductions["0.output"]
+    n = ref.shape[0]
+    assert store.n_rows("0.output") == n
+    if "mean" in names:
+        torch.testing.assert_close(r["mean"], ref.mean(0))
+        assert int(r["mean.count"]) == n
+    if "var" in names:
+        torch.testing.assert_close(r["var"], ref.var(0, correction=0))
+    if "min" in names:
+        torch.testing.assert_close(r["min"].double(), ref.min(0).values)
+    if "max" in names:
+        torch.testing.assert_close(r["max"].double(), ref.max(0).values)
+    if "nonzero" in names:
+        torch.testing.assert_close(r["nonzero"].double(), (ref != 0).double().mean(0))
+    if "topk" in names:
+        k = r["topk.values"].shape[0]
+        want = ref.topk(k, dim=0)
+        torch.testing.assert_close(r["topk.values"].double(), want.values)
+        torch.testing.assert_close(r["topk.row_ids"].long(), want.indices)
+
+
+NAMES = ["mean", "var", "min", "max", "nonzero"]
+
+
+def test_issue_input_32_plus_32_rows(tmp_path):
+    model, xs = _model(), _batches(8, rows=4)
+    path = tmp_path / "s.zarr"
+    _run(model, path, xs[:4], ["mean"])
+    _run(model, path, xs[4:], ["mean"], resume=True)
+    _check(open_store(path), _ref_rows(model, xs), ["mean"])
+
+
+@pytest.mark.parametrize("n_resumes", [1, 3])
+def test_several_clean_resumes(tmp_path, n_resumes):
+    model, xs = _model(), _batches(2 * (n_resumes + 1))
+    path = tmp_path / "s.zarr"
+    parts = [xs[i:i + 2] for i in range(0, len(xs), 2)]
+    _run(model, path, parts[0], NAMES)
+    for p in parts[1:]:
+        _run(model, path, p, NAMES, resume=True)
+    s = open_store(path)
+    _check(s, _ref_rows(model, xs), NAMES)
+    assert s.partial_reductions == {}
+
+
+def test_killed_runs_are_rebuilt_from_the_stored_rows(tmp_path):
+    # a run that is killed never writes its reductions: the resume folds the stored rows past
+    # the last stored state in, so the result is still over every stored row
+    model, xs = _model(), _batches(6)
+    path = tmp_path / "s.zarr"
+    _run(model, path, xs[:2], NAMES)
+    _run(model, path, xs[2:4], NAMES, resume=True, kill=True)
+    _run(model, path, xs[4:], NAMES, resume=True)
+    _check(open_store(path), _ref_rows(model, xs), NAMES)
+
+
+def test_killed_first_run_and_reduction_added_on_resume(tmp_path):
+    model, xs = _model(), _batches(4)
+    path = tmp_path / "s.zarr"
+    _run(model, path, xs[:2], None, kill=True)          # no reductions at all
+    _run(model, path, xs[2:], ["mean", "var"], resume=True)
+    _check(open_store(path), _ref_rows(model, xs), ["mean", "var"])
+
+
+def test_custom_reduction_continues_from_its_state(tmp_path):
+    def running_sum(acc: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+        s = x.double().sum(0)
+        return s if acc is None else acc + s
+
+    model, xs = _model(), _batches(4)
+    path = tmp_path / "s.zarr"
+    _run(model, path, xs[:2], [running_sum])
+    _run(model, path, xs[2:], [running_sum], resume=True)
+    s = open_store(path)
+    name = next(k for k in s.reductions["0.output"] if "." not in k)
+    torch.testing.assert_close(s.reductions["0.output"][name], _ref_rows(model, xs).sum(0))
+
+
+def test_reduction_not_continued_is_shown_as_partial(tmp_path):
+    model, xs = _model(), _batches(4)
+    path = tmp_path / "s.zarr"
+    _run(model, path, xs[:2], ["mean"])
+    _run(model, path, xs[2:], None, resume=True)   # the resume does not continue "mean"
+    s = open_store(path)
+    assert "0.output" not in s.reductions            # never shown as if it covered every row
+    assert s.partial_reductions["0.output"]["mean"] == (16, 32)
+    info = s.info()
+    assert info["partial_reductions"]["0.output"]["mean"] == {"n_rows": 16, "of_rows": 32}
+    from activationscope.cli import format_info
+
+    assert "mean (partial: 16 of 32 rows)" in format_info(info, str(path))
