@@ -23,6 +23,7 @@ import sys as _sys
 from .errors import (
     ActivationScopeError,
     CaptureError,
+    CaptureWarning,
     HookPointNotFoundError,
     NativeExtensionError,
     ReductionError,
@@ -66,6 +67,7 @@ __all__ = [
     "RankStore",
     "ActivationScopeError",
     "CaptureError",
+    "CaptureWarning",
     "HookPointNotFoundError",
     "NativeExtensionError",
     "ReductionError",

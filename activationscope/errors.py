@@ -27,6 +27,11 @@ class CaptureError(ActivationScopeError, RuntimeError):
     """A capture could not proceed (raised from the native hot path)."""
 
 
+class CaptureWarning(RuntimeWarning):
+    """A capture records less than was asked for (modules that never ran, modules inside
+    TorchScript, a partial forward); the message names the modules and the fix."""
+
+
 class _MessageKeyError(ActivationScopeError, KeyError):
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0]) if self.args else ""

@@ -15,11 +15,12 @@ under its TransformerLens name, the module path itself (``blocks.0.hook_resid_po
 from __future__ import annotations
 
 import fnmatch
+import warnings
 from collections.abc import Iterable, Sequence
 
 import torch
 
-from ..errors import HookPointNotFoundError
+from ..errors import CaptureWarning, HookPointNotFoundError
 
 __all__ = ["select_modules", "hook_point_module", "normalize_patterns", "is_hook_point_module", "rename_hook_point"]
 
@@ -56,7 +57,12 @@ def select_modules(
         The model; its own name is ``""`` (the root).
     include : list of str, optional
         fnmatch patterns on module names. Default: every submodule (the root excluded,
-        since its output repeats its last submodule's; include ``""`` to track it).
+        since its output repeats its last submodule's; include ``""`` to track it). The
+        ``out_proj`` of an ``nn.MultiheadAttention``, which that module never calls, is
+        selected only when a pattern names it exactly.
+        Modules inside a TorchScript module (``torch.jit.script`` / ``trace``) cannot be
+        tracked: they are replaced by their outermost scripted ancestor, with a
+        :class:`~activationscope.errors.CaptureWarning` naming them.
     exclude : list of str, optional
         fnmatch patterns removed after ``include``.
 
@@ -78,8 +84,12 @@ def select_modules(
     exclude = normalize_patterns(exclude, "exclude")
     named = list(model.named_modules())
     names = [n for n, _ in named]
+    # nn.MultiheadAttention never calls its out_proj (it passes the weights to
+    # F.multi_head_attention_forward): selected only when named exactly (then the capture
+    # warns that it recorded nothing)
+    never_called = {f"{n}.out_proj" if n else "out_proj" for n, m in named if type(m) is torch.nn.MultiheadAttention}
     if include is None:
-        chosen = [(n, m) for n, m in named if n != ""]
+        chosen = [(n, m) for n, m in named if n != "" and n not in never_called]
         if not chosen:  # a model without submodules: track the root itself
             chosen = named[:1]
     else:
@@ -89,7 +99,9 @@ def select_modules(
                     f"include pattern {pat!r} matches no module of {type(model).__name__}; "
                     f"module names look like {_examples(names)}"
                 )
-        chosen = [(n, m) for n, m in named if any(fnmatch.fnmatchcase(n, p) for p in include)]
+        chosen = [(n, m) for n, m in named if any(fnmatch.fnmatchcase(n, p) for p in include)
+                  and (n not in never_called or n in include)]
+    chosen = _replace_scripted(model, named, chosen, explicit=include is not None)
     if exclude:
         chosen = [(n, m) for n, m in chosen if not any(fnmatch.fnmatchcase(n, p) for p in exclude)]
     if not chosen:
@@ -98,6 +110,57 @@ def select_modules(
             f"module names look like {_examples(names)}"
         )
     return chosen
+
+
+def _scripted_owner(name: str, by_name: dict[str, torch.nn.Module]) -> str | None:
+    """Path of the outermost TorchScript module strictly above ``name`` (None if there is none)."""
+    parts = name.split(".") if name else []
+    for i in range(len(parts)):
+        path = ".".join(parts[:i])
+        if isinstance(by_name.get(path), torch.jit.ScriptModule):
+            return path
+    return None
+
+
+def _replace_scripted(
+    model: torch.nn.Module,
+    named: list[tuple[str, torch.nn.Module]],
+    chosen: list[tuple[str, torch.nn.Module]],
+    explicit: bool,
+) -> list[tuple[str, torch.nn.Module]]:
+    """Modules inside a TorchScript module (``torch.jit.script`` / ``trace``) are called by
+    TorchScript, never through Python, so no wrapper can see them: drop them, track their
+    outermost scripted ancestor instead (its own output), and say so once."""
+    by_name = dict(named)
+    dropped: dict[str, list[str]] = {}
+    out: list[tuple[str, torch.nn.Module]] = []
+    for n, m in chosen:
+        owner = _scripted_owner(n, by_name)
+        if owner is None:
+            out.append((n, m))
+        else:
+            dropped.setdefault(owner, []).append(n)
+    if not dropped:
+        return chosen
+    have = {n for n, _ in out}
+    for owner in dropped:
+        if owner not in have:  # the default selection drops the root, but here it is all there is
+            out.append((owner, by_name[owner]))
+            have.add(owner)
+    order = {n: i for i, (n, _) in enumerate(named)}
+    out.sort(key=lambda nm: order[nm[0]])
+    inner = sorted(n for names in dropped.values() for n in names)
+    shown = inner[:8] + (["..."] if len(inner) > 8 else [])
+    owners = ", ".join(repr(o) if o else "the model itself" for o in dropped)
+    warnings.warn(
+        f"{len(inner)} {'selected ' if explicit else ''}module(s) of {type(model).__name__} are inside TorchScript "
+        f"({owners}) and cannot be tracked: TorchScript calls them without Python {shown}. "
+        f"Tracking {owners} instead (its own output); to see inside, track the eager model before "
+        "torch.jit.script / torch.jit.trace",
+        CaptureWarning,
+        stacklevel=4,
+    )
+    return out
 
 
 def hook_point_module(hook_point: str) -> str:

@@ -11,6 +11,7 @@ per tensor.
 from __future__ import annotations
 
 import enum
+import threading
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -19,8 +20,8 @@ import numpy as np
 import torch
 
 from . import _native
-from ..errors import ActivationScopeError, CaptureError
-from .hooks import is_hook_point_module, normalize_patterns, rename_hook_point, select_modules
+from ..errors import ActivationScopeError, CaptureError, CaptureWarning
+from .hooks import hook_point_module, is_hook_point_module, normalize_patterns, rename_hook_point, select_modules
 from .results import HookPointResults, ReductionResults
 from .writer import open_writer, writer_options
 
@@ -93,6 +94,7 @@ class CaptureMode(enum.Enum):
 
 _CAPTURE_SIDES = ("output", "input", "both")
 _ROWS = ("auto", "token")
+_REBUILD_ROWS = 1 << 16  # rows read back per step when a resumed reduction is rebuilt from the store
 _POLICY_CODE = {CapturePolicy.EVERY: 0, CapturePolicy.SAMPLE_N: 1, CapturePolicy.MAX_K: 2}
 _KEEP_CODE = {ReductionPolicy.STORE_ALL: 0, ReductionPolicy.FINAL_ONLY: 1, ReductionPolicy.STREAMING: 2}
 _PLACEMENT_CODE = {StoragePolicy.AUTO: 0, StoragePolicy.CPU: 1, StoragePolicy.GPU: 2, StoragePolicy.DISK: 3}
@@ -370,6 +372,7 @@ class Tracker:
         self._sinks: dict[str, Any] = {}
         self._reduction_names: dict[str, list[str]] = {}
         self._reduction_objects: dict[str, list[Any]] = {}
+        self._reduction_base: dict[str, int] = {}  # resume: committed rows the reductions started from
         self._installed: list[tuple[torch.nn.Module, Any, Any]] = []
         self._attached = False
         self._closed = False
@@ -379,6 +382,8 @@ class Tracker:
         self._open_forward: int | None = None  # index of a root forward that started and has not ended
         self._stop_learnt = False  # stop_after_last: the stop point was known when this forward started
         self._warned_stop = False
+        self._n_captured = 0  # root forwards captured (ended) while attached
+        self._fastpath_off = False  # this tracker holds PyTorch's MHA fast path off
         self.parameters: dict[str, torch.Tensor] = {}
         self.writer = None
         self._reference_mode = scope.capture_mode is CaptureMode.REFERENCE
@@ -434,6 +439,9 @@ class Tracker:
         self._core.on_forward_end = self._on_forward_end
         self._core.active = True
         self._attached = True
+        if not self._fastpath_off and _inside_fused(self.model, self._modules):
+            _fastpath_acquire()
+            self._fastpath_off = True
         return self
 
     def _install(self, module: torch.nn.Module, site: Any) -> None:
@@ -473,6 +481,9 @@ class Tracker:
         self._uninstall_all()
         self._core.release_callbacks()
         self._attached = False
+        if self._fastpath_off:
+            self._fastpath_off = False
+            _fastpath_release()
 
     def _finish(self, status: str, exc: BaseException | None = None) -> None:
         if self._closed:
@@ -480,10 +491,19 @@ class Tracker:
         self._closed = True
         if exc is None and self._open_forward is not None:  # the last forward raised, caught
             self._forward_raised(at_exit=True)
+        silent = self._silent_modules() if exc is None else []
         if self.writer is not None:
             if exc is None:
                 self._write_reductions()
+                if silent and not self._sinks:
+                    # nothing was recorded: never report such a store as a success
+                    self.writer.close(status="incomplete")
+                    raise CaptureError(
+                        f"the capture into {self.writer.path!r} recorded no hook point in {self._n_captured} forward(s) "
+                        f"(store left 'incomplete'): {_silent_message(silent, self.model)}"
+                    )
                 self.writer.close(status=status)
+                self._warn_silent(silent)
                 return
             # The body raised: commit every whole forward captured so far (partial chunks
             # and shards flushed), status "incomplete", so `resume=True` continues from there.
@@ -497,6 +517,27 @@ class Tracker:
                     stacklevel=3,
                 )
                 self.writer.abort(exc)
+            return
+        self._warn_silent(silent)
+
+    def _silent_modules(self) -> list[tuple[str, torch.nn.Module]]:
+        """Tracked modules that recorded nothing although forwards were captured."""
+        if self._n_captured == 0:
+            return []
+        recorded = {hook_point_module(h) for h in self._sinks}
+        silent = [(n, m) for n, m in self._modules if n not in recorded]
+        if recorded:  # containers without a forward (ModuleList, ModuleDict) are never called
+            silent = [(n, m) for n, m in silent if not _no_forward(m)]
+        return silent
+
+    def _warn_silent(self, silent: list[tuple[str, torch.nn.Module]]) -> None:
+        if silent:
+            warnings.warn(
+                f"{len(silent)} tracked module(s) of {type(self.model).__name__} recorded nothing in "
+                f"{self._n_captured} captured forward(s): {_silent_message(silent, self.model)}",
+                CaptureWarning,
+                stacklevel=4,
+            )
 
     def __enter__(self) -> "Tracker":
         """Attach (see :meth:`attach`) and return the tracker."""
@@ -569,6 +610,7 @@ class Tracker:
         if name is None:  # a HookPoint's input, already captured as its output
             return None
         scope = self.scope
+        self._check_dtype(name, tensor)
         mask = self._pending_batch["attention_mask"] if self._pending_batch else None
         if mask is None and scope.rows == "token":
             mask = self._core.auto_token_mask  # (batch, pos) of the model's first input, all true
@@ -603,8 +645,59 @@ class Tracker:
             sink.set_writer(
                 self.writer.open_array(name, feature_shape, dtype, "token" if token else "sample")
             )
+            if self._reduction_names.get(name):
+                self._resume_reductions(name)
         self._sinks[name] = sink
         return sink
+
+    def _check_dtype(self, name: str, tensor: torch.Tensor) -> None:
+        """Refuse, before the hook point's first row is kept, a dtype its destination cannot
+        hold exactly."""
+        dtype = self.scope.storage_dtype
+        if dtype is not None and tensor.is_complex() and not dtype.is_complex:
+            raise CaptureError(
+                f"hook point {name!r} is complex ({tensor.dtype}) but storage_dtype={dtype} is real: the cast would "
+                f"drop the imaginary part; drop storage_dtype or exclude= the module of {name!r}"
+            )
+        if self.writer is not None:
+            from .store import _format as F
+
+            stored = F.dtype_name(dtype or tensor.dtype)
+            if stored not in F.SUPPORTED_DTYPES:
+                raise CaptureError(
+                    f"hook point {name!r} has dtype {stored}, which a store cannot hold (it holds "
+                    f"{', '.join(F.SUPPORTED_DTYPES)}); pass storage_dtype= one of those, or exclude= the module of "
+                    f"{name!r}"
+                )
+
+    def _resume_reductions(self, name: str) -> None:
+        """A resumed store: continue each reduction of ``name`` from the rows already
+        committed, so that it covers every stored row. The stored state is loaded when it
+        covers exactly the committed rows; otherwise (a run killed before its close, a
+        reduction added on resume, a store written before states were kept) the state
+        covers a prefix or nothing, and the committed rows past it are read back from the
+        store and folded in, in order."""
+        committed = self.writer.committed_rows(name)
+        self._reduction_base[name] = committed
+        if committed == 0:
+            return
+        starts: dict[int, list[Any]] = {}
+        for red_name, red in zip(self._reduction_names[name], self._reduction_objects[name]):
+            start = 0
+            saved = self.writer.stored_reduction_state(name, red_name, str(getattr(red, "kind", "custom")))
+            if saved is not None and saved[1] <= committed:
+                red.load_state(saved[0])
+                start = saved[1]
+            if start < committed:
+                starts.setdefault(start, []).append(red)
+        for start, reds in starts.items():
+            row = start
+            while row < committed:
+                stop = min(committed, row + _REBUILD_ROWS)
+                rows = self.writer.read_committed_rows(name, row, stop)
+                for red in reds:
+                    red.update(rows, row)
+                row = stop
 
     def _on_forward_start(self) -> None:
         self._stop_learnt = self.stop_after_last and self._core.stop_learnt
@@ -631,6 +724,7 @@ class Tracker:
                 RuntimeWarning,
                 stacklevel=2,
             )
+        self._n_captured += 1
         batch = self._batch or {}
         n = _batch_size(batch, self._core.batch_size)
         if self.writer is not None:
@@ -755,8 +849,9 @@ class Tracker:
 
     def _write_reductions(self) -> None:
         for name in self._sinks:
+            covered = self._reduction_base.get(name, 0) + self._sinks[name].n_rows
             for red_name, red in zip(self._reduction_names.get(name, []), self._reduction_objects.get(name, [])):
-                self.writer.add_reductions(name, red_name, red)
+                self.writer.add_reductions(name, red_name, red, n_rows=covered)
 
     @property
     def resume_from(self) -> int:
@@ -772,6 +867,62 @@ class Tracker:
     def __repr__(self) -> str:
         state = "attached" if self._attached else "detached"
         return f"<Tracker {type(self.model).__name__} {len(self._modules)} modules, {len(self._sinks)} hook points, {state}>"
+
+
+# Modules of torch.nn whose fused fast path (torch.backends.mha) computes their children without
+# calling them: tracking a module inside one turns the fast path off while attached.
+_FUSED_PARENTS = (torch.nn.TransformerEncoderLayer, torch.nn.TransformerEncoder, torch.nn.MultiheadAttention)
+_fastpath_lock = threading.Lock()
+_fastpath_users = 0
+_fastpath_saved = True
+
+
+def _inside_fused(model: torch.nn.Module, modules: list[tuple[str, torch.nn.Module]]) -> bool:
+    fused = [n for n, m in model.named_modules() if isinstance(m, _FUSED_PARENTS)]
+    return any(name.startswith(f + ".") or (f == "" and name != "") for name, _ in modules for f in fused)
+
+
+def _fastpath_acquire() -> None:
+    global _fastpath_users, _fastpath_saved
+    with _fastpath_lock:
+        if _fastpath_users == 0:
+            _fastpath_saved = torch.backends.mha.get_fastpath_enabled()
+            torch.backends.mha.set_fastpath_enabled(False)
+        _fastpath_users += 1
+
+
+def _fastpath_release() -> None:
+    global _fastpath_users
+    with _fastpath_lock:
+        _fastpath_users -= 1
+        if _fastpath_users == 0:
+            torch.backends.mha.set_fastpath_enabled(_fastpath_saved)
+
+
+def _no_forward(module: torch.nn.Module) -> bool:
+    return getattr(type(module), "forward", None) is torch.nn.Module.forward
+
+
+def _silent_reason(name: str, module: torch.nn.Module, model: torch.nn.Module) -> str:
+    if _no_forward(module):
+        return f"{name!r}: a {type(module).__name__} has no forward of its own; track its items ({name + '.*'!r})"
+    parent_name = name.rpartition(".")[0] if "." in name else ""
+    parent = model.get_submodule(parent_name) if name else None
+    if isinstance(parent, torch.nn.MultiheadAttention) and name.endswith("out_proj"):
+        return (f"{name!r}: nn.MultiheadAttention uses its weights directly and never calls it; track "
+                f"{parent_name!r} instead (hook point {(parent_name + '.' if parent_name else '') + 'output.0'!r})")
+    return f"{name!r} ({type(module).__name__}): never called, or it returned / received no tensor"
+
+
+def _silent_message(silent: list[tuple[str, torch.nn.Module]], model: torch.nn.Module | None = None) -> str:
+    shown = silent[:6]
+    parts = [_silent_reason(n, m, model) if model is not None else f"{n!r} ({type(m).__name__})" for n, m in shown]
+    more = f"; and {len(silent) - len(shown)} more" if len(silent) > len(shown) else ""
+    return (
+        "; ".join(parts) + more + ". A parent may compute them without calling them (a fused fast path, "
+        "F.* on their weights) or they are unused: track the parent or the hook points that ran, or "
+        "exclude= them"
+    )
 
 
 def _batch_size(batch: Mapping[str, Any], from_inputs: int) -> int:

@@ -1,0 +1,180 @@
+"""Tracked modules that never run (fused fast paths, weights used directly, TorchScript) are
+never silently absent: the capture records them, or says which and why, and a store with
+no hook point is never a success. References: the same modules called in plain PyTorch."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from activationscope import ActivationScope, CaptureError, CaptureWarning, open_store
+
+
+def _encoder_layer():
+    torch.manual_seed(0)
+    return torch.nn.TransformerEncoderLayer(32, 4, 64, batch_first=True).eval()
+
+
+def _ref_linear1(layer, x):
+    # post-norm layer, plain PyTorch, unfused: linear1 sees norm1(x + self_attn(x))
+    with torch.no_grad():
+        a = layer.self_attn(x, x, x, need_weights=False)[0]
+        h = layer.norm1(x + a)
+        return a, F.linear(h, layer.linear1.weight, layer.linear1.bias)
+
+
+@pytest.mark.parametrize("grad", ["no_grad", "inference_mode"])
+def test_issue_input_fused_encoder_layer(grad):
+    layer = _encoder_layer()
+    x = torch.randn(2, 5, 32)
+    ctx = torch.no_grad() if grad == "no_grad" else torch.inference_mode()
+    with ctx:
+        with ActivationScope().track(layer, include=["linear1", "self_attn"]) as t:
+            layer(x)
+    assert torch.backends.mha.get_fastpath_enabled()  # restored after the capture
+    a, lin1 = _ref_linear1(layer, x)
+    torch.testing.assert_close(t.activations["linear1.output"][0], lin1, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(t.activations["self_attn.output.0"][0], a, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_encoder_stack_with_nested_tensor_path():
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(16, 2, 32, batch_first=True)
+    enc = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=True).eval()
+    x = torch.randn(3, 6, 16)
+    pad = torch.zeros(3, 6, dtype=torch.bool)
+    pad[0, 4:] = True
+    with torch.no_grad():
+        ref = enc(x, src_key_padding_mask=pad)
+        with ActivationScope().track(enc, include=["layers.*.linear2"]) as t:
+            out = enc(x, src_key_padding_mask=pad)
+    acts = t.activations
+    assert sorted(acts) == ["layers.0.linear2.output", "layers.1.linear2.output"]
+    # the unfused path keeps padded positions: compare the real ones
+    torch.testing.assert_close(out[~pad], ref[~pad], rtol=1e-4, atol=1e-4)
+    for a in acts.values():
+        assert a[0].shape == (3, 6, 16) and not a[0].is_nested
+
+
+def test_fast_path_restored_after_two_overlapping_trackers():
+    layer = _encoder_layer()
+    t1 = ActivationScope().track(layer, include=["linear1"]).attach()
+    t2 = ActivationScope().track(layer, include=["linear2"]).attach()
+    assert not torch.backends.mha.get_fastpath_enabled()
+    t1.remove()
+    assert not torch.backends.mha.get_fastpath_enabled()
+    t2.remove()
+    assert torch.backends.mha.get_fastpath_enabled()
+
+
+def test_tracking_only_the_fused_layer_keeps_its_fast_path():
+    layer = _encoder_layer()
+    with ActivationScope().track(layer, include=[""]):
+        assert torch.backends.mha.get_fastpath_enabled()
+
+
+def test_module_whose_parent_uses_its_weights_is_named():
+    class UsesWeights(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+            self.head = torch.nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.head(F.linear(x, self.proj.weight))  # proj is never called
+
+    m = UsesWeights()
+    x = torch.randn(3, 4)
+    with pytest.warns(CaptureWarning, match=r"'proj' \(Linear\).*exclude="):
+        with ActivationScope().track(m) as t:
+            m(x)
+    torch.testing.assert_close(t.activations["head.output"][0], m.head(F.linear(x, m.proj.weight)))
+
+
+def test_out_proj_of_attention_named_with_the_hook_point_to_use():
+    mha = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+    x = torch.randn(2, 3, 8)
+    with pytest.warns(CaptureWarning, match=r"'out_proj'.*track '' instead"):
+        with ActivationScope().track(mha, include=["out_proj"]):
+            mha(x, x, x)
+
+
+def test_default_selection_of_a_transformer_is_quiet_and_complete(transformer):
+    x = torch.randn(2, 5, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CaptureWarning)
+        with torch.no_grad(), ActivationScope().track(transformer) as t:
+            transformer(x)
+    assert "layers.0.linear1.output" in t.activations
+    assert not any("out_proj" in h for h in t.activations)
+
+
+def test_store_with_no_hook_point_is_an_error_and_incomplete(tmp_path):
+    mha = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+    x = torch.randn(2, 3, 8)
+    with pytest.raises(CaptureError, match=r"recorded no hook point.*'out_proj'"):
+        with ActivationScope(store=tmp_path / "s.zarr").track(mha, include=["out_proj"]):
+            mha(x, x, x)
+    assert open_store(tmp_path / "s.zarr").status == "incomplete"
+
+
+def test_cli_capture_of_silent_modules_fails(tmp_path, monkeypatch, capsys):
+    from activationscope import cli
+
+    model = tmp_path / "m.py"
+    # a MultiheadAttention needs (q, k, v): run it through a wrapper module
+    model.write_text(
+        "import torch\n"
+        "class M(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.attn = torch.nn.MultiheadAttention(8, 2, batch_first=True)\n"
+        "    def forward(self, x):\n"
+        "        return self.attn(x, x, x)[0]\n"
+        "def build():\n"
+        "    return M()\n"
+    )
+    data = tmp_path / "x.pt"
+    torch.save(torch.randn(4, 3, 8), data)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rc = cli.main(["capture", "--model", "m:build", "--data", str(data), "--out", str(tmp_path / "s.zarr"),
+                   "--include", "attn.out_proj", "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc != 0 and "recorded no hook point" in err and "attn.out_proj" in err
+
+
+# ---------------------------------------------------------------- TorchScript
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+
+@pytest.mark.parametrize("how", ["script", "trace"])
+def test_issue_input_scripted_model_records_its_output(how):
+    eager = _mlp()
+    x = torch.randn(3, 4)
+    m = torch.jit.script(eager) if how == "script" else torch.jit.trace(eager, x)
+    with pytest.warns(CaptureWarning, match=r"TorchScript.*\['0', '1', '2'\].*the model itself"):
+        with ActivationScope().track(m) as t:
+            m(x)
+    assert list(t.activations) == ["output"]
+    torch.testing.assert_close(t.activations["output"][0], eager(x))
+
+
+def test_eager_parent_with_scripted_block_names_what_cannot_be_tracked():
+    block = _mlp()
+    torch.manual_seed(1)
+    parent = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.jit.script(block))
+    x = torch.randn(3, 4)
+    with pytest.warns(CaptureWarning, match=r"\['1.0', '1.1', '1.2'\].*Tracking '1' instead"):
+        with ActivationScope().track(parent, include=["1.*", "0"]) as t:
+            parent(x)
+    assert sorted(t.activations) == ["0.output", "1.output"]
+    h = parent[0](x)
+    torch.testing.assert_close(t.activations["0.output"][0], h)
+    torch.testing.assert_close(t.activations["1.output"][0], block(h))
