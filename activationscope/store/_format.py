@@ -55,6 +55,8 @@ _ZARR_DTYPE = {
     "uint32": "uint32",
     "uint64": "uint64",
     "bool": "bool",
+    "complex64": "complex64",    # interleaved (real, imaginary) float32 pairs
+    "complex128": "complex128",  # interleaved (real, imaginary) float64 pairs
 }
 
 SUPPORTED_DTYPES = tuple(_ZARR_DTYPE)
@@ -324,7 +326,7 @@ def array_document(*, n_rows: int, feature_shape: tuple[int, ...], dtype: str, c
         "data_type": zarr_dtype(dtype),
         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [chunk_rows * shard_chunks, *feat_chunk]}},
         "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
-        "fill_value": False if dtype == "bool" else 0,
+        "fill_value": False if dtype == "bool" else ([0.0, 0.0] if dtype.startswith("complex") else 0),
         "codecs": [
             {
                 "name": "sharding_indexed",

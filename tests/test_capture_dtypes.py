@@ -1,0 +1,76 @@
+"""Dtypes a capture cannot silently lose: complex activations are stored exactly, a dtype a
+store cannot hold is refused before its first row, a storage_dtype never drops an imaginary
+part. Reference: the modules' outputs computed in plain PyTorch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from activationscope import ActivationScope, CaptureError, open_store
+
+
+class Spectrum(torch.nn.Module):
+    def __init__(self, dtype):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(4, 6).to(dtype)
+        self.fft = _FFT()
+        self.relu = torch.nn.ReLU()
+
+    def forward(self, x):
+        return self.relu(self.fft(self.lin(x)).real)
+
+
+class _FFT(torch.nn.Module):
+    def forward(self, x):
+        return torch.fft.fft(x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["complex64", "complex128"])
+@pytest.mark.parametrize("compression", [None, "zstd", "blosc-lz4"])
+def test_complex_outputs_are_stored_exactly(tmp_path, dtype, compression):
+    import zarr
+
+    m = Spectrum(dtype)
+    xs = [torch.randn(5, 4, dtype=dtype) for _ in range(3)]
+    path = tmp_path / "s.zarr"
+    opts = {"compression": compression} if compression else None
+    with ActivationScope(store=path, store_options=opts).track(m):
+        for x in xs:
+            m(x)
+    with torch.no_grad():
+        ref = torch.cat([torch.fft.fft(m.lin(x)) for x in xs])
+    s = open_store(path)
+    assert s.status == "complete" and s.verify() == []
+    got = s["fft.output"][:]
+    assert got.dtype == ref.dtype and torch.equal(got, ref)
+    # plain zarr-python reads the same values
+    assert np.array_equal(zarr.open_array(str(path / "acts" / "fft.output"), mode="r")[:], ref.numpy())
+
+
+def test_complex_with_a_real_storage_dtype_is_refused(tmp_path):
+    m = Spectrum(torch.float32)
+    with pytest.raises(CaptureError, match=r"hook point 'fft.output' is complex.*storage_dtype=torch.float16.*exclude="):
+        with ActivationScope(storage_dtype=torch.float16).track(m):
+            m(torch.randn(2, 4))
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_dtype_a_store_cannot_hold_is_refused_before_its_first_row(tmp_path, dtype):
+    class Cast(torch.nn.Module):
+        def forward(self, x):
+            return x.to(dtype)
+
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), Cast())
+    with pytest.raises(CaptureError, match=rf"hook point '1.output' has dtype {str(dtype)[6:]}.*storage_dtype="):
+        with ActivationScope(store=tmp_path / "s.zarr").track(m):
+            m(torch.randn(2, 4))
+    s = open_store(tmp_path / "s.zarr")
+    assert s.status == "incomplete" and "1.output" not in s.hook_points
+    # the fix named in the message works
+    with ActivationScope(store=tmp_path / "t.zarr", storage_dtype=torch.float32).track(m):
+        x = torch.randn(2, 4)
+        m(x)
+    torch.testing.assert_close(open_store(tmp_path / "t.zarr")["1.output"][:], m(x).float())
