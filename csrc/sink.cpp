@@ -18,6 +18,32 @@ namespace {
 
 constexpr int64_t kAlign = 64;
 
+// The context of a snapshot's data pointer: one reference to the slab it lives in.
+struct SlabRef {
+  c10::Storage slab;
+};
+void release_slab_ref(void* ctx) { delete static_cast<SlabRef*>(ctx); }
+constexpr int64_t kCopied = -1;  // versions_ entry of a REFERENCE record that is a copy
+
+// The torch name of a dtype, as a Python user writes it ("float32", not "Float").
+std::string dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "torch.float32";
+    case at::kDouble: return "torch.float64";
+    case at::kHalf: return "torch.float16";
+    case at::kBFloat16: return "torch.bfloat16";
+    case at::kComplexFloat: return "torch.complex64";
+    case at::kComplexDouble: return "torch.complex128";
+    case at::kChar: return "torch.int8";
+    case at::kShort: return "torch.int16";
+    case at::kInt: return "torch.int32";
+    case at::kLong: return "torch.int64";
+    case at::kByte: return "torch.uint8";
+    case at::kBool: return "torch.bool";
+    default: return std::string("torch.") + c10::toString(t);
+  }
+}
+
 }  // namespace
 
 bool is_token_rows(const at::Tensor& x, const at::Tensor& token_mask) {
@@ -58,22 +84,32 @@ at::Tensor Arena::empty(at::IntArrayRef sizes, at::ScalarType dtype) {
     return at::empty(sizes, at::TensorOptions().dtype(dtype));
   }
   const int64_t aligned = (nbytes + kAlign - 1) / kAlign * kAlign;
-  if (!slab_ || used_ + aligned > capacity_) {
-    slab_ = acquire_slab(/*expect_more=*/reserved_bytes_ > 0);
-    used_ = 0;
-    capacity_ = kSlabBytes;
-    reserved_bytes_ += kSlabBytes;
+  std::unique_ptr<SlabRef> ref;
+  char* data = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!slab_ || used_ + aligned > capacity_) {
+      slab_ = acquire_slab(/*expect_more=*/reserved_bytes_ > 0);
+      used_ = 0;
+      capacity_ = kSlabBytes;
+      reserved_bytes_ += kSlabBytes;
+    }
+    data = static_cast<char*>(slab_.mutable_data()) + used_;
+    ref = std::make_unique<SlabRef>(SlabRef{slab_});
+    used_ += aligned;
   }
+  // A storage of exactly nbytes whose deleter drops one reference to the slab.
+  c10::DataPtr ptr(data, ref.release(), &release_slab_ref, c10::Device(c10::kCPU));
+  c10::Storage storage(c10::Storage::use_byte_size_t(), nbytes, std::move(ptr), /*allocator=*/nullptr,
+                       /*resizable=*/false);
   auto t = at::detail::make_tensor<c10::TensorImpl>(
-      c10::Storage(slab_), c10::DispatchKeySet(c10::DispatchKey::CPU),
-      caffe2::TypeMeta::fromScalarType(dtype));
+      std::move(storage), c10::DispatchKeySet(c10::DispatchKey::CPU), caffe2::TypeMeta::fromScalarType(dtype));
   t.unsafeGetTensorImpl()->set_sizes_contiguous(sizes);
-  t.unsafeGetTensorImpl()->set_storage_offset(used_ / item);
-  used_ += aligned;
   return t;
 }
 
 void Arena::reset() {
+  std::lock_guard<std::mutex> lock(mu_);
   slab_ = c10::Storage();
   used_ = capacity_ = 0;
 }
@@ -135,7 +171,18 @@ void Sink::consume(const at::Tensor& x_in, const at::Tensor& token_mask) {
   if (row_kind_ < 0) {
     row_kind_ = is_token_rows(x, token_mask) ? 1 : 0;
   }
-  if (!seen_dtype_) seen_dtype_ = x.scalar_type();
+  if (!seen_dtype_) {
+    seen_dtype_ = x.scalar_type();
+  } else if (writer_ && !options_.storage_dtype && x.scalar_type() != *seen_dtype_) {
+    // A store array has one dtype: rows of another would be cast to it, silently losing
+    // precision (float64 -> float32) or changing values (float -> int). Checked before this
+    // call keeps, reduces or writes anything.
+    --n_calls_;
+    ACS_CHECK(false, "hook point '", name_, "' changed its dtype from ", dtype_name(*seen_dtype_), " to ",
+              dtype_name(x.scalar_type()), " during the capture; its store array holds ",
+              dtype_name(*seen_dtype_), ". Pass storage_dtype= to cast every row to one dtype, or ",
+              "capture each dtype into its own store.");
+  }
 
   const bool need_rows = writer_ || !reductions_.empty();
   at::Tensor rows;
@@ -155,18 +202,16 @@ void Sink::consume(const at::Tensor& x_in, const at::Tensor& token_mask) {
   }
 
   if (options_.keep != Keep::NONE && options_.placement != Placement::DISK) {
-    at::Tensor rec;
-    if (options_.snapshot) {
-      rec = snapshot(x);
-    } else {
-      rec = x;
-    }
+    // REFERENCE detects later in-place changes through the version counter; an inference
+    // tensor (torch.inference_mode) has none, so it is copied instead: records stay exact.
+    const bool copy = options_.snapshot || x.is_inference();
+    at::Tensor rec = copy ? snapshot(x) : x;
     if (options_.keep == Keep::LAST) {
       records_.clear();
       versions_.clear();
       checked_ = 0;
     }
-    if (!options_.snapshot) versions_.push_back(x._version());
+    if (!options_.snapshot) versions_.push_back(copy ? kCopied : x._version());
     records_.push_back(std::move(rec));
   }
 
@@ -206,7 +251,7 @@ bool Sink::reference_changed(bool all) {
   const size_t start = all ? 0 : std::min(checked_, versions_.size());
   checked_ = versions_.size();
   for (size_t i = start; i < versions_.size() && i < records_.size(); ++i) {
-    if (records_[i]._version() != versions_[i]) {
+    if (versions_[i] != kCopied && records_[i]._version() != versions_[i]) {
       warned_changed_ = true;
       return true;
     }

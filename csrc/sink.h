@@ -17,17 +17,22 @@
 
 namespace acs {
 
-// Bump allocator over pooled staging slabs (staging_pool.h): one snapshot is a view into
-// a slab, so capturing pays neither a malloc nor fresh page faults per tensor.
+// Bump allocator over pooled staging slabs (staging_pool.h): one snapshot lives in a
+// slab, so capturing pays neither a large malloc nor fresh page faults per tensor. Each
+// snapshot has a storage of its own bytes only (its data pointer points into the slab and
+// keeps the slab alive), so a record handed to the user owns exactly its bytes
+// (untyped_storage().nbytes() == nbytes, torch.save writes only those). Thread-safe: the
+// sinks of one tracker share one arena and consume without the GIL.
 class Arena {
  public:
   Arena() = default;
-  // A contiguous, uninitialised CPU tensor of `sizes` and `dtype`, viewing arena memory.
+  // A contiguous, uninitialised CPU tensor of `sizes` and `dtype`, in arena memory.
   at::Tensor empty(at::IntArrayRef sizes, at::ScalarType dtype);
   void reset();  // drop the arena's own reference to the current slab
   int64_t reserved_bytes() const { return reserved_bytes_; }
 
  private:
+  std::mutex mu_;
   c10::Storage slab_;
   int64_t used_ = 0;
   int64_t capacity_ = 0;

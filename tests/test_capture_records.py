@@ -1,0 +1,147 @@
+"""Records the user holds are exact and own their bytes: staging slabs are not pinned by
+tiny records, a dtype change never silently downcasts stored rows, REFERENCE works under
+torch.inference_mode. References: the modules called in plain PyTorch."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from activationscope import ActivationScope, CaptureError, CaptureMode, _native, open_store
+
+_C = _native.load()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_issue_input_record_owns_exactly_its_bytes(dtype):
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4)).to(dtype)
+    xs = [torch.randn(8, 16, dtype=dtype) for _ in range(3)]
+    with torch.no_grad(), ActivationScope().track(m) as t:
+        for x in xs:
+            m(x)
+    recs = t.activations["2.output"]
+    with torch.no_grad():
+        for x, r in zip(xs, recs):
+            torch.testing.assert_close(r, m(x), rtol=0, atol=0)
+    for name, rs in t.activations.items():
+        for r in rs:
+            assert r.untyped_storage().nbytes() == r.nbytes, name
+            assert r.storage_offset() == 0
+    buf = io.BytesIO()
+    torch.save(recs, buf)
+    data = sum(r.nbytes for r in recs)  # 3 * 8 * 4 elements
+    assert buf.tell() < data + 2048, (buf.tell(), data)
+    # still pooled: every snapshot of the capture came out of one staging slab
+    assert t._arena.reserved_bytes == 64 << 20
+
+
+def test_records_keep_their_slab_alive_and_stay_exact_after_the_tracker_is_gone():
+    torch.manual_seed(0)
+    m = torch.nn.Linear(4, 3)
+    xs = [torch.randn(2, 4) for _ in range(50)]
+    with torch.no_grad(), ActivationScope().track(m, include=[""]) as t:
+        for x in xs:
+            m(x)
+    recs = t.activations["output"]
+    del t
+    import gc
+
+    gc.collect()
+    junk = [torch.randn(1000) for _ in range(100)]  # reuse of freed memory would show
+    with torch.no_grad():
+        for x, r in zip(xs, recs):
+            torch.testing.assert_close(r, m(x), rtol=0, atol=0)
+    del junk
+
+
+# ---------------------------------------------------------------- dtype changes
+
+
+def test_issue_input_dtype_change_into_a_store_is_an_error(tmp_path):
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    x32 = torch.randn(3, 4)
+    path = tmp_path / "s.zarr"
+    with pytest.raises(CaptureError, match=r"hook point '0.output' changed its dtype from torch.float32 to "
+                                           r"torch.float64.*Pass storage_dtype="):
+        with ActivationScope(store=path).track(m):
+            m(x32)
+            m.double()
+            m(torch.randn(3, 4, dtype=torch.float64))
+    s = open_store(path)
+    assert s.status == "incomplete"
+    m.float()
+    with torch.no_grad():
+        torch.testing.assert_close(s["0.output"][:], m(x32), rtol=0, atol=0)  # the float32 rows, intact
+
+
+@pytest.mark.parametrize("first,then", [(torch.float32, torch.bfloat16), (torch.float16, torch.float32),
+                                        (torch.float64, torch.float32)])
+def test_any_dtype_change_into_a_store_is_an_error(tmp_path, first, then):
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4)).to(first)
+    with pytest.raises(CaptureError, match=rf"from {first} to {then}"):
+        with ActivationScope(store=tmp_path / "s.zarr").track(m):
+            m(torch.randn(3, 4, dtype=first))
+            m.to(then)
+            m(torch.randn(3, 4, dtype=then))
+
+
+def test_explicit_storage_dtype_takes_every_dtype(tmp_path):
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    x = torch.randn(3, 4)
+    with torch.no_grad(), ActivationScope(store=tmp_path / "s.zarr", storage_dtype=torch.float64).track(m):
+        r32 = m(x)
+        m.double()
+        r64 = m(x.double())
+    got = open_store(tmp_path / "s.zarr")["0.output"][:]
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, torch.cat([r32.double(), r64]), rtol=0, atol=0)
+
+
+def test_in_memory_records_keep_each_dtype():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    x = torch.randn(3, 4)
+    with torch.no_grad(), ActivationScope().track(m) as t:
+        r32 = m(x)
+        m.double()
+        r64 = m(x.double())
+    a, b = t.activations["0.output"]
+    assert a.dtype == torch.float32 and b.dtype == torch.float64
+    torch.testing.assert_close(a, r32, rtol=0, atol=0)
+    torch.testing.assert_close(b, r64, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------- REFERENCE under inference_mode
+
+
+def test_issue_input_reference_under_inference_mode():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    xs = [torch.randn(3, 4) for _ in range(3)]
+    with torch.inference_mode(), ActivationScope(capture_mode=CaptureMode.REFERENCE).track(m) as t:
+        for x in xs:
+            m(x)
+        acts = t.activations
+    with torch.no_grad():
+        for i, x in enumerate(xs):
+            h = m[0](x)
+            torch.testing.assert_close(acts["0.output"][i], h, rtol=0, atol=0)
+            torch.testing.assert_close(acts["2.output"][i], m[2](m[1](h)), rtol=0, atol=0)
+
+
+def test_reference_under_inference_mode_with_in_place_ops_stays_exact(recwarn):
+    # no version counter to tell an in-place change: the record is a copy, so it is exact
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(inplace=True), torch.nn.Linear(8, 2))
+    x = torch.randn(5, 4)
+    for keep in ("store_all", "final_only"):
+        with torch.inference_mode(), ActivationScope(capture_mode="reference", reduction_policy=keep).track(m) as t:
+            m(x)
+        with torch.no_grad():
+            torch.testing.assert_close(t.activations["0.output"][-1], m[0](x), rtol=0, atol=0)
+    assert not [w for w in recwarn if "changed in place" in str(w.message)]
