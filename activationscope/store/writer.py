@@ -817,7 +817,8 @@ class StoreWriter:
                         saved = None  # a state this format cannot hold: the result stays, resume rebuilds
                         break
                     crcs = self._write_small_array(path, t, {"hook_point": hook_point, "reduction": name,
-                                                            "state": key, "dtype": dname})
+                                                            "state": key, "dtype": dname},
+                                                   [f"{hook_point}.{name}.state.{key}.dim{i}" for i in range(t.dim())])
                     saved[key] = {"path": path, "dtype": dname, "shape": list(t.shape), "crc32c": crcs}
                 if saved is not None:
                     owner["state"] = saved
