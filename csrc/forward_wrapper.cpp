@@ -5,6 +5,7 @@
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include "errors.h"
 #include "py_errors.h"
 
 namespace acs {
@@ -87,12 +88,35 @@ py::object ForwardWrapper::call(py::args args, py::kwargs kwargs) {
     // Not tracked, or a recompute of activation checkpointing during backward.
     return call_original(args, kwargs);
   }
-  // Root bookkeeping (forward boundaries) for every tracker rooted here.
+  // One tracker records one forward at a time: a call from another thread while a root
+  // forward runs would interleave its records, names (#k) and forward boundaries with that
+  // forward's. The fields read here change only with the GIL held.
+  for (auto& s : sites_) {
+    const TrackerCore& c = *s->core;
+    if (c.active && c.depth > 0 && c.owner != std::this_thread::get_id()) {
+      throw UserError("module '" + (s->path.empty() ? std::string("(the tracked model)") : s->path) +
+                      "' was called from one thread while the tracked model runs a forward in another; a "
+                      "tracker records one forward at a time: call the tracked model from one thread at a "
+                      "time, or give each thread its own copy of the model with its own tracker");
+    }
+  }
+  // Root bookkeeping (forward boundaries) for every tracker rooted here. The guard exists
+  // before any increment, so a start callback that raises leaves depth (and the #k names
+  // of later forwards) intact, and a forward that never ran is not counted.
   std::vector<Site*> roots;
+  struct RootGuard {
+    std::vector<Site*>& roots;
+    ~RootGuard() {
+      for (Site* s : roots) --s->core->depth;
+    }
+  } guard{roots};
   for (auto& s : sites_) {
     if (s->is_root && s->core->active) {
       TrackerCore& c = *s->core;
-      if (c.depth++ == 0) {
+      const bool outer = c.depth++ == 0;
+      roots.push_back(s.get());
+      if (outer) {
+        c.owner = std::this_thread::get_id();
         c.capturing = c.decide(c.n_forwards);
         at::Tensor first = root_first_input(args, kwargs);
         c.batch_size = first.defined() ? first.size(0) : -1;
@@ -109,18 +133,17 @@ py::object ForwardWrapper::call(py::args args, py::kwargs kwargs) {
         c.stop_now = false;
         c.stopped = false;
         ++c.n_forwards;
-        if (c.on_forward_start && !c.on_forward_start.is_none()) c.on_forward_start();
+        if (c.on_forward_start && !c.on_forward_start.is_none()) {
+          try {
+            c.on_forward_start();
+          } catch (...) {
+            --c.n_forwards;
+            throw;
+          }
+        }
       }
-      roots.push_back(s.get());
     }
   }
-  struct RootGuard {
-    std::vector<Site*>& roots;
-    bool ok = false;
-    ~RootGuard() {
-      for (Site* s : roots) --s->core->depth;
-    }
-  } guard{roots};
 
   // Which sites capture this call, and under which names.
   std::vector<Active> active;

@@ -11,6 +11,7 @@
 
 #include <memory>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -34,6 +35,7 @@ struct TrackerCore {
   at::Tensor token_mask;            // (batch, pos) bool, or undefined
   int64_t n_forwards = 0;           // root forwards started
   int depth = 0;                    // root forward nesting
+  std::thread::id owner;            // the thread running the current root forward (depth > 0)
   bool capturing = true;            // decision for the current root forward
   int64_t batch_size = -1;          // first dim of the first tensor captured in this forward
   // rows="token": without a mask, (batch, pos) are the first two dims of the model's first

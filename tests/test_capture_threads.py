@@ -1,0 +1,183 @@
+"""Threads and exceptions in the capture's bookkeeping: records are exact per call or the
+call fails with CaptureError, never shared or miscounted; a start callback that raises
+leaves names and counts intact. Reference: the modules called in plain PyTorch."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import pytest
+import torch
+
+from activationscope import ActivationScope, CaptureError
+
+
+def _mlp(width=64):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, width))
+
+
+def _run_threads(fn, n_threads):
+    errors: list[BaseException] = []
+
+    def body(i):
+        try:
+            fn(i)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=body, args=(i,)) for i in range(n_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors
+
+
+def _assert_same_multiset(records, refs):
+    assert len(records) == len(refs)
+    left = list(refs)
+    for r in records:
+        hit = next((i for i, ref in enumerate(left) if torch.equal(r, ref)), None)
+        assert hit is not None, "a record matches no plain-PyTorch output"
+        left.pop(hit)
+
+
+@pytest.mark.parametrize("n_threads", [2, 4])
+def test_concurrent_root_forwards_are_exact_or_capture_errors(n_threads):
+    m = _mlp()
+    inputs = {i: [torch.randn(8, 64) for _ in range(25)] for i in range(n_threads)}
+    done: dict[int, list[torch.Tensor]] = {i: [] for i in range(n_threads)}
+    refused = []
+
+    def work(i):
+        for x in inputs[i]:
+            try:
+                m(x)
+                done[i].append(x)
+            except CaptureError as e:
+                assert "called from one thread while the tracked model runs a forward in another" in str(e)
+                refused.append(e)
+
+    with torch.no_grad(), ActivationScope().track(m) as t:
+        errors = _run_threads(work, n_threads)
+    assert errors == []
+    ok = [x for xs in done.values() for x in xs]
+    assert len(ok) + len(refused) == 25 * n_threads
+    assert t.n_forwards == len(ok)
+    acts = t.activations
+    assert sorted(acts) == ["0.output", "1.output", "2.output"]  # no '#1' names from interleaving
+    with torch.no_grad():
+        _assert_same_multiset(acts["0.output"], [m[0](x) for x in ok])
+        _assert_same_multiset(acts["2.output"], [m(x) for x in ok])
+    ptrs = [r.data_ptr() for rs in acts.values() for r in rs]
+    assert len(set(ptrs)) == len(ptrs)
+
+
+@pytest.mark.parametrize("n_threads", [2, 4])
+def test_threads_calling_tracked_submodules_outside_a_forward_are_exact(n_threads):
+    # no root forward runs: every call is its own capture, from several threads at once,
+    # through one staging arena
+    m = _mlp(256)
+    inputs = {i: [torch.randn(16, 256) for _ in range(40)] for i in range(n_threads)}
+
+    def work(i):
+        for x in inputs[i]:
+            m[0](x)
+
+    with torch.no_grad(), ActivationScope().track(m, include=["0"]) as t:
+        assert _run_threads(work, n_threads) == []
+    recs = t.activations["0.output"]
+    with torch.no_grad():
+        _assert_same_multiset(recs, [m[0](x) for xs in inputs.values() for x in xs])
+    ptrs = [r.data_ptr() for r in recs]
+    assert len(set(ptrs)) == len(ptrs)
+    assert all(r.untyped_storage().nbytes() == r.nbytes for r in recs)
+
+
+def test_concurrent_forwards_into_a_store_keep_it_consistent(tmp_path):
+    from activationscope import open_store
+
+    m = _mlp()
+    inputs = {i: [torch.randn(4, 64) for _ in range(15)] for i in range(3)}
+    done = []
+    lock = threading.Lock()
+
+    def work(i):
+        for x in inputs[i]:
+            try:
+                m(x)
+                with lock:
+                    done.append(x)
+            except CaptureError:
+                pass
+
+    with torch.no_grad(), ActivationScope(store=tmp_path / "s.zarr").track(m):
+        assert _run_threads(work, 3) == []
+    s = open_store(tmp_path / "s.zarr")
+    assert s.status == "complete" and s.n_samples == 4 * len(done)
+    rows = s["2.output"][:]
+    with torch.no_grad():
+        _assert_same_multiset(list(rows.split(4)), [m(x) for x in done])
+
+
+# ---------------------------------------------------------------- exception-safe bookkeeping
+
+
+def test_issue_input_start_callback_raises():
+    m = _mlp(8)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        t = ActivationScope().track(m).attach()
+        good = t._core.on_forward_start
+
+        def boom():
+            raise RuntimeError("boom")
+
+        t._core.on_forward_start = boom
+        for _ in range(2):
+            with pytest.raises(RuntimeError, match="boom"):
+                m(x)
+        t._core.on_forward_start = good
+        m(x)
+        m(x + 1)
+        t.remove()
+        assert t.n_forwards == 2
+        acts = t.activations
+        assert sorted(acts) == ["0.output", "1.output", "2.output"]  # no '#1', '#2'
+        torch.testing.assert_close(acts["2.output"][1], m(x + 1), rtol=0, atol=0)
+        assert len(acts["0.output"]) == 2
+
+
+def test_warning_turned_error_in_the_start_callback():
+    # a forward raises and is caught inside the capture; with warnings as errors the next
+    # forward's start raises that warning: later forwards are still named and counted right
+    class Fails(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+            self.fail = True
+
+        def forward(self, x):
+            y = self.lin(x)
+            if self.fail:
+                raise ValueError("bad batch")
+            return y
+
+    m = Fails()
+    x = torch.randn(2, 4)
+    with torch.no_grad(), ActivationScope().track(m) as t:
+        with pytest.raises(ValueError):
+            m(x)
+        m.fail = False
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            with pytest.raises(RuntimeWarning, match="raised and the exception was caught"):
+                m(x)
+        m(x)
+        m(x)
+    assert sorted(t.activations) == ["lin.output"]
+    assert t.n_forwards == 3  # the failed one and the two whole ones; not the refused one
+    assert len(t.activations["lin.output"]) == 3
+    torch.testing.assert_close(t.activations["lin.output"][-1], m.lin(x), rtol=0, atol=0)
