@@ -262,6 +262,10 @@ void bind_capture(py::module_& m) {
       .def_property_readonly("row_kind", &Sink::row_kind)
       .def_property_readonly("n_rows", &Sink::n_rows)
       .def_property_readonly("n_calls", &Sink::n_calls)
+      .def("set_row_base", &Sink::set_row_base, py::arg("base"))
+      .def("set_alias_of", &Sink::set_alias_of, py::arg("target"))
+      .def("watch_aliases", &Sink::watch_aliases, py::arg("on"))
+      .def("matches_last", &Sink::matches_last, py::arg("x"), py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("feature_shape", &Sink::feature_shape);
 
   py::class_<TrackerCore, std::shared_ptr<TrackerCore>>(m, "TrackerCore")

@@ -10,6 +10,7 @@
 
 #include "errors.h"
 #include "fast_copy.h"
+#include "shard_writer.h"  // crc32c
 #include "staging_pool.h"
 
 namespace acs {
@@ -184,6 +185,12 @@ void Sink::consume(const at::Tensor& x_in, const at::Tensor& token_mask) {
               "capture each dtype into its own store.");
   }
 
+  if (alias_of_) {
+    consume_alias(x, token_mask);
+    return;
+  }
+  if (has_aliases_) remember_for_aliases(x);
+
   const bool need_rows = writer_ || !reductions_.empty();
   at::Tensor rows;
   if (need_rows) {
@@ -216,7 +223,7 @@ void Sink::consume(const at::Tensor& x_in, const at::Tensor& token_mask) {
   }
 
   if (need_rows) {
-    update_reductions(reductions_, rows, n_rows_);
+    update_reductions(reductions_, rows, row_base_ + n_rows_);
     if (writer_) {
       if (!rows.device().is_cpu()) {
         at::Tensor host = at::empty(rows.sizes(), rows.options().device(at::kCPU).pinned_memory(true));
@@ -226,6 +233,85 @@ void Sink::consume(const at::Tensor& x_in, const at::Tensor& token_mask) {
       }
     }
     n_rows_ += rows.size(0);
+  }
+}
+
+namespace {
+uint32_t bytes_crc(const at::Tensor& x) {
+  const at::Tensor c = x.contiguous();
+  return crc32c(0, c.const_data_ptr(), c.nbytes());
+}
+}  // namespace
+
+void Sink::set_alias_of(std::shared_ptr<Sink> target) {
+  ACS_CHECK(target && target.get() != this && !target->alias_of_, "hook point '", name_,
+            "': an alias needs another, non-alias hook point as its target");
+  int64_t offset = 0;
+  {
+    std::lock_guard<std::mutex> lock(target->mu_);
+    target->has_aliases_ = true;
+    offset = target->last_call_ - 1;  // the alias's first call pairs with the target's last
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  ACS_CHECK(n_calls_ == 0, "hook point '", name_, "' already captured rows; it cannot become an alias");
+  alias_of_ = std::move(target);
+  call_offset_ = offset;
+}
+
+void Sink::watch_aliases(bool on) {
+  std::lock_guard<std::mutex> lock(mu_);
+  has_aliases_ = on;
+  if (!on) last_ = at::Tensor();
+}
+
+bool Sink::matches_last(const at::Tensor& x) {
+  int64_t call;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    call = last_call_;
+  }
+  return same_as_last(x, call, /*release=*/false);
+}
+
+void Sink::remember_for_aliases(const at::Tensor& x) {
+  last_ = x;
+  last_call_ = n_calls_;
+  if (x.is_inference()) {
+    last_version_ = -1;
+    last_crc_ = x.device().is_cpu() ? bytes_crc(x) : 0;
+  } else {
+    last_version_ = x._version();
+  }
+}
+
+bool Sink::same_as_last(const at::Tensor& x, int64_t call, bool release) {
+  std::lock_guard<std::mutex> lock(mu_);
+  at::Tensor t = last_;
+  if (release) last_ = at::Tensor();  // an alias checks each call once
+  if (!t.defined() || last_call_ != call) return false;
+  if (!x.storage().is_alias_of(t.storage()) || x.storage_offset() != t.storage_offset() ||
+      x.sizes() != t.sizes() || x.strides() != t.strides() || x.scalar_type() != t.scalar_type() ||
+      x.device() != t.device()) {
+    return false;
+  }
+  if (last_version_ >= 0) return !x.is_inference() && x._version() == last_version_;
+  return x.device().is_cpu() && bytes_crc(x) == last_crc_;
+}
+
+void Sink::consume_alias(const at::Tensor& x, const at::Tensor& token_mask) {
+  const bool same = alias_of_->same_as_last(x, n_calls_ + call_offset_, /*release=*/true);
+  if (!same) --n_calls_;
+  ACS_CHECK(same, "hook point '", name_, "' is stored once, as an alias of '", alias_of_->name(),
+            "' (it was the same tensor when first captured), but in call ", n_calls_ + 1,
+            " it is another tensor or was changed in place after '", alias_of_->name(),
+            "' was taken; pass exclude= for the module of one of them (or include= only one)");
+  if (!reductions_.empty()) {
+    at::Tensor rows = rows_of(x, token_mask);
+    update_reductions(reductions_, rows, row_base_ + n_rows_);
+    n_rows_ += rows.size(0);
+  } else {
+    n_rows_ += (row_kind_ == 1 && token_mask.defined()) ? token_mask.sum().item<int64_t>()
+                                                         : (x.dim() == 0 ? 1 : x.size(0));
   }
 }
 

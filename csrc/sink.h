@@ -75,6 +75,20 @@ class Sink {
   // its capture (version counter moved). `all` rescans every record, else only new ones.
   bool reference_changed(bool all);
 
+  // Alias: this hook point's activation is the very tensor `target` captured just before it
+  // in the same forward (a container returning its last child's output). Its rows are then
+  // neither copied nor written (the reader resolves the alias to the target's array); each
+  // call checks it is still the same tensor, unchanged since the target took it (same
+  // storage, offset, sizes, strides, dtype; same version counter, or for inference tensors
+  // same bytes), and raises CaptureError otherwise. Reductions of the alias still run.
+  void set_alias_of(std::shared_ptr<Sink> target);
+  std::shared_ptr<Sink> alias_of() const { return alias_of_; }
+  // Keep (a reference to) the tensor of each call, so an alias can be checked against it.
+  // Off releases the kept tensor.
+  void watch_aliases(bool on);
+  // Whether x is the tensor of this sink's last call, unchanged since (see set_alias_of).
+  bool matches_last(const at::Tensor& x);
+
   void add_reduction(std::shared_ptr<Reduction> r) { reductions_.push_back(std::move(r)); }
   const std::vector<std::shared_ptr<Reduction>>& reductions() const { return reductions_; }
   void set_writer(std::shared_ptr<RowConsumer> w) { writer_ = std::move(w); }
@@ -82,12 +96,16 @@ class Sink {
   // consume() only keeps a reference (no copy, reduction or store hand-off): callers need
   // not release the GIL for it.
   bool keeps_reference_only() const {
-    return !options_.snapshot && reductions_.empty() && writer_ == nullptr;
+    return !options_.snapshot && reductions_.empty() && writer_ == nullptr && !alias_of_ && !has_aliases_;
   }
 
   int row_kind() const { return row_kind_; }
   void set_row_kind(int kind) { row_kind_ = kind; }  // -1 unknown, 0 sample rows, 1 token rows
   int64_t n_rows() const { return n_rows_; }
+  // Rows the reductions saw before this sink (a resumed store): the row ids they record
+  // (topk) count from there.
+  void set_row_base(int64_t base) { row_base_ = base; }
+  int64_t row_base() const { return row_base_; }
   int64_t n_calls() const { return n_calls_; }
   std::vector<int64_t> feature_shape() const { return feature_shape_; }
   std::optional<at::ScalarType> seen_dtype() const { return seen_dtype_; }
@@ -96,6 +114,9 @@ class Sink {
  private:
   at::Tensor snapshot(const at::Tensor& x);
   at::Tensor rows_of(const at::Tensor& x, const at::Tensor& token_mask);
+  void remember_for_aliases(const at::Tensor& x);        // target side, under mu_
+  bool same_as_last(const at::Tensor& x, int64_t call, bool release);  // target side, takes mu_
+  void consume_alias(const at::Tensor& x, const at::Tensor& token_mask);  // under mu_
 
   std::string name_;
   SinkOptions options_;
@@ -108,11 +129,20 @@ class Sink {
   std::shared_ptr<RowConsumer> writer_;
   int row_kind_ = -1;
   int64_t n_rows_ = 0;
+  int64_t row_base_ = 0;
   int64_t n_calls_ = 0;
   std::vector<int64_t> feature_shape_;
   std::optional<at::ScalarType> seen_dtype_;
   bool warned_changed_ = false;
   size_t checked_ = 0;
+  // alias bookkeeping
+  std::shared_ptr<Sink> alias_of_;
+  bool has_aliases_ = false;
+  at::Tensor last_;            // the tensor of the last call (held until an alias checks it)
+  int64_t last_version_ = -1;  // its version counter then (-1: inference tensor)
+  uint32_t last_crc_ = 0;      // inference tensors: crc32c of its bytes then
+  int64_t last_call_ = 0;      // n_calls_ of that call
+  int64_t call_offset_ = 0;    // alias side: target's calls before this alias's first call
 };
 
 }  // namespace acs

@@ -58,7 +58,7 @@ def _check(store, ref, names):
         torch.testing.assert_close(r["topk.row_ids"].long(), want.indices)
 
 
-NAMES = ["mean", "var", "min", "max", "nonzero"]
+NAMES = ["mean", "var", "min", "max", "nonzero", "topk"]
 
 
 def test_issue_input_32_plus_32_rows(tmp_path):

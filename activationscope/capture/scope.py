@@ -11,6 +11,7 @@ per tensor.
 from __future__ import annotations
 
 import enum
+import sys
 import threading
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
@@ -373,6 +374,13 @@ class Tracker:
         self._reduction_names: dict[str, list[str]] = {}
         self._reduction_objects: dict[str, list[Any]] = {}
         self._reduction_base: dict[str, int] = {}  # resume: committed rows the reductions started from
+        self._aliases: dict[str, str] = {}  # hook point -> the hook point it repeats (stored once)
+        self._watching: list[str] = []  # hook points of this forward that an alias may repeat
+        # Aliases are detected when storing both would duplicate bytes: a store, or in-memory
+        # copies (REFERENCE in memory keeps the model's tensor itself: nothing duplicated).
+        self._alias_candidates = scope.storage is StoragePolicy.DISK or (
+            scope.capture_mode is CaptureMode.SNAPSHOT and scope.reduction_policy is not ReductionPolicy.STREAMING
+        )
         self._installed: list[tuple[torch.nn.Module, Any, Any]] = []
         self._attached = False
         self._closed = False
@@ -434,9 +442,12 @@ class Tracker:
         except BaseException:
             self._uninstall_all()
             raise
-        self._core.on_new_hook_point = self._on_new_hook_point
-        self._core.on_forward_start = self._on_forward_start
-        self._core.on_forward_end = self._on_forward_end
+        callbacks = (self._on_new_hook_point, self._on_forward_start, self._on_forward_end)
+        if "torch._dynamo" in sys.modules:
+            # under torch.compile, TorchDynamo would try to trace the callbacks (and warn that it
+            # cannot); they are the capture's bookkeeping, not the model's
+            callbacks = tuple(torch.compiler.disable(c) for c in callbacks)
+        self._core.on_new_hook_point, self._core.on_forward_start, self._core.on_forward_end = callbacks
         self._core.active = True
         self._attached = True
         if not self._fastpath_off and _inside_fused(self.model, self._modules):
@@ -639,16 +650,56 @@ class Tracker:
                 objects.append(reduction)  # keeps Python subclasses (eager reductions) alive
             self._reduction_names[name] = names
             self._reduction_objects[name] = objects
-        if self.writer is not None:
+        target = self._alias_target(name, tensor)
+        if target is not None:
+            # the same tensor as an earlier hook point of this forward: kept and stored once
+            sink.set_alias_of(self._sinks[target])
+            self._aliases[name] = target
+            if self.writer is not None:
+                self.writer.add_alias(name, target)
+        elif self.writer is not None:
             feature_shape = tuple(tensor.shape[2:] if token else tensor.shape[1:]) if tensor.dim() else ()
             dtype = scope.storage_dtype or tensor.dtype
             sink.set_writer(
                 self.writer.open_array(name, feature_shape, dtype, "token" if token else "sample")
             )
-            if self._reduction_names.get(name):
-                self._resume_reductions(name)
+        if self.writer is not None and self._reduction_names.get(name):
+            self._resume_reductions(name, sink)
+        if self._alias_candidates and target is None:
+            sink.watch_aliases(True)  # until the end of this forward, or for good once a target
+            self._watching.append(name)
         self._sinks[name] = sink
         return sink
+
+    def _stop_watching(self) -> None:
+        """Hook points first seen in the forward that ended and that no alias repeats stop
+        keeping their last tensor."""
+        if self._watching:
+            targets = set(self._aliases.values())
+            for name in self._watching:
+                if name not in targets:
+                    self._sinks[name].watch_aliases(False)
+            self._watching = []
+
+    def _alias_target(self, name: str, tensor: torch.Tensor) -> str | None:
+        """The hook point captured earlier in this forward whose tensor ``tensor`` is (same
+        storage, offset, shape, strides, dtype, unchanged since), when storing both would
+        duplicate bytes; None otherwise. On resume, a hook point stored as an array stays
+        one, and one stored as an alias must be one again."""
+        stored = self.writer.aliases if self.writer is not None else {}
+        target = None
+        if self._alias_candidates and not (self.writer is not None and self.writer.committed_rows(name)):
+            for other in reversed(self._watching):
+                if other != name and self._sinks[other].matches_last(tensor):
+                    target = other
+                    break
+        if name in stored and target != stored[name]:
+            raise CaptureError(
+                f"the resumed store holds hook point {name!r} as an alias of {stored[name]!r} (the same tensor), "
+                f"but this capture gives {name!r} {'as an alias of ' + repr(target) if target else 'its own tensor'}; "
+                "resume with the same model and selection, or overwrite=True"
+            )
+        return target
 
     def _check_dtype(self, name: str, tensor: torch.Tensor) -> None:
         """Refuse, before the hook point's first row is kept, a dtype its destination cannot
@@ -670,15 +721,17 @@ class Tracker:
                     f"{name!r}"
                 )
 
-    def _resume_reductions(self, name: str) -> None:
+    def _resume_reductions(self, name: str, sink: Any) -> None:
         """A resumed store: continue each reduction of ``name`` from the rows already
         committed, so that it covers every stored row. The stored state is loaded when it
         covers exactly the committed rows; otherwise (a run killed before its close, a
         reduction added on resume, a store written before states were kept) the state
         covers a prefix or nothing, and the committed rows past it are read back from the
         store and folded in, in order."""
-        committed = self.writer.committed_rows(name)
+        array = self._aliases.get(name, name)  # an alias's rows are its target's
+        committed = self.writer.committed_rows(array)
         self._reduction_base[name] = committed
+        sink.set_row_base(committed)  # row ids of the new rows continue the stored ones
         if committed == 0:
             return
         starts: dict[int, list[Any]] = {}
@@ -694,13 +747,14 @@ class Tracker:
             row = start
             while row < committed:
                 stop = min(committed, row + _REBUILD_ROWS)
-                rows = self.writer.read_committed_rows(name, row, stop)
+                rows = self.writer.read_committed_rows(array, row, stop)
                 for red in reds:
                     red.update(rows, row)
                 row = stop
 
     def _on_forward_start(self) -> None:
         self._stop_learnt = self.stop_after_last and self._core.stop_learnt
+        self._stop_watching()  # after a forward that raised
         if self._open_forward is not None:
             self._forward_raised()
         self._open_forward = self._core.n_forwards - 1 if self._core.capturing else None
@@ -711,6 +765,7 @@ class Tracker:
 
     def _on_forward_end(self) -> None:
         self._open_forward = None
+        self._stop_watching()
         if not self._core.capturing:
             return
         if self._stop_learnt and not self._core.stopped and not self._warned_stop:
@@ -795,7 +850,10 @@ class Tracker:
         """
         if self._reference_mode:
             self._warn_changed(all_records=True)
-        return {name: sink.records() for name, sink in self._sinks.items()}
+        out = {name: sink.records() for name, sink in self._sinks.items()}
+        for name, target in self._aliases.items():  # kept once: the same tensors
+            out[name] = out[target]
+        return out
 
     @property
     def reductions(self) -> dict[str, dict[str, torch.Tensor]]:

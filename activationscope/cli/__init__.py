@@ -581,6 +581,11 @@ def format_info(info: dict[str, Any], name: str) -> str:
         lines.extend(line(r) for r in rows)
     else:
         lines.append("(no hook points)")
+    aliases = info.get("aliases") or {}
+    if aliases:
+        lines.append("")
+        lines.append("stored once (the same tensor as another hook point at every call):")
+        lines.extend(f"  {a} = {t}" for a, t in aliases.items())
     if info.get("status") == "incomplete" and not info.get("n_samples"):
         lines.append("")
         lines.append("no samples committed yet: a commit needs the rows of whole forwards in complete shards of every "

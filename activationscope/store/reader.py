@@ -191,8 +191,19 @@ class Store:
 
     @property
     def hook_points(self) -> list[str]:
-        """Names of the stored hook points (``acts/<hook point>``), in capture order."""
-        return list(self._attrs.get("arrays", {}))
+        """Names of the stored hook points (``acts/<hook point>``) in capture order, then
+        those stored as aliases (:attr:`aliases`)."""
+        return list(self._attrs.get("arrays", {})) + [a for a in self.aliases if a not in self._attrs.get("arrays", {})]
+
+    @property
+    def aliases(self) -> dict[str, str]:
+        """``{hook point: hook point it repeats}``: hook points whose activation was, at every
+        captured call, the very tensor of another (a container returning its last child's
+        output, a module's input that is the previous module's output). Stored once; reading
+        an alias reads its target's array."""
+        arrays = self._attrs.get("arrays", {})
+        raw = self._attrs.get("aliases") or {}
+        return {a: t for a, t in raw.items() if isinstance(a, str) and isinstance(t, str) and t in arrays}
 
     @property
     def n_samples(self) -> int:
@@ -210,7 +221,8 @@ class Store:
         hook point's array; None when it covers all (or the store predates the record)."""
         if "n_rows" not in entry:
             return None
-        stored = int((self._attrs.get("arrays", {}).get(hook_point) or {}).get("n_rows", 0))
+        array = self.aliases.get(hook_point, hook_point)
+        stored = int((self._attrs.get("arrays", {}).get(array) or {}).get("n_rows", 0))
         covered = int(entry["n_rows"])
         return None if covered == stored else (covered, stored)
 
@@ -238,8 +250,11 @@ class Store:
     def _meta(self, hook_point: str) -> dict:
         if not isinstance(hook_point, str):
             raise HookPointNotFoundError(f"hook point must be a str, got {hook_point!r}; this store has {self.hook_points}")
+        arrays = self._attrs.get("arrays", {})
+        if hook_point not in arrays and hook_point in self.aliases:
+            hook_point = self.aliases[hook_point]  # stored once, as its target
         try:
-            return self._attrs["arrays"][hook_point]
+            return arrays[hook_point]
         except KeyError:
             raise HookPointNotFoundError(
                 f"hook point {hook_point!r} is not in the store {str(self._backend)!r}; it has {self.hook_points}"
@@ -275,7 +290,7 @@ class Store:
 
     def __contains__(self, hook_point: object) -> bool:
         """Whether ``hook_point`` is stored."""
-        return hook_point in self._attrs.get("arrays", {})
+        return hook_point in self._attrs.get("arrays", {}) or hook_point in self.aliases
 
     def __len__(self) -> int:
         """Number of stored hook points."""
@@ -920,7 +935,7 @@ class Store:
             all good); at most 20 lines per array.
         """
         problems: list[str] = []
-        for hp in self.hook_points:
+        for hp in list(self._attrs.get("arrays", {})):  # aliases have no files of their own
             mine: list[str] = []
             try:
                 self._verify_array(hp, mine)
@@ -963,7 +978,7 @@ class Store:
         if "sample" in tables and self.n_samples != int(tables["sample"].get("n_rows", 0)):
             problems.append(f"n_samples {self.n_samples} differs from the sample row table's n_rows "
                             f"{tables['sample'].get('n_rows', 0)}")
-        for hp in self.hook_points:
+        for hp in list(self._attrs.get("arrays", {})):
             meta = self._meta(hp)
             table = tables.get(meta["row_kind"])
             if meta.get("follows_row_table", True) and table is not None and int(meta["n_rows"]) > int(table.get("n_rows", 0)):
@@ -1096,7 +1111,7 @@ class Store:
         """
         arrays = {}
         total_raw = total_disk = 0
-        for hp in self.hook_points:
+        for hp in list(self._attrs.get("arrays", {})):  # aliases are listed apart: no bytes of their own
             meta = self._meta(hp)
             n = int(meta["n_rows"])
             feat = tuple(meta["feature_shape"])
@@ -1127,6 +1142,7 @@ class Store:
             "bytes": total_raw,
             "bytes_on_disk": total_disk,
             "data_to_disk_ratio": (total_raw / total_disk) if total_disk else None,
+            "aliases": self.aliases,
             "reductions": {hp: sorted(v) for hp, v in self._complete_reductions().items()},
             "partial_reductions": {hp: {n: {"n_rows": c[0], "of_rows": c[1]} for n, c in v.items()}
                                    for hp, v in self.partial_reductions.items()},

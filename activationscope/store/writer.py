@@ -359,6 +359,7 @@ class StoreWriter:
         }))
         self._old_arrays: dict[str, dict] = dict(st.get("arrays") or {})
         self._old_reductions: dict = dict(st.get("reductions") or {})
+        self.aliases: dict[str, str] = dict(st.get("aliases") or {})
         if self._state is not None:
             self._truncate_to_committed()
         # the first byte: the root document (status incomplete)
@@ -388,6 +389,7 @@ class StoreWriter:
             "row_tables": self._row_tables,
             "reductions": reductions,
             **({"reduction_states": self._states} if self._states else {}),
+            "aliases": dict(self.aliases),
         }
 
     def _truncate_to_committed(self) -> None:
@@ -864,6 +866,28 @@ class StoreWriter:
             self._states.setdefault(hook_point, {})[name] = {
                 "kind": kind, "options": F.check_jsonable(dict(options or {}), "reduction options"), "state": keys,
                 **({} if n_rows is None else {"n_rows": int(n_rows)})}
+
+    def add_alias(self, hook_point: str, target: str) -> None:
+        """Record that ``hook_point`` is stored as ``target``'s array (the same tensor at every
+        captured call): no array of its own; readers resolve it (``aliases`` in the root).
+
+        Raises
+        ------
+        StoreError
+            ``target`` has no array in this writer, ``hook_point`` already has one, or the
+            store holds ``hook_point`` as an alias of another hook point.
+        """
+        with self._lock:
+            if target not in self._arrays and target not in self._old_arrays:
+                raise StoreError(f"alias {hook_point!r}: its target {target!r} has no array in this store")
+            if hook_point in self._arrays or hook_point in self._old_arrays:
+                raise StoreError(f"hook point {hook_point!r} has an array in this store; it cannot become an alias")
+            old = self.aliases.get(hook_point)
+            if old is not None and old != target:
+                raise StoreError(f"hook point {hook_point!r} is stored as an alias of {old!r}, not of {target!r}")
+            if old is None:
+                self.aliases[hook_point] = target
+                self._unpublished = True
 
     def committed_rows(self, hook_point: str) -> int:
         """Rows of ``hook_point`` committed before this writer opened (0 for a new array)."""

@@ -1,0 +1,151 @@
+"""A hook point that is the very tensor of another (a container's output and its last
+child's, a module's input and the previous module's output) is kept and stored once, read
+back through an alias. Reference: the modules called in plain PyTorch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from activationscope import ActivationScope, CaptureError, open_store
+
+
+def _features():
+    torch.manual_seed(0)
+    features = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 5))
+    return torch.nn.Sequential(features, torch.nn.Linear(5, 2))
+
+
+def _dir_bytes(path):
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and "/acts/" in str(p))
+
+
+@pytest.mark.parametrize("grad", ["no_grad", "inference_mode", "enabled"])
+def test_issue_input_container_output_stored_once(tmp_path, grad):
+    m = _features()
+    xs = [torch.randn(4, 6) for _ in range(3)]
+    ctx = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode,
+           "enabled": torch.enable_grad}[grad]
+    with ctx(), ActivationScope(store=tmp_path / "s.zarr").track(m):
+        for x in xs:
+            m(x)
+    s = open_store(tmp_path / "s.zarr")
+    assert s.aliases == {"0.output": "0.2.output"}
+    assert "0.output" in s and "0.output" in s.hook_points
+    assert not (tmp_path / "s.zarr" / "acts" / "0.output").exists()
+    with torch.no_grad():
+        ref = torch.cat([m[0](x) for x in xs])
+    torch.testing.assert_close(s["0.output"][:], ref, rtol=0, atol=0)
+    torch.testing.assert_close(s["0.2.output"][:], ref, rtol=0, atol=0)
+    assert s.n_rows("0.output") == 12 and s.verify() == []
+    info = s.info()
+    assert info["aliases"] == {"0.output": "0.2.output"} and "0.output" not in info["arrays"]
+
+
+def test_aliased_store_has_the_bytes_of_one_copy(tmp_path):
+    # the reference: the same capture with the container excluded has the same bytes on disk
+    m = _features()
+    xs = [torch.randn(64, 6) for _ in range(4)]
+    with torch.no_grad():
+        with ActivationScope(store=tmp_path / "a.zarr").track(m):
+            for x in xs:
+                m(x)
+        with ActivationScope(store=tmp_path / "b.zarr").track(m, exclude=["0"]):
+            for x in xs:
+                m(x)
+    assert _dir_bytes(tmp_path / "a.zarr") == _dir_bytes(tmp_path / "b.zarr")
+
+
+def test_inputs_that_are_the_previous_output_are_stored_once(tmp_path):
+    m = _features()
+    x = torch.randn(4, 6)
+    with torch.no_grad(), ActivationScope(store=tmp_path / "s.zarr", capture="both").track(m[0]):
+        m[0](x)
+    s = open_store(tmp_path / "s.zarr")
+    assert s.aliases["1.input.0"] == "0.output"
+    assert s.aliases["2.input.0"] == "1.output"
+    with torch.no_grad():
+        torch.testing.assert_close(s["1.input.0"][:], m[0][0](x), rtol=0, atol=0)
+
+
+def test_in_memory_snapshot_keeps_one_copy():
+    m = _features()
+    x = torch.randn(4, 6)
+    with torch.no_grad(), ActivationScope().track(m) as t:
+        m(x)
+        m(x + 1)
+    acts = t.activations
+    for a, b in zip(acts["0.output"], acts["0.2.output"]):
+        assert a is b  # the same record
+    with torch.no_grad():
+        torch.testing.assert_close(acts["0.output"][1], m[0](x + 1), rtol=0, atol=0)
+
+
+class _ChangesAfter(torch.nn.Module):
+    """Returns its child's output after changing it in place: not an alias."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.lin(x)
+        y.mul_(2)
+        return y
+
+
+@pytest.mark.parametrize("grad", ["no_grad", "inference_mode"])
+def test_in_place_change_after_the_child_is_not_an_alias(tmp_path, grad):
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(_ChangesAfter())
+    x = torch.randn(3, 4)
+    ctx = torch.no_grad if grad == "no_grad" else torch.inference_mode
+    with ctx(), ActivationScope(store=tmp_path / "s.zarr").track(m):
+        m(x)
+    s = open_store(tmp_path / "s.zarr")
+    assert s.aliases == {}
+    with torch.no_grad():
+        lin = m[0].lin(x)
+    torch.testing.assert_close(s["0.lin.output"][:], lin, rtol=0, atol=0)
+    torch.testing.assert_close(s["0.output"][:], lin * 2, rtol=0, atol=0)
+
+
+class _Sometimes(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        y = self.lin(x)
+        return y if self.calls == 1 else y + 1
+
+
+def test_alias_that_stops_holding_is_an_error_naming_both(tmp_path):
+    m = torch.nn.Sequential(_Sometimes())
+    with pytest.raises(CaptureError, match=r"'0.output' is stored once, as an alias of '0.lin.output'.*exclude="):
+        with torch.no_grad(), ActivationScope(store=tmp_path / "s.zarr").track(m):
+            m(torch.randn(3, 4))
+            m(torch.randn(3, 4))
+    # the forwards before stay readable and exact
+    s = open_store(tmp_path / "s.zarr")
+    assert s.status == "incomplete"
+
+
+def test_resumed_store_keeps_its_aliases(tmp_path):
+    m = _features()
+    xs = [torch.randn(4, 6) for _ in range(4)]
+    with torch.no_grad():
+        with ActivationScope(store=tmp_path / "s.zarr", reductions=["mean"]).track(m):
+            for x in xs[:2]:
+                m(x)
+        with ActivationScope(store=tmp_path / "s.zarr", reductions=["mean"],
+                             store_options={"resume": True}).track(m):
+            for x in xs[2:]:
+                m(x)
+        ref = torch.cat([m[0](x) for x in xs])
+    s = open_store(tmp_path / "s.zarr")
+    assert s.aliases == {"0.output": "0.2.output"}
+    torch.testing.assert_close(s["0.output"][:], ref, rtol=0, atol=0)
+    torch.testing.assert_close(s.reductions["0.output"]["mean"], ref.double().mean(0))
