@@ -9,9 +9,8 @@ import io
 import pytest
 import torch
 
-from activationscope import ActivationScope, CaptureError, CaptureMode, _native, open_store
+from activationscope import ActivationScope, CaptureError, CaptureMode, open_store
 
-_C = _native.load()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])

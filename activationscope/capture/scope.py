@@ -710,15 +710,13 @@ class Tracker:
                 f"hook point {name!r} is complex ({tensor.dtype}) but storage_dtype={dtype} is real: the cast would "
                 f"drop the imaginary part; drop storage_dtype or exclude= the module of {name!r}"
             )
-        if self.writer is not None:
-            from .store import _format as F
-
-            stored = F.dtype_name(dtype or tensor.dtype)
-            if stored not in F.SUPPORTED_DTYPES:
+        held = getattr(self.writer, "supported_dtypes", None)
+        if held is not None:
+            stored = str(dtype or tensor.dtype).replace("torch.", "")
+            if stored not in held:
                 raise CaptureError(
                     f"hook point {name!r} has dtype {stored}, which a store cannot hold (it holds "
-                    f"{', '.join(F.SUPPORTED_DTYPES)}); pass storage_dtype= one of those, or exclude= the module of "
-                    f"{name!r}"
+                    f"{', '.join(held)}); pass storage_dtype= one of those, or exclude= the module of {name!r}"
                 )
 
     def _resume_reductions(self, name: str, sink: Any) -> None:

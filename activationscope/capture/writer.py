@@ -48,8 +48,28 @@ class ActivationWriter(Protocol):
     def rows_since_last_batch(self) -> dict[str, int]:
         """Rows each array received since the last :meth:`add_batch` (a partial forward)."""
 
-    def add_reductions(self, hook_point: str, name: str, reduction: Any, script_path: Any = None) -> None:
-        """Store the state and result of a reduction of ``hook_point``."""
+    def add_reductions(self, hook_point: str, name: str, reduction: Any, script_path: Any = None,
+                       n_rows: int | None = None) -> None:
+        """Store the state and result of a reduction of ``hook_point``, covering ``n_rows``
+        rows of its array."""
+
+    supported_dtypes: tuple[str, ...]
+    """Names of the torch dtypes an array can hold (``"float32"``, ...)."""
+
+    aliases: dict[str, str]
+    """``{hook point: target}`` of hook points stored as another's array (resume: the stored ones)."""
+
+    def add_alias(self, hook_point: str, target: str) -> None:
+        """Store ``hook_point`` as ``target``'s array (the same tensor at every call)."""
+
+    def committed_rows(self, hook_point: str) -> int:
+        """Rows of ``hook_point`` committed before the writer opened (resume; 0 otherwise)."""
+
+    def stored_reduction_state(self, hook_point: str, name: str, kind: str) -> Any:
+        """``(state, rows covered)`` of a reduction stored by an earlier run, or None."""
+
+    def read_committed_rows(self, hook_point: str, start: int, stop: int) -> Any:
+        """Rows ``[start, stop)`` of ``hook_point`` committed before the writer opened (a copy)."""
 
     def close(self, status: str = "complete") -> None:
         """Commit everything and mark the store ``status``."""

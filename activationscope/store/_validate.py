@@ -184,6 +184,21 @@ def check_reduction_entry(hp: str, name: str, e: Any, c: _Checker) -> None:
         if not s.endswith(".pt"):
             raise c.fail(f"{f}.script", "a key ending in '.pt'", s)
     c.crcs(e.get("crc32c"), f"{f}.crc32c", "reductions")
+    if "n_rows" in e:
+        c.int(e, "n_rows", f"{f}.n_rows")
+    for key, part in c.dict(e.get("state"), f"{f}.state", optional=True).items():
+        g = f"{f}.state[{key!r}]"
+        c.dict(part, g)
+        c.keyed(part.get("path"), f"{g}.path", "reductions")
+        if part.get("dtype") not in F.SUPPORTED_DTYPES:
+            raise c.fail(f"{g}.dtype", f"one of {list(F.SUPPORTED_DTYPES)}", part.get("dtype"))
+        pshape = part.get("shape")
+        if not isinstance(pshape, list) or len(pshape) > MAX_FEATURE_DIMS or not all(
+                _int(d, 0, MAX_REDUCTION_BYTES) for d in pshape):
+            raise c.fail(f"{g}.shape", f"a list of at most {MAX_FEATURE_DIMS} non-negative ints", pshape)
+        if math.prod(pshape) * F.itemsize(part["dtype"]) > MAX_REDUCTION_BYTES:
+            raise c.fail(f"{g}.shape", f"a state of at most {MAX_REDUCTION_BYTES} bytes", pshape)
+        c.crcs(part.get("crc32c"), f"{g}.crc32c", "reductions")
 
 
 def check_root_attrs(attrs: Any, *, store: Any, key: str = "zarr.json") -> dict:
@@ -233,6 +248,11 @@ def check_root_attrs(attrs: Any, *, store: Any, key: str = "zarr.json") -> dict:
     for hp, entries in reductions.items():
         for name, e in c.dict(entries, f"reductions[{hp!r}]").items():
             check_reduction_entry(hp, name, e, c)
+    for alias, target in c.dict(attrs.get("aliases"), "aliases", optional=True).items():
+        if not isinstance(target, str) or target not in arrays:
+            raise c.fail(f"aliases[{alias!r}]", "a hook point of 'arrays'", target)
+        if alias in arrays:
+            raise c.fail(f"aliases[{alias!r}]", "a hook point without an array of its own", alias)
     return attrs
 
 

@@ -867,6 +867,9 @@ class StoreWriter:
                 "kind": kind, "options": F.check_jsonable(dict(options or {}), "reduction options"), "state": keys,
                 **({} if n_rows is None else {"n_rows": int(n_rows)})}
 
+    #: Names of the torch dtypes an array can hold (``"float32"``, ``"complex64"``, ...).
+    supported_dtypes: tuple[str, ...] = F.SUPPORTED_DTYPES
+
     def add_alias(self, hook_point: str, target: str) -> None:
         """Record that ``hook_point`` is stored as ``target``'s array (the same tensor at every
         captured call): no array of its own; readers resolve it (``aliases`` in the root).
