@@ -128,3 +128,15 @@ def test_reduction_not_continued_is_shown_as_partial(tmp_path):
     from activationscope.cli import format_info
 
     assert "mean (partial: 16 of 32 rows)" in format_info(info, str(path))
+
+
+def test_report_does_not_use_a_partial_reduction(tmp_path):
+    from activationscope.analysis.report import hook_point_stats
+
+    model, xs = _model(), _batches(4)
+    path = tmp_path / "s.zarr"
+    _run(model, path, xs[:2], ["var", "nonzero"])
+    _run(model, path, xs[2:], None, resume=True)
+    stats = hook_point_stats(open_store(path), "0.output")
+    assert stats.source.startswith("rows")
+    torch.testing.assert_close(stats.mean, _ref_rows(model, xs).mean(0))

@@ -87,6 +87,7 @@ class CaptureMode(enum.Enum):
         model (``ReLU(inplace=True)``, in-place residual adds) do not reach the record.
     REFERENCE : keep the tensor itself (no copy, fastest). A later in-place change is
         detected through the tensor's version counter and warned about, naming the hook point.
+        Under ``torch.inference_mode`` tensors have no version counter: they are copied.
     """
 
     REFERENCE = "reference"
@@ -842,9 +843,12 @@ class Tracker:
 
         Each tensor has the activation's own shape and dtype (``storage_dtype`` if given),
         on the host (or the activation's device with ``StoragePolicy.GPU``). SNAPSHOT records
-        are the tracker's own copies (views into its staging arena, alive as long as you
-        hold them); REFERENCE records are the model's tensors, detached. Empty with
-        ``StoragePolicy.DISK`` (read the store) and ``ReductionPolicy.STREAMING``.
+        are the tracker's own copies (each owning exactly its bytes in a pooled staging slab,
+        alive as long as you hold them); REFERENCE records are the model's tensors, detached
+        (copies under ``torch.inference_mode``, where no version counter tells later
+        in-place changes). A hook point that repeats another's tensor (an alias) lists the
+        other's records. Empty with ``StoragePolicy.DISK`` (read the store) and
+        ``ReductionPolicy.STREAMING``.
         """
         if self._reference_mode:
             self._warn_changed(all_records=True)
