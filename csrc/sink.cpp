@@ -288,7 +288,11 @@ bool Sink::same_as_last(const at::Tensor& x, int64_t call, bool release) {
   std::lock_guard<std::mutex> lock(mu_);
   at::Tensor t = last_;
   if (release) last_ = at::Tensor();  // an alias checks each call once
-  if (!t.defined() || last_call_ != call) return false;
+  // No call counting: a forward that raised may have run the target without the alias. The
+  // kept reference pins the target's tensor, so its memory cannot be reused by another
+  // tensor, and identity plus an unchanged version (or bytes) is the whole test.
+  (void)call;
+  if (!t.defined()) return false;
   if (!x.storage().is_alias_of(t.storage()) || x.storage_offset() != t.storage_offset() ||
       x.sizes() != t.sizes() || x.strides() != t.strides() || x.scalar_type() != t.scalar_type() ||
       x.device() != t.device()) {

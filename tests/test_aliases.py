@@ -149,3 +149,38 @@ def test_resumed_store_keeps_its_aliases(tmp_path):
     assert s.aliases == {"0.output": "0.2.output"}
     torch.testing.assert_close(s["0.output"][:], ref, rtol=0, atol=0)
     torch.testing.assert_close(s.reductions["0.output"]["mean"], ref.double().mean(0))
+
+
+class _RaisesOnce(torch.nn.Module):
+    """Returns its input (so its output is an alias of the previous module's); raises once."""
+
+    def __init__(self, bad_call):
+        super().__init__()
+        self.bad_call, self.n = bad_call, 0
+
+    def forward(self, x):
+        self.n += 1
+        if self.n == self.bad_call:
+            raise RuntimeError("bad batch")
+        return x
+
+
+def test_forward_that_raises_between_target_and_alias(tmp_path):
+    # forward 1 runs the target (0.output) but raises before the alias (1.output): later
+    # forwards still pair each alias call with its target's call of the same forward
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), _RaisesOnce(2), torch.nn.Linear(4, 4))
+    xs = [torch.randn(2, 4) for _ in range(4)]
+    with pytest.warns(RuntimeWarning, match=r"forward 1 of the tracked model raised.*aliases of others \(\['1.output'\]\)"):
+        with torch.no_grad(), ActivationScope().track(m) as t:
+            for x in xs:
+                try:
+                    m(x)
+                except RuntimeError as e:
+                    assert str(e) == "bad batch"
+    acts = t.activations
+    assert t._aliases == {"1.output": "0.output"}
+    with torch.no_grad():
+        whole = [x for i, x in enumerate(xs) if i != 1]
+        _ = [torch.testing.assert_close(r, m[2](m[0](x)), rtol=0, atol=0) for r, x in zip(acts["2.output"], whole)]
+        assert len(acts["0.output"]) == 4  # the partial forward included, as the warning says

@@ -811,6 +811,9 @@ class Tracker:
             effect = ("Their records (and streaming reductions) include that partial forward, and in a "
                       "store their rows no longer line up with the sample row table (follows_row_table "
                       "becomes False).")
+        aliased = sorted(a for a, t in self._aliases.items() if not partial or t in partial)
+        if aliased:  # stored once with their target: they show what it recorded of that forward
+            effect += f" Hook points kept as aliases of others ({aliased}) show their target's records."
         warnings.warn(
             f"forward {k} of the tracked model raised and the exception was caught inside the capture; "
             f"{where}, the others did not. {effect} To keep every hook point aligned, let the exception "
