@@ -687,6 +687,8 @@ class Tracker:
         storage, offset, shape, strides, dtype, unchanged since), when storing both would
         duplicate bytes; None otherwise. On resume, a hook point stored as an array stays
         one, and one stored as an alias must be one again."""
+        if self.writer is not None and not getattr(self.writer, "supports_aliases", False):
+            return None  # a writer that cannot store aliases (a rank of a multi-rank capture)
         stored = self.writer.aliases if self.writer is not None else {}
         target = None
         if self._alias_candidates and not (self.writer is not None and self.writer.committed_rows(name)):

@@ -727,6 +727,9 @@ class RankWriter:
         self._live: dict = {}
         self._done = False
 
+    #: The merge of rank stores (commit_ranks) copies arrays only: every hook point keeps its own.
+    supports_aliases = False
+
     def __getattr__(self, name: str) -> Any:  # open_array, add_batch, maybe_commit, n_samples_committed, ...
         return getattr(self._inner, name)
 

@@ -867,6 +867,9 @@ class StoreWriter:
                 "kind": kind, "options": F.check_jsonable(dict(options or {}), "reduction options"), "state": keys,
                 **({} if n_rows is None else {"n_rows": int(n_rows)})}
 
+    #: Whether :meth:`add_alias` is available (a capture stores repeated tensors once).
+    supports_aliases: bool = True
+
     #: Names of the torch dtypes an array can hold (``"float32"``, ``"complex64"``, ...).
     supported_dtypes: tuple[str, ...] = F.SUPPORTED_DTYPES
 
