@@ -638,7 +638,11 @@ def test_native_extension_built_from_older_sources_is_refused(monkeypatch):
     monkeypatch.setattr(_native, "REQUIRED", ("is_token_rows", "no_such_native_function"))
     with pytest.raises(acs.NativeExtensionError, match=r"built from older sources \(it lacks \['no_such_native_function'\]\); rebuild"):
         _native.load()
-    monkeypatch.setattr(_native, "REQUIRED", ("is_token_rows",))
+    monkeypatch.setattr(_native, "_module", None)
+    monkeypatch.setattr(_native, "REQUIRED", ("is_token_rows", "Sink.no_such_method"))
+    with pytest.raises(acs.NativeExtensionError, match=r"it lacks \['Sink.no_such_method'\]"):
+        _native.load()
+    monkeypatch.setattr(_native, "REQUIRED", ("is_token_rows", "Sink.set_alias_of"))
     assert _native.load().is_token_rows is not None
 
 

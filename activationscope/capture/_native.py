@@ -13,7 +13,16 @@ _module: ModuleType | None = None
 
 #: Names the Python side calls that the newest native sources added: an extension built
 #: from older sources lacks them and is refused with the fix, not an AttributeError later.
-REQUIRED = ("is_token_rows",)
+REQUIRED = ("is_token_rows", "Sink.set_alias_of", "Sink.set_row_base")
+
+
+def _has(mod: ModuleType, dotted: str) -> bool:
+    obj: object = mod
+    for part in dotted.split("."):
+        if not hasattr(obj, part):
+            return False
+        obj = getattr(obj, part)
+    return True
 
 
 def load() -> ModuleType:
@@ -42,7 +51,7 @@ def load() -> ModuleType:
         raise NativeExtensionError(
             f"activationscope._C was built against torch {built} but torch {torch.__version__} is installed; {fix}"
         )
-    missing = [name for name in REQUIRED if not hasattr(mod, name)]
+    missing = [name for name in REQUIRED if not _has(mod, name)]
     if missing:
         raise NativeExtensionError(
             f"activationscope._C was built from older sources (it lacks {missing}); {fix}"
