@@ -12,10 +12,6 @@ from collections.abc import Callable
 from typing import Any
 
 
-class Skip(Exception):
-    """A mode cannot run here (a missing package or feature); the message says why."""
-
-
 def rss_bytes() -> int:
     """Current resident set size of this process, in bytes (from /proc/self/statm)."""
     try:

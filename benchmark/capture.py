@@ -1,6 +1,7 @@
 """Capture modes: each runs one workload's ``n_forwards`` forwards once per repeat.
 
-A mode has ``setup()`` (untimed, may raise :class:`Skip`), ``run(i)`` (repeat ``i``; timed,
+Each is registered with :func:`benchmark.registry.register_mode`. A mode has ``setup()``
+(untimed; only a missing optional package may raise :class:`~benchmark.registry.MissingOptional`), ``run(i)`` (repeat ``i``; timed,
 including attaching and removing hooks and, for disk modes, closing / flushing files),
 ``describe()`` (untimed, after the first repeat: bytes captured, hook points, ...) and
 ``reset()`` (untimed, between repeats: drops the records and deletes files).
@@ -18,7 +19,8 @@ import torch
 
 from activationscope.sizes import dir_bytes
 
-from ._util import Skip, remove
+from ._util import remove
+from .registry import register_mode, require_optional
 from .workloads import Workload
 
 REDUCTIONS = ["mean", "var", "min", "max"]
@@ -44,12 +46,10 @@ def selected_modules(wl: Workload) -> list[tuple[str, torch.nn.Module]]:
     return select_modules(wl.model, wl.include, None)
 
 
-def require_store() -> None:
-    try:
-        import activationscope.store  # noqa: F401
-        from activationscope.store import StoreWriter  # noqa: F401
-    except Exception as e:  # ImportError, or a half-written module
-        raise Skip(f"activationscope.store is not importable yet ({type(e).__name__}: {e})") from e
+#: Workloads of the ActivationScope modes (every model workload).
+ALL = "*"
+#: The model workloads where naive hooks and in-memory captures are compared.
+CLASSIC = ("toy", "resnet18", "minilm")
 
 
 class Mode:
@@ -81,9 +81,10 @@ class Mode:
             tracker.set_batch(attention_mask=m)
 
 
+@register_mode("plain", workloads=ALL, position=-1, doc="the model's forward, no hooks: the baseline of every ratio")
+@register_mode("plain_end", workloads=ALL, position=1, quick=("toy",),
+               doc="plain again, last of the workload: shows drift of the machine during the run")
 class Plain(Mode):
-    name = "plain"
-    doc = "the model's forward, no hooks"
 
     def run(self, i: int) -> None:
         wl = self.wl
@@ -131,9 +132,10 @@ class _HookCollector:
         self.handles.clear()
 
 
+@register_mode("naive_clone", workloads=CLASSIC, quick=("toy",),
+               doc="Python register_forward_hook(..., with_kwargs=True) on the same modules, detach().clone() of "
+               "every tensor into per-hook-point lists (token rows: t[mask], which copies)")
 class NaiveClone(Mode):
-    name = "naive_clone"
-    doc = "Python register_forward_hook on the same modules, detach().clone() into lists"
 
     def run(self, i: int) -> None:
         wl = self.wl
@@ -221,7 +223,6 @@ class ScopeStore(Mode):
         self.compression = compression
 
     def setup(self) -> None:
-        require_store()
         import activationscope as acs
 
         self.acs = acs
@@ -243,11 +244,8 @@ class ScopeStore(Mode):
 
     def describe(self) -> dict[str, Any]:
         out: dict[str, Any] = {"stored_bytes": dir_bytes(self.path), "n_hook_points": len(self.tracker.hook_points)}
-        try:
-            store = self.acs.open_store(self.path)
-            out["captured_bytes"] = int(sum(store[hp].nbytes for hp in store.hook_points))
-        except Exception as e:  # the reader may not be there yet
-            out["note"] = f"could not read the store back to count bytes ({type(e).__name__}: {e})"
+        store = self.acs.open_store(self.path)  # an unreadable store is an error of the run
+        out["captured_bytes"] = int(sum(store[hp].nbytes for hp in store.hook_points))
         return out
 
     def reset(self) -> None:
@@ -255,6 +253,20 @@ class ScopeStore(Mode):
         if self.path:
             remove(self.path)
 
+
+register_mode("scope_snapshot", workloads=ALL, quick=("toy", "resnet18"), doc="ActivationScope in memory, CaptureMode.SNAPSHOT (copies)")(
+    lambda wl, ctx: ScopeMemory(wl, ctx, "SNAPSHOT"))
+register_mode("scope_reference", workloads=CLASSIC, quick=("toy",),
+              doc="ActivationScope in memory, CaptureMode.REFERENCE (keeps the model's tensors, no copy)")(
+    lambda wl, ctx: ScopeMemory(wl, ctx, "REFERENCE"))
+register_mode("scope_reductions", workloads=CLASSIC, quick=("toy",),
+              doc="ActivationScope reductions=['mean','var','min','max'], ReductionPolicy.STREAMING: every hook "
+              "point reduced, nothing stored")(lambda wl, ctx: ScopeMemory(wl, ctx, "SNAPSHOT", reductions=True))
+register_mode("scope_store", workloads=ALL,
+              doc="ActivationScope(store=path): streamed into an uncompressed store on disk; the repeat includes "
+              "closing the store")(lambda wl, ctx: ScopeStore(wl, ctx, None))
+register_mode("scope_store_zstd", workloads=CLASSIC, quick=False,
+              doc="the same with store_options={'compression': 'zstd'}")(lambda wl, ctx: ScopeStore(wl, ctx, "zstd"))
 
 class _PerBatchFiles(Mode):
     """Base of the hand-written disk alternatives: hooks keep references for one forward."""
@@ -290,31 +302,65 @@ def _fsync_close(f) -> None:
     f.close()
 
 
+@register_mode("torch_save", workloads=("toy", "transformer_all"), quick=("toy",),
+               doc="hooks keep references for one forward, then torch.save({hook point: tensor}, batch-N.pt): "
+               "one file per batch (torch.save writes a storage shared by several hook points once: a module's "
+               "input that is the previous module's output)")
 class TorchSave(_PerBatchFiles):
-    name = "torch_save"
-    doc = "hooks keep references; torch.save({hook point: tensor}) to one file per batch"
-
     def run(self, i: int) -> None:
         self.dir = os.path.join(self.workdir, f"torch_save-{i}")
         os.makedirs(self.dir)
 
         def save(f: int, batch: dict[str, torch.Tensor]) -> None:
             path = os.path.join(self.dir, f"batch-{f:06d}.pt")
-            if self.fsync:
-                with open(path, "wb") as fh:
-                    torch.save(batch, fh)
+            with open(path, "wb") as fh:
+                torch.save(batch, fh)
+                if self.fsync:
                     fh.flush()
                     os.fsync(fh.fileno())
-            else:
-                torch.save(batch, path)
 
         self._forwards(save)
 
 
-class NpSave(_PerBatchFiles):
-    name = "np_save"
-    doc = "hooks keep references; np.save appended to one open .npy-stream file per hook point"
+@register_mode("safetensors_save", workloads=("toy", "transformer_all"), optional=True, quick=False,
+               doc="hooks keep references for one forward, then safetensors.torch.save_file({hook point: tensor}, "
+               "batch-N.safetensors): one file per batch (optional `bench` extra)")
+class SafetensorsSave(_PerBatchFiles):
+    def setup(self) -> None:
+        require_optional("safetensors", "bench")
+        from safetensors.torch import save_file
 
+        self.save_file = save_file
+
+    def run(self, i: int) -> None:
+        self.dir = os.path.join(self.workdir, f"safetensors-{i}")
+        os.makedirs(self.dir)
+
+        def save(f: int, batch: dict[str, torch.Tensor]) -> None:
+            path = os.path.join(self.dir, f"batch-{f:06d}.safetensors")
+            # safetensors refuses tensors that share memory (a module's input is the previous
+            # module's output): those are cloned, so every hook point is written, as the store does
+            seen: set[int] = set()
+            out = {}
+            for k, v in batch.items():
+                ptr = v.untyped_storage().data_ptr()
+                out[k] = v.clone() if ptr in seen else v.contiguous()
+                seen.add(ptr)
+            self.save_file(out, path)
+            if self.fsync:
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+
+        self._forwards(save)
+
+
+@register_mode("np_save", workloads=("toy",), quick=False,
+               doc="hooks keep references, then np.save of each tensor appended to one open .npys file per hook "
+               "point (the appending np.save pattern)")
+class NpSave(_PerBatchFiles):
     def run(self, i: int) -> None:
         import numpy as np
 
@@ -336,37 +382,88 @@ class NpSave(_PerBatchFiles):
                 _fsync_close(fh) if self.fsync else fh.close()
 
 
-class ZarrAppend(_PerBatchFiles):
-    name = "zarr_append"
-    doc = "hooks keep references; zarr-python Array.append per batch, one uncompressed array per hook point"
+def store_layout(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[int, int]:
+    """(chunk rows, chunks per shard) ActivationScope's store gives rows of this shape and dtype."""
+    from activationscope.store import _format as F
+
+    return F.chunk_layout(tuple(shape), str(dtype).replace("torch.", ""), None, None)
+
+
+class _Zarr(_PerBatchFiles):
+    """zarr-python (v3), one uncompressed array per hook point, with the store's chunk rows.
+
+    ``append``: ``Array.append`` of every batch (zarr-python rewrites the partial last chunk).
+    ``chunked``: arrays pre-sized to the repeat's rows; each hook point's rows are buffered
+    to whole chunks and written chunk-aligned (``a[start:stop] = block``): no read-modify-write.
+    ``sharded``: the same, into arrays with the store's chunk *and* shard sizes (zarr-python
+    reads and rewrites the whole shard on every partial-shard write).
+    """
+
+    def __init__(self, wl: Workload, ctx: dict[str, Any], how: str) -> None:
+        super().__init__(wl, ctx)
+        self.how = how
 
     def setup(self) -> None:
-        try:
-            import zarr  # noqa: F401
-        except ImportError as e:
-            raise Skip(f"zarr-python is not installed ({e})") from e
+        import zarr  # noqa: F401  (a dependency of the store)
+
+        self.rows_total = sum(self.wl.rows(f) for f in range(self.wl.n_forwards))
 
     def run(self, i: int) -> None:
+        import numpy as np
         import zarr
 
-        self.dir = os.path.join(self.workdir, f"zarr_append-{i}.zarr")
+        self.dir = os.path.join(self.workdir, f"zarr_{self.how}-{i}.zarr")
         group = zarr.open_group(self.dir, mode="w")
         arrays: dict[str, Any] = {}
+        pending: dict[str, list[Any]] = defaultdict(list)
+        written: dict[str, int] = defaultdict(int)
+        chunk_rows: dict[str, int] = {}
+
+        def flush(name: str) -> None:
+            block = np.concatenate(pending[name]) if len(pending[name]) > 1 else pending[name][0]
+            s = written[name]
+            arrays[name][s : s + block.shape[0]] = block
+            written[name] = s + block.shape[0]
+            pending[name].clear()
 
         def save(f: int, batch: dict[str, torch.Tensor]) -> None:
             for name, t in batch.items():
-                a = arrays.get(name)
                 x = t.numpy()
+                a = arrays.get(name)
                 if a is None:
-                    a = arrays[name] = group.create_array(
-                        name, shape=(0, *x.shape[1:]), chunks=(max(1, x.shape[0]), *x.shape[1:]),
-                        dtype=x.dtype, compressors=None,
-                    )
-                a.append(x)
+                    cr, sc = store_layout(x.shape[1:], t.dtype)
+                    chunk_rows[name] = cr
+                    shape = (0 if self.how == "append" else self.rows_total, *x.shape[1:])
+                    chunks = (cr, *x.shape[1:])
+                    shards = (cr * sc, *x.shape[1:]) if self.how == "sharded" else None
+                    a = arrays[name] = group.create_array(name, shape=shape, chunks=chunks, shards=shards,
+                                                          dtype=x.dtype, compressors=None)
+                if self.how == "append":
+                    a.append(x)
+                    continue
+                pending[name].append(x.copy())  # the model may reuse its buffers next forward
+                if sum(p.shape[0] for p in pending[name]) >= chunk_rows[name]:
+                    flush(name)
 
         self._forwards(save)
+        for name in arrays:
+            if pending[name]:
+                flush(name)
         if self.fsync:
             _fsync_tree(self.dir)
+
+
+register_mode("zarr_append", workloads=("toy",), quick=False,
+              doc="hooks keep references, then zarr-python Array.append per batch into one uncompressed array per "
+              "hook point, chunks of the store's chunk rows (256 rows here), no shards")(
+    lambda wl, ctx: _Zarr(wl, ctx, "append"))
+register_mode("zarr_chunked", workloads=("toy",),
+              doc="zarr-python, arrays pre-sized to the repeat's rows with the store's chunk rows, rows buffered "
+              "to whole chunks and written chunk-aligned (no read-modify-write), no shards")(
+    lambda wl, ctx: _Zarr(wl, ctx, "chunked"))
+register_mode("zarr_sharded", workloads=("toy",), slow=True, quick=False,
+              doc="the same with the store's chunk and shard sizes (zarr-python rewrites the whole shard on each "
+              "partial-shard write)")(lambda wl, ctx: _Zarr(wl, ctx, "sharded"))
 
 
 def _fsync_tree(path: str) -> None:
@@ -377,87 +474,6 @@ def _fsync_tree(path: str) -> None:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-
-
-class NNsightMode(Mode):
-    name = "nnsight"
-    doc = "nnsight NNsight(model).trace(x) saving every selected module's input and/or output"
-
-    def setup(self) -> None:
-        if importlib.util.find_spec("nnsight") is None:
-            raise Skip("nnsight is not installed (optional `bench` extra: pip install nnsight)")
-        from nnsight import NNsight
-
-        self.nm = NNsight(self.wl.model)
-        self.envoys = []
-        for name, _mod in selected_modules(self.wl):
-            env = self.nm
-            for part in name.split("."):
-                env = getattr(env, part)
-            self.envoys.append(env)
-
-    def run(self, i: int) -> None:
-        wl = self.wl
-        saved = []
-        for f in range(wl.n_forwards):
-            b = wl.batch(f)
-            with self.nm.trace(**b) if isinstance(b, dict) else self.nm.trace(b):
-                for env in self.envoys:
-                    if wl.capture in ("input", "both"):
-                        saved.append(env.input.save())
-                    if wl.capture in ("output", "both"):
-                        saved.append(env.output.save())
-        self.saved = saved
-
-    def describe(self) -> dict[str, Any]:
-        total = 0
-        for s in self.saved:
-            v = getattr(s, "value", s)
-            total += sum(t.nbytes for t in leaf_tensors(v))
-        return {"captured_bytes": total}
-
-    def reset(self) -> None:
-        self.saved = None
-
-
-class TorchLensMode(Mode):
-    name = "torchlens"
-    doc = ("TorchLens trace(model, x) (2.x; log_forward_pass(..., layers_to_save='all') before) per forward, "
-           "saving every op's output (every op, not only modules)")
-
-    def setup(self) -> None:
-        if importlib.util.find_spec("torchlens") is None:
-            raise Skip("TorchLens is not installed (optional `bench` extra: pip install torchlens)")
-        import torchlens
-
-        self.tl = torchlens
-
-    def run(self, i: int) -> None:
-        wl = self.wl
-        logs = []
-        trace = getattr(self.tl, "trace", None)
-        for f in range(wl.n_forwards):
-            b = wl.batch(f)
-            if trace is not None:  # TorchLens 2.x: saves every op's output by default
-                logs.append(trace(wl.model, None, input_kwargs=b) if isinstance(b, dict) else trace(wl.model, b))
-            else:
-                x = b if not isinstance(b, dict) else [b]
-                logs.append(self.tl.log_forward_pass(wl.model, x, layers_to_save="all", vis_opt="none"))
-        self.logs = logs
-
-    def describe(self) -> dict[str, Any]:
-        """Bytes TorchLens saved (every op's output, so more than the modules' outputs)."""
-        total = 0
-        for log in self.logs or []:
-            for layer in getattr(log, "layer_list", []):
-                v = getattr(layer, "out", None)
-                if v is None:
-                    v = getattr(layer, "tensor_contents", None)
-                total += sum(t.nbytes for t in leaf_tensors(v)) if v is not None else 0
-        return {"captured_bytes": total} if total else {}
-
-    def reset(self) -> None:
-        self.logs = None
 
 
 def _bytes_per_forward(wl: Workload) -> list[int]:
@@ -542,57 +558,8 @@ class RawWrite(Mode):
         remove(self.path)
 
 
-def make(mode: str, wl: Workload, ctx: dict[str, Any]) -> Mode:
-    """The capture mode called ``mode`` (see :data:`CAPTURE_MODES`)."""
-    if mode in ("plain", "plain_end"):
-        return Plain(wl, ctx)
-    if mode == "naive_clone":
-        return NaiveClone(wl, ctx)
-    if mode == "scope_snapshot":
-        return ScopeMemory(wl, ctx, "SNAPSHOT")
-    if mode == "scope_reference":
-        return ScopeMemory(wl, ctx, "REFERENCE")
-    if mode == "scope_reductions":
-        return ScopeMemory(wl, ctx, "SNAPSHOT", reductions=True)
-    if mode == "scope_store":
-        return ScopeStore(wl, ctx, None)
-    if mode == "scope_store_zstd":
-        return ScopeStore(wl, ctx, "zstd")
-    if mode == "torch_save":
-        return TorchSave(wl, ctx)
-    if mode == "np_save":
-        return NpSave(wl, ctx)
-    if mode == "zarr_append":
-        return ZarrAppend(wl, ctx)
-    if mode == "nnsight":
-        return NNsightMode(wl, ctx)
-    if mode == "torchlens":
-        return TorchLensMode(wl, ctx)
-    if mode == "memcpy":
-        return Memcpy(wl, ctx)
-    if mode == "raw_write":
-        return RawWrite(wl, ctx, fsync=False)
-    if mode == "raw_write_fsync":
-        return RawWrite(wl, ctx, fsync=True)
-    raise ValueError(f"capture mode must be one of {list(CAPTURE_MODES)}, got {mode!r}")
-
-
-# mode name -> what it does (the README's table follows this)
-CAPTURE_MODES = {
-    "plain": "the model's forward, no hooks (the baseline of every ratio)",
-    "naive_clone": NaiveClone.doc,
-    "scope_snapshot": "ActivationScope in memory, CaptureMode.SNAPSHOT (copies)",
-    "scope_reference": "ActivationScope in memory, CaptureMode.REFERENCE (keeps the tensors)",
-    "scope_store": "ActivationScope(store=path): streamed into an uncompressed store on disk",
-    "scope_store_zstd": "ActivationScope(store=path, store_options={'compression': 'zstd'})",
-    "torch_save": TorchSave.doc,
-    "np_save": NpSave.doc,
-    "zarr_append": ZarrAppend.doc,
-    "nnsight": NNsightMode.doc,
-    "torchlens": TorchLensMode.doc,
-    "scope_reductions": "ActivationScope reductions=['mean','var','min','max'], ReductionPolicy.STREAMING, nothing stored",
-    "memcpy": Memcpy.doc,
-    "raw_write": RawWrite.doc + ", closed, no fsync (page cache)",
-    "raw_write_fsync": RawWrite.doc + ", fsync before close",
-    "plain_end": "plain again, last of the workload: shows drift of the machine during the run",
-}
+register_mode("memcpy", workloads=("toy",), quick=("toy",), doc=Memcpy.doc)(Memcpy)
+register_mode("raw_write", workloads=("toy",), doc=RawWrite.doc + ", closed, no fsync (page cache)")(
+    lambda wl, ctx: RawWrite(wl, ctx, fsync=False))
+register_mode("raw_write_fsync", workloads=("toy",), quick=False, doc=RawWrite.doc + ", fsync before close")(
+    lambda wl, ctx: RawWrite(wl, ctx, fsync=True))

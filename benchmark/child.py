@@ -27,7 +27,7 @@ def _pin_threads(n: int) -> None:
 
 
 def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
-    from . import _util
+    from . import _util, registry
 
     rec: dict[str, Any] = {"workload": spec["workload"], "mode": spec["mode"], "status": "ok", "note": ""}
     t_start = time.perf_counter()
@@ -36,16 +36,17 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
 
         _pin_threads(spec["threads"])
         torch.set_grad_enabled(False)
-        if spec["workload"] == "readback":
-            from . import readback
-
-            mode = readback.make(spec["mode"], spec["params"], spec["ctx"])
+        registry.load_all()
+        wspec = registry.WORKLOADS[spec["workload"]]
+        mspec = registry.MODES[spec["mode"]]
+        if wspec.kind == "data":
+            mode = mspec.factory(spec["params"], spec["ctx"])
             rec["n_forwards"] = None
         else:
-            from . import capture, workloads
+            from . import workloads
 
             wl = workloads.build(spec["workload"], spec["params"])
-            mode = capture.make(spec["mode"], wl, spec["ctx"])
+            mode = mspec.factory(wl, spec["ctx"])
             rec["n_forwards"] = wl.n_forwards
             rec["rows_per_repeat"] = sum(wl.rows(f) for f in range(wl.n_forwards))
         mode.setup()
@@ -70,7 +71,7 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
         for key in ("captured_bytes", "stored_bytes", "n_hook_points"):
             if key in info:
                 rec[key] = info.pop(key)
-    except _util.Skip as e:
+    except registry.MissingOptional as e:
         rec.update(status="skipped", note=str(e))
     except Exception as e:
         rec.update(status="error", note=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-4000:])

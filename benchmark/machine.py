@@ -18,6 +18,23 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+PACKAGES = ("activationscope", "numpy", "zarr", "nnsight", "torchlens", "sae-lens", "transformer-lens", "safetensors",
+            "datasets", "transformers")
+
+
+def package_versions() -> dict[str, str | None]:
+    """Installed versions of the library and the peers (None: not installed)."""
+    from importlib import metadata
+
+    out: dict[str, str | None] = {}
+    for name in PACKAGES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
 def describe(threads: int) -> dict[str, Any]:
     """Machine facts printed at the top of a run and stored under ``machine`` in the JSON."""
     import numpy
@@ -45,4 +62,5 @@ def describe(threads: int) -> dict[str, Any]:
         "torch_threads": threads,
         "torch_interop_threads": 1,
         "torch_config_parallel": torch.__config__.parallel_info().splitlines()[0:3],
+        "packages": package_versions(),
     }

@@ -2,7 +2,12 @@
 
 Stores (built by the ``build_raw`` / ``build_zstd`` modes into ``ctx["readback_dir"]``):
 one hook point, rows of 256 float32 (1 KiB per row), ``layer_bytes`` in all, written by
-ActivationScope from a ``Linear(256, 256)`` on random inputs.
+ActivationScope from a ``Linear(256, 256)`` on random inputs; ``build_hf`` converts the
+uncompressed store to an HF ``datasets`` Arrow dataset on disk (``save_to_disk``).
+
+Every timed batch is consumed by :func:`consume`: copied into a training-sized buffer and
+summed, for every dataset alike, so each byte is really read; the running sum is the
+epoch's checksum, which must agree between the datasets of one order (the same rows).
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ import torch
 
 from activationscope.sizes import dir_bytes
 
-from ._util import Skip, remove, rss_bytes
+from ._util import remove, rss_bytes
+from .registry import MissingOptional, add_mode, ModeSpec, WorkloadSpec, register_workload, require_optional
 
 WIDTH = 256
 BUILD_BATCH = 8192
@@ -27,32 +33,15 @@ def store_path(ctx: dict[str, Any], compression: str | None) -> str:
     return os.path.join(ctx["readback_dir"], f"layer-{compression or 'raw'}.zarr")
 
 
-def _require(feature: str) -> Any:
-    """Import a read-side feature of the library, or skip naming what is missing."""
-    try:
-        import activationscope as acs
-
-        if feature == "open_store":
-            return acs.open_store
-        if feature == "ActivationDataset":
-            return acs.ActivationDataset
-        if feature == "StoreWriter":
-            from activationscope.store import StoreWriter
-
-            return StoreWriter
-    except Exception as e:
-        raise Skip(f"activationscope.{feature} is not importable yet ({type(e).__name__}: {e})") from e
-    raise ValueError(feature)
-
-
 def _open_hook_point(path: str) -> tuple[Any, str]:
     """The store and its (only) hook point, without touching the layer."""
-    open_store = _require("open_store")
+    from activationscope import open_store
+
     if not os.path.exists(path):
-        raise Skip(f"the read-back store {path} was not built (see the build_* modes' notes)")
+        raise RuntimeError(f"the read-back store {path} was not built (see the build_* records)")
     store = open_store(path)
     if not store.hook_points:
-        raise Skip(f"the read-back store {path} holds no hook point (did its build fail? see build_*)")
+        raise RuntimeError(f"the read-back store {path} holds no hook point (did its build fail? see build_*)")
     return store, store.hook_points[0]
 
 
@@ -81,7 +70,6 @@ class Build:
         self.params, self.ctx, self.compression = params, ctx, compression
 
     def setup(self) -> None:
-        _require("StoreWriter")
         import activationscope as acs
 
         self.acs = acs
@@ -121,10 +109,9 @@ class OpenLayer:
         self.held = None
 
     def setup(self) -> None:
-        _require("open_store")
         self.path = store_path(self.ctx, None)
         if not os.path.exists(self.path):
-            raise Skip(f"the read-back store {self.path} was not built (see the build_raw note)")
+            raise RuntimeError(f"the read-back store {self.path} was not built (see the build_raw record)")
         # import the reader's modules now: their code is not the layer's memory
         import activationscope.store  # noqa: F401
         import numpy  # noqa: F401
@@ -162,7 +149,7 @@ class RowLatency:
         self.lat: list[list[float]] = []
 
     def setup(self) -> None:
-        self.ds, self.n_rows = _dataset(self.dataset, self.ctx)
+        self.ds, self.n_rows, _collate = _dataset(self.dataset, self.ctx)
         g = torch.Generator().manual_seed(1)
         self.idx = torch.randint(0, self.n_rows, (self.params["latency_rows"],), generator=g).tolist()
 
@@ -193,28 +180,86 @@ class RowLatency:
         }
 
 
-def _dataset(kind: str, ctx: dict[str, Any]) -> tuple[Any, int]:
-    """(dataset, n_rows) for ``tensor`` (TensorDataset in RAM), ``acs`` or ``acs_zstd``."""
-    if kind == "tensor":
+class BatchedTensor(torch.utils.data.Dataset):
+    """The fair in-RAM baseline: whole batches by indexing the tensor (``__getitems__``).
+
+    A contiguous batch (a ``range``) is a slice (a view); any other batch is one
+    ``index_select`` gather. With :func:`identity` as ``collate_fn`` the DataLoader hands the
+    batch tensor through as is: no per-row ``__getitem__``, no stacking.
+    """
+
+    def __init__(self, data: torch.Tensor) -> None:
+        self.data = data
+
+    def __len__(self) -> int:
+        return self.data.shape[0]
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.data[i]
+
+    def __getitems__(self, idx: Any) -> torch.Tensor:
+        if isinstance(idx, range) and idx.step == 1:
+            return self.data[idx.start : idx.stop]
+        return self.data.index_select(0, torch.as_tensor(idx, dtype=torch.long))
+
+
+class HFBatched(torch.utils.data.Dataset):
+    """HF ``datasets`` (torch format) read a batch at a time: ``ds[indices]["act"]``, as a
+    competent user of HF datasets would (one Arrow ``take`` per batch, no per-row access)."""
+
+    def __init__(self, path: str) -> None:
+        import datasets
+
+        self.path = path
+        self.ds = datasets.load_from_disk(path).with_format("torch")
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.ds[int(i)]["act"]
+
+    def __getitems__(self, idx: Any) -> torch.Tensor:
+        if isinstance(idx, range) and idx.step == 1:
+            return self.ds[idx.start : idx.stop]["act"]
+        return self.ds[list(idx)]["act"]
+
+
+def identity(batch: Any) -> Any:
+    """``collate_fn`` of the batched datasets: the batch is already one tensor."""
+    return batch
+
+
+def _dataset(kind: str, ctx: dict[str, Any]) -> tuple[Any, int, Any]:
+    """(dataset, n_rows, collate_fn) for ``tensor`` (TensorDataset in RAM, per-row
+    ``__getitem__`` + ``default_collate``), ``tensor_batched`` (the same rows in RAM, whole
+    batches), ``acs`` / ``acs_zstd`` (ActivationDataset) or ``hf`` (HF datasets)."""
+    if kind in ("tensor", "tensor_batched"):
         _store, _hp, layer = _open_layer(store_path(ctx, None))
         data = layer.clone()  # the same rows, in RAM
         del layer, _store
-        return torch.utils.data.TensorDataset(data), data.shape[0]
-    ActivationDataset = _require("ActivationDataset")
+        if kind == "tensor":
+            return torch.utils.data.TensorDataset(data), data.shape[0], None
+        return BatchedTensor(data), data.shape[0], identity
+    if kind == "hf":
+        require_optional("datasets", "bench", "HF datasets")
+        path = hf_path(ctx)
+        if not os.path.exists(path):
+            raise RuntimeError(f"the HF dataset {path} was not built (see the build_hf record)")
+        ds = HFBatched(path)
+        return ds, len(ds), identity
+    from activationscope import ActivationDataset
+
     path = store_path(ctx, "zstd" if kind == "acs_zstd" else None)
     if not os.path.exists(path):
-        raise Skip(f"the read-back store {path} was not built (see the build_* notes)")
+        raise RuntimeError(f"the read-back store {path} was not built (see the build_* records)")
     _store, hp = _open_hook_point(path)
     ds = ActivationDataset(path, hook_points=[hp])
-    return ds, len(ds)
+    return ds, len(ds), None
 
 
-def _sampler_classes() -> Any:
-    try:
-        from activationscope.data import ChunkShuffleBatchSampler, SequentialBatchSampler, ShuffledBatchSampler
-    except Exception as e:
-        raise Skip(f"activationscope.data batch samplers are not importable yet ({type(e).__name__}: {e})") from e
-    return SequentialBatchSampler, ShuffledBatchSampler, ChunkShuffleBatchSampler
+def hf_path(ctx: dict[str, Any]) -> str:
+    return os.path.join(ctx["readback_dir"], "layer-hf")
 
 
 def batches(kind: str, dl_rows: int, batch_size: int, ctx: dict[str, Any]) -> list[Any]:
@@ -225,14 +270,15 @@ def batches(kind: str, dl_rows: int, batch_size: int, ctx: dict[str, Any]) -> li
     given as ``batch_sampler`` to every dataset of one ordering, so each reads the same rows
     in the same batches. Shuffled orders are drawn over the whole layer.
     """
-    seq, shuf, chunk = _sampler_classes()
-    ds, _n = _dataset("acs", ctx)
+    from activationscope.data import ChunkShuffleBatchSampler, SequentialBatchSampler, ShuffledBatchSampler
+
+    ds, _n, _c = _dataset("acs", ctx)
     if kind == "sequential":
-        sampler = seq(ds, batch_size=batch_size)
+        sampler = SequentialBatchSampler(ds, batch_size=batch_size)
     elif kind == "shuffled":
-        sampler = shuf(ds, batch_size=batch_size, seed=0)
+        sampler = ShuffledBatchSampler(ds, batch_size=batch_size, seed=0)
     elif kind == "chunk_shuffled":
-        sampler = chunk(ds, batch_size=batch_size, seed=0)
+        sampler = ChunkShuffleBatchSampler(ds, batch_size=batch_size, seed=0)
     else:
         raise ValueError(f"order must be one of ['sequential', 'shuffled', 'chunk_shuffled'], got {kind!r}")
     out, rows = [], 0
@@ -244,8 +290,37 @@ def batches(kind: str, dl_rows: int, batch_size: int, ctx: dict[str, Any]) -> li
     return out
 
 
+def activations(batch: Any) -> torch.Tensor:
+    """The activation tensor of a batch: the tensor itself, or the dict's hook-point entry."""
+    if isinstance(batch, torch.Tensor):
+        return batch
+    if isinstance(batch, (list, tuple)) and len(batch) == 1 and isinstance(batch[0], torch.Tensor):
+        return batch[0]  # TensorDataset rows collate to [tensor]
+    if isinstance(batch, dict):
+        ts = [v for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() == 2]
+        if len(ts) == 1:
+            return ts[0]
+    raise TypeError(f"a read-back batch must be a (rows, 256) tensor or a dict holding one, got {type(batch)!r}")
+
+
+def consume(batch: Any, buf: torch.Tensor) -> tuple[int, float]:
+    """Consume one batch as a probe's training step would: copy it into the training-sized
+    buffer ``buf`` (every byte read) and sum the copy (every element used).
+
+    Returns (rows, sum of the batch in float64 over the float32 copy's per-row sums).
+    """
+    x = activations(batch)
+    n = x.shape[0]
+    if x.dim() != 2 or x.shape[1] != buf.shape[1]:
+        raise ValueError(f"a read-back batch must have shape (rows, {buf.shape[1]}), got {tuple(x.shape)}")
+    dst = buf[:n]
+    dst.copy_(x)
+    return n, float(dst.sum(dtype=torch.float64))
+
+
 class Loader:
-    """One epoch of ``dl_rows`` rows through ``torch.utils.data.DataLoader(batch_sampler=...)``."""
+    """One epoch of ``dl_rows`` rows through ``torch.utils.data.DataLoader(batch_sampler=...)``,
+    every batch consumed (:func:`consume`)."""
 
     def __init__(self, params: dict[str, Any], ctx: dict[str, Any], dataset: str, kind: str, workers: int) -> None:
         self.params, self.ctx = params, ctx
@@ -259,90 +334,116 @@ class Loader:
             # measure the rate on 1/64 of the epoch (the chunk-shuffled order is the fast one).
             self.batches = self.batches[: max(2, len(self.batches) // 64)]
             self.shortened = True
-        self.ds, self.n_rows = _dataset(self.dataset, self.ctx)
+        self.ds, self.n_rows, self.collate = _dataset(self.dataset, self.ctx)
+        self.buf = torch.empty(self.params["batch_size"], WIDTH)
+        self.buf.zero_()
         self.rows = 0
+        self.checksum = None
 
     def run(self, i: int) -> None:
-        dl = torch.utils.data.DataLoader(self.ds, batch_sampler=self.batches, num_workers=self.workers)
-        rows = 0
+        dl = torch.utils.data.DataLoader(self.ds, batch_sampler=self.batches, num_workers=self.workers,
+                                         collate_fn=self.collate)
+        rows, total = 0, 0.0
         for batch in dl:
-            rows += _first_tensor(batch).shape[0]
+            n, s = consume(batch, self.buf)
+            rows += n
+            total += s
         self.rows = rows
+        expected = sum(len(b) for b in self.batches)
+        if rows != expected:
+            raise RuntimeError(f"the epoch read {rows} rows, its batches hold {expected}")
+        if self.checksum is None:
+            self.checksum = total
+        elif total != self.checksum:
+            raise RuntimeError(f"repeat {i} read other values than the first (sum {total!r} != {self.checksum!r})")
 
     def describe(self) -> dict[str, Any]:
         return {"rows_per_epoch": self.rows, "batch_size": self.params["batch_size"], "num_workers": self.workers,
-                "n_batches": len(self.batches), "epoch_shortened": self.shortened}
+                "n_batches": len(self.batches), "epoch_shortened": self.shortened, "checksum": self.checksum}
 
     def reset(self) -> None:
         pass
 
 
-class HFDatasets:
-    """HF ``datasets`` over the library's Parquet export, through a DataLoader (sequential)."""
+class BuildHF:
+    """Convert the uncompressed store's layer to an HF ``datasets`` Arrow dataset on disk
+    (the library's Parquet export, ``Dataset.from_parquet``, ``save_to_disk``): a one-off."""
 
     def __init__(self, params: dict[str, Any], ctx: dict[str, Any]) -> None:
         self.params, self.ctx = params, ctx
 
     def setup(self) -> None:
-        if importlib.util.find_spec("datasets") is None:
-            raise Skip("HF datasets is not installed (pip install datasets); Parquet read-back skipped")
-        try:
-            import activationscope.data as data
-        except Exception as e:
-            raise Skip(f"activationscope.data is not importable yet ({type(e).__name__}: {e})") from e
-        if not hasattr(data, "export_parquet"):
-            raise Skip("activationscope.data.export_parquet is not there yet")
+        require_optional("datasets", "bench", "HF datasets")
         import datasets
 
-        src = store_path(self.ctx, None)
-        _store, hp = _open_hook_point(src)
-        out = os.path.join(self.ctx["readback_dir"], "export.parquet")
-        remove(out)
-        # plain lists: HF datasets does not take Arrow's fixed-shape tensor extension type
-        data.export_parquet(src, out, hook_points=[hp], rows=slice(0, self.params["dl_rows"]),
-                            tensor_type="fixed_size_list", compression=None)
-        self.ds = datasets.load_dataset("parquet", data_files=[out], split="train").with_format("torch")
-        self.n = min(self.params["dl_rows"], len(self.ds))
+        from activationscope.data import export_parquet
+
+        datasets.disable_progress_bars()
+        self.datasets, self.export_parquet = datasets, export_parquet
+        self.src = store_path(self.ctx, None)
+        self.out = hf_path(self.ctx)
+        self.parquet = os.path.join(self.ctx["readback_dir"], "export.parquet")
+        remove(self.out)
 
     def run(self, i: int) -> None:
-        dl = torch.utils.data.DataLoader(self.ds, batch_size=self.params["batch_size"], sampler=range(self.n))
-        for _batch in dl:
-            pass
+        _store, hp = _open_hook_point(self.src)
+        # plain lists: HF datasets does not take Arrow's fixed-shape tensor extension type
+        self.export_parquet(self.src, self.parquet, hook_points=[hp], tensor_type="fixed_size_list",
+                            compression=None)
+        ds = self.datasets.Dataset.from_parquet(self.parquet, cache_dir=os.path.join(self.ctx["readback_dir"], "hf-cache"))
+        cols = [c for c in ds.column_names if c != hp]
+        ds = ds.remove_columns(cols).rename_column(hp, "act")
+        ds.save_to_disk(self.out)
+        remove(self.parquet)
+        remove(os.path.join(self.ctx["readback_dir"], "hf-cache"))
 
     def describe(self) -> dict[str, Any]:
-        return {"rows_per_epoch": self.n}
+        n = len(self.datasets.load_from_disk(self.out))
+        return {"rows": n, "captured_bytes": n * WIDTH * 4, "stored_bytes": dir_bytes(self.out)}
 
     def reset(self) -> None:
         pass
 
 
-def make(mode: str, params: dict[str, Any], ctx: dict[str, Any]) -> Any:
-    if mode == "build_raw":
-        return Build(params, ctx, None)
-    if mode == "build_zstd":
-        return Build(params, ctx, "zstd")
-    if mode == "open_layer":
-        return OpenLayer(params, ctx)
-    if mode.startswith("row_latency:"):
-        return RowLatency(params, ctx, mode.split(":", 1)[1])
-    if mode.startswith("dl:"):
-        _, dataset, kind, workers = mode.split(":")
-        return Loader(params, ctx, dataset, kind, int(workers[1:]))
-    if mode == "hf_datasets":
-        return HFDatasets(params, ctx)
-    raise ValueError(f"unknown read-back mode {mode!r}")
-
-
-DATASETS = ("tensor", "acs", "acs_zstd")
+DATASETS = ("tensor", "tensor_batched", "acs", "acs_zstd", "hf")
 ORDERS = ("sequential", "shuffled", "chunk_shuffled")
 WORKERS = (0, 2)
+OPTIONAL_DATASETS = {"hf"}
+
+register_workload(WorkloadSpec(
+    "readback", "data", None,
+    {"full": {"layer_bytes": 1 << 30, "dl_rows": 1 << 18, "batch_size": 256, "latency_rows": 2000},
+     "quick": {"layer_bytes": 64 << 20, "dl_rows": 1 << 14, "batch_size": 256, "latency_rows": 200}},
+    "one layer (rows of 256 float32) captured once into an uncompressed and a zstd store, read back",
+    repeats={"full": 3},
+    describe=lambda p: f"one layer of {p['layer_bytes'] / (1 << 20):.0f} MiB (rows of 256 float32), epochs of "
+    f"{p['dl_rows']} rows, batch {p['batch_size']}, every batch consumed"))
 
 
-def modes(workers: tuple[int, ...] = WORKERS) -> list[str]:
-    out = ["build_raw", "build_zstd", "open_layer", "row_latency:tensor", "row_latency:acs", "row_latency:acs_zstd"]
-    for kind in ORDERS:
-        for w in workers:
-            for ds in DATASETS:
-                out.append(f"dl:{ds}:{kind}:w{w}")
-    out.append("hf_datasets")
-    return out
+def _reg(name: str, factory: Any, doc: str, **kw: Any) -> None:
+    add_mode(ModeSpec(name=name, factory=factory, workloads=("readback",), doc=doc, **kw))
+
+
+_reg("build_raw", lambda p, c: Build(p, c, None), "capture the layer into an uncompressed store (a one-off, timed once)",
+     repeats=0, timeout="build_timeout_s")
+_reg("build_zstd", lambda p, c: Build(p, c, "zstd"), "the same into a zstd store", repeats=0,
+     timeout="build_timeout_s", needs=("build_raw",), quick=False)
+_reg("build_hf", BuildHF, "convert the uncompressed layer to an HF datasets Arrow dataset (export_parquet, "
+     "Dataset.from_parquet, save_to_disk; a one-off)", repeats=0, timeout="build_timeout_s", optional=True,
+     needs=("build_raw",))
+_reg("open_layer", OpenLayer, "open_store(path) then store[hook_point] (a zero-copy tensor of the whole layer)",
+     repeats=20, needs=("build_raw",))
+for _ds in ("tensor", "acs", "acs_zstd"):
+    _reg(f"row_latency:{_ds}", lambda p, c, _ds=_ds: RowLatency(p, c, _ds),
+         "random single rows one at a time, ds[i] then .clone()", quick=False,
+         needs=("build_raw",) + (("build_zstd",) if _ds == "acs_zstd" else ()))
+for _kind in ORDERS:
+    for _w in WORKERS:
+        for _ds in DATASETS:
+            _quick = _w == 0 and (_ds in ("tensor_batched", "acs") or (_kind == "sequential" and _ds == "hf"))
+            _needs = ("build_raw",) + (("build_zstd",) if _ds == "acs_zstd" else ()) + (
+                ("build_hf",) if _ds == "hf" else ())
+            _reg(f"dl:{_ds}:{_kind}:w{_w}",
+                 lambda p, c, _ds=_ds, _kind=_kind, _w=_w: Loader(p, c, _ds, _kind, _w),
+                 f"one epoch through DataLoader, {_kind}, num_workers={_w}, every batch consumed",
+                 quick=_quick, optional=_ds in OPTIONAL_DATASETS, needs=_needs)

@@ -25,67 +25,26 @@ from typing import Any
 from activationscope.sizes import format_bytes as fmt_bytes
 
 from . import goals as goals_mod
-from . import readback
+from . import registry
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
-TOY_MODES = [
-    "plain", "naive_clone", "scope_snapshot", "scope_reference", "scope_reductions",
-    "scope_store", "scope_store_zstd", "torch_save", "np_save", "zarr_append",
-    "nnsight", "torchlens", "memcpy", "raw_write", "raw_write_fsync", "plain_end",
-]
-MODEL_MODES = ["plain", "naive_clone", "scope_snapshot", "scope_reference", "scope_reductions",
-               "scope_store", "scope_store_zstd", "plain_end"]
-STORE_MODES = {"scope_store", "scope_store_zstd"}
-
+#: How each profile runs (workload parameters live with each workload's registration).
 PROFILES: dict[str, dict[str, Any]] = {
-    "full": {
-        "toy": {"n_forwards": 200, "batch": 32},
-        "resnet18": {"n_forwards": 10, "batch": 8},
-        "minilm": {"n_passes": 1, "batch": 32},
-        "readback": {"layer_bytes": 1 << 30, "dl_rows": 1 << 18, "batch_size": 256, "latency_rows": 2000},
-        "repeats": 5, "budget_s": 25.0, "slow_budget_s": 5.0, "open_repeats": 20, "child_timeout_s": 300,
-        "build_timeout_s": 120, "repeats_by_workload": {"minilm": 3, "resnet18": 3, "readback": 3},
-        "readback_workers": (0, 2),
-    },
-    "quick": {
-        "toy": {"n_forwards": 20, "batch": 32},
-        "resnet18": {"n_forwards": 2, "batch": 2},
-        "minilm": {"n_passes": 1, "batch": 32, "max_sentences": 32},
-        "readback": {"layer_bytes": 64 << 20, "dl_rows": 1 << 14, "batch_size": 256, "latency_rows": 200},
-        "repeats": 2, "budget_s": 3.0, "slow_budget_s": 1.0, "open_repeats": 5, "child_timeout_s": 60,
-        "build_timeout_s": 30,
-        "readback_workers": (0, 2),
-        # fewer children to stay under 2 minutes (each costs ~2 s of imports)
-        "modes": {
-            "resnet18": ["plain", "scope_snapshot", "scope_store"],
-            "minilm": ["plain", "naive_clone", "scope_snapshot", "scope_store"],
-            "readback": ["build_raw", "build_zstd", "open_layer", "row_latency:acs", "row_latency:acs_zstd",
-                         "dl:tensor:*:w0", "dl:acs:*:w0", "dl:acs_zstd:sequential:w0",
-                         "dl:tensor:sequential:w2", "dl:acs:sequential:w2"],
-        },
-    },
+    "full": {"repeats": 5, "budget_s": 25.0, "slow_budget_s": 5.0, "child_timeout_s": 300, "build_timeout_s": 240},
+    "quick": {"repeats": 2, "budget_s": 3.0, "slow_budget_s": 1.0, "child_timeout_s": 60, "build_timeout_s": 45},
 }
-SLOW_MODES = {"zarr_append", "torchlens", "nnsight"}  # few timed repeats: one is enough to compare
-
-
-def store_available() -> tuple[bool, str]:
-    try:
-        from activationscope.store import StoreWriter  # noqa: F401
-    except Exception as e:
-        return False, f"activationscope.store is not importable yet ({type(e).__name__}: {e})"
-    return True, ""
+#: --quick must finish within this many seconds (a goal of the quick run).
+QUICK_WALL_S = 120.0
 
 
 def detect_durability(requested: str) -> tuple[str, str]:
     """Which raw-write floor matches the store: ``fsync`` or ``buffered`` (and why)."""
     if requested != "auto":
         return requested, "--durability given"
-    try:
-        from activationscope.store import StoreWriter
-    except Exception:
-        return "buffered", "store not importable; buffered writes assumed"
+    from activationscope.store import StoreWriter
+
     params = inspect.signature(StoreWriter).parameters
     for key in ("fsync", "durable", "sync", "durability"):
         if key in params:
@@ -96,76 +55,55 @@ def detect_durability(requested: str) -> tuple[str, str]:
     return "buffered", "StoreWriter has no fsync / durability option: buffered writes assumed"
 
 
-def _torchvision_imports() -> bool:
-    from . import workloads
-
-    return workloads._torchvision_resnet18() is not None
-
-
-def workload_available(name: str) -> tuple[bool, str]:
-    if name == "minilm":
-        from . import workloads
-        from ._util import Skip
-
-        try:
-            workloads.minilm_paths()
-        except Skip as e:
-            return False, str(e)
-    return True, ""
-
-
-def _in_profile(prof: dict[str, Any], workload: str, mode: str) -> bool:
-    pats = prof.get("modes", {}).get(workload)
-    return pats is None or any(fnmatch.fnmatchcase(mode, p) for p in pats)
-
-
-def _repeats(prof: dict[str, Any], workload: str) -> int:
-    if prof.get("repeats_override") is not None:
-        return prof["repeats_override"]
-    return prof.get("repeats_by_workload", {}).get(workload, prof["repeats"])
-
-
-def plan(args: argparse.Namespace, prof: dict[str, Any]) -> list[dict[str, Any]]:
+def plan(args: argparse.Namespace, profile: str) -> list[dict[str, Any]]:
+    """One spec per (workload, mode) to run, in run order."""
+    prof = PROFILES[profile]
     specs = []
     for wl in args.workloads:
-        if wl == "readback":
-            params = dict(prof["readback"])
-            for mode in readback.modes(tuple(prof["readback_workers"])):
-                if not _in_profile(prof, wl, mode):
-                    continue
-                reps = 0 if mode.startswith("build") else (prof["open_repeats"] if mode == "open_layer" else _repeats(prof, wl))
-                specs.append({"workload": wl, "mode": mode, "params": params, "repeats": reps,
-                              "budget_s": prof["budget_s"]})
+        wspec = registry.WORKLOADS[wl]
+        if profile == "quick" and not wspec.quick and not args.only:
             continue
-        params = dict(prof[wl])
+        params = dict(wspec.params[profile])
         if wl == "toy" and args.forwards:
             params["n_forwards"] = args.forwards
-        modes = TOY_MODES if wl == "toy" else MODEL_MODES
-        for mode in modes:
-            if not _in_profile(prof, wl, mode):
+        if wl == "readback" and args.layer_mib is not None:
+            params["layer_bytes"] = args.layer_mib << 20
+            params["dl_rows"] = min(params["dl_rows"], (args.layer_mib << 20) // 1024)
+        for m in registry.modes_for(wl):
+            if profile == "quick" and not m.in_quick(wl) and not args.only:
                 continue
-            slow = mode in SLOW_MODES
-            specs.append({"workload": wl, "mode": mode, "params": params,
-                          "repeats": 1 if slow else _repeats(prof, wl),
-                          "budget_s": prof["slow_budget_s"] if slow else prof["budget_s"]})
+            if m.repeats is not None:
+                reps = m.repeats if profile == "full" or m.repeats == 0 else min(m.repeats, 3)
+            elif m.slow:
+                reps = 1
+            else:
+                reps = wspec.repeats.get(profile, prof["repeats"])
+            if args.repeats is not None and m.repeats is None:
+                reps = args.repeats
+            specs.append({"workload": wl, "mode": m.name, "params": params, "repeats": reps,
+                          "budget_s": m.budget_s or (prof["slow_budget_s"] if m.slow else prof["budget_s"]),
+                          "timeout_s": prof[m.timeout], "optional": m.optional, "needs": list(m.needs)})
     if args.only:
-        specs = [s for s in specs if any(fnmatch.fnmatchcase(f"{s['workload']}/{s['mode']}", p) for p in args.only)]
+        keep = {(s["workload"], s["mode"]) for s in specs
+                if any(fnmatch.fnmatchcase(f"{s['workload']}/{s['mode']}", p) for p in args.only)}
+        for s in specs:  # what a kept mode needs (its store's build) runs too
+            if (s["workload"], s["mode"]) in keep:
+                keep.update((s["workload"], n) for n in s["needs"])
+        specs = [s for s in specs if (s["workload"], s["mode"]) in keep]
     return specs
 
 
-def readback_prerequisite(done: dict[str, Any], mode: str) -> str | None:
-    """Why a read-back mode cannot run (its store's build failed), or None."""
-    if mode.startswith("build"):
-        return None
-    needs = ["build_raw"] + (["build_zstd"] if "zstd" in mode else [])
-    for b in needs:
+def prerequisite(done: dict[str, Any], spec: dict[str, Any]) -> str | None:
+    """Why a mode cannot run (a build it needs did not succeed), or None."""
+    for b in spec["needs"]:
         rec = done.get(b)
         if rec is not None and rec.get("status") != "ok":
-            return f"needs the {b} store, whose build was {rec.get('status')}: {rec.get('note', '')[:200]}"
+            return f"needs {b}, which was {rec.get('status')}: {rec.get('note', '')[:200]}"
     return None
 
 
-def run_child(spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+def run_child(spec: dict[str, Any]) -> dict[str, Any]:
+    timeout_s = spec["timeout_s"]
     with tempfile.TemporaryDirectory(prefix="acs-bench-spec-") as tmp:
         spec_path, out_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "out.json")
         with open(spec_path, "w") as f:
@@ -174,7 +112,7 @@ def run_child(spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         n = str(spec["threads"])
         env.update(OMP_NUM_THREADS=n, MKL_NUM_THREADS=n, PYTHONPATH=REPO + os.pathsep + env.get("PYTHONPATH", ""),
                    TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-                   PYTHONWARNINGS="ignore")
+                   HF_DATASETS_OFFLINE="1", PYTHONWARNINGS="ignore", TQDM_DISABLE="1")
         t0 = time.perf_counter()
         try:
             proc = subprocess.run([sys.executable, "-m", "benchmark.child", spec_path, out_path], cwd=REPO, env=env,
@@ -192,25 +130,42 @@ def run_child(spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
 
 
 def derive(results: dict[str, dict[str, Any]]) -> None:
-    """Per-forward times, ratios against plain / naive, bandwidths and read-back rows/s (in place)."""
+    """Per-forward times, ratios against plain / naive, bandwidths, tokens/s and read-back
+    rows/s (in place). Read-back epochs of one order must have read the same values (their
+    checksums agree); a dataset that read other values is turned into an error."""
     for wl, recs in results.items():
         if wl == "readback":
-            ram = {}
+            base: dict[str, dict[str, float]] = {"tensor": {}, "tensor_batched": {}, "hf": {}}
+            sums: dict[str, dict[str, float]] = {}
             for mode, r in recs.items():
                 if r.get("status") != "ok":
                     continue
-                if mode.startswith("dl:") or mode == "hf_datasets":
-                    rows = (r.get("extra") or {}).get("rows_per_epoch")
-                    if rows:
-                        r["rows_per_s"] = rows / r["median_s"]
-                        r["cold_rows_per_s"] = rows / r["cold_s"]
-                if mode.startswith("dl:tensor:"):
-                    ram[mode.split(":", 2)[2]] = r.get("rows_per_s")
+                ex = r.get("extra") or {}
+                if mode.startswith("dl:"):
+                    _, ds, order, _w = mode.split(":")
+                    rows = ex.get("rows_per_epoch")
+                    r["rows_per_s"] = rows / r["median_s"]
+                    r["cold_rows_per_s"] = rows / r["cold_s"]
+                    r["bytes_per_s"] = r["rows_per_s"] * 1024
+                    if ds in base:
+                        base[ds][mode.split(":", 2)[2]] = r["rows_per_s"]
+                    if not ex.get("epoch_shortened"):
+                        sums.setdefault(order, {})[mode] = ex.get("checksum")
                 if mode.startswith("build"):
                     r["write_bytes_per_s"] = r["captured_bytes"] / r["median_s"]
+            for order, by_mode in sums.items():
+                ref = next(iter(by_mode.values()))
+                for mode, cs in by_mode.items():
+                    if cs != ref:
+                        rec = recs[mode]
+                        rec.update(status="error", note=f"read other values than the other datasets of the {order} "
+                                   f"order (checksum {cs!r}, others {ref!r})")
             for mode, r in recs.items():
-                if mode.startswith("dl:") and r.get("rows_per_s") and ram.get(mode.split(":", 2)[2]):
-                    r["ratio_vs_tensor"] = r["rows_per_s"] / ram[mode.split(":", 2)[2]]
+                if mode.startswith("dl:") and r.get("status") == "ok":
+                    key = mode.split(":", 2)[2]
+                    for ds, rates in base.items():
+                        if rates.get(key):
+                            r[f"ratio_vs_{ds}"] = r["rows_per_s"] / rates[key]
             continue
         plain = recs.get("plain", {})
         naive = recs.get("naive_clone", {})
@@ -220,6 +175,8 @@ def derive(results: dict[str, dict[str, Any]]) -> None:
             n = r.get("n_forwards") or 1
             r["ms_per_forward"] = r["median_s"] / n * 1e3
             r["cold_ms_per_forward"] = r["cold_s"] / n * 1e3
+            if r.get("rows_per_repeat"):
+                r["rows_per_s"] = r["rows_per_repeat"] / r["median_s"]
             if plain.get("status") == "ok":
                 r["ratio_vs_plain"] = r["median_s"] / plain["median_s"]
                 r["cold_ratio_vs_plain"] = r["cold_s"] / plain["cold_s"]
@@ -288,17 +245,26 @@ def print_summary(doc: dict[str, Any], out: Any = None) -> None:
         if not wd.get("captured_bytes_consistent", True):
             p("   WARNING: modes captured different bytes: "
               + ", ".join(f"{m} {fmt_bytes(b)}" for m, b in wd["captured_bytes_by_mode"].items()))
-        p(f"{'mode':<18}{'ms/fwd':>9}{'cold':>9}{'x plain':>9}{'cold x':>8}{'x naive':>9}"
+        p(f"{'mode':<24}{'ms/fwd':>9}{'cold':>9}{'x plain':>9}{'cold x':>8}{'x naive':>9}{'rows/s':>10}"
           f"{'RSS grow':>11}{'captured':>11}{'on disk':>11}  note")
         for mode, r in recs.items():
             if r.get("status") != "ok":
-                p(f"{mode:<18}{r.get('status', '?').upper():>9}  {r.get('note', '')}")
+                p(f"{mode:<24}{r.get('status', '?').upper():>9}  {r.get('note', '')}")
                 continue
-            p(f"{mode:<18}{_f(r.get('ms_per_forward'), '{:.2f}'):>9}{_f(r.get('cold_ms_per_forward'), '{:.2f}'):>9}"
+            p(f"{mode:<24}{_f(r.get('ms_per_forward'), '{:.2f}'):>9}{_f(r.get('cold_ms_per_forward'), '{:.2f}'):>9}"
               f"{_f(r.get('ratio_vs_plain'), '{:.2f}x'):>9}{_f(r.get('cold_ratio_vs_plain'), '{:.2f}x'):>8}"
-              f"{_f(r.get('ratio_vs_naive'), '{:.2f}x'):>9}{fmt_bytes(r.get('peak_rss_growth_bytes')):>11}"
+              f"{_f(r.get('ratio_vs_naive'), '{:.2f}x'):>9}{_f(r.get('rows_per_s'), '{:,.0f}'):>10}"
+              f"{fmt_bytes(r.get('peak_rss_growth_bytes')):>11}"
               f"{fmt_bytes(r.get('captured_bytes')):>11}{fmt_bytes(r.get('stored_bytes')):>11}"
               f"  n={r.get('n_repeats')} {r.get('note', '')}")
+        inter = recs.get("store_floor_interleaved", {})
+        if inter.get("status") == "ok":
+            ex = inter["extra"]
+            pm = ex["part_median_s"]
+            p(f"   interleaved ({ex['rounds']} rounds): plain {pm['plain'] * 1e3 / inter['n_forwards']:.2f}, raw write "
+              f"{pm['raw_write'] * 1e3 / inter['n_forwards']:.2f}, store {pm['scope_store'] * 1e3 / inter['n_forwards']:.2f} "
+              f"ms/fwd; store / max(plain, raw write) per round: "
+              + ", ".join(f"{x:.2f}" for x in ex["store_vs_floor_per_round"]) + f" (median {ex['store_vs_floor_median']:.2f})")
     lim = doc["limits"]
     if len(lim) > 1:
         p("")
@@ -312,12 +278,14 @@ def print_summary(doc: dict[str, Any], out: Any = None) -> None:
         p(f"== readback: {doc['workloads'].get('readback', {}).get('description', '')}")
         for mode, r in rb.items():
             if r.get("status") != "ok":
-                p(f"{mode:<28}{r.get('status', '?').upper():>9}  {r.get('note', '')}")
+                p(f"{mode:<32}{r.get('status', '?').upper():>9}  {r.get('note', '')}")
                 continue
             ex = r.get("extra") or {}
-            if mode.startswith("dl:") or mode == "hf_datasets":
-                p(f"{mode:<28}{_f(r.get('rows_per_s'), '{:,.0f}'):>12} rows/s  cold {_f(r.get('cold_rows_per_s'), '{:,.0f}'):>10}"
-                  f"  x tensor {_f(r.get('ratio_vs_tensor'), '{:.2f}'):>5}  RSS grow {fmt_bytes(r.get('peak_rss_growth_bytes'))}")
+            if mode.startswith("dl:"):
+                p(f"{mode:<32}{_f(r.get('rows_per_s'), '{:,.0f}'):>12} rows/s  cold {_f(r.get('cold_rows_per_s'), '{:,.0f}'):>10}"
+                  f"  x RAM batched {_f(r.get('ratio_vs_tensor_batched'), '{:.2f}'):>5}"
+                  f"  x RAM per-row {_f(r.get('ratio_vs_tensor'), '{:.2f}'):>5}  x HF {_f(r.get('ratio_vs_hf'), '{:.2f}'):>5}"
+                  f"  RSS grow {fmt_bytes(r.get('peak_rss_growth_bytes'))}")
             elif mode.startswith("row_latency"):
                 p(f"{mode:<28} median {_f(ex.get('median_us'), '{:.1f}')} us  p99 {_f(ex.get('p99_us'), '{:.1f}')} us"
                   f"  cold median {_f(ex.get('cold_median_us'), '{:.1f}')} us  first {_f(ex.get('first_read_us'), '{:.1f}')} us")
@@ -345,14 +313,16 @@ def print_summary(doc: dict[str, Any], out: Any = None) -> None:
 
 # ---------------------------------------------------------------------------- main
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    registry.load_all()
+    names = list(registry.WORKLOADS)
     ap = argparse.ArgumentParser(prog="python -m benchmark.runner", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="small workloads and 2 repeats (under 2 minutes)")
+    ap.add_argument("--quick", action="store_true", help="small workloads, 2 repeats, fewer modes (under 2 minutes)")
     ap.add_argument("--json", metavar="PATH", help="write every figure to PATH (see benchmark/README.md)")
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads in every mode (default 1)")
-    ap.add_argument("--workloads", default="toy,resnet18,minilm,readback",
-                    help="comma-separated subset of toy,resnet18,minilm,readback")
+    ap.add_argument("--workloads", default=",".join(names), help=f"comma-separated subset of {','.join(names)}")
     ap.add_argument("--only", action="append", metavar="GLOB",
-                    help="run only workload/mode matching GLOB (repeatable), e.g. 'toy/scope_*'")
+                    help="run only workload/mode matching GLOB (repeatable), e.g. 'toy/scope_*'; with --quick, "
+                    "modes the quick profile leaves out run too when they match")
     ap.add_argument("--forwards", type=int, help="forwards per repeat of the toy workload (default 200; quick 20)")
     ap.add_argument("--layer-mib", type=int, help="size of the read-back layer in MiB (default 1024; quick 64)")
     ap.add_argument("--repeats", type=int, help="timed repeats per mode after the cold one (default 5; quick 2)")
@@ -363,9 +333,37 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     for w in args.workloads:
-        if w not in ("toy", "resnet18", "minilm", "readback"):
-            ap.error(f"--workloads must name toy, resnet18, minilm or readback, got {w!r}")
+        if w not in names:
+            ap.error(f"--workloads must name some of {', '.join(names)}, got {w!r}")
     return args
+
+
+def failures(doc: dict[str, Any]) -> list[str]:
+    """``workload/mode`` of every record that is an error, or a skip of a mode that is not
+    optional (only a missing optional package may skip a mode)."""
+    out = []
+    for wl, recs in doc["results"].items():
+        for mode, r in recs.items():
+            if r.get("status") == "error":
+                out.append(f"{wl}/{mode}: {r.get('note', '')[:200]}")
+    return out
+
+
+def run_spec(spec: dict[str, Any], done: dict[str, Any], unavailable: str | None) -> dict[str, Any]:
+    wl, mode = spec["workload"], spec["mode"]
+    if unavailable:
+        return {"workload": wl, "mode": mode, "status": "skipped", "note": unavailable}
+    why = prerequisite(done, spec)
+    if why:
+        # an optional build that was skipped skips its readers; a failed build fails them
+        failed = any(done.get(b, {}).get("status") == "error" for b in spec["needs"])
+        return {"workload": wl, "mode": mode, "status": "error" if failed else "skipped", "note": why}
+    print(f"  {wl}/{mode} ...", end="", flush=True)
+    rec = run_child(spec)
+    if rec["status"] == "skipped" and not spec["optional"]:
+        rec.update(status="error", note=f"a mode of ActivationScope itself must not be skipped: {rec.get('note')}")
+    print(f" {rec['status']} ({rec.get('child_wall_s', 0):.1f} s) {rec.get('note', '')[:160]}", flush=True)
+    return rec
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -376,57 +374,48 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from . import machine
 
     profile = "quick" if args.quick else "full"
-    prof = json.loads(json.dumps(PROFILES[profile]))
-    if args.repeats is not None:
-        prof["repeats"] = prof["repeats_override"] = args.repeats
-    if args.layer_mib is not None:
-        prof["readback"]["layer_bytes"] = args.layer_mib << 20
-        prof["readback"]["dl_rows"] = min(prof["readback"]["dl_rows"], (args.layer_mib << 20) // 1024)
+    prof = PROFILES[profile]
     durability, why = detect_durability(args.durability)
-    has_store, store_note = store_available()
     work = tempfile.mkdtemp(prefix="acs-bench-", dir=args.workdir)
     ctx = {"workdir": work, "readback_dir": os.path.join(work, "readback"), "durability": durability}
     os.makedirs(ctx["readback_dir"])
     doc: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION,
         "machine": machine.describe(args.threads),
-        "settings": {"profile": profile, "threads": args.threads, "durability": durability, "durability_reason": why,
-                     "repeats": prof["repeats"], "workdir": work, "argv": list(argv if argv is not None else sys.argv[1:])},
+        "settings": {"started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "profile": profile, "threads": args.threads, "durability": durability, "durability_reason": why,
+                     "repeats": prof["repeats"] if args.repeats is None else args.repeats, "workdir": work,
+                     "argv": list(argv if argv is not None else sys.argv[1:])},
         "workloads": {},
         "results": {},
     }
     print(f"ActivationScope benchmark ({profile}); scratch {work}; torch threads {args.threads}", flush=True)
-    specs = plan(args, prof)
-    available = {w: workload_available(w) for w in args.workloads}
+    specs = plan(args, profile)
+    unavailable = {}
+    for w in args.workloads:
+        avail = registry.WORKLOADS[w].available
+        unavailable[w] = avail() if avail else None
     try:
         for spec in specs:
-            wl, mode = spec["workload"], spec["mode"]
+            wl = spec["workload"]
             spec.update(threads=args.threads, ctx=ctx)
-            ok, why_not = available.get(wl, (True, ""))
-            needs_store = mode in STORE_MODES or wl == "readback"
-            built = readback_prerequisite(doc["results"].get("readback", {}), mode) if wl == "readback" else None
-            if not ok:
-                rec = {"workload": wl, "mode": mode, "status": "skipped", "note": why_not}
-            elif needs_store and not has_store:
-                rec = {"workload": wl, "mode": mode, "status": "skipped", "note": store_note}
-            elif built:
-                rec = {"workload": wl, "mode": mode, "status": "skipped", "note": built}
-            else:
-                print(f"  {wl}/{mode} ...", end="", flush=True)
-                rec = run_child(spec, prof["build_timeout_s"] if mode.startswith("build") else prof["child_timeout_s"])
-                print(f" {rec['status']} ({rec.get('child_wall_s', 0):.1f} s) {rec.get('note', '')[:160]}", flush=True)
-            doc["results"].setdefault(wl, {})[mode] = rec
+            rec = run_spec(spec, doc["results"].get(wl, {}), unavailable.get(wl))
+            doc["results"].setdefault(wl, {})[spec["mode"]] = rec
             doc["workloads"].setdefault(wl, {"params": spec["params"]})
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
-    describe_workloads(doc, prof)
+    describe_workloads(doc)
     derive(doc["results"])
     check_bytes(doc)
     doc["limits"] = limits(doc["results"], durability)
     doc["seed_comparison"] = seed_comparison(doc["results"])
-    doc["goals"] = goals_mod.evaluate(doc["results"], durability)
     doc["wall_s"] = time.perf_counter() - t_run
+    doc["goals"] = goals_mod.evaluate(doc["results"])
+    doc["goals"].append(registry.goal(
+        "quick_wall", f"--quick finishes in under {QUICK_WALL_S:.0f} s", doc["wall_s"] if profile == "quick" and
+        not args.only and set(args.workloads) == set(registry.WORKLOADS) else None, "<", QUICK_WALL_S, unit="s",
+        note="measured by a --quick run of every workload without --only"))
+    doc["failures"] = failures(doc)
     print("")
     print_summary(doc)
     if args.json:
@@ -434,6 +423,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             json.dump(doc, f, indent=1, default=str)
         print(f"\nwrote {args.json}")
     return doc
+
+
+def cli(argv: list[str] | None = None) -> int:
+    """``python -m benchmark.runner``: exit status 1 when a mode of ours failed."""
+    doc = main(argv)
+    if doc["failures"]:
+        print(f"\nFAILED: {len(doc['failures'])} mode(s) of ActivationScope failed:", file=sys.stderr)
+        for f in doc["failures"]:
+            print(f"  {f}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def check_bytes(doc: dict[str, Any]) -> None:
@@ -448,26 +448,14 @@ def check_bytes(doc: dict[str, Any]) -> None:
         d["captured_bytes_by_mode"] = seen
 
 
-def describe_workloads(doc: dict[str, Any], prof: dict[str, Any]) -> None:
+def describe_workloads(doc: dict[str, Any]) -> None:
     for wl, d in doc["workloads"].items():
-        p = d["params"]
-        if wl == "toy":
-            d["description"] = (f"nn.Sequential of 48 x Linear(256,256), batch {p['batch']}, {p['n_forwards']} forwards, "
-                                "capture='both' (every input and output)")
-        elif wl == "resnet18":
-            src = "torchvision" if _torchvision_imports() else "plain-PyTorch definition (torchvision not importable)"
-            d["description"] = (f"ResNet-18 ({src}), random init, batch {p['batch']}, {p['n_forwards']} forwards, "
-                                "every module's output")
-        elif wl == "minilm":
-            d["description"] = (f"all-MiniLM-L6-v2, Pang & Lee sentences, batch {p['batch']}, {p['n_passes']} pass(es), "
-                                "token rows of every encoder layer's output")
-        elif wl == "readback":
-            d["description"] = (f"one layer of {fmt_bytes(p['layer_bytes'])} (rows of 256 float32), epochs of "
-                                 f"{p['dl_rows']} rows, batch {p['batch_size']}")
+        spec = registry.WORKLOADS[wl]
+        d["description"] = spec.describe(d["params"]) if spec.describe else spec.doc
         for r in doc["results"].get(wl, {}).values():
             if r.get("rows_per_repeat") and "rows_per_repeat" not in d:
                 d["rows_per_repeat"] = r["rows_per_repeat"]
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli())

