@@ -302,7 +302,7 @@ def _fsync_close(f) -> None:
     f.close()
 
 
-@register_mode("torch_save", workloads=("toy", "transformer_all"), quick=("toy",),
+@register_mode("torch_save", peer=True, workloads=("toy", "transformer_all"), quick=("toy",),
                doc="hooks keep references for one forward, then torch.save({hook point: tensor}, batch-N.pt): "
                "one file per batch (torch.save writes a storage shared by several hook points once: a module's "
                "input that is the previous module's output)")
@@ -322,7 +322,7 @@ class TorchSave(_PerBatchFiles):
         self._forwards(save)
 
 
-@register_mode("safetensors_save", workloads=("toy", "transformer_all"), optional=True, quick=False,
+@register_mode("safetensors_save", peer=True, workloads=("toy", "transformer_all"), optional=True, quick=False,
                doc="hooks keep references for one forward, then safetensors.torch.save_file({hook point: tensor}, "
                "batch-N.safetensors): one file per batch (optional `bench` extra)")
 class SafetensorsSave(_PerBatchFiles):
@@ -357,7 +357,7 @@ class SafetensorsSave(_PerBatchFiles):
         self._forwards(save)
 
 
-@register_mode("np_save", workloads=("toy",), quick=False,
+@register_mode("np_save", peer=True, workloads=("toy",), quick=False,
                doc="hooks keep references, then np.save of each tensor appended to one open .npys file per hook "
                "point (the appending np.save pattern)")
 class NpSave(_PerBatchFiles):
@@ -453,15 +453,15 @@ class _Zarr(_PerBatchFiles):
             _fsync_tree(self.dir)
 
 
-register_mode("zarr_append", workloads=("toy",), quick=False,
+register_mode("zarr_append", peer=True, workloads=("toy",), quick=False,
               doc="hooks keep references, then zarr-python Array.append per batch into one uncompressed array per "
               "hook point, chunks of the store's chunk rows (256 rows here), no shards")(
     lambda wl, ctx: _Zarr(wl, ctx, "append"))
-register_mode("zarr_chunked", workloads=("toy",),
+register_mode("zarr_chunked", peer=True, workloads=("toy",),
               doc="zarr-python, arrays pre-sized to the repeat's rows with the store's chunk rows, rows buffered "
               "to whole chunks and written chunk-aligned (no read-modify-write), no shards")(
     lambda wl, ctx: _Zarr(wl, ctx, "chunked"))
-register_mode("zarr_sharded", workloads=("toy",), slow=True, quick=False,
+register_mode("zarr_sharded", peer=True, workloads=("toy",), slow=True, quick=False,
               doc="the same with the store's chunk and shard sizes (zarr-python rewrites the whole shard on each "
               "partial-shard write)")(lambda wl, ctx: _Zarr(wl, ctx, "sharded"))
 

@@ -69,15 +69,15 @@ class NNsightMode(Mode):
         self.saved = None
 
 
-register_mode("nnsight", workloads=("toy",), optional=True, slow=True, quick=False,
+register_mode("nnsight", peer=True, workloads=("toy",), optional=True, slow=True, quick=False,
               doc="nnsight NNsight(model).trace(x), .save() of every selected module's input and output: keeps "
               "references (compare with scope_reference)")(lambda wl, ctx: NNsightMode(wl, ctx, clone=False))
-register_mode("nnsight_clone", workloads=("toy",), optional=True, slow=True, quick=False,
+register_mode("nnsight_clone", peer=True, workloads=("toy",), optional=True, slow=True, quick=False,
               doc="the same with .clone().save(): copies (compare with scope_snapshot)")(
     lambda wl, ctx: NNsightMode(wl, ctx, clone=True))
 
 
-@register_mode("torchlens", workloads=("toy",), optional=True, slow=True, quick=False,
+@register_mode("torchlens", peer=True, workloads=("toy",), optional=True, slow=True, quick=False,
                doc="TorchLens trace(model, x) (2.x; log_forward_pass(..., layers_to_save='all') before) per "
                "forward, saving every op's output (every op, not only modules)")
 class TorchLensMode(Mode):
@@ -130,7 +130,7 @@ class _TLMode(Mode):
         return {hp: cache[hp] for hp in self.hook_points}
 
 
-@register_mode("tl_run_with_cache", workloads=("transformer", "transformer_all"), optional=True, quick=False,
+@register_mode("tl_run_with_cache", peer=True, workloads=("transformer", "transformer_all"), optional=True, quick=False,
                doc="TransformerLens model.run_with_cache(tokens, names_filter=<hook points>, stop_at_layer=...) per "
                "forward, the ActivationCache kept in memory (compare with scope_snapshot)")
 class TLRunWithCache(_TLMode):
@@ -146,7 +146,7 @@ class TLRunWithCache(_TLMode):
         self.caches = None
 
 
-@register_mode("tl_cache_torch_save", workloads=("transformer", "transformer_all"), optional=True,
+@register_mode("tl_cache_torch_save", peer=True, workloads=("transformer", "transformer_all"), optional=True,
                quick=("transformer",),
                doc="TransformerLens run_with_cache per forward, then torch.save({hook point: tensor}, batch-N.pt): "
                "one file per batch")
@@ -170,7 +170,7 @@ class TLCacheTorchSave(_TLMode):
         remove(self.dir)
 
 
-@register_mode("saelens_runner", workloads=("transformer",), optional=True,
+@register_mode("saelens_runner", peer=True, workloads=("transformer",), optional=True,
                doc="SAELens CacheActivationsRunner(cfg, override_dataset=<the tokens as an HF Dataset>).run() on the "
                "same HookedTransformer (its model loader is pointed at the workload's model: no hub), one hook "
                "point, HF datasets / Arrow shards on disk, shuffle=False; one buffer per 4 forwards")

@@ -412,7 +412,7 @@ OPTIONAL_DATASETS = {"hf"}
 
 register_workload(WorkloadSpec(
     "readback", "data", None,
-    {"full": {"layer_bytes": 1 << 30, "dl_rows": 1 << 18, "batch_size": 256, "latency_rows": 2000},
+    {"full": {"layer_bytes": 512 << 20, "dl_rows": 1 << 17, "batch_size": 256, "latency_rows": 2000},
      "quick": {"layer_bytes": 64 << 20, "dl_rows": 1 << 14, "batch_size": 256, "latency_rows": 200}},
     "one layer (rows of 256 float32) captured once into an uncompressed and a zstd store, read back",
     repeats={"full": 3},
@@ -429,7 +429,7 @@ _reg("build_raw", lambda p, c: Build(p, c, None), "capture the layer into an unc
 _reg("build_zstd", lambda p, c: Build(p, c, "zstd"), "the same into a zstd store", repeats=0,
      timeout="build_timeout_s", needs=("build_raw",), quick=False)
 _reg("build_hf", BuildHF, "convert the uncompressed layer to an HF datasets Arrow dataset (export_parquet, "
-     "Dataset.from_parquet, save_to_disk; a one-off)", repeats=0, timeout="build_timeout_s", optional=True,
+     "Dataset.from_parquet, save_to_disk; a one-off)", repeats=0, timeout="build_timeout_s", optional=True, peer=True,
      needs=("build_raw",))
 _reg("open_layer", OpenLayer, "open_store(path) then store[hook_point] (a zero-copy tensor of the whole layer)",
      repeats=20, needs=("build_raw",))
@@ -446,4 +446,4 @@ for _kind in ORDERS:
             _reg(f"dl:{_ds}:{_kind}:w{_w}",
                  lambda p, c, _ds=_ds, _kind=_kind, _w=_w: Loader(p, c, _ds, _kind, _w),
                  f"one epoch through DataLoader, {_kind}, num_workers={_w}, every batch consumed",
-                 quick=_quick, optional=_ds in OPTIONAL_DATASETS, needs=_needs)
+                 quick=_quick, optional=_ds in OPTIONAL_DATASETS, peer=_ds in OPTIONAL_DATASETS, needs=_needs)

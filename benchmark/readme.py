@@ -15,7 +15,7 @@ import re
 import sys
 from typing import Any
 
-from ._util import fmt_bytes
+from activationscope.sizes import format_bytes as fmt_bytes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BEGIN = "<!-- BENCHMARK TABLE"
@@ -95,8 +95,14 @@ def render(doc: dict[str, Any], json_rel: str) -> str:
     if ix.get("store_vs_floor_per_round"):
         r = ix["store_vs_floor_per_round"]
         noise.append(f"the interleaved store / floor ratio ranged {min(r):.2f}–{max(r):.2f} over its {len(r)} rounds")
+    merged = st.get("merged_from") or []
+    how = (f"{len(merged)} {st['profile']} runs of `python -m benchmark.runner` side by side (each a group of "
+           f"workloads; merged with `--merge`"
+           + ("; one stopped before its end, its later workloads not run" if any(m["stopped_early"] for m in merged)
+              else "") + f"; {doc['wall_s'] / 60:.0f} minutes)") if merged else \
+        f"One {st['profile']} run of `python -m benchmark.runner` ({doc['wall_s'] / 60:.0f} minutes)"
     lines += [
-        f"One {st['profile']} run of `python -m benchmark.runner` ({doc['wall_s'] / 60:.0f} minutes) on {date}: "
+        f"{how} on {date}: "
         f"{m['cpu_model']}, {m['n_cpus']} vCPUs, {fmt_bytes(m['memory_bytes'])} RAM, torch {m['torch']}, "
         f"`torch.set_num_threads({st['threads']})` in every mode, each mode in its own subprocess, medians of "
         f"{st['repeats']} timed repeats after a cold one (slower workloads fewer; see benchmark/README.md). "

@@ -80,6 +80,9 @@ class ModeSpec:
     ``timeout``: name of the profile's timeout key (``child_timeout_s``, ``build_timeout_s``).
     ``needs``: modes of the same workload that must have succeeded first (builds).
     ``budget_s``: seconds of timed repeats after which no new one starts (default: the profile's).
+    ``peer``: it measures another library (or hand-written code around one): its error is
+    reported, but only errors of the other modes (ActivationScope and the baselines its goals
+    are measured against) fail the run.
     """
 
     name: str
@@ -94,6 +97,7 @@ class ModeSpec:
     timeout: str = "child_timeout_s"
     needs: tuple[str, ...] = ()
     budget_s: float | None = None
+    peer: bool = False
 
     def runs_on(self, workload: str, kind: str) -> bool:
         return workload in self.workloads or ("*" in self.workloads and kind == "model")

@@ -83,6 +83,8 @@ def plan(args: argparse.Namespace, profile: str) -> list[dict[str, Any]]:
             specs.append({"workload": wl, "mode": m.name, "params": params, "repeats": reps,
                           "budget_s": m.budget_s or (prof["slow_budget_s"] if m.slow else prof["budget_s"]),
                           "timeout_s": prof[m.timeout], "optional": m.optional, "needs": list(m.needs)})
+    if getattr(args, "skip", None):
+        specs = [s for s in specs if not any(fnmatch.fnmatchcase(f"{s['workload']}/{s['mode']}", p) for p in args.skip)]
     if args.only:
         keep = {(s["workload"], s["mode"]) for s in specs
                 if any(fnmatch.fnmatchcase(f"{s['workload']}/{s['mode']}", p) for p in args.only)}
@@ -307,6 +309,8 @@ def print_summary(doc: dict[str, Any], out: Any = None) -> None:
     for g in doc["goals"]:
         fig = _f(g["measured"], "{:.3f}") + (g["unit"] if g["measured"] is not None else "")
         p(f"  [{g['status']}] {g['goal']}: measured {fig} (goal {g['op']} {g['threshold']}{g['unit']}) {g['note']}")
+    for e in doc.get("peer_errors", []):
+        p(f"  peer error (reported, not a failure of ActivationScope): {e}")
     c = {s: sum(1 for g in doc["goals"] if g["status"] == s) for s in ("PASS", "FAIL", "SKIP")}
     p(f"  {c['PASS']} pass, {c['FAIL']} fail, {c['SKIP']} not measured; total wall {doc['wall_s']:.0f} s")
 
@@ -320,16 +324,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--json", metavar="PATH", help="write every figure to PATH (see benchmark/README.md)")
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads in every mode (default 1)")
     ap.add_argument("--workloads", default=",".join(names), help=f"comma-separated subset of {','.join(names)}")
+    ap.add_argument("--skip", action="append", metavar="GLOB",
+                    help="leave out workload/mode matching GLOB (repeatable), e.g. 'toy/torchlens'")
     ap.add_argument("--only", action="append", metavar="GLOB",
                     help="run only workload/mode matching GLOB (repeatable), e.g. 'toy/scope_*'; with --quick, "
                     "modes the quick profile leaves out run too when they match")
     ap.add_argument("--forwards", type=int, help="forwards per repeat of the toy workload (default 200; quick 20)")
-    ap.add_argument("--layer-mib", type=int, help="size of the read-back layer in MiB (default 1024; quick 64)")
+    ap.add_argument("--layer-mib", type=int, help="size of the read-back layer in MiB (default 512; quick 64)")
     ap.add_argument("--repeats", type=int, help="timed repeats per mode after the cold one (default 5; quick 2)")
     ap.add_argument("--durability", choices=("auto", "buffered", "fsync"), default="auto",
                     help="durability of the raw-write floor and the hand-written disk modes (auto: the store's)")
     ap.add_argument("--workdir", help="parent folder of the scratch stores (default: the system temp folder)")
     ap.add_argument("--keep", action="store_true", help="keep the scratch folder")
+    ap.add_argument("--merge", nargs="+", metavar="RUN_JSON",
+                    help="merge the workloads of several runs (e.g. run side by side, one per group of "
+                    "workloads; a .partial file of a run stopped early counts) into --json, then derive as --rederive")
+    ap.add_argument("--rederive", metavar="RUN_JSON", help="recompute the derived keys (ratios, limits, goals, "
+                    "failures) of a stored run from its measurements with the current code, rewrite it, print it")
     args = ap.parse_args(argv)
     args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     for w in args.workloads:
@@ -339,14 +350,75 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def failures(doc: dict[str, Any]) -> list[str]:
-    """``workload/mode`` of every record that is an error, or a skip of a mode that is not
-    optional (only a missing optional package may skip a mode)."""
+    """``workload/mode: note`` of every mode of ours (not a peer) that ended in an error; a
+    skip of a mode that is not optional was already turned into an error."""
+    registry.load_all()
     out = []
     for wl, recs in doc["results"].items():
         for mode, r in recs.items():
-            if r.get("status") == "error":
+            spec = registry.MODES.get(mode)
+            if r.get("status") == "error" and not (spec and spec.peer):
                 out.append(f"{wl}/{mode}: {r.get('note', '')[:200]}")
     return out
+
+
+def peer_errors(doc: dict[str, Any]) -> list[str]:
+    """``workload/mode: note`` of every peer mode that ended in an error (reported, not a failure)."""
+    registry.load_all()
+    return [f"{wl}/{mode}: {r.get('note', '')[:200]}" for wl, recs in doc["results"].items()
+            for mode, r in recs.items()
+            if r.get("status") == "error" and registry.MODES.get(mode) and registry.MODES[mode].peer]
+
+
+def merge(paths: list[str]) -> dict[str, Any]:
+    """One document from several runs of distinct workloads: the first run's machine and
+    settings, every run's workloads and records (a workload found in several runs: the run
+    that holds more of its modes), ``settings.merged_from`` naming the runs; derived anew."""
+    docs = []
+    for p in paths:
+        with open(p) as f:
+            docs.append((p, json.load(f)))
+    out = json.loads(json.dumps(docs[0][1]))
+    out["results"], out["workloads"] = {}, {}
+    out["settings"]["merged_from"] = [{"file": os.path.basename(p), "argv": d["settings"]["argv"],
+                                       "started_at": d["settings"].get("started_at"),
+                                       "loadavg": d["machine"].get("loadavg"),
+                                       "stopped_early": d.get("wall_s") is None} for p, d in docs]
+    for _p, d in docs:
+        for wl, recs in d["results"].items():
+            if len(recs) > len(out["results"].get(wl, {})):
+                out["results"][wl] = recs
+                out["workloads"][wl] = d["workloads"].get(wl, {"params": {}})
+    walls = [d.get("wall_s") for _p, d in docs]
+    out["wall_s"] = None if any(w is None for w in walls) else max(walls)
+    for key in ("limits", "seed_comparison", "goals", "failures", "peer_errors"):
+        out.pop(key, None)
+    return rederive(out)
+
+
+def rederive(doc: dict[str, Any]) -> dict[str, Any]:
+    """Recompute every derived key of a run (ratios, limits, goals, failures) from its
+    measured records with the current code; the measurements are not touched."""
+    registry.load_all()
+    for recs in doc["results"].values():
+        for r in recs.values():
+            for k in [k for k in r if k.startswith("ratio_vs_") or k in ("rows_per_s", "cold_rows_per_s", "bytes_per_s",
+                      "ms_per_forward", "cold_ms_per_forward", "cold_ratio_vs_plain", "captured_bytes_per_s",
+                      "write_bytes_per_s")]:
+                del r[k]
+    describe_workloads(doc)
+    if doc.get("wall_s") is None:  # a run stopped early (its .partial file): the children's time
+        doc["wall_s"] = sum(r.get("child_wall_s") or 0 for recs in doc["results"].values() for r in recs.values())
+        doc["settings"]["stopped_early"] = True
+    derive(doc["results"])
+    check_bytes(doc)
+    doc["limits"] = limits(doc["results"], doc["settings"]["durability"])
+    doc["seed_comparison"] = seed_comparison(doc["results"])
+    quick = next((g for g in doc.get("goals", []) if g["id"] == "quick_wall"), None)
+    doc["goals"] = goals_mod.evaluate(doc["results"]) + ([quick] if quick else [])
+    doc["failures"] = failures(doc)
+    doc["peer_errors"] = peer_errors(doc)
+    return doc
 
 
 def run_spec(spec: dict[str, Any], done: dict[str, Any], unavailable: str | None) -> dict[str, Any]:
@@ -368,6 +440,22 @@ def run_spec(spec: dict[str, Any], done: dict[str, Any], unavailable: str | None
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    if args.merge:
+        doc = merge(args.merge)
+        print_summary(doc)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(doc, f, indent=1, default=str)
+            print(f"\nwrote {args.json}")
+        return doc
+    if args.rederive:
+        with open(args.rederive) as f:
+            doc = rederive(json.load(f))
+        print_summary(doc)
+        with open(args.rederive, "w") as f:
+            json.dump(doc, f, indent=1, default=str)
+        print(f"\nrewrote {args.rederive}")
+        return doc
     t_run = time.perf_counter()
     import torch  # noqa: F401  (machine description)
 
@@ -401,6 +489,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             rec = run_spec(spec, doc["results"].get(wl, {}), unavailable.get(wl))
             doc["results"].setdefault(wl, {})[spec["mode"]] = rec
             doc["workloads"].setdefault(wl, {"params": spec["params"]})
+            if args.json:  # every record so far, raw (no derived keys): a run stopped early keeps them
+                with open(args.json + ".partial", "w") as f:
+                    json.dump(doc, f, default=str)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
@@ -416,6 +507,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         not args.only and set(args.workloads) == set(registry.WORKLOADS) else None, "<", QUICK_WALL_S, unit="s",
         note="measured by a --quick run of every workload without --only"))
     doc["failures"] = failures(doc)
+    doc["peer_errors"] = peer_errors(doc)
     print("")
     print_summary(doc)
     if args.json:

@@ -21,7 +21,7 @@ from benchmark import child, goals, readback, registry, runner
 README = Path(runner.REPO) / "benchmark" / "README.md"
 
 TOP_KEYS = {"schema_version", "machine", "settings", "workloads", "results", "limits", "seed_comparison", "goals",
-            "wall_s", "failures"}
+            "wall_s", "failures", "peer_errors"}
 
 
 def documented_keys() -> set[str]:
@@ -213,3 +213,4 @@ def test_resnet18_definition_matches_torchvision_layout():
     assert "layer1.0.downsample" not in names  # as torchvision: no projection where the shape stays
     with torch.no_grad():
         assert m(torch.randn(2, 3, 64, 64)).shape == (2, 1000)
+
