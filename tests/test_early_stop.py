@@ -289,3 +289,24 @@ def test_cli_stop_after_last(tmp_path, monkeypatch):
         assert code == 0
     _assert_same_store(tmp_path / "full.zarr", tmp_path / "stop.zarr")
     assert acs.open_store(tmp_path / "stop.zarr").attrs["capture_config"]["stop_after_last"] is True
+
+
+def test_rank_stores_with_early_stop_equal_a_full_multi_rank_capture(tmp_path):
+    # each rank (RankStore, as a Slurm task would) stops its forwards early; the committed
+    # store is byte for byte the one of full forwards
+    model = toy_mlp(width=16, depth=3).eval()
+    xs = [torch.randn(7, 16, generator=torch.Generator().manual_seed(100 + b)) for b in range(6)]
+    later = Counter(model[4])
+    for name, stop in (("full", False), ("stop", True)):
+        path = tmp_path / f"{name}.zarr"
+        for r in range(2):
+            scope = acs.ActivationScope(store=str(path), reductions=["mean"],
+                                        store_options={"process_group": acs.RankStore(r, 2)})
+            with torch.no_grad(), scope.track(model, include=["0", "2"], stop_after_last=stop) as tracker:
+                for b in range(r, 6, 2):
+                    tracker.set_batch(sample_ids=torch.arange(b * 7, (b + 1) * 7))
+                    out = model(xs[b])
+                    assert (out is None) == stop
+        assert cli.main(["consolidate", str(path)]) == 0
+    assert later.n == 6 + 2  # full: every forward; early stop: the first forward of each rank
+    _assert_same_store(tmp_path / "full.zarr", tmp_path / "stop.zarr")
