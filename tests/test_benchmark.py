@@ -214,3 +214,47 @@ def test_resnet18_definition_matches_torchvision_layout():
     with torch.no_grad():
         assert m(torch.randn(2, 3, 64, 64)).shape == (2, 1000)
 
+
+
+def test_readme_benchmark_block_is_generated_from_its_json():
+    """README.md's benchmark block is exactly what benchmark.readme renders from the JSON it
+    names (regenerate with ``python -m benchmark.readme <that JSON>``), and its goal lines
+    carry that JSON's figures."""
+    from benchmark import readme
+
+    text = (Path(runner.REPO) / "README.md").read_text()
+    rel = readme.json_named(text)
+    assert rel.startswith("benchmark/results/"), rel
+    doc = json.loads((Path(runner.REPO) / rel).read_text())
+    block = readme.block(text)
+    assert block == readme.render(doc, rel)
+    for g in doc["goals"]:
+        if g["measured"] is not None:
+            assert f"| {g['goal']} | {g['measured']:.3g}" in block, g["id"]
+    assert "GPU: not run" in block or "gpu_check" in block
+
+
+def test_readme_block_render_reflects_the_json():
+    """The generator takes its figures from the JSON: changing a figure changes the block."""
+    from benchmark import readme
+
+    text = (Path(runner.REPO) / "README.md").read_text()
+    rel = readme.json_named(text)
+    doc = json.loads((Path(runner.REPO) / rel).read_text())
+    g = next(g for g in doc["goals"] if g["measured"] is not None)
+    g["measured"] = 123.456
+    assert "| 123x |" in readme.render(doc, rel) or "123" in readme.render(doc, rel)
+    assert readme.render(doc, rel) != readme.block(text)
+
+
+def test_docs_quote_figures_of_a_stored_run():
+    """docs/design.md quotes peer ratios only from a JSON in benchmark/results/, and those
+    figures are that JSON's."""
+    text = (Path(runner.REPO) / "docs" / "design.md").read_text()
+    m = re.search(r"benchmark/results/([\w.-]+\.json)", text)
+    assert m, "docs/design.md names no benchmark/results/ JSON for its figures"
+    doc = json.loads((Path(runner.REPO) / "benchmark" / "results" / m.group(1)).read_text())
+    toy = doc["results"]["toy"]
+    for mode, label in (("naive_clone", "naive hooks"), ("nnsight", "nnsight `.save()`")):
+        if toy.get(mode, {}).get("status") == "ok":
+            assert f"{label} {toy[mode]['ratio_vs_plain']:.2f}x" in text, (mode, label)
