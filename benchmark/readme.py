@@ -98,14 +98,15 @@ def render(doc: dict[str, Any], json_rel: str) -> str:
     merged = st.get("merged_from") or []
     how = (f"{len(merged)} {st['profile']} runs of `python -m benchmark.runner` side by side (each a group of "
            f"workloads; merged with `--merge`"
-           + ("; one stopped before its end, its later workloads not run" if any(m["stopped_early"] for m in merged)
-              else "") + f"; {doc['wall_s'] / 60:.0f} minutes)") if merged else \
+           + (f"; {sum(m['stopped_early'] for m in merged)} of them stopped at a deadline before their end, so "
+              "their later modes are not measured" if any(m["stopped_early"] for m in merged) else "")
+           + f"; {doc['wall_s'] / 60:.0f} minutes of child processes)") if merged else \
         f"One {st['profile']} run of `python -m benchmark.runner` ({doc['wall_s'] / 60:.0f} minutes)"
     lines += [
         f"{how} on {date}: "
         f"{m['cpu_model']}, {m['n_cpus']} vCPUs, {fmt_bytes(m['memory_bytes'])} RAM, torch {m['torch']}, "
         f"`torch.set_num_threads({st['threads']})` in every mode, each mode in its own subprocess, medians of "
-        f"{st['repeats']} timed repeats after a cold one (slower workloads fewer; see benchmark/README.md). "
+        f"the timed repeats after a cold one (up to {st['repeats']}; each mode's count is in the JSON). "
         "Peers: " + ", ".join(f"{k} {v}" for k, v in sorted(pk.items())) + ".",
         "",
         "The machine is shared (2 vCPUs, other work running), so figures are noisy: "
