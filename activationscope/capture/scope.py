@@ -936,7 +936,7 @@ class Tracker:
 
 # Modules of torch.nn whose fused fast path (torch.backends.mha) computes their children without
 # calling them: tracking a module inside one turns the fast path off while attached.
-_FUSED_PARENTS = (torch.nn.TransformerEncoderLayer, torch.nn.TransformerEncoder, torch.nn.MultiheadAttention)
+_FUSED_PARENTS = (torch.nn.TransformerEncoderLayer, torch.nn.MultiheadAttention)
 _fastpath_lock = threading.Lock()
 _fastpath_users = 0
 _fastpath_saved = True
