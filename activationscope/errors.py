@@ -45,6 +45,10 @@ class ReductionNotFoundError(_MessageKeyError):
     """A hook point has no reduction (or reduction output) of the name asked for."""
 
 
+class ColumnNotFoundError(_MessageKeyError):
+    """A row-table or export column of that name does not exist (the message lists those that do)."""
+
+
 class NativeExtensionError(ActivationScopeError, ImportError):
     """The native extension is missing or was built against another torch."""
 

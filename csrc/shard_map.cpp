@@ -1,12 +1,17 @@
 #include "shard_map.h"
 
+#include <Python.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
+#include <cstdint>
 #include <cstring>
+#include <mutex>
 
 #include "errors.h"
 
@@ -14,13 +19,130 @@ namespace acs {
 
 namespace {
 
+// ---------------------------------------------------------------- SIGBUS guard
+// Touching a page of a file mapping past the file's end (a shard truncated or rewritten in
+// place -- `cp` over it -- while it is mapped) raises SIGBUS, which kills the process. Each
+// mapping made here is registered; the SIGBUS handler maps a zero page over the faulting page
+// of a registered mapping (so the access completes), and schedules a Python call
+// (Py_AddPendingCall) that raises activationscope.errors.StoreCorruptError naming the file in
+// the main thread at its next bytecode. A fault anywhere else goes to the handler that was
+// there before (faulthandler, or the default action: the process dies as it would have).
+
+constexpr int kMaxGuarded = 4096;
+
+struct Guarded {
+  std::atomic<uintptr_t> base{0};
+  std::atomic<uintptr_t> end{0};
+};
+
+Guarded g_guarded[kMaxGuarded];
+std::mutex g_guard_mu;  // registration, and the paths below (never taken in the handler)
+std::vector<std::string> g_paths[kMaxGuarded];
+int64_t g_stride[kMaxGuarded];
+std::atomic<uintptr_t> g_fault_addr{0};
+std::atomic<int> g_fault_slot{-1};
+std::atomic<bool> g_pending{false};
+struct sigaction g_prev {};
+long g_page = 4096;
+
+int raise_truncated(void*) {
+  const int slot = g_fault_slot.exchange(-1);
+  const uintptr_t addr = g_fault_addr.load();
+  g_pending.store(false);
+  std::string path = "a shard file";
+  {
+    std::lock_guard<std::mutex> lock(g_guard_mu);
+    if (slot >= 0 && !g_paths[slot].empty()) {
+      const uintptr_t base = g_guarded[slot].base.load();
+      size_t i = base && addr >= base && g_stride[slot] > 0 ? (addr - base) / static_cast<size_t>(g_stride[slot]) : 0;
+      if (i >= g_paths[slot].size()) i = g_paths[slot].size() - 1;
+      path = "'" + g_paths[slot][i] + "'";
+    }
+  }
+  const std::string msg = "shard " + path + " was truncated or rewritten in place while it was memory-mapped "
+      "(e.g. `cp` over a store that is being read): rows read from it since then are zeros, not the stored "
+      "values; reopen the store (open_store) once the copy is complete, and check it with `activationscope "
+      "verify`. Replace store files atomically (copy elsewhere, then rename) while readers have them open";
+  PyObject* mod = PyImport_ImportModule("activationscope.errors");
+  PyObject* cls = mod != nullptr ? PyObject_GetAttrString(mod, "StoreCorruptError") : nullptr;
+  Py_XDECREF(mod);
+  PyErr_Clear();
+  PyErr_SetString(cls != nullptr ? cls : PyExc_OSError, msg.c_str());
+  Py_XDECREF(cls);
+  return -1;
+}
+
+void on_sigbus(int sig, siginfo_t* info, void* ctx) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(info->si_addr);
+  for (int i = 0; i < kMaxGuarded; ++i) {
+    const uintptr_t b = g_guarded[i].base.load(std::memory_order_acquire);
+    if (b == 0 || a < b || a >= g_guarded[i].end.load(std::memory_order_acquire)) continue;
+    void* page = reinterpret_cast<void*>(a & ~static_cast<uintptr_t>(g_page - 1));
+    if (mmap(page, static_cast<size_t>(g_page), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED,
+             -1, 0) == MAP_FAILED) {
+      break;
+    }
+    g_fault_addr.store(a);
+    g_fault_slot.store(i);
+    if (!g_pending.exchange(true) && Py_AddPendingCall(raise_truncated, nullptr) != 0) g_pending.store(false);
+    return;
+  }
+  if (g_prev.sa_flags & SA_SIGINFO) {
+    if (g_prev.sa_sigaction != nullptr) {
+      g_prev.sa_sigaction(sig, info, ctx);
+      return;
+    }
+  } else if (g_prev.sa_handler != SIG_DFL && g_prev.sa_handler != SIG_IGN) {
+    g_prev.sa_handler(sig);
+    return;
+  }
+  signal(sig, SIG_DFL);  // the access runs again and takes the default action
+}
+
+// Install the handler (again, when something -- faulthandler.enable() -- replaced it).
+void install_guard() {
+  struct sigaction cur {};
+  sigaction(SIGBUS, nullptr, &cur);
+  if ((cur.sa_flags & SA_SIGINFO) && cur.sa_sigaction == on_sigbus) return;
+  g_page = sysconf(_SC_PAGESIZE);
+  struct sigaction sa {};
+  sa.sa_sigaction = on_sigbus;
+  sa.sa_flags = SA_SIGINFO | SA_ONSTACK;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGBUS, &sa, &g_prev);
+}
+
+int guard(void* base, size_t bytes, const std::vector<std::string>& paths, int64_t stride) {
+  std::lock_guard<std::mutex> lock(g_guard_mu);
+  install_guard();
+  for (int i = 0; i < kMaxGuarded; ++i) {
+    if (g_guarded[i].base.load() != 0) continue;
+    g_paths[i] = paths;
+    g_stride[i] = stride;
+    g_guarded[i].end.store(reinterpret_cast<uintptr_t>(base) + bytes, std::memory_order_release);
+    g_guarded[i].base.store(reinterpret_cast<uintptr_t>(base), std::memory_order_release);
+    return i;
+  }
+  return -1;  // more live mappings than slots: this one is unguarded
+}
+
+void unguard(int slot) {
+  if (slot < 0) return;
+  std::lock_guard<std::mutex> lock(g_guard_mu);
+  g_guarded[slot].base.store(0, std::memory_order_release);
+  g_guarded[slot].end.store(0, std::memory_order_release);
+  g_paths[slot].clear();
+}
+
 struct Region {
   void* base;
   size_t bytes;
+  int slot = -1;
 };
 
 void unmap_region(void* ctx) {
   auto* r = static_cast<Region*>(ctx);
+  unguard(r->slot);
   munmap(r->base, r->bytes);
   delete r;
 }
@@ -44,10 +166,14 @@ at::Tensor map_files_contiguous(const std::vector<std::string>& paths, int64_t s
       const int64_t offset = static_cast<int64_t>(i) * stride_bytes;
       if (offset >= total_bytes) break;
       const int64_t need = std::min(stride_bytes, total_bytes - offset);
-      const int fd = ::open(paths[i].c_str(), O_RDONLY | O_CLOEXEC);
+      const int fd = ::open(paths[i].c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
       ACS_CHECK(fd >= 0, "opening shard '", paths[i], "' failed: ", std::strerror(errno));
       struct stat st {};
       const bool ok = fstat(fd, &st) == 0;
+      if (ok && !S_ISREG(st.st_mode)) {
+        ::close(fd);
+        ACS_CHECK(false, "shard '", paths[i], "' must be a regular file");
+      }
       if (!ok || st.st_size < need) {
         ::close(fd);
         ACS_CHECK(false, "shard '", paths[i], "' holds ", ok ? st.st_size : -1, " bytes, fewer than the ", need,
@@ -64,6 +190,7 @@ at::Tensor map_files_contiguous(const std::vector<std::string>& paths, int64_t s
     unmap_region(region);
     throw;
   }
+  region->slot = guard(base, reserved, paths, stride_bytes);
   return at::from_blob(
       base, {total_bytes}, [region](void*) { unmap_region(region); }, at::TensorOptions().dtype(at::kByte));
 }

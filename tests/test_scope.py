@@ -185,7 +185,7 @@ def test_set_batch_validates(mlp):
     with pytest.raises(ValueError, match="attention_mask must be a \\(batch, pos\\)"):
         tr.set_batch(attention_mask=torch.ones(3))
     with pytest.raises(ValueError, match="column 'label' has 2 entries, expected the batch size 3"):
-        tr.set_batch(attention_mask=torch.ones(3, 4), label=[0, 1])
+        tr.set_batch(attention_mask=torch.ones(3, 4, dtype=torch.bool), label=[0, 1])
 
 
 # ----------------------------------------------------------------------------- structured I/O

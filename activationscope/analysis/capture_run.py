@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import ActivationScopeError, CaptureError, SpecError
+from ..errors import ActivationScopeError, ArgumentValueError, CaptureError, SpecError
 from ..sizes import dir_bytes, format_bytes
 
 #: Tokens per text at most (longer texts are truncated).
@@ -182,7 +182,7 @@ def iter_text_batches(
         ``attention_mask``, ...).
     """
     if batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        raise ArgumentValueError(f"batch_size must be a positive int, got {batch_size!r}")
     for start in range(0, len(texts), batch_size):
         chunk = list(texts[start:start + batch_size])
         encoded = tokenizer(chunk, padding=True, truncation=True, max_length=max_length, return_tensors="pt")

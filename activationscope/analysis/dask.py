@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import StoreCorruptError
+from ..errors import ArgumentValueError, StoreCorruptError
 from ..store import _format as F
 from ..store._backend import LocalBackend
 from ..store.reader import Store, open_store
@@ -55,7 +55,7 @@ def numpy_dtype(dtype_name: str) -> np.dtype:
     if dtype_name == "bfloat16":
         return np.dtype(_require("ml_dtypes").bfloat16)
     if dtype_name not in F.SUPPORTED_DTYPES:
-        raise ValueError(f"dtype must be one of {list(F.SUPPORTED_DTYPES)}, got {dtype_name!r}")
+        raise ArgumentValueError(f"dtype must be one of {list(F.SUPPORTED_DTYPES)}, got {dtype_name!r}")
     return np.dtype("bool" if dtype_name == "bool" else dtype_name)
 
 
@@ -170,7 +170,7 @@ def row_table_dask(store: Any, kind: str = "sample", *, storage_options: dict | 
     """
     dd = _require("dask.dataframe")
     if kind not in ("sample", "token"):
-        raise ValueError(f"kind must be one of ['sample', 'token'], got {kind!r}")
+        raise ArgumentValueError(f"kind must be one of ['sample', 'token'], got {kind!r}")
     st = _open(store, storage_options)
     parts = list(((st.attrs.get("row_tables") or {}).get(kind) or {}).get("parts", []))
     for key in parts:
@@ -255,13 +255,13 @@ def pca(x: Any, n_components: int | None = None) -> dict[str, Any]:
         ``x`` is not 2-d, has fewer than 2 rows, or ``n_components`` is out of range.
     """
     if x.ndim != 2:
-        raise ValueError(f"pca needs a (rows, features) array, got shape {tuple(x.shape)}; reshape it first")
+        raise ArgumentValueError(f"pca needs a (rows, features) array, got shape {tuple(x.shape)}; reshape it first")
     n, d = int(x.shape[0]), int(x.shape[1])
     if n < 2:
-        raise ValueError(f"pca needs at least 2 rows, got {n}")
+        raise ArgumentValueError(f"pca needs at least 2 rows, got {n}")
     k = d if n_components is None else n_components
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= d:
-        raise ValueError(f"n_components must be an int in 1..{d}, got {n_components!r}")
+        raise ArgumentValueError(f"n_components must be an int in 1..{d}, got {n_components!r}")
     x64 = x.astype(np.float64)
     mean = x64.mean(axis=0).compute()
     xc = x64 - mean

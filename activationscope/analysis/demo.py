@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ..errors import ActivationScopeError
+from ..errors import ActivationScopeError, ArgumentValueError
 from ..sizes import dir_bytes, format_bytes
 from .capture_run import MAX_LENGTH, iter_text_batches, run_capture, text_batches
 from .probes import ProbeResult, probe_store
@@ -374,7 +374,7 @@ def run_demo(
     texts, labels = load_polarity()
     if max_samples is not None and max_samples < len(texts):
         if max_samples < 2 * n_folds:
-            raise ValueError(f"max_samples must be at least 2 * n_folds = {2 * n_folds}, got {max_samples}")
+            raise ArgumentValueError(f"max_samples must be at least 2 * n_folds = {2 * n_folds}, got {max_samples}")
         keep = torch.linspace(0, len(texts) - 1, max_samples).round().long().tolist()
         texts, labels = [texts[i] for i in keep], [labels[i] for i in keep]
     sources = ["polarity"] * len(texts)

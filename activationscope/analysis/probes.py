@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from ..errors import ArgumentValueError
 from .pooling import sentence_rows
 
 __all__ = ["ProbeResult", "ProbeResults", "choose_folds", "probe_accuracy", "probe_store"]
@@ -59,15 +60,15 @@ def choose_folds(labels: Sequence[Any], n_folds: int) -> tuple[int, str]:
         Fewer than 2 classes, a class with a single sample, or ``n_folds < 2``.
     """
     if n_folds < 2:
-        raise ValueError(f"n_folds must be at least 2, got {n_folds}")
+        raise ArgumentValueError(f"n_folds must be at least 2, got {n_folds}")
     counts: dict[Any, int] = {}
     for v in labels:
         counts[v] = counts.get(v, 0) + 1
     if len(counts) < 2:
-        raise ValueError(f"a probe needs at least 2 classes, got {sorted(map(str, counts))}")
+        raise ArgumentValueError(f"a probe needs at least 2 classes, got {sorted(map(str, counts))}")
     smallest_class, smallest = min(counts.items(), key=lambda kv: kv[1])
     if smallest < 2:
-        raise ValueError(
+        raise ArgumentValueError(
             f"class {smallest_class!r} has {smallest} labelled sample; a cross-validated probe needs at least 2 per class"
         )
     if smallest >= n_folds:
@@ -149,15 +150,15 @@ def probe_accuracy(
         labels = labels.tolist()
     labels = list(labels)
     if len(labels) != x.shape[0]:
-        raise ValueError(f"labels has {len(labels)} entries, expected one per row of x ({x.shape[0]})")
+        raise ArgumentValueError(f"labels has {len(labels)} entries, expected one per row of x ({x.shape[0]})")
     classes = sorted(set(labels), key=lambda v: (str(type(v)), v))
     if len(classes) < 2:
-        raise ValueError(f"a probe needs at least 2 classes, got {classes!r}")
+        raise ArgumentValueError(f"a probe needs at least 2 classes, got {classes!r}")
     index = {c: i for i, c in enumerate(classes)}
     y = torch.tensor([index[v] for v in labels], dtype=torch.long)
     counts = torch.bincount(y, minlength=len(classes))
     if n_folds < 2 or int(counts.min()) < n_folds:
-        raise ValueError(
+        raise ArgumentValueError(
             f"n_folds must be between 2 and the smallest class's size ({int(counts.min())}), got {n_folds}"
         )
     accs = []

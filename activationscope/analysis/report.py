@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from ..errors import ArgumentValueError
 from ..sizes import format_bytes
 from .pca import explained_variance_ratio
 __all__ = ["HookPointStats", "hook_point_stats", "write_report"]
@@ -152,7 +153,7 @@ def hook_point_stats(
         axis = feature_axis
     if axis is not None:
         if not isinstance(axis, int) or not -len(feature_shape) <= axis < len(feature_shape):
-            raise ValueError(
+            raise ArgumentValueError(
                 f"feature_axis must be None, 'auto' or an axis of the feature shape {feature_shape} of "
                 f"{hook_point!r}, got {feature_axis!r}"
             )

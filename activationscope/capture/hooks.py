@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from ..errors import CaptureWarning, HookPointNotFoundError
+from ..errors import ArgumentTypeError, CaptureWarning, HookPointNotFoundError
 
 __all__ = ["select_modules", "hook_point_module", "normalize_patterns", "is_hook_point_module", "rename_hook_point"]
 
@@ -40,7 +40,7 @@ def normalize_patterns(patterns: str | Iterable[str] | None, argument: str) -> l
     out = list(patterns)
     for p in out:
         if not isinstance(p, str):
-            raise TypeError(f"{argument} must be a list of fnmatch patterns (str), got {p!r} in {patterns!r}")
+            raise ArgumentTypeError(f"{argument} must be a list of fnmatch patterns (str), got {p!r} in {patterns!r}")
     return out
 
 
@@ -79,7 +79,7 @@ def select_modules(
         If ``model`` is not an ``nn.Module``.
     """
     if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        raise ArgumentTypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     include = normalize_patterns(include, "include")
     exclude = normalize_patterns(exclude, "exclude")
     named = list(model.named_modules())

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from . import _native
-from ..errors import ActivationScopeError, CaptureError, CaptureWarning
+from ..errors import ActivationScopeError, ArgumentTypeError, ArgumentValueError, CaptureError, CaptureWarning
 from .hooks import hook_point_module, is_hook_point_module, normalize_patterns, rename_hook_point, select_modules
 from .results import HookPointResults, ReductionResults
 from .writer import open_writer, writer_options
@@ -110,7 +110,7 @@ def _parse_enum(value: Any, cls: type[enum.Enum], argument: str) -> enum.Enum:
             if value.lower() in (member.value, member.name.lower()):
                 return member
     choices = ", ".join(f"{cls.__name__}.{m.name}" for m in cls)
-    raise ValueError(f"{argument} must be one of [{choices}], got {value!r}")
+    raise ArgumentValueError(f"{argument} must be one of [{choices}], got {value!r}")
 
 
 def _check_store_options(options: Mapping[str, Any]) -> None:
@@ -118,17 +118,17 @@ def _check_store_options(options: Mapping[str, Any]) -> None:
     for key in options:
         if key not in valid:
             hint = "; storage_dtype is an argument of ActivationScope itself" if key == "storage_dtype" else ""
-            raise TypeError(f"store_options has no option {key!r}; valid options are {valid}{hint}")
+            raise ArgumentTypeError(f"store_options has no option {key!r}; valid options are {valid}{hint}")
 
 
 def _parse_capture(capture: Any) -> str:
     if isinstance(capture, CapturePolicy):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"capture= takes which side to capture ('output', 'input' or 'both'), got {capture}; "
             f"to choose when to capture, pass capture_policy={capture} instead"
         )
     if capture not in _CAPTURE_SIDES:
-        raise ValueError(f"capture must be one of {list(_CAPTURE_SIDES)}, got {capture!r}")
+        raise ArgumentValueError(f"capture must be one of {list(_CAPTURE_SIDES)}, got {capture!r}")
     return capture
 
 
@@ -227,9 +227,9 @@ class ActivationScope:
     ) -> None:
         self.capture = _parse_capture(capture)
         if rows not in _ROWS:
-            raise ValueError(f"rows must be one of {list(_ROWS)}, got {rows!r}")
+            raise ArgumentValueError(f"rows must be one of {list(_ROWS)}, got {rows!r}")
         if not isinstance(stop_after_last, bool):
-            raise TypeError(f"stop_after_last must be a bool, got {stop_after_last!r}")
+            raise ArgumentTypeError(f"stop_after_last must be a bool, got {stop_after_last!r}")
         self.rows = rows
         self.stop_after_last = stop_after_last
         self.capture_policy = _parse_enum(capture_policy, CapturePolicy, "capture_policy")
@@ -237,23 +237,23 @@ class ActivationScope:
         self.storage = _parse_enum(storage, StoragePolicy, "storage")
         self.reduction_policy = _parse_enum(reduction_policy, ReductionPolicy, "reduction_policy")
         if not isinstance(sample_every, int) or sample_every < 1:
-            raise ValueError(f"sample_every must be a positive int, got {sample_every!r}")
+            raise ArgumentValueError(f"sample_every must be a positive int, got {sample_every!r}")
         if self.capture_policy is CapturePolicy.MAX_K:
             if not isinstance(max_k, int) or max_k < 0:
-                raise ValueError(f"capture_policy=CapturePolicy.MAX_K needs max_k= a non-negative int, got {max_k!r}")
+                raise ArgumentValueError(f"capture_policy=CapturePolicy.MAX_K needs max_k= a non-negative int, got {max_k!r}")
         if storage_dtype is not None and not isinstance(storage_dtype, torch.dtype):
-            raise TypeError(f"storage_dtype must be a torch.dtype, got {storage_dtype!r}")
+            raise ArgumentTypeError(f"storage_dtype must be a torch.dtype, got {storage_dtype!r}")
         if storage_dtype is not None and not storage_dtype.is_floating_point:
-            raise ValueError(
+            raise ArgumentValueError(
                 "storage_dtype must be a floating-point dtype (torch.float32, torch.float16, torch.bfloat16, ...), "
                 f"got {storage_dtype}: casting activations to it would truncate them"
             )
         if store_options:
             if store is None:
-                raise ValueError(f"store_options={dict(store_options)!r} needs store= (a path, URL or zarr store)")
+                raise ArgumentValueError(f"store_options={dict(store_options)!r} needs store= (a path, URL or zarr store)")
             _check_store_options(store_options)
         if self.storage is StoragePolicy.DISK and store is None:
-            raise ValueError("storage=StoragePolicy.DISK needs store= (a path, URL or zarr store) to write into")
+            raise ArgumentValueError("storage=StoragePolicy.DISK needs store= (a path, URL or zarr store) to write into")
         if store is not None and self.storage is StoragePolicy.AUTO:
             self.storage = StoragePolicy.DISK
         self.sample_every = sample_every
@@ -323,7 +323,7 @@ class ActivationScope:
         inc = normalize_patterns(include, "include") if include is not None else self.include
         exc = normalize_patterns(exclude, "exclude") if exclude is not None else self.exclude
         if stop_after_last is not None and not isinstance(stop_after_last, bool):
-            raise TypeError(f"stop_after_last must be a bool, got {stop_after_last!r}")
+            raise ArgumentTypeError(f"stop_after_last must be a bool, got {stop_after_last!r}")
         modules = select_modules(model, inc, exc)
         stop = self.stop_after_last if stop_after_last is None else stop_after_last
         return Tracker(self, model, modules, side, stop_after_last=stop)
@@ -594,15 +594,31 @@ class Tracker:
         Raises
         ------
         ValueError
-            A mask that is not 2-D, or columns whose length is not the batch size.
+            A mask that is not 2-D or holds values other than 0 and 1, or columns whose
+            length is not the batch size; at the forward (the model call raises it): sample
+            ids, columns or mask rows that describe another number of samples than the
+            forward's batch (the first dimension of its first input).
+        TypeError
+            A float (or complex) attention mask.
         """
         mask = None
         if attention_mask is not None:
             if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
-                raise ValueError(
+                raise ArgumentValueError(
                     "attention_mask must be a (batch, pos) tensor, got "
                     f"{getattr(attention_mask, 'shape', type(attention_mask).__name__)}"
                 )
+            if attention_mask.dtype.is_floating_point or attention_mask.dtype.is_complex:
+                raise ArgumentTypeError(
+                    f"attention_mask must be bool or 0/1 integers, got dtype {attention_mask.dtype}; pass mask.bool()"
+                )
+            if attention_mask.dtype != torch.bool and attention_mask.numel():
+                lo, hi = int(attention_mask.min()), int(attention_mask.max())
+                if lo < 0 or hi > 1:
+                    raise ArgumentValueError(
+                        f"attention_mask must hold only 0 and 1, got values in [{lo}, {hi}]; pass (mask > 0) or "
+                        "mask.bool() if that is what you mean"
+                    )
             mask = attention_mask.detach().to(torch.bool).contiguous()
         n = None if mask is None else mask.shape[0]
         for key, col in columns.items():
@@ -610,9 +626,9 @@ class Tracker:
             if n is None:
                 n = length
             if length != n:
-                raise ValueError(f"column {key!r} has {length} entries, expected the batch size {n}")
+                raise ArgumentValueError(f"column {key!r} has {length} entries, expected the batch size {n}")
         if sample_ids is not None and n is not None and len(sample_ids) != n:
-            raise ValueError(f"sample_ids has {len(sample_ids)} entries, expected the batch size {n}")
+            raise ArgumentValueError(f"sample_ids has {len(sample_ids)} entries, expected the batch size {n}")
         self._core.token_mask = mask if mask is not None else torch.Tensor()
         self._pending_batch = {"attention_mask": mask, "sample_ids": sample_ids, "columns": columns}
 
@@ -783,6 +799,15 @@ class Tracker:
         self._n_captured += 1
         batch = self._batch or {}
         n = _batch_size(batch, self._core.batch_size)
+        actual = int(self._core.batch_size)
+        if actual > 0 and n != actual and self._batch is not None:
+            what = ("attention_mask" if batch.get("attention_mask") is not None else
+                    "sample_ids" if batch.get("sample_ids") is not None else
+                    f"column {next(iter(batch.get('columns') or {'?': 0}))!r}")
+            raise ArgumentValueError(
+                f"set_batch({what}=...) describes {n} samples, but the forward's batch has {actual} (the first "
+                "dimension of its first input); call set_batch with one entry per sample before each forward"
+            )
         if self.writer is not None:
             ids = batch.get("sample_ids")
             if ids is None:

@@ -42,7 +42,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from ..errors import ActivationScopeError, ArgumentValueError
+from ..errors import ActivationScopeError, ArgumentValueError, ColumnNotFoundError
 from .dataset import ActivationDataset
 
 __all__ = ["export_arrow", "export_parquet", "export_hf", "to_pandas", "read_arrow", "arrow_to_torch", "EXPORT_FORMAT"]
@@ -370,7 +370,7 @@ def _hf_plan(ds: ActivationDataset, col_names: list[str], context_size: int | No
         features[hp] = _hf_feature(shapes[hp], name)
     for name in col_names:
         if name in ds.hook_points:
-            raise ValueError(f"row-table column {name!r} clashes with a hook point of the same name")
+            raise ArgumentValueError(f"row-table column {name!r} clashes with a hook point of the same name")
         inner = datasets.Features.from_arrow_schema(pa.schema([table.schema.field(name)]))[name]
         features[name] = inner if context_size is None else datasets.List(inner, length=context_size)
     return datasets.Features(features), shapes
@@ -481,14 +481,14 @@ def export_hf(
     >>> datasets.load_from_disk("runs/demo-hf").with_format("torch")[:8]                   # doctest: +SKIP
     """
     if file_format not in ("arrow", "parquet"):
-        raise ValueError(f"file_format must be one of ['arrow', 'parquet'], got {file_format!r}")
+        raise ArgumentValueError(f"file_format must be one of ['arrow', 'parquet'], got {file_format!r}")
     if bfloat16 not in ("float32", "bits"):
-        raise ValueError(f"bfloat16 must be one of ['float32', 'bits'], got {bfloat16!r}")
+        raise ArgumentValueError(f"bfloat16 must be one of ['float32', 'bits'], got {bfloat16!r}")
     if context_size is not None and (not isinstance(context_size, int) or isinstance(context_size, bool)
                                      or context_size < 1):
-        raise ValueError(f"context_size must be a positive int or None, got {context_size!r}")
+        raise ArgumentValueError(f"context_size must be a positive int or None, got {context_size!r}")
     if not isinstance(batch_rows, int) or batch_rows < 1:
-        raise ValueError(f"batch_rows must be a positive int, got {batch_rows!r}")
+        raise ArgumentValueError(f"batch_rows must be a positive int, got {batch_rows!r}")
     try:
         import datasets
     except ImportError as e:
@@ -498,7 +498,7 @@ def export_hf(
     n_rows = len(ds)
     if context_size is not None and n_rows % context_size:
         if not drop_last:
-            raise ValueError(
+            raise ArgumentValueError(
                 f"the {n_rows} rows of {ds.hook_points} must be a multiple of context_size={context_size} "
                 f"(remainder {n_rows % context_size}); pass drop_last=True to leave out the last "
                 f"{n_rows % context_size} rows, or another context_size"
@@ -757,7 +757,7 @@ def read_arrow(
     names = list(columns) if columns is not None else schema.names
     for name in names:
         if name not in schema.names:
-            raise KeyError(f"column {name!r} is not in {os.fspath(path)!r}; it has {schema.names}")
+            raise ColumnNotFoundError(f"column {name!r} is not in {os.fspath(path)!r}; it has {schema.names}")
 
     def convert(rb: pa.RecordBatch) -> dict[str, Any]:
         out: dict[str, Any] = {}
