@@ -50,6 +50,7 @@ _LAZY = {
     "ActivationDataset": ".data",
     "to_dask": ".analysis.dask",
     "RankStore": ".store",
+    "init_process_group": ".store",
 }
 
 __all__ = [
@@ -65,6 +66,7 @@ __all__ = [
     "ActivationDataset",
     "to_dask",
     "RankStore",
+    "init_process_group",
     "ActivationScopeError",
     "CaptureError",
     "CaptureWarning",

@@ -18,11 +18,11 @@ from ..capture.writer import register_writer
 from ._format import FORMAT_NAME, FORMAT_VERSION
 from ._remove import remove_if_empty
 from .reader import Store, copy_store, open_store
-from .ranks import RankStore, commit_ranks, open_capture_writer
+from .ranks import RankStore, commit_ranks, init_process_group, open_capture_writer
 from .writer import StoreWriter, model_identity
 
 # the writer of ActivationScope(store=...) captures: a StoreWriter, or a rank's RankWriter
 register_writer(open_capture_writer)
 
-__all__ = ["RankStore", "commit_ranks", "StoreWriter", "Store", "open_store", "copy_store", "remove_if_empty",
+__all__ = ["RankStore", "commit_ranks", "init_process_group", "StoreWriter", "Store", "open_store", "copy_store", "remove_if_empty",
            "model_identity", "FORMAT_NAME", "FORMAT_VERSION"]

@@ -193,6 +193,26 @@ def _link_or_copy(src: Path, dst: Path) -> None:
     os.replace(tmp, dst)
 
 
+def _rank_states(st: Store) -> dict[str, dict[str, dict]]:
+    """``{hook point: {name: {"kind", "options", "n_rows", "state"}}}`` of a rank store.
+
+    The state is the one every store keeps for resume (FORMAT.md section 6: ``state`` on the
+    main reduction entry, files ``<name>.state.<key>``). Rank stores written before that was
+    the one format list it apart, under ``reduction_states`` (files ``<name>.rank_state.<key>``):
+    still read."""
+    old = st.attrs.get("reduction_states")
+    if isinstance(old, dict) and old:
+        return old
+    out: dict[str, dict[str, dict]] = {}
+    for hp, entries in (st.attrs.get("reductions") or {}).items():
+        for e in entries.values():
+            if isinstance(e, dict) and isinstance(e.get("state"), dict) and "reduction" in e:
+                out.setdefault(hp, {})[e["reduction"]] = {
+                    "kind": e.get("kind"), "options": e.get("options") or {}, "state": e["state"],
+                    **({"n_rows": e["n_rows"]} if "n_rows" in e else {})}
+    return out
+
+
 def _merge_states(hp: str, name: str, entries: list[dict], stores: list[Store],
                   make: Callable[[str, str, dict], Any] | None) -> Any:
     from ..capture import reductions as R
@@ -439,8 +459,9 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
         row_tables[kind] = info
     # reductions: every rank's float64 state merged (Chan et al. for moments), results written
     reductions: dict[str, dict] = {}
+    states = [_rank_states(s) for s in stores]
     state_hps = _check_same(stores, "the reductions", lambda s: {
-        hp: sorted(v) for hp, v in (s.attrs.get("reduction_states") or {}).items()})
+        hp: sorted(v) for hp, v in states[stores.index(s)].items()})
     if stores[0].attrs.get("reductions") and not state_hps:
         raise StoreError("the rank stores hold reduction results but no reduction states; they cannot be merged")
     for hp, names in state_hps.items():
@@ -449,7 +470,7 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
         b.set(f"reductions/{node}/zarr.json", F.dumps(F.group_document({F.ATTRS_KEY: {"hook_point": hp}})))
         entries_out = reductions.setdefault(hp, {})
         for name in names:
-            entries = [s.attrs["reduction_states"][hp][name] for s in stores]
+            entries = [st_[hp][name] for st_ in states]
             for r, (st, e) in enumerate(zip(stores, entries)):
                 n = st.n_rows(hp) if hp in st.hook_points else 0
                 if "n_rows" in e and int(e["n_rows"]) != n:
@@ -507,6 +528,42 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
     _put_root(b, _root_doc(attrs), etag)  # the commit point
     _remove_ranks(b)
     return {"n_ranks": len(stores), "n_samples": attrs["n_samples"], "arrays": summary}
+
+
+# ---------------------------------------------------------------------------- process group
+def init_process_group(backend: str = "gloo", **kwargs: Any) -> None:
+    """``torch.distributed.init_process_group`` that also works after a ``torchrun`` restart.
+
+    Under ``torchrun`` (``--standalone`` or any c10d rendezvous) the workers of every attempt
+    share the agent's TCPStore, which keeps the keys of the attempt before: after
+    ``--max-restarts`` restarts the workers, a new worker reads the *dead* worker's gloo
+    address from them and fails with "Gloo connectFullMesh failed ... Connection refused"
+    (torch 2.13). This connects to that store under a prefix of the attempt
+    (``TORCHELASTIC_RESTART_COUNT``), so every attempt meets in fresh keys. Outside
+    ``torchrun``'s shared store (no ``TORCHELASTIC_USE_AGENT_STORE=True``, or ``store=`` /
+    ``init_method=`` given), it is plain ``init_process_group``. The alternative without
+    code: launch with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (each attempt gets a new store).
+
+    Parameters
+    ----------
+    backend : str, default "gloo"
+        ``"gloo"`` (CPU) or ``"nccl"`` (GPUs).
+    **kwargs
+        Passed to ``torch.distributed.init_process_group`` (``timeout``, ``device_id``...).
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    env = os.environ
+    shared = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and "MASTER_ADDR" in env and "MASTER_PORT" in env
+    if not shared or "store" in kwargs or "init_method" in kwargs:
+        dist.init_process_group(backend, **kwargs)
+        return
+    timeout = kwargs.get("timeout") or datetime.timedelta(minutes=10)
+    base = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=timeout)
+    store = dist.PrefixStore(f"activationscope/attempt-{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", base)
+    dist.init_process_group(backend, store=store, rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]), **kwargs)
 
 
 # ---------------------------------------------------------------------------- the capture side
@@ -637,45 +694,11 @@ class RankSession:
         opts["overwrite"] = overwrite or (not resume and exists)
         return target, opts
 
-    def _save_states(self, w: Any, live: dict) -> None:
-        """Store every reduction's state over ALL rows of this rank store.
-
-        ``live``: ``{(hook point, name): reduction}`` the capture handed to ``add_reductions``.
-        A resumed rank continues the state stored by the run before it (when that run
-        finished) or, when it was killed before storing one, folds the committed rows it left
-        back into the reduction (read from the rank store), so the merged reductions cover
-        every row. A hook point with committed rows but neither a stored state nor new rows
-        keeps no state, and the commit then refuses (never a partial reduction).
-        """
-        old_states = ((w._state or {}).get("reduction_states") or {})
-        reader = None
-        for (hp, name), red in live.items():
-            old_arr = w._old_arrays.get(hp) or {}
-            n_open = int(old_arr.get("n_rows", 0))
-            n_total = int(w._arrays[hp].last_cum) if hp in w._arrays else n_open  # rows of whole forwards
-            if n_open > 0:
-                if reader is None:
-                    reader = Store(w._backend)
-                part = red.fresh()
-                old = (old_states.get(hp) or {}).get(name)
-                if old is not None and int(old.get("n_rows", -1)) == n_open and old.get("kind") == str(red.kind):
-                    part.load_state({k: reader._read_small({**e, "reduction": name}).clone()
-                                     for k, e in old["state"].items()})
-                else:
-                    part.update(reader._read_rows(hp, 0, n_open, copy=True))
-                red.merge(part)
-            w.add_reduction_state(hp, name, red, n_rows=n_total)
-        for hp, names in old_states.items():  # stored states of hook points that saw no new rows
-            for name, entry in names.items():
-                if (hp, name) not in live:
-                    w._states.setdefault(hp, {})[name] = entry
-
     def finish(self, w: Any, live: dict, exc: BaseException | None) -> None:
         """Close this rank's store, agree on the outcome, commit on rank 0 (see the module)."""
         error = None
         if exc is None:
-            try:
-                self._save_states(w, live)
+            try:  # the reductions are in the rank store with their state (FORMAT.md section 6)
                 w.close(status="complete")
             except BaseException as e:  # noqa: BLE001 - the other ranks must hear of it
                 error = e
@@ -749,7 +772,8 @@ class RankWriter:
         return self._session.rank
 
     def add_reductions(self, hook_point: str, name: str, reduction: Any, *args: Any, **kwargs: Any) -> None:
-        """Store the reduction in the rank store and keep it for the merged result."""
+        """Store the reduction (result and state, FORMAT.md section 6) in the rank store; keep
+        the object, so that rank 0's commit can merge custom reductions of its kind."""
         self._inner.add_reductions(hook_point, name, reduction, *args, **kwargs)
         self._live[(hook_point, name)] = reduction
 

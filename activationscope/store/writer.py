@@ -341,7 +341,6 @@ class StoreWriter:
         self._arrays: dict[str, _Array] = {}
         self._pending: list[_Batch] = []
         self._reductions: dict[str, dict] = {}
-        self._states: dict[str, dict] = {}
         self._encoders: dict[str, Any] = {}
         self._encoder_thread: threading.Thread | None = None
         self._seen_version = self._core.durable_version
@@ -388,7 +387,6 @@ class StoreWriter:
             "arrays": arrays,
             "row_tables": self._row_tables,
             "reductions": reductions,
-            **({"reduction_states": self._states} if self._states else {}),
             "aliases": dict(self.aliases),
         }
 
@@ -824,6 +822,10 @@ class StoreWriter:
                     saved[key] = {"path": path, "dtype": dname, "shape": list(t.shape), "crc32c": crcs}
                 if saved is not None:
                     owner["state"] = saved
+                    options = getattr(reduction, "options", None)
+                    options = options() if callable(options) else options
+                    if options:  # lets a commit of rank stores rebuild a built-in reduction to merge into
+                        owner["options"] = F.check_jsonable(dict(options), "reduction options")
             pt = script_path
             if pt is None:
                 for attr in ("script_path", "path"):
@@ -839,33 +841,6 @@ class StoreWriter:
                 if name in entries:
                     entries[name]["script"] = key
                     entries[name].setdefault("crc32c", {})[key] = F.crc32c(data)
-
-    def add_reduction_state(self, hook_point: str, name: str, reduction: Any, n_rows: int | None = None) -> None:
-        """Store the mergeable state of a reduction (``reduction.state()``), for a later merge.
-
-        Written by each rank of a multi-rank capture, as small arrays
-        ``reductions/<hook point>/<name>.rank_state.<key>`` listed under ``reduction_states`` in the
-        root metadata with the reduction's ``kind``, ``options`` and the rows it covers
-        (``n_rows``) (``store/FORMAT.md`` §10).
-        """
-        with self._lock:
-            state = reduction.state()
-            kind = str(getattr(reduction, "kind", "custom"))
-            options = getattr(reduction, "options", {})
-            options = options() if callable(options) else options
-            node = F.node_name(hook_point)
-            keys = {}
-            for key, value in state.items():
-                t = torch.as_tensor(value).detach().to("cpu").contiguous()
-                dname = F.dtype_name(t.dtype)
-                if dname not in F.SUPPORTED_DTYPES:
-                    raise StoreError(f"reduction {name!r} of hook point {hook_point!r}: state {key!r} has unsupported dtype {dname}")
-                path = f"reductions/{node}/{name}.rank_state.{key}"
-                crcs = _write_small_array(self._backend, path, t, {"hook_point": hook_point, "reduction": name})
-                keys[key] = {"path": path, "dtype": dname, "shape": list(t.shape), "crc32c": crcs}
-            self._states.setdefault(hook_point, {})[name] = {
-                "kind": kind, "options": F.check_jsonable(dict(options or {}), "reduction options"), "state": keys,
-                **({} if n_rows is None else {"n_rows": int(n_rows)})}
 
     #: Whether :meth:`add_alias` is available (a capture stores repeated tensors once).
     supports_aliases: bool = True

@@ -29,9 +29,9 @@ TORCHRUN = Path(sys.executable).with_name("torchrun")
 WORLD = 2
 
 
-def _torchrun(store: Path, *extra: str, max_restarts: int = 0) -> subprocess.CompletedProcess:
+def _torchrun(store: Path, *extra: str, max_restarts: int = 0, env: dict | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parents[1]), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
+           "OMP_NUM_THREADS": "1", **(env or {})}
     cmd = [str(TORCHRUN), "--standalone", f"--nproc_per_node={WORLD}", f"--max-restarts={max_restarts}",
            str(SCRIPT), str(store), *extra]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
@@ -135,6 +135,33 @@ def test_a_killed_rank_leaves_rank_stores_and_resume_ends_identical(captured, tm
     assert final.status == "complete"
     for hp in ref.hook_points:
         assert torch.equal(final[hp].view(torch.int32), ref[hp].view(torch.int32))
+        for name in ("mean", "var", "cov"):  # the resumed rank folds its committed rows in once
+            torch.testing.assert_close(final.reductions[hp][name], ref.reductions[hp][name], rtol=1e-12, atol=1e-15)
+    _same_files(store, ref_path)
+
+
+@pytest.mark.parametrize("init", ["acs.init_process_group", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"])
+def test_max_restarts_reruns_a_killed_rank_and_ends_identical(captured, tmp_path, init):
+    """torchrun --max-restarts=1: rank 1 dies (os._exit) in the first attempt only; torchrun
+    restarts both ranks, which resume their rank stores, and the store ends byte-identical to
+    an uninterrupted run. torch's own init_process_group fails on the restart (the workers
+    share the agent's TCPStore, which still holds the dead attempt's gloo addresses): either
+    our init_process_group (a key prefix per attempt) or the torch opt-out of that sharing."""
+    ref_path, _, _ = captured
+    store = tmp_path / "restarted.zarr"
+    plain = init != "acs.init_process_group"
+    out = _torchrun(store, "--resume", "--die-at-batch", "17", "--die-rank", "1", "--die-once",
+                    *(["--plain-init"] if plain else []), max_restarts=1,
+                    env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if plain else None)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "exitcode: 3" in out.stderr  # the first attempt's rank 1 did die
+    final, ref = acs.open_store(store), acs.open_store(ref_path)
+    assert final.status == "complete" and not (store / "ranks").exists()
+    for hp in ref.hook_points:
+        assert torch.equal(final[hp].view(torch.int32), ref[hp].view(torch.int32))
+        for name in ("mean", "var", "cov"):
+            torch.testing.assert_close(final.reductions[hp][name], ref.reductions[hp][name], rtol=1e-12, atol=1e-15)
+    assert final.row_table("sample").equals(ref.row_table("sample"))
     _same_files(store, ref_path)
 
 
@@ -186,6 +213,58 @@ def test_rank_stores_without_a_process_group_and_consolidate(captured, tmp_path,
             torch.testing.assert_close(final.reductions[hp][name], ref.reductions[hp][name], rtol=1e-12, atol=1e-15)
     _same_files(store, ref_path)
     assert final.verify() == []
+
+
+def test_rank_stores_keep_the_resume_state_and_old_rank_state_stores_still_commit(captured, tmp_path):
+    """One reduction state format (FORMAT.md section 6, ``<name>.state.<key>``) for resume and
+    for the merge of rank stores; rank stores of the earlier layout (``reduction_states``,
+    ``<name>.rank_state.<key>``) still commit to the same reductions."""
+    from activationscope.store.ranks import commit_ranks
+
+    ref = acs.open_store(captured[0])
+    model = job.toy_mlp(job.WIDTH, 3).eval()
+    stores = {}
+    for layout in ("now", "old"):
+        store = tmp_path / f"{layout}.zarr"
+        for r in range(WORLD):
+            scope = acs.ActivationScope(store=str(store), reductions=["mean", "var", "cov"],
+                                        store_options={**job.STORE_OPTIONS, "process_group": acs.RankStore(r, WORLD)})
+            with scope.track(model) as tracker, torch.no_grad():
+                for b in job.batches_of(r, WORLD):
+                    tracker.set_batch(sample_ids=torch.arange(b * job.BATCH, (b + 1) * job.BATCH))
+                    model(job.batch(b))
+        for r in range(WORLD):
+            rank_dir = store / "ranks" / f"{r:05d}"
+            doc = json.loads((rank_dir / "zarr.json").read_text())
+            attrs = doc["attributes"]["activationscope"]
+            assert "reduction_states" not in attrs
+            assert not list(rank_dir.rglob("*.rank_state.*"))
+            for hp, entries in attrs["reductions"].items():
+                assert {e["reduction"] for e in entries.values() if "state" in e} == {"mean", "var", "cov"}
+            if layout == "old":  # rewrite the rank store as the earlier layout wrote it
+                old = {}
+                for hp, entries in attrs["reductions"].items():
+                    for e in entries.values():
+                        st = e.pop("state", None)
+                        if st is None:
+                            continue
+                        for key, part in st.items():
+                            new_path = part["path"].replace(".state.", ".rank_state.")
+                            shutil.move(rank_dir / part["path"], rank_dir / new_path)
+                            part["path"] = new_path
+                            part["crc32c"] = {new_path if k == part["path"].replace(".rank_state.", ".state.") else k: v
+                                              for k, v in part["crc32c"].items()}
+                        old.setdefault(hp, {})[e["reduction"]] = {"kind": e["kind"], "options": e.pop("options", {}),
+                                                                  "n_rows": e["n_rows"], "state": st}
+                attrs["reduction_states"] = old
+                (rank_dir / "zarr.json").write_text(json.dumps(doc))
+        commit_ranks(store)
+        stores[layout] = acs.open_store(store)
+    for hp in ref.hook_points:
+        for name in ("mean", "var", "cov"):
+            for layout in ("now", "old"):
+                torch.testing.assert_close(stores[layout].reductions[hp][name], ref.reductions[hp][name],
+                                           rtol=1e-12, atol=1e-15)
 
 
 def test_a_rank_store_that_is_not_complete_is_not_committed(tmp_path):

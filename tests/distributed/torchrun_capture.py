@@ -1,9 +1,12 @@
 """A capture script run by the tests under torchrun (or as one process with WORLD_SIZE unset).
 
-    torchrun --standalone --nproc_per_node=2 torchrun_capture.py STORE [--resume] [--die-at-batch K --die-rank R]
+    torchrun --standalone --nproc_per_node=2 torchrun_capture.py STORE [--resume] [--die-at-batch K --die-rank R
+                                                                         [--die-once]] [--plain-init]
 
 Rank r captures batches r, r + world, r + 2 world, ... of a fixed synthetic data set (batch b
-is seeded by b). The summary of rank 0's commit goes to STORE + ".summary.json".
+is seeded by b). ``--die-once``: die only in torchrun's first attempt
+(``TORCHELASTIC_RESTART_COUNT`` 0), so ``--max-restarts=1`` reruns the ranks. The process group
+comes from ``acs.init_process_group`` (``--plain-init``: ``torch.distributed``'s own). The summary of rank 0's commit goes to STORE + ".summary.json".
 """
 
 from __future__ import annotations
@@ -40,11 +43,16 @@ def main() -> None:
     p.add_argument("--resume", action="store_true")
     p.add_argument("--die-at-batch", type=int, default=-1)
     p.add_argument("--die-rank", type=int, default=1)
+    p.add_argument("--die-once", action="store_true")
+    p.add_argument("--plain-init", action="store_true")
     args = p.parse_args()
     torch.set_num_threads(1)
     distributed = "WORLD_SIZE" in os.environ
     if distributed:
-        dist.init_process_group("gloo")
+        if args.plain_init:
+            dist.init_process_group("gloo")
+        else:
+            acs.init_process_group("gloo")
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     model = toy_mlp(WIDTH, 3).eval()
     scope = acs.ActivationScope(store=args.store, reductions=["mean", "var", "cov"],
@@ -54,7 +62,8 @@ def main() -> None:
         for i, b in enumerate(batches_of(rank, world)):
             if i < skip:
                 continue
-            if b == args.die_at_batch and rank == args.die_rank:
+            first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+            if b == args.die_at_batch and rank == args.die_rank and (first_attempt or not args.die_once):
                 # die once something is committed (the writer thread makes shards durable in the
                 # background; on a loaded machine it may lag the forwards), then with no exit path
                 deadline = time.monotonic() + 30
