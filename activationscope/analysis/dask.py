@@ -107,6 +107,11 @@ def to_dask(store: Any, hook_point: str, *, storage_options: dict | None = None)
 
     st = _open(store, storage_options)
     meta = st._meta(hook_point)
+    if st._parts:  # an uncommitted multi-rank store: its rank stores' rows, rank after rank
+        pieces = [to_dask(sub, hook_point) for _, sub, _ in st._parts.get(hook_point, [])
+                  if sub.n_rows(hook_point)]
+        if pieces:
+            return da.concatenate(pieces, axis=0)
     n = int(meta["n_rows"])
     feat = tuple(int(d) for d in meta["feature_shape"])
     shard_rows = int(meta["shard_rows"])

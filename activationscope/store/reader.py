@@ -145,7 +145,8 @@ class Store:
         The root metadata breaks a rule of FORMAT.md §9 (the message names the field).
     """
 
-    def __init__(self, target: Any, *, cache_bytes: int = 64 << 20, storage_options: dict | None = None) -> None:
+    def __init__(self, target: Any, *, cache_bytes: int = 64 << 20, storage_options: dict | None = None,
+                 _rank_view: bool = True) -> None:
         if isinstance(cache_bytes, bool) or not isinstance(cache_bytes, int) or cache_bytes < 0:
             raise ArgumentTypeError(f"cache_bytes must be a non-negative int, got {cache_bytes!r}")
         self._backend = resolve(target, read_only=True, storage_options=storage_options)
@@ -161,6 +162,9 @@ class Store:
         self._next_start: dict[str, int] = {}  # where a sequential reader of a hook point goes next
         self._advised: dict[str, tuple[int, int]] = {}  # hook point -> (last hinted start, advised until row)
         self._pid = os.getpid()
+        self._rank_view_allowed = _rank_view  # rank stores are opened without a view of their own
+        self._ranks: list[tuple[int, "Store"]] = []  # an uncommitted multi-rank store: its rank stores
+        self._parts: dict[str, list[tuple[int, "Store", int]]] = {}  # hook point -> (rank, store, first row)
         self.refresh()
 
     # ------------------------------------------------------------------ metadata
@@ -172,7 +176,15 @@ class Store:
         attrs = V.parse_root(raw, store=self._backend)
         if attrs is None:
             raise StoreError(f"{str(self._backend)!r} is a Zarr node but not an activationscope store")
+        ranks: list[tuple[int, Store]] = []
+        parts: dict[str, list[tuple[int, Store, int]]] = {}
+        dist = attrs.get("distributed")
+        if self._rank_view_allowed and isinstance(dist, dict) and dist.get("committed") is False:
+            attrs, ranks, parts = _rank_view(self, attrs, dist)
         with self._lock:
+            for _, old in self._ranks:
+                old.close()
+            self._ranks, self._parts = ranks, parts
             self._attrs = attrs
             self._zarrays.clear()
             self._indexes.clear()
@@ -356,6 +368,8 @@ class Store:
         one segment per shard. ``rows(hook_point, a, b)`` within one segment is a view;
         across segments one copy.
         """
+        if self._parts:
+            return self._rank_bounds(hook_point, lambda st, hp: st.segments(hp))[0]
         meta = self._meta(hook_point)
         n, shard_rows = int(meta["n_rows"]), int(meta["shard_rows"])
         if n > shard_rows and self._mappable(meta) and self._whole_rows(meta) is not None:
@@ -373,6 +387,8 @@ class Store:
             are chunks, each read is decoded through the store's bounded chunk cache and
             should not be kept.
         """
+        if self._parts:
+            return self._rank_bounds(hook_point, lambda st, hp: st.row_blocks(hp))
         if self.compressed_array(hook_point) is None:
             return self.segments(hook_point), True
         meta = self._meta(hook_point)
@@ -416,6 +432,10 @@ class Store:
         about 8 MiB read when the pages are already cached. Other arrays: nothing.
         ``ActivationDataset`` calls it for every contiguous batch.
         """
+        if self._parts:
+            for _, st, lo, hi in self._rank_spans(hook_point, int(start), int(stop)):
+                st.will_read(hook_point, lo, hi)
+            return
         meta = self._meta(hook_point)
         n = int(meta["n_rows"])
         if _madvise is None or not isinstance(self._backend, LocalBackend) or meta.get("compression") is not None:
@@ -463,11 +483,15 @@ class Store:
         The zarr array holds bfloat16 as uint16 bit patterns (plain zarr-python access; the
         store's own reads validate each shard first)."""
         meta = self._meta(hook_point)
+        if self._parts:
+            return None  # an uncommitted multi-rank store: read it with rows() / row_blocks()
         if self._mappable(meta):
             return None
         return self._zarray(meta), int(meta["chunk_rows"]), F.torch_dtype(meta["dtype"])
 
     def _read_rows(self, hook_point: str, start: int, stop: int, copy: bool = False) -> torch.Tensor:
+        if self._parts:
+            return self._read_rank_rows(hook_point, start, stop, copy)
         meta = self._meta(hook_point)
         dtype = F.torch_dtype(meta["dtype"])
         feat = tuple(meta["feature_shape"])
@@ -499,6 +523,44 @@ class Store:
                 out = parts[0] if len(parts) == 1 else torch.cat(parts)
                 return out.clone() if copy and len(parts) == 1 else out
         return self._read_decoded(hook_point, meta, start, stop)
+
+    # ---------------------------------------------------------------- rank stores
+    def _rank_spans(self, hook_point: str, start: int, stop: int) -> list[tuple[int, "Store", int, int]]:
+        """(rank, rank store, local start, local stop) of the rows [start, stop) of an
+        uncommitted multi-rank store (rank 0's committed rows first, then rank 1's, ...)."""
+        self._meta(hook_point)  # HookPointNotFoundError for a hook point no rank has
+        out = []
+        for rank, st, first in self._parts.get(hook_point, []):
+            n = st.n_rows(hook_point)
+            lo, hi = max(start, first), min(stop, first + n)
+            if lo < hi:
+                out.append((rank, st, lo - first, hi - first))
+        return out
+
+    def _read_rank_rows(self, hook_point: str, start: int, stop: int, copy: bool) -> torch.Tensor:
+        meta = self._meta(hook_point)
+        n = int(meta["n_rows"])
+        if stop <= start:
+            return torch.empty((0, *meta["feature_shape"]), dtype=F.torch_dtype(meta["dtype"]))
+        if start < 0 or stop > n:
+            raise RowIndexError(f"rows [{start}, {stop}) out of range for hook point {hook_point!r} with {n} rows")
+        pieces = [st._read_rows(hook_point, lo, hi, copy) for _, st, lo, hi in self._rank_spans(hook_point, start, stop)]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+    def _rank_bounds(self, hook_point: str, get: Any) -> tuple[list[int], bool]:
+        self._meta(hook_point)
+        bounds, views = [0], True
+        for _, st, first in self._parts.get(hook_point, []):
+            b, v = get(st, hook_point) if st.n_rows(hook_point) else ([0], True)
+            views = views and v
+            bounds += [first + int(x) for x in b[1:]]
+        return bounds, views
+
+    @property
+    def ranks(self) -> list[int]:
+        """The ranks whose rank stores an uncommitted multi-rank store shows (FORMAT.md
+        section 10; empty for every other store)."""
+        return [r for r, _ in self._ranks]
 
     # ---------------------------------------------------------------- shard index
     def _shard_key(self, meta: dict, shard: int) -> str:
@@ -886,6 +948,12 @@ class Store:
 
         if kind not in ("sample", "token"):
             raise ArgumentValueError(f"kind must be one of ['sample', 'token'], got {kind!r}")
+        if self._ranks:  # every rank's committed rows, in rank order, with a rank column
+            tables = []
+            for rank, st in self._ranks:
+                t = st.row_table(kind)
+                tables.append(t.append_column("rank", pa.array(np.full(t.num_rows, rank, dtype=np.int64))))
+            return pa.concat_tables(tables, promote_options="default")
         info = (self._attrs.get("row_tables") or {}).get(kind) or {"parts": []}
         crcs = info.get("crc32c") or {}
         tables = []
@@ -935,6 +1003,10 @@ class Store:
             all good); at most 20 lines per array.
         """
         problems: list[str] = []
+        if self._ranks:  # an uncommitted multi-rank store: its rank stores hold every file
+            for rank, st in self._ranks:
+                problems += [f"rank {rank} ({st.path}): {p}" for p in st.verify()]
+            return problems
         for hp in list(self._attrs.get("arrays", {})):  # aliases have no files of their own
             mine: list[str] = []
             try:
@@ -1117,7 +1189,9 @@ class Store:
             feat = tuple(meta["feature_shape"])
             raw_bytes = n * V.row_bytes(meta)
             disk = 0
-            man = self._backend.get(meta["manifest"])
+            man = None if self._parts else self._backend.get(meta["manifest"])
+            for _, st, _first in self._parts.get(hp, []):
+                disk += int(st.info()["arrays"][hp]["bytes_on_disk"])
             if man is not None:
                 shards = V.parse_manifest(V.loads_json(man, store=self._backend, key=meta["manifest"]), meta,
                                           store=self._backend, key=meta["manifest"])
@@ -1161,6 +1235,8 @@ class Store:
 
     def close(self) -> None:
         """Drop the store's own references to its mappings (views keep theirs alive)."""
+        for _, st in self._ranks:
+            st.close()
         with self._lock:
             self._maps.clear()
             self._indexes.clear()
@@ -1179,6 +1255,88 @@ class Store:
 
     def __repr__(self) -> str:
         return f"<Store {str(self._backend)!r} {self.status}, {len(self.hook_points)} hook points, {self.n_samples} samples>"
+
+
+def _sub_backend(backend: Any, prefix: str) -> Any:
+    """The backend of ``<store>/<prefix>`` (a rank store), or None where it cannot be made."""
+    if isinstance(backend, LocalBackend):
+        from ._backend import _inside
+
+        sub = backend.root / prefix
+        if not _inside(os.path.realpath(sub), os.path.realpath(backend.root)):
+            raise V.corrupt(backend, f"rank store {prefix!r} is a link leaving the store (FORMAT.md section 9 rule 2)")
+        return LocalBackend(sub)
+    zstore = getattr(backend, "store", None)
+    fs, path = getattr(zstore, "fs", None), getattr(zstore, "path", None)
+    if fs is None or path is None:
+        return None
+    import zarr
+
+    from ._backend import FsspecBackend
+
+    sub = zarr.storage.FsspecStore(fs, read_only=True, path=f"{path.rstrip('/')}/{prefix}")
+    return FsspecBackend(sub, label=f"{str(backend).rstrip('/')}/{prefix}")
+
+
+#: Most rank stores an uncommitted multi-rank store is shown with.
+MAX_RANK_VIEW = 1 << 16
+
+
+def _rank_view(store: "Store", attrs: dict, dist: dict) -> tuple[dict, list, dict]:
+    """The root metadata of an uncommitted multi-rank store, showing its rank stores' rows.
+
+    Every rank store that exists is opened (read-only, validated as any store); each hook
+    point's rows are rank 0's committed rows, then rank 1's, ... (no copy: reads go to the
+    rank stores' shards), the row tables are the ranks' tables in the same order with a
+    ``rank`` column (FORMAT.md section 10). Status stays ``incomplete``; no reductions (the
+    ranks have not been merged).
+    """
+    world = dist.get("world_size")
+    if isinstance(world, bool) or not isinstance(world, int) or not 1 <= world <= MAX_RANK_VIEW:
+        return attrs, [], {}
+    ranks: list[tuple[int, Store]] = []
+    for r in range(world):
+        sub = _sub_backend(store._backend, f"ranks/{r:05d}")
+        if sub is None:
+            return attrs, [], {}
+        if sub.get("zarr.json", max_bytes=V.MAX_JSON_BYTES) is None:
+            continue  # this rank made no store (yet)
+        ranks.append((r, Store(sub, cache_bytes=store._cache_bytes, _rank_view=False)))
+    if not ranks:
+        return attrs, [], {}
+    arrays: dict[str, dict] = {}
+    parts: dict[str, list[tuple[int, Store, int]]] = {}
+    layout = ("row_kind", "feature_shape", "dtype")
+    for r, st in ranks:
+        for hp in st.attrs.get("arrays", {}):
+            meta = st.attrs["arrays"][hp]
+            if hp in arrays and any(arrays[hp][k] != meta[k] for k in layout):
+                raise V.corrupt(store._backend, f"rank {r} stores hook point {hp!r} as "
+                                f"{[meta[k] for k in layout]}, an earlier rank as {[arrays[hp][k] for k in layout]}")
+            entry = arrays.setdefault(hp, {**meta, "n_rows": 0, "ranks": [], "follows_row_table": True})
+            parts.setdefault(hp, []).append((r, st, int(entry["n_rows"])))
+            entry["n_rows"] += st.n_rows(hp)
+            entry["ranks"].append({"rank": r, "n_rows": st.n_rows(hp)})
+    tables = {kind: sum(int(((st.attrs.get("row_tables") or {}).get(kind) or {}).get("n_rows", 0)) for _, st in ranks)
+              for kind in ("sample", "token")}
+    for hp, entry in arrays.items():  # row i of the array is row i of the table: every rank's counts agree
+        kind = entry["row_kind"]
+        entry["follows_row_table"] = all(
+            st.follows_row_table(hp) and st.n_rows(hp) == int(((st.attrs.get("row_tables") or {}).get(kind) or {})
+                                                              .get("n_rows", 0)) if hp in st.attrs["arrays"]
+            else int(((st.attrs.get("row_tables") or {}).get(kind) or {}).get("n_rows", 0)) == 0
+            for _, st in ranks)
+    view = {
+        **attrs, "status": "incomplete", "arrays": arrays, "reductions": {}, "aliases": {},
+        "model": ranks[0][1].attrs.get("model"), "capture_config": ranks[0][1].attrs.get("capture_config", {}),
+        "storage_dtype": ranks[0][1].attrs.get("storage_dtype"),
+        "n_samples": sum(st.n_samples for _, st in ranks),
+        "n_batches": sum(int(st.attrs.get("n_batches", 0)) for _, st in ranks),
+        "row_tables": {k: {"parts": [], "n_rows": n, "columns": []} for k, n in tables.items()},
+        "distributed": {**dist, "view": "ranks", "ranks": [
+            {"rank": r, "status": st.status, "n_samples": st.n_samples} for r, st in ranks]},
+    }
+    return view, ranks, parts
 
 
 def open_store(target: Any, *, cache_bytes: int = 64 << 20, storage_options: dict | None = None) -> Store:

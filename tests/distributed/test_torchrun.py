@@ -115,13 +115,16 @@ def test_other_readers_read_the_multi_rank_store(captured):
     assert len(ds) == store.n_samples
 
 
-def test_a_killed_rank_leaves_rank_stores_and_resume_ends_identical(captured, tmp_path):
-    ref_path, _, _ = captured
+@pytest.mark.parametrize("how", ["exit", "sigkill"])
+def test_a_killed_rank_leaves_rank_stores_and_resume_ends_identical(captured, tmp_path, how):
+    """Rank 1 dies mid-forward (os._exit, or SIGKILL of its pid). The root opens incomplete
+    with every row the ranks committed (rank 0's, then rank 1's, read from the rank stores,
+    with a rank column); resuming ends byte-identical to an uninterrupted run."""
+    ref_path, one_path, _ = captured
     store = tmp_path / "killed.zarr"
-    out = _torchrun(store, "--die-at-batch", "17", "--die-rank", "1")
+    out = _torchrun(store, "--die-at-batch", "17", "--die-rank", "1", "--die-how", how)
     assert out.returncode != 0
-    opened = acs.open_store(store)
-    assert opened.status == "incomplete" and opened.hook_points == []
+    assert ("exitcode: 3" if how == "exit" else "exitcode: -9") in out.stderr
     rank1 = acs.open_store(store / "ranks" / "00001")
     assert rank1.status == "incomplete"
     committed = rank1.n_samples
@@ -129,6 +132,32 @@ def test_a_killed_rank_leaves_rank_stores_and_resume_ends_identical(captured, tm
     ref = acs.open_store(ref_path)
     ref_rank1 = np.concatenate([np.arange(b * job.BATCH, (b + 1) * job.BATCH) for b in job.batches_of(1, WORLD)])
     assert rank1.row_table("sample").column("sample_id").to_pylist() == ref_rank1[:committed].tolist()
+    # the root: incomplete, every committed row of every rank (no copy: views of the rank shards)
+    opened = acs.open_store(store)
+    rank0 = acs.open_store(store / "ranks" / "00000")
+    assert opened.status == "incomplete" and opened.ranks == [0, 1]
+    assert opened.n_samples == rank0.n_samples + committed > committed
+    table = opened.row_table("sample")
+    ids = np.asarray(table.column("sample_id"))
+    assert table.column("rank").to_pylist() == [0] * rank0.n_samples + [1] * committed
+    one = acs.open_store(one_path)  # one process, same batches: the row of each sample id
+    row_of = {s: i for i, s in enumerate(one.row_table("sample").column("sample_id").to_pylist())}
+    index = torch.tensor([row_of[s] for s in ids.tolist()])
+    assert opened.hook_points == one.hook_points
+    for hp in one.hook_points:
+        got = opened[hp]
+        assert got.shape[0] == opened.n_rows(hp) == len(ids) and opened.follows_row_table(hp)
+        assert torch.equal(got.view(torch.int32), one[hp][index].view(torch.int32))
+        bounds, views = opened.row_blocks(hp)
+        assert bounds[0] == 0 and bounds[-1] == len(ids) and views
+        n0 = rank0.n_rows(hp)
+        assert torch.equal(opened.rows(hp, n0, n0 + 3), rank1.rows(hp, 0, 3))
+        x = acs.to_dask(opened, hp)  # one block per shard of each rank store
+        assert np.array_equal(x.compute(), got.numpy()) and x.chunks[0][0] == job.STORE_OPTIONS["shard_rows"]
+    assert list(opened.reductions) == []  # nothing merged yet
+    assert opened.verify() == []
+    ds = acs.ActivationDataset(str(store), hook_points=one.hook_points[:1])
+    assert len(ds) == len(ids)
     out = _torchrun(store, "--resume")
     assert out.returncode == 0, out.stderr[-3000:]
     final = acs.open_store(store)

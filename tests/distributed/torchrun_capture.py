@@ -1,10 +1,11 @@
 """A capture script run by the tests under torchrun (or as one process with WORLD_SIZE unset).
 
     torchrun --standalone --nproc_per_node=2 torchrun_capture.py STORE [--resume] [--die-at-batch K --die-rank R
-                                                                         [--die-once]] [--plain-init]
+                                                                         [--die-once] [--die-how exit|sigkill]] [--plain-init]
 
 Rank r captures batches r, r + world, r + 2 world, ... of a fixed synthetic data set (batch b
-is seeded by b). ``--die-once``: die only in torchrun's first attempt
+is seeded by b). The dying rank dies inside the forward of batch K (``os._exit(3)``, or
+SIGKILL of its own pid), once something is committed. ``--die-once``: die only in torchrun's first attempt
 (``TORCHELASTIC_RESTART_COUNT`` 0), so ``--max-restarts=1`` reruns the ranks. The process group
 comes from ``acs.init_process_group`` (``--plain-init``: ``torch.distributed``'s own). The summary of rank 0's commit goes to STORE + ".summary.json".
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 
@@ -44,6 +46,7 @@ def main() -> None:
     p.add_argument("--die-at-batch", type=int, default=-1)
     p.add_argument("--die-rank", type=int, default=1)
     p.add_argument("--die-once", action="store_true")
+    p.add_argument("--die-how", choices=["exit", "sigkill"], default="exit")
     p.add_argument("--plain-init", action="store_true")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -70,7 +73,13 @@ def main() -> None:
                 while tracker.writer.n_samples_committed == 0 and time.monotonic() < deadline:
                     tracker.writer.maybe_commit()
                     time.sleep(0.01)
-                os._exit(3)
+
+                def die(*_):  # mid-forward: the first layers of this batch were captured already
+                    if args.die_how == "sigkill":
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    os._exit(3)
+
+                model[2].register_forward_hook(die)
             tracker.set_batch(sample_ids=torch.arange(b * BATCH, (b + 1) * BATCH))
             model(batch(b))
     summary = getattr(tracker.writer, "summary", None)
