@@ -24,6 +24,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -393,7 +394,8 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
                 manifest.append({**rec, "shard": base + k, "key": F.shard_key(path, base + k, nd),
                                  "rows_end": (base + k + 1) * S})
             base += fulls[r]
-        tails = [st._read_rows(hp, f * S, n, copy=True) for st, f, n in zip(stores, fulls, ns)]
+        # views of the rank shards (mapped, local): the one copy is the concatenation
+        tails = [st._read_rows(hp, f * S, n) for st, f, n in zip(stores, fulls, ns)]
         tail = torch.cat(tails) if tails else torch.empty(0)
         for stale in list(b.list(f"{path}/c/")):  # shards of an earlier, crashed commit past the full ones
             try:
@@ -637,6 +639,9 @@ class RankSession:
         self.standalone = standalone
         self.summary: dict | None = None
         self.storage_options: dict | None = None
+        #: ``time.monotonic()`` when this rank's store was closed, and the seconds spent after
+        #: it: waiting for the other ranks' outcome, and (rank 0) committing.
+        self.timings: dict[str, float] = {}
 
     def _gather(self, obj: Any) -> list:
         import torch.distributed as dist
@@ -700,6 +705,7 @@ class RankSession:
         if exc is None:
             try:  # the reductions are in the rank store with their state (FORMAT.md section 6)
                 w.close(status="complete")
+                self.timings["closed_at"] = time.monotonic()
             except BaseException as e:  # noqa: BLE001 - the other ranks must hear of it
                 error = e
                 w.abort(e)
@@ -710,7 +716,9 @@ class RankSession:
             if error is not None:
                 raise error
             return
+        t0 = time.monotonic()
         seen = self._gather(None if mine is None else f"{type(mine).__name__}: {mine}")
+        self.timings["wait_s"] = time.monotonic() - t0
         failed = {r: s for r, s in enumerate(seen) if s is not None}
         outcome = None
         if not failed and self.rank == 0:
@@ -718,8 +726,10 @@ class RankSession:
                 def make(hp: str, name: str, entry: dict) -> Any:
                     return live.get((hp, name))
 
+                t0 = time.monotonic()
                 self.summary = commit_ranks(self.root, make_reduction=make, world_size=self.world_size,
                                             storage_options=self.storage_options)
+                self.timings["commit_s"] = time.monotonic() - t0
             except BaseException as e:  # noqa: BLE001
                 outcome = f"{type(e).__name__}: {e}"
         outcomes = self._gather(outcome)
@@ -765,6 +775,12 @@ class RankWriter:
     def summary(self) -> dict | None:
         """Rank 0's commit summary (``commit_ranks``), None elsewhere or before the close."""
         return self._session.summary
+
+    @property
+    def timings(self) -> dict[str, float]:
+        """After the close: ``closed_at`` (``time.monotonic()`` when this rank's store was
+        complete), ``wait_s`` (waiting for every rank's outcome), ``commit_s`` (rank 0)."""
+        return dict(self._session.timings)
 
     @property
     def rank(self) -> int:

@@ -136,7 +136,7 @@ def test_a_killed_rank_leaves_rank_stores_and_resume_ends_identical(captured, tm
     opened = acs.open_store(store)
     rank0 = acs.open_store(store / "ranks" / "00000")
     assert opened.status == "incomplete" and opened.ranks == [0, 1]
-    assert opened.n_samples == rank0.n_samples + committed > committed
+    assert opened.n_samples == rank0.n_samples + committed  # rank 0 may have been stopped before its first commit
     table = opened.row_table("sample")
     ids = np.asarray(table.column("sample_id"))
     assert table.column("rank").to_pylist() == [0] * rank0.n_samples + [1] * committed
