@@ -20,6 +20,7 @@ it, and so do the test fakes (``tests/data/fake_store.py``).
 
 from __future__ import annotations
 
+import bisect
 import os
 import threading
 import weakref
@@ -65,8 +66,10 @@ class RowSource(Protocol):
     def rows(self, hook_point: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``[start, stop)``; raises IndexError outside ``[0, n_rows]``."""
 
-    def will_read(self, hook_point: str, start: int, stop: int) -> None:
-        """Hint that rows ``[start, stop)`` are read next (may do nothing)."""
+    def will_read(self, hook_point: str, start: int, stop: int) -> tuple[int, int] | None:
+        """Hint that rows ``[start, stop)`` are read next (may do nothing). May return
+        ``(lo, hi)``: hints for rows within ``[lo, hi)`` would do nothing until the next
+        hint outside it (the reader then skips them)."""
 
 _LIVE: "weakref.WeakSet[StoreSource]" = weakref.WeakSet()
 
@@ -118,7 +121,8 @@ class StoreSource:
             self._spec = spec
             self._store = spec if isinstance(spec, RowSource) else None
         self._pid = os.getpid()
-        self._views: dict[str, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        self._views: dict[str, tuple[torch.Tensor, dict[int, torch.Tensor], bool, list[int]]] = {}
+        self._hinted: dict[str, tuple[int, int]] = {}  # hook point -> rows a read-ahead hint already covers
         self._tables: dict[str, Any] = {}
         _LIVE.add(self)
 
@@ -126,6 +130,7 @@ class StoreSource:
     def _drop_handles(self) -> None:
         self._lock = threading.Lock()
         self._views = {}
+        self._hinted = {}
         self._tables = {}
         if isinstance(self._reopen_spec(), str):
             self._store = None  # reopened lazily from its path or URL
@@ -198,8 +203,9 @@ class StoreSource:
         return bool(self.store.follows_row_table(hp))
 
     # ------------------------------------------------------------------ segments
-    def _layout(self, hp: str) -> tuple[torch.Tensor, dict[int, torch.Tensor], bool]:
-        """(bounds (n_segments + 1,) int64, memo of segment tensors, memoize?) of ``hp``; cached.
+    def _layout(self, hp: str) -> tuple[torch.Tensor, dict[int, torch.Tensor], bool, list[int]]:
+        """(bounds (n_segments + 1,) int64, memo of segment tensors, memoize?, bounds as a
+        list of int) of ``hp``; cached.
 
         The store's ``row_blocks``: its shards for local uncompressed arrays (each read is a
         view of one mapped shard file, kept), its chunks for compressed or remote arrays (each
@@ -212,7 +218,7 @@ class StoreSource:
         bounds = [int(b) for b in bounds]
         if not bounds or bounds[0] != 0:
             bounds = [0, *bounds]
-        cached = (torch.tensor(bounds, dtype=torch.int64), {}, bool(memoize))
+        cached = (torch.tensor(bounds, dtype=torch.int64), {}, bool(memoize), bounds)
         self._views[hp] = cached
         return cached
 
@@ -220,10 +226,10 @@ class StoreSource:
         return self.store.rows(hp, start, stop)
 
     def _segment(self, hp: str, k: int) -> torch.Tensor:
-        bounds, memo, memoize = self._layout(hp)
+        _bounds, memo, memoize, bl = self._layout(hp)
         seg = memo.get(k)
         if seg is None:
-            seg = self._rows(hp, int(bounds[k]), int(bounds[k + 1]))
+            seg = self._rows(hp, bl[k], bl[k + 1])
             if memoize:
                 memo[k] = seg
         return seg
@@ -234,31 +240,44 @@ class StoreSource:
 
     def read(self, hp: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``[start, stop)`` of ``hp``: a view within one shard of a mapped store, else one copy."""
-        bounds = self._layout(hp)[0]
-        n = int(bounds[-1])
+        # The per-batch path of ActivationDataset: plain Python on cached lists, no small
+        # tensor operations (each costs microseconds, as much as a batch's own bookkeeping).
+        _bounds, memo, memoize, bl = self._layout(hp)
+        n = bl[-1]
         if not (0 <= start <= stop <= n):
             raise IndexError(f"rows [{start}, {stop}) out of range for hook point {hp!r} with {n} rows")
-        if not self._layout(hp)[2]:  # decoded by the store: read just these rows through its cache
+        if not memoize:  # decoded by the store: read just these rows through its cache
             return self._rows(hp, start, stop)
-        self.store.will_read(hp, start, stop)  # cold pages: have the kernel read ahead of the consumer
-        k = int(torch.searchsorted(bounds, start, right=True)) - 1
-        if k < len(bounds) - 1 and stop <= int(bounds[k + 1]):
-            b = int(bounds[k])
-            return self._segment(hp, k)[start - b : stop - b]
+        lo, hi = self._hinted.get(hp, (1, 0))
+        if not (lo <= start and stop <= hi):  # cold pages: have the kernel read ahead of the consumer
+            got = self.store.will_read(hp, start, stop)
+            ok = isinstance(got, tuple) and len(got) == 2 and all(isinstance(v, int) for v in got)
+            self._hinted[hp] = got if ok else (1, 0)  # no range given: hint every read
+        k = bisect.bisect_right(bl, start) - 1
+        if k < len(bl) - 1 and stop <= bl[k + 1]:
+            b = bl[k]
+            seg = memo.get(k)
+            if seg is None:
+                seg = self._segment(hp, k)
+            return seg[start - b : stop - b]
         return self._rows(hp, start, stop)
 
     def take(self, hp: str, index: torch.Tensor) -> torch.Tensor:
         """Rows at ``index`` (int64, (k,)) of ``hp``: a new tensor (one gather per segment touched)."""
-        bounds = self._layout(hp)[0]
+        bounds, _memo, _memoize, bl = self._layout(hp)
         if index.numel() == 0:
             return torch.empty((0, *self.feature_shape(hp)), dtype=self.dtype(hp))
-        if bounds.numel() <= 2:
+        if len(bl) <= 2:
             return torch.index_select(self._segment(hp, 0), 0, index)
+        lo, hi = int(index.min()), int(index.max())
+        k = bisect.bisect_right(bl, lo) - 1
+        if 0 <= k < len(bl) - 1 and hi < bl[k + 1]:  # all in one segment: one gather, no scatter
+            return torch.index_select(self._segment(hp, k), 0, index - bl[k] if bl[k] else index)
         seg = torch.searchsorted(bounds, index, right=True) - 1
         out = torch.empty((index.numel(), *self.feature_shape(hp)), dtype=self.dtype(hp))
         for s in torch.unique(seg).tolist():
             pos = (seg == s).nonzero().squeeze(1)
-            out[pos] = torch.index_select(self._segment(hp, s), 0, index[pos] - bounds[s])
+            out[pos] = torch.index_select(self._segment(hp, s), 0, index[pos] - bl[s])
         return out
 
 

@@ -21,6 +21,7 @@ import math
 import mmap
 import operator
 import os
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -54,26 +55,46 @@ READ_AHEAD_BYTES = 16 << 20
 _MADV_WILLNEED = 3
 
 
-def _load_madvise() -> Any:
+def _load_libc(name: str, argtypes: list) -> Any:
     try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
+        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
     except (OSError, AttributeError):  # not a POSIX libc: no hints, reads work the same
         return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.argtypes = argtypes
     fn.restype = ctypes.c_int
     return fn
 
 
-_madvise = _load_madvise()
+_madvise = _load_libc("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int])
+_mincore = _load_libc("mincore", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p])
+_resident_vec = ctypes.create_string_buffer(1)
+
+
+def _resident(page: int) -> bool:
+    """Whether the page at ``page`` (page-aligned address of a mapping) is in the page cache."""
+    if _mincore is None or _mincore(page, mmap.PAGESIZE, _resident_vec) != 0:
+        return False
+    return bool(_resident_vec.raw[0] & 1)
 
 
 def _will_need(addr: int, nbytes: int) -> None:
     """Ask the kernel to start reading the pages of ``[addr, addr + nbytes)`` of a file
     mapping (asynchronous; a hint, errors ignored): page faults on them then find the data
-    in the page cache instead of waiting for one read-around each."""
+    in the page cache instead of waiting for one read-around each.
+
+    When the range's first, middle and last pages are already in the page cache (a warm
+    store: the common case of a second epoch), no hint is given: ``madvise`` walks every
+    page of the range in the page cache, about 0.2 ms per 8 MiB, a tenth of the cost of
+    reading those bytes once more. Three ``mincore`` calls of one page each cost about 1 us.
+    """
     if _madvise is None or nbytes <= 0:
         return
-    lo = addr - addr % mmap.PAGESIZE
+    page = mmap.PAGESIZE
+    lo = addr - addr % page
+    end = addr + nbytes - 1
+    mid = addr + nbytes // 2
+    if _resident(lo) and _resident(end - end % page) and _resident(mid - mid % page):
+        return
     _madvise(lo, nbytes + (addr - lo), _MADV_WILLNEED)
 
 
@@ -161,6 +182,7 @@ class Store:
         self._inflight: dict[tuple, Any] = {}  # (hook point, chunk) -> Future of its decode
         self._next_start: dict[str, int] = {}  # where a sequential reader of a hook point goes next
         self._advised: dict[str, tuple[int, int]] = {}  # hook point -> (last hinted start, advised until row)
+        self._hints: dict[str, tuple] = {}  # hook point -> (meta, eligible, n_rows, row_bytes, read-ahead rows)
         self._pid = os.getpid()
         self._rank_view_allowed = _rank_view  # rank stores are opened without a view of their own
         self._ranks: list[tuple[int, "Store"]] = []  # an uncommitted multi-rank store: its rank stores
@@ -419,7 +441,7 @@ class Store:
             raise RowIndexError(f"rows [{start}, {stop}) out of range for hook point {hook_point!r} with {n} rows")
         return self._read_rows(hook_point, start, stop)
 
-    def will_read(self, hook_point: str, start: int, stop: int) -> None:
+    def will_read(self, hook_point: str, start: int, stop: int) -> tuple[int, int]:
         """Hint that rows ``[start, stop)`` of a hook point are read next (cold reads).
 
         For a local uncompressed array, the kernel is asked to start reading those rows'
@@ -429,35 +451,51 @@ class Store:
         DataLoader workers take turns), the next ``READ_AHEAD_BYTES`` after them, so that
         the disk reads ahead of the consumer instead of one page-fault read-around at a
         time. Costs one ``madvise`` per
-        about 8 MiB read when the pages are already cached. Other arrays: nothing.
-        ``ActivationDataset`` calls it for every contiguous batch.
+        about 8 MiB read when the pages are already cached, and none when the range's pages
+        are already in the page cache. Other arrays: nothing.
+        ``ActivationDataset`` calls it for contiguous batches.
+
+        Returns
+        -------
+        (int, int)
+            ``(lo, hi)``: a later hint for rows ``[s, e)`` with ``lo <= s`` and ``e <= hi``
+            would do nothing; a caller may skip it.
         """
         if self._parts:
             for _, st, lo, hi in self._rank_spans(hook_point, int(start), int(stop)):
                 st.will_read(hook_point, lo, hi)
             return
         meta = self._meta(hook_point)
-        n = int(meta["n_rows"])
-        if _madvise is None or not isinstance(self._backend, LocalBackend) or meta.get("compression") is not None:
-            return
+        hint = self._hints.get(hook_point)
+        if hint is None or hint[0] is not meta:  # per array, once (and again after a refresh)
+            feat = tuple(meta["feature_shape"])
+            row_bytes = (int(np.prod(feat)) if feat else 1) * F.itemsize(meta["dtype"])
+            eligible = (_madvise is not None and isinstance(self._backend, LocalBackend)
+                        and meta.get("compression") is None and row_bytes > 0)
+            hint = (meta, eligible, int(meta["n_rows"]), row_bytes, max(1, READ_AHEAD_BYTES // max(1, row_bytes)))
+            self._hints[hook_point] = hint
+        _meta, eligible, n, row_bytes, ahead_rows = hint
+        if not eligible:
+            return (0, sys.maxsize)
         start, stop = max(0, int(start)), min(n, int(stop))
         if stop <= start:
-            return
-        feat = tuple(meta["feature_shape"])
-        row_bytes = (int(np.prod(feat)) if feat else 1) * F.itemsize(meta["dtype"])
-        if row_bytes == 0:
-            return
-        ahead_rows = max(1, READ_AHEAD_BYTES // row_bytes)
+            return (0, 0)
+        half = ahead_rows // 2
+        adv = self._advised.get(hook_point)
+        if adv is not None and adv[0] <= start and (stop + half <= adv[1] or adv[1] >= n):
+            self._advised[hook_point] = (start, adv[1])  # already advised (the common case: no lock)
+            return (start, adv[1] if adv[1] >= n else adv[1] - half)
         with self._lock:
             last_start, until = self._advised.get(hook_point, (-1, 0))
-            forward = last_start <= start <= until + ahead_rows // 2  # small gaps: workers taking turns
-            if forward and stop + ahead_rows // 2 <= until:
+            forward = last_start <= start <= until + half  # small gaps: workers taking turns
+            if forward and (stop + half <= until or until >= n):
                 self._advised[hook_point] = (start, until)
-                return  # already advised
+                return (start, until if until >= n else until - half)  # already advised
             lo = max(start, until) if forward else start
             hi = min(n, stop + ahead_rows) if (forward or start == 0) else stop
             self._advised[hook_point] = (start, hi)
         self._advise_rows(meta, lo, hi, row_bytes)
+        return (start, hi if hi >= n else max(stop, hi - half))
 
     def _advise_rows(self, meta: dict, lo: int, hi: int, row_bytes: int) -> None:
         shard_rows = int(meta["shard_rows"])

@@ -72,10 +72,40 @@ def test_sequential_dataset_reads_hint_and_return_the_same_rows(tmp_path):
     ds = ActivationDataset(path)
     calls = []
     real = ds.store.will_read
-    ds.store.will_read = lambda hp, a, b: (calls.append((a, b)), real(hp, a, b))
-    got = torch.cat([ds.get_batch(b)["x"] for b in SequentialBatchSampler(ds, batch_size=1000)])
+    ds.store.will_read = lambda hp, a, b: (calls.append((a, b)), real(hp, a, b))[1]
+    batches = list(SequentialBatchSampler(ds, batch_size=1000))
+    got = torch.cat([ds.get_batch(b)["x"] for b in batches])
     assert torch.equal(got, t)
-    assert calls[:2] == [(0, 1000), (1000, 2000)]
+    assert calls[0] == (0, 1000)
+    # the store says which rows its hint covers: batches inside them are not hinted again
+    covered = real("x", 0, 1000)
+    assert covered[0] == 0 and covered[1] > 1000
+    assert all(a >= 1000 for a, _b in calls[1:]) and len(calls) < len(batches)
+
+
+def test_a_source_whose_hint_returns_nothing_is_hinted_for_every_read(tmp_path):
+    t, path = _cold_store(tmp_path)
+    ds = ActivationDataset(path)
+    calls = []
+    ds.store.will_read = lambda hp, a, b: calls.append((a, b))  # returns None
+    batches = list(SequentialBatchSampler(ds, batch_size=1000))
+    got = torch.cat([ds.get_batch(b)["x"] for b in batches])
+    assert torch.equal(got, t)
+    assert calls == [(b.start, b.stop) for b in batches]
+
+
+def test_a_warm_range_is_not_advised_again(tmp_path, monkeypatch):
+    t, path = _cold_store(tmp_path)
+    store = open_store(path)
+    assert torch.equal(store["x"].clone(), t)  # every page now in the page cache
+    advised = []
+    monkeypatch.setattr(reader, "_madvise", lambda addr, n, advice: advised.append(n) or 0)
+    store.will_read("x", 0, 256)
+    assert advised == []
+    monkeypatch.setattr(reader, "_resident", lambda page: False)  # as if evicted
+    store2 = open_store(path)
+    store2.will_read("x", 0, 256)
+    assert advised and advised[0] > 0
 
 
 def test_will_read_is_a_no_op_for_compressed_arrays_and_clips_ranges(tmp_path):
