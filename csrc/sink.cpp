@@ -78,28 +78,26 @@ std::shared_ptr<c10::Event> device_to_host(const at::Tensor& x, const at::Tensor
   return done;
 }
 
-at::Tensor Arena::empty(at::IntArrayRef sizes, at::ScalarType dtype) {
-  const int64_t item = static_cast<int64_t>(c10::elementSize(dtype));
-  const int64_t nbytes = c10::multiply_integers(sizes) * item;
-  if (nbytes * 4 > kSlabBytes) {
-    return at::empty(sizes, at::TensorOptions().dtype(dtype));
-  }
+char* Arena::alloc(int64_t nbytes, c10::Storage* slab) {
+  if (nbytes * 4 > kSlabBytes) return nullptr;
   const int64_t aligned = (nbytes + kAlign - 1) / kAlign * kAlign;
-  std::unique_ptr<SlabRef> ref;
-  char* data = nullptr;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!slab_ || used_ + aligned > capacity_) {
-      slab_ = acquire_slab(/*expect_more=*/reserved_bytes_ > 0);
-      used_ = 0;
-      capacity_ = kSlabBytes;
-      reserved_bytes_ += kSlabBytes;
-    }
-    data = static_cast<char*>(slab_.mutable_data()) + used_;
-    ref = std::make_unique<SlabRef>(SlabRef{slab_});
-    used_ += aligned;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!slab_ || used_ + aligned > capacity_) {
+    slab_ = acquire_slab(/*expect_more=*/reserved_bytes_ > 0);
+    used_ = 0;
+    capacity_ = kSlabBytes;
+    reserved_bytes_ += kSlabBytes;
   }
+  char* data = static_cast<char*>(slab_.mutable_data()) + used_;
+  *slab = slab_;
+  used_ += aligned;
+  return data;
+}
+
+at::Tensor Arena::tensor_at(const c10::Storage& slab, char* data, at::IntArrayRef sizes, at::ScalarType dtype) {
+  const int64_t nbytes = c10::multiply_integers(sizes) * static_cast<int64_t>(c10::elementSize(dtype));
   // A storage of exactly nbytes whose deleter drops one reference to the slab.
+  auto ref = std::make_unique<SlabRef>(SlabRef{slab});
   c10::DataPtr ptr(data, ref.release(), &release_slab_ref, c10::Device(c10::kCPU));
   c10::Storage storage(c10::Storage::use_byte_size_t(), nbytes, std::move(ptr), /*allocator=*/nullptr,
                        /*resizable=*/false);
@@ -107,6 +105,14 @@ at::Tensor Arena::empty(at::IntArrayRef sizes, at::ScalarType dtype) {
       std::move(storage), c10::DispatchKeySet(c10::DispatchKey::CPU), caffe2::TypeMeta::fromScalarType(dtype));
   t.unsafeGetTensorImpl()->set_sizes_contiguous(sizes);
   return t;
+}
+
+at::Tensor Arena::empty(at::IntArrayRef sizes, at::ScalarType dtype) {
+  const int64_t nbytes = c10::multiply_integers(sizes) * static_cast<int64_t>(c10::elementSize(dtype));
+  c10::Storage slab;
+  char* data = alloc(nbytes, &slab);
+  if (!data) return at::empty(sizes, at::TensorOptions().dtype(dtype));
+  return tensor_at(slab, data, sizes, dtype);
 }
 
 void Arena::reset() {
@@ -118,29 +124,41 @@ void Arena::reset() {
 Sink::Sink(std::string name, SinkOptions options, std::shared_ptr<Arena> arena)
     : name_(std::move(name)), options_(options), arena_(std::move(arena)) {}
 
-at::Tensor Sink::snapshot(const at::Tensor& x) {
+Sink::Record Sink::snapshot(const at::Tensor& x) {
+  Record rec;
   const at::ScalarType dtype = options_.storage_dtype.value_or(x.scalar_type());
   const bool on_device = !x.device().is_cpu();
   if (on_device && options_.placement == Placement::GPU) {
-    at::Tensor dst = at::empty(x.sizes(), x.options().dtype(dtype));
-    dst.copy_(x);
-    return dst;
+    rec.t = at::empty(x.sizes(), x.options().dtype(dtype));
+    rec.t.copy_(x);
+    return rec;
   }
   if (on_device) {
-    at::Tensor dst = at::empty(x.sizes(), at::TensorOptions().dtype(dtype).pinned_memory(true));
-    pending_.push_back(device_to_host(x, dst));
-    return dst;
+    rec.t = at::empty(x.sizes(), at::TensorOptions().dtype(dtype).pinned_memory(true));
+    pending_.push_back(device_to_host(x, rec.t));
+    return rec;
   }
-  at::Tensor dst = (options_.keep == Keep::ALL && arena_) ? arena_->empty(x.sizes(), dtype)
-                                                           : at::empty(x.sizes(), at::TensorOptions().dtype(dtype));
-  if (dtype == x.scalar_type() && x.is_contiguous() && x.layout() == at::kStrided && !x.is_conj() &&
-      !x.is_neg()) {
-    // The common case: one memcpy, without the dispatcher and TensorIterator set-up.
-    copy_bytes(dst.data_ptr(), x.const_data_ptr(), x.nbytes());
+  const bool plain = dtype == x.scalar_type() && x.is_contiguous() && x.layout() == at::kStrided && !x.is_conj() &&
+                     !x.is_neg();
+  if (plain && options_.keep == Keep::ALL && arena_) {
+    // The common case: one memcpy into the arena, no tensor object until the records are read.
+    const int64_t nbytes = static_cast<int64_t>(x.nbytes());
+    rec.data = arena_->alloc(nbytes, &rec.slab);
+    if (rec.data) {
+      copy_bytes(rec.data, x.const_data_ptr(), nbytes);
+      rec.sizes.assign(x.sizes().begin(), x.sizes().end());
+      rec.dtype = dtype;
+      return rec;
+    }
+  }
+  rec.t = (options_.keep == Keep::ALL && arena_) ? arena_->empty(x.sizes(), dtype)
+                                                  : at::empty(x.sizes(), at::TensorOptions().dtype(dtype));
+  if (plain) {
+    copy_bytes(rec.t.data_ptr(), x.const_data_ptr(), x.nbytes());
   } else {
-    dst.copy_(x);
+    rec.t.copy_(x);
   }
-  return dst;
+  return rec;
 }
 
 at::Tensor Sink::rows_of(const at::Tensor& x, const at::Tensor& token_mask) {
@@ -212,7 +230,12 @@ void Sink::consume(const at::Tensor& x_in, const at::Tensor& token_mask) {
     // REFERENCE detects later in-place changes through the version counter; an inference
     // tensor (torch.inference_mode) has none, so it is copied instead: records stay exact.
     const bool copy = options_.snapshot || x.is_inference();
-    at::Tensor rec = copy ? snapshot(x) : x;
+    Record rec;
+    if (copy) {
+      rec = snapshot(x);
+    } else {
+      rec.t = x;
+    }
     if (options_.keep == Keep::LAST) {
       records_.clear();
       versions_.clear();
@@ -261,7 +284,7 @@ void Sink::set_alias_of(std::shared_ptr<Sink> target) {
 void Sink::watch_aliases(bool on) {
   std::lock_guard<std::mutex> lock(mu_);
   has_aliases_ = on;
-  if (!on) last_ = at::Tensor();
+  if (!on) last_storage_.reset();
 }
 
 bool Sink::matches_last(const at::Tensor& x) {
@@ -274,7 +297,16 @@ bool Sink::matches_last(const at::Tensor& x) {
 }
 
 void Sink::remember_for_aliases(const at::Tensor& x) {
-  last_ = x;
+  if (!x.has_storage()) {
+    last_storage_.reset();
+    return;
+  }
+  last_storage_.emplace(x.storage().getWeakStorageImpl());
+  last_offset_ = x.storage_offset();
+  last_sizes_.assign(x.sizes().begin(), x.sizes().end());
+  last_strides_.assign(x.strides().begin(), x.strides().end());
+  last_dtype_ = x.scalar_type();
+  last_device_ = x.device();
   last_call_ = n_calls_;
   if (x.is_inference()) {
     last_version_ = -1;
@@ -286,16 +318,19 @@ void Sink::remember_for_aliases(const at::Tensor& x) {
 
 bool Sink::same_as_last(const at::Tensor& x, int64_t call, bool release) {
   std::lock_guard<std::mutex> lock(mu_);
-  at::Tensor t = last_;
-  if (release) last_ = at::Tensor();  // an alias checks each call once
+  std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>> weak;
+  weak.swap(last_storage_);
+  if (!release) last_storage_ = weak;  // an alias checks each call once
   // No call counting: a forward that raised may have run the target without the alias. The
-  // kept reference pins the target's tensor, so its memory cannot be reused by another
-  // tensor, and identity plus an unchanged version (or bytes) is the whole test.
+  // weak reference expires when the target's storage is freed, so memory reused by another
+  // tensor is never taken for the target's; identity plus an unchanged version (or bytes) is
+  // the whole test.
   (void)call;
-  if (!t.defined()) return false;
-  if (!x.storage().is_alias_of(t.storage()) || x.storage_offset() != t.storage_offset() ||
-      x.sizes() != t.sizes() || x.strides() != t.strides() || x.scalar_type() != t.scalar_type() ||
-      x.device() != t.device()) {
+  if (!weak || !x.has_storage()) return false;
+  c10::intrusive_ptr<c10::StorageImpl> alive = weak->lock();
+  if (!alive || alive.get() != x.storage().unsafeGetStorageImpl() || x.storage_offset() != last_offset_ ||
+      x.sizes() != c10::IntArrayRef(last_sizes_) || x.strides() != c10::IntArrayRef(last_strides_) ||
+      x.scalar_type() != last_dtype_ || x.device() != last_device_) {
     return false;
   }
   if (last_version_ >= 0) return !x.is_inference() && x._version() == last_version_;
@@ -323,7 +358,17 @@ std::vector<at::Tensor> Sink::records() {
   std::lock_guard<std::mutex> lock(mu_);
   for (auto& ev : pending_) ev->synchronize();
   pending_.clear();
-  return records_;
+  std::vector<at::Tensor> out;
+  out.reserve(records_.size());
+  for (auto& r : records_) {
+    if (!r.t.defined()) {  // made once, then the same tensor on every read
+      r.t = Arena::tensor_at(r.slab, r.data, r.sizes, r.dtype);
+      r.slab = c10::Storage();
+      r.data = nullptr;
+    }
+    out.push_back(r.t);
+  }
+  return out;
 }
 
 void Sink::clear_records() {
@@ -341,7 +386,7 @@ bool Sink::reference_changed(bool all) {
   const size_t start = all ? 0 : std::min(checked_, versions_.size());
   checked_ = versions_.size();
   for (size_t i = start; i < versions_.size() && i < records_.size(); ++i) {
-    if (versions_[i] != kCopied && records_[i]._version() != versions_[i]) {
+    if (versions_[i] != kCopied && records_[i].t._version() != versions_[i]) {
       warned_changed_ = true;
       return true;
     }

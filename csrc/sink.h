@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/Event.h>
+#include <c10/util/SmallVector.h>
 
 #include <cstdint>
 #include <memory>
@@ -28,6 +29,12 @@ class Arena {
   Arena() = default;
   // A contiguous, uninitialised CPU tensor of `sizes` and `dtype`, in arena memory.
   at::Tensor empty(at::IntArrayRef sizes, at::ScalarType dtype);
+  // `nbytes` of arena memory: its address, and the slab it lies in in `*slab` (nullptr when
+  // too large for a slab: the caller allocates on its own).
+  char* alloc(int64_t nbytes, c10::Storage* slab);
+  // The tensor of `sizes` and `dtype` at `data` (from alloc) in `slab`, with a storage of
+  // exactly its bytes that keeps the slab alive.
+  static at::Tensor tensor_at(const c10::Storage& slab, char* data, at::IntArrayRef sizes, at::ScalarType dtype);
   void reset();  // drop the arena's own reference to the current slab
   int64_t reserved_bytes() const { return reserved_bytes_; }
 
@@ -112,7 +119,19 @@ class Sink {
   const SinkOptions& options() const { return options_; }
 
  private:
-  at::Tensor snapshot(const at::Tensor& x);
+  // One kept record. A snapshot in arena memory is kept as its slab, address and layout
+  // only (no tensor object): creating a TensorImpl and a StorageImpl per record during the
+  // forward put small long-lived heap objects between the model's transient outputs, so
+  // the heap could not reuse those and grew by the size of the capture (fresh pages for
+  // every output). The tensor is made when the records are first read.
+  struct Record {
+    at::Tensor t;           // the record, once made (or a REFERENCE / non-arena record)
+    c10::Storage slab;      // arena snapshot not yet made into a tensor: its slab,
+    char* data = nullptr;   // its address,
+    c10::SmallVector<int64_t, 5> sizes;  // its shape
+    at::ScalarType dtype = at::kFloat;   // and dtype
+  };
+  Record snapshot(const at::Tensor& x);
   at::Tensor rows_of(const at::Tensor& x, const at::Tensor& token_mask);
   void remember_for_aliases(const at::Tensor& x);        // target side, under mu_
   bool same_as_last(const at::Tensor& x, int64_t call, bool release);  // target side, takes mu_
@@ -122,7 +141,7 @@ class Sink {
   SinkOptions options_;
   std::shared_ptr<Arena> arena_;
   std::mutex mu_;
-  std::vector<at::Tensor> records_;
+  std::vector<Record> records_;
   std::vector<int64_t> versions_;  // REFERENCE: version counter at capture
   std::vector<std::shared_ptr<c10::Event>> pending_;  // device copies in flight
   std::vector<std::shared_ptr<Reduction>> reductions_;
@@ -138,7 +157,15 @@ class Sink {
   // alias bookkeeping
   std::shared_ptr<Sink> alias_of_;
   bool has_aliases_ = false;
-  at::Tensor last_;            // the tensor of the last call (held until an alias checks it)
+  // The tensor of the last call, known without keeping it alive: a weak reference to its
+  // storage (expired once the model frees it, so a later tensor that reuses the memory is
+  // never taken for it) and its layout. Keeping the tensor itself pinned the model's
+  // outputs and kept the allocator from reusing their memory (fresh pages every forward).
+  std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>> last_storage_;
+  int64_t last_offset_ = 0;
+  std::vector<int64_t> last_sizes_, last_strides_;
+  at::ScalarType last_dtype_ = at::kFloat;
+  c10::Device last_device_ = c10::Device(c10::kCPU);
   int64_t last_version_ = -1;  // its version counter then (-1: inference tensor)
   uint32_t last_crc_ = 0;      // inference tensors: crc32c of its bytes then
   int64_t last_call_ = 0;      // n_calls_ of that call

@@ -449,6 +449,8 @@ class Tracker:
             # cannot); they are the capture's bookkeeping, not the model's
             callbacks = tuple(torch.compiler.disable(c) for c in callbacks)
         self._core.on_new_hook_point, self._core.on_forward_start, self._core.on_forward_end = callbacks
+        for target in set(self._aliases.values()):  # re-attached: alias targets watch again
+            self._sinks[target].watch_aliases(True)
         self._core.active = True
         self._attached = True
         if not self._fastpath_off and _inside_fused(self.model, self._modules):
@@ -493,6 +495,11 @@ class Tracker:
         self._uninstall_all()
         self._core.release_callbacks()
         self._attached = False
+        # Alias targets remember their last tensor (weakly) to compare the next call's; a
+        # detached tracker forgets it. attach() watches again.
+        for sink in self._sinks.values():
+            sink.watch_aliases(False)
+        self._watching = []
         if self._fastpath_off:
             self._fastpath_off = False
             _fastpath_release()
