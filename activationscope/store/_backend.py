@@ -180,12 +180,20 @@ class LocalBackend:
 
     # ------------------------------------------------------------------ safe paths
     def _root_real(self) -> str:
-        return os.path.realpath(self.root)
+        # Resolved once the root exists (a reader opens hundreds of keys: resolving the
+        # root's own components again for each was half the cost of opening a layer).
+        real = self.__dict__.get("_root_real_cached")
+        if real is None:
+            real = os.path.realpath(self.root)
+            if os.path.isdir(real):
+                self.__dict__["_root_real_cached"] = real
+        return real
 
     def _check_inside(self, p: Path, key: str) -> None:
         """Refuse a path whose real location (symlinks resolved) is outside the store."""
-        if not _inside(os.path.realpath(p), self._root_real()):
-            raise corrupt(self, f"{key!r} resolves to {os.path.realpath(p)!r}, outside the store (a symlink "
+        real = os.path.realpath(p)
+        if not _inside(real, self._root_real()):
+            raise corrupt(self, f"{key!r} resolves to {real!r}, outside the store (a symlink "
                                 "leaving the store); a store never refers to files outside itself")
 
     def _make_parent(self, p: Path, key: str) -> None:

@@ -643,28 +643,35 @@ class Store:
         if got != stored:
             raise V.corrupt(self._backend, f"shard {key!r}: shard index crc32c mismatch (stored {stored:08x}, "
                                            f"computed {got:08x})")
-        flat = np.frombuffer(raw, dtype="<u8", count=2 * n_chunks).tolist()
-        entries = tuple((flat[2 * j], flat[2 * j + 1]) for j in range(n_chunks))
+        arr = np.frombuffer(raw, dtype="<u8", count=2 * n_chunks)
+        flat = arr.tolist()
+        entries = tuple(zip(flat[0::2], flat[1::2]))
         data_end = size - index_bytes
         committed = max(0, min(n_chunks, -(-(n - shard * shard_rows) // chunk_rows)))
-        contiguous = True
         compressed = meta.get("compression") is not None
+        # One vectorised pass over the committed entries (a 1 GiB layer has thousands of
+        # chunks: a Python loop per chunk made opening it take tens of ms); messages only for
+        # the entries that fail.
+        offs, nbs = arr[0 : 2 * committed : 2], arr[1 : 2 * committed : 2]
+        missing = (offs == _MISSING) & (nbs == _MISSING)
+        # offset + nbytes > data_end without uint64 overflow
+        past = ~missing & ((offs > data_end) | (nbs > np.uint64(data_end) - np.minimum(offs, np.uint64(data_end))))
+        wrong_size = ~missing & ~past & (nbs != chunk_bytes) if not compressed else np.zeros(committed, bool)
         bad: dict[int, str] = {}
-        for j in range(committed):
+        for j in np.flatnonzero(missing | past | wrong_size).tolist():
             off, nb = entries[j]
             c = shard * n_chunks + j
             where = (f"chunk {c} (rows {c * chunk_rows}-{min(n, (c + 1) * chunk_rows) - 1}, shard {key!r}) of "
                      f"array {hp!r}")
-            if off == _MISSING and nb == _MISSING:
+            if missing[j]:
                 bad[j] = f"{where} is missing from the shard index although its rows are committed (it would read as fill values)"
-            elif off + nb > data_end:
+            elif past[j]:
                 bad[j] = (f"{where}: its index entry (offset {off}, {nb} bytes) points past the end of the chunk data "
                           f"({data_end} bytes)")
-            elif not compressed and nb != chunk_bytes:
+            else:
                 bad[j] = f"{where}: {nb} bytes, expected chunk_bytes {chunk_bytes} (uncompressed chunk)"
-            elif off != j * chunk_bytes:
-                contiguous = False
-        contiguous = contiguous and not bad
+        expected = np.arange(committed, dtype=np.uint64) * np.uint64(chunk_bytes)
+        contiguous = not bad and bool((offs == expected).all())
         out = _ShardIndex(key, size, entries, contiguous and not compressed, bad)
         with self._lock:
             self._indexes[key] = out
