@@ -112,11 +112,23 @@ class OpenLayer:
         self.path = store_path(self.ctx, None)
         if not os.path.exists(self.path):
             raise RuntimeError(f"the read-back store {self.path} was not built (see the build_raw record)")
-        # import the reader's modules now: their code is not the layer's memory
+        # import the reader's modules and run its code once, on a tiny store of its own: the
+        # reader's code (Python modules, the native extension's pages, first-use set-up) is not
+        # the layer's memory
+        import activationscope as acs
         import activationscope.store  # noqa: F401
         import numpy  # noqa: F401
         import pyarrow  # noqa: F401
         import zarr  # noqa: F401
+
+        tiny = os.path.join(self.ctx["readback_dir"], "open-warmup.zarr")
+        remove(tiny)
+        m = torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH)).eval()
+        with acs.ActivationScope(store=tiny).track(m), torch.no_grad():
+            m(torch.randn(4, WIDTH))
+        _s, _hp, t = _open_layer(tiny)
+        float(t.sum())
+        del _s, t
 
     def run(self, i: int) -> None:
         before = rss_bytes()
