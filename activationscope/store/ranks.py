@@ -263,7 +263,8 @@ def commit_ranks(target: Any, *, storage_options: dict | None = None,
     -------
     dict
         ``{"n_ranks", "n_samples", "arrays": {hook point: {"n_rows", "linked_shards",
-        "copied_rows", "copied_bytes", "copied_shards"}}}``.
+        "copied_rows", "copied_bytes", "copied_shards"}}, "commit_s", "cleanup_s"}``:
+        seconds to the commit point (root written) and then to remove the rank stores.
 
     Raises
     ------
@@ -331,6 +332,7 @@ def _root_etag(b: Any) -> str | None:
 
 def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
                   make_reduction: Callable[[str, str, dict], Any] | None, world_size: int | None) -> dict:
+    t_start = time.monotonic()
     etag = _root_etag(b)
     raw = b.get("zarr.json")
     root_attrs = ((json.loads(raw).get("attributes") or {}).get(F.ATTRS_KEY) or {}) if raw else {}
@@ -528,8 +530,11 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
     for st in stores:
         st.close()
     _put_root(b, _root_doc(attrs), etag)  # the commit point
+    t_commit = time.monotonic() - t_start
+    t0 = time.monotonic()
     _remove_ranks(b)
-    return {"n_ranks": len(stores), "n_samples": attrs["n_samples"], "arrays": summary}
+    return {"n_ranks": len(stores), "n_samples": attrs["n_samples"], "arrays": summary,
+            "commit_s": t_commit, "cleanup_s": time.monotonic() - t0}
 
 
 # ---------------------------------------------------------------------------- process group
