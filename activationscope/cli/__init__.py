@@ -464,6 +464,9 @@ def format_info(info: dict[str, Any], name: str) -> str:
         f"store:    {info.get('path') or name}",
         f"status:   {info.get('status', '?')}, {info.get('n_samples', '?')} samples, format {fmt_s}",
     ]
+    if info.get("rank_stores"):
+        lines.append(f"ranks:    not committed; the rows of rank stores {info['rank_stores']} (rank by rank), "
+                     "no reductions; commit with `activationscope consolidate STORE` once every rank is complete")
     if info.get("created"):
         lines.append(f"created:  {info['created']}")
     if info.get("model"):

@@ -1262,6 +1262,7 @@ class Store:
             "bytes_on_disk": total_disk,
             "data_to_disk_ratio": (total_raw / total_disk) if total_disk else None,
             "aliases": self.aliases,
+            **({"rank_stores": self.ranks} if self._ranks else {}),
             "reductions": {hp: sorted(v) for hp, v in self._complete_reductions().items()},
             "partial_reductions": {hp: {n: {"n_rows": c[0], "of_rows": c[1]} for n, c in v.items()}
                                    for hp, v in self.partial_reductions.items()},

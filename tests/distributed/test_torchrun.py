@@ -155,6 +155,7 @@ def test_a_killed_rank_leaves_rank_stores_and_resume_ends_identical(captured, tm
         x = acs.to_dask(opened, hp)  # one block per shard of each rank store
         assert np.array_equal(x.compute(), got.numpy()) and x.chunks[0][0] == job.STORE_OPTIONS["shard_rows"]
     assert list(opened.reductions) == []  # nothing merged yet
+    assert opened.info()["rank_stores"] == [0, 1] and opened.info()["n_samples"] == len(ids)
     assert opened.verify() == []
     ds = acs.ActivationDataset(str(store), hook_points=one.hook_points[:1])
     assert len(ds) == len(ids)
