@@ -225,3 +225,46 @@ def test_report_in_a_real_browser(tmp_path):
     assert img.shape[0] >= 2000 and img.shape[1] >= 1200
     ink = (img[..., :3].mean(-1) < 0.9).mean()         # share of pixels that are not near-white
     assert ink > 0.02, ink
+
+
+def test_a_nan_row_is_left_out_of_the_pca_and_said_so(tmp_path):
+    from activationscope.analysis.pca import explained_variance_ratio
+
+    torch.manual_seed(0)
+    rows = torch.randn(64, 4, dtype=torch.float64)
+    ref, _ = explained_variance_ratio(torch.cat([rows[:3], rows[4:]]), 4, 100)
+    rows[3, 0] = float("nan")
+    got, note = explained_variance_ratio(rows, 4, 100)
+    torch.testing.assert_close(got, ref)
+    assert note == "1 row(s) with NaN or inf left out of the PCA"
+
+
+def test_report_of_a_store_with_a_nan_activation_is_written(tmp_path):
+    from activationscope import ActivationScope
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU())
+    x = torch.randn(64, 4)
+    x[3, 0] = float("nan")
+    with torch.no_grad(), ActivationScope(store=str(tmp_path / "s.zarr")).track(m) as tr:
+        tr.set_batch(label=torch.arange(64) % 2)
+        m(x)
+    page = report.write_report(str(tmp_path / "s.zarr"), tmp_path / "r")
+    assert page.exists()
+
+
+def test_report_refuses_a_named_label_column_that_does_not_exist_and_too_few_folds(tmp_path):
+    from activationscope import ActivationScope
+    from activationscope.errors import ArgumentValueError
+
+    m = torch.nn.Linear(4, 3)
+    with torch.no_grad(), ActivationScope(store=str(tmp_path / "s.zarr")).track(m) as tr:
+        tr.set_batch(label=torch.arange(16) % 2)
+        m(torch.randn(16, 4))
+    with pytest.raises(ArgumentValueError, match="label_column 'labl' is not a column"):
+        report.write_report(str(tmp_path / "s.zarr"), tmp_path / "r", label_column="labl")
+    with pytest.raises(ArgumentValueError, match="n_folds must be an int of at least 2, got 1"):
+        report.write_report(str(tmp_path / "s.zarr"), tmp_path / "r", n_folds=1)
+    assert not (tmp_path / "r").exists()  # refused before writing anything
+    page = report.write_report(str(tmp_path / "s.zarr"), tmp_path / "r", label_column="label", n_folds=2)
+    assert "No probe" not in page.read_text()

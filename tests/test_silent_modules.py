@@ -178,3 +178,26 @@ def test_eager_parent_with_scripted_block_names_what_cannot_be_tracked():
     h = parent[0](x)
     torch.testing.assert_close(t.activations["0.output"][0], h)
     torch.testing.assert_close(t.activations["1.output"][0], block(h))
+
+
+def test_a_store_capture_that_captures_no_forward_is_an_error_and_incomplete(tmp_path):
+    m = torch.nn.Linear(3, 2)
+    path = str(tmp_path / "e.zarr")
+    with pytest.raises(CaptureError, match="captured no forward of Linear"):
+        with ActivationScope(store=path, reductions=["mean"]).track(m):
+            pass  # an exhausted data loader
+    assert open_store(path).status == "incomplete"
+
+
+def test_resuming_a_complete_store_with_nothing_left_to_capture_stays_complete(tmp_path):
+    m = torch.nn.Linear(3, 2)
+    path = str(tmp_path / "s.zarr")
+    x = torch.randn(5, 3)
+    with torch.no_grad(), ActivationScope(store=path).track(m):
+        m(x)
+    with ActivationScope(store=path, store_options={"resume": True}).track(m):
+        pass
+    s = open_store(path)
+    assert s.status == "complete"
+    with torch.no_grad():
+        torch.testing.assert_close(s["output"], m(x), rtol=0, atol=0)

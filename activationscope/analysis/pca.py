@@ -20,6 +20,7 @@ def explained_variance_ratio(rows: torch.Tensor, n_components: int, max_features
     Parameters
     ----------
     rows : Tensor, (n_rows, units), float64
+        Rows holding NaN or inf are left out; the returned note says how many.
     n_components : int
         Components kept (fewer when there are fewer units).
     max_features : int
@@ -33,11 +34,17 @@ def explained_variance_ratio(rows: torch.Tensor, n_components: int, max_features
     units = rows.shape[1] if rows.dim() == 2 else 0
     if units > max_features:
         return None, f"PCA skipped: {units} features > {max_features}"
+    note = ""
+    if rows.dim() == 2 and rows.shape[0] and not bool(torch.isfinite(rows).all()):
+        finite = torch.isfinite(rows).all(1)
+        dropped = int((~finite).sum())
+        rows = rows[finite]
+        note = f"{dropped} row(s) with NaN or inf left out of the PCA"
     if rows.shape[0] < 2:
-        return None, "PCA skipped: fewer than 2 rows"
+        return None, "PCA skipped: fewer than 2 rows" + (f" ({note})" if note else "")
     centred = rows - rows.mean(0)
     ev = torch.linalg.eigvalsh(centred.T @ centred).flip(0).clamp_min(0)
     total = ev.sum()
     if float(total) > 0:
-        return (ev / total)[:n_components], ""
-    return None, "PCA skipped: zero variance"
+        return (ev / total)[:n_components], note
+    return None, "PCA skipped: zero variance" + (f" ({note})" if note else "")

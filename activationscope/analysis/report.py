@@ -298,7 +298,7 @@ def plot_hook_point(stats: HookPointStats, path: str | os.PathLike) -> Path:
         ax2.set_ylim(0, 1.02)
         ax2.set_ylabel("cumulative")
         ax.set_title(f"PCA explained variance (first {len(ev)})")
-        ax.set_xlabel("component")
+        ax.set_xlabel("component" + (f"\n{stats.pca_note}" if stats.pca_note else ""))
         ax.set_ylabel("ratio")
     else:
         ax.text(0.5, 0.5, stats.pca_note or "PCA skipped", ha="center", va="center", transform=ax.transAxes)
@@ -382,7 +382,7 @@ def write_report(
     *,
     hook_points: Sequence[str] | None = None,
     probes: Mapping[str, Any] | None = None,
-    label_column: str = "label",
+    label_column: str | None = None,
     n_folds: int = 5,
     title: str | None = None,
     max_rows: int = 20000,
@@ -398,6 +398,9 @@ def write_report(
     probes : {hook point: ProbeResult}, optional
         Probe results to show; computed with :func:`activationscope.analysis.probes.probe_store` when
         None and the row table has ``label_column``.
+    label_column : str, optional
+        Row-table column with the labels the probes predict. Default: ``"label"`` when the
+        store has one (no probes otherwise). A column named here must exist.
     n_folds : int, default 5
         Folds of the probes computed here (fewer when the smallest class is smaller; the
         page says so).
@@ -410,11 +413,33 @@ def write_report(
     Returns
     -------
     Path of ``index.html``.
+
+    Raises
+    ------
+    ArgumentValueError
+        ``n_folds`` below 2, or a ``label_column`` that no row table of the store has.
     """
+    from ..errors import ArgumentValueError
+
+    if isinstance(n_folds, bool) or not isinstance(n_folds, int) or n_folds < 2:
+        raise ArgumentValueError(f"n_folds must be an int of at least 2, got {n_folds!r}")
     if isinstance(store, (str, os.PathLike)):
         from ..store import open_store
 
         store = open_store(os.fspath(store))
+    if label_column is None:
+        label_column = "label"
+    else:
+        columns: list[str] = []
+        for kind in ("sample", "token"):
+            try:
+                columns += [c for c in store.row_table(kind).column_names if c not in columns]
+            except Exception:  # noqa: BLE001 - a store without that row kind
+                continue
+        if label_column not in columns:
+            raise ArgumentValueError(
+                f"label_column {label_column!r} is not a column of the store's row tables; they have {columns}"
+            )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for stale in [*out.glob("hp_*.png"), out / "probes.png"]:  # plots of an earlier report here

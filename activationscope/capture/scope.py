@@ -521,6 +521,16 @@ class Tracker:
                         f"the capture into {self.writer.path!r} recorded no hook point in {self._n_captured} forward(s) "
                         f"(store left 'incomplete'): {_silent_message(silent, self.model)}"
                     )
+                if not self._sinks and self._n_captured == 0 and not int(self.writer.n_samples_committed):
+                    # no forward was captured at all (an empty data loader, max_k=0, the model
+                    # never called): a new store holding nothing is not a success either
+                    self.writer.close(status="incomplete")
+                    raise CaptureError(
+                        f"the capture into {self.writer.path!r} captured no forward of "
+                        f"{type(self.model).__name__}, so the store holds no hook point (left 'incomplete'); "
+                        "call the model inside the `with scope.track(model)` block (check that the data "
+                        "yielded batches and that capture_policy / max_k let a forward through)"
+                    )
                 self.writer.close(status=status)
                 self._warn_silent(silent)
                 return

@@ -190,7 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="report folder (created; index.html inside)")
     p.add_argument("--hook-points", nargs="+", default=None, metavar="HP",
                    help="hook points or fnmatch patterns to show (default: all)")
-    p.add_argument("--label-column", default="label", help="row-table column with labels (default: %(default)s)")
+    p.add_argument("--label-column", default=None,
+                   help="row-table column with labels for the probes (default: 'label' when the store has one)")
     p.add_argument("--folds", type=int, default=5, help="cross-validation folds of the probe (default: %(default)s)")
     return parser
 
