@@ -111,3 +111,32 @@ def test_token_rows_with_hf_keyword_inputs(tmp_path):
     store = acs.open_store(tmp_path / "s.zarr")
     assert torch.equal(store["embed.output"], model.embed.weight[ids.reshape(-1)].detach())
     assert np.array_equal(store.row_table("token")["pos"].to_numpy(), [0, 1, 2, 0, 1, 2])
+
+
+def test_a_2d_activation_taken_as_token_rows_with_padding_is_warned_about(tmp_path):
+    import warnings as _w
+
+    from activationscope import ActivationScope, CaptureWarning, open_store
+
+    class Pooled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(20, 8)
+            self.head = torch.nn.Linear(8, 6)
+
+        def forward(self, ids):
+            return self.head(self.emb(ids).mean(1))  # (batch, 6) logits
+
+    torch.manual_seed(0)
+    m = Pooled()
+    ids = torch.randint(0, 20, (4, 6))
+    mask = torch.ones(4, 6, dtype=torch.long)
+    mask[:, 4:] = 0
+    with _w.catch_warnings(record=True) as rec:
+        _w.simplefilter("always")
+        with torch.no_grad(), ActivationScope(store=str(tmp_path / "p.zarr")).track(m, include=["head"]) as tr:
+            tr.set_batch(attention_mask=mask)
+            m(ids)
+    msgs = [str(r.message) for r in rec if issubclass(r.category, CaptureWarning)]
+    assert any("'head.output' has shape (4, 6)" in t and "padded columns are dropped" in t for t in msgs), msgs
+    assert open_store(str(tmp_path / "p.zarr")).row_kind("head.output") == "token"

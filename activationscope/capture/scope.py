@@ -661,6 +661,18 @@ class Tracker:
             mask = self._core.auto_token_mask  # (batch, pos) of the model's first input, all true
             mask = mask if mask.dim() == 2 else None
         token = _C.is_token_rows(tensor, mask)  # the rule of the native sink (sink.h)
+        if token and tensor.dim() == 2 and not bool(mask.bool().all()):
+            # (batch, pos) values with padding: one scalar per real token, the padded columns
+            # dropped. Right for per-token scalars (token ids, a per-token score); wrong for a
+            # pooled (batch, features) output whose width happens to equal pos. Say so.
+            warnings.warn(
+                f"hook point {name!r} has shape {tuple(tensor.shape)}, the attention mask's (batch, pos): it is "
+                "stored as one scalar row per real token and its padded columns are dropped. If it is a pooled "
+                "(batch, features) output whose width only happens to equal pos, exclude it (exclude=) or "
+                "capture it without attention_mask",
+                CaptureWarning,
+                stacklevel=2,
+            )
         keep = _KEEP_CODE[scope.reduction_policy]
         if not self._in_memory:
             keep = 2
