@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ArgumentValueError, StoreCorruptError
+from ..errors import ArgumentValueError, StoreCorruptError, StoreError
 from ..store import _format as F
 from ..store._backend import LocalBackend
 from ..store.reader import Store, open_store
@@ -122,6 +122,8 @@ def to_dask(store: Any, hook_point: str, *, storage_options: dict | None = None)
         return da.zeros((0, *feat), dtype=dtype, chunks=(shard_rows, *feat))
     try:
         arr = zarr.open_array(st._backend.zarr_store(read_only=True), path=meta["path"], mode="r")
+    except StoreError:
+        raise
     except Exception as e:  # zarr raises several classes for a missing or broken document
         raise StoreCorruptError(
             f"hook point {hook_point!r}: the array {meta['path']!r} of store {st.path!r} cannot be opened ({e}) "
@@ -142,6 +144,17 @@ def to_dask(store: Any, hook_point: str, *, storage_options: dict | None = None)
             f"hook point {hook_point!r}: the array document {meta['path']}/zarr.json disagrees with the root "
             f"metadata of {st.path!r}: {'; '.join(problems)}"
         )
+    if isinstance(st._backend, LocalBackend):
+        # Workers open the shards with zarr-python's own LocalStore (importing activationscope,
+        # so torch, in every worker would cost each one its memory). Checked here first: every
+        # shard of the committed rows is a regular file inside the store (a FIFO would block a
+        # worker forever, a missing shard read as fill values).
+        for k in range(-(-n // shard_rows)):
+            key = F.shard_key(meta["path"], k, len(feat))
+            if st._backend.size(key) is None:
+                raise StoreCorruptError(f"hook point {hook_point!r}: shard {key!r} of store {st.path!r} is missing "
+                                        f"although {n} rows are committed; run `activationscope verify` on the store")
+        arr = zarr.open_array(zarr.storage.LocalStore(st._backend.root, read_only=True), path=meta["path"], mode="r")
     x = da.from_zarr(arr, chunks=(shard_rows, *feat))[:n]
     if meta["dtype"] == "bfloat16":
         x = x.view(dtype)
@@ -183,6 +196,10 @@ def row_table_dask(store: Any, kind: str = "sample", *, storage_options: dict | 
             raise StoreCorruptError(f"row table {kind!r}: part key {key!r} in the metadata of {st.path!r} is not under rows/{kind}/")
     urls = None
     if isinstance(st._backend, LocalBackend):
+        for key in parts:  # regular files inside the store only (a FIFO would block pyarrow's open)
+            if st._backend.size(key) is None:
+                raise StoreCorruptError(f"row table {kind!r}: part {key!r} listed in the metadata of {st.path!r} is "
+                                        "missing; run `activationscope verify` on the store")
         urls = [str(st._backend.path(key)) for key in parts]
     elif isinstance(store, str) and "://" in store:
         urls = [store.rstrip("/") + "/" + key for key in parts]

@@ -11,6 +11,7 @@ The reusable test suite every backend passes is ``tests/store/backend_suite.py``
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import queue
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Any, Iterator, Protocol, runtime_checkable
 
 from ..errors import ArgumentTypeError, StoreError
-from ._validate import MAX_JSON_BYTES, check_key, corrupt
+from ._validate import MAX_FILE_BYTES, MAX_JSON_BYTES, check_key, corrupt
 
 #: Key of the writer lock (FORMAT.md §7): never part of the data, never listed or copied.
 LOCK_KEY = ".activationscope-writer.lock"
@@ -214,26 +215,8 @@ class LocalBackend:
         return p
 
     def _open_regular(self, key: str) -> tuple[int, int] | None:
-        """(fd, size) of a regular file inside the store, None when absent.
-
-        Opened non-blocking (a FIFO never blocks) and checked with ``fstat``: anything but
-        a regular file raises :class:`StoreCorruptError`.
-        """
-        p = self.path(key)
-        try:
-            fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        except (FileNotFoundError, NotADirectoryError):
-            return None
-        except OSError as e:
-            raise StoreError(f"store {str(self)!r}: cannot open {key!r}: {e.strerror or e}") from e
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            os.close(fd)
-            kind = ("a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode)
-                    else "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)
-                    else "a socket" if stat.S_ISSOCK(st.st_mode) else "not a regular file")
-            raise corrupt(self, f"{key!r} must be a regular file, got {kind}")
-        return fd, st.st_size
+        """(fd, size) of a regular file inside the store, None when absent (:func:`open_regular`)."""
+        return open_regular(self.path(key), store=self, key=key)
 
     def get(self, key: str, max_bytes: int | None = MAX_JSON_BYTES) -> bytes | None:
         """The bytes of a regular file inside the store (None when absent).
@@ -243,35 +226,10 @@ class LocalBackend:
         StoreCorruptError
             Not a regular file, outside the store, or larger than ``max_bytes``.
         """
-        opened = self._open_regular(key)
-        if opened is None:
-            return None
-        fd, size = opened
-        try:
-            if max_bytes is not None and size > max_bytes:
-                raise corrupt(self, f"{key!r} holds {size} bytes, more than the {max_bytes} such a file may hold")
-            chunks, left = [], size
-            while left > 0:
-                b = os.read(fd, min(left, 1 << 30))
-                if not b:
-                    break
-                chunks.append(b)
-                left -= len(b)
-            return b"".join(chunks)
-        finally:
-            os.close(fd)
+        return read_regular(self.path(key), store=self, key=key, max_bytes=max_bytes)
 
     def get_range(self, key: str, start: int, length: int) -> bytes | None:
-        opened = self._open_regular(key)
-        if opened is None:
-            return None
-        fd, size = opened
-        try:
-            if start >= size or length <= 0:
-                return b""
-            return os.pread(fd, min(length, size - start), start)
-        finally:
-            os.close(fd)
+        return read_regular(self.path(key), store=self, key=key, start=start, length=max(0, length))
 
     def size(self, key: str) -> int | None:
         opened = self._open_regular(key)
@@ -372,10 +330,155 @@ class LocalBackend:
                 p.unlink()
 
     def zarr_store(self, read_only: bool = True) -> Any:
-        import zarr
+        return safe_local_store(self, read_only=read_only)
 
-        return zarr.storage.LocalStore(self.root, read_only=read_only)
 
+def _kind(mode: int) -> str:
+    return ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+            else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+            else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
+
+
+def open_regular(path: str | os.PathLike, *, store: Any, key: str) -> tuple[int, int] | None:
+    """``(fd, size)`` of the regular file at a local path of a store; None when absent.
+
+    The one way a local file of a store (metadata, manifest, shard, row-table part, script,
+    lock) is opened for reading: non-blocking (``O_NONBLOCK``: a FIFO in its place never
+    blocks the open), then ``fstat`` of the opened descriptor (no race with a swap of the
+    file), and anything but a regular file is refused. Size caps are the caller's (on the
+    returned size, before reading). The caller closes ``fd``.
+
+    Raises
+    ------
+    StoreCorruptError
+        A FIFO, directory, device or socket in the file's place (``key`` named).
+    StoreError
+        Any other failure to open it (permissions, too many links, ...).
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except IsADirectoryError:
+        raise corrupt(store, f"{key!r} must be a regular file, got a directory") from None
+    except OSError as e:
+        raise StoreError(f"store {str(store)!r}: cannot open {key!r}: {e.strerror or e}") from e
+    try:
+        st = os.fstat(fd)
+    except OSError as e:
+        os.close(fd)
+        raise StoreError(f"store {str(store)!r}: cannot stat {key!r}: {e.strerror or e}") from e
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise corrupt(store, f"{key!r} must be a regular file, got {_kind(st.st_mode)}")
+    return fd, st.st_size
+
+
+def read_regular(path: str | os.PathLike, *, store: Any, key: str, max_bytes: int | None = MAX_JSON_BYTES,
+                 start: int = 0, length: int | None = None) -> bytes | None:
+    """Bytes of the regular file at a local path of a store (:func:`open_regular`); None when absent.
+
+    The whole file (refused when larger than ``max_bytes``), or ``length`` bytes from
+    ``start`` (fewer at its end; ``None``: to the end, capped by ``max_bytes``).
+    """
+    opened = open_regular(path, store=store, key=key)
+    if opened is None:
+        return None
+    fd, size = opened
+    try:
+        start = min(max(0, start), size)
+        n = size - start if length is None else max(0, min(length, size - start))
+        if length is None and max_bytes is not None and n > max_bytes:
+            raise corrupt(store, f"{key!r} holds {size} bytes, more than the {max_bytes} such a file may hold")
+        if n <= 1 << 30:  # one read, one buffer (the common case; no copy of a join)
+            first = os.pread(fd, n, start)
+            if len(first) == n or not first:
+                return first
+            chunks, at, left = [first], start + len(first), n - len(first)
+        else:
+            chunks, at, left = [], start, n
+        while left > 0:
+            b = os.pread(fd, min(left, 1 << 30), at)
+            if not b:
+                break
+            chunks.append(b)
+            at += len(b)
+            left -= len(b)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _read_for_zarr(backend: "LocalBackend", key: str, prototype: Any, byte_range: Any) -> Any:
+    from zarr.abc.store import OffsetByteRequest, RangeByteRequest, SuffixByteRequest
+    from zarr.core.buffer import default_buffer_prototype
+
+    path = backend.path(key)
+    if byte_range is None:
+        cap = MAX_JSON_BYTES if key.rsplit("/", 1)[-1].endswith(".json") else MAX_FILE_BYTES
+        data = read_regular(path, store=backend, key=key, max_bytes=cap)
+    else:
+        size = backend.size(key)
+        if size is None:
+            return None
+        if isinstance(byte_range, RangeByteRequest):
+            start, length = byte_range.start, byte_range.end - byte_range.start
+        elif isinstance(byte_range, OffsetByteRequest):
+            start, length = byte_range.offset, size - byte_range.offset
+        elif isinstance(byte_range, SuffixByteRequest):
+            start, length = max(0, size - byte_range.suffix), byte_range.suffix
+        else:
+            raise TypeError(f"byte_range must be a zarr ByteRequest, got {type(byte_range).__name__}")
+        data = read_regular(path, store=backend, key=key, start=start, length=max(0, length))
+    if data is None:
+        return None
+    return (prototype or default_buffer_prototype()).buffer.from_bytes(data)
+
+
+@functools.cache
+def _safe_local_store_class() -> type:
+    import asyncio
+
+    import zarr
+
+    class SafeLocalStore(zarr.storage.LocalStore):
+        """A zarr ``LocalStore`` that reads through :func:`read_regular` (see :func:`safe_local_store`)."""
+
+        def _acs_backend(self) -> "LocalBackend":
+            return LocalBackend(self.root)
+
+        def get_sync(self, key: str, *, prototype: Any = None, byte_range: Any = None) -> Any:
+            self._ensure_open_sync()
+            return _read_for_zarr(self._acs_backend(), key, prototype, byte_range)
+
+        async def get(self, key: str, prototype: Any = None, byte_range: Any = None) -> Any:
+            if not self._is_open:
+                await self._open()
+            return await asyncio.to_thread(_read_for_zarr, self._acs_backend(), key, prototype, byte_range)
+
+        async def get_partial_values(self, prototype: Any, key_ranges: Any) -> list:
+            return list(await asyncio.gather(*(self.get(k, prototype, r) for k, r in key_ranges)))
+
+    SafeLocalStore.__module__ = __name__  # picklable (dask workers) through the module __getattr__ below
+    return SafeLocalStore
+
+
+def __getattr__(name: str) -> Any:
+    if name == "SafeLocalStore":  # made on first use: importing this module does not import zarr
+        return _safe_local_store_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def safe_local_store(backend: "LocalBackend", *, read_only: bool = True) -> Any:
+    """A zarr ``LocalStore`` of a local store whose reads go through :func:`read_regular`.
+
+    zarr-python opens files with a plain ``open``: a FIFO in a ``zarr.json``'s or a shard's
+    place would block it forever, a link to ``/dev/zero`` read until memory runs out, a link
+    leaving the store read outside it. This one reads only regular files inside the store
+    (``LocalBackend.path``), documents (``*.json``) capped at ``MAX_JSON_BYTES``; anything
+    else raises :class:`StoreCorruptError` naming the key. Picklable (dask workers).
+    """
+    return _safe_local_store_class()(backend.root, read_only=read_only)
 
 def _unlink_quietly(path: Path) -> None:
     try:
@@ -582,11 +685,14 @@ def describe_local_path(path: str | os.PathLike) -> tuple[str, str] | None:
     entries = sorted(e.name for e in p.iterdir())
     if not entries:
         return "empty", "an empty folder"
-    root = p / "zarr.json"
-    if root.is_file() and root.stat().st_size <= MAX_JSON_BYTES:
+    try:
+        raw = read_regular(p / "zarr.json", store=p, key="zarr.json")
+    except StoreError:  # not a regular file, or too large: described as a folder below
+        raw = None
+    if raw is not None:
         try:
-            meta = json.loads(root.read_bytes())
-        except ValueError:
+            meta = json.loads(raw)
+        except (ValueError, RecursionError):
             meta = None
         attrs = meta.get("attributes") if isinstance(meta, dict) else None
         ours = attrs.get("activationscope") if isinstance(attrs, dict) else None

@@ -104,18 +104,22 @@ def read_index(path: str, n_chunks: int) -> tuple[np.ndarray, int]:
     """
     from . import _format as F
 
+    from ._backend import open_regular
+
     index_bytes = 16 * n_chunks + 4
+    opened = open_regular(path, store=os.path.dirname(path), key=os.path.basename(path))
+    if opened is None:
+        raise StoreCorruptError(f"shard {path!r} is missing (committed rows need it)")
+    fd, size = opened
     try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size < index_bytes:
-                raise StoreCorruptError(
-                    f"shard {path!r} has {size} bytes, fewer than its index ({index_bytes} bytes): the file is "
-                    "truncated; run `activationscope verify` on the store"
-                )
-            raw = os.pread(f.fileno(), index_bytes, size - index_bytes)
-    except FileNotFoundError:
-        raise StoreCorruptError(f"shard {path!r} is missing (committed rows need it)") from None
+        if size < index_bytes:
+            raise StoreCorruptError(
+                f"shard {path!r} has {size} bytes, fewer than its index ({index_bytes} bytes): the file is "
+                "truncated; run `activationscope verify` on the store"
+            )
+        raw = os.pread(fd, index_bytes, size - index_bytes)
+    finally:
+        os.close(fd)
     stored = int.from_bytes(raw[-4:], "little")
     if F.crc32c(raw[:-4]) != stored:
         raise StoreCorruptError(f"shard {path!r}: shard index crc32c mismatch; run `activationscope verify` on the store")

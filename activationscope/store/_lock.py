@@ -12,15 +12,18 @@ Readers never take the lock: they see the last commit.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
+import stat
 import uuid
 from typing import Any
 
-from ..errors import StoreLockedError
+from ..errors import StoreError, StoreLockedError
 from . import _format as F
 from ._backend import LOCK_KEY, LocalBackend
+from ._validate import corrupt
 
 
 def _holder_text(raw: bytes | None) -> str:
@@ -85,6 +88,24 @@ class WriterLock:
             f"for it to finish, or write elsewhere (overwrite=True is refused while a writer holds the store){extra}"
         )
 
+    def _open_lock_file(self, path: Any) -> int:
+        """The lock file, opened (created when absent) without blocking or following a link;
+        anything but a regular file in its place raises StoreCorruptError."""
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o666)
+        except (IsADirectoryError, OSError) as e:
+            if not isinstance(e, IsADirectoryError) and e.errno != errno.ELOOP:
+                raise StoreError(f"store {str(self.backend)!r}: cannot open the writer lock {str(path)!r}: "
+                                 f"{e.strerror or e}") from e
+            kind = "a directory" if isinstance(e, IsADirectoryError) else "a symbolic link"
+            raise corrupt(self.backend, f"the writer lock {LOCK_KEY!r} must be a regular file, got {kind}",
+                          fix=f"delete what is at {str(path)!r}") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise corrupt(self.backend, f"the writer lock {LOCK_KEY!r} must be a regular file, got another kind "
+                                        "of file", fix=f"delete what is at {str(path)!r}")
+        return fd
+
     def _acquire_local(self) -> None:
         import fcntl
 
@@ -94,7 +115,7 @@ class WriterLock:
             self.created_root = True
         path = root / LOCK_KEY
         while True:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o666)
+            fd = self._open_lock_file(path)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

@@ -157,15 +157,54 @@ def check_array_entry(hp: str, meta: Any, c: _Checker) -> None:
         raise c.fail(f"{f}.shard_rows", f"a multiple (at most {MAX_SHARD_CHUNKS}x) of chunk_rows={chunk_rows}", shard_rows)
     if max(1, rb) * chunk_rows > MAX_CHUNK_BYTES:
         raise c.fail(f"{f}.chunk_rows", f"chunks of at most {MAX_CHUNK_BYTES} bytes", chunk_rows)
-    comp = meta.get("compression")
-    if comp is not None:
-        if not isinstance(comp, dict) or comp.get("name") not in ("zstd", "blosc") or not isinstance(
-                comp.get("configuration", {}), dict):
-            raise c.fail(f"{f}.compression", "null or a zstd / blosc codec document", comp)
+    check_codec(meta.get("compression"), f"{f}.compression", c)
     if "follows_row_table" in meta and not isinstance(meta["follows_row_table"], bool):
         raise c.fail(f"{f}.follows_row_table", "a bool", meta["follows_row_table"])
     if "storage_dtype" in meta and meta["storage_dtype"] != F.zarr_dtype(meta["dtype"]):
         raise c.fail(f"{f}.storage_dtype", repr(F.zarr_dtype(meta["dtype"])), meta["storage_dtype"])
+
+
+#: Fields of a codec's ``configuration``: {name: (constraint, check)} per codec (FORMAT.md §9).
+#: zstd levels as numcodecs takes them (negative: the fast levels); blosc as c-blosc takes them.
+_CODEC_FIELDS: dict[str, dict[str, tuple[str, Any]]] = {
+    "zstd": {
+        "level": (f"an int in {-(1 << 17)}..{F.ZSTD_LEVELS[1]}", lambda v: _int(v, -(1 << 17), F.ZSTD_LEVELS[1])),
+        "checksum": ("a bool", lambda v: isinstance(v, bool)),
+    },
+    "blosc": {
+        "cname": ("one of ['blosclz', 'lz4', 'lz4hc', 'zlib', 'zstd']",
+                  lambda v: v in ("blosclz", "lz4", "lz4hc", "zlib", "zstd")),
+        "clevel": (f"an int in {F.BLOSC_CLEVELS[0]}..{F.BLOSC_CLEVELS[1]}", lambda v: _int(v, *F.BLOSC_CLEVELS)),
+        "shuffle": ("one of ['noshuffle', 'shuffle', 'bitshuffle']",
+                    lambda v: v in ("noshuffle", "shuffle", "bitshuffle")),
+        "blocksize": (f"an int in 0..{(1 << 31) - 1}", lambda v: _int(v, 0, (1 << 31) - 1)),
+        "typesize": ("an int in 1..255", lambda v: _int(v, 1, 255)),
+    },
+}
+
+
+def check_codec(comp: Any, field: str, c: _Checker) -> None:
+    """A compression codec document: null, or ``{"name": "zstd" | "blosc", "configuration":
+    {...}}`` whose every field is known and of the right type and range (it configures the
+    decoder, and a resumed writer's encoder)."""
+    if comp is None:
+        return
+    if not isinstance(comp, dict) or not isinstance(comp.get("name"), str) or comp["name"] not in _CODEC_FIELDS:
+        raise c.fail(field, "null or a zstd / blosc codec document", comp)
+    extra = sorted(set(comp) - {"name", "configuration"}, key=str)
+    if extra:
+        raise c.fail(field, "a codec document with the keys name and configuration only", f"also {extra}")
+    conf = comp.get("configuration", {})
+    if not isinstance(conf, dict):
+        raise c.fail(f"{field}.configuration", "a JSON object", conf)
+    known = _CODEC_FIELDS[comp["name"]]
+    for key, value in conf.items():
+        if key not in known:
+            raise c.fail(f"{field}.configuration", f"a {comp['name']} configuration with fields among {sorted(known)}",
+                         f"the unknown field {key!r}")
+        constraint, ok = known[key]
+        if not ok(value):
+            raise c.fail(f"{field}.configuration.{key}", constraint, value)
 
 
 def check_reduction_entry(hp: str, name: str, e: Any, c: _Checker) -> None:

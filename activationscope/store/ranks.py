@@ -388,6 +388,8 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
                 if rec is None:
                     raise StoreError(f"rank {r}: shard {k} of {hp!r} has no manifest entry; run verify on {st.path!r}")
                 if local:
+                    if st._backend.size(F.shard_key(path, k, nd)) is None:  # a regular file (never a FIFO)
+                        raise StoreError(f"rank {r}: shard {k} of {hp!r} is missing; run verify on {st.path!r}")
                     src = st._backend.path(F.shard_key(path, k, nd))
                     _link_or_copy(src, b.root / F.shard_key(path, base + k, nd))
                 else:  # object storage: a server-side copy, no bytes through this process

@@ -44,7 +44,7 @@ from ..errors import (
 from . import _decode
 from . import _format as F
 from . import _validate as V
-from ._backend import LocalBackend, resolve
+from ._backend import LocalBackend, open_regular, resolve
 
 # shard index entry of a chunk that is not there (Zarr sharding: 2**64 - 1)
 _MISSING = 2**64 - 1
@@ -687,11 +687,21 @@ class Store:
         path = str(self._backend.path(key))
         C = _native.optional()
         try:
-            if C is not None:
+            if C is not None:  # opens non-blocking and maps regular files only
                 stride = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
                 t = C.map_files_contiguous([path], stride, nbytes)
             else:
-                t = torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="c", shape=(nbytes,)))
+                opened = open_regular(path, store=self._backend, key=key)
+                if opened is None:
+                    raise V.corrupt(self._backend, f"shard {key!r} is missing (committed rows need it)")
+                fd, size = opened
+                with os.fdopen(fd, "rb") as f:
+                    if size < nbytes:
+                        raise V.corrupt(self._backend, f"shard {key!r} holds {size} bytes, fewer than the {nbytes} "
+                                                       "its committed rows need")
+                    t = torch.from_numpy(np.memmap(f, dtype=np.uint8, mode="c", shape=(nbytes,)))
+        except StoreError:
+            raise
         except (OSError, ValueError, RuntimeError) as e:
             raise V.corrupt(self._backend, f"shard {key!r} cannot be mapped: {e}") from None
         with self._lock:
@@ -751,6 +761,8 @@ class Store:
         if arr is None:
             try:
                 arr = zarr.open_array(self._backend.zarr_store(read_only=True), path=path, mode="r")
+            except StoreError:  # the document is not a regular file, or too large (named)
+                raise
             except Exception as e:  # zarr raises many classes for a damaged document
                 raise V.corrupt(self._backend, f"array document {path}/zarr.json does not open with zarr "
                                                f"({type(e).__name__}: {e})") from None
@@ -1038,7 +1050,8 @@ class Store:
         committed chunk present and inside the file), each committed chunk's crc32c and (for
         compressed arrays) that it decodes to the right size. Row tables: every part present,
         its crc32c (when recorded), readable, the parts' rows equal to ``n_rows``. Reductions:
-        every file's crc32c (when recorded) and its size against shape and dtype. An array
+        every file's crc32c (when recorded) and its size against shape and dtype. Every file
+        of the store (what :meth:`save` copies): a regular file inside the store. An array
         with no committed rows may lack its document and manifest (FORMAT.md §7).
 
         Returns
@@ -1125,6 +1138,12 @@ class Store:
                     line = f"{where}: {e}"
                     if not any(line.startswith(p.split(":")[0]) and "crc32c" in p for p in problems[-3:]):
                         problems.append(line)
+        for key in self._backend.list(""):  # every file a copy (save) reads: regular, inside the store
+            try:
+                self._backend.size(key)
+            except StoreError as e:
+                if not any(repr(key) in p for p in problems):
+                    problems.append(f"file {key!r}: {e}")
         return problems
 
     def _verify_array(self, hp: str, problems: list[str]) -> None:

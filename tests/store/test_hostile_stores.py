@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import threading
 from pathlib import Path
@@ -152,6 +153,78 @@ def test_fifo_instead_of_a_file(plain, where):
         _within(20, read) if where != "manifest" else (_within(20, read), open_store(path).info())
 
 
+
+def _every_read(path: Path) -> None:
+    """Every read path of a store (views, rows, row tables, reductions, dataset, save);
+    raises at the first refusal."""
+    s = open_store(path)
+    s.info()
+    for hp in s.hook_points:
+        s[hp].sum()
+        s.rows(hp, 0, s.n_rows(hp)).sum()
+    for kind in ("sample", "token"):
+        s.row_table(kind)
+    for hp in s.reductions:
+        for v in s.reductions[hp].values():
+            v.sum()
+    ds = acs.ActivationDataset(path)
+    ds[0:len(ds)]
+    s.save(path.parent / (path.name + f".copy{len(list(path.parent.iterdir()))}"))
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_fifo_in_place_of_any_file(tmp_path, compression):
+    """Each file of a store in turn (documents, manifest, shards, row-table part, reduction
+    data) replaced by a FIFO: every read path and verify return within seconds, verify names
+    the file, and a read that needs it raises StoreCorruptError (never blocks)."""
+    src = tmp_path / "src.zarr"
+    make_store(src, compression=compression, n_rows=96)
+    keys = sorted(str(q.relative_to(src)) for q in src.rglob("*") if q.is_file() and not q.name.startswith("."))
+    assert {"zarr.json", f"acts/{HP}/zarr.json", f"acts/{HP}/manifest.json", f"acts/{HP}/c/0/0",
+            "rows/sample/part-000000.parquet"} <= set(keys), keys
+    for i, key in enumerate(keys):
+        path = tmp_path / f"case{i}" / "s.zarr"
+        shutil.copytree(src, path)
+        (path / key).unlink()
+        os.mkfifo(path / key)
+        if key == "zarr.json":
+            with pytest.raises(StoreCorruptError, match="must be a regular file, got a FIFO"):
+                _within(20, lambda: open_store(path))
+            continue
+        problems = _within(20, lambda: open_store(path).verify())
+        assert any(key in p and "FIFO" in p for p in problems), (key, problems)
+        try:
+            _within(20, lambda: _every_read(path))
+        except StoreCorruptError as e:
+            assert "must be a regular file, got a FIFO" in str(e) and key in str(e), (key, e)
+        else:
+            raise AssertionError(f"every read of a store with a FIFO in place of {key!r} succeeded")
+        import zarr  # a plain zarr-python read of the same arrays goes through the same checks
+
+        z = open_store(path)._backend.zarr_store(read_only=True)
+        if key == f"acts/{HP}/zarr.json" or key.startswith(f"acts/{HP}/c/"):
+            with pytest.raises(StoreCorruptError, match="got a FIFO"):
+                _within(20, lambda: zarr.open_array(z, path=f"acts/{HP}", mode="r")[:])
+
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dir", "link"])
+def test_writer_lock_that_is_not_a_regular_file(tmp_path, kind):
+    """The writer lock is opened the same way: a FIFO, folder or link in its place is refused
+    (never blocks, never follows the link) and the store is left as it was."""
+    path = tmp_path / "s.zarr"
+    make_store(path, n_rows=64)
+    lock = path / ".activationscope-writer.lock"
+    lock.unlink(missing_ok=True)
+    target = tmp_path / "elsewhere"
+    target.write_bytes(b"keep")
+    {"fifo": lambda: os.mkfifo(lock), "dir": lock.mkdir, "link": lambda: lock.symlink_to(target)}[kind]()
+    before = root(path)
+    with pytest.raises(StoreCorruptError, match="writer lock .* must be a regular file"):
+        _within(20, lambda: StoreWriter(path, resume=True))
+    assert target.read_bytes() == b"keep" and root(path) == before
+    assert open_store(path).n_rows(HP) == 64
+
 def test_root_linked_to_dev_zero_and_oversized(plain):
     path, _ = plain
     (path / "zarr.json").unlink()
@@ -204,6 +277,38 @@ def test_array_fields_out_of_range(plain, field, value):
     edit_root(path, lambda a: a["arrays"][HP].update({field: value}))
     with pytest.raises(StoreCorruptError, match=rf"zarr.json field arrays\['0.output'\]\.{field} must be"):
         open_store(path)
+
+
+
+@pytest.mark.parametrize("codec, field", [
+    ({"name": "zstd", "configuration": {"level": ""}}, "configuration.level"),
+    ({"name": "zstd", "configuration": {"level": [[[[[]]]]]}}, "configuration.level"),
+    ({"name": "zstd", "configuration": {"level": 1.5}}, "configuration.level"),
+    ({"name": "zstd", "configuration": {"level": True}}, "configuration.level"),
+    ({"name": "zstd", "configuration": {"level": 2**40}}, "configuration.level"),
+    ({"name": "zstd", "configuration": {"level": 3, "checksum": "yes"}}, "configuration.checksum"),
+    ({"name": "zstd", "configuration": {"level": 3, "dictionary": "x"}}, "configuration"),
+    ({"name": "zstd", "configuration": []}, "configuration"),
+    ({"name": "blosc", "configuration": {"cname": "lz5"}}, "configuration.cname"),
+    ({"name": "blosc", "configuration": {"cname": "lz4", "clevel": 10}}, "configuration.clevel"),
+    ({"name": "blosc", "configuration": {"shuffle": 1}}, "configuration.shuffle"),
+    ({"name": "blosc", "configuration": {"blocksize": -1}}, "configuration.blocksize"),
+    ({"name": "blosc", "configuration": {"typesize": "4"}}, "configuration.typesize"),
+    ({"name": [], "configuration": {}}, ""),
+    ({"name": "zstd", "configuration": {}, "id": "zstd"}, ""),
+    ("zstd", ""),
+])
+def test_ill_typed_codec_configuration(zstd, codec, field):
+    """Every field of the compression codec (it configures the decoder, and a resumed
+    writer's encoder) is checked for type and range: StoreCorruptError naming the file and
+    the field, at open (before any decode), never a raw error."""
+    path, _ = zstd
+    edit_root(path, lambda a: a["arrays"][HP].update({"compression": codec}))
+    dotted = rf"\.{re.escape(field)}" if field else ""
+    with pytest.raises(StoreCorruptError, match=rf"zarr.json field arrays\['0.output'\]\.compression{dotted} must be"):
+        open_store(path)
+    with pytest.raises(StoreCorruptError, match="compression"):
+        StoreWriter(path, resume=True)
 
 
 # ---------------------------------------------------------------- 5. silent zeros, wrong bytes
