@@ -3,7 +3,6 @@ root written last with a conditional put; of two racing committers exactly one w
 
 from __future__ import annotations
 
-import socket
 import sys
 import threading
 from pathlib import Path
@@ -18,25 +17,6 @@ sys.path.insert(0, str(HERE))
 import torchrun_capture as job  # noqa: E402
 
 WORLD = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def s3():
-    moto_server = pytest.importorskip("moto.server", reason="needs moto[server]")
-    s3fs = pytest.importorskip("s3fs", reason="needs s3fs")
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=_free_port(), verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    options = {"key": "test", "secret": "test", "client_kwargs": {"endpoint_url": f"http://{host}:{port}"}}
-    s3fs.S3FileSystem(**options).mkdir("acs-ranks")
-    yield options
-    server.stop()
 
 
 def _write_ranks(store, storage_options=None):

@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from activationscope.store import StoreWriter
+
+HERE = Path(__file__).parent
+ROOT = HERE.parents[1]
 
 HP = "0.output"
 N_ROWS = 320
@@ -71,3 +78,18 @@ def set_index(path: Path, k: int, slot: int, offset: int, nbytes: int, n_chunks:
     raw = index.astype("<u8").tobytes()
     data[-ib:] = raw + int(google_crc32c.value(raw)).to_bytes(4, "little")
     p.write_bytes(bytes(data))
+
+
+_HIDE_NATIVE = "import sys\nsys.modules['activationscope._C'] = None  # the extension is absent: its import fails\n"
+
+
+def run_python(code: str, *args: str, native: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run ``code`` (dedented) in a fresh interpreter with the repository and this folder on
+    its path; ``native=False`` hides the compiled extension first (a machine without our
+    build, or one built for another torch). Returns the finished process (text output)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE), os.environ.get("PYTHONPATH", "")]))
+    code = textwrap.dedent(code)
+    if not native:
+        code = _HIDE_NATIVE + code
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env,
+                          timeout=timeout)

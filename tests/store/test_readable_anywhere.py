@@ -3,34 +3,18 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
+import numpy as np
 import pytest
 import torch
 
 from activationscope.errors import ActivationScopeError
 from activationscope.store import open_store
 
-from hostile import HP, N_ROWS, make_store
-
-HERE = Path(__file__).parent
-ROOT = HERE.parents[1]
-
-
-def _run(code: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], capture_output=True, text=True,
-                          env=env, timeout=timeout)
-
+from hostile import HP, N_ROWS, make_store, run_python
 
 # ---------------------------------------------------------------- readable without the extension
 _NO_NATIVE = """
     import sys
-    sys.modules["activationscope._C"] = None  # the extension is absent (import fails)
     import numpy as np, torch
     from pathlib import Path
     import activationscope as acs
@@ -65,7 +49,7 @@ def test_reads_without_the_native_extension(tmp_path):
     torch.save(make_store(tmp_path / "z.zarr", compression="zstd"), tmp_path / "zdata.pt")
     out = tmp_path / "out"
     out.mkdir()
-    r = _run(_NO_NATIVE, str(tmp_path / "s.zarr"), str(out))
+    r = run_python(_NO_NATIVE, str(tmp_path / "s.zarr"), str(out), native=False)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "read ok" in r.stdout and "capture refused: NativeExtensionError" in r.stdout
     import pyarrow.parquet as pq
@@ -74,18 +58,38 @@ def test_reads_without_the_native_extension(tmp_path):
 
 
 def test_cli_reads_without_the_native_extension(tmp_path):
-    make_store(tmp_path / "s.zarr")
+    """info, verify, export (Parquet and Arrow) and report on a machine without our build:
+    reading a store needs no compiled code, so each command runs and gives the stored rows."""
+    data = make_store(tmp_path / "s.zarr")
+    torch.save(data, tmp_path / "data.pt")
     code = """
         import sys
-        sys.modules["activationscope._C"] = None
         from activationscope.cli import main
-        for cmd in (["info", sys.argv[1]], ["verify", sys.argv[1]]):
+        store, out = sys.argv[1], sys.argv[2]
+        for cmd in (["info", store], ["verify", store],
+                    ["export", store, "--format", "parquet", "--out", out + "/rows.parquet"],
+                    ["export", store, "--format", "arrow", "--out", out + "/rows.arrow"],
+                    ["report", store, "--out", out + "/report"]):
             rc = main(cmd)
-            print("rc", cmd[0], rc)
+            print("rc", cmd[0], cmd[3] if cmd[0] == "export" else "", rc, flush=True)
+        assert "activationscope._C" not in sys.modules or sys.modules["activationscope._C"] is None
     """
-    r = _run(code, str(tmp_path / "s.zarr"))
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "rc info 0" in r.stdout and "rc verify 0" in r.stdout, r.stdout
+    r = run_python(code, str(tmp_path / "s.zarr"), str(tmp_path), native=False)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    for line in ("rc info  0", "rc verify  0", "rc export parquet 0", "rc export arrow 0", "rc report  0"):
+        assert line in r.stdout, (line, r.stdout, r.stderr[-3000:])
+    import pyarrow.parquet as pq
+
+    from activationscope.data import read_arrow
+
+    table = pq.read_table(tmp_path / "rows.parquet")
+    assert table.num_rows == N_ROWS
+    rows = torch.tensor(np.stack(table.column(HP).to_numpy(zero_copy_only=False)), dtype=torch.float32)
+    assert torch.equal(rows.view(N_ROWS, -1), data)
+    assert table.column("label").to_pylist() == [i % 3 for i in range(N_ROWS)]
+    assert torch.equal(read_arrow(tmp_path / "rows.arrow")[HP], data)
+    page = (tmp_path / "report" / "index.html").read_text()
+    assert HP in page and (tmp_path / "report" / f"hp_{HP.replace('.', '_')}.png").stat().st_size > 5000
 
 
 # ---------------------------------------------------------------- slices and indices

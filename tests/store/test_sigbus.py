@@ -4,28 +4,12 @@ SIGBUS (issue 12, item 1)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
 import pytest
 import torch
 
 from activationscope.store import open_store
 
-from hostile import HP, make_store
-
-HERE = Path(__file__).parent
-ROOT = HERE.parents[1]
-
-
-def _run(code: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], capture_output=True, text=True,
-                          env=env, timeout=timeout)
-
+from hostile import HP, make_store, run_python
 
 _TRUNCATE = """
     import sys, torch
@@ -64,7 +48,7 @@ def test_shard_truncated_under_a_view_raises_not_kills(tmp_path, layout, view):
         w.add_batch(320)
         w.close()
         assert len(open_store(path).segments(HP)) == 2  # one view of all rows
-    r = _run(_TRUNCATE.replace("{view}", view), str(path))
+    r = run_python(_TRUNCATE.replace("{view}", view), str(path))
     assert r.returncode == 0, r.stderr[-3000:]
     assert "alive" in r.stdout and "StoreCorruptError:" in r.stdout, r.stdout + r.stderr[-2000:]
     assert "c/1/0" in r.stdout and "truncated or rewritten in place" in r.stdout

@@ -145,3 +145,87 @@ def test_object_store_marker_of_a_dead_writer_is_taken_over(tmp_path):
     b.set(LOCK_KEY, json.dumps({"pid": 1, "host": "another-host", "started": "x", "token": "t"}).encode())
     with pytest.raises(StoreLockedError, match="pid 1 on host 'another-host'"):
         StoreWriter(ms, resume=True)
+
+
+_RACER = textwrap.dedent("""
+    import sys, torch
+    from activationscope.errors import StoreLockedError
+    from activationscope.store import StoreWriter
+    me = int(sys.argv[1])
+    while True:
+        cmd = sys.stdin.readline().split()
+        if not cmd or cmd[0] == "quit":
+            break
+        mode, path, rnd = cmd[0], cmd[1], int(cmd[2])
+        print("ready", flush=True)
+        assert sys.stdin.readline().strip() == "go"
+        try:
+            w = StoreWriter(path, resume=mode == "resume", overwrite=mode == "overwrite")
+        except StoreLockedError as e:
+            print("locked", str(e).replace("\\n", " "), flush=True)
+            continue
+        print("acquired", flush=True)
+        a = w.open_array("x", (4,), torch.float32, "sample")
+        a.append(torch.full((32, 4), float(me * 1000 + rnd)))
+        w.add_batch(32, list(range(rnd * 1000 + me * 100, rnd * 1000 + me * 100 + 32)))
+        assert sys.stdin.readline().strip() == "close"  # held until the other one has tried
+        w.close()
+        print("closed", flush=True)
+""")
+
+
+def _line(p: subprocess.Popen, timeout: float = 60) -> str:
+    import select
+
+    ready, _, _ = select.select([p.stdout], [], [], timeout)
+    assert ready, f"racer {p.pid} said nothing for {timeout} s"
+    return p.stdout.readline().strip()
+
+
+def test_two_processes_race_for_one_store(tmp_path):
+    """Two real processes open the same store as writers at the same moment (a new store,
+    both resuming, both overwriting), round after round: exactly one gets the store, the
+    other gets StoreLockedError naming the holder's pid and host, and afterwards the store
+    holds exactly the winner's rows (after the earlier ones, on resume) and verifies clean."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    racers = [subprocess.Popen([sys.executable, "-c", _RACER, str(i)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=env) for i in (1, 2)]
+    first = torch.arange(64, dtype=torch.float32).view(16, 4)
+    wins = {1: 0, 2: 0}
+    try:
+        for rnd in range(15):
+            mode = ("new", "resume", "overwrite")[rnd % 3]
+            path = tmp_path / f"r{rnd}.zarr"
+            if mode != "new":
+                with StoreWriter(path) as w:
+                    _write_rows(w, first)
+            for p in racers:
+                p.stdin.write(f"{mode} {path} {rnd}\n")
+                p.stdin.flush()
+            assert [_line(p) for p in racers] == ["ready", "ready"]
+            for p in racers:  # both start at once
+                p.stdin.write("go\n")
+                p.stdin.flush()
+            said = [_line(p) for p in racers]
+            assert sorted(s.split()[0] for s in said) == ["acquired", "locked"], (rnd, mode, said)
+            won = said.index("acquired")
+            winner, loser = racers[won], racers[1 - won]
+            assert f"pid {winner.pid} on host {socket.gethostname()!r}" in said[1 - won], said
+            winner.stdin.write("close\n")
+            winner.stdin.flush()
+            assert _line(winner) == "closed", winner.stderr.read()
+            wins[won + 1] += 1
+            s = open_store(path)
+            mine = torch.full((32, 4), float((won + 1) * 1000 + rnd))
+            want = torch.cat([first, mine]) if mode == "resume" else mine
+            assert torch.equal(s["x"], want), (rnd, mode)
+            assert s.n_samples == want.shape[0] and s.verify() == []
+    finally:
+        for p in racers:
+            try:
+                p.stdin.write("quit\n")
+                p.stdin.flush()
+            except OSError:
+                pass
+            p.wait(timeout=60)
+    assert [p.returncode for p in racers] == [0, 0], [p.stderr.read()[-2000:] for p in racers]
