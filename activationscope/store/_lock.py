@@ -17,6 +17,7 @@ import json
 import os
 import socket
 import stat
+import time
 import uuid
 from typing import Any
 
@@ -32,6 +33,14 @@ def _holder_text(raw: bytes | None) -> str:
         return f"pid {h['pid']} on host {h['host']!r} (since {h['started']})"
     except (ValueError, KeyError, TypeError):
         return "another process (it has not written its pid yet)"
+
+
+def _names_holder(raw: bytes | None) -> bool:
+    try:
+        h = json.loads(raw or b"")
+        return isinstance(h, dict) and {"pid", "host", "started"} <= set(h)
+    except ValueError:
+        return False
 
 
 def _pid_alive(pid: Any) -> bool:
@@ -119,8 +128,12 @@ class WriterLock:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                try:
-                    holder = os.pread(fd, 4096, 0)
+                try:  # the holder writes its pid just after it locks: give it a moment to be named
+                    for _ in range(40):
+                        holder = os.pread(fd, 4096, 0)
+                        if _names_holder(holder):
+                            break
+                        time.sleep(0.005)
                 finally:
                     os.close(fd)
                 raise self._locked_error(holder) from None
