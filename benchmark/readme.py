@@ -17,6 +17,8 @@ from typing import Any
 
 from activationscope.sizes import format_bytes as fmt_bytes
 
+from .interleaved import side_by_side_text
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BEGIN = "<!-- BENCHMARK TABLE"
 END = "<!-- END BENCHMARK TABLE -->"
@@ -135,6 +137,9 @@ def render(doc: dict[str, Any], json_rel: str) -> str:
                       f"{ix['rounds']} rounds): plain {pm['plain'] * 1e3 / n:.2f}, raw write "
                       f"{pm['raw_write'] * 1e3 / n:.2f}, store {pm['scope_store'] * 1e3 / n:.2f} ms per forward: "
                       f"store / max(plain, raw write) **{ix['store_vs_floor_median']:.2f}x**."]
+        sbs = side_by_side_text(toy.get("side_by_side"), "`")
+        if sbs:
+            lines += [sbs[0].upper() + sbs[1:] + "."]
         lines += ["", "| mode | ms / forward | × plain | × naive hooks | on disk |", "|---|---:|---:|---:|---:|"]
         for mode, label in TOY_ROWS:
             r = toy.get(mode)
@@ -159,7 +164,11 @@ def render(doc: dict[str, Any], json_rel: str) -> str:
             continue
         desc = doc["workloads"].get(wl, {}).get("description", "")
         lines += [f"**{'Transformer, one hook point' if wl == 'transformer' else 'Transformer, every block'}** "
-                  f"({desc}).", "", "| mode | tokens / s | × plain | on disk |", "|---|---:|---:|---:|"]
+                  f"({desc})."]
+        sbs = side_by_side_text(recs.get("side_by_side"), "`")
+        if sbs:
+            lines += [sbs[0].upper() + sbs[1:] + "."]
+        lines += ["", "| mode | tokens / s | × plain | on disk |", "|---|---:|---:|---:|"]
         for mode, label in TRANSFORMER_ROWS:
             r = recs.get(mode)
             if r is None:
@@ -183,7 +192,9 @@ def render(doc: dict[str, Any], json_rel: str) -> str:
             r = recs.get(mode)
             if r is not None:
                 parts.append(f"{label} {_x(r.get('ratio_vs_plain'))}x" if _ok(r) else f"{label} {r.get('status')}")
-        lines += [f"**{title}** ({desc}), × plain forward: " + ", ".join(parts) + ".", ""]
+        sbs = side_by_side_text(recs.get("side_by_side"), "`")
+        lines += [f"**{title}** ({desc}), × plain forward: " + ", ".join(parts) + "."
+                  + (f" {sbs[0].upper() + sbs[1:]}." if sbs else ""), ""]
 
     rb = res.get("readback", {})
     if rb:

@@ -26,6 +26,7 @@ from activationscope.sizes import format_bytes as fmt_bytes
 
 from . import goals as goals_mod
 from . import registry
+from .interleaved import side_by_side_text
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCHEMA_VERSION = 2
@@ -259,6 +260,9 @@ def print_summary(doc: dict[str, Any], out: Any = None) -> None:
               f"{fmt_bytes(r.get('peak_rss_growth_bytes')):>11}"
               f"{fmt_bytes(r.get('captured_bytes')):>11}{fmt_bytes(r.get('stored_bytes')):>11}"
               f"  n={r.get('n_repeats')} {r.get('note', '')}")
+        sbs = side_by_side_text(recs.get("side_by_side"))
+        if sbs:
+            p(f"   {sbs}")
         inter = recs.get("store_floor_interleaved", {})
         if inter.get("status") == "ok":
             ex = inter["extra"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import statistics
 import re
 from contextlib import redirect_stdout
 from pathlib import Path
@@ -34,7 +35,8 @@ def documented_keys() -> set[str]:
 def flat_keys(doc: dict) -> set[str]:
     out: set[str] = set()
     leaf_maps = ("workloads.*.captured_bytes_by_mode", "machine.packages", "results.*.*.extra.part_median_s",
-                 "results.*.*.extra.part_repeat_s")  # {mode: value}: documented as one key
+                 "results.*.*.extra.part_repeat_s", "results.*.*.extra.ratio_median",
+                 "results.*.*.extra.skipped_parts")  # {mode: value}: documented as one key
 
     def walk(obj, path):
         if isinstance(obj, dict) and obj and ".".join(path) not in leaf_maps:
@@ -63,7 +65,7 @@ def test_quick_runner_produces_documented_keys(tmp_path):
         "--workdir", str(tmp_path), "--json", str(out_json),
         "--only", "toy/plain", "--only", "toy/naive_clone", "--only", "toy/scope_snapshot",
         "--only", "toy/scope_store", "--only", "toy/memcpy", "--only", "toy/raw_write", "--only", "toy/nnsight",
-        "--only", "toy/zarr_chunked", "--only", "toy/store_floor_interleaved",
+        "--only", "toy/zarr_chunked", "--only", "toy/store_floor_interleaved", "--only", "toy/side_by_side",
         "--only", "readback/build_raw", "--only", "readback/open_layer", "--only", "readback/dl:*:sequential:w0",
     ]
     buf = io.StringIO()
@@ -79,7 +81,7 @@ def test_quick_runner_produces_documented_keys(tmp_path):
 
     toy = doc["results"]["toy"]
     assert set(toy) == {"plain", "naive_clone", "scope_snapshot", "scope_store", "zarr_chunked", "memcpy", "raw_write",
-                        "nnsight", "store_floor_interleaved"}
+                        "nnsight", "store_floor_interleaved", "side_by_side"}
     for mode in ("plain", "naive_clone", "scope_snapshot", "scope_store", "zarr_chunked", "memcpy", "raw_write"):
         rec = toy[mode]
         assert rec["status"] == "ok", (mode, rec.get("note"), rec.get("traceback"))
@@ -106,6 +108,20 @@ def test_quick_runner_produces_documented_keys(tmp_path):
     r0 = [ex["part_repeat_s"][k][0] for k in ("scope_store", "plain", "raw_write")]
     assert ex["store_vs_floor_per_round"][0] == pytest.approx(r0[0] / max(r0[1], r0[2]))
 
+    sbs = toy["side_by_side"]
+    assert sbs["status"] == "ok", sbs
+    sx = sbs["extra"]
+    assert sx["parts"] == ["plain", "scope_snapshot", "scope_reference", "scope_reductions", "naive_clone"]
+    assert all(len(v) == sx["rounds"] >= 1 for v in sx["part_repeat_s"].values())
+    t = sx["part_repeat_s"]
+    assert sx["ratio_median"]["scope_snapshot/naive_clone"] == pytest.approx(
+        statistics.median(a / b for a, b in zip(t["scope_snapshot"], t["naive_clone"])))
+    assert len(sx["ratio_median"]) == 5 * 4
+    by_id = {g["id"]: g for g in doc["goals"]}
+    # speed goals come from the rounds of one process, not from the modes' own children
+    assert by_id["toy_snapshot_vs_naive"]["measured"] == sx["ratio_median"]["scope_snapshot/naive_clone"]
+    assert by_id["toy_reference_vs_plain"]["measured"] == sx["ratio_median"]["scope_reference/plain"]
+
     rb = doc["results"]["readback"]
     for mode, rec in rb.items():
         if mode == "dl:hf:sequential:w0" and rec["status"] == "skipped":
@@ -125,9 +141,7 @@ def test_quick_runner_produces_documented_keys(tmp_path):
     for g in doc["goals"]:
         assert g["status"] in ("PASS", "FAIL", "SKIP")
         assert (g["measured"] is None) == (g["status"] == "SKIP")
-    by_id = {g["id"]: g for g in doc["goals"]}
-    assert by_id["toy_snapshot_vs_plain"]["measured"] == pytest.approx(
-        toy["scope_snapshot"]["median_s"] / toy["plain"]["median_s"])
+    assert by_id["toy_snapshot_vs_plain"]["measured"] == sx["ratio_median"]["scope_snapshot/plain"]
     assert by_id["toy_store_vs_floor"]["measured"] == pytest.approx(ex["store_vs_floor_median"])
     seq = rb["dl:acs:sequential:w0"]["rows_per_s"] / rb["dl:tensor_batched:sequential:w0"]["rows_per_s"]
     assert by_id["readback_sequential_w0"]["measured"] == pytest.approx(seq)
@@ -258,3 +272,52 @@ def test_docs_quote_figures_of_a_stored_run():
     for mode, label in (("naive_clone", "naive hooks"), ("nnsight", "nnsight `.save()`")):
         if toy.get(mode, {}).get("status") == "ok":
             assert f"{label} {toy[mode]['ratio_vs_plain']:.2f}x" in text, (mode, label)
+
+
+def test_side_by_side_rounds_ratios_and_missing_peer(monkeypatch):
+    from benchmark import interleaved
+    from benchmark.registry import MissingOptional
+
+    clock = [0.0]  # a fake clock: each part "takes" its seconds, whatever the machine does
+    monkeypatch.setattr(interleaved.time, "perf_counter", lambda: clock[0])
+
+    class Part:
+        def __init__(self, secs, missing=False):
+            self.secs, self.missing, self.runs = secs, missing, 0
+
+        def setup(self):
+            if self.missing:
+                raise MissingOptional("peer is not installed")
+
+        def run(self, i):
+            self.runs += 1
+            clock[0] += self.secs * (1 + self.runs / 10)
+
+        def describe(self):
+            return {"captured_bytes": 7}
+
+        def reset(self):
+            pass
+
+    parts = {"plain": Part(0.002), "ours": Part(0.004), "peer": Part(0.001, missing=True)}
+    m = interleaved.Interleaved(None, {}, parts)
+    m.setup()
+    for i in range(4):  # the cold round and 3 timed ones, as timed_repeats runs them
+        m.run(i)
+    s = m.summary()
+    assert s["rounds"] == 3 and s["parts"] == ["plain", "ours"]
+    assert s["skipped_parts"] == {"peer": "peer is not installed"}
+    assert parts["plain"].runs == parts["ours"].runs == 5  # warm-up + 4 rounds
+    t = s["part_repeat_s"]
+    assert s["ratio_median"]["ours/plain"] == statistics.median(a / b for a, b in zip(t["ours"], t["plain"]))
+    # round r: ours took 0.004 * (1 + (r + 2) / 10), plain 0.002 * (1 + (r + 2) / 10): exactly 2x
+    assert s["ratio_median"]["ours/plain"] == pytest.approx(2.0)
+    assert s["part_median_s"]["plain"] == pytest.approx(0.002 * 1.4)
+    assert m.describe() == {"captured_bytes": 7}
+    rec = {"status": "ok", "n_forwards": 2, "extra": s}
+    line = interleaved.side_by_side_text(rec, "`")
+    assert "`ours`" in line and "x plain" in line and "left out (not installed): `peer`" in line
+    assert interleaved.side_by_side_text({"status": "error"}) == ""
+    # every part missing: the whole mode is a skip, never an empty figure
+    with pytest.raises(MissingOptional):
+        interleaved.Interleaved(None, {}, {"peer": Part(0, missing=True)}).setup()
