@@ -274,6 +274,35 @@ void StoreCore::fail_encoded(uint64_t id, const std::string& why) {
   cv_idle_.notify_all();
 }
 
+at::Tensor StoreCore::take_buffer(c10::IntArrayRef shape, c10::ScalarType dtype, int64_t nbytes) {
+  {
+    std::lock_guard<std::mutex> lock(pool_mu_);
+    for (auto it = pool_.rbegin(); it != pool_.rend(); ++it) {
+      if (it->numel() == nbytes) {
+        at::Tensor buf = std::move(*it);
+        pool_.erase(std::next(it).base());
+        pool_bytes_ -= nbytes;
+        return buf.view(dtype).view(shape);
+      }
+    }
+  }
+  return at::empty(shape, at::TensorOptions().dtype(dtype));
+}
+
+void StoreCore::give_buffer(at::Tensor buf) {
+  // Only a buffer nobody else sees (no view, no other tensor on its storage) is reused; the
+  // pool holds at most the queue's byte cap (what the pipeline had in flight anyway).
+  if (!buf.defined() || buf.use_count() != 1 || buf.storage().use_count() != 1 || !buf.is_contiguous() ||
+      buf.storage_offset() != 0 || !buf.device().is_cpu())
+    return;
+  const int64_t nbytes = static_cast<int64_t>(buf.storage().nbytes());
+  if (nbytes == 0 || nbytes != static_cast<int64_t>(buf.nbytes())) return;
+  std::lock_guard<std::mutex> lock(pool_mu_);
+  if (pool_bytes_ + nbytes > max_pending_bytes_) return;
+  pool_.push_back(buf.view({-1}).view(at::kByte));
+  pool_bytes_ += nbytes;
+}
+
 void StoreCore::release(int64_t bytes) {
   pending_bytes_ -= bytes;
   --in_flight_;
@@ -303,7 +332,9 @@ void StoreCore::run() {
       }
     }
     const int64_t bytes = item.budget_bytes;
-    item = WorkItem();  // free the chunk before releasing its budget
+    at::Tensor raw = std::move(item.raw);
+    item = WorkItem();
+    give_buffer(std::move(raw));  // back to the pool (or freed) before releasing its budget
     std::lock_guard<std::mutex> lock(mu_);
     release(bytes);
   }
@@ -405,7 +436,7 @@ void ArrayWriter::append(const at::Tensor& rows_in, std::shared_ptr<c10::Event> 
     if (!chunk_.defined()) {
       std::vector<int64_t> shape{spec_.chunk_rows};
       shape.insert(shape.end(), spec_.feature_shape.begin(), spec_.feature_shape.end());
-      chunk_ = at::empty(shape, at::TensorOptions().dtype(spec_.dtype));
+      chunk_ = core_->take_buffer(shape, spec_.dtype, chunk_bytes_);
       fill_ = 0;
     }
     const int64_t k = std::min(n - off, spec_.chunk_rows - fill_);

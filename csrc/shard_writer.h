@@ -106,9 +106,15 @@ class StoreCore : public std::enable_shared_from_this<StoreCore> {
   void bump_durable() { durable_version_.fetch_add(1); }
   int64_t max_pending_bytes() const { return max_pending_bytes_; }
 
+  // Chunk buffers written by the writer thread come back here and are handed out again by
+  // ArrayWriter::append: no malloc, free or fresh page faults per chunk on the model's thread.
+  // Returns an uninitialised contiguous tensor of ``shape`` and ``dtype``.
+  at::Tensor take_buffer(c10::IntArrayRef shape, c10::ScalarType dtype, int64_t nbytes);
+
  private:
   void run();
   void release(int64_t bytes);
+  void give_buffer(at::Tensor buf);   // writer thread: a written chunk's buffer, if no one else holds it
 
   const int64_t max_pending_bytes_;
   const bool fsync_;
@@ -127,6 +133,9 @@ class StoreCore : public std::enable_shared_from_this<StoreCore> {
   std::string error_;
   std::atomic<bool> failed_{false};
   std::atomic<uint64_t> durable_version_{0};
+  std::mutex pool_mu_;
+  std::vector<at::Tensor> pool_;         // free chunk buffers (uint8, flat), at most pool_cap_ bytes
+  int64_t pool_bytes_ = 0;
   std::thread thread_;
 };
 

@@ -651,7 +651,9 @@ class StoreWriter:
                 a.manifest[int(rec["shard"])] = {
                     "shard": int(rec["shard"]), "key": key, "rows_end": int(rec["rows_end"]),
                     "file_bytes": int(rec["file_bytes"]),
-                    "chunks": [[int(j), int(o), int(nb), int(c)] for (j, o, nb, c) in rec["chunks"]],
+                    # tuples of ints: the garbage collector stops tracking them (a long capture holds
+                    # millions), JSON writes them as lists
+                    "chunks": [(int(j), int(o), int(nb), int(c)) for (j, o, nb, c) in rec["chunks"]],
                 }
                 a.manifest_dirty = True
         durable = {hp: max(a.writer.durable_rows, a.committed_rows) for hp, a in self._arrays.items()}
