@@ -20,7 +20,7 @@ $(STAMP): $(VENV)/bin/python pyproject.toml setup.py
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q "setuptools>=77" wheel "pybind11>=2.11" ninja "numpy>=1.26"
-	$(PIP) install -q --no-build-isolation -e ".[dev,demo,dask]" torch==2.13.0
+	$(PIP) install -q --no-build-isolation -e ".[dev,demo,dask,interop]" torch==2.13.0
 	touch $(STAMP) activationscope/.native-stamp
 
 install: $(STAMP) build
