@@ -94,3 +94,13 @@ def median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+
+
+def write_json(path: str | None, doc: Any) -> None:
+    """Write a benchmark's JSON document to ``path`` (nothing when None) and say so."""
+    if path:
+        import json
+
+        with open(path, "w") as f:
+            json.dump(doc, f, indent=1)
+        print(f"wrote {path}")

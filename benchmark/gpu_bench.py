@@ -25,7 +25,6 @@ layers, d_model 512, 8 heads, batch 16 x 256 tokens; every layer's output).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shutil
@@ -35,6 +34,8 @@ import time
 from typing import Any
 
 import torch
+
+from ._util import write_json
 
 
 def _timed(fn: Any, repeats: int, dev: torch.device) -> float:
@@ -218,10 +219,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{rec['tensors_checked']} tensors checked", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(doc, f, indent=1)
-        print(f"wrote {a.json}")
+    write_json(a.json, doc)
     return 0
 
 

@@ -74,6 +74,23 @@ def _why(rec: dict[str, Any] | None) -> str:
     return f"{rec.get('status')}: {rec.get('note', '')[:90]}"
 
 
+def _disk(r: dict[str, Any]) -> str:
+    return fmt_bytes(r.get("stored_bytes")) if r.get("stored_bytes") else ""
+
+
+def _mode_table(recs: dict[str, Any], rows: list[tuple[str, str]], columns: list[str], cells) -> list[str]:
+    """A Markdown table of the modes in ``rows`` (mode, label) that ran: ``cells(record)``
+    gives the columns after the label; a mode that did not end ok shows its status."""
+    out = ["| mode | " + " | ".join(columns) + " |", "|---|" + "---:|" * len(columns)]
+    for mode, label in rows:
+        r = recs.get(mode)
+        if r is None:
+            continue
+        row = cells(r) if _ok(r) else [str(r.get("status"))] + [""] * (len(columns) - 1)
+        out.append(f"| {label} | " + " | ".join(row) + " |")
+    return out
+
+
 def _goal_cell(g: dict[str, Any]) -> str:
     fig = "–" if g["measured"] is None else f"{g['measured']:.3g}{g['unit'] if g['unit'] != 'x' else 'x'}"
     state = {"PASS": "met", "FAIL": "**not met**", "SKIP": "not measured"}[g["status"]]
@@ -140,17 +157,8 @@ def render(doc: dict[str, Any], json_rel: str) -> str:
         sbs = side_by_side_text(toy.get("side_by_side"), "`")
         if sbs:
             lines += [sbs[0].upper() + sbs[1:] + "."]
-        lines += ["", "| mode | ms / forward | × plain | × naive hooks | on disk |", "|---|---:|---:|---:|---:|"]
-        for mode, label in TOY_ROWS:
-            r = toy.get(mode)
-            if r is None:
-                continue
-            if not _ok(r):
-                lines.append(f"| {label} | {r.get('status')} | | | |")
-                continue
-            lines.append(f"| {label} | {r['ms_per_forward']:.2f} | {_x(r.get('ratio_vs_plain'))} | "
-                         f"{_x(r.get('ratio_vs_naive'))} | {fmt_bytes(r.get('stored_bytes')) if r.get('stored_bytes') else ''} |")
-        lines.append("")
+        lines += [""] + _mode_table(toy, TOY_ROWS, ["ms / forward", "× plain", "× naive hooks", "on disk"], lambda r: [
+            f"{r['ms_per_forward']:.2f}", _x(r.get("ratio_vs_plain")), _x(r.get("ratio_vs_naive")), _disk(r)]) + [""]
         sc = doc.get("seed_comparison", {})
         o = sc.get("ours", {})
         if o.get("speedup_vs_naive"):
@@ -168,17 +176,8 @@ def render(doc: dict[str, Any], json_rel: str) -> str:
         sbs = side_by_side_text(recs.get("side_by_side"), "`")
         if sbs:
             lines += [sbs[0].upper() + sbs[1:] + "."]
-        lines += ["", "| mode | tokens / s | × plain | on disk |", "|---|---:|---:|---:|"]
-        for mode, label in TRANSFORMER_ROWS:
-            r = recs.get(mode)
-            if r is None:
-                continue
-            if not _ok(r):
-                lines.append(f"| {label} | {r.get('status')} | | |")
-                continue
-            lines.append(f"| {label} | {_x(r.get('rows_per_s'), '{:,.0f}')} | {_x(r.get('ratio_vs_plain'))} | "
-                         f"{fmt_bytes(r.get('stored_bytes')) if r.get('stored_bytes') else ''} |")
-        lines.append("")
+        lines += [""] + _mode_table(recs, TRANSFORMER_ROWS, ["tokens / s", "× plain", "on disk"], lambda r: [
+            _x(r.get("rows_per_s"), "{:,.0f}"), _x(r.get("ratio_vs_plain")), _disk(r)]) + [""]
 
     for wl, title in (("resnet18", "ResNet-18"), ("minilm", "all-MiniLM-L6-v2")):
         recs = res.get(wl, {})

@@ -24,7 +24,6 @@ point, >= 2.0x with four.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import shutil
@@ -36,6 +35,8 @@ import warnings
 from typing import Any, Callable
 
 import torch
+
+from ._util import write_json
 
 N_CTX = 128
 BATCH = 16
@@ -183,9 +184,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{'met' if ratio >= GOALS[label] else 'NOT met'})", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+    write_json(args.json, out)
     return 0
 
 

@@ -26,6 +26,8 @@ import tempfile
 import time
 from typing import Any
 
+from ._util import write_json
+
 
 def _child(n_forwards: int, rounds: int, workdir: str) -> dict[str, Any]:
     import numpy as np
@@ -116,10 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         for part, m in res.items():
             print(f"  {part:<10} wall {m['wall_ms']:6.2f} ms/fwd  model thread cpu {m['model_thread_cpu_ms']:5.2f}  "
                   f"other threads cpu {m['other_threads_cpu_ms']:5.2f}  minor faults {m['minor_faults']:6.1f}")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(doc, f, indent=1)
-        print(f"wrote {a.json}")
+    write_json(a.json, doc)
     return 0
 
 
