@@ -81,8 +81,8 @@ class Mode:
             tracker.set_batch(attention_mask=m)
 
 
-@register_mode("plain", workloads=ALL, position=-1, doc="the model's forward, no hooks: the baseline of every ratio")
-@register_mode("plain_end", workloads=ALL, position=1, quick=("toy",),
+@register_mode("plain", workloads=ALL, position=-1, quick=("toy",), doc="the model's forward, no hooks: the baseline of every ratio")
+@register_mode("plain_end", workloads=ALL, position=1, quick=False,
                doc="plain again, last of the workload: shows drift of the machine during the run")
 class Plain(Mode):
 
@@ -132,7 +132,7 @@ class _HookCollector:
         self.handles.clear()
 
 
-@register_mode("naive_clone", workloads=CLASSIC, quick=("toy",),
+@register_mode("naive_clone", workloads=CLASSIC, quick=False,
                doc="Python register_forward_hook(..., with_kwargs=True) on the same modules, detach().clone() of "
                "every tensor into per-hook-point lists (token rows: t[mask], which copies)")
 class NaiveClone(Mode):
@@ -254,15 +254,15 @@ class ScopeStore(Mode):
             remove(self.path)
 
 
-register_mode("scope_snapshot", workloads=ALL, quick=("toy", "resnet18"), doc="ActivationScope in memory, CaptureMode.SNAPSHOT (copies)")(
+register_mode("scope_snapshot", workloads=ALL, quick=False, doc="ActivationScope in memory, CaptureMode.SNAPSHOT (copies)")(
     lambda wl, ctx: ScopeMemory(wl, ctx, "SNAPSHOT"))
-register_mode("scope_reference", workloads=CLASSIC, quick=("toy",),
+register_mode("scope_reference", workloads=CLASSIC, quick=False,
               doc="ActivationScope in memory, CaptureMode.REFERENCE (keeps the model's tensors, no copy)")(
     lambda wl, ctx: ScopeMemory(wl, ctx, "REFERENCE"))
-register_mode("scope_reductions", workloads=CLASSIC, quick=("toy",),
+register_mode("scope_reductions", workloads=CLASSIC, quick=False,
               doc="ActivationScope reductions=['mean','var','min','max'], ReductionPolicy.STREAMING: every hook "
               "point reduced, nothing stored")(lambda wl, ctx: ScopeMemory(wl, ctx, "SNAPSHOT", reductions=True))
-register_mode("scope_store", workloads=ALL,
+register_mode("scope_store", workloads=ALL, quick=("toy",),
               doc="ActivationScope(store=path): streamed into an uncompressed store on disk; the repeat includes "
               "closing the store")(lambda wl, ctx: ScopeStore(wl, ctx, None))
 register_mode("scope_store_zstd", workloads=CLASSIC, quick=False,
@@ -558,7 +558,7 @@ class RawWrite(Mode):
         remove(self.path)
 
 
-register_mode("memcpy", workloads=("toy",), quick=("toy",), doc=Memcpy.doc)(Memcpy)
+register_mode("memcpy", workloads=("toy",), quick=False, doc=Memcpy.doc)(Memcpy)
 register_mode("raw_write", workloads=("toy",), doc=RawWrite.doc + ", closed, no fsync (page cache)")(
     lambda wl, ctx: RawWrite(wl, ctx, fsync=False))
 register_mode("raw_write_fsync", workloads=("toy",), quick=False, doc=RawWrite.doc + ", fsync before close")(

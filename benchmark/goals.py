@@ -67,10 +67,14 @@ def into_a_store(r: R) -> list[dict[str, Any]]:
 
 def _disk_goal(gid: str, text: str, r: R, wl: str, peer: str) -> dict[str, Any]:
     ours, theirs = record(r, wl, "scope_store"), record(r, wl, peer)
+    info = ((record(r, wl, "side_by_side") or {}).get("extra") or {}).get("part_info") or {}
+    if (ours is None or theirs is None) and {"scope_store", peer} <= set(info):
+        ours, theirs = info["scope_store"], info[peer]  # the same bytes, from the side-by-side rounds
     fig = None
     if ours and theirs and ours.get("stored_bytes") and theirs.get("stored_bytes"):
         fig = ours["stored_bytes"] / theirs["stored_bytes"]
-    return goal(gid, text, fig, "<=", 1.0, note=missing(r, (wl, "scope_store"), (wl, peer)))
+    return goal(gid, text, fig, "<=", 1.0,
+                note=missing(r, (wl, "scope_store"), (wl, peer)) if fig is None else "")
 
 
 @register_goal

@@ -57,6 +57,7 @@ class Interleaved:
         self.skipped: dict[str, str] = {}
         self.times: dict[str, list[float]] = {}
         self.info: dict[str, Any] = {}
+        self.part_info: dict[str, dict[str, Any]] = {}
 
     def setup(self) -> None:
         for name, m in list(self.parts.items()):
@@ -87,6 +88,8 @@ class Interleaved:
             self.times[name].append(time.perf_counter() - t0)
             if name == first and not self.info:
                 self.info = m.describe()
+            if name not in self.part_info:  # what each part captured / stored, once
+                self.part_info[name] = m.describe()
             m.reset()
 
     def describe(self) -> dict[str, Any]:
@@ -110,6 +113,7 @@ class Interleaved:
             "part_repeat_s": t,
             "ratio_median": {f"{a}/{b}": statistics.median(t[a][r] / t[b][r] for r in range(n))
                              for a in names for b in names if a != b},
+            "part_info": {k: v for k, v in self.part_info.items() if v},
         }
         if self.skipped:
             out["skipped_parts"] = dict(self.skipped)

@@ -147,7 +147,7 @@ class TLRunWithCache(_TLMode):
 
 
 @register_mode("tl_cache_torch_save", peer=True, workloads=("transformer", "transformer_all"), optional=True,
-               quick=("transformer",),
+               quick=False,
                doc="TransformerLens run_with_cache per forward, then torch.save({hook point: tensor}, batch-N.pt): "
                "one file per batch")
 class TLCacheTorchSave(_TLMode):
@@ -170,7 +170,7 @@ class TLCacheTorchSave(_TLMode):
         remove(self.dir)
 
 
-@register_mode("saelens_runner", peer=True, workloads=("transformer",), optional=True,
+@register_mode("saelens_runner", peer=True, workloads=("transformer",), optional=True, quick=False,
                doc="SAELens CacheActivationsRunner(cfg, override_dataset=<the tokens as an HF Dataset>).run() on the "
                "same HookedTransformer (its model loader is pointed at the workload's model: no hub), one hook "
                "point, HF datasets / Arrow shards on disk, shuffle=False; one buffer per 4 forwards")

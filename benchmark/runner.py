@@ -1,8 +1,10 @@
 """``python -m benchmark.runner``: ActivationScope side by side with naive hooks, hand-written
 alternatives, peers and the hardware limits, on the same machine in the same run.
 
-Each (workload, mode) runs in its own subprocess (``benchmark.child``) with the same torch
-thread count: setup, one cold repeat (also the warm-up), then timed repeats; the figures are
+Each (workload, mode) runs in its own process (``benchmark.child``) with the same torch
+thread count, forked from a server that imported torch once (``multiprocessing``'s
+``forkserver``: about 2 s of import per child saved; ``--no-forkserver`` starts each child
+from scratch): setup, one cold repeat (also the warm-up), then timed repeats; the figures are
 medians of the timed repeats, ratios against the plain forward of the same workload. See
 ``benchmark/README.md`` for the modes, every JSON key and how to read the goals.
 """
@@ -105,25 +107,76 @@ def prerequisite(done: dict[str, Any], spec: dict[str, Any]) -> str | None:
     return None
 
 
+def child_env(threads: int) -> dict[str, str]:
+    """The environment of every child: thread counts, offline hubs, no warnings, no bars."""
+    n = str(threads)
+    return dict(OMP_NUM_THREADS=n, MKL_NUM_THREADS=n, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
+                TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONWARNINGS="ignore", TQDM_DISABLE="1")
+
+
+_FORKSERVER: Any = None
+
+
+def use_forkserver(threads: int) -> None:
+    """Start children by forking a server that has imported torch (set once, before any child).
+
+    The server is started with :func:`child_env` in its environment, so a forked child has the
+    thread counts a fresh one would; each child is still its own process (own memory, own
+    peak RSS counted from its fork, killed on time-out)."""
+    global _FORKSERVER
+    import multiprocessing
+
+    os.environ.update(child_env(threads))
+    os.environ["PYTHONPATH"] = REPO + os.pathsep + os.environ.get("PYTHONPATH", "")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "numpy", "benchmark.child"])
+    _FORKSERVER = ctx
+
+
+def _forked_child(spec_path: str, out_path: str, log_path: str) -> None:
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.chdir(REPO)
+    from . import child
+
+    child.main([spec_path, out_path])  # ends the process (os._exit)
+
+
 def run_child(spec: dict[str, Any]) -> dict[str, Any]:
     timeout_s = spec["timeout_s"]
     with tempfile.TemporaryDirectory(prefix="acs-bench-spec-") as tmp:
         spec_path, out_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "out.json")
         with open(spec_path, "w") as f:
             json.dump(spec, f)
-        env = dict(os.environ)
-        n = str(spec["threads"])
-        env.update(OMP_NUM_THREADS=n, MKL_NUM_THREADS=n, PYTHONPATH=REPO + os.pathsep + env.get("PYTHONPATH", ""),
-                   TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-                   HF_DATASETS_OFFLINE="1", PYTHONWARNINGS="ignore", TQDM_DISABLE="1")
         t0 = time.perf_counter()
-        try:
-            proc = subprocess.run([sys.executable, "-m", "benchmark.child", spec_path, out_path], cwd=REPO, env=env,
-                                  capture_output=True, text=True, timeout=timeout_s)
-            tail = (proc.stderr or "")[-2000:]
-            rc = proc.returncode
-        except subprocess.TimeoutExpired as e:
-            tail, rc = f"timed out after {timeout_s:.0f} s; {(e.stderr or b'')[-500:]!r}", None
+        if _FORKSERVER is not None:
+            log_path = os.path.join(tmp, "child.log")
+            proc = _FORKSERVER.Process(target=_forked_child, args=(spec_path, out_path, log_path), daemon=True)
+            proc.start()
+            proc.join(timeout_s)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+                rc = None
+            else:
+                rc = proc.exitcode
+            tail = ""
+            if os.path.exists(log_path):
+                with open(log_path, errors="replace") as f:
+                    tail = f.read()[-2000:]
+            if rc is None:
+                tail = f"timed out after {timeout_s:.0f} s; {tail[-500:]!r}"
+        else:
+            env = dict(os.environ)
+            env.update(child_env(spec["threads"]), PYTHONPATH=REPO + os.pathsep + env.get("PYTHONPATH", ""))
+            try:
+                proc = subprocess.run([sys.executable, "-m", "benchmark.child", spec_path, out_path], cwd=REPO,
+                                      env=env, capture_output=True, text=True, timeout=timeout_s)
+                tail = (proc.stderr or "")[-2000:]
+                rc = proc.returncode
+            except subprocess.TimeoutExpired as e:
+                tail, rc = f"timed out after {timeout_s:.0f} s; {(e.stderr or b'')[-500:]!r}", None
         if os.path.exists(out_path):
             with open(out_path) as f:
                 return json.load(f)
@@ -327,6 +380,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="small workloads, 2 repeats, fewer modes (under 2 minutes)")
     ap.add_argument("--json", metavar="PATH", help="write every figure to PATH (see benchmark/README.md)")
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads in every mode (default 1)")
+    ap.add_argument("--no-forkserver", action="store_true",
+                    help="start every child as a fresh interpreter (default: forked from a server that imported torch)")
     ap.add_argument("--workloads", default=",".join(names), help=f"comma-separated subset of {','.join(names)}")
     ap.add_argument("--skip", action="append", metavar="GLOB",
                     help="leave out workload/mode matching GLOB (repeatable), e.g. 'toy/torchlens'")
@@ -482,6 +537,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     print(f"ActivationScope benchmark ({profile}); scratch {work}; torch threads {args.threads}", flush=True)
     specs = plan(args, profile)
+    if not args.no_forkserver:
+        use_forkserver(args.threads)
     unavailable = {}
     for w in args.workloads:
         avail = registry.WORKLOADS[w].available

@@ -311,6 +311,7 @@ register_workload(WorkloadSpec(
 register_workload(WorkloadSpec(
     "resnet18", "model", resnet18, {"full": {"n_forwards": 10, "batch": 8}, "quick": {"n_forwards": 2, "batch": 2}},
     "ResNet-18 (random init, no download), 224 x 224 images, every module's output", repeats={"full": 3},
+    quick=False,
     describe=lambda p: f"ResNet-18 ({'torchvision' if _torchvision_resnet18() is not None else 'plain-PyTorch definition (torchvision not importable)'}), "
     f"random init, batch {p['batch']}, {p['n_forwards']} forwards, every module's output"))
 register_workload(WorkloadSpec(
@@ -322,7 +323,7 @@ register_workload(WorkloadSpec(
     "token rows of every encoder layer's output"))
 register_workload(WorkloadSpec(
     "transformer", "model", transformer,
-    {"full": {"n_forwards": 16, "batch": 8}, "quick": {"n_forwards": 4, "batch": 8}},
+    {"full": {"n_forwards": 16, "batch": 8}, "quick": {"n_forwards": 4, "batch": 4}},
     "TransformerLens HookedTransformer from a config (random weights), the last block's resid_post as token "
     "rows: the SAE-training capture", repeats={"full": 3}, available=_tlens_available,
     describe=lambda p: f"HookedTransformer (4 blocks, d_model 256, random weights), batch {p['batch']} x 128 tokens, "

@@ -35,7 +35,7 @@ def documented_keys() -> set[str]:
 def flat_keys(doc: dict) -> set[str]:
     out: set[str] = set()
     leaf_maps = ("workloads.*.captured_bytes_by_mode", "machine.packages", "results.*.*.extra.part_median_s",
-                 "results.*.*.extra.part_repeat_s", "results.*.*.extra.ratio_median",
+                 "results.*.*.extra.part_repeat_s", "results.*.*.extra.ratio_median", "results.*.*.extra.part_info",
                  "results.*.*.extra.skipped_parts")  # {mode: value}: documented as one key
 
     def walk(obj, path):
