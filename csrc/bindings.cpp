@@ -14,6 +14,7 @@
 
 #include "errors.h"
 #include "forward_wrapper.h"
+#include "gil.h"
 #include "py_errors.h"
 #include "reductions.h"
 #include "row_consumer.h"
@@ -135,7 +136,7 @@ void bind_store_writer(py::module_& m) {
       [](py::buffer b, uint32_t crc) {
         py::buffer_info info = b.request();
         const size_t n = static_cast<size_t>(info.size * info.itemsize);
-        py::gil_scoped_release nogil;
+        ReleaseGil nogil;
         return crc32c(crc, info.ptr, n);
       },
       py::arg("data"), py::arg("crc") = 0, "CRC-32C (Castagnoli) of a contiguous buffer.");
@@ -146,8 +147,8 @@ void bind_store_writer(py::module_& m) {
              return std::make_shared<StoreCore>(max_pending_bytes, fsync);
            }),
            py::arg("max_pending_bytes"), py::arg("fsync") = false)
-      .def("drain", &StoreCore::drain, py::call_guard<py::gil_scoped_release>())
-      .def("close", &StoreCore::close, py::call_guard<py::gil_scoped_release>())
+      .def("drain", &StoreCore::drain, py::call_guard<ReleaseGil>())
+      .def("close", &StoreCore::close, py::call_guard<ReleaseGil>())
       .def("check", &StoreCore::check)
       .def_property_readonly("failed", &StoreCore::failed)
       .def_property_readonly("error", &StoreCore::error)
@@ -159,7 +160,7 @@ void bind_store_writer(py::module_& m) {
              WorkItem item;
              bool ok;
              {
-               py::gil_scoped_release nogil;
+               ReleaseGil nogil;
                ok = c.next_to_encode(&item);
              }
              if (!ok) return py::none();
@@ -171,7 +172,7 @@ void bind_store_writer(py::module_& m) {
            [](StoreCore& c, uint64_t id, py::buffer b) {
              py::buffer_info info = b.request();
              std::string bytes(static_cast<const char*>(info.ptr), static_cast<size_t>(info.size * info.itemsize));
-             py::gil_scoped_release nogil;
+             ReleaseGil nogil;
              c.submit_encoded(id, std::move(bytes));
            })
       .def("fail_encoded", &StoreCore::fail_encoded);
@@ -197,8 +198,8 @@ void bind_store_writer(py::module_& m) {
            py::arg("encoded") = false)
       .def(
           "append", [](ArrayWriter& w, const at::Tensor& rows) { w.append(rows, nullptr); }, py::arg("rows"),
-          py::call_guard<py::gil_scoped_release>())
-      .def("flush", &ArrayWriter::flush, py::call_guard<py::gil_scoped_release>())
+          py::call_guard<ReleaseGil>())
+      .def("flush", &ArrayWriter::flush, py::call_guard<ReleaseGil>())
       .def("take_durable",
            [](ArrayWriter& w) {
              py::list out;
@@ -251,9 +252,9 @@ void bind_capture(py::module_& m) {
            py::arg("storage_dtype") = py::none(), py::arg("arena") = nullptr, py::arg("row_kind") = -1)
       .def_property_readonly("name", &Sink::name)
       .def("consume", &Sink::consume, py::arg("x"), py::arg("token_mask") = at::Tensor(),
-           py::call_guard<py::gil_scoped_release>())
-      .def("records", &Sink::records, py::call_guard<py::gil_scoped_release>())
-      .def("clear_records", &Sink::clear_records, py::call_guard<py::gil_scoped_release>())
+           py::call_guard<ReleaseGil>())
+      .def("records", &Sink::records, py::call_guard<ReleaseGil>())
+      .def("clear_records", &Sink::clear_records, py::call_guard<ReleaseGil>())
       .def("reference_changed", &Sink::reference_changed, py::arg("all") = false)
       .def("add_reduction", &Sink::add_reduction)
       .def_property_readonly("reductions", &Sink::reductions)
@@ -265,7 +266,7 @@ void bind_capture(py::module_& m) {
       .def("set_row_base", &Sink::set_row_base, py::arg("base"))
       .def("set_alias_of", &Sink::set_alias_of, py::arg("target"))
       .def("watch_aliases", &Sink::watch_aliases, py::arg("on"))
-      .def("matches_last", &Sink::matches_last, py::arg("x"), py::call_guard<py::gil_scoped_release>())
+      .def("matches_last", &Sink::matches_last, py::arg("x"), py::call_guard<ReleaseGil>())
       .def_property_readonly("feature_shape", &Sink::feature_shape);
 
   py::class_<TrackerCore, std::shared_ptr<TrackerCore>>(m, "TrackerCore")
@@ -348,8 +349,8 @@ void bind_reductions(py::module_& m) {
   py::class_<Reduction, PyReduction, std::shared_ptr<Reduction>>(m, "Reduction", py::dynamic_attr())
       .def(py::init<>())
       .def("update", &Reduction::update, py::arg("rows"), py::arg("row_offset") = 0,
-           py::call_guard<py::gil_scoped_release>())
-      .def("merge", &Reduction::merge, py::arg("other"), py::call_guard<py::gil_scoped_release>())
+           py::call_guard<ReleaseGil>())
+      .def("merge", &Reduction::merge, py::arg("other"), py::call_guard<ReleaseGil>())
       .def("result", [](const Reduction& r) { return named_to_dict(r.result()); })
       .def("state", [](const Reduction& r) { return named_to_dict(r.state()); })
       .def("load_state", [](Reduction& r, const py::dict& d) { r.load_state(dict_to_named(d)); })
@@ -362,7 +363,7 @@ void bind_reductions(py::module_& m) {
         py::arg("options") = ReductionOptions{});
   m.def("builtin_reduction_kinds", &builtin_reduction_kinds);
   m.def("update_reductions", &update_reductions, py::arg("reductions"), py::arg("rows"),
-        py::arg("row_offset") = 0, py::call_guard<py::gil_scoped_release>(),
+        py::arg("row_offset") = 0, py::call_guard<ReleaseGil>(),
         "Update several reductions with the same rows, as a capture sink does (built-in moments "
         "and extrema share their passes over the rows).");
 }
@@ -370,7 +371,7 @@ void bind_reductions(py::module_& m) {
 void bind_store(py::module_& m) {
   py::class_<RowConsumer, std::shared_ptr<RowConsumer>>(m, "RowConsumer");
   m.def("map_files_contiguous", &map_files_contiguous, py::arg("paths"), py::arg("stride_bytes"),
-        py::arg("total_bytes"), py::call_guard<py::gil_scoped_release>(),
+        py::arg("total_bytes"), py::call_guard<ReleaseGil>(),
         "Map files back to back into one contiguous copy-on-write uint8 tensor (see shard_map.h).");
   bind_store_writer(m);
 }

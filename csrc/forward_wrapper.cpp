@@ -2,10 +2,13 @@
 // named tensors, the per-forward policy, and the hand-off to the capture sinks.
 #include "forward_wrapper.h"
 
+#include <cxxabi.h>
+
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include "errors.h"
+#include "gil.h"
 #include "py_errors.h"
 
 namespace acs {
@@ -294,7 +297,7 @@ void ForwardWrapper::consume_one(TrackerCore& core, const std::shared_ptr<Sink>&
   if (sink->keeps_reference_only()) {  // a few pointer updates: not worth a GIL hand-off
     sink->consume(t, mask);
   } else {
-    py::gil_scoped_release nogil;
+    ReleaseGil nogil;
     sink->consume(t, mask);
   }
   core.note(sink);
@@ -314,7 +317,7 @@ void ForwardWrapper::consume_all(TrackerCore& core, const Leaves& leaves) {
   if (work.empty()) return;
   at::Tensor mask = core.mask();
   {
-    py::gil_scoped_release nogil;
+    ReleaseGil nogil;
     for (auto& w : work) w.first->consume(*w.second, mask);
   }
   for (auto& w : work) core.note(w.first);
@@ -332,6 +335,8 @@ PyObject* forward_wrapper_tp_call(PyObject* self, PyObject* args, PyObject* kwar
     auto a = py::reinterpret_borrow<py::args>(args);
     auto k = py::reinterpret_borrow<py::kwargs>(kwargs != nullptr ? kwargs : empty);
     return w.call(a, k).release().ptr();
+  } catch (abi::__forced_unwind&) {  // the thread is being ended (pthread_exit at exit, see gil.h)
+    throw;
   } catch (...) {
     set_python_error(std::current_exception());
     return nullptr;

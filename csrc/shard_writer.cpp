@@ -174,12 +174,27 @@ std::string dirname_of(const std::string& p) {
 }  // namespace
 
 // ------------------------------------------------------------------ StoreCore
+namespace {
+// Set by ~StoreCore when the writer thread itself dropped the last reference (its last
+// queued chunk held the last ArrayWriter of a store nobody closed): run() must not touch
+// the freed core after that.
+thread_local const StoreCore* t_destroyed_core = nullptr;
+}  // namespace
+
 StoreCore::StoreCore(int64_t max_pending_bytes, bool fsync)
-    : max_pending_bytes_(max_pending_bytes), fsync_(fsync) {
+    : max_pending_bytes_(max_pending_bytes), fsync_(fsync), owner_pid_(::getpid()) {
   thread_ = std::thread([this] { run(); });
 }
 
 StoreCore::~StoreCore() {
+  // Every path leaves thread_ not joinable: a joinable std::thread destroyed here would
+  // std::terminate the process.
+  if (::getpid() != owner_pid_) {
+    // A forked child's copy: the writer thread does not exist here and the locks may be
+    // held by it; neither wait nor join. The handle is moved out and never destroyed.
+    if (thread_.joinable()) new std::thread(std::move(thread_));
+    return;
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
@@ -190,6 +205,7 @@ StoreCore::~StoreCore() {
   if (thread_.joinable()) {
     if (thread_.get_id() == std::this_thread::get_id()) {
       thread_.detach();  // the last reference was dropped by the writer thread itself
+      t_destroyed_core = this;
     } else {
       thread_.join();
     }
@@ -311,14 +327,19 @@ void StoreCore::release(int64_t bytes) {
 }
 
 void StoreCore::run() {
+  // Nothing escapes this thread (an exception leaving it would std::terminate the process):
+  // every failure becomes the store's error, re-raised as StoreIOError on the caller's side.
   for (;;) {
     WorkItem item;
-    {
+    try {
       std::unique_lock<std::mutex> lock(mu_);
       cv_work_.wait(lock, [&] { return stop_ || !write_q_.empty(); });
       if (write_q_.empty()) return;  // stop_ and nothing left
       item = std::move(write_q_.front());
       write_q_.pop_front();
+    } catch (...) {
+      set_error("the store writer thread could not take the next chunk");
+      return;
     }
     if (!failed_.load()) {
       try {
@@ -332,11 +353,21 @@ void StoreCore::run() {
       }
     }
     const int64_t bytes = item.budget_bytes;
+    // Free the chunk (back to the pool) before releasing its budget; keep the array (and
+    // through it this core) alive until the budget is released.
+    std::shared_ptr<ArrayWriter> array = std::move(item.array);
     at::Tensor raw = std::move(item.raw);
     item = WorkItem();
-    give_buffer(std::move(raw));  // back to the pool (or freed) before releasing its budget
-    std::lock_guard<std::mutex> lock(mu_);
-    release(bytes);
+    give_buffer(std::move(raw));
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      release(bytes);
+    }
+    array.reset();  // may run ~StoreCore on this thread (nobody closed the store)
+    if (t_destroyed_core == this) {  // compares the address only: *this is gone
+      t_destroyed_core = nullptr;
+      return;
+    }
   }
 }
 

@@ -17,6 +17,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/Event.h>
+#include <sys/types.h>
 
 #include <atomic>
 #include <condition_variable>
@@ -136,6 +137,7 @@ class StoreCore : public std::enable_shared_from_this<StoreCore> {
   std::mutex pool_mu_;
   std::vector<at::Tensor> pool_;         // free chunk buffers (uint8, flat), at most pool_cap_ bytes
   int64_t pool_bytes_ = 0;
+  const pid_t owner_pid_;               // the process that started the writer thread
   std::thread thread_;
 };
 

@@ -1,0 +1,114 @@
+"""Native threads at the end of a process: no std::terminate, whatever the caller left open.
+
+A process that exits (normally, or by an uncaught exception) with a store writer still open
+used to die in ``std::terminate`` ("terminate called without an active exception"): the
+encoder, a Python daemon thread, was inside a native call with the GIL released when the
+interpreter finalized, and CPython ended it with ``pthread_exit`` through a noexcept
+destructor. The same for a user's daemon thread running a tracked model. Reference: the
+model run in plain PyTorch (the rows committed before the exit), and the bytes of the rows
+appended to a native writer that nobody closed.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import activationscope as acs
+
+ROOT = Path(__file__).resolve().parents[2]
+N_BATCHES, BATCH, WIDTH = 40, 16, 64
+
+CHILD = textwrap.dedent("""
+    import sys, threading, time
+    import torch
+    import activationscope as acs
+
+    path, how = sys.argv[1], sys.argv[2]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear({W}, {W}), torch.nn.ReLU(), torch.nn.Linear({W}, {W})).eval()
+    xs = torch.randn({N}, {B}, {W}, generator=torch.Generator().manual_seed(1))
+    opts = {{"compression": "zstd", "chunk_rows": 8, "shard_rows": 64}}
+    if how == "daemon-forward":  # a user's daemon thread runs the tracked model when the process ends
+        tracker = acs.ActivationScope(store=path, store_options=opts).track(model)
+        tracker.attach()
+        def loop():
+            with torch.no_grad():
+                while True:
+                    model(xs[0])
+        threading.Thread(target=loop, daemon=True).start()
+        time.sleep(0.5)
+        sys.exit(0)
+    tracker = acs.ActivationScope(store=path, store_options=opts).track(model).__enter__()  # never closed
+    with torch.no_grad():
+        for i in range({N}):
+            tracker.set_batch(sample_ids=torch.arange(i * {B}, (i + 1) * {B}))
+            model(xs[i])
+    tracker.writer.maybe_commit()
+    if how == "raise":
+        raise RuntimeError("the capture loop failed")
+    sys.exit(0)
+""").format(N=N_BATCHES, B=BATCH, W=WIDTH)
+
+
+def _run_child(tmp_path: Path, how: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "s.zarr"), how], env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("how", ["exit", "raise", "daemon-forward"])
+def test_a_process_ending_with_a_writer_open_exits_without_terminate(tmp_path, how):
+    out = _run_child(tmp_path, how)
+    assert "terminate called" not in out.stderr, out.stderr[-2000:]
+    assert out.returncode == (1 if how == "raise" else 0), out.stderr[-2000:]
+    if how == "daemon-forward":
+        return
+    assert "the capture loop failed" in out.stderr or how == "exit"
+    store = acs.open_store(tmp_path / "s.zarr")  # what was committed before the exit, exactly
+    assert store.status == "incomplete"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU(), torch.nn.Linear(WIDTH, WIDTH)).eval()
+    xs = torch.randn(N_BATCHES, BATCH, WIDTH, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(xs.reshape(-1, WIDTH))
+    n = store.n_rows("2.output")
+    assert 0 < n <= N_BATCHES * BATCH and n == store.n_samples
+    assert torch.equal(store["2.output"], ref[:n])
+
+
+def test_a_native_writer_dropped_without_close_writes_its_queue_and_ends(tmp_path):
+    """The Python side drops the store core and the array writer with chunks still queued:
+    the writer thread holds the last reference, writes every queued shard, and ends (it used
+    to touch the freed core after its destructor ran on that same thread)."""
+    from activationscope.capture import _native
+
+    _C = _native.load()
+    rows = torch.arange(64 * 24, dtype=torch.float32).reshape(64, 24)
+    for _ in range(3):
+        core = _C.StoreCore(1 << 20, False)
+        d = tmp_path / f"a{_}"
+        w = _C.ArrayWriter(core, "x", str(d), str(d), torch.float32, [24], 4, 2, 0, False)
+        w.append(rows)  # 16 chunks of 4 rows: 8 shards, queued for the writer thread
+        del w, core  # no flush, no close
+    import gc
+    import time
+
+    gc.collect()
+    for k in range(3):
+        d = tmp_path / f"a{k}"
+        deadline = time.monotonic() + 30
+        while len(list((d / "c").glob("*/0"))) < 8 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        shards = sorted((d / "c").glob("*/0"), key=lambda p: int(p.parent.name))
+        assert [int(p.parent.name) for p in shards] == list(range(8))
+        for s, p in enumerate(shards):  # the shard's chunks: raw rows, then the index
+            data = p.read_bytes()
+            assert data[: 8 * 24 * 4] == rows[8 * s: 8 * s + 8].numpy().tobytes()
