@@ -19,26 +19,12 @@ import torchrun_capture as job  # noqa: E402
 WORLD = 2
 
 
-def _write_ranks(store, storage_options=None):
-    model = job.toy_mlp(job.WIDTH, 3).eval()
-    opts = {**job.STORE_OPTIONS, "process_group": acs.RankStore(0, WORLD)}
-    if storage_options:
-        opts["storage_options"] = storage_options
-    for r in range(WORLD):
-        scope = acs.ActivationScope(store=store, reductions=["mean", "var"],
-                                    store_options={**opts, "process_group": acs.RankStore(r, WORLD)})
-        with scope.track(model) as tracker, torch.no_grad():
-            for b in job.batches_of(r, WORLD):
-                tracker.set_batch(sample_ids=torch.arange(b * job.BATCH, (b + 1) * job.BATCH))
-                model(job.batch(b))
-
-
 def test_rank_stores_commit_on_s3_equal_local(s3, tmp_path):
     from activationscope.store.ranks import commit_ranks
 
     url = "s3://acs-ranks/run.zarr"
-    _write_ranks(url, s3)
-    _write_ranks(str(tmp_path / "local.zarr"))
+    job.capture_rank_stores(url, ["mean", "var"], WORLD, storage_options=s3)
+    job.capture_rank_stores(str(tmp_path / "local.zarr"), ["mean", "var"], WORLD)
     assert acs.open_store(url, storage_options=s3).status == "incomplete"
     results, errors = [], []
     gate = threading.Barrier(2)

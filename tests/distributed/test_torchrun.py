@@ -29,12 +29,20 @@ TORCHRUN = Path(sys.executable).with_name("torchrun")
 WORLD = 2
 
 
-def _torchrun(store: Path, *extra: str, max_restarts: int = 0, env: dict | None = None) -> subprocess.CompletedProcess:
+def _torchrun(store: Path | str, *extra: str, script: Path = SCRIPT, max_restarts: int = 0, env: dict | None = None,
+              world: int | None = WORLD) -> subprocess.CompletedProcess:
+    """Run ``script STORE *extra`` under ``torchrun --standalone`` (``world`` ranks; None: one
+    plain process, the reference), gloo on CPU, one thread per rank."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parents[1]), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1", **(env or {})}
-    cmd = [str(TORCHRUN), "--standalone", f"--nproc_per_node={WORLD}", f"--max-restarts={max_restarts}",
-           str(SCRIPT), str(store), *extra]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    if world is None:
+        for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+            env.pop(k, None)
+        cmd = [sys.executable, str(script), str(store), *extra]
+    else:
+        cmd = [str(TORCHRUN), "--standalone", f"--nproc_per_node={world}", f"--max-restarts={max_restarts}",
+               str(script), str(store), *extra]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
 
 
 def _documented_order(rank_rows: list[int], S: int) -> np.ndarray:
@@ -115,17 +123,49 @@ def test_other_readers_read_the_multi_rank_store(captured):
     assert len(ds) == store.n_samples
 
 
-@pytest.mark.parametrize("how", ["exit", "sigkill"])
-def test_a_killed_rank_leaves_rank_stores_and_resume_ends_identical(captured, tmp_path, how):
+class _Where:
+    """A store location for the tests: a local directory, or an ``s3://`` URL on the moto
+    server (``storage_options``)."""
+
+    def __init__(self, url: str, storage_options: dict | None = None) -> None:
+        self.url, self.options = url, storage_options
+
+    def sub(self, key: str) -> str:
+        return f"{self.url.rstrip('/')}/{key}"
+
+    def open(self, key: str = "") -> acs.Store:
+        return acs.open_store(self.sub(key) if key else self.url, storage_options=self.options)
+
+    def args(self) -> list[str]:
+        return ["--storage-options", json.dumps(self.options)] if self.options else []
+
+    def files(self, prefix: str) -> dict[str, bytes]:
+        """Every object under ``prefix`` (keys relative to the store) and its bytes."""
+        if self.options is None:
+            root = Path(self.url)
+            return {str(p.relative_to(root)): p.read_bytes() for p in (root / prefix).rglob("*") if p.is_file()}
+        import s3fs
+
+        fs = s3fs.S3FileSystem(**self.options)
+        base = self.url[len("s3://"):].rstrip("/")
+        return {k[len(base) + 1:]: fs.cat_file(k) for k in fs.find(f"{base}/{prefix}")}
+
+
+@pytest.mark.parametrize("where,how", [("local", "exit"), ("local", "sigkill"), ("s3", "exit")])
+def test_a_killed_rank_leaves_rank_stores_and_resume_ends_identical(captured, tmp_path, request, where, how):
     """Rank 1 dies mid-forward (os._exit, or SIGKILL of its pid). The root opens incomplete
     with every row the ranks committed (rank 0's, then rank 1's, read from the rank stores,
-    with a rank column); resuming ends byte-identical to an uninterrupted run."""
+    with a rank column); resuming ends byte-identical to an uninterrupted run. The same on
+    S3 (a moto server): the rank stores' rows are read from the bucket."""
     ref_path, one_path, _ = captured
-    store = tmp_path / "killed.zarr"
-    out = _torchrun(store, "--die-at-batch", "17", "--die-rank", "1", "--die-how", how)
+    if where == "s3":
+        store = _Where(f"s3://acs-ranks/killed-{how}.zarr", request.getfixturevalue("s3"))
+    else:
+        store = _Where(str(tmp_path / "killed.zarr"))
+    out = _torchrun(store.url, "--die-at-batch", "17", "--die-rank", "1", "--die-how", how, *store.args())
     assert out.returncode != 0
     assert ("exitcode: 3" if how == "exit" else "exitcode: -9") in out.stderr
-    rank1 = acs.open_store(store / "ranks" / "00001")
+    rank1 = store.open("ranks/00001")
     assert rank1.status == "incomplete"
     committed = rank1.n_samples
     assert 0 < committed <= 8 * job.BATCH  # 8 batches (1, 3, ..., 15) ran before the death at batch 17
@@ -133,8 +173,8 @@ def test_a_killed_rank_leaves_rank_stores_and_resume_ends_identical(captured, tm
     ref_rank1 = np.concatenate([np.arange(b * job.BATCH, (b + 1) * job.BATCH) for b in job.batches_of(1, WORLD)])
     assert rank1.row_table("sample").column("sample_id").to_pylist() == ref_rank1[:committed].tolist()
     # the root: incomplete, every committed row of every rank (no copy: views of the rank shards)
-    opened = acs.open_store(store)
-    rank0 = acs.open_store(store / "ranks" / "00000")
+    opened = store.open()
+    rank0 = store.open("ranks/00000")
     assert opened.status == "incomplete" and opened.ranks == [0, 1]
     assert opened.n_samples == rank0.n_samples + committed  # rank 0 may have been stopped before its first commit
     table = opened.row_table("sample")
@@ -149,25 +189,30 @@ def test_a_killed_rank_leaves_rank_stores_and_resume_ends_identical(captured, tm
         assert got.shape[0] == opened.n_rows(hp) == len(ids) and opened.follows_row_table(hp)
         assert torch.equal(got.view(torch.int32), one[hp][index].view(torch.int32))
         bounds, views = opened.row_blocks(hp)
-        assert bounds[0] == 0 and bounds[-1] == len(ids) and views
+        assert bounds[0] == 0 and bounds[-1] == len(ids) and views == (store.options is None)  # S3: no mapping
         n0 = rank0.n_rows(hp)
         assert torch.equal(opened.rows(hp, n0, n0 + 3), rank1.rows(hp, 0, 3))
         x = acs.to_dask(opened, hp)  # one block per shard of each rank store
         assert np.array_equal(x.compute(), got.numpy()) and x.chunks[0][0] == job.STORE_OPTIONS["shard_rows"]
     assert list(opened.reductions) == []  # nothing merged yet
-    assert opened.info()["rank_stores"] == [0, 1] and opened.info()["n_samples"] == len(ids)
+    if where == "local":  # info() is the same code on S3, and its requests are slow on moto
+        assert opened.info()["rank_stores"] == [0, 1] and opened.info()["n_samples"] == len(ids)
     assert opened.verify() == []
-    ds = acs.ActivationDataset(str(store), hook_points=one.hook_points[:1])
+    ds = acs.ActivationDataset(store.url, hook_points=one.hook_points[:1],
+                               open_options={"storage_options": store.options} if store.options else None)
     assert len(ds) == len(ids)
-    out = _torchrun(store, "--resume")
+    assert torch.equal(ds[len(ids) - 1][one.hook_points[0]].view(torch.int32),
+                       one[one.hook_points[0]][index[-1]].view(torch.int32))
+    out = _torchrun(store.url, "--resume", *store.args())
     assert out.returncode == 0, out.stderr[-3000:]
-    final = acs.open_store(store)
+    final = store.open()
     assert final.status == "complete"
     for hp in ref.hook_points:
         assert torch.equal(final[hp].view(torch.int32), ref[hp].view(torch.int32))
         for name in ("mean", "var", "cov"):  # the resumed rank folds its committed rows in once
             torch.testing.assert_close(final.reductions[hp][name], ref.reductions[hp][name], rtol=1e-12, atol=1e-15)
-    _same_files(store, ref_path)
+    assert store.files("ranks") == {}
+    _same_files(store, _Where(str(ref_path)))
 
 
 @pytest.mark.parametrize("init", ["acs.init_process_group", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"])
@@ -195,12 +240,12 @@ def test_max_restarts_reruns_a_killed_rank_and_ends_identical(captured, tmp_path
     _same_files(store, ref_path)
 
 
-def _same_files(a: Path, b: Path) -> None:
+def _same_files(a: "_Where | Path", b: "_Where | Path") -> None:
     """Every shard, manifest and array document of two stores is byte-identical."""
-    keys = sorted(str(p.relative_to(a)) for p in (a / "acts").rglob("*") if p.is_file())
-    assert keys == sorted(str(p.relative_to(b)) for p in (b / "acts").rglob("*") if p.is_file())
-    for k in keys:
-        assert (a / k).read_bytes() == (b / k).read_bytes(), k
+    fa, fb = (x.files("acts") if isinstance(x, _Where) else _Where(str(x)).files("acts") for x in (a, b))
+    assert sorted(fa) == sorted(fb) and fa
+    for k in fa:
+        assert fa[k] == fb[k], k
 
 
 def test_rank_stores_without_a_process_group_and_consolidate(captured, tmp_path, monkeypatch):
@@ -211,14 +256,7 @@ def test_rank_stores_without_a_process_group_and_consolidate(captured, tmp_path,
 
     ref_path, _, _ = captured
     store = tmp_path / "tasks.zarr"
-    model = job.toy_mlp(job.WIDTH, 3).eval()
-    for r in range(WORLD):
-        scope = acs.ActivationScope(store=str(store), reductions=["mean", "var", "cov"],
-                                    store_options={**job.STORE_OPTIONS, "process_group": acs.RankStore(r, WORLD)})
-        with scope.track(model) as tracker, torch.no_grad():
-            for b in job.batches_of(r, WORLD):
-                tracker.set_batch(sample_ids=torch.arange(b * job.BATCH, (b + 1) * job.BATCH))
-                model(job.batch(b))
+    job.capture_rank_stores(store, ["mean", "var", "cov"], WORLD)
     assert acs.open_store(store).status == "incomplete"
     calls = {"n": 0}
     real = R._TailWriter.write
@@ -252,17 +290,10 @@ def test_rank_stores_keep_the_resume_state_and_old_rank_state_stores_still_commi
     from activationscope.store.ranks import commit_ranks
 
     ref = acs.open_store(captured[0])
-    model = job.toy_mlp(job.WIDTH, 3).eval()
     stores = {}
     for layout in ("now", "old"):
         store = tmp_path / f"{layout}.zarr"
-        for r in range(WORLD):
-            scope = acs.ActivationScope(store=str(store), reductions=["mean", "var", "cov"],
-                                        store_options={**job.STORE_OPTIONS, "process_group": acs.RankStore(r, WORLD)})
-            with scope.track(model) as tracker, torch.no_grad():
-                for b in job.batches_of(r, WORLD):
-                    tracker.set_batch(sample_ids=torch.arange(b * job.BATCH, (b + 1) * job.BATCH))
-                    model(job.batch(b))
+        job.capture_rank_stores(store, ["mean", "var", "cov"], WORLD)
         for r in range(WORLD):
             rank_dir = store / "ranks" / f"{r:05d}"
             doc = json.loads((rank_dir / "zarr.json").read_text())
@@ -325,15 +356,10 @@ def test_minilm_token_rows_two_ranks(tmp_path):
     import torchrun_minilm as mini
 
     script = HERE / "torchrun_minilm.py"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parents[1]), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
     two, one = tmp_path / "two.zarr", tmp_path / "one.zarr"
-    out = subprocess.run([str(TORCHRUN), "--standalone", f"--nproc_per_node={WORLD}", str(script), str(two)],
-                         env=env, capture_output=True, text=True, timeout=600)
+    out = _torchrun(two, script=script)
     assert out.returncode == 0, out.stderr[-3000:]
-    env.pop("WORLD_SIZE", None)
-    out = subprocess.run([sys.executable, str(script), str(one), "--world", str(WORLD)], env=env,
-                         capture_output=True, text=True, timeout=600)
+    out = _torchrun(one, "--world", str(WORLD), script=script, world=None)
     assert out.returncode == 0, out.stderr[-3000:]
     st2, st1 = acs.open_store(two), acs.open_store(one)
     S = mini.STORE_OPTIONS["shard_rows"]

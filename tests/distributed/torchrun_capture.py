@@ -2,12 +2,14 @@
 
     torchrun --standalone --nproc_per_node=2 torchrun_capture.py STORE [--resume] [--die-at-batch K --die-rank R
                                                                          [--die-once] [--die-how exit|sigkill]] [--plain-init]
+                                                                         [--storage-options JSON]
 
 Rank r captures batches r, r + world, r + 2 world, ... of a fixed synthetic data set (batch b
 is seeded by b). The dying rank dies inside the forward of batch K (``os._exit(3)``, or
 SIGKILL of its own pid), once something is committed. ``--die-once``: die only in torchrun's first attempt
 (``TORCHELASTIC_RESTART_COUNT`` 0), so ``--max-restarts=1`` reruns the ranks. The process group
-comes from ``acs.init_process_group`` (``--plain-init``: ``torch.distributed``'s own). The summary of rank 0's commit goes to STORE + ".summary.json".
+comes from ``acs.init_process_group`` (``--plain-init``: ``torch.distributed``'s own). The summary of rank 0's commit goes to STORE + ".summary.json"
+(a local STORE only). ``--storage-options``: fsspec options of a URL STORE (``s3://...``), as JSON.
 """
 
 from __future__ import annotations
@@ -39,6 +41,21 @@ def batches_of(rank: int, world: int) -> list[int]:
     return list(range(rank, N_BATCHES, world))
 
 
+def capture_rank_stores(store: str, reductions: list[str], world: int = 2, storage_options: dict | None = None,
+                        model: torch.nn.Module | None = None) -> None:
+    """Slurm / Ray style, in this process: task r of ``world`` writes its rank store
+    (``acs.RankStore``) from the batches rank r captures under torchrun; nothing is committed."""
+    model = toy_mlp(WIDTH, 3).eval() if model is None else model
+    extra = {"storage_options": storage_options} if storage_options else {}
+    for r in range(world):
+        scope = acs.ActivationScope(store=str(store), reductions=reductions,
+                                    store_options={**STORE_OPTIONS, **extra, "process_group": acs.RankStore(r, world)})
+        with scope.track(model) as tracker, torch.no_grad():
+            for b in batches_of(r, world):
+                tracker.set_batch(sample_ids=torch.arange(b * BATCH, (b + 1) * BATCH))
+                model(batch(b))
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("store")
@@ -48,6 +65,7 @@ def main() -> None:
     p.add_argument("--die-once", action="store_true")
     p.add_argument("--die-how", choices=["exit", "sigkill"], default="exit")
     p.add_argument("--plain-init", action="store_true")
+    p.add_argument("--storage-options", type=json.loads, default=None)
     args = p.parse_args()
     torch.set_num_threads(1)
     distributed = "WORLD_SIZE" in os.environ
@@ -59,7 +77,8 @@ def main() -> None:
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     model = toy_mlp(WIDTH, 3).eval()
     scope = acs.ActivationScope(store=args.store, reductions=["mean", "var", "cov"],
-                                store_options={**STORE_OPTIONS, "resume": args.resume})
+                                store_options={**STORE_OPTIONS, "resume": args.resume,
+                                               **({"storage_options": args.storage_options} if args.storage_options else {})})
     with scope.track(model) as tracker, torch.no_grad():
         skip = tracker.resume_from // BATCH
         for i, b in enumerate(batches_of(rank, world)):
@@ -83,7 +102,7 @@ def main() -> None:
             tracker.set_batch(sample_ids=torch.arange(b * BATCH, (b + 1) * BATCH))
             model(batch(b))
     summary = getattr(tracker.writer, "summary", None)
-    if rank == 0 and summary is not None:
+    if rank == 0 and summary is not None and "://" not in args.store:
         with open(args.store + ".summary.json", "w") as f:
             json.dump(summary, f)
     if distributed:
