@@ -1,9 +1,13 @@
-"""Shared fixtures: devices (cuda marked gpu and skipped without CUDA), dtypes, small models."""
+"""Shared fixtures: devices (cuda marked gpu and skipped without CUDA), dtypes, small models,
+a user package of models (what the CLI and ``capture_dataset`` import), an S3 server."""
 
 from __future__ import annotations
 
 import socket
+import sys
+import textwrap
 
+import numpy as np
 import pytest
 import torch
 from acs_testing import SmallCNN, small_transformer, toy_mlp  # noqa: F401
@@ -38,6 +42,40 @@ def cnn():
 @pytest.fixture
 def transformer():
     return small_transformer().eval()
+
+
+@pytest.fixture
+def user_package(tmp_path, monkeypatch):
+    """Make a package of models importable as ``<name>.nets:<factory>`` from the working directory.
+
+    ``user_package(name, nets, data=(rows, features, seed), **modules)`` writes
+    ``tmp_path/<name>/nets.py`` (``nets``, dedented) and one ``<module>.py`` per keyword, makes
+    ``tmp_path`` the working directory and the front of ``sys.path``, and returns the path of
+    an ``.npy`` of float32 standard normal data of shape (rows, features) drawn with ``seed``
+    (None without ``data``). The package's modules are unloaded after the test.
+    """
+    made: list[str] = []
+
+    def make(name: str, nets: str, data: tuple[int, int, int] | None = None, **modules: str):
+        pkg = tmp_path / name
+        pkg.mkdir()
+        (pkg / "__init__.py").write_text("")
+        (pkg / "nets.py").write_text(textwrap.dedent(nets))
+        for module, source in modules.items():
+            (pkg / f"{module}.py").write_text(source)
+        monkeypatch.chdir(tmp_path)
+        monkeypatch.syspath_prepend(str(tmp_path))
+        made.append(name)
+        if data is None:
+            return None
+        rows, features, seed = data
+        x = tmp_path / "x.npy"
+        np.save(x, np.random.default_rng(seed).standard_normal((rows, features)).astype(np.float32))
+        return x
+
+    yield make
+    for name in [m for m in sys.modules if m.split(".")[0] in made]:
+        del sys.modules[name]
 
 
 def _free_port() -> int:

@@ -6,7 +6,6 @@ import importlib.util
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -152,12 +151,9 @@ def test_capture_resume_needs_a_store(capsys, tmp_path):
 
 
 @pytest.fixture
-def user_module(tmp_path, monkeypatch):
+def user_module(user_package):
     """A package.module:factory the CLI can import (from the working directory)."""
-    pkg = tmp_path / "usermodels"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("")
-    (pkg / "nets.py").write_text(textwrap.dedent("""
+    user_package("usermodels", """
         import torch
         def mlp():
             torch.manual_seed(0)
@@ -167,13 +163,8 @@ def user_module(tmp_path, monkeypatch):
             raise RuntimeError("weights missing")
         def not_a_module():
             return 42
-    """))
-    (pkg / "bad_import.py").write_text("import no_such_dependency_xyz\n")
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    yield "usermodels"
-    for name in [m for m in sys.modules if m.startswith("usermodels")]:
-        del sys.modules[name]
+    """, bad_import="import no_such_dependency_xyz\n")
+    return "usermodels"
 
 
 def test_load_model_from_factory_and_instance(user_module):

@@ -25,9 +25,7 @@ def test_info_calls_its_size_ratio_data_over_disk(tmp_path, capsys):
 
 import subprocess  # noqa: E402
 import sys  # noqa: E402
-import textwrap  # noqa: E402
 
-import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 
@@ -40,11 +38,10 @@ def test_debug_before_the_command_shows_the_traceback(tmp_path, capsys):
 
 
 @pytest.fixture
-def failing_module(tmp_path, monkeypatch):
-    pkg = tmp_path / "failnets"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("")
-    (pkg / "nets.py").write_text(textwrap.dedent("""
+def failing_module(user_package):
+    """``failnets.nets``: a Linear 6->4 that raises after ``ok`` batches (first, third, good);
+    the data: 40 samples of 6 features."""
+    return user_package("failnets", """
         import torch
 
         class FailsAfter(torch.nn.Module):
@@ -66,14 +63,7 @@ def failing_module(tmp_path, monkeypatch):
             return FailsAfter(2)
         def good():
             return FailsAfter(-1)
-    """))
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    x = tmp_path / "x.npy"
-    np.save(x, np.random.default_rng(0).standard_normal((40, 6)).astype(np.float32))
-    yield x
-    for name in [m for m in sys.modules if m.startswith("failnets")]:
-        del sys.modules[name]
+    """, data=(40, 6, 0))
 
 
 def _capture(capsys, factory, x, out, *extra):

@@ -3,8 +3,6 @@ resume offset, batches, store options). Reference values: the model run in plain
 
 from __future__ import annotations
 
-import sys
-import textwrap
 
 import numpy as np
 import pytest
@@ -16,13 +14,10 @@ from activationscope.errors import ArgumentValueError, CaptureError
 
 
 @pytest.fixture
-def nets(tmp_path, monkeypatch):
+def nets(user_package):
     """``runnets.nets:mlp`` (Linear 6->5, ReLU, Linear 5->3, seeded) and ``runnets.nets:fails3``
     (the same model, raising in its fourth forward); the data: 50 samples of 6 features."""
-    pkg = tmp_path / "runnets"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("")
-    (pkg / "nets.py").write_text(textwrap.dedent("""
+    return user_package("runnets", """
         import torch
 
         def mlp():
@@ -40,14 +35,7 @@ def nets(tmp_path, monkeypatch):
         def fails3():
             torch.manual_seed(0)
             return Fails(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
-    """))
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    x = tmp_path / "x.npy"
-    np.save(x, np.random.default_rng(1).standard_normal((50, 6)).astype(np.float32))
-    yield x
-    for name in [m for m in sys.modules if m.startswith("runnets")]:
-        del sys.modules[name]
+    """, data=(50, 6, 1))
 
 
 def _reference(x_path) -> dict[str, torch.Tensor]:
