@@ -15,7 +15,8 @@ inside them once every process is set up (imports, gloo process group, store ope
 barrier) and stops when the last rank's store is complete (every row durable), so start-up
 and the commit are outside it (the commit is timed on its own). The 2-rank figure is the
 wall time from the first rank's start to the last rank's close on one clock
-(``time.monotonic``). Figures are medians over ``--repeats`` side-by-side pairs (alternating
+(``time.monotonic``). ``torchrun`` runs with ``--monitor-interval=1`` (its agent's default
+0.1 s polling costs about 0.09 of a core). Figures are medians over ``--repeats`` side-by-side pairs (alternating
 which runs first), the speed-up the median of the pairs' ratios; the load average is
 recorded with them. The result goes to ``benchmark/results/distributed.json``.
 """
@@ -102,7 +103,10 @@ def capture(tmp: str, world: int, args: argparse.Namespace) -> dict:
         _run([sys.executable, script, store, *base], env)
     else:
         torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-        _run([torchrun, "--standalone", f"--nproc_per_node={world}", script, store, *base], env)
+        # torchrun's agent polls its workers every 0.1 s by default: about 0.09 of a core on
+        # this 2-core machine, taken from the ranks. Once a second is enough to notice a dead
+        # worker (the option is torchrun's own; a user can pass it the same way).
+        _run([torchrun, "--standalone", f"--nproc_per_node={world}", "--monitor-interval=1", script, store, *base], env)
     ranks = [json.load(open(store + f".rank{r}.json")) for r in range(world)]
     import activationscope as acs
 

@@ -18,6 +18,7 @@ its table is still row *i* of the table.
 
 from __future__ import annotations
 
+import inspect
 import io
 import json
 import os
@@ -771,7 +772,10 @@ class RankWriter:
     supports_aliases = False
 
     def __getattr__(self, name: str) -> Any:  # open_array, add_batch, maybe_commit, n_samples_committed, ...
-        return getattr(self._inner, name)
+        value = getattr(self._inner, name)
+        if inspect.ismethod(value):  # add_batch, maybe_commit (once per forward): found here once, then directly
+            self.__dict__[name] = value
+        return value
 
     @property
     def path(self) -> str:

@@ -170,6 +170,18 @@ def _write_small_array(backend: Any, path: str, t: torch.Tensor, attrs: dict,
     return {key: F.crc32c(data)}
 
 
+def _import_row_table_writer() -> None:
+    """Import what a commit needs to write row tables (pyarrow, its parquet writer) while the
+    writer opens. The first ``pyarrow.array`` also imports pandas where it is installed
+    (pyarrow checks every input for pandas objects): together 0.3 s on an idle machine and
+    several seconds on a loaded one, which otherwise landed in the first commit, in the middle
+    of the capture loop, once in every rank of a multi-rank capture."""
+    import pyarrow as pa
+    import pyarrow.parquet  # noqa: F401
+
+    pa.array(np.zeros(1, dtype=np.int64))
+
+
 class StoreWriter:
     """Writes one capture run into a store (local path, fsspec URL or zarr Store).
 
@@ -330,6 +342,7 @@ class StoreWriter:
                     "to start again"
                 )
 
+        _import_row_table_writer()
         # ---- state
         if isinstance(self._backend, LocalBackend):
             self._staging = self._backend.root
