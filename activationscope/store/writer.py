@@ -14,6 +14,7 @@ store appends full chunks to shard files. Python runs once per forward (:meth:`a
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import io
 import json
@@ -22,6 +23,7 @@ import shutil
 import tempfile
 import threading
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -48,6 +50,24 @@ ROW_KINDS = ("sample", "token")
 # threads writing a commit's manifests and array documents
 _IO_THREADS = 4
 _RESERVED = {"sample": ("sample_id", "batch"), "token": ("sample_id", "pos", "batch")}
+# writers whose encoder thread runs: stopped at interpreter exit (see _stop_encoders_at_exit)
+_ENCODING: "weakref.WeakSet[StoreWriter]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_encoders_at_exit() -> None:
+    """Write the queued chunks of writers left open and stop their encoder threads, while the
+    interpreter is still whole. A daemon thread still inside native code when Python
+    finalizes is ended with ``pthread_exit``, which aborts the process from any noexcept C++
+    frame on its stack (torch's included). Nothing is committed: the store keeps its last
+    commit (status ``incomplete``), as after a kill."""
+    for w in list(_ENCODING):
+        try:
+            w._core.close()
+            if w._encoder_thread is not None:
+                w._encoder_thread.join(timeout=60)
+        except Exception:  # noqa: BLE001 - exiting: never mask the process's own outcome
+            pass
 
 
 @dataclass
@@ -536,6 +556,7 @@ class StoreWriter:
         t = threading.Thread(target=self._encode_loop, name="activationscope-encoder", daemon=True)
         self._encoder_thread = t
         t.start()
+        _ENCODING.add(self)
 
     def _encode_loop(self) -> None:
         core = self._core
@@ -928,6 +949,7 @@ class StoreWriter:
         self._core.close()
         if self._encoder_thread is not None:
             self._encoder_thread.join()
+        _ENCODING.discard(self)
 
     def close(self, status: str = "complete") -> None:
         """Flush partial chunks and shards, commit everything, mark the store ``status``.
