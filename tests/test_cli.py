@@ -650,3 +650,51 @@ def test_report_probes_token_and_sample_rows_with_labels(tmp_path, mixed_store, 
     page = (tmp_path / "r" / "index.html").read_text()
     assert "Linear probes" in page and (tmp_path / "r" / "probes.png").is_file()
     assert "6 labelled samples" in page  # token rows were pooled to one row per sample
+
+
+def test_tilde_in_cli_paths_is_the_home_folder(tmp_path, user_module, capsys, monkeypatch):
+    """``--out=~/...`` (the shell leaves ``~`` after ``=``, or quoted) and ``~/...`` store
+    arguments name the home folder in capture, info, verify and export."""
+    import activationscope as acs
+
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    x = home / "x.npy"
+    np.save(x, np.random.default_rng(0).standard_normal((12, 6)).astype(np.float32))
+    code, _, err = run(capsys, "capture", "--model", "usermodels.nets:mlp", "--data", "~/x.npy", "--out=~/t.zarr",
+                       "--no-progress")
+    assert code == 0, err
+    model = specs.load_model_spec("usermodels.nets:mlp").model
+    with torch.no_grad():
+        torch.testing.assert_close(acs.open_store(str(home / "t.zarr"))["2.output"], model(torch.from_numpy(np.load(x))))
+    code, stdout, err = run(capsys, "info", "~/t.zarr")
+    assert code == 0 and "12 samples" in stdout, err
+    code, stdout, err = run(capsys, "verify", "~/t.zarr")
+    assert code == 0 and stdout.strip().endswith(": ok"), err
+    code, _, err = run(capsys, "export", "~/t.zarr", "--format", "parquet", "--out", "~/t.parquet")
+    assert code == 0, err
+    import pyarrow.parquet as pq
+
+    assert pq.read_table(home / "t.parquet").num_rows == 12
+    assert not (tmp_path / "~").exists()
+
+
+def test_capture_overwrite_failing_on_its_first_batch_keeps_the_old_store(tmp_path, toy_store, capsys):
+    """--overwrite whose first batch fails: the old store is still there, byte for byte."""
+    import activationscope as acs
+
+    out, x = toy_store
+    before = {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*"))
+              if p.is_file() and p.name != ".activationscope-writer.lock"}
+    bad = tmp_path / "bad.npy"
+    np.save(bad, np.zeros((10, 7), dtype=np.float32))  # the model takes 6 features
+    code, _, err = run(capsys, "capture", "--model", "usermodels.nets:mlp", "--data", str(bad), "--out", str(out),
+                       "--overwrite", "--no-progress")
+    assert code == 1
+    _one_error_line(err, "the model raised RuntimeError", "samples 0..9", "the store that was at", "kept as it was")
+    after = {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*"))
+             if p.is_file() and p.name != ".activationscope-writer.lock"}
+    assert after == before
+    assert acs.open_store(str(out)).n_samples == 50
+    assert sorted(p.name for p in out.parent.iterdir() if p.name.startswith(".")) == []

@@ -125,6 +125,9 @@ def run_capture(
 
         removed = new_store and remove_if_empty(out, remove_folder=not folder_existed)
         tail = (f"no row was committed, so the new store {out} was removed" if removed else
+                f"no row was committed, so the store that was at {out} is kept as it was (overwrite replaces it "
+                "only once the new capture commits)" if (store_options or {}).get("overwrite")
+                and summary.n_forwards == 0 else
                 f"{out} keeps the rows committed before (status incomplete; --resume continues it)")
         if isinstance(e, CaptureError) and not isinstance(e.__cause__, ActivationScopeError):
             raise CaptureError(f"{e}; {tail}") from e.__cause__

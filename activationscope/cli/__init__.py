@@ -207,6 +207,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as e:  # argparse: --help (0) or a usage error (2)
         return int(e.code or 0)
     args.argv = list(sys.argv[1:] if argv is None else argv)
+    _expand_paths(args)
     handler = _COMMANDS[args.command]
     try:
         return handler(args) or 0
@@ -223,6 +224,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             notes = "".join(f"; {n}" for n in getattr(e, "__notes__", ()))
             print(f"{PROG} {args.command}: error: {one_line(e)}{notes}", file=sys.stderr)
         return 1
+
+
+#: Arguments that name local paths (stores, outputs, data files, model folders): a leading
+#: ``~`` is expanded in them, also where the shell leaves it (``--out=~/runs/x``, quoted).
+_PATH_ARGS = ("store", "out", "report", "data", "model")
+
+
+def _expand_paths(args: argparse.Namespace) -> None:
+    """Expand a leading ``~`` / ``~user`` of the path arguments (``os.path.expanduser``);
+    URLs and model names (never starting with ``~``) are left as they are."""
+    for name in _PATH_ARGS:
+        value = getattr(args, name, None)
+        if isinstance(value, str) and value.startswith("~"):
+            setattr(args, name, os.path.expanduser(value))
 
 
 # ---------------------------------------------------------------------------- store access

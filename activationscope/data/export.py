@@ -202,7 +202,7 @@ def _export(kind: str, source: Any, path: Any, hook_points: Any, columns: Any, b
     ds = _dataset_for(source, hook_points, columns, rows, filter)
     col_names = _export_columns(ds, columns)
     schema = _schema(ds, col_names, tensor_type)
-    path = Path(path)
+    path = Path(os.path.expanduser(os.fspath(path)))
     tmp = path.with_name(path.name + ".tmp")
     try:
         if kind == "arrow":
@@ -505,7 +505,7 @@ def export_hf(
             )
         n_rows -= n_rows % context_size
     features, shapes = _hf_plan(ds, col_names, context_size, bfloat16)
-    path = Path(path)
+    path = Path(os.path.expanduser(os.fspath(path)))
     _check_replaceable(path, file_format)
     tmp = path.with_name(path.name + ".tmp")
     stream = path.with_name(path.name + ".stream.tmp")

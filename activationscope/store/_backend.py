@@ -332,6 +332,37 @@ class LocalBackend:
     def zarr_store(self, read_only: bool = True) -> Any:
         return safe_local_store(self, read_only=read_only)
 
+    def move_aside(self) -> Path | None:
+        """Move every entry of the store folder but the writer lock into a new folder next to
+        it (``.<name>.replaced-<hex>``, on the same file system: renames only, no copy), the
+        root document first (readers then see no store, never a mix). Returns that folder,
+        None when there was nothing to move. ``overwrite=True`` keeps the old store there
+        until the new one has committed (:meth:`restore_aside`, or delete the folder)."""
+        if not self.root.is_dir():
+            return None
+        entries = sorted((p for p in self.root.iterdir() if p.name != LOCK_KEY), key=lambda p: p.name != "zarr.json")
+        if not entries:
+            return None
+        real = Path(os.path.realpath(self.root))
+        aside = real.parent / f".{real.name}.replaced-{uuid.uuid4().hex[:8]}"
+        aside.mkdir()
+        try:
+            for p in entries:
+                os.rename(p, aside / p.name)
+        except OSError as e:
+            self.restore_aside(aside)
+            raise StoreError(f"overwrite: moving the old store {str(self.root)!r} aside to {str(aside)!r} failed: "
+                             f"{e.strerror or e}; nothing was changed") from e
+        return aside
+
+    def restore_aside(self, aside: Path) -> None:
+        """Put back a store :meth:`move_aside` moved: remove what is in the folder now (but the
+        writer lock), move the old entries back (root document last), remove ``aside``."""
+        self.clear()
+        for p in sorted(Path(aside).iterdir(), key=lambda p: p.name == "zarr.json"):
+            os.rename(p, self.root / p.name)
+        Path(aside).rmdir()
+
 
 def _kind(mode: int) -> str:
     return ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
@@ -676,7 +707,7 @@ def describe_local_path(path: str | os.PathLike) -> tuple[str, str] | None:
 
     Reads only the root ``zarr.json`` (at most ``MAX_JSON_BYTES``) and the folder listing.
     """
-    p = Path(path)
+    p = Path(expand_local(os.fspath(path)))
     if not p.exists() and not p.is_symlink():
         return None
     if not p.is_dir():
@@ -711,7 +742,7 @@ def check_local_store_path(root: str | os.PathLike) -> None:
     A store is a directory; an existing regular file there is never replaced, not even with
     ``overwrite=True`` (which only deletes stores).
     """
-    p = Path(root).absolute()
+    p = Path(expand_local(os.fspath(root))).absolute()
     for q in (p, *p.parents):
         if q.exists():
             if not q.is_dir():
@@ -723,12 +754,34 @@ def check_local_store_path(root: str | os.PathLike) -> None:
             return
 
 
+def expand_local(target: Any) -> Any:
+    """``target`` with a leading ``~`` or ``~user`` of a local path expanded (as a shell does,
+    ``os.path.expanduser``): a str without ``://``, a ``file://~...`` URL, or an
+    ``os.PathLike``. Anything else (URLs, zarr Stores, backends) is returned unchanged."""
+    if isinstance(target, (LocalBackend, ZarrBackend)):
+        return target
+    if isinstance(target, os.PathLike):
+        fs = os.fspath(target)
+        if isinstance(fs, str) and fs.startswith("~"):
+            return Path(os.path.expanduser(fs))
+        return target
+    if isinstance(target, str):
+        if target.startswith("file://~"):
+            return "file://" + os.path.expanduser(target[len("file://"):])
+        if target.startswith("~") and "://" not in target:
+            return os.path.expanduser(target)
+    return target
+
+
 def resolve(target: Any, *, fsync: bool = False, read_only: bool = False,
             storage_options: dict | None = None) -> StoreBackend:
     """A backend for a path, a URL (``file://``, ``memory://``, ``s3://``, ...) or a zarr Store.
 
-    ``storage_options`` go to fsspec for URLs (credentials, ``client_kwargs``, ...)."""
+    A local path's leading ``~`` is expanded (:func:`expand_local`). ``storage_options`` go
+    to fsspec for URLs (credentials, ``client_kwargs``, ...)."""
     import zarr
+
+    target = expand_local(target)
 
     if isinstance(target, (LocalBackend, ZarrBackend)):
         return target

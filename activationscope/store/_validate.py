@@ -255,6 +255,8 @@ def check_root_attrs(attrs: Any, *, store: Any, key: str = "zarr.json") -> dict:
     check_format(attrs, store=store, key=key)
     if attrs.get("status") not in ("complete", "incomplete"):
         raise c.fail("status", "one of ['complete', 'incomplete']", attrs.get("status"))
+    if "run_id" in attrs and not (isinstance(attrs["run_id"], str) and 0 < len(attrs["run_id"]) <= 128):
+        raise c.fail("run_id", "a str of 1..128 characters", attrs["run_id"])
     c.int(attrs, "n_samples", "n_samples", default=0)
     c.int(attrs, "n_batches", "n_batches", default=0)
     arrays = c.dict(attrs.get("arrays"), "arrays", optional=True)

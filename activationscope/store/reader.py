@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import io
+import itertools
 import math
 import mmap
 import operator
@@ -178,6 +179,10 @@ class Store:
         self._indexes: dict[str, _ShardIndex] = {}
         self._whole: dict[str, tuple[int, torch.Tensor]] = {}
         self._zarrays: dict[str, Any] = {}
+        self._checked: dict[str, dict] = {}  # array path -> {(shard, slot): (offset, nbytes, crc32c)} of its manifest
+        # A resuming writer re-reads the chunk holding its last committed row unchecked: after a
+        # resume killed before its next commit, that chunk was rewritten (FORMAT.md section 5).
+        self._resume_tail = False
         self._lock = threading.RLock()
         self._inflight: dict[tuple, Any] = {}  # (hook point, chunk) -> Future of its decode
         self._next_start: dict[str, int] = {}  # where a sequential reader of a hook point goes next
@@ -192,12 +197,14 @@ class Store:
     # ------------------------------------------------------------------ metadata
     def refresh(self) -> None:
         """Re-read (and re-validate) the root metadata: see rows committed since opening."""
+        stamp = self._root_stamp()  # before the read: a commit in between only costs one re-read later
         raw = self._backend.get("zarr.json", max_bytes=V.MAX_JSON_BYTES)
         if raw is None:
             raise StoreError(f"no store at {str(self._backend)!r} (no zarr.json)")
         attrs = V.parse_root(raw, store=self._backend)
         if attrs is None:
             raise StoreError(f"{str(self._backend)!r} is a Zarr node but not an activationscope store")
+        run = (attrs.get("run_id"), attrs.get("created"))
         ranks: list[tuple[int, Store]] = []
         parts: dict[str, list[tuple[int, Store, int]]] = {}
         dist = attrs.get("distributed")
@@ -208,10 +215,54 @@ class Store:
                 old.close()
             self._ranks, self._parts = ranks, parts
             self._attrs = attrs
+            if getattr(self, "_run", run) != run:  # another run in its place: nothing mapped is its
+                self._maps.clear()
+                self._whole.clear()
+            self._stamp, self._run = stamp, run
             self._zarrays.clear()
             self._indexes.clear()
+            self._checked.clear()
             self._cache.clear()
             self._cached = 0
+
+    def _root_stamp(self) -> tuple | None:
+        """(device, inode, mtime, size) of a local store's root document; None for other
+        stores, or when it is not there."""
+        if not isinstance(self._backend, LocalBackend):
+            return None
+        try:
+            st = os.stat(self._backend.root / "zarr.json")
+        except OSError:
+            return None
+        return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
+
+    def _check_same_store(self) -> None:
+        """Raise :class:`StoreError` when the local store was replaced (another run written in
+        its place: ``overwrite=True``, a copy, a delete and a new capture) since it was opened
+        or refreshed. Called before a file is opened lazily, and before a read error is
+        blamed on damage. One ``stat`` of the root document; the root is re-read only when it
+        changed (a commit), to compare its ``run_id`` (``created`` for stores written before
+        run ids)."""
+        stamp = getattr(self, "_stamp", None)
+        if stamp is None:
+            return
+        now = self._root_stamp()
+        if now == stamp:
+            return
+        replaced = f"store at {str(self._backend)!r} was replaced since it was opened"
+        fix = "reopen it (open_store again, or store.refresh())"
+        if now is None:
+            raise StoreError(f"{replaced} (its root document zarr.json is gone); {fix}")
+        raw = self._backend.get("zarr.json", max_bytes=V.MAX_JSON_BYTES)
+        doc = V.loads_json(raw, store=self._backend, key="zarr.json") if raw is not None else None
+        attributes = doc.get("attributes") if isinstance(doc, dict) else None
+        attrs = attributes.get(F.ATTRS_KEY) if isinstance(attributes, dict) else None
+        run = (attrs.get("run_id"), attrs.get("created")) if isinstance(attrs, dict) else None
+        if run != self._run:
+            was = self._run[0] or f"created {self._run[1]}"
+            new = "no activationscope store" if run is None else (run[0] or f"created {run[1]}")
+            raise StoreError(f"{replaced} (opened: run {was}; now: {new}); {fix}")
+        self._stamp = now
 
     @property
     def attrs(self) -> dict:
@@ -295,8 +346,23 @@ class Store:
             ) from None
 
     def n_rows(self, hook_point: str) -> int:
-        """Committed rows of a hook point."""
-        return int(self._meta(hook_point)["n_rows"])
+        """Committed rows of a hook point.
+
+        Checked against the array's own files on first use (FORMAT.md section 9 rule 16),
+        since readers size buffers and index lists from it.
+
+        Raises
+        ------
+        HookPointNotFoundError
+            ``hook_point`` is not in the store.
+        StoreCorruptError
+            The root document's count disagrees with the array's document or manifest, or the
+            shard holding its last row is missing.
+        """
+        meta = self._meta(hook_point)
+        if not self._parts and meta["path"] not in self._checked:
+            self._array_crcs(meta)
+        return int(meta["n_rows"])
 
     def row_kind(self, hook_point: str) -> str:
         """``"sample"`` or ``"token"``."""
@@ -393,6 +459,8 @@ class Store:
         if self._parts:
             return self._rank_bounds(hook_point, lambda st, hp: st.segments(hp))[0]
         meta = self._meta(hook_point)
+        if meta["path"] not in self._checked:
+            self._array_crcs(meta)
         n, shard_rows = int(meta["n_rows"]), int(meta["shard_rows"])
         if n > shard_rows and self._mappable(meta) and self._whole_rows(meta) is not None:
             return [0, n]
@@ -414,6 +482,8 @@ class Store:
         if self.compressed_array(hook_point) is None:
             return self.segments(hook_point), True
         meta = self._meta(hook_point)
+        if meta["path"] not in self._checked:
+            self._array_crcs(meta)
         n, step = int(meta["n_rows"]), int(meta["chunk_rows"])
         return list(range(0, n, step)) + [n], False
 
@@ -528,6 +598,13 @@ class Store:
         return self._zarray(meta), int(meta["chunk_rows"]), F.torch_dtype(meta["dtype"])
 
     def _read_rows(self, hook_point: str, start: int, stop: int, copy: bool = False) -> torch.Tensor:
+        try:
+            return self._read_rows_checked(hook_point, start, stop, copy)
+        except StoreCorruptError:
+            self._check_same_store()  # a store replaced under this reader is not damage
+            raise
+
+    def _read_rows_checked(self, hook_point: str, start: int, stop: int, copy: bool = False) -> torch.Tensor:
         if self._parts:
             return self._read_rank_rows(hook_point, start, stop, copy)
         meta = self._meta(hook_point)
@@ -537,6 +614,8 @@ class Store:
             return torch.empty((0, *feat), dtype=dtype)
         if stop > int(meta["n_rows"]):
             raise RowIndexError(f"rows [{start}, {stop}) out of range for hook point {hook_point!r} with {meta['n_rows']} rows")
+        if meta["path"] not in self._checked:  # once per array: n_rows against the array's own files
+            self._array_crcs(meta)
         if V.row_bytes(meta) == 0:
             return torch.empty((stop - start, *feat), dtype=dtype)
         shard_rows = int(meta["shard_rows"])
@@ -600,6 +679,105 @@ class Store:
         section 10; empty for every other store)."""
         return [r for r, _ in self._ranks]
 
+    # ---------------------------------------------------------------- array check
+    def _array_crcs(self, meta: dict) -> dict:
+        """Check an array against its own files before its first read; its chunks' crc32c.
+
+        The root document's ``n_rows`` sizes every read and every buffer of the array, so it
+        is checked against what the array's files say first (FORMAT.md section 9 rule 16):
+        the array document exists and its ``shape[0]`` is at least ``n_rows`` (it may be
+        ahead, never behind), the manifest lists the shard holding the last committed row
+        with ``rows_end >= n_rows``, and that shard file exists with a valid index. Once per
+        array (until :meth:`refresh`); an array with no committed rows is not checked (its
+        files may not exist yet, section 7).
+
+        Returns
+        -------
+        dict
+            ``{(shard, slot): (offset, nbytes, crc32c)}`` of the committed shards' chunks, from
+            the manifest (what decoded reads check each chunk against).
+
+        Raises
+        ------
+        StoreCorruptError
+            Naming the file, the two counts and the fix.
+        """
+        path = meta["path"]
+        got = self._checked.get(path)
+        if got is not None:
+            return got
+        n = int(meta["n_rows"])
+        crcs: dict[tuple[int, int], tuple[int, int, int]] = {}
+        if n:
+            self._check_same_store()
+            _rb, chunk_rows, n_chunks, _cb = _layout(meta)
+            shard_rows = n_chunks * chunk_rows
+            last = (n - 1) // shard_rows
+            root = f"the root document zarr.json says {n} rows of array {path!r} are committed (its n_rows)"
+            doc_key = f"{path}/zarr.json"
+            raw = self._backend.get(doc_key, max_bytes=V.MAX_JSON_BYTES)
+            if raw is None:
+                raise V.corrupt(self._backend, f"array document {doc_key} is missing, but {root}")
+            doc = V.loads_json(raw, store=self._backend, key=doc_key)
+            shape = doc.get("shape") if isinstance(doc, dict) else None
+            if (not isinstance(shape, list) or not shape or isinstance(shape[0], bool)
+                    or not isinstance(shape[0], int)):
+                raise V.corrupt(self._backend, f"array document {doc_key} field shape must be a list of ints, "
+                                               f"got {shape!r}")
+            if shape[0] < n:
+                raise V.corrupt(self._backend, f"array document {doc_key} holds {shape[0]} rows (shape[0]), but "
+                                               f"{root}: the two disagree (the root's count may be behind the "
+                                               "array's, never ahead)")
+            man_key = meta["manifest"]
+            man = self._backend.get(man_key, max_bytes=V.MAX_JSON_BYTES)
+            if man is None:
+                raise V.corrupt(self._backend, f"manifest {man_key} is missing, but {root}")
+            shards = V.parse_manifest(V.loads_json(man, store=self._backend, key=man_key), meta,
+                                      store=self._backend, key=man_key)
+            rec = shards.get(last)
+            if rec is None:
+                raise V.corrupt(self._backend, f"manifest {man_key} lists no shard {last}, but {root}, which "
+                                               f"needs shards 0..{last} ({shard_rows} rows each)")
+            listed = sum(1 for k in shards if k <= last)
+            if listed != last + 1:  # every shard of the committed rows is listed (bounds what n_rows can claim)
+                first = next(k for k in range(last + 1) if k not in shards)
+                raise V.corrupt(self._backend, f"manifest {man_key} lists {listed} of the {last + 1} shards that {root} "
+                                               f"needs (first missing: shard {first})")
+            rows_end = rec.get("rows_end")
+            if isinstance(rows_end, int) and not isinstance(rows_end, bool) and rows_end < n:
+                raise V.corrupt(self._backend, f"manifest {man_key} says shard {last} ends at row {rows_end}, but "
+                                               f"{root}: the two disagree")
+            for k, r in shards.items():
+                if k <= last:
+                    for slot, off, nb, crc in r.get("chunks", []):
+                        crcs[(k, slot)] = (off, nb, crc)
+            last_key = self._shard_key(meta, last)
+            if self._backend.size(last_key) is None:  # the file holding the last committed row exists
+                raise V.corrupt(self._backend, f"shard {last_key!r} is missing, but {root}")
+        with self._lock:
+            self._checked[path] = crcs
+        return crcs
+
+    def _check_chunk_crc(self, meta: dict, shard: int, slot: int, entry: tuple[int, int], data: Any,
+                         where: str, key: str) -> None:
+        """Raise :class:`StoreCorruptError` naming the shard file when chunk ``slot`` of ``shard``
+        (its encoded bytes ``data``, read at ``entry`` of the shard index) does not match its
+        manifest record (FORMAT.md section 9 rule 12)."""
+        crcs = self._checked.get(meta["path"])
+        if crcs is None:
+            crcs = self._array_crcs(meta)
+        rec = crcs.get((shard, slot))
+        if rec is None:
+            raise V.corrupt(self._backend, f"{where}: shard file {key!r} holds a committed chunk that the manifest "
+                                           f"{meta['manifest']} does not list (its crc32c cannot be checked)")
+        if rec[1] != entry[1]:  # (a chunk may move within its shard: its bytes are what count)
+            raise V.corrupt(self._backend, f"{where}: the shard index of {key!r} gives the chunk {entry[1]} bytes, "
+                                           f"the manifest {meta['manifest']} {rec[1]}")
+        got = F.crc32c(data)
+        if got != rec[2]:
+            raise V.corrupt(self._backend, f"{where}: shard file {key!r} bytes {entry[0]}-{entry[0] + entry[1] - 1}: crc32c "
+                                           f"mismatch (manifest {rec[2]:08x}, data {got:08x}): the chunk is damaged")
+
     # ---------------------------------------------------------------- shard index
     def _shard_key(self, meta: dict, shard: int) -> str:
         return F.shard_key(meta["path"], shard, len(meta["feature_shape"]))
@@ -627,6 +805,7 @@ class Store:
         n = int(meta["n_rows"])
         shard_rows = n_chunks * chunk_rows
         hp = meta["path"]
+        self._check_same_store()
         size = self._backend.size(key)
         if size is None:
             raise V.corrupt(self._backend, f"shard {key!r} of array {hp!r} is missing; its rows "
@@ -684,6 +863,7 @@ class Store:
             t = self._maps.get(key)
         if t is not None and t.numel() >= nbytes:
             return t
+        self._check_same_store()
         path = str(self._backend.path(key))
         C = _native.optional()
         try:
@@ -743,6 +923,7 @@ class Store:
         if not all(self._shard_index(meta, k).contiguous for k in range(n_shards)):
             return None
         paths = [str(self._backend.path(self._shard_key(meta, k))) for k in range(n_shards)]
+        self._check_same_store()
         try:
             flat = C.map_files_contiguous(paths, stride, n * rb)
         except (OSError, RuntimeError) as e:
@@ -791,9 +972,12 @@ class Store:
         lo, hi = c * chunk_rows, min(n, (c + 1) * chunk_rows)
         off, nbytes = idx.entries[j]
         where = f"hook point {hook_point!r}: chunk {c} (rows {lo}-{hi - 1}, shard {idx.key})"
+        self._check_same_store()
         data = self._backend.get_range(idx.key, off, nbytes)
         if data is None or len(data) != nbytes:
             raise V.corrupt(self._backend, f"{where}: read {len(data or b'')} of its {nbytes} bytes (the file shrank)")
+        if not (self._resume_tail and hi == n and n % chunk_rows):
+            self._check_chunk_crc(meta, shard, j, (off, nbytes), data, where, idx.key)
         codec = meta.get("compression")
         buf = out if out is not None and out.nbytes == full else np.empty(full, dtype=np.uint8)
         if codec is None:
@@ -863,9 +1047,20 @@ class Store:
         feat = tuple(meta["feature_shape"])
         chunk_rows, n = int(meta["chunk_rows"]), int(meta["n_rows"])
         row_bytes = (int(np.prod(feat)) if feat else 1) * F.itemsize(meta["dtype"])
-        out = torch.empty((stop - start, *feat), dtype=dtype)
         if row_bytes == 0:
-            return out
+            return torch.empty((stop - start, *feat), dtype=dtype)
+        # Every shard of the read exists with a valid index, every chunk of it present and
+        # inside its file, before the result (sized from the metadata) is allocated: the last
+        # one first (a raised n_rows names a shard that is not there).
+        shard_rows = int(meta["shard_rows"])
+        first, last = start // shard_rows, (stop - 1) // shard_rows
+        for k in itertools.chain((last,), range(first, last)):
+            idx = self._shard_index(meta, k)
+            for j in sorted(idx.bad):
+                row0 = k * shard_rows + j * chunk_rows
+                if row0 < stop and row0 + chunk_rows > start:
+                    idx.check(j, self._backend)
+        out = torch.empty((stop - start, *feat), dtype=dtype)
         flat = out.view(-1).view(torch.uint8).numpy()
         c0, c1 = start // chunk_rows, (stop - 1) // chunk_rows
         big = (c1 - c0 + 1) * chunk_rows * row_bytes > self._cache_bytes // 2
@@ -925,6 +1120,7 @@ class Store:
         if numel == 0:
             return torch.empty(shape, dtype=dtype)
         key = entry["path"] + "/c" + "".join("/0" for _ in shape)
+        self._check_same_store()
         expected = numel * F.itemsize(entry["dtype"])
         where = f"reduction {entry.get('reduction')!r}: chunk {key!r}"
         size = self._backend.size(key)
@@ -979,6 +1175,7 @@ class Store:
         key = entry.get("script")
         if key is None:
             return None
+        self._check_same_store()
         data = self._backend.get(key, max_bytes=V.MAX_FILE_BYTES)
         if data is None:
             raise V.corrupt(self._backend, f"reduction {name!r}: script {key!r} listed in the metadata is missing")
@@ -1013,6 +1210,7 @@ class Store:
             return pa.concat_tables(tables, promote_options="default")
         info = (self._attrs.get("row_tables") or {}).get(kind) or {"parts": []}
         crcs = info.get("crc32c") or {}
+        self._check_same_store()
         tables = []
         for key in info.get("parts", []):
             raw = self._backend.get(key, max_bytes=V.MAX_FILE_BYTES)
@@ -1307,6 +1505,7 @@ class Store:
             self._indexes.clear()
             self._whole.clear()
             self._zarrays.clear()
+            self._checked.clear()
             self._cache.clear()
             self._cached = 0
 

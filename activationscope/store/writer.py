@@ -22,6 +22,7 @@ import os
 import shutil
 import tempfile
 import threading
+import uuid
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -306,10 +307,12 @@ class StoreWriter:
         self._closed = True  # until the end of __init__: __del__ and close() do nothing
         # one writer at a time: the lock is held from here to close() / abort()
         self._writer_lock = WriterLock(self._backend).acquire()
+        self._aside: Path | None = None  # overwrite: the old store, until the new one commits
         try:
             self._open_existing(overwrite, resume)
             self._setup(max_pending_bytes)
         except BaseException:
+            self._settle_aside(keep_new=False)
             self._writer_lock.discard_root()
             raise
 
@@ -317,7 +320,12 @@ class StoreWriter:
         """Check what is at the target (under the writer lock) and set up the state."""
         if overwrite:
             if self._backend.size("zarr.json") is not None or self._backend.is_empty():
-                self._backend.clear()  # a store (even a damaged one) or nothing: replaced
+                # a store (even a damaged one) or nothing: replaced. A local one is moved aside
+                # and deleted only once the new one has committed (restored if it fails first).
+                if isinstance(self._backend, LocalBackend):
+                    self._aside = self._backend.move_aside()
+                else:
+                    self._backend.clear()
             else:
                 raise StoreExistsError(
                     f"{str(self._backend)!r} exists and is not empty but holds no Zarr store; choose another path "
@@ -380,9 +388,13 @@ class StoreWriter:
         self._unpublished = False  # arrays opened since the root was last written
         self._io_pool: Any = None  # thread pool of _set_many, made on first use
         self._closed = False
+        self._failing = False  # closing after a failure (abort, or the writer thread failed)
         self._lock = threading.RLock()
         st = self._state or {}
         self._created = st.get("created") or F.utc_now()
+        # one id per store written (kept by a resume, new for a new store or an overwrite): a
+        # reader that opened the store tells a continued run from a replaced store by it
+        self._run_id = st.get("run_id") or uuid.uuid4().hex
         self.n_samples_committed = int(st.get("n_samples", 0))
         self._n_batches = int(st.get("n_batches", 0))
         self._row_tables = json.loads(json.dumps(st.get("row_tables") or {
@@ -409,6 +421,7 @@ class StoreWriter:
             "format": {"name": F.FORMAT_NAME, "version": F.FORMAT_VERSION},
             "status": status,
             "created": self._created,
+            "run_id": self._run_id,
             "updated": F.utc_now(),
             "library": _library_versions(),
             "model": self._model if self._model is not None else (self._state or {}).get("model"),
@@ -533,7 +546,9 @@ class StoreWriter:
                 if committed > start:  # re-feed the committed rows of the partial last shard
                     from .reader import Store
 
-                    rows = Store(self._backend)._read_rows(hook_point, start, committed, copy=True)
+                    st = Store(self._backend)
+                    st._resume_tail = True  # a resume killed before its commit rewrote that chunk (FORMAT.md section 5)
+                    rows = st._read_rows(hook_point, start, committed, copy=True)
                     writer.append(rows)
             self._arrays[hook_point] = arr
             if old is None:
@@ -739,9 +754,28 @@ class StoreWriter:
         # (new arrays are listed, with their committed 0 rows, before their first shard)
         b.set("zarr.json", F.dumps(F.group_document({F.ATTRS_KEY: self._root_attrs(status)})))
         self._unpublished = False
+        if self._aside is not None and (self._n_batches > 0 or (self._closed and not self._failing
+                                                                and status == "complete")):
+            self._settle_aside(keep_new=True)  # the new store has committed: the old one goes
         if not self._closed:  # the next commit will rewrite these: make their files now
             self._reserve([key for key, _ in writes] + ["zarr.json"])
         return k > 0 or force
+
+    def _settle_aside(self, keep_new: bool) -> None:
+        """Overwrite: delete the old store moved aside (``keep_new``), or put it back in place
+        of the new one (which committed nothing)."""
+        aside, self._aside = self._aside, None
+        if aside is None:
+            return
+        if keep_new:
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            try:
+                self._backend.restore_aside(aside)
+            except OSError as e:
+                warnings.warn(f"store {str(self._backend)!r}: the new capture committed nothing, but putting the old "
+                              f"store back from {str(aside)!r} failed ({e}); it is still there: move its contents "
+                              "back by hand", RuntimeWarning, stacklevel=3)
 
     def _reserve(self, keys: list[str]) -> None:
         reserve = getattr(self._backend, "reserve", None)
@@ -975,10 +1009,13 @@ class StoreWriter:
                 self._core.drain()
                 self._stop_threads()
                 if self._core.failed:
+                    self._failing = True
                     self._commit("incomplete", force=True)
                     self._raise_if_failed()
                 self._commit(status, force=True)
             finally:
+                if self._aside is not None:  # closed (failed, or incomplete) before the new store committed a forward
+                    self._settle_aside(keep_new=False)
                 self._cleanup()
 
     def abort(self, exc: BaseException | None = None) -> None:
@@ -991,6 +1028,7 @@ class StoreWriter:
             if self._closed:
                 return
             self._closed = True
+            self._failing = True
             try:
                 self._core.drain()
                 self._stop_threads()
@@ -1000,6 +1038,8 @@ class StoreWriter:
                               stacklevel=2)
             finally:
                 try:
+                    if self._aside is not None:  # overwrite, and the new store committed no row: the old one back
+                        self._settle_aside(keep_new=False)
                     self._cleanup()
                 except BaseException:  # noqa: BLE001
                     pass

@@ -126,6 +126,20 @@ def _rewrite_index(data: bytearray, n_chunks: int, index: np.ndarray) -> bytes:
     return bytes(data)
 
 
+def _record_in_manifest(path, slot: int, off: int, chunk: bytes) -> None:
+    """Make the manifest agree with a rewritten chunk of shard 0 (a hostile store whose
+    every checksum is consistent: the checks after the crc32c must still catch it)."""
+    import json
+
+    from activationscope.capture import _native
+
+    man = path / "acts" / "x" / "manifest.json"
+    doc = json.loads(man.read_text())
+    rec = doc["shards"][0]
+    rec["chunks"] = [c for c in rec["chunks"] if c[0] != slot] + [[slot, off, len(chunk), int(_native.load().crc32c(chunk))]]
+    man.write_text(json.dumps(doc))
+
+
 def _n_chunks(path) -> int:
     meta = open_store(path).attrs["arrays"]["x"]
     return meta["shard_rows"] // meta["chunk_rows"]
@@ -183,6 +197,7 @@ def test_chunk_of_the_wrong_decoded_size_is_an_error(tmp_path, compression):
     body = bytes(data[:off]) + enc
     index[1] = [off, len(enc)]
     shard.write_bytes(_rewrite_index(bytearray(body + bytes(data[off:])), n_chunks, index))
+    _record_in_manifest(tmp_path / "s.zarr", 1, off, enc)
     store = open_store(tmp_path / "s.zarr")
     assert torch.equal(store.rows("x", 0, 8), t[0:8])
     with pytest.raises(StoreCorruptError, match="decodes to 128 bytes, expected 256"):
@@ -197,6 +212,7 @@ def test_garbage_chunk_is_an_error(tmp_path):
     off = int(index[5, 0])
     data[off:off + 4] = b"\x00\x01\x02\x03"  # no zstd magic number
     shard.write_bytes(bytes(data))
+    _record_in_manifest(tmp_path / "s.zarr", 5, off, bytes(data[off:off + int(index[5, 1])]))
     with pytest.raises(StoreCorruptError, match="chunk 5 .*does not decode"):
         open_store(tmp_path / "s.zarr").rows("x", 40, 48)
 

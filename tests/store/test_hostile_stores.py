@@ -253,9 +253,10 @@ def test_huge_n_rows(plain):
     s = open_store(path)
     problems = _within(30, s.verify)
     assert 1 <= len(problems) <= 21 and any("have no manifest entry" in p for p in problems), problems
-    with pytest.raises(StoreCorruptError, match="c/5/0.*missing"):
+    # the root's count is checked against the array's own document before a row is read
+    with pytest.raises(StoreCorruptError, match=r"acts/0.output/zarr.json holds 320 rows .*1099511627776 rows"):
         s[HP]
-    with pytest.raises(StoreCorruptError, match="missing"):
+    with pytest.raises(StoreCorruptError, match=r"acts/0.output/zarr.json holds 320 rows .*1099511627776 rows"):
         s[HP, (1 << 40) - 3:]
 
 
@@ -430,7 +431,7 @@ def test_corrupt_compressed_chunk_names_the_shard(zstd):
     raw = bytearray(p.read_bytes())
     raw[0:4] = b"\0\0\0\0"  # the zstd magic number
     p.write_bytes(bytes(raw))
-    with pytest.raises(StoreCorruptError, match=r"c/0/0.*does not decode"):
+    with pytest.raises(StoreCorruptError, match=r"c/0/0.*crc32c mismatch"):  # caught by the chunk's checksum
         open_store(path)[HP, :16]
 
 

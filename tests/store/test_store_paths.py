@@ -114,3 +114,48 @@ def test_info_names_its_size_ratio_for_what_it_is(tmp_path):
     a = info["arrays"]["output"]
     assert a["bytes"] == 8 * 4 * 4
     assert a["data_to_disk_ratio"] == pytest.approx(a["bytes"] / a["bytes_on_disk"]) and a["data_to_disk_ratio"] < 0.5
+
+
+def test_tilde_is_expanded_in_every_local_store_path(tmp_path, monkeypatch):
+    """``~`` / ``~/...`` (str, Path, file:// URL) names the home folder, as in a shell: a
+    capture, a writer, open_store, ActivationDataset, save and export under ~ land in $HOME,
+    never in a folder named '~' under the working directory."""
+    from pathlib import Path
+
+    import numpy as np
+    import pyarrow as pa
+
+    from activationscope.data import ActivationDataset
+    from activationscope.data.export import export_arrow
+
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3)).eval()
+    x = torch.randn(5, 4)
+    scope = acs.ActivationScope(store="~/cap.zarr")
+    with scope.track(model, include=["0"]) as tracker, torch.no_grad():
+        tracker.set_batch()
+        model(x)
+    with torch.no_grad():
+        ref = model(x)  # plain torch
+    assert (home / "cap.zarr" / "zarr.json").is_file()
+    for target in ("~/cap.zarr", Path("~/cap.zarr"), "file://~/cap.zarr"):
+        torch.testing.assert_close(acs.open_store(target)["0.output"], ref)
+    ds = ActivationDataset("~/cap.zarr")
+    torch.testing.assert_close(ds[0:5]["0.output"], ref)
+    acs.open_store("~/cap.zarr").save("~/copy.zarr")
+    assert (home / "copy.zarr" / "zarr.json").is_file()
+    export_arrow("~/cap.zarr", "~/out.arrow")
+    table = pa.ipc.open_file(home / "out.arrow").read_all()
+    assert table.num_rows == 5
+    w = StoreWriter(Path("~/w.zarr"))
+    a = w.open_array("x", (2,), torch.float32, "sample")
+    a.append(torch.ones(3, 2))
+    w.add_batch(3)
+    w.close()
+    assert np.array_equal(acs.open_store(str(home / "w.zarr"))["x"].numpy(), np.ones((3, 2), np.float32))
+    assert not any(p.name == "~" for p in work.rglob("*")) and not (work / "~").exists()

@@ -1,0 +1,188 @@
+"""Reads that check what they read: metadata counts against the array's own files before
+anything is allocated, and every decoded chunk against its manifest crc32c, on every path
+that decodes (Store, ActivationDataset, export, to_dask). FORMAT.md section 9 rules 12, 16."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numcodecs
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from activationscope.data import ActivationDataset
+from activationscope.data.export import export_arrow
+from activationscope.errors import StoreCorruptError
+from activationscope.store import open_store
+
+from hostile import FEATURE, HP, edit_root, make_store, shard
+
+HERE = Path(__file__).parent
+ROOT = HERE.parents[1]
+
+
+def _raise_counts(path: Path, n: int, *, doc: bool = False, manifest: bool = False, last_shard: bool = False) -> None:
+    """Edit the root's n_rows to ``n``; optionally make the array document, the manifest and
+    the last shard file agree with it (a hostile store consistent layer after layer)."""
+    edit_root(path, lambda a: a["arrays"][HP].update(n_rows=n))
+    arr = path / "acts" / HP
+    if doc:
+        d = json.loads((arr / "zarr.json").read_text())
+        d["shape"][0] = n
+        (arr / "zarr.json").write_text(json.dumps(d))
+    shard_rows = json.loads((arr / "manifest.json").read_text())["shard_rows"]
+    last = (n - 1) // shard_rows
+    if manifest:
+        m = json.loads((arr / "manifest.json").read_text())
+        m["shards"].append({**m["shards"][0], "shard": last, "key": f"acts/{HP}/c/{last}/0", "rows_end": n})
+        (arr / "manifest.json").write_text(json.dumps(m))
+    if last_shard:
+        dst = shard(path, last)
+        dst.parent.mkdir(parents=True)
+        dst.write_bytes(shard(path, 0).read_bytes())
+
+
+def _run_capped(code: str, cap_gib: int = 2) -> subprocess.CompletedProcess:
+    """Run ``code`` in a child whose address space is capped ``cap_gib`` GiB above its imports
+    (an allocation sized from metadata fails there instead of succeeding lazily)."""
+    prelude = textwrap.dedent(f"""
+        import resource, sys
+        import torch
+        from activationscope.store import open_store
+        from activationscope.data import ActivationDataset
+        from activationscope.errors import ActivationScopeError
+        with open("/proc/self/statm") as f:
+            vm = int(f.read().split()[0]) * resource.getpagesize()
+        resource.setrlimit(resource.RLIMIT_AS, (vm + ({cap_gib} << 30), vm + ({cap_gib} << 30)))
+    """)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)], capture_output=True, text=True,
+                          env=env, timeout=300)
+
+
+# ------------------------------------------------------------------ counts before allocation
+@pytest.mark.parametrize("compression", [None, "zstd"])
+@pytest.mark.parametrize("layers, message", [
+    ({}, r"acts/0.output/zarr.json holds 96 rows \(shape\[0\]\), but the root document zarr.json says 2147483648"),
+    ({"doc": True}, r"manifest acts/0.output/manifest.json lists no shard 33554431, but the root .* 2147483648"),
+    ({"doc": True, "manifest": True}, r"manifest acts/0.output/manifest.json lists 3 of the 33554432 shards .* "
+                                      r"2147483648 .*first missing: shard 2"),
+    ({"doc": True, "manifest": True, "last_shard": True}, r"manifest .* lists 3 of the 33554432 shards"),
+], ids=["root", "root+doc", "root+doc+manifest", "root+doc+manifest+last-shard"])
+def test_raised_n_rows_is_refused_before_any_allocation(tmp_path, compression, layers, message):
+    """n_rows 2**31 (64 GiB of rows) in a 96-row store: every read path refuses it, naming
+    the file that disagrees, inside a 2 GiB address-space cap (nothing sized from the count
+    is allocated first: torch would fail with its own RuntimeError)."""
+    path = tmp_path / "s.zarr"
+    make_store(path, compression=compression, n_rows=96)
+    _raise_counts(path, 1 << 31, **layers)
+    r = _run_capped(f"""
+        path = {str(path)!r}
+        for read in (lambda: open_store(path)["{HP}"], lambda: open_store(path)["{HP}", ::-1],
+                     lambda: open_store(path).rows("{HP}", 0, 1 << 31),
+                     lambda: ActivationDataset(path)[0:1 << 31], lambda: ActivationDataset(path)[1 << 30:(1 << 30) + 5]):
+            try:
+                read()
+            except ActivationScopeError as e:
+                print(type(e).__name__, e)
+            else:
+                print("READ")
+    """)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = r.stdout.splitlines()
+    assert len(lines) == 5, r.stdout + r.stderr[-2000:]
+    import re
+
+    for line in lines:
+        assert line.startswith("StoreCorruptError"), line
+        assert re.search(message, line), line
+
+
+def test_n_rows_raised_within_the_last_chunk_is_refused(tmp_path):
+    """90 committed rows, the last chunk written whole (96 rows, zero-padded): n_rows raised
+    to 96 in the root read six rows of zeros before; now the count is checked against the
+    array document (shape[0] 90, read from the bytes written) and the manifest."""
+    for compression in (None, "zstd"):
+        path = tmp_path / f"{compression}.zarr"
+        make_store(path, compression=compression, n_rows=90)
+        doc = json.loads((path / "acts" / HP / "zarr.json").read_text())
+        assert doc["shape"][0] == 90
+        _raise_counts(path, 96)
+        s = open_store(path)
+        for read in (lambda: s[HP], lambda: s.rows(HP, 88, 96), lambda: s.n_rows(HP),
+                     lambda: ActivationDataset(path)[80:96]):
+            with pytest.raises(StoreCorruptError, match=r"array document acts/0.output/zarr.json holds 90 rows "
+                                                        r"\(shape\[0\]\), but the root document zarr.json says 96 "
+                                                        r"rows .*activationscope verify"):
+                read()
+        assert any("zarr.json" in p and "96" in p for p in s.verify())
+        # the array document raised too: the manifest's rows_end (90) disagrees
+        d = json.loads((path / "acts" / HP / "zarr.json").read_text())
+        d["shape"][0] = 96
+        (path / "acts" / HP / "zarr.json").write_text(json.dumps(d))
+        with pytest.raises(StoreCorruptError, match=r"manifest acts/0.output/manifest.json says shard 1 ends at row "
+                                                    r"90, but the root document zarr.json says 96 rows"):
+            open_store(path)[HP]
+
+
+def test_n_rows_behind_the_array_document_reads(tmp_path):
+    """A root behind its arrays (a commit in progress) is valid: only the root's rows read."""
+    path = tmp_path / "s.zarr"
+    data = make_store(path, n_rows=96)
+    _raise_counts(path, 40)
+    s = open_store(path)
+    assert s.n_rows(HP) == 40
+    assert np.array_equal(s[HP].numpy(), data[:40].numpy())
+
+
+# ------------------------------------------------------------------ chunk checksums
+def _damage_a_chunk_so_it_still_decodes(path: Path) -> tuple[int, bytes]:
+    """Flip one byte of chunk 1 of shard 0 of a zstd store, at a place where the frame still
+    decodes (to the right size, with other bytes). Returns (offset in the file, the chunk's
+    undamaged encoded bytes). Reference: numcodecs on the bytes written."""
+    f = shard(path, 0)
+    data = bytearray(f.read_bytes())
+    man = json.loads((path / "acts" / HP / "manifest.json").read_text())
+    _slot, off, nb, _crc = next(c for c in man["shards"][0]["chunks"] if c[0] == 1)
+    good = bytes(data[off:off + nb])
+    ref = numcodecs.Zstd().decode(good)
+    for pos in range(nb - 1, nb // 2, -1):  # random rows compress to raw blocks: bytes near the end are literals
+        bad = bytearray(good)
+        bad[pos] ^= 0x55
+        try:
+            out = numcodecs.Zstd().decode(bytes(bad))
+        except Exception:  # noqa: BLE001 - this byte breaks the frame: try another
+            continue
+        if len(out) == len(ref) and bytes(out) != bytes(ref):
+            data[off + pos] ^= 0x55
+            f.write_bytes(bytes(data))
+            return off + pos, good
+    raise AssertionError("no byte of the chunk decodes to other bytes when flipped")
+
+
+def test_damaged_zstd_chunk_is_an_error_on_every_read_path(tmp_path):
+    path = tmp_path / "z.zarr"
+    data = make_store(path, compression="zstd", n_rows=96)
+    _damage_a_chunk_so_it_still_decodes(path)
+    match = r"chunk 1 \(rows 16-31, shard acts/0.output/c/0/0\).*'acts/0.output/c/0/0'.*crc32c mismatch"
+    s = open_store(path)
+    assert np.array_equal(s.rows(HP, 0, 16).numpy(), data[:16].numpy())  # the other chunks read
+    assert np.array_equal(s.rows(HP, 32, 96).numpy(), data[32:].numpy())
+    with pytest.raises(StoreCorruptError, match=match):
+        s.rows(HP, 20, 21)
+    with pytest.raises(StoreCorruptError, match=match):
+        open_store(path)[HP]
+    with pytest.raises(StoreCorruptError, match=match):
+        ActivationDataset(path)[16:32]
+    with pytest.raises(StoreCorruptError, match=match):
+        ActivationDataset(path, hook_points=HP, columns="label")[0:96]
+    with pytest.raises(StoreCorruptError, match=match):
+        export_arrow(path, tmp_path / "out.arrow")
+    assert not (tmp_path / "out.arrow").exists() or pa.ipc.open_file(tmp_path / "out.arrow").num_record_batches == 0
+    assert any("crc32c mismatch" in p for p in open_store(path).verify())

@@ -1,0 +1,118 @@
+"""``overwrite=True`` replaces a store only once the new one has committed: a capture that
+fails before its first commit leaves the old store in place, byte for byte (FORMAT.md §7)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import activationscope as acs
+from activationscope.store import StoreWriter, open_store
+
+from hostile import FEATURE, HP, make_store
+
+LOCK = ".activationscope-writer.lock"
+
+
+def _files(p: Path) -> dict[str, bytes]:
+    return {str(q.relative_to(p)): q.read_bytes() for q in sorted(p.rglob("*")) if q.is_file() and q.name != LOCK}
+
+
+class _FailsAt(torch.nn.Module):
+    """A linear layer whose forward ``fail_at`` (0-based) raises."""
+
+    def __init__(self, fail_at: int) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(FEATURE, 4)
+        self.fail_at, self.calls = fail_at, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls - 1 == self.fail_at:
+            raise RuntimeError(f"forward {self.fail_at} fails")
+        return self.lin(x)
+
+
+def _capture(path: Path, model: torch.nn.Module, n_batches: int) -> None:
+    scope = acs.ActivationScope(store=str(path), store_options={"overwrite": True})
+    with scope.track(model, include=["lin"]) as tracker, torch.no_grad():
+        for i in range(n_batches):
+            tracker.set_batch()
+            model(torch.randn(8, FEATURE))
+
+
+def test_overwrite_that_fails_on_its_first_batch_keeps_the_old_store(tmp_path):
+    path = tmp_path / "s.zarr"
+    data = make_store(path, n_rows=96)
+    before = _files(path)
+    with pytest.raises(RuntimeError, match="forward 0 fails"):
+        _capture(path, _FailsAt(0), 3)
+    assert _files(path) == before  # byte-identical, nothing of the new capture left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.zarr"]  # no folder left aside
+    s = open_store(path)
+    assert torch.equal(s[HP], data) and s.hook_points == [HP] and s.verify() == []
+
+
+def test_overwrite_that_fails_after_a_whole_forward_commits_it(tmp_path):
+    """Forward 0 captured, forward 1 raises: the capture commits forward 0 (status
+    incomplete, resumable), so the new store has committed and the old one is gone."""
+    path = tmp_path / "s.zarr"
+    make_store(path, n_rows=96)
+    with pytest.raises(RuntimeError, match="forward 1 fails"):
+        _capture(path, _FailsAt(1), 3)
+    s = open_store(path)
+    assert s.hook_points == ["lin.output"] and s.n_samples == 8 and s.status == "incomplete"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.zarr"]
+
+
+def test_overwrite_that_commits_replaces_the_old_store(tmp_path):
+    path = tmp_path / "s.zarr"
+    make_store(path, n_rows=96)
+    model = _FailsAt(-1)
+    _capture(path, model, 2)
+    s = open_store(path)
+    assert s.hook_points == ["lin.output"] and s.n_samples == 16 and s.status == "complete"
+    assert not (path / "acts" / HP).exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.zarr"]
+
+
+def test_writer_abort_before_and_after_the_first_commit(tmp_path):
+    path = tmp_path / "s.zarr"
+    make_store(path, n_rows=96)
+    before = _files(path)
+    rows = torch.randn(8, 3)
+    w = StoreWriter(path, overwrite=True)
+    assert not (path / "zarr.json").read_bytes() == before["zarr.json"]  # the new store's root meanwhile
+    a = w.open_array("x", (3,), torch.float32, "sample")
+    a.append(rows)
+    w.add_batch(8)
+    w.abort(RuntimeError("stop"))  # nothing committed: the old store comes back
+    assert _files(path) == before
+    # committed once (close), then a second overwrite that fails: the first overwrite's store stays
+    w = StoreWriter(path, overwrite=True)
+    a = w.open_array("x", (3,), torch.float32, "sample")
+    a.append(rows)
+    w.add_batch(8)
+    w.close()
+    mid = _files(path)
+    assert torch.equal(open_store(path)["x"], rows)
+    w = StoreWriter(path, overwrite=True)
+    w.abort(RuntimeError("stop"))
+    assert _files(path) == mid
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.zarr"]
+
+
+def test_writer_that_fails_while_opening_puts_the_old_store_back(tmp_path, monkeypatch):
+    path = tmp_path / "s.zarr"
+    make_store(path, n_rows=96)
+    before = _files(path)
+
+    def boom(self, *a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(StoreWriter, "_setup", boom)
+    with pytest.raises(OSError, match="disk full"):
+        StoreWriter(path, overwrite=True)
+    assert _files(path) == before

@@ -1,0 +1,106 @@
+"""A store replaced under an open reader (``overwrite=True`` by another writer, a copy, a
+delete and a new capture) is reported as replaced when the reader next opens one of its
+files, never read as the new run's rows or blamed on damage (FORMAT.md §2 ``run_id``)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from activationscope.errors import StoreCorruptError, StoreError
+from activationscope.store import StoreWriter, open_store
+
+from hostile import CHUNK_ROWS, FEATURE, HP, SHARD_ROWS, edit_root, make_store
+
+REPLACED = r"store at .*s\.zarr' was replaced since it was opened .*reopen it"
+
+
+def _write(path: Path, data: torch.Tensor, *, compression=None, overwrite: bool = True, resume: bool = False) -> None:
+    """The same layout as make_store (so the new run's files sit where the old ones were)."""
+    w = StoreWriter(path, overwrite=overwrite, resume=resume, compression=compression, chunk_rows=CHUNK_ROWS,
+                    shard_bytes=SHARD_ROWS * FEATURE * 4)
+    a = w.open_array(HP, (FEATURE,), torch.float32, "sample")
+    for s in range(0, len(data), 32):
+        a.append(data[s:s + 32])
+        w.add_batch(len(data[s:s + 32]))
+        w.maybe_commit()
+    w.close()
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_overwrite_under_an_open_reader_is_reported_as_replaced(tmp_path, compression):
+    path = tmp_path / "s.zarr"
+    old = make_store(path, compression=compression)
+    s = open_store(path)
+    assert s.attrs["run_id"]
+    first = s.rows(HP, 0, 10).clone()  # shard 0 only
+    new = torch.randn(320, FEATURE, generator=torch.Generator().manual_seed(7))
+    _write(path, new, compression=compression)
+    assert open_store(path).attrs["run_id"] != s.attrs["run_id"]
+    assert torch.equal(first, old[:10])
+    for read in (lambda: s.rows(HP, 200, 210), lambda: s[HP], lambda: s.row_table("sample"),
+                 lambda: s.reductions[HP]["mean"] if HP in s.reductions else s.rows(HP, 300, 301)):
+        with pytest.raises(StoreError, match=REPLACED) as e:
+            read()
+        assert not isinstance(e.value, StoreCorruptError)
+    s.refresh()  # reopened: the new run's rows
+    assert torch.equal(s[HP], new)
+
+
+def test_replaced_while_the_old_one_was_moved_aside(tmp_path):
+    path = tmp_path / "s.zarr"
+    make_store(path)
+    s = open_store(path)
+    s.rows(HP, 0, 10)
+    (path / "zarr.json").unlink()  # what a reader sees while an overwrite moves the old store away
+    with pytest.raises(StoreError, match=REPLACED.replace(" .*reopen", r" \(its root document zarr.json is gone\); reopen")):
+        s.rows(HP, 200, 210)
+
+
+def test_resume_under_an_open_reader_is_the_same_store(tmp_path):
+    """A resumed (continued) run keeps its run_id: the reader keeps reading its snapshot and
+    sees the new rows after refresh()."""
+    path = tmp_path / "s.zarr"
+    data = torch.randn(96, FEATURE, generator=torch.Generator().manual_seed(1))
+    more = torch.randn(64, FEATURE, generator=torch.Generator().manual_seed(2))
+    _write(path, data, overwrite=False)
+    edit_root(path, lambda a: a.update(status="incomplete"))
+    s = open_store(path)
+    run = s.attrs["run_id"]
+    assert torch.equal(s.rows(HP, 0, 10), data[:10])
+    _write(path, more, overwrite=False, resume=True)
+    assert open_store(path).attrs["run_id"] == run
+    assert torch.equal(s.rows(HP, 64, 96), data[64:96]) and s.n_rows(HP) == 96
+    s.refresh()
+    assert torch.equal(s[HP], torch.cat([data, more]))
+
+
+def test_stores_without_a_run_id_open_and_are_told_apart_by_created(tmp_path):
+    path = tmp_path / "s.zarr"
+    old = make_store(path)
+    edit_root(path, lambda a: a.pop("run_id"))
+    s = open_store(path)
+    assert "run_id" not in s.attrs and torch.equal(s[HP, :64], old[:64])
+    # replaced by another store without a run id, created at another time
+    other = tmp_path / "other.zarr"
+    new = torch.randn(320, FEATURE, generator=torch.Generator().manual_seed(3))
+    _write(other, new, overwrite=False)
+    edit_root(other, lambda a: (a.pop("run_id"), a.update(created="2030-01-01T00:00:00Z")))
+    shutil.rmtree(path)
+    shutil.copytree(other, path)
+    with pytest.raises(StoreError, match=REPLACED):
+        s.rows(HP, 200, 210)
+    assert json.loads((path / "zarr.json").read_text())["attributes"]["activationscope"]["created"] == "2030-01-01T00:00:00Z"
+
+
+@pytest.mark.parametrize("bad", [0, "", "x" * 129, ["a"]])
+def test_run_id_is_validated(tmp_path, bad):
+    path = tmp_path / "s.zarr"
+    make_store(path, n_rows=32)
+    edit_root(path, lambda a: a.update(run_id=bad))
+    with pytest.raises(StoreCorruptError, match="run_id must be a str of 1..128 characters"):
+        open_store(path)
