@@ -15,7 +15,8 @@ import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "activationscope"
 LAYERS = ["capture", "store", "data", "analysis", "cli"]
-BASE = {"activationscope.errors", "activationscope.sizes", "activationscope._version", "activationscope._C"}
+BASE = {"activationscope.errors", "activationscope.sizes", "activationscope._version", "activationscope._C",
+        "activationscope._safeio"}
 TOP = {"activationscope", "activationscope.__main__"}
 
 

@@ -11,8 +11,12 @@ spilling and the cluster; this module only describes a store's committed rows to
 - :func:`moments` and :func:`pca`: float64 reductions over such an array, computed by
   whatever scheduler is active (threads, processes, or a ``dask.distributed`` cluster).
 
-The task graphs hold only zarr-python, numpy and pandas callables: a worker reading them
-imports neither torch nor activationscope (so a worker's memory limit is about the data).
+The task graphs hold only zarr-python, numpy and pandas callables, and the shard reader of
+``activationscope._safeio`` (numpy, numcodecs, google_crc32c): a worker reading them never
+imports torch (so a worker's memory limit is about the data). A local store's shards are read
+as the store's own reader reads them: regular files inside the store only, every index and
+every chunk's crc32c checked (a store damaged or replaced after the graph was made is an error
+of ours, never other rows).
 
 Needs the ``dask`` extra: ``pip install 'activationscope[dask]'``.
 
@@ -32,6 +36,7 @@ import numpy as np
 
 from ..errors import ArgumentValueError, StoreCorruptError, StoreError
 from ..store import _format as F
+from ..store import _validate as V
 from ..store._backend import LocalBackend
 from ..store.reader import Store, open_store
 
@@ -84,8 +89,10 @@ def to_dask(store: Any, hook_point: str, *, storage_options: dict | None = None)
         the shards (``shard_rows`` rows each, the last one shorter); feature dimensions are
         whole. dtype: the stored dtype as numpy; bfloat16 is ``ml_dtypes.bfloat16`` (the
         stored uint16 bit patterns reinterpreted, bit-exact; ``.astype("float32")`` is
-        exact). Each block is read (decoded when compressed) through zarr-python when
-        computed: a copy, nothing stays mapped.
+        exact). Each block is read (decoded when compressed) when computed, a copy (nothing
+        stays mapped): for a local store by :func:`activationscope._safeio.read_shard`, which
+        checks the shard's index and every chunk's crc32c (FORMAT.md section 9) in the
+        worker; for a remote store through zarr-python.
 
     Raises
     ------
@@ -93,7 +100,10 @@ def to_dask(store: Any, hook_point: str, *, storage_options: dict | None = None)
         ``hook_point`` is not in the store.
     StoreCorruptError
         The array's ``zarr.json`` disagrees with the root metadata (shape, dtype, chunks),
-        or is missing while rows are committed.
+        or is missing while rows are committed; when computed (local stores), a shard that
+        is missing, damaged or does not match its manifest crc32c (named).
+    StoreError
+        When computed (local stores): the store was replaced since the graph was made.
     ImportError
         dask (or ml_dtypes for bfloat16) is not installed.
 
@@ -144,21 +154,49 @@ def to_dask(store: Any, hook_point: str, *, storage_options: dict | None = None)
             f"hook point {hook_point!r}: the array document {meta['path']}/zarr.json disagrees with the root "
             f"metadata of {st.path!r}: {'; '.join(problems)}"
         )
-    if isinstance(st._backend, LocalBackend):
-        # Workers open the shards with zarr-python's own LocalStore (importing activationscope,
-        # so torch, in every worker would cost each one its memory). Checked here first: every
-        # shard of the committed rows is a regular file inside the store (a FIFO would block a
-        # worker forever, a missing shard read as fill values).
-        for k in range(-(-n // shard_rows)):
-            key = F.shard_key(meta["path"], k, len(feat))
-            if st._backend.size(key) is None:
-                raise StoreCorruptError(f"hook point {hook_point!r}: shard {key!r} of store {st.path!r} is missing "
-                                        f"although {n} rows are committed; run `activationscope verify` on the store")
-        arr = zarr.open_array(zarr.storage.LocalStore(st._backend.root, read_only=True), path=meta["path"], mode="r")
-    x = da.from_zarr(arr, chunks=(shard_rows, *feat))[:n]
+    if isinstance(st._backend, LocalBackend) and V.row_bytes(meta) > 0:
+        x = _local_shards(st, meta, n, stored)
+    else:
+        x = da.from_zarr(arr, chunks=(shard_rows, *feat))[:n]
     if meta["dtype"] == "bfloat16":
         x = x.view(dtype)
     return x
+
+
+def _local_shards(st: Store, meta: dict, n: int, stored: np.dtype) -> Any:
+    """A dask array of the committed rows of a local array, one task per shard.
+
+    Each task is :func:`activationscope._safeio.read_shard` (numpy, numcodecs and
+    google_crc32c; no torch in the workers): the shard is opened as the reader opens it
+    (a regular file inside the store, non-blocking), its index checked, and every chunk
+    checked against its manifest crc32c (taken here, when the graph is made) before it is
+    decoded; a store replaced since is named as such.
+    """
+    import dask.array as da
+    from dask.base import tokenize
+
+    from .._safeio import read_shard
+
+    crcs = st._array_crcs(meta)  # n_rows checked against the array's files; each chunk's crc32c
+    feat = tuple(int(d) for d in meta["feature_shape"])
+    chunk_rows, shard_rows = int(meta["chunk_rows"]), int(meta["shard_rows"])
+    n_chunks = shard_rows // chunk_rows
+    root = str(st._backend.root)
+    run = list(st._run)
+    name = "activationscope-shard-" + tokenize(root, meta["path"], n, run)
+    dsk, sizes = {}, []
+    for k in range(-(-n // shard_rows)):
+        rows = min(shard_rows, n - k * shard_rows)
+        committed = -(-rows // chunk_rows)
+        spec = {
+            "key": F.shard_key(meta["path"], k, len(feat)), "rows": rows, "first_row": k * shard_rows,
+            "chunk_rows": chunk_rows, "n_chunks": n_chunks, "row_bytes": V.row_bytes(meta),
+            "codec": meta.get("compression"), "dtype": stored.str, "feature_shape": feat, "run": run,
+            "chunks": {j: (crcs[(k, j)][1], crcs[(k, j)][2]) for j in range(committed) if (k, j) in crcs},
+        }
+        dsk[(name, k) + (0,) * len(feat)] = (read_shard, root, spec)
+        sizes.append(rows)
+    return da.Array(dsk, name, chunks=(tuple(sizes), *((d,) for d in feat)), dtype=stored)
 
 
 def row_table_dask(store: Any, kind: str = "sample", *, storage_options: dict | None = None) -> Any:

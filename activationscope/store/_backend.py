@@ -16,7 +16,6 @@ import json
 import os
 import queue
 import shutil
-import stat
 import threading
 import uuid
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Any, Iterator, Protocol, runtime_checkable
 
 from ..errors import ArgumentTypeError, StoreError
+from .._safeio import _kind, open_regular, read_regular  # noqa: F401 - the one way a local file is opened
 from ._validate import MAX_FILE_BYTES, MAX_JSON_BYTES, check_key, corrupt
 
 #: Key of the writer lock (FORMAT.md §7): never part of the data, never listed or copied.
@@ -362,82 +362,6 @@ class LocalBackend:
         for p in sorted(Path(aside).iterdir(), key=lambda p: p.name == "zarr.json"):
             os.rename(p, self.root / p.name)
         Path(aside).rmdir()
-
-
-def _kind(mode: int) -> str:
-    return ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
-            else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
-            else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
-
-
-def open_regular(path: str | os.PathLike, *, store: Any, key: str) -> tuple[int, int] | None:
-    """``(fd, size)`` of the regular file at a local path of a store; None when absent.
-
-    The one way a local file of a store (metadata, manifest, shard, row-table part, script,
-    lock) is opened for reading: non-blocking (``O_NONBLOCK``: a FIFO in its place never
-    blocks the open), then ``fstat`` of the opened descriptor (no race with a swap of the
-    file), and anything but a regular file is refused. Size caps are the caller's (on the
-    returned size, before reading). The caller closes ``fd``.
-
-    Raises
-    ------
-    StoreCorruptError
-        A FIFO, directory, device or socket in the file's place (``key`` named).
-    StoreError
-        Any other failure to open it (permissions, too many links, ...).
-    """
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    except IsADirectoryError:
-        raise corrupt(store, f"{key!r} must be a regular file, got a directory") from None
-    except OSError as e:
-        raise StoreError(f"store {str(store)!r}: cannot open {key!r}: {e.strerror or e}") from e
-    try:
-        st = os.fstat(fd)
-    except OSError as e:
-        os.close(fd)
-        raise StoreError(f"store {str(store)!r}: cannot stat {key!r}: {e.strerror or e}") from e
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        raise corrupt(store, f"{key!r} must be a regular file, got {_kind(st.st_mode)}")
-    return fd, st.st_size
-
-
-def read_regular(path: str | os.PathLike, *, store: Any, key: str, max_bytes: int | None = MAX_JSON_BYTES,
-                 start: int = 0, length: int | None = None) -> bytes | None:
-    """Bytes of the regular file at a local path of a store (:func:`open_regular`); None when absent.
-
-    The whole file (refused when larger than ``max_bytes``), or ``length`` bytes from
-    ``start`` (fewer at its end; ``None``: to the end, capped by ``max_bytes``).
-    """
-    opened = open_regular(path, store=store, key=key)
-    if opened is None:
-        return None
-    fd, size = opened
-    try:
-        start = min(max(0, start), size)
-        n = size - start if length is None else max(0, min(length, size - start))
-        if length is None and max_bytes is not None and n > max_bytes:
-            raise corrupt(store, f"{key!r} holds {size} bytes, more than the {max_bytes} such a file may hold")
-        if n <= 1 << 30:  # one read, one buffer (the common case; no copy of a join)
-            first = os.pread(fd, n, start)
-            if len(first) == n or not first:
-                return first
-            chunks, at, left = [first], start + len(first), n - len(first)
-        else:
-            chunks, at, left = [], start, n
-        while left > 0:
-            b = os.pread(fd, min(left, 1 << 30), at)
-            if not b:
-                break
-            chunks.append(b)
-            at += len(b)
-            left -= len(b)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
 
 
 def _read_for_zarr(backend: "LocalBackend", key: str, prototype: Any, byte_range: Any) -> Any:

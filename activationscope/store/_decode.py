@@ -21,12 +21,12 @@ from typing import Any
 
 import numpy as np
 
+from .._safeio import decode_into, decoded_size  # noqa: F401 - shared with Dask workers
 from ..errors import StoreCorruptError
 
 #: Shard index entry of a chunk that was never written (Zarr sharding: 2**64 - 1).
 MISSING = np.uint64(2**64 - 1)
 
-_ZSTD_MAGIC = 0xFD2FB528
 
 _pool: ThreadPoolExecutor | None = None
 _pool_pid = -1
@@ -60,33 +60,6 @@ def _after_fork_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def decoded_size(codec: dict, data: bytes | memoryview) -> int | None:
-    """Bytes the encoded chunk ``data`` decodes to, from the codec's frame header.
-
-    Zstd: the frame content size (RFC 8878, section 3.1.1.1); None when the frame does not
-    record it. Blosc: ``nbytes`` of the blosc header. Raises ValueError on a malformed header.
-    """
-    name = codec.get("name")
-    if name == "zstd":
-        if len(data) < 6 or int.from_bytes(data[0:4], "little") != _ZSTD_MAGIC:
-            raise ValueError("not a zstd frame (bad magic number)")
-        fhd = data[4]
-        fcs_flag, single_segment, dict_flag = fhd >> 6, (fhd >> 5) & 1, fhd & 3
-        pos = 5 + (0 if single_segment else 1) + (0, 1, 2, 4)[dict_flag]
-        size_bytes = (1 if single_segment else 0, 2, 4, 8)[fcs_flag]
-        if size_bytes == 0:
-            return None
-        if len(data) < pos + size_bytes:
-            raise ValueError("zstd frame header is truncated")
-        value = int.from_bytes(data[pos:pos + size_bytes], "little")
-        return value + 256 if size_bytes == 2 else value
-    if name == "blosc":
-        if len(data) < 16:
-            raise ValueError("blosc header is truncated")
-        return int.from_bytes(data[4:8], "little")
-    raise ValueError(f"unknown codec {name!r}")
 
 
 def decoder(codec: dict) -> Any:
@@ -132,25 +105,3 @@ def read_index(path: str, n_chunks: int) -> tuple[np.ndarray, int]:
             "run `activationscope verify` on the store"
         )
     return index, size
-
-
-def decode_into(codec: dict, dec: Any, data: bytes, out: np.ndarray, where: str) -> None:
-    """Decode ``data`` into ``out`` (a uint8 array of exactly the chunk's size), or raise
-    StoreCorruptError naming ``where`` when the chunk does not decode to that size."""
-    try:
-        n = decoded_size(codec, data)
-    except ValueError as e:
-        raise StoreCorruptError(f"{where} does not decode: {e}; run `activationscope verify` on the store") from None
-    if n is not None and n != out.nbytes:
-        raise StoreCorruptError(
-            f"{where} decodes to {n} bytes, expected {out.nbytes}; run `activationscope verify` on the store"
-        )
-    try:
-        if n is None:  # a frame that does not say its size could decode to any size: refused
-            raise StoreCorruptError(f"{where} is a zstd frame without its content size (activationscope and zarr "
-                                    "write it); run `activationscope verify` on the store")
-        dec.decode(data, out=out)
-    except StoreCorruptError:
-        raise
-    except Exception as e:  # noqa: BLE001 (numcodecs raises RuntimeError / ValueError)
-        raise StoreCorruptError(f"{where} does not decode: {e}; run `activationscope verify` on the store") from None

@@ -13,13 +13,10 @@ import math
 import re
 from typing import Any
 
+from .._safeio import FIX, MAX_FILE_BYTES, MAX_JSON_BYTES, corrupt  # noqa: F401 - re-exported
 from ..errors import StoreCorruptError, StoreError
 from . import _format as F
 
-#: Cap of a metadata document (root / array ``zarr.json``, manifest) read from a store.
-MAX_JSON_BYTES = 64 << 20
-#: Cap of a row-table part or a reduction script file read whole.
-MAX_FILE_BYTES = 4 << 30
 #: Bounds of the numbers of the metadata (each far above any real capture).
 MAX_ROWS = 1 << 48
 MAX_FEATURE_DIMS = 32
@@ -29,14 +26,8 @@ MAX_SHARD_CHUNKS = 1 << 20
 MAX_REDUCTION_BYTES = 1 << 34
 MAX_NAME_CHARS = 4096
 
-FIX = "restore the store from an intact copy or capture it again (`activationscope verify STORE` lists every damaged file)"
 
 _PART = re.compile(r"rows/(sample|token)/[^/]+")
-
-
-def corrupt(store: Any, what: str, fix: str = FIX) -> StoreCorruptError:
-    """``StoreCorruptError("store <path>: <what>; <fix>")``."""
-    return StoreCorruptError(f"store {str(store)!r}: {what}; {fix}")
 
 
 def check_key(key: Any, *, store: Any, what: str, under: str | None = None) -> str:

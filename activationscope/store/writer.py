@@ -971,7 +971,9 @@ class StoreWriter:
         """Rows ``[start, stop)`` of ``hook_point`` as committed before this writer opened (a copy)."""
         from .reader import Store
 
-        return Store(self._backend)._read_rows(hook_point, start, stop, copy=True)
+        st = Store(self._backend)
+        st._resume_tail = True  # as the re-fed rows: that chunk may be a killed resume's (FORMAT.md section 5)
+        return st._read_rows(hook_point, start, stop, copy=True)
 
     def _write_small_array(self, path: str, t: torch.Tensor, attrs: dict,
                            dimension_names: list[str] | None = None) -> dict[str, int]:

@@ -18,7 +18,7 @@ import pytest
 
 from activationscope.data import ActivationDataset
 from activationscope.data.export import export_arrow
-from activationscope.errors import StoreCorruptError
+from activationscope.errors import StoreCorruptError, StoreError
 from activationscope.store import open_store
 
 from hostile import FEATURE, HP, edit_root, make_store, shard
@@ -186,3 +186,151 @@ def test_damaged_zstd_chunk_is_an_error_on_every_read_path(tmp_path):
         export_arrow(path, tmp_path / "out.arrow")
     assert not (tmp_path / "out.arrow").exists() or pa.ipc.open_file(tmp_path / "out.arrow").num_record_batches == 0
     assert any("crc32c mismatch" in p for p in open_store(path).verify())
+
+
+# ------------------------------------------------------------------ Dask workers
+def _to_dask(path):
+    pytest.importorskip("dask")
+    from activationscope.analysis.dask import to_dask
+
+    return to_dask(str(path), HP)
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_to_dask_workers_check_what_they_read(tmp_path, compression):
+    """The graph is made first, the store damaged after: each worker task opens and checks its
+    shard as the reader does (our errors naming the file, never other bytes)."""
+    path = tmp_path / "s.zarr"
+    data = make_store(path, compression=compression)
+    x = _to_dask(path)
+    assert np.array_equal(x.compute(scheduler="sync"), data.numpy())
+    # a damaged chunk (a flipped byte that still decodes, for zstd)
+    f = shard(path, 1)
+    good = f.read_bytes()
+    if compression:
+        _damage_a_chunk_so_it_still_decodes_in(path, 1)
+    else:
+        bad = bytearray(good)
+        bad[100] ^= 0x10  # row 3 of shard 1, a float's bits
+        f.write_bytes(bytes(bad))
+    with pytest.raises(StoreCorruptError, match=r"shard 'acts/0.output/c/1/0'.*crc32c mismatch"):
+        x.compute(scheduler="sync")
+    assert np.array_equal(x[:64].compute(scheduler="sync"), data[:64].numpy())  # other shards read
+    # a FIFO in the shard's place: refused at once, never blocks the worker
+    f.unlink()
+    os.mkfifo(f)
+    with pytest.raises(StoreCorruptError, match=r"'acts/0.output/c/1/0' must be a regular file, got a FIFO"):
+        x[64:128].compute(scheduler="sync")
+    # a link leaving the store
+    f.unlink()
+    (tmp_path / "elsewhere").write_bytes(good)
+    f.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(StoreCorruptError, match=r"outside the store"):
+        x[64:128].compute(scheduler="sync")
+    # missing: an error, not fill values
+    f.unlink()
+    with pytest.raises(StoreCorruptError, match=r"shard 'acts/0.output/c/1/0' is missing"):
+        x[64:128].compute(scheduler="sync")
+
+
+def _damage_a_chunk_so_it_still_decodes_in(path: Path, k: int) -> None:
+    f = shard(path, k)
+    data = bytearray(f.read_bytes())
+    man = json.loads((path / "acts" / HP / "manifest.json").read_text())
+    _slot, off, nb, _crc = next(c for c in next(s for s in man["shards"] if s["shard"] == k)["chunks"] if c[0] == 0)
+    good = bytes(data[off:off + nb])
+    ref = numcodecs.Zstd().decode(good)
+    for pos in range(nb - 1, nb // 2, -1):
+        bad = bytearray(good)
+        bad[pos] ^= 0x55
+        try:
+            out = numcodecs.Zstd().decode(bytes(bad))
+        except Exception:  # noqa: BLE001
+            continue
+        if len(out) == len(ref) and bytes(out) != bytes(ref):
+            data[off + pos] ^= 0x55
+            f.write_bytes(bytes(data))
+            return
+    raise AssertionError("no byte of the chunk decodes to other bytes when flipped")
+
+
+def test_to_dask_store_replaced_after_the_graph_is_named(tmp_path):
+    path = tmp_path / "s.zarr"
+    make_store(path, compression="zstd")
+    x = _to_dask(path)
+    import shutil
+
+    other = tmp_path / "other.zarr"
+    # same layout, other chunk bytes: a new run (run_id) in the old one's place
+    from activationscope.store import StoreWriter
+    import torch
+
+    w = StoreWriter(other / "x", compression="zstd", chunk_rows=16, shard_bytes=64 * FEATURE * 4)
+    a = w.open_array(HP, (FEATURE,), torch.float32, "sample")
+    a.append(torch.randn(320, FEATURE, generator=torch.Generator().manual_seed(9)))
+    w.add_batch(320)
+    w.close()
+    shutil.rmtree(path)
+    shutil.copytree(other / "x", path)
+    with pytest.raises(StoreError, match=r"was replaced since the Dask graph was made.*to_dask") as e:
+        x.compute(scheduler="sync")
+    assert not isinstance(e.value, StoreCorruptError)
+
+
+def test_to_dask_workers_never_import_torch(tmp_path):
+    """The graph, pickled, computes in a process where importing torch fails."""
+    import pickle
+
+    path = tmp_path / "s.zarr"
+    data = make_store(path, compression="zstd")
+    x = _to_dask(path)
+    (tmp_path / "graph.pkl").write_bytes(pickle.dumps(x))
+    np.save(tmp_path / "ref.npy", data.numpy())
+    code = textwrap.dedent(f"""
+        import pickle, sys
+        sys.modules["torch"] = None  # any import of torch fails
+        import numpy as np
+        x = pickle.loads(open({str(tmp_path / "graph.pkl")!r}, "rb").read())
+        got = x.compute(scheduler="sync")
+        assert np.array_equal(got, np.load({str(tmp_path / "ref.npy")!r}))
+        assert "activationscope.store" not in sys.modules
+        print("ok")
+    """)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_resume_after_a_killed_resume_rereads_its_rewritten_chunk(tmp_path, compression):
+    """A resume killed before its next commit leaves the shard of the last committed row
+    rewritten (with rows past n_rows) under the old manifest: the chunk straddling n_rows
+    then differs from its recorded crc32c (FORMAT.md section 5). Reading it is an error; a
+    new resume re-reads it unchecked and finishes the store, which then verifies clean."""
+    import torch
+
+    from activationscope.store import StoreWriter
+
+    data = torch.randn(96, FEATURE, generator=torch.Generator().manual_seed(5))
+
+    def write(path, rows):
+        w = StoreWriter(path, compression=compression, chunk_rows=16, shard_bytes=64 * FEATURE * 4)
+        a = w.open_array(HP, (FEATURE,), torch.float32, "sample")
+        a.append(rows)
+        w.add_batch(len(rows))
+        w.close(status="incomplete")
+
+    a_path, b_path = tmp_path / "a.zarr", tmp_path / "b.zarr"
+    write(a_path, data[:90])
+    write(b_path, data)  # what the killed resume had written into shard 1: rows 64..95
+    shard(a_path, 1).write_bytes(shard(b_path, 1).read_bytes())
+    if compression:
+        with pytest.raises(StoreCorruptError, match=r"chunk 5 .*(crc32c mismatch|gives the chunk 522 bytes)"):
+            open_store(a_path).rows(HP, 80, 90)
+    w = StoreWriter(a_path, resume=True, compression=compression, chunk_rows=16, shard_bytes=64 * FEATURE * 4)
+    a = w.open_array(HP, (FEATURE,), torch.float32, "sample")
+    a.append(data[90:])
+    w.add_batch(6)
+    w.close()
+    s = open_store(a_path)
+    assert torch.equal(s[HP], data) and s.verify() == []

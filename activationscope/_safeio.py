@@ -1,0 +1,301 @@
+"""Reading the files of a local store safely, without torch (a base module).
+
+Shared by the store (``store/_backend.py``, ``store/_decode.py``, ``store/_validate.py``) and
+by the tasks of Dask workers (:func:`read_shard`, used by ``analysis/dask.to_dask``), which
+must not import torch (a worker's memory is for the data). Imports numpy, numcodecs and
+google_crc32c (zarr dependencies) only, and those on first use.
+
+Everything here follows store/FORMAT.md section 9: only regular files inside the store are
+opened (non-blocking, ``fstat`` of the opened descriptor), sizes are checked before reading,
+a shard's index crc32c before its entries are used, each chunk's crc32c against its manifest
+record before it is decoded, and a decoded size against the chunk's before decoding into it.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from typing import Any
+
+from .errors import StoreCorruptError, StoreError
+
+#: Cap of a metadata document (root / array ``zarr.json``, manifest) read from a store.
+MAX_JSON_BYTES = 64 << 20
+#: Cap of a row-table part or a reduction script file read whole.
+MAX_FILE_BYTES = 4 << 30
+
+FIX = "restore the store from an intact copy or capture it again (`activationscope verify STORE` lists every damaged file)"
+
+_ZSTD_MAGIC = 0xFD2FB528
+#: Shard index entry of a chunk that was never written (Zarr sharding: 2**64 - 1).
+_MISSING = 2**64 - 1
+
+
+def corrupt(store: Any, what: str, fix: str = FIX) -> StoreCorruptError:
+    """``StoreCorruptError("store <path>: <what>; <fix>")``."""
+    return StoreCorruptError(f"store {str(store)!r}: {what}; {fix}")
+
+
+def crc32c(data: Any) -> int:
+    """CRC-32C (Castagnoli) of a bytes-like object with google_crc32c (no torch, no native
+    extension: what a Dask worker has)."""
+    import google_crc32c
+
+    return int(google_crc32c.value(data if isinstance(data, bytes) else bytes(data)))
+
+
+def _kind(mode: int) -> str:
+    return ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+            else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+            else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
+
+
+def open_regular(path: str | os.PathLike, *, store: Any, key: str) -> tuple[int, int] | None:
+    """``(fd, size)`` of the regular file at a local path of a store; None when absent.
+
+    The one way a local file of a store (metadata, manifest, shard, row-table part, script,
+    lock) is opened for reading: non-blocking (``O_NONBLOCK``: a FIFO in its place never
+    blocks the open), then ``fstat`` of the opened descriptor (no race with a swap of the
+    file), and anything but a regular file is refused. Size caps are the caller's (on the
+    returned size, before reading). The caller closes ``fd``.
+
+    Raises
+    ------
+    StoreCorruptError
+        A FIFO, directory, device or socket in the file's place (``key`` named).
+    StoreError
+        Any other failure to open it (permissions, too many links, ...).
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except IsADirectoryError:
+        raise corrupt(store, f"{key!r} must be a regular file, got a directory") from None
+    except OSError as e:
+        raise StoreError(f"store {str(store)!r}: cannot open {key!r}: {e.strerror or e}") from e
+    try:
+        st = os.fstat(fd)
+    except OSError as e:
+        os.close(fd)
+        raise StoreError(f"store {str(store)!r}: cannot stat {key!r}: {e.strerror or e}") from e
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise corrupt(store, f"{key!r} must be a regular file, got {_kind(st.st_mode)}")
+    return fd, st.st_size
+
+
+def read_regular(path: str | os.PathLike, *, store: Any, key: str, max_bytes: int | None = MAX_JSON_BYTES,
+                 start: int = 0, length: int | None = None) -> bytes | None:
+    """Bytes of the regular file at a local path of a store (:func:`open_regular`); None when absent.
+
+    The whole file (refused when larger than ``max_bytes``), or ``length`` bytes from
+    ``start`` (fewer at its end; ``None``: to the end, capped by ``max_bytes``).
+    """
+    opened = open_regular(path, store=store, key=key)
+    if opened is None:
+        return None
+    fd, size = opened
+    try:
+        start = min(max(0, start), size)
+        n = size - start if length is None else max(0, min(length, size - start))
+        if length is None and max_bytes is not None and n > max_bytes:
+            raise corrupt(store, f"{key!r} holds {size} bytes, more than the {max_bytes} such a file may hold")
+        if n <= 1 << 30:  # one read, one buffer (the common case; no copy of a join)
+            first = os.pread(fd, n, start)
+            if len(first) == n or not first:
+                return first
+            chunks, at, left = [first], start + len(first), n - len(first)
+        else:
+            chunks, at, left = [], start, n
+        while left > 0:
+            b = os.pread(fd, min(left, 1 << 30), at)
+            if not b:
+                break
+            chunks.append(b)
+            at += len(b)
+            left -= len(b)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+
+def decoded_size(codec: dict, data: bytes | memoryview) -> int | None:
+    """Bytes the encoded chunk ``data`` decodes to, from the codec's frame header.
+
+    Zstd: the frame content size (RFC 8878, section 3.1.1.1); None when the frame does not
+    record it. Blosc: ``nbytes`` of the blosc header. Raises ValueError on a malformed header.
+    """
+    name = codec.get("name")
+    if name == "zstd":
+        if len(data) < 6 or int.from_bytes(data[0:4], "little") != _ZSTD_MAGIC:
+            raise ValueError("not a zstd frame (bad magic number)")
+        fhd = data[4]
+        fcs_flag, single_segment, dict_flag = fhd >> 6, (fhd >> 5) & 1, fhd & 3
+        pos = 5 + (0 if single_segment else 1) + (0, 1, 2, 4)[dict_flag]
+        size_bytes = (1 if single_segment else 0, 2, 4, 8)[fcs_flag]
+        if size_bytes == 0:
+            return None
+        if len(data) < pos + size_bytes:
+            raise ValueError("zstd frame header is truncated")
+        value = int.from_bytes(data[pos:pos + size_bytes], "little")
+        return value + 256 if size_bytes == 2 else value
+    if name == "blosc":
+        if len(data) < 16:
+            raise ValueError("blosc header is truncated")
+        return int.from_bytes(data[4:8], "little")
+    raise ValueError(f"unknown codec {name!r}")
+
+
+def decode_into(codec: dict, dec: Any, data: bytes, out: np.ndarray, where: str) -> None:
+    """Decode ``data`` into ``out`` (a uint8 array of exactly the chunk's size), or raise
+    StoreCorruptError naming ``where`` when the chunk does not decode to that size."""
+    try:
+        n = decoded_size(codec, data)
+    except ValueError as e:
+        raise StoreCorruptError(f"{where} does not decode: {e}; run `activationscope verify` on the store") from None
+    if n is not None and n != out.nbytes:
+        raise StoreCorruptError(
+            f"{where} decodes to {n} bytes, expected {out.nbytes}; run `activationscope verify` on the store"
+        )
+    try:
+        if n is None:  # a frame that does not say its size could decode to any size: refused
+            raise StoreCorruptError(f"{where} is a zstd frame without its content size (activationscope and zarr "
+                                    "write it); run `activationscope verify` on the store")
+        dec.decode(data, out=out)
+    except StoreCorruptError:
+        raise
+    except Exception as e:  # noqa: BLE001 (numcodecs raises RuntimeError / ValueError)
+        raise StoreCorruptError(f"{where} does not decode: {e}; run `activationscope verify` on the store") from None
+
+
+def _decoder(codec: dict) -> Any:
+    """A numcodecs decoder of the Zarr codec document ``codec`` (validated by the reader)."""
+    import numcodecs
+
+    conf = codec.get("configuration") or {}
+    if codec.get("name") == "zstd":
+        return numcodecs.Zstd(level=int(conf.get("level", 0)))
+    if codec.get("name") == "blosc":
+        return numcodecs.Blosc(cname=conf.get("cname", "lz4"))
+    raise ValueError(f"unknown codec {codec.get('name')!r}")
+
+
+def _inside(real: str, root_real: str) -> bool:
+    return real == root_real or real.startswith(root_real.rstrip(os.sep) + os.sep)
+
+
+def _run(root: str) -> tuple | None:
+    """(run_id, created) of the root document of the store at ``root``, None when unreadable."""
+    import json
+
+    try:
+        raw = read_regular(os.path.join(root, "zarr.json"), store=root, key="zarr.json")
+        attrs = json.loads(raw or b"null")["attributes"]["activationscope"]
+        return (attrs.get("run_id"), attrs.get("created"))
+    except (StoreError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def read_shard(root: str, spec: dict) -> Any:
+    """The committed rows of one shard of a local store, as a new numpy array, checked as the
+    reader checks them (the task of a Dask worker: no torch).
+
+    Parameters
+    ----------
+    root : str
+        The store's folder.
+    spec : dict
+        ``key`` (the shard's key), ``rows`` (its committed rows), ``chunk_rows``, ``n_chunks``
+        (chunks per shard), ``row_bytes``, ``codec`` (the Zarr codec document or None),
+        ``chunks`` (``{slot: (nbytes, crc32c)}`` of the manifest), ``dtype`` (numpy dtype of
+        the stored data type), ``feature_shape``, ``run`` ((run_id, created) of the root
+        document when the task was made), ``first_row`` (for messages).
+
+    Returns
+    -------
+    numpy.ndarray, (rows, *feature_shape), ``dtype``
+
+    Raises
+    ------
+    StoreCorruptError
+        The shard is missing, not a regular file inside the store, truncated, its index
+        damaged, a committed chunk missing, out of range, of another size than its manifest
+        record or not matching its crc32c, or not decoding to its size; the message names the
+        shard file.
+    StoreError
+        The store was replaced since the task was made (another run in its place).
+    """
+    try:
+        return _read_shard(root, spec)
+    except StoreCorruptError:
+        if _run(root) != tuple(spec["run"]):
+            raise StoreError(f"store at {root!r} was replaced since the Dask graph was made (another run is there "
+                             "now); make the graph again (to_dask)") from None
+        raise
+
+
+def _read_shard(root: str, spec: dict) -> Any:
+    import numpy as np
+
+    key, rows = spec["key"], int(spec["rows"])
+    chunk_rows, n_chunks, row_bytes = int(spec["chunk_rows"]), int(spec["n_chunks"]), int(spec["row_bytes"])
+    codec, chunks = spec["codec"], spec["chunks"]
+    chunk_bytes = chunk_rows * row_bytes
+    path = os.path.join(root, key)
+    real = os.path.realpath(path)
+    if not _inside(real, os.path.realpath(root)):
+        raise corrupt(root, f"{key!r} resolves to {real!r}, outside the store (a symlink leaving the store)")
+    opened = open_regular(path, store=root, key=key)
+    if opened is None:
+        raise corrupt(root, f"shard {key!r} is missing; its rows {spec['first_row']}.. are committed")
+    fd, size = opened
+    try:
+        index_bytes = 16 * n_chunks + 4
+        if size < index_bytes:
+            raise corrupt(root, f"shard {key!r} is truncated: {size} bytes, fewer than its {index_bytes}-byte index")
+        raw = os.pread(fd, index_bytes, size - index_bytes)
+        if len(raw) != index_bytes:
+            raise corrupt(root, f"shard {key!r} changed while it was read")
+        stored, got = int.from_bytes(raw[-4:], "little"), crc32c(raw[:-4])
+        if got != stored:
+            raise corrupt(root, f"shard {key!r}: shard index crc32c mismatch (stored {stored:08x}, computed {got:08x})")
+        entries = np.frombuffer(raw, dtype="<u8", count=2 * n_chunks).tolist()
+        data_end = size - index_bytes
+        out = np.empty(rows * row_bytes, dtype=np.uint8)
+        dec = _decoder(codec) if codec is not None else None
+        full = np.empty(chunk_bytes, dtype=np.uint8) if codec is not None else None
+        for j in range(-(-rows // chunk_rows)):
+            off, nb = entries[2 * j], entries[2 * j + 1]
+            lo = j * chunk_rows
+            hi = min(rows, lo + chunk_rows)
+            where = f"chunk {j} of shard {key!r} (its rows {lo}-{hi - 1})"
+            if off == _MISSING and nb == _MISSING:
+                raise corrupt(root, f"{where} is missing from the shard index although its rows are committed")
+            if off > data_end or nb > data_end - off:
+                raise corrupt(root, f"{where}: its index entry (offset {off}, {nb} bytes) points past the end of the "
+                                    f"chunk data ({data_end} bytes)")
+            if codec is None and nb != chunk_bytes:
+                raise corrupt(root, f"{where}: {nb} bytes, expected chunk_bytes {chunk_bytes} (uncompressed chunk)")
+            rec = chunks.get(j)
+            if rec is None:
+                raise corrupt(root, f"{where} is not listed in the manifest (its crc32c cannot be checked)")
+            if int(rec[0]) != nb:
+                raise corrupt(root, f"{where}: the shard index gives it {nb} bytes, the manifest {rec[0]}")
+            data = os.pread(fd, nb, off)
+            if len(data) != nb:
+                raise corrupt(root, f"{where}: read {len(data)} of its {nb} bytes (the file shrank)")
+            got = crc32c(data)
+            if got != int(rec[1]):
+                raise corrupt(root, f"{where}: shard file {key!r} bytes {off}-{off + nb - 1}: crc32c mismatch "
+                                    f"(manifest {int(rec[1]):08x}, data {got:08x}): the chunk is damaged")
+            dst = out[lo * row_bytes:hi * row_bytes]
+            if codec is None:
+                dst[:] = np.frombuffer(data, dtype=np.uint8, count=(hi - lo) * row_bytes)
+            else:
+                decode_into(codec, dec, data, full, f"store {root!r}: {where}")
+                dst[:] = full[:(hi - lo) * row_bytes]
+    finally:
+        os.close(fd)
+    return out.view(np.dtype(spec["dtype"])).reshape(rows, *spec["feature_shape"])
