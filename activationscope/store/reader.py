@@ -158,6 +158,12 @@ class Store:
     target : str, os.PathLike, or zarr Store
     cache_bytes : int, default 64 MiB
         Bound of the cache of decoded chunks (compressed / remote arrays).
+    verify : bool, default False
+        Also check the crc32c of every chunk of a memory-mapped (local, uncompressed) shard,
+        once, the first time a row of the shard is read: reads stay zero-copy views, but each
+        shard's bytes are read once more (about the cost of reading it). Decoded reads check
+        every chunk whatever this says. Off, flipped bytes inside a mapped shard read as they
+        are (``verify()`` finds them).
 
     Raises
     ------
@@ -168,9 +174,12 @@ class Store:
     """
 
     def __init__(self, target: Any, *, cache_bytes: int = 64 << 20, storage_options: dict | None = None,
-                 _rank_view: bool = True) -> None:
+                 verify: bool = False, _rank_view: bool = True) -> None:
         if isinstance(cache_bytes, bool) or not isinstance(cache_bytes, int) or cache_bytes < 0:
             raise ArgumentTypeError(f"cache_bytes must be a non-negative int, got {cache_bytes!r}")
+        if not isinstance(verify, bool):
+            raise ArgumentTypeError(f"verify must be a bool, got {verify!r}")
+        self._verify_reads = verify
         self._backend = resolve(target, read_only=True, storage_options=storage_options)
         self._cache_bytes = int(cache_bytes)
         self._cache: OrderedDict[tuple, torch.Tensor] = OrderedDict()
@@ -763,20 +772,27 @@ class Store:
         """Raise :class:`StoreCorruptError` naming the shard file when chunk ``slot`` of ``shard``
         (its encoded bytes ``data``, read at ``entry`` of the shard index) does not match its
         manifest record (FORMAT.md section 9 rule 12)."""
+        problem = self._chunk_crc_problem(meta, shard, slot, entry, data, where, key)
+        if problem is not None:
+            raise V.corrupt(self._backend, problem)
+
+    def _chunk_crc_problem(self, meta: dict, shard: int, slot: int, entry: tuple[int, int], data: Any,
+                           where: str, key: str) -> str | None:
         crcs = self._checked.get(meta["path"])
         if crcs is None:
             crcs = self._array_crcs(meta)
         rec = crcs.get((shard, slot))
         if rec is None:
-            raise V.corrupt(self._backend, f"{where}: shard file {key!r} holds a committed chunk that the manifest "
-                                           f"{meta['manifest']} does not list (its crc32c cannot be checked)")
+            return (f"{where}: shard file {key!r} holds a committed chunk that the manifest {meta['manifest']} does not "
+                    "list (its crc32c cannot be checked)")
         if rec[1] != entry[1]:  # (a chunk may move within its shard: its bytes are what count)
-            raise V.corrupt(self._backend, f"{where}: the shard index of {key!r} gives the chunk {entry[1]} bytes, "
-                                           f"the manifest {meta['manifest']} {rec[1]}")
+            return (f"{where}: the shard index of {key!r} gives the chunk {entry[1]} bytes, the manifest "
+                    f"{meta['manifest']} {rec[1]}")
         got = F.crc32c(data)
         if got != rec[2]:
-            raise V.corrupt(self._backend, f"{where}: shard file {key!r} bytes {entry[0]}-{entry[0] + entry[1] - 1}: crc32c "
-                                           f"mismatch (manifest {rec[2]:08x}, data {got:08x}): the chunk is damaged")
+            return (f"{where}: shard file {key!r} bytes {entry[0]}-{entry[0] + entry[1] - 1}: crc32c mismatch "
+                    f"(manifest {rec[2]:08x}, data {got:08x}): the chunk is damaged")
+        return None
 
     # ---------------------------------------------------------------- shard index
     def _shard_key(self, meta: dict, shard: int) -> str:
@@ -849,6 +865,15 @@ class Store:
                           f"({data_end} bytes)")
             else:
                 bad[j] = f"{where}: {nb} bytes, expected chunk_bytes {chunk_bytes} (uncompressed chunk)"
+        if self._verify_reads and not compressed:  # opt-in: every mapped chunk's crc32c, once per shard
+            for j in range(committed):
+                if j not in bad:
+                    c = shard * n_chunks + j
+                    where = f"chunk {c} (rows {c * chunk_rows}-{min(n, (c + 1) * chunk_rows) - 1}) of array {hp!r}"
+                    problem = self._chunk_crc_problem(meta, shard, j, entries[j],
+                                                      self._backend.get_range(key, *entries[j]) or b"", where, key)
+                    if problem is not None:
+                        bad[j] = problem
         expected = np.arange(committed, dtype=np.uint64) * np.uint64(chunk_bytes)
         contiguous = not bad and bool((offs == expected).all())
         out = _ShardIndex(key, size, entries, contiguous and not compressed, bad)
@@ -1565,7 +1590,7 @@ def _rank_view(store: "Store", attrs: dict, dist: dict) -> tuple[dict, list, dic
             return attrs, [], {}
         if sub.get("zarr.json", max_bytes=V.MAX_JSON_BYTES) is None:
             continue  # this rank made no store (yet)
-        ranks.append((r, Store(sub, cache_bytes=store._cache_bytes, _rank_view=False)))
+        ranks.append((r, Store(sub, cache_bytes=store._cache_bytes, verify=store._verify_reads, _rank_view=False)))
     if not ranks:
         return attrs, [], {}
     arrays: dict[str, dict] = {}
@@ -1603,7 +1628,8 @@ def _rank_view(store: "Store", attrs: dict, dist: dict) -> tuple[dict, list, dic
     return view, ranks, parts
 
 
-def open_store(target: Any, *, cache_bytes: int = 64 << 20, storage_options: dict | None = None) -> Store:
+def open_store(target: Any, *, cache_bytes: int = 64 << 20, storage_options: dict | None = None,
+               verify: bool = False) -> Store:
     """Open a store read-only.
 
     Parameters
@@ -1612,6 +1638,9 @@ def open_store(target: Any, *, cache_bytes: int = 64 << 20, storage_options: dic
         Local path, ``file://`` / ``memory://`` / ``s3://`` URL, or a zarr ``Store``.
     cache_bytes : int, default 64 MiB
         Bound of the decoded-chunk cache of compressed / remote arrays.
+    verify : bool, default False
+        Check every chunk of memory-mapped shards against its crc32c too, once per shard
+        when it is first read (:class:`Store`); decoded chunks are always checked.
     storage_options : dict, optional
         fsspec options of a URL (credentials, ``client_kwargs``).
 
@@ -1627,7 +1656,7 @@ def open_store(target: Any, *, cache_bytes: int = 64 << 20, storage_options: dic
     """
     if isinstance(target, Store):
         return target
-    return Store(target, cache_bytes=cache_bytes, storage_options=storage_options)
+    return Store(target, cache_bytes=cache_bytes, storage_options=storage_options, verify=verify)
 
 
 def copy_store(source: Any, target: Any, *, overwrite: bool = False) -> None:

@@ -334,3 +334,33 @@ def test_resume_after_a_killed_resume_rereads_its_rewritten_chunk(tmp_path, comp
     w.close()
     s = open_store(a_path)
     assert torch.equal(s[HP], data) and s.verify() == []
+
+
+def test_flipped_bytes_in_a_mapped_shard_and_the_opt_in_check(tmp_path):
+    """Zero-copy reads of an uncompressed shard do not checksum its bytes (the documented
+    limit: a flipped byte reads as it is); verify() finds it, and open_store(verify=True)
+    checks each mapped shard's chunks once, when the shard is first read."""
+    import torch
+
+    path = tmp_path / "s.zarr"
+    data = make_store(path)  # 320 rows, 64-row shards, 16-row chunks, 32-byte rows
+    f = shard(path, 1)
+    raw = bytearray(f.read_bytes())
+    raw[20 * 32 + 5] ^= 0x40  # row 84 (chunk 5), a byte of its first float
+    f.write_bytes(bytes(raw))
+    expected = data.clone().numpy()
+    expected.view(np.uint8).reshape(320, 32)[84, 5] ^= 0x40  # the flip, applied with numpy to the written rows
+    s = open_store(path)
+    assert np.array_equal(s[HP].numpy(), expected)  # read as it is: the limit
+    assert any("chunk 5 " in p and "crc32c mismatch" in p for p in s.verify())
+    v = open_store(path, verify=True)
+    assert torch.equal(v.rows(HP, 0, 64), data[:64]) and torch.equal(v.rows(HP, 64, 80), data[64:80])
+    assert torch.equal(v.rows(HP, 96, 320), data[96:])  # the other chunks of the shard stay readable
+    with pytest.raises(StoreCorruptError, match=r"chunk 5 \(rows 80-95\).*'acts/0.output/c/1/0'.*crc32c mismatch"):
+        v.rows(HP, 84, 85)
+    with pytest.raises(StoreCorruptError, match=r"chunk 5 .*crc32c mismatch"):
+        v[HP]
+    with pytest.raises(StoreCorruptError, match=r"chunk 5 .*crc32c mismatch"):
+        ActivationDataset(path, open_options={"verify": True})[80:96]
+    with pytest.raises(TypeError, match="verify must be a bool"):
+        open_store(path, verify="yes")
