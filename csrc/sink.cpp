@@ -45,7 +45,69 @@ std::string dtype_name(at::ScalarType t) {
   }
 }
 
+// Whether any element's exponent bits are all ones (inf or NaN) in a contiguous buffer of
+// IEEE floats seen as unsigned integers: one pass, no allocation, vectorised by the compiler.
+template <typename U>
+bool any_exponent_all_ones(const void* data, int64_t n, U mask) {
+  const U* p = static_cast<const U*>(data);
+  unsigned char found = 0;
+  for (int64_t i = 0; i < n; ++i) found |= static_cast<unsigned char>((p[i] & mask) == mask);
+  return found != 0;
+}
+
+// The largest finite value of a dtype (0 when unknown: always checked).
+double largest_finite(at::ScalarType t) {
+  switch (t) {
+    case at::kHalf: return 65504.0;
+    case at::kBFloat16: return 3.3895313892515355e38;
+    case at::kFloat: case at::kComplexFloat: return 3.4028234663852886e38;
+    case at::kDouble: case at::kComplexDouble: return 1.7976931348623157e308;
+    case at::kBool: return 1.0;
+    case at::kByte: return 255.0;
+    case at::kChar: return 127.0;
+    case at::kShort: return 32767.0;
+    case at::kInt: return 2147483647.0;
+    case at::kLong: return 9.2233720368547758e18;
+    default: return 0.0;
+  }
+}
+
 }  // namespace
+
+at::Tensor Sink::cast_checked(const at::Tensor& src, at::ScalarType dtype) {
+  at::Tensor cast = src.to(dtype);
+  check_cast(src, cast);
+  return cast;
+}
+
+void Sink::check_cast(const at::Tensor& src, const at::Tensor& cast) {
+  const at::ScalarType dtype = cast.scalar_type();
+  if (!(at::isFloatingType(dtype) || at::isComplexType(dtype))) return;
+  const double room = largest_finite(dtype);
+  if (room > 0 && room >= largest_finite(src.scalar_type())) return;  // a cast that cannot overflow
+  bool maybe = true;  // some value is inf or NaN after the cast
+  if (cast.device().is_cpu() && cast.is_contiguous()) {
+    const int64_t n = cast.numel();
+    switch (dtype) {
+      case at::kHalf: maybe = any_exponent_all_ones<uint16_t>(cast.const_data_ptr(), n, 0x7C00u); break;
+      case at::kBFloat16: maybe = any_exponent_all_ones<uint16_t>(cast.const_data_ptr(), n, 0x7F80u); break;
+      case at::kFloat: maybe = any_exponent_all_ones<uint32_t>(cast.const_data_ptr(), n, 0x7F800000u); break;
+      default: maybe = !at::isfinite(cast).all().item<bool>();
+    }
+  } else {
+    maybe = !at::isfinite(cast).all().item<bool>();
+  }
+  if (!maybe) return;
+  // inf / NaN after the cast: an error only where the value was finite before it (overflow)
+  const at::Tensor finite = at::isfinite(src);
+  if (!at::logical_and(at::isinf(cast), finite).any().item<bool>()) return;
+  const double biggest = at::where(finite, src.abs(), at::zeros({}, src.abs().options())).max().item<double>();
+  const double limit = largest_finite(dtype);
+  ACS_CHECK(false, "hook point '", name_, "': storage_dtype=", dtype_name(dtype), " turns finite values into inf ",
+            "(max |value| ", biggest, limit > 0 ? c10::str(", the largest ", dtype_name(dtype), " is ", limit) : "",
+            "), so the stored rows and their reductions would not be the captured values; pass a wider ",
+            "storage_dtype (torch.bfloat16 keeps float32's range, or torch.float32), or none");
+}
 
 bool is_token_rows(const at::Tensor& x, const at::Tensor& token_mask) {
   return token_mask.defined() && token_mask.dim() == 2 && x.dim() >= 2 && x.size(0) == token_mask.size(0) &&
@@ -226,6 +288,17 @@ void Sink::consume(const at::Tensor& x_in, const at::Tensor& token_mask) {
     }
   }
 
+  if (need_rows && options_.storage_dtype && rows.scalar_type() != *options_.storage_dtype) {
+    // Reductions and the store see the stored (cast) values, checked for overflow before
+    // anything of this call is kept.
+    try {
+      rows = cast_checked(rows, *options_.storage_dtype);
+    } catch (...) {
+      --n_calls_;
+      throw;
+    }
+  }
+
   if (options_.keep != Keep::NONE && options_.placement != Placement::DISK) {
     // REFERENCE detects later in-place changes through the version counter; an inference
     // tensor (torch.inference_mode) has none, so it is copied instead: records stay exact.
@@ -233,6 +306,15 @@ void Sink::consume(const at::Tensor& x_in, const at::Tensor& token_mask) {
     Record rec;
     if (copy) {
       rec = snapshot(x);
+      if (!need_rows && options_.storage_dtype && x.scalar_type() != *options_.storage_dtype && rec.t.defined() &&
+          rec.t.device() == x.device()) {
+        try {  // a cast record (not one copied to the host asynchronously): checked for overflow
+          check_cast(x, rec.t);
+        } catch (...) {
+          --n_calls_;
+          throw;
+        }
+      }
     } else {
       rec.t = x;
     }
@@ -346,6 +428,9 @@ void Sink::consume_alias(const at::Tensor& x, const at::Tensor& token_mask) {
             "' was taken; pass exclude= for the module of one of them (or include= only one)");
   if (!reductions_.empty()) {
     at::Tensor rows = rows_of(x, token_mask);
+    if (options_.storage_dtype && rows.scalar_type() != *options_.storage_dtype) {
+      rows = rows.to(*options_.storage_dtype);  // as its target's: reductions of the stored values
+    }
     update_reductions(reductions_, rows, row_base_ + n_rows_);
     n_rows_ += rows.size(0);
   } else {

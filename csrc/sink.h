@@ -96,6 +96,11 @@ class Sink {
   // Whether x is the tensor of this sink's last call, unchanged since (see set_alias_of).
   bool matches_last(const at::Tensor& x);
 
+  // src cast to storage_dtype; CaptureError naming the hook point when the cast turns a
+  // finite value into inf (overflow). check_cast checks a cast made elsewhere.
+  at::Tensor cast_checked(const at::Tensor& src, at::ScalarType dtype);
+  void check_cast(const at::Tensor& src, const at::Tensor& cast);
+
   void add_reduction(std::shared_ptr<Reduction> r) { reductions_.push_back(std::move(r)); }
   const std::vector<std::shared_ptr<Reduction>>& reductions() const { return reductions_; }
   void set_writer(std::shared_ptr<RowConsumer> w) { writer_ = std::move(w); }

@@ -698,3 +698,40 @@ def test_capture_overwrite_failing_on_its_first_batch_keeps_the_old_store(tmp_pa
     assert after == before
     assert acs.open_store(str(out)).n_samples == 50
     assert sorted(p.name for p in out.parent.iterdir() if p.name.startswith(".")) == []
+
+
+def test_capture_sample_rows_and_token_rows_reach_the_capture(tmp_path, toy_store, capsys):
+    import activationscope as acs
+
+    _, x = toy_store
+    out = tmp_path / "t.zarr"
+    code, _, err = run(capsys, "capture", "--model", "usermodels.nets:mlp", "--data", str(x), "--out", str(out),
+                       "--sample-rows", "2.*,0.output", "--token-rows", "head.*", "--max-samples", "8", "--no-progress")
+    assert code == 0, err
+    config = acs.open_store(str(out)).attrs["capture_config"]
+    assert config["token_rows"] == {"2.*": False, "0.output": False, "head.*": True}
+    # token rows asked for a hook point without a (batch, pos) mask (tensor data has none)
+    code, _, err = run(capsys, "capture", "--model", "usermodels.nets:mlp", "--data", str(x), "--out",
+                       str(tmp_path / "v.zarr"), "--token-rows", "1.*", "--no-progress")
+    assert code == 1
+    _one_error_line(err, "hook point '1.output' is set to token rows by token_rows=", "attention_mask=")
+    code, _, err = run(capsys, "capture", "--model", "usermodels.nets:mlp", "--data", str(x), "--out",
+                       str(tmp_path / "u.zarr"), "--sample-rows", "2.*", "--token-rows", "2.*", "--no-progress")
+    assert code == 1
+    _one_error_line(err, "--token-rows '2.*' is also given to --sample-rows")
+
+
+def test_capture_resume_of_a_full_store_with_new_reductions_computes_them(tmp_path, toy_store, capsys):
+    import activationscope as acs
+
+    out, x = toy_store
+    args = ["capture", "--model", "usermodels.nets:mlp", "--data", str(x), "--out", str(out), "--no-progress"]
+    code, stdout, err = run(capsys, *args, "--resume", "--reduce", "max")
+    assert code == 0, err
+    assert "nothing to capture; reductions ['max'] computed over the stored rows of 3 hook point(s)" in stdout
+    store = acs.open_store(str(out))
+    model = specs.load_model_spec("usermodels.nets:mlp").model
+    with torch.no_grad():
+        want = model(torch.from_numpy(np.load(x))).double()
+    torch.testing.assert_close(store.reductions["2.output"]["max"].double(), want.max(0).values)
+    torch.testing.assert_close(store.reductions["2.output"]["mean"], want.mean(0))  # the first run's, kept

@@ -37,6 +37,9 @@ class CaptureSummary:
     first_sample: int = 0
     #: Samples the store holds when the capture is done (data set length, capped by max_samples).
     n_target: int = 0
+    #: Hook points whose reductions were written by this run (with nothing left to capture:
+    #: computed over the stored rows).
+    reduced_hook_points: list[str] = field(default_factory=list)
 
     @property
     def nothing_to_capture(self) -> bool:
@@ -59,6 +62,7 @@ def run_capture(
     progress: bool = True,
     desc: str = "capture",
     stop_after_last: bool = False,
+    token_rows: Any = None,
 ) -> CaptureSummary:
     """Run ``batches`` through ``model`` with a store tracker attached.
 
@@ -72,6 +76,9 @@ def run_capture(
         Samples expected (for the progress bar).
     stop_after_last : bool, default False
         End each forward after its last tracked hook point (``ActivationScope(stop_after_last=True)``).
+    token_rows : bool or dict of str to bool, optional
+        ``ActivationScope(token_rows=...)``: which hook points shaped like the mask's
+        ``(batch, pos)`` store token rows (True) or sample rows (False).
     """
     import torch
     from tqdm.auto import tqdm
@@ -86,6 +93,7 @@ def run_capture(
         storage_dtype=storage_dtype,
         capture=capture,
         stop_after_last=stop_after_last,
+        token_rows=token_rows,
     )
     summary = CaptureSummary()
     tracker = scope.track(model, include=include, exclude=exclude)  # validates the patterns first
@@ -125,6 +133,7 @@ def run_capture(
 
         removed = new_store and remove_if_empty(out, remove_folder=not folder_existed)
         tail = (f"no row was committed, so the new store {out} was removed" if removed else
+                f"{out} is left as it was" if tracker._refused is not None else
                 f"no row was committed, so the store that was at {out} is kept as it was (overwrite replaces it "
                 "only once the new capture commits)" if (store_options or {}).get("overwrite")
                 and summary.n_forwards == 0 else
@@ -135,6 +144,7 @@ def run_capture(
         raise
     finally:
         bar.close()
+    summary.reduced_hook_points = list(tracker.reductions)
     summary.elapsed_s = time.perf_counter() - start
     summary.n_bytes = max(summary.n_bytes, dir_bytes(out))
     return summary
@@ -167,6 +177,7 @@ def capture_dataset(
     stop_after_last: bool = False,
     progress: bool = True,
     command: str | None = None,
+    token_rows: Any = None,
 ) -> CaptureSummary:
     """Capture a model spec over a data spec into a store: ``activationscope capture`` as a function.
 
@@ -203,11 +214,15 @@ def capture_dataset(
         Token limit of text samples.
     resume : bool
         Continue the incomplete store at ``out`` from its next sample: samples
-        ``store.n_samples`` .. end of ``data`` are captured with those sample ids.
+        ``store.n_samples`` .. end of ``data`` are captured with those sample ids. With
+        ``reductions`` and nothing left to capture, the reductions are computed over the
+        stored rows (no forward runs); without, the store is untouched.
     overwrite : bool
         Replace the store at ``out`` (never anything that is not an activationscope store).
     command : str, optional
         The command line, recorded in the store's provenance.
+    token_rows : bool or dict of str to bool, optional
+        ``ActivationScope(token_rows=...)`` (``--token-rows`` / ``--sample-rows``).
 
     Returns
     -------
@@ -254,11 +269,13 @@ def capture_dataset(
         )
     n = len(dataset) if max_samples is None else min(len(dataset), max_samples)
     first = resume_offset(out) if resume else 0
-    if first >= n:
+    if first >= n and not reductions:
         return CaptureSummary(first_sample=first, n_target=n)
-    if dataset.texts is not None:
+    if first >= n:  # nothing left to capture: the reductions are computed over the stored rows
+        batches: Iterable[tuple[int, Any, dict[str, Any]]] = []
+    elif dataset.texts is not None:
         labels = dataset.labels[first:n] if dataset.labels is not None else None
-        batches: Iterable[tuple[int, Any, dict[str, Any]]] = text_batches(
+        batches = text_batches(
             dataset.texts[first:n], loaded.tokenizer, batch_size, max_length, labels, first_id=first)
     else:
         batches = tensor_batches(dataset.tensor[first:n], batch_size, first_id=first)
@@ -267,12 +284,12 @@ def capture_dataset(
         compression=compression, shard_bytes=shard_bytes, chunk_rows=chunk_rows,
     )
     summary = run_capture(
-        loaded.model, batches, out=out, n_total=n - first,
+        loaded.model, batches, out=out, n_total=max(0, n - first),
         include=list(include) if include else loaded.default_include,
         exclude=list(exclude) if exclude else None,
         reductions=reductions, capture=capture,
         storage_dtype=getattr(torch, dtype) if dtype else None, store_options=options,
-        progress=progress, stop_after_last=stop_after_last,
+        progress=progress, stop_after_last=stop_after_last, token_rows=token_rows,
     )
     summary.first_sample, summary.n_target = first, n
     return summary

@@ -11,6 +11,7 @@ per tensor.
 from __future__ import annotations
 
 import enum
+import fnmatch
 import sys
 import threading
 import warnings
@@ -121,6 +122,24 @@ def _check_store_options(options: Mapping[str, Any]) -> None:
             raise ArgumentTypeError(f"store_options has no option {key!r}; valid options are {valid}{hint}")
 
 
+def _parse_token_rows(value: Any) -> bool | dict[str, bool] | None:
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, Mapping):
+        out: dict[str, bool] = {}
+        for pattern, flag in value.items():
+            if not isinstance(pattern, str) or not isinstance(flag, bool):
+                raise ArgumentTypeError(
+                    f"token_rows must map fnmatch patterns (str) to True (token rows) or False (sample rows), got "
+                    f"{pattern!r}: {flag!r}"
+                )
+            out[pattern] = flag
+        return out
+    raise ArgumentTypeError(
+        f"token_rows must be None, a bool or a dict of fnmatch pattern to bool, got {type(value).__name__}"
+    )
+
+
 def _parse_capture(capture: Any) -> str:
     if isinstance(capture, CapturePolicy):
         raise ArgumentTypeError(
@@ -167,7 +186,11 @@ class ActivationScope:
         ``chunk_rows``, ``shard_bytes``, ``provenance``, ...), see
         :class:`activationscope.store.StoreWriter`.
     storage_dtype : torch.dtype, optional
-        Cast stored activations (e.g. ``torch.bfloat16`` to halve memory and disk).
+        Cast stored activations (e.g. ``torch.bfloat16`` to halve memory and disk). Records,
+        stored rows and reductions are all the cast values (a reduction equals the float64
+        statistic of ``store[hook_point]``). A cast that turns a finite value into inf
+        raises :class:`CaptureError` naming the hook point; a resume must use the store's
+        ``storage_dtype``.
     capture_parameters : bool, default False
         Snapshot the model's parameters when the tracker attaches
         (``tracker.parameters``).
@@ -182,6 +205,17 @@ class ActivationScope:
         and every hook point whose activation starts with them stores
         ``(batch * pos, *rest)`` rows, in ``(sample, position)`` order; a mask given to
         ``set_batch`` still leaves padding out.
+    token_rows : bool or dict of str to bool, optional
+        Overrides the shape rule of ``rows`` for hook points whose activation starts with
+        the ``(batch, pos)`` of the forward's mask, where the shape alone cannot tell a
+        per-token activation from a pooled ``(batch, features)`` one whose width happens to
+        equal ``pos``. ``{fnmatch pattern: bool}`` per hook point (the first matching
+        pattern wins; hook points no pattern matches follow the shape rule): True stores one
+        row per token (padding left out), False one row per sample (the whole activation).
+        A bool applies to every hook point. Either way no ambiguity warning is given for the
+        hook points it decides. A hook point a pattern sets to True that cannot be token
+        rows (its activation does not start with the mask's ``(batch, pos)``, or the forward
+        has no mask) raises :class:`CaptureError`.
     stop_after_last : bool, default False
         End each captured forward as soon as every tracked hook point of it has been
         captured: the modules after the last hook point (later layers, the unembedding)
@@ -194,7 +228,8 @@ class ActivationScope:
     Raises
     ------
     TypeError
-        ``capture=`` given a CapturePolicy (use ``capture_policy=``).
+        ``capture=`` given a CapturePolicy (use ``capture_policy=``), or a ``token_rows``
+        that is not a bool or a dict of pattern to bool.
     ValueError
         An unknown policy, side or non-positive ``sample_every`` / ``max_k``.
 
@@ -223,9 +258,11 @@ class ActivationScope:
         include: Iterable[str] | None = None,
         exclude: Iterable[str] | None = None,
         rows: str = "auto",
+        token_rows: bool | Mapping[str, bool] | None = None,
         stop_after_last: bool = False,
     ) -> None:
         self.capture = _parse_capture(capture)
+        self.token_rows = _parse_token_rows(token_rows)
         if rows not in _ROWS:
             raise ArgumentValueError(f"rows must be one of {list(_ROWS)}, got {rows!r}")
         if not isinstance(stop_after_last, bool):
@@ -284,6 +321,7 @@ class ActivationScope:
             "include": self.include,
             "exclude": self.exclude,
             "rows": self.rows,
+            "token_rows": self.token_rows,
             "stop_after_last": self.stop_after_last,
         }
 
@@ -294,6 +332,7 @@ class ActivationScope:
         exclude: Iterable[str] | None = None,
         capture: str | None = None,
         stop_after_last: bool | None = None,
+        token_rows: bool | Mapping[str, bool] | None = None,
     ) -> "Tracker":
         """Make a tracker for ``model`` (attached on ``__enter__`` or :meth:`Tracker.attach`).
 
@@ -307,6 +346,9 @@ class ActivationScope:
         stop_after_last : bool, optional
             Override the scope's ``stop_after_last``: end each captured forward after its
             last tracked hook point; the forward then returns ``None``.
+        token_rows : bool or dict of str to bool, optional
+            Override the scope's ``token_rows`` (which hook points shaped like the mask's
+            ``(batch, pos)`` store token rows, and which sample rows).
 
         Raises
         ------
@@ -326,7 +368,10 @@ class ActivationScope:
             raise ArgumentTypeError(f"stop_after_last must be a bool, got {stop_after_last!r}")
         modules = select_modules(model, inc, exc)
         stop = self.stop_after_last if stop_after_last is None else stop_after_last
-        return Tracker(self, model, modules, side, stop_after_last=stop)
+        tracker = Tracker(self, model, modules, side, stop_after_last=stop)
+        if token_rows is not None:
+            tracker._token_rows = _parse_token_rows(token_rows)
+        return tracker
 
 
 class Tracker:
@@ -392,6 +437,12 @@ class Tracker:
         self._stop_learnt = False  # stop_after_last: the stop point was known when this forward started
         self._warned_stop = False
         self._n_captured = 0  # root forwards captured (ended) while attached
+        # resume: the hook points the store holds (a capture must give exactly these), None
+        # when there is nothing to check; a refused resume leaves the store as it was found
+        self._stored: frozenset[str] | None = None
+        self._first_checked = False
+        self._refused: str | None = None
+        self._token_rows = scope.token_rows
         self._fastpath_off = False  # this tracker holds PyTorch's MHA fast path off
         self.parameters: dict[str, torch.Tensor] = {}
         self.writer = None
@@ -411,6 +462,12 @@ class Tracker:
         ------
         ActivationScopeError
             The tracker was already closed (a store tracker cannot be re-attached).
+        CaptureError
+            A resumed store holds hook points this tracker's modules and side cannot give
+            (another ``include=`` / ``exclude=`` / ``capture=`` than the first run), or has
+            another ``storage_dtype``: the store is left as it was. Hook points that differ
+            only by what a forward reaches are refused at the first resumed forward, before
+            any of its rows is committed.
         """
         if self._attached:
             return self
@@ -426,6 +483,15 @@ class Tracker:
             )
             # resume: default sample ids continue after the samples already committed
             self._n_samples = int(self.writer.n_samples_committed)
+            stored = getattr(self.writer, "stored_hook_points", None)
+            self._stored = frozenset(stored) if stored else None
+            if self._stored:
+                # a stored hook point no tracked module can give: refused before anything is written
+                names = {n for n, _ in self._modules}
+                missing = sorted(h for h in self._stored if not self._can_capture(h, names))
+                if missing:
+                    self._closed = True
+                    self._refuse(missing, [])
         if self.scope.capture_parameters:
             with torch.no_grad():
                 self.parameters = {n: p.detach().clone() for n, p in self.model.named_parameters()}
@@ -457,6 +523,40 @@ class Tracker:
             _fastpath_acquire()
             self._fastpath_off = True
         return self
+
+    def _can_capture(self, hook_point: str, modules: set[str]) -> bool:
+        """Whether this tracker's modules and side can give ``hook_point`` (by name)."""
+        module = hook_point_module(hook_point)
+        if module not in modules:
+            return False
+        if module in self._hook_point_paths:  # a TransformerLens HookPoint: either side
+            return True
+        tail = hook_point[len(module):]
+        tail = tail.split(".", 1)[1] if tail.startswith("#") and "." in tail else tail.lstrip(".")
+        if tail.startswith("input"):
+            return self._side in ("input", "both")
+        if tail.startswith("output"):
+            return self._side in ("output", "both")
+        return True
+
+    def _refuse(self, missing: list[str], extra: list[str]) -> None:
+        """Refuse a resumed capture whose hook points differ from the store's: nothing of it
+        is committed and the store is left as it was found (at the tracker's close)."""
+        stored = sorted(self._stored or ())
+        parts = []
+        if missing:
+            parts.append(f"it holds {_names(missing)} which this capture does not give")
+        if extra:
+            parts.append(f"this capture gives {_names(extra)} which it does not hold")
+        self._refused = (
+            f"cannot resume {self.writer.path!r} with other hook points than it holds ({'; '.join(parts)}); every "
+            f"array of a store must cover every sample, so a resumed capture gives exactly the stored hook points "
+            f"({_names(stored)}): resume with the same include=/exclude=/capture= as the first run, or write the "
+            "other hook points into a new store (the store is left as it was)"
+        )
+        if self._closed:  # refused at attach: nothing to undo
+            _discard(self.writer)
+        raise CaptureError(self._refused)
 
     def _install(self, module: torch.nn.Module, site: Any) -> None:
         current = module.__dict__.get("forward")
@@ -508,11 +608,18 @@ class Tracker:
         if self._closed:
             return
         self._closed = True
+        if self._refused is not None:  # nothing of this run is committed
+            _discard(self.writer)
+            if exc is None:  # the refusal was caught inside the block: say it again
+                raise CaptureError(self._refused)
+            return
         if exc is None and self._open_forward is not None:  # the last forward raised, caught
             self._forward_raised(at_exit=True)
         silent = self._silent_modules() if exc is None else []
         if self.writer is not None:
             if exc is None:
+                if self._stored and self._red_factories is not None:
+                    self._reduce_stored_only()
                 self._write_reductions()
                 if silent and not self._sinks:
                     # nothing was recorded: never report such a store as a success
@@ -654,6 +761,18 @@ class Tracker:
         name = rename_hook_point(name, self._hook_point_paths, self._side)
         if name is None:  # a HookPoint's input, already captured as its output
             return None
+        if self._stored is not None and name not in self._stored:
+            self._refuse([], [name])
+        if self.writer is not None and self._n_captured > 0:
+            warnings.warn(
+                f"hook point {name!r} was first captured in forward {self._core.n_forwards - 1} of the tracked "
+                f"model, after {self._n_captured} captured forward(s) without it: its store array starts there, so "
+                f"its rows do not line up with the sample row table (store.follows_row_table({name!r}) is False). "
+                "Track only hook points every forward reaches (exclude= its module), or capture it into a "
+                "store of its own",
+                CaptureWarning,
+                stacklevel=2,
+            )
         scope = self.scope
         self._check_dtype(name, tensor)
         mask = self._pending_batch["attention_mask"] if self._pending_batch else None
@@ -661,15 +780,25 @@ class Tracker:
             mask = self._core.auto_token_mask  # (batch, pos) of the model's first input, all true
             mask = mask if mask.dim() == 2 else None
         token = _C.is_token_rows(tensor, mask)  # the rule of the native sink (sink.h)
-        if token and tensor.dim() == 2 and not bool(mask.bool().all()):
+        decided = _token_rows_for(name, self._token_rows)
+        if decided is True and not token and isinstance(self._token_rows, Mapping):
+            raise CaptureError(
+                f"hook point {name!r} is set to token rows by token_rows=, but its activation "
+                f"{tuple(tensor.shape)} does not start with the (batch, pos) of "
+                f"{'the attention mask ' + str(tuple(mask.shape)) if mask is not None else 'an attention mask (none given)'}; "
+                "pass attention_mask= to tracker.set_batch (or rows='token'), or drop the hook point from token_rows="
+            )
+        if decided is False:
+            token = False
+        elif token and decided is None and tensor.dim() == 2 and not bool(mask.bool().all()):
             # (batch, pos) values with padding: one scalar per real token, the padded columns
             # dropped. Right for per-token scalars (token ids, a per-token score); wrong for a
             # pooled (batch, features) output whose width happens to equal pos. Say so.
             warnings.warn(
                 f"hook point {name!r} has shape {tuple(tensor.shape)}, the attention mask's (batch, pos): it is "
                 "stored as one scalar row per real token and its padded columns are dropped. If it is a pooled "
-                "(batch, features) output whose width only happens to equal pos, exclude it (exclude=) or "
-                "capture it without attention_mask",
+                "(batch, features) output whose width only happens to equal pos, pass token_rows={"
+                f"{name!r}: False}} (one row per sample), or token_rows={{{name!r}: True}} to confirm token rows",
                 CaptureWarning,
                 stacklevel=2,
             )
@@ -683,7 +812,7 @@ class Tracker:
             placement=_PLACEMENT_CODE[scope.storage],
             storage_dtype=scope.storage_dtype,
             arena=self._arena,
-            row_kind=1 if token else -1,
+            row_kind=1 if token else (0 if decided is False else -1),
         )
         if self._red_factories is not None:
             names, objects = [], []
@@ -767,6 +896,25 @@ class Tracker:
                     f"{', '.join(held)}); pass storage_dtype= one of those, or exclude= the module of {name!r}"
                 )
 
+    def _reduce_stored_only(self) -> None:
+        """A resume that captured no forward (nothing was left to capture): reductions of the
+        stored hook points are computed over their stored rows (loaded states, rows read back),
+        so a reduction added on resume is not lost."""
+        for name in sorted(self._stored or ()):
+            if name in self._sinks:
+                continue
+            names, objects = [], []
+            for red_name, factory in self._red_factories.resolve_reductions(self.scope.reductions, name):
+                reduction = factory()
+                script = factory.script_path()
+                reduction.script_path = None if script is None else str(script)
+                names.append(red_name)
+                objects.append(reduction)
+            if names:
+                self._reduction_names[name] = names
+                self._reduction_objects[name] = objects
+                self._resume_reductions(name, None)
+
     def _resume_reductions(self, name: str, sink: Any) -> None:
         """A resumed store: continue each reduction of ``name`` from the rows already
         committed, so that it covers every stored row. The stored state is loaded when it
@@ -774,10 +922,11 @@ class Tracker:
         reduction added on resume, a store written before states were kept) the state
         covers a prefix or nothing, and the committed rows past it are read back from the
         store and folded in, in order."""
-        array = self._aliases.get(name, name)  # an alias's rows are its target's
+        array = self._aliases.get(name) or getattr(self.writer, "aliases", {}).get(name, name)  # an alias's rows: its target's
         committed = self.writer.committed_rows(array)
         self._reduction_base[name] = committed
-        sink.set_row_base(committed)  # row ids of the new rows continue the stored ones
+        if sink is not None:
+            sink.set_row_base(committed)  # row ids of the new rows continue the stored ones
         if committed == 0:
             return
         starts: dict[int, list[Any]] = {}
@@ -814,6 +963,13 @@ class Tracker:
         self._stop_watching()
         if not self._core.capturing:
             return
+        if not self._first_checked and self._stored is not None:
+            # the first captured forward of a resume gave every hook point it will: the
+            # stored ones must all be there, before any row of it is committed
+            self._first_checked = True
+            missing = sorted(self._stored.difference(self._sinks))
+            if missing:
+                self._refuse(missing, [])
         if self._stop_learnt and not self._core.stopped and not self._warned_stop:
             self._warned_stop = True
             warnings.warn(
@@ -923,7 +1079,9 @@ class Tracker:
         The main value of a reduction is under its name (``"mean"``, ``"var"``); other
         outputs of the same reduction under ``"<name>.<key>"`` (``"var.count"``,
         ``"hist.edges"``). Values cover every row captured so far (streaming; no row is
-        kept for them).
+        kept for them), as recorded: with ``storage_dtype``, the cast values. A resumed
+        store capture also covers the rows stored before (with nothing left to capture,
+        only those).
 
         Returns
         -------
@@ -953,8 +1111,7 @@ class Tracker:
             Indexing a hook point that has no reductions (the message lists those that do).
         """
         out: dict[str, dict[str, torch.Tensor]] = HookPointResults("reductions")
-        for name, sink in self._sinks.items():
-            names = self._reduction_names.get(name, [])
+        for name, names in self._reduction_names.items():
             if not names:
                 continue
             out[name] = ReductionResults(name)
@@ -967,8 +1124,9 @@ class Tracker:
         return dict(zip(self._reduction_names.get(hook_point, []), self._reduction_objects.get(hook_point, [])))
 
     def _write_reductions(self) -> None:
-        for name in self._sinks:
-            covered = self._reduction_base.get(name, 0) + self._sinks[name].n_rows
+        for name in self._reduction_names:
+            sink = self._sinks.get(name)
+            covered = self._reduction_base.get(name, 0) + (sink.n_rows if sink is not None else 0)
             for red_name, red in zip(self._reduction_names.get(name, []), self._reduction_objects.get(name, [])):
                 self.writer.add_reductions(name, red_name, red, n_rows=covered)
 
@@ -1042,6 +1200,30 @@ def _silent_message(silent: list[tuple[str, torch.nn.Module]], model: torch.nn.M
         "F.* on their weights) or they are unused: track the parent or the hook points that ran, or "
         "exclude= them"
     )
+
+
+def _names(names: list[str], n: int = 8) -> str:
+    shown = ", ".join(repr(x) for x in names[:n])
+    return f"[{shown}{', ...' if len(names) > n else ''}]"
+
+
+def _discard(writer: Any) -> None:
+    """Close a writer without committing this run (never raises)."""
+    discard = getattr(writer, "discard", None)
+    if discard is not None:
+        discard()
+    else:
+        writer.abort(None)
+
+
+def _token_rows_for(name: str, token_rows: bool | Mapping[str, bool] | None) -> bool | None:
+    """The ``token_rows=`` decision for hook point ``name``: True, False or None (the shape rule)."""
+    if token_rows is None or isinstance(token_rows, bool):
+        return token_rows
+    for pattern, flag in token_rows.items():
+        if fnmatch.fnmatchcase(name, pattern):
+            return flag
+    return None
 
 
 def _batch_size(batch: Mapping[str, Any], from_inputs: int) -> int:

@@ -71,8 +71,16 @@ class ActivationWriter(Protocol):
     def read_committed_rows(self, hook_point: str, start: int, stop: int) -> Any:
         """Rows ``[start, stop)`` of ``hook_point`` committed before the writer opened (a copy)."""
 
+    stored_hook_points: list[str]
+    """Hook points (arrays and aliases) the store held when the writer opened (resume; empty
+    for a new store). Optional: a writer without it is not checked on resume."""
+
     def close(self, status: str = "complete") -> None:
         """Commit everything and mark the store ``status``."""
+
+    def discard(self) -> None:
+        """Optional: close without committing anything of this run, leaving a resumed store as
+        it was found (a refused resume); never raises. Writers without it are aborted."""
 
     def abort(self, exc: BaseException | None = None) -> None:
         """Leave the store at its last commit (status incomplete); never raises."""

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ..analysis.capture_run import COMPRESSIONS, STORAGE_DTYPES
-from ..errors import ActivationScopeError, HookPointNotFoundError, one_line
+from ..errors import ActivationScopeError, ArgumentValueError, HookPointNotFoundError, one_line
 from ..sizes import format_bytes
 
 __all__ = ["main", "build_parser", "CLIError"]
@@ -141,6 +141,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rows per chunk (default: about 256 KiB of rows, at most 16384)")
     p.add_argument("--stop-after-last", action="store_true",
                    help="end each forward after its last tracked hook point (later layers do not run)")
+    p.add_argument("--sample-rows", action="append", default=None, metavar="PATTERN",
+                   help="fnmatch pattern of hook points stored one row per sample even when shaped like the "
+                        "attention mask's (batch, pos), e.g. a pooled (batch, d) output with d equal to the length "
+                        "(repeatable or comma separated; wins over --token-rows)")
+    p.add_argument("--token-rows", action="append", default=None, metavar="PATTERN",
+                   help="fnmatch pattern of hook points confirmed as one row per token (their activation must "
+                        "start with the mask's (batch, pos)); silences the warning about 2-D ones")
     p.add_argument("--batch-size", type=int, default=32, help="samples per forward (default: %(default)s)")
     p.add_argument("--max-samples", type=int, default=None, help="capture at most this many samples")
     p.add_argument("--max-length", type=int, default=128, help="token limit of text samples (default: %(default)s)")
@@ -264,6 +271,16 @@ def _patterns(values: list[str] | None) -> list[str] | None:
     return out or None
 
 
+def _token_rows(sample: list[str] | None, token: list[str] | None) -> dict[str, bool] | None:
+    """``token_rows=`` of ``--sample-rows`` / ``--token-rows`` (sample patterns first)."""
+    out = {p: False for p in _patterns(sample) or []}
+    for p in _patterns(token) or []:
+        if p in out:
+            raise ArgumentValueError(f"--token-rows {p!r} is also given to --sample-rows; give each pattern once")
+        out[p] = True
+    return out or None
+
+
 def cmd_capture(args: argparse.Namespace) -> int:
     from ..analysis.capture_run import capture_dataset
 
@@ -275,10 +292,13 @@ def cmd_capture(args: argparse.Namespace) -> int:
         max_samples=args.max_samples, max_length=args.max_length, resume=args.resume, overwrite=args.overwrite,
         stop_after_last=args.stop_after_last, progress=not args.no_progress,
         command=" ".join([PROG, *args.argv]),
+        token_rows=_token_rows(args.sample_rows, args.token_rows),
     )
     if summary.nothing_to_capture:
+        reduced = (f"; reductions {args.reduce} computed over the stored rows of {len(summary.reduced_hook_points)} "
+                   "hook point(s)") if summary.reduced_hook_points else ""
         print(f"store {args.out} already holds {summary.first_sample} samples of {summary.n_target}; "
-              "nothing to capture")
+              f"nothing to capture{reduced}")
         return 0
     print(
         f"captured {summary.n_samples} samples ({summary.n_forwards} forwards, {len(summary.hook_points)} hook points) "

@@ -147,6 +147,12 @@ def _library_versions() -> dict:
     return {"activationscope": __version__, "torch": torch.__version__, "zarr": zarr.__version__}
 
 
+def _dtype_label(name: str | None, torch_name: bool = False) -> str:
+    if name is None:
+        return "None" if torch_name else "None (each hook point's own dtype)"
+    return f"torch.{name}"
+
+
 def _positive_int(value: Any, what: str, allow_none: bool = True) -> int | None:
     if value is None and allow_none:
         return None
@@ -333,6 +339,7 @@ class StoreWriter:
                 )
         raw = self._backend.get("zarr.json", max_bytes=V.MAX_JSON_BYTES)
         self._state: dict | None = None
+        self._found_root: bytes | None = None  # resume: the root as found (discard() puts it back)
         if raw is not None:
             ours = V.parse_root(raw, store=self._backend)  # every path and size checked before use
             status = (ours or {}).get("status", "not an activationscope store")
@@ -343,6 +350,7 @@ class StoreWriter:
                         "(pass overwrite=True to replace it)"
                     )
                 self._state = ours
+                self._found_root = bytes(raw)
             else:
                 raise StoreExistsError(
                     f"a store already exists at {str(self._backend)!r} (status {status!r}); pass overwrite=True to "
@@ -368,6 +376,18 @@ class StoreWriter:
                     f"cannot resume {str(self._backend)!r}: it was captured from a model with state dict sha256 "
                     f"{old[:12]}..., this model has {self._model['state_dict_sha256'][:12]}...; pass overwrite=True "
                     "to start again"
+                )
+
+        if self._state is not None:
+            stored = self._state.get("storage_dtype")
+            if stored != self._storage_dtype:
+                arrays = sorted(self._state.get("arrays") or {})
+                shown = ", ".join(repr(a) for a in arrays[:4]) + (", ..." if len(arrays) > 4 else "")
+                raise CaptureError(
+                    f"cannot resume {str(self._backend)!r}: its hook points ({shown or 'none yet'}) are stored with "
+                    f"storage_dtype={_dtype_label(stored)}, this capture has storage_dtype="
+                    f"{_dtype_label(self._storage_dtype)}, and one array cannot mix the two; resume with "
+                    f"storage_dtype={_dtype_label(stored, torch_name=True)} (or overwrite=True to start again)"
                 )
 
         _import_row_table_writer()
@@ -404,6 +424,8 @@ class StoreWriter:
         self._old_arrays: dict[str, dict] = dict(st.get("arrays") or {})
         self._old_reductions: dict = dict(st.get("reductions") or {})
         self.aliases: dict[str, str] = dict(st.get("aliases") or {})
+        #: Hook points the store held when this writer opened (arrays and aliases; resume).
+        self.stored_hook_points: list[str] = sorted(set(self._old_arrays) | set(self.aliases))
         if self._state is not None:
             self._truncate_to_committed()
         # the first byte: the root document (status incomplete)
@@ -539,6 +561,9 @@ class StoreWriter:
             if compression is not None:
                 self._encoders[hook_point] = F.numcodecs_encoder(compression)
                 self._start_encoder()
+            if old is None and self._n_batches + len(self._pending) > 0:
+                # first seen after some forwards: its row 0 is not the first sample's
+                arr.follows_row_table = False
             if old is not None:
                 arr.follows_row_table = bool(old.get("follows_row_table", True))
                 arr.manifest = self._load_manifest(arr)
@@ -1042,6 +1067,30 @@ class StoreWriter:
                 try:
                     if self._aside is not None:  # overwrite, and the new store committed no row: the old one back
                         self._settle_aside(keep_new=False)
+                    self._cleanup()
+                except BaseException:  # noqa: BLE001
+                    pass
+
+    def discard(self) -> None:
+        """Close without committing anything of this run: a resumed store is left as it was
+        found (its root document, so its status and committed rows, put back); rows given
+        to this writer are dropped. Never raises (failures are warned about). Without a
+        store to go back to (a new store), the same as :meth:`abort`."""
+        if self._found_root is None:
+            self.abort()
+            return
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                self._stop_threads()
+                self._backend.set("zarr.json", self._found_root)
+            except BaseException as e:  # noqa: BLE001 - the refusal stays the error the caller sees
+                warnings.warn(f"store {str(self._backend)!r}: putting its root document back failed: {e}",
+                              RuntimeWarning, stacklevel=2)
+            finally:
+                try:
                     self._cleanup()
                 except BaseException:  # noqa: BLE001
                     pass

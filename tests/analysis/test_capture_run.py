@@ -144,3 +144,29 @@ def test_an_existing_store_needs_resume_or_overwrite(nets, tmp_path):
         capture_run.capture_dataset("runnets.nets:mlp", str(nets), out, progress=False)
     capture_run.capture_dataset("runnets.nets:mlp", str(nets), out, max_samples=7, overwrite=True, progress=False)
     assert acs.open_store(out).n_samples == 7
+
+
+def test_a_reduction_added_on_a_resume_of_a_full_store_is_computed_over_its_rows(nets, tmp_path):
+    out = str(tmp_path / "full.zarr")
+    ref = _reference(nets)
+    capture_run.capture_dataset("runnets.nets:mlp", str(nets), out, batch_size=16, progress=False)
+    assert acs.open_store(out).reductions == {}
+    again = capture_run.capture_dataset("runnets.nets:mlp", str(nets), out, resume=True,
+                                        reductions=["mean", "max"], progress=False)
+    assert again.nothing_to_capture and again.n_forwards == 0
+    assert sorted(again.reduced_hook_points) == sorted(ref)
+    store = acs.open_store(out)
+    assert store.status == "complete" and store.n_samples == 50 and store.partial_reductions == {}
+    for hp, want in ref.items():
+        torch.testing.assert_close(store.reductions[hp]["mean"], want.double().mean(0))
+        torch.testing.assert_close(store.reductions[hp]["max"].double(), want.double().max(0).values)
+
+
+def test_a_resume_with_a_narrower_include_is_refused_and_the_store_kept(nets, tmp_path):
+    out = str(tmp_path / "n.zarr")
+    capture_run.capture_dataset("runnets.nets:mlp", str(nets), out, max_samples=20, batch_size=8, progress=False)
+    with pytest.raises(CaptureError, match=r"it holds \['1.output', '2.output'\].*n.zarr is left as it was"):
+        capture_run.capture_dataset("runnets.nets:mlp", str(nets), out, include=["0"], resume=True, progress=False)
+    store = acs.open_store(out)
+    assert store.status == "complete" and store.n_samples == 20
+    assert {hp: store.n_rows(hp) for hp in store.hook_points} == {"0.output": 20, "1.output": 20, "2.output": 20}

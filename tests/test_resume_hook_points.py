@@ -1,0 +1,192 @@
+"""A resumed capture gives exactly the hook points its store holds, or is refused before any
+row of it is committed, the store left as it was (issue 11: a narrower ``include=`` on resume
+gave a "complete" store whose arrays had fewer rows than its sample table). A reduction added
+on a resume with nothing left to capture is computed over the stored rows. Reference: plain
+PyTorch over every sample, and the store's files byte for byte."""
+
+from __future__ import annotations
+
+import hashlib
+import pathlib
+
+import pytest
+import torch
+
+from activationscope import ActivationScope, CaptureError, CaptureWarning, open_store
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+
+
+def _batches(n, rows=5):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(rows, 4, generator=g) for _ in range(n)]
+
+
+def _files(path):
+    """Every file of the store (the writer lock aside) -> sha256 of its bytes."""
+    root = pathlib.Path(path)
+    return {str(f.relative_to(root)): hashlib.sha256(f.read_bytes()).hexdigest()
+            for f in sorted(root.rglob("*")) if f.is_file() and f.name != ".lock"}
+
+
+def _capture(model, path, xs, *, resume=False, reductions=("mean",), **track):
+    scope = ActivationScope(store=path, reductions=list(reductions) if reductions else None,
+                            store_options={"resume": True} if resume else {})
+    with torch.no_grad(), scope.track(model, **track):
+        for x in xs:
+            model(x)
+
+
+def _ref(model, xs, upto):
+    with torch.no_grad():
+        return torch.cat([model[:upto](x) for x in xs]).double()
+
+
+@pytest.mark.parametrize("track", [
+    {"include": ["0"]},                      # the issue's input: a narrower include
+    {"exclude": ["2"]},                      # the same through exclude
+    {"capture": "input"},                    # the other side of the same modules
+])
+def test_a_resume_missing_stored_hook_points_is_refused_and_the_store_is_untouched(tmp_path, track):
+    model, xs = _model(), _batches(4)
+    path = tmp_path / "s.zarr"
+    _capture(model, path, xs[:2])
+    before = _files(path)
+    with pytest.raises(CaptureError) as err:
+        _capture(model, path, xs[2:], resume=True, **track)
+    msg = str(err.value)
+    assert "cannot resume" in msg and "same include=/exclude=/capture=" in msg and "left as it was" in msg
+    assert "'2.output'" in msg  # a missing hook point is named
+    assert _files(path) == before
+    s = open_store(path)
+    assert s.status == "complete" and s.n_samples == 10
+    for hp, upto in (("0.output", 1), ("1.output", 2), ("2.output", 3)):
+        torch.testing.assert_close(torch.as_tensor(s[hp][:]).double(), _ref(model, xs[:2], upto))
+
+
+def test_a_resume_giving_extra_hook_points_is_refused_before_its_first_row(tmp_path):
+    model, xs = _model(), _batches(4)
+    path = tmp_path / "s.zarr"
+    _capture(model, path, xs[:2], include=["0", "2"])
+    before = _files(path)
+    with pytest.raises(CaptureError, match=r"this capture gives \['1.output'\] which it does not hold"):
+        _capture(model, path, xs[2:], resume=True)  # every module: 1.output is new
+    assert _files(path) == before
+    assert open_store(path).status == "complete"
+
+
+class Branchy(torch.nn.Module):
+    """A module that runs only when asked: which hook points a forward gives is known only
+    after it ran."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(4, 4)
+        self.b = torch.nn.Linear(4, 2)
+
+    def forward(self, x, extra=True):
+        y = self.a(x)
+        return (y, self.b(y)) if extra else (y,)
+
+
+@pytest.mark.parametrize("status", ["complete", "incomplete"])
+def test_a_hook_point_missing_from_the_first_resumed_forward_is_refused_before_commit(tmp_path, status):
+    model = Branchy()
+    xs = _batches(6, rows=700)  # a first resumed forward that fills chunks of both arrays
+    path = tmp_path / "s.zarr"
+    try:
+        with torch.no_grad(), ActivationScope(store=path, store_options={"chunk_rows": 64}).track(model):
+            for x in xs[:2]:
+                model(x)
+            if status == "incomplete":
+                raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        pass
+    before = _files(path)
+    with pytest.raises(CaptureError, match=r"it holds \['b.output'\] which this capture does not give"):
+        with torch.no_grad(), ActivationScope(store=path, store_options={"resume": True}).track(model):
+            model(xs[2], extra=False)
+    s = open_store(path)
+    assert s.status == status and s.n_samples == 1400
+    assert {hp: s.n_rows(hp) for hp in s.hook_points} == {"a.output": 1400, "b.output": 1400}
+    if status == "complete":
+        assert _files(path) == before
+    # the same resume with every hook point continues exactly
+    with torch.no_grad(), ActivationScope(store=path, store_options={"resume": True}).track(model):
+        for x in xs[2:]:
+            model(x)
+    s = open_store(path)
+    with torch.no_grad():
+        ref_a = torch.cat([model.a(x) for x in xs])
+        ref_b = torch.cat([model.b(model.a(x)) for x in xs])
+    assert s.status == "complete" and s.n_samples == 4200
+    torch.testing.assert_close(torch.as_tensor(s["a.output"][:]), ref_a)
+    torch.testing.assert_close(torch.as_tensor(s["b.output"][:]), ref_b)
+
+
+def test_a_refusal_caught_inside_the_block_is_raised_again_at_its_end(tmp_path):
+    model = Branchy()
+    xs = _batches(3)
+    path = tmp_path / "s.zarr"
+    with torch.no_grad(), ActivationScope(store=path).track(model):
+        model(xs[0])
+    before = _files(path)
+    with pytest.raises(CaptureError, match="cannot resume"):
+        with torch.no_grad(), ActivationScope(store=path, store_options={"resume": True}).track(model):
+            with pytest.raises(CaptureError, match="cannot resume"):
+                model(xs[1], extra=False)
+            model(xs[2])  # a whole forward after the refusal is not committed either
+    assert _files(path) == before
+
+
+def test_several_resumes_in_a_row_stay_exact(tmp_path):
+    model, xs = _model(), _batches(6)
+    path = tmp_path / "s.zarr"
+    _capture(model, path, xs[:1], reductions=("mean", "max"))
+    for i in range(1, 6):
+        _capture(model, path, xs[i:i + 1], resume=True, reductions=("mean", "max"))
+    s = open_store(path)
+    assert s.status == "complete" and s.n_samples == 30
+    for hp, upto in (("0.output", 1), ("1.output", 2), ("2.output", 3)):
+        ref = _ref(model, xs, upto)
+        assert s.n_rows(hp) == 30
+        torch.testing.assert_close(torch.as_tensor(s[hp][:]).double(), ref)
+        torch.testing.assert_close(s.reductions[hp]["mean"], ref.mean(0))
+        torch.testing.assert_close(s.reductions[hp]["max"].double(), ref.max(0).values)
+
+
+def test_a_reduction_added_on_a_resume_with_nothing_left_to_capture_covers_the_stored_rows(tmp_path):
+    model, xs = _model(), _batches(3)
+    path = tmp_path / "s.zarr"
+    _capture(model, path, xs, reductions=None)
+    scope = ActivationScope(store=path, reductions=["mean", "var"], store_options={"resume": True})
+    with torch.no_grad(), scope.track(model) as tracker:
+        pass  # every sample is stored already: no forward
+    s = open_store(path)
+    assert s.status == "complete" and s.n_samples == 15
+    for hp, upto in (("0.output", 1), ("1.output", 2), ("2.output", 3)):
+        ref = _ref(model, xs, upto)
+        torch.testing.assert_close(s.reductions[hp]["mean"], ref.mean(0))
+        torch.testing.assert_close(s.reductions[hp]["var"], ref.var(0, correction=0))
+        assert int(s.reductions[hp]["mean.count"]) == 15
+        torch.testing.assert_close(tracker.reductions[hp]["mean"], ref.mean(0))
+    assert s.partial_reductions == {}
+
+
+def test_a_hook_point_first_seen_in_a_later_forward_is_not_said_to_follow_the_row_table(tmp_path):
+    model = Branchy()
+    xs = _batches(2, rows=3)
+    path = tmp_path / "s.zarr"
+    with pytest.warns(CaptureWarning, match=r"hook point 'b.output' was first captured in forward 1.*follows_row_table"):
+        with torch.no_grad(), ActivationScope(store=path).track(model):
+            model(xs[0], extra=False)
+            model(xs[1], extra=True)
+    s = open_store(path)
+    assert s.n_samples == 6 and s.n_rows("b.output") == 3
+    assert s.follows_row_table("a.output") and not s.follows_row_table("b.output")
+    with torch.no_grad():
+        torch.testing.assert_close(torch.as_tensor(s["b.output"][:]), model.b(model.a(xs[1])))

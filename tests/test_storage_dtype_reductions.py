@@ -1,0 +1,174 @@
+"""``storage_dtype``: reductions describe the stored (cast) values, a cast that overflows is an
+error, and a resume keeps the store's dtype (issue 11: a float16 store held inf while its
+``max`` was finite; a bfloat16 resume mixed cast and uncast values). Reference: float64
+statistics of the stored array itself, and plain PyTorch casts."""
+
+from __future__ import annotations
+
+import hashlib
+import pathlib
+
+import pytest
+import torch
+
+from activationscope import ActivationScope, CaptureError, open_store
+
+
+def _model(scale=1.0):
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    with torch.no_grad():
+        m[2].weight.mul_(scale)
+    return m
+
+
+def _batches(n, rows=32):
+    g = torch.Generator().manual_seed(2)
+    return [torch.randn(rows, 6, generator=g) * 3 for _ in range(n)]
+
+
+def _files(path):
+    root = pathlib.Path(path)
+    return {str(f.relative_to(root)): hashlib.sha256(f.read_bytes()).hexdigest()
+            for f in sorted(root.rglob("*")) if f.is_file() and f.name != ".lock"}
+
+
+NAMES = ["mean", "var", "min", "max", "absmax", "l2"]
+
+
+def _check_against(red, rows):
+    """Every reduction equals the float64 statistic of ``rows`` (the stored values)."""
+    x = rows.double()
+    torch.testing.assert_close(red["mean"], x.mean(0))
+    torch.testing.assert_close(red["var"], x.var(0, correction=0))
+    torch.testing.assert_close(red["min"].double(), x.min(0).values)
+    torch.testing.assert_close(red["max"].double(), x.max(0).values)
+    torch.testing.assert_close(red["absmax"].double(), x.abs().max(0).values)
+    torch.testing.assert_close(red["l2"].double(), x.pow(2).sum(0).sqrt())
+    assert int(red["mean.count"]) == x.shape[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_store_reductions_equal_float64_statistics_of_the_stored_array(tmp_path, dtype):
+    model, xs = _model(scale=37.0), _batches(4)
+    path = tmp_path / "s.zarr"
+    with torch.no_grad(), ActivationScope(store=path, reductions=NAMES, storage_dtype=dtype).track(model):
+        for x in xs:
+            model(x)
+    s = open_store(path)
+    with torch.no_grad():
+        pre = torch.cat([model(x) for x in xs]).double()
+    for hp in ("0.output", "2.output"):
+        stored = torch.as_tensor(s[hp][:])
+        assert stored.dtype == dtype
+        _check_against(s.reductions[hp], stored)
+    # the reference differs from the pre-cast statistic: the test tells the two apart
+    assert not torch.equal(s.reductions["2.output"]["max"].double(), pre.max(0).values)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_in_memory_reductions_equal_float64_statistics_of_the_records(dtype):
+    model, xs = _model(scale=37.0), _batches(3)
+    with torch.no_grad(), ActivationScope(reductions=NAMES, storage_dtype=dtype).track(model) as tr:
+        for x in xs:
+            model(x)
+    for hp in ("0.output", "1.output", "2.output"):
+        records = torch.cat(tr.activations[hp])
+        assert records.dtype == dtype
+        _check_against(tr.reductions[hp], records)
+        with torch.no_grad():
+            want = torch.cat([model[: int(hp[0]) + 1](x) for x in xs]).to(dtype)
+        torch.testing.assert_close(records, want, rtol=0, atol=0)
+
+
+def test_an_alias_reduces_the_stored_values_too(tmp_path):
+    inner = _model(scale=37.0)
+    model = torch.nn.Sequential(inner)  # "0.output" is "0.2.output", stored once
+    xs = _batches(2)
+    path = tmp_path / "s.zarr"
+    with torch.no_grad(), ActivationScope(store=path, reductions=["mean", "max"], storage_dtype=torch.float16).track(model):
+        for x in xs:
+            model(x)
+    s = open_store(path)
+    stored = torch.as_tensor(s["0.2.output"][:]).double()
+    for hp in ("0.output", "0.2.output"):
+        torch.testing.assert_close(s.reductions[hp]["mean"], stored.mean(0))
+        torch.testing.assert_close(s.reductions[hp]["max"].double(), stored.max(0).values)
+
+
+def test_a_bfloat16_resume_reduces_every_stored_row(tmp_path):
+    model, xs = _model(scale=37.0), _batches(4)
+    path = tmp_path / "s.zarr"
+    for i, part in enumerate((xs[:2], xs[2:])):
+        scope = ActivationScope(store=path, reductions=NAMES, storage_dtype=torch.bfloat16,
+                                store_options={"resume": True} if i else {})
+        with torch.no_grad(), scope.track(model):
+            for x in part:
+                model(x)
+    s = open_store(path)
+    for hp in ("0.output", "2.output"):
+        assert s.n_rows(hp) == 128
+        _check_against(s.reductions[hp], torch.as_tensor(s[hp][:]))
+
+
+@pytest.mark.parametrize("store", [True, False])
+@pytest.mark.parametrize("reductions", [["max"], None])
+def test_a_float16_cast_that_overflows_is_an_error_naming_the_hook_point(tmp_path, store, reductions):
+    model, xs = _model(scale=1e5), _batches(2)
+    with torch.no_grad():
+        biggest = max(model(x).abs().max().item() for x in xs[1:])
+    assert biggest > 65504  # the case: finite float32 values past float16's largest
+    kwargs = {"store": tmp_path / "s.zarr"} if store else {}
+    scope = ActivationScope(reductions=reductions, storage_dtype=torch.float16, **kwargs)
+    with pytest.raises(CaptureError) as err, torch.no_grad(), scope.track(model, include=["2"]) as tr:
+        for x in xs[1:]:
+            model(x)
+    msg = str(err.value)
+    assert "hook point '2.output'" in msg and "torch.float16 turns finite values into inf" in msg
+    assert "the largest torch.float16 is 65504" in msg and "wider storage_dtype" in msg
+    assert f"max |value| {biggest:.6g}" in msg
+    if not store:
+        assert tr.activations.get("2.output", []) == []  # nothing of that call was kept
+    else:
+        assert open_store(tmp_path / "s.zarr").status == "incomplete"
+
+
+def test_a_float64_to_float32_overflow_is_an_error_and_genuine_inf_is_not(tmp_path):
+    lin = torch.nn.Linear(2, 2).double()
+    with torch.no_grad():
+        lin.weight.copy_(torch.eye(2, dtype=torch.float64))
+        lin.bias.zero_()
+    with pytest.raises(CaptureError, match="hook point 'output': storage_dtype=torch.float32 turns finite"):
+        with torch.no_grad(), ActivationScope(store=tmp_path / "a.zarr", storage_dtype=torch.float32).track(
+                lin, include=[""]):
+            lin(torch.tensor([[1e39, 1.0]], dtype=torch.float64))
+    # values that are already inf (or NaN) stay so: no error, stored as they are
+    x = torch.tensor([[float("inf"), 1.0], [float("nan"), -2.0]], dtype=torch.float64)
+    with torch.no_grad(), ActivationScope(store=tmp_path / "b.zarr", storage_dtype=torch.float16,
+                                          reductions=["max"]).track(lin, include=[""]):
+        lin(x)
+    stored = torch.as_tensor(open_store(tmp_path / "b.zarr")["output"][:])
+    with torch.no_grad():
+        want = lin(x)
+    assert not torch.isfinite(want).all()
+    torch.testing.assert_close(stored, want.to(torch.float16), equal_nan=True)
+
+
+@pytest.mark.parametrize("first, second", [(None, torch.bfloat16), (torch.bfloat16, None),
+                                           (torch.float16, torch.bfloat16)])
+def test_a_resume_with_another_storage_dtype_is_refused_and_the_store_untouched(tmp_path, first, second):
+    model, xs = _model(), _batches(2)
+    path = tmp_path / "s.zarr"
+    with torch.no_grad(), ActivationScope(store=path, reductions=["mean"], storage_dtype=first).track(model):
+        model(xs[0])
+    before = _files(path)
+    scope = ActivationScope(store=path, reductions=["mean"], storage_dtype=second, store_options={"resume": True})
+    with pytest.raises(CaptureError) as err:
+        with torch.no_grad(), scope.track(model):
+            model(xs[1])
+    msg = str(err.value)
+    name = lambda d: "None" if d is None else str(d)  # noqa: E731
+    assert "'0.output'" in msg and f"storage_dtype={name(second)}" in msg
+    assert f"resume with storage_dtype={name(first)}" in msg
+    assert _files(path) == before
+    assert open_store(path).status == "complete"
