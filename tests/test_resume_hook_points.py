@@ -190,3 +190,32 @@ def test_a_hook_point_first_seen_in_a_later_forward_is_not_said_to_follow_the_ro
     assert s.follows_row_table("a.output") and not s.follows_row_table("b.output")
     with torch.no_grad():
         torch.testing.assert_close(torch.as_tensor(s["b.output"][:]), model.b(model.a(xs[1])))
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_a_refused_resume_that_rewrote_the_committed_last_shard_puts_it_back(tmp_path, compression):
+    # 40 committed rows of 64-row shards: the refused forward's 40 rows complete shard 0,
+    # which the writer renames over the committed file before the forward ends
+    model = Branchy()
+    xs = _batches(3, rows=40)
+    path = tmp_path / "s.zarr"
+    opts = {"shard_rows": 64, "compression": compression}
+    with torch.no_grad(), ActivationScope(store=path, store_options=opts).track(model):
+        model(xs[0])
+    before = _files(path)
+    with pytest.raises(CaptureError, match="cannot resume"):
+        with torch.no_grad(), ActivationScope(store=path, store_options={"resume": True}).track(model):
+            model(xs[1], extra=False)
+    assert _files(path) == before
+    s = open_store(path)
+    assert s.verify() == []
+    with torch.no_grad():
+        torch.testing.assert_close(torch.as_tensor(s["a.output"][:]), model.a(xs[0]))
+    # and a resume with every hook point continues exactly from there
+    with torch.no_grad(), ActivationScope(store=path, store_options={"resume": True}).track(model):
+        model(xs[1])
+        model(xs[2])
+    s = open_store(path)
+    assert s.verify() == [] and s.n_samples == 120
+    with torch.no_grad():
+        torch.testing.assert_close(torch.as_tensor(s["b.output"][:]), torch.cat([model.b(model.a(x)) for x in xs]))

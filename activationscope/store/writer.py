@@ -407,6 +407,9 @@ class StoreWriter:
         self._seen_version = self._core.durable_version
         self._unpublished = False  # arrays opened since the root was last written
         self._io_pool: Any = None  # thread pool of _set_many, made on first use
+        # resume of a local store: (shard file, hard link to it) of each committed last shard
+        # the re-fed rows will rewrite; discard() puts them back, a commit drops the links
+        self._kept_shards: list[tuple[Path, Path]] = []
         self._closed = False
         self._failing = False  # closing after a failure (abort, or the writer thread failed)
         self._lock = threading.RLock()
@@ -571,6 +574,8 @@ class StoreWriter:
                 if committed > start:  # re-feed the committed rows of the partial last shard
                     from .reader import Store
 
+                    self._keep_committed_shard(arr, committed // arr.shard_rows)
+
                     st = Store(self._backend)
                     st._resume_tail = True  # a resume killed before its commit rewrote that chunk (FORMAT.md section 5)
                     rows = st._read_rows(hook_point, start, committed, copy=True)
@@ -580,6 +585,33 @@ class StoreWriter:
                 self._unpublished = True
             self._reserve([f"{arr.path}/zarr.json", f"{arr.path}/manifest.json"])
             return writer
+
+    def _keep_committed_shard(self, arr: _Array, shard: int) -> None:
+        """Hard-link the committed file of a partial last shard that this run will rewrite
+        under the same name, so :meth:`discard` can put it back (local stores; remote ones
+        upload only at a commit). The link's ``.tmp`` name is removed by the next resume."""
+        if not isinstance(self._backend, LocalBackend):
+            return
+        path = self._backend.root / F.shard_key(arr.path, shard, len(arr.feature_shape))
+        keep = path.with_name(path.name + ".committed.tmp")
+        try:
+            keep.unlink(missing_ok=True)
+            os.link(path, keep)
+        except OSError:
+            return  # no hard links here: a discard cannot restore this shard (the root still is)
+        self._kept_shards.append((path, keep))
+
+    def _drop_kept_shards(self, restore: bool) -> None:
+        while self._kept_shards:
+            path, keep = self._kept_shards.pop()
+            try:
+                if restore and not (path.exists() and os.path.samefile(keep, path)):
+                    os.replace(keep, path)  # (rename() of two links to one file does nothing)
+                else:
+                    keep.unlink(missing_ok=True)
+            except OSError as e:
+                warnings.warn(f"store {str(self._backend)!r}: {'restoring' if restore else 'removing'} {keep}: {e}",
+                              RuntimeWarning, stacklevel=3)
 
     def _load_manifest(self, arr: _Array) -> dict:
         key = f"{arr.path}/manifest.json"
@@ -1085,6 +1117,7 @@ class StoreWriter:
             self._closed = True
             try:
                 self._stop_threads()
+                self._drop_kept_shards(restore=True)
                 self._backend.set("zarr.json", self._found_root)
             except BaseException as e:  # noqa: BLE001 - the refusal stays the error the caller sees
                 warnings.warn(f"store {str(self._backend)!r}: putting its root document back failed: {e}",
@@ -1096,6 +1129,7 @@ class StoreWriter:
                     pass
 
     def _cleanup(self) -> None:
+        self._drop_kept_shards(restore=False)
         release = getattr(self._backend, "release", None)
         if release is not None:
             release()
