@@ -297,6 +297,7 @@ void bind_capture(py::module_& m) {
       .def_readonly("stopped", &TrackerCore::stopped)
       .def_readonly("n_forwards", &TrackerCore::n_forwards)
       .def_readonly("capturing", &TrackerCore::capturing)
+      .def_readonly("in_graph", &TrackerCore::in_graph)
       .def_readonly("batch_size", &TrackerCore::batch_size)
       .def("sinks", [](const TrackerCore& c) {
         py::dict d;
@@ -340,9 +341,29 @@ void bind_capture(py::module_& m) {
       .def("add_site", &ForwardWrapper::add_site)
       .def("remove_site", &ForwardWrapper::remove_site)
       .def_property_readonly("n_sites", &ForwardWrapper::n_sites)
-      .def_property_readonly("original", &ForwardWrapper::original);
+      .def_property_readonly("original", &ForwardWrapper::original)
+      .def_property_readonly("key", &ForwardWrapper::key)
+      .def("plan", &ForwardWrapper::plan,
+           "(any site captures inputs, any captures outputs, any is a root, any needs the eager path)")
+      .def("paths", &ForwardWrapper::paths)
+      .def("call_eager", [](py::object self, py::args args, py::kwargs kwargs) {
+        // The traced __call__'s way out of the graph (a graph break) for a wrapper whose
+        // capture cannot run in a graph (plan()[3]); says so once per wrapper.
+        auto& w = self.cast<ForwardWrapper&>();
+        w.warn_eager_once();
+        return w.call(std::move(args), std::move(kwargs));
+      });
   reinterpret_cast<PyTypeObject*>(forward_wrapper_cls.ptr())->tp_call = forward_wrapper_tp_call;
   PyType_Modified(reinterpret_cast<PyTypeObject*>(forward_wrapper_cls.ptr()));
+  // The Python-level __call__ that TorchDynamo traces (capture/compiled.py): put in the type's
+  // dict directly, so that the slot calls keep going to forward_wrapper_tp_call (setting it
+  // as an attribute would repoint tp_call to the Python function).
+  m.def("_set_traced_call", [forward_wrapper_cls](py::function fn) {
+    auto* type = reinterpret_cast<PyTypeObject*>(forward_wrapper_cls.ptr());
+    if (PyDict_SetItemString(type->tp_dict, "__call__", fn.ptr()) != 0) throw py::error_already_set();
+    PyType_Modified(type);
+    TORCH_CHECK(type->tp_call == forward_wrapper_tp_call, "ForwardWrapper.tp_call was repointed");
+  });
 }
 
 void bind_reductions(py::module_& m) {

@@ -7,6 +7,8 @@
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <mutex>
+
 #include "errors.h"
 #include "gil.h"
 #include "py_errors.h"
@@ -86,14 +88,116 @@ PyObject* stop_forward_type() {
   return type;
 }
 
-py::object ForwardWrapper::call(py::args args, py::kwargs kwargs) {
-  if (sites_.empty() || torch::autograd::get_current_graph_task_id() != -1) {
-    // Not tracked, or a recompute of activation checkpointing during backward.
-    return call_original(args, kwargs);
+namespace {
+
+std::mutex g_wrappers_mu;
+std::unordered_map<int64_t, ForwardWrapper*>& wrappers() {
+  static auto* m = new std::unordered_map<int64_t, ForwardWrapper*>();  // kept for the process
+  return *m;
+}
+int64_t g_next_key = 1;
+
+// torch._C._dynamo.eval_frame.set_eval_frame, or None where this torch lacks it.
+PyObject* set_eval_frame_fn() {
+  static PyObject* fn = [] {
+    PyObject* f = nullptr;
+    try {
+      f = py::object(py::module_::import("torch._C._dynamo.eval_frame").attr("set_eval_frame")).release().ptr();
+    } catch (py::error_already_set&) {
+      f = Py_None;
+      Py_INCREF(f);
+    }
+    return f;
+  }();
+  return fn;
+}
+
+// Whether TorchDynamo's frame hook is set on this thread (a compiled region runs this code).
+bool under_dynamo() {
+  static PyObject* get = [] {
+    PyObject* f = nullptr;
+    try {
+      f = py::object(py::module_::import("torch._C._dynamo.eval_frame").attr("get_eval_frame_callback")).release().ptr();
+    } catch (py::error_already_set&) {
+      f = Py_None;
+      Py_INCREF(f);
+    }
+    return f;
+  }();
+  if (get == Py_None) return false;
+  PyObject* cb = PyObject_CallNoArgs(get);
+  if (cb == nullptr) {
+    PyErr_Clear();
+    return false;
   }
-  // One tracker records one forward at a time: a call from another thread while a root
-  // forward runs would interleave its records, names (#k) and forward boundaries with that
-  // forward's. The fields read here change only with the GIL held.
+  const bool on = cb != Py_None && cb != Py_False;
+  Py_DECREF(cb);
+  return on;
+}
+
+}  // namespace
+
+void ForwardWrapper::warn_eager_once() {
+  if (warned_eager_) return;
+  warned_eager_ = true;
+  call_outside_dynamo(py::module_::import("activationscope.capture.compiled").attr("warn_eager"),
+                      py::make_tuple(paths()));
+}
+
+py::object call_outside_dynamo(const py::object& fn, const py::tuple& args) {
+  PyObject* set = set_eval_frame_fn();
+  if (set == Py_None) return fn(*args);
+  py::object prior = py::reinterpret_borrow<py::object>(set)(py::none());
+  struct Restore {
+    PyObject* set;
+    py::object prior;
+    ~Restore() {
+      PyObject* r = PyObject_CallOneArg(set, prior.ptr());
+      if (r == nullptr) PyErr_Clear();  // set_eval_frame does not fail on a callback it returned
+      Py_XDECREF(r);
+    }
+  } restore{set, std::move(prior)};
+  return fn(*args);
+}
+
+ForwardWrapper::ForwardWrapper(py::object original) : original_(std::move(original)) {
+  std::lock_guard<std::mutex> lock(g_wrappers_mu);
+  key_ = g_next_key++;
+  wrappers()[key_] = this;
+}
+
+ForwardWrapper::~ForwardWrapper() {
+  std::lock_guard<std::mutex> lock(g_wrappers_mu);
+  wrappers().erase(key_);
+}
+
+ForwardWrapper* ForwardWrapper::find(int64_t key) {
+  std::lock_guard<std::mutex> lock(g_wrappers_mu);
+  auto it = wrappers().find(key);
+  return it == wrappers().end() ? nullptr : it->second;
+}
+
+std::tuple<bool, bool, bool, bool> ForwardWrapper::plan() const {
+  bool in = false, out = false, root = false, eager = false;
+  for (const auto& s : sites_) {
+    in = in || s->capture_input;
+    out = out || s->capture_output;
+    root = root || s->is_root;
+    eager = eager || s->core->stop_after_last;  // ends a forward by an exception: not in a graph
+  }
+  return {in, out, root, eager};
+}
+
+std::vector<std::string> ForwardWrapper::paths() const {
+  std::vector<std::string> out;
+  for (const auto& s : sites_) out.push_back(s->path);
+  return out;
+}
+
+// One tracker records one forward at a time: a call from another thread while a root
+// forward runs would interleave its records, names (#k) and forward boundaries with that
+// forward's. The fields read here change only with the GIL held.
+void ForwardWrapper::check_one_thread() const {
   for (auto& s : sites_) {
     const TrackerCore& c = *s->core;
     if (c.active && c.depth > 0 && c.owner != std::this_thread::get_id()) {
@@ -103,6 +207,64 @@ py::object ForwardWrapper::call(py::args args, py::kwargs kwargs) {
                       "time, or give each thread its own copy of the model with its own tracker");
     }
   }
+}
+
+// The start of a root forward of tracker `c` (its depth already raised to 1): the capture
+// decision, batch size, token mask and the start callback. A callback that raises leaves the
+// forward uncounted.
+void ForwardWrapper::start_forward(TrackerCore& c, const at::Tensor& first) {
+  c.owner = std::this_thread::get_id();
+  c.capturing = c.decide(c.n_forwards);
+  c.batch_size = first.defined() ? first.size(0) : -1;
+  if (c.token_rows) {
+    if (first.defined() && first.dim() >= 2) {
+      if (!c.auto_mask.defined() || c.auto_mask.size(0) != first.size(0) || c.auto_mask.size(1) != first.size(1))
+        c.auto_mask = at::ones({first.size(0), first.size(1)}, at::TensorOptions().dtype(at::kBool));
+    } else {
+      c.auto_mask = at::Tensor();
+    }
+  }
+  c.n_consumed = 0;
+  c.last_sink.reset();
+  c.stop_now = false;
+  c.stopped = false;
+  ++c.n_forwards;
+  if (c.on_forward_start && !c.on_forward_start.is_none()) {
+    try {
+      call_outside_dynamo(c.on_forward_start, py::tuple());
+    } catch (...) {
+      --c.n_forwards;
+      throw;
+    }
+  }
+}
+
+// Whether site `s` captures this call; if so, the name base it captures under ("<path>" or
+// "<path>#k" for its k-th call in this root forward).
+bool ForwardWrapper::take_call(Site& s, std::string* base, int64_t* k) {
+  TrackerCore& c = *s.core;
+  if (!c.active) return false;
+  const bool take = c.depth > 0 ? c.capturing : c.decide(s.n_calls++);
+  *k = 0;
+  if (s.fwd_seen == c.n_forwards && c.depth > 0) {
+    *k = s.calls_in_fwd++;
+  } else {
+    s.fwd_seen = c.n_forwards;
+    s.calls_in_fwd = 1;
+  }
+  if (!take) return false;
+  *base = s.path;
+  if (*k > 0) *base += "#" + std::to_string(*k);
+  return true;
+}
+
+py::object ForwardWrapper::call(py::args args, py::kwargs kwargs) {
+  if (sites_.empty() || torch::autograd::get_current_graph_task_id() != -1) {
+    // Not tracked, or a recompute of activation checkpointing during backward.
+    return call_original(args, kwargs);
+  }
+  if (needs_eager_ && !warned_eager_ && under_dynamo()) warn_eager_once();  // compiled, but not in a graph
+  check_one_thread();
   // Root bookkeeping (forward boundaries) for every tracker rooted here. The guard exists
   // before any increment, so a start callback that raises leaves depth (and the #k names
   // of later forwards) intact, and a forward that never ran is not counted.
@@ -118,58 +280,16 @@ py::object ForwardWrapper::call(py::args args, py::kwargs kwargs) {
       TrackerCore& c = *s->core;
       const bool outer = c.depth++ == 0;
       roots.push_back(s.get());
-      if (outer) {
-        c.owner = std::this_thread::get_id();
-        c.capturing = c.decide(c.n_forwards);
-        at::Tensor first = root_first_input(args, kwargs);
-        c.batch_size = first.defined() ? first.size(0) : -1;
-        if (c.token_rows) {
-          if (first.defined() && first.dim() >= 2) {
-            if (!c.auto_mask.defined() || c.auto_mask.size(0) != first.size(0) || c.auto_mask.size(1) != first.size(1))
-              c.auto_mask = at::ones({first.size(0), first.size(1)}, at::TensorOptions().dtype(at::kBool));
-          } else {
-            c.auto_mask = at::Tensor();
-          }
-        }
-        c.n_consumed = 0;
-        c.last_sink.reset();
-        c.stop_now = false;
-        c.stopped = false;
-        ++c.n_forwards;
-        if (c.on_forward_start && !c.on_forward_start.is_none()) {
-          try {
-            c.on_forward_start();
-          } catch (...) {
-            --c.n_forwards;
-            throw;
-          }
-        }
-      }
+      if (outer) start_forward(c, root_first_input(args, kwargs));
     }
   }
 
   // Which sites capture this call, and under which names.
   std::vector<Active> active;
   for (auto& s : sites_) {
-    TrackerCore& c = *s->core;
-    if (!c.active) continue;
-    bool take;
-    if (c.depth > 0) {
-      take = c.capturing;
-    } else {
-      take = c.decide(s->n_calls++);
-    }
-    int64_t k = 0;
-    if (s->fwd_seen == c.n_forwards && c.depth > 0) {
-      k = s->calls_in_fwd++;
-    } else {
-      s->fwd_seen = c.n_forwards;
-      s->calls_in_fwd = 1;
-    }
-    if (!take) continue;
-    std::string base = s->path;
-    if (k > 0) base += "#" + std::to_string(k);
-    active.push_back({s.get(), std::move(base), k});
+    std::string base;
+    int64_t k;
+    if (take_call(*s, &base, &k)) active.push_back({s.get(), std::move(base), k});
   }
 
   if (!active.empty()) {
@@ -244,7 +364,7 @@ py::object ForwardWrapper::call(py::args args, py::kwargs kwargs) {
         c.stop_sink = c.last_sink;
       }
     }
-    if (c.on_forward_end && !c.on_forward_end.is_none()) c.on_forward_end();
+    if (c.on_forward_end && !c.on_forward_end.is_none()) call_outside_dynamo(c.on_forward_end, py::tuple());
   }
   return none ? py::none() : out;
 }
@@ -277,7 +397,7 @@ std::string ForwardWrapper::join(const std::string& base, const char* what) {
 std::shared_ptr<Sink> ForwardWrapper::resolve(TrackerCore& core, const std::string& name, const at::Tensor& t) {
   auto it = core.sinks.find(name);
   if (it == core.sinks.end()) {
-    py::object made = core.on_new_hook_point(name, t);
+    py::object made = call_outside_dynamo(core.on_new_hook_point, py::make_tuple(name, t));
     std::shared_ptr<Sink> sink = made.is_none() ? nullptr : made.cast<std::shared_ptr<Sink>>();
     it = core.sinks.emplace(name, std::move(sink)).first;
   }
@@ -319,6 +439,112 @@ void ForwardWrapper::consume_all(TrackerCore& core, const Leaves& leaves) {
   {
     ReleaseGil nogil;
     for (auto& w : work) w.first->consume(*w.second, mask);
+  }
+  for (auto& w : work) core.note(w.first);
+}
+
+// ---------------------------------------------------------------------------------------
+// The in-graph path (see forward_wrapper.h): the same bookkeeping as call(), split at the
+// original forward into call_begin / call_end ops. Both run with the GIL held.
+
+void ForwardWrapper::op_begin(at::TensorList leaves, const std::vector<std::string>& names, const at::Tensor& first) {
+  if (op_frames_.size() > 64) op_frames_.clear();  // frames of graphs that raised midway
+  if (sites_.empty() || torch::autograd::get_current_graph_task_id() != -1) {
+    op_frames_.emplace_back().skip = true;
+    return;
+  }
+  check_one_thread();
+  op_frames_.emplace_back();
+  OpFrame f;
+  try {
+    for (auto& s : sites_) {
+      if (!s->is_root || !s->core->active) continue;
+      TrackerCore& c = *s->core;
+      if (c.op_depth > 0 && c.depth > 0) {
+        // A root forward opened by call_begin and never closed: its compiled graph raised
+        // midway (the exception was caught). A graph does not nest its own root, so this
+        // call starts the next forward; the capture's start callback reports the partial one.
+        c.depth -= c.op_depth;
+        c.op_depth = 0;
+      }
+      const bool outer = c.depth++ == 0;
+      ++c.op_depth;
+      f.roots.push_back(s->core);
+      if (outer) start_forward(c, first);
+    }
+  } catch (...) {
+    for (auto& c : f.roots) {
+      --c->depth;
+      --c->op_depth;
+    }
+    op_frames_.pop_back();
+    throw;
+  }
+  for (auto& s : sites_) {
+    std::string base;
+    int64_t k;
+    if (take_call(*s, &base, &k)) f.active.emplace_back(s, std::move(base));
+  }
+  op_frames_.back() = f;
+  for (auto& [site, base] : f.active)
+    if (site->capture_input && !leaves.empty()) capture_named(*site->core, base, leaves, names);
+}
+
+void ForwardWrapper::op_end(at::TensorList leaves, const std::vector<std::string>& names) {
+  if (op_frames_.empty()) return;  // frames dropped after a graph that raised
+  OpFrame f = std::move(op_frames_.back());
+  op_frames_.pop_back();
+  if (f.skip) return;
+  struct Guard {
+    std::vector<std::shared_ptr<TrackerCore>>& roots;
+    ~Guard() {
+      for (auto& c : roots) {
+        --c->depth;
+        if (c->op_depth > 0) --c->op_depth;
+      }
+    }
+  } guard{f.roots};
+  for (auto& [site, base] : f.active)
+    if (site->capture_output && !leaves.empty()) capture_named(*site->core, base, leaves, names);
+  for (auto& c : f.roots) {
+    if (c->depth != 1 || !c->active) continue;
+    if (c->on_forward_end && !c->on_forward_end.is_none()) call_outside_dynamo(c->on_forward_end, py::tuple());
+  }
+}
+
+// Capture `leaves` (named by their suffix) under `base`: the sinks are resolved with the GIL,
+// the tensors consumed without it. A sink that keeps the tensor itself (REFERENCE in memory)
+// gets a copy: a compiled graph reuses its buffers once their last reader ran, without
+// moving a version counter.
+void ForwardWrapper::capture_named(TrackerCore& core, const std::string& base, at::TensorList leaves,
+                                   const std::vector<std::string>& names) {
+  TORCH_CHECK(leaves.size() == names.size(), "activationscope call op: ", leaves.size(), " tensors but ",
+              names.size(), " names");
+  if (core.batch_size < 0 && leaves[0].dim() >= 1) core.batch_size = leaves[0].size(0);
+  std::vector<std::pair<std::shared_ptr<Sink>, at::Tensor>> work;
+  work.reserve(leaves.size());
+  struct InGraph {
+    TrackerCore& c;
+    explicit InGraph(TrackerCore& core) : c(core) { c.in_graph = true; }
+    ~InGraph() { c.in_graph = false; }
+  } in_graph{core};
+  for (size_t i = 0; i < leaves.size(); ++i) {
+    std::shared_ptr<Sink> sink = resolve(core, base.empty() ? names[i] : base + "." + names[i], leaves[i]);
+    if (!sink) continue;
+    // A compiled graph reuses a buffer for another value with the same layout and no version
+    // bump, so "the same tensor as that hook point" cannot be checked inside it: no aliases
+    // are made here (the tracker's _alias_target), and one made in an eager forward is refused.
+    ACS_CHECK(!sink->alias_of(), "hook point '", sink->name(), "' is kept as an alias of '", sink->alias_of()->name(),
+              "' (the same tensor in an eager forward), which cannot be checked inside a compiled graph (it reuses "
+              "buffers); track the compiled model from its first forward with a new tracker, or exclude= one of them");
+    const bool kept_by_reference = !sink->options().snapshot && sink->options().keep != Keep::NONE;
+    work.emplace_back(std::move(sink), kept_by_reference ? leaves[i].clone() : leaves[i]);
+  }
+  if (work.empty()) return;
+  at::Tensor mask = core.mask();
+  {
+    py::gil_scoped_release nogil;
+    for (auto& w : work) w.first->consume(w.second, mask);
   }
   for (auto& w : work) core.note(w.first);
 }

@@ -12,6 +12,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -35,6 +36,8 @@ struct TrackerCore {
   at::Tensor token_mask;            // (batch, pos) bool, or undefined
   int64_t n_forwards = 0;           // root forwards started
   int depth = 0;                    // root forward nesting
+  int op_depth = 0;                 // of which opened by the in-graph path (call_begin ops)
+  bool in_graph = false;            // resolving hook points of a capture inside a compiled graph
   std::thread::id owner;            // the thread running the current root forward (depth > 0)
   bool capturing = true;            // decision for the current root forward
   int64_t batch_size = -1;          // first dim of the first tensor captured in this forward
@@ -108,18 +111,27 @@ class ForwardWrapper {
     int64_t k;
   };
 
-  explicit ForwardWrapper(py::object original) : original_(std::move(original)) {}
+  explicit ForwardWrapper(py::object original);
+  ~ForwardWrapper();
+  ForwardWrapper(const ForwardWrapper&) = delete;
+  ForwardWrapper& operator=(const ForwardWrapper&) = delete;
 
-  void add_site(std::shared_ptr<Site> site) { sites_.push_back(std::move(site)); }
+  void add_site(std::shared_ptr<Site> site) {
+    sites_.push_back(std::move(site));
+    needs_eager_ = std::get<3>(plan());
+  }
   bool remove_site(const std::shared_ptr<Site>& site) {
     for (auto it = sites_.begin(); it != sites_.end(); ++it) {
       if (*it == site) {
         sites_.erase(it);
+        needs_eager_ = std::get<3>(plan());
         return true;
       }
     }
     return false;
   }
+  // The CaptureWarning of a wrapper that cannot capture inside a compiled graph, once.
+  void warn_eager_once();
   size_t n_sites() const { return sites_.size(); }
   py::object original() const { return original_; }
 
@@ -127,7 +139,37 @@ class ForwardWrapper {
   // outputs around it.
   py::object call(py::args args, py::kwargs kwargs);
 
+  // --- The in-graph path (torch.compile; compiled_ops.cpp, capture/compiled.py) ---------
+  // Under TorchDynamo the wrapper's Python-level __call__ is traced instead of call(): it
+  // calls the original forward in the graph, between two custom ops that run the same
+  // bookkeeping and captures as call() does, at run time:
+  //   call_begin: root forward start, which sites capture this call (and #k), inputs;
+  //   call_end: outputs, root forward end.
+  // Leaves are the flattened inputs / outputs, named by their suffix ("input.0",
+  // "input.kw.mask", "output", "output.0.last_hidden_state"), as call() names them.
+  int64_t key() const { return key_; }
+  // (any site captures inputs, any captures outputs, any is a root, any needs the eager path)
+  std::tuple<bool, bool, bool, bool> plan() const;
+  std::vector<std::string> paths() const;
+  void op_begin(at::TensorList leaves, const std::vector<std::string>& names, const at::Tensor& first);
+  void op_end(at::TensorList leaves, const std::vector<std::string>& names);
+  // The wrapper of key `key` (nullptr once it is gone). Call with the GIL held; the pointer
+  // stays valid while the GIL is held.
+  static ForwardWrapper* find(int64_t key);
+
  private:
+  // One call_begin not yet matched by its call_end.
+  struct OpFrame {
+    bool skip = false;
+    std::vector<std::pair<std::shared_ptr<Site>, std::string>> active;  // site, name base
+    std::vector<std::shared_ptr<TrackerCore>> roots;  // trackers rooted here (depth raised)
+  };
+  void check_one_thread() const;
+  static bool take_call(Site& s, std::string* base, int64_t* k);
+  static void start_forward(TrackerCore& c, const at::Tensor& first);
+  static void capture_named(TrackerCore& core, const std::string& base, at::TensorList leaves,
+                            const std::vector<std::string>& names);
+
   static std::string join(const std::string& base, const char* what);
   static std::shared_ptr<Sink> resolve(TrackerCore& core, const std::string& name, const at::Tensor& t);
   py::object call_original(const py::args& args, const py::kwargs& kwargs) const;
@@ -137,7 +179,16 @@ class ForwardWrapper {
 
   py::object original_;
   std::vector<std::shared_ptr<Site>> sites_;
+  int64_t key_ = 0;
+  std::vector<OpFrame> op_frames_;
+  bool needs_eager_ = false;  // plan()'s last field
+  bool warned_eager_ = false;
 };
+
+// Call a Python callback of the capture (bookkeeping, not model code) with TorchDynamo's
+// frame hook off: callbacks run from inside a compiled model's graph (the custom ops) and
+// from the eager wrapper of a model compiled around it, and dynamo must not trace them.
+py::object call_outside_dynamo(const py::object& fn, const py::tuple& args);
 
 // tp_call slot of the ForwardWrapper Python type (installed by the bindings).
 PyObject* forward_wrapper_tp_call(PyObject* self, PyObject* args, PyObject* kwargs);

@@ -21,13 +21,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import _native
+from . import _native, compiled
 from ..errors import ActivationScopeError, ArgumentTypeError, ArgumentValueError, CaptureError, CaptureWarning
 from .hooks import hook_point_module, is_hook_point_module, normalize_patterns, rename_hook_point, select_modules
 from .results import HookPointResults, ReductionResults
 from .writer import open_writer, writer_options
 
 _C = _native.load()
+compiled.install()  # the in-graph path of a torch.compile'd tracked model
 
 __all__ = [
     "ActivationScope",
@@ -366,12 +367,23 @@ class ActivationScope:
         exc = normalize_patterns(exclude, "exclude") if exclude is not None else self.exclude
         if stop_after_last is not None and not isinstance(stop_after_last, bool):
             raise ArgumentTypeError(f"stop_after_last must be a bool, got {stop_after_last!r}")
+        model = _uncompiled(model)
         modules = select_modules(model, inc, exc)
         stop = self.stop_after_last if stop_after_last is None else stop_after_last
         tracker = Tracker(self, model, modules, side, stop_after_last=stop)
         if token_rows is not None:
             tracker._token_rows = _parse_token_rows(token_rows)
         return tracker
+
+
+def _uncompiled(model: Any) -> Any:
+    """The module a ``torch.compile(model)`` wraps (hook points are named as in it); other
+    objects unchanged."""
+    dynamo = sys.modules.get("torch._dynamo.eval_frame")
+    optimized = getattr(dynamo, "OptimizedModule", None)
+    if optimized is not None and isinstance(model, optimized):
+        return model._orig_mod
+    return model
 
 
 class Tracker:
@@ -509,12 +521,11 @@ class Tracker:
         except BaseException:
             self._uninstall_all()
             raise
-        callbacks = (self._on_new_hook_point, self._on_forward_start, self._on_forward_end)
-        if "torch._dynamo" in sys.modules:
-            # under torch.compile, TorchDynamo would try to trace the callbacks (and warn that it
-            # cannot); they are the capture's bookkeeping, not the model's
-            callbacks = tuple(torch.compiler.disable(c) for c in callbacks)
-        self._core.on_new_hook_point, self._core.on_forward_start, self._core.on_forward_end = callbacks
+        # (the native side calls them with TorchDynamo's frame hook off: under torch.compile
+        # they are the capture's bookkeeping, not the model's)
+        self._core.on_new_hook_point = self._on_new_hook_point
+        self._core.on_forward_start = self._on_forward_start
+        self._core.on_forward_end = self._on_forward_end
         for target in set(self._aliases.values()):  # re-attached: alias targets watch again
             self._sinks[target].watch_aliases(True)
         self._core.active = True
@@ -564,17 +575,27 @@ class Tracker:
             current.add_site(site)
             wrapper = current
         else:
-            wrapper = _C.ForwardWrapper(module.forward)
-            wrapper.__wrapped__ = module.forward  # inspect.signature() sees the real forward
+            forward = module.forward
+            original = forward
+            if module is self.model and _in_torch(forward):
+                # a model compiled after tracking: TorchDynamo starts at the first Python frame
+                # under the native root wrapper and skips torch.nn's own (nn.Sequential.forward),
+                # so it would compile nothing; one Python frame of ours per forward gives it one
+                original = _python_frame(forward)
+            wrapper = _C.ForwardWrapper(original)
+            wrapper.__wrapped__ = forward  # inspect.signature() sees the real forward; traced_call calls it
             wrapper._acs_prior = current  # an instance-level forward set by someone else
+            wrapper._acs_key = str(wrapper.key)  # names the wrapper in the in-graph ops
             wrapper.add_site(site)
             object.__setattr__(module, "forward", wrapper)
+        wrapper._acs_plan = wrapper.plan()  # what the traced __call__ emits (compiled.traced_call)
         self._installed.append((module, wrapper, site))
 
     def _uninstall_all(self) -> None:
         while self._installed:
             module, wrapper, site = self._installed.pop()
             wrapper.remove_site(site)
+            wrapper._acs_plan = wrapper.plan()
             if wrapper.n_sites == 0 and module.__dict__.get("forward") is wrapper:
                 prior = getattr(wrapper, "_acs_prior", None)
                 if prior is None:
@@ -840,7 +861,8 @@ class Tracker:
             )
         if self.writer is not None and self._reduction_names.get(name):
             self._resume_reductions(name, sink)
-        if self._alias_candidates and target is None:
+        if self._alias_candidates and target is None and not self._core.in_graph:
+            # (not inside a compiled graph: it reuses buffers, so identity means nothing there)
             sink.watch_aliases(True)  # until the end of this forward, or for good once a target
             self._watching.append(name)
         self._sinks[name] = sink
@@ -865,7 +887,8 @@ class Tracker:
             return None  # a writer that cannot store aliases (a rank of a multi-rank capture)
         stored = self.writer.aliases if self.writer is not None else {}
         target = None
-        if self._alias_candidates and not (self.writer is not None and self.writer.committed_rows(name)):
+        if self._alias_candidates and not self._core.in_graph and not (
+                self.writer is not None and self.writer.committed_rows(name)):
             for other in reversed(self._watching):
                 if other != name and self._sinks[other].matches_last(tensor):
                     target = other
@@ -1144,6 +1167,20 @@ class Tracker:
     def __repr__(self) -> str:
         state = "attached" if self._attached else "detached"
         return f"<Tracker {type(self.model).__name__} {len(self._modules)} modules, {len(self._sinks)} hook points, {state}>"
+
+
+def _in_torch(forward: Any) -> bool:
+    """Whether ``forward`` (a bound method) is defined in torch itself."""
+    return str(getattr(getattr(forward, "__func__", None), "__module__", "")).startswith("torch.")
+
+
+def _python_frame(forward: Any) -> Any:
+    """``forward`` called from one Python frame of this module (which TorchDynamo traces)."""
+
+    def forward_of_tracked_model(*args: Any, **kwargs: Any) -> Any:
+        return forward(*args, **kwargs)
+
+    return forward_of_tracked_model
 
 
 # Modules of torch.nn whose fused fast path (torch.backends.mha) computes their children without

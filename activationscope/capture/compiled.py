@@ -1,0 +1,154 @@
+"""The capture path inside a ``torch.compile``d graph.
+
+Eagerly, a tracked module's ``forward`` is a native :class:`_C.ForwardWrapper` called
+through its C slot; TorchDynamo cannot trace that call. For dynamo the wrapper type also
+has a Python-level ``__call__`` (:func:`traced_call`, placed in the type's dict without
+touching the C slot, so eager calls never run it): dynamo inlines it, and it calls the
+original forward in the graph between two custom ops of the extension,
+``activationscope::call_begin`` and ``activationscope::call_end`` (csrc/compiled_ops.cpp).
+Those run, when the compiled graph runs, the bookkeeping and captures the eager wrapper runs
+(root forward start / end, capture policy, ``#k`` names, sinks, reductions, store rows), so
+records are those of the eager model, with no graph break.
+
+What is decided while tracing is only the structure: which tensors of a call's inputs /
+outputs are leaves and their names (:func:`leaves`, the same rule as the native
+``collect``), and which ops to emit (``wrapper.plan()``). Dynamo guards on the wrapper
+(the module's ``forward``) and on these attributes, so attaching or removing a tracker
+recompiles.
+
+A wrapper whose capture cannot run inside a graph (``stop_after_last=True``, which ends a
+forward by raising) leaves the graph: the traced ``__call__`` calls the eager wrapper (a
+graph break per tracked module, records exact) and :func:`warn_eager` says so once.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+
+from ..errors import CaptureWarning
+from . import _native
+
+_C = _native.load()
+
+__all__ = ["traced_call", "leaves", "first_input", "warn_eager", "install"]
+
+# Declared mutated by both ops, never written: keeps every op call and their order in a graph.
+_TOKEN = torch.zeros(1)
+_MAX_DEPTH = 8  # as the native collect()
+
+
+def leaves(obj: Any, prefix: str, names: list[str], tensors: list[torch.Tensor], depth: int = 0) -> None:
+    """Append the tensor leaves of ``obj`` and their names (``prefix`` + field path), in the
+    order and with the names of the native wrapper's ``collect`` (forward_wrapper.cpp):
+    tensors; tuples / lists by index (named tuples by field); dicts (HF ``ModelOutput``
+    included) by ``str(key)``; dataclasses by field; ``None`` and other objects skipped;
+    at most 8 levels deep."""
+    if isinstance(obj, torch.Tensor):
+        names.append(prefix)
+        tensors.append(obj)
+        return
+    if depth > _MAX_DEPTH or obj is None:
+        return
+    if isinstance(obj, (tuple, list)):
+        fields = getattr(obj, "_fields", None)
+        for i, item in enumerate(obj):
+            key = str(fields[i]) if isinstance(fields, tuple) and i < len(fields) else str(i)
+            leaves(item, prefix + "." + key, names, tensors, depth + 1)
+        return
+    if isinstance(obj, dict):
+        for key, item in obj.items():
+            leaves(item, prefix + "." + str(key), names, tensors, depth + 1)
+        return
+    fields = getattr(type(obj), "__dataclass_fields__", None)
+    if isinstance(fields, dict):
+        for name in fields:
+            leaves(getattr(obj, name, None), prefix + "." + name, names, tensors, depth + 1)
+
+
+def first_input(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """The model's first tensor input with a dimension, as the native ``root_first_input``:
+    the leaves of the first positional argument that has any (else of the first keyword
+    argument that has any), their first tensor of one dimension or more."""
+    names: list[str] = []
+    found: list[torch.Tensor] = []
+    for arg in args:
+        leaves(arg, "", names, found)
+        if found:
+            break
+    if not found:
+        for arg in kwargs.values():
+            leaves(arg, "", names, found)
+            if found:
+                break
+    for t in found:
+        if t.dim() >= 1:
+            return t
+    return None
+
+
+def traced_call(self: Any, *args: Any, **kwargs: Any) -> Any:
+    """``ForwardWrapper.__call__`` as TorchDynamo traces it (eager calls use the C slot).
+
+    ``self`` is the wrapper; ``self._acs_key`` / ``self._acs_plan`` are set by the tracker
+    when it installs or removes a site.
+    """
+    capture_in, capture_out, root, eager = self._acs_plan
+    if eager:
+        return self.call_eager(*args, **kwargs)  # leaves the graph: see warn_eager
+    key = self._acs_key
+    names: list[str] = []
+    tensors: list[torch.Tensor] = []
+    if capture_in:
+        for i, arg in enumerate(args):
+            leaves(arg, "input." + str(i), names, tensors)
+        for kw, arg in kwargs.items():
+            leaves(arg, "input.kw." + kw, names, tensors)
+    first = first_input(args, kwargs) if root else None
+    torch.ops.activationscope.call_begin(_TOKEN, key, tensors, names, first)
+    out = self.__wrapped__(*args, **kwargs)
+    names = []
+    tensors = []
+    if capture_out:
+        leaves(out, "output", names, tensors)
+    torch.ops.activationscope.call_end(_TOKEN, key, tensors, names)
+    return out
+
+
+def warn_eager(paths: list[str]) -> None:
+    """The warning of a wrapper (tracking the modules ``paths``) that cannot capture inside a
+    compiled graph; called once per wrapper by the native side, when it runs under dynamo."""
+    paths = [p or "(the tracked model)" for p in paths]
+    warnings.warn(
+        f"tracked module {', '.join(repr(p) for p in paths)} runs outside the torch.compile graph: its tracker has "
+        "stop_after_last=True, which ends a forward by raising and cannot run inside a compiled graph. Its records "
+        "stay exact, but each tracked module is a graph break (the compiled model runs about as fast as the eager "
+        "one); track without stop_after_last to capture inside the graph",
+        CaptureWarning,
+        stacklevel=2,
+    )
+
+
+def _fake_call_begin(token, wrapper, leaves, names, first) -> None:  # noqa: ANN001
+    return None
+
+
+def _fake_call_end(token, wrapper, leaves, names) -> None:  # noqa: ANN001
+    return None
+
+
+_installed = False
+
+
+def install() -> None:
+    """Give the wrapper type its traced ``__call__`` and the ops their fake implementations
+    (idempotent; the ops themselves are registered when the extension loads)."""
+    global _installed
+    if _installed:
+        return
+    _C._set_traced_call(traced_call)
+    torch.library.register_fake("activationscope::call_begin")(_fake_call_begin)
+    torch.library.register_fake("activationscope::call_end")(_fake_call_end)
+    _installed = True
