@@ -87,6 +87,7 @@ class _Array:
     last_cum: int = 0
     follows_row_table: bool = True
     manifest: dict = field(default_factory=dict)  # shard -> record
+    listed_rows: int = 0  # rows the shards taken into the manifest hold (their largest rows_end)
     manifest_dirty: bool = False  # a new array has no manifest until its first durable shard
     doc_rows: int = -1  # rows in the written zarr.json (-1: not written)
 
@@ -762,7 +763,10 @@ class StoreWriter:
                     "chunks": [(int(j), int(o), int(nb), int(c)) for (j, o, nb, c) in rec["chunks"]],
                 }
                 a.manifest_dirty = True
-        durable = {hp: max(a.writer.durable_rows, a.committed_rows) for hp, a in self._arrays.items()}
+                a.listed_rows = max(a.listed_rows, int(rec["rows_end"]))
+        # rows listed in the manifests above (not the writer thread's durable_rows, read now: a
+        # shard it finished since take_durable() is on disk but in no manifest until the next commit)
+        durable = {hp: max(a.committed_rows, a.listed_rows) for hp, a in self._arrays.items()}
         k = 0
         for batch in self._pending:
             if all(cum <= durable[hp] for hp, cum in batch.cums.items()):
