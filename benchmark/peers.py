@@ -77,7 +77,7 @@ register_mode("nnsight_clone", peer=True, workloads=("toy",), optional=True, slo
     lambda wl, ctx: NNsightMode(wl, ctx, clone=True))
 
 
-@register_mode("torchlens", peer=True, workloads=("toy",), optional=True, slow=True, quick=False,
+@register_mode("torchlens", peer=True, workloads=("toy",), optional=True, slow=True, quick=False, own_interpreter=True,
                doc="TorchLens trace(model, x) (2.x; log_forward_pass(..., layers_to_save='all') before) per "
                "forward, saving every op's output (every op, not only modules)")
 class TorchLensMode(Mode):

@@ -115,16 +115,24 @@ def render(doc: dict[str, Any], json_rel: str) -> str:
         r = ix["store_vs_floor_per_round"]
         noise.append(f"the interleaved store / floor ratio ranged {min(r):.2f}–{max(r):.2f} over its {len(r)} rounds")
     merged = st.get("merged_from") or []
+    filled = [m for e in merged for m in e.get("modes_filled") or []]
+    if merged and filled and len(merged) == 2 and not merged[1].get("stopped_early") and \
+            all(m in (merged[1].get("modes_filled") or []) for m in filled):
+        # one run, a few of its modes rerun alone after a fix
+        merged, fill_note = [], (f"; {', '.join(f'`{m}`' for m in filled)} from a second run the same day "
+                                 f"(`{' '.join(st['merged_from'][1]['argv'])}`, merged with `--merge`)")
+    else:
+        fill_note = ""
     how = (f"{len(merged)} {st['profile']} runs of `python -m benchmark.runner` side by side (each a group of "
            f"workloads; merged with `--merge`"
            + (f"; {sum(m['stopped_early'] for m in merged)} of them stopped at a deadline before their end, so "
               "their later modes are not measured" if any(m["stopped_early"] for m in merged) else "")
            + f"; {doc['wall_s'] / 60:.0f} minutes of child processes)") if merged else \
-        f"One {st['profile']} run of `python -m benchmark.runner` ({doc['wall_s'] / 60:.0f} minutes)"
+        f"One {st['profile']} run of `python -m benchmark.runner` ({doc['wall_s'] / 60:.0f} minutes{fill_note})"
     lines += [
         f"{how} on {date}: "
         f"{m['cpu_model']}, {m['n_cpus']} vCPUs, {fmt_bytes(m['memory_bytes'])} RAM, torch {m['torch']}, "
-        f"`torch.set_num_threads({st['threads']})` in every mode, each mode in its own subprocess, medians of "
+        f"`torch.set_num_threads({st['threads']})` in every mode, each mode in its own process, medians of "
         f"the timed repeats after a cold one (up to {st['repeats']}; each mode's count is in the JSON). "
         "Peers: " + ", ".join(f"{k} {v}" for k, v in sorted(pk.items())) + ".",
         "",

@@ -83,6 +83,8 @@ class ModeSpec:
     ``peer``: it measures another library (or hand-written code around one): its error is
     reported, but only errors of the other modes (ActivationScope and the baselines its goals
     are measured against) fail the run.
+    ``own_interpreter``: the child is a fresh ``python -m benchmark.child``, not forked from the
+    runner's pre-imported server (for a library that refuses to run in a forked child).
     """
 
     name: str
@@ -98,6 +100,7 @@ class ModeSpec:
     needs: tuple[str, ...] = ()
     budget_s: float | None = None
     peer: bool = False
+    own_interpreter: bool = False
 
     def runs_on(self, workload: str, kind: str) -> bool:
         return workload in self.workloads or ("*" in self.workloads and kind == "model")

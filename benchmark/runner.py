@@ -85,7 +85,8 @@ def plan(args: argparse.Namespace, profile: str) -> list[dict[str, Any]]:
                 reps = args.repeats
             specs.append({"workload": wl, "mode": m.name, "params": params, "repeats": reps,
                           "budget_s": m.budget_s or (prof["slow_budget_s"] if m.slow else prof["budget_s"]),
-                          "timeout_s": prof[m.timeout], "optional": m.optional, "needs": list(m.needs)})
+                          "timeout_s": prof[m.timeout], "optional": m.optional, "needs": list(m.needs),
+                          "own_interpreter": m.own_interpreter})
     if getattr(args, "skip", None):
         specs = [s for s in specs if not any(fnmatch.fnmatchcase(f"{s['workload']}/{s['mode']}", p) for p in args.skip)]
     if args.only:
@@ -150,7 +151,7 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
         with open(spec_path, "w") as f:
             json.dump(spec, f)
         t0 = time.perf_counter()
-        if _FORKSERVER is not None:
+        if _FORKSERVER is not None and not spec.get("own_interpreter"):
             log_path = os.path.join(tmp, "child.log")
             proc = _FORKSERVER.Process(target=_forked_child, args=(spec_path, out_path, log_path), daemon=True)
             proc.start()
@@ -432,7 +433,9 @@ def peer_errors(doc: dict[str, Any]) -> list[str]:
 def merge(paths: list[str]) -> dict[str, Any]:
     """One document from several runs of distinct workloads: the first run's machine and
     settings, every run's workloads and records (a workload found in several runs: the run
-    that holds more of its modes), ``settings.merged_from`` naming the runs; derived anew."""
+    that holds more of its modes; a mode missing or not ok there: from a run where it is ok
+    with the same workload parameters, listed in that run's ``modes_filled``),
+    ``settings.merged_from`` naming the runs; derived anew."""
     docs = []
     for p in paths:
         with open(p) as f:
@@ -446,8 +449,20 @@ def merge(paths: list[str]) -> dict[str, Any]:
     for _p, d in docs:
         for wl, recs in d["results"].items():
             if len(recs) > len(out["results"].get(wl, {})):
-                out["results"][wl] = recs
+                out["results"][wl] = dict(recs)
                 out["workloads"][wl] = d["workloads"].get(wl, {"params": {}})
+    # a mode missing or not ok in its workload's run is taken from a run where it is ok, with
+    # the same workload parameters (e.g. rerun alone after a fix); each run lists what it gave
+    for (p, d), entry in zip(docs, out["settings"]["merged_from"]):
+        entry["modes_filled"] = []
+        for wl, recs in d["results"].items():
+            if d["workloads"].get(wl, {}).get("params") != out["workloads"].get(wl, {}).get("params"):
+                continue
+            for mode, r in recs.items():
+                have = out["results"][wl].get(mode)
+                if r.get("status") == "ok" and (have is None or have.get("status") != "ok"):
+                    out["results"][wl][mode] = r
+                    entry["modes_filled"].append(f"{wl}/{mode}")
     walls = [d.get("wall_s") for _p, d in docs]
     out["wall_s"] = None if any(w is None for w in walls) else max(walls)
     for key in ("limits", "seed_comparison", "goals", "failures", "peer_errors"):

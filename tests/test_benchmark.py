@@ -321,3 +321,49 @@ def test_side_by_side_rounds_ratios_and_missing_peer(monkeypatch):
     # every part missing: the whole mode is a skip, never an empty figure
     with pytest.raises(MissingOptional):
         interleaved.Interleaved(None, {}, {"peer": Part(0, missing=True)}).setup()
+
+
+def test_merge_fills_a_failed_mode_from_a_rerun_with_the_same_parameters(tmp_path):
+    """--merge: a mode that is not ok in its workload's run comes from a run where it is ok
+    with the same workload parameters (named in modes_filled and in the README text); a run
+    with other parameters gives nothing."""
+    from benchmark import readme
+
+    src = json.loads((Path(runner.REPO) / "benchmark" / "results" / "full-2026-12-01.json").read_text())
+    ok = src["results"]["toy"]["torchlens"]
+    assert ok["status"] == "ok"
+    first = json.loads(json.dumps(src))
+    first["results"]["toy"]["torchlens"] = {"workload": "toy", "mode": "torchlens", "status": "error", "note": "x"}
+    rerun = json.loads(json.dumps(src))
+    rerun["settings"]["argv"] = ["--workloads", "toy", "--only", "toy/torchlens"]
+    rerun["results"] = {"toy": {"torchlens": ok}}
+    rerun["workloads"] = {"toy": src["workloads"]["toy"]}
+    other = json.loads(json.dumps(rerun))
+    other["workloads"]["toy"]["params"] = dict(other["workloads"]["toy"]["params"], n_forwards=3)
+    paths = []
+    for name, d in (("first", first), ("rerun", rerun), ("other", other)):
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(d))
+
+    out = runner.merge([str(paths[0]), str(paths[2])])  # other parameters: nothing taken
+    assert out["results"]["toy"]["torchlens"]["status"] == "error"
+    assert [e["modes_filled"] for e in out["settings"]["merged_from"]] == [[], []]
+
+    out = runner.merge([str(paths[0]), str(paths[1])])
+    assert out["results"]["toy"]["torchlens"]["status"] == "ok"
+    assert out["results"]["toy"]["torchlens"]["ratio_vs_plain"] == pytest.approx(
+        ok["median_s"] / src["results"]["toy"]["plain"]["median_s"])
+    assert [e["modes_filled"] for e in out["settings"]["merged_from"]] == [[], ["toy/torchlens"]]
+    assert set(out["results"]["toy"]) == set(src["results"]["toy"])
+    text = readme.render(out, "benchmark/results/x.json")
+    assert "`toy/torchlens` from a second run the same day (`--workloads toy --only toy/torchlens`" in text
+    assert "One full run" in text
+
+
+def test_torchlens_runs_in_its_own_interpreter():
+    """TorchLens refuses to capture in a forked child: its spec asks for a fresh interpreter,
+    the others are forked from the pre-imported server."""
+    registry.load_all()
+    specs = {s["mode"]: s for s in runner.plan(runner.parse_args(["--workloads", "toy"]), "full")}
+    assert specs["torchlens"]["own_interpreter"]
+    assert not specs["plain"]["own_interpreter"] and not specs["scope_store"]["own_interpreter"]
