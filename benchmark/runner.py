@@ -153,7 +153,7 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
         t0 = time.perf_counter()
         if _FORKSERVER is not None and not spec.get("own_interpreter"):
             log_path = os.path.join(tmp, "child.log")
-            proc = _FORKSERVER.Process(target=_forked_child, args=(spec_path, out_path, log_path), daemon=True)
+            proc = _FORKSERVER.Process(target=_forked_child, args=(spec_path, out_path, log_path))
             proc.start()
             proc.join(timeout_s)
             if proc.is_alive():

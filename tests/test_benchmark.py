@@ -67,6 +67,7 @@ def test_quick_runner_produces_documented_keys(tmp_path):
         "--only", "toy/scope_store", "--only", "toy/memcpy", "--only", "toy/raw_write", "--only", "toy/nnsight",
         "--only", "toy/zarr_chunked", "--only", "toy/store_floor_interleaved", "--only", "toy/side_by_side",
         "--only", "readback/build_raw", "--only", "readback/open_layer", "--only", "readback/dl:*:sequential:w0",
+        "--only", "readback/dl:acs:sequential:w2",  # DataLoader workers: the forked child may have children
     ]
     buf = io.StringIO()
     with redirect_stdout(buf):
