@@ -370,8 +370,11 @@ class Loader:
             raise RuntimeError(f"repeat {i} read other values than the first (sum {total!r} != {self.checksum!r})")
 
     def describe(self) -> dict[str, Any]:
+        import multiprocessing
+
         return {"rows_per_epoch": self.rows, "batch_size": self.params["batch_size"], "num_workers": self.workers,
-                "n_batches": len(self.batches), "epoch_shortened": self.shortened, "checksum": self.checksum}
+                "n_batches": len(self.batches), "epoch_shortened": self.shortened, "checksum": self.checksum,
+                "worker_start_method": multiprocessing.get_start_method()}
 
     def reset(self) -> None:
         pass

@@ -139,6 +139,11 @@ def _forked_child(spec_path: str, out_path: str, log_path: str) -> None:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.chdir(REPO)
+    import multiprocessing
+
+    # a forkserver child inherits the forkserver start method; a fresh interpreter has the
+    # platform's default (DataLoader workers started through the server re-import torch)
+    multiprocessing.set_start_method(None, force=True)
     from . import child
 
     child.main([spec_path, out_path])  # ends the process (os._exit)

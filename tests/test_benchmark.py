@@ -79,6 +79,11 @@ def test_quick_runner_produces_documented_keys(tmp_path):
     undocumented = flat_keys(doc) - documented_keys()
     assert not undocumented, f"keys missing from benchmark/README.md: {sorted(undocumented)}"
     assert doc["failures"] == []
+    # DataLoader workers start as in a fresh interpreter (not through the runner's forkserver)
+    import multiprocessing
+
+    w2 = doc["results"]["readback"]["dl:acs:sequential:w2"]
+    assert w2["extra"]["worker_start_method"] == multiprocessing.get_start_method()
 
     toy = doc["results"]["toy"]
     assert set(toy) == {"plain", "naive_clone", "scope_snapshot", "scope_store", "zarr_chunked", "memcpy", "raw_write",
