@@ -16,6 +16,7 @@ import json
 import os
 import queue
 import shutil
+import stat
 import threading
 import uuid
 from dataclasses import dataclass
@@ -191,8 +192,43 @@ class LocalBackend:
         return real
 
     def _check_inside(self, p: Path, key: str) -> None:
-        """Refuse a path whose real location (symlinks resolved) is outside the store."""
-        real = os.path.realpath(p)
+        """Refuse a path whose real location (symlinks resolved) is outside the store.
+
+        Walks the components below the store's root with ``lstat``, remembering the folders
+        found to be real folders (not symlinks) inside the store: a layer's hundreds of shard
+        files share most of their folders, and resolving every component of every path
+        again (``os.path.realpath``) was most of the cost of opening a layer. A component that
+        is a symlink has the whole path resolved and checked; a missing one ends the walk
+        (nothing below it to follow)."""
+        sp, rootp = str(p), str(self.root)
+        if sp == rootp:
+            return
+        if not sp.startswith(rootp + os.sep):
+            self._check_resolved(sp, key)
+            return
+        known = self.__dict__.setdefault("_dirs_inside", set())
+        prefix = rootp
+        for part in sp[len(rootp) + 1:].split(os.sep):
+            prefix = prefix + os.sep + part
+            if prefix in known:
+                continue
+            if part in ("", ".", ".."):
+                self._check_resolved(sp, key)
+                return
+            try:
+                mode = os.lstat(prefix).st_mode
+            except OSError:
+                return
+            if stat.S_ISLNK(mode):
+                self._check_resolved(sp, key)
+                return
+            if stat.S_ISDIR(mode):
+                if len(known) >= 65536:
+                    known.clear()
+                known.add(prefix)
+
+    def _check_resolved(self, sp: str, key: str) -> None:
+        real = os.path.realpath(sp)
         if not _inside(real, self._root_real()):
             raise corrupt(self, f"{key!r} resolves to {real!r}, outside the store (a symlink "
                                 "leaving the store); a store never refers to files outside itself")

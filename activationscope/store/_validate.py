@@ -319,9 +319,10 @@ def parse_manifest(doc: Any, meta: dict, *, store: Any, key: str) -> dict[int, d
         chunks = rec.get("chunks", [])
         if not isinstance(chunks, list):
             raise c.fail(f"{f}.chunks", "a list", chunks)
-        for ch in chunks:
-            if (not isinstance(ch, list) or len(ch) != 4 or not _int(ch[0], 0, n_chunks - 1)
-                    or not _int(ch[1], 0, 1 << 62) or not _int(ch[2], 0, 1 << 62) or not _int(ch[3], 0, (1 << 32) - 1)):
+        for ch in chunks:  # type(x) is int: ints, not bools (hundreds of thousands in a large layer)
+            if (type(ch) is not list or len(ch) != 4 or type(ch[0]) is not int or type(ch[1]) is not int
+                    or type(ch[2]) is not int or type(ch[3]) is not int or not 0 <= ch[0] < n_chunks
+                    or not 0 <= ch[1] <= 1 << 62 or not 0 <= ch[2] <= 1 << 62 or not 0 <= ch[3] < 1 << 32):
                 raise c.fail(f"{f}.chunks[]", f"[slot 0..{n_chunks - 1}, offset, nbytes, crc32c] of ints", ch)
         if k in out:
             raise c.fail(f"{f}.shard", "unique", k)

@@ -520,3 +520,22 @@ def test_reduction_scripts_never_loaded(plain, monkeypatch):
     s.verify()
     s.info()
     assert s.reduction_script(HP, "mean") == b"not a script"
+
+
+def test_one_shard_folder_linked_outside_among_real_ones(tmp_path, plain):
+    """Folders already read are remembered as inside the store; a shard folder that is a link
+    leaving it is still refused when its shard is first read, and links that stay inside the
+    store are followed."""
+    path, _ = plain
+    store = open_store(path)
+    want = store[HP].clone()
+    moved = tmp_path / "elsewhere"
+    shutil.move(path / "acts" / HP / "c" / "3", moved)
+    (path / "acts" / HP / "c" / "3").symlink_to(moved)
+    with pytest.raises(StoreCorruptError, match=r"c/3/0.*outside the store"):
+        open_store(path)[HP]
+    # the same folder moved inside the store (a link to it stays inside): read as before
+    os.unlink(path / "acts" / HP / "c" / "3")
+    shutil.move(moved, path / "kept-3")
+    (path / "acts" / HP / "c" / "3").symlink_to(path / "kept-3")
+    torch.testing.assert_close(open_store(path)[HP], want)
