@@ -120,7 +120,8 @@ def render(doc: dict[str, Any], json_rel: str) -> str:
             all(m in (merged[1].get("modes_filled") or []) for m in filled):
         # one run, a few of its modes rerun alone after a fix
         merged, fill_note = [], (f"; {', '.join(f'`{m}`' for m in filled)} from a second run the same day "
-                                 f"(`{' '.join(st['merged_from'][1]['argv'])}`, merged with `--merge`)")
+                                 f"(`{' '.join(st['merged_from'][1]['argv'])}`, merged with `--merge`), whose records in the first "
+                                 "were errors")
     else:
         fill_note = ""
     how = (f"{len(merged)} {st['profile']} runs of `python -m benchmark.runner` side by side (each a group of "

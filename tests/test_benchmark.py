@@ -362,7 +362,7 @@ def test_merge_fills_a_failed_mode_from_a_rerun_with_the_same_parameters(tmp_pat
     assert [e["modes_filled"] for e in out["settings"]["merged_from"]] == [[], ["toy/torchlens"]]
     assert set(out["results"]["toy"]) == set(src["results"]["toy"])
     text = readme.render(out, "benchmark/results/x.json")
-    assert "`toy/torchlens` from a second run the same day (`--workloads toy --only toy/torchlens`" in text
+    assert "`toy/torchlens` from a second run the same day (`--workloads toy --only toy/torchlens`, merged with `--merge`), whose records in the first were errors" in text
     assert "One full run" in text
 
 
