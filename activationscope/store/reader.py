@@ -146,6 +146,38 @@ class _Reductions(Mapping):
         return len(self._store._complete_reductions())
 
 
+
+class _ChunkCrcs:
+    """``{(shard, slot): (offset, nbytes, crc32c)}`` of an array's committed shards (those up
+    to ``last``), from its checked manifest records; each shard's entries are gathered the
+    first time one of its chunks is looked up (a 512 MiB layer lists 8192 chunks, which
+    every open paid for while only decoded reads and ``verify`` look at them)."""
+
+    __slots__ = ("_shards", "_last", "_by_shard")
+
+    def __init__(self, shards: dict[int, dict], last: int) -> None:
+        self._shards, self._last, self._by_shard = shards, last, {}
+
+    def get(self, key: tuple[int, int]) -> tuple[int, int, int] | None:
+        shard, slot = key
+        if shard > self._last:
+            return None
+        got = self._by_shard.get(shard)
+        if got is None:
+            rec = self._shards.get(shard) or {}
+            got = {ch[0]: (ch[1], ch[2], ch[3]) for ch in rec.get("chunks", [])}
+            self._by_shard[shard] = got
+        return got.get(slot)
+
+    def __contains__(self, key: tuple[int, int]) -> bool:
+        return self.get(key) is not None
+
+    def __getitem__(self, key: tuple[int, int]) -> tuple[int, int, int]:
+        got = self.get(key)
+        if got is None:
+            raise KeyError(key)
+        return got
+
 class Store:
     """A read-only activationscope store (a snapshot of its last commit).
 
@@ -188,7 +220,7 @@ class Store:
         self._indexes: dict[str, _ShardIndex] = {}
         self._whole: dict[str, tuple[int, torch.Tensor]] = {}
         self._zarrays: dict[str, Any] = {}
-        self._checked: dict[str, dict] = {}  # array path -> {(shard, slot): (offset, nbytes, crc32c)} of its manifest
+        self._checked: dict[str, _ChunkCrcs] = {}  # array path -> (shard, slot) -> (offset, nbytes, crc32c)
         # A resuming writer re-reads the chunk holding its last committed row unchecked: after a
         # resume killed before its next commit, that chunk was rewritten (FORMAT.md section 5).
         self._resume_tail = False
@@ -689,7 +721,7 @@ class Store:
         return [r for r, _ in self._ranks]
 
     # ---------------------------------------------------------------- array check
-    def _array_crcs(self, meta: dict) -> dict:
+    def _array_crcs(self, meta: dict) -> _ChunkCrcs:
         """Check an array against its own files before its first read; its chunks' crc32c.
 
         The root document's ``n_rows`` sizes every read and every buffer of the array, so it
@@ -702,7 +734,7 @@ class Store:
 
         Returns
         -------
-        dict
+        _ChunkCrcs
             ``{(shard, slot): (offset, nbytes, crc32c)}`` of the committed shards' chunks, from
             the manifest (what decoded reads check each chunk against).
 
@@ -716,7 +748,7 @@ class Store:
         if got is not None:
             return got
         n = int(meta["n_rows"])
-        crcs: dict[tuple[int, int], tuple[int, int, int]] = {}
+        crcs: Any = _ChunkCrcs({}, -1)
         if n:
             self._check_same_store()
             _rb, chunk_rows, n_chunks, _cb = _layout(meta)
@@ -756,10 +788,7 @@ class Store:
             if isinstance(rows_end, int) and not isinstance(rows_end, bool) and rows_end < n:
                 raise V.corrupt(self._backend, f"manifest {man_key} says shard {last} ends at row {rows_end}, but "
                                                f"{root}: the two disagree")
-            for k, r in shards.items():
-                if k <= last:
-                    for slot, off, nb, crc in r.get("chunks", []):
-                        crcs[(k, slot)] = (off, nb, crc)
+            crcs = _ChunkCrcs(shards, last)
             last_key = self._shard_key(meta, last)
             if self._backend.size(last_key) is None:  # the file holding the last committed row exists
                 raise V.corrupt(self._backend, f"shard {last_key!r} is missing, but {root}")
