@@ -302,8 +302,12 @@ def parse_root(raw: bytes, *, store: Any, key: str = "zarr.json") -> dict | None
     return check_root_attrs(attrs, store=store, key=key)
 
 
-def parse_manifest(doc: Any, meta: dict, *, store: Any, key: str) -> dict[int, dict]:
-    """``{shard: record}`` of a manifest (FORMAT.md §5), each record checked against the array."""
+def parse_manifest(doc: Any, meta: dict, *, store: Any, key: str, check_chunks: bool = True) -> dict[int, dict]:
+    """``{shard: record}`` of a manifest (FORMAT.md §5), each record checked against the array.
+
+    ``check_chunks=False`` leaves each record's ``chunks`` list to :func:`check_chunk_entries`,
+    called before that shard's entries are used (a large layer lists thousands of chunks, which
+    a memory-mapped read never looks at)."""
     c = _Checker(store, key)
     c.dict(doc, "(document)")
     shards = doc.get("shards", [])
@@ -316,15 +320,27 @@ def parse_manifest(doc: Any, meta: dict, *, store: Any, key: str) -> dict[int, d
         c.dict(rec, f)
         k = c.int(rec, "shard", f"{f}.shard", 0, MAX_ROWS)
         c.int(rec, "file_bytes", f"{f}.file_bytes", 0, 1 << 62)
-        chunks = rec.get("chunks", [])
-        if not isinstance(chunks, list):
-            raise c.fail(f"{f}.chunks", "a list", chunks)
-        for ch in chunks:  # type(x) is int: ints, not bools (hundreds of thousands in a large layer)
-            if (type(ch) is not list or len(ch) != 4 or type(ch[0]) is not int or type(ch[1]) is not int
-                    or type(ch[2]) is not int or type(ch[3]) is not int or not 0 <= ch[0] < n_chunks
-                    or not 0 <= ch[1] <= 1 << 62 or not 0 <= ch[2] <= 1 << 62 or not 0 <= ch[3] < 1 << 32):
-                raise c.fail(f"{f}.chunks[]", f"[slot 0..{n_chunks - 1}, offset, nbytes, crc32c] of ints", ch)
+        if check_chunks:
+            check_chunk_entries(rec, n_chunks, store=store, key=key, field=f)
+        elif not isinstance(rec.get("chunks", []), list):
+            raise c.fail(f"{f}.chunks", "a list", rec.get("chunks"))
         if k in out:
             raise c.fail(f"{f}.shard", "unique", k)
         out[k] = rec
     return out
+
+
+def check_chunk_entries(rec: dict, n_chunks: int, *, store: Any, key: str, field: str = "shards[]") -> list:
+    """The ``chunks`` list of one manifest record, each entry ``[slot, offset, nbytes, crc32c]``
+    of ints in range (slot below ``n_chunks``); :class:`StoreCorruptError` naming the manifest
+    and the field otherwise."""
+    c = _Checker(store, key)
+    chunks = rec.get("chunks", [])
+    if not isinstance(chunks, list):
+        raise c.fail(f"{field}.chunks", "a list", chunks)
+    for ch in chunks:  # type(x) is int: ints, not bools (hundreds of thousands in a large layer)
+        if (type(ch) is not list or len(ch) != 4 or type(ch[0]) is not int or type(ch[1]) is not int
+                or type(ch[2]) is not int or type(ch[3]) is not int or not 0 <= ch[0] < n_chunks
+                or not 0 <= ch[1] <= 1 << 62 or not 0 <= ch[2] <= 1 << 62 or not 0 <= ch[3] < 1 << 32):
+            raise c.fail(f"{field}.chunks[]", f"[slot 0..{n_chunks - 1}, offset, nbytes, crc32c] of ints", ch)
+    return chunks

@@ -149,14 +149,16 @@ class _Reductions(Mapping):
 
 class _ChunkCrcs:
     """``{(shard, slot): (offset, nbytes, crc32c)}`` of an array's committed shards (those up
-    to ``last``), from its checked manifest records; each shard's entries are gathered the
-    first time one of its chunks is looked up (a 512 MiB layer lists 8192 chunks, which
+    to ``last``), from its checked manifest records; each shard's entries are checked
+    (:func:`~activationscope.store._validate.check_chunk_entries`) and gathered the first
+    time one of its chunks is looked up (a 512 MiB layer lists 8192 chunks, which
     every open paid for while only decoded reads and ``verify`` look at them)."""
 
-    __slots__ = ("_shards", "_last", "_by_shard")
+    __slots__ = ("_shards", "_last", "_by_shard", "_n_chunks", "_store", "_key")
 
-    def __init__(self, shards: dict[int, dict], last: int) -> None:
+    def __init__(self, shards: dict[int, dict], last: int, n_chunks: int, store: Any, key: str) -> None:
         self._shards, self._last, self._by_shard = shards, last, {}
+        self._n_chunks, self._store, self._key = n_chunks, store, key
 
     def get(self, key: tuple[int, int]) -> tuple[int, int, int] | None:
         shard, slot = key
@@ -165,7 +167,9 @@ class _ChunkCrcs:
         got = self._by_shard.get(shard)
         if got is None:
             rec = self._shards.get(shard) or {}
-            got = {ch[0]: (ch[1], ch[2], ch[3]) for ch in rec.get("chunks", [])}
+            chunks = V.check_chunk_entries(rec, self._n_chunks, store=self._store, key=self._key,
+                                           field=f"shards[{shard}]") if rec else []
+            got = {ch[0]: (ch[1], ch[2], ch[3]) for ch in chunks}
             self._by_shard[shard] = got
         return got.get(slot)
 
@@ -748,7 +752,7 @@ class Store:
         if got is not None:
             return got
         n = int(meta["n_rows"])
-        crcs: Any = _ChunkCrcs({}, -1)
+        crcs: Any = _ChunkCrcs({}, -1, 1, self._backend, "")
         if n:
             self._check_same_store()
             _rb, chunk_rows, n_chunks, _cb = _layout(meta)
@@ -774,7 +778,7 @@ class Store:
             if man is None:
                 raise V.corrupt(self._backend, f"manifest {man_key} is missing, but {root}")
             shards = V.parse_manifest(V.loads_json(man, store=self._backend, key=man_key), meta,
-                                      store=self._backend, key=man_key)
+                                      store=self._backend, key=man_key, check_chunks=False)
             rec = shards.get(last)
             if rec is None:
                 raise V.corrupt(self._backend, f"manifest {man_key} lists no shard {last}, but {root}, which "
@@ -788,7 +792,7 @@ class Store:
             if isinstance(rows_end, int) and not isinstance(rows_end, bool) and rows_end < n:
                 raise V.corrupt(self._backend, f"manifest {man_key} says shard {last} ends at row {rows_end}, but "
                                                f"{root}: the two disagree")
-            crcs = _ChunkCrcs(shards, last)
+            crcs = _ChunkCrcs(shards, last, meta["shard_rows"] // meta["chunk_rows"], self._backend, man_key)
             last_key = self._shard_key(meta, last)
             if self._backend.size(last_key) is None:  # the file holding the last committed row exists
                 raise V.corrupt(self._backend, f"shard {last_key!r} is missing, but {root}")

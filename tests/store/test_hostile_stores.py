@@ -539,3 +539,20 @@ def test_one_shard_folder_linked_outside_among_real_ones(tmp_path, plain):
     shutil.move(moved, path / "kept-3")
     (path / "acts" / HP / "c" / "3").symlink_to(path / "kept-3")
     torch.testing.assert_close(open_store(path)[HP], want)
+
+
+@pytest.mark.parametrize("bad", [["x", 0, 8, 1], [0, -1, 8, 1], [9, 0, 8, 1], [0, 0, 8, 1 << 32], [True, 0, 8, 1], [0, 0]])
+def test_malformed_manifest_chunk_entry_is_caught_before_its_use(zstd, bad):
+    """A manifest chunk entry is checked when its shard's entries are first used (a decoded
+    read, verify), not for every chunk at each open: the read of that shard and verify name
+    the manifest and the field; shards before it still read."""
+    path, data = zstd
+    man = path / "acts" / HP / "manifest.json"
+    doc = json.loads(man.read_text())
+    doc["shards"][2]["chunks"][1] = bad
+    man.write_text(json.dumps(doc))
+    store = open_store(path)
+    torch.testing.assert_close(store.rows(HP, 0, 2 * SHARD_ROWS), data[: 2 * SHARD_ROWS])
+    with pytest.raises(StoreCorruptError, match=r"manifest\.json field shards\[2\]\.chunks\[\] must be \[slot 0\.\.3"):
+        store.rows(HP, 2 * SHARD_ROWS, 3 * SHARD_ROWS)
+    assert any("shards[2].chunks[]" in p for p in open_store(path).verify())
