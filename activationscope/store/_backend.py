@@ -245,9 +245,15 @@ class LocalBackend:
 
     def path(self, key: str) -> Path:
         """The local path of a key: checked to be inside the store (symlinks resolved)."""
-        check_key(key, store=self, what="key")
-        p = self.root / key
-        self._check_inside(p, key)
+        made = self.__dict__.setdefault("_key_paths", {})  # key -> Path: the key's own checks are pure
+        p = made.get(key)
+        if p is None:
+            check_key(key, store=self, what="key")
+            p = self.root / key
+            if len(made) >= 65536:
+                made.clear()
+            made[key] = p
+        self._check_inside(p, key)  # every time: the file system may have changed
         return p
 
     def _open_regular(self, key: str) -> tuple[int, int] | None:
