@@ -97,33 +97,26 @@ std::unordered_map<int64_t, ForwardWrapper*>& wrappers() {
 }
 int64_t g_next_key = 1;
 
+// torch._C._dynamo.eval_frame.<name> (a new reference, kept for the process), or None where
+// this torch lacks it.
+PyObject* eval_frame_attr(const char* name) {
+  try {
+    return py::object(py::module_::import("torch._C._dynamo.eval_frame").attr(name)).release().ptr();
+  } catch (py::error_already_set&) {
+    Py_INCREF(Py_None);
+    return Py_None;
+  }
+}
+
 // torch._C._dynamo.eval_frame.set_eval_frame, or None where this torch lacks it.
 PyObject* set_eval_frame_fn() {
-  static PyObject* fn = [] {
-    PyObject* f = nullptr;
-    try {
-      f = py::object(py::module_::import("torch._C._dynamo.eval_frame").attr("set_eval_frame")).release().ptr();
-    } catch (py::error_already_set&) {
-      f = Py_None;
-      Py_INCREF(f);
-    }
-    return f;
-  }();
+  static PyObject* fn = eval_frame_attr("set_eval_frame");
   return fn;
 }
 
 // Whether TorchDynamo's frame hook is set on this thread (a compiled region runs this code).
 bool under_dynamo() {
-  static PyObject* get = [] {
-    PyObject* f = nullptr;
-    try {
-      f = py::object(py::module_::import("torch._C._dynamo.eval_frame").attr("get_eval_frame_callback")).release().ptr();
-    } catch (py::error_already_set&) {
-      f = Py_None;
-      Py_INCREF(f);
-    }
-    return f;
-  }();
+  static PyObject* get = eval_frame_attr("get_eval_frame_callback");
   if (get == Py_None) return false;
   PyObject* cb = PyObject_CallNoArgs(get);
   if (cb == nullptr) {
