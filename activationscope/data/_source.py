@@ -123,6 +123,10 @@ class StoreSource:
         self._pid = os.getpid()
         self._views: dict[str, tuple[torch.Tensor, dict[int, torch.Tensor], bool, list[int]]] = {}
         self._hinted: dict[str, tuple[int, int]] = {}  # hook point -> rows a read-ahead hint already covers
+        # hook point -> (lo, hi, view of rows [lo, hi)): the mapped segment that served the last
+        # read, where that range is also inside the read-ahead hint (a sequential epoch's batches
+        # hit it: one comparison and one slice per batch)
+        self._recent: dict[str, tuple[int, int, torch.Tensor]] = {}
         self._tables: dict[str, Any] = {}
         _LIVE.add(self)
 
@@ -131,6 +135,7 @@ class StoreSource:
         self._lock = threading.Lock()
         self._views = {}
         self._hinted = {}
+        self._recent = {}
         self._tables = {}
         if isinstance(self._reopen_spec(), str):
             self._store = None  # reopened lazily from its path or URL
@@ -242,6 +247,10 @@ class StoreSource:
         """Rows ``[start, stop)`` of ``hp``: a view within one shard of a mapped store, else one copy."""
         # The per-batch path of ActivationDataset: plain Python on cached lists, no small
         # tensor operations (each costs microseconds, as much as a batch's own bookkeeping).
+        recent = self._recent.get(hp)
+        if recent is not None and recent[0] <= start <= stop <= recent[1]:
+            lo = recent[0]
+            return recent[2][start - lo : stop - lo]
         _bounds, memo, memoize, bl = self._layout(hp)
         n = bl[-1]
         if not (0 <= start <= stop <= n):
@@ -252,13 +261,17 @@ class StoreSource:
         if not (lo <= start and stop <= hi):  # cold pages: have the kernel read ahead of the consumer
             got = self.store.will_read(hp, start, stop)
             ok = isinstance(got, tuple) and len(got) == 2 and all(isinstance(v, int) for v in got)
-            self._hinted[hp] = got if ok else (1, 0)  # no range given: hint every read
+            lo, hi = got if ok else (1, 0)
+            self._hinted[hp] = (lo, hi)  # (1, 0), no range given: hint every read
         k = bisect.bisect_right(bl, start) - 1
         if k < len(bl) - 1 and stop <= bl[k + 1]:
             b = bl[k]
             seg = memo.get(k)
             if seg is None:
                 seg = self._segment(hp, k)
+            r_lo, r_hi = max(b, lo), min(bl[k + 1], hi)  # rows both mapped here and hinted
+            if r_lo <= start <= stop <= r_hi:
+                self._recent[hp] = (r_lo, r_hi, seg[r_lo - b : r_hi - b])
             return seg[start - b : stop - b]
         return self._rows(hp, start, stop)
 

@@ -500,6 +500,13 @@ class ActivationDataset(Dataset):
         Returns a :class:`Batch`; ``default_collate`` (and :func:`collate`) turn it into the
         dict of :meth:`get_batch` without stacking rows.
         """
+        if type(indices) is range and indices.step == 1 and self._ids is None and not self.columns:
+            # a sequential batch sampler's batch: rows [start, stop) of every hook point
+            a, b = indices.start, indices.stop
+            if 0 <= a < b <= self._stop - self._start:
+                a, b = a + self._start, b + self._start
+                read = self.source.read
+                return Batch({hp: read(hp, a, b) for hp in self.hook_points}, b - a)
         data = self.get_batch(indices)
         return Batch(data, len(indices))
 

@@ -18,10 +18,12 @@ import atexit
 import hashlib
 import io
 import json
+import math
 import os
 import shutil
 import tempfile
 import threading
+import time
 import uuid
 import warnings
 import weakref
@@ -248,6 +250,14 @@ class StoreWriter:
         has the same shards (``store/FORMAT.md`` §10).
     fsync : bool, default False
         fsync shards and metadata before they are renamed into place.
+    commit_interval : float, default 1.0
+        Seconds between two commits of :meth:`maybe_commit` (called after every captured
+        forward): rows made durable since the last commit are listed by the next one, so a
+        crash loses at most about this many seconds of captured rows (a resume captures them
+        again). 0 commits after every forward that completed a shard. Each commit rewrites
+        every array's manifest and document and the root, so committing at every shard of a
+        fast capture costs more than the capture's own bookkeeping. :meth:`commit` and
+        :meth:`close` commit at once.
     max_pending_bytes : int, default 256 MiB
         Cap of the chunks queued for the writer thread, all arrays together; a full queue
         blocks the capture (backpressure).
@@ -281,6 +291,7 @@ class StoreWriter:
         shard_bytes: int | None = None,
         shard_rows: int | Mapping[str, int] | None = None,
         fsync: bool = False,
+        commit_interval: float = 1.0,
         max_pending_bytes: int = 256 << 20,
         provenance: Mapping[str, Any] | None = None,
         storage_options: Mapping[str, Any] | None = None,
@@ -296,6 +307,11 @@ class StoreWriter:
         if self._shard_rows is not None and self._shard_bytes is not None:
             raise ValueError("shard_rows and shard_bytes exclude each other; pick one")
         _positive_int(max_pending_bytes, "max_pending_bytes", allow_none=False)
+        if isinstance(commit_interval, bool) or not isinstance(commit_interval, (int, float)) \
+                or not math.isfinite(commit_interval) or commit_interval < 0:
+            raise ArgumentValueError(f"commit_interval must be a number of seconds >= 0, got {commit_interval!r}")
+        self._commit_interval = float(commit_interval)
+        self._last_commit = time.monotonic()
         if storage_dtype is not None:
             F.parse_dtype(storage_dtype, "storage_dtype")
         if model is not None and not isinstance(model, torch.nn.Module):
@@ -724,7 +740,8 @@ class StoreWriter:
         return {hp: n for hp, n in out.items() if n}
 
     def maybe_commit(self) -> bool:
-        """Commit if the writer thread made new shards durable; cheap otherwise.
+        """Commit when due: the writer thread made new shards durable and ``commit_interval``
+        seconds passed since the last commit (or a new array is not listed yet); cheap otherwise.
 
         Returns
         -------
@@ -740,9 +757,30 @@ class StoreWriter:
         version = self._core.durable_version
         if version == self._seen_version and not self._unpublished:
             return False
+        if not self._unpublished and time.monotonic() - self._last_commit < self._commit_interval:
+            return False
+        return self.commit()
+
+    def commit(self) -> bool:
+        """Commit now the rows the writer thread made durable (whole shards), whatever
+        ``commit_interval`` says.
+
+        Returns
+        -------
+        bool
+            Whether a commit was written (False when nothing new was durable).
+
+        Raises
+        ------
+        StoreError
+            The writer thread failed (disk full, I/O error); committed rows stay readable.
+        """
+        self._raise_if_failed()
         with self._lock:
-            self._seen_version = version
-            return self._commit("incomplete")
+            self._seen_version = self._core.durable_version
+            done = self._commit("incomplete")
+        self._last_commit = time.monotonic()
+        return done
 
     # ------------------------------------------------------------------ commit
     def _commit(self, status: str, force: bool = False) -> bool:

@@ -30,7 +30,7 @@ import activationscope as acs  # noqa: E402
 from acs_testing import toy_mlp  # noqa: E402
 
 N_BATCHES, BATCH, WIDTH = 21, 7, 16
-STORE_OPTIONS = {"shard_rows": 16, "chunk_rows": 8}
+STORE_OPTIONS = {"shard_rows": 16, "chunk_rows": 8, "commit_interval": 0}  # kills land between commits
 
 
 def batch(b: int) -> torch.Tensor:
@@ -90,7 +90,7 @@ def main() -> None:
                 # background; on a loaded machine it may lag the forwards), then with no exit path
                 deadline = time.monotonic() + 30
                 while tracker.writer.n_samples_committed == 0 and time.monotonic() < deadline:
-                    tracker.writer.maybe_commit()
+                    tracker.writer.commit()
                     time.sleep(0.01)
 
                 def die(*_):  # mid-forward: the first layers of this batch were captured already

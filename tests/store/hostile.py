@@ -45,7 +45,7 @@ def make_store(path: Path, *, compression=None, n_rows: int = N_ROWS) -> torch.T
         e = min(n_rows, s + 32)
         a.append(data[s:e])
         w.add_batch(e - s, list(range(s, e)), None, {"label": torch.arange(s, e) % 3})
-        w.maybe_commit()
+        w.commit()
     w.add_reductions(HP, "mean", _Mean(data.double().mean(0)))
     w.close()
     return data

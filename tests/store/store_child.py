@@ -19,7 +19,9 @@ import torch
 import activationscope as acs
 from store_models import MLP, batches_mlp
 
-OPTIONS = {"chunk_rows": 4, "shard_bytes": 4 * 16 * 4 * 2}  # fc1 rows: 64 B -> 8-row shards
+# fc1 rows: 64 B -> 8-row shards; a commit after every forward that completes one (kills land
+# between, inside and after commits, not only before the first)
+OPTIONS = {"chunk_rows": 4, "shard_bytes": 4 * 16 * 4 * 2, "commit_interval": 0}
 BATCH = 5
 
 
@@ -38,7 +40,7 @@ def capture(path: str, n_batches: int, *, limit_after: int | None = None, sleep_
             for i in range(start // BATCH, n_batches):
                 if limit_after is not None and i == limit_after:
                     tracker.writer._core.drain()  # let the shards written so far commit first
-                    tracker.writer.maybe_commit()
+                    tracker.writer.commit()
                     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
                     resource.setrlimit(resource.RLIMIT_FSIZE, (100, 100))
                 tracker.set_batch(sample_ids=list(range(i * BATCH, (i + 1) * BATCH)))

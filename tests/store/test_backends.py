@@ -25,7 +25,7 @@ def _write(target, data: dict, *, batch: int = 7, **options):
         for hp, t in data.items():
             writers[hp].append(t[s:e])
         w.add_batch(e - s, list(range(s, e)), None, {})
-        w.maybe_commit()
+        w.commit()
     w.close()
 
 

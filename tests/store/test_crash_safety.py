@@ -89,7 +89,7 @@ def test_resume_reports_committed_samples_and_truncates(tmp_path):
     for i in range(3):
         a.append(torch.full((3, 4), float(i)))
         w.add_batch(3, [3 * i, 3 * i + 1, 3 * i + 2], None, {})
-        w.maybe_commit()
+        w.commit()
     a.append(torch.full((2, 4), 9.0))  # rows of a batch that never ends
     w.abort(RuntimeError("boom"))
     st = open_store(path)
@@ -143,7 +143,7 @@ def test_reader_during_writes_sees_a_consistent_prefix(tmp_path, mlp):
                 assert torch.equal(st[hp], mem[hp][:n]), hp
             seen.append(n)
         tr.writer._core.drain()  # the writer thread is asynchronous: let it finish, then commit
-        tr.writer.maybe_commit()
+        tr.writer.commit()
         st = open_store(tmp_path / "s.zarr")
         assert st.status == "incomplete" and st.n_samples > 0
         assert torch.equal(st["fc2.output"], mem["fc2.output"][: st.n_samples])
@@ -158,7 +158,7 @@ def test_writer_errors_surface_on_the_python_side(tmp_path):
     a.append(torch.zeros(1, 4))
     w.add_batch(1, [0], None, {})
     w._core.drain()
-    w.maybe_commit()
+    w.commit()
     (path / "acts" / "x" / "c").rename(path / "acts" / "x" / "c-moved")
     (path / "acts" / "x" / "c").write_text("not a directory")  # the next shard cannot be created
     with pytest.raises(acs.StoreError, match=r"acts/x/c"):
@@ -166,6 +166,70 @@ def test_writer_errors_surface_on_the_python_side(tmp_path):
             a.append(torch.zeros(1, 4))
             w._core.drain()
     with pytest.raises(acs.StoreError):
-        w.maybe_commit()
+        w.commit()
     with pytest.raises(acs.StoreError):
         w.close()
+
+
+def _durable_shards(w, a, n_batches, start=0):
+    for i in range(start, start + n_batches):
+        a.append(torch.full((4, 4), float(i)))  # one whole 4-row shard per batch
+        w.add_batch(4, list(range(4 * i, 4 * i + 4)), None, {})
+    w._core.drain()
+
+
+def test_maybe_commit_waits_for_the_commit_interval_and_commit_does_not(tmp_path):
+    path = tmp_path / "s.zarr"
+    w = StoreWriter(path, chunk_rows=2, shard_rows=4, commit_interval=3600)
+    a = w.open_array("x", (4,), torch.float32, "sample")
+    w.maybe_commit()  # a new array is listed at once (no rows yet)
+    assert open_store(path).hook_points == ["x"]
+    _durable_shards(w, a, 2)
+    assert not w.maybe_commit()  # durable, but the interval has not passed
+    assert open_store(path).n_samples == 0
+    assert w.commit()
+    st = open_store(path)
+    assert st.status == "incomplete" and st.n_samples == 8
+    assert torch.equal(st["x"], torch.arange(2).repeat_interleave(4)[:, None].expand(8, 4).float())
+    _durable_shards(w, a, 1, start=2)
+    assert not w.maybe_commit()
+    w.close()
+    assert open_store(path).n_samples == 12
+
+
+def test_commit_interval_zero_commits_every_durable_shard(tmp_path):
+    path = tmp_path / "s.zarr"
+    w = StoreWriter(path, chunk_rows=2, shard_rows=4, commit_interval=0)
+    a = w.open_array("x", (4,), torch.float32, "sample")
+    w.maybe_commit()
+    for i in range(3):
+        _durable_shards(w, a, 1, start=i)
+        assert w.maybe_commit()
+        assert open_store(path).n_samples == 4 * (i + 1)
+        assert not w.maybe_commit()  # nothing new: cheap, no commit
+    w.close()
+
+
+def test_commit_interval_elapsed_lets_maybe_commit_through(tmp_path, monkeypatch):
+    import activationscope.store.writer as writer_mod
+
+    now = [1000.0]
+    monkeypatch.setattr(writer_mod.time, "monotonic", lambda: now[0])
+    path = tmp_path / "s.zarr"
+    w = StoreWriter(path, chunk_rows=2, shard_rows=4, commit_interval=5)
+    a = w.open_array("x", (4,), torch.float32, "sample")
+    w.maybe_commit()
+    _durable_shards(w, a, 1)
+    now[0] += 4.9
+    assert not w.maybe_commit()
+    now[0] += 0.2
+    assert w.maybe_commit() and open_store(path).n_samples == 4
+    w.close()
+
+
+@pytest.mark.parametrize("bad", [-1, float("nan"), float("inf"), True, "1", None])
+def test_bad_commit_interval_is_refused_before_anything_is_written(tmp_path, bad):
+    path = tmp_path / "s.zarr"
+    with pytest.raises(acs.ActivationScopeError, match="commit_interval"):
+        StoreWriter(path, commit_interval=bad)
+    assert not path.exists()

@@ -24,7 +24,7 @@ def _write(target, t: torch.Tensor, *, batch: int = 7, **options) -> None:
         e = min(t.shape[0], s + batch)
         arr.append(t[s:e])
         w.add_batch(e - s, list(range(s, e)), None, {})
-        w.maybe_commit()
+        w.commit()
     w.close()
 
 

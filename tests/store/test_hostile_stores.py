@@ -450,7 +450,7 @@ def test_store_killed_before_its_first_commit_verifies(tmp_path):
     w = StoreWriter(path, chunk_rows=16, shard_bytes=1 << 20)
     a = w.open_array(HP, (8,), torch.float32, "sample")
     a.append(torch.randn(5, 8))  # rows written, never committed
-    w.maybe_commit()  # publishes the array with n_rows 0 (no document yet)
+    w.commit()  # publishes the array with n_rows 0 (no document yet)
     killed = tmp_path / "killed.zarr"
     shutil.copytree(path, killed, ignore=shutil.ignore_patterns(".activationscope-writer.lock"))
     w.close()

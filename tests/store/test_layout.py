@@ -56,7 +56,7 @@ def test_narrow_array_no_longer_holds_back_commits(tmp_path):
         deadline = time.monotonic() + 10
         # the writer thread commits shards as it completes them: wait for the first two
         while tr.writer.n_samples_committed < 2 * F.MAX_SHARD_ROWS and time.monotonic() < deadline:
-            tr.writer.maybe_commit()
+            tr.writer.commit()
             time.sleep(0.01)
         mid = acs.open_store(path)  # what a capture killed now would keep
         assert mid.status == "incomplete"
@@ -155,7 +155,7 @@ def test_capture_leaves_no_temporary_files(tmp_path):
             for i in range(0, 64, 8):
                 model(xs[i:i + 8])
                 time.sleep(0.02)
-                tr.writer.maybe_commit()
+                tr.writer.commit()
     assert not [p for p in path.rglob("*.tmp")]
     store = acs.open_store(path)
     assert store.n_samples == 64 and store.verify() == []

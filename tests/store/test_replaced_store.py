@@ -27,7 +27,7 @@ def _write(path: Path, data: torch.Tensor, *, compression=None, overwrite: bool 
     for s in range(0, len(data), 32):
         a.append(data[s:s + 32])
         w.add_batch(len(data[s:s + 32]))
-        w.maybe_commit()
+        w.commit()
     w.close()
 
 

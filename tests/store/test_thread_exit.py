@@ -44,7 +44,7 @@ CHILD = textwrap.dedent("""
         for i in range({N}):
             tracker.set_batch(sample_ids=torch.arange(i * {B}, (i + 1) * {B}))
             model(xs[i])
-    tracker.writer.maybe_commit()
+    tracker.writer.commit()
     if how.startswith("raise"):
         raise RuntimeError("the capture loop failed")
     sys.exit(0)
