@@ -140,3 +140,27 @@ def test_report_does_not_use_a_partial_reduction(tmp_path):
     stats = hook_point_stats(open_store(path), "0.output")
     assert stats.source.startswith("rows")
     torch.testing.assert_close(stats.mean, _ref_rows(model, xs).mean(0))
+
+
+EMPTY_SPECS = ["mean", "var", "std", "min", "max", "absmax", "l2", "nonzero", "cov", "topk"]
+
+
+def test_a_reduction_that_saw_no_rows_has_only_its_count(tmp_path):
+    """No value is made up for a reduction over no rows: live, stored and read back, only
+    ``<name>.count`` (0) is there, and asking for the value says why it is missing."""
+    import activationscope as acs
+
+    model, path = _model(), tmp_path / "s.zarr"
+    with ActivationScope(store=path, reductions=EMPTY_SPECS).track(model) as tr, torch.no_grad():
+        model(torch.randn(0, 6))  # an empty batch: no rows
+        live = tr.reductions["0.output"]
+    store = open_store(path)
+    for got in (live, store.reductions["0.output"]):
+        assert dict(got).keys() == {f"{n}.count" for n in EMPTY_SPECS}
+        assert all(int(v) == 0 and v.dtype == torch.int64 for v in got.values())
+        with pytest.raises(acs.ReductionNotFoundError, match=r"'mean' of hook point '0.output' saw no rows"):
+            got["mean"]
+    # resuming adds rows: the reductions then cover exactly those rows
+    xs = _batches(3)
+    _run(model, path, xs, ["mean", "var", "min", "max", "nonzero", "topk"], resume=True)
+    _check(open_store(path), _ref_rows(model, xs), NAMES)

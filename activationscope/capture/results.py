@@ -4,7 +4,22 @@ use them too)."""
 
 from __future__ import annotations
 
+from typing import Any, Mapping
+
 from ..errors import HookPointNotFoundError, ReductionNotFoundError
+
+
+def main_result_key(kind: str, result: Mapping[str, Any]) -> str | None:
+    """The key of ``result`` (a reduction's ``result()``) that is its main value, stored and
+    shown under the reduction's own name: the kind's key (``"mean"``), else ``"value"``, else
+    the only key that is not ``"count"``. None when there is none -- a reduction that saw no
+    rows has only its ``count`` (0), which is never shown as the value."""
+    if kind in result:
+        return kind
+    if "value" in result:
+        return "value"
+    keys = [k for k in result if k != "count"]
+    return keys[0] if len(keys) == 1 and len(result) == 1 else None
 
 
 class _Results(dict):
@@ -44,4 +59,8 @@ class ReductionResults(_Results):
         self.hook_point = hook_point
 
     def _missing_message(self, name: str) -> str:
+        count = dict.get(self, f"{name}.count")
+        if count is not None and count.numel() == 1 and int(count) == 0:
+            return (f"reduction {name!r} of hook point {self.hook_point!r} saw no rows ({name}.count is 0), "
+                    "so it has no value; capture rows of it first")
         return f"hook point {self.hook_point!r} has no reduction {name!r}; its reductions: {sorted(self)}"

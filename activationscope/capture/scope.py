@@ -24,7 +24,7 @@ import torch
 from . import _native, compiled
 from ..errors import ActivationScopeError, ArgumentTypeError, ArgumentValueError, CaptureError, CaptureWarning
 from .hooks import hook_point_module, is_hook_point_module, normalize_patterns, rename_hook_point, select_modules
-from .results import HookPointResults, ReductionResults
+from .results import HookPointResults, ReductionResults, main_result_key
 from .writer import open_writer, writer_options
 
 _C = _native.load()
@@ -1125,6 +1125,8 @@ class Tracker:
               ``<name>.row_ids`` ``(k, *feature_shape)`` int64 (global store row of each
               value);
             - every reduction: ``<name>.count``, int64 scalar, observations per output value;
+              a reduction that saw no rows has only that (0): no value is made up, and
+              ``[name]`` raises :class:`ReductionNotFoundError` saying so;
             - custom TorchScript reductions: the accumulator the function returns (its own
               shape and dtype).
 
@@ -1280,9 +1282,7 @@ def _batch_size(batch: Mapping[str, Any], from_inputs: int) -> int:
 def _flatten_result(name: str, reduction: Any) -> dict[str, torch.Tensor]:
     result = reduction.result()
     out: dict[str, torch.Tensor] = {}
-    main_key = reduction.kind if reduction.kind in result else ("value" if "value" in result else None)
-    if main_key is None and len(result) == 1:
-        main_key = next(iter(result))
+    main_key = main_result_key(str(reduction.kind), result)
     for key, value in result.items():
         out[name if key == main_key else f"{name}.{key}"] = value
     return out

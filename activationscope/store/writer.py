@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from ..capture import _native
+from ..capture.results import main_result_key
 from ..errors import (
     ActivationScopeError,
     ArgumentTypeError,
@@ -947,9 +948,7 @@ class StoreWriter:
         with self._lock:
             result = reduction.result()
             kind = str(getattr(reduction, "kind", "custom"))
-            main = kind if kind in result else ("value" if "value" in result else None)
-            if main is None and len(result) == 1:
-                main = next(iter(result))
+            main = main_result_key(kind, result)
             node = F.node_name(hook_point)
             entries = self._reductions.setdefault(hook_point, {})
             self._backend.set("reductions/zarr.json", F.dumps(F.group_document()))
