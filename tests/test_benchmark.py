@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import statistics
 import re
 from contextlib import redirect_stdout
@@ -373,3 +374,22 @@ def test_torchlens_runs_in_its_own_interpreter():
     specs = {s["mode"]: s for s in runner.plan(runner.parse_args(["--workloads", "toy"]), "full")}
     assert specs["torchlens"]["own_interpreter"]
     assert not specs["plain"]["own_interpreter"] and not specs["scope_store"]["own_interpreter"]
+
+
+def test_distributed_benchmark_runs_small_and_reports_its_ceilings(tmp_path):
+    """``python -m benchmark.distributed`` on a tiny capture: 1 process and 2 ranks (torchrun)
+    write the same bytes, the commit copies at most one shard per array, and the CPU split of
+    the 1-process run and the ceiling it puts on 2 ranks are recorded."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "d.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmark.distributed", "--n-forwards", "48", "--depth", "2",
+                           "--repeats", "1", "--out", str(out)], cwd=runner.REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["bytes"] == 48 * 64 * 256 * 4 * 2
+    assert 0 < doc["one_process_forward_thread_cpu_s"] <= doc["one_process_cpu_s"]
+    assert doc["cpu_bound_ceiling"] == pytest.approx(min(2.0, os.cpu_count() / doc["one_process_cpu_per_wall"]))
+    assert doc["goal_one_shard_per_rank"] and len(doc["speedups"]) == 1
+    assert "CPU of the 1-process capture" in proc.stdout and "cannot pass" in proc.stdout
