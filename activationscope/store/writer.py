@@ -419,6 +419,7 @@ class StoreWriter:
         self._core = _native.load().StoreCore(max_pending_bytes, self._fsync)
         self._arrays: dict[str, _Array] = {}
         self._pending: list[_Batch] = []
+        self._pending_samples = 0  # samples of the batches in _pending
         self._reductions: dict[str, dict] = {}
         self._encoders: dict[str, Any] = {}
         self._encoder_thread: threading.Thread | None = None
@@ -691,7 +692,7 @@ class StoreWriter:
                 raise StoreError(f"the store writer of {str(self._backend)!r} is closed")
             n = int(n_samples)
             if sample_ids is None:
-                start = self.n_samples_committed + sum(b.n_samples for b in self._pending)
+                start = self.n_samples_committed + self._pending_samples
                 ids: Any = np.arange(start, start + n)
             else:
                 ids = _to_column(sample_ids)
@@ -732,6 +733,7 @@ class StoreWriter:
                 a.last_cum = cum
                 cums[hp] = cum
             self._pending.append(_Batch(b, n, cums, sample, token))
+            self._pending_samples += n
 
     def rows_since_last_batch(self) -> dict[str, int]:
         """``{hook_point: rows}`` appended since the last :meth:`add_batch` (rows of a forward
@@ -815,6 +817,7 @@ class StoreWriter:
         if k == 0 and not force and not self._unpublished:
             return False
         batches, self._pending = self._pending[:k], self._pending[k:]
+        self._pending_samples -= sum(x.n_samples for x in batches)
         # 2. row-table parts
         for kind in ROW_KINDS:
             pieces = [getattr(x, kind) for x in batches if getattr(x, kind) is not None]

@@ -233,3 +233,18 @@ def test_bad_commit_interval_is_refused_before_anything_is_written(tmp_path, bad
     with pytest.raises(acs.ActivationScopeError, match="commit_interval"):
         StoreWriter(path, commit_interval=bad)
     assert not path.exists()
+
+
+def test_default_sample_ids_run_on_across_commits(tmp_path):
+    path = tmp_path / "s.zarr"
+    w = StoreWriter(path, chunk_rows=2, shard_rows=4, commit_interval=3600)
+    a = w.open_array("x", (4,), torch.float32, "sample")
+    for i in range(5):
+        a.append(torch.full((4, 4), float(i)))
+        w.add_batch(4)  # no sample_ids: the running count
+        if i == 2:
+            w._core.drain()
+            w.commit()  # three batches leave the pending list, two stay
+    w.close()
+    st = open_store(path)
+    assert st.row_table("sample").column("sample_id").to_pylist() == list(range(20))
