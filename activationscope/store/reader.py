@@ -99,6 +99,22 @@ def _will_need(addr: int, nbytes: int) -> None:
     _madvise(lo, nbytes + (addr - lo), _MADV_WILLNEED)
 
 
+def _read_parquet(raw: bytes) -> Any:
+    """A Parquet file held in memory as a ``pyarrow.Table``, read on this thread.
+
+    The bytes are copied into an Arrow-owned buffer and read through ``ParquetFile`` without
+    threads: a reader over a Python object (``io.BytesIO``, a bytes-backed buffer) whose last
+    reference is dropped by one of pyarrow's pool threads at interpreter exit takes the GIL
+    there and aborts the process ("terminate called without an active exception",
+    apache/arrow#34314) -- a few percent of the runs that read a row table did.
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    buf = pa.allocate_buffer(len(raw))
+    memoryview(buf).cast("B")[:] = raw
+    return pq.ParquetFile(pa.BufferReader(buf)).read(use_threads=False)
+
 
 @dataclass(frozen=True)
 class _ShardIndex:
@@ -1276,7 +1292,7 @@ class Store:
                 raise V.corrupt(self._backend, f"row-table part {key!r} listed in the metadata is missing")
             self._check_crc(raw, crcs.get(key), f"row table {kind!r}: part {key!r}")
             try:
-                tables.append(pq.read_table(io.BytesIO(raw)))
+                tables.append(_read_parquet(raw))
             except Exception as e:  # pyarrow raises ArrowInvalid / OSError / ...
                 raise V.corrupt(self._backend, f"row-table part {key!r} is not a readable Parquet file "
                                                f"({type(e).__name__}: {e})") from None
