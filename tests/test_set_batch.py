@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import activationscope as acs
-from activationscope.errors import ActivationScopeError
+from activationscope.errors import ActivationScopeError, ArgumentTypeError, ArgumentValueError
 
 
 def _model():
@@ -61,3 +61,66 @@ def test_bad_masks_are_refused(mask, error, match):
 def test_integer_01_mask_is_accepted():
     tr = acs.ActivationScope().track(_model())
     tr.set_batch(attention_mask=torch.tensor([[1, 1, 0], [1, 0, 0]]))
+
+
+@pytest.mark.parametrize("first, then, types", [
+    (lambda n: torch.randint(0, 2, (n,)), lambda n: torch.rand(n), ("float", "int64")),
+    (lambda n: torch.zeros(n, dtype=torch.int32), lambda n: torch.zeros(n, dtype=torch.int64), ("int64", "int32")),
+    (lambda n: [True] * n, lambda n: [1] * n, ("int64", "bool")),
+    (lambda n: ["a"] * n, lambda n: [1.5] * n, ("double", "string")),
+])
+def test_a_column_changing_type_is_refused_at_set_batch_and_earlier_batches_stay(tmp_path, first, then, types):
+    """A row-table column has one type: the batch that changes it is refused when described,
+    before its forward, naming the column and both types; the batches before it are kept."""
+    model, path = _model(), tmp_path / "s.zarr"
+    xs = [torch.randn(4, 6) for _ in range(3)]
+    with pytest.raises(ArgumentTypeError, match=rf"column 'label' holds {types[0]} values in this batch, "
+                                                    rf"but {types[1]} in the earlier batches"):
+        with acs.ActivationScope(store=str(path)).track(model) as tr, torch.no_grad():
+            for x in xs:
+                tr.set_batch(label=first(4))
+                model(x)
+            tr.set_batch(label=then(4))
+    st = acs.open_store(path)
+    assert st.status == "incomplete" and st.n_samples == 12
+    with torch.no_grad():
+        assert torch.equal(st["0.output"], torch.cat([model[0](x) for x in xs]))
+    assert len(st.row_table("sample").column("label")) == 12
+
+
+def test_the_same_type_from_other_containers_is_accepted(tmp_path):
+    model, path = _model(), tmp_path / "s.zarr"
+    with acs.ActivationScope(store=str(path)).track(model) as tr, torch.no_grad():
+        for label in (torch.tensor([0, 1]), [1, 0], torch.tensor([1, 1]).numpy()):
+            tr.set_batch(label=label)
+            model(torch.randn(2, 6))
+    assert acs.open_store(path).row_table("sample").column("label").to_pylist() == [0, 1, 1, 0, 1, 1]
+
+
+def test_a_resumed_capture_keeps_the_stored_column_types(tmp_path):
+    model, path = _model(), tmp_path / "s.zarr"
+    with acs.ActivationScope(store=str(path)).track(model) as tr, torch.no_grad():
+        tr.set_batch(label=[0, 1])
+        model(torch.randn(2, 6))
+    scope = acs.ActivationScope(store=str(path), store_options={"resume": True})
+    with pytest.raises(ArgumentTypeError, match=r"column 'label' holds double values .* but int64"):
+        with scope.track(model) as tr, torch.no_grad():
+            tr.set_batch(label=[0.5, 1.5])
+    st = acs.open_store(path)
+    assert st.n_samples == 2 and st.row_table("sample").column("label").to_pylist() == [0, 1]
+
+
+@pytest.mark.parametrize("value", [None, 3, "abc"])
+def test_a_column_that_is_not_a_sequence_is_refused_naming_it(value):
+    with acs.ActivationScope().track(_model()) as tr:
+        with pytest.raises(ArgumentTypeError, match=r"column 'label' must be a sequence or tensor"):
+            tr.set_batch(label=value)
+
+
+@pytest.mark.parametrize("name", ["sample_id", "batch", "pos"])
+def test_reserved_column_names_are_refused_at_set_batch(tmp_path, name):
+    """``pos`` too for a per-sample column: token datasets join the sample columns, where it
+    would hide the token position."""
+    with pytest.raises(ArgumentValueError, match=rf"column '{name}' clashes with a reserved row-table column"):
+        with acs.ActivationScope(store=str(tmp_path / "s.zarr")).track(_model()) as tr:
+            tr.set_batch(**{name: [0, 1]})

@@ -739,12 +739,15 @@ class Tracker:
         Raises
         ------
         ValueError
-            A mask that is not 2-D or holds values other than 0 and 1, or columns whose
-            length is not the batch size; at the forward (the model call raises it): sample
+            A mask that is not 2-D or holds values other than 0 and 1, columns whose
+            length is not the batch size, or (with a store) a column named like one the
+            row table fills itself (``sample_id``, ``pos``, ``batch``); at the forward (the model call raises it): sample
             ids, columns or mask rows that describe another number of samples than the
             forward's batch (the first dimension of its first input).
         TypeError
-            A float (or complex) attention mask.
+            A float (or complex) attention mask; with a store, a column whose type differs
+            from its type in earlier batches (``int64`` labels, then ``float``: a row-table
+            column has one type), or a column that is not a sequence.
         """
         mask = None
         if attention_mask is not None:
@@ -767,6 +770,11 @@ class Tracker:
             mask = attention_mask.detach().to(torch.bool).contiguous()
         n = None if mask is None else mask.shape[0]
         for key, col in columns.items():
+            if col is None or isinstance(col, (str, bytes)) or not hasattr(col, "__len__"):
+                raise ArgumentTypeError(
+                    f"column {key!r} must be a sequence or tensor with one entry per sample, got "
+                    f"{type(col).__name__}; drop it from set_batch() to stop recording it"
+                )
             length = len(col)
             if n is None:
                 n = length
@@ -774,6 +782,9 @@ class Tracker:
                 raise ArgumentValueError(f"column {key!r} has {length} entries, expected the batch size {n}")
         if sample_ids is not None and n is not None and len(sample_ids) != n:
             raise ArgumentValueError(f"sample_ids has {len(sample_ids)} entries, expected the batch size {n}")
+        check = getattr(self.writer, "check_columns", None)
+        if check is not None and columns:  # names and types, as the store will take them: refused now, not at close
+            check(columns, mask)
         self._core.token_mask = mask if mask is not None else torch.Tensor()
         self._pending_batch = {"attention_mask": mask, "sample_ids": sample_ids, "columns": columns}
 

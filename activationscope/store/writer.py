@@ -53,7 +53,9 @@ from ._lock import WriterLock
 ROW_KINDS = ("sample", "token")
 # threads writing a commit's manifests and array documents
 _IO_THREADS = 4
-_RESERVED = {"sample": ("sample_id", "batch"), "token": ("sample_id", "pos", "batch")}
+# names the writer fills itself; "pos" is reserved for sample columns too: a token dataset joins the
+# sample columns of each token's sample, where a sample column "pos" would hide the token position
+_RESERVED = {"sample": ("sample_id", "pos", "batch"), "token": ("sample_id", "pos", "batch")}
 # writers whose encoder thread runs: stopped at interpreter exit (see _stop_encoders_at_exit)
 _ENCODING: "weakref.WeakSet[StoreWriter]" = weakref.WeakSet()
 
@@ -443,6 +445,10 @@ class StoreWriter:
             "sample": {"parts": [], "n_rows": 0, "columns": []},
             "token": {"parts": [], "n_rows": 0, "columns": []},
         }))
+        # (row kind, column) -> Arrow type of a user column: one type per column of a store
+        self._column_types: dict[tuple[str, str], Any] = {}
+        if self._state is not None:
+            self._load_column_types()
         self._old_arrays: dict[str, dict] = dict(st.get("arrays") or {})
         self._old_reductions: dict = dict(st.get("reductions") or {})
         self.aliases: dict[str, str] = dict(st.get("aliases") or {})
@@ -453,6 +459,82 @@ class StoreWriter:
         # the first byte: the root document (status incomplete)
         self._backend.set("zarr.json", F.dumps(F.group_document({F.ATTRS_KEY: self._root_attrs("incomplete")})))
         self._backend.set("acts/zarr.json", F.dumps(F.group_document()))
+
+    def _load_column_types(self) -> None:
+        """Types of the user columns already stored (resume): from each kind's first part."""
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        for kind, info in self._row_tables.items():
+            parts = info.get("parts") or []
+            raw = self._backend.get(parts[0]) if parts else None
+            if raw is None:
+                continue
+            try:
+                schema = pq.read_schema(pa.BufferReader(raw))
+            except Exception:  # an unreadable part: the reader reports it; nothing to compare with
+                continue
+            for f in schema:
+                if f.name not in _RESERVED[kind] and not pa.types.is_null(f.type):
+                    self._column_types[(kind, f.name)] = f.type
+
+    def _user_columns(self, columns: Mapping[str, Any], mask: torch.Tensor | None, n: int | None
+                      ) -> list[tuple[str, str, Any, Any]]:
+        """``(kind, name, values, Arrow type)`` of user columns, checked against the names
+        the writer fills and the types of the same columns in earlier batches.
+
+        Raises ArgumentValueError (a reserved name, a wrong length) or ArgumentTypeError (a
+        type other than the column's earlier batches'); nothing is recorded.
+        """
+        import pyarrow as pa
+
+        out = []
+        for key, col in (columns or {}).items():
+            is_token = isinstance(col, torch.Tensor) and _native.load().is_token_rows(col, mask)  # the sink's rule
+            kind = "token" if is_token else "sample"
+            if key in _RESERVED[kind]:
+                raise ArgumentValueError(f"column {key!r} clashes with a reserved row-table column "
+                                         f"{list(_RESERVED[kind])}; rename it")
+            if is_token:
+                values = _to_column(col.detach().to("cpu")[mask])
+            else:
+                if col is None or isinstance(col, (str, bytes)) or not hasattr(col, "__len__"):
+                    raise ArgumentTypeError(f"column {key!r} must be a sequence or tensor with one entry per "
+                                            f"sample, got {type(col).__name__}")
+                values = _to_column(col)
+                if n is not None and len(values) != n:
+                    raise ArgumentValueError(f"column {key!r} has {len(values)} entries, expected n_samples={n}")
+            try:
+                typ = pa.array(list(values) if isinstance(values, np.ndarray) and values.dtype == object
+                               else values).type
+            except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError) as e:
+                raise ArgumentTypeError(f"column {key!r} cannot be stored in the row table ({e}); give it values "
+                                        "of one type (numbers, strings or bools)") from None
+            before = self._column_types.get((kind, key))
+            if before is not None and not pa.types.is_null(typ) and typ != before:
+                raise ArgumentTypeError(
+                    f"column {key!r} holds {typ} values in this batch, but {before} in the earlier batches of "
+                    f"{str(self._backend)!r}; a row-table column has one type: give it the same type in every "
+                    "batch (e.g. labels.long() or labels.float()), or use another column name"
+                )
+            out.append((kind, key, values, typ))
+        return out
+
+    def check_columns(self, columns: Mapping[str, Any], token_mask: torch.Tensor | None = None) -> None:
+        """Check user columns before a forward (``Tracker.set_batch``) as :meth:`add_batch`
+        will: names, and types against the column's earlier batches. Records nothing.
+
+        Raises
+        ------
+        ValueError
+            A reserved column name (``sample_id``, ``pos``, ``batch``).
+        TypeError
+            A column whose Arrow type differs from its type in earlier batches of the store
+            (``int64`` then ``double``, ...), or values of no single type.
+        """
+        mask = None if token_mask is None else token_mask.detach().to("cpu").to(torch.bool)
+        with self._lock:
+            self._user_columns(columns, mask, None)
 
     def _root_attrs(self, status: str) -> dict:
         arrays = dict(self._old_arrays)
@@ -710,18 +792,13 @@ class StoreWriter:
                 si, pos = idx[:, 0].numpy(), idx[:, 1].numpy()
                 ids_arr = np.asarray(ids, dtype=object if not isinstance(ids, np.ndarray) else None)
                 token = {"sample_id": ids_arr[si], "pos": pos.astype(np.int64), "batch": np.full(len(si), b, dtype=np.int64)}
-            for key, col in (columns or {}).items():
-                is_token = isinstance(col, torch.Tensor) and _native.load().is_token_rows(col, mask)  # the sink's rule
-                kind = "token" if is_token else "sample"
-                if key in _RESERVED[kind]:
-                    raise ArgumentValueError(f"column {key!r} clashes with a reserved row-table column {list(_RESERVED[kind])}; rename it")
-                if is_token:
-                    token[key] = _to_column(col.detach().to("cpu")[mask])
-                else:
-                    values = _to_column(col)
-                    if len(values) != n:
-                        raise ArgumentValueError(f"column {key!r} has {len(values)} entries, expected n_samples={n}")
-                    sample[key] = values
+            # checked (names, lengths, one type per column) before anything is recorded
+            checked = self._user_columns(columns, mask, n)
+            for kind, key, values, typ in checked:
+                (token if kind == "token" else sample)[key] = values
+            for kind, key, values, typ in checked:
+                if str(typ) != "null":  # a column of Nones so far: its type comes with its first values
+                    self._column_types[(kind, key)] = typ
             n_tokens = 0 if token is None else len(token["pos"])
             cums = {}
             for hp, a in self._arrays.items():
