@@ -131,6 +131,24 @@ def test_text_file_named_npy(failing_module, tmp_path, capsys):
     assert code == 1 and "sentences.npy' is a text file" in err and "pickle" not in err.lower()
 
 
+@pytest.mark.parametrize("content, kind", [(b"a sentence\n", "is a text file"), (bytes(range(200, 256)) * 4,
+                                                                                   "is not a torch file")])
+def test_data_named_pt_that_is_not_a_torch_file(failing_module, tmp_path, capsys, content, kind):
+    fake = tmp_path / "batch.pt"
+    fake.write_bytes(content)
+    code, _, err = _capture(capsys, "good", fake, tmp_path / "o.zarr")
+    assert code == 1 and f"batch.pt' {kind}: a file of torch.save starts with" in err
+    assert "Traceback" not in err and not (tmp_path / "o.zarr").exists()
+
+
+def test_data_pt_holding_a_tensor_is_captured(failing_module, tmp_path, capsys):
+    x = tmp_path / "x.pt"
+    torch.save(torch.randn(16, 6), x)
+    code, out, err = _capture(capsys, "good", x, tmp_path / "o.zarr")
+    assert code == 0, err
+    assert acs.open_store(tmp_path / "o.zarr").n_samples == 16
+
+
 def test_export_hf_from_the_command_line(failing_module, tmp_path, capsys):
     datasets = pytest.importorskip("datasets")
     out = tmp_path / "run.zarr"

@@ -901,3 +901,31 @@ def test_native_errors_reach_the_caller_through_the_wrapper(tmp_path):
             model[0](x=torch.randn(2, 8), width=3)
     store = acs.open_store(tmp_path / "s.zarr")
     assert store.status == "incomplete"
+
+
+def test_configurations_that_would_record_nothing_are_refused_or_warned():
+    """A capture never records nothing silently: max_k=0, STREAMING without reductions (and no
+    store) and 8-bit float storage are refused up front; an exclude pattern that matches no
+    module warns (it excludes nothing: a typo captures what it meant to leave out)."""
+    from activationscope.errors import ArgumentValueError, CaptureWarning
+
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(), torch.nn.ReLU())
+    with pytest.raises(ArgumentValueError, match=r"max_k= a positive int \(max_k=0 would record nothing\)"):
+        acs.ActivationScope(capture_policy=acs.CapturePolicy.MAX_K, max_k=0)
+    with pytest.raises(ArgumentValueError, match=r"STREAMING keeps only reductions, and none were given"):
+        acs.ActivationScope(reduction_policy=acs.ReductionPolicy.STREAMING)
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        with pytest.raises(ArgumentValueError, match=r"storage_dtype=torch.float8_e[45]m[32]\w* is not supported"):
+            acs.ActivationScope(storage_dtype=dtype)
+    with pytest.warns(CaptureWarning, match=r"exclude pattern '\*.droput' matches no module of Sequential"):
+        with acs.ActivationScope().track(m, exclude=["*.droput"]) as tr:
+            m(torch.randn(2, 4))
+    assert sorted(tr.activations) == ["0.output", "1.output", "2.output"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CaptureWarning)
+        with acs.ActivationScope().track(m, exclude=["1"]) as tr:  # a matching pattern: no warning
+            m(torch.randn(2, 4))
+    assert sorted(tr.activations) == ["0.output", "2.output"]
+    # what stays accepted: STREAMING with reductions, or into a store
+    acs.ActivationScope(reduction_policy=acs.ReductionPolicy.STREAMING, reductions=["mean"])
+    acs.ActivationScope(capture_policy=acs.CapturePolicy.MAX_K, max_k=1)

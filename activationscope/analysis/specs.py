@@ -143,10 +143,21 @@ def load_data_spec(spec: str) -> LoadedData:
             raise SpecError(f"--data {spec!r} is not a readable .npy file: {e}") from e
         tensor = torch.from_numpy(np.ascontiguousarray(array))
     elif suffix in (".pt", ".pth"):
+        with open(path, "rb") as f:
+            head = f.read(4)
+        if head != b"PK\x03\x04" and head[:1] != b"\x80":  # torch.save: a zip archive (or legacy pickle)
+            kind = "a text file" if _looks_like_text(path) else "not a torch file"
+            raise SpecError(
+                f"--data {spec!r} is {kind}: a file of torch.save starts with b'PK\\x03\\x04' (a zip archive), "
+                f"this one with {head!r}; save the tensor with torch.save(tensor, path), or give text (one sample "
+                "per line) a .txt name"
+            )
         try:
             tensor = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001
-            raise SpecError(f"--data {spec!r} is not a readable torch file: {one_line(e)}") from e
+            what = one_line(e) if not isinstance(e, KeyError) else f"{type(e).__name__} {e}"
+            raise SpecError(f"--data {spec!r} is not a readable torch file ({what}); save one tensor with "
+                            "torch.save(tensor, path)") from e
         if not isinstance(tensor, torch.Tensor):
             raise SpecError(f"--data {spec!r} must hold one tensor (samples along dim 0), got {type(tensor).__name__}")
     else:

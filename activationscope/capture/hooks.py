@@ -64,7 +64,8 @@ def select_modules(
         tracked: they are replaced by their outermost scripted ancestor, with a
         :class:`~activationscope.errors.CaptureWarning` naming them.
     exclude : list of str, optional
-        fnmatch patterns removed after ``include``.
+        fnmatch patterns removed after ``include``; a pattern that matches no module warns
+        (:class:`CaptureWarning`), as it excludes nothing.
 
     Returns
     -------
@@ -103,6 +104,13 @@ def select_modules(
                   and (n not in never_called or n in include)]
     chosen = _replace_scripted(model, named, chosen, explicit=include is not None)
     if exclude:
+        for pat in exclude:
+            if not any(fnmatch.fnmatchcase(n, pat) for n in names):
+                warnings.warn(
+                    f"exclude pattern {pat!r} matches no module of {type(model).__name__}, so it excludes nothing; "
+                    f"module names look like {_examples(names)}",
+                    CaptureWarning, stacklevel=3,
+                )
         chosen = [(n, m) for n, m in chosen if not any(fnmatch.fnmatchcase(n, p) for p in exclude)]
     if not chosen:
         raise HookPointNotFoundError(

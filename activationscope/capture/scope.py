@@ -277,14 +277,20 @@ class ActivationScope:
         if not isinstance(sample_every, int) or sample_every < 1:
             raise ArgumentValueError(f"sample_every must be a positive int, got {sample_every!r}")
         if self.capture_policy is CapturePolicy.MAX_K:
-            if not isinstance(max_k, int) or max_k < 0:
-                raise ArgumentValueError(f"capture_policy=CapturePolicy.MAX_K needs max_k= a non-negative int, got {max_k!r}")
+            if not isinstance(max_k, int) or isinstance(max_k, bool) or max_k < 1:
+                raise ArgumentValueError(f"capture_policy=CapturePolicy.MAX_K needs max_k= a positive int (max_k=0 "
+                                         f"would record nothing), got {max_k!r}")
         if storage_dtype is not None and not isinstance(storage_dtype, torch.dtype):
             raise ArgumentTypeError(f"storage_dtype must be a torch.dtype, got {storage_dtype!r}")
         if storage_dtype is not None and not storage_dtype.is_floating_point:
             raise ArgumentValueError(
                 "storage_dtype must be a floating-point dtype (torch.float32, torch.float16, torch.bfloat16, ...), "
                 f"got {storage_dtype}: casting activations to it would truncate them"
+            )
+        if storage_dtype is not None and storage_dtype.itemsize == 1:
+            raise ArgumentValueError(
+                f"storage_dtype={storage_dtype} is not supported (8-bit floats have no overflow check nor "
+                "reductions on the CPU, and a store cannot hold them); use torch.float16 or torch.bfloat16"
             )
         if store_options:
             if store is None:
@@ -294,6 +300,11 @@ class ActivationScope:
             raise ArgumentValueError("storage=StoragePolicy.DISK needs store= (a path, URL or zarr store) to write into")
         if store is not None and self.storage is StoragePolicy.AUTO:
             self.storage = StoragePolicy.DISK
+        if self.reduction_policy is ReductionPolicy.STREAMING and store is None and not reductions:
+            raise ArgumentValueError(
+                "reduction_policy=ReductionPolicy.STREAMING keeps only reductions, and none were given, so the "
+                "capture would keep nothing; pass reductions=[...] (e.g. ['mean', 'var']) or store= a path"
+            )
         self.sample_every = sample_every
         self.max_k = max_k
         self.reductions = reductions
