@@ -170,3 +170,20 @@ def test_help_does_not_import_torch():
             "print('torch' in sys.modules, 'numpy' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "False False"
+
+
+def test_export_keeps_a_file_that_is_not_an_export_and_report_names_a_file_out(failing_module, tmp_path, capsys):
+    out = tmp_path / "run.zarr"
+    assert _capture(capsys, "good", failing_module, out)[0] == 0
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes")
+    for fmt in ("arrow", "parquet"):
+        code, _, err = run(capsys, "export", str(out), "--format", fmt, "--out", str(notes))
+        assert code == 1 and f"notes.txt' exists and is not an earlier {fmt} export" in err and "--overwrite" in err
+        assert notes.read_text() == "my notes"
+    code, _, err = run(capsys, "export", str(out), "--format", "arrow", "--out", str(notes), "--overwrite")
+    assert code == 0, err
+    notes.write_text("my notes")
+    code, _, err = run(capsys, "report", str(out), "--out", str(notes))
+    assert code == 1 and "notes.txt' is a file; the report is a folder" in err and "Errno" not in err
+    assert notes.read_text() == "my notes"

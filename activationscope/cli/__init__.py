@@ -6,8 +6,9 @@ Subcommands::
     activationscope capture --model MODEL --data DATA --out STORE [options]
     activationscope info    STORE [--json]
     activationscope verify  STORE
-    activationscope export  STORE --format parquet|arrow --out FILE [--hook-points HP ...]
+    activationscope export  STORE --format parquet|arrow --out FILE [--hook-points HP ...] [--overwrite]
     activationscope report  STORE --out DIR [--hook-points HP ...]
+    activationscope consolidate STORE [--world-size N]
 
 Errors (bad paths, unreadable data, unknown hook points, failing model imports) print one
 line on stderr and exit with status 1 (2 for a wrong command line); ``--debug`` shows the
@@ -186,6 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--format hf: N consecutive rows per example, SAELens's cached-activations layout")
     p.add_argument("--drop-last", action="store_true",
                    help="--format hf with --context-size: leave out the rows that do not fill the last example")
+    p.add_argument("--overwrite", action="store_true",
+                   help="parquet / arrow: replace --out even when it is not an earlier export (default: refused)")
     p.add_argument("--hook-points", nargs="+", default=None, metavar="HP",
                    help="hook points or fnmatch patterns to export (default: all; they must share a row kind)")
 
@@ -413,7 +416,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     if out.is_dir():
         raise CLIError(f"--out {args.out!r} is a folder; --format {args.format} writes one file: give a file path")
     fn = data.export_parquet if args.format == "parquet" else data.export_arrow
-    fn(store, args.out, hook_points=hook_points, tensor_type=args.tensor_type)
+    fn(store, args.out, hook_points=hook_points, tensor_type=args.tensor_type, overwrite=args.overwrite)
     print(f"wrote {args.out} ({format_bytes(os.path.getsize(args.out))}, {args.format})")
     return 0
 
@@ -457,6 +460,10 @@ def _one_row_kind(store: Any, hook_points: list[str] | None) -> list[str] | None
 def cmd_report(args: argparse.Namespace) -> int:
     from ..analysis import report
 
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise CLIError(f"--out {args.out!r} is a file; the report is a folder (index.html and its plots): give a "
+                       "folder path (created if missing)")
     store = _open(args.store)
     hook_points = _check_hook_points(store, args.hook_points)
     path = report.write_report(store, args.out, hook_points=hook_points, label_column=args.label_column,

@@ -195,10 +195,35 @@ def _record_batches(ds: ActivationDataset, schema: pa.Schema, col_names: list[st
         yield pa.RecordBatch.from_arrays(arrays, schema=schema)
 
 
+def _is_export(path: Path, kind: str) -> bool:
+    """Whether ``path`` is a file this module wrote (its Arrow schema carries our format key)."""
+    try:
+        if kind == "arrow":
+            with pa.memory_map(str(path)) as f:
+                meta = pa.ipc.open_file(f).schema.metadata or {}
+        else:
+            meta = pq.read_schema(str(path)).metadata or {}
+    except Exception:  # noqa: BLE001 - not a file of that format
+        return False
+    return b"activationscope.format" in meta
+
+
+def _check_out(path: Path, kind: str, overwrite: bool) -> None:
+    """Refuse to replace a folder, or a file that is not an earlier export (unless ``overwrite``)."""
+    if path.is_dir():
+        raise ArgumentValueError(f"{str(path)!r} is a folder; an {kind} export writes one file: give a file path")
+    if path.exists() and not overwrite and not _is_export(path, kind):
+        raise ArgumentValueError(
+            f"{str(path)!r} exists and is not an earlier {kind} export; it is left as it is: give another path, "
+            "or pass overwrite=True (--overwrite) to replace it"
+        )
+
+
 def _export(kind: str, source: Any, path: Any, hook_points: Any, columns: Any, batch_rows: int,
-            rows: Any, filter: Any, tensor_type: str, compression: Any) -> Path:
+            rows: Any, filter: Any, tensor_type: str, compression: Any, overwrite: bool = False) -> Path:
     if not isinstance(batch_rows, int) or batch_rows < 1:
         raise ArgumentValueError(f"batch_rows must be a positive int, got {batch_rows!r}")
+    _check_out(Path(os.path.expanduser(os.fspath(path))), kind, overwrite)
     ds = _dataset_for(source, hook_points, columns, rows, filter)
     col_names = _export_columns(ds, columns)
     schema = _schema(ds, col_names, tensor_type)
@@ -232,6 +257,7 @@ def export_arrow(
     filter: Any = None,
     tensor_type: str = "fixed_shape_tensor",
     compression: str | None = None,
+overwrite: bool = False,
 ) -> Path:
     """Write rows of a store to an Arrow IPC file (``.arrow``, the Feather v2 format).
 
@@ -240,7 +266,8 @@ def export_arrow(
     store : str, os.PathLike, store object or ActivationDataset
         The rows to export (a dataset exports its own selection).
     path : str or os.PathLike
-        The file to write (replaced atomically).
+        The file to write (replaced atomically). An existing file that is not an earlier
+        export of this format is refused (``ArgumentValueError``) unless ``overwrite``.
     hook_points : str or list of str, optional
         Hook points (patterns allowed) to export, one column each; default all, which must
         share a row kind and row count.
@@ -255,6 +282,8 @@ def export_arrow(
         Arrow type of hook point columns (see the module docstring).
     compression : {None, "lz4", "zstd"}
         IPC buffer compression. Compressed files cannot be read zero-copy.
+    overwrite : bool, default False
+        Replace ``path`` even when it is not an earlier export.
 
     Returns
     -------
@@ -266,7 +295,8 @@ def export_arrow(
     >>> export_arrow("runs/demo.zarr", "demo.arrow", hook_points=["blocks.0.output"])  # doctest: +SKIP
     >>> acts = read_arrow("demo.arrow")["blocks.0.output"]                             # doctest: +SKIP
     """
-    return _export("arrow", store, path, hook_points, columns, batch_rows, rows, filter, tensor_type, compression)
+    return _export("arrow", store, path, hook_points, columns, batch_rows, rows, filter, tensor_type, compression,
+                   overwrite)
 
 
 def export_parquet(
@@ -280,6 +310,7 @@ def export_parquet(
     filter: Any = None,
     tensor_type: str = "fixed_shape_tensor",
     compression: str | None = "zstd",
+overwrite: bool = False,
 ) -> Path:
     """Write rows of a store to a Parquet file, one row group per ``batch_rows`` rows.
 
@@ -299,7 +330,8 @@ def export_parquet(
     pathlib.Path
         ``path``.
     """
-    return _export("parquet", store, path, hook_points, columns, batch_rows, rows, filter, tensor_type, compression)
+    return _export("parquet", store, path, hook_points, columns, batch_rows, rows, filter, tensor_type, compression,
+                   overwrite)
 
 
 # ---------------------------------------------------------------------- Hugging Face datasets

@@ -10,6 +10,7 @@ import pytest
 import torch
 from fake_store import FakeStore, write_fake_store
 
+from activationscope.errors import ArgumentValueError
 from activationscope.data import ActivationDataset, arrow_to_torch, export_arrow, export_parquet, read_arrow
 
 N = 30
@@ -180,3 +181,21 @@ def test_pandas_reads_every_export(store, arrays, tmp_path):
         assert frame["label"].tolist() == [i % 2 for i in range(N)] and frame["text"][3] == "t3"
     # the field metadata survives the workaround
     assert to_pandas.__doc__ and tensor.schema.field("bf16").metadata[b"activationscope.dtype"] == b"bfloat16"
+
+
+@pytest.mark.parametrize("fn, kind", [(export_arrow, "arrow"), (export_parquet, "parquet")])
+def test_an_existing_file_that_is_not_an_export_is_kept(store, arrays, tmp_path, fn, kind):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes")
+    with pytest.raises(ArgumentValueError, match=rf"notes.txt' exists and is not an earlier {kind} export; it is left"):
+        fn(store, notes)
+    assert notes.read_text() == "my notes"
+    with pytest.raises(ArgumentValueError, match=r"is a folder"):
+        fn(store, tmp_path)
+    # an earlier export is replaced; anything with overwrite=True
+    out = tmp_path / f"x.{kind}"
+    fn(store, out, hook_points=["f32"])
+    fn(store, out, hook_points=["f32"])
+    fn(store, notes, hook_points=["f32"], overwrite=True)
+    got = read_arrow(notes) if kind == "arrow" else pq.read_table(notes)
+    assert (got["f32"].shape[0] if kind == "arrow" else got.num_rows) == N
