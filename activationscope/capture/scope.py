@@ -10,8 +10,10 @@ per tensor.
 
 from __future__ import annotations
 
+import copyreg
 import enum
 import fnmatch
+import operator
 import sys
 import threading
 import warnings
@@ -29,6 +31,29 @@ from .writer import open_writer, writer_options
 
 _C = _native.load()
 compiled.install()  # the in-graph path of a torch.compile'd tracked model
+
+
+def _reduce_forward_wrapper(wrapper: Any) -> tuple[Any, tuple[Any, ...]]:
+    """Pickle / copy a tracked module's native forward wrapper as the forward it replaced.
+
+    ``copy.deepcopy``, ``pickle`` and ``torch.save`` of a module while it is tracked meet
+    the wrapper in the module's ``__dict__``; they get the forward the module had before
+    (a bound method re-bound to the copy of its object, any other callable as it is), so
+    the copy is an untracked model that computes what the original computes. Only the
+    standard library is named in the pickle: a checkpoint saved while tracked loads
+    without activationscope.
+    """
+    forward = getattr(wrapper, "__wrapped__", None)
+    if forward is None:
+        forward = wrapper.original
+    func = getattr(forward, "__func__", None)
+    owner = getattr(forward, "__self__", None)
+    if owner is not None and callable(getattr(func, "__get__", None)) and not isinstance(owner, type):
+        return func.__get__, (owner,)  # the method bound to the copy of its module
+    return operator.itemgetter(0), ((forward,),)  # the callable itself
+
+
+copyreg.pickle(_C.ForwardWrapper, _reduce_forward_wrapper)
 
 __all__ = [
     "ActivationScope",
