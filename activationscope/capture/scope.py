@@ -820,6 +820,7 @@ class Tracker:
                 stacklevel=2,
             )
         scope = self.scope
+        self._check_layout(name, tensor)
         self._check_dtype(name, tensor)
         mask = self._pending_batch["attention_mask"] if self._pending_batch else None
         if mask is None and scope.rows == "token":
@@ -925,6 +926,37 @@ class Tracker:
                 "resume with the same model and selection, or overwrite=True"
             )
         return target
+
+    def _check_layout(self, name: str, tensor: torch.Tensor) -> None:
+        """Refuse, before the hook point's first row is kept, an activation whose values a
+        copy, a store or a reduction cannot read: a sparse or nested tensor, or one on the
+        meta device (shapes only). Only an in-memory REFERENCE capture without reductions
+        keeps the tensor itself, and so can hold them."""
+        if tensor.is_nested:
+            what, convert = "a nested tensor", "x.to_padded_tensor(0.0)"
+        elif tensor.layout != torch.strided:
+            what = f"a {str(tensor.layout).replace('torch.', '')} tensor (not strided)"
+            convert = "x.to_dense()"
+        elif tensor.device.type == "meta":
+            what, convert = "on the meta device (it has a shape but no values)", "a model on a real device"
+        else:
+            return
+        uses = []
+        if self.scope.capture_mode is CaptureMode.SNAPSHOT or tensor.is_inference():
+            uses.append("copied (CaptureMode.SNAPSHOT)")
+        if self.writer is not None:
+            uses.append("stored")
+        if self._red_factories is not None and self._red_factories.resolve_reductions(self.scope.reductions, name):
+            uses.append("reduced")
+        if not uses:
+            return
+        module = hook_point_module(name)
+        raise CaptureError(
+            f"hook point {name!r} is {what}, shape {tuple(tensor.shape) if not tensor.is_nested else '(nested)'}, "
+            f"which cannot be {' or '.join(uses)}: a capture records dense strided tensors with values. "
+            f"Pass exclude=[{module!r}] to track() (or give the capture a dense tensor: {convert}); an in-memory "
+            "capture with capture_mode=CaptureMode.REFERENCE and no reductions keeps such a tensor as it is"
+        )
 
     def _check_dtype(self, name: str, tensor: torch.Tensor) -> None:
         """Refuse, before the hook point's first row is kept, a dtype its destination cannot
