@@ -480,6 +480,11 @@ class Tracker:
         self._first_checked = False
         self._refused: str | None = None
         self._token_rows = scope.token_rows
+        # a mask that applies to no hook point: their first shapes, and whether token_rows= chose
+        # sample rows for one (then sample rows are asked for, not a mistake)
+        self._first_shapes: dict[str, tuple[int, ...]] = {}
+        self._sample_rows_chosen = False
+        self._warned_mask = False
         self._fastpath_off = False  # this tracker holds PyTorch's MHA fast path off
         self.parameters: dict[str, torch.Tensor] = {}
         self.writer = None
@@ -754,6 +759,10 @@ class Tracker:
             Real tokens. Hook points whose activation starts with ``(batch, pos)`` then
             store one row per real token (padding never enters the store or the
             reductions); other hook points store one row per sample.
+            A mask that fits no tracked hook point (the model prepends a token, so
+            activations are ``(batch, pos + 1, ...)``) gives a
+            :class:`~activationscope.errors.CaptureWarning` once per capture, naming the
+            shapes; ``token_rows=False`` says that sample rows are meant.
         sample_ids : sequence of int or Tensor (batch,), optional
             Ids of the samples (default: a running counter over captured samples).
         **columns
@@ -835,7 +844,9 @@ class Tracker:
                 f"{'the attention mask ' + str(tuple(mask.shape)) if mask is not None else 'an attention mask (none given)'}; "
                 "pass attention_mask= to tracker.set_batch (or rows='token'), or drop the hook point from token_rows="
             )
+        self._first_shapes[name] = tuple(tensor.shape)
         if decided is False:
+            self._sample_rows_chosen = True
             token = False
         elif token and decided is None and tensor.dim() == 2 and not bool(mask.bool().all()):
             # (batch, pos) values with padding: one scalar per real token, the padded columns
@@ -1063,6 +1074,8 @@ class Tracker:
             )
         self._n_captured += 1
         batch = self._batch or {}
+        if batch.get("attention_mask") is not None and not self._warned_mask:
+            self._warn_mask_unused(batch["attention_mask"])
         n = _batch_size(batch, self._core.batch_size)
         actual = int(self._core.batch_size)
         if actual > 0 and n != actual and self._batch is not None:
@@ -1088,6 +1101,23 @@ class Tracker:
         self._n_samples += n
         if self._reference_mode:
             self._warn_changed(all_records=False)
+
+    def _warn_mask_unused(self, mask: torch.Tensor) -> None:
+        """Warn (once per capture) when set_batch's attention mask fits no hook point: none
+        stores token rows, so padding is kept inside sample rows and the mask is ignored."""
+        if not self._sinks or self._sample_rows_chosen or any(s.row_kind == 1 for s in self._sinks.values()):
+            return
+        self._warned_mask = True
+        shapes = {n: self._first_shapes[n] for n in self._sinks if n in self._first_shapes}
+        shown = ", ".join(f"{n!r}: {s}" for n, s in list(shapes.items())[:6]) + (", ..." if len(shapes) > 6 else "")
+        warnings.warn(
+            f"set_batch(attention_mask=...) of shape {tuple(mask.shape)} (batch, pos) matches no tracked hook point: "
+            f"no activation starts with it ({{{shown}}}), so every hook point stores one row per sample with its "
+            "padding inside and the mask is ignored. Pass a mask of the activations' (batch, pos) shape (e.g. with "
+            "a column for a token the model prepends), or token_rows=False if one row per sample is what you want",
+            CaptureWarning,
+            stacklevel=3,
+        )
 
     def _forward_raised(self, at_exit: bool = False) -> None:
         """A root forward raised, the exception was caught and the capture went on: the hook
