@@ -482,7 +482,7 @@ class Tracker:
         self._token_rows = scope.token_rows
         # a mask that applies to no hook point: their first shapes, and whether token_rows= chose
         # sample rows for one (then sample rows are asked for, not a mistake)
-        self._first_shapes: dict[str, tuple[int, ...]] = {}
+        self._first_shapes: dict[str, tuple[int, ...] | str] = {}
         self._sample_rows_chosen = False
         self._warned_mask = False
         self._fastpath_off = False  # this tracker holds PyTorch's MHA fast path off
@@ -844,7 +844,7 @@ class Tracker:
                 f"{'the attention mask ' + str(tuple(mask.shape)) if mask is not None else 'an attention mask (none given)'}; "
                 "pass attention_mask= to tracker.set_batch (or rows='token'), or drop the hook point from token_rows="
             )
-        self._first_shapes[name] = tuple(tensor.shape)
+        self._first_shapes[name] = "(nested)" if tensor.is_nested else tuple(tensor.shape)
         if decided is False:
             self._sample_rows_chosen = True
             token = False
@@ -1074,8 +1074,6 @@ class Tracker:
             )
         self._n_captured += 1
         batch = self._batch or {}
-        if batch.get("attention_mask") is not None and not self._warned_mask:
-            self._warn_mask_unused(batch["attention_mask"])
         n = _batch_size(batch, self._core.batch_size)
         actual = int(self._core.batch_size)
         if actual > 0 and n != actual and self._batch is not None:
@@ -1086,6 +1084,8 @@ class Tracker:
                 f"set_batch({what}=...) describes {n} samples, but the forward's batch has {actual} (the first "
                 "dimension of its first input); call set_batch with one entry per sample before each forward"
             )
+        if batch.get("attention_mask") is not None and not self._warned_mask:
+            self._warn_mask_unused(batch["attention_mask"])
         if self.writer is not None:
             ids = batch.get("sample_ids")
             if ids is None:
