@@ -10,8 +10,10 @@ per tensor.
 
 from __future__ import annotations
 
+import copyreg
 import enum
 import fnmatch
+import operator
 import sys
 import threading
 import warnings
@@ -29,6 +31,29 @@ from .writer import open_writer, writer_options
 
 _C = _native.load()
 compiled.install()  # the in-graph path of a torch.compile'd tracked model
+
+
+def _reduce_forward_wrapper(wrapper: Any) -> tuple[Any, tuple[Any, ...]]:
+    """Pickle / copy a tracked module's native forward wrapper as the forward it replaced.
+
+    ``copy.deepcopy``, ``pickle`` and ``torch.save`` of a module while it is tracked meet
+    the wrapper in the module's ``__dict__``; they get the forward the module had before
+    (a bound method re-bound to the copy of its object, any other callable as it is), so
+    the copy is an untracked model that computes what the original computes. Only the
+    standard library is named in the pickle: a checkpoint saved while tracked loads
+    without activationscope.
+    """
+    forward = getattr(wrapper, "__wrapped__", None)
+    if forward is None:
+        forward = wrapper.original
+    func = getattr(forward, "__func__", None)
+    owner = getattr(forward, "__self__", None)
+    if owner is not None and callable(getattr(func, "__get__", None)) and not isinstance(owner, type):
+        return func.__get__, (owner,)  # the method bound to the copy of its module
+    return operator.itemgetter(0), ((forward,),)  # the callable itself
+
+
+copyreg.pickle(_C.ForwardWrapper, _reduce_forward_wrapper)
 
 __all__ = [
     "ActivationScope",
@@ -466,6 +491,11 @@ class Tracker:
         self._first_checked = False
         self._refused: str | None = None
         self._token_rows = scope.token_rows
+        # a mask that applies to no hook point: their first shapes, and whether token_rows= chose
+        # sample rows for one (then sample rows are asked for, not a mistake)
+        self._first_shapes: dict[str, tuple[int, ...] | str] = {}
+        self._sample_rows_chosen = False
+        self._warned_mask = False
         self._fastpath_off = False  # this tracker holds PyTorch's MHA fast path off
         self.parameters: dict[str, torch.Tensor] = {}
         self.writer = None
@@ -740,6 +770,10 @@ class Tracker:
             Real tokens. Hook points whose activation starts with ``(batch, pos)`` then
             store one row per real token (padding never enters the store or the
             reductions); other hook points store one row per sample.
+            A mask that fits no tracked hook point (the model prepends a token, so
+            activations are ``(batch, pos + 1, ...)``) gives a
+            :class:`~activationscope.errors.CaptureWarning` once per capture, naming the
+            shapes; ``token_rows=False`` says that sample rows are meant.
         sample_ids : sequence of int or Tensor (batch,), optional
             Ids of the samples (default: a running counter over captured samples).
         **columns
@@ -817,6 +851,7 @@ class Tracker:
                 stacklevel=2,
             )
         scope = self.scope
+        self._check_layout(name, tensor)
         self._check_dtype(name, tensor)
         mask = self._pending_batch["attention_mask"] if self._pending_batch else None
         if mask is None and scope.rows == "token":
@@ -831,7 +866,9 @@ class Tracker:
                 f"{'the attention mask ' + str(tuple(mask.shape)) if mask is not None else 'an attention mask (none given)'}; "
                 "pass attention_mask= to tracker.set_batch (or rows='token'), or drop the hook point from token_rows="
             )
+        self._first_shapes[name] = "(nested)" if tensor.is_nested else tuple(tensor.shape)
         if decided is False:
+            self._sample_rows_chosen = True
             token = False
         elif token and decided is None and tensor.dim() == 2 and not bool(mask.bool().all()):
             # (batch, pos) values with padding: one scalar per real token, the padded columns
@@ -922,6 +959,37 @@ class Tracker:
                 "resume with the same model and selection, or overwrite=True"
             )
         return target
+
+    def _check_layout(self, name: str, tensor: torch.Tensor) -> None:
+        """Refuse, before the hook point's first row is kept, an activation whose values a
+        copy, a store or a reduction cannot read: a sparse or nested tensor, or one on the
+        meta device (shapes only). Only an in-memory REFERENCE capture without reductions
+        keeps the tensor itself, and so can hold them."""
+        if tensor.is_nested:
+            what, convert = "a nested tensor", "x.to_padded_tensor(0.0)"
+        elif tensor.layout != torch.strided:
+            what = f"a {str(tensor.layout).replace('torch.', '')} tensor (not strided)"
+            convert = "x.to_dense()"
+        elif tensor.device.type == "meta":
+            what, convert = "on the meta device (it has a shape but no values)", "a model on a real device"
+        else:
+            return
+        uses = []
+        if self.scope.capture_mode is CaptureMode.SNAPSHOT or tensor.is_inference():
+            uses.append("copied (CaptureMode.SNAPSHOT)")
+        if self.writer is not None:
+            uses.append("stored")
+        if self._red_factories is not None and self._red_factories.resolve_reductions(self.scope.reductions, name):
+            uses.append("reduced")
+        if not uses:
+            return
+        module = hook_point_module(name)
+        raise CaptureError(
+            f"hook point {name!r} is {what}, shape {tuple(tensor.shape) if not tensor.is_nested else '(nested)'}, "
+            f"which cannot be {' or '.join(uses)}: a capture records dense strided tensors with values. "
+            f"Pass exclude=[{module!r}] to track() (or give the capture a dense tensor: {convert}); an in-memory "
+            "capture with capture_mode=CaptureMode.REFERENCE and no reductions keeps such a tensor as it is"
+        )
 
     def _check_dtype(self, name: str, tensor: torch.Tensor) -> None:
         """Refuse, before the hook point's first row is kept, a dtype its destination cannot
@@ -1038,6 +1106,8 @@ class Tracker:
                 f"set_batch({what}=...) describes {n} samples, but the forward's batch has {actual} (the first "
                 "dimension of its first input); call set_batch with one entry per sample before each forward"
             )
+        if batch.get("attention_mask") is not None and not self._warned_mask:
+            self._warn_mask_unused(batch["attention_mask"])
         if self.writer is not None:
             ids = batch.get("sample_ids")
             if ids is None:
@@ -1053,6 +1123,23 @@ class Tracker:
         self._n_samples += n
         if self._reference_mode:
             self._warn_changed(all_records=False)
+
+    def _warn_mask_unused(self, mask: torch.Tensor) -> None:
+        """Warn (once per capture) when set_batch's attention mask fits no hook point: none
+        stores token rows, so padding is kept inside sample rows and the mask is ignored."""
+        if not self._sinks or self._sample_rows_chosen or any(s.row_kind == 1 for s in self._sinks.values()):
+            return
+        self._warned_mask = True
+        shapes = {n: self._first_shapes[n] for n in self._sinks if n in self._first_shapes}
+        shown = ", ".join(f"{n!r}: {s}" for n, s in list(shapes.items())[:6]) + (", ..." if len(shapes) > 6 else "")
+        warnings.warn(
+            f"set_batch(attention_mask=...) of shape {tuple(mask.shape)} (batch, pos) matches no tracked hook point: "
+            f"no activation starts with it ({{{shown}}}), so every hook point stores one row per sample with its "
+            "padding inside and the mask is ignored. Pass a mask of the activations' (batch, pos) shape (e.g. with "
+            "a column for a token the model prepends), or token_rows=False if one row per sample is what you want",
+            CaptureWarning,
+            stacklevel=3,
+        )
 
     def _forward_raised(self, at_exit: bool = False) -> None:
         """A root forward raised, the exception was caught and the capture went on: the hook

@@ -1,0 +1,69 @@
+"""An attention mask that fits no tracked hook point is not ignored silently."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import activationscope as acs
+
+
+class PrependCLS(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.cls = torch.nn.Parameter(torch.randn(1, 1, 8))
+
+    def forward(self, h):
+        return torch.cat([self.cls.expand(len(h), -1, -1), h], 1)
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Embedding(50, 8), PrependCLS(), torch.nn.Linear(8, 8))
+
+
+def _mask(pos: int) -> torch.Tensor:
+    mask = torch.ones(4, pos, dtype=torch.bool)
+    mask[2:, 3:] = False
+    return mask
+
+
+def _scope(where, tmp_path, **kw):
+    return acs.ActivationScope(store=tmp_path / "run.zarr", **kw) if where == "store" else acs.ActivationScope(**kw)
+
+
+@pytest.mark.parametrize("where", ["memory", "store"])
+def test_mask_matching_no_hook_point_warns_once(where, tmp_path):
+    model = _model()
+    ids = torch.randint(1, 50, (4, 6))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad(), _scope(where, tmp_path).track(model, include=["1", "2"]) as tracker:
+            for _ in range(2):
+                tracker.set_batch(attention_mask=_mask(6))
+                model(ids)
+    mine = [w for w in caught if issubclass(w.category, acs.CaptureWarning) and "attention_mask" in str(w.message)]
+    assert len(mine) == 1
+    with pytest.warns(acs.CaptureWarning, match=r"attention_mask.* shape \(4, 6\).*matches no tracked hook point.*"
+                                                r"'1\.output': \(4, 7, 8\).*token_rows"):
+        with torch.no_grad(), acs.ActivationScope().track(model, include=["1", "2"]) as tracker:
+            tracker.set_batch(attention_mask=_mask(6))
+            model(ids)
+
+
+@pytest.mark.parametrize("where", ["memory", "store"])
+@pytest.mark.parametrize("include, pos, kw", [
+    (["1", "2"], 7, {}),                               # the activations' (batch, pos): token rows
+    (["0", "1", "2"], 6, {}),                          # fits the embedding only: it applies there
+    (["1", "2"], 6, {"token_rows": False}),            # sample rows asked for
+])
+def test_mask_that_applies_or_sample_rows_asked_for_do_not_warn(where, include, pos, kw, tmp_path):
+    model = _model()
+    ids = torch.randint(1, 50, (4, 6))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", acs.CaptureWarning)
+        with torch.no_grad(), _scope(where, tmp_path, **kw).track(model, include=include) as tracker:
+            tracker.set_batch(attention_mask=_mask(pos))
+            model(ids)
