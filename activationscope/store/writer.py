@@ -481,8 +481,22 @@ class StoreWriter:
         }
 
     def _truncate_to_committed(self) -> None:
-        """Resume: drop every shard and row-table part past the committed prefix."""
+        """Resume: drop every shard and row-table part past the committed prefix.
+
+        Each array's root entry is first checked against the array's own document (FORMAT.md
+        section 9 rule 17): which shards are deleted, and how the rows appended next are laid
+        out, follow the root's ``shard_rows`` and ``chunk_rows``, so a root that lies about them
+        must not delete or mix committed rows.
+        """
         b = self._backend
+        for hp, meta in self._old_arrays.items():
+            doc_key = f"{meta['path']}/zarr.json"
+            raw = b.get(doc_key, max_bytes=V.MAX_JSON_BYTES)
+            if raw is not None:
+                problems = V.array_document_problems(V.loads_json(raw, store=b, key=doc_key), meta, hook_point=hp,
+                                                     doc_key=doc_key)
+                if problems:
+                    raise V.corrupt(b, "; ".join(problems) + "; nothing was deleted or written")
         for hp, meta in self._old_arrays.items():
             path, n = meta["path"], int(meta["n_rows"])
             shard_rows = int(meta["shard_rows"])
