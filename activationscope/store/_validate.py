@@ -400,6 +400,56 @@ def array_document_problems(doc: Any, meta: dict, *, hook_point: str, doc_key: s
     return out
 
 
+def manifest_problems(doc: Any, shards: dict[int, dict], meta: dict, *, hook_point: str, key: str,
+                      sizes: dict[int, int | None] | None = None) -> list[str]:
+    """The fields of a parsed manifest (FORMAT.md §5) that the reader does not use but that a
+    reader of the format could trust, checked against what the format prescribes (rule 18):
+    ``hook_point`` the array's, each shard's ``key`` the shard key of its number, ``rows_end``
+    the end of its shard (``(shard + 1) * shard_rows``) for every shard but the last listed,
+    within its shard for the last one (and at least ``n_rows`` when it holds the last committed
+    row), and ``file_bytes`` the size of the shard file (``sizes``: ``{shard: size or None}``,
+    for the shards whose files were looked at). Pure: no I/O.
+
+    Returns
+    -------
+    list of str
+        One line per lie, naming the manifest, the shard, the field, what it says and what it
+        must be.
+    """
+    out: list[str] = []
+    if isinstance(doc, dict) and "hook_point" in doc and doc["hook_point"] != hook_point:
+        out.append(f"manifest {key} says hook_point {doc['hook_point']!r}, but it is the manifest of hook point "
+                   f"{hook_point!r} (the root document zarr.json, arrays[{hook_point!r}].manifest)")
+    shard_rows, n = int(meta["shard_rows"]), int(meta["n_rows"])
+    last_listed = max(shards, default=-1)
+    last_committed = (n - 1) // shard_rows if n else -1
+    for k in sorted(shards):
+        rec = shards[k]
+        where = f"manifest {key} shard {k}"
+        want_key = F.shard_key(meta["path"], k, len(meta["feature_shape"]))
+        if rec.get("key", want_key) != want_key:
+            r = repr(rec.get("key"))
+            out.append(f"{where}: key {r[:200]} is not the shard's key {want_key!r} (FORMAT.md §1: shard {k} of "
+                       f"{meta['path']!r} is {want_key!r})")
+        rows_end = rec.get("rows_end")
+        lo, full = k * shard_rows, (k + 1) * shard_rows
+        if not _int(rows_end, 0, MAX_ROWS + shard_rows):
+            out.append(f"{where}: rows_end must be an int, got {rows_end!r}")
+        elif k != last_listed and rows_end != full:
+            out.append(f"{where}: rows_end {rows_end} must be {full} (shard {k} is not the last one listed, so it "
+                       f"holds rows {lo}..{full - 1}: (shard + 1) * shard_rows with shard_rows {shard_rows})")
+        elif not lo < rows_end <= full:
+            out.append(f"{where}: rows_end {rows_end} must be in {lo + 1}..{full} (the rows of shard {k}, shard_rows "
+                       f"{shard_rows})")
+        elif k == last_committed and rows_end < n:
+            out.append(f"{where}: rows_end {rows_end} is below the {n} committed rows (n_rows of the root document "
+                       "zarr.json) that end in this shard")
+        if sizes is not None and k in sizes and sizes[k] is not None and rec.get("file_bytes") != sizes[k]:
+            out.append(f"{where}: file_bytes {rec.get('file_bytes')!r} differs from the size of the shard file "
+                       f"{want_key!r}, {sizes[k]} bytes")
+    return out
+
+
 def parse_manifest(doc: Any, meta: dict, *, store: Any, key: str, check_chunks: bool = True) -> dict[int, dict]:
     """``{shard: record}`` of a manifest (FORMAT.md §5), each record checked against the array.
 

@@ -1477,8 +1477,17 @@ class Store:
         if man_raw is None:
             problems.append(f"hook point {hp!r}: manifest {meta['manifest']!r} is missing")
             return
-        shards = V.parse_manifest(V.loads_json(man_raw, store=self._backend, key=meta["manifest"]), meta,
-                                  store=self._backend, key=meta["manifest"])
+        man_doc = V.loads_json(man_raw, store=self._backend, key=meta["manifest"])
+        shards = V.parse_manifest(man_doc, meta, store=self._backend, key=meta["manifest"])
+        committed_shards = [k for k in shards if k * shard_rows < n]
+        sizes: dict[int, int | None] = {}
+        for k in committed_shards:
+            try:
+                sizes[k] = self._backend.size(self._shard_key(meta, k))
+            except StoreError:  # not a regular file, or outside the store: the shard checks below name it
+                sizes[k] = None
+        problems += [f"hook point {hp!r}: {p}" for p in V.manifest_problems(
+            man_doc, shards, meta, hook_point=hp, key=meta["manifest"], sizes=sizes)]
         needed = -(-n // shard_rows)
         listed = sorted(k for k in shards if k < needed)
         if len(listed) < needed:

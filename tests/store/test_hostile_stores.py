@@ -692,3 +692,64 @@ def test_resume_refuses_a_root_that_lies_about_the_layout(plain):
     after.pop(".activationscope-writer.lock", None)
     before.pop(".activationscope-writer.lock", None)
     assert after == before
+
+
+# ---------------------------------------------------------------- 11. manifest fields the reader does not use
+def _edit_manifest(path: Path, fn) -> None:
+    man = path / "acts" / HP / "manifest.json"
+    doc = json.loads(man.read_text())
+    fn(doc)
+    man.write_text(json.dumps(doc))
+
+
+MANIFEST_LIES = {
+    "key absolute": (lambda d: d["shards"][0].update(key="/etc/passwd"),
+                     r"shard 0: key '/etc/passwd' is not the shard's key 'acts/0.output/c/0/0'"),
+    "key ..": (lambda d: d["shards"][1].update(key="../other.zarr/acts/0.output/c/1/0"),
+               r"shard 1: key '\.\./other\.zarr/acts/0\.output/c/1/0' is not the shard's key 'acts/0.output/c/1/0'"),
+    "key of another shard": (lambda d: d["shards"][2].update(key="acts/0.output/c/3/0"),
+                             r"shard 2: key 'acts/0.output/c/3/0' is not the shard's key 'acts/0.output/c/2/0'"),
+    "rows_end of a non-last shard": (lambda d: d["shards"][0].update(rows_end=32), r"shard 0: rows_end 32 must be 64"),
+    "rows_end past its shard": (lambda d: d["shards"][1].update(rows_end=200), r"shard 1: rows_end 200 must be 128"),
+    "rows_end past the last shard": (lambda d: d["shards"][4].update(rows_end=400),
+                                     r"shard 4: rows_end 400 must be in 257\.\.320"),
+    "file_bytes": (lambda d: d["shards"][0].update(file_bytes=99999),
+                   r"shard 0: file_bytes 99999 differs from the size of the shard file 'acts/0.output/c/0/0', \d+ bytes"),
+    "file_bytes of the last shard": (lambda d: d["shards"][4].update(file_bytes=d["shards"][4]["file_bytes"] - 1),
+                                     r"shard 4: file_bytes \d+ differs from the size of the shard file"),
+    "hook_point": (lambda d: d.update(hook_point="1.output"),
+                   r"manifest acts/0.output/manifest.json says hook_point '1.output', but it is the manifest of hook "
+                   r"point '0.output'"),
+}
+
+
+@pytest.mark.parametrize("fixture", ["plain", "zstd"])
+@pytest.mark.parametrize("lie", list(MANIFEST_LIES))
+def test_verify_reports_every_lying_manifest_field(request, fixture, lie, capsys):
+    """Reads ignore a manifest's key, rows_end and file_bytes (the reader derives shard keys
+    itself) and stay right, reading nothing outside the store; verify() and `activationscope
+    verify` report each lie, naming the manifest, the shard and both values."""
+    from activationscope import cli
+
+    path, data = request.getfixturevalue(fixture)
+    edit, message = MANIFEST_LIES[lie]
+    _edit_manifest(path, edit)
+    assert torch.equal(open_store(path)[HP], data)
+    problems = open_store(path).verify()
+    assert len(problems) == 1 and re.search(rf"hook point '0.output': .*{message}", problems[0]), problems
+    assert cli.main(["verify", str(path)]) == 1
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_verify_accepts_a_manifest_written_by_a_resumed_capture(tmp_path):
+    """rows_end / file_bytes of a last shard that a resume rewrote (and of one that was closed
+    partial, then filled) are what the writer records: no false report."""
+    path = tmp_path / "r.zarr"
+    make_store(path, n_rows=100)
+    w = StoreWriter(path, resume=True)
+    a = w.open_array(HP, (8,), torch.float32, "sample")
+    a.append(torch.randn(90, 8))
+    w.add_batch(90, list(range(100, 190)), None, {"label": torch.arange(90) % 3})
+    w.close()
+    s = open_store(path)
+    assert s.n_rows(HP) == 190 and s.verify() == []
