@@ -497,6 +497,7 @@ class StoreWriter:
                                                      doc_key=doc_key)
                 if problems:
                     raise V.corrupt(b, "; ".join(problems) + "; nothing was deleted or written")
+        self._remove_temp_files()  # the writer killed before this one left them
         for hp, meta in self._old_arrays.items():
             path, n = meta["path"], int(meta["n_rows"])
             shard_rows = int(meta["shard_rows"])
@@ -1186,6 +1187,18 @@ class StoreWriter:
                 except BaseException:  # noqa: BLE001
                     pass
 
+    def _remove_temp_files(self) -> None:
+        """Remove the backend's temporary files left by an earlier writer process (FORMAT.md
+        section 7: a resume, and every close, leave none)."""
+        remove = getattr(self._backend, "remove_temp_files", None)
+        if remove is None:  # object stores write in one put: no temporary objects
+            return
+        try:
+            remove()
+        except (OSError, StoreError) as e:
+            warnings.warn(f"store {str(self._backend)!r}: removing leftover temporary files: {e}", RuntimeWarning,
+                          stacklevel=3)
+
     def _cleanup(self) -> None:
         self._drop_kept_shards(restore=False)
         release = getattr(self._backend, "release", None)
@@ -1194,6 +1207,7 @@ class StoreWriter:
         if self._io_pool is not None:
             self._io_pool.shutdown(wait=True)
             self._io_pool = None
+        self._remove_temp_files()  # none of this writer's own, nor of a writer killed before it
         if self._own_staging:
             shutil.rmtree(self._staging, ignore_errors=True)
         self._writer_lock.release()

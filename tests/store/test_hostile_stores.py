@@ -753,3 +753,49 @@ def test_verify_accepts_a_manifest_written_by_a_resumed_capture(tmp_path):
     w.close()
     s = open_store(path)
     assert s.n_rows(HP) == 190 and s.verify() == []
+
+
+# ---------------------------------------------------------------- 12. temporary files of a killed writer
+#: Temporary files of the backend's atomic set / reserve (".<name>.<8 hex>.tmp"), as a writer
+#: killed between creating and renaming them leaves them.
+LEFTOVERS = [".zarr.json.0123abcd.tmp", "acts/.zarr.json.89abcdef.tmp",
+             f"acts/{HP}/.zarr.json.00ff00ff.tmp", f"acts/{HP}/.manifest.json.deadbeef.tmp",
+             "rows/sample/.part-000003.parquet.a1b2c3d4.tmp", f"reductions/{HP}/.mean.0f0f0f0f.tmp"]
+#: Files that merely look alike (another name, or outside the store's own folders): kept.
+LOOKALIKES = [".zarr.json.DEADBEEF.tmp", ".zarr.json.0123abc.tmp", ".zarr.json.0123abcde.tmp", "zarr.json.0123abcd.tmp",
+              ".zarr.json.0123abcd.tmp.bak", ".zarr.json.0123abcd.TMP", "acts/.zarr.json.0123abcd.tmp~",
+              "notes/.draft.0123abcd.tmp", "ranks/00001/.zarr.json.0123abcd.tmp"]
+
+
+def _plant(path: Path, keys: list[str]) -> None:
+    for key in keys:
+        (path / key).parent.mkdir(parents=True, exist_ok=True)
+        (path / key).write_bytes(b"partial")
+
+
+@pytest.mark.parametrize("how", ["resume", "close"])
+def test_leftover_temporary_files_are_removed(tmp_path, plain, how):
+    """A resumed writer removes, when it opens, the temporary files of the store's own naming
+    that a killed writer left, and every close removes any left then; files that only look
+    alike, and what a link among them points to, are kept; the rows are intact."""
+    path, data = plain
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(b"keep me")
+    _plant(path, LOOKALIKES)
+    leftovers = [*LEFTOVERS, ".zarr.json.fedcba98.tmp"]
+    if how == "resume":
+        _plant(path, LEFTOVERS)
+        assert open_store(path).verify() == []  # unfinished writes are ignored (FORMAT.md section 1)
+        (path / ".zarr.json.fedcba98.tmp").symlink_to(victim)
+        w = StoreWriter(path, resume=True)
+        assert not [k for k in leftovers if os.path.lexists(path / k)]
+    else:
+        w = StoreWriter(path, resume=True)
+        _plant(path, LEFTOVERS)  # left while this writer was open (as by one of its own writes)
+        (path / ".zarr.json.fedcba98.tmp").symlink_to(victim)
+    w.close()
+    assert not [k for k in leftovers if os.path.lexists(path / k)]
+    assert all((path / k).read_bytes() == b"partial" for k in LOOKALIKES)
+    assert victim.read_bytes() == b"keep me"
+    s = open_store(path)
+    assert torch.equal(s[HP], data) and s.status == "complete" and s.verify() == []
