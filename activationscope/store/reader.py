@@ -1349,8 +1349,10 @@ class Store:
     def verify(self) -> list[str]:
         """Check that every read succeeds and returns what was written.
 
-        Per array with committed rows: its array document (shape, data type, chunk shapes),
-        its manifest covering every committed chunk, every shard's index (crc32c, each
+        Per array with committed rows: its array document (shape, and every field of the
+        root's entry: data type, feature shape, chunk shapes, codecs), its manifest covering
+        every committed chunk and its other fields (each shard's key, rows_end and
+        file_bytes, which reads do not use), every shard's index (crc32c, each
         committed chunk present and inside the file), each committed chunk's crc32c and (for
         compressed arrays) that it decodes to the right size. Row tables: every part present,
         its crc32c (when recorded), readable, the parts' rows equal to ``n_rows``. Reductions:
