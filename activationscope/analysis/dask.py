@@ -122,6 +122,8 @@ def to_dask(store: Any, hook_point: str, *, storage_options: dict | None = None)
                   if sub.n_rows(hook_point)]
         if pieces:
             return da.concatenate(pieces, axis=0)
+    if not st._parts:
+        st._array_crcs(meta)  # the root's entry against the array's own files (FORMAT.md section 9 rules 16-17)
     n = int(meta["n_rows"])
     feat = tuple(int(d) for d in meta["feature_shape"])
     shard_rows = int(meta["shard_rows"])

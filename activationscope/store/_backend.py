@@ -15,6 +15,7 @@ import functools
 import json
 import os
 import queue
+import re
 import shutil
 import stat
 import threading
@@ -106,6 +107,12 @@ def _inside(real: str, root_real: str) -> bool:
     return real == root_real or real.startswith(root_real.rstrip(os.sep) + os.sep)
 
 
+#: The name of the temporary file that :meth:`LocalBackend.set` and :meth:`LocalBackend.reserve`
+#: write a key's new bytes to before renaming it to the key: ``.<name>.<8 lowercase hex>.tmp``,
+#: next to the key.
+TEMP_NAME = re.compile(r"\.[^/]+\.[0-9a-f]{8}\.tmp")
+
+
 class LocalBackend:
     """A store in a local directory; ``set`` is atomic (temp file, optional fsync, rename).
 
@@ -130,7 +137,43 @@ class LocalBackend:
 
     @staticmethod
     def _temp_name(p: Path) -> Path:
-        return p.parent / f".{p.name}.{uuid.uuid4().hex[:8]}.tmp"
+        return p.parent / f".{p.name}.{uuid.uuid4().hex[:8]}.tmp"  # TEMP_NAME matches it, nothing else
+
+    #: Folders of the store whose files :meth:`set` writes (the root's own files, not its
+    #: subfolders, for ""): where :meth:`remove_temp_files` looks.
+    TEMP_FOLDERS = ("", "acts", "rows", "reductions")
+
+    def remove_temp_files(self) -> list[str]:
+        """Remove the temporary files of :meth:`set` / :meth:`reserve` (``.<name>.<8 hex
+        digits>.tmp``, :data:`TEMP_NAME`) that an earlier writer process left in the store
+        (killed between creating one and renaming it). Only files of exactly that name, only
+        in the store's own folders (:data:`TEMP_FOLDERS`: the root's files, ``acts/``,
+        ``rows/``, ``reductions/``; never ``ranks/`` or anything a user put elsewhere), never
+        following a link, never this backend's own reserved ones. Call it only while holding
+        the writer lock (no other writer can be filling one). Returns the keys removed.
+        """
+        with self._spare_lock:
+            own = {str(p) for p in self._spare.values()}
+        removed = []
+        for folder in self.TEMP_FOLDERS:
+            base = self.root / folder if folder else self.root
+            if not base.is_dir() or base.is_symlink():
+                continue
+            for dirpath, dirnames, files in os.walk(base):  # never follows a symlinked folder
+                if not folder:
+                    dirnames.clear()  # the root's own files only: its folders are listed above
+                for name in files:
+                    p = os.path.join(dirpath, name)
+                    if not TEMP_NAME.fullmatch(name) or p in own:
+                        continue
+                    key = os.path.relpath(p, self.root).replace(os.sep, "/")
+                    try:
+                        self._check_inside(Path(p).parent, key)
+                        os.unlink(p)  # a link is removed, never followed
+                    except FileNotFoundError:
+                        continue
+                    removed.append(key)
+        return removed
 
     def reserve(self, keys: list[str]) -> None:
         """Create empty temporary files for ``keys`` in the background (best effort)."""

@@ -302,6 +302,154 @@ def parse_root(raw: bytes, *, store: Any, key: str = "zarr.json") -> dict | None
     return check_root_attrs(attrs, store=store, key=key)
 
 
+_INDEX_CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
+
+
+def array_document_problems(doc: Any, meta: dict, *, hook_point: str, doc_key: str,
+                            root_key: str = "zarr.json") -> list[str]:
+    """What the array document ``doc`` (``acts/<node>/zarr.json``) says against the root's
+    entry ``meta`` of the same array (FORMAT.md §9 rule 17); empty when they agree.
+
+    The reader sizes and interprets every row from the root's entry (``dtype``,
+    ``feature_shape``, ``chunk_rows``, ``shard_rows``, ``compression``): each is compared with
+    what the array's own document says (``data_type``, ``shape[1:]``, the chunk grid, the
+    sharding codec's chunk shape and inner codecs, the chunk key encoding, the index codecs
+    and location, and the ``activationscope`` attributes ``hook_point``, ``dtype`` and
+    ``row_kind`` when present), so a root edited to say int32 where float32 was written, or
+    another feature shape, is an error instead of rows of the wrong type or shape. ``shape[0]``
+    is compared with ``n_rows`` by the caller (rule 16). Pure: no I/O.
+
+    Returns
+    -------
+    list of str
+        One line per disagreement, naming the array, both files and both values.
+    """
+    where = f"hook point {hook_point!r}: its array document {doc_key}"
+    root = f"the root document {root_key}"
+    if not isinstance(doc, dict):
+        return [f"{where} must hold a JSON object, got {type(doc).__name__}"]
+    out: list[str] = []
+
+    def differ(field: str, got: Any, root_fields: dict, expected: Any = ...) -> None:
+        shown = "" if expected is ... else f" (so {field} {expected!r})"
+        r = repr(got)
+        if len(r) > 200:
+            r = r[:200] + "..."
+        said = ", ".join(f"{name} {value!r}" for name, value in root_fields.items())
+        out.append(f"{where} says {field} {r}, but {root} says arrays[{hook_point!r}] {said}{shown}: the two disagree")
+
+    if doc.get("zarr_format") != 3 or doc.get("node_type") != "array":
+        out.append(f"{where} must be a Zarr v3 array document (zarr_format 3, node_type 'array'), got zarr_format "
+                   f"{doc.get('zarr_format')!r}, node_type {doc.get('node_type')!r}")
+    dtype, feat = meta["dtype"], list(meta["feature_shape"])
+    chunk_rows, shard_rows = int(meta["chunk_rows"]), int(meta["shard_rows"])
+    feat_chunk = [max(1, d) for d in feat]
+    shape = doc.get("shape")
+    if not isinstance(shape, list) or not shape or not all(_int(d, 0, 1 << 62) for d in shape):
+        out.append(f"{where} field shape must be a list of non-negative ints, got {shape!r}")
+    elif shape[1:] != feat:
+        differ("shape", shape, {"feature_shape": feat}, [shape[0], *feat])
+    zdtype = F.zarr_dtype(dtype)
+    if doc.get("data_type") != zdtype:
+        differ("data_type", doc.get("data_type"), {"dtype": dtype}, zdtype)
+    attrs = doc.get("attributes")
+    ours = attrs.get(F.ATTRS_KEY) if isinstance(attrs, dict) else None
+    if isinstance(ours, dict):  # written by every activationscope version; checked when present
+        for name, want in (("hook_point", hook_point), ("dtype", dtype), ("row_kind", meta["row_kind"])):
+            if name in ours and ours[name] != want:
+                if name == "hook_point":
+                    out.append(f"{where} says attributes.{F.ATTRS_KEY}.hook_point {ours[name]!r}, but {root} lists "
+                               f"it (arrays[...].path {meta['path']!r}) as hook point {hook_point!r}: the two disagree")
+                else:
+                    differ(f"attributes.{F.ATTRS_KEY}.{name}", ours[name], {name: want})
+    grid = doc.get("chunk_grid")
+    grid_shape = grid.get("configuration", {}).get("chunk_shape") if isinstance(grid, dict) and isinstance(
+        grid.get("configuration"), dict) else None
+    if not isinstance(grid, dict) or grid.get("name") != "regular" or grid_shape != [shard_rows, *feat_chunk]:
+        differ("chunk_grid", grid, {"shard_rows": shard_rows, "feature_shape": feat},
+               {"name": "regular", "configuration": {"chunk_shape": [shard_rows, *feat_chunk]}})
+    cke = doc.get("chunk_key_encoding")
+    cke_conf = cke.get("configuration", {}) if isinstance(cke, dict) else None
+    if not (isinstance(cke, dict) and cke.get("name") == "default" and isinstance(cke_conf, dict)
+            and cke_conf.get("separator", "/") == "/"):
+        out.append(f"{where} field chunk_key_encoding must be the default encoding with separator '/' (the shard "
+                   f"keys {meta['path']}/c/<shard>/0... of FORMAT.md §1), got {cke!r}")
+    codecs = doc.get("codecs")
+    shard_codec = codecs[0] if isinstance(codecs, list) and len(codecs) == 1 else None
+    conf = shard_codec.get("configuration") if isinstance(shard_codec, dict) else None
+    if not (isinstance(conf, dict) and shard_codec.get("name") == "sharding_indexed"):
+        out.append(f"{where} field codecs must be one sharding_indexed codec (FORMAT.md §3), got {codecs!r}"[:400])
+        return out
+    if conf.get("chunk_shape") != [chunk_rows, *feat_chunk]:
+        differ("codecs[0].configuration.chunk_shape", conf.get("chunk_shape"),
+               {"chunk_rows": chunk_rows, "feature_shape": feat}, [chunk_rows, *feat_chunk])
+    inner = conf.get("codecs")
+    comp = meta.get("compression")
+    endian_ok = (isinstance(inner, list) and inner and isinstance(inner[0], dict) and inner[0].get("name") == "bytes"
+                 and (inner[0].get("configuration") or {}).get("endian", "little" if F.itemsize(dtype) == 1 else None)
+                 == "little")
+    if not endian_ok:
+        out.append(f"{where} field codecs[0].configuration.codecs must start with the bytes codec, endian 'little' "
+                   f"(FORMAT.md §3), got {inner!r}"[:400])
+    elif inner[1:] != ([comp] if comp is not None else []):
+        differ("codecs[0].configuration.codecs", inner, {"compression": comp}, [inner[0], *([comp] if comp else [])])
+    if conf.get("index_codecs") != _INDEX_CODECS or conf.get("index_location", "end") != "end":
+        out.append(f"{where} field codecs[0].configuration must have index_codecs {_INDEX_CODECS!r} and "
+                   f"index_location 'end' (FORMAT.md §3), got {conf.get('index_codecs')!r}, "
+                   f"{conf.get('index_location')!r}"[:400])
+    return out
+
+
+def manifest_problems(doc: Any, shards: dict[int, dict], meta: dict, *, hook_point: str, key: str,
+                      sizes: dict[int, int | None] | None = None) -> list[str]:
+    """The fields of a parsed manifest (FORMAT.md §5) that the reader does not use but that a
+    reader of the format could trust, checked against what the format prescribes (rule 18):
+    ``hook_point`` the array's, each shard's ``key`` the shard key of its number, ``rows_end``
+    the end of its shard (``(shard + 1) * shard_rows``) for every shard but the last listed,
+    within its shard for the last one (and at least ``n_rows`` when it holds the last committed
+    row), and ``file_bytes`` the size of the shard file (``sizes``: ``{shard: size or None}``,
+    for the shards whose files were looked at). Pure: no I/O.
+
+    Returns
+    -------
+    list of str
+        One line per lie, naming the manifest, the shard, the field, what it says and what it
+        must be.
+    """
+    out: list[str] = []
+    if isinstance(doc, dict) and "hook_point" in doc and doc["hook_point"] != hook_point:
+        out.append(f"manifest {key} says hook_point {doc['hook_point']!r}, but it is the manifest of hook point "
+                   f"{hook_point!r} (the root document zarr.json, arrays[{hook_point!r}].manifest)")
+    shard_rows, n = int(meta["shard_rows"]), int(meta["n_rows"])
+    last_listed = max(shards, default=-1)
+    last_committed = (n - 1) // shard_rows if n else -1
+    for k in sorted(shards):
+        rec = shards[k]
+        where = f"manifest {key} shard {k}"
+        want_key = F.shard_key(meta["path"], k, len(meta["feature_shape"]))
+        if rec.get("key", want_key) != want_key:
+            r = repr(rec.get("key"))
+            out.append(f"{where}: key {r[:200]} is not the shard's key {want_key!r} (FORMAT.md §1: shard {k} of "
+                       f"{meta['path']!r} is {want_key!r})")
+        rows_end = rec.get("rows_end")
+        lo, full = k * shard_rows, (k + 1) * shard_rows
+        if not _int(rows_end, 0, MAX_ROWS + shard_rows):
+            out.append(f"{where}: rows_end must be an int, got {rows_end!r}")
+        elif k != last_listed and rows_end != full:
+            out.append(f"{where}: rows_end {rows_end} must be {full} (shard {k} is not the last one listed, so it "
+                       f"holds rows {lo}..{full - 1}: (shard + 1) * shard_rows with shard_rows {shard_rows})")
+        elif not lo < rows_end <= full:
+            out.append(f"{where}: rows_end {rows_end} must be in {lo + 1}..{full} (the rows of shard {k}, shard_rows "
+                       f"{shard_rows})")
+        elif k == last_committed and rows_end < n:
+            out.append(f"{where}: rows_end {rows_end} is below the {n} committed rows (n_rows of the root document "
+                       "zarr.json) that end in this shard")
+        if sizes is not None and k in sizes and sizes[k] is not None and rec.get("file_bytes") != sizes[k]:
+            out.append(f"{where}: file_bytes {rec.get('file_bytes')!r} differs from the size of the shard file "
+                       f"{want_key!r}, {sizes[k]} bytes")
+    return out
+
+
 def parse_manifest(doc: Any, meta: dict, *, store: Any, key: str, check_chunks: bool = True) -> dict[int, dict]:
     """``{shard: record}`` of a manifest (FORMAT.md §5), each record checked against the array.
 
@@ -313,6 +461,10 @@ def parse_manifest(doc: Any, meta: dict, *, store: Any, key: str, check_chunks: 
     shards = doc.get("shards", [])
     if not isinstance(shards, list):
         raise c.fail("shards", "a list", shards)
+    for name in ("chunk_rows", "shard_rows"):  # the reader takes both from the root (rule 17)
+        if name in doc and doc[name] != meta[name]:
+            raise corrupt(store, f"manifest {key} says {name} {doc[name]!r}, but the root document zarr.json says "
+                                 f"{meta[name]!r} for its array {meta['path']!r}: the two disagree")
     n_chunks = meta["shard_rows"] // meta["chunk_rows"]
     out: dict[int, dict] = {}
     for i, rec in enumerate(shards):

@@ -420,10 +420,15 @@ class Store:
             The root document's count disagrees with the array's document or manifest, or the
             shard holding its last row is missing.
         """
+        return int(self._checked_meta(hook_point)["n_rows"])
+
+    def _checked_meta(self, hook_point: str) -> dict:
+        """The root's entry of ``hook_point``, checked against the array's own files once
+        (rules 16-17) before a caller sizes or interprets rows from it."""
         meta = self._meta(hook_point)
         if not self._parts and meta["path"] not in self._checked:
             self._array_crcs(meta)
-        return int(meta["n_rows"])
+        return meta
 
     def row_kind(self, hook_point: str) -> str:
         """``"sample"`` or ``"token"``."""
@@ -436,8 +441,10 @@ class Store:
         ------
         HookPointNotFoundError
             ``hook_point`` is not in the store.
+        StoreCorruptError
+            The root document and the array's document disagree (FORMAT.md section 9 rule 17).
         """
-        return tuple(self._meta(hook_point)["feature_shape"])
+        return tuple(self._checked_meta(hook_point)["feature_shape"])
 
     def dtype(self, hook_point: str) -> torch.dtype:
         """The stored torch dtype of ``hook_point`` (``torch.bfloat16`` included).
@@ -446,8 +453,10 @@ class Store:
         ------
         HookPointNotFoundError
             ``hook_point`` is not in the store.
+        StoreCorruptError
+            The root document and the array's document disagree (FORMAT.md section 9 rule 17).
         """
-        return F.torch_dtype(self._meta(hook_point)["dtype"])
+        return F.torch_dtype(self._checked_meta(hook_point)["dtype"])
 
     def __contains__(self, hook_point: object) -> bool:
         """Whether ``hook_point`` is stored."""
@@ -651,9 +660,10 @@ class Store:
         (compressed or non-local), or None when it is read zero-copy from memory-mapped shards.
         The zarr array holds bfloat16 as uint16 bit patterns (plain zarr-python access; the
         store's own reads validate each shard first)."""
-        meta = self._meta(hook_point)
         if self._parts:
+            self._meta(hook_point)  # HookPointNotFoundError for a hook point no rank has
             return None  # an uncommitted multi-rank store: read it with rows() / row_blocks()
+        meta = self._checked_meta(hook_point)
         if self._mappable(meta):
             return None
         return self._zarray(meta), int(meta["chunk_rows"]), F.torch_dtype(meta["dtype"])
@@ -668,15 +678,13 @@ class Store:
     def _read_rows_checked(self, hook_point: str, start: int, stop: int, copy: bool = False) -> torch.Tensor:
         if self._parts:
             return self._read_rank_rows(hook_point, start, stop, copy)
-        meta = self._meta(hook_point)
+        meta = self._checked_meta(hook_point)  # once per array: the root's entry against the array's own files
         dtype = F.torch_dtype(meta["dtype"])
         feat = tuple(meta["feature_shape"])
         if stop <= start:
             return torch.empty((0, *feat), dtype=dtype)
         if stop > int(meta["n_rows"]):
             raise RowIndexError(f"rows [{start}, {stop}) out of range for hook point {hook_point!r} with {meta['n_rows']} rows")
-        if meta["path"] not in self._checked:  # once per array: n_rows against the array's own files
-            self._array_crcs(meta)
         if V.row_bytes(meta) == 0:
             return torch.empty((stop - start, *feat), dtype=dtype)
         shard_rows = int(meta["shard_rows"])
@@ -748,9 +756,12 @@ class Store:
         is checked against what the array's files say first (FORMAT.md section 9 rule 16):
         the array document exists and its ``shape[0]`` is at least ``n_rows`` (it may be
         ahead, never behind), the manifest lists the shard holding the last committed row
-        with ``rows_end >= n_rows``, and that shard file exists with a valid index. Once per
-        array (until :meth:`refresh`); an array with no committed rows is not checked (its
-        files may not exist yet, section 7).
+        with ``rows_end >= n_rows``, and that shard file exists with a valid index. Every
+        other field of the root's entry that sizes or interprets rows (``dtype``,
+        ``feature_shape``, ``chunk_rows``, ``shard_rows``, ``compression``) is checked against
+        the array document first (rule 17). Once per array (until :meth:`refresh`); an array
+        with no committed rows is checked only against a document that exists (its files may
+        not exist yet, section 7).
 
         Returns
         -------
@@ -761,7 +772,7 @@ class Store:
         Raises
         ------
         StoreCorruptError
-            Naming the file, the two counts and the fix.
+            Naming the file, the two counts (or values) and the fix.
         """
         path = meta["path"]
         got = self._checked.get(path)
@@ -769,22 +780,19 @@ class Store:
             return got
         n = int(meta["n_rows"])
         crcs: Any = _ChunkCrcs({}, -1, 1, self._backend, "")
+        doc_key = f"{path}/zarr.json"
+        if n == 0:  # no committed rows: the document may not exist yet (section 7); when it does, it agrees
+            self._check_document(meta, self._backend.get(doc_key, max_bytes=V.MAX_JSON_BYTES), doc_key)
         if n:
             self._check_same_store()
             _rb, chunk_rows, n_chunks, _cb = _layout(meta)
             shard_rows = n_chunks * chunk_rows
             last = (n - 1) // shard_rows
             root = f"the root document zarr.json says {n} rows of array {path!r} are committed (its n_rows)"
-            doc_key = f"{path}/zarr.json"
             raw = self._backend.get(doc_key, max_bytes=V.MAX_JSON_BYTES)
             if raw is None:
                 raise V.corrupt(self._backend, f"array document {doc_key} is missing, but {root}")
-            doc = V.loads_json(raw, store=self._backend, key=doc_key)
-            shape = doc.get("shape") if isinstance(doc, dict) else None
-            if (not isinstance(shape, list) or not shape or isinstance(shape[0], bool)
-                    or not isinstance(shape[0], int)):
-                raise V.corrupt(self._backend, f"array document {doc_key} field shape must be a list of ints, "
-                                               f"got {shape!r}")
+            shape = self._check_document(meta, raw, doc_key)["shape"]
             if shape[0] < n:
                 raise V.corrupt(self._backend, f"array document {doc_key} holds {shape[0]} rows (shape[0]), but "
                                                f"{root}: the two disagree (the root's count may be behind the "
@@ -815,6 +823,30 @@ class Store:
         with self._lock:
             self._checked[path] = crcs
         return crcs
+
+    def _hook_point_of(self, meta: dict) -> str:
+        """The hook point whose root entry is ``meta``."""
+        for hp, m in (self._attrs.get("arrays") or {}).items():
+            if m is meta:
+                return hp
+        return str(meta["path"])
+
+    def _check_document(self, meta: dict, raw: bytes | None, doc_key: str) -> dict:
+        """The array document ``raw`` (None: absent), checked against the root's entry ``meta``
+        before anything is sized or read from the entry (FORMAT.md section 9 rule 17).
+
+        Raises
+        ------
+        StoreCorruptError
+            Naming the array, both files and both values of every field that disagrees.
+        """
+        if raw is None:
+            return {}
+        doc = V.loads_json(raw, store=self._backend, key=doc_key)
+        problems = V.array_document_problems(doc, meta, hook_point=self._hook_point_of(meta), doc_key=doc_key)
+        if problems:
+            raise V.corrupt(self._backend, "; ".join(problems))
+        return doc
 
     def _check_chunk_crc(self, meta: dict, shard: int, slot: int, entry: tuple[int, int], data: Any,
                          where: str, key: str) -> None:
@@ -1317,8 +1349,10 @@ class Store:
     def verify(self) -> list[str]:
         """Check that every read succeeds and returns what was written.
 
-        Per array with committed rows: its array document (shape, data type, chunk shapes),
-        its manifest covering every committed chunk, every shard's index (crc32c, each
+        Per array with committed rows: its array document (shape, and every field of the
+        root's entry: data type, feature shape, chunk shapes, codecs), its manifest covering
+        every committed chunk and its other fields (each shard's key, rows_end and
+        file_bytes, which reads do not use), every shard's index (crc32c, each
         committed chunk present and inside the file), each committed chunk's crc32c and (for
         compressed arrays) that it decodes to the right size. Row tables: every part present,
         its crc32c (when recorded), readable, the parts' rows equal to ``n_rows``. Reductions:
@@ -1421,38 +1455,41 @@ class Store:
     def _verify_array(self, hp: str, problems: list[str]) -> None:
         meta = self._meta(hp)
         n = int(meta["n_rows"])
-        if n == 0:
-            return  # nothing committed: the document and manifest may not exist yet
-        rb, chunk_rows, n_chunks, chunk_bytes = _layout(meta)
-        shard_rows = n_chunks * chunk_rows
         doc_key = f"{meta['path']}/zarr.json"
         raw = self._backend.get(doc_key)
+        if n == 0:  # nothing committed: the document and manifest may not exist yet; one that does agrees
+            if raw is not None:
+                problems += V.array_document_problems(V.loads_json(raw, store=self._backend, key=doc_key), meta,
+                                                      hook_point=hp, doc_key=doc_key)
+            return
+        rb, chunk_rows, n_chunks, chunk_bytes = _layout(meta)
+        shard_rows = n_chunks * chunk_rows
         if raw is None:
             problems.append(f"hook point {hp!r}: array document {doc_key} is missing")
         else:
             doc = V.loads_json(raw, store=self._backend, key=doc_key)
-            feat = list(meta["feature_shape"])
-            want_chunk = [shard_rows, *[max(1, d) for d in feat]]
-            try:
-                shape = doc["shape"]
-                grid = doc["chunk_grid"]["configuration"]["chunk_shape"]
-                inner = doc["codecs"][0]["configuration"]["chunk_shape"]
-                dtype = doc["data_type"]
-            except (KeyError, IndexError, TypeError):
-                problems.append(f"hook point {hp!r}: array document {doc_key} lacks shape / chunk_grid / codecs / data_type")
-            else:
-                if not isinstance(shape, list) or not shape or shape[1:] != feat or not isinstance(shape[0], int) or shape[0] < n:
-                    problems.append(f"hook point {hp!r}: array document {doc_key} has shape {shape!r}, expected "
-                                    f"[>= {n} committed rows, *{feat}]")
-                if grid != want_chunk or inner != [chunk_rows, *want_chunk[1:]] or dtype != F.zarr_dtype(meta["dtype"]):
-                    problems.append(f"hook point {hp!r}: array document {doc_key} (chunk shape {grid!r}, inner "
-                                    f"{inner!r}, data type {dtype!r}) disagrees with the metadata")
+            disagree = V.array_document_problems(doc, meta, hook_point=hp, doc_key=doc_key)
+            if disagree:  # the root's layout is not the array's: its chunks cannot be checked by it
+                problems += disagree
+                return
+            if doc["shape"][0] < n:
+                problems.append(f"hook point {hp!r}: array document {doc_key} has shape {doc['shape']!r}, expected "
+                                f"[>= {n} committed rows, *{list(meta['feature_shape'])}]")
         man_raw = self._backend.get(meta["manifest"])
         if man_raw is None:
             problems.append(f"hook point {hp!r}: manifest {meta['manifest']!r} is missing")
             return
-        shards = V.parse_manifest(V.loads_json(man_raw, store=self._backend, key=meta["manifest"]), meta,
-                                  store=self._backend, key=meta["manifest"])
+        man_doc = V.loads_json(man_raw, store=self._backend, key=meta["manifest"])
+        shards = V.parse_manifest(man_doc, meta, store=self._backend, key=meta["manifest"])
+        committed_shards = [k for k in shards if k * shard_rows < n]
+        sizes: dict[int, int | None] = {}
+        for k in committed_shards:
+            try:
+                sizes[k] = self._backend.size(self._shard_key(meta, k))
+            except StoreError:  # not a regular file, or outside the store: the shard checks below name it
+                sizes[k] = None
+        problems += [f"hook point {hp!r}: {p}" for p in V.manifest_problems(
+            man_doc, shards, meta, hook_point=hp, key=meta["manifest"], sizes=sizes)]
         needed = -(-n // shard_rows)
         listed = sorted(k for k in shards if k < needed)
         if len(listed) < needed:

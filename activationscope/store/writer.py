@@ -563,8 +563,23 @@ class StoreWriter:
         }
 
     def _truncate_to_committed(self) -> None:
-        """Resume: drop every shard and row-table part past the committed prefix."""
+        """Resume: drop every shard and row-table part past the committed prefix.
+
+        Each array's root entry is first checked against the array's own document (FORMAT.md
+        section 9 rule 17): which shards are deleted, and how the rows appended next are laid
+        out, follow the root's ``shard_rows`` and ``chunk_rows``, so a root that lies about them
+        must not delete or mix committed rows.
+        """
         b = self._backend
+        for hp, meta in self._old_arrays.items():
+            doc_key = f"{meta['path']}/zarr.json"
+            raw = b.get(doc_key, max_bytes=V.MAX_JSON_BYTES)
+            if raw is not None:
+                problems = V.array_document_problems(V.loads_json(raw, store=b, key=doc_key), meta, hook_point=hp,
+                                                     doc_key=doc_key)
+                if problems:
+                    raise V.corrupt(b, "; ".join(problems) + "; nothing was deleted or written")
+        self._remove_temp_files()  # the writer killed before this one left them
         for hp, meta in self._old_arrays.items():
             path, n = meta["path"], int(meta["n_rows"])
             shard_rows = int(meta["shard_rows"])
@@ -1249,6 +1264,18 @@ class StoreWriter:
                 except BaseException:  # noqa: BLE001
                     pass
 
+    def _remove_temp_files(self) -> None:
+        """Remove the backend's temporary files left by an earlier writer process (FORMAT.md
+        section 7: a resume, and every close, leave none)."""
+        remove = getattr(self._backend, "remove_temp_files", None)
+        if remove is None:  # object stores write in one put: no temporary objects
+            return
+        try:
+            remove()
+        except (OSError, StoreError) as e:
+            warnings.warn(f"store {str(self._backend)!r}: removing leftover temporary files: {e}", RuntimeWarning,
+                          stacklevel=3)
+
     def _cleanup(self) -> None:
         self._drop_kept_shards(restore=False)
         release = getattr(self._backend, "release", None)
@@ -1257,6 +1284,7 @@ class StoreWriter:
         if self._io_pool is not None:
             self._io_pool.shutdown(wait=True)
             self._io_pool = None
+        self._remove_temp_files()  # none of this writer's own, nor of a writer killed before it
         if self._own_staging:
             shutil.rmtree(self._staging, ignore_errors=True)
         self._writer_lock.release()

@@ -111,7 +111,7 @@ def test_to_dask_rejects_a_document_that_disagrees(tmp_path):
     doc = json.loads(doc_path.read_text())
     doc["data_type"] = "float64"
     doc_path.write_text(json.dumps(doc))
-    with pytest.raises(acs.StoreCorruptError, match="head.output.*data type float64"):
+    with pytest.raises(acs.StoreCorruptError, match="head.output.*data_type 'float64'"):
         to_dask(str(path), hp)
 
 

@@ -556,3 +556,246 @@ def test_malformed_manifest_chunk_entry_is_caught_before_its_use(zstd, bad):
     with pytest.raises(StoreCorruptError, match=r"manifest\.json field shards\[2\]\.chunks\[\] must be \[slot 0\.\.3"):
         store.rows(HP, 2 * SHARD_ROWS, 3 * SHARD_ROWS)
     assert any("shards[2].chunks[]" in p for p in open_store(path).verify())
+
+
+# ---------------------------------------------------------------- 10. the root against the array document
+#: Lies of the root's entry of an array that its own document (acts/0.output/zarr.json) contradicts:
+#: (edit of the entry, what the error says). Each would read rows of another type or shape, or
+#: lay the rows out by another chunk grid (rule 17).
+ROOT_LIES = {
+    "int32 (same itemsize)": ({"dtype": "int32", "storage_dtype": "int32"},
+                              r"says data_type 'float32', but the root document zarr.json says arrays\['0.output'\] "
+                              r"dtype 'int32'"),
+    "uint16 as bfloat16": ({"dtype": "bfloat16", "storage_dtype": "uint16", "feature_shape": [16]},
+                           r"says data_type 'float32'.*dtype 'bfloat16'"),
+    "feature_shape [0]": ({"feature_shape": [0]},
+                          r"says shape \[320, 8\], but the root document zarr.json says arrays\['0.output'\] "
+                          r"feature_shape \[0\]"),
+    "feature_shape [4, 2]": ({"feature_shape": [4, 2]}, r"says shape \[320, 8\].*feature_shape \[4, 2\]"),
+    "feature_shape [8, 1]": ({"feature_shape": [8, 1]}, r"says shape \[320, 8\].*feature_shape \[8, 1\]"),
+    "chunk_rows": ({"chunk_rows": 32}, r"says codecs\[0\]\.configuration\.chunk_shape \[16, 8\].*chunk_rows 32"),
+    "shard_rows": ({"shard_rows": 128}, r"says chunk_grid .*\[64, 8\].*shard_rows 128"),
+    "compression": ({"compression": {"name": "zstd", "configuration": {"level": 3, "checksum": False}}},
+                    r"says codecs\[0\]\.configuration\.codecs .*compression \{'name': 'zstd'"),
+    "row_kind": ({"row_kind": "token"}, r"says attributes\.activationscope\.row_kind 'sample'.*row_kind 'token'"),
+}
+
+
+def _reads(path: Path) -> dict:
+    """Every way to get rows (or their type and shape) of HP."""
+    from activationscope.data import ActivationDataset
+
+    return {
+        "store[hp]": lambda: open_store(path)[HP],
+        "store[hp, rows]": lambda: open_store(path)[HP, 3:5],
+        "rows": lambda: open_store(path).rows(HP, 0, 10),
+        "verified open": lambda: open_store(path, verify=True)[HP],
+        "dtype": lambda: open_store(path).dtype(HP),
+        "feature_shape": lambda: open_store(path).feature_shape(HP),
+        "row_blocks": lambda: open_store(path).row_blocks(HP),
+        "dataset": lambda: ActivationDataset(path, hook_points=HP)[0:4],
+        "dataset, verified": lambda: ActivationDataset(path, hook_points=HP, open_options={"verify": True})[0:4],
+        "to_dask": lambda: _to_dask(path),
+    }
+
+
+def _to_dask(path: Path):
+    pytest.importorskip("dask")
+    from activationscope.analysis.dask import to_dask
+
+    return to_dask(str(path), HP).compute()
+
+
+@pytest.mark.parametrize("fixture", ["plain", "zstd"])
+@pytest.mark.parametrize("lie", list(ROOT_LIES))
+def test_root_entry_checked_against_the_array_document(request, fixture, lie):
+    """A root document whose entry of an array disagrees with the array's own document (data
+    type, feature shape, chunk grid, codecs, attributes) is StoreCorruptError naming the
+    array, both files and both values, on every read path, before anything is read or sized;
+    verify() reports it."""
+    path, _ = request.getfixturevalue(fixture)
+    edit, message = ROOT_LIES[lie]
+    if fixture == "zstd" and lie == "compression":
+        edit = {"compression": None}
+        message = r"says codecs\[0\]\.configuration\.codecs .*'zstd'.*compression None"
+    edit_root(path, lambda a: a["arrays"][HP].update(edit))
+    for name, read in _reads(path).items():
+        with pytest.raises(StoreCorruptError, match=rf"hook point '0.output': its array document "
+                                                     rf"acts/0.output/zarr.json {message}.*the two disagree"):
+            read()
+    assert any(re.search(message, p) for p in open_store(path).verify()), open_store(path).verify()
+
+
+def test_hook_point_of_another_array_document(plain):
+    """The root listing an array under another hook point's name (paths swapped, renamed) is
+    caught by the document's attributes."""
+    path, _ = plain
+    edit_root(path, lambda a: a.update(arrays={"1.output": a["arrays"][HP]}))
+    with pytest.raises(StoreCorruptError, match=r"hook point '1.output': its array document acts/0.output/zarr.json "
+                                                r"says attributes.activationscope.hook_point '0.output'"):
+        open_store(path)["1.output"]
+
+
+@pytest.mark.parametrize("field, value", [("data_type", "int32"), ("shape", [320, 0]), ("shape", [320, -8]),
+                                          ("shape", [320, 8.0]), ("chunk_key_encoding", {"name": "v2"})])
+def test_array_document_edited_alone(plain, field, value):
+    """The same check catches the array document edited instead of the root (a negative or
+    non-int dimension included)."""
+    path, _ = plain
+    doc_path = path / "acts" / HP / "zarr.json"
+    doc = json.loads(doc_path.read_text())
+    doc[field] = value
+    doc_path.write_text(json.dumps(doc))
+    with pytest.raises(StoreCorruptError, match=rf"its array document acts/0.output/zarr.json (says {field}|field {field})"):
+        open_store(path)[HP]
+    assert open_store(path).verify()
+
+
+@pytest.mark.parametrize("fixture", ["plain", "zstd"])
+@pytest.mark.parametrize("field", ["chunk_rows", "shard_rows"])
+def test_manifest_layout_checked_against_the_root(request, fixture, field):
+    path, _ = request.getfixturevalue(fixture)
+    man = path / "acts" / HP / "manifest.json"
+    doc = json.loads(man.read_text())
+    doc[field] *= 2
+    man.write_text(json.dumps(doc))
+    with pytest.raises(StoreCorruptError, match=rf"manifest acts/0.output/manifest.json says {field} .*the root "
+                                                r"document zarr.json says"):
+        open_store(path)[HP]
+
+
+def test_array_without_rows_checked_against_its_document(tmp_path):
+    """An array closed with no rows has a document (shape [0, 8]); a root that gives it another
+    feature shape or type is refused too (an empty read of the wrong shape)."""
+    path = tmp_path / "empty.zarr"
+    w = StoreWriter(path, chunk_rows=16, shard_bytes=1 << 20)
+    w.open_array(HP, (8,), torch.float32, "sample")
+    w.close()
+    assert (path / "acts" / HP / "zarr.json").exists() and open_store(path)[HP].shape == (0, 8)
+    edit_root(path, lambda a: a["arrays"][HP].update(feature_shape=[0], dtype="int32", storage_dtype="int32"))
+    for read in (lambda: open_store(path)[HP], lambda: open_store(path).feature_shape(HP),
+                 lambda: open_store(path).n_rows(HP)):
+        with pytest.raises(StoreCorruptError, match=r"says shape \[0, 8\].*feature_shape \[0\]"):
+            read()
+    assert any("data_type 'float32'" in p for p in open_store(path).verify())
+
+
+def test_resume_refuses_a_root_that_lies_about_the_layout(plain):
+    """A resume deletes the shards past the committed rows by the root's shard_rows: a root
+    that lies about it is refused before a file is deleted or written."""
+    path, data = plain
+    edit_root(path, lambda a: a["arrays"][HP].update(shard_rows=128))
+    before = _files(path)
+    with pytest.raises(StoreCorruptError, match=r"chunk_grid .*shard_rows 128.*nothing was deleted or written"):
+        StoreWriter(path, resume=True)
+    after = _files(path)
+    after.pop(".activationscope-writer.lock", None)
+    before.pop(".activationscope-writer.lock", None)
+    assert after == before
+
+
+# ---------------------------------------------------------------- 11. manifest fields the reader does not use
+def _edit_manifest(path: Path, fn) -> None:
+    man = path / "acts" / HP / "manifest.json"
+    doc = json.loads(man.read_text())
+    fn(doc)
+    man.write_text(json.dumps(doc))
+
+
+MANIFEST_LIES = {
+    "key absolute": (lambda d: d["shards"][0].update(key="/etc/passwd"),
+                     r"shard 0: key '/etc/passwd' is not the shard's key 'acts/0.output/c/0/0'"),
+    "key ..": (lambda d: d["shards"][1].update(key="../other.zarr/acts/0.output/c/1/0"),
+               r"shard 1: key '\.\./other\.zarr/acts/0\.output/c/1/0' is not the shard's key 'acts/0.output/c/1/0'"),
+    "key of another shard": (lambda d: d["shards"][2].update(key="acts/0.output/c/3/0"),
+                             r"shard 2: key 'acts/0.output/c/3/0' is not the shard's key 'acts/0.output/c/2/0'"),
+    "rows_end of a non-last shard": (lambda d: d["shards"][0].update(rows_end=32), r"shard 0: rows_end 32 must be 64"),
+    "rows_end past its shard": (lambda d: d["shards"][1].update(rows_end=200), r"shard 1: rows_end 200 must be 128"),
+    "rows_end past the last shard": (lambda d: d["shards"][4].update(rows_end=400),
+                                     r"shard 4: rows_end 400 must be in 257\.\.320"),
+    "file_bytes": (lambda d: d["shards"][0].update(file_bytes=99999),
+                   r"shard 0: file_bytes 99999 differs from the size of the shard file 'acts/0.output/c/0/0', \d+ bytes"),
+    "file_bytes of the last shard": (lambda d: d["shards"][4].update(file_bytes=d["shards"][4]["file_bytes"] - 1),
+                                     r"shard 4: file_bytes \d+ differs from the size of the shard file"),
+    "hook_point": (lambda d: d.update(hook_point="1.output"),
+                   r"manifest acts/0.output/manifest.json says hook_point '1.output', but it is the manifest of hook "
+                   r"point '0.output'"),
+}
+
+
+@pytest.mark.parametrize("fixture", ["plain", "zstd"])
+@pytest.mark.parametrize("lie", list(MANIFEST_LIES))
+def test_verify_reports_every_lying_manifest_field(request, fixture, lie, capsys):
+    """Reads ignore a manifest's key, rows_end and file_bytes (the reader derives shard keys
+    itself) and stay right, reading nothing outside the store; verify() and `activationscope
+    verify` report each lie, naming the manifest, the shard and both values."""
+    from activationscope import cli
+
+    path, data = request.getfixturevalue(fixture)
+    edit, message = MANIFEST_LIES[lie]
+    _edit_manifest(path, edit)
+    assert torch.equal(open_store(path)[HP], data)
+    problems = open_store(path).verify()
+    assert len(problems) == 1 and re.search(rf"hook point '0.output': .*{message}", problems[0]), problems
+    assert cli.main(["verify", str(path)]) == 1
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_verify_accepts_a_manifest_written_by_a_resumed_capture(tmp_path):
+    """rows_end / file_bytes of a last shard that a resume rewrote (and of one that was closed
+    partial, then filled) are what the writer records: no false report."""
+    path = tmp_path / "r.zarr"
+    make_store(path, n_rows=100)
+    w = StoreWriter(path, resume=True)
+    a = w.open_array(HP, (8,), torch.float32, "sample")
+    a.append(torch.randn(90, 8))
+    w.add_batch(90, list(range(100, 190)), None, {"label": torch.arange(90) % 3})
+    w.close()
+    s = open_store(path)
+    assert s.n_rows(HP) == 190 and s.verify() == []
+
+
+# ---------------------------------------------------------------- 12. temporary files of a killed writer
+#: Temporary files of the backend's atomic set / reserve (".<name>.<8 hex>.tmp"), as a writer
+#: killed between creating and renaming them leaves them.
+LEFTOVERS = [".zarr.json.0123abcd.tmp", "acts/.zarr.json.89abcdef.tmp",
+             f"acts/{HP}/.zarr.json.00ff00ff.tmp", f"acts/{HP}/.manifest.json.deadbeef.tmp",
+             "rows/sample/.part-000003.parquet.a1b2c3d4.tmp", f"reductions/{HP}/.mean.0f0f0f0f.tmp"]
+#: Files that merely look alike (another name, or outside the store's own folders): kept.
+LOOKALIKES = [".zarr.json.DEADBEEF.tmp", ".zarr.json.0123abc.tmp", ".zarr.json.0123abcde.tmp", "zarr.json.0123abcd.tmp",
+              ".zarr.json.0123abcd.tmp.bak", ".zarr.json.0123abcd.TMP", "acts/.zarr.json.0123abcd.tmp~",
+              "notes/.draft.0123abcd.tmp", "ranks/00001/.zarr.json.0123abcd.tmp"]
+
+
+def _plant(path: Path, keys: list[str]) -> None:
+    for key in keys:
+        (path / key).parent.mkdir(parents=True, exist_ok=True)
+        (path / key).write_bytes(b"partial")
+
+
+@pytest.mark.parametrize("how", ["resume", "close"])
+def test_leftover_temporary_files_are_removed(tmp_path, plain, how):
+    """A resumed writer removes, when it opens, the temporary files of the store's own naming
+    that a killed writer left, and every close removes any left then; files that only look
+    alike, and what a link among them points to, are kept; the rows are intact."""
+    path, data = plain
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(b"keep me")
+    _plant(path, LOOKALIKES)
+    leftovers = [*LEFTOVERS, ".zarr.json.fedcba98.tmp"]
+    if how == "resume":
+        _plant(path, LEFTOVERS)
+        assert open_store(path).verify() == []  # unfinished writes are ignored (FORMAT.md section 1)
+        (path / ".zarr.json.fedcba98.tmp").symlink_to(victim)
+        w = StoreWriter(path, resume=True)
+        assert not [k for k in leftovers if os.path.lexists(path / k)]
+    else:
+        w = StoreWriter(path, resume=True)
+        _plant(path, LEFTOVERS)  # left while this writer was open (as by one of its own writes)
+        (path / ".zarr.json.fedcba98.tmp").symlink_to(victim)
+    w.close()
+    assert not [k for k in leftovers if os.path.lexists(path / k)]
+    assert all((path / k).read_bytes() == b"partial" for k in LOOKALIKES)
+    assert victim.read_bytes() == b"keep me"
+    s = open_store(path)
+    assert torch.equal(s[HP], data) and s.status == "complete" and s.verify() == []
