@@ -17,12 +17,23 @@ from __future__ import annotations
 import fnmatch
 import warnings
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 
 from ..errors import ArgumentTypeError, CaptureWarning, HookPointNotFoundError
 
 __all__ = ["select_modules", "hook_point_module", "normalize_patterns", "is_hook_point_module", "rename_hook_point"]
+
+
+def check_column(key: str, col: Any) -> None:
+    """A row-table column given to ``set_batch`` / ``add_batch`` is a sequence or tensor
+    with one entry per sample: anything else raises ArgumentTypeError naming it."""
+    if col is None or isinstance(col, (str, bytes)) or not hasattr(col, "__len__"):
+        raise ArgumentTypeError(
+            f"column {key!r} must be a sequence or tensor with one entry per sample, got "
+            f"{type(col).__name__}; drop it from set_batch() to stop recording it"
+        )
 
 
 def normalize_patterns(patterns: str | Iterable[str] | None, argument: str) -> list[str] | None:

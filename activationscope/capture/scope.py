@@ -25,7 +25,8 @@ import torch
 
 from . import _native, compiled
 from ..errors import ActivationScopeError, ArgumentTypeError, ArgumentValueError, CaptureError, CaptureWarning
-from .hooks import hook_point_module, is_hook_point_module, normalize_patterns, rename_hook_point, select_modules
+from .hooks import (check_column, hook_point_module, is_hook_point_module, normalize_patterns, rename_hook_point,
+                    select_modules)
 from .results import HookPointResults, ReductionResults, main_result_key
 from .writer import open_writer, writer_options
 
@@ -815,11 +816,7 @@ class Tracker:
             mask = attention_mask.detach().to(torch.bool).contiguous()
         n = None if mask is None else mask.shape[0]
         for key, col in columns.items():
-            if col is None or isinstance(col, (str, bytes)) or not hasattr(col, "__len__"):
-                raise ArgumentTypeError(
-                    f"column {key!r} must be a sequence or tensor with one entry per sample, got "
-                    f"{type(col).__name__}; drop it from set_batch() to stop recording it"
-                )
+            check_column(key, col)
             length = len(col)
             if n is None:
                 n = length

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from ..capture import _native
+from ..capture.hooks import check_column
 from ..capture.results import main_result_key
 from ..errors import (
     ActivationScopeError,
@@ -480,7 +481,7 @@ class StoreWriter:
 
     def _user_columns(self, columns: Mapping[str, Any], mask: torch.Tensor | None, n: int | None
                       ) -> list[tuple[str, str, Any, Any]]:
-        """``(kind, name, values, Arrow type)`` of user columns, checked against the names
+        """``(kind, name, values, Arrow type or None for a column of Nones)`` of user columns, checked against the names
         the writer fills and the types of the same columns in earlier batches.
 
         Raises ArgumentValueError (a reserved name, a wrong length) or ArgumentTypeError (a
@@ -498,9 +499,7 @@ class StoreWriter:
             if is_token:
                 values = _to_column(col.detach().to("cpu")[mask])
             else:
-                if col is None or isinstance(col, (str, bytes)) or not hasattr(col, "__len__"):
-                    raise ArgumentTypeError(f"column {key!r} must be a sequence or tensor with one entry per "
-                                            f"sample, got {type(col).__name__}")
+                check_column(key, col)
                 values = _to_column(col)
                 if n is not None and len(values) != n:
                     raise ArgumentValueError(f"column {key!r} has {len(values)} entries, expected n_samples={n}")
@@ -517,7 +516,7 @@ class StoreWriter:
                     f"{str(self._backend)!r}; a row-table column has one type: give it the same type in every "
                     "batch (e.g. labels.long() or labels.float()), or use another column name"
                 )
-            out.append((kind, key, values, typ))
+            out.append((kind, key, values, None if pa.types.is_null(typ) else typ))
         return out
 
     def check_columns(self, columns: Mapping[str, Any], token_mask: torch.Tensor | None = None) -> None:
@@ -808,11 +807,9 @@ class StoreWriter:
                 ids_arr = np.asarray(ids, dtype=object if not isinstance(ids, np.ndarray) else None)
                 token = {"sample_id": ids_arr[si], "pos": pos.astype(np.int64), "batch": np.full(len(si), b, dtype=np.int64)}
             # checked (names, lengths, one type per column) before anything is recorded
-            checked = self._user_columns(columns, mask, n)
-            for kind, key, values, typ in checked:
+            for kind, key, values, typ in self._user_columns(columns, mask, n):
                 (token if kind == "token" else sample)[key] = values
-            for kind, key, values, typ in checked:
-                if str(typ) != "null":  # a column of Nones so far: its type comes with its first values
+                if typ is not None:  # a column of Nones so far: its type comes with its first values
                     self._column_types[(kind, key)] = typ
             n_tokens = 0 if token is None else len(token["pos"])
             cums = {}
