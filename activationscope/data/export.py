@@ -223,11 +223,11 @@ def _export(kind: str, source: Any, path: Any, hook_points: Any, columns: Any, b
             rows: Any, filter: Any, tensor_type: str, compression: Any, overwrite: bool = False) -> Path:
     if not isinstance(batch_rows, int) or batch_rows < 1:
         raise ArgumentValueError(f"batch_rows must be a positive int, got {batch_rows!r}")
-    _check_out(Path(os.path.expanduser(os.fspath(path))), kind, overwrite)
+    path = Path(os.path.expanduser(os.fspath(path)))
+    _check_out(path, kind, overwrite)
     ds = _dataset_for(source, hook_points, columns, rows, filter)
     col_names = _export_columns(ds, columns)
     schema = _schema(ds, col_names, tensor_type)
-    path = Path(os.path.expanduser(os.fspath(path)))
     tmp = path.with_name(path.name + ".tmp")
     try:
         if kind == "arrow":
