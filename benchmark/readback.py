@@ -18,6 +18,7 @@ import os
 import time
 from typing import Any
 
+import numpy as np
 import torch
 
 from activationscope.sizes import dir_bytes
@@ -196,8 +197,10 @@ class BatchedTensor(torch.utils.data.Dataset):
     """The fair in-RAM baseline: whole batches by indexing the tensor (``__getitems__``).
 
     A contiguous batch (a ``range``) is a slice (a view); any other batch is one
-    ``index_select`` gather. With :func:`identity` as ``collate_fn`` the DataLoader hands the
-    batch tensor through as is: no per-row ``__getitem__``, no stacking.
+    ``index_select`` gather, its index list converted through numpy (about 9 us for 256
+    ints, against about 70 us for ``torch.as_tensor`` of the list). With :func:`identity` as
+    ``collate_fn`` the DataLoader hands the batch tensor through as is: no per-row
+    ``__getitem__``, no stacking.
     """
 
     def __init__(self, data: torch.Tensor) -> None:
@@ -212,7 +215,7 @@ class BatchedTensor(torch.utils.data.Dataset):
     def __getitems__(self, idx: Any) -> torch.Tensor:
         if isinstance(idx, range) and idx.step == 1:
             return self.data[idx.start : idx.stop]
-        return self.data.index_select(0, torch.as_tensor(idx, dtype=torch.long))
+        return self.data.index_select(0, torch.from_numpy(np.asarray(idx, dtype=np.int64)))
 
 
 class HFBatched(torch.utils.data.Dataset):

@@ -18,6 +18,7 @@
 #include "py_errors.h"
 #include "reductions.h"
 #include "row_consumer.h"
+#include "row_gather.h"
 #include "shard_map.h"
 #include "shard_writer.h"
 #include "sink.h"
@@ -394,6 +395,9 @@ void bind_store(py::module_& m) {
   m.def("map_files_contiguous", &map_files_contiguous, py::arg("paths"), py::arg("stride_bytes"),
         py::arg("total_bytes"), py::call_guard<ReleaseGil>(),
         "Map files back to back into one contiguous copy-on-write uint8 tensor (see shard_map.h).");
+  m.def("gather_rows", &gather_rows, py::arg("index"), py::arg("n"), py::arg("start"), py::arg("bounds"),
+        py::arg("segments"), py::arg("want_ids") = false,
+        "Rows at dataset positions from an array's mapped segments, in one pass (see row_gather.h).");
   bind_store_writer(m);
 }
 

@@ -128,6 +128,7 @@ class StoreSource:
         # hit it: one comparison and one slice per batch)
         self._recent: dict[str, tuple[int, int, torch.Tensor]] = {}
         self._tables: dict[str, Any] = {}
+        self._seg_lists: dict[str, list[Any]] = {}  # hook point -> mapped segments (None: not yet), for gather
         _LIVE.add(self)
 
     # ------------------------------------------------------------------ lifecycle
@@ -137,6 +138,7 @@ class StoreSource:
         self._hinted = {}
         self._recent = {}
         self._tables = {}
+        self._seg_lists = {}
         if isinstance(self._reopen_spec(), str):
             self._store = None  # reopened lazily from its path or URL
         self._pid = os.getpid()
@@ -275,6 +277,34 @@ class StoreSource:
             return seg[start - b : stop - b]
         return self._rows(hp, start, stop)
 
+    def gather(self, hp: str, positions: Any, n: int, start: int, want_ids: bool) -> Any:
+        """Rows of ``hp`` at dataset positions (a list / tuple of ints or an int64 (k,) tensor;
+        position ``p`` in ``[-n, n)`` is store row ``start + p mod n``) in one native pass over
+        the mapped segments.
+
+        Returns ``(rows, a, b, ids)`` (see ``csrc/row_gather.h``: a view and its store rows
+        ``[a, b)`` for a consecutive run within one segment, else a new tensor and
+        ``a = b = -1``; ``ids`` the int64 store rows when ``want_ids``), or None when this path
+        does not apply (no native extension, compressed or remote rows, an index it does
+        not take): the caller then takes its general path, which raises the right errors.
+        """
+        gather = _gather_rows()
+        if gather is None:
+            return None
+        _bounds, memo, memoize, bl = self._layout(hp)
+        if not memoize:
+            return None
+        segs = self._seg_lists.get(hp)
+        if segs is None:
+            segs = [memo.get(k) for k in range(len(bl) - 1)]
+            self._seg_lists[hp] = segs
+        for _ in range(len(bl)):
+            got = gather(positions, n, start, bl, segs, want_ids)
+            if type(got) is not int:
+                return got
+            segs[got] = self._segment(hp, got)  # a segment this batch needs, mapped once
+        return None
+
     def take(self, hp: str, index: torch.Tensor) -> torch.Tensor:
         """Rows at ``index`` (int64, (k,)) of ``hp``: a new tensor (one gather per segment touched)."""
         bounds, _memo, _memoize, bl = self._layout(hp)
@@ -292,6 +322,19 @@ class StoreSource:
             pos = (seg == s).nonzero().squeeze(1)
             out[pos] = torch.index_select(self._segment(hp, s), 0, index[pos] - bl[s])
         return out
+
+
+_GATHER: list[Any] = []
+
+
+def _gather_rows() -> Any:
+    """The native ``gather_rows`` (None without a working extension: the Python path reads)."""
+    if not _GATHER:
+        from ..capture import _native
+
+        mod = _native.optional()
+        _GATHER.append(getattr(mod, "gather_rows", None) if mod is not None else None)
+    return _GATHER[0]
 
 
 def as_source(store_or_path: Any, open_options: Mapping[str, Any] | None = None) -> StoreSource:

@@ -118,7 +118,10 @@ def collate(batch: Any, *, collate_fn_map: Any = None) -> Any:
         (a copy), as ``default_collate`` would.
     """
     if type(batch) is Batch:  # the common case first: no per-row work
-        return _finish(batch.data)
+        data = batch.data
+        if type(data) is dict and get_worker_info() is None:  # in the main process: as is
+            return data
+        return _finish(data)
     if isinstance(batch, Batch):
         return _finish(batch.data)
     rows = list(batch)
@@ -477,8 +480,13 @@ class ActivationDataset(Dataset):
             run of store rows inside one shard of an uncompressed store, each hook point's
             tensor is a view of the memory-mapped shard (no copy; writing into it changes
             neither the store on disk nor other readers' data). Otherwise it is one new
-            tensor: one copy across shards, or one ``torch.index_select`` gather.
+            tensor: one copy across shards, or one gather of the rows (a native pass over the
+            mapped shards of an uncompressed local store, else ``torch.index_select``).
         """
+        if self._ids is None and isinstance(index, (list, tuple, torch.Tensor)):
+            data = self._gather(index)
+            if data is not None:
+                return data
         where = self._resolve(index)
         cols = self._col_cache if self._col_cache is not None else self._column_values()
         if isinstance(where, tuple):
@@ -494,19 +502,52 @@ class ActivationDataset(Dataset):
                 data[name] = col[where] if isinstance(col, torch.Tensor) else [col[i] for i in where.tolist()]
         return data
 
+    def _gather(self, index: Any) -> dict[str, Any] | None:
+        """The batch at dataset positions ``index`` (list, tuple or int64 tensor) through the
+        native gather of the source (one pass: positions checked, rows copied), or None when
+        it does not apply (see :meth:`StoreSource.gather`); only for unfiltered datasets."""
+        hps = self.hook_points
+        cols = self._col_cache if self._col_cache is not None else self._column_values()
+        source = self.source
+        got = source.gather(hps[0], index, self._stop - self._start, self._start, bool(cols) or len(hps) > 1)
+        if got is None:
+            return None
+        rows, a, b, ids = got
+        data: dict[str, Any] = {hps[0]: rows}
+        if a >= 0:  # consecutive store rows [a, b) within one segment: views, as for a range
+            for hp in hps[1:]:
+                data[hp] = source.read(hp, a, b)
+            for name, col in cols.items():
+                data[name] = col[a:b]
+            return data
+        for hp in hps[1:]:
+            other = source.gather(hp, ids, source.n_rows(hp), 0, False)
+            data[hp] = other[0] if other is not None else source.take(hp, ids)
+        for name, col in cols.items():
+            data[name] = col[ids] if isinstance(col, torch.Tensor) else [col[i] for i in ids.tolist()]
+        return data
+
     def __getitems__(self, indices: Sequence[int]) -> Batch:
         """Read a batch for ``DataLoader`` (called with the batch sampler's index list).
 
         Returns a :class:`Batch`; ``default_collate`` (and :func:`collate`) turn it into the
         dict of :meth:`get_batch` without stacking rows.
         """
-        if type(indices) is range and indices.step == 1 and self._ids is None and not self.columns:
+        if type(indices) is range and self._ids is None and not self.columns:
             # a sequential batch sampler's batch: rows [start, stop) of every hook point
-            a, b = indices.start, indices.stop
-            if 0 <= a < b <= self._stop - self._start:
-                a, b = a + self._start, b + self._start
+            # (per-batch Python here costs as much as the batch's own bookkeeping: keep it short)
+            start = self._start
+            a, b = indices.start + start, indices.stop + start
+            if indices.step == 1 and start <= a < b <= self._stop:
                 read = self.source.read
-                return Batch({hp: read(hp, a, b) for hp in self.hook_points}, b - a)
+                hps = self.hook_points
+                if len(hps) == 1:
+                    return Batch({hps[0]: read(hps[0], a, b)}, b - a)
+                return Batch({hp: read(hp, a, b) for hp in hps}, b - a)
+        elif type(indices) is list and self._ids is None:  # a shuffled batch sampler's batch
+            data = self._gather(indices)
+            if data is not None:
+                return Batch(data, len(indices))
         data = self.get_batch(indices)
         return Batch(data, len(indices))
 

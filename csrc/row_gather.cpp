@@ -1,0 +1,132 @@
+#include "row_gather.h"
+
+#include <Python.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "gil.h"
+
+namespace py = pybind11;
+
+namespace acs {
+
+namespace {
+
+// Store rows of the positions, or false when a position is not an in-range int.
+bool store_rows(const py::handle& index, int64_t n, int64_t start, std::vector<int64_t>& rows) {
+  auto to_row = [&](int64_t p, int64_t& out) {
+    if (p < -n || p >= n) return false;
+    out = start + (p < 0 ? p + n : p);
+    return true;
+  };
+  if (PyList_Check(index.ptr()) || PyTuple_Check(index.ptr())) {
+    PyObject* seq = index.ptr();
+    const Py_ssize_t k = PySequence_Fast_GET_SIZE(seq);
+    PyObject** items = PySequence_Fast_ITEMS(seq);
+    rows.resize(static_cast<size_t>(k));
+    for (Py_ssize_t i = 0; i < k; ++i) {
+      PyObject* o = items[i];
+      if (!PyLong_CheckExact(o)) return false;  // bools, numpy ints, floats: the general path
+      int overflow = 0;
+      const long long p = PyLong_AsLongLongAndOverflow(o, &overflow);
+      if (overflow || (p == -1 && PyErr_Occurred())) {
+        PyErr_Clear();
+        return false;
+      }
+      if (!to_row(static_cast<int64_t>(p), rows[static_cast<size_t>(i)])) return false;
+    }
+    return true;
+  }
+  if (THPVariable_Check(index.ptr())) {
+    const at::Tensor t = THPVariable_Unpack(index.ptr());
+    if (t.dim() != 1 || t.scalar_type() != at::kLong || !t.device().is_cpu() || t.layout() != at::kStrided)
+      return false;
+    const int64_t k = t.size(0);
+    const int64_t* p = t.data_ptr<int64_t>();
+    const int64_t step = t.stride(0);
+    rows.resize(static_cast<size_t>(k));
+    for (int64_t i = 0; i < k; ++i)
+      if (!to_row(p[i * step], rows[static_cast<size_t>(i)])) return false;
+    return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+py::object gather_rows(const py::handle& index, int64_t n, int64_t start, const std::vector<int64_t>& bounds,
+                       const py::list& segments, bool want_ids) {
+  const size_t n_seg = bounds.size() < 2 ? 0 : bounds.size() - 1;
+  if (n_seg == 0 || static_cast<size_t>(py::len(segments)) != n_seg || n <= 0) return py::none();
+  std::vector<int64_t> rows;
+  if (!store_rows(index, n, start, rows) || rows.empty()) return py::none();
+  const int64_t k = static_cast<int64_t>(rows.size());
+
+  // Segment of every row (consecutive rows usually share one: check the last one first).
+  std::vector<int32_t> seg_of(rows.size());
+  size_t s = 0;
+  bool consecutive = true;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const int64_t r = rows[i];
+    if (r < bounds[s] || r >= bounds[s + 1]) {
+      auto it = std::upper_bound(bounds.begin(), bounds.end(), r);
+      if (it == bounds.begin() || it == bounds.end()) return py::none();  // outside the array
+      s = static_cast<size_t>(it - bounds.begin()) - 1;
+    }
+    seg_of[i] = static_cast<int32_t>(s);
+    if (i && (r != rows[i - 1] + 1 || seg_of[i] != seg_of[i - 1])) consecutive = false;
+  }
+
+  // The segments touched, all mapped, contiguous, with one row layout.
+  std::vector<at::Tensor> segs(n_seg);
+  std::vector<const char*> base(n_seg, nullptr);
+  int64_t row_bytes = -1;
+  at::Tensor first;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const size_t j = static_cast<size_t>(seg_of[i]);
+    if (base[j]) continue;
+    py::handle h = segments[j];
+    if (h.is_none()) return py::int_(static_cast<int64_t>(j));
+    if (!THPVariable_Check(h.ptr())) return py::none();
+    at::Tensor t = THPVariable_Unpack(h.ptr());
+    if (!t.device().is_cpu() || t.dim() < 1 || !t.is_contiguous() || t.size(0) != bounds[j + 1] - bounds[j])
+      return py::none();
+    const int64_t rb = t.size(0) ? t.numel() / t.size(0) * static_cast<int64_t>(t.element_size()) : 0;
+    if (!first.defined()) {
+      first = t;
+      row_bytes = rb;
+    } else if (t.scalar_type() != first.scalar_type() || t.sizes().slice(1) != first.sizes().slice(1)) {
+      return py::none();
+    }
+    segs[j] = t;
+    base[j] = static_cast<const char*>(t.data_ptr());
+  }
+
+  py::object ids = py::none();
+  if (want_ids) {
+    at::Tensor id_t = at::empty({k}, at::kLong);
+    std::memcpy(id_t.data_ptr<int64_t>(), rows.data(), rows.size() * sizeof(int64_t));
+    ids = py::reinterpret_steal<py::object>(THPVariable_Wrap(id_t));
+  }
+  if (consecutive) {  // one run within one segment: a view, as a contiguous read gives
+    const size_t j = static_cast<size_t>(seg_of[0]);
+    at::Tensor v = segs[j].narrow(0, rows[0] - bounds[j], k);
+    return py::make_tuple(py::reinterpret_steal<py::object>(THPVariable_Wrap(v)), rows[0], rows[0] + k, ids);
+  }
+  std::vector<int64_t> shape = first.sizes().vec();
+  shape[0] = k;
+  at::Tensor out = at::empty(shape, first.options());
+  {
+    ReleaseGil nogil;
+    char* dst = static_cast<char*>(out.data_ptr());
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const size_t j = static_cast<size_t>(seg_of[i]);
+      std::memcpy(dst + static_cast<int64_t>(i) * row_bytes, base[j] + (rows[i] - bounds[j]) * row_bytes,
+                  static_cast<size_t>(row_bytes));
+    }
+  }
+  return py::make_tuple(py::reinterpret_steal<py::object>(THPVariable_Wrap(out)), -1, -1, ids);
+}
+
+}  // namespace acs

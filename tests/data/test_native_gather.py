@@ -1,0 +1,174 @@
+"""Batches at arbitrary positions (shuffled and chunk-shuffled batch samplers) go through the
+native gather (``_C.gather_rows``) over the mapped shards: every batch must equal plain
+PyTorch indexing of the stored rows, for every kind of index and dataset, and an index the
+native path does not take must get the general path's answer or error."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+
+import activationscope as acs
+from activationscope import ActivationDataset
+from activationscope.capture import _native
+from activationscope.data import _source
+from activationscope.data.dataset import collate
+from activationscope.errors import ArgumentTypeError, RowIndexError
+
+from fake_store import open_fake, write_fake_store
+
+N = 61
+
+
+@pytest.fixture
+def data(tmp_path):
+    torch.manual_seed(0)
+    a = torch.randn(N, 3, 2)
+    b = torch.arange(N * 5, dtype=torch.float16).reshape(N, 5)
+    labels = pa.table({"label": pa.array([i % 4 for i in range(N)]), "text": pa.array([f"t{i}" for i in range(N)])})
+    path = write_fake_store(tmp_path / "s", {"a": a, "b": b}, tables={"sample": labels}, shard_rows=7)
+    return path, {"a": a, "b": b}
+
+
+def _calls(monkeypatch):
+    """Count the native gathers (and keep them native)."""
+    native = _native.load().gather_rows
+    calls = []
+
+    def counting(*args):
+        got = native(*args)
+        calls.append(got)
+        return got
+
+    monkeypatch.setattr(_source, "_GATHER", [counting])
+    return calls
+
+
+def _random_batches(n, seed=0):
+    g = np.random.default_rng(seed)
+    out = [g.permutation(n)[:k].tolist() for k in (1, 5, 16, n)]
+    out.append([3, 3, 3, 60, 0, 60])  # repeats, first and last rows
+    out.append([5, 6, 7, 8])  # consecutive, across a shard boundary (shards of 7)
+    out.append([7, 8, 9])  # consecutive, inside one shard
+    out.append([-1, -N, 10, -30])  # negative positions count from the end
+    return out
+
+
+@pytest.mark.parametrize("kind", [list, tuple, "tensor"])
+def test_gathered_batches_equal_torch_indexing(data, monkeypatch, kind):
+    path, ref = data
+    calls = _calls(monkeypatch)
+    ds = ActivationDataset(path, columns=["label", "text"], open_options={"opener": open_fake})
+    for idx in _random_batches(N):
+        index = torch.tensor(idx, dtype=torch.int64) if kind == "tensor" else kind(idx)
+        got = collate(ds.__getitems__(index))
+        pos = torch.tensor(idx) % N
+        for hp in ("a", "b"):
+            assert got[hp].dtype == ref[hp].dtype and torch.equal(got[hp], ref[hp][pos]), (idx, hp)
+        assert got["label"].tolist() == [i % 4 for i in pos.tolist()]
+        assert got["text"] == [f"t{i}" for i in pos.tolist()]
+    assert len(calls) >= len(_random_batches(N)) and all(c is not None for c in calls if type(c) is not int)
+
+
+def test_rows_of_a_sub_range_and_positions_relative_to_it(data, monkeypatch):
+    path, ref = data
+    calls = _calls(monkeypatch)
+    ds = ActivationDataset(path, hook_points=["a"], rows=range(10, 50), open_options={"opener": open_fake})
+    for idx in ([0, 39, 5, 5], [-1, -40, 20], [3, 4, 5]):
+        want = ref["a"][10:50][torch.tensor(idx) % 40]
+        assert torch.equal(ds[idx]["a"], want), idx
+    assert calls and all(type(c) is int or c is not None for c in calls)
+    with pytest.raises(RowIndexError):
+        ds[[0, 40]]
+    with pytest.raises(RowIndexError):
+        ds[[-41]]
+
+
+def test_a_consecutive_run_inside_one_shard_is_a_view_else_a_copy(data):
+    path, ref = data
+    ds = ActivationDataset(path, hook_points=["a"], open_options={"opener": open_fake})
+    shard = ds.source.store._shard("a", 1)  # rows [7, 14)
+    inside = ds[[8, 9, 10]]["a"]
+    assert inside.untyped_storage().data_ptr() == shard.untyped_storage().data_ptr()
+    assert torch.equal(inside, ref["a"][8:11])
+    shuffled = ds[[10, 8, 9]]["a"]
+    assert shuffled.untyped_storage().data_ptr() != shard.untyped_storage().data_ptr()
+    assert torch.equal(shuffled, ref["a"][[10, 8, 9]])
+    shuffled.add_(1)  # a gathered batch is the caller's own tensor
+    assert torch.equal(ds[[10, 8, 9]]["a"], ref["a"][[10, 8, 9]])
+
+
+def test_indexes_the_native_path_does_not_take_get_the_general_answer(data, monkeypatch):
+    path, ref = data
+    calls = _calls(monkeypatch)
+    ds = ActivationDataset(path, hook_points=["b"], open_options={"opener": open_fake})
+    assert torch.equal(ds[[np.int64(4), np.int64(2)]]["b"], ref["b"][[4, 2]])  # numpy ints
+    assert torch.equal(ds[torch.tensor([4, 2], dtype=torch.int32)]["b"], ref["b"][[4, 2]])
+    assert ds[[]]["b"].shape == (0, 5)
+    with pytest.raises(ArgumentTypeError):
+        ds[[True, False]]
+    with pytest.raises(ArgumentTypeError):
+        ds[[1.5, 2.0]]
+    with pytest.raises(RowIndexError):
+        ds[[0, N]]
+    with pytest.raises(RowIndexError):
+        ds[torch.tensor([0, 2**40])]
+    assert calls and all(c is None for c in calls)  # each was handed to the general path
+
+
+def test_without_the_native_extension_the_batches_are_the_same(data, monkeypatch):
+    path, ref = data
+    native = [collate(ActivationDataset(path, open_options={"opener": open_fake}).__getitems__(i))
+              for i in _random_batches(N)]
+    monkeypatch.setattr(_source, "_GATHER", [None])
+    ds = ActivationDataset(path, open_options={"opener": open_fake})
+    for idx, want in zip(_random_batches(N), native):
+        got = collate(ds.__getitems__(idx))
+        assert all(torch.equal(got[hp], want[hp]) for hp in ("a", "b")), idx
+
+
+def test_gather_rows_maps_segments_on_demand_and_refuses_what_it_cannot_take():
+    gather = _native.load().gather_rows
+    segs = [torch.arange(0, 12.0).reshape(4, 3), None, torch.arange(24, 33.0).reshape(3, 3)]
+    bounds = [0, 4, 8, 11]
+    assert gather([5], 11, 0, bounds, segs, False) == 1  # segment 1 is needed
+    segs[1] = torch.arange(12, 24.0).reshape(4, 3)
+    rows, a, b, ids = gather([10, 0, 5, -1], 11, 0, bounds, segs, True)
+    full = torch.arange(33.0).reshape(11, 3)
+    assert torch.equal(rows, full[[10, 0, 5, 10]]) and (a, b) == (-1, -1) and ids.tolist() == [10, 0, 5, 10]
+    view, a, b, ids = gather([1, 2, 3], 11, 0, bounds, segs, False)
+    assert (a, b) == (1, 4) and ids is None and view.data_ptr() == segs[0][1].data_ptr()
+    rows, a, b, _ = gather([0, 1], 5, 6, bounds, segs, False)  # positions of a dataset starting at row 6
+    assert torch.equal(rows, full[6:8])
+    assert gather([0, 11], 11, 0, bounds, segs, False) is None  # out of range
+    assert gather([True], 11, 0, bounds, segs, False) is None
+    assert gather(["1"], 11, 0, bounds, segs, False) is None
+    assert gather([], 11, 0, bounds, segs, False) is None
+    assert gather([0], 11, 0, bounds, segs[:2], False) is None  # segments do not match the bounds
+    assert gather([0, 5], 11, 0, bounds, [segs[0].t(), segs[1], segs[2]], False) is None  # not contiguous
+    bad = [segs[0], segs[1].to(torch.float64), segs[2]]
+    assert gather([0, 5], 11, 0, bounds, bad, False) is None  # segments of different dtypes
+
+
+def test_real_store_gathers_across_shards_and_compressed_falls_back(tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16)).eval()
+    x = torch.randn(96, 8)
+    for name, opts in (("raw", {"chunk_rows": 16, "shard_bytes": 2 * 16 * 16 * 4}), ("zstd", {"compression": "zstd", "chunk_rows": 16})):
+        path = str(tmp_path / f"{name}.zarr")
+        with acs.ActivationScope(store=path, store_options=opts).track(model) as tr, torch.no_grad():
+            for i in range(0, 96, 16):
+                tr.set_batch(sample_ids=range(i, i + 16))
+                model(x[i : i + 16])
+        ref = model[0](x).detach()
+        calls = _calls(monkeypatch)
+        ds = ActivationDataset(path, hook_points=["0.output"])
+        idx = np.random.default_rng(1).permutation(96).tolist()
+        for k in range(0, 96, 20):
+            assert torch.allclose(ds[idx[k : k + 20]]["0.output"], ref[idx[k : k + 20]], rtol=0, atol=1e-6)
+        if name == "raw":
+            assert calls and all(c is not None for c in calls)
+        else:
+            assert not calls  # decoded chunk by chunk through the store's cache
