@@ -593,6 +593,7 @@ def _reads(path: Path) -> dict:
         "dtype": lambda: open_store(path).dtype(HP),
         "feature_shape": lambda: open_store(path).feature_shape(HP),
         "row_blocks": lambda: open_store(path).row_blocks(HP),
+        "info": lambda: open_store(path).info(),  # shows the entry's dtype and shape: checked first
         "dataset": lambda: ActivationDataset(path, hook_points=HP)[0:4],
         "dataset, verified": lambda: ActivationDataset(path, hook_points=HP, open_options={"verify": True})[0:4],
         "to_dask": lambda: _to_dask(path),
