@@ -235,7 +235,7 @@ void bind_capture(py::module_& m) {
 
   py::class_<Sink, std::shared_ptr<Sink>>(m, "Sink")
       .def(py::init([](std::string name, bool snapshot, int keep, int placement, py::object storage_dtype,
-                       std::shared_ptr<Arena> arena, int row_kind) {
+                       std::shared_ptr<Arena> arena, int row_kind, std::optional<std::string> module) {
              SinkOptions o;
              o.snapshot = snapshot;
              o.keep = enum_from_int<Keep>(keep, 3, "Sink keep", "0 (ALL), 1 (LAST) or 2 (NONE)");
@@ -245,12 +245,13 @@ void bind_capture(py::module_& m) {
                          "Sink row_kind must be -1 (from the first tensor), 0 (sample rows) or 1 (token rows), got ",
                          row_kind);
              if (!storage_dtype.is_none()) o.storage_dtype = to_scalar_type(storage_dtype);
-             auto sink = std::make_shared<Sink>(std::move(name), o, std::move(arena));
+             auto sink = std::make_shared<Sink>(std::move(name), o, std::move(arena), std::move(module));
              sink->set_row_kind(row_kind);
              return sink;
            }),
            py::arg("name"), py::arg("snapshot") = true, py::arg("keep") = 0, py::arg("placement") = 0,
-           py::arg("storage_dtype") = py::none(), py::arg("arena") = nullptr, py::arg("row_kind") = -1)
+           py::arg("storage_dtype") = py::none(), py::arg("arena") = nullptr, py::arg("row_kind") = -1,
+           py::arg("module") = py::none())
       .def_property_readonly("name", &Sink::name)
       .def("consume", &Sink::consume, py::arg("x"), py::arg("token_mask") = at::Tensor(),
            py::call_guard<ReleaseGil>())

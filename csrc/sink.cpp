@@ -183,8 +183,67 @@ void Arena::reset() {
   used_ = capacity_ = 0;
 }
 
-Sink::Sink(std::string name, SinkOptions options, std::shared_ptr<Arena> arena)
-    : name_(std::move(name)), options_(options), arena_(std::move(arena)) {}
+Sink::Sink(std::string name, SinkOptions options, std::shared_ptr<Arena> arena, std::optional<std::string> module)
+    : name_(std::move(name)), module_(std::move(module)), options_(options), arena_(std::move(arena)) {}
+
+namespace {
+
+// A layout as Python writes it (torch.sparse_coo -> "sparse_coo").
+std::string layout_name(c10::Layout layout) {
+  switch (layout) {
+    case c10::kStrided: return "strided";
+    case c10::kSparse: return "sparse_coo";
+    case c10::kSparseCsr: return "sparse_csr";
+    case c10::kSparseCsc: return "sparse_csc";
+    case c10::kSparseBsr: return "sparse_bsr";
+    case c10::kSparseBsc: return "sparse_bsc";
+    case c10::kMkldnn: return "_mkldnn";
+    case c10::kJagged: return "jagged";
+    default: return c10::str(layout);
+  }
+}
+
+}  // namespace
+
+void Sink::check_layout(const at::Tensor& x) const {
+  // The test of every call: a few bits of the tensor's dispatch key set and layout. The
+  // message is the first call's (ActivationScope._check_layout), which the Python side
+  // raises before this sink exists; this one covers the calls after it.
+  const bool nested = x.is_nested();
+  const bool strided = x.layout() == c10::kStrided;
+  if (!nested && strided && !x.is_meta()) return;
+  const bool copied = options_.snapshot || x.is_inference();
+  const bool stored = writer_ != nullptr;
+  const bool reduced = !reductions_.empty();
+  if (!copied && !stored && !reduced) return;  // kept by reference as it is
+  std::string what, convert;
+  if (nested) {
+    what = "a nested tensor";
+    convert = "x.to_padded_tensor(0.0)";
+  } else if (!strided) {
+    what = "a " + layout_name(x.layout()) + " tensor (not strided)";
+    convert = "x.to_dense()";
+  } else {
+    what = "on the meta device (it has a shape but no values)";
+    convert = "a model on a real device";
+  }
+  std::string uses;
+  using Use = std::pair<bool, const char*>;
+  for (auto [on, use] : {Use{copied, "copied (CaptureMode.SNAPSHOT)"}, Use{stored, "stored"},
+                         Use{reduced, "reduced"}}) {
+    if (!on) continue;
+    if (!uses.empty()) uses += " or ";
+    uses += use;
+  }
+  const std::string exclude = module_ ? "Pass exclude=['" + *module_ + "'] to track()"
+                                      : "Pass exclude= the module of '" + name_ + "' to track()";
+  ACS_CHECK(false, "hook point '", name_, "' is ", what, ", shape ",
+            nested ? std::string("(nested)") : shape_str(x.sizes()), ", in its call ", n_calls_ + 1,
+            ", which cannot be ", uses,
+            ": a capture records dense strided tensors with values. ", exclude,
+            " (or give the capture a dense tensor: ", convert, "); an in-memory capture with ",
+            "capture_mode=CaptureMode.REFERENCE and no reductions keeps such a tensor as it is");
+}
 
 Sink::Record Sink::snapshot(const at::Tensor& x) {
   Record rec;
@@ -247,6 +306,7 @@ void Sink::consume(const at::Tensor& x_in, const at::Tensor& token_mask) {
   // under no-grad never record a graph, so the snapshot path skips the detach.
   const at::Tensor x = (!options_.snapshot && x_in.requires_grad()) ? x_in.detach() : x_in;
   std::lock_guard<std::mutex> lock(mu_);
+  check_layout(x);  // before the call is counted or anything of it kept
   ++n_calls_;
   if (x.dim() >= 1 && x.size(0) == 0) return;  // an empty batch is a no-op
   if (row_kind_ < 0) {

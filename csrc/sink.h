@@ -68,11 +68,17 @@ struct SinkOptions {
 
 class Sink {
  public:
-  Sink(std::string name, SinkOptions options, std::shared_ptr<Arena> arena);
+  // module: the module path of the hook point, as exclude= takes it (for error messages;
+  // none when unknown).
+  Sink(std::string name, SinkOptions options, std::shared_ptr<Arena> arena,
+       std::optional<std::string> module = std::nullopt);
 
   // Capture one activation. x: any shape / dtype / device / strides. token_mask: optional
   // bool (batch, pos); when it matches x's first two dims, rows are the masked tokens
-  // (n_tokens, *x.shape[2:]), else rows are x's first dimension. Thread: no GIL needed.
+  // (n_tokens, *x.shape[2:]), else rows are x's first dimension. A sparse, nested or
+  // meta-device x that this sink would copy, store or reduce raises CaptureError before
+  // anything of the call is kept (as the first call's check in Python does). Thread: no
+  // GIL needed.
   void consume(const at::Tensor& x, const at::Tensor& token_mask);
 
   const std::string& name() const { return name_; }
@@ -137,12 +143,14 @@ class Sink {
     at::ScalarType dtype = at::kFloat;   // and dtype
   };
   Record snapshot(const at::Tensor& x);
+  void check_layout(const at::Tensor& x) const;  // CaptureError for values it cannot read
   at::Tensor rows_of(const at::Tensor& x, const at::Tensor& token_mask);
   void remember_for_aliases(const at::Tensor& x);        // target side, under mu_
   bool same_as_last(const at::Tensor& x, int64_t call, bool release);  // target side, takes mu_
   void consume_alias(const at::Tensor& x, const at::Tensor& token_mask);  // under mu_
 
   std::string name_;
+  std::optional<std::string> module_;
   SinkOptions options_;
   std::shared_ptr<Arena> arena_;
   std::mutex mu_;

@@ -1,5 +1,6 @@
 """Activations a capture cannot record (sparse, nested, meta-device tensors) raise
-CaptureError naming the hook point, what it is and the fix; a store stays readable."""
+CaptureError naming the hook point, what it is and the fix, on a hook point's first call or
+a later one; a store stays readable."""
 
 from __future__ import annotations
 
@@ -82,4 +83,85 @@ def test_reference_in_memory_keeps_the_tensor(kind):
     with torch.no_grad(), acs.ActivationScope(capture_mode=acs.CaptureMode.REFERENCE).track(model, include=["1"]) as tr:
         out = model[1](model[0](torch.randn(2, 3)))
     record = tr.activations["1.output"][0]
+    assert record.is_nested == out.is_nested and record.layout == out.layout and record.device == out.device
+
+
+# ------------------------------------------------- dense first, sparse / nested / meta later
+
+
+class LaterOut(Out):
+    """Dense (x * 2) on its first call, ``kind`` on every later call."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__(kind)
+        self.n_calls = 0
+
+    def forward(self, x):
+        self.n_calls += 1
+        return x * 2 if self.n_calls == 1 else super().forward(x)
+
+
+def _later_model(kind: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(3, 3), LaterOut(kind), torch.nn.Identity())
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_later_call_in_memory_raises_capture_error_and_keeps_earlier_records(kind):
+    """The native sink checks every call: a hook point dense on its first call and not on its
+    second raises the first call's CaptureError (not a torch error from the copy), and the
+    records of the first forward stay as they were."""
+    model = _later_model(kind)
+    x1, x2 = torch.randn(2, 3), torch.randn(2, 3)
+    with pytest.raises(acs.CaptureError, match=rf"hook point '1\.output' is .*{KINDS[kind]}.*in its call 2, "
+                                               rf"which cannot be copied.*exclude=\['1'\]"):
+        with torch.no_grad(), acs.ActivationScope().track(model) as tracker:
+            model(x1)
+            model(x2)
+    assert "forward" not in model[1].__dict__  # the wrappers are removed
+    with torch.no_grad():
+        first = model[0](x1)
+    acts = tracker.activations
+    assert len(acts["1.output"]) == 1 and len(acts["2.output"]) == 1  # the refused call kept nothing
+    assert torch.equal(acts["0.output"][0], first)
+    assert torch.equal(acts["1.output"][0], first * 2) and torch.equal(acts["2.output"][0], first * 2)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_later_call_into_a_store_raises_and_keeps_earlier_forwards(kind, tmp_path):
+    model = _later_model(kind)
+    path = tmp_path / "run.zarr"
+    x1 = torch.randn(2, 3)
+    with pytest.raises(acs.CaptureError, match=rf"hook point '1\.output' is .*{KINDS[kind]}.*in its call 2, "
+                                               rf"which cannot be copied \(CaptureMode.SNAPSHOT\) or stored.*"
+                                               rf"exclude=\['1'\]"):
+        with torch.no_grad(), acs.ActivationScope(store=path).track(model):
+            model(x1)
+            model(torch.randn(2, 3))
+    store = acs.open_store(path)
+    assert store.hook_points == ["0.output", "1.output", "2.output"]
+    with torch.no_grad():
+        first = model[0](x1)
+    assert torch.equal(store["0.output"][:], first)  # the first forward's rows, and only those
+    assert torch.equal(store["1.output"][:], first * 2) and torch.equal(store["2.output"][:], first * 2)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_later_call_reductions_raise(kind):
+    model = _later_model(kind)
+    scope = acs.ActivationScope(capture_mode=acs.CaptureMode.REFERENCE, reductions=["mean"])
+    with pytest.raises(acs.CaptureError, match=rf"hook point '1\.output' is .*{KINDS[kind]}.*which cannot be reduced"):
+        with torch.no_grad(), scope.track(model, include=["1"]):
+            model(torch.randn(2, 3))
+            model(torch.randn(2, 3))
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_later_call_reference_in_memory_keeps_the_tensor(kind):
+    model = _later_model(kind)
+    with torch.no_grad(), acs.ActivationScope(capture_mode=acs.CaptureMode.REFERENCE).track(model, include=["1"]) as tr:
+        model(torch.randn(2, 3))
+        out = model(torch.randn(2, 3))
+    dense, record = tr.activations["1.output"]
+    assert dense.layout == torch.strided and not dense.is_nested and dense.device.type == "cpu"
     assert record.is_nested == out.is_nested and record.layout == out.layout and record.device == out.device

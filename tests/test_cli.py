@@ -384,6 +384,24 @@ def test_info_json(toy_store, capsys):
     assert code == 0 and info["status"] == "complete" and info["arrays"]["2.output"]["n_rows"] == 50
 
 
+@pytest.mark.parametrize("json_out", [False, True], ids=["table", "json"])
+def test_info_refuses_a_root_that_lies_about_an_array(toy_store, capsys, json_out):
+    """info shows the root's entry of each array only once the array's own zarr.json agrees
+    (as a read does): a root edited to say int32 where float32 was written is one error
+    line naming both files and both values, exit 1, no traceback, nothing on stdout."""
+    import json
+
+    out, _ = toy_store
+    root = json.loads((out / "zarr.json").read_text())
+    root["attributes"]["activationscope"]["arrays"]["1.output"].update(dtype="int32", storage_dtype="int32")
+    (out / "zarr.json").write_text(json.dumps(root))
+    code, stdout, err = run(capsys, "info", str(out), *(["--json"] if json_out else []))
+    assert code == 1 and stdout == ""
+    _one_error_line(err, "activationscope info: error:", "hook point '1.output'", "acts/1.output/zarr.json",
+                    "says data_type 'float32'", "the root document zarr.json",
+                    "says arrays['1.output'] dtype 'int32'", "the two disagree")
+
+
 def test_verify_ok_and_damaged(toy_store, capsys):
     out, _ = toy_store
     code, stdout, _ = run(capsys, "verify", str(out))

@@ -890,6 +890,7 @@ class Tracker:
             storage_dtype=scope.storage_dtype,
             arena=self._arena,
             row_kind=1 if token else (0 if decided is False else -1),
+            module=hook_point_module(name),  # named by the native layout check of later calls
         )
         if self._red_factories is not None:
             names, objects = [], []
@@ -961,7 +962,8 @@ class Tracker:
         """Refuse, before the hook point's first row is kept, an activation whose values a
         copy, a store or a reduction cannot read: a sparse or nested tensor, or one on the
         meta device (shapes only). Only an in-memory REFERENCE capture without reductions
-        keeps the tensor itself, and so can hold them."""
+        keeps the tensor itself, and so can hold them. The native sink (``Sink::consume``)
+        makes the same check, with the same message, on every later call."""
         if tensor.is_nested:
             what, convert = "a nested tensor", "x.to_padded_tensor(0.0)"
         elif tensor.layout != torch.strided:

@@ -112,6 +112,12 @@ def _inside(real: str, root_real: str) -> bool:
 #: next to the key.
 TEMP_NAME = re.compile(r"\.[^/]+\.[0-9a-f]{8}\.tmp")
 
+#: The name of the temporary file the native shard writer (``csrc/shard_writer.cpp``,
+#: ``ArrayWriter::write_chunk``) fills before renaming it to its shard key:
+#: ``shard-<writer id>-<shard>-<pid>.tmp`` (decimal numbers), in its array's folder
+#: ``acts/<node>/``.
+SHARD_TEMP_NAME = re.compile(r"shard-[0-9]+-[0-9]+-[0-9]+\.tmp")
+
 
 class LocalBackend:
     """A store in a local directory; ``set`` is atomic (temp file, optional fsync, rename).
@@ -143,14 +149,20 @@ class LocalBackend:
     #: subfolders, for ""): where :meth:`remove_temp_files` looks.
     TEMP_FOLDERS = ("", "acts", "rows", "reductions")
 
-    def remove_temp_files(self) -> list[str]:
+    def remove_temp_files(self, shards: bool = True) -> list[str]:
         """Remove the temporary files of :meth:`set` / :meth:`reserve` (``.<name>.<8 hex
-        digits>.tmp``, :data:`TEMP_NAME`) that an earlier writer process left in the store
-        (killed between creating one and renaming it). Only files of exactly that name, only
-        in the store's own folders (:data:`TEMP_FOLDERS`: the root's files, ``acts/``,
-        ``rows/``, ``reductions/``; never ``ranks/`` or anything a user put elsewhere), never
-        following a link, never this backend's own reserved ones. Call it only while holding
-        the writer lock (no other writer can be filling one). Returns the keys removed.
+        digits>.tmp``, :data:`TEMP_NAME`) and, with ``shards``, of the native shard writer
+        (``shard-<writer id>-<shard>-<pid>.tmp`` directly in an array folder ``acts/<node>/``,
+        :data:`SHARD_TEMP_NAME`) that an earlier writer process left in the store (killed
+        between creating one and renaming it), in every array folder, whether the root
+        document lists its array or not (a writer killed before the array's first commit).
+        Only files of exactly those names, only in the store's own folders
+        (:data:`TEMP_FOLDERS`: the root's files, ``acts/``, ``rows/``, ``reductions/``; never
+        ``ranks/`` or anything a user put elsewhere), never following a link, never this
+        backend's own reserved ones. Call it only while holding the writer lock (no other
+        writer can be filling one), and with ``shards`` only while no array writer of this
+        process is (before the first is opened, after the writer thread stopped). Returns the
+        keys removed.
         """
         with self._spare_lock:
             own = {str(p) for p in self._spare.values()}
@@ -162,9 +174,12 @@ class LocalBackend:
             for dirpath, dirnames, files in os.walk(base):  # never follows a symlinked folder
                 if not folder:
                     dirnames.clear()  # the root's own files only: its folders are listed above
+                # the shard writer's temporaries: in acts/<node>/ itself, never deeper
+                in_array = shards and folder == "acts" and os.path.dirname(dirpath) == str(base)
                 for name in files:
                     p = os.path.join(dirpath, name)
-                    if not TEMP_NAME.fullmatch(name) or p in own:
+                    ours = TEMP_NAME.fullmatch(name) or (in_array and SHARD_TEMP_NAME.fullmatch(name))
+                    if not ours or p in own:
                         continue
                     key = os.path.relpath(p, self.root).replace(os.sep, "/")
                     try:

@@ -1549,15 +1549,22 @@ class Store:
         size) and the shard index, so a small uncompressed store shows well below 1; only
         for arrays much larger than a chunk does it approach the codec's compression ratio.
 
+        Every array's entry in the root document is checked against the array's own files
+        before it is shown, as before its first read (FORMAT.md section 9 rules 16-17): a root
+        that says another dtype, feature shape, layout or row count than the array's document
+        and manifest is an error, never a summary of rows that are not there.
+
         Raises
         ------
         StoreCorruptError
-            A manifest is damaged (run :meth:`verify` for the full list).
+            A manifest is damaged, or the root document disagrees with an array's document
+            (naming the hook point, both files and both values; run :meth:`verify` for the
+            full list).
         """
         arrays = {}
         total_raw = total_disk = 0
         for hp in list(self._attrs.get("arrays", {})):  # aliases are listed apart: no bytes of their own
-            meta = self._meta(hp)
+            meta = self._checked_meta(hp)
             n = int(meta["n_rows"])
             feat = tuple(meta["feature_shape"])
             raw_bytes = n * V.row_bytes(meta)

@@ -420,6 +420,7 @@ class StoreWriter:
             self._staging = Path(tempfile.mkdtemp(prefix="acs-staging-"))
             self._own_staging = True
         self._core = _native.load().StoreCore(max_pending_bytes, self._fsync)
+        self._threads_stopped = False
         self._arrays: dict[str, _Array] = {}
         self._pending: list[_Batch] = []
         self._pending_samples = 0  # samples of the batches in _pending
@@ -578,7 +579,7 @@ class StoreWriter:
                                                      doc_key=doc_key)
                 if problems:
                     raise V.corrupt(b, "; ".join(problems) + "; nothing was deleted or written")
-        self._remove_temp_files()  # the writer killed before this one left them
+        self._remove_temp_files()  # the writer killed before this one left them (no array writer of ours yet)
         for hp, meta in self._old_arrays.items():
             path, n = meta["path"], int(meta["n_rows"])
             shard_rows = int(meta["shard_rows"])
@@ -1173,6 +1174,7 @@ class StoreWriter:
     # ------------------------------------------------------------------ close
     def _stop_threads(self) -> None:
         self._core.close()
+        self._threads_stopped = True  # no shard is filled any more
         if self._encoder_thread is not None:
             self._encoder_thread.join()
         _ENCODING.discard(self)
@@ -1261,14 +1263,16 @@ class StoreWriter:
                 except BaseException:  # noqa: BLE001
                     pass
 
-    def _remove_temp_files(self) -> None:
+    def _remove_temp_files(self, shards: bool = True) -> None:
         """Remove the backend's temporary files left by an earlier writer process (FORMAT.md
-        section 7: a resume, and every close, leave none)."""
+        section 1: a resume, and every close, leave none), with ``shards`` also the shard
+        writer's, in every array folder (listed by the root or not): only while none of this
+        writer's array writers can be filling one."""
         remove = getattr(self._backend, "remove_temp_files", None)
         if remove is None:  # object stores write in one put: no temporary objects
             return
         try:
-            remove()
+            remove(shards=shards)
         except (OSError, StoreError) as e:
             warnings.warn(f"store {str(self._backend)!r}: removing leftover temporary files: {e}", RuntimeWarning,
                           stacklevel=3)
@@ -1281,7 +1285,9 @@ class StoreWriter:
         if self._io_pool is not None:
             self._io_pool.shutdown(wait=True)
             self._io_pool = None
-        self._remove_temp_files()  # none of this writer's own, nor of a writer killed before it
+        # none of this writer's own, nor of a writer killed before it (shard temporaries only
+        # once the writer thread stopped: an abort whose drain failed may still be filling one)
+        self._remove_temp_files(shards=self._threads_stopped)
         if self._own_staging:
             shutil.rmtree(self._staging, ignore_errors=True)
         self._writer_lock.release()

@@ -18,7 +18,7 @@ import activationscope as acs
 from activationscope.errors import StoreCorruptError, StoreError
 from activationscope.store import StoreWriter, open_store
 
-from hostile import HP, N_ROWS, SHARD_ROWS, edit_root, make_store, root, set_index, shard
+from hostile import CHUNK_ROWS, FEATURE, HP, N_ROWS, SHARD_ROWS, edit_root, make_store, root, set_index, shard
 
 
 @pytest.fixture
@@ -593,6 +593,7 @@ def _reads(path: Path) -> dict:
         "dtype": lambda: open_store(path).dtype(HP),
         "feature_shape": lambda: open_store(path).feature_shape(HP),
         "row_blocks": lambda: open_store(path).row_blocks(HP),
+        "info": lambda: open_store(path).info(),  # shows the entry's dtype and shape: checked first
         "dataset": lambda: ActivationDataset(path, hook_points=HP)[0:4],
         "dataset, verified": lambda: ActivationDataset(path, hook_points=HP, open_options={"verify": True})[0:4],
         "to_dask": lambda: _to_dask(path),
@@ -797,5 +798,72 @@ def test_leftover_temporary_files_are_removed(tmp_path, plain, how):
     assert not [k for k in leftovers if os.path.lexists(path / k)]
     assert all((path / k).read_bytes() == b"partial" for k in LOOKALIKES)
     assert victim.read_bytes() == b"keep me"
+    s = open_store(path)
+    assert torch.equal(s[HP], data) and s.status == "complete" and s.verify() == []
+
+
+def _begun_shard(tmp_path: Path) -> tuple[str, bytes]:
+    """The name and bytes of a shard temporary as the native writer leaves it when killed
+    mid-shard (one chunk of four written, before its array's first commit)."""
+    path = tmp_path / "begun.zarr"
+    w = StoreWriter(path, chunk_rows=CHUNK_ROWS, shard_bytes=SHARD_ROWS * FEATURE * 4)
+    try:
+        a = w.open_array("9.output", (FEATURE,), torch.float32, "sample")
+        a.append(torch.randn(CHUNK_ROWS, FEATURE))
+        w._core.drain()  # the chunk is in the shard's temporary file
+        (tmp,) = [p for p in (path / "acts" / "9.output").iterdir() if p.name.startswith("shard-")]
+        return tmp.name, tmp.read_bytes()
+    finally:
+        w.discard()
+
+
+@pytest.mark.parametrize("how", ["resume", "close"])
+def test_leftover_shard_temporaries_are_removed_in_every_array_folder(tmp_path, plain, how):
+    """The native writer's shard temporaries (shard-<writer id>-<shard>-<pid>.tmp) that a
+    killed writer left are removed by a resume and by every close in every array folder of
+    acts/, also one the root does not list (killed before that array's first commit); files
+    that only look alike, the same name elsewhere, what a link points to and what lies behind
+    a linked array folder are kept; the rows are intact."""
+    from activationscope.store._backend import SHARD_TEMP_NAME
+
+    path, data = plain
+    name, begun = _begun_shard(tmp_path)
+    assert SHARD_TEMP_NAME.fullmatch(name), name  # the naming the cleanup knows is the writer's
+    assert HP in root(path)["attributes"]["activationscope"]["arrays"]
+    assert "9.output" not in root(path)["attributes"]["activationscope"]["arrays"]
+    leftovers = [f"acts/{HP}/{name}", f"acts/9.output/{name}", "acts/9.output/shard-1-0-2.tmp",
+                 "acts/7.output/shard-140012345678-3-99999.tmp"]
+    lookalikes = ["acts/9.output/shard-1-0.tmp", "acts/9.output/shard-1-0-2.tmp.bak", "acts/9.output/shard-x-0-2.tmp",
+                  "acts/9.output/Shard-1-0-2.tmp", "acts/9.output/shard-1-0-2.TMP", "acts/9.output/c/shard-1-0-2.tmp",
+                  "acts/9.output/c/0/shard-1-0-2.tmp", "acts/shard-1-0-2.tmp", "shard-1-0-2.tmp",
+                  f"rows/{name}", f"reductions/{HP}/{name}", f"notes/9.output/{name}",
+                  f"ranks/00001/acts/9.output/{name}"]
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(b"keep me")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / name).write_bytes(b"keep me")
+
+    def plant() -> None:
+        _plant(path, lookalikes)
+        for key in leftovers:
+            (path / key).parent.mkdir(parents=True, exist_ok=True)
+            (path / key).write_bytes(begun)
+        (path / "acts" / "9.output" / "shard-7-0-7.tmp").symlink_to(victim)  # the link goes, never its target
+        (path / "acts" / "8.output").symlink_to(outside, target_is_directory=True)  # never entered
+
+    gone = [*leftovers, "acts/9.output/shard-7-0-7.tmp"]
+    if how == "resume":
+        plant()
+        w = StoreWriter(path, resume=True)
+        assert not [k for k in gone if os.path.lexists(path / k)]
+    else:
+        w = StoreWriter(path, resume=True)
+        plant()  # left while this writer was open
+    w.close()
+    assert not [k for k in gone if os.path.lexists(path / k)]
+    assert all((path / k).read_bytes() == b"partial" for k in lookalikes)
+    assert victim.read_bytes() == b"keep me" and (outside / name).read_bytes() == b"keep me"
+    (path / "acts" / "8.output").unlink()
     s = open_store(path)
     assert torch.equal(s[HP], data) and s.status == "complete" and s.verify() == []
