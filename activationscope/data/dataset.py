@@ -544,10 +544,6 @@ class ActivationDataset(Dataset):
                 if len(hps) == 1:
                     return Batch({hps[0]: read(hps[0], a, b)}, b - a)
                 return Batch({hp: read(hp, a, b) for hp in hps}, b - a)
-        elif type(indices) is list and self._ids is None:  # a shuffled batch sampler's batch
-            data = self._gather(indices)
-            if data is not None:
-                return Batch(data, len(indices))
         data = self.get_batch(indices)
         return Batch(data, len(indices))
 
