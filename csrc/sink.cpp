@@ -41,6 +41,9 @@ std::string dtype_name(at::ScalarType t) {
     case at::kLong: return "torch.int64";
     case at::kByte: return "torch.uint8";
     case at::kBool: return "torch.bool";
+    case at::kQInt8: return "torch.qint8";
+    case at::kQUInt8: return "torch.quint8";
+    case at::kQInt32: return "torch.qint32";
     default: return std::string("torch.") + c10::toString(t);
   }
 }
@@ -211,13 +214,25 @@ void Sink::check_layout(const at::Tensor& x) const {
   // raises before this sink exists; this one covers the calls after it.
   const bool nested = x.is_nested();
   const bool strided = x.layout() == c10::kStrided;
-  if (!nested && strided && !x.is_meta()) return;
+  const bool quantized = x.is_quantized();
+  const bool complex_to_real = x.is_complex() && options_.storage_dtype &&
+                               !c10::isComplexType(*options_.storage_dtype);
+  if (!nested && strided && !x.is_meta() && !quantized && !complex_to_real) return;
   const bool copied = options_.snapshot || x.is_inference();
   const bool stored = writer_ != nullptr;
   const bool reduced = !reductions_.empty();
+  if (complex_to_real) {  // the first call's message (ActivationScope._check_dtype)
+    ACS_CHECK(false, "hook point '", name_, "' is complex (", dtype_name(x.scalar_type()), ") in its call ",
+              n_calls_ + 1, " but storage_dtype=", dtype_name(*options_.storage_dtype),
+              " is real: the cast would drop the imaginary part; drop storage_dtype or exclude= the module of '",
+              name_, "'");
+  }
   if (!copied && !stored && !reduced) return;  // kept by reference as it is
   std::string what, convert;
-  if (nested) {
+  if (quantized) {
+    what = "a quantized tensor (" + dtype_name(x.scalar_type()) + ")";
+    convert = "x.dequantize()";
+  } else if (nested) {
     what = "a nested tensor";
     convert = "x.to_padded_tensor(0.0)";
   } else if (!strided) {

@@ -165,3 +165,55 @@ def test_later_call_reference_in_memory_keeps_the_tensor(kind):
     dense, record = tr.activations["1.output"]
     assert dense.layout == torch.strided and not dense.is_nested and dense.device.type == "cpu"
     assert record.is_nested == out.is_nested and record.layout == out.layout and record.device == out.device
+
+
+class Turns(torch.nn.Module):
+    """Dense float on its first call, then ``kind``: quantized or complex."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind, self.calls = kind, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == 1:
+            return x * 1.0
+        if self.kind == "quantized":
+            return torch.quantize_per_tensor(x, 0.1, 0, torch.qint8)
+        return torch.complex(x, torch.ones_like(x))
+
+
+@pytest.mark.parametrize("where", ["first", "later"])
+@pytest.mark.parametrize("setup", ["store_cast", "reductions", "snapshot"])
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning")
+def test_quantized_activations_raise_capture_error(where, setup, tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), Turns("quantized"))
+    if where == "first":
+        model[1].calls = 1
+    kw = {"store_cast": {"store": tmp_path / "q.zarr", "storage_dtype": torch.bfloat16},
+          "reductions": {"reductions": ["mean"], "reduction_policy": acs.ReductionPolicy.STREAMING},
+          "snapshot": {}}[setup]
+    x = torch.randn(2, 3)
+    with pytest.raises(acs.CaptureError, match=r"hook point '1\.output' is a quantized tensor \(torch\.qint8\).*dequantize"):
+        with torch.no_grad(), acs.ActivationScope(**kw).track(model) as tracker:
+            for _ in range(3):
+                model(x)
+    if where == "later" and setup == "snapshot":  # the first forward's records are whole
+        assert torch.equal(tracker.activations["1.output"][0], model[0](x))
+    if where == "later" and setup == "store_cast":
+        store = acs.open_store(tmp_path / "q.zarr")
+        assert store.n_rows("1.output") == 2
+        assert torch.equal(store["1.output"], model[0](x).to(torch.bfloat16))
+
+
+def test_a_later_complex_activation_with_a_real_storage_dtype_raises(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), Turns("complex"))
+    x = torch.randn(2, 4)
+    with pytest.raises(acs.CaptureError, match=r"hook point '1\.output' is complex \(.*\) in its call 2.*imaginary"):
+        with torch.no_grad(), acs.ActivationScope(store=tmp_path / "c.zarr", storage_dtype=torch.float32).track(model):
+            for _ in range(3):
+                model(x)
+    store = acs.open_store(tmp_path / "c.zarr")
+    assert store.n_rows("1.output") == 2 and torch.equal(store["1.output"], model[0](x))

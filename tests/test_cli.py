@@ -753,3 +753,28 @@ def test_capture_resume_of_a_full_store_with_new_reductions_computes_them(tmp_pa
         want = model(torch.from_numpy(np.load(x))).double()
     torch.testing.assert_close(store.reductions["2.output"]["max"].double(), want.max(0).values)
     torch.testing.assert_close(store.reductions["2.output"]["mean"], want.mean(0))  # the first run's, kept
+
+
+def test_info_shows_control_characters_from_the_store_escaped(tmp_path, capsys):
+    """A store is someone else's file: its strings (model class, provenance, created) reach
+    the terminal with their control characters escaped, so none can clear the screen or
+    forge a line of the report."""
+    import json
+
+    import activationscope as acs
+
+    path = tmp_path / "s.zarr"
+    with acs.ActivationScope(store=str(path)).track(m := torch.nn.Linear(2, 2)), torch.no_grad():
+        m(torch.randn(3, 2))
+    root = json.loads((path / "zarr.json").read_text())
+    attrs = root["attributes"]["activationscope"]
+    forged = "toy\x1b[2J\x1b]0;TITLE\x07\r\nstatus:   complete (FORGED)"
+    attrs["created"] = forged
+    if isinstance(attrs.get("model"), dict):
+        attrs["model"]["class"] = forged
+    (path / "zarr.json").write_text(json.dumps(root))
+    code, stdout, _ = run(capsys, "info", str(path))
+    assert code == 0
+    assert "\x1b" not in stdout and "\r" not in stdout and "\x07" not in stdout
+    assert not any(line.startswith("status:   complete (FORGED)") for line in stdout.splitlines())
+    assert "\\x1b[2J" in stdout and "\\r\\nstatus:   complete (FORGED)" in stdout

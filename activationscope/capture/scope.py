@@ -961,7 +961,8 @@ class Tracker:
     def _check_layout(self, name: str, tensor: torch.Tensor) -> None:
         """Refuse, before the hook point's first row is kept, an activation whose values a
         copy, a store or a reduction cannot read: a sparse or nested tensor, or one on the
-        meta device (shapes only). Only an in-memory REFERENCE capture without reductions
+        meta device (shapes only), or a quantized one (its integers mean nothing without its
+        scale and zero point). Only an in-memory REFERENCE capture without reductions
         keeps the tensor itself, and so can hold them. The native sink (``Sink::consume``)
         makes the same check, with the same message, on every later call."""
         if tensor.is_nested:
@@ -971,6 +972,8 @@ class Tracker:
             convert = "x.to_dense()"
         elif tensor.device.type == "meta":
             what, convert = "on the meta device (it has a shape but no values)", "a model on a real device"
+        elif tensor.is_quantized:
+            what, convert = f"a quantized tensor ({tensor.dtype})", "x.dequantize()"
         else:
             return
         uses = []

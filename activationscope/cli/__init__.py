@@ -496,6 +496,13 @@ def _reduction_names(names: Iterable[str], partial: Mapping[str, Any] | None = N
     return ", ".join(seen) or "-"
 
 
+def _printable(text: str) -> str:
+    """``text`` with every non-printable character written as its escape (``\\x1b``, ``\\n``)."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def format_info(info: dict[str, Any], name: str) -> str:
     """Human-readable text of a store's ``info()``: a header, one line per hook point, totals."""
     fmt = info.get("format")
@@ -565,7 +572,9 @@ def format_info(info: dict[str, Any], name: str) -> str:
         lines.append(f"provenance: {_flat(info['provenance'])}")
     if info.get("library"):
         lines.append(f"library:  {_flat(info['library'])}")
-    return "\n".join(lines)
+    # every value comes from the store, written by someone else: a control character
+    # (a terminal escape, a carriage return, a newline) is shown escaped, never sent as is
+    return "\n".join(_printable(line) for line in lines)
 
 
 _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {

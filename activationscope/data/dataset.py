@@ -476,18 +476,22 @@ class ActivationDataset(Dataset):
         -------
         dict
             ``{hook point: Tensor (k, *feature_shape), stored dtype}`` and
-            ``{column: Tensor (k,) | list of str}``. When the positions map to a contiguous
-            run of store rows inside one shard of an uncompressed store, each hook point's
-            tensor is a view of the memory-mapped shard (no copy; writing into it changes
-            neither the store on disk nor other readers' data). Otherwise it is one new
-            tensor: one copy across shards, or one gather of the rows (a native pass over the
-            mapped shards of an uncompressed local store, else ``torch.index_select``).
+            ``{column: Tensor (k,) | list of str}``. For a slice or range inside one shard
+            of an uncompressed store, each hook point's tensor is a view of the memory-mapped
+            shard (no copy; writing into it changes neither the store on disk nor other
+            readers' data, but does change what this process reads from those rows later).
+            Otherwise it is one new tensor: one copy across shards, and for positions given
+            as a list, tuple or tensor always a gather of the rows into a new tensor (a native
+            pass over the mapped shards of an uncompressed local store, else
+            ``torch.index_select``), also when they happen to be consecutive.
         """
         if self._ids is None and isinstance(index, (list, tuple, torch.Tensor)):
             data = self._gather(index)
             if data is not None:
                 return data
         where = self._resolve(index)
+        if isinstance(where, tuple) and not isinstance(index, (slice, range)):
+            where = torch.arange(*where, dtype=torch.int64)  # positions: a new tensor, never a view
         cols = self._col_cache if self._col_cache is not None else self._column_values()
         if isinstance(where, tuple):
             a, b = where
@@ -513,13 +517,16 @@ class ActivationDataset(Dataset):
         if got is None:
             return None
         rows, a, b, ids = got
-        data: dict[str, Any] = {hps[0]: rows}
-        if a >= 0:  # consecutive store rows [a, b) within one segment: views, as for a range
+        if a >= 0:  # consecutive store rows [a, b) within one segment: a view, but a batch
+            # given as positions is always the caller's own copy (a shuffled sampler's batch is
+            # consecutive now and then: an in-place change must not reach later reads)
+            data: dict[str, Any] = {hps[0]: rows.clone()}
             for hp in hps[1:]:
-                data[hp] = source.read(hp, a, b)
+                data[hp] = source.read(hp, a, b).clone()
             for name, col in cols.items():
-                data[name] = col[a:b]
+                data[name] = col[a:b].clone() if isinstance(col, torch.Tensor) else col[a:b]
             return data
+        data = {hps[0]: rows}
         for hp in hps[1:]:
             other = source.gather(hp, ids, source.n_rows(hp), 0, False)
             data[hp] = other[0] if other is not None else source.take(hp, ids)

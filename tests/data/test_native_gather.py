@@ -86,18 +86,40 @@ def test_rows_of_a_sub_range_and_positions_relative_to_it(data, monkeypatch):
         ds[[-41]]
 
 
-def test_a_consecutive_run_inside_one_shard_is_a_view_else_a_copy(data):
+def test_positions_always_give_a_new_tensor_a_slice_inside_one_shard_a_view(data):
     path, ref = data
-    ds = ActivationDataset(path, hook_points=["a"], open_options={"opener": open_fake})
+    ds = ActivationDataset(path, hook_points=["a"], columns=["label"], open_options={"opener": open_fake})
     shard = ds.source.store._shard("a", 1)  # rows [7, 14)
-    inside = ds[[8, 9, 10]]["a"]
-    assert inside.untyped_storage().data_ptr() == shard.untyped_storage().data_ptr()
-    assert torch.equal(inside, ref["a"][8:11])
-    shuffled = ds[[10, 8, 9]]["a"]
-    assert shuffled.untyped_storage().data_ptr() != shard.untyped_storage().data_ptr()
-    assert torch.equal(shuffled, ref["a"][[10, 8, 9]])
-    shuffled.add_(1)  # a gathered batch is the caller's own tensor
-    assert torch.equal(ds[[10, 8, 9]]["a"], ref["a"][[10, 8, 9]])
+    view = ds[8:11]["a"]
+    assert view.untyped_storage().data_ptr() == shard.untyped_storage().data_ptr()
+    assert torch.equal(view, ref["a"][8:11])
+    for idx in ([8, 9, 10], (8, 9, 10), torch.tensor([8, 9, 10]), [10, 8, 9], [np.int64(8), np.int64(9)]):
+        got = ds[idx]
+        assert got["a"].untyped_storage().data_ptr() != shard.untyped_storage().data_ptr(), idx
+        assert torch.equal(got["a"], ref["a"][torch.tensor([int(i) for i in idx])])
+        got["a"].add_(1)  # a batch given as positions is the caller's own tensor
+        got["label"].add_(100)
+    assert torch.equal(ds[8:11]["a"], ref["a"][8:11]) and ds[[8, 9, 10]]["label"].tolist() == [0, 1, 2]
+
+
+def test_in_place_changes_to_shuffled_batches_never_reach_later_epochs(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    path = str(tmp_path / "s.zarr")
+    with acs.ActivationScope(store=path).track(model), torch.no_grad():
+        for _ in range(10):
+            model(torch.randn(10, 4))
+    from activationscope.data import ShuffledBatchSampler
+
+    ds = ActivationDataset(path)
+    ref = ds[0:len(ds)]["output"].clone()
+    for batch_size in (1, 2):  # batch size 1: every batch is one consecutive run
+        sampler = ShuffledBatchSampler(ds, batch_size=batch_size, seed=0)
+        for epoch in range(3):
+            sampler.set_epoch(epoch)
+            for batch in torch.utils.data.DataLoader(ds, batch_sampler=sampler):
+                batch["output"].mul_(2)
+    assert torch.equal(ds[0:len(ds)]["output"], ref)
 
 
 def test_indexes_the_native_path_does_not_take_get_the_general_answer(data, monkeypatch):
