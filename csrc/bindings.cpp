@@ -307,6 +307,22 @@ void bind_capture(py::module_& m) {
           if (kv.second) d[py::str(kv.first)] = kv.second;
         return d;
       })
+      .def("alias_mismatch",
+           [](TrackerCore& c) {
+             // An alias hook point whose calls since the last check differ from its target's
+             // (a forward in which one of them gave no tensor), else "": each alias is stored
+             // as its target's array, so the two must be captured alike.
+             std::string bad;
+             for (const auto& kv : c.sinks) {
+               const auto& s = kv.second;
+               if (!s || !s->alias_of()) continue;
+               const int64_t own = s->n_calls(), target = s->alias_of()->n_calls();
+               auto& last = c.alias_rows[kv.first];
+               if (own - last.first != target - last.second && bad.empty()) bad = kv.first;
+               last = {own, target};
+             }
+             return bad;
+           })
       .def("changed_references",
            [](TrackerCore& c, bool all) {
              // Hook points whose REFERENCE records were changed in place since capture.

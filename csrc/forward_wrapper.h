@@ -58,6 +58,8 @@ struct TrackerCore {
   py::object on_forward_start;      // () -> None, or None
   py::object on_forward_end;        // () -> None, or None
   std::unordered_map<std::string, std::shared_ptr<Sink>> sinks;  // nullptr = not captured
+  // alias hook point -> (its calls, its target's calls) at the last alias_mismatch() check
+  std::unordered_map<std::string, std::pair<int64_t, int64_t>> alias_rows;
 
   // The token mask of this forward: the user's (set_batch), else the rows="token" one.
   at::Tensor mask() const { return token_mask.defined() ? token_mask : auto_mask; }

@@ -184,3 +184,43 @@ def test_forward_that_raises_between_target_and_alias(tmp_path):
         whole = [x for i, x in enumerate(xs) if i != 1]
         _ = [torch.testing.assert_close(r, m[2](m[0](x)), rtol=0, atol=0) for r, x in zip(acts["2.output"], whole)]
         assert len(acts["0.output"]) == 4  # the partial forward included, as the warning says
+
+
+class _Gate(torch.nn.Module):
+    """Returns its child's very tensor (an alias of it) twice, then None."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        y = self.lin(x)
+        return y if self.calls <= 2 else None
+
+
+@pytest.mark.parametrize("where", ["store", "memory"])
+def test_an_alias_that_gets_no_rows_while_its_target_does_is_an_error(tmp_path, where):
+    # the alias is stored as its target's array: it must not show the rows of forwards in
+    # which its module returned nothing
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 8), _Gate())
+    xs = [torch.randn(4, 8) for _ in range(5)]
+    kw = {"store": tmp_path / "s.zarr"} if where == "store" else {}
+    with pytest.raises(CaptureError, match=r"'1.output' is stored once, as an alias of '1.lin.output'.*in forward 2 "
+                                           r"it did not get the rows"):
+        with torch.no_grad(), ActivationScope(**kw).track(m) as t:
+            for x in xs:
+                m(x)
+    if where == "store":
+        s = open_store(tmp_path / "s.zarr")
+        assert s.status == "incomplete" and s.aliases == {"1.output": "1.lin.output"}
+        assert s.n_rows("1.output") == s.n_rows("1.lin.output") == 8  # the two whole forwards
+        with torch.no_grad():
+            torch.testing.assert_close(s["1.output"][:], torch.cat([m[1].lin(m[0](x)) for x in xs[:2]]), rtol=0, atol=0)
+    else:  # in memory the refused forward's records stay, as for any forward that raises
+        with torch.no_grad():
+            ref = [m[1].lin(m[0](x)) for x in xs[:3]]
+        got = t.activations["1.lin.output"]
+        assert len(got) == 3 and all(torch.equal(a, b) for a, b in zip(got, ref))

