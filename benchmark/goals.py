@@ -104,13 +104,19 @@ def readback(r: R) -> list[dict[str, Any]]:
     for kind in ORDERS:
         for w in WORKERS:
             ours = rb.get(f"dl:acs:{kind}:w{w}", {}).get("rows_per_s")
-            for base, bound, name in (("tensor_batched", READBACK_BOUNDS[kind], "the in-RAM tensor read a batch at "
-                                       "a time"), ("hf", 1.0, "HF datasets")):
-                theirs = rb.get(f"dl:{base}:{kind}:w{w}", {}).get("rows_per_s")
-                gid = f"readback_{kind}_w{w}" + ("" if base == "tensor_batched" else "_vs_hf")
-                out.append(goal(gid, f"read-back, DataLoader {kind}, num_workers={w}, every batch consumed: "
-                                f"ActivationDataset >= {bound}x rows/s of {name}", ratio(ours, theirs), ">=", bound,
-                                note=missing(r, ("readback", f"dl:acs:{kind}:w{w}"), ("readback", f"dl:{base}:{kind}:w{w}"))))
+            # against the in-RAM baseline: the two read side by side in one process, median over rounds
+            sbs_mode = f"dl_side_by_side:{kind}:w{w}"
+            sbs = rb.get(sbs_mode, {})
+            sbs_ratio = (sbs.get("extra") or {}).get("acs_vs_tensor_batched_median") if sbs.get("status") == "ok" else None
+            bound = READBACK_BOUNDS[kind]
+            out.append(goal(f"readback_{kind}_w{w}", f"read-back, DataLoader {kind}, num_workers={w}, every batch "
+                            f"consumed: ActivationDataset >= {bound}x rows/s of the in-RAM tensor read a batch at a "
+                            "time (side by side in one process, median over rounds)", sbs_ratio, ">=", bound,
+                            note=missing(r, ("readback", sbs_mode))))
+            theirs = rb.get(f"dl:hf:{kind}:w{w}", {}).get("rows_per_s")
+            out.append(goal(f"readback_{kind}_w{w}_vs_hf", f"read-back, DataLoader {kind}, num_workers={w}, every "
+                            f"batch consumed: ActivationDataset >= 1.0x rows/s of HF datasets", ratio(ours, theirs),
+                            ">=", 1.0, note=missing(r, ("readback", f"dl:acs:{kind}:w{w}"), ("readback", f"dl:hf:{kind}:w{w}"))))
     op = rb.get("open_layer", {})
     ok = op.get("status") == "ok"
     layer = (op.get("extra") or {}).get("layer_bytes")

@@ -305,10 +305,13 @@ def batches(kind: str, dl_rows: int, batch_size: int, ctx: dict[str, Any]) -> li
     return out
 
 
-def activations(batch: Any) -> torch.Tensor:
-    """The activation tensor of a batch: the tensor itself, or the dict's hook-point entry."""
+def activations(batch: Any, key: str | None = None) -> torch.Tensor:
+    """The activation tensor of a batch: the tensor itself, or the dict's hook-point entry
+    (``batch[key]`` when the hook point ``key`` is given, as a training loop indexes it)."""
     if isinstance(batch, torch.Tensor):
         return batch
+    if key is not None and type(batch) is dict:
+        return batch[key]
     if isinstance(batch, (list, tuple)) and len(batch) == 1 and isinstance(batch[0], torch.Tensor):
         return batch[0]  # TensorDataset rows collate to [tensor]
     if isinstance(batch, dict):
@@ -318,13 +321,14 @@ def activations(batch: Any) -> torch.Tensor:
     raise TypeError(f"a read-back batch must be a (rows, 256) tensor or a dict holding one, got {type(batch)!r}")
 
 
-def consume(batch: Any, buf: torch.Tensor) -> tuple[int, float]:
+def consume(batch: Any, buf: torch.Tensor, key: str | None = None) -> tuple[int, float]:
     """Consume one batch as a probe's training step would: copy it into the training-sized
-    buffer ``buf`` (every byte read) and sum the copy (every element used).
+    buffer ``buf`` (every byte read) and sum the copy (every element used). ``key``: the
+    hook point of a dict batch (see :func:`activations`).
 
     Returns (rows, sum of the batch in float64 over the float32 copy's per-row sums).
     """
-    x = activations(batch)
+    x = activations(batch, key)
     n = x.shape[0]
     if x.dim() != 2 or x.shape[1] != buf.shape[1]:
         raise ValueError(f"a read-back batch must have shape (rows, {buf.shape[1]}), got {tuple(x.shape)}")
@@ -350,6 +354,8 @@ class Loader:
             self.batches = self.batches[: max(2, len(self.batches) // 64)]
             self.shortened = True
         self.ds, self.n_rows, self.collate = _dataset(self.dataset, self.ctx)
+        hps = getattr(self.ds, "hook_points", None)
+        self.key = hps[0] if hps and len(hps) == 1 else None  # an ActivationDataset's batches: dicts
         self.buf = torch.empty(self.params["batch_size"], WIDTH)
         self.buf.zero_()
         self.rows = 0
@@ -360,7 +366,7 @@ class Loader:
                                          collate_fn=self.collate)
         rows, total = 0, 0.0
         for batch in dl:
-            n, s = consume(batch, self.buf)
+            n, s = consume(batch, self.buf, self.key)
             rows += n
             total += s
         self.rows = rows
@@ -381,6 +387,39 @@ class Loader:
 
     def reset(self) -> None:
         pass
+
+
+class LoaderSideBySide:
+    """Ours (``acs``) and the fair in-RAM baseline (``tensor_batched``) read the same epoch
+    round-robin in one process (:class:`benchmark.interleaved.Interleaved`): the goal is the
+    median over rounds of the baseline's epoch time over ours in the same round, free of the
+    10 % two processes can differ by. Both must read the same values (their checksums)."""
+
+    def __init__(self, params: dict[str, Any], ctx: dict[str, Any], kind: str, workers: int) -> None:
+        from .interleaved import Interleaved
+
+        self.inner = Interleaved(None, ctx, {"tensor_batched": Loader(params, ctx, "tensor_batched", kind, workers),
+                                             "acs": Loader(params, ctx, "acs", kind, workers)})
+
+    def setup(self) -> None:
+        self.inner.setup()
+
+    def run(self, i: int) -> None:
+        self.inner.run(i)
+
+    def describe(self) -> dict[str, Any]:
+        return self.inner.parts["acs"].describe()
+
+    def reset(self) -> None:
+        pass
+
+    def summary(self) -> dict[str, Any]:
+        sums = {k: m.checksum for k, m in self.inner.parts.items()}
+        if len(set(sums.values())) != 1:
+            raise RuntimeError(f"the datasets read other values in the same epoch (checksums {sums!r})")
+        out = self.inner.summary()
+        out["acs_vs_tensor_batched_median"] = out["ratio_median"]["tensor_batched/acs"]  # rows/s ratio
+        return out
 
 
 class BuildHF:
@@ -427,6 +466,9 @@ DATASETS = ("tensor", "tensor_batched", "acs", "acs_zstd", "hf")
 ORDERS = ("sequential", "shuffled", "chunk_shuffled")
 WORKERS = (0, 2)
 OPTIONAL_DATASETS = {"hf"}
+#: rounds of the side-by-side read-back modes by worker count (an epoch with workers is
+#: mostly their start-up: ten times as long, and noisier)
+SIDE_BY_SIDE_ROUNDS = {0: 15, 2: 9}
 
 register_workload(WorkloadSpec(
     "readback", "data", None,
@@ -465,3 +507,8 @@ for _kind in ORDERS:
                  lambda p, c, _ds=_ds, _kind=_kind, _w=_w: Loader(p, c, _ds, _kind, _w),
                  f"one epoch through DataLoader, {_kind}, num_workers={_w}, every batch consumed",
                  quick=_quick, optional=_ds in OPTIONAL_DATASETS, peer=_ds in OPTIONAL_DATASETS, needs=_needs)
+        _reg(f"dl_side_by_side:{_kind}:w{_w}",
+             lambda p, c, _kind=_kind, _w=_w: LoaderSideBySide(p, c, _kind, _w),
+             f"ActivationDataset and the in-RAM tensor read a batch at a time, one {_kind} epoch each per round "
+             f"(num_workers={_w}), round-robin in one process, rotating order; every batch consumed",
+             quick=_w == 0, repeats=SIDE_BY_SIDE_ROUNDS[_w], needs=("build_raw",))

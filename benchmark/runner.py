@@ -351,6 +351,11 @@ def print_summary(doc: dict[str, Any], out: Any = None) -> None:
                   f"  x RAM batched {_f(r.get('ratio_vs_tensor_batched'), '{:.2f}'):>5}"
                   f"  x RAM per-row {_f(r.get('ratio_vs_tensor'), '{:.2f}'):>5}  x HF {_f(r.get('ratio_vs_hf'), '{:.2f}'):>5}"
                   f"  RSS grow {fmt_bytes(r.get('peak_rss_growth_bytes'))}")
+            elif mode.startswith("dl_side_by_side:"):
+                pm = ex.get("part_median_s") or {}
+                p(f"{mode:<32} ours {_f(pm.get('acs', 0) * 1e3, '{:.1f}')} ms, RAM batched "
+                  f"{_f(pm.get('tensor_batched', 0) * 1e3, '{:.1f}')} ms per epoch side by side: "
+                  f"x RAM batched {_f(ex.get('acs_vs_tensor_batched_median'), '{:.3f}')} (median of {ex.get('rounds')} rounds)")
             elif mode.startswith("row_latency"):
                 p(f"{mode:<28} median {_f(ex.get('median_us'), '{:.1f}')} us  p99 {_f(ex.get('p99_us'), '{:.1f}')} us"
                   f"  cold median {_f(ex.get('cold_median_us'), '{:.1f}')} us  first {_f(ex.get('first_read_us'), '{:.1f}')} us")

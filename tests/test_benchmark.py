@@ -70,6 +70,7 @@ def test_quick_runner_produces_documented_keys(tmp_path):
         "--only", "toy/zarr_chunked", "--only", "toy/store_floor_interleaved", "--only", "toy/side_by_side",
         "--only", "readback/build_raw", "--only", "readback/open_layer", "--only", "readback/dl:*:sequential:w0",
         "--only", "readback/dl:acs:sequential:w2",  # DataLoader workers: the forked child may have children
+        "--only", "readback/dl_side_by_side:sequential:w0",
     ]
     buf = io.StringIO()
     with redirect_stdout(buf):
@@ -151,8 +152,18 @@ def test_quick_runner_produces_documented_keys(tmp_path):
         assert (g["measured"] is None) == (g["status"] == "SKIP")
     assert by_id["toy_snapshot_vs_plain"]["measured"] == sx["ratio_median"]["scope_snapshot/plain"]
     assert by_id["toy_store_vs_floor"]["measured"] == pytest.approx(ex["store_vs_floor_median"])
-    seq = rb["dl:acs:sequential:w0"]["rows_per_s"] / rb["dl:tensor_batched:sequential:w0"]["rows_per_s"]
-    assert by_id["readback_sequential_w0"]["measured"] == pytest.approx(seq)
+    # the read-back goal against the in-RAM baseline: the two side by side in one process
+    sbs = rb["dl_side_by_side:sequential:w0"]["extra"]
+    assert sbs["parts"] == ["tensor_batched", "acs"] and sbs["rounds"] >= 1
+    t = sbs["part_repeat_s"]
+    assert sbs["acs_vs_tensor_batched_median"] == pytest.approx(
+        statistics.median(a / b for a, b in zip(t["tensor_batched"], t["acs"])))
+    assert by_id["readback_sequential_w0"]["measured"] == sbs["acs_vs_tensor_batched_median"]
+    assert sbs["checksum"] == rb["dl:acs:sequential:w0"]["extra"]["checksum"]
+    assert by_id["readback_shuffled_w0"]["status"] == "SKIP"  # its side-by-side mode did not run
+    seq = rb["dl:acs:sequential:w0"]["rows_per_s"] / rb["dl:hf:sequential:w0"]["rows_per_s"] if (
+        rb["dl:hf:sequential:w0"]["status"] == "ok") else None
+    assert by_id["readback_sequential_w0_vs_hf"]["measured"] == (pytest.approx(seq) if seq else None)
     assert doc["seed_comparison"]["seed"] == goals.SEED
     assert doc["machine"]["torch_threads"] == 1
     assert "goals:" in printed and ("[PASS]" in printed or "[FAIL]" in printed)
@@ -163,7 +174,7 @@ def test_every_registered_mode_and_goal_is_documented():
     registry.load_all()
     text = README.read_text()
     for name in registry.MODES:
-        generic = re.sub(r"^(dl|row_latency):.*", r"\1", name)
+        generic = re.sub(r"^(dl|dl_side_by_side|row_latency):.*", r"\1", name)
         assert f"`{name}`" in text or f"`{generic}:" in text, f"mode {name} is not in benchmark/README.md"
     for name in registry.WORKLOADS:
         assert f"`{name}`" in text, f"workload {name} is not in benchmark/README.md"
@@ -216,6 +227,7 @@ def test_batched_in_ram_baseline_and_consume_read_every_row():
     # a TensorDataset batch (a list holding one tensor) and an ActivationDataset dict alike
     assert readback.consume([data[:3]], buf)[0] == 3
     assert readback.consume({"0.output": data[:7]}, buf)[0] == 7
+    assert readback.consume({"0.output": data[:5], "1.output": data[:9]}, buf, "1.output")[0] == 9
     with pytest.raises(ValueError, match="shape"):
         readback.consume(torch.zeros(3, 5), buf)
 
