@@ -128,9 +128,9 @@ class Interleaved:
         return out
 
 
-register_mode("store_floor_interleaved", workloads=("toy",), repeats=7, budget_s=600.0,
+register_mode("store_floor_interleaved", workloads=("toy",), repeats=9, budget_s=600.0,
               doc="plain, raw_write (the store's durability) and scope_store round-robin in one process, "
-              "rotating order, 7 rounds after a warm one: the disk floor in the store's conditions; the goal "
+              "rotating order, 9 rounds after a warm one: the disk floor in the store's conditions; the goal "
               "is the median over rounds of scope_store / max(plain, raw_write) of the same round")(Interleaved)
 
 
@@ -139,11 +139,11 @@ def side_by_side(wl: Workload, ctx: dict[str, Any]) -> Interleaved:
     return Interleaved(wl, ctx, {name: MODES[name].factory(wl, ctx) for name in SIDE_BY_SIDE[wl.name]})
 
 
-register_mode("side_by_side", workloads=tuple(SIDE_BY_SIDE), repeats=5, budget_s=600.0,
+register_mode("side_by_side", workloads=tuple(SIDE_BY_SIDE), repeats=9, budget_s=600.0,
               quick=("toy", "minilm", "transformer"),
               doc="the modes each ratio goal compares (toy: plain, SNAPSHOT, REFERENCE, reductions, naive hooks; "
               "minilm: plain, store; transformer: plain, store, TransformerLens + torch.save, SAELens runner) "
-              "round-robin in one process, rotating order, 5 rounds after a warm one; each goal is the median over "
+              "round-robin in one process, rotating order, 9 rounds after a warm one; each goal is the median over "
               "rounds of the ratio within a round")(side_by_side)
 
 
