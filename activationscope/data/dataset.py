@@ -10,6 +10,8 @@ a contiguous batch, one ``torch.index_select`` gather for a random one).
 from __future__ import annotations
 
 import fnmatch
+import operator
+import reprlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -145,24 +147,220 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
-def _as_index(x: Any) -> torch.Tensor:
-    """An index as a tensor; an empty list or tuple is an empty int64 index (not float32).
+# What ds[...] and rows= take (named in the messages of refused indexes).
+_ITEM_KINDS = (
+    "an int (or a 0-d integer Tensor / numpy array) for one row, or for a batch a slice, a range, "
+    "a list or tuple of ints, or a 1-D integer Tensor / numpy array"
+)
+_ROWS_KINDS = "a slice, a range, a list or tuple of ints, a 1-D integer Tensor / numpy array, or a bool mask"
+_INT_DTYPES = frozenset(
+    d
+    for d in (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8,
+              getattr(torch, "uint16", None), getattr(torch, "uint32", None), getattr(torch, "uint64", None))
+    if d is not None
+)
+_UINT64 = getattr(torch, "uint64", None)
+_I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
+
+
+def _short(x: Any) -> str:
+    """``repr(x)`` cut to a readable length (an index may hold a million positions)."""
+    if isinstance(x, torch.Tensor):
+        return f"a {x.dtype} Tensor of shape {tuple(x.shape)} on {x.device}"
+    if isinstance(x, np.ndarray) and x.size > 8:
+        return f"a {x.dtype} numpy array of shape {x.shape}"
+    return reprlib.repr(x)
+
+
+def _kind_error(x: Any, what: str, kinds: str) -> ArgumentTypeError:
+    """The error for ``x`` given as ``what`` when it is no index at all (None, a set, a str...)."""
+    if isinstance(x, (set, frozenset)):
+        hint = "; a set has no order, so the rows would come back in no defined order: pass sorted(...) or list(...) of it"
+    elif x is None:
+        hint = "; use a slice (ds[:]) for every row"  # (rows=None itself is every row: never refused)
+    elif isinstance(x, (str, bytes)):
+        hint = "; rows are selected by position, not by name"
+    elif isinstance(x, (float, complex)) or isinstance(x, np.floating):
+        hint = "; positions are ints: int(...) of it if it is a whole number"
+    elif isinstance(x, (bool, np.bool_)):
+        hint = "; a bool is not a position: use 0 or 1"
+    elif isinstance(x, Iterable):
+        hint = "; pass list(...) of it"
+    else:
+        hint = ""
+    return ArgumentTypeError(f"{what} must be {kinds}, got {_short(x)} ({type(x).__name__}){hint}")
+
+
+def _slice_range(s: slice, n: int, what: str) -> range:
+    """``s`` over ``n`` rows as a range, with Python's clipping (``slice(290, 310)`` of 299 rows
+    is rows 290..298)."""
+    try:
+        return range(n)[s]
+    except TypeError:
+        raise ArgumentTypeError(f"{what} slice must have int or None start, stop and step, got {s!r}") from None
+    except ValueError:
+        raise ArgumentValueError(f"{what} slice step must not be zero, got {s!r}") from None
+
+
+def _out_of_range(what: str, n: int, unit: str, bad: int, where: str = "", fix: str = "") -> RowIndexError:
+    return RowIndexError(
+        f"{what} must be positions in [-{n}, {n}) ({n} {unit}; negative positions count from the end), "
+        f"got {bad}{where}{fix}"
+    )
+
+
+def _range_positions(r: range, n: int, what: str, unit: str) -> torch.Tensor:
+    """The positions of a non-empty range as int64 (k,), each in ``[-n, n)``: a range is its
+    list of positions, never clipped as a slice is."""
+    r0, r1 = r[0], r[-1]
+    lo, hi = min(r0, r1), max(r0, r1)
+    if lo < -n or hi >= n:
+        fix = (
+            f"; a range is taken position by position, like a list, and is not clipped as a slice is: "
+            f"keep it within [-{n}, {n}), or use slice({r.start}, {r.stop}{'' if r.step == 1 else f', {r.step}'}) "
+            "to read only the rows there are"
+        )
+        raise _out_of_range(f"{what} {r}", n, unit, hi if hi >= n else lo, fix=fix)
+    return torch.arange(r.start, r.stop, r.step, dtype=torch.int64)
+
+
+def _index_from_items(x: Sequence[Any], what: str, n: int, unit: str) -> torch.Tensor:
+    """A list / tuple numpy could not make an int, bool or float array of: each element must be
+    an int within int64 (the error names the first that is not)."""
+    out = []
+    for k, v in enumerate(x):
+        try:
+            if isinstance(v, (bool, np.bool_)):
+                raise TypeError
+            i = operator.index(v)
+        except TypeError:
+            fix = "" if v is not None else "; rows=None selects every row" if what == "rows" else "; use ds[:] for every row"
+            raise ArgumentTypeError(
+                f"{what} must be a sequence of ints (positions), got {_short(v)} ({type(v).__name__}) at "
+                f"element {k} of {_short(x)}{fix}"
+            ) from None
+        if not _I64_MIN <= i <= _I64_MAX:
+            raise _out_of_range(what, n, unit, i, where=f" at element {k}")
+        out.append(i)
+    return torch.tensor(out, dtype=torch.int64)
+
+
+def _as_index(x: Any, what: str, n: int, unit: str, kinds: str) -> torch.Tensor:
+    """An index as a CPU tensor, with its dtype as given (ints, bools or floats, any number
+    of dimensions, for the caller's checks); an empty list or tuple is an empty int64 index
+    (not float32).
 
     A list or tuple (a batch sampler's batch) goes through numpy: ``np.asarray`` of 256
     Python ints takes about 5 us, ``torch.as_tensor`` about 30 us; the dtype is inferred the
-    same way (ints -> int64, bools -> bool, floats -> float64), so the caller's checks still
-    see what was given.
+    same way (ints -> int64, bools -> bool, floats -> float64). Anything else numpy makes of
+    it (None, strings, ints beyond int64) is checked element by element. Other array-likes
+    (``__array__``: pandas, pyarrow) go through numpy, other sequences through a list.
+
+    Raises ArgumentTypeError for what is no index (``what`` names it in the message, ``kinds``
+    says what is taken), ArgumentValueError for a tensor on the meta device, RowIndexError
+    for ints beyond int64 (out of range for any ``n``).
     """
     if isinstance(x, (list, tuple)):
         if len(x) == 0:
             return torch.empty(0, dtype=torch.int64)
         try:
             arr = np.asarray(x)
-        except (ValueError, TypeError, OverflowError):
-            return torch.as_tensor(x)
-        if arr.dtype.kind in "ibf":
+        except (ValueError, TypeError, OverflowError):  # ragged, or an element numpy refuses
+            arr = None
+        if arr is not None and arr.dtype.kind in "ib":
             return torch.from_numpy(arr)
-    return torch.as_tensor(x)
+        if arr is not None and arr.dtype.kind == "f" and any(isinstance(v, (float, np.floating)) for v in x):
+            return torch.from_numpy(arr)  # floats: refused by the caller, with its message
+        return _index_from_items(x, what, n, unit)  # (numpy makes float64 of np.uint64 with ints)
+    if isinstance(x, torch.Tensor):
+        if x.device.type != "cpu" or x.layout != torch.strided:
+            if x.device.type == "meta":
+                raise ArgumentValueError(
+                    f"{what} must be a tensor with values, got a tensor on the meta device (it holds none); "
+                    "build the index on the CPU, e.g. torch.tensor([0, 1])"
+                )
+            if x.layout != torch.strided:
+                raise ArgumentTypeError(f"{what} must be a dense tensor, got layout {x.layout}; pass index.to_dense()")
+            x = x.cpu()
+        if x.dtype == _UINT64 and x.numel():
+            x = _uint64_positions(x.view(torch.int64), what, n, unit)
+        return x
+    if isinstance(x, np.ndarray):
+        if x.dtype.kind not in "iubf":
+            if x.dtype.kind == "O" and x.ndim == 1:
+                return _index_from_items(list(x), what, n, unit)
+            raise _kind_error(x, what, kinds)
+        if x.dtype.kind == "u" and x.dtype.itemsize == 8:  # (in native byte order first)
+            as_int64 = np.array(x, dtype=np.uint64).view(np.int64)
+            return _uint64_positions(torch.from_numpy(as_int64), what, n, unit)
+        try:
+            return torch.from_numpy(x if x.flags.writeable else x.copy())  # (torch warns on read-only arrays)
+        except (ValueError, TypeError):  # negative strides, non-native byte order: one copy
+            return torch.from_numpy(np.array(x, dtype=x.dtype.newbyteorder("=")))
+    if hasattr(x, "__array__") and not isinstance(x, (str, bytes, np.generic)):  # pandas, pyarrow, ... arrays
+        return _as_index(np.asarray(x), what, n, unit, kinds)
+    if isinstance(x, Sequence) and not isinstance(x, (str, bytes)):  # a deque, an array.array, ...
+        return _as_index(list(x), what, n, unit, kinds)
+    raise _kind_error(x, what, kinds)
+
+
+def _uint64_positions(as_int64: torch.Tensor, what: str, n: int, unit: str) -> torch.Tensor:
+    """uint64 positions (viewed as int64) as int64; values of 2**63 and beyond are out of range
+    (a plain cast would wrap them round to negative positions)."""
+    flat = as_int64.reshape(-1)
+    wrapped = (flat < 0).nonzero()
+    if wrapped.numel():
+        k = int(wrapped[0, 0])
+        where = f" at element {k}" if as_int64.dim() == 1 else ""
+        raise _out_of_range(what, n, unit, int(flat[k]) + 2**64, where=where)
+    return as_int64
+
+
+def _check_positions(pos: torch.Tensor, n: int, what: str, unit: str) -> None:
+    """Raise RowIndexError naming the first of the int64 positions ``pos`` (k,) outside ``[-n, n)``."""
+    bad = ((pos < -n) | (pos >= n)).nonzero()
+    if bad.numel():
+        k = int(bad[0, 0])
+        raise _out_of_range(what, n, unit, int(pos[k]), where=f" at element {k}")
+
+
+def _tensor_fix(t: torch.Tensor, what: str) -> str:
+    """How to make the index tensor ``t`` (right kind, wrong dtype or shape) one that is taken."""
+    if t.dtype == torch.bool:
+        if what == "rows":
+            return f"; a bool rows mask must be 1-D with one entry per store row, got shape {tuple(t.shape)}"
+        return "; a bool mask is not a batch index: ds[mask.nonzero().squeeze(1)] reads the rows where it is True"
+    if t.dtype.is_floating_point or t.dtype.is_complex:
+        return f"; positions must be ints, got dtype {t.dtype}: convert whole numbers with .long() / .astype(int)"
+    if t.dim() != 1:
+        one = "; for one row use ds[i]" if t.dim() == 0 and what != "rows" else ""
+        return f"; the index must be 1-D, got shape {tuple(t.shape)}: flatten it with .reshape(-1){one}"
+    return f"; got dtype {t.dtype}"
+
+
+def _scalar_position(x: torch.Tensor | np.ndarray, what: str) -> int:
+    """A 0-d integer tensor or numpy array as a Python int (it reads one row, like an int)."""
+    if isinstance(x, torch.Tensor):
+        if x.device.type == "meta":
+            raise ArgumentValueError(
+                f"{what} must be a tensor with values, got a 0-d tensor on the meta device (it holds none); "
+                "pass the position as an int"
+            )
+        if x.dtype not in _INT_DTYPES:
+            raise ArgumentTypeError(
+                f"{what} as a 0-d tensor must have an integer dtype (it reads one row, like an int), got "
+                f"{x.dtype}{'; a bool is not a position' if x.dtype == torch.bool else '; convert it with int(...) if it is a whole number'}"
+            )
+        if x.dtype == _UINT64:
+            v = int(x.view(torch.int64))
+            return v + 2**64 if v < 0 else v
+        return int(x)
+    if x.dtype.kind not in "iu":
+        raise ArgumentTypeError(
+            f"{what} as a 0-d numpy array must have an integer dtype (it reads one row, like an int), "
+            f"got {x.dtype}"
+        )
+    return int(x)
 
 
 class ActivationDataset(Dataset):
@@ -177,8 +375,13 @@ class ActivationDataset(Dataset):
         Hook points to read; fnmatch patterns allowed (``"blocks.*.output"``). Default: every
         hook point of the store. All must have the same row kind (``"sample"`` or
         ``"token"``) and the same number of rows.
-    rows : slice, range, sequence of int or Tensor (k,) int64, optional
-        Store rows to use (before ``filter`` / ``sample_ids``). Default: all rows.
+    rows : slice, range, sequence of int, Tensor / ndarray (k,) integer or bool mask (n_rows,), optional
+        Store rows to use (before ``filter`` / ``sample_ids``), in the order given. Default:
+        all rows. A slice is clipped to the rows there are, as Python slices are
+        (``slice(290, 310)`` of 299 rows is rows 290..298); a range is taken position by
+        position like the list of its positions, never clipped: ``range(290, 310)`` of 299
+        rows raises RowIndexError, as ``list(range(290, 310))`` does. Negative positions
+        count from the end. Index tensors on any device but ``meta`` are taken.
     columns : str or list of str, optional
         Row-table columns to return with each item (``"label"``, ``"sample_id"``, ``"pos"``,
         user columns). Numeric and bool columns come back as tensors, strings as ``str``.
@@ -198,8 +401,10 @@ class ActivationDataset(Dataset):
     -----
     Items: ``ds[i]`` is ``{hook point: Tensor (*feature_shape)}`` (a view of the store row,
     stored dtype: float32 / float16 / bfloat16 / integers as stored) plus the chosen
-    columns. ``ds[indices]`` and ``ds.__getitems__(indices)`` read a whole batch; see
-    :meth:`get_batch` for view-or-copy.
+    columns; ``i`` is an int, a numpy integer or a 0-d integer Tensor / ndarray.
+    ``ds[indices]`` and ``ds.__getitems__(indices)`` read a whole batch; see
+    :meth:`get_batch` for the indexes taken and view-or-copy. Rows are selected by position
+    only: ``ds["name"]`` raises ArgumentTypeError (read ``ds[i]["name"]``).
 
     Lifetime: views keep their memory map alive; they stay valid after the dataset is gone.
     Writing into a view never changes the store on disk (the store maps copy-on-write).
@@ -214,7 +419,13 @@ class ActivationDataset(Dataset):
         A hook point or pattern names nothing in the store.
     ValueError
         Hook points of different row kinds or row counts; an unknown column; a filter mask of
-        the wrong length.
+        the wrong length; ``rows=`` a tensor on the meta device (ArgumentValueError).
+    ArgumentTypeError
+        ``rows=`` of a kind that selects no rows (a set, None inside a list, a str, floats,
+        2-D), a TypeError.
+    RowIndexError
+        ``rows=`` positions outside ``[-n_rows, n_rows)``, a range past the end included; an
+        IndexError.
 
     Example
     -------
@@ -318,26 +529,28 @@ class ActivationDataset(Dataset):
         if rows is None:
             return
         if isinstance(rows, slice):
-            rows = range(n)[rows]
+            rows = _slice_range(rows, n, "rows")  # a slice clips to the rows there are, as in Python
         if isinstance(rows, range):
-            rows = range(n)[rows.start : rows.stop : rows.step] if rows.stop > n or rows.start < 0 else rows
-            if rows.step == 1:
-                if rows.start < 0 or rows.stop > n:
-                    raise RowIndexError(f"rows {rows} out of range for {n} store rows")
-                self._start, self._stop = rows.start, max(rows.start, rows.stop)
+            if not rows:
+                self._start = self._stop = 0
                 return
-            ids = torch.arange(rows.start, rows.stop, rows.step, dtype=torch.int64)
+            r0, r1 = rows[0], rows[-1]
+            if (rows.step == 1 or r0 == r1) and 0 <= r0 and r1 < n:
+                self._start, self._stop = r0, r1 + 1
+                return
+            ids = _range_positions(rows, n, "rows", "store rows")  # a range is its positions: never clipped
         else:
-            ids = _as_index(rows)
+            ids = _as_index(rows, "rows", n, "store rows", _ROWS_KINDS)
             if ids.dtype == torch.bool:
                 if ids.shape != (n,):
                     raise ArgumentValueError(f"a bool rows mask must have shape ({n},), got {tuple(ids.shape)}")
                 ids = ids.nonzero().squeeze(1)
-            if ids.dtype.is_floating_point or ids.dim() != 1:
-                raise ArgumentTypeError(f"rows must be a slice, range or 1-D integer index, got {rows!r}")
+            if ids.dtype not in _INT_DTYPES or ids.dim() != 1:
+                raise ArgumentTypeError(
+                    f"rows must be {_ROWS_KINDS}, got {_short(rows)}" + _tensor_fix(ids, "rows")
+                )
             ids = ids.to(torch.int64)
-        if ids.numel() and (int(ids.min()) < -n or int(ids.max()) >= n):
-            raise RowIndexError(f"rows index out of range for {n} store rows")
+            _check_positions(ids, n, "rows", "store rows")
         self._ids = torch.where(ids < 0, ids + n, ids).contiguous()
 
     def _store_ids(self) -> torch.Tensor:
@@ -420,23 +633,32 @@ class ActivationDataset(Dataset):
         """Dataset positions -> (start, stop) of contiguous store rows, or an int64 Tensor of store rows."""
         n = len(self)
         if isinstance(index, slice):
-            index = range(n)[index]
-        if isinstance(index, range) and index.step == 1 or (isinstance(index, range) and len(index) <= 1):
-            if len(index) and (index[0] < 0 or index[-1] >= n):
-                raise RowIndexError(f"batch {index} out of range for a dataset of {n} rows")
-            a, b = (index[0], index[-1] + 1) if len(index) else (0, 0)
-            if self._ids is None:
-                return (self._start + a, self._start + b)
-            pos = torch.arange(a, b, dtype=torch.int64)
+            index = _slice_range(index, n, "ds[index]: index")  # clipped, as in Python
+        if isinstance(index, range):
+            if not index:
+                return (self._start, self._start) if self._ids is None else (0, 0)
+            r0, r1 = index[0], index[-1]
+            if (index.step == 1 or r0 == r1) and 0 <= r0 and r1 < n:
+                if self._ids is None:
+                    return (self._start + r0, self._start + r1 + 1)
+                pos = torch.arange(r0, r1 + 1, dtype=torch.int64)
+            else:  # a range is its positions, as a list: never clipped, negatives count from the end
+                pos = _range_positions(index, n, "ds[index]: index", "dataset rows")
+                pos = torch.where(pos < 0, pos + n, pos)
         else:
-            pos = _as_index(index if not isinstance(index, range) else list(index))
-            if pos.dtype == torch.bool or pos.dtype.is_floating_point or pos.dim() != 1:
-                raise ArgumentTypeError(f"a batch index must be a 1-D sequence of ints, got {index!r}")
+            if isinstance(index, str):
+                raise self._name_index_error(index)
+            pos = _as_index(index, "ds[index]: index", n, "dataset rows", _ITEM_KINDS)
+            if pos.dtype not in _INT_DTYPES or pos.dim() != 1:
+                raise ArgumentTypeError(
+                    f"ds[index]: a batch index must be a 1-D sequence of ints, got {_short(index)}"
+                    + _tensor_fix(pos, "ds[index]")
+                )
             pos = pos.to(torch.int64)
             if pos.numel():
                 lo, hi = (int(v) for v in torch.aminmax(pos))
                 if lo < -n or hi >= n:
-                    raise RowIndexError(f"batch index out of range for a dataset of {n} rows")
+                    _check_positions(pos, n, "ds[index]: index", "dataset rows")
                 if lo < 0:
                     pos = torch.where(pos < 0, pos + n, pos)
         if self._ids is None:
@@ -469,8 +691,12 @@ class ActivationDataset(Dataset):
 
         Parameters
         ----------
-        index : slice, range, sequence of int or Tensor (k,) int64
-            Dataset positions.
+        index : slice, range, list or tuple of int, Tensor or ndarray (k,) integer
+            Dataset positions, in ``[-len(ds), len(ds))`` (negative ones count from the
+            end). A slice is clipped to the rows there are, as in Python; a range is its list
+            of positions and is never clipped. Integer tensors of any device but ``meta`` and
+            any integer dtype are taken (uint64 positions of 2**63 and beyond are out of
+            range, not wrapped round).
 
         Returns
         -------
@@ -484,6 +710,19 @@ class ActivationDataset(Dataset):
             as a list, tuple or tensor always a gather of the rows into a new tensor (a native
             pass over the mapped shards of an uncompressed local store, else
             ``torch.index_select``), also when they happen to be consecutive.
+
+        Raises
+        ------
+        ArgumentTypeError
+            An index of a kind that selects no rows: a set or frozenset (no order), a str
+            (rows are selected by position; the message names the hook points and columns),
+            None, a float or bool, a list holding anything but ints, a bool mask, a float or
+            2-D tensor, a sparse tensor. A TypeError; the message names the index and the fix.
+        ArgumentValueError
+            An index tensor on the meta device (it holds no values).
+        RowIndexError
+            A position outside ``[-len(ds), len(ds))`` (also ints beyond int64, and a range
+            past the end); the message names the first such position. An IndexError.
         """
         if self._ids is None and isinstance(index, (list, tuple, torch.Tensor)):
             data = self._gather(index)
@@ -555,19 +794,42 @@ class ActivationDataset(Dataset):
         return Batch(data, len(indices))
 
     def __getitem__(self, index: Any) -> dict[str, Any]:
-        """``ds[i]``: one row (views of the store row); ``ds[slice | list | Tensor]``: :meth:`get_batch`."""
-        if _is_int(index) or (isinstance(index, torch.Tensor) and index.dim() == 0):
+        """``ds[i]``: one row (views of the store row); ``ds[slice | range | list | Tensor]``: :meth:`get_batch`.
+
+        ``i`` is an int, a numpy integer, or a 0-d integer Tensor / ndarray (any device but
+        ``meta``); a 0-d float or bool one raises ArgumentTypeError, a position outside
+        ``[-len(ds), len(ds))`` RowIndexError. Other indexes raise as :meth:`get_batch` says.
+        """
+        if _is_int(index):
             i = int(index)
-            n = len(self)
-            if not -n <= i < n:
-                raise RowIndexError(f"index {i} out of range for a dataset of {n} rows")
-            i %= n
-            row = self._start + i if self._ids is None else int(self._ids[i])
-            data = {hp: self.source.read(hp, row, row + 1)[0] for hp in self.hook_points}
-            for name, col in self._column_values().items():
-                data[name] = col[row]
-            return data
-        return self.get_batch(index)
+        elif isinstance(index, (torch.Tensor, np.ndarray)) and index.ndim == 0:
+            i = _scalar_position(index, "ds[index]: index")
+        else:
+            return self.get_batch(index)
+        n = len(self)
+        if not -n <= i < n:
+            raise RowIndexError(
+                f"ds[index]: index must be in [-{n}, {n}) for a dataset of {n} rows (negative positions "
+                f"count from the end), got {i}"
+            )
+        i %= n
+        row = self._start + i if self._ids is None else int(self._ids[i])
+        data = {hp: self.source.read(hp, row, row + 1)[0] for hp in self.hook_points}
+        for name, col in self._column_values().items():
+            data[name] = col[row]
+        return data
+
+    def _name_index_error(self, name: str) -> ArgumentTypeError:
+        """The error for ``ds["name"]``: positions select rows; names select within an item."""
+        known = self.hook_points + self.columns
+        if name in known:
+            fix = (
+                f"; {name!r} is a key of each item and batch, so read ds[i][{name!r}] for one row or "
+                f"ds[:][{name!r}] for all of them"
+            )
+        else:
+            fix = f"; items and batches are dicts keyed by the hook points and columns {known}"
+        return ArgumentTypeError(f"ds[index]: index must be {_ITEM_KINDS}, got the name {name!r}{fix}")
 
     def __repr__(self) -> str:
         return (
