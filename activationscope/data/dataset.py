@@ -60,6 +60,11 @@ class Batch(Sequence):
             return _Row(self, 0)
         if isinstance(i, slice):
             raise ArgumentTypeError("Batch does not support slicing; index batch.data instead")
+        if isinstance(i, str):
+            raise ArgumentTypeError(f"a Batch is indexed by row, not by name: read batch.data[{i!r}] "
+                                    f"(keys: {', '.join(self.data)})")
+        if not _is_int(i):
+            raise ArgumentTypeError(f"a Batch is indexed by row (an int), got {type(i).__name__}")
         if not -self._n <= i < self._n:
             raise RowIndexError(f"row {i} out of range for a batch of {self._n} rows")
         return _Row(self, i % self._n)
@@ -189,6 +194,45 @@ def _kind_error(x: Any, what: str, kinds: str) -> ArgumentTypeError:
     else:
         hint = ""
     return ArgumentTypeError(f"{what} must be {kinds}, got {_short(x)} ({type(x).__name__}){hint}")
+
+
+def _sample_id_array(ids: Any) -> np.ndarray:
+    """``sample_ids=`` as int64 (k,): any collection of ints (a set too: it selects samples,
+    in no order), a 1-D integer tensor or numpy array, or one int.
+
+    Raises ArgumentTypeError for anything else (None in it, floats, bools, strings), naming
+    the first element that is no sample id."""
+    what = "sample_ids="
+    if isinstance(ids, torch.Tensor):
+        if ids.device.type == "meta":
+            raise ArgumentValueError(f"{what} is a meta tensor, which holds no values: build it on the CPU")
+        if ids.dtype not in _INT_DTYPES or ids.dim() > 1:
+            raise ArgumentTypeError(f"{what} must be ints (a 1-D integer Tensor), got {_short(ids)}")
+        return ids.detach().to("cpu", torch.int64).reshape(-1).numpy()
+    if isinstance(ids, np.ndarray):
+        if ids.dtype.kind not in "iu" or ids.ndim > 1:
+            raise ArgumentTypeError(f"{what} must be ints (a 1-D integer numpy array), got {_short(ids)}")
+        if ids.dtype.kind == "u" and ids.size and int(ids.max()) > _I64_MAX:
+            raise ArgumentValueError(f"{what} holds {int(ids.max())}, beyond int64: no sample has that id")
+        return ids.astype(np.int64).reshape(-1)
+    if _is_int(ids):
+        ids = [ids]
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
+        raise ArgumentTypeError(f"{what} must be a collection of ints (sample ids), got {_short(ids)} "
+                                f"({type(ids).__name__})")
+    out = []
+    for v in ids:
+        try:
+            if isinstance(v, (bool, np.bool_)):
+                raise TypeError
+            i = operator.index(v)
+        except TypeError:
+            raise ArgumentTypeError(f"{what} must be ints (sample ids), got {_short(v)} ({type(v).__name__}) "
+                                    f"in {_short(ids)}") from None
+        if not _I64_MIN <= i <= _I64_MAX:
+            raise ArgumentValueError(f"{what} holds {i}, beyond int64: no sample has that id")
+        out.append(i)
+    return np.asarray(out, dtype=np.int64)
 
 
 def _slice_range(s: slice, n: int, what: str) -> range:
@@ -392,8 +436,10 @@ class ActivationDataset(Dataset):
         (``pc.field("label") == 1``, ``pc.field("pos") > 0`` to drop BOS tokens), or a
         callable ``f(table: pyarrow.Table) -> bool mask (rows,)`` (pyarrow / numpy / torch /
         list) over the row table. Evaluated once, in the constructor.
-    sample_ids : sequence of int, optional
-        Keep rows of these samples only (every token row of a sample for token hook points).
+    sample_ids : collection of int, optional
+        Keep rows of these samples only (every token row of a sample for token hook points):
+        a list, tuple, set, range, 1-D integer Tensor or numpy array, or one int; the rows stay
+        in store order whatever the order given. ArgumentTypeError for anything else.
     open_options : dict, optional
         Keyword arguments of ``open_store`` when ``store`` is a path or URL.
 
@@ -563,7 +609,7 @@ class ActivationDataset(Dataset):
         if sample_ids is not None:
             if "sample_id" not in table.column_names:
                 raise ArgumentValueError(f"sample_ids= needs a 'sample_id' column in the {self.row_kind} row table")
-            ids = torch.as_tensor(sample_ids).to(torch.int64).numpy() if not isinstance(sample_ids, pa.Array) else sample_ids
+            ids = sample_ids if isinstance(sample_ids, pa.Array) else _sample_id_array(sample_ids)
             wanted = pa.array(ids).cast(table.schema.field("sample_id").type)
             hit = pc.is_in(table.column("sample_id"), value_set=wanted)
             mask &= hit.to_numpy(zero_copy_only=False).astype(bool)

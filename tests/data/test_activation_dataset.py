@@ -12,7 +12,7 @@ import torch
 from fake_store import FakeStore, open_fake, write_fake_store
 
 from activationscope.data import ActivationDataset, Batch, collate
-from activationscope.errors import HookPointNotFoundError
+from activationscope.errors import ArgumentTypeError, ArgumentValueError, HookPointNotFoundError
 
 N = 40
 D = 6
@@ -179,3 +179,46 @@ def test_dtypes_come_back_exactly(tmp_path, dtype):
     assert out.dtype == dtype and torch.equal(out, t)
     assert ds[[9, 0]]["x"].dtype == dtype
 
+
+
+@pytest.mark.parametrize("ids", [
+    [5, 1, 3], (3, 1, 5), {1, 3, 5}, frozenset({5, 3, 1}), range(1, 6, 2), torch.tensor([5, 3, 1]),
+    torch.tensor([1, 3, 5], dtype=torch.int32), np.array([3, 5, 1]), np.array([1, 3, 5], dtype=np.uint16),
+])
+def test_sample_ids_take_any_collection_of_ints_and_keep_store_order(store, arrays, ids):
+    ds = ActivationDataset(store, hook_points=["a.output"], columns=["sample_id"], sample_ids=ids)
+    expect = [i for i in range(N) if (i // 4) in (1, 3, 5)]
+    assert torch.equal(ds[:]["a.output"], arrays["a.output"][expect])
+    assert ds[:]["sample_id"].tolist() == [i // 4 for i in expect]
+    one = ActivationDataset(store, hook_points=["a.output"], sample_ids=np.int64(3))
+    assert torch.equal(one[:]["a.output"], arrays["a.output"][12:16])
+
+
+@pytest.mark.parametrize("ids, match", [
+    ([1, None], r"sample_ids= must be ints \(sample ids\), got None"),
+    ([1.5, 2], r"sample_ids= must be ints \(sample ids\), got 1\.5"),
+    ([True, 2], r"got True"),
+    ("abc", r"sample_ids= must be a collection of ints .*got 'abc'"),
+    (torch.tensor([1.0, 2.0]), r"sample_ids= must be ints \(a 1-D integer Tensor\), got a torch.float32 Tensor"),
+    (np.array([[1, 2]]), r"sample_ids= must be ints \(a 1-D integer numpy array\)"),
+])
+def test_sample_ids_that_are_not_ints_get_our_error(store, ids, match):
+    with pytest.raises(ArgumentTypeError, match=match):
+        ActivationDataset(store, hook_points=["a.output"], sample_ids=ids)
+
+
+def test_sample_ids_beyond_int64_and_meta_tensors_are_refused(store):
+    with pytest.raises(ArgumentValueError, match=r"sample_ids= holds 18446744073709551616, beyond int64"):
+        ActivationDataset(store, hook_points=["a.output"], sample_ids=[1, 2**64])
+    with pytest.raises(ArgumentValueError, match=r"sample_ids= is a meta tensor"):
+        ActivationDataset(store, hook_points=["a.output"], sample_ids=torch.tensor([1], device="meta"))
+
+
+def test_batch_is_indexed_by_row_not_by_name(store):
+    ds = ActivationDataset(store, hook_points=["a.output"])
+    b = ds.__getitems__([0, 1])
+    assert torch.equal(b[1]["a.output"], ds[1]["a.output"])
+    with pytest.raises(ArgumentTypeError, match=r"read batch.data\['a.output'\] \(keys: a.output\)"):
+        b["a.output"]
+    with pytest.raises(ArgumentTypeError, match=r"indexed by row \(an int\), got float"):
+        b[0.5]
