@@ -183,7 +183,7 @@ def _link_or_copy(src: Path, dst: Path) -> None:
     dst.parent.mkdir(parents=True, exist_ok=True)
     if dst.exists() and os.path.samefile(src, dst):
         return  # a rerun: already linked (rename onto the same inode would leave the temporary)
-    tmp = dst.parent / f".{dst.name}.link.tmp"
+    tmp = dst.parent / f".{dst.name}.link.tmp"  # LINK_TEMP_NAME: remove_temp_files knows it
     try:
         tmp.unlink()
     except FileNotFoundError:
@@ -248,7 +248,9 @@ def commit_ranks(target: Any, *, storage_options: dict | None = None,
     """Commit the complete rank stores under ``<target>/ranks/`` into one store (format v2).
 
     Idempotent: a commit that crashed part way is finished by running it again (the rank
-    stores stay until the root ``zarr.json`` is written, then are removed).
+    stores stay until the root ``zarr.json`` is written, then are removed). Temporary files
+    that a killed writer or commit left in the store's own folders (our own temporary names
+    only, never through a link) are removed once the store is committed, as a resume does.
 
     Parameters
     ----------
@@ -286,6 +288,17 @@ def _remove_ranks(b: Any) -> None:
         return
     for key in list(b.list(f"{RANKS_DIR}/")):
         b.delete(key)
+
+
+def _remove_temp_files(b: Any) -> None:
+    """Remove the temporary files that an earlier writer or commit, killed between creating
+    one and renaming it, left in the committed store (``LocalBackend.remove_temp_files``: only
+    our own temporary names, only in the store's own folders, never following a link). Called
+    under the writer lock, once no shard writer of this commit is running; object stores have
+    no temporaries."""
+    remove = getattr(b, "remove_temp_files", None)
+    if remove is not None:
+        remove(shards=True)
 
 
 def _remote_path(b: Any, key: str) -> str:
@@ -352,6 +365,7 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
     if dist.get("committed"):
         if ranks:  # crashed while removing the rank stores: finish that
             _remove_ranks(b)
+        _remove_temp_files(b)
         return {"n_ranks": int(dist.get("world_size", 0)), "n_samples": int(root_attrs.get("n_samples", 0)),
                 "arrays": {}, "already_committed": True}
     expected = world_size or dist.get("world_size")
@@ -552,6 +566,7 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
     t_commit = time.monotonic() - t_start
     t0 = time.monotonic()
     _remove_ranks(b)
+    _remove_temp_files(b)
     return {"n_ranks": len(stores), "n_samples": attrs["n_samples"], "arrays": summary,
             "commit_s": t_commit, "cleanup_s": time.monotonic() - t0}
 

