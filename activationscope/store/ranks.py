@@ -344,6 +344,57 @@ def _root_etag(b: Any) -> str | None:
         return None
 
 
+def _check_rank_shards(hp: str, meta: dict, stores: list[Store], local: bool) -> list[dict[int, dict]]:
+    """Check the rank shards of ``hp`` that a commit links, copies or re-chunks, before
+    anything is written: each full shard is listed in its rank's manifest and its file holds
+    the bytes the manifest lists; on a local store every committed chunk of every rank shard
+    (full or tail) matches its manifest crc32c (``Store._check_shard_crcs``: one read of each
+    shard, which the page cache then serves to the copy of the tails). On object storage the
+    full shards are copied server-side and not read; the tails are read through decoded reads,
+    which check each chunk's crc32c.
+
+    Returns
+    -------
+    list[dict[int, dict]]
+        Per rank, ``{shard: manifest record}``.
+
+    Raises
+    ------
+    StoreError
+        A full shard without a manifest entry, or missing.
+    StoreCorruptError
+        A shard of another size than its manifest lists, or a damaged chunk (naming the rank
+        store and the shard file); nothing was written.
+    """
+    S = int(meta["shard_rows"])
+    nd = len(meta["feature_shape"])
+    path = stores[0].attrs["arrays"][hp]["path"]
+    out = []
+    for r, st in enumerate(stores):
+        man = json.loads(st._backend.get(f"{path}/manifest.json") or b'{"shards": []}')
+        recs = {int(x["shard"]): x for x in man.get("shards", [])}
+        n = st.n_rows(hp)
+        for k in range(n // S):
+            rec = recs.get(k)
+            if rec is None:
+                raise StoreError(f"rank {r}: shard {k} of {hp!r} has no manifest entry; run verify on {st.path!r}")
+            size = st._backend.size(F.shard_key(path, k, nd))  # a regular file (never a FIFO)
+            if size is None:
+                raise StoreError(f"rank {r}: shard {k} of {hp!r} is missing; run verify on {st.path!r}")
+            if size != int(rec.get("file_bytes", -1)):  # a truncated or swapped shard is not committed
+                raise StoreCorruptError(
+                    f"rank {r}: shard {k} of {hp!r} ({F.shard_key(path, k, nd)}) holds {size} bytes, its manifest "
+                    f"says {rec.get('file_bytes')!r}; nothing was committed. Run verify on {st.path!r}, and "
+                    "rerun that rank (or restore the shard) before committing")
+        if local:
+            fix = (f"nothing was committed. Rerun rank {r} (or restore the shard from an intact copy) and "
+                   f"consolidate again; `activationscope verify {st.path}` lists every damaged file")
+            for k in range(-(-n // S)):
+                st._check_shard_crcs(hp, k, fix)
+        out.append(recs)
+    return out
+
+
 def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
                   make_reduction: Callable[[str, str, dict], Any] | None, world_size: int | None) -> dict:
     t_start = time.monotonic()
@@ -387,8 +438,7 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
     hps = _check_same(stores, "the hook points", lambda s: sorted(s.hook_points))
     layout_keys = ("row_kind", "feature_shape", "dtype", "storage_dtype", "chunk_rows", "shard_rows", "compression")
     shard_rows: dict[str, int] = {}
-    arrays: dict[str, dict] = {}
-    summary: dict[str, dict] = {}
+    metas: dict[str, dict] = {}
     for hp in hps:
         meta = _check_same(stores, f"the layout of hook point {hp!r}",
                            lambda s: {k: s.attrs["arrays"][hp].get(k) for k in layout_keys})
@@ -396,6 +446,14 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
         if shard_rows.setdefault(kind, S) != S:
             raise StoreError(f"arrays of row kind {kind!r} have shard_rows {shard_rows[kind]} and {S} ({hp!r}); a "
                              "multi-rank capture needs one shard_rows per row kind (store_options shard_rows=...)")
+        metas[hp] = meta
+    # every rank shard that is linked, copied or re-chunked is checked before anything is written
+    manifests = {hp: _check_rank_shards(hp, metas[hp], stores, local) for hp in hps}
+    arrays: dict[str, dict] = {}
+    summary: dict[str, dict] = {}
+    for hp in hps:
+        meta = metas[hp]
+        kind, S = meta["row_kind"], int(meta["shard_rows"])
         path = stores[0].attrs["arrays"][hp]["path"]
         ns = [s.n_rows(hp) for s in stores]
         fulls = [n // S for n in ns]
@@ -406,20 +464,9 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
         manifest: list[dict] = []
         base = 0
         for r, st in enumerate(stores):
-            man = json.loads(st._backend.get(f"{path}/manifest.json") or b'{"shards": []}')
-            recs = {int(x["shard"]): x for x in man.get("shards", [])}
+            recs = manifests[hp][r]
             for k in range(fulls[r]):
-                rec = recs.get(k)
-                if rec is None:
-                    raise StoreError(f"rank {r}: shard {k} of {hp!r} has no manifest entry; run verify on {st.path!r}")
-                size = st._backend.size(F.shard_key(path, k, nd))  # a regular file (never a FIFO)
-                if size is None:
-                    raise StoreError(f"rank {r}: shard {k} of {hp!r} is missing; run verify on {st.path!r}")
-                if size != int(rec.get("file_bytes", -1)):  # a truncated or swapped shard is not committed
-                    raise StoreCorruptError(
-                        f"rank {r}: shard {k} of {hp!r} ({F.shard_key(path, k, nd)}) holds {size} bytes, its manifest "
-                        f"says {rec.get('file_bytes')!r}; nothing was committed. Run verify on {st.path!r}, and "
-                        "rerun that rank (or restore the shard) before committing")
+                rec = recs[k]
                 if local:
                     src = st._backend.path(F.shard_key(path, k, nd))
                     _link_or_copy(src, b.root / F.shard_key(path, base + k, nd))

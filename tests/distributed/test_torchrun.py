@@ -372,13 +372,14 @@ def test_a_truncated_rank_shard_is_not_committed(tmp_path, capsys):
         assert "root document zarr.json" in err and "nothing was changed" in err and "Traceback" not in err, damaged
 
 
-def _small_rank_stores(store: Path, seed: int = 0) -> None:
-    """Two rank stores (RankStore, one process) of a Linear(8, 8): 18 rows each, shards of 8."""
+def _small_rank_stores(store: Path, seed: int = 0, tasks: tuple[int, ...] = (0, 1), **extra) -> None:
+    """Two rank stores (RankStore, one process) of a Linear(8, 8): 18 rows each, shards of 8
+    (two full shards and a tail of 2 rows per rank), chunks of 4 rows."""
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8))
     xs = [torch.randn(6, 8) for _ in range(6)]
-    for task in range(2):
-        opts = {"shard_rows": 8, "chunk_rows": 4, "process_group": acs.RankStore(task, 2)}
+    for task in tasks:
+        opts = {"shard_rows": 8, "chunk_rows": 4, "process_group": acs.RankStore(task, 2), **extra}
         with acs.ActivationScope(store=str(store), store_options=opts, reductions=["mean"]).track(model), \
                 torch.no_grad():
             for x in xs[task * 3:(task + 1) * 3]:
@@ -432,6 +433,45 @@ def test_consolidate_removes_leftover_temporary_files(tmp_path, monkeypatch, whe
     torch.testing.assert_close(final.reductions["0.output"]["mean"], want.reductions["0.output"]["mean"],
                                rtol=0, atol=0)
     assert _files_of(store) == _files_of(ref)
+    assert final.verify() == []
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+@pytest.mark.parametrize("shard", ["full", "tail"])
+def test_a_rank_shard_with_a_flipped_byte_is_not_committed(tmp_path, capsys, shard, compression):
+    """consolidate checks the crc32c of every chunk of every rank shard it links or re-chunks
+    before it writes anything: a flipped byte is refused with the shard file named, the store
+    stays as it was, and once the rank is captured again the commit equals an intact one."""
+    from activationscope import cli
+    from activationscope.store.ranks import commit_ranks
+
+    opts = {} if compression is None else {"compression": compression}
+    ref, store = tmp_path / "ref.zarr", tmp_path / "s.zarr"
+    for s in (ref, store):
+        _small_rank_stores(s, **opts)
+    assert cli.main(["consolidate", str(ref)]) == 0
+    k = 0 if shard == "full" else 2  # shard 0 is linked as it is, shard 2 holds the tail rows
+    key = f"acts/0.output/c/{k}/0"
+    path = store / "ranks" / "00001" / key
+    data = bytearray(path.read_bytes())
+    data[5] ^= 0x01  # inside chunk 0 of the shard (its data comes first, the index last)
+    path.write_bytes(bytes(data))
+    before = {str(p.relative_to(store)): p.read_bytes() for p in store.rglob("*") if p.is_file()}
+    with pytest.raises(acs.StoreCorruptError) as info:
+        commit_ranks(store)
+    msg = str(info.value)
+    assert str(store / "ranks" / "00001") in msg and repr(key) in msg and "crc32c mismatch" in msg
+    assert "nothing was committed" in msg and "Rerun rank 1" in msg
+    assert cli.main(["consolidate", str(store)]) == 1
+    assert key in capsys.readouterr().err
+    after = {str(p.relative_to(store)): p.read_bytes() for p in store.rglob("*") if p.is_file()}
+    assert after == before  # not a byte written: root document, rank stores, no acts/ of the store
+    assert acs.open_store(store).status == "incomplete"
+    _small_rank_stores(store, tasks=(1,), overwrite=True, **opts)  # rank 1 captured again
+    assert cli.main(["consolidate", str(store)]) == 0
+    final, want = acs.open_store(store), acs.open_store(ref)
+    assert final.status == "complete"
+    assert torch.equal(final["0.output"], want["0.output"])
     assert final.verify() == []
 
 
