@@ -457,6 +457,9 @@ def test_a_rank_shard_with_a_flipped_byte_is_not_committed(tmp_path, capsys, sha
     data[5] ^= 0x01  # inside chunk 0 of the shard (its data comes first, the index last)
     path.write_bytes(bytes(data))
     before = {str(p.relative_to(store)): p.read_bytes() for p in store.rglob("*") if p.is_file()}
+    if shard == "tail":  # the tails are read by every commit: checked also without verify
+        with pytest.raises(acs.StoreCorruptError, match="crc32c mismatch"):
+            commit_ranks(store, verify=False)
     with pytest.raises(acs.StoreCorruptError) as info:
         commit_ranks(store)
     msg = str(info.value)
@@ -511,3 +514,27 @@ def test_minilm_token_rows_two_ranks(tmp_path):
             assert torch.equal(got.view(torch.int32), ref.view(torch.int32)), hp
             torch.testing.assert_close(st2.reductions[hp]["mean"], st1.reductions[hp]["mean"], rtol=1e-12, atol=1e-15)
     assert st2.verify() == []
+
+
+def test_commit_without_verify_reads_only_the_tail_shards(tmp_path, monkeypatch):
+    """The commit at the end of a torchrun capture (verify=False) checks the crc32c of the
+    tail shards only (it reads them anyway); consolidate (verify=True) checks every shard."""
+    from activationscope.store import reader
+    from activationscope.store.ranks import commit_ranks
+
+    checked = []
+    orig = reader.Store._check_shard_crcs
+
+    def spy(self, hook_point, shard, fix):
+        checked.append((hook_point, shard))
+        return orig(self, hook_point, shard, fix)
+
+    monkeypatch.setattr(reader.Store, "_check_shard_crcs", spy)
+    for verify in (False, True):
+        store = tmp_path / f"s{verify}.zarr"
+        _small_rank_stores(store)
+        checked.clear()
+        commit_ranks(store, verify=verify)
+        shards = {k for _, k in checked}
+        assert (shards == {2}) if not verify else (shards == {0, 1, 2}), (verify, checked)
+        assert acs.open_store(store).status == "complete"
