@@ -403,7 +403,7 @@ void Sink::consume(const at::Tensor& x_in, const at::Tensor& token_mask) {
   }
 
   if (need_rows) {
-    update_reductions(reductions_, rows, row_base_ + n_rows_);
+    reduce(rows);
     if (writer_) {
       if (!rows.device().is_cpu()) {
         at::Tensor host = at::empty(rows.sizes(), rows.options().device(at::kCPU).pinned_memory(true));
@@ -494,6 +494,16 @@ bool Sink::same_as_last(const at::Tensor& x, int64_t call, bool release) {
   return x.device().is_cpu() && bytes_crc(x) == last_crc_;
 }
 
+void Sink::reduce(const at::Tensor& rows) {
+  try {
+    update_reductions(reductions_, rows, row_base_ + n_rows_);
+  } catch (const StoreIOError&) {
+    throw;
+  } catch (const UserError& e) {
+    throw UserError(c10::str("hook point '", name_, "': ", e.what()));
+  }
+}
+
 void Sink::consume_alias(const at::Tensor& x, const at::Tensor& token_mask) {
   const bool same = alias_of_->same_as_last(x, n_calls_ + call_offset_, /*release=*/true);
   if (!same) --n_calls_;
@@ -506,7 +516,7 @@ void Sink::consume_alias(const at::Tensor& x, const at::Tensor& token_mask) {
     if (options_.storage_dtype && rows.scalar_type() != *options_.storage_dtype) {
       rows = rows.to(*options_.storage_dtype);  // as its target's: reductions of the stored values
     }
-    update_reductions(reductions_, rows, row_base_ + n_rows_);
+    reduce(rows);
     n_rows_ += rows.size(0);
   } else {
     n_rows_ += (row_kind_ == 1 && token_mask.defined()) ? token_mask.sum().item<int64_t>()

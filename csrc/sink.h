@@ -148,6 +148,9 @@ class Sink {
   void remember_for_aliases(const at::Tensor& x);        // target side, under mu_
   bool same_as_last(const at::Tensor& x, int64_t call, bool release);  // target side, takes mu_
   void consume_alias(const at::Tensor& x, const at::Tensor& token_mask);  // under mu_
+  // update_reductions on this hook point's rows; a CaptureError of a reduction (rows of
+  // another feature shape, complex rows) is raised again naming the hook point. Under mu_.
+  void reduce(const at::Tensor& rows);
 
   std::string name_;
   std::optional<std::string> module_;

@@ -13,6 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import activationscope as acs
 from activationscope.capture import reductions as R
 from activationscope.errors import ActivationScopeError, CaptureError, ReductionError
 
@@ -261,6 +262,44 @@ def test_rejects_complex_and_bad_options():
         R.make_reduction("topk", k="3")
     with pytest.raises(ReductionError, match="per_feature"):
         R.make_reduction("mean", per_feature=2)
+
+
+class _Pass(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = torch.nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+@pytest.mark.parametrize("names", [["mean"], ["mean", "var"]], ids=["one", "fused"])
+@pytest.mark.parametrize("in_store", [False, True], ids=["memory", "store"])
+@pytest.mark.parametrize("case", ["shape_change", "complex"])
+def test_capture_reduction_errors_name_the_hook_point(case, in_store, names, tmp_path):
+    # rows a reduction refuses during a capture: the error names the hook point, with the
+    # reduction and the shapes / dtype when the reduction is what refused them
+    model = _Pass()
+    store = str(tmp_path / "r.zarr") if in_store else None
+    second = torch.ones(2, 4) if case == "shape_change" else torch.ones(2, 3, dtype=torch.complex64)
+    with pytest.raises(CaptureError) as info:
+        with acs.ActivationScope(store=store, reductions=names).track(model, include=["inner"]):
+            model(torch.ones(2, 3))
+            model(second)
+    msg = str(info.value)
+    assert "'inner.output'" in msg
+    if not in_store:
+        assert "reduction 'mean'" in msg
+        assert ("(4,) after (3,)" if case == "shape_change" else "real-valued rows, got dtype ComplexFloat") in msg
+
+
+@pytest.mark.parametrize("in_store", [False, True], ids=["memory", "store"])
+def test_capture_complex_first_rows_name_the_hook_point(in_store, tmp_path):
+    model = _Pass()
+    store = str(tmp_path / "r.zarr") if in_store else None
+    with pytest.raises(CaptureError, match=r"hook point 'inner.output': reduction 'mean' needs real-valued rows"):
+        with acs.ActivationScope(store=store, reductions=["mean"]).track(model, include=["inner"]):
+            model(torch.ones(2, 3, dtype=torch.complex64))
 
 
 def test_unknown_builtin_lists_names():

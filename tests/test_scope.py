@@ -794,11 +794,16 @@ def test_samples_per_forward_come_from_the_model_input(tmp_path, with_ids):
 
     model2 = SliceFirst()
     path2 = str(tmp_path / "t.zarr")
-    with acs.ActivationScope(store=path2).track(model2, include=["a"]) as tr, torch.no_grad():
-        for i in range(2):
-            tr.set_batch(sample_ids=list(range(i * 5, i * 5 + 5)))
-            model2(torch.randn(5, 4))
-    assert acs.open_store(path2).n_samples == 10
+    with pytest.warns(acs.CaptureWarning, match=r"hook point 'a.output' recorded 2 row\(s\) in forward 0 .*"
+                      r"row table got 5") as record:
+        with acs.ActivationScope(store=path2).track(model2, include=["a"]) as tr, torch.no_grad():
+            for i in range(2):
+                tr.set_batch(sample_ids=list(range(i * 5, i * 5 + 5)))
+                model2(torch.randn(5, 4))
+    assert sum("row table" in str(w.message) for w in record) == 1  # its first call, on a slice
+    store2 = acs.open_store(path2)
+    assert store2.n_samples == 10
+    assert not store2.follows_row_table("a.output") and store2.follows_row_table("a#1.output")
 
 
 def test_small_capture_holds_little_memory():

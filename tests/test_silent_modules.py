@@ -201,3 +201,82 @@ def test_resuming_a_complete_store_with_nothing_left_to_capture_stays_complete(t
     assert s.status == "complete"
     with torch.no_grad():
         torch.testing.assert_close(s["output"], m(x), rtol=0, atol=0)
+
+
+class _SometimesNone(torch.nn.Module):
+    """Returns no tensor in the forwards listed in ``off``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.off: set[int] = set()
+        self.k = 0
+
+    def forward(self, x):
+        k, self.k = self.k, self.k + 1
+        return None if k in self.off else x * 2
+
+
+class _TwoBranches(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Identity()
+        self.b = _SometimesNone()
+
+    def forward(self, x):
+        self.b(x)
+        return self.a(x)
+
+
+def _capture_two_branches(path, off, n_forwards=5):
+    model = _TwoBranches()
+    model.b.off = set(off)
+    xs = [torch.full((2, 3), float(i)) for i in range(n_forwards)]
+    with ActivationScope(store=str(path)).track(model, include=["a", "b"]):
+        for x in xs:
+            model(x)
+    return xs
+
+
+def test_module_returning_no_tensor_in_a_middle_forward_warns_once(tmp_path):
+    with pytest.warns(CaptureWarning) as record:
+        xs = _capture_two_branches(tmp_path / "s.zarr", off={1, 3})
+    lost = [str(w.message) for w in record if "follow the sample row table" in str(w.message)]
+    assert len(lost) == 1  # once per hook point, not once per forward without rows
+    assert "hook point 'b.output' recorded 0 row(s) in forward 1 of the tracked model, where the row table got 2" in lost[0]
+    assert "store.follows_row_table('b.output') is False" in lost[0] and "exclude=" in lost[0]
+    s = open_store(tmp_path / "s.zarr")
+    assert s.follows_row_table("a.output") and not s.follows_row_table("b.output")
+    torch.testing.assert_close(s["b.output"], torch.cat([xs[i] * 2 for i in (0, 2, 4)]))
+    torch.testing.assert_close(s["a.output"], torch.cat(xs))
+
+
+def test_two_hook_points_losing_the_row_table_are_each_named(tmp_path):
+    model = torch.nn.ModuleDict({"p": _SometimesNone(), "q": _SometimesNone()})
+    model.p.off, model.q.off = {1}, {2, 3}
+
+    class Root(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.m = model
+
+        def forward(self, x):
+            self.m.p(x)
+            self.m.q(x)
+            return x
+
+    root = Root()
+    with pytest.warns(CaptureWarning) as record:
+        with ActivationScope(store=str(tmp_path / "s.zarr")).track(root, include=["m.p", "m.q"]):
+            for i in range(5):
+                root(torch.ones(2, 3))
+    lost = sorted(str(w.message) for w in record if "follow the sample row table" in str(w.message))
+    assert [m.split("'")[1] for m in lost] == ["m.p.output", "m.q.output"]
+    assert "in forward 1" in lost[0] and "in forward 2" in lost[1]
+
+
+def test_modules_returning_tensors_every_forward_give_no_row_table_warning(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CaptureWarning)
+        _capture_two_branches(tmp_path / "s.zarr", off=())
+    s = open_store(tmp_path / "s.zarr")
+    assert s.follows_row_table("a.output") and s.follows_row_table("b.output")

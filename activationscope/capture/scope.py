@@ -497,6 +497,9 @@ class Tracker:
         self._first_shapes: dict[str, tuple[int, ...] | str] = {}
         self._sample_rows_chosen = False
         self._warned_mask = False
+        # store arrays already named in a warning for leaving the row table (first captured
+        # late, a forward that raised, rows missing from a forward): warned once each
+        self._warned_row_table: set[str] = set()
         self._fastpath_off = False  # this tracker holds PyTorch's MHA fast path off
         self.parameters: dict[str, torch.Tensor] = {}
         self.writer = None
@@ -1120,13 +1123,33 @@ class Tracker:
             if mask is None and self.scope.rows == "token":
                 mask = self._core.auto_token_mask
                 mask = mask if mask.dim() == 2 else None
-            self.writer.add_batch(
+            lost = self.writer.add_batch(
                 n_samples=n, sample_ids=ids, token_mask=mask, columns=batch.get("columns") or {}
             )
+            if lost and self._refused is None:  # a refused resume commits nothing
+                self._warn_row_table_lost(lost)
             self.writer.maybe_commit()
         self._n_samples += n
         if self._reference_mode:
             self._warn_changed(all_records=False)
+
+    def _warn_row_table_lost(self, lost: Mapping[str, tuple[int, int]]) -> None:
+        """Warn once per hook point whose store rows stopped following the row table in this
+        forward (its module returned no tensor, or another number of rows, in it)."""
+        k = self._core.n_forwards - 1
+        for name in sorted(set(lost) - self._warned_row_table):
+            self._warned_row_table.add(name)
+            got, expected = lost[name]
+            warnings.warn(
+                f"hook point {name!r} recorded {got} row(s) in forward {k} of the tracked model, where the row "
+                f"table got {expected} (its module returned no tensor there, or another number of rows): from "
+                f"there on its store rows no longer follow the sample row table (store.follows_row_table({name!r}) "
+                "is False; its rows are read by their own index, without sample ids or columns). Track only hook "
+                "points whose module returns a tensor in every forward (exclude= its module), or capture it into "
+                "a store of its own",
+                CaptureWarning,
+                stacklevel=3,
+            )
 
     def _check_aliases(self) -> None:
         """Refuse a forward in which an alias hook point was not captured as often as its
@@ -1168,6 +1191,8 @@ class Tracker:
         if self._aliases:
             self._core.alias_mismatch()  # the alias checks start again after this partial forward
         partial = self.writer.rows_since_last_batch() if self.writer is not None else {}
+        if not at_exit:  # the warning below says they leave the row table: not warned again
+            self._warned_row_table.update(partial)
         where = f"hook points {sorted(partial)} recorded rows of it" if partial else \
             "the hook points that ran before the error recorded it"
         if at_exit:  # the last forward: the store ends at the whole forward before it

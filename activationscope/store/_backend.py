@@ -118,6 +118,11 @@ TEMP_NAME = re.compile(r"\.[^/]+\.[0-9a-f]{8}\.tmp")
 #: ``acts/<node>/``.
 SHARD_TEMP_NAME = re.compile(r"shard-[0-9]+-[0-9]+-[0-9]+\.tmp")
 
+#: The name of the temporary link (or copy) of a rank shard that the commit of rank stores
+#: (``ranks._link_or_copy``) makes before renaming it to its shard key: ``.<name>.link.tmp``,
+#: next to the key.
+LINK_TEMP_NAME = re.compile(r"\.[^/]+\.link\.tmp")
+
 
 class LocalBackend:
     """A store in a local directory; ``set`` is atomic (temp file, optional fsync, rename).
@@ -151,7 +156,8 @@ class LocalBackend:
 
     def remove_temp_files(self, shards: bool = True) -> list[str]:
         """Remove the temporary files of :meth:`set` / :meth:`reserve` (``.<name>.<8 hex
-        digits>.tmp``, :data:`TEMP_NAME`) and, with ``shards``, of the native shard writer
+        digits>.tmp``, :data:`TEMP_NAME`), of the commit of rank stores (``.<name>.link.tmp``,
+        :data:`LINK_TEMP_NAME`) and, with ``shards``, of the native shard writer
         (``shard-<writer id>-<shard>-<pid>.tmp`` directly in an array folder ``acts/<node>/``,
         :data:`SHARD_TEMP_NAME`) that an earlier writer process left in the store (killed
         between creating one and renaming it), in every array folder, whether the root
@@ -178,7 +184,8 @@ class LocalBackend:
                 in_array = shards and folder == "acts" and os.path.dirname(dirpath) == str(base)
                 for name in files:
                     p = os.path.join(dirpath, name)
-                    ours = TEMP_NAME.fullmatch(name) or (in_array and SHARD_TEMP_NAME.fullmatch(name))
+                    ours = (TEMP_NAME.fullmatch(name) or LINK_TEMP_NAME.fullmatch(name)
+                            or (in_array and SHARD_TEMP_NAME.fullmatch(name)))
                     if not ours or p in own:
                         continue
                     key = os.path.relpath(p, self.root).replace(os.sep, "/")

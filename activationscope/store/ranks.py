@@ -183,7 +183,7 @@ def _link_or_copy(src: Path, dst: Path) -> None:
     dst.parent.mkdir(parents=True, exist_ok=True)
     if dst.exists() and os.path.samefile(src, dst):
         return  # a rerun: already linked (rename onto the same inode would leave the temporary)
-    tmp = dst.parent / f".{dst.name}.link.tmp"
+    tmp = dst.parent / f".{dst.name}.link.tmp"  # LINK_TEMP_NAME: remove_temp_files knows it
     try:
         tmp.unlink()
     except FileNotFoundError:
@@ -244,11 +244,13 @@ def _merge_states(hp: str, name: str, entries: list[dict], stores: list[Store],
 
 def commit_ranks(target: Any, *, storage_options: dict | None = None,
                  make_reduction: Callable[[str, str, dict], Any] | None = None,
-                 world_size: int | None = None) -> dict:
+                 world_size: int | None = None, verify: bool = True) -> dict:
     """Commit the complete rank stores under ``<target>/ranks/`` into one store (format v2).
 
     Idempotent: a commit that crashed part way is finished by running it again (the rank
-    stores stay until the root ``zarr.json`` is written, then are removed).
+    stores stay until the root ``zarr.json`` is written, then are removed). Temporary files
+    that a killed writer or commit left in the store's own folders (our own temporary names
+    only, never through a link) are removed once the store is committed, as a resume does.
 
     Parameters
     ----------
@@ -259,6 +261,12 @@ def commit_ranks(target: Any, *, storage_options: dict | None = None,
         objects); built-in reductions are made from their recorded kind and options.
     world_size : int, optional
         Expected number of rank stores (default: the root's ``distributed.world_size``).
+    verify : bool, default True
+        Check the crc32c of every chunk of every rank shard of a local store before writing
+        anything (one read of every shard: stores from elsewhere, ``activationscope
+        consolidate``). False checks only the tail shards, which the commit reads anyway; the
+        end of a ``torchrun`` capture commits so, its ranks having just written the shards
+        with their crc32c. File sizes against the manifests are always checked.
 
     Returns
     -------
@@ -277,7 +285,7 @@ def commit_ranks(target: Any, *, storage_options: dict | None = None,
     if not isinstance(b, LocalBackend) and not (isinstance(target, str) and "://" in target):
         raise StoreError(f"committing rank stores needs a local path or a URL, got {target!r}")
     with WriterLock(b):  # one committer (or writer) at a time: a second one gets StoreLockedError
-        return _commit_ranks(b, target, storage_options, make_reduction, world_size)
+        return _commit_ranks(b, target, storage_options, make_reduction, world_size, verify)
 
 
 def _remove_ranks(b: Any) -> None:
@@ -286,6 +294,17 @@ def _remove_ranks(b: Any) -> None:
         return
     for key in list(b.list(f"{RANKS_DIR}/")):
         b.delete(key)
+
+
+def _remove_temp_files(b: Any) -> None:
+    """Remove the temporary files that an earlier writer or commit, killed between creating
+    one and renaming it, left in the committed store (``LocalBackend.remove_temp_files``: only
+    our own temporary names, only in the store's own folders, never following a link). Called
+    under the writer lock, once no shard writer of this commit is running; object stores have
+    no temporaries."""
+    remove = getattr(b, "remove_temp_files", None)
+    if remove is not None:
+        remove(shards=True)
 
 
 def _remote_path(b: Any, key: str) -> str:
@@ -331,8 +350,62 @@ def _root_etag(b: Any) -> str | None:
         return None
 
 
+def _check_rank_shards(hp: str, meta: dict, stores: list[Store], local: bool,
+                       verify: bool = True) -> list[dict[int, dict]]:
+    """Check the rank shards of ``hp`` that a commit links, copies or re-chunks, before
+    anything is written: each full shard is listed in its rank's manifest and its file holds
+    the bytes the manifest lists; on a local store every committed chunk of every rank shard
+    (full or tail; with ``verify=False`` the tails only, which the commit reads anyway)
+    matches its manifest crc32c (``Store._check_shard_crcs``: one read of each shard, which
+    the page cache then serves to the copy of the tails). On object storage the full shards
+    are copied server-side and not read; the tails are read through decoded reads, which
+    check each chunk's crc32c.
+
+    Returns
+    -------
+    list[dict[int, dict]]
+        Per rank, ``{shard: manifest record}``.
+
+    Raises
+    ------
+    StoreError
+        A full shard without a manifest entry, or missing.
+    StoreCorruptError
+        A shard of another size than its manifest lists, or a damaged chunk (naming the rank
+        store and the shard file); nothing was written.
+    """
+    S = int(meta["shard_rows"])
+    nd = len(meta["feature_shape"])
+    path = stores[0].attrs["arrays"][hp]["path"]
+    out = []
+    for r, st in enumerate(stores):
+        man = json.loads(st._backend.get(f"{path}/manifest.json") or b'{"shards": []}')
+        recs = {int(x["shard"]): x for x in man.get("shards", [])}
+        n = st.n_rows(hp)
+        for k in range(n // S):
+            rec = recs.get(k)
+            if rec is None:
+                raise StoreError(f"rank {r}: shard {k} of {hp!r} has no manifest entry; run verify on {st.path!r}")
+            size = st._backend.size(F.shard_key(path, k, nd))  # a regular file (never a FIFO)
+            if size is None:
+                raise StoreError(f"rank {r}: shard {k} of {hp!r} is missing; run verify on {st.path!r}")
+            if size != int(rec.get("file_bytes", -1)):  # a truncated or swapped shard is not committed
+                raise StoreCorruptError(
+                    f"rank {r}: shard {k} of {hp!r} ({F.shard_key(path, k, nd)}) holds {size} bytes, its manifest "
+                    f"says {rec.get('file_bytes')!r}; nothing was committed. Run verify on {st.path!r}, and "
+                    "rerun that rank (or restore the shard) before committing")
+        if local:
+            fix = (f"nothing was committed. Rerun rank {r} (or restore the shard from an intact copy) and "
+                   f"consolidate again; `activationscope verify {st.path}` lists every damaged file")
+            for k in range(0 if verify else n // S, -(-n // S)):
+                st._check_shard_crcs(hp, k, fix)
+        out.append(recs)
+    return out
+
+
 def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
-                  make_reduction: Callable[[str, str, dict], Any] | None, world_size: int | None) -> dict:
+                  make_reduction: Callable[[str, str, dict], Any] | None, world_size: int | None,
+                  verify: bool = True) -> dict:
     t_start = time.monotonic()
     etag = _root_etag(b)
     raw = b.get("zarr.json")
@@ -352,6 +425,7 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
     if dist.get("committed"):
         if ranks:  # crashed while removing the rank stores: finish that
             _remove_ranks(b)
+        _remove_temp_files(b)
         return {"n_ranks": int(dist.get("world_size", 0)), "n_samples": int(root_attrs.get("n_samples", 0)),
                 "arrays": {}, "already_committed": True}
     expected = world_size or dist.get("world_size")
@@ -373,8 +447,7 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
     hps = _check_same(stores, "the hook points", lambda s: sorted(s.hook_points))
     layout_keys = ("row_kind", "feature_shape", "dtype", "storage_dtype", "chunk_rows", "shard_rows", "compression")
     shard_rows: dict[str, int] = {}
-    arrays: dict[str, dict] = {}
-    summary: dict[str, dict] = {}
+    metas: dict[str, dict] = {}
     for hp in hps:
         meta = _check_same(stores, f"the layout of hook point {hp!r}",
                            lambda s: {k: s.attrs["arrays"][hp].get(k) for k in layout_keys})
@@ -382,6 +455,14 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
         if shard_rows.setdefault(kind, S) != S:
             raise StoreError(f"arrays of row kind {kind!r} have shard_rows {shard_rows[kind]} and {S} ({hp!r}); a "
                              "multi-rank capture needs one shard_rows per row kind (store_options shard_rows=...)")
+        metas[hp] = meta
+    # every rank shard that is linked, copied or re-chunked is checked before anything is written
+    manifests = {hp: _check_rank_shards(hp, metas[hp], stores, local, verify) for hp in hps}
+    arrays: dict[str, dict] = {}
+    summary: dict[str, dict] = {}
+    for hp in hps:
+        meta = metas[hp]
+        kind, S = meta["row_kind"], int(meta["shard_rows"])
         path = stores[0].attrs["arrays"][hp]["path"]
         ns = [s.n_rows(hp) for s in stores]
         fulls = [n // S for n in ns]
@@ -392,20 +473,9 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
         manifest: list[dict] = []
         base = 0
         for r, st in enumerate(stores):
-            man = json.loads(st._backend.get(f"{path}/manifest.json") or b'{"shards": []}')
-            recs = {int(x["shard"]): x for x in man.get("shards", [])}
+            recs = manifests[hp][r]
             for k in range(fulls[r]):
-                rec = recs.get(k)
-                if rec is None:
-                    raise StoreError(f"rank {r}: shard {k} of {hp!r} has no manifest entry; run verify on {st.path!r}")
-                size = st._backend.size(F.shard_key(path, k, nd))  # a regular file (never a FIFO)
-                if size is None:
-                    raise StoreError(f"rank {r}: shard {k} of {hp!r} is missing; run verify on {st.path!r}")
-                if size != int(rec.get("file_bytes", -1)):  # a truncated or swapped shard is not committed
-                    raise StoreCorruptError(
-                        f"rank {r}: shard {k} of {hp!r} ({F.shard_key(path, k, nd)}) holds {size} bytes, its manifest "
-                        f"says {rec.get('file_bytes')!r}; nothing was committed. Run verify on {st.path!r}, and "
-                        "rerun that rank (or restore the shard) before committing")
+                rec = recs[k]
                 if local:
                     src = st._backend.path(F.shard_key(path, k, nd))
                     _link_or_copy(src, b.root / F.shard_key(path, base + k, nd))
@@ -552,6 +622,7 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
     t_commit = time.monotonic() - t_start
     t0 = time.monotonic()
     _remove_ranks(b)
+    _remove_temp_files(b)
     return {"n_ranks": len(stores), "n_samples": attrs["n_samples"], "arrays": summary,
             "commit_s": t_commit, "cleanup_s": time.monotonic() - t0}
 
@@ -751,8 +822,10 @@ class RankSession:
                     return live.get((hp, name))
 
                 t0 = time.monotonic()
+                # the ranks just wrote their shards with their crc32c: only the tails, read
+                # anyway, are checked again (consolidate checks every shard)
                 self.summary = commit_ranks(self.root, make_reduction=make, world_size=self.world_size,
-                                            storage_options=self.storage_options)
+                                            storage_options=self.storage_options, verify=False)
                 self.timings["commit_s"] = time.monotonic() - t0
             except BaseException as e:  # noqa: BLE001
                 outcome = f"{type(e).__name__}: {e}"

@@ -962,6 +962,33 @@ class Store:
             self._indexes[key] = out
         return out
 
+    def _check_shard_crcs(self, hook_point: str, shard: int, fix: str = V.FIX) -> None:
+        """Check every committed chunk of shard ``shard`` of ``hook_point`` against the crc32c
+        of its manifest record (FORMAT.md section 9 rule 12), reading each chunk's stored
+        (encoded) bytes once, compressed or not; the shard index is checked first (its own
+        crc32c, every committed chunk present and inside the file).
+
+        Raises
+        ------
+        StoreCorruptError
+            Naming the shard file, the chunk, its rows and both crc32c values; ``fix`` ends
+            the message of a chunk that does not match.
+        """
+        meta = self._checked_meta(hook_point)
+        self._array_crcs(meta)
+        idx = self._shard_index(meta, shard)
+        _rb, chunk_rows, n_chunks, _cb = _layout(meta)
+        n = int(meta["n_rows"])
+        committed = max(0, min(n_chunks, -(-(n - shard * n_chunks * chunk_rows) // chunk_rows)))
+        for j in range(committed):
+            idx.check(j, self._backend)
+            c = shard * n_chunks + j
+            where = f"chunk {c} (rows {c * chunk_rows}-{min(n, (c + 1) * chunk_rows) - 1}) of hook point {hook_point!r}"
+            data = self._backend.get_range(idx.key, *idx.entries[j])
+            problem = self._chunk_crc_problem(meta, shard, j, idx.entries[j], data or b"", where, idx.key)
+            if problem is not None:
+                raise V.corrupt(self._backend, problem, fix)
+
     # ---------------------------------------------------------------- mapped reads
     def _map(self, key: str, nbytes: int) -> torch.Tensor:
         """A private (copy-on-write) read mapping of the first ``nbytes`` of a shard, uint8."""

@@ -764,7 +764,7 @@ class StoreWriter:
 
     # ------------------------------------------------------------------ batches
     def add_batch(self, n_samples: int, sample_ids: Any = None, token_mask: torch.Tensor | None = None,
-                  columns: Mapping[str, Any] | None = None) -> None:
+                  columns: Mapping[str, Any] | None = None) -> dict[str, tuple[int, int]]:
         """Record one captured forward: its samples, token rows and user columns.
 
         Parameters
@@ -778,6 +778,14 @@ class StoreWriter:
         columns : dict, optional
             User columns: per sample (length ``batch``) or per token (``(batch, pos)``
             tensors, taken at the mask).
+
+        Returns
+        -------
+        dict[str, tuple[int, int]]
+            ``{hook_point: (rows, expected_rows)}`` of the arrays that stopped following the
+            row table with this batch (their ``follows_row_table`` turned False: they got
+            another number of rows since the last batch than its samples or tokens); empty
+            when every array stays aligned.
 
         Raises
         ------
@@ -814,16 +822,19 @@ class StoreWriter:
                     self._column_types[(kind, key)] = typ
             n_tokens = 0 if token is None else len(token["pos"])
             cums = {}
+            lost: dict[str, tuple[int, int]] = {}
             for hp, a in self._arrays.items():
                 cum = a.writer.n_rows
                 got = cum - a.last_cum
                 expected = n if a.row_kind == "sample" else n_tokens
                 if got != expected and a.follows_row_table:
                     a.follows_row_table = False
+                    lost[hp] = (int(got), int(expected))
                 a.last_cum = cum
                 cums[hp] = cum
             self._pending.append(_Batch(b, n, cums, sample, token))
             self._pending_samples += n
+        return lost
 
     def rows_since_last_batch(self) -> dict[str, int]:
         """``{hook_point: rows}`` appended since the last :meth:`add_batch` (rows of a forward

