@@ -133,6 +133,45 @@ def test_capture_unknown_reduction(capsys, tmp_path):
     _one_error_line(err, "unknown reduction 'median'", "mean")
 
 
+@pytest.mark.parametrize("spec, msg", [
+    ("hist", "hist"),  # lo and hi are required: said before anything is captured
+    ("hist[lo=-4]", "hist"),
+    ("topk[k=x]", "options are option=number pairs separated by commas, got 'k=x'"),
+    ("mean[", "is not a reduction name or name[option=value,...]"),
+    ("median[k=3]", "unknown reduction 'median'"),
+])
+def test_capture_reduction_options_are_checked_before_capturing(capsys, tmp_path, spec, msg):
+    out = tmp_path / "o.zarr"
+    code, _, err = run(capsys, "capture", "--model", "m:f", "--data", "demo", "--out", str(out), "--reduce", f"mean,{spec}")
+    assert code == 1
+    _one_error_line(err, msg)
+    assert not out.exists()
+
+
+def test_capture_reductions_with_options(tmp_path, user_module, capsys):
+    import activationscope as acs
+
+    x = tmp_path / "x.npy"
+    np.save(x, np.random.default_rng(0).standard_normal((40, 6)).astype(np.float32))
+    out = tmp_path / "h.zarr"
+    code, _, err = run(capsys, "capture", "--model", "usermodels.nets:mlp", "--data", str(x), "--out", str(out),
+                       "--reduce", "mean,hist[lo=-2,hi=2,bins=8],topk[k=3],var[ddof=1]", "--batch-size", "16",
+                       "--no-progress")
+    assert code == 0, err
+    model = specs.load_model_spec("usermodels.nets:mlp").model
+    with torch.no_grad():
+        y = model[0](torch.from_numpy(np.load(x))).double()
+    red = acs.open_store(str(out)).reductions["0.output"]
+    assert int(red["hist.count"]) == 40
+    for j in range(y.shape[1]):  # per feature, as torch.histc; values outside [lo, hi] in under/overflow
+        assert red["hist.counts"][j].tolist() == torch.histc(y[:, j], bins=8, min=-2, max=2).long().tolist()
+        assert int(red["hist.underflow"][j]) == int((y[:, j] < -2).sum())
+        assert int(red["hist.overflow"][j]) == int((y[:, j] > 2).sum())
+    torch.testing.assert_close(red["hist.edges"], torch.linspace(-2, 2, 9, dtype=torch.float64))
+    torch.testing.assert_close(red["var"], y.var(0, unbiased=True))
+    torch.testing.assert_close(red["topk.values"], y.topk(3, dim=0).values)
+
+
 def test_capture_refuses_existing_store(capsys, tmp_path):
     import activationscope as acs
 

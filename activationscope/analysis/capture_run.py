@@ -11,6 +11,7 @@ the model with a store tracker.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -199,7 +200,8 @@ def capture_dataset(
         fnmatch patterns of module names; ``include`` defaults to the model spec's default.
     capture : {'output', 'input', 'both'}
     reductions : sequence of str, optional
-        Built-in reduction names (``capture.reductions.BUILTIN_REDUCTIONS``).
+        Built-in reduction names (``capture.reductions.BUILTIN_REDUCTIONS``), each optionally
+        with options in brackets, ``hist[lo=-4,hi=4,bins=64]`` (see :func:`check_reductions`).
     dtype : str, optional
         Storage dtype, one of :data:`STORAGE_DTYPES` (default: the activations' own dtype).
     compression : str, optional
@@ -325,23 +327,49 @@ def resume_offset(out: str) -> int:
     return int(open_store(out).n_samples)
 
 
-def check_reductions(names: Sequence[str] | None) -> list[str] | None:
-    """``names`` as a list (None when empty), each a built-in reduction.
+def check_reductions(names: Sequence[str] | None) -> list[Any] | None:
+    """``names`` as a list of reduction specs (None when empty), each a built-in reduction,
+    optionally with options in brackets: ``hist[lo=-4,hi=4,bins=32]``, ``topk[k=5]``,
+    ``var[ddof=1]`` (a spec with options becomes ``(name, name, {option: float})``).
 
     Raises
     ------
     ArgumentValueError
-        A name that is not in ``BUILTIN_REDUCTIONS``.
+        A name that is not in ``BUILTIN_REDUCTIONS``, malformed options, or options the
+        reduction refuses (``hist`` without ``lo`` and ``hi``); the message shows the syntax.
     """
     if not names:
         return None
-    from ..capture.reductions import BUILTIN_REDUCTIONS
+    from ..capture.reductions import BUILTIN_REDUCTIONS, make_reduction
 
-    for name in names:
+    out: list[Any] = []
+    for spec in names:
+        m = re.fullmatch(r"\s*([A-Za-z_]\w*)\s*(?:\[(.*)\])?\s*", spec)
+        if m is None:
+            raise ArgumentValueError(f"--reduce: {spec!r} is not a reduction name or name[option=value,...] "
+                                     "(e.g. hist[lo=-4,hi=4,bins=32])")
+        name, body = m.group(1), m.group(2)
         if name not in BUILTIN_REDUCTIONS:
             raise ArgumentValueError(
                 f"--reduce: unknown reduction {name!r}; built-in reductions are {list(BUILTIN_REDUCTIONS)}")
-    return list(names)
+        opts: dict[str, float] = {}
+        for part in (body.split(",") if body and body.strip() else []):
+            key, eq, value = part.partition("=")
+            key = key.strip()
+            try:
+                if not eq or not key.isidentifier():
+                    raise ValueError
+                opts[key] = float(value)
+            except ValueError:
+                raise ArgumentValueError(f"--reduce {spec!r}: options are option=number pairs separated by commas, "
+                                         f"got {part.strip()!r} (e.g. hist[lo=-4,hi=4,bins=32])") from None
+        try:
+            make_reduction(name, **opts)  # the reduction's own checks of its options, before any capture
+        except Exception as e:  # noqa: BLE001 - ReductionError / ValueError: reported as an argument error
+            fix = " (e.g. hist[lo=-4,hi=4,bins=32])" if name == "hist" else ""
+            raise ArgumentValueError(f"--reduce {spec!r}: {e}{fix}") from None
+        out.append((name, name, opts) if opts else name)
+    return out
 
 
 def check_out(out: str, *, resume: bool, overwrite: bool) -> None:

@@ -48,6 +48,20 @@ def _csv(value: str) -> list[str]:
     return [v.strip() for v in value.split(",") if v.strip()]
 
 
+def _specs(value: str) -> list[str]:
+    """Comma separated, commas inside brackets kept: ``mean,hist[lo=-4,hi=4]``."""
+    out, depth, cur = [], 0, []
+    for ch in value:
+        depth += (ch == "[") - (ch == "]")
+        if ch == "," and depth == 0:
+            out.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    out.append("".join(cur))
+    return [v.strip() for v in out if v.strip()]
+
+
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000 ** 2,
                "mib": 1 << 20, "g": 1 << 30, "gb": 1000 ** 3, "gib": 1 << 30}
 
@@ -131,8 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fnmatch pattern of module names not to track (repeatable or comma separated)")
     p.add_argument("--capture", choices=("output", "input", "both"), default="output",
                    help="which side of each module (default: %(default)s)")
-    p.add_argument("--reduce", type=_csv, default=None, metavar="NAMES",
-                   help="built-in reductions, comma separated, e.g. mean,var,nonzero")
+    p.add_argument("--reduce", type=_specs, default=None, metavar="NAMES",
+                   help="built-in reductions, comma separated, options in brackets, e.g. "
+                        "mean,var[ddof=1],nonzero,hist[lo=-4,hi=4,bins=64],topk[k=5]")
     p.add_argument("--dtype", choices=STORAGE_DTYPES, default=None, help="store activations as this dtype")
     p.add_argument("--compression", choices=COMPRESSIONS, default=None, help="chunk compression (default: none)")
     p.add_argument("--shard-bytes", type=_size, default=None, metavar="BYTES",
