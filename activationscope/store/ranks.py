@@ -586,8 +586,9 @@ def init_process_group(backend: str = "gloo", **kwargs: Any) -> None:
     import datetime
 
     import torch.distributed as dist
-    import torch.distributed.nn  # noqa: F401 - before the group exists (see release_destroyed_groups)
 
+    if dist.is_available():  # before the group exists (see release_destroyed_groups)
+        import torch.distributed.nn  # noqa: F401
     env = os.environ
     shared = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and "MASTER_ADDR" in env and "MASTER_PORT" in env
     if not shared or "store" in kwargs or "init_method" in kwargs:
@@ -645,12 +646,13 @@ def release_destroyed_groups(module: types.ModuleType | None = None) -> list[str
     for name, fn in list(vars(module).items()):
         if not isinstance(fn, types.FunctionType):
             continue
-        before = (fn.__defaults__, fn.__kwdefaults__)
-        if fn.__defaults__ and any(stale(d) for d in fn.__defaults__):
+        positional = fn.__defaults__ is not None and any(stale(d) for d in fn.__defaults__)
+        keyword = fn.__kwdefaults__ is not None and any(stale(d) for d in fn.__kwdefaults__.values())
+        if positional:
             fn.__defaults__ = tuple(None if stale(d) else d for d in fn.__defaults__)
-        if fn.__kwdefaults__ and any(stale(d) for d in fn.__kwdefaults__.values()):
+        if keyword:
             fn.__kwdefaults__ = {k: None if stale(d) else d for k, d in fn.__kwdefaults__.items()}
-        if (fn.__defaults__, fn.__kwdefaults__) != before:
+        if positional or keyword:
             changed.append(name)
     return changed
 

@@ -78,14 +78,14 @@ def test_release_destroyed_groups_replaces_only_destroyed_groups():
         mod = types.ModuleType("fake_functional")
         exec("def f(x, op=1, group=G):\n    return group\n"
              "def g(x, *, group=G):\n    return group\n"
-             "def h(x, op=1):\n    return op\n", {"G": old}, vars(mod))
+             "def h(x, op=1, t=T):\n    return op\n", {"G": old, "T": torch.zeros(2)}, vars(mod))
         assert release_destroyed_groups(mod) == []  # the group is live: kept
         assert mod.f.__defaults__ == (1, old)
     finally:
         dist.destroy_process_group()
     assert release_destroyed_groups(mod) == ["f", "g"]
     assert mod.f.__defaults__ == (1, None) and mod.g.__kwdefaults__ == {"group": None}
-    assert mod.h.__defaults__ == (1,) and mod.f(0) is None
+    assert mod.h.__defaults__[0] == 1 and torch.equal(mod.h.__defaults__[1], torch.zeros(2)) and mod.f(0) is None
     assert release_destroyed_groups(mod) == []
     # a destroyed group is replaced even while another group is the default
     mod.f.__defaults__ = (1, old)
