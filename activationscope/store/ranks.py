@@ -18,14 +18,17 @@ its table is still row *i* of the table.
 
 from __future__ import annotations
 
+import atexit
 import inspect
 import io
 import json
 import os
 import shutil
+import sys
 import tempfile
 import threading
 import time
+import types
 from pathlib import Path
 from typing import Any, Callable
 
@@ -641,6 +644,9 @@ def init_process_group(backend: str = "gloo", **kwargs: Any) -> None:
     ``init_method=`` given), it is plain ``init_process_group``. The alternative without
     code: launch with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (each attempt gets a new store).
 
+    It imports ``torch.distributed.nn`` first: imported after the group exists, that module
+    keeps the group alive past ``destroy_process_group`` (see :func:`release_destroyed_groups`).
+
     Parameters
     ----------
     backend : str, default "gloo"
@@ -652,6 +658,8 @@ def init_process_group(backend: str = "gloo", **kwargs: Any) -> None:
 
     import torch.distributed as dist
 
+    if dist.is_available():  # before the group exists (see release_destroyed_groups)
+        import torch.distributed.nn  # noqa: F401
     env = os.environ
     shared = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and "MASTER_ADDR" in env and "MASTER_PORT" in env
     if not shared or "store" in kwargs or "init_method" in kwargs:
@@ -661,6 +669,66 @@ def init_process_group(backend: str = "gloo", **kwargs: Any) -> None:
     base = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=timeout)
     store = dist.PrefixStore(f"activationscope/attempt-{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", base)
     dist.init_process_group(backend, store=store, rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]), **kwargs)
+
+
+def release_destroyed_groups(module: types.ModuleType | None = None) -> list[str]:
+    """Drop the references that ``torch.distributed.nn.functional`` keeps to destroyed process groups.
+
+    That module's functions take ``group=group.WORLD`` as a default argument, evaluated when
+    it is first imported: imported after ``init_process_group`` (``transformers`` 5 imports
+    it from ``from_pretrained`` through its FSDP integration, torch 2.13), they hold the
+    default group, so ``destroy_process_group`` no longer destroys it and its gloo threads
+    run on. The last collective's work (e.g. the ranks' outcome exchange at the end of a
+    capture) can then be freed on a gloo thread while the interpreter finalizes; freeing its
+    tensors takes the GIL, CPython ends that thread with ``pthread_exit``, and the forced
+    unwinding through the work's noexcept destructor aborts the rank ("terminate called
+    without an active exception", SIGABRT) after everything was written. Run at interpreter
+    exit (registered when this module is imported), this replaces every such default that
+    is a process group other than the current default group by None (the default group, as
+    when the module is imported before any group exists), so a destroyed group is destroyed
+    then, its threads joined while the interpreter is still whole.
+    :func:`init_process_group` imports the module before it creates the group, so the
+    defaults never hold it.
+
+    Parameters
+    ----------
+    module : module, optional
+        The module whose functions' defaults are released; default
+        ``torch.distributed.nn.functional`` when it is imported (else nothing to do).
+
+    Returns
+    -------
+    list of str
+        The names of the functions whose defaults were changed.
+    """
+    module = module if module is not None else sys.modules.get("torch.distributed.nn.functional")
+    if module is None:
+        return []
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return []
+    live = dist.group.WORLD if dist.is_initialized() else None
+
+    def stale(value: Any) -> bool:
+        return isinstance(value, dist.ProcessGroup) and value is not live
+
+    changed = []
+    for name, fn in list(vars(module).items()):
+        if not isinstance(fn, types.FunctionType):
+            continue
+        positional = fn.__defaults__ is not None and any(stale(d) for d in fn.__defaults__)
+        keyword = fn.__kwdefaults__ is not None and any(stale(d) for d in fn.__kwdefaults__.values())
+        if positional:
+            fn.__defaults__ = tuple(None if stale(d) else d for d in fn.__defaults__)
+        if keyword:
+            fn.__kwdefaults__ = {k: None if stale(d) else d for k, d in fn.__kwdefaults__.items()}
+        if positional or keyword:
+            changed.append(name)
+    return changed
+
+
+atexit.register(release_destroyed_groups)
 
 
 # ---------------------------------------------------------------------------- the capture side
