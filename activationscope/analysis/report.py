@@ -516,6 +516,9 @@ def write_report(
         )
         for note in notes:
             parts.append(f"<p class='note'>Folds chosen from the class counts: {e(note)}.</p>")
+        for hp, p in probes.items():
+            if getattr(p, "dropped_note", ""):
+                parts.append(f"<p class='note'>{e(hp)}: {e(p.dropped_note)}.</p>")
         parts.append(f"<img src='{probe_png.name}' alt='probe accuracy per hook point'>")
     skipped = getattr(probes, "skipped", {}) if probes is not None else {}
     if skipped:
