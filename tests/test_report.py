@@ -332,3 +332,20 @@ def test_probe_store_and_report_say_how_many_rows_were_left_out(tmp_path):
         _store_of_rows(tmp_path / "c2.zarr", x, labels), tmp_path / "rep2", n_folds=5).read_text()
     everything = probe_store(_store_of_rows(tmp_path / "all.zarr", torch.full((6, 2), float("nan")), [0, 1] * 3))
     assert not everything and "every one of the 6 rows holds NaN or inf" in everything.skipped["0.output"]
+
+
+def test_report_table_shows_bytes_on_disk_as_info_does(tmp_path):
+    from activationscope.sizes import format_bytes
+
+    x, labels = _separable_rows(n=10, d=5)
+    store = _store_of_rows(tmp_path / "s.zarr", x, labels)
+    entry = store.info()["arrays"]["0.output"]
+    on_disk, data = format_bytes(entry["bytes_on_disk"]), format_bytes(entry["bytes"])
+    assert on_disk != data
+    page = report.write_report(store, tmp_path / "rep", probes={}).read_text()
+    head = re.search(r"<h2>Hook points</h2><table><tr>(.*?)</tr>", page).group(1)
+    cells = re.findall(r"<th[^>]*>(.*?)</th>", head)
+    assert "on disk" in cells and "bytes" not in cells
+    row = re.search(r"<tr><td class='l'><a href='#[^']*'>0.output</a></td>(.*?)</tr>", page).group(1)
+    values = re.findall(r"<td>(.*?)</td>", row)
+    assert values[cells.index("on disk") - 1] == on_disk
