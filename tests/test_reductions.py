@@ -445,6 +445,36 @@ def test_pca_from_cov():
         R.pca(torch.zeros(2, 3))
 
 
+def test_pca_of_a_cov_reduction_without_rows_names_the_hook_point():
+    from activationscope.capture.results import ReductionResults
+    from activationscope.errors import ReductionNotFoundError
+
+    empty = R.make_reduction("cov").result()
+    assert "cov" not in empty and int(empty["count"]) == 0
+    with pytest.raises(ReductionError, match=r"reduction 'cov' saw no rows \(count is 0\)"):
+        R.pca(empty)
+    with pytest.raises(ReductionError, match="reduction 'cov' of hook point 'enc.0.output' saw no rows"):
+        R.pca(empty, hook_point="enc.0.output")
+    stored = ReductionResults("enc.1.output", {"mean": torch.zeros(3), "cov.count": torch.tensor(0)})
+    with pytest.raises(ReductionError, match="reduction 'cov' of hook point 'enc.1.output' saw no rows"):
+        R.pca(stored)
+    with pytest.raises(ReductionNotFoundError, match="hook point 'enc.2.output' has no reduction 'cov'"):
+        R.pca(ReductionResults("enc.2.output", {"mean": torch.zeros(3), "mean.count": torch.tensor(5)}))
+    with pytest.raises(ReductionError, match=r"got a mapping with keys \['mean'\]"):
+        R.pca({"mean": torch.zeros(3)})
+
+
+@pytest.mark.parametrize("n_components", [0, -1, 4, 2.0, True])
+def test_pca_n_components_out_of_range(n_components):
+    from activationscope.errors import ArgumentValueError
+
+    cov = stream("cov", [torch.randn(50, 3, generator=torch.Generator().manual_seed(0))]).result()
+    with pytest.raises(ArgumentValueError, match=re.escape(f"n_components must be an int in 1..3, got {n_components!r}")):
+        R.pca(cov, n_components=n_components)
+    ratio, comps = R.pca(cov, n_components=3)
+    assert ratio.shape == (3,) and comps.shape == (3, 3)
+
+
 # ---------------------------------------------------------------------------- custom reductions
 
 

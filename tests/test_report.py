@@ -268,3 +268,84 @@ def test_report_refuses_a_named_label_column_that_does_not_exist_and_too_few_fol
     assert not (tmp_path / "r").exists()  # refused before writing anything
     page = report.write_report(str(tmp_path / "s.zarr"), tmp_path / "r", label_column="label", n_folds=2)
     assert "No probe" not in page.read_text()
+
+
+def _store_of_rows(path, x, labels):
+    import activationscope as acs
+
+    with acs.ActivationScope(store=str(path)).track(torch.nn.Sequential(torch.nn.Identity())) as tracker:
+        tracker.set_batch(label=list(labels))
+        tracker.model(x)
+    return acs.open_store(str(path))
+
+
+def _separable_rows(n=60, d=8, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    labels = [0, 1] * (n // 2)
+    x = torch.randn(n, d, generator=g) + torch.tensor(labels, dtype=torch.float32)[:, None] * 0.8
+    return x, labels
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_probe_leaves_out_nonfinite_rows(bad):
+    from activationscope.analysis.probes import probe_accuracy
+
+    x, labels = _separable_rows()
+    clean = probe_accuracy(x, labels, n_folds=5)
+    row = torch.zeros(1, x.shape[1])
+    row[0, 3] = bad
+    got = probe_accuracy(torch.cat([x[:7], row, x[7:]]), labels[:7] + [1] + labels[7:], n_folds=5)
+    assert clean.accuracy > 0.7 and (clean.n_dropped, clean.dropped_note) == (0, "")
+    assert got.accuracy == clean.accuracy and got.fold_accuracies == clean.fold_accuracies
+    assert got.n_samples == 60 and got.n_dropped == 1
+    assert got.dropped_note == "1 row(s) with NaN or inf left out of the probe"
+
+
+def test_probe_of_only_nonfinite_rows_is_refused():
+    from activationscope.analysis.probes import probe_accuracy
+    from activationscope.errors import ArgumentValueError
+
+    with pytest.raises(ArgumentValueError, match="every one of the 4 rows holds NaN or inf"):
+        probe_accuracy(torch.full((4, 3), float("nan")), [0, 1, 0, 1], n_folds=2)
+
+
+def test_probe_store_and_report_say_how_many_rows_were_left_out(tmp_path):
+    from activationscope.analysis.probes import probe_store
+
+    x, labels = _separable_rows()
+    clean = probe_store(_store_of_rows(tmp_path / "clean.zarr", x, labels), n_folds=5)["0.output"]
+    x_nan = x.clone()
+    x_nan[7, 3] = float("nan")
+    x_nan[20] = float("nan")
+    store = _store_of_rows(tmp_path / "nan.zarr", x_nan, labels)
+    keep = [i for i in range(60) if i not in (7, 20)]
+    without = probe_store(_store_of_rows(tmp_path / "without.zarr", x[keep], [labels[i] for i in keep]),
+                          n_folds=5)["0.output"]
+    got = probe_store(store, n_folds=5)["0.output"]
+    assert clean.accuracy > 0.7 and clean.n_dropped == 0
+    assert got.accuracy == without.accuracy and got.fold_accuracies == without.fold_accuracies
+    assert got.n_samples == 58 and got.n_dropped == 2
+    assert got.dropped_note == "2 row(s) with NaN or inf left out of the probe"
+    page = report.write_report(store, tmp_path / "rep", n_folds=5).read_text()
+    assert "0.output: 2 row(s) with NaN or inf left out of the probe." in page
+    assert "left out of the probe" not in report.write_report(
+        _store_of_rows(tmp_path / "c2.zarr", x, labels), tmp_path / "rep2", n_folds=5).read_text()
+    everything = probe_store(_store_of_rows(tmp_path / "all.zarr", torch.full((6, 2), float("nan")), [0, 1] * 3))
+    assert not everything and "every one of the 6 rows holds NaN or inf" in everything.skipped["0.output"]
+
+
+def test_report_table_shows_bytes_on_disk_as_info_does(tmp_path):
+    from activationscope.sizes import format_bytes
+
+    x, labels = _separable_rows(n=10, d=5)
+    store = _store_of_rows(tmp_path / "s.zarr", x, labels)
+    entry = store.info()["arrays"]["0.output"]
+    on_disk, data = format_bytes(entry["bytes_on_disk"]), format_bytes(entry["bytes"])
+    assert on_disk != data
+    page = report.write_report(store, tmp_path / "rep", probes={}).read_text()
+    head = re.search(r"<h2>Hook points</h2><table><tr>(.*?)</tr>", page).group(1)
+    cells = re.findall(r"<th[^>]*>(.*?)</th>", head)
+    assert "on disk" in cells and "bytes" not in cells
+    row = re.search(r"<tr><td class='l'><a href='#[^']*'>0.output</a></td>(.*?)</tr>", page).group(1)
+    values = re.findall(r"<td>(.*?)</td>", row)
+    assert values[cells.index("on disk") - 1] == on_disk

@@ -277,8 +277,9 @@ def capture_dataset(
         batches: Iterable[tuple[int, Any, dict[str, Any]]] = []
     elif dataset.texts is not None:
         labels = dataset.labels[first:n] if dataset.labels is not None else None
+        ids = dataset.sample_ids[first:n] if dataset.sample_ids is not None else None
         batches = text_batches(
-            dataset.texts[first:n], loaded.tokenizer, batch_size, max_length, labels, first_id=first)
+            dataset.texts[first:n], loaded.tokenizer, batch_size, max_length, labels, first_id=first, sample_ids=ids)
     else:
         batches = tensor_batches(dataset.tensor[first:n], batch_size, first_id=first)
     options = capture_store_options(
@@ -318,8 +319,9 @@ def capture_store_options(
 
 
 def resume_offset(out: str) -> int:
-    """Samples already committed in the store at ``out``: the first sample a resumed capture
-    captures (its sample id too)."""
+    """Samples already committed in the store at ``out``: the position in the data of the
+    first sample a resumed capture captures (its sample id too, except for text files with
+    blank lines, whose sample ids are line numbers)."""
     from ..store import open_store
 
     if "://" not in out and not os.path.exists(out):
@@ -428,13 +430,22 @@ def _written_bytes(tracker: Any, out: str) -> int:
 def text_batches(
     texts: Sequence[str], tokenizer: Any, batch_size: int, max_length: int,
     labels: Sequence[Any] | None = None, first_id: int = 0, extra: dict[str, Sequence[Any]] | None = None,
+    sample_ids: Sequence[int] | None = None,
 ) -> Iterator[tuple[int, dict[str, Any], dict[str, Any]]]:
-    """Tokenized batches with their ``set_batch`` arguments (mask, sample ids, label, text)."""
+    """Tokenized batches with their ``set_batch`` arguments (mask, sample ids, label, text).
+
+    The sample ids are ``sample_ids`` (one per text, e.g. line numbers of a text file) when
+    given, else ``first_id``, ``first_id + 1``, ...; the ``text`` and ``label`` columns are
+    sliced alongside them.
+    """
+    if sample_ids is not None and len(sample_ids) != len(texts):
+        raise ArgumentValueError(f"sample_ids must have one entry per text ({len(texts)}), got {len(sample_ids)}")
     for start, enc in iter_text_batches(texts, tokenizer, batch_size, max_length):
         n = enc["input_ids"].shape[0]
         info: dict[str, Any] = {
             "attention_mask": enc["attention_mask"],
-            "sample_ids": list(range(first_id + start, first_id + start + n)),
+            "sample_ids": (list(sample_ids[start:start + n]) if sample_ids is not None
+                           else list(range(first_id + start, first_id + start + n))),
             "text": list(texts[start:start + n]),
         }
         if labels is not None:

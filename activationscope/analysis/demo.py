@@ -66,7 +66,8 @@ DEMO_REDUCTIONS: tuple[str, ...] = ("mean", "var", "nonzero", "absmax")
 
 @dataclass
 class LayerRow:
-    """One line of the demo's table."""
+    """One line of the demo's table. ``n_bytes``: bytes on disk of the layer's token and
+    sentence hook points (shard files, as ``on disk`` of ``activationscope info``)."""
 
     layer: int
     token_rows: int
@@ -91,7 +92,7 @@ class DemoResult:
     n_folds: int
 
     def table(self) -> str:
-        head = ("layer", "token rows", "sentence rows", "bytes", f"probe acc ({self.n_folds}-fold)")
+        head = ("layer", "token rows", "sentence rows", "on disk", f"probe acc ({self.n_folds}-fold)")
         lines = []
         for row in self.layers:
             acc = "-" if row.probe is None else f"{row.probe.accuracy:.3f} ± {row.probe.std:.3f}"

@@ -12,7 +12,7 @@ import torch
 from ..errors import ArgumentValueError
 from .pooling import sentence_rows
 
-__all__ = ["ProbeResult", "ProbeResults", "choose_folds", "probe_accuracy", "probe_store"]
+__all__ = ["ProbeResult", "ProbeResults", "choose_folds", "drop_nonfinite_rows", "probe_accuracy", "probe_store"]
 
 
 @dataclass
@@ -23,6 +23,8 @@ class ProbeResult:
     fold_accuracies : one per fold. n_samples, n_features, n_classes : the problem's size.
     chance : accuracy of always predicting the most frequent class.
     n_folds : folds used. note : why they differ from the folds asked for ("" when they do not).
+    n_dropped : rows holding NaN or inf, left out of the fit and of ``n_samples``.
+    dropped_note : says how many rows were left out ("" when none).
     """
 
     accuracy: float
@@ -34,6 +36,8 @@ class ProbeResult:
     chance: float = 0.0
     n_folds: int = 0
     note: str = ""
+    n_dropped: int = 0
+    dropped_note: str = ""
 
 
 class ProbeResults(dict):
@@ -75,6 +79,38 @@ def choose_folds(labels: Sequence[Any], n_folds: int) -> tuple[int, str]:
         return n_folds, ""
     return smallest, (f"{smallest}-fold instead of {n_folds}: the smallest class ({smallest_class!r}) has "
                       f"{smallest} labelled samples")
+
+
+def drop_nonfinite_rows(x: torch.Tensor, labels: Sequence[Any]) -> tuple[torch.Tensor, list[Any], int, str]:
+    """``x`` and ``labels`` without the rows of ``x`` holding NaN or inf (as the PCA of
+    :func:`.pca.explained_variance_ratio` leaves them out).
+
+    Parameters
+    ----------
+    x : Tensor, (rows, features), float
+    labels : sequence (rows,)
+
+    Returns
+    -------
+    (x, labels, n_dropped, note) : Tensor (kept rows, features) (``x`` itself when nothing is
+        dropped, else a copy), list, int, str (``""`` when nothing is dropped)
+
+    Raises
+    ------
+    ArgumentValueError
+        Every row holds NaN or inf.
+    """
+    finite = torch.isfinite(x).all(1) if x.shape[0] else torch.ones(0, dtype=torch.bool)
+    if bool(finite.all()):
+        return x, list(labels), 0, ""
+    n_dropped = int((~finite).sum())
+    if n_dropped == x.shape[0]:
+        raise ArgumentValueError(
+            f"every one of the {n_dropped} rows holds NaN or inf; a probe needs finite activations "
+            "(check the capture, e.g. its dtype: float16 overflows above 65504)")
+    keep = finite.tolist()
+    return (x[finite], [v for v, k in zip(labels, keep) if k], n_dropped,
+            f"{n_dropped} row(s) with NaN or inf left out of the probe")
 
 
 def _stratified_folds(y: torch.Tensor, n_folds: int, seed: int) -> list[torch.Tensor]:
@@ -124,6 +160,8 @@ def probe_accuracy(
 
     Folds are stratified by label and shuffled with ``seed``; features are standardised
     with the training fold's mean and std; the model is fitted with L-BFGS in float64.
+    Rows holding NaN or inf are left out (with their labels) before anything else; the
+    result's ``n_dropped`` and ``dropped_note`` say how many.
 
     Parameters
     ----------
@@ -143,7 +181,8 @@ def probe_accuracy(
     Raises
     ------
     ValueError
-        Fewer than 2 classes, mismatched lengths, or too few samples for ``n_folds``.
+        Fewer than 2 classes, mismatched lengths, too few samples for ``n_folds``, or every
+        row holding NaN or inf (:class:`ArgumentValueError`).
     """
     x = torch.as_tensor(x).detach().reshape(len(x), -1).to(torch.float64)
     if isinstance(labels, torch.Tensor):
@@ -151,6 +190,7 @@ def probe_accuracy(
     labels = list(labels)
     if len(labels) != x.shape[0]:
         raise ArgumentValueError(f"labels has {len(labels)} entries, expected one per row of x ({x.shape[0]})")
+    x, labels, n_dropped, dropped_note = drop_nonfinite_rows(x, labels)
     classes = sorted(set(labels), key=lambda v: (str(type(v)), v))
     if len(classes) < 2:
         raise ArgumentValueError(f"a probe needs at least 2 classes, got {classes!r}")
@@ -182,6 +222,8 @@ def probe_accuracy(
         n_classes=len(classes),
         chance=float(counts.max()) / len(y),
         n_folds=n_folds,
+        n_dropped=n_dropped,
+        dropped_note=dropped_note,
     )
 
 
@@ -200,8 +242,10 @@ def probe_store(
     Folds come from the class counts (:func:`choose_folds`): ``n_folds``, or as many as the
     smallest class has samples when that is fewer (each result's ``n_folds`` and ``note``
     say so). Hook points that cannot be probed (no ``label_column``, no labelled row, fewer
-    than 2 classes, a class with a single sample) are left out of the result, with the
-    reason in its ``skipped`` mapping.
+    than 2 classes, a class with a single sample, every row holding NaN or inf) are left out
+    of the result, with the reason in its ``skipped`` mapping. Rows holding NaN or inf are
+    left out before the folds are chosen; each result's ``n_dropped`` and ``dropped_note``
+    say how many.
 
     Returns
     -------
@@ -216,11 +260,14 @@ def probe_store(
             continue
         x, labels = got
         try:
+            x, labels, n_dropped, dropped_note = drop_nonfinite_rows(
+                torch.as_tensor(x).detach().reshape(len(x), -1).to(torch.float64), labels)
             folds, note = choose_folds(labels, n_folds)
             result = probe_accuracy(x, labels, n_folds=folds, seed=seed)
         except ValueError as e:
             out.skipped[hp] = str(e)
             continue
         result.note = note
+        result.n_dropped, result.dropped_note = n_dropped, dropped_note
         out[hp] = result
     return out

@@ -52,6 +52,8 @@ class HookPointStats:
     dead_fraction : fraction of units that are zero in every row (from the ``nonzero``
         reduction when the store has it, else from the sampled rows).
     source : "reductions" or "rows (n of N)": where mean / std / nonzero came from.
+    n_bytes : bytes on disk of the hook point's shard files (``bytes_on_disk`` of
+        ``store.info()``, the ``on disk`` column of ``activationscope info``), or None.
     """
 
     hook_point: str
@@ -491,7 +493,7 @@ def write_report(
             parts.append("<div class='meta'>" + " &middot; ".join(items) + "</div>")
 
     parts.append("<h2>Hook points</h2><table><tr><th class='l'>hook point</th><th>rows</th><th>kind</th>"
-                 "<th>feature shape</th><th>dtype</th><th>bytes</th><th>dead units</th><th>PCA top-10</th>"
+                 "<th>feature shape</th><th>dtype</th><th>on disk</th><th>dead units</th><th>PCA top-10</th>"
                  "<th>probe accuracy</th></tr>")
     for st in stats:
         p = probes.get(st.hook_point) if probes else None
@@ -516,6 +518,9 @@ def write_report(
         )
         for note in notes:
             parts.append(f"<p class='note'>Folds chosen from the class counts: {e(note)}.</p>")
+        for hp, p in probes.items():
+            if getattr(p, "dropped_note", ""):
+                parts.append(f"<p class='note'>{e(hp)}: {e(p.dropped_note)}.</p>")
         parts.append(f"<img src='{probe_png.name}' alt='probe accuracy per hook point'>")
     skipped = getattr(probes, "skipped", {}) if probes is not None else {}
     if skipped:

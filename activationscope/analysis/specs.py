@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,6 +88,9 @@ class LoadedData:
     tensor: Any = None
     labels: list[Any] | None = None
     name: str = ""
+    #: Sample id of each text: its 0-based line index in the file (blank lines are skipped
+    #: but keep their numbers); None: the samples' positions 0, 1, ...
+    sample_ids: list[int] | None = None
 
     def __len__(self) -> int:
         return len(self.texts) if self.texts is not None else int(self.tensor.shape[0])
@@ -107,6 +111,11 @@ def _looks_like_text(path: Path) -> bool:
 
 def load_data_spec(spec: str) -> LoadedData:
     """``demo``, a text file (one sample per line) or a tensor file (.npy / .pt).
+
+    A text file's samples are its non-blank lines, stripped; each one's sample id
+    (``LoadedData.sample_ids``) is its 0-based line index, so blank and whitespace-only lines
+    are skipped without renumbering the lines after them (one ``UserWarning`` says how many
+    were skipped).
 
     Raises
     ------
@@ -168,14 +177,50 @@ def load_data_spec(spec: str) -> LoadedData:
         lines = [line.strip() for line in raw.splitlines() if line.strip()]
         if not lines:
             raise SpecError(f"--data {spec!r} has no non-empty lines")
-        if all(line.startswith("__label__") for line in lines):
-            labels, texts = [], []
-            for line in lines:
-                tag, _, text = line.partition(" ")
-                labels.append(tag[len("__label__"):])
-                texts.append(text.strip())
-            return LoadedData(texts=texts, labels=labels, name=path.name)
-        return LoadedData(texts=lines, name=path.name)
+        return _parse_text_lines(spec, raw, path.name)
     if tensor.dim() == 0 or tensor.shape[0] == 0:
         raise SpecError(f"--data {spec!r} must have samples along dim 0, got shape {tuple(tensor.shape)}")
     return LoadedData(tensor=tensor, name=path.name)
+
+
+#: Prefix of a fastText-style label tag: ``__label__<tag> text``.
+LABEL_PREFIX = "__label__"
+
+
+def _parse_text_lines(spec: str, raw: str, name: str) -> LoadedData:
+    """Samples of a text file, one per non-blank line. When any line starts with a
+    ``__label__<tag>`` tag, every non-blank line must: the tags become ``labels`` (the tag
+    without its prefix) and never part of a text. ``sample_ids`` are the 0-based line
+    indices of the samples; one ``UserWarning`` names how many blank lines were skipped.
+
+    Raises
+    ------
+    SpecError
+        Some lines carry a ``__label__`` tag and others do not (the message names the first
+        line without one, 1-based).
+    """
+    all_lines = raw.splitlines()
+    numbered = [(i, line.strip()) for i, line in enumerate(all_lines) if line.strip()]
+    ids = [i for i, _ in numbered]
+    tagged = [line.startswith(LABEL_PREFIX) for _, line in numbered]
+    if any(tagged) and not all(tagged):
+        first_tagged = numbered[tagged.index(True)][0] + 1
+        first_untagged = numbered[tagged.index(False)][0] + 1
+        raise SpecError(
+            f"--data {spec!r}: line {first_untagged} has no {LABEL_PREFIX} tag, but line {first_tagged} has one; "
+            f"{sum(tagged)} of {len(tagged)} non-blank lines are labelled: give every line a "
+            f"'{LABEL_PREFIX}<tag> text' prefix, or remove all tags"
+        )
+    n_blank = len(all_lines) - len(numbered)
+    if n_blank:
+        warnings.warn(
+            f"--data {spec!r}: skipped {n_blank} blank line{'s' if n_blank != 1 else ''}; sample ids are line "
+            "numbers counted from 0 (blank lines included), so they have gaps", UserWarning, stacklevel=3)
+    if not any(tagged):
+        return LoadedData(texts=[line for _, line in numbered], name=name, sample_ids=ids)
+    labels, texts = [], []
+    for _, line in numbered:
+        tag, *text = line.split(maxsplit=1)
+        labels.append(tag[len(LABEL_PREFIX):])
+        texts.append(text[0] if text else "")
+    return LoadedData(texts=texts, labels=labels, name=name, sample_ids=ids)

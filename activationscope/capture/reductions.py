@@ -49,7 +49,7 @@ from typing import Any, Optional, Union
 import torch
 
 from activationscope import _C
-from activationscope.errors import ActivationScopeError, ReductionError
+from activationscope.errors import ActivationScopeError, ArgumentValueError, ReductionError
 
 __all__ = [
     "BUILTIN_REDUCTIONS",
@@ -645,14 +645,19 @@ def merge_states(spec: Any, states: Iterable[Mapping[str, torch.Tensor]], **opti
     return total
 
 
-def pca(cov: Union[Mapping[str, torch.Tensor], torch.Tensor], n_components: Optional[int] = None):
+def pca(cov: Union[Mapping[str, torch.Tensor], torch.Tensor], n_components: Optional[int] = None, *,
+        hook_point: Optional[str] = None):
     """Principal components from a ``cov`` reduction.
 
     Parameters
     ----------
-    cov : dict with key "cov" (the result of the ``cov`` reduction) or Tensor, (D, D)
+    cov : dict with key "cov" (the result of the ``cov`` reduction, or a hook point's
+        ``store.reductions[hook_point]``) or Tensor, (D, D), any float dtype
     n_components : int, optional
-        Keep the first ``n_components`` (all D by default).
+        Keep the first ``n_components``, an int in 1..D (all D by default).
+    hook_point : str, optional
+        Named in error messages (default: ``cov.hook_point`` when ``cov`` has one, as the
+        store's and the tracker's reduction results do).
 
     Returns
     -------
@@ -662,10 +667,40 @@ def pca(cov: Union[Mapping[str, torch.Tensor], torch.Tensor], n_components: Opti
     components : Tensor, (n_components, D), float64
         Unit eigenvectors as rows, same order; the sign makes each row's largest-magnitude
         entry positive. Project centred rows with ``(x - mean) @ components.T``.
+
+    Raises
+    ------
+    ReductionError
+        The ``cov`` reduction saw no rows (its result has only a count of 0; the message
+        names the hook point when known), or ``cov`` is not a square matrix.
+    ReductionNotFoundError
+        ``cov`` is a hook point's reductions without a ``cov`` one.
+    ArgumentValueError
+        ``n_components`` is not an int in 1..D.
     """
-    c = cov["cov"] if isinstance(cov, Mapping) else cov
+    if hook_point is None:
+        hook_point = getattr(cov, "hook_point", None)
+    where = f" of hook point {hook_point!r}" if hook_point else ""
+    if isinstance(cov, Mapping):
+        if "cov" not in cov:
+            count = cov.get("cov.count", cov.get("count"))  # a store's results, or a reduction's own
+            if count is not None and torch.as_tensor(count).numel() == 1 and int(count) == 0:
+                raise ReductionError(
+                    f"reduction 'cov'{where} saw no rows (count is 0), so there is no covariance to decompose; "
+                    "capture rows at that hook point first")
+            if not hasattr(cov, "hook_point"):  # a store's results raise their own error naming the reductions
+                raise ReductionError(
+                    f"cov must be the result of a 'cov' reduction (a mapping with key 'cov') or a (D, D) Tensor; "
+                    f"got a mapping{where} with keys {sorted(cov)}")
+        c = cov["cov"]
+    else:
+        c = cov
     if c.dim() != 2 or c.shape[0] != c.shape[1]:
-        raise ReductionError(f"cov must be a square (D, D) matrix, got shape {tuple(c.shape)}")
+        raise ReductionError(f"cov{where} must be a square (D, D) matrix, got shape {tuple(c.shape)}")
+    d = int(c.shape[0])
+    if n_components is not None and (
+            isinstance(n_components, bool) or not isinstance(n_components, int) or not 1 <= n_components <= d):
+        raise ArgumentValueError(f"n_components must be an int in 1..{d}, got {n_components!r}")
     c = c.to(torch.float64)
     c = (c + c.T) / 2
     evals, evecs = torch.linalg.eigh(c)

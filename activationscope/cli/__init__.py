@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="'demo', a local Hugging Face model folder, or an import path package.module:factory")
     p.add_argument("--data", required=True,
                    help="'demo' (the labelled movie-review sentences), a text file (one sample per line; "
-                        "'__label__X text' lines give labels), or a tensor file (.npy / .pt, samples along dim 0)")
+                        "'__label__X text' lines give labels, on every line or none), or a tensor file (.npy / .pt, samples along dim 0)")
     p.add_argument("--out", required=True, help="store path or URL")
     p.add_argument("--include", action="append", default=None, metavar="PATTERN",
                    help="fnmatch pattern of module names to track (repeatable or comma separated)")
