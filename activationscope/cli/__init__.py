@@ -172,7 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "commit crashed, or Slurm / Ray tasks that each wrote a rank store) into one "
                                    "store, root metadata last. Safe to rerun.")
     p.add_argument("store", help="store path")
-    p.add_argument("--world-size", type=int, default=None, help="expected number of rank stores")
+    p.add_argument("--world-size", type=_positive, default=None,
+                   help="expected number of rank stores; must agree with the number the capture recorded")
 
     p = sub.add_parser("export", parents=[common], help="export rows to Parquet, Arrow or Hugging Face datasets",
                        description="Export a store's rows (activations plus row table) to a Parquet or Arrow IPC file.")

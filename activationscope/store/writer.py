@@ -560,6 +560,7 @@ class StoreWriter:
             "row_tables": self._row_tables,
             "reductions": reductions,
             "aliases": dict(self.aliases),
+            **({"rank_store": dict(self.rank_store)} if self.rank_store else {}),
         }
 
     def _truncate_to_committed(self) -> None:
@@ -1116,6 +1117,11 @@ class StoreWriter:
 
     #: Whether :meth:`add_alias` is available (a capture stores repeated tensors once).
     supports_aliases: bool = True
+
+    #: ``{"rank", "world_size"}`` when this store is one rank store of a multi-rank capture
+    #: (set by the capture before its first commit); written into the root as ``rank_store``
+    #: so that the commit of the rank stores can check every rank agrees on the world size.
+    rank_store: dict | None = None
 
     #: Names of the torch dtypes an array can hold (``"float32"``, ``"complex64"``, ...).
     supported_dtypes: tuple[str, ...] = F.SUPPORTED_DTYPES
