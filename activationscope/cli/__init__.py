@@ -344,9 +344,13 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_consolidate(args: argparse.Namespace) -> int:
-    if not os.path.isdir(args.store):
-        raise CLIError(f"store {args.store!r} does not exist")
     from ..store.ranks import commit_ranks
+
+    if "://" in args.store:
+        raise CLIError(f"consolidate takes a local store folder, got the URL {args.store!r}; for object storage "
+                       "call activationscope.store.ranks.commit_ranks(url, storage_options=...)")
+    # a missing path, a file, or a folder holding no store: commit_ranks refuses it before it
+    # creates anything there
 
     summary = commit_ranks(args.store, world_size=args.world_size)
     if summary.get("already_committed"):

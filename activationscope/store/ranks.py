@@ -280,7 +280,8 @@ def commit_ranks(target: Any, *, storage_options: dict | None = None,
     Raises
     ------
     StoreError
-        No rank stores, a rank store that is not complete (resume it first), rank stores
+        A local path that does not exist, is a file, or holds neither a store nor rank stores
+        (nothing is created there); no rank stores, a rank store that is not complete (resume it first), rank stores
         that disagree (model, arrays, layout), ``world_size`` other than the world size the
         root or a rank store records (nothing written), or a custom reduction without
         ``make_reduction``.
@@ -292,6 +293,8 @@ def commit_ranks(target: Any, *, storage_options: dict | None = None,
     b = resolve(target, storage_options=storage_options)
     if not isinstance(b, LocalBackend) and not (isinstance(target, str) and "://" in target):
         raise StoreError(f"committing rank stores needs a local path or a URL, got {target!r}")
+    if isinstance(b, LocalBackend):
+        _check_local_target(b)
     with WriterLock(b):  # one committer (or writer) at a time: a second one gets StoreLockedError
         return _commit_ranks(b, target, storage_options, make_reduction, world_size, verify)
 
@@ -411,6 +414,26 @@ def _check_rank_shards(hp: str, meta: dict, stores: list[Store], local: bool,
     return out
 
 
+def _ranks_dir(b: Any) -> str:
+    """``<store>/ranks/``, one path to quote in messages."""
+    return f"{str(b).rstrip('/')}/{RANKS_DIR}/"
+
+
+def _check_local_target(b: LocalBackend) -> None:
+    """Refuse, before the writer lock is taken (so nothing is created), a local path that is
+    not a folder holding a store or rank stores."""
+    root = b.root
+    if not root.exists():
+        raise StoreError(f"store {str(root)!r} does not exist; pass the folder the capture wrote (it holds "
+                         f"{RANKS_DIR}/)")
+    if not root.is_dir():
+        raise StoreError(f"{str(root)!r} is a file, not a store folder; pass the folder the capture wrote (it holds "
+                         f"{RANKS_DIR}/)")
+    if b.get("zarr.json") is None and not _rank_dirs(b):
+        raise StoreError(f"{str(root)!r} holds no store: no zarr.json and no rank stores under {_ranks_dir(b)!r}; "
+                         "nothing to commit. Pass the folder a multi-rank capture wrote")
+
+
 def _check_rank_world_sizes(b: Any, stores: list[Store], expected: int | None) -> None:
     """Every rank store that records its rank and world size (``rank_store`` in its root)
     must be rank ``r`` of ``expected`` ranks: a commit of part of a capture as ``complete``
@@ -423,7 +446,7 @@ def _check_rank_world_sizes(b: Any, stores: list[Store], expected: int | None) -
         if expected is None and n is not None and n != len(stores):
             raise StoreError(
                 f"the rank store {st.path!r} was captured as rank {rank} of {n} ranks, but {len(stores)} rank "
-                f"store(s) are under {str(b).rstrip('/') + '/' + RANKS_DIR + '/'!r}; nothing was written. A rank "
+                f"store(s) are under {_ranks_dir(b)!r}; nothing was written. A rank "
                 "is missing: capture it, then commit again")
         if expected is not None and n is not None and n != int(expected):
             raise StoreError(
@@ -472,9 +495,9 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
                 "arrays": {}, "already_committed": True}
     expected = world_size or dist.get("world_size")
     if not ranks:
-        raise StoreError(f"no rank stores under {str(b)!r}/{RANKS_DIR}/; nothing to commit")
+        raise StoreError(f"no rank stores under {_ranks_dir(b)!r}; nothing to commit")
     if ranks != list(range(len(ranks))) or (expected is not None and len(ranks) != int(expected)):
-        raise StoreError(f"rank stores under {str(b)!r}/{RANKS_DIR}/ are ranks {ranks}, expected 0..{(expected or len(ranks)) - 1}; "
+        raise StoreError(f"rank stores under {_ranks_dir(b)!r} are ranks {ranks}, expected 0..{(expected or len(ranks)) - 1}; "
                          "a rank is missing (rerun it)")
     local = isinstance(b, LocalBackend)
     stores = [Store(b.root / RANKS_DIR / f"{r:05d}") if local else

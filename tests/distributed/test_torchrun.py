@@ -457,6 +457,41 @@ def test_consolidate_world_size_must_be_positive(tmp_path, capsys, value):
     assert _tree(store) == before
 
 
+def test_consolidate_on_a_path_that_is_not_a_store_creates_nothing(tmp_path, capsys):
+    """An empty folder, a folder with an empty ranks/, a regular file, a missing path: each is
+    refused naming what it is, with one quoted path, and nothing is created there."""
+    from activationscope import cli
+    from activationscope.store.ranks import commit_ranks
+
+    empty, no_ranks, afile = tmp_path / "ed", tmp_path / "ed2", tmp_path / "afile"
+    empty.mkdir()
+    (no_ranks / "ranks").mkdir(parents=True)
+    afile.write_bytes(b"not a store")
+    for folder in (empty, no_ranks):
+        assert cli.main(["consolidate", str(folder)]) == 1
+        err = capsys.readouterr().err
+        assert f"{str(folder)!r} holds no store: no zarr.json and no rank stores under {str(folder) + '/ranks/'!r}" \
+            in err, err
+        with pytest.raises(acs.StoreError, match="holds no store"):
+            commit_ranks(folder)
+    assert os.listdir(empty) == [] and os.listdir(no_ranks) == ["ranks"] and os.listdir(no_ranks / "ranks") == []
+    assert cli.main(["consolidate", str(afile)]) == 1
+    err = capsys.readouterr().err
+    assert f"{str(afile)!r} is a file, not a store folder" in err and "does not exist" not in err, err
+    assert afile.read_bytes() == b"not a store"
+    assert cli.main(["consolidate", str(tmp_path / "missing")]) == 1
+    assert f"store {str(tmp_path / 'missing')!r} does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "missing").exists()
+    assert cli.main(["consolidate", "s3://bucket/run.zarr"]) == 1
+    assert "consolidate takes a local store folder, got the URL 's3://bucket/run.zarr'" in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == ["afile", "ed", "ed2"]
+    # a missing rank is named under one quoted path
+    store = tmp_path / "rk.zarr"
+    _small_rank_stores(store, tasks=(0,))
+    assert cli.main(["consolidate", str(store)]) == 1
+    assert f"rank stores under {str(store) + '/ranks/'!r} are ranks [0], expected 0..1" in capsys.readouterr().err
+
+
 def _files_of(store: Path) -> dict[str, bytes]:
     return {str(p.relative_to(store)): p.read_bytes() for p in sorted(store.rglob("*"))
             if p.is_file() and p.name != "zarr.json" and not p.name.startswith(".lock")}
