@@ -394,9 +394,11 @@ class StoreWriter:
             old = (self._state.get("model") or {}).get("state_dict_sha256")
             if old is not None and old != self._model["state_dict_sha256"]:
                 raise StoreError(
-                    f"cannot resume {str(self._backend)!r}: it was captured from a model with state dict sha256 "
-                    f"{old[:12]}..., this model has {self._model['state_dict_sha256'][:12]}...; pass overwrite=True "
-                    "to start again"
+                    f"cannot resume {str(self._backend)!r} (status {self._state.get('status')!r}, "
+                    f"{int(self._state.get('n_samples', 0))} samples): it was captured from a model with state dict "
+                    f"sha256 {old[:12]}..., this model has {self._model['state_dict_sha256'][:12]}...; nothing was "
+                    "changed. Resume with the model it was captured from, or pass overwrite=True (CLI: --overwrite) "
+                    "to capture it again with this model"
                 )
 
         if self._state is not None:
