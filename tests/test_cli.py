@@ -444,6 +444,39 @@ def test_capture_resume_continues_from_the_next_sample(tmp_path, toy_store, caps
     assert code == 0 and "nothing to capture" in stdout
 
 
+def test_resume_with_another_model_states_the_store_status_and_the_cli_flag(tmp_path, toy_store, user_package,
+                                                                            capsys):
+    """--resume of a complete store captured from another model: refused, the message gives the
+    store's real status (complete, unchanged) and --overwrite, never "status incomplete"."""
+    import activationscope as acs
+
+    user_package("othernets", """
+        import torch
+        def mlp():
+            torch.manual_seed(1)
+            return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+    """)
+    _, x = toy_store
+    out = tmp_path / "e1.zarr"
+    code, _, err = run(capsys, "capture", "--model", "othernets.nets:mlp", "--data", str(x), "--out", str(out),
+                       "--max-samples", "20", "--no-progress")
+    assert code == 0, err
+    before = acs.open_store(str(out))["2.output"].clone()
+    args = ["capture", "--model", "usermodels.nets:mlp", "--data", str(x), "--out", str(out), "--no-progress"]
+    code, _, err = run(capsys, *args, "--resume")
+    assert code == 1
+    _one_error_line(err, f"cannot resume {str(out)!r} (status 'complete', 20 samples)", "nothing was changed",
+                    "overwrite=True (CLI: --overwrite)", f"{out} keeps its 20 committed samples (status complete)")
+    assert "incomplete" not in err and "--resume continues" not in err, err
+    store = acs.open_store(str(out))
+    assert store.status == "complete" and store.n_samples == 20 and torch.equal(store["2.output"], before)
+    code, stdout, err = run(capsys, *args, "--overwrite")
+    assert code == 0 and "captured 50 samples" in stdout, err
+    model = specs.load_model_spec("usermodels.nets:mlp").model
+    with torch.no_grad():
+        torch.testing.assert_close(acs.open_store(str(out))["2.output"], model(torch.from_numpy(np.load(x))))
+
+
 def test_model_failing_mid_capture_is_one_line_and_store_incomplete(tmp_path, toy_store, capsys):
     import activationscope as acs
 

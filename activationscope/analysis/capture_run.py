@@ -138,7 +138,7 @@ def run_capture(
                 f"no row was committed, so the store that was at {out} is kept as it was (overwrite replaces it "
                 "only once the new capture commits)" if (store_options or {}).get("overwrite")
                 and summary.n_forwards == 0 else
-                f"{out} keeps the rows committed before (status incomplete; --resume continues it)")
+                _what_is_kept(out))
         if isinstance(e, CaptureError) and not isinstance(e.__cause__, ActivationScopeError):
             raise CaptureError(f"{e}; {tail}") from e.__cause__
         e.add_note(tail)
@@ -149,6 +149,24 @@ def run_capture(
     summary.elapsed_s = time.perf_counter() - start
     summary.n_bytes = max(summary.n_bytes, dir_bytes(out))
     return summary
+
+
+def _what_is_kept(out: Any) -> str:
+    """After a failed capture into an existing store: the status it has now, read from it
+    (a resume refused before writing leaves a complete store complete)."""
+    from ..store import open_store
+
+    try:
+        store = open_store(out)
+        try:
+            status, n = store.status, int(store.n_samples)
+        finally:
+            store.close()
+    except Exception:  # noqa: BLE001 - the failure itself is what the caller reports
+        return f"{out} keeps the rows committed before"
+    if status == "complete":
+        return f"{out} keeps its {n} committed samples (status complete)"
+    return f"{out} keeps the rows committed before ({n} samples, status {status}; --resume continues it)"
 
 
 #: Values of ``capture_dataset(dtype=...)`` (names of torch dtypes).

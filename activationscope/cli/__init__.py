@@ -187,7 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "commit crashed, or Slurm / Ray tasks that each wrote a rank store) into one "
                                    "store, root metadata last. Safe to rerun.")
     p.add_argument("store", help="store path")
-    p.add_argument("--world-size", type=int, default=None, help="expected number of rank stores")
+    p.add_argument("--world-size", type=_positive, default=None,
+                   help="expected number of rank stores; must agree with the number the capture recorded")
 
     p = sub.add_parser("export", parents=[common], help="export rows to Parquet, Arrow or Hugging Face datasets",
                        description="Export a store's rows (activations plus row table) to a Parquet or Arrow IPC file.")
@@ -358,9 +359,13 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_consolidate(args: argparse.Namespace) -> int:
-    if not os.path.isdir(args.store):
-        raise CLIError(f"store {args.store!r} does not exist")
     from ..store.ranks import commit_ranks
+
+    if "://" in args.store:
+        raise CLIError(f"consolidate takes a local store folder, got the URL {args.store!r}; for object storage "
+                       "call activationscope.store.ranks.commit_ranks(url, storage_options=...)")
+    # a missing path, a file, or a folder holding no store: commit_ranks refuses it before it
+    # creates anything there
 
     summary = commit_ranks(args.store, world_size=args.world_size)
     if summary.get("already_committed"):

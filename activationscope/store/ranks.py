@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from ..capture import _native
-from ..errors import StoreCorruptError, StoreError, StoreExistsError
+from ..errors import ArgumentValueError, StoreCorruptError, StoreError, StoreExistsError
 from . import _format as F
 from ._backend import LocalBackend, resolve
 from ._lock import WriterLock
@@ -263,7 +263,9 @@ def commit_ranks(target: Any, *, storage_options: dict | None = None,
         ``(hook_point, name, entry) -> reduction`` for custom reductions (the capture's own
         objects); built-in reductions are made from their recorded kind and options.
     world_size : int, optional
-        Expected number of rank stores (default: the root's ``distributed.world_size``).
+        Expected number of rank stores (default: the root's ``distributed.world_size``). It
+        must agree with the world size the root and every rank store record (``RankStore(rank,
+        world_size)``, the ``torchrun`` world), also on a store already committed.
     verify : bool, default True
         Check the crc32c of every chunk of every rank shard of a local store before writing
         anything (one read of every shard: stores from elsewhere, ``activationscope
@@ -281,12 +283,21 @@ def commit_ranks(target: Any, *, storage_options: dict | None = None,
     Raises
     ------
     StoreError
-        No rank stores, a rank store that is not complete (resume it first), rank stores
-        that disagree (model, arrays, layout), or a custom reduction without ``make_reduction``.
+        A local path that does not exist, is a file, or holds neither a store nor rank stores
+        (nothing is created there); no rank stores, a rank store that is not complete (resume it first), rank stores
+        that disagree (model, arrays, layout), ``world_size`` other than the world size the
+        root or a rank store records (nothing written), or a custom reduction without
+        ``make_reduction``.
+    ArgumentValueError
+        ``world_size`` not a positive int.
     """
+    if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1):
+        raise ArgumentValueError(f"world_size must be a positive int or None, got {world_size!r}")
     b = resolve(target, storage_options=storage_options)
     if not isinstance(b, LocalBackend) and not (isinstance(target, str) and "://" in target):
         raise StoreError(f"committing rank stores needs a local path or a URL, got {target!r}")
+    if isinstance(b, LocalBackend):
+        _check_local_target(b)
     with WriterLock(b):  # one committer (or writer) at a time: a second one gets StoreLockedError
         return _commit_ranks(b, target, storage_options, make_reduction, world_size, verify)
 
@@ -406,6 +417,52 @@ def _check_rank_shards(hp: str, meta: dict, stores: list[Store], local: bool,
     return out
 
 
+def _ranks_dir(b: Any) -> str:
+    """``<store>/ranks/``, one path to quote in messages."""
+    return f"{str(b).rstrip('/')}/{RANKS_DIR}/"
+
+
+def _check_local_target(b: LocalBackend) -> None:
+    """Refuse, before the writer lock is taken (so nothing is created), a local path that is
+    not a folder holding a store or rank stores."""
+    root = b.root
+    if not root.exists():
+        raise StoreError(f"store {str(root)!r} does not exist; pass the folder the capture wrote (it holds "
+                         f"{RANKS_DIR}/)")
+    if not root.is_dir():
+        raise StoreError(f"{str(root)!r} is a file, not a store folder; pass the folder the capture wrote (it holds "
+                         f"{RANKS_DIR}/)")
+    if b.get("zarr.json") is None and not _rank_dirs(b):
+        raise StoreError(f"{str(root)!r} holds no store: no zarr.json and no rank stores under {_ranks_dir(b)!r}; "
+                         "nothing to commit. Pass the folder a multi-rank capture wrote")
+
+
+def _check_rank_world_sizes(b: Any, stores: list[Store], expected: int | None) -> None:
+    """Every rank store that records its rank and world size (``rank_store`` in its root)
+    must be rank ``r`` of ``expected`` ranks: a commit of part of a capture as ``complete``
+    (a task of ``RankStore(0, 2)`` committed with ``world_size=1``) raises StoreError."""
+    for r, st in enumerate(stores):
+        rec = st.attrs.get("rank_store")
+        if not isinstance(rec, dict):
+            continue  # a rank store written before ranks recorded it
+        n, rank = rec.get("world_size"), rec.get("rank")
+        if expected is None and n is not None and n != len(stores):
+            raise StoreError(
+                f"the rank store {st.path!r} was captured as rank {rank} of {n} ranks, but {len(stores)} rank "
+                f"store(s) are under {_ranks_dir(b)!r}; nothing was written. A rank "
+                "is missing: capture it, then commit again")
+        if expected is not None and n is not None and n != int(expected):
+            raise StoreError(
+                f"world_size={expected} (CLI: --world-size {expected}) disagrees with the rank store {st.path!r}, "
+                f"which was captured as rank {rank} of {n} ranks (rank_store.world_size in its zarr.json); nothing "
+                f"was written. Pass world_size={n} (CLI: --world-size {n}) once every one of its {n} ranks is "
+                f"complete, or capture every task again with RankStore(rank, {expected})")
+        if rank is not None and rank != r:
+            raise StoreError(f"the rank store {st.path!r} was captured as rank {rank}, but is stored as rank {r}; "
+                             f"nothing was written. Move it to {rank_target(str(b), int(rank))!r} or capture rank "
+                             f"{r} again")
+
+
 def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
                   make_reduction: Callable[[str, str, dict], Any] | None, world_size: int | None,
                   verify: bool = True) -> dict:
@@ -424,6 +481,14 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
                 "its attributes, so consolidate cannot tell whether its ranks were committed; nothing was "
                 "changed. Run verify on it")
     dist = root_attrs.get("distributed") or {}
+    recorded = dist.get("world_size")
+    if world_size is not None and recorded is not None and int(recorded) != world_size:
+        state = "committed from" if dist.get("committed") else "captured by"
+        raise StoreError(
+            f"world_size={world_size} (CLI: --world-size {world_size}) disagrees with the store {str(b)!r}, which "
+            f"was {state} {recorded} ranks (distributed.world_size in its root zarr.json); nothing was written. "
+            f"Pass world_size={recorded} (CLI: --world-size {recorded}) or leave it out, or, if {world_size} is "
+            f"right, capture the store again with RankStore(rank, {world_size}) on every task")
     ranks = _rank_dirs(b)
     if dist.get("committed"):
         if ranks:  # crashed while removing the rank stores: finish that
@@ -433,9 +498,9 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
                 "arrays": {}, "already_committed": True}
     expected = world_size or dist.get("world_size")
     if not ranks:
-        raise StoreError(f"no rank stores under {str(b)!r}/{RANKS_DIR}/; nothing to commit")
+        raise StoreError(f"no rank stores under {_ranks_dir(b)!r}; nothing to commit")
     if ranks != list(range(len(ranks))) or (expected is not None and len(ranks) != int(expected)):
-        raise StoreError(f"rank stores under {str(b)!r}/{RANKS_DIR}/ are ranks {ranks}, expected 0..{(expected or len(ranks)) - 1}; "
+        raise StoreError(f"rank stores under {_ranks_dir(b)!r} are ranks {ranks}, expected 0..{(expected or len(ranks)) - 1}; "
                          "a rank is missing (rerun it)")
     local = isinstance(b, LocalBackend)
     stores = [Store(b.root / RANKS_DIR / f"{r:05d}") if local else
@@ -444,6 +509,7 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
         if st.status != "complete":
             raise StoreError(f"rank {r} store {st.path!r} is {st.status!r}: resume that rank (resume=True) so it "
                              "completes, then commit")
+    _check_rank_world_sizes(b, stores, expected)
     model = _check_same(stores, "the model (class, state dict sha256)",
                         lambda s: (s.attrs.get("model") or {}).get("state_dict_sha256"))
     del model
@@ -1010,7 +1076,9 @@ def open_capture_writer(target: Any, *, process_group: Any = None, **options: An
         return StoreWriter(target, **options)
     fixed = {k: options.pop(k) for k in ("capture_config", "model", "storage_dtype") if k in options}
     rank_target_, opts = session.writer_options(options)
-    return RankWriter(session, StoreWriter(rank_target_, **fixed, **opts))
+    inner = StoreWriter(rank_target_, **fixed, **opts)
+    inner.rank_store = {"rank": session.rank, "world_size": session.world_size}  # checked by commit_ranks
+    return RankWriter(session, inner)
 
 
 def _capture_writer_signature() -> Any:

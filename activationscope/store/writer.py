@@ -394,9 +394,11 @@ class StoreWriter:
             old = (self._state.get("model") or {}).get("state_dict_sha256")
             if old is not None and old != self._model["state_dict_sha256"]:
                 raise StoreError(
-                    f"cannot resume {str(self._backend)!r}: it was captured from a model with state dict sha256 "
-                    f"{old[:12]}..., this model has {self._model['state_dict_sha256'][:12]}...; pass overwrite=True "
-                    "to start again"
+                    f"cannot resume {str(self._backend)!r} (status {self._state.get('status')!r}, "
+                    f"{int(self._state.get('n_samples', 0))} samples): it was captured from a model with state dict "
+                    f"sha256 {old[:12]}..., this model has {self._model['state_dict_sha256'][:12]}...; nothing was "
+                    "changed. Resume with the model it was captured from, or pass overwrite=True (CLI: --overwrite) "
+                    "to capture it again with this model"
                 )
 
         if self._state is not None:
@@ -560,6 +562,7 @@ class StoreWriter:
             "row_tables": self._row_tables,
             "reductions": reductions,
             "aliases": dict(self.aliases),
+            **({"rank_store": dict(self.rank_store)} if self.rank_store else {}),
         }
 
     def _truncate_to_committed(self) -> None:
@@ -1116,6 +1119,11 @@ class StoreWriter:
 
     #: Whether :meth:`add_alias` is available (a capture stores repeated tensors once).
     supports_aliases: bool = True
+
+    #: ``{"rank", "world_size"}`` when this store is one rank store of a multi-rank capture
+    #: (set by the capture before its first commit); written into the root as ``rank_store``
+    #: so that the commit of the rank stores can check every rank agrees on the world size.
+    rank_store: dict | None = None
 
     #: Names of the torch dtypes an array can hold (``"float32"``, ``"complex64"``, ...).
     supported_dtypes: tuple[str, ...] = F.SUPPORTED_DTYPES

@@ -386,6 +386,112 @@ def _small_rank_stores(store: Path, seed: int = 0, tasks: tuple[int, ...] = (0, 
                 model(x)
 
 
+def _tree(store: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(store)): p.read_bytes() for p in sorted(store.rglob("*"))
+            if p.is_file() and not p.name.startswith(".activationscope-writer.lock")}
+
+
+def test_consolidate_refuses_a_world_size_other_than_the_capture_s(tmp_path, capsys):
+    """Only task 0 of RankStore(0, 2) wrote its rank store: --world-size 1 must not commit half
+    of the capture as complete. Refused naming both sizes, nothing written; the same for a
+    world size other than the one an already committed store was committed from."""
+    from activationscope import cli
+    from activationscope.store.ranks import commit_ranks
+
+    store = tmp_path / "rk.zarr"
+    _small_rank_stores(store, tasks=(0,))
+    rank0 = json.loads((store / "ranks" / "00000" / "zarr.json").read_text())["attributes"]["activationscope"]
+    assert rank0["rank_store"] == {"rank": 0, "world_size": 2}
+    before = _tree(store)
+    for n in (1, 3):
+        assert cli.main(["consolidate", str(store), "--world-size", str(n)]) == 1
+        err = capsys.readouterr().err
+        assert f"world_size={n} (CLI: --world-size {n}) disagrees" in err and "captured by 2 ranks" in err, err
+        assert "--world-size 2" in err and "nothing was written" in err
+        assert _tree(store) == before
+    assert acs.open_store(store).status == "incomplete"
+    # the root gone (or of another world size): the world size the rank store records still counts
+    (store / "zarr.json").unlink()
+    before = _tree(store)
+    with pytest.raises(acs.StoreError, match=r"world_size=1 \(CLI: --world-size 1\) disagrees with the rank store "
+                                             r".*00000.*captured as rank 0 of 2 ranks"):
+        commit_ranks(store, world_size=1)
+    with pytest.raises(acs.StoreError, match=r"captured as rank 0 of 2 ranks, but 1 rank store\(s\) are under "
+                                             r"'.*rk\.zarr/ranks/'.*A rank is missing"):
+        commit_ranks(store)
+    assert _tree(store) == before
+    # a rank store in the place of another rank
+    _small_rank_stores(store, tasks=(1,))
+    shutil.rmtree(store / "ranks" / "00000")
+    shutil.copytree(store / "ranks" / "00001", store / "ranks" / "00000")
+    with pytest.raises(acs.StoreError, match=r"captured as rank 1, but is stored as rank 0"):
+        commit_ranks(store, world_size=2)
+    # committed from 2 ranks: --world-size 3 is refused, 2 (or none) is "already committed"
+    done = tmp_path / "done.zarr"
+    _small_rank_stores(done)
+    assert cli.main(["consolidate", str(done)]) == 0
+    capsys.readouterr()
+    before = _tree(done)
+    assert cli.main(["consolidate", str(done), "--world-size", "3"]) == 1
+    err = capsys.readouterr().err
+    assert "world_size=3 (CLI: --world-size 3) disagrees" in err and "committed from 2 ranks" in err, err
+    assert "already committed" not in err and _tree(done) == before
+    assert cli.main(["consolidate", str(done), "--world-size", "2"]) == 0
+    assert "already committed (2 ranks, 36 samples)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "two"])
+def test_consolidate_world_size_must_be_positive(tmp_path, capsys, value):
+    from activationscope import cli
+    from activationscope.errors import ArgumentValueError
+    from activationscope.store.ranks import commit_ranks
+
+    store = tmp_path / "rk.zarr"
+    _small_rank_stores(store)
+    before = _tree(store)
+    assert cli.main(["consolidate", str(store), f"--world-size={value}"]) == 2
+    assert f"argument --world-size: must be a positive int, got {value!r}" in capsys.readouterr().err
+    for bad in (0, -1, True, 2.0):
+        with pytest.raises(ArgumentValueError, match=f"world_size must be a positive int or None, got {bad!r}"):
+            commit_ranks(store, world_size=bad)
+    assert _tree(store) == before
+
+
+def test_consolidate_on_a_path_that_is_not_a_store_creates_nothing(tmp_path, capsys):
+    """An empty folder, a folder with an empty ranks/, a regular file, a missing path: each is
+    refused naming what it is, with one quoted path, and nothing is created there."""
+    from activationscope import cli
+    from activationscope.store.ranks import commit_ranks
+
+    empty, no_ranks, afile = tmp_path / "ed", tmp_path / "ed2", tmp_path / "afile"
+    empty.mkdir()
+    (no_ranks / "ranks").mkdir(parents=True)
+    afile.write_bytes(b"not a store")
+    for folder in (empty, no_ranks):
+        assert cli.main(["consolidate", str(folder)]) == 1
+        err = capsys.readouterr().err
+        assert f"{str(folder)!r} holds no store: no zarr.json and no rank stores under {str(folder) + '/ranks/'!r}" \
+            in err, err
+        with pytest.raises(acs.StoreError, match="holds no store"):
+            commit_ranks(folder)
+    assert os.listdir(empty) == [] and os.listdir(no_ranks) == ["ranks"] and os.listdir(no_ranks / "ranks") == []
+    assert cli.main(["consolidate", str(afile)]) == 1
+    err = capsys.readouterr().err
+    assert f"{str(afile)!r} is a file, not a store folder" in err and "does not exist" not in err, err
+    assert afile.read_bytes() == b"not a store"
+    assert cli.main(["consolidate", str(tmp_path / "missing")]) == 1
+    assert f"store {str(tmp_path / 'missing')!r} does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "missing").exists()
+    assert cli.main(["consolidate", "s3://bucket/run.zarr"]) == 1
+    assert "consolidate takes a local store folder, got the URL 's3://bucket/run.zarr'" in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == ["afile", "ed", "ed2"]
+    # a missing rank is named under one quoted path
+    store = tmp_path / "rk.zarr"
+    _small_rank_stores(store, tasks=(0,))
+    assert cli.main(["consolidate", str(store)]) == 1
+    assert f"rank stores under {str(store) + '/ranks/'!r} are ranks [0], expected 0..1" in capsys.readouterr().err
+
+
 def _files_of(store: Path) -> dict[str, bytes]:
     return {str(p.relative_to(store)): p.read_bytes() for p in sorted(store.rglob("*"))
             if p.is_file() and p.name != "zarr.json" and not p.name.startswith(".lock")}
