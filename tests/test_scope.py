@@ -164,6 +164,47 @@ def test_include_exclude_select_modules(mlp):
     assert tr.hook_points == ["0.output", "2.output", "4.output"]
 
 
+class _BracketNames(torch.nn.Module):
+    """Module names that are also fnmatch patterns: ``d.a[1]`` matches ``d.a1`` as a pattern."""
+
+    def __init__(self):
+        super().__init__()
+        self.d = torch.nn.ModuleDict({"a[1]": torch.nn.Linear(2, 2), "a1": torch.nn.Linear(2, 3)})
+
+    def forward(self, x):
+        return self.d["a[1]"](x), self.d["a1"](x)
+
+
+def test_include_exact_module_name_wins_over_its_pattern_reading():
+    torch.manual_seed(0)
+    model, x = _BracketNames(), torch.randn(4, 2)
+    with acs.ActivationScope().track(model, include=["d.a[1]"]) as tr:
+        model(x)
+    assert tr.hook_points == ["d.a[1].output"]
+    assert torch.equal(tr.activations["d.a[1].output"][0], model.d["a[1]"](x).detach())
+    # a pattern that names no module stays a pattern
+    with acs.ActivationScope().track(model, include=["d.a?"]) as tr:
+        model(x)
+    assert tr.hook_points == ["d.a1.output"]
+
+
+def test_exclude_exact_module_name_wins_over_its_pattern_reading():
+    model = _BracketNames()
+    with acs.ActivationScope().track(model, exclude=["d.a[1]", "d"]) as tr:
+        model(torch.randn(4, 2))
+    assert tr.hook_points == ["d.a1.output"]
+
+
+def test_pattern_hits_exact_names_first():
+    from activationscope.capture.hooks import pattern_hits
+
+    names = ["d.a1", "d.a[1]", "d.b"]
+    assert pattern_hits("d.a[1]", names) == ["d.a[1]"]
+    assert pattern_hits("d.a[0-9]", names) == ["d.a1"]
+    assert pattern_hits("d.*", names) == names
+    assert pattern_hits("D.b", names) == []
+
+
 def test_track_overrides_capture_side(mlp):
     with acs.ActivationScope(capture="output").track(mlp, include=["0"], capture="input") as tr:
         mlp(torch.randn(2, 16))

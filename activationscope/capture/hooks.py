@@ -4,7 +4,9 @@ A *hook point* is a named capture site: ``<module path>.output``, ``<module path
 ``<module path>.input.kw.<name>``, leaves of structured outputs by field path
 (``<module path>.output.last_hidden_state``, ``<module path>.output.0``) and ``#k`` after the
 module path for the k-th call of one module within one forward (``blocks.0#1.output``).
-Modules are selected by fnmatch patterns on their ``named_modules()`` names.
+Modules are selected by fnmatch patterns on their ``named_modules()`` names; a pattern equal to a
+name selects that name only (:func:`pattern_hits`), so ``"d.a[1]"`` names the module ``d.a[1]``
+rather than the character class that matches ``d.a1``.
 
 A TransformerLens ``HookPoint`` (an identity module that exists to be hooked) is recorded
 under its TransformerLens name, the module path itself (``blocks.0.hook_resid_post``,
@@ -23,7 +25,35 @@ import torch
 
 from ..errors import ArgumentTypeError, CaptureWarning, HookPointNotFoundError
 
-__all__ = ["select_modules", "hook_point_module", "normalize_patterns", "is_hook_point_module", "rename_hook_point"]
+__all__ = ["select_modules", "hook_point_module", "normalize_patterns", "is_hook_point_module", "rename_hook_point",
+           "pattern_hits"]
+
+
+def pattern_hits(pattern: str, names: Iterable[str]) -> list[str]:
+    """The names that ``pattern`` selects, in the order of ``names``.
+
+    Exact names first: a pattern equal to one of ``names`` selects that name only (a module
+    or hook point may contain ``[``, ``]``, ``*`` or ``?``, as the keys of an
+    ``nn.ModuleDict`` can); any other pattern selects the names it matches with
+    ``fnmatch.fnmatchcase`` (case-sensitive). The same rule as ``ActivationDataset(hook_points=...)``,
+    :func:`~activationscope.data.export_parquet` and the CLI's ``--hook-points``.
+
+    Parameters
+    ----------
+    pattern : str
+        A name or an fnmatch pattern.
+    names : iterable of str
+        The names to choose from (module names or hook points).
+
+    Returns
+    -------
+    list of str
+        The selected names (empty when none matches).
+    """
+    names = list(names)
+    if pattern in names:
+        return [pattern]
+    return [n for n in names if fnmatch.fnmatchcase(n, pattern)]
 
 
 def check_column(key: str, col: Any) -> None:
@@ -67,7 +97,8 @@ def select_modules(
     model : torch.nn.Module
         The model; its own name is ``""`` (the root).
     include : list of str, optional
-        fnmatch patterns on module names. Default: every submodule (the root excluded,
+        Module names or fnmatch patterns on them; a pattern equal to a module name selects
+        that module only (see :func:`pattern_hits`). Default: every submodule (the root excluded,
         since its output repeats its last submodule's; include ``""`` to track it). The
         ``out_proj`` of an ``nn.MultiheadAttention``, which that module never calls, is
         selected only when a pattern names it exactly.
@@ -75,7 +106,8 @@ def select_modules(
         tracked: they are replaced by their outermost scripted ancestor, with a
         :class:`~activationscope.errors.CaptureWarning` naming them.
     exclude : list of str, optional
-        fnmatch patterns removed after ``include``; a pattern that matches no module warns
+        Module names or fnmatch patterns (same rule as ``include``) removed after
+        ``include``; a pattern that matches no module warns
         (:class:`CaptureWarning`), as it excludes nothing.
 
     Returns
@@ -105,24 +137,29 @@ def select_modules(
         if not chosen:  # a model without submodules: track the root itself
             chosen = named[:1]
     else:
+        included: set[str] = set()
         for pat in include:
-            if not any(fnmatch.fnmatchcase(n, pat) for n in names):
+            hits = pattern_hits(pat, names)
+            if not hits:
                 raise HookPointNotFoundError(
                     f"include pattern {pat!r} matches no module of {type(model).__name__}; "
                     f"module names look like {_examples(names)}"
                 )
-        chosen = [(n, m) for n, m in named if any(fnmatch.fnmatchcase(n, p) for p in include)
-                  and (n not in never_called or n in include)]
+            included.update(hits)
+        chosen = [(n, m) for n, m in named if n in included and (n not in never_called or n in include)]
     chosen = _replace_scripted(model, named, chosen, explicit=include is not None)
     if exclude:
+        excluded: set[str] = set()
         for pat in exclude:
-            if not any(fnmatch.fnmatchcase(n, pat) for n in names):
+            hits = pattern_hits(pat, names)
+            if not hits:
                 warnings.warn(
                     f"exclude pattern {pat!r} matches no module of {type(model).__name__}, so it excludes nothing; "
                     f"module names look like {_examples(names)}",
                     CaptureWarning, stacklevel=3,
                 )
-        chosen = [(n, m) for n, m in chosen if not any(fnmatch.fnmatchcase(n, p) for p in exclude)]
+            excluded.update(hits)
+        chosen = [(n, m) for n, m in chosen if n not in excluded]
     if not chosen:
         raise HookPointNotFoundError(
             f"include={include!r} and exclude={exclude!r} leave no module of {type(model).__name__} to track; "

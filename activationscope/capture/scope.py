@@ -378,7 +378,9 @@ class ActivationScope:
         ----------
         model : torch.nn.Module
         include, exclude : list of str, optional
-            fnmatch patterns on ``named_modules()`` names; override the scope's.
+            Module names or fnmatch patterns on ``named_modules()`` names; a pattern equal
+            to a module name selects that module only (``"d.a[1]"`` is the module
+            ``d.a[1]``, not ``d.a1``); override the scope's.
         capture : {"output", "input", "both"}, optional
             Override the scope's side.
         stop_after_last : bool, optional

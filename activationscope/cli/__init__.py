@@ -442,15 +442,16 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def _check_hook_points(store: Any, hook_points: list[str] | None) -> list[str] | None:
-    """Resolve names and fnmatch patterns against the store's hook points, in store order."""
-    import fnmatch
+    """Resolve names and fnmatch patterns against the store's hook points, in store order
+    (a pattern equal to a hook point selects that hook point only)."""
+    from ..capture.hooks import pattern_hits
 
     if hook_points is None:
         return None
     known = list(store.hook_points)
     chosen: set[str] = set()
     for hp in hook_points:
-        hits = [k for k in known if fnmatch.fnmatchcase(k, hp)] if any(c in hp for c in "*?[") else [hp] if hp in known else []
+        hits = pattern_hits(hp, known)
         if not hits:
             shown = ", ".join(known[:8]) + (", ..." if len(known) > 8 else "")
             if any(c in hp for c in "*?["):

@@ -9,7 +9,6 @@ a contiguous batch, one ``torch.index_select`` gather for a random one).
 
 from __future__ import annotations
 
-import fnmatch
 import operator
 import reprlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -29,6 +28,7 @@ from ..errors import (
     HookPointNotFoundError,
     RowIndexError,
 )
+from ..capture.hooks import pattern_hits
 from ._source import StoreSource, as_source
 
 __all__ = ["ActivationDataset", "Batch", "collate"]
@@ -416,8 +416,9 @@ class ActivationDataset(Dataset):
         A store path or URL (opened read-only with ``activationscope.open_store``), an open
         store, or a dataset whose store is reused.
     hook_points : str or list of str, optional
-        Hook points to read; fnmatch patterns allowed (``"blocks.*.output"``). Default: every
-        hook point of the store. All must have the same row kind (``"sample"`` or
+        Hook points to read; fnmatch patterns allowed (``"blocks.*.output"``); a pattern
+        equal to a hook point selects that hook point only. Default: every hook point of
+        the store. All must have the same row kind (``"sample"`` or
         ``"token"``) and the same number of rows.
     rows : slice, range, sequence of int, Tensor / ndarray (k,) integer or bool mask (n_rows,), optional
         Store rows to use (before ``filter`` / ``sample_ids``), in the order given. Default:
@@ -528,7 +529,7 @@ class ActivationDataset(Dataset):
         for pat in patterns:
             if not isinstance(pat, str):
                 raise ArgumentTypeError(f"hook_points must be str patterns, got {pat!r}")
-            hits = [pat] if pat in available else fnmatch.filter(available, pat)
+            hits = pattern_hits(pat, available)
             if not hits:
                 raise HookPointNotFoundError(
                     f"hook point {pat!r} is not in the store {self.source.describe()}; it has {available}"

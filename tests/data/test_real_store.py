@@ -203,3 +203,36 @@ def test_real_store_dataloader_workers(tmp_path, method):
     seq = DataLoader(ds, batch_sampler=SequentialBatchSampler(ds, 32), num_workers=2,
                      multiprocessing_context=mp.get_context(method))
     assert torch.equal(torch.cat([b["0.output"] for b in seq]), ref)
+
+
+def test_hook_point_named_like_a_pattern_reads_itself(tmp_path):
+    """A hook point whose name is also an fnmatch pattern (``d.a[1].output`` matches
+    ``d.a1.output``) selects itself in ActivationDataset, export_parquet and the CLI."""
+    import pyarrow.parquet as pq
+
+    from activationscope import cli
+    from activationscope.data import export_parquet
+
+    class Bracket(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.d = torch.nn.ModuleDict({"a[1]": torch.nn.Linear(2, 2), "a1": torch.nn.Linear(2, 3)})
+
+        def forward(self, x):
+            return self.d["a[1]"](x), self.d["a1"](x)
+
+    torch.manual_seed(0)
+    model, x = Bracket(), torch.randn(5, 2)
+    with acs.ActivationScope(store=tmp_path / "b.zarr").track(model) as tracker, torch.no_grad():
+        tracker.set_batch(sample_ids=list(range(5)))
+        model(x)
+    want = model.d["a[1]"](x).detach()
+    ds = ActivationDataset(tmp_path / "b.zarr", hook_points="d.a[1].output")
+    assert ds.hook_points == ["d.a[1].output"]
+    assert torch.equal(ds[:]["d.a[1].output"], want)
+    export_parquet(tmp_path / "b.zarr", tmp_path / "b.parquet", hook_points="d.a[1].output")
+    assert pq.read_schema(tmp_path / "b.parquet").names.count("d.a[1].output") == 1
+    assert "d.a1.output" not in pq.read_schema(tmp_path / "b.parquet").names
+    store = acs.open_store(tmp_path / "b.zarr")
+    assert cli._check_hook_points(store, ["d.a[1].output"]) == ["d.a[1].output"]
+    assert cli._check_hook_points(store, ["d.a?.output"]) == ["d.a1.output"]
