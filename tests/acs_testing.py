@@ -64,3 +64,42 @@ def run_doc_blocks(path, workdir, *, min_blocks: int = 1) -> None:
         runpy.run_path(str(script), run_name="__docs__")
     finally:
         os.chdir(cwd)
+
+
+class LateBranch(torch.nn.Module):
+    """``a`` runs in every forward, ``b`` only when ``extra``: a store where ``b.output`` is
+    first captured after some forwards, so its rows do not follow the row table."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(4, 4)
+        self.b = torch.nn.Linear(4, 2)
+
+    def forward(self, x, extra=True):
+        y = self.a(x)
+        return (y, self.b(y)) if extra else (y,)
+
+
+def late_branch_store(path, n_forwards: int = 4, rows: int = 6, first_b: int = 2):
+    """Capture :class:`LateBranch` into ``path``: ``n_forwards`` forwards of ``rows`` samples
+    (labels 0/1 alternating), ``b`` called from forward ``first_b`` on.
+
+    Returns (model, inputs): ``a.output`` rows are ``model.a(cat(inputs))``, ``b.output`` rows
+    are ``model.b(model.a(cat(inputs[first_b:])))``.
+    """
+    import warnings
+
+    import activationscope as acs
+
+    model = LateBranch()
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(rows, 4, generator=g) for _ in range(n_forwards)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", acs.CaptureWarning)
+        with torch.no_grad(), acs.ActivationScope(store=path).track(model) as tracker:
+            for i, x in enumerate(xs):
+                ids = list(range(i * rows, (i + 1) * rows))
+                tracker.set_batch(sample_ids=ids, label=[s % 2 for s in ids])
+                model(x, extra=i >= first_b)
+    return model, xs

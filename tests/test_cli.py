@@ -937,3 +937,29 @@ def test_info_shows_control_characters_from_the_store_escaped(tmp_path, capsys):
     assert "\x1b" not in stdout and "\r" not in stdout and "\x07" not in stdout
     assert not any(line.startswith("status:   complete (FORGED)") for line in stdout.splitlines())
     assert "\\x1b[2J" in stdout and "\\r\\nstatus:   complete (FORGED)" in stdout
+
+
+def test_export_and_report_of_a_hook_point_off_the_row_table(capsys, tmp_path):
+    import pyarrow.parquet as pq
+    from acs_testing import late_branch_store
+
+    from activationscope.data import arrow_to_torch
+
+    store = tmp_path / "s.zarr"
+    model, xs = late_branch_store(store)
+    code, out, err = run(capsys, "export", str(store), "--format", "parquet", "--out", str(tmp_path / "b.parquet"),
+                         "--hook-points", "b.output")
+    assert code == 0, err
+    table = pq.read_table(tmp_path / "b.parquet")
+    assert table.column_names == ["b.output"]
+    with torch.no_grad():
+        assert torch.equal(arrow_to_torch(table.column("b.output")), model.b(model.a(torch.cat(xs[2:]))))
+    code, out, err = run(capsys, "export", str(store), "--format", "parquet", "--out", str(tmp_path / "all.parquet"))
+    assert code != 0 and not (tmp_path / "all.parquet").exists()
+    _one_error_line(err, "b.output", "do not follow the row table", "--hook-points b.output", "--hook-points a.output")
+    code, out, err = run(capsys, "report", str(store), "--out", str(tmp_path / "rep"), "--folds", "2")
+    assert code == 0, err
+    assert "note: no probe for b.output: its rows do not follow the row table" in out
+    page = (tmp_path / "rep" / "index.html").read_text()
+    assert "a.output" in page and "hp_b_output.png" in page
+    assert "No probe for b.output" in page and "No probe for a.output" not in page

@@ -349,3 +349,23 @@ def test_report_table_shows_bytes_on_disk_as_info_does(tmp_path):
     row = re.search(r"<tr><td class='l'><a href='#[^']*'>0.output</a></td>(.*?)</tr>", page).group(1)
     values = re.findall(r"<td>(.*?)</td>", row)
     assert values[cells.index("on disk") - 1] == on_disk
+
+
+def test_a_hook_point_off_the_row_table_is_plotted_without_a_probe(tmp_path):
+    import activationscope as acs
+    from acs_testing import late_branch_store
+    from activationscope.analysis.probes import probe_store
+
+    model, xs = late_branch_store(tmp_path / "s.zarr")
+    store = acs.open_store(str(tmp_path / "s.zarr"))
+    probes = probe_store(store, n_folds=2)
+    assert list(probes) == ["a.output"] and probes["a.output"].n_samples == 24
+    assert list(probes.skipped) == ["b.output"] and "do not follow the row table" in probes.skipped["b.output"]
+    page = report.write_report(store, tmp_path / "rep", n_folds=2).read_text()
+    assert "No probe for b.output: its rows do not follow the row table" in page
+    assert (tmp_path / "rep" / "hp_b_output.png").exists() and (tmp_path / "rep" / "hp_a_output.png").exists()
+    st = report.hook_point_stats(store, "b.output")
+    with torch.no_grad():
+        want = model.b(model.a(torch.cat(xs[2:]))).double()
+    assert st.n_rows == 12
+    torch.testing.assert_close(st.mean, want.mean(0))

@@ -229,6 +229,10 @@ def probe_accuracy(
 
 
 
+OFF_TABLE = ("its rows do not follow the row table (store.follows_row_table() is False: first captured after "
+             "some forwards), so no label lines up with them")
+
+
 def probe_store(
     store: Any,
     hook_points: Sequence[str] | None = None,
@@ -242,10 +246,11 @@ def probe_store(
     Folds come from the class counts (:func:`choose_folds`): ``n_folds``, or as many as the
     smallest class has samples when that is fewer (each result's ``n_folds`` and ``note``
     say so). Hook points that cannot be probed (no ``label_column``, no labelled row, fewer
-    than 2 classes, a class with a single sample, every row holding NaN or inf) are left out
-    of the result, with the reason in its ``skipped`` mapping. Rows holding NaN or inf are
-    left out before the folds are chosen; each result's ``n_dropped`` and ``dropped_note``
-    say how many.
+    than 2 classes, a class with a single sample, every row holding NaN or inf, rows that do
+    not follow the row table because the hook point was first captured after some forwards)
+    are left out of the result, with the reason in its ``skipped`` mapping. Rows holding NaN
+    or inf are left out before the folds are chosen; each result's ``n_dropped`` and
+    ``dropped_note`` say how many.
 
     Returns
     -------
@@ -253,7 +258,11 @@ def probe_store(
         ``{hook point: ProbeResult}`` plus ``.skipped`` ``{hook point: reason}``.
     """
     out = ProbeResults()
+    follows = getattr(store, "follows_row_table", None)
     for hp in hook_points if hook_points is not None else list(store.hook_points):
+        if follows is not None and not follows(hp):
+            out.skipped[hp] = OFF_TABLE
+            continue
         got = sentence_rows(store, hp, label_column)
         if got is None:
             out.skipped[hp] = f"the row table has no labelled {label_column!r} column"

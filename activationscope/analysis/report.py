@@ -396,7 +396,9 @@ def write_report(
     ----------
     store : an open store, or a path / URL (opened read-only)
     hook_points : list of str, optional
-        Hook points to show (default: all, in store order).
+        Hook points to show (default: all, in store order). A hook point whose rows do not
+        follow the row table (``store.follows_row_table()`` False: first captured after some
+        forwards) gets its statistics and plots but no probe; the page says why.
     probes : {hook point: ProbeResult}, optional
         Probe results to show; computed with :func:`activationscope.analysis.probes.probe_store` when
         None and the row table has ``label_column``.
@@ -524,9 +526,12 @@ def write_report(
         parts.append(f"<img src='{probe_png.name}' alt='probe accuracy per hook point'>")
     skipped = getattr(probes, "skipped", {}) if probes is not None else {}
     if skipped:
-        reasons = sorted(set(skipped.values()))
-        which = "any hook point" if not probes else ", ".join(sorted(skipped))
-        parts.append(f"<p class='note'>No probe for {e(which)}: {e('; '.join(reasons))}.</p>")
+        by_reason: dict[str, list[str]] = {}
+        for hp, reason in skipped.items():
+            by_reason.setdefault(reason, []).append(hp)
+        for reason, which_hps in sorted(by_reason.items()):
+            which = "any hook point" if not probes and len(by_reason) == 1 else ", ".join(sorted(which_hps))
+            parts.append(f"<p class='note'>No probe for {e(which)}: {e(reason)}.</p>")
     elif probes is not None and not probes:
         parts.append(f"<p class='note'>No probe: the row table has no usable '{e(label_column)}' column.</p>")
 

@@ -422,6 +422,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     store = _open(args.store)
     hook_points = _one_row_kind(store, _check_hook_points(store, args.hook_points))
+    _off_table_alone(store, hook_points)
     out = Path(args.out)
     if out.parent and not out.parent.exists():
         raise CLIError(f"--out {args.out!r}: folder {str(out.parent)!r} does not exist")
@@ -478,6 +479,21 @@ def _one_row_kind(store: Any, hook_points: list[str] | None) -> list[str] | None
     return hook_points
 
 
+def _off_table_alone(store: Any, hook_points: list[str] | None) -> None:
+    """A hook point whose rows do not follow the row table is exported alone (its rows as
+    stored, without row-table columns); say which to export separately when mixed."""
+    names = hook_points if hook_points is not None else list(store.hook_points)
+    lost = [hp for hp in names if not store.follows_row_table(hp)]
+    if lost and len(names) > 1:
+        others = [hp for hp in names if hp not in lost]
+        raise CLIError(
+            f"the rows of {', '.join(lost)} do not follow the row table (captured from a later forward on), so "
+            f"they cannot be exported in one file with {', '.join(others) if others else 'each other'}: export "
+            f"them separately, each alone (--hook-points {lost[0]}, its rows as stored without row-table columns)"
+            + (f", and the others to another file (--hook-points {' '.join(others)})" if others else "")
+        )
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from ..analysis import report
 
@@ -487,6 +503,10 @@ def cmd_report(args: argparse.Namespace) -> int:
                        "folder path (created if missing)")
     store = _open(args.store)
     hook_points = _check_hook_points(store, args.hook_points)
+    for hp in hook_points if hook_points is not None else list(store.hook_points):
+        if not store.follows_row_table(hp):
+            print(f"{PROG} report: note: no probe for {hp}: its rows do not follow the row table (first captured "
+                  "after some forwards), so no label lines up with them; its statistics and plots are in the report")
     path = report.write_report(store, args.out, hook_points=hook_points, label_column=args.label_column,
                                n_folds=args.folds)
     print(f"report: {os.path.abspath(path)}")

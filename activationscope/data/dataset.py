@@ -407,6 +407,43 @@ def _scalar_position(x: torch.Tensor | np.ndarray, what: str) -> int:
     return int(x)
 
 
+def select_hook_points(source: StoreSource, hook_points: Any) -> list[str]:
+    """The hook points of ``source`` that ``hook_points`` names, in the order given.
+
+    ``None`` selects every hook point; each name or fnmatch pattern selects what
+    :func:`~activationscope.capture.hooks.pattern_hits` gives (a pattern equal to a hook
+    point selects that hook point only).
+
+    Raises
+    ------
+    HookPointNotFoundError
+        A pattern that matches no hook point, or a store without hook points.
+    ArgumentValueError
+        An empty list.
+    ArgumentTypeError
+        A pattern that is not a str.
+    """
+    available = source.hook_points
+    if hook_points is None:
+        if not available:
+            raise HookPointNotFoundError(f"the store {source.describe()} has no hook points")
+        return available
+    patterns = [hook_points] if isinstance(hook_points, str) else list(hook_points)
+    if not patterns:
+        raise ArgumentValueError("hook_points must name at least one hook point, got an empty list")
+    chosen: list[str] = []
+    for pat in patterns:
+        if not isinstance(pat, str):
+            raise ArgumentTypeError(f"hook_points must be str patterns, got {pat!r}")
+        hits = pattern_hits(pat, available)
+        if not hits:
+            raise HookPointNotFoundError(
+                f"hook point {pat!r} is not in the store {source.describe()}; it has {available}"
+            )
+        chosen.extend(h for h in hits if h not in chosen)
+    return chosen
+
+
 class ActivationDataset(Dataset):
     """Map-style dataset over the rows of a store.
 
@@ -517,25 +554,7 @@ class ActivationDataset(Dataset):
 
     # ------------------------------------------------------------------ construction
     def _select_hook_points(self, hook_points: Any) -> list[str]:
-        available = self.source.hook_points
-        if hook_points is None:
-            if not available:
-                raise HookPointNotFoundError(f"the store {self.source.describe()} has no hook points")
-            return available
-        patterns = [hook_points] if isinstance(hook_points, str) else list(hook_points)
-        if not patterns:
-            raise ArgumentValueError("hook_points must name at least one hook point, got an empty list")
-        chosen: list[str] = []
-        for pat in patterns:
-            if not isinstance(pat, str):
-                raise ArgumentTypeError(f"hook_points must be str patterns, got {pat!r}")
-            hits = pattern_hits(pat, available)
-            if not hits:
-                raise HookPointNotFoundError(
-                    f"hook point {pat!r} is not in the store {self.source.describe()}; it has {available}"
-                )
-            chosen.extend(h for h in hits if h not in chosen)
-        return chosen
+        return select_hook_points(self.source, hook_points)
 
     def _check_consistent(self) -> None:
         kinds = {hp: self.source.row_kind(hp) for hp in self.hook_points}
@@ -547,9 +566,12 @@ class ActivationDataset(Dataset):
             )
         counts = {hp: self.source.n_rows(hp) for hp in self.hook_points}
         if len(set(counts.values())) > 1:
+            lost = [hp for hp in self.hook_points if not self.source.follows_row_table(hp)]
             raise ArgumentValueError(
                 "hook points of one ActivationDataset must have the same number of rows, got "
                 + ", ".join(f"{hp!r}: {n}" for hp, n in counts.items())
+                + (f"; {lost} do not follow the row table (captured from a later forward on): make a dataset "
+                   "of each of them alone" if lost else "")
             )
 
     def _row_table(self) -> pa.Table:
@@ -558,7 +580,9 @@ class ActivationDataset(Dataset):
         if lost:
             raise ActivationScopeError(
                 f"the rows of hook points {lost} do not follow the {self.row_kind} row table of "
-                f"{self.source.describe()}, so columns and filters cannot be used with them"
+                f"{self.source.describe()} (store.follows_row_table() is False: captured from a later forward "
+                "on, their row i is not row i of the table), so columns, filter and sample_ids cannot be used "
+                "with them; read them without those (rows= still selects stored rows)"
             )
         if self.row_kind == "token":
             table = _with_sample_columns(table, self.source)

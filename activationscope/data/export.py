@@ -43,7 +43,8 @@ import pyarrow.parquet as pq
 import torch
 
 from ..errors import ActivationScopeError, ArgumentValueError, ColumnNotFoundError
-from .dataset import ActivationDataset
+from ._source import as_source
+from .dataset import ActivationDataset, select_hook_points
 
 __all__ = ["export_arrow", "export_parquet", "export_hf", "to_pandas", "read_arrow", "arrow_to_torch", "EXPORT_FORMAT"]
 
@@ -136,14 +137,23 @@ def _tensor_to_arrow(t: torch.Tensor, field: pa.Field) -> pa.Array:
 
 
 def _dataset_for(source: Any, hook_points: Any, columns: Any, rows: Any, filter: Any) -> ActivationDataset:
+    src = as_source(source)
+    if isinstance(source, ActivationDataset) and hook_points is None:
+        names = source.hook_points
+    else:
+        names = select_hook_points(src, hook_points)
+    lost = [hp for hp in names if not src.follows_row_table(hp)]
+    if lost:
+        _check_alone(src, names, lost, columns, filter)
     if isinstance(source, ActivationDataset) and hook_points is None and rows is None and filter is None:
-        if columns is None:
+        if columns is None and not lost:
             return source
         ds = copy.copy(source)  # the dataset's own row selection, other columns
     else:
-        if isinstance(source, ActivationDataset):
-            source = source.source
-        ds = ActivationDataset(source, hook_points=hook_points, rows=rows, filter=filter)
+        ds = ActivationDataset(src, hook_points=names, rows=rows, filter=filter)
+    if lost:  # rows as stored: no row-table column lines up with them
+        ds._export_columns = []  # type: ignore[attr-defined]
+        return ds
     table = ds._row_table()
     chosen = table.column_names if columns is None else ([columns] if isinstance(columns, str) else list(columns))
     missing = [c for c in chosen if c not in table.column_names]
@@ -151,6 +161,29 @@ def _dataset_for(source: Any, hook_points: Any, columns: Any, rows: Any, filter:
         raise ArgumentValueError(f"columns {missing} are not in the {ds.row_kind} row table; it has {table.column_names}")
     ds._export_columns = chosen  # type: ignore[attr-defined]
     return ds
+
+
+def _check_alone(src: Any, names: list[str], lost: list[str], columns: Any, filter: Any) -> None:
+    """A hook point whose rows do not follow the row table is exported alone, without row-table
+    columns or a filter: its row i is not row i of the table (nor of another hook point)."""
+    where = src.describe()
+    if len(names) > 1:
+        others = [hp for hp in names if hp not in lost]
+        raise ArgumentValueError(
+            f"the rows of hook points {lost} of {where} do not follow the row table (store.follows_row_table() "
+            f"is False: captured from a later forward on), so they cannot be exported in one table with "
+            f"{others if others else 'each other'}; export them separately, each alone "
+            f"(hook_points={lost[0]!r}, without columns or filter)"
+            + (f", and the others in their own file (hook_points={others})" if others else "")
+        )
+    chosen = [] if columns is None else ([columns] if isinstance(columns, str) else list(columns))
+    if chosen or filter is not None:
+        raise ArgumentValueError(
+            f"the rows of hook point {lost[0]!r} of {where} do not follow the row table "
+            "(store.follows_row_table() is False: captured from a later forward on), so "
+            + (f"columns={chosen!r}" if chosen else "a filter")
+            + " cannot be exported with them; export it without columns and filter (its rows as stored)"
+        )
 
 
 def _export_columns(ds: ActivationDataset, columns: Any) -> list[str]:
@@ -167,7 +200,7 @@ def _schema(ds: ActivationDataset, col_names: list[str], tensor_type: str) -> pa
     fields = []
     for hp in ds.hook_points:
         fields.append(_hook_point_field(hp, ds.source.dtype(hp), ds.source.feature_shape(hp), tensor_type))
-    table = ds._row_table()
+    table = ds._row_table() if col_names else None
     for name in col_names:
         if name in ds.hook_points:
             raise ArgumentValueError(f"row-table column {name!r} clashes with a hook point of the same name")
@@ -178,7 +211,7 @@ def _schema(ds: ActivationDataset, col_names: list[str], tensor_type: str) -> pa
 
 
 def _record_batches(ds: ActivationDataset, schema: pa.Schema, col_names: list[str], batch_rows: int):
-    table = ds._row_table()
+    table = ds._row_table() if col_names else None
     ids = ds.store_rows()
     n = len(ds)
     for start in range(0, n, batch_rows):
@@ -270,9 +303,12 @@ overwrite: bool = False,
         export of this format is refused (``ArgumentValueError``) unless ``overwrite``.
     hook_points : str or list of str, optional
         Hook points (patterns allowed) to export, one column each; default all, which must
-        share a row kind and row count.
+        share a row kind and row count. A hook point whose rows do not follow the row table
+        (``store.follows_row_table(hp)`` False: first captured after some forwards) is
+        exported alone, its rows as stored, without row-table columns.
     columns : str or list of str, optional
-        Row-table columns; default all of them.
+        Row-table columns; default all of them (none for a hook point that does not follow
+        the row table).
     batch_rows : int, default 65536
         Rows per record batch: bounds memory during export (a batch of rows of every hook
         point is held at once).
@@ -289,6 +325,15 @@ overwrite: bool = False,
     -------
     pathlib.Path
         ``path``.
+
+    Raises
+    ------
+    ArgumentValueError
+        A hook point that does not follow the row table exported with other hook points,
+        or with ``columns`` / ``filter`` (the message names it: export it alone); bad
+        arguments.
+    HookPointNotFoundError
+        A hook point or pattern that is not in the store.
 
     Example
     -------
@@ -387,7 +432,7 @@ def _hf_plan(ds: ActivationDataset, col_names: list[str], context_size: int | No
     import datasets
 
     group = () if context_size is None else (context_size,)
-    table = ds._row_table()
+    table = ds._row_table() if col_names else None
     features: dict[str, Any] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     for hp in ds.hook_points:

@@ -199,3 +199,56 @@ def test_an_existing_file_that_is_not_an_export_is_kept(store, arrays, tmp_path,
     fn(store, notes, hook_points=["f32"], overwrite=True)
     got = read_arrow(notes) if kind == "arrow" else pq.read_table(notes)
     assert (got["f32"].shape[0] if kind == "arrow" else got.num_rows) == N
+
+
+# ----------------------------------------------------------- hook points off the row table
+@pytest.fixture
+def late_store(tmp_path):
+    from acs_testing import late_branch_store
+
+    path = tmp_path / "late.zarr"
+    model, xs = late_branch_store(path)
+    with torch.no_grad():
+        want_b = model.b(model.a(torch.cat(xs[2:])))
+        want_a = model.a(torch.cat(xs))
+    return path, want_a, want_b
+
+
+@pytest.mark.parametrize("columns", [None, []])
+@pytest.mark.parametrize("fn", [export_parquet, export_arrow])
+def test_a_hook_point_off_the_row_table_exports_alone_without_columns(late_store, tmp_path, columns, fn):
+    import activationscope as acs
+
+    path, _, want_b = late_store
+    assert not acs.open_store(path).follows_row_table("b.output")
+    out = fn(path, tmp_path / "b.out", hook_points="b.output", columns=columns)
+    table = pq.read_table(out) if fn is export_parquet else read_arrow(out)
+    if fn is export_parquet:
+        assert table.column_names == ["b.output"]
+        got = arrow_to_torch(table.column("b.output"))
+    else:
+        assert list(table) == ["b.output"]
+        got = table["b.output"]
+    assert torch.equal(got, want_b)
+    # a dataset over it exports the same
+    ds = ActivationDataset(path, hook_points="b.output", rows=slice(2, 5))
+    export_parquet(ds, tmp_path / "ds.parquet")
+    assert torch.equal(arrow_to_torch(pq.read_table(tmp_path / "ds.parquet").column("b.output")), want_b[2:5])
+
+
+def test_a_hook_point_off_the_row_table_refuses_columns_filters_and_company(late_store, tmp_path):
+    path, want_a, _ = late_store
+    with pytest.raises(ArgumentValueError, match=r"'b.output'.*columns=\['sample_id'\].*export it without columns"):
+        export_parquet(path, tmp_path / "x.parquet", hook_points="b.output", columns=["sample_id"])
+    with pytest.raises(ArgumentValueError, match=r"'b.output'.*a filter"):
+        export_parquet(path, tmp_path / "x.parquet", hook_points="b.output", filter=pc.field("label") == 1)
+    for hps in (None, ["a.output", "b.output"]):
+        with pytest.raises(ArgumentValueError, match=r"\['b.output'\].*do not follow the row table.*"
+                                                     r"with \['a.output'\]; export them separately"):
+            export_parquet(path, tmp_path / "x.parquet", hook_points=hps)
+    assert not (tmp_path / "x.parquet").exists()
+    # the hook points that follow the table export with their columns as before
+    export_parquet(path, tmp_path / "a.parquet", hook_points="a.output", columns=["sample_id", "label"])
+    table = pq.read_table(tmp_path / "a.parquet")
+    assert table.column("label").to_pylist() == [i % 2 for i in range(24)]
+    assert torch.equal(arrow_to_torch(table.column("a.output")), want_a)
