@@ -29,7 +29,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from ..errors import ActivationScopeError
+from ..errors import ActivationScopeError, StoreError
 
 __all__ = ["RowSource", "StoreSource", "as_source"]
 
@@ -121,6 +121,7 @@ class StoreSource:
             self._spec = spec
             self._store = spec if isinstance(spec, RowSource) else None
         self._pid = os.getpid()
+        self._pickled_in: int | None = None  # pid of the process this source was pickled in (None: made here)
         self._views: dict[str, tuple[torch.Tensor, dict[int, torch.Tensor], bool, list[int]]] = {}
         self._hinted: dict[str, tuple[int, int]] = {}  # hook point -> rows a read-ahead hint already covers
         # hook point -> (lo, hi, view of rows [lo, hi)): the mapped segment that served the last
@@ -161,7 +162,11 @@ class StoreSource:
             with self._lock:
                 if self._store is None:
                     spec = self._reopen_spec()
-                    self._store = spec if isinstance(spec, RowSource) else _open_store(spec, self._options)
+                    try:
+                        self._store = spec if isinstance(spec, RowSource) else _open_store(spec, self._options)
+                    except StoreError as e:
+                        self._raise_if_memory_elsewhere(spec, e)
+                        raise
                     if not isinstance(self._store, RowSource):
                         missing = [m for m in _CONTRACT if not hasattr(self._store, m)]
                         raise ActivationScopeError(
@@ -170,11 +175,25 @@ class StoreSource:
                         )
         return self._store
 
+    def _raise_if_memory_elsewhere(self, spec: Any, error: BaseException) -> None:
+        """A ``memory://`` store lives in the memory of the process that made it: in a process
+        this source was pickled to (a ``spawn`` DataLoader worker) it is not there."""
+        made_in = self._pickled_in
+        if not (isinstance(spec, str) and spec.startswith("memory:")) or made_in in (None, os.getpid()):
+            return
+        raise StoreError(
+            f"no store at {spec!r} in this process (pid {os.getpid()}): a memory:// store exists only inside the "
+            f"process that made it (pid {made_in}), and this dataset was pickled to another one (a DataLoader worker "
+            "started with 'spawn' or 'forkserver'); use DataLoader(..., multiprocessing_context='fork'), "
+            "num_workers=0, or capture into a local path instead of memory://"
+        ) from error
+
     def __getstate__(self) -> dict[str, Any]:
-        return {"spec": self._reopen_spec(), "options": self._options}
+        return {"spec": self._reopen_spec(), "options": self._options, "pid": os.getpid()}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["spec"], state["options"])
+        self._pickled_in = state.get("pid")
 
     def describe(self) -> str:
         spec = self._reopen_spec()

@@ -495,7 +495,10 @@ class ActivationDataset(Dataset):
 
     Processes: the dataset pickles as the store's path plus options and the resolved row
     selection; DataLoader workers (fork or spawn) reopen the store lazily. After ``fork``
-    the child drops the parent's store objects (``os.register_at_fork``) and reopens.
+    the child drops the parent's store objects (``os.register_at_fork``) and reopens. A
+    ``memory://`` store exists only in the process that made it: a ``spawn`` worker raises
+    :class:`~activationscope.errors.StoreError` saying so (use ``fork``, ``num_workers=0``
+    or a local path).
 
     Raises
     ------

@@ -70,3 +70,38 @@ def test_fork_child_drops_and_reopens_store(store_path):
     p.join(60)
     assert dropped and rows == acts[30:32].tolist()
     assert src._store is not None  # the parent keeps its own
+
+
+def _memory_store(name):
+    import activationscope as acs
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    x = torch.randn(8, 4)
+    with torch.no_grad(), acs.ActivationScope(store=f"memory://{name}").track(model):
+        model(x)
+    with torch.no_grad():
+        return model(x)
+
+
+def test_memory_store_in_spawn_workers_says_where_it_lives():
+    from activationscope.errors import StoreError
+
+    _memory_store("spawned")
+    ds = ActivationDataset("memory://spawned")
+    loader = DataLoader(ds, batch_size=4, num_workers=2, multiprocessing_context="spawn")
+    with pytest.raises(StoreError, match=r"a memory:// store exists only inside the process that made it.*"
+                                         r"multiprocessing_context='fork'.*num_workers=0.*local path"):
+        next(iter(loader))
+
+
+def test_memory_store_in_fork_workers_reads_every_row():
+    want = _memory_store("forked")
+    ds = ActivationDataset("memory://forked")
+    loader = DataLoader(ds, batch_size=4, num_workers=2, multiprocessing_context="fork")
+    got = torch.cat([b["0.output"] for b in loader])
+    assert torch.equal(got, want)
+    # in this process, pickling round trips keep working (the store is here)
+    import pickle
+
+    assert torch.equal(pickle.loads(pickle.dumps(ds))[:]["0.output"], want)
