@@ -10,6 +10,7 @@ a contiguous batch, one ``torch.index_select`` gather for a random one).
 from __future__ import annotations
 
 import operator
+import re
 import reprlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -505,8 +506,10 @@ class ActivationDataset(Dataset):
     HookPointNotFoundError
         A hook point or pattern names nothing in the store.
     ValueError
-        Hook points of different row kinds or row counts; an unknown column; a filter mask of
-        the wrong length; ``rows=`` a tensor on the meta device (ArgumentValueError).
+        Hook points of different row kinds or row counts; an unknown column; a filter
+        expression naming a field the row table lacks, or that Arrow cannot evaluate on it
+        (the message lists the table's columns); a filter mask of the wrong length; ``rows=``
+        a tensor on the meta device (ArgumentValueError).
     ArgumentTypeError
         ``rows=`` of a kind that selects no rows (a set, None inside a list, a str, floats,
         2-D), a TypeError.
@@ -645,7 +648,10 @@ class ActivationDataset(Dataset):
         if filter is not None:
             if isinstance(filter, pc.Expression):
                 indexed = table.append_column(_ROW_ID, pa.array(np.arange(n, dtype=np.int64)))
-                kept = indexed.filter(filter).column(_ROW_ID).to_numpy()
+                try:
+                    kept = indexed.filter(filter).column(_ROW_ID).to_numpy()
+                except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as e:
+                    raise self._filter_error(filter, table, e) from None
                 fmask = np.zeros(n, dtype=bool)
                 fmask[kept] = True
             elif callable(filter):
@@ -662,6 +668,24 @@ class ActivationDataset(Dataset):
                 "(within rows=, after filter=); read the ids there are with store.row_table()['sample_id']"
             )
         self._ids = ids[keep[ids]].contiguous()
+
+    def _filter_error(self, filter: pc.Expression, table: pa.Table, error: Exception) -> ArgumentValueError:
+        """ArgumentValueError for a filter expression Arrow cannot evaluate on the row table:
+        the fields it names that the table lacks, or Arrow's reason, and the table's columns."""
+        columns = ", ".join(f"{f.name}: {f.type}" for f in table.schema)
+        message = str(error)
+        unknown = re.match(r"No match for (FieldRef\..*?) in ", message, re.DOTALL)
+        if unknown:
+            names = re.findall(r"FieldRef\.Name\(([^)]*)\)", unknown.group(1))
+            field = ".".join(names) if names else unknown.group(1)
+            return ArgumentValueError(
+                f"filter {filter} names field {field!r}, which is not a column of the {self.row_kind} row table of "
+                f"{self.source.describe()}; its columns are [{columns}]"
+            )
+        return ArgumentValueError(
+            f"filter {filter} cannot be evaluated on the {self.row_kind} row table of {self.source.describe()}: "
+            f"{message.splitlines()[0] if message else type(error).__name__}; its columns are [{columns}]"
+        )
 
     # ------------------------------------------------------------------ pickling
     def __getstate__(self) -> dict[str, Any]:

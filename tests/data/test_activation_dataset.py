@@ -104,6 +104,23 @@ def test_writing_into_a_view_does_not_change_the_store(store, arrays, tmp_path):
     assert torch.equal(reopened["a.output"], arrays["a.output"])
 
 
+def test_filter_on_an_unknown_field_names_it_and_the_columns(store):
+    with pytest.raises(ArgumentValueError) as err:
+        ActivationDataset(store, hook_points=["a.output"], filter=pc.field("zzz") > 0)
+    msg = str(err.value)
+    assert "names field 'zzz', which is not a column of the token row table" in msg
+    for col in ("sample_id: int64", "pos: int64", "label: int64"):
+        assert col in msg
+    assert "__activationscope" not in msg
+    with pytest.raises(ArgumentValueError, match=r"names field 'label.q'"):
+        ActivationDataset(store, hook_points=["a.output"], filter=pc.field("label", "q") > 0)
+    # an expression Arrow cannot evaluate: its reason, and the columns
+    with pytest.raises(ArgumentValueError,
+                       match=r"cannot be evaluated on the token row table.*no kernel.*label: int64") as err:
+        ActivationDataset(store, hook_points=["a.output"], filter=pc.field("label") > "x")
+    assert "__activationscope" not in str(err.value)
+
+
 def test_rows_selection_and_filters(store, arrays):
     ds = ActivationDataset(store, hook_points=["a.output"], rows=slice(8, 24), columns=["pos"])
     assert len(ds) == 16 and torch.equal(ds[0]["a.output"], arrays["a.output"][8])
