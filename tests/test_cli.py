@@ -470,6 +470,14 @@ def test_resume_with_another_model_states_the_store_status_and_the_cli_flag(tmp_
     assert "incomplete" not in err and "--resume continues" not in err, err
     store = acs.open_store(str(out))
     assert store.status == "complete" and store.n_samples == 20 and torch.equal(store["2.output"], before)
+    # nothing left to capture (the same 20 samples): still refused, not "nothing to capture"
+    code, stdout, err = run(capsys, *args, "--max-samples", "20", "--resume")
+    assert code == 1 and "nothing to capture" not in stdout
+    _one_error_line(err, f"cannot resume {str(out)!r} (status 'complete', 20 samples)", "nothing was changed",
+                    "overwrite=True (CLI: --overwrite)")
+    code, stdout, err = run(capsys, "capture", "--model", "othernets.nets:mlp", "--data", str(x), "--out", str(out),
+                            "--max-samples", "20", "--no-progress", "--resume")
+    assert code == 0 and "nothing to capture" in stdout, err  # the same model: nothing to do
     code, stdout, err = run(capsys, *args, "--overwrite")
     assert code == 0 and "captured 50 samples" in stdout, err
     model = specs.load_model_spec("usermodels.nets:mlp").model
