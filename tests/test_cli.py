@@ -656,6 +656,7 @@ def test_export_parquet_and_arrow(tmp_path, toy_store, capsys):
     code, stdout, err = run(capsys, "export", str(out), "--format", "parquet", "--out", str(tmp_path / "t.parquet"),
                             "--hook-points", "2.output")
     assert code == 0, err
+    assert "note:" not in err  # a complete store: nothing to say
     table = pq.read_table(tmp_path / "t.parquet")
     assert table.num_rows == 50 and "2.output" in table.column_names and "sample_id" in table.column_names
     code, _, err = run(capsys, "export", str(out), "--format", "arrow", "--out", str(tmp_path / "t.arrow"))
@@ -664,6 +665,23 @@ def test_export_parquet_and_arrow(tmp_path, toy_store, capsys):
     model = specs.load_model_spec("usermodels.nets:mlp").model
     with torch.no_grad():
         torch.testing.assert_close(back["2.output"], model(torch.from_numpy(np.load(x))))
+
+
+def test_export_of_an_incomplete_store_says_so(tmp_path, capsys):
+    import activationscope as acs
+
+    m = torch.nn.Linear(4, 3)
+    path = tmp_path / "s.zarr"
+    with torch.no_grad(), pytest.raises(RuntimeError, match="stop"):
+        with acs.ActivationScope(store=str(path), store_options={"shard_bytes": 48}).track(m):
+            for _ in range(3):
+                m(torch.randn(4, 4))
+            raise RuntimeError("stop")
+    store = acs.open_store(str(path))
+    assert store.status == "incomplete" and store.n_samples > 0
+    code, _, err = run(capsys, "export", str(path), "--format", "parquet", "--out", str(tmp_path / "t.parquet"))
+    assert code == 0
+    assert f"note: {path} is incomplete" in err and f"exporting its {store.n_samples} committed samples" in err
 
 
 def test_export_unknown_hook_point_and_bad_folder(tmp_path, toy_store, capsys):

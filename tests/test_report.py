@@ -369,3 +369,23 @@ def test_a_hook_point_off_the_row_table_is_plotted_without_a_probe(tmp_path):
         want = model.b(model.a(torch.cat(xs[2:]))).double()
     assert st.n_rows == 12
     torch.testing.assert_close(st.mean, want.mean(0))
+
+
+def test_report_of_a_hook_point_without_rows_and_inside_the_store(tmp_path, recwarn):
+    """A hook point that saw 0 rows gets its page without plotting warnings; a report folder
+    inside the store is refused before anything is written there."""
+    from activationscope import ActivationScope
+    from activationscope.errors import ArgumentValueError
+
+    m = torch.nn.Sequential(torch.nn.Linear(3, 3))
+    path = tmp_path / "s.zarr"
+    with torch.no_grad(), ActivationScope(store=str(path)).track(m):
+        m(torch.randn(0, 3))
+    before = sorted(p.name for p in path.rglob("*"))
+    for inside in (path, path / "acts", path / "acts" / "new"):
+        with pytest.raises(ArgumentValueError, match=r"is inside the store .*give a folder outside the store"):
+            report.write_report(str(path), inside)
+    assert sorted(p.name for p in path.rglob("*")) == before
+    page = report.write_report(str(path), tmp_path / "r")
+    assert page.exists() and "0.output" in page.read_text()
+    assert not [w for w in recwarn.list if "log-scaled" in str(w.message)]

@@ -257,7 +257,8 @@ def plot_hook_point(stats: HookPointStats, path: str | os.PathLike) -> Path:
     ax = axes[0]
     edges = stats.hist_edges.numpy()
     ax.stairs(stats.hist_counts.numpy(), edges, fill=True, color="#4c72b0")
-    ax.set_yscale("log")
+    if bool((stats.hist_counts > 0).any()):  # a log axis needs a positive count (none for a hook point of 0 rows)
+        ax.set_yscale("log")
     ax.set_title(f"activation values ({stats.n_sampled:,} rows)")
     ax.set_xlabel("value")
     ax.set_ylabel("count (log)")
@@ -445,6 +446,14 @@ def write_report(
                 f"label_column {label_column!r} is not a column of the store's row tables; they have {columns}"
             )
     out = Path(out_dir)
+    root = getattr(store, "path", None)
+    if isinstance(root, str) and "://" not in root and os.path.isdir(root):
+        inside = out.resolve()
+        if inside == Path(root).resolve() or Path(root).resolve() in inside.parents:
+            raise ArgumentValueError(
+                f"out_dir {str(out_dir)!r} is inside the store {root!r}: the report would write its files among "
+                "the store's; give a folder outside the store"
+            )
     out.mkdir(parents=True, exist_ok=True)
     for stale in [*out.glob("hp_*.png"), out / "probes.png"]:  # plots of an earlier report here
         stale.unlink(missing_ok=True)

@@ -423,6 +423,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     store = _open(args.store)
     hook_points = _one_row_kind(store, _check_hook_points(store, args.hook_points))
     _off_table_alone(store, hook_points)
+    if store.status != "complete":  # its committed rows are exported: say it is not all of the capture
+        print(f"{PROG} export: note: {args.store} is {store.status} (its capture did not finish, or is running): "
+              f"exporting its {store.n_samples} committed samples", file=sys.stderr)
     out = Path(args.out)
     if out.parent and not out.parent.exists():
         raise CLIError(f"--out {args.out!r}: folder {str(out.parent)!r} does not exist")

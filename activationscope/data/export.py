@@ -581,6 +581,12 @@ def export_hf(
                 f"{n_rows % context_size} rows, or another context_size"
             )
         n_rows -= n_rows % context_size
+        if n_rows == 0:
+            raise ArgumentValueError(
+                f"context_size={context_size} is more than the {len(ds)} rows of {ds.hook_points}: with "
+                "drop_last=True nothing would be exported; pass a context_size of at most "
+                f"{len(ds)} or capture more rows"
+            )
     features, shapes = _hf_plan(ds, col_names, context_size, bfloat16)
     path = Path(os.path.expanduser(os.fspath(path)))
     _check_replaceable(path, file_format)

@@ -93,6 +93,10 @@ def test_hf_export_groups_rows_into_examples(store, arrays, tmp_path):
     with pytest.raises(ValueError, match=r"multiple of context_size=5 \(remainder 4\); pass drop_last=True"):
         export_hf(store, tmp_path / "g", hook_points=["f32"], context_size=5)
     assert not (tmp_path / "g").exists()
+    with pytest.raises(ValueError, match=r"context_size=1000 is more than the \d+ rows of \['f32'\]: with drop_last=True "
+                       r"nothing would be exported"):
+        export_hf(store, tmp_path / "g", hook_points=["f32"], context_size=1000, drop_last=True)
+    assert not (tmp_path / "g").exists()
     export_hf(store, tmp_path / "g", hook_points=["f32", "conv"], columns=["sample_id"], context_size=5,
               drop_last=True, batch_rows=7)
     hf = datasets.load_from_disk(str(tmp_path / "g"))
