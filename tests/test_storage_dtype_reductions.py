@@ -169,6 +169,8 @@ def test_a_resume_with_another_storage_dtype_is_refused_and_the_store_untouched(
     msg = str(err.value)
     name = lambda d: "None" if d is None else str(d)  # noqa: E731
     assert "'0.output'" in msg and f"storage_dtype={name(second)}" in msg
-    assert f"resume with storage_dtype={name(first)}" in msg
+    assert f"Resume with storage_dtype={name(first)}" in msg and "nothing was changed" in msg
+    cli = "no --dtype" if first is None else f"--dtype {str(first).removeprefix('torch.')}"
+    assert f"(CLI: {cli})" in msg and "overwrite=True (CLI: --overwrite)" in msg
     assert _files(path) == before
     assert open_store(path).status == "complete"

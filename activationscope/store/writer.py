@@ -409,8 +409,10 @@ class StoreWriter:
                 raise CaptureError(
                     f"cannot resume {str(self._backend)!r}: its hook points ({shown or 'none yet'}) are stored with "
                     f"storage_dtype={_dtype_label(stored)}, this capture has storage_dtype="
-                    f"{_dtype_label(self._storage_dtype)}, and one array cannot mix the two; resume with "
-                    f"storage_dtype={_dtype_label(stored, torch_name=True)} (or overwrite=True to start again)"
+                    f"{_dtype_label(self._storage_dtype)}, and one array cannot mix the two; nothing was changed. "
+                    f"Resume with storage_dtype={_dtype_label(stored, torch_name=True)} (CLI: "
+                    f"{'no --dtype' if stored is None else '--dtype ' + stored}), or overwrite=True (CLI: --overwrite) "
+                    "to start again"
                 )
 
         _import_row_table_writer()
