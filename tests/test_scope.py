@@ -975,3 +975,37 @@ def test_configurations_that_would_record_nothing_are_refused_or_warned():
     # what stays accepted: STREAMING with reductions, or into a store
     acs.ActivationScope(reduction_policy=acs.ReductionPolicy.STREAMING, reductions=["mean"])
     acs.ActivationScope(capture_policy=acs.CapturePolicy.MAX_K, max_k=1)
+
+
+def test_reduction_and_token_row_patterns_exact_hook_point_names_first(tmp_path):
+    """A pattern of reductions= or token_rows= that equals a hook point selects that one only
+    (``d.a[1].output`` is also an fnmatch pattern matching ``d.a1.output``)."""
+    torch.manual_seed(0)
+    model, x = _BracketNames(), torch.randn(4, 2)
+    with acs.ActivationScope(reductions={"d.a[1].output": ["mean"], "d.a[0-9].output": ["max"]}).track(model) as tr:
+        model(x)
+    with torch.no_grad():
+        a, b = model.d["a[1]"](x).double(), model.d["a1"](x).double()
+    assert set(tr.reductions["d.a[1].output"]) == {"mean", "mean.count"}
+    assert set(tr.reductions["d.a1.output"]) == {"max", "max.count"}
+    torch.testing.assert_close(tr.reductions["d.a[1].output"]["mean"], a.mean(0))
+    torch.testing.assert_close(tr.reductions["d.a1.output"]["max"], b.max(0).values)
+
+    xs, mask = torch.randn(2, 3, 2), torch.ones(2, 3, dtype=torch.bool)
+    path = tmp_path / "s.zarr"
+    with acs.ActivationScope(store=str(path), token_rows={"d.a[1].output": False}).track(model) as tr:
+        tr.set_batch(attention_mask=mask)
+        model(xs)
+    arrays = acs.open_store(str(path)).attrs["arrays"]
+    assert arrays["d.a[1].output"]["row_kind"] == "sample"  # as the pattern says
+    assert arrays["d.a1.output"]["row_kind"] == "token"  # the shape rule: (batch, pos) of the mask
+
+
+def test_pattern_selects_exact_names_first():
+    from activationscope.capture.reductions import pattern_selects
+
+    names = {"d.a1.output", "d.a[1].output"}
+    assert pattern_selects("d.a[1].output", "d.a[1].output", names)
+    assert not pattern_selects("d.a[1].output", "d.a1.output", names)
+    assert pattern_selects("d.a[1].output", "d.a1.output")  # names unknown: fnmatch
+    assert pattern_selects("d.*", "d.a1.output", names) and not pattern_selects("D.*", "d.a1.output", names)

@@ -513,8 +513,21 @@ def _factory(item: Any) -> ReductionFactory:
     return f
 
 
+def pattern_selects(pattern: str, hook_point: str, names: Any = None) -> bool:
+    """Whether the pattern of a ``{pattern: ...}`` argument selects ``hook_point``: a pattern
+    equal to it does; a pattern equal to another of ``names`` (the hook points there can be)
+    selects that one only, as ``track(include=...)`` and ``ActivationDataset`` read names
+    holding ``[``, ``*`` or ``?``; any other pattern selects what ``fnmatch.fnmatchcase``
+    matches."""
+    if pattern == hook_point:
+        return True
+    if names is not None and pattern in names:
+        return False
+    return fnmatch.fnmatchcase(hook_point, pattern)
+
+
 def resolve_reductions(
-    reductions: Union[Sequence[Any], Mapping[str, Sequence[Any]], None], hook_point: str
+    reductions: Union[Sequence[Any], Mapping[str, Sequence[Any]], None], hook_point: str, names: Any = None
 ) -> list[tuple[str, ReductionFactory]]:
     """The reductions that apply to one hook point, as ``(name, factory)`` pairs.
 
@@ -522,12 +535,15 @@ def resolve_reductions(
     ----------
     reductions : list of specs, or dict {fnmatch pattern: list of specs}, or None
         A list applies to every hook point; a dict applies each list to the hook points its
-        pattern matches (``fnmatch.fnmatchcase``), in the dict's order. A spec is anything
+        pattern selects (:func:`pattern_selects`: an exact hook-point name selects that hook
+        point only, else ``fnmatch.fnmatchcase``), in the dict's order. A spec is anything
         :func:`make_reduction` accepts, ``(name, spec)``, ``(name, spec, {options})`` or
         ``{"name": ..., "spec": ..., "options": {...}, "init": tensor}``; ``options`` may hold
         ``init`` (initial accumulator). Names default to the built-in name, the function's
         ``__name__`` or the ``.pt`` file's stem.
     hook_point : str
+    names : collection of str, optional
+        The hook points the capture can have (exact names among the patterns win).
 
     Returns
     -------
@@ -543,7 +559,7 @@ def resolve_reductions(
     if isinstance(reductions, Mapping):
         items: list[tuple[str, Any]] = []
         for pattern, specs in reductions.items():
-            if fnmatch.fnmatchcase(hook_point, pattern):
+            if pattern_selects(pattern, hook_point, names):
                 items += [(pattern, s) for s in _as_list(specs)]
     else:
         items = [("*", s) for s in _as_list(reductions)]

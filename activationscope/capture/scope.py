@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copyreg
 import enum
-import fnmatch
 import operator
 import sys
 import threading
@@ -204,7 +203,8 @@ class ActivationScope:
         Online reductions: a list of specs for every hook point (``["mean", "var"]``, a
         Python function ``(acc: Optional[Tensor], x: Tensor) -> Tensor`` compiled with
         TorchScript, a scripted function, or a ``.pt`` path), or ``{fnmatch pattern: list}``
-        per hook point. See :mod:`activationscope.reductions`.
+        per hook point (a pattern equal to a tracked hook point selects that one only).
+        See :mod:`activationscope.reductions`.
     store : str, os.PathLike, zarr store or None
         Capture into a store: a local path, an fsspec URL (``s3://bucket/run.zarr``,
         ``memory://run``) or a zarr ``Store``. See :mod:`activationscope.store`.
@@ -457,6 +457,11 @@ class Tracker:
         self._side = side
         # TransformerLens HookPoints are recorded under their own names (hooks.rename_hook_point)
         self._hook_point_paths = frozenset(n for n, m in modules if is_hook_point_module(m))
+        # the hook points this tracker can record (first call, first input): a pattern of
+        # reductions= or token_rows= equal to one of them selects that one only
+        self._hook_names = frozenset(
+            r for n, _m in modules for side in ("output", "input.0")
+            if (r := rename_hook_point(f"{n}.{side}" if n else side, self._hook_point_paths, self._side)))
         # The core's callbacks are bound while attached only: a pybind object is invisible to
         # the garbage collector, so a permanent Tracker -> core -> Tracker cycle would leak.
         self._core = _C.TrackerCore(None)
@@ -860,7 +865,7 @@ class Tracker:
             mask = self._core.auto_token_mask  # (batch, pos) of the model's first input, all true
             mask = mask if mask.dim() == 2 else None
         token = _C.is_token_rows(tensor, mask)  # the rule of the native sink (sink.h)
-        decided = _token_rows_for(name, self._token_rows)
+        decided = _token_rows_for(name, self._token_rows, self._hook_names)
         if decided is True and not token and isinstance(self._token_rows, Mapping):
             raise CaptureError(
                 f"hook point {name!r} is set to token rows by token_rows=, but its activation "
@@ -899,7 +904,7 @@ class Tracker:
         )
         if self._red_factories is not None:
             names, objects = [], []
-            for red_name, factory in self._red_factories.resolve_reductions(scope.reductions, name):
+            for red_name, factory in self._red_factories.resolve_reductions(scope.reductions, name, self._hook_names):
                 reduction = factory()
                 script = factory.script_path()
                 reduction.script_path = None if script is None else str(script)
@@ -986,7 +991,8 @@ class Tracker:
             uses.append("copied (CaptureMode.SNAPSHOT)")
         if self.writer is not None:
             uses.append("stored")
-        if self._red_factories is not None and self._red_factories.resolve_reductions(self.scope.reductions, name):
+        red = self._red_factories
+        if red is not None and red.resolve_reductions(self.scope.reductions, name, self._hook_names):
             uses.append("reduced")
         if not uses:
             return
@@ -1024,7 +1030,7 @@ class Tracker:
             if name in self._sinks:
                 continue
             names, objects = [], []
-            for red_name, factory in self._red_factories.resolve_reductions(self.scope.reductions, name):
+            for red_name, factory in self._red_factories.resolve_reductions(self.scope.reductions, name, self._hook_names):
                 reduction = factory()
                 script = factory.script_path()
                 reduction.script_path = None if script is None else str(script)
@@ -1413,12 +1419,15 @@ def _discard(writer: Any) -> None:
         writer.abort(None)
 
 
-def _token_rows_for(name: str, token_rows: bool | Mapping[str, bool] | None) -> bool | None:
-    """The ``token_rows=`` decision for hook point ``name``: True, False or None (the shape rule)."""
+def _token_rows_for(name: str, token_rows: bool | Mapping[str, bool] | None, names: Any = None) -> bool | None:
+    """The ``token_rows=`` decision for hook point ``name``: True, False or None (the shape rule).
+    A pattern equal to one of ``names`` (the tracker's hook points) selects that one only."""
     if token_rows is None or isinstance(token_rows, bool):
         return token_rows
+    from .reductions import pattern_selects
+
     for pattern, flag in token_rows.items():
-        if fnmatch.fnmatchcase(name, pattern):
+        if pattern_selects(pattern, name, names):
             return flag
     return None
 
