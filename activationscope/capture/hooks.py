@@ -56,6 +56,19 @@ def pattern_hits(pattern: str, names: Iterable[str]) -> list[str]:
     return [n for n in names if fnmatch.fnmatchcase(n, pattern)]
 
 
+def pattern_selects(pattern: str, name: str, names: Any = None) -> bool:
+    """Whether ``pattern`` selects ``name``, one name at a time (the rule of
+    :func:`pattern_hits` when not every name is at hand yet: ``reductions=`` and
+    ``token_rows=`` patterns meet hook points as they appear): a pattern equal to ``name``
+    does; a pattern equal to another of ``names`` (the names there can be) selects that one
+    only; any other pattern selects what ``fnmatch.fnmatchcase`` matches."""
+    if pattern == name:
+        return True
+    if names is not None and pattern in names:
+        return False
+    return fnmatch.fnmatchcase(name, pattern)
+
+
 def check_column(key: str, col: Any) -> None:
     """A row-table column given to ``set_batch`` / ``add_batch`` is a sequence or tensor
     with one entry per sample: anything else raises ArgumentTypeError naming it."""

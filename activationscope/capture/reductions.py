@@ -32,7 +32,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import difflib
-import fnmatch
 import inspect
 import os
 import shutil
@@ -50,6 +49,8 @@ import torch
 
 from activationscope import _C
 from activationscope.errors import ActivationScopeError, ArgumentValueError, ReductionError
+
+from .hooks import pattern_selects
 
 __all__ = [
     "BUILTIN_REDUCTIONS",
@@ -511,19 +512,6 @@ def _factory(item: Any) -> ReductionFactory:
     f = ReductionFactory(name=name, spec=spec, options=_parse_options(options), init=init)
     f()  # validate now (name, signature, options, TorchScript), not at the first batch
     return f
-
-
-def pattern_selects(pattern: str, hook_point: str, names: Any = None) -> bool:
-    """Whether the pattern of a ``{pattern: ...}`` argument selects ``hook_point``: a pattern
-    equal to it does; a pattern equal to another of ``names`` (the hook points there can be)
-    selects that one only, as ``track(include=...)`` and ``ActivationDataset`` read names
-    holding ``[``, ``*`` or ``?``; any other pattern selects what ``fnmatch.fnmatchcase``
-    matches."""
-    if pattern == hook_point:
-        return True
-    if names is not None and pattern in names:
-        return False
-    return fnmatch.fnmatchcase(hook_point, pattern)
 
 
 def resolve_reductions(

@@ -24,8 +24,8 @@ import torch
 
 from . import _native, compiled
 from ..errors import ActivationScopeError, ArgumentTypeError, ArgumentValueError, CaptureError, CaptureWarning
-from .hooks import (check_column, hook_point_module, is_hook_point_module, normalize_patterns, rename_hook_point,
-                    select_modules)
+from .hooks import (check_column, hook_point_module, is_hook_point_module, normalize_patterns, pattern_selects,
+                    rename_hook_point, select_modules)
 from .results import HookPointResults, ReductionResults, main_result_key
 from .writer import open_writer, writer_options
 
@@ -1424,8 +1424,6 @@ def _token_rows_for(name: str, token_rows: bool | Mapping[str, bool] | None, nam
     A pattern equal to one of ``names`` (the tracker's hook points) selects that one only."""
     if token_rows is None or isinstance(token_rows, bool):
         return token_rows
-    from .reductions import pattern_selects
-
     for pattern, flag in token_rows.items():
         if pattern_selects(pattern, name, names):
             return flag
