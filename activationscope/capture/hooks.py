@@ -26,7 +26,7 @@ import torch
 from ..errors import ArgumentTypeError, CaptureWarning, HookPointNotFoundError
 
 __all__ = ["select_modules", "hook_point_module", "normalize_patterns", "is_hook_point_module", "rename_hook_point",
-           "pattern_hits"]
+           "pattern_hits", "pattern_selects"]
 
 
 def pattern_hits(pattern: str, names: Iterable[str]) -> list[str]:
