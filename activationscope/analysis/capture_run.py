@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import ActivationScopeError, ArgumentValueError, CaptureError, SpecError, StoreError
+from ..errors import ActivationScopeError, ArgumentValueError, CaptureError, SpecError
 from ..sizes import dir_bytes, format_bytes
 
 #: Tokens per text at most (longer texts are truncated).
@@ -290,7 +290,7 @@ def capture_dataset(
     n = len(dataset) if max_samples is None else min(len(dataset), max_samples)
     first = resume_offset(out) if resume else 0
     if resume and first >= n:  # the store writer, which checks the model, is not opened when nothing is left
-        check_same_model(out, loaded.model)
+        _check_resumed_model(out, loaded.model)
     if first >= n and not reductions:
         return CaptureSummary(first_sample=first, n_target=n)
     if first >= n:  # nothing left to capture: the reductions are computed over the stored rows
@@ -318,32 +318,16 @@ def capture_dataset(
     return summary
 
 
-def check_same_model(out: str, model: Any) -> None:
-    """Refuse to resume the store ``out`` with another model than the one it was captured from
-    (the sha256 of the state dict it records), as the store writer does when it opens.
-
-    Raises
-    ------
-    StoreError
-        The store records another model; nothing was changed.
-    """
+def _check_resumed_model(out: str, model: Any) -> None:
+    """The store writer's model check (:func:`~activationscope.store.writer.check_same_model`)
+    for a resume with nothing left to capture, which opens no writer."""
     import torch
 
     from ..store import open_store
-    from ..store.writer import model_identity
+    from ..store.writer import check_same_model, model_identity
 
-    store = open_store(out)
-    old = (store.attrs.get("model") or {}).get("state_dict_sha256")
-    if not isinstance(old, str) or not isinstance(model, torch.nn.Module):
-        return
-    new = model_identity(model)["state_dict_sha256"]
-    if old != new:
-        raise StoreError(
-            f"cannot resume {out!r} (status {store.status!r}, {store.n_samples} samples): it was captured from a "
-            f"model with state dict sha256 {old[:12]}..., this model "
-            f"has {new[:12]}...; nothing was changed. Resume with the model it was captured from, or pass "
-            "overwrite=True (CLI: --overwrite) to capture it again with this model"
-        )
+    if isinstance(model, torch.nn.Module):
+        check_same_model(out, open_store(out).attrs, model_identity(model))
 
 
 def capture_store_options(

@@ -154,6 +154,34 @@ def _library_versions() -> dict:
     return {"activationscope": __version__, "torch": torch.__version__, "zarr": zarr.__version__}
 
 
+def check_same_model(target: str, state: Mapping[str, Any], model: dict | None) -> None:
+    """Refuse to resume the store ``target`` with another model than the one it records.
+
+    Parameters
+    ----------
+    target : str
+        The store, as named in the message.
+    state : mapping
+        The store's root attributes (``model``, ``status``, ``n_samples``).
+    model : dict or None
+        :func:`model_identity` of the resuming model (None: nothing to compare).
+
+    Raises
+    ------
+    StoreError
+        The state dict sha256 differs; nothing was changed.
+    """
+    old = (state.get("model") or {}).get("state_dict_sha256")
+    if model is None or old is None or old == model["state_dict_sha256"]:
+        return
+    raise StoreError(
+        f"cannot resume {target!r} (status {state.get('status')!r}, {int(state.get('n_samples', 0))} samples): it "
+        f"was captured from a model with state dict sha256 {old[:12]}..., this model has "
+        f"{model['state_dict_sha256'][:12]}...; nothing was changed. Resume with the model it was captured from, "
+        "or pass overwrite=True (CLI: --overwrite) to capture it again with this model"
+    )
+
+
 def _dtype_label(name: str | None, torch_name: bool = False) -> str:
     if name is None:
         return "None" if torch_name else "None (each hook point's own dtype)"
@@ -390,16 +418,8 @@ class StoreWriter:
 
     # ------------------------------------------------------------------ helpers
     def _setup(self, max_pending_bytes: int) -> None:
-        if self._state is not None and self._model is not None:
-            old = (self._state.get("model") or {}).get("state_dict_sha256")
-            if old is not None and old != self._model["state_dict_sha256"]:
-                raise StoreError(
-                    f"cannot resume {str(self._backend)!r} (status {self._state.get('status')!r}, "
-                    f"{int(self._state.get('n_samples', 0))} samples): it was captured from a model with state dict "
-                    f"sha256 {old[:12]}..., this model has {self._model['state_dict_sha256'][:12]}...; nothing was "
-                    "changed. Resume with the model it was captured from, or pass overwrite=True (CLI: --overwrite) "
-                    "to capture it again with this model"
-                )
+        if self._state is not None:
+            check_same_model(str(self._backend), self._state, self._model)
 
         if self._state is not None:
             stored = self._state.get("storage_dtype")
