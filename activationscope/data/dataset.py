@@ -221,19 +221,13 @@ def _sample_id_array(ids: Any) -> np.ndarray:
     if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
         raise ArgumentTypeError(f"{what} must be a collection of ints (sample ids), got {_short(ids)} "
                                 f"({type(ids).__name__})")
-    out = []
-    for v in ids:
-        try:
-            if isinstance(v, (bool, np.bool_)):
-                raise TypeError
-            i = operator.index(v)
-        except TypeError:
-            raise ArgumentTypeError(f"{what} must be ints (sample ids), got {_short(v)} ({type(v).__name__}) "
-                                    f"in {_short(ids)}") from None
-        if not _I64_MIN <= i <= _I64_MAX:
-            raise ArgumentValueError(f"{what} holds {i}, beyond int64: no sample has that id")
-        out.append(i)
-    return np.asarray(out, dtype=np.int64)
+    try:
+        return np.asarray(_int64_items(ids), dtype=np.int64)
+    except _BadItem as e:
+        if e.beyond:
+            raise ArgumentValueError(f"{what} holds {e.value}, beyond int64: no sample has that id") from None
+        raise ArgumentTypeError(f"{what} must be ints (sample ids), got {_short(e.value)} "
+                                f"({type(e.value).__name__}) in {_short(ids)}") from None
 
 
 def _slice_range(s: slice, n: int, what: str) -> range:
@@ -272,22 +266,44 @@ def _range_positions(r: range, n: int, what: str, unit: str) -> torch.Tensor:
 def _index_from_items(x: Sequence[Any], what: str, n: int, unit: str) -> torch.Tensor:
     """A list / tuple numpy could not make an int, bool or float array of: each element must be
     an int within int64 (the error names the first that is not)."""
+    try:
+        return torch.tensor(_int64_items(x), dtype=torch.int64)
+    except _BadItem as e:
+        if e.beyond:
+            raise _out_of_range(what, n, unit, e.value, where=f" at element {e.k}") from None
+        v = e.value
+        fix = "" if v is not None else "; rows=None selects every row" if what == "rows" else "; use ds[:] for every row"
+        raise ArgumentTypeError(
+            f"{what} must be a sequence of ints (positions), got {_short(v)} ({type(v).__name__}) at "
+            f"element {e.k} of {_short(x)}{fix}"
+        ) from None
+
+
+class _BadItem(Exception):
+    """Element ``k`` of a collection of ints is ``value``: no int (``beyond`` False) or an
+    int beyond int64 (``beyond`` True)."""
+
+    def __init__(self, k: int, value: Any, beyond: bool) -> None:
+        super().__init__(k, value, beyond)
+        self.k, self.value, self.beyond = k, value, beyond
+
+
+def _int64_items(items: Iterable[Any]) -> list[int]:
+    """Each element as a Python int within int64 (bools are no ints here).
+
+    Raises _BadItem for the first element that is not, for the caller's message."""
     out = []
-    for k, v in enumerate(x):
+    for k, v in enumerate(items):
         try:
             if isinstance(v, (bool, np.bool_)):
                 raise TypeError
             i = operator.index(v)
         except TypeError:
-            fix = "" if v is not None else "; rows=None selects every row" if what == "rows" else "; use ds[:] for every row"
-            raise ArgumentTypeError(
-                f"{what} must be a sequence of ints (positions), got {_short(v)} ({type(v).__name__}) at "
-                f"element {k} of {_short(x)}{fix}"
-            ) from None
+            raise _BadItem(k, v, False) from None
         if not _I64_MIN <= i <= _I64_MAX:
-            raise _out_of_range(what, n, unit, i, where=f" at element {k}")
+            raise _BadItem(k, i, True)
         out.append(i)
-    return torch.tensor(out, dtype=torch.int64)
+    return out
 
 
 def _as_index(x: Any, what: str, n: int, unit: str, kinds: str) -> torch.Tensor:
