@@ -66,6 +66,17 @@ def run_doc_blocks(path, workdir, *, min_blocks: int = 1) -> None:
         os.chdir(cwd)
 
 
+class BracketNames(torch.nn.Module):
+    """Module names that are also fnmatch patterns: ``d.a[1]`` matches ``d.a1`` as a pattern."""
+
+    def __init__(self):
+        super().__init__()
+        self.d = torch.nn.ModuleDict({"a[1]": torch.nn.Linear(2, 2), "a1": torch.nn.Linear(2, 3)})
+
+    def forward(self, x):
+        return self.d["a[1]"](x), self.d["a1"](x)
+
+
 class LateBranch(torch.nn.Module):
     """``a`` runs in every forward, ``b`` only when ``extra``: a store where ``b.output`` is
     first captured after some forwards, so its rows do not follow the row table."""

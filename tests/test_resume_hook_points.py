@@ -12,6 +12,8 @@ import pathlib
 import pytest
 import torch
 
+from acs_testing import LateBranch  # a is called in every forward, b only when extra
+
 from activationscope import ActivationScope, CaptureError, CaptureWarning, open_store
 
 
@@ -78,24 +80,9 @@ def test_a_resume_giving_extra_hook_points_is_refused_before_its_first_row(tmp_p
     assert open_store(path).status == "complete"
 
 
-class Branchy(torch.nn.Module):
-    """A module that runs only when asked: which hook points a forward gives is known only
-    after it ran."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.a = torch.nn.Linear(4, 4)
-        self.b = torch.nn.Linear(4, 2)
-
-    def forward(self, x, extra=True):
-        y = self.a(x)
-        return (y, self.b(y)) if extra else (y,)
-
-
 @pytest.mark.parametrize("status", ["complete", "incomplete"])
 def test_a_hook_point_missing_from_the_first_resumed_forward_is_refused_before_commit(tmp_path, status):
-    model = Branchy()
+    model = LateBranch()
     xs = _batches(6, rows=700)  # a first resumed forward that fills chunks of both arrays
     path = tmp_path / "s.zarr"
     try:
@@ -129,7 +116,7 @@ def test_a_hook_point_missing_from_the_first_resumed_forward_is_refused_before_c
 
 
 def test_a_refusal_caught_inside_the_block_is_raised_again_at_its_end(tmp_path):
-    model = Branchy()
+    model = LateBranch()
     xs = _batches(3)
     path = tmp_path / "s.zarr"
     with torch.no_grad(), ActivationScope(store=path).track(model):
@@ -178,7 +165,7 @@ def test_a_reduction_added_on_a_resume_with_nothing_left_to_capture_covers_the_s
 
 
 def test_a_hook_point_first_seen_in_a_later_forward_is_not_said_to_follow_the_row_table(tmp_path):
-    model = Branchy()
+    model = LateBranch()
     xs = _batches(2, rows=3)
     path = tmp_path / "s.zarr"
     with pytest.warns(CaptureWarning, match=r"hook point 'b.output' was first captured in forward 1.*follows_row_table"):
@@ -196,7 +183,7 @@ def test_a_hook_point_first_seen_in_a_later_forward_is_not_said_to_follow_the_ro
 def test_a_refused_resume_that_rewrote_the_committed_last_shard_puts_it_back(tmp_path, compression):
     # 40 committed rows of 64-row shards: the refused forward's 40 rows complete shard 0,
     # which the writer renames over the committed file before the forward ends
-    model = Branchy()
+    model = LateBranch()
     xs = _batches(3, rows=40)
     path = tmp_path / "s.zarr"
     opts = {"shard_rows": 64, "compression": compression}

@@ -19,7 +19,7 @@ import activationscope
 import activationscope as acs
 from activationscope import CaptureMode, CapturePolicy, ReductionPolicy, StoragePolicy
 
-from acs_testing import SmallCNN, small_transformer, toy_mlp
+from acs_testing import BracketNames, SmallCNN, small_transformer, toy_mlp
 
 
 # ----------------------------------------------------------------------------- reference
@@ -164,20 +164,9 @@ def test_include_exclude_select_modules(mlp):
     assert tr.hook_points == ["0.output", "2.output", "4.output"]
 
 
-class _BracketNames(torch.nn.Module):
-    """Module names that are also fnmatch patterns: ``d.a[1]`` matches ``d.a1`` as a pattern."""
-
-    def __init__(self):
-        super().__init__()
-        self.d = torch.nn.ModuleDict({"a[1]": torch.nn.Linear(2, 2), "a1": torch.nn.Linear(2, 3)})
-
-    def forward(self, x):
-        return self.d["a[1]"](x), self.d["a1"](x)
-
-
 def test_include_exact_module_name_wins_over_its_pattern_reading():
     torch.manual_seed(0)
-    model, x = _BracketNames(), torch.randn(4, 2)
+    model, x = BracketNames(), torch.randn(4, 2)
     with acs.ActivationScope().track(model, include=["d.a[1]"]) as tr:
         model(x)
     assert tr.hook_points == ["d.a[1].output"]
@@ -189,7 +178,7 @@ def test_include_exact_module_name_wins_over_its_pattern_reading():
 
 
 def test_exclude_exact_module_name_wins_over_its_pattern_reading():
-    model = _BracketNames()
+    model = BracketNames()
     with acs.ActivationScope().track(model, exclude=["d.a[1]", "d"]) as tr:
         model(torch.randn(4, 2))
     assert tr.hook_points == ["d.a1.output"]
@@ -981,7 +970,7 @@ def test_reduction_and_token_row_patterns_exact_hook_point_names_first(tmp_path)
     """A pattern of reductions= or token_rows= that equals a hook point selects that one only
     (``d.a[1].output`` is also an fnmatch pattern matching ``d.a1.output``)."""
     torch.manual_seed(0)
-    model, x = _BracketNames(), torch.randn(4, 2)
+    model, x = BracketNames(), torch.randn(4, 2)
     with acs.ActivationScope(reductions={"d.a[1].output": ["mean"], "d.a[0-9].output": ["max"]}).track(model) as tr:
         model(x)
     with torch.no_grad():

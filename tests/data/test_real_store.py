@@ -213,16 +213,10 @@ def test_hook_point_named_like_a_pattern_reads_itself(tmp_path):
     from activationscope import cli
     from activationscope.data import export_parquet
 
-    class Bracket(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.d = torch.nn.ModuleDict({"a[1]": torch.nn.Linear(2, 2), "a1": torch.nn.Linear(2, 3)})
-
-        def forward(self, x):
-            return self.d["a[1]"](x), self.d["a1"](x)
+    from acs_testing import BracketNames
 
     torch.manual_seed(0)
-    model, x = Bracket(), torch.randn(5, 2)
+    model, x = BracketNames(), torch.randn(5, 2)
     with acs.ActivationScope(store=tmp_path / "b.zarr").track(model) as tracker, torch.no_grad():
         tracker.set_batch(sample_ids=list(range(5)))
         model(x)
