@@ -422,7 +422,6 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     store = _open(args.store)
     hook_points = _one_row_kind(store, _check_hook_points(store, args.hook_points))
-    _off_table_alone(store, hook_points)
     if store.status != "complete":  # its committed rows are exported: say it is not all of the capture
         print(f"{PROG} export: note: {args.store} is {store.status} (its capture did not finish, or is running): "
               f"exporting its {store.n_samples} committed samples", file=sys.stderr)
@@ -480,21 +479,6 @@ def _one_row_kind(store: Any, hook_points: list[str] | None) -> list[str] | None
             f"got {listing}; pass --hook-points with one kind and export the other to another file"
         )
     return hook_points
-
-
-def _off_table_alone(store: Any, hook_points: list[str] | None) -> None:
-    """A hook point whose rows do not follow the row table is exported alone (its rows as
-    stored, without row-table columns); say which to export separately when mixed."""
-    names = hook_points if hook_points is not None else list(store.hook_points)
-    lost = [hp for hp in names if not store.follows_row_table(hp)]
-    if lost and len(names) > 1:
-        others = [hp for hp in names if hp not in lost]
-        raise CLIError(
-            f"the rows of {', '.join(lost)} do not follow the row table (captured from a later forward on), so "
-            f"they cannot be exported in one file with {', '.join(others) if others else 'each other'}: export "
-            f"them separately, each alone (--hook-points {lost[0]}, its rows as stored without row-table columns)"
-            + (f", and the others to another file (--hook-points {' '.join(others)})" if others else "")
-        )
 
 
 def cmd_report(args: argparse.Namespace) -> int:

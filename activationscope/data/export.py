@@ -173,8 +173,9 @@ def _check_alone(src: Any, names: list[str], lost: list[str], columns: Any, filt
             f"the rows of hook points {lost} of {where} do not follow the row table (store.follows_row_table() "
             f"is False: captured from a later forward on), so they cannot be exported in one table with "
             f"{others if others else 'each other'}; export them separately, each alone "
-            f"(hook_points={lost[0]!r}, without columns or filter)"
-            + (f", and the others in their own file (hook_points={others})" if others else "")
+            f"(hook_points={lost[0]!r}, CLI: --hook-points {lost[0]}; its rows as stored, without columns or filter)"
+            + (f", and the others in their own file (hook_points={others}, CLI: --hook-points {' '.join(others)})"
+               if others else "")
         )
     chosen = [] if columns is None else ([columns] if isinstance(columns, str) else list(columns))
     if chosen or filter is not None:
