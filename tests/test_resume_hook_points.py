@@ -206,3 +206,22 @@ def test_a_refused_resume_that_rewrote_the_committed_last_shard_puts_it_back(tmp
     assert s.verify() == [] and s.n_samples == 120
     with torch.no_grad():
         torch.testing.assert_close(torch.as_tensor(s["b.output"][:]), torch.cat([model.b(model.a(x)) for x in xs]))
+
+
+@pytest.mark.parametrize("record", ["../../outside/victim", ["a"], 3])
+def test_a_resume_refuses_a_root_whose_model_record_is_not_an_object(tmp_path, record):
+    import json
+
+    from activationscope import StoreCorruptError
+
+    model, xs = LateBranch(), _batches(2)
+    path = tmp_path / "s.zarr"
+    _capture(model, path, xs[:1])
+    root = path / "zarr.json"
+    doc = json.loads(root.read_text())
+    doc["attributes"]["activationscope"]["model"] = record
+    root.write_text(json.dumps(doc))
+    before = _files(path)
+    with pytest.raises(StoreCorruptError, match=r"records the model as .* not an object; nothing was changed"):
+        _capture(model, path, xs[1:], resume=True)
+    assert _files(path) == before

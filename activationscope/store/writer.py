@@ -42,6 +42,7 @@ from ..errors import (
     ArgumentTypeError,
     ArgumentValueError,
     CaptureError,
+    StoreCorruptError,
     StoreError,
     StoreExistsError,
 )
@@ -170,9 +171,19 @@ def check_same_model(target: str, state: Mapping[str, Any], model: dict | None) 
     ------
     StoreError
         The state dict sha256 differs; nothing was changed.
+    StoreCorruptError
+        The recorded model is not an object (a damaged root document).
     """
-    old = (state.get("model") or {}).get("state_dict_sha256")
-    if model is None or old is None or old == model["state_dict_sha256"]:
+    if model is None:
+        return
+    record = state.get("model")
+    if record is not None and not isinstance(record, dict):
+        raise StoreCorruptError(
+            f"cannot resume {target!r}: its root document records the model as {type(record).__name__} "
+            f"{str(record)[:60]!r}, not an object; nothing was changed. Run verify on it"
+        )
+    old = (record or {}).get("state_dict_sha256")
+    if old is None or old == model["state_dict_sha256"]:
         return
     raise StoreError(
         f"cannot resume {target!r} (status {state.get('status')!r}, {int(state.get('n_samples', 0))} samples): it "
