@@ -476,13 +476,22 @@ def _fsync_tree(path: str) -> None:
                 os.close(fd)
 
 
-def _bytes_per_forward(wl: Workload) -> list[int]:
-    """Bytes captured by each distinct forward of the workload (probe with reference hooks)."""
+def _bytes_per_forward(wl: Workload, distinct: bool = False) -> list[int]:
+    """Bytes captured by each distinct forward of the workload (probe with reference hooks).
+
+    ``distinct``: count a tensor met twice in one forward once (the output of one layer that
+    is the input of the next), as the store writes it once."""
     n_distinct = len(wl.batches)
     out = []
     total = [0]
+    seen: dict[tuple[int, int], torch.Tensor] = {}  # held until the forward ends: no address is reused
 
     def take(name: str, t: torch.Tensor) -> None:
+        if distinct:
+            key = (t.data_ptr(), t.nbytes)
+            if key in seen:
+                return
+            seen[key] = t
         total[0] += t.nbytes
 
     col = _HookCollector(wl, take)
@@ -490,9 +499,11 @@ def _bytes_per_forward(wl: Workload) -> list[int]:
     try:
         for f in range(n_distinct):
             total[0] = 0
+            seen.clear()
             col.mask = wl.mask(f)
             wl.forward(f)
             out.append(total[0])
+            seen.clear()
     finally:
         col.detach()
     return out
@@ -558,8 +569,78 @@ class RawWrite(Mode):
         remove(self.path)
 
 
+class WriteBeside(Mode):
+    """The plain forward while a second thread writes each forward's bytes to one file.
+
+    After every forward the main thread hands the forward's byte count to a writer thread,
+    which ``os.write``s that many bytes (page cache; ``fsync`` before close with the fsync
+    durability), as the store's writer does with the rows, but with no copy and no checksum:
+    the forward and the write of its bytes at the same time on this machine, the floor of a
+    capture whose writer overlaps the forward. A repeat ends when the last byte is written.
+    The bytes are those the store writes: each distinct tensor of a forward once
+    (``_bytes_per_forward(distinct=True)``).
+    """
+
+    doc = ("limit: the plain forward while a second thread writes each forward's distinct captured bytes "
+           "(one os.write per forward, page cache): a writer that overlaps the forward, with no copy and no checksum")
+
+    def setup(self) -> None:
+        import numpy as np
+
+        self.per_fwd = _bytes_per_forward(self.wl, distinct=True)
+        self.total = sum(self.per_fwd[f % len(self.per_fwd)] for f in range(self.wl.n_forwards))
+        self.src = memoryview(np.random.default_rng(0).integers(0, 255, max(self.per_fwd), dtype=np.uint8))
+        self.path = os.path.join(self.workdir, f"write-beside-{os.getpid()}.bin")
+
+    def _writer(self, fd: int, todo: Any, failed: list[BaseException]) -> None:
+        try:
+            while True:
+                n = todo.get()
+                if n is None:
+                    return
+                view = self.src[:n]
+                while view:
+                    view = view[os.write(fd, view):]
+        except BaseException as e:  # noqa: BLE001 - re-raised by run()
+            failed.append(e)
+            while todo.get() is not None:  # drain: run() must not block on a dead writer
+                pass
+
+    def run(self, i: int) -> None:
+        import queue
+        import threading
+
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        todo: Any = queue.SimpleQueue()
+        failed: list[BaseException] = []
+        th = threading.Thread(target=self._writer, args=(fd, todo, failed), name="write-beside")
+        th.start()
+        try:
+            wl, per = self.wl, self.per_fwd
+            for f in range(wl.n_forwards):
+                wl.forward(f)
+                todo.put(per[f % len(per)])
+        finally:
+            todo.put(None)
+            th.join()
+            try:
+                if self.fsync and not failed:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+        if failed:
+            raise failed[0]
+
+    def describe(self) -> dict[str, Any]:
+        return {"written_bytes": self.total, "stored_bytes": dir_bytes(self.path), "fsync": self.fsync}
+
+    def reset(self) -> None:
+        remove(self.path)
+
+
 register_mode("memcpy", workloads=("toy",), quick=False, doc=Memcpy.doc)(Memcpy)
 register_mode("raw_write", workloads=("toy",), doc=RawWrite.doc + ", closed, no fsync (page cache)")(
     lambda wl, ctx: RawWrite(wl, ctx, fsync=False))
 register_mode("raw_write_fsync", workloads=("toy",), quick=False, doc=RawWrite.doc + ", fsync before close")(
     lambda wl, ctx: RawWrite(wl, ctx, fsync=True))
+register_mode("write_beside", workloads=("toy",), quick=False, doc=WriteBeside.doc)(WriteBeside)

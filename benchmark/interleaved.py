@@ -8,8 +8,10 @@ every round, one repeat of each of their parts, in a rotating order, in the same
 with the same model memory, page cache and neighbours on the machine; a goal is the median
 over rounds of the ratio *within* a round.
 
-- ``store_floor_interleaved`` (toy): ``scope_store``, ``plain`` and ``raw_write`` (the store's
-  durability): the disk floor in the store's conditions (``store_vs_floor_*``).
+- ``store_floor_interleaved`` (toy): ``scope_store``, ``plain``, ``raw_write`` (the store's
+  durability) and ``write_beside`` (the plain forward while a second thread writes the same
+  bytes the store writes): the disk floor in the store's conditions (``store_vs_floor_*``),
+  and what writing beside the forward costs on this machine (``*_write_beside_*``).
 - ``side_by_side`` (toy, minilm, transformer, transformer_all): the modes that the ratio
   goals compare (:data:`SIDE_BY_SIDE`). A peer whose package is missing is left out (named
   in ``skipped_parts``); anything else that fails is an error of the run.
@@ -24,7 +26,7 @@ import statistics
 import time
 from typing import Any
 
-from .capture import Plain, RawWrite, ScopeStore
+from .capture import Plain, RawWrite, ScopeStore, WriteBeside
 from .registry import MODES, MissingOptional, register_mode
 from .workloads import Workload
 
@@ -53,6 +55,7 @@ class Interleaved:
             "scope_store": ScopeStore(wl, ctx, None),
             "plain": Plain(wl, ctx),
             "raw_write": RawWrite(wl, ctx, fsync=ctx.get("durability") == "fsync"),
+            "write_beside": WriteBeside(wl, ctx),
         }
         self.skipped: dict[str, str] = {}
         self.times: dict[str, list[float]] = {}
@@ -125,13 +128,18 @@ class Interleaved:
                 store_vs_plain_median=out["ratio_median"]["scope_store/plain"],
                 raw_write_vs_plain_median=out["ratio_median"]["raw_write/plain"],
             )
+        if {"scope_store", "plain", "write_beside"} <= set(t):
+            out.update(
+                store_vs_write_beside_median=out["ratio_median"]["scope_store/write_beside"],
+                write_beside_vs_plain_median=out["ratio_median"]["write_beside/plain"],
+            )
         return out
 
 
 register_mode("store_floor_interleaved", workloads=("toy",), repeats=9, budget_s=600.0,
-              doc="plain, raw_write (the store's durability) and scope_store round-robin in one process, "
-              "rotating order, 9 rounds after a warm one: the disk floor in the store's conditions; the goal "
-              "is the median over rounds of scope_store / max(plain, raw_write) of the same round")(Interleaved)
+              doc="plain, raw_write (the store's durability), write_beside and scope_store round-robin in one "
+              "process, rotating order, 9 rounds after a warm one: the disk floor in the store's conditions; the "
+              "goal is the median over rounds of scope_store / max(plain, raw_write) of the same round")(Interleaved)
 
 
 def side_by_side(wl: Workload, ctx: dict[str, Any]) -> Interleaved:

@@ -163,6 +163,11 @@ def render(doc: dict[str, Any], json_rel: str) -> str:
                       f"{ix['rounds']} rounds): plain {pm['plain'] * 1e3 / n:.2f}, raw write "
                       f"{pm['raw_write'] * 1e3 / n:.2f}, store {pm['scope_store'] * 1e3 / n:.2f} ms per forward: "
                       f"store / max(plain, raw write) **{ix['store_vs_floor_median']:.2f}x**."]
+            if "write_beside" in pm:
+                lines += [f"The plain forward while a second thread writes the bytes the store writes, with no copy "
+                          f"and no checksum (`write_beside`), took {pm['write_beside'] * 1e3 / n:.2f} ms per forward "
+                          f"({ix['write_beside_vs_plain_median']:.2f}x plain) in the same rounds: the store is "
+                          f"{ix['store_vs_write_beside_median']:.2f}x that."]
         sbs = side_by_side_text(toy.get("side_by_side"), "`")
         if sbs:
             lines += [sbs[0].upper() + sbs[1:] + "."]

@@ -330,6 +330,10 @@ def print_summary(doc: dict[str, Any], out: Any = None) -> None:
               f"{pm['raw_write'] * 1e3 / inter['n_forwards']:.2f}, store {pm['scope_store'] * 1e3 / inter['n_forwards']:.2f} "
               f"ms/fwd; store / max(plain, raw write) per round: "
               + ", ".join(f"{x:.2f}" for x in ex["store_vs_floor_per_round"]) + f" (median {ex['store_vs_floor_median']:.2f})")
+            if "write_beside" in pm:
+                p(f"   the plain forward with its bytes written beside it by a second thread (write_beside) "
+                  f"{pm['write_beside'] * 1e3 / inter['n_forwards']:.2f} ms/fwd, {ex['write_beside_vs_plain_median']:.2f}x "
+                  f"plain; store / write_beside {ex['store_vs_write_beside_median']:.2f}")
     lim = doc["limits"]
     if len(lim) > 1:
         p("")

@@ -3,9 +3,8 @@
 On the toy workload (48 x ``Linear(256, 256)``, batch 32, ``capture="both"``: 3 MiB per
 forward), interleaved in one process, ``--rounds`` rounds of: the plain forward, a raw write
 of the same bytes (one ``os.write`` per forward, page cache), and the capture into an
-uncompressed store, once with the store's default writes and once with
-``ACTIVATIONSCOPE_DIRECT_IO=0`` (page-cache writes; each in a child process, since the
-setting is read once per process). Per forward it reports wall time, the CPU time of the
+uncompressed store (in a child process with one torch thread). Per forward it reports wall
+time, the CPU time of the
 thread that runs the model (``time.thread_time``), the CPU time of every other thread of the
 process (the store's writer, ``time.process_time`` minus the former) and minor page faults.
 CPU times do not depend on how busy the shared machine is the way wall times do, so they
@@ -101,23 +100,20 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(_child(a.forwards, a.rounds, a.workdir)))
         return 0
     doc: dict[str, Any] = {"started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "forwards": a.forwards,
-                           "rounds": a.rounds, "loadavg_start": list(os.getloadavg()), "settings": {}}
-    for label, env in (("direct_io", {}), ("page_cache", {"ACTIVATIONSCOPE_DIRECT_IO": "0"})):
-        work = tempfile.mkdtemp(prefix="acs-store-profile-")
-        try:
-            e = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", **env)
-            proc = subprocess.run([sys.executable, "-m", "benchmark.store_profile", "--child", "--forwards",
-                                   str(a.forwards), "--rounds", str(a.rounds), "--workdir", work],
-                                  env=e, capture_output=True, text=True, check=True)
-            doc["settings"][label] = json.loads(proc.stdout.strip().splitlines()[-1])
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
+                           "rounds": a.rounds, "loadavg_start": list(os.getloadavg())}
+    work = tempfile.mkdtemp(prefix="acs-store-profile-")
+    try:
+        e = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        proc = subprocess.run([sys.executable, "-m", "benchmark.store_profile", "--child", "--forwards",
+                               str(a.forwards), "--rounds", str(a.rounds), "--workdir", work],
+                              env=e, capture_output=True, text=True, check=True)
+        doc["parts"] = json.loads(proc.stdout.strip().splitlines()[-1])
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     doc["loadavg_end"] = list(os.getloadavg())
-    for label, res in doc["settings"].items():
-        print(f"store writes: {label}")
-        for part, m in res.items():
-            print(f"  {part:<10} wall {m['wall_ms']:6.2f} ms/fwd  model thread cpu {m['model_thread_cpu_ms']:5.2f}  "
-                  f"other threads cpu {m['other_threads_cpu_ms']:5.2f}  minor faults {m['minor_faults']:6.1f}")
+    for part, m in doc["parts"].items():
+        print(f"  {part:<10} wall {m['wall_ms']:6.2f} ms/fwd  model thread cpu {m['model_thread_cpu_ms']:5.2f}  "
+              f"other threads cpu {m['other_threads_cpu_ms']:5.2f}  minor faults {m['minor_faults']:6.1f}")
     write_json(a.json, doc)
     return 0
 

@@ -113,9 +113,15 @@ def test_quick_runner_produces_documented_keys(tmp_path):
     assert inter["status"] == "ok", inter
     ex = inter["extra"]
     assert ex["rounds"] == len(ex["store_vs_floor_per_round"]) >= 1
-    assert set(ex["part_median_s"]) == {"plain", "raw_write", "scope_store"}
+    assert set(ex["part_median_s"]) == {"plain", "raw_write", "scope_store", "write_beside"}
     r0 = [ex["part_repeat_s"][k][0] for k in ("scope_store", "plain", "raw_write")]
     assert ex["store_vs_floor_per_round"][0] == pytest.approx(r0[0] / max(r0[1], r0[2]))
+    t = ex["part_repeat_s"]
+    assert ex["store_vs_write_beside_median"] == pytest.approx(
+        statistics.median(a / b for a, b in zip(t["scope_store"], t["write_beside"])))
+    # the writer beside the forward wrote each distinct tensor once: 3 forwards x (input + 48 outputs)
+    assert ex["part_info"]["write_beside"]["written_bytes"] == 3 * 49 * 32 * 256 * 4
+    assert ex["part_info"]["write_beside"]["stored_bytes"] == 3 * 49 * 32 * 256 * 4
 
     sbs = toy["side_by_side"]
     assert sbs["status"] == "ok", sbs
@@ -435,3 +441,18 @@ def test_distributed_benchmark_runs_small_and_reports_its_ceilings(tmp_path):
     assert mini["bytes"] == n_tokens * 6 * 384 * 4
     assert set(mini["copied_per_array"]) == set(mini["hook_points"])
     assert re.search(r"; minilm \d+\.\d\dx .*CPU-bound ceiling", proc.stdout)
+
+
+@pytest.mark.slow
+def test_store_profile_reports_cpu_per_thread(tmp_path, capsys):
+    from benchmark import store_profile
+
+    out = tmp_path / "profile.json"
+    assert store_profile.main(["--forwards", "2", "--rounds", "1", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert set(doc["parts"]) == {"plain", "raw_write", "store"}
+    for m in doc["parts"].values():
+        assert m["wall_ms"] > 0 and m["model_thread_cpu_ms"] > 0
+    # the store's writer is a thread of its own; the plain forward and the raw write have none
+    assert doc["parts"]["store"]["other_threads_cpu_ms"] > 0
+    assert "store" in capsys.readouterr().out
