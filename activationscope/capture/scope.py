@@ -1044,10 +1044,11 @@ class Tracker:
     def _resume_reductions(self, name: str, sink: Any) -> None:
         """A resumed store: continue each reduction of ``name`` from the rows already
         committed, so that it covers every stored row. The stored state is loaded when it
-        covers exactly the committed rows; otherwise (a run killed before its close, a
-        reduction added on resume, a store written before states were kept) the state
-        covers a prefix or nothing, and the committed rows past it are read back from the
-        store and folded in, in order."""
+        covers exactly the committed rows and was recorded with the same kind and options;
+        otherwise (a run killed before its close, a reduction added on resume or given
+        another kind or options, a store written before states were kept) the state covers
+        a prefix or nothing, and the committed rows past it are read back from the store and
+        folded in, in order."""
         array = self._aliases.get(name) or getattr(self.writer, "aliases", {}).get(name, name)  # an alias's rows: its target's
         committed = self.writer.committed_rows(array)
         self._reduction_base[name] = committed
@@ -1058,7 +1059,10 @@ class Tracker:
         starts: dict[int, list[Any]] = {}
         for red_name, red in zip(self._reduction_names[name], self._reduction_objects[name]):
             start = 0
-            saved = self.writer.stored_reduction_state(name, red_name, str(getattr(red, "kind", "custom")))
+            options = getattr(red, "options", None)
+            options = options() if callable(options) else options
+            saved = self.writer.stored_reduction_state(name, red_name, str(getattr(red, "kind", "custom")),
+                                                       dict(options or {}))
             if saved is not None and saved[1] <= committed:
                 red.load_state(saved[0])
                 start = saved[1]

@@ -170,3 +170,29 @@ def test_a_resume_with_a_narrower_include_is_refused_and_the_store_kept(nets, tm
     store = acs.open_store(out)
     assert store.status == "complete" and store.n_samples == 20
     assert {hp: store.n_rows(hp) for hp in store.hook_points} == {"0.output": 20, "1.output": 20, "2.output": 20}
+
+
+@pytest.mark.parametrize("first, again", [("hist[lo=-4,hi=4,bins=64]", "hist[lo=-1,hi=1,bins=4]"),
+                                          ("hist[lo=-1,hi=1,bins=4]", "hist[lo=-2,hi=2,bins=4]"),
+                                          ("topk[k=5]", "topk[k=3]")])
+def test_a_reduction_with_other_options_on_a_resume_of_a_full_store_is_recomputed(nets, tmp_path, first, again):
+    out = str(tmp_path / "full.zarr")
+    ref = _reference(nets)["0.output"].double()
+    capture_run.capture_dataset("runnets.nets:mlp", str(nets), out, include=["0"], reductions=[first],
+                                progress=False)
+    done = capture_run.capture_dataset("runnets.nets:mlp", str(nets), out, include=["0"], resume=True,
+                                       reductions=[again], progress=False)
+    assert done.nothing_to_capture and done.reduced_hook_points == ["0.output"]
+    store = acs.open_store(out)
+    assert store.status == "complete" and store.n_samples == 50 and store.partial_reductions == {}
+    r = store.reductions["0.output"]
+    if again.startswith("topk"):
+        assert store.attrs["reductions"]["0.output"]["topk.values"]["options"]["k"] == 3
+        want = ref.topk(3, dim=0)
+        torch.testing.assert_close(r["topk.values"].double(), want.values)
+        torch.testing.assert_close(r["topk.row_ids"].long(), want.indices)
+    else:
+        lo, hi = (-1, 1) if "lo=-1" in again else (-2, 2)
+        torch.testing.assert_close(r["hist.edges"].double(), torch.linspace(lo, hi, 5, dtype=torch.float64))
+        want = torch.stack([torch.histc(c[(c >= lo) & (c <= hi)], 4, lo, hi) for c in ref.T]).long()
+        torch.testing.assert_close(r["hist.counts"].long(), want)
