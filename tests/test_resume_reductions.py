@@ -214,3 +214,24 @@ def test_a_resume_with_another_kind_under_the_same_name_keeps_none_of_the_old_ke
     assert sorted(r) == ["s", "s.count"]
     torch.testing.assert_close(r["s"].double(), _ref_rows(model, xs).max(0).values)
     assert s.verify() == []
+
+
+def _files(path):
+    return {p.relative_to(path): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("more", [True, False])
+def test_a_resume_with_a_reductions_pattern_that_selects_nothing_leaves_the_store_as_it_was(tmp_path, more):
+    """Refused (HookPointNotFoundError) whether the resume captures more rows or none."""
+    import activationscope as acs
+
+    model, xs = _model(), _batches(3)
+    path = tmp_path / "s.zarr"
+    _run(model, path, xs[:2], {"0.output": ["mean"]})
+    before = _files(path)
+    with pytest.raises(acs.HookPointNotFoundError, match=r"'1\.nothing' selects no hook point.*'0\.output'"):
+        _run(model, path, xs[2:] if more else [], {"0.output": ["max"], "1.nothing": ["mean"]}, resume=True)
+    assert _files(path) == before
+    s = open_store(path)
+    assert s.status == "complete" and s.n_samples == 16
+    torch.testing.assert_close(s.reductions["0.output"]["mean"], _ref_rows(model, xs[:2]).mean(0))
