@@ -196,3 +196,52 @@ def test_a_reduction_with_other_options_on_a_resume_of_a_full_store_is_recompute
         torch.testing.assert_close(r["hist.edges"].double(), torch.linspace(lo, hi, 5, dtype=torch.float64))
         want = torch.stack([torch.histc(c[(c >= lo) & (c <= hi)], 4, lo, hi) for c in ref.T]).long()
         torch.testing.assert_close(r["hist.counts"].long(), want)
+
+
+def _files(path):
+    from pathlib import Path
+
+    return {p.relative_to(path): p.read_bytes() for p in sorted(Path(path).rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("reductions", [None, ["mean"]])
+@pytest.mark.parametrize("options, error, match", [
+    ({"dtype": "bfloat16"}, CaptureError, r"stored with storage_dtype=None.*this capture has storage_dtype=torch.bfloat16"),
+    ({"include": ["0"]}, CaptureError, r"it holds \['1.output', '2.output'\] which this capture does not give"),
+    ({"capture": "input"}, CaptureError, r"other hook points than it holds"),
+])
+def test_a_resume_of_a_full_store_is_checked_as_an_incomplete_one(nets, tmp_path, reductions, options, error, match):
+    """Nothing left to capture is no reason to accept another dtype or other hook points:
+    refused, and the store left byte for byte as it was."""
+    out = str(tmp_path / "full.zarr")
+    capture_run.capture_dataset("runnets.nets:mlp", str(nets), out, batch_size=16, progress=False)
+    before = _files(out)
+    with pytest.raises(error, match=match):
+        capture_run.capture_dataset("runnets.nets:mlp", str(nets), out, resume=True, reductions=reductions,
+                                    progress=False, **options)
+    assert _files(out) == before
+
+
+def test_a_resume_of_a_full_store_with_the_same_options_leaves_it_as_it_was(nets, tmp_path):
+    out = str(tmp_path / "full.zarr")
+    capture_run.capture_dataset("runnets.nets:mlp", str(nets), out, batch_size=16, progress=False)
+    before = _files(out)
+    again = capture_run.capture_dataset("runnets.nets:mlp", str(nets), out, resume=True, progress=False)
+    assert again.nothing_to_capture and again.first_sample == 50 and again.n_target == 50
+    assert _files(out) == before
+
+
+def test_a_resume_with_data_of_fewer_samples_than_the_store_is_refused(nets, tmp_path):
+    out = str(tmp_path / "full.zarr")
+    capture_run.capture_dataset("runnets.nets:mlp", str(nets), out, batch_size=16, progress=False)
+    short = tmp_path / "short.npy"
+    np.save(short, np.load(nets)[:30])
+    before = _files(out)
+    for reductions in (None, ["mean"]):
+        with pytest.raises(ArgumentValueError, match=r"holds 50 samples, but --data .*short.npy' has only 30"):
+            capture_run.capture_dataset("runnets.nets:mlp", str(short), out, resume=True, reductions=reductions,
+                                        progress=False)
+    assert _files(out) == before
+    # fewer samples asked for (--max-samples) of the same data: nothing to capture, no error
+    assert capture_run.capture_dataset("runnets.nets:mlp", str(nets), out, resume=True, max_samples=20,
+                                       progress=False).nothing_to_capture
