@@ -988,3 +988,51 @@ def test_infinite_values_stay_infinite_across_batches(kind):
             got = r.result()["mean"]
             assert torch.equal(got.isnan(), want.isnan()), (split, got)
             assert torch.equal(got.nan_to_num(), want.nan_to_num()), (split, got)
+
+
+# ---------------------------------------------------------------------------- patterns
+
+
+class _Named(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.d = torch.nn.ModuleDict({"a[1]": torch.nn.Linear(3, 2), "b": torch.nn.Linear(3, 2)})
+
+    def forward(self, x):
+        return self.d["a[1]"](x) + self.d["b"](x)
+
+
+@pytest.mark.parametrize("pattern", ["d.a[1]", "d.nothing.output", "*.input.0"])
+def test_a_reductions_pattern_that_selects_no_hook_point_raises(pattern):
+    """As include= with a pattern that matches no module: HookPointNotFoundError naming the
+    pattern and the hook points there are, at the end of the first captured forward."""
+    torch.manual_seed(0)
+    model = _Named()
+    tr = acs.ActivationScope(reductions={"d.*": ["max"], pattern: ["mean"]}).track(model)
+    with pytest.raises(acs.HookPointNotFoundError) as e, tr:
+        model(torch.randn(4, 3))
+    msg = str(e.value)
+    assert f"reductions= pattern {pattern!r} selects no hook point" in msg
+    assert "['d.a[1].output', 'd.b.output']" in msg and isinstance(e.value, KeyError)
+
+
+def test_reductions_patterns_that_each_select_a_hook_point_are_accepted():
+    torch.manual_seed(0)
+    model, x = _Named(), torch.randn(4, 3)
+    with acs.ActivationScope(reductions={"d.a[1].output": ["mean"], "*.b.*": ["max"]}).track(model) as tr:
+        model(x)
+    with torch.no_grad():
+        torch.testing.assert_close(tr.reductions["d.a[1].output"]["mean"], model.d["a[1]"](x).double().mean(0))
+        torch.testing.assert_close(tr.reductions["d.b.output"]["max"], model.d["b"](x).double().max(0).values)
+
+
+def test_a_reductions_pattern_that_selects_nothing_stores_nothing(tmp_path):
+    torch.manual_seed(0)
+    model, path = _Named(), tmp_path / "s.zarr"
+    with pytest.raises(acs.HookPointNotFoundError, match="'d.a\\[1\\]' selects no hook point.*no row of this run"):
+        with acs.ActivationScope(store=path, reductions={"d.a[1]": ["mean"]}).track(model):
+            model(torch.randn(4, 3))
+            model(torch.randn(4, 3))
+    store = acs.open_store(path)
+    assert store.status == "incomplete" and store.n_samples == 0 and store.reductions == {}
+    assert all(store.n_rows(hp) == 0 for hp in store.hook_points)

@@ -164,3 +164,74 @@ def test_a_reduction_that_saw_no_rows_has_only_its_count(tmp_path):
     xs = _batches(3)
     _run(model, path, xs, ["mean", "var", "min", "max", "nonzero", "topk"], resume=True)
     _check(open_store(path), _ref_rows(model, xs), NAMES)
+
+
+def _hist_ref(ref, lo, hi, bins):
+    """Counts per feature, (d, bins): values in [lo, hi], the last bin closed (torch.histc)."""
+    cols = []
+    for j in range(ref.shape[1]):
+        col = ref[:, j]
+        cols.append(torch.histc(col[(col >= lo) & (col <= hi)], bins, lo, hi).long())
+    return torch.stack(cols)
+
+
+@pytest.mark.parametrize("kill", [False, True])
+def test_a_resume_with_other_hist_options_recomputes_over_every_row(tmp_path, kill):
+    """The stored state of another range / bin count is not merged into: the reduction is
+    computed again, with the new options, over every stored row."""
+    model, xs = _model(), _batches(6)
+    path = tmp_path / "s.zarr"
+    _run(model, path, xs[:4], [("h", "hist", {"lo": -1, "hi": 1, "bins": 4})])
+    _run(model, path, xs[4:5], [("h", "hist", {"lo": -2, "hi": 2, "bins": 4})], resume=True, kill=kill)
+    _run(model, path, xs[5:], [("h", "hist", {"lo": -3, "hi": 3, "bins": 6})], resume=True)
+    s = open_store(path)
+    r = s.reductions["0.output"]
+    torch.testing.assert_close(r["h.edges"].double(), torch.linspace(-3, 3, 7, dtype=torch.float64))
+    assert r["h.counts"].shape == (5, 6)
+    torch.testing.assert_close(r["h.counts"].long(), _hist_ref(_ref_rows(model, xs), -3, 3, 6))
+    assert s.attrs["reductions"]["0.output"]["h.counts"]["n_rows"] == 48
+    assert s.partial_reductions == {}
+
+
+def test_a_resume_with_another_topk_k_recomputes_over_every_row(tmp_path):
+    model, xs = _model(), _batches(4)
+    path = tmp_path / "s.zarr"
+    _run(model, path, xs[:3], [("t", "topk", {"k": 2})])
+    _run(model, path, xs[3:], [("t", "topk", {"k": 5})], resume=True)
+    r = open_store(path).reductions["0.output"]
+    want = _ref_rows(model, xs).topk(5, dim=0)
+    torch.testing.assert_close(r["t.values"].double(), want.values)
+    torch.testing.assert_close(r["t.row_ids"].long(), want.indices)
+
+
+def test_a_resume_with_another_kind_under_the_same_name_keeps_none_of_the_old_keys(tmp_path):
+    model, xs = _model(), _batches(4)
+    path = tmp_path / "s.zarr"
+    _run(model, path, xs[:2], [("s", "hist", {"lo": -1, "hi": 1, "bins": 4})])
+    _run(model, path, xs[2:], [("s", "max")], resume=True)
+    s = open_store(path)
+    r = s.reductions["0.output"]
+    assert sorted(r) == ["s", "s.count"]
+    torch.testing.assert_close(r["s"].double(), _ref_rows(model, xs).max(0).values)
+    assert s.verify() == []
+
+
+def _files(path):
+    return {p.relative_to(path): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("more", [True, False])
+def test_a_resume_with_a_reductions_pattern_that_selects_nothing_leaves_the_store_as_it_was(tmp_path, more):
+    """Refused (HookPointNotFoundError) whether the resume captures more rows or none."""
+    import activationscope as acs
+
+    model, xs = _model(), _batches(3)
+    path = tmp_path / "s.zarr"
+    _run(model, path, xs[:2], {"0.output": ["mean"]})
+    before = _files(path)
+    with pytest.raises(acs.HookPointNotFoundError, match=r"'1\.nothing' selects no hook point.*'0\.output'"):
+        _run(model, path, xs[2:] if more else [], {"0.output": ["max"], "1.nothing": ["mean"]}, resume=True)
+    assert _files(path) == before
+    s = open_store(path)
+    assert s.status == "complete" and s.n_samples == 16
+    torch.testing.assert_close(s.reductions["0.output"]["mean"], _ref_rows(model, xs[:2]).mean(0))

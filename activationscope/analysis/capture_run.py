@@ -236,7 +236,10 @@ def capture_dataset(
         Continue the incomplete store at ``out`` from its next sample: samples
         ``store.n_samples`` .. end of ``data`` are captured with those sample ids. With
         ``reductions`` and nothing left to capture, the reductions are computed over the
-        stored rows (no forward runs); without, the store is untouched.
+        stored rows (no forward runs); without, the store is untouched. Either way a full
+        store is checked as an incomplete one is (the model's weights, ``dtype``, and
+        ``include`` / ``exclude`` / ``capture`` giving every stored hook point), and data
+        with fewer samples than the store holds is refused.
     overwrite : bool
         Replace the store at ``out`` (never anything that is not an activationscope store).
     command : str, optional
@@ -256,11 +259,13 @@ def capture_dataset(
     ArgumentValueError
         A bad option value, ``resume`` and ``overwrite`` together, an ``out`` that is not a
         store (or is one, without ``resume`` / ``overwrite``), text data with a model spec
-        that has no tokenizer.
+        that has no tokenizer, ``resume`` with data of fewer samples than the store holds.
     SpecError
         A model or data spec that names nothing usable.
     CaptureError
-        The model raised during a forward (the store keeps the rows committed before).
+        The model raised during a forward (the store keeps the rows committed before), or
+        ``resume`` with another model, ``dtype`` or hook points than the store's (the store
+        is left as it was).
     """
     import torch
 
@@ -291,7 +296,15 @@ def capture_dataset(
     first = resume_offset(out) if resume else 0
     if resume and first >= n:  # the store writer, which checks the model, is not opened when nothing is left
         _check_resumed_model(out, loaded.model)
+        if len(dataset) < first:
+            raise ArgumentValueError(
+                f"--resume: store {out!r} holds {first} samples, but --data {data!r} has only {len(dataset)}, so it is "
+                "not the data the store was captured from; resume with that data, or pass --overwrite instead of "
+                "--resume to capture this data into a new store (nothing was changed)")
     if first >= n and not reductions:
+        _check_full_resume(out, loaded.model, include=list(include) if include else loaded.default_include,
+                           exclude=list(exclude) if exclude else None, capture=capture,
+                           storage_dtype=getattr(torch, dtype) if dtype else None)
         return CaptureSummary(first_sample=first, n_target=n)
     if first >= n:  # nothing left to capture: the reductions are computed over the stored rows
         batches: Iterable[tuple[int, Any, dict[str, Any]]] = []
@@ -328,6 +341,23 @@ def _check_resumed_model(out: str, model: Any) -> None:
 
     if isinstance(model, torch.nn.Module):
         check_same_model(out, open_store(out).attrs, model_identity(model))
+
+
+def _check_full_resume(out: str, model: Any, *, include: list[str] | None, exclude: list[str] | None,
+                       capture: str, storage_dtype: Any) -> None:
+    """The checks of a resume (the writer's model and storage dtype, the tracker's stored hook
+    points) for one with nothing left to capture and no reductions, which captures nothing:
+    the writer is opened and discarded, so the store is left as it was whatever the outcome
+    (CaptureError when refused)."""
+    from .. import store as _store  # noqa: F401 - registers the store writer with capture
+    from ..capture.scope import ActivationScope
+
+    scope = ActivationScope(store=out, store_options={"resume": True}, storage_dtype=storage_dtype, capture=capture)
+    tracker = scope.track(model, include=include, exclude=exclude)
+    tracker.attach()  # refused here (the writer discarded) when the store's hook points or dtype differ
+    tracker._detach()
+    tracker._closed = True
+    tracker.writer.discard()
 
 
 def capture_store_options(

@@ -23,7 +23,8 @@ import numpy as np
 import torch
 
 from . import _native, compiled
-from ..errors import ActivationScopeError, ArgumentTypeError, ArgumentValueError, CaptureError, CaptureWarning
+from ..errors import (ActivationScopeError, ArgumentTypeError, ArgumentValueError, CaptureError, CaptureWarning,
+                      HookPointNotFoundError)
 from .hooks import (check_column, hook_point_module, is_hook_point_module, normalize_patterns, pattern_selects,
                     rename_hook_point, select_modules)
 from .results import HookPointResults, ReductionResults, main_result_key
@@ -203,8 +204,10 @@ class ActivationScope:
         Online reductions: a list of specs for every hook point (``["mean", "var"]``, a
         Python function ``(acc: Optional[Tensor], x: Tensor) -> Tensor`` compiled with
         TorchScript, a scripted function, or a ``.pt`` path), or ``{fnmatch pattern: list}``
-        per hook point (a pattern equal to a tracked hook point selects that one only).
-        See :mod:`activationscope.reductions`.
+        per hook point (a pattern equal to a tracked hook point selects that one only; a
+        pattern that selects none of the hook points of the first captured forward raises
+        :class:`~activationscope.errors.HookPointNotFoundError` at the end of that forward,
+        before any of its rows is stored). See :mod:`activationscope.reductions`.
     store : str, os.PathLike, zarr store or None
         Capture into a store: a local path, an fsspec URL (``s3://bucket/run.zarr``,
         ``memory://run``) or a zarr ``Store``. See :mod:`activationscope.store`.
@@ -498,6 +501,7 @@ class Tracker:
         self._stored: frozenset[str] | None = None
         self._first_checked = False
         self._refused: str | None = None
+        self._refused_error: type[ActivationScopeError] = CaptureError  # raised again at the close
         self._token_rows = scope.token_rows
         # a mask that applies to no hook point: their first shapes, and whether token_rows= chose
         # sample rows for one (then sample rows are asked for, not a mistake)
@@ -682,9 +686,10 @@ class Tracker:
             return
         self._closed = True
         if self._refused is not None:  # nothing of this run is committed
-            _discard(self.writer)
+            if self.writer is not None:
+                _discard(self.writer)
             if exc is None:  # the refusal was caught inside the block: say it again
-                raise CaptureError(self._refused)
+                raise self._refused_error(self._refused)
             return
         if exc is None and self._open_forward is not None:  # the last forward raised, caught
             self._forward_raised(at_exit=True)
@@ -1026,6 +1031,7 @@ class Tracker:
         """A resume that captured no forward (nothing was left to capture): reductions of the
         stored hook points are computed over their stored rows (loaded states, rows read back),
         so a reduction added on resume is not lost."""
+        self._check_reduction_patterns(sorted(self._stored or ()), "the store holds")
         for name in sorted(self._stored or ()):
             if name in self._sinks:
                 continue
@@ -1041,13 +1047,33 @@ class Tracker:
                 self._reduction_objects[name] = objects
                 self._resume_reductions(name, None)
 
+    def _check_reduction_patterns(self, hook_points: list[str], source: str) -> None:
+        """A ``reductions=`` pattern that selects none of ``hook_points`` (what ``source``
+        gave) raises HookPointNotFoundError, as an ``include=`` pattern that matches no module
+        does; nothing of this run is committed (a store is left as it was found)."""
+        reductions = self.scope.reductions
+        if not isinstance(reductions, Mapping) or self._refused is not None:
+            return
+        for pattern in reductions:
+            if not any(pattern_selects(pattern, h, self._hook_names) for h in hook_points):
+                self._refused_error = HookPointNotFoundError
+                self._refused = (
+                    f"reductions= pattern {pattern!r} selects no hook point: {source} {_names(sorted(hook_points))}; "
+                    "a pattern names hook points (a module path plus '.output' or '.input.0'), not modules: "
+                    "fix the pattern or drop it" + ("" if self.writer is None else " (no row of this run is stored)")
+                )
+                if self.writer is not None and self._closed:
+                    _discard(self.writer)
+                raise HookPointNotFoundError(self._refused)
+
     def _resume_reductions(self, name: str, sink: Any) -> None:
         """A resumed store: continue each reduction of ``name`` from the rows already
         committed, so that it covers every stored row. The stored state is loaded when it
-        covers exactly the committed rows; otherwise (a run killed before its close, a
-        reduction added on resume, a store written before states were kept) the state
-        covers a prefix or nothing, and the committed rows past it are read back from the
-        store and folded in, in order."""
+        covers exactly the committed rows and was recorded with the same kind and options;
+        otherwise (a run killed before its close, a reduction added on resume or given
+        another kind or options, a store written before states were kept) the state covers
+        a prefix or nothing, and the committed rows past it are read back from the store and
+        folded in, in order."""
         array = self._aliases.get(name) or getattr(self.writer, "aliases", {}).get(name, name)  # an alias's rows: its target's
         committed = self.writer.committed_rows(array)
         self._reduction_base[name] = committed
@@ -1058,7 +1084,10 @@ class Tracker:
         starts: dict[int, list[Any]] = {}
         for red_name, red in zip(self._reduction_names[name], self._reduction_objects[name]):
             start = 0
-            saved = self.writer.stored_reduction_state(name, red_name, str(getattr(red, "kind", "custom")))
+            options = getattr(red, "options", None)
+            options = options() if callable(options) else options
+            saved = self.writer.stored_reduction_state(name, red_name, str(getattr(red, "kind", "custom")),
+                                                       dict(options or {}))
             if saved is not None and saved[1] <= committed:
                 red.load_state(saved[0])
                 start = saved[1]
@@ -1096,6 +1125,8 @@ class Tracker:
             missing = sorted(self._stored.difference(self._sinks))
             if missing:
                 self._refuse(missing, [])
+        if self._n_captured == 0:  # the first captured forward gave its hook points
+            self._check_reduction_patterns(list(self._sinks), "the first captured forward gave")
         if self._stop_learnt and not self._core.stopped and not self._warned_stop:
             self._warned_stop = True
             warnings.warn(

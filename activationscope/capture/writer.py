@@ -65,8 +65,9 @@ class ActivationWriter(Protocol):
     def committed_rows(self, hook_point: str) -> int:
         """Rows of ``hook_point`` committed before the writer opened (resume; 0 otherwise)."""
 
-    def stored_reduction_state(self, hook_point: str, name: str, kind: str) -> Any:
-        """``(state, rows covered)`` of a reduction stored by an earlier run, or None."""
+    def stored_reduction_state(self, hook_point: str, name: str, kind: str, options: Any = None) -> Any:
+        """``(state, rows covered)`` of a reduction stored by an earlier run with this kind and
+        these options, or None (the reduction is then recomputed over the committed rows)."""
 
     def read_committed_rows(self, hook_point: str, start: int, stop: int) -> Any:
         """Rows ``[start, stop)`` of ``hook_point`` committed before the writer opened (a copy)."""

@@ -577,7 +577,9 @@ class StoreWriter:
             arrays[hp] = a.meta()
         reductions = {hp: dict(entries) for hp, entries in self._old_reductions.items()}
         for hp, entries in self._reductions.items():  # per name: a reduction not continued stays (as partial)
-            reductions.setdefault(hp, {}).update(entries)
+            names = {e.get("reduction") for e in entries.values()}
+            kept = {k: e for k, e in reductions.get(hp, {}).items() if e.get("reduction") not in names}
+            reductions[hp] = {**kept, **entries}  # a rewritten reduction keeps none of its old keys
         return {
             "format": {"name": F.FORMAT_NAME, "version": F.FORMAT_VERSION},
             "status": status,
@@ -1188,10 +1190,19 @@ class StoreWriter:
         old = self._old_arrays.get(hook_point)
         return 0 if old is None else int(old["n_rows"])
 
-    def stored_reduction_state(self, hook_point: str, name: str, kind: str) -> tuple[dict[str, torch.Tensor], int] | None:
+    def stored_reduction_state(self, hook_point: str, name: str, kind: str, options: Mapping[str, Any] | None = None
+                               ) -> tuple[dict[str, torch.Tensor], int] | None:
         """The state of reduction ``name`` of ``hook_point`` stored by an earlier run, and
         the rows it covers; None when the store holds no usable state for it (none stored,
-        another kind, or written before states were stored).
+        another kind, other options, or written before states were stored): the caller then
+        recomputes the reduction over the stored rows.
+
+        Parameters
+        ----------
+        options : mapping, optional
+            The reduction's options (its ``options``, defaults filled in); a stored state
+            recorded with other options (``hist`` with another range or bin count, ``topk``
+            with another ``k``) is not used. None skips that comparison.
 
         Raises
         ------
@@ -1202,6 +1213,8 @@ class StoreWriter:
         owner = next((e for e in entries.values() if e.get("reduction") == name and "state" in e), None)
         if owner is None or owner.get("kind") != kind or "n_rows" not in owner:
             return None
+        if options is not None and (owner.get("options") or {}) != dict(options):
+            return None  # as a commit of rank stores compares them (ranks._merge_states)
         from .reader import Store
 
         reader = Store(self._backend)

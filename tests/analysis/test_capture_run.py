@@ -170,3 +170,78 @@ def test_a_resume_with_a_narrower_include_is_refused_and_the_store_kept(nets, tm
     store = acs.open_store(out)
     assert store.status == "complete" and store.n_samples == 20
     assert {hp: store.n_rows(hp) for hp in store.hook_points} == {"0.output": 20, "1.output": 20, "2.output": 20}
+
+
+@pytest.mark.parametrize("first, again", [("hist[lo=-4,hi=4,bins=64]", "hist[lo=-1,hi=1,bins=4]"),
+                                          ("hist[lo=-1,hi=1,bins=4]", "hist[lo=-2,hi=2,bins=4]"),
+                                          ("topk[k=5]", "topk[k=3]")])
+def test_a_reduction_with_other_options_on_a_resume_of_a_full_store_is_recomputed(nets, tmp_path, first, again):
+    out = str(tmp_path / "full.zarr")
+    ref = _reference(nets)["0.output"].double()
+    capture_run.capture_dataset("runnets.nets:mlp", str(nets), out, include=["0"], reductions=[first],
+                                progress=False)
+    done = capture_run.capture_dataset("runnets.nets:mlp", str(nets), out, include=["0"], resume=True,
+                                       reductions=[again], progress=False)
+    assert done.nothing_to_capture and done.reduced_hook_points == ["0.output"]
+    store = acs.open_store(out)
+    assert store.status == "complete" and store.n_samples == 50 and store.partial_reductions == {}
+    r = store.reductions["0.output"]
+    if again.startswith("topk"):
+        assert store.attrs["reductions"]["0.output"]["topk.values"]["options"]["k"] == 3
+        want = ref.topk(3, dim=0)
+        torch.testing.assert_close(r["topk.values"].double(), want.values)
+        torch.testing.assert_close(r["topk.row_ids"].long(), want.indices)
+    else:
+        lo, hi = (-1, 1) if "lo=-1" in again else (-2, 2)
+        torch.testing.assert_close(r["hist.edges"].double(), torch.linspace(lo, hi, 5, dtype=torch.float64))
+        want = torch.stack([torch.histc(c[(c >= lo) & (c <= hi)], 4, lo, hi) for c in ref.T]).long()
+        torch.testing.assert_close(r["hist.counts"].long(), want)
+
+
+def _files(path):
+    from pathlib import Path
+
+    return {p.relative_to(path): p.read_bytes() for p in sorted(Path(path).rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("reductions", [None, ["mean"]])
+@pytest.mark.parametrize("options, error, match", [
+    ({"dtype": "bfloat16"}, CaptureError, r"stored with storage_dtype=None.*this capture has storage_dtype=torch.bfloat16"),
+    ({"include": ["0"]}, CaptureError, r"it holds \['1.output', '2.output'\] which this capture does not give"),
+    ({"capture": "input"}, CaptureError, r"other hook points than it holds"),
+])
+def test_a_resume_of_a_full_store_is_checked_as_an_incomplete_one(nets, tmp_path, reductions, options, error, match):
+    """Nothing left to capture is no reason to accept another dtype or other hook points:
+    refused, and the store left byte for byte as it was."""
+    out = str(tmp_path / "full.zarr")
+    capture_run.capture_dataset("runnets.nets:mlp", str(nets), out, batch_size=16, progress=False)
+    before = _files(out)
+    with pytest.raises(error, match=match):
+        capture_run.capture_dataset("runnets.nets:mlp", str(nets), out, resume=True, reductions=reductions,
+                                    progress=False, **options)
+    assert _files(out) == before
+
+
+def test_a_resume_of_a_full_store_with_the_same_options_leaves_it_as_it_was(nets, tmp_path):
+    out = str(tmp_path / "full.zarr")
+    capture_run.capture_dataset("runnets.nets:mlp", str(nets), out, batch_size=16, progress=False)
+    before = _files(out)
+    again = capture_run.capture_dataset("runnets.nets:mlp", str(nets), out, resume=True, progress=False)
+    assert again.nothing_to_capture and again.first_sample == 50 and again.n_target == 50
+    assert _files(out) == before
+
+
+def test_a_resume_with_data_of_fewer_samples_than_the_store_is_refused(nets, tmp_path):
+    out = str(tmp_path / "full.zarr")
+    capture_run.capture_dataset("runnets.nets:mlp", str(nets), out, batch_size=16, progress=False)
+    short = tmp_path / "short.npy"
+    np.save(short, np.load(nets)[:30])
+    before = _files(out)
+    for reductions in (None, ["mean"]):
+        with pytest.raises(ArgumentValueError, match=r"holds 50 samples, but --data .*short.npy' has only 30"):
+            capture_run.capture_dataset("runnets.nets:mlp", str(short), out, resume=True, reductions=reductions,
+                                        progress=False)
+    assert _files(out) == before
+    # fewer samples asked for (--max-samples) of the same data: nothing to capture, no error
+    assert capture_run.capture_dataset("runnets.nets:mlp", str(nets), out, resume=True, max_samples=20,
+                                       progress=False).nothing_to_capture
