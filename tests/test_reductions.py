@@ -1016,6 +1016,23 @@ def test_a_reductions_pattern_that_selects_no_hook_point_raises(pattern):
     assert "['d.a[1].output', 'd.b.output']" in msg and isinstance(e.value, KeyError)
 
 
+def test_a_reductions_pattern_for_a_hook_point_reached_in_a_later_forward_is_accepted():
+    """A branch first reached in the second forward: its pattern is not refused at the end of
+    the first, and its reduction covers the rows it got."""
+    from acs_testing import LateBranch
+
+    model, xs = LateBranch(), [torch.randn(3, 4) for _ in range(3)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # b.output does not follow the row table: warned elsewhere
+        with torch.no_grad(), acs.ActivationScope(reductions={"b.output": ["mean"]}).track(model) as tr:
+            model(xs[0], extra=False)
+            model(xs[1])
+            model(xs[2])
+    with torch.no_grad():
+        ref = torch.cat([model.b(model.a(x)) for x in xs[1:]]).double().mean(0)
+    torch.testing.assert_close(tr.reductions["b.output"]["mean"], ref)
+
+
 def test_reductions_patterns_that_each_select_a_hook_point_are_accepted():
     torch.manual_seed(0)
     model, x = _Named(), torch.randn(4, 3)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copyreg
 import enum
+import itertools
 import operator
 import sys
 import threading
@@ -205,7 +206,8 @@ class ActivationScope:
         Python function ``(acc: Optional[Tensor], x: Tensor) -> Tensor`` compiled with
         TorchScript, a scripted function, or a ``.pt`` path), or ``{fnmatch pattern: list}``
         per hook point (a pattern equal to a tracked hook point selects that one only; a
-        pattern that selects none of the hook points of the first captured forward raises
+        pattern that selects none of the hook points of the first captured forward, nor any
+        a tracked module could give in a later one, raises
         :class:`~activationscope.errors.HookPointNotFoundError` at the end of that forward,
         before any of its rows is stored). See :mod:`activationscope.reductions`.
     store : str, os.PathLike, zarr store or None
@@ -1054,8 +1056,12 @@ class Tracker:
         reductions = self.scope.reductions
         if not isinstance(reductions, Mapping) or self._refused is not None:
             return
+        modules = {n for n, _m in self._modules}
+        later = [h for h in self._hook_names if self._can_capture(h, modules)]
         for pattern in reductions:
-            if not any(pattern_selects(pattern, h, self._hook_names) for h in hook_points):
+            # a hook point of a tracked module reached only in a later forward (a branch) counts
+            if not any(pattern_selects(pattern, h, self._hook_names)
+                       for h in itertools.chain(hook_points, later)):
                 self._refused_error = HookPointNotFoundError
                 self._refused = (
                     f"reductions= pattern {pattern!r} selects no hook point: {source} {_names(sorted(hook_points))}; "
