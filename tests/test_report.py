@@ -463,3 +463,68 @@ def test_plots_of_hook_points_whose_names_differ_only_by_dot_or_underscore(tmp_p
     ids = re.findall(r"<h3 id='([^']+)'>", page)
     assert len(set(ids)) == 3
     assert sorted(re.findall(r"href='#([^']+)'", page)) == sorted(ids)
+
+
+def test_probe_says_a_class_was_lost_to_nonfinite_rows():
+    """Every row of class 0 holds NaN: the refusal says the rows were left out and which
+    class went with them; with a third class left, the probe runs and its note says so."""
+    from activationscope.analysis.probes import choose_folds, drop_nonfinite_rows, probe_accuracy
+    from activationscope.errors import ArgumentValueError
+
+    x, labels = _separable_rows()
+    x = x.double()
+    x[[i for i, v in enumerate(labels) if v == 0], 2] = float("nan")
+    with pytest.raises(ArgumentValueError, match=r"at least 2 classes, but every row of class\(es\) \[0\] holds NaN or "
+                                                 r"inf: after leaving out those 30 row\(s\) only class\(es\) \[1\] remain"):
+        probe_accuracy(x, labels, n_folds=2)
+    x3 = torch.cat([x, torch.randn(10, x.shape[1], dtype=torch.float64) + 5])
+    got = probe_accuracy(x3, labels + [2] * 10, n_folds=2)
+    assert got.n_classes == 2 and got.n_samples == 40 and got.n_dropped == 30 and got.accuracy == 1.0
+    assert got.dropped_note == ("30 row(s) with NaN or inf left out of the probe; every row of class(es) [0] held "
+                                "NaN or inf: the probe is over the other classes")
+    kept_x, kept, n, _ = drop_nonfinite_rows(x3, labels + [2] * 10)
+    assert kept == [1] * 30 + [2] * 10 and n == 30 and kept_x.shape == (40, x.shape[1])
+    assert choose_folds(kept, 5) == (5, "")
+
+
+def test_probe_refuses_bool_labels_mixed_with_ints():
+    from activationscope.analysis.probes import choose_folds, probe_accuracy
+    from activationscope.errors import ArgumentValueError
+
+    x, labels = _separable_rows()
+    mixed = [True if v == 1 and i % 4 == 1 else v for i, v in enumerate(labels)]
+    assert True in mixed and 1 in [v for v in mixed if not isinstance(v, bool)]
+    for call in (lambda: probe_accuracy(x, mixed, n_folds=2), lambda: choose_folds(mixed, 2)):
+        with pytest.raises(ArgumentValueError, match=r"labels must be all bools or no bools, got bool True and int 0"):
+            call()
+    as_bools = probe_accuracy(x, [bool(v) for v in labels], n_folds=5)
+    as_ints = probe_accuracy(x, labels, n_folds=5)
+    assert as_bools.fold_accuracies == as_ints.fold_accuracies and as_bools.n_classes == 2
+
+
+def test_probe_leaves_out_a_feature_column_that_is_nan_in_every_row():
+    from activationscope.analysis.probes import probe_accuracy
+
+    x, labels = _separable_rows()
+    clean = probe_accuracy(x, labels, n_folds=5)
+    col = torch.full((x.shape[0], 1), float("nan"))
+    got = probe_accuracy(torch.cat([x[:, :3], col, x[:, 3:]], 1), labels, n_folds=5)
+    assert got.fold_accuracies == clean.fold_accuracies and got.n_samples == 60 and got.n_dropped == 0
+    assert got.n_features == x.shape[1]
+    assert got.dropped_note == "1 feature column(s) NaN or inf in every row left out of the probe (index 3)"
+
+
+@pytest.mark.parametrize("scale", [1e200, 1e-200, 1e300])
+def test_probe_of_features_near_the_float64_limits(scale):
+    """Features of 1e200 (whose squares overflow) or 1e-200 give the probe of the same
+    features at scale 1."""
+    from activationscope.analysis.probes import probe_accuracy
+
+    x, labels = _separable_rows()
+    x = x.double()
+    unit = probe_accuracy(x, labels, n_folds=5)
+    got = probe_accuracy(x * scale, labels, n_folds=5)
+    assert unit.accuracy > 0.7
+    assert got.accuracy == pytest.approx(unit.accuracy, abs=0.02)
+    sep = torch.tensor(labels, dtype=torch.float64)[:, None].expand(-1, 4) * scale
+    assert probe_accuracy(sep, labels, n_folds=5).accuracy == 1.0
