@@ -14,11 +14,15 @@ from activationscope.analysis.probes import ProbeResult
 class TinyStore:
     """The slice of the store read API the report's statistics use."""
 
-    def __init__(self, arrays, reductions=None, info=None):
+    def __init__(self, arrays, reductions=None, info=None, specs=None):
         self._arrays = arrays
         self.reductions = reductions or {}
+        self._specs = specs or {}
         self._info = info or {}
         self.path = "/tmp/tiny.zarr"
+
+    def reduction_specs(self, hp):
+        return self._specs.get(hp, {})
 
     @property
     def hook_points(self):
@@ -55,7 +59,8 @@ def test_stats_prefer_reductions_over_sampled_rows():
     var = torch.full((16,), 4.0, dtype=torch.float64)
     nonzero = torch.ones(16, dtype=torch.float64)
     nonzero[0] = 0
-    store = TinyStore({"h": x}, reductions={"h": {"var": var, "var.mean": mean, "nonzero": nonzero}})
+    store = TinyStore({"h": x}, reductions={"h": {"var": var, "var.mean": mean, "nonzero": nonzero}},
+                      specs={"h": {"var": ("var", {"ddof": 0.0}), "nonzero": ("nonzero", {})}})
     st = report.hook_point_stats(store, "h", max_rows=100)
     torch.testing.assert_close(st.mean, mean)
     torch.testing.assert_close(st.std, torch.full((16,), 2.0, dtype=torch.float64))
@@ -138,7 +143,8 @@ def test_conv_layers_are_reduced_per_channel():
     # the same from per-position reductions over every row (combined exactly)
     flat = x.double().reshape(len(x), -1)
     reds = {"conv": {"var": flat.var(0, correction=0), "var.mean": flat.mean(0), "nonzero": (flat != 0).double().mean(0)}}
-    st2 = report.hook_point_stats(TinyStore({"conv": x}, reductions=reds), "conv", max_rows=8)
+    specs = {"conv": {"var": ("var", {}), "nonzero": ("nonzero", {})}}
+    st2 = report.hook_point_stats(TinyStore({"conv": x}, reductions=reds, specs=specs), "conv", max_rows=8)
     assert st2.source == "reductions"
     torch.testing.assert_close(st2.mean, per_channel.mean(1))
     torch.testing.assert_close(st2.std, per_channel.std(1, correction=0))
@@ -389,3 +395,136 @@ def test_report_of_a_hook_point_without_rows_and_inside_the_store(tmp_path, recw
     page = report.write_report(str(path), tmp_path / "r")
     assert page.exists() and "0.output" in page.read_text()
     assert not [w for w in recwarn.list if "log-scaled" in str(w.message)]
+
+
+def _relu_store(path, reductions):
+    import activationscope as acs
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU())
+    with torch.no_grad(), acs.ActivationScope(store=str(path), reductions=reductions).track(m, include=["1"]):
+        m(torch.randn(50, 6))
+    store = acs.open_store(str(path))
+    return store, store["1.output"].double()
+
+
+def test_stats_pick_reductions_by_kind_not_by_name(tmp_path):
+    """Reductions named like statistics but of other kinds are not read as those statistics
+    (the rows give them); reductions of the right kinds under other names are, a ddof-1
+    ``var`` rescaled to the population std."""
+    store, x = _relu_store(tmp_path / "a.zarr", [("mean", "max"), ("var", "absmax"), ("nonzero", "min")])
+    st = report.hook_point_stats(store, "1.output")
+    assert st.source == "rows (50 of 50)"
+    torch.testing.assert_close(st.mean, x.mean(0))
+    torch.testing.assert_close(st.std, x.std(0, correction=0))
+    torch.testing.assert_close(st.nonzero, (x != 0).double().mean(0))
+    assert st.dead_fraction == float(((x != 0).sum(0) == 0).double().mean()) == 0.0
+
+    store, x = _relu_store(tmp_path / "b.zarr", [("avg", "mean"), ("spread", "var", {"ddof": 1}), ("alive", "nonzero")])
+    st = report.hook_point_stats(store, "1.output", max_rows=10)
+    assert st.source == "reductions"
+    torch.testing.assert_close(st.mean, x.mean(0))
+    torch.testing.assert_close(st.std, x.std(0, correction=0))
+    torch.testing.assert_close(st.nonzero, (x != 0).double().mean(0))
+
+    store, x = _relu_store(tmp_path / "c.zarr", [("s", "std", {"ddof": 1}), "nonzero"])
+    st = report.hook_point_stats(store, "1.output", max_rows=10)
+    assert st.source == "reductions"
+    torch.testing.assert_close(st.mean, x.mean(0))
+    torch.testing.assert_close(st.std, x.std(0, correction=0))
+
+
+def test_plots_of_hook_points_whose_names_differ_only_by_dot_or_underscore(tmp_path):
+    """``d.a_b.output`` and ``d.a.b.output`` get a PNG and an anchor each, each page entry
+    showing its own."""
+    import activationscope as acs
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.d = torch.nn.ModuleDict({"a_b": torch.nn.Linear(3, 3), "a": torch.nn.ModuleDict({"b": torch.nn.Linear(3, 3)}),
+                                          "c": torch.nn.Linear(3, 3)})
+
+        def forward(self, x):
+            return self.d["a_b"](x) * 10 + self.d["a"]["b"](x) * -10 + self.d["c"](x)
+
+    torch.manual_seed(0)
+    m = M()
+    with torch.no_grad(), acs.ActivationScope(store=str(tmp_path / "s.zarr")).track(m, include=["d.*"]):
+        m(torch.randn(20, 3))
+    page = report.write_report(str(tmp_path / "s.zarr"), tmp_path / "rep").read_text()
+    imgs = dict((alt, src) for src, alt in re.findall(r"<img src='(hp_[^']+)' alt='([^']+)'>", page))
+    assert sorted(imgs) == ["d.a.b.output", "d.a_b.output", "d.c.output"]
+    assert imgs["d.c.output"] == "hp_d_c_output.png"  # a name of its own keeps the plain one
+    assert imgs["d.a.b.output"] != imgs["d.a_b.output"]
+    assert all(re.fullmatch(r"hp_d_a_b_output-[0-9a-f]{8}\.png", imgs[hp]) for hp in ("d.a.b.output", "d.a_b.output"))
+    pngs = {hp: (tmp_path / "rep" / src).read_bytes() for hp, src in imgs.items()}
+    assert pngs["d.a.b.output"] != pngs["d.a_b.output"]
+    ids = re.findall(r"<h3 id='([^']+)'>", page)
+    assert len(set(ids)) == 3
+    assert sorted(re.findall(r"href='#([^']+)'", page)) == sorted(ids)
+
+
+def test_probe_says_a_class_was_lost_to_nonfinite_rows():
+    """Every row of class 0 holds NaN: the refusal says the rows were left out and which
+    class went with them; with a third class left, the probe runs and its note says so."""
+    from activationscope.analysis.probes import choose_folds, drop_nonfinite_rows, probe_accuracy
+    from activationscope.errors import ArgumentValueError
+
+    x, labels = _separable_rows()
+    x = x.double()
+    x[[i for i, v in enumerate(labels) if v == 0], 2] = float("nan")
+    with pytest.raises(ArgumentValueError, match=r"at least 2 classes, but every row of class\(es\) \[0\] holds NaN or "
+                                                 r"inf: after leaving out those 30 row\(s\) only class\(es\) \[1\] remain"):
+        probe_accuracy(x, labels, n_folds=2)
+    x3 = torch.cat([x, torch.randn(10, x.shape[1], dtype=torch.float64) + 5])
+    got = probe_accuracy(x3, labels + [2] * 10, n_folds=2)
+    assert got.n_classes == 2 and got.n_samples == 40 and got.n_dropped == 30 and got.accuracy == 1.0
+    assert got.dropped_note == ("30 row(s) with NaN or inf left out of the probe; every row of class(es) [0] held "
+                                "NaN or inf: the probe is over the other classes")
+    kept_x, kept, n, _ = drop_nonfinite_rows(x3, labels + [2] * 10)
+    assert kept == [1] * 30 + [2] * 10 and n == 30 and kept_x.shape == (40, x.shape[1])
+    assert choose_folds(kept, 5) == (5, "")
+
+
+def test_probe_refuses_bool_labels_mixed_with_ints():
+    from activationscope.analysis.probes import choose_folds, probe_accuracy
+    from activationscope.errors import ArgumentValueError
+
+    x, labels = _separable_rows()
+    mixed = [True if v == 1 and i % 4 == 1 else v for i, v in enumerate(labels)]
+    assert True in mixed and 1 in [v for v in mixed if not isinstance(v, bool)]
+    for call in (lambda: probe_accuracy(x, mixed, n_folds=2), lambda: choose_folds(mixed, 2)):
+        with pytest.raises(ArgumentValueError, match=r"labels must be all bools or no bools, got bool True and int 0"):
+            call()
+    as_bools = probe_accuracy(x, [bool(v) for v in labels], n_folds=5)
+    as_ints = probe_accuracy(x, labels, n_folds=5)
+    assert as_bools.fold_accuracies == as_ints.fold_accuracies and as_bools.n_classes == 2
+
+
+def test_probe_leaves_out_a_feature_column_that_is_nan_in_every_row():
+    from activationscope.analysis.probes import probe_accuracy
+
+    x, labels = _separable_rows()
+    clean = probe_accuracy(x, labels, n_folds=5)
+    col = torch.full((x.shape[0], 1), float("nan"))
+    got = probe_accuracy(torch.cat([x[:, :3], col, x[:, 3:]], 1), labels, n_folds=5)
+    assert got.fold_accuracies == clean.fold_accuracies and got.n_samples == 60 and got.n_dropped == 0
+    assert got.n_features == x.shape[1]
+    assert got.dropped_note == "1 feature column(s) NaN or inf in every row left out of the probe (index 3)"
+
+
+@pytest.mark.parametrize("scale", [1e200, 1e-200, 1e300])
+def test_probe_of_features_near_the_float64_limits(scale):
+    """Features of 1e200 (whose squares overflow) or 1e-200 give the probe of the same
+    features at scale 1."""
+    from activationscope.analysis.probes import probe_accuracy
+
+    x, labels = _separable_rows()
+    x = x.double()
+    unit = probe_accuracy(x, labels, n_folds=5)
+    got = probe_accuracy(x * scale, labels, n_folds=5)
+    assert unit.accuracy > 0.7
+    assert got.accuracy == pytest.approx(unit.accuracy, abs=0.02)
+    sep = torch.tensor(labels, dtype=torch.float64)[:, None].expand(-1, 4) * scale
+    assert probe_accuracy(sep, labels, n_folds=5).accuracy == 1.0

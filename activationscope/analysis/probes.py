@@ -61,10 +61,12 @@ def choose_folds(labels: Sequence[Any], n_folds: int) -> tuple[int, str]:
     Raises
     ------
     ValueError
-        Fewer than 2 classes, a class with a single sample, or ``n_folds < 2``.
+        Fewer than 2 classes, a class with a single sample, bool labels mixed with others
+        (``True == 1``), or ``n_folds < 2``.
     """
     if n_folds < 2:
         raise ArgumentValueError(f"n_folds must be at least 2, got {n_folds}")
+    _check_label_types(labels)
     counts: dict[Any, int] = {}
     for v in labels:
         counts[v] = counts.get(v, 0) + 1
@@ -81,9 +83,26 @@ def choose_folds(labels: Sequence[Any], n_folds: int) -> tuple[int, str]:
                       f"{smallest} labelled samples")
 
 
+def _is_bool(v: Any) -> bool:
+    return isinstance(v, bool) or type(v).__name__ == "bool_"  # numpy bools too
+
+
+def _check_label_types(labels: Sequence[Any]) -> None:
+    """Refuse bool labels mixed with others: ``True == 1`` would merge two classes."""
+    bools = [v for v in labels if _is_bool(v)]
+    if bools and len(bools) != len(labels):
+        other = next(v for v in labels if not _is_bool(v))
+        raise ArgumentValueError(
+            f"labels must be all bools or no bools, got bool {bools[0]!r} and {type(other).__name__} {other!r}: "
+            "True equals 1 and False equals 0, so the probe would merge their classes; convert the labels to one "
+            "type (e.g. int)")
+
+
 def drop_nonfinite_rows(x: torch.Tensor, labels: Sequence[Any]) -> tuple[torch.Tensor, list[Any], int, str]:
     """``x`` and ``labels`` without the rows of ``x`` holding NaN or inf (as the PCA of
-    :func:`.pca.explained_variance_ratio` leaves them out).
+    :func:`.pca.explained_variance_ratio` leaves them out). Feature columns that are NaN or
+    inf in every row are left out first (they would take every row with them), unless every
+    column is.
 
     Parameters
     ----------
@@ -92,25 +111,46 @@ def drop_nonfinite_rows(x: torch.Tensor, labels: Sequence[Any]) -> tuple[torch.T
 
     Returns
     -------
-    (x, labels, n_dropped, note) : Tensor (kept rows, features) (``x`` itself when nothing is
-        dropped, else a copy), list, int, str (``""`` when nothing is dropped)
+    (x, labels, n_dropped, note) : Tensor (kept rows, kept features) (``x`` itself when
+        nothing is dropped, else a copy), list, int (rows left out), str (what was left out:
+        rows, columns, and classes whose every row was left out; ``""`` when nothing is)
 
     Raises
     ------
     ArgumentValueError
-        Every row holds NaN or inf.
+        Every row holds NaN or inf; or fewer than 2 classes keep a row (the message names
+        the classes whose rows were all left out).
     """
+    notes = []
+    if x.shape[0] and x.shape[1]:
+        bad_cols = ~torch.isfinite(x).any(0)
+        n_bad = int(bad_cols.sum())
+        if 0 < n_bad < x.shape[1]:
+            which = torch.nonzero(bad_cols).flatten().tolist()
+            shown = ", ".join(map(str, which[:10])) + (", ..." if n_bad > 10 else "")
+            notes.append(f"{n_bad} feature column(s) NaN or inf in every row left out of the probe (index {shown})")
+            x = x[:, ~bad_cols]
     finite = torch.isfinite(x).all(1) if x.shape[0] else torch.ones(0, dtype=torch.bool)
     if bool(finite.all()):
-        return x, list(labels), 0, ""
+        return x, list(labels), 0, "; ".join(notes)
     n_dropped = int((~finite).sum())
     if n_dropped == x.shape[0]:
         raise ArgumentValueError(
             f"every one of the {n_dropped} rows holds NaN or inf; a probe needs finite activations "
             "(check the capture, e.g. its dtype: float16 overflows above 65504)")
     keep = finite.tolist()
-    return (x[finite], [v for v, k in zip(labels, keep) if k], n_dropped,
-            f"{n_dropped} row(s) with NaN or inf left out of the probe")
+    kept = [v for v, k in zip(labels, keep) if k]
+    notes.insert(0, f"{n_dropped} row(s) with NaN or inf left out of the probe")
+    lost = sorted(set(labels) - set(kept), key=str)
+    if lost:
+        left = sorted(set(kept), key=str)
+        if len(left) < 2:
+            raise ArgumentValueError(
+                f"a probe needs at least 2 classes, but every row of class(es) {lost} holds NaN or inf: after "
+                f"leaving out those {n_dropped} row(s) only class(es) {left} remain (check the capture, e.g. its "
+                "dtype: float16 overflows above 65504)")
+        notes.append(f"every row of class(es) {lost} held NaN or inf: the probe is over the other classes")
+    return x[finite], kept, n_dropped, "; ".join(notes)
 
 
 def _stratified_folds(y: torch.Tensor, n_folds: int, seed: int) -> list[torch.Tensor]:
@@ -127,8 +167,13 @@ def _stratified_folds(y: torch.Tensor, n_folds: int, seed: int) -> list[torch.Te
 
 
 def _fit_predict(x_train, y_train, x_test, n_classes: int, l2: float, max_iter: int) -> torch.Tensor:
+    # scaled by each column's largest magnitude first, so that the mean and std of values near
+    # the float64 limits (1e200: squares overflow) or far below 1 are computed in range
+    scale = x_train.abs().amax(0)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    x_train, x_test = x_train / scale, x_test / scale
     mean = x_train.mean(0)
-    std = x_train.std(0, correction=0).clamp_min(1e-6)
+    std = x_train.std(0, correction=0).clamp_min(1e-12)
     xt = (x_train - mean) / std
     xs = (x_test - mean) / std
     w = torch.zeros(xt.shape[1], n_classes, dtype=xt.dtype, requires_grad=True)
@@ -159,16 +204,19 @@ def probe_accuracy(
     """k-fold cross-validated accuracy of an L2-regularised multinomial logistic regression.
 
     Folds are stratified by label and shuffled with ``seed``; features are standardised
-    with the training fold's mean and std; the model is fitted with L-BFGS in float64.
-    Rows holding NaN or inf are left out (with their labels) before anything else; the
-    result's ``n_dropped`` and ``dropped_note`` say how many.
+    with the training fold's mean and std (computed after dividing each column by its
+    largest magnitude, so values up to the float64 limit do not overflow); the model is
+    fitted with L-BFGS in float64. Feature columns NaN or inf in every row, then rows
+    holding NaN or inf are left out (with their labels) before anything else; the result's
+    ``n_dropped`` and ``dropped_note`` say how many (:func:`drop_nonfinite_rows`).
 
     Parameters
     ----------
     x : Tensor, (rows, *feature_shape), any real dtype, CPU
         One row per sample (features are flattened).
     labels : sequence or Tensor (rows,)
-        Any hashable labels (ints, strings); at least 2 classes.
+        Any hashable labels (ints, strings); at least 2 classes. Bools mixed with other
+        labels are refused (``True == 1`` would merge two classes).
     n_folds : int, default 5
         Number of folds, at least 2 and at most the smallest class's size.
     l2 : float, default 1e-2
@@ -181,7 +229,8 @@ def probe_accuracy(
     Raises
     ------
     ValueError
-        Fewer than 2 classes, mismatched lengths, too few samples for ``n_folds``, or every
+        Fewer than 2 classes (also after rows with NaN or inf are left out), bool labels
+        mixed with others, mismatched lengths, too few samples for ``n_folds``, or every
         row holding NaN or inf (:class:`ArgumentValueError`).
     """
     x = torch.as_tensor(x).detach().reshape(len(x), -1).to(torch.float64)
@@ -190,6 +239,7 @@ def probe_accuracy(
     labels = list(labels)
     if len(labels) != x.shape[0]:
         raise ArgumentValueError(f"labels has {len(labels)} entries, expected one per row of x ({x.shape[0]})")
+    _check_label_types(labels)
     x, labels, n_dropped, dropped_note = drop_nonfinite_rows(x, labels)
     classes = sorted(set(labels), key=lambda v: (str(type(v)), v))
     if len(classes) < 2:

@@ -9,8 +9,9 @@ table of hook points (row kind, rows, feature shape, dtype, bytes, dead-unit fra
 when the row table has labels, the cross-validated accuracy of a linear probe per hook point
 (see :func:`activationscope.analysis.probes.probe_store`).
 
-Statistics come from the store's reductions where it has them (``var`` gives mean and
-variance over every row, ``nonzero`` the non-zero fraction) and otherwise from at most
+Statistics come from the store's reductions where it has them, picked by their recorded
+kind, not their name (a ``var`` or ``std`` reduction gives mean and variance over every row,
+rescaled to ddof 0; ``mean`` the mean; ``nonzero`` the non-zero fraction) and otherwise from at most
 ``max_rows`` rows, evenly spaced over the store. Histograms and PCA always use those rows.
 """
 
@@ -87,12 +88,48 @@ def _sample_rows(acts: torch.Tensor, max_rows: int) -> torch.Tensor:
     return rows.reshape(rows.shape[0], -1).to(torch.float64)
 
 
-def _reduction(reds: Mapping[str, Any], *names: str) -> torch.Tensor | None:
-    for name in names:
-        value = reds.get(name) if reds else None
-        if isinstance(value, torch.Tensor):
-            return value.reshape(-1).to(torch.float64)
-    return None
+def _tensor(reds: Mapping[str, Any], key: str) -> torch.Tensor | None:
+    value = reds.get(key) if reds else None
+    return value.reshape(-1).to(torch.float64) if isinstance(value, torch.Tensor) else None
+
+
+def _from_reductions(store: Any, hook_point: str, reds: Mapping[str, Any]
+                     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """(mean, population std, non-zero fraction) per feature from the stored reductions,
+    picked by their recorded kind (a reduction named ``"mean"`` of kind ``max`` is not a
+    mean) and per-feature option; a ``var`` / ``std`` with ``ddof`` d is rescaled to ddof 0
+    by its count. Each is None when no reduction of a fitting kind is there."""
+    specs_fn = getattr(store, "reduction_specs", None)
+    try:
+        specs = specs_fn(hook_point) if callable(specs_fn) and reds else {}
+    except Exception:  # noqa: BLE001 - a store that cannot say: compute from rows
+        specs = {}
+    mean = std = nonzero = None
+    for name, (kind, options) in specs.items():
+        if float(options.get("per_feature", 1.0)) != 1.0:
+            continue
+        if kind == "mean" and mean is None:
+            mean = _tensor(reds, name)
+        elif kind in ("var", "std"):
+            if mean is None:
+                mean = _tensor(reds, f"{name}.mean")
+            if std is not None:
+                continue
+            value = _tensor(reds, name)
+            if value is None:
+                continue
+            var = value.clamp_min(0) if kind == "var" else value * value
+            ddof = float(options.get("ddof", 0.0))
+            if ddof:
+                count = reds.get(f"{name}.count")
+                n = float(count) if isinstance(count, torch.Tensor) and count.numel() == 1 else 0.0
+                if n <= ddof:
+                    continue
+                var = var * (n - ddof) / n
+            std = var.sqrt()
+        elif kind == "nonzero" and nonzero is None:
+            nonzero = _tensor(reds, name)
+    return mean, std, nonzero
 
 
 def hook_point_stats(
@@ -135,12 +172,7 @@ def hook_point_stats(
         reds = {}
     entry = _hp_info(info, hook_point)
 
-    mean = _reduction(reds, "var.mean", "mean", "std.mean")
-    var = _reduction(reds, "var")
-    std = _reduction(reds, "std")
-    if std is None and var is not None:
-        std = var.clamp_min(0).sqrt()
-    nonzero = _reduction(reds, "nonzero")
+    mean, std, nonzero = _from_reductions(store, hook_point, reds)
     from_reductions = mean is not None and std is not None and nonzero is not None
     if mean is None or mean.numel() != units:
         mean = rows.mean(0) if len(rows) else torch.zeros(units, dtype=torch.float64)
@@ -379,6 +411,22 @@ def _slug(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_" else "_" for c in name)
 
 
+def _unique_slugs(names: Sequence[str]) -> dict[str, str]:
+    """``{hook point: file and anchor name}``: the hook point with every character but
+    letters, digits, ``-`` and ``_`` made ``_``; where two hook points give the same name
+    (``d.a_b.output`` and ``d.a.b.output``, or names equal but for case, which a
+    case-insensitive file system mixes up) each of them gets ``-`` and 8 hex digits of the
+    SHA-1 of the exact hook point appended."""
+    import hashlib
+
+    base = {n: _slug(n) for n in names}
+    seen: dict[str, int] = {}
+    for slug in base.values():
+        seen[slug.lower()] = seen.get(slug.lower(), 0) + 1
+    return {n: (slug if seen[slug.lower()] == 1 else f"{slug}-{hashlib.sha1(n.encode()).hexdigest()[:8]}")
+            for n, slug in base.items()}
+
+
 def write_report(
     store: Any,
     out_dir: str | os.PathLike,
@@ -464,13 +512,14 @@ def write_report(
 
         probes = probe_store(store, hps, label_column=label_column, n_folds=n_folds)
 
+    slugs = _unique_slugs(hps)
     stats = []
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # many small reductions: thread sync costs more than it saves
     try:
         for hp in hps:
             st = hook_point_stats(store, hp, max_rows=max_rows, info=info, feature_axis=feature_axis)
-            plot_hook_point(st, out / f"hp_{_slug(hp)}.png")
+            plot_hook_point(st, out / f"hp_{slugs[hp]}.png")
             stats.append(st)
     finally:
         torch.set_num_threads(threads)
@@ -510,7 +559,7 @@ def write_report(
         p = probes.get(st.hook_point) if probes else None
         top10 = "-" if st.explained is None else f"{float(st.explained[:10].sum()):.1%}"
         parts.append(
-            f"<tr><td class='l'><a href='#{_slug(st.hook_point)}'>{e(st.hook_point)}</a></td><td>{st.n_rows:,}</td>"
+            f"<tr><td class='l'><a href='#{slugs[st.hook_point]}'>{e(st.hook_point)}</a></td><td>{st.n_rows:,}</td>"
             f"<td>{e(st.kind)}</td><td>{e(str(st.feature_shape))}</td><td>{e(st.dtype)}</td>"
             f"<td>{format_bytes(st.n_bytes)}</td><td>{st.dead_fraction:.1%}</td><td>{top10}</td>"
             f"<td>{'-' if p is None else f'{p.accuracy:.3f} ± {p.std:.3f}'}</td></tr>"
@@ -546,14 +595,14 @@ def write_report(
 
     parts.append("<h2>Per hook point</h2>")
     for st in stats:
-        parts.append(f"<h3 id='{_slug(st.hook_point)}'>{e(st.hook_point)}</h3>")
+        parts.append(f"<h3 id='{slugs[st.hook_point]}'>{e(st.hook_point)}</h3>")
         parts.append(
             f"<div class='note'>{st.n_rows:,} rows &times; {e(str(st.feature_shape))} {e(st.dtype)}; "
             f"mean/std/non-zero from {e(st.source)}</div>"
         )
         for note in unit_notes(st):
             parts.append(f"<div class='note'>{e(note)}</div>")
-        parts.append(f"<img src='hp_{_slug(st.hook_point)}.png' alt='{e(st.hook_point)}'>")
+        parts.append(f"<img src='hp_{slugs[st.hook_point]}.png' alt='{e(st.hook_point)}'>")
     parts.append("</body></html>")
     index = out / "index.html"
     index.write_text("\n".join(p for p in parts if p), encoding="utf-8")

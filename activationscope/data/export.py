@@ -242,6 +242,23 @@ def _is_export(path: Path, kind: str) -> bool:
     return b"activationscope.format" in meta
 
 
+def _refuse_inside_store(path: Path, ds: ActivationDataset, folders: bool = True) -> None:
+    """Refuse an output path inside the local store being read (or the store itself, or with
+    ``folders`` a folder holding it): writing or replacing it would change or destroy the
+    store's files. A one-file export leaves the folders to :func:`_check_out`."""
+    store = getattr(ds.source, "store", None)
+    root = getattr(store, "path", None)
+    if not isinstance(root, str) or "://" in root or not os.path.isdir(root):
+        return
+    root_p, out = Path(root).resolve(), path.resolve()
+    if out == root_p or root_p in out.parents or (folders and out in root_p.parents):
+        where = "holds the store" if out in root_p.parents else "is inside the store"
+        raise ArgumentValueError(
+            f"export path {str(path)!r} {where} {root!r} being exported: the export would write among, replace or "
+            "remove the store's files (overwrite does not allow it); give a path outside the store"
+        )
+
+
 def _check_out(path: Path, kind: str, overwrite: bool) -> None:
     """Refuse to replace a folder, or a file that is not an earlier export (unless ``overwrite``)."""
     if path.is_dir():
@@ -258,8 +275,9 @@ def _export(kind: str, source: Any, path: Any, hook_points: Any, columns: Any, b
     if not isinstance(batch_rows, int) or batch_rows < 1:
         raise ArgumentValueError(f"batch_rows must be a positive int, got {batch_rows!r}")
     path = Path(os.path.expanduser(os.fspath(path)))
-    _check_out(path, kind, overwrite)
     ds = _dataset_for(source, hook_points, columns, rows, filter)
+    _refuse_inside_store(path, ds, folders=False)
+    _check_out(path, kind, overwrite)
     col_names = _export_columns(ds, columns)
     schema = _schema(ds, col_names, tensor_type)
     tmp = path.with_name(path.name + ".tmp")
@@ -331,8 +349,9 @@ overwrite: bool = False,
     ------
     ArgumentValueError
         A hook point that does not follow the row table exported with other hook points,
-        or with ``columns`` / ``filter`` (the message names it: export it alone); bad
-        arguments.
+        or with ``columns`` / ``filter`` (the message names it: export it alone); a
+        ``path`` inside the local store being exported or the store itself (even with
+        ``overwrite``); a ``path`` that is a folder; bad arguments.
     HookPointNotFoundError
         A hook point or pattern that is not in the store.
 
@@ -547,7 +566,9 @@ def export_hf(
     Raises
     ------
     ValueError
-        Bad arguments; ``n_rows`` not a multiple of ``context_size`` without ``drop_last``.
+        Bad arguments; ``n_rows`` not a multiple of ``context_size`` without ``drop_last``;
+        a ``path`` inside the local store being exported, the store itself or a folder
+        holding it (``ArgumentValueError``).
     ActivationScopeError
         A hook point of more than 5 dimensions per example, or a dtype without an Arrow type.
     ImportError
@@ -590,6 +611,7 @@ def export_hf(
             )
     features, shapes = _hf_plan(ds, col_names, context_size, bfloat16)
     path = Path(os.path.expanduser(os.fspath(path)))
+    _refuse_inside_store(path, ds)
     _check_replaceable(path, file_format)
     tmp = path.with_name(path.name + ".tmp")
     stream = path.with_name(path.name + ".stream.tmp")

@@ -38,6 +38,7 @@ import torch
 from ..capture import _native
 from ..errors import ArgumentValueError, StoreCorruptError, StoreError, StoreExistsError
 from . import _format as F
+from . import _validate as V
 from ._backend import LocalBackend, resolve
 from ._lock import WriterLock
 from .reader import Store
@@ -89,7 +90,18 @@ def prepare_root(target: Any, *, world_size: int, overwrite: bool = False, resum
 def _prepare_root(b: Any, world_size: int, overwrite: bool, resume: bool) -> None:
     raw = b.get("zarr.json")
     if raw is not None:
-        attrs = (json.loads(raw).get("attributes") or {}).get(F.ATTRS_KEY)
+        try:
+            attrs = (json.loads(raw).get("attributes") or {}).get(F.ATTRS_KEY)
+            if attrs is not None and (not isinstance(attrs, dict)
+                                      or not isinstance(attrs.get("distributed") or {}, dict)):
+                raise TypeError(attrs)
+        except (ValueError, AttributeError, TypeError, RecursionError):
+            if not overwrite:
+                raise StoreCorruptError(
+                    f"the root document zarr.json of {str(b)!r} is not a JSON object with an {F.ATTRS_KEY!r} object "
+                    "in its attributes; nothing was changed. Pass overwrite=True to replace the store, or run "
+                    "verify on it") from None
+            attrs = None
         if overwrite:
             b.clear()
         elif resume and attrs is not None:
@@ -302,12 +314,33 @@ def commit_ranks(target: Any, *, storage_options: dict | None = None,
         return _commit_ranks(b, target, storage_options, make_reduction, world_size, verify)
 
 
+def _is_rank_name(name: str) -> bool:
+    return len(name) == 5 and name.isdigit()
+
+
 def _remove_ranks(b: Any) -> None:
+    """Remove the rank stores ``ranks/<r, 5 digits>/`` (a link in their place is unlinked,
+    never followed), then ``ranks/`` itself when nothing else is left in it: any other file
+    or folder a user put under ``ranks/`` stays where it is."""
     if isinstance(b, LocalBackend):
-        shutil.rmtree(b.root / RANKS_DIR, ignore_errors=True)
+        top = b.root / RANKS_DIR
+        if not top.is_dir() or top.is_symlink():
+            return
+        for p in sorted(top.iterdir()):
+            if _is_rank_name(p.name):
+                if p.is_symlink() or not p.is_dir():
+                    p.unlink(missing_ok=True)
+                else:
+                    shutil.rmtree(p, ignore_errors=True)
+        try:
+            top.rmdir()
+        except OSError:  # user files left in it
+            pass
         return
     for key in list(b.list(f"{RANKS_DIR}/")):
-        b.delete(key)
+        parts = key.split("/")
+        if len(parts) >= 3 and _is_rank_name(parts[1]):
+            b.delete(key)
 
 
 def _remove_temp_files(b: Any) -> None:
@@ -393,8 +426,17 @@ def _check_rank_shards(hp: str, meta: dict, stores: list[Store], local: bool,
     path = stores[0].attrs["arrays"][hp]["path"]
     out = []
     for r, st in enumerate(stores):
-        man = json.loads(st._backend.get(f"{path}/manifest.json") or b'{"shards": []}')
-        recs = {int(x["shard"]): x for x in man.get("shards", [])}
+        key = f"{path}/manifest.json"
+        raw = st._backend.get(key, max_bytes=V.MAX_JSON_BYTES)
+        fix = (f"nothing was committed. Run `activationscope verify {st.path}`, and rerun rank {r} (or restore "
+               "the file from an intact copy) before committing")
+        try:
+            recs = {} if raw is None else V.parse_manifest(V.loads_json(raw, store=st._backend, key=key),
+                                                           {**st.attrs["arrays"][hp], **meta}, store=st._backend,
+                                                           key=key, check_chunks=False)
+        except StoreCorruptError as e:
+            what = str(e).removesuffix(f"; {V.FIX}")
+            raise StoreCorruptError(f"rank {r}: {what}; {fix}") from None
         n = st.n_rows(hp)
         for k in range(n // S):
             rec = recs.get(k)
@@ -500,8 +542,20 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
     if not ranks:
         raise StoreError(f"no rank stores under {_ranks_dir(b)!r}; nothing to commit")
     if ranks != list(range(len(ranks))) or (expected is not None and len(ranks) != int(expected)):
-        raise StoreError(f"rank stores under {_ranks_dir(b)!r} are ranks {ranks}, expected 0..{(expected or len(ranks)) - 1}; "
-                         "a rank is missing (rerun it)")
+        n = int(expected) if expected is not None else ranks[-1] + 1
+        missing = [r for r in range(n) if r not in ranks]
+        extra = [r for r in ranks if r >= n]
+        why = []
+        if missing:
+            why.append(f"rank(s) {missing} are missing: capture (or resume) them, then consolidate again")
+        if extra:
+            paths = [rank_target(str(b), r) for r in extra]
+            hint = (f", or, if the capture had {ranks[-1] + 1} ranks, pass world_size={ranks[-1] + 1} (CLI: "
+                    f"--world-size {ranks[-1] + 1})" if world_size is not None and not dist.get("world_size") else "")
+            why.append(f"rank(s) {extra} are beyond the {n} ranks of this capture (0..{n - 1}): move the rank "
+                       f"store(s) {paths} away if they belong to another capture{hint}")
+        raise StoreError(f"rank stores under {_ranks_dir(b)!r} are ranks {ranks}, expected 0..{n - 1}; "
+                         + "; ".join(why) + "; nothing was written")
     local = isinstance(b, LocalBackend)
     stores = [Store(b.root / RANKS_DIR / f"{r:05d}") if local else
               Store(rank_target(target, r), storage_options=storage_options) for r in ranks]

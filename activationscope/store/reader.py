@@ -1298,6 +1298,22 @@ class Store:
         """
         return _Reductions(self)
 
+    def reduction_specs(self, hook_point: str) -> dict[str, tuple[str, dict[str, float]]]:
+        """``{name: (kind, options)}`` of the reductions of ``hook_point`` in :attr:`reductions`
+        (each name as given at capture, e.g. ``"var"``; its results are ``name`` and
+        ``name.<key>``), so a reader can pick a statistic by kind rather than by name.
+        ``{}`` when the hook point has none. ``kind`` is ``"custom"`` for a custom reduction."""
+        out: dict[str, tuple[str, dict[str, float]]] = {}
+        entries = self._complete_reductions().get(hook_point) or {}
+        for full, entry in entries.items():
+            if not isinstance(entry, dict):
+                continue
+            name = str(entry.get("reduction", full))
+            options = entry.get("options")
+            if name not in out or (full == name and isinstance(options, dict)):
+                out[name] = (str(entry.get("kind", "custom")), dict(options) if isinstance(options, dict) else {})
+        return out
+
     def reduction_script(self, hook_point: str, name: str) -> bytes | None:
         """The ``.pt`` bytes of a custom TorchScript reduction, or None.
 

@@ -252,3 +252,42 @@ def test_a_hook_point_off_the_row_table_refuses_columns_filters_and_company(late
     table = pq.read_table(tmp_path / "a.parquet")
     assert table.column("label").to_pylist() == [i % 2 for i in range(24)]
     assert torch.equal(arrow_to_torch(table.column("a.output")), want_a)
+
+
+def _files(root):
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_an_export_into_the_store_it_reads_is_refused_and_the_store_is_unchanged(tmp_path):
+    """Paths inside the store (its root document, a shard, a new file or folder there), the
+    store itself and a folder holding it are refused for every export, also with overwrite."""
+    import activationscope as acs
+    from activationscope.data import export_hf
+
+    m = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    root = tmp_path / "ex.zarr"
+    with torch.no_grad(), acs.ActivationScope(store=str(root)).track(m) as tr:
+        tr.set_batch(sample_ids=range(6))
+        m(torch.randn(6, 4))
+    before = _files(root)
+    shard = next(p for p in root.rglob("*") if p.is_file() and "/c/" in str(p))
+    inside = [root / "zarr.json", shard, root / "x.parquet", root / "hf", root / "acts", root, tmp_path]
+    try:
+        import datasets  # noqa: F401
+        has_hf = True
+    except ImportError:
+        has_hf = False
+    for path in inside:
+        for overwrite in (False, True):
+            for fn in (export_parquet, export_arrow):
+                why = r"is a folder" if path == tmp_path else r"is inside the store .*give a path outside the store"
+                with pytest.raises(ArgumentValueError, match=why):
+                    fn(str(root), path, overwrite=overwrite)
+        if has_hf:
+            for fmt in ("arrow", "parquet"):
+                with pytest.raises(ArgumentValueError, match=r"(is inside|holds) the store .*give a path outside the store"):
+                    export_hf(str(root), path, file_format=fmt)
+    assert _files(root) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ex.zarr"]
+    torch.testing.assert_close(read_arrow(export_arrow(str(root), tmp_path / "ok.arrow"))["0.output"],
+                               acs.open_store(str(root))["0.output"])

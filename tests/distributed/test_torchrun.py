@@ -336,7 +336,7 @@ def test_a_rank_store_that_is_not_complete_is_not_committed(tmp_path):
     scope = acs.ActivationScope(store=str(store), store_options={**job.STORE_OPTIONS, "process_group": acs.RankStore(0, 2)})
     with scope.track(model), torch.no_grad():
         model(job.batch(0))
-    with pytest.raises(acs.StoreError, match=r"ranks \[0\], expected 0..1; a rank is missing"):
+    with pytest.raises(acs.StoreError, match=r"ranks \[0\], expected 0..1; rank\(s\) \[1\] are missing: capture"):
         commit_ranks(store)
     shutil.copytree(store / "ranks" / "00000", store / "ranks" / "00001")
     root = json.loads((store / "ranks" / "00001" / "zarr.json").read_text())
@@ -492,6 +492,80 @@ def test_consolidate_on_a_path_that_is_not_a_store_creates_nothing(tmp_path, cap
     assert f"rank stores under {str(store) + '/ranks/'!r} are ranks [0], expected 0..1" in capsys.readouterr().err
 
 
+def test_consolidate_names_a_malformed_rank_manifest(tmp_path, capsys):
+    """A rank manifest that is not JSON, or JSON of the wrong shape, is refused as
+    StoreCorruptError naming the rank store and the file; nothing is committed."""
+    from activationscope import cli
+
+    store = tmp_path / "s.zarr"
+    _small_rank_stores(store)
+    man = store / "ranks" / "00001" / "acts" / "0.output" / "manifest.json"
+    good = man.read_bytes()
+    before = _tree(store)
+    for damaged, what in (("[]", "must be"), ("garbage", "is not valid JSON"), ('{"shards": [[]]}', "shards[0]"),
+                          ('{"shards": [{"shard": "x"}]}', "shards[0].shard")):
+        man.write_text(damaged)
+        assert cli.main(["consolidate", str(store)]) == 1
+        err = capsys.readouterr().err
+        assert f"rank 1: store {str(store / 'ranks' / '00001')!r}" in err, err
+        assert "acts/0.output/manifest.json" in err and what in err and "nothing was committed" in err, err
+        assert "AttributeError" not in err and "Traceback" not in err
+        with pytest.raises(acs.StoreCorruptError, match="manifest.json"):
+            commit_ranks_(store)
+    man.write_bytes(good)
+    assert _tree(store) == before and acs.open_store(store).status != "complete"
+
+
+def commit_ranks_(store):
+    from activationscope.store.ranks import commit_ranks
+
+    return commit_ranks(store)
+
+
+def test_consolidate_names_missing_and_extra_ranks(tmp_path, capsys):
+    """Rank stores 0, 1, 2 for a world size of 2: the extra rank is named with its path and
+    what to do; with one rank missing as well, both are named."""
+    from activationscope import cli
+
+    store = tmp_path / "s.zarr"
+    _small_rank_stores(store)
+    shutil.copytree(store / "ranks" / "00001", store / "ranks" / "00002")
+    before = _tree(store)
+    assert cli.main(["consolidate", str(store)]) == 1
+    err = capsys.readouterr().err
+    assert "are ranks [0, 1, 2], expected 0..1; rank(s) [2] are beyond the 2 ranks of this capture (0..1): move " \
+           f"the rank store(s) [{str(store / 'ranks' / '00002')!r}] away if they belong to another capture" in err, err
+    assert "are missing" not in err
+    shutil.rmtree(store / "ranks" / "00001")
+    assert cli.main(["consolidate", str(store)]) == 1
+    err = capsys.readouterr().err
+    assert "are ranks [0, 2], expected 0..1; rank(s) [1] are missing: capture (or resume) them" in err, err
+    assert "rank(s) [2] are beyond the 2 ranks" in err and "nothing was written" in err
+    assert acs.open_store(store).status != "complete"
+    assert set(_tree(store)) == {k for k in before if not k.startswith("ranks/00001/")}
+
+
+def test_consolidate_leaves_other_files_under_ranks(tmp_path):
+    """consolidate removes the rank stores it committed and leaves a user's other files and
+    folders under ranks/ (and ranks/ with them); with nothing else there ranks/ goes too."""
+    from activationscope.store.ranks import commit_ranks
+
+    store = tmp_path / "s.zarr"
+    _small_rank_stores(store)
+    (store / "ranks" / "junk").mkdir()
+    (store / "ranks" / "junk" / "a.txt").write_text("mine")
+    (store / "ranks" / "notes.txt").write_text("notes")
+    commit_ranks(store)
+    assert acs.open_store(store).status == "complete" and acs.open_store(store).n_rows("0.output") == 36
+    assert sorted(p.name for p in (store / "ranks").iterdir()) == ["junk", "notes.txt"]
+    assert (store / "ranks" / "junk" / "a.txt").read_text() == "mine"
+    assert (store / "ranks" / "notes.txt").read_text() == "notes"
+    other = tmp_path / "o.zarr"
+    _small_rank_stores(other)
+    commit_ranks(other)
+    assert not (other / "ranks").exists()
+
+
 def _files_of(store: Path) -> dict[str, bytes]:
     return {str(p.relative_to(store)): p.read_bytes() for p in sorted(store.rglob("*"))
             if p.is_file() and p.name != "zarr.json" and not p.name.startswith(".lock")}
@@ -644,3 +718,22 @@ def test_commit_without_verify_reads_only_the_tail_shards(tmp_path, monkeypatch)
         shards = {k for _, k in checked}
         assert (shards == {2}) if not verify else (shards == {0, 1, 2}), (verify, checked)
         assert acs.open_store(store).status == "complete"
+
+
+@pytest.mark.parametrize("damaged", ["{oops", "[]", '{"attributes": {"activationscope": []}}',
+                                     '{"attributes": {"activationscope": {"distributed": 3}}}'])
+def test_prepare_root_refuses_a_damaged_root_document(tmp_path, damaged):
+    """A root zarr.json that is not JSON or not of the store's shape is refused as
+    StoreCorruptError naming it, and left as it is; overwrite=True replaces it."""
+    from activationscope.store.ranks import prepare_root
+
+    store = tmp_path / "s.zarr"
+    store.mkdir()
+    (store / "zarr.json").write_text(damaged)
+    for resume in (False, True):
+        with pytest.raises(acs.StoreCorruptError, match=r"root document zarr.json of .*s\.zarr.* nothing was changed"):
+            prepare_root(store, world_size=2, resume=resume)
+        assert (store / "zarr.json").read_text() == damaged
+    prepare_root(store, world_size=2, overwrite=True)
+    doc = json.loads((store / "zarr.json").read_text())
+    assert doc["attributes"]["activationscope"]["distributed"] == {"world_size": 2, "committed": False}
