@@ -345,6 +345,94 @@ def test_capture_of_text_with_blank_lines_keeps_line_numbers(capsys, tmp_path):
         assert lines[i].endswith(" " + text)
 
 
+def test_text_lines_end_at_newline_only(tmp_path):
+    f = tmp_path / "t.txt"
+    f.write_bytes(b"alpha\xe2\x80\xa8beta\ngamma\x0cdelta\x0bx\xc2\x85y\x1cz\nlast\n")
+    d = specs.load_data_spec(str(f))
+    assert d.texts == ["alpha\u2028beta", "gamma\x0cdelta\x0bx\x85y\x1cz", "last"] and d.sample_ids == [0, 1, 2]
+
+
+def test_a_line_break_character_in_a_labelled_line_stays_in_its_text(tmp_path):
+    f = tmp_path / "t.txt"
+    f.write_bytes("__label__a one\u2028two\n__label__b three\n".encode())
+    d = specs.load_data_spec(str(f))
+    assert d.texts == ["one\u2028two", "three"] and d.labels == ["a", "b"] and d.sample_ids == [0, 1]
+
+
+def test_crlf_text_file(tmp_path, recwarn):
+    f = tmp_path / "t.txt"
+    f.write_bytes(b"__label__a one\r\n\r\n__label__b two\r\n")
+    d = specs.load_data_spec(str(f))
+    assert d.texts == ["one", "two"] and d.labels == ["a", "b"] and d.sample_ids == [0, 2]
+    assert [str(w.message) for w in recwarn if "blank line" in str(w.message)][0].count("skipped 1 blank line;")
+
+
+@pytest.mark.parametrize("codec", ["utf-8-sig", "utf-16", "utf-16-be", "utf-32"])
+def test_text_file_with_a_byte_order_mark(tmp_path, codec):
+    f = tmp_path / "t.txt"
+    data = "__label__a café\n__label__b naïve\n".encode(codec)
+    if codec == "utf-16-be":
+        data = b"\xfe\xff" + data
+    f.write_bytes(data)
+    d = specs.load_data_spec(str(f))
+    assert d.texts == ["café", "naïve"] and d.labels == ["a", "b"]
+
+
+def test_utf16_without_byte_order_mark_is_refused(tmp_path):
+    f = tmp_path / "t.txt"
+    f.write_bytes("hello\nworld\n".encode("utf-16-le"))
+    with pytest.raises(SpecError, match=r"t\.txt.*line 1 holds a NUL character.*save the file as UTF-8"):
+        specs.load_data_spec(str(f))
+
+
+def test_bad_bytes_after_a_byte_order_mark_are_refused(tmp_path):
+    f = tmp_path / "t.txt"
+    f.write_bytes(b"\xef\xbb\xbfgood\nbad \xe9\n")
+    with pytest.raises(SpecError, match=r"starts with the utf-8 byte order mark but is not utf-8 \(byte offset 12"):
+        specs.load_data_spec(str(f))
+
+
+def test_utf8_file_with_a_stray_latin1_byte_is_refused(tmp_path):
+    f = tmp_path / "t.txt"
+    f.write_bytes("café\ncrème\n".encode() + b"na\xefve\n")
+    with pytest.raises(SpecError) as info:
+        specs.load_data_spec(str(f))
+    msg = str(info.value)
+    assert "t.txt" in msg and "line 3 (byte offset 15)" in msg and "b'\\xef'" in msg and "UTF-8" in msg
+
+
+def test_latin1_text_file(tmp_path):
+    f = tmp_path / "t.txt"
+    f.write_bytes("café\nna\x97ïve\x85x\n".encode("latin-1"))
+    d = specs.load_data_spec(str(f))
+    assert d.texts == ["café", "na\x97ïve\x85x"] and d.sample_ids == [0, 1]
+
+
+@needs_demo
+def test_gensim_polarity_file_reads_like_the_demo():
+    from activationscope.analysis import demo_assets
+
+    d = specs.load_data_spec(str(demo_assets.gensim_data_dir() / demo_assets.POLARITY_FILE))
+    texts, labels = demo_assets.load_polarity()
+    assert d.texts == texts and [{"neg": 0, "pos": 1}[x] for x in d.labels] == labels
+    assert d.sample_ids == list(range(200)) and any("é" in t for t in texts)
+
+
+def test_multi_label_line_is_refused(tmp_path):
+    f = tmp_path / "t.txt"
+    f.write_text("__label__a one\n__label__a __label__b multi\n")
+    with pytest.raises(SpecError, match=r"t\.txt.*line 2 has more than one label tag \(__label__a __label__b "
+                                        r"\.\.\.\); one label per sample"):
+        specs.load_data_spec(str(f))
+
+
+def test_empty_label_tag_is_refused(tmp_path):
+    f = tmp_path / "t.txt"
+    f.write_text("__label__a one\n\n__label__ text\n")
+    with pytest.raises(SpecError, match=r"t\.txt.*line 3 has an empty tag '__label__'"):
+        specs.load_data_spec(str(f))
+
+
 def test_plain_text_file(tmp_path):
     f = tmp_path / "t.txt"
     f.write_text("first\nsecond\nthird\n")
