@@ -59,6 +59,16 @@ def test_capture_options_parse():
     assert args.batch_size == 8 and args.max_samples == 100 and args.resume and not args.overwrite
 
 
+def test_comma_lists_keep_commas_inside_brackets():
+    args = cli.build_parser().parse_args(
+        ["capture", "--model", "m:f", "--data", "d.npy", "--out", "o.zarr", "--include", "d.a[1,2],b", "--include",
+         "c[!x,y]*", "--exclude", "e[0,1].f, g", "--sample-rows", "p[1,2].output,q", "--token-rows", "t[3,4]"]
+    )
+    assert cli._patterns(args.include) == ["d.a[1,2]", "b", "c[!x,y]*"]
+    assert cli._patterns(args.exclude) == ["e[0,1].f", "g"]
+    assert cli._token_rows(args.sample_rows, args.token_rows) == {"p[1,2].output": False, "q": False, "t[3,4]": True}
+
+
 def test_resume_and_overwrite_exclude_each_other(capsys):
     code, _, err = run(capsys, "capture", "--model", "m:f", "--data", "d", "--out", "o", "--resume", "--overwrite")
     assert code == 2 and "not allowed with" in err

@@ -44,12 +44,10 @@ class CLIError(ActivationScopeError):
 # ---------------------------------------------------------------------------- parser
 
 
-def _csv(value: str) -> list[str]:
-    return [v.strip() for v in value.split(",") if v.strip()]
-
-
 def _specs(value: str) -> list[str]:
-    """Comma separated, commas inside brackets kept: ``mean,hist[lo=-4,hi=4]``."""
+    """Comma separated, commas inside brackets kept: ``mean,hist[lo=-4,hi=4]``, ``d.a[1,2],b``
+    (the splitting of every comma separated option: --reduce, --include, --exclude,
+    --sample-rows, --token-rows)."""
     out, depth, cur = [], 0, []
     for ch in value:
         depth += (ch == "[") - (ch == "]")
@@ -286,7 +284,7 @@ def _patterns(values: list[str] | None) -> list[str] | None:
         return None
     out: list[str] = []
     for v in values:
-        out.extend(_csv(v))
+        out.extend(_specs(v))
     return out or None
 
 
