@@ -6,6 +6,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -150,6 +151,7 @@ def test_capture_unknown_reduction(capsys, tmp_path):
     ("topk[k=x]", "options are option=number pairs separated by commas, got 'k=x'"),
     ("mean[", "is not a reduction name or name[option=value,...]"),
     ("median[k=3]", "unknown reduction 'median'"),
+    ("hist[lo=-4,hi=4,lo=0]", "--reduce 'hist[lo=-4,hi=4,lo=0]': option 'lo' is given twice"),
 ])
 def test_capture_reduction_options_are_checked_before_capturing(capsys, tmp_path, spec, msg):
     out = tmp_path / "o.zarr"
@@ -441,6 +443,71 @@ def test_empty_label_tag_is_refused(tmp_path):
     f.write_text("__label__a one\n\n__label__ text\n")
     with pytest.raises(SpecError, match=r"t\.txt.*line 3 has an empty tag '__label__'"):
         specs.load_data_spec(str(f))
+
+
+@pytest.mark.parametrize("command", [["demo"], ["report", "s.zarr", "--out", "r"]])
+@pytest.mark.parametrize("folds", ["1", "0", "x"])
+def test_folds_below_two_is_a_usage_error_in_cli_words(capsys, command, folds):
+    code, _, err = run(capsys, *command, "--folds", folds)
+    assert code == 2 and f"argument --folds: must be an int of at least 2" in err and f"got {folds!r}" in err
+    assert "n_folds" not in err
+
+
+@needs_demo
+def test_capture_of_pooled_text_rows_warns_in_cli_words(capsys, tmp_path):
+    from activationscope.errors import CaptureWarning
+
+    f = tmp_path / "t.txt"
+    f.write_text("short one\na much longer sentence with many words in it\n")
+    with pytest.warns(CaptureWarning) as record:
+        code, _, err = run(capsys, "capture", "--model", "demo", "--data", str(f), "--out", str(tmp_path / "a.zarr"),
+                           "--include", "pool.0", "--no-progress")
+    assert code == 0, err
+    (msg,) = [str(w.message) for w in record if "attention mask" in str(w.message)]
+    assert msg.startswith("the attention mask of the tokenized text, of shape (2, 11) (batch, pos), fits no tracked")
+    assert "{'pool.0.output': (2, 384)}" in msg and "--sample-rows PATTERN" in msg
+    assert "set_batch" not in msg and "token_rows=" not in msg
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        code, _, err = run(capsys, "capture", "--model", "demo", "--data", str(f), "--out", str(tmp_path / "b.zarr"),
+                           "--include", "pool.0", "--sample-rows", "pool.0.output", "--no-progress")
+    assert code == 0, err
+
+
+@needs_demo
+def test_capture_errors_about_row_kinds_use_cli_words(capsys, tmp_path):
+    f = tmp_path / "t.txt"
+    f.write_text("short one\na much longer sentence with many words in it\n")
+    code, _, err = run(capsys, "capture", "--model", "demo", "--data", str(f), "--out", str(tmp_path / "a.zarr"),
+                       "--include", "encoder.layer.0", "--sample-rows", "encoder.layer.0.output", "--batch-size",
+                       "1", "--no-progress")
+    assert code == 1
+    _one_error_line(err, "changed its feature shape from (4, 384) to (11, 384)", "leave it out of --sample-rows",
+                    "--exclude its module")
+    assert "set_batch" not in err
+    code, _, err = run(capsys, "capture", "--model", "demo", "--data", str(f), "--out", str(tmp_path / "b.zarr"),
+                       "--include", "pool.0", "--token-rows", "pool.0.output", "--no-progress")
+    assert code == 1
+    _one_error_line(err, "set to token rows by --token-rows", "leave it out of --token-rows")
+    assert "set_batch" not in err and "token_rows=" not in err and not (tmp_path / "b.zarr").exists()
+
+
+def test_reissued_warnings_keep_category_and_place():
+    from activationscope.errors import CaptureWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warnings.warn("plain", UserWarning)
+        warnings.warn("set_batch(attention_mask=...) of shape (2, 5) (batch, pos) matches no tracked hook point: no "
+                      "activation starts with it ({'a.output': (2, 3)}), so ...", CaptureWarning)
+    with warnings.catch_warnings(record=True) as again:
+        warnings.simplefilter("always")
+        capture_run._reissue(caught, {})
+    assert [w.category for w in again] == [UserWarning, CaptureWarning]
+    assert str(again[0].message) == "plain" and again[0].filename == caught[0].filename
+    assert again[0].lineno == caught[0].lineno
+    assert str(again[1].message).startswith("the attention mask of the tokenized text, of shape (2, 5)")
+    assert "({'a.output': (2, 3)})" in str(again[1].message)
 
 
 def test_plain_text_file(tmp_path):
@@ -1007,15 +1074,16 @@ def test_capture_sample_rows_and_token_rows_reach_the_capture(tmp_path, toy_stor
     _, x = toy_store
     out = tmp_path / "t.zarr"
     code, _, err = run(capsys, "capture", "--model", "usermodels.nets:mlp", "--data", str(x), "--out", str(out),
-                       "--sample-rows", "2.*,0.output", "--token-rows", "head.*", "--max-samples", "8", "--no-progress")
+                       "--sample-rows", "2.*,0.output", "--max-samples", "8", "--no-progress")
     assert code == 0, err
     config = acs.open_store(str(out)).attrs["capture_config"]
-    assert config["token_rows"] == {"2.*": False, "0.output": False, "head.*": True}
+    assert config["token_rows"] == {"2.*": False, "0.output": False}
     # token rows asked for a hook point without a (batch, pos) mask (tensor data has none)
     code, _, err = run(capsys, "capture", "--model", "usermodels.nets:mlp", "--data", str(x), "--out",
                        str(tmp_path / "v.zarr"), "--token-rows", "1.*", "--no-progress")
     assert code == 1
-    _one_error_line(err, "hook point '1.output' is set to token rows by token_rows=", "attention_mask=")
+    _one_error_line(err, "hook point '1.output' is set to token rows by --token-rows", "(none given)",
+                    "leave it out of --token-rows")
     code, _, err = run(capsys, "capture", "--model", "usermodels.nets:mlp", "--data", str(x), "--out",
                        str(tmp_path / "u.zarr"), "--sample-rows", "2.*", "--token-rows", "2.*", "--no-progress")
     assert code == 1
