@@ -210,7 +210,7 @@ def _check_token_rows(token_rows: Any, hook_points: Sequence[str]) -> None:
             option = "--token-rows" if token else "--sample-rows"
             raise HookPointNotFoundError(
                 f"{option} {pattern!r} matches no tracked hook point; the hook points are [{shown}] (patterns "
-                "match hook points, e.g. 'pool.0.output' or 'pool.*')"
+                f"match hook point names, e.g. {hook_points[0] if hook_points else 'layer.0.output'!r})"
             )
 
 

@@ -257,7 +257,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             traceback.print_exc()
         else:
             notes = "".join(f"; {n}" for n in getattr(e, "__notes__", ()))
-            print(f"{PROG} {args.command}: error: {cli_spelling(one_line(e))}{notes}", file=sys.stderr)
+            print(f"{PROG} {args.command}: error: {_cli_spelling(one_line(e))}{notes}", file=sys.stderr)
         return 1
 
 
@@ -286,7 +286,7 @@ _CLI_SPELLINGS = (
 )
 
 
-def cli_spelling(message: str) -> str:
+def _cli_spelling(message: str) -> str:
     """``message`` with the library's Python spellings (``drop_last=True``,
     ``tracker.set_batch(attention_mask=...)``, ``n_folds``) replaced by the command line's."""
     for python, cli in _CLI_SPELLINGS:
