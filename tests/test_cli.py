@@ -6,6 +6,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -57,6 +58,16 @@ def test_capture_options_parse():
     assert cli._patterns(args.exclude) == ["*.dropout"]
     assert args.reduce == ["mean", "var"] and args.dtype == "bfloat16" and args.compression == "zstd"
     assert args.batch_size == 8 and args.max_samples == 100 and args.resume and not args.overwrite
+
+
+def test_comma_lists_keep_commas_inside_brackets():
+    args = cli.build_parser().parse_args(
+        ["capture", "--model", "m:f", "--data", "d.npy", "--out", "o.zarr", "--include", "d.a[1,2],b", "--include",
+         "c[!x,y]*", "--exclude", "e[0,1].f, g", "--sample-rows", "p[1,2].output,q", "--token-rows", "t[3,4]"]
+    )
+    assert cli._patterns(args.include) == ["d.a[1,2]", "b", "c[!x,y]*"]
+    assert cli._patterns(args.exclude) == ["e[0,1].f", "g"]
+    assert cli._token_rows(args.sample_rows, args.token_rows) == {"p[1,2].output": False, "q": False, "t[3,4]": True}
 
 
 def test_resume_and_overwrite_exclude_each_other(capsys):
@@ -140,6 +151,7 @@ def test_capture_unknown_reduction(capsys, tmp_path):
     ("topk[k=x]", "options are option=number pairs separated by commas, got 'k=x'"),
     ("mean[", "is not a reduction name or name[option=value,...]"),
     ("median[k=3]", "unknown reduction 'median'"),
+    ("hist[lo=-4,hi=4,lo=0]", "--reduce 'hist[lo=-4,hi=4,lo=0]': option 'lo' is given twice"),
 ])
 def test_capture_reduction_options_are_checked_before_capturing(capsys, tmp_path, spec, msg):
     out = tmp_path / "o.zarr"
@@ -343,6 +355,159 @@ def test_capture_of_text_with_blank_lines_keeps_line_numbers(capsys, tmp_path):
     assert table.column("label").to_pylist() == ["neg", "pos", "neg", "pos"]
     for i, text in zip(table.column("sample_id").to_pylist(), table.column("text").to_pylist()):
         assert lines[i].endswith(" " + text)
+
+
+def test_text_lines_end_at_newline_only(tmp_path):
+    f = tmp_path / "t.txt"
+    f.write_bytes(b"alpha\xe2\x80\xa8beta\ngamma\x0cdelta\x0bx\xc2\x85y\x1cz\nlast\n")
+    d = specs.load_data_spec(str(f))
+    assert d.texts == ["alpha\u2028beta", "gamma\x0cdelta\x0bx\x85y\x1cz", "last"] and d.sample_ids == [0, 1, 2]
+
+
+def test_a_line_break_character_in_a_labelled_line_stays_in_its_text(tmp_path):
+    f = tmp_path / "t.txt"
+    f.write_bytes("__label__a one\u2028two\n__label__b three\n".encode())
+    d = specs.load_data_spec(str(f))
+    assert d.texts == ["one\u2028two", "three"] and d.labels == ["a", "b"] and d.sample_ids == [0, 1]
+
+
+def test_crlf_text_file(tmp_path, recwarn):
+    f = tmp_path / "t.txt"
+    f.write_bytes(b"__label__a one\r\n\r\n__label__b two\r\n")
+    d = specs.load_data_spec(str(f))
+    assert d.texts == ["one", "two"] and d.labels == ["a", "b"] and d.sample_ids == [0, 2]
+    assert [str(w.message) for w in recwarn if "blank line" in str(w.message)][0].count("skipped 1 blank line;")
+
+
+@pytest.mark.parametrize("codec", ["utf-8-sig", "utf-16", "utf-16-be", "utf-32"])
+def test_text_file_with_a_byte_order_mark(tmp_path, codec):
+    f = tmp_path / "t.txt"
+    data = "__label__a café\n__label__b naïve\n".encode(codec)
+    if codec == "utf-16-be":
+        data = b"\xfe\xff" + data
+    f.write_bytes(data)
+    d = specs.load_data_spec(str(f))
+    assert d.texts == ["café", "naïve"] and d.labels == ["a", "b"]
+
+
+def test_utf16_without_byte_order_mark_is_refused(tmp_path):
+    f = tmp_path / "t.txt"
+    f.write_bytes("hello\nworld\n".encode("utf-16-le"))
+    with pytest.raises(SpecError, match=r"t\.txt.*line 1 holds a NUL character.*save the file as UTF-8"):
+        specs.load_data_spec(str(f))
+
+
+def test_bad_bytes_after_a_byte_order_mark_are_refused(tmp_path):
+    f = tmp_path / "t.txt"
+    f.write_bytes(b"\xef\xbb\xbfgood\nbad \xe9\n")
+    with pytest.raises(SpecError, match=r"starts with the utf-8 byte order mark but is not utf-8 \(byte offset 12"):
+        specs.load_data_spec(str(f))
+
+
+def test_utf8_file_with_a_stray_latin1_byte_is_refused(tmp_path):
+    f = tmp_path / "t.txt"
+    f.write_bytes("café\ncrème\n".encode() + b"na\xefve\n")
+    with pytest.raises(SpecError) as info:
+        specs.load_data_spec(str(f))
+    msg = str(info.value)
+    assert "t.txt" in msg and "line 3 (byte offset 15)" in msg and "b'\\xef'" in msg and "UTF-8" in msg
+
+
+def test_latin1_text_file(tmp_path):
+    f = tmp_path / "t.txt"
+    f.write_bytes("café\nna\x97ïve\x85x\n".encode("latin-1"))
+    d = specs.load_data_spec(str(f))
+    assert d.texts == ["café", "na\x97ïve\x85x"] and d.sample_ids == [0, 1]
+
+
+@needs_demo
+def test_gensim_polarity_file_reads_like_the_demo():
+    from activationscope.analysis import demo_assets
+
+    d = specs.load_data_spec(str(demo_assets.gensim_data_dir() / demo_assets.POLARITY_FILE))
+    texts, labels = demo_assets.load_polarity()
+    assert d.texts == texts and [{"neg": 0, "pos": 1}[x] for x in d.labels] == labels
+    assert d.sample_ids == list(range(200)) and any("é" in t for t in texts)
+
+
+def test_multi_label_line_is_refused(tmp_path):
+    f = tmp_path / "t.txt"
+    f.write_text("__label__a one\n__label__a __label__b multi\n")
+    with pytest.raises(SpecError, match=r"t\.txt.*line 2 has more than one label tag \(__label__a __label__b "
+                                        r"\.\.\.\); one label per sample"):
+        specs.load_data_spec(str(f))
+
+
+def test_empty_label_tag_is_refused(tmp_path):
+    f = tmp_path / "t.txt"
+    f.write_text("__label__a one\n\n__label__ text\n")
+    with pytest.raises(SpecError, match=r"t\.txt.*line 3 has an empty tag '__label__'"):
+        specs.load_data_spec(str(f))
+
+
+@pytest.mark.parametrize("command", [["demo"], ["report", "s.zarr", "--out", "r"]])
+@pytest.mark.parametrize("folds", ["1", "0", "x"])
+def test_folds_below_two_is_a_usage_error_in_cli_words(capsys, command, folds):
+    code, _, err = run(capsys, *command, "--folds", folds)
+    assert code == 2 and f"argument --folds: must be an int of at least 2" in err and f"got {folds!r}" in err
+    assert "n_folds" not in err
+
+
+@needs_demo
+def test_capture_of_pooled_text_rows_warns_in_cli_words(capsys, tmp_path):
+    from activationscope.errors import CaptureWarning
+
+    f = tmp_path / "t.txt"
+    f.write_text("short one\na much longer sentence with many words in it\n")
+    with pytest.warns(CaptureWarning) as record:
+        code, _, err = run(capsys, "capture", "--model", "demo", "--data", str(f), "--out", str(tmp_path / "a.zarr"),
+                           "--include", "pool.0", "--no-progress")
+    assert code == 0, err
+    (msg,) = [str(w.message) for w in record if "attention mask" in str(w.message)]
+    assert msg.startswith("the attention mask of the tokenized text, of shape (2, 11) (batch, pos), fits no tracked")
+    assert "{'pool.0.output': (2, 384)}" in msg and "--sample-rows PATTERN" in msg
+    assert "set_batch" not in msg and "token_rows=" not in msg
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        code, _, err = run(capsys, "capture", "--model", "demo", "--data", str(f), "--out", str(tmp_path / "b.zarr"),
+                           "--include", "pool.0", "--sample-rows", "pool.0.output", "--no-progress")
+    assert code == 0, err
+
+
+@needs_demo
+def test_capture_errors_about_row_kinds_use_cli_words(capsys, tmp_path):
+    f = tmp_path / "t.txt"
+    f.write_text("short one\na much longer sentence with many words in it\n")
+    code, _, err = run(capsys, "capture", "--model", "demo", "--data", str(f), "--out", str(tmp_path / "a.zarr"),
+                       "--include", "encoder.layer.0", "--sample-rows", "encoder.layer.0.output", "--batch-size",
+                       "1", "--no-progress")
+    assert code == 1
+    _one_error_line(err, "changed its feature shape from (4, 384) to (11, 384)", "leave it out of --sample-rows",
+                    "--exclude its module")
+    assert "set_batch" not in err
+    code, _, err = run(capsys, "capture", "--model", "demo", "--data", str(f), "--out", str(tmp_path / "b.zarr"),
+                       "--include", "pool.0", "--token-rows", "pool.0.output", "--no-progress")
+    assert code == 1
+    _one_error_line(err, "set to token rows by --token-rows", "leave it out of --token-rows")
+    assert "set_batch" not in err and "token_rows=" not in err and not (tmp_path / "b.zarr").exists()
+
+
+def test_reissued_warnings_keep_category_and_place():
+    from activationscope.errors import CaptureWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warnings.warn("plain", UserWarning)
+        warnings.warn("set_batch(attention_mask=...) of shape (2, 5) (batch, pos) matches no tracked hook point: no "
+                      "activation starts with it ({'a.output': (2, 3)}), so ...", CaptureWarning)
+    with warnings.catch_warnings(record=True) as again:
+        warnings.simplefilter("always")
+        capture_run._reissue(caught, {})
+    assert [w.category for w in again] == [UserWarning, CaptureWarning]
+    assert str(again[0].message) == "plain" and again[0].filename == caught[0].filename
+    assert again[0].lineno == caught[0].lineno
+    assert str(again[1].message).startswith("the attention mask of the tokenized text, of shape (2, 5)")
+    assert "({'a.output': (2, 3)})" in str(again[1].message)
 
 
 def test_plain_text_file(tmp_path):
@@ -909,15 +1074,16 @@ def test_capture_sample_rows_and_token_rows_reach_the_capture(tmp_path, toy_stor
     _, x = toy_store
     out = tmp_path / "t.zarr"
     code, _, err = run(capsys, "capture", "--model", "usermodels.nets:mlp", "--data", str(x), "--out", str(out),
-                       "--sample-rows", "2.*,0.output", "--token-rows", "head.*", "--max-samples", "8", "--no-progress")
+                       "--sample-rows", "2.*,0.output", "--max-samples", "8", "--no-progress")
     assert code == 0, err
     config = acs.open_store(str(out)).attrs["capture_config"]
-    assert config["token_rows"] == {"2.*": False, "0.output": False, "head.*": True}
+    assert config["token_rows"] == {"2.*": False, "0.output": False}
     # token rows asked for a hook point without a (batch, pos) mask (tensor data has none)
     code, _, err = run(capsys, "capture", "--model", "usermodels.nets:mlp", "--data", str(x), "--out",
                        str(tmp_path / "v.zarr"), "--token-rows", "1.*", "--no-progress")
     assert code == 1
-    _one_error_line(err, "hook point '1.output' is set to token rows by token_rows=", "attention_mask=")
+    _one_error_line(err, "hook point '1.output' is set to token rows by --token-rows", "(none given)",
+                    "leave it out of --token-rows")
     code, _, err = run(capsys, "capture", "--model", "usermodels.nets:mlp", "--data", str(x), "--out",
                        str(tmp_path / "u.zarr"), "--sample-rows", "2.*", "--token-rows", "2.*", "--no-progress")
     assert code == 1

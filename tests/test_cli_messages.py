@@ -187,3 +187,46 @@ def test_export_keeps_a_file_that_is_not_an_export_and_report_names_a_file_out(f
     code, _, err = run(capsys, "report", str(out), "--out", str(notes))
     assert code == 1 and "notes.txt' is a file; the report is a folder" in err and "Errno" not in err
     assert notes.read_text() == "my notes"
+
+
+def test_sample_rows_pattern_matching_nothing_is_refused(failing_module, tmp_path, capsys):
+    out = tmp_path / "run.zarr"
+    code, _, err = _capture(capsys, "good", failing_module, out, "--sample-rows", "nomatch*")
+    assert code == 1 and "--sample-rows 'nomatch*' matches no tracked hook point" in err
+    assert "[lin.output]" in err and "no row was committed" in err and not out.exists()
+    assert _capture(capsys, "good", failing_module, out)[0] == 0
+    before = acs.open_store(str(out))["lin.output"].clone()
+    code, _, err = _capture(capsys, "good", failing_module, out, "--overwrite", "--token-rows", "lin.out",
+                            "--batch-size", "40")
+    assert code == 1 and "--token-rows 'lin.out' matches no tracked hook point" in err and "left as it was" in err
+    store = acs.open_store(str(out))
+    assert store.status == "complete" and store.n_samples == 40 and torch.equal(store["lin.output"], before)
+
+
+def test_token_rows_without_a_mask_is_refused_in_cli_words(failing_module, tmp_path, capsys):
+    code, _, err = _capture(capsys, "good", failing_module, tmp_path / "o.zarr", "--token-rows", "lin.output")
+    assert code == 1 and "set to token rows by --token-rows" in err and "leave it out of --token-rows" in err
+    assert "set_batch" not in err and "token_rows=" not in err
+
+
+def test_export_drop_last_needs_context_size(failing_module, tmp_path, capsys):
+    out = tmp_path / "run.zarr"
+    assert _capture(capsys, "good", failing_module, out)[0] == 0
+    for fmt in ("hf", "parquet"):
+        code, _, err = run(capsys, "export", str(out), "--format", fmt, "--out", str(tmp_path / "x"), "--drop-last")
+        assert code == 1 and "--drop-last applies with --context-size only" in err, err
+        assert not (tmp_path / "x").exists()
+
+
+def test_export_context_size_errors_in_cli_words(failing_module, tmp_path, capsys):
+    pytest.importorskip("datasets")
+    out = tmp_path / "run.zarr"
+    assert _capture(capsys, "good", failing_module, out)[0] == 0
+    code, _, err = run(capsys, "export", str(out), "--format", "hf", "--out", str(tmp_path / "hf"),
+                       "--context-size", "7")
+    assert code == 1 and "must be a multiple of --context-size 7 (remainder 5); pass --drop-last" in err, err
+    assert "another --context-size" in err and "drop_last" not in err and "context_size" not in err
+    code, _, err = run(capsys, "export", str(out), "--format", "hf", "--out", str(tmp_path / "hf"),
+                       "--context-size", "41", "--drop-last")
+    assert code == 1 and "--context-size 41 is more than the 40 rows" in err and "with --drop-last nothing" in err
+    assert "pass a --context-size of at most 40" in err and "drop_last" not in err and "context_size" not in err

@@ -14,6 +14,7 @@ import os
 import re
 import sys
 import time
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -103,16 +104,23 @@ def run_capture(
     bar = tqdm(total=n_total, unit="samples", desc=desc, disable=not progress, dynamic_ncols=True,
                file=sys.stderr, leave=True)
     start = time.perf_counter()
+    registry: dict[Any, Any] = {}  # of the warnings raised in forwards, shown as once per place
     try:
         with torch.inference_mode(), tracker:
             for first, inputs, info in batches:
                 tracker.set_batch(**info)
                 n = _batch_len(inputs)
+                caught: list[warnings.WarningMessage] = []
                 try:
-                    if isinstance(inputs, dict):
-                        model(**inputs)
-                    else:
-                        model(inputs)
+                    try:
+                        with warnings.catch_warnings(record=True) as caught:
+                            warnings.simplefilter("always")
+                            if isinstance(inputs, dict):
+                                model(**inputs)
+                            else:
+                                model(inputs)
+                    finally:
+                        _reissue(caught, registry)
                 except Exception as e:  # noqa: BLE001 - user model code
                     if isinstance(e, ActivationScopeError):
                         raise
@@ -122,6 +130,12 @@ def run_capture(
                     ) from e
                 summary.n_samples += n
                 summary.n_forwards += 1
+                if summary.n_forwards == 1:
+                    try:
+                        _check_token_rows(token_rows, tracker.hook_points)
+                    except ActivationScopeError as e:
+                        tracker._refused = str(e)  # nothing of this run is committed
+                        raise
                 elapsed = max(time.perf_counter() - start, 1e-9)
                 summary.n_bytes = _written_bytes(tracker, out)
                 bar.set_postfix_str(f"{format_bytes(summary.n_bytes / elapsed)}/s", refresh=False)
@@ -149,6 +163,55 @@ def run_capture(
     summary.elapsed_s = time.perf_counter() - start
     summary.n_bytes = max(summary.n_bytes, dir_bytes(out))
     return summary
+
+
+#: The library's warning about a ``set_batch`` attention mask that fits no hook point: the
+#: mask is the tokenizer's, passed here, so the advice is reworded for ``capture``.
+_MASK_WARNING = re.compile(r"set_batch\(attention_mask=\.\.\.\) of shape (\(.*?\)) \(batch, pos\) matches no tracked "
+                           r"hook point: no activation starts with it \((\{.*\})\)")
+
+
+def _reissue(caught: Sequence[warnings.WarningMessage], registry: dict[Any, Any]) -> None:
+    """Show the warnings ``caught`` during a forward as they were raised (same category and
+    place), the mask warning of the tracker in the words of ``capture``."""
+    from ..errors import CaptureWarning
+
+    for w in caught:
+        message = w.message
+        m = _MASK_WARNING.match(str(message)) if isinstance(message, CaptureWarning) else None
+        if m is not None:
+            message = CaptureWarning(
+                f"the attention mask of the tokenized text, of shape {m.group(1)} (batch, pos), fits no tracked hook "
+                f"point: no activation starts with it ({m.group(2)}), so every hook point stores one row per "
+                "sample, with the padding of an activation that has a token axis inside its rows. Pass "
+                "--sample-rows PATTERN to confirm one row per sample (this silences the warning), or track hook "
+                "points whose activations start with (batch, pos) for token rows"
+            )
+        warnings.warn_explicit(message, w.category, w.filename, w.lineno, registry=registry)
+
+
+def _check_token_rows(token_rows: Any, hook_points: Sequence[str]) -> None:
+    """Refuse a ``token_rows=`` pattern (``--sample-rows`` / ``--token-rows``) that selects
+    none of the hook points of the first forward, as ``include=`` refuses one.
+
+    Raises
+    ------
+    HookPointNotFoundError
+        Naming the option, the pattern and the tracked hook points.
+    """
+    from ..capture.hooks import pattern_hits
+    from ..errors import HookPointNotFoundError
+
+    if not isinstance(token_rows, dict):
+        return
+    for pattern, token in token_rows.items():
+        if not pattern_hits(pattern, hook_points):
+            shown = ", ".join(hook_points[:8]) + (", ..." if len(hook_points) > 8 else "")
+            option = "--token-rows" if token else "--sample-rows"
+            raise HookPointNotFoundError(
+                f"{option} {pattern!r} matches no tracked hook point; the hook points are [{shown}] (patterns "
+                f"match hook point names, e.g. {hook_points[0] if hook_points else 'layer.0.output'!r})"
+            )
 
 
 def _what_is_kept(out: Any) -> str:
@@ -245,7 +308,8 @@ def capture_dataset(
     command : str, optional
         The command line, recorded in the store's provenance.
     token_rows : bool or dict of str to bool, optional
-        ``ActivationScope(token_rows=...)`` (``--token-rows`` / ``--sample-rows``).
+        ``ActivationScope(token_rows=...)`` (``--token-rows`` / ``--sample-rows``); each
+        pattern must select a hook point of the first forward.
 
     Returns
     -------
@@ -266,6 +330,14 @@ def capture_dataset(
         The model raised during a forward (the store keeps the rows committed before), or
         ``resume`` with another model, ``dtype`` or hook points than the store's (the store
         is left as it was).
+    HookPointNotFoundError
+        A ``token_rows`` pattern that selects no hook point of the first forward.
+
+    Warns
+    -----
+    CaptureWarning
+        Text data whose attention mask fits no tracked hook point (every hook point stores
+        one row per sample): worded for ``--sample-rows``, raised once per capture.
     """
     import torch
 
@@ -399,7 +471,8 @@ def check_reductions(names: Sequence[str] | None) -> list[Any] | None:
     Raises
     ------
     ArgumentValueError
-        A name that is not in ``BUILTIN_REDUCTIONS``, malformed options, or options the
+        A name that is not in ``BUILTIN_REDUCTIONS``, malformed options, an option given
+        twice (``hist[lo=-4,hi=4,lo=0]``), or options the
         reduction refuses (``hist`` without ``lo`` and ``hi``); the message shows the syntax.
     """
     if not names:
@@ -418,15 +491,19 @@ def check_reductions(names: Sequence[str] | None) -> list[Any] | None:
                 f"--reduce: unknown reduction {name!r}; built-in reductions are {list(BUILTIN_REDUCTIONS)}")
         opts: dict[str, float] = {}
         for part in (body.split(",") if body and body.strip() else []):
-            key, eq, value = part.partition("=")
+            key, eq, text = part.partition("=")
             key = key.strip()
             try:
                 if not eq or not key.isidentifier():
                     raise ValueError
-                opts[key] = float(value)
+                value = float(text)
             except ValueError:
                 raise ArgumentValueError(f"--reduce {spec!r}: options are option=number pairs separated by commas, "
                                          f"got {part.strip()!r} (e.g. hist[lo=-4,hi=4,bins=32])") from None
+            if key in opts:
+                raise ArgumentValueError(f"--reduce {spec!r}: option {key!r} is given twice; give each option once "
+                                         "(e.g. hist[lo=-4,hi=4,bins=32])")
+            opts[key] = value
         try:
             make_reduction(name, **opts)  # the reduction's own checks of its options, before any capture
         except Exception as e:  # noqa: BLE001 - ReductionError / ValueError: reported as an argument error

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import sys
 import warnings
 from dataclasses import dataclass
@@ -115,12 +116,17 @@ def load_data_spec(spec: str) -> LoadedData:
     A text file's samples are its non-blank lines, stripped; each one's sample id
     (``LoadedData.sample_ids``) is its 0-based line index, so blank and whitespace-only lines
     are skipped without renumbering the lines after them (one ``UserWarning`` says how many
-    were skipped).
+    were skipped). Lines end at ``\\n`` (or ``\\r\\n``) only. A text file is read as UTF-8;
+    one starting with a byte order mark by that mark (UTF-8, UTF-16 or UTF-32, the mark
+    removed); one that is not UTF-8 as latin-1, when it holds no multi-byte UTF-8 character.
 
     Raises
     ------
     SpecError
-        Missing or unreadable file, an empty data set, or a tensor file without a tensor.
+        Missing or unreadable file, an empty data set, or a tensor file without a tensor; a
+        text file mixing UTF-8 with other bytes (naming the line and byte offset), one holding
+        NUL characters (UTF-16 / UTF-32 without a byte order mark), or badly labelled lines
+        (see ``_parse_text_lines``).
     """
     import torch
 
@@ -170,12 +176,8 @@ def load_data_spec(spec: str) -> LoadedData:
         if not isinstance(tensor, torch.Tensor):
             raise SpecError(f"--data {spec!r} must hold one tensor (samples along dim 0), got {type(tensor).__name__}")
     else:
-        try:
-            raw = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError:
-            raw = path.read_text(encoding="latin-1")
-        lines = [line.strip() for line in raw.splitlines() if line.strip()]
-        if not lines:
+        raw = _decode_text(spec, path.read_bytes())
+        if not any(line.strip() for line in _split_lines(raw)):
             raise SpecError(f"--data {spec!r} has no non-empty lines")
         return _parse_text_lines(spec, raw, path.name)
     if tensor.dim() == 0 or tensor.shape[0] == 0:
@@ -186,6 +188,77 @@ def load_data_spec(spec: str) -> LoadedData:
 #: Prefix of a fastText-style label tag: ``__label__<tag> text``.
 LABEL_PREFIX = "__label__"
 
+#: Byte order marks of text files and the codec that decodes a file starting with one
+#: (UTF-32 before UTF-16: the UTF-32-LE mark starts with the UTF-16-LE one).
+_BOMS = ((b"\xef\xbb\xbf", "utf-8-sig"), (b"\xff\xfe\x00\x00", "utf-32"), (b"\x00\x00\xfe\xff", "utf-32"),
+         (b"\xff\xfe", "utf-16"), (b"\xfe\xff", "utf-16"))
+
+#: One well-formed multi-byte UTF-8 character (RFC 3629): a file holding one is meant as UTF-8.
+_UTF8_MULTIBYTE = re.compile(
+    rb"[\xc2-\xdf][\x80-\xbf]|\xe0[\xa0-\xbf][\x80-\xbf]|[\xe1-\xec\xee\xef][\x80-\xbf]{2}"
+    rb"|\xed[\x80-\x9f][\x80-\xbf]|\xf0[\x90-\xbf][\x80-\xbf]{2}|[\xf1-\xf3][\x80-\xbf]{3}"
+    rb"|\xf4[\x80-\x8f][\x80-\xbf]{2}"
+)
+
+
+def _decode_text(spec: str, data: bytes) -> str:
+    """The text of a data file: a file starting with a byte order mark is decoded by it
+    (UTF-8, UTF-16 or UTF-32, the mark removed); otherwise as UTF-8, and a file that is not
+    UTF-8 as latin-1 when it holds no multi-byte UTF-8 character at all (a latin-1 or
+    cp1252 file, such as gensim's ``pang_lee_polarity.cor``).
+
+    Raises
+    ------
+    SpecError
+        The bytes do not decode by the file's byte order mark; a file not UTF-8 that holds
+        UTF-8 characters too (mixed encodings: the message names the line and byte offset
+        of the first byte that is not UTF-8); a text holding NUL characters (UTF-16 / UTF-32
+        without a byte order mark, or a binary file).
+    """
+    fix = "save the file as UTF-8 (e.g. iconv -f <its encoding> -t utf-8)"
+    codec = next((c for bom, c in _BOMS if data.startswith(bom)), None)
+    if codec is not None:
+        try:
+            return _no_nul(spec, data.decode(codec), fix)
+        except UnicodeDecodeError as e:
+            name = codec.replace("-sig", "")
+            at = e.start + (3 if codec == "utf-8-sig" else 0)  # utf-8-sig counts after its mark
+            raise SpecError(f"--data {spec!r} starts with the {name} byte order mark but is not {name} "
+                            f"(byte offset {at}: {e.reason}); {fix}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if b"\x00" not in data and _UTF8_MULTIBYTE.search(data):
+            line = data.count(b"\n", 0, e.start) + 1
+            raise SpecError(
+                f"--data {spec!r} mixes encodings: it holds UTF-8 characters, but line {line} (byte offset "
+                f"{e.start}) has the byte {data[e.start:e.start + 1]!r}, which is not UTF-8 (latin-1 is read only "
+                "from a file without UTF-8 characters); write that line's characters in UTF-8"
+            ) from None
+        text = data.decode("latin-1")  # NUL bytes: refused just below
+    return _no_nul(spec, text, fix)
+
+
+def _no_nul(spec: str, text: str, fix: str) -> str:
+    at = text.find("\x00")
+    if at >= 0:
+        line = text.count("\n", 0, at) + 1
+        raise SpecError(
+            f"--data {spec!r} is not a text file of one sample per line: line {line} holds a NUL character "
+            f"(UTF-16 or UTF-32 without a byte order mark, or a binary file); {fix}"
+        )
+    return text
+
+
+def _split_lines(raw: str) -> list[str]:
+    """The lines of a text: split at ``\\n`` only (a trailing ``\\r`` is dropped, so CRLF files
+    read the same); other line-break characters (U+2028, NEL, form feed, vertical tab) stay
+    inside their line, so line numbers are those of ``wc -l`` and editors."""
+    lines = raw.split("\n")
+    if lines[-1] == "":
+        lines.pop()
+    return [line[:-1] if line.endswith("\r") else line for line in lines]
+
 
 def _parse_text_lines(spec: str, raw: str, name: str) -> LoadedData:
     """Samples of a text file, one per non-blank line. When any line starts with a
@@ -193,13 +266,18 @@ def _parse_text_lines(spec: str, raw: str, name: str) -> LoadedData:
     without its prefix) and never part of a text. ``sample_ids`` are the 0-based line
     indices of the samples; one ``UserWarning`` names how many blank lines were skipped.
 
+    Lines are split at ``\\n`` only (a trailing ``\\r`` dropped): U+2028, NEL, form feed or
+    vertical tab inside a line stay part of its text.
+
     Raises
     ------
     SpecError
         Some lines carry a ``__label__`` tag and others do not (the message names the first
-        line without one, 1-based).
+        line without one, 1-based); a line with an empty tag (``__label__ text``); a line
+        starting with more than one tag (``__label__a __label__b text``: one label per
+        sample).
     """
-    all_lines = raw.splitlines()
+    all_lines = _split_lines(raw)
     numbered = [(i, line.strip()) for i, line in enumerate(all_lines) if line.strip()]
     ids = [i for i, _ in numbered]
     tagged = [line.startswith(LABEL_PREFIX) for _, line in numbered]
@@ -219,8 +297,17 @@ def _parse_text_lines(spec: str, raw: str, name: str) -> LoadedData:
     if not any(tagged):
         return LoadedData(texts=[line for _, line in numbered], name=name, sample_ids=ids)
     labels, texts = [], []
-    for _, line in numbered:
+    for i, line in numbered:
         tag, *text = line.split(maxsplit=1)
+        if tag == LABEL_PREFIX:
+            raise SpecError(f"--data {spec!r}: line {i + 1} has an empty tag {LABEL_PREFIX!r}; write "
+                            f"'{LABEL_PREFIX}<tag> text' with a tag, e.g. {LABEL_PREFIX}pos")
+        if text and text[0].startswith(LABEL_PREFIX):
+            tags = [tag, *(w for w in text[0].split() if w.startswith(LABEL_PREFIX))][:3]
+            raise SpecError(
+                f"--data {spec!r}: line {i + 1} has more than one label tag ({' '.join(tags)} ...); one label "
+                f"per sample is supported: keep one {LABEL_PREFIX} tag per line"
+            )
         labels.append(tag[len(LABEL_PREFIX):])
         texts.append(text[0] if text else "")
     return LoadedData(texts=texts, labels=labels, name=name, sample_ids=ids)

@@ -44,12 +44,10 @@ class CLIError(ActivationScopeError):
 # ---------------------------------------------------------------------------- parser
 
 
-def _csv(value: str) -> list[str]:
-    return [v.strip() for v in value.split(",") if v.strip()]
-
-
 def _specs(value: str) -> list[str]:
-    """Comma separated, commas inside brackets kept: ``mean,hist[lo=-4,hi=4]``."""
+    """Comma separated, commas inside brackets kept: ``mean,hist[lo=-4,hi=4]``, ``d.a[1,2],b``
+    (the splitting of every comma separated option: --reduce, --include, --exclude,
+    --sample-rows, --token-rows)."""
     out, depth, cur = [], 0, []
     for ch in value:
         depth += (ch == "[") - (ch == "]")
@@ -89,6 +87,17 @@ def _positive(value: str) -> int:
     return n
 
 
+def _folds(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 2:
+        raise argparse.ArgumentTypeError(f"must be an int of at least 2 (folds of the probe's cross-validation), "
+                                         f"got {value!r}")
+    return n
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``activationscope`` command."""
     # --debug goes before or after the command: the subcommands' copy must not reset the
@@ -122,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--corpus", action="store_true",
                    help="also capture the 300 unlabelled Lee news articles (label -1; not used by the probe)")
     p.add_argument("--batch-size", type=int, default=32, help="sentences per forward (default: %(default)s)")
-    p.add_argument("--folds", type=int, default=5, help="cross-validation folds of the probe (default: %(default)s)")
+    p.add_argument("--folds", type=_folds, default=5, help="cross-validation folds of the probe (default: %(default)s)")
     p.add_argument("--max-samples", type=int, default=None,
                    help="use this many labelled sentences, evenly spaced over both classes (quick run)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -218,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hook points or fnmatch patterns to show (default: all)")
     p.add_argument("--label-column", default=None,
                    help="row-table column with labels for the probes (default: 'label' when the store has one)")
-    p.add_argument("--folds", type=int, default=5, help="cross-validation folds of the probe (default: %(default)s)")
+    p.add_argument("--folds", type=_folds, default=5, help="cross-validation folds of the probe (default: %(default)s)")
     return parser
 
 
@@ -248,8 +257,41 @@ def main(argv: Sequence[str] | None = None) -> int:
             traceback.print_exc()
         else:
             notes = "".join(f"; {n}" for n in getattr(e, "__notes__", ()))
-            print(f"{PROG} {args.command}: error: {one_line(e)}{notes}", file=sys.stderr)
+            print(f"{PROG} {args.command}: error: {_cli_spelling(one_line(e))}{notes}", file=sys.stderr)
         return 1
+
+
+#: Library advice in Python spelling (keyword arguments, set_batch) and what it is on the
+#: command line; the messages come from the library and its native code, in one line.
+_CLI_SPELLINGS = (
+    ("For sequences of varying length pass attention_mask= to tracker.set_batch() so rows are tokens, or "
+     "exclude this hook point.",
+     "With text of varying length only token rows keep one feature shape: leave it out of --sample-rows, or "
+     "--exclude its module."),
+    ("(pass attention_mask= to tracker.set_batch() for sequences of varying length, or exclude this hook point)",
+     "(with text of varying length only token rows keep one feature shape: leave it out of --sample-rows, or "
+     "--exclude its module)"),
+    ("is set to token rows by token_rows=", "is set to token rows by --token-rows"),
+    ("pass attention_mask= to tracker.set_batch (or rows='token'), or drop the hook point from token_rows=",
+     "token rows are for activations starting with the (batch, pos) of the text's attention mask: leave it out "
+     "of --token-rows"),
+    ("Pass attention_mask= to tracker.set_batch() for every batch.",
+     "Token rows need text data (the tokenizer's attention mask): leave it out of --token-rows."),
+    ("pass drop_last=True", "pass --drop-last"),
+    ("with drop_last=True", "with --drop-last"),
+    ("pass a context_size of", "pass a --context-size of"),
+    ("another context_size", "another --context-size"),
+    ("context_size=", "--context-size "),
+    ("n_folds must", "--folds must"),
+)
+
+
+def _cli_spelling(message: str) -> str:
+    """``message`` with the library's Python spellings (``drop_last=True``,
+    ``tracker.set_batch(attention_mask=...)``, ``n_folds``) replaced by the command line's."""
+    for python, cli in _CLI_SPELLINGS:
+        message = message.replace(python, cli)
+    return message
 
 
 #: Arguments that name local paths (stores, outputs, data files, model folders): a leading
@@ -286,7 +328,7 @@ def _patterns(values: list[str] | None) -> list[str] | None:
         return None
     out: list[str] = []
     for v in values:
-        out.extend(_csv(v))
+        out.extend(_specs(v))
     return out or None
 
 
@@ -430,6 +472,9 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise CLIError(f"--out {args.out!r}: folder {str(out.parent)!r} does not exist")
     if args.context_size is not None and args.format != "hf":
         raise CLIError(f"--context-size applies to --format hf only, got --format {args.format}")
+    if args.drop_last and args.context_size is None:
+        raise CLIError("--drop-last applies with --context-size only (--format hf): pass --context-size N, or "
+                       "leave out --drop-last")
     if args.format == "hf":
         data.export_hf(store, args.out, hook_points=hook_points, context_size=args.context_size,
                        drop_last=args.drop_last)
