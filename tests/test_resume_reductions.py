@@ -235,3 +235,33 @@ def test_a_resume_with_a_reductions_pattern_that_selects_nothing_leaves_the_stor
     s = open_store(path)
     assert s.status == "complete" and s.n_samples == 16
     torch.testing.assert_close(s.reductions["0.output"]["mean"], _ref_rows(model, xs[:2]).mean(0))
+
+
+@pytest.mark.parametrize("more_rows", [False, True])
+def test_a_resume_that_changes_a_reductions_shape_or_kind_leaves_no_old_array(tmp_path, more_rows):
+    """A resumed reduction whose results have another shape (``per_feature=0``: another
+    chunk layout) or another kind under the same name: the old arrays are removed, the new
+    ones written, the store complete and verified, the values those of every stored row."""
+    import zarr
+
+    model, path = _model(), tmp_path / "s.zarr"
+    xs = _batches(4)
+    _run(model, path, xs[:2], [("m", "mean"), ("h", "hist", {"lo": -1, "hi": 1, "bins": 4}), ("c", "cov")])
+    node = path / "reductions" / "0.output"
+    assert (node / "h.counts").is_dir() and (node / "m" / "c" / "0").is_file()
+    _run(model, path, xs[2:] if more_rows else [],
+         [("m", "mean", {"per_feature": False}), ("h", "mean"), ("c", "cov", {"ddof": 1})], resume=True)
+    store = open_store(path)
+    assert store.status == "complete" and store.verify() == []
+    x = store["0.output"].double()
+    assert x.shape[0] == 8 * (4 if more_rows else 2)
+    r = store.reductions["0.output"]
+    torch.testing.assert_close(r["m"], x.mean(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(r["h"], x.mean(0), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(r["c"], torch.cov(x.T, correction=1), rtol=1e-10, atol=1e-12)
+    on_disk = {p.name for p in node.iterdir() if p.is_dir()}
+    assert not any(n.startswith("h.") and n != "h.count" and not n.startswith("h.state.") for n in on_disk), on_disk
+    assert {"h.counts", "h.edges", "h.underflow", "h.overflow", "h.nan"}.isdisjoint(on_disk)
+    assert (node / "m" / "c").is_file()  # a 0-d result: chunk "c" where the 1-d one had "c/0"
+    group = zarr.open_group(str(path / "reductions" / "0.output"), mode="r")
+    assert set(group.array_keys()) == on_disk

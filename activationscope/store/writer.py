@@ -1093,6 +1093,14 @@ class StoreWriter:
             main = main_result_key(kind, result)
             node = F.node_name(hook_point)
             entries = self._reductions.setdefault(hook_point, {})
+            state_fn = getattr(reduction, "state", None)
+            state = state_fn() if callable(state_fn) else None
+            planned = {f"reductions/{node}/{name if key == main else f'{name}.{key}'}": tuple(torch.as_tensor(v).shape)
+                       for key, v in result.items()}
+            if state and result:
+                planned.update({f"reductions/{node}/{name}.state.{key}": tuple(torch.as_tensor(v).shape)
+                                for key, v in state.items()})
+            self._drop_old_reduction(hook_point, name, planned)
             self._backend.set("reductions/zarr.json", F.dumps(F.group_document()))
             self._backend.set(f"reductions/{node}/zarr.json", F.dumps(F.group_document({F.ATTRS_KEY: {"hook_point": hook_point}})))
             for key, value in result.items():
@@ -1113,8 +1121,6 @@ class StoreWriter:
                                  "crc32c": crcs}
                 if n_rows is not None:
                     entries[full]["n_rows"] = int(n_rows)
-            state_fn = getattr(reduction, "state", None)
-            state = state_fn() if callable(state_fn) else None
             if state and result:
                 # the state is listed on the main entry (or the first one when there is no main)
                 owner = entries[name] if name in entries else entries[f"{name}.{next(iter(result))}"]
@@ -1151,6 +1157,35 @@ class StoreWriter:
                 if name in entries:
                     entries[name]["script"] = key
                     entries[name].setdefault("crc32c", {})[key] = F.crc32c(data)
+
+    def _drop_old_reduction(self, hook_point: str, name: str, planned: Mapping[str, tuple[int, ...]]) -> None:
+        """Remove the arrays of reduction ``name`` of ``hook_point`` that an earlier run (or
+        an earlier write of this one) stored and that the write about to happen does not
+        overwrite in place: results and states it will not write (a reduction resumed as
+        another kind), and those of another shape (another chunk layout: ``c/0/0`` against
+        ``c/0``). ``planned``: ``{array path: shape}`` of the write. Paths come from this
+        store's own listing of reductions and stay under ``reductions/``."""
+        old_entries = [e for entries in (self._old_reductions.get(hook_point, {}), self._reductions.get(hook_point, {}))
+                       for e in entries.values() if isinstance(e, dict) and e.get("reduction") == name]
+        stale: list[str] = []
+        for e in old_entries:
+            arrays = [(e.get("path"), e.get("shape"))]
+            arrays += [(st.get("path"), st.get("shape")) for st in (e.get("state") or {}).values()
+                       if isinstance(st, dict)]
+            for path, shape in arrays:
+                if not isinstance(path, str) or not path.startswith("reductions/") or ".." in path.split("/"):
+                    continue
+                if path not in planned or tuple(shape or ()) != planned[path]:
+                    stale.append(path)
+        for path in dict.fromkeys(stale):
+            for key in list(self._backend.list(path + "/")):
+                self._backend.delete(key)
+            if isinstance(self._backend, LocalBackend):  # folders left empty (c/0 against a file c/0)
+                base = self._backend.path(path)
+                if base.is_dir():
+                    for dirpath, _dirs, _files in os.walk(base, topdown=False):  # never follows a link
+                        if not os.listdir(dirpath):
+                            os.rmdir(dirpath)
 
     #: Whether :meth:`add_alias` is available (a capture stores repeated tensors once).
     supports_aliases: bool = True
