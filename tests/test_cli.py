@@ -500,9 +500,11 @@ def test_reissued_warnings_keep_category_and_place():
         warnings.warn("plain", UserWarning)
         warnings.warn("set_batch(attention_mask=...) of shape (2, 5) (batch, pos) matches no tracked hook point: no "
                       "activation starts with it ({'a.output': (2, 3)}), so ...", CaptureWarning)
+    shown: set = set()
     with warnings.catch_warnings(record=True) as again:
         warnings.simplefilter("always")
-        capture_run._reissue(caught, {})
+        capture_run._reissue(caught, shown)
+        capture_run._reissue(caught, shown)  # the same warnings in the next forward: not shown again
     assert [w.category for w in again] == [UserWarning, CaptureWarning]
     assert str(again[0].message) == "plain" and again[0].filename == caught[0].filename
     assert again[0].lineno == caught[0].lineno

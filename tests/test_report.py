@@ -497,6 +497,11 @@ def test_probe_refuses_bool_labels_mixed_with_ints():
     for call in (lambda: probe_accuracy(x, mixed, n_folds=2), lambda: choose_folds(mixed, 2)):
         with pytest.raises(ArgumentValueError, match=r"labels must be all bools or no bools, got bool True and int 0"):
             call()
+    import numpy as np
+
+    np_mixed = [np.True_ if v == 1 and i % 4 == 1 else v for i, v in enumerate(labels)]  # numpy bools too
+    with pytest.raises(ArgumentValueError, match=r"labels must be all bools or no bools"):
+        probe_accuracy(x, np_mixed, n_folds=2)
     as_bools = probe_accuracy(x, [bool(v) for v in labels], n_folds=5)
     as_ints = probe_accuracy(x, labels, n_folds=5)
     assert as_bools.fold_accuracies == as_ints.fold_accuracies and as_bools.n_classes == 2

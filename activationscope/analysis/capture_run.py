@@ -104,7 +104,7 @@ def run_capture(
     bar = tqdm(total=n_total, unit="samples", desc=desc, disable=not progress, dynamic_ncols=True,
                file=sys.stderr, leave=True)
     start = time.perf_counter()
-    registry: dict[Any, Any] = {}  # of the warnings raised in forwards, shown as once per place
+    registry: set[Any] = set()  # the warnings raised in forwards already shown: once per text and place
     try:
         with torch.inference_mode(), tracker:
             for first, inputs, info in batches:
@@ -171,7 +171,7 @@ _MASK_WARNING = re.compile(r"set_batch\(attention_mask=\.\.\.\) of shape (\(.*?\
                            r"hook point: no activation starts with it \((\{.*\})\)")
 
 
-def _reissue(caught: Sequence[warnings.WarningMessage], registry: dict[Any, Any]) -> None:
+def _reissue(caught: Sequence[warnings.WarningMessage], registry: set[Any]) -> None:
     """Show the warnings ``caught`` during a forward as they were raised (same category and
     place), the mask warning of the tracker in the words of ``capture``."""
     from ..errors import CaptureWarning
@@ -187,7 +187,11 @@ def _reissue(caught: Sequence[warnings.WarningMessage], registry: dict[Any, Any]
                 "--sample-rows PATTERN to confirm one row per sample (this silences the warning), or track hook "
                 "points whose activations start with (batch, pos) for token rows"
             )
-        warnings.warn_explicit(message, w.category, w.filename, w.lineno, registry=registry)
+        key = (str(message), w.category, w.filename, w.lineno)
+        if key in registry:  # warnings' own registry is reset by every catch_warnings of a forward
+            continue
+        registry.add(key)
+        warnings.warn_explicit(message, w.category, w.filename, w.lineno)
 
 
 def _check_token_rows(token_rows: Any, hook_points: Sequence[str]) -> None:
@@ -368,6 +372,7 @@ def capture_dataset(
     first = resume_offset(out) if resume else 0
     if resume and first >= n:  # the store writer, which checks the model, is not opened when nothing is left
         _check_resumed_model(out, loaded.model)
+        _check_resumed_side(out, capture)
         if len(dataset) < first:
             raise ArgumentValueError(
                 f"--resume: store {out!r} holds {first} samples, but --data {data!r} has only {len(dataset)}, so it is "
@@ -413,6 +418,22 @@ def _check_resumed_model(out: str, model: Any) -> None:
 
     if isinstance(model, torch.nn.Module):
         check_same_model(out, open_store(out).attrs, model_identity(model))
+
+
+def _check_resumed_side(out: str, capture: str) -> None:
+    """A resume with nothing left to capture runs no forward, so a ``--capture`` that would
+    give other hook points is found from the store's recorded capture settings: refused
+    (CaptureError, nothing changed) when they differ."""
+    from ..errors import CaptureError
+    from ..store import open_store
+
+    config = open_store(out).attrs.get("capture_config")
+    stored = config.get("capture") if isinstance(config, dict) else None
+    if isinstance(stored, str) and stored != capture:
+        raise CaptureError(
+            f"--resume: store {out!r} was captured with --capture {stored}, this run asks for --capture {capture}, "
+            f"which gives other hook points; resume with --capture {stored}, or pass --overwrite instead of "
+            "--resume to capture anew (nothing was changed)")
 
 
 def _check_full_resume(out: str, model: Any, *, include: list[str] | None, exclude: list[str] | None,

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..errors import ArgumentValueError
@@ -84,7 +85,7 @@ def choose_folds(labels: Sequence[Any], n_folds: int) -> tuple[int, str]:
 
 
 def _is_bool(v: Any) -> bool:
-    return isinstance(v, bool) or type(v).__name__ == "bool_"  # numpy bools too
+    return isinstance(v, (bool, np.bool_))  # numpy bools too (np.True_ is not a bool)
 
 
 def _check_label_types(labels: Sequence[Any]) -> None:

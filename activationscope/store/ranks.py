@@ -564,6 +564,10 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
             raise StoreError(f"rank {r} store {st.path!r} is {st.status!r}: resume that rank (resume=True) so it "
                              "completes, then commit")
     _check_rank_world_sizes(b, stores, expected)
+    for st in stores:
+        if not isinstance(st.attrs.get("model") or {}, dict):
+            raise StoreCorruptError(f"rank store {st.path!r}: the model record of its zarr.json is not a JSON object; "
+                                    "the rank store is damaged: capture that rank again; nothing was written")
     model = _check_same(stores, "the model (class, state dict sha256)",
                         lambda s: (s.attrs.get("model") or {}).get("state_dict_sha256"))
     del model

@@ -208,7 +208,8 @@ def _files(path):
 @pytest.mark.parametrize("options, error, match", [
     ({"dtype": "bfloat16"}, CaptureError, r"stored with storage_dtype=None.*this capture has storage_dtype=torch.bfloat16"),
     ({"include": ["0"]}, CaptureError, r"it holds \['1.output', '2.output'\] which this capture does not give"),
-    ({"capture": "input"}, CaptureError, r"other hook points than it holds"),
+    ({"capture": "input"}, CaptureError, r"captured with --capture output, this run asks for --capture input"),
+    ({"capture": "both"}, CaptureError, r"captured with --capture output, this run asks for --capture both"),
 ])
 def test_a_resume_of_a_full_store_is_checked_as_an_incomplete_one(nets, tmp_path, reductions, options, error, match):
     """Nothing left to capture is no reason to accept another dtype or other hook points:

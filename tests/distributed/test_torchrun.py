@@ -518,6 +518,22 @@ def test_consolidate_names_a_malformed_rank_manifest(tmp_path, capsys):
     assert _tree(store) == before and acs.open_store(store).status != "complete"
 
 
+def test_consolidate_names_a_rank_store_whose_model_record_is_not_an_object(tmp_path, capsys):
+    from activationscope import cli
+
+    store = tmp_path / "s.zarr"
+    _small_rank_stores(store)
+    root = store / "ranks" / "00001" / "zarr.json"
+    doc = json.loads(root.read_text())
+    doc["attributes"]["activationscope"]["model"] = "x"
+    root.write_text(json.dumps(doc))
+    before = _tree(store)
+    assert cli.main(["consolidate", str(store)]) == 1
+    err = capsys.readouterr().err
+    assert "model record of its zarr.json is not a JSON object" in err and str(store / "ranks" / "00001") in err, err
+    assert "AttributeError" not in err and _tree(store) == before
+
+
 def commit_ranks_(store):
     from activationscope.store.ranks import commit_ranks
 
