@@ -29,6 +29,7 @@ import torch
 
 from ..errors import ArgumentValueError
 from ..sizes import format_bytes
+from ..store._backend import relation_to_store
 from .pca import explained_variance_ratio
 __all__ = ["HookPointStats", "hook_point_stats", "write_report"]
 
@@ -494,14 +495,11 @@ def write_report(
                 f"label_column {label_column!r} is not a column of the store's row tables; they have {columns}"
             )
     out = Path(out_dir)
-    root = getattr(store, "path", None)
-    if isinstance(root, str) and "://" not in root and os.path.isdir(root):
-        inside = out.resolve()
-        if inside == Path(root).resolve() or Path(root).resolve() in inside.parents:
-            raise ArgumentValueError(
-                f"out_dir {str(out_dir)!r} is inside the store {root!r}: the report would write its files among "
-                "the store's; give a folder outside the store"
-            )
+    if relation_to_store(out, store) == "inside":
+        raise ArgumentValueError(
+            f"out_dir {str(out_dir)!r} is inside the store {store.path!r}: the report would write its files among "
+            "the store's; give a folder outside the store"
+        )
     out.mkdir(parents=True, exist_ok=True)
     for stale in [*out.glob("hp_*.png"), out / "probes.png"]:  # plots of an earlier report here
         stale.unlink(missing_ok=True)

@@ -43,6 +43,7 @@ import pyarrow.parquet as pq
 import torch
 
 from ..errors import ActivationScopeError, ArgumentValueError, ColumnNotFoundError
+from ..store._backend import relation_to_store
 from ._source import as_source
 from .dataset import ActivationDataset, select_hook_points
 
@@ -247,12 +248,9 @@ def _refuse_inside_store(path: Path, ds: ActivationDataset, folders: bool = True
     ``folders`` a folder holding it): writing or replacing it would change or destroy the
     store's files. A one-file export leaves the folders to :func:`_check_out`."""
     store = getattr(ds.source, "store", None)
-    root = getattr(store, "path", None)
-    if not isinstance(root, str) or "://" in root or not os.path.isdir(root):
-        return
-    root_p, out = Path(root).resolve(), path.resolve()
-    if out == root_p or root_p in out.parents or (folders and out in root_p.parents):
-        where = "holds the store" if out in root_p.parents else "is inside the store"
+    rel = relation_to_store(path, store)
+    if rel == "inside" or (folders and rel == "holds"):
+        where, root = ("holds the store" if rel == "holds" else "is inside the store"), store.path
         raise ArgumentValueError(
             f"export path {str(path)!r} {where} {root!r} being exported: the export would write among, replace or "
             "remove the store's files (overwrite does not allow it); give a path outside the store"

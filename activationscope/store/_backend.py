@@ -107,6 +107,20 @@ def _inside(real: str, root_real: str) -> bool:
     return real == root_real or real.startswith(root_real.rstrip(os.sep) + os.sep)
 
 
+def relation_to_store(path: str | os.PathLike, store: Any) -> str | None:
+    """Where ``path`` lies against the local store ``store`` (an object with ``path``, the
+    store's folder), symlinks resolved: ``"inside"`` (the store itself or a path in it),
+    ``"holds"`` (a folder above it), or None (elsewhere, or a store not in a local folder).
+    Used to refuse outputs that would write among a store's files."""
+    root = getattr(store, "path", None)
+    if not isinstance(root, str) or "://" in root or not os.path.isdir(root):
+        return None
+    root_p, out = Path(root).resolve(), Path(path).resolve()
+    if out == root_p or root_p in out.parents:
+        return "inside"
+    return "holds" if out in root_p.parents else None
+
+
 #: The name of the temporary file that :meth:`LocalBackend.set` and :meth:`LocalBackend.reserve`
 #: write a key's new bytes to before renaming it to the key: ``.<name>.<8 lowercase hex>.tmp``,
 #: next to the key.
