@@ -306,6 +306,9 @@ def _int64_items(items: Iterable[Any]) -> list[int]:
     return out
 
 
+_NO_BOOLS = frozenset({int, np.int64, np.int32, np.int16, np.int8, np.uint8, np.uint16, np.uint32})
+
+
 def _as_index(x: Any, what: str, n: int, unit: str, kinds: str) -> torch.Tensor:
     """An index as a CPU tensor, with its dtype as given (ints, bools or floats, any number
     of dimensions, for the caller's checks); an empty list or tuple is an empty int64 index
@@ -329,6 +332,8 @@ def _as_index(x: Any, what: str, n: int, unit: str, kinds: str) -> torch.Tensor:
         except (ValueError, TypeError, OverflowError):  # ragged, or an element numpy refuses
             arr = None
         if arr is not None and arr.dtype.kind in "ib":
+            if arr.dtype.kind == "i" and not _NO_BOOLS.issuperset(map(type, x)):
+                return _index_from_items(x, what, n, unit)  # numpy reads True as 1: refused, naming it
             return torch.from_numpy(arr)
         if arr is not None and arr.dtype.kind == "f" and any(isinstance(v, (float, np.floating)) for v in x):
             return torch.from_numpy(arr)  # floats: refused by the caller, with its message
@@ -390,7 +395,7 @@ def _tensor_fix(t: torch.Tensor, what: str) -> str:
     if t.dtype == torch.bool:
         if what == "rows":
             return f"; a bool rows mask must be 1-D with one entry per store row, got shape {tuple(t.shape)}"
-        return "; a bool mask is not a batch index: ds[mask.nonzero().squeeze(1)] reads the rows where it is True"
+        return f"; a bool mask must be 1-D with one entry per dataset row, got shape {tuple(t.shape)}"
     if t.dtype.is_floating_point or t.dtype.is_complex:
         return f"; positions must be ints, got dtype {t.dtype}: convert whole numbers with .long() / .astype(int)"
     if t.dim() != 1:
@@ -763,6 +768,13 @@ class ActivationDataset(Dataset):
             if isinstance(index, str):
                 raise self._name_index_error(index)
             pos = _as_index(index, "ds[index]: index", n, "dataset rows", _ITEM_KINDS)
+            if pos.dtype == torch.bool and pos.dim() == 1:  # a mask, as in tensor[mask]
+                if pos.shape[0] != n:
+                    raise ArgumentValueError(
+                        f"ds[index]: a bool mask must have one entry per dataset row, shape ({n},), got shape "
+                        f"({pos.shape[0]},); build it over the dataset's rows (e.g. from ds.columns)"
+                    )
+                pos = pos.nonzero().squeeze(1)
             if pos.dtype not in _INT_DTYPES or pos.dim() != 1:
                 raise ArgumentTypeError(
                     f"ds[index]: a batch index must be a 1-D sequence of ints, got {_short(index)}"
@@ -805,9 +817,10 @@ class ActivationDataset(Dataset):
 
         Parameters
         ----------
-        index : slice, range, list or tuple of int, Tensor or ndarray (k,) integer
+        index : slice, range, list or tuple of int, Tensor or ndarray (k,) integer, or bool mask (len(ds),)
             Dataset positions, in ``[-len(ds), len(ds))`` (negative ones count from the
-            end). A slice is clipped to the rows there are, as in Python; a range is its list
+            end); a 1-D bool tensor, ndarray or list with one entry per dataset row reads the
+            rows where it is True, in order (as ``tensor[mask]``). A slice is clipped to the rows there are, as in Python; a range is its list
             of positions and is never clipped. Integer tensors of any device but ``meta`` and
             any integer dtype are taken (uint64 positions of 2**63 and beyond are out of
             range, not wrapped round).
@@ -830,10 +843,11 @@ class ActivationDataset(Dataset):
         ArgumentTypeError
             An index of a kind that selects no rows: a set or frozenset (no order), a str
             (rows are selected by position; the message names the hook points and columns),
-            None, a float or bool, a list holding anything but ints, a bool mask, a float or
-            2-D tensor, a sparse tensor. A TypeError; the message names the index and the fix.
+            None, a float or bool, a list holding anything but ints (a bool among ints
+            included), a float or 2-D tensor, a 2-D bool mask, a sparse tensor. A TypeError; the message names the index and the fix.
         ArgumentValueError
-            An index tensor on the meta device (it holds no values).
+            An index tensor on the meta device (it holds no values); a bool mask whose
+            length is not ``len(ds)``.
         RowIndexError
             A position outside ``[-len(ds), len(ds))`` (also ints beyond int64, and a range
             past the end); the message names the first such position. An IndexError.

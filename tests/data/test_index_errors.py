@@ -69,7 +69,7 @@ WRONG_KIND = [
     ([1.5, 2.0], r"a batch index must be a 1-D sequence of ints, got \[1\.5, 2\.0\]; positions must be ints"),
     (torch.tensor([[1, 2]]), r"a batch index must be a 1-D sequence of ints, got a torch\.int64 Tensor of shape "
                              r"\(1, 2\) on cpu; the index must be 1-D, got shape \(1, 2\): flatten it with \.reshape\(-1\)"),
-    (torch.tensor([True, False]), r"a bool mask is not a batch index: ds\[mask\.nonzero\(\)\.squeeze\(1\)\]"),
+    (torch.ones(2, 3, dtype=torch.bool), r"a bool mask must be 1-D with one entry per dataset row, got shape \(2, 3\)"),
     (torch.tensor([1.0]), r"positions must be ints, got dtype torch\.float32: convert whole numbers with \.long\(\)"),
     (np.array([1.5]), r"positions must be ints, got dtype torch\.float64"),
     (np.array(["x"]), r"ds\[index\]: index must be an int .* got array\(\['x'\]"),
@@ -265,3 +265,29 @@ def test_rows_not_taken_are_our_errors_naming_rows(data, rows, error, message):
     path, _ = data
     with pytest.raises(error, match=message):
         _make(path, rows)
+
+
+@pytest.mark.parametrize("kind", ["torch", "numpy", "list"])
+def test_a_bool_mask_over_the_dataset_reads_the_rows_where_it_is_true(ds, data, kind):
+    _, a = data
+    mask = torch.zeros(N, dtype=torch.bool)
+    mask[[3, 7, 8, 250]] = True
+    index = {"torch": mask, "numpy": mask.numpy(), "list": mask.tolist()}[kind]
+    got = ds[index]
+    assert torch.equal(got["a"], a[mask]) and got["a"].shape == (4, 2)
+    assert got["label"].tolist() == [3 % 3, 7 % 3, 8 % 3, 250 % 3]
+    assert torch.equal(ds.get_batch(index)["a"], a[[3, 7, 8, 250]])
+    assert ds[torch.zeros(N, dtype=torch.bool)]["a"].shape == (0, 2)
+
+
+@pytest.mark.parametrize("length", [0, 2, N - 1, N + 1])
+def test_a_bool_mask_of_another_length_than_the_dataset_is_refused(ds, length):
+    with pytest.raises(ArgumentValueError, match=rf"ds\[index\]: a bool mask must have one entry per dataset "
+                                                 rf"row, shape \({N},\), got shape \({length},\)"):
+        ds[torch.ones(length, dtype=torch.bool)]
+
+
+@pytest.mark.parametrize("index, at", [([True, 1], 0), ([1, True], 1), ((0, False), 1), ([2, np.bool_(True)], 1)])
+def test_a_bool_among_ints_is_refused_not_read_as_position_one(ds, index, at):
+    with pytest.raises(ArgumentTypeError, match=rf"got (np\.)?(True|False)_? \(bool\) at element {at}"):
+        ds[index]

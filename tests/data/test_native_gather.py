@@ -130,7 +130,10 @@ def test_indexes_the_native_path_does_not_take_get_the_general_answer(data, monk
     assert torch.equal(ds[torch.tensor([4, 2], dtype=torch.int32)]["b"], ref["b"][[4, 2]])
     assert ds[[]]["b"].shape == (0, 5)
     with pytest.raises(ArgumentTypeError):
-        ds[[True, False]]
+        ds[[True, 1]]  # a bool among ints
+    mask = [False] * len(ds)
+    mask[4] = mask[2] = True
+    assert torch.equal(ds[mask]["b"], ref["b"][[2, 4]])  # a mask over the dataset's rows
     with pytest.raises(ArgumentTypeError):
         ds[[1.5, 2.0]]
     with pytest.raises(RowIndexError):
