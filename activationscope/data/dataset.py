@@ -478,7 +478,8 @@ class ActivationDataset(Dataset):
         Hook points to read; fnmatch patterns allowed (``"blocks.*.output"``); a pattern
         equal to a hook point selects that hook point only. Default: every hook point of
         the store. All must have the same row kind (``"sample"`` or
-        ``"token"``) and the same number of rows.
+        ``"token"``) and the same number of rows; a hook point whose rows do not follow the
+        row table (``store.follows_row_table(hp)`` False) must be alone (ArgumentValueError).
     rows : slice, range, sequence of int, Tensor / ndarray (k,) integer or bool mask (n_rows,), optional
         Store rows to use (before ``filter`` / ``sample_ids``), in the order given. Default:
         all rows. A slice is clipped to the rows there are, as Python slices are
@@ -590,6 +591,13 @@ class ActivationDataset(Dataset):
                 "hook points of one ActivationDataset must have the same row kind, got "
                 + ", ".join(f"{hp!r}: {k}" for hp, k in kinds.items())
                 + "; make one dataset per row kind"
+            )
+        lost = [hp for hp in self.hook_points if not self.source.follows_row_table(hp)]
+        if lost and len(self.hook_points) > 1:
+            raise ArgumentValueError(
+                f"hook points {lost} of {self.source.describe()} do not follow the row table (store.follows_row_table() "
+                "is False: captured from a later forward on), so their row i is not row i of the other hook points "
+                f"{[hp for hp in self.hook_points if hp not in lost]}; make a dataset of each of them alone"
             )
         counts = {hp: self.source.n_rows(hp) for hp in self.hook_points}
         if len(set(counts.values())) > 1:

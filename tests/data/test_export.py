@@ -291,3 +291,18 @@ def test_an_export_into_the_store_it_reads_is_refused_and_the_store_is_unchanged
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ex.zarr"]
     torch.testing.assert_close(read_arrow(export_arrow(str(root), tmp_path / "ok.arrow"))["0.output"],
                                acs.open_store(str(root))["0.output"])
+
+
+@pytest.mark.parametrize("equal_counts", [False, True])
+def test_a_dataset_refuses_a_hook_point_off_the_row_table_next_to_others(late_store, monkeypatch, equal_counts):
+    from activationscope.data import _source
+
+    path, _, want_b = late_store
+    if equal_counts:  # row i of each would be paired though row i is not the same sample's
+        monkeypatch.setattr(_source.StoreSource, "n_rows", lambda self, hp: 8)
+    with pytest.raises(ArgumentValueError, match=r"hook points \['b.output'\] of .* do not follow the row table .*"
+                                                 r"not row i of the other hook points \['a.output'\]; make a dataset "
+                                                 r"of each of them alone"):
+        ActivationDataset(path, hook_points=["a.output", "b.output"])
+    monkeypatch.undo()
+    assert torch.equal(ActivationDataset(path, hook_points="b.output")[:]["b.output"], want_b)
