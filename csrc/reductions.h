@@ -29,6 +29,11 @@ class Reduction {
   // from one thread at a time. row_offset: global row index of rows[0] (top-k row ids).
   virtual void update(const at::Tensor& rows, int64_t row_offset) = 0;
 
+  // Throw now what update() would throw for these rows on its own checks (dtype, feature
+  // shape), changing nothing: update_reductions checks every reduction of a hook point
+  // before it updates any, so a refused batch leaves none of them half updated.
+  virtual void check(const at::Tensor& /*rows*/) const {}
+
   // Fold another reduction of the same kind and options into this one (Chan et al. for
   // moments). Throws c10::Error (TORCH_CHECK) when kinds or options differ.
   virtual void merge(const Reduction& other) = 0;
@@ -61,7 +66,8 @@ std::shared_ptr<Reduction> make_script_reduction(const std::string& pt_path,
 // std / min / max / absmax (per feature) on a contiguous CPU batch share one pass for the
 // batch sums and extrema and one for the centred squares, instead of a pass each; results
 // are the same as separate updates (same summation order; extrema are exact). The others,
-// and batches off the fast path, go through update().
+// and batches off the fast path, go through update(). Every reduction's check() runs
+// first: a batch one of them refuses updates none.
 void update_reductions(const std::vector<std::shared_ptr<Reduction>>& reductions, const at::Tensor& rows,
                        int64_t row_offset);
 

@@ -143,6 +143,20 @@ class Builtin : public Reduction {
     per_feature_ = pf == 1;
   }
 
+  void check(const at::Tensor& rows_in) const override {
+    ACS_CHECK(rows_in.defined(), "reduction '", kind_, "' got an undefined tensor");
+    ACS_CHECK(!rows_in.is_complex(), "reduction '", kind_,
+              "' needs real-valued rows, got dtype ", rows_in.scalar_type());
+    if (per_feature_ && has_feat_ && rows_in.dim() >= 1 && rows_in.size(0) > 0) {
+      const auto feat = rows_in.sizes().slice(1);
+      ACS_CHECK(feat == at::IntArrayRef(feat_), "reduction '", kind_,
+                "' (per_feature=1) got rows with feature shape ", shape_str(feat),
+                " after ", shape_str(feat_),
+                "; per-feature statistics need one feature shape (use per_feature=0 for a "
+                "whole-tensor statistic)");
+    }
+  }
+
   void update(const at::Tensor& rows_in, int64_t row_offset) override {
     at::AutoGradMode no_grad(false);
     ACS_CHECK(rows_in.defined(), "reduction '", kind_, "' got an undefined tensor");
@@ -808,6 +822,9 @@ std::vector<std::string> builtin_reduction_kinds() { return kinds(); }
 
 void update_reductions(const std::vector<std::shared_ptr<Reduction>>& reductions, const at::Tensor& rows,
                        int64_t row_offset) {
+  if (reductions.size() >= 2) {
+    for (const auto& r : reductions) r->check(rows);
+  }
   std::vector<Builtin*> fused;
   bool grouped = false;  // every reduction was either updated or put in `fused`
   if (reductions.size() >= 2 && rows.defined()) {

@@ -374,6 +374,17 @@ void Sink::consume(const at::Tensor& x_in, const at::Tensor& token_mask) {
     }
   }
 
+  if (need_rows) {
+    // Reductions first: one that refuses these rows (another feature shape, a custom
+    // reduction that raises) leaves this call without a record, as the other checks do.
+    try {
+      reduce(rows);
+    } catch (...) {
+      --n_calls_;
+      throw;
+    }
+  }
+
   if (options_.keep != Keep::NONE && options_.placement != Placement::DISK) {
     // REFERENCE detects later in-place changes through the version counter; an inference
     // tensor (torch.inference_mode) has none, so it is copied instead: records stay exact.
@@ -403,7 +414,6 @@ void Sink::consume(const at::Tensor& x_in, const at::Tensor& token_mask) {
   }
 
   if (need_rows) {
-    reduce(rows);
     if (writer_) {
       if (!rows.device().is_cpu()) {
         at::Tensor host = at::empty(rows.sizes(), rows.options().device(at::kCPU).pinned_memory(true));

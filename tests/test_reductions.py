@@ -1053,3 +1053,46 @@ def test_a_reductions_pattern_that_selects_nothing_stores_nothing(tmp_path):
     store = acs.open_store(path)
     assert store.status == "incomplete" and store.n_samples == 0 and store.reductions == {}
     assert all(store.n_rows(hp) == 0 for hp in store.hook_points)
+
+
+def test_a_batch_one_reduction_refuses_updates_none_of_the_group(tmp_path):
+    """Every reduction of a hook point checks a batch before any is updated: a custom one
+    listed first keeps its state when a per-feature one after it refuses the rows."""
+    from activationscope.capture import _native
+
+    C = _native.load()
+    path = R.script_reduction(sum_rows, tmp_path / "sum_rows.pt")
+    group = [R.make_reduction(path), *_make_group(["mean", ("hist", {"lo": -1, "hi": 1}), "max"])]
+    x = torch.randn(8, 3)
+    C.update_reductions(group, x)
+    before = [{k: v.clone() for k, v in r.state().items()} for r in group]
+    with pytest.raises(ActivationScopeError, match=r"feature shape \(4,\) after \(3,\)"):
+        C.update_reductions(group, torch.ones(2, 4))
+    for r, b in zip(group, before):
+        st = r.state()
+        assert st.keys() == b.keys() and all(torch.equal(st[k], b[k]) for k in b)
+    torch.testing.assert_close(group[0].result()["value"], x.sum(0))
+
+
+@pytest.mark.parametrize("mode", ["SNAPSHOT", "REFERENCE"])
+def test_a_forward_its_reductions_refuse_keeps_no_record_in_memory(mode):
+    """A hook point whose reduction refuses a forward's rows keeps no record of that forward
+    (the error is raised before anything of the call is kept), so records and reductions
+    still cover the same forwards when the caller catches the error and goes on."""
+    import activationscope as acs
+
+    model = torch.nn.Sequential(torch.nn.Identity()).eval()
+    scope = acs.ActivationScope(capture="output", capture_mode=getattr(acs.CaptureMode, mode),
+                                reductions=["mean", "max"])
+    a, b, c = torch.randn(4, 3), torch.randn(2, 3), torch.ones(2, 5)
+    with torch.no_grad(), pytest.warns(RuntimeWarning, match="raised and the exception was caught"):
+        with scope.track(model) as tr:
+            model(a)
+            with pytest.raises(ActivationScopeError, match=r"feature shape \(5,\) after \(3,\)"):
+                model(c)
+            model(b)
+    recs = tr.activations["0.output"]
+    assert len(recs) == 2 and torch.equal(recs[0], a) and torch.equal(recs[1], b)
+    both = torch.cat([a, b]).double()
+    torch.testing.assert_close(tr.reductions["0.output"]["mean"], both.mean(0))
+    torch.testing.assert_close(tr.reductions["0.output"]["max"], both.amax(0))
