@@ -152,6 +152,8 @@ def test_capture_unknown_reduction(capsys, tmp_path):
     ("mean[", "is not a reduction name or name[option=value,...]"),
     ("median[k=3]", "unknown reduction 'median'"),
     ("hist[lo=-4,hi=4,lo=0]", "--reduce 'hist[lo=-4,hi=4,lo=0]': option 'lo' is given twice"),
+    ("mean[]", "--reduce: 'mean' and 'mean[]' both give a reduction named 'mean'"),
+    ("var,var[ddof=1]", "--reduce: 'var' and 'var[ddof=1]' both give a reduction named 'var'"),
 ])
 def test_capture_reduction_options_are_checked_before_capturing(capsys, tmp_path, spec, msg):
     out = tmp_path / "o.zarr"

@@ -493,7 +493,8 @@ def check_reductions(names: Sequence[str] | None) -> list[Any] | None:
     ------
     ArgumentValueError
         A name that is not in ``BUILTIN_REDUCTIONS``, malformed options, an option given
-        twice (``hist[lo=-4,hi=4,lo=0]``), or options the
+        twice (``hist[lo=-4,hi=4,lo=0]``), a reduction given twice (``var,var[ddof=1]``:
+        both are named ``var``), or options the
         reduction refuses (``hist`` without ``lo`` and ``hi``); the message shows the syntax.
     """
     if not names:
@@ -501,6 +502,7 @@ def check_reductions(names: Sequence[str] | None) -> list[Any] | None:
     from ..capture.reductions import BUILTIN_REDUCTIONS, make_reduction
 
     out: list[Any] = []
+    given: dict[str, str] = {}  # reduction name -> the --reduce item that gave it
     for spec in names:
         m = re.fullmatch(r"\s*([A-Za-z_]\w*)\s*(?:\[(.*)\])?\s*", spec)
         if m is None:
@@ -510,6 +512,12 @@ def check_reductions(names: Sequence[str] | None) -> list[Any] | None:
         if name not in BUILTIN_REDUCTIONS:
             raise ArgumentValueError(
                 f"--reduce: unknown reduction {name!r}; built-in reductions are {list(BUILTIN_REDUCTIONS)}")
+        if name in given:  # a store holds one result per reduction name at a hook point
+            raise ArgumentValueError(
+                f"--reduce: {given[name]!r} and {spec.strip()!r} both give a reduction named {name!r}, and a hook "
+                f"point holds one reduction per name; drop one of them (a second {name} with other options can be "
+                "captured into another store)")
+        given[name] = spec.strip()
         opts: dict[str, float] = {}
         for part in (body.split(",") if body and body.strip() else []):
             key, eq, text = part.partition("=")
