@@ -70,6 +70,24 @@ def test_comma_lists_keep_commas_inside_brackets():
     assert cli._token_rows(args.sample_rows, args.token_rows) == {"p[1,2].output": False, "q": False, "t[3,4]": True}
 
 
+@pytest.mark.parametrize("flag, value, item", [
+    ("--include", "a[0,b", "a[0,b"),
+    ("--exclude", "x,a]0,b", "a]0,b"),
+    ("--sample-rows", "p[1,2].output,q[0,r", "q[0,r"),
+    ("--token-rows", "t[3,4", "t[3,4"),
+])
+def test_comma_list_with_an_unbalanced_bracket_is_refused(capsys, tmp_path, flag, value, item):
+    out = tmp_path / "o.zarr"
+    code, _, err = run(capsys, "capture", "--model", "m:f", "--data", "d.npy", "--out", str(out), flag, value)
+    assert code == 1
+    _one_error_line(err, f"{flag} {item!r} has a '[' or ']' without its pair", f"its own {flag}")
+    assert not out.exists()
+
+
+def test_an_unbalanced_bracket_without_a_comma_stays_one_pattern():
+    assert cli._patterns(["a[0", "b]"]) == ["a[0", "b]"]  # fnmatch reads an unpaired bracket literally
+
+
 def test_resume_and_overwrite_exclude_each_other(capsys):
     code, _, err = run(capsys, "capture", "--model", "m:f", "--data", "d", "--out", "o", "--resume", "--overwrite")
     assert code == 2 and "not allowed with" in err
