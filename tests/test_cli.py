@@ -70,6 +70,24 @@ def test_comma_lists_keep_commas_inside_brackets():
     assert cli._token_rows(args.sample_rows, args.token_rows) == {"p[1,2].output": False, "q": False, "t[3,4]": True}
 
 
+@pytest.mark.parametrize("flag, value, item", [
+    ("--include", "a[0,b", "a[0,b"),
+    ("--exclude", "x,a]0,b", "a]0,b"),
+    ("--sample-rows", "p[1,2].output,q[0,r", "q[0,r"),
+    ("--token-rows", "t[3,4", "t[3,4"),
+])
+def test_comma_list_with_an_unbalanced_bracket_is_refused(capsys, tmp_path, flag, value, item):
+    out = tmp_path / "o.zarr"
+    code, _, err = run(capsys, "capture", "--model", "m:f", "--data", "d.npy", "--out", str(out), flag, value)
+    assert code == 1
+    _one_error_line(err, f"{flag} {item!r} has a '[' or ']' without its pair", f"its own {flag}")
+    assert not out.exists()
+
+
+def test_an_unbalanced_bracket_without_a_comma_stays_one_pattern():
+    assert cli._patterns(["a[0", "b]"]) == ["a[0", "b]"]  # fnmatch reads an unpaired bracket literally
+
+
 def test_resume_and_overwrite_exclude_each_other(capsys):
     code, _, err = run(capsys, "capture", "--model", "m:f", "--data", "d", "--out", "o", "--resume", "--overwrite")
     assert code == 2 and "not allowed with" in err
@@ -152,6 +170,8 @@ def test_capture_unknown_reduction(capsys, tmp_path):
     ("mean[", "is not a reduction name or name[option=value,...]"),
     ("median[k=3]", "unknown reduction 'median'"),
     ("hist[lo=-4,hi=4,lo=0]", "--reduce 'hist[lo=-4,hi=4,lo=0]': option 'lo' is given twice"),
+    ("mean[]", "--reduce: 'mean' and 'mean[]' both give a reduction named 'mean'"),
+    ("var,var[ddof=1]", "--reduce: 'var' and 'var[ddof=1]' both give a reduction named 'var'"),
 ])
 def test_capture_reduction_options_are_checked_before_capturing(capsys, tmp_path, spec, msg):
     out = tmp_path / "o.zarr"
@@ -322,9 +342,9 @@ def test_text_file_whose_first_line_is_unlabelled_is_refused(tmp_path, recwarn):
 
 def test_label_tags_never_reach_the_texts(tmp_path):
     f = tmp_path / "t.txt"
-    f.write_text("__label__neg\tbad  film\n__label__pos great\n__label__x\n")
+    f.write_text("__label__neg\tbad  film\n__label__pos great\n")
     d = specs.load_data_spec(str(f))
-    assert d.texts == ["bad  film", "great", ""] and d.labels == ["neg", "pos", "x"]
+    assert d.texts == ["bad  film", "great"] and d.labels == ["neg", "pos"]
 
 
 def test_capture_refuses_partly_labelled_text(capsys, tmp_path):
@@ -362,6 +382,40 @@ def test_text_lines_end_at_newline_only(tmp_path):
     f.write_bytes(b"alpha\xe2\x80\xa8beta\ngamma\x0cdelta\x0bx\xc2\x85y\x1cz\nlast\n")
     d = specs.load_data_spec(str(f))
     assert d.texts == ["alpha\u2028beta", "gamma\x0cdelta\x0bx\x85y\x1cz", "last"] and d.sample_ids == [0, 1, 2]
+
+
+@pytest.mark.parametrize("labelled", [False, True])
+def test_only_spaces_and_tabs_are_removed_from_a_line_s_ends(tmp_path, labelled):
+    """NEL, U+2028, U+2029, form feed and vertical tab at a line's ends are part of its text;
+    spaces and tabs are not; a line of whitespace only is blank."""
+    ends = ["x\x0c", "\x0by", "z\x85", "\u2028w\u2029"]
+    tag = "__label__a \t" if labelled else ""
+    f = tmp_path / "t.txt"
+    f.write_bytes("".join(f" {tag}{t}\t \n" for t in ends).encode() + "\x0c\u2028\n".encode())
+    with pytest.warns(UserWarning, match="skipped 1 blank line;"):
+        d = specs.load_data_spec(str(f))
+    assert d.texts == ends and d.sample_ids == [0, 1, 2, 3]
+    assert d.labels == (["a"] * 4 if labelled else None)
+
+
+@pytest.mark.parametrize("line", ["__label__pos", "__label__pos  \t", "__label__pos \x0c"])
+def test_a_label_tag_without_text_is_refused(tmp_path, line):
+    f = tmp_path / "t.txt"
+    f.write_bytes(f"__label__neg fine\n\n{line}\n__label__pos ok\n".encode())
+    with pytest.raises(SpecError, match=r"t\.txt.*line 3 has the tag '__label__pos' but no text"):
+        specs.load_data_spec(str(f))
+
+
+@pytest.mark.parametrize("data", [
+    b"one\n\xef\xbb\xbftwo\n",                                   # two UTF-8 files joined
+    b"\xef\xbb\xbfone\ntw\xef\xbb\xbfo\n",
+    "one\n".encode("utf-16") + "two\ufeff\n".encode("utf-16-le"),
+])
+def test_a_byte_order_mark_after_the_start_is_refused(tmp_path, data):
+    f = tmp_path / "t.txt"
+    f.write_bytes(data)
+    with pytest.raises(SpecError, match=r"t\.txt.*line 2 holds a byte order mark \(U\+FEFF\) that is not at the start"):
+        specs.load_data_spec(str(f))
 
 
 def test_a_line_break_character_in_a_labelled_line_stays_in_its_text(tmp_path):

@@ -203,6 +203,24 @@ def test_sample_rows_pattern_matching_nothing_is_refused(failing_module, tmp_pat
     assert store.status == "complete" and store.n_samples == 40 and torch.equal(store["lin.output"], before)
 
 
+@pytest.mark.parametrize("extra", [[], ["--reduce", "mean"]])
+def test_sample_rows_pattern_matching_nothing_is_refused_on_a_full_resume(failing_module, tmp_path, capsys, extra):
+    """Nothing left to capture (no forward runs): the pattern is checked against the stored
+    hook points, and the store is left as it was."""
+    out = tmp_path / "run.zarr"
+    assert _capture(capsys, "good", failing_module, out)[0] == 0
+    before = acs.open_store(str(out))["lin.output"].clone()
+    files = sorted((p.relative_to(out), p.read_bytes()) for p in out.rglob("*") if p.is_file())
+    code, _, err = _capture(capsys, "good", failing_module, out, "--resume", "--sample-rows", "nope", *extra)
+    assert code == 1 and "--sample-rows 'nope' matches no tracked hook point" in err and "[lin.output]" in err
+    assert "token_rows=" not in err
+    assert sorted((p.relative_to(out), p.read_bytes()) for p in out.rglob("*") if p.is_file()) == files
+    store = acs.open_store(str(out))
+    assert store.status == "complete" and store.n_samples == 40 and torch.equal(store["lin.output"], before)
+    code, _, err = _capture(capsys, "good", failing_module, out, "--resume", "--token-rows", "lin.output", *extra)
+    assert code == 0, err
+
+
 def test_token_rows_without_a_mask_is_refused_in_cli_words(failing_module, tmp_path, capsys):
     code, _, err = _capture(capsys, "good", failing_module, tmp_path / "o.zarr", "--token-rows", "lin.output")
     assert code == 1 and "set to token rows by --token-rows" in err and "leave it out of --token-rows" in err

@@ -109,3 +109,54 @@ def test_token_rows_in_memory(tmp_path):
 def test_token_rows_is_validated(bad):
     with pytest.raises(TypeError, match="token_rows must"):
         ActivationScope(token_rows=bad)
+
+
+@pytest.mark.parametrize("store", [False, True])
+def test_a_token_rows_pattern_that_selects_no_hook_point_raises_after_the_first_forward(tmp_path, store):
+    """As a reductions= pattern: HookPointNotFoundError naming the argument, the pattern and
+    the hook points of the first captured forward; no row of the run is stored."""
+    from activationscope import HookPointNotFoundError
+
+    m = Pooled()
+    ids, mask = _inputs()
+    path = tmp_path / "s.zarr"
+    scope = ActivationScope(store=str(path) if store else None, token_rows={"head.output": False, "head": False})
+    forwards = 0
+    with pytest.raises(HookPointNotFoundError) as e:
+        with torch.no_grad(), scope.track(m, include=["emb", "head"]) as tr:
+            tr.set_batch(attention_mask=mask)
+            m(ids)
+            forwards += 1
+    assert forwards == 0  # raised at the end of the first forward, not at the close
+    assert "token_rows= pattern 'head' selects no hook point" in str(e.value)
+    assert "['emb.output', 'head.output']" in str(e.value)
+    assert (e.value.argument, e.value.pattern, e.value.hook_points) == ("token_rows", "head",
+                                                                        ["emb.output", "head.output"])
+    if store:
+        s = open_store(str(path))
+        assert s.n_samples == 0 and all(s.n_rows(hp) == 0 for hp in s.hook_points)
+
+
+def test_a_token_rows_pattern_of_track_is_checked_too():
+    from activationscope import HookPointNotFoundError
+
+    m = Pooled()
+    ids, mask = _inputs()
+    with pytest.raises(HookPointNotFoundError, match="token_rows= pattern 'emb.out' selects no hook point"):
+        with torch.no_grad(), ActivationScope().track(m, include=["emb"], token_rows={"emb.out": True}) as tr:
+            tr.set_batch(attention_mask=mask)
+            m(ids)
+
+
+def test_a_token_rows_pattern_for_a_hook_point_reached_in_a_later_forward_is_accepted():
+    from acs_testing import LateBranch
+
+    model, xs = LateBranch(), [torch.randn(3, 4) for _ in range(2)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # b.output does not follow the row table: warned elsewhere
+        with torch.no_grad(), ActivationScope(token_rows={"b.output": False}).track(model) as tr:
+            model(xs[0], extra=False)
+            model(xs[1])
+    with torch.no_grad():
+        ref = model.b(model.a(xs[1]))
+    torch.testing.assert_close(tr.activations["b.output"][0], ref)

@@ -130,12 +130,6 @@ def run_capture(
                     ) from e
                 summary.n_samples += n
                 summary.n_forwards += 1
-                if summary.n_forwards == 1:
-                    try:
-                        _check_token_rows(token_rows, tracker.hook_points)
-                    except ActivationScopeError as e:
-                        tracker._refused = str(e)  # nothing of this run is committed
-                        raise
                 elapsed = max(time.perf_counter() - start, 1e-9)
                 summary.n_bytes = _written_bytes(tracker, out)
                 bar.set_postfix_str(f"{format_bytes(summary.n_bytes / elapsed)}/s", refresh=False)
@@ -145,6 +139,8 @@ def run_capture(
         # a new store that holds no committed row is removed, so the corrected rerun needs no
         # --overwrite; otherwise it keeps every row committed before the failure
         from ..store import remove_if_empty
+
+        e = _token_rows_flag_error(e, token_rows)
 
         removed = new_store and remove_if_empty(out, remove_folder=not folder_existed)
         tail = (f"no row was committed, so the new store {out} was removed" if removed else
@@ -156,7 +152,7 @@ def run_capture(
         if isinstance(e, CaptureError) and not isinstance(e.__cause__, ActivationScopeError):
             raise CaptureError(f"{e}; {tail}") from e.__cause__
         e.add_note(tail)
-        raise
+        raise e
     finally:
         bar.close()
     summary.reduced_hook_points = list(tracker.reductions)
@@ -194,28 +190,24 @@ def _reissue(caught: Sequence[warnings.WarningMessage], registry: set[Any]) -> N
         warnings.warn_explicit(message, w.category, w.filename, w.lineno)
 
 
-def _check_token_rows(token_rows: Any, hook_points: Sequence[str]) -> None:
-    """Refuse a ``token_rows=`` pattern (``--sample-rows`` / ``--token-rows``) that selects
-    none of the hook points of the first forward, as ``include=`` refuses one.
-
-    Raises
-    ------
-    HookPointNotFoundError
-        Naming the option, the pattern and the tracked hook points.
-    """
-    from ..capture.hooks import pattern_hits
+def _token_rows_flag_error(e: BaseException, token_rows: Any) -> BaseException:
+    """The library's refusal of a ``token_rows=`` pattern that selects no hook point
+    (HookPointNotFoundError with ``argument == "token_rows"``) in the words of the command
+    line, naming ``--sample-rows`` or ``--token-rows``; any other error as it is."""
     from ..errors import HookPointNotFoundError
 
-    if not isinstance(token_rows, dict):
-        return
-    for pattern, token in token_rows.items():
-        if not pattern_hits(pattern, hook_points):
-            shown = ", ".join(hook_points[:8]) + (", ..." if len(hook_points) > 8 else "")
-            option = "--token-rows" if token else "--sample-rows"
-            raise HookPointNotFoundError(
-                f"{option} {pattern!r} matches no tracked hook point; the hook points are [{shown}] (patterns "
-                f"match hook point names, e.g. {hook_points[0] if hook_points else 'layer.0.output'!r})"
-            )
+    if not (isinstance(e, HookPointNotFoundError) and getattr(e, "argument", None) == "token_rows"
+            and isinstance(token_rows, dict) and e.pattern in token_rows):
+        return e
+    option = "--token-rows" if token_rows[e.pattern] else "--sample-rows"
+    hook_points = list(e.hook_points)
+    shown = ", ".join(hook_points[:8]) + (", ..." if len(hook_points) > 8 else "")
+    error = HookPointNotFoundError(
+        f"{option} {e.pattern!r} matches no tracked hook point; the hook points are [{shown}] (patterns match hook "
+        f"point names, e.g. {hook_points[0] if hook_points else 'layer.0.output'!r})")
+    error.argument, error.pattern, error.hook_points = option, e.pattern, hook_points
+    error.__suppress_context__ = True
+    return error.with_traceback(e.__traceback__)
 
 
 def _what_is_kept(out: Any) -> str:
@@ -313,7 +305,8 @@ def capture_dataset(
         The command line, recorded in the store's provenance.
     token_rows : bool or dict of str to bool, optional
         ``ActivationScope(token_rows=...)`` (``--token-rows`` / ``--sample-rows``); each
-        pattern must select a hook point of the first forward.
+        pattern must select a hook point of the first forward (of the store, for a resume
+        with nothing left to capture), else HookPointNotFoundError names the flag.
 
     Returns
     -------
@@ -335,7 +328,9 @@ def capture_dataset(
         ``resume`` with another model, ``dtype`` or hook points than the store's (the store
         is left as it was).
     HookPointNotFoundError
-        A ``token_rows`` pattern that selects no hook point of the first forward.
+        A ``token_rows`` pattern that selects no hook point of the first forward (nor of
+        the store, for a resume with nothing left to capture): worded for ``--sample-rows``
+        / ``--token-rows``, with ``argument`` (the flag), ``pattern`` and ``hook_points``.
 
     Warns
     -----
@@ -381,7 +376,7 @@ def capture_dataset(
     if first >= n and not reductions:
         _check_full_resume(out, loaded.model, include=list(include) if include else loaded.default_include,
                            exclude=list(exclude) if exclude else None, capture=capture,
-                           storage_dtype=getattr(torch, dtype) if dtype else None)
+                           storage_dtype=getattr(torch, dtype) if dtype else None, token_rows=token_rows)
         return CaptureSummary(first_sample=first, n_target=n)
     if first >= n:  # nothing left to capture: the reductions are computed over the stored rows
         batches: Iterable[tuple[int, Any, dict[str, Any]]] = []
@@ -437,19 +432,24 @@ def _check_resumed_side(out: str, capture: str) -> None:
 
 
 def _check_full_resume(out: str, model: Any, *, include: list[str] | None, exclude: list[str] | None,
-                       capture: str, storage_dtype: Any) -> None:
+                       capture: str, storage_dtype: Any, token_rows: Any = None) -> None:
     """The checks of a resume (the writer's model and storage dtype, the tracker's stored hook
     points) for one with nothing left to capture and no reductions, which captures nothing:
     the writer is opened and discarded, so the store is left as it was whatever the outcome
-    (CaptureError when refused)."""
+    (CaptureError when refused; HookPointNotFoundError for a ``token_rows`` pattern that
+    selects none of the stored hook points)."""
     from .. import store as _store  # noqa: F401 - registers the store writer with capture
     from ..capture.scope import ActivationScope
 
     scope = ActivationScope(store=out, store_options={"resume": True}, storage_dtype=storage_dtype, capture=capture)
-    tracker = scope.track(model, include=include, exclude=exclude)
+    tracker = scope.track(model, include=include, exclude=exclude, token_rows=token_rows)
     tracker.attach()  # refused here (the writer discarded) when the store's hook points or dtype differ
     tracker._detach()
     tracker._closed = True
+    try:  # a token_rows= pattern selecting none of the stored hook points: refused (the writer discarded)
+        tracker._check_reduction_patterns(sorted(tracker._stored or ()), "the store holds")
+    except BaseException as e:
+        raise _token_rows_flag_error(e, token_rows) from None
     tracker.writer.discard()
 
 
@@ -493,7 +493,8 @@ def check_reductions(names: Sequence[str] | None) -> list[Any] | None:
     ------
     ArgumentValueError
         A name that is not in ``BUILTIN_REDUCTIONS``, malformed options, an option given
-        twice (``hist[lo=-4,hi=4,lo=0]``), or options the
+        twice (``hist[lo=-4,hi=4,lo=0]``), a reduction given twice (``var,var[ddof=1]``:
+        both are named ``var``), or options the
         reduction refuses (``hist`` without ``lo`` and ``hi``); the message shows the syntax.
     """
     if not names:
@@ -501,6 +502,7 @@ def check_reductions(names: Sequence[str] | None) -> list[Any] | None:
     from ..capture.reductions import BUILTIN_REDUCTIONS, make_reduction
 
     out: list[Any] = []
+    given: dict[str, str] = {}  # reduction name -> the --reduce item that gave it
     for spec in names:
         m = re.fullmatch(r"\s*([A-Za-z_]\w*)\s*(?:\[(.*)\])?\s*", spec)
         if m is None:
@@ -510,6 +512,12 @@ def check_reductions(names: Sequence[str] | None) -> list[Any] | None:
         if name not in BUILTIN_REDUCTIONS:
             raise ArgumentValueError(
                 f"--reduce: unknown reduction {name!r}; built-in reductions are {list(BUILTIN_REDUCTIONS)}")
+        if name in given:  # a store holds one result per reduction name at a hook point
+            raise ArgumentValueError(
+                f"--reduce: {given[name]!r} and {spec.strip()!r} both give a reduction named {name!r}, and a hook "
+                f"point holds one reduction per name; drop one of them (a second {name} with other options can be "
+                "captured into another store)")
+        given[name] = spec.strip()
         opts: dict[str, float] = {}
         for part in (body.split(",") if body and body.strip() else []):
             key, eq, text = part.partition("=")

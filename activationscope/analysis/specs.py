@@ -113,7 +113,8 @@ def _looks_like_text(path: Path) -> bool:
 def load_data_spec(spec: str) -> LoadedData:
     """``demo``, a text file (one sample per line) or a tensor file (.npy / .pt).
 
-    A text file's samples are its non-blank lines, stripped; each one's sample id
+    A text file's samples are its non-blank lines, spaces and tabs at their ends removed
+    (other whitespace, such as NEL, U+2028 or a form feed, is kept); each one's sample id
     (``LoadedData.sample_ids``) is its 0-based line index, so blank and whitespace-only lines
     are skipped without renumbering the lines after them (one ``UserWarning`` says how many
     were skipped). Lines end at ``\\n`` (or ``\\r\\n``) only. A text file is read as UTF-8;
@@ -125,8 +126,8 @@ def load_data_spec(spec: str) -> LoadedData:
     SpecError
         Missing or unreadable file, an empty data set, or a tensor file without a tensor; a
         text file mixing UTF-8 with other bytes (naming the line and byte offset), one holding
-        NUL characters (UTF-16 / UTF-32 without a byte order mark), or badly labelled lines
-        (see ``_parse_text_lines``).
+        NUL characters (UTF-16 / UTF-32 without a byte order mark) or a byte order mark
+        after its start (naming the line), or badly labelled lines (see ``_parse_text_lines``).
     """
     import torch
 
@@ -188,6 +189,11 @@ def load_data_spec(spec: str) -> LoadedData:
 #: Prefix of a fastText-style label tag: ``__label__<tag> text``.
 LABEL_PREFIX = "__label__"
 
+#: What is removed from both ends of a text line (the tag ends at the first of them too):
+#: spaces and tabs only; other whitespace (NEL, U+2028, U+2029, form feed, vertical tab) is
+#: part of the text.
+_SPACES = " \t"
+
 #: Byte order marks of text files and the codec that decodes a file starting with one
 #: (UTF-32 before UTF-16: the UTF-32-LE mark starts with the UTF-16-LE one).
 _BOMS = ((b"\xef\xbb\xbf", "utf-8-sig"), (b"\xff\xfe\x00\x00", "utf-32"), (b"\x00\x00\xfe\xff", "utf-32"),
@@ -213,7 +219,8 @@ def _decode_text(spec: str, data: bytes) -> str:
         The bytes do not decode by the file's byte order mark; a file not UTF-8 that holds
         UTF-8 characters too (mixed encodings: the message names the line and byte offset
         of the first byte that is not UTF-8); a text holding NUL characters (UTF-16 / UTF-32
-        without a byte order mark, or a binary file).
+        without a byte order mark, or a binary file); a byte order mark after the file's
+        start (naming its line).
     """
     fix = "save the file as UTF-8 (e.g. iconv -f <its encoding> -t utf-8)"
     codec = next((c for bom, c in _BOMS if data.startswith(bom)), None)
@@ -240,12 +247,22 @@ def _decode_text(spec: str, data: bytes) -> str:
 
 
 def _no_nul(spec: str, text: str, fix: str) -> str:
+    """``text``, refused when it holds a NUL character or a byte order mark (U+FEFF) after
+    its start (the one at byte 0 is removed by the decoding)."""
     at = text.find("\x00")
     if at >= 0:
         line = text.count("\n", 0, at) + 1
         raise SpecError(
             f"--data {spec!r} is not a text file of one sample per line: line {line} holds a NUL character "
             f"(UTF-16 or UTF-32 without a byte order mark, or a binary file); {fix}"
+        )
+    at = text.find("\ufeff")
+    if at >= 0:
+        line = text.count("\n", 0, at) + 1
+        raise SpecError(
+            f"--data {spec!r}: line {line} holds a byte order mark (U+FEFF) that is not at the start of the file "
+            "(files joined with cat keep the marks of the later ones), so it would be part of a text; remove it "
+            "(e.g. sed -i 's/\\xef\\xbb\\xbf//g' on a UTF-8 file)"
         )
     return text
 
@@ -266,19 +283,21 @@ def _parse_text_lines(spec: str, raw: str, name: str) -> LoadedData:
     without its prefix) and never part of a text. ``sample_ids`` are the 0-based line
     indices of the samples; one ``UserWarning`` names how many blank lines were skipped.
 
-    Lines are split at ``\\n`` only (a trailing ``\\r`` dropped): U+2028, NEL, form feed or
-    vertical tab inside a line stay part of its text.
+    Lines are split at ``\\n`` only (a trailing ``\\r`` dropped), and only spaces and tabs
+    are removed from a line's ends (and separate the tag from the text): U+2028, U+2029, NEL,
+    form feed or vertical tab, inside a line or at its ends, stay part of its text. A line
+    of whitespace only is blank.
 
     Raises
     ------
     SpecError
         Some lines carry a ``__label__`` tag and others do not (the message names the first
         line without one, 1-based); a line with an empty tag (``__label__ text``); a line
-        starting with more than one tag (``__label__a __label__b text``: one label per
-        sample).
+        with a tag and no text (``__label__pos``); a line starting with more than one tag
+        (``__label__a __label__b text``: one label per sample).
     """
     all_lines = _split_lines(raw)
-    numbered = [(i, line.strip()) for i, line in enumerate(all_lines) if line.strip()]
+    numbered = [(i, line.strip(_SPACES)) for i, line in enumerate(all_lines) if line.strip()]
     ids = [i for i, _ in numbered]
     tagged = [line.startswith(LABEL_PREFIX) for _, line in numbered]
     if any(tagged) and not all(tagged):
@@ -298,7 +317,9 @@ def _parse_text_lines(spec: str, raw: str, name: str) -> LoadedData:
         return LoadedData(texts=[line for _, line in numbered], name=name, sample_ids=ids)
     labels, texts = [], []
     for i, line in numbered:
-        tag, *text = line.split(maxsplit=1)
+        tag = re.match(r"[^ \t]*", line).group(0)
+        rest = line[len(tag):].lstrip(_SPACES)
+        text = [rest] if rest.strip() else []  # whitespace only: no text
         if tag == LABEL_PREFIX:
             raise SpecError(f"--data {spec!r}: line {i + 1} has an empty tag {LABEL_PREFIX!r}; write "
                             f"'{LABEL_PREFIX}<tag> text' with a tag, e.g. {LABEL_PREFIX}pos")
@@ -308,6 +329,9 @@ def _parse_text_lines(spec: str, raw: str, name: str) -> LoadedData:
                 f"--data {spec!r}: line {i + 1} has more than one label tag ({' '.join(tags)} ...); one label "
                 f"per sample is supported: keep one {LABEL_PREFIX} tag per line"
             )
+        if not text:
+            raise SpecError(f"--data {spec!r}: line {i + 1} has the tag {tag!r} but no text; write "
+                            f"'{tag} text' with the sample's text, or remove the line")
         labels.append(tag[len(LABEL_PREFIX):])
-        texts.append(text[0] if text else "")
+        texts.append(text[0])
     return LoadedData(texts=texts, labels=labels, name=name, sample_ids=ids)

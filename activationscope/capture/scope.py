@@ -247,7 +247,12 @@ class ActivationScope:
         A bool applies to every hook point. Either way no ambiguity warning is given for the
         hook points it decides. A hook point a pattern sets to True that cannot be token
         rows (its activation does not start with the mask's ``(batch, pos)``, or the forward
-        has no mask) raises :class:`CaptureError`.
+        has no mask) raises :class:`CaptureError`. A pattern that selects no hook point of
+        the first captured forward (nor one a tracked module could give in a later forward;
+        for a resume that captures no forward: none of the stored hook points) raises
+        :class:`HookPointNotFoundError` at the end of that forward (``argument``
+        ``"token_rows"``, ``pattern``, ``hook_points``), as a ``reductions=`` pattern does;
+        no row of the run is stored.
     stop_after_last : bool, default False
         End each captured forward as soon as every tracked hook point of it has been
         captured: the modules after the last hook point (later layers, the unembedding)
@@ -698,6 +703,8 @@ class Tracker:
         silent = self._silent_modules() if exc is None else []
         if self.writer is not None:
             if exc is None:
+                if self._stored and self._n_captured == 0:  # no forward: patterns meet the stored hook points
+                    self._check_reduction_patterns(sorted(self._stored), "the store holds")
                 if self._stored and self._red_factories is not None:
                     self._reduce_stored_only()
                 self._write_reductions()
@@ -1050,27 +1057,36 @@ class Tracker:
                 self._resume_reductions(name, None)
 
     def _check_reduction_patterns(self, hook_points: list[str], source: str) -> None:
-        """A ``reductions=`` pattern that selects none of ``hook_points`` (what ``source``
-        gave) raises HookPointNotFoundError, as an ``include=`` pattern that matches no module
-        does; nothing of this run is committed (a store is left as it was found)."""
+        """A ``reductions=`` or ``token_rows=`` pattern that selects none of ``hook_points``
+        (what ``source`` gave) raises HookPointNotFoundError, as an ``include=`` pattern that
+        matches no module does; nothing of this run is committed (a store is left as it was
+        found). The error's ``argument`` is ``"reductions"`` or ``"token_rows"``, its
+        ``pattern`` the pattern, its ``hook_points`` the sorted ``hook_points``."""
+        if self._refused is not None:
+            return
         reductions = self.scope.reductions
-        if not isinstance(reductions, Mapping) or self._refused is not None:
+        token_rows = self._token_rows
+        patterns = [("reductions", p) for p in (reductions if isinstance(reductions, Mapping) else ())]
+        patterns += [("token_rows", p) for p in (token_rows if isinstance(token_rows, Mapping) else ())]
+        if not patterns:
             return
         modules = {n for n, _m in self._modules}
         later = [h for h in self._hook_names if self._can_capture(h, modules)]
-        for pattern in reductions:
+        for argument, pattern in patterns:
             # a hook point of a tracked module reached only in a later forward (a branch) counts
             if not any(pattern_selects(pattern, h, self._hook_names)
                        for h in itertools.chain(hook_points, later)):
                 self._refused_error = HookPointNotFoundError
                 self._refused = (
-                    f"reductions= pattern {pattern!r} selects no hook point: {source} {_names(sorted(hook_points))}; "
+                    f"{argument}= pattern {pattern!r} selects no hook point: {source} {_names(sorted(hook_points))}; "
                     "a pattern names hook points (a module path plus '.output' or '.input.0'), not modules: "
                     "fix the pattern or drop it" + ("" if self.writer is None else " (no row of this run is stored)")
                 )
                 if self.writer is not None and self._closed:
                     _discard(self.writer)
-                raise HookPointNotFoundError(self._refused)
+                error = HookPointNotFoundError(self._refused)
+                error.argument, error.pattern, error.hook_points = argument, pattern, sorted(hook_points)
+                raise error
 
     def _resume_reductions(self, name: str, sink: Any) -> None:
         """A resumed store: continue each reduction of ``name`` from the rows already

@@ -323,19 +323,42 @@ def _open(path: str) -> Any:
 # ---------------------------------------------------------------------------- commands
 
 
-def _patterns(values: list[str] | None) -> list[str] | None:
+def _patterns(values: list[str] | None, flag: str = "--include") -> list[str] | None:
+    """The patterns of a repeatable, comma separated ``flag``.
+
+    Raises
+    ------
+    ArgumentValueError
+        An item whose brackets do not pair up holds a comma (``a[0,b``): the comma did not
+        separate patterns, so it is refused naming ``flag`` and the item.
+    """
     if values is None:
         return None
     out: list[str] = []
     for v in values:
-        out.extend(_specs(v))
+        for item in _specs(v):
+            if "," in item and not _balanced(item):
+                raise ArgumentValueError(
+                    f"{flag} {item!r} has a '[' or ']' without its pair, so its commas do not separate patterns; "
+                    f"close the bracket (a[0] matches a0), or give each pattern its own {flag}")
+            out.append(item)
     return out or None
+
+
+def _balanced(text: str) -> bool:
+    """Whether every ``]`` of ``text`` closes an earlier ``[`` and every ``[`` is closed."""
+    depth = 0
+    for ch in text:
+        depth += (ch == "[") - (ch == "]")
+        if depth < 0:
+            return False
+    return depth == 0
 
 
 def _token_rows(sample: list[str] | None, token: list[str] | None) -> dict[str, bool] | None:
     """``token_rows=`` of ``--sample-rows`` / ``--token-rows`` (sample patterns first)."""
-    out = {p: False for p in _patterns(sample) or []}
-    for p in _patterns(token) or []:
+    out = {p: False for p in _patterns(sample, "--sample-rows") or []}
+    for p in _patterns(token, "--token-rows") or []:
         if p in out:
             raise ArgumentValueError(f"--token-rows {p!r} is also given to --sample-rows; give each pattern once")
         out[p] = True
@@ -347,7 +370,7 @@ def cmd_capture(args: argparse.Namespace) -> int:
 
     summary = capture_dataset(
         args.model, args.data, args.out,
-        include=_patterns(args.include), exclude=_patterns(args.exclude), capture=args.capture,
+        include=_patterns(args.include), exclude=_patterns(args.exclude, "--exclude"), capture=args.capture,
         reductions=args.reduce, dtype=args.dtype, compression=args.compression,
         shard_bytes=args.shard_bytes, chunk_rows=args.chunk_rows, batch_size=args.batch_size,
         max_samples=args.max_samples, max_length=args.max_length, resume=args.resume, overwrite=args.overwrite,
