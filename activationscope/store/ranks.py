@@ -300,6 +300,10 @@ def commit_ranks(target: Any, *, storage_options: dict | None = None,
         that disagree (model, arrays, layout), ``world_size`` other than the world size the
         root or a rank store records (nothing written), or a custom reduction without
         ``make_reduction``.
+    StoreCorruptError
+        A root ``zarr.json`` that is not ours (not JSON, attributes other than one
+        ``activationscope`` object with our ``format``, a malformed ``distributed`` record), a
+        damaged rank manifest or rank shard; nothing was changed.
     ArgumentValueError
         ``world_size`` not a positive int.
     """
@@ -418,8 +422,10 @@ def _check_rank_shards(hp: str, meta: dict, stores: list[Store], local: bool,
     StoreError
         A full shard without a manifest entry, or missing.
     StoreCorruptError
-        A shard of another size than its manifest lists, or a damaged chunk (naming the rank
-        store and the shard file); nothing was written.
+        A shard of another size than its manifest lists, a damaged chunk (naming the rank
+        store and the shard file), or a manifest whose ``hook_point``, a shard's ``key`` or
+        ``rows_end`` is not what the format prescribes (naming the file and the field);
+        nothing was written.
     """
     S = int(meta["shard_rows"])
     nd = len(meta["feature_shape"])
@@ -430,13 +436,18 @@ def _check_rank_shards(hp: str, meta: dict, stores: list[Store], local: bool,
         raw = st._backend.get(key, max_bytes=V.MAX_JSON_BYTES)
         fix = (f"nothing was committed. Run `activationscope verify {st.path}`, and rerun rank {r} (or restore "
                "the file from an intact copy) before committing")
+        entry = {**st.attrs["arrays"][hp], **meta}
         try:
-            recs = {} if raw is None else V.parse_manifest(V.loads_json(raw, store=st._backend, key=key),
-                                                           {**st.attrs["arrays"][hp], **meta}, store=st._backend,
-                                                           key=key, check_chunks=False)
+            doc = None if raw is None else V.loads_json(raw, store=st._backend, key=key)
+            recs = {} if raw is None else V.parse_manifest(doc, entry, store=st._backend, key=key,
+                                                           check_chunks=False)
         except StoreCorruptError as e:
             what = str(e).removesuffix(f"; {V.FIX}")
             raise StoreCorruptError(f"rank {r}: {what}; {fix}") from None
+        # hook_point, each shard's key and rows_end: what the format prescribes (FORMAT.md §9 rule 18)
+        problems = [] if raw is None else V.manifest_problems(doc, recs, entry, hook_point=hp, key=key)
+        if problems:
+            raise StoreCorruptError(f"rank {r}: store {st.path!r}: {'; '.join(problems)}; {fix}")
         n = st.n_rows(hp)
         for k in range(n // S):
             rec = recs.get(k)

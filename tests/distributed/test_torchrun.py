@@ -518,6 +518,46 @@ def test_consolidate_names_a_malformed_rank_manifest(tmp_path, capsys):
     assert _tree(store) == before and acs.open_store(store).status != "complete"
 
 
+@pytest.mark.parametrize("edit, what", [
+    (lambda m: m.update(hook_point=5), "says hook_point 5, but it is the manifest of hook point '0.output'"),
+    (lambda m: m.update(hook_point="1.output"), "says hook_point '1.output', but it is the manifest of hook point"),
+    (lambda m: m["shards"][0].update(key="../x"), "shard 0: key '../x' is not the shard's key 'acts/0.output/c/0/0'"),
+    (lambda m: m["shards"][1].update(key=["acts"]), "shard 1: key ['acts'] is not the shard's key"),
+    (lambda m: m["shards"][0].update(rows_end="8"), "shard 0: rows_end must be a non-negative int, got '8'"),
+    (lambda m: m["shards"][0].update(rows_end=-1), "shard 0: rows_end must be a non-negative int, got -1"),
+    (lambda m: m["shards"][0].update(rows_end=True), "shard 0: rows_end must be a non-negative int, got True"),
+    (lambda m: m["shards"][0].update(rows_end=1000), "shard 0: rows_end 1000 must be 8"),
+    (lambda m: m["shards"][2].update(rows_end=25), "shard 2: rows_end 25 must be in 17..24"),
+])
+def test_consolidate_refuses_a_malformed_rank_manifest_field(tmp_path, capsys, edit, what):
+    """A rank manifest whose hook_point, a shard's key or rows_end is not what the format
+    prescribes is refused as StoreCorruptError naming the rank store, the file and the
+    field, before anything is written; the intact manifest then commits."""
+    from activationscope import cli
+
+    store = tmp_path / "s.zarr"
+    _small_rank_stores(store)
+    man = store / "ranks" / "00001" / "acts" / "0.output" / "manifest.json"
+    good = man.read_bytes()
+    doc = json.loads(good)
+    assert [r["rows_end"] for r in doc["shards"]] == [8, 16, 18]
+    edit(doc)
+    man.write_text(json.dumps(doc))
+    before = _tree(store)
+    assert cli.main(["consolidate", str(store)]) == 1
+    err = capsys.readouterr().err
+    assert f"rank 1: store {str(store / 'ranks' / '00001')!r}: " in err, err
+    assert f"manifest acts/0.output/manifest.json {what}" in err, err
+    assert "nothing was committed" in err and "Traceback" not in err
+    with pytest.raises(acs.StoreCorruptError, match="manifest.json"):
+        commit_ranks_(store)
+    assert _tree(store) == before and acs.open_store(store).status == "incomplete"
+    man.write_bytes(good)
+    commit_ranks_(store)
+    s = acs.open_store(store)
+    assert s.status == "complete" and s.n_rows("0.output") == 36 and s.verify() == []
+
+
 def test_consolidate_names_a_rank_store_whose_model_record_is_not_an_object(tmp_path, capsys):
     from activationscope import cli
 
