@@ -538,8 +538,10 @@ class Tracker:
             The tracker was already closed (a store tracker cannot be re-attached).
         CaptureError
             A resumed store holds hook points this tracker's modules and side cannot give
-            (another ``include=`` / ``exclude=`` / ``capture=`` than the first run), or has
-            another ``storage_dtype``: the store is left as it was. Hook points that differ
+            (another ``include=`` / ``exclude=`` / ``capture=`` than the first run), was
+            captured with other ``include=`` / ``exclude=`` patterns than this tracker's (as
+            its ``capture_config["patterns"]`` records; compared as sets), or has another
+            ``storage_dtype``: the store is left as it was. Hook points that differ
             only by what a forward reaches are refused at the first resumed forward, before
             any of its rows is committed.
         """
