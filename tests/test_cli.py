@@ -1162,6 +1162,22 @@ def test_capture_resume_of_a_full_store_with_new_reductions_computes_them(tmp_pa
     torch.testing.assert_close(store.reductions["2.output"]["mean"], want.mean(0))  # the first run's, kept
 
 
+@pytest.mark.parametrize("again", [[], ["--include", "0,2"], ["--exclude", "2"]])
+def test_capture_resume_of_a_full_store_with_other_patterns_is_refused(tmp_path, toy_store, capsys, again):
+    _, x = toy_store
+    out = tmp_path / "i.zarr"
+    args = ["capture", "--model", "usermodels.nets:mlp", "--data", str(x), "--out", str(out), "--no-progress"]
+    assert run(capsys, *args, "--include", "0", "--exclude", "1,2")[0] == 0
+    before = {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    code, _, err = run(capsys, *args, "--resume", *again)
+    assert code == 1
+    _one_error_line(err, f"cannot resume {str(out)!r}: it was captured with include=['0'], exclude=['1', '2']",
+                    "(CLI: --include 0 --exclude 1 --exclude 2)", "left as it was")
+    assert {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()} == before
+    code, stdout, err = run(capsys, *args, "--resume", "--include", "0", "--exclude", "2,1")
+    assert code == 0 and "nothing to capture" in stdout, err
+
+
 def test_info_shows_control_characters_from_the_store_escaped(tmp_path, capsys):
     """A store is someone else's file: its strings (model class, provenance, created) reach
     the terminal with their control characters escaped, so none can clear the screen or

@@ -69,10 +69,22 @@ def test_a_resume_missing_stored_hook_points_is_refused_and_the_store_is_untouch
         torch.testing.assert_close(torch.as_tensor(s[hp][:]).double(), _ref(model, xs[:2], upto))
 
 
+def _drop_patterns(path):
+    """The root document as a store written before include=/exclude= were recorded."""
+    import json
+
+    root = pathlib.Path(path) / "zarr.json"
+    doc = json.loads(root.read_text())
+    del doc["attributes"]["activationscope"]["capture_config"]["patterns"]
+    root.write_text(json.dumps(doc))
+
+
 def test_a_resume_giving_extra_hook_points_is_refused_before_its_first_row(tmp_path):
+    # a store without recorded patterns: the hook points of the first resumed forward are checked
     model, xs = _model(), _batches(4)
     path = tmp_path / "s.zarr"
     _capture(model, path, xs[:2], include=["0", "2"])
+    _drop_patterns(path)
     before = _files(path)
     with pytest.raises(CaptureError, match=r"this capture gives \['1.output'\] which it does not hold"):
         _capture(model, path, xs[2:], resume=True)  # every module: 1.output is new
@@ -225,3 +237,65 @@ def test_a_resume_refuses_a_root_whose_model_record_is_not_an_object(tmp_path, r
     with pytest.raises(StoreCorruptError, match=r"records the model as .* not an object; nothing was changed"):
         _capture(model, path, xs[1:], resume=True)
     assert _files(path) == before
+
+
+def test_the_capture_config_records_the_include_and_exclude_patterns(tmp_path):
+    model, xs = _model(), _batches(1)
+    _capture(model, tmp_path / "a.zarr", xs, include=["0", "2"])
+    _capture(model, tmp_path / "b.zarr", xs, exclude=["1"])
+    scope = ActivationScope(store=tmp_path / "c.zarr", include=["*"])
+    with torch.no_grad(), scope.track(model):
+        model(xs[0])
+    assert open_store(tmp_path / "a.zarr").attrs["capture_config"]["patterns"] == {"include": ["0", "2"],
+                                                                                  "exclude": None}
+    assert open_store(tmp_path / "b.zarr").attrs["capture_config"]["patterns"] == {"include": None,
+                                                                                  "exclude": ["1"]}
+    assert open_store(tmp_path / "c.zarr").attrs["capture_config"]["patterns"] == {"include": ["*"], "exclude": None}
+
+
+@pytest.mark.parametrize("first, resumed", [
+    ({"include": ["0"]}, {"include": ["0", "1"]}),  # a wider include
+    ({"include": ["0"]}, {}),                        # every module
+    ({"exclude": ["1", "2"]}, {"exclude": ["2"]}),   # a narrower exclude
+])
+@pytest.mark.parametrize("more", [True, False], ids=["more-rows", "nothing-left"])
+def test_a_resume_with_other_patterns_is_refused_and_the_store_is_untouched(tmp_path, first, resumed, more):
+    model, xs = _model(), _batches(3)
+    path = tmp_path / "s.zarr"
+    _capture(model, path, xs[:2], **first)
+    before = _files(path)
+    with pytest.raises(CaptureError) as err:
+        _capture(model, path, xs[2:] if more else [], resume=True, **resumed)
+    msg = str(err.value)
+    stored = f"include={first.get('include')!r}, exclude={first.get('exclude')!r}"
+    asked = f"include={resumed.get('include')!r}, exclude={resumed.get('exclude')!r}"
+    assert f"it was captured with {stored}, this capture has {asked}" in msg
+    assert "resume with the same include=/exclude= as the first run" in msg and "left as it was" in msg
+    assert _files(path) == before
+    s = open_store(path)
+    assert s.status == "complete" and s.n_samples == 10 and s.hook_points == ["0.output"]
+    torch.testing.assert_close(torch.as_tensor(s["0.output"][:]).double(), _ref(model, xs[:2], 1))
+
+
+def test_a_resume_with_the_same_patterns_in_another_order_continues(tmp_path):
+    model, xs = _model(), _batches(3)
+    path = tmp_path / "s.zarr"
+    _capture(model, path, xs[:2], include=["0", "2"])
+    _capture(model, path, xs[2:], resume=True, include=["2", "0"])
+    s = open_store(path)
+    assert s.status == "complete" and s.n_samples == 15 and s.hook_points == ["0.output", "2.output"]
+    torch.testing.assert_close(torch.as_tensor(s["2.output"][:]).double(), _ref(model, xs, 3))
+
+
+def test_a_store_without_recorded_patterns_resumes_unchecked(tmp_path):
+    model, xs = _model(), _batches(3)
+    path = tmp_path / "s.zarr"
+    _capture(model, path, xs[:2], include=["0"])
+    _drop_patterns(path)
+    # another but equivalent selection: the hook points of the forward match, so it continues
+    _capture(model, path, xs[2:], resume=True, include=["0", "1"], exclude=["1"])
+    s = open_store(path)
+    assert s.status == "complete" and s.n_samples == 15 and s.hook_points == ["0.output"]
+    torch.testing.assert_close(torch.as_tensor(s["0.output"][:]).double(), _ref(model, xs, 1))
+    # the resume recorded its own patterns
+    assert s.attrs["capture_config"]["patterns"] == {"include": ["0", "1"], "exclude": ["1"]}

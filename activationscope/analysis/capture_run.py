@@ -434,7 +434,7 @@ def _check_resumed_side(out: str, capture: str) -> None:
 def _check_full_resume(out: str, model: Any, *, include: list[str] | None, exclude: list[str] | None,
                        capture: str, storage_dtype: Any, token_rows: Any = None) -> None:
     """The checks of a resume (the writer's model and storage dtype, the tracker's stored hook
-    points) for one with nothing left to capture and no reductions, which captures nothing:
+    points and recorded include / exclude patterns) for one with nothing left to capture and no reductions, which captures nothing:
     the writer is opened and discarded, so the store is left as it was whatever the outcome
     (CaptureError when refused; HookPointNotFoundError for a ``token_rows`` pattern that
     selects none of the stored hook points)."""

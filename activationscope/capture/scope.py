@@ -420,6 +420,7 @@ class ActivationScope:
         modules = select_modules(model, inc, exc)
         stop = self.stop_after_last if stop_after_last is None else stop_after_last
         tracker = Tracker(self, model, modules, side, stop_after_last=stop)
+        tracker._patterns = {"include": inc, "exclude": exc}
         if token_rows is not None:
             tracker._token_rows = _parse_token_rows(token_rows)
         return tracker
@@ -465,6 +466,9 @@ class Tracker:
         self.model = model
         self._modules = modules
         self._side = side
+        # the include= / exclude= patterns that selected ``modules`` (recorded in the store's
+        # capture_config; a resume with others is refused), None when not made by track()
+        self._patterns: dict[str, list[str] | None] | None = None
         # TransformerLens HookPoints are recorded under their own names (hooks.rename_hook_point)
         self._hook_point_paths = frozenset(n for n, m in modules if is_hook_point_module(m))
         # the hook points this tracker can record (first call, first input): a pattern of
@@ -539,8 +543,10 @@ class Tracker:
             The tracker was already closed (a store tracker cannot be re-attached).
         CaptureError
             A resumed store holds hook points this tracker's modules and side cannot give
-            (another ``include=`` / ``exclude=`` / ``capture=`` than the first run), or has
-            another ``storage_dtype``: the store is left as it was. Hook points that differ
+            (another ``include=`` / ``exclude=`` / ``capture=`` than the first run), was
+            captured with other ``include=`` / ``exclude=`` patterns than this tracker's (as
+            its ``capture_config["patterns"]`` records; compared as sets), or has another
+            ``storage_dtype``: the store is left as it was. Hook points that differ
             only by what a forward reaches are refused at the first resumed forward, before
             any of its rows is committed.
         """
@@ -551,7 +557,8 @@ class Tracker:
         if self.scope.store is not None and self.writer is None:
             self.writer = open_writer(
                 self.scope.store,
-                capture_config={**self.scope.config(), "stop_after_last": self.stop_after_last},
+                capture_config={**self.scope.config(), "stop_after_last": self.stop_after_last,
+                                **({"patterns": self._patterns} if self._patterns is not None else {})},
                 model=self.model,
                 storage_dtype=self.scope.storage_dtype,
                 **self.scope.store_options,
@@ -567,6 +574,7 @@ class Tracker:
                 if missing:
                     self._closed = True
                     self._refuse(missing, [])
+            self._check_patterns(getattr(self.writer, "stored_capture_config", None))
         if self.scope.capture_parameters:
             with torch.no_grad():
                 self.parameters = {n: p.detach().clone() for n, p in self.model.named_parameters()}
@@ -612,6 +620,42 @@ class Tracker:
         if tail.startswith("output"):
             return self._side in ("output", "both")
         return True
+
+    def _check_patterns(self, stored_config: Any) -> None:
+        """Refuse a resume whose include= / exclude= patterns differ from those the store
+        records (``capture_config["patterns"]``): another selection may give hook points no
+        forward of the resume shows (it may run none). Stores without the record are not
+        checked. The writer is discarded: the store is left as it was."""
+        if self._patterns is None or not isinstance(stored_config, Mapping) or "patterns" not in stored_config:
+            return
+        stored = stored_config["patterns"]
+
+        def key(patterns: Any) -> Any:
+            if not isinstance(patterns, Mapping):
+                return patterns
+            return tuple(sorted(set(v)) if isinstance(v, list) and all(isinstance(x, str) for x in v) else v
+                         for v in (patterns.get("include"), patterns.get("exclude")))
+
+        if key(stored) == key(self._patterns):
+            return
+
+        def shown(patterns: Any) -> str:
+            if not isinstance(patterns, Mapping):
+                return repr(patterns)
+            return f"include={patterns.get('include')!r}, exclude={patterns.get('exclude')!r}"
+
+        cli = " ".join(f"--{arg} {p}" for arg in ("include", "exclude") if isinstance(stored, Mapping)
+                       and isinstance(stored.get(arg), list) for p in stored[arg])
+        self._closed = True
+        self._refused = (
+            f"cannot resume {self.writer.path!r}: it was captured with {shown(stored)}, this capture has "
+            f"{shown(self._patterns)}, which may select other hook points; every array of a store must cover "
+            f"every sample, so resume with the same include=/exclude= as the first run"
+            f"{f' (CLI: {cli})' if cli else ''}, or write the other hook points into a new store (the store is "
+            "left as it was)"
+        )
+        _discard(self.writer)
+        raise CaptureError(self._refused)
 
     def _refuse(self, missing: list[str], extra: list[str]) -> None:
         """Refuse a resumed capture whose hook points differ from the store's: nothing of it

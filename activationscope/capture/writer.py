@@ -76,6 +76,10 @@ class ActivationWriter(Protocol):
     """Hook points (arrays and aliases) the store held when the writer opened (resume; empty
     for a new store). Optional: a writer without it is not checked on resume."""
 
+    stored_capture_config: dict
+    """The ``capture_config`` the store recorded when the writer opened (resume; empty for a
+    new store). Optional: without it, a resume's include= / exclude= patterns are not checked."""
+
     def close(self, status: str = "complete") -> None:
         """Commit everything and mark the store ``status``."""
 

@@ -434,7 +434,7 @@ def manifest_problems(doc: Any, shards: dict[int, dict], meta: dict, *, hook_poi
         rows_end = rec.get("rows_end")
         lo, full = k * shard_rows, (k + 1) * shard_rows
         if not _int(rows_end, 0, MAX_ROWS + shard_rows):
-            out.append(f"{where}: rows_end must be an int, got {rows_end!r}")
+            out.append(f"{where}: rows_end must be a non-negative int, got {rows_end!r}")
         elif k != last_listed and rows_end != full:
             out.append(f"{where}: rows_end {rows_end} must be {full} (shard {k} is not the last one listed, so it "
                        f"holds rows {lo}..{full - 1}: (shard + 1) * shard_rows with shard_rows {shard_rows})")

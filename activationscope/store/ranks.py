@@ -300,6 +300,10 @@ def commit_ranks(target: Any, *, storage_options: dict | None = None,
         that disagree (model, arrays, layout), ``world_size`` other than the world size the
         root or a rank store records (nothing written), or a custom reduction without
         ``make_reduction``.
+    StoreCorruptError
+        A root ``zarr.json`` that is not ours (not JSON, attributes other than one
+        ``activationscope`` object with our ``format``, a malformed ``distributed`` record), a
+        damaged rank manifest or rank shard; nothing was changed.
     ArgumentValueError
         ``world_size`` not a positive int.
     """
@@ -418,8 +422,10 @@ def _check_rank_shards(hp: str, meta: dict, stores: list[Store], local: bool,
     StoreError
         A full shard without a manifest entry, or missing.
     StoreCorruptError
-        A shard of another size than its manifest lists, or a damaged chunk (naming the rank
-        store and the shard file); nothing was written.
+        A shard of another size than its manifest lists, a damaged chunk (naming the rank
+        store and the shard file), or a manifest whose ``hook_point``, a shard's ``key`` or
+        ``rows_end`` is not what the format prescribes (naming the file and the field);
+        nothing was written.
     """
     S = int(meta["shard_rows"])
     nd = len(meta["feature_shape"])
@@ -430,13 +436,18 @@ def _check_rank_shards(hp: str, meta: dict, stores: list[Store], local: bool,
         raw = st._backend.get(key, max_bytes=V.MAX_JSON_BYTES)
         fix = (f"nothing was committed. Run `activationscope verify {st.path}`, and rerun rank {r} (or restore "
                "the file from an intact copy) before committing")
+        entry = {**st.attrs["arrays"][hp], **meta}
         try:
-            recs = {} if raw is None else V.parse_manifest(V.loads_json(raw, store=st._backend, key=key),
-                                                           {**st.attrs["arrays"][hp], **meta}, store=st._backend,
-                                                           key=key, check_chunks=False)
+            doc = None if raw is None else V.loads_json(raw, store=st._backend, key=key)
+            recs = {} if raw is None else V.parse_manifest(doc, entry, store=st._backend, key=key,
+                                                           check_chunks=False)
         except StoreCorruptError as e:
             what = str(e).removesuffix(f"; {V.FIX}")
             raise StoreCorruptError(f"rank {r}: {what}; {fix}") from None
+        # hook_point, each shard's key and rows_end: what the format prescribes (FORMAT.md §9 rule 18)
+        problems = [] if raw is None else V.manifest_problems(doc, recs, entry, hook_point=hp, key=key)
+        if problems:
+            raise StoreCorruptError(f"rank {r}: store {st.path!r}: {'; '.join(problems)}; {fix}")
         n = st.n_rows(hp)
         for k in range(n // S):
             rec = recs.get(k)
@@ -489,10 +500,16 @@ def _check_rank_world_sizes(b: Any, stores: list[Store], expected: int | None) -
             continue  # a rank store written before ranks recorded it
         n, rank = rec.get("world_size"), rec.get("rank")
         if expected is None and n is not None and n != len(stores):
+            if n > len(stores):
+                why = (f"rank(s) {list(range(len(stores), n))} are missing: capture (or resume) them, then "
+                       "consolidate again")
+            else:
+                why = (f"rank(s) {list(range(n, len(stores)))} are beyond its {n} ranks: move the rank store(s) "
+                       f"{[rank_target(str(b), k) for k in range(n, len(stores))]} away if they belong to another "
+                       "capture")
             raise StoreError(
                 f"the rank store {st.path!r} was captured as rank {rank} of {n} ranks, but {len(stores)} rank "
-                f"store(s) are under {_ranks_dir(b)!r}; nothing was written. A rank "
-                "is missing: capture it, then commit again")
+                f"store(s) are under {_ranks_dir(b)!r}: {why}; nothing was written")
         if expected is not None and n is not None and n != int(expected):
             raise StoreError(
                 f"world_size={expected} (CLI: --world-size {expected}) disagrees with the rank store {st.path!r}, "
@@ -505,23 +522,78 @@ def _check_rank_world_sizes(b: Any, stores: list[Store], expected: int | None) -
                              f"{r} again")
 
 
+def _root_attrs_to_commit(b: Any, raw: bytes) -> dict:
+    """The ``activationscope`` attributes of the root document ``raw`` of a store to commit:
+    those :func:`prepare_root` or a commit wrote, and nothing else in its attributes.
+
+    Raises
+    ------
+    StoreCorruptError
+        A root document that is not JSON, whose attributes hold anything but one
+        ``activationscope`` object with our ``format``, or whose ``distributed`` record is
+        not ``{"world_size": positive int, "committed": bool}``; nothing was changed.
+    """
+    what = None
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError):
+        doc, what = None, "is not valid JSON"
+    attributes = doc.get("attributes") if isinstance(doc, dict) else None
+    attrs = attributes.get(F.ATTRS_KEY) if isinstance(attributes, dict) else None
+    if what is not None:
+        pass
+    elif not isinstance(attrs, dict):
+        what = (f"is not a JSON object with an {F.ATTRS_KEY!r} object in its attributes (attributes "
+                f"{_short(attributes if isinstance(doc, dict) else doc)})")
+    elif set(attributes) != {F.ATTRS_KEY}:
+        what = (f"has attributes that are not ours: {sorted(k for k in attributes if k != F.ATTRS_KEY)!r} beside "
+                f"{F.ATTRS_KEY!r}")
+    elif not isinstance(attrs.get("format"), dict) or attrs["format"].get("name") != F.FORMAT_NAME:
+        what = f"has {F.ATTRS_KEY}.format {_short(attrs.get('format'))}, not {{'name': {F.FORMAT_NAME!r}, ...}}"
+    else:
+        dist = attrs.get("distributed") or {}
+        n = dist.get("world_size") if isinstance(dist, dict) else None
+        if not isinstance(dist, dict):
+            what = f"has {F.ATTRS_KEY}.distributed {_short(dist)}, not a JSON object"
+        elif n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            what = f"has {F.ATTRS_KEY}.distributed.world_size {_short(n)}, not a positive int"
+        elif not isinstance(dist.get("committed", False), bool):
+            what = f"has {F.ATTRS_KEY}.distributed.committed {_short(dist.get('committed'))}, not a bool"
+    if what is not None:
+        raise StoreCorruptError(
+            f"the root document zarr.json of {str(b)!r} {what}, so consolidate cannot tell whether its ranks were "
+            "committed; nothing was changed. Run verify on it; if that zarr.json is not this capture's, move it "
+            "away and consolidate again (the rank stores record their world size)")
+    return attrs
+
+
+def _short(value: Any) -> str:
+    r = repr(value)
+    return r if len(r) <= 120 else r[:120] + "..."
+
+
+def _recorded_world_size(b: Any, ranks: list[int]) -> int | None:
+    """The world size the rank stores ``ranks`` record (``rank_store.world_size``), when they
+    agree on one; None when none records it or they disagree (each is checked once opened)."""
+    sizes = set()
+    for r in ranks:
+        try:
+            attrs = json.loads(b.get(f"{RANKS_DIR}/{r:05d}/zarr.json", max_bytes=V.MAX_JSON_BYTES))
+            n = attrs["attributes"][F.ATTRS_KEY]["rank_store"]["world_size"]
+        except (ValueError, TypeError, KeyError, RecursionError, StoreCorruptError):
+            continue  # an unreadable rank store is named when it is opened
+        if isinstance(n, int) and not isinstance(n, bool) and n >= 1:
+            sizes.add(n)
+    return sizes.pop() if len(sizes) == 1 else None
+
+
 def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
                   make_reduction: Callable[[str, str, dict], Any] | None, world_size: int | None,
                   verify: bool = True) -> dict:
     t_start = time.monotonic()
     etag = _root_etag(b)
     raw = b.get("zarr.json")
-    root_attrs: Any = {}
-    if raw:
-        try:
-            root_attrs = (json.loads(raw).get("attributes") or {}).get(F.ATTRS_KEY, {})
-        except (ValueError, AttributeError, TypeError):
-            root_attrs = None
-        if not isinstance(root_attrs, dict) or not isinstance(root_attrs.get("distributed") or {}, dict):
-            raise StoreCorruptError(
-                f"the root document zarr.json of {str(b)!r} is not a JSON object with an {F.ATTRS_KEY!r} object in "
-                "its attributes, so consolidate cannot tell whether its ranks were committed; nothing was "
-                "changed. Run verify on it")
+    root_attrs: Any = _root_attrs_to_commit(b, raw) if raw else {}
     dist = root_attrs.get("distributed") or {}
     recorded = dist.get("world_size")
     if world_size is not None and recorded is not None and int(recorded) != world_size:
@@ -541,6 +613,10 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
     expected = world_size or dist.get("world_size")
     if not ranks:
         raise StoreError(f"no rank stores under {_ranks_dir(b)!r}; nothing to commit")
+    source = ""
+    if expected is None:  # no root to say it: the world size every rank store records
+        expected = _recorded_world_size(b, ranks)
+        source = "" if expected is None else " (the world size the rank stores record: rank_store.world_size)"
     if ranks != list(range(len(ranks))) or (expected is not None and len(ranks) != int(expected)):
         n = int(expected) if expected is not None else ranks[-1] + 1
         missing = [r for r in range(n) if r not in ranks]
@@ -554,7 +630,7 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
                     f"--world-size {ranks[-1] + 1})" if world_size is not None and not dist.get("world_size") else "")
             why.append(f"rank(s) {extra} are beyond the {n} ranks of this capture (0..{n - 1}): move the rank "
                        f"store(s) {paths} away if they belong to another capture{hint}")
-        raise StoreError(f"rank stores under {_ranks_dir(b)!r} are ranks {ranks}, expected 0..{n - 1}; "
+        raise StoreError(f"rank stores under {_ranks_dir(b)!r} are ranks {ranks}, expected 0..{n - 1}{source}; "
                          + "; ".join(why) + "; nothing was written")
     local = isinstance(b, LocalBackend)
     stores = [Store(b.root / RANKS_DIR / f"{r:05d}") if local else

@@ -491,6 +491,9 @@ class StoreWriter:
         self.aliases: dict[str, str] = dict(st.get("aliases") or {})
         #: Hook points the store held when this writer opened (arrays and aliases; resume).
         self.stored_hook_points: list[str] = sorted(set(self._old_arrays) | set(self.aliases))
+        #: The capture_config the store recorded when this writer opened (resume; empty otherwise).
+        config = st.get("capture_config")
+        self.stored_capture_config: dict = dict(config) if isinstance(config, dict) else {}
         if self._state is not None:
             self._truncate_to_committed()
         # the first byte: the root document (status incomplete)

@@ -223,6 +223,30 @@ def test_a_resume_of_a_full_store_is_checked_as_an_incomplete_one(nets, tmp_path
     assert _files(out) == before
 
 
+@pytest.mark.parametrize("reductions", [None, ["mean"]])
+@pytest.mark.parametrize("first, again", [
+    ({"include": ["0"]}, {}),                                   # a wider include: every module
+    ({"include": ["0"]}, {"include": ["0", "2"]}),
+    ({"exclude": ["1", "2"]}, {"exclude": ["2"]}),              # a narrower exclude
+])
+def test_a_resume_of_a_full_store_with_other_patterns_is_refused(nets, tmp_path, reductions, first, again):
+    """No forward runs to show the other hook points a wider selection gives: the recorded
+    patterns are compared, and the store left byte for byte as it was."""
+    out = str(tmp_path / "full.zarr")
+    ref = _reference(nets)
+    capture_run.capture_dataset("runnets.nets:mlp", str(nets), out, batch_size=16, progress=False, **first)
+    before = _files(out)
+    with pytest.raises(CaptureError) as err:
+        capture_run.capture_dataset("runnets.nets:mlp", str(nets), out, resume=True, reductions=reductions,
+                                    progress=False, **again)
+    assert (f"it was captured with include={first.get('include')!r}, exclude={first.get('exclude')!r}, this "
+            f"capture has include={again.get('include')!r}, exclude={again.get('exclude')!r}") in str(err.value)
+    assert _files(out) == before
+    store = acs.open_store(out)
+    assert store.hook_points == ["0.output"] and store.n_samples == 50
+    torch.testing.assert_close(store["0.output"], ref["0.output"])
+
+
 def test_a_resume_of_a_full_store_with_the_same_options_leaves_it_as_it_was(nets, tmp_path):
     out = str(tmp_path / "full.zarr")
     capture_run.capture_dataset("runnets.nets:mlp", str(nets), out, batch_size=16, progress=False)

@@ -418,8 +418,8 @@ def test_consolidate_refuses_a_world_size_other_than_the_capture_s(tmp_path, cap
     with pytest.raises(acs.StoreError, match=r"world_size=1 \(CLI: --world-size 1\) disagrees with the rank store "
                                              r".*00000.*captured as rank 0 of 2 ranks"):
         commit_ranks(store, world_size=1)
-    with pytest.raises(acs.StoreError, match=r"captured as rank 0 of 2 ranks, but 1 rank store\(s\) are under "
-                                             r"'.*rk\.zarr/ranks/'.*A rank is missing"):
+    with pytest.raises(acs.StoreError, match=r"under '.*rk\.zarr/ranks/' are ranks \[0\], expected 0\.\.1 \(the world "
+                                             r"size the rank stores record.*rank\(s\) \[1\] are missing"):
         commit_ranks(store)
     assert _tree(store) == before
     # a rank store in the place of another rank
@@ -518,6 +518,46 @@ def test_consolidate_names_a_malformed_rank_manifest(tmp_path, capsys):
     assert _tree(store) == before and acs.open_store(store).status != "complete"
 
 
+@pytest.mark.parametrize("edit, what", [
+    (lambda m: m.update(hook_point=5), "says hook_point 5, but it is the manifest of hook point '0.output'"),
+    (lambda m: m.update(hook_point="1.output"), "says hook_point '1.output', but it is the manifest of hook point"),
+    (lambda m: m["shards"][0].update(key="../x"), "shard 0: key '../x' is not the shard's key 'acts/0.output/c/0/0'"),
+    (lambda m: m["shards"][1].update(key=["acts"]), "shard 1: key ['acts'] is not the shard's key"),
+    (lambda m: m["shards"][0].update(rows_end="8"), "shard 0: rows_end must be a non-negative int, got '8'"),
+    (lambda m: m["shards"][0].update(rows_end=-1), "shard 0: rows_end must be a non-negative int, got -1"),
+    (lambda m: m["shards"][0].update(rows_end=True), "shard 0: rows_end must be a non-negative int, got True"),
+    (lambda m: m["shards"][0].update(rows_end=1000), "shard 0: rows_end 1000 must be 8"),
+    (lambda m: m["shards"][2].update(rows_end=25), "shard 2: rows_end 25 must be in 17..24"),
+])
+def test_consolidate_refuses_a_malformed_rank_manifest_field(tmp_path, capsys, edit, what):
+    """A rank manifest whose hook_point, a shard's key or rows_end is not what the format
+    prescribes is refused as StoreCorruptError naming the rank store, the file and the
+    field, before anything is written; the intact manifest then commits."""
+    from activationscope import cli
+
+    store = tmp_path / "s.zarr"
+    _small_rank_stores(store)
+    man = store / "ranks" / "00001" / "acts" / "0.output" / "manifest.json"
+    good = man.read_bytes()
+    doc = json.loads(good)
+    assert [r["rows_end"] for r in doc["shards"]] == [8, 16, 18]
+    edit(doc)
+    man.write_text(json.dumps(doc))
+    before = _tree(store)
+    assert cli.main(["consolidate", str(store)]) == 1
+    err = capsys.readouterr().err
+    assert f"rank 1: store {str(store / 'ranks' / '00001')!r}: " in err, err
+    assert f"manifest acts/0.output/manifest.json {what}" in err, err
+    assert "nothing was committed" in err and "Traceback" not in err
+    with pytest.raises(acs.StoreCorruptError, match="manifest.json"):
+        commit_ranks_(store)
+    assert _tree(store) == before and acs.open_store(store).status == "incomplete"
+    man.write_bytes(good)
+    commit_ranks_(store)
+    s = acs.open_store(store)
+    assert s.status == "complete" and s.n_rows("0.output") == 36 and s.verify() == []
+
+
 def test_consolidate_names_a_rank_store_whose_model_record_is_not_an_object(tmp_path, capsys):
     from activationscope import cli
 
@@ -561,6 +601,92 @@ def test_consolidate_names_missing_and_extra_ranks(tmp_path, capsys):
     assert "rank(s) [2] are beyond the 2 ranks" in err and "nothing was written" in err
     assert acs.open_store(store).status != "complete"
     assert set(_tree(store)) == {k for k in before if not k.startswith("ranks/00001/")}
+
+
+def _set_attrs(path: Path, edit) -> None:
+    doc = json.loads(path.read_text())
+    edit(doc["attributes"]["activationscope"])
+    path.write_text(json.dumps(doc))
+
+
+def test_consolidate_without_a_root_names_missing_and_extra_ranks_by_the_rank_stores(tmp_path, capsys):
+    """No root document to give the world size: the rank stores' own record
+    (``rank_store.world_size``) tells a missing rank from an extra one, each named."""
+    from activationscope import cli
+
+    store = tmp_path / "s.zarr"
+    _small_rank_stores(store)
+    shutil.copytree(store / "ranks" / "00001", store / "ranks" / "00002")
+    (store / "zarr.json").unlink()
+    before = _tree(store)
+    assert cli.main(["consolidate", str(store)]) == 1
+    err = capsys.readouterr().err
+    assert "are ranks [0, 1, 2], expected 0..1 (the world size the rank stores record: rank_store.world_size); " \
+           "rank(s) [2] are beyond the 2 ranks of this capture (0..1): move the rank store(s) " \
+           f"[{str(store / 'ranks' / '00002')!r}] away" in err, err
+    assert "missing" not in err and _tree(store) == before
+    shutil.rmtree(store / "ranks" / "00001")
+    assert cli.main(["consolidate", str(store)]) == 1
+    err = capsys.readouterr().err
+    assert "are ranks [0, 2], expected 0..1 (the world size" in err and "rank(s) [1] are missing" in err, err
+    assert "rank(s) [2] are beyond the 2 ranks" in err
+    shutil.rmtree(store / "ranks" / "00002")
+    assert cli.main(["consolidate", str(store)]) == 1
+    err = capsys.readouterr().err
+    assert "are ranks [0], expected 0..1 (the world size" in err and "rank(s) [1] are missing" in err, err
+    assert "beyond" not in err
+    # rank stores that disagree on the world size: the first one's record names the extra rank
+    _small_rank_stores(store, tasks=(1,))
+    shutil.copytree(store / "ranks" / "00001", store / "ranks" / "00002")
+    _set_attrs(store / "ranks" / "00002" / "zarr.json", lambda a: a["rank_store"].update(rank=2, world_size=3))
+    assert not (store / "zarr.json").exists()
+    before = _tree(store)
+    assert cli.main(["consolidate", str(store)]) == 1
+    err = capsys.readouterr().err
+    assert "captured as rank 0 of 2 ranks, but 3 rank store(s) are under" in err, err
+    assert f"rank(s) [2] are beyond its 2 ranks: move the rank store(s) [{str(store / 'ranks' / '00002')!r}]" in err
+    assert "missing" not in err and _tree(store) == before
+
+
+@pytest.mark.parametrize("edit, what", [
+    (lambda d: d["attributes"].update(foo=1), "has attributes that are not ours: ['foo'] beside 'activationscope'"),
+    (lambda d: d.update(attributes={"foo": 1}), "is not a JSON object with an 'activationscope' object in its "
+                                                "attributes (attributes {'foo': 1})"),
+    (lambda d: d.pop("attributes"), "is not a JSON object with an 'activationscope' object in its attributes "
+                                    "(attributes None)"),
+    (lambda d: d["attributes"]["activationscope"].update(format={"name": "other", "version": 2}),
+     "has activationscope.format {'name': 'other', 'version': 2}, not {'name': 'activationscope', ...}"),
+    (lambda d: d["attributes"]["activationscope"].pop("format"), "has activationscope.format None, not {'name': "
+                                                                     "'activationscope', ...}"),
+    (lambda d: d["attributes"]["activationscope"]["distributed"].update(world_size="2"),
+     "has activationscope.distributed.world_size '2', not a positive int"),
+    (lambda d: d["attributes"]["activationscope"]["distributed"].update(world_size=0),
+     "has activationscope.distributed.world_size 0, not a positive int"),
+    (lambda d: d["attributes"]["activationscope"]["distributed"].update(committed="no"),
+     "has activationscope.distributed.committed 'no', not a bool"),
+])
+def test_consolidate_refuses_a_root_document_that_is_not_ours(tmp_path, capsys, edit, what):
+    from activationscope import cli
+    from activationscope.store.ranks import commit_ranks
+
+    store = tmp_path / "s.zarr"
+    _small_rank_stores(store)
+    root = store / "zarr.json"
+    good = root.read_bytes()
+    doc = json.loads(good)
+    edit(doc)
+    root.write_text(json.dumps(doc))
+    before = _tree(store)
+    assert cli.main(["consolidate", str(store)]) == 1
+    err = capsys.readouterr().err
+    assert f"the root document zarr.json of {str(store)!r} {what}" in err, err
+    assert "nothing was changed" in err and "Traceback" not in err
+    with pytest.raises(acs.StoreCorruptError, match="the root document zarr.json of"):
+        commit_ranks(store)
+    assert _tree(store) == before
+    root.write_bytes(good)  # the capture's own root: committed
+    commit_ranks(store)
+    assert acs.open_store(store).status == "complete" and acs.open_store(store).n_rows("0.output") == 36
 
 
 def test_consolidate_leaves_other_files_under_ranks(tmp_path):
