@@ -132,6 +132,49 @@ class _HookCollector:
         self.handles.clear()
 
 
+class HeldFloor(Mode):
+    """The floor of an in-memory capture, without hooks: the ``nn.Sequential``'s layers run by
+    hand, the input and every layer's output held until the repeat ends (``copy``: a clone of
+    each, as SNAPSHOT keeps; else the tensors themselves, as REFERENCE keeps). These are the
+    tensors a ``capture="both"`` capture of the toy model keeps (a layer's input is the
+    previous layer's output, kept once). Held tensors cost the plain forward its cache reuse:
+    it writes each layer's output into fresh memory instead of a buffer just freed."""
+
+    def __init__(self, wl: Workload, ctx: dict[str, Any], copy: bool) -> None:
+        super().__init__(wl, ctx)
+        if not isinstance(wl.model, torch.nn.Sequential) or wl.capture != "both" or wl.include is not None:
+            raise RuntimeError(f"the held-tensor floor needs an nn.Sequential captured whole, got workload {wl.name!r}")
+        self.copy = copy
+        self.held: list[torch.Tensor] | None = None
+
+    def run(self, i: int) -> None:
+        wl, layers, copy = self.wl, list(self.wl.model), self.copy
+        held: list[torch.Tensor] = []
+        for f in range(wl.n_forwards):
+            x = wl.batch(f)
+            held.append(x.clone() if copy else x)
+            for layer in layers:
+                x = layer(x)
+                held.append(x.clone() if copy else x)
+        self.held = held
+
+    def describe(self) -> dict[str, Any]:
+        held = self.held or []
+        return {"captured_bytes": sum(t.nbytes for t in held), "n_tensors": len(held)}
+
+    def reset(self) -> None:
+        self.held = None
+
+
+register_mode("keep_floor", workloads=("toy",), quick=False,
+              doc="no hooks: the layers of the toy model run by hand, its input and every layer's output held until "
+              "the repeat ends (what REFERENCE keeps): the cost of holding the tensors")(
+    lambda wl, ctx: HeldFloor(wl, ctx, copy=False))
+register_mode("copy_floor", workloads=("toy",), quick=False,
+              doc="no hooks: as keep_floor with a clone of each tensor held (what SNAPSHOT keeps): the cost of copying "
+              "and holding them")(lambda wl, ctx: HeldFloor(wl, ctx, copy=True))
+
+
 @register_mode("naive_clone", workloads=CLASSIC, quick=False,
                doc="Python register_forward_hook(..., with_kwargs=True) on the same modules, detach().clone() of "
                "every tensor into per-hook-point lists (token rows: t[mask], which copies)")

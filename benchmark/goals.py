@@ -19,16 +19,23 @@ R = dict[str, dict[str, Any]]
 
 
 def side_by_side_goal(gid: str, text: str, r: R, wl: str, num: str, den: str, op: str,
-                      threshold: float) -> dict[str, Any]:
+                      threshold: float, floor: str | None = None) -> dict[str, Any]:
     """Goal on the median over rounds of ``num / den`` timed in the same round of ``side_by_side``
-    (one process, interleaved; see ``benchmark/interleaved.py``)."""
+    (one process, interleaved; see ``benchmark/interleaved.py``). ``floor``: a part doing the
+    same memory work without hooks, whose ratios to ``den`` and from ``num`` the note gives."""
     rec = record(r, wl, "side_by_side")
-    fig = None if rec is None else ((rec.get("extra") or {}).get("ratio_median") or {}).get(f"{num}/{den}")
+    ratios = {} if rec is None else ((rec.get("extra") or {}).get("ratio_median") or {})
+    fig = ratios.get(f"{num}/{den}")
     note = missing(r, (wl, "side_by_side"))
     if rec is not None and fig is None:
         skipped = (rec.get("extra") or {}).get("skipped_parts") or {}
         note = "not measured: " + ("; ".join(f"{k}: {v}" for k, v in skipped.items()) or f"no {num}/{den} figure")
-    return goal(gid, text + " (side by side in one process, median over rounds)", fig, op, threshold, note=note)
+    info = ""
+    if fig is not None and floor is not None and f"{floor}/{den}" in ratios and f"{num}/{floor}" in ratios:
+        info = (f"{floor} (the same tensors held, no hooks) {ratios[f'{floor}/{den}']:.3f}x {den}; "
+                f"{num} {ratios[f'{num}/{floor}']:.3f}x {floor}")
+    return goal(gid, text + " (side by side in one process, median over rounds)", fig, op, threshold, note=note,
+                info=info)
 
 
 @register_goal
@@ -37,9 +44,9 @@ def in_memory(r: R) -> list[dict[str, Any]]:
         side_by_side_goal("toy_snapshot_vs_naive", "toy, in memory: SNAPSHOT <= 0.90x naive clone hooks", r,
                           "toy", "scope_snapshot", "naive_clone", "<=", 0.90),
         side_by_side_goal("toy_snapshot_vs_plain", "toy, in memory: SNAPSHOT <= 1.10x plain forward", r,
-                          "toy", "scope_snapshot", "plain", "<=", 1.10),
+                          "toy", "scope_snapshot", "plain", "<=", 1.10, floor="copy_floor"),
         side_by_side_goal("toy_reference_vs_plain", "toy, in memory: REFERENCE <= 1.05x plain forward", r,
-                          "toy", "scope_reference", "plain", "<=", 1.05),
+                          "toy", "scope_reference", "plain", "<=", 1.05, floor="keep_floor"),
         side_by_side_goal("toy_reductions_vs_plain",
                           "toy, streaming mean/var/min/max on every hook point: <= 1.25x plain", r,
                           "toy", "scope_reductions", "plain", "<=", 1.25),

@@ -33,7 +33,8 @@ from .workloads import Workload
 #: The parts of ``side_by_side`` per workload: the baseline first, then ours, then the modes
 #: our goals are compared with.
 SIDE_BY_SIDE: dict[str, tuple[str, ...]] = {
-    "toy": ("plain", "scope_snapshot", "scope_reference", "scope_reductions", "naive_clone"),
+    "toy": ("plain", "scope_snapshot", "scope_reference", "scope_reductions", "naive_clone", "keep_floor",
+            "copy_floor"),
     "minilm": ("plain", "scope_store"),
     "transformer": ("plain", "scope_store", "tl_cache_torch_save", "saelens_runner"),
     "transformer_all": ("plain", "scope_store", "tl_cache_torch_save"),
@@ -149,7 +150,8 @@ def side_by_side(wl: Workload, ctx: dict[str, Any]) -> Interleaved:
 
 register_mode("side_by_side", workloads=tuple(SIDE_BY_SIDE), repeats=9, budget_s=600.0,
               quick=("toy", "minilm", "transformer"),
-              doc="the modes each ratio goal compares (toy: plain, SNAPSHOT, REFERENCE, reductions, naive hooks; "
+              doc="the modes each ratio goal compares (toy: plain, SNAPSHOT, REFERENCE, reductions, naive hooks, and the "
+              "floors of holding the tensors without hooks, keep_floor and copy_floor; "
               "minilm: plain, store; transformer: plain, store, TransformerLens + torch.save, SAELens runner) "
               "round-robin in one process, rotating order, 9 rounds after a warm one; each goal is the median over "
               "rounds of the ratio within a round")(side_by_side)

@@ -94,6 +94,8 @@ def _mode_table(recs: dict[str, Any], rows: list[tuple[str, str]], columns: list
 def _goal_cell(g: dict[str, Any]) -> str:
     fig = "–" if g["measured"] is None else f"{g['measured']:.3g}{g['unit'] if g['unit'] != 'x' else 'x'}"
     state = {"PASS": "met", "FAIL": "**not met**", "SKIP": "not measured"}[g["status"]]
+    if g["status"] != "SKIP" and g.get("note"):
+        state += f" ({g['note']})"
     return f"| {g['goal']} | {fig} | {g['op']} {g['threshold']:g}{g['unit']} | {state} |"
 
 

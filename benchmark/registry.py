@@ -183,8 +183,9 @@ def missing(results: dict[str, dict[str, Any]], *keys: tuple[str, str]) -> str:
 
 
 def goal(gid: str, text: str, measured: float | None, op: str, threshold: float, unit: str = "x",
-         note: str = "") -> dict[str, Any]:
-    """One goal: PASS / FAIL when ``measured`` is a figure, SKIP (with ``note``) when None."""
+         note: str = "", info: str = "") -> dict[str, Any]:
+    """One goal: PASS / FAIL when ``measured`` is a figure, SKIP (with ``note``) when None;
+    ``info`` is the note of a measured goal (figures that explain it)."""
     if measured is None:
         status = "SKIP"
     else:
@@ -192,7 +193,7 @@ def goal(gid: str, text: str, measured: float | None, op: str, threshold: float,
               ">": measured > threshold}[op]
         status = "PASS" if ok else "FAIL"
     return {"id": gid, "goal": text, "measured": measured, "op": op, "threshold": threshold, "unit": unit,
-            "status": status, "note": note if measured is None else ""}
+            "status": status, "note": note if measured is None else info}
 
 
 def ratio(a: float | None, b: float | None) -> float | None:

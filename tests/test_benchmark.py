@@ -126,13 +126,21 @@ def test_quick_runner_produces_documented_keys(tmp_path):
     sbs = toy["side_by_side"]
     assert sbs["status"] == "ok", sbs
     sx = sbs["extra"]
-    assert sx["parts"] == ["plain", "scope_snapshot", "scope_reference", "scope_reductions", "naive_clone"]
+    assert sx["parts"] == ["plain", "scope_snapshot", "scope_reference", "scope_reductions", "naive_clone",
+                           "keep_floor", "copy_floor"]
     assert all(len(v) == sx["rounds"] >= 1 for v in sx["part_repeat_s"].values())
     t = sx["part_repeat_s"]
     assert sx["ratio_median"]["scope_snapshot/naive_clone"] == pytest.approx(
         statistics.median(a / b for a, b in zip(t["scope_snapshot"], t["naive_clone"])))
-    assert len(sx["ratio_median"]) == 5 * 4
+    assert len(sx["ratio_median"]) == 7 * 6
     by_id = {g["id"]: g for g in doc["goals"]}
+    # the floors held what the captures keep: 3 forwards x (input + 48 outputs) of (32, 256) float32
+    for floor in ("keep_floor", "copy_floor"):
+        assert sx["part_info"][floor] == {"captured_bytes": 3 * 49 * 32 * 256 * 4, "n_tensors": 3 * 49}
+    rm = sx["ratio_median"]
+    assert by_id["toy_reference_vs_plain"]["note"] == (
+        f"keep_floor (the same tensors held, no hooks) {rm['keep_floor/plain']:.3f}x plain; "
+        f"scope_reference {rm['scope_reference/keep_floor']:.3f}x keep_floor")
     # speed goals come from the rounds of one process, not from the modes' own children
     assert by_id["toy_snapshot_vs_naive"]["measured"] == sx["ratio_median"]["scope_snapshot/naive_clone"]
     assert by_id["toy_reference_vs_plain"]["measured"] == sx["ratio_median"]["scope_reference/plain"]
