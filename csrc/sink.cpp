@@ -401,6 +401,14 @@ void Sink::consume(const at::Tensor& x_in, const at::Tensor& token_mask) {
           throw;
         }
       }
+    } else if (!x_in.requires_grad() && !x.unsafeGetTensorImpl()->is_python_dispatch()) {
+      // The model's tensor through a TensorImpl of our own (same storage, sizes, strides and
+      // version counter, so in-place changes are still seen), not x's: holding x's TensorImpl
+      // would keep x's Python object alive after the model drops it, one garbage-collected
+      // object per record (a full collection of the interpreter every few hundred forwards).
+      // (A detached x is ours already; a __torch_dispatch__ subclass is kept itself.)
+      c10::TensorImpl* impl = x.unsafeGetTensorImpl();
+      rec.t = at::Tensor(impl->shallow_copy_and_detach(impl->version_counter(), /*allow_tensor_metadata_change=*/false));
     } else {
       rec.t = x;
     }

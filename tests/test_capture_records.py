@@ -205,3 +205,28 @@ def test_reference_under_inference_mode_with_in_place_ops_stays_exact(recwarn):
         with torch.no_grad():
             torch.testing.assert_close(t.activations["0.output"][-1], m[0](x), rtol=0, atol=0)
     assert not [w for w in recwarn if "changed in place" in str(w.message)]
+
+
+def test_reference_records_do_not_keep_the_models_python_tensors_alive():
+    """REFERENCE keeps the model's tensor data (same storage, no copy) without keeping its
+    Python object: once the model drops an output it is freed at once (no object left for the
+    garbage collector per record), and an in-place change of a kept tensor is still seen."""
+    import gc
+    import weakref
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)).eval()
+    scope = ActivationScope(capture="output", capture_mode=CaptureMode.REFERENCE)
+    gc.disable()
+    try:
+        with pytest.warns(RuntimeWarning, match=r"'1.output'.*changed in place"):
+            with torch.no_grad(), scope.track(model) as tr:
+                out = model(torch.randn(2, 3))
+                ptr, want, ref = out.data_ptr(), out.clone(), weakref.ref(out)
+                del out
+                assert ref() is None  # freed by its reference count, not kept for the collector
+                rec = tr.activations["1.output"][0]
+                assert rec.data_ptr() == ptr and torch.equal(rec, want)
+                del rec
+                model(torch.randn(2, 3)).mul_(2)  # the model's tensor changed after its capture
+    finally:
+        gc.enable()
