@@ -1096,3 +1096,63 @@ def test_a_forward_its_reductions_refuse_keeps_no_record_in_memory(mode):
     both = torch.cat([a, b]).double()
     torch.testing.assert_close(tr.reductions["0.output"]["mean"], both.mean(0))
     torch.testing.assert_close(tr.reductions["0.output"]["max"], both.amax(0))
+
+
+def test_the_same_rows_handed_to_two_groups_give_each_its_own_exact_statistics():
+    """The batch statistics of the last rows are used again for the very same rows (same
+    storage, unchanged version): an in-place change, or new rows at the freed address, are
+    computed afresh."""
+    from activationscope.capture import _native
+
+    C = _native.load()
+    kinds = ["mean", "var", "min", "max", "absmax"]
+    g1, g2, g3 = _make_group(kinds), _make_group(kinds), _make_group(kinds)
+    x = data(20, (6,), torch.float32, seed=3)
+    C.update_reductions(g1, x)
+    C.update_reductions(g2, x)  # the same rows: reused
+    for g in (g1, g2):
+        for k, r in zip(kinds, g):
+            assert_matches(k, r.result(), x)
+    first = x.clone()
+    x.mul_(-2)  # changed in place: its version moved
+    C.update_reductions(g1, x)
+    for k, r in zip(kinds, g1):
+        assert_matches(k, r.result(), torch.cat([first, x]))
+    del x
+    y = data(20, (6,), torch.float32, seed=4)  # often at the freed address, with version 0
+    C.update_reductions(g3, y)
+    for k, r in zip(kinds, g3):
+        assert_matches(k, r.result(), y)
+
+
+def test_hook_points_sharing_a_tensor_reduce_exactly_with_an_in_place_change_between():
+    """capture="both" on a chain hands each layer's output to the next layer's input hook
+    point (the same tensor); an in-place ReLU changes it between two hook points. Every hook
+    point's reductions equal a float64 reference over its own values."""
+    import activationscope as acs
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.ReLU(inplace=True),
+                                torch.nn.Linear(8, 8)).eval()
+    xs = [torch.randn(5, 8) for _ in range(3)]
+    kinds = ["mean", "var", "min", "max", "absmax"]
+    for policy in (acs.ReductionPolicy.STREAMING, acs.ReductionPolicy.STORE_ALL):
+        scope = acs.ActivationScope(capture="both", reductions=kinds, reduction_policy=policy)
+        with torch.no_grad(), scope.track(model) as tr:
+            for x in xs:
+                model(x)
+        want: dict[str, list[torch.Tensor]] = {}
+        with torch.no_grad():
+            for x in xs:
+                h = x
+                for i, layer in enumerate(model):
+                    want.setdefault(f"{i}.input.0", []).append(h.clone())
+                    h = layer(h)
+                    want.setdefault(f"{i}.output", []).append(h.clone())
+        assert set(tr.reductions) == set(want)
+        for hp, parts in want.items():
+            a = torch.cat(parts).double()
+            ref = {"mean": a.mean(0), "var": a.var(0, unbiased=False), "min": a.amin(0), "max": a.amax(0),
+                   "absmax": a.abs().amax(0)}
+            for k in kinds:
+                torch.testing.assert_close(tr.reductions[hp][k], ref[k], rtol=1e-10, atol=1e-12, msg=f"{hp} {k}")
