@@ -142,7 +142,7 @@ def model_identity(model: torch.nn.Module | None) -> dict | None:
             t = t.detach().to("cpu").contiguous()
             n_params += t.numel()
             if t.numel():
-                h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+                h.update(t.reshape(-1).view(torch.uint8).numpy())  # the buffer itself, no copy
     cls = type(model)
     return {"class": f"{cls.__module__}.{cls.__qualname__}", "state_dict_sha256": h.hexdigest(), "n_elements": n_params}
 
