@@ -419,8 +419,8 @@ class ActivationScope:
         model = _uncompiled(model)
         modules = select_modules(model, inc, exc)
         stop = self.stop_after_last if stop_after_last is None else stop_after_last
-        tracker = Tracker(self, model, modules, side, stop_after_last=stop)
-        tracker._patterns = {"include": inc, "exclude": exc}
+        tracker = Tracker(self, model, modules, side, stop_after_last=stop,
+                          patterns={"include": inc, "exclude": exc})
         if token_rows is not None:
             tracker._token_rows = _parse_token_rows(token_rows)
         return tracker
@@ -461,14 +461,15 @@ class Tracker:
     """
 
     def __init__(self, scope: ActivationScope, model: torch.nn.Module,
-                 modules: list[tuple[str, torch.nn.Module]], side: str, stop_after_last: bool = False) -> None:
+                 modules: list[tuple[str, torch.nn.Module]], side: str, stop_after_last: bool = False,
+                 patterns: dict[str, list[str] | None] | None = None) -> None:
         self.scope = scope
         self.model = model
         self._modules = modules
         self._side = side
         # the include= / exclude= patterns that selected ``modules`` (recorded in the store's
         # capture_config; a resume with others is refused), None when not made by track()
-        self._patterns: dict[str, list[str] | None] | None = None
+        self._patterns = patterns
         # TransformerLens HookPoints are recorded under their own names (hooks.rename_hook_point)
         self._hook_point_paths = frozenset(n for n, m in modules if is_hook_point_module(m))
         # the hook points this tracker can record (first call, first input): a pattern of
