@@ -518,6 +518,21 @@ def test_consolidate_names_a_malformed_rank_manifest(tmp_path, capsys):
     assert _tree(store) == before and acs.open_store(store).status != "complete"
 
 
+def _consolidate_after_editing(store, path, edit, capsys):
+    """Edit the JSON document ``path`` of ``store`` with ``edit(doc)``, run the CLI's
+    consolidate (it must exit 1); returns the document's original bytes, the store's tree
+    before the run and the run's stderr."""
+    from activationscope import cli
+
+    good = path.read_bytes()
+    doc = json.loads(good)
+    edit(doc)
+    path.write_text(json.dumps(doc))
+    before = _tree(store)
+    assert cli.main(["consolidate", str(store)]) == 1
+    return good, before, capsys.readouterr().err
+
+
 @pytest.mark.parametrize("edit, what", [
     (lambda m: m.update(hook_point=5), "says hook_point 5, but it is the manifest of hook point '0.output'"),
     (lambda m: m.update(hook_point="1.output"), "says hook_point '1.output', but it is the manifest of hook point"),
@@ -533,19 +548,11 @@ def test_consolidate_refuses_a_malformed_rank_manifest_field(tmp_path, capsys, e
     """A rank manifest whose hook_point, a shard's key or rows_end is not what the format
     prescribes is refused as StoreCorruptError naming the rank store, the file and the
     field, before anything is written; the intact manifest then commits."""
-    from activationscope import cli
-
     store = tmp_path / "s.zarr"
     _small_rank_stores(store)
     man = store / "ranks" / "00001" / "acts" / "0.output" / "manifest.json"
-    good = man.read_bytes()
-    doc = json.loads(good)
-    assert [r["rows_end"] for r in doc["shards"]] == [8, 16, 18]
-    edit(doc)
-    man.write_text(json.dumps(doc))
-    before = _tree(store)
-    assert cli.main(["consolidate", str(store)]) == 1
-    err = capsys.readouterr().err
+    assert [r["rows_end"] for r in json.loads(man.read_bytes())["shards"]] == [8, 16, 18]
+    good, before, err = _consolidate_after_editing(store, man, edit, capsys)
     assert f"rank 1: store {str(store / 'ranks' / '00001')!r}: " in err, err
     assert f"manifest acts/0.output/manifest.json {what}" in err, err
     assert "nothing was committed" in err and "Traceback" not in err
@@ -666,19 +673,12 @@ def test_consolidate_without_a_root_names_missing_and_extra_ranks_by_the_rank_st
      "has activationscope.distributed.committed 'no', not a bool"),
 ])
 def test_consolidate_refuses_a_root_document_that_is_not_ours(tmp_path, capsys, edit, what):
-    from activationscope import cli
     from activationscope.store.ranks import commit_ranks
 
     store = tmp_path / "s.zarr"
     _small_rank_stores(store)
     root = store / "zarr.json"
-    good = root.read_bytes()
-    doc = json.loads(good)
-    edit(doc)
-    root.write_text(json.dumps(doc))
-    before = _tree(store)
-    assert cli.main(["consolidate", str(store)]) == 1
-    err = capsys.readouterr().err
+    good, before, err = _consolidate_after_editing(store, root, edit, capsys)
     assert f"the root document zarr.json of {str(store)!r} {what}" in err, err
     assert "nothing was changed" in err and "Traceback" not in err
     with pytest.raises(acs.StoreCorruptError, match="the root document zarr.json of"):
