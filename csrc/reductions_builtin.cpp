@@ -37,7 +37,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <optional>
 #include <sstream>
 #include <vector>
 
@@ -821,36 +820,6 @@ std::shared_ptr<Reduction> make_builtin_reduction(const std::string& kind, const
 
 std::vector<std::string> builtin_reduction_kinds() { return kinds(); }
 
-namespace {
-// The batch statistics last computed on this thread (in update_reductions' buffer) and the
-// rows they came from. Another hook point handed the very same rows (the input of the next
-// layer is the output of the last; two hook points of one tensor), unchanged since (same
-// storage, alive, same offset, shape and dtype, same version counter value: the test an
-// alias passes), folds them in again instead of two more passes over the rows.
-struct LastBatch {
-  std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>> storage;
-  int64_t offset = 0, n = 0, d = 0;
-  int64_t version = 0;
-  at::ScalarType dtype = at::ScalarType::Undefined;
-  unsigned have = 0;
-  bool same(const at::Tensor& rows, int64_t n_, int64_t d_, unsigned need) const {
-    if (!storage || n != n_ || d != d_ || rows.scalar_type() != dtype || rows.storage_offset() != offset ||
-        (have & need) != need || rows._version() != version)
-      return false;
-    c10::intrusive_ptr<c10::StorageImpl> alive = storage->lock();
-    return alive && alive.get() == rows.storage().unsafeGetStorageImpl();
-  }
-};
-thread_local LastBatch last_batch;
-
-// Rows whose identity says their values: a contiguous CPU tensor with storage and a
-// version counter (inference tensors have none).
-bool identifiable(const at::Tensor& rows) {
-  return rows.has_storage() && rows.device().is_cpu() && rows.is_contiguous() && !rows.is_inference() &&
-         rows.layout() == at::kStrided && !rows.is_neg() && !rows.is_conj();
-}
-}  // namespace
-
 void update_reductions(const std::vector<std::shared_ptr<Reduction>>& reductions, const at::Tensor& rows,
                        int64_t row_offset) {
   if (reductions.size() >= 2) {
@@ -897,18 +866,6 @@ void update_reductions(const std::vector<std::shared_ptr<Reduction>>& reductions
   BatchStats st;
   st.n = n;
   st.d = d;
-  LastBatch& last = last_batch;
-  const bool known = identifiable(rows);
-  if (known && last.same(rows, n, d, need)) {
-    st.mean = (need & (kStatMean | kStatM2 | kStatMin | kStatMax)) ? sum : nullptr;
-    st.min = st.mean ? mn : nullptr;
-    st.max = st.mean ? mx : nullptr;
-    st.m2 = (need & kStatM2) ? m2 : nullptr;
-    st.absmax = (need & kStatAbsMax) ? ax : nullptr;
-    for (auto* b : fused) b->fused_end(st);
-    return;
-  }
-  last.storage.reset();  // the buffer is being overwritten
   if (need & (kStatMean | kStatM2 | kStatMin | kStatMax)) {
     std::fill(sum, sum + d, 0.0);
     std::fill(mn, mn + d, INFINITY);
@@ -929,15 +886,6 @@ void update_reductions(const std::vector<std::shared_ptr<Reduction>>& reductions
     std::fill(ax, ax + d, -INFINITY);
     kernels::fold_extremum(kernels::Ext::kAbsMax, view, ax);
     st.absmax = ax;
-  }
-  if (known) {
-    last.storage.emplace(rows.storage().getWeakStorageImpl());
-    last.offset = rows.storage_offset();
-    last.n = n;
-    last.d = d;
-    last.version = rows._version();
-    last.dtype = rows.scalar_type();
-    last.have = need;
   }
   for (auto* b : fused) b->fused_end(st);
 }

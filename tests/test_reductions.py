@@ -1156,3 +1156,27 @@ def test_hook_points_sharing_a_tensor_reduce_exactly_with_an_in_place_change_bet
                    "absmax": a.abs().amax(0)}
             for k in kinds:
                 torch.testing.assert_close(tr.reductions[hp][k], ref[k], rtol=1e-10, atol=1e-12, msg=f"{hp} {k}")
+
+
+def test_a_write_that_bypasses_the_version_counter_is_still_reduced_exactly():
+    """A module that changes its input through numpy (no version bump) hands the next hook
+    point other values than the last: each hook point's statistics are of its own values."""
+    import activationscope as acs
+
+    class Negate(torch.nn.Module):
+        def forward(self, x):
+            x.numpy()[:] *= -3
+            return x
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), Negate()).eval()
+    x = torch.randn(8, 4)
+    scope = acs.ActivationScope(capture="both", reductions=["max", "min"],
+                                reduction_policy=acs.ReductionPolicy.STREAMING)
+    with torch.no_grad():
+        before = model[0](x)
+    with torch.no_grad(), scope.track(model) as tr:
+        out = model(x)
+    torch.testing.assert_close(tr.reductions["1.output"]["max"], out.double().amax(0))
+    torch.testing.assert_close(tr.reductions["1.output"]["min"], out.double().amin(0))
+    torch.testing.assert_close(tr.reductions["0.output"]["max"], before.double().amax(0))
