@@ -927,7 +927,7 @@ class ActivationDataset(Dataset):
                     return Batch({hps[0]: read(hps[0], a, b)}, b - a)
                 return Batch({hp: read(hp, a, b) for hp in hps}, b - a)
         data = self.get_batch(indices)
-        return Batch(data, len(indices))
+        return Batch(data, len(data[self.hook_points[0]]))  # (a bool mask reads fewer rows than its length)
 
     def __getitem__(self, index: Any) -> dict[str, Any]:
         """``ds[i]``: one row (views of the store row); ``ds[slice | range | list | Tensor]``: :meth:`get_batch`.

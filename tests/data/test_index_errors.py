@@ -291,3 +291,11 @@ def test_a_bool_mask_of_another_length_than_the_dataset_is_refused(ds, length):
 def test_a_bool_among_ints_is_refused_not_read_as_position_one(ds, index, at):
     with pytest.raises(ArgumentTypeError, match=rf"got (np\.)?(True|False)_? \(bool\) at element {at}"):
         ds[index]
+
+
+def test_a_bool_mask_batch_has_the_length_of_its_rows(ds, data):
+    _, a = data
+    mask = torch.zeros(N, dtype=torch.bool)
+    mask[[5, 9]] = True
+    batch = ds.__getitems__(mask)
+    assert len(batch) == 2 and torch.equal(batch.data["a"], a[[5, 9]])
