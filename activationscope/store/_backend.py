@@ -359,6 +359,20 @@ class LocalBackend:
         os.close(opened[0])
         return opened[1]
 
+    def tail(self, key: str, length: int) -> tuple[int, bytes] | None:
+        """``(size, last min(length, size) bytes)`` of a regular file inside the store, from
+        one open (a shard's size and index: opening a layer reads one per shard); None when
+        absent. Raises as :meth:`get`."""
+        opened = self._open_regular(key)
+        if opened is None:
+            return None
+        fd, size = opened
+        try:
+            n = max(0, min(length, size))
+            return size, os.pread(fd, n, size - n)
+        finally:
+            os.close(fd)
+
     def set(self, key: str, data: bytes) -> None:
         check_key(key, store=self, what="key")
         p = self.root / key

@@ -1,0 +1,68 @@
+"""The shard index check: the one-compare path for the dense layout every uncompressed
+capture writes agrees with the per-chunk check, and never accepts what that check refuses."""
+
+from __future__ import annotations
+
+import pytest
+
+from activationscope.errors import StoreCorruptError
+from activationscope.store import open_store
+from activationscope.store import reader as reader_mod
+
+from hostile import CHUNK_ROWS, FEATURE, HP, N_ROWS, SHARD_ROWS, make_store, set_index, shard
+
+N_SHARDS = -(-N_ROWS // SHARD_ROWS)
+
+
+def _indexes(path, monkeypatch=None, dense=True):
+    if not dense:  # no template ever matches: every shard takes the per-chunk check
+        monkeypatch.setattr(reader_mod, "_dense_index", lambda *a: (b"", ()))
+    s = open_store(path)
+    meta = s._meta(HP)
+    return [s._shard_index(meta, k) for k in range(N_SHARDS)]
+
+
+@pytest.mark.parametrize("n_rows", [N_ROWS, N_ROWS - 24])  # whole shards; a last shard of 2 committed chunks
+def test_dense_index_equals_the_per_chunk_check(tmp_path, monkeypatch, n_rows):
+    path = tmp_path / "s.zarr"
+    data = make_store(path, n_rows=n_rows)
+    fast = _indexes(path)
+    slow = _indexes(path, monkeypatch, dense=False)
+    assert [(i.key, i.file_bytes, i.entries, i.contiguous, i.bad) for i in fast] == \
+           [(i.key, i.file_bytes, i.entries, i.contiguous, i.bad) for i in slow]
+    chunk_bytes = CHUNK_ROWS * FEATURE * 4
+    assert fast[0].entries == tuple((j * chunk_bytes, chunk_bytes) for j in range(SHARD_ROWS // CHUNK_ROWS))
+    assert all(i.contiguous and not i.bad for i in fast)
+    monkeypatch.undo()
+    assert open_store(path)[HP].equal(data)
+
+
+def test_index_past_the_data_is_not_taken_as_dense(tmp_path):
+    """A shard cut short and given back its (valid, dense) index: the committed chunks would lie
+    past the end of its data, so the per-chunk check runs and names the chunk."""
+    path = tmp_path / "s.zarr"
+    make_store(path)
+    f = shard(path, 1)
+    raw = f.read_bytes()
+    n_chunks = SHARD_ROWS // CHUNK_ROWS
+    index = raw[-(16 * n_chunks + 4):]
+    chunk_bytes = CHUNK_ROWS * FEATURE * 4
+    f.write_bytes(raw[: (n_chunks - 1) * chunk_bytes] + index)  # the last chunk's bytes are gone
+    s = open_store(path)
+    with pytest.raises(StoreCorruptError, match=r"chunk 7 .*points past the end of the chunk data"):
+        s.rows(HP, SHARD_ROWS + 3 * CHUNK_ROWS, SHARD_ROWS + 3 * CHUNK_ROWS + 1)
+    assert s.rows(HP, SHARD_ROWS, SHARD_ROWS + 1).shape == (1, FEATURE)  # the shard's other chunks stay readable
+
+
+def test_moved_chunk_is_not_taken_as_dense(tmp_path):
+    path = tmp_path / "s.zarr"
+    data = make_store(path)
+    chunk_bytes = CHUNK_ROWS * FEATURE * 4
+    set_index(path, 0, 1, 0, chunk_bytes)  # slot 1 points at slot 0's bytes
+    idx = _indexes(path)[0]
+    assert not idx.contiguous
+    assert idx.entries[1] == (0, chunk_bytes)
+    s = open_store(path)
+    with pytest.raises(StoreCorruptError, match=r"chunk 1 .*crc32c mismatch"):  # checked, not mapped
+        s.rows(HP, CHUNK_ROWS, CHUNK_ROWS + 1)
+    assert s.rows(HP, 0, 1).equal(data[0:1])
