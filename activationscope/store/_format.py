@@ -90,7 +90,14 @@ def zarr_dtype(name: str) -> str:
 
 
 def itemsize(name: str) -> int:
-    return torch.empty((), dtype=torch_dtype(name)).element_size()
+    """Bytes per element of a supported dtype name (ArgumentValueError for another name)."""
+    size = _ITEMSIZE.get(name)
+    if size is None:
+        size = _ITEMSIZE[name] = torch_dtype(name).itemsize
+    return size
+
+
+_ITEMSIZE: dict[str, int] = {}
 
 
 def node_name(hook_point: str) -> str:

@@ -1070,16 +1070,17 @@ class Store:
         Cached per array and committed row count; None when the layout does not allow it or
         the native extension is absent.
         """
-        C = _native.optional()
-        rb = V.row_bytes(meta)
-        n, shard_rows = int(meta["n_rows"]), int(meta["shard_rows"])
-        stride = shard_rows * rb
-        if C is None or n == 0 or rb == 0 or stride % mmap.PAGESIZE:
-            return None
+        n = int(meta["n_rows"])
         with self._lock:
             cached = self._whole.get(meta["path"])
         if cached is not None and cached[0] == n:
             return cached[1]
+        C = _native.optional()
+        rb = V.row_bytes(meta)
+        shard_rows = int(meta["shard_rows"])
+        stride = shard_rows * rb
+        if C is None or n == 0 or rb == 0 or stride % mmap.PAGESIZE:
+            return None
         n_shards = -(-n // shard_rows)
         if not all(self._shard_index(meta, k).contiguous for k in range(n_shards)):
             return None
