@@ -1180,3 +1180,34 @@ def test_a_write_that_bypasses_the_version_counter_is_still_reduced_exactly():
     torch.testing.assert_close(tr.reductions["1.output"]["max"], out.double().amax(0))
     torch.testing.assert_close(tr.reductions["1.output"]["min"], out.double().amin(0))
     torch.testing.assert_close(tr.reductions["0.output"]["max"], before.double().amax(0))
+
+
+def test_fused_min_max_keep_a_nan_seen_in_any_row_of_a_block():
+    """The fused sums / extrema pass over float32 rows (blocks of 8 columns in registers, and the
+    columns after the last block): a NaN in a column's first, middle or last row, in any batch,
+    makes that column's min and max NaN; the other columns keep their exact extrema and sums."""
+    from activationscope.capture import _native
+
+    C = _native.load()
+    g = torch.Generator().manual_seed(31)
+    x = torch.randn(40, 27, generator=g)
+    x[0, 3] = x[17, 10] = x[39, 26] = x[21, 8] = float("nan")  # first / middle / last row, block and tail columns
+    x[5, 4], x[6, 12] = float("inf"), -float("inf")
+    x[7, 0], x[8, 1] = -0.0, 0.0
+    want_min = torch.where(x.isnan().any(0), float("nan"), x.double().nan_to_num(nan=float("inf")).amin(0))
+    want_max = torch.where(x.isnan().any(0), float("nan"), x.double().nan_to_num(nan=-float("inf")).amax(0))
+    want_sum = x.double().sum(0)
+    for split in ([40], [1, 39], [20, 20], [17, 5, 18]):
+        group = _make_group(["mean", "min", "max"])
+        offset = 0
+        for p in x.split(split):
+            C.update_reductions(group, p, offset)
+            offset += p.shape[0]
+        mn, mx = group[1].result()["min"], group[2].result()["max"]
+        assert torch.equal(mn.isnan(), want_min.isnan()) and torch.equal(mx.isnan(), want_max.isnan()), split
+        assert torch.equal(mn.nan_to_num(), want_min.nan_to_num()), split
+        assert torch.equal(mx.nan_to_num(), want_max.nan_to_num()), split
+        mean = group[0].result()["mean"]
+        finite = ~x.isnan().any(0) & ~x.isinf().any(0)
+        torch.testing.assert_close(mean[finite], (want_sum / 40)[finite], rtol=1e-15, atol=1e-15)
+        assert mean[~finite & ~x.isnan().any(0)].isinf().all(), split
