@@ -348,6 +348,12 @@ def _as_index(x: Any, what: str, n: int, unit: str, kinds: str) -> torch.Tensor:
             if x.layout != torch.strided:
                 raise ArgumentTypeError(f"{what} must be a dense tensor, got layout {x.layout}; pass index.to_dense()")
             x = x.cpu()
+        if x.dtype == torch.uint8 and x.dim() > 0:
+            raise ArgumentTypeError(
+                f"{what} must not be a uint8 Tensor, got {_short(x)}: torch indexing reads a uint8 tensor as a "
+                "mask (deprecated) and numpy a uint8 array as positions, so its meaning is ambiguous; pass "
+                "index.bool() for a mask or index.long() for positions"
+            )
         if x.dtype == _UINT64 and x.numel():
             x = _uint64_positions(x.view(torch.int64), what, n, unit)
         return x

@@ -299,3 +299,20 @@ def test_a_bool_mask_batch_has_the_length_of_its_rows(ds, data):
     mask[[5, 9]] = True
     batch = ds.__getitems__(mask)
     assert len(batch) == 2 and torch.equal(batch.data["a"], a[[5, 9]])
+
+
+def test_a_uint8_tensor_index_is_refused_as_ambiguous_and_a_uint8_array_is_positions(ds, data):
+    """torch indexing reads a uint8 tensor as a mask (deprecated), numpy a uint8 array as positions:
+    a uint8 tensor is refused with both fixes, in ds[...] and in rows=, and never read as either."""
+    path, a = data
+    index = torch.tensor([1, 0, 1], dtype=torch.uint8)
+    with pytest.raises(ArgumentTypeError, match=r"ds\[index\]: index must not be a uint8 Tensor, got a torch\.uint8 Tensor "
+                                                r"of shape \(3,\) .* pass index\.bool\(\) for a mask or index\.long\(\)"):
+        ds[index]
+    with pytest.raises(ArgumentTypeError, match=r"must not be a uint8 Tensor"):
+        ds.get_batch(torch.ones(N, dtype=torch.uint8))
+    with pytest.raises(ArgumentTypeError, match=r"rows must not be a uint8 Tensor"):
+        _make(path, torch.tensor([3, 1], dtype=torch.uint8))
+    assert torch.equal(ds[index.long()]["a"], a[[1, 0, 1]])
+    assert torch.equal(ds[np.array([1, 0, 1], dtype=np.uint8)]["a"], a[[1, 0, 1]])  # numpy: positions
+    assert torch.equal(ds[torch.tensor(2, dtype=torch.uint8)]["a"], a[2])  # 0-d: one row, as an int
