@@ -137,6 +137,32 @@ def test_a_token_rows_pattern_that_selects_no_hook_point_raises_after_the_first_
         assert s.n_samples == 0 and all(s.n_rows(hp) == 0 for hp in s.hook_points)
 
 
+@pytest.mark.parametrize("store", [False, True])
+def test_a_token_rows_refusal_caught_in_the_block_is_raised_again_at_the_close_with_its_attributes(tmp_path, store):
+    from activationscope import HookPointNotFoundError
+
+    m = Pooled()
+    ids, mask = _inputs()
+    path = tmp_path / "s.zarr"
+    scope = ActivationScope(store=str(path) if store else None, token_rows={"head": False})
+    caught = []
+    with pytest.raises(HookPointNotFoundError) as e:
+        with torch.no_grad(), scope.track(m, include=["emb", "head"]) as tr:
+            tr.set_batch(attention_mask=mask)
+            try:
+                m(ids)
+            except HookPointNotFoundError as inner:
+                caught.append(inner)
+    assert len(caught) == 1 and e.value is not caught[0]
+    assert str(e.value) == str(caught[0])
+    for error in (caught[0], e.value):
+        assert (error.argument, error.pattern, error.hook_points) == ("token_rows", "head",
+                                                                      ["emb.output", "head.output"])
+    if store:
+        s = open_store(str(path))
+        assert s.n_samples == 0 and all(s.n_rows(hp) == 0 for hp in s.hook_points)
+
+
 def test_a_token_rows_pattern_of_track_is_checked_too():
     from activationscope import HookPointNotFoundError
 

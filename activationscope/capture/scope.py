@@ -514,6 +514,7 @@ class Tracker:
         self._first_checked = False
         self._refused: str | None = None
         self._refused_error: type[ActivationScopeError] = CaptureError  # raised again at the close
+        self._refused_attrs: dict[str, Any] = {}  # ... with these attributes (argument, pattern, hook_points)
         self._token_rows = scope.token_rows
         # a mask that applies to no hook point: their first shapes, and whether token_rows= chose
         # sample rows for one (then sample rows are asked for, not a mistake)
@@ -741,7 +742,10 @@ class Tracker:
             if self.writer is not None:
                 _discard(self.writer)
             if exc is None:  # the refusal was caught inside the block: say it again
-                raise self._refused_error(self._refused)
+                error = self._refused_error(self._refused)
+                for name, value in self._refused_attrs.items():
+                    setattr(error, name, value)
+                raise error
             return
         if exc is None and self._open_forward is not None:  # the last forward raised, caught
             self._forward_raised(at_exit=True)
@@ -1129,8 +1133,10 @@ class Tracker:
                 )
                 if self.writer is not None and self._closed:
                     _discard(self.writer)
+                self._refused_attrs = {"argument": argument, "pattern": pattern, "hook_points": sorted(hook_points)}
                 error = HookPointNotFoundError(self._refused)
-                error.argument, error.pattern, error.hook_points = argument, pattern, sorted(hook_points)
+                for name, value in self._refused_attrs.items():
+                    setattr(error, name, value)
                 raise error
 
     def _resume_reductions(self, name: str, sink: Any) -> None:
