@@ -279,8 +279,8 @@ def commit_ranks(target: Any, *, storage_options: dict | None = None,
         must agree with the world size the root and every rank store record (``RankStore(rank,
         world_size)``, the ``torchrun`` world), also on a store already committed.
     verify : bool, default True
-        Check the crc32c of every chunk of every rank shard of a local store before writing
-        anything (one read of every shard: stores from elsewhere, ``activationscope
+        Check the crc32c of every chunk of every rank shard, local or on object storage, before
+        writing anything (one read of every shard: stores from elsewhere, ``activationscope
         consolidate``). False checks only the tail shards, which the commit reads anyway; the
         end of a ``torchrun`` capture commits so, its ranks having just written the shards
         with their crc32c. File sizes against the manifests are always checked.
@@ -408,9 +408,10 @@ def _check_rank_shards(hp: str, meta: dict, stores: list[Store], local: bool,
     the bytes the manifest lists; on a local store every committed chunk of every rank shard
     (full or tail; with ``verify=False`` the tails only, which the commit reads anyway)
     matches its manifest crc32c (``Store._check_shard_crcs``: one read of each shard, which
-    the page cache then serves to the copy of the tails). On object storage the full shards
-    are copied server-side and not read; the tails are read through decoded reads, which
-    check each chunk's crc32c.
+    the page cache then serves to the copy of the tails). On object storage the tails are
+    read through decoded reads, which check each chunk's crc32c; the full shards, copied
+    server-side, are read and checked once before anything is written with ``verify=True``
+    (``consolidate``), and not read with ``verify=False``.
 
     Returns
     -------
@@ -461,10 +462,10 @@ def _check_rank_shards(hp: str, meta: dict, stores: list[Store], local: bool,
                     f"rank {r}: shard {k} of {hp!r} ({F.shard_key(path, k, nd)}) holds {size} bytes, its manifest "
                     f"says {rec.get('file_bytes')!r}; nothing was committed. Run verify on {st.path!r}, and "
                     "rerun that rank (or restore the shard) before committing")
-        if local:
+        if local or verify:  # object storage: the tails are read (and checked) by the commit anyway
             fix = (f"nothing was committed. Rerun rank {r} (or restore the shard from an intact copy) and "
                    f"consolidate again; `activationscope verify {st.path}` lists every damaged file")
-            for k in range(0 if verify else n // S, -(-n // S)):
+            for k in range(0 if verify else n // S, -(-n // S) if local else n // S):
                 st._check_shard_crcs(hp, k, fix)
         out.append(recs)
     return out

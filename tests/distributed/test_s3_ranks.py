@@ -75,3 +75,29 @@ def test_root_put_is_conditional_on_s3(s3):
     R._put_root(b2, b"{}", None)  # If-None-Match: * on a new store
     with pytest.raises(acs.StoreError, match="another committer"):
         R._put_root(b2, b"{}", None)
+
+
+def test_consolidate_on_s3_checks_every_full_shard_before_committing(s3):
+    """A full rank shard damaged in place (same size, one byte changed): the commit with
+    ``verify=True`` (``activationscope consolidate``) reads every shard and refuses, naming the
+    rank and the shard; nothing is committed and the rank stores stay."""
+    import s3fs
+
+    from activationscope.errors import StoreCorruptError
+    from activationscope.store.ranks import commit_ranks
+
+    url = "s3://acs-ranks/damaged.zarr"
+    job.capture_rank_stores(url, ["mean"], WORLD, storage_options=s3)
+    fs = s3fs.S3FileSystem(**s3)
+    rank = acs.open_store(f"{url}/ranks/00001", storage_options=s3)
+    hp = rank.hook_points[0]
+    meta = rank.attrs["arrays"][hp]
+    assert rank.n_rows(hp) >= int(meta["shard_rows"])  # a full shard: copied server-side, never read otherwise
+    shard = sorted(k for k in fs.find(f"acs-ranks/damaged.zarr/ranks/00001/{meta['path']}/c/0"))[0]
+    raw = bytearray(fs.cat_file(shard))
+    raw[10] ^= 0xFF
+    fs.pipe_file(shard, bytes(raw))
+    with pytest.raises(StoreCorruptError, match=r"ranks/00001.: chunk 0 .*crc32c mismatch.*nothing was committed\. Rerun rank 1"):
+        commit_ranks(url, storage_options=s3)
+    assert acs.open_store(url, storage_options=s3).status == "incomplete"
+    assert fs.exists(shard)
