@@ -582,6 +582,7 @@ class ActivationDataset(Dataset):
             raise ArgumentValueError(f"column names clash with hook point names: {sorted(clash)}")
         # the rows of the dataset: a range of store rows, or an int64 tensor of store rows
         self._start, self._stop, self._ids = 0, self.n_store_rows, None
+        self._window: tuple[int, int, torch.Tensor, dict, str] | None = None  # see _remember_window
         self._select_rows(rows)
         if filter is not None or sample_ids is not None:
             self._apply_filter(filter, sample_ids)
@@ -726,6 +727,7 @@ class ActivationDataset(Dataset):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_col_cache"] = None
+        state["_window"] = None  # (a view of the mapped rows: never pickled)
         return state
 
     # ------------------------------------------------------------------ size and index
@@ -921,19 +923,42 @@ class ActivationDataset(Dataset):
         Returns a :class:`Batch`; ``default_collate`` (and :func:`collate`) turn it into the
         dict of :meth:`get_batch` without stacking rows.
         """
-        if type(indices) is range and self._ids is None and not self.columns:
+        if type(indices) is range:
             # a sequential batch sampler's batch: rows [start, stop) of every hook point
             # (per-batch Python here costs as much as the batch's own bookkeeping: keep it short)
-            start = self._start
-            a, b = indices.start + start, indices.stop + start
-            if indices.step == 1 and start <= a < b <= self._stop:
-                read = self.source.read
-                hps = self.hook_points
-                if len(hps) == 1:
-                    return Batch({hps[0]: read(hps[0], a, b)}, b - a)
-                return Batch({hp: read(hp, a, b) for hp in hps}, b - a)
+            w = self._window
+            if w is not None:  # one hook point: the mapped rows the last batch came from
+                a, b, lo = indices.start, indices.stop, w[0]
+                if lo <= a < b <= w[1] and indices.step == 1 and w[3] is self.source._recent:
+                    return Batch({w[4]: w[2][a - lo : b - lo]}, b - a)
+            if self._ids is None and not self.columns:
+                start = self._start
+                a, b = indices.start + start, indices.stop + start
+                if indices.step == 1 and start <= a < b <= self._stop:
+                    read = self.source.read
+                    hps = self.hook_points
+                    if len(hps) == 1:
+                        rows = read(hps[0], a, b)
+                        self._remember_window(hps[0])
+                        return Batch({hps[0]: rows}, b - a)
+                    return Batch({hp: read(hp, a, b) for hp in hps}, b - a)
         data = self.get_batch(indices)
         return Batch(data, len(data[self.hook_points[0]]))  # (a bool mask reads fewer rows than its length)
+
+    def _remember_window(self, hp: str) -> None:
+        """Keep, in dataset positions, the mapped rows the source's last read of ``hp`` came
+        from (``StoreSource._recent``: within one mapped segment and its read-ahead hint), so
+        that the next sequential batches inside them are sliced here directly; the window is
+        used only while the source keeps the same ``_recent`` (a fork or a pickle replaces it)."""
+        recent = self.source._recent
+        got = recent.get(hp)
+        if got is None:
+            self._window = None
+            return
+        lo, hi, view = got
+        start = self._start
+        lo, hi = max(lo, start), min(hi, self._stop)
+        self._window = None if hi <= lo else (lo - start, hi - start, view[lo - got[0] :], recent, hp)
 
     def __getitem__(self, index: Any) -> dict[str, Any]:
         """``ds[i]``: one row (views of the store row); ``ds[slice | range | list | Tensor]``: :meth:`get_batch`.

@@ -37,19 +37,43 @@ def data(tmp_path):
     return path, {"a": a, "b": b}
 
 
+@pytest.mark.parametrize("hook_points", [None, ["b"]], ids=["two", "one"])  # one: the dataset's own window
 @pytest.mark.parametrize("rows", [None, range(5, 50)])
 @pytest.mark.parametrize("batch", [1, 3, 7, 16])
-def test_sequential_batches_equal_the_stored_rows(data, rows, batch):
+def test_sequential_batches_equal_the_stored_rows(data, rows, batch, hook_points):
     path, ref = data
-    ds = ActivationDataset(path, rows=rows, open_options={"opener": _open_windowed})
+    ds = ActivationDataset(path, rows=rows, hook_points=hook_points, open_options={"opener": _open_windowed})
     base = 0 if rows is None else rows.start
     n = len(ds)
     for epoch in range(2):  # the second epoch starts over, behind the last window
         for a in range(0, n, batch):
             idx = range(a, min(n, a + batch))
             got = collate(ds.__getitems__(idx))
-            for hp in ("a", "b"):
+            for hp in hook_points or ("a", "b"):
                 assert torch.equal(got[hp], ref[hp][base + idx.start : base + idx.stop]), (epoch, idx, hp)
+            assert list(got) == (hook_points or ["a", "b"])
+    # backwards and skipping about, and past the end of the window's rows
+    for a in (n - 2, 0, n // 2, 3, n - 1):
+        got = collate(ds.__getitems__(range(a, min(n, a + batch))))
+        for hp in hook_points or ("a", "b"):
+            assert torch.equal(got[hp], ref[hp][base + a : base + min(n, a + batch)]), (a, hp)
+
+
+def test_the_window_of_sequential_reads_is_not_pickled_and_not_used_after_the_source_reopens(data):
+    import pickle
+
+    path, ref = data
+    ds = ActivationDataset(path, hook_points=["a"], open_options={"opener": _open_windowed})
+    ds.__getitems__(range(7, 9))
+    assert ds._window is not None and ds._window[:2] == (7, 14)  # the mapped shard's rows, all hinted
+    again = pickle.loads(pickle.dumps(ds))
+    assert again._window is None
+    assert torch.equal(collate(again.__getitems__(range(8, 10)))["a"], ref["a"][8:10])
+    old = ds._window
+    ds.source._drop_handles()  # what a fork or an unpickle does: the window's rows are not used
+    got = ds.__getitems__(range(8, 10))
+    assert ds._window is not old and ds._window[3] is ds.source._recent  # read through the source again
+    assert torch.equal(collate(got)["a"], ref["a"][8:10])
 
 
 def test_a_batch_inside_one_shard_is_a_view_and_hints_are_not_repeated(data):
