@@ -101,3 +101,40 @@ def test_consolidate_on_s3_checks_every_full_shard_before_committing(s3):
         commit_ranks(url, storage_options=s3)
     assert acs.open_store(url, storage_options=s3).status == "incomplete"
     assert fs.exists(shard)
+
+
+def test_consolidate_on_s3_reads_each_full_shard_once(s3, monkeypatch):
+    """The crc32c check of the full rank shards on object storage reads each shard's chunk data
+    in one request, not one ranged request (and a size look-up) per chunk: a default 64 MiB
+    shard of 256 KiB chunks was 768 requests. The committed rows are those captured."""
+    from activationscope.store import _backend as B
+    from activationscope.store.ranks import commit_ranks
+
+    url = "s3://acs-ranks/reads.zarr"
+    job.capture_rank_stores(url, ["mean"], WORLD, storage_options=s3)
+    full = {}  # shard key (inside the store) -> rows check; only the full shards of each rank
+    for r in range(WORLD):
+        rank = acs.open_store(f"{url}/ranks/{r:05d}", storage_options=s3)
+        for hp in rank.hook_points:
+            meta = rank.attrs["arrays"][hp]
+            assert int(meta["shard_rows"]) // int(meta["chunk_rows"]) >= 2  # several chunks per shard
+            for k in range(rank.n_rows(hp) // int(meta["shard_rows"])):
+                full[f"ranks/{r:05d}/{rank._shard_key(meta, k)}"] = 0
+    assert full
+    reads = []
+    get_range = B.ZarrBackend.get_range
+
+    def counted(self, key, start, length):
+        reads.append(f"{self}/{key}")
+        return get_range(self, key, start, length)
+
+    monkeypatch.setattr(B.ZarrBackend, "get_range", counted)
+    commit_ranks(url, storage_options=s3, verify=True)
+    for read in reads:
+        for k in full:
+            if read.endswith(f"/{k}"):
+                full[k] += 1
+    assert all(n == 2 for n in full.values()), full  # its index, then its chunks in one read
+    monkeypatch.undo()
+    st = acs.open_store(url, storage_options=s3)
+    assert st.status == "complete"
