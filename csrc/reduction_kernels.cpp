@@ -6,7 +6,6 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
-#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -240,20 +239,21 @@ struct SumMinMaxOp {
 
 #if ACS_AVX2_DISPATCH
 // SumMinMaxOp on float32 rows with AVX2 intrinsics: blocks of 8 columns keep their sums,
-// minima, maxima and a "saw a NaN" mask in registers down the rows (the row fold above keeps
-// them in memory, one load and store per row). The same results: each column summed in row
-// order in double (no FMA), min / max picked by the same comparisons (v < lo ? v : lo), and a
-// column that saw a NaN (or started as one) ends as NaN.
+// minima, maxima, a "saw a NaN" mask and the last NaN seen in registers down the rows (the row
+// fold above keeps them in memory, one load and store per row). The same results, bit for bit:
+// each column summed in row order in double (no FMA), min / max picked by the same comparisons
+// (v < lo ? v : lo), and a column that saw a NaN (or started as one) ends as the last NaN it
+// saw, sign and payload kept, as the row fold's lo = v != v ? v : m does.
 ACS_TARGET_AVX2 void sum_min_max_f32_avx2(const float* __restrict x, int64_t n, int64_t d, double* __restrict sum,
                                           double* __restrict mn, double* __restrict mx) {
   int64_t j0 = 0;
-  const __m256d qnan = _mm256_set1_pd(std::numeric_limits<double>::quiet_NaN());
   for (; j0 + 8 <= d; j0 += 8) {
     __m256d s0 = _mm256_loadu_pd(sum + j0), s1 = _mm256_loadu_pd(sum + j0 + 4);
     __m256d l0 = _mm256_loadu_pd(mn + j0), l1 = _mm256_loadu_pd(mn + j0 + 4);
     __m256d h0 = _mm256_loadu_pd(mx + j0), h1 = _mm256_loadu_pd(mx + j0 + 4);
-    __m256d q0 = _mm256_or_pd(_mm256_cmp_pd(l0, l0, _CMP_UNORD_Q), _mm256_cmp_pd(h0, h0, _CMP_UNORD_Q));
-    __m256d q1 = _mm256_or_pd(_mm256_cmp_pd(l1, l1, _CMP_UNORD_Q), _mm256_cmp_pd(h1, h1, _CMP_UNORD_Q));
+    // a NaN state (from an earlier chunk) is one value in mn and mx, as the row fold leaves it
+    __m256d q0 = _mm256_cmp_pd(l0, l0, _CMP_UNORD_Q), q1 = _mm256_cmp_pd(l1, l1, _CMP_UNORD_Q);
+    __m256d nv0 = l0, nv1 = l1;  // the last NaN seen (where q is set)
     const float* p = x + j0;
     for (int64_t i = 0; i < n; ++i, p += d) {
       const __m256 v = _mm256_loadu_ps(p);
@@ -265,15 +265,18 @@ ACS_TARGET_AVX2 void sum_min_max_f32_avx2(const float* __restrict x, int64_t n, 
       l1 = _mm256_min_pd(v1, l1);
       h0 = _mm256_max_pd(v0, h0);  // v > h ? v : h
       h1 = _mm256_max_pd(v1, h1);
-      q0 = _mm256_or_pd(q0, _mm256_cmp_pd(v0, v0, _CMP_UNORD_Q));
-      q1 = _mm256_or_pd(q1, _mm256_cmp_pd(v1, v1, _CMP_UNORD_Q));
+      const __m256d u0 = _mm256_cmp_pd(v0, v0, _CMP_UNORD_Q), u1 = _mm256_cmp_pd(v1, v1, _CMP_UNORD_Q);
+      q0 = _mm256_or_pd(q0, u0);
+      q1 = _mm256_or_pd(q1, u1);
+      nv0 = _mm256_blendv_pd(nv0, v0, u0);
+      nv1 = _mm256_blendv_pd(nv1, v1, u1);
     }
     _mm256_storeu_pd(sum + j0, s0);
     _mm256_storeu_pd(sum + j0 + 4, s1);
-    _mm256_storeu_pd(mn + j0, _mm256_blendv_pd(l0, qnan, q0));
-    _mm256_storeu_pd(mn + j0 + 4, _mm256_blendv_pd(l1, qnan, q1));
-    _mm256_storeu_pd(mx + j0, _mm256_blendv_pd(h0, qnan, q0));
-    _mm256_storeu_pd(mx + j0 + 4, _mm256_blendv_pd(h1, qnan, q1));
+    _mm256_storeu_pd(mn + j0, _mm256_blendv_pd(l0, nv0, q0));
+    _mm256_storeu_pd(mn + j0 + 4, _mm256_blendv_pd(l1, nv1, q1));
+    _mm256_storeu_pd(mx + j0, _mm256_blendv_pd(h0, nv0, q0));
+    _mm256_storeu_pd(mx + j0 + 4, _mm256_blendv_pd(h1, nv1, q1));
   }
   for (; j0 < d; ++j0) {  // the last d % 8 columns: SumMinMaxOp's steps, one column at a time
     double s = sum[j0], a = mn[j0], b = mx[j0];

@@ -1211,3 +1211,31 @@ def test_fused_min_max_keep_a_nan_seen_in_any_row_of_a_block():
         finite = ~x.isnan().any(0) & ~x.isinf().any(0)
         torch.testing.assert_close(mean[finite], (want_sum / 40)[finite], rtol=1e-15, atol=1e-15)
         assert mean[~finite & ~x.isnan().any(0)].isinf().all(), split
+
+
+@pytest.mark.parametrize("width", [3, 8, 27])
+def test_fused_min_max_keep_the_last_nan_bit_for_bit(width):
+    """A column that saw NaNs ends as the last one it saw, sign and payload, in the fused pass
+    (8-column blocks and the columns after them) as in the separate updates."""
+    import struct
+
+    from activationscope.capture import _native
+
+    C = _native.load()
+    nan = lambda bits: struct.unpack("f", struct.pack("I", bits))[0]  # noqa: E731
+    x = torch.randn(9, width, generator=torch.Generator().manual_seed(32))
+    x[2, 0], x[6, 0] = nan(0xFFC00000), nan(0x7FC00123)  # -NaN then a NaN with a payload: the last stays
+    x[4, width - 1] = nan(0xFFC00001)
+    for split in ([9], [3, 6], [7, 2]):
+        fused, separate = _make_group(["mean", "min", "max"]), _make_group(["mean", "min", "max"])
+        offset = 0
+        for p in x.split(split):
+            C.update_reductions(fused, p, offset)
+            for r in separate:
+                r.update(p, offset)
+            offset += p.shape[0]
+        for a, b in zip(fused[1:], separate[1:]):
+            for k in a.result():
+                got, want = a.result()[k], b.result()[k]
+                assert torch.equal(got.view(torch.int64), want.view(torch.int64)), (split, k)
+        assert fused[1].result()["min"][0].view(torch.int64) == torch.tensor(nan(0x7FC00123), dtype=torch.float64).view(torch.int64)

@@ -135,6 +135,11 @@ class _ShardIndex:
 _CHECK_READ_BYTES = 64 << 20
 
 
+#: Shards of at most this many chunks are compared with their dense index (the templates are
+#: cached: a hostile store of millions of chunks per shard would otherwise keep them alive).
+_DENSE_MAX_CHUNKS = 4096
+
+
 @functools.lru_cache(maxsize=64)
 def _dense_index(n_chunks: int, committed: int, chunk_bytes: int) -> tuple[bytes, tuple[tuple[int, int], ...]]:
     """The shard index (without its crc32c) of an uncompressed shard whose ``committed``
@@ -947,7 +952,8 @@ class Store:
         data_end = size - index_bytes
         committed = max(0, min(n_chunks, -(-(n - shard * shard_rows) // chunk_rows)))
         compressed = meta.get("compression") is not None
-        if not compressed and not self._verify_reads and committed * chunk_bytes <= data_end:
+        if (not compressed and not self._verify_reads and committed * chunk_bytes <= data_end
+                and n_chunks <= _DENSE_MAX_CHUNKS):
             dense, dense_entries = _dense_index(n_chunks, committed, chunk_bytes)
             if raw[:-4] == dense:  # the layout every uncompressed capture writes: one compare
                 out = _ShardIndex(key, size, dense_entries, True, {})

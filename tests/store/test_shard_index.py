@@ -66,3 +66,14 @@ def test_moved_chunk_is_not_taken_as_dense(tmp_path):
     with pytest.raises(StoreCorruptError, match=r"chunk 1 .*crc32c mismatch"):  # checked, not mapped
         s.rows(HP, CHUNK_ROWS, CHUNK_ROWS + 1)
     assert s.rows(HP, 0, 1).equal(data[0:1])
+
+
+def test_shards_of_many_chunks_take_the_per_chunk_check(tmp_path, monkeypatch):
+    path = tmp_path / "s.zarr"
+    data = make_store(path)
+    monkeypatch.setattr(reader_mod, "_DENSE_MAX_CHUNKS", SHARD_ROWS // CHUNK_ROWS - 1)
+    calls = []
+    monkeypatch.setattr(reader_mod, "_dense_index", lambda *a: calls.append(a))
+    assert all(i.contiguous and not i.bad for i in _indexes(path))
+    assert calls == []
+    assert open_store(path)[HP].equal(data)
