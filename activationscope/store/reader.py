@@ -894,6 +894,14 @@ class Store:
                     f"{meta['manifest']} {rec[1]}")
         got = F.crc32c(data)
         if got != rec[2]:
+            _rb, chunk_rows, shard_chunks, _cb = _layout(meta)
+            n, c = int(meta["n_rows"]), shard * shard_chunks + slot
+            if n % chunk_rows and (c + 1) * chunk_rows > n:  # FORMAT.md section 5
+                return (f"{where}: shard file {key!r} bytes {entry[0]}-{entry[0] + entry[1] - 1}: crc32c mismatch "
+                        f"(manifest {rec[2]:08x}, data {got:08x}): the chunk is damaged, or it was rewritten by a "
+                        f"resumed capture (it holds the last committed rows, {n - n % chunk_rows}-{n - 1}, and a "
+                        "resume appends to it) that is still running or was stopped before its next commit: "
+                        "check again once that capture has ended, or resume it")
             return (f"{where}: shard file {key!r} bytes {entry[0]}-{entry[0] + entry[1] - 1}: crc32c mismatch "
                     f"(manifest {rec[2]:08x}, data {got:08x}): the chunk is damaged")
         return None

@@ -77,3 +77,42 @@ def test_shards_of_many_chunks_take_the_per_chunk_check(tmp_path, monkeypatch):
     assert all(i.contiguous and not i.bad for i in _indexes(path))
     assert calls == []
     assert open_store(path)[HP].equal(data)
+
+
+def test_a_chunk_a_running_resume_rewrote_is_named_as_such_by_a_verifying_reader(tmp_path):
+    """FORMAT.md section 5: the chunk that holds the last committed rows is rewritten by a
+    resume that appends to it; until that resume commits, its crc32c is not the manifest's. A
+    verifying reader says so (not only "damaged"), and reads it once the resume has closed."""
+    import torch
+
+    from activationscope.store import StoreWriter
+
+    path = tmp_path / "s.zarr"
+    x = torch.randn(100, 1024, generator=torch.Generator().manual_seed(1))
+    w = StoreWriter(path, chunk_rows=4, shard_bytes=16 * 4096)
+    w.open_array(HP, (1024,), torch.float32, "sample").append(x[:78])
+    w.add_batch(78, list(range(78)), None, {})
+    w.commit()
+    w.close()
+    w = StoreWriter(path, resume=True, chunk_rows=4, shard_bytes=16 * 4096)
+    w.open_array(HP, (1024,), torch.float32, "sample").append(x[78:87])
+    w.add_batch(9, list(range(78, 87)), None, {})
+    w.commit()
+    assert open_store(path)[HP].equal(x[:78])
+    with pytest.raises(StoreCorruptError, match=r"chunk 19 \(rows 76-77\).*crc32c mismatch.*or it was rewritten by a "
+                                                r"resumed capture \(it holds the last committed rows, 76-77"):
+        open_store(path, verify=True)[HP]
+    w.close()
+    assert open_store(path, verify=True)[HP].equal(x[:87])
+
+
+def test_a_damaged_chunk_before_the_last_committed_rows_is_only_damaged(tmp_path):
+    path = tmp_path / "s.zarr"
+    make_store(path, n_rows=N_ROWS - 8)
+    f = shard(path, 0)
+    raw = bytearray(f.read_bytes())
+    raw[5] ^= 0xFF
+    f.write_bytes(bytes(raw))
+    with pytest.raises(StoreCorruptError, match=r"crc32c mismatch \(manifest [0-9a-f]+, data [0-9a-f]+\): the chunk is "
+                                                r"damaged; restore"):
+        open_store(path, verify=True)[HP]
