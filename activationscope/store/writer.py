@@ -1051,13 +1051,22 @@ class StoreWriter:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        tables = []
-        for p in pieces:
-            cols = {}
-            for key, v in p.items():
-                cols[key] = pa.array(list(v) if isinstance(v, np.ndarray) and v.dtype == object else v)
-            tables.append(pa.table(cols))
-        table = pa.concat_tables(tables, promote_options="default")
+        keys = list(pieces[0])
+        if all(list(p) == keys for p in pieces) and all(
+            type(p[k]) is np.ndarray and p[k].dtype.kind in "biuf" and p[k].ndim == 1
+            and p[k].dtype == pieces[0][k].dtype for p in pieces for k in keys
+        ):
+            # the common case (a batch's sample ids and numeric columns): one array per column
+            # instead of one table per batch (a commit holds hundreds of batches)
+            table = pa.table({k: pa.array(np.concatenate([p[k] for p in pieces])) for k in keys})
+        else:
+            tables = []
+            for p in pieces:
+                cols = {}
+                for key, v in p.items():
+                    cols[key] = pa.array(list(v) if isinstance(v, np.ndarray) and v.dtype == object else v)
+                tables.append(pa.table(cols))
+            table = pa.concat_tables(tables, promote_options="default")
         info = self._row_tables[kind]
         key = f"rows/{kind}/part-{len(info['parts']):06d}.parquet"
         sink = io.BytesIO()
