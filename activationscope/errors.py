@@ -29,7 +29,11 @@ class CaptureError(ActivationScopeError, RuntimeError):
 
 class CaptureWarning(RuntimeWarning):
     """A capture records less than was asked for (modules that never ran, modules inside
-    TorchScript, a partial forward); the message names the modules and the fix."""
+    TorchScript, a partial forward); the message names the modules and the fix.
+
+    The warning about a ``set_batch`` attention mask that fits no hook point also carries
+    ``reason == "mask_unused"``, ``mask_shape`` (the mask's shape, a tuple) and
+    ``first_shapes`` (the hook points' first activation shapes, as shown in the message)."""
 
 
 class _MessageKeyError(ActivationScopeError, KeyError):

@@ -552,18 +552,22 @@ def test_reissued_warnings_keep_category_and_place():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         warnings.warn("plain", UserWarning)
-        warnings.warn("set_batch(attention_mask=...) of shape (2, 5) (batch, pos) matches no tracked hook point: no "
-                      "activation starts with it ({'a.output': (2, 3)}), so ...", CaptureWarning)
+        mask = CaptureWarning("set_batch(attention_mask=...) of shape (2, 5) (batch, pos) matches no tracked hook "
+                              "point: no activation starts with it ({'a.output': (2, 3)}), so ...")
+        mask.reason, mask.mask_shape, mask.first_shapes = "mask_unused", (2, 5), "{'a.output': (2, 3)}"
+        warnings.warn(mask)
+        warnings.warn(str(mask), CaptureWarning)  # the same words without the reason: shown as they are
     shown: set = set()
     with warnings.catch_warnings(record=True) as again:
         warnings.simplefilter("always")
         capture_run._reissue(caught, shown)
         capture_run._reissue(caught, shown)  # the same warnings in the next forward: not shown again
-    assert [w.category for w in again] == [UserWarning, CaptureWarning]
+    assert [w.category for w in again] == [UserWarning, CaptureWarning, CaptureWarning]
     assert str(again[0].message) == "plain" and again[0].filename == caught[0].filename
     assert again[0].lineno == caught[0].lineno
     assert str(again[1].message).startswith("the attention mask of the tokenized text, of shape (2, 5)")
     assert "({'a.output': (2, 3)})" in str(again[1].message)
+    assert str(again[2].message) == str(caught[2].message)
 
 
 def test_plain_text_file(tmp_path):

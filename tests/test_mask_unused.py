@@ -46,6 +46,8 @@ def test_mask_matching_no_hook_point_warns_once(where, tmp_path):
                 model(ids)
     mine = [w for w in caught if issubclass(w.category, acs.CaptureWarning) and "attention_mask" in str(w.message)]
     assert len(mine) == 1
+    assert (mine[0].message.reason, mine[0].message.mask_shape) == ("mask_unused", (4, 6))
+    assert mine[0].message.first_shapes in str(mine[0].message) and "'1.output': (4, 7, 8)" in mine[0].message.first_shapes
     with pytest.warns(acs.CaptureWarning, match=r"attention_mask.* shape \(4, 6\).*matches no tracked hook point.*"
                                                 r"'1\.output': \(4, 7, 8\).*token_rows"):
         with torch.no_grad(), acs.ActivationScope().track(model, include=["1", "2"]) as tracker:

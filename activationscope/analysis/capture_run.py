@@ -161,12 +161,6 @@ def run_capture(
     return summary
 
 
-#: The library's warning about a ``set_batch`` attention mask that fits no hook point: the
-#: mask is the tokenizer's, passed here, so the advice is reworded for ``capture``.
-_MASK_WARNING = re.compile(r"set_batch\(attention_mask=\.\.\.\) of shape (\(.*?\)) \(batch, pos\) matches no tracked "
-                           r"hook point: no activation starts with it \((\{.*\})\)")
-
-
 def _reissue(caught: Sequence[warnings.WarningMessage], registry: set[Any]) -> None:
     """Show the warnings ``caught`` during a forward as they were raised (same category and
     place), the mask warning of the tracker in the words of ``capture``."""
@@ -174,14 +168,14 @@ def _reissue(caught: Sequence[warnings.WarningMessage], registry: set[Any]) -> N
 
     for w in caught:
         message = w.message
-        m = _MASK_WARNING.match(str(message)) if isinstance(message, CaptureWarning) else None
-        if m is not None:
+        if isinstance(message, CaptureWarning) and getattr(message, "reason", None) == "mask_unused":
+            # the tracker's warning about the set_batch mask: here the mask is the tokenizer's
             message = CaptureWarning(
-                f"the attention mask of the tokenized text, of shape {m.group(1)} (batch, pos), fits no tracked hook "
-                f"point: no activation starts with it ({m.group(2)}), so every hook point stores one row per "
-                "sample, with the padding of an activation that has a token axis inside its rows. Pass "
-                "--sample-rows PATTERN to confirm one row per sample (this silences the warning), or track hook "
-                "points whose activations start with (batch, pos) for token rows"
+                f"the attention mask of the tokenized text, of shape {message.mask_shape} (batch, pos), fits no "
+                f"tracked hook point: no activation starts with it ({message.first_shapes}), so every hook point "
+                "stores one row per sample, with the padding of an activation that has a token axis inside its "
+                "rows. Pass --sample-rows PATTERN to confirm one row per sample (this silences the warning), or "
+                "track hook points whose activations start with (batch, pos) for token rows"
             )
         key = (str(message), w.category, w.filename, w.lineno)
         if key in registry:  # warnings' own registry is reset by every catch_warnings of a forward

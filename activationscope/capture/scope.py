@@ -1287,14 +1287,15 @@ class Tracker:
         self._warned_mask = True
         shapes = {n: self._first_shapes[n] for n in self._sinks if n in self._first_shapes}
         shown = ", ".join(f"{n!r}: {s}" for n, s in list(shapes.items())[:6]) + (", ..." if len(shapes) > 6 else "")
-        warnings.warn(
+        warning = CaptureWarning(
             f"set_batch(attention_mask=...) of shape {tuple(mask.shape)} (batch, pos) matches no tracked hook point: "
             f"no activation starts with it ({{{shown}}}), so every hook point stores one row per sample with its "
             "padding inside and the mask is ignored. Pass a mask of the activations' (batch, pos) shape (e.g. with "
-            "a column for a token the model prepends), or token_rows=False if one row per sample is what you want",
-            CaptureWarning,
-            stacklevel=3,
+            "a column for a token the model prepends), or token_rows=False if one row per sample is what you want"
         )
+        # what it is, for callers that say it in their own words (the command line)
+        warning.reason, warning.mask_shape, warning.first_shapes = "mask_unused", tuple(mask.shape), f"{{{shown}}}"
+        warnings.warn(warning, stacklevel=3)
 
     def _forward_raised(self, at_exit: bool = False) -> None:
         """A root forward raised, the exception was caught and the capture went on: the hook
