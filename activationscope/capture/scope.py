@@ -742,10 +742,7 @@ class Tracker:
             if self.writer is not None:
                 _discard(self.writer)
             if exc is None:  # the refusal was caught inside the block: say it again
-                error = self._refused_error(self._refused)
-                for name, value in self._refused_attrs.items():
-                    setattr(error, name, value)
-                raise error
+                raise self._refusal()
             return
         if exc is None and self._open_forward is not None:  # the last forward raised, caught
             self._forward_raised(at_exit=True)
@@ -1134,10 +1131,14 @@ class Tracker:
                 if self.writer is not None and self._closed:
                     _discard(self.writer)
                 self._refused_attrs = {"argument": argument, "pattern": pattern, "hook_points": sorted(hook_points)}
-                error = HookPointNotFoundError(self._refused)
-                for name, value in self._refused_attrs.items():
-                    setattr(error, name, value)
-                raise error
+                raise self._refusal()
+
+    def _refusal(self) -> ActivationScopeError:
+        """The error of this run's refusal (``_refused``), with its attributes."""
+        error = self._refused_error(self._refused)
+        for name, value in self._refused_attrs.items():
+            setattr(error, name, value)
+        return error
 
     def _resume_reductions(self, name: str, sink: Any) -> None:
         """A resumed store: continue each reduction of ``name`` from the rows already

@@ -75,6 +75,10 @@ class StoreBackend(Protocol):
     def size(self, key: str) -> int | None:
         """The object's size in bytes, None when absent."""
 
+    def tail(self, key: str, length: int) -> tuple[int, bytes] | None:
+        """``(size, last min(length, size) bytes)`` of the object (a shard's size and index),
+        None when absent."""
+
     def set(self, key: str, data: bytes) -> None:
         """Write an object atomically (readers see the old bytes or the new ones)."""
 
@@ -647,6 +651,14 @@ class ZarrBackend:
         except (FileNotFoundError, KeyError):
             return None
         return None if n is None else int(n)
+
+    def tail(self, key: str, length: int) -> tuple[int, bytes] | None:
+        size = self.size(key)
+        if size is None:
+            return None
+        n = max(0, min(length, size))
+        data = self.get_range(key, size - n, n)
+        return None if data is None else (size, data)
 
     def set(self, key: str, data: bytes) -> None:
         from zarr.core.buffer import cpu

@@ -7,6 +7,7 @@ pure (no I/O).
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import json
 import math
 from typing import Any
@@ -89,15 +90,10 @@ def zarr_dtype(name: str) -> str:
     return _ZARR_DTYPE[name]
 
 
+@functools.cache
 def itemsize(name: str) -> int:
     """Bytes per element of a supported dtype name (ArgumentValueError for another name)."""
-    size = _ITEMSIZE.get(name)
-    if size is None:
-        size = _ITEMSIZE[name] = torch_dtype(name).itemsize
-    return size
-
-
-_ITEMSIZE: dict[str, int] = {}
+    return torch_dtype(name).itemsize
 
 
 def node_name(hook_point: str) -> str:

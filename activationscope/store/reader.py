@@ -893,18 +893,17 @@ class Store:
             return (f"{where}: the shard index of {key!r} gives the chunk {entry[1]} bytes, the manifest "
                     f"{meta['manifest']} {rec[1]}")
         got = F.crc32c(data)
-        if got != rec[2]:
-            _rb, chunk_rows, shard_chunks, _cb = _layout(meta)
-            n, c = int(meta["n_rows"]), shard * shard_chunks + slot
-            if n % chunk_rows and (c + 1) * chunk_rows > n:  # FORMAT.md section 5
-                return (f"{where}: shard file {key!r} bytes {entry[0]}-{entry[0] + entry[1] - 1}: crc32c mismatch "
-                        f"(manifest {rec[2]:08x}, data {got:08x}): the chunk is damaged, or it was rewritten by a "
-                        f"resumed capture (it holds the last committed rows, {n - n % chunk_rows}-{n - 1}, and a "
-                        "resume appends to it) that is still running or was stopped before its next commit: "
-                        "check again once that capture has ended, or resume it")
-            return (f"{where}: shard file {key!r} bytes {entry[0]}-{entry[0] + entry[1] - 1}: crc32c mismatch "
-                    f"(manifest {rec[2]:08x}, data {got:08x}): the chunk is damaged")
-        return None
+        if got == rec[2]:
+            return None
+        problem = (f"{where}: shard file {key!r} bytes {entry[0]}-{entry[0] + entry[1] - 1}: crc32c mismatch "
+                   f"(manifest {rec[2]:08x}, data {got:08x}): the chunk is damaged")
+        _rb, chunk_rows, shard_chunks, _cb = _layout(meta)
+        n, c = int(meta["n_rows"]), shard * shard_chunks + slot
+        if n % chunk_rows and (c + 1) * chunk_rows > n:  # FORMAT.md section 5
+            problem += (f", or it was rewritten by a resumed capture (it holds the last committed rows, "
+                        f"{n - n % chunk_rows}-{n - 1}, and a resume appends to it) that is still running or was "
+                        "stopped before its next commit: check again once that capture has ended, or resume it")
+        return problem
 
     # ---------------------------------------------------------------- shard index
     def _shard_key(self, meta: dict, shard: int) -> str:
@@ -935,22 +934,15 @@ class Store:
         hp = meta["path"]
         self._check_same_store()
         index_bytes = 16 * n_chunks + 4
-        tail = getattr(self._backend, "tail", None)
-        if tail is not None:  # local: size and index from one open
-            got_tail = tail(key, index_bytes)
-            size, raw = got_tail if got_tail is not None else (None, None)
-        else:
-            size = self._backend.size(key)
-            raw = None
-        if size is None:
+        got_tail = self._backend.tail(key, index_bytes)  # size and index (locally: from one open)
+        if got_tail is None:
             raise V.corrupt(self._backend, f"shard {key!r} of array {hp!r} is missing; its rows "
                                            f"{shard * shard_rows}.. are committed (n_rows {n})")
+        size, raw = got_tail
         if size < index_bytes:
             raise V.corrupt(self._backend, f"shard {key!r} is truncated: {size} bytes, fewer than its "
                                            f"{index_bytes}-byte index")
-        if tail is None:
-            raw = self._backend.get_range(key, size - index_bytes, index_bytes)
-        if raw is None or len(raw) != index_bytes:
+        if len(raw) != index_bytes:
             raise V.corrupt(self._backend, f"shard {key!r} changed while it was read")
         stored = int.from_bytes(raw[-4:], "little")
         got = F.crc32c(raw[:-4])

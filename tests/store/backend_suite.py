@@ -44,6 +44,13 @@ class BackendTests:
         assert backend.get_range("r", 95, 10) == bytes(range(95, 100))  # fewer at the end
         assert backend.get_range("r", 100, 10) == b""
 
+    def test_tail(self, backend):
+        backend.set("r", bytes(range(100)))
+        assert backend.tail("r", 5) == (100, bytes(range(95, 100)))
+        assert backend.tail("r", 200) == (100, bytes(range(100)))  # the whole object when shorter
+        assert backend.tail("r", 0) == (100, b"")
+        assert backend.tail("nope", 5) is None
+
     def test_list_and_delete(self, backend):
         for key in ("x/1", "x/2/3", "y/1", "zarr.json"):
             backend.set(key, key.encode())
