@@ -897,6 +897,9 @@ class Tracker:
         check = getattr(self.writer, "check_columns", None)
         if check is not None and columns:  # names and types, as the store will take them: refused now, not at close
             check(columns, mask)
+        check = getattr(self.writer, "check_sample_ids", None)
+        if check is not None and sample_ids is not None:
+            check(sample_ids)
         self._core.token_mask = mask if mask is not None else torch.Tensor()
         self._pending_batch = {"attention_mask": mask, "sample_ids": sample_ids, "columns": columns}
 

@@ -208,15 +208,26 @@ def _positive_int(value: Any, what: str, allow_none: bool = True) -> int | None:
 
 
 def _to_column(value: Any) -> Any:
+    """The values of a row-table column (or of sample ids) as an ndarray or a list, copied: the
+    row table is written at a commit, after the caller may have reused its tensor or array."""
     if isinstance(value, torch.Tensor):
         t = value.detach().to("cpu")
         if t.dtype == torch.bfloat16:
             t = t.float()
-        a = t.numpy()
+        a = t.numpy().copy()
         return a if a.ndim <= 1 else list(a)
     if isinstance(value, np.ndarray):
-        return value if value.ndim <= 1 else list(value)
+        return value.copy() if value.ndim <= 1 else list(value.copy())
     return list(value)
+
+
+def _arrow_type(values: Any) -> Any:
+    """The Arrow type of a column's values (``_to_column``'s), or None when it has none yet
+    (no values, or only Nones); TypeError-like pyarrow errors propagate."""
+    import pyarrow as pa
+
+    typ = pa.array(list(values) if isinstance(values, np.ndarray) and values.dtype == object else values).type
+    return None if pa.types.is_null(typ) else typ
 
 
 def _write_small_array(backend: Any, path: str, t: torch.Tensor, attrs: dict,
@@ -515,7 +526,7 @@ class StoreWriter:
             except Exception:  # an unreadable part: the reader reports it; nothing to compare with
                 continue
             for f in schema:
-                if f.name not in _RESERVED[kind] and not pa.types.is_null(f.type):
+                if (f.name not in _RESERVED[kind] or f.name == "sample_id") and not pa.types.is_null(f.type):
                     self._column_types[(kind, f.name)] = f.type
 
     def _user_columns(self, columns: Mapping[str, Any], mask: torch.Tensor | None, n: int | None
@@ -543,20 +554,50 @@ class StoreWriter:
                 if n is not None and len(values) != n:
                     raise ArgumentValueError(f"column {key!r} has {len(values)} entries, expected n_samples={n}")
             try:
-                typ = pa.array(list(values) if isinstance(values, np.ndarray) and values.dtype == object
-                               else values).type
+                typ = _arrow_type(values)
             except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError) as e:
                 raise ArgumentTypeError(f"column {key!r} cannot be stored in the row table ({e}); give it values "
                                         "of one type (numbers, strings or bools)") from None
             before = self._column_types.get((kind, key))
-            if before is not None and not pa.types.is_null(typ) and typ != before:
+            if before is not None and typ is not None and typ != before:
                 raise ArgumentTypeError(
                     f"column {key!r} holds {typ} values in this batch, but {before} in the earlier batches of "
                     f"{str(self._backend)!r}; a row-table column has one type: give it the same type in every "
                     "batch (e.g. labels.long() or labels.float()), or use another column name"
                 )
-            out.append((kind, key, values, None if pa.types.is_null(typ) else typ))
+            out.append((kind, key, values, typ))
         return out
+
+    def _sample_ids_type(self, ids: Any) -> Any:
+        """The Arrow type of a batch's sample ids (``_to_column``'s), checked against the sample
+        ids of the earlier batches (and of the store, on resume).
+
+        Raises ArgumentTypeError naming both types; nothing is recorded."""
+        try:
+            typ = _arrow_type(ids)
+        except Exception as e:  # pyarrow's ArrowInvalid / ArrowTypeError
+            raise ArgumentTypeError(f"sample_ids cannot be stored in the row table ({e}); give ints or strings") from None
+        before = self._column_types.get(("sample", "sample_id"))
+        if typ is not None and before is not None and typ != before:
+            raise ArgumentTypeError(
+                f"sample_ids holds {typ} values in this batch, but {before} in the earlier batches of "
+                f"{str(self._backend)!r}; the sample_id column has one type: give every batch sample ids of the "
+                "same type (e.g. torch.int64, as the default ids), or capture into another store"
+            )
+        return typ
+
+    def check_sample_ids(self, sample_ids: Any) -> None:
+        """Check a batch's sample ids before a forward (``Tracker.set_batch``) as
+        :meth:`add_batch` will: their type against the earlier batches'. Records nothing.
+
+        Raises
+        ------
+        TypeError
+            Sample ids of another Arrow type than the earlier batches' (``int64`` then
+            ``int32``, ints then strings).
+        """
+        with self._lock:
+            self._sample_ids_type(_to_column(sample_ids))
 
     def check_columns(self, columns: Mapping[str, Any], token_mask: torch.Tensor | None = None) -> None:
         """Check user columns before a forward (``Tracker.set_batch``) as :meth:`add_batch`
@@ -844,6 +885,7 @@ class StoreWriter:
                 ids = _to_column(sample_ids)
             if len(ids) != n:
                 raise ArgumentValueError(f"sample_ids has {len(ids)} entries, expected n_samples={n}")
+            ids_type = self._sample_ids_type(ids)
             b = self._n_batches + len(self._pending)
             sample: dict[str, Any] = {"sample_id": ids, "batch": np.full(n, b, dtype=np.int64)}
             token: dict[str, Any] | None = None
@@ -861,6 +903,8 @@ class StoreWriter:
                 (token if kind == "token" else sample)[key] = values
                 if typ is not None:  # a column of Nones so far: its type comes with its first values
                     self._column_types[(kind, key)] = typ
+            if ids_type is not None:
+                self._column_types[("sample", "sample_id")] = ids_type
             n_tokens = 0 if token is None else len(token["pos"])
             cums = {}
             lost: dict[str, tuple[int, int]] = {}

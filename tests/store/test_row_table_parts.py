@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pyarrow as pa
+import pytest
 import torch
 
 from activationscope.store import StoreWriter, open_store
@@ -53,3 +54,49 @@ def test_batches_with_other_columns_or_strings_are_joined_table_by_table(tmp_pat
     assert t.column("name").to_pylist() == [f"s{i}" for i in range(18)]
     assert t.column("late").to_pylist() == [None] * 9 + [10 * b + i for b in range(3, 6) for i in range(3)]
     assert t.column("sample_id").to_pylist() == list(range(18))
+
+
+def test_a_reused_ids_or_column_buffer_does_not_change_earlier_batches(tmp_path):
+    """The row table is written at a commit: the writer keeps copies of each batch's sample
+    ids and columns, not views of tensors or arrays the caller fills again for the next batch."""
+    import activationscope as acs
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 2)).eval()
+    ids, label, arr = torch.zeros(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64), np.zeros(3)
+    with acs.ActivationScope(store=str(tmp_path / "s.zarr")).track(model) as tr, torch.no_grad():
+        for b in range(4):
+            ids.copy_(torch.arange(3 * b, 3 * b + 3))
+            label.fill_(b)
+            arr[:] = b / 2
+            tr.set_batch(sample_ids=ids, label=label, half=arr)
+            model(torch.randn(3, 4))
+    t = open_store(tmp_path / "s.zarr").row_table("sample")
+    assert t.column("sample_id").to_pylist() == list(range(12))
+    assert t.column("label").to_pylist() == [b for b in range(4) for _ in range(3)]
+    assert t.column("half").to_pylist() == [b / 2 for b in range(4) for _ in range(3)]
+
+
+def test_sample_ids_of_another_type_than_the_earlier_batches_are_refused(tmp_path):
+    """int64 then int32 sample ids made a row table no reader could open (its parts disagree);
+    now set_batch refuses them, naming both types, before the forward, also after a resume."""
+    import activationscope as acs
+    from activationscope.errors import ArgumentTypeError
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 2)).eval()
+    path = str(tmp_path / "s.zarr")
+    with acs.ActivationScope(store=path).track(model) as tr, torch.no_grad():
+        tr.set_batch(sample_ids=torch.arange(3))
+        model(torch.randn(3, 4))
+        with pytest.raises(ArgumentTypeError, match=r"sample_ids holds int32 values in this batch, but int64 in the "
+                                                    r"earlier batches"):
+            tr.set_batch(sample_ids=torch.arange(3, 6, dtype=torch.int32))
+        with pytest.raises(ArgumentTypeError, match=r"sample_ids holds string values"):
+            tr.set_batch(sample_ids=["a", "b", "c"])
+        tr.set_batch(sample_ids=torch.arange(3, 6))
+        model(torch.randn(3, 4))
+    with acs.ActivationScope(store=path, store_options={"resume": True}).track(model) as tr, torch.no_grad():
+        with pytest.raises(ArgumentTypeError, match=r"sample_ids holds int32 values in this batch, but int64"):
+            tr.set_batch(sample_ids=torch.arange(6, 9, dtype=torch.int32))
+        tr.set_batch(sample_ids=torch.arange(6, 9))
+        model(torch.randn(3, 4))
+    assert open_store(path).row_table("sample").column("sample_id").to_pylist() == list(range(9))
