@@ -150,6 +150,18 @@ def _dense_index(n_chunks: int, committed: int, chunk_bytes: int) -> tuple[bytes
     return np.asarray(entries, dtype="<u8").reshape(-1).tobytes(), entries
 
 
+def _mismatch_cause(meta: dict, chunk: int) -> str:
+    """What a crc32c mismatch of ``chunk`` means: damage, or, for the chunk holding the last
+    committed rows when they end inside it, possibly a resume's rewrite (FORMAT.md section 5)."""
+    _rb, chunk_rows, _nc, _cb = _layout(meta)
+    n = int(meta["n_rows"])
+    if n % chunk_rows and (chunk + 1) * chunk_rows > n:
+        return (f"the chunk was rewritten by a resumed capture (it holds the last committed rows, "
+                f"{n - n % chunk_rows}-{n - 1}, and a resume appends to it) that is still running or was stopped "
+                "before its next commit (check again once that capture has ended, or resume it), or it is damaged")
+    return "the chunk is damaged"
+
+
 def _layout(meta: dict) -> tuple[int, int, int, int]:
     """(row_bytes, chunk_rows, chunks per shard, chunk_bytes) of an array entry (validated)."""
     rb = V.row_bytes(meta)
@@ -895,15 +907,8 @@ class Store:
         got = F.crc32c(data)
         if got == rec[2]:
             return None
-        problem = (f"{where}: shard file {key!r} bytes {entry[0]}-{entry[0] + entry[1] - 1}: crc32c mismatch "
-                   f"(manifest {rec[2]:08x}, data {got:08x}): the chunk is damaged")
-        _rb, chunk_rows, shard_chunks, _cb = _layout(meta)
-        n, c = int(meta["n_rows"]), shard * shard_chunks + slot
-        if n % chunk_rows and (c + 1) * chunk_rows > n:  # FORMAT.md section 5
-            problem += (f", or it was rewritten by a resumed capture (it holds the last committed rows, "
-                        f"{n - n % chunk_rows}-{n - 1}, and a resume appends to it) that is still running or was "
-                        "stopped before its next commit: check again once that capture has ended, or resume it")
-        return problem
+        return (f"{where}: shard file {key!r} bytes {entry[0]}-{entry[0] + entry[1] - 1}: crc32c mismatch "
+                f"(manifest {rec[2]:08x}, data {got:08x}): {_mismatch_cause(meta, shard * _layout(meta)[2] + slot)}")
 
     # ---------------------------------------------------------------- shard index
     def _shard_key(self, meta: dict, shard: int) -> str:
@@ -1620,7 +1625,8 @@ class Store:
                 data = self._backend.get_range(key, off, nb)
                 got = F.crc32c(data or b"")
                 if got != crc:
-                    problems.append(f"{where}: crc32c mismatch (manifest {crc:08x}, data {got:08x})")
+                    problems.append(f"{where}: crc32c mismatch (manifest {crc:08x}, data {got:08x}): "
+                                    f"{_mismatch_cause(meta, chunk)}")
                     continue
                 if meta.get("compression") is not None:
                     try:

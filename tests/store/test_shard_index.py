@@ -99,9 +99,12 @@ def test_a_chunk_a_running_resume_rewrote_is_named_as_such_by_a_verifying_reader
     w.add_batch(9, list(range(78, 87)), None, {})
     w.commit()
     assert open_store(path)[HP].equal(x[:78])
-    with pytest.raises(StoreCorruptError, match=r"chunk 19 \(rows 76-77\).*crc32c mismatch.*or it was rewritten by a "
-                                                r"resumed capture \(it holds the last committed rows, 76-77"):
+    with pytest.raises(StoreCorruptError, match=r"chunk 19 \(rows 76-77\).*crc32c mismatch.*: the chunk was rewritten "
+                                                r"by a resumed capture \(it holds the last committed rows, 76-77.*"
+                                                r"or it is damaged; restore"):
         open_store(path, verify=True)[HP]
+    problems = open_store(path).verify()
+    assert len(problems) == 1 and "chunk 19" in problems[0] and "rewritten by a resumed capture" in problems[0]
     w.close()
     assert open_store(path, verify=True)[HP].equal(x[:87])
 
