@@ -131,6 +131,47 @@ py::dict shard_record_to_dict(const ShardRecord& r) {
   return d;
 }
 
+// The row counts of a store writer's arrays at each recorded batch, read in one call: the
+// per-forward bookkeeping of add_batch (rows each array got since the last batch, against
+// the batch's samples or tokens) without one Python attribute access per array.
+class RowCounts {
+ public:
+  void add(std::shared_ptr<ArrayWriter> w, bool token_rows, int64_t last) {
+    ACS_CHECK(w, "RowCounts.add: no array writer");
+    writers_.push_back(std::move(w));
+    token_.push_back(token_rows ? 1 : 0);
+    last_.push_back(last);
+  }
+  // Each array's rows now, as a tuple in the order added, and the positions of the arrays
+  // whose rows since the last step differ from n_samples (sample rows) or n_tokens (token
+  // rows), each with the rows it got; the rows now become the last step's.
+  py::tuple step(int64_t n_samples, int64_t n_tokens) {
+    const size_t k = writers_.size();
+    py::tuple cums(k);
+    py::list off;
+    for (size_t i = 0; i < k; ++i) {
+      const int64_t cum = writers_[i]->n_rows();
+      const int64_t got = cum - last_[i];
+      if (got != (token_[i] ? n_tokens : n_samples)) off.append(py::make_tuple(i, got));
+      last_[i] = cum;
+      cums[i] = py::int_(cum);
+    }
+    return py::make_tuple(std::move(cums), std::move(off));
+  }
+  // Rows each array got since the last step (in the order added).
+  std::vector<int64_t> since_last() const {
+    std::vector<int64_t> out(writers_.size());
+    for (size_t i = 0; i < writers_.size(); ++i) out[i] = writers_[i]->n_rows() - last_[i];
+    return out;
+  }
+  size_t size() const { return writers_.size(); }
+
+ private:
+  std::vector<std::shared_ptr<ArrayWriter>> writers_;
+  std::vector<uint8_t> token_;
+  std::vector<int64_t> last_;
+};
+
 void bind_store_writer(py::module_& m) {
   m.def(
       "crc32c",
@@ -212,6 +253,13 @@ void bind_store_writer(py::module_& m) {
       .def_property_readonly("chunk_bytes", &ArrayWriter::chunk_bytes)
       .def_property_readonly("row_bytes", &ArrayWriter::row_bytes)
       .def_property_readonly("hook_point", [](const ArrayWriter& w) { return w.spec().hook_point; });
+
+  py::class_<RowCounts>(m, "RowCounts")
+      .def(py::init<>())
+      .def("add", &RowCounts::add, py::arg("writer"), py::arg("token_rows"), py::arg("last"))
+      .def("step", &RowCounts::step, py::arg("n_samples"), py::arg("n_tokens"))
+      .def("since_last", &RowCounts::since_last)
+      .def("__len__", &RowCounts::size);
 }
 
 void bind_capture(py::module_& m) {
@@ -311,7 +359,12 @@ void bind_capture(py::module_& m) {
            [](TrackerCore& c) {
              // An alias hook point whose calls since the last check differ from its target's
              // (a forward in which one of them gave no tensor), else "": each alias is stored
-             // as its target's array, so the two must be captured alike.
+             // as its target's array, so the two must be captured alike. The sinks are scanned
+             // only when the alias tally moved (or a sink was added) since the last check.
+             const uint64_t tally = c.alias_tally->sum.load(std::memory_order_relaxed);
+             if (!c.alias_scan_needed && tally == c.alias_checked) return std::string();
+             c.alias_checked = tally;
+             c.alias_scan_needed = false;
              std::string bad;
              for (const auto& kv : c.sinks) {
                const auto& s = kv.second;

@@ -392,6 +392,10 @@ std::shared_ptr<Sink> ForwardWrapper::resolve(TrackerCore& core, const std::stri
   if (it == core.sinks.end()) {
     py::object made = call_outside_dynamo(core.on_new_hook_point, py::make_tuple(name, t));
     std::shared_ptr<Sink> sink = made.is_none() ? nullptr : made.cast<std::shared_ptr<Sink>>();
+    if (sink) {
+      sink->attach_tally(core.alias_tally);
+      core.alias_scan_needed = true;
+    }
     it = core.sinks.emplace(name, std::move(sink)).first;
   }
   return it->second;

@@ -60,6 +60,11 @@ struct TrackerCore {
   std::unordered_map<std::string, std::shared_ptr<Sink>> sinks;  // nullptr = not captured
   // alias hook point -> (its calls, its target's calls) at the last alias_mismatch() check
   std::unordered_map<std::string, std::pair<int64_t, int64_t>> alias_rows;
+  // Every sink's calls against its aliases' (see AliasTally): alias_mismatch() scans the sinks
+  // only when it moved since the last check, or a sink was added since.
+  std::shared_ptr<AliasTally> alias_tally = std::make_shared<AliasTally>();
+  uint64_t alias_checked = 0;      // the tally at the last scan
+  bool alias_scan_needed = false;  // a sink was added since the last scan
 
   // The token mask of this forward: the user's (set_batch), else the rows="token" one.
   at::Tensor mask() const { return token_mask.defined() ? token_mask : auto_mask; }

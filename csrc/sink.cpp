@@ -1,5 +1,7 @@
 #include "sink.h"
 
+#include <random>
+
 #include <ATen/core/grad_mode.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -322,7 +324,7 @@ void Sink::consume(const at::Tensor& x_in, const at::Tensor& token_mask) {
   const at::Tensor x = (!options_.snapshot && x_in.requires_grad()) ? x_in.detach() : x_in;
   std::lock_guard<std::mutex> lock(mu_);
   check_layout(x);  // before the call is counted or anything of it kept
-  ++n_calls_;
+  count_call(1);
   if (x.dim() >= 1 && x.size(0) == 0) return;  // an empty batch is a no-op
   if (row_kind_ < 0) {
     row_kind_ = is_token_rows(x, token_mask) ? 1 : 0;
@@ -333,7 +335,7 @@ void Sink::consume(const at::Tensor& x_in, const at::Tensor& token_mask) {
     // A store array has one dtype: rows of another would be cast to it, silently losing
     // precision (float64 -> float32) or changing values (float -> int). Checked before this
     // call keeps, reduces or writes anything.
-    --n_calls_;
+    count_call(-1);
     ACS_CHECK(false, "hook point '", name_, "' changed its dtype from ", dtype_name(*seen_dtype_), " to ",
               dtype_name(x.scalar_type()), " during the capture; its store array holds ",
               dtype_name(*seen_dtype_), ". Pass storage_dtype= to cast every row to one dtype, or ",
@@ -369,7 +371,7 @@ void Sink::consume(const at::Tensor& x_in, const at::Tensor& token_mask) {
     try {
       rows = cast_checked(rows, *options_.storage_dtype);
     } catch (...) {
-      --n_calls_;
+      count_call(-1);
       throw;
     }
   }
@@ -380,7 +382,7 @@ void Sink::consume(const at::Tensor& x_in, const at::Tensor& token_mask) {
     try {
       reduce(rows);
     } catch (...) {
-      --n_calls_;
+      count_call(-1);
       throw;
     }
   }
@@ -397,7 +399,7 @@ void Sink::consume(const at::Tensor& x_in, const at::Tensor& token_mask) {
         try {  // a cast record (not one copied to the host asynchronously): checked for overflow
           check_cast(x, rec.t);
         } catch (...) {
-          --n_calls_;
+          count_call(-1);
           throw;
         }
       }
@@ -452,8 +454,23 @@ void Sink::set_alias_of(std::shared_ptr<Sink> target) {
   }
   std::lock_guard<std::mutex> lock(mu_);
   ACS_CHECK(n_calls_ == 0, "hook point '", name_, "' already captured rows; it cannot become an alias");
+  {
+    // a random odd weight per alias (splitmix64 of a random seed and a counter)
+    static std::atomic<uint64_t> counter{std::random_device{}() | (uint64_t{std::random_device{}()} << 32)};
+    uint64_t z = counter.fetch_add(0x9E3779B97F4A7C15ull, std::memory_order_relaxed) + 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    alias_weight_ = (z ^ (z >> 31)) | 1;
+    std::lock_guard<std::mutex> target_lock(target->mu_);
+    target->aliases_weight_ += alias_weight_;
+  }
   alias_of_ = std::move(target);
   call_offset_ = offset;
+}
+
+void Sink::attach_tally(std::shared_ptr<AliasTally> tally) {
+  std::lock_guard<std::mutex> lock(mu_);
+  tally_ = std::move(tally);
 }
 
 void Sink::watch_aliases(bool on) {
@@ -524,7 +541,7 @@ void Sink::reduce(const at::Tensor& rows) {
 
 void Sink::consume_alias(const at::Tensor& x, const at::Tensor& token_mask) {
   const bool same = alias_of_->same_as_last(x, n_calls_ + call_offset_, /*release=*/true);
-  if (!same) --n_calls_;
+  if (!same) count_call(-1);
   ACS_CHECK(same, "hook point '", name_, "' is stored once, as an alias of '", alias_of_->name(),
             "' (it was the same tensor when first captured), but in call ", n_calls_ + 1,
             " it is another tensor or was changed in place after '", alias_of_->name(),

@@ -6,6 +6,7 @@
 #include <c10/core/Event.h>
 #include <c10/util/SmallVector.h>
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -64,6 +65,15 @@ struct SinkOptions {
   Keep keep = Keep::ALL;           // STORE_ALL / FINAL_ONLY / STREAMING
   Placement placement = Placement::AUTO;
   std::optional<at::ScalarType> storage_dtype;  // cast stored rows (e.g. to bfloat16)
+};
+
+// The calls of a tracker's alias hook points against their targets', in one number: every
+// call of an alias adds its weight (a random 64-bit number), every call of a target subtracts
+// the sum of its aliases' weights (mod 2**64). Between two checks the sum stays the same when
+// every alias got as many calls as its target (and, but for a chance of about 2**-64 per
+// forward, only then), so the per-forward check reads one number instead of every sink.
+struct AliasTally {
+  std::atomic<uint64_t> sum{0};
 };
 
 class Sink {
@@ -125,6 +135,8 @@ class Sink {
   void set_row_base(int64_t base) { row_base_ = base; }
   int64_t row_base() const { return row_base_; }
   int64_t n_calls() const { return n_calls_; }
+  // Count this sink's calls into the tracker's alias tally (from now on).
+  void attach_tally(std::shared_ptr<AliasTally> tally);
   std::vector<int64_t> feature_shape() const { return feature_shape_; }
   std::optional<at::ScalarType> seen_dtype() const { return seen_dtype_; }
   const SinkOptions& options() const { return options_; }
@@ -166,6 +178,14 @@ class Sink {
   int64_t n_rows_ = 0;
   int64_t row_base_ = 0;
   int64_t n_calls_ = 0;
+  std::shared_ptr<AliasTally> tally_;
+  uint64_t alias_weight_ = 0;    // an alias: its weight in the tally
+  uint64_t aliases_weight_ = 0;  // a target: the sum of its aliases' weights
+  // n_calls_ += d, and the tally (called with mu_ held)
+  void count_call(int64_t d) {
+    n_calls_ += d;
+    if (tally_) tally_->sum.fetch_add(static_cast<uint64_t>(d) * (alias_weight_ - aliases_weight_), std::memory_order_relaxed);
+  }
   std::vector<int64_t> feature_shape_;
   std::optional<at::ScalarType> seen_dtype_;
   bool warned_changed_ = false;

@@ -224,3 +224,61 @@ def test_an_alias_that_gets_no_rows_while_its_target_does_is_an_error(tmp_path, 
             ref = [m[1].lin(m[0](x)) for x in xs[:3]]
         got = t.activations["1.lin.output"]
         assert len(got) == 3 and all(torch.equal(a, b) for a, b in zip(got, ref))
+
+
+class _GateFor(torch.nn.Module):
+    """Returns its child's very tensor (an alias of it) for ``n_open`` calls, then None."""
+
+    def __init__(self, n_open):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.n_open, self.calls = n_open, 0
+
+    def forward(self, x):
+        self.calls += 1
+        y = self.lin(x)
+        return y if self.calls <= self.n_open else None
+
+
+class _LateChild(torch.nn.Module):
+    """Runs a child (a new hook point) from its third call on."""
+
+    def __init__(self):
+        super().__init__()
+        self.extra = torch.nn.Linear(8, 8)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls >= 3:
+            self.extra(x)
+        return x + 1
+
+
+@pytest.mark.parametrize("n_open", [1, 3, 6])
+def test_an_alias_missing_a_forward_is_found_after_quiet_forwards_and_new_hook_points(n_open):
+    # forwards in which every alias got its target's rows are checked without looking at each
+    # hook point; the forward in which one did not (after quiet forwards, after a hook point
+    # first seen in forward 2, or in that same forward) is still refused, naming it
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 8), _LateChild(), _GateFor(n_open))
+    xs = [torch.randn(4, 8) for _ in range(9)]
+    with pytest.raises(CaptureError, match=rf"'2.output' is stored once, as an alias of '2.lin.output'.*in forward "
+                                           rf"{n_open} it did not get the rows"):
+        with torch.no_grad(), ActivationScope().track(m) as t:
+            for x in xs:
+                m(x)
+    assert len(t.activations["2.lin.output"]) == n_open + 1
+    assert ("1.extra.output" in t.hook_points) == (n_open >= 2)
+
+
+def test_aliases_that_stay_aligned_over_many_forwards_are_never_refused():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(6)], _LateChild())
+    with torch.no_grad(), ActivationScope(capture="both").track(m) as t:
+        for _ in range(40):
+            m(torch.randn(3, 8))
+    assert len(t._aliases) >= 6  # each layer's input is the previous layer's output
+    counts = {k: len(v) for k, v in t.activations.items()}
+    assert counts.pop("6.extra.output") == 38 and counts.pop("6.extra.input.0") == 38  # from forward 2 on
+    assert set(counts.values()) == {40}

@@ -20,7 +20,6 @@ import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 from . import _native, compiled
@@ -115,7 +114,8 @@ class CaptureMode(enum.Enum):
     SNAPSHOT : copy at the moment of the call (default): later in-place changes by the
         model (``ReLU(inplace=True)``, in-place residual adds) do not reach the record.
     REFERENCE : keep the tensor itself (no copy, fastest). A later in-place change is
-        detected through the tensor's version counter and warned about, naming the hook point.
+        detected through the tensor's version counter and warned about, naming the hook point,
+        when the records are read (``activations``) and when the ``with`` block ends.
         Under ``torch.inference_mode`` tensors have no version counter: they are copied.
     """
 
@@ -1232,9 +1232,7 @@ class Tracker:
         if batch.get("attention_mask") is not None and not self._warned_mask:
             self._warn_mask_unused(batch["attention_mask"])
         if self.writer is not None:
-            ids = batch.get("sample_ids")
-            if ids is None:
-                ids = np.arange(self._n_samples, self._n_samples + n, dtype=np.int64)
+            ids = batch.get("sample_ids")  # None: the writer numbers the samples on from its last
             mask = batch.get("attention_mask")
             if mask is None and self.scope.rows == "token":
                 mask = self._core.auto_token_mask
@@ -1246,8 +1244,9 @@ class Tracker:
                 self._warn_row_table_lost(lost)
             self.writer.maybe_commit()
         self._n_samples += n
-        if self._reference_mode:
-            self._warn_changed(all_records=False)
+        # (REFERENCE records changed in place are looked for when the records are read and at
+        # the end of the `with` block, not here: a check here reads every new record's version
+        # counter after every forward)
 
     def _warn_row_table_lost(self, lost: Mapping[str, tuple[int, int]]) -> None:
         """Warn once per hook point whose store rows stopped following the row table in this

@@ -15,6 +15,7 @@ store appends full chunks to shard files. Python runs once per forward (:meth:`a
 from __future__ import annotations
 
 import atexit
+import functools
 import hashlib
 import io
 import json
@@ -91,7 +92,6 @@ class _Array:
     compression: dict | None
     writer: Any = None
     committed_rows: int = 0
-    last_cum: int = 0
     follows_row_table: bool = True
     manifest: dict = field(default_factory=dict)  # shard -> record
     listed_rows: int = 0  # rows the shards taken into the manifest hold (their largest rows_end)
@@ -122,7 +122,7 @@ class _Array:
 class _Batch:
     index: int
     n_samples: int
-    cums: dict[str, int]
+    cums: tuple[int, ...]  # rows of each array after this batch, in the writer's array order
     sample: dict[str, Any]
     token: dict[str, Any] | None
 
@@ -224,10 +224,21 @@ def _to_column(value: Any) -> Any:
 def _arrow_type(values: Any) -> Any:
     """The Arrow type of a column's values (``_to_column``'s), or None when it has none yet
     (no values, or only Nones); TypeError-like pyarrow errors propagate."""
+    if isinstance(values, np.ndarray) and values.dtype.kind in "biuf" and values.dtype.isnative and values.ndim == 1:
+        return _numpy_arrow_type(values.dtype)  # the type pa.array gives them, without building it
     import pyarrow as pa
 
     typ = pa.array(list(values) if isinstance(values, np.ndarray) and values.dtype == object else values).type
     return None if pa.types.is_null(typ) else typ
+
+
+@functools.cache
+def _numpy_arrow_type(dtype: np.dtype) -> Any:
+    """The Arrow type of a numeric or bool numpy dtype (as ``pyarrow.array`` of such an array
+    gives it; an array of 32 ints costs about 25 us to build, once per captured forward)."""
+    import pyarrow as pa
+
+    return pa.from_numpy_dtype(dtype)
 
 
 def _write_small_array(backend: Any, path: str, t: torch.Tensor, attrs: dict,
@@ -468,6 +479,8 @@ class StoreWriter:
         self._core = _native.load().StoreCore(max_pending_bytes, self._fsync)
         self._threads_stopped = False
         self._arrays: dict[str, _Array] = {}
+        self._order: list[_Array] = []  # the arrays in the order opened: _Batch.cums and _counts follow it
+        self._counts = _native.load().RowCounts()  # each array's rows at the last recorded batch
         self._pending: list[_Batch] = []
         self._pending_samples = 0  # samples of the batches in _pending
         self._reductions: dict[str, dict] = {}
@@ -751,7 +764,7 @@ class StoreWriter:
                 compression = F.codec_for_array(self._compression, name)
                 committed = 0
             arr = _Array(hook_point, node, f"acts/{node}", feature_shape, name, row_kind, chunk_rows, shard_chunks,
-                         compression, committed_rows=committed, last_cum=committed)
+                         compression, committed_rows=committed)
             start = (committed // arr.shard_rows) * arr.shard_rows
             array_dir = self._staging / arr.path  # made by the writer thread with the first shard
             writer = _native.load().ArrayWriter(
@@ -779,6 +792,8 @@ class StoreWriter:
                     rows = st._read_rows(hook_point, start, committed, copy=True)
                     writer.append(rows)
             self._arrays[hook_point] = arr
+            self._order.append(arr)
+            self._counts.add(writer, row_kind == "token", committed)
             if old is None:
                 self._unpublished = True
             self._reserve([f"{arr.path}/zarr.json", f"{arr.path}/manifest.json"])
@@ -880,7 +895,7 @@ class StoreWriter:
             n = int(n_samples)
             if sample_ids is None:
                 start = self.n_samples_committed + self._pending_samples
-                ids: Any = np.arange(start, start + n)
+                ids: Any = np.arange(start, start + n, dtype=np.int64)
             else:
                 ids = _to_column(sample_ids)
             if len(ids) != n:
@@ -906,17 +921,15 @@ class StoreWriter:
             if ids_type is not None:
                 self._column_types[("sample", "sample_id")] = ids_type
             n_tokens = 0 if token is None else len(token["pos"])
-            cums = {}
+            # every array's rows now, and those that got another number than this batch's
+            # samples (sample rows) or tokens (token rows) since the last batch: one native call
+            cums, off = self._counts.step(n, n_tokens)
             lost: dict[str, tuple[int, int]] = {}
-            for hp, a in self._arrays.items():
-                cum = a.writer.n_rows
-                got = cum - a.last_cum
-                expected = n if a.row_kind == "sample" else n_tokens
-                if got != expected and a.follows_row_table:
+            for i, got in off:
+                a = self._order[i]
+                if a.follows_row_table:
                     a.follows_row_table = False
-                    lost[hp] = (int(got), int(expected))
-                a.last_cum = cum
-                cums[hp] = cum
+                    lost[a.hook_point] = (int(got), int(n if a.row_kind == "sample" else n_tokens))
             self._pending.append(_Batch(b, n, cums, sample, token))
             self._pending_samples += n
         return lost
@@ -925,7 +938,7 @@ class StoreWriter:
         """``{hook_point: rows}`` appended since the last :meth:`add_batch` (rows of a forward
         that has not been recorded, e.g. one that raised); empty when every array is even."""
         with self._lock:
-            out = {hp: int(a.writer.n_rows) - a.last_cum for hp, a in self._arrays.items()}
+            out = {a.hook_point: int(k) for a, k in zip(self._order, self._counts.since_last())}
         return {hp: n for hp, n in out.items() if n}
 
     def maybe_commit(self) -> bool:
@@ -993,10 +1006,10 @@ class StoreWriter:
                 a.listed_rows = max(a.listed_rows, int(rec["rows_end"]))
         # rows listed in the manifests above (not the writer thread's durable_rows, read now: a
         # shard it finished since take_durable() is on disk but in no manifest until the next commit)
-        durable = {hp: max(a.committed_rows, a.listed_rows) for hp, a in self._arrays.items()}
+        durable = [max(a.committed_rows, a.listed_rows) for a in self._order]
         k = 0
         for batch in self._pending:
-            if all(cum <= durable[hp] for hp, cum in batch.cums.items()):
+            if all(cum <= d for cum, d in zip(batch.cums, durable)):
                 k += 1
             else:
                 break
@@ -1011,8 +1024,8 @@ class StoreWriter:
             if pieces:
                 self._write_part(kind, pieces)
         for x in batches:
-            for hp, cum in x.cums.items():
-                self._arrays[hp].committed_rows = max(self._arrays[hp].committed_rows, cum)
+            for a, cum in zip(self._order, x.cums):
+                a.committed_rows = max(a.committed_rows, cum)
             self.n_samples_committed += x.n_samples
             self._n_batches += 1
         # 3. manifests and array documents (independent objects: written concurrently)

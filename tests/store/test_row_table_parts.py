@@ -100,3 +100,59 @@ def test_sample_ids_of_another_type_than_the_earlier_batches_are_refused(tmp_pat
         tr.set_batch(sample_ids=torch.arange(6, 9))
         model(torch.randn(3, 4))
     assert open_store(path).row_table("sample").column("sample_id").to_pylist() == list(range(9))
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
+                                   np.float16, np.float32, np.float64, np.bool_])
+@pytest.mark.parametrize("n", [0, 5])
+def test_arrow_type_of_a_numeric_column_is_the_type_pyarrow_gives_it(dtype, n):
+    from activationscope.store.writer import _arrow_type
+
+    a = np.arange(n).astype(dtype)
+    assert _arrow_type(a) == pa.array(a).type
+    assert _arrow_type(list(a)) == (pa.array(list(a)).type if n else None)  # a list: no values, no type yet
+
+
+def test_arrow_type_of_other_columns_is_found_by_pyarrow():
+    from activationscope.store.writer import _arrow_type
+
+    assert _arrow_type(np.array(["a", "bc"])) == pa.string()
+    assert _arrow_type(np.array([None, None], dtype=object)) is None
+    assert _arrow_type(np.array([None, 3], dtype=object)) == pa.int64()
+    with pytest.raises(pa.ArrowNotImplementedError):  # as pyarrow: a byte-swapped array has no Arrow type
+        _arrow_type(np.arange(3, dtype=">i4"))
+
+
+def test_row_counts_match_the_rows_each_array_got_since_the_last_batch(tmp_path):
+    """The native per-batch row check against the rule written out in Python: every array's
+    rows now, and those whose rows since the last step are not the batch's samples (sample
+    rows) or tokens (token rows)."""
+    from activationscope.capture import _native
+
+    _C = _native.load()
+    core = _C.StoreCore(1 << 24, False)
+    kinds = [False, True, False, True, False]  # token rows?
+    writers = [_C.ArrayWriter(core, f"a{i}", str(tmp_path / f"a{i}"), str(tmp_path / f"a{i}"), torch.float32, [2],
+                              4, 2, 0, False) for i in range(len(kinds))]
+    counts = _C.RowCounts()
+    last = [0] * len(kinds)
+    for w, tok in zip(writers, kinds):
+        counts.add(w, tok, 0)
+    assert len(counts) == len(kinds)
+    g = np.random.default_rng(0)
+    for step in range(30):
+        n, n_tok = int(g.integers(1, 5)), int(g.integers(0, 9))
+        for i, (w, tok) in enumerate(zip(writers, kinds)):
+            rows = (n_tok if tok else n) + (int(g.integers(-1, 2)) if g.random() < 0.3 else 0)
+            if rows > 0:
+                w.append(torch.zeros(rows, 2))
+        now = [w.n_rows for w in writers]
+        assert counts.since_last() == [a - b for a, b in zip(now, last)]
+        cums, off = counts.step(n, n_tok)
+        want = [(i, now[i] - last[i]) for i in range(len(kinds)) if now[i] - last[i] != (n_tok if kinds[i] else n)]
+        assert cums == tuple(now) and off == want
+        last = now
+    assert counts.since_last() == [0] * len(kinds)
+    for w in writers:
+        w.flush()
+    core.close()
