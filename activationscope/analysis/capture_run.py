@@ -180,7 +180,8 @@ def _is_library_warning(e: BaseException) -> bool:
 
 def _reissue(caught: Sequence[warnings.WarningMessage], registry: set[Any]) -> None:
     """Show the warnings ``caught`` during a forward as they were raised (same category and
-    place), the mask warning of the tracker in the words of ``capture``.
+    place), the mask warning of the tracker in the words of ``capture`` (with its ``reason``,
+    ``mask_shape`` and ``first_shapes``).
 
     Where the warnings filter turns a warning into an error (``-W error``), it raises here,
     as the warning's own category."""
@@ -190,6 +191,7 @@ def _reissue(caught: Sequence[warnings.WarningMessage], registry: set[Any]) -> N
         message = w.message
         if isinstance(message, CaptureWarning) and getattr(message, "reason", None) == "mask_unused":
             # the tracker's warning about the set_batch mask: here the mask is the tokenizer's
+            said = message
             message = CaptureWarning(
                 f"the attention mask of the tokenized text, of shape {message.mask_shape} (batch, pos), fits no "
                 f"tracked hook point: no activation starts with it ({message.first_shapes}), so every hook point "
@@ -197,6 +199,8 @@ def _reissue(caught: Sequence[warnings.WarningMessage], registry: set[Any]) -> N
                 "rows. Pass --sample-rows PATTERN to confirm one row per sample (this silences the warning), or "
                 "track hook points whose activations start with (batch, pos) for token rows"
             )
+            # the same facts as the tracker's, for callers that tell warnings apart by them
+            message.reason, message.mask_shape, message.first_shapes = said.reason, said.mask_shape, said.first_shapes
         key = (str(message), w.category, w.filename, w.lineno)
         if key in registry:  # warnings' own registry is reset by every catch_warnings of a forward
             continue
@@ -350,7 +354,8 @@ def capture_dataset(
     -----
     CaptureWarning
         Text data whose attention mask fits no tracked hook point (every hook point stores
-        one row per sample): worded for ``--sample-rows``, raised once per capture. Where
+        one row per sample): worded for ``--sample-rows``, raised once per capture, with the
+        tracker's ``reason == "mask_unused"``, ``mask_shape`` and ``first_shapes``. Where
         the warnings filter turns it into an error (``-W error``), that CaptureWarning is
         raised as it is (not as a CaptureError: the model did not raise it), with a note
         saying what the store keeps.

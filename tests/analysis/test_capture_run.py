@@ -316,3 +316,16 @@ def test_a_model_error_under_the_error_filter_is_still_the_models(tmp_path):
         warnings.simplefilter("error")
         with pytest.raises(CaptureError, match=r"the model raised ValueError: no such token on samples 0\.\.3"):
             _mask_unused_run(tmp_path, Raises(torch.nn.Embedding(50, 8), _PrependCLS(), torch.nn.Linear(8, 8)))
+
+
+def test_the_reworded_mask_warning_carries_the_trackers_fields(tmp_path):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        summary = _mask_unused_run(tmp_path)
+    mask = [w.message for w in caught if getattr(w.message, "reason", None) == "mask_unused"]
+    assert len(mask) == 1 and isinstance(mask[0], acs.CaptureWarning)
+    assert str(mask[0]).startswith("the attention mask of the tokenized text, of shape (4, 6)")
+    assert mask[0].mask_shape == (4, 6)
+    assert mask[0].first_shapes == "{'1.output': (4, 7, 8), '2.output': (4, 7, 8)}"
+    assert f"({mask[0].first_shapes})" in str(mask[0])
+    assert summary.n_samples == 4 and acs.open_store(tmp_path / "m.zarr").row_kind("1.output") == "sample"
