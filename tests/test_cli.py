@@ -567,6 +567,9 @@ def test_reissued_warnings_keep_category_and_place():
     assert again[0].lineno == caught[0].lineno
     assert str(again[1].message).startswith("the attention mask of the tokenized text, of shape (2, 5)")
     assert "({'a.output': (2, 3)})" in str(again[1].message)
+    reworded = again[1].message  # in other words, the same fields as the tracker's
+    assert (reworded.reason, reworded.mask_shape, reworded.first_shapes) == ("mask_unused", (2, 5), "{'a.output': (2, 3)}")
+    assert not hasattr(again[2].message, "reason")
     assert str(again[2].message) == str(caught[2].message)
 
 

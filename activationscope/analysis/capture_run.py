@@ -81,6 +81,14 @@ def run_capture(
     token_rows : bool or dict of str to bool, optional
         ``ActivationScope(token_rows=...)``: which hook points shaped like the mask's
         ``(batch, pos)`` store token rows (True) or sample rows (False).
+
+    Raises
+    ------
+    CaptureError
+        The model raised during a forward (naming the exception and the samples).
+    CaptureWarning
+        A warning of the library's own that the warnings filter turns into an error
+        (``-W error``), as it is: the library's, not the model's.
     """
     import torch
     from tqdm.auto import tqdm
@@ -122,7 +130,9 @@ def run_capture(
                     finally:
                         _reissue(caught, registry)
                 except Exception as e:  # noqa: BLE001 - user model code
-                    if isinstance(e, ActivationScopeError):
+                    if isinstance(e, ActivationScopeError) or _is_library_warning(e):
+                        # a warning of the library's own (shown by _reissue) that the warnings
+                        # filter turns into an error (-W error): it is what it says, not the model's
                         raise
                     raise CaptureError(
                         f"the model raised {type(e).__name__}: {' '.join(str(e).split())} on samples "
@@ -161,15 +171,27 @@ def run_capture(
     return summary
 
 
+def _is_library_warning(e: BaseException) -> bool:
+    """Whether ``e`` is a warning of one of activationscope's own categories
+    (:class:`~activationscope.errors.CaptureWarning`, ``EagerFallbackWarning``) raised as an
+    exception, which the warnings filter does for ``-W error``."""
+    return isinstance(e, Warning) and type(e).__module__.partition(".")[0] == __name__.partition(".")[0]
+
+
 def _reissue(caught: Sequence[warnings.WarningMessage], registry: set[Any]) -> None:
     """Show the warnings ``caught`` during a forward as they were raised (same category and
-    place), the mask warning of the tracker in the words of ``capture``."""
+    place), the mask warning of the tracker in the words of ``capture`` (with its ``reason``,
+    ``mask_shape`` and ``first_shapes``).
+
+    Where the warnings filter turns a warning into an error (``-W error``), it raises here,
+    as the warning's own category."""
     from ..errors import CaptureWarning
 
     for w in caught:
         message = w.message
         if isinstance(message, CaptureWarning) and getattr(message, "reason", None) == "mask_unused":
             # the tracker's warning about the set_batch mask: here the mask is the tokenizer's
+            said = message
             message = CaptureWarning(
                 f"the attention mask of the tokenized text, of shape {message.mask_shape} (batch, pos), fits no "
                 f"tracked hook point: no activation starts with it ({message.first_shapes}), so every hook point "
@@ -177,6 +199,8 @@ def _reissue(caught: Sequence[warnings.WarningMessage], registry: set[Any]) -> N
                 "rows. Pass --sample-rows PATTERN to confirm one row per sample (this silences the warning), or "
                 "track hook points whose activations start with (batch, pos) for token rows"
             )
+            # the same facts as the tracker's, for callers that tell warnings apart by them
+            message.reason, message.mask_shape, message.first_shapes = said.reason, said.mask_shape, said.first_shapes
         key = (str(message), w.category, w.filename, w.lineno)
         if key in registry:  # warnings' own registry is reset by every catch_warnings of a forward
             continue
@@ -330,7 +354,11 @@ def capture_dataset(
     -----
     CaptureWarning
         Text data whose attention mask fits no tracked hook point (every hook point stores
-        one row per sample): worded for ``--sample-rows``, raised once per capture.
+        one row per sample): worded for ``--sample-rows``, raised once per capture, with the
+        tracker's ``reason == "mask_unused"``, ``mask_shape`` and ``first_shapes``. Where
+        the warnings filter turns it into an error (``-W error``), that CaptureWarning is
+        raised as it is (not as a CaptureError: the model did not raise it), with a note
+        saying what the store keeps.
     """
     import torch
 

@@ -41,6 +41,11 @@ class RowSource(Protocol):
     Rows of a hook point are a ``(n_rows, *feature_shape)`` tensor of ``dtype``; the row
     table of ``kind`` (``"sample"`` / ``"token"``) describes them when
     ``follows_row_table(hook_point)``.
+
+    Optional: an ``attrs`` attribute, the store's metadata object, replaced by a new object
+    whenever the rows may have changed (``Store.refresh()``): a source forgets the row
+    layouts and segments it cached when it is no longer the object they were cached under.
+    A store without it is taken as never changing.
     """
 
     @property
@@ -130,19 +135,40 @@ class StoreSource:
         self._recent: dict[str, tuple[int, int, torch.Tensor]] = {}
         self._tables: dict[str, Any] = {}
         self._seg_lists: dict[str, list[Any]] = {}  # hook point -> mapped segments (None: not yet), for gather
+        # the store's metadata object (``store.attrs``) the caches above were filled under:
+        # ``Store.refresh()`` replaces it, and the layouts it cached may then be stale
+        self._seen: Any = None
         _LIVE.add(self)
 
     # ------------------------------------------------------------------ lifecycle
     def _drop_handles(self) -> None:
         self._lock = threading.Lock()
+        self._forget_layouts()
+        if isinstance(self._reopen_spec(), str):
+            self._store = None  # reopened lazily from its path or URL
+        self._pid = os.getpid()
+
+    def _forget_layouts(self) -> None:
+        """Drop every cached layout, segment view, read-ahead hint and row table. Each cache
+        is replaced by a new dict, never cleared in place: a reader holding the old one keeps
+        rows of one layout, and a dataset's sequential window (tied to ``_recent`` by
+        identity) is not used again."""
         self._views = {}
         self._hinted = {}
         self._recent = {}
         self._tables = {}
         self._seg_lists = {}
-        if isinstance(self._reopen_spec(), str):
-            self._store = None  # reopened lazily from its path or URL
-        self._pid = os.getpid()
+        self._seen = None
+
+    def _sync(self, store: Any) -> None:
+        """Forget the cached layouts when ``store`` was refreshed since they were cached
+        (``Store.refresh()`` replaces ``store.attrs``): another writer may have committed rows
+        since, which the old row boundaries and the memo of the last segment do not hold, or
+        another run may have been written in its place."""
+        seen = getattr(store, "attrs", None)
+        if seen is not self._seen:
+            self._forget_layouts()
+            self._seen = seen
 
     def _reopen_spec(self) -> Any:
         if isinstance(self._spec, str):
@@ -173,7 +199,16 @@ class StoreSource:
                             f"{type(self._store).__name__} from {self.describe()} is not a store the data layer can "
                             f"read: it lacks {missing} of the RowSource protocol (activationscope.data._source)"
                         )
-        return self._store
+        store = self._store
+        if getattr(store, "attrs", None) is not self._seen:
+            self._sync(store)
+        return store
+
+    def _check_refreshed(self) -> None:
+        """:meth:`_sync` with the open store, if any (nothing is cached before it opens)."""
+        store = self._store
+        if store is not None and getattr(store, "attrs", None) is not self._seen:
+            self._sync(store)
 
     def _raise_if_memory_elsewhere(self, spec: Any, error: BaseException) -> None:
         """A ``memory://`` store lives in the memory of the process that made it: in a process
@@ -211,10 +246,11 @@ class StoreSource:
         return str(self.store.row_kind(hp))
 
     def row_table(self, kind: str) -> Any:
-        """The row table of ``kind`` as a ``pyarrow.Table`` (cached)."""
+        """The row table of ``kind`` as a ``pyarrow.Table`` (cached until the store is refreshed)."""
+        store = self.store
         table = self._tables.get(kind)
         if table is None:
-            table = self.store.row_table(kind)
+            table = store.row_table(kind)
             self._tables[kind] = table
         return table
 
@@ -236,7 +272,9 @@ class StoreSource:
         The store's ``row_blocks``: its shards for local uncompressed arrays (each read is a
         view of one mapped shard file, kept), its chunks for compressed or remote arrays (each
         read goes through the store's bounded chunk cache, so segments are not kept here).
+        Dropped when the store is refreshed (:meth:`_sync`).
         """
+        self._check_refreshed()
         cached = self._views.get(hp)
         if cached is not None:
             return cached
@@ -268,6 +306,9 @@ class StoreSource:
         """Rows ``[start, stop)`` of ``hp``: a view within one shard of a mapped store, else one copy."""
         # The per-batch path of ActivationDataset: plain Python on cached lists, no small
         # tensor operations (each costs microseconds, as much as a batch's own bookkeeping).
+        store = self._store
+        if store is not None and getattr(store, "attrs", None) is not self._seen:
+            self._sync(store)  # refreshed: the cached layouts may be stale
         recent = self._recent.get(hp)
         if recent is not None and recent[0] <= start <= stop <= recent[1]:
             lo = recent[0]

@@ -582,7 +582,7 @@ class ActivationDataset(Dataset):
             raise ArgumentValueError(f"column names clash with hook point names: {sorted(clash)}")
         # the rows of the dataset: a range of store rows, or an int64 tensor of store rows
         self._start, self._stop, self._ids = 0, self.n_store_rows, None
-        self._window: tuple[int, int, torch.Tensor, dict, str] | None = None  # see _remember_window
+        self._window: tuple[int, int, torch.Tensor, dict, str, Any] | None = None  # see _remember_window
         self._select_rows(rows)
         if filter is not None or sample_ids is not None:
             self._apply_filter(filter, sample_ids)
@@ -930,7 +930,9 @@ class ActivationDataset(Dataset):
             if w is not None:  # one hook point: the mapped rows the last batch came from
                 a, b, lo = indices.start, indices.stop, w[0]
                 if lo <= a < b <= w[1] and indices.step == 1 and w[3] is self.source._recent:
-                    return Batch({w[4]: w[2][a - lo : b - lo]}, b - a)
+                    # ... while the source reads the same store: not after a refresh (or a reopen)
+                    if getattr(self.source._store, "attrs", None) is w[5]:
+                        return Batch({w[4]: w[2][a - lo : b - lo]}, b - a)
             if self._ids is None and not self.columns:
                 start = self._start
                 a, b = indices.start + start, indices.stop + start
@@ -949,7 +951,9 @@ class ActivationDataset(Dataset):
         """Keep, in dataset positions, the mapped rows the source's last read of ``hp`` came
         from (``StoreSource._recent``: within one mapped segment and its read-ahead hint), so
         that the next sequential batches inside them are sliced here directly; the window is
-        used only while the source keeps the same ``_recent`` (a fork or a pickle replaces it)."""
+        used only while the source keeps the same ``_recent`` (a fork or a pickle replaces it)
+        and its store the same metadata object (``store.refresh()`` replaces it: the store may
+        have grown, or another run may have been written in its place)."""
         recent = self.source._recent
         got = recent.get(hp)
         if got is None:
@@ -958,7 +962,8 @@ class ActivationDataset(Dataset):
         lo, hi, view = got
         start = self._start
         lo, hi = max(lo, start), min(hi, self._stop)
-        self._window = None if hi <= lo else (lo - start, hi - start, view[lo - got[0] :], recent, hp)
+        seen = self.source._seen  # the store's metadata object the source's caches are of
+        self._window = None if hi <= lo else (lo - start, hi - start, view[lo - got[0] :], recent, hp, seen)
 
     def __getitem__(self, index: Any) -> dict[str, Any]:
         """``ds[i]``: one row (views of the store row); ``ds[slice | range | list | Tensor]``: :meth:`get_batch`.

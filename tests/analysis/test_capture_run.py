@@ -3,6 +3,7 @@ resume offset, batches, store options). Reference values: the model run in plain
 
 from __future__ import annotations
 
+import warnings
 
 import numpy as np
 import pytest
@@ -270,3 +271,61 @@ def test_a_resume_with_data_of_fewer_samples_than_the_store_is_refused(nets, tmp
     # fewer samples asked for (--max-samples) of the same data: nothing to capture, no error
     assert capture_run.capture_dataset("runnets.nets:mlp", str(nets), out, resume=True, max_samples=20,
                                        progress=False).nothing_to_capture
+
+
+class _PrependCLS(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.cls = torch.nn.Parameter(torch.randn(1, 1, 8))
+
+    def forward(self, h):
+        return torch.cat([self.cls.expand(len(h), -1, -1), h], 1)
+
+
+def _mask_unused_run(tmp_path, model=None):
+    """run_capture of a model that prepends a token, with the tokenizer's (batch, pos) mask:
+    no hook point starts with the mask's shape (4, 6), so the tracker warns about it."""
+    torch.manual_seed(0)
+    model = model or torch.nn.Sequential(torch.nn.Embedding(50, 8), _PrependCLS(), torch.nn.Linear(8, 8))
+    ids = torch.randint(1, 50, (4, 6), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(4, 6, dtype=torch.bool)
+    mask[2:, 3:] = False
+    batches = [(0, ids, {"attention_mask": mask, "sample_ids": list(range(4)), "label": [0, 1, 0, 1]})]
+    return capture_run.run_capture(model, batches, out=str(tmp_path / "m.zarr"), n_total=4, include=["1", "2"],
+                                   exclude=None, reductions=None, progress=False)
+
+
+def test_a_library_warning_turned_into_an_error_is_raised_as_itself(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # what python -W error does
+        with pytest.raises(acs.CaptureWarning) as raised:
+            _mask_unused_run(tmp_path)
+    e = raised.value
+    assert not isinstance(e, CaptureError) and "the model raised" not in str(e)
+    assert str(e).startswith("the attention mask of the tokenized text, of shape (4, 6) (batch, pos), fits no tracked")
+    assert "'1.output': (4, 7, 8)" in str(e) and "--sample-rows" in str(e)
+    assert any("m.zarr" in note for note in e.__notes__)  # what the store keeps, as for any failure
+
+
+def test_a_model_error_under_the_error_filter_is_still_the_models(tmp_path):
+    class Raises(torch.nn.Sequential):
+        def forward(self, x):
+            raise ValueError("no such token")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(CaptureError, match=r"the model raised ValueError: no such token on samples 0\.\.3"):
+            _mask_unused_run(tmp_path, Raises(torch.nn.Embedding(50, 8), _PrependCLS(), torch.nn.Linear(8, 8)))
+
+
+def test_the_reworded_mask_warning_carries_the_trackers_fields(tmp_path):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        summary = _mask_unused_run(tmp_path)
+    mask = [w.message for w in caught if getattr(w.message, "reason", None) == "mask_unused"]
+    assert len(mask) == 1 and isinstance(mask[0], acs.CaptureWarning)
+    assert str(mask[0]).startswith("the attention mask of the tokenized text, of shape (4, 6)")
+    assert mask[0].mask_shape == (4, 6)
+    assert mask[0].first_shapes == "{'1.output': (4, 7, 8), '2.output': (4, 7, 8)}"
+    assert f"({mask[0].first_shapes})" in str(mask[0])
+    assert summary.n_samples == 4 and acs.open_store(tmp_path / "m.zarr").row_kind("1.output") == "sample"

@@ -1,0 +1,113 @@
+"""A dataset sharing the source of one made before ``store.refresh()`` reads the rows the
+store has after it: the source forgets the row layouts, segment views, read-ahead windows and
+row tables it cached for the old commit (they held the old row count, and a last shard that
+has grown since). Reference: the same store opened afresh, and plain PyTorch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from activationscope import ActivationScope, open_store
+from activationscope.data import ActivationDataset
+from activationscope.data.dataset import collate
+from activationscope.store import StoreWriter
+
+HP = "x"
+
+
+def _write(path, data, *, resume=False, overwrite=False, compression=None):
+    """``data`` as rows of ``HP``, shards of 32 rows (so a store of 40 rows ends in a part-filled shard)."""
+    w = StoreWriter(path, resume=resume, overwrite=overwrite, compression=compression, chunk_rows=8, shard_rows=32)
+    a = w.open_array(HP, (3,), torch.float32, "sample")
+    a.append(data)
+    w.add_batch(len(data))
+    w.close()
+
+
+def _warm(ds):
+    """Read the dataset every way it reads, so the source caches layouts, segments, windows, hints and tables."""
+    n = len(ds)
+    ds[:]
+    ds[n - 1]
+    ds[[n - 1, 0]]
+    for a in range(0, n, 4):
+        ds.__getitems__(range(a, min(n, a + 4)))
+    ds.block_boundaries()
+    ds.source.row_table("sample")
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_a_dataset_made_after_refresh_reads_the_rows_another_writer_added(tmp_path, compression):
+    path = str(tmp_path / "s.zarr")
+    data = torch.randn(100, 3, generator=torch.Generator().manual_seed(0))
+    _write(path, data[:40], compression=compression)
+    store = open_store(path)
+    old = ActivationDataset(store, columns=["sample_id"])
+    _warm(old)
+    _write(path, data[40:], resume=True, compression=compression)  # a second writer grows the store
+    assert len(ActivationDataset(old)) == 40  # not refreshed: the snapshot it was opened on
+    store.refresh()
+    fresh = open_store(path)
+    for new in (ActivationDataset(old), ActivationDataset(old.source, columns=["sample_id"]), ActivationDataset(store)):
+        assert len(new) == 100
+        assert torch.equal(new[:][HP], data) and torch.equal(new[:][HP], fresh.rows(HP, 0, 100))
+        assert torch.equal(new[99][HP], data[99]) and torch.equal(new[40][HP], data[40])
+        assert torch.equal(new[[99, 3, 45, 70]][HP], data[[99, 3, 45, 70]])  # gather / take across the new shards
+        assert torch.equal(new[torch.tensor([33, 63])][HP], data[[33, 63]])  # the shard that was part-filled
+        for a in range(0, 100, 7):  # sequential batches (the source's and the dataset's windows)
+            assert torch.equal(collate(new.__getitems__(range(a, min(100, a + 7))))[HP], data[a : a + 7]), a
+        assert torch.equal(new.block_boundaries(), ActivationDataset(path).block_boundaries())
+    shared = ActivationDataset(old, columns=["sample_id"])
+    assert shared[:]["sample_id"].tolist() == list(range(100))  # the row table of the new commit
+    # the dataset made before the refresh keeps its 40 rows, read through the new layout
+    assert len(old) == 40
+    assert torch.equal(old[:][HP], data[:40]) and torch.equal(old[[39, 0]][HP], data[[39, 0]])
+    assert old[:]["sample_id"].tolist() == list(range(40))
+
+
+def test_resumed_capture_then_refresh_reads_the_captured_activations(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(5, 4, generator=g) for _ in range(6)]
+    path = tmp_path / "s.zarr"
+
+    def capture(batches, resume=False):
+        scope = ActivationScope(store=path, store_options={"resume": True} if resume else {})
+        with torch.no_grad(), scope.track(model, include=["0"]):
+            for x in batches:
+                model(x)
+
+    capture(xs[:2])
+    store = open_store(path)
+    ds = ActivationDataset(store, hook_points=["0.output"])
+    _warm(ds)
+    capture(xs[2:], resume=True)
+    store.refresh()
+    new = ActivationDataset(ds)
+    with torch.no_grad():
+        ref = torch.cat([model[0](x) for x in xs])
+    assert len(new) == 30
+    assert torch.equal(new[:]["0.output"], open_store(path).rows("0.output", 0, 30))
+    torch.testing.assert_close(new[10:30]["0.output"], ref[10:30])
+    torch.testing.assert_close(new[[29, 12]]["0.output"], ref[[29, 12]])
+
+
+def test_the_sequential_window_is_not_used_after_a_refresh(tmp_path):
+    """A store overwritten by another run and refreshed: a dataset's sequential window (a view
+    of the old run's mapped rows) must not serve the old rows; its batches are the store's rows now."""
+    path = str(tmp_path / "s.zarr")
+    first = torch.randn(64, 3, generator=torch.Generator().manual_seed(1))
+    second = torch.randn(64, 3, generator=torch.Generator().manual_seed(2))
+    _write(path, first)
+    store = open_store(path)
+    ds = ActivationDataset(store)
+    assert torch.equal(collate(ds.__getitems__(range(0, 4)))[HP], first[:4])
+    assert ds._window is not None and ds._window[1] > 8  # the next batches come from the window
+    _write(path, second, overwrite=True)
+    store.refresh()
+    assert torch.equal(store.rows(HP, 4, 8), second[4:8])
+    assert torch.equal(collate(ds.__getitems__(range(4, 8)))[HP], second[4:8])
+    assert torch.equal(ds.source.read(HP, 8, 12), second[8:12])
+    assert torch.equal(collate(ds.__getitems__(range(12, 16)))[HP], second[12:16])
