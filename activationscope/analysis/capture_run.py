@@ -173,8 +173,9 @@ def run_capture(
 
 def _is_library_warning(e: BaseException) -> bool:
     """Whether ``e`` is a warning of one of activationscope's own categories
-    (:class:`~activationscope.errors.CaptureWarning`, ``EagerFallbackWarning``) raised as an
-    exception, which the warnings filter does for ``-W error``."""
+    (:class:`~activationscope.errors.CaptureWarning`, ``EagerFallbackWarning``; the tracker
+    issues its warnings during a forward as CaptureWarning) raised as an exception, which the
+    warnings filter does for ``-W error``."""
     return isinstance(e, Warning) and type(e).__module__.partition(".")[0] == __name__.partition(".")[0]
 
 

@@ -1212,7 +1212,7 @@ class Tracker:
                 "captures): its hook points differ from the first forward's. Its capture is whole, but a forward "
                 "whose extra hook points come after the stop point would lose them; use stop_after_last=False "
                 "for models whose hook points change from forward to forward",
-                RuntimeWarning,
+                CaptureWarning,
                 stacklevel=2,
             )
         if self._aliases:
@@ -1326,7 +1326,7 @@ class Tracker:
             f"{where}, the others did not. {effect} To keep every hook point aligned, let the exception "
             "leave the `with` block (a store then commits every whole forward before it, status "
             "'incomplete', and resume=True continues) or check the batch before calling the model.",
-            RuntimeWarning,
+            CaptureWarning,
             stacklevel=3,
         )
 

@@ -28,6 +28,7 @@ from ..errors import (
     ArgumentValueError,
     HookPointNotFoundError,
     RowIndexError,
+    StoreError,
 )
 from ..capture.hooks import pattern_hits
 from ._source import StoreSource, as_source
@@ -563,6 +564,7 @@ class ActivationDataset(Dataset):
         open_options: Mapping[str, Any] | None = None,
     ) -> None:
         self.source: StoreSource = as_source(store, open_options)
+        self._run = self.source.run()  # the run whose rows, row table and selection these are
         self.hook_points = self._select_hook_points(hook_points)
         self.row_kind = self.source.row_kind(self.hook_points[0])
         self.n_store_rows = self.source.n_rows(self.hook_points[0])
@@ -867,7 +869,11 @@ class ActivationDataset(Dataset):
         RowIndexError
             A position outside ``[-len(ds), len(ds))`` (also ints beyond int64, and a range
             past the end); the message names the first such position. An IndexError.
+        StoreError
+            Another run was written in the store's place (an overwrite) and the store
+            refreshed since this dataset was made (see :meth:`_check_run`).
         """
+        self._check_run()
         if self._ids is None and isinstance(index, (list, tuple, torch.Tensor)):
             data = self._gather(index)
             if data is not None:
@@ -937,6 +943,7 @@ class ActivationDataset(Dataset):
                 start = self._start
                 a, b = indices.start + start, indices.stop + start
                 if indices.step == 1 and start <= a < b <= self._stop:
+                    self._check_run()
                     read = self.source.read
                     hps = self.hook_points
                     if len(hps) == 1:
@@ -946,6 +953,22 @@ class ActivationDataset(Dataset):
                     return Batch({hp: read(hp, a, b) for hp in hps}, b - a)
         data = self.get_batch(indices)
         return Batch(data, len(data[self.hook_points[0]]))  # (a bool mask reads fewer rows than its length)
+
+    def _check_run(self) -> None:
+        """Raise :class:`StoreError` when the store now holds another run than when this
+        dataset was made (``overwrite=True`` by another capture, then ``store.refresh()``):
+        the dataset's length, row selection (``rows=``, ``filter=``, ``sample_ids=``) and
+        columns are the old run's, and would be paired with the new run's rows. A store grown
+        by a resume keeps its run: the dataset reads its old rows as before."""
+        run = self.source.run()
+        if run != self._run:
+            was = "none" if self._run is None else (self._run[0] or f"created {self._run[1]}")
+            now = "none" if run is None else (run[0] or f"created {run[1]}")
+            raise StoreError(
+                f"the store {self.source.describe()} holds another run than when this dataset was made (run {was} "
+                f"then, {now} now: it was overwritten and refreshed); this dataset's length, rows and columns are "
+                "the old run's. Make a new ActivationDataset of the store"
+            )
 
     def _remember_window(self, hp: str) -> None:
         """Keep, in dataset positions, the mapped rows the source's last read of ``hp`` came
@@ -978,6 +1001,7 @@ class ActivationDataset(Dataset):
             i = _scalar_position(index, "ds[index]: index")
         else:
             return self.get_batch(index)
+        self._check_run()
         n = len(self)
         if not -n <= i < n:
             raise RowIndexError(

@@ -329,3 +329,30 @@ def test_the_reworded_mask_warning_carries_the_trackers_fields(tmp_path):
     assert mask[0].first_shapes == "{'1.output': (4, 7, 8), '2.output': (4, 7, 8)}"
     assert f"({mask[0].first_shapes})" in str(mask[0])
     assert summary.n_samples == 4 and acs.open_store(tmp_path / "m.zarr").row_kind("1.output") == "sample"
+
+
+class _StopsEarlyAfterFirst(torch.nn.Module):
+    """Runs a second layer in its first forward only: later forwards never reach the stop point
+    that stop_after_last learnt, and the tracker warns (a RuntimeWarning, as CaptureWarning)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.k = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), 0
+
+    def forward(self, x):
+        self.k += 1
+        y = self.a(x)
+        return (self.b(y) if self.k == 1 else y) + 1
+
+
+def test_the_trackers_own_runtime_warning_turned_into_an_error_is_raised_as_itself(tmp_path):
+    torch.manual_seed(0)
+    batches = [(2 * i, torch.randn(2, 4), {}) for i in range(3)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(acs.CaptureWarning, match=r"^forward 1 of the tracked model ran to its end without reaching "
+                                                     r"the stop point of stop_after_last=True") as raised:
+            capture_run.run_capture(_StopsEarlyAfterFirst(), batches, out=str(tmp_path / "s.zarr"), n_total=6,
+                                    include=None, exclude=None, reductions=None, progress=False,
+                                    stop_after_last=True)
+    assert isinstance(raised.value, RuntimeWarning) and not isinstance(raised.value, CaptureError)

@@ -96,7 +96,10 @@ def test_resumed_capture_then_refresh_reads_the_captured_activations(tmp_path):
 
 def test_the_sequential_window_is_not_used_after_a_refresh(tmp_path):
     """A store overwritten by another run and refreshed: a dataset's sequential window (a view
-    of the old run's mapped rows) must not serve the old rows; its batches are the store's rows now."""
+    of the old run's mapped rows) must not serve the old rows: the dataset refuses to read (its
+    length and selection are the old run's); one made after the refresh reads the new rows."""
+    from activationscope.errors import StoreError
+
     path = str(tmp_path / "s.zarr")
     first = torch.randn(64, 3, generator=torch.Generator().manual_seed(1))
     second = torch.randn(64, 3, generator=torch.Generator().manual_seed(2))
@@ -108,6 +111,51 @@ def test_the_sequential_window_is_not_used_after_a_refresh(tmp_path):
     _write(path, second, overwrite=True)
     store.refresh()
     assert torch.equal(store.rows(HP, 4, 8), second[4:8])
-    assert torch.equal(collate(ds.__getitems__(range(4, 8)))[HP], second[4:8])
+    with pytest.raises(StoreError, match="holds another run than when this dataset was made"):
+        ds.__getitems__(range(4, 8))
     assert torch.equal(ds.source.read(HP, 8, 12), second[8:12])
-    assert torch.equal(collate(ds.__getitems__(range(12, 16)))[HP], second[12:16])
+    new = ActivationDataset(ds)
+    assert torch.equal(collate(new.__getitems__(range(4, 8)))[HP], second[4:8])
+    assert torch.equal(collate(new.__getitems__(range(12, 16)))[HP], second[12:16])
+
+
+def test_a_dataset_made_before_another_run_overwrote_the_store_refuses_to_read_after_refresh(tmp_path):
+    """Its length, row selection and columns are the old run's: paired with the new run's rows
+    they would be silently wrong, so it raises, naming both runs; a dataset made after the
+    refresh reads the new run."""
+    from activationscope.errors import StoreError
+
+    path = str(tmp_path / "s.zarr")
+    old_data, new_data = torch.arange(120.0).reshape(40, 3), 1000 + torch.arange(150.0).reshape(50, 3)
+    _write(path, old_data)
+    store = open_store(path)
+    run = store.attrs["run_id"]
+    plain = ActivationDataset(store, columns=["sample_id"])
+    picked = ActivationDataset(store, rows=[3, 1, 39])
+    _warm(plain)
+    _warm(picked)
+    assert torch.equal(picked[:][HP], old_data[[3, 1, 39]])
+    _write(path, new_data, overwrite=True)  # another run in its place
+    store.refresh()
+    assert store.attrs["run_id"] != run
+    for ds in (plain, picked):
+        for read in (lambda d: d[:], lambda d: d[0], lambda d: d[torch.tensor(1)], lambda d: d[[0, 1]],
+                     lambda d: d.__getitems__(range(0, 2)), lambda d: d.get_batch(slice(0, 2))):
+            with pytest.raises(StoreError, match=rf"holds another run than when this dataset was made \(run {run} then"):
+                read(ds)
+    new = ActivationDataset(store, columns=["sample_id"])
+    assert len(new) == 50 and torch.equal(new[:][HP], new_data) and new[:]["sample_id"].tolist() == list(range(50))
+    assert torch.equal(ActivationDataset(plain.source)[:][HP], new_data)  # the shared source reads the new run
+
+
+def test_a_dataset_of_a_store_grown_by_a_resume_keeps_reading_its_rows_after_refresh(tmp_path):
+    path = str(tmp_path / "s.zarr")
+    data = torch.randn(70, 3, generator=torch.Generator().manual_seed(1))
+    _write(path, data[:40])
+    store = open_store(path)
+    ds = ActivationDataset(store, columns=["sample_id"])
+    _warm(ds)
+    _write(path, data[40:], resume=True)
+    store.refresh()
+    assert len(ds) == 40 and torch.equal(ds[:][HP], data[:40]) and ds[:]["sample_id"].tolist() == list(range(40))
+    assert torch.equal(collate(ds.__getitems__(range(32, 40)))[HP], data[32:40])
