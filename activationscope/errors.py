@@ -30,7 +30,8 @@ class CaptureError(ActivationScopeError, RuntimeError):
 class CaptureWarning(RuntimeWarning):
     """A capture records less than was asked for (modules that never ran, modules inside
     TorchScript, a partial forward, a forward whose hook points did not reach the stop point
-    of ``stop_after_last``); the message names the modules and the fix. A RuntimeWarning.
+    of ``stop_after_last``, a ``CaptureMode.REFERENCE`` record the model changed in place
+    afterwards); the message names the modules and the fix. A RuntimeWarning.
 
     The warning about a ``set_batch`` attention mask that fits no hook point also carries
     ``reason == "mask_unused"``, ``mask_shape`` (the mask's shape, a tuple) and

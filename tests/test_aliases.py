@@ -209,10 +209,12 @@ def test_an_alias_that_gets_no_rows_while_its_target_does_is_an_error(tmp_path, 
     xs = [torch.randn(4, 8) for _ in range(5)]
     kw = {"store": tmp_path / "s.zarr"} if where == "store" else {}
     with pytest.raises(CaptureError, match=r"'1.output' is stored once, as an alias of '1.lin.output'.*in forward 2 "
-                                           r"it did not get the rows"):
+                                           r"it did not get the rows") as raised:
         with torch.no_grad(), ActivationScope(**kw).track(m) as t:
             for x in xs:
                 m(x)
+    # what a store keeps is said only for a store
+    assert ("The store keeps every forward before this one" in str(raised.value)) == (where == "store")
     if where == "store":
         s = open_store(tmp_path / "s.zarr")
         assert s.status == "incomplete" and s.aliases == {"1.output": "1.lin.output"}

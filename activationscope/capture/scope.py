@@ -1279,7 +1279,7 @@ class Tracker:
             f"hook point {public!r} is stored once, as an alias of {target!r} (the same tensor when first "
             f"captured), but in forward {self._core.n_forwards - 1} it did not get the rows {target!r} got (its "
             "module returned no tensor); pass exclude= for the module of one of them (or "
-            "include= only one). A store keeps every forward before this one"
+            "include= only one)" + (". The store keeps every forward before this one" if self.writer is not None else "")
         )
 
     def _warn_mask_unused(self, mask: torch.Tensor) -> None:
@@ -1337,7 +1337,7 @@ class Tracker:
                 f"hook point {name!r}: a tensor kept by CaptureMode.REFERENCE was changed in place "
                 "after it was captured (its version counter moved), so the record no longer holds the "
                 "value at capture time; use CaptureMode.SNAPSHOT (the default) for this model",
-                RuntimeWarning,
+                CaptureWarning,
                 stacklevel=3,
             )
 

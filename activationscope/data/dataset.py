@@ -605,7 +605,7 @@ class ActivationDataset(Dataset):
         if lost and len(self.hook_points) > 1:
             raise ArgumentValueError(
                 f"hook points {lost} of {self.source.describe()} do not follow the row table (store.follows_row_table() "
-                "is False: captured from a later forward on), so their row i is not row i of the other hook points "
+                "is False: first captured after some forwards, or missing from one), so their row i is not row i of the other hook points "
                 f"{[hp for hp in self.hook_points if hp not in lost]}; make a dataset of each of them alone"
             )
         counts = {hp: self.source.n_rows(hp) for hp in self.hook_points}
@@ -614,7 +614,7 @@ class ActivationDataset(Dataset):
             raise ArgumentValueError(
                 "hook points of one ActivationDataset must have the same number of rows, got "
                 + ", ".join(f"{hp!r}: {n}" for hp, n in counts.items())
-                + (f"; {lost} do not follow the row table (captured from a later forward on): make a dataset "
+                + (f"; {lost} do not follow the row table (first captured after some forwards, or missing from one): make a dataset "
                    "of each of them alone" if lost else "")
             )
 
@@ -624,8 +624,8 @@ class ActivationDataset(Dataset):
         if lost:
             raise ActivationScopeError(
                 f"the rows of hook points {lost} do not follow the {self.row_kind} row table of "
-                f"{self.source.describe()} (store.follows_row_table() is False: captured from a later forward "
-                "on, their row i is not row i of the table), so columns, filter and sample_ids cannot be used "
+                f"{self.source.describe()} (store.follows_row_table() is False: first captured after some forwards, or "
+                "missing from one, their row i is not row i of the table), so columns, filter and sample_ids cannot be used "
                 "with them; read them without those (rows= still selects stored rows)"
             )
         if self.row_kind == "token":
@@ -966,7 +966,8 @@ class ActivationDataset(Dataset):
             now = "none" if run is None else (run[0] or f"created {run[1]}")
             raise StoreError(
                 f"the store {self.source.describe()} holds another run than when this dataset was made (run {was} "
-                f"then, {now} now: it was overwritten and refreshed); this dataset's length, rows and columns are "
+                f"then, {now} now: another run was written in its place, and the store was refreshed or reopened, e.g. by a "
+                "DataLoader worker); this dataset's length, rows and columns are "
                 "the old run's. Make a new ActivationDataset of the store"
             )
 

@@ -172,7 +172,7 @@ def _check_alone(src: Any, names: list[str], lost: list[str], columns: Any, filt
         others = [hp for hp in names if hp not in lost]
         raise ArgumentValueError(
             f"the rows of hook points {lost} of {where} do not follow the row table (store.follows_row_table() "
-            f"is False: captured from a later forward on), so they cannot be exported in one table with "
+            f"is False: first captured after some forwards, or missing from one), so they cannot be exported in one table with "
             f"{others if others else 'each other'}; export them separately, each alone "
             f"(hook_points={lost[0]!r}, CLI: --hook-points {lost[0]}; its rows as stored, without columns or filter)"
             + (f", and the others in their own file (hook_points={others}, CLI: --hook-points {' '.join(others)})"
@@ -182,7 +182,7 @@ def _check_alone(src: Any, names: list[str], lost: list[str], columns: Any, filt
     if chosen or filter is not None:
         raise ArgumentValueError(
             f"the rows of hook point {lost[0]!r} of {where} do not follow the row table "
-            "(store.follows_row_table() is False: captured from a later forward on), so "
+            "(store.follows_row_table() is False: first captured after some forwards, or missing from one), so "
             + (f"columns={chosen!r}" if chosen else "a filter")
             + " cannot be exported with them; export it without columns and filter (its rows as stored)"
         )

@@ -346,7 +346,7 @@ class Store:
         if now == stamp:
             return
         replaced = f"store at {str(self._backend)!r} was replaced since it was opened"
-        fix = "reopen it (open_store again, or store.refresh())"
+        fix = "reopen it (open_store again, or store.refresh()); a dataset of it: make a new ActivationDataset"
         if now is None:
             raise StoreError(f"{replaced} (its root document zarr.json is gone); {fix}")
         raw = self._backend.get("zarr.json", max_bytes=V.MAX_JSON_BYTES)
