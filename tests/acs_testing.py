@@ -66,6 +66,18 @@ def run_doc_blocks(path, workdir, *, min_blocks: int = 1) -> None:
         os.chdir(cwd)
 
 
+class PrependCLS(torch.nn.Module):
+    """Prepends a learnt token to ``(batch, pos, 8)`` activations: its output no longer starts
+    with the tokenizer's ``(batch, pos)`` mask."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cls = torch.nn.Parameter(torch.randn(1, 1, 8))
+
+    def forward(self, h):
+        return torch.cat([self.cls.expand(len(h), -1, -1), h], 1)
+
+
 class BracketNames(torch.nn.Module):
     """Module names that are also fnmatch patterns: ``d.a[1]`` matches ``d.a1`` as a pattern."""
 

@@ -186,26 +186,12 @@ def test_forward_that_raises_between_target_and_alias(tmp_path):
         assert len(acts["0.output"]) == 4  # the partial forward included, as the warning says
 
 
-class _Gate(torch.nn.Module):
-    """Returns its child's very tensor (an alias of it) twice, then None."""
-
-    def __init__(self):
-        super().__init__()
-        self.lin = torch.nn.Linear(8, 8)
-        self.calls = 0
-
-    def forward(self, x):
-        self.calls += 1
-        y = self.lin(x)
-        return y if self.calls <= 2 else None
-
-
 @pytest.mark.parametrize("where", ["store", "memory"])
 def test_an_alias_that_gets_no_rows_while_its_target_does_is_an_error(tmp_path, where):
     # the alias is stored as its target's array: it must not show the rows of forwards in
     # which its module returned nothing
     torch.manual_seed(0)
-    m = torch.nn.Sequential(torch.nn.Linear(8, 8), _Gate())
+    m = torch.nn.Sequential(torch.nn.Linear(8, 8), _GateFor(2))
     xs = [torch.randn(4, 8) for _ in range(5)]
     kw = {"store": tmp_path / "s.zarr"} if where == "store" else {}
     with pytest.raises(CaptureError, match=r"'1.output' is stored once, as an alias of '1.lin.output'.*in forward 2 "

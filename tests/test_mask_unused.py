@@ -8,15 +8,7 @@ import pytest
 import torch
 
 import activationscope as acs
-
-
-class PrependCLS(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.cls = torch.nn.Parameter(torch.randn(1, 1, 8))
-
-    def forward(self, h):
-        return torch.cat([self.cls.expand(len(h), -1, -1), h], 1)
+from acs_testing import PrependCLS
 
 
 def _model() -> torch.nn.Module:

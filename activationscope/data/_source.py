@@ -30,6 +30,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from ..errors import ActivationScopeError, StoreError
+from ..store._format import run_of
 
 __all__ = ["RowSource", "StoreSource", "as_source"]
 
@@ -101,14 +102,6 @@ def _open_store(spec: Any, options: Mapping[str, Any]) -> Any:
 _CONTRACT = [n for n in RowSource.__dict__ if not n.startswith("_")]
 
 
-def _run_of(attrs: Any) -> tuple | None:
-    """``(run_id, created)`` of a store's metadata, or None (no metadata, or neither key)."""
-    if not isinstance(attrs, Mapping):
-        return None
-    run = (attrs.get("run_id"), attrs.get("created"))
-    return None if run == (None, None) else run
-
-
 class StoreSource:
     """A reopenable handle on a store, with cached per-hook-point segment views.
 
@@ -146,7 +139,7 @@ class StoreSource:
         # the store's metadata object (``store.attrs``) the caches above were filled under:
         # ``Store.refresh()`` replaces it, and the layouts it cached may then be stale
         self._seen: Any = None
-        self._run: tuple | None = None  # _run_of(self._seen)
+        self._run: tuple | None = None  # run_of(self._seen)
         _LIVE.add(self)
 
     # ------------------------------------------------------------------ lifecycle
@@ -178,7 +171,7 @@ class StoreSource:
         if seen is not self._seen:
             self._forget_layouts()
             self._seen = seen
-            self._run = _run_of(seen)
+            self._run = run_of(seen)
 
     def run(self) -> tuple | None:
         """``(run_id, created)`` of the run the store holds now (as of its last refresh), or

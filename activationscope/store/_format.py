@@ -355,6 +355,13 @@ def dumps(doc: Any) -> bytes:
     return json.dumps(doc, indent=1, sort_keys=False, allow_nan=False).encode()
 
 
+def run_of(attrs: Any) -> tuple | None:
+    """``(run_id, created)`` of a store's metadata (``created`` tells runs apart in stores
+    written before run ids), or None when ``attrs`` is not a metadata dict. A resume keeps
+    both; another run written in the store's place changes them."""
+    return (attrs.get("run_id"), attrs.get("created")) if isinstance(attrs, dict) else None
+
+
 def utc_now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
 

@@ -297,7 +297,7 @@ class Store:
         attrs = V.parse_root(raw, store=self._backend)
         if attrs is None:
             raise StoreError(f"{str(self._backend)!r} is a Zarr node but not an activationscope store")
-        run = (attrs.get("run_id"), attrs.get("created"))
+        run = F.run_of(attrs)
         ranks: list[tuple[int, Store]] = []
         parts: dict[str, list[tuple[int, Store, int]]] = {}
         dist = attrs.get("distributed")
@@ -353,7 +353,7 @@ class Store:
         doc = V.loads_json(raw, store=self._backend, key="zarr.json") if raw is not None else None
         attributes = doc.get("attributes") if isinstance(doc, dict) else None
         attrs = attributes.get(F.ATTRS_KEY) if isinstance(attributes, dict) else None
-        run = (attrs.get("run_id"), attrs.get("created")) if isinstance(attrs, dict) else None
+        run = F.run_of(attrs)
         if run != self._run:
             was = self._run[0] or f"created {self._run[1]}"
             new = "no activationscope store" if run is None else (run[0] or f"created {run[1]}")

@@ -12,6 +12,7 @@ import torch
 import activationscope as acs
 from activationscope.analysis import capture_run
 from activationscope.errors import ArgumentValueError, CaptureError
+from acs_testing import PrependCLS as _PrependCLS
 
 
 @pytest.fixture
@@ -271,15 +272,6 @@ def test_a_resume_with_data_of_fewer_samples_than_the_store_is_refused(nets, tmp
     # fewer samples asked for (--max-samples) of the same data: nothing to capture, no error
     assert capture_run.capture_dataset("runnets.nets:mlp", str(nets), out, resume=True, max_samples=20,
                                        progress=False).nothing_to_capture
-
-
-class _PrependCLS(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.cls = torch.nn.Parameter(torch.randn(1, 1, 8))
-
-    def forward(self, h):
-        return torch.cat([self.cls.expand(len(h), -1, -1), h], 1)
 
 
 def _mask_unused_run(tmp_path, model=None):
