@@ -275,6 +275,17 @@ void bind_capture(py::module_& m) {
       },
       py::arg("x"), py::arg("token_mask"),
         "Whether x holds token rows under token_mask (the rule of the capture sink, sink.h).");
+  m.def(
+      "last_match",
+      [](const at::Tensor& x, const std::vector<std::shared_ptr<Sink>>& sinks) -> int64_t {
+        for (int64_t i = static_cast<int64_t>(sinks.size()) - 1; i >= 0; --i) {
+          if (sinks[i]->matches_last(x)) return i;
+        }
+        return -1;
+      },
+      py::arg("x"), py::arg("sinks"), py::call_guard<ReleaseGil>(),
+      "Index of the last of sinks whose last call's tensor x is (Sink.matches_last), or -1: one "
+      "GIL release for the whole search.");
   m.def("set_staging_pool_bytes", &set_pool_cap_bytes, py::arg("cap_bytes"));
   m.def("staging_pool_bytes", &pool_cap_bytes);
   m.def("pooled_staging_bytes", &pooled_bytes);

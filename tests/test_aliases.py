@@ -270,3 +270,36 @@ def test_aliases_that_stay_aligned_over_many_forwards_are_never_refused():
     counts = {k: len(v) for k, v in t.activations.items()}
     assert counts.pop("6.extra.output") == 38 and counts.pop("6.extra.input.0") == 38  # from forward 2 on
     assert set(counts.values()) == {40}
+
+
+class _ReturnsAnEarlyTensor(torch.nn.Module):
+    """Returns the output of its third layer after running many more: the alias search must
+    find a target that is not the hook point captured last."""
+
+    def __init__(self, n: int = 24) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(n))
+
+    def forward(self, x):
+        kept = None
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i == 2:
+                kept = x
+        return kept
+
+
+def test_an_alias_target_is_found_among_many_hook_points(tmp_path):
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(_ReturnsAnEarlyTensor(), torch.nn.Linear(4, 2))
+    x = torch.randn(3, 4)
+    with torch.no_grad(), ActivationScope(store=tmp_path / "s.zarr", capture="output").track(m):
+        m(x)
+        m(x + 1)
+    s = open_store(tmp_path / "s.zarr")
+    assert s.aliases == {"0.output": "0.layers.2.output"}
+    layers = m[0].layers
+    with torch.no_grad():
+        want = torch.cat([layers[2](layers[1](layers[0](v))) for v in (x, x + 1)])
+    torch.testing.assert_close(s["0.output"][:], want, rtol=0, atol=0)
+    assert set(s.hook_points) == {"0.output", "1.output", *(f"0.layers.{i}.output" for i in range(24))}

@@ -1019,10 +1019,9 @@ class Tracker:
         target = None
         if self._alias_candidates and not self._core.in_graph and not (
                 self.writer is not None and self.writer.committed_rows(name)):
-            for other in reversed(self._watching):
-                if other != name and self._sinks[other].matches_last(tensor):
-                    target = other
-                    break
+            others = [other for other in self._watching if other != name]
+            i = _C.last_match(tensor, [self._sinks[other] for other in others])  # latest first
+            target = others[i] if i >= 0 else None
         if name in stored and target != stored[name]:
             raise CaptureError(
                 f"the resumed store holds hook point {name!r} as an alias of {stored[name]!r} (the same tensor), "

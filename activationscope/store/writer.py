@@ -127,24 +127,82 @@ class _Batch:
     token: dict[str, Any] | None
 
 
+def _state_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    with torch.no_grad():
+        sd = model.state_dict()
+        return [sd[name].detach() for name in sorted(sd) if isinstance(sd[name], torch.Tensor)]
+
+
+def _identity_of(cls: type, tensors: list[torch.Tensor]) -> dict:
+    return _identity_of_bytes(cls, _byte_views(tensors), sum(t.numel() for t in tensors))
+
+
+def _byte_views(tensors: list[torch.Tensor]) -> list[np.ndarray]:
+    """Each tensor's bytes (native layout, C order) as a flat uint8 array: the tensor's own
+    buffer when it is a contiguous CPU tensor, else a copy in CPU memory."""
+    with torch.no_grad():
+        return [t.to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy() for t in tensors if t.numel()]
+
+
+def _identity_of_bytes(cls: type, views: list[np.ndarray], n_params: int) -> dict:
+    h = hashlib.sha256()
+    for v in views:
+        h.update(v)  # releases the GIL (hashlib does for more than 2 KiB)
+    return {"class": f"{cls.__module__}.{cls.__qualname__}", "state_dict_sha256": h.hexdigest(), "n_elements": n_params}
+
+
 def model_identity(model: torch.nn.Module | None) -> dict | None:
     """Class path and sha256 of the state dict (tensors' bytes in sorted name order)."""
     if model is None:
         return None
-    h = hashlib.sha256()
-    n_params = 0
-    with torch.no_grad():
-        sd = model.state_dict()
-        for name in sorted(sd):
-            t = sd[name]
-            if not isinstance(t, torch.Tensor):
-                continue
-            t = t.detach().to("cpu").contiguous()
-            n_params += t.numel()
-            if t.numel():
-                h.update(t.reshape(-1).view(torch.uint8).numpy())  # the buffer itself, no copy
-    cls = type(model)
-    return {"class": f"{cls.__module__}.{cls.__qualname__}", "state_dict_sha256": h.hexdigest(), "n_elements": n_params}
+    return _identity_of(type(model), _state_tensors(model))
+
+
+class _PendingIdentity:
+    """:func:`model_identity` of a model whose tensors all lie in CPU memory, hashed on a
+    background thread (``hashlib`` releases the GIL while it hashes): a capture's first
+    forwards run while it hashes, instead of after (a model of 1.3 GB takes about a second).
+    :meth:`get` waits for it (the first commit that lists rows, the close, or a resume's model check). The tensors are
+    the model's own, hashed as they are while the capture starts (a model whose weights
+    change during a capture has no single identity anyway). A model with tensors on another
+    device is hashed on the spot (its copies to CPU memory would queue on the device's
+    stream beside the capture's work)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._cls = type(model)
+        tensors = _state_tensors(model)
+        self._value: dict | None = None
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        if any(t.device.type != "cpu" for t in tensors) or sum(t.nbytes for t in tensors) < (1 << 20):
+            self._value = _identity_of(self._cls, tensors)  # small or on a device: now
+            return
+        # the views are made here: the thread then only hashes (it needs the GIL only between
+        # two tensors, and a busy capture lets it have the GIL only every few ms)
+        self._views: list[np.ndarray] | None = _byte_views(tensors)
+        self._n_params = sum(t.numel() for t in tensors)
+        self._thread = threading.Thread(target=self._run, name="activationscope-model-hash", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._value = _identity_of_bytes(self._cls, self._views or [], self._n_params)
+        except BaseException as e:  # noqa: BLE001 - raised by get(), in the caller's thread
+            self._error = e
+        finally:
+            self._views = None
+
+    def done(self) -> bool:
+        return self._thread is None or not self._thread.is_alive()
+
+    def get(self) -> dict:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            raise self._error
+        assert self._value is not None
+        return self._value
 
 
 def _library_versions() -> dict:
@@ -390,7 +448,7 @@ class StoreWriter:
         self._backend = resolve(target, fsync=self._fsync, storage_options=dict(storage_options or {}) or None)
         if isinstance(self._backend, LocalBackend):
             check_local_store_path(self._backend.root)
-        self._model = model_identity(model)
+        self._model_pending = None if model is None else _PendingIdentity(model)
         self.target = target
         self._closed = True  # until the end of __init__: __del__ and close() do nothing
         # one writer at a time: the lock is held from here to close() / abort()
@@ -448,6 +506,19 @@ class StoreWriter:
                 f"{str(self._backend)!r} exists and is not empty but holds no Zarr store; choose another path "
                 "or remove it (overwrite=True only replaces stores)"
             )
+
+    @property
+    def _model(self) -> dict | None:
+        """:func:`model_identity` of the capture's model (waits for its hash), or None."""
+        pending = self._model_pending
+        return None if pending is None else pending.get()
+
+    def _model_record(self, wait: bool) -> dict | None:
+        """The root's ``model``: this capture's model, else the one the store records."""
+        pending = self._model_pending
+        if pending is not None and (wait or pending.done()):
+            return pending.get()
+        return (self._state or {}).get("model")
 
     # ------------------------------------------------------------------ helpers
     def _setup(self, max_pending_bytes: int) -> None:
@@ -521,7 +592,10 @@ class StoreWriter:
         if self._state is not None:
             self._truncate_to_committed()
         # the first byte: the root document (status incomplete)
-        self._backend.set("zarr.json", F.dumps(F.group_document({F.ATTRS_KEY: self._root_attrs("incomplete")})))
+        # the model's hash may still be running: this first document, which lists no rows, goes
+        # without it (FORMAT.md: `model` null); the first commit of rows waits for it
+        self._backend.set("zarr.json", F.dumps(F.group_document({F.ATTRS_KEY: self._root_attrs("incomplete",
+                                                                                                wait_model=False)})))
         self._backend.set("acts/zarr.json", F.dumps(F.group_document()))
 
     def _load_column_types(self) -> None:
@@ -628,7 +702,7 @@ class StoreWriter:
         with self._lock:
             self._user_columns(columns, mask, None)
 
-    def _root_attrs(self, status: str) -> dict:
+    def _root_attrs(self, status: str, wait_model: bool = True) -> dict:
         arrays = dict(self._old_arrays)
         for hp, a in self._arrays.items():
             arrays[hp] = a.meta()
@@ -644,7 +718,7 @@ class StoreWriter:
             "run_id": self._run_id,
             "updated": F.utc_now(),
             "library": _library_versions(),
-            "model": self._model if self._model is not None else (self._state or {}).get("model"),
+            "model": self._model_record(wait_model),
             "capture_config": self._capture_config,
             "storage_dtype": self._storage_dtype,
             "provenance": self._provenance,
@@ -1054,7 +1128,10 @@ class StoreWriter:
                 a.doc_rows = a.committed_rows
         # 4. the root, last
         # (new arrays are listed, with their committed 0 rows, before their first shard)
-        b.set("zarr.json", F.dumps(F.group_document({F.ATTRS_KEY: self._root_attrs(status)})))
+        # a root that lists rows records the model (the model's hash is waited for); one that
+        # lists none yet (arrays opened at the first forward) may go without it
+        rows_listed = force or self._n_batches > 0
+        b.set("zarr.json", F.dumps(F.group_document({F.ATTRS_KEY: self._root_attrs(status, wait_model=rows_listed)})))
         self._unpublished = False
         if self._aside is not None and (self._n_batches > 0 or (self._closed and not self._failing
                                                                 and status == "complete")):
@@ -1363,6 +1440,7 @@ class StoreWriter:
             if self._closed:
                 return
             self._closed = True
+            clean = False
             try:
                 for a in self._arrays.values():
                     try:
@@ -1376,10 +1454,13 @@ class StoreWriter:
                     self._commit("incomplete", force=True)
                     self._raise_if_failed()
                 self._commit(status, force=True)
+                # every temporary file of this writer is gone (its spares go in _cleanup); those
+                # of earlier writers went before its first write: no walk of the store's folders
+                clean = not self._failing
             finally:
                 if self._aside is not None:  # closed (failed, or incomplete) before the new store committed a forward
                     self._settle_aside(keep_new=False)
-                self._cleanup()
+                self._cleanup(walk=not clean)
 
     def abort(self, exc: BaseException | None = None) -> None:
         """After an exception in the capture loop: commit what is durable, status "incomplete".
@@ -1446,7 +1527,9 @@ class StoreWriter:
             warnings.warn(f"store {str(self._backend)!r}: removing leftover temporary files: {e}", RuntimeWarning,
                           stacklevel=3)
 
-    def _cleanup(self) -> None:
+    def _cleanup(self, walk: bool = True) -> None:
+        """Release the writer's resources and the lock; with ``walk``, remove any temporary
+        file left in the store's folders (after a failure or an abort)."""
         self._drop_kept_shards(restore=False)
         release = getattr(self._backend, "release", None)
         if release is not None:
@@ -1456,7 +1539,8 @@ class StoreWriter:
             self._io_pool = None
         # none of this writer's own, nor of a writer killed before it (shard temporaries only
         # once the writer thread stopped: an abort whose drain failed may still be filling one)
-        self._remove_temp_files(shards=self._threads_stopped)
+        if walk:
+            self._remove_temp_files(shards=self._threads_stopped)
         if self._own_staging:
             shutil.rmtree(self._staging, ignore_errors=True)
         self._writer_lock.release()

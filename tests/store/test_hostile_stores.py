@@ -774,11 +774,12 @@ def _plant(path: Path, keys: list[str]) -> None:
         (path / key).write_bytes(b"partial")
 
 
-@pytest.mark.parametrize("how", ["resume", "close"])
+@pytest.mark.parametrize("how", ["resume", "abort", "close"])
 def test_leftover_temporary_files_are_removed(tmp_path, plain, how):
     """A resumed writer removes, when it opens, the temporary files of the store's own naming
-    that a killed writer left, and every close removes any left then; files that only look
-    alike, and what a link among them points to, are kept; the rows are intact."""
+    that a killed writer left, and a close after a failure (an abort) removes any left then;
+    files that only look alike, and what a link among them points to, are kept; the rows are
+    intact. A clean close leaves none of its own (it walks no folder for others')."""
     path, data = plain
     victim = tmp_path / "victim.txt"
     victim.write_bytes(b"keep me")
@@ -790,16 +791,24 @@ def test_leftover_temporary_files_are_removed(tmp_path, plain, how):
         (path / ".zarr.json.fedcba98.tmp").symlink_to(victim)
         w = StoreWriter(path, resume=True)
         assert not [k for k in leftovers if os.path.lexists(path / k)]
-    else:
+        w.close()
+    elif how == "abort":
         w = StoreWriter(path, resume=True)
-        _plant(path, LEFTOVERS)  # left while this writer was open (as by one of its own writes)
+        _plant(path, LEFTOVERS)  # left while this writer was open (as by one of its own writes that failed)
         (path / ".zarr.json.fedcba98.tmp").symlink_to(victim)
-    w.close()
+        w.abort(RuntimeError("the capture failed"))
+    else:
+        before = {p for p in path.rglob("*")}
+        w = StoreWriter(path, resume=True)
+        w.close()
+        assert {p for p in path.rglob("*")} == before  # no temporary file of its own left, nothing removed
+        leftovers = []
     assert not [k for k in leftovers if os.path.lexists(path / k)]
     assert all((path / k).read_bytes() == b"partial" for k in LOOKALIKES)
     assert victim.read_bytes() == b"keep me"
     s = open_store(path)
-    assert torch.equal(s[HP], data) and s.status == "complete" and s.verify() == []
+    assert torch.equal(s[HP], data) and s.verify() == []
+    assert s.status == ("incomplete" if how == "abort" else "complete")
 
 
 def _begun_shard(tmp_path: Path) -> tuple[str, bytes]:
@@ -817,10 +826,10 @@ def _begun_shard(tmp_path: Path) -> tuple[str, bytes]:
         w.discard()
 
 
-@pytest.mark.parametrize("how", ["resume", "close"])
+@pytest.mark.parametrize("how", ["resume", "abort"])
 def test_leftover_shard_temporaries_are_removed_in_every_array_folder(tmp_path, plain, how):
     """The native writer's shard temporaries (shard-<writer id>-<shard>-<pid>.tmp) that a
-    killed writer left are removed by a resume and by every close in every array folder of
+    killed writer left are removed by a resume and by a close after a failure in every array folder of
     acts/, also one the root does not list (killed before that array's first commit); files
     that only look alike, the same name elsewhere, what a link points to and what lies behind
     a linked array folder are kept; the rows are intact."""
@@ -857,13 +866,15 @@ def test_leftover_shard_temporaries_are_removed_in_every_array_folder(tmp_path, 
         plant()
         w = StoreWriter(path, resume=True)
         assert not [k for k in gone if os.path.lexists(path / k)]
+        w.close()
     else:
         w = StoreWriter(path, resume=True)
-        plant()  # left while this writer was open
-    w.close()
+        plant()  # left while this writer was open (as by its own shard writes, then a failure)
+        w.abort(RuntimeError("the capture failed"))
     assert not [k for k in gone if os.path.lexists(path / k)]
     assert all((path / k).read_bytes() == b"partial" for k in lookalikes)
     assert victim.read_bytes() == b"keep me" and (outside / name).read_bytes() == b"keep me"
     (path / "acts" / "8.output").unlink()
     s = open_store(path)
-    assert torch.equal(s[HP], data) and s.status == "complete" and s.verify() == []
+    assert torch.equal(s[HP], data) and s.verify() == []
+    assert s.status == ("complete" if how == "resume" else "incomplete")

@@ -235,6 +235,38 @@ def test_metadata_identity_and_provenance(tmp_path, mlp):
     assert info["status"] == "complete"
 
 
+def _reference_sha256(model: torch.nn.Module) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    sd = model.state_dict()
+    for name in sorted(sd):
+        h.update(sd[name].detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+@pytest.mark.parametrize("width", [8, 600], ids=["small-hashed-at-open", "large-hashed-beside-the-forwards"])
+def test_model_identity_is_the_sha256_of_the_state_dict(tmp_path, width):
+    # a model of 1 MiB or more is hashed on a thread beside the first forwards: the root
+    # document written at the open lists no model yet, every commit after it the model's
+    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, 4)).eval()
+    want = _reference_sha256(model)
+    path = tmp_path / "s.zarr"
+    with acs.ActivationScope(store=str(path)).track(model):
+        at_open = json.loads((path / "zarr.json").read_text())["attributes"]["activationscope"]["model"]
+        assert at_open is None or at_open["state_dict_sha256"] == want
+        with torch.no_grad():
+            model(torch.randn(3, width))
+    attrs = open_store(path).attrs
+    assert attrs["model"]["state_dict_sha256"] == want
+    assert attrs["model"]["n_elements"] == sum(t.numel() for t in model.state_dict().values())
+    assert acs.store.model_identity(model) == attrs["model"]
+    other = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, 4)).eval()
+    with pytest.raises(acs.StoreError, match="state dict sha256|sha256"):
+        with acs.ActivationScope(store=str(path), store_options={"resume": True}).track(other):
+            pass
+
+
 def test_verify_finds_a_flipped_byte(tmp_path, mlp):
     capture_store(mlp, batches_mlp(10), tmp_path / "s.zarr", store_options={"chunk_rows": 4, "shard_bytes": 4 * 16 * 4 * 2})
     store = open_store(tmp_path / "s.zarr")
