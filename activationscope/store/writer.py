@@ -123,8 +123,38 @@ class _Batch:
     index: int
     n_samples: int
     cums: tuple[int, ...]  # rows of each array after this batch, in the writer's array order
-    sample: dict[str, Any]
+    sample: dict[str, Any] | None  # None: default sample ids first_id.. (made at the commit)
     token: dict[str, Any] | None
+    first_id: int = 0
+
+
+def _row_pieces(batches: list[_Batch], kind: str) -> list[dict[str, Any]]:
+    """The row-table columns of ``batches`` for row kind ``kind``, one dict per batch, except
+    that a run of batches with default sample ids (numbered on from each other) is one dict
+    made with one ``arange`` and one ``repeat``. Batches without rows of the kind are left out."""
+    pieces: list[dict[str, Any]] = []
+    run: list[_Batch] = []
+
+    def flush() -> None:
+        if run:
+            first, total = run[0].first_id, sum(x.n_samples for x in run)
+            pieces.append({"sample_id": np.arange(first, first + total, dtype=np.int64),
+                           "batch": np.repeat(np.array([x.index for x in run], dtype=np.int64),
+                                              [x.n_samples for x in run])})
+            run.clear()
+
+    for x in batches:
+        if kind == "sample" and x.sample is None:
+            if run and x.first_id != run[-1].first_id + run[-1].n_samples:
+                flush()
+            run.append(x)
+            continue
+        flush()
+        part = getattr(x, kind)
+        if part is not None:
+            pieces.append(part)
+    flush()
+    return [p for p in pieces if len(p["batch"])]
 
 
 def _state_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -297,6 +327,14 @@ def _numpy_arrow_type(dtype: np.dtype) -> Any:
     import pyarrow as pa
 
     return pa.from_numpy_dtype(dtype)
+
+
+_EMPTY_IDS = np.zeros(0, dtype=np.int64)
+
+
+def _INT64_IDS() -> Any:
+    """The Arrow type of default sample ids (int64; one cached object)."""
+    return _numpy_arrow_type(np.dtype(np.int64))
 
 
 def _write_small_array(backend: Any, path: str, t: torch.Tensor, attrs: dict,
@@ -967,6 +1005,8 @@ class StoreWriter:
             if self._closed:
                 raise StoreError(f"the store writer of {str(self._backend)!r} is closed")
             n = int(n_samples)
+            if sample_ids is None and token_mask is None and not columns:
+                return self._add_plain_batch(n)
             if sample_ids is None:
                 start = self.n_samples_committed + self._pending_samples
                 ids: Any = np.arange(start, start + n, dtype=np.int64)
@@ -1006,6 +1046,26 @@ class StoreWriter:
                     lost[a.hook_point] = (int(got), int(n if a.row_kind == "sample" else n_tokens))
             self._pending.append(_Batch(b, n, cums, sample, token))
             self._pending_samples += n
+        return lost
+
+    def _add_plain_batch(self, n: int) -> dict[str, tuple[int, int]]:
+        """:meth:`add_batch` of a forward with default sample ids, no token rows and no
+        columns (the common one, after every forward: kept short). Its row-table rows are made
+        at the commit (:func:`_row_pieces`)."""
+        key = ("sample", "sample_id")
+        if self._column_types.get(key) is not _INT64_IDS():
+            # default ids are int64: refused after ids of another type, as add_batch does
+            self._column_types[key] = self._sample_ids_type(_EMPTY_IDS)
+        start = self.n_samples_committed + self._pending_samples
+        cums, off = self._counts.step(n, 0)
+        lost: dict[str, tuple[int, int]] = {}
+        for i, got in off:
+            a = self._order[i]
+            if a.follows_row_table:
+                a.follows_row_table = False
+                lost[a.hook_point] = (int(got), int(n if a.row_kind == "sample" else 0))
+        self._pending.append(_Batch(self._n_batches + len(self._pending), n, cums, None, None, start))
+        self._pending_samples += n
         return lost
 
     def rows_since_last_batch(self) -> dict[str, int]:
@@ -1093,8 +1153,7 @@ class StoreWriter:
         self._pending_samples -= sum(x.n_samples for x in batches)
         # 2. row-table parts
         for kind in ROW_KINDS:
-            pieces = [getattr(x, kind) for x in batches if getattr(x, kind) is not None]
-            pieces = [p for p in pieces if len(p["batch"])]
+            pieces = _row_pieces(batches, kind)
             if pieces:
                 self._write_part(kind, pieces)
         for x in batches:

@@ -156,3 +156,43 @@ def test_row_counts_match_the_rows_each_array_got_since_the_last_batch(tmp_path)
     for w in writers:
         w.flush()
     core.close()
+
+
+def test_default_sample_ids_between_given_ones_number_on_from_every_sample_before(tmp_path):
+    """Batches with default sample ids have their row-table rows made at the commit, a run of
+    them at once; given ids, token masks and columns between them keep their own rows. The
+    rows are those of the rule: a default id is the count of samples before it."""
+    path = tmp_path / "s.zarr"
+    w = StoreWriter(path, chunk_rows=4, shard_bytes=8 * 4 * 4, commit_interval=3600)
+    a = w.open_array(HP, (4,), torch.float32, "sample")
+    plan = [None, None, torch.arange(100, 103), None, "commit", None, torch.arange(200, 203), torch.arange(300, 303),
+            None, None, None]
+    want_ids, want_batch, b, n_before = [], [], 0, 0
+    for step in plan:
+        if isinstance(step, str):
+            w._core.drain()
+            w.commit()
+            continue
+        a.append(torch.full((3, 4), float(b)))
+        w.add_batch(3, step)
+        want_ids += list(range(n_before, n_before + 3)) if step is None else step.tolist()
+        want_batch += [b] * 3
+        b, n_before = b + 1, n_before + 3
+    w.close()
+    table = open_store(path).row_table("sample")
+    assert table.column("sample_id").to_pylist() == want_ids
+    assert table.column("batch").to_pylist() == want_batch
+    assert table.schema.field("sample_id").type == pa.int64()
+
+
+def test_default_sample_ids_after_ids_of_another_type_are_refused(tmp_path):
+    w = StoreWriter(tmp_path / "s.zarr", chunk_rows=4, shard_bytes=8 * 4 * 4)
+    a = w.open_array(HP, (4,), torch.float32, "sample")
+    a.append(torch.zeros(2, 4))
+    w.add_batch(2, ["a", "b"])
+    with pytest.raises(TypeError, match=r"sample_ids holds int64 values in this batch, but string"):
+        w.add_batch(2)
+    a.append(torch.zeros(2, 4))
+    w.add_batch(2, ["c", "d"])
+    w.close()
+    assert open_store(tmp_path / "s.zarr").row_table("sample").column("sample_id").to_pylist() == ["a", "b", "c", "d"]
