@@ -2,6 +2,8 @@
 // chunks to shard files (Zarr v3 sharding_indexed, index at the end). See shard_writer.h.
 #include "shard_writer.h"
 
+#include <c10/core/InferenceMode.h>
+
 #include "fast_copy.h"
 
 #include <errno.h>
@@ -372,6 +374,10 @@ void StoreCore::fail_encoded(uint64_t id, const std::string& why) {
 }
 
 at::Tensor StoreCore::take_buffer(c10::IntArrayRef shape, c10::ScalarType dtype, int64_t nbytes) {
+  // A normal tensor, also when the forward runs under torch.inference_mode(): the chunk is
+  // filled and padded in place later, maybe outside it (an inference tensor refuses that),
+  // and pooled buffers serve both.
+  c10::InferenceMode not_inference(/*enabled=*/false);
   {
     std::lock_guard<std::mutex> lock(pool_mu_);
     for (auto it = pool_.rbegin(); it != pool_.rend(); ++it) {

@@ -157,82 +157,27 @@ def _row_pieces(batches: list[_Batch], kind: str) -> list[dict[str, Any]]:
     return [p for p in pieces if len(p["batch"])]
 
 
-def _state_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
-    with torch.no_grad():
-        sd = model.state_dict()
-        return [sd[name].detach() for name in sorted(sd) if isinstance(sd[name], torch.Tensor)]
-
-
-def _identity_of(cls: type, tensors: list[torch.Tensor]) -> dict:
-    return _identity_of_bytes(cls, _byte_views(tensors), sum(t.numel() for t in tensors))
-
-
-def _byte_views(tensors: list[torch.Tensor]) -> list[np.ndarray]:
-    """Each tensor's bytes (native layout, C order) as a flat uint8 array: the tensor's own
-    buffer when it is a contiguous CPU tensor, else a copy in CPU memory."""
-    with torch.no_grad():
-        return [t.to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy() for t in tensors if t.numel()]
-
-
-def _identity_of_bytes(cls: type, views: list[np.ndarray], n_params: int) -> dict:
-    h = hashlib.sha256()
-    for v in views:
-        h.update(v)  # releases the GIL (hashlib does for more than 2 KiB)
-    return {"class": f"{cls.__module__}.{cls.__qualname__}", "state_dict_sha256": h.hexdigest(), "n_elements": n_params}
-
-
 def model_identity(model: torch.nn.Module | None) -> dict | None:
-    """Class path and sha256 of the state dict (tensors' bytes in sorted name order)."""
+    """Class path and sha256 of the state dict (tensors' bytes in sorted name order).
+
+    Taken when the store opens, before any forward: a model whose weights change during the
+    capture (fine-tuning while capturing) is recorded as it was then."""
     if model is None:
         return None
-    return _identity_of(type(model), _state_tensors(model))
-
-
-class _PendingIdentity:
-    """:func:`model_identity` of a model whose tensors all lie in CPU memory, hashed on a
-    background thread (``hashlib`` releases the GIL while it hashes): a capture's first
-    forwards run while it hashes, instead of after (a model of 1.3 GB takes about a second).
-    :meth:`get` waits for it (the first commit that lists rows, the close, or a resume's model check). The tensors are
-    the model's own, hashed as they are while the capture starts (a model whose weights
-    change during a capture has no single identity anyway). A model with tensors on another
-    device is hashed on the spot (its copies to CPU memory would queue on the device's
-    stream beside the capture's work)."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self._cls = type(model)
-        tensors = _state_tensors(model)
-        self._value: dict | None = None
-        self._error: BaseException | None = None
-        self._thread: threading.Thread | None = None
-        if any(t.device.type != "cpu" for t in tensors) or sum(t.nbytes for t in tensors) < (1 << 20):
-            self._value = _identity_of(self._cls, tensors)  # small or on a device: now
-            return
-        # the views are made here: the thread then only hashes (it needs the GIL only between
-        # two tensors, and a busy capture lets it have the GIL only every few ms)
-        self._views: list[np.ndarray] | None = _byte_views(tensors)
-        self._n_params = sum(t.numel() for t in tensors)
-        self._thread = threading.Thread(target=self._run, name="activationscope-model-hash", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            self._value = _identity_of_bytes(self._cls, self._views or [], self._n_params)
-        except BaseException as e:  # noqa: BLE001 - raised by get(), in the caller's thread
-            self._error = e
-        finally:
-            self._views = None
-
-    def done(self) -> bool:
-        return self._thread is None or not self._thread.is_alive()
-
-    def get(self) -> dict:
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            raise self._error
-        assert self._value is not None
-        return self._value
+    h = hashlib.sha256()
+    n_params = 0
+    with torch.no_grad():
+        sd = model.state_dict()
+        for name in sorted(sd):
+            t = sd[name]
+            if not isinstance(t, torch.Tensor):
+                continue
+            t = t.detach().to("cpu").contiguous()
+            n_params += t.numel()
+            if t.numel():
+                h.update(t.reshape(-1).view(torch.uint8).numpy())  # the buffer itself, no copy
+    cls = type(model)
+    return {"class": f"{cls.__module__}.{cls.__qualname__}", "state_dict_sha256": h.hexdigest(), "n_elements": n_params}
 
 
 def _library_versions() -> dict:
@@ -486,7 +431,7 @@ class StoreWriter:
         self._backend = resolve(target, fsync=self._fsync, storage_options=dict(storage_options or {}) or None)
         if isinstance(self._backend, LocalBackend):
             check_local_store_path(self._backend.root)
-        self._model_pending = None if model is None else _PendingIdentity(model)
+        self._model = model_identity(model)
         self.target = target
         self._closed = True  # until the end of __init__: __del__ and close() do nothing
         # one writer at a time: the lock is held from here to close() / abort()
@@ -544,19 +489,6 @@ class StoreWriter:
                 f"{str(self._backend)!r} exists and is not empty but holds no Zarr store; choose another path "
                 "or remove it (overwrite=True only replaces stores)"
             )
-
-    @property
-    def _model(self) -> dict | None:
-        """:func:`model_identity` of the capture's model (waits for its hash), or None."""
-        pending = self._model_pending
-        return None if pending is None else pending.get()
-
-    def _model_record(self, wait: bool) -> dict | None:
-        """The root's ``model``: this capture's model, else the one the store records."""
-        pending = self._model_pending
-        if pending is not None and (wait or pending.done()):
-            return pending.get()
-        return (self._state or {}).get("model")
 
     # ------------------------------------------------------------------ helpers
     def _setup(self, max_pending_bytes: int) -> None:
@@ -630,10 +562,7 @@ class StoreWriter:
         if self._state is not None:
             self._truncate_to_committed()
         # the first byte: the root document (status incomplete)
-        # the model's hash may still be running: this first document, which lists no rows, goes
-        # without it (FORMAT.md: `model` null); the first commit of rows waits for it
-        self._backend.set("zarr.json", F.dumps(F.group_document({F.ATTRS_KEY: self._root_attrs("incomplete",
-                                                                                                wait_model=False)})))
+        self._backend.set("zarr.json", F.dumps(F.group_document({F.ATTRS_KEY: self._root_attrs("incomplete")})))
         self._backend.set("acts/zarr.json", F.dumps(F.group_document()))
 
     def _load_column_types(self) -> None:
@@ -740,7 +669,7 @@ class StoreWriter:
         with self._lock:
             self._user_columns(columns, mask, None)
 
-    def _root_attrs(self, status: str, wait_model: bool = True) -> dict:
+    def _root_attrs(self, status: str) -> dict:
         arrays = dict(self._old_arrays)
         for hp, a in self._arrays.items():
             arrays[hp] = a.meta()
@@ -756,7 +685,7 @@ class StoreWriter:
             "run_id": self._run_id,
             "updated": F.utc_now(),
             "library": _library_versions(),
-            "model": self._model_record(wait_model),
+            "model": self._model if self._model is not None else (self._state or {}).get("model"),
             "capture_config": self._capture_config,
             "storage_dtype": self._storage_dtype,
             "provenance": self._provenance,
@@ -1005,6 +934,8 @@ class StoreWriter:
             if self._closed:
                 raise StoreError(f"the store writer of {str(self._backend)!r} is closed")
             n = int(n_samples)
+            if n < 0:
+                raise ArgumentValueError(f"n_samples must be >= 0, got {n_samples!r}")
             if sample_ids is None and token_mask is None and not columns:
                 return self._add_plain_batch(n)
             if sample_ids is None:
@@ -1187,10 +1118,7 @@ class StoreWriter:
                 a.doc_rows = a.committed_rows
         # 4. the root, last
         # (new arrays are listed, with their committed 0 rows, before their first shard)
-        # a root that lists rows records the model (the model's hash is waited for); one that
-        # lists none yet (arrays opened at the first forward) may go without it
-        rows_listed = force or self._n_batches > 0
-        b.set("zarr.json", F.dumps(F.group_document({F.ATTRS_KEY: self._root_attrs(status, wait_model=rows_listed)})))
+        b.set("zarr.json", F.dumps(F.group_document({F.ATTRS_KEY: self._root_attrs(status)})))
         self._unpublished = False
         if self._aside is not None and (self._n_batches > 0 or (self._closed and not self._failing
                                                                 and status == "complete")):

@@ -196,3 +196,19 @@ def test_default_sample_ids_after_ids_of_another_type_are_refused(tmp_path):
     w.add_batch(2, ["c", "d"])
     w.close()
     assert open_store(tmp_path / "s.zarr").row_table("sample").column("sample_id").to_pylist() == ["a", "b", "c", "d"]
+
+
+@pytest.mark.parametrize("columns", [None, {"label": [1, 2]}])
+def test_a_negative_number_of_samples_is_refused_and_the_rows_before_kept(tmp_path, columns):
+    from activationscope.errors import ArgumentValueError
+
+    w = StoreWriter(tmp_path / "s.zarr", chunk_rows=4, shard_bytes=8 * 4 * 4, commit_interval=0)
+    a = w.open_array(HP, (4,), torch.float32, "sample")
+    a.append(torch.ones(3, 4))
+    w.add_batch(3)
+    with pytest.raises(ArgumentValueError, match=r"n_samples must be >= 0, got -2"):
+        w.add_batch(-2, None, None, columns)
+    w.close()
+    s = open_store(tmp_path / "s.zarr")
+    assert s.status == "complete" and s.n_samples == 3
+    assert s.row_table("sample").column("sample_id").to_pylist() == [0, 1, 2]
