@@ -15,6 +15,7 @@ store appends full chunks to shard files. Python runs once per forward (:meth:`a
 from __future__ import annotations
 
 import atexit
+import ctypes
 import functools
 import hashlib
 import io
@@ -175,7 +176,10 @@ def model_identity(model: torch.nn.Module | None) -> dict | None:
             t = t.detach().to("cpu").contiguous()
             n_params += t.numel()
             if t.numel():
-                h.update(t.reshape(-1).view(torch.uint8).numpy())  # the buffer itself, no copy
+                # the buffer itself, no copy, through ctypes: Tensor.numpy() would leave the
+                # model's storage unresizable for good (code that frees parameter memory with
+                # untyped_storage().resize_(0) then fails)
+                h.update((ctypes.c_char * t.nbytes).from_address(t.data_ptr()))
     cls = type(model)
     return {"class": f"{cls.__module__}.{cls.__qualname__}", "state_dict_sha256": h.hexdigest(), "n_elements": n_params}
 
