@@ -608,6 +608,36 @@ def test_python_dash_m_runs(tmp_path):
     assert proc.stderr.strip().startswith("activationscope info: error:") and "Traceback" not in proc.stderr
 
 
+def test_warnings_are_one_line_of_the_command(tmp_path, user_package):
+    # a model that warns in its forward (a UserWarning), and one of another category
+    data = user_package("warnnets", """
+        import warnings
+        import torch
+
+        class Loud(torch.nn.Linear):
+            def forward(self, x):
+                warnings.warn("this model\\nwarns in two lines")
+                warnings.warn("and is deprecated", DeprecationWarning)
+                return super().forward(x)
+
+        def loud():
+            return torch.nn.Sequential(Loud(4, 3)).eval()
+        """, data=(8, 4, 0))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(tmp_path)]), PYTHONWARNINGS="default")
+    command = [sys.executable, "-m", "activationscope", "capture", "--model", "warnnets.nets:loud", "--data",
+               str(data), "--out", str(tmp_path / "w.zarr"), "--no-progress"]
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert "activationscope capture: warning: this model warns in two lines" in lines
+    assert "activationscope capture: warning: DeprecationWarning: and is deprecated" in lines
+    assert "warnings.warn" not in proc.stderr and "nets.py" not in proc.stderr
+    proc = subprocess.run([*command[:3], "--debug", *command[3:], "--overwrite"], capture_output=True, text=True,
+                          env=env, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "nets.py" in proc.stderr and "UserWarning: this model" in proc.stderr  # --debug: Python's own form
+
+
 # ---------------------------------------------------------------------------- commands on real stores
 
 
@@ -668,6 +698,10 @@ def test_capture_resume_continues_from_the_next_sample(tmp_path, toy_store, caps
     with torch.no_grad():
         torch.testing.assert_close(store["2.output"], model(torch.from_numpy(np.load(x))))
     assert store.row_table("sample").column("sample_id").to_pylist() == list(range(50))
+    # the first command stays the store's; the resume's is kept in its history
+    prov = store.info()["provenance"]
+    assert "--max-samples" in prov["command"] and "--resume" not in prov["command"]
+    assert [r["command"].endswith("--resume") for r in prov["resumes"]] == [True]
     code, stdout, _ = run(capsys, *args, "--resume")
     assert code == 0 and "nothing to capture" in stdout
 

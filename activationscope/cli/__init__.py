@@ -23,6 +23,7 @@ import os
 import sys
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -103,13 +104,15 @@ def build_parser() -> argparse.ArgumentParser:
     # --debug goes before or after the command: the subcommands' copy must not reset the
     # value given before the command to its default (argparse's subparser defaults win)
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks of errors")
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="show tracebacks of errors, and warnings with their source line")
 
     parser = argparse.ArgumentParser(
         prog=PROG,
         description="Capture activations of PyTorch models into a Zarr v3 store, inspect, verify, export and report them.",
     )
-    parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
+    parser.add_argument("--debug", action="store_true",
+                        help="show tracebacks of errors, and warnings with their source line")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
@@ -244,6 +247,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.argv = list(sys.argv[1:] if argv is None else argv)
     _expand_paths(args)
     handler = _COMMANDS[args.command]
+    # warnings shown as one line of this command, like its errors (--debug: Python's own form,
+    # with the file and source line)
+    formatwarning = warnings.formatwarning
+    if not args.debug:
+        warnings.formatwarning = _warning_formatter(args.command)
     try:
         return handler(args) or 0
     except KeyboardInterrupt as e:
@@ -259,6 +267,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             notes = "".join(f"; {n}" for n in getattr(e, "__notes__", ()))
             print(f"{PROG} {args.command}: error: {_cli_spelling(one_line(e))}{notes}", file=sys.stderr)
         return 1
+    finally:
+        warnings.formatwarning = formatwarning
+
+
+def _warning_formatter(command: str) -> Callable[..., str]:
+    """A ``warnings.formatwarning`` that writes ``activationscope COMMAND: warning: MESSAGE``
+    on one line, the message in the command line's words (:func:`_cli_spelling`); a warning
+    of another package than this one also names its category."""
+
+    def format_warning(message: Any, category: type, filename: str, lineno: int, line: str | None = None) -> str:
+        text = " ".join(str(message).split())
+        ours = getattr(category, "__module__", "").startswith("activationscope") or "activationscope" in filename
+        kind = "" if ours or category is UserWarning else f"{category.__name__}: "
+        return f"{PROG} {command}: warning: {kind}{_cli_spelling(text)}\n"
+
+    return format_warning
 
 
 #: Library advice in Python spelling (keyword arguments, set_batch) and what it is on the

@@ -184,6 +184,37 @@ def model_identity(model: torch.nn.Module | None) -> dict | None:
     return {"class": f"{cls.__module__}.{cls.__qualname__}", "state_dict_sha256": h.hexdigest(), "n_elements": n_params}
 
 
+def resumed_provenance(stored: Any, given: Mapping[str, Any]) -> dict:
+    """The provenance a resumed store records: the stored one, with ``given`` (the resume's
+    own, when it gives one that differs) appended to its list ``resumes``.
+
+    Parameters
+    ----------
+    stored : dict or None
+        The store's provenance (anything else, from a damaged root, counts as none).
+    given : dict
+        The resuming run's provenance (empty: none given).
+
+    Returns
+    -------
+    dict
+        ``stored`` when ``given`` is empty or equal to it (or to its last resume); ``given``
+        when nothing is stored; else ``{**stored, "resumes": [*stored["resumes"], given]}``
+        (a stored ``resumes`` that is not a list is kept as the first entry of the list).
+    """
+    old = dict(stored) if isinstance(stored, Mapping) else {}
+    new = dict(given)
+    if not new:
+        return old
+    if not old:
+        return new
+    before = old.get("resumes")
+    history = list(before) if isinstance(before, list) else ([] if before is None else [before])
+    if new == old or (history and history[-1] == new):
+        return old
+    return {**old, "resumes": [*history, new]}
+
+
 def _library_versions() -> dict:
     import zarr
 
@@ -372,7 +403,9 @@ class StoreWriter:
         Cap of the chunks queued for the writer thread, all arrays together; a full queue
         blocks the capture (backpressure).
     provenance : dict, optional
-        User provenance (dataset, commit, ...), JSON-able.
+        User provenance (dataset, commit, ...), JSON-able. A resume keeps the store's
+        provenance; a different one given to the resume is appended to its list ``resumes``
+        (the history of the runs that wrote the store), see :func:`resumed_provenance`.
     storage_options : dict, optional
         fsspec options of a URL target (credentials, ``client_kwargs``).
 
@@ -498,6 +531,7 @@ class StoreWriter:
     def _setup(self, max_pending_bytes: int) -> None:
         if self._state is not None:
             check_same_model(str(self._backend), self._state, self._model)
+            self._provenance = resumed_provenance(self._state.get("provenance"), self._provenance)
 
         if self._state is not None:
             stored = self._state.get("storage_dtype")

@@ -330,3 +330,36 @@ def test_row_count_not_following_the_table_is_flagged(tmp_path):
     assert store.attrs["arrays"]["b.output"]["follows_row_table"] is False
     assert store.n_rows("b.output") == 12 and store.n_rows("a.output") == 6
     assert torch.equal(store["b.output"][6:], torch.ones(6, 4))
+
+
+def test_a_resume_keeps_the_provenance_and_appends_its_own_to_the_history(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3)).eval()
+    path = str(tmp_path / "s.zarr")
+
+    def run(provenance):
+        opts = {"resume": True} if os.path.exists(path) else {}
+        if provenance is not None:
+            opts["provenance"] = provenance
+        with acs.ActivationScope(store=path, store_options=opts).track(model), torch.no_grad():
+            model(torch.randn(2, 4))
+        return open_store(path).attrs["provenance"]
+
+    first = {"dataset": "toy", "commit": "abc"}
+    assert run(first) == first
+    assert run(None) == first  # a resume that gives none keeps the store's
+    assert run(dict(first)) == first  # the same one: nothing to add
+    second = {"dataset": "toy", "commit": "def"}
+    assert run(second) == {**first, "resumes": [second]}
+    assert run(second) == {**first, "resumes": [second]}  # the last resume's again: no new entry
+    third = {"dataset": "toy2"}
+    assert run(third) == {**first, "resumes": [second, third]}
+    assert open_store(path).n_samples == 12
+
+
+def test_resumed_provenance_of_stored_values_it_does_not_own():
+    from activationscope.store.writer import resumed_provenance
+
+    assert resumed_provenance(None, {"a": 1}) == {"a": 1}
+    assert resumed_provenance("damaged", {}) == {}
+    assert resumed_provenance({"a": 1}, {}) == {"a": 1}
+    assert resumed_provenance({"a": 1, "resumes": "mine"}, {"b": 2}) == {"a": 1, "resumes": ["mine", {"b": 2}]}
