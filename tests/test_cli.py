@@ -1268,3 +1268,15 @@ def test_export_and_report_of_a_hook_point_off_the_row_table(capsys, tmp_path):
     page = (tmp_path / "rep" / "index.html").read_text()
     assert "a.output" in page and "hp_b_output.png" in page
     assert "No probe for b.output" in page and "No probe for a.output" not in page
+
+
+def test_warning_line_names_the_category_of_warnings_that_are_not_the_library_s(tmp_path):
+    from activationscope import cli
+    from activationscope.errors import CaptureWarning
+
+    fmt = cli._warning_formatter("capture")
+    user = str(tmp_path / "my_activationscope_proj" / "mm.py")  # a user's file, whatever its path
+    assert fmt("a future thing", FutureWarning, user, 3) == "activationscope capture: warning: FutureWarning: a future thing\n"
+    assert fmt("plain", UserWarning, user, 3) == "activationscope capture: warning: plain\n"
+    assert fmt("ours", CaptureWarning, user, 3) == "activationscope capture: warning: ours\n"
+    assert fmt("ours too", RuntimeWarning, cli.__file__, 3) == "activationscope capture: warning: ours too\n"

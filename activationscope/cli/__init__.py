@@ -271,6 +271,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         warnings.formatwarning = formatwarning
 
 
+def _in_package(filename: str) -> bool:
+    """Whether ``filename`` is a file of this package (not a user's, whatever its path)."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return os.path.abspath(filename).startswith(package + os.sep)
+
+
 def _warning_formatter(command: str) -> Callable[..., str]:
     """A ``warnings.formatwarning`` that writes ``activationscope COMMAND: warning: MESSAGE``
     on one line, the message in the command line's words (:func:`_cli_spelling`); a warning
@@ -278,7 +284,7 @@ def _warning_formatter(command: str) -> Callable[..., str]:
 
     def format_warning(message: Any, category: type, filename: str, lineno: int, line: str | None = None) -> str:
         text = " ".join(str(message).split())
-        ours = getattr(category, "__module__", "").startswith("activationscope") or "activationscope" in filename
+        ours = getattr(category, "__module__", "").startswith("activationscope.") or _in_package(filename)
         kind = "" if ours or category is UserWarning else f"{category.__name__}: "
         return f"{PROG} {command}: warning: {kind}{_cli_spelling(text)}\n"
 

@@ -42,7 +42,7 @@ from . import _validate as V
 from ._backend import LocalBackend, resolve
 from ._lock import WriterLock
 from .reader import Store
-from .writer import ROW_KINDS, _library_versions, _write_small_array
+from .writer import ROW_KINDS, _library_versions, _write_small_array, resumed_provenance
 
 RANKS_DIR = "ranks"
 #: Version of stores committed from rank stores (one-process stores stay version 1).
@@ -807,7 +807,7 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
         "model": first.get("model"),
         "capture_config": first.get("capture_config", {}),
         "storage_dtype": first.get("storage_dtype"),
-        "provenance": first.get("provenance", {}),
+        "provenance": _ranks_provenance(stores),
         "n_samples": sum(s.n_samples for s in stores),
         "n_batches": sum(int(s.attrs.get("n_batches", 0)) for s in stores),
         "arrays": arrays,
@@ -1228,3 +1228,28 @@ def _capture_writer_signature() -> Any:
 
 # the valid store_options are StoreWriter's plus process_group (capture.writer.writer_options)
 open_capture_writer.__signature__ = _capture_writer_signature()  # type: ignore[attr-defined]
+
+
+def _ranks_provenance(stores: list) -> dict:
+    """The provenance of a store committed from rank stores: rank 0's, with every other
+    rank's that differs, and every rank's resumes (each rank resumed on its own, e.g. a
+    Slurm task run again), appended to its list ``resumes`` in rank order, once each (as
+    :func:`~activationscope.store.writer.resumed_provenance` does for one store)."""
+    def own(st) -> dict:
+        prov = st.attrs.get("provenance")
+        return dict(prov) if isinstance(prov, dict) else {}
+
+    merged = own(stores[0]) if stores else {}
+    base = {k: v for k, v in merged.items() if k != "resumes"}
+    history: list = []
+    for k, st in enumerate(stores):
+        prov = own(st)
+        resumes = prov.pop("resumes", None)
+        entries = ([prov] if k and prov else []) + (resumes if isinstance(resumes, list) else
+                                                    [] if resumes is None else [resumes])
+        for entry in entries:
+            if entry != base and entry not in history:
+                history.append(entry)
+    if history:
+        merged = {**base, "resumes": history} if base else {"resumes": history}
+    return merged

@@ -21,6 +21,7 @@ import hashlib
 import io
 import json
 import math
+import operator
 import os
 import shutil
 import tempfile
@@ -173,7 +174,17 @@ def model_identity(model: torch.nn.Module | None) -> dict | None:
             t = sd[name]
             if not isinstance(t, torch.Tensor):
                 continue
-            t = t.detach().to("cpu").contiguous()
+            if t.is_meta:
+                raise ArgumentValueError(
+                    f"the model's state dict entry {name!r} is on the meta device (shapes only, no values): a "
+                    "store records the sha256 of the model's weights; load them (e.g. model.to_empty(device=...) "
+                    "then load_state_dict) before capturing into a store"
+                )
+            t = t.detach().to("cpu")
+            if t.layout != torch.strided:
+                t = t.to_dense()  # a sparse buffer: its values (FORMAT.md)
+            # the values, not the memory under a lazy conjugate or negation
+            t = t.resolve_conj().resolve_neg().contiguous()
             n_params += t.numel()
             if t.numel():
                 # the buffer itself, no copy, through ctypes: Tensor.numpy() would leave the
@@ -259,6 +270,38 @@ def check_same_model(target: str, state: Mapping[str, Any], model: dict | None) 
         f"{model['state_dict_sha256'][:12]}...; nothing was changed. Resume with the model it was captured from, "
         "or pass overwrite=True (CLI: --overwrite) to capture it again with this model"
     )
+
+
+#: Samples of one batch up to which its default sample ids are made at the commit (more: now,
+#: as for given ids, so that memory for them is found, or not, before the batch is recorded).
+_DEFERRED_IDS_MAX = 1 << 20
+#: Samples of one batch at most (a row table of 2**31 rows from one forward is no batch).
+_N_SAMPLES_MAX = (1 << 31) - 1
+
+
+def _n_samples(value: Any) -> int:
+    """``value`` as a batch's number of samples: an int (or an integer numpy / 0-d tensor
+    value) in ``[0, 2**31)``.
+
+    Raises
+    ------
+    ArgumentTypeError
+        Not an integer (a float, a bool, a string).
+    ArgumentValueError
+        Negative, or 2**31 or more.
+    """
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point() \
+            and value.dtype is not torch.bool:
+        value = value.item()
+    if isinstance(value, (bool, np.bool_)):
+        raise ArgumentTypeError(f"n_samples must be an int, got {value!r}")
+    try:
+        n = operator.index(value)
+    except TypeError:
+        raise ArgumentTypeError(f"n_samples must be an int, got {type(value).__name__} {value!r}") from None
+    if not 0 <= n <= _N_SAMPLES_MAX:
+        raise ArgumentValueError(f"n_samples must be an int in [0, 2**31), got {n}")
+    return n
 
 
 def _dtype_label(name: str | None, torch_name: bool = False) -> str:
@@ -465,10 +508,10 @@ class StoreWriter:
         self._provenance = F.check_jsonable(dict(provenance or {}), "provenance")
         self._storage_dtype = None if storage_dtype is None else F.dtype_name(storage_dtype)
         self._fsync = bool(fsync)
+        self._model = model_identity(model)  # before anything is made: a model it refuses leaves no trace
         self._backend = resolve(target, fsync=self._fsync, storage_options=dict(storage_options or {}) or None)
         if isinstance(self._backend, LocalBackend):
             check_local_store_path(self._backend.root)
-        self._model = model_identity(model)
         self.target = target
         self._closed = True  # until the end of __init__: __del__ and close() do nothing
         # one writer at a time: the lock is held from here to close() / abort()
@@ -971,10 +1014,8 @@ class StoreWriter:
         with self._lock:
             if self._closed:
                 raise StoreError(f"the store writer of {str(self._backend)!r} is closed")
-            n = int(n_samples)
-            if n < 0:
-                raise ArgumentValueError(f"n_samples must be >= 0, got {n_samples!r}")
-            if sample_ids is None and token_mask is None and not columns:
+            n = _n_samples(n_samples)
+            if sample_ids is None and token_mask is None and not columns and n <= _DEFERRED_IDS_MAX:
                 return self._add_plain_batch(n)
             if sample_ids is None:
                 start = self.n_samples_committed + self._pending_samples

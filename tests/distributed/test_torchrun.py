@@ -881,3 +881,25 @@ def test_prepare_root_refuses_a_damaged_root_document(tmp_path, damaged):
     prepare_root(store, world_size=2, overwrite=True)
     doc = json.loads((store / "zarr.json").read_text())
     assert doc["attributes"]["activationscope"]["distributed"] == {"world_size": 2, "committed": False}
+
+
+def test_consolidate_keeps_every_rank_s_provenance_and_resumes(tmp_path):
+    from types import SimpleNamespace
+
+    from activationscope import cli
+    from activationscope.store.ranks import _ranks_provenance
+
+    store = tmp_path / "prov.zarr"
+    _small_rank_stores(store, tasks=(0,), provenance={"cmd": "A"})
+    _small_rank_stores(store, tasks=(1,), provenance={"cmd": "B"})
+    assert cli.main(["consolidate", str(store)]) == 0
+    assert acs.open_store(store).attrs["provenance"] == {"cmd": "A", "resumes": [{"cmd": "B"}]}
+
+    def ranks(*provs):
+        return [SimpleNamespace(attrs={"provenance": p}) for p in provs]
+
+    a, b, c = {"cmd": "A"}, {"cmd": "B"}, {"cmd": "C"}
+    assert _ranks_provenance(ranks(a, a)) == a
+    assert _ranks_provenance(ranks({**a, "resumes": [c]}, {**a, "resumes": [b, c]})) == {**a, "resumes": [c, b]}
+    assert _ranks_provenance(ranks(a, {**b, "resumes": "x"})) == {**a, "resumes": [b, "x"]}
+    assert _ranks_provenance(ranks(None, b)) == {"resumes": [b]}

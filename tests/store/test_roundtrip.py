@@ -363,3 +363,42 @@ def test_resumed_provenance_of_stored_values_it_does_not_own():
     assert resumed_provenance("damaged", {}) == {}
     assert resumed_provenance({"a": 1}, {}) == {"a": 1}
     assert resumed_provenance({"a": 1, "resumes": "mine"}, {"b": 2}) == {"a": 1, "resumes": ["mine", {"b": 2}]}
+
+
+class _WithBuffer(torch.nn.Module):
+    def __init__(self, z: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("z", z)
+        self.l = torch.nn.Linear(2, 2)
+
+
+def test_model_identity_hashes_values_not_the_memory_under_a_lazy_view():
+    z = torch.tensor([1 + 2j, 3 - 4j])
+    torch.manual_seed(0)
+    plain = acs.store.model_identity(_WithBuffer(z.conj().resolve_conj()))
+    torch.manual_seed(0)
+    lazy = acs.store.model_identity(_WithBuffer(z.conj()))  # the conjugate bit over z's memory
+    torch.manual_seed(0)
+    other = acs.store.model_identity(_WithBuffer(z))
+    assert plain == lazy and lazy != other
+    x = torch.tensor([1.0, -2.0])
+    torch.manual_seed(0)
+    neg = acs.store.model_identity(_WithBuffer(torch._neg_view(x)))
+    torch.manual_seed(0)
+    assert neg == acs.store.model_identity(_WithBuffer(-x))
+    dense = torch.tensor([[0.0, 1.5], [2.0, 0.0]])
+    torch.manual_seed(0)
+    sparse = acs.store.model_identity(_WithBuffer(dense.to_sparse()))
+    torch.manual_seed(0)
+    assert sparse == acs.store.model_identity(_WithBuffer(dense))
+
+
+def test_a_model_on_the_meta_device_is_refused_by_a_store_naming_the_tensor(tmp_path):
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(4, 2))
+    from activationscope.errors import ArgumentValueError
+
+    with pytest.raises(ArgumentValueError, match=r"'0\.bias' is on the meta device.*load them"):
+        with acs.ActivationScope(store=str(tmp_path / "s.zarr")).track(model):
+            pass
+    assert not (tmp_path / "s.zarr").exists()

@@ -206,9 +206,44 @@ def test_a_negative_number_of_samples_is_refused_and_the_rows_before_kept(tmp_pa
     a = w.open_array(HP, (4,), torch.float32, "sample")
     a.append(torch.ones(3, 4))
     w.add_batch(3)
-    with pytest.raises(ArgumentValueError, match=r"n_samples must be >= 0, got -2"):
+    with pytest.raises(ArgumentValueError, match=r"n_samples must be an int in \[0, 2\*\*31\), got -2"):
         w.add_batch(-2, None, None, columns)
     w.close()
     s = open_store(tmp_path / "s.zarr")
     assert s.status == "complete" and s.n_samples == 3
     assert s.row_table("sample").column("sample_id").to_pylist() == [0, 1, 2]
+
+
+@pytest.mark.parametrize("value, error", [
+    (-0.5, TypeError), (2.7, TypeError), (np.float32(2.9), TypeError), (True, TypeError), ("3", TypeError),
+    (torch.tensor([2.0]), TypeError), (float("nan"), TypeError), (2 ** 31, ValueError), (np.uint64(2 ** 63), ValueError),
+    (2 ** 40, ValueError), (-1, ValueError), (np.int32(-1), ValueError),
+])
+def test_n_samples_that_is_no_count_is_refused_and_nothing_recorded(tmp_path, value, error):
+    w = StoreWriter(tmp_path / "s.zarr", chunk_rows=4, shard_bytes=8 * 4 * 4, commit_interval=0)
+    a = w.open_array(HP, (4,), torch.float32, "sample")
+    a.append(torch.ones(2, 4))
+    w.add_batch(2)
+    with pytest.raises(error, match="n_samples must be an int"):
+        w.add_batch(value)
+    a.append(torch.ones(2, 4))
+    w.add_batch(np.int64(2))
+    w.add_batch(torch.tensor(0))
+    w.close()
+    s = open_store(tmp_path / "s.zarr")
+    assert s.status == "complete" and s.row_table("sample").column("sample_id").to_pylist() == [0, 1, 2, 3]
+
+
+def test_a_batch_of_many_default_ids_gets_them_at_once(tmp_path, monkeypatch):
+    from activationscope.store import writer
+
+    monkeypatch.setattr(writer, "_DEFERRED_IDS_MAX", 3)
+    w = StoreWriter(tmp_path / "s.zarr", chunk_rows=4, shard_bytes=8 * 4 * 4)
+    a = w.open_array(HP, (4,), torch.float32, "sample")
+    for n in (2, 5, 3, 4):
+        a.append(torch.ones(n, 4))
+        w.add_batch(n)
+    w.close()
+    table = open_store(tmp_path / "s.zarr").row_table("sample")
+    assert table.column("sample_id").to_pylist() == list(range(14))
+    assert table.column("batch").to_pylist() == [0] * 2 + [1] * 5 + [2] * 3 + [3] * 4
