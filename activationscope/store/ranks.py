@@ -42,7 +42,7 @@ from . import _validate as V
 from ._backend import LocalBackend, resolve
 from ._lock import WriterLock
 from .reader import Store
-from .writer import ROW_KINDS, _library_versions, _write_small_array, resumed_provenance
+from .writer import ROW_KINDS, _library_versions, _write_small_array
 
 RANKS_DIR = "ranks"
 #: Version of stores committed from rank stores (one-process stores stay version 1).
