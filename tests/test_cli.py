@@ -636,6 +636,16 @@ def test_warnings_are_one_line_of_the_command(tmp_path, user_package):
                           env=env, cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "nets.py" in proc.stderr and "UserWarning: this model" in proc.stderr  # --debug: Python's own form
+    # a warning the filter makes an error: raised after the forward, whose samples are stored
+    proc = subprocess.run([sys.executable, "-W", "error::UserWarning", *command[1:], "--overwrite", "--batch-size",
+                           "4"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 1
+    assert ("error: the model warned UserWarning: this model warns in two lines in its forward on samples 0..3 of "
+            "this run, an error under the warnings filter") in proc.stderr
+    assert "those samples were captured" in proc.stderr and "(4 samples" in proc.stderr
+    import activationscope as acs
+
+    assert acs.open_store(tmp_path / "w.zarr").n_samples == 4
 
 
 # ---------------------------------------------------------------------------- commands on real stores

@@ -119,6 +119,7 @@ def run_capture(
                 tracker.set_batch(**info)
                 n = _batch_len(inputs)
                 caught: list[warnings.WarningMessage] = []
+                done = False  # the forward returned (and the tracker recorded its samples)
                 try:
                     try:
                         with warnings.catch_warnings(record=True) as caught:
@@ -127,6 +128,7 @@ def run_capture(
                                 model(**inputs)
                             else:
                                 model(inputs)
+                        done = True
                     finally:
                         _reissue(caught, registry)
                 except Exception as e:  # noqa: BLE001 - user model code
@@ -134,6 +136,17 @@ def run_capture(
                         # a warning of the library's own (shown by _reissue) that the warnings
                         # filter turns into an error (-W error): it is what it says, not the model's
                         raise
+                    if done and isinstance(e, Warning):
+                        # shown again by _reissue after the forward, whose samples are captured
+                        first = summary.n_samples
+                        summary.n_samples += n
+                        summary.n_forwards += 1
+                        raise CaptureError(
+                            f"the model warned {type(e).__name__}: {' '.join(str(e).split())} in its forward on "
+                            f"samples {first}..{first + n - 1} of this run, an error under the warnings filter "
+                            "(-W error or PYTHONWARNINGS); those samples were captured, the capture stopped after "
+                            "them"
+                        ) from e
                     raise CaptureError(
                         f"the model raised {type(e).__name__}: {' '.join(str(e).split())} on samples "
                         f"{summary.n_samples}..{summary.n_samples + n - 1} of this run"
