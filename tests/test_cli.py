@@ -1280,6 +1280,45 @@ def test_export_and_report_of_a_hook_point_off_the_row_table(capsys, tmp_path):
     assert "No probe for b.output" in page and "No probe for a.output" not in page
 
 
+def test_a_warning_during_a_capture_is_shown_off_the_progress_bar(tmp_path, user_package, capsys, monkeypatch):
+    import tqdm.auto
+
+    from activationscope.analysis import capture_run
+
+    events = []
+
+    class Bar(tqdm.auto.tqdm):
+        def clear(self, *a, **k):
+            events.append("clear")
+            return super().clear(*a, **k)
+
+        def refresh(self, *a, **k):
+            events.append("refresh")
+            return super().refresh(*a, **k)
+
+    shown = capture_run._reissue
+    monkeypatch.setattr(tqdm.auto, "tqdm", Bar)
+    monkeypatch.setattr(capture_run, "_reissue", lambda caught, reg: (events.append("warning"), shown(caught, reg)))
+    data = user_package("warnnets2", """
+        import warnings
+        import torch
+
+        class Loud(torch.nn.Linear):
+            def forward(self, x):
+                warnings.warn("loud")
+                return super().forward(x)
+
+        def loud():
+            return torch.nn.Sequential(Loud(4, 3)).eval()
+        """, data=(8, 4, 0))
+    with pytest.warns(UserWarning, match="loud"):
+        code, _, err = run(capsys, "capture", "--model", "warnnets2.nets:loud", "--data", str(data), "--out",
+                           str(tmp_path / "p.zarr"), "--batch-size", "4")
+    assert code == 0, err
+    i = events.index("warning")
+    assert events[i - 1:i + 2] == ["clear", "warning", "refresh"]
+
+
 def test_warning_line_names_the_category_of_warnings_that_are_not_the_library_s(tmp_path):
     from activationscope import cli
     from activationscope.errors import CaptureWarning

@@ -130,7 +130,12 @@ def run_capture(
                                 model(inputs)
                         done = True
                     finally:
-                        _reissue(caught, registry)
+                        if caught:  # shown on lines of their own, not on the progress bar's
+                            bar.clear()
+                            try:
+                                _reissue(caught, registry)
+                            finally:
+                                bar.refresh()
                 except Exception as e:  # noqa: BLE001 - user model code
                     if isinstance(e, ActivationScopeError) or _is_library_warning(e):
                         # a warning of the library's own (shown by _reissue) that the warnings
