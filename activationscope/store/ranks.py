@@ -42,7 +42,7 @@ from . import _validate as V
 from ._backend import LocalBackend, resolve
 from ._lock import WriterLock
 from .reader import Store
-from .writer import ROW_KINDS, _library_versions, _write_small_array
+from .writer import ROW_KINDS, _library_versions, _write_small_array, resume_history
 
 RANKS_DIR = "ranks"
 #: Version of stores committed from rank stores (one-process stores stay version 1).
@@ -1244,10 +1244,9 @@ def _ranks_provenance(stores: list) -> dict:
     history: list = []
     for k, st in enumerate(stores):
         prov = own(st)
-        resumes = prov.pop("resumes", None)
-        entries = ([prov] if k and prov else []) + (resumes if isinstance(resumes, list) else
-                                                    [] if resumes is None else [resumes])
-        for entry in entries:
+        resumes = resume_history(prov)
+        prov.pop("resumes", None)
+        for entry in ([prov] if k and prov else []) + resumes:
             if entry != base and entry not in history:
                 history.append(entry)
     if history:

@@ -219,11 +219,17 @@ def resumed_provenance(stored: Any, given: Mapping[str, Any]) -> dict:
         return old
     if not old:
         return new
-    before = old.get("resumes")
-    history = list(before) if isinstance(before, list) else ([] if before is None else [before])
+    history = resume_history(old)
     if new == old or (history and history[-1] == new):
         return old
     return {**old, "resumes": [*history, new]}
+
+
+def resume_history(provenance: Mapping[str, Any]) -> list:
+    """The entries of a provenance's ``resumes`` as a list (one that is not a list: its only
+    entry; none: empty)."""
+    before = provenance.get("resumes")
+    return list(before) if isinstance(before, list) else ([] if before is None else [before])
 
 
 def _library_versions() -> dict:
@@ -355,7 +361,7 @@ def _numpy_arrow_type(dtype: np.dtype) -> Any:
 _EMPTY_IDS = np.zeros(0, dtype=np.int64)
 
 
-def _INT64_IDS() -> Any:
+def _int64_ids_type() -> Any:
     """The Arrow type of default sample ids (int64; one cached object)."""
     return _numpy_arrow_type(np.dtype(np.int64))
 
@@ -1044,37 +1050,34 @@ class StoreWriter:
                     self._column_types[(kind, key)] = typ
             if ids_type is not None:
                 self._column_types[("sample", "sample_id")] = ids_type
-            n_tokens = 0 if token is None else len(token["pos"])
-            # every array's rows now, and those that got another number than this batch's
-            # samples (sample rows) or tokens (token rows) since the last batch: one native call
-            cums, off = self._counts.step(n, n_tokens)
-            lost: dict[str, tuple[int, int]] = {}
-            for i, got in off:
-                a = self._order[i]
-                if a.follows_row_table:
-                    a.follows_row_table = False
-                    lost[a.hook_point] = (int(got), int(n if a.row_kind == "sample" else n_tokens))
-            self._pending.append(_Batch(b, n, cums, sample, token))
-            self._pending_samples += n
-        return lost
+            return self._record(n, sample, token)
 
     def _add_plain_batch(self, n: int) -> dict[str, tuple[int, int]]:
         """:meth:`add_batch` of a forward with default sample ids, no token rows and no
         columns (the common one, after every forward: kept short). Its row-table rows are made
         at the commit (:func:`_row_pieces`)."""
         key = ("sample", "sample_id")
-        if self._column_types.get(key) is not _INT64_IDS():
+        if self._column_types.get(key) is not _int64_ids_type():
             # default ids are int64: refused after ids of another type, as add_batch does
             self._column_types[key] = self._sample_ids_type(_EMPTY_IDS)
-        start = self.n_samples_committed + self._pending_samples
-        cums, off = self._counts.step(n, 0)
+        return self._record(n, None, None)
+
+    def _record(self, n: int, sample: dict[str, Any] | None, token: dict[str, Any] | None
+                ) -> dict[str, tuple[int, int]]:
+        """Record a checked batch of ``n`` samples (``sample`` None: default ids, made at the
+        commit); returns :meth:`add_batch`'s arrays that stopped following the row table."""
+        n_tokens = 0 if token is None else len(token["pos"])
+        # every array's rows now, and those that got another number than this batch's
+        # samples (sample rows) or tokens (token rows) since the last batch: one native call
+        cums, off = self._counts.step(n, n_tokens)
         lost: dict[str, tuple[int, int]] = {}
         for i, got in off:
             a = self._order[i]
             if a.follows_row_table:
                 a.follows_row_table = False
-                lost[a.hook_point] = (int(got), int(n if a.row_kind == "sample" else 0))
-        self._pending.append(_Batch(self._n_batches + len(self._pending), n, cums, None, None, start))
+                lost[a.hook_point] = (int(got), int(n if a.row_kind == "sample" else n_tokens))
+        first_id = self.n_samples_committed + self._pending_samples
+        self._pending.append(_Batch(self._n_batches + len(self._pending), n, cums, sample, token, first_id))
         self._pending_samples += n
         return lost
 
