@@ -622,6 +622,14 @@ def test_warnings_are_one_line_of_the_command(tmp_path, user_package):
 
         def loud():
             return torch.nn.Sequential(Loud(4, 3)).eval()
+
+        class Broken(torch.nn.Linear):
+            def forward(self, x):
+                warnings.warn("about to fail")
+                raise RuntimeError("boom")
+
+        def broken():
+            return torch.nn.Sequential(Broken(4, 3)).eval()
         """, data=(8, 4, 0))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(tmp_path)]), PYTHONWARNINGS="default")
     command = [sys.executable, "-m", "activationscope", "capture", "--model", "warnnets.nets:loud", "--data",
@@ -646,6 +654,17 @@ def test_warnings_are_one_line_of_the_command(tmp_path, user_package):
     import activationscope as acs
 
     assert acs.open_store(tmp_path / "w.zarr").n_samples == 4
+    # a filter naming the model's module matches its warnings, as in plain Python
+    proc = subprocess.run([sys.executable, "-W", "error::UserWarning:warnnets.nets", *command[1:], "--overwrite"],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 1 and "the model warned UserWarning" in proc.stderr
+    # a forward that warns, then raises: its own error is the one reported, the warning a note
+    broken = [c.replace("warnnets.nets:loud", "warnnets.nets:broken") for c in command]
+    proc = subprocess.run([sys.executable, "-W", "error::UserWarning", *broken[1:], "--overwrite"],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 1
+    assert "the model raised RuntimeError: boom" in proc.stderr
+    assert "it warned first: UserWarning: about to fail" in proc.stderr
 
 
 # ---------------------------------------------------------------------------- commands on real stores

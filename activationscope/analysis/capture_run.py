@@ -121,6 +121,7 @@ def run_capture(
                 caught: list[warnings.WarningMessage] = []
                 done = False  # the forward returned (and the tracker recorded its samples)
                 try:
+                    raised: BaseException | None = None
                     try:
                         with warnings.catch_warnings(record=True) as caught:
                             warnings.simplefilter("always")
@@ -129,13 +130,21 @@ def run_capture(
                             else:
                                 model(inputs)
                         done = True
-                    finally:
-                        if caught:  # shown on lines of their own, not on the progress bar's
-                            bar.clear()
-                            try:
-                                _reissue(caught, registry)
-                            finally:
-                                bar.refresh()
+                    except BaseException as e:  # noqa: BLE001 - raised again below, after the warnings
+                        raised = e
+                    if caught:  # shown on lines of their own, not on the progress bar's
+                        bar.clear()
+                        try:
+                            _reissue(caught, registry)
+                        except Exception as w:  # noqa: BLE001 - a warning the filter makes an error
+                            if raised is None:
+                                raise
+                            # the forward's own error stays the one reported
+                            raised.add_note(f"it warned first: {type(w).__name__}: {' '.join(str(w).split())}")
+                        finally:
+                            bar.refresh()
+                    if raised is not None:
+                        raise raised
                 except Exception as e:  # noqa: BLE001 - user model code
                     if isinstance(e, ActivationScopeError) or _is_library_warning(e):
                         # a warning of the library's own (shown by _reissue) that the warnings
@@ -146,6 +155,7 @@ def run_capture(
                         first = summary.n_samples
                         summary.n_samples += n
                         summary.n_forwards += 1
+                        bar.update(n)
                         raise CaptureError(
                             f"the model warned {type(e).__name__}: {' '.join(str(e).split())} in its forward on "
                             f"samples {first}..{first + n - 1} of this run, an error under the warnings filter "
@@ -155,6 +165,7 @@ def run_capture(
                     raise CaptureError(
                         f"the model raised {type(e).__name__}: {' '.join(str(e).split())} on samples "
                         f"{summary.n_samples}..{summary.n_samples + n - 1} of this run"
+                        + "".join(f" ({note})" for note in getattr(e, "__notes__", ()))
                     ) from e
                 summary.n_samples += n
                 summary.n_forwards += 1
@@ -206,6 +217,7 @@ def _reissue(caught: Sequence[warnings.WarningMessage], registry: set[Any]) -> N
     as the warning's own category."""
     from ..errors import CaptureWarning
 
+    first_error: Exception | None = None
     for w in caught:
         message = w.message
         if isinstance(message, CaptureWarning) and getattr(message, "reason", None) == "mask_unused":
@@ -224,7 +236,21 @@ def _reissue(caught: Sequence[warnings.WarningMessage], registry: set[Any]) -> N
         if key in registry:  # warnings' own registry is reset by every catch_warnings of a forward
             continue
         registry.add(key)
-        warnings.warn_explicit(message, w.category, w.filename, w.lineno)
+        try:  # with its module's name, as warnings.warn gives it: filters that name a module match
+            warnings.warn_explicit(message, w.category, w.filename, w.lineno, module=_module_of(w.filename))
+        except Exception as e:  # noqa: BLE001 - a warning the filter makes an error: the others first
+            first_error = first_error or e
+    if first_error is not None:
+        raise first_error
+
+
+def _module_of(filename: str) -> str | None:
+    """The name of the imported module whose file is ``filename`` (None: none is; warnings
+    then names it by the file's path, as it does)."""
+    for name, module in list(sys.modules.items()):
+        if getattr(module, "__file__", None) == filename:
+            return name
+    return None
 
 
 def _token_rows_flag_error(e: BaseException, token_rows: Any) -> BaseException:
