@@ -375,6 +375,25 @@ class StoreSource:
             segs[got] = self._segment(hp, got)  # a segment this batch needs, mapped once
         return None
 
+    def gather_plan(self, hp: str) -> tuple[Any, list[int], list[Any], Any] | None:
+        """``(gather, boundaries, segments, token)`` for calling the native gather of ``hp``
+        directly, batch after batch, as :meth:`gather` does (``gather(positions, n, start,
+        boundaries, segments, False)``), or None when :meth:`gather` would not apply.
+
+        ``token`` is ``(self._seg_lists, store metadata object)``: the plan holds while
+        ``token[0] is self._seg_lists`` and the open store's ``attrs`` is ``token[1]`` (a
+        refresh, reopen or fork replaces either).
+        """
+        gather = _gather_rows()
+        if gather is None:
+            return None
+        self._check_refreshed()
+        _bounds, _memo, memoize, bl = self._layout(hp)
+        segs = self._seg_lists.get(hp)
+        if not memoize or segs is None:
+            return None
+        return gather, bl, segs, (self._seg_lists, self._seen)
+
     def take(self, hp: str, index: torch.Tensor) -> torch.Tensor:
         """Rows at ``index`` (int64, (k,)) of ``hp``: a new tensor (one gather per segment touched)."""
         bounds, _memo, _memoize, bl = self._layout(hp)

@@ -585,6 +585,9 @@ class ActivationDataset(Dataset):
         # the rows of the dataset: a range of store rows, or an int64 tensor of store rows
         self._start, self._stop, self._ids = 0, self.n_store_rows, None
         self._window: tuple[int, int, torch.Tensor, dict, str, Any] | None = None  # see _remember_window
+        # (gather, boundaries, segments, token, n, start, hook point): the source's gather
+        # plan of the last shuffled batch (StoreSource.gather_plan), for the next ones
+        self._plan: tuple | None = None
         self._select_rows(rows)
         if filter is not None or sample_ids is not None:
             self._apply_filter(filter, sample_ids)
@@ -730,6 +733,7 @@ class ActivationDataset(Dataset):
         state = self.__dict__.copy()
         state["_col_cache"] = None
         state["_window"] = None  # (a view of the mapped rows: never pickled)
+        state["_plan"] = None  # (nor the mapped segments)
         return state
 
     # ------------------------------------------------------------------ size and index
@@ -951,6 +955,21 @@ class ActivationDataset(Dataset):
                         self._remember_window(hps[0])
                         return Batch({hps[0]: rows}, b - a)
                     return Batch({hp: read(hp, a, b) for hp in hps}, b - a)
+        elif type(indices) is list:
+            # a shuffled batch sampler's batch: one native gather, as get_batch's would be
+            g = self._plan
+            if g is not None and g[3][0] is self.source._seg_lists and (
+                    getattr(self.source._store, "attrs", None) is g[3][1]):
+                got = g[0](indices, g[4], g[5], g[1], g[2], False)
+                if type(got) is tuple and got[1] < 0:  # (not a view of consecutive rows: get_batch clones those)
+                    rows = got[0]
+                    return Batch({g[6]: rows}, rows.shape[0])
+            data = self.get_batch(indices)
+            if self._ids is None and not self.columns and len(self.hook_points) == 1:
+                plan = self.source.gather_plan(self.hook_points[0])
+                self._plan = None if plan is None else (
+                    *plan, self._stop - self._start, self._start, self.hook_points[0])
+            return Batch(data, len(data[self.hook_points[0]]))
         data = self.get_batch(indices)
         return Batch(data, len(data[self.hook_points[0]]))  # (a bool mask reads fewer rows than its length)
 

@@ -53,7 +53,7 @@ _MISSING = 2**64 - 1
 
 #: Read-ahead of a sequential reader of memory-mapped rows: the next READ_AHEAD_BYTES after a
 #: read are advised (``madvise(MADV_WILLNEED)``), renewed when less than half is left.
-READ_AHEAD_BYTES = 16 << 20
+READ_AHEAD_BYTES = 64 << 20
 _MADV_WILLNEED = 3
 
 

@@ -197,3 +197,68 @@ def test_real_store_gathers_across_shards_and_compressed_falls_back(tmp_path, mo
             assert calls and all(c is not None for c in calls)
         else:
             assert not calls  # decoded chunk by chunk through the store's cache
+
+
+def test_shuffled_batches_take_the_plan_one_native_gather_each(data, monkeypatch):
+    """After the first batch of positions, the next ones go straight to the native gather
+    (one call each) with the source's plan; the plan is not pickled, and after the source
+    reopens (a fork, an unpickle) the batch is planned again over the new mapped segments."""
+    import pickle
+
+    path, ref = data
+    calls = _calls(monkeypatch)
+    ds = ActivationDataset(path, hook_points=["a"], open_options={"opener": open_fake})
+    batches = [[12, 3, 40], [60, 0, 8, 9], [8, 10, 9], [-1, 5, 6]]  # [8, 10, 9]: within one shard
+    for idx in batches:
+        got = collate(ds.__getitems__(idx))
+        assert torch.equal(got["a"], ref["a"][torch.tensor(idx) % N]), idx
+    assert ds._plan is not None
+    before = len(calls)
+    for idx in batches:
+        assert torch.equal(ds.__getitems__(idx).data["a"], ref["a"][torch.tensor(idx) % N]), idx
+    assert len(calls) == before + len(batches)  # one native gather per batch, nothing else
+    assert pickle.loads(pickle.dumps(ds))._plan is None
+    old = ds._plan
+    ds.source._drop_handles()
+    assert torch.equal(ds.__getitems__([30, 2]).data["a"], ref["a"][[30, 2]])
+    assert ds._plan is not old and ds._plan[2] is ds.source._seg_lists["a"]
+    # consecutive positions are a view inside the store: the plan's answer is not used for them,
+    # the general path clones it (a batch of positions is always the caller's own tensor)
+    shard = ds.source.store._shard("a", 1)
+    got = ds.__getitems__([8, 9, 10]).data["a"]
+    assert got.untyped_storage().data_ptr() != shard.untyped_storage().data_ptr()
+    assert torch.equal(got, ref["a"][8:11])
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_batch_within_one_mapped_segment_is_a_new_tensor_equal_to_index_select(tmp_path, threads):
+    """Rows of one segment (a whole mapped array) are copied on the intra-op threads by
+    torch.index_select (two threads, batches of 64 KiB and more), else by the native loop:
+    the batch equals plain indexing, is a new tensor, and writing into it changes nothing
+    stored."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _one_segment_batches(tmp_path)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _one_segment_batches(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32)).eval()
+    x = torch.randn(4096, 8)
+    path = str(tmp_path / "s.zarr")
+    with acs.ActivationScope(store=path).track(model), torch.no_grad():
+        for i in range(0, 4096, 512):
+            model(x[i : i + 512])
+    ds = ActivationDataset(path, hook_points=["0.output"])
+    ref = ds[0 : len(ds)]["0.output"].clone()
+    assert len(ds.source.boundaries("0.output")) == 2  # one segment: the whole mapped array
+    g = np.random.default_rng(0)
+    for k in (2, 100, 1000, 4096):
+        idx = g.integers(0, 4096, k).tolist()
+        got = collate(ds.__getitems__(idx))["0.output"]
+        assert torch.equal(got, ref.index_select(0, torch.tensor(idx))), k
+        got.add_(1)
+    assert torch.equal(ds[0 : len(ds)]["0.output"], ref)

@@ -159,3 +159,34 @@ def test_a_dataset_of_a_store_grown_by_a_resume_keeps_reading_its_rows_after_ref
     store.refresh()
     assert len(ds) == 40 and torch.equal(ds[:][HP], data[:40]) and ds[:]["sample_id"].tolist() == list(range(40))
     assert torch.equal(collate(ds.__getitems__(range(32, 40)))[HP], data[32:40])
+
+
+def test_the_gather_plan_of_shuffled_batches_is_not_used_after_a_refresh(tmp_path):
+    """The plan of a dataset's shuffled batches (the native gather over the old run's mapped
+    segments) must not serve the old rows after another run was written in the store's place
+    and the store refreshed: the dataset refuses to read; after a resume that grows the store
+    it reads its own rows, of the new layout."""
+    from activationscope.errors import StoreError
+
+    path = str(tmp_path / "s.zarr")
+    first = torch.randn(64, 3, generator=torch.Generator().manual_seed(1))
+    second = torch.randn(64, 3, generator=torch.Generator().manual_seed(2))
+    _write(path, first)
+    store = open_store(path)
+    ds = ActivationDataset(store)
+    assert torch.equal(collate(ds.__getitems__([5, 40, 2]))[HP], first[[5, 40, 2]])
+    assert ds._plan is not None  # the next shuffled batches take the plan
+    assert torch.equal(collate(ds.__getitems__([63, 0, 33]))[HP], first[[63, 0, 33]])
+    _write(path, second, overwrite=True)
+    store.refresh()
+    with pytest.raises(StoreError, match="holds another run than when this dataset was made"):
+        ds.__getitems__([1, 50, 7])
+    new = ActivationDataset(store)
+    assert torch.equal(collate(new.__getitems__([1, 50, 7]))[HP], second[[1, 50, 7]])
+    grown = torch.randn(30, 3, generator=torch.Generator().manual_seed(3))
+    _write(path, grown, resume=True)
+    store.refresh()
+    assert len(new) == 64 and torch.equal(collate(new.__getitems__([50, 1, 63]))[HP], second[[50, 1, 63]])
+    assert new._plan is not None and new._plan[3][1] is store.attrs  # planned again, on the new layout
+    assert torch.equal(collate(ActivationDataset(store).__getitems__([93, 64, 2]))[HP],
+                       torch.cat([second, grown])[[93, 64, 2]])

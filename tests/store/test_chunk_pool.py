@@ -59,5 +59,5 @@ def test_reused_chunk_buffers_across_two_stores(tmp_path):
             for x in xs:
                 lin(x)
         with torch.no_grad():
-            ref = lin(torch.cat(xs))
+            ref = torch.cat([lin(x) for x in xs])  # per batch, as captured (a matmul of other batch sizes may round differently)
         assert torch.equal(acs.open_store(path)["output"], ref)
