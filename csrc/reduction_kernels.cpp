@@ -244,9 +244,108 @@ struct SumMinMaxOp {
 // each column summed in row order in double (no FMA), min / max picked by the same comparisons
 // (v < lo ? v : lo), and a column that saw a NaN (or started as one) ends as the last NaN it
 // saw, sign and payload kept, as the row fold's lo = v != v ? v : m does.
+//
+// Blocks of 16 columns first take a path without the NaN bookkeeping: four independent sum
+// chains per row instead of two (the latency of the additions bounds this loop, not its
+// count of instructions). A NaN anywhere in a column makes its sum NaN, so when any of the
+// block's sums ends NaN (or the block started from a NaN state) nothing is stored and the
+// block is done again by the exact 8-column path below; otherwise the results are those of
+// that path, bit for bit (the same additions in the same order, the same min / max).
+ACS_TARGET_AVX2 ACS_INLINE bool unordered(__m256d a, __m256d b, __m256d c, __m256d e) {
+  const __m256d u = _mm256_or_pd(_mm256_or_pd(_mm256_cmp_pd(a, a, _CMP_UNORD_Q), _mm256_cmp_pd(b, b, _CMP_UNORD_Q)),
+                                 _mm256_or_pd(_mm256_cmp_pd(c, c, _CMP_UNORD_Q), _mm256_cmp_pd(e, e, _CMP_UNORD_Q)));
+  return _mm256_movemask_pd(u) != 0;
+}
+
+ACS_TARGET_AVX2 bool sum_min_max_f32_avx2_16(const float* __restrict x, int64_t n, int64_t d,
+                                             double* __restrict sum, double* __restrict mn,
+                                             double* __restrict mx) {
+  __m256d s0 = _mm256_loadu_pd(sum), s1 = _mm256_loadu_pd(sum + 4);
+  __m256d s2 = _mm256_loadu_pd(sum + 8), s3 = _mm256_loadu_pd(sum + 12);
+  __m256d l0 = _mm256_loadu_pd(mn), l1 = _mm256_loadu_pd(mn + 4);
+  __m256d l2 = _mm256_loadu_pd(mn + 8), l3 = _mm256_loadu_pd(mn + 12);
+  __m256d h0 = _mm256_loadu_pd(mx), h1 = _mm256_loadu_pd(mx + 4);
+  __m256d h2 = _mm256_loadu_pd(mx + 8), h3 = _mm256_loadu_pd(mx + 12);
+  if (unordered(s0, s1, s2, s3) || unordered(l0, l1, l2, l3) || unordered(h0, h1, h2, h3)) return false;
+  const float* p = x;
+  for (int64_t i = 0; i < n; ++i, p += d) {
+    const __m256 va = _mm256_loadu_ps(p), vb = _mm256_loadu_ps(p + 8);
+    const __m256d v0 = _mm256_cvtps_pd(_mm256_castps256_ps128(va));
+    const __m256d v1 = _mm256_cvtps_pd(_mm256_extractf128_ps(va, 1));
+    const __m256d v2 = _mm256_cvtps_pd(_mm256_castps256_ps128(vb));
+    const __m256d v3 = _mm256_cvtps_pd(_mm256_extractf128_ps(vb, 1));
+    s0 = _mm256_add_pd(s0, v0);
+    s1 = _mm256_add_pd(s1, v1);
+    s2 = _mm256_add_pd(s2, v2);
+    s3 = _mm256_add_pd(s3, v3);
+    l0 = _mm256_min_pd(v0, l0);
+    l1 = _mm256_min_pd(v1, l1);
+    l2 = _mm256_min_pd(v2, l2);
+    l3 = _mm256_min_pd(v3, l3);
+    h0 = _mm256_max_pd(v0, h0);
+    h1 = _mm256_max_pd(v1, h1);
+    h2 = _mm256_max_pd(v2, h2);
+    h3 = _mm256_max_pd(v3, h3);
+  }
+  if (unordered(s0, s1, s2, s3)) return false;  // a NaN (or inf - inf) in some column
+  _mm256_storeu_pd(sum, s0);
+  _mm256_storeu_pd(sum + 4, s1);
+  _mm256_storeu_pd(sum + 8, s2);
+  _mm256_storeu_pd(sum + 12, s3);
+  _mm256_storeu_pd(mn, l0);
+  _mm256_storeu_pd(mn + 4, l1);
+  _mm256_storeu_pd(mn + 8, l2);
+  _mm256_storeu_pd(mn + 12, l3);
+  _mm256_storeu_pd(mx, h0);
+  _mm256_storeu_pd(mx + 4, h1);
+  _mm256_storeu_pd(mx + 8, h2);
+  _mm256_storeu_pd(mx + 12, h3);
+  return true;
+}
+
+// CentredSqOp on float32 rows, 16 columns a block: out[j] += (x[i][j] - mean[j])^2 down the
+// rows in row order, as the op does (subtract, multiply, add: no FMA), four independent
+// chains per row.
+ACS_TARGET_AVX2 void centred_squares_f32_avx2(const float* __restrict x, int64_t n, int64_t d,
+                                              const double* __restrict mean, double* __restrict out) {
+  int64_t j0 = 0;
+  for (; j0 + 16 <= d; j0 += 16) {
+    const __m256d m0 = _mm256_loadu_pd(mean + j0), m1 = _mm256_loadu_pd(mean + j0 + 4);
+    const __m256d m2 = _mm256_loadu_pd(mean + j0 + 8), m3 = _mm256_loadu_pd(mean + j0 + 12);
+    __m256d a0 = _mm256_loadu_pd(out + j0), a1 = _mm256_loadu_pd(out + j0 + 4);
+    __m256d a2 = _mm256_loadu_pd(out + j0 + 8), a3 = _mm256_loadu_pd(out + j0 + 12);
+    const float* p = x + j0;
+    for (int64_t i = 0; i < n; ++i, p += d) {
+      const __m256 va = _mm256_loadu_ps(p), vb = _mm256_loadu_ps(p + 8);
+      const __m256d c0 = _mm256_sub_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(va)), m0);
+      const __m256d c1 = _mm256_sub_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(va, 1)), m1);
+      const __m256d c2 = _mm256_sub_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(vb)), m2);
+      const __m256d c3 = _mm256_sub_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(vb, 1)), m3);
+      a0 = _mm256_add_pd(a0, _mm256_mul_pd(c0, c0));
+      a1 = _mm256_add_pd(a1, _mm256_mul_pd(c1, c1));
+      a2 = _mm256_add_pd(a2, _mm256_mul_pd(c2, c2));
+      a3 = _mm256_add_pd(a3, _mm256_mul_pd(c3, c3));
+    }
+    _mm256_storeu_pd(out + j0, a0);
+    _mm256_storeu_pd(out + j0 + 4, a1);
+    _mm256_storeu_pd(out + j0 + 8, a2);
+    _mm256_storeu_pd(out + j0 + 12, a3);
+  }
+  for (; j0 < d; ++j0) {  // the last d % 16 columns: CentredSqOp's steps
+    double a = out[j0];
+    for (int64_t i = 0; i < n; ++i) {
+      const double c = static_cast<double>(x[i * d + j0]) - mean[j0];
+      a = a + c * c;
+    }
+    out[j0] = a;
+  }
+}
+
 ACS_TARGET_AVX2 void sum_min_max_f32_avx2(const float* __restrict x, int64_t n, int64_t d, double* __restrict sum,
                                           double* __restrict mn, double* __restrict mx) {
   int64_t j0 = 0;
+  // up to the first block with a NaN; from there on the 8-column path (more are likely)
+  while (j0 + 16 <= d && sum_min_max_f32_avx2_16(x + j0, n, d, sum + j0, mn + j0, mx + j0)) j0 += 16;
   for (; j0 + 8 <= d; j0 += 8) {
     __m256d s0 = _mm256_loadu_pd(sum + j0), s1 = _mm256_loadu_pd(sum + j0 + 4);
     __m256d l0 = _mm256_loadu_pd(mn + j0), l1 = _mm256_loadu_pd(mn + j0 + 4);
@@ -302,6 +401,10 @@ void add_column_sums(const RowsView& r, double* out) {
 }
 
 void add_centred_squares(const RowsView& r, const double* mean, double* out) {
+#if ACS_AVX2_DISPATCH
+  if (r.dtype == at::kFloat && cpu_has_avx2())
+    return centred_squares_f32_avx2(static_cast<const float*>(r.data), r.n, r.d, mean, out);
+#endif
   CentredSqOp op{mean, out};
   run_cols(r, op);
 }

@@ -1239,3 +1239,35 @@ def test_fused_min_max_keep_the_last_nan_bit_for_bit(width):
                 got, want = a.result()[k], b.result()[k]
                 assert torch.equal(got.view(torch.int64), want.view(torch.int64)), (split, k)
         assert fused[1].result()["min"][0].view(torch.int64) == torch.tensor(nan(0x7FC00123), dtype=torch.float64).view(torch.int64)
+
+
+@pytest.mark.parametrize("width", [16, 17, 40, 256])
+@pytest.mark.parametrize("special", ["finite", "nan_late_block", "inf_minus_inf", "nan_state"])
+def test_float32_rows_reduce_as_the_same_rows_in_float64_bit_for_bit(width, special):
+    """The float32 kernels (blocks of 16 columns without NaN bookkeeping, redone exactly when
+    a block's sums end NaN; centred squares 16 columns at a time) widen each value to double
+    and add in row order: their states equal, bit for bit, those of the same rows given as
+    float64 (the generic loops), whatever NaN, inf - inf or NaN state a block holds."""
+    from activationscope.capture import _native
+
+    C = _native.load()
+    g = torch.Generator().manual_seed(41)
+    x = torch.randn(37, width, generator=g) * 3
+    if special == "nan_late_block" or special == "nan_state":
+        x[30 if special == "nan_late_block" else 2, width - 1] = float("nan")  # the last block only
+    if special == "inf_minus_inf":
+        x[3, 1], x[20, 1] = float("inf"), -float("inf")  # sum NaN without a NaN value
+        x[5, width // 2] = float("inf")
+    kinds = ["mean", "var", "min", "max"]
+    split = [5, 32] if special == "nan_state" else [37]  # nan_state: the second batch starts from NaN min / max
+    got, want = _make_group(kinds), _make_group(kinds)
+    offset = 0
+    for p in x.split(split):
+        C.update_reductions(got, p, offset)
+        C.update_reductions(want, p.double(), offset)
+        offset += p.shape[0]
+    for a, b in zip(got, want):
+        for k, v in a.state().items():
+            assert torch.equal(v.view(torch.int64), b.state()[k].view(torch.int64)), (k, special)
+    if special == "finite":
+        assert_matches("var", got[1].result(), x)
