@@ -1247,7 +1247,9 @@ def test_float32_rows_reduce_as_the_same_rows_in_float64_bit_for_bit(width, spec
     """The float32 kernels (blocks of 16 columns without NaN bookkeeping, redone exactly when
     a block's sums end NaN; centred squares 16 columns at a time) widen each value to double
     and add in row order: their states equal, bit for bit, those of the same rows given as
-    float64 (the generic loops), whatever NaN, inf - inf or NaN state a block holds."""
+    float64 (the generic loops), whatever NaN, inf - inf or NaN state a block holds. (With
+    several NaNs in one column, which NaN's payload a sum keeps is left open by IEEE 754 and
+    may differ between the two; the columns here hold one NaN each.)"""
     from activationscope.capture import _native
 
     C = _native.load()

@@ -407,13 +407,19 @@ class StoreSource:
             return torch.index_select(self._segment(hp, k), 0, index - bl[k] if bl[k] else index)
         seg = torch.searchsorted(bounds, index, right=True) - 1
         out = torch.empty((index.numel(), *self.feature_shape(hp)), dtype=self.dtype(hp))
+        bits = _INDEXABLE.get(out.dtype)  # (index_put has no kernel for uint16 / uint32 / uint64)
+        dst = out if bits is None else out.view(bits)
         for s in torch.unique(seg).tolist():
             pos = (seg == s).nonzero().squeeze(1)
-            out[pos] = torch.index_select(self._segment(hp, s), 0, index[pos] - bl[s])
+            rows = torch.index_select(self._segment(hp, s), 0, index[pos] - bl[s])
+            dst[pos] = rows if bits is None else rows.view(bits)
         return out
 
 
 _GATHER: list[Any] = []
+#: dtypes whose rows are scattered as the signed integers of their size (same bits): torch
+#: has no index_put kernel for them
+_INDEXABLE = {torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64}
 
 
 def _gather_rows() -> Any:

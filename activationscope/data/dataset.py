@@ -922,7 +922,10 @@ class ActivationDataset(Dataset):
         data = {hps[0]: rows}
         for hp in hps[1:]:
             other = source.gather(hp, ids, source.n_rows(hp), 0, False)
-            data[hp] = other[0] if other is not None else source.take(hp, ids)
+            if other is None:
+                data[hp] = source.take(hp, ids)
+            else:  # (consecutive rows within one of this array's shards, which may hold more rows: a view)
+                data[hp] = other[0].clone() if other[1] >= 0 else other[0]
         for name, col in cols.items():
             data[name] = col[ids] if isinstance(col, torch.Tensor) else [col[i] for i in ids.tolist()]
         return data

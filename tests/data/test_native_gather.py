@@ -262,3 +262,52 @@ def _one_segment_batches(tmp_path):
         assert torch.equal(got, ref.index_select(0, torch.tensor(idx))), k
         got.add_(1)
     assert torch.equal(ds[0 : len(ds)]["0.output"], ref)
+
+
+def test_every_hook_point_of_a_batch_of_positions_is_the_callers_own_copy(tmp_path):
+    """Positions that are consecutive rows within one shard of another hook point (whose
+    shards hold more rows than the first's) are a view of that shard: the batch gets a copy,
+    so writing into it never reaches later reads."""
+    from activationscope.store import StoreWriter
+
+    path = str(tmp_path / "s.zarr")
+    a, big = torch.randn(64, 3), torch.randn(64, 1024)
+    w = StoreWriter(path, chunk_rows=8, shard_rows=16)
+    for hp, t in (("a", a), ("big", big)):
+        w.open_array(hp, tuple(t.shape[1:]), t.dtype, "sample").append(t)
+    w.add_batch(64)
+    w.close()
+    ds = ActivationDataset(path)
+    assert ds.source.boundaries("a").tolist() == [0, 16, 32, 48, 64] and ds.source.boundaries("big").tolist() == [0, 64]
+    for idx in (list(range(20)), [0, 1, 2, 3, 4, 5], [30, 31, 32, 33]):
+        for got in (ds[idx], collate(ds.__getitems__(idx))):
+            assert torch.equal(got["a"], a[idx]) and torch.equal(got["big"], big[idx]), idx
+            got["a"].zero_()
+            got["big"].zero_()
+    assert torch.equal(ds[0:64]["big"], big) and torch.equal(ds[0:64]["a"], a)
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_unsigned_rows_from_several_shards(tmp_path, compression):
+    """uint16 / uint32 / uint64 rows gathered from several shards (a compressed store, or a
+    bool mask) are scattered into the batch by their bits: torch has no index_put for them."""
+    from activationscope.store import StoreWriter
+
+    path = str(tmp_path / "u.zarr")
+    w = StoreWriter(path, chunk_rows=8, shard_rows=16, compression=compression)
+    ref = {}
+    for dt in (torch.uint16, torch.uint32, torch.uint64):
+        t = torch.randint(0, 60000, (64, 3), dtype=torch.int64).to(dt)
+        t[5, 0] = 2**16 - 1 if dt == torch.uint16 else 2**31 + 7  # beyond the signed range
+        ref[str(dt).split(".")[1]] = t
+        w.open_array(str(dt).split(".")[1], (3,), dt, "sample").append(t)
+    w.add_batch(64)
+    w.close()
+    for hp, t in ref.items():
+        ds = ActivationDataset(path, hook_points=[hp])
+        idx = [5, 40, 3, 63, 17]
+        assert torch.equal(collate(ds.__getitems__(idx))[hp].to(torch.int64), t[idx].to(torch.int64)), hp
+        mask = [False] * 64
+        mask[5] = mask[40] = True
+        got = ds[mask][hp]
+        assert got.dtype == t.dtype and torch.equal(got.to(torch.int64), t[[5, 40]].to(torch.int64)), hp
