@@ -732,7 +732,37 @@ def test_capture_resume_continues_from_the_next_sample(tmp_path, toy_store, caps
     assert "--max-samples" in prov["command"] and "--resume" not in prov["command"]
     assert [r["command"].endswith("--resume") for r in prov["resumes"]] == [True]
     code, stdout, _ = run(capsys, *args, "--resume")
-    assert code == 0 and "nothing to capture" in stdout
+    assert code == 0 and "nothing to capture" in stdout and "marked complete" not in stdout
+    assert acs.open_store(str(out)).info()["provenance"] == prov  # a resume that did nothing is not recorded
+
+
+def test_resume_of_a_full_but_incomplete_store_marks_it_complete(tmp_path, toy_store, capsys):
+    """A run that stopped after its last sample was committed, before it closed, leaves every
+    sample stored and the store incomplete: a plain --resume has nothing to capture, and marks
+    the store complete (its rows untouched, the resume in its provenance's history)."""
+    import activationscope as acs
+    from activationscope.store import StoreWriter
+
+    _, x = toy_store
+    out = tmp_path / "full.zarr"
+    args = ["capture", "--model", "usermodels.nets:mlp", "--data", str(x), "--out", str(out), "--no-progress"]
+    assert run(capsys, *args)[0] == 0
+    before = acs.open_store(str(out))
+    rows, prov = before["2.output"].clone(), before.info()["provenance"]
+    w = StoreWriter(str(out), resume=True)
+    w.add_batch(0)  # a batch recorded, then the run stops before closing: the store is incomplete
+    w.abort()
+    assert acs.open_store(str(out)).status == "incomplete"
+    code, stdout, err = run(capsys, *args, "--resume")
+    assert code == 0, err
+    assert "nothing to capture; it was incomplete (its run stopped before closing) and is now marked complete" in stdout
+    store = acs.open_store(str(out))
+    assert store.status == "complete" and store.n_samples == 50 and torch.equal(store["2.output"], rows)
+    info = store.info()["provenance"]
+    assert info["command"] == prov["command"] and info["resumes"][-1]["command"].endswith("--resume")
+    code, stdout, _ = run(capsys, *args, "--resume")  # complete now: nothing to do, nothing changed
+    assert code == 0 and "marked complete" not in stdout
+    assert acs.open_store(str(out)).info()["provenance"] == info
 
 
 def test_resume_with_another_model_states_the_store_status_and_the_cli_flag(tmp_path, toy_store, user_package,
@@ -788,7 +818,8 @@ def test_model_failing_mid_capture_is_one_line_and_store_incomplete(tmp_path, to
     # the first batch failed: nothing was committed, so the new store is gone (a rerun needs no --overwrite)
     _one_error_line(err, "the model raised RuntimeError", "samples 0..9", "no row was committed", "was removed")
     assert not out.exists()
-    # failing after rows were committed keeps them: status incomplete
+    # a resume failing on its first batch leaves the store as it was: its rows, status complete
+    # (failing after commits keeps them, status incomplete: test_cli_messages)
     wide = tmp_path / "wide.npy"
     np.save(wide, np.zeros((30, 7), dtype=np.float32))   # samples 20.. do not fit the model
     _, x = toy_store
@@ -798,9 +829,9 @@ def test_model_failing_mid_capture_is_one_line_and_store_incomplete(tmp_path, to
     code, _, err = run(capsys, "capture", "--model", "usermodels.nets:mlp", "--data", str(wide), "--out", str(out),
                        "--no-progress", "--resume")
     assert code == 1
-    _one_error_line(err, "the model raised RuntimeError", "keeps the rows committed before", "incomplete")
+    _one_error_line(err, "the model raised RuntimeError", f"{out} keeps its 20 committed samples (status complete)")
     store = acs.open_store(str(out))
-    assert store.status == "incomplete" and store.n_samples == 20
+    assert store.status == "complete" and store.n_samples == 20 and "resumes" not in store.attrs["provenance"]
 
 
 def test_capture_overwrite_replaces(tmp_path, toy_store, capsys):

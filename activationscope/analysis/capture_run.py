@@ -42,6 +42,9 @@ class CaptureSummary:
     #: Hook points whose reductions were written by this run (with nothing left to capture:
     #: computed over the stored rows).
     reduced_hook_points: list[str] = field(default_factory=list)
+    #: A resume with nothing left to capture found the store ``incomplete`` (a run stopped
+    #: after its last sample was stored, before it closed) and marked it complete.
+    completed: bool = False
 
     @property
     def nothing_to_capture(self) -> bool:
@@ -441,10 +444,12 @@ def capture_dataset(
                 "not the data the store was captured from; resume with that data, or pass --overwrite instead of "
                 "--resume to capture this data into a new store (nothing was changed)")
     if first >= n and not reductions:
-        _check_full_resume(out, loaded.model, include=list(include) if include else loaded.default_include,
-                           exclude=list(exclude) if exclude else None, capture=capture,
-                           storage_dtype=getattr(torch, dtype) if dtype else None, token_rows=token_rows)
-        return CaptureSummary(first_sample=first, n_target=n)
+        completed = _check_full_resume(
+            out, loaded.model, include=list(include) if include else loaded.default_include,
+            exclude=list(exclude) if exclude else None, capture=capture,
+            storage_dtype=getattr(torch, dtype) if dtype else None, token_rows=token_rows,
+            provenance={"model": loaded.name, "data": dataset.name, "command": command or ""})
+        return CaptureSummary(first_sample=first, n_target=n, completed=completed)
     if first >= n:  # nothing left to capture: the reductions are computed over the stored rows
         batches: Iterable[tuple[int, Any, dict[str, Any]]] = []
     elif dataset.texts is not None:
@@ -499,16 +504,22 @@ def _check_resumed_side(out: str, capture: str) -> None:
 
 
 def _check_full_resume(out: str, model: Any, *, include: list[str] | None, exclude: list[str] | None,
-                       capture: str, storage_dtype: Any, token_rows: Any = None) -> None:
+                       capture: str, storage_dtype: Any, token_rows: Any = None,
+                       provenance: dict[str, Any] | None = None) -> bool:
     """The checks of a resume (the writer's model and storage dtype, the tracker's stored hook
-    points and recorded include / exclude patterns) for one with nothing left to capture and no reductions, which captures nothing:
-    the writer is opened and discarded, so the store is left as it was whatever the outcome
-    (CaptureError when refused; HookPointNotFoundError for a ``token_rows`` pattern that
-    selects none of the stored hook points)."""
+    points and recorded include / exclude patterns) for one with nothing left to capture and
+    no reductions, which captures nothing (CaptureError when refused; HookPointNotFoundError
+    for a ``token_rows`` pattern that selects none of the stored hook points; the store is
+    then left as it was).
+
+    A store found ``incomplete`` (its run stopped after its last sample was committed, before
+    it closed) is closed by this resume, ``complete``, its provenance adding this run to
+    ``resumes``: True. Otherwise the writer is discarded, the store left as it was: False."""
     from .. import store as _store  # noqa: F401 - registers the store writer with capture
     from ..capture.scope import ActivationScope
 
-    scope = ActivationScope(store=out, store_options={"resume": True}, storage_dtype=storage_dtype, capture=capture)
+    options: dict[str, Any] = {"resume": True, "provenance": dict(provenance or {})}
+    scope = ActivationScope(store=out, store_options=options, storage_dtype=storage_dtype, capture=capture)
     tracker = scope.track(model, include=include, exclude=exclude, token_rows=token_rows)
     tracker.attach()  # refused here (the writer discarded) when the store's hook points or dtype differ
     tracker._detach()
@@ -517,7 +528,11 @@ def _check_full_resume(out: str, model: Any, *, include: list[str] | None, exclu
         tracker._check_reduction_patterns(sorted(tracker._stored or ()), "the store holds")
     except BaseException as e:
         raise _token_rows_flag_error(e, token_rows) from None
+    if tracker.writer.found_status == "incomplete":
+        tracker.writer.close()
+        return True
     tracker.writer.discard()
+    return False
 
 
 def capture_store_options(

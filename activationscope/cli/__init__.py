@@ -411,8 +411,10 @@ def cmd_capture(args: argparse.Namespace) -> int:
     if summary.nothing_to_capture:
         reduced = (f"; reductions {args.reduce} computed over the stored rows of {len(summary.reduced_hook_points)} "
                    "hook point(s)") if summary.reduced_hook_points else ""
+        completed = ("; it was incomplete (its run stopped before closing) and is now marked complete"
+                     if summary.completed else "")
         print(f"store {args.out} already holds {summary.first_sample} samples of {summary.n_target}; "
-              f"nothing to capture{reduced}")
+              f"nothing to capture{reduced}{completed}")
         return 0
     print(
         f"captured {summary.n_samples} samples ({summary.n_forwards} forwards, {len(summary.hook_points)} hook points) "

@@ -630,6 +630,7 @@ class StoreWriter:
         self._run_id = st.get("run_id") or uuid.uuid4().hex
         self.n_samples_committed = int(st.get("n_samples", 0))
         self._n_batches = int(st.get("n_batches", 0))
+        self._batches_found = self._n_batches  # (a resume that records no batch changes nothing: see abort)
         self._row_tables = json.loads(json.dumps(st.get("row_tables") or {
             "sample": {"parts": [], "n_rows": 0, "columns": []},
             "token": {"parts": [], "n_rows": 0, "columns": []},
@@ -1494,8 +1495,23 @@ class StoreWriter:
             self._encoder_thread.join()
         _ENCODING.discard(self)
 
+    def _unchanged_resume(self) -> bool:
+        """A resume that recorded no batch and stored no reduction (its closing as
+        "incomplete" or abort puts the store back as found, see :meth:`abort`)."""
+        return (self._found_root is not None and not self._closed and not self._reductions
+                and self._n_batches + len(self._pending) == self._batches_found)
+
+    @property
+    def found_status(self) -> str | None:
+        """Status of the store this writer resumed, as found (``"complete"`` or
+        ``"incomplete"``); None for a new store."""
+        return None if self._state is None else self._state.get("status")
+
     def close(self, status: str = "complete") -> None:
         """Flush partial chunks and shards, commit everything, mark the store ``status``.
+
+        ``"incomplete"`` for a resume that recorded no batch and stored no reduction: the
+        store is left as it was found (:meth:`discard`), as by :meth:`abort`.
 
         Raises
         ------
@@ -1505,6 +1521,9 @@ class StoreWriter:
         """
         if status not in ("complete", "incomplete"):
             raise ArgumentValueError(f"status must be one of ['complete', 'incomplete'], got {status!r}")
+        if status == "incomplete" and self._unchanged_resume():  # stopped before its first batch
+            self.discard()
+            return
         with self._lock:
             if self._closed:
                 return
@@ -1534,9 +1553,16 @@ class StoreWriter:
     def abort(self, exc: BaseException | None = None) -> None:
         """After an exception in the capture loop: commit what is durable, status "incomplete".
 
+        A resume that recorded no batch and stored no reduction (stopped before its first
+        forward was recorded) is :meth:`discard`-ed instead: the store is left as it was found,
+        its status (a complete store stays complete) and provenance included.
+
         Never raises (a failure here is reported as a warning, so the first error stays the
         one the caller sees).
         """
+        if self._unchanged_resume():
+            self.discard()
+            return
         with self._lock:
             if self._closed:
                 return

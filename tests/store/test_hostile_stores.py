@@ -794,6 +794,7 @@ def test_leftover_temporary_files_are_removed(tmp_path, plain, how):
         w.close()
     elif how == "abort":
         w = StoreWriter(path, resume=True)
+        w.add_batch(0)  # a batch recorded (a resume stopped before its first is put back as found)
         _plant(path, LEFTOVERS)  # left while this writer was open (as by one of its own writes that failed)
         (path / ".zarr.json.fedcba98.tmp").symlink_to(victim)
         w.abort(RuntimeError("the capture failed"))
@@ -869,6 +870,7 @@ def test_leftover_shard_temporaries_are_removed_in_every_array_folder(tmp_path, 
         w.close()
     else:
         w = StoreWriter(path, resume=True)
+        w.add_batch(0)  # a batch recorded (a resume stopped before its first is put back as found)
         plant()  # left while this writer was open (as by its own shard writes, then a failure)
         w.abort(RuntimeError("the capture failed"))
     assert not [k for k in gone if os.path.lexists(path / k)]

@@ -356,6 +356,32 @@ def test_a_resume_keeps_the_provenance_and_appends_its_own_to_the_history(tmp_pa
     assert open_store(path).n_samples == 12
 
 
+def test_a_resume_stopped_before_its_first_batch_leaves_the_store_as_found(tmp_path):
+    """An exception before the first forward of a resume was recorded (a bad batch, Ctrl-C):
+    the store is put back as found, root document and all (a complete store stays complete,
+    no entry in its provenance's history); once a batch is recorded, the abort commits what is
+    durable and marks the store incomplete, as before."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3)).eval()
+    path = tmp_path / "s.zarr"
+    with acs.ActivationScope(store=str(path), store_options={"provenance": {"run": 1}}).track(model), torch.no_grad():
+        model(torch.randn(2, 4))
+    root = (path / "zarr.json").read_bytes()
+    opts = {"resume": True, "provenance": {"run": 2}}
+    with pytest.raises(RuntimeError, match="stopped"):
+        with acs.ActivationScope(store=str(path), store_options=opts).track(model), torch.no_grad():
+            raise RuntimeError("stopped before the first forward")
+    assert (path / "zarr.json").read_bytes() == root
+    store = open_store(path)
+    assert store.status == "complete" and store.attrs["provenance"] == {"run": 1} and store.n_samples == 2
+    with pytest.raises(RuntimeError, match="stopped"):
+        with acs.ActivationScope(store=str(path), store_options=opts).track(model), torch.no_grad():
+            model(torch.randn(3, 4))
+            raise RuntimeError("stopped after a forward")
+    store = open_store(path)
+    assert store.status == "incomplete" and store.n_samples == 5
+    assert store.attrs["provenance"] == {"run": 1, "resumes": [{"run": 2}]}
+
+
 def test_resumed_provenance_of_stored_values_it_does_not_own():
     from activationscope.store.writer import resumed_provenance
 
