@@ -970,7 +970,7 @@ class ActivationDataset(Dataset):
             data = self.get_batch(indices)
             if self._ids is None and not self.columns and len(self.hook_points) == 1:
                 plan = self.source.gather_plan(self.hook_points[0])
-                self._plan = None if plan is None else (
+                self._plan = None if plan is None or self.source._run != self._run else (
                     *plan, self._stop - self._start, self._start, self.hook_points[0])
             return Batch(data, len(data[self.hook_points[0]]))
         data = self.get_batch(indices)
