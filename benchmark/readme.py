@@ -121,9 +121,12 @@ def render(doc: dict[str, Any], json_rel: str) -> str:
     if merged and filled and len(merged) == 2 and not merged[1].get("stopped_early") and \
             all(m in (merged[1].get("modes_filled") or []) for m in filled):
         # one run, a few of its modes rerun alone after a fix
+        was = sorted(set(merged[1].get("replaced_status") or ["error"]))
+        was_text = " or ".join({"error": "errors", "skipped": "skipped (a peer not installed there)",
+                                "missing": "missing"}.get(w, str(w)) for w in was)
         merged, fill_note = [], (f"; {', '.join(f'`{m}`' for m in filled)} from a second run the same day "
                                  f"(`{' '.join(st['merged_from'][1]['argv'])}`, merged with `--merge`), whose records in the first "
-                                 "were errors")
+                                 f"were {was_text}")
     else:
         fill_note = ""
     how = (f"{len(merged)} {st['profile']} runs of `python -m benchmark.runner` side by side (each a group of "

@@ -446,7 +446,7 @@ def peer_errors(doc: dict[str, Any]) -> list[str]:
 
 def merge(paths: list[str]) -> dict[str, Any]:
     """One document from several runs of distinct workloads: the first run's machine and
-    settings, every run's workloads and records (a workload found in several runs: the run
+    settings (a package version it lacks taken from a run that had it), every run's workloads and records (a workload found in several runs: the run
     that holds more of its modes; a mode missing or not ok there: from a run where it is ok
     with the same workload parameters, listed in that run's ``modes_filled``),
     ``settings.merged_from`` naming the runs; derived anew."""
@@ -460,6 +460,12 @@ def merge(paths: list[str]) -> dict[str, Any]:
                                        "started_at": d["settings"].get("started_at"),
                                        "loadavg": d["machine"].get("loadavg"),
                                        "stopped_early": d.get("wall_s") is None} for p, d in docs]
+    # a peer missing from the first run's machine but installed for another run: its version
+    packages = out["machine"].setdefault("packages", {})
+    for _p, d in docs[1:]:
+        for name, version in (d["machine"].get("packages") or {}).items():
+            if packages.get(name) is None and version is not None:
+                packages[name] = version
     for _p, d in docs:
         for wl, recs in d["results"].items():
             if len(recs) > len(out["results"].get(wl, {})):
@@ -477,6 +483,7 @@ def merge(paths: list[str]) -> dict[str, Any]:
                 if r.get("status") == "ok" and (have is None or have.get("status") != "ok"):
                     out["results"][wl][mode] = r
                     entry["modes_filled"].append(f"{wl}/{mode}")
+                    entry.setdefault("replaced_status", []).append("missing" if have is None else have.get("status"))
     walls = [d.get("wall_s") for _p, d in docs]
     out["wall_s"] = None if any(w is None for w in walls) else max(walls)
     for key in ("limits", "seed_comparison", "goals", "failures", "peer_errors"):

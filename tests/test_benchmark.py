@@ -368,6 +368,7 @@ def test_merge_fills_a_failed_mode_from_a_rerun_with_the_same_parameters(tmp_pat
     assert ok["status"] == "ok"
     first = json.loads(json.dumps(src))
     first["results"]["toy"]["torchlens"] = {"workload": "toy", "mode": "torchlens", "status": "error", "note": "x"}
+    first["machine"]["packages"]["torchlens"] = None  # not installed for the first run
     rerun = json.loads(json.dumps(src))
     rerun["settings"]["argv"] = ["--workloads", "toy", "--only", "toy/torchlens"]
     rerun["results"] = {"toy": {"torchlens": ok}}
@@ -385,6 +386,7 @@ def test_merge_fills_a_failed_mode_from_a_rerun_with_the_same_parameters(tmp_pat
 
     out = runner.merge([str(paths[0]), str(paths[1])])
     assert out["results"]["toy"]["torchlens"]["status"] == "ok"
+    assert out["machine"]["packages"]["torchlens"] == src["machine"]["packages"]["torchlens"] is not None
     assert out["results"]["toy"]["torchlens"]["ratio_vs_plain"] == pytest.approx(
         ok["median_s"] / src["results"]["toy"]["plain"]["median_s"])
     assert [e["modes_filled"] for e in out["settings"]["merged_from"]] == [[], ["toy/torchlens"]]
