@@ -37,10 +37,16 @@ test: install
 demo: install
 	$(PY) -m activationscope demo
 
-bench: install
+# The peers the benchmark compares with (nnsight, TorchLens, SAELens, ...): the bench extra.
+BENCH_STAMP := $(VENV)/.acs-bench-installed
+$(BENCH_STAMP): $(STAMP)
+	$(PIP) install -q --no-build-isolation -e ".[bench]" torch==2.13.0
+	touch $@
+
+bench: install $(BENCH_STAMP)
 	$(PY) -m benchmark.runner
 
-bench-quick: install
+bench-quick: install $(BENCH_STAMP)
 	$(PY) -m benchmark.runner --quick
 
 clean:
