@@ -60,7 +60,7 @@ bool store_rows(const py::handle& index, int64_t n, int64_t start, std::vector<i
 }  // namespace
 
 py::object gather_rows(const py::handle& index, int64_t n, int64_t start, const std::vector<int64_t>& bounds,
-                       const py::list& segments, bool want_ids) {
+                       const py::list& segments, bool want_ids, const py::object& out_arg) {
   const size_t n_seg = bounds.size() < 2 ? 0 : bounds.size() - 1;
   if (n_seg == 0 || static_cast<size_t>(py::len(segments)) != n_seg || n <= 0) return py::none();
   std::vector<int64_t> rows;
@@ -113,12 +113,21 @@ py::object gather_rows(const py::handle& index, int64_t n, int64_t start, const 
     std::memcpy(id_t.data_ptr<int64_t>(), rows.data(), rows.size() * sizeof(int64_t));
     ids = py::reinterpret_steal<py::object>(THPVariable_Wrap(id_t));
   }
+  at::Tensor out;
+  if (!out_arg.is_none()) {  // the caller's tensor: exactly the batch's dtype, shape and layout
+    if (!THPVariable_Check(out_arg.ptr())) return py::none();
+    out = THPVariable_Unpack(out_arg.ptr());
+    if (!out.device().is_cpu() || out.layout() != at::kStrided || !out.is_contiguous() ||
+        out.scalar_type() != first.scalar_type() || out.dim() != first.dim() || out.size(0) != k ||
+        out.sizes().slice(1) != first.sizes().slice(1))
+      return py::none();
+    consecutive = false;  // copied into out like any other batch
+  }
   if (consecutive) {  // one run within one segment: a view, as a contiguous read gives
     const size_t j = static_cast<size_t>(seg_of[0]);
     at::Tensor v = segs[j].narrow(0, rows[0] - bounds[j], k);
     return py::make_tuple(py::reinterpret_steal<py::object>(THPVariable_Wrap(v)), rows[0], rows[0] + k, ids);
   }
-  at::Tensor out;
   if (at::get_num_threads() > 1 && k * row_bytes >= kParallelBytes &&
       std::all_of(seg_of.begin(), seg_of.end(), [&](int32_t v) { return v == seg_of[0]; })) {
     // One segment (the common case: a whole mapped array) and more than one intra-op
@@ -131,11 +140,16 @@ py::object gather_rows(const py::handle& index, int64_t n, int64_t start, const 
     int64_t* p = idx.data_ptr<int64_t>();
     for (int64_t i = 0; i < k; ++i) p[i] = rows[static_cast<size_t>(i)] - bounds[j];
     ReleaseGil nogil;
-    out = at::index_select(segs[j], 0, idx);
+    if (out.defined())
+      at::index_select_out(out, segs[j], 0, idx);
+    else
+      out = at::index_select(segs[j], 0, idx);
   } else {
-    std::vector<int64_t> shape = first.sizes().vec();
-    shape[0] = k;
-    out = at::empty(shape, first.options());
+    if (!out.defined()) {
+      std::vector<int64_t> shape = first.sizes().vec();
+      shape[0] = k;
+      out = at::empty(shape, first.options());
+    }
     ReleaseGil nogil;
     char* dst = static_cast<char*>(out.data_ptr());
     for (size_t i = 0; i < rows.size(); ++i) {

@@ -24,9 +24,13 @@ namespace acs {
 //                        are consecutive store rows [a, b) within it (else a = b = -1 and rows
 //                        is a new tensor); ids: the store rows as an int64 (k,) tensor when
 //                        want_ids, else None.
+// With `out` (a contiguous CPU tensor of the rows' dtype and shape (k, *feature)), the rows
+// are copied into it, consecutive ones too, and rows is `out` (a = b = -1); an `out` of
+// another dtype, shape or layout gives None. (A DataLoader worker gathers straight into
+// shared memory this way.)
 // The row copies run without the GIL.
 pybind11::object gather_rows(const pybind11::handle& index, int64_t n, int64_t start,
                              const std::vector<int64_t>& bounds, const pybind11::list& segments,
-                             bool want_ids);
+                             bool want_ids, const pybind11::object& out);
 
 }  // namespace acs

@@ -95,12 +95,24 @@ class _Row(Mapping):
         return len(self.batch.data)
 
 
+def _shared_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A new CPU tensor in shared memory (uninitialised), as ``default_collate`` makes in a
+    DataLoader worker: pickled to the main process by its handle, not its bytes."""
+    t = torch.empty(0, dtype=dtype)
+    numel = 1
+    for d in shape:
+        numel *= int(d)
+    return t.new(t._typed_storage()._new_shared(numel, device=t.device)).resize_(shape)
+
+
 def _to_shared(t: torch.Tensor) -> torch.Tensor:
     # In a DataLoader worker a batch crosses to the main process through shared memory: copy
-    # it there once (as default_collate does) instead of letting pickling move the store map.
-    storage = t._typed_storage()._new_shared(t.numel(), device=t.device)
-    out = t.new(storage).resize_(t.shape)
-    return out.copy_(t)
+    # it there once (as default_collate does) instead of letting pickling move the store map;
+    # a batch already gathered into shared memory of its own (see __getitems__) goes as it is.
+    if (t.is_shared() and t.storage_offset() == 0 and t.is_contiguous()
+            and t.untyped_storage().nbytes() == t.nbytes):
+        return t
+    return _shared_empty(tuple(t.shape), t.dtype).copy_(t)
 
 
 def _finish(data: Mapping[str, Any]) -> dict[str, Any]:
@@ -585,8 +597,9 @@ class ActivationDataset(Dataset):
         # the rows of the dataset: a range of store rows, or an int64 tensor of store rows
         self._start, self._stop, self._ids = 0, self.n_store_rows, None
         self._window: tuple[int, int, torch.Tensor, dict, str, Any] | None = None  # see _remember_window
-        # (gather, boundaries, segments, token, n, start, hook point): the source's gather
-        # plan of the last shuffled batch (StoreSource.gather_plan), for the next ones
+        # (gather, boundaries, segments, token, n, start, hook point, feature shape, dtype, in a
+        # DataLoader worker): the source's gather plan of the last shuffled batch
+        # (StoreSource.gather_plan), for the next ones
         self._plan: tuple | None = None
         self._select_rows(rows)
         if filter is not None or sample_ids is not None:
@@ -963,15 +976,20 @@ class ActivationDataset(Dataset):
             g = self._plan
             if g is not None and g[3][0] is self.source._seg_lists and (
                     getattr(self.source._store, "attrs", None) is g[3][1]):
-                got = g[0](indices, g[4], g[5], g[1], g[2], False)
+                # in a DataLoader worker the rows go straight into shared memory (one copy
+                # fewer: the batch then crosses to the main process as it is)
+                out = _shared_empty((len(indices), *g[7]), g[8]) if g[9] else None
+                got = g[0](indices, g[4], g[5], g[1], g[2], False, out)
                 if type(got) is tuple and got[1] < 0:  # (not a view of consecutive rows: get_batch clones those)
                     rows = got[0]
                     return Batch({g[6]: rows}, rows.shape[0])
             data = self.get_batch(indices)
             if self._ids is None and not self.columns and len(self.hook_points) == 1:
-                plan = self.source.gather_plan(self.hook_points[0])
+                hp = self.hook_points[0]
+                plan = self.source.gather_plan(hp)
                 self._plan = None if plan is None or self.source._run != self._run else (
-                    *plan, self._stop - self._start, self._start, self.hook_points[0])
+                    *plan, self._stop - self._start, self._start, hp, tuple(self.source.feature_shape(hp)),
+                    self.source.dtype(hp), get_worker_info() is not None)
             return Batch(data, len(data[self.hook_points[0]]))
         data = self.get_batch(indices)
         return Batch(data, len(data[self.hook_points[0]]))  # (a bool mask reads fewer rows than its length)

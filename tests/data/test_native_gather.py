@@ -175,6 +175,14 @@ def test_gather_rows_maps_segments_on_demand_and_refuses_what_it_cannot_take():
     assert gather([0, 5], 11, 0, bounds, [segs[0].t(), segs[1], segs[2]], False) is None  # not contiguous
     bad = [segs[0], segs[1].to(torch.float64), segs[2]]
     assert gather([0, 5], 11, 0, bounds, bad, False) is None  # segments of different dtypes
+    # out=: the rows copied into the caller's tensor, consecutive ones too (never a view)
+    for idx in ([10, 0, 5, -1], [1, 2, 3], [9, 10]):
+        out = torch.full((len(idx), 3), -1.0)
+        rows, a, b, _ = gather(idx, 11, 0, bounds, segs, False, out)
+        assert rows.data_ptr() == out.data_ptr() and (a, b) == (-1, -1) and torch.equal(out, full[idx]), idx
+    for wrong in (torch.empty(3, 3), torch.empty(4, 2), torch.empty(4, 3, dtype=torch.float64),
+                  torch.empty(3, 4).t(), torch.empty(4, 3, device="meta"), "x"):
+        assert gather([10, 0, 5, 1], 11, 0, bounds, segs, False, wrong) is None, wrong
 
 
 def test_real_store_gathers_across_shards_and_compressed_falls_back(tmp_path, monkeypatch):
@@ -311,3 +319,36 @@ def test_unsigned_rows_from_several_shards(tmp_path, compression):
         mask[5] = mask[40] = True
         got = ds[mask][hp]
         assert got.dtype == t.dtype and torch.equal(got.to(torch.int64), t[[5, 40]].to(torch.int64)), hp
+
+
+def test_a_worker_gathers_shuffled_batches_straight_into_shared_memory(tmp_path, monkeypatch):
+    """Inside a DataLoader worker the planned gather writes the rows into shared memory of
+    the batch's own, which then crosses to the main process as it is (no second copy); the
+    batches equal plain indexing, through a real DataLoader with two workers too."""
+    from activationscope.data import ShuffledBatchSampler
+    from activationscope.data import dataset as dsm
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32)).eval()
+    path = str(tmp_path / "s.zarr")
+    with acs.ActivationScope(store=path, store_options={"chunk_rows": 64}).track(model), torch.no_grad():
+        for _ in range(8):
+            model(torch.randn(128, 8))
+    ref = ActivationDataset(path)[0:1024]["0.output"].clone()
+    ds = ActivationDataset(path)
+    monkeypatch.setattr(dsm, "get_worker_info", lambda: object())  # as inside a worker
+    for k, idx in enumerate(([5, 700, 3], [900, 1, 2, 3], [10, 11, 12])):  # the first batch plans
+        batch = ds.__getitems__(idx)
+        rows = batch.data["0.output"]
+        assert torch.equal(rows, ref[idx]), idx
+        assert ds._plan is not None and ds._plan[-1] is True
+        if k:  # planned: gathered into shared memory (consecutive rows too), no second copy
+            assert rows.is_shared() and collate(batch)["0.output"] is rows, idx
+        else:
+            assert not rows.is_shared() and collate(batch)["0.output"].is_shared()
+    monkeypatch.undo()
+    sampler = ShuffledBatchSampler(ds, batch_size=100, seed=3)
+    want = [ref[torch.tensor(list(b))] for b in sampler]
+    got = [b["0.output"] for b in torch.utils.data.DataLoader(ActivationDataset(path), batch_sampler=sampler,
+                                                             num_workers=2)]
+    assert len(got) == len(want) and all(torch.equal(g, w) for g, w in zip(got, want))
