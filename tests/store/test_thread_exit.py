@@ -44,7 +44,12 @@ CHILD = textwrap.dedent("""
         for i in range({N}):
             tracker.set_batch(sample_ids=torch.arange(i * {B}, (i + 1) * {B}))
             model(xs[i])
-    tracker.writer.commit()
+    import time
+    deadline = time.monotonic() + 120  # commit() takes the shards made durable so far: on a
+    tracker.writer.commit()            # loaded machine the encoder may not have finished one yet
+    while not tracker.writer.n_samples_committed and time.monotonic() < deadline:
+        time.sleep(0.02)
+        tracker.writer.commit()
     if how.startswith("raise"):
         raise RuntimeError("the capture loop failed")
     sys.exit(0)
