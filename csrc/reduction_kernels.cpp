@@ -251,6 +251,13 @@ struct SumMinMaxOp {
 // block's sums ends NaN (or the block started from a NaN state) nothing is stored and the
 // block is done again by the exact 8-column path below; otherwise the results are those of
 // that path, bit for bit (the same additions in the same order, the same min / max).
+ACS_TARGET_AVX2 ACS_INLINE void store16(double* p, __m256d a, __m256d b, __m256d c, __m256d e) {
+  _mm256_storeu_pd(p, a);
+  _mm256_storeu_pd(p + 4, b);
+  _mm256_storeu_pd(p + 8, c);
+  _mm256_storeu_pd(p + 12, e);
+}
+
 ACS_TARGET_AVX2 ACS_INLINE bool unordered(__m256d a, __m256d b, __m256d c, __m256d e) {
   const __m256d u = _mm256_or_pd(_mm256_or_pd(_mm256_cmp_pd(a, a, _CMP_UNORD_Q), _mm256_cmp_pd(b, b, _CMP_UNORD_Q)),
                                  _mm256_or_pd(_mm256_cmp_pd(c, c, _CMP_UNORD_Q), _mm256_cmp_pd(e, e, _CMP_UNORD_Q)));
@@ -288,18 +295,9 @@ ACS_TARGET_AVX2 bool sum_min_max_f32_avx2_16(const float* __restrict x, int64_t 
     h3 = _mm256_max_pd(v3, h3);
   }
   if (unordered(s0, s1, s2, s3)) return false;  // a NaN (or inf - inf) in some column
-  _mm256_storeu_pd(sum, s0);
-  _mm256_storeu_pd(sum + 4, s1);
-  _mm256_storeu_pd(sum + 8, s2);
-  _mm256_storeu_pd(sum + 12, s3);
-  _mm256_storeu_pd(mn, l0);
-  _mm256_storeu_pd(mn + 4, l1);
-  _mm256_storeu_pd(mn + 8, l2);
-  _mm256_storeu_pd(mn + 12, l3);
-  _mm256_storeu_pd(mx, h0);
-  _mm256_storeu_pd(mx + 4, h1);
-  _mm256_storeu_pd(mx + 8, h2);
-  _mm256_storeu_pd(mx + 12, h3);
+  store16(sum, s0, s1, s2, s3);
+  store16(mn, l0, l1, l2, l3);
+  store16(mx, h0, h1, h2, h3);
   return true;
 }
 
@@ -326,10 +324,7 @@ ACS_TARGET_AVX2 void centred_squares_f32_avx2(const float* __restrict x, int64_t
       a2 = _mm256_add_pd(a2, _mm256_mul_pd(c2, c2));
       a3 = _mm256_add_pd(a3, _mm256_mul_pd(c3, c3));
     }
-    _mm256_storeu_pd(out + j0, a0);
-    _mm256_storeu_pd(out + j0 + 4, a1);
-    _mm256_storeu_pd(out + j0 + 8, a2);
-    _mm256_storeu_pd(out + j0 + 12, a3);
+    store16(out + j0, a0, a1, a2, a3);
   }
   for (; j0 < d; ++j0) {  // the last d % 16 columns: CentredSqOp's steps
     double a = out[j0];

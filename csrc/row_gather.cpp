@@ -128,6 +128,11 @@ py::object gather_rows(const py::handle& index, int64_t n, int64_t start, const 
     at::Tensor v = segs[j].narrow(0, rows[0] - bounds[j], k);
     return py::make_tuple(py::reinterpret_steal<py::object>(THPVariable_Wrap(v)), rows[0], rows[0] + k, ids);
   }
+  if (!out.defined()) {
+    std::vector<int64_t> shape = first.sizes().vec();
+    shape[0] = k;
+    out = at::empty(shape, first.options());
+  }
   if (at::get_num_threads() > 1 && k * row_bytes >= kParallelBytes &&
       std::all_of(seg_of.begin(), seg_of.end(), [&](int32_t v) { return v == seg_of[0]; })) {
     // One segment (the common case: a whole mapped array) and more than one intra-op
@@ -140,16 +145,8 @@ py::object gather_rows(const py::handle& index, int64_t n, int64_t start, const 
     int64_t* p = idx.data_ptr<int64_t>();
     for (int64_t i = 0; i < k; ++i) p[i] = rows[static_cast<size_t>(i)] - bounds[j];
     ReleaseGil nogil;
-    if (out.defined())
-      at::index_select_out(out, segs[j], 0, idx);
-    else
-      out = at::index_select(segs[j], 0, idx);
+    at::index_select_out(out, segs[j], 0, idx);
   } else {
-    if (!out.defined()) {
-      std::vector<int64_t> shape = first.sizes().vec();
-      shape[0] = k;
-      out = at::empty(shape, first.options());
-    }
     ReleaseGil nogil;
     char* dst = static_cast<char*>(out.data_ptr());
     for (size_t i = 0; i < rows.size(); ++i) {

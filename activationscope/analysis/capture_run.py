@@ -448,7 +448,7 @@ def capture_dataset(
             out, loaded.model, include=list(include) if include else loaded.default_include,
             exclude=list(exclude) if exclude else None, capture=capture,
             storage_dtype=getattr(torch, dtype) if dtype else None, token_rows=token_rows,
-            provenance={"model": loaded.name, "data": dataset.name, "command": command or ""})
+            provenance=capture_store_options(model=loaded.name, data=dataset.name, command=command)["provenance"])
         return CaptureSummary(first_sample=first, n_target=n, completed=completed)
     if first >= n:  # nothing left to capture: the reductions are computed over the stored rows
         batches: Iterable[tuple[int, Any, dict[str, Any]]] = []

@@ -9,11 +9,12 @@ a contiguous batch, one ``torch.index_select`` gather for a random one).
 
 from __future__ import annotations
 
+import math
 import operator
 import re
 import reprlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -95,14 +96,26 @@ class _Row(Mapping):
         return len(self.batch.data)
 
 
+class _Plan(NamedTuple):
+    """The source's gather plan of a dataset's shuffled batches (see ``__getitems__``)."""
+
+    gather: Any  # the native gather (StoreSource.gather_plan)
+    bounds: list[int]  # row boundaries of the mapped segments
+    segments: list[Any]  # the mapped segments (None: not yet)
+    token: tuple[Any, Any]  # (source._seg_lists, store metadata object) the plan holds for
+    n: int  # dataset rows (positions are taken modulo n)
+    start: int  # first store row of the dataset
+    hook_point: str
+    feature_shape: tuple[int, ...]
+    dtype: torch.dtype
+    in_worker: bool  # made in a DataLoader worker: batches gathered into shared memory
+
+
 def _shared_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A new CPU tensor in shared memory (uninitialised), as ``default_collate`` makes in a
     DataLoader worker: pickled to the main process by its handle, not its bytes."""
     t = torch.empty(0, dtype=dtype)
-    numel = 1
-    for d in shape:
-        numel *= int(d)
-    return t.new(t._typed_storage()._new_shared(numel, device=t.device)).resize_(shape)
+    return t.new(t._typed_storage()._new_shared(math.prod(shape), device=t.device)).resize_(shape)
 
 
 def _to_shared(t: torch.Tensor) -> torch.Tensor:
@@ -597,10 +610,8 @@ class ActivationDataset(Dataset):
         # the rows of the dataset: a range of store rows, or an int64 tensor of store rows
         self._start, self._stop, self._ids = 0, self.n_store_rows, None
         self._window: tuple[int, int, torch.Tensor, dict, str, Any] | None = None  # see _remember_window
-        # (gather, boundaries, segments, token, n, start, hook point, feature shape, dtype, in a
-        # DataLoader worker): the source's gather plan of the last shuffled batch
-        # (StoreSource.gather_plan), for the next ones
-        self._plan: tuple | None = None
+        # the source's gather plan of the last shuffled batch, for the next ones
+        self._plan: _Plan | None = None
         self._select_rows(rows)
         if filter is not None or sample_ids is not None:
             self._apply_filter(filter, sample_ids)
@@ -974,20 +985,20 @@ class ActivationDataset(Dataset):
         elif type(indices) is list:
             # a shuffled batch sampler's batch: one native gather, as get_batch's would be
             g = self._plan
-            if g is not None and g[3][0] is self.source._seg_lists and (
-                    getattr(self.source._store, "attrs", None) is g[3][1]):
+            if g is not None and g.token[0] is self.source._seg_lists and (
+                    getattr(self.source._store, "attrs", None) is g.token[1]):
                 # in a DataLoader worker the rows go straight into shared memory (one copy
                 # fewer: the batch then crosses to the main process as it is)
-                out = _shared_empty((len(indices), *g[7]), g[8]) if g[9] else None
-                got = g[0](indices, g[4], g[5], g[1], g[2], False, out)
+                out = _shared_empty((len(indices), *g.feature_shape), g.dtype) if g.in_worker else None
+                got = g.gather(indices, g.n, g.start, g.bounds, g.segments, False, out)
                 if type(got) is tuple and got[1] < 0:  # (not a view of consecutive rows: get_batch clones those)
                     rows = got[0]
-                    return Batch({g[6]: rows}, rows.shape[0])
+                    return Batch({g.hook_point: rows}, rows.shape[0])
             data = self.get_batch(indices)
             if self._ids is None and not self.columns and len(self.hook_points) == 1:
                 hp = self.hook_points[0]
                 plan = self.source.gather_plan(hp)
-                self._plan = None if plan is None or self.source._run != self._run else (
+                self._plan = None if plan is None or self.source._run != self._run else _Plan(
                     *plan, self._stop - self._start, self._start, hp, tuple(self.source.feature_shape(hp)),
                     self.source.dtype(hp), get_worker_info() is not None)
             return Batch(data, len(data[self.hook_points[0]]))
