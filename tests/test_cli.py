@@ -753,6 +753,22 @@ def test_resume_of_a_full_but_incomplete_store_marks_it_complete(tmp_path, toy_s
     w.add_batch(0)  # a batch recorded, then the run stops before closing: the store is incomplete
     w.abort()
     assert acs.open_store(str(out)).status == "incomplete"
+    code, stdout, err = run(capsys, *args, "--resume", "--max-samples", "30")  # all 50 data samples are there
+    assert code == 0 and "marked complete" in stdout, err
+    assert acs.open_store(str(out)).status == "complete"
+    # a store short of the data's samples is not completed by a smaller --max-samples
+    short = tmp_path / "short.zarr"
+    short_args = ["capture", "--model", "usermodels.nets:mlp", "--data", str(x), "--out", str(short), "--no-progress"]
+    assert run(capsys, *short_args, "--max-samples", "20")[0] == 0
+    w = StoreWriter(str(short), resume=True)
+    w.add_batch(0)
+    w.abort()
+    code, stdout, err = run(capsys, *short_args, "--resume", "--max-samples", "10")
+    assert code == 0 and "nothing to capture" in stdout and "marked complete" not in stdout, err
+    assert acs.open_store(str(short)).status == "incomplete" and acs.open_store(str(short)).n_samples == 20
+    w = StoreWriter(str(out), resume=True)  # incomplete again, for the plain --resume below
+    w.add_batch(0)
+    w.abort()
     code, stdout, err = run(capsys, *args, "--resume")
     assert code == 0, err
     assert "nothing to capture; it was incomplete (its run stopped before closing) and is now marked complete" in stdout

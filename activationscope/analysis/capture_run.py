@@ -448,7 +448,7 @@ def capture_dataset(
             out, loaded.model, include=list(include) if include else loaded.default_include,
             exclude=list(exclude) if exclude else None, capture=capture,
             storage_dtype=getattr(torch, dtype) if dtype else None, token_rows=token_rows,
-            provenance=capture_store_options(model=loaded.name, data=dataset.name, command=command)["provenance"])
+            complete=first >= len(dataset), provenance=capture_store_options(model=loaded.name, data=dataset.name, command=command)["provenance"])
         return CaptureSummary(first_sample=first, n_target=n, completed=completed)
     if first >= n:  # nothing left to capture: the reductions are computed over the stored rows
         batches: Iterable[tuple[int, Any, dict[str, Any]]] = []
@@ -504,7 +504,7 @@ def _check_resumed_side(out: str, capture: str) -> None:
 
 
 def _check_full_resume(out: str, model: Any, *, include: list[str] | None, exclude: list[str] | None,
-                       capture: str, storage_dtype: Any, token_rows: Any = None,
+                       capture: str, storage_dtype: Any, token_rows: Any = None, complete: bool = False,
                        provenance: dict[str, Any] | None = None) -> bool:
     """The checks of a resume (the writer's model and storage dtype, the tracker's stored hook
     points and recorded include / exclude patterns) for one with nothing left to capture and
@@ -512,9 +512,11 @@ def _check_full_resume(out: str, model: Any, *, include: list[str] | None, exclu
     for a ``token_rows`` pattern that selects none of the stored hook points; the store is
     then left as it was).
 
-    A store found ``incomplete`` (its run stopped after its last sample was committed, before
-    it closed) is closed by this resume, ``complete``, its provenance adding this run to
-    ``resumes``: True. Otherwise the writer is discarded, the store left as it was: False."""
+    With ``complete`` (the store holds every sample of the data, not only the first
+    ``max_samples``), a store found ``incomplete`` (its run stopped after its last sample was
+    committed, before it closed) is closed by this resume, ``complete``, its provenance adding
+    this run to ``resumes``: True. Otherwise the writer is discarded, the store left as it
+    was: False."""
     from .. import store as _store  # noqa: F401 - registers the store writer with capture
     from ..capture.scope import ActivationScope
 
@@ -528,7 +530,7 @@ def _check_full_resume(out: str, model: Any, *, include: list[str] | None, exclu
         tracker._check_reduction_patterns(sorted(tracker._stored or ()), "the store holds")
     except BaseException as e:
         raise _token_rows_flag_error(e, token_rows) from None
-    if tracker.writer.found_status == "incomplete":
+    if complete and tracker.writer.found_status == "incomplete":
         tracker.writer.close()
         return True
     tracker.writer.discard()
