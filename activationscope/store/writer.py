@@ -81,6 +81,20 @@ def _stop_encoders_at_exit() -> None:
             pass
 
 
+def _remove_staging(core: Any, staging: str, pid: int) -> None:
+    """Stop the native writer thread of ``core`` (it writes shards into ``staging``), then
+    remove the staging folder of a remote store's writer: a ``weakref.finalize`` callback, so
+    it holds no reference to the writer. Does nothing in a forked child (the folder, and the
+    writer thread, are its parent's). Never raises."""
+    if os.getpid() != pid:
+        return
+    try:
+        core.close()  # (idempotent) no shard is written into the folder after this
+    except Exception:  # noqa: BLE001 - a finalizer: never raises
+        pass
+    shutil.rmtree(staging, ignore_errors=True)
+
+
 @dataclass
 class _Array:
     hook_point: str
@@ -458,6 +472,14 @@ class StoreWriter:
     storage_options : dict, optional
         fsspec options of a URL target (credentials, ``client_kwargs``).
 
+    Notes
+    -----
+    A writer of a remote store (any target but a local directory) writes each shard into a
+    local staging folder ``acs-staging-*`` in :func:`tempfile.gettempdir` (``$TMPDIR``) and
+    uploads it at the commit that lists it. The folder is removed by :meth:`close`,
+    :meth:`abort` and :meth:`discard`, and also when the writer fails to open, is dropped
+    unclosed or is left open at interpreter exit; only a killed process leaves it.
+
     Raises
     ------
     StoreExistsError
@@ -529,6 +551,9 @@ class StoreWriter:
         except BaseException:
             self._settle_aside(keep_new=False)
             self._writer_lock.discard_root()
+            staging = getattr(self, "_staging_finalizer", None)
+            if staging is not None:  # made before the failure: nothing of this writer needs it
+                staging()
             raise
 
     def _open_existing(self, overwrite: bool, resume: bool) -> None:
@@ -598,13 +623,19 @@ class StoreWriter:
 
         _import_row_table_writer()
         # ---- state
+        self._core = _native.load().StoreCore(max_pending_bytes, self._fsync)
+        self._staging_finalizer: weakref.finalize | None = None
         if isinstance(self._backend, LocalBackend):
             self._staging = self._backend.root
             self._own_staging = False
         else:
             self._staging = Path(tempfile.mkdtemp(prefix="acs-staging-"))
             self._own_staging = True
-        self._core = _native.load().StoreCore(max_pending_bytes, self._fsync)
+            # removed by close / abort / discard, and also when the writer fails to open, is
+            # dropped without a close, or is left open at interpreter exit: its shards there
+            # were never uploaded, and a resume captures their rows again
+            self._staging_finalizer = weakref.finalize(self, _remove_staging, self._core, str(self._staging),
+                                                       os.getpid())
         self._threads_stopped = False
         self._arrays: dict[str, _Array] = {}
         self._order: list[_Array] = []  # the arrays in the order opened: _Batch.cums and _counts follow it
@@ -1636,8 +1667,8 @@ class StoreWriter:
         # once the writer thread stopped: an abort whose drain failed may still be filling one)
         if walk:
             self._remove_temp_files(shards=self._threads_stopped)
-        if self._own_staging:
-            shutil.rmtree(self._staging, ignore_errors=True)
+        if self._staging_finalizer is not None:
+            self._staging_finalizer()
         self._writer_lock.release()
 
     def __enter__(self) -> "StoreWriter":

@@ -2,6 +2,17 @@
 
 from __future__ import annotations
 
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+import uuid
+from pathlib import Path
+
+import fsspec
 import numpy as np
 import pytest
 import torch
@@ -167,3 +178,64 @@ def test_remote_s3_store_resume_and_read(s3, mlp):
         assert torch.equal(store[hp], r), hp
     assert store.row_table().column("sample_id").to_pylist() == list(range(40))
     assert store.verify() == []
+
+
+@pytest.fixture
+def staging_dir(tmp_path, monkeypatch):
+    """The folder where writers of remote stores make their staging folders in this test
+    (``tempfile``'s folder, as TMPDIR sets it)."""
+    d = tmp_path / "tmp"
+    d.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(d))
+    return d
+
+
+def _staged(url: str) -> StoreWriter:
+    """A writer of ``url`` holding durable, never uploaded shards of array ``x`` in its staging folder."""
+    w = StoreWriter(url, chunk_rows=4, shard_bytes=4 * 16 * 4)
+    w.open_array("x", (16,), torch.float32, "sample").append(torch.randn(40, 16))
+    w._core.drain()
+    return w
+
+
+def test_a_remote_writer_dropped_without_close_removes_its_staging_folder(staging_dir):
+    w = _staged(f"memory://acs-staging/{uuid.uuid4().hex}.zarr")
+    (folder,) = staging_dir.iterdir()
+    assert folder.name.startswith("acs-staging-")
+    assert sorted(p.name for p in (folder / "acts" / "x" / "c").iterdir()) == [str(k) for k in range(10)]
+    del w
+    gc.collect()
+    assert list(staging_dir.iterdir()) == []
+
+
+def test_a_remote_writer_that_fails_to_open_removes_its_staging_folder(staging_dir):
+    url = f"memory://acs-staging/{uuid.uuid4().hex}.zarr"
+    _write(url, {"x": torch.randn(12, 16)}, chunk_rows=4)
+    fsspec.filesystem("memory").pipe(url[len("memory:/"):] + "/acts/x/zarr.json", b'{"zarr_format": 2}')
+    with pytest.raises(acs.StoreCorruptError, match="zarr_format 3"):
+        StoreWriter(url, resume=True)  # refused after its staging folder was made
+    gc.collect()
+    assert list(staging_dir.iterdir()) == []
+
+
+def test_a_remote_writer_left_open_at_exit_removes_its_staging_folder(tmp_path):
+    """A script that ends without closing its writer (compressed: the encoder thread runs):
+    its staging folder goes at interpreter exit, the store keeps its last commit."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    child = textwrap.dedent(f"""
+        import torch
+        from activationscope.store import StoreWriter
+        w = StoreWriter("memory://acs-staging/exit.zarr", chunk_rows=4, shard_bytes=4 * 16 * 4, compression="zstd")
+        w.open_array("x", (16,), torch.float32, "sample").append(torch.randn(40, 16))
+        w._core.drain()
+        import json, os
+        print(json.dumps(sorted(os.listdir({str(tmp)!r}))))
+    """)
+    env = {**os.environ, "TMPDIR": str(tmp),
+           "PYTHONPATH": os.pathsep.join([str(Path(acs.__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (name,) = json.loads(out.stdout)  # the child's staging folder, while it ran
+    assert name.startswith("acs-staging-")
+    assert list(tmp.iterdir()) == []
