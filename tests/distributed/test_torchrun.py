@@ -162,9 +162,16 @@ def test_a_killed_rank_leaves_rank_stores_and_resume_ends_identical(captured, tm
         store = _Where(f"s3://acs-ranks/killed-{how}.zarr", request.getfixturevalue("s3"))
     else:
         store = _Where(str(tmp_path / "killed.zarr"))
-    out = _torchrun(store.url, "--die-at-batch", "17", "--die-rank", "1", "--die-how", how, *store.args())
+    tmp = tmp_path / "tmp"  # TMPDIR of the ranks: a remote store's staging folders, torchrun's own files
+    tmp.mkdir()
+    out = _torchrun(store.url, "--die-at-batch", "17", "--die-rank", "1", "--die-how", how, *store.args(),
+                    env={"TMPDIR": str(tmp)})
     assert out.returncode != 0
     assert ("exitcode: 3" if how == "exit" else "exitcode: -9") in out.stderr
+    # a killed process removes nothing: rank 1's staging folder stays (and rank 0's, when
+    # torchrun stopped it before its close), here under the test's own folder
+    killed = sorted(tmp.glob("acs-staging-*"))
+    assert 1 <= len(killed) <= 2 if where == "s3" else killed == []
     rank1 = store.open("ranks/00001")
     assert rank1.status == "incomplete"
     committed = rank1.n_samples
@@ -205,8 +212,9 @@ def test_a_killed_rank_leaves_rank_stores_and_resume_ends_identical(captured, tm
     assert len(ds) == len(ids)
     assert torch.equal(ds[len(ids) - 1][one.hook_points[0]].view(torch.int32),
                        one[one.hook_points[0]][index[-1]].view(torch.int32))
-    out = _torchrun(store.url, "--resume", *store.args())
+    out = _torchrun(store.url, "--resume", *store.args(), env={"TMPDIR": str(tmp)})
     assert out.returncode == 0, out.stderr[-3000:]
+    assert sorted(tmp.glob("acs-staging-*")) == killed  # the resumed ranks closed: none of theirs is left
     final = store.open()
     assert final.status == "complete"
     for hp in ref.hook_points:
