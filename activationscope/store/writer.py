@@ -1528,7 +1528,9 @@ class StoreWriter:
 
     def _unchanged_resume(self) -> bool:
         """A resume that recorded no batch and stored no reduction (its closing as
-        "incomplete" or abort puts the store back as found, see :meth:`abort`)."""
+        "incomplete" or abort puts the store back as found, see :meth:`abort`). Call it
+        holding ``self._lock`` and keep holding it through the :meth:`discard` it decides:
+        a batch another thread records in between would be committed, then rolled back."""
         return (self._found_root is not None and not self._closed and not self._reductions
                 and self._n_batches + len(self._pending) == self._batches_found)
 
@@ -1552,10 +1554,10 @@ class StoreWriter:
         """
         if status not in ("complete", "incomplete"):
             raise ArgumentValueError(f"status must be one of ['complete', 'incomplete'], got {status!r}")
-        if status == "incomplete" and self._unchanged_resume():  # stopped before its first batch
-            self.discard()
-            return
-        with self._lock:
+        with self._lock:  # (check and discard in one hold: no batch is recorded in between)
+            if status == "incomplete" and self._unchanged_resume():  # stopped before its first batch
+                self.discard()
+                return
             if self._closed:
                 return
             self._closed = True
@@ -1591,10 +1593,10 @@ class StoreWriter:
         Never raises (a failure here is reported as a warning, so the first error stays the
         one the caller sees).
         """
-        if self._unchanged_resume():
-            self.discard()
-            return
-        with self._lock:
+        with self._lock:  # (check and discard in one hold: no batch is recorded in between)
+            if self._unchanged_resume():
+                self.discard()
+                return
             if self._closed:
                 return
             self._closed = True

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
 
 import numpy as np
 import pytest
@@ -380,6 +381,50 @@ def test_a_resume_stopped_before_its_first_batch_leaves_the_store_as_found(tmp_p
     store = open_store(path)
     assert store.status == "incomplete" and store.n_samples == 5
     assert store.attrs["provenance"] == {"run": 1, "resumes": [{"run": 2}]}
+
+
+@pytest.mark.parametrize("how", ["abort", "close"])
+def test_a_batch_another_thread_records_while_an_unchanged_resume_closes_is_refused(tmp_path, monkeypatch, how):
+    """abort() and close("incomplete") of a resume that recorded no batch put the store back
+    as found; another thread that records and commits a batch in between the check and the
+    discard waits for the writer's lock and is refused (the writer is closed): a commit is
+    never reported and then rolled back."""
+    path = tmp_path / "s.zarr"
+    w = StoreWriter(path)
+    w.add_batch(2)
+    w.close()
+    found = (path / "zarr.json").read_bytes()
+    w = StoreWriter(path, resume=True)
+    outcome: dict = {}
+
+    def other() -> None:
+        try:
+            w.add_batch(3)
+            outcome["committed"] = w.commit()
+        except acs.StoreError as e:
+            outcome["refused"] = str(e)
+
+    other_thread = threading.Thread(target=other)
+    check = StoreWriter._unchanged_resume
+
+    def racing(self) -> bool:
+        unchanged = check(self)
+        if not other_thread.is_alive() and not outcome:
+            other_thread.start()
+            other_thread.join(timeout=2.0)  # its batch and commit, unless the lock holds it back
+        return unchanged
+
+    monkeypatch.setattr(StoreWriter, "_unchanged_resume", racing)
+    if how == "abort":
+        w.abort(RuntimeError("stopped before the first forward"))
+    else:
+        w.close("incomplete")
+    other_thread.join(timeout=60)
+    assert not other_thread.is_alive()
+    assert list(outcome) == ["refused"] and "is closed" in outcome["refused"]
+    assert (path / "zarr.json").read_bytes() == found
+    store = open_store(path)
+    assert store.status == "complete" and store.n_samples == 2
 
 
 def test_resumed_provenance_of_stored_values_it_does_not_own():
