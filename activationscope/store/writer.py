@@ -113,6 +113,7 @@ class _Array:
     listed_rows: int = 0  # rows the shards taken into the manifest hold (their largest rows_end)
     manifest_dirty: bool = False  # a new array has no manifest until its first durable shard
     doc_rows: int = -1  # rows in the written zarr.json (-1: not written)
+    folder_found: bool = True  # its folder existed when this writer opened the array (local stores)
 
     @property
     def shard_rows(self) -> int:
@@ -662,6 +663,10 @@ class StoreWriter:
         self.n_samples_committed = int(st.get("n_samples", 0))
         self._n_batches = int(st.get("n_batches", 0))
         self._batches_found = self._n_batches  # (a resume that records no batch changes nothing: see abort)
+        # resume, until this run commits a batch: {key: its bytes as found, None where the found
+        # store had no such file} of every file a commit of this run wrote besides the root,
+        # so that discard() puts the store back as found (see _put_back_found_files)
+        self._found_files: dict[str, bytes | None] | None = {} if self._found_root is not None else None
         self._row_tables = json.loads(json.dumps(st.get("row_tables") or {
             "sample": {"parts": [], "n_rows": 0, "columns": []},
             "token": {"parts": [], "n_rows": 0, "columns": []},
@@ -925,6 +930,8 @@ class StoreWriter:
                 committed = 0
             arr = _Array(hook_point, node, f"acts/{node}", feature_shape, name, row_kind, chunk_rows, shard_chunks,
                          compression, committed_rows=committed)
+            if isinstance(self._backend, LocalBackend):
+                arr.folder_found = os.path.lexists(self._backend.root / arr.path)
             start = (committed // arr.shard_rows) * arr.shard_rows
             array_dir = self._staging / arr.path  # made by the writer thread with the first shard
             writer = _native.load().ArrayWriter(
@@ -1166,9 +1173,11 @@ class StoreWriter:
     # ------------------------------------------------------------------ commit
     def _commit(self, status: str, force: bool = False) -> bool:
         b = self._backend
+        taken: list[tuple[_Array, int]] = []
         # 1. data: shards made durable by the writer thread (remote: upload them first)
         for a in self._arrays.values():
             for rec in a.writer.take_durable():
+                taken.append((a, int(rec["shard"])))
                 key = F.shard_key(a.path, rec["shard"], len(a.feature_shape))
                 if not isinstance(b, LocalBackend):
                     local = self._staging / key
@@ -1225,6 +1234,12 @@ class StoreWriter:
                                        dimension_names=F.dimension_names(a.hook_point, a.row_kind,
                                                                          a.follows_row_table, len(a.feature_shape)))
                 writes.append((f"{a.path}/zarr.json", F.dumps(doc)))
+        if self._found_files is not None:
+            if self._n_batches > self._batches_found or self._closed:
+                # a batch committed (discard() puts back the root only), or closing: no discard follows
+                self._found_files = None
+            else:
+                self._note_found_files(taken, [key for key, _ in writes])
         self._set_many(writes)
         for a in self._arrays.values():
             a.manifest_dirty = False
@@ -1240,6 +1255,66 @@ class StoreWriter:
         if not self._closed:  # the next commit will rewrite these: make their files now
             self._reserve([key for key, _ in writes] + ["zarr.json"])
         return k > 0 or force
+
+    def _listed_shards(self, a: _Array) -> int:
+        """Shards of ``a`` that the store as found lists (those holding its committed rows)."""
+        old = self._old_arrays.get(a.hook_point)
+        return 0 if old is None else -(-int(old["n_rows"]) // int(old["shard_rows"]))
+
+    def _note_found_files(self, taken: list[tuple[_Array, int]], keys: list[str]) -> None:
+        """Before a commit of a resume that committed no batch yet writes ``keys`` and lists
+        the shards ``taken``: remember what the store as found held there (``_found_files``).
+        The found store lists no shard past its committed rows, and no document of an array
+        it does not hold (None: removed by a discard); the documents of its own arrays are
+        read (they were read when the resume opened them, within the same size limit). A found
+        partial last shard is put back from its hard link (:meth:`_keep_committed_shard`),
+        never read here."""
+        found = self._found_files
+        for a, shard in taken:
+            if shard >= self._listed_shards(a):
+                found.setdefault(F.shard_key(a.path, shard, len(a.feature_shape)), None)
+        listed = {meta["path"] for meta in self._old_arrays.values()}
+        for key in keys:
+            if key not in found:
+                folder = key.rsplit("/", 1)[0]
+                found[key] = self._backend.get(key, max_bytes=V.MAX_JSON_BYTES) if folder in listed else None
+
+    def _put_back_found_files(self) -> list[Path]:
+        """:meth:`discard` of a resume that committed no batch, once the writer thread
+        stopped: remove the files this run made that the store as found does not list (shards
+        past the found ones, the writer thread's included, and the documents of new arrays),
+        and put back the found bytes of the documents a commit of this run rewrote. Files the
+        found store lists are never removed. Returns the folders to remove when left empty
+        (local stores; after the temporary files go, :meth:`_cleanup`)."""
+        if self._found_files is None:
+            return []
+        files = dict(self._found_files)
+        local = isinstance(self._backend, LocalBackend)
+        if local:  # shards finished since the last commit: already in the store (remote: in the staging folder)
+            for a in self._arrays.values():
+                listed = self._listed_shards(a)
+                for rec in a.writer.take_durable():
+                    if int(rec["shard"]) >= listed:
+                        files.setdefault(F.shard_key(a.path, int(rec["shard"]), len(a.feature_shape)), None)
+        for key, raw in files.items():
+            if raw is None:
+                self._backend.delete(key)
+            else:
+                self._backend.set(key, raw)
+        if not local:
+            return []
+        keys = {a.path for a in self._arrays.values() if not a.folder_found}
+        for key in files:
+            parts = key.split("/")
+            if len(parts) > 3 and parts[0] == "acts" and parts[2] == "c":  # acts/<node>/c/<shard>[/0...]
+                keys.add("/".join(parts[:4]))
+        folders = []
+        for key in sorted(keys):
+            try:
+                folders.append(self._backend.path(key))  # checked to lie inside the store
+            except StoreError:
+                continue
+        return folders
 
     def _settle_aside(self, keep_new: bool) -> None:
         """Overwrite: delete the old store moved aside (``keep_new``), or put it back in place
@@ -1619,8 +1694,11 @@ class StoreWriter:
     def discard(self) -> None:
         """Close without committing anything of this run: a resumed store is left as it was
         found (its root document, so its status and committed rows, put back); rows given
-        to this writer are dropped. Never raises (failures are warned about). Without a
-        store to go back to (a new store), the same as :meth:`abort`."""
+        to this writer are dropped. Until this run commits a batch, the files it made that the
+        found store does not list (shards, documents of new arrays) are removed too, and the
+        documents its commits rewrote get their found bytes back: the store's files are the
+        found ones. Never raises (failures are warned about). Without a store to go back to
+        (a new store), the same as :meth:`abort`."""
         if self._found_root is None:
             self.abort()
             return
@@ -1628,16 +1706,18 @@ class StoreWriter:
             if self._closed:
                 return
             self._closed = True
+            empty: list[Path] = []
             try:
                 self._stop_threads()
                 self._drop_kept_shards(restore=True)
                 self._backend.set("zarr.json", self._found_root)
+                empty = self._put_back_found_files()
             except BaseException as e:  # noqa: BLE001 - the refusal stays the error the caller sees
-                warnings.warn(f"store {str(self._backend)!r}: putting its root document back failed: {e}",
+                warnings.warn(f"store {str(self._backend)!r}: putting it back as found failed: {e}",
                               RuntimeWarning, stacklevel=2)
             finally:
                 try:
-                    self._cleanup()
+                    self._cleanup(remove_if_empty=empty)
                 except BaseException:  # noqa: BLE001
                     pass
 
@@ -1655,9 +1735,10 @@ class StoreWriter:
             warnings.warn(f"store {str(self._backend)!r}: removing leftover temporary files: {e}", RuntimeWarning,
                           stacklevel=3)
 
-    def _cleanup(self, walk: bool = True) -> None:
+    def _cleanup(self, walk: bool = True, remove_if_empty: list[Path] = ()) -> None:
         """Release the writer's resources and the lock; with ``walk``, remove any temporary
-        file left in the store's folders (after a failure or an abort)."""
+        file left in the store's folders (after a failure or an abort); then the folders
+        ``remove_if_empty`` (local, inside the store) and their subfolders that hold no file."""
         self._drop_kept_shards(restore=False)
         release = getattr(self._backend, "release", None)
         if release is not None:
@@ -1669,6 +1750,13 @@ class StoreWriter:
         # once the writer thread stopped: an abort whose drain failed may still be filling one)
         if walk:
             self._remove_temp_files(shards=self._threads_stopped)
+        for folder in remove_if_empty:
+            if folder.is_dir() and not folder.is_symlink():
+                for dirpath, _dirs, _files in os.walk(folder, topdown=False):  # never follows a link
+                    try:
+                        os.rmdir(dirpath)  # only an empty one
+                    except OSError:
+                        pass
         if self._staging_finalizer is not None:
             self._staging_finalizer()
         self._writer_lock.release()

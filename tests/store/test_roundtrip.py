@@ -383,6 +383,49 @@ def test_a_resume_stopped_before_its_first_batch_leaves_the_store_as_found(tmp_p
     assert store.attrs["provenance"] == {"run": 1, "resumes": [{"run": 2}]}
 
 
+def _tree(path) -> tuple[dict[str, bytes], set[str]]:
+    """The files (relative name: bytes) and folders of a store (the writer lock file left out)."""
+    files = {str(p.relative_to(path)): p.read_bytes() for p in path.rglob("*")
+             if p.is_file() and p.name != ".activationscope-writer.lock"}
+    return files, {str(p.relative_to(path)) for p in path.rglob("*") if p.is_dir()}
+
+
+@pytest.mark.parametrize("committed", [False, True], ids=["no_commit", "commit"])
+def test_an_aborted_resume_that_recorded_no_batch_leaves_the_files_as_found(tmp_path, committed):
+    """A resume that appended rows (shards of a stored array past its committed ones, and of
+    a new array) but recorded no batch, then aborted: the store's files are those found, same
+    names and bytes, no new folder, and it opens complete with its rows. Also when a commit
+    of the resume (it lists the new array) ran before the abort."""
+    path = tmp_path / "s.zarr"
+    options = {"chunk_rows": 4, "shard_bytes": 16 * 8 * 4}  # 16-row shards
+    data = torch.randn(36, 8, generator=torch.Generator().manual_seed(0))
+    w = StoreWriter(path, **options)
+    a = w.open_array("0.output", (8,), torch.float32, "sample")
+    for s in range(0, 36, 12):
+        a.append(data[s:s + 12])
+        w.add_batch(12)
+    w.close()  # shards 0, 1 and a partial shard 2 (4 rows)
+    found = _tree(path)
+    assert sorted(k for k in found[0] if "/c/" in k) == ["acts/0.output/c/0/0", "acts/0.output/c/1/0",
+                                                         "acts/0.output/c/2/0"]
+    w = StoreWriter(path, resume=True, **options)
+    w.open_array("0.output", (8,), torch.float32, "sample").append(torch.randn(40, 8))  # shards 2, 3 and part of 4
+    w.open_array("1.output", (8,), torch.float32, "sample").append(torch.randn(40, 8))  # a new array: shards 0, 1
+    w._core.drain()
+    if committed:
+        w.commit()
+    made = {str(p.relative_to(path)) for p in path.rglob("*") if p.is_file()} - set(found[0])
+    assert {"acts/0.output/c/3/0", "acts/1.output/c/0/0", "acts/1.output/c/1/0"} <= made
+    w.abort(RuntimeError("stopped before the first forward was recorded"))
+    after = _tree(path)
+    assert sorted(after[0]) == sorted(found[0])
+    assert [k for k in found[0] if after[0][k] != found[0][k]] == []
+    assert after[1] == found[1]
+    store = open_store(path)
+    assert store.status == "complete" and store.n_samples == 36 and store.hook_points == ["0.output"]
+    assert torch.equal(store["0.output"], data) and store.verify() == []
+
+
 @pytest.mark.parametrize("how", ["abort", "close"])
 def test_a_batch_another_thread_records_while_an_unchanged_resume_closes_is_refused(tmp_path, monkeypatch, how):
     """abort() and close("incomplete") of a resume that recorded no batch put the store back
