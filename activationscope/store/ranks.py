@@ -673,41 +673,43 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
         F_total = sum(fulls)
         nd = len(meta["feature_shape"])
         staging = None if local else tempfile.mkdtemp(prefix="acs-commit-")
-        array_dir = b.root / path if local else Path(staging) / path
-        manifest: list[dict] = []
-        base = 0
-        for r, st in enumerate(stores):
-            recs = manifests[hp][r]
-            for k in range(fulls[r]):
-                rec = recs[k]
-                if local:
-                    src = st._backend.path(F.shard_key(path, k, nd))
-                    _link_or_copy(src, b.root / F.shard_key(path, base + k, nd))
-                else:  # object storage: a server-side copy, no bytes through this process
-                    src = _remote_path(b, f"{RANKS_DIR}/{r:05d}/{F.shard_key(path, k, nd)}")
-                    b._sync(b.store.fs._copy(src, _remote_path(b, F.shard_key(path, base + k, nd))))
-                manifest.append({**rec, "shard": base + k, "key": F.shard_key(path, base + k, nd),
-                                 "rows_end": (base + k + 1) * S})
-            base += fulls[r]
-        # views of the rank shards (mapped, local): the one copy is the concatenation
-        tails = [st._read_rows(hp, f * S, n) for st, f, n in zip(stores, fulls, ns)]
-        tail = torch.cat(tails) if tails else torch.empty(0)
-        for stale in list(b.list(f"{path}/c/")):  # shards of an earlier, crashed commit past the full ones
-            try:
-                if int(stale[len(path) + 3:].split("/")[0]) >= F_total:
-                    b.delete(stale)
-            except ValueError:
-                continue
-        recs = _TailWriter(array_dir, stores[0].attrs["arrays"][hp], F_total).write(tail) if len(tail) else []
-        for rec in recs:
-            if not local:
-                key = F.shard_key(path, int(rec["shard"]), nd)
-                b.put_file(key, Path(staging) / key)
-            manifest.append({"shard": int(rec["shard"]), "key": F.shard_key(path, int(rec["shard"]), nd),
-                             "rows_end": int(rec["rows_end"]), "file_bytes": int(rec["file_bytes"]),
-                             "chunks": [[int(j), int(o), int(nb), int(c)] for (j, o, nb, c) in rec["chunks"]]})
-        if staging is not None:
-            shutil.rmtree(staging, ignore_errors=True)
+        try:
+            array_dir = b.root / path if local else Path(staging) / path
+            manifest: list[dict] = []
+            base = 0
+            for r, st in enumerate(stores):
+                recs = manifests[hp][r]
+                for k in range(fulls[r]):
+                    rec = recs[k]
+                    if local:
+                        src = st._backend.path(F.shard_key(path, k, nd))
+                        _link_or_copy(src, b.root / F.shard_key(path, base + k, nd))
+                    else:  # object storage: a server-side copy, no bytes through this process
+                        src = _remote_path(b, f"{RANKS_DIR}/{r:05d}/{F.shard_key(path, k, nd)}")
+                        b._sync(b.store.fs._copy(src, _remote_path(b, F.shard_key(path, base + k, nd))))
+                    manifest.append({**rec, "shard": base + k, "key": F.shard_key(path, base + k, nd),
+                                     "rows_end": (base + k + 1) * S})
+                base += fulls[r]
+            # views of the rank shards (mapped, local): the one copy is the concatenation
+            tails = [st._read_rows(hp, f * S, n) for st, f, n in zip(stores, fulls, ns)]
+            tail = torch.cat(tails) if tails else torch.empty(0)
+            for stale in list(b.list(f"{path}/c/")):  # shards of an earlier, crashed commit past the full ones
+                try:
+                    if int(stale[len(path) + 3:].split("/")[0]) >= F_total:
+                        b.delete(stale)
+                except ValueError:
+                    continue
+            recs = _TailWriter(array_dir, stores[0].attrs["arrays"][hp], F_total).write(tail) if len(tail) else []
+            for rec in recs:
+                if not local:
+                    key = F.shard_key(path, int(rec["shard"]), nd)
+                    b.put_file(key, Path(staging) / key)
+                manifest.append({"shard": int(rec["shard"]), "key": F.shard_key(path, int(rec["shard"]), nd),
+                                 "rows_end": int(rec["rows_end"]), "file_bytes": int(rec["file_bytes"]),
+                                 "chunks": [[int(j), int(o), int(nb), int(c)] for (j, o, nb, c) in rec["chunks"]]})
+        finally:  # also when a write fails: the tails written there are of no use
+            if staging is not None:
+                shutil.rmtree(staging, ignore_errors=True)
         n_total = sum(ns)
         follows = all(bool(s.attrs["arrays"][hp].get("follows_row_table", True)) for s in stores)
         b.set(f"{path}/manifest.json", json.dumps({"hook_point": hp, "chunk_rows": meta["chunk_rows"],

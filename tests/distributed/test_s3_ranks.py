@@ -3,8 +3,11 @@ root written last with a conditional put; of two racing committers exactly one w
 
 from __future__ import annotations
 
+import errno
 import sys
+import tempfile
 import threading
+import uuid
 from pathlib import Path
 
 import pytest
@@ -138,3 +141,26 @@ def test_consolidate_on_s3_reads_each_full_shard_once(s3, monkeypatch):
     monkeypatch.undo()
     st = acs.open_store(url, storage_options=s3)
     assert st.status == "complete"
+
+
+def test_a_failed_commit_of_remote_rank_stores_removes_its_staging_folder(tmp_path, monkeypatch):
+    """The commit of remote rank stores writes each array's re-chunked tails into a local
+    staging folder, then uploads them: a write that fails there leaves no staging folder
+    behind, and the store uncommitted."""
+    from activationscope.store import ranks
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    url = f"memory://acs-ranks/{uuid.uuid4().hex}.zarr"
+    job.capture_rank_stores(url, ["mean"], WORLD)
+    write = ranks._TailWriter.write
+
+    def disk_full(self, tail):
+        recs = write(self, tail)
+        assert recs and list(tmp_path.glob("acs-commit-*/acts/*/c/*"))  # the tails are in the staging folder
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ranks._TailWriter, "write", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        ranks.commit_ranks(url)
+    assert list(tmp_path.glob("acs-commit-*")) == []
+    assert acs.open_store(url).status == "incomplete"
