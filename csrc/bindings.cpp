@@ -17,6 +17,7 @@
 #include "gil.h"
 #include "py_errors.h"
 #include "reductions.h"
+#include "reduction_kernels.h"
 #include "row_consumer.h"
 #include "row_gather.h"
 #include "shard_map.h"
@@ -469,6 +470,9 @@ void bind_reductions(py::module_& m) {
         py::arg("row_offset") = 0, py::call_guard<ReleaseGil>(),
         "Update several reductions with the same rows, as a capture sink does (built-in moments "
         "and extrema share their passes over the rows).");
+  m.def("_set_avx512_kernels", &kernels::set_avx512_kernels, py::arg("on"),
+        "Let the float32 reduction kernels use AVX-512 where the CPU has it (on by default; off: "
+        "the AVX2 kernels, the same results bit for bit). Returns whether the CPU has AVX-512 (tests).");
 }
 
 void bind_store(py::module_& m) {

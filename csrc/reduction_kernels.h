@@ -41,4 +41,15 @@ void fold_extremum_values(Ext e, const double* v, int64_t d, double* acc);
 // caller); each column is summed in row order from 0, as add_column_sums.
 void add_sums_fold_min_max(const RowsView& r, double* sum, double* mn, double* mx);
 
+// Chan et al.'s merge of a batch of nb rows into a running state of na rows, per column:
+// mean[j] += (mb[j] - mean[j]) * wb where both means are finite, else mean[j] * wa + mb[j] * wb
+// (an infinite part stays infinite, +inf with -inf or NaN gives NaN); with m2 (else null),
+// m2[j] += m2b[j] + delta^2 * wm. wa = na / n, wb = nb / n, wm = na * nb / n, n = na + nb.
+void chan_fold(double* mean, double* m2, const double* mb, const double* m2b, int64_t d, double wa, double wb,
+               double wm);
+
+// Whether the float32 kernels may use AVX-512 where the CPU has it (default on; the results
+// are the AVX2 kernels' bit for bit, tested by switching). Returns whether the CPU has it.
+bool set_avx512_kernels(bool on);
+
 }  // namespace acs::kernels

@@ -505,12 +505,7 @@ class Moments : public Builtin {
     const double na = static_cast<double>(count_), n = na + nb;
     const double wb = nb / n, wm = na * nb / n;
     const double wa = na / n;
-    for (int64_t j = 0; j < d; ++j) {
-      const double delta = mb[j] - mean[j];
-      // as merge_means: Chan's update for finite means, the weighted sum otherwise
-      mean[j] = std::isfinite(mean[j]) && std::isfinite(mb[j]) ? mean[j] + delta * wb : mean[j] * wa + mb[j] * wb;
-      if (with_m2_) m2[j] = m2[j] + m2b[j] + delta * delta * wm;
-    }
+    kernels::chan_fold(mean, m2, mb, m2b, d, wa, wb, wm);
   }
   Slots result_slots() const override {
     Slots s{{"mean", get("mean"), Layout::kFeat}};

@@ -934,6 +934,83 @@ def test_fused_update_checks_feature_shape_and_keeps_handed_out_state():
         assert_matches(g, r.result(), x)
 
 
+@pytest.mark.parametrize("width", [8, 31, 32, 33, 48, 64, 95, 256])
+@pytest.mark.parametrize("special", ["finite", "nan", "inf_minus_inf", "nan_state"])
+def test_avx512_kernels_equal_the_avx2_kernels_bit_for_bit(width, special):
+    """Where the CPU has AVX-512, the float32 sums, extrema and centred squares take 32 columns
+    a block with it; switched off, the AVX2 kernels run. Both give the same states, bit for
+    bit (no fused multiply-add in either), over blocks of 32, 16 and 8 columns and the last
+    columns, with NaN, inf - inf and NaN states. (On a CPU without AVX-512 both runs take the
+    AVX2 kernels.)"""
+    from activationscope.capture import _native
+
+    C = _native.load()
+    g = torch.Generator().manual_seed(43)
+    x = torch.randn(37, width, generator=g) * 3 + 1
+    if special in ("nan", "nan_state"):
+        x[30 if special == "nan" else 2, width - 1] = float("nan")
+        x[11, 0] = float("nan")
+    if special == "inf_minus_inf":
+        x[3, 1], x[20, 1] = float("inf"), -float("inf")
+        x[5, width // 2] = float("inf")
+    split = [5, 32] if special == "nan_state" else [20, 17]
+    kinds = ["mean", "var", "min", "max"]
+    states = []
+    try:
+        for on in (True, False):
+            C._set_avx512_kernels(on)
+            group = _make_group(kinds)
+            offset = 0
+            for p in x.split(split):
+                C.update_reductions(group, p.contiguous(), offset)
+                offset += p.shape[0]
+            states.append([r.state() for r in group])
+    finally:
+        C._set_avx512_kernels(True)
+    for a, b in zip(*states):
+        for k, v in a.items():
+            assert torch.equal(v.view(torch.int64), b[k].view(torch.int64)), (k, special, width)
+    if special == "finite":
+        got = _make_group(kinds)
+        C.update_reductions(got, x)
+        for kind, r in zip(kinds, got):
+            assert_matches(kind, r.result(), x)
+
+
+def test_streaming_fold_of_means_equals_the_merge_bit_for_bit():
+    """The fast path folds each batch's column means and centred squares into the state in
+    place (Chan et al.: delta * nb / n where both means are finite, the weighted sum where one
+    is +-inf or NaN); merging the same batches' states (the ATen path) gives the same bits,
+    over 4-column blocks and the columns after them."""
+    from activationscope.capture import _native
+
+    C = _native.load()
+    g = torch.Generator().manual_seed(44)
+    a = torch.randn(5, 37, generator=g, dtype=torch.float64) * 1e3
+    b = torch.randn(7, 37, generator=g, dtype=torch.float64) + 2
+    a[0, 1] = float("inf")  # an infinite mean on one side
+    a[1, 2], b[3, 2] = float("inf"), -float("inf")  # +inf with -inf: NaN
+    b[2, 3] = float("nan")
+    a[2, 36] = float("inf")  # in the last column (after the 4-column blocks)
+    for kinds in (["mean", "var"], ["var", "min"]):
+        streamed = _make_group(kinds)
+        C.update_reductions(streamed, a)
+        C.update_reductions(streamed, b)
+        merged, other = _make_group(kinds), _make_group(kinds)
+        C.update_reductions(merged, a)
+        C.update_reductions(other, b)
+        for m, o in zip(merged, other):
+            m.merge(o)
+        for kind, s_, m in zip(kinds, streamed, merged):
+            for k, v in s_.state().items():
+                if kind == "min":  # (which NaN's payload a minimum keeps is IEEE's open choice)
+                    torch.testing.assert_close(v, m.state()[k], rtol=0, atol=0, equal_nan=True)
+                else:
+                    assert torch.equal(v.view(torch.int64), m.state()[k].view(torch.int64)), (kinds, k)
+        mean = streamed[kinds.index("var")].state()["mean"]
+        assert mean[1] == float("inf") and mean[2].isnan() and mean[3].isnan() and mean[36] == float("inf")
+
+
 def test_missing_reduction_name_is_a_clear_error(tmp_path):
     """tracker.reductions[hp][name] and store.reductions[hp][name] with a name that is not
     there: ReductionNotFoundError (a KeyError) naming the hook point and the names there are."""
