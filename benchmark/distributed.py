@@ -189,7 +189,8 @@ def capture(tmp: str, world: int, name: str, params: dict) -> dict:
         if entry.endswith(".zarr"):
             shutil.rmtree(os.path.join(tmp, entry), ignore_errors=True)
     os.sync()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
+    # (TMPDIR: the run's folder, removed with it; torchrun's agent leaves torchelastic_* folders there)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO, "TMPDIR": tmp}
     base = [store, name, json.dumps(params)]
     if world == 1:
         _run([sys.executable, script, *base], env)

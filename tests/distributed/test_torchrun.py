@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +34,7 @@ def _torchrun(store: Path | str, *extra: str, script: Path = SCRIPT, max_restart
               world: int | None = WORLD) -> subprocess.CompletedProcess:
     """Run ``script STORE *extra`` under ``torchrun --standalone`` (``world`` ranks; None: one
     plain process, the reference), gloo on CPU, one thread per rank."""
+    env_in = env
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parents[1]), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1", **(env or {})}
     if world is None:
@@ -42,7 +44,15 @@ def _torchrun(store: Path | str, *extra: str, script: Path = SCRIPT, max_restart
     else:
         cmd = [str(TORCHRUN), "--standalone", f"--nproc_per_node={world}", f"--max-restarts={max_restarts}",
                str(script), str(store), *extra]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    own_tmp = None
+    if "TMPDIR" not in (env_in or {}):  # torchrun's agent leaves torchelastic_* folders in TMPDIR
+        own_tmp = tempfile.mkdtemp(prefix="acs-torchrun-")
+        env["TMPDIR"] = own_tmp
+    try:
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    finally:
+        if own_tmp is not None:
+            shutil.rmtree(own_tmp, ignore_errors=True)
 
 
 def _documented_order(rank_rows: list[int], S: int) -> np.ndarray:

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import types
 from pathlib import Path
 
@@ -28,7 +30,11 @@ def _torchrun(store: Path, *extra: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parents[1]), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}
     cmd = [str(TORCHRUN), "--standalone", "--nproc_per_node=2", "--monitor-interval=1", str(SCRIPT), str(store), *extra]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    env["TMPDIR"] = tempfile.mkdtemp(prefix="acs-torchrun-")  # torchrun's agent leaves torchelastic_* folders there
+    try:
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    finally:
+        shutil.rmtree(env["TMPDIR"], ignore_errors=True)
 
 
 def _reports(store: Path) -> list[dict]:
