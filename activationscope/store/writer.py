@@ -1180,6 +1180,11 @@ class StoreWriter:
                 taken.append((a, int(rec["shard"])))
                 key = F.shard_key(a.path, rec["shard"], len(a.feature_shape))
                 if not isinstance(b, LocalBackend):
+                    if (self._found_files is not None and key not in self._found_files
+                            and int(rec["shard"]) < self._listed_shards(a)):
+                        # the found partial last shard, rewritten with more rows: no hard link
+                        # keeps it here, so its found bytes are read before the upload replaces them
+                        self._found_files[key] = b.get(key, max_bytes=None)
                     local = self._staging / key
                     b.put_file(key, local)
                     local.unlink()
@@ -1267,8 +1272,8 @@ class StoreWriter:
         The found store lists no shard past its committed rows, and no document of an array
         it does not hold (None: removed by a discard); the documents of its own arrays are
         read (they were read when the resume opened them, within the same size limit). A found
-        partial last shard is put back from its hard link (:meth:`_keep_committed_shard`),
-        never read here."""
+        partial last shard is put back from its hard link (:meth:`_keep_committed_shard`) in a
+        local store; a remote store's is read before the commit uploads its rewrite (:meth:`_commit`)."""
         found = self._found_files
         for a, shard in taken:
             if shard >= self._listed_shards(a):

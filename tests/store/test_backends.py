@@ -239,3 +239,34 @@ def test_a_remote_writer_left_open_at_exit_removes_its_staging_folder(tmp_path):
     (name,) = json.loads(out.stdout)  # the child's staging folder, while it ran
     assert name.startswith("acs-staging-")
     assert list(tmp.iterdir()) == []
+
+
+def test_an_aborted_remote_resume_that_committed_no_batch_puts_back_its_partial_last_shard():
+    """A resume of an in-memory store rewrites the found partial last shard with more rows and
+    uploads it at a commit that records no batch; an abort then puts back the found bytes of
+    every file (the shard too, not only its manifest): the store verifies and holds its rows."""
+    url = f"memory://acs-test/{uuid.uuid4().hex}.zarr"
+    options = {"chunk_rows": 4, "shard_bytes": 16 * 8 * 4}  # 16-row shards
+    data = torch.randn(36, 8, generator=torch.Generator().manual_seed(0))
+    w = StoreWriter(url, **options)
+    a = w.open_array("0.output", (8,), torch.float32, "sample")
+    for s in range(0, 36, 12):
+        a.append(data[s:s + 12])
+        w.add_batch(12)
+    w.close()  # shards 0, 1 and a partial shard 2 (4 rows)
+    fs = fsspec.filesystem("memory")
+    root = url[len("memory:/"):]
+    found = {p: fs.cat_file(p) for p in fs.find(root)}
+    w = StoreWriter(url, resume=True, **options)
+    w.open_array("0.output", (8,), torch.float32, "sample").append(torch.randn(40, 8))  # shards 2, 3 and part of 4
+    w.open_array("1.output", (8,), torch.float32, "sample").append(torch.randn(40, 8))  # a new array
+    w._core.drain()
+    w.commit()  # uploads shard 2 (20 rows now) and shard 3, records no batch
+    assert fs.cat_file(f"{root}/acts/0.output/c/2/0") != found[f"{root}/acts/0.output/c/2/0"]
+    w.abort(RuntimeError("stopped before the first forward was recorded"))
+    after = {p: fs.cat_file(p) for p in fs.find(root)}
+    assert sorted(after) == sorted(found)
+    assert [k for k in found if after[k] != found[k]] == []
+    store = open_store(url)
+    assert store.status == "complete" and store.n_samples == 36 and store.hook_points == ["0.output"]
+    assert torch.equal(store["0.output"], data) and store.verify() == []
