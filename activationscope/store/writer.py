@@ -1207,6 +1207,10 @@ class StoreWriter:
             else:
                 break
         if k == 0 and not force and not self._unpublished:
+            if self._found_files is not None and not self._closed:
+                # the shards taken above stay in the store (their manifest waits for a later
+                # commit): a discard removes those past the found ones
+                self._note_found_files(taken, [])
             return False
         batches, self._pending = self._pending[:k], self._pending[k:]
         self._pending_samples -= sum(x.n_samples for x in batches)

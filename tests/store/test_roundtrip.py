@@ -6,6 +6,7 @@ import json
 import os
 import re
 import threading
+import uuid
 
 import numpy as np
 import pytest
@@ -423,6 +424,48 @@ def test_an_aborted_resume_that_recorded_no_batch_leaves_the_files_as_found(tmp_
     assert after[1] == found[1]
     store = open_store(path)
     assert store.status == "complete" and store.n_samples == 36 and store.hook_points == ["0.output"]
+    assert torch.equal(store["0.output"], data) and store.verify() == []
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_an_aborted_resume_whose_commit_listed_nothing_new_leaves_the_files_as_found(tmp_path, where):
+    """A resume that appended rows to its stored array only (no new array to list) and called
+    commit() before recording a batch: that commit takes the finished shards past the found
+    ones (and, remote, uploads them) but writes no document. The abort then removes them too:
+    the store's files are those found, same names and bytes."""
+    import fsspec
+
+    options = {"chunk_rows": 4, "shard_bytes": 16 * 8 * 4}  # 16-row shards
+    if where == "local":
+        target = tmp_path / "s.zarr"
+
+        def files():
+            return _tree(target)[0]
+    else:
+        target = f"memory://acs-test/{uuid.uuid4().hex}.zarr"
+        fs = fsspec.filesystem("memory")
+
+        def files():
+            return {p: fs.cat_file(p) for p in fs.find(target[len("memory:/"):])}
+    data = torch.randn(36, 8, generator=torch.Generator().manual_seed(0))
+    w = StoreWriter(target, **options)
+    a = w.open_array("0.output", (8,), torch.float32, "sample")
+    for s in range(0, 36, 12):
+        a.append(data[s:s + 12])
+        w.add_batch(12)
+    w.close()  # shards 0, 1 and a partial shard 2 (4 rows)
+    found = files()
+    w = StoreWriter(target, resume=True, **options)
+    w.open_array("0.output", (8,), torch.float32, "sample").append(torch.randn(40, 8))  # shards 2, 3 and part of 4
+    w._core.drain()
+    w.commit()
+    assert any(k.endswith("acts/0.output/c/3/0") for k in files())
+    w.abort(RuntimeError("stopped before the first forward was recorded"))
+    after = files()
+    assert sorted(after) == sorted(found)
+    assert [k for k in found if after[k] != found[k]] == []
+    store = open_store(target)
+    assert store.status == "complete" and store.n_samples == 36
     assert torch.equal(store["0.output"], data) and store.verify() == []
 
 
