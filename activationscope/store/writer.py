@@ -61,8 +61,9 @@ _IO_THREADS = 4
 # names the writer fills itself; "pos" is reserved for sample columns too: a token dataset joins the
 # sample columns of each token's sample, where a sample column "pos" would hide the token position
 _RESERVED = {"sample": ("sample_id", "pos", "batch"), "token": ("sample_id", "pos", "batch")}
-# writers whose encoder thread runs: stopped at interpreter exit (see _stop_encoders_at_exit)
-_ENCODING: "weakref.WeakSet[StoreWriter]" = weakref.WeakSet()
+# running encoder threads and the core each serves: stopped at interpreter exit (see
+# _stop_encoders_at_exit); the core, not the writer, so that a writer dropped unclosed is collected
+_ENCODING: "dict[threading.Thread, Any]" = {}
 
 
 @atexit.register
@@ -72,11 +73,10 @@ def _stop_encoders_at_exit() -> None:
     finalizes is ended with ``pthread_exit``, which aborts the process from any noexcept C++
     frame on its stack (torch's included). Nothing is committed: the store keeps its last
     commit (status ``incomplete``), as after a kill."""
-    for w in list(_ENCODING):
+    for thread, core in list(_ENCODING.items()):
         try:
-            w._core.close()
-            if w._encoder_thread is not None:
-                w._encoder_thread.join(timeout=60)
+            core.close()
+            thread.join(timeout=60)
         except Exception:  # noqa: BLE001 - exiting: never mask the process's own outcome
             pass
 
@@ -1005,23 +1005,27 @@ class StoreWriter:
     def _start_encoder(self) -> None:
         if self._encoder_thread is not None:
             return
-        t = threading.Thread(target=self._encode_loop, name="activationscope-encoder", daemon=True)
+        # (the thread holds the core and the encoders, not the writer: a writer dropped unclosed
+        # is collected, and its finalizer stops the core, which ends this thread)
+        t = threading.Thread(target=self._encode_loop, args=(self._core, self._encoders),
+                             name="activationscope-encoder", daemon=True)
         self._encoder_thread = t
+        _ENCODING[t] = self._core
         t.start()
-        _ENCODING.add(self)
 
-    def _encode_loop(self) -> None:
-        core = self._core
+    @staticmethod
+    def _encode_loop(core: Any, encoders: dict[str, Any]) -> None:
         while True:
             item = core.next_to_encode()
             if item is None:
+                _ENCODING.pop(threading.current_thread(), None)
                 return
             ident, hook_point, flat, size = item
             try:
                 data = flat.numpy()
                 if size > 1:  # the element size is blosc's typesize (complex128: 16-byte elements)
                     data = data.view(f"<u{size}" if size <= 8 else f"V{size}")
-                encoded = self._encoders[hook_point].encode(data)  # numcodecs releases the GIL
+                encoded = encoders[hook_point].encode(data)  # numcodecs releases the GIL
                 core.submit_encoded(ident, encoded)
             except BaseException as e:  # never die silently: the store fails with the cause
                 core.fail_encoded(ident, f"{type(e).__name__}: {e}")
@@ -1608,7 +1612,7 @@ class StoreWriter:
         self._threads_stopped = True  # no shard is filled any more
         if self._encoder_thread is not None:
             self._encoder_thread.join()
-        _ENCODING.discard(self)
+            _ENCODING.pop(self._encoder_thread, None)
 
     def _unchanged_resume(self) -> bool:
         """A resume that recorded no batch and stored no reduction (its closing as

@@ -190,22 +190,30 @@ def staging_dir(tmp_path, monkeypatch):
     return d
 
 
-def _staged(url: str) -> StoreWriter:
+def _staged(url: str, compression=None) -> StoreWriter:
     """A writer of ``url`` holding durable, never uploaded shards of array ``x`` in its staging folder."""
-    w = StoreWriter(url, chunk_rows=4, shard_bytes=4 * 16 * 4)
+    w = StoreWriter(url, chunk_rows=4, shard_bytes=4 * 16 * 4, compression=compression)
     w.open_array("x", (16,), torch.float32, "sample").append(torch.randn(40, 16))
     w._core.drain()
     return w
 
 
-def test_a_remote_writer_dropped_without_close_removes_its_staging_folder(staging_dir):
-    w = _staged(f"memory://acs-staging/{uuid.uuid4().hex}.zarr")
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_a_remote_writer_dropped_without_close_removes_its_staging_folder(staging_dir, compression):
+    """Also a compressing writer: its encoder thread holds no reference to the writer, so the
+    writer is collected, and its finalizer stops that thread and removes the folder."""
+    w = _staged(f"memory://acs-staging/{uuid.uuid4().hex}.zarr", compression)
+    thread = w._encoder_thread
+    assert (thread is not None) == (compression is not None)
     (folder,) = staging_dir.iterdir()
     assert folder.name.startswith("acs-staging-")
     assert sorted(p.name for p in (folder / "acts" / "x" / "c").iterdir()) == [str(k) for k in range(10)]
     del w
     gc.collect()
     assert list(staging_dir.iterdir()) == []
+    if thread is not None:
+        thread.join(timeout=60)
+        assert not thread.is_alive()
 
 
 def test_a_remote_writer_that_fails_to_open_removes_its_staging_folder(staging_dir):
