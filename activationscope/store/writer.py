@@ -1177,18 +1177,19 @@ class StoreWriter:
     # ------------------------------------------------------------------ commit
     def _commit(self, status: str, force: bool = False) -> bool:
         b = self._backend
-        taken: list[tuple[_Array, int]] = []
         # 1. data: shards made durable by the writer thread (remote: upload them first)
         for a in self._arrays.values():
             for rec in a.writer.take_durable():
-                taken.append((a, int(rec["shard"])))
                 key = F.shard_key(a.path, rec["shard"], len(a.feature_shape))
-                if not isinstance(b, LocalBackend):
-                    if (self._found_files is not None and key not in self._found_files
-                            and int(rec["shard"]) < self._listed_shards(a)):
-                        # the found partial last shard, rewritten with more rows: no hard link
-                        # keeps it here, so its found bytes are read before the upload replaces them
+                if self._found_files is not None and not self._closed and key not in self._found_files:
+                    # noted as taken (before an upload that may fail): a discard removes a shard
+                    # past the found ones; the found partial last shard of a remote store, rewritten
+                    # with more rows, has no hard link keeping it, so its found bytes are read first
+                    if int(rec["shard"]) >= self._listed_shards(a):
+                        self._found_files[key] = None
+                    elif not isinstance(b, LocalBackend):
                         self._found_files[key] = b.get(key, max_bytes=None)
+                if not isinstance(b, LocalBackend):
                     local = self._staging / key
                     b.put_file(key, local)
                     local.unlink()
@@ -1211,11 +1212,7 @@ class StoreWriter:
             else:
                 break
         if k == 0 and not force and not self._unpublished:
-            if self._found_files is not None and not self._closed:
-                # the shards taken above stay in the store (their manifest waits for a later
-                # commit): a discard removes those past the found ones
-                self._note_found_files(taken, [])
-            return False
+            return False  # (the shards taken above stay in the store, noted in _found_files)
         batches, self._pending = self._pending[:k], self._pending[k:]
         self._pending_samples -= sum(x.n_samples for x in batches)
         # 2. row-table parts
@@ -1252,7 +1249,7 @@ class StoreWriter:
                 # a batch committed (discard() puts back the root only), or closing: no discard follows
                 self._found_files = None
             else:
-                self._note_found_files(taken, [key for key, _ in writes])
+                self._note_found_files([key for key, _ in writes])
         self._set_many(writes)
         for a in self._arrays.values():
             a.manifest_dirty = False
@@ -1274,18 +1271,16 @@ class StoreWriter:
         old = self._old_arrays.get(a.hook_point)
         return 0 if old is None else -(-int(old["n_rows"]) // int(old["shard_rows"]))
 
-    def _note_found_files(self, taken: list[tuple[_Array, int]], keys: list[str]) -> None:
-        """Before a commit of a resume that committed no batch yet writes ``keys`` and lists
-        the shards ``taken``: remember what the store as found held there (``_found_files``).
-        The found store lists no shard past its committed rows, and no document of an array
-        it does not hold (None: removed by a discard); the documents of its own arrays are
-        read (they were read when the resume opened them, within the same size limit). A found
-        partial last shard is put back from its hard link (:meth:`_keep_committed_shard`) in a
-        local store; a remote store's is read before the commit uploads its rewrite (:meth:`_commit`)."""
+    def _note_found_files(self, keys: list[str]) -> None:
+        """Before a commit of a resume that committed no batch yet writes the documents
+        ``keys``: remember what the store as found held there (``_found_files``). The found
+        store holds no document of an array it does not list (None: removed by a discard); the
+        documents of its own arrays are read (they were read when the resume opened them,
+        within the same size limit). The shards a commit takes are noted as it takes them
+        (:meth:`_commit`): those past the found ones as None; a found partial last shard is put
+        back from its hard link (:meth:`_keep_committed_shard`) in a local store, and a remote
+        store's is read before the commit uploads its rewrite."""
         found = self._found_files
-        for a, shard in taken:
-            if shard >= self._listed_shards(a):
-                found.setdefault(F.shard_key(a.path, shard, len(a.feature_shape)), None)
         listed = {meta["path"] for meta in self._old_arrays.values()}
         for key in keys:
             if key not in found:

@@ -278,3 +278,43 @@ def test_an_aborted_remote_resume_that_committed_no_batch_puts_back_its_partial_
     store = open_store(url)
     assert store.status == "complete" and store.n_samples == 36 and store.hook_points == ["0.output"]
     assert torch.equal(store["0.output"], data) and store.verify() == []
+
+
+def test_an_aborted_remote_resume_whose_commit_failed_uploading_removes_the_shards_it_uploaded():
+    """A commit of a resume (no batch recorded) uploads shards past the found ones, then an
+    upload fails; the abort that follows removes the shards uploaded before the failure: the
+    store's files are those found."""
+    url = f"memory://acs-test/{uuid.uuid4().hex}.zarr"
+    options = {"chunk_rows": 4, "shard_bytes": 16 * 8 * 4}  # 16-row shards
+    data = torch.randn(36, 8, generator=torch.Generator().manual_seed(0))
+    w = StoreWriter(url, **options)
+    a = w.open_array("0.output", (8,), torch.float32, "sample")
+    for s in range(0, 36, 12):
+        a.append(data[s:s + 12])
+        w.add_batch(12)
+    w.close()  # shards 0, 1 and a partial shard 2 (4 rows)
+    fs = fsspec.filesystem("memory")
+    root = url[len("memory:/"):]
+    found = {p: fs.cat_file(p) for p in fs.find(root)}
+    w = StoreWriter(url, resume=True, **options)
+    w.open_array("0.output", (8,), torch.float32, "sample").append(torch.randn(60, 8))  # shards 2 to 4 and part of 5
+    w._core.drain()
+    put_file, uploads = w._backend.put_file, []
+
+    def failing_third(key, local):
+        uploads.append(key)
+        if len(uploads) == 3:
+            raise OSError("upload failed")
+        return put_file(key, local)
+
+    w._backend.put_file = failing_third
+    with pytest.raises(OSError, match="upload failed"):
+        w.commit()
+    assert fs.exists(f"{root}/acts/0.output/c/3/0")  # uploaded before the failure
+    w.abort(RuntimeError("stopped before the first forward was recorded"))
+    after = {p: fs.cat_file(p) for p in fs.find(root)}
+    assert sorted(after) == sorted(found)
+    assert [k for k in found if after[k] != found[k]] == []
+    store = open_store(url)
+    assert store.status == "complete" and store.n_samples == 36
+    assert torch.equal(store["0.output"], data) and store.verify() == []
