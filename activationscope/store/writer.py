@@ -114,6 +114,7 @@ class _Array:
     manifest_dirty: bool = False  # a new array has no manifest until its first durable shard
     doc_rows: int = -1  # rows in the written zarr.json (-1: not written)
     folder_found: bool = True  # its folder existed when this writer opened the array (local stores)
+    chunks_found: bool = True  # and its folder of shards (c/)
 
     @property
     def shard_rows(self) -> int:
@@ -932,6 +933,7 @@ class StoreWriter:
                          compression, committed_rows=committed)
             if isinstance(self._backend, LocalBackend):
                 arr.folder_found = os.path.lexists(self._backend.root / arr.path)
+                arr.chunks_found = os.path.lexists(self._backend.root / arr.path / "c")
             start = (committed // arr.shard_rows) * arr.shard_rows
             array_dir = self._staging / arr.path  # made by the writer thread with the first shard
             writer = _native.load().ArrayWriter(
@@ -1312,6 +1314,7 @@ class StoreWriter:
         if not local:
             return []
         keys = {a.path for a in self._arrays.values() if not a.folder_found}
+        keys |= {f"{a.path}/c" for a in self._arrays.values() if not a.chunks_found}
         for key in files:
             parts = key.split("/")
             if len(parts) > 3 and parts[0] == "acts" and parts[2] == "c":  # acts/<node>/c/<shard>[/0...]

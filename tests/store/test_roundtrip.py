@@ -469,6 +469,33 @@ def test_an_aborted_resume_whose_commit_listed_nothing_new_leaves_the_files_as_f
     assert torch.equal(store["0.output"], data) and store.verify() == []
 
 
+@pytest.mark.parametrize("committed", [False, True], ids=["no_commit", "commit"])
+def test_an_unchanged_resume_of_a_store_without_rows_leaves_no_folder_of_shards(tmp_path, committed):
+    """A store whose array has no rows has no folder of shards (acts/<node>/c); a resume that
+    appended rows to it but recorded no batch, closed as incomplete: its folders and files
+    are those found (the c folder its shards went into removed with them)."""
+    path = tmp_path / "s.zarr"
+    options = {"chunk_rows": 4, "shard_bytes": 16 * 8 * 4}  # 16-row shards
+    w = StoreWriter(path, **options)
+    w.open_array("0.output", (8,), torch.float32, "sample")
+    w.close()
+    found = _tree(path)
+    assert "acts/0.output/c" not in found[1]
+    w = StoreWriter(path, resume=True, **options)
+    w.open_array("0.output", (8,), torch.float32, "sample").append(torch.randn(40, 8))  # shards 0, 1 and part of 2
+    w._core.drain()
+    if committed:
+        w.commit()
+    assert (path / "acts/0.output/c/1/0").is_file()
+    w.close("incomplete")
+    after = _tree(path)
+    assert after[1] == found[1]
+    assert sorted(after[0]) == sorted(found[0])
+    assert [k for k in found[0] if after[0][k] != found[0][k]] == []
+    store = open_store(path)
+    assert store.status == "complete" and store.n_samples == 0 and store.hook_points == ["0.output"]
+
+
 @pytest.mark.parametrize("how", ["abort", "close"])
 def test_a_batch_another_thread_records_while_an_unchanged_resume_closes_is_refused(tmp_path, monkeypatch, how):
     """abort() and close("incomplete") of a resume that recorded no batch put the store back
