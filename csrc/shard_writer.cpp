@@ -469,11 +469,17 @@ void StoreCore::set_error(const std::string& e) {
 }
 
 void StoreCore::drain() {
+  // A forked child's copy has no writer thread (and its locks may be held by the parent's):
+  // waiting would never end.
+  ACS_CHECK(::getpid() == owner_pid_, "this store writer belongs to process ", owner_pid_,
+            " (the process was forked after it was made): a forked child cannot wait for its writes; open a "
+            "writer of the child's own");
   std::unique_lock<std::mutex> lock(mu_);
   cv_idle_.wait(lock, [&] { return in_flight_ == 0; });
 }
 
 void StoreCore::close() {
+  if (::getpid() != owner_pid_) return;  // a forked child's copy: the writer thread is the parent's (~StoreCore)
   drain();
   {
     std::lock_guard<std::mutex> lock(mu_);

@@ -626,6 +626,7 @@ class StoreWriter:
         _import_row_table_writer()
         # ---- state
         self._core = _native.load().StoreCore(max_pending_bytes, self._fsync)
+        self._pid = os.getpid()  # the process whose writer thread this is (a fork copies the writer, not the thread)
         self._staging_finalizer: weakref.finalize | None = None
         if isinstance(self._backend, LocalBackend):
             self._staging = self._backend.root
@@ -1189,8 +1190,11 @@ class StoreWriter:
                     # with more rows, has no hard link keeping it, so its found bytes are read first
                     if int(rec["shard"]) >= self._listed_shards(a):
                         self._found_files[key] = None
-                    elif not isinstance(b, LocalBackend):
-                        self._found_files[key] = b.get(key, max_bytes=None)
+                    elif not isinstance(b, LocalBackend):  # (its size as the found manifest lists it)
+                        listed = a.manifest.get(int(rec["shard"])) or {}
+                        size = listed.get("file_bytes")
+                        self._found_files[key] = b.get(key, max_bytes=int(size) if isinstance(size, int) else
+                                                       V.MAX_FILE_BYTES)
                 if not isinstance(b, LocalBackend):
                     local = self._staging / key
                     b.put_file(key, local)
@@ -1785,7 +1789,7 @@ class StoreWriter:
 
     def __del__(self) -> None:
         try:
-            if not self._closed:
+            if not self._closed and os.getpid() == self._pid:  # (a forked child's copy: the parent's writer)
                 self._core.close()
         except Exception:
             pass

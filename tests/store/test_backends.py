@@ -249,6 +249,48 @@ def test_a_remote_writer_left_open_at_exit_removes_its_staging_folder(tmp_path):
     assert list(tmp.iterdir()) == []
 
 
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_a_forked_child_dropping_its_parents_writer_exits_and_leaves_it_to_the_parent(tmp_path, compression):
+    """A process forked while a writer is open holds a copy of the writer but not its writer
+    thread: dropping the copy does not wait for that thread (it waited forever), waiting on it
+    is refused with an error naming the owning process, and the parent then closes its writer
+    and commits every row."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    child = textwrap.dedent(f"""
+        import gc, os, sys, torch
+        import activationscope as acs
+        from activationscope.store import StoreWriter
+        w = StoreWriter("memory://acs-fork/s.zarr", chunk_rows=4, shard_bytes=4 * 16 * 4,
+                        compression={compression!r})
+        a = w.open_array("x", (16,), torch.float32, "sample")
+        a.append(torch.ones(20, 16))
+        w.add_batch(20)
+        w._core.drain()
+        pid = os.fork()
+        if pid == 0:
+            code = 3
+            try:
+                w._core.drain()
+            except Exception as e:
+                code = 0 if "belongs to process" in str(e) else 4
+            del w, a
+            gc.collect()
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, status
+        w.close()
+        st = acs.open_store("memory://acs-fork/s.zarr")
+        assert st.status == "complete" and torch.equal(st["x"], torch.ones(20, 16)), st.status
+        print("ok")
+    """)
+    env = {**os.environ, "TMPDIR": str(tmp),
+           "PYTHONPATH": os.pathsep.join([str(Path(acs.__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+    assert list(tmp.iterdir()) == []  # the parent's staging folder went with its close
+
+
 def test_an_aborted_remote_resume_that_committed_no_batch_puts_back_its_partial_last_shard():
     """A resume of an in-memory store rewrites the found partial last shard with more rows and
     uploads it at a commit that records no batch; an abort then puts back the found bytes of
