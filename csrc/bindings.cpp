@@ -7,7 +7,6 @@
 #include <torch/csrc/Dtype.h>
 
 #include <memory>
-#include <unistd.h>
 #include <optional>
 #include <string>
 #include <utility>
@@ -188,13 +187,7 @@ void bind_store_writer(py::module_& m) {
   py::class_<StoreCore, std::shared_ptr<StoreCore>>(m, "StoreCore")
       .def(py::init([](int64_t max_pending_bytes, bool fsync) {
              ACS_CHECK(max_pending_bytes > 0, "max_pending_bytes must be positive, got ", max_pending_bytes);
-             // A forked child's copy is never destroyed: its condition variables may have had
-             // the parent's writer thread waiting on them at the fork, and destroying one then
-             // waits for that waiter forever (pthread_cond_destroy); the memory is the child's to lose.
-             const pid_t owner = ::getpid();
-             return std::shared_ptr<StoreCore>(new StoreCore(max_pending_bytes, fsync), [owner](StoreCore* c) {
-               if (::getpid() == owner) delete c;
-             });
+             return StoreCore::make(max_pending_bytes, fsync);
            }),
            py::arg("max_pending_bytes"), py::arg("fsync") = false)
       .def("drain", &StoreCore::drain, py::call_guard<ReleaseGil>())

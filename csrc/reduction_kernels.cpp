@@ -408,6 +408,13 @@ ACS_TARGET_AVX2 void sum_min_max_f32_avx2(const float* __restrict x, int64_t n, 
 // twice the columns per instruction of the AVX2 blocks, and as many independent additions
 // per row). The same additions in the same order, the same min / max, no FMA: the results of
 // the AVX2 kernels bit for bit. The columns after the last block of 32 go to the AVX2 kernels.
+ACS_TARGET_AVX512 ACS_INLINE void store32(double* p, __m512d a, __m512d b, __m512d c, __m512d e) {
+  _mm512_storeu_pd(p, a);
+  _mm512_storeu_pd(p + 8, b);
+  _mm512_storeu_pd(p + 16, c);
+  _mm512_storeu_pd(p + 24, e);
+}
+
 ACS_TARGET_AVX512 ACS_INLINE bool unordered512(__m512d a, __m512d b, __m512d c, __m512d e) {
   return (_mm512_cmp_pd_mask(a, a, _CMP_UNORD_Q) | _mm512_cmp_pd_mask(b, b, _CMP_UNORD_Q) |
           _mm512_cmp_pd_mask(c, c, _CMP_UNORD_Q) | _mm512_cmp_pd_mask(e, e, _CMP_UNORD_Q)) != 0;
@@ -445,18 +452,9 @@ ACS_TARGET_AVX512 bool sum_min_max_f32_avx512_32(const float* __restrict x, int6
     h3 = _mm512_max_pd(v3, h3);
   }
   if (unordered512(s0, s1, s2, s3)) return false;  // a NaN (or inf - inf) in some column
-  _mm512_storeu_pd(sum, s0);
-  _mm512_storeu_pd(sum + 8, s1);
-  _mm512_storeu_pd(sum + 16, s2);
-  _mm512_storeu_pd(sum + 24, s3);
-  _mm512_storeu_pd(mn, l0);
-  _mm512_storeu_pd(mn + 8, l1);
-  _mm512_storeu_pd(mn + 16, l2);
-  _mm512_storeu_pd(mn + 24, l3);
-  _mm512_storeu_pd(mx, h0);
-  _mm512_storeu_pd(mx + 8, h1);
-  _mm512_storeu_pd(mx + 16, h2);
-  _mm512_storeu_pd(mx + 24, h3);
+  store32(sum, s0, s1, s2, s3);
+  store32(mn, l0, l1, l2, l3);
+  store32(mx, h0, h1, h2, h3);
   return true;
 }
 
@@ -488,10 +486,7 @@ ACS_TARGET_AVX512 void centred_squares_f32_avx512(const float* __restrict x, int
       a2 = _mm512_add_pd(a2, _mm512_mul_pd(c2, c2));
       a3 = _mm512_add_pd(a3, _mm512_mul_pd(c3, c3));
     }
-    _mm512_storeu_pd(out + j0, a0);
-    _mm512_storeu_pd(out + j0 + 8, a1);
-    _mm512_storeu_pd(out + j0 + 16, a2);
-    _mm512_storeu_pd(out + j0 + 24, a3);
+    store32(out + j0, a0, a1, a2, a3);
   }
   if (j0 < d) centred_squares_f32_avx2(x, n, d, mean, out, j0);
 }

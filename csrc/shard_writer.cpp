@@ -269,15 +269,15 @@ StoreCore::StoreCore(int64_t max_pending_bytes, bool fsync)
   thread_ = std::thread([this] { run(); });
 }
 
+std::shared_ptr<StoreCore> StoreCore::make(int64_t max_pending_bytes, bool fsync) {
+  return std::shared_ptr<StoreCore>(new StoreCore(max_pending_bytes, fsync), [](StoreCore* c) {
+    if (::getpid() == c->owner_pid_) delete c;  // (a forked child's copy: never destroyed, see make)
+  });
+}
+
 StoreCore::~StoreCore() {
-  // Every path leaves thread_ not joinable: a joinable std::thread destroyed here would
-  // std::terminate the process.
-  if (::getpid() != owner_pid_) {
-    // A forked child's copy: the writer thread does not exist here and the locks may be
-    // held by it; neither wait nor join. The handle is moved out and never destroyed.
-    if (thread_.joinable()) new std::thread(std::move(thread_));
-    return;
-  }
+  // Only in the process that made it (make). Every path leaves thread_ not joinable: a
+  // joinable std::thread destroyed here would std::terminate the process.
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;

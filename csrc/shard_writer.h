@@ -83,7 +83,11 @@ struct WorkItem {
 // One per store: the bounded queue and the writer thread.
 class StoreCore : public std::enable_shared_from_this<StoreCore> {
  public:
-  StoreCore(int64_t max_pending_bytes, bool fsync);
+  // The only way to make one. In a process forked after it was made, the last reference
+  // dropped does not destroy it: the writer thread is the parent's, and so may be the
+  // waiters on its condition variables and the holders of its locks at the fork
+  // (pthread_cond_destroy would wait for those waiters forever); the memory is the child's to lose.
+  static std::shared_ptr<StoreCore> make(int64_t max_pending_bytes, bool fsync);
   ~StoreCore();
 
   // Producer side (hot path).
@@ -113,6 +117,7 @@ class StoreCore : public std::enable_shared_from_this<StoreCore> {
   at::Tensor take_buffer(c10::IntArrayRef shape, c10::ScalarType dtype, int64_t nbytes);
 
  private:
+  StoreCore(int64_t max_pending_bytes, bool fsync);  // (make)
   void run();
   void release(int64_t bytes);
   void give_buffer(at::Tensor buf);   // writer thread: a written chunk's buffer, if no one else holds it

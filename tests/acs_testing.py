@@ -126,3 +126,19 @@ def late_branch_store(path, n_forwards: int = 4, rows: int = 6, first_b: int = 2
                 tracker.set_batch(sample_ids=ids, label=[s % 2 for s in ids])
                 model(x, extra=i >= first_b)
     return model, xs
+
+
+def store_three_batches(target, **options) -> torch.Tensor:
+    """A complete store at ``target`` (a path or URL) of one array "0.output" of (8,) float32
+    rows: 36 rows in three batches of 12, written with the StoreWriter ``options`` (e.g.
+    16-row shards: shards 0, 1 and a partial shard 2 of 4 rows). Returns the rows."""
+    from activationscope.store import StoreWriter
+
+    data = torch.randn(36, 8, generator=torch.Generator().manual_seed(0))
+    w = StoreWriter(target, **options)
+    a = w.open_array("0.output", (8,), torch.float32, "sample")
+    for s in range(0, 36, 12):
+        a.append(data[s:s + 12])
+        w.add_batch(12)
+    w.close()
+    return data

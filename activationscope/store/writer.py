@@ -626,7 +626,6 @@ class StoreWriter:
         _import_row_table_writer()
         # ---- state
         self._core = _native.load().StoreCore(max_pending_bytes, self._fsync)
-        self._pid = os.getpid()  # the process whose writer thread this is (a fork copies the writer, not the thread)
         self._staging_finalizer: weakref.finalize | None = None
         if isinstance(self._backend, LocalBackend):
             self._staging = self._backend.root
@@ -1789,8 +1788,8 @@ class StoreWriter:
 
     def __del__(self) -> None:
         try:
-            if not self._closed and os.getpid() == self._pid:  # (a forked child's copy: the parent's writer)
-                self._core.close()
+            if not self._closed:
+                self._core.close()  # (nothing in a process forked after the writer was made)
         except Exception:
             pass
 

@@ -16,6 +16,7 @@ import fsspec
 import numpy as np
 import pytest
 import torch
+from acs_testing import store_three_batches
 import zarr
 from hypothesis import given, settings, strategies as st
 
@@ -297,13 +298,7 @@ def test_an_aborted_remote_resume_that_committed_no_batch_puts_back_its_partial_
     every file (the shard too, not only its manifest): the store verifies and holds its rows."""
     url = f"memory://acs-test/{uuid.uuid4().hex}.zarr"
     options = {"chunk_rows": 4, "shard_bytes": 16 * 8 * 4}  # 16-row shards
-    data = torch.randn(36, 8, generator=torch.Generator().manual_seed(0))
-    w = StoreWriter(url, **options)
-    a = w.open_array("0.output", (8,), torch.float32, "sample")
-    for s in range(0, 36, 12):
-        a.append(data[s:s + 12])
-        w.add_batch(12)
-    w.close()  # shards 0, 1 and a partial shard 2 (4 rows)
+    data = store_three_batches(url, **options)  # shards 0, 1 and a partial shard 2 (4 rows)
     fs = fsspec.filesystem("memory")
     root = url[len("memory:/"):]
     found = {p: fs.cat_file(p) for p in fs.find(root)}
@@ -328,13 +323,7 @@ def test_an_aborted_remote_resume_whose_commit_failed_uploading_removes_the_shar
     store's files are those found."""
     url = f"memory://acs-test/{uuid.uuid4().hex}.zarr"
     options = {"chunk_rows": 4, "shard_bytes": 16 * 8 * 4}  # 16-row shards
-    data = torch.randn(36, 8, generator=torch.Generator().manual_seed(0))
-    w = StoreWriter(url, **options)
-    a = w.open_array("0.output", (8,), torch.float32, "sample")
-    for s in range(0, 36, 12):
-        a.append(data[s:s + 12])
-        w.add_batch(12)
-    w.close()  # shards 0, 1 and a partial shard 2 (4 rows)
+    data = store_three_batches(url, **options)  # shards 0, 1 and a partial shard 2 (4 rows)
     fs = fsspec.filesystem("memory")
     root = url[len("memory:/"):]
     found = {p: fs.cat_file(p) for p in fs.find(root)}

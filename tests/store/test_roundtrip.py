@@ -11,6 +11,7 @@ import uuid
 import numpy as np
 import pytest
 import torch
+from acs_testing import store_three_batches
 import zarr
 
 import activationscope as acs
@@ -399,13 +400,7 @@ def test_an_aborted_resume_that_recorded_no_batch_leaves_the_files_as_found(tmp_
     of the resume (it lists the new array) ran before the abort."""
     path = tmp_path / "s.zarr"
     options = {"chunk_rows": 4, "shard_bytes": 16 * 8 * 4}  # 16-row shards
-    data = torch.randn(36, 8, generator=torch.Generator().manual_seed(0))
-    w = StoreWriter(path, **options)
-    a = w.open_array("0.output", (8,), torch.float32, "sample")
-    for s in range(0, 36, 12):
-        a.append(data[s:s + 12])
-        w.add_batch(12)
-    w.close()  # shards 0, 1 and a partial shard 2 (4 rows)
+    data = store_three_batches(path, **options)  # shards 0, 1 and a partial shard 2 (4 rows)
     found = _tree(path)
     assert sorted(k for k in found[0] if "/c/" in k) == ["acts/0.output/c/0/0", "acts/0.output/c/1/0",
                                                          "acts/0.output/c/2/0"]
@@ -447,13 +442,7 @@ def test_an_aborted_resume_whose_commit_listed_nothing_new_leaves_the_files_as_f
 
         def files():
             return {p: fs.cat_file(p) for p in fs.find(target[len("memory:/"):])}
-    data = torch.randn(36, 8, generator=torch.Generator().manual_seed(0))
-    w = StoreWriter(target, **options)
-    a = w.open_array("0.output", (8,), torch.float32, "sample")
-    for s in range(0, 36, 12):
-        a.append(data[s:s + 12])
-        w.add_batch(12)
-    w.close()  # shards 0, 1 and a partial shard 2 (4 rows)
+    data = store_three_batches(target, **options)  # shards 0, 1 and a partial shard 2 (4 rows)
     found = files()
     w = StoreWriter(target, resume=True, **options)
     w.open_array("0.output", (8,), torch.float32, "sample").append(torch.randn(40, 8))  # shards 2, 3 and part of 4
