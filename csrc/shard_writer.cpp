@@ -296,6 +296,11 @@ StoreCore::~StoreCore() {
 }
 
 void StoreCore::push(WorkItem item) {
+  // A forked child's copy: no writer thread would ever take the item (and a full queue would
+  // wait forever); the store is the parent's.
+  ACS_CHECK(::getpid() == owner_pid_, "this store writer belongs to process ", owner_pid_,
+            " (the process was forked after it was made): a forked child cannot write rows into it; capture "
+            "into a store of the child's own");
   std::unique_lock<std::mutex> lock(mu_);
   cv_space_.wait(lock, [&] {
     return stop_ || failed_.load() || pending_bytes_ == 0 ||

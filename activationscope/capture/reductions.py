@@ -108,11 +108,18 @@ _cache_dir: Optional[Path] = None
 _compiled: "weakref.WeakKeyDictionary[Any, Optional[Path]]" = weakref.WeakKeyDictionary()
 
 
+def _remove_scratch_dir(path: Path, pid: int) -> None:
+    """At exit: remove the scripts' scratch folder, only in the process that made it (a
+    process forked from it exits with the same handler, while its parent still uses them)."""
+    if os.getpid() == pid:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def _scratch_dir() -> Path:
     global _cache_dir
     if _cache_dir is None:
         _cache_dir = Path(tempfile.mkdtemp(prefix="activationscope-reductions-"))
-        atexit.register(shutil.rmtree, _cache_dir, True)
+        atexit.register(_remove_scratch_dir, _cache_dir, os.getpid())
     return _cache_dir
 
 

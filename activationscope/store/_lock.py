@@ -69,6 +69,7 @@ class WriterLock:
         self.token = uuid.uuid4().hex
         self._fd: int | None = None
         self._held = False
+        self._pid = os.getpid()  # the process that took it (acquire)
         self.created_root = False  # whether acquire() made the store folder
 
     def _me(self) -> bytes:
@@ -84,6 +85,7 @@ class WriterLock:
             Another writer (this process or another one) holds it; the message names its pid
             and host.
         """
+        self._pid = os.getpid()
         if isinstance(self.backend, LocalBackend):
             self._acquire_local()
         else:
@@ -165,8 +167,9 @@ class WriterLock:
         raise self._locked_error(None)
 
     def release(self) -> None:
-        """Give the lock back (nothing when not held)."""
-        if not self._held:
+        """Give the lock back (nothing when not held, or in a process forked after it was
+        taken: the lock is the taking process's, and its file description is shared)."""
+        if not self._held or os.getpid() != self._pid:
             return
         self._held = False
         if self._fd is not None:

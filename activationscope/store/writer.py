@@ -626,6 +626,9 @@ class StoreWriter:
         _import_row_table_writer()
         # ---- state
         self._core = _native.load().StoreCore(max_pending_bytes, self._fsync)
+        # the process that made this writer: a process forked from it holds a copy of this
+        # object, not the writer thread, the lock or the staging files (see _refuse_other_process)
+        self._pid = os.getpid()
         self._staging_finalizer: weakref.finalize | None = None
         if isinstance(self._backend, LocalBackend):
             self._staging = self._backend.root
@@ -894,6 +897,7 @@ class StoreWriter:
         ValueError, TypeError
             Unsupported dtype, invalid feature shape or row kind.
         """
+        self._refuse_other_process("a hook point opened")
         with self._lock:
             if self._closed:
                 raise StoreError(f"the store writer of {str(self._backend)!r} is closed")
@@ -1062,6 +1066,7 @@ class StoreWriter:
         ValueError
             Lengths that do not match ``n_samples``, or a column named like a reserved one.
         """
+        self._refuse_other_process("a batch recorded")
         with self._lock:
             if self._closed:
                 raise StoreError(f"the store writer of {str(self._backend)!r} is closed")
@@ -1147,6 +1152,7 @@ class StoreWriter:
         StoreError
             The writer thread failed (disk full, I/O error); committed rows stay readable.
         """
+        self._refuse_other_process("a commit")
         self._raise_if_failed()
         version = self._core.durable_version
         if version == self._seen_version and not self._unpublished:
@@ -1169,6 +1175,7 @@ class StoreWriter:
         StoreError
             The writer thread failed (disk full, I/O error); committed rows stay readable.
         """
+        self._refuse_other_process("a commit")
         self._raise_if_failed()
         with self._lock:
             self._seen_version = self._core.durable_version
@@ -1423,6 +1430,7 @@ class StoreWriter:
             Rows of the hook point's array the reduction covers (recorded as ``n_rows`` of
             each entry: a reader shows a reduction over fewer rows than its array as partial).
         """
+        self._refuse_other_process("reductions stored")
         with self._lock:
             result = reduction.result()
             kind = str(getattr(reduction, "kind", "custom"))
@@ -1544,6 +1552,7 @@ class StoreWriter:
             ``target`` has no array in this writer, ``hook_point`` already has one, or the
             store holds ``hook_point`` as an alias of another hook point.
         """
+        self._refuse_other_process("an alias recorded")
         with self._lock:
             if target not in self._arrays and target not in self._old_arrays:
                 raise StoreError(f"alias {hook_point!r}: its target {target!r} has no array in this store")
@@ -1615,6 +1624,22 @@ class StoreWriter:
             self._encoder_thread.join()
             _ENCODING.pop(self._encoder_thread, None)
 
+    def _other_process(self) -> bool:
+        """Whether this is a copy of the writer in a process forked after it was made."""
+        return os.getpid() != getattr(self, "_pid", os.getpid())
+
+    def _refuse_other_process(self, what: str) -> None:
+        """Raise :class:`StoreError` in a process forked after this writer was made: its copy
+        must neither write, commit nor close the store of the process that owns it (a commit
+        there would put back that process's committed rows and root, and a close would give
+        up its lock)."""
+        if self._other_process():
+            raise StoreError(
+                f"store {str(self._backend)!r}: {what} in process {os.getpid()}, but this writer belongs to process "
+                f"{self._pid} (this process was forked after it was made); nothing was written. Capture into a "
+                "store of this process's own (or pass the rows back to the owning process)"
+            )
+
     def _unchanged_resume(self) -> bool:
         """A resume that recorded no batch and stored no reduction (its closing as
         "incomplete" or abort puts the store back as found, see :meth:`abort`). Call it
@@ -1641,6 +1666,7 @@ class StoreWriter:
             The writer thread failed; what was durable before is committed (status
             "incomplete") and stays readable.
         """
+        self._refuse_other_process("closed")
         if status not in ("complete", "incomplete"):
             raise ArgumentValueError(f"status must be one of ['complete', 'incomplete'], got {status!r}")
         with self._lock:  # (check and discard in one hold: no batch is recorded in between)
@@ -1682,6 +1708,8 @@ class StoreWriter:
         Never raises (a failure here is reported as a warning, so the first error stays the
         one the caller sees).
         """
+        if self._other_process():  # a forked copy: the store is its owner's; nothing is done
+            return
         with self._lock:  # (check and discard in one hold: no batch is recorded in between)
             if self._unchanged_resume():
                 self.discard()
@@ -1713,6 +1741,8 @@ class StoreWriter:
         documents its commits rewrote get their found bytes back: the store's files are the
         found ones. Never raises (failures are warned about). Without a store to go back to
         (a new store), the same as :meth:`abort`."""
+        if self._other_process():  # a forked copy: the store is its owner's; nothing is done
+            return
         if self._found_root is None:
             self.abort()
             return

@@ -292,6 +292,65 @@ def test_a_forked_child_dropping_its_parents_writer_exits_and_leaves_it_to_the_p
     assert list(tmp.iterdir()) == []  # the parent's staging folder went with its close
 
 
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_a_forked_child_cannot_write_commit_or_close_its_parents_store(tmp_path, where):
+    """A process forked during a capture holds a copy of the tracker and its writer: a forward
+    there (whose rows would go to the parent's store), a commit (it would put back the parent's
+    committed rows and root) and a close (it would give up the parent's lock) are refused with
+    an error naming the owning process; the parent then closes a complete store of every row
+    it captured, and its lock held throughout."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    target = str(tmp_path / "s.zarr") if where == "local" else "memory://acs-fork2/s.zarr"
+    child = textwrap.dedent(f"""
+        import os, torch
+        import activationscope as acs
+        from activationscope.errors import StoreLockedError
+        target = {target!r}
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 16)).eval()
+        xs = [torch.randn(5, 16) for _ in range(6)]
+        scope = acs.ActivationScope(store=target, store_options={{"chunk_rows": 4, "shard_bytes": 256}})
+        with scope.track(model) as tr, torch.no_grad():
+            for x in xs[:4]:
+                model(x)
+            tr.writer._core.drain()
+            tr.writer.commit()
+            pid = os.fork()
+            if pid == 0:
+                refused = []
+                for step in ("forward", "commit", "close"):
+                    try:
+                        if step == "forward":
+                            model(xs[5])
+                        elif step == "commit":
+                            tr.writer.commit()
+                        else:
+                            tr.writer.close()
+                    except Exception as e:
+                        refused.append(step if "belongs to process" in str(e) else f"{{step}}: {{e}}")
+                os._exit(0 if refused == ["forward", "commit", "close"] else print(refused, flush=True) or 3)
+            _, status = os.waitpid(pid, 0)
+            assert os.waitstatus_to_exitcode(status) == 0, status
+            if target.startswith("/"):
+                try:  # the parent still holds its lock
+                    acs.StoreWriter(target, overwrite=True)
+                    raise AssertionError("another writer took the store")
+                except StoreLockedError:
+                    pass
+            model(xs[4])
+        st = acs.open_store(target)
+        want = torch.cat([model[0](x) for x in xs[:5]]).detach()
+        assert st.status == "complete" and st.n_samples == 25, (st.status, st.n_samples)
+        assert torch.allclose(st["0.output"], want) and st.verify() == []
+        print("ok")
+    """)
+    env = {**os.environ, "TMPDIR": str(tmp),
+           "PYTHONPATH": os.pathsep.join([str(Path(acs.__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), (out.stdout[-2000:], out.stderr[-3000:])
+
+
 def test_an_aborted_remote_resume_that_committed_no_batch_puts_back_its_partial_last_shard():
     """A resume of an in-memory store rewrites the found partial last shard with more rows and
     uploads it at a commit that records no batch; an abort then puts back the found bytes of
