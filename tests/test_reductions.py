@@ -1350,3 +1350,33 @@ def test_float32_rows_reduce_as_the_same_rows_in_float64_bit_for_bit(width, spec
             assert torch.equal(v.view(torch.int64), b.state()[k].view(torch.int64)), (k, special)
     if special == "finite":
         assert_matches("var", got[1].result(), x)
+
+
+@pytest.mark.parametrize("name", ["../../escape", "a/b", "a\\b", "..", ".", "zarr.json"])
+def test_a_reduction_name_that_is_not_one_store_node_is_refused_before_any_capture(name, tmp_path):
+    """A name names the arrays reductions/<hook point>/<name>: one that is not a node name is
+    refused when the scope is made, not at the end of the capture (where it failed, with the
+    rows of the capture lost and the store still locked)."""
+    with pytest.raises(ReductionError, match=r"reduction name must be a non-empty str.*got " + re.escape(repr(name))):
+        acs.ActivationScope(reductions=[(name, "mean")], store=str(tmp_path / "s.zarr"))
+    assert not (tmp_path / "escape").exists() and not (tmp_path / "s.zarr").exists()
+
+
+@pytest.mark.parametrize("specs", [["var", ("var.mean", "max")], [("topk.values", "mean"), ("topk", "topk")],
+                                   ["mean", ("mean.state.m2", "max")], {"*": ["std"], "0.*": [("std.count", "min")]}])
+def test_reductions_whose_arrays_overlap_are_refused(specs, tmp_path):
+    """'var' stores 'var.mean' and 'var.count': a reduction named 'var.mean' silently replaced
+    var's mean in the store (and in tracker.reductions) with its own result."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4)).eval()
+    with pytest.raises(ActivationScopeError, match=r"has reductions named '(var|topk|mean|std)' and '\1\.[a-z.0-9]+'.*rename one"):
+        scope = acs.ActivationScope(reductions=specs, store=str(tmp_path / "s.zarr"))
+        with torch.no_grad(), scope.track(model):
+            model(torch.randn(5, 3))
+    # names that merely contain a dot, without overlap, are fine
+    x = torch.randn(6, 3)
+    scope = acs.ActivationScope(reductions=["var", ("var2.max", "max")], store=str(tmp_path / "ok.zarr"))
+    with torch.no_grad(), scope.track(model):
+        y = model(x)
+    got = acs.open_store(tmp_path / "ok.zarr").reductions["0.output"]
+    torch.testing.assert_close(got["var.mean"], y.double().mean(0))
+    torch.testing.assert_close(got["var2.max"], y.double().amax(0))

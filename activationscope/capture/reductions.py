@@ -493,6 +493,33 @@ def _default_name(spec: Any) -> str:
     return str(name)
 
 
+def _check_name(name: Any) -> None:
+    """A reduction's name names the arrays ``reductions/<hook point>/<name>[.<key>]`` of a
+    store: it must be one store node name (not empty, no ``/`` or ``\\``, not ``.``, ``..``
+    or ``zarr.json``)."""
+    if not isinstance(name, str) or not name or name in (".", "..", "zarr.json") or "/" in name or "\\" in name:
+        raise ReductionError(
+            f"reduction name must be a non-empty str without '/' or '\\', and not '.', '..' or 'zarr.json' "
+            f"(it names the arrays reductions/<hook point>/<name> of a store), got {name!r}; "
+            "give another with (name, spec)"
+        )
+
+
+def _check_overlapping_names(names: Iterable[str], where: str) -> None:
+    """Two reductions of one hook point whose arrays would be the same: ``<name>.<key>`` of
+    one (its other outputs ``var.mean``, states ``var.state.m2``, script ``var.pt``) is the
+    other's name (``var`` and ``var.mean``)."""
+    names = sorted(set(names))
+    for a in names:
+        for b in names:
+            if b.startswith(a + "."):
+                raise ReductionError(
+                    f"{where} has reductions named {a!r} and {b!r}: the arrays of {a!r} are stored as "
+                    f"'{a}.<key>' (e.g. '{a}.count', '{a}.state.<key>'), so {b!r} would overwrite or be "
+                    "overwritten by one of them; rename one with (name, spec)"
+                )
+
+
 def _factory(item: Any) -> ReductionFactory:
     options: dict = {}
     if isinstance(item, tuple):
@@ -516,6 +543,7 @@ def _factory(item: Any) -> ReductionFactory:
     else:
         spec, name = item, _default_name(item)
     init = options.pop("init", None)
+    _check_name(name)
     f = ReductionFactory(name=name, spec=spec, options=_parse_options(options), init=init)
     f()  # validate now (name, signature, options, TorchScript), not at the first batch
     return f
@@ -569,6 +597,7 @@ def resolve_reductions(
             )
         seen[f.name] = pattern
         out.append((f.name, f))
+    _check_overlapping_names(seen, f"hook point {hook_point!r}")
     return out
 
 
@@ -609,6 +638,7 @@ def validate_reductions(reductions: Union[Sequence[Any], Mapping[str, Sequence[A
                     f"two reductions named {name!r} for pattern {pattern!r}; name one with (name, spec)"
                 )
             seen.add(name)
+        _check_overlapping_names(seen, f"pattern {pattern!r}")
 
 
 def reductions_for(
