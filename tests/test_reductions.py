@@ -1380,3 +1380,36 @@ def test_reductions_whose_arrays_overlap_are_refused(specs, tmp_path):
     got = acs.open_store(tmp_path / "ok.zarr").reductions["0.output"]
     torch.testing.assert_close(got["var.mean"], y.double().mean(0))
     torch.testing.assert_close(got["var2.max"], y.double().amax(0))
+
+
+def to_sparse(acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    return x.to_sparse()
+
+
+def on_meta(acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    return torch.empty(x.shape[1:], device="meta")
+
+
+@pytest.mark.parametrize("fn, what", [(to_sparse, "a sparse_coo tensor"), (on_meta, "on the meta device")])
+def test_a_result_a_store_cannot_hold_is_an_error_that_keeps_the_rows_and_frees_the_store(fn, what, tmp_path):
+    """A custom reduction's result that a store cannot hold (sparse, meta) raised torch's own
+    error at the close, with nothing committed and the writer still holding the store's lock
+    (a new capture into it in this process was refused with StoreLockedError)."""
+    path = str(tmp_path / "s.zarr")
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4)).eval()
+    xs = [torch.randn(n, 3) for n in (5, 2, 4)]
+    with pytest.raises(acs.StoreError, match=rf"reduction '{fn.__name__}' of hook point '0.output': result 'value' is {what}"):
+        with torch.no_grad(), acs.ActivationScope(reductions=["mean", fn], store=path).track(model):
+            ys = [model(x) for x in xs]
+    y = torch.cat(ys)
+    stored = acs.open_store(path)
+    assert stored.attrs["status"] == "incomplete"
+    torch.testing.assert_close(stored["0.output"], y)
+    # the store is free: a resume computes the reductions over the stored rows
+    with torch.no_grad(), acs.ActivationScope(reductions=["mean", ("max", "max")], store=path,
+                                              store_options={"resume": True}).track(model) as tr:
+        assert tr.resume_from == 11
+    got = acs.open_store(path)
+    assert got.attrs["status"] == "complete"
+    torch.testing.assert_close(got.reductions["0.output"]["mean"], y.double().mean(0))
+    torch.testing.assert_close(got.reductions["0.output"]["max"], y.double().amax(0))

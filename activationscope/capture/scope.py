@@ -753,7 +753,16 @@ class Tracker:
                     self._check_reduction_patterns(sorted(self._stored), "the store holds")
                 if self._stored and self._red_factories is not None:
                     self._reduce_stored_only()
-                self._write_reductions()
+                try:
+                    self._write_reductions()
+                except BaseException as e:
+                    # the rows are intact: commit them ("incomplete": a resume computes the
+                    # reductions again over them), and never leave the writer holding its lock
+                    try:
+                        self.writer.close(status="incomplete")
+                    except BaseException:  # noqa: BLE001
+                        self.writer.abort(e)
+                    raise
                 if silent and not self._sinks:
                     # nothing was recorded: never report such a store as a success
                     self.writer.close(status="incomplete")

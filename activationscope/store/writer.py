@@ -382,6 +382,26 @@ def _int64_ids_type() -> Any:
     return _numpy_arrow_type(np.dtype(np.int64))
 
 
+def _unstorable(value: Any) -> str | None:
+    """What makes a reduction's result or state value one a store cannot hold (None when it
+    can): not a tensor or number, not dense and strided, on the meta device (no values),
+    or a dtype the format has not."""
+    if not isinstance(value, (torch.Tensor, bool, int, float)):
+        return f"a {type(value).__name__}, not a Tensor"
+    t = torch.as_tensor(value)
+    if t.is_nested:
+        return "a nested tensor"
+    if t.layout != torch.strided:
+        return f"a {str(t.layout).replace('torch.', '')} tensor (not strided)"
+    if t.device.type == "meta":
+        return "on the meta device (a shape but no values)"
+    if t.is_quantized:
+        return f"a quantized tensor ({t.dtype})"
+    if F.dtype_name(t.dtype) not in F.SUPPORTED_DTYPES:
+        return f"of dtype {F.dtype_name(t.dtype)}"
+    return None
+
+
 def _write_small_array(backend: Any, path: str, t: torch.Tensor, attrs: dict,
                        dimension_names: list[str] | None = None) -> dict[str, int]:
     """Write a one-chunk array; returns ``{chunk key: crc32c}`` (empty for a 0-size array)."""
@@ -1433,6 +1453,14 @@ class StoreWriter:
         self._refuse_other_process("reductions stored")
         with self._lock:
             result = reduction.result()
+            for key, value in result.items():  # checked before anything of it is written
+                what = _unstorable(value)
+                if what is not None:
+                    raise StoreError(
+                        f"reduction {name!r} of hook point {hook_point!r}: result {key!r} is {what}, which a store "
+                        "cannot hold; a reduction must give dense tensors with values (return e.g. acc.to_dense(), "
+                        f"acc.cpu(), a dtype among {list(F.SUPPORTED_DTYPES)}), or drop it"
+                    )
             kind = str(getattr(reduction, "kind", "custom"))
             main = main_result_key(kind, result)
             node = F.node_name(hook_point)
@@ -1452,8 +1480,6 @@ class StoreWriter:
                 path = f"reductions/{node}/{full}"
                 t = torch.as_tensor(value).detach().to("cpu").contiguous()
                 dname = F.dtype_name(t.dtype)
-                if dname not in F.SUPPORTED_DTYPES:
-                    raise StoreError(f"reduction {name!r} of hook point {hook_point!r}: result {key!r} has unsupported dtype {dname}")
                 arr = self._arrays.get(hook_point)
                 if arr is not None and tuple(t.shape) == arr.feature_shape:
                     dims = F.feature_dimension_names(hook_point, t.dim())
@@ -1471,6 +1497,9 @@ class StoreWriter:
                 saved = {}
                 for key, value in state.items():
                     path = f"reductions/{node}/{name}.state.{key}"
+                    if _unstorable(value) is not None:
+                        saved = None  # a state this format cannot hold: the result stays, resume rebuilds
+                        break
                     t = torch.as_tensor(value).detach().to("cpu").contiguous()
                     dname = F.dtype_name(t.dtype)
                     if dname not in F.SUPPORTED_DTYPES:
