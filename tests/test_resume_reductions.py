@@ -3,6 +3,8 @@ the stored state). Reference: the same statistic in plain PyTorch over all rows 
 
 from __future__ import annotations
 
+from typing import Optional
+
 import pytest
 import torch
 
@@ -265,3 +267,57 @@ def test_a_resume_that_changes_a_reductions_shape_or_kind_leaves_no_old_array(tm
     assert (node / "m" / "c").is_file()  # a 0-d result: chunk "c" where the 1-d one had "c/0"
     group = zarr.open_group(str(path / "reductions" / "0.output"), mode="r")
     assert set(group.array_keys()) == on_disk
+
+
+def _calls_and_sum(acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """[number of batches seen, sum of every value]: tells a loaded state from a recomputation."""
+    s = torch.stack([torch.ones((), dtype=torch.float64), x.double().sum()])
+    return s if acc is None else acc + s
+
+
+def _calls_and_max(acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    s = torch.stack([torch.ones((), dtype=torch.float64), x.double().max()])
+    return s if acc is None else torch.stack([acc[0] + 1, torch.maximum(acc[1], s[1])])
+
+
+def test_a_custom_reduction_resumed_as_another_function_is_recomputed_over_every_row(tmp_path):
+    """Every custom reduction has kind 'script': the state of another function stored under
+    the same name was loaded and continued (a max folded onto a sum of the first rows)."""
+    from activationscope.reductions import script_reduction
+
+    model, xs = _model(), _batches(4)
+    path = tmp_path / "s.zarr"
+    first = script_reduction(_calls_and_sum, tmp_path / "a" / "first.pt")
+    again = script_reduction(_calls_and_sum, tmp_path / "b" / "again.pt")  # the same program, saved anew
+    other = script_reduction(_calls_and_max, tmp_path / "c" / "other.pt")
+    _run(model, path, xs[:2], [("agg", first)])
+    _run(model, path, xs[2:3], [("agg", again)], resume=True)
+    ref = _ref_rows(model, xs)
+    got = open_store(path).reductions["0.output"]["agg"]
+    torch.testing.assert_close(got, torch.stack([torch.tensor(3.0, dtype=torch.float64), ref[:24].sum()]))  # continued
+    _run(model, path, xs[3:], [("agg", other)], resume=True)
+    got = open_store(path).reductions["0.output"]["agg"]
+    assert got[1] == ref.max()                 # over every row, not max(sum of 24 rows, the last batch)
+    assert got[0] == 2                         # the stored rows read back at once, then the last batch
+
+
+def test_an_eager_custom_reduction_is_recomputed_on_resume(tmp_path):
+    """An eager reduction has no program to compare: its stored state is never continued."""
+    import warnings
+
+    from activationscope.reductions import EagerFallbackWarning
+
+    factor = 1.0  # a closed-over Python float: runs eagerly
+
+    def eager_sum(acc, x):
+        s = x.double().sum(0) * factor
+        return s if acc is None else acc + s
+
+    model, xs = _model(), _batches(4)
+    path = tmp_path / "s.zarr"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", EagerFallbackWarning)
+        _run(model, path, xs[:2], [("agg", eager_sum)])
+        factor = 2.0
+        _run(model, path, xs[2:], [("agg", eager_sum)], resume=True)
+    torch.testing.assert_close(open_store(path).reductions["0.output"]["agg"], 2 * _ref_rows(model, xs).sum(0))

@@ -1171,8 +1171,10 @@ class Tracker:
             start = 0
             options = getattr(red, "options", None)
             options = options() if callable(options) else options
-            saved = self.writer.stored_reduction_state(name, red_name, str(getattr(red, "kind", "custom")),
-                                                       dict(options or {}))
+            kind = str(getattr(red, "kind", "custom"))
+            custom = ({} if kind in self._red_factories.BUILTIN_REDUCTIONS
+                      else {"script": getattr(red, "script_path", None)})  # the same program, or recomputed
+            saved = self.writer.stored_reduction_state(name, red_name, kind, dict(options or {}), **custom)
             if saved is not None and saved[1] <= committed:
                 red.load_state(saved[0])
                 start = saved[1]

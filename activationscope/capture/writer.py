@@ -65,9 +65,12 @@ class ActivationWriter(Protocol):
     def committed_rows(self, hook_point: str) -> int:
         """Rows of ``hook_point`` committed before the writer opened (resume; 0 otherwise)."""
 
-    def stored_reduction_state(self, hook_point: str, name: str, kind: str, options: Any = None) -> Any:
+    def stored_reduction_state(self, hook_point: str, name: str, kind: str, options: Any = None, *,
+                               script: Any = ...) -> Any:
         """``(state, rows covered)`` of a reduction stored by an earlier run with this kind and
-        these options, or None (the reduction is then recomputed over the committed rows)."""
+        these options, or None (the reduction is then recomputed over the committed rows).
+        ``script`` (given for custom reductions only): the resumed one's ``.pt`` path, or None
+        when it runs as eager Python; the stored state is used only for the same program."""
 
     def read_committed_rows(self, hook_point: str, start: int, stop: int) -> Any:
         """Rows ``[start, stop)`` of ``hook_point`` committed before the writer opened (a copy)."""

@@ -30,6 +30,7 @@ import time
 import uuid
 import warnings
 import weakref
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -380,6 +381,21 @@ _EMPTY_IDS = np.zeros(0, dtype=np.int64)
 def _int64_ids_type() -> Any:
     """The Arrow type of default sample ids (int64; one cached object)."""
     return _numpy_arrow_type(np.dtype(np.int64))
+
+
+_NOT_CUSTOM = object()  # stored_reduction_state(script=...) not given: a built-in reduction
+
+
+def _script_records(data: bytes) -> list[tuple[str, int, int]] | None:
+    """The records of a ``torch.jit.save`` archive as ``(name below its top folder, size,
+    crc32)``, from the zip directory alone (nothing is decompressed or loaded); None when
+    ``data`` is not a zip archive. Two saves of one program differ only in the top folder's
+    name (the file's name when it was saved)."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as z:
+            return sorted((i.filename.split("/", 1)[-1], int(i.file_size), int(i.CRC)) for i in z.infolist())
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, EOFError, OSError):
+        return None
 
 
 def _unstorable(value: Any) -> str | None:
@@ -1599,12 +1615,12 @@ class StoreWriter:
         old = self._old_arrays.get(hook_point)
         return 0 if old is None else int(old["n_rows"])
 
-    def stored_reduction_state(self, hook_point: str, name: str, kind: str, options: Mapping[str, Any] | None = None
-                               ) -> tuple[dict[str, torch.Tensor], int] | None:
+    def stored_reduction_state(self, hook_point: str, name: str, kind: str, options: Mapping[str, Any] | None = None,
+                               *, script: Any = _NOT_CUSTOM) -> tuple[dict[str, torch.Tensor], int] | None:
         """The state of reduction ``name`` of ``hook_point`` stored by an earlier run, and
         the rows it covers; None when the store holds no usable state for it (none stored,
-        another kind, other options, or written before states were stored): the caller then
-        recomputes the reduction over the stored rows.
+        another kind, other options, another custom function, or written before states were
+        stored): the caller then recomputes the reduction over the stored rows.
 
         Parameters
         ----------
@@ -1612,6 +1628,12 @@ class StoreWriter:
             The reduction's options (its ``options``, defaults filled in); a stored state
             recorded with other options (``hist`` with another range or bin count, ``topk``
             with another ``k``) is not used. None skips that comparison.
+        script : path or None, optional
+            For a custom reduction: the ``.pt`` of the resumed one (None for one run as
+            eager Python). Every custom reduction has the same ``kind``, so its stored state
+            is used only when the store's ``<name>.pt`` is the same TorchScript program (the
+            same records, by name, size and crc32, read from the archives' directories,
+            never loaded); an eager one's never is. Not given: a built-in reduction.
 
         Raises
         ------
@@ -1627,6 +1649,17 @@ class StoreWriter:
         from .reader import Store
 
         reader = Store(self._backend)
+        if script is not _NOT_CUSTOM:
+            key = owner.get("script")
+            if script is None or not isinstance(key, str) or not Path(script).is_file():
+                return None
+            old = self._backend.get(key, max_bytes=V.MAX_FILE_BYTES)
+            if old is None:
+                raise V.corrupt(self._backend, f"reduction {name!r}: script {key!r} listed in the metadata is missing")
+            reader._check_crc(old, (owner.get("crc32c") or {}).get(key), f"reduction {name!r}: script {key!r}")
+            stored_records = _script_records(old)
+            if stored_records is None or stored_records != _script_records(Path(script).read_bytes()):
+                return None
         state = {}
         for key, e in owner["state"].items():
             state[key] = reader._read_small({**e, "reduction": name}).clone()
