@@ -321,3 +321,84 @@ def test_an_eager_custom_reduction_is_recomputed_on_resume(tmp_path):
         factor = 2.0
         _run(model, path, xs[2:], [("agg", eager_sum)], resume=True)
     torch.testing.assert_close(open_store(path).reductions["0.output"]["agg"], 2 * _ref_rows(model, xs).sum(0))
+
+
+ALL_BUILTINS = [("mean", {}), ("var", {"ddof": 1}), ("std", {}), ("min", {}), ("max", {}), ("absmax", {}), ("l2", {}),
+                ("nonzero", {}), ("hist", {"lo": -2, "hi": 2, "bins": 5}), ("cov", {}), ("topk", {"k": 3}),
+                ("topk", {"k": 40})]
+
+
+@pytest.mark.parametrize("per_feature", [1, 0])
+@pytest.mark.parametrize("storage_dtype", [None, torch.bfloat16])
+def test_a_stored_builtin_state_is_continued_without_reading_rows_back(tmp_path, monkeypatch, per_feature,
+                                                                      storage_dtype):
+    """The check of a stored state against the rows it claims never refuses a state the
+    reduction wrote itself: every built-in continues from it."""
+    from activationscope.store.writer import StoreWriter
+
+    specs = [(f"r{i}", kind, {**opts, "per_feature": per_feature}) for i, (kind, opts) in enumerate(ALL_BUILTINS)]
+    model, xs = _model(), _batches(4)
+    path = tmp_path / "s.zarr"
+    with ActivationScope(store=path, reductions=specs, storage_dtype=storage_dtype).track(model), torch.no_grad():
+        for x in xs[:2]:
+            model(x)
+    read_back = []
+    monkeypatch.setattr(StoreWriter, "read_committed_rows", lambda self, *a: read_back.append(a))
+    with ActivationScope(store=path, reductions=specs, storage_dtype=storage_dtype,
+                         store_options={"resume": True}).track(model), torch.no_grad():
+        for x in xs[2:]:
+            model(x)
+    assert read_back == []
+    s = open_store(path)
+    rows = s["0.output"].double()
+    r = s.reductions["0.output"]
+    flat = rows if per_feature else rows.reshape(-1)
+    torch.testing.assert_close(r["r0"], flat.mean(0))
+    torch.testing.assert_close(r["r1"], flat.var(0, correction=1))
+    assert int(r["r0.count"]) == flat.shape[0]
+    torch.testing.assert_close(r["r10.values"].double(), flat.topk(3, 0).values)
+
+
+def _set_state(path, name, key, value):
+    """Replace one state array of reduction ``name`` of hook point 0.output, checksums and all
+    (a store damaged or made by someone else that verify() finds nothing wrong with)."""
+    import json
+
+    from activationscope.store import _format as F
+
+    root_file = path / "zarr.json"
+    root = json.loads(root_file.read_text())
+    entries = root["attributes"]["activationscope"]["reductions"]["0.output"]
+    entry = next(e for e in entries.values() if e.get("reduction") == name and "state" in e)["state"][key]
+    doc_file = path / entry["path"] / "zarr.json"
+    doc = json.loads(doc_file.read_text())
+    assert doc["shape"] == list(value.shape)
+    (chunk,) = entry["crc32c"]
+    data = value.contiguous().numpy().tobytes()
+    (path / chunk).write_bytes(data)
+    entry["crc32c"] = {chunk: F.crc32c(data)}
+    root_file.write_text(json.dumps(root))
+
+
+@pytest.mark.parametrize("name, key, value", [
+    ("mean", "count", torch.tensor(10 ** 15)),
+    ("mean", "count", torch.tensor(0)),
+    ("topk", "row_ids", torch.full((10, 5), 999)),
+    ("var", "m2", torch.full((5,), -1.0, dtype=torch.float64)),
+    ("hist", "counts", torch.full((5, 4), -3)),
+])
+def test_a_stored_state_that_does_not_fit_its_rows_is_recomputed(tmp_path, name, key, value):
+    """A state whose count is not the rows it claims, whose row ids point past the stored
+    rows, or with a negative count or sum of squares was continued (a mean over 10**15 rows,
+    row ids 999 of a 32-row store, a negative variance); it is now computed again."""
+    model, xs = _model(), _batches(4, rows=5)
+    path = tmp_path / "s.zarr"
+    specs = ["mean", "var", "topk", ("hist", "hist", {"lo": -1, "hi": 1, "bins": 4})]
+    _run(model, path, xs[:2], specs)
+    _set_state(path, name, key, value)
+    assert open_store(path).verify() == []
+    _run(model, path, xs[2:], specs, resume=True)
+    ref = _ref_rows(model, xs)
+    s = open_store(path)
+    _check(s, ref, ["mean", "var", "topk"])
+    torch.testing.assert_close(s.reductions["0.output"]["hist.counts"].long(), _hist_ref(ref, -1, 1, 4))

@@ -398,6 +398,39 @@ def _script_records(data: bytes) -> list[tuple[str, int, int]] | None:
         return None
 
 
+def _builtin_state_fits(kind: str, options: Mapping[str, Any], state: Mapping[str, torch.Tensor], n_rows: int,
+                        feature_shape: tuple[int, ...]) -> bool:
+    """Whether ``state`` is one that the built-in reduction ``kind`` with ``options`` can hold
+    after ``n_rows`` rows of ``feature_shape``: the keys, shapes and dtypes of a reduction of
+    the same kind fed as many rows as shape it (zeros), the count of those rows, row ids
+    among them, and no negative count or sum of squares."""
+    from ..capture.reductions import make_reduction
+
+    try:
+        probe = make_reduction(kind, **dict(options))
+        n_probe = min(n_rows, int(options.get("k", 10))) if kind == "topk" else min(n_rows, 1)
+        probe.update(torch.zeros((n_probe, *feature_shape), dtype=torch.float64), 0)
+    except (ActivationScopeError, RuntimeError, ValueError, TypeError):
+        return False
+    want = probe.state()
+    if set(want) != set(state):
+        return False
+    for key, t in want.items():
+        if tuple(state[key].shape) != tuple(t.shape) or state[key].dtype != t.dtype:
+            return False
+    per_row = 1 if options.get("per_feature", 1) else math.prod(feature_shape)
+    if int(state["count"]) != n_rows * per_row:
+        return False
+    for key, high in (("row_ids", n_rows), ("feature_ids", math.prod(feature_shape))):
+        ids = state.get(key)
+        if ids is not None and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= high):
+            return False
+    for key in ("counts", "nan", "overflow", "underflow", "n_nonzero", "m2", "sumsq"):
+        if key in state and bool((state[key] < 0).any()):
+            return False
+    return True
+
+
 def _unstorable(value: Any) -> str | None:
     """What makes a reduction's result or state value one a store cannot hold (None when it
     can): not a tensor or number, not dense and strided, on the meta device (no values),
@@ -1663,6 +1696,12 @@ class StoreWriter:
         state = {}
         for key, e in owner["state"].items():
             state[key] = reader._read_small({**e, "reduction": name}).clone()
+        if script is _NOT_CUSTOM:
+            array = self._old_arrays.get(self.aliases.get(hook_point, hook_point)) or {}
+            feature_shape = array.get("feature_shape")
+            if not isinstance(feature_shape, list) or not _builtin_state_fits(
+                    kind, owner.get("options") or {}, state, int(owner["n_rows"]), tuple(feature_shape)):
+                return None  # a state no such reduction can have after those rows: recomputed from them
         return state, int(owner["n_rows"])
 
     def read_committed_rows(self, hook_point: str, start: int, stop: int) -> torch.Tensor:
