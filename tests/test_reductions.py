@@ -1413,3 +1413,55 @@ def test_a_result_a_store_cannot_hold_is_an_error_that_keeps_the_rows_and_frees_
     assert got.attrs["status"] == "complete"
     torch.testing.assert_close(got.reductions["0.output"]["mean"], y.double().mean(0))
     torch.testing.assert_close(got.reductions["0.output"]["max"], y.double().amax(0))
+
+
+class _ReturnsInt(torch.nn.Module):
+    def forward(self, acc: Optional[torch.Tensor], x: torch.Tensor) -> int:
+        return 3
+
+
+class _ReturnsOptional(torch.nn.Module):
+    def forward(self, acc: Optional[torch.Tensor], x: torch.Tensor) -> Optional[torch.Tensor]:
+        return None
+
+
+class _AccNotOptional(torch.nn.Module):
+    def forward(self, acc: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return acc + x.sum(0)
+
+
+class _MergeOneArgument(torch.nn.Module):
+    def forward(self, acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return x.sum(0)
+
+    @torch.jit.export
+    def merge(self, a: torch.Tensor) -> torch.Tensor:
+        return a
+
+
+@pytest.mark.parametrize("module, match", [
+    (_ReturnsInt, r"'bad' must have the signature \(acc: Optional\[Tensor\], x: Tensor\) -> Tensor, got forward\(.*\) -> int"),
+    (_ReturnsOptional, r"'bad' must have the signature .* -> Tensor\?"),
+    (_AccNotOptional, r"'bad' must annotate its first parameter as Optional\[torch.Tensor\]"),
+    (_MergeOneArgument, r"'bad' must have the signature merge\(a: Tensor, b: Tensor\) -> Tensor, got merge\("),
+])
+def test_a_pt_file_with_another_signature_is_refused_when_the_reduction_is_made(module, match, tmp_path):
+    """The native load checked the number of arguments only: a .pt returning no Tensor, or
+    whose acc cannot be None, or with a merge of another signature, was accepted and failed
+    at the first captured batch (CaptureError, also for a bare update) or the first merge
+    (torch's RuntimeError); a function or scripted object is checked up front."""
+    path = tmp_path / "bad.pt"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        scripted = torch.jit.script(module())
+        torch.jit.save(scripted, str(path))
+    with pytest.raises(ReductionError, match=match):
+        R.make_reduction(path)
+    with pytest.raises(ReductionError, match=match.replace("'bad'", "'[A-Za-z_]+'")):
+        R.make_reduction(scripted)
+    with pytest.raises(ReductionError, match=match):
+        acs.ActivationScope(reductions=[str(path)])
+    if module is _AccNotOptional:  # an initial accumulator makes it valid
+        r = R.make_reduction(path, init=torch.zeros(2))
+        r.update(torch.ones(3, 2))
+        torch.testing.assert_close(r.result()["value"], torch.full((2,), 3.0))

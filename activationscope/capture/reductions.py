@@ -164,6 +164,59 @@ def _schema_acc_optional(scripted: Any) -> bool:
         return True
 
 
+def _check_returns_tensor(scripted: Any, name: str) -> None:
+    """Raise ReductionError unless the scripted forward returns a Tensor and a ``merge``, if
+    there is one, is ``(a: Tensor, b: Tensor) -> Tensor`` (found when the reduction is made,
+    not at the first batch or the first merge)."""
+    methods = [("forward", scripted.forward if isinstance(scripted, torch.nn.Module) else scripted, CONTRACT)]
+    if isinstance(scripted, torch.nn.Module) and hasattr(scripted, "merge"):
+        methods.append(("merge", scripted.merge, "merge(a: Tensor, b: Tensor) -> Tensor"))
+    for method, fn, contract in methods:
+        schema = getattr(fn, "schema", None)
+        if schema is None:  # nothing to look at; the native side checks each call
+            continue
+        args = [a for a in schema.arguments if a.name != "self"]
+        returns = list(schema.returns)
+        ok = len(returns) == 1 and isinstance(returns[0].type, torch.TensorType)
+        if method == "merge":
+            ok = ok and len(args) == 2 and all(isinstance(a.type, torch.TensorType) for a in args)
+        if not ok:
+            raise ReductionError(f"custom reduction {name!r} must have the signature {contract}, got {schema}")
+
+
+_loaded: dict[tuple[str, int, int], tuple[bool, Optional[str]]] = {}
+
+
+def _check_pt(path: Path, name: str, init: Any) -> None:
+    """Check the signature of the TorchScript file ``path`` as for a function: ``forward``
+    returns a Tensor (and ``merge``), and takes ``acc: Optional[Tensor]`` unless ``init`` is
+    given. The native side loads the file anyway; this looks at its schema in Python once
+    per file version."""
+    st = path.stat()
+    key = (str(path.resolve()), st.st_mtime_ns, st.st_size)
+    with _lock:
+        found = _loaded.get(key)
+    if found is None:
+        try:
+            with _quiet_jit():
+                scripted = torch.jit.load(str(path), map_location="cpu")
+        except Exception:  # noqa: BLE001 - the native load says what is wrong with the file
+            return
+        error = None
+        try:
+            _check_returns_tensor(scripted, name)
+        except ReductionError as e:
+            error = str(e)
+        found = (_schema_acc_optional(scripted), error)
+        with _lock:
+            _loaded[key] = found
+    acc_optional, error = found
+    if error is not None:
+        raise ReductionError(error)
+    if init is None and not acc_optional:
+        raise _needs_optional(name)
+
+
 def _save_scripted(scripted: Any, path: Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -207,6 +260,7 @@ def _pt_for(obj: Any) -> Optional[tuple[Path, bool]]:
         scripted = obj if _is_scripted(obj) else _compile(obj, strict=False)
         entry = None
         if scripted is not None:
+            _check_returns_tensor(scripted, _fn_name(obj))
             optional = _schema_acc_optional(scripted)
             path = _save_scripted(scripted, _scratch_dir() / f"{_fn_name(obj)}-{uuid.uuid4().hex[:12]}.pt")
             entry = (path, optional)
@@ -386,7 +440,9 @@ def make_reduction(spec: Any, *, init: Any = None, **options: float) -> Reductio
         path = Path(spec)
         if not path.is_file():
             raise ReductionError(f"custom reduction file {str(path)!r} does not exist")
-        return _seed(_from_pt(path, opts, path.stem), init)
+        r = _from_pt(path, opts, path.stem)  # (the native load reports an unreadable file)
+        _check_pt(path, path.stem, init)
+        return _seed(r, init)
     if _is_scripted(spec) or callable(spec):
         if not _is_scripted(spec):
             _check_signature(spec)
@@ -405,7 +461,7 @@ def make_reduction(spec: Any, *, init: Any = None, **options: float) -> Reductio
 
 def _needs_optional(fn: Any) -> ReductionError:
     return ReductionError(
-        f"custom reduction {_fn_name(fn)!r} must annotate its first parameter as "
+        f"custom reduction {fn if isinstance(fn, str) else _fn_name(fn)!r} must annotate its first parameter as "
         f"Optional[torch.Tensor] ({CONTRACT}): TorchScript types an unannotated parameter as "
         "Tensor, which cannot be None on the first batch. Annotate it, or pass init=<Tensor>"
     )
@@ -437,6 +493,7 @@ def script_reduction(fn: Callable, path: Union[str, os.PathLike]) -> Path:
         _check_signature(fn)
         fn = _compile(fn, strict=True)
     _schema_acc_optional(fn)  # raises on a wrong arity
+    _check_returns_tensor(fn, _fn_name(fn))
     return _save_scripted(fn, Path(path))
 
 
