@@ -1465,3 +1465,38 @@ def test_a_pt_file_with_another_signature_is_refused_when_the_reduction_is_made(
         r = R.make_reduction(path, init=torch.zeros(2))
         r.update(torch.ones(3, 2))
         torch.testing.assert_close(r.result()["value"], torch.full((2,), 3.0))
+
+
+@pytest.mark.parametrize("in_store", [False, True])
+def test_an_eager_reduction_that_raises_names_the_hook_point_and_itself(in_store, tmp_path):
+    """A script reduction's failure names the hook point and the reduction; an eager one's
+    was the function's own exception (a bare ValueError) naming neither."""
+    factor = 1  # a closed-over Python int: runs eagerly
+
+    def eager_fails(acc, x):
+        if acc is not None:
+            raise ValueError(f"bad batch {factor}")
+        return x.sum(0)
+
+    def eager_not_tensor(acc, x):
+        return float(x.sum()) * factor
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4)).eval()
+    cases = [(eager_fails, CaptureError,
+              r"hook point '0.output': custom reduction 'eager_fails' \(eager\) failed on rows of shape \(2, 4\) "
+              r"\(torch.float32\): ValueError: bad batch 1"),
+             (eager_not_tensor, ReductionError,
+              r"hook point '0.output': custom reduction 'eager_not_tensor' must return a Tensor, got float")]
+    for fn, error, match in cases:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", R.EagerFallbackWarning)
+            store = str(tmp_path / f"{fn.__name__}.zarr") if in_store else None
+            scope = acs.ActivationScope(reductions=[fn], store=store)
+        with pytest.raises(error, match=match) as info:
+            with torch.no_grad(), scope.track(model):
+                model(torch.randn(2, 3))
+                model(torch.randn(2, 3))
+        if fn is eager_fails:
+            assert isinstance(info.value.__cause__, ValueError)
+        if in_store:
+            assert acs.open_store(store).n_rows("0.output") == (2 if fn is eager_fails else 0)  # the whole forwards

@@ -48,7 +48,7 @@ from typing import Any, Optional, Union
 import torch
 
 from activationscope import _C
-from activationscope.errors import ActivationScopeError, ArgumentValueError, ReductionError
+from activationscope.errors import ActivationScopeError, ArgumentValueError, CaptureError, ReductionError
 
 from .hooks import pattern_selects
 
@@ -287,6 +287,8 @@ class EagerReduction(_C.Reduction):
     """
 
     kind = "eager"
+    #: The hook point it reduces (set by the capture; named in errors), or None.
+    hook_point: Optional[str] = None
 
     def __init__(self, fn: Callable, options: Optional[Mapping[str, float]] = None):
         super().__init__()
@@ -302,11 +304,19 @@ class EagerReduction(_C.Reduction):
         """Fold a batch ``rows : Tensor, (n_rows, *feature_shape), any dtype, any device``."""
         if rows.dim() >= 1 and rows.shape[0] == 0:
             return
-        with torch.no_grad():
-            out = self._fn(self._acc, rows.detach())
+        try:
+            with torch.no_grad():
+                out = self._fn(self._acc, rows.detach())
+        except Exception as e:  # noqa: BLE001 - named as the native side names a script's failure
+            where = f"hook point {self.hook_point!r}: " if self.hook_point else ""
+            raise CaptureError(
+                f"{where}custom reduction {_fn_name(self._fn)!r} (eager) failed on rows of shape "
+                f"{tuple(rows.shape)} ({rows.dtype}): {type(e).__name__}: {e}"
+            ) from e
         if not isinstance(out, torch.Tensor):
+            where = f"hook point {self.hook_point!r}: " if self.hook_point else ""
             raise ReductionError(
-                f"custom reduction {_fn_name(self._fn)!r} must return a Tensor, got {type(out).__name__}"
+                f"{where}custom reduction {_fn_name(self._fn)!r} must return a Tensor, got {type(out).__name__}"
             )
         self._acc = out.detach()
 

@@ -980,6 +980,8 @@ class Tracker:
                 reduction = factory()
                 script = factory.script_path()
                 reduction.script_path = None if script is None else str(script)
+                if isinstance(reduction, self._red_factories.EagerReduction):
+                    reduction.hook_point = name  # named in its errors
                 sink.add_reduction(reduction)
                 names.append(red_name)
                 objects.append(reduction)  # keeps Python subclasses (eager reductions) alive
@@ -1106,6 +1108,8 @@ class Tracker:
                 reduction = factory()
                 script = factory.script_path()
                 reduction.script_path = None if script is None else str(script)
+                if isinstance(reduction, self._red_factories.EagerReduction):
+                    reduction.hook_point = name  # named in its errors
                 names.append(red_name)
                 objects.append(reduction)
             if names:
