@@ -523,7 +523,9 @@ class ActivationDataset(Dataset):
         Row-table columns to return with each item (``"label"``, ``"sample_id"``, ``"pos"``,
         user columns). Numeric and bool columns come back as tensors, strings as ``str``.
         Token rows also see the per-sample columns of their sample (``label`` given to
-        ``set_batch``), joined on ``sample_id``.
+        ``set_batch``), joined on ``(rank, batch, sample_id)``: the sample of the same forward
+        (and rank), so ids repeated across forwards or ranks get their own sample's values
+        (ActivationScopeError when one forward gave one id to two samples whose columns differ).
     filter : pyarrow.compute.Expression or callable, optional
         Keep rows where the predicate holds: an expression over row-table columns
         (``pc.field("label") == 1``, ``pc.field("pos") > 0`` to drop BOS tokens), or a
@@ -1086,8 +1088,44 @@ class ActivationDataset(Dataset):
         )
 
 
+#: What identifies the sample of a token row in both row tables: ``sample_id`` repeats across
+#: forwards (the same data captured twice) and across ranks (default ids count per rank)
+_SAMPLE_KEY = ("rank", "batch", "sample_id")
+
+
+def _first_sample_rows(samples: pa.Table, tokens: pa.Table, keys: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """For the ``keys`` values of each row: the first sample row with those values.
+
+    Returns ``(of_samples, of_tokens)``: int64 arrays, one entry per sample row and per token row
+    (-1: a token row whose values no sample row has). Each key is coded by a hash lookup
+    (``pc.index_in``), and the codes so far with it (linear in the rows)."""
+    ns, nt = samples.num_rows, tokens.num_rows
+    s_code = np.zeros(ns, dtype=np.int64)
+    t_code = np.zeros(nt, dtype=np.int64)
+    for key in keys:
+        values = samples.column(key).combine_chunks()
+        uniq = pc.unique(values)
+        s = pc.index_in(values, value_set=uniq).to_numpy(zero_copy_only=False).astype(np.int64)
+        t = pc.index_in(tokens.column(key), value_set=uniq)  # (null: no sample row has it)
+        t = np.asarray(pc.fill_null(t, -1).to_numpy(zero_copy_only=False), dtype=np.int64)
+        s_both = s_code * len(uniq) + s  # (< ns * ns: within int64)
+        t_both = np.where((t < 0) | (t_code < 0), -1, t_code * len(uniq) + t)
+        codes = pc.unique(pa.array(s_both))  # renumbered 0.. in order of first appearance
+        s_code = pc.index_in(pa.array(s_both), value_set=codes).to_numpy(zero_copy_only=False).astype(np.int64)
+        t_code = np.asarray(pc.fill_null(pc.index_in(pa.array(t_both), value_set=codes), -1)
+                            .to_numpy(zero_copy_only=False), dtype=np.int64)
+    first = np.zeros(int(s_code.max()) + 1 if ns else 0, dtype=np.int64)
+    first[s_code[::-1]] = np.arange(ns - 1, -1, -1, dtype=np.int64)  # (the last write, the first row, wins)
+    of_tokens = np.where(t_code >= 0, first[np.maximum(t_code, 0)] if ns else -1, -1)
+    return first[s_code], of_tokens
+
+
 def _with_sample_columns(tokens: pa.Table, source: StoreSource) -> pa.Table:
-    """Token rows plus the per-sample columns (labels, text) of their sample, joined on sample_id."""
+    """Token rows plus the per-sample columns (labels, text) of their sample, joined on
+    ``(rank, batch, sample_id)`` (those of the three both tables have).
+
+    Raises ActivationScopeError when one forward (of one rank) holds two samples of one id
+    whose per-sample columns differ: their token rows cannot be told apart."""
     try:
         samples = source.row_table("sample")
     except Exception:  # a store without a sample table
@@ -1095,7 +1133,35 @@ def _with_sample_columns(tokens: pa.Table, source: StoreSource) -> pa.Table:
     extra = [c for c in samples.column_names if c not in tokens.column_names]
     if not extra or "sample_id" not in samples.column_names or "sample_id" not in tokens.column_names:
         return tokens
-    where = pc.index_in(tokens.column("sample_id"), value_set=samples.column("sample_id").combine_chunks())
+    keys = [k for k in _SAMPLE_KEY if k in samples.column_names and k in tokens.column_names]
+    # token rows come in runs, one per sample (row-major mask): look up the first row of each run
+    nt = tokens.num_rows
+    head = np.zeros(nt, dtype=bool)  # the first token row of each run
+    head[:1] = True
+    for key in keys:
+        col = tokens.column(key).combine_chunks()
+        if nt > 1:
+            head[1:] |= pc.fill_null(pc.not_equal(col.slice(1), col.slice(0, nt - 1)), True).to_numpy(
+                zero_copy_only=False)
+    firsts, of_runs = _first_sample_rows(samples, tokens.select(keys).filter(pa.array(head)), keys)
+    of_tokens = of_runs[np.cumsum(head) - 1] if nt else of_runs
+    dup_rows = np.flatnonzero(firsts != np.arange(samples.num_rows))
+    if dup_rows.size:  # one id twice in a forward: fine while their columns agree
+        for name in extra:
+            col = samples.column(name)
+            got, want = col.take(pa.array(dup_rows)).to_pylist(), col.take(pa.array(firsts[dup_rows])).to_pylist()
+            for row, a, b in zip(dup_rows.tolist(), got, want):
+                if a != b and not (a != a and b != b):  # (NaN == NaN here)
+                    ident = ", ".join(f"{k} {samples.column(k)[row].as_py()!r}" for k in keys)
+                    raise ActivationScopeError(
+                        f"the sample row table of {source.describe()} holds two samples with {ident} (one forward "
+                        f"gave one sample id twice) whose column {name!r} differs ({b!r}, {a!r}): their token "
+                        "rows cannot be paired with their sample's columns. Read the token rows without the "
+                        f"per-sample columns {extra}, or capture with sample ids unique within each forward "
+                        "(set_batch(sample_ids=...))"
+                    )
+    hit = of_tokens >= 0  # (a token row of no sample gets nulls, as before)
+    where = pa.array(np.where(hit, of_tokens, 0), mask=None if hit.all() else ~hit)
     picked = samples.select(extra).take(where)
     for name in extra:
         tokens = tokens.append_column(samples.schema.field(name), picked.column(name))

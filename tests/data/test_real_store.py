@@ -230,3 +230,58 @@ def test_hook_point_named_like_a_pattern_reads_itself(tmp_path):
     store = acs.open_store(tmp_path / "b.zarr")
     assert cli._check_hook_points(store, ["d.a[1].output"]) == ["d.a[1].output"]
     assert cli._check_hook_points(store, ["d.a?.output"]) == ["d.a1.output"]
+
+
+def _two_forwards_of_the_same_ids(path, ids, labels):
+    """Two forwards of two 3-token samples with sample ids ``ids[f]`` and labels ``labels[f]``."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(50, 4), torch.nn.Linear(4, 4))
+    tokens = torch.randint(1, 50, (2, 3))
+    with acs.ActivationScope(store=path).track(model, include=["1"]) as tracker, torch.no_grad():
+        for f in range(2):
+            tracker.set_batch(attention_mask=torch.ones(2, 3, dtype=torch.bool), sample_ids=ids[f], label=labels[f])
+            model(tokens)
+
+
+def test_token_rows_get_the_columns_of_their_own_sample_when_ids_repeat_across_forwards(tmp_path):
+    # the same two samples captured twice (two epochs, other labels): ids repeat, samples do not
+    _two_forwards_of_the_same_ids(tmp_path / "t.zarr", ids=[[0, 1], [0, 1]], labels=[[0, 1], [1, 0]])
+    ds = ActivationDataset(str(tmp_path / "t.zarr"), columns=["sample_id", "batch", "label"])
+    samples = open_store(tmp_path / "t.zarr").row_table("sample").to_pylist()
+    want = [s["label"] for s in samples for _ in range(3)]  # each sample's label on its 3 token rows
+    assert want == [0, 0, 0, 1, 1, 1, 1, 1, 1, 0, 0, 0]
+    assert ds[:]["label"].tolist() == want
+    assert [int(ds[i]["label"]) for i in range(len(ds))] == want
+    ones = ActivationDataset(str(tmp_path / "t.zarr"), columns=["batch"], filter=pc.field("label") == 1)
+    assert ones[:]["batch"].tolist() == [0, 0, 0, 1, 1, 1]
+
+
+def test_one_id_twice_in_a_forward_with_other_columns_is_refused_not_paired_with_one(tmp_path):
+    from activationscope.errors import ActivationScopeError
+
+    _two_forwards_of_the_same_ids(tmp_path / "a.zarr", ids=[[5, 5], [6, 7]], labels=[[0, 1], [0, 1]])
+    with pytest.raises(ActivationScopeError, match=r"batch 0, sample_id 5 .*column 'label' differs \(0, 1\)"):
+        ActivationDataset(str(tmp_path / "a.zarr"), columns=["label"])
+    # the same id twice with the same columns pairs as it is
+    _two_forwards_of_the_same_ids(tmp_path / "b.zarr", ids=[[5, 5], [6, 7]], labels=[[1, 1], [0, 1]])
+    assert ActivationDataset(str(tmp_path / "b.zarr"), columns=["label"])[:]["label"].tolist() == [1] * 6 + [0] * 3 + [1] * 3
+
+
+@pytest.mark.parametrize("committed", [False, True])
+def test_token_rows_of_each_rank_get_their_own_sample_columns_with_default_ids(tmp_path, committed):
+    # default sample ids count per rank: ids 0, 1 on both ranks, told apart by the rank column
+    from activationscope.store.ranks import commit_ranks
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(50, 4), torch.nn.Linear(4, 4))
+    path = tmp_path / "r.zarr"
+    for r in range(2):
+        options = {"process_group": acs.RankStore(r, 2), "chunk_rows": 2, "shard_rows": 4}
+        with acs.ActivationScope(store=path, store_options=options).track(model, include=["1"]) as tracker, torch.no_grad():
+            tracker.set_batch(attention_mask=torch.ones(2, 3, dtype=torch.bool), label=[10 * r, 10 * r + 1])
+            model(torch.randint(1, 50, (2, 3)))
+    if committed:
+        commit_ranks(path)
+    got = ActivationDataset(str(path), columns=["rank", "sample_id", "label"])[:]
+    assert got["label"].tolist() == [10 * r + s for r, s in zip(got["rank"].tolist(), got["sample_id"].tolist())]
+    assert sorted(got["label"].tolist()) == [0, 0, 0, 1, 1, 1, 10, 10, 10, 11, 11, 11]
