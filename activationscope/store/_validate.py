@@ -445,8 +445,13 @@ def manifest_problems(doc: Any, shards: dict[int, dict], meta: dict, *, hook_poi
             out.append(f"{where}: rows_end {rows_end} is below the {n} committed rows (n_rows of the root document "
                        "zarr.json) that end in this shard")
         if sizes is not None and k in sizes and sizes[k] is not None and rec.get("file_bytes") != sizes[k]:
+            cause = ""
+            if k == last_committed and n % int(meta["chunk_rows"]):  # FORMAT.md section 5
+                cause = (": the shard holds the last committed rows, which end inside a chunk that a resumed capture "
+                         "appends to: it was rewritten by a resume that is still running or was stopped before its "
+                         "next commit (check again once that capture has ended, or resume it), or it is damaged")
             out.append(f"{where}: file_bytes {rec.get('file_bytes')!r} differs from the size of the shard file "
-                       f"{want_key!r}, {sizes[k]} bytes")
+                       f"{want_key!r}, {sizes[k]} bytes{cause}")
     return out
 
 

@@ -903,7 +903,7 @@ class Store:
                     "list (its crc32c cannot be checked)")
         if rec[1] != entry[1]:  # (a chunk may move within its shard: its bytes are what count)
             return (f"{where}: the shard index of {key!r} gives the chunk {entry[1]} bytes, the manifest "
-                    f"{meta['manifest']} {rec[1]}")
+                    f"{meta['manifest']} {rec[1]}: {_mismatch_cause(meta, shard * _layout(meta)[2] + slot)}")
         got = F.crc32c(data)
         if got == rec[2]:
             return None
@@ -1620,7 +1620,8 @@ class Store:
                 _, off, nb, crc = c
                 where = f"hook point {hp!r}: chunk {chunk} (rows {r0}-{r1 - 1}, shard {key}, bytes {off}-{off + nb - 1})"
                 if idx.entries[j] != (off, nb):
-                    problems.append(f"{where}: shard index entry {idx.entries[j]} differs from the manifest")
+                    problems.append(f"{where}: shard index entry {idx.entries[j]} differs from the manifest: "
+                                    f"{_mismatch_cause(meta, chunk)}")
                     continue
                 data = self._backend.get_range(key, off, nb)
                 got = F.crc32c(data or b"")

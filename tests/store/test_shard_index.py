@@ -109,6 +109,43 @@ def test_a_chunk_a_running_resume_rewrote_is_named_as_such_by_a_verifying_reader
     assert open_store(path, verify=True)[HP].equal(x[:87])
 
 
+def test_a_compressed_chunk_a_running_resume_rewrote_is_named_as_such_by_reads_and_verify(tmp_path):
+    """As above, compressed: the rewritten chunk (more rows) has another size than the manifest
+    lists, and its shard another file size; a read and verify() name the resume as the likely
+    cause, not only damage."""
+    import time
+
+    import torch
+
+    from activationscope.store import StoreWriter
+
+    path = tmp_path / "s.zarr"
+    x = torch.randn(100, 64, generator=torch.Generator().manual_seed(1))
+    opts = {"chunk_rows": 4, "shard_rows": 16, "compression": "zstd"}
+    w = StoreWriter(path, **opts)
+    w.open_array(HP, (64,), torch.float32, "sample").append(x[:78])
+    w.add_batch(78)
+    w.close()
+    w = StoreWriter(path, resume=True, **opts)
+    shard4 = shard(path, 4)
+    before = shard4.stat().st_size
+    w.open_array(HP, (64,), torch.float32, "sample").append(x[78:87])  # completes shard 4 (rows 64-79)
+    w.add_batch(9)
+    w.commit()  # not the forward: its rows 80-86 are not durable yet
+    deadline = time.monotonic() + 30
+    while shard4.stat().st_size == before and time.monotonic() < deadline:  # the writer thread renames shard 4
+        time.sleep(0.01)
+    s = open_store(path)
+    assert s.n_rows(HP) == 78 and s.rows(HP, 0, 76).equal(x[:76])
+    with pytest.raises(StoreCorruptError, match=r"chunk 19 \(rows 76-77.*gives the chunk \d+ bytes, the manifest .* \d+: "
+                                                r"the chunk was rewritten by a resumed capture"):
+        s.rows(HP, 76, 78)
+    problems = open_store(path).verify()
+    assert problems and all("rewritten by a resume" in p for p in problems), problems
+    w.close()
+    assert open_store(path)[HP].equal(x[:87]) and open_store(path).verify() == []
+
+
 def test_a_damaged_chunk_before_the_last_committed_rows_is_only_damaged(tmp_path):
     path = tmp_path / "s.zarr"
     make_store(path, n_rows=N_ROWS - 8)
