@@ -133,6 +133,8 @@ class _ShardIndex:
 
 #: Most bytes of a shard one read takes when its chunks' crc32c are checked on object storage.
 _CHECK_READ_BYTES = 64 << 20
+#: rows of a strided read that is a copy (``store[hp, ::k]``) are read this many bytes at a time
+_STRIDED_BLOCK_BYTES = 64 << 20
 
 
 #: Shards of at most this many chunks are compared with their dense index (the templates are
@@ -541,10 +543,33 @@ class Store:
         if step == 1:
             return self._read_rows(hook_point, start, stop)
         lo, hi = min(r[0], r[-1]), max(r[0], r[-1]) + 1
-        rows = self._read_rows(hook_point, lo, hi)
-        if step > 0:
-            return rows[::step]
-        return rows.flip(0)[::-step] if rows.shape[0] else rows
+        if step > 0 and self._span_is_view(hook_point, lo, hi):
+            return self._read_rows(hook_point, lo, hi)[::step]  # a strided view of the mapped rows
+        # Otherwise the result is a copy: read the span in bounded blocks and keep only the rows
+        # taken (reading the whole span at once would allocate, and keep alive in the result,
+        # every row between the first and the last: all of a compressed array for [::1000]).
+        meta = self._meta(hook_point)
+        block_rows = max(1, _STRIDED_BLOCK_BYTES // max(1, V.row_bytes(meta)))
+        asc = r if step > 0 else r[::-1]
+        k = abs(step)
+        per = max(1, block_rows // k)  # result rows per block read
+        out = torch.empty((len(r), *meta["feature_shape"]), dtype=F.torch_dtype(meta["dtype"]))
+        for i in range(0, len(asc), per):
+            part = asc[i : i + per]
+            out[i : i + len(part)] = self._read_rows(hook_point, part[0], part[-1] + 1)[::k]
+        return out if step > 0 else out.flip(0)
+
+    def _span_is_view(self, hook_point: str, lo: int, hi: int) -> bool:
+        """Whether rows ``[lo, hi)`` read as a view of mapped memory (no copy)."""
+        if self._parts:
+            return False
+        meta = self._checked_meta(hook_point)
+        if not self._mappable(meta) or V.row_bytes(meta) == 0:
+            return False
+        shard_rows = int(meta["shard_rows"])
+        if lo // shard_rows == (hi - 1) // shard_rows:
+            return self._shard_index(meta, lo // shard_rows).contiguous
+        return self._whole_rows(meta) is not None
 
     def array(self, hook_point: str) -> torch.Tensor:
         """Same as ``store[hook_point]``."""

@@ -153,6 +153,34 @@ def test_slices_within_and_across_shards(tmp_path, mlp):
     assert torch.equal(store.rows("fc1.output", 0, 50), ref)
 
 
+@pytest.mark.parametrize("compression", [None, "zstd"])
+@pytest.mark.parametrize("block_bytes", [64 << 20, 3 * 8 * 4])  # (the second: a few rows per block read)
+def test_a_strided_slice_that_is_a_copy_holds_only_its_rows(tmp_path, monkeypatch, compression, block_bytes):
+    """store[hp, ::k] of a compressed array, or any negative step, is a copy: it holds the rows
+    taken, not every row between the first and the last (all of the array for [::1000])."""
+    from activationscope.store import reader as reader_mod
+
+    monkeypatch.setattr(reader_mod, "_STRIDED_BLOCK_BYTES", block_bytes)
+    data = torch.randn(300, 8, generator=torch.Generator().manual_seed(0))
+    w = StoreWriter(tmp_path / "s.zarr", chunk_rows=4, shard_rows=16, compression=compression)
+    w.open_array("x", (8,), torch.float32, "sample").append(data)
+    w.add_batch(300)
+    w.close()
+    store = open_store(tmp_path / "s.zarr")
+    for sl in (slice(None, None, 100), slice(None, None, -100), slice(5, 290, 7), slice(290, 5, -7), slice(-1, None, -1),
+               slice(3, 4, 2), slice(None, None, 2)):
+        rows = list(range(300))[sl]
+        got = store["x", sl]
+        assert torch.equal(got, data[rows]), sl
+        exact = got.untyped_storage().nbytes() == got.nbytes == len(rows) * 8 * 4
+        if compression is not None or sl.step < 0:
+            assert exact, sl
+        else:  # uncompressed, positive step: a strided view of mapped rows (16-row shards of 512 bytes
+            # do not map back to back: within one shard only), else a copy of the rows taken
+            view = len(rows) == 1 or not got.is_contiguous()
+            assert view == (rows[0] // 16 == rows[-1] // 16) and (view or exact), sl
+
+
 def test_plain_zarr_reads_every_array(tmp_path):
     torch.manual_seed(0)
     model = MLP().to(torch.bfloat16).eval()
