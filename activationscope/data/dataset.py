@@ -256,6 +256,23 @@ def _sample_id_array(ids: Any) -> np.ndarray:
                                 f"({type(e.value).__name__}) in {_short(ids)}") from None
 
 
+def _sample_id_strings(ids: Any) -> list[str]:
+    """``sample_ids=`` of a store whose sample ids are strings: any collection of str, or one str.
+
+    Raises ArgumentTypeError naming the first element that is no str."""
+    if isinstance(ids, str):
+        return [ids]
+    if isinstance(ids, bytes) or not isinstance(ids, Iterable):
+        raise ArgumentTypeError(f"sample_ids= must be a collection of str (this store's sample ids are strings), got "
+                                f"{_short(ids)} ({type(ids).__name__})")
+    out = list(ids)
+    for v in out:
+        if not isinstance(v, str):
+            raise ArgumentTypeError(f"sample_ids= must be str (this store's sample ids are strings), got {_short(v)} "
+                                    f"({type(v).__name__}) in {_short(ids)}")
+    return out
+
+
 def _slice_range(s: slice, n: int, what: str) -> range:
     """``s`` over ``n`` rows as a range, with Python's clipping (``slice(290, 310)`` of 299 rows
     is rows 290..298)."""
@@ -533,8 +550,9 @@ class ActivationDataset(Dataset):
         list) over the row table. Evaluated once, in the constructor.
     sample_ids : collection of int, optional
         Keep rows of these samples only (every token row of a sample for token hook points):
-        a list, tuple, set, range, 1-D integer Tensor or numpy array, or one int; the rows stay
-        in store order whatever the order given. ArgumentTypeError for anything else.
+        a list, tuple, set, range, 1-D integer Tensor or numpy array, or one int (a collection
+        of str, or one str, for a store captured with str sample ids); the rows stay in store
+        order whatever the order given. ArgumentTypeError for anything else.
     open_options : dict, optional
         Keyword arguments of ``open_store`` when ``store`` is a path or URL.
 
@@ -707,8 +725,14 @@ class ActivationDataset(Dataset):
         if sample_ids is not None:
             if "sample_id" not in table.column_names:
                 raise ArgumentValueError(f"sample_ids= needs a 'sample_id' column in the {self.row_kind} row table")
-            ids = sample_ids if isinstance(sample_ids, pa.Array) else _sample_id_array(sample_ids)
-            wanted = pa.array(ids).cast(table.schema.field("sample_id").type)
+            id_type = table.schema.field("sample_id").type
+            if isinstance(sample_ids, pa.Array):
+                ids = sample_ids
+            elif pa.types.is_string(id_type) or pa.types.is_large_string(id_type):
+                ids = _sample_id_strings(sample_ids)  # a store captured with str sample ids
+            else:
+                ids = _sample_id_array(sample_ids)
+            wanted = pa.array(ids).cast(id_type)
             hit = pc.is_in(table.column("sample_id"), value_set=wanted)
             mask &= hit.to_numpy(zero_copy_only=False).astype(bool)
             some = wanted.slice(0, 5).to_pylist()

@@ -231,6 +231,26 @@ def test_sample_ids_beyond_int64_and_meta_tensors_are_refused(store):
         ActivationDataset(store, hook_points=["a.output"], sample_ids=torch.tensor([1], device="meta"))
 
 
+def test_sample_ids_of_a_store_with_str_sample_ids_are_str(tmp_path):
+    # the writer takes str sample ids (document names): sample_ids= selects them by those
+    from activationscope.store import StoreWriter
+
+    data = torch.arange(12.0).reshape(6, 2)
+    w = StoreWriter(tmp_path / "s.zarr")
+    w.open_array("x", (2,), torch.float32, "sample").append(data)
+    w.add_batch(6, sample_ids=[f"doc-{i}" for i in range(6)])
+    w.close()
+    path = str(tmp_path / "s.zarr")
+    for ids in (["doc-4", "doc-1"], {"doc-1", "doc-4"}, ("doc-1", "doc-4", "doc-9")):
+        ds = ActivationDataset(path, columns=["sample_id"], sample_ids=ids)
+        assert torch.equal(ds[:]["x"], data[[1, 4]]) and ds[:]["sample_id"] == ["doc-1", "doc-4"]
+    assert torch.equal(ActivationDataset(path, sample_ids="doc-5")[:]["x"], data[[5]])
+    with pytest.raises(ArgumentTypeError, match=r"sample_ids= must be str \(this store's sample ids are strings\), got 3"):
+        ActivationDataset(path, sample_ids=["doc-1", 3])
+    with pytest.raises(ArgumentValueError, match=r"none of the sample_ids= \(e.g. \['doc-9'\]\)"):
+        ActivationDataset(path, sample_ids=["doc-9"])
+
+
 def test_batch_is_indexed_by_row_not_by_name(store):
     ds = ActivationDataset(store, hook_points=["a.output"])
     b = ds.__getitems__([0, 1])
