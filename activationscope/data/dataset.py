@@ -879,9 +879,27 @@ class ActivationDataset(Dataset):
                 table = self._row_table()
                 for name in self.columns:
                     col = table.column(name).combine_chunks()
+                    if col.null_count and _numeric(col.type):
+                        col = self._fill_unread_nulls(col, name)
                     cache[name] = _column_to_torch(col, name)
             self._col_cache = cache
         return self._col_cache
+
+    def _fill_unread_nulls(self, col: pa.Array, name: str) -> pa.Array:
+        """A numeric column with nulls, its nulls filled with 0 when none is in a row of this
+        dataset (the values are kept per store row; those rows are never read).
+
+        Raises ArgumentValueError when a row of the dataset has a null: a tensor has no null."""
+        nulls = col.is_null().to_numpy(zero_copy_only=False)
+        ids = self._store_ids().numpy()
+        bad = np.flatnonzero(nulls[ids])
+        if bad.size:
+            raise ArgumentValueError(
+                f"row-table column {name!r} of {self.source.describe()} is null in {bad.size} of this dataset's rows "
+                f"(first: dataset row {int(bad[0])}, store row {int(ids[bad[0]])}), and a tensor has no null; keep "
+                f"the rows where it is set with filter=pc.field({name!r}).is_valid(), or leave it out of columns="
+            )
+        return pc.fill_null(col, pa.scalar(False if pa.types.is_boolean(col.type) else 0, type=col.type))
 
     # ------------------------------------------------------------------ reading
     def get_batch(self, index: Any) -> dict[str, Any]:
@@ -1209,9 +1227,14 @@ def _as_bool_mask(result: Any, n: int, kind: str) -> np.ndarray:
     return arr
 
 
+def _numeric(t: pa.DataType) -> bool:
+    """Whether a row-table column of Arrow type ``t`` comes back as a tensor."""
+    return pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)
+
+
 def _column_to_torch(col: pa.Array, name: str) -> Any:
     t = col.type
-    if pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t):
+    if _numeric(t):
         if col.null_count:
             raise ArgumentValueError(f"row-table column {name!r} has {col.null_count} nulls; filter them out first")
         arr = col.to_numpy(zero_copy_only=False)

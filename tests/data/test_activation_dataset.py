@@ -251,6 +251,29 @@ def test_sample_ids_of_a_store_with_str_sample_ids_are_str(tmp_path):
         ActivationDataset(path, sample_ids=["doc-9"])
 
 
+@pytest.mark.parametrize("values", [[1, None, 0, None, 7], [True, None, False, None, True], [0.5, None, 1.5, None, 2.5]])
+def test_a_numeric_column_with_nulls_reads_where_the_dataset_leaves_them_out(tmp_path, values):
+    from activationscope.store import StoreWriter
+
+    data = torch.arange(10.0).reshape(5, 2)
+    w = StoreWriter(tmp_path / "s.zarr")
+    w.open_array("x", (2,), torch.float32, "sample").append(data)
+    w.add_batch(5, columns={"label": values})
+    w.close()
+    path = str(tmp_path / "s.zarr")
+    set_rows = [0, 2, 4]
+    want = torch.tensor([values[i] for i in set_rows])
+    for ds in (ActivationDataset(path, columns=["label"], filter=pc.field("label").is_valid()),
+               ActivationDataset(path, columns=["label"], rows=set_rows),
+               ActivationDataset(path, columns=["label"], rows=slice(0, 1))):
+        got = ds[:]
+        assert torch.equal(got["label"], want[: len(ds)]) and torch.equal(got["x"], data[set_rows][: len(ds)])
+        assert [ds[i]["label"].item() for i in range(len(ds))] == want[: len(ds)].tolist()
+    with pytest.raises(ArgumentValueError, match=r"column 'label' of .* is null in 2 of this dataset's rows \(first: "
+                                                 r"dataset row 1, store row 3\).*filter=pc.field\('label'\).is_valid\(\)"):
+        ActivationDataset(path, columns=["label"], rows=[0, 3, 4, 1])[:]
+
+
 def test_batch_is_indexed_by_row_not_by_name(store):
     ds = ActivationDataset(store, hook_points=["a.output"])
     b = ds.__getitems__([0, 1])
