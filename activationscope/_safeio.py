@@ -159,6 +159,8 @@ def decode_into(codec: dict, dec: Any, data: bytes, out: np.ndarray, where: str)
         raise StoreCorruptError(
             f"{where} decodes to {n} bytes, expected {out.nbytes}; run `activationscope verify` on the store"
         )
+    if n == 0:  # an empty chunk (rows of a feature shape with a 0 dimension): nothing to decode into
+        return
     try:
         if n is None:  # a frame that does not say its size could decode to any size: refused
             raise StoreCorruptError(f"{where} is a zstd frame without its content size (activationscope and zarr "

@@ -1202,6 +1202,8 @@ class Store:
             if buf is not out:
                 out[:] = buf[: out.nbytes]
             return None
+        if row_bytes == 0:  # (a feature shape with a 0 dimension: a 0-byte buffer does not view as the dtype)
+            return torch.empty((hi - lo, *feat), dtype=F.torch_dtype(meta["dtype"]))
         t = torch.from_numpy(buf[: (hi - lo) * row_bytes]).view(F.torch_dtype(meta["dtype"]))
         return t.view(hi - lo, *feat)
 

@@ -204,6 +204,18 @@ def test_chunk_of_the_wrong_decoded_size_is_an_error(tmp_path, compression):
         store.rows("x", 8, 16)
 
 
+@pytest.mark.parametrize("compression", ["zstd", "blosc-lz4", None])
+def test_rows_of_a_zero_size_feature_shape_verify_and_read(tmp_path, compression):
+    """Rows of shape (3, 0) hold no bytes: each compressed chunk is an encoding of nothing, which
+    decodes to nothing (verify() said every chunk did not decode)."""
+    t = torch.zeros(20, 3, 0)
+    _write(tmp_path / "s.zarr", t, chunk_rows=4, shard_rows=8, compression=compression)
+    store = open_store(tmp_path / "s.zarr")
+    assert store.verify() == []
+    assert store["x"].shape == (20, 3, 0) and store["x", ::-3].shape == (7, 3, 0)
+    assert store.rows("x", 3, 9).shape == (6, 3, 0)
+
+
 def test_garbage_chunk_is_an_error(tmp_path):
     _t, shard = _one_shard(tmp_path)
     n_chunks = _n_chunks(tmp_path / "s.zarr")
