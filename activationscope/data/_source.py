@@ -126,6 +126,10 @@ class StoreSource:
         else:
             self._spec = spec
             self._store = spec if isinstance(spec, RowSource) else None
+            opened_with = getattr(spec, "open_options", None)  # (a Store: verify=, cache_bytes=, ...)
+            if callable(opened_with) and "opener" not in self._options:  # reopened elsewhere (a DataLoader
+                # worker) by open_store as it was opened here
+                self._options = {**opened_with(), **self._options}
         self._pid = os.getpid()
         self._pickled_in: int | None = None  # pid of the process this source was pickled in (None: made here)
         self._views: dict[str, tuple[torch.Tensor, dict[int, torch.Tensor], bool, list[int]]] = {}

@@ -266,6 +266,10 @@ class Store:
         if not isinstance(verify, bool):
             raise ArgumentTypeError(f"verify must be a bool, got {verify!r}")
         self._verify_reads = verify
+        # what reopens this store as it was opened, in another process (a DataLoader worker)
+        self._open_options = {"cache_bytes": int(cache_bytes), "verify": verify}
+        if storage_options is not None:
+            self._open_options["storage_options"] = storage_options
         self._backend = resolve(target, read_only=True, storage_options=storage_options)
         self._cache_bytes = int(cache_bytes)
         self._cache: OrderedDict[tuple, torch.Tensor] = OrderedDict()
@@ -361,6 +365,12 @@ class Store:
             new = "no activationscope store" if run is None else (run[0] or f"created {run[1]}")
             raise StoreError(f"{replaced} (opened: run {was}; now: {new}); {fix}")
         self._stamp = now
+
+    def open_options(self) -> dict:
+        """The keyword arguments of :func:`open_store` this store was opened with
+        (``cache_bytes``, ``verify``, ``storage_options`` when given): what reopens it the same
+        way in another process (``ActivationDataset`` in a DataLoader worker). A new dict."""
+        return dict(self._open_options)
 
     @property
     def attrs(self) -> dict:

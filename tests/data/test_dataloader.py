@@ -105,3 +105,34 @@ def test_memory_store_in_fork_workers_reads_every_row():
     import pickle
 
     assert torch.equal(pickle.loads(pickle.dumps(ds))[:]["0.output"], want)
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_workers_reopen_a_store_object_with_its_open_options(tmp_path, method):
+    """A dataset of open_store(path, verify=True): the workers reopen the store from its path with
+    verify=True too, so a damaged mapped chunk is an error there as in the main process (it was
+    read as it is)."""
+    from activationscope import open_store
+    from activationscope.errors import StoreCorruptError
+    from activationscope.store import StoreWriter
+
+    path = tmp_path / "s.zarr"
+    data = torch.randn(64, 1024, generator=torch.Generator().manual_seed(0))
+    w = StoreWriter(path)
+    w.open_array("x", (1024,), torch.float32, "sample").append(data)
+    w.add_batch(64)
+    w.close()
+    (shard,) = [f for f in (path / "acts" / "x" / "c").rglob("*") if f.is_file()]
+    raw = bytearray(shard.read_bytes())
+    raw[100] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    store = open_store(path, verify=True, cache_bytes=1 << 20)
+    assert store.open_options() == {"verify": True, "cache_bytes": 1 << 20}
+    ds = ActivationDataset(store)
+    with pytest.raises(StoreCorruptError, match="crc32c mismatch"):
+        ds[0:4]
+    loader = DataLoader(ds, batch_size=16, num_workers=1, multiprocessing_context=mp.get_context(method))
+    with pytest.raises(StoreCorruptError, match="crc32c mismatch"):
+        next(iter(loader))
+    # given open_options win over the store's
+    assert ActivationDataset(store, open_options={"verify": False}).source._options == {"verify": False, "cache_bytes": 1 << 20}
