@@ -547,6 +547,9 @@ class Store:
             start, stop, step = sl.indices(n)
         except TypeError:
             raise ArgumentTypeError(f"store[{hook_point!r}, rows]: rows must be a slice of ints or None, got {sl!r}") from None
+        except ValueError:
+            raise ArgumentValueError(f"store[{hook_point!r}, rows]: the slice step must not be zero, got {sl!r}; "
+                                     "use a step of 1 (or None) for every row") from None
         r = range(start, stop, step)
         if len(r) == 0:
             return self._read_rows(hook_point, 0, 0)

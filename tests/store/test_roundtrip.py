@@ -181,6 +181,15 @@ def test_a_strided_slice_that_is_a_copy_holds_only_its_rows(tmp_path, monkeypatc
             assert view == (rows[0] // 16 == rows[-1] // 16) and (view or exact), sl
 
 
+def test_a_slice_of_step_zero_is_our_error_naming_the_hook_point(tmp_path):
+    from activationscope.errors import ArgumentValueError
+
+    store_three_batches(tmp_path / "s.zarr")
+    with pytest.raises(ArgumentValueError, match=r"store\['0.output', rows\]: the slice step must not be zero, got "
+                                                 r"slice\(1, 5, 0\)"):
+        open_store(tmp_path / "s.zarr")["0.output", 1:5:0]
+
+
 def test_plain_zarr_reads_every_array(tmp_path):
     torch.manual_seed(0)
     model = MLP().to(torch.bfloat16).eval()
