@@ -1219,6 +1219,8 @@ def _as_bool_mask(result: Any, n: int, kind: str) -> np.ndarray:
         arr = result.detach().cpu().numpy()
     else:
         arr = np.asarray(result)
+        if arr.shape == (0,) and isinstance(result, (list, tuple)):  # (numpy makes float64 of [])
+            arr = arr.astype(bool)
     if arr.dtype != bool or arr.shape != (n,):
         raise ArgumentValueError(
             f"a filter callable must return a bool mask of shape ({n},) over the {kind} row table, "

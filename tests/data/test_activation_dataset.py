@@ -274,6 +274,18 @@ def test_a_numeric_column_with_nulls_reads_where_the_dataset_leaves_them_out(tmp
         ActivationDataset(path, columns=["label"], rows=[0, 3, 4, 1])[:]
 
 
+def test_a_filter_callable_returning_an_empty_list_on_a_store_without_rows(tmp_path):
+    # a list comprehension over the row table of a store killed before its first commit: []
+    from activationscope.store import StoreWriter
+
+    w = StoreWriter(tmp_path / "s.zarr")
+    w.open_array("x", (2,), torch.float32, "sample")
+    w.commit()
+    ds = ActivationDataset(str(tmp_path / "s.zarr"), filter=lambda t: [v > 0 for v in t["sample_id"].to_pylist()])
+    assert len(ds) == 0 and ds[:]["x"].shape == (0, 2)
+    w.close()
+
+
 def test_batch_is_indexed_by_row_not_by_name(store):
     ds = ActivationDataset(store, hook_points=["a.output"])
     b = ds.__getitems__([0, 1])
