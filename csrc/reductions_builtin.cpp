@@ -624,7 +624,8 @@ class NonZero : public Builtin {
 };
 
 // ------------------------------------------------------------------ hist
-// Fixed bins over [lo, hi]: bin i holds lo + i*w <= x < lo + (i+1)*w, w = (hi - lo) / bins,
+// Fixed bins over [lo, hi] between the edges the result reports, linspace(lo, hi, bins + 1) in
+// float64 (about lo + i*w, w = (hi - lo) / bins): bin i holds edges[i] <= x < edges[i + 1],
 // and x == hi falls in the last bin (as torch.histc). x < lo and x > hi are counted in
 // underflow / overflow, NaN in nan; +-inf are under/overflow.
 class Hist : public Builtin {
@@ -661,7 +662,13 @@ class Hist : public Builtin {
     at::Tensor under = x.lt(lo), over = x.gt(hi);
     at::Tensor in = nan.logical_or(under).logical_or(over).logical_not();
     at::Tensor idx = ((x - lo) * (static_cast<double>(bins_) / (hi - lo))).floor();
-    idx = idx.clamp(0, static_cast<double>(bins_ - 1)).to(at::kLong);
+    idx = idx.clamp(0, static_cast<double>(bins_ - 1)).masked_fill(in.logical_not(), 0).to(at::kLong);
+    // The arithmetic above can miss by one bin for x on (or one ulp from) an edge: settle
+    // each x against the very edges the result reports (edges[i] <= x < edges[i + 1], x == hi
+    // in the last bin), as torch.histogram does.
+    const at::Tensor e = edges();
+    idx = idx - x.lt(e.take(idx)).to(at::kLong) +
+          x.ge(e.take(idx + 1)).logical_and(idx.lt(bins_ - 1)).to(at::kLong);
     at::Tensor col = at::arange(F, x.options().dtype(at::kLong)).unsqueeze(0).expand_as(idx);
     at::Tensor flat = (col * bins_ + idx).masked_select(in);
     at::Tensor counts = at::bincount(flat, {}, F * bins_).to(at::kLong).reshape({F, bins_});
@@ -675,16 +682,19 @@ class Hist : public Builtin {
     for (const char* k : {"counts", "underflow", "overflow", "nan"}) set(k, get(k) + get(b, k));
   }
   Slots result_slots() const override {
-    at::Tensor edges = at::linspace(opt("lo"), opt("hi"), bins_ + 1,
-                                    at::TensorOptions().dtype(at::kDouble).device(device_));
     return {{"counts", get("counts"), Layout::kFeatTrail},
-            {"edges", edges, Layout::kRaw},
+            {"edges", edges(), Layout::kRaw},
             {"underflow", get("underflow"), Layout::kFeat},
             {"overflow", get("overflow"), Layout::kFeat},
             {"nan", get("nan"), Layout::kFeat}};
   }
 
  private:
+  // The bin edges a result reports (float64, (bins + 1,)); bins are settled against them.
+  at::Tensor edges() const {
+    return at::linspace(opt("lo"), opt("hi"), bins_ + 1, at::TensorOptions().dtype(at::kDouble).device(device_));
+  }
+
   int64_t bins_ = 64;
 };
 

@@ -41,7 +41,8 @@ class ScriptReduction : public Reduction {
               "acc: Optional[Tensor] or pre-seed the accumulator (init=...)");
     std::vector<c10::IValue> in;
     in.emplace_back(acc_.defined() ? c10::IValue(acc_) : c10::IValue());
-    in.emplace_back(rows.detach());
+    in.emplace_back(rows.detach());  // (shares the rows' version counter)
+    const uint32_t version = rows._version();
     c10::IValue out;
     try {
       out = module_->forward(std::move(in));
@@ -49,9 +50,19 @@ class ScriptReduction : public Reduction {
       ACS_CHECK(false, "custom reduction '", path_, "' failed on rows of shape ",
                 shape_str(rows.sizes()), " (", rows.scalar_type(), "): ", e.what());
     }
+    // The rows are the model's activations (or the rows a store keeps): a reduction that
+    // writes into them changes the model's forward and what is stored.
+    ACS_CHECK(rows._version() == version, "custom reduction '", path_,
+              "' changed its input x in place (rows of shape ", shape_str(rows.sizes()),
+              "): x holds the model's activations, so the forward and the stored rows would change; "
+              "use out-of-place ops (x = x.clamp(min=0.0), not x.clamp_(min=0.0)) or work on x.clone()");
     ACS_CHECK(out.isTensor(), "custom reduction '", path_, "' must return a Tensor, got ",
               out.tagKind());
-    acc_ = out.toTensor().detach();
+    at::Tensor acc = out.toTensor().detach();
+    // An accumulator that is x itself (`return x` for the first batch) or a view of it would
+    // change with the model's memory: keep a copy.
+    if (acc.has_storage() && rows.has_storage() && acc.storage().is_alias_of(rows.storage())) acc = acc.clone();
+    acc_ = std::move(acc);
   }
 
   void merge(const Reduction& other_r) override {

@@ -1500,3 +1500,87 @@ def test_an_eager_reduction_that_raises_names_the_hook_point_and_itself(in_store
             assert isinstance(info.value.__cause__, ValueError)
         if in_store:
             assert acs.open_store(store).n_rows("0.output") == (2 if fn is eager_fails else 0)  # the whole forwards
+
+
+def test_hist_counts_each_value_in_the_bin_of_the_edges_it_reports():
+    """A value on a reported edge (or one ulp either side) is counted where those edges put it,
+    as torch.histogram over the same edges counts it: (x - lo) / w alone missed by one bin
+    (lo=0.1, hi=0.7, bins=6: x = edges[2] = 0.3 went to bin 1)."""
+    cases = [(0.1, 0.7, 6), (0.0, 1.0, 10), (-3.3, 2.9, 31), (1e-3, 7e-3, 3), (-1.0, 1.0, 1)]
+    for lo, hi, bins in cases:
+        edges = torch.linspace(lo, hi, bins + 1, dtype=torch.float64)
+        near = torch.cat([edges, torch.nextafter(edges, edges + 1), torch.nextafter(edges, edges - 1)])
+        x = torch.cat([near, torch.empty(500, dtype=torch.float64).uniform_(lo, hi)]).clamp(lo, hi)
+        for dtype in (torch.float64, torch.float32):
+            xs = x.to(dtype)
+            got = stream("hist", [xs.reshape(-1, 1)], bins=bins, lo=lo, hi=hi).result()
+            assert torch.equal(got["edges"], edges)
+            inside = xs.double()[(xs.double() >= lo) & (xs.double() <= hi)]
+            want = torch.histogram(inside, bins=edges).hist.to(torch.int64)
+            assert got["counts"][0].tolist() == want.tolist(), (lo, hi, bins, dtype)
+    got = stream("hist", [torch.tensor([[0.3]], dtype=torch.float64)], bins=6, lo=0.1, hi=0.7).result()
+    assert torch.linspace(0.1, 0.7, 7, dtype=torch.float64)[2].item() == 0.3
+    assert got["counts"][0].tolist() == [0, 0, 1, 0, 0, 0]
+
+
+def _custom(kind: str, eager: bool):
+    """The reduction ``kind`` as a TorchScript-compilable function, or one that runs eagerly
+    (it closes over a Python object TorchScript cannot type)."""
+    marker = object() if eager else None
+
+    if kind == "clamps":
+        def clamps(acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+            x.clamp_(min=0.0)
+            return x.sum(0) if acc is None else acc + x.sum(0)
+        fn = clamps
+    else:
+        def first(acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+            if acc is None:
+                return x
+            return acc
+        fn = first
+    if not eager:
+        return fn
+
+    def eager_fn(acc, x):
+        assert marker is not None
+        return fn(acc, x)
+    eager_fn.__name__ = fn.__name__
+    return eager_fn
+
+
+@pytest.mark.parametrize("eager", [False, True])
+@pytest.mark.parametrize("in_store", [False, True])
+def test_a_custom_reduction_that_writes_into_its_rows_is_an_error(eager, in_store, tmp_path):
+    """x is the model's activation: a reduction that changed it in place changed the model's
+    forward (and the stored rows) silently; now the capture stops with CaptureError."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", R.EagerFallbackWarning)
+        scope = acs.ActivationScope(include=["0"], reductions=[("clamps", _custom("clamps", eager))],
+                                    store=str(tmp_path / "s.zarr") if in_store else None)
+    assert R.make_reduction(_custom("clamps", eager)).kind == ("eager" if eager else "script")
+    with pytest.raises(CaptureError, match=r"custom reduction .*clamps.* changed its input x in place .*out-of-place"):
+        with torch.no_grad(), scope.track(model):
+            model(torch.randn(5, 3))
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_an_accumulator_that_is_its_rows_is_kept_as_a_copy(eager):
+    """`return x` for the first batch made the accumulator the model's own tensor: an in-place
+    op after the hook (ReLU(inplace=True)) then changed the reduction's value."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.ReLU(inplace=True)).eval()
+    x = torch.randn(6, 3)
+    want = model[0](x).detach()
+    assert (want < 0).any()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", R.EagerFallbackWarning)
+        fn = _custom("first", eager)
+        assert R.make_reduction(fn).kind == ("eager" if eager else "script")
+        scope = acs.ActivationScope(include=["0"], reductions=[("first", fn)],
+                                    reduction_policy=acs.ReductionPolicy.STREAMING)
+    with torch.no_grad(), scope.track(model) as tracker:
+        model(x)
+        model(torch.randn(6, 3))
+    torch.testing.assert_close(tracker.reductions["0.output"]["first"], want, rtol=0, atol=0)

@@ -304,6 +304,7 @@ class EagerReduction(_C.Reduction):
         """Fold a batch ``rows : Tensor, (n_rows, *feature_shape), any dtype, any device``."""
         if rows.dim() >= 1 and rows.shape[0] == 0:
             return
+        version = rows._version
         try:
             with torch.no_grad():
                 out = self._fn(self._acc, rows.detach())
@@ -313,12 +314,23 @@ class EagerReduction(_C.Reduction):
                 f"{where}custom reduction {_fn_name(self._fn)!r} (eager) failed on rows of shape "
                 f"{tuple(rows.shape)} ({rows.dtype}): {type(e).__name__}: {e}"
             ) from e
+        if rows._version != version:
+            # the rows are the model's activations (or the rows a store keeps)
+            where = f"hook point {self.hook_point!r}: " if self.hook_point else ""
+            raise CaptureError(
+                f"{where}custom reduction {_fn_name(self._fn)!r} (eager) changed its input x in place (rows of "
+                f"shape {tuple(rows.shape)}): x holds the model's activations, so the forward and the stored rows "
+                "would change; use out-of-place ops (x = x.clamp(min=0.0), not x.clamp_(min=0.0)) or work on x.clone()"
+            )
         if not isinstance(out, torch.Tensor):
             where = f"hook point {self.hook_point!r}: " if self.hook_point else ""
             raise ReductionError(
                 f"{where}custom reduction {_fn_name(self._fn)!r} must return a Tensor, got {type(out).__name__}"
             )
-        self._acc = out.detach()
+        acc = out.detach()
+        if acc.untyped_storage().data_ptr() == rows.untyped_storage().data_ptr() and rows.untyped_storage().nbytes():
+            acc = acc.clone()  # x itself (`return x` for the first batch) or a view of it: the model's memory
+        self._acc = acc
 
     def merge(self, other: "EagerReduction") -> None:
         raise ReductionError(
