@@ -250,14 +250,15 @@ def check_root_attrs(attrs: Any, *, store: Any, key: str = "zarr.json") -> dict:
         raise c.fail("run_id", "a str of 1..128 characters", attrs["run_id"])
     c.int(attrs, "n_samples", "n_samples", default=0)
     c.int(attrs, "n_batches", "n_batches", default=0)
-    arrays = c.dict(attrs.get("arrays"), "arrays", optional=True)
+    # absent in a store of nothing yet; present, each is an object (null is not one)
+    arrays = c.dict(attrs.get("arrays", {}), "arrays")
     paths: dict[str, str] = {}
     for hp, meta in arrays.items():
         check_array_entry(hp, meta, c)
         if meta["path"] in paths:
             raise c.fail(f"arrays[{hp!r}].path", "unique", f"{meta['path']} (also the path of {paths[meta['path']]!r})")
         paths[meta["path"]] = hp
-    tables = c.dict(attrs.get("row_tables"), "row_tables", optional=True)
+    tables = c.dict(attrs.get("row_tables", {}), "row_tables")
     for kind, info in tables.items():
         f = f"row_tables[{kind!r}]"
         if kind not in ("sample", "token"):
@@ -276,7 +277,7 @@ def check_root_attrs(attrs: Any, *, store: Any, key: str = "zarr.json") -> dict:
         if not isinstance(cols, list) or not all(isinstance(x, str) for x in cols):
             raise c.fail(f"{f}.columns", "a list of str", cols)
         c.crcs(info.get("crc32c"), f"{f}.crc32c", f"rows/{kind}")
-    reductions = c.dict(attrs.get("reductions"), "reductions", optional=True)
+    reductions = c.dict(attrs.get("reductions", {}), "reductions")
     for hp, entries in reductions.items():
         for name, e in c.dict(entries, f"reductions[{hp!r}]").items():
             check_reduction_entry(hp, name, e, c)

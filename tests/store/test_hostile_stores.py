@@ -281,6 +281,23 @@ def test_array_fields_out_of_range(plain, field, value):
 
 
 
+@pytest.mark.parametrize("field", ["arrays", "row_tables", "reductions"])
+def test_root_tables_that_are_null(plain, field):
+    """A root whose arrays, row tables or reductions are JSON null (not an object) is refused
+    at open, naming the field, on every path that reads it (never a TypeError)."""
+    from activationscope import cli
+
+    path, _ = plain
+    edit_root(path, lambda a: a.update({field: None}))
+    message = rf"zarr.json field {field} must be a JSON object, got None"
+    with pytest.raises(StoreCorruptError, match=message):
+        open_store(path)
+    with pytest.raises(StoreCorruptError, match=message):
+        acs.ActivationDataset(path)
+    for command in (["info"], ["verify"], ["export", "--format", "parquet", "--out", str(path.parent / "e.parquet")]):
+        assert cli.main([command[0], str(path), *command[1:]]) == 1
+
+
 @pytest.mark.parametrize("codec, field", [
     ({"name": "zstd", "configuration": {"level": ""}}, "configuration.level"),
     ({"name": "zstd", "configuration": {"level": [[[[[]]]]]}}, "configuration.level"),
