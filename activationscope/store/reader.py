@@ -1550,15 +1550,19 @@ class Store:
             if readable and total != int(info.get("n_rows", 0)):
                 problems.append(f"row table {kind!r}: its parts hold {total} rows, the metadata says n_rows "
                                 f"{info.get('n_rows', 0)}")
-        if "sample" in tables and self.n_samples != int(tables["sample"].get("n_rows", 0)):
+        # a row table the root does not list reads as one of 0 rows (row_table(), datasets, exports)
+        if self.n_samples != int((tables.get("sample") or {}).get("n_rows", 0)):
             problems.append(f"n_samples {self.n_samples} differs from the sample row table's n_rows "
-                            f"{tables['sample'].get('n_rows', 0)}")
+                            f"{(tables.get('sample') or {}).get('n_rows', 0)}"
+                            + ("" if "sample" in tables else " (zarr.json lists no row_tables['sample'])"))
         for hp in list(self._attrs.get("arrays", {})):
             meta = self._meta(hp)
             table = tables.get(meta["row_kind"])
-            if meta.get("follows_row_table", True) and table is not None and int(meta["n_rows"]) > int(table.get("n_rows", 0)):
-                problems.append(f"hook point {hp!r}: n_rows {meta['n_rows']} exceeds the {table.get('n_rows', 0)} "
-                                f"rows of the {meta['row_kind']} row table it follows")
+            table_rows = int((table or {}).get("n_rows", 0))
+            if meta.get("follows_row_table", True) and int(meta["n_rows"]) > table_rows:
+                listed = "" if table is not None else f" (zarr.json lists no row_tables[{meta['row_kind']!r}])"
+                problems.append(f"hook point {hp!r}: n_rows {meta['n_rows']} exceeds the {table_rows} "
+                                f"rows of the {meta['row_kind']} row table it follows{listed}")
         for hp, entries in (self._attrs.get("reductions") or {}).items():
             for name, entry in entries.items():
                 where = f"hook point {hp!r}: reduction {name!r}"

@@ -298,6 +298,29 @@ def test_root_tables_that_are_null(plain, field):
         assert cli.main([command[0], str(path), *command[1:]]) == 1
 
 
+@pytest.mark.parametrize("kind", ["sample", "token"])
+def test_verify_names_a_row_table_the_root_does_not_list(tmp_path, kind):
+    """A root without the row table its arrays follow reads that table as 0 rows (datasets and
+    exports of the arrays then fail): verify reports it instead of returning []."""
+    path = tmp_path / "t.zarr"
+    w = StoreWriter(path)
+    a = w.open_array(HP, (FEATURE,), torch.float32, "token")
+    a.append(torch.randn(5, FEATURE))
+    w.add_batch(2, [0, 1], torch.tensor([[True, True, True], [True, True, False]]))
+    w.close()
+    assert open_store(path).verify() == []
+    edit_root(path, lambda a: a["row_tables"].pop(kind))
+    problems = open_store(path).verify()
+    if kind == "token":
+        assert problems == [f"hook point {HP!r}: n_rows 5 exceeds the 0 rows of the token row table it follows "
+                            "(zarr.json lists no row_tables['token'])"], problems
+        with pytest.raises(acs.ActivationScopeError, match="token row table .* has 0 rows"):
+            acs.ActivationDataset(path, columns=["sample_id"])[0:1]
+    else:
+        assert problems == ["n_samples 2 differs from the sample row table's n_rows 0 "
+                            "(zarr.json lists no row_tables['sample'])"], problems
+
+
 @pytest.mark.parametrize("codec, field", [
     ({"name": "zstd", "configuration": {"level": ""}}, "configuration.level"),
     ({"name": "zstd", "configuration": {"level": [[[[[]]]]]}}, "configuration.level"),
