@@ -1361,8 +1361,19 @@ class Store:
         raw = self._backend.get(key, max_bytes=expected)
         if raw is None or len(raw) != expected:
             raise V.corrupt(self._backend, f"{where} changed while it was read")
-        self._check_crc(raw, (entry.get("crc32c") or {}).get(key), where)
+        self._check_crc(raw, self._listed_crc(entry, key, where), where)
         return torch.frombuffer(bytearray(raw), dtype=dtype).reshape(shape)
+
+    def _listed_crc(self, entry: dict, key: str, where: str) -> int | None:
+        """The crc32c the entry records for its file ``key``; None when it records none (stores
+        written before they were recorded). An entry whose ``crc32c`` lists other files but not
+        ``key`` has had its ``path`` or ``script`` edited to another file: refused, never read
+        unchecked."""
+        crcs = entry.get("crc32c") or {}
+        if crcs and key not in crcs:
+            raise V.corrupt(self._backend, f"{where}: the entry's crc32c lists {sorted(crcs)} but not this file "
+                                           "(its path or script names another file than the one it was written with)")
+        return crcs.get(key)
 
     @property
     def reductions(self) -> Mapping[str, dict[str, torch.Tensor]]:
@@ -1417,14 +1428,19 @@ class Store:
         someone else wrote runs code of theirs: load it only from a store you trust.
         """
         entry = self._attrs.get("reductions", {}).get(hook_point, {}).get(name) or {}
+        return self._read_script(entry, name)
+
+    def _read_script(self, entry: dict, name: str) -> bytes | None:
         key = entry.get("script")
         if key is None:
             return None
         self._check_same_store()
+        where = f"reduction {name!r}: script {key!r}"
+        expected = self._listed_crc(entry, key, where)
         data = self._backend.get(key, max_bytes=V.MAX_FILE_BYTES)
         if data is None:
-            raise V.corrupt(self._backend, f"reduction {name!r}: script {key!r} listed in the metadata is missing")
-        self._check_crc(data, (entry.get("crc32c") or {}).get(key), f"reduction {name!r}: script {key!r}")
+            raise V.corrupt(self._backend, f"{where} listed in the metadata is missing")
+        self._check_crc(data, expected, where)
         return data
 
     # ------------------------------------------------------------------ row tables
@@ -1583,6 +1599,7 @@ class Store:
                         problems.append(problem)
                 try:
                     self._read_small(entry)
+                    self._read_script(entry, name)
                 except StoreCorruptError as e:
                     line = f"{where}: {e}"
                     if not any(line.startswith(p.split(":")[0]) and "crc32c" in p for p in problems[-3:]):

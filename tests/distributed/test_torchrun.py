@@ -333,8 +333,7 @@ def test_rank_stores_keep_the_resume_state_and_old_rank_state_stores_still_commi
                             new_path = part["path"].replace(".state.", ".rank_state.")
                             shutil.move(rank_dir / part["path"], rank_dir / new_path)
                             part["path"] = new_path
-                            part["crc32c"] = {new_path if k == part["path"].replace(".rank_state.", ".state.") else k: v
-                                              for k, v in part["crc32c"].items()}
+                            part["crc32c"] = {k.replace(".state.", ".rank_state.", 1): v for k, v in part["crc32c"].items()}
                         old.setdefault(hp, {})[e["reduction"]] = {"kind": e["kind"], "options": e.pop("options", {}),
                                                                   "n_rows": e["n_rows"], "state": st}
                 attrs["reduction_states"] = old

@@ -554,12 +554,59 @@ def test_reduction_scripts_never_loaded(plain, monkeypatch):
     monkeypatch.setattr(torch.jit, "load", refuse)
     script = path / "reductions" / HP / "mean.pt"
     script.write_bytes(b"not a script")
-    edit_root(path, lambda a: a["reductions"][HP]["mean"].update(script=f"reductions/{HP}/mean.pt"))
+    import google_crc32c
+
+    key = f"reductions/{HP}/mean.pt"
+    edit_root(path, lambda a: (a["reductions"][HP]["mean"].update(script=key),
+                               a["reductions"][HP]["mean"]["crc32c"].update({key: int(google_crc32c.value(b"not a script"))})))
     s = open_store(path)
     assert torch.equal(s.reductions[HP]["mean"], data.double().mean(0))
     s.verify()
     s.info()
     assert s.reduction_script(HP, "mean") == b"not a script"
+
+
+@pytest.mark.parametrize("field, value", [("path", f"reductions/{HP}/var"), ("script", f"reductions/{HP}/absmax.pt")])
+def test_reduction_entry_pointed_at_another_file(tmp_path, field, value):
+    """A reduction entry whose path (or script) was edited to name another reduction's file,
+    intact and of the same size, is refused: its crc32c map lists the files it was written
+    with, not that one. Before, the other file's values were returned as this reduction's and
+    verify returned []."""
+    path = tmp_path / "r.zarr"
+    data = make_store(path)
+    script = tmp_path / "absmax.pt"
+    script.write_bytes(b"scripted module bytes")
+
+    class Var:
+        kind = "var"
+
+        def result(self):
+            return {"var": data.double().var(0, unbiased=False)}
+
+    class Absmax:
+        kind = "script"
+
+        def result(self):
+            return {"value": data.abs().amax(0)}
+
+    w = StoreWriter(path, resume=True)
+    w.open_array(HP, (FEATURE,), torch.float32, "sample")
+    w.add_reductions(HP, "var", Var())
+    w.add_reductions(HP, "absmax", Absmax(), script_path=script)
+    w.close()
+    s = open_store(path)
+    assert s.verify() == [] and s.reduction_script(HP, "absmax") == b"scripted module bytes"
+    edit_root(path, lambda a: a["reductions"][HP]["mean"].update({field: value}))
+    s = open_store(path)
+    if field == "path":
+        with pytest.raises(StoreCorruptError, match=rf"reduction 'mean': chunk 'reductions/{HP}/var/c/0': the entry's "
+                                                    r"crc32c lists \['reductions/0.output/mean/c/0'\] but not this file"):
+            s.reductions[HP]["mean"]
+    else:
+        with pytest.raises(StoreCorruptError, match=rf"reduction 'mean': script 'reductions/{HP}/absmax.pt': the entry's "
+                                                    "crc32c lists"):
+            s.reduction_script(HP, "mean")
+    assert any("but not this file" in p for p in s.verify())
 
 
 def test_one_shard_folder_linked_outside_among_real_ones(tmp_path, plain):
