@@ -1635,6 +1635,10 @@ class Store:
             if doc["shape"][0] < n:
                 problems.append(f"hook point {hp!r}: array document {doc_key} has shape {doc['shape']!r}, expected "
                                 f"[>= {n} committed rows, *{list(meta['feature_shape'])}]")
+            try:  # what decoded reads, to_dask and plain zarr readers open (fill value, names, extra fields)
+                self._zarray(meta)
+            except StoreCorruptError as e:
+                problems.append(f"hook point {hp!r}: {e}")
         man_raw = self._backend.get(meta["manifest"])
         if man_raw is None:
             problems.append(f"hook point {hp!r}: manifest {meta['manifest']!r} is missing")

@@ -739,6 +739,24 @@ def test_array_document_edited_alone(plain, field, value):
     assert open_store(path).verify()
 
 
+@pytest.mark.parametrize("field, value", [("fill_value", None), ("dimension_names", ["rows"]), ("zzz", 1),
+                                          ("storage_transformers", [{"name": "x"}])])
+def test_verify_names_an_array_document_zarr_cannot_open(zstd, field, value):
+    """An array document that agrees with the root on every field the reader sizes rows from,
+    but that zarr-python refuses (row blocks and exports of a compressed array, and to_dask,
+    open it through zarr), is reported by verify; before, verify returned [] while every read failed."""
+    path, _ = zstd
+    doc_path = path / "acts" / HP / "zarr.json"
+    doc = json.loads(doc_path.read_text())
+    doc[field] = value
+    doc_path.write_text(json.dumps(doc))
+    s = open_store(path)
+    with pytest.raises(StoreCorruptError, match=rf"array document acts/{HP}/zarr.json does not open with zarr"):
+        s.row_blocks(HP)
+    problems = s.verify()
+    assert len(problems) == 1 and "does not open with zarr" in problems[0], problems
+
+
 @pytest.mark.parametrize("fixture", ["plain", "zstd"])
 @pytest.mark.parametrize("field", ["chunk_rows", "shard_rows"])
 def test_manifest_layout_checked_against_the_root(request, fixture, field):
