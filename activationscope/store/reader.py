@@ -1352,6 +1352,22 @@ class Store:
         self._check_same_store()
         expected = numel * F.itemsize(entry["dtype"])
         where = f"reduction {entry.get('reduction')!r}: chunk {key!r}"
+        # the bytes are interpreted as the root says: its dtype and shape must be the array's own
+        doc_key = f"{entry['path']}/zarr.json"
+        raw_doc = self._backend.get(doc_key)
+        doc = None if raw_doc is None else V.loads_json(raw_doc, store=self._backend, key=doc_key)
+        if not isinstance(doc, dict):
+            raise V.corrupt(self._backend, f"reduction {entry.get('reduction')!r}: its array document {doc_key} is "
+                                           f"{'missing' if doc is None else 'not a JSON object'}")
+        attr = doc.get("attributes")
+        attr = attr.get(F.ATTRS_KEY) if isinstance(attr, dict) else None
+        said = (doc.get("data_type"), doc.get("shape"),
+                attr.get("dtype", entry["dtype"]) if isinstance(attr, dict) else entry["dtype"])
+        if said != (F.zarr_dtype(entry["dtype"]), shape, entry["dtype"]):
+            raise V.corrupt(self._backend, f"reduction {entry.get('reduction')!r}: its array document {doc_key} says "
+                                           f"data_type {said[0]!r}, shape {said[1]!r} (dtype {said[2]!r}), but the "
+                                           f"root document zarr.json says dtype {entry['dtype']!r} (data_type "
+                                           f"{F.zarr_dtype(entry['dtype'])!r}), shape {shape}: the two disagree")
         size = self._backend.size(key)
         if size is None:
             raise V.corrupt(self._backend, f"{where} listed in the metadata is missing")

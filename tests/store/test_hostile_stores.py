@@ -264,7 +264,26 @@ def test_huge_n_rows(plain):
 def test_reduction_shape_checked_against_its_file(plain, shape):
     path, _ = plain
     edit_root(path, lambda a: a["reductions"][HP]["mean"].update(shape=shape))
-    with pytest.raises(StoreCorruptError, match=r"mean.*(holds 64 bytes, but its shape|shape must be)"):
+    with pytest.raises(StoreCorruptError, match=r"mean.*(holds 64 bytes, but its shape|shape must be|says data_type "
+                                                r"'float64', shape \[8\].*the two disagree)"):
+        open_store(path).reductions[HP]["mean"]
+
+
+@pytest.mark.parametrize("dtype", ["int64", "complex64", "uint64"])
+def test_reduction_dtype_checked_against_its_document(plain, dtype):
+    """A root that says another dtype of the same itemsize for a reduction is refused, naming
+    its array document and both values; before, the float64 bytes were returned reinterpreted
+    as that dtype and verify returned []."""
+    path, _ = plain
+    edit_root(path, lambda a: a["reductions"][HP]["mean"].update(dtype=dtype))
+    s = open_store(path)
+    message = (rf"reduction 'mean': its array document reductions/{HP}/mean/zarr.json says data_type 'float64', "
+               rf"shape \[8\] \(dtype 'float64'\), but the root document zarr.json says dtype '{dtype}'")
+    with pytest.raises(StoreCorruptError, match=message):
+        s.reductions[HP]["mean"]
+    assert any("the two disagree" in p for p in s.verify())
+    (path / "reductions" / HP / "mean" / "zarr.json").unlink()
+    with pytest.raises(StoreCorruptError, match=rf"its array document reductions/{HP}/mean/zarr.json is missing"):
         open_store(path).reductions[HP]["mean"]
 
 
