@@ -588,6 +588,30 @@ def _recorded_world_size(b: Any, ranks: list[int]) -> int | None:
     return sizes.pop() if len(sizes) == 1 else None
 
 
+def _check_commit_record(b: Any, attrs: dict, dist: dict, ranks: list[int]) -> None:
+    """Before the rank stores of a store whose root says ``committed`` are removed: the root
+    is the record a commit writes (status ``complete``, ``distributed.ranks`` listing ranks 0
+    .. world_size - 1), so a root whose flag alone was edited never deletes the rank stores
+    that hold every row.
+
+    Raises
+    ------
+    StoreCorruptError
+        Another root; nothing was changed or removed.
+    """
+    n = dist.get("world_size")
+    recorded = dist.get("ranks")
+    listed = [e.get("rank") if isinstance(e, dict) else None for e in recorded] if isinstance(recorded, list) else None
+    if attrs.get("status") == "complete" and isinstance(n, int) and listed == list(range(n)):
+        return
+    raise StoreCorruptError(
+        f"the root document zarr.json of {str(b)!r} says distributed.committed true, but it is not the record of a "
+        f"commit (status {_short(attrs.get('status'))}, distributed.ranks {_short(recorded)}; a commit writes status "
+        f"'complete' and one entry per rank), while rank stores {[f'{r:05d}' for r in ranks]} remain under "
+        f"{_ranks_dir(b)!r}; nothing was changed or removed. Set distributed.committed to false in that zarr.json (or "
+        "move it away) and consolidate again")
+
+
 def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
                   make_reduction: Callable[[str, str, dict], Any] | None, world_size: int | None,
                   verify: bool = True) -> dict:
@@ -607,6 +631,7 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
     ranks = _rank_dirs(b)
     if dist.get("committed"):
         if ranks:  # crashed while removing the rank stores: finish that
+            _check_commit_record(b, root_attrs, dist, ranks)
             _remove_ranks(b)
         _remove_temp_files(b)
         return {"n_ranks": int(dist.get("world_size", 0)), "n_samples": int(root_attrs.get("n_samples", 0)),

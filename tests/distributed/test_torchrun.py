@@ -706,6 +706,31 @@ def test_consolidate_refuses_a_root_document_that_is_not_ours(tmp_path, capsys, 
     assert acs.open_store(store).status == "complete" and acs.open_store(store).n_rows("0.output") == 36
 
 
+def test_consolidate_keeps_the_rank_stores_under_a_root_whose_committed_flag_was_edited(tmp_path, capsys):
+    """A root of uncommitted rank stores edited to say distributed.committed true (status
+    incomplete, no ranks record) is not taken as a commit whose rank stores are left to
+    remove: StoreCorruptError, nothing removed. Before, consolidate printed "already
+    committed" and deleted every rank store, leaving a store of no rows."""
+    store = tmp_path / "s.zarr"
+    _small_rank_stores(store)
+    root = store / "zarr.json"
+    good, before, err = _consolidate_after_editing(
+        store, root, lambda d: d["attributes"]["activationscope"]["distributed"].update(committed=True), capsys)
+    assert "says distributed.committed true, but it is not the record of a commit (status 'incomplete'" in err, err
+    assert "nothing was changed or removed" in err and "Traceback" not in err
+    assert _tree(store) == before
+    root.write_bytes(good)
+    from activationscope.store.ranks import commit_ranks
+
+    shutil.copytree(store / "ranks", tmp_path / "ranks-copy")
+    commit_ranks(store)
+    assert acs.open_store(store).n_rows("0.output") == 36 and not (store / "ranks").exists()
+    # a commit killed after its root, before it removed the rank stores: a rerun removes them
+    shutil.copytree(tmp_path / "ranks-copy", store / "ranks")
+    commit_ranks(store)
+    assert acs.open_store(store).n_rows("0.output") == 36 and not (store / "ranks").exists()
+
+
 def test_consolidate_leaves_other_files_under_ranks(tmp_path):
     """consolidate removes the rank stores it committed and leaves a user's other files and
     folders under ranks/ (and ranks/ with them); with nothing else there ranks/ goes too."""
