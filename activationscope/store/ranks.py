@@ -667,6 +667,11 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
                              "completes, then commit")
     _check_rank_world_sizes(b, stores, expected)
     for st in stores:
+        table_rows = int(((st.attrs.get("row_tables") or {}).get("sample") or {}).get("n_rows", 0))
+        if st.n_samples != table_rows:  # the committed root sums n_samples: it must be the rows committed
+            raise StoreCorruptError(f"rank store {st.path!r}: its zarr.json says n_samples {st.n_samples}, but its "
+                                    f"sample row table holds {table_rows} rows (row_tables['sample'].n_rows); the rank "
+                                    "store is damaged: capture that rank again; nothing was written")
         if not isinstance(st.attrs.get("model") or {}, dict):
             raise StoreCorruptError(f"rank store {st.path!r}: the model record of its zarr.json is not a JSON object; "
                                     "the rank store is damaged: capture that rank again; nothing was written")
