@@ -144,6 +144,11 @@ def decoded_size(codec: dict, data: bytes | memoryview) -> int | None:
     if name == "blosc":
         if len(data) < 16:
             raise ValueError("blosc header is truncated")
+        # c-blosc reads as many input bytes as the header's cbytes says (it is not given the
+        # buffer's length): another value than the chunk's length would read past its end
+        cbytes = int.from_bytes(data[12:16], "little")
+        if cbytes != len(data):
+            raise ValueError(f"blosc header says {cbytes} compressed bytes, the chunk holds {len(data)}")
         return int.from_bytes(data[4:8], "little")
     raise ValueError(f"unknown codec {name!r}")
 

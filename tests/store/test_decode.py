@@ -229,6 +229,30 @@ def test_garbage_chunk_is_an_error(tmp_path):
         open_store(tmp_path / "s.zarr").rows("x", 40, 48)
 
 
+@pytest.mark.parametrize("cut", ["header only", "half", "8 bytes more"])
+def test_blosc_chunk_shorter_or_longer_than_its_header_says_is_an_error(tmp_path, cut):
+    """A blosc chunk whose header says more (or fewer) compressed bytes than the chunk holds,
+    recorded with its own crc32c, is refused before it is decoded: c-blosc is not given the
+    buffer's length and would read past its end. Before, a chunk cut to half decoded without
+    an error into rows of whatever memory followed it."""
+    t, shard = _one_shard(tmp_path, "blosc-lz4")
+    n_chunks = _n_chunks(tmp_path / "s.zarr")
+    data = bytearray(shard.read_bytes())
+    index = _index(bytes(data), n_chunks).copy()
+    off, nb = int(index[1, 0]), int(index[1, 1])
+    enc = bytes(data[off:off + nb])
+    enc = {"header only": enc[:16], "half": enc[:nb // 2], "8 bytes more": enc + bytes(8)}[cut]
+    end = len(data) - 16 * n_chunks - 4
+    index[1] = [end, len(enc)]
+    shard.write_bytes(_rewrite_index(bytearray(bytes(data[:end]) + enc + bytes(data[end:])), n_chunks, index))
+    _record_in_manifest(tmp_path / "s.zarr", 1, end, enc)
+    store = open_store(tmp_path / "s.zarr")
+    assert torch.equal(store.rows("x", 0, 8), t[0:8])
+    with pytest.raises(StoreCorruptError, match=rf"does not decode: blosc header says {nb} compressed bytes, the chunk "
+                                                rf"holds {len(enc)}"):
+        store.rows("x", 8, 16)
+
+
 @pytest.mark.parametrize("n", [0, 1, 255, 256, 65535, 65536 + 256, 1 << 20])
 def test_zstd_frame_content_size_is_read_from_the_header(n):
     # frames of the header size classes (1, 2 and 4-byte content size fields)
