@@ -1582,6 +1582,11 @@ class Store:
             if readable and total != int(info.get("n_rows", 0)):
                 problems.append(f"row table {kind!r}: its parts hold {total} rows, the metadata says n_rows "
                                 f"{info.get('n_rows', 0)}")
+            elif readable:  # each part is fine: the table is their concatenation (columns of one type)
+                try:
+                    self.row_table(kind)
+                except StoreCorruptError as e:
+                    problems.append(f"row table {kind!r}: {e}")
         # a row table the root does not list reads as one of 0 rows (row_table(), datasets, exports)
         if self.n_samples != int((tables.get("sample") or {}).get("n_rows", 0)):
             problems.append(f"n_samples {self.n_samples} differs from the sample row table's n_rows "

@@ -340,6 +340,30 @@ def test_verify_names_a_row_table_the_root_does_not_list(tmp_path, kind):
                             "(zarr.json lists no row_tables['sample'])"], problems
 
 
+def test_verify_names_row_table_parts_that_do_not_fit_together(plain):
+    """A row-table part that is intact (its crc32c recorded) and readable Parquet, but whose
+    columns do not make one table (a column repeated): row_table() refuses the table, and
+    verify reports it; before, verify returned [] while every read of the table failed."""
+    import io
+
+    import google_crc32c
+    import pyarrow.parquet as pq
+
+    path, _ = plain
+    key = root(path)["attributes"]["activationscope"]["row_tables"]["sample"]["parts"][0]
+    t = pq.read_table(path / key)
+    t = t.append_column("label", t.column("label"))
+    sink = io.BytesIO()
+    pq.write_table(t, sink)
+    (path / key).write_bytes(sink.getvalue())
+    edit_root(path, lambda a: a["row_tables"]["sample"]["crc32c"].update({key: int(google_crc32c.value(sink.getvalue()))}))
+    s = open_store(path)
+    with pytest.raises(StoreCorruptError, match="the parts of row table 'sample' do not fit together"):
+        s.row_table("sample")
+    problems = s.verify()
+    assert len(problems) == 1 and "row table 'sample'" in problems[0] and "do not fit together" in problems[0], problems
+
+
 @pytest.mark.parametrize("codec, field", [
     ({"name": "zstd", "configuration": {"level": ""}}, "configuration.level"),
     ({"name": "zstd", "configuration": {"level": [[[[[]]]]]}}, "configuration.level"),
