@@ -216,6 +216,11 @@ def check_reduction_entry(hp: str, name: str, e: Any, c: _Checker) -> None:
     c.crcs(e.get("crc32c"), f"{f}.crc32c", "reductions")
     if "n_rows" in e:
         c.int(e, "n_rows", f"{f}.n_rows")
+    if "options" in e:  # a built-in reduction's options (numbers): a resume, a commit and a report use them
+        options = c.dict(e["options"], f"{f}.options")
+        for key, value in options.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise c.fail(f"{f}.options[{key!r}]", "a finite number", value)
     for key, part in c.dict(e.get("state"), f"{f}.state", optional=True).items():
         g = f"{f}.state[{key!r}]"
         c.dict(part, g)

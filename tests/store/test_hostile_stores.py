@@ -364,6 +364,30 @@ def test_verify_names_row_table_parts_that_do_not_fit_together(plain):
     assert len(problems) == 1 and "row table 'sample'" in problems[0] and "do not fit together" in problems[0], problems
 
 
+@pytest.mark.parametrize("options, field", [({"ddof": "x"}, "options['ddof']"), ({"ddof": None}, "options['ddof']"),
+                                            ({"ddof": True}, "options['ddof']"), ("ddof=1", "options"),
+                                            ({"bins": [4]}, "options['bins']")])
+def test_reduction_options_that_are_not_numbers(tmp_path, options, field):
+    """A reduction entry's options (a resume, a commit of rank stores and report rebuild or
+    rescale the reduction from them) are numbers: anything else is refused at open naming
+    the field; before, report (and a resume) failed on it with a raw ValueError."""
+    from activationscope import cli
+    from activationscope.reductions import make_reduction
+
+    path = tmp_path / "r.zarr"
+    data = make_store(path)
+    w = StoreWriter(path, resume=True)
+    w.open_array(HP, (FEATURE,), torch.float32, "sample")
+    r = make_reduction("var")
+    r.update(data)
+    w.add_reductions(HP, "var", r)
+    w.close()
+    edit_root(path, lambda a: a["reductions"][HP]["var"].update(options=options))
+    with pytest.raises(StoreCorruptError, match=re.escape(f"field reductions['{HP}']['var'].{field} must be")):
+        open_store(path)
+    assert cli.main(["report", str(path), "--out", str(tmp_path / "report")]) == 1
+
+
 @pytest.mark.parametrize("codec, field", [
     ({"name": "zstd", "configuration": {"level": ""}}, "configuration.level"),
     ({"name": "zstd", "configuration": {"level": [[[[[]]]]]}}, "configuration.level"),
