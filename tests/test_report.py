@@ -533,3 +533,36 @@ def test_probe_of_features_near_the_float64_limits(scale):
     assert got.accuracy == pytest.approx(unit.accuracy, abs=0.02)
     sep = torch.tensor(labels, dtype=torch.float64)[:, None].expand(-1, 4) * scale
     assert probe_accuracy(sep, labels, n_folds=5).accuracy == 1.0
+
+
+def test_plots_of_hook_points_with_names_longer_than_a_file_name(tmp_path):
+    """A hook point whose name is longer than a file name may be (255 bytes; a deep module
+    path, or a store from elsewhere) gets a PNG named by its first 200 bytes and a hash, each
+    its own; before, report failed with OSError 'File name too long'."""
+    from activationscope.store import StoreWriter
+
+    import json
+
+    names = ["x" * 300 + ".a.output", "x" * 300 + ".b.output", "é" * 150 + ".output"]
+    store = tmp_path / "s.zarr"
+    w = StoreWriter(store)
+    for i in range(3):
+        w.open_array(f"{i}.output", (3,), torch.float32, "sample").append(torch.randn(20, 3) + i)
+    w.add_batch(20)
+    w.close()
+    # a store from elsewhere, whose arrays (at short paths) are named by long hook points
+    doc = json.loads((store / "zarr.json").read_text())
+    arrays = doc["attributes"]["activationscope"]["arrays"]
+    for i, hp in enumerate(names):
+        arrays[hp] = arrays.pop(f"{i}.output")
+        for f in ("zarr.json", "manifest.json"):
+            d = json.loads((store / "acts" / f"{i}.output" / f).read_text())
+            (d["attributes"]["activationscope"] if f == "zarr.json" else d)["hook_point"] = hp
+            (store / "acts" / f"{i}.output" / f).write_text(json.dumps(d))
+    (store / "zarr.json").write_text(json.dumps(doc))
+    page = report.write_report(str(tmp_path / "s.zarr"), tmp_path / "rep").read_text()
+    imgs = dict((alt, src) for src, alt in re.findall(r"<img src='(hp_[^']+)' alt='([^']+)'>", page))
+    assert sorted(imgs) == sorted(names) and len(set(imgs.values())) == 3
+    for hp, src in imgs.items():
+        assert len(src.encode()) <= 255 and (tmp_path / "rep" / src).is_file()
+        assert re.fullmatch(r"hp_.+-[0-9a-f]{8}\.png", src)

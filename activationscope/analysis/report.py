@@ -417,15 +417,26 @@ def _unique_slugs(names: Sequence[str]) -> dict[str, str]:
     letters, digits, ``-`` and ``_`` made ``_``; where two hook points give the same name
     (``d.a_b.output`` and ``d.a.b.output``, or names equal but for case, which a
     case-insensitive file system mixes up) each of them gets ``-`` and 8 hex digits of the
-    SHA-1 of the exact hook point appended."""
+    SHA-1 of the exact hook point appended; so does a name cut to its first 200 bytes (a
+    file name has at most 255)."""
     import hashlib
 
     base = {n: _slug(n) for n in names}
     seen: dict[str, int] = {}
     for slug in base.values():
         seen[slug.lower()] = seen.get(slug.lower(), 0) + 1
-    return {n: (slug if seen[slug.lower()] == 1 else f"{slug}-{hashlib.sha1(n.encode()).hexdigest()[:8]}")
-            for n, slug in base.items()}
+    out = {}
+    for n, slug in base.items():
+        long = len(slug.encode()) > _MAX_SLUG_BYTES  # a file name has at most 255 bytes
+        if long:
+            slug = slug.encode()[:_MAX_SLUG_BYTES].decode("utf-8", "ignore")
+        out[n] = slug if seen[base[n].lower()] == 1 and not long else f"{slug}-{hashlib.sha1(n.encode()).hexdigest()[:8]}"
+    return out
+
+
+#: Bytes of a hook point's name kept in its file name (``hp_<name>[-<hash>].png`` stays
+#: within the 255 bytes a file name may have); a longer one is cut and gets the hash.
+_MAX_SLUG_BYTES = 200
 
 
 def write_report(
