@@ -1870,7 +1870,12 @@ def _rank_view(store: "Store", attrs: dict, dist: dict) -> tuple[dict, list, dic
             return attrs, [], {}
         if sub.get("zarr.json", max_bytes=V.MAX_JSON_BYTES) is None:
             continue  # this rank made no store (yet)
-        ranks.append((r, Store(sub, cache_bytes=store._cache_bytes, verify=store._verify_reads, _rank_view=False)))
+        st = Store(sub, cache_bytes=store._cache_bytes, verify=store._verify_reads, _rank_view=False)
+        recorded = (st.attrs.get("rank_store") or {}).get("rank") if isinstance(st.attrs.get("rank_store"), dict) else None
+        if recorded is not None and recorded != r:  # another rank's store (a copy, or a link to it) shown twice
+            raise V.corrupt(store._backend, f"rank store 'ranks/{r:05d}' records rank {recorded!r} (rank_store.rank in "
+                                            f"its zarr.json), but is stored as rank {r}")
+        ranks.append((r, st))
     if not ranks:
         return attrs, [], {}
     arrays: dict[str, dict] = {}

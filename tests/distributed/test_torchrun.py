@@ -749,6 +749,25 @@ def test_consolidate_refuses_a_rank_store_whose_n_samples_is_not_its_sample_rows
     assert acs.open_store(store).verify() == []
 
 
+@pytest.mark.parametrize("how", ["edited", "linked"])
+def test_uncommitted_view_refuses_a_rank_store_of_another_rank(tmp_path, how):
+    """Reading an uncommitted multi-rank store whose ranks/00001 is rank 0's store (a copy
+    whose rank_store says rank 0, or a link to ranks/00000) is refused naming it; before, the
+    view showed rank 0's rows twice, the second time labelled rank 1, and verify returned []."""
+    store = tmp_path / "s.zarr"
+    _small_rank_stores(store)
+    rank1 = store / "ranks" / "00001"
+    if how == "edited":
+        doc = json.loads((rank1 / "zarr.json").read_text())
+        doc["attributes"]["activationscope"]["rank_store"]["rank"] = 0
+        (rank1 / "zarr.json").write_text(json.dumps(doc))
+    else:
+        shutil.rmtree(rank1)
+        rank1.symlink_to("00000")
+    with pytest.raises(acs.StoreCorruptError, match=r"rank store 'ranks/00001' records rank 0 .*but is stored as rank 1"):
+        acs.open_store(store)
+
+
 def test_consolidate_leaves_other_files_under_ranks(tmp_path):
     """consolidate removes the rank stores it committed and leaves a user's other files and
     folders under ranks/ (and ranks/ with them); with nothing else there ranks/ goes too."""
