@@ -391,9 +391,10 @@ def array_document_problems(doc: Any, meta: dict, *, hook_point: str, doc_key: s
                {"chunk_rows": chunk_rows, "feature_shape": feat}, [chunk_rows, *feat_chunk])
     inner = conf.get("codecs")
     comp = meta.get("compression")
-    endian_ok = (isinstance(inner, list) and inner and isinstance(inner[0], dict) and inner[0].get("name") == "bytes"
-                 and (inner[0].get("configuration") or {}).get("endian", "little" if F.itemsize(dtype) == 1 else None)
-                 == "little")
+    bytes_conf = (inner[0].get("configuration") or {}) if isinstance(inner, list) and inner and isinstance(
+        inner[0], dict) else None
+    endian_ok = (isinstance(bytes_conf, dict) and inner[0].get("name") == "bytes"
+                 and bytes_conf.get("endian", "little" if F.itemsize(dtype) == 1 else None) == "little")
     if not endian_ok:
         out.append(f"{where} field codecs[0].configuration.codecs must start with the bytes codec, endian 'little' "
                    f"(FORMAT.md §3), got {inner!r}"[:400])

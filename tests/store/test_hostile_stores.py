@@ -388,6 +388,25 @@ def test_reduction_options_that_are_not_numbers(tmp_path, options, field):
     assert cli.main(["report", str(path), "--out", str(tmp_path / "report")]) == 1
 
 
+@pytest.mark.parametrize("configuration", ["/etc/passwd", ["little"], 7])
+def test_array_document_whose_bytes_codec_configuration_is_not_an_object(plain, configuration):
+    """The inner bytes codec's configuration of an array document that is not a JSON object
+    is named as a disagreement with the root (reads, info and verify); before, every one of
+    them failed with AttributeError: 'str' object has no attribute 'get'."""
+    path, _ = plain
+    doc_path = path / "acts" / HP / "zarr.json"
+    doc = json.loads(doc_path.read_text())
+    doc["codecs"][0]["configuration"]["codecs"][0]["configuration"] = configuration
+    doc_path.write_text(json.dumps(doc))
+    s = open_store(path)
+    message = "field codecs\\[0\\].configuration.codecs must start with the bytes codec"
+    with pytest.raises(StoreCorruptError, match=message):
+        s[HP]
+    with pytest.raises(StoreCorruptError, match=message):
+        s.info()
+    assert any("must start with the bytes codec" in p for p in s.verify())
+
+
 @pytest.mark.parametrize("codec, field", [
     ({"name": "zstd", "configuration": {"level": ""}}, "configuration.level"),
     ({"name": "zstd", "configuration": {"level": [[[[[]]]]]}}, "configuration.level"),
