@@ -253,6 +253,8 @@ def check_root_attrs(attrs: Any, *, store: Any, key: str = "zarr.json") -> dict:
         raise c.fail("status", "one of ['complete', 'incomplete']", attrs.get("status"))
     if "run_id" in attrs and not (isinstance(attrs["run_id"], str) and 0 < len(attrs["run_id"]) <= 128):
         raise c.fail("run_id", "a str of 1..128 characters", attrs["run_id"])
+    if attrs.get("storage_dtype") is not None and attrs["storage_dtype"] not in F.SUPPORTED_DTYPES:
+        raise c.fail("storage_dtype", f"null or one of {list(F.SUPPORTED_DTYPES)}", attrs["storage_dtype"])
     c.int(attrs, "n_samples", "n_samples", default=0)
     c.int(attrs, "n_batches", "n_batches", default=0)
     # absent in a store of nothing yet; present, each is an object (null is not one)

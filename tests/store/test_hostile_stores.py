@@ -407,6 +407,19 @@ def test_array_document_whose_bytes_codec_configuration_is_not_an_object(plain, 
     assert any("must start with the bytes codec" in p for p in s.verify())
 
 
+@pytest.mark.parametrize("value", [1 << 40, "float128", [], True])
+def test_root_storage_dtype_that_is_not_a_dtype_name(plain, value):
+    """The root's storage_dtype (what a resume compares its own with, and names in its error)
+    is null or a dtype name: anything else is refused at open and on resume, naming the
+    field; before, a resume failed with TypeError building its message."""
+    path, _ = plain
+    edit_root(path, lambda a: a.update(storage_dtype=value))
+    with pytest.raises(StoreCorruptError, match=r"zarr.json field storage_dtype must be null or one of"):
+        open_store(path)
+    with pytest.raises(StoreCorruptError, match=r"zarr.json field storage_dtype must be null or one of"):
+        StoreWriter(path, resume=True)
+
+
 @pytest.mark.parametrize("codec, field", [
     ({"name": "zstd", "configuration": {"level": ""}}, "configuration.level"),
     ({"name": "zstd", "configuration": {"level": [[[[[]]]]]}}, "configuration.level"),
