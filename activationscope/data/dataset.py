@@ -29,6 +29,7 @@ from ..errors import (
     ArgumentValueError,
     HookPointNotFoundError,
     RowIndexError,
+    StoreCorruptError,
     StoreError,
 )
 from ..capture.hooks import pattern_hits
@@ -680,9 +681,11 @@ class ActivationDataset(Dataset):
         if table.num_rows > self.n_store_rows:  # rows committed for other hook points only
             table = table.slice(0, self.n_store_rows)
         if table.num_rows != self.n_store_rows:
-            raise ActivationScopeError(
+            # the table and the hook point's rows are committed together: fewer rows is damage
+            raise StoreCorruptError(
                 f"the {self.row_kind} row table of {self.source.describe()} has {table.num_rows} rows, "
-                f"but hook point {self.hook_points[0]!r} has {self.n_store_rows}"
+                f"but hook point {self.hook_points[0]!r}, which follows it, has {self.n_store_rows}: the store's "
+                "root and its row-table files disagree; run store.verify() and restore the store from its source"
             )
         return table
 

@@ -333,7 +333,8 @@ def test_verify_names_a_row_table_the_root_does_not_list(tmp_path, kind):
     if kind == "token":
         assert problems == [f"hook point {HP!r}: n_rows 5 exceeds the 0 rows of the token row table it follows "
                             "(zarr.json lists no row_tables['token'])"], problems
-        with pytest.raises(acs.ActivationScopeError, match="token row table .* has 0 rows"):
+        with pytest.raises(StoreCorruptError, match=r"token row table .* has 0 rows, but hook point '0.output', "
+                           r"which follows it, has 5: .* store.verify\(\)"):
             acs.ActivationDataset(path, columns=["sample_id"])[0:1]
     else:
         assert problems == ["n_samples 2 differs from the sample row table's n_rows 0 "
