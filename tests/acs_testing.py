@@ -142,3 +142,24 @@ def store_three_batches(target, **options) -> torch.Tensor:
         w.add_batch(12)
     w.close()
     return data
+
+
+def set_reduction_state(path, name, key, value, hook_point: str = "0.output") -> None:
+    """Replace one state array of reduction ``name`` of ``hook_point`` in the store (or rank
+    store) at ``path``, checksums and all: a store damaged or made by someone else that
+    verify() finds nothing wrong with."""
+    import json
+
+    from activationscope.store import _format as F
+
+    root_file = path / "zarr.json"
+    root = json.loads(root_file.read_text())
+    entries = root["attributes"]["activationscope"]["reductions"][hook_point]
+    entry = next(e for e in entries.values() if e.get("reduction") == name and "state" in e)["state"][key]
+    doc = json.loads((path / entry["path"] / "zarr.json").read_text())
+    assert doc["shape"] == list(value.shape)
+    (chunk,) = entry["crc32c"]
+    data = value.contiguous().numpy().tobytes()
+    (path / chunk).write_bytes(data)
+    entry["crc32c"] = {chunk: F.crc32c(data)}
+    root_file.write_text(json.dumps(root))

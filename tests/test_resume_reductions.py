@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from activationscope import ActivationScope, open_store
+from acs_testing import set_reduction_state
 
 
 def _model():
@@ -359,27 +360,6 @@ def test_a_stored_builtin_state_is_continued_without_reading_rows_back(tmp_path,
     torch.testing.assert_close(r["r10.values"].double(), flat.topk(3, 0).values)
 
 
-def _set_state(path, name, key, value):
-    """Replace one state array of reduction ``name`` of hook point 0.output, checksums and all
-    (a store damaged or made by someone else that verify() finds nothing wrong with)."""
-    import json
-
-    from activationscope.store import _format as F
-
-    root_file = path / "zarr.json"
-    root = json.loads(root_file.read_text())
-    entries = root["attributes"]["activationscope"]["reductions"]["0.output"]
-    entry = next(e for e in entries.values() if e.get("reduction") == name and "state" in e)["state"][key]
-    doc_file = path / entry["path"] / "zarr.json"
-    doc = json.loads(doc_file.read_text())
-    assert doc["shape"] == list(value.shape)
-    (chunk,) = entry["crc32c"]
-    data = value.contiguous().numpy().tobytes()
-    (path / chunk).write_bytes(data)
-    entry["crc32c"] = {chunk: F.crc32c(data)}
-    root_file.write_text(json.dumps(root))
-
-
 @pytest.mark.parametrize("name, key, value", [
     ("mean", "count", torch.tensor(10 ** 15)),
     ("mean", "count", torch.tensor(0)),
@@ -395,7 +375,7 @@ def test_a_stored_state_that_does_not_fit_its_rows_is_recomputed(tmp_path, name,
     path = tmp_path / "s.zarr"
     specs = ["mean", "var", "topk", ("hist", "hist", {"lo": -1, "hi": 1, "bins": 4})]
     _run(model, path, xs[:2], specs)
-    _set_state(path, name, key, value)
+    set_reduction_state(path, name, key, value)
     assert open_store(path).verify() == []
     _run(model, path, xs[2:], specs, resume=True)
     ref = _ref_rows(model, xs)

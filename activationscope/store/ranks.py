@@ -42,7 +42,7 @@ from . import _validate as V
 from ._backend import LocalBackend, resolve
 from ._lock import WriterLock
 from .reader import Store
-from .writer import ROW_KINDS, _library_versions, _write_small_array, resume_history
+from .writer import ROW_KINDS, _builtin_state_fits, _library_versions, _write_small_array, resume_history
 
 RANKS_DIR = "ranks"
 #: Version of stores committed from rank stores (one-process stores stay version 1).
@@ -255,6 +255,31 @@ def _merge_states(hp: str, name: str, entries: list[dict], stores: list[Store],
         part.load_state(state)
         total.merge(part)
     return total
+
+
+def _check_states_fit(stores: list[Store]) -> None:
+    """Refuse a rank store whose built-in reduction state no such reduction can hold after the
+    rows it has (as a resume refuses to continue one, StoreWriter.stored_reduction_state;
+    here there are no rows to compute it again from), before anything is written.
+
+    Raises StoreCorruptError naming the rank store, hook point and reduction."""
+    from ..capture import reductions as R
+
+    for r, st in enumerate(stores):
+        for hp, entries in _rank_states(st).items():
+            if hp not in st.hook_points:
+                continue
+            meta = st.attrs["arrays"][st.aliases.get(hp, hp)]
+            for name, e in entries.items():
+                if e.get("kind") not in R.BUILTIN_REDUCTIONS or not isinstance(e.get("state"), dict):
+                    continue
+                state = {key: st._read_small({**arr, "reduction": name}) for key, arr in e["state"].items()}
+                if not _builtin_state_fits(e["kind"], e.get("options") or {}, state, st.n_rows(hp),
+                                           tuple(meta["feature_shape"])):
+                    raise StoreCorruptError(
+                        f"rank {r} store {st.path!r}: the state of reduction {name!r} of hook point {hp!r} is not one "
+                        f"a {e['kind']!r} reduction can hold after its {st.n_rows(hp)} rows (keys, shapes, dtypes, "
+                        "count or row ids); the rank store is damaged: capture that rank again; nothing was written")
 
 
 def commit_ranks(target: Any, *, storage_options: dict | None = None,
@@ -692,6 +717,7 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
         metas[hp] = meta
     # every rank shard that is linked, copied or re-chunked is checked before anything is written
     manifests = {hp: _check_rank_shards(hp, metas[hp], stores, local, verify) for hp in hps}
+    _check_states_fit(stores)
     arrays: dict[str, dict] = {}
     summary: dict[str, dict] = {}
     for hp in hps:

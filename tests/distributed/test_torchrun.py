@@ -25,6 +25,7 @@ HERE = Path(__file__).resolve().parent
 SCRIPT = HERE / "torchrun_capture.py"
 sys.path.insert(0, str(HERE))
 import torchrun_capture as job  # noqa: E402
+from acs_testing import set_reduction_state  # noqa: E402
 
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 WORLD = 2
@@ -747,6 +748,29 @@ def test_consolidate_refuses_a_rank_store_whose_n_samples_is_not_its_sample_rows
 
     commit_ranks(store)
     assert acs.open_store(store).verify() == []
+
+
+@pytest.mark.parametrize("key, value", [("count", torch.tensor(10 ** 15)),
+                                        ("mean", torch.ones(8, dtype=torch.float64)),
+                                        ("count", torch.tensor(-1))])
+def test_consolidate_refuses_a_rank_state_that_does_not_fit_its_rows(tmp_path, key, value):
+    """A rank store's mean state edited with its checksums kept (a count of 10**15 for 18
+    rows) was merged into the committed store's mean; it is refused naming the rank, as a
+    resume refuses to continue such a state, and nothing is written."""
+    from activationscope.store.ranks import commit_ranks
+
+    store = tmp_path / "s.zarr"
+    _small_rank_stores(store)
+    set_reduction_state(store / "ranks" / "00001", "mean", key, value)
+    before = _tree(store)
+    if key == "mean":  # a state that fits (other values, same keys, shapes and count): merged as it is
+        commit_ranks(store)
+        assert acs.open_store(store).verify() == []
+        return
+    with pytest.raises(acs.StoreCorruptError, match=r"rank 1 store .*: the state of reduction 'mean' of hook point "
+                       r"'0.output' is not one a 'mean' reduction can hold after its 18 rows"):
+        commit_ranks(store)
+    assert _tree(store) == before
 
 
 @pytest.mark.parametrize("how", ["edited", "linked"])
