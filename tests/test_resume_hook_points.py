@@ -299,3 +299,35 @@ def test_a_store_without_recorded_patterns_resumes_unchecked(tmp_path):
     torch.testing.assert_close(torch.as_tensor(s["0.output"][:]).double(), _ref(model, xs, 1))
     # the resume recorded its own patterns
     assert s.attrs["capture_config"]["patterns"] == {"include": ["0", "1"], "exclude": ["1"]}
+
+
+def test_a_resume_continues_a_store_whose_hook_point_a_forward_may_not_call(tmp_path):
+    """b.output is called only in some forwards (its rows already do not follow the row
+    table): a resume whose first forward does not call it was refused ("it holds ['b.output']
+    which this capture does not give"), so a model with a data-dependent branch could not be
+    resumed unless its first resumed forward took the branch. It now continues, exactly."""
+    import warnings
+
+    model = LateBranch()
+    xs = _batches(5, rows=3)
+    extra = [False, True, False, False, True]
+    path = tmp_path / "s.zarr"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CaptureWarning)
+        with torch.no_grad(), ActivationScope(store=path).track(model):
+            for x, e in zip(xs[:3], extra[:3]):
+                model(x, extra=e)
+    assert not open_store(path).follows_row_table("b.output")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CaptureWarning)  # b.output is no news to this store
+        with torch.no_grad(), ActivationScope(store=path, store_options={"resume": True}).track(model):
+            for x, e in zip(xs[3:], extra[3:]):
+                model(x, extra=e)
+    s = open_store(path)
+    with torch.no_grad():
+        ref_a = torch.cat([model.a(x) for x in xs])
+        ref_b = torch.cat([model.b(model.a(x)) for x, e in zip(xs, extra) if e])
+    assert s.status == "complete" and s.n_samples == 15 and s.verify() == []
+    torch.testing.assert_close(torch.as_tensor(s["a.output"][:]), ref_a, rtol=0, atol=0)
+    torch.testing.assert_close(torch.as_tensor(s["b.output"][:]), ref_b, rtol=0, atol=0)
+    assert s.follows_row_table("a.output") and not s.follows_row_table("b.output")

@@ -511,6 +511,7 @@ class Tracker:
         # resume: the hook points the store holds (a capture must give exactly these), None
         # when there is nothing to check; a refused resume leaves the store as it was found
         self._stored: frozenset[str] | None = None
+        self._intermittent: frozenset[str] = frozenset()
         self._first_checked = False
         self._refused: str | None = None
         self._refused_error: type[ActivationScopeError] = CaptureError  # raised again at the close
@@ -569,6 +570,9 @@ class Tracker:
             self._n_samples = int(self.writer.n_samples_committed)
             stored = getattr(self.writer, "stored_hook_points", None)
             self._stored = frozenset(stored) if stored else None
+            # stored hook points a forward may not call (their rows already do not follow the
+            # row table): the first resumed forward need not give them
+            self._intermittent = frozenset(getattr(self.writer, "stored_intermittent", None) or ())
             if self._stored:
                 # a stored hook point no tracked module can give: refused before anything is written
                 names = {n for n, _ in self._modules}
@@ -919,7 +923,7 @@ class Tracker:
             return None
         if self._stored is not None and name not in self._stored:
             self._refuse([], [name])
-        if self.writer is not None and self._n_captured > 0:
+        if self.writer is not None and self._n_captured > 0 and name not in self._intermittent:
             warnings.warn(
                 f"hook point {name!r} was first captured in forward {self._core.n_forwards - 1} of the tracked "
                 f"model, after {self._n_captured} captured forward(s) without it: its store array starts there, so "
@@ -1213,7 +1217,7 @@ class Tracker:
             # the first captured forward of a resume gave every hook point it will: the
             # stored ones must all be there, before any row of it is committed
             self._first_checked = True
-            missing = sorted(self._stored.difference(self._sinks))
+            missing = sorted(self._stored.difference(self._sinks).difference(self._intermittent))
             if missing:
                 self._refuse(missing, [])
         if self._n_captured == 0:  # the first captured forward gave its hook points

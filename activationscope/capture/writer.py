@@ -79,6 +79,11 @@ class ActivationWriter(Protocol):
     """Hook points (arrays and aliases) the store held when the writer opened (resume; empty
     for a new store). Optional: a writer without it is not checked on resume."""
 
+    stored_intermittent: list[str]
+    """Stored hook points whose rows no longer follow the row table (``follows_row_table`` is
+    False: first captured after some forwards, or missing from one): a resume does not need
+    them in its first forward. Optional: without it, every stored hook point is needed there."""
+
     stored_capture_config: dict
     """The ``capture_config`` the store recorded when the writer opened (resume; empty for a
     new store). Optional: without it, a resume's include= / exclude= patterns are not checked."""

@@ -753,6 +753,10 @@ class StoreWriter:
         self.aliases: dict[str, str] = dict(st.get("aliases") or {})
         #: Hook points the store held when this writer opened (arrays and aliases; resume).
         self.stored_hook_points: list[str] = sorted(set(self._old_arrays) | set(self.aliases))
+        #: Those whose rows no longer follow the row table (a module not called in every forward).
+        self.stored_intermittent: list[str] = sorted(
+            hp for hp in self.stored_hook_points
+            if not (self._old_arrays.get(self.aliases.get(hp, hp)) or {}).get("follows_row_table", True))
         #: The capture_config the store recorded when this writer opened (resume; empty otherwise).
         config = st.get("capture_config")
         self.stored_capture_config: dict = dict(config) if isinstance(config, dict) else {}
