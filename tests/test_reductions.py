@@ -1584,3 +1584,17 @@ def test_an_accumulator_that_is_its_rows_is_kept_as_a_copy(eager):
         model(x)
         model(torch.randn(6, 3))
     torch.testing.assert_close(tracker.reductions["0.output"]["first"], want, rtol=0, atol=0)
+
+
+def test_a_reduction_name_longer_than_a_file_name_allows_is_refused_before_any_capture(tmp_path):
+    """reductions/<hook point>/<name>.state.<key> must fit a file name (255 bytes): a name of
+    101+ UTF-8 bytes is refused when the scope is made, naming its length."""
+    for name in ("r" * 101, "é" * 51):
+        with pytest.raises(ReductionError, match=r"at most 100 UTF-8 bytes .*got \d+ bytes"):
+            acs.ActivationScope(reductions=[(name, "mean")], store=str(tmp_path / "s.zarr"))
+    scope = acs.ActivationScope(reductions=[("r" * 100, "var")], store=str(tmp_path / "ok.zarr"))
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4)).eval()
+    x = torch.randn(5, 3)
+    with torch.no_grad(), scope.track(model):
+        y = model(x)
+    torch.testing.assert_close(acs.open_store(tmp_path / "ok.zarr").reductions["0.output"]["r" * 100], y.double().var(0, correction=0))

@@ -575,7 +575,13 @@ def _default_name(spec: Any) -> str:
 def _check_name(name: Any) -> None:
     """A reduction's name names the arrays ``reductions/<hook point>/<name>[.<key>]`` of a
     store: it must be one store node name (not empty, no ``/`` or ``\\``, not ``.``, ``..``
-    or ``zarr.json``)."""
+    or ``zarr.json``, at most 100 UTF-8 bytes)."""
+    if isinstance(name, str) and len(name.encode("utf-8", "surrogatepass")) > 100:
+        raise ReductionError(
+            f"reduction name must be at most 100 UTF-8 bytes (it names the files reductions/<hook point>/<name>.<key> "
+            f"of a store), got {len(name.encode('utf-8', 'surrogatepass'))} bytes ({name[:40]!r}...); give a shorter "
+            "one with (name, spec)"
+        )
     if not isinstance(name, str) or not name or name in (".", "..", "zarr.json") or "/" in name or "\\" in name:
         raise ReductionError(
             f"reduction name must be a non-empty str without '/' or '\\', and not '.', '..' or 'zarr.json' "

@@ -96,8 +96,17 @@ def itemsize(name: str) -> int:
     return torch_dtype(name).itemsize
 
 
+#: Longest node name in UTF-8 bytes: file systems allow 255 bytes a name, and a reduction's
+#: files add ``.<reduction>.state.<key>`` below it
+MAX_NODE_BYTES = 128
+
+
 def node_name(hook_point: str) -> str:
-    """The Zarr node name of a hook point (``/`` and a leading ``__`` escaped with ``%``)."""
+    """The Zarr node name of a hook point (``/`` and a leading ``__`` escaped with ``%``).
+
+    A name longer than :data:`MAX_NODE_BYTES` UTF-8 bytes is cut to its first 100 bytes (at a
+    character boundary) plus ``~`` and the first 16 hex digits of the sha256 of the hook point
+    (FORMAT.md section 1): a folder a file system can make, one per hook point."""
     if not isinstance(hook_point, str) or not hook_point:
         raise ArgumentValueError(f"hook point must be a non-empty str, got {hook_point!r}")
     out = hook_point.replace("%", "%25").replace("/", "%2F")
@@ -105,6 +114,12 @@ def node_name(hook_point: str) -> str:
         out = "%5F" + out[1:]
     if out in (".", ".."):
         out = out.replace(".", "%2E")
+    raw = out.encode("utf-8", "surrogatepass")
+    if len(raw) > MAX_NODE_BYTES:
+        import hashlib
+
+        head = raw[:100].decode("utf-8", "ignore")  # (a character cut in two is left out)
+        out = f"{head}~{hashlib.sha256(hook_point.encode('utf-8', 'surrogatepass')).hexdigest()[:16]}"
     return out
 
 

@@ -159,3 +159,54 @@ def test_tilde_is_expanded_in_every_local_store_path(tmp_path, monkeypatch):
     w.close()
     assert np.array_equal(acs.open_store(str(home / "w.zarr"))["x"].numpy(), np.ones((3, 2), np.float32))
     assert not any(p.name == "~" for p in work.rglob("*")) and not (work / "~").exists()
+
+
+def test_hook_points_with_names_longer_than_a_file_name_are_stored_and_read_back(tmp_path):
+    """A module name of 300 characters made the capture fail with a raw OSError (File name too
+    long) creating acts/<hook point>: a node name over 128 bytes is now its first 100 bytes,
+    '~' and 16 hex digits of the name's sha256, so two long names that share those bytes get
+    folders of their own, and every reader finds them through the metadata's path."""
+    import hashlib
+
+    import activationscope as acs
+    from activationscope.store import _format as F
+
+    class Long(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.add_module("y" * 300 + "1", torch.nn.Linear(3, 4))
+            self.add_module("y" * 300 + "2", torch.nn.Linear(4, 2))
+            self.add_module("é" * 70, torch.nn.Linear(2, 2))  # 140 bytes: cut between characters
+
+        def forward(self, x):
+            for m in self.children():
+                x = m(x)
+            return x
+
+    model = Long().eval()
+    path = tmp_path / "s.zarr"
+    xs = [torch.randn(5, 3) for _ in range(2)]
+    with torch.no_grad(), acs.ActivationScope(store=str(path), reductions=["mean"]).track(model):
+        for x in xs:
+            model(x)
+    s = acs.open_store(path)
+    names = ["y" * 300 + "1.output", "y" * 300 + "2.output", "é" * 70 + ".output"]
+    assert sorted(s.hook_points) == sorted(names) and s.verify() == []
+    with torch.no_grad():
+        ref = []
+        for x in xs:
+            outs, h = [], x
+            for m in model.children():
+                h = m(h)
+                outs.append(h)
+            ref.append(outs)
+    for k, hp in enumerate(names):
+        node = F.node_name(hp)
+        assert len(node.encode()) <= F.MAX_NODE_BYTES
+        assert node.endswith("~" + hashlib.sha256(hp.encode()).hexdigest()[:16])
+        assert s.attrs["arrays"][hp]["path"] == f"acts/{node}" and (path / "acts" / node).is_dir()
+        want = torch.cat([r[k] for r in ref])
+        torch.testing.assert_close(s[hp][:], want)
+        torch.testing.assert_close(s.reductions[hp]["mean"], want.double().mean(0))
+    assert F.node_name("é" * 70 + ".output").startswith("é" * 50 + "~")
+    assert F.node_name("a" * 128) == "a" * 128  # up to 128 bytes: as it was
