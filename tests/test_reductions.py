@@ -1523,6 +1523,28 @@ def test_hist_counts_each_value_in_the_bin_of_the_edges_it_reports():
     assert got["counts"][0].tolist() == [0, 0, 1, 0, 0, 0]
 
 
+@pytest.mark.parametrize("lo, hi, bins", [(-1e308, 1e308, 4), (1e15, 1e15 + 1, 1000), (0.0, 4e-323, 8),
+                                           (5e-310, 5.00000000000413e-310, 3)])
+def test_hist_refuses_a_range_whose_bins_float64_cannot_hold(lo, hi, bins):
+    """hi - lo overflowing (edges NaN and inf), bins narrower than float64 tells apart (repeated
+    edges: values were counted up to 62 bins away from where the reported edges put them) and
+    bins / (hi - lo) overflowing (x == lo: IndexError from the native update) are refused
+    when the reduction is made, naming the options."""
+    with pytest.raises(ReductionError, match=r"options of reduction 'hist' give bins float64 cannot hold: "
+                       rf"lo={re.escape(repr(float(lo)))}, hi={re.escape(repr(float(hi)))}, bins={bins} .*"
+                       r"use fewer bins or a wider range"):
+        R.make_reduction("hist", lo=lo, hi=hi, bins=bins)
+    # just wide enough: every value is counted where the reported edges put it
+    lo, bins = 1e15, 7
+    hi = lo + 16 * 0.125 * bins
+    got = stream("hist", [], bins=bins, lo=lo, hi=hi)
+    edges = torch.linspace(lo, hi, bins + 1, dtype=torch.float64)
+    x = torch.cat([edges, torch.nextafter(edges, edges + 1), torch.nextafter(edges, edges - 1)]).clamp(lo, hi)
+    got.update(x.reshape(-1, 1))
+    want = torch.histogram(x, bins=edges).hist.to(torch.int64)
+    assert got.result()["counts"][0].tolist() == want.tolist()
+
+
 def _custom(kind: str, eager: bool):
     """The reduction ``kind`` as a TorchScript-compilable function, or one that runs eagerly
     (it closes over a Python object TorchScript cannot type)."""

@@ -33,6 +33,7 @@ import atexit
 import contextlib
 import difflib
 import inspect
+import math
 import os
 import shutil
 import tempfile
@@ -457,6 +458,8 @@ def make_reduction(spec: Any, *, init: Any = None, **options: float) -> Reductio
             r = _C.make_builtin_reduction(spec, opts)
         except ActivationScopeError as e:
             raise ReductionError(str(e)) from e
+        if spec == "hist":
+            _check_hist_range(opts)
         return _seed(r, init)
     if _is_path_spec(spec):
         path = Path(spec)
@@ -479,6 +482,23 @@ def make_reduction(spec: Any, *, init: Any = None, **options: float) -> Reductio
         f"reduction must be a built-in name {list(BUILTIN_REDUCTIONS)}, a function {CONTRACT}, "
         f"a scripted function / module or a path to a .pt file; got {type(spec).__name__}"
     )
+
+
+def _check_hist_range(opts: Mapping[str, float]) -> None:
+    """Refuse a ``hist`` range whose bins float64 cannot tell apart: ``hi - lo`` not finite
+    (``lo=-1e308, hi=1e308``: the edges are NaN and inf), ``bins / (hi - lo)`` not finite
+    (``hi - lo`` subnormal: the bin of ``x == lo`` is NaN) or bins narrower than 16 float64
+    steps at ``max(|lo|, |hi|)`` (``lo=1e15, hi=1e15 + 1, bins=1000``: edges repeat, and a
+    value is no longer settled against the edges the result reports)."""
+    lo, hi, bins = opts["lo"], opts["hi"], opts.get("bins", 64.0)
+    width = (hi - lo) / bins
+    if not (math.isfinite(lo) and math.isfinite(hi) and math.isfinite(hi - lo) and math.isfinite(bins / (hi - lo))
+            and width >= 16 * math.ulp(max(abs(lo), abs(hi)))):
+        raise ReductionError(
+            f"options of reduction 'hist' give bins float64 cannot hold: lo={lo!r}, hi={hi!r}, bins={int(bins)} "
+            f"(bin width {width!r}); lo, hi, hi - lo and bins / (hi - lo) must be finite and each bin at least 16 float64 "
+            "steps wide at max(|lo|, |hi|): use fewer bins or a wider range"
+        )
 
 
 def _needs_optional(fn: Any) -> ReductionError:
