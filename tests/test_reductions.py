@@ -1620,3 +1620,32 @@ def test_a_reduction_name_longer_than_a_file_name_allows_is_refused_before_any_c
     with torch.no_grad(), scope.track(model):
         y = model(x)
     torch.testing.assert_close(acs.open_store(tmp_path / "ok.zarr").reductions["0.output"]["r" * 100], y.double().var(0, correction=0))
+
+
+def test_an_eager_custom_reduction_runs_under_inference_mode():
+    """Rows of a model run under torch.inference_mode are inference tensors, which have no
+    version counter: the in-place check made every eager custom reduction fail there with a
+    raw RuntimeError ("Inference tensors do not track version counter"). It runs, exactly,
+    and an accumulator that is x is still kept as a copy."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.ReLU(inplace=True)).eval()
+    xs = [torch.randn(6, 3), torch.randn(4, 3)]
+    with torch.no_grad():
+        want = torch.cat([model[0](x) for x in xs]).sum(0)
+        first = model[0](xs[0]).clone()
+    marker = object()
+
+    def total(acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        assert marker is not None
+        return x.sum(0) if acc is None else acc + x.sum(0)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", R.EagerFallbackWarning)
+        assert R.make_reduction(total).kind == "eager"
+        scope = acs.ActivationScope(include=["0"], reductions=[("total", total), ("first", _custom("first", True))],
+                                    reduction_policy=acs.ReductionPolicy.STREAMING)
+    with torch.inference_mode(), scope.track(model) as tracker:
+        for x in xs:
+            model(x)
+    torch.testing.assert_close(tracker.reductions["0.output"]["total"], want)
+    torch.testing.assert_close(tracker.reductions["0.output"]["first"], first, rtol=0, atol=0)

@@ -305,7 +305,8 @@ class EagerReduction(_C.Reduction):
         """Fold a batch ``rows : Tensor, (n_rows, *feature_shape), any dtype, any device``."""
         if rows.dim() >= 1 and rows.shape[0] == 0:
             return
-        version = rows._version
+        # (an inference tensor, rows of a model run under torch.inference_mode, has no version counter)
+        version = None if rows.is_inference() else rows._version
         try:
             with torch.no_grad():
                 out = self._fn(self._acc, rows.detach())
@@ -315,7 +316,7 @@ class EagerReduction(_C.Reduction):
                 f"{where}custom reduction {_fn_name(self._fn)!r} (eager) failed on rows of shape "
                 f"{tuple(rows.shape)} ({rows.dtype}): {type(e).__name__}: {e}"
             ) from e
-        if rows._version != version:
+        if version is not None and rows._version != version:
             # the rows are the model's activations (or the rows a store keeps)
             where = f"hook point {self.hook_point!r}: " if self.hook_point else ""
             raise CaptureError(
