@@ -543,7 +543,9 @@ class ActivationDataset(Dataset):
         Token rows also see the per-sample columns of their sample (``label`` given to
         ``set_batch``), joined on ``(rank, batch, sample_id)``: the sample of the same forward
         (and rank), so ids repeated across forwards or ranks get their own sample's values
-        (ActivationScopeError when one forward gave one id to two samples whose columns differ).
+        (ActivationScopeError when one forward gave one id to two samples whose column differs
+        and that column is read, by ``columns`` or by a ``filter``, which sees every column;
+        ``rows`` and ``sample_ids`` select such a store's token rows).
     filter : pyarrow.compute.Expression or callable, optional
         Keep rows where the predicate holds: an expression over row-table columns
         (``pc.field("label") == 1``, ``pc.field("pos") > 0`` to drop BOS tokens), or a
@@ -616,6 +618,8 @@ class ActivationDataset(Dataset):
         self.n_store_rows = self.source.n_rows(self.hook_points[0])
         self._check_consistent()
         self.columns = [columns] if isinstance(columns, str) else list(columns or [])
+        # the per-sample columns read from token rows (None: any, as a filter sees every column)
+        self._columns_read: list[str] | None = None if filter is not None else self.columns
         self._col_cache: dict[str, Any] | None = None
         if self.columns:
             table = self._row_table()
@@ -677,7 +681,7 @@ class ActivationDataset(Dataset):
                 "with them; read them without those (rows= still selects stored rows)"
             )
         if self.row_kind == "token":
-            table = _with_sample_columns(table, self.source)
+            table = _with_sample_columns(table, self.source, getattr(self, "_columns_read", None))
         if table.num_rows > self.n_store_rows:  # rows committed for other hook points only
             table = table.slice(0, self.n_store_rows)
         if table.num_rows != self.n_store_rows:
@@ -1165,12 +1169,15 @@ def _first_sample_rows(samples: pa.Table, tokens: pa.Table, keys: list[str]) -> 
     return first[s_code], of_tokens
 
 
-def _with_sample_columns(tokens: pa.Table, source: StoreSource) -> pa.Table:
+def _with_sample_columns(tokens: pa.Table, source: StoreSource, wanted: Iterable[str] | None = None) -> pa.Table:
     """Token rows plus the per-sample columns (labels, text) of their sample, joined on
     ``(rank, batch, sample_id)`` (those of the three both tables have).
 
-    Raises ActivationScopeError when one forward (of one rank) holds two samples of one id
-    whose per-sample columns differ: their token rows cannot be told apart."""
+    ``wanted``: the per-sample columns the caller reads (None: any of them, as a filter may).
+    A column whose values differ between two samples of one id in one forward (their token
+    rows cannot be told apart) is left out of the table when it is not wanted.
+
+    Raises ActivationScopeError when such a column is wanted."""
     try:
         samples = source.row_table("sample")
     except Exception:  # a store without a sample table
@@ -1192,19 +1199,24 @@ def _with_sample_columns(tokens: pa.Table, source: StoreSource) -> pa.Table:
     of_tokens = of_runs[np.cumsum(head) - 1] if nt else of_runs
     dup_rows = np.flatnonzero(firsts != np.arange(samples.num_rows))
     if dup_rows.size:  # one id twice in a forward: fine while their columns agree
+        ambiguous = []
         for name in extra:
             col = samples.column(name)
             got, want = col.take(pa.array(dup_rows)).to_pylist(), col.take(pa.array(firsts[dup_rows])).to_pylist()
             for row, a, b in zip(dup_rows.tolist(), got, want):
+                if a != b and not (a != a and b != b) and wanted is not None and name not in wanted:
+                    ambiguous.append(name)  # not read: left out rather than paired with one sample
+                    break
                 if a != b and not (a != a and b != b):  # (NaN == NaN here)
                     ident = ", ".join(f"{k} {samples.column(k)[row].as_py()!r}" for k in keys)
                     raise ActivationScopeError(
                         f"the sample row table of {source.describe()} holds two samples with {ident} (one forward "
                         f"gave one sample id twice) whose column {name!r} differs ({b!r}, {a!r}): their token "
-                        "rows cannot be paired with their sample's columns. Read the token rows without the "
-                        f"per-sample columns {extra}, or capture with sample ids unique within each forward "
-                        "(set_batch(sample_ids=...))"
+                        f"rows cannot be paired with their sample's columns. Read the token rows without {name!r} in "
+                        "columns= and without filter= (a filter sees every column; rows= and sample_ids= select "
+                        "without it), or capture with sample ids unique within each forward (set_batch(sample_ids=...))"
                     )
+        extra = [c for c in extra if c not in ambiguous]
     hit = of_tokens >= 0  # (a token row of no sample gets nulls, as before)
     where = pa.array(np.where(hit, of_tokens, 0), mask=None if hit.all() else ~hit)
     picked = samples.select(extra).take(where)

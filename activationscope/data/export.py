@@ -147,14 +147,14 @@ def _dataset_for(source: Any, hook_points: Any, columns: Any, rows: Any, filter:
     if lost:
         _check_alone(src, names, lost, columns, filter)
     if isinstance(source, ActivationDataset) and hook_points is None and rows is None and filter is None:
-        if columns is None and not lost:
-            return source
         ds = copy.copy(source)  # the dataset's own row selection, other columns
     else:
         ds = ActivationDataset(src, hook_points=names, rows=rows, filter=filter)
     if lost:  # rows as stored: no row-table column lines up with them
         ds._export_columns = []  # type: ignore[attr-defined]
         return ds
+    # the columns it writes are read (every one when columns= is not given)
+    ds._columns_read = None if columns is None else ([columns] if isinstance(columns, str) else list(columns))
     table = ds._row_table()
     chosen = table.column_names if columns is None else ([columns] if isinstance(columns, str) else list(columns))
     missing = [c for c in chosen if c not in table.column_names]

@@ -262,6 +262,23 @@ def test_one_id_twice_in_a_forward_with_other_columns_is_refused_not_paired_with
     _two_forwards_of_the_same_ids(tmp_path / "a.zarr", ids=[[5, 5], [6, 7]], labels=[[0, 1], [0, 1]])
     with pytest.raises(ActivationScopeError, match=r"batch 0, sample_id 5 .*column 'label' differs \(0, 1\)"):
         ActivationDataset(str(tmp_path / "a.zarr"), columns=["label"])
+    # token rows that do not read the label: other columns, sample_ids= and rows= select them
+    path = str(tmp_path / "a.zarr")
+    assert ActivationDataset(path, columns=["pos", "sample_id"])[:]["sample_id"].tolist() == [5] * 6 + [6] * 3 + [7] * 3
+    assert ActivationDataset(path, columns=["pos"], sample_ids=[6])[:]["pos"].tolist() == [0, 1, 2]
+    assert len(ActivationDataset(path, rows=[0, 7])) == 2
+    with pytest.raises(ActivationScopeError, match=r"column 'label' differs \(0, 1\).* without 'label' in columns= "
+                       r"and without filter="):
+        ActivationDataset(path, filter=pc.field("pos") > 0)
+    # an export writes the columns it is given; every one (the label too) when none is given
+    from activationscope.data.export import export_parquet
+    import pyarrow.parquet as pq
+
+    export_parquet(path, tmp_path / "pos.parquet", columns=["pos"])
+    assert pq.read_table(tmp_path / "pos.parquet").column("pos").to_pylist() == [0, 1, 2] * 4
+    for source in (path, ActivationDataset(path)):
+        with pytest.raises(ActivationScopeError, match=r"column 'label' differs"):
+            export_parquet(source, tmp_path / "all.parquet", overwrite=True)
     # the same id twice with the same columns pairs as it is
     _two_forwards_of_the_same_ids(tmp_path / "b.zarr", ids=[[5, 5], [6, 7]], labels=[[1, 1], [0, 1]])
     assert ActivationDataset(str(tmp_path / "b.zarr"), columns=["label"])[:]["label"].tolist() == [1] * 6 + [0] * 3 + [1] * 3
