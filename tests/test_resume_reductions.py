@@ -366,6 +366,7 @@ def test_a_stored_builtin_state_is_continued_without_reading_rows_back(tmp_path,
     ("topk", "row_ids", torch.full((10, 5), 999)),
     ("var", "m2", torch.full((5,), -1.0, dtype=torch.float64)),
     ("hist", "counts", torch.full((5, 4), -3)),
+    ("hist", "counts", torch.full((5, 4), 10 ** 12)),
 ])
 def test_a_stored_state_that_does_not_fit_its_rows_is_recomputed(tmp_path, name, key, value):
     """A state whose count is not the rows it claims, whose row ids point past the stored

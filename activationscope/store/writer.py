@@ -403,7 +403,8 @@ def _builtin_state_fits(kind: str, options: Mapping[str, Any], state: Mapping[st
     """Whether ``state`` is one that the built-in reduction ``kind`` with ``options`` can hold
     after ``n_rows`` rows of ``feature_shape``: the keys, shapes and dtypes of a reduction of
     the same kind fed as many rows as shape it (zeros), the count of those rows, row ids
-    among them, and no negative count or sum of squares."""
+    among them, no negative count or sum of squares, as many hist values (bins, under, over,
+    NaN) and no more nonzero values than observations."""
     from ..capture.reductions import make_reduction
 
     try:
@@ -428,6 +429,11 @@ def _builtin_state_fits(kind: str, options: Mapping[str, Any], state: Mapping[st
     for key in ("counts", "nan", "overflow", "underflow", "n_nonzero", "m2", "sumsq"):
         if key in state and bool((state[key] < 0).any()):
             return False
+    if kind == "hist" and "counts" in state and state["counts"].numel() and not bool(
+            (state["counts"].sum(-1) + state["underflow"] + state["overflow"] + state["nan"] == state["count"]).all()):
+        return False  # every value of a feature is in one bin, under, over or NaN
+    if kind == "nonzero" and "n_nonzero" in state and bool((state["n_nonzero"] > state["count"]).any()):
+        return False
     return True
 
 

@@ -1006,3 +1006,51 @@ def test_consolidate_keeps_every_rank_s_provenance_and_resumes(tmp_path):
     assert _ranks_provenance(ranks({**a, "resumes": [c]}, {**a, "resumes": [b, c]})) == {**a, "resumes": [c, b]}
     assert _ranks_provenance(ranks(a, {**b, "resumes": "x"})) == {**a, "resumes": [b, "x"]}
     assert _ranks_provenance(ranks(None, b)) == {"resumes": [b]}
+
+
+@pytest.mark.parametrize("name, key, value", [("h", "counts", torch.full((8, 4), 10 ** 12)),
+                                              ("nz", "n_nonzero", torch.full((8,), 19))])
+def test_consolidate_refuses_a_rank_hist_or_nonzero_state_of_more_values_than_rows(tmp_path, name, key, value):
+    """A rank store's hist counts (or nonzero counts) edited with their checksums kept, 10**12
+    values in the bins of a feature of 18 rows, passed the fit check (shapes, count, no negative)
+    and were merged; they are refused naming the rank, and nothing is written."""
+    from activationscope.store.ranks import commit_ranks
+
+    store = tmp_path / "s.zarr"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    reductions = [("h", "hist", {"lo": -1, "hi": 1, "bins": 4}), ("nz", "nonzero")]
+    for task in (0, 1):
+        opts = {"process_group": acs.RankStore(task, 2)}
+        with acs.ActivationScope(store=str(store), store_options=opts, reductions=reductions).track(model), \
+                torch.no_grad():
+            for _ in range(3):
+                model(torch.randn(6, 8))
+    set_reduction_state(store / "ranks" / "00001", name, key, value)
+    before = _tree(store)
+    with pytest.raises(acs.StoreCorruptError, match=rf"rank 1 store .*: the state of reduction '{name}' of hook point "
+                       r"'0.output' is not one a '(hist|nonzero)' reduction can hold after its 18 rows"):
+        commit_ranks(store)
+    assert _tree(store) == before
+
+
+def test_consolidate_commits_hist_and_nonzero_of_a_rank_without_rows(tmp_path):
+    """A rank whose forwards had no rows holds only the count of its hist and nonzero: it fits."""
+    from activationscope.store.ranks import commit_ranks
+
+    store = tmp_path / "s.zarr"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    xs = [torch.randn(6, 8), torch.randn(0, 8)]
+    for task in (0, 1):
+        opts = {"process_group": acs.RankStore(task, 2)}
+        with acs.ActivationScope(store=str(store), store_options=opts, reductions=[
+                ("h", "hist", {"lo": -1, "hi": 1, "bins": 4}), ("nz", "nonzero")]).track(model), torch.no_grad():
+            model(xs[task])
+    commit_ranks(store)
+    s = acs.open_store(store)
+    with torch.no_grad():
+        ref = model(xs[0]).double()
+    assert s.verify() == [] and s.n_rows("0.output") == 6
+    torch.testing.assert_close(s.reductions["0.output"]["nz"], (ref != 0).double().mean(0))
+    assert s.reductions["0.output"]["h.counts"].sum(-1).tolist() == ((ref >= -1) & (ref <= 1)).sum(0).tolist()
