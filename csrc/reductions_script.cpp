@@ -42,7 +42,9 @@ class ScriptReduction : public Reduction {
     std::vector<c10::IValue> in;
     in.emplace_back(acc_.defined() ? c10::IValue(acc_) : c10::IValue());
     in.emplace_back(rows.detach());  // (shares the rows' version counter)
-    const uint32_t version = rows._version();
+    // (inference tensors have no version counter: nothing to compare there)
+    const bool versioned = !rows.is_inference();
+    const uint32_t version = versioned ? rows._version() : 0;
     c10::IValue out;
     try {
       out = module_->forward(std::move(in));
@@ -52,7 +54,7 @@ class ScriptReduction : public Reduction {
     }
     // The rows are the model's activations (or the rows a store keeps): a reduction that
     // writes into them changes the model's forward and what is stored.
-    ACS_CHECK(rows._version() == version, "custom reduction '", path_,
+    ACS_CHECK(!versioned || rows._version() == version, "custom reduction '", path_,
               "' changed its input x in place (rows of shape ", shape_str(rows.sizes()),
               "): x holds the model's activations, so the forward and the stored rows would change; "
               "use out-of-place ops (x = x.clamp(min=0.0), not x.clamp_(min=0.0)) or work on x.clone()");

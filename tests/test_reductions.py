@@ -1649,3 +1649,24 @@ def test_an_eager_custom_reduction_runs_under_inference_mode():
             model(x)
     torch.testing.assert_close(tracker.reductions["0.output"]["total"], want)
     torch.testing.assert_close(tracker.reductions["0.output"]["first"], first, rtol=0, atol=0)
+
+
+def test_a_scripted_custom_reduction_runs_under_inference_mode():
+    """The native in-place check read the rows' version counter, which inference tensors do not
+    have: every TorchScript custom reduction failed under torch.inference_mode with a raw
+    RuntimeError. It runs there, in a capture and in a direct update, with the same values."""
+    fn = _custom("first", False)
+    r = R.make_reduction(fn)
+    assert r.kind == "script"
+    with torch.inference_mode():
+        t = torch.randn(3, 4)
+    r.update(t)
+    torch.testing.assert_close(r.result()["value"], t, rtol=0, atol=0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.ReLU(inplace=True)).eval()
+    x = torch.randn(6, 3)
+    with torch.no_grad():
+        want = model[0](x).clone()
+    scope = acs.ActivationScope(include=["0"], reductions=[("first", fn)], reduction_policy=acs.ReductionPolicy.STREAMING)
+    with torch.inference_mode(), scope.track(model) as tracker:
+        model(x)
+    torch.testing.assert_close(tracker.reductions["0.output"]["first"], want, rtol=0, atol=0)
