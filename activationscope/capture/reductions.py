@@ -301,6 +301,10 @@ class EagerReduction(_C.Reduction):
     def options(self) -> dict[str, float]:
         return dict(self._options)
 
+    def _where(self) -> str:
+        """``hook point '<name>': `` for errors, once the capture has set it."""
+        return f"hook point {self.hook_point!r}: " if self.hook_point else ""
+
     def update(self, rows: torch.Tensor, row_offset: int = 0) -> None:
         """Fold a batch ``rows : Tensor, (n_rows, *feature_shape), any dtype, any device``."""
         if rows.dim() >= 1 and rows.shape[0] == 0:
@@ -311,23 +315,20 @@ class EagerReduction(_C.Reduction):
             with torch.no_grad():
                 out = self._fn(self._acc, rows.detach())
         except Exception as e:  # noqa: BLE001 - named as the native side names a script's failure
-            where = f"hook point {self.hook_point!r}: " if self.hook_point else ""
             raise CaptureError(
-                f"{where}custom reduction {_fn_name(self._fn)!r} (eager) failed on rows of shape "
+                f"{self._where()}custom reduction {_fn_name(self._fn)!r} (eager) failed on rows of shape "
                 f"{tuple(rows.shape)} ({rows.dtype}): {type(e).__name__}: {e}"
             ) from e
         if version is not None and rows._version != version:
             # the rows are the model's activations (or the rows a store keeps)
-            where = f"hook point {self.hook_point!r}: " if self.hook_point else ""
             raise CaptureError(
-                f"{where}custom reduction {_fn_name(self._fn)!r} (eager) changed its input x in place (rows of "
+                f"{self._where()}custom reduction {_fn_name(self._fn)!r} (eager) changed its input x in place (rows of "
                 f"shape {tuple(rows.shape)}): x holds the model's activations, so the forward and the stored rows "
                 "would change; use out-of-place ops (x = x.clamp(min=0.0), not x.clamp_(min=0.0)) or work on x.clone()"
             )
         if not isinstance(out, torch.Tensor):
-            where = f"hook point {self.hook_point!r}: " if self.hook_point else ""
             raise ReductionError(
-                f"{where}custom reduction {_fn_name(self._fn)!r} must return a Tensor, got {type(out).__name__}"
+                f"{self._where()}custom reduction {_fn_name(self._fn)!r} must return a Tensor, got {type(out).__name__}"
             )
         acc = out.detach()
         if acc.untyped_storage().data_ptr() == rows.untyped_storage().data_ptr() and rows.untyped_storage().nbytes():

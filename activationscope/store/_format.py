@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import functools
+import hashlib
 import json
 import math
 from typing import Any
@@ -116,8 +117,6 @@ def node_name(hook_point: str) -> str:
         out = out.replace(".", "%2E")
     raw = out.encode("utf-8", "surrogatepass")
     if len(raw) > MAX_NODE_BYTES:
-        import hashlib
-
         head = raw[:100].decode("utf-8", "ignore")  # (a character cut in two is left out)
         out = f"{head}~{hashlib.sha256(hook_point.encode('utf-8', 'surrogatepass')).hexdigest()[:16]}"
     return out

@@ -230,8 +230,16 @@ def _rank_states(st: Store) -> dict[str, dict[str, dict]]:
     return out
 
 
+def _read_state(st: Store, name: str, entry: dict) -> dict[str, torch.Tensor]:
+    """The state arrays of reduction ``name`` of a rank store (its entry of :func:`_rank_states`)."""
+    return {key: st._read_small({**arr, "reduction": name}) for key, arr in entry["state"].items()}
+
+
 def _merge_states(hp: str, name: str, entries: list[dict], stores: list[Store],
-                  make: Callable[[str, str, dict], Any] | None) -> Any:
+                  make: Callable[[str, str, dict], Any] | None,
+                  read: dict[tuple[int, str, str], dict] | None = None) -> Any:
+    """The rank states of reduction ``name`` of ``hp`` merged; ``read``: states already read
+    (by :func:`_check_states_fit`), by ``(rank, hook point, name)``."""
     from ..capture import reductions as R
 
     kind = entries[0]["kind"]
@@ -247,24 +255,25 @@ def _merge_states(hp: str, name: str, entries: list[dict], stores: list[Store],
                 "be merged by the capture that defined it (torchrun), never by running code from a store")
         total = R.make_reduction(kind, **entries[0]["options"])
     total = total.fresh()
-    for st, e in zip(stores, entries):
-        state = {}
-        for key, arr in e["state"].items():
-            state[key] = st._read_small({**arr, "reduction": name})
+    read = read or {}
+    for r, (st, e) in enumerate(zip(stores, entries)):
+        state = read[(r, hp, name)] if (r, hp, name) in read else _read_state(st, name, e)
         part = total.fresh()
         part.load_state(state)
         total.merge(part)
     return total
 
 
-def _check_states_fit(stores: list[Store]) -> None:
+def _check_states_fit(stores: list[Store]) -> dict[tuple[int, str, str], dict]:
     """Refuse a rank store whose built-in reduction state no such reduction can hold after the
     rows it has (as a resume refuses to continue one, StoreWriter.stored_reduction_state;
     here there are no rows to compute it again from), before anything is written.
 
+    Returns the states it read, by ``(rank, hook point, name)`` (for :func:`_merge_states`).
     Raises StoreCorruptError naming the rank store, hook point and reduction."""
     from ..capture import reductions as R
 
+    read: dict[tuple[int, str, str], dict] = {}
     for r, st in enumerate(stores):
         for hp, entries in _rank_states(st).items():
             if hp not in st.hook_points:
@@ -273,13 +282,14 @@ def _check_states_fit(stores: list[Store]) -> None:
             for name, e in entries.items():
                 if e.get("kind") not in R.BUILTIN_REDUCTIONS or not isinstance(e.get("state"), dict):
                     continue
-                state = {key: st._read_small({**arr, "reduction": name}) for key, arr in e["state"].items()}
+                state = read[(r, hp, name)] = _read_state(st, name, e)
                 if not _builtin_state_fits(e["kind"], e.get("options") or {}, state, st.n_rows(hp),
                                            tuple(meta["feature_shape"])):
                     raise StoreCorruptError(
                         f"rank {r} store {st.path!r}: the state of reduction {name!r} of hook point {hp!r} is not one "
                         f"a {e['kind']!r} reduction can hold after its {st.n_rows(hp)} rows (keys, shapes, dtypes, "
                         "count or row ids); the rank store is damaged: capture that rank again; nothing was written")
+    return read
 
 
 def commit_ranks(target: Any, *, storage_options: dict | None = None,
@@ -717,7 +727,7 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
         metas[hp] = meta
     # every rank shard that is linked, copied or re-chunked is checked before anything is written
     manifests = {hp: _check_rank_shards(hp, metas[hp], stores, local, verify) for hp in hps}
-    _check_states_fit(stores)
+    states_read = _check_states_fit(stores)
     arrays: dict[str, dict] = {}
     summary: dict[str, dict] = {}
     for hp in hps:
@@ -831,7 +841,7 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
                 if "n_rows" in e and int(e["n_rows"]) != n:
                     raise StoreError(f"rank {r}: the state of reduction {name!r} of hook point {hp!r} covers "
                                      f"{e['n_rows']} rows, the rank store holds {n}; it would give a partial result")
-            total = _merge_states(hp, name, entries, stores, make_reduction)
+            total = _merge_states(hp, name, entries, stores, make_reduction, states_read)
             result = total.result()
             kind = str(getattr(total, "kind", entries[0]["kind"]))
             main = kind if kind in result else ("value" if "value" in result else None)

@@ -351,16 +351,23 @@ def test_a_forked_child_cannot_write_commit_or_close_its_parents_store(tmp_path,
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), (out.stdout[-2000:], out.stderr[-3000:])
 
 
+def _memory_store_found():
+    """An in-memory store of three batches in 16-row shards (shards 0, 1 and a partial shard 2
+    of 4 rows): (url, store options, its rows, the memory filesystem, its root, {path: bytes}
+    of every file as found)."""
+    url = f"memory://acs-test/{uuid.uuid4().hex}.zarr"
+    options = {"chunk_rows": 4, "shard_bytes": 16 * 8 * 4}  # 16-row shards
+    data = store_three_batches(url, **options)
+    fs = fsspec.filesystem("memory")
+    root = url[len("memory:/"):]
+    return url, options, data, fs, root, {p: fs.cat_file(p) for p in fs.find(root)}
+
+
 def test_an_aborted_remote_resume_that_committed_no_batch_puts_back_its_partial_last_shard():
     """A resume of an in-memory store rewrites the found partial last shard with more rows and
     uploads it at a commit that records no batch; an abort then puts back the found bytes of
     every file (the shard too, not only its manifest): the store verifies and holds its rows."""
-    url = f"memory://acs-test/{uuid.uuid4().hex}.zarr"
-    options = {"chunk_rows": 4, "shard_bytes": 16 * 8 * 4}  # 16-row shards
-    data = store_three_batches(url, **options)  # shards 0, 1 and a partial shard 2 (4 rows)
-    fs = fsspec.filesystem("memory")
-    root = url[len("memory:/"):]
-    found = {p: fs.cat_file(p) for p in fs.find(root)}
+    url, options, data, fs, root, found = _memory_store_found()
     w = StoreWriter(url, resume=True, **options)
     w.open_array("0.output", (8,), torch.float32, "sample").append(torch.randn(40, 8))  # shards 2, 3 and part of 4
     w.open_array("1.output", (8,), torch.float32, "sample").append(torch.randn(40, 8))  # a new array
@@ -380,12 +387,7 @@ def test_an_aborted_remote_resume_whose_commit_failed_uploading_removes_the_shar
     """A commit of a resume (no batch recorded) uploads shards past the found ones, then an
     upload fails; the abort that follows removes the shards uploaded before the failure: the
     store's files are those found."""
-    url = f"memory://acs-test/{uuid.uuid4().hex}.zarr"
-    options = {"chunk_rows": 4, "shard_bytes": 16 * 8 * 4}  # 16-row shards
-    data = store_three_batches(url, **options)  # shards 0, 1 and a partial shard 2 (4 rows)
-    fs = fsspec.filesystem("memory")
-    root = url[len("memory:/"):]
-    found = {p: fs.cat_file(p) for p in fs.find(root)}
+    url, options, data, fs, root, found = _memory_store_found()
     w = StoreWriter(url, resume=True, **options)
     w.open_array("0.output", (8,), torch.float32, "sample").append(torch.randn(60, 8))  # shards 2 to 4 and part of 5
     w._core.drain()
