@@ -34,6 +34,43 @@ def test_batch_described_with_another_size_is_refused(tmp_path, kwargs, what, to
         assert acs.open_store(tmp_path / "s.zarr").n_samples == 0  # nothing committed for that forward
 
 
+@pytest.mark.parametrize("kwargs, what", [
+    ({"sample_ids": [10]}, "sample_ids"),
+    ({"label": [7]}, "column 'label'"),
+    ({"attention_mask": torch.ones(2, 7, dtype=torch.bool)}, "attention_mask"),
+])
+def test_empty_batch_described_with_samples_is_refused(tmp_path, kwargs, what):
+    # a forward whose batch is empty (first input of 0 rows) described as holding samples:
+    # before, the row table got those samples while the hook points got no rows
+    model = _model()
+    x = torch.randn(0, 7, 6) if "attention_mask" in kwargs else torch.randn(0, 6)
+    path = tmp_path / "s.zarr"
+    with pytest.raises(ArgumentValueError, match=rf"set_batch\({what}=\.\.\.\) describes [12] samples, but the "
+                       r"forward's batch has 0"):
+        with acs.ActivationScope(store=str(path)).track(model) as tr, torch.no_grad():
+            tr.set_batch(label=[1, 0], sample_ids=[1, 2])
+            model(torch.randn(2, 6))
+            tr.set_batch(**kwargs)
+            model(x)
+    s = acs.open_store(path)
+    assert s.n_samples == 2 and all(s.follows_row_table(hp) for hp in s.hook_points)
+
+
+def test_empty_batch_described_as_empty_is_accepted(tmp_path):
+    model = _model()
+    path = tmp_path / "s.zarr"
+    with acs.ActivationScope(store=str(path)).track(model) as tr, torch.no_grad():
+        tr.set_batch(label=[1, 0])
+        model(torch.randn(2, 6))
+        tr.set_batch(label=[])
+        model(torch.randn(0, 6))
+        tr.set_batch(label=[3])
+        model(torch.randn(1, 6))
+    s = acs.open_store(path)
+    assert s.n_samples == 3 and s.row_table().column("label").to_pylist() == [1, 0, 3]
+    assert all(s.follows_row_table(hp) and s.n_rows(hp) == 3 for hp in s.hook_points)
+
+
 def test_matching_description_is_accepted(tmp_path):
     model = _model()
     scope = acs.ActivationScope(store=str(tmp_path / "s.zarr"))

@@ -1239,7 +1239,7 @@ class Tracker:
         batch = self._batch or {}
         n = _batch_size(batch, self._core.batch_size)
         actual = int(self._core.batch_size)
-        if actual > 0 and n != actual and self._batch is not None:
+        if actual >= 0 and n != actual and self._batch is not None:
             what = ("attention_mask" if batch.get("attention_mask") is not None else
                     "sample_ids" if batch.get("sample_ids") is not None else
                     f"column {next(iter(batch.get('columns') or {'?': 0}))!r}")
