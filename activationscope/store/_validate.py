@@ -258,6 +258,10 @@ def check_root_attrs(attrs: Any, *, store: Any, key: str = "zarr.json") -> dict:
     c.int(attrs, "n_samples", "n_samples", default=0)
     c.int(attrs, "n_batches", "n_batches", default=0)
     # absent in a store of nothing yet; present, each is an object (null is not one)
+    if "arrays" not in attrs and attrs.get("n_samples", 0):
+        # a root that records samples but no hook point entries lost them (an edited or
+        # truncated document): it would open as a store with no rows at all
+        raise c.fail("arrays", f"present in a root that records {attrs['n_samples']} samples", "no such field")
     arrays = c.dict(attrs.get("arrays", {}), "arrays")
     paths: dict[str, str] = {}
     for hp, meta in arrays.items():

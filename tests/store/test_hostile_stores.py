@@ -421,6 +421,19 @@ def test_root_storage_dtype_that_is_not_a_dtype_name(plain, value):
         StoreWriter(path, resume=True)
 
 
+def test_root_that_lost_its_arrays_field(plain):
+    """A root that records samples but has no ``arrays`` field (a truncated or edited
+    document) is refused at open; before, it opened as a store with no hook points."""
+    path, _ = plain
+    assert open_store(path).n_samples > 0
+    edit_root(path, lambda a: a.pop("arrays"))
+    with pytest.raises(StoreCorruptError, match=r"zarr.json field arrays must be present in a root that records \d+ "
+                       r"samples, got 'no such field'"):
+        open_store(path)
+    with pytest.raises(StoreCorruptError, match="field arrays must be present"):
+        acs.ActivationDataset(path)
+
+
 @pytest.mark.parametrize("codec, field", [
     ({"name": "zstd", "configuration": {"level": ""}}, "configuration.level"),
     ({"name": "zstd", "configuration": {"level": [[[[[]]]]]}}, "configuration.level"),
