@@ -1514,7 +1514,40 @@ class Store:
         if "n_rows" in info and table.num_rows != int(info["n_rows"]):
             raise V.corrupt(self._backend, f"row table {kind!r} has {table.num_rows} rows in its parts, but the "
                                            f"metadata says n_rows {info['n_rows']}")
+        self._check_batch_order(table, kind)
         return table
+
+    def _check_batch_order(self, table: Any, kind: str) -> None:
+        """Raise :class:`StoreCorruptError` when the row table's ``batch`` column goes back
+        (per ``rank``, when it has one): a writer appends its forwards in order (FORMAT.md §5,
+        §11), so parts listed in another order than written (an edited root, checksums
+        intact) would pair rows with other samples' ids and columns."""
+        names = table.column_names
+        if "batch" not in names or table.num_rows < 2:
+            return
+        import pyarrow as pa
+
+        cols = {c: table.column(c) for c in ("batch", "rank") if c in names}
+        for c, col in cols.items():
+            if not pa.types.is_integer(col.type) or col.null_count:
+                raise V.corrupt(self._backend, f"row table {kind!r}: its {c} column must hold integers without "
+                                               f"nulls, got {col.type} with {col.null_count} nulls")
+        batch = cols["batch"].to_numpy().astype(np.int64, copy=False)
+        if "rank" in cols:
+            rank = cols["rank"].to_numpy().astype(np.int64, copy=False)
+            order = np.argsort(rank, kind="stable")
+            rank, batch = rank[order], batch[order]
+            back = (np.diff(batch) < 0) & (np.diff(rank) == 0)
+        else:
+            back = np.diff(batch) < 0
+        if back.any():
+            i = int(np.flatnonzero(back)[0])
+            raise V.corrupt(
+                self._backend,
+                f"row table {kind!r}: its batch column goes back from {int(batch[i])} to {int(batch[i + 1])} "
+                f"(row {i + 1}{' of its rank' if 'rank' in names else ''}): its parts are not in the order they "
+                "were written (an edited zarr.json), so its rows would describe other rows of the arrays",
+            )
 
     # ------------------------------------------------------------------ checks and info
     def verify(self) -> list[str]:

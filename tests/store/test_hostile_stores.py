@@ -1098,3 +1098,32 @@ def test_leftover_shard_temporaries_are_removed_in_every_array_folder(tmp_path, 
     s = open_store(path)
     assert torch.equal(s[HP], data) and s.verify() == []
     assert s.status == ("complete" if how == "resume" else "incomplete")
+
+
+@pytest.mark.parametrize("kind", ["sample", "token"])
+def test_row_table_parts_listed_out_of_order(tmp_path, kind):
+    """Row-table parts listed in another order than written (the root edited, every checksum
+    intact) would pair each row with another sample's id and columns: refused on reading the
+    table, by the dataset and by verify."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2))
+    path = tmp_path / "s.zarr"
+    for b in range(3):  # one run, then two resumes: a part each
+        scope = acs.ActivationScope(store=str(path), rows="token" if kind == "token" else "auto",
+                                    store_options={"resume": b > 0})
+        with scope.track(model) as tr, torch.no_grad():
+            mask = {"attention_mask": torch.ones(2, 4, dtype=torch.bool)} if kind == "token" else {}
+            tr.set_batch(sample_ids=[10 * b, 10 * b + 1], label=[b, b], **mask)
+            model(torch.randn(2, 4, 3) if kind == "token" else torch.randn(2, 3))
+    st = open_store(path)
+    table = st.row_table(kind)
+    assert table.column("batch").to_pylist() == sorted(table.column("batch").to_pylist())
+    parts = root(path)["attributes"]["activationscope"]["row_tables"][kind]["parts"]
+    assert len(parts) == 3
+    edit_root(path, lambda a: a["row_tables"][kind].update({"parts": [parts[1], parts[0], parts[2]]}))
+    message = rf"row table {kind!r}: its batch column goes back from 1 to 0 .*not in the order they were written"
+    with pytest.raises(StoreCorruptError, match=message):
+        open_store(path).row_table(kind)
+    with pytest.raises(StoreCorruptError, match=message):
+        acs.ActivationDataset(path, columns=["label"])[0]
+    assert any("goes back from 1 to 0" in p for p in open_store(path).verify())
