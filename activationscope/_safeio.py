@@ -244,12 +244,7 @@ def read_shard(root: str, spec: dict) -> Any:
 
 
 def _read_shard(root: str, spec: dict) -> Any:
-    import numpy as np
-
-    key, rows = spec["key"], int(spec["rows"])
-    chunk_rows, n_chunks, row_bytes = int(spec["chunk_rows"]), int(spec["n_chunks"]), int(spec["row_bytes"])
-    codec, chunks = spec["codec"], spec["chunks"]
-    chunk_bytes = chunk_rows * row_bytes
+    key = spec["key"]
     path = os.path.join(root, key)
     real = os.path.realpath(path)
     if not _inside(real, os.path.realpath(root)):
@@ -259,50 +254,145 @@ def _read_shard(root: str, spec: dict) -> Any:
         raise corrupt(root, f"shard {key!r} is missing; its rows {spec['first_row']}.. are committed")
     fd, size = opened
     try:
-        index_bytes = 16 * n_chunks + 4
-        if size < index_bytes:
-            raise corrupt(root, f"shard {key!r} is truncated: {size} bytes, fewer than its {index_bytes}-byte index")
-        raw = os.pread(fd, index_bytes, size - index_bytes)
-        if len(raw) != index_bytes:
-            raise corrupt(root, f"shard {key!r} changed while it was read")
-        stored, got = int.from_bytes(raw[-4:], "little"), crc32c(raw[:-4])
-        if got != stored:
-            raise corrupt(root, f"shard {key!r}: shard index crc32c mismatch (stored {stored:08x}, computed {got:08x})")
-        entries = np.frombuffer(raw, dtype="<u8", count=2 * n_chunks).tolist()
-        data_end = size - index_bytes
-        out = np.empty(rows * row_bytes, dtype=np.uint8)
-        dec = _decoder(codec) if codec is not None else None
-        full = np.empty(chunk_bytes, dtype=np.uint8) if codec is not None else None
-        for j in range(-(-rows // chunk_rows)):
-            off, nb = entries[2 * j], entries[2 * j + 1]
-            lo = j * chunk_rows
-            hi = min(rows, lo + chunk_rows)
-            where = f"chunk {j} of shard {key!r} (its rows {lo}-{hi - 1})"
-            if off == _MISSING and nb == _MISSING:
-                raise corrupt(root, f"{where} is missing from the shard index although its rows are committed")
-            if off > data_end or nb > data_end - off:
-                raise corrupt(root, f"{where}: its index entry (offset {off}, {nb} bytes) points past the end of the "
-                                    f"chunk data ({data_end} bytes)")
-            if codec is None and nb != chunk_bytes:
-                raise corrupt(root, f"{where}: {nb} bytes, expected chunk_bytes {chunk_bytes} (uncompressed chunk)")
-            rec = chunks.get(j)
-            if rec is None:
-                raise corrupt(root, f"{where} is not listed in the manifest (its crc32c cannot be checked)")
-            if int(rec[0]) != nb:
-                raise corrupt(root, f"{where}: the shard index gives it {nb} bytes, the manifest {rec[0]}")
-            data = os.pread(fd, nb, off)
-            if len(data) != nb:
-                raise corrupt(root, f"{where}: read {len(data)} of its {nb} bytes (the file shrank)")
-            got = crc32c(data)
-            if got != int(rec[1]):
-                raise corrupt(root, f"{where}: shard file {key!r} bytes {off}-{off + nb - 1}: crc32c mismatch "
-                                    f"(manifest {int(rec[1]):08x}, data {got:08x}): the chunk is damaged")
-            dst = out[lo * row_bytes:hi * row_bytes]
-            if codec is None:
-                dst[:] = np.frombuffer(data, dtype=np.uint8, count=(hi - lo) * row_bytes)
-            else:
-                decode_into(codec, dec, data, full, f"store {root!r}: {where}")
-                dst[:] = full[:(hi - lo) * row_bytes]
+        return _checked_shard(root, spec, size, lambda n, off: os.pread(fd, n, off))
     finally:
         os.close(fd)
+
+
+def read_remote_shard(zarr_store: Any, label: str, spec: dict) -> Any:
+    """:func:`read_shard` for a store that is not a local folder (object storage, fsspec):
+    the shard's index and each committed chunk are fetched by byte range through the zarr
+    ``Store`` and checked exactly as for a local store before anything is decoded.
+
+    Parameters
+    ----------
+    zarr_store : zarr.abc.store.Store
+        The store's zarr ``Store`` (its keys are the store's keys).
+    label : str
+        The store, as named in messages.
+    spec : dict
+        As for :func:`read_shard`.
+
+    Returns
+    -------
+    numpy.ndarray, (rows, *feature_shape), ``dtype``
+
+    Raises
+    ------
+    StoreCorruptError, StoreError
+        As :func:`read_shard` (a remote read that fails: :class:`StoreError`).
+    """
+    try:
+        return _read_remote_shard(zarr_store, label, spec)
+    except StoreCorruptError:
+        if _remote_run(zarr_store) != tuple(spec["run"]):
+            raise StoreError(f"store at {label!r} was replaced since the Dask graph was made (another run is there "
+                             "now); make the graph again (to_dask)") from None
+        raise
+
+
+def _remote_get(zarr_store: Any, label: str, key: str, byte_range: Any = None) -> bytes | None:
+    from zarr.core.buffer import default_buffer_prototype
+    from zarr.core.sync import sync
+
+    try:
+        buf = sync(zarr_store.get(key, prototype=default_buffer_prototype(), byte_range=byte_range))
+    except (FileNotFoundError, KeyError):
+        return None
+    except OSError as e:
+        raise StoreError(f"reading {key!r} from {label} failed: {e}") from e
+    return None if buf is None else buf.to_bytes()
+
+
+def _remote_run(zarr_store: Any) -> tuple | None:
+    """(run_id, created) of a remote store's root document, None when unreadable."""
+    import json
+
+    try:
+        raw = _remote_get(zarr_store, "", "zarr.json")
+        if raw is None or len(raw) > MAX_JSON_BYTES:
+            return None
+        attrs = json.loads(raw)["attributes"]["activationscope"]
+        return (attrs.get("run_id"), attrs.get("created"))
+    except (StoreError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def _read_remote_shard(zarr_store: Any, label: str, spec: dict) -> Any:
+    from zarr.abc.store import RangeByteRequest
+    from zarr.core.sync import sync
+
+    key = spec["key"]
+    try:
+        size = sync(zarr_store.getsize(key))
+    except (FileNotFoundError, KeyError):
+        size = None
+    except OSError as e:
+        raise StoreError(f"reading {key!r} from {label} failed: {e}") from e
+    if size is None:
+        raise corrupt(label, f"shard {key!r} is missing; its rows {spec['first_row']}.. are committed")
+
+    def pread(n: int, off: int) -> bytes:
+        if n <= 0:
+            return b""
+        got = _remote_get(zarr_store, label, key, RangeByteRequest(off, off + n))
+        return b"" if got is None else got
+
+    return _checked_shard(label, spec, int(size), pread)
+
+
+def _checked_shard(root: Any, spec: dict, size: int, pread: Any) -> Any:
+    """The committed rows of one shard of ``size`` bytes, read with ``pread(n, offset)``:
+    its index crc32c checked before its entries are used, each chunk's size and crc32c
+    against its manifest record before it is decoded, its decoded size before it is copied."""
+    import numpy as np
+
+    key, rows = spec["key"], int(spec["rows"])
+    chunk_rows, n_chunks, row_bytes = int(spec["chunk_rows"]), int(spec["n_chunks"]), int(spec["row_bytes"])
+    codec, chunks = spec["codec"], spec["chunks"]
+    chunk_bytes = chunk_rows * row_bytes
+    index_bytes = 16 * n_chunks + 4
+    if size < index_bytes:
+        raise corrupt(root, f"shard {key!r} is truncated: {size} bytes, fewer than its {index_bytes}-byte index")
+    raw = pread(index_bytes, size - index_bytes)
+    if len(raw) != index_bytes:
+        raise corrupt(root, f"shard {key!r} changed while it was read")
+    stored, got = int.from_bytes(raw[-4:], "little"), crc32c(raw[:-4])
+    if got != stored:
+        raise corrupt(root, f"shard {key!r}: shard index crc32c mismatch (stored {stored:08x}, computed {got:08x})")
+    entries = np.frombuffer(raw, dtype="<u8", count=2 * n_chunks).tolist()
+    data_end = size - index_bytes
+    out = np.empty(rows * row_bytes, dtype=np.uint8)
+    dec = _decoder(codec) if codec is not None else None
+    full = np.empty(chunk_bytes, dtype=np.uint8) if codec is not None else None
+    for j in range(-(-rows // chunk_rows)):
+        off, nb = entries[2 * j], entries[2 * j + 1]
+        lo = j * chunk_rows
+        hi = min(rows, lo + chunk_rows)
+        where = f"chunk {j} of shard {key!r} (its rows {lo}-{hi - 1})"
+        if off == _MISSING and nb == _MISSING:
+            raise corrupt(root, f"{where} is missing from the shard index although its rows are committed")
+        if off > data_end or nb > data_end - off:
+            raise corrupt(root, f"{where}: its index entry (offset {off}, {nb} bytes) points past the end of the "
+                                f"chunk data ({data_end} bytes)")
+        if codec is None and nb != chunk_bytes:
+            raise corrupt(root, f"{where}: {nb} bytes, expected chunk_bytes {chunk_bytes} (uncompressed chunk)")
+        rec = chunks.get(j)
+        if rec is None:
+            raise corrupt(root, f"{where} is not listed in the manifest (its crc32c cannot be checked)")
+        if int(rec[0]) != nb:
+            raise corrupt(root, f"{where}: the shard index gives it {nb} bytes, the manifest {rec[0]}")
+        data = pread(nb, off)
+        if len(data) != nb:
+            raise corrupt(root, f"{where}: read {len(data)} of its {nb} bytes (the file shrank)")
+        got = crc32c(data)
+        if got != int(rec[1]):
+            raise corrupt(root, f"{where}: shard file {key!r} bytes {off}-{off + nb - 1}: crc32c mismatch "
+                                f"(manifest {int(rec[1]):08x}, data {got:08x}): the chunk is damaged")
+        dst = out[lo * row_bytes:hi * row_bytes]
+        if codec is None:
+            dst[:] = np.frombuffer(data, dtype=np.uint8, count=(hi - lo) * row_bytes)
+        else:
+            decode_into(codec, dec, data, full, f"store {root!r}: {where}")
+            dst[:] = full[:(hi - lo) * row_bytes]
     return out.view(np.dtype(spec["dtype"])).reshape(rows, *spec["feature_shape"])

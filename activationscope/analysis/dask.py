@@ -156,35 +156,42 @@ def to_dask(store: Any, hook_point: str, *, storage_options: dict | None = None)
             f"hook point {hook_point!r}: the array document {meta['path']}/zarr.json disagrees with the root "
             f"metadata of {st.path!r}: {'; '.join(problems)}"
         )
-    if isinstance(st._backend, LocalBackend) and V.row_bytes(meta) > 0:
-        x = _local_shards(st, meta, n, stored)
-    else:
+    if V.row_bytes(meta) > 0:
+        x = _checked_shards(st, meta, n, stored)
+    else:  # rows of 0 bytes: nothing to read or check
         x = da.from_zarr(arr, chunks=(shard_rows, *feat))[:n]
     if meta["dtype"] == "bfloat16":
         x = x.view(dtype)
     return x
 
 
-def _local_shards(st: Store, meta: dict, n: int, stored: np.dtype) -> Any:
-    """A dask array of the committed rows of a local array, one task per shard.
+def _checked_shards(st: Store, meta: dict, n: int, stored: np.dtype) -> Any:
+    """A dask array of the committed rows of an array, one task per shard.
 
-    Each task is :func:`activationscope._safeio.read_shard` (numpy, numcodecs and
-    google_crc32c; no torch in the workers): the shard is opened as the reader opens it
-    (a regular file inside the store, non-blocking), its index checked, and every chunk
-    checked against its manifest crc32c (taken here, when the graph is made) before it is
+    Each task is :func:`activationscope._safeio.read_shard` (a local store) or
+    :func:`~activationscope._safeio.read_remote_shard` (object storage, fsspec: byte-range
+    reads through the zarr ``Store``); numpy, numcodecs, google_crc32c and zarr only, no
+    torch in the workers. The shard is opened as the reader opens it (local: a regular file
+    inside the store, non-blocking), its index checked, and every chunk checked against its
+    manifest crc32c (taken here, when the graph is made) and its decoded size before it is
     decoded; a store replaced since is named as such.
     """
     import dask.array as da
     from dask.base import tokenize
 
-    from .._safeio import read_shard
+    from .._safeio import read_remote_shard, read_shard
 
     crcs = st._array_crcs(meta)  # n_rows checked against the array's files; each chunk's crc32c
     feat = tuple(int(d) for d in meta["feature_shape"])
     chunk_rows, shard_rows = int(meta["chunk_rows"]), int(meta["shard_rows"])
     n_chunks = shard_rows // chunk_rows
-    root = str(st._backend.root)
     run = list(st._run)
+    if isinstance(st._backend, LocalBackend):
+        root = str(st._backend.root)
+        task: tuple = (read_shard, root)
+    else:
+        root = str(st._backend)
+        task = (read_remote_shard, st._backend.zarr_store(read_only=True), root)
     name = "activationscope-shard-" + tokenize(root, meta["path"], n, run)
     dsk, sizes = {}, []
     for k in range(-(-n // shard_rows)):
@@ -196,7 +203,7 @@ def _local_shards(st: Store, meta: dict, n: int, stored: np.dtype) -> Any:
             "codec": meta.get("compression"), "dtype": stored.str, "feature_shape": feat, "run": run,
             "chunks": {j: (crcs[(k, j)][1], crcs[(k, j)][2]) for j in range(committed) if (k, j) in crcs},
         }
-        dsk[(name, k) + (0,) * len(feat)] = (read_shard, root, spec)
+        dsk[(name, k) + (0,) * len(feat)] = (*task, spec)
         sizes.append(rows)
     return da.Array(dsk, name, chunks=(tuple(sizes), *((d,) for d in feat)), dtype=stored)
 

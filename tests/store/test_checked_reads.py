@@ -364,3 +364,54 @@ def test_flipped_bytes_in_a_mapped_shard_and_the_opt_in_check(tmp_path):
         ActivationDataset(path, open_options={"verify": True})[80:96]
     with pytest.raises(TypeError, match="verify must be a bool"):
         open_store(path, verify="yes")
+
+
+@pytest.mark.parametrize("compression", [None, "zstd", "blosc-lz4"])
+def test_to_dask_of_a_remote_store_checks_what_it_reads(compression):
+    """A store on object storage (here fsspec ``memory://``) is read by the same checked
+    worker tasks, by byte ranges: each chunk against its manifest crc32c and, for blosc,
+    its header's compressed size against the chunk's bytes, before it is decoded (plain
+    zarr-python would hand the bytes to the codec unchecked)."""
+    import uuid
+
+    import fsspec
+
+    pytest.importorskip("dask")
+    from activationscope.analysis.dask import to_dask
+
+    url = f"memory://acs-dask/{uuid.uuid4().hex}.zarr"
+    data = make_store(url, compression=compression)
+    x = to_dask(url, HP)
+    assert x.chunks[0] == (64, 64, 64, 64, 64)
+    assert np.array_equal(x.compute(scheduler="sync"), data.numpy())
+    fs = fsspec.filesystem("memory")
+    key = f"{url[len('memory://'):]}/acts/{HP}/c/1/0"
+    good = fs.cat_file(key)
+    man = json.loads(fs.cat_file(f"{url[len('memory://'):]}/acts/{HP}/manifest.json"))
+    _slot, off, nb, _crc = next(c for c in next(s for s in man["shards"] if s["shard"] == 1)["chunks"] if c[0] == 0)
+    bad = bytearray(good)
+    bad[off + nb - 1] ^= 0x10
+    fs.pipe_file(key, bytes(bad))
+    with pytest.raises(StoreCorruptError, match=r"chunk 0 of shard 'acts/0.output/c/1/0'.*crc32c mismatch"):
+        x.compute(scheduler="sync")
+    if compression == "blosc-lz4":  # a forged header, its crc32c made to match: cbytes past the chunk's end
+        import google_crc32c
+
+        bad = bytearray(good)
+        bad[off + 12:off + 16] = (nb + 4096).to_bytes(4, "little")
+        fs.pipe_file(key, bytes(bad))
+        forged = google_crc32c.value(bytes(bad[off:off + nb]))
+        man_key = f"{url[len('memory://'):]}/acts/{HP}/manifest.json"
+        for s in man["shards"]:
+            if s["shard"] == 1:
+                s["chunks"] = [[c[0], c[1], c[2], forged if c[0] == 0 else c[3]] for c in s["chunks"]]
+        fs.pipe_file(man_key, json.dumps(man).encode())
+        x = to_dask(url, HP)
+        with pytest.raises(StoreCorruptError, match=rf"does not decode: blosc header says {nb + 4096} compressed "
+                           rf"bytes, the chunk holds {nb}"):
+            x[64:128].compute(scheduler="sync")
+    assert np.array_equal(x[:64].compute(scheduler="sync"), data[:64].numpy())  # other shards read
+    fs.rm_file(key)
+    with pytest.raises(StoreCorruptError, match=r"shard 'acts/0.output/c/1/0' is missing"):
+        x[64:128].compute(scheduler="sync")
+    fs.rm(url[len("memory://"):], recursive=True)
