@@ -1052,9 +1052,10 @@ class StoreWriter:
             return writer
 
     def _keep_committed_shard(self, arr: _Array, shard: int) -> None:
-        """Hard-link the committed file of a partial last shard that this run will rewrite
-        under the same name, so :meth:`discard` can put it back (local stores; remote ones
-        upload only at a commit). The link's ``.tmp`` name is removed by the next resume."""
+        """Hard-link (a copy where the file system has no hard links) the committed file of a
+        partial last shard that this run will rewrite under the same name, so :meth:`discard`
+        can put it back (local stores; remote ones upload only at a commit). The ``.tmp`` name
+        is removed by the next resume. Raises StoreError when neither can be made."""
         if not isinstance(self._backend, LocalBackend):
             return
         path = self._backend.root / F.shard_key(arr.path, shard, len(arr.feature_shape))
@@ -1063,7 +1064,18 @@ class StoreWriter:
             keep.unlink(missing_ok=True)
             os.link(path, keep)
         except OSError:
-            return  # no hard links here: a discard cannot restore this shard (the root still is)
+            # no hard links on this file system (some network and FUSE mounts): a copy of the
+            # found file (at most one shard per array), or no abort could put its bytes back
+            try:
+                shutil.copyfile(path, keep)
+            except OSError as e:
+                keep.unlink(missing_ok=True)
+                raise StoreError(
+                    f"cannot resume {str(self._backend)!r}: its partial last shard {path.name!r} of hook point "
+                    f"{arr.hook_point!r} cannot be kept (neither a hard link nor a copy at {keep}: {e}), so an "
+                    "aborted resume could not put it back; the shard was not touched. Free space or fix permissions "
+                    "in the store's folder, then resume again"
+                ) from e
         self._kept_shards.append((path, keep))
 
     def _drop_kept_shards(self, restore: bool) -> None:

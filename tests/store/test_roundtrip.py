@@ -15,6 +15,7 @@ from acs_testing import store_three_batches
 import zarr
 
 import activationscope as acs
+from activationscope.errors import StoreError
 from activationscope.store import StoreWriter, open_store
 
 from store_models import MLP, SmallCNN, batches_mlp, capture_memory, capture_store, make_encoder
@@ -457,6 +458,66 @@ def test_an_aborted_resume_that_recorded_no_batch_leaves_the_files_as_found(tmp_
     store = open_store(path)
     assert store.status == "complete" and store.n_samples == 36 and store.hook_points == ["0.output"]
     assert torch.equal(store["0.output"], data) and store.verify() == []
+
+
+@pytest.mark.parametrize("committed", [False, True], ids=["no_commit", "commit"])
+def test_an_aborted_resume_puts_back_its_partial_last_shard_without_hard_links(tmp_path, monkeypatch, committed):
+    """On a file system without hard links (some network and FUSE mounts), the found partial
+    last shard that a resume rewrites is kept as a copy: an abort puts it back byte for byte,
+    and the store reads and verifies as found."""
+    import errno
+
+    from activationscope.store import writer as writer_module
+
+    def no_link(src, dst, *a, **k):
+        raise OSError(errno.EPERM, "hard links are not supported here", str(dst))
+
+    path = tmp_path / "s.zarr"
+    options = {"chunk_rows": 4, "shard_bytes": 16 * 8 * 4}  # 16-row shards
+    data = store_three_batches(path, **options)  # shards 0, 1 and a partial shard 2 (4 rows)
+    found = _tree(path)
+    monkeypatch.setattr(writer_module.os, "link", no_link)
+    w = StoreWriter(path, resume=True, **options)
+    w.open_array("0.output", (8,), torch.float32, "sample").append(torch.randn(40, 8))  # rewrites shard 2
+    w._core.drain()
+    if committed:
+        w.commit()
+    assert (path / "acts/0.output/c/2/0").read_bytes() != found[0]["acts/0.output/c/2/0"]
+    w.abort(RuntimeError("stopped before the first forward was recorded"))
+    after = _tree(path)
+    assert sorted(after[0]) == sorted(found[0])
+    assert [k for k in found[0] if after[0][k] != found[0][k]] == []
+    store = open_store(path)
+    assert store.status == "complete" and store.n_samples == 36
+    assert torch.equal(store["0.output"], data) and store.verify() == []
+
+
+def test_a_resume_that_cannot_keep_its_partial_last_shard_is_refused(tmp_path, monkeypatch):
+    """Neither a hard link nor a copy of the found partial last shard can be made (no hard
+    links, a full disk): the resume is refused before that shard is rewritten, naming it,
+    and the store stays as found."""
+    import errno
+
+    from activationscope.store import writer as writer_module
+
+    def fail(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    path = tmp_path / "s.zarr"
+    options = {"chunk_rows": 4, "shard_bytes": 16 * 8 * 4}
+    data = store_three_batches(path, **options)
+    found = _tree(path)
+    monkeypatch.setattr(writer_module.os, "link", fail)
+    monkeypatch.setattr(writer_module.shutil, "copyfile", fail)
+    w = StoreWriter(path, resume=True, **options)
+    with pytest.raises(StoreError, match=r"partial last shard '0' of hook point '0.output' cannot be kept .*"
+                                         r"No space left on device.*the shard was not touched"):
+        w.open_array("0.output", (8,), torch.float32, "sample")
+    w.abort(RuntimeError("refused"))
+    after = _tree(path)
+    assert after[0] == found[0]
+    store = open_store(path)
+    assert store.status == "complete" and torch.equal(store["0.output"], data) and store.verify() == []
 
 
 @pytest.mark.parametrize("where", ["local", "memory"])
