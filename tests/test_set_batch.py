@@ -161,3 +161,29 @@ def test_reserved_column_names_are_refused_at_set_batch(tmp_path, name):
     with pytest.raises(ArgumentValueError, match=rf"column '{name}' clashes with a reserved row-table column"):
         with acs.ActivationScope(store=str(tmp_path / "s.zarr")).track(_model()) as tr:
             tr.set_batch(**{name: [0, 1]})
+
+
+def test_columns_of_a_store_whose_batches_all_had_no_samples_are_kept(tmp_path):
+    """Every forward so far had an empty batch: the columns it described are in the row table
+    (0 rows, their types), a dataset asking for them is empty instead of an error, and rows a
+    resume adds later come with their values."""
+    model = _model()
+    path = tmp_path / "s.zarr"
+    with acs.ActivationScope(store=str(path)).track(model) as tr, torch.no_grad():
+        for _ in range(2):
+            tr.set_batch(label=torch.zeros(0, dtype=torch.long), text=[])
+            model(torch.randn(0, 6))
+    s = acs.open_store(path)
+    table = s.row_table()
+    assert s.n_samples == 0 and table.num_rows == 0
+    assert table.column_names == ["sample_id", "batch", "label", "text"]
+    assert str(table.schema.field("label").type) == "int64"
+    assert len(acs.ActivationDataset(path, columns=["label", "text"])) == 0
+    with acs.ActivationScope(store=str(path), store_options={"resume": True}).track(model) as tr, torch.no_grad():
+        tr.set_batch(label=torch.tensor([4, 5]), text=["a", "b"])
+        model(torch.randn(2, 6))
+    s = acs.open_store(path)
+    assert s.row_table().column("label").to_pylist() == [4, 5]
+    assert s.row_table().column("text").to_pylist() == ["a", "b"]
+    ds = acs.ActivationDataset(path, columns=["label"])
+    assert len(ds) == 2 and ds.get_batch([0, 1])["label"].tolist() == [4, 5] and s.verify() == []

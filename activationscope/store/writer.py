@@ -147,10 +147,11 @@ class _Batch:
     first_id: int = 0
 
 
-def _row_pieces(batches: list[_Batch], kind: str) -> list[dict[str, Any]]:
+def _row_pieces(batches: list[_Batch], kind: str, keep_empty: bool = False) -> list[dict[str, Any]]:
     """The row-table columns of ``batches`` for row kind ``kind``, one dict per batch, except
     that a run of batches with default sample ids (numbered on from each other) is one dict
-    made with one ``arange`` and one ``repeat``. Batches without rows of the kind are left out."""
+    made with one ``arange`` and one ``repeat``. Batches without rows of the kind are left out
+    (``keep_empty``: kept)."""
     pieces: list[dict[str, Any]] = []
     run: list[_Batch] = []
 
@@ -173,7 +174,7 @@ def _row_pieces(batches: list[_Batch], kind: str) -> list[dict[str, Any]]:
         if part is not None:
             pieces.append(part)
     flush()
-    return [p for p in pieces if len(p["batch"])]
+    return [p for p in pieces if keep_empty or len(p["batch"])]
 
 
 def model_identity(model: torch.nn.Module | None) -> dict | None:
@@ -1321,6 +1322,11 @@ class StoreWriter:
         # 2. row-table parts
         for kind in ROW_KINDS:
             pieces = _row_pieces(batches, kind)
+            if not pieces and not self._row_tables[kind]["parts"]:
+                # batches of no rows so far: the user columns they named (with their types) are
+                # kept in one part of 0 rows, so that a store of no rows still has them
+                pieces = [p for p in _row_pieces(batches, kind, keep_empty=True)
+                          if set(p) - set(self._row_tables[kind]["columns"]) - {"sample_id", "pos", "batch"}]
             if pieces:
                 self._write_part(kind, pieces)
         for x in batches:
