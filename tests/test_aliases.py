@@ -303,3 +303,27 @@ def test_an_alias_target_is_found_among_many_hook_points(tmp_path):
         want = torch.cat([layers[2](layers[1](layers[0](v))) for v in (x, x + 1)])
     torch.testing.assert_close(s["0.output"][:], want, rtol=0, atol=0)
     assert set(s.hook_points) == {"0.output", "1.output", *(f"0.layers.{i}.output" for i in range(24))}
+
+
+def test_a_repeated_tensor_with_other_rows_than_its_target_is_stored_as_its_own_array(tmp_path):
+    # token_rows= makes the Identity's output (the same tensor as "0.output") one row per
+    # sample while "0.output" stores one row per token: an alias would store it as token rows
+    # (against token_rows=) and its reduction would cover other rows than its array
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(5, 5), torch.nn.Identity(), torch.nn.Linear(5, 2))
+    x = torch.randn(3, 5, 5)  # (batch, pos, d) with d == pos
+    mask = torch.ones(3, 5, dtype=torch.long)
+    mask[0, 3:] = 0
+    scope = ActivationScope(store=tmp_path / "s.zarr", token_rows={"1.output": False},
+                            reductions={"1.output": ["mean"]})
+    with torch.no_grad(), scope.track(m) as t:
+        t.set_batch(attention_mask=mask)
+        m(x)
+    s = open_store(tmp_path / "s.zarr")
+    with torch.no_grad():
+        ref = m[0](x)
+    assert s.aliases == {}
+    assert s.row_kind("0.output") == "token" and s.row_kind("1.output") == "sample"
+    torch.testing.assert_close(s["0.output"][:], ref[mask.bool()], rtol=0, atol=0)
+    torch.testing.assert_close(s["1.output"][:], ref, rtol=0, atol=0)
+    torch.testing.assert_close(s.reductions["1.output"]["mean"], ref.double().mean(0))

@@ -991,7 +991,7 @@ class Tracker:
                 objects.append(reduction)  # keeps Python subclasses (eager reductions) alive
             self._reduction_names[name] = names
             self._reduction_objects[name] = objects
-        target = self._alias_target(name, tensor)
+        target = self._alias_target(name, tensor, 1 if token else 0)
         if target is not None:
             # the same tensor as an earlier hook point of this forward: kept and stored once
             sink.set_alias_of(self._sinks[target])
@@ -1023,18 +1023,21 @@ class Tracker:
                     self._sinks[name].watch_aliases(False)
             self._watching = []
 
-    def _alias_target(self, name: str, tensor: torch.Tensor) -> str | None:
+    def _alias_target(self, name: str, tensor: torch.Tensor, row_kind: int) -> str | None:
         """The hook point captured earlier in this forward whose tensor ``tensor`` is (same
-        storage, offset, shape, strides, dtype, unchanged since), when storing both would
-        duplicate bytes; None otherwise. On resume, a hook point stored as an array stays
-        one, and one stored as an alias must be one again."""
+        storage, offset, shape, strides, dtype, unchanged since) and whose rows are of the same
+        kind (``row_kind``: 1 token rows, 0 sample rows; ``token_rows=`` can give the same
+        tensor other rows), when storing both would duplicate bytes; None otherwise. On
+        resume, a hook point stored as an array stays one, and one stored as an alias must be
+        one again."""
         if self.writer is not None and not getattr(self.writer, "supports_aliases", False):
             return None  # a writer that cannot store aliases (a rank of a multi-rank capture)
         stored = self.writer.aliases if self.writer is not None else {}
         target = None
         if self._alias_candidates and not self._core.in_graph and not (
                 self.writer is not None and self.writer.committed_rows(name)):
-            others = [other for other in self._watching if other != name]
+            others = [other for other in self._watching
+                      if other != name and self._sinks[other].row_kind == row_kind]
             i = _C.last_match(tensor, [self._sinks[other] for other in others])  # latest first
             target = others[i] if i >= 0 else None
         if name in stored and target != stored[name]:
