@@ -81,6 +81,25 @@ def test_in_memory_reductions_equal_float64_statistics_of_the_records(dtype):
         torch.testing.assert_close(records, want, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("reductions", [NAMES, None])
+def test_reference_records_are_the_cast_values_too(reductions):
+    # CaptureMode.REFERENCE keeps the model's tensor, which is not of storage_dtype: the
+    # record is then a cast copy, as the reductions are of the cast values
+    model, xs = _model(scale=37.0), _batches(3)
+    scope = ActivationScope(reductions=reductions, storage_dtype=torch.bfloat16, capture_mode="reference")
+    with torch.no_grad(), scope.track(model) as tr:
+        for x in xs:
+            model(x)
+    for hp in ("0.output", "2.output"):
+        records = torch.cat(tr.activations[hp])
+        with torch.no_grad():
+            want = torch.cat([model[: int(hp[0]) + 1](x) for x in xs]).to(torch.bfloat16)
+        assert records.dtype == torch.bfloat16
+        torch.testing.assert_close(records, want, rtol=0, atol=0)
+        if reductions:
+            _check_against(tr.reductions[hp], records)
+
+
 def test_an_alias_reduces_the_stored_values_too(tmp_path):
     inner = _model(scale=37.0)
     model = torch.nn.Sequential(inner)  # "0.output" is "0.2.output", stored once

@@ -117,6 +117,7 @@ class CaptureMode(enum.Enum):
         detected through the tensor's version counter and warned about, naming the hook point,
         when the records are read (``activations``) and when the ``with`` block ends.
         Under ``torch.inference_mode`` tensors have no version counter: they are copied.
+        With ``storage_dtype`` a record holds the cast values, so it is a copy too.
     """
 
     REFERENCE = "reference"
@@ -970,7 +971,8 @@ class Tracker:
             keep = 2
         sink = _C.Sink(
             name,
-            snapshot=scope.capture_mode is CaptureMode.SNAPSHOT,
+            # REFERENCE with storage_dtype: a record of the cast values is a copy
+            snapshot=scope.capture_mode is CaptureMode.SNAPSHOT or scope.storage_dtype is not None,
             keep=keep,
             placement=_PLACEMENT_CODE[scope.storage],
             storage_dtype=scope.storage_dtype,
@@ -1067,7 +1069,8 @@ class Tracker:
         else:
             return
         uses = []
-        if self.scope.capture_mode is CaptureMode.SNAPSHOT or tensor.is_inference():
+        if self.scope.capture_mode is CaptureMode.SNAPSHOT or tensor.is_inference() or \
+                self.scope.storage_dtype is not None:
             uses.append("copied (CaptureMode.SNAPSHOT)")
         if self.writer is not None:
             uses.append("stored")
@@ -1377,8 +1380,8 @@ class Tracker:
         are the tracker's own copies (each owning exactly its bytes in a pooled staging slab,
         alive as long as you hold them); REFERENCE records are the model's tensors, detached
         (copies under ``torch.inference_mode``, where no version counter tells later
-        in-place changes). A hook point that repeats another's tensor (an alias) lists the
-        other's records. Empty with ``StoragePolicy.DISK`` (read the store) and
+        in-place changes, and cast copies with ``storage_dtype``). A hook point that repeats
+        another's tensor (an alias) lists the other's records. Empty with ``StoragePolicy.DISK`` (read the store) and
         ``ReductionPolicy.STREAMING``.
         """
         if self._reference_mode:
