@@ -7,6 +7,7 @@ PyTorch over every sample, and the store's files byte for byte."""
 from __future__ import annotations
 
 import hashlib
+import warnings
 import pathlib
 
 import pytest
@@ -331,3 +332,46 @@ def test_a_resume_continues_a_store_whose_hook_point_a_forward_may_not_call(tmp_
     torch.testing.assert_close(torch.as_tensor(s["a.output"][:]), ref_a, rtol=0, atol=0)
     torch.testing.assert_close(torch.as_tensor(s["b.output"][:]), ref_b, rtol=0, atol=0)
     assert s.follows_row_table("a.output") and not s.follows_row_table("b.output")
+
+
+class _Output(torch.nn.Module):
+    """Hugging Face BERT's ``BertOutput``: a module called ``output`` with a ``dense`` child."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.tanh(self.dense(x))
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.intermediate = torch.nn.Linear(4, 8)
+        self.output = _Output()
+
+    def forward(self, x):
+        return self.output(self.intermediate(x))
+
+
+def test_modules_called_output_resume_and_are_not_called_silent(tmp_path):
+    # hook points 'layer.output.output' and 'layer.output.dense.output' belong to the modules
+    # 'layer.output' and 'layer.output.dense', not to 'layer'
+    torch.manual_seed(0)
+    model = torch.nn.Sequential()
+    model.add_module("layer", _Layer())
+    xs = _batches(4)
+    path = tmp_path / "s.zarr"
+    include = ["layer.output", "layer.output.dense"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CaptureWarning)  # no module named as recording nothing
+        _capture(model, path, xs[:2], include=include)
+        _capture(model, path, xs[2:], resume=True, include=include)
+    s = open_store(path)
+    assert sorted(s.hook_points) == ["layer.output.dense.output", "layer.output.output"]
+    with torch.no_grad():
+        dense = torch.cat([model.layer.output.dense(model.layer.intermediate(x)) for x in xs])
+    torch.testing.assert_close(s["layer.output.dense.output"][:], dense, rtol=0, atol=0)
+    torch.testing.assert_close(s["layer.output.output"][:], torch.tanh(dense), rtol=0, atol=0)
+    torch.testing.assert_close(s.reductions["layer.output.output"]["mean"], torch.tanh(dense).double().mean(0))

@@ -232,8 +232,19 @@ def _replace_scripted(
     return out
 
 
-def hook_point_module(hook_point: str) -> str:
-    """Module path of a hook point name (``"enc.0#1.output.x"`` -> ``"enc.0"``)."""
+def hook_point_module(hook_point: str, modules: Any = None) -> str:
+    """Module path of a hook point name (``"enc.0#1.output.x"`` -> ``"enc.0"``).
+
+    A module may itself be called ``output`` or ``input`` (Hugging Face BERT's
+    ``encoder.layer.0.output``, a ``BertOutput``, and its ``encoder.layer.0.output.dense``), so
+    a name can be read several ways; ``modules`` (the module paths there are) picks the
+    longest of them that is a module (``"encoder.layer.0.output.dense.output"`` ->
+    ``"encoder.layer.0.output.dense"``). Without it, or when none is, the first reading.
+    """
+    if modules is not None:
+        known = [m for m in _module_readings(hook_point) if m in modules]
+        if known:
+            return max(known, key=len)
     for marker in (".output", ".input"):
         i = hook_point.find(marker)
         while i >= 0:
@@ -244,6 +255,22 @@ def hook_point_module(hook_point: str) -> str:
     if hook_point.startswith(("output", "input")):
         return ""
     return hook_point.split("#")[0]
+
+
+def _module_readings(hook_point: str) -> list[str]:
+    """Every module path ``hook_point`` can be read as: the part before each ``.output`` /
+    ``.input`` that ends a name part (``#k`` dropped), the root for a name starting with
+    ``output`` / ``input``, and the whole name (a TransformerLens ``HookPoint``)."""
+    out = [""] if hook_point.startswith(("output", "input")) else []
+    for marker in (".output", ".input"):
+        i = hook_point.find(marker)
+        while i >= 0:
+            rest = hook_point[i + len(marker):]
+            if rest == "" or rest.startswith("."):
+                out.append(hook_point[:i].split("#")[0])
+            i = hook_point.find(marker, i + 1)
+    out.append(hook_point.split("#")[0])
+    return out
 
 
 def is_hook_point_module(module: torch.nn.Module) -> bool:

@@ -615,7 +615,7 @@ class Tracker:
 
     def _can_capture(self, hook_point: str, modules: set[str]) -> bool:
         """Whether this tracker's modules and side can give ``hook_point`` (by name)."""
-        module = hook_point_module(hook_point)
+        module = hook_point_module(hook_point, modules)
         if module not in modules:
             return False
         if module in self._hook_point_paths:  # a TransformerLens HookPoint: either side
@@ -627,6 +627,10 @@ class Tracker:
         if tail.startswith("output"):
             return self._side in ("output", "both")
         return True
+
+    def _module_of(self, hook_point: str) -> str:
+        """The tracked module whose hook point ``hook_point`` is."""
+        return hook_point_module(hook_point, {n for n, _ in self._modules})
 
     def _check_patterns(self, stored_config: Any) -> None:
         """Refuse a resume whose include= / exclude= patterns differ from those the store
@@ -807,7 +811,8 @@ class Tracker:
         """Tracked modules that recorded nothing although forwards were captured."""
         if self._n_captured == 0:
             return []
-        recorded = {hook_point_module(h) for h in self._sinks}
+        names = {n for n, _ in self._modules}
+        recorded = {hook_point_module(h, names) for h in self._sinks}
         silent = [(n, m) for n, m in self._modules if n not in recorded]
         if recorded:  # containers without a forward (ModuleList, ModuleDict) are never called
             silent = [(n, m) for n, m in silent if not _no_forward(m)]
@@ -978,7 +983,7 @@ class Tracker:
             storage_dtype=scope.storage_dtype,
             arena=self._arena,
             row_kind=1 if token else (0 if decided is False else -1),
-            module=hook_point_module(name),  # named by the native layout check of later calls
+            module=self._module_of(name),  # named by the native layout check of later calls
         )
         if self._red_factories is not None:
             names, objects = [], []
@@ -1079,7 +1084,7 @@ class Tracker:
             uses.append("reduced")
         if not uses:
             return
-        module = hook_point_module(name)
+        module = self._module_of(name)
         raise CaptureError(
             f"hook point {name!r} is {what}, shape {tuple(tensor.shape) if not tensor.is_nested else '(nested)'}, "
             f"which cannot be {' or '.join(uses)}: a capture records dense strided tensors with values. "
