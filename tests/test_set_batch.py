@@ -71,6 +71,34 @@ def test_empty_batch_described_as_empty_is_accepted(tmp_path):
     assert all(s.follows_row_table(hp) and s.n_rows(hp) == 3 for hp in s.hook_points)
 
 
+@pytest.mark.parametrize("to_store", [False, True])
+def test_a_refused_batch_caught_inside_the_block_records_nothing_of_its_forward(tmp_path, to_store):
+    # the refusal comes before any module of the forward runs: a caller that catches it and
+    # goes on keeps every hook point aligned with the row table
+    model = _model()
+    xs = [torch.randn(4, 6) for _ in range(3)]
+    scope = acs.ActivationScope(store=str(tmp_path / "s.zarr"), reductions=["mean"]) if to_store else \
+        acs.ActivationScope(reductions=["mean"])
+    with scope.track(model) as tr, torch.no_grad():
+        for i, x in enumerate(xs):
+            tr.set_batch(label=[i] * (3 if i == 1 else 4))
+            try:
+                model(x)
+            except ArgumentValueError:
+                assert i == 1
+    with torch.no_grad():
+        want = torch.cat([model(xs[0]), model(xs[2])])
+    if to_store:
+        s = acs.open_store(tmp_path / "s.zarr")
+        assert s.row_table().column("label").to_pylist() == [0] * 4 + [2] * 4
+        assert s.follows_row_table("1.output")
+        torch.testing.assert_close(s["1.output"][:], want, rtol=0, atol=0)
+        torch.testing.assert_close(s.reductions["1.output"]["mean"], want.double().mean(0))
+    else:
+        torch.testing.assert_close(torch.cat(tr.activations["1.output"]), want, rtol=0, atol=0)
+        torch.testing.assert_close(tr.reductions["1.output"]["mean"], want.double().mean(0))
+
+
 def test_matching_description_is_accepted(tmp_path):
     model = _model()
     scope = acs.ActivationScope(store=str(tmp_path / "s.zarr"))

@@ -1213,6 +1213,10 @@ class Tracker:
         self._stop_watching()  # after a forward that raised
         if self._open_forward is not None:
             self._forward_raised()
+        if self._core.capturing and self._pending_batch is not None:
+            # refused before any module of this forward records a row (the end of the forward
+            # checks again when only the first activation tells the batch size)
+            self._check_batch_size(self._pending_batch)
         self._open_forward = self._core.n_forwards - 1 if self._core.capturing else None
         if self._pending_batch is not None:
             self._batch = self._pending_batch
@@ -1249,15 +1253,8 @@ class Tracker:
         self._n_captured += 1
         batch = self._batch or {}
         n = _batch_size(batch, self._core.batch_size)
-        actual = int(self._core.batch_size)
-        if actual >= 0 and n != actual and self._batch is not None:
-            what = ("attention_mask" if batch.get("attention_mask") is not None else
-                    "sample_ids" if batch.get("sample_ids") is not None else
-                    f"column {next(iter(batch.get('columns') or {'?': 0}))!r}")
-            raise ArgumentValueError(
-                f"set_batch({what}=...) describes {n} samples, but the forward's batch has {actual} (the first "
-                "dimension of its first input); call set_batch with one entry per sample before each forward"
-            )
+        if self._batch is not None:
+            self._check_batch_size(self._batch)
         if batch.get("attention_mask") is not None and not self._warned_mask:
             self._warn_mask_unused(batch["attention_mask"])
         if self.writer is not None:
@@ -1276,6 +1273,20 @@ class Tracker:
         # (REFERENCE records changed in place are looked for when the records are read and at
         # the end of the `with` block, not here: a check here reads every new record's version
         # counter after every forward)
+
+    def _check_batch_size(self, batch: Mapping[str, Any]) -> None:
+        """Refuse a ``set_batch`` that describes another number of samples than the forward's
+        batch (the first dimension of its first input, once known)."""
+        n = _batch_size(batch, self._core.batch_size)
+        actual = int(self._core.batch_size)
+        if actual >= 0 and n != actual:
+            what = ("attention_mask" if batch.get("attention_mask") is not None else
+                    "sample_ids" if batch.get("sample_ids") is not None else
+                    f"column {next(iter(batch.get('columns') or {'?': 0}))!r}")
+            raise ArgumentValueError(
+                f"set_batch({what}=...) describes {n} samples, but the forward's batch has {actual} (the first "
+                "dimension of its first input); call set_batch with one entry per sample before each forward"
+            )
 
     def _warn_row_table_lost(self, lost: Mapping[str, tuple[int, int]]) -> None:
         """Warn once per hook point whose store rows stopped following the row table in this
