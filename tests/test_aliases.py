@@ -327,3 +327,61 @@ def test_a_repeated_tensor_with_other_rows_than_its_target_is_stored_as_its_own_
     torch.testing.assert_close(s["0.output"][:], ref[mask.bool()], rtol=0, atol=0)
     torch.testing.assert_close(s["1.output"][:], ref, rtol=0, atol=0)
     torch.testing.assert_close(s.reductions["1.output"]["mean"], ref.double().mean(0))
+
+
+class _SelfAttention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln = torch.nn.LayerNorm(8)
+        self.attn = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def forward(self, x):
+        h = self.ln(x)
+        return x + self.attn(h, h, h, need_weights=False)[0]
+
+
+class _Twice(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return h, h
+
+
+@pytest.mark.parametrize("model", ["self_attention", "tuple"])
+@pytest.mark.parametrize("to_store", [False, True])
+def test_one_tensor_passed_or_returned_twice_is_captured_in_every_forward(tmp_path, model, to_store):
+    # attn(h, h, h) and a tuple (h, h): several new hook points of one call are the same
+    # tensor as one earlier hook point; every forward after the first was refused
+    torch.manual_seed(0)
+    m = _SelfAttention() if model == "self_attention" else _Twice()
+    xs = [torch.randn(2, 5, 8) for _ in range(3)]
+    ref: dict[str, list[torch.Tensor]] = {}
+
+    def keep(name):
+        def hook(mod, args, out):
+            for i, a in enumerate(args):
+                ref.setdefault(f"{name}input.{i}", []).append(a.detach().clone())
+            for i, o in enumerate(out if isinstance(out, tuple) else (out,)):
+                if o is not None:
+                    key = f"{name}output" if not isinstance(out, tuple) else f"{name}output.{i}"
+                    ref.setdefault(key, []).append(o.detach().clone())
+        return hook
+
+    hooks = [mod.register_forward_hook(keep(f"{n}." if n else "")) for n, mod in m.named_modules()]
+    with torch.no_grad():
+        for x in xs:
+            m(x)
+    for h in hooks:
+        h.remove()
+    scope = ActivationScope(capture="both", **({"store": tmp_path / "s.zarr"} if to_store else {}))
+    with torch.no_grad(), scope.track(m, include=["*"]) as t:
+        for x in xs:
+            m(x)
+    got = open_store(tmp_path / "s.zarr") if to_store else {k: torch.cat(v) for k, v in t.activations.items()}
+    names = list(got.hook_points) if to_store else list(got)
+    assert sorted(names) == sorted(ref)
+    for name in names:
+        torch.testing.assert_close(got[name][:], torch.cat(ref[name]), rtol=0, atol=0)

@@ -1043,8 +1043,12 @@ class Tracker:
         target = None
         if self._alias_candidates and not self._core.in_graph and not (
                 self.writer is not None and self.writer.committed_rows(name)):
+            # a target has one alias: it keeps its last tensor for one alias check per call
+            # (a second alias of it, the same tensor passed twice, as attn(h, h, h), would
+            # fail that check from the next forward on)
+            targets = set(self._aliases.values())
             others = [other for other in self._watching
-                      if other != name and self._sinks[other].row_kind == row_kind]
+                      if other != name and other not in targets and self._sinks[other].row_kind == row_kind]
             i = _C.last_match(tensor, [self._sinks[other] for other in others])  # latest first
             target = others[i] if i >= 0 else None
         if name in stored and target != stored[name]:
