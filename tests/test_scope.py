@@ -998,3 +998,23 @@ def test_pattern_selects_exact_names_first():
     assert not pattern_selects("d.a[1].output", "d.a1.output", names)
     assert pattern_selects("d.a[1].output", "d.a1.output")  # names unknown: fnmatch
     assert pattern_selects("d.*", "d.a1.output", names) and not pattern_selects("D.*", "d.a1.output", names)
+
+
+@pytest.mark.parametrize("to_store", [False, True])
+def test_a_tracker_entered_again_inside_its_with_block_records_until_the_outer_block_ends(tmp_path, to_store):
+    # a helper given the tracker enters it again: its end must not stop the outer capture
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU())
+    xs = [torch.randn(2, 4) for _ in range(3)]
+    scope = acs.ActivationScope(store=tmp_path / "s.zarr") if to_store else acs.ActivationScope()
+    tracker = scope.track(model)
+    with torch.no_grad(), tracker:
+        model(xs[0])
+        with tracker:
+            model(xs[1])
+        model(xs[2])
+    assert "forward" not in model[0].__dict__  # removed at the end of the outer block
+    with torch.no_grad():
+        want = torch.cat([model[0](x) for x in xs])
+    got = acs.open_store(tmp_path / "s.zarr")["0.output"][:] if to_store else torch.cat(tracker.activations["0.output"])
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -502,6 +502,7 @@ class Tracker:
         self._installed: list[tuple[torch.nn.Module, Any, Any]] = []
         self._attached = False
         self._closed = False
+        self._with_depth = 0  # `with tracker:` blocks entered and not yet left
         self._pending_batch: dict[str, Any] | None = None
         self._batch: dict[str, Any] | None = None
         self._n_samples = 0
@@ -828,12 +829,24 @@ class Tracker:
             )
 
     def __enter__(self) -> "Tracker":
-        """Attach (see :meth:`attach`) and return the tracker."""
-        return self.attach()
+        """Attach (see :meth:`attach`) and return the tracker. A ``with`` block of a tracker
+        already in one (a helper given the tracker enters it again) nests: only the outermost
+        block's end removes the wrappers."""
+        if self._attached and self._with_depth > 0:
+            self._with_depth += 1
+            return self
+        self.attach()
+        self._with_depth = 1
+        return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         """Remove this tracker's wrappers and close its store: status ``complete``, or
-        ``incomplete`` when the body raised (the exception propagates)."""
+        ``incomplete`` when the body raised (the exception propagates). The end of a nested
+        ``with`` block of the same tracker does nothing."""
+        if self._with_depth > 1:
+            self._with_depth -= 1
+            return
+        self._with_depth = 0
         self._detach()
         self._finish(status="complete" if exc is None else "incomplete", exc=exc)
         if self._reference_mode:
