@@ -1018,3 +1018,19 @@ def test_a_tracker_entered_again_inside_its_with_block_records_until_the_outer_b
         want = torch.cat([model[0](x) for x in xs])
     got = acs.open_store(tmp_path / "s.zarr")["0.output"][:] if to_store else torch.cat(tracker.activations["0.output"])
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_the_store_records_what_track_overrode(tmp_path):
+    # capture=, include=, token_rows= given to track() are what the capture did: the store's
+    # capture_config says so, not the scope's defaults
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    scope = acs.ActivationScope(store=tmp_path / "s.zarr")
+    with torch.no_grad(), scope.track(model, include=["0"], exclude=["1"], capture="both",
+                                      token_rows={"0.output": False}, stop_after_last=True):
+        model(torch.randn(2, 4))
+    store = acs.open_store(tmp_path / "s.zarr")
+    assert sorted(store.hook_points) == ["0.input.0", "0.output"]
+    config = store.attrs["capture_config"]
+    assert config["capture"] == "both" and config["include"] == ["0"] and config["exclude"] == ["1"]
+    assert config["token_rows"] == {"0.output": False} and config["stop_after_last"] is True
+    assert config["patterns"] == {"include": ["0"], "exclude": ["1"]}

@@ -562,8 +562,7 @@ class Tracker:
         if self.scope.store is not None and self.writer is None:
             self.writer = open_writer(
                 self.scope.store,
-                capture_config={**self.scope.config(), "stop_after_last": self.stop_after_last,
-                                **({"patterns": self._patterns} if self._patterns is not None else {})},
+                capture_config=self._capture_config(),
                 model=self.model,
                 storage_dtype=self.scope.storage_dtype,
                 **self.scope.store_options,
@@ -613,6 +612,17 @@ class Tracker:
             _fastpath_acquire()
             self._fastpath_off = True
         return self
+
+    def _capture_config(self) -> dict[str, Any]:
+        """The store's ``capture_config``: the scope's configuration with what ``track()``
+        overrode (``capture``, ``include`` / ``exclude``, ``token_rows``, ``stop_after_last``),
+        so it says what this capture did."""
+        config = {**self.scope.config(), "capture": self._side, "stop_after_last": self.stop_after_last,
+                  "token_rows": self._token_rows}
+        if self._patterns is not None:
+            config.update(include=self._patterns["include"], exclude=self._patterns["exclude"],
+                          patterns=self._patterns)
+        return config
 
     def _can_capture(self, hook_point: str, modules: set[str]) -> bool:
         """Whether this tracker's modules and side can give ``hook_point`` (by name)."""
