@@ -325,7 +325,23 @@ void Sink::consume(const at::Tensor& x_in, const at::Tensor& token_mask) {
   std::lock_guard<std::mutex> lock(mu_);
   check_layout(x);  // before the call is counted or anything of it kept
   count_call(1);
-  if (x.dim() >= 1 && x.size(0) == 0) return;  // an empty batch is a no-op
+  if (x.dim() >= 1 && x.size(0) == 0) {
+    // An empty batch: no rows, reductions or store writes. An in-memory capture still keeps
+    // its (empty) record, so records stay one per call (record i is call i's; the last
+    // record of keep="last" is the last call's). An alias keeps none: its target's are read.
+    if (options_.keep != Keep::NONE && options_.placement != Placement::DISK && !alias_of_) {
+      Record rec;
+      rec.t = at::empty(x.sizes(), x.options().dtype(options_.storage_dtype.value_or(x.scalar_type())));
+      if (options_.keep == Keep::LAST) {
+        records_.clear();
+        versions_.clear();
+        checked_ = 0;
+      }
+      if (!options_.snapshot) versions_.push_back(kCopied);
+      records_.push_back(std::move(rec));
+    }
+    return;
+  }
   if (row_kind_ < 0) {
     row_kind_ = is_token_rows(x, token_mask) ? 1 : 0;
   }

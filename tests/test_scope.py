@@ -374,11 +374,24 @@ def test_noncontiguous_expanded_zero_size_channels_last_in_logical_order():
     assert acts["0.output.2"][0].numel() == 0
 
 
-def test_empty_batch_is_a_noop(mlp):
-    with acs.ActivationScope().track(mlp, include=["0"]) as tr:
-        mlp(torch.randn(0, 16))
+@pytest.mark.parametrize("mode", [acs.CaptureMode.SNAPSHOT, acs.CaptureMode.REFERENCE])
+def test_empty_batch_keeps_an_empty_record(mlp, mode):
+    """An empty batch adds no rows and changes no reduction, but keeps its (empty) record:
+    record i is forward i's, and the final record of FINAL_ONLY is the last forward's."""
+    xs = [torch.randn(0, 16), torch.randn(2, 16), torch.randn(0, 16), torch.randn(3, 16)]
+    with acs.ActivationScope(capture_mode=mode, reductions=["mean"]).track(mlp, include=["0"]) as tr, torch.no_grad():
+        for x in xs:
+            mlp(x)
+    records = tr.activations["0.output"]
+    assert [tuple(t.shape) for t in records] == [(0, 16), (2, 16), (0, 16), (3, 16)]
+    with torch.no_grad():
+        want = torch.cat([mlp[0](x) for x in xs])
+    torch.testing.assert_close(torch.cat(records), want, rtol=0, atol=0)
+    torch.testing.assert_close(tr.reductions["0.output"]["mean"], want.double().mean(0))
+    with acs.ActivationScope(reduction_policy=ReductionPolicy.FINAL_ONLY).track(mlp, include=["0"]) as tr, torch.no_grad():
         mlp(torch.randn(2, 16))
-    assert [t.shape[0] for t in tr.activations["0.output"]] == [2]
+        mlp(torch.randn(0, 16))
+    assert [tuple(t.shape) for t in tr.activations["0.output"]] == [(0, 16)]
 
 
 # ----------------------------------------------------------------------------- autograd modes
