@@ -43,14 +43,17 @@ def sentence_rows(
 ) -> tuple[torch.Tensor, list[Any]] | None:
     """Read one hook point back through ``ActivationDataset`` + ``DataLoader``, one row per sample.
 
-    Token rows are mean-pooled per ``sample_id`` (exactly the masked mean, since padding
-    never enters the store); sample rows are used as they are. Unlabelled rows (missing
-    label, ``-1``, empty string) are dropped.
+    Token rows are mean-pooled per sample (exactly the masked mean, since padding never
+    enters the store); a sample is a ``(rank, batch, sample_id)`` of the row table (those of
+    the three it has, as ``ActivationDataset`` joins per-sample columns), so ids repeated
+    across forwards or ranks (default ids count per rank) stay separate samples. Sample rows
+    are used as they are, one per row. Unlabelled rows (missing label, ``-1``, empty string)
+    are dropped.
 
     Returns
     -------
-    (x, labels) : Tensor (n_samples, *feature_shape) float64, list of labels; or None when the
-        store's row table has no ``label_column``.
+    (x, labels) : Tensor (n_samples, *feature_shape) float64 (samples in store order), list
+        of labels; or None when the store's row table has no ``label_column``.
     """
     from torch.utils.data import DataLoader
 
@@ -62,21 +65,37 @@ def sentence_rows(
         if label_column in str(e):
             return None
         raise
-    rows, ids, labels = [], [], []
+    keys = ["sample_id"]
+    if ds.row_kind == "token":
+        names = ds.source.row_table("token").column_names
+        keys = [c for c in ("rank", "batch") if c in names] + keys
+        if len(keys) > 1:
+            ds = ActivationDataset(store, hook_points=[hook_point], columns=[*keys, label_column])
+    rows, samples, labels = [], [], []
     for batch in DataLoader(ds, batch_size=batch_size, shuffle=False):
         rows.append(torch.as_tensor(batch[hook_point]).to(torch.float64))
-        ids.append(torch.as_tensor(batch["sample_id"]).to(torch.long))
-        lab = batch[label_column]
-        labels.extend(lab.tolist() if isinstance(lab, torch.Tensor) else list(lab))
+        samples.extend(zip(*(_as_list(batch[k]) for k in keys)))
+        labels.extend(_as_list(batch[label_column]))
     if not rows:
         return None
     x = torch.cat(rows)
-    sid = torch.cat(ids)
     keep = torch.tensor([_is_label(v) for v in labels], dtype=torch.bool)
     if not bool(keep.any()):
         return None
-    label_of = {}
-    for i, v in zip(sid[keep].tolist(), (v for v, k in zip(labels, keep.tolist()) if k)):
-        label_of.setdefault(i, v)
-    uids, pooled = pool_by_sample(x[keep], sid[keep])
-    return pooled, [label_of[i] for i in uids.tolist()]
+    kept = keep.tolist()
+    labels = [v for v, k in zip(labels, kept) if k]
+    if ds.row_kind != "token":
+        return x[keep], labels
+    group: dict[Any, int] = {}
+    label_of: list[Any] = []
+    for key, v in zip((s for s, k in zip(samples, kept) if k), labels):
+        if key not in group:
+            group[key] = len(group)
+            label_of.append(v)
+    inverse = torch.tensor([group[s] for s, k in zip(samples, kept) if k], dtype=torch.long)
+    _, pooled = pool_by_sample(x[keep], inverse)
+    return pooled, label_of
+
+
+def _as_list(values: Any) -> list[Any]:
+    return values.tolist() if isinstance(values, torch.Tensor) else list(values)

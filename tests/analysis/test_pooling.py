@@ -1,0 +1,64 @@
+"""analysis.pooling.sentence_rows against a plain-PyTorch grouping of the store's rows."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import torch
+
+import activationscope as acs
+from activationscope.analysis.pooling import sentence_rows
+from activationscope.analysis.probes import probe_store
+
+
+class Encoder(torch.nn.Module):
+    def __init__(self, d_model: int = 6) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(50, d_model)
+        self.layer = torch.nn.Linear(d_model, d_model)
+        self.head = torch.nn.Linear(d_model, 2)
+
+    def forward(self, input_ids):
+        x = torch.relu(self.layer(self.embed(input_ids)))
+        return self.head(x.mean(1))
+
+
+def _two_rank_store(path):
+    """Two tasks of a RankStore capture with the default sample ids (counted per rank, so
+    both ranks have samples 0..11) and labels that differ between the ranks, consolidated."""
+    model = Encoder().eval()
+    gen = torch.Generator().manual_seed(3)
+    for task in range(2):
+        scope = acs.ActivationScope(store=str(path), store_options={"process_group": acs.RankStore(task, 2)})
+        with scope.track(model, include=["layer", "head"]) as tracker, torch.no_grad():
+            for _ in range(2):
+                lengths = torch.randint(2, 7, (6,), generator=gen)
+                mask = torch.arange(6)[None, :] < lengths[:, None]
+                tracker.set_batch(attention_mask=mask, label=(torch.arange(6) + task) % 2)
+                model(torch.randint(1, 50, (6, 6), generator=gen) * mask)
+    subprocess.run([sys.executable, "-m", "activationscope", "consolidate", str(path)], check=True,
+                   capture_output=True)
+    return acs.open_store(str(path))
+
+
+def test_sentence_rows_keep_samples_of_different_ranks_apart(tmp_path):
+    store = _two_rank_store(tmp_path / "ranks.zarr")
+    samples = store.row_table("sample").to_pylist()
+    assert store.n_samples == 24 and len({s["sample_id"] for s in samples}) == 12  # ids repeat across ranks
+    # sample rows: one per row, as stored
+    x, labels = sentence_rows(store, "head.output")
+    torch.testing.assert_close(x, store["head.output"].double(), rtol=0, atol=0)
+    assert labels == [s["label"] for s in samples]
+    # token rows: the mean of each (rank, batch, sample_id)'s tokens, in store order
+    tokens = store.row_table("token").to_pylist()
+    rows = store["layer.output"].double()
+    keys = [(t["rank"], t["batch"], t["sample_id"]) for t in tokens]
+    order = list(dict.fromkeys(keys))
+    want = torch.stack([rows[[i for i, k in enumerate(keys) if k == key]].mean(0) for key in order])
+    label_of = {(s["rank"], s["batch"], s["sample_id"]): s["label"] for s in samples}
+    x, labels = sentence_rows(store, "layer.output")
+    torch.testing.assert_close(x, want, rtol=1e-12, atol=1e-12)
+    assert labels == [label_of[k] for k in order]
+    assert all(p.n_samples == 24 for p in probe_store(store, n_folds=2).values())
