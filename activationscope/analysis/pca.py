@@ -15,7 +15,9 @@ def explained_variance_ratio(rows: torch.Tensor, n_components: int, max_features
     """Explained variance ratio of the first ``n_components`` principal components of ``rows``.
 
     The eigenvalues of the (units, units) scatter matrix of the centred rows (cheaper than an
-    SVD of the rows), descending, negative round-off clipped to 0, divided by their sum.
+    SVD of the rows), descending, negative round-off clipped to 0, divided by their sum. The
+    rows are divided by their largest magnitude first (which leaves the ratios as they are),
+    so values up to the float64 limit do not overflow.
 
     Parameters
     ----------
@@ -42,6 +44,10 @@ def explained_variance_ratio(rows: torch.Tensor, n_components: int, max_features
         note = f"{dropped} row(s) with NaN or inf left out of the PCA"
     if rows.shape[0] < 2:
         return None, "PCA skipped: fewer than 2 rows" + (f" ({note})" if note else "")
+    # divided by one scale (the ratios do not change), so that sums and squares of values near
+    # the float64 limit (1e200: squares overflow) or far below 1 stay in range
+    scale = rows.abs().max()
+    rows = rows / scale if float(scale) > 0 else rows
     centred = rows - rows.mean(0)
     ev = torch.linalg.eigvalsh(centred.T @ centred).flip(0).clamp_min(0)
     total = ev.sum()

@@ -22,3 +22,14 @@ def test_skips_say_why():
     assert explained_variance_ratio(torch.zeros(10, 9, dtype=torch.float64), 3, 8) == (None, "PCA skipped: 9 features > 8")
     assert explained_variance_ratio(torch.ones(1, 3, dtype=torch.float64), 3, 8) == (None, "PCA skipped: fewer than 2 rows")
     assert explained_variance_ratio(torch.ones(5, 3, dtype=torch.float64), 3, 8) == (None, "PCA skipped: zero variance")
+
+
+def test_values_near_the_float64_limit_and_far_below_one():
+    # squares of 1e200 overflow float64: the ratio is scale-free, so it must equal that of the rows / 1e200
+    gen = torch.Generator().manual_seed(1)
+    base = torch.randn(50, 4, generator=gen, dtype=torch.float64) * torch.tensor([4.0, 2, 1, 0.5], dtype=torch.float64)
+    want, _ = explained_variance_ratio(base, 4, 100)
+    for scale in (1e200, 1e300, 1e-200):
+        got, note = explained_variance_ratio(base * scale, 4, 100)
+        assert note == ""
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
