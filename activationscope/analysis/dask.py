@@ -300,7 +300,9 @@ def pca(x: Any, n_components: int | None = None) -> dict[str, Any]:
 
     Two passes: the mean, then ``C = (X - mean)^T (X - mean) / rows`` (population
     covariance, as the store's ``cov`` reduction) as a tree sum of per-block products in
-    float64; then ``numpy.linalg.eigh`` of ``C`` on the client. The client holds only
+    float64; then ``numpy.linalg.eigh`` of ``C`` on the client. Rows holding NaN or inf are
+    left out of both passes (as the report's PCA leaves them out); ``n_dropped`` says how
+    many. The client holds only
     ``(features, features)`` float64, so the feature count must be moderate (a few
     thousand); the rows can be any number.
 
@@ -316,12 +318,14 @@ def pca(x: Any, n_components: int | None = None) -> dict[str, Any]:
         ``mean`` (features,), ``cov`` (features, features), ``explained_variance``
         (k,) in decreasing order, ``explained_variance_ratio`` (k,), ``components``
         (k, features), unit rows (the sign of each is fixed so that its largest-magnitude
-        entry is positive); all float64 numpy arrays. ``count``: rows.
+        entry is positive); all float64 numpy arrays. ``count``: rows used;
+        ``n_dropped``: rows left out for holding NaN or inf.
 
     Raises
     ------
     ValueError
-        ``x`` is not 2-d, has fewer than 2 rows, or ``n_components`` is out of range.
+        ``x`` is not 2-d, has fewer than 2 rows (without NaN or inf), or ``n_components``
+        is out of range.
     """
     if x.ndim != 2:
         raise ArgumentValueError(f"pca needs a (rows, features) array, got shape {tuple(x.shape)}; reshape it first")
@@ -331,10 +335,17 @@ def pca(x: Any, n_components: int | None = None) -> dict[str, Any]:
     k = d if n_components is None else n_components
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= d:
         raise ArgumentValueError(f"n_components must be an int in 1..{d}, got {n_components!r}")
+    dask, da = _require("dask"), _require("dask.array")
     x64 = x.astype(np.float64)
-    mean = x64.mean(axis=0).compute()
-    xc = x64 - mean
-    cov = (xc.T @ xc).compute() / n
+    finite = da.isfinite(x64).all(axis=1)[:, None]  # rows holding NaN or inf are left out
+    n_ok, total = dask.compute(finite.sum(), da.where(finite, x64, 0.0).sum(axis=0))
+    n_ok = int(n_ok)
+    if n_ok < 2:
+        raise ArgumentValueError(f"pca needs at least 2 rows without NaN or inf, got {n_ok} of {n}; check the "
+                                 "capture (e.g. its dtype: float16 overflows above 65504)")
+    mean = total / n_ok
+    xc = da.where(finite, x64 - mean, 0.0)
+    cov = (xc.T @ xc).compute() / n_ok
     values, vectors = np.linalg.eigh(cov)
     order = np.argsort(values)[::-1][:k]
     values, comps = values[order], vectors[:, order].T
@@ -344,5 +355,5 @@ def pca(x: Any, n_components: int | None = None) -> dict[str, Any]:
     return {
         "mean": mean, "cov": cov, "explained_variance": values,
         "explained_variance_ratio": values / total if total > 0 else np.full(k, np.nan),
-        "components": comps, "count": n,
+        "components": comps, "count": n_ok, "n_dropped": n - n_ok,
     }

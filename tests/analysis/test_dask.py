@@ -151,6 +151,33 @@ def test_moments_and_pca_equal_store_and_float64_reference(tmp_path):
         pca(x, n_components=13)
 
 
+
+def test_pca_leaves_out_rows_with_nan_or_inf(tmp_path):
+    # a model whose output overflows float32 for one sample per forward: inf (and NaN) rows
+    model = torch.nn.Linear(5, 5).eval()
+    scope = acs.ActivationScope(store=str(tmp_path / "h.zarr"), store_options={"shard_rows": 8, "chunk_rows": 8})
+    gen = torch.Generator().manual_seed(2)
+    with scope.track(model, include=["*"]) as tracker, torch.no_grad():
+        for b in range(4):
+            tracker.set_batch(sample_ids=torch.arange(6 * b, 6 * b + 6))
+            x = torch.randn(6, 5, generator=gen)
+            x[b % 6] *= 1e38
+            model(x * 1e3)
+    store = acs.open_store(str(tmp_path / "h.zarr"))
+    rows = store[store.hook_points[0]].double()
+    finite = torch.isfinite(rows).all(1)
+    assert 0 < int((~finite).sum()) < len(rows)
+    ref = rows[finite]
+    xc = ref - ref.mean(0)
+    cov = (xc.T @ xc / len(ref)).numpy()
+    p = pca(to_dask(store, store.hook_points[0]), n_components=3)
+    assert p["count"] == len(ref) and p["n_dropped"] == int((~finite).sum())
+    np.testing.assert_allclose(p["mean"], ref.mean(0).numpy(), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(p["cov"], cov, rtol=1e-10, atol=1e-13)
+    np.testing.assert_allclose(p["explained_variance"], np.linalg.eigvalsh(cov)[::-1][:3], rtol=1e-9)
+    with pytest.raises(ValueError, match="at least 2 rows without NaN or inf, got 0 of 3"):
+        pca(da.from_array(np.full((3, 2), np.inf)))
+
 def test_xarray_opens_the_store_with_named_dimensions(tmp_path):
     xr = pytest.importorskip("xarray")
     path = tmp_path / "s.zarr"
