@@ -377,6 +377,25 @@ def test_capture_of_text_with_blank_lines_keeps_line_numbers(capsys, tmp_path):
         assert lines[i].endswith(" " + text)
 
 
+
+@needs_demo
+def test_capture_max_length_below_the_special_tokens_is_refused(capsys, tmp_path):
+    # the tokenizer does not truncate below its 2 special tokens ([CLS], [SEP]): it would keep every token
+    import activationscope as acs
+
+    f = tmp_path / "s.txt"
+    f.write_text("one two three four five six\nseven eight nine ten\n")
+    for n in ("1", "2"):
+        code, _, err = run(capsys, "capture", "--model", "demo", "--data", str(f), "--out", str(tmp_path / "a.zarr"),
+                           "--include", "encoder.layer.0", "--max-length", n, "--no-progress")
+        assert code == 1
+        _one_error_line(err, f"--max-length {n} leaves no token of text", "adds 2 special tokens", "--max-length 3")
+        assert not (tmp_path / "a.zarr").exists()
+    code, _, err = run(capsys, "capture", "--model", "demo", "--data", str(f), "--out", str(tmp_path / "b.zarr"),
+                       "--include", "encoder.layer.0", "--max-length", "3", "--no-progress")
+    assert code == 0, err
+    assert acs.open_store(str(tmp_path / "b.zarr"))["encoder.layer.0.output"].shape[0] == 2 * 3
+
 def test_text_lines_end_at_newline_only(tmp_path):
     f = tmp_path / "t.txt"
     f.write_bytes(b"alpha\xe2\x80\xa8beta\ngamma\x0cdelta\x0bx\xc2\x85y\x1cz\nlast\n")

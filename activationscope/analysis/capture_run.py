@@ -356,7 +356,8 @@ def capture_dataset(
     max_samples : int, optional
         The store holds at most this many samples (the first ones of ``data``), at least 1.
     max_length : int, default 128
-        Token limit of text samples.
+        Token limit of text samples (special tokens included), more than the special tokens
+        the tokenizer adds to a sample.
     resume : bool
         Continue the incomplete store at ``out`` from its next sample: samples
         ``store.n_samples`` .. end of ``data`` are captured with those sample ids. With
@@ -386,7 +387,8 @@ def capture_dataset(
     ArgumentValueError
         A bad option value, ``resume`` and ``overwrite`` together, an ``out`` that is not a
         store (or is one, without ``resume`` / ``overwrite``), text data with a model spec
-        that has no tokenizer, ``resume`` with data of fewer samples than the store holds.
+        that has no tokenizer, a ``max_length`` that leaves no token of text after the
+        tokenizer's special tokens, ``resume`` with data of fewer samples than the store holds.
     SpecError
         A model or data spec that names nothing usable.
     CaptureError
@@ -418,6 +420,8 @@ def capture_dataset(
         raise ArgumentValueError(f"--batch-size must be a positive int, got {batch_size}")
     if max_samples is not None and max_samples < 1:
         raise ArgumentValueError(f"--max-samples must be a positive int, got {max_samples}")
+    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
+        raise ArgumentValueError(f"--max-length must be a positive int, got {max_length!r}")
     if dtype is not None and dtype not in STORAGE_DTYPES:
         raise ArgumentValueError(f"--dtype must be one of {list(STORAGE_DTYPES)}, got {dtype!r}")
     if compression is not None and compression not in COMPRESSIONS:
@@ -433,6 +437,14 @@ def capture_dataset(
             f"--data {data!r} is text, which needs a tokenizer: use --model demo or a Hugging Face model folder "
             "(or pass a .npy / .pt tensor file)"
         )
+    if dataset.texts is not None:
+        count = getattr(loaded.tokenizer, "num_special_tokens_to_add", None)
+        n_special = int(count(pair=False)) if callable(count) else 0
+        if max_length <= n_special:  # the tokenizer cannot truncate below its special tokens: it would not truncate
+            raise ArgumentValueError(
+                f"--max-length {max_length} leaves no token of text: the tokenizer of --model {model!r} adds "
+                f"{n_special} special tokens to every sample (and would not truncate at all); pass --max-length "
+                f"{n_special + 1} or more")
     n = len(dataset) if max_samples is None else min(len(dataset), max_samples)
     first = resume_offset(out) if resume else 0
     if resume and first >= n:  # the store writer, which checks the model, is not opened when nothing is left

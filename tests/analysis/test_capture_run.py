@@ -123,6 +123,8 @@ def test_options_and_dtype_reach_the_store(nets, tmp_path):
     [
         ({"batch_size": 0}, ["--batch-size must be a positive int, got 0"]),
         ({"max_samples": 0}, ["--max-samples must be a positive int, got 0"]),
+        ({"max_length": 0}, ["--max-length must be a positive int, got 0"]),
+        ({"max_length": -3}, ["--max-length must be a positive int, got -3"]),
         ({"reductions": ["mean", "median"]}, ["unknown reduction 'median'"]),
         ({"dtype": "int8"}, ["--dtype must be one of", "'int8'"]),
         ({"resume": True}, ["--resume", "does not exist"]),
