@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["pool_by_sample", "sentence_rows"]
+__all__ = ["labelled_rows", "pool_by_sample", "sentence_rows"]
 
 
 def pool_by_sample(rows: torch.Tensor, sample_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,8 +33,8 @@ def _is_label(v: Any) -> bool:
         return False
     if isinstance(v, float) and v != v:  # NaN
         return False
-    if isinstance(v, (int,)) and not isinstance(v, bool) and v < 0:
-        return False  # -1 marks unlabelled rows (the demo's --corpus)
+    if isinstance(v, int) and not isinstance(v, bool) and v == -1:
+        return False  # -1 marks unlabelled rows (the demo's --corpus); other negative ints are classes
     return not (isinstance(v, str) and v == "")
 
 
@@ -55,6 +55,15 @@ def sentence_rows(
     (x, labels) : Tensor (n_samples, *feature_shape) float64 (samples in store order), list
         of labels; or None when the store's row table has no ``label_column``.
     """
+    got = labelled_rows(store, hook_point, label_column, batch_size)
+    return None if got is None else got[:2]
+
+
+def labelled_rows(
+    store: Any, hook_point: str, label_column: str = "label", batch_size: int = 8192
+) -> tuple[torch.Tensor, list[Any], int] | None:
+    """:func:`sentence_rows` plus the number of samples left out for having no label
+    (missing, ``-1``, empty string): ``(x, labels, n_unlabelled)``, or None."""
     from torch.utils.data import DataLoader
 
     from ..data import ActivationDataset
@@ -85,7 +94,8 @@ def sentence_rows(
     kept = keep.tolist()
     labels = [v for v, k in zip(labels, kept) if k]
     if ds.row_kind != "token":
-        return x[keep], labels
+        return x[keep], labels, len(kept) - len(labels)
+    n_unlabelled = len({s for s, k in zip(samples, kept) if not k})
     group: dict[Any, int] = {}
     label_of: list[Any] = []
     for key, v in zip((s for s, k in zip(samples, kept) if k), labels):
@@ -94,7 +104,7 @@ def sentence_rows(
             label_of.append(v)
     inverse = torch.tensor([group[s] for s, k in zip(samples, kept) if k], dtype=torch.long)
     _, pooled = pool_by_sample(x[keep], inverse)
-    return pooled, label_of
+    return pooled, label_of, n_unlabelled
 
 
 def _as_list(values: Any) -> list[Any]:

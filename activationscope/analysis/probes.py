@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from ..errors import ArgumentValueError
-from .pooling import sentence_rows
+from .pooling import labelled_rows
 
 __all__ = ["ProbeResult", "ProbeResults", "choose_folds", "drop_nonfinite_rows", "probe_accuracy", "probe_store"]
 
@@ -25,7 +25,8 @@ class ProbeResult:
     chance : accuracy of always predicting the most frequent class.
     n_folds : folds used. note : why they differ from the folds asked for ("" when they do not).
     n_dropped : rows holding NaN or inf, left out of the fit and of ``n_samples``.
-    dropped_note : says how many rows were left out ("" when none).
+    dropped_note : says how many rows were left out, and (:func:`probe_store`) how many
+        samples had no label ("" when none).
     """
 
     accuracy: float
@@ -299,9 +300,10 @@ def probe_store(
     say so). Hook points that cannot be probed (no ``label_column``, no labelled row, fewer
     than 2 classes, a class with a single sample, every row holding NaN or inf, rows that do
     not follow the row table because the hook point was first captured after some forwards)
-    are left out of the result, with the reason in its ``skipped`` mapping. Rows holding NaN
-    or inf are left out before the folds are chosen; each result's ``n_dropped`` and
-    ``dropped_note`` say how many.
+    are left out of the result, with the reason in its ``skipped`` mapping. Samples without a
+    label (missing, ``-1``, empty string) and rows holding NaN or inf are left out before the
+    folds are chosen; each result's ``dropped_note`` says how many of each (``n_dropped``
+    counts the rows with NaN or inf).
 
     Returns
     -------
@@ -314,20 +316,23 @@ def probe_store(
         if follows is not None and not follows(hp):
             out.skipped[hp] = OFF_TABLE
             continue
-        got = sentence_rows(store, hp, label_column)
+        got = labelled_rows(store, hp, label_column)
         if got is None:
             out.skipped[hp] = f"the row table has no labelled {label_column!r} column"
             continue
-        x, labels = got
+        x, labels, n_unlabelled = got
+        unlabelled = (f"{n_unlabelled} sample(s) without a label (missing, -1 or empty) left out"
+                      if n_unlabelled else "")
         try:
             x, labels, n_dropped, dropped_note = drop_nonfinite_rows(
                 torch.as_tensor(x).detach().reshape(len(x), -1).to(torch.float64), labels)
             folds, note = choose_folds(labels, n_folds)
             result = probe_accuracy(x, labels, n_folds=folds, seed=seed)
         except ValueError as e:
-            out.skipped[hp] = str(e)
+            out.skipped[hp] = f"{e} ({unlabelled})" if unlabelled else str(e)
             continue
         result.note = note
-        result.n_dropped, result.dropped_note = n_dropped, dropped_note
+        result.n_dropped = n_dropped
+        result.dropped_note = "; ".join(n for n in (unlabelled, dropped_note) if n)
         out[hp] = result
     return out

@@ -62,3 +62,39 @@ def test_sentence_rows_keep_samples_of_different_ranks_apart(tmp_path):
     torch.testing.assert_close(x, want, rtol=1e-12, atol=1e-12)
     assert labels == [label_of[k] for k in order]
     assert all(p.n_samples == 24 for p in probe_store(store, n_folds=2).values())
+
+
+def _labelled_store(path, labels):
+    model = Encoder().eval()
+    gen = torch.Generator().manual_seed(5)
+    scope = acs.ActivationScope(store=str(path))
+    with scope.track(model, include=["layer", "head"]) as tracker, torch.no_grad():
+        for b in range(0, len(labels), 6):
+            mask = torch.arange(6)[None, :] < torch.randint(2, 7, (6, 1), generator=gen)
+            tracker.set_batch(attention_mask=mask, label=labels[b:b + 6])
+            model(torch.randint(1, 50, (6, 6), generator=gen) * mask)
+    return acs.open_store(str(path))
+
+
+def test_only_minus_one_marks_a_sample_unlabelled_and_the_probe_says_how_many(tmp_path):
+    # -1, 0, 1 (negative, neutral, positive): -1 is the unlabelled mark, left out and counted
+    labels = [-1, 0, 1] * 8
+    store = _labelled_store(tmp_path / "a.zarr", labels)
+    x, got = sentence_rows(store, "head.output")
+    keep = torch.tensor(labels) != -1
+    torch.testing.assert_close(x, store["head.output"].double()[keep], rtol=0, atol=0)
+    assert got == [v for v in labels if v != -1]
+    result = probe_store(store, n_folds=2)
+    for hp in ("head.output", "layer.output"):
+        assert result[hp].n_samples == 16 and result[hp].n_classes == 2
+        assert result[hp].dropped_note == "8 sample(s) without a label (missing, -1 or empty) left out"
+    # other negative ints are classes like any other
+    labels = [-2, 2] * 12
+    store = _labelled_store(tmp_path / "b.zarr", labels)
+    assert sentence_rows(store, "layer.output")[1] == labels
+    result = probe_store(store, n_folds=2)
+    assert result["layer.output"].n_samples == 24 and result["layer.output"].dropped_note == ""
+    # a store whose classes are -1 and 1 names the samples left out in the reason it gives
+    store = _labelled_store(tmp_path / "c.zarr", [-1, 1] * 12)
+    assert "a probe needs at least 2 classes" in probe_store(store).skipped["head.output"]
+    assert "(12 sample(s) without a label (missing, -1 or empty) left out)" in probe_store(store).skipped["head.output"]
