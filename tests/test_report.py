@@ -53,6 +53,21 @@ def test_stats_from_rows_match_direct_computation():
     assert st.n_rows == 500 and st.feature_shape == (16,) and st.dtype == "float32"
 
 
+
+def test_wide_rows_are_sampled_within_a_memory_bound(monkeypatch):
+    # a (pos, d_model) sample row of 128 x 768 values: 20 000 of them would be 15.7 GB of float64
+    # (and a few copies more); the report samples at most MAX_SAMPLED_BYTES of them
+    assert report.MAX_SAMPLED_BYTES // (8 * 128 * 768) == 682
+    monkeypatch.setattr(report, "MAX_SAMPLED_BYTES", 8 * 24 * 10)
+    x = torch.randn(100, 4, 6, generator=torch.Generator().manual_seed(0))
+    st = report.hook_point_stats(TinyStore({"seq": x}), "seq", feature_axis=None)
+    idx = torch.linspace(0, 99, 10).round().long()  # 10 rows, evenly spaced
+    assert st.n_sampled == 10 and st.source == "rows (10 of 100)"
+    torch.testing.assert_close(st.mean, x[idx].double().reshape(10, -1).mean(0))
+    assert int(st.hist_counts.sum()) == 10 * 24
+    monkeypatch.setattr(report, "MAX_SAMPLED_BYTES", 1)  # never fewer than the 2 rows a PCA needs
+    assert report.hook_point_stats(TinyStore({"seq": x}), "seq").n_sampled == 2
+
 def test_stats_prefer_reductions_over_sampled_rows():
     x = _relu_rows(n=1000)
     mean = torch.full((16,), 7.0, dtype=torch.float64)

@@ -12,7 +12,8 @@ when the row table has labels, the cross-validated accuracy of a linear probe pe
 Statistics come from the store's reductions where it has them, picked by their recorded
 kind, not their name (a ``var`` or ``std`` reduction gives mean and variance over every row,
 rescaled to ddof 0; ``mean`` the mean; ``nonzero`` the non-zero fraction) and otherwise from at most
-``max_rows`` rows, evenly spaced over the store. Histograms and PCA always use those rows.
+``max_rows`` rows (fewer for rows wider than ``MAX_SAMPLED_BYTES`` allows), evenly spaced over
+the store. Histograms and PCA always use those rows.
 """
 
 from __future__ import annotations
@@ -79,8 +80,16 @@ class HookPointStats:
     feature_axis: int | None = None
 
 
+#: Bytes of float64 values of the rows sampled per hook point at most: wide rows (a
+#: ``(pos, d_model)`` sample row of 128 x 768 values) are sampled fewer than ``max_rows``
+#: times, so that the report's memory stays a small multiple of this, whatever the store.
+MAX_SAMPLED_BYTES = 512 * 2**20
+
+
 def _sample_rows(acts: torch.Tensor, max_rows: int) -> torch.Tensor:
     n = acts.shape[0]
+    row_bytes = 8 * max(1, math.prod(acts.shape[1:]))
+    max_rows = max(2, min(max_rows, MAX_SAMPLED_BYTES // row_bytes))
     if n <= max_rows:
         rows = acts
     else:
@@ -149,7 +158,9 @@ def hook_point_stats(
     store : an open store (``activationscope.open_store``)
     hook_point : str
     max_rows : int
-        Rows sampled (evenly spaced) for histograms, PCA and missing reductions.
+        Rows sampled (evenly spaced) for histograms, PCA and missing reductions; fewer for
+        wide rows, at most ``MAX_SAMPLED_BYTES`` (512 MiB) of float64 values (``source``
+        and ``n_sampled`` say how many).
     bins : int
         Histogram bins over [min, max] of the sampled values.
     feature_axis : int, None or "auto", default "auto"
@@ -470,7 +481,8 @@ def write_report(
         Folds of the probes computed here (fewer when the smallest class is smaller; the
         page says so).
     max_rows : int
-        Rows sampled per hook point for histograms and PCA.
+        Rows sampled per hook point for histograms and PCA (fewer for wide rows, see
+        :func:`hook_point_stats`).
     feature_axis : int, None or "auto"
         What a unit of the per-unit panels is (see :func:`hook_point_stats`): "auto" makes
         it a channel (axis 0) for rows of 2 or more dimensions.
