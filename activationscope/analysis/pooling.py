@@ -49,6 +49,8 @@ def sentence_rows(
     across forwards or ranks (default ids count per rank) stay separate samples. Sample rows
     are used as they are, one per row. Unlabelled rows (missing label, ``-1``, empty string)
     are dropped.
+    Token rows are summed per sample batch by batch: memory holds one batch of rows and one
+    float64 row per sample, not every token row.
 
     Returns
     -------
@@ -80,31 +82,52 @@ def labelled_rows(
         keys = [c for c in ("rank", "batch") if c in names] + keys
         if len(keys) > 1:
             ds = ActivationDataset(store, hook_points=[hook_point], columns=[*keys, label_column])
-    rows, samples, labels = [], [], []
+    token = ds.row_kind == "token"
+    rows: list[torch.Tensor] = []  # sample rows: the labelled rows of each batch
+    labels: list[Any] = []  # labels of the kept sample rows, or of the samples of the token rows
+    group: dict[Any, int] = {}  # token rows: (rank, batch, sample_id) -> index of the sample
+    sums = torch.zeros(0, dtype=torch.float64)  # token rows: per sample, the sum of its rows so far
+    counts = torch.zeros(0, dtype=torch.float64)
+    unlabelled: set[Any] = set()
+    n_unlabelled = n_seen = 0
     for batch in DataLoader(ds, batch_size=batch_size, shuffle=False):
-        rows.append(torch.as_tensor(batch[hook_point]).to(torch.float64))
-        samples.extend(zip(*(_as_list(batch[k]) for k in keys)))
-        labels.extend(_as_list(batch[label_column]))
-    if not rows:
+        x = torch.as_tensor(batch[hook_point])
+        n_seen += len(x)
+        batch_labels = _as_list(batch[label_column])
+        kept = [_is_label(v) for v in batch_labels]
+        keep = torch.tensor(kept, dtype=torch.bool)
+        x = x[keep].to(torch.float64)  # (only this batch's labelled rows are held as float64)
+        if not token:
+            rows.append(x)
+            labels.extend(v for v, k in zip(batch_labels, kept) if k)
+            n_unlabelled += len(kept) - len(x)
+            continue
+        index = []
+        for key, v, k in zip(zip(*(_as_list(batch[c]) for c in keys)), batch_labels, kept):
+            if not k:
+                unlabelled.add(key)
+                continue
+            if key not in group:
+                group[key] = len(group)
+                labels.append(v)
+            index.append(group[key])
+        if len(group) > len(sums):  # (grown by doubling: a copy per doubling)
+            grown = torch.zeros(max(len(group), 2 * len(sums)), *x.shape[1:], dtype=torch.float64)
+            if len(sums):
+                grown[:len(sums)] = sums
+            sums = grown
+            counts = torch.cat([counts, torch.zeros(len(sums) - len(counts), dtype=torch.float64)])
+        if index:
+            index_t = torch.tensor(index, dtype=torch.long)
+            sums.index_add_(0, index_t, x)
+            counts.index_add_(0, index_t, torch.ones(len(index), dtype=torch.float64))
+    if not n_seen or not labels:
         return None
-    x = torch.cat(rows)
-    keep = torch.tensor([_is_label(v) for v in labels], dtype=torch.bool)
-    if not bool(keep.any()):
-        return None
-    kept = keep.tolist()
-    labels = [v for v, k in zip(labels, kept) if k]
-    if ds.row_kind != "token":
-        return x[keep], labels, len(kept) - len(labels)
-    n_unlabelled = len({s for s, k in zip(samples, kept) if not k})
-    group: dict[Any, int] = {}
-    label_of: list[Any] = []
-    for key, v in zip((s for s, k in zip(samples, kept) if k), labels):
-        if key not in group:
-            group[key] = len(group)
-            label_of.append(v)
-    inverse = torch.tensor([group[s] for s, k in zip(samples, kept) if k], dtype=torch.long)
-    _, pooled = pool_by_sample(x[keep], inverse)
-    return pooled, label_of, n_unlabelled
+    if not token:
+        return torch.cat(rows), labels, n_unlabelled
+    n = len(group)
+    pooled = sums[:n] / counts[:n].reshape(n, *([1] * (sums.dim() - 1)))
+    return pooled, labels, len(unlabelled)
 
 
 def _as_list(values: Any) -> list[Any]:

@@ -58,9 +58,10 @@ def test_sentence_rows_keep_samples_of_different_ranks_apart(tmp_path):
     order = list(dict.fromkeys(keys))
     want = torch.stack([rows[[i for i, k in enumerate(keys) if k == key]].mean(0) for key in order])
     label_of = {(s["rank"], s["batch"], s["sample_id"]): s["label"] for s in samples}
-    x, labels = sentence_rows(store, "layer.output")
-    torch.testing.assert_close(x, want, rtol=1e-12, atol=1e-12)
-    assert labels == [label_of[k] for k in order]
+    for batch_size in (8192, 7, 1):  # samples split across batches are pooled whole
+        x, labels = sentence_rows(store, "layer.output", batch_size=batch_size)
+        torch.testing.assert_close(x, want, rtol=1e-12, atol=1e-12)
+        assert labels == [label_of[k] for k in order]
     assert all(p.n_samples == 24 for p in probe_store(store, n_folds=2).values())
 
 
