@@ -99,3 +99,24 @@ def test_only_minus_one_marks_a_sample_unlabelled_and_the_probe_says_how_many(tm
     store = _labelled_store(tmp_path / "c.zarr", [-1, 1] * 12)
     assert "a probe needs at least 2 classes" in probe_store(store).skipped["head.output"]
     assert "(12 sample(s) without a label (missing, -1 or empty) left out)" in probe_store(store).skipped["head.output"]
+
+
+def test_str_sample_ids_are_pooled_and_probed(tmp_path):
+    model = Encoder().eval()
+    gen = torch.Generator().manual_seed(7)
+    scope = acs.ActivationScope(store=str(tmp_path / "s.zarr"))
+    with scope.track(model, include=["layer", "head"]) as tracker, torch.no_grad():
+        for b in range(4):
+            mask = torch.arange(6)[None, :] < torch.randint(2, 7, (6, 1), generator=gen)
+            tracker.set_batch(attention_mask=mask, sample_ids=[f"doc{6 * b + i}" for i in range(6)],
+                              label=["pos", "neg"] * 3)
+            model(torch.randint(1, 50, (6, 6), generator=gen) * mask)
+    store = acs.open_store(str(tmp_path / "s.zarr"))
+    ids = store.row_table("token").column("sample_id").to_pylist()
+    rows = store["layer.output"].double()
+    want = torch.stack([rows[[i for i, s in enumerate(ids) if s == d]].mean(0) for d in dict.fromkeys(ids)])
+    x, labels = sentence_rows(store, "layer.output")
+    torch.testing.assert_close(x, want, rtol=1e-12, atol=1e-12)
+    assert labels == ["pos", "neg"] * 12
+    result = probe_store(store, n_folds=2)
+    assert not result.skipped and {p.n_samples for p in result.values()} == {24}
