@@ -70,18 +70,15 @@ def labelled_rows(
 
     from ..data import ActivationDataset
 
-    try:
-        ds = ActivationDataset(store, hook_points=[hook_point], columns=["sample_id", label_column])
-    except (ValueError, KeyError) as e:
-        if label_column in str(e):
-            return None
-        raise
+    ds = ActivationDataset(store, hook_points=[hook_point])
+    names = ds.source.row_table(ds.row_kind).column_names
     keys = ["sample_id"]
-    if ds.row_kind == "token":
-        names = ds.source.row_table("token").column_names
+    if ds.row_kind == "token":  # token rows also see the per-sample columns of their sample
         keys = [c for c in ("rank", "batch") if c in names] + keys
-        if len(keys) > 1:
-            ds = ActivationDataset(store, hook_points=[hook_point], columns=[*keys, label_column])
+        names = [*names, *ds.source.row_table("sample").column_names]
+    if label_column not in names:
+        return None
+    ds = ActivationDataset(store, hook_points=[hook_point], columns=[*keys, label_column])
     token = ds.row_kind == "token"
     rows: list[torch.Tensor] = []  # sample rows: the labelled rows of each batch
     labels: list[Any] = []  # labels of the kept sample rows, or of the samples of the token rows

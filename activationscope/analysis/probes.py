@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import ArgumentValueError
+from ..errors import ActivationScopeError, ArgumentValueError, StoreError
 from .pooling import labelled_rows
 
 __all__ = ["ProbeResult", "ProbeResults", "choose_folds", "drop_nonfinite_rows", "probe_accuracy", "probe_store"]
@@ -299,7 +299,9 @@ def probe_store(
     smallest class has samples when that is fewer (each result's ``n_folds`` and ``note``
     say so). Hook points that cannot be probed (no ``label_column``, no labelled row, fewer
     than 2 classes, a class with a single sample, every row holding NaN or inf, rows that do
-    not follow the row table because the hook point was first captured after some forwards)
+    not follow the row table because the hook point was first captured after some forwards,
+    token rows whose labels cannot be paired with them because one forward gave one sample
+    id to two samples of different labels)
     are left out of the result, with the reason in its ``skipped`` mapping. Samples without a
     label (missing, ``-1``, empty string) and rows holding NaN or inf are left out before the
     folds are chosen; each result's ``dropped_note`` says how many of each (``n_dropped``
@@ -316,7 +318,13 @@ def probe_store(
         if follows is not None and not follows(hp):
             out.skipped[hp] = OFF_TABLE
             continue
-        got = labelled_rows(store, hp, label_column)
+        try:
+            got = labelled_rows(store, hp, label_column)
+        except ActivationScopeError as e:  # labels that cannot be paired with the rows (one id twice in a forward)
+            if isinstance(e, (StoreError, KeyError, ImportError)):  # a damaged store, an unknown hook point
+                raise
+            out.skipped[hp] = str(e)
+            continue
         if got is None:
             out.skipped[hp] = f"the row table has no labelled {label_column!r} column"
             continue

@@ -120,3 +120,26 @@ def test_str_sample_ids_are_pooled_and_probed(tmp_path):
     assert labels == ["pos", "neg"] * 12
     result = probe_store(store, n_folds=2)
     assert not result.skipped and {p.n_samples for p in result.values()} == {24}
+
+
+def test_labels_that_cannot_be_paired_with_token_rows_skip_that_hook_point_only(tmp_path):
+    # one forward gives each sample id to two samples of different labels: the token rows cannot be
+    # told apart, the sample rows can; the report still has every hook point, with the reason
+    from activationscope.analysis.report import write_report
+
+    model = Encoder().eval()
+    gen = torch.Generator().manual_seed(9)
+    scope = acs.ActivationScope(store=str(tmp_path / "d.zarr"))
+    with scope.track(model, include=["layer", "head"]) as tracker, torch.no_grad():
+        for _ in range(4):
+            mask = torch.arange(6)[None, :] < torch.randint(2, 7, (6, 1), generator=gen)
+            tracker.set_batch(attention_mask=mask, sample_ids=[0, 0, 1, 1, 2, 2], y=[0, 1] * 3)
+            model(torch.randint(1, 50, (6, 6), generator=gen) * mask)
+    store = acs.open_store(str(tmp_path / "d.zarr"))
+    result = probe_store(store, label_column="y", n_folds=2)
+    assert list(result) == ["head.output"] and result["head.output"].n_samples == 24
+    assert "one forward gave one sample id twice" in result.skipped["layer.output"]
+    page = write_report(store, tmp_path / "rep", label_column="y", n_folds=2).read_text()
+    assert "No probe for layer.output: the sample row table" in page
+    assert result.skipped.keys() == {"layer.output"}
+    assert sentence_rows(store, "head.output", label_column="no_such_column") is None
