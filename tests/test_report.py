@@ -581,3 +581,25 @@ def test_plots_of_hook_points_with_names_longer_than_a_file_name(tmp_path):
     for hp, src in imgs.items():
         assert len(src.encode()) <= 255 and (tmp_path / "rep" / src).is_file()
         assert re.fullmatch(r"hp_.+-[0-9a-f]{8}\.png", src)
+
+
+def test_a_hook_point_without_rows_has_no_statistics(tmp_path):
+    # every mask of the capture is empty for the token hook point: 0 rows, reductions that saw none
+    import activationscope as acs
+    from activationscope.analysis.probes import probe_store
+
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 4))
+    scope = acs.ActivationScope(store=str(tmp_path / "z.zarr"), reductions=["mean", "var", "nonzero"])
+    with scope.track(model, include=["1"]) as tracker, torch.no_grad():
+        for _ in range(2):
+            tracker.set_batch(attention_mask=torch.zeros(3, 5, dtype=torch.bool), label=[0, 1, 0])
+            model(torch.randint(0, 10, (3, 5)))
+    store = acs.open_store(str(tmp_path / "z.zarr"))
+    assert store.n_rows("1.output") == 0
+    st = report.hook_point_stats(store, "1.output")
+    assert st.mean.isnan().all() and st.std.isnan().all() and st.nonzero.isnan().all()
+    assert st.dead_fraction != st.dead_fraction and "no rows: no statistics" in report.unit_notes(st)
+    assert probe_store(store).skipped == {"1.output": "it has no rows"}
+    page = report.write_report(store, tmp_path / "rep").read_text()
+    assert "<td>0</td><td>token</td><td>(4,)</td><td>float32</td><td>0 B</td><td>-</td>" in page
+    assert "100.0%" not in page and "No probe for any hook point: it has no rows." in page

@@ -297,7 +297,7 @@ def probe_store(
 
     Folds come from the class counts (:func:`choose_folds`): ``n_folds``, or as many as the
     smallest class has samples when that is fewer (each result's ``n_folds`` and ``note``
-    say so). Hook points that cannot be probed (no ``label_column``, no labelled row, fewer
+    say so). Hook points that cannot be probed (no rows, no ``label_column``, no labelled row, fewer
     than 2 classes, a class with a single sample, every row holding NaN or inf, rows that do
     not follow the row table because the hook point was first captured after some forwards,
     token rows whose labels cannot be paired with them because one forward gave one sample
@@ -317,6 +317,9 @@ def probe_store(
     for hp in hook_points if hook_points is not None else list(store.hook_points):
         if follows is not None and not follows(hp):
             out.skipped[hp] = OFF_TABLE
+            continue
+        if callable(getattr(store, "n_rows", None)) and store.n_rows(hp) == 0:
+            out.skipped[hp] = "it has no rows"
             continue
         try:
             got = labelled_rows(store, hp, label_column)

@@ -53,7 +53,8 @@ class HookPointStats:
     explained : Tensor (k,) float64, PCA explained variance ratio of the first k components,
         or None when PCA was skipped (``pca_note`` says why).
     dead_fraction : fraction of units that are zero in every row (from the ``nonzero``
-        reduction when the store has it, else from the sampled rows).
+        reduction when the store has it, else from the sampled rows); NaN for a hook point
+        without rows, whose mean, std and nonzero are NaN too.
     source : "reductions" or "rows (n of N)": where mean / std / nonzero came from.
     n_bytes : bytes on disk of the hook point's shard files (``bytes_on_disk`` of
         ``store.info()``, the ``on disk`` column of ``activationscope info``), or None.
@@ -187,11 +188,11 @@ def hook_point_stats(
     mean, std, nonzero = _from_reductions(store, hook_point, reds)
     from_reductions = mean is not None and std is not None and nonzero is not None
     if mean is None or mean.numel() != units:
-        mean = rows.mean(0) if len(rows) else torch.zeros(units, dtype=torch.float64)
+        mean = rows.mean(0) if len(rows) else torch.full((units,), math.nan, dtype=torch.float64)
     if std is None or std.numel() != units:
-        std = rows.std(0, correction=0) if len(rows) else torch.zeros(units, dtype=torch.float64)
+        std = rows.std(0, correction=0) if len(rows) else torch.full((units,), math.nan, dtype=torch.float64)
     if nonzero is None or nonzero.numel() != units:
-        nonzero = (rows != 0).double().mean(0) if len(rows) else torch.zeros(units, dtype=torch.float64)
+        nonzero = (rows != 0).double().mean(0) if len(rows) else torch.full((units,), math.nan, dtype=torch.float64)
         from_reductions = False
     if feature_axis == "auto":  # channels first for conv maps, the last axis of (pos, d_model) rows
         axis = 0 if len(feature_shape) >= 3 else (-1 if len(feature_shape) == 2 else None)
@@ -206,7 +207,9 @@ def hook_point_stats(
         axis %= len(feature_shape)
         mean, std, nonzero = _per_channel(mean, std, nonzero, feature_shape, axis)
     n_units = mean.numel()
-    dead_fraction = float((nonzero == 0).double().mean()) if n_units else 0.0
+    # a hook point without rows (nor reductions) has no statistics: NaN, shown as '-'
+    no_rows = bool(torch.isnan(nonzero).all()) if n_units else False
+    dead_fraction = math.nan if no_rows else float((nonzero == 0).double().mean()) if n_units else 0.0
 
     finite = rows[torch.isfinite(rows)]
     if finite.numel():
@@ -291,7 +294,7 @@ def _units_subset(n: int) -> torch.Tensor:
 def has_informative_nonzero(stats: HookPointStats) -> bool:
     """Whether the non-zero panel says anything: False when every unit is non-zero in every
     row (a layer without ReLU-like zeros would show a flat line at 1)."""
-    return bool(stats.nonzero.numel()) and float(stats.nonzero.min()) < 1.0
+    return bool(stats.nonzero.numel()) and float(stats.nonzero.nan_to_num(1.0).min()) < 1.0
 
 
 def plot_hook_point(stats: HookPointStats, path: str | os.PathLike) -> Path:
@@ -324,8 +327,9 @@ def plot_hook_point(stats: HookPointStats, path: str | os.PathLike) -> Path:
 
     ax = axes[2]
     if not has_informative_nonzero(stats):
-        ax.text(0.5, 0.5, f"no exact zeros: every {unit} is non-zero\nin every row (no dead {unit}s),\n"
-                "so no non-zero panel", ha="center", va="center", transform=ax.transAxes, fontsize=10)
+        text = ("no rows: no statistics" if math.isnan(stats.dead_fraction) else
+                f"no exact zeros: every {unit} is non-zero\nin every row (no dead {unit}s),\nso no non-zero panel")
+        ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, fontsize=10)
         ax.set_axis_off()
     else:
         nz = torch.sort(stats.nonzero[idx]).values.numpy()
@@ -369,7 +373,8 @@ def unit_notes(st: HookPointStats) -> list[str]:
         notes.append(f"per-{st.unit_name} panels show {MAX_PLOTTED_UNITS:,} of {n:,} {st.unit_name}s, evenly spaced "
                      "(after sorting the shown ones)")
     if not has_informative_nonzero(st):
-        notes.append(f"no non-zero panel: every {st.unit_name} is non-zero in every row")
+        notes.append("no rows: no statistics" if math.isnan(st.dead_fraction) else
+                     f"no non-zero panel: every {st.unit_name} is non-zero in every row")
     return notes
 
 
@@ -582,7 +587,7 @@ def write_report(
         parts.append(
             f"<tr><td class='l'><a href='#{slugs[st.hook_point]}'>{e(st.hook_point)}</a></td><td>{st.n_rows:,}</td>"
             f"<td>{e(st.kind)}</td><td>{e(str(st.feature_shape))}</td><td>{e(st.dtype)}</td>"
-            f"<td>{format_bytes(st.n_bytes)}</td><td>{st.dead_fraction:.1%}</td><td>{top10}</td>"
+            f"<td>{format_bytes(st.n_bytes)}</td><td>{'-' if math.isnan(st.dead_fraction) else f'{st.dead_fraction:.1%}'}</td><td>{top10}</td>"
             f"<td>{'-' if p is None else f'{p.accuracy:.3f} ± {p.std:.3f}'}</td></tr>"
         )
     parts.append("</table>")
