@@ -603,3 +603,16 @@ def test_a_hook_point_without_rows_has_no_statistics(tmp_path):
     page = report.write_report(store, tmp_path / "rep").read_text()
     assert "<td>0</td><td>token</td><td>(4,)</td><td>float32</td><td>0 B</td><td>-</td>" in page
     assert "100.0%" not in page and "No probe for any hook point: it has no rows." in page
+
+
+def test_values_nan_or_inf_left_out_of_the_histogram_are_counted(tmp_path):
+    x = _relu_rows(n=40, d=4, dead=(2,))
+    x[3, 1] = float("nan")
+    x[7] = float("inf")
+    st = report.hook_point_stats(TinyStore({"h": x}), "h")
+    assert int(st.hist_counts.sum()) == 160 - 5
+    assert st.notes == ["histogram: 5 of the 160 sampled values are NaN or inf and left out of it"]
+    assert st.pca_note == "2 row(s) with NaN or inf left out of the PCA"
+    page = report.write_report(TinyStore({"h": x}), tmp_path / "rep", probes={}).read_text()
+    assert "histogram: 5 of the 160 sampled values are NaN or inf and left out of it" in page
+    assert report.hook_point_stats(TinyStore({"h": _relu_rows()}), "h").notes == []

@@ -58,6 +58,8 @@ class HookPointStats:
     source : "reductions" or "rows (n of N)": where mean / std / nonzero came from.
     n_bytes : bytes on disk of the hook point's shard files (``bytes_on_disk`` of
         ``store.info()``, the ``on disk`` column of ``activationscope info``), or None.
+    notes : what the panels leave out, in words (sampled values NaN or inf, which the
+        histogram cannot bin); shown on the page.
     """
 
     hook_point: str
@@ -212,6 +214,10 @@ def hook_point_stats(
     dead_fraction = math.nan if no_rows else float((nonzero == 0).double().mean()) if n_units else 0.0
 
     finite = rows[torch.isfinite(rows)]
+    notes = []
+    if finite.numel() < rows.numel():
+        notes.append(f"histogram: {rows.numel() - finite.numel():,} of the {rows.numel():,} sampled values are NaN or inf "
+                     "and left out of it")
     if finite.numel():
         lo, hi = float(finite.min()), float(finite.max())
         if lo == hi:
@@ -231,7 +237,7 @@ def hook_point_stats(
         n_bytes=_int_or_none(entry, "bytes_on_disk"),
         mean=mean, std=std, nonzero=nonzero, hist_counts=counts, hist_edges=edges,
         explained=explained, dead_fraction=dead_fraction, source=source, n_sampled=rows.shape[0],
-        pca_note=pca_note, feature_axis=axis,
+        pca_note=pca_note, feature_axis=axis, notes=notes,
         unit_name="unit" if axis is None else ("channel" if axis == 0 else "feature"),
     )
 
@@ -626,7 +632,7 @@ def write_report(
             f"<div class='note'>{st.n_rows:,} rows &times; {e(str(st.feature_shape))} {e(st.dtype)}; "
             f"mean/std/non-zero from {e(st.source)}</div>"
         )
-        for note in unit_notes(st):
+        for note in [*st.notes, *unit_notes(st)]:
             parts.append(f"<div class='note'>{e(note)}</div>")
         parts.append(f"<img src='hp_{slugs[st.hook_point]}.png' alt='{e(st.hook_point)}'>")
     parts.append("</body></html>")
