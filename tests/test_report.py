@@ -616,3 +616,18 @@ def test_values_nan_or_inf_left_out_of_the_histogram_are_counted(tmp_path):
     page = report.write_report(TinyStore({"h": x}), tmp_path / "rep", probes={}).read_text()
     assert "histogram: 5 of the 160 sampled values are NaN or inf and left out of it" in page
     assert report.hook_point_stats(TinyStore({"h": _relu_rows()}), "h").notes == []
+
+
+def test_source_names_the_statistics_each_source_gave():
+    x = _relu_rows(n=1000)
+    mean = torch.full((16,), 7.0, dtype=torch.float64)
+    var = torch.full((16,), 4.0, dtype=torch.float64)
+    # a var reduction, no nonzero: mean and std over every row, the non-zero fraction from the sampled rows
+    store = TinyStore({"h": x}, reductions={"h": {"var": var, "var.mean": mean}},
+                      specs={"h": {"var": ("var", {"ddof": 0.0})}})
+    st = report.hook_point_stats(store, "h", max_rows=100)
+    torch.testing.assert_close(st.mean, mean)
+    torch.testing.assert_close(st.std, torch.full((16,), 2.0, dtype=torch.float64))
+    idx = torch.linspace(0, 999, 100).round().long()
+    torch.testing.assert_close(st.nonzero, (x[idx] != 0).double().mean(0))
+    assert st.source == "reductions (mean, std) and rows (100 of 1,000) (non-zero)"

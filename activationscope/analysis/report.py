@@ -55,7 +55,9 @@ class HookPointStats:
     dead_fraction : fraction of units that are zero in every row (from the ``nonzero``
         reduction when the store has it, else from the sampled rows); NaN for a hook point
         without rows, whose mean, std and nonzero are NaN too.
-    source : "reductions" or "rows (n of N)": where mean / std / nonzero came from.
+    source : "reductions", "rows (n of N)", or both with the statistics each gave
+        (``"reductions (mean, std) and rows (n of N) (non-zero)"``): where mean / std /
+        nonzero came from.
     n_bytes : bytes on disk of the hook point's shard files (``bytes_on_disk`` of
         ``store.info()``, the ``on disk`` column of ``activationscope info``), or None.
     notes : what the panels leave out, in words (sampled values NaN or inf, which the
@@ -188,14 +190,14 @@ def hook_point_stats(
     entry = _hp_info(info, hook_point)
 
     mean, std, nonzero = _from_reductions(store, hook_point, reds)
-    from_reductions = mean is not None and std is not None and nonzero is not None
-    if mean is None or mean.numel() != units:
+    reduced = [name for name, t in (("mean", mean), ("std", std), ("non-zero", nonzero))
+               if t is not None and t.numel() == units]  # the statistics taken from reductions
+    if "mean" not in reduced:
         mean = rows.mean(0) if len(rows) else torch.full((units,), math.nan, dtype=torch.float64)
-    if std is None or std.numel() != units:
+    if "std" not in reduced:
         std = rows.std(0, correction=0) if len(rows) else torch.full((units,), math.nan, dtype=torch.float64)
-    if nonzero is None or nonzero.numel() != units:
+    if "non-zero" not in reduced:
         nonzero = (rows != 0).double().mean(0) if len(rows) else torch.full((units,), math.nan, dtype=torch.float64)
-        from_reductions = False
     if feature_axis == "auto":  # channels first for conv maps, the last axis of (pos, d_model) rows
         axis = 0 if len(feature_shape) >= 3 else (-1 if len(feature_shape) == 2 else None)
     else:
@@ -230,7 +232,10 @@ def hook_point_stats(
 
     explained, pca_note = explained_variance_ratio(rows, N_PCA_COMPONENTS, MAX_PCA_FEATURES)
 
-    source = "reductions" if from_reductions else f"rows ({rows.shape[0]:,} of {n_rows:,})"
+    sampled = f"rows ({rows.shape[0]:,} of {n_rows:,})"
+    source = ("reductions" if len(reduced) == 3 else sampled if not reduced else
+              f"reductions ({', '.join(reduced)}) and {sampled} "
+              f"({', '.join(n for n in ('mean', 'std', 'non-zero') if n not in reduced)})")
     return HookPointStats(
         hook_point=hook_point, n_rows=n_rows, feature_shape=feature_shape,
         dtype=str(acts.dtype).replace("torch.", ""), kind=_row_kind(store, hook_point, entry),
