@@ -322,6 +322,18 @@ def test_text_batches_carry_the_given_sample_ids_with_their_texts_and_labels():
     assert [i["label"] for i in infos] == [["x", "y"], ["x", "y"], ["x"]]
 
 
+
+def test_data_that_is_not_a_regular_file_is_named_for_what_it_is(tmp_path):
+    import os
+
+    with pytest.raises(SpecError, match=r"must be a file \(text, .npy or .pt\), got a folder"):
+        specs.load_data_spec(str(tmp_path))
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for path in (str(fifo), "/dev/null"):
+        with pytest.raises(SpecError, match="got something that is not a regular file \\(a device, FIFO or socket\\)"):
+            specs.load_data_spec(path)
+
 def test_text_file_with_some_labelled_lines_is_refused(tmp_path):
     f = tmp_path / "s.txt"
     f.write_text("__label__neg bad film\ngood film\n__label__pos great\nplain again\n")

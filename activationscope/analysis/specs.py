@@ -140,7 +140,8 @@ def load_data_spec(spec: str) -> LoadedData:
     if not path.exists():
         raise SpecError(f"--data {spec!r} does not exist")
     if not path.is_file():
-        raise SpecError(f"--data {spec!r} must be a file (text, .npy or .pt), got a folder")
+        what = "a folder" if path.is_dir() else "something that is not a regular file (a device, FIFO or socket)"
+        raise SpecError(f"--data {spec!r} must be a file (text, .npy or .pt), got {what}")
     suffix = path.suffix.lower()
     if suffix == ".npy":
         import numpy as np
