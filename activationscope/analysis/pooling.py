@@ -47,8 +47,9 @@ def sentence_rows(
     enters the store); a sample is a ``(rank, batch, sample_id)`` of the row table (those of
     the three it has, as ``ActivationDataset`` joins per-sample columns), so ids repeated
     across forwards or ranks (default ids count per rank) stay separate samples. Sample rows
-    are used as they are, one per row. Unlabelled rows (missing label, ``-1``, empty string)
-    are dropped.
+    are used as they are, one per row, and so are token rows when ``label_column`` is a
+    per-token column (given to ``set_batch`` with shape ``(batch, pos)``: a label per token).
+    Unlabelled rows (missing label, ``-1``, empty string) are dropped.
     Token rows are summed per sample batch by batch: memory holds one batch of rows and one
     float64 row per sample, not every token row.
 
@@ -73,13 +74,15 @@ def labelled_rows(
     ds = ActivationDataset(store, hook_points=[hook_point])
     names = ds.source.row_table(ds.row_kind).column_names
     keys = ["sample_id"]
-    if ds.row_kind == "token":  # token rows also see the per-sample columns of their sample
+    # token rows are pooled for a per-sample label; a per-token one (a (batch, pos) column of
+    # set_batch, in the token row table) labels each token row
+    token = ds.row_kind == "token" and label_column not in names
+    if token:  # token rows also see the per-sample columns of their sample
         keys = [c for c in ("rank", "batch") if c in names] + keys
         names = [*names, *ds.source.row_table("sample").column_names]
     if label_column not in names:
         return None
     ds = ActivationDataset(store, hook_points=[hook_point], columns=[*keys, label_column])
-    token = ds.row_kind == "token"
     rows: list[torch.Tensor] = []  # sample rows: the labelled rows of each batch
     labels: list[Any] = []  # labels of the kept sample rows, or of the samples of the token rows
     group: dict[Any, int] = {}  # token rows: (rank, batch, sample_id) -> index of the sample

@@ -1,5 +1,6 @@
 """Linear probes: k-fold cross-validated L2-regularised logistic regression on activations,
-per hook point of a store (one row per sample; token rows mean-pooled, :mod:`.pooling`)."""
+per hook point of a store (one row per sample; token rows mean-pooled, :mod:`.pooling`; one
+row per token for a per-token label column)."""
 
 from __future__ import annotations
 

@@ -143,3 +143,25 @@ def test_labels_that_cannot_be_paired_with_token_rows_skip_that_hook_point_only(
     assert "No probe for layer.output: the sample row table" in page
     assert result.skipped.keys() == {"layer.output"}
     assert sentence_rows(store, "head.output", label_column="no_such_column") is None
+
+
+def test_a_per_token_label_labels_each_token_row(tmp_path):
+    # a (batch, pos) column of set_batch (a tag per token): token rows are probed one by one,
+    # never pooled under the tag of a sample's first token
+    model = torch.nn.Sequential(torch.nn.Embedding(20, 6), torch.nn.Linear(6, 6)).eval()
+    gen = torch.Generator().manual_seed(0)
+    scope = acs.ActivationScope(store=str(tmp_path / "t.zarr"))
+    with scope.track(model, include=["1"]) as tracker, torch.no_grad():
+        for _ in range(4):
+            ids = torch.randint(0, 20, (6, 5), generator=gen)
+            mask = torch.arange(5)[None, :] < torch.randint(2, 6, (6, 1), generator=gen)
+            tracker.set_batch(attention_mask=mask, tag=ids % 3, label=torch.arange(6) % 2)
+            model(ids)
+    store = acs.open_store(str(tmp_path / "t.zarr"))
+    tags = store.row_table("token").column("tag").to_pylist()
+    x, labels = sentence_rows(store, "1.output", label_column="tag")
+    torch.testing.assert_close(x, store["1.output"].double(), rtol=0, atol=0)
+    assert labels == tags
+    assert probe_store(store, label_column="tag", n_folds=2)["1.output"].n_samples == len(tags)
+    # a per-sample label of the same store still pools each sample's tokens
+    assert probe_store(store, n_folds=2)["1.output"].n_samples == 24
