@@ -312,7 +312,14 @@ def probe_store(
     -------
     ProbeResults
         ``{hook point: ProbeResult}`` plus ``.skipped`` ``{hook point: reason}``.
+
+    Raises
+    ------
+    ArgumentValueError
+        ``n_folds`` is not an int of at least 2 (before any hook point is read).
     """
+    if isinstance(n_folds, bool) or not isinstance(n_folds, int) or n_folds < 2:
+        raise ArgumentValueError(f"n_folds must be an int of at least 2, got {n_folds!r}")
     out = ProbeResults()
     follows = getattr(store, "follows_row_table", None)
     for hp in hook_points if hook_points is not None else list(store.hook_points):

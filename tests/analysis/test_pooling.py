@@ -165,3 +165,14 @@ def test_a_per_token_label_labels_each_token_row(tmp_path):
     assert probe_store(store, label_column="tag", n_folds=2)["1.output"].n_samples == len(tags)
     # a per-sample label of the same store still pools each sample's tokens
     assert probe_store(store, n_folds=2)["1.output"].n_samples == 24
+
+
+def test_probe_store_refuses_bad_folds_instead_of_skipping_every_hook_point(tmp_path):
+    import pytest
+
+    from activationscope.errors import ArgumentValueError
+
+    store = _labelled_store(tmp_path / "f.zarr", [0, 1] * 6)
+    for bad in (1, 0, "5", True, 2.0):
+        with pytest.raises(ArgumentValueError, match=f"n_folds must be an int of at least 2, got {bad!r}"):
+            probe_store(store, n_folds=bad)
