@@ -608,10 +608,17 @@ def write_report(
         folds = _folds_used(probes, n_folds)
         notes = sorted({getattr(p, "note", "") for p in probes.values()} - {""})
         parts.append("<h2>Linear probes</h2>")
+        try:  # a per-token label column labels each token row (probed as it is, not pooled)
+            per_token = label_column in store.row_table("token").column_names
+        except Exception:  # noqa: BLE001 - a store without token rows
+            per_token = False
+        rows = (f"one row per token row of token hook points (the label column {label_column!r} is per token; "
+                "sample rows as they are)" if per_token else
+                "one row per sample (token rows mean-pooled per sample)")
         parts.append(
-            f"<p class='note'>L2-regularised logistic regression on one row per sample (token rows mean-pooled "
-            f"per sample), {folds}-fold stratified cross-validation, {any_p.n_samples} labelled samples, "
-            f"{any_p.n_classes} classes, chance {any_p.chance:.3f}.</p>"
+            f"<p class='note'>L2-regularised logistic regression on {e(rows)}, {folds}-fold stratified "
+            f"cross-validation, {any_p.n_samples} labelled samples, {any_p.n_classes} classes, chance "
+            f"{any_p.chance:.3f}.</p>"
         )
         for note in notes:
             parts.append(f"<p class='note'>Folds chosen from the class counts: {e(note)}.</p>")

@@ -165,6 +165,12 @@ def test_a_per_token_label_labels_each_token_row(tmp_path):
     assert probe_store(store, label_column="tag", n_folds=2)["1.output"].n_samples == len(tags)
     # a per-sample label of the same store still pools each sample's tokens
     assert probe_store(store, n_folds=2)["1.output"].n_samples == 24
+    from activationscope.analysis.report import write_report
+
+    page = write_report(store, tmp_path / "rep", label_column="tag", n_folds=2).read_text()
+    assert "regression on one row per token row of token hook points (the label column &#x27;tag&#x27; is per token" in page
+    page = write_report(store, tmp_path / "rep2", n_folds=2).read_text()
+    assert "regression on one row per sample (token rows mean-pooled per sample)" in page
 
 
 def test_probe_store_refuses_bad_folds_instead_of_skipping_every_hook_point(tmp_path):
