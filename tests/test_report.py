@@ -631,3 +631,26 @@ def test_source_names_the_statistics_each_source_gave():
     idx = torch.linspace(0, 999, 100).round().long()
     torch.testing.assert_close(st.nonzero, (x[idx] != 0).double().mean(0))
     assert st.source == "reductions (mean, std) and rows (100 of 1,000) (non-zero)"
+
+
+def test_hook_points_with_dollar_signs_are_plotted_as_written(tmp_path):
+    # a ModuleDict key may hold '$': matplotlib would read '$\foo$' as TeX math and fail
+    names = ["d.$\\foo$.output", "d.a_$x.output", "d.$x^2$.output"]
+    probes = {n: ProbeResult(accuracy=0.6, std=0.1, chance=0.5, n_samples=6, n_classes=2, n_folds=2) for n in names}
+    index = report.write_report(TinyStore({n: torch.randn(6, 3) for n in names}), tmp_path / "rep", probes=probes)
+    assert (tmp_path / "rep" / "probes.png").is_file() and "d.$\\foo$.output" in index.read_text()
+    import matplotlib.pyplot as plt
+
+    seen = []
+    real = plt.Axes.set_xticklabels
+
+    def spy(self, labels, *args, **kwargs):
+        seen.extend(labels)
+        return real(self, labels, *args, **kwargs)
+
+    plt.Axes.set_xticklabels = spy
+    try:
+        report.plot_probes(probes, tmp_path / "p.png", 2)
+    finally:
+        plt.Axes.set_xticklabels = real
+    assert seen == ["d.\\$\\foo\\$.output", "d.a_\\$x.output", "d.\\$x^2\\$.output"]  # '\\$': a literal '$'
