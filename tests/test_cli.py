@@ -1426,3 +1426,16 @@ def test_warning_line_names_the_category_of_warnings_that_are_not_the_library_s(
     assert fmt("plain", UserWarning, user, 3) == "activationscope capture: warning: plain\n"
     assert fmt("ours", CaptureWarning, user, 3) == "activationscope capture: warning: ours\n"
     assert fmt("ours too", RuntimeWarning, cli.__file__, 3) == "activationscope capture: warning: ours too\n"
+
+
+def test_npy_data_big_endian_is_read_and_non_numbers_are_refused(tmp_path):
+    import numpy as np
+
+    values = np.random.default_rng(0).standard_normal((6, 4)).astype(">f4")
+    np.save(tmp_path / "be.npy", values)
+    got = specs.load_data_spec(str(tmp_path / "be.npy")).tensor
+    assert got.dtype == torch.float32 and torch.equal(got, torch.from_numpy(values.astype("<f4")))
+    np.save(tmp_path / "s.npy", np.array(["a", "b"]))
+    with pytest.raises(SpecError, match=r"s.npy' holds <U1 values, which are not numbers torch can take .*"
+                                         r"save a numeric array \(e.g. float32\) with numpy.save"):
+        specs.load_data_spec(str(tmp_path / "s.npy"))

@@ -121,10 +121,13 @@ def load_data_spec(spec: str) -> LoadedData:
     one starting with a byte order mark by that mark (UTF-8, UTF-16 or UTF-32, the mark
     removed); one that is not UTF-8 as latin-1, when it holds no multi-byte UTF-8 character.
 
+    A ``.npy`` array stored big-endian is read as the same values in native byte order.
+
     Raises
     ------
     SpecError
-        Missing or unreadable file, an empty data set, or a tensor file without a tensor; a
+        Missing or unreadable file, an empty data set, a ``.npy`` file of values that are not
+        numbers (strings, dates), or a tensor file without a tensor; a
         text file mixing UTF-8 with other bytes (naming the line and byte offset), one holding
         NUL characters (UTF-16 / UTF-32 without a byte order mark) or a byte order mark
         after its start (naming the line), or badly labelled lines (see ``_parse_text_lines``).
@@ -158,7 +161,13 @@ def load_data_spec(spec: str) -> LoadedData:
             array = np.load(path, allow_pickle=False)
         except Exception as e:  # noqa: BLE001
             raise SpecError(f"--data {spec!r} is not a readable .npy file: {e}") from e
-        tensor = torch.from_numpy(np.ascontiguousarray(array))
+        if not array.dtype.isnative:  # big-endian data (saved on another machine): the same values, native
+            array = array.astype(array.dtype.newbyteorder("="))
+        try:
+            tensor = torch.from_numpy(np.ascontiguousarray(array))
+        except TypeError as e:  # strings, objects, datetimes: no torch dtype
+            raise SpecError(f"--data {spec!r} holds {array.dtype} values, which are not numbers torch can take "
+                            f"({e}); save a numeric array (e.g. float32) with numpy.save") from None
     elif suffix in (".pt", ".pth"):
         with open(path, "rb") as f:
             head = f.read(4)
