@@ -654,3 +654,11 @@ def test_hook_points_with_dollar_signs_are_plotted_as_written(tmp_path):
     finally:
         plt.Axes.set_xticklabels = real
     assert seen == ["d.\\$\\foo\\$.output", "d.a_\\$x.output", "d.\\$x^2\\$.output"]  # '\\$': a literal '$'
+
+
+def test_max_rows_is_checked_and_kept():
+    x = _relu_rows(n=50)
+    assert report.hook_point_stats(TinyStore({"h": x}), "h", max_rows=1).n_sampled == 1
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match=f"max_rows must be a positive int, got {bad!r}"):
+            report.hook_point_stats(TinyStore({"h": x}), "h", max_rows=bad)

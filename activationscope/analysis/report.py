@@ -94,7 +94,7 @@ MAX_SAMPLED_BYTES = 512 * 2**20
 def _sample_rows(acts: torch.Tensor, max_rows: int) -> torch.Tensor:
     n = acts.shape[0]
     row_bytes = 8 * max(1, math.prod(acts.shape[1:]))
-    max_rows = max(2, min(max_rows, MAX_SAMPLED_BYTES // row_bytes))
+    max_rows = min(max_rows, max(2, MAX_SAMPLED_BYTES // row_bytes))
     if n <= max_rows:
         rows = acts
     else:
@@ -178,6 +178,8 @@ def hook_point_stats(
         from reductions are combined exactly (equal counts per position); dead channels are
         channels that are zero at every position of every row.
     """
+    if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
+        raise ArgumentValueError(f"max_rows must be a positive int, got {max_rows!r}")
     acts = store[hook_point]
     n_rows = int(acts.shape[0])
     feature_shape = tuple(int(s) for s in acts.shape[1:])
