@@ -647,12 +647,20 @@ def check_out(out: str, *, resume: bool, overwrite: bool) -> None:
     ------
     ArgumentValueError
         ``resume`` without a store; ``out`` a file, a folder or a Zarr node that is not an
-        activationscope store; an existing store without ``resume`` or ``overwrite``.
+        activationscope store; an existing store without ``resume`` or ``overwrite``; ``out``
+        inside an activationscope store (symlinks resolved).
     """
     if "://" in out:
         return
-    from ..store._backend import check_local_store_path, describe_local_path
+    from pathlib import Path
 
+    from ..store._backend import check_local_store_path, describe_local_path, expand_local
+
+    for above in reversed(Path(expand_local(out)).resolve().parents):  # the outermost first; symlinks resolved
+        if (above / "zarr.json").is_file() and (describe_local_path(above) or ("",))[0] == "store":
+            raise ArgumentValueError(
+                f"--out {out!r} is inside the store {str(above)!r}: the capture would write a store among that "
+                "store's files (and replacing that store would delete it); choose a path outside it")
     found = describe_local_path(out)
     kind = found[0] if found else None
     if kind is None:

@@ -150,6 +150,22 @@ def test_an_existing_store_needs_resume_or_overwrite(nets, tmp_path):
     assert acs.open_store(out).n_samples == 7
 
 
+
+def test_a_store_inside_another_store_is_refused(nets, tmp_path):
+    import os
+
+    outer = tmp_path / "outer.zarr"
+    capture_run.capture_dataset("runnets.nets:mlp", str(nets), str(outer), max_samples=5, progress=False)
+    before = sorted(p.relative_to(outer) for p in outer.rglob("*"))
+    os.symlink(outer / "acts", tmp_path / "link")
+    for out in (outer / "new.zarr", outer / "acts" / "new.zarr", outer / "acts" / "0.output" / "x" / "y.zarr",
+                tmp_path / "link" / "new.zarr"):
+        with pytest.raises(ArgumentValueError, match=f"is inside the store '{outer}'.*choose a path outside it"):
+            capture_run.capture_dataset("runnets.nets:mlp", str(nets), str(out), max_samples=5, progress=False)
+    assert sorted(p.relative_to(outer) for p in outer.rglob("*")) == before  # nothing written among its files
+    capture_run.capture_dataset("runnets.nets:mlp", str(nets), str(tmp_path / "next.zarr"), max_samples=5,
+                                progress=False)  # next to it is fine
+
 def test_a_reduction_added_on_a_resume_of_a_full_store_is_computed_over_its_rows(nets, tmp_path):
     out = str(tmp_path / "full.zarr")
     ref = _reference(nets)
