@@ -625,9 +625,12 @@ def write_report(
         )
         for note in notes:
             parts.append(f"<p class='note'>Folds chosen from the class counts: {e(note)}.</p>")
+        by_note: dict[str, list[str]] = {}  # one line per note, naming every hook point it is about
         for hp, p in probes.items():
             if getattr(p, "dropped_note", ""):
-                parts.append(f"<p class='note'>{e(hp)}: {e(p.dropped_note)}.</p>")
+                by_note.setdefault(p.dropped_note, []).append(hp)
+        for note, which_hps in by_note.items():
+            parts.append(f"<p class='note'>{e(', '.join(which_hps))}: {e(note)}.</p>")
         parts.append(f"<img src='{probe_png.name}' alt='probe accuracy per hook point'>")
     skipped = getattr(probes, "skipped", {}) if probes is not None else {}
     if skipped:

@@ -89,6 +89,11 @@ def test_only_minus_one_marks_a_sample_unlabelled_and_the_probe_says_how_many(tm
     for hp in ("head.output", "layer.output"):
         assert result[hp].n_samples == 16 and result[hp].n_classes == 2
         assert result[hp].dropped_note == "8 sample(s) without a label (missing, -1 or empty) left out"
+    from activationscope.analysis.report import write_report
+
+    page = write_report(store, tmp_path / "rep", probes=result).read_text()  # one line for both hook points
+    assert page.count("without a label") == 1
+    assert "layer.output, head.output: 8 sample(s) without a label (missing, -1 or empty) left out." in page
     # other negative ints are classes like any other
     labels = [-2, 2] * 12
     store = _labelled_store(tmp_path / "b.zarr", labels)
