@@ -569,6 +569,10 @@ def export_hf(
         holding it (``ArgumentValueError``).
     ActivationScopeError
         A hook point of more than 5 dimensions per example, or a dtype without an Arrow type.
+    FileExistsError
+        ``path`` exists and is not an earlier ``datasets`` export of ``file_format`` (a
+        directory of other files, a file that is not a ``datasets`` Parquet file): it is left
+        as it is.
     ImportError
         ``datasets`` is not installed (``pip install datasets``).
 
@@ -637,13 +641,23 @@ def export_hf(
 
 
 def _check_replaceable(path: Path, file_format: str) -> None:
-    """An existing ``path`` is replaced only if it is what this export writes: a file for
-    Parquet, a ``save_to_disk`` directory (or an empty one) for Arrow."""
+    """An existing ``path`` is replaced only if it is what this export writes: a Parquet file
+    carrying ``datasets`` features for Parquet, a ``save_to_disk`` directory (or an empty one)
+    for Arrow."""
     if not path.exists() and not path.is_symlink():
         return
     if file_format == "parquet":
         if path.is_dir():
             raise FileExistsError(f"export path {str(path)!r} must be a file for file_format='parquet', got a directory")
+        try:  # an earlier export: a Parquet file whose schema carries the datasets features
+            earlier = b"huggingface" in (pq.read_schema(str(path)).metadata or {})
+        except Exception:  # noqa: BLE001 - not a Parquet file
+            earlier = False
+        if not earlier:
+            raise FileExistsError(
+                f"export path {str(path)!r} exists and is not a datasets Parquet export; it is left alone: remove "
+                "it or choose another path"
+            )
         return
     if not path.is_dir():
         raise FileExistsError(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet  # noqa: F401 - pa.parquet
 import pytest
 import torch
 from fake_store import FakeStore, write_fake_store
@@ -124,6 +125,24 @@ def test_hf_export_never_replaces_what_it_did_not_write(store, tmp_path):
     export_hf(store, tmp_path / "hf", hook_points=["f16"])     # a previous export is replaced
     assert datasets.load_from_disk(str(tmp_path / "hf")).column_names[0] == "f16"
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_hf_parquet_export_never_replaces_a_file_it_did_not_write(store, tmp_path):
+    for name, content in (("notes.parquet", b"keep me"), ("notes.txt", b"keep me")):
+        mine = tmp_path / name
+        mine.write_bytes(content)
+        with pytest.raises(FileExistsError, match="not a datasets Parquet export"):
+            export_hf(store, mine, hook_points=["f32"], file_format="parquet")
+        assert mine.read_bytes() == content
+    plain = tmp_path / "plain.parquet"                       # a Parquet file, but not a datasets one
+    pa.parquet.write_table(pa.table({"x": [1, 2]}), plain)
+    with pytest.raises(FileExistsError, match="not a datasets Parquet export"):
+        export_hf(store, plain, hook_points=["f32"], file_format="parquet")
+    assert pa.parquet.read_table(plain).column_names == ["x"]
+    out = tmp_path / "hf.parquet"
+    export_hf(store, out, hook_points=["f32"], file_format="parquet")
+    export_hf(store, out, hook_points=["f16"], file_format="parquet")     # a previous export is replaced
+    assert pa.parquet.read_table(out).column_names[0] == "f16"
 
 
 def test_hf_export_of_token_rows_from_a_real_capture(tmp_path):
