@@ -230,6 +230,18 @@ def _record_batches(ds: ActivationDataset, schema: pa.Schema, col_names: list[st
         yield pa.RecordBatch.from_arrays(arrays, schema=schema)
 
 
+def _temp_sibling(path: Path, suffix: str = ".tmp") -> Path:
+    """A fresh name next to ``path`` to write the export to before it is renamed into place:
+    unique to this call, so an existing file or folder of the user's (``out.parquet.tmp``)
+    is never written over or removed."""
+    import secrets
+
+    while True:
+        tmp = path.with_name(f"{path.name}.{os.getpid()}-{secrets.token_hex(4)}{suffix}")
+        if not tmp.exists() and not tmp.is_symlink():
+            return tmp
+
+
 def _is_export(path: Path, kind: str) -> bool:
     """Whether ``path`` is a file this module wrote (its Arrow schema carries our format key)."""
     try:
@@ -278,7 +290,7 @@ def _export(kind: str, source: Any, path: Any, hook_points: Any, columns: Any, b
     _check_out(path, kind, overwrite)
     col_names = _export_columns(ds, columns)
     schema = _schema(ds, col_names, tensor_type)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = _temp_sibling(path)
     try:
         if kind == "arrow":
             options = pa.ipc.IpcWriteOptions(compression=compression)
@@ -615,9 +627,8 @@ def export_hf(
     path = Path(os.path.expanduser(os.fspath(path)))
     _refuse_inside_store(path, ds)
     _check_replaceable(path, file_format)
-    tmp = path.with_name(path.name + ".tmp")
-    stream = path.with_name(path.name + ".stream.tmp")
-    _remove(tmp)
+    tmp = _temp_sibling(path)
+    stream = _temp_sibling(path, ".stream.tmp")
     try:
         tables = _hf_tables(ds, features, shapes, col_names, n_rows, context_size, batch_rows, bfloat16)
         if file_format == "parquet":

@@ -201,6 +201,19 @@ def test_an_existing_file_that_is_not_an_export_is_kept(store, arrays, tmp_path,
     assert (got["f32"].shape[0] if kind == "arrow" else got.num_rows) == N
 
 
+@pytest.mark.parametrize("fn, kind", [(export_arrow, "arrow"), (export_parquet, "parquet")])
+def test_a_file_named_like_the_temporary_one_is_kept(store, tmp_path, fn, kind):
+    out = tmp_path / f"x.{kind}"
+    mine = tmp_path / f"x.{kind}.tmp"           # the user's, not ours
+    mine.write_text("my notes")
+    fn(store, out, hook_points=["f32"])
+    assert mine.read_text() == "my notes"
+    with pytest.raises(ArgumentValueError):
+        fn(store, out, hook_points=["f32"], tensor_type="nope")   # a failed export cleans up only its own file
+    assert mine.read_text() == "my notes"
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("x.")) == [out.name, mine.name]
+
+
 # ----------------------------------------------------------- hook points off the row table
 @pytest.fixture
 def late_store(tmp_path):

@@ -145,6 +145,19 @@ def test_hf_parquet_export_never_replaces_a_file_it_did_not_write(store, tmp_pat
     assert pa.parquet.read_table(out).column_names[0] == "f16"
 
 
+@pytest.mark.parametrize("file_format", ["arrow", "parquet"])
+def test_hf_export_keeps_files_named_like_its_temporary_ones(store, tmp_path, file_format):
+    out = tmp_path / "hf"
+    folder = tmp_path / "hf.tmp"                 # the user's folder, not ours
+    folder.mkdir()
+    (folder / "notes.txt").write_text("keep me")
+    stream = tmp_path / "hf.stream.tmp"
+    stream.write_text("keep me too")
+    export_hf(store, out, hook_points=["f32"], file_format=file_format)
+    assert (folder / "notes.txt").read_text() == "keep me" and stream.read_text() == "keep me too"
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("hf")) == ["hf", "hf.stream.tmp", "hf.tmp"]
+
+
 def test_hf_export_of_token_rows_from_a_real_capture(tmp_path):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Embedding(30, 8), torch.nn.Linear(8, 8))
