@@ -1116,6 +1116,19 @@ def test_hook_point_patterns(tmp_path, toy_store, capsys):
     _one_error_line(err, "pattern 'enc*' matches no hook point")
 
 
+def test_hook_points_given_twice_select_both(tmp_path, toy_store, capsys):
+    import pyarrow.parquet as pq
+
+    out, _ = toy_store
+    code, _, err = run(capsys, "export", str(out), "--format", "parquet", "--out", str(tmp_path / "p.parquet"),
+                       "--hook-points", "0.output", "--hook-points", "2.output")
+    assert code == 0, err
+    names = pq.read_table(tmp_path / "p.parquet").column_names
+    assert names[:2] == ["0.output", "2.output"] and "1.output" not in names
+    args = cli.build_parser().parse_args(["report", "s", "--out", "r", "--hook-points", "a", "b", "--hook-points", "c"])
+    assert args.hook_points == ["a", "b", "c"]
+
+
 def test_report_command(tmp_path, toy_store, capsys):
     out, _ = toy_store
     code, stdout, err = run(capsys, "report", str(out), "--out", str(tmp_path / "rep"))

@@ -217,8 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--format hf with --context-size: leave out the rows that do not fill the last example")
     p.add_argument("--overwrite", action="store_true",
                    help="parquet / arrow: replace --out even when it is not an earlier export (default: refused)")
-    p.add_argument("--hook-points", nargs="+", default=None, metavar="HP",
-                   help="hook points or fnmatch patterns to export (default: all; they must share a row kind)")
+    p.add_argument("--hook-points", nargs="+", action="extend", default=None, metavar="HP",
+                   help="hook points or fnmatch patterns to export (repeatable; default: all; they must share a "
+                        "row kind)")
 
     p = sub.add_parser("report", parents=[common], help="write an HTML report with plots",
                        description="Write an HTML page with PNG plots per hook point (activation histogram, "
@@ -226,8 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "probe accuracy when the rows have labels.")
     p.add_argument("store", help="store path or URL")
     p.add_argument("--out", required=True, help="report folder (created; index.html inside)")
-    p.add_argument("--hook-points", nargs="+", default=None, metavar="HP",
-                   help="hook points or fnmatch patterns to show (default: all)")
+    p.add_argument("--hook-points", nargs="+", action="extend", default=None, metavar="HP",
+                   help="hook points or fnmatch patterns to show (repeatable; default: all)")
     p.add_argument("--label-column", default=None,
                    help="row-table column with labels for the probes (default: 'label' when the store has one)")
     p.add_argument("--folds", type=_folds, default=5, help="cross-validation folds of the probe (default: %(default)s)")
