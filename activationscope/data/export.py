@@ -576,7 +576,8 @@ def export_hf(
     Raises
     ------
     ValueError
-        Bad arguments; ``n_rows`` not a multiple of ``context_size`` without ``drop_last``;
+        Bad arguments; no rows to export (a dataset of 0 rows cannot be loaded back);
+        ``n_rows`` not a multiple of ``context_size`` without ``drop_last``;
         a ``path`` inside the local store being exported, the store itself or a folder
         holding it (``ArgumentValueError``).
     ActivationScopeError
@@ -609,6 +610,13 @@ def export_hf(
     ds = _dataset_for(source=store, hook_points=hook_points, columns=columns, rows=rows, filter=filter)
     col_names = _export_columns(ds, columns)
     n_rows = len(ds)
+    if n_rows == 0:
+        raise ArgumentValueError(
+            f"{ds.hook_points} have no rows to export from {ds.source.describe()} (none committed, or none selected "
+            "by rows= / filter=): datasets cannot load a dataset of 0 rows back (load_from_disk and from_parquet "
+            "fail on it), so nothing is written; select some rows, or use export_parquet / export_arrow, which "
+            "write an empty table"
+        )
     if context_size is not None and n_rows % context_size:
         if not drop_last:
             raise ArgumentValueError(

@@ -158,6 +158,18 @@ def test_hf_export_keeps_files_named_like_its_temporary_ones(store, tmp_path, fi
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("hf")) == ["hf", "hf.stream.tmp", "hf.tmp"]
 
 
+@pytest.mark.parametrize("file_format", ["arrow", "parquet"])
+def test_hf_export_of_no_rows_is_refused_and_writes_nothing(store, tmp_path, file_format):
+    import pyarrow.compute as pc
+
+    out = tmp_path / "hf"
+    with pytest.raises(acs.errors.ArgumentValueError, match=r"no rows to export .* datasets cannot load a dataset of 0"):
+        export_hf(store, out, hook_points=["f32"], filter=pc.field("label") == 5, file_format=file_format)
+    with pytest.raises(acs.errors.ArgumentValueError, match=r"no rows to export"):
+        export_hf(store, out, hook_points=["f32"], rows=[], context_size=2, drop_last=True, file_format=file_format)
+    assert list(tmp_path.iterdir()) == [tmp_path / "s"]
+
+
 def test_hf_export_of_token_rows_from_a_real_capture(tmp_path):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Embedding(30, 8), torch.nn.Linear(8, 8))
