@@ -583,9 +583,9 @@ def export_hf(
     ActivationScopeError
         A hook point of more than 5 dimensions per example, or a dtype without an Arrow type.
     FileExistsError
-        ``path`` exists and is not an earlier ``datasets`` export of ``file_format`` (a
-        directory of other files, a file that is not a ``datasets`` Parquet file): it is left
-        as it is.
+        ``path`` exists and is not an earlier export of ``file_format`` (a directory of other
+        files or another ``datasets`` dataset, a file this function did not write), or is an
+        earlier export folder that also holds other files: it is left as it is.
     ImportError
         ``datasets`` is not installed (``pip install datasets``).
 
@@ -640,7 +640,9 @@ def export_hf(
     try:
         tables = _hf_tables(ds, features, shapes, col_names, n_rows, context_size, batch_rows, bfloat16)
         if file_format == "parquet":
-            with pq.ParquetWriter(str(tmp), features.arrow_schema, compression="zstd") as writer:
+            schema = features.arrow_schema
+            schema = schema.with_metadata({**(schema.metadata or {}), b"activationscope.format": EXPORT_FORMAT.encode()})
+            with pq.ParquetWriter(str(tmp), schema, compression="zstd") as writer:
                 for t in tables:
                     writer.write_table(t)
         else:
@@ -648,7 +650,8 @@ def export_hf(
                 for t in tables:
                     writer.write_table(t)
             with _quiet_datasets():
-                datasets.Dataset.from_file(str(stream)).save_to_disk(str(tmp))
+                info = datasets.DatasetInfo(description=_HF_DESCRIPTION, features=features)  # marks it as ours
+                datasets.Dataset.from_file(str(stream), info=info).save_to_disk(str(tmp))
         _remove(path)
         os.replace(tmp, path)
     except BaseException:
@@ -659,23 +662,29 @@ def export_hf(
     return path
 
 
+#: The ``description`` of the ``DatasetInfo`` of an :func:`export_hf` folder: how a later
+#: export knows the folder is one it may replace.
+_HF_DESCRIPTION = f"{EXPORT_FORMAT}: rows of an activationscope store"
+
+
 def _check_replaceable(path: Path, file_format: str) -> None:
-    """An existing ``path`` is replaced only if it is what this export writes: a Parquet file
-    carrying ``datasets`` features for Parquet, a ``save_to_disk`` directory (or an empty one)
-    for Arrow."""
+    """An existing ``path`` is replaced only if it is what this export writes: an earlier
+    export's Parquet file for Parquet (schema metadata ``activationscope.format``), an earlier
+    export's ``save_to_disk`` directory (its ``dataset_info.json`` description) or an empty
+    directory for Arrow. Any other ``datasets`` dataset is the user's and is left alone."""
     if not path.exists() and not path.is_symlink():
         return
     if file_format == "parquet":
         if path.is_dir():
             raise FileExistsError(f"export path {str(path)!r} must be a file for file_format='parquet', got a directory")
-        try:  # an earlier export: a Parquet file whose schema carries the datasets features
-            earlier = b"huggingface" in (pq.read_schema(str(path)).metadata or {})
+        try:
+            earlier = b"activationscope.format" in (pq.read_schema(str(path)).metadata or {})
         except Exception:  # noqa: BLE001 - not a Parquet file
             earlier = False
         if not earlier:
             raise FileExistsError(
-                f"export path {str(path)!r} exists and is not a datasets Parquet export; it is left alone: remove "
-                "it or choose another path"
+                f"export path {str(path)!r} exists and is not an earlier export_hf Parquet file; it is left alone: "
+                "remove it or choose another path"
             )
         return
     if not path.is_dir():
@@ -684,11 +693,23 @@ def _check_replaceable(path: Path, file_format: str) -> None:
             "file_format='arrow', got an existing file; remove it or choose another path"
         )
     entries = {p.name for p in path.iterdir()}
-    if entries and not {"state.json", "dataset_info.json"} <= entries:
+    if entries and not _is_hf_export(path):
         raise FileExistsError(
-            f"export path {str(path)!r} is a directory that is not a datasets export ({len(entries)} entries, "
-            "no state.json / dataset_info.json); it is left alone: remove it or choose another path"
+            f"export path {str(path)!r} is a directory that is not an earlier export_hf export ({len(entries)} "
+            "entries; a datasets folder of other data is not replaced either); it is left alone: remove it or "
+            "choose another path"
         )
+
+
+def _is_hf_export(path: Path) -> bool:
+    """Whether the folder ``path`` is a ``save_to_disk`` folder written by :func:`export_hf`."""
+    if not (path / "state.json").is_file():
+        return False
+    try:
+        info = json.loads((path / "dataset_info.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(info, dict) and info.get("description") == _HF_DESCRIPTION
 
 
 def _remove(p: Path) -> None:

@@ -114,7 +114,7 @@ def test_hf_export_never_replaces_what_it_did_not_write(store, tmp_path):
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "notes.txt").write_text("keep me")
-    with pytest.raises(FileExistsError, match="not a datasets export"):
+    with pytest.raises(FileExistsError, match="not an earlier export_hf export"):
         export_hf(store, mine)
     assert (mine / "notes.txt").read_text() == "keep me"
     a_file = tmp_path / "file"
@@ -131,18 +131,32 @@ def test_hf_parquet_export_never_replaces_a_file_it_did_not_write(store, tmp_pat
     for name, content in (("notes.parquet", b"keep me"), ("notes.txt", b"keep me")):
         mine = tmp_path / name
         mine.write_bytes(content)
-        with pytest.raises(FileExistsError, match="not a datasets Parquet export"):
+        with pytest.raises(FileExistsError, match="not an earlier export_hf Parquet file"):
             export_hf(store, mine, hook_points=["f32"], file_format="parquet")
         assert mine.read_bytes() == content
     plain = tmp_path / "plain.parquet"                       # a Parquet file, but not a datasets one
     pa.parquet.write_table(pa.table({"x": [1, 2]}), plain)
-    with pytest.raises(FileExistsError, match="not a datasets Parquet export"):
+    with pytest.raises(FileExistsError, match="not an earlier export_hf Parquet file"):
         export_hf(store, plain, hook_points=["f32"], file_format="parquet")
     assert pa.parquet.read_table(plain).column_names == ["x"]
     out = tmp_path / "hf.parquet"
     export_hf(store, out, hook_points=["f32"], file_format="parquet")
     export_hf(store, out, hook_points=["f16"], file_format="parquet")     # a previous export is replaced
     assert pa.parquet.read_table(out).column_names[0] == "f16"
+
+
+def test_hf_export_never_replaces_a_datasets_dataset_of_the_user(store, tmp_path):
+    corpus = datasets.Dataset.from_dict({"tokens": [[1, 2], [3, 4]]})
+    folder = tmp_path / "corpus"
+    corpus.save_to_disk(str(folder))                           # the user's own datasets folder
+    with pytest.raises(FileExistsError, match="not an earlier export_hf export"):
+        export_hf(store, folder, hook_points=["f32"])
+    assert datasets.load_from_disk(str(folder))["tokens"] == [[1, 2], [3, 4]]
+    one_file = tmp_path / "corpus.parquet"
+    corpus.to_parquet(str(one_file))                           # and its own datasets Parquet file
+    with pytest.raises(FileExistsError, match="not an earlier export_hf Parquet file"):
+        export_hf(store, one_file, hook_points=["f32"], file_format="parquet")
+    assert pa.parquet.read_table(one_file).column("tokens").to_pylist() == [[1, 2], [3, 4]]
 
 
 @pytest.mark.parametrize("file_format", ["arrow", "parquet"])
