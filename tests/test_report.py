@@ -130,6 +130,31 @@ def test_write_report_html_and_pngs(tmp_path):
     assert "status-complete" in page
 
 
+def test_a_folder_with_another_index_html_is_left_alone(tmp_path):
+    from activationscope.errors import ArgumentValueError
+
+    store = TinyStore({"h": _relu_rows()})
+    site = tmp_path / "site"
+    site.mkdir()
+    mine = {"index.html": "<html>my homepage</html>", "probes.png": "mine", "hp_logo.png": "mine too"}
+    for name, text in mine.items():
+        (site / name).write_text(text)
+    with pytest.raises(ArgumentValueError, match=r"holds an index.html that is not an activationscope report"):
+        report.write_report(store, site, probes={})
+    assert {p.name: p.read_text() for p in site.iterdir()} == mine
+    # a folder of other files, without index.html, gets the report; its own files stay
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "hp_logo.png").write_text("mine")
+    report.write_report(store, other, probes={})
+    assert (other / "hp_logo.png").read_text() == "mine" and (other / "hp_h.png").exists()
+    # an earlier report is replaced, its plots of hook points no longer shown removed
+    rep = tmp_path / "rep"
+    report.write_report(TinyStore({"h": _relu_rows(), "g": _relu_rows(seed=3)}), rep, probes={})
+    report.write_report(store, rep, probes={})
+    assert sorted(p.name for p in rep.iterdir()) == ["hp_h.png", "index.html"]
+
+
 def test_write_report_without_labels_says_so(tmp_path):
     store = TinyStore({"h": _relu_rows()})
     index = report.write_report(store, tmp_path / "rep", probes={})

@@ -469,6 +469,25 @@ def _unique_slugs(names: Sequence[str]) -> dict[str, str]:
 _MAX_SLUG_BYTES = 200
 
 
+_PAGE_HEAD = "<!doctype html><html><head><meta charset='utf-8'>"
+#: The line that marks a page as written by :func:`write_report` (a later report may replace it).
+_GENERATOR = "<meta name='generator' content='activationscope report'>"
+
+
+def _is_report(index: Path) -> bool:
+    """Whether ``index`` is the ``index.html`` of an earlier :func:`write_report` (marked by
+    :data:`_GENERATOR`; a page written before the mark by its first line and its meta block)."""
+    try:
+        with open(index, encoding="utf-8", errors="replace") as f:
+            head = f.read(1 << 16)
+    except OSError:  # a folder, a dangling link, unreadable
+        return False
+    lines = head.split("\n")
+    if lines[0] != _PAGE_HEAD:
+        return False
+    return len(lines) > 1 and (lines[1] == _GENERATOR or (lines[1].startswith("<title>") and "<div class='meta'>" in head))
+
+
 def write_report(
     store: Any,
     out_dir: str | os.PathLike,
@@ -513,7 +532,10 @@ def write_report(
     Raises
     ------
     ArgumentValueError
-        ``n_folds`` below 2, or a ``label_column`` that no row table of the store has.
+        ``n_folds`` below 2, a ``label_column`` that no row table of the store has, an
+        ``out_dir`` inside the store, or one holding an ``index.html`` that is not an earlier
+        report (nothing in the folder is changed; an earlier report's page and plots are
+        replaced).
     """
     from ..errors import ArgumentValueError
 
@@ -542,9 +564,17 @@ def write_report(
             f"out_dir {str(out_dir)!r} is inside the store {store.path!r}: the report would write its files among "
             "the store's; give a folder outside the store"
         )
+    index = out / "index.html"
+    earlier = index.exists() or index.is_symlink()
+    if earlier and not _is_report(index):
+        raise ArgumentValueError(
+            f"out_dir {str(out_dir)!r} holds an index.html that is not an activationscope report: it and the "
+            "folder's other files are left as they are; give another folder (or remove that index.html)"
+        )
     out.mkdir(parents=True, exist_ok=True)
-    for stale in [*out.glob("hp_*.png"), out / "probes.png"]:  # plots of an earlier report here
-        stale.unlink(missing_ok=True)
+    if earlier:  # plots of the earlier report here (only then: other PNGs in a folder are not ours)
+        for stale in [*out.glob("hp_*.png"), out / "probes.png"]:
+            stale.unlink(missing_ok=True)
     hps = list(hook_points) if hook_points is not None else list(store.hook_points)
     info = store.info() if hasattr(store, "info") else {}
     if probes is None:
@@ -575,7 +605,8 @@ def write_report(
 
     e = html.escape
     parts = [
-        "<!doctype html><html><head><meta charset='utf-8'>",
+        _PAGE_HEAD,
+        _GENERATOR,
         f"<title>{e(title or 'activationscope report')}</title><style>{_CSS}</style></head><body>",
         f"<h1>{e(title or 'activationscope report')}</h1>",
         "<div class='meta'>",
@@ -654,6 +685,5 @@ def write_report(
             parts.append(f"<div class='note'>{e(note)}</div>")
         parts.append(f"<img src='hp_{slugs[st.hook_point]}.png' alt='{e(st.hook_point)}'>")
     parts.append("</body></html>")
-    index = out / "index.html"
     index.write_text("\n".join(p for p in parts if p), encoding="utf-8")
     return index
