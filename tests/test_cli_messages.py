@@ -248,3 +248,21 @@ def test_export_context_size_errors_in_cli_words(failing_module, tmp_path, capsy
                        "--context-size", "41", "--drop-last")
     assert code == 1 and "--context-size 41 is more than the 40 rows" in err and "with --drop-last nothing" in err
     assert "pass a --context-size of at most 40" in err and "drop_last" not in err and "context_size" not in err
+
+
+def test_demo_and_export_hf_errors_in_cli_words(failing_module, tmp_path, capsys):
+    code, _, err = run(capsys, "demo", "--out", str(tmp_path / "d.zarr"), "--batch-size", "0", "--no-report")
+    assert code == 1 and "--batch-size must be a positive int, got 0" in err and "batch_size" not in err, err
+    pytest.importorskip("datasets")
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4))
+    empty = tmp_path / "empty.zarr"
+    with acs.ActivationScope(store=str(empty)).track(model):       # nothing committed yet
+        model(torch.randn(2, 3))
+        code, _, err = run(capsys, "export", str(empty), "--format", "hf", "--out", str(tmp_path / "hf"))
+    assert code == 1 and "have no rows to export" in err and "(none committed)" in err, err
+    assert "--format parquet and --format arrow write an empty table" in err and "export_parquet" not in err
+    (tmp_path / "afile").write_text("keep")
+    out = tmp_path / "run.zarr"
+    assert _capture(capsys, "good", failing_module, out)[0] == 0
+    code, _, err = run(capsys, "export", str(out), "--format", "hf", "--out", str(tmp_path / "afile"))
+    assert code == 1 and "for --format hf, got an existing file" in err and "file_format" not in err, err

@@ -314,6 +314,12 @@ _CLI_SPELLINGS = (
     ("another context_size", "another --context-size"),
     ("context_size=", "--context-size "),
     ("n_folds must", "--folds must"),
+    ("batch_size must", "--batch-size must"),
+    ("max_samples must be at least 2 * n_folds", "--max-samples must be at least 2 * --folds"),
+    ("for file_format='arrow'", "for --format hf"),
+    ("(none committed, or none selected by rows= / filter=)", "(none committed)"),
+    ("select some rows, or use export_parquet / export_arrow, which write an empty table",
+     "--format parquet and --format arrow write an empty table"),
 )
 
 
