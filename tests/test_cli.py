@@ -1364,6 +1364,27 @@ def test_info_shows_control_characters_from_the_store_escaped(tmp_path, capsys):
     assert "\\x1b[2J" in stdout and "\\r\\nstatus:   complete (FORGED)" in stdout
 
 
+def test_errors_and_warnings_show_control_characters_from_the_store_escaped(tmp_path, capsys):
+    """Hook point names are the store's strings too: an error listing them, or a warning
+    quoting one, shows their control characters escaped."""
+    import activationscope as acs
+
+    model = torch.nn.Sequential()
+    model.add_module("x\x1b]0;TITLE\x07\x1b[31mred", torch.nn.Linear(3, 3))
+    path = tmp_path / "s.zarr"
+    with acs.ActivationScope(store=str(path)).track(model), torch.no_grad():
+        model(torch.randn(4, 3))
+    code, _, err = run(capsys, "export", str(path), "--format", "parquet", "--out", str(tmp_path / "x.parquet"),
+                       "--hook-points", "nothing")
+    assert code == 1 and "is not in the store; it holds" in err
+    assert "\x1b" not in err and "\x07" not in err and "x\\x1b]0;TITLE\\x07\\x1b[31mred.output" in err
+
+    name = list(acs.open_store(str(path)).hook_points)[0]
+    line = cli._warning_formatter("info")(f"a warning about {name}", UserWarning, "user.py", 1)
+    assert line.startswith("activationscope info: warning: a warning about x\\x1b]0;TITLE")
+    assert "\x1b" not in line and "\x07" not in line and line.endswith("\n")
+
+
 def test_export_and_report_of_a_hook_point_off_the_row_table(capsys, tmp_path):
     import pyarrow.parquet as pq
     from acs_testing import late_branch_store

@@ -266,7 +266,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             traceback.print_exc()
         else:
             notes = "".join(f"; {n}" for n in getattr(e, "__notes__", ()))
-            print(f"{PROG} {args.command}: error: {_cli_spelling(one_line(e))}{notes}", file=sys.stderr)
+            # messages name hook points and values from the store, which may come from someone
+            # else: control characters (terminal escapes) are shown escaped, never sent as is
+            print(_printable(f"{PROG} {args.command}: error: {_cli_spelling(one_line(e))}{notes}"), file=sys.stderr)
         return 1
     finally:
         warnings.formatwarning = formatwarning
@@ -287,7 +289,7 @@ def _warning_formatter(command: str) -> Callable[..., str]:
         text = " ".join(str(message).split())
         ours = getattr(category, "__module__", "").startswith("activationscope.") or _in_package(filename)
         kind = "" if ours or category is UserWarning else f"{category.__name__}: "
-        return f"{PROG} {command}: warning: {kind}{_cli_spelling(text)}\n"
+        return _printable(f"{PROG} {command}: warning: {kind}{_cli_spelling(text)}") + "\n"
 
     return format_warning
 
@@ -488,12 +490,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
     try:
         result = store.verify()
     except StoreCorruptError as e:
-        print(f"{PROG} verify: {args.store}: damaged: {one_line(e)}", file=sys.stderr)
+        print(_printable(f"{PROG} verify: {args.store}: damaged: {one_line(e)}"), file=sys.stderr)
         return 1
     problems = _problems(result)
     if problems:
         for p in problems:
-            print(f"{PROG} verify: {args.store}: damaged: {p}", file=sys.stderr)
+            print(_printable(f"{PROG} verify: {args.store}: damaged: {p}"), file=sys.stderr)
         return 1
     print(f"{args.store}: ok")
     return 0
@@ -599,7 +601,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     hook_points = _check_hook_points(store, args.hook_points)
     for hp in hook_points if hook_points is not None else list(store.hook_points):
         if not store.follows_row_table(hp):
-            print(f"{PROG} report: note: no probe for {hp}: its rows do not follow the row table (first captured "
+            print(f"{PROG} report: note: no probe for {_printable(hp)}: its rows do not follow the row table (first captured "
                   "after some forwards), so no label lines up with them; its statistics and plots are in the report")
     path = report.write_report(store, args.out, hook_points=hook_points, label_column=args.label_column,
                                n_folds=args.folds)
