@@ -146,8 +146,25 @@ def _dataset_for(source: Any, hook_points: Any, columns: Any, rows: Any, filter:
     lost = [hp for hp in names if not src.follows_row_table(hp)]
     if lost:
         _check_alone(src, names, lost, columns, filter)
-    if isinstance(source, ActivationDataset) and hook_points is None and rows is None and filter is None:
-        ds = copy.copy(source)  # the dataset's own row selection, other columns
+    if isinstance(source, ActivationDataset):  # its own row selection, whatever the hook points
+        if rows is not None or filter is not None:
+            raise ArgumentValueError(
+                f"rows= and filter= select rows of a store, but a dataset was given, which exports its own "
+                f"{len(source)} rows; select them when making the dataset, or pass its store "
+                f"({src.describe()}) with rows= / filter="
+            )
+        if hook_points is None:
+            ds = copy.copy(source)  # other columns
+        else:
+            other = [hp for hp in names
+                     if src.row_kind(hp) != source.row_kind or src.n_rows(hp) != source.n_store_rows]
+            if other:
+                raise ArgumentValueError(
+                    f"hook points {other} have other rows than the dataset's {source.hook_points} "
+                    f"({source.n_store_rows} {source.row_kind} rows), so the dataset's row selection does not apply "
+                    "to them; export them from the store, or from a dataset made for them"
+                )
+            ds = ActivationDataset(src, hook_points=names, rows=source.store_rows())
     else:
         ds = ActivationDataset(src, hook_points=names, rows=rows, filter=filter)
     if lost:  # rows as stored: no row-table column lines up with them
@@ -342,7 +359,8 @@ overwrite: bool = False,
         Rows per record batch: bounds memory during export (a batch of rows of every hook
         point is held at once).
     rows, filter
-        Row selection, as :class:`ActivationDataset`.
+        Row selection of a store, as :class:`ActivationDataset`. A dataset given as ``store``
+        exports its own selection (also with ``hook_points``); with it these two are refused.
     tensor_type : {"fixed_shape_tensor", "fixed_size_list"}
         Arrow type of hook point columns (see the module docstring).
     compression : {None, "lz4", "zstd"}
@@ -564,7 +582,8 @@ def export_hf(
     file_format : {"arrow", "parquet"}
     bfloat16 : {"float32", "bits"}
     rows, filter
-        Row selection, as :class:`ActivationDataset`.
+        Row selection of a store, as :class:`ActivationDataset`. A dataset given as ``store``
+        exports its own selection (also with ``hook_points``); with it these two are refused.
     batch_rows : int, default 65536
         Store rows per record batch (bounds the memory held during the export).
 

@@ -132,6 +132,21 @@ def test_export_a_dataset_selection(store, arrays, tmp_path):
     assert back["sample_id"].tolist() == [5, 1, 9]
 
 
+@pytest.mark.parametrize("fn", [export_arrow, export_parquet])
+def test_a_dataset_keeps_its_selection_when_hook_points_are_chosen(store, arrays, tmp_path, fn):
+    ds = ActivationDataset(store, hook_points=["f32", "f16"], filter=pc.field("label") == 1, columns=["label"])
+    path = fn(ds, tmp_path / "sel", hook_points=["f16", "bf16"])          # not all 24 rows of the store
+    table = pq.read_table(path) if fn is export_parquet else pa.ipc.open_file(path).read_all()
+    odd = list(range(1, N, 2))
+    assert table.column("sample_id").to_pylist() == odd and set(table.column("label").to_pylist()) == {1}
+    assert torch.equal(arrow_to_torch(table.column("bf16"), table.schema.field("bf16")), arrays["bf16"][odd])
+    # rows= / filter= select store rows: next to a dataset's own selection they are refused
+    for kw in ({"rows": [0, 1]}, {"filter": pc.field("label") == 0}):
+        with pytest.raises(ArgumentValueError, match=rf"a dataset was given, which exports its own {len(odd)} rows"):
+            fn(ds, tmp_path / "again", **kw)
+    assert not (tmp_path / "again").exists()
+
+
 def test_export_validates_before_writing(store, tmp_path):
     with pytest.raises(ValueError, match="batch_rows must be a positive int"):
         export_arrow(store, tmp_path / "a.arrow", batch_rows=0)
