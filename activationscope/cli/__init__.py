@@ -532,8 +532,9 @@ def cmd_export(args: argparse.Namespace) -> int:
         print(f"{PROG} export: note: {args.store} is {store.status} (its capture did not finish, or is running): "
               f"exporting its {store.n_samples} committed samples", file=sys.stderr)
     out = Path(args.out)
-    if out.parent and not out.parent.exists():
-        raise CLIError(f"--out {args.out!r}: folder {str(out.parent)!r} does not exist")
+    if not out.parent.is_dir():
+        what = "is not a folder" if out.parent.exists() else "does not exist"
+        raise CLIError(f"--out {args.out!r}: folder {str(out.parent)!r} {what}")
     if args.context_size is not None and args.format != "hf":
         raise CLIError(f"--context-size applies to --format hf only, got --format {args.format}")
     if args.drop_last and args.context_size is None:

@@ -286,8 +286,17 @@ def _refuse_inside_store(path: Path, ds: ActivationDataset, folders: bool = True
         )
 
 
+def _check_parent(path: Path) -> None:
+    """Refuse a ``path`` whose folder is missing or is a file (before a temporary file is made there)."""
+    parent = path.parent
+    if not parent.is_dir():
+        what = "is not a folder" if parent.exists() else "does not exist"
+        raise ArgumentValueError(f"export path {str(path)!r}: its folder {str(parent)!r} {what}; give a path in an existing folder")
+
+
 def _check_out(path: Path, kind: str, overwrite: bool) -> None:
     """Refuse to replace a folder, or a file that is not an earlier export (unless ``overwrite``)."""
+    _check_parent(path)
     if path.is_dir():
         raise ArgumentValueError(f"{str(path)!r} is a folder; an {kind} export writes one file: give a file path")
     if path.exists() and not overwrite and not _is_export(path, kind):
@@ -691,6 +700,7 @@ def _check_replaceable(path: Path, file_format: str) -> None:
     export's Parquet file for Parquet (schema metadata ``activationscope.format``), an earlier
     export's ``save_to_disk`` directory (its ``dataset_info.json`` description) or an empty
     directory for Arrow. Any other ``datasets`` dataset is the user's and is left alone."""
+    _check_parent(path)
     if not path.exists() and not path.is_symlink():
         return
     if file_format == "parquet":

@@ -216,6 +216,16 @@ def test_an_existing_file_that_is_not_an_export_is_kept(store, arrays, tmp_path,
     assert (got["f32"].shape[0] if kind == "arrow" else got.num_rows) == N
 
 
+@pytest.mark.parametrize("fn", [export_arrow, export_parquet])
+def test_a_path_whose_folder_is_missing_or_a_file_is_named(store, tmp_path, fn):
+    (tmp_path / "afile").write_text("keep")
+    with pytest.raises(ArgumentValueError, match=r"its folder '.*afile' is not a folder"):
+        fn(store, tmp_path / "afile" / "x.out")
+    with pytest.raises(ArgumentValueError, match=r"its folder '.*nope' does not exist"):
+        fn(store, tmp_path / "nope" / "x.out")
+    assert (tmp_path / "afile").read_text() == "keep" and not (tmp_path / "nope").exists()
+
+
 @pytest.mark.parametrize("fn, kind", [(export_arrow, "arrow"), (export_parquet, "parquet")])
 def test_a_file_named_like_the_temporary_one_is_kept(store, tmp_path, fn, kind):
     out = tmp_path / f"x.{kind}"

@@ -145,6 +145,14 @@ def test_hf_parquet_export_never_replaces_a_file_it_did_not_write(store, tmp_pat
     assert pa.parquet.read_table(out).column_names[0] == "f16"
 
 
+@pytest.mark.parametrize("file_format", ["arrow", "parquet"])
+def test_hf_export_path_whose_folder_is_a_file_is_named(store, tmp_path, file_format):
+    (tmp_path / "afile").write_text("keep")
+    with pytest.raises(acs.errors.ArgumentValueError, match=r"its folder '.*afile' is not a folder"):
+        export_hf(store, tmp_path / "afile" / "hf", hook_points=["f32"], file_format=file_format)
+    assert (tmp_path / "afile").read_text() == "keep"
+
+
 def test_hf_export_never_replaces_a_datasets_dataset_of_the_user(store, tmp_path):
     corpus = datasets.Dataset.from_dict({"tokens": [[1, 2], [3, 4]]})
     folder = tmp_path / "corpus"
