@@ -100,9 +100,19 @@ def _large(t: pa.DataType) -> pa.DataType:
     return t
 
 
+def _check_has_values(name: str, shape: tuple[int, ...]) -> None:
+    """Arrow's fixed-size lists (and datasets' fixed-length lists) hold at least one value."""
+    if shape and not int(np.prod(shape)):
+        raise ActivationScopeError(
+            f"hook point {name!r} has feature shape {tuple(shape)}: its rows hold no values, and Arrow's fixed-size "
+            "lists hold at least one; leave it out of hook_points (CLI: --hook-points)"
+        )
+
+
 def _hook_point_field(name: str, dtype: torch.dtype, shape: tuple[int, ...], tensor_type: str) -> pa.Field:
     if dtype not in _TORCH_TO_ARROW:
         raise ActivationScopeError(f"hook point {name!r} has dtype {dtype}, which export does not support")
+    _check_has_values(name, shape)
     value_type = _TORCH_TO_ARROW[dtype]
     if not shape:
         arrow_type = value_type
@@ -500,6 +510,7 @@ def _hf_plan(ds: ActivationDataset, col_names: list[str], context_size: int | No
             name = _dtype_name(dtype)
         else:
             raise ActivationScopeError(f"hook point {hp!r} has dtype {dtype}, which export does not support")
+        _check_has_values(hp, tuple(ds.source.feature_shape(hp)))
         shapes[hp] = group + tuple(ds.source.feature_shape(hp))
         features[hp] = _hf_feature(shapes[hp], name)
     for name in col_names:

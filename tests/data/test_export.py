@@ -216,6 +216,21 @@ def test_an_existing_file_that_is_not_an_export_is_kept(store, arrays, tmp_path,
     assert (got["f32"].shape[0] if kind == "arrow" else got.num_rows) == N
 
 
+def test_a_hook_point_of_rows_without_values_is_named(tmp_path):
+    from activationscope.data import export_hf
+    from activationscope.errors import ActivationScopeError
+
+    arrays = {"empty": torch.zeros(6, 2, 0), "f32": torch.randn(6, 3)}
+    store = FakeStore(write_fake_store(tmp_path / "s", arrays, tables={"sample": pa.table({"sample_id": list(range(6))})},
+                                       shard_rows=8))
+    for fn in (export_arrow, export_parquet, export_hf):
+        with pytest.raises(ActivationScopeError, match=r"hook point 'empty' has feature shape \(2, 0\): its rows hold no"):
+            fn(store, tmp_path / "x")
+        assert not (tmp_path / "x").exists()
+    back = read_arrow(export_arrow(store, tmp_path / "f.arrow", hook_points=["f32"]))
+    assert torch.equal(back["f32"], arrays["f32"])
+
+
 @pytest.mark.parametrize("fn", [export_arrow, export_parquet])
 def test_a_path_whose_folder_is_missing_or_a_file_is_named(store, tmp_path, fn):
     (tmp_path / "afile").write_text("keep")
