@@ -38,6 +38,12 @@ def test_help_lists_every_subcommand(capsys):
         assert cmd in out
 
 
+def test_export_help_names_every_format(capsys):
+    code, out, _ = run(capsys, "export", "--help")
+    assert code == 0 and "Parquet or Arrow IPC file, or a Hugging Face datasets folder" in " ".join(out.split())
+    assert "parquet|arrow|hf" in cli.__doc__
+
+
 def test_no_command_is_a_usage_error(capsys):
     code, _, err = run(capsys)
     assert code == 2 and "required" in err

@@ -6,7 +6,7 @@ Subcommands::
     activationscope capture --model MODEL --data DATA --out STORE [options]
     activationscope info    STORE [--json]
     activationscope verify  STORE
-    activationscope export  STORE --format parquet|arrow --out FILE [--hook-points HP ...] [--overwrite]
+    activationscope export  STORE --format parquet|arrow|hf --out FILE [--hook-points HP ...] [--overwrite]
     activationscope report  STORE --out DIR [--hook-points HP ...]
     activationscope consolidate STORE [--world-size N]
 
@@ -203,7 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="expected number of rank stores; must agree with the number the capture recorded")
 
     p = sub.add_parser("export", parents=[common], help="export rows to Parquet, Arrow or Hugging Face datasets",
-                       description="Export a store's rows (activations plus row table) to a Parquet or Arrow IPC file.")
+                       description="Export a store's rows (activations plus row table) to a Parquet or Arrow IPC "
+                                   "file, or a Hugging Face datasets folder (--format hf).")
     p.add_argument("store", help="store path or URL")
     p.add_argument("--format", required=True, choices=("parquet", "arrow", "hf"),
                    help="file format; hf: a Hugging Face datasets folder (datasets.load_from_disk)")
