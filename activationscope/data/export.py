@@ -739,6 +739,16 @@ def _check_replaceable(path: Path, file_format: str) -> None:
             "entries; a datasets folder of other data is not replaced either); it is left alone: remove it or "
             "choose another path"
         )
+    import re
+
+    others = sorted(e for e in entries if e not in ("state.json", "dataset_info.json")
+                    and not re.fullmatch(r"data-\d{5}-of-\d{5}\.arrow", e))
+    if others:
+        raise FileExistsError(
+            f"export path {str(path)!r} is an earlier export_hf export that now also holds {others[:4]}"
+            f"{' ...' if len(others) > 4 else ''}, which the export did not write; it is left alone: move those "
+            "away, or choose another path"
+        )
 
 
 def _is_hf_export(path: Path) -> bool:

@@ -153,6 +153,16 @@ def test_hf_export_path_whose_folder_is_a_file_is_named(store, tmp_path, file_fo
     assert (tmp_path / "afile").read_text() == "keep"
 
 
+def test_hf_export_keeps_an_earlier_export_that_holds_files_of_the_user(store, tmp_path):
+    out = tmp_path / "hf"
+    export_hf(store, out, hook_points=["f32"])
+    (out / "README.md").write_text("my notes on this export")
+    with pytest.raises(FileExistsError, match=r"also holds \['README.md'\], which the export did not write"):
+        export_hf(store, out, hook_points=["f16"])
+    assert (out / "README.md").read_text() == "my notes on this export"
+    assert datasets.load_from_disk(str(out)).column_names[0] == "f32"
+
+
 def test_hf_export_never_replaces_a_datasets_dataset_of_the_user(store, tmp_path):
     corpus = datasets.Dataset.from_dict({"tokens": [[1, 2], [3, 4]]})
     folder = tmp_path / "corpus"
