@@ -263,8 +263,9 @@ def _temp_sibling(path: Path, suffix: str = ".tmp") -> Path:
     is never written over or removed."""
     import secrets
 
+    base = path.name.encode("utf-8", "surrogateescape")[:200].decode("utf-8", "ignore")  # a name has <= 255 bytes
     while True:
-        tmp = path.with_name(f"{path.name}.{os.getpid()}-{secrets.token_hex(4)}{suffix}")
+        tmp = path.with_name(f"{base}.{os.getpid()}-{secrets.token_hex(4)}{suffix}")
         if not tmp.exists() and not tmp.is_symlink():
             return tmp
 

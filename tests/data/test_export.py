@@ -232,6 +232,13 @@ def test_a_hook_point_of_rows_without_values_is_named(tmp_path):
 
 
 @pytest.mark.parametrize("fn", [export_arrow, export_parquet])
+def test_a_file_name_of_the_longest_length_is_written(store, arrays, tmp_path, fn):
+    out = tmp_path / ("x" * 250 + ".out")                    # 254 bytes: the temporary name must fit too
+    fn(store, out, hook_points=["f32"])
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("x")] == [out.name]
+
+
+@pytest.mark.parametrize("fn", [export_arrow, export_parquet])
 def test_a_path_whose_folder_is_missing_or_a_file_is_named(store, tmp_path, fn):
     (tmp_path / "afile").write_text("keep")
     with pytest.raises(ArgumentValueError, match=r"its folder '.*afile' is not a folder"):
