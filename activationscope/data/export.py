@@ -305,9 +305,22 @@ def _check_parent(path: Path) -> None:
         raise ArgumentValueError(f"export path {str(path)!r}: its folder {str(parent)!r} {what}; give a path in an existing folder")
 
 
+def _refuse_special(path: Path) -> None:
+    """Refuse a ``path`` that is a device, a pipe or a socket (or a link to one): the export is
+    renamed into place, which would replace it (``/dev/null`` made a file), and reading it to
+    tell whether it is an earlier export could wait for ever (a pipe)."""
+    if path.exists() and not path.is_file() and not path.is_dir():
+        raise ArgumentValueError(
+            f"export path {str(path)!r} is not a regular file (a device, a pipe or a socket); an export writes a "
+            "file and renames it into place, which would replace it: give a file path"
+        )
+
+
 def _check_out(path: Path, kind: str, overwrite: bool) -> None:
-    """Refuse to replace a folder, or a file that is not an earlier export (unless ``overwrite``)."""
+    """Refuse to replace a folder, a device, a pipe or a socket, or a file that is not an
+    earlier export (unless ``overwrite``)."""
     _check_parent(path)
+    _refuse_special(path)
     if path.is_dir():
         raise ArgumentValueError(f"{str(path)!r} is a folder; an {kind} export writes one file: give a file path")
     if path.exists() and not overwrite and not _is_export(path, kind):
@@ -713,6 +726,7 @@ def _check_replaceable(path: Path, file_format: str) -> None:
     export's ``save_to_disk`` directory (its ``dataset_info.json`` description) or an empty
     directory for Arrow. Any other ``datasets`` dataset is the user's and is left alone."""
     _check_parent(path)
+    _refuse_special(path)
     if not path.exists() and not path.is_symlink():
         return
     if file_format == "parquet":

@@ -231,6 +231,44 @@ def test_a_hook_point_of_rows_without_values_is_named(tmp_path):
     assert torch.equal(back["f32"], arrays["f32"])
 
 
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_pipe_or_a_link_to_one_is_never_read_nor_replaced(store, tmp_path, overwrite):
+    import os
+    import stat
+
+    from activationscope.data import export_hf
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)                  # reading it to tell whether it is an export would wait for ever
+    link = tmp_path / "link"
+    link.symlink_to(fifo)
+    import threading
+
+    done = threading.Event()
+
+    def release_readers():  # an export that opens the pipe to read gets end-of-file, not a hang
+        while not done.wait(0.2):
+            try:
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:  # no reader yet
+                pass
+
+    helper = threading.Thread(target=release_readers, daemon=True)
+    helper.start()
+    try:
+        for path in (fifo, link):
+            for fn in (export_arrow, export_parquet):
+                with pytest.raises(ArgumentValueError, match=r"is not a regular file \(a device, a pipe or a socket\)"):
+                    fn(store, path, hook_points=["f32"], overwrite=overwrite)
+            for file_format in ("arrow", "parquet"):
+                with pytest.raises(ArgumentValueError, match=r"is not a regular file"):
+                    export_hf(store, path, hook_points=["f32"], file_format=file_format)
+    finally:
+        done.set()
+        helper.join()
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode) and link.is_symlink()
+
+
 @pytest.mark.parametrize("fn", [export_arrow, export_parquet])
 def test_a_file_name_of_the_longest_length_is_written(store, arrays, tmp_path, fn):
     out = tmp_path / ("x" * 250 + ".out")                    # 254 bytes: the temporary name must fit too
