@@ -266,3 +266,17 @@ def test_demo_and_export_hf_errors_in_cli_words(failing_module, tmp_path, capsys
     assert _capture(capsys, "good", failing_module, out)[0] == 0
     code, _, err = run(capsys, "export", str(out), "--format", "hf", "--out", str(tmp_path / "afile"))
     assert code == 1 and "for --format hf, got an existing file" in err and "file_format" not in err, err
+
+
+def test_report_errors_in_cli_words(failing_module, tmp_path, capsys):
+    out = tmp_path / "run.zarr"
+    assert _capture(capsys, "good", failing_module, out)[0] == 0
+    code, _, err = run(capsys, "report", str(out), "--out", str(tmp_path / "r"), "--label-column", "nope")
+    assert code == 1 and "--label-column 'nope' is not a column" in err and "label_column" not in err, err
+    code, _, err = run(capsys, "report", str(out), "--out", str(out / "r"))
+    assert code == 1 and f"--out '{out / 'r'}' is inside the store" in err and "out_dir" not in err, err
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "index.html").write_text("mine")
+    code, _, err = run(capsys, "report", str(out), "--out", str(site))
+    assert code == 1 and f"--out '{site}' holds an index.html that is not" in err and "out_dir" not in err, err

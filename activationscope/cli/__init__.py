@@ -318,6 +318,8 @@ _CLI_SPELLINGS = (
     ("context_size=", "--context-size "),
     ("n_folds must", "--folds must"),
     ("batch_size must", "--batch-size must"),
+    ("label_column '", "--label-column '"),
+    ("out_dir '", "--out '"),
     ("max_samples must be at least 2 * n_folds", "--max-samples must be at least 2 * --folds"),
     ("for file_format='arrow'", "for --format hf"),
     ("(none committed, or none selected by rows= / filter=)", "(none committed)"),
