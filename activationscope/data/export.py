@@ -554,7 +554,10 @@ def _hf_tables(ds: ActivationDataset, features: Any, shapes: dict[str, tuple[int
             for name in col_names:
                 col = part.column(name).combine_chunks()
                 arrays.append(col if context_size is None else pa.FixedSizeListArray.from_arrays(col, context_size))
-        yield pa.Table.from_arrays(arrays, names=list(features)).cast(schema)
+        # cast only the columns whose type differs (pyarrow 26 fails to cast a fixed-size list of
+        # nulls, an all-None column in context_size groups, even to its own type)
+        arrays = [a if a.type == f.type else a.cast(f.type) for a, f in zip(arrays, schema)]
+        yield pa.Table.from_arrays(arrays, schema=schema)
 
 
 def export_hf(

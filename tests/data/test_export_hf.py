@@ -163,6 +163,19 @@ def test_hf_export_keeps_an_earlier_export_that_holds_files_of_the_user(store, t
     assert datasets.load_from_disk(str(out)).column_names[0] == "f32"
 
 
+def test_hf_export_in_groups_of_a_column_that_is_none_in_every_row(tmp_path):
+    model = torch.nn.Linear(3, 2)
+    path = tmp_path / "s.zarr"
+    with torch.no_grad(), acs.ActivationScope(store=str(path)).track(model) as tracker:
+        tracker.set_batch(note=[None, None, None], label=[0, 1, 2])   # note: an Arrow null column
+        model(torch.randn(3, 3))
+        model(torch.randn(3, 3))
+    export_hf(str(path), tmp_path / "hf", columns=["note", "label"], context_size=2)
+    hf = datasets.load_from_disk(str(tmp_path / "hf"))
+    assert hf["note"] == [[None, None]] * 3 and hf["label"] == [[0, 1], [2, 0], [1, 2]]
+    assert torch.equal(hf.with_format("torch")[:]["output"], acs.open_store(str(path))["output"].reshape(3, 2, 2))
+
+
 def test_hf_export_never_replaces_a_datasets_dataset_of_the_user(store, tmp_path):
     corpus = datasets.Dataset.from_dict({"tokens": [[1, 2], [3, 4]]})
     folder = tmp_path / "corpus"
