@@ -906,8 +906,8 @@ def arrow_to_torch(array: pa.Array | pa.ChunkedArray, field: pa.Field | None = N
         parts = [arrow_to_torch(c, field, _base) for c in array.chunks]
         if len(parts) == 1:
             return parts[0]
-        if not parts:
-            raise ActivationScopeError("cannot convert an empty ChunkedArray without chunks")
+        if not parts:  # no chunks (an Arrow file of 0 record batches): 0 rows of its type
+            return arrow_to_torch(array.combine_chunks(), field, _base)
         return torch.cat(parts)
     shape: tuple[int, ...] = ()
     arr = array

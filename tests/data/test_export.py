@@ -163,6 +163,15 @@ def test_empty_export(store, tmp_path):
     assert back["f32"].shape == (0, 5) and back["f32"].dtype == torch.float32
 
 
+def test_an_empty_arrow_export_read_with_plain_pyarrow_is_an_empty_tensor(store, tmp_path):
+    path = export_arrow(store, tmp_path / "e.arrow", hook_points=["bf16", "f32"], filter=pc.field("label") == 5)
+    table = pa.ipc.open_file(path).read_all()                   # no record batch: chunked arrays of 0 chunks
+    assert table.column("bf16").num_chunks == 0
+    got = arrow_to_torch(table.column("bf16"), table.schema.field("bf16"))
+    assert got.shape == (0, 2, 3) and got.dtype == torch.bfloat16
+    assert arrow_to_torch(table.column("f32"), table.schema.field("f32")).shape == (0, 5)
+
+
 def test_other_readers(store, arrays, tmp_path):
     pl = pytest.importorskip("polars")
     duckdb = pytest.importorskip("duckdb")
