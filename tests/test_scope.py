@@ -7,6 +7,7 @@ import dataclasses
 import gc
 import sys
 import threading
+import re
 import warnings
 from collections import defaultdict
 from typing import Optional
@@ -1047,3 +1048,62 @@ def test_the_store_records_what_track_overrode(tmp_path):
     assert config["capture"] == "both" and config["include"] == ["0"] and config["exclude"] == ["1"]
     assert config["token_rows"] == {"0.output": False} and config["stop_after_last"] is True
     assert config["patterns"] == {"include": ["0"], "exclude": ["1"]}
+
+
+@pytest.mark.parametrize("hook", ["replace", "in_place", "read_only", "same_tensors_new_tuple"])
+def test_forward_hooks_that_change_an_output_are_named_and_the_next_input_records_them(hook):
+    """An output is recorded as its module's forward returns it, before its forward hooks run:
+    a hook that replaces it or changes it in place (steering) is named in a CaptureWarning
+    with the fix, and capture='input' of the module that receives it records the changed
+    value. Hooks that only read, or return the same tensors, are not warned about."""
+    torch.manual_seed(0)
+
+    class Pair(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.lin(x), x
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pair = Pair()
+            self.head = torch.nn.Linear(3, 2)
+
+        def forward(self, x):
+            h, _ = self.pair(x)
+            return self.head(h)
+
+    model = Model().eval()
+    x = torch.randn(5, 4)
+    hooks = {
+        "replace": lambda m, i, out: (out[0] + 5, out[1]),
+        "in_place": lambda m, i, out: [out[0].add_(5)] and None,
+        "read_only": lambda m, i, out: None,
+        "same_tensors_new_tuple": lambda m, i, out: (out[0], out[1]),
+    }
+    handle = model.pair.register_forward_hook(hooks[hook])
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with acs.ActivationScope(capture="both").track(model) as tr, torch.no_grad():
+                model(x)
+                model(x)
+        with torch.no_grad():
+            plain = model.pair.lin(x)
+    finally:
+        handle.remove()
+    messages = [str(w.message) for w in caught if issubclass(w.category, acs.CaptureWarning)]
+    torch.testing.assert_close(tr.activations["pair.output.0"][0], plain, rtol=0, atol=0)
+    if hook in ("replace", "in_place"):
+        assert len(messages) == 1, messages
+        assert re.search(r"forward hooks of the tracked modules 'pair' replaced or changed their output in the "
+                         r"first captured forward: .*before its forward hooks run.*capture='input' of the next "
+                         r"module", messages[0])
+        torch.testing.assert_close(tr.activations["head.input.0"][0], plain + 5, rtol=0, atol=0)
+    else:
+        assert messages == []
+        torch.testing.assert_close(tr.activations["head.input.0"][0], plain, rtol=0, atol=0)
+    assert not model.pair._forward_hooks  # the probes of the first forward are gone, and so is the user's

@@ -97,3 +97,29 @@ def test_readme_transformer_lens_example_runs(tmp_path, monkeypatch, capsys):
         warnings.simplefilter("ignore")
         exec(compile(block, "README.md", "exec"), {})
     assert "torch.Size([2048, 64])" in capsys.readouterr().out
+
+
+def test_steering_hooks_are_warned_and_the_next_hook_point_records_the_steered_value(model, tokens):
+    """A TransformerLens hook that steers blocks.0.hook_resid_post (model.hooks, inside the
+    with block) is named in a CaptureWarning: that hook point is recorded as its HookPoint
+    returns it, before the hook; blocks.1.hook_resid_pre, which receives it, records the
+    steered value, as run_with_cache shows it. run_with_cache's own (reading) hooks are not
+    warned about."""
+    steer = torch.zeros(model.cfg.d_model)
+    steer[0] = 5.0
+    include = ["blocks.0.hook_resid_post", "blocks.1.hook_resid_pre"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with acs.ActivationScope().track(model, include=include) as tr, torch.no_grad():
+            with model.hooks(fwd_hooks=[("blocks.0.hook_resid_post", lambda act, hook: act + steer)]):
+                model(tokens)
+                _, cache = model.run_with_cache(tokens, names_filter=include)
+    messages = [str(w.message) for w in caught if issubclass(w.category, acs.CaptureWarning)]
+    assert len(messages) == 1 and "'blocks.0.hook_resid_post' replaced or changed their output" in messages[0]
+    recorded = tr.activations["blocks.1.hook_resid_pre"]
+    torch.testing.assert_close(recorded[0], cache["blocks.1.hook_resid_pre"], rtol=0, atol=0)
+    torch.testing.assert_close(tr.activations["blocks.0.hook_resid_post"][0] + steer, recorded[0], rtol=0, atol=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", acs.CaptureWarning)
+        with acs.ActivationScope().track(model, include=include), torch.no_grad():
+            model.run_with_cache(tokens, names_filter=include)

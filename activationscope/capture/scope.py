@@ -417,6 +417,7 @@ class ActivationScope:
         exc = normalize_patterns(exclude, "exclude") if exclude is not None else self.exclude
         if stop_after_last is not None and not isinstance(stop_after_last, bool):
             raise ArgumentTypeError(f"stop_after_last must be a bool, got {stop_after_last!r}")
+        compiled = model is not _uncompiled(model) or getattr(model, "_compiled_call_impl", None) is not None
         model = _uncompiled(model)
         modules = select_modules(model, inc, exc)
         stop = self.stop_after_last if stop_after_last is None else stop_after_last
@@ -424,7 +425,29 @@ class ActivationScope:
                           patterns={"include": inc, "exclude": exc})
         if token_rows is not None:
             tracker._token_rows = _parse_token_rows(token_rows)
+        tracker._hook_probes_done = compiled  # (probes would make a compiled model compile again)
         return tracker
+
+
+def _output_state(out: Any) -> list[tuple[torch.Tensor, int]]:
+    """The tensors of a module's output (nested tuples, lists, dicts, dataclasses) with their
+    version counters (held only while that call's forward hooks run)."""
+    from torch.utils._pytree import tree_leaves
+
+    state = []
+    for leaf in tree_leaves(out):
+        if isinstance(leaf, torch.Tensor):
+            try:
+                version = leaf._version
+            except RuntimeError:  # an inference tensor keeps no version counter
+                version = -1
+            state.append((leaf, version))
+    return state
+
+
+def _same_output(a: list[tuple[torch.Tensor, int]], b: list[tuple[torch.Tensor, int]]) -> bool:
+    """Whether two :func:`_output_state` are of the same tensors, unchanged in place."""
+    return len(a) == len(b) and all(x is y and u == v for (x, u), (y, v) in zip(a, b))
 
 
 def _uncompiled(model: Any) -> Any:
@@ -515,6 +538,10 @@ class Tracker:
         self._stored: frozenset[str] | None = None
         self._intermittent: frozenset[str] = frozenset()
         self._first_checked = False
+        # forward hooks that replace an output: looked for in the first captured forward
+        self._hook_probes_done = False
+        self._hook_probes: list[Any] = []
+        self._hook_replaced: list[str] = []
         self._refused: str | None = None
         self._refused_error: type[ActivationScopeError] = CaptureError  # raised again at the close
         self._refused_attrs: dict[str, Any] = {}  # ... with these attributes (argument, pattern, hook_points)
@@ -742,6 +769,7 @@ class Tracker:
 
     def _detach(self) -> None:
         self._core.active = False
+        self._remove_hook_probes()
         self._uninstall_all()
         self._core.release_callbacks()
         self._attached = False
@@ -1249,10 +1277,64 @@ class Tracker:
             self._batch = self._pending_batch
         else:
             self._batch = None
+        if self._hook_probes:  # (after a forward that raised)
+            self._remove_hook_probes()
+        if not self._hook_probes_done and self._core.capturing and self._side != "input":
+            self._hook_probes_done = True
+            self._add_hook_probes()
+
+    def _add_hook_probes(self) -> None:
+        """For the first captured forward, around the forward hooks of each tracked module that
+        has some (``register_forward_hook``, a TransformerLens hook): one hook first, that notes
+        the output its forward returned, and one last, that sees what the hooks made of it. An
+        output is recorded as the forward returns it, before its hooks run; one that a hook
+        replaced or changed in place (steering, ablation, patching) is named in a warning at the
+        end of the forward. Modules without forward hooks get nothing; later forwards neither."""
+        seen: dict[int, Any] = {}
+        replaced = self._hook_replaced
+
+        def first(module: Any, args: Any, out: Any) -> None:
+            seen[id(module)] = _output_state(out)
+
+        for name, module in self._modules:
+            if not module._forward_hooks:
+                continue
+
+            def last(module: Any, args: Any, out: Any, _name: str = name) -> None:
+                before = seen.pop(id(module), None)
+                if before is not None and not _same_output(_output_state(out), before) and _name not in replaced:
+                    replaced.append(_name)
+
+            self._hook_probes.append(module.register_forward_hook(first, prepend=True))
+            self._hook_probes.append(module.register_forward_hook(last))
+
+    def _remove_hook_probes(self) -> None:
+        while self._hook_probes:
+            self._hook_probes.pop().remove()
+
+    def _warn_replaced_outputs(self) -> None:
+        if not self._hook_replaced:
+            return
+        names = [n or "(the tracked model)" for n in self._hook_replaced]
+        shown = ", ".join(repr(n) for n in names[:4]) + (", ..." if len(names) > 4 else "")
+        self._hook_replaced = []
+        warnings.warn(
+            f"forward hooks of the tracked modules {shown} replaced or changed their output in the first captured "
+            "forward: activationscope records a module's output as its forward returns it, before its forward hooks "
+            "run, so what is recorded there is not what the model passed on (a steered, ablated or patched value). "
+            "To record the value the hooks made, track the module that receives it (capture='input' of the next "
+            "module, or the next TransformerLens hook point, e.g. blocks.1.hook_resid_pre after "
+            "blocks.0.hook_resid_post)",
+            CaptureWarning,
+            stacklevel=3,
+        )
 
     def _on_forward_end(self) -> None:
         self._open_forward = None
         self._stop_watching()
+        if self._hook_probes:
+            self._remove_hook_probes()
+            self._warn_replaced_outputs()
         if not self._core.capturing:
             return
         if not self._first_checked and self._stored is not None:
