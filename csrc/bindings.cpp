@@ -355,6 +355,8 @@ void bind_capture(py::module_& m) {
       .def_property_readonly("auto_token_mask",
                              [](const TrackerCore& c) { return c.auto_mask.defined() ? c.auto_mask : at::empty({0}); })
       .def_readwrite("stop_after_last", &TrackerCore::stop_after_last)
+      .def_readwrite("roots_only", &TrackerCore::roots_only)
+      .def_readonly("outside_calls", &TrackerCore::outside_calls)
       .def_property_readonly("stop_learnt", [](const TrackerCore& c) { return c.stop_count > 0; })
       .def_readonly("stopped", &TrackerCore::stopped)
       .def_readonly("n_forwards", &TrackerCore::n_forwards)

@@ -237,6 +237,12 @@ void ForwardWrapper::start_forward(TrackerCore& c, const at::Tensor& first) {
 bool ForwardWrapper::take_call(Site& s, std::string* base, int64_t* k) {
   TrackerCore& c = *s.core;
   if (!c.active) return false;
+  if (c.depth == 0 && c.roots_only) {
+    // a tracked module called on its own, outside a forward of the tracked model: a store's
+    // rows follow its row table, one entry per sample of a forward, so it records nothing
+    ++c.outside_calls;
+    return false;
+  }
   const bool take = c.depth > 0 ? c.capturing : c.decide(s.n_calls++);
   *k = 0;
   if (s.fwd_seen == c.n_forwards && c.depth > 0) {

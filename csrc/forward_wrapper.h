@@ -48,6 +48,8 @@ struct TrackerCore {
   // stop_after_last: end a captured forward once it has made as many captures as the first
   // whole captured forward and the last of them was that forward's last hook point.
   bool stop_after_last = false;
+  bool roots_only = false;          // capture only inside root forwards (a store: rows follow its row table)
+  int64_t outside_calls = 0;        // calls of tracked modules outside a root forward left out (roots_only)
   int64_t n_consumed = 0;           // captures (sink calls) in this root forward
   std::shared_ptr<Sink> last_sink;  // the sink of the last of them
   int64_t stop_count = -1;          // captures of the first whole captured forward (-1: not learnt)

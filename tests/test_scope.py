@@ -942,12 +942,12 @@ def test_native_errors_reach_the_caller_through_the_wrapper(tmp_path):
         def forward(self, x, width=4):
             return x[:, :width]
 
-    model = torch.nn.Sequential(Slice()).eval()
-    with pytest.raises(acs.CaptureError, match=r"hook point '0.output' changed its feature shape from \(4,\) to \(3,\)"):
+    model = Slice().eval()
+    with pytest.raises(acs.CaptureError, match=r"hook point 'output' changed its feature shape from \(4,\) to \(3,\)"):
         with torch.no_grad(), acs.ActivationScope(store=str(tmp_path / "s.zarr")).track(model):
-            model[0](torch.randn(2, 8))
-            model[0](torch.randn(2, 8), width=4)
-            model[0](x=torch.randn(2, 8), width=3)
+            model(torch.randn(2, 8))
+            model(torch.randn(2, 8), width=4)
+            model(x=torch.randn(2, 8), width=3)
     store = acs.open_store(tmp_path / "s.zarr")
     assert store.status == "incomplete"
 
@@ -1107,3 +1107,29 @@ def test_forward_hooks_that_change_an_output_are_named_and_the_next_input_record
         assert messages == []
         torch.testing.assert_close(tr.activations["head.input.0"][0], plain, rtol=0, atol=0)
     assert not model.pair._forward_hooks  # the probes of the first forward are gone, and so is the user's
+
+
+def test_a_tracked_module_called_on_its_own_in_a_store_capture_records_nothing_and_is_warned(tmp_path):
+    """A store's rows follow its row table (one entry per sample of a forward of the tracked
+    model): a tracked submodule called on its own between forwards records nothing, its
+    reductions see no row of it, and a CaptureWarning says so. In memory such calls are still
+    recorded."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU()).eval()
+    xs = [torch.randn(5, 4), torch.randn(3, 4)]
+    path = tmp_path / "s.zarr"
+    with pytest.warns(acs.CaptureWarning, match=r"called on their own, outside a forward of the tracked model "
+                      r"\(1 call\(s\) so far\).*not recorded"):
+        with acs.ActivationScope(store=str(path), reductions=["mean"]).track(model) as tr, torch.no_grad():
+            model(xs[0])
+            model[0](torch.randn(7, 4))  # on its own
+            model(xs[1])
+    s = acs.open_store(path)
+    with torch.no_grad():
+        want = torch.cat([model[0](x) for x in xs])
+    assert s.n_samples == 8 and s.follows_row_table("0.output")
+    torch.testing.assert_close(s["0.output"][:], want, rtol=0, atol=0)
+    torch.testing.assert_close(s.reductions["0.output"]["mean"], want.double().mean(0))
+    with acs.ActivationScope().track(model) as tr, torch.no_grad():
+        model[0](xs[0])
+    assert len(tr.activations["0.output"]) == 1

@@ -540,6 +540,7 @@ class Tracker:
         self._first_checked = False
         # forward hooks that replace an output: looked for in the first captured forward
         self._hook_probes_done = False
+        self._warned_outside = False
         self._hook_probes: list[Any] = []
         self._hook_replaced: list[str] = []
         self._refused: str | None = None
@@ -594,6 +595,9 @@ class Tracker:
                 storage_dtype=self.scope.storage_dtype,
                 **self.scope.store_options,
             )
+            # a store's rows follow its row table: tracked modules called on their own, outside
+            # a forward of the tracked model, are left out (and warned about)
+            self._core.roots_only = True
             # resume: default sample ids continue after the samples already committed
             self._n_samples = int(self.writer.n_samples_committed)
             stored = getattr(self.writer, "stored_hook_points", None)
@@ -782,10 +786,27 @@ class Tracker:
             self._fastpath_off = False
             _fastpath_release()
 
+    def _warn_outside_calls(self) -> None:
+        """Warn once when tracked modules were called on their own (outside a forward of the
+        tracked model) during a store capture: those calls are not recorded."""
+        n = int(self._core.outside_calls)
+        if n and not self._warned_outside:
+            self._warned_outside = True
+            warnings.warn(
+                f"tracked modules of {type(self.model).__name__} were called on their own, outside a forward of the "
+                f"tracked model ({n} call(s) so far): a store records forwards of the tracked model only (row i of "
+                "each array is row i of its row table, one entry per sample of a forward), so those calls were not "
+                "recorded. Call the tracked model, or track the module you call (scope.track(that module))",
+                CaptureWarning,
+                stacklevel=3,
+            )
+
     def _finish(self, status: str, exc: BaseException | None = None) -> None:
         if self._closed:
             return
         self._closed = True
+        if self.writer is not None:
+            self._warn_outside_calls()
         if self._refused is not None:  # nothing of this run is committed
             if self.writer is not None:
                 _discard(self.writer)
@@ -1335,6 +1356,8 @@ class Tracker:
         if self._hook_probes:
             self._remove_hook_probes()
             self._warn_replaced_outputs()
+        if self._core.outside_calls and not self._warned_outside:
+            self._warn_outside_calls()
         if not self._core.capturing:
             return
         if not self._first_checked and self._stored is not None:
