@@ -219,7 +219,17 @@ void Sink::check_layout(const at::Tensor& x) const {
   const bool quantized = x.is_quantized();
   const bool complex_to_real = x.is_complex() && options_.storage_dtype &&
                                !c10::isComplexType(*options_.storage_dtype);
-  if (!nested && strided && !x.is_meta() && !quantized && !complex_to_real) return;
+  static const c10::DispatchKeySet kFuncTorch(
+      {c10::DispatchKey::FuncTorchGradWrapper, c10::DispatchKey::FuncTorchBatched});
+  const bool functorch = x.key_set().has_any(kFuncTorch);
+  if (!nested && strided && !x.is_meta() && !quantized && !complex_to_real && !functorch) return;
+  // A tensor of a torch.func transform (grad, vmap, jacrev, ...): a wrapper without storage
+  // of its own, valid inside the transform only; refused in every mode (the first call's
+  // message: ActivationScope._check_layout).
+  ACS_CHECK(!functorch, "hook point '", name_, "' is a tensor inside a torch.func transform (grad, vmap, jacrev, ",
+            "...) in its call ", n_calls_ + 1, ": such a tensor has no values of its own outside the transform, so ",
+            "a capture cannot keep, store or reduce it. Run the tracked model outside the transform (capture with ",
+            "a plain forward, then apply torch.func to the model), or pass exclude= its module to track()");
   const bool copied = options_.snapshot || x.is_inference();
   const bool stored = writer_ != nullptr;
   const bool reduced = !reductions_.empty();

@@ -1133,3 +1133,30 @@ def test_a_tracked_module_called_on_its_own_in_a_store_capture_records_nothing_a
     with acs.ActivationScope().track(model) as tr, torch.no_grad():
         model[0](xs[0])
     assert len(tr.activations["0.output"]) == 1
+
+
+@pytest.mark.parametrize("transform", ["grad", "vmap"])
+@pytest.mark.parametrize("first_plain", [False, True])
+@pytest.mark.parametrize("mode", [CaptureMode.SNAPSHOT, CaptureMode.REFERENCE])
+def test_a_forward_inside_a_torch_func_transform_is_refused_naming_the_hook_point(transform, first_plain, mode):
+    """Tensors of torch.func transforms (grad, vmap) are wrappers without storage of their own:
+    refused as CaptureError naming the hook point and the fix, on a hook point's first call
+    (Python check) and on a later one (native check); the plain forwards before it are kept."""
+    from torch.func import functional_call, grad, vmap
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU())
+    x = torch.randn(5, 4)
+    params = dict(model.named_parameters())
+    run = {"grad": lambda: grad(lambda p: functional_call(model, p, (x,)).sum())(params),
+           "vmap": lambda: vmap(model)(x)}[transform]
+    with acs.ActivationScope(capture_mode=mode).track(model) as tr:
+        if first_plain:
+            with torch.no_grad():
+                model(x)
+        with pytest.raises(acs.CaptureError, match=r"hook point '0.output' is a tensor inside a torch.func transform "
+                           r"\(grad, vmap, jacrev, \.\.\.\).*Run the tracked model outside the transform"):
+            run()
+    if first_plain:
+        with torch.no_grad():
+            torch.testing.assert_close(tr.activations["0.output"][0], model[0](x), rtol=0, atol=0)

@@ -429,6 +429,13 @@ class ActivationScope:
         return tracker
 
 
+def _functorch_wrapped(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a torch.func transform's wrapper (grad, vmap: no storage)."""
+    functorch = getattr(torch._C, "_functorch", None)
+    check = getattr(functorch, "is_functorch_wrapped_tensor", None)
+    return bool(check(tensor)) if check is not None else False
+
+
 def _output_state(out: Any) -> list[tuple[torch.Tensor, int]]:
     """The tensors of a module's output (nested tuples, lists, dicts, dataclasses) with their
     version counters (held only while that call's forward hooks run)."""
@@ -1137,7 +1144,16 @@ class Tracker:
         meta device (shapes only), or a quantized one (its integers mean nothing without its
         scale and zero point). Only an in-memory REFERENCE capture without reductions
         keeps the tensor itself, and so can hold them. The native sink (``Sink::consume``)
-        makes the same check, with the same message, on every later call."""
+        makes the same check, with the same message, on every later call. A tensor of a
+        torch.func transform (grad, vmap, ...) is refused in every mode: it has no values of
+        its own outside the transform."""
+        if _functorch_wrapped(tensor):
+            raise CaptureError(
+                f"hook point {name!r} is a tensor inside a torch.func transform (grad, vmap, jacrev, ...): such a "
+                "tensor has no values of its own outside the transform, so a capture cannot keep, store or reduce "
+                "it. Run the tracked model outside the transform (capture with a plain forward, then apply "
+                f"torch.func to the model), or pass exclude=[{self._module_of(name)!r}] to track()"
+            )
         if tensor.is_nested:
             what, convert = "a nested tensor", "x.to_padded_tensor(0.0)"
         elif tensor.layout != torch.strided:
