@@ -1322,11 +1322,12 @@ class StoreWriter:
         # 2. row-table parts
         for kind in ROW_KINDS:
             pieces = _row_pieces(batches, kind)
-            if not pieces and not self._row_tables[kind]["parts"]:
+            table = self._row_tables.get(kind) or {}
+            if not pieces and not table.get("parts"):
                 # batches of no rows so far: the user columns they named (with their types) are
                 # kept in one part of 0 rows, so that a store of no rows still has them
                 pieces = [p for p in _row_pieces(batches, kind, keep_empty=True)
-                          if set(p) - set(self._row_tables[kind]["columns"]) - {"sample_id", "pos", "batch"}]
+                          if set(p) - set(table.get("columns") or ()) - {"sample_id", "pos", "batch"}]
             if pieces:
                 self._write_part(kind, pieces)
         for x in batches:

@@ -1127,3 +1127,14 @@ def test_row_table_parts_listed_out_of_order(tmp_path, kind):
     with pytest.raises(StoreCorruptError, match=message):
         acs.ActivationDataset(path, columns=["label"])[0]
     assert any("goes back from 1 to 0" in p for p in open_store(path).verify())
+
+
+def test_resume_of_a_root_whose_row_table_lists_no_parts_field(plain):
+    """A root whose row table entry has no ``parts`` field (it may: a table of no rows) is
+    resumed and closed without a KeyError, and reads back as before."""
+    path, data = plain
+    edit_root(path, lambda a: a["row_tables"].setdefault("token", {"n_rows": 0, "columns": []}).pop("parts", None))
+    w = StoreWriter(path, resume=True, compression=None, chunk_rows=16, shard_bytes=64 * 8 * 4)
+    w.close()
+    st = open_store(path)
+    assert st.row_table("token").num_rows == 0 and torch.equal(st["0.output"], data)
