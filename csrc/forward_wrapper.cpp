@@ -414,7 +414,21 @@ py::object ForwardWrapper::call_original(const py::args& args, const py::kwargs&
   return py::reinterpret_steal<py::object>(r);
 }
 
+// Refuse a second tensor under one hook point name in one root forward: two names of the
+// forward collide (a module named like another's repeated call, "a#1"; an output dict with
+// keys 1 and "1"), and keeping both would give that hook point two rows per sample.
+static void claim(const TrackerCore& core, Sink& sink) {
+  if (core.depth == 0) return;  // a module called on its own (in memory): each call is its own
+  ACS_CHECK(sink.claimed_forward() != core.n_forwards, "hook point '", sink.name(), "' was given two tensors in ",
+            "forward ", core.n_forwards - 1, " of the tracked model: two names of that forward are the same (a ",
+            "module named like another module's repeated call, such as 'a#1' next to a module 'a' called twice, ",
+            "or an output dict with the keys 1 and '1'). Rename the module or key, or pass exclude= one of them ",
+            "to track()");
+  sink.set_claimed_forward(core.n_forwards);
+}
+
 void ForwardWrapper::consume_one(TrackerCore& core, const std::shared_ptr<Sink>& sink, const at::Tensor& t) {
+  claim(core, *sink);
   if (core.batch_size < 0 && t.dim() >= 1) core.batch_size = t.size(0);
   at::Tensor mask = core.mask();
   if (sink->keeps_reference_only()) {  // a few pointer updates: not worth a GIL hand-off
@@ -435,7 +449,9 @@ void ForwardWrapper::consume_all(TrackerCore& core, const Leaves& leaves) {
   work.reserve(leaves.size());
   for (const auto& leaf : leaves) {
     std::shared_ptr<Sink> sink = resolve(core, leaf.first, leaf.second);
-    if (sink) work.emplace_back(std::move(sink), &leaf.second);
+    if (!sink) continue;
+    claim(core, *sink);
+    work.emplace_back(std::move(sink), &leaf.second);
   }
   if (work.empty()) return;
   at::Tensor mask = core.mask();
@@ -540,6 +556,7 @@ void ForwardWrapper::capture_named(TrackerCore& core, const std::string& base, a
     ACS_CHECK(!sink->alias_of(), "hook point '", sink->name(), "' is kept as an alias of '", sink->alias_of()->name(),
               "' (the same tensor in an eager forward), which cannot be checked inside a compiled graph (it reuses "
               "buffers); track the compiled model from its first forward with a new tracker, or exclude= one of them");
+    claim(core, *sink);
     const bool kept_by_reference = !sink->options().snapshot && sink->options().keep != Keep::NONE;
     work.emplace_back(std::move(sink), kept_by_reference ? leaves[i].clone() : leaves[i]);
   }

@@ -127,6 +127,11 @@ class Sink {
     return !options_.snapshot && reductions_.empty() && writer_ == nullptr && !alias_of_ && !has_aliases_;
   }
 
+  // The root forward (TrackerCore::n_forwards) of this sink's last call inside one: a second
+  // call in the same forward is two tensors of that forward under one name.
+  int64_t claimed_forward() const { return claimed_forward_; }
+  void set_claimed_forward(int64_t f) { claimed_forward_ = f; }
+
   int row_kind() const { return row_kind_; }
   void set_row_kind(int kind) { row_kind_ = kind; }  // -1 unknown, 0 sample rows, 1 token rows
   int64_t n_rows() const { return n_rows_; }
@@ -175,6 +180,7 @@ class Sink {
   std::vector<std::shared_ptr<Reduction>> reductions_;
   std::shared_ptr<RowConsumer> writer_;
   int row_kind_ = -1;
+  int64_t claimed_forward_ = -1;
   int64_t n_rows_ = 0;
   int64_t row_base_ = 0;
   int64_t n_calls_ = 0;

@@ -1160,3 +1160,37 @@ def test_a_forward_inside_a_torch_func_transform_is_refused_naming_the_hook_poin
     if first_plain:
         with torch.no_grad():
             torch.testing.assert_close(tr.activations["0.output"][0], model[0](x), rtol=0, atol=0)
+
+
+class _CollidingModules(torch.nn.Module):
+    """Module 'a' called twice (its second call is 'd.a#1') next to a module named 'a#1'."""
+
+    def __init__(self):
+        super().__init__()
+        self.d = torch.nn.ModuleDict({"a": torch.nn.Linear(2, 2), "a#1": torch.nn.Linear(2, 2)})
+
+    def forward(self, x):
+        return self.d["a#1"](self.d["a"](self.d["a"](x)))
+
+
+class _CollidingKeys(torch.nn.Module):
+    def forward(self, x):
+        return {1: x, "1": x * 2}
+
+
+@pytest.mark.parametrize("model, name", [(_CollidingModules(), "d.a#1.output"),
+                                         (torch.nn.Sequential(_CollidingKeys()), "0.output.1")])
+@pytest.mark.parametrize("to_store", [False, True])
+def test_two_tensors_of_one_forward_under_one_name_are_refused(tmp_path, model, name, to_store):
+    """Two names of one forward that are the same (a module named like another's repeated
+    call; output keys 1 and '1') would put two tensors, two rows per sample, under one hook
+    point: refused as CaptureError naming it, and a store keeps the forwards before."""
+    store = str(tmp_path / "s.zarr") if to_store else None
+    with pytest.raises(acs.CaptureError, match=rf"hook point '{re.escape(name)}' was given two tensors in forward 0 "
+                       r"of the tracked model: two names of that forward are the same.*Rename the module or key"):
+        with acs.ActivationScope(store=store).track(model) as tr, torch.no_grad():
+            model(torch.randn(3, 2))
+    if to_store:
+        assert acs.open_store(tmp_path / "s.zarr").n_samples == 0
+    else:
+        assert len(tr.activations.get(name, [])) <= 1
