@@ -1670,3 +1670,29 @@ def test_a_scripted_custom_reduction_runs_under_inference_mode():
     with torch.inference_mode(), scope.track(model) as tracker:
         model(x)
     torch.testing.assert_close(tracker.reductions["0.output"]["first"], want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("spec, need", [
+    (("h", "hist", {"lo": 0.0, "hi": 1.0, "bins": 4096}), 8 * (4096 + 3) * 64),
+    (("c", "cov", {}), 8 * (64 * 64 + 2 * 64)),
+    (("t", "topk", {"k": 2000}), 16 * 2000 * 64),
+])
+def test_a_reduction_state_larger_than_memory_is_refused_before_it_is_allocated(monkeypatch, spec, need):
+    """A built-in reduction whose float64 state would be larger than the machine's memory
+    (here: memory set to 16 KiB) is refused as ReductionError naming it, its hook point and
+    the bytes, before anything is allocated; a state that fits is made as usual."""
+    from activationscope.capture import scope as scope_module
+    from activationscope.capture.reductions import state_bytes
+
+    assert state_bytes(spec[1], {**spec[2], "per_feature": 1.0}, 64) == need
+    model = torch.nn.Sequential(torch.nn.Linear(4, 64))
+    monkeypatch.setattr(scope_module, "_memory_bytes", lambda: 1 << 14)
+    with pytest.raises(ReductionError, match=rf"reduction '{spec[0]}' \({spec[1]}, .*\) of hook point '0.output' "
+                       rf"needs a state of {need / 1e9:.1f} GB over its 64 values per row, more than this machine's "
+                       r"memory \(0.0 GB\); nothing was allocated"):
+        with acs.ActivationScope(reductions=[spec]).track(model), torch.no_grad():
+            model(torch.randn(3, 4))
+    monkeypatch.setattr(scope_module, "_memory_bytes", lambda: need)
+    with acs.ActivationScope(reductions=[spec]).track(model) as tr, torch.no_grad():
+        model(torch.randn(3, 4))
+    assert any(k == spec[0] or k.startswith(spec[0] + ".") for k in tr.reductions["0.output"])

@@ -486,6 +486,25 @@ def make_reduction(spec: Any, *, init: Any = None, **options: float) -> Reductio
     )
 
 
+def state_bytes(kind: str, options: Mapping[str, float], n_features: int) -> int | None:
+    """Bytes of the float64 / int64 state of a built-in reduction over rows of
+    ``n_features`` values (``prod(feature_shape)``), the large terms only; None for a custom
+    reduction (its state is its own). ``hist``: ``bins`` counts per feature; ``cov``: the
+    ``(D, D)`` co-moment matrix; ``topk``: ``k`` values and row ids per feature; the others:
+    a few values per feature."""
+    per_feature = bool(options.get("per_feature", 1.0))
+    d = max(1, int(n_features)) if per_feature else 1
+    if kind == "hist":
+        return 8 * (int(options.get("bins", 64.0)) + 3) * d
+    if kind == "cov":
+        return 8 * (max(1, int(n_features)) ** 2 + 2 * max(1, int(n_features)))
+    if kind == "topk":
+        return 16 * int(options.get("k", 10.0)) * d
+    if kind in BUILTIN_REDUCTIONS:
+        return 8 * 4 * d
+    return None
+
+
 def _check_hist_range(opts: Mapping[str, float]) -> None:
     """Refuse a ``hist`` range whose bins float64 cannot tell apart: ``hi - lo`` not finite
     (``lo=-1e308, hi=1e308``: the edges are NaN and inf), ``bins / (hi - lo)`` not finite

@@ -13,7 +13,9 @@ from __future__ import annotations
 import copyreg
 import enum
 import itertools
+import math
 import operator
+import os
 import sys
 import threading
 import warnings
@@ -24,7 +26,7 @@ import torch
 
 from . import _native, compiled
 from ..errors import (ActivationScopeError, ArgumentTypeError, ArgumentValueError, CaptureError, CaptureWarning,
-                      HookPointNotFoundError)
+                      HookPointNotFoundError, ReductionError)
 from .hooks import (check_column, hook_point_module, is_hook_point_module, normalize_patterns, pattern_selects,
                     rename_hook_point, select_modules)
 from .results import HookPointResults, ReductionResults, main_result_key
@@ -427,6 +429,31 @@ class ActivationScope:
             tracker._token_rows = _parse_token_rows(token_rows)
         tracker._hook_probes_done = compiled  # (probes would make a compiled model compile again)
         return tracker
+
+
+def _memory_bytes() -> int | None:
+    """This machine's physical memory in bytes, None when the system does not say."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def _check_state_fits(hook_point: str, name: str, reduction: Any, n_features: int, state_bytes: Any) -> None:
+    """Refuse, before its state is allocated, a built-in reduction whose float64 state over
+    ``n_features`` values per row would be larger than this machine's memory (``hist`` with
+    2**24 bins on 768 features: 103 GB)."""
+    need = state_bytes(str(reduction.kind), dict(reduction.options), n_features)
+    have = _memory_bytes()
+    if need is None or have is None or need <= have:
+        return
+    opts = ", ".join(f"{k}={int(v) if float(v).is_integer() else v}" for k, v in sorted(dict(reduction.options).items()))
+    raise ReductionError(
+        f"reduction {name!r} ({reduction.kind}, {opts}) of hook point {hook_point!r} needs a state of "
+        f"{need / 1e9:.1f} GB over its {n_features} values per row, more than this machine's memory "
+        f"({have / 1e9:.1f} GB); nothing was allocated. Use fewer bins or a smaller k, per_feature=0, or reduce "
+        "fewer features (a hook point of fewer values, or a custom reduction)"
+    )
 
 
 def _functorch_wrapped(tensor: torch.Tensor) -> bool:
@@ -1066,8 +1093,10 @@ class Tracker:
         )
         if self._red_factories is not None:
             names, objects = [], []
+            n_features = math.prod(tensor.shape[2:] if token else tensor.shape[1:]) if tensor.dim() else 1
             for red_name, factory in self._red_factories.resolve_reductions(scope.reductions, name, self._hook_names):
                 reduction = factory()
+                _check_state_fits(name, red_name, reduction, n_features, self._red_factories.state_bytes)
                 script = factory.script_path()
                 reduction.script_path = None if script is None else str(script)
                 if isinstance(reduction, self._red_factories.EagerReduction):
