@@ -1479,3 +1479,22 @@ def test_npy_data_big_endian_is_read_and_non_numbers_are_refused(tmp_path):
     with pytest.raises(SpecError, match=r"s.npy' holds <U1 values, which are not numbers torch can take .*"
                                          r"save a numeric array \(e.g. float32\) with numpy.save"):
         specs.load_data_spec(str(tmp_path / "s.npy"))
+
+
+@needs_demo
+@pytest.mark.demo
+def test_demo_replaces_only_a_store_it_wrote(tmp_path, capsys):
+    """demo --out naming a user's store is refused, naming what is there; the store is left
+    as it was."""
+    import activationscope as acs
+
+    out = tmp_path / "mine.zarr"
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2))
+    with acs.ActivationScope(store=str(out), store_options={"provenance": {"command": "my capture"}}).track(model), \
+            torch.no_grad():
+        model(torch.randn(4, 3))
+    before = (out / "zarr.json").read_bytes()
+    code, _, err = run(capsys, "demo", "--out", str(out), "--max-samples", "30", "--folds", "3", "--no-progress",
+                       "--no-report")
+    assert code == 1 and "holds a store the demo did not write (4 samples, written by 'my capture')" in err, err
+    assert (out / "zarr.json").read_bytes() == before and acs.open_store(out).n_samples == 4

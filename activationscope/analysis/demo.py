@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ..errors import ArgumentValueError
+from ..errors import ActivationScopeError, ArgumentValueError
 from ..sizes import dir_bytes, format_bytes
 from .capture_run import MAX_LENGTH, check_out, iter_text_batches, run_capture, text_batches
 from .demo_assets import (  # noqa: F401 - the demo's model and data, importable from here as before
@@ -118,6 +118,33 @@ def _hook_point_bytes(info: Mapping[str, Any], hp: str) -> int:
     return int(value) if isinstance(value, int) else 0
 
 
+def _check_own_store(out: str) -> None:
+    """Refuse an ``out`` that holds a store the demo did not write (a user's capture): the
+    demo replaces only its own stores (provenance ``command`` ``activationscope demo``)."""
+    from ..store import open_store
+    from ..store._backend import describe_local_path
+
+    if "://" not in out and (describe_local_path(out) or ("",))[0] != "store":
+        return
+    try:
+        attrs = open_store(out).attrs
+    except FileNotFoundError:
+        return
+    except ActivationScopeError as e:
+        raise ArgumentValueError(
+            f"--out {out!r} holds a store that cannot be read ({e}); the demo replaces only stores it wrote: choose "
+            "another --out, or remove it yourself"
+        ) from None
+    provenance = attrs.get("provenance") or {}
+    if not (isinstance(provenance, dict) and provenance.get("command") == "activationscope demo"):
+        what = provenance.get("command") if isinstance(provenance, dict) else None
+        raise ArgumentValueError(
+            f"--out {out!r} holds a store the demo did not write ({attrs.get('n_samples', 0)} samples"
+            + (f", written by {what!r}" if what else "") + "); the demo replaces only its own stores: choose another "
+            "--out, or remove that store yourself"
+        )
+
+
 def run_demo(
     out: str | os.PathLike = os.path.join("runs", "demo.zarr"),
     report_dir: str | os.PathLike | None = None,
@@ -133,7 +160,8 @@ def run_demo(
     Parameters
     ----------
     out : path, default ``runs/demo.zarr``
-        The store; an existing one is replaced.
+        The store; an existing store that the demo wrote is replaced (any other store is
+        refused).
     report_dir : path, optional
         Where to write ``index.html`` and its PNGs; no report when None.
     corpus : bool, default False
@@ -156,14 +184,16 @@ def run_demo(
     ------
     ArgumentValueError
         ``batch_size`` below 1; ``out`` a file, or a folder or Zarr node that is not an
-        activationscope store (only a store is replaced).
+        activationscope store, or a store the demo did not write (only a demo store is
+        replaced: its provenance ``command`` is ``activationscope demo``).
     """
     from ..store import open_store
 
     out = os.fspath(out)
     if batch_size < 1:
         raise ArgumentValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    check_out(out, resume=False, overwrite=True)  # the demo replaces its own store, nothing else
+    check_out(out, resume=False, overwrite=True)  # a store or nothing: nothing else is replaced
+    _check_own_store(out)
     tokenizer, model = load_model()
     texts, labels = load_polarity()
     if max_samples is not None and max_samples < len(texts):
