@@ -105,6 +105,14 @@ def test_constant_activation_does_not_break_histogram():
     assert int(st.hist_counts.sum()) == 40 and st.dead_fraction == 1.0 and st.explained is None
 
 
+def test_histogram_of_values_across_the_float64_range_counts_every_value():
+    # -1e308 .. 1e308: hi - lo overflows float64; every value is still in a bin, edges finite
+    values = torch.tensor([[-1e308, 0.0], [1e308, 5.0], [2.0, -3.0]], dtype=torch.float64)
+    st = report.hook_point_stats(TinyStore({"h": values}), "h", bins=4)
+    assert st.hist_counts.tolist() == [1, 0, 4, 1]
+    assert bool(torch.isfinite(st.hist_edges).all()) and st.hist_edges[0] == -1e308 and st.hist_edges[-1] == 1e308
+
+
 def test_write_report_html_and_pngs(tmp_path):
     store = TinyStore(
         {"enc.0.output": _relu_rows(seed=1), "enc.1.output": _relu_rows(seed=2)},

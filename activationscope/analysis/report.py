@@ -223,11 +223,16 @@ def hook_point_stats(
         notes.append(f"histogram: {rows.numel() - finite.numel():,} of the {rows.numel():,} sampled values are NaN or inf "
                      "and left out of it")
     if finite.numel():
+        finite = finite.double()
         lo, hi = float(finite.min()), float(finite.max())
         if lo == hi:
             lo, hi = lo - 0.5, hi + 0.5
-        counts = torch.histc(finite, bins=bins, min=lo, max=hi).to(torch.int64)
-        edges = torch.linspace(lo, hi, bins + 1, dtype=torch.float64)
+        # values across most of the float64 range (-1e308 .. 1e308): hi - lo (or its product with
+        # bins) overflows, and every value would fall in one bin; binned at a power-of-2 scale
+        # (exact: the same bins), edges scaled back
+        scale = 1.0 if math.isfinite((hi - lo) * bins) else 2.0 ** -(math.ceil(math.log2(bins)) + 2)
+        counts = torch.histc(finite * scale, bins=bins, min=lo * scale, max=hi * scale).to(torch.int64)
+        edges = torch.linspace(lo * scale, hi * scale, bins + 1, dtype=torch.float64) / scale
     else:
         counts = torch.zeros(bins, dtype=torch.int64)
         edges = torch.linspace(0, 1, bins + 1, dtype=torch.float64)
