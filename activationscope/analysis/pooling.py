@@ -59,14 +59,16 @@ def sentence_rows(
         of labels; or None when the store's row table has no ``label_column``.
     """
     got = labelled_rows(store, hook_point, label_column, batch_size)
-    return None if got is None else got[:2]
+    return None if got is None else (got[0].to(torch.float64), got[1])
 
 
 def labelled_rows(
     store: Any, hook_point: str, label_column: str = "label", batch_size: int = 8192
 ) -> tuple[torch.Tensor, list[Any], int] | None:
     """:func:`sentence_rows` plus the number of samples left out for having no label
-    (missing, ``-1``, empty string): ``(x, labels, n_unlabelled)``, or None."""
+    (missing, ``-1``, empty string): ``(x, labels, n_unlabelled)``, or None. Sample rows
+    come in their stored dtype (a float64 copy of a wide store is 4x a bfloat16 one; the
+    probe makes each fold float64), pooled token rows in float64."""
     from torch.utils.data import DataLoader
 
     from ..data import ActivationDataset
@@ -96,9 +98,9 @@ def labelled_rows(
         batch_labels = _as_list(batch[label_column])
         kept = [_is_label(v) for v in batch_labels]
         keep = torch.tensor(kept, dtype=torch.bool)
-        x = x[keep].to(torch.float64)  # (only this batch's labelled rows are held as float64)
+        x = x[keep]
         if not token:
-            rows.append(x)
+            rows.append(x)  # (in the stored dtype)
             labels.extend(v for v, k in zip(batch_labels, kept) if k)
             n_unlabelled += len(kept) - len(x)
             continue
@@ -111,6 +113,7 @@ def labelled_rows(
                 group[key] = len(group)
                 labels.append(v)
             index.append(group[key])
+        x = x.to(torch.float64)  # (only this batch's labelled rows are held as float64)
         if len(group) > len(sums):  # (grown by doubling: a copy per doubling)
             grown = torch.zeros(max(len(group), 2 * len(sums)), *x.shape[1:], dtype=torch.float64)
             if len(sums):

@@ -170,15 +170,18 @@ def _stratified_folds(y: torch.Tensor, n_folds: int, seed: int) -> list[torch.Te
 
 
 def _fit_predict(x_train, y_train, x_test, n_classes: int, l2: float, max_iter: int) -> torch.Tensor:
+    """Fit on ``x_train`` and predict ``x_test``; both are the caller's own copies (the
+    fold's rows), standardised in place: no further copy of the rows is made."""
     # scaled by each column's largest magnitude first, so that the mean and std of values near
     # the float64 limits (1e200: squares overflow) or far below 1 are computed in range
-    scale = x_train.abs().amax(0)
+    scale = torch.maximum(x_train.amax(0), x_train.amin(0).neg_())  # max |x| without a copy of |x|
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    x_train, x_test = x_train / scale, x_test / scale
+    x_train.div_(scale)
+    x_test.div_(scale)
     mean = x_train.mean(0)
     std = x_train.std(0, correction=0).clamp_min(1e-12)
-    xt = (x_train - mean) / std
-    xs = (x_test - mean) / std
+    xt = x_train.sub_(mean).div_(std)
+    xs = x_test.sub_(mean).div_(std)
     w = torch.zeros(xt.shape[1], n_classes, dtype=xt.dtype, requires_grad=True)
     b = torch.zeros(n_classes, dtype=xt.dtype, requires_grad=True)
     opt = torch.optim.LBFGS([w, b], lr=1.0, max_iter=max_iter, line_search_fn="strong_wolfe")
@@ -236,7 +239,9 @@ def probe_accuracy(
         mixed with others, mismatched lengths, too few samples for ``n_folds``, or every
         row holding NaN or inf (:class:`ArgumentValueError`).
     """
-    x = torch.as_tensor(x).detach().reshape(len(x), -1).to(torch.float64)
+    x = torch.as_tensor(x).detach().reshape(len(x), -1)
+    if not x.dtype.is_floating_point:  # (a float x stays in its dtype: each fold is made float64)
+        x = x.to(torch.float64)
     if isinstance(labels, torch.Tensor):
         labels = labels.tolist()
     labels = list(labels)
@@ -261,7 +266,10 @@ def probe_accuracy(
         for test in _stratified_folds(y, n_folds, seed):
             train_mask = torch.ones(len(y), dtype=torch.bool)
             train_mask[test] = False
-            pred = _fit_predict(x[train_mask], y[train_mask], x[test], len(classes), l2, max_iter)
+            # each fold's rows as float64 copies, standardised in place by _fit_predict: no
+            # float64 copy of every row is held (a wide bfloat16 store's is 4x its size)
+            pred = _fit_predict(x[train_mask].to(torch.float64), y[train_mask], x[test].to(torch.float64),
+                                len(classes), l2, max_iter)
             accs.append(float((pred == y[test]).double().mean()))
     finally:
         torch.set_num_threads(threads)
@@ -343,8 +351,10 @@ def probe_store(
         unlabelled = (f"{n_unlabelled} sample(s) without a label (missing, -1 or empty) left out"
                       if n_unlabelled else "")
         try:
+            x = torch.as_tensor(x).detach().reshape(len(x), -1)
+            # (a float x stays in its dtype: probe_accuracy makes each fold float64)
             x, labels, n_dropped, dropped_note = drop_nonfinite_rows(
-                torch.as_tensor(x).detach().reshape(len(x), -1).to(torch.float64), labels)
+                x if x.dtype.is_floating_point else x.to(torch.float64), labels)
             folds, note = choose_folds(labels, n_folds)
             result = probe_accuracy(x, labels, n_folds=folds, seed=seed)
         except ValueError as e:

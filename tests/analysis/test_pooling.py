@@ -187,3 +187,29 @@ def test_probe_store_refuses_bad_folds_instead_of_skipping_every_hook_point(tmp_
     for bad in (1, 0, "5", True, 2.0):
         with pytest.raises(ArgumentValueError, match=f"n_folds must be an int of at least 2, got {bad!r}"):
             probe_store(store, n_folds=bad)
+
+
+def test_probes_of_bfloat16_rows_equal_those_of_their_float64_copy_without_holding_it(tmp_path):
+    """Sample rows are handed to the probe in their stored dtype and each fold is made
+    float64 there (no float64 copy of every row is held): the fold accuracies are exactly
+    those of the same rows given as float64."""
+    from activationscope.analysis.pooling import labelled_rows
+    from activationscope.analysis.probes import probe_accuracy
+
+    torch.manual_seed(0)
+    x = (torch.randn(60, 5) + torch.arange(60).remainder(2).unsqueeze(1)).to(torch.bfloat16)
+    labels = [i % 2 for i in range(60)]
+    a, b = probe_accuracy(x, labels, n_folds=3), probe_accuracy(x.double(), labels, n_folds=3)
+    assert a.fold_accuracies == b.fold_accuracies and a.n_features == 5
+
+    model = torch.nn.Identity()
+    path = tmp_path / "s.zarr"
+    with acs.ActivationScope(store=str(path), storage_dtype=torch.bfloat16).track(model) as tr, torch.no_grad():
+        for s in range(0, 60, 20):
+            tr.set_batch(label=labels[s:s + 20])
+            model(x[s:s + 20].float())
+    rows, got, n_unlabelled = labelled_rows(acs.open_store(path), "output")
+    assert rows.dtype == torch.bfloat16 and torch.equal(rows, x) and got == labels and n_unlabelled == 0
+    assert sentence_rows(acs.open_store(path), "output")[0].dtype == torch.float64
+    result = probe_store(acs.open_store(path), n_folds=3)["output"]
+    assert result.fold_accuracies == b.fold_accuracies
