@@ -17,6 +17,7 @@ $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 
 $(STAMP): $(VENV)/bin/python pyproject.toml setup.py
+	@date -u +"%F %T UTC: installing into $(VENV)"
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q "setuptools>=77" wheel "pybind11>=2.11" ninja "numpy>=1.26"
@@ -32,7 +33,8 @@ activationscope/.native-stamp: $(STAMP) $(NATIVE) setup.py
 	touch $@
 
 test: install
-	$(PY) -m pytest -q -rs -p no:cacheprovider tests
+	@date -u +"%F %T UTC: running the tests"
+	$(PY) -m pytest -q -rs -p no:cacheprovider --durations=15 tests
 
 demo: install
 	$(PY) -m activationscope demo

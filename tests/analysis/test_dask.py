@@ -223,6 +223,7 @@ def test_old_stores_without_dimension_names_still_read(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_distributed_pca_on_a_store_larger_than_a_worker(tmp_path):
     """LocalCluster with 2 workers whose memory limit is below the store's size, and whose
     room above their own imports is below half of it: moments and PCA must stream shards
@@ -253,8 +254,16 @@ def test_distributed_pca_on_a_store_larger_than_a_worker(tmp_path):
     assert store_bytes > limit
     x = to_dask(str(tmp_path / "big.zarr"), hp)
     assert x.numblocks[0] >= 64
-    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, memory_limit=limit, processes=True,
-                                  dashboard_address=None) as cluster, distributed.Client(cluster) as client:
+    # A worker paused at 80 % of its limit waits for memory forever: with pausing off, a worker
+    # that does not stream is killed at 95 % and the computation fails (KilledWorker), never hangs.
+    import dask
+
+    with dask.config.set({"distributed.worker.memory.pause": False}), \
+            distributed.LocalCluster(n_workers=2, threads_per_worker=1, memory_limit=limit, processes=True,
+                                     dashboard_address=None) as cluster, \
+            distributed.Client(cluster, timeout=120) as client:
+        assert client.run(lambda dask_worker: dask_worker.memory_manager.memory_pause_fraction) == \
+            dict.fromkeys(client.run(lambda: 0), False)
         rss = client.run(_worker_rss)
         assert len(rss) == 2
         assert store_bytes / 2 > limit - min(rss.values())  # each worker's half exceeds its room
@@ -278,6 +287,7 @@ def test_distributed_pca_on_a_store_larger_than_a_worker(tmp_path):
     np.testing.assert_allclose(p["explained_variance"], ev, rtol=1e-9)
 
 
+@pytest.mark.timeout(300)
 def test_distributed_doc_runs(tmp_path):
     from acs_testing import run_doc_blocks
 
