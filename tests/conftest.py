@@ -3,6 +3,7 @@ a user package of models (what the CLI and ``capture_dataset`` import), an S3 se
 
 from __future__ import annotations
 
+import faulthandler
 import socket
 import sys
 import textwrap
@@ -11,6 +12,21 @@ import numpy as np
 import pytest
 import torch
 from acs_testing import SmallCNN, small_transformer, toy_mlp  # noqa: F401
+
+# pytest-timeout (``timeout`` in pyproject.toml) fails a test stuck in Python after 600 s. A
+# test stuck inside a native call never returns to Python to be interrupted: past this limit
+# every thread's stack is printed and the run ends, instead of stalling until its time is up.
+HARD_LIMIT_S = 900
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    faulthandler.dump_traceback_later(HARD_LIMIT_S, exit=True)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
 
 DEVICES = [
     "cpu",
