@@ -71,6 +71,7 @@ class WriterLock:
         self._held = False
         self._pid = os.getpid()  # the process that took it (acquire)
         self.created_root = False  # whether acquire() made the store folder
+        self.created_file = False  # whether acquire() made the lock file (a local store)
 
     def _me(self) -> bytes:
         return json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": F.utc_now(),
@@ -99,11 +100,16 @@ class WriterLock:
             f"for it to finish, or write elsewhere (overwrite=True is refused while a writer holds the store){extra}"
         )
 
-    def _open_lock_file(self, path: Any) -> int:
-        """The lock file, opened (created when absent) without blocking or following a link;
-        anything but a regular file in its place raises StoreCorruptError."""
+    def _open_lock_file(self, path: Any) -> tuple[int, bool]:
+        """The lock file, opened (created when absent) without blocking or following a link,
+        and whether this call created it; anything but a regular file in its place raises
+        StoreCorruptError."""
+        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o666)
+            try:
+                return os.open(path, flags | os.O_EXCL, 0o666), True
+            except FileExistsError:
+                fd = os.open(path, flags, 0o666)
         except (IsADirectoryError, OSError) as e:
             if not isinstance(e, IsADirectoryError) and e.errno != errno.ELOOP:
                 raise StoreError(f"store {str(self.backend)!r}: cannot open the writer lock {str(path)!r}: "
@@ -115,7 +121,7 @@ class WriterLock:
             os.close(fd)
             raise corrupt(self.backend, f"the writer lock {LOCK_KEY!r} must be a regular file, got another kind "
                                         "of file", fix=f"delete what is at {str(path)!r}")
-        return fd
+        return fd, False
 
     def _acquire_local(self) -> None:
         import fcntl
@@ -126,7 +132,7 @@ class WriterLock:
             self.created_root = True
         path = root / LOCK_KEY
         while True:
-            fd = self._open_lock_file(path)
+            fd, created = self._open_lock_file(path)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -149,6 +155,7 @@ class WriterLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, self._me(), 0)
         self._fd = fd
+        self.created_file = created
 
     def _acquire_marker(self) -> None:
         b = self.backend
@@ -190,11 +197,18 @@ class WriterLock:
             pass
 
     def discard_root(self) -> None:
-        """Release, and remove the store folder when :meth:`acquire` made it and nothing else is in it."""
+        """Release, leaving the target as it was found: the lock file goes when :meth:`acquire`
+        made it (removed while still held, so no other writer can hold it), and the store
+        folder when :meth:`acquire` made it and nothing else is in it."""
+        if (self._held and self._fd is not None and os.getpid() == self._pid
+                and (self.created_file or self.created_root)):
+            try:
+                (self.backend.root / LOCK_KEY).unlink()
+            except OSError:
+                pass
         self.release()
         if self.created_root and isinstance(self.backend, LocalBackend):
             try:
-                (self.backend.root / LOCK_KEY).unlink()
                 self.backend.root.rmdir()
             except OSError:
                 pass
@@ -211,4 +225,7 @@ class WriterLock:
         return self.acquire()
 
     def __exit__(self, *exc: Any) -> None:
-        self.release()
+        if exc[0] is None:
+            self.release()
+        else:  # refused or failed: the target is left as it was found (see discard_root)
+            self.discard_root()

@@ -52,10 +52,45 @@ def test_lock_released_by_abort_and_by_a_failed_open(tmp_path):
     with pytest.raises(acs.StoreExistsError):
         StoreWriter(path)  # exists: refused, and the lock is given back
     StoreWriter(path, resume=True).close()
-    assert not (tmp_path / "nothing.zarr").exists() or True
     with pytest.raises(StoreError, match="nothing to resume"):
         StoreWriter(tmp_path / "nothing.zarr", resume=True)
     assert not (tmp_path / "nothing.zarr").exists()  # the folder the lock made is removed again
+
+
+def _listing(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_refused_writer_leaves_the_folder_as_it_found_it(tmp_path):
+    """A folder that is not a store, and a store without a lock file (a copy): a writer (or
+    copy_store) that refuses them leaves no lock file behind."""
+    folder = tmp_path / "papers"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine")
+    before = _listing(folder)
+    with pytest.raises(acs.StoreExistsError, match="holds no Zarr store"):
+        StoreWriter(folder)
+    with pytest.raises(acs.StoreExistsError, match="holds no Zarr store"):
+        StoreWriter(folder, overwrite=True)
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(acs.StoreExistsError):
+        with acs.ActivationScope(store=str(folder)).track(model):
+            model(torch.randn(3, 2))
+    with pytest.raises(acs.StoreExistsError, match="not empty"):
+        copy_store(tmp_path / "none.zarr", folder)
+    assert _listing(folder) == before
+    assert sorted(p.name for p in folder.iterdir()) == ["notes.txt"]
+
+    path = tmp_path / "s.zarr"
+    with StoreWriter(path) as w:
+        _write_rows(w, torch.randn(4, 2))
+    (path / LOCK_KEY).unlink()  # as a copy of the store would be
+    before = _listing(path)
+    with pytest.raises(acs.StoreExistsError, match="already exists"):
+        StoreWriter(path)
+    assert _listing(path) == before
+    StoreWriter(path, resume=True).close()  # a writer that opened it keeps its (released) lock file
+    assert (path / LOCK_KEY).read_bytes() == b""
 
 
 def test_lock_file_is_not_part_of_the_store(tmp_path):
