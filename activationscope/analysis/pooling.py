@@ -28,13 +28,19 @@ def pool_by_sample(rows: torch.Tensor, sample_ids: torch.Tensor) -> tuple[torch.
     return ids, (total / count).reshape(len(ids), *rows.shape[1:])
 
 
+#: Int labels that mark a sample unlabelled: -1 (the demo's --corpus articles) and -100
+#: (``ignore_index`` of ``torch.nn.CrossEntropyLoss``, which Hugging Face token-classification
+#: datasets put on tokens that carry no label).
+UNLABELLED_INTS = (-1, -100)
+
+
 def _is_label(v: Any) -> bool:
     if v is None:
         return False
     if isinstance(v, float) and v != v:  # NaN
         return False
-    if isinstance(v, int) and not isinstance(v, bool) and v == -1:
-        return False  # -1 marks unlabelled rows (the demo's --corpus); other negative ints are classes
+    if isinstance(v, int) and not isinstance(v, bool) and v in UNLABELLED_INTS:
+        return False  # other negative ints are classes
     return not (isinstance(v, str) and v == "")
 
 
@@ -66,7 +72,7 @@ def labelled_rows(
     store: Any, hook_point: str, label_column: str = "label", batch_size: int = 8192
 ) -> tuple[torch.Tensor, list[Any], int] | None:
     """:func:`sentence_rows` plus the number of samples left out for having no label
-    (missing, ``-1``, empty string): ``(x, labels, n_unlabelled)``, or None. Sample rows
+    (missing, ``-1``, ``-100``, empty string): ``(x, labels, n_unlabelled)``, or None. Sample rows
     come in their stored dtype (a float64 copy of a wide store is 4x a bfloat16 one; the
     probe makes each fold float64), pooled token rows in float64."""
     from torch.utils.data import DataLoader

@@ -312,7 +312,7 @@ def probe_store(
     token rows whose labels cannot be paired with them because one forward gave one sample
     id to two samples of different labels)
     are left out of the result, with the reason in its ``skipped`` mapping. Samples without a
-    label (missing, ``-1``, empty string) and rows holding NaN or inf are left out before the
+    label (missing, ``-1``, ``-100``, empty string) and rows holding NaN or inf are left out before the
     folds are chosen; each result's ``dropped_note`` says how many of each (``n_dropped``
     counts the rows with NaN or inf).
 
@@ -348,7 +348,7 @@ def probe_store(
             out.skipped[hp] = f"the row table has no labelled {label_column!r} column"
             continue
         x, labels, n_unlabelled = got
-        unlabelled = (f"{n_unlabelled} sample(s) without a label (missing, -1 or empty) left out"
+        unlabelled = (f"{n_unlabelled} sample(s) without a label (missing, -1, -100 or empty) left out"
                       if n_unlabelled else "")
         try:
             x = torch.as_tensor(x).detach().reshape(len(x), -1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import activationscope as acs
@@ -77,25 +78,26 @@ def _labelled_store(path, labels):
     return acs.open_store(str(path))
 
 
-def test_only_minus_one_marks_a_sample_unlabelled_and_the_probe_says_how_many(tmp_path):
-    # -1, 0, 1 (negative, neutral, positive): -1 is the unlabelled mark, left out and counted
-    labels = [-1, 0, 1] * 8
+@pytest.mark.parametrize("mark", [-1, -100])
+def test_only_minus_one_and_the_ignore_index_mark_a_sample_unlabelled_and_the_probe_says_how_many(tmp_path, mark):
+    # mark, 0, 1: -1 (the demo's mark) or -100 (CrossEntropyLoss's ignore_index) is left out and counted
+    labels = [mark, 0, 1] * 8
     store = _labelled_store(tmp_path / "a.zarr", labels)
     x, got = sentence_rows(store, "head.output")
-    keep = torch.tensor(labels) != -1
+    keep = torch.tensor(labels) != mark
     torch.testing.assert_close(x, store["head.output"].double()[keep], rtol=0, atol=0)
-    assert got == [v for v in labels if v != -1]
+    assert got == [v for v in labels if v != mark]
     result = probe_store(store, n_folds=2)
     for hp in ("head.output", "layer.output"):
         assert result[hp].n_samples == 16 and result[hp].n_classes == 2
-        assert result[hp].dropped_note == "8 sample(s) without a label (missing, -1 or empty) left out"
+        assert result[hp].dropped_note == "8 sample(s) without a label (missing, -1, -100 or empty) left out"
     from activationscope.analysis.report import write_report
 
     page = write_report(store, tmp_path / "rep", probes=result).read_text()  # one line for both hook points
     assert page.count("without a label") == 1
-    assert "layer.output, head.output: 8 sample(s) without a label (missing, -1 or empty) left out." in page
+    assert "layer.output, head.output: 8 sample(s) without a label (missing, -1, -100 or empty) left out." in page
     # other negative ints are classes like any other
-    labels = [-2, 2] * 12
+    labels = [-2, 2, -99, -101] * 6
     store = _labelled_store(tmp_path / "b.zarr", labels)
     assert sentence_rows(store, "layer.output")[1] == labels
     result = probe_store(store, n_folds=2)
@@ -103,7 +105,7 @@ def test_only_minus_one_marks_a_sample_unlabelled_and_the_probe_says_how_many(tm
     # a store whose classes are -1 and 1 names the samples left out in the reason it gives
     store = _labelled_store(tmp_path / "c.zarr", [-1, 1] * 12)
     assert "a probe needs at least 2 classes" in probe_store(store).skipped["head.output"]
-    assert "(12 sample(s) without a label (missing, -1 or empty) left out)" in probe_store(store).skipped["head.output"]
+    assert "(12 sample(s) without a label (missing, -1, -100 or empty) left out)" in probe_store(store).skipped["head.output"]
 
 
 def test_str_sample_ids_are_pooled_and_probed(tmp_path):
