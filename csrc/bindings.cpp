@@ -359,6 +359,7 @@ void bind_capture(py::module_& m) {
       .def_readonly("outside_calls", &TrackerCore::outside_calls)
       .def_property_readonly("stop_learnt", [](const TrackerCore& c) { return c.stop_count > 0; })
       .def_readonly("stopped", &TrackerCore::stopped)
+      .def_readonly("past_stop", &TrackerCore::past_stop)
       .def_readonly("n_forwards", &TrackerCore::n_forwards)
       .def_readonly("capturing", &TrackerCore::capturing)
       .def_readonly("in_graph", &TrackerCore::in_graph)

@@ -7,6 +7,7 @@
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <algorithm>
 #include <mutex>
 
 #include "errors.h"
@@ -96,6 +97,10 @@ std::unordered_map<int64_t, ForwardWrapper*>& wrappers() {
   return *m;
 }
 int64_t g_next_key = 1;
+
+// The trackers with a root forward open on this thread (depth > 0), outermost first: a
+// tracker's stop point ends a forward only when no other of them still captures in it.
+thread_local std::vector<TrackerCore*> t_open_roots;
 
 // torch._C._dynamo.eval_frame.<name> (a new reference, kept for the process), or None where
 // this torch lacks it.
@@ -221,6 +226,7 @@ void ForwardWrapper::start_forward(TrackerCore& c, const at::Tensor& first) {
   c.last_sink.reset();
   c.stop_now = false;
   c.stopped = false;
+  c.past_stop = false;
   ++c.n_forwards;
   if (c.on_forward_start && !c.on_forward_start.is_none()) {
     try {
@@ -271,7 +277,13 @@ py::object ForwardWrapper::call(py::args args, py::kwargs kwargs) {
   struct RootGuard {
     std::vector<Site*>& roots;
     ~RootGuard() {
-      for (Site* s : roots) --s->core->depth;
+      for (Site* s : roots) {
+        TrackerCore* c = s->core.get();
+        if (--c->depth == 0) {
+          auto it = std::find(t_open_roots.begin(), t_open_roots.end(), c);
+          if (it != t_open_roots.end()) t_open_roots.erase(it);
+        }
+      }
     }
   } guard{roots};
   for (auto& s : sites_) {
@@ -279,7 +291,10 @@ py::object ForwardWrapper::call(py::args args, py::kwargs kwargs) {
       TrackerCore& c = *s->core;
       const bool outer = c.depth++ == 0;
       roots.push_back(s.get());
-      if (outer) start_forward(c, root_first_input(args, kwargs));
+      if (outer) {
+        t_open_roots.push_back(&c);
+        start_forward(c, root_first_input(args, kwargs));
+      }
     }
   }
 
@@ -376,6 +391,16 @@ bool ForwardWrapper::stop_point(const std::vector<Active>& active, const std::ve
     TrackerCore& c = *a.site->core;
     if (!c.stop_now) continue;
     c.stop_now = false;
+    // Another tracker capturing this forward (and not itself past its own stop point) would
+    // lose the hook points after this one: the forward goes on, this tracker has what it needs.
+    bool others = false;
+    for (TrackerCore* o : t_open_roots) {
+      if (o != &c && o->active && o->capturing && !(o->stop_after_last && o->past_stop)) others = true;
+    }
+    if (others) {
+      c.past_stop = true;
+      continue;
+    }
     for (Site* s : roots) {
       if (s->core.get() == &c && c.depth == 1) {
         c.stopped = true;

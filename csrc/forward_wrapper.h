@@ -56,6 +56,8 @@ struct TrackerCore {
   std::shared_ptr<Sink> stop_sink;  // its last hook point
   bool stop_now = false;            // this forward has reached the stop point
   bool stopped = false;             // the last root forward was stopped there
+  // ... or reached it but went on, because another tracker was still capturing that forward
+  bool past_stop = false;
   py::object on_new_hook_point;     // (name: str, tensor) -> Sink | None
   py::object on_forward_start;      // () -> None, or None
   py::object on_forward_end;        // () -> None, or None

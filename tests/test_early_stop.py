@@ -310,3 +310,50 @@ def test_rank_stores_with_early_stop_equal_a_full_multi_rank_capture(tmp_path):
         assert cli.main(["consolidate", str(path)]) == 0
     assert later.n == 6 + 2  # full: every forward; early stop: the first forward of each rank
     _assert_same_store(tmp_path / "full.zarr", tmp_path / "stop.zarr")
+
+
+@pytest.mark.parametrize("stopper_first", [True, False], ids=["stopper_outer", "stopper_inner"])
+@pytest.mark.parametrize("other_stops", [False, True])
+def test_a_stop_point_does_not_cut_another_trackers_forward(stopper_first, other_stops):
+    """Two trackers on one model: one stops after layer 0, the other records every layer. Each
+    records every forward it was attached for, as if it were alone: the forward is ended only
+    when no other tracker still captures in it, and no stop-point warning is given."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4)).eval()
+    xs = [torch.randn(3, 4) for _ in range(4)]
+    want = {}
+
+    def record(name, module, inputs, output):
+        want.setdefault(f"{name}.output", []).append(output.clone())
+
+    handles = [m.register_forward_hook(lambda mod, i, o, n=n: record(n, mod, i, o))
+               for n, m in model.named_children()]
+    for x in xs:
+        model(x)
+    for h in handles:
+        h.remove()
+
+    stopper = acs.ActivationScope(stop_after_last=True)
+    other = acs.ActivationScope(stop_after_last=other_stops)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        first, second = (stopper, other) if stopper_first else (other, stopper)
+        first_inc, second_inc = (["0"], None) if stopper_first else (None, ["0"])
+        with first.track(model, include=first_inc) as t1, torch.no_grad():
+            model(xs[0])
+            with second.track(model, include=second_inc) as t2:
+                model(xs[1])
+                model(xs[2])
+            model(xs[3])
+    t_stop, t_other = (t1, t2) if stopper_first else (t2, t1)
+    got = t_other.activations
+    assert sorted(got) == ["0.output", "1.output", "2.output"]
+    seen = slice(0, 4) if not stopper_first else slice(1, 3)  # the forwards it was attached for
+    for hp in got:
+        assert len(got[hp]) == len(want[hp][seen])
+        for a, b in zip(got[hp], want[hp][seen]):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    seen = slice(0, 4) if stopper_first else slice(1, 3)
+    assert len(t_stop.activations["0.output"]) == len(want["0.output"][seen])
+    for a, b in zip(t_stop.activations["0.output"], want["0.output"][seen]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

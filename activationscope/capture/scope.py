@@ -1414,7 +1414,7 @@ class Tracker:
                 self._refuse(missing, [])
         if self._n_captured == 0:  # the first captured forward gave its hook points
             self._check_reduction_patterns(list(self._sinks), "the first captured forward gave")
-        if self._stop_learnt and not self._core.stopped and not self._warned_stop:
+        if self._stop_learnt and not (self._core.stopped or self._core.past_stop) and not self._warned_stop:
             self._warned_stop = True
             warnings.warn(
                 f"forward {self._core.n_forwards - 1} of the tracked model ran to its end without reaching the stop "
