@@ -364,6 +364,7 @@ void bind_capture(py::module_& m) {
       .def_readonly("capturing", &TrackerCore::capturing)
       .def_readonly("in_graph", &TrackerCore::in_graph)
       .def_readonly("batch_size", &TrackerCore::batch_size)
+      .def_readonly("second_dim", &TrackerCore::second_dim)
       .def("sinks", [](const TrackerCore& c) {
         py::dict d;
         for (const auto& kv : c.sinks)

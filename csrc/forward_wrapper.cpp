@@ -214,6 +214,7 @@ void ForwardWrapper::start_forward(TrackerCore& c, const at::Tensor& first) {
   c.owner = std::this_thread::get_id();
   c.capturing = c.decide(c.n_forwards);
   c.batch_size = first.defined() ? first.size(0) : -1;
+  c.second_dim = first.defined() && first.dim() >= 2 ? first.size(1) : -1;
   if (c.token_rows) {
     if (first.defined() && first.dim() >= 2) {
       if (!c.auto_mask.defined() || c.auto_mask.size(0) != first.size(0) || c.auto_mask.size(1) != first.size(1))

@@ -40,7 +40,8 @@ struct TrackerCore {
   bool in_graph = false;            // resolving hook points of a capture inside a compiled graph
   std::thread::id owner;            // the thread running the current root forward (depth > 0)
   bool capturing = true;            // decision for the current root forward
-  int64_t batch_size = -1;          // first dim of the first tensor captured in this forward
+  int64_t batch_size = -1;          // first dim of the model's first tensor input in this forward
+  int64_t second_dim = -1;          // its second dim (the batch of a sequence-first input), or -1
   // rows="token": without a mask, (batch, pos) are the first two dims of the model's first
   // tensor input; auto_mask is that all-true (batch, pos) mask of the current forward.
   bool token_rows = false;

@@ -215,3 +215,38 @@ def test_columns_of_a_store_whose_batches_all_had_no_samples_are_kept(tmp_path):
     assert s.row_table().column("text").to_pylist() == ["a", "b"]
     ds = acs.ActivationDataset(path, columns=["label"])
     assert len(ds) == 2 and ds.get_batch([0, 1])["label"].tolist() == [4, 5] and s.verify() == []
+
+
+class _SeqFirst(torch.nn.Module):
+    """An LSTM over (pos, batch, 4) inputs (nn.LSTM's default layout) and a head on its last step."""
+
+    def __init__(self):
+        super().__init__()
+        self.lstm = torch.nn.LSTM(4, 8)
+        self.head = torch.nn.Linear(8, 2)
+
+    def forward(self, x):
+        h, _ = self.lstm(x)
+        return self.head(h[-1])
+
+
+def test_a_sequence_first_model_takes_one_entry_per_sample(tmp_path):
+    torch.manual_seed(0)
+    model = _SeqFirst().eval()
+    xs = [torch.randn(10, 3, 4), torch.randn(7, 3, 4)]
+    with acs.ActivationScope(store=str(tmp_path / "s.zarr")).track(model, include=["head"]) as tracker, \
+            torch.no_grad():
+        for i, x in enumerate(xs):
+            tracker.set_batch(label=[i, 1, 0])
+            model(x)
+    store = acs.open_store(str(tmp_path / "s.zarr"))
+    with torch.no_grad():
+        want = torch.cat([model(x) for x in xs])
+    torch.testing.assert_close(store["head.output"], want, rtol=0, atol=0)
+    assert store.n_samples == 6 and store.verify() == []
+    assert store.row_table()["label"].to_pylist() == [0, 1, 0, 1, 1, 0]
+    # neither dimension: still refused, naming both
+    with acs.ActivationScope().track(model, include=["head"]) as tracker:
+        tracker.set_batch(label=[0, 1])
+        with pytest.raises(ArgumentValueError, match=r"describes 2 samples.* has 10 .*sequence-first input, is 3"):
+            model(xs[0])

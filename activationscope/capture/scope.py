@@ -1453,16 +1453,20 @@ class Tracker:
 
     def _check_batch_size(self, batch: Mapping[str, Any]) -> None:
         """Refuse a ``set_batch`` that describes another number of samples than the forward's
-        batch (the first dimension of its first input, once known)."""
+        batch: the first dimension of its first input, once known, or its second dimension (a
+        sequence-first input, ``(pos, batch, ...)``, as ``nn.LSTM`` and ``nn.Transformer``
+        take by default)."""
         n = _batch_size(batch, self._core.batch_size)
         actual = int(self._core.batch_size)
-        if actual >= 0 and n != actual:
+        if actual >= 0 and n != actual and n != int(self._core.second_dim):
             what = ("attention_mask" if batch.get("attention_mask") is not None else
                     "sample_ids" if batch.get("sample_ids") is not None else
                     f"column {next(iter(batch.get('columns') or {'?': 0}))!r}")
             raise ArgumentValueError(
                 f"set_batch({what}=...) describes {n} samples, but the forward's batch has {actual} (the first "
-                "dimension of its first input); call set_batch with one entry per sample before each forward"
+                "dimension of its first input; its second dimension, the batch of a sequence-first input, is "
+                f"{'absent' if int(self._core.second_dim) < 0 else int(self._core.second_dim)}); call set_batch "
+                "with one entry per sample before each forward"
             )
 
     def _warn_row_table_lost(self, lost: Mapping[str, tuple[int, int]]) -> None:
