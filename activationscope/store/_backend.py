@@ -807,6 +807,77 @@ def describe_local_path(path: str | os.PathLike) -> tuple[str, str] | None:
     count = f"{len(entries)} entr{'y' if len(entries) == 1 else 'ies'}"
     return "folder", f"a folder that is not a store ({count}: {shown})"
 
+#: A rank store's folder in its multi-rank store (FORMAT.md §10): ``ranks/<rank, 5 digits>``.
+_RANK_FOLDER = re.compile(r"ranks/[0-9]{5}")
+
+
+def _store_marks(folder: Path) -> tuple[bool, dict | None]:
+    """Whether ``folder`` is an activationscope store (its root document has our attributes,
+    or it holds a writer lock: a store being made, or one whose root is damaged), and those
+    attributes (None when unreadable)."""
+    try:
+        raw = read_regular(folder / "zarr.json", store=folder, key="zarr.json")
+    except (StoreError, OSError):
+        raw = None
+    attrs = None
+    if raw is not None:
+        try:
+            meta = json.loads(raw)
+        except (ValueError, RecursionError):
+            meta = None
+        got = meta.get("attributes") if isinstance(meta, dict) else None
+        got = got.get("activationscope") if isinstance(got, dict) else None
+        attrs = got if isinstance(got, dict) else None
+    if attrs is not None:
+        return True, attrs
+    try:
+        locked = (folder / LOCK_KEY).is_file()
+    except OSError:
+        locked = False
+    return locked, None
+
+
+def store_above(path: str | os.PathLike) -> Path | None:
+    """The outermost activationscope store that a local ``path`` lies inside (symlinks
+    resolved), None when no folder above it is one.
+
+    A folder above counts as a store when its ``zarr.json`` carries our attributes or it holds
+    a writer lock. A rank store's own folder ``ranks/<rank, 5 digits>`` in its multi-rank
+    store (one not committed yet, FORMAT.md §10, or whose root document is missing or
+    unreadable) is where rank stores belong: that store does not count for it (a store above
+    that one still does).
+
+    Reads at most one root document (``MAX_JSON_BYTES``) per folder above ``path``.
+    """
+    p = Path(expand_local(os.fspath(path))).resolve()
+    found = None
+    for q in p.parents:
+        is_store, attrs = _store_marks(q)
+        if not is_store:
+            continue
+        dist = (attrs or {}).get("distributed")
+        rank_root = attrs is None or (isinstance(dist, dict) and dist.get("committed") is not True)
+        if rank_root and _RANK_FOLDER.fullmatch(p.relative_to(q).as_posix()):
+            continue
+        found = q
+    return found
+
+
+def check_not_in_store(root: str | os.PathLike) -> None:
+    """Raise :class:`StoreError` when a new or resumed local store at ``root`` would lie
+    inside another store (:func:`store_above`): its files would be written among that
+    store's, and a store cannot hold another one. Checked before anything is written."""
+    outer = store_above(root)
+    if outer is None:
+        return
+    p = Path(expand_local(os.fspath(root))).resolve()
+    raise StoreError(
+        f"store path {str(root)!r} lies inside the store {str(outer)!r} (as {p.relative_to(outer).as_posix()!r}); "
+        f"a store cannot be written inside another store, and nothing was written. Choose a path outside "
+        f"{str(outer)!r} (e.g. {str(outer.parent / p.name)!r})"
+    )
+
+
 def check_local_store_path(root: str | os.PathLike) -> None:
     """Raise :class:`StoreError` when a local store path (or a folder above it) is a file.
 

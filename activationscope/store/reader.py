@@ -46,7 +46,7 @@ from ..errors import (
 from . import _decode
 from . import _format as F
 from . import _validate as V
-from ._backend import LocalBackend, open_regular, resolve
+from ._backend import LocalBackend, check_not_in_store, open_regular, resolve
 
 # shard index entry of a chunk that is not there (Zarr sharding: 2**64 - 1)
 _MISSING = 2**64 - 1
@@ -1986,6 +1986,8 @@ def copy_store(source: Any, target: Any, *, overwrite: bool = False) -> None:
         ``target`` is not empty and ``overwrite`` is False.
     StoreLockedError
         A writer holds ``target``.
+    StoreError
+        ``target`` is a local path inside another store.
     StoreCorruptError
         The source holds a file that is not a regular file inside it (a symlink leaving it,
         a FIFO, a device): nothing is copied through it.
@@ -1996,6 +1998,8 @@ def copy_store(source: Any, target: Any, *, overwrite: bool = False) -> None:
 
     src = source._backend if isinstance(source, Store) else resolve(source, read_only=True)
     dst = resolve(target)
+    if isinstance(dst, LocalBackend):
+        check_not_in_store(dst.root)  # its objects would land among another store's
     with WriterLock(dst):  # no writer may be writing the target meanwhile
         if not dst.is_empty():
             if not overwrite:

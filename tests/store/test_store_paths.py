@@ -3,6 +3,8 @@ should go, resume=True with nothing to resume, compression levels out of range."
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -210,3 +212,93 @@ def test_hook_points_with_names_longer_than_a_file_name_are_stored_and_read_back
         torch.testing.assert_close(s.reductions[hp]["mean"], want.double().mean(0))
     assert F.node_name("é" * 70 + ".output").startswith("é" * 50 + "~")
     assert F.node_name("a" * 128) == "a" * 128  # up to 128 bytes: as it was
+
+
+def _files(root) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("inner", ["acts/new.zarr", "sub", "sub/deeper/new.zarr", "acts/0.output/x.zarr", "acts",
+                                   "rows/sample"])
+@pytest.mark.parametrize("how", ["new", "overwrite", "resume", "scope", "copy", "rank"])
+def test_a_store_inside_another_store_is_refused(tmp_path, inner, how):
+    """A store written at a path inside another store would put its files among that store's
+    (and overwrite=True would move that store's own folders aside): refused before anything
+    is written, naming the outer store and a path outside it."""
+    from acs_testing import store_three_batches
+
+    from activationscope.store import copy_store
+
+    outer = tmp_path / "a.zarr"
+    data = store_three_batches(str(outer))
+    before = _files(outer)
+    target = outer / inner
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    # a rank store goes to <store>/ranks/<rank>: refused there when the store's folder exists
+    shown = inner + ("(/ranks/00000)?" if how == "rank" else "")
+    match = (rf"store path .*{inner}.* lies inside the store '{outer}' \(as '{shown}'\).*nothing was written"
+             rf".*Choose a path outside '{outer}'")
+    with pytest.raises(StoreError, match=match):
+        if how in ("new", "overwrite", "resume"):
+            StoreWriter(str(target), **({how: True} if how != "new" else {}))
+        elif how == "copy":
+            copy_store(str(outer), str(target))
+        else:
+            opts = {"process_group": acs.RankStore(0, 2)} if how == "rank" else {}
+            with acs.ActivationScope(store=str(target), store_options=opts).track(model):
+                model(torch.randn(1, 2))
+    assert _files(outer) == before
+    assert not (outer / "sub").exists() and not (outer / "acts" / "new.zarr").exists()
+    store = acs.open_store(outer)
+    assert store.verify() == [] and torch.equal(store["0.output"], data)
+
+
+def test_a_link_into_a_store_is_refused_and_a_store_beside_one_is_not(tmp_path):
+    from acs_testing import store_three_batches
+
+    outer = tmp_path / "a.zarr"
+    store_three_batches(str(outer))
+    before = _files(outer)
+    (tmp_path / "link").symlink_to(outer / "acts", target_is_directory=True)
+    with pytest.raises(StoreError, match=f"lies inside the store '{outer}' \\(as 'acts/new.zarr'\\)"):
+        StoreWriter(str(tmp_path / "link" / "new.zarr"))
+    assert _files(outer) == before
+    # beside it, and in a folder above it: stores as any other
+    beside = store_three_batches(str(tmp_path / "b.zarr"))
+    assert torch.equal(acs.open_store(tmp_path / "b.zarr")["0.output"], beside)
+    assert _files(outer) == before
+
+
+def test_rank_stores_still_go_in_their_multi_rank_store_but_not_in_another_store(tmp_path):
+    """A rank store belongs in ``ranks/<rank>`` of its multi-rank store; that multi-rank store
+    itself inside a one-process store is refused for every rank."""
+    from activationscope.store.ranks import commit_ranks
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    xs = [torch.randn(3, 2) for _ in range(2)]
+    store = tmp_path / "m.zarr"
+    for task in range(2):
+        opts = {"process_group": acs.RankStore(task, 2)}
+        with acs.ActivationScope(store=str(store), store_options=opts).track(model), torch.no_grad():
+            model(xs[task])
+    commit_ranks(store)
+    with torch.no_grad():
+        assert torch.equal(acs.open_store(store)["0.output"], model(torch.cat(xs)))
+    # a one-process store holding a multi-rank store made before this was refused
+    outer = tmp_path / "a.zarr"
+    with StoreWriter(str(outer)) as w:
+        w.open_array("0.output", (2,), torch.float32, "sample").append(torch.zeros(1, 2))
+        w.add_batch(1)
+    from activationscope.store.ranks import prepare_root
+
+    (outer / "m.zarr").mkdir()
+    (outer / "m.zarr" / "zarr.json").write_bytes((tmp_path / "m.zarr" / "zarr.json").read_bytes())
+    root = json.loads((outer / "m.zarr" / "zarr.json").read_text())
+    root["attributes"]["activationscope"]["distributed"]["committed"] = False
+    (outer / "m.zarr" / "zarr.json").write_text(json.dumps(root))
+    before = _files(outer)
+    with pytest.raises(StoreError, match=f"lies inside the store '{outer}' \\(as 'm.zarr/ranks/00001'\\)"):
+        StoreWriter(str(outer / "m.zarr" / "ranks" / "00001"))
+    with pytest.raises(StoreError, match=f"lies inside the store '{outer}' \\(as 'm.zarr'\\)"):
+        prepare_root(str(outer / "m.zarr"), world_size=2, resume=True)
+    assert _files(outer) == before
