@@ -19,8 +19,10 @@ import ctypes
 import functools
 import io
 import itertools
+import json
 import math
 import mmap
+import shlex
 import operator
 import os
 import sys
@@ -46,7 +48,7 @@ from ..errors import (
 from . import _decode
 from . import _format as F
 from . import _validate as V
-from ._backend import LocalBackend, check_not_in_store, open_regular, resolve
+from ._backend import LocalBackend, check_not_in_store, open_regular, resolve, store_above
 
 # shard index entry of a chunk that is not there (Zarr sharding: 2**64 - 1)
 _MISSING = 2**64 - 1
@@ -299,9 +301,15 @@ class Store:
         stamp = self._root_stamp()  # before the read: a commit in between only costs one re-read later
         raw = self._backend.get("zarr.json", max_bytes=V.MAX_JSON_BYTES)
         if raw is None:
+            self._refuse_node_of_a_store(raw)
             raise StoreError(f"no store at {str(self._backend)!r} (no zarr.json)")
-        attrs = V.parse_root(raw, store=self._backend)
+        try:
+            attrs = V.parse_root(raw, store=self._backend)
+        except StoreCorruptError:
+            self._refuse_node_of_a_store(raw)  # an array document read as a root, not damage
+            raise
         if attrs is None:
+            self._refuse_node_of_a_store(raw)
             raise StoreError(f"{str(self._backend)!r} is a Zarr node but not an activationscope store")
         run = F.run_of(attrs)
         ranks: list[tuple[int, Store]] = []
@@ -323,6 +331,37 @@ class Store:
             self._checked.clear()
             self._cache.clear()
             self._cached = 0
+
+    def _refuse_node_of_a_store(self, raw: bytes | None) -> None:
+        """Raise :class:`StoreError` naming the store to open when this local path, which holds
+        no store root, is a folder inside a store (``acts``, ``acts/<node>``, ``rows/sample``,
+        ``reductions/<node>/<name>``, ...): its ``zarr.json`` (``raw``), if any, is a Zarr node
+        without the root's ``format``. Returns when it is not."""
+        if not isinstance(self._backend, LocalBackend) or not self._backend.root.is_dir():
+            return
+        ours = None
+        if raw is not None:
+            try:
+                doc = json.loads(raw)
+            except (ValueError, RecursionError):
+                return  # a damaged document: said as such by the caller
+            attrs = doc.get("attributes") if isinstance(doc, dict) else None
+            ours = attrs.get(F.ATTRS_KEY) if isinstance(attrs, dict) else None
+            if isinstance(ours, dict) and "format" in ours:
+                return  # a store root (perhaps damaged), not a node
+        outer = store_above(self._backend.root)
+        if outer is None:
+            return
+        rel = self._backend.root.resolve().relative_to(outer).as_posix()
+        hp = ours.get("hook_point") if isinstance(ours, dict) else None
+        array = isinstance(hp, str) and rel.startswith("acts/")
+        raise StoreError(
+            f"{str(self._backend)!r} is not a store: it is {rel!r}"
+            + (f" (the array of hook point {hp!r})" if array else "")
+            + f" inside the store {str(outer)!r}. Open that store instead (open_store({str(outer)!r}); "
+            f"`activationscope verify {shlex.quote(str(outer))}`)"
+            + (f" and read {hp!r} from it" if array else "")
+        )
 
     def _root_stamp(self) -> tuple | None:
         """(device, inode, mtime, size) of a local store's root document; None for other

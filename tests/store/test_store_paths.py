@@ -302,3 +302,41 @@ def test_rank_stores_still_go_in_their_multi_rank_store_but_not_in_another_store
     with pytest.raises(StoreError, match=f"lies inside the store '{outer}' \\(as 'm.zarr'\\)"):
         prepare_root(str(outer / "m.zarr"), world_size=2, resume=True)
     assert _files(outer) == before
+
+
+@pytest.mark.parametrize("node", ["acts", "acts/0.output", "acts/0.output/c", "rows", "rows/sample", "reductions",
+                                  "reductions/0.output", "reductions/0.output/mean", "reductions/0.output/mean.count"])
+def test_opening_a_node_inside_a_store_names_the_store_to_open(tmp_path, node, capsys):
+    """open_store / verify of a folder inside a store (an array's, a group's, the row tables')
+    says which store to open instead, not "no store" or that the store is damaged."""
+    from activationscope import cli
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    outer = tmp_path / "a.zarr"
+    with acs.ActivationScope(store=str(outer), reductions=["mean"]).track(model), torch.no_grad():
+        model(torch.randn(3, 2))
+    before = _files(outer)
+    hp = r" \(the array of hook point '0\.output'\)" if node == "acts/0.output" else ""
+    match = (rf"'{outer}/{node}' is not a store: it is '{node}'{hp} inside the store '{outer}'\. "
+             rf"Open that store instead \(open_store\('{outer}'\); `activationscope verify {outer}`\)")
+    with pytest.raises(StoreError, match=match) as e:
+        acs.open_store(outer / node)
+    assert not isinstance(e.value, acs.StoreCorruptError)
+    with pytest.raises(StoreError, match=match):
+        acs.open_store(str(outer / node), verify=True).verify()
+    assert cli.main(["verify", str(outer / node)]) != 0
+    assert f"inside the store '{outer}'" in capsys.readouterr().err
+    assert _files(outer) == before
+    assert acs.open_store(outer).verify() == []
+
+
+def test_a_path_that_is_not_there_or_not_in_a_store_says_so(tmp_path):
+    from acs_testing import store_three_batches
+
+    outer = tmp_path / "a.zarr"
+    store_three_batches(str(outer))
+    with pytest.raises(StoreError, match=r"no store at .*a\.zarr/missing' \(no zarr\.json\)"):
+        acs.open_store(outer / "missing")
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(StoreError, match=r"no store at .*plain' \(no zarr\.json\)"):
+        acs.open_store(tmp_path / "plain")
