@@ -2004,7 +2004,8 @@ def open_store(target: Any, *, cache_bytes: int = 64 << 20, storage_options: dic
     Raises
     ------
     StoreError
-        Nothing there, not an activationscope store, or a newer format.
+        Nothing there, not an activationscope store, or a newer format; a folder inside a store
+        (`acts`, an array's folder, ...) names the store to open instead.
 
     Example
     -------
