@@ -236,6 +236,128 @@ def check_reduction_entry(hp: str, name: str, e: Any, c: _Checker) -> None:
         c.crcs(part.get("crc32c"), f"{g}.crc32c", "reductions")
 
 
+#: The built-in reductions (``capture.reductions.BUILTIN_REDUCTIONS``, made in
+#: ``csrc/reductions_builtin.cpp``) and the options each takes besides ``per_feature``.
+BUILTIN_OPTIONS: dict[str, tuple[str, ...]] = {
+    "mean": (), "var": ("ddof",), "std": ("ddof",), "min": (), "max": (), "absmax": (), "l2": (), "nonzero": (),
+    "hist": ("bins", "lo", "hi"), "cov": ("ddof",), "topk": ("k",),
+}
+#: The largest ``bins`` of ``hist`` and ``k`` of ``topk``.
+MAX_BINS = MAX_TOPK = 1 << 24
+
+
+def _whole(v: Any, lo: int, hi: int) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v == math.floor(v) \
+        and lo <= v <= hi
+
+
+def _builtin_option_problem(kind: str, options: dict) -> tuple[str, str, Any] | None:
+    """``(option, constraint, value)`` of the first option of built-in ``kind`` that a
+    reduction of that kind cannot be made with (``make_reduction`` refuses it), else None."""
+    allowed = (*BUILTIN_OPTIONS[kind], "per_feature")
+    for name, value in options.items():
+        if name not in allowed:
+            return name, f"absent (reduction {kind!r} has the options {list(allowed)})", value
+    if options.get("per_feature", 1) not in (0, 1):
+        return "per_feature", "0 or 1", options["per_feature"]
+    if "ddof" in allowed and not _whole(options.get("ddof", 0), 0, MAX_ROWS):
+        return "ddof", "a non-negative integer", options["ddof"]
+    if kind == "topk" and not _whole(options.get("k", 10), 1, MAX_TOPK):
+        return "k", f"an integer in 1..{MAX_TOPK}", options["k"]
+    if kind == "hist":
+        if not _whole(options.get("bins", 64), 1, MAX_BINS):
+            return "bins", f"an integer in 1..{MAX_BINS}", options["bins"]
+        if "lo" not in options or "hi" not in options:
+            return "lo" if "lo" not in options else "hi", "present (the histogram range)", "no such option"
+        lo, hi, bins = options["lo"], options["hi"], options.get("bins", 64)
+        if not lo < hi:
+            return "lo", f"below hi ({hi!r})", lo
+        if not (math.isfinite(hi - lo) and math.isfinite(bins / (hi - lo))
+                and (hi - lo) / bins >= 16 * math.ulp(max(abs(lo), abs(hi)))):
+            return "hi", (f"such that hi - lo and bins / (hi - lo) are finite and each of the {int(bins)} bins is at "
+                          f"least 16 float64 steps wide (lo={lo!r})"), hi
+    return None
+
+
+def _builtin_output_shape(kind: str, key: str, options: dict, feature_shape: list[int]) -> Any:
+    """The shape of output ``key`` of built-in ``kind`` over rows of ``feature_shape``: a
+    list, ``("topk", rest)`` for a ``topk`` output (``[n, *rest]``, ``1 <= n <= k``), or None
+    when the reduction has no such output."""
+    per = list(feature_shape) if options.get("per_feature", 1) else []
+    n_features = math.prod(feature_shape) if options.get("per_feature", 1) else 1
+    if key == "count":
+        return []
+    if kind in ("mean", "var", "std", "min", "max", "absmax", "l2", "nonzero"):
+        own = {kind} | ({"mean"} if kind in ("var", "std") else set())
+        return per if key in own else None
+    if kind == "hist":
+        bins = int(options.get("bins", 64))
+        return {"counts": [*per, bins], "edges": [bins + 1], "underflow": per, "overflow": per, "nan": per}.get(key)
+    if kind == "cov":
+        return {"mean": per, "cov": [n_features, n_features]}.get(key)
+    if kind == "topk":
+        keys = ("values", "row_ids") + (() if options.get("per_feature", 1) else ("feature_ids",))
+        return ("topk", per) if key in keys else None
+    return None
+
+
+def check_builtin_reductions(attrs: dict, c: _Checker) -> None:
+    """Every reduction entry of a built-in ``kind`` (FORMAT.md §9 rule 10): the options of its
+    main entry are ones that reduction can be made with, and each entry is one of its outputs
+    with the shape it has over rows of its hook point's feature shape (when the hook point,
+    or the target of its alias, has an array)."""
+    arrays, aliases = attrs.get("arrays", {}), attrs.get("aliases") or {}
+    for hp, entries in attrs.get("reductions", {}).items():
+        meta = arrays.get(aliases.get(hp, hp)) or arrays.get(hp)
+        features = meta.get("feature_shape") if isinstance(meta, dict) else None
+        options_of: dict[str, dict] = {}
+        for name, e in entries.items():
+            if e.get("kind") in BUILTIN_OPTIONS and isinstance(e.get("options"), dict):
+                options_of.setdefault(str(e.get("reduction", name)), e["options"])
+        for name, e in entries.items():
+            kind = e.get("kind")
+            if kind not in BUILTIN_OPTIONS:
+                continue
+            f = f"reductions[{hp!r}][{name!r}]"
+            if "options" in e:
+                bad = _builtin_option_problem(kind, e["options"])
+                if bad is not None:
+                    option, constraint, value = bad
+                    raise c.fail(f"{f}.options[{option!r}]", f"{constraint} for the built-in reduction {kind!r}", value)
+            red = e.get("reduction")
+            if red is None:
+                continue  # which reduction (and output) it is is not recorded: nothing to compare
+            if not isinstance(red, str) or not (name == red or name.startswith(red + ".")):
+                raise c.fail(f"{f}.reduction", "the entry's name, or the part of it before '.<output>'", red)
+            key = kind if name == red else name[len(red) + 1:]
+            options = options_of.get(red)
+            if options is None:  # options not recorded: its outputs are known, their shapes are not
+                if all(_builtin_output_shape(kind, key, {"per_feature": pf, "lo": 0, "hi": 1}, []) is None
+                       for pf in (0, 1)):
+                    raise c.fail(f, f"an output of the built-in reduction {kind!r}", name)
+                continue
+            if kind == "hist" and ("lo" not in options or "hi" not in options):
+                options = {**options, "lo": 0.0, "hi": 1.0}  # (refused above when on this entry)
+            want = _builtin_output_shape(kind, key, options, features if isinstance(features, list) else [])
+            if want is None:
+                raise c.fail(f, f"an output of the built-in reduction {kind!r} (the entry {red!r} or {red!r}.<output>)",
+                             name)
+            per_feature = bool(options.get("per_feature", 1))
+            if per_feature and not isinstance(features, list) and want != [] and key != "edges":
+                continue  # no array of this hook point: its feature shape is not known
+            shape = e["shape"]
+            if isinstance(want, tuple):
+                k = int(options.get("k", 10))
+                ok = len(shape) == 1 + len(want[1]) and 1 <= shape[0] <= k and shape[1:] == want[1]
+                want = f"[n, *{want[1]}] with n in 1..{k} (k)"
+            else:
+                ok = shape == want
+            if not ok:
+                where = f"the feature shape {features} of {hp!r}" if per_feature else "per_feature=0"
+                raise c.fail(f"{f}.shape", f"{want} (output {key!r} of the built-in reduction {kind!r}, by {where} "
+                             f"and its options {options})", shape)
+
+
 def check_root_attrs(attrs: Any, *, store: Any, key: str = "zarr.json") -> dict:
     """Validate the root metadata (FORMAT.md §2, §9) and return it.
 
@@ -297,6 +419,7 @@ def check_root_attrs(attrs: Any, *, store: Any, key: str = "zarr.json") -> dict:
             raise c.fail(f"aliases[{alias!r}]", "a hook point of 'arrays'", target)
         if alias in arrays:
             raise c.fail(f"aliases[{alias!r}]", "a hook point without an array of its own", alias)
+    check_builtin_reductions(attrs, c)
     return attrs
 
 

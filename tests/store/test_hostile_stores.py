@@ -5,6 +5,7 @@ naming the file, never crash, hang, read or delete outside the store, or read as
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -1138,3 +1139,110 @@ def test_resume_of_a_root_whose_row_table_lists_no_parts_field(plain):
     w.close()
     st = open_store(path)
     assert st.row_table("token").num_rows == 0 and torch.equal(st["0.output"], data)
+
+
+def _builtin_store(path: Path, feature_shape=(2, 3)) -> None:
+    """A store of one hook point ``0.output`` (rows of ``feature_shape``) with every built-in
+    reduction, per feature and over every value (``<name>0``)."""
+    from activationscope.reductions import BUILTIN_REDUCTIONS
+
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    model = torch.nn.Sequential(M())
+    reds = []
+    for kind in BUILTIN_REDUCTIONS:
+        opts = {"hist": {"lo": -1.0, "hi": 1.0, "bins": 4}, "topk": {"k": 3}, "var": {"ddof": 1}}.get(kind, {})
+        reds += [(kind, kind, opts), (kind + "0", kind, {**opts, "per_feature": 0})]
+    with acs.ActivationScope(store=str(path), reductions=reds).track(model), torch.no_grad():
+        for _ in range(2):
+            model(torch.randn(5, *feature_shape))
+
+
+@pytest.mark.parametrize("feature_shape", [(3,), (2, 3), (1, 2, 2)])
+def test_every_built_in_reduction_a_capture_stores_passes_the_open_checks(tmp_path, feature_shape):
+    """The open-time rules for built-in reductions (kinds, options, output shapes) hold for
+    what the native reductions store, for every kind, per feature or not."""
+    from activationscope.reductions import BUILTIN_REDUCTIONS
+    from activationscope.store._validate import BUILTIN_OPTIONS
+
+    assert set(BUILTIN_OPTIONS) == set(BUILTIN_REDUCTIONS)
+    path = tmp_path / "b.zarr"
+    _builtin_store(path, feature_shape)
+    s = open_store(path)
+    assert s.verify() == []
+    red = s.reductions["0.output"]
+    assert red["cov"].shape == (math.prod(feature_shape),) * 2 and red["hist.counts"].shape == (*feature_shape, 4)
+    assert red["topk.values"].shape == (3, *feature_shape) and red["topk0.feature_ids"].shape == (3,)
+
+
+@pytest.mark.parametrize("entry, edit, field, constraint", [
+    ("hist.counts", {"options": {"bins": 0.0}}, "options['bins']", "an integer in 1..16777216"),
+    ("hist.counts", {"options": {"bins": -4.0}}, "options['bins']", "an integer in 1..16777216"),
+    ("hist.counts", {"options": {"bins": 2.5}}, "options['bins']", "an integer in 1..16777216"),
+    ("hist.counts", {"options": {"lo": 1.0}}, "options['lo']", "below hi (1.0)"),
+    ("hist.counts", {"options": {"lo": 3.0}}, "options['lo']", "below hi (1.0)"),
+    ("hist.counts", {"options": {"lo": -1e308, "hi": 1e308}}, "options['hi']", "such that hi - lo"),
+    ("hist.counts", {"options": {"lo": None}}, "options['lo']", "present (the histogram range)"),
+    ("topk.values", {"options": {"k": 0.0}}, "options['k']", "an integer in 1..16777216"),
+    ("topk.values", {"options": {"k": -2.0}}, "options['k']", "an integer in 1..16777216"),
+    ("topk.values", {"options": {"k": 2.5}}, "options['k']", "an integer in 1..16777216"),
+    ("mean", {"options": {"per_feature": 2.0}}, "options['per_feature']", "0 or 1"),
+    ("mean", {"options": {"bins": 4.0}}, "options['bins']", "absent (reduction 'mean' has the options ['per_feature'])"),
+    ("cov", {"options": {"ddof": -1.0}}, "options['ddof']", "a non-negative integer"),
+    ("var", {"options": {"ddof": 0.5}}, "options['ddof']", "a non-negative integer"),
+    ("mean", {"shape": [3, 2]}, "shape", "[2, 3] (output 'mean' of the built-in reduction 'mean', by the feature shape "
+                                         "[2, 3] of '0.output'"),
+    ("mean", {"shape": [6]}, "shape", "[2, 3]"),
+    ("mean0", {"shape": [1]}, "shape", "[] (output 'mean' of the built-in reduction 'mean', by per_feature=0"),
+    ("cov", {"shape": [3, 3]}, "shape", "[6, 6]"),
+    ("hist.counts", {"shape": [2, 3, 5]}, "shape", "[2, 3, 4]"),
+    ("hist.edges", {"shape": [4]}, "shape", "[5]"),
+    ("topk.values", {"shape": [4, 2, 3]}, "shape", "[n, *[2, 3]] with n in 1..3 (k)"),
+    ("topk.row_ids", {"shape": [0, 2, 3]}, "shape", "[n, *[2, 3]] with n in 1..3 (k)"),
+    ("topk.values", {"shape": [3, 6]}, "shape", "[n, *[2, 3]]"),
+])
+def test_built_in_reduction_metadata_that_no_reduction_has_is_refused_at_open(tmp_path, entry, edit, field, constraint):
+    """A root whose built-in reduction entries name options that reduction cannot have (hist
+    bins <= 0 or lo >= hi, topk k <= 0 or not an integer, an unknown option) or an output
+    shape its hook point's feature shape cannot give is refused at open with
+    StoreCorruptError naming the field; before, it opened and verified clean, and a resume,
+    a commit or the report failed on it later (or binned with a range that is none)."""
+    from activationscope import cli
+
+    path = tmp_path / "b.zarr"
+    _builtin_store(path)
+
+    def forge(a):
+        e = a["reductions"]["0.output"][entry]
+        if "options" in edit:
+            e["options"].update(edit["options"])
+            e["options"] = {k: v for k, v in e["options"].items() if v is not None}
+        if "shape" in edit:
+            e["shape"] = edit["shape"]
+
+    edit_root(path, forge)
+    before = _files(path)
+    message = re.escape(f"zarr.json field reductions['0.output'][{entry!r}].{field} must be {constraint}")
+    with pytest.raises(StoreCorruptError, match=message):
+        open_store(path)
+    assert cli.main(["verify", str(path)]) == 1
+    with pytest.raises(StoreCorruptError, match=message):
+        StoreWriter(path, resume=True)
+    assert _files(path) == before
+
+
+def test_built_in_reduction_entries_that_are_not_its_outputs_are_refused(tmp_path):
+    path = tmp_path / "b.zarr"
+    _builtin_store(path)
+    edit_root(path, lambda a: a["reductions"]["0.output"].update(
+        {"mean.extra": {**a["reductions"]["0.output"]["mean.count"]}}))
+    with pytest.raises(StoreCorruptError, match=re.escape(
+            "field reductions['0.output']['mean.extra'] must be an output of the built-in reduction 'mean'")):
+        open_store(path)
+    _builtin_store(path := tmp_path / "c.zarr")
+    edit_root(path, lambda a: a["reductions"]["0.output"]["mean.count"].update(reduction="var"))
+    with pytest.raises(StoreCorruptError, match=re.escape(
+            "field reductions['0.output']['mean.count'].reduction must be the entry's name, or the part of it before")):
+        open_store(path)
