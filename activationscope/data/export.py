@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import mmap
 import os
 from collections.abc import Iterable
@@ -880,6 +881,42 @@ def _primitive_to_torch(values: pa.Array, base: _MapBase | None) -> torch.Tensor
     return torch.from_numpy(arr.copy()).view(dtype) if arr.dtype.kind != "u" or dtype != torch.uint16 else torch.from_numpy(arr.astype(np.int32)).to(torch.uint16)
 
 
+#: At most this many feature dimensions (as a store's ``feature_shape``, FORMAT.md §9 rule 8).
+_MAX_FEATURE_DIMS = 32
+
+
+def _feature_shape(raw: bytes, column_type: pa.DataType, storage_type: pa.DataType, shape: tuple[int, ...],
+                   name: str) -> tuple[int, ...]:
+    """The feature shape a hook point column's ``activationscope.shape`` field metadata
+    (``raw``) gives, checked against the column: a JSON list of at most 32 ints >= 0 equal to
+    a fixed-shape tensor's shape, whose product is a fixed-size list's size, and ``[]`` for a
+    primitive column (``shape``: what the type says)."""
+    def bad(constraint: str) -> ActivationScopeError:
+        shown = raw.decode("utf-8", "replace")
+        shown = shown if len(shown) <= 200 else shown[:200] + "..."
+        return ActivationScopeError(
+            f"column {name!r}: field metadata {_META_SHAPE.decode()} must be {constraint}, got {shown!r}; the file is "
+            "damaged or was not written by export_arrow / export_parquet: export the store again"
+        )
+
+    try:
+        got = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise bad("a JSON list of ints") from None
+    if not isinstance(got, list) or len(got) > _MAX_FEATURE_DIMS or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in got):
+        raise bad(f"a JSON list of at most {_MAX_FEATURE_DIMS} ints >= 0")
+    if isinstance(column_type, pa.FixedShapeTensorType):
+        if tuple(got) != shape:
+            raise bad(f"the column's fixed_shape_tensor shape {list(shape)}")
+    elif pa.types.is_fixed_size_list(storage_type):
+        if math.prod(got) != storage_type.list_size or not got:
+            raise bad(f"a shape of {storage_type.list_size} values (the column's fixed_size_list size)")
+    elif got:
+        raise bad(f"[] (the column is {storage_type}, one value per row)")
+    return tuple(got)
+
+
 def arrow_to_torch(array: pa.Array | pa.ChunkedArray, field: pa.Field | None = None, _base: _MapBase | None = None) -> torch.Tensor:
     """A hook point column (or any primitive / fixed-size list / fixed-shape tensor array) as a tensor.
 
@@ -900,7 +937,10 @@ def arrow_to_torch(array: pa.Array | pa.ChunkedArray, field: pa.Field | None = N
     Raises
     ------
     ActivationScopeError
-        Nulls, or a type with no tensor equivalent.
+        Nulls, a type with no tensor equivalent, or an ``activationscope.shape`` that does not
+        describe the column (not a JSON list of ints >= 0, another shape than a fixed-shape
+        tensor's, another number of values than a fixed-size list's, not ``[]`` for a
+        primitive column).
     """
     if isinstance(array, pa.ChunkedArray):
         parts = [arrow_to_torch(c, field, _base) for c in array.chunks]
@@ -914,6 +954,10 @@ def arrow_to_torch(array: pa.Array | pa.ChunkedArray, field: pa.Field | None = N
     if isinstance(arr.type, pa.FixedShapeTensorType):
         shape = tuple(arr.type.shape)
         arr = arr.storage
+        if math.prod(shape) != arr.type.list_size:
+            raise ActivationScopeError(
+                f"column of type {array.type}: its fixed_shape_tensor shape {list(shape)} holds {math.prod(shape)} "
+                f"values, its storage {arr.type} {arr.type.list_size}; the file is damaged: export the store again")
     if pa.types.is_fixed_size_list(arr.type):
         if arr.null_count:
             raise ActivationScopeError(f"cannot convert a fixed-size list array with {arr.null_count} nulls")
@@ -926,8 +970,8 @@ def arrow_to_torch(array: pa.Array | pa.ChunkedArray, field: pa.Field | None = N
     else:
         raise ActivationScopeError(f"Arrow type {arr.type} is not a hook point column (primitive, fixed-size list or fixed-shape tensor)")
     meta = (field.metadata or {}) if field is not None else {}
-    if _META_SHAPE in meta and shape:
-        shape = tuple(json.loads(meta[_META_SHAPE]))
+    if _META_SHAPE in meta:
+        shape = _feature_shape(meta[_META_SHAPE], array.type, arr.type, shape, field.name)
     flat = _primitive_to_torch(values, _base)
     if meta.get(_META_DTYPE) == b"bfloat16" and flat.dtype == torch.uint16:
         flat = flat.view(torch.bfloat16)
@@ -972,6 +1016,15 @@ def read_arrow(
         batch (or with ``batches=True``); with several batches and ``batches=False`` each
         column is concatenated (one copy). Views keep the map alive; writing into them never
         changes the file.
+
+    Raises
+    ------
+    ColumnNotFoundError
+        A column of ``columns`` is not in the file.
+    ActivationScopeError
+        A hook point column that cannot be read as a tensor: nulls, a type with no tensor
+        equivalent, or field metadata ``activationscope.shape`` that does not describe it
+        (see :func:`arrow_to_torch`).
 
     Example
     -------

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -413,3 +415,65 @@ def test_a_dataset_refuses_a_hook_point_off_the_row_table_next_to_others(late_st
         ActivationDataset(path, hook_points=["a.output", "b.output"])
     monkeypatch.undo()
     assert torch.equal(ActivationDataset(path, hook_points="b.output")[:]["b.output"], want_b)
+
+
+def _with_shape_metadata(path, out, column: str, raw: bytes):
+    table = pa.ipc.open_file(pa.memory_map(str(path))).read_all()
+    i = table.schema.get_field_index(column)
+    field = table.schema.field(i)
+    table = table.cast(table.schema.set(i, field.with_metadata({**field.metadata, b"activationscope.shape": raw})))
+    with pa.OSFile(str(out), "wb") as sink, pa.ipc.new_file(sink, table.schema) as w:
+        w.write_table(table)
+    return out
+
+
+@pytest.mark.parametrize("tensor_type", ["fixed_shape_tensor", "fixed_size_list"])
+@pytest.mark.parametrize("raw, constraint", [
+    (b"[-1, 3]", "a JSON list of at most 32 ints >= 0"),  # reshape(-1) would have inferred a wrong shape
+    (b"[-2, -3]", "a JSON list of at most 32 ints >= 0"),
+    (b"[2.5, 2]", "a JSON list of at most 32 ints >= 0"),
+    (b"[true, 6]", "a JSON list of at most 32 ints >= 0"),  # read as (rows, 1, 6) before
+    (b'["2", 3]', "a JSON list of at most 32 ints >= 0"),
+    (b"[1e400]", "a JSON list of at most 32 ints >= 0"),
+    (b"[" + b"1, " * 32 + b"6]", "a JSON list of at most 32 ints >= 0"),
+    (b"{}", "a JSON list of at most 32 ints >= 0"),
+    (b"nope", "a JSON list of ints"),
+    (b"[4]", None),
+    (b"[2, 2]", None),
+    (b"[]", None),
+])
+def test_read_arrow_refuses_shape_metadata_that_does_not_describe_the_column(store, arrays, tmp_path, tensor_type,
+                                                                            raw, constraint):
+    """A hook point column's ``activationscope.shape`` that is not a list of ints >= 0, or
+    whose shape (or number of values) disagrees with the column, is our error naming the
+    column, never a numpy / torch / json exception or a tensor of another shape."""
+    from activationscope.errors import ActivationScopeError
+
+    path = export_arrow(store, tmp_path / "x.arrow", hook_points=["bf16"], tensor_type=tensor_type)
+    bad = _with_shape_metadata(path, tmp_path / "bad.arrow", "bf16", raw)
+    if constraint is None:
+        constraint = ("the column's fixed_shape_tensor shape [2, 3]" if tensor_type == "fixed_shape_tensor"
+                      else "a shape of 6 values (the column's fixed_size_list size)")
+    with pytest.raises(ActivationScopeError, match=re.escape(
+            f"column 'bf16': field metadata activationscope.shape must be {constraint}, got {raw.decode()!r}")):
+        read_arrow(bad)
+    with pa.ipc.open_file(pa.memory_map(str(bad))) as f:
+        table = f.read_all()
+    with pytest.raises(ActivationScopeError, match="field metadata activationscope.shape must be"):
+        arrow_to_torch(table.column("bf16"), table.schema.field("bf16"))
+    assert torch.equal(read_arrow(path)["bf16"], arrays["bf16"])  # the file as exported reads back
+
+
+def test_read_arrow_shape_metadata_of_a_fixed_size_list_and_a_scalar_column(store, arrays, tmp_path):
+    """A fixed-size list column takes any shape of its number of values from the metadata (the
+    layout has none of its own); a scalar column's shape is []."""
+    path = export_arrow(store, tmp_path / "x.arrow", hook_points=["bf16", "scalar"], tensor_type="fixed_size_list")
+    other = read_arrow(_with_shape_metadata(path, tmp_path / "y.arrow", "bf16", b"[3, 1, 2]"))["bf16"]
+    assert other.shape == (N, 3, 1, 2) and torch.equal(other.reshape(N, 2, 3), arrays["bf16"])
+    from activationscope.errors import ActivationScopeError
+
+    with pytest.raises(ActivationScopeError, match=re.escape(
+            "column 'scalar': field metadata activationscope.shape must be [] (the column is float, one value per "
+            "row), got '[1]'")):
+        read_arrow(_with_shape_metadata(path, tmp_path / "z.arrow", "scalar", b"[1]"))
+    assert torch.equal(read_arrow(path)["scalar"], arrays["scalar"])
