@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 import runpy
 import warnings
@@ -1673,9 +1674,10 @@ def test_a_scripted_custom_reduction_runs_under_inference_mode():
 
 
 @pytest.mark.parametrize("spec, need", [
-    (("h", "hist", {"lo": 0.0, "hi": 1.0, "bins": 4096}), 8 * (4096 + 3) * 64),
-    (("c", "cov", {}), 8 * (64 * 64 + 2 * 64)),
-    (("t", "topk", {"k": 2000}), 16 * 2000 * 64),
+    (("h", "hist", {"lo": 0.0, "hi": 1.0, "bins": 4096}), 8 + 8 * (4096 + 3) * 64),
+    (("c", "cov", {}), 8 + 8 * (64 * 64 + 64)),
+    (("t", "topk", {"k": 2000}), 8 + 16 * 2000 * 64),
+    (("t0", "topk", {"k": 2000, "per_feature": 0}), 8 + 24 * 2000),
 ])
 def test_a_reduction_state_larger_than_memory_is_refused_before_it_is_allocated(monkeypatch, spec, need):
     """A built-in reduction whose float64 state would be larger than the machine's memory
@@ -1684,7 +1686,7 @@ def test_a_reduction_state_larger_than_memory_is_refused_before_it_is_allocated(
     from activationscope.capture import scope as scope_module
     from activationscope.capture.reductions import state_bytes
 
-    assert state_bytes(spec[1], {**spec[2], "per_feature": 1.0}, 64) == need
+    assert state_bytes(spec[1], {"per_feature": 1.0, **spec[2]}, 64) == need
     model = torch.nn.Sequential(torch.nn.Linear(4, 64))
     monkeypatch.setattr(scope_module, "_memory_bytes", lambda: 1 << 14)
     with pytest.raises(ReductionError, match=rf"reduction '{spec[0]}' \({spec[1]}, .*\) of hook point '0.output' "
@@ -1696,3 +1698,40 @@ def test_a_reduction_state_larger_than_memory_is_refused_before_it_is_allocated(
     with acs.ActivationScope(reductions=[spec]).track(model) as tr, torch.no_grad():
         model(torch.randn(3, 4))
     assert any(k == spec[0] or k.startswith(spec[0] + ".") for k in tr.reductions["0.output"])
+
+
+@pytest.mark.parametrize("kind, options", [(k, {"lo": -1.0, "hi": 1.0, "bins": 7} if k == "hist" else
+                                            {"k": 5} if k == "topk" else {}) for k in R.BUILTIN_REDUCTIONS])
+@pytest.mark.parametrize("per_feature", [1, 0])
+@pytest.mark.parametrize("feature_shape", [(1,), (6,), (3, 4)])
+def test_state_bytes_is_the_size_of_the_state_a_reduction_holds(kind, options, per_feature, feature_shape):
+    """state_bytes (what a capture refuses states larger than memory by) is exactly the bytes
+    of the reduction's state tensors once it holds its most, per_feature=0 included: a cov or
+    topk over every value was estimated as per feature (a (D, D) co-moment; k values without
+    their feature ids), so per_feature=0, the fix the refusal names, was refused as well."""
+    from activationscope.capture.reductions import state_bytes
+
+    r = R.make_reduction(kind, per_feature=per_feature, **options)
+    r.update(torch.randn(8, *feature_shape, dtype=torch.float64))  # 8 rows >= k: topk is full
+    state = r.state()
+    actual = sum(t.numel() * t.element_size() for t in state.values())
+    assert state_bytes(kind, {**options, "per_feature": float(per_feature)}, math.prod(feature_shape)) == actual
+    assert state_bytes(kind, dict(r.options), math.prod(feature_shape)) == actual
+
+
+def test_a_cov_over_every_value_of_a_wide_hook_point_is_not_refused(monkeypatch):
+    """cov with per_feature=0 holds a (1, 1) co-moment however wide the rows: a capture on a
+    machine whose memory holds that (and not a (D, D) one) makes it and gives the variance."""
+    from activationscope.capture import scope as scope_module
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 512))
+    monkeypatch.setattr(scope_module, "_memory_bytes", lambda: 1 << 12)
+    x = torch.randn(3, 4)
+    with acs.ActivationScope(reductions=[("c", "cov", {"per_feature": 0})]).track(model) as tr, torch.no_grad():
+        model(x)
+    with torch.no_grad():
+        values = model(x).double().reshape(-1)
+    torch.testing.assert_close(tr.reductions["0.output"]["c"], values.var(unbiased=False).reshape(1, 1))
+    with pytest.raises(ReductionError, match=r"reduction 'c' \(cov, .*\) of hook point '0.output' needs a state of"):
+        with acs.ActivationScope(reductions=[("c", "cov", {})]).track(model), torch.no_grad():
+            model(x)

@@ -486,22 +486,35 @@ def make_reduction(spec: Any, *, init: Any = None, **options: float) -> Reductio
     )
 
 
+#: Float64 / int64 values per feature of each built-in's state besides its ``count``
+#: (``csrc/reductions_builtin.cpp``): ``mean``; ``mean``, ``m2``; ``value``; ``sumsq``; ``n_nonzero``.
+_STATE_PER_FEATURE = {"mean": 1, "var": 2, "std": 2, "min": 1, "max": 1, "absmax": 1, "l2": 1, "nonzero": 1}
+
+
 def state_bytes(kind: str, options: Mapping[str, float], n_features: int) -> int | None:
-    """Bytes of the float64 / int64 state of a built-in reduction over rows of
-    ``n_features`` values (``prod(feature_shape)``), the large terms only; None for a custom
-    reduction (its state is its own). ``hist``: ``bins`` counts per feature; ``cov``: the
-    ``(D, D)`` co-moment matrix; ``topk``: ``k`` values and row ids per feature; the others:
-    a few values per feature."""
+    """Bytes of the state (float64 and int64 tensors) of a built-in reduction ``kind`` with
+    ``options`` over rows of ``n_features`` values (``prod(feature_shape)``), once it has seen
+    rows: exactly what :meth:`state` holds (``topk``: once it holds ``k`` values, its most).
+    None for a custom reduction (its state is its own).
+
+    With ``per_feature=1`` (the default) the state is per feature, ``D = n_features``; with
+    ``per_feature=0`` every value is one observation, ``D = 1``. Besides an 8-byte ``count``:
+    ``hist`` ``(bins + 3) * D`` counts (bins, under, over, NaN); ``cov`` a ``(D, D)`` co-moment
+    and a ``D`` mean (``(1, 1)`` and 1 with ``per_feature=0``); ``topk`` ``k * D`` values and
+    row ids (and ``k`` feature ids with ``per_feature=0``); the others one or two values per
+    feature (``var``/``std``: mean and m2)."""
     per_feature = bool(options.get("per_feature", 1.0))
-    d = max(1, int(n_features)) if per_feature else 1
+    d = max(0, int(n_features)) if per_feature else 1
+    count = 8
     if kind == "hist":
-        return 8 * (int(options.get("bins", 64.0)) + 3) * d
+        return count + 8 * (int(options.get("bins", 64.0)) + 3) * d
     if kind == "cov":
-        return 8 * (max(1, int(n_features)) ** 2 + 2 * max(1, int(n_features)))
+        return count + 8 * (d * d + d)
     if kind == "topk":
-        return 16 * int(options.get("k", 10.0)) * d
-    if kind in BUILTIN_REDUCTIONS:
-        return 8 * 4 * d
+        k = int(options.get("k", 10.0))
+        return count + (16 * k * d if per_feature else 24 * k)
+    if kind in _STATE_PER_FEATURE:
+        return count + 8 * _STATE_PER_FEATURE[kind] * d
     return None
 
 
