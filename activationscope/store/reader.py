@@ -1558,15 +1558,19 @@ class Store:
 
     def _check_batch_order(self, table: Any, kind: str) -> None:
         """Raise :class:`StoreCorruptError` when the row table's ``batch`` column goes back
-        (per ``rank``, when it has one): a writer appends its forwards in order (FORMAT.md §5,
-        §11), so parts listed in another order than written (an edited root, checksums
-        intact) would pair rows with other samples' ids and columns."""
+        (per ``rank`` in a store committed from rank stores, whose ``rank`` column is the
+        rank's: FORMAT.md §10): a writer appends its forwards in order (FORMAT.md §5, §9 rule
+        15), so parts listed in another order than written (an edited root, checksums intact)
+        would pair rows with other samples' ids and columns. In any other store a ``rank``
+        column is a user column (``set_batch(rank=...)``) like any other."""
         names = table.column_names
         if "batch" not in names or table.num_rows < 2:
             return
         import pyarrow as pa
 
-        cols = {c: table.column(c) for c in ("batch", "rank") if c in names}
+        dist = self._attrs.get("distributed")
+        by_rank = isinstance(dist, dict) and dist.get("committed") is True
+        cols = {c: table.column(c) for c in ("batch", "rank") if c in names and (c == "batch" or by_rank)}
         for c, col in cols.items():
             if not pa.types.is_integer(col.type) or col.null_count:
                 raise V.corrupt(self._backend, f"row table {kind!r}: its {c} column must hold integers without "
@@ -1584,7 +1588,7 @@ class Store:
             raise V.corrupt(
                 self._backend,
                 f"row table {kind!r}: its batch column goes back from {int(batch[i])} to {int(batch[i + 1])} "
-                f"(row {i + 1}{' of its rank' if 'rank' in names else ''}): its parts are not in the order they "
+                f"(row {i + 1}{' of its rank' if 'rank' in cols else ''}): its parts are not in the order they "
                 "were written (an edited zarr.json), so its rows would describe other rows of the arrays",
             )
 

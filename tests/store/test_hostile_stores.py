@@ -1130,6 +1130,76 @@ def test_row_table_parts_listed_out_of_order(tmp_path, kind):
     assert any("goes back from 1 to 0" in p for p in open_store(path).verify())
 
 
+def _three_part_store(path: Path, rank_of_batch) -> torch.nn.Module:
+    """A one-process store of three forwards of 2 samples (a run, then two resumes: a
+    row-table part each) with a user column ``rank`` of ``rank_of_batch(b)`` per sample."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2))
+    for b in range(3):
+        with acs.ActivationScope(store=str(path), store_options={"resume": b > 0}).track(model) as tr, \
+                torch.no_grad():
+            tr.set_batch(sample_ids=[10 * b, 10 * b + 1], rank=rank_of_batch(b))
+            model(torch.randn(2, 3))
+    return model
+
+
+@pytest.mark.parametrize("values", [lambda b: ["a", "b"], lambda b: [0.5 + b, 1.5], lambda b: [3 - b, 3 - b],
+                                    lambda b: [b, -b]], ids=["str", "float", "int", "int-back"])
+def test_a_user_column_named_rank_in_a_one_process_store(tmp_path, values):
+    """``rank`` is the rank column only in a store committed from rank stores (FORMAT.md §10):
+    in a one-process store, a user's ``rank`` column (set_batch) is a column like any other.
+    Before, the batch-order check read it as ranks: a store with a str or float ``rank``
+    column did not open ("must hold integers"), and one with int values hid parts listed out
+    of order (each "rank" its own forward)."""
+    path = tmp_path / "s.zarr"
+    _three_part_store(path, values)
+    want = [v for b in range(3) for v in values(b)]
+    st = open_store(path)
+    assert st.row_table("sample").column("rank").to_pylist() == want
+    assert st.row_table("sample").column("batch").to_pylist() == [0, 0, 1, 1, 2, 2]
+    assert st.verify() == []
+    ds = acs.ActivationDataset(path, columns=["rank"])
+    assert [ds[i]["rank"] if not isinstance(ds[i]["rank"], torch.Tensor) else ds[i]["rank"].item()
+            for i in range(6)] == want
+    parts = root(path)["attributes"]["activationscope"]["row_tables"]["sample"]["parts"]
+    edit_root(path, lambda a: a["row_tables"]["sample"].update({"parts": [parts[1], parts[0], parts[2]]}))
+    with pytest.raises(StoreCorruptError, match=r"row table 'sample': its batch column goes back from 1 to 0 \(row 2\)"):
+        open_store(path).row_table("sample")
+
+
+def test_the_rank_column_of_a_store_committed_from_rank_stores_orders_its_batches(tmp_path):
+    """In a committed multi-rank store each rank's forwards count from 0, in rank order: the
+    batch column goes back where the ranks change, and the rank column says so; a rank
+    column that is not ints is refused there."""
+    import google_crc32c
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from activationscope.store.ranks import commit_ranks
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2))
+    path = tmp_path / "m.zarr"
+    for task in range(2):
+        opts = {"process_group": acs.RankStore(task, 2)}
+        with acs.ActivationScope(store=str(path), store_options=opts).track(model), torch.no_grad():
+            for _ in range(2):
+                model(torch.randn(2, 3))
+    commit_ranks(path)
+    st = open_store(path)
+    table = st.row_table("sample")
+    assert table.column("rank").to_pylist() == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert table.column("batch").to_pylist() == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert st.verify() == []
+    (key,) = root(path)["attributes"]["activationscope"]["row_tables"]["sample"]["parts"]
+    t = pq.read_table(path / key)
+    t = t.set_column(t.column_names.index("rank"), "rank", pa.array([str(r) for r in t.column("rank").to_pylist()]))
+    pq.write_table(t, path / key)
+    crc = int(google_crc32c.value((path / key).read_bytes()))
+    edit_root(path, lambda a: a["row_tables"]["sample"]["crc32c"].update({key: crc}))
+    with pytest.raises(StoreCorruptError, match="row table 'sample': its rank column must hold integers without nulls"):
+        open_store(path).row_table("sample")
+
+
 def test_resume_of_a_root_whose_row_table_lists_no_parts_field(plain):
     """A root whose row table entry has no ``parts`` field (it may: a table of no rows) is
     resumed and closed without a KeyError, and reads back as before."""
