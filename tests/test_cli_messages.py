@@ -230,10 +230,48 @@ def test_token_rows_without_a_mask_is_refused_in_cli_words(failing_module, tmp_p
 def test_export_drop_last_needs_context_size(failing_module, tmp_path, capsys):
     out = tmp_path / "run.zarr"
     assert _capture(capsys, "good", failing_module, out)[0] == 0
-    for fmt in ("hf", "parquet"):
-        code, _, err = run(capsys, "export", str(out), "--format", fmt, "--out", str(tmp_path / "x"), "--drop-last")
-        assert code == 1 and "--drop-last applies with --context-size only" in err, err
-        assert not (tmp_path / "x").exists()
+    code, _, err = run(capsys, "export", str(out), "--format", "hf", "--out", str(tmp_path / "x"), "--drop-last")
+    assert code == 1 and "--drop-last applies only with --context-size (--format hf)" in err, err
+    assert "drop_last" not in err and "context_size" not in err
+    assert not (tmp_path / "x").exists()
+    code, _, err = run(capsys, "export", str(out), "--format", "parquet", "--out", str(tmp_path / "x"), "--drop-last")
+    assert code == 1 and "--drop-last has no effect for --format parquet: it applies to --format hf only" in err, err
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("fmt, extra, option, applies", [
+    ("hf", ["--overwrite"], "--overwrite", "--format parquet and --format arrow"),
+    ("hf", ["--tensor-type", "fixed_size_list"], "--tensor-type", "--format parquet and --format arrow"),
+    ("hf", ["--tensor-type", "fixed_shape_tensor"], "--tensor-type", "--format parquet and --format arrow"),
+    ("arrow", ["--context-size", "4"], "--context-size", "--format hf"),
+    ("parquet", ["--context-size", "4", "--drop-last"], "--context-size", "--format hf"),
+])
+def test_export_refuses_options_without_effect_for_the_format(failing_module, tmp_path, capsys, fmt, extra, option,
+                                                               applies):
+    """An option that does nothing for --format is refused, naming both, before anything is
+    written (the store is not even opened: a missing store is not what is reported)."""
+    out = tmp_path / "run.zarr"
+    assert _capture(capsys, "good", failing_module, out)[0] == 0
+    before = sorted(p.name for p in tmp_path.iterdir())
+    target = tmp_path / "x"
+    code, stdout, err = run(capsys, "export", str(out), "--format", fmt, "--out", str(target), *extra)
+    assert code == 1 and stdout == "", err
+    assert f"error: {option} has no effect for --format {fmt}: it applies to {applies} only" in err, err
+    assert "nothing was written" in err and "option " not in err and "_" not in err.split("error:")[1].split(":")[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    code, _, err = run(capsys, "export", str(tmp_path / "missing.zarr"), "--format", fmt, "--out", str(target), *extra)
+    assert code == 1 and f"{option} has no effect for --format {fmt}" in err and "does not exist" not in err, err
+
+
+def test_export_hf_without_the_refused_options_still_writes(failing_module, tmp_path, capsys):
+    pytest.importorskip("datasets")
+    out = tmp_path / "run.zarr"
+    assert _capture(capsys, "good", failing_module, out)[0] == 0
+    code, stdout, err = run(capsys, "export", str(out), "--format", "hf", "--out", str(tmp_path / "hf"))
+    assert code == 0 and "wrote" in stdout, err
+    import datasets
+
+    assert len(datasets.load_from_disk(str(tmp_path / "hf"))) == 40
 
 
 def test_export_context_size_errors_in_cli_words(failing_module, tmp_path, capsys):

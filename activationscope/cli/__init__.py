@@ -35,6 +35,8 @@ from ..sizes import format_bytes
 __all__ = ["main", "build_parser", "CLIError"]
 
 PROG = "activationscope"
+#: ``activationscope.data.EXPORT_FORMATS``, spelled out so that parsing imports no torch
+EXPORT_FORMATS = ("parquet", "arrow", "hf")
 DEFAULT_DEMO_OUT = os.path.join("runs", "demo.zarr")
 
 
@@ -206,18 +208,19 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Export a store's rows (activations plus row table) to a Parquet or Arrow IPC "
                                    "file, or a Hugging Face datasets folder (--format hf).")
     p.add_argument("store", help="store path or URL")
-    p.add_argument("--format", required=True, choices=("parquet", "arrow", "hf"),
+    p.add_argument("--format", required=True, choices=EXPORT_FORMATS,  # those of activationscope.data
                    help="file format; hf: a Hugging Face datasets folder (datasets.load_from_disk)")
     p.add_argument("--out", required=True, help="output file (a folder for --format hf)")
-    p.add_argument("--tensor-type", choices=("fixed_shape_tensor", "fixed_size_list"), default="fixed_shape_tensor",
-                   help="Arrow type of hook point columns for parquet / arrow; fixed_size_list where pandas "
-                        "(split_blocks=True) reads the file (default: %(default)s)")
+    p.add_argument("--tensor-type", choices=("fixed_shape_tensor", "fixed_size_list"), default=None,
+                   help="parquet / arrow: Arrow type of hook point columns; fixed_size_list where pandas "
+                        "(split_blocks=True) reads the file (default: fixed_shape_tensor)")
     p.add_argument("--context-size", type=_positive, default=None, metavar="N",
                    help="--format hf: N consecutive rows per example, SAELens's cached-activations layout")
     p.add_argument("--drop-last", action="store_true",
                    help="--format hf with --context-size: leave out the rows that do not fill the last example")
     p.add_argument("--overwrite", action="store_true",
-                   help="parquet / arrow: replace --out even when it is not an earlier export (default: refused)")
+                   help="parquet / arrow: replace --out even when it is not an earlier export (default: refused; "
+                        "--format hf replaces only an earlier hf export, and refuses --overwrite)")
     p.add_argument("--hook-points", nargs="+", action="extend", default=None, metavar="HP",
                    help="hook points or fnmatch patterns to export (repeatable; default: all; they must share a "
                         "row kind)")
@@ -331,6 +334,12 @@ _CLI_SPELLINGS = (
 def _cli_spelling(message: str) -> str:
     """``message`` with the library's Python spellings (``drop_last=True``,
     ``tracker.set_batch(attention_mask=...)``, ``n_folds``) replaced by the command line's."""
+    import re
+
+    # the export options of activationscope.data.check_format_options: "option tensor_type="
+    # is --tensor-type, "the export format 'hf'" is --format hf
+    message = re.sub(r"\boption (\w+)=", lambda m: "--" + m.group(1).replace("_", "-"), message)
+    message = re.sub(r"\bthe export format '(\w+)'", r"--format \1", message)
     for python, cli in _CLI_SPELLINGS:
         message = message.replace(python, cli)
     return message
@@ -529,6 +538,9 @@ def _problems(result: Any) -> list[str]:
 def cmd_export(args: argparse.Namespace) -> int:
     from .. import data
 
+    # options that do nothing for this format are refused before the store is opened
+    data.check_format_options(args.format, tensor_type=args.tensor_type, overwrite=args.overwrite,
+                              context_size=args.context_size, drop_last=args.drop_last)
     store = _open(args.store)
     hook_points = _one_row_kind(store, _check_hook_points(store, args.hook_points))
     if store.status != "complete":  # its committed rows are exported: say it is not all of the capture
@@ -538,11 +550,6 @@ def cmd_export(args: argparse.Namespace) -> int:
     if not out.parent.is_dir():
         what = "is not a folder" if out.parent.exists() else "does not exist"
         raise CLIError(f"--out {args.out!r}: folder {str(out.parent)!r} {what}")
-    if args.context_size is not None and args.format != "hf":
-        raise CLIError(f"--context-size applies to --format hf only, got --format {args.format}")
-    if args.drop_last and args.context_size is None:
-        raise CLIError("--drop-last applies with --context-size only (--format hf): pass --context-size N, or "
-                       "leave out --drop-last")
     if args.format == "hf":
         data.export_hf(store, args.out, hook_points=hook_points, context_size=args.context_size,
                        drop_last=args.drop_last)
@@ -552,7 +559,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     if out.is_dir():
         raise CLIError(f"--out {args.out!r} is a folder; --format {args.format} writes one file: give a file path")
     fn = data.export_parquet if args.format == "parquet" else data.export_arrow
-    fn(store, args.out, hook_points=hook_points, tensor_type=args.tensor_type, overwrite=args.overwrite)
+    fn(store, args.out, hook_points=hook_points, tensor_type=args.tensor_type or "fixed_shape_tensor",
+       overwrite=args.overwrite)
     print(f"wrote {args.out} ({format_bytes(os.path.getsize(args.out))}, {args.format})")
     return 0
 

@@ -13,7 +13,18 @@
 from __future__ import annotations
 
 from .dataset import ActivationDataset, Batch, collate
-from .export import EXPORT_FORMAT, arrow_to_torch, export_arrow, export_hf, export_parquet, read_arrow, to_pandas
+from .export import (
+    EXPORT_FORMAT,
+    EXPORT_FORMAT_OPTIONS,
+    EXPORT_FORMATS,
+    arrow_to_torch,
+    check_format_options,
+    export_arrow,
+    export_hf,
+    export_parquet,
+    read_arrow,
+    to_pandas,
+)
 from .samplers import ChunkShuffleBatchSampler, SequentialBatchSampler, ShuffledBatchSampler, partition_bounds
 
 __all__ = [
@@ -31,4 +42,7 @@ __all__ = [
     "read_arrow",
     "arrow_to_torch",
     "EXPORT_FORMAT",
+    "EXPORT_FORMATS",
+    "EXPORT_FORMAT_OPTIONS",
+    "check_format_options",
 ]

@@ -48,9 +48,67 @@ from ..store._backend import relation_to_store
 from ._source import as_source
 from .dataset import ActivationDataset, select_hook_points
 
-__all__ = ["export_arrow", "export_parquet", "export_hf", "to_pandas", "read_arrow", "arrow_to_torch", "EXPORT_FORMAT"]
+__all__ = ["export_arrow", "export_parquet", "export_hf", "to_pandas", "read_arrow", "arrow_to_torch", "EXPORT_FORMAT",
+           "EXPORT_FORMATS", "EXPORT_FORMAT_OPTIONS", "check_format_options"]
 
 EXPORT_FORMAT = "activationscope-export/1"
+
+#: The export formats: ``"parquet"`` (:func:`export_parquet`), ``"arrow"``
+#: (:func:`export_arrow`) and ``"hf"`` (:func:`export_hf`).
+EXPORT_FORMATS = ("parquet", "arrow", "hf")
+
+#: The options that apply to only some export formats, and those formats: an option given
+#: for another format would have no effect, so :func:`check_format_options` refuses it.
+EXPORT_FORMAT_OPTIONS: dict[str, tuple[str, ...]] = {
+    "tensor_type": ("parquet", "arrow"),
+    "overwrite": ("parquet", "arrow"),
+    "context_size": ("hf",),
+    "drop_last": ("hf",),
+}
+
+
+def check_format_options(format: str, **options: Any) -> None:
+    """Refuse options that have no effect for the export ``format``, before anything is read or
+    written.
+
+    Parameters
+    ----------
+    format : {"parquet", "arrow", "hf"}
+        The export format (:data:`EXPORT_FORMATS`).
+    **options
+        Options of :data:`EXPORT_FORMAT_OPTIONS` as given by the caller; ``None`` and ``False``
+        mean not given. ``drop_last`` also needs ``context_size``.
+
+    Raises
+    ------
+    ArgumentValueError
+        An unknown ``format`` or option name; an option given (not ``None`` / ``False``) for a
+        format it does not apply to, naming the option, the format and the formats it applies
+        to; ``drop_last`` without ``context_size``.
+
+    Example
+    -------
+    >>> check_format_options("hf", tensor_type="fixed_size_list")   # doctest: +SKIP
+    ArgumentValueError: option tensor_type= has no effect for the export format 'hf' ...
+    """
+    if format not in EXPORT_FORMATS:
+        raise ArgumentValueError(f"format must be one of {list(EXPORT_FORMATS)}, got {format!r}")
+    for name, value in options.items():
+        if name not in EXPORT_FORMAT_OPTIONS:
+            raise ArgumentValueError(f"option {name!r} must be one of {list(EXPORT_FORMAT_OPTIONS)}, got {name!r}")
+        applies = EXPORT_FORMAT_OPTIONS[name]
+        if value is None or value is False or format in applies:
+            continue
+        formats = " and ".join(f"the export format {f!r}" for f in applies)
+        raise ArgumentValueError(
+            f"option {name}= has no effect for the export format {format!r}: it applies to {formats} only; leave it "
+            "out (nothing was written)"
+        )
+    if options.get("drop_last") and options.get("context_size") is None:
+        raise ArgumentValueError(
+            "option drop_last= applies only with option context_size= (the export format 'hf'); give both, or "
+            "leave out option drop_last= (nothing was written)"
+        )
 _META_DTYPE = b"activationscope.dtype"
 _META_SHAPE = b"activationscope.shape"
 _META_HP = b"activationscope.hook_point"
@@ -653,6 +711,7 @@ def export_hf(
     """
     if file_format not in ("arrow", "parquet"):
         raise ArgumentValueError(f"file_format must be one of ['arrow', 'parquet'], got {file_format!r}")
+    check_format_options("hf", context_size=context_size, drop_last=drop_last)
     if bfloat16 not in ("float32", "bits"):
         raise ArgumentValueError(f"bfloat16 must be one of ['float32', 'bits'], got {bfloat16!r}")
     if context_size is not None and (not isinstance(context_size, int) or isinstance(context_size, bool)

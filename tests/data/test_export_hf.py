@@ -11,6 +11,7 @@ from fake_store import FakeStore, write_fake_store
 
 import activationscope as acs
 from activationscope.data import ActivationDataset, export_hf
+from activationscope.errors import ArgumentValueError
 
 datasets = pytest.importorskip("datasets", reason="the HF export needs `pip install datasets`")
 
@@ -231,3 +232,34 @@ def test_hf_export_of_token_rows_from_a_real_capture(tmp_path):
     got, ours = hf[:], ds[:]
     assert torch.equal(got["1.output"], ours["1.output"].float())
     assert torch.equal(got["token_ids"], tokens[mask]) and torch.equal(got["label"], ours["label"])
+
+
+def test_check_format_options_names_the_option_and_the_format():
+    from activationscope.data import EXPORT_FORMAT_OPTIONS, check_format_options
+
+    check_format_options("hf", context_size=4, drop_last=True, tensor_type=None, overwrite=False)
+    check_format_options("parquet", tensor_type="fixed_size_list", overwrite=True, context_size=None)
+    with pytest.raises(ArgumentValueError, match=r"option tensor_type= has no effect for the export format 'hf': it "
+                                                 r"applies to the export format 'parquet' and the export format "
+                                                 r"'arrow' only"):
+        check_format_options("hf", tensor_type="fixed_shape_tensor")
+    with pytest.raises(ArgumentValueError, match=r"option overwrite= has no effect for the export format 'hf'"):
+        check_format_options("hf", overwrite=True)
+    with pytest.raises(ArgumentValueError, match=r"option context_size= has no effect for the export format 'arrow'"):
+        check_format_options("arrow", context_size=3)
+    with pytest.raises(ArgumentValueError, match=r"option drop_last= applies only with option context_size="):
+        check_format_options("hf", drop_last=True)
+    with pytest.raises(ArgumentValueError, match=r"format must be one of \['parquet', 'arrow', 'hf'\], got 'csv'"):
+        check_format_options("csv")
+    with pytest.raises(ArgumentValueError, match=r"must be one of \['tensor_type'"):
+        check_format_options("hf", batch=3)
+    assert set(EXPORT_FORMAT_OPTIONS) == {"tensor_type", "overwrite", "context_size", "drop_last"}
+    from activationscope import cli, data
+
+    assert cli.EXPORT_FORMATS == data.EXPORT_FORMATS == ("parquet", "arrow", "hf")
+
+
+def test_export_hf_refuses_drop_last_without_context_size(store, tmp_path):
+    with pytest.raises(ArgumentValueError, match="option drop_last= applies only with option context_size="):
+        export_hf(store, tmp_path / "hf", drop_last=True)
+    assert not (tmp_path / "hf").exists()
