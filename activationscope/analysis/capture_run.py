@@ -111,7 +111,10 @@ def run_capture(
     summary = CaptureSummary()
     tracker = scope.track(model, include=include, exclude=exclude)  # validates the patterns first
     new_store = not (store_options or {}).get("resume")
-    folder_existed = "://" not in str(out) and os.path.isdir(out)
+    from ..store._backend import local_path
+
+    local = local_path(out) if isinstance(out, (str, os.PathLike)) else None
+    folder_existed = local is not None and os.path.isdir(local)
     bar = tqdm(total=n_total, unit="samples", desc=desc, disable=not progress, dynamic_ncols=True,
                file=sys.stderr, leave=True)
     start = time.perf_counter()
@@ -575,7 +578,10 @@ def resume_offset(out: str) -> int:
     blank lines, whose sample ids are line numbers)."""
     from ..store import open_store
 
-    if "://" not in out and not os.path.exists(out):
+    from ..store._backend import local_path
+
+    local = local_path(out)
+    if local is not None and not os.path.exists(local):
         raise ArgumentValueError(f"--resume: store {out!r} does not exist; drop --resume to start a new store")
     return int(open_store(out).n_samples)
 
@@ -640,8 +646,9 @@ def check_reductions(names: Sequence[str] | None) -> list[Any] | None:
 
 def check_out(out: str, *, resume: bool, overwrite: bool) -> None:
     """Refuse an ``out`` that is not a store (or a new or empty path), saying what is there;
-    ``--overwrite`` and ``--resume`` are offered only where they apply. Remote URLs are not
-    checked here (the store writer checks them).
+    ``--overwrite`` and ``--resume`` are offered only where they apply. A ``file://`` URL is
+    checked as the local path it names; other URLs are not checked here (the store writer
+    checks them).
 
     Raises
     ------
@@ -650,23 +657,25 @@ def check_out(out: str, *, resume: bool, overwrite: bool) -> None:
         activationscope store; an existing store without ``resume`` or ``overwrite``; ``out``
         inside an activationscope store (symlinks resolved).
     """
-    if "://" in out:
-        return
     from pathlib import Path
 
-    from ..store._backend import check_local_store_path, describe_local_path, expand_local
+    from ..store._backend import check_local_store_path, describe_local_path, local_path
 
-    for above in reversed(Path(expand_local(out)).resolve().parents):  # the outermost first; symlinks resolved
+    path = local_path(out)
+    if path is None:
+        return
+
+    for above in reversed(Path(path).resolve().parents):  # the outermost first; symlinks resolved
         if (above / "zarr.json").is_file() and (describe_local_path(above) or ("",))[0] == "store":
             raise ArgumentValueError(
                 f"--out {out!r} is inside the store {str(above)!r}: the capture would write a store among that "
                 "store's files (and replacing that store would delete it); choose a path outside it")
-    found = describe_local_path(out)
+    found = describe_local_path(path)
     kind = found[0] if found else None
     if kind is None:
         if resume:
             raise ArgumentValueError(f"--resume: store {out!r} does not exist; drop --resume to start a new store")
-        check_local_store_path(out)  # a file above it
+        check_local_store_path(path)  # a file above it
         return
     if kind == "empty":
         if resume:

@@ -91,6 +91,15 @@ class DemoResult:
     total_bytes: int
     n_folds: int
 
+    @property
+    def store_location(self) -> str:
+        """The store as shown to a user: the absolute path of a local store (a path or a
+        ``file://`` URL), the URL of any other."""
+        from ..store._backend import local_path
+
+        local = local_path(self.store_path)
+        return self.store_path if local is None else os.path.abspath(local)
+
     def table(self) -> str:
         head = ("layer", "token rows", "sentence rows", "on disk", f"probe acc ({self.n_folds}-fold)")
         lines = []
@@ -118,13 +127,25 @@ def _hook_point_bytes(info: Mapping[str, Any], hp: str) -> int:
     return int(value) if isinstance(value, int) else 0
 
 
+def default_report_dir(out: str | os.PathLike) -> str:
+    """Where the demo writes its report when no folder is given: ``demo-report`` next to a
+    local store (a path or a ``file://`` URL), in the current folder for a store at another
+    URL (``memory://``, ``s3://``; a report is local files)."""
+    from ..store._backend import local_path
+
+    local = local_path(out)
+    folder = os.path.dirname(local) if local is not None else ""
+    return os.path.join(folder or ".", "demo-report")
+
+
 def _check_own_store(out: str) -> None:
     """Refuse an ``out`` that holds a store the demo did not write (a user's capture): the
     demo replaces only its own stores (provenance ``command`` ``activationscope demo``)."""
     from ..store import open_store
-    from ..store._backend import describe_local_path
+    from ..store._backend import describe_local_path, local_path
 
-    if "://" not in out and (describe_local_path(out) or ("",))[0] != "store":
+    local = local_path(out)
+    if local is not None and (describe_local_path(local) or ("",))[0] != "store":
         return
     try:
         attrs = open_store(out).attrs

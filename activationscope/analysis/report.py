@@ -493,6 +493,32 @@ def _is_report(index: Path) -> bool:
     return len(lines) > 1 and (lines[1] == _GENERATOR or (lines[1].startswith("<title>") and "<div class='meta'>" in head))
 
 
+def check_out_dir(out_dir: str | os.PathLike) -> Path:
+    """The local folder a report's ``out_dir`` names: a path (``~`` expanded) or a ``file://``
+    URL's path, checked exactly as that path.
+
+    Raises
+    ------
+    ArgumentValueError
+        ``out_dir`` a URL of another filesystem (a report is local files), or an existing
+        file (the report is a folder). Nothing is written either way.
+    """
+    from ..errors import ArgumentValueError
+    from ..store._backend import local_path
+
+    local = local_path(out_dir)
+    if local is None:
+        raise ArgumentValueError(
+            f"out_dir {os.fspath(out_dir)!r} must be a local folder or a file:// URL, got a URL of another "
+            "filesystem; write the report to a local folder (nothing was written)")
+    out = Path(local)
+    if out.exists() and not out.is_dir():
+        raise ArgumentValueError(
+            f"out_dir {os.fspath(out_dir)!r} is a file; the report is a folder (index.html and its plots): give a "
+            "folder path (created if missing)")
+    return out
+
+
 def write_report(
     store: Any,
     out_dir: str | os.PathLike,
@@ -510,6 +536,9 @@ def write_report(
     Parameters
     ----------
     store : an open store, or a path / URL (opened read-only)
+    out_dir : str or os.PathLike
+        The report folder: a local path, or a ``file://`` URL checked exactly as the path it
+        names (other URLs are refused, see :func:`check_out_dir`).
     hook_points : list of str, optional
         Hook points to show (default: all, in store order). A hook point whose rows do not
         follow the row table (``store.follows_row_table()`` False: first captured after some
@@ -546,6 +575,7 @@ def write_report(
 
     if isinstance(n_folds, bool) or not isinstance(n_folds, int) or n_folds < 2:
         raise ArgumentValueError(f"n_folds must be an int of at least 2, got {n_folds!r}")
+    out = check_out_dir(out_dir)
     if isinstance(store, (str, os.PathLike)):
         from ..store import open_store
 
@@ -563,7 +593,6 @@ def write_report(
             raise ArgumentValueError(
                 f"label_column {label_column!r} is not a column of the store's row tables; they have {columns}"
             )
-    out = Path(out_dir)
     if relation_to_store(out, store) == "inside":
         raise ArgumentValueError(
             f"out_dir {str(out_dir)!r} is inside the store {store.path!r}: the report would write its files among "

@@ -25,7 +25,6 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from ..analysis.capture_run import COMPRESSIONS, STORAGE_DTYPES
@@ -450,7 +449,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     result = demo.run_demo(
         out=args.out,
-        report_dir=None if args.no_report else (args.report or os.path.join(os.path.dirname(args.out) or ".", "demo-report")),
+        report_dir=None if args.no_report else (args.report or demo.default_report_dir(args.out)),
         corpus=args.corpus,
         batch_size=args.batch_size,
         n_folds=args.folds,
@@ -459,7 +458,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     )
     print(result.table())
     print()
-    print(f"store:  {os.path.abspath(args.out)}")
+    print(f"store:  {result.store_location}")
     if result.report_path:
         print(f"report: {os.path.abspath(result.report_path)}")
     print(f"done in {time.perf_counter() - t0:.1f} s")
@@ -546,22 +545,18 @@ def cmd_export(args: argparse.Namespace) -> int:
     if store.status != "complete":  # its committed rows are exported: say it is not all of the capture
         print(f"{PROG} export: note: {args.store} is {store.status} (its capture did not finish, or is running): "
               f"exporting its {store.n_samples} committed samples", file=sys.stderr)
-    out = Path(args.out)
-    if not out.parent.is_dir():
-        what = "is not a folder" if out.parent.exists() else "does not exist"
-        raise CLIError(f"--out {args.out!r}: folder {str(out.parent)!r} {what}")
+    # --out (a path or a file:// URL) is checked by the export itself, before it writes
     if args.format == "hf":
-        data.export_hf(store, args.out, hook_points=hook_points, context_size=args.context_size,
-                       drop_last=args.drop_last)
+        out = data.export_hf(store, args.out, hook_points=hook_points, context_size=args.context_size,
+                             drop_last=args.drop_last)
         size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
-        print(f"wrote {args.out} ({format_bytes(size)}, Hugging Face datasets: datasets.load_from_disk({args.out!r}))")
+        print(f"wrote {args.out} ({format_bytes(size)}, Hugging Face datasets: "
+              f"datasets.load_from_disk({str(out)!r}))")
         return 0
-    if out.is_dir():
-        raise CLIError(f"--out {args.out!r} is a folder; --format {args.format} writes one file: give a file path")
     fn = data.export_parquet if args.format == "parquet" else data.export_arrow
-    fn(store, args.out, hook_points=hook_points, tensor_type=args.tensor_type or "fixed_shape_tensor",
-       overwrite=args.overwrite)
-    print(f"wrote {args.out} ({format_bytes(os.path.getsize(args.out))}, {args.format})")
+    out = fn(store, args.out, hook_points=hook_points, tensor_type=args.tensor_type or "fixed_shape_tensor",
+             overwrite=args.overwrite)
+    print(f"wrote {args.out} ({format_bytes(out.stat().st_size)}, {args.format})")
     return 0
 
 
@@ -605,10 +600,7 @@ def _one_row_kind(store: Any, hook_points: list[str] | None) -> list[str] | None
 def cmd_report(args: argparse.Namespace) -> int:
     from ..analysis import report
 
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise CLIError(f"--out {args.out!r} is a file; the report is a folder (index.html and its plots): give a "
-                       "folder path (created if missing)")
+    report.check_out_dir(args.out)  # before the store is read
     store = _open(args.store)
     hook_points = _check_hook_points(store, args.hook_points)
     for hp in hook_points if hook_points is not None else list(store.hook_points):

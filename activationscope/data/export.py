@@ -44,7 +44,7 @@ import pyarrow.parquet as pq
 import torch
 
 from ..errors import ActivationScopeError, ArgumentValueError, ColumnNotFoundError
-from ..store._backend import relation_to_store
+from ..store._backend import local_path, relation_to_store
 from ._source import as_source
 from .dataset import ActivationDataset, select_hook_points
 
@@ -356,6 +356,19 @@ def _refuse_inside_store(path: Path, ds: ActivationDataset, folders: bool = True
         )
 
 
+def _local_out(path: str | os.PathLike) -> Path:
+    """The local file or folder an export ``path`` names: a path (``~`` expanded) or a
+    ``file://`` URL's path, checked exactly as that path. Other URLs are refused: an export
+    writes local files."""
+    local = local_path(path)
+    if local is None:
+        raise ArgumentValueError(
+            f"export path {os.fspath(path)!r} must be a local path or a file:// URL, got a URL of another "
+            "filesystem; export to a local file and copy it there (nothing was written)"
+        )
+    return Path(local)
+
+
 def _check_parent(path: Path) -> None:
     """Refuse a ``path`` whose folder is missing or is a file (before a temporary file is made there)."""
     parent = path.parent
@@ -393,7 +406,7 @@ def _export(kind: str, source: Any, path: Any, hook_points: Any, columns: Any, b
             rows: Any, filter: Any, tensor_type: str, compression: Any, overwrite: bool = False) -> Path:
     if not isinstance(batch_rows, int) or batch_rows < 1:
         raise ArgumentValueError(f"batch_rows must be a positive int, got {batch_rows!r}")
-    path = Path(os.path.expanduser(os.fspath(path)))
+    path = _local_out(path)
     ds = _dataset_for(source, hook_points, columns, rows, filter)
     _refuse_inside_store(path, ds, folders=False)
     _check_out(path, kind, overwrite)
@@ -437,8 +450,10 @@ overwrite: bool = False,
     store : str, os.PathLike, store object or ActivationDataset
         The rows to export (a dataset exports its own selection).
     path : str or os.PathLike
-        The file to write (replaced atomically). An existing file that is not an earlier
-        export of this format is refused (``ArgumentValueError``) unless ``overwrite``.
+        The file to write (replaced atomically): a local path, or a ``file://`` URL checked
+        exactly as the path it names (other URLs are refused). An existing file that is not
+        an earlier export of this format is refused (``ArgumentValueError``) unless
+        ``overwrite``.
     hook_points : str or list of str, optional
         Hook points (patterns allowed) to export, one column each; default all, which must
         share a row kind and row count. A hook point whose rows do not follow the row table
@@ -666,6 +681,8 @@ def export_hf(
     path : str or os.PathLike
         The directory (``"arrow"``) or file (``"parquet"``) to write; replaced as a whole
         at the end (written to a temporary name first), so a failed export leaves nothing.
+        A local path, or a ``file://`` URL checked exactly as the path it names (other URLs
+        are refused).
     hook_points : str or list of str, optional
         Hook points (patterns allowed); default all, which must share a row kind and count.
     columns : str or list of str, optional
@@ -748,7 +765,7 @@ def export_hf(
                 f"{len(ds)} or capture more rows"
             )
     features, shapes = _hf_plan(ds, col_names, context_size, bfloat16)
-    path = Path(os.path.expanduser(os.fspath(path)))
+    path = _local_out(path)
     _refuse_inside_store(path, ds)
     _check_replaceable(path, file_format)
     tmp = _temp_sibling(path)

@@ -915,6 +915,23 @@ def expand_local(target: Any) -> Any:
     return target
 
 
+def local_path(target: str | os.PathLike) -> str | None:
+    """The local path that ``target`` names, as :func:`resolve` reads it: a path (a leading
+    ``~`` expanded), or the path of a ``file://`` URL (``file:///runs/a.zarr`` is
+    ``/runs/a.zarr``); None for any other URL (``memory://``, ``s3://``, ...).
+
+    Every check of a local output (an existing store, a folder that is not one, a path inside
+    a store, what ``overwrite`` may replace) is made on this path, so a ``file://`` URL is
+    checked exactly as the path it names."""
+    target = expand_local(target)
+    text = os.fspath(target)
+    if isinstance(text, bytes):
+        text = os.fsdecode(text)
+    if text.startswith("file://"):
+        return text[len("file://"):]
+    return None if "://" in text else text
+
+
 def resolve(target: Any, *, fsync: bool = False, read_only: bool = False,
             storage_options: dict | None = None) -> StoreBackend:
     """A backend for a path, a URL (``file://``, ``memory://``, ``s3://``, ...) or a zarr Store.
