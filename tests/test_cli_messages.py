@@ -318,3 +318,28 @@ def test_report_errors_in_cli_words(failing_module, tmp_path, capsys):
     (site / "index.html").write_text("mine")
     code, _, err = run(capsys, "report", str(out), "--out", str(site))
     assert code == 1 and f"--out '{site}' holds an index.html that is not" in err and "out_dir" not in err, err
+
+
+def test_export_refuses_an_unknown_compression_naming_those_it_accepts(failing_module, tmp_path, capsys):
+    import pyarrow.parquet as pq
+
+    out = tmp_path / "run.zarr"
+    assert _capture(capsys, "good", failing_module, out)[0] == 0
+    before = sorted(p.name for p in tmp_path.iterdir())
+    code, _, err = run(capsys, "export", str(out), "--format", "parquet", "--out", str(tmp_path / "x.parquet"),
+                       "--compression", "lz99")
+    assert code == 1
+    assert ("error: --compression must be one of ['none', 'snappy', 'gzip', 'brotli', 'lz4', 'zstd'] for --format "
+            "parquet, got 'lz99' (nothing was written)") in err, err
+    code, _, err = run(capsys, "export", str(out), "--format", "arrow", "--out", str(tmp_path / "x.arrow"),
+                       "--compression", "snappy")
+    assert code == 1 and "--compression must be one of ['none', 'lz4', 'zstd'] for --format arrow" in err, err
+    code, _, err = run(capsys, "export", str(out), "--format", "hf", "--out", str(tmp_path / "hf"),
+                       "--compression", "zstd")
+    assert code == 1 and "--compression has no effect for --format hf" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    code, _, err = run(capsys, "export", str(out), "--format", "parquet", "--out", str(tmp_path / "x.parquet"),
+                       "--compression", "gzip")
+    assert code == 0, err
+    meta = pq.ParquetFile(tmp_path / "x.parquet").metadata
+    assert meta.row_group(0).column(0).compression == "GZIP" and meta.num_rows == 40

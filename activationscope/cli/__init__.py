@@ -7,6 +7,7 @@ Subcommands::
     activationscope info    STORE [--json]
     activationscope verify  STORE
     activationscope export  STORE --format parquet|arrow|hf --out FILE [--hook-points HP ...] [--overwrite]
+                            [--compression NAME]
     activationscope report  STORE --out DIR [--hook-points HP ...]
     activationscope consolidate STORE [--world-size N]
 
@@ -213,6 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensor-type", choices=("fixed_shape_tensor", "fixed_size_list"), default=None,
                    help="parquet / arrow: Arrow type of hook point columns; fixed_size_list where pandas "
                         "(split_blocks=True) reads the file (default: fixed_shape_tensor)")
+    p.add_argument("--compression", default=None, metavar="NAME",
+                   help="parquet: none, snappy, gzip, brotli, lz4 or zstd (default: zstd); arrow: none, lz4 or zstd "
+                        "(default: none; a compressed file is not read back zero-copy)")
     p.add_argument("--context-size", type=_positive, default=None, metavar="N",
                    help="--format hf: N consecutive rows per example, SAELens's cached-activations layout")
     p.add_argument("--drop-last", action="store_true",
@@ -313,6 +317,7 @@ _CLI_SPELLINGS = (
      "of --token-rows"),
     ("Pass attention_mask= to tracker.set_batch() for every batch.",
      "Token rows need text data (the tokenizer's attention mask): leave it out of --token-rows."),
+    ("export compression must be", "--compression must be"),
     ("pass drop_last=True", "pass --drop-last"),
     ("with drop_last=True", "with --drop-last"),
     ("pass a context_size of", "pass a --context-size of"),
@@ -539,7 +544,10 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     # options that do nothing for this format are refused before the store is opened
     data.check_format_options(args.format, tensor_type=args.tensor_type, overwrite=args.overwrite,
-                              context_size=args.context_size, drop_last=args.drop_last)
+                              compression=args.compression, context_size=args.context_size,
+                              drop_last=args.drop_last)
+    if args.compression is not None:
+        data.check_compression(args.format, args.compression)
     store = _open(args.store)
     hook_points = _one_row_kind(store, _check_hook_points(store, args.hook_points))
     if store.status != "complete":  # its committed rows are exported: say it is not all of the capture
@@ -554,8 +562,9 @@ def cmd_export(args: argparse.Namespace) -> int:
               f"datasets.load_from_disk({str(out)!r}))")
         return 0
     fn = data.export_parquet if args.format == "parquet" else data.export_arrow
+    given = {} if args.compression is None else {"compression": args.compression}  # else the format's default
     out = fn(store, args.out, hook_points=hook_points, tensor_type=args.tensor_type or "fixed_shape_tensor",
-             overwrite=args.overwrite)
+             overwrite=args.overwrite, **given)
     print(f"wrote {args.out} ({format_bytes(out.stat().st_size)}, {args.format})")
     return 0
 

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 from .dataset import ActivationDataset, Batch, collate
 from .export import (
+    EXPORT_COMPRESSIONS,
     EXPORT_FORMAT,
     EXPORT_FORMAT_OPTIONS,
     EXPORT_FORMATS,
     arrow_to_torch,
+    check_compression,
     check_format_options,
     export_arrow,
     export_hf,
@@ -44,5 +46,7 @@ __all__ = [
     "EXPORT_FORMAT",
     "EXPORT_FORMATS",
     "EXPORT_FORMAT_OPTIONS",
+    "EXPORT_COMPRESSIONS",
     "check_format_options",
+    "check_compression",
 ]

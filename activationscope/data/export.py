@@ -49,7 +49,8 @@ from ._source import as_source
 from .dataset import ActivationDataset, select_hook_points
 
 __all__ = ["export_arrow", "export_parquet", "export_hf", "to_pandas", "read_arrow", "arrow_to_torch", "EXPORT_FORMAT",
-           "EXPORT_FORMATS", "EXPORT_FORMAT_OPTIONS", "check_format_options"]
+           "EXPORT_FORMATS", "EXPORT_FORMAT_OPTIONS", "EXPORT_COMPRESSIONS", "check_format_options",
+           "check_compression"]
 
 EXPORT_FORMAT = "activationscope-export/1"
 
@@ -61,10 +62,40 @@ EXPORT_FORMATS = ("parquet", "arrow", "hf")
 #: for another format would have no effect, so :func:`check_format_options` refuses it.
 EXPORT_FORMAT_OPTIONS: dict[str, tuple[str, ...]] = {
     "tensor_type": ("parquet", "arrow"),
+    "compression": ("parquet", "arrow"),
     "overwrite": ("parquet", "arrow"),
     "context_size": ("hf",),
     "drop_last": ("hf",),
 }
+
+
+#: The compression names each file export accepts (``None`` is ``"none"``; names are
+#: case-insensitive): Parquet codecs, and Arrow IPC buffer compression.
+EXPORT_COMPRESSIONS: dict[str, tuple[str, ...]] = {
+    "parquet": ("none", "snappy", "gzip", "brotli", "lz4", "zstd"),
+    "arrow": ("none", "lz4", "zstd"),
+}
+
+
+def check_compression(format: str, compression: str | None) -> str | None:
+    """``compression`` of a ``format`` export as pyarrow takes it (``None`` for none), checked
+    against :data:`EXPORT_COMPRESSIONS` before anything is read or written.
+
+    Raises
+    ------
+    ArgumentValueError
+        A name that ``format`` does not accept; the message lists those it does.
+    """
+    accepted = EXPORT_COMPRESSIONS[format]
+    name = compression.lower() if isinstance(compression, str) else compression
+    if name is None or name == "none":
+        return None
+    if name not in accepted:
+        raise ArgumentValueError(
+            f"export compression must be one of {list(accepted)} for the export format {format!r}, got "
+            f"{compression!r} (nothing was written)"
+        )
+    return name
 
 
 def check_format_options(format: str, **options: Any) -> None:
@@ -406,6 +437,7 @@ def _export(kind: str, source: Any, path: Any, hook_points: Any, columns: Any, b
             rows: Any, filter: Any, tensor_type: str, compression: Any, overwrite: bool = False) -> Path:
     if not isinstance(batch_rows, int) or batch_rows < 1:
         raise ArgumentValueError(f"batch_rows must be a positive int, got {batch_rows!r}")
+    compression = check_compression(kind, compression)  # before the store is read or a file made
     path = _local_out(path)
     ds = _dataset_for(source, hook_points, columns, rows, filter)
     _refuse_inside_store(path, ds, folders=False)
@@ -470,8 +502,9 @@ overwrite: bool = False,
         exports its own selection (also with ``hook_points``); with it these two are refused.
     tensor_type : {"fixed_shape_tensor", "fixed_size_list"}
         Arrow type of hook point columns (see the module docstring).
-    compression : {None, "lz4", "zstd"}
-        IPC buffer compression. Compressed files cannot be read zero-copy.
+    compression : {None, "none", "lz4", "zstd"}
+        IPC buffer compression (``EXPORT_COMPRESSIONS["arrow"]``; another name is refused
+        before anything is written). Compressed files cannot be read zero-copy.
     overwrite : bool, default False
         Replace ``path`` even when it is not an earlier export.
 
@@ -521,7 +554,8 @@ overwrite: bool = False,
     Parameters
     ----------
     compression : str or None, default "zstd"
-        Parquet codec (``"snappy"``, ``"zstd"``, ``None``...).
+        Parquet codec, one of ``EXPORT_COMPRESSIONS["parquet"]`` (``"snappy"``, ``"zstd"``,
+        ``None``...; another name is refused before anything is written).
     others
         As :func:`export_arrow`.
 

@@ -477,3 +477,32 @@ def test_read_arrow_shape_metadata_of_a_fixed_size_list_and_a_scalar_column(stor
             "row), got '[1]'")):
         read_arrow(_with_shape_metadata(path, tmp_path / "z.arrow", "scalar", b"[1]"))
     assert torch.equal(read_arrow(path)["scalar"], arrays["scalar"])
+
+
+@pytest.mark.parametrize("fn, kind", [(export_parquet, "parquet"), (export_arrow, "arrow")])
+def test_an_unknown_compression_is_refused_before_anything_is_read_or_written(store, arrays, tmp_path, fn, kind):
+    from activationscope.data import EXPORT_COMPRESSIONS
+
+    out = tmp_path / f"t.{kind}"
+    fn(store, out, hook_points=["f32"])
+    earlier, listing = out.read_bytes(), sorted(p.name for p in tmp_path.iterdir())
+    accepted = list(EXPORT_COMPRESSIONS[kind])
+    for bad in ("lz99", "snappy" if kind == "arrow" else "lzo"):
+        with pytest.raises(ArgumentValueError, match=rf"export compression must be one of {re.escape(str(accepted))} "
+                                                     rf"for the export format '{kind}', got '{bad}'"):
+            fn(store, out, hook_points=["f32"], compression=bad)
+        # up front: before the store is even opened
+        with pytest.raises(ArgumentValueError, match="export compression must be one of"):
+            fn(tmp_path / "no-such-store.zarr", tmp_path / f"u.{kind}", compression=bad)
+    assert out.read_bytes() == earlier and sorted(p.name for p in tmp_path.iterdir()) == listing
+
+
+@pytest.mark.parametrize("fn, kind", [(export_parquet, "parquet"), (export_arrow, "arrow")])
+def test_every_accepted_compression_writes_the_values(store, arrays, tmp_path, fn, kind):
+    from activationscope.data import EXPORT_COMPRESSIONS
+
+    for name in (*EXPORT_COMPRESSIONS[kind], None, "ZSTD"):
+        out = tmp_path / f"t-{name}.{kind}"
+        fn(store, out, hook_points=["f32"], compression=name)
+        table = pq.read_table(out) if kind == "parquet" else pa.ipc.open_file(pa.memory_map(str(out))).read_all()
+        assert torch.equal(arrow_to_torch(table.column("f32"), table.schema.field("f32")), arrays["f32"]), name

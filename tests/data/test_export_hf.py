@@ -253,7 +253,7 @@ def test_check_format_options_names_the_option_and_the_format():
         check_format_options("csv")
     with pytest.raises(ArgumentValueError, match=r"must be one of \['tensor_type'"):
         check_format_options("hf", batch=3)
-    assert set(EXPORT_FORMAT_OPTIONS) == {"tensor_type", "overwrite", "context_size", "drop_last"}
+    assert set(EXPORT_FORMAT_OPTIONS) == {"tensor_type", "compression", "overwrite", "context_size", "drop_last"}
     from activationscope import cli, data
 
     assert cli.EXPORT_FORMATS == data.EXPORT_FORMATS == ("parquet", "arrow", "hf")
