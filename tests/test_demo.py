@@ -182,3 +182,92 @@ def test_pooled_last_layer_is_the_sentence_transformers_embedding(real_model):
         ours = torch.nn.functional.normalize(model(**enc), dim=1)
     reference = st.SentenceTransformer(str(demo.model_dir()), device="cpu").encode(SENTENCES, convert_to_tensor=True)
     torch.testing.assert_close(ours, reference.cpu(), rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------- where the demo writes
+
+
+def _demo_cli(capsys, *argv):
+    from activationscope.cli import main
+
+    code = main(["demo", *argv, "--max-samples", "10", "--folds", "2", "--no-progress", "--no-report"])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@needs_demo
+@pytest.mark.demo
+def test_demo_writes_a_new_store_at_a_remote_url_and_replaces_only_its_own(tmp_path, capsys):
+    """A memory:// (or other fsspec) --out where nothing exists yet is a new store; a rerun
+    replaces it; a user's store or foreign objects there are refused and left as they are."""
+    url = f"memory://demo-{tmp_path.name}/run.zarr"
+    code, out, err = _demo_cli(capsys, "--out", url)
+    assert code == 0, err
+    assert f"store:  {url}" in out and "10 samples (10 labelled)" in out
+    store = acs.open_store(url)
+    assert store.n_samples == 10 and store.attrs["provenance"]["command"] == "activationscope demo"
+    code, _, err = _demo_cli(capsys, "--out", url)
+    assert code == 0, err  # its own store: replaced
+    assert acs.open_store(url).n_samples == 10
+
+    mine = f"memory://demo-{tmp_path.name}/mine.zarr"
+    model = torch.nn.Linear(3, 2)
+    with acs.ActivationScope(store=mine).track(model):
+        model(torch.randn(4, 3))
+    code, _, err = _demo_cli(capsys, "--out", mine)
+    assert code == 1 and "holds a store the demo did not write (4 samples" in err, err
+    assert "--overwrite" not in err
+    assert acs.open_store(mine).n_samples == 4
+
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    fs.pipe(f"/demo-{tmp_path.name}/other/notes.txt", b"mine")
+    code, _, err = _demo_cli(capsys, "--out", f"memory://demo-{tmp_path.name}/other")
+    assert code == 1 and "holds objects but no store (no zarr.json)" in err and "nothing was changed" in err, err
+    assert "--overwrite" not in err
+    assert fs.cat(f"/demo-{tmp_path.name}/other/notes.txt") == b"mine"
+
+
+def test_demo_refusals_never_offer_overwrite(tmp_path, capsys):
+    """The demo has no --overwrite: its refusals say what it replaces instead (checked before
+    the model loads, so this runs without the demo extra)."""
+    folder = tmp_path / "notes"
+    folder.mkdir()
+    (folder / "a.txt").write_text("mine")
+    code, _, err = _demo_cli(capsys, "--out", str(folder))
+    assert code == 1 and "is a folder that is not a store (1 entry: 'a.txt')" in err, err
+    assert "the demo replaces only stores it wrote" in err and "nothing was changed" in err
+    assert "--overwrite" not in err
+    user = tmp_path / "user.zarr"
+    model = torch.nn.Linear(3, 2)
+    with acs.ActivationScope(store=str(user)).track(model):
+        model(torch.randn(4, 3))
+    code, _, err = _demo_cli(capsys, "--out", str(user))
+    assert code == 1 and "holds a store the demo did not write" in err and "--overwrite" not in err, err
+    assert acs.open_store(str(user)).n_samples == 4
+    assert (folder / "a.txt").read_text() == "mine"
+
+
+def test_a_failed_capture_offers_resume_only_to_a_command_that_has_it(tmp_path):
+    """run_capture(resumable=False) (the demo) tells how to go on without --resume."""
+    from activationscope.analysis import capture_run
+
+    out = str(tmp_path / "s.zarr")
+    model = torch.nn.Linear(3, 2)
+    with acs.ActivationScope(store=out, store_options={"shard_bytes": 16}).track(model):
+        for _ in range(2):
+            model(torch.randn(4, 3))
+
+    def batches():
+        for i in range(3):
+            yield i * 4, torch.randn(4, 3) if i < 2 else torch.randn(4, 5), {}
+
+    for resumable, fix in ((True, "--resume continues it"), (False, "a rerun replaces it")):
+        with pytest.raises(acs.ActivationScopeError) as info:
+            capture_run.run_capture(model, batches(), out=out, n_total=12, include=None, exclude=None,
+                                    reductions=None, store_options={"overwrite": True, "shard_bytes": 16},
+                                    progress=False, resumable=resumable)
+        text = str(info.value)
+        assert "the model raised RuntimeError" in text and "status incomplete" in text and fix in text, text
+        assert ("--resume" in text) == resumable

@@ -68,8 +68,12 @@ def run_capture(
     desc: str = "capture",
     stop_after_last: bool = False,
     token_rows: Any = None,
+    resumable: bool = True,
 ) -> CaptureSummary:
     """Run ``batches`` through ``model`` with a store tracker attached.
+
+    ``resumable``: whether the caller's command can resume a store (``capture --resume``;
+    the demo cannot): the message of a failed capture offers ``--resume`` only then.
 
     Parameters
     ----------
@@ -193,7 +197,7 @@ def run_capture(
                 f"no row was committed, so the store that was at {out} is kept as it was (overwrite replaces it "
                 "only once the new capture commits)" if (store_options or {}).get("overwrite")
                 and summary.n_forwards == 0 else
-                _what_is_kept(out))
+                _what_is_kept(out, resumable))
         if isinstance(e, CaptureError) and not isinstance(e.__cause__, ActivationScopeError):
             raise CaptureError(f"{e}; {tail}") from e.__cause__
         e.add_note(tail)
@@ -279,9 +283,10 @@ def _token_rows_flag_error(e: BaseException, token_rows: Any) -> BaseException:
     return error.with_traceback(e.__traceback__)
 
 
-def _what_is_kept(out: Any) -> str:
+def _what_is_kept(out: Any, resumable: bool = True) -> str:
     """After a failed capture into an existing store: the status it has now, read from it
-    (a resume refused before writing leaves a complete store complete)."""
+    (a resume refused before writing leaves a complete store complete); ``--resume`` is
+    offered for an incomplete store only when ``resumable``, else a rerun is."""
     from ..store import open_store
 
     try:
@@ -294,7 +299,8 @@ def _what_is_kept(out: Any) -> str:
         return f"{out} keeps the rows committed before"
     if status == "complete":
         return f"{out} keeps its {n} committed samples (status complete)"
-    return f"{out} keeps the rows committed before ({n} samples, status {status}; --resume continues it)"
+    fix = "--resume continues it" if resumable else "a rerun replaces it"
+    return f"{out} keeps the rows committed before ({n} samples, status {status}; {fix})"
 
 
 #: Values of ``capture_dataset(dtype=...)`` (names of torch dtypes).
@@ -644,9 +650,11 @@ def check_reductions(names: Sequence[str] | None) -> list[Any] | None:
     return out
 
 
-def check_out(out: str, *, resume: bool, overwrite: bool) -> None:
+def check_out(out: str, *, resume: bool, overwrite: bool, replaces: str | None = None) -> None:
     """Refuse an ``out`` that is not a store (or a new or empty path), saying what is there;
-    ``--overwrite`` and ``--resume`` are offered only where they apply. A ``file://`` URL is
+    ``--overwrite`` and ``--resume`` are offered only where they apply. ``replaces`` says
+    what a command without ``--overwrite`` replaces (the demo: "the demo replaces only
+    stores it wrote"), said instead of offering ``--overwrite``. A ``file://`` URL is
     checked as the local path it names; other URLs are not checked here (the store writer
     checks them).
 
@@ -683,9 +691,10 @@ def check_out(out: str, *, resume: bool, overwrite: bool) -> None:
                 f"--resume: {out!r} is an empty folder, not a store; drop --resume to start a new store")
         return
     if kind != "store":
+        what = replaces or "--overwrite only replaces activationscope stores"
         raise ArgumentValueError(
-            f"--out {out!r} is {found[1]}; choose another path (--overwrite only replaces activationscope stores, "
-            "and never deletes anything else)"
+            f"--out {out!r} is {found[1]}; choose another path ({what}, and never deletes anything else; nothing "
+            "was changed)"
         )
     if not (resume or overwrite):
         raise ArgumentValueError(

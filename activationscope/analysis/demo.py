@@ -142,11 +142,21 @@ def _check_own_store(out: str) -> None:
     """Refuse an ``out`` that holds a store the demo did not write (a user's capture): the
     demo replaces only its own stores (provenance ``command`` ``activationscope demo``)."""
     from ..store import open_store
-    from ..store._backend import describe_local_path, local_path
+    from ..store._backend import describe_local_path, local_path, resolve
 
     local = local_path(out)
-    if local is not None and (describe_local_path(local) or ("",))[0] != "store":
-        return
+    if local is not None:
+        if (describe_local_path(local) or ("",))[0] != "store":  # nothing, or an empty folder (check_out)
+            return
+    else:  # a store at another URL: nothing there yet is a new store
+        backend = resolve(out, read_only=True)
+        if backend.is_empty():
+            return
+        if not backend.exists():
+            raise ArgumentValueError(
+                f"--out {out!r} holds objects but no store (no zarr.json); the demo replaces only stores it wrote: "
+                "choose another --out, or remove them yourself (nothing was changed)"
+            )
     try:
         attrs = open_store(out).attrs
     except FileNotFoundError:
@@ -180,9 +190,11 @@ def run_demo(
 
     Parameters
     ----------
-    out : path, default ``runs/demo.zarr``
-        The store; an existing store that the demo wrote is replaced (any other store is
-        refused).
+    out : path or URL, default ``runs/demo.zarr``
+        The store: a local path, a ``file://`` URL (checked as the path it names) or another
+        fsspec URL (``memory://``, ``s3://``: where nothing exists yet, a new store). An
+        existing store that the demo wrote is replaced; any other store, and a folder or
+        location holding anything else, is refused and left as it is.
     report_dir : path, optional
         Where to write ``index.html`` and its PNGs; no report when None.
     corpus : bool, default False
@@ -213,7 +225,8 @@ def run_demo(
     out = os.fspath(out)
     if batch_size < 1:
         raise ArgumentValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    check_out(out, resume=False, overwrite=True)  # a store or nothing: nothing else is replaced
+    # a store or nothing: nothing else is replaced (the demo has no --overwrite to offer)
+    check_out(out, resume=False, overwrite=True, replaces="the demo replaces only stores it wrote")
     _check_own_store(out)
     tokenizer, model = load_model()
     texts, labels = load_polarity()
@@ -242,7 +255,7 @@ def run_demo(
                 "command": "activationscope demo",
             },
         },
-        progress=progress, desc="demo",
+        progress=progress, desc="demo", resumable=False,
     )
     store = open_store(out)
     t0 = time.perf_counter()
