@@ -343,3 +343,20 @@ def test_export_refuses_an_unknown_compression_naming_those_it_accepts(failing_m
     assert code == 0, err
     meta = pq.ParquetFile(tmp_path / "x.parquet").metadata
     assert meta.row_group(0).column(0).compression == "GZIP" and meta.num_rows == 40
+
+
+def test_export_hf_twice_replaces_the_earlier_export_and_its_datasets_caches(failing_module, tmp_path, capsys):
+    datasets = pytest.importorskip("datasets")
+    out = tmp_path / "run.zarr"
+    assert _capture(capsys, "good", failing_module, out)[0] == 0
+    hf = tmp_path / "hf"
+    assert run(capsys, "export", str(out), "--format", "hf", "--out", str(hf))[0] == 0
+    datasets.load_from_disk(str(hf)).map(lambda row: {"y": 1})      # datasets writes cache-*.arrow into hf/
+    assert list(hf.glob("cache-*.arrow"))
+    code, stdout, err = run(capsys, "export", str(out), "--format", "hf", "--out", str(hf))
+    assert code == 0 and "wrote" in stdout, err
+    assert len(datasets.load_from_disk(str(hf))) == 40 and not list(hf.glob("cache-*.arrow"))
+    (hf / "notes.txt").write_text("mine")
+    code, _, err = run(capsys, "export", str(out), "--format", "hf", "--out", str(hf))
+    assert code == 1 and "['notes.txt'], which the export did not write; it is left alone" in err, err
+    assert (hf / "notes.txt").read_text() == "mine"

@@ -751,7 +751,8 @@ def export_hf(
     FileExistsError
         ``path`` exists and is not an earlier export of ``file_format`` (a directory of other
         files or another ``datasets`` dataset, a file this function did not write), or is an
-        earlier export folder that also holds other files: it is left as it is.
+        earlier export folder that also holds other files (the ``cache-*.arrow`` Arrow
+        streams ``datasets`` writes there are replaced with the export): it is left as it is.
     ImportError
         ``datasets`` is not installed (``pip install datasets``).
 
@@ -837,8 +838,11 @@ _HF_DESCRIPTION = f"{EXPORT_FORMAT}: rows of an activationscope store"
 def _check_replaceable(path: Path, file_format: str) -> None:
     """An existing ``path`` is replaced only if it is what this export writes: an earlier
     export's Parquet file for Parquet (schema metadata ``activationscope.format``), an earlier
-    export's ``save_to_disk`` directory (its ``dataset_info.json`` description) or an empty
-    directory for Arrow. Any other ``datasets`` dataset is the user's and is left alone."""
+    export's ``save_to_disk`` directory (its ``dataset_info.json`` description; the
+    ``cache-*.arrow`` files ``datasets`` wrote there when the export was loaded and
+    transformed go with it) or an empty directory for Arrow. Any other ``datasets`` dataset
+    is the user's and is left alone, and so is an earlier export folder holding any other
+    file."""
     _check_parent(path)
     _refuse_special(path)
     if not path.exists() and not path.is_symlink():
@@ -871,13 +875,29 @@ def _check_replaceable(path: Path, file_format: str) -> None:
     import re
 
     others = sorted(e for e in entries if e not in ("state.json", "dataset_info.json")
-                    and not re.fullmatch(r"data-\d{5}-of-\d{5}\.arrow", e))
+                    and not re.fullmatch(r"data-\d{5}-of-\d{5}\.arrow", e)
+                    and not _is_datasets_cache(path / e))
     if others:
         raise FileExistsError(
             f"export path {str(path)!r} is an earlier export_hf export that now also holds {others[:4]}"
             f"{' ...' if len(others) > 4 else ''}, which the export did not write; it is left alone: move those "
             "away, or choose another path"
         )
+
+
+def _is_datasets_cache(p: Path) -> bool:
+    """Whether ``p`` is a cache file that ``datasets`` wrote next to a dataset it loaded from
+    disk (``map``, ``filter``, ``sort``... of ``load_from_disk(path)``): a regular file named
+    ``cache-*.arrow`` (the rule of ``Dataset.cleanup_cache_files``) holding an Arrow IPC
+    stream. Such a file caches a transform of the earlier export, and goes with it."""
+    if not (p.name.startswith("cache-") and p.name.endswith(".arrow")) or p.is_symlink() or not p.is_file():
+        return False
+    try:
+        with pa.memory_map(str(p)) as f:
+            pa.ipc.open_stream(f).schema  # noqa: B018 - reads the schema message only
+    except Exception:  # noqa: BLE001 - not an Arrow stream: not a datasets cache file
+        return False
+    return True
 
 
 def _is_hf_export(path: Path) -> bool:

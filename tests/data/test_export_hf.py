@@ -263,3 +263,48 @@ def test_export_hf_refuses_drop_last_without_context_size(store, tmp_path):
     with pytest.raises(ArgumentValueError, match="option drop_last= applies only with option context_size="):
         export_hf(store, tmp_path / "hf", drop_last=True)
     assert not (tmp_path / "hf").exists()
+
+
+def _transform_caches(path) -> list[str]:
+    """Load the export and transform it as a user would: datasets writes cache-*.arrow files
+    next to it."""
+    hf = datasets.load_from_disk(str(path))
+    hf.map(lambda row: {"twice": row["label"] * 2})
+    hf.filter(lambda row: row["label"] == 1)
+    return sorted(p.name for p in path.glob("cache-*.arrow"))
+
+
+def test_hf_export_replaces_an_earlier_export_with_the_caches_datasets_wrote(store, arrays, tmp_path):
+    out = tmp_path / "hf"
+    export_hf(store, out, hook_points=["f32"], columns=["label"])
+    caches = _transform_caches(out)
+    assert len(caches) == 2
+    export_hf(store, out, hook_points=["f16"], columns=["label"])   # replaced, caches of the old rows with it
+    hf = datasets.load_from_disk(str(out))
+    assert hf.column_names == ["f16", "label"] and len(hf) == N
+    assert torch.equal(hf.with_format("torch", dtype=torch.float16)[:]["f16"], arrays["f16"])
+    assert not list(out.glob("cache-*.arrow")) and not list(tmp_path.glob("*.tmp"))
+
+
+@pytest.mark.parametrize("foreign", ["notes.txt", "cache-notes.arrow", "cache-dir.arrow", "cache-link.arrow",
+                                     "tmpab12cd34"])
+def test_hf_export_never_deletes_anything_else_next_to_the_caches(store, tmp_path, foreign):
+    """Only datasets' cache-*.arrow Arrow streams go with an earlier export: a file of
+    another kind (even named cache-*.arrow), a folder or a link is the user's."""
+    out = tmp_path / "hf"
+    export_hf(store, out, hook_points=["f32"], columns=["label"])
+    caches = _transform_caches(out)
+    target = tmp_path / "elsewhere.txt"
+    target.write_text("keep me too")
+    if foreign == "cache-dir.arrow":
+        (out / foreign).mkdir()
+        (out / foreign / "x").write_text("keep me")
+    elif foreign == "cache-link.arrow":
+        (out / foreign).symlink_to(target)
+    else:
+        (out / foreign).write_text("keep me")
+    before = sorted((str(p.relative_to(out)), p.is_dir() or p.read_bytes()) for p in out.rglob("*"))
+    with pytest.raises(FileExistsError, match=rf"now also holds \['{foreign}'\], which the export did not write"):
+        export_hf(store, out, hook_points=["f16"])
+    assert sorted((str(p.relative_to(out)), p.is_dir() or p.read_bytes()) for p in out.rglob("*")) == before
+    assert all((out / c).is_file() for c in caches) and target.read_text() == "keep me too"
