@@ -1050,12 +1050,15 @@ def test_the_store_records_what_track_overrode(tmp_path):
     assert config["patterns"] == {"include": ["0"], "exclude": ["1"]}
 
 
-@pytest.mark.parametrize("hook", ["replace", "in_place", "read_only", "same_tensors_new_tuple"])
-def test_forward_hooks_that_change_an_output_are_named_and_the_next_input_records_them(hook):
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("hook", ["replace", "in_place", "read_only", "same_tensors_new_tuple", "detach",
+                                  "detach_in_place", "detach_one_replace_other", "same_storage_other_strides"])
+def test_forward_hooks_that_change_an_output_are_named_and_the_next_input_records_them(hook, grad):
     """An output is recorded as its module's forward returns it, before its forward hooks run:
     a hook that replaces it or changes it in place (steering) is named in a CaptureWarning
     with the fix, and capture='input' of the module that receives it records the changed
-    value. Hooks that only read, or return the same tensors, are not warned about."""
+    value. Hooks that only read, or return the same tensors, or the same tensors detached
+    (same storage, strides and version counter: the same values), are not warned about."""
     torch.manual_seed(0)
 
     class Pair(torch.nn.Module):
@@ -1083,12 +1086,17 @@ def test_forward_hooks_that_change_an_output_are_named_and_the_next_input_record
         "in_place": lambda m, i, out: [out[0].add_(5)] and None,
         "read_only": lambda m, i, out: None,
         "same_tensors_new_tuple": lambda m, i, out: (out[0], out[1]),
+        "detach": lambda m, i, out: (out[0].detach(), out[1].detach()),
+        "detach_in_place": lambda m, i, out: (out[0].detach().add_(5), out[1]),
+        "detach_one_replace_other": lambda m, i, out: (out[0].detach() + 5, out[1].detach()),
+        # the same memory read with other strides is another value
+        "same_storage_other_strides": lambda m, i, out: (out[0].detach().as_strided((5, 3), (1, 5)), out[1]),
     }
     handle = model.pair.register_forward_hook(hooks[hook])
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            with acs.ActivationScope(capture="both").track(model) as tr, torch.no_grad():
+            with acs.ActivationScope(capture="both").track(model) as tr, torch.set_grad_enabled(grad):
                 model(x)
                 model(x)
         with torch.no_grad():
@@ -1097,12 +1105,13 @@ def test_forward_hooks_that_change_an_output_are_named_and_the_next_input_record
         handle.remove()
     messages = [str(w.message) for w in caught if issubclass(w.category, acs.CaptureWarning)]
     torch.testing.assert_close(tr.activations["pair.output.0"][0], plain, rtol=0, atol=0)
-    if hook in ("replace", "in_place"):
+    if hook in ("replace", "in_place", "detach_in_place", "detach_one_replace_other", "same_storage_other_strides"):
         assert len(messages) == 1, messages
         assert re.search(r"forward hooks of the tracked modules 'pair' replaced or changed their output in the "
                          r"first captured forward: .*before its forward hooks run.*capture='input' of the next "
                          r"module", messages[0])
-        torch.testing.assert_close(tr.activations["head.input.0"][0], plain + 5, rtol=0, atol=0)
+        passed_on = plain.as_strided((5, 3), (1, 5)) if hook == "same_storage_other_strides" else plain + 5
+        torch.testing.assert_close(tr.activations["head.input.0"][0], passed_on, rtol=0, atol=0)
     else:
         assert messages == []
         torch.testing.assert_close(tr.activations["head.input.0"][0], plain, rtol=0, atol=0)

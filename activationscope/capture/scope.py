@@ -479,9 +479,43 @@ def _output_state(out: Any) -> list[tuple[torch.Tensor, int]]:
     return state
 
 
+def _same_tensor(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Whether ``y`` reads exactly the memory of ``x`` the same way: the same storage, offset,
+    shape, strides, dtype and device (``x.detach()``, or a view that is the whole of ``x``).
+    Tensors without storage (sparse, functorch wrappers) are the same only as one object."""
+    if x is y:
+        return True
+    try:
+        return (x.dtype == y.dtype and x.device == y.device and x.shape == y.shape and x.stride() == y.stride()
+                and x.storage_offset() == y.storage_offset()
+                and x.untyped_storage().data_ptr() == y.untyped_storage().data_ptr()
+                and x.untyped_storage().nbytes() == y.untyped_storage().nbytes())
+    except (RuntimeError, NotImplementedError):  # no storage (sparse, nested, wrapped): not comparable
+        return False
+
+
 def _same_output(a: list[tuple[torch.Tensor, int]], b: list[tuple[torch.Tensor, int]]) -> bool:
-    """Whether two :func:`_output_state` are of the same tensors, unchanged in place."""
-    return len(a) == len(b) and all(x is y and u == v for (x, u), (y, v) in zip(a, b))
+    """Whether two :func:`_output_state` (``a`` as the forward returned it, ``b`` after the
+    forward hooks) hold the same values, unchanged in place: the same tensors, or tensors
+    reading the same memory the same way (:func:`_same_tensor`, as ``out.detach()`` does) whose
+    version counter (``x.detach()`` shares the counter of ``x``) says nothing wrote into it
+    since: an in-place change through either is a change."""
+    if len(a) != len(b):
+        return False
+    for (x, u), (y, v) in zip(a, b):
+        if x is y:
+            if u != v:
+                return False
+            continue
+        if not _same_tensor(x, y) or u != v:
+            return False
+        try:
+            now = x._version  # a write through y (its shared counter) moved it
+        except RuntimeError:  # an inference tensor keeps no version counter
+            now = -1
+        if now != u:
+            return False
+    return True
 
 
 def _uncompiled(model: Any) -> Any:
