@@ -1203,3 +1203,71 @@ def test_two_tensors_of_one_forward_under_one_name_are_refused(tmp_path, model, 
         assert acs.open_store(tmp_path / "s.zarr").n_samples == 0
     else:
         assert len(tr.activations.get(name, [])) <= 1
+
+
+# ---------------------------------------------------------------------------- modules called output
+
+
+@pytest.fixture(scope="module")
+def small_bert():
+    """A BertModel of random weights from a small config (no download): every layer has a
+    submodule called ``output`` (a BertOutput at ``encoder.layer.<i>.output``)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=50, hidden_size=8, num_hidden_layers=2, num_attention_heads=2,
+                                  intermediate_size=16, max_position_embeddings=16)
+    return transformers.BertModel(cfg).eval()
+
+
+def test_a_hook_point_name_is_read_as_a_module_only_for_transformer_lens_hook_points(small_bert):
+    from activationscope.capture.hooks import hook_point_module
+
+    names = {n for n, _ in small_bert.named_modules()}
+    assert "encoder.layer.0.output" in names  # the BertOutput
+    # the output of the layer, not the BertOutput module at the same path
+    assert hook_point_module("encoder.layer.0.output", names) == "encoder.layer.0"
+    assert hook_point_module("encoder.layer.0#1.output", names) == "encoder.layer.0"
+    assert hook_point_module("encoder.layer.0.output.output", names) == "encoder.layer.0.output"
+    assert hook_point_module("encoder.layer.0.output.input.0", names) == "encoder.layer.0.output"
+    assert hook_point_module("encoder.layer.0.output.dense.output", names) == "encoder.layer.0.output.dense"
+    # a module path read whole: only where it is a HookPoint's (recorded under its own path)
+    assert hook_point_module("encoder.layer.0.output", names, {"encoder.layer.0.output"}) == "encoder.layer.0.output"
+    assert hook_point_module("blocks.0.hook_z#1", {"blocks.0.hook_z"}, {"blocks.0.hook_z"}) == "blocks.0.hook_z"
+
+
+def test_tracking_a_bert_layer_and_its_output_submodule_records_both_without_warning(small_bert, tmp_path):
+    """encoder.layer.0 (a BertLayer) and encoder.layer.0.output (its BertOutput) tracked
+    together: each gives its own hook point, and neither is said to have recorded nothing."""
+    model = small_bert
+    ids = torch.randint(0, 50, (2, 5), generator=torch.Generator().manual_seed(1))
+    seen: dict[str, torch.Tensor] = {}
+    handles = [model.encoder.layer[0].register_forward_hook(lambda m, i, o: seen.__setitem__("layer", o)),
+               model.encoder.layer[0].output.register_forward_hook(lambda m, i, o: seen.__setitem__("out", o))]
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with acs.ActivationScope().track(model, include=["encoder.layer.0", "encoder.layer.0.output"]) as tr, \
+                    torch.no_grad():
+                model(ids)
+    finally:
+        for h in handles:
+            h.remove()
+    assert [str(w.message) for w in caught if issubclass(w.category, acs.CaptureWarning)] == []
+    # a BertLayer returns its hidden states (a tuple of them in older transformers)
+    layer_hp, layer_out = (("encoder.layer.0.output.0", seen["layer"][0]) if isinstance(seen["layer"], tuple)
+                           else ("encoder.layer.0.output", seen["layer"]))
+    torch.testing.assert_close(tr.activations[layer_hp][0], layer_out, rtol=0, atol=0)
+    torch.testing.assert_close(tr.activations["encoder.layer.0.output.output"][0], seen["out"], rtol=0, atol=0)
+
+    # a store of the layer's hook point cannot be resumed by tracking only the BertOutput
+    path = str(tmp_path / "s.zarr")
+    with acs.ActivationScope(store=path).track(model, include=["encoder.layer.0"]), torch.no_grad():
+        model(ids)
+    hp = acs.open_store(path).hook_points
+    assert hp and all(h.startswith("encoder.layer.0.output") for h in hp)
+    with pytest.raises(acs.ActivationScopeError, match=r"it holds \[.*'encoder.layer.0.output.*\] which this capture "
+                                                       r"does not give"):
+        with acs.ActivationScope(store=path, store_options={"resume": True}).track(
+                model, include=["encoder.layer.0.output"]), torch.no_grad():
+            model(ids)
+    assert acs.open_store(path).n_samples == 2

@@ -123,3 +123,31 @@ def test_steering_hooks_are_warned_and_the_next_hook_point_records_the_steered_v
         warnings.simplefilter("error", acs.CaptureWarning)
         with acs.ActivationScope().track(model, include=include), torch.no_grad():
             model.run_with_cache(tokens, names_filter=include)
+
+
+def test_hook_point_names_are_read_as_their_modules_and_a_store_of_them_resumes(model, tokens, tmp_path):
+    """A HookPoint is recorded under its own path, read back as that module (also with #k):
+    no tracked HookPoint is said to have recorded nothing, and a resume accepts the store."""
+    from activationscope.capture.hooks import hook_point_module
+
+    names = {n for n, _ in model.named_modules()}
+    paths = {n for n, m in model.named_modules() if type(m).__name__ == "HookPoint"}
+    assert hook_point_module("blocks.0.hook_resid_post", names, paths) == "blocks.0.hook_resid_post"
+    assert hook_point_module("blocks.0.ln1.hook_scale#2", names, paths) == "blocks.0.ln1.hook_scale"
+    assert hook_point_module("blocks.0.attn.output", names, paths) == "blocks.0.attn"
+    path = str(tmp_path / "tl.zarr")
+    include = ["blocks.*.hook_resid_post", "blocks.0.attn.hook_z", "blocks.0.attn"]
+    for resume in (False, True):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with acs.ActivationScope(store=path, store_options={"resume": resume}).track(model, include=include), \
+                    torch.no_grad():
+                model(tokens)
+        assert [str(w.message) for w in caught if issubclass(w.category, acs.CaptureWarning)] == [], resume
+    store = acs.open_store(path)
+    assert store.n_samples == 6
+    assert {"blocks.0.hook_resid_post", "blocks.1.hook_resid_post", "blocks.0.attn.hook_z"} <= set(store.hook_points)
+    _, cache = model.run_with_cache(tokens)
+    rows = store["blocks.1.hook_resid_post"]
+    assert torch.equal(rows[: rows.shape[0] // 2].reshape(cache["blocks.1.hook_resid_post"].shape),
+                       cache["blocks.1.hook_resid_post"])

@@ -232,7 +232,7 @@ def _replace_scripted(
     return out
 
 
-def hook_point_module(hook_point: str, modules: Any = None) -> str:
+def hook_point_module(hook_point: str, modules: Any = None, hook_point_paths: Any = ()) -> str:
     """Module path of a hook point name (``"enc.0#1.output.x"`` -> ``"enc.0"``).
 
     A module may itself be called ``output`` or ``input`` (Hugging Face BERT's
@@ -240,9 +240,14 @@ def hook_point_module(hook_point: str, modules: Any = None) -> str:
     a name can be read several ways; ``modules`` (the module paths there are) picks the
     longest of them that is a module (``"encoder.layer.0.output.dense.output"`` ->
     ``"encoder.layer.0.output.dense"``). Without it, or when none is, the first reading.
+
+    The whole name is read as a module path only when it is one of ``hook_point_paths``
+    (the paths of TransformerLens ``HookPoint`` modules, recorded under their own names):
+    BERT's ``"encoder.layer.0.output"`` is the output of ``encoder.layer.0``, never the
+    ``BertOutput`` module at that path (whose output is ``"encoder.layer.0.output.output"``).
     """
     if modules is not None:
-        known = [m for m in _module_readings(hook_point) if m in modules]
+        known = [m for m in _module_readings(hook_point, hook_point_paths) if m in modules]
         if known:
             return max(known, key=len)
     for marker in (".output", ".input"):
@@ -257,10 +262,11 @@ def hook_point_module(hook_point: str, modules: Any = None) -> str:
     return hook_point.split("#")[0]
 
 
-def _module_readings(hook_point: str) -> list[str]:
+def _module_readings(hook_point: str, hook_point_paths: Any = ()) -> list[str]:
     """Every module path ``hook_point`` can be read as: the part before each ``.output`` /
     ``.input`` that ends a name part (``#k`` dropped), the root for a name starting with
-    ``output`` / ``input``, and the whole name (a TransformerLens ``HookPoint``)."""
+    ``output`` / ``input``, and the whole name (``#k`` dropped) when it is one of
+    ``hook_point_paths`` (a TransformerLens ``HookPoint``, recorded under its path)."""
     out = [""] if hook_point.startswith(("output", "input")) else []
     for marker in (".output", ".input"):
         i = hook_point.find(marker)
@@ -269,7 +275,9 @@ def _module_readings(hook_point: str) -> list[str]:
             if rest == "" or rest.startswith("."):
                 out.append(hook_point[:i].split("#")[0])
             i = hook_point.find(marker, i + 1)
-    out.append(hook_point.split("#")[0])
+    whole = hook_point.split("#")[0]
+    if whole in hook_point_paths:
+        out.append(whole)
     return out
 
 

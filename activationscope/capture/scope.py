@@ -725,7 +725,7 @@ class Tracker:
 
     def _can_capture(self, hook_point: str, modules: set[str]) -> bool:
         """Whether this tracker's modules and side can give ``hook_point`` (by name)."""
-        module = hook_point_module(hook_point, modules)
+        module = hook_point_module(hook_point, modules, self._hook_point_paths)
         if module not in modules:
             return False
         if module in self._hook_point_paths:  # a TransformerLens HookPoint: either side
@@ -740,7 +740,7 @@ class Tracker:
 
     def _module_of(self, hook_point: str) -> str:
         """The tracked module whose hook point ``hook_point`` is."""
-        return hook_point_module(hook_point, {n for n, _ in self._modules})
+        return hook_point_module(hook_point, {n for n, _ in self._modules}, self._hook_point_paths)
 
     def _check_patterns(self, stored_config: Any) -> None:
         """Refuse a resume whose include= / exclude= patterns differ from those the store
@@ -940,7 +940,7 @@ class Tracker:
         if self._n_captured == 0:
             return []
         names = {n for n, _ in self._modules}
-        recorded = {hook_point_module(h, names) for h in self._sinks}
+        recorded = {hook_point_module(h, names, self._hook_point_paths) for h in self._sinks}
         silent = [(n, m) for n, m in self._modules if n not in recorded]
         if recorded:  # containers without a forward (ModuleList, ModuleDict) are never called
             silent = [(n, m) for n, m in silent if not _no_forward(m)]
