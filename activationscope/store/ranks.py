@@ -41,7 +41,7 @@ from . import _format as F
 from . import _validate as V
 from ._backend import LocalBackend, check_not_in_store, resolve
 from ._lock import WriterLock
-from .reader import Store
+from .reader import Store, _no_rank_column
 from .writer import ROW_KINDS, _builtin_state_fits, _library_versions, _write_small_array, resume_history
 
 RANKS_DIR = "ranks"
@@ -798,6 +798,8 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
 
     for kind in ROW_KINDS:
         tables = [s.row_table(kind) for s in stores]
+        for r, (t, rank_st) in enumerate(zip(tables, stores)):
+            _no_rank_column(t, rank_st, r)
         tables = [t.append_column("rank", pa.array(np.full(t.num_rows, r, dtype=np.int64))) for r, t in enumerate(tables)]
         S = shard_rows.get(kind)
         for hp, meta in arrays.items():

@@ -234,6 +234,17 @@ class _ChunkCrcs:
             raise KeyError(key)
         return got
 
+
+def _no_rank_column(table: Any, st: Any, rank: int) -> None:
+    """Refuse a rank store whose row table has a user column named ``rank``: the multi-rank
+    view adds its own column of that name (a writer refuses such a column since)."""
+    if "rank" in table.column_names:
+        raise StoreError(
+            f"rank store {rank} ({str(st._backend)!r}) has a user row-table column named 'rank', which clashes "
+            "with the rank column a multi-rank store adds; its rows cannot be combined with the other ranks': "
+            "capture again with that column renamed"
+        )
+
 class Store:
     """A read-only activationscope store (a snapshot of its last commit).
 
@@ -1522,6 +1533,7 @@ class Store:
             tables = []
             for rank, st in self._ranks:
                 t = st.row_table(kind)
+                _no_rank_column(t, st, rank)
                 tables.append(t.append_column("rank", pa.array(np.full(t.num_rows, rank, dtype=np.int64))))
             return pa.concat_tables(tables, promote_options="default")
         info = (self._attrs.get("row_tables") or {}).get(kind) or {"parts": []}

@@ -809,6 +809,10 @@ class StoreWriter:
             if key in _RESERVED[kind]:
                 raise ArgumentValueError(f"column {key!r} clashes with a reserved row-table column "
                                          f"{list(_RESERVED[kind])}; rename it")
+            if key == "rank" and self.rank_store is not None:
+                raise ArgumentValueError(
+                    "column 'rank' clashes with the rank column a multi-rank store adds to its row tables (this "
+                    f"is rank {self.rank_store.get('rank')} of {self.rank_store.get('world_size')}); rename it")
             if is_token:
                 values = _to_column(col.detach().to("cpu")[mask])
             else:

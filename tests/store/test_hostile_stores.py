@@ -1200,6 +1200,48 @@ def test_the_rank_column_of_a_store_committed_from_rank_stores_orders_its_batche
         open_store(path).row_table("sample")
 
 
+def test_a_user_column_named_rank_in_a_multi_rank_capture(tmp_path, monkeypatch):
+    """A multi-rank store adds a ``rank`` column to its row tables: a user column of that name
+    is refused at capture (nothing of that forward recorded); rank stores written with one
+    before (forged here) give our error naming the rank store when read or committed, never
+    pyarrow's "duplicate field names"."""
+    from activationscope.errors import ArgumentValueError, StoreError
+    from activationscope.store import writer as writer_mod
+    from activationscope.store.ranks import commit_ranks
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2))
+    path = tmp_path / "m.zarr"
+    opts = {"process_group": acs.RankStore(0, 2)}
+    with pytest.raises(ArgumentValueError, match=r"column 'rank' clashes with the rank column a multi-rank store "
+                                                 r"adds to its row tables \(this is rank 0 of 2\); rename it"):
+        with acs.ActivationScope(store=str(path), store_options=opts).track(model) as tr, torch.no_grad():
+            tr.set_batch(rank=[7, 8])
+            model(torch.randn(2, 3))
+
+    original = writer_mod.StoreWriter._user_columns
+
+    def unchecked(self, *args, **kwargs):  # as a writer before the check
+        kept, self.rank_store = self.rank_store, None
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            self.rank_store = kept
+
+    monkeypatch.setattr(writer_mod.StoreWriter, "_user_columns", unchecked)
+    path = tmp_path / "old.zarr"
+    for task in range(2):
+        opts = {"process_group": acs.RankStore(task, 2)}
+        with acs.ActivationScope(store=str(path), store_options=opts).track(model) as tr, torch.no_grad():
+            tr.set_batch(rank=[7, 8])
+            model(torch.randn(2, 3))
+    monkeypatch.undo()
+    with pytest.raises(StoreError, match=r"rank store 0 \(.*\) has a user row-table column named 'rank'"):
+        open_store(path).row_table("sample")
+    with pytest.raises(StoreError, match=r"rank store 0 \(.*\) has a user row-table column named 'rank'"):
+        commit_ranks(path)
+    assert open_store(path).status == "incomplete"  # nothing committed
+
+
 def test_resume_of_a_root_whose_row_table_lists_no_parts_field(plain):
     """A root whose row table entry has no ``parts`` field (it may: a table of no rows) is
     resumed and closed without a KeyError, and reads back as before."""
