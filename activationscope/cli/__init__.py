@@ -483,7 +483,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 def cmd_consolidate(args: argparse.Namespace) -> int:
     from ..store.ranks import commit_ranks
 
-    if "://" in args.store:
+    if "://" in args.store and not args.store.startswith("file://"):  # (file://PATH is the folder PATH)
         raise CLIError(f"consolidate takes a local store folder, got the URL {args.store!r}; for object storage "
                        "call activationscope.store.ranks.commit_ranks(url, storage_options=...)")
     # a missing path, a file, or a folder holding no store: commit_ranks refuses it before it

@@ -1054,3 +1054,16 @@ def test_consolidate_commits_hist_and_nonzero_of_a_rank_without_rows(tmp_path):
     assert s.verify() == [] and s.n_rows("0.output") == 6
     torch.testing.assert_close(s.reductions["0.output"]["nz"], (ref != 0).double().mean(0))
     assert s.reductions["0.output"]["h.counts"].sum(-1).tolist() == ((ref >= -1) & (ref <= 1)).sum(0).tolist()
+
+
+def test_consolidate_takes_a_file_url_as_the_folder_it_names(tmp_path, capsys):
+    from activationscope import cli
+
+    store = tmp_path / "rk.zarr"
+    _small_rank_stores(store)
+    assert cli.main(["consolidate", "memory://rk.zarr"]) == 1
+    assert "consolidate takes a local store folder, got the URL 'memory://rk.zarr'" in capsys.readouterr().err
+    assert acs.open_store(store).status == "incomplete"
+    assert cli.main(["consolidate", f"file://{store}"]) == 0
+    assert "committed 2 rank stores, 36 samples" in capsys.readouterr().out
+    assert acs.open_store(store).status == "complete" and acs.open_store(store).verify() == []
