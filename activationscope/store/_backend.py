@@ -878,6 +878,82 @@ def check_not_in_store(root: str | os.PathLike) -> None:
     )
 
 
+def _parse_marks(raw: bytes | None, locked: bool) -> tuple[bool, dict | None]:
+    """:func:`_store_marks` from a root document's bytes and whether a writer lock is there."""
+    attrs = None
+    if raw is not None:
+        try:
+            meta = json.loads(raw)
+        except (ValueError, RecursionError):
+            meta = None
+        got = meta.get("attributes") if isinstance(meta, dict) else None
+        got = got.get("activationscope") if isinstance(got, dict) else None
+        attrs = got if isinstance(got, dict) else None
+    return (True, attrs) if attrs is not None else (locked, None)
+
+
+def remote_store_above(backend: "FsspecBackend") -> str | None:
+    """:func:`store_above` for a store on an fsspec file system (``s3://``, ``memory://``
+    ...): the outermost prefix above the backend's path that is an activationscope store (its
+    ``zarr.json`` carries our attributes, or it holds a writer lock marker), None when none
+    is. The same rank-store exception applies. Reads at most one root document
+    (``MAX_JSON_BYTES``) and checks one lock marker per prefix above the path."""
+    fs = backend.store.fs
+    path = backend.store.path.strip("/")
+    parts = [p for p in path.split("/") if p]
+
+    async def marks(prefix: str) -> tuple[bool, dict | None]:
+        raw = None
+        try:
+            if await fs._size(f"{prefix}/zarr.json") <= MAX_JSON_BYTES:
+                raw = await fs._cat_file(f"{prefix}/zarr.json")
+        except (FileNotFoundError, OSError, ValueError, TypeError):
+            raw = None
+        try:
+            locked = bool(await fs._exists(f"{prefix}/{LOCK_KEY}"))
+        except (OSError, ValueError):
+            locked = False
+        return _parse_marks(raw, locked)
+
+    found = None
+    for i in range(1, len(parts)):
+        prefix = "/".join(parts[:i])
+        try:
+            is_store, attrs = backend._sync(marks(prefix))
+        except Exception:  # noqa: BLE001 - a prefix that cannot be read (no permission): not known as a store
+            continue
+        if not is_store:
+            continue
+        dist = (attrs or {}).get("distributed")
+        rank_root = attrs is None or (isinstance(dist, dict) and dist.get("committed") is not True)
+        if rank_root and _RANK_FOLDER.fullmatch("/".join(parts[i:])):
+            continue
+        found = prefix
+    return found
+
+
+def check_backend_not_in_store(backend: Any) -> None:
+    """:func:`check_not_in_store` for any backend: a local folder, or a prefix of an fsspec
+    file system (:func:`remote_store_above`). Other backends (a zarr ``MemoryStore``) hold one
+    store each and pass."""
+    if isinstance(backend, LocalBackend):
+        check_not_in_store(backend.root)
+        return
+    if not isinstance(backend, FsspecBackend):
+        return
+    outer = remote_store_above(backend)
+    if outer is None:
+        return
+    path = backend.store.path.strip("/")
+    protocol = getattr(backend.store.fs, "protocol", None)
+    protocol = protocol[0] if isinstance(protocol, (tuple, list)) else protocol
+    scheme = f"{protocol}://" if protocol else ""
+    raise StoreError(
+        f"store {backend.label!r} lies inside the store {scheme + outer!r} (as {path[len(outer) + 1:]!r}); a store "
+        f"cannot be written inside another store, and nothing was written. Choose a path outside {scheme + outer!r}"
+    )
+
+
 def check_local_store_path(root: str | os.PathLike) -> None:
     """Raise :class:`StoreError` when a local store path (or a folder above it) is a file.
 

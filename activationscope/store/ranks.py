@@ -39,7 +39,7 @@ from ..capture import _native
 from ..errors import ArgumentValueError, StoreCorruptError, StoreError, StoreExistsError
 from . import _format as F
 from . import _validate as V
-from ._backend import LocalBackend, check_not_in_store, resolve
+from ._backend import LocalBackend, check_backend_not_in_store, resolve
 from ._lock import WriterLock
 from .reader import Store, _no_rank_column
 from .writer import ROW_KINDS, _builtin_state_fits, _library_versions, _write_small_array, resume_history
@@ -81,8 +81,8 @@ def prepare_root(target: Any, *, world_size: int, overwrite: bool = False, resum
         were already committed.
     """
     b = resolve(target, storage_options=storage_options)
+    check_backend_not_in_store(b)
     if isinstance(b, LocalBackend):
-        check_not_in_store(b.root)
         b.root.mkdir(parents=True, exist_ok=True)
     with WriterLock(b):  # the store's writer lock, as every writer takes it
         _prepare_root(b, world_size, overwrite, resume)

@@ -48,7 +48,7 @@ from ..errors import (
 from . import _decode
 from . import _format as F
 from . import _validate as V
-from ._backend import LocalBackend, check_not_in_store, open_regular, resolve, store_above
+from ._backend import LocalBackend, check_backend_not_in_store, open_regular, resolve, store_above
 
 # shard index entry of a chunk that is not there (Zarr sharding: 2**64 - 1)
 _MISSING = 2**64 - 1
@@ -2054,8 +2054,7 @@ def copy_store(source: Any, target: Any, *, overwrite: bool = False) -> None:
 
     src = source._backend if isinstance(source, Store) else resolve(source, read_only=True)
     dst = resolve(target)
-    if isinstance(dst, LocalBackend):
-        check_not_in_store(dst.root)  # its objects would land among another store's
+    check_backend_not_in_store(dst)  # its objects would land among another store's
     with WriterLock(dst):  # no writer may be writing the target meanwhile
         if not dst.is_empty():
             if not overwrite:

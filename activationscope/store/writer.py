@@ -52,7 +52,7 @@ from ..errors import (
 )
 from . import _format as F
 from . import _validate as V
-from ._backend import LocalBackend, check_local_store_path, check_not_in_store, resolve
+from ._backend import LocalBackend, check_backend_not_in_store, check_local_store_path, resolve
 from ._lock import WriterLock
 
 
@@ -618,7 +618,7 @@ class StoreWriter:
         self._backend = resolve(target, fsync=self._fsync, storage_options=dict(storage_options or {}) or None)
         if isinstance(self._backend, LocalBackend):
             check_local_store_path(self._backend.root)
-            check_not_in_store(self._backend.root)
+        check_backend_not_in_store(self._backend)
         self.target = target
         self._closed = True  # until the end of __init__: __del__ and close() do nothing
         # one writer at a time: the lock is held from here to close() / abort()

@@ -253,6 +253,43 @@ def test_a_store_inside_another_store_is_refused(tmp_path, inner, how):
     assert store.verify() == [] and torch.equal(store["0.output"], data)
 
 
+@pytest.mark.parametrize("how", ["new", "scope", "copy", "rank"])
+def test_a_store_inside_another_store_on_an_fsspec_file_system_is_refused(how):
+    """The same on ``memory://`` (an fsspec file system, as s3://): refused before anything is
+    written; a store beside it, and rank stores in their own multi-rank store, are not."""
+    import uuid
+
+    import fsspec
+
+    from activationscope.store import copy_store
+
+    base = f"memory://inside-{uuid.uuid4().hex}"
+    fs = fsspec.filesystem("memory")
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    with acs.ActivationScope(store=f"{base}/a.zarr").track(model), torch.no_grad():
+        model(torch.randn(3, 2))
+    before = {k: fs.cat_file(k) for k in fs.find(f"{base}/a.zarr")}
+    target = f"{base}/a.zarr/acts/new.zarr"
+    with pytest.raises(StoreError, match=rf"lies inside the store 'memory://.*/a.zarr' \(as 'acts/new.zarr"
+                                         rf"(/ranks/00000)?'\).*nothing was written"):
+        if how == "new":
+            StoreWriter(target)
+        elif how == "copy":
+            copy_store(f"{base}/a.zarr", target)
+        else:
+            opts = {"process_group": acs.RankStore(0, 2)} if how == "rank" else {}
+            with acs.ActivationScope(store=target, store_options=opts).track(model), torch.no_grad():
+                model(torch.randn(1, 2))
+    assert {k: fs.cat_file(k) for k in fs.find(f"{base}/a.zarr")} == before
+    assert acs.open_store(f"{base}/a.zarr").verify() == []
+    # beside it: a store like any other; rank stores in their multi-rank store: as before
+    for task in range(2):
+        opts = {"process_group": acs.RankStore(task, 2)}
+        with acs.ActivationScope(store=f"{base}/m.zarr", store_options=opts).track(model), torch.no_grad():
+            model(torch.randn(3, 2))
+    assert acs.open_store(f"{base}/m.zarr").n_samples == 6
+
+
 def test_a_link_into_a_store_is_refused_and_a_store_beside_one_is_not(tmp_path):
     from acs_testing import store_three_batches
 
