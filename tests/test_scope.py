@@ -1050,7 +1050,7 @@ def test_the_store_records_what_track_overrode(tmp_path):
     assert config["patterns"] == {"include": ["0"], "exclude": ["1"]}
 
 
-@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("grad", [False, True, "inference_mode"])
 @pytest.mark.parametrize("hook", ["replace", "in_place", "read_only", "same_tensors_new_tuple", "detach",
                                   "detach_in_place", "detach_one_replace_other", "same_storage_other_strides"])
 def test_forward_hooks_that_change_an_output_are_named_and_the_next_input_records_them(hook, grad):
@@ -1058,7 +1058,8 @@ def test_forward_hooks_that_change_an_output_are_named_and_the_next_input_record
     a hook that replaces it or changes it in place (steering) is named in a CaptureWarning
     with the fix, and capture='input' of the module that receives it records the changed
     value. Hooks that only read, or return the same tensors, or the same tensors detached
-    (same storage, strides and version counter: the same values), are not warned about."""
+    (same storage, strides and version counter: the same values), are not warned about. Under
+    torch.inference_mode (no version counters) the values before and after the hooks tell."""
     torch.manual_seed(0)
 
     class Pair(torch.nn.Module):
@@ -1096,7 +1097,8 @@ def test_forward_hooks_that_change_an_output_are_named_and_the_next_input_record
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            with acs.ActivationScope(capture="both").track(model) as tr, torch.set_grad_enabled(grad):
+            mode = torch.inference_mode() if grad == "inference_mode" else torch.set_grad_enabled(grad)
+            with acs.ActivationScope(capture="both").track(model) as tr, mode:
                 model(x)
                 model(x)
         with torch.no_grad():

@@ -463,20 +463,29 @@ def _functorch_wrapped(tensor: torch.Tensor) -> bool:
     return bool(check(tensor)) if check is not None else False
 
 
-def _output_state(out: Any) -> list[tuple[torch.Tensor, int]]:
+def _output_state(out: Any) -> list[tuple[torch.Tensor, int, torch.Tensor | None]]:
     """The tensors of a module's output (nested tuples, lists, dicts, dataclasses) with their
-    version counters (held only while that call's forward hooks run)."""
+    version counters, and for an inference tensor (``torch.inference_mode``: no version
+    counter, ``-1``) a copy of its bytes instead (held only while that call's forward hooks
+    run, in the first captured forward)."""
     from torch.utils._pytree import tree_leaves
 
     state = []
     for leaf in tree_leaves(out):
         if isinstance(leaf, torch.Tensor):
             try:
-                version = leaf._version
-            except RuntimeError:  # an inference tensor keeps no version counter
-                version = -1
-            state.append((leaf, version))
+                state.append((leaf, leaf._version, None))
+            except RuntimeError:  # an inference tensor keeps no version counter: its bytes tell
+                state.append((leaf, -1, _bytes_of(leaf)))
     return state
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor | None:
+    """A copy of ``t``'s values as bytes (uint8, flat), None when it has no plain storage."""
+    try:
+        return t.detach().contiguous().reshape(-1).view(torch.uint8).clone()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
 
 
 def _same_tensor(x: torch.Tensor, y: torch.Tensor) -> bool:
@@ -494,24 +503,27 @@ def _same_tensor(x: torch.Tensor, y: torch.Tensor) -> bool:
         return False
 
 
-def _same_output(a: list[tuple[torch.Tensor, int]], b: list[tuple[torch.Tensor, int]]) -> bool:
+def _same_output(a: list, b: list) -> bool:
     """Whether two :func:`_output_state` (``a`` as the forward returned it, ``b`` after the
     forward hooks) hold the same values, unchanged in place: the same tensors, or tensors
     reading the same memory the same way (:func:`_same_tensor`, as ``out.detach()`` does) whose
     version counter (``x.detach()`` shares the counter of ``x``) says nothing wrote into it
-    since: an in-place change through either is a change."""
+    since: an in-place change through either is a change. Inference tensors have no counter:
+    their bytes before and after the hooks are compared instead."""
     if len(a) != len(b):
         return False
-    for (x, u), (y, v) in zip(a, b):
-        if x is y:
-            if u != v:
+    for (x, u, xb), (y, v, yb) in zip(a, b):
+        if not (x is y or _same_tensor(x, y)) or u != v:
+            return False
+        if xb is not None or yb is not None:  # inference tensors: the values tell
+            if xb is None or yb is None or not torch.equal(xb, yb):
                 return False
             continue
-        if not _same_tensor(x, y) or u != v:
-            return False
+        if x is y:
+            continue
         try:
             now = x._version  # a write through y (its shared counter) moved it
-        except RuntimeError:  # an inference tensor keeps no version counter
+        except RuntimeError:
             now = -1
         if now != u:
             return False
