@@ -350,6 +350,7 @@ def commit_ranks(target: Any, *, storage_options: dict | None = None,
         raise StoreError(f"committing rank stores needs a local path or a URL, got {target!r}")
     if isinstance(b, LocalBackend):
         _check_local_target(b)
+    check_backend_not_in_store(b)  # (a multi-rank store made inside another one before that was refused)
     with WriterLock(b):  # one committer (or writer) at a time: a second one gets StoreLockedError
         return _commit_ranks(b, target, storage_options, make_reduction, world_size, verify)
 

@@ -338,6 +338,8 @@ def test_rank_stores_still_go_in_their_multi_rank_store_but_not_in_another_store
         StoreWriter(str(outer / "m.zarr" / "ranks" / "00001"))
     with pytest.raises(StoreError, match=f"lies inside the store '{outer}' \\(as 'm.zarr'\\)"):
         prepare_root(str(outer / "m.zarr"), world_size=2, resume=True)
+    with pytest.raises(StoreError, match=f"lies inside the store '{outer}' \\(as 'm.zarr'\\)"):
+        commit_ranks(str(outer / "m.zarr"))
     assert _files(outer) == before
 
 
