@@ -83,6 +83,8 @@ def test_a_chunk_a_running_resume_rewrote_is_named_as_such_by_a_verifying_reader
     """FORMAT.md section 5: the chunk that holds the last committed rows is rewritten by a
     resume that appends to it; until that resume commits, its crc32c is not the manifest's. A
     verifying reader says so (not only "damaged"), and reads it once the resume has closed."""
+    import time
+
     import torch
 
     from activationscope.store import StoreWriter
@@ -95,9 +97,14 @@ def test_a_chunk_a_running_resume_rewrote_is_named_as_such_by_a_verifying_reader
     w.commit()
     w.close()
     w = StoreWriter(path, resume=True, chunk_rows=4, shard_bytes=16 * 4096)
+    shard4 = shard(path, 4)  # chunks 16-19 (16 KiB each)
+    before = shard4.read_bytes()
     w.open_array(HP, (1024,), torch.float32, "sample").append(x[78:87])
     w.add_batch(9, list(range(78, 87)), None, {})
     w.commit()
+    deadline = time.monotonic() + 30
+    while shard4.read_bytes() == before and time.monotonic() < deadline:  # the writer thread rewrites chunk 19
+        time.sleep(0.01)
     assert open_store(path)[HP].equal(x[:78])
     with pytest.raises(StoreCorruptError, match=r"chunk 19 \(rows 76-77\).*crc32c mismatch.*: the chunk was rewritten "
                                                 r"by a resumed capture \(it holds the last committed rows, 76-77.*"
