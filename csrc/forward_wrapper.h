@@ -71,8 +71,11 @@ struct TrackerCore {
   uint64_t alias_checked = 0;      // the tally at the last scan
   bool alias_scan_needed = false;  // a sink was added since the last scan
 
-  // The token mask of this forward: the user's (set_batch), else the rows="token" one.
-  at::Tensor mask() const { return token_mask.defined() ? token_mask : auto_mask; }
+  // The token mask of this forward: the user's (set_batch), else the rows="token" one. A
+  // set_batch without attention_mask leaves token_mask an empty 1-D tensor (what Python's
+  // torch.Tensor() binds to), never a (batch, pos) mask: that is "no mask", not a mask of
+  // no positions.
+  at::Tensor mask() const { return token_mask.defined() && token_mask.dim() == 2 ? token_mask : auto_mask; }
 
   // One capture of `sink` in a root forward: counts towards the stop point.
   void note(const std::shared_ptr<Sink>& sink) {

@@ -76,6 +76,50 @@ def test_a_mask_still_leaves_padding_out(tmp_path):
     assert store.row_table("token")["pos"].to_pylist() == [0, 1, 2, 3, 4, 0, 1, 0, 1, 2]
 
 
+def test_set_batch_without_a_mask_keeps_every_token(tmp_path):
+    # sample ids and columns without attention_mask: every position is a token, as with no
+    # set_batch at all (this raised "needs an attention mask ... got mask (0,)")
+    model = TinyLM().eval()
+    batches = _batches()
+    scope = acs.ActivationScope(store=tmp_path / "s.zarr", rows="token", reductions=["mean"])
+    with torch.no_grad(), scope.track(model, include=["block0", "head"]) as tracker:
+        first = 10
+        for ids in batches:
+            n = ids.shape[0]
+            tracker.set_batch(sample_ids=range(first, first + n), label=[7] * n, token_ids=ids)
+            model(ids)
+            first += n
+    store = acs.open_store(tmp_path / "s.zarr")
+    with torch.no_grad():  # plain PyTorch reference
+        ref = torch.cat([model.block0(model.embed(ids)).reshape(-1, 8) for ids in batches])
+        heads = torch.cat([model(ids) for ids in batches])
+    assert store.row_kind("block0.output") == "token" and torch.equal(store["block0.output"], ref)
+    assert torch.equal(store["head.output"], heads)
+    assert torch.allclose(store.reductions["block0.output"]["mean"], ref.double().mean(0))
+    table = store.row_table("token")
+    assert table["sample_id"].to_pylist() == [s for s in (10, 11, 12) for _ in range(5)] + [s for s in (13, 14) for _ in range(7)]
+    assert table["pos"].to_pylist() == list(range(5)) * 3 + list(range(7)) * 2
+    assert table["token_ids"].to_pylist() == torch.cat([ids.reshape(-1) for ids in batches]).tolist()
+    assert store.row_table("sample")["label"].to_pylist() == [7] * 5
+
+
+def test_a_mask_then_a_batch_without_one_keeps_every_token_of_the_later_batch(tmp_path):
+    model = TinyLM().eval()
+    ids0, ids1 = _batches()
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0]])
+    scope = acs.ActivationScope(store=tmp_path / "s.zarr", rows="token")
+    with torch.no_grad(), scope.track(model, include=["block0"]) as tracker:
+        tracker.set_batch(attention_mask=mask)
+        model(ids0)
+        tracker.set_batch(sample_ids=[3, 4])
+        model(ids1)
+    store = acs.open_store(tmp_path / "s.zarr")
+    with torch.no_grad():
+        ref = torch.cat([model.block0(model.embed(ids0))[mask.bool()], model.block0(model.embed(ids1)).reshape(-1, 8)])
+    assert torch.equal(store["block0.output"], ref)
+    assert store.row_table("token")["pos"].to_pylist() == [0, 1, 2, 3, 4, 0, 1, 0, 1, 2] + list(range(7)) * 2
+
+
 def test_in_memory_reductions_and_embedding_inputs(transformer):
     # an encoder fed embeddings (batch, pos, d): (batch, pos) are the input's first two dims
     x = torch.randn(4, 6, 16)
