@@ -35,7 +35,9 @@ class CaptureWarning(RuntimeWarning):
 
     The warning about a ``set_batch`` attention mask that fits no hook point also carries
     ``reason == "mask_unused"``, ``mask_shape`` (the mask's shape, a tuple) and
-    ``first_shapes`` (the hook points' first activation shapes, as shown in the message)."""
+    ``first_shapes`` (the hook points' first activation shapes, as shown in the message);
+    the one about ``rows="token"`` finding no hook point that starts with the (batch, pos) of
+    the model's first input carries ``reason == "token_rows_unused"`` and ``first_shapes``."""
 
 
 class _MessageKeyError(ActivationScopeError, KeyError):

@@ -61,3 +61,46 @@ def test_mask_that_applies_or_sample_rows_asked_for_do_not_warn(where, include, 
         with torch.no_grad(), _scope(where, tmp_path, **kw).track(model, include=include) as tracker:
             tracker.set_batch(attention_mask=_mask(pos))
             model(ids)
+
+
+@pytest.mark.parametrize("where", ["memory", "store"])
+def test_rows_token_that_fits_no_hook_point_warns_once(where, tmp_path):
+    # rows="token" without a mask: the model prepends a token, so no activation starts with the
+    # (batch, pos) of its input and every hook point is stored one row per sample
+    model = _model()
+    ids = torch.randint(1, 50, (4, 6))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad(), _scope(where, tmp_path, rows="token").track(model, include=["1", "2"]) as tracker:
+            for _ in range(2):
+                model(ids)
+    mine = [w for w in caught if issubclass(w.category, acs.CaptureWarning) and "rows='token'" in str(w.message)]
+    assert len(mine) == 1
+    assert mine[0].message.reason == "token_rows_unused"
+    assert "(batch, pos) = (4, 6)" in str(mine[0].message) and "'1.output': (4, 7, 8)" in mine[0].message.first_shapes
+    if where == "store":
+        store = acs.open_store(tmp_path / "run.zarr")
+        with torch.no_grad():
+            ref = model[:2](ids)
+        assert store.row_kind("1.output") == "sample" and torch.equal(store["1.output"], torch.cat([ref, ref]))
+    else:
+        assert len(tracker.activations["2.output"]) == 2
+
+
+@pytest.mark.parametrize("include, kw", [
+    (["0", "1", "2"], {}),                             # the embedding takes token rows: no warning
+    (["1", "2"], {"token_rows": False}),               # sample rows asked for
+])
+def test_rows_token_that_applies_or_sample_rows_asked_for_do_not_warn(include, kw, tmp_path):
+    model = _model()
+    ids = torch.randint(1, 50, (4, 6))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", acs.CaptureWarning)
+        with torch.no_grad(), acs.ActivationScope(store=tmp_path / "run.zarr", rows="token", **kw).track(
+                model, include=include):
+            model(ids)
+    store = acs.open_store(tmp_path / "run.zarr")
+    assert store.row_kind("1.output") == "sample"
+    if "0" in include:
+        with torch.no_grad():
+            assert torch.equal(store["0.output"], model[0](ids).reshape(24, 8))

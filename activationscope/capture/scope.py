@@ -239,7 +239,8 @@ class ActivationScope:
         first tensor input (token ids ``(batch, pos)``, or embeddings ``(batch, pos, d)``),
         and every hook point whose activation starts with them stores
         ``(batch * pos, *rest)`` rows, in ``(sample, position)`` order; a mask given to
-        ``set_batch`` still leaves padding out.
+        ``set_batch`` still leaves padding out. A capture where no tracked hook point starts
+        with them warns once (``CaptureWarning``, ``reason == "token_rows_unused"``).
     token_rows : bool or dict of str to bool, optional
         Overrides the shape rule of ``rows`` for hook points whose activation starts with
         the ``(batch, pos)`` of the forward's mask, where the shape alone cannot tell a
@@ -1480,6 +1481,8 @@ class Tracker:
             self._check_batch_size(self._batch)
         if batch.get("attention_mask") is not None and not self._warned_mask:
             self._warn_mask_unused(batch["attention_mask"])
+        elif self.scope.rows == "token" and not self._warned_mask:
+            self._warn_token_rows_unused()
         if self.writer is not None:
             ids = batch.get("sample_ids")  # None: the writer numbers the samples on from its last
             mask = batch.get("attention_mask")
@@ -1565,6 +1568,26 @@ class Tracker:
         )
         # what it is, for callers that say it in their own words (the command line)
         warning.reason, warning.mask_shape, warning.first_shapes = "mask_unused", tuple(mask.shape), f"{{{shown}}}"
+        warnings.warn(warning, stacklevel=3)
+
+    def _warn_token_rows_unused(self) -> None:
+        """Warn (once per capture) when ``rows="token"`` makes no hook point token rows: no
+        activation starts with the (batch, pos) of the model's first input (a model that
+        prepends a token has (batch, pos + 1, ...)), so every one is stored one row per sample."""
+        if not self._sinks or self._sample_rows_chosen or any(s.row_kind == 1 for s in self._sinks.values()):
+            return
+        self._warned_mask = True
+        auto = self._core.auto_token_mask
+        first = f"(batch, pos) = {tuple(auto.shape)}" if auto.dim() == 2 else "no (batch, pos) (it has fewer than 2 dims)"
+        shapes = {n: self._first_shapes[n] for n in self._sinks if n in self._first_shapes}
+        shown = ", ".join(f"{n!r}: {s}" for n, s in list(shapes.items())[:6]) + (", ..." if len(shapes) > 6 else "")
+        warning = CaptureWarning(
+            f"rows='token' found no token rows: the model's first tensor input has {first}, and no tracked "
+            f"hook point's activation starts with it ({{{shown}}}), so every hook point stores one row per "
+            "sample. Pass attention_mask= of the activations' (batch, pos) shape to tracker.set_batch (e.g. with "
+            "a column for a token the model prepends), or token_rows=False if one row per sample is what you want"
+        )
+        warning.reason, warning.first_shapes = "token_rows_unused", f"{{{shown}}}"
         warnings.warn(warning, stacklevel=3)
 
     def _forward_raised(self, at_exit: bool = False) -> None:
