@@ -1273,3 +1273,36 @@ def test_tracking_a_bert_layer_and_its_output_submodule_records_both_without_war
                 model, include=["encoder.layer.0.output"]), torch.no_grad():
             model(ids)
     assert acs.open_store(path).n_samples == 2
+
+
+def test_a_resumed_max_k_capture_counts_the_stored_forwards(tmp_path):
+    # max_k=3, killed after 2 captured forwards: the resume captures 1 more, as one
+    # uninterrupted run would have (it captured 3 more, and the store held 5 forwards)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    xs = torch.randn(6, 2, 4)
+    path = tmp_path / "k.zarr"
+
+    def scope(**options):
+        return acs.ActivationScope(store=path, store_options=options,
+                                   capture_policy=acs.CapturePolicy.MAX_K, max_k=3)
+
+    with pytest.raises(KeyboardInterrupt):
+        with torch.no_grad(), scope(commit_interval=0).track(model):
+            for i in range(6):
+                if i == 2:
+                    raise KeyboardInterrupt
+                model(xs[i])
+    assert acs.open_store(path).n_rows("0.output") == 4
+    with torch.no_grad(), scope(resume=True).track(model):
+        for i in range(2, 6):
+            model(xs[i])
+    store = acs.open_store(path)
+    with torch.no_grad():
+        ref = torch.cat([model(xs[i]) for i in range(3)])
+    assert store.status == "complete" and torch.equal(store["0.output"], ref)
+    assert store.row_table("sample")["sample_id"].to_pylist() == list(range(6))
+    # a resume of a store that already holds max_k forwards captures nothing more
+    with torch.no_grad(), scope(resume=True).track(model):
+        model(xs[5])
+    assert torch.equal(acs.open_store(path)["0.output"], ref)

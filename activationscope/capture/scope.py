@@ -102,7 +102,8 @@ class CapturePolicy(enum.Enum):
 
     EVERY : every forward.
     SAMPLE_N : forwards 0, n, 2n, ... (``sample_every=n``).
-    MAX_K : the first k forwards (``max_k=k``); later forwards cost one branch per module.
+    MAX_K : the first k forwards (``max_k=k``); later forwards cost one branch per module. A
+        resumed store capture counts the forwards the store already holds.
     """
 
     EVERY = "every"
@@ -681,6 +682,10 @@ class Tracker:
             self._core.roots_only = True
             # resume: default sample ids continue after the samples already committed
             self._n_samples = int(self.writer.n_samples_committed)
+            if self.scope.capture_policy is CapturePolicy.MAX_K:
+                # a resume continues the capture's first max_k forwards: those stored count
+                done = int(getattr(self.writer, "n_batches_committed", 0))
+                self._core.max_k = max(0, self.scope.max_k - done)
             stored = getattr(self.writer, "stored_hook_points", None)
             self._stored = frozenset(stored) if stored else None
             # stored hook points a forward may not call (their rows already do not follow the

@@ -1134,6 +1134,12 @@ class StoreWriter:
                 core.fail_encoded(ident, f"{type(e).__name__}: {e}")
 
     # ------------------------------------------------------------------ batches
+    @property
+    def n_batches_committed(self) -> int:
+        """Batches (captured forwards) the store has committed, those of the run it resumes
+        included."""
+        return self._n_batches
+
     def add_batch(self, n_samples: int, sample_ids: Any = None, token_mask: torch.Tensor | None = None,
                   columns: Mapping[str, Any] | None = None) -> dict[str, tuple[int, int]]:
         """Record one captured forward: its samples, token rows and user columns.
