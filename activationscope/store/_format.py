@@ -103,14 +103,15 @@ MAX_NODE_BYTES = 128
 
 
 def node_name(hook_point: str) -> str:
-    """The Zarr node name of a hook point (``/`` and a leading ``__`` escaped with ``%``).
+    """The Zarr node name of a hook point (``/``, ``\\``, NUL and a leading ``__`` escaped with ``%``).
 
     A name longer than :data:`MAX_NODE_BYTES` UTF-8 bytes is cut to its first 100 bytes (at a
     character boundary) plus ``~`` and the first 16 hex digits of the sha256 of the hook point
     (FORMAT.md section 1): a folder a file system can make, one per hook point."""
     if not isinstance(hook_point, str) or not hook_point:
         raise ArgumentValueError(f"hook point must be a non-empty str, got {hook_point!r}")
-    out = hook_point.replace("%", "%25").replace("/", "%2F")
+    # (a backslash or NUL is no character of a store key: a module named "a\\b" is a folder "a%5Cb")
+    out = hook_point.replace("%", "%25").replace("/", "%2F").replace("\\", "%5C").replace("\x00", "%00")
     if out.startswith("__"):
         out = "%5F" + out[1:]
     if out in (".", ".."):
