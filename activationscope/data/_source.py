@@ -21,6 +21,7 @@ it, and so do the test fakes (``tests/data/fake_store.py``).
 from __future__ import annotations
 
 import bisect
+import inspect
 import os
 import threading
 import weakref
@@ -29,7 +30,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from ..errors import ActivationScopeError, StoreError
+from ..errors import ActivationScopeError, ArgumentTypeError, StoreError
 from ..store._format import run_of
 
 __all__ = ["RowSource", "StoreSource", "as_source"]
@@ -91,6 +92,36 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+def _check_open_options(open_options: Any) -> dict[str, Any]:
+    """``open_options=`` as a dict of keyword arguments of ``open_store`` (or of its ``opener``).
+
+    Raises
+    ------
+    ArgumentTypeError
+        Not a mapping, or a key that ``open_store`` does not take (named, with the ones it
+        takes), before anything is opened: not the bare ``TypeError`` of the call.
+    """
+    if open_options is None:
+        return {}
+    if not isinstance(open_options, Mapping):
+        raise ArgumentTypeError(
+            f"open_options must be a dict of keyword arguments of open_store (verify=, cache_bytes=, "
+            f"storage_options=), got {open_options!r}"
+        )
+    options = dict(open_options)
+    if "opener" not in options:
+        from ..store import open_store
+
+        known = [n for n, p in inspect.signature(open_store).parameters.items() if p.kind is p.KEYWORD_ONLY]
+        unknown = [k for k in options if k not in known]
+        if unknown:
+            raise ArgumentTypeError(
+                f"open_options has keys {unknown} that open_store does not take; it takes {known} "
+                "(and opener=, a callable opener(spec, **options) that opens another kind of store)"
+            )
+    return options
+
+
 def _open_store(spec: Any, options: Mapping[str, Any]) -> Any:
     options = dict(options)
     opener = options.pop("opener", None)
@@ -118,7 +149,7 @@ class StoreSource:
     """
 
     def __init__(self, spec: Any, open_options: Mapping[str, Any] | None = None) -> None:
-        self._options = dict(open_options or {})
+        self._options = _check_open_options(open_options)
         self._lock = threading.Lock()
         if isinstance(spec, (str, os.PathLike)):
             self._spec = os.fspath(spec)

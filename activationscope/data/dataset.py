@@ -479,6 +479,25 @@ def _scalar_position(x: torch.Tensor | np.ndarray, what: str) -> int:
     return int(x)
 
 
+def _names(value: Any, what: str, kind: str) -> list[str]:
+    """``value`` (a str, or an iterable of str) as a list of str.
+
+    Raises
+    ------
+    ArgumentTypeError
+        Neither a str nor an iterable (``columns=3``), or an item that is not a str.
+    """
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, Iterable):
+        raise ArgumentTypeError(f"{what} must be a str or a list of str ({kind}), got {_short(value)}")
+    names = list(value)
+    for name in names:
+        if not isinstance(name, str):
+            raise ArgumentTypeError(f"{what} must be a str or a list of str ({kind}), got {_short(name)} in {_short(value)}")
+    return names
+
+
 def select_hook_points(source: StoreSource, hook_points: Any) -> list[str]:
     """The hook points of ``source`` that ``hook_points`` names, in the order given.
 
@@ -500,7 +519,7 @@ def select_hook_points(source: StoreSource, hook_points: Any) -> list[str]:
         if not available:
             raise HookPointNotFoundError(f"the store {source.describe()} has no hook points")
         return available
-    patterns = [hook_points] if isinstance(hook_points, str) else list(hook_points)
+    patterns = _names(hook_points, "hook_points", "hook point names or fnmatch patterns")
     if not patterns:
         raise ArgumentValueError("hook_points must name at least one hook point, got an empty list")
     chosen: list[str] = []
@@ -589,7 +608,8 @@ class ActivationDataset(Dataset):
         a tensor on the meta device (ArgumentValueError).
     ArgumentTypeError
         ``rows=`` of a kind that selects no rows (a set, None inside a list, a str, floats,
-        2-D), a TypeError.
+        2-D); ``hook_points=`` or ``columns=`` neither a str nor an iterable of str;
+        ``open_options=`` not a dict, or with a key ``open_store`` does not take. A TypeError.
     RowIndexError
         ``rows=`` positions outside ``[-n_rows, n_rows)``, a range past the end included; an
         IndexError.
@@ -617,7 +637,7 @@ class ActivationDataset(Dataset):
         self.row_kind = self.source.row_kind(self.hook_points[0])
         self.n_store_rows = self.source.n_rows(self.hook_points[0])
         self._check_consistent()
-        self.columns = [columns] if isinstance(columns, str) else list(columns or [])
+        self.columns = _names(columns, "columns", "row-table column names") if columns is not None else []
         # the per-sample columns read from token rows (None: any, as a filter sees every column)
         self._columns_read: list[str] | None = None if filter is not None else self.columns
         self._col_cache: dict[str, Any] | None = None

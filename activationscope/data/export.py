@@ -46,7 +46,7 @@ import torch
 from ..errors import ActivationScopeError, ArgumentValueError, ColumnNotFoundError
 from ..store._backend import local_path, relation_to_store
 from ._source import as_source
-from .dataset import ActivationDataset, select_hook_points
+from .dataset import ActivationDataset, _names, select_hook_points
 
 __all__ = ["export_arrow", "export_parquet", "export_hf", "to_pandas", "read_arrow", "arrow_to_torch", "EXPORT_FORMAT",
            "EXPORT_FORMATS", "EXPORT_FORMAT_OPTIONS", "EXPORT_COMPRESSIONS", "check_format_options",
@@ -271,9 +271,9 @@ def _dataset_for(source: Any, hook_points: Any, columns: Any, rows: Any, filter:
         ds._export_columns = []  # type: ignore[attr-defined]
         return ds
     # the columns it writes are read (every one when columns= is not given)
-    ds._columns_read = None if columns is None else ([columns] if isinstance(columns, str) else list(columns))
+    ds._columns_read = None if columns is None else _names(columns, "columns", "row-table column names")
     table = ds._row_table()
-    chosen = table.column_names if columns is None else ([columns] if isinstance(columns, str) else list(columns))
+    chosen = table.column_names if columns is None else _names(columns, "columns", "row-table column names")
     missing = [c for c in chosen if c not in table.column_names]
     if missing:
         raise ArgumentValueError(f"columns {missing} are not in the {ds.row_kind} row table; it has {table.column_names}")
@@ -295,7 +295,7 @@ def _check_alone(src: Any, names: list[str], lost: list[str], columns: Any, filt
             + (f", and the others in their own file (hook_points={others}, CLI: --hook-points {' '.join(others)})"
                if others else "")
         )
-    chosen = [] if columns is None else ([columns] if isinstance(columns, str) else list(columns))
+    chosen = [] if columns is None else _names(columns, "columns", "row-table column names")
     if chosen or filter is not None:
         raise ArgumentValueError(
             f"the rows of hook point {lost[0]!r} of {where} do not follow the row table "

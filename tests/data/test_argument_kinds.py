@@ -1,0 +1,51 @@
+"""``hook_points=``, ``columns=`` and ``open_options=`` of a kind the dataset cannot use raise
+our ArgumentTypeError naming the argument and what it takes, instead of Python's bare
+``'int' object is not iterable`` or ``open_store() got an unexpected keyword argument``;
+the kinds it takes still read the rows written (plain-torch reference)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from activationscope.data import ActivationDataset, export_parquet
+from activationscope.errors import ArgumentTypeError
+from activationscope.store import StoreWriter
+
+
+@pytest.fixture
+def store(tmp_path):
+    path = str(tmp_path / "s.zarr")
+    data = torch.randn(6, 3, generator=torch.Generator().manual_seed(0))
+    w = StoreWriter(path, chunk_rows=4, shard_rows=8)
+    w.open_array("x", (3,), torch.float32, "sample").append(data)
+    w.add_batch(6, sample_ids=list(range(10, 16)))
+    w.close()
+    return path, data
+
+
+@pytest.mark.parametrize("kw, named", [
+    ({"columns": 3}, "columns"), ({"columns": ["sample_id", None]}, "columns"),
+    ({"hook_points": 3}, "hook_points"), ({"hook_points": ["x", 1]}, "hook_points"),
+    ({"open_options": [("verify", True)]}, "open_options"), ({"open_options": {"verfy": True}}, "open_options"),
+])
+def test_a_wrong_kind_of_argument_is_named(store, kw, named):
+    path, _ = store
+    with pytest.raises(ArgumentTypeError, match=named) as e:
+        ActivationDataset(path, **kw)
+    assert isinstance(e.value, TypeError)
+
+
+def test_export_names_columns_of_a_wrong_kind(store, tmp_path):
+    path, _ = store
+    with pytest.raises(ArgumentTypeError, match="columns"):
+        export_parquet(path, str(tmp_path / "o.parquet"), columns=3)
+
+
+def test_the_kinds_taken_still_read_the_rows(store):
+    path, data = store
+    for hps, cols in (("x", "sample_id"), (["x"], ["sample_id"]), (("x",), ("sample_id",)), (iter(["x"]), iter(["sample_id"]))):
+        ds = ActivationDataset(path, hook_points=hps, columns=cols, open_options={"verify": True, "cache_bytes": 1 << 20})
+        batch = ds[[5, 0, 2]]
+        assert torch.equal(batch["x"], data[[5, 0, 2]])
+        assert torch.equal(batch["sample_id"], torch.tensor([15, 10, 12]))
