@@ -573,7 +573,8 @@ class ActivationDataset(Dataset):
     sample_ids : collection of int, optional
         Keep rows of these samples only (every token row of a sample for token hook points):
         a list, tuple, set, range, 1-D integer Tensor or numpy array, or one int (a collection
-        of str, or one str, for a store captured with str sample ids); the rows stay in store
+        of str, or one str, for a store captured with str sample ids; a pyarrow Array that casts to
+        the store's sample_id type); the rows stay in store
         order whatever the order given. ArgumentTypeError for anything else.
     open_options : dict, optional
         Keyword arguments of ``open_store`` when ``store`` is a path or URL.
@@ -759,7 +760,14 @@ class ActivationDataset(Dataset):
                 ids = _sample_id_strings(sample_ids)  # a store captured with str sample ids
             else:
                 ids = _sample_id_array(sample_ids)
-            wanted = pa.array(ids).cast(id_type)
+            try:
+                wanted = pa.array(ids).cast(id_type)
+            except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as e:
+                # (a pyarrow Array of another type: strings for int ids, fractions)
+                raise ArgumentTypeError(
+                    f"sample_ids= must hold ids of the store's sample_id type ({id_type}), got {_short(sample_ids)}: "
+                    f"{str(e).splitlines()[0] if str(e) else type(e).__name__}"
+                ) from None
             hit = pc.is_in(table.column("sample_id"), value_set=wanted)
             mask &= hit.to_numpy(zero_copy_only=False).astype(bool)
             some = wanted.slice(0, 5).to_pylist()

@@ -5,6 +5,7 @@ the kinds it takes still read the rows written (plain-torch reference)."""
 
 from __future__ import annotations
 
+import pyarrow as pa
 import pytest
 import torch
 
@@ -49,3 +50,17 @@ def test_the_kinds_taken_still_read_the_rows(store):
         batch = ds[[5, 0, 2]]
         assert torch.equal(batch["x"], data[[5, 0, 2]])
         assert torch.equal(batch["sample_id"], torch.tensor([15, 10, 12]))
+
+
+@pytest.mark.parametrize("ids", [pa.array(["a"]), pa.array([10.5]), pa.array([[10]])])
+def test_sample_ids_as_a_pyarrow_array_of_another_type_is_named(store, ids):
+    path, _ = store
+    with pytest.raises(ArgumentTypeError, match=r"sample_ids= must hold ids of the store's sample_id type \(int64\)"):
+        ActivationDataset(path, sample_ids=ids)
+
+
+def test_sample_ids_as_a_pyarrow_array_of_ids_reads_their_rows(store):
+    path, data = store
+    for ids in (pa.array([15, 11]), pa.array([15, 11], pa.int32()), pa.array([15.0, 11.0])):
+        ds = ActivationDataset(path, sample_ids=ids, columns=["sample_id"])
+        assert torch.equal(ds[:]["x"], data[[1, 5]]) and ds[:]["sample_id"].tolist() == [11, 15]
