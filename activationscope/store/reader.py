@@ -982,6 +982,36 @@ class Store:
 
     def _chunk_crc_problem(self, meta: dict, shard: int, slot: int, entry: tuple[int, int], data: Any,
                            where: str, key: str) -> str | None:
+        problem = self._chunk_crc_problem_of(meta, shard, slot, entry, data, where, key)
+        if problem is not None and self._matches_current_manifest(meta, shard, slot, entry, data):
+            return None  # the chunk holding the last committed rows, rewritten by a resume that committed since
+        return problem
+
+    def _matches_current_manifest(self, meta: dict, shard: int, slot: int, entry: tuple[int, int], data: Any) -> bool:
+        """Whether the chunk holding this store's last committed rows (when they end inside it)
+        matches the record the array's manifest has *now*. A resume rewrites that chunk with
+        its new rows after the committed ones (which stay byte-identical, FORMAT.md section 7)
+        and lists it in the manifest at its commit: a reader opened before then (not
+        refreshed) checks it against its newer record instead of calling it damaged."""
+        _rb, chunk_rows, n_chunks, _cb = _layout(meta)
+        n = int(meta["n_rows"])
+        chunk = shard * n_chunks + slot
+        if not (n % chunk_rows and (chunk + 1) * chunk_rows > n):
+            return False
+        man_key = meta["manifest"]
+        try:
+            raw = self._backend.get(man_key, max_bytes=V.MAX_JSON_BYTES)
+            if raw is None:
+                return False
+            shards = V.parse_manifest(V.loads_json(raw, store=self._backend, key=man_key), meta,
+                                      store=self._backend, key=man_key, check_chunks=False)
+            rec = _ChunkCrcs(shards, shard, n_chunks, self._backend, man_key).get((shard, slot))
+        except StoreCorruptError:
+            return False
+        return rec is not None and rec[1] == entry[1] and F.crc32c(data) == rec[2]
+
+    def _chunk_crc_problem_of(self, meta: dict, shard: int, slot: int, entry: tuple[int, int], data: Any,
+                              where: str, key: str) -> str | None:
         crcs = self._checked.get(meta["path"])
         if crcs is None:
             crcs = self._array_crcs(meta)

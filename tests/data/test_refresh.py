@@ -190,3 +190,22 @@ def test_the_gather_plan_of_shuffled_batches_is_not_used_after_a_refresh(tmp_pat
     assert new._plan is not None and new._plan[3][1] is store.attrs  # planned again, on the new layout
     assert torch.equal(collate(ActivationDataset(store).__getitems__([93, 64, 2]))[HP],
                        torch.cat([second, grown])[[93, 64, 2]])
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+@pytest.mark.parametrize("verify", [False, True])
+def test_a_dataset_opened_before_a_resume_that_has_committed_reads_its_rows_without_refresh(tmp_path, compression, verify):
+    """The chunk holding the last committed rows (40 rows: chunk 5 holds rows 40..47 after the
+    resume) is rewritten and listed anew by the resume; a dataset opened before it, not
+    refreshed, reads its rows (not StoreCorruptError: "rewritten by a resumed capture that is
+    still running ... or it is damaged")."""
+    path = str(tmp_path / "s.zarr")
+    data = torch.randn(100, 3, generator=torch.Generator().manual_seed(1))
+    _write(path, data[:42], compression=compression)
+    old = ActivationDataset(path, columns=["sample_id"], open_options={"verify": verify})
+    _write(path, data[42:], resume=True, compression=compression)  # ended and committed
+    assert len(old) == 42
+    assert torch.equal(old[:][HP], data[:42])
+    assert torch.equal(old[[41, 40, 0]][HP], data[[41, 40, 0]])
+    assert torch.equal(old[41][HP], data[41]) and old[:]["sample_id"].tolist() == list(range(42))
+    assert torch.equal(ActivationDataset(path)[:][HP], data)
