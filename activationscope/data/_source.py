@@ -30,7 +30,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from ..errors import ActivationScopeError, ArgumentTypeError, StoreError
+from ..errors import ActivationScopeError, ArgumentTypeError, ArgumentValueError, StoreError
 from ..store._format import run_of
 
 __all__ = ["RowSource", "StoreSource", "as_source"]
@@ -160,7 +160,18 @@ class StoreSource:
             opened_with = getattr(spec, "open_options", None)  # (a Store: verify=, cache_bytes=, ...)
             if callable(opened_with) and "opener" not in self._options:  # reopened elsewhere (a DataLoader
                 # worker) by open_store as it was opened here
-                self._options = {**opened_with(), **self._options}
+                was = opened_with()
+                self._options = {**was, **self._options}
+                if self._options != was:
+                    # other options than the open store's (verify=True on a store opened without):
+                    # reopened with them here too, so that every process reads alike
+                    if not isinstance(self._reopen_spec(), str):
+                        raise ArgumentValueError(
+                            f"open_options {dict(open_options or {})} differ from those the store was opened with "
+                            f"({was}), and {self.describe()} has no path or URL to reopen it with them; open it "
+                            "with those options (open_store(..., **open_options)) instead"
+                        )
+                    self._store = None
         self._pid = os.getpid()
         self._pickled_in: int | None = None  # pid of the process this source was pickled in (None: made here)
         self._views: dict[str, tuple[torch.Tensor, dict[int, torch.Tensor], bool, list[int]]] = {}
@@ -469,10 +480,14 @@ def _gather_rows() -> Any:
 
 def as_source(store_or_path: Any, open_options: Mapping[str, Any] | None = None) -> StoreSource:
     """A :class:`StoreSource` for a path, URL, store object or another source."""
-    if isinstance(store_or_path, StoreSource):
-        return store_or_path
-    src = getattr(store_or_path, "source", None)
-    if isinstance(src, StoreSource):  # an ActivationDataset
+    src = store_or_path if isinstance(store_or_path, StoreSource) else getattr(store_or_path, "source", None)
+    if isinstance(src, StoreSource):  # a source, or an ActivationDataset: its open store, as it was opened
+        if open_options is not None and {**src._options, **_check_open_options(open_options)} != src._options:
+            raise ArgumentValueError(
+                f"open_options {dict(open_options)} cannot apply to {src.describe()}: a dataset or source given as "
+                f"the store is reused as it was opened ({src._options}); pass the store's path or URL with "
+                "open_options= to open it with those"
+            )
         return src
     if store_or_path is None:
         raise ActivationScopeError("a store (path, URL or store object) is required, got None")

@@ -577,7 +577,10 @@ class ActivationDataset(Dataset):
         the store's sample_id type); the rows stay in store
         order whatever the order given. ArgumentTypeError for anything else.
     open_options : dict, optional
-        Keyword arguments of ``open_store`` when ``store`` is a path or URL.
+        Keyword arguments of ``open_store`` when ``store`` is a path or URL. With an open
+        store, options other than those it was opened with reopen it from its path with
+        them (in this process and in DataLoader workers alike); with a dataset, they
+        raise ArgumentValueError (its store is reused as it was opened).
 
     Notes
     -----

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from activationscope.data import ActivationDataset, export_parquet
-from activationscope.errors import ArgumentTypeError
+from activationscope import open_store
+from activationscope.errors import ArgumentTypeError, ArgumentValueError, StoreCorruptError
 from activationscope.store import StoreWriter
 
 
@@ -64,3 +65,37 @@ def test_sample_ids_as_a_pyarrow_array_of_ids_reads_their_rows(store):
     for ids in (pa.array([15, 11]), pa.array([15, 11], pa.int32()), pa.array([15.0, 11.0])):
         ds = ActivationDataset(path, sample_ids=ids, columns=["sample_id"])
         assert torch.equal(ds[:]["x"], data[[1, 5]]) and ds[:]["sample_id"].tolist() == [11, 15]
+
+
+def _flip_a_byte(path):
+    (shard,) = [f for f in (path / "acts" / "x" / "c").rglob("*") if f.is_file()]
+    raw = bytearray(shard.read_bytes())
+    raw[100] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+
+
+def test_open_options_given_with_an_open_store_apply_in_this_process_too(tmp_path):
+    """verify=True given with a store opened without it checked nothing in this process (only
+    DataLoader workers reopened the store with it): flipped bytes read silently."""
+    path = tmp_path / "s.zarr"
+    data = torch.randn(64, 1024, generator=torch.Generator().manual_seed(0))
+    w = StoreWriter(path)
+    w.open_array("x", (1024,), torch.float32, "sample").append(data)
+    w.add_batch(64)
+    w.close()
+    assert torch.equal(ActivationDataset(open_store(path), open_options={"verify": True})[0:4]["x"], data[:4])
+    _flip_a_byte(path)
+    with pytest.raises(StoreCorruptError, match="crc32c mismatch"):
+        ActivationDataset(open_store(path), open_options={"verify": True})[0:4]
+    # the same options as the store's: the open store itself is used
+    store = open_store(path, verify=True)
+    assert ActivationDataset(store, open_options={"verify": True}).store is store
+
+
+def test_open_options_cannot_apply_to_a_dataset_given_as_the_store(store):
+    path, data = store
+    ds = ActivationDataset(path)
+    with pytest.raises(ArgumentValueError, match="open_options"):
+        ActivationDataset(ds, open_options={"verify": True})
+    again = ActivationDataset(ds, open_options={})  # nothing other than how it was opened
+    assert again.source is ds.source and torch.equal(again[:]["x"], data)
