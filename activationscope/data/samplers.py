@@ -28,6 +28,7 @@ Samplers
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterator
 from typing import Any
 
@@ -46,6 +47,29 @@ __all__ = [
 _MASK64 = (1 << 64) - 1
 
 
+def _int_arg(value: Any, name: str, low: int | None = None) -> int:
+    """``value`` as an int: a Python, numpy or 0-d torch integer (``operator.index``), at
+    least ``low`` when given.
+
+    Raises
+    ------
+    ArgumentTypeError
+        A bool, float, str or anything else that is no integer (``set_epoch(1.5)`` would
+        otherwise share epoch 1's order).
+    ArgumentValueError
+        Below ``low``.
+    """
+    if isinstance(value, bool):
+        raise ArgumentTypeError(f"{name} must be an int, got {value!r}")
+    try:
+        out = operator.index(value)
+    except TypeError:
+        raise ArgumentTypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})") from None
+    if low is not None and out < low:
+        raise ArgumentValueError(f"{name} must be a positive int, got {out}" if low == 1 else f"{name} must be an int >= {low}, got {out}")
+    return out
+
+
 def _mix_seed(seed: int, epoch: int, salt: int = 0) -> int:
     """A 63-bit generator seed from (seed, epoch, salt): SplitMix64 finalizer (Steele et al., 2014)."""
     z = (seed * 0x9E3779B97F4A7C15 + epoch * 0xBF58476D1CE4E5B9 + salt * 0x94D049BB133111EB) & _MASK64
@@ -61,9 +85,9 @@ def _dist_defaults(rank: int | None, world_size: int | None) -> tuple[int, int]:
         world_size = dist.get_world_size() if initialised else 1
     if rank is None:
         rank = dist.get_rank() if initialised else 0
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ArgumentValueError(f"world_size must be a positive int, got {world_size!r}")
-    if not isinstance(rank, int) or not 0 <= rank < world_size:
+    world_size = _int_arg(world_size, "world_size", 1)
+    rank = _int_arg(rank, "rank")
+    if not 0 <= rank < world_size:
         raise ArgumentValueError(f"rank must be an int in [0, {world_size}), got {rank!r}")
     return rank, world_size
 
@@ -93,10 +117,8 @@ class _BatchSampler(Sampler[list[int]]):
         world_size: int | None = None,
         even: bool = False,
     ) -> None:
-        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-            raise ArgumentValueError(f"batch_size must be a positive int, got {batch_size!r}")
-        if not isinstance(seed, int):
-            raise ArgumentTypeError(f"seed must be an int, got {seed!r}")
+        batch_size = _int_arg(batch_size, "batch_size", 1)
+        seed = _int_arg(seed, "seed")
         self.data_source = data_source
         self.n = data_source if isinstance(data_source, int) else len(data_source)
         self.batch_size = batch_size
@@ -108,7 +130,7 @@ class _BatchSampler(Sampler[list[int]]):
 
     def set_epoch(self, epoch: int) -> None:
         """Use the order of ``epoch`` (call before each epoch; every rank with the same value)."""
-        self.epoch = int(epoch)
+        self.epoch = _int_arg(epoch, "epoch")
 
     def _bounds(self) -> tuple[int, int]:
         return partition_bounds(self.n, self.rank, self.world_size, self.even)
@@ -156,6 +178,9 @@ class SequentialBatchSampler(_BatchSampler):
         This process's part; default ``torch.distributed`` when initialised, else 0 / 1.
     even : bool, default False
         Equal parts on every rank (see the module docstring).
+
+    Integer arguments (and ``set_epoch``'s) take Python, numpy and 0-d torch integers; a
+    bool, float or str raises ArgumentTypeError, a value out of range ArgumentValueError.
 
     Yields
     ------
@@ -254,12 +279,10 @@ class ChunkShuffleBatchSampler(_BatchSampler):
         super().__init__(
             data_source, batch_size, drop_last=drop_last, seed=seed, rank=rank, world_size=world_size, even=even
         )
-        if not isinstance(buffer_rows, int) or buffer_rows < 1:
-            raise ArgumentValueError(f"buffer_rows must be a positive int, got {buffer_rows!r}")
+        buffer_rows = _int_arg(buffer_rows, "buffer_rows", 1)
         self.buffer_rows = buffer_rows
         if block_rows is not None:
-            if not isinstance(block_rows, int) or block_rows < 1:
-                raise ArgumentValueError(f"block_rows must be a positive int, got {block_rows!r}")
+            block_rows = _int_arg(block_rows, "block_rows", 1)
             bounds = torch.arange(0, self.n, block_rows, dtype=torch.int64)
         elif hasattr(data_source, "block_boundaries"):
             bounds = data_source.block_boundaries()[:-1]

@@ -136,3 +136,29 @@ def test_chunk_shuffle_uses_dataset_block_boundaries():
     runs = [b for k, b in enumerate(block_of) if k == 0 or block_of[k - 1] != b]
     assert sorted(runs) == [0, 1, 2]
     assert sorted(batch) == list(range(30))
+
+
+def test_integer_arguments_take_numpy_and_torch_integers_and_refuse_the_rest():
+    """numpy / 0-d torch integers (a batch size or rank computed with numpy) were refused as
+    "must be a positive int, got np.int64(4)"; set_epoch(1.5) silently took epoch 1's order
+    (and set_epoch("a") raised Python's bare ValueError)."""
+    import numpy as np
+
+    from activationscope.errors import ArgumentTypeError
+
+    for S in (ShuffledBatchSampler, SequentialBatchSampler, ChunkShuffleBatchSampler):
+        plain = S(10, 4, seed=3, rank=1, world_size=2)
+        other = S(10, np.int64(4), seed=np.int64(3), rank=torch.tensor(1), world_size=np.int32(2))
+        plain.set_epoch(2)
+        other.set_epoch(np.int64(2))
+        assert [list(b) for b in other] == [list(b) for b in plain] and other.epoch == 2
+        for kw in ({"batch_size": 4.0}, {"seed": 1.5}, {"rank": True, "world_size": 2}, {"world_size": "2"}):
+            with pytest.raises(ArgumentTypeError, match=next(iter(kw))):
+                S(10, **{"batch_size": 4, **kw})
+        for bad in (1.5, "a", True):
+            with pytest.raises(ArgumentTypeError, match="epoch must be an int"):
+                plain.set_epoch(bad)
+    with pytest.raises(ArgumentTypeError, match="buffer_rows"):
+        ChunkShuffleBatchSampler(10, 4, buffer_rows=8.0)
+    assert [list(b) for b in ChunkShuffleBatchSampler(10, 4, buffer_rows=np.int64(8), block_rows=np.int64(2))] == \
+        [list(b) for b in ChunkShuffleBatchSampler(10, 4, buffer_rows=8, block_rows=2)]
