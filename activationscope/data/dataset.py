@@ -575,7 +575,9 @@ class ActivationDataset(Dataset):
         a list, tuple, set, range, 1-D integer Tensor or numpy array, or one int (a collection
         of str, or one str, for a store captured with str sample ids; a pyarrow Array that casts to
         the store's sample_id type); the rows stay in store
-        order whatever the order given. ArgumentTypeError for anything else.
+        order whatever the order given. ArgumentTypeError for anything else. An empty
+        collection gives an empty dataset; ids none of which is in the dataset's rows raise
+        ArgumentValueError.
     open_options : dict, optional
         Keyword arguments of ``open_store`` when ``store`` is a path or URL. With an open
         store, options other than those it was opened with reopen it from its path with
@@ -790,8 +792,9 @@ class ActivationDataset(Dataset):
             mask &= fmask
         keep = torch.from_numpy(mask)
         ids = self._store_ids()
-        if sample_ids is not None and not bool(keep[ids].any()) and len(ids):
-            # an intersection with rows= and filter=, but none at all is a mistake
+        if sample_ids is not None and len(wanted) and not bool(keep[ids].any()) and len(ids):
+            # an intersection with rows= and filter=, but none at all is a mistake (an empty
+            # collection selects no sample: an empty dataset, as rows=[] is)
             raise ArgumentValueError(
                 f"none of the sample_ids= (e.g. {some}) is in this dataset's {self.row_kind} row table "
                 "(within rows=, after filter=); read the ids there are with store.row_table()['sample_id']"

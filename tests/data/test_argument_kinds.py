@@ -99,3 +99,14 @@ def test_open_options_cannot_apply_to_a_dataset_given_as_the_store(store):
         ActivationDataset(ds, open_options={"verify": True})
     again = ActivationDataset(ds, open_options={})  # nothing other than how it was opened
     assert again.source is ds.source and torch.equal(again[:]["x"], data)
+
+
+@pytest.mark.parametrize("empty", [[], set(), (), range(0), torch.tensor([], dtype=torch.int64)])
+def test_an_empty_sample_ids_collection_is_an_empty_dataset(store, empty):
+    """An empty collection (the ids of a split that has none here) raised "none of the
+    sample_ids= (e.g. []) is in this dataset"; it selects no sample, as rows=[] selects no row."""
+    path, _ = store
+    ds = ActivationDataset(path, sample_ids=empty, columns=["sample_id"])
+    assert len(ds) == 0 and ds[:]["x"].shape == (0, 3) and ds[:]["sample_id"].tolist() == []
+    with pytest.raises(ArgumentValueError, match="none of the sample_ids"):
+        ActivationDataset(path, sample_ids=[99])  # ids that are not there are still a mistake
