@@ -445,6 +445,7 @@ class StoreSource:
         bounds, _memo, _memoize, bl = self._layout(hp)
         if index.numel() == 0:
             return torch.empty((0, *self.feature_shape(hp)), dtype=self.dtype(hp))
+        index = index.contiguous()  # (a strided view of the caller's index: searchsorted warns on it)
         if len(bl) <= 2:
             return torch.index_select(self._segment(hp, 0), 0, index)
         lo, hi = int(index.min()), int(index.max())
