@@ -1306,3 +1306,43 @@ def test_a_resumed_max_k_capture_counts_the_stored_forwards(tmp_path):
     with torch.no_grad(), scope(resume=True).track(model):
         model(xs[5])
     assert torch.equal(acs.open_store(path)["0.output"], ref)
+
+
+def test_a_resume_of_a_sample_n_capture_is_refused_and_the_store_kept(tmp_path):
+    """SAMPLE_N keeps forwards 0, n, 2n, ...; the store records those, not the ones skipped, so
+    a resume cannot tell which forward comes next (skipping the committed samples stores other
+    samples than an uninterrupted run): refused before anything is written."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    xs = torch.randn(6, 2, 4)
+    path = tmp_path / "n.zarr"
+
+    def scope(**options):
+        return acs.ActivationScope(store=path, store_options=options,
+                                   capture_policy=acs.CapturePolicy.SAMPLE_N, sample_every=2)
+
+    with pytest.raises(KeyboardInterrupt):
+        with torch.no_grad(), scope(commit_interval=0).track(model):
+            for i in range(6):
+                if i == 5:
+                    raise KeyboardInterrupt
+                model(xs[i])
+    files = {p: p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file() and p.name != ".activationscope-writer.lock"}
+    assert acs.open_store(path).n_rows("0.output") == 6  # forwards 0, 2, 4
+    with pytest.raises(acs.CaptureError, match=r"cannot resume .* with CapturePolicy.SAMPLE_N \(sample_every=2\): the "
+                                               r"store records the forwards it captured, not the ones it skipped"):
+        with torch.no_grad(), scope(resume=True).track(model):
+            model(xs[5])
+    assert {p: p.read_bytes() for p in sorted(path.rglob("*"))
+            if p.is_file() and p.name != ".activationscope-writer.lock"} == files
+    # sample_every=1 keeps every forward: resumed as EVERY is
+    path = tmp_path / "one.zarr"
+    with torch.no_grad(), acs.ActivationScope(store=path, capture_policy=acs.CapturePolicy.SAMPLE_N,
+                                              sample_every=1).track(model):
+        model(xs[0])
+    with torch.no_grad(), acs.ActivationScope(store=path, store_options={"resume": True},
+                                              capture_policy=acs.CapturePolicy.SAMPLE_N,
+                                              sample_every=1).track(model):
+        model(xs[1])
+    with torch.no_grad():
+        assert torch.equal(acs.open_store(path)["0.output"], torch.cat([model(xs[0]), model(xs[1])]))

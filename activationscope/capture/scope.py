@@ -686,6 +686,20 @@ class Tracker:
                 # a resume continues the capture's first max_k forwards: those stored count
                 done = int(getattr(self.writer, "n_batches_committed", 0))
                 self._core.max_k = max(0, self.scope.max_k - done)
+            if (self.scope.capture_policy is CapturePolicy.SAMPLE_N and self.scope.sample_every > 1
+                    and int(getattr(self.writer, "n_batches_committed", 0)) > 0):
+                # the store holds the forwards it captured, not those it skipped: a resume cannot
+                # tell which forward of the data comes next
+                self._closed = True
+                _discard(self.writer)
+                raise CaptureError(
+                    f"cannot resume {self.writer.path!r} with CapturePolicy.SAMPLE_N (sample_every="
+                    f"{self.scope.sample_every}): the store records the forwards it captured, not the ones it skipped, "
+                    "so a resume cannot tell which forward of the data comes next and would store other samples "
+                    "than an uninterrupted run. Capture every forward of every "
+                    f"{self.scope.sample_every}-th batch instead (CapturePolicy.EVERY, which resumes by samples), or "
+                    "start again with overwrite=True (the store is left as it was)"
+                )
             stored = getattr(self.writer, "stored_hook_points", None)
             self._stored = frozenset(stored) if stored else None
             # stored hook points a forward may not call (their rows already do not follow the
