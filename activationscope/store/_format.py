@@ -270,15 +270,15 @@ def parse_shard_rows(shard_rows: Any, chunk_rows: int | None) -> dict[str, int] 
         return None
     if isinstance(shard_rows, dict):
         if set(shard_rows) != {"sample", "token"}:
-            raise ValueError(f"shard_rows as a dict must have the keys ['sample', 'token'], got {sorted(shard_rows)!r}")
+            raise ArgumentValueError(f"shard_rows as a dict must have the keys ['sample', 'token'], got {sorted(shard_rows)!r}")
         out = dict(shard_rows)
     else:
         out = {"sample": shard_rows, "token": shard_rows}
     for kind, n in out.items():
         if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
-            raise ValueError(f"shard_rows[{kind!r}] must be a positive int, got {n!r}")
+            raise ArgumentValueError(f"shard_rows[{kind!r}] must be a positive int, got {n!r}")
         if chunk_rows is not None and n % chunk_rows:
-            raise ValueError(f"shard_rows[{kind!r}] must be a multiple of chunk_rows={chunk_rows}, got {n}")
+            raise ArgumentValueError(f"shard_rows[{kind!r}] must be a multiple of chunk_rows={chunk_rows}, got {n}")
     return out
 
 
@@ -292,7 +292,7 @@ def chunk_layout_for_shard_rows(feature_shape: tuple[int, ...], dtype: str, shar
         target = max(1, min(target, shard_rows))
         chunk_rows = max(d for d in range(1, target + 1) if shard_rows % d == 0)
     if shard_rows % chunk_rows:
-        raise ValueError(f"shard_rows={shard_rows} must be a multiple of chunk_rows={chunk_rows}")
+        raise ArgumentValueError(f"shard_rows={shard_rows} must be a multiple of chunk_rows={chunk_rows}")
     return int(chunk_rows), int(shard_rows // chunk_rows)
 
 

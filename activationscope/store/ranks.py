@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from ..capture import _native
-from ..errors import ArgumentValueError, StoreCorruptError, StoreError, StoreExistsError
+from ..errors import ArgumentTypeError, ArgumentValueError, StoreCorruptError, StoreError, StoreExistsError
 from . import _format as F
 from . import _validate as V
 from ._backend import LocalBackend, check_backend_not_in_store, resolve
@@ -52,11 +52,11 @@ DISTRIBUTED_FORMAT_VERSION = 2
 def rank_target(target: Any, rank: int) -> str:
     """Where rank ``rank`` writes: ``<store>/ranks/<rank, 5 digits>`` (a path or URL)."""
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-        raise ValueError(f"rank must be a non-negative int, got {rank!r}")
+        raise ArgumentValueError(f"rank must be a non-negative int, got {rank!r}")
     if isinstance(target, os.PathLike):
         target = os.fspath(target)
     if not isinstance(target, str):
-        raise TypeError(f"a multi-rank store must be a local path or a URL, got {type(target).__name__}")
+        raise ArgumentTypeError(f"a multi-rank store must be a local path or a URL, got {type(target).__name__}")
     return f"{target.rstrip('/')}/{RANKS_DIR}/{rank:05d}"
 
 
@@ -1022,9 +1022,9 @@ class RankStore:
 
     def __init__(self, rank: int, world_size: int) -> None:
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-            raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+            raise ArgumentValueError(f"world_size must be a positive int, got {world_size!r}")
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-            raise ValueError(f"rank must be an int in 0..{world_size - 1}, got {rank!r}")
+            raise ArgumentValueError(f"rank must be an int in 0..{world_size - 1}, got {rank!r}")
         self.rank, self.world_size = rank, world_size
 
     def __repr__(self) -> str:
@@ -1092,7 +1092,7 @@ class RankSession:
         opts = dict(store_options)
         overwrite, resume = bool(opts.pop("overwrite", False)), bool(opts.pop("resume", False))
         if opts.get("shard_bytes") is not None:
-            raise ValueError("a multi-rank capture takes store_options shard_rows= (rows per shard, the same on every "
+            raise ArgumentValueError("a multi-rank capture takes store_options shard_rows= (rows per shard, the same on every "
                              "rank), not shard_bytes=")
         opts.setdefault("shard_rows", F.MAX_SHARD_ROWS)
         if self.standalone:  # no process group: the first task makes the root, nobody clears it

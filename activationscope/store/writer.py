@@ -597,7 +597,7 @@ class StoreWriter:
         self._shard_bytes = _positive_int(shard_bytes, "shard_bytes")
         self._shard_rows = F.parse_shard_rows(shard_rows, self._chunk_rows)
         if self._shard_rows is not None and self._shard_bytes is not None:
-            raise ValueError("shard_rows and shard_bytes exclude each other; pick one")
+            raise ArgumentValueError("shard_rows and shard_bytes exclude each other; pick one")
         _positive_int(max_pending_bytes, "max_pending_bytes", allow_none=False)
         if isinstance(commit_interval, bool) or not isinstance(commit_interval, (int, float)) \
                 or not math.isfinite(commit_interval) or commit_interval < 0:

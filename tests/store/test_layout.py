@@ -161,3 +161,18 @@ def test_capture_leaves_no_temporary_files(tmp_path):
     assert store.n_samples == 64 and store.verify() == []
     with torch.no_grad():
         torch.testing.assert_close(store["9.output"], model(xs))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"shard_rows": {"a": 8}}, r"shard_rows as a dict must have the keys \['sample', 'token'\], got \['a'\]"),
+    ({"shard_rows": 0}, r"shard_rows\['sample'\] must be a positive int, got 0"),
+    ({"shard_rows": 6, "chunk_rows": 4}, r"shard_rows\['sample'\] must be a multiple of chunk_rows=4, got 6"),
+    ({"shard_rows": 8, "shard_bytes": 4096}, r"shard_rows and shard_bytes exclude each other"),
+])
+def test_bad_shard_rows_are_our_argument_error_and_nothing_is_made(tmp_path, kwargs, match):
+    from activationscope.errors import ArgumentValueError
+    from activationscope.store import StoreWriter
+
+    with pytest.raises(ArgumentValueError, match=match):
+        StoreWriter(tmp_path / "s.zarr", **kwargs)
+    assert not (tmp_path / "s.zarr").exists()
