@@ -1005,6 +1005,20 @@ def test_capture_out_is_a_file_fails_before_the_progress_bar(tmp_path, toy_store
     assert f.read_text() == "keep me"
 
 
+def test_capture_into_an_in_memory_store_is_refused(tmp_path, toy_store, capsys):
+    """A memory:// store lives in the command's process: captured into, it would be gone when
+    the command exits 0. Refused before anything is loaded."""
+    import fsspec
+
+    _, x = toy_store
+    code, out, err = run(capsys, "capture", "--model", "usermodels.nets:mlp", "--data", str(x), "--out",
+                         "memory://cli-run.zarr")
+    assert code == 1 and out == ""
+    _one_error_line(err, "--out 'memory://cli-run.zarr' is an in-memory store", "nothing was captured",
+                    "Write to a folder or an object store URL")
+    assert not fsspec.filesystem("memory").exists("/cli-run.zarr")
+
+
 def test_info_of_an_incomplete_store_without_samples_lists_its_arrays(tmp_path, capsys):
     import activationscope as acs
 

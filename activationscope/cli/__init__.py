@@ -423,6 +423,10 @@ def _token_rows(sample: list[str] | None, token: list[str] | None) -> dict[str, 
 def cmd_capture(args: argparse.Namespace) -> int:
     from ..analysis.capture_run import capture_dataset
 
+    if str(args.out).startswith("memory://"):
+        raise CLIError(f"--out {args.out!r} is an in-memory store: it is gone when this command's process ends, so "
+                       "nothing would be kept; nothing was captured. Write to a folder or an object store URL "
+                       "(s3://...), or capture from Python (ActivationScope(store='memory://...')) to use it there")
     summary = capture_dataset(
         args.model, args.data, args.out,
         include=_patterns(args.include), exclude=_patterns(args.exclude, "--exclude"), capture=args.capture,
