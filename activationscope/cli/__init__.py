@@ -446,7 +446,8 @@ def cmd_capture(args: argparse.Namespace) -> int:
               f"nothing to capture{reduced}{completed}")
         return 0
     print(
-        f"captured {summary.n_samples} samples ({summary.n_forwards} forwards, {len(summary.hook_points)} hook points) "
+        f"captured {summary.n_samples} samples ({summary.n_forwards} forward{'' if summary.n_forwards == 1 else 's'}, "
+        f"{len(summary.hook_points)} hook point{'' if len(summary.hook_points) == 1 else 's'}) "
         f"in {summary.elapsed_s:.1f} s into {args.out}"
     )
     return 0

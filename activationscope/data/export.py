@@ -425,7 +425,7 @@ def _check_out(path: Path, kind: str, overwrite: bool) -> None:
     _check_parent(path)
     _refuse_special(path)
     if path.is_dir():
-        raise ArgumentValueError(f"{str(path)!r} is a folder; an {kind} export writes one file: give a file path")
+        raise ArgumentValueError(f"{str(path)!r} is a folder; {'an' if kind[:1] in 'aeiou' else 'a'} {kind} export writes one file: give a file path")
     if path.exists() and not overwrite and not _is_export(path, kind):
         raise ArgumentValueError(
             f"{str(path)!r} exists and is not an earlier {kind} export; it is left as it is: give another path, "
