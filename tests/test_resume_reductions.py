@@ -383,3 +383,22 @@ def test_a_stored_state_that_does_not_fit_its_rows_is_recomputed(tmp_path, name,
     s = open_store(path)
     _check(s, ref, ["mean", "var", "topk"])
     torch.testing.assert_close(s.reductions["0.output"]["hist.counts"].long(), _hist_ref(ref, -1, 1, 4))
+
+
+def test_reductions_of_an_incomplete_store_say_they_come_at_close(tmp_path):
+    import activationscope as acs
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    path = tmp_path / "inc.zarr"
+    tracker = acs.ActivationScope(store=str(path), reductions=["mean"]).track(model)
+    tracker.__enter__()
+    with torch.no_grad():
+        x = torch.randn(3, 2)
+        model(x)
+    tracker.writer.commit()
+    with pytest.raises(KeyError, match=r"'0.output' has no reductions in this store \(yet: the store is 'incomplete', "
+                                       r"and a capture writes its reductions when it closes\)"):
+        acs.open_store(path).reductions["0.output"]
+    tracker.__exit__(None, None, None)
+    with torch.no_grad():
+        torch.testing.assert_close(acs.open_store(path).reductions["0.output"]["mean"], model(x).double().mean(0))

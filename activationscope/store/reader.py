@@ -185,6 +185,9 @@ class _Reductions(Mapping):
             partial = self._store.partial_reductions.get(hook_point)
             why = (f"; its reductions {sorted(partial)} cover only part of its rows (see store.partial_reductions)"
                    if partial else "")
+            if not partial and self._store.status != "complete":
+                why = (f" (yet: the store is {self._store.status!r}, and a capture writes its reductions when it "
+                       "closes)")
             raise HookPointNotFoundError(
                 f"hook point {hook_point!r} has no reductions in this store{why}; "
                 f"hook points with reductions: {list(self)}"
