@@ -153,6 +153,19 @@ def test_include_pattern_matching_nothing_names_the_pattern(mlp):
         acs.ActivationScope().track(mlp, include=["nope"])
 
 
+def test_an_include_pattern_naming_a_hook_point_says_patterns_name_modules():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU(), torch.nn.Linear(2, 2))
+    with pytest.raises(acs.HookPointNotFoundError, match=r"include pattern '2.output' matches no module of "
+                       r"Sequential; .*Patterns name modules, not hook points: include='2' records '2.output'$"):
+        acs.ActivationScope().track(model, include=["2.output"])
+    with pytest.raises(acs.HookPointNotFoundError, match=r"include='1' records '1.input' \(with capture='input' "
+                                                         r"or 'both'\)"):
+        acs.ActivationScope().track(model, include=["1.input"])
+    with pytest.raises(acs.HookPointNotFoundError) as e:
+        acs.ActivationScope().track(model, include=["9.output"])
+    assert "Patterns name modules" not in str(e.value)
+
+
 def test_exclude_everything_is_an_error(mlp):
     with pytest.raises(acs.HookPointNotFoundError, match="leave no module"):
         acs.ActivationScope().track(mlp, exclude=["*"])

@@ -156,7 +156,7 @@ def select_modules(
             if not hits:
                 raise HookPointNotFoundError(
                     f"include pattern {pat!r} matches no module of {type(model).__name__}; "
-                    f"module names look like {_examples(names)}"
+                    f"module names look like {_examples(names)}" + _hook_point_hint(pat, names)
                 )
             included.update(hits)
         chosen = [(n, m) for n, m in named if n in included and (n not in never_called or n in include)]
@@ -308,3 +308,13 @@ def _examples(names: Sequence[str], n: int = 8) -> str:
     shown = [repr(x) for x in names if x][:n]
     more = "" if len([x for x in names if x]) <= n else ", ..."
     return "[" + ", ".join(shown) + more + "]"
+
+
+def _hook_point_hint(pattern: str, names: list[str]) -> str:
+    """A hint for an include pattern that names a hook point (``<module>.output``) rather
+    than a module: patterns select modules, and each tracked module gives its hook points."""
+    for side in (".output", ".input"):
+        if pattern.endswith(side) and pattern_hits(pattern[: -len(side)], names):
+            return (f". Patterns name modules, not hook points: include={pattern[: -len(side)]!r} records "
+                    f"{pattern!r}" + (" (with capture='input' or 'both')" if side == ".input" else ""))
+    return ""
