@@ -316,6 +316,12 @@ class Store:
         raw = self._backend.get("zarr.json", max_bytes=V.MAX_JSON_BYTES)
         if raw is None:
             self._refuse_node_of_a_store(raw)
+            if isinstance(self._backend, LocalBackend):
+                root = self._backend.root
+                if root.exists() and not root.is_dir():
+                    raise StoreError(f"no store at {str(self._backend)!r}: it is a file, and a store is a folder")
+                if not root.exists():
+                    raise StoreError(f"no store at {str(self._backend)!r}: nothing is there")
             raise StoreError(f"no store at {str(self._backend)!r} (no zarr.json)")
         try:
             attrs = V.parse_root(raw, store=self._backend)

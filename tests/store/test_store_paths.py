@@ -374,8 +374,11 @@ def test_a_path_that_is_not_there_or_not_in_a_store_says_so(tmp_path):
 
     outer = tmp_path / "a.zarr"
     store_three_batches(str(outer))
-    with pytest.raises(StoreError, match=r"no store at .*a\.zarr/missing' \(no zarr\.json\)"):
+    with pytest.raises(StoreError, match=r"no store at .*a\.zarr/missing': nothing is there"):
         acs.open_store(outer / "missing")
     (tmp_path / "plain").mkdir()
     with pytest.raises(StoreError, match=r"no store at .*plain' \(no zarr\.json\)"):
         acs.open_store(tmp_path / "plain")
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(StoreError, match=r"no store at .*afile': it is a file, and a store is a folder"):
+        acs.open_store(tmp_path / "afile")
