@@ -236,12 +236,15 @@ def chunk_layout(feature_shape: tuple[int, ...], dtype: str, chunk_rows: int | N
     complete shards -- and so let commits through -- at similar row counts whatever their
     row size. Default chunks are about 256 KiB of rows in whole 4 KiB pages where the row
     size allows (shards then map back to back, ``reader._whole_rows``). An explicit
-    ``shard_bytes`` is taken as given (no row cap). Compressed arrays (never mapped) get
+    ``shard_bytes`` is taken as given (no row cap; default chunks no larger than it, so a
+    small ``shard_bytes`` commits as often as it says for narrow rows too). Compressed arrays (never mapped) get
     chunks of about ``COMPRESSED_CHUNK_BYTES``: fewer, larger encoder calls.
     """
     row_bytes = max(1, math.prod(feature_shape) * itemsize(dtype))
     if chunk_rows is None:
         target_chunk = COMPRESSED_CHUNK_BYTES if compressed else DEFAULT_CHUNK_BYTES
+        if shard_bytes is not None:  # a shard smaller than a default chunk: chunks as small as it
+            target_chunk = min(target_chunk, max(1, int(shard_bytes)))
         chunk_rows = max(1, min(MAX_CHUNK_ROWS, target_chunk // row_bytes))
         if shard_bytes is None:
             chunk_rows = min(chunk_rows, MAX_SHARD_ROWS)

@@ -176,3 +176,39 @@ def test_bad_shard_rows_are_our_argument_error_and_nothing_is_made(tmp_path, kwa
     with pytest.raises(ArgumentValueError, match=match):
         StoreWriter(tmp_path / "s.zarr", **kwargs)
     assert not (tmp_path / "s.zarr").exists()
+
+
+@pytest.mark.parametrize("feature_shape", [(4,), (256,), (3, 5)])
+@pytest.mark.parametrize("compressed", [False, True])
+def test_an_explicit_shard_bytes_below_a_default_chunk_is_honoured_for_narrow_rows(feature_shape, compressed):
+    """A shard of shard_bytes holds at most that many bytes of rows (at least one row), also
+    for rows so narrow that a default chunk alone is larger: a small shard_bytes is how a
+    capture commits more often (docs/usage/store.md, "Commit granularity")."""
+    import math
+
+    from activationscope.store._format import chunk_layout
+
+    row_bytes = math.prod(feature_shape) * 4
+    for shard_bytes in (64 << 10, 4096, 1000, 1):
+        chunk_rows, chunks = chunk_layout(feature_shape, "float32", None, shard_bytes, compressed)
+        assert chunk_rows * chunks * row_bytes <= max(shard_bytes, row_bytes)
+        assert chunk_rows * chunks * row_bytes > shard_bytes // 2 or chunk_rows * chunks == 1
+
+
+def test_a_capture_with_a_small_shard_bytes_commits_narrow_rows_a_shard_at_a_time(tmp_path):
+    import torch
+
+    import activationscope as acs
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4))  # 16-byte rows
+    path = tmp_path / "s.zarr"
+    scope = acs.ActivationScope(store=str(path), store_options={"shard_bytes": 64 << 10, "commit_interval": 0})
+    xs = [torch.randn(1024, 8) for _ in range(5)]
+    with torch.no_grad(), scope.track(model):
+        for x in xs:
+            model(x)
+    store = acs.open_store(path)
+    meta = store.attrs["arrays"]["0.output"]
+    assert meta["shard_rows"] * 16 == 64 << 10  # 4096 rows of 16 bytes a shard (16384 before)
+    with torch.no_grad():
+        assert torch.equal(store["0.output"], torch.cat([model(x) for x in xs]))
