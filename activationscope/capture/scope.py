@@ -1571,14 +1571,21 @@ class Tracker:
             "include= only one)" + (". The store keeps every forward before this one" if self.writer is not None else "")
         )
 
+    def _no_token_rows_shapes(self) -> str | None:
+        """When no hook point stores token rows (and sample rows were not chosen): the first
+        shapes of the hook points, shown for a warning given once (it marks it given); else None."""
+        if not self._sinks or self._sample_rows_chosen or any(s.row_kind == 1 for s in self._sinks.values()):
+            return None
+        self._warned_mask = True
+        shapes = {n: self._first_shapes[n] for n in self._sinks if n in self._first_shapes}
+        return ", ".join(f"{n!r}: {s}" for n, s in list(shapes.items())[:6]) + (", ..." if len(shapes) > 6 else "")
+
     def _warn_mask_unused(self, mask: torch.Tensor) -> None:
         """Warn (once per capture) when set_batch's attention mask fits no hook point: none
         stores token rows, so padding is kept inside sample rows and the mask is ignored."""
-        if not self._sinks or self._sample_rows_chosen or any(s.row_kind == 1 for s in self._sinks.values()):
+        shown = self._no_token_rows_shapes()
+        if shown is None:
             return
-        self._warned_mask = True
-        shapes = {n: self._first_shapes[n] for n in self._sinks if n in self._first_shapes}
-        shown = ", ".join(f"{n!r}: {s}" for n, s in list(shapes.items())[:6]) + (", ..." if len(shapes) > 6 else "")
         warning = CaptureWarning(
             f"set_batch(attention_mask=...) of shape {tuple(mask.shape)} (batch, pos) matches no tracked hook point: "
             f"no activation starts with it ({{{shown}}}), so every hook point stores one row per sample with its "
@@ -1593,13 +1600,11 @@ class Tracker:
         """Warn (once per capture) when ``rows="token"`` makes no hook point token rows: no
         activation starts with the (batch, pos) of the model's first input (a model that
         prepends a token has (batch, pos + 1, ...)), so every one is stored one row per sample."""
-        if not self._sinks or self._sample_rows_chosen or any(s.row_kind == 1 for s in self._sinks.values()):
+        shown = self._no_token_rows_shapes()
+        if shown is None:
             return
-        self._warned_mask = True
         auto = self._core.auto_token_mask
         first = f"(batch, pos) = {tuple(auto.shape)}" if auto.dim() == 2 else "no (batch, pos) (it has fewer than 2 dims)"
-        shapes = {n: self._first_shapes[n] for n in self._sinks if n in self._first_shapes}
-        shown = ", ".join(f"{n!r}: {s}" for n, s in list(shapes.items())[:6]) + (", ..." if len(shapes) > 6 else "")
         warning = CaptureWarning(
             f"rows='token' found no token rows: the model's first tensor input has {first}, and no tracked "
             f"hook point's activation starts with it ({{{shown}}}), so every hook point stores one row per "

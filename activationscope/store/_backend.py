@@ -819,16 +819,8 @@ def _store_marks(folder: Path) -> tuple[bool, dict | None]:
         raw = read_regular(folder / "zarr.json", store=folder, key="zarr.json")
     except (StoreError, OSError):
         raw = None
-    attrs = None
-    if raw is not None:
-        try:
-            meta = json.loads(raw)
-        except (ValueError, RecursionError):
-            meta = None
-        got = meta.get("attributes") if isinstance(meta, dict) else None
-        got = got.get("activationscope") if isinstance(got, dict) else None
-        attrs = got if isinstance(got, dict) else None
-    if attrs is not None:
+    is_store, attrs = _parse_marks(raw, False)
+    if is_store:
         return True, attrs
     try:
         locked = (folder / LOCK_KEY).is_file()
