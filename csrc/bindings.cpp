@@ -223,7 +223,8 @@ void bind_store_writer(py::module_& m) {
   py::class_<ArrayWriter, RowConsumer, std::shared_ptr<ArrayWriter>>(m, "ArrayWriter")
       .def(py::init([](std::shared_ptr<StoreCore> core, std::string hook_point, std::string dir,
                        std::string tmp_dir, py::object dtype, std::vector<int64_t> feature_shape,
-                       int64_t chunk_rows, int64_t shard_chunks, int64_t start_row, bool encoded) {
+                       int64_t chunk_rows, int64_t shard_chunks, int64_t start_row, bool encoded,
+                       int64_t hold_shard) {
              ArraySpec s;
              s.hook_point = std::move(hook_point);
              s.dir = std::move(dir);
@@ -234,11 +235,12 @@ void bind_store_writer(py::module_& m) {
              s.shard_chunks = shard_chunks;
              s.start_row = start_row;
              s.encoded = encoded;
+             s.hold_shard = hold_shard;
              return std::make_shared<ArrayWriter>(std::move(core), std::move(s));
            }),
            py::arg("core"), py::arg("hook_point"), py::arg("dir"), py::arg("tmp_dir"), py::arg("dtype"),
            py::arg("feature_shape"), py::arg("chunk_rows"), py::arg("shard_chunks"), py::arg("start_row") = 0,
-           py::arg("encoded") = false)
+           py::arg("encoded") = false, py::arg("hold_shard") = -1)
       .def(
           "append", [](ArrayWriter& w, const at::Tensor& rows) { w.append(rows, nullptr); }, py::arg("rows"),
           py::call_guard<ReleaseGil>())

@@ -693,7 +693,8 @@ void ArrayWriter::finish_shard(int64_t rows_end) {
     io_fail("closing shard", tmp_path_, errno);
   }
   fd_ = -1;
-  const std::string final_path = shard_path(cur_.shard);
+  std::string final_path = shard_path(cur_.shard);
+  if (cur_.shard == spec_.hold_shard) final_path += ".resumed.tmp";
   mkdirs(dirname_of(final_path));
   if (::rename(tmp_path_.c_str(), final_path.c_str()) != 0) {
     const int e = errno;

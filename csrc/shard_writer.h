@@ -55,6 +55,10 @@ struct ArraySpec {
   int64_t shard_chunks = 1;             // chunks per shard
   int64_t start_row = 0;                // first row written; a multiple of the shard rows
   bool encoded = false;                 // chunks go through the encoder (compression)
+  // A shard whose file is renamed to "<key>.resumed.tmp" instead of its key (-1: none): the
+  // committed partial last shard a resume rewrites keeps its key until the resume's commit
+  // renames the new file over it (store/FORMAT.md section 7).
+  int64_t hold_shard = -1;
 };
 
 // One record per durable shard (renamed, complete).

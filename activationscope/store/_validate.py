@@ -584,8 +584,9 @@ def manifest_problems(doc: Any, shards: dict[int, dict], meta: dict, *, hook_poi
             cause = ""
             if k == last_committed and n % int(meta["chunk_rows"]):  # FORMAT.md section 5
                 cause = (": the shard holds the last committed rows, which end inside a chunk that a resumed capture "
-                         "appends to: it was rewritten by a resume that is still running or was stopped before its "
-                         "next commit (check again once that capture has ended, or resume it), or it is damaged")
+                         "appends to: it was rewritten by a resume that was killed while it committed, or by an "
+                         "older version's resume still running (resume the capture: it puts the committed shard back, "
+                         "or check again once that capture has ended), or it is damaged")
             out.append(f"{where}: file_bytes {rec.get('file_bytes')!r} differs from the size of the shard file "
                        f"{want_key!r}, {sizes[k]} bytes{cause}")
     return out

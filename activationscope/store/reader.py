@@ -161,8 +161,9 @@ def _mismatch_cause(meta: dict, chunk: int) -> str:
     n = int(meta["n_rows"])
     if n % chunk_rows and (chunk + 1) * chunk_rows > n:
         return (f"the chunk was rewritten by a resumed capture (it holds the last committed rows, "
-                f"{n - n % chunk_rows}-{n - 1}, and a resume appends to it) that is still running or was stopped "
-                "before its next commit (check again once that capture has ended, or resume it), or it is damaged")
+                f"{n - n % chunk_rows}-{n - 1}, and a resume appends to it) that was killed while it committed, or "
+                "by an older version's resume still running (resume the capture: it puts the committed shard back, "
+                "or check again once that capture has ended), or it is damaged")
     return "the chunk is damaged"
 
 

@@ -96,6 +96,23 @@ def _remove_staging(core: Any, staging: str, pid: int) -> None:
     shutil.rmtree(staging, ignore_errors=True)
 
 
+def _shard_matches(path: Path, rec: dict) -> bool:
+    """Whether the shard file at ``path`` holds every chunk its manifest record lists (offset,
+    size and crc32c), as written; False for a missing or unreadable file."""
+    try:
+        size = os.path.getsize(path)
+        if size != rec.get("file_bytes"):
+            return False
+        with open(path, "rb") as f:
+            data = f.read(size)
+    except OSError:
+        return False
+    for _slot, off, nb, crc in rec.get("chunks", []):
+        if off + nb > len(data) or F.crc32c(memoryview(data)[off:off + nb]) != crc:
+            return False
+    return True
+
+
 @dataclass
 class _Array:
     hook_point: str
@@ -116,6 +133,11 @@ class _Array:
     doc_rows: int = -1  # rows in the written zarr.json (-1: not written)
     folder_found: bool = True  # its folder existed when this writer opened the array (local stores)
     chunks_found: bool = True  # and its folder of shards (c/)
+    # resume of a local store: the committed partial last shard the re-fed rows rewrite; its new
+    # file is written as "<key>.resumed.tmp" and renamed over the key by the commit that lists it
+    # (FORMAT.md section 7), so a resume killed before that commit leaves the committed file as it was
+    held_shard: int = -1
+    held_ready: bool = False  # that new file is written (taken from the writer), not yet renamed
 
     @property
     def shard_rows(self) -> int:
@@ -933,6 +955,8 @@ class StoreWriter:
             path, n = meta["path"], int(meta["n_rows"])
             shard_rows = int(meta["shard_rows"])
             keep_shards = -(-n // shard_rows)  # shards holding committed rows
+            if isinstance(b, LocalBackend):
+                self._restore_kept_shard(hp, meta)
             for key in list(b.list(f"{path}/")):
                 rel = key[len(path) + 1:]
                 if rel.endswith(".tmp") or "/.tmp" in rel or rel.split("/")[-1].startswith("shard-"):
@@ -1024,10 +1048,12 @@ class StoreWriter:
                 arr.folder_found = os.path.lexists(self._backend.root / arr.path)
                 arr.chunks_found = os.path.lexists(self._backend.root / arr.path / "c")
             start = (committed // arr.shard_rows) * arr.shard_rows
+            if committed > start and isinstance(self._backend, LocalBackend):
+                arr.held_shard = committed // arr.shard_rows
             array_dir = self._staging / arr.path  # made by the writer thread with the first shard
             writer = _native.load().ArrayWriter(
                 self._core, hook_point, str(array_dir), str(array_dir), F.torch_dtype(name), list(feature_shape),
-                chunk_rows, shard_chunks, start, compression is not None,
+                chunk_rows, shard_chunks, start, compression is not None, arr.held_shard,
             )
             arr.writer = writer
             if compression is not None:
@@ -1083,6 +1109,66 @@ class StoreWriter:
                     "in the store's folder, then resume again"
                 ) from e
         self._kept_shards.append((path, keep))
+
+    def _restore_kept_shard(self, hook_point: str, meta: dict) -> None:
+        """Resume of a local store: put back the committed partial last shard an earlier resume
+        kept as ``<key>.committed.tmp`` when that resume was killed after renaming its rewrite
+        over the key but before its root document listed it (FORMAT.md section 7): the file the
+        manifest describes (every listed chunk's bytes match its crc32c) is kept at the key."""
+        root = self._backend.root
+        n = int(meta["n_rows"])
+        shard = (n - 1) // int(meta["shard_rows"]) if n > 0 else -1
+        if shard < 0 or n % int(meta["shard_rows"]) == 0:
+            return
+        key = F.shard_key(meta["path"], shard, len(meta["feature_shape"]))
+        kept = root / (key + ".committed.tmp")
+        if not os.path.isfile(kept) or os.path.islink(kept):
+            return
+        man_key = f"{meta['path']}/manifest.json"
+        raw = self._backend.get(man_key, max_bytes=V.MAX_JSON_BYTES)
+        if raw is None:
+            return
+        rec = V.parse_manifest(V.loads_json(raw, store=self._backend, key=man_key), meta, store=self._backend,
+                               key=man_key).get(shard)
+        if rec is None or _shard_matches(root / key, rec) or not _shard_matches(kept, rec):
+            return
+        try:
+            os.replace(kept, root / key)
+        except OSError as e:
+            raise StoreError(f"cannot resume {str(self._backend)!r}: putting back the committed last shard {key!r} of "
+                             f"hook point {hook_point!r} from {kept} failed: {e.strerror or e}; nothing was deleted. "
+                             "Fix permissions in the store's folder, then resume again") from e
+
+    def _held_path(self, arr: _Array) -> Path:
+        return self._backend.root / (F.shard_key(arr.path, arr.held_shard, len(arr.feature_shape)) + ".resumed.tmp")
+
+    def _install_held_shard(self, arr: _Array) -> None:
+        """Rename the rewritten last shard of a resume (``<key>.resumed.tmp``) over its key."""
+        held = self._held_path(arr)
+        try:
+            os.replace(held, held.with_name(held.name[: -len(".resumed.tmp")]))
+            if self._backend.fsync:
+                fd = os.open(held.parent, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        except OSError as e:
+            raise StoreError(f"store {str(self._backend)!r}: renaming the rewritten last shard {held} of hook point "
+                             f"{arr.hook_point!r} to its key failed: {e.strerror or e}; the committed rows are "
+                             "unchanged (resume=True continues from them)") from e
+        arr.held_shard, arr.held_ready = -1, False
+
+    def _drop_held_shards(self) -> None:
+        """Remove the rewritten last shards no commit installed (an abort, a discard, a failure)."""
+        for a in self._arrays.values():
+            if a.held_shard >= 0 and isinstance(self._backend, LocalBackend):
+                try:
+                    self._held_path(a).unlink(missing_ok=True)
+                except OSError as e:
+                    warnings.warn(f"store {str(self._backend)!r}: removing {self._held_path(a)}: {e}",
+                                  RuntimeWarning, stacklevel=3)
+                a.held_shard, a.held_ready = -1, False
 
     def _drop_kept_shards(self, restore: bool) -> None:
         while self._kept_shards:
@@ -1308,6 +1394,8 @@ class StoreWriter:
                     local = self._staging / key
                     b.put_file(key, local)
                     local.unlink()
+                elif int(rec["shard"]) == a.held_shard:
+                    a.held_ready = True  # renamed over its key once this commit goes ahead (below)
                 a.manifest[int(rec["shard"])] = {
                     "shard": int(rec["shard"]), "key": key, "rows_end": int(rec["rows_end"]),
                     "file_bytes": int(rec["file_bytes"]),
@@ -1328,6 +1416,12 @@ class StoreWriter:
                 break
         if k == 0 and not force and not self._unpublished:
             return False  # (the shards taken above stay in the store, noted in _found_files)
+        # the rewritten last shard of a resume replaces the committed one now, just before the
+        # manifest that describes it (the root, written last, still lists the committed rows only
+        # until it is written: FORMAT.md section 7)
+        for a in self._arrays.values():
+            if a.held_ready:
+                self._install_held_shard(a)
         batches, self._pending = self._pending[:k], self._pending[k:]
         self._pending_samples -= sum(x.n_samples for x in batches)
         # 2. row-table parts
@@ -1924,6 +2018,7 @@ class StoreWriter:
         """Release the writer's resources and the lock; with ``walk``, remove any temporary
         file left in the store's folders (after a failure or an abort); then the folders
         ``remove_if_empty`` (local, inside the store) and their subfolders that hold no file."""
+        self._drop_held_shards()
         self._drop_kept_shards(restore=False)
         release = getattr(self._backend, "release", None)
         if release is not None:

@@ -2,6 +2,7 @@
 
 python store_child.py PATH MODE N_BATCHES [LIMIT_AFTER]
 MODE "run": capture (resume=True when a store exists at PATH), printing "batch <i>" after each forward.
+MODE "runz": the same into a zstd-compressed store.
 MODE "diskfull": after LIMIT_AFTER batches, cap file sizes (RLIMIT_FSIZE) and go on; prints
 "ERR <class>: <message>" for the error that stops the capture.
 """
@@ -25,12 +26,13 @@ OPTIONS = {"chunk_rows": 4, "shard_bytes": 4 * 16 * 4 * 2, "commit_interval": 0}
 BATCH = 5
 
 
-def capture(path: str, n_batches: int, *, limit_after: int | None = None, sleep_s: float = 0.0) -> None:
+def capture(path: str, n_batches: int, *, limit_after: int | None = None, sleep_s: float = 0.0,
+            compression: str | None = None) -> None:
     torch.manual_seed(0)
     model = MLP().eval()
     xs = batches_mlp(n_batches=n_batches, batch=BATCH)
     resume = os.path.exists(os.path.join(path, "zarr.json"))  # resume=True needs a store to continue
-    scope = acs.ActivationScope(store=path, store_options={**OPTIONS, "resume": resume})
+    scope = acs.ActivationScope(store=path, store_options={**OPTIONS, "resume": resume, "compression": compression})
     tracker = scope.track(model)
     tracker.attach()
     start = tracker.writer.n_samples_committed
@@ -59,4 +61,5 @@ if __name__ == "__main__":
     if mode == "diskfull":
         capture(path, n, limit_after=int(sys.argv[4]))
     else:
-        capture(path, n, sleep_s=float(sys.argv[4]) if len(sys.argv) > 4 else 0.0)
+        capture(path, n, sleep_s=float(sys.argv[4]) if len(sys.argv) > 4 else 0.0,
+                compression="zstd" if mode == "runz" else None)
