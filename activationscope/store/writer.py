@@ -46,6 +46,7 @@ from ..errors import (
     ArgumentTypeError,
     ArgumentValueError,
     CaptureError,
+    CaptureWarning,
     StoreCorruptError,
     StoreError,
     StoreExistsError,
@@ -94,6 +95,91 @@ def _remove_staging(core: Any, staging: str, pid: int) -> None:
     except Exception:  # noqa: BLE001 - a finalizer: never raises
         pass
     shutil.rmtree(staging, ignore_errors=True)
+
+
+class _SampleIds:
+    """The sample ids a capture has recorded, to warn when one repeats (a per-batch counter
+    such as ``range(len(batch))`` is the usual cause; ``sample_ids=`` selections then pick
+    the rows of every sample with that id).
+
+    Non-negative int ids below :attr:`TABLE_IDS` cost one byte each (a table grown to the
+    largest id seen); other ids (negative, larger, str, ...) are kept in a set, up to
+    :attr:`SET_IDS` of them, after which they are no longer checked (said in the docs).
+    Default ids (the running counter) are kept as merged ranges, a few integers whatever
+    their number.
+    """
+
+    TABLE_IDS = 1 << 27  # at most 128 MiB, only when ids that large are used
+    SET_IDS = 1 << 22
+
+    def __init__(self) -> None:
+        self.ranges: list[list[int]] = []  # merged [lo, hi) of default ids
+        self.seen = np.zeros(0, dtype=bool)
+        self.other: set = set()
+        self.warned = False
+
+    def add_range(self, lo: int, hi: int) -> None:
+        if self.ranges and self.ranges[-1][1] == lo:
+            self.ranges[-1][1] = hi
+        elif hi > lo:
+            self.ranges.append([lo, hi])
+
+    def add(self, ids: Any) -> Any:
+        """Record ``ids`` (one batch's); returns one id seen before (or twice in the batch),
+        else None."""
+        arr = ids if isinstance(ids, np.ndarray) else np.asarray(ids, dtype=object)
+        if arr.dtype == object and len(arr) and all(type(v) is int and -(1 << 63) <= v < 1 << 63 for v in ids):
+            arr = np.asarray(ids, dtype=np.int64)  # a list of Python ints
+        if arr.dtype.kind in "iu" and len(arr):
+            vals = arr.astype(np.int64, copy=False)
+            repeat = self._add_ints(vals)
+        else:
+            repeat = None
+            for v in arr.tolist():
+                if len(self.other) >= self.SET_IDS:
+                    break
+                if v in self.other and repeat is None:
+                    repeat = v
+                self.other.add(v)
+        return repeat
+
+    def _add_ints(self, vals: np.ndarray) -> Any:
+        repeat = None
+        n = len(vals)
+        if n > 1 and int(vals[-1]) - int(vals[0]) == n - 1 and bool((vals[1:] > vals[:-1]).all()):
+            uniq = vals  # consecutive ids (the usual batch): no sort
+        else:
+            uniq, counts = np.unique(vals, return_counts=True)
+            if len(uniq) != n:
+                repeat = int(uniq[counts > 1][0])
+        lo_id, hi_id = int(uniq[0]), int(uniq[-1])
+        for lo, hi in self.ranges:
+            if lo_id < hi and hi_id >= lo:
+                hit = uniq[(uniq >= lo) & (uniq < hi)]
+                if len(hit) and repeat is None:
+                    repeat = int(hit[0])
+        if lo_id >= 0 and hi_id < self.TABLE_IDS:
+            small = uniq
+        else:
+            small = uniq[(uniq >= 0) & (uniq < self.TABLE_IDS)]
+        if len(small):
+            need = int(small[-1]) + 1
+            if need > len(self.seen):
+                grown = np.zeros(min(max(need, 2 * len(self.seen)), self.TABLE_IDS), dtype=bool)
+                grown[: len(self.seen)] = self.seen
+                self.seen = grown
+            hit = small[self.seen[small]]
+            if len(hit) and repeat is None:
+                repeat = int(hit[0])
+            self.seen[small] = True
+        if len(small) != len(uniq):
+            for v in uniq[(uniq < 0) | (uniq >= self.TABLE_IDS)].tolist():
+                if len(self.other) >= self.SET_IDS:
+                    break
+                if v in self.other and repeat is None:
+                    repeat = v
+                self.other.add(v)
+        return repeat
 
 
 def _shard_matches(path: Path, rec: dict) -> bool:
@@ -778,6 +864,7 @@ class StoreWriter:
         self._column_types: dict[tuple[str, str], Any] = {}
         if self._state is not None:
             self._load_column_types()
+        self._ids_seen: _SampleIds | None = None  # made with the first batch of given ids (see _check_ids)
         self._old_arrays: dict[str, dict] = dict(st.get("arrays") or {})
         self._old_reductions: dict = dict(st.get("reductions") or {})
         self.aliases: dict[str, str] = dict(st.get("aliases") or {})
@@ -1289,13 +1376,73 @@ class StoreWriter:
                     self._column_types[(kind, key)] = typ
             if ids_type is not None:
                 self._column_types[("sample", "sample_id")] = ids_type
+            if sample_ids is None:  # (the batch is checked: its ids are noted now, never for a refused one)
+                self._default_ids(int(ids[0]) if n else 0, n)
+            else:
+                self._check_ids(ids)
             return self._record(n, sample, token)
+
+    def _default_ids(self, start: int, n: int) -> None:
+        """Default ids ``start .. start + n - 1`` recorded: noted while ids are checked (once
+        ids were given), else nothing (the counter never repeats itself)."""
+        if self._ids_seen is not None:
+            repeat = self._ids_seen.add(np.arange(start, start + n, dtype=np.int64)) if n else None
+            if repeat is not None:
+                self._warn_repeated_id(repeat)
+
+    def _check_ids(self, ids: Any) -> None:
+        """Warn (once per writer, :class:`CaptureWarning`) when a given sample id was recorded
+        before in this capture or the store it resumes, or twice in one batch."""
+        seen = self._ids_seen
+        if seen is None:
+            seen = self._ids_seen = _SampleIds()
+            stored = self.n_samples_committed + self._pending_samples
+            if stored:
+                self._seed_ids(seen, stored)
+        repeat = seen.add(ids)
+        if repeat is not None:
+            self._warn_repeated_id(repeat)
+
+    def _seed_ids(self, seen: _SampleIds, stored: int) -> None:
+        """The ids of the samples recorded before ids were first given: the store's committed
+        ones (a resume) and this run's pending ones."""
+        committed = self.n_samples_committed
+        if committed and self._row_tables.get("sample", {}).get("parts"):
+            from .reader import Store
+
+            try:
+                col = Store(self._backend).row_table("sample").column("sample_id")
+                seen.add(col.to_numpy(zero_copy_only=False)[:committed])
+            except (StoreError, OSError, KeyError) as e:  # the capture goes on unchecked against them
+                warnings.warn(f"store {str(self._backend)!r}: the stored sample ids could not be read to check "
+                              f"the new ones against them ({e})", CaptureWarning, stacklevel=4)
+        elif committed:
+            seen.add_range(0, committed)
+        for b in self._pending:
+            if b.sample is None:
+                seen.add_range(b.first_id, b.first_id + b.n_samples)
+            else:
+                seen.add(b.sample["sample_id"])
+
+    def _warn_repeated_id(self, repeat: Any) -> None:
+        if self._ids_seen is None or self._ids_seen.warned:
+            return
+        self._ids_seen.warned = True
+        warnings.warn(
+            f"store {str(self._backend)!r}: sample id {repeat!r} was recorded more than once (batch "
+            f"{self._n_batches + len(self._pending)}, counted from 0); each sample should have its own id "
+            "(a per-batch counter such as sample_ids=range(len(batch)) repeats them: pass the sample's position "
+            "in the dataset). The capture goes on and stores every row; a sample_ids= selection of the "
+            "store picks the rows of every sample with that id. Warned once per capture",
+            CaptureWarning, stacklevel=4)
 
     def _add_plain_batch(self, n: int) -> dict[str, tuple[int, int]]:
         """:meth:`add_batch` of a forward with default sample ids, no token rows and no
         columns (the common one, after every forward: kept short). Its row-table rows are made
         at the commit (:func:`_row_pieces`)."""
         key = ("sample", "sample_id")
+        if self._ids_seen is not None:
+            self._default_ids(self.n_samples_committed + self._pending_samples, n)
         if self._column_types.get(key) is not _int64_ids_type():
             # default ids are int64: refused after ids of another type, as add_batch does
             self._column_types[key] = self._sample_ids_type(_EMPTY_IDS)
