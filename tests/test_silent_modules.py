@@ -4,6 +4,7 @@ no hook point is never a success. References: the same modules called in plain P
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import pytest
@@ -180,13 +181,14 @@ def test_eager_parent_with_scripted_block_names_what_cannot_be_tracked():
     torch.testing.assert_close(t.activations["1.output"][0], block(h))
 
 
-def test_a_store_capture_that_captures_no_forward_is_an_error_and_incomplete(tmp_path):
+def test_a_store_capture_that_captures_no_forward_is_an_error_and_its_new_store_is_removed(tmp_path):
     m = torch.nn.Linear(3, 2)
     path = str(tmp_path / "e.zarr")
-    with pytest.raises(CaptureError, match="captured no forward of Linear"):
+    with pytest.raises(CaptureError, match=r"captured no forward of Linear, so the store holds no hook point "
+                                           r"\(removed: it was new\)"):
         with ActivationScope(store=path, reductions=["mean"]).track(m):
             pass  # an exhausted data loader
-    assert open_store(path).status == "incomplete"
+    assert not os.path.exists(path)
 
 
 def test_resuming_a_complete_store_with_nothing_left_to_capture_stays_complete(tmp_path):

@@ -187,11 +187,13 @@ def run_capture(
     except BaseException as e:
         # a new store that holds no committed row is removed, so the corrected rerun needs no
         # --overwrite; otherwise it keeps every row committed before the failure
+        from ..capture.scope import REMOVED_NOTE
         from ..store import remove_if_empty
 
+        # (the tracker removes a store it made that holds no row, and says so in a note)
+        gone = any(str(n).startswith(REMOVED_NOTE.split("{")[0]) for n in getattr(e, "__notes__", ()))
         e = _token_rows_flag_error(e, token_rows)
-
-        removed = new_store and remove_if_empty(out, remove_folder=not folder_existed)
+        removed = new_store and (gone or remove_if_empty(out, remove_folder=not folder_existed))
         tail = (f"no row was committed, so the new store {out} was removed" if removed else
                 f"{out} is left as it was" if tracker._refused is not None else
                 f"no row was committed, so the store that was at {out} is kept as it was (overwrite replaces it "
@@ -200,7 +202,8 @@ def run_capture(
                 _what_is_kept(out, resumable))
         if isinstance(e, CaptureError) and not isinstance(e.__cause__, ActivationScopeError):
             raise CaptureError(f"{e}; {tail}") from e.__cause__
-        e.add_note(tail)
+        if not gone:  # (the tracker's note says it already)
+            e.add_note(tail)
         raise e
     finally:
         bar.close()

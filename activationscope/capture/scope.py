@@ -68,6 +68,11 @@ __all__ = [
 ]
 
 
+#: The note a failed capture's exception gets when the store it made, holding no committed
+#: row, was removed (:meth:`Tracker._remove_unused_store`).
+REMOVED_NOTE = "no row was committed, so the new store {path!r} was removed"
+
+
 class StoragePolicy(enum.Enum):
     """Where captured activations are kept.
 
@@ -943,9 +948,11 @@ class Tracker:
                     # no forward was captured at all (an empty data loader, max_k=0, the model
                     # never called): a new store holding nothing is not a success either
                     self.writer.close(status="incomplete")
+                    removed = self._remove_unused_store(None)
                     raise CaptureError(
                         f"the capture into {self.writer.path!r} captured no forward of "
-                        f"{type(self.model).__name__}, so the store holds no hook point (left 'incomplete'); "
+                        f"{type(self.model).__name__}, so the store holds no hook point "
+                        f"({'removed: it was new' if removed else 'left incomplete'}); "
                         "call the model inside the `with scope.track(model)` block (check that the data "
                         "yielded batches and that capture_policy / max_k let a forward through)"
                     )
@@ -964,8 +971,20 @@ class Tracker:
                     stacklevel=3,
                 )
                 self.writer.abort(exc)
+            self._remove_unused_store(exc)
             return
         self._warn_silent(silent)
+
+    def _remove_unused_store(self, exc: BaseException | None) -> bool:
+        """After a failed capture: remove the store when this capture made it and it holds no
+        committed row (``remove_if_unused`` of the writer, when it has one), saying so in a
+        note of ``exc``; True when removed."""
+        remove = getattr(self.writer, "remove_if_unused", None)
+        if remove is None or not remove():
+            return False
+        if exc is not None:
+            exc.add_note(REMOVED_NOTE.format(path=self.writer.path))
+        return True
 
     def _silent_modules(self) -> list[tuple[str, torch.nn.Module]]:
         """Tracked modules that recorded nothing although forwards were captured."""

@@ -1201,6 +1201,10 @@ class RankWriter:
     #: The merge of rank stores (commit_ranks) copies arrays only: every hook point keeps its own.
     supports_aliases = False
 
+    def remove_if_unused(self) -> bool:
+        """A rank store is the rank session's to keep or remove: never removed here."""
+        return False
+
     def __getattr__(self, name: str) -> Any:  # open_array, add_batch, maybe_commit, n_samples_committed, ...
         value = getattr(self._inner, name)
         if inspect.ismethod(value):  # add_batch, maybe_commit (once per forward): found here once, then directly

@@ -734,6 +734,9 @@ class StoreWriter:
         self._aside: Path | None = None  # overwrite: the old store, until the new one commits
         try:
             self._open_existing(overwrite, resume)
+            # a store this writer makes from nothing (a local one it replaces is put back by the
+            # close of a run that committed no forward: see _settle_aside)
+            self._made_new = not resume and self._aside is None
             self._setup(max_pending_bytes)
         except BaseException:
             self._settle_aside(keep_new=False)
@@ -2146,6 +2149,30 @@ class StoreWriter:
                     self._cleanup(remove_if_empty=empty)
                 except BaseException:  # noqa: BLE001
                     pass
+
+    def remove_if_unused(self) -> bool:
+        """Once closed (or aborted): remove the store this writer made, when it holds no
+        committed row (a capture whose first forward raised), so that the corrected rerun needs
+        neither ``overwrite=True`` nor ``resume=True``. A resumed store, a store that existed
+        before (a local one replaced by ``overwrite=True`` is put back by the close), or one
+        holding rows is never touched; a folder that existed before the writer is kept, empty.
+
+        Returns
+        -------
+        bool
+            Whether the store was removed. Never raises (a failure is warned about).
+        """
+        if not self._closed or not getattr(self, "_made_new", False) or self.n_samples_committed \
+                or self._other_process():
+            return False
+        from ._remove import remove_if_empty
+
+        try:
+            return remove_if_empty(self._backend, remove_folder=self._writer_lock.created_root)
+        except Exception as e:  # noqa: BLE001 - the caller's error stays the one raised
+            warnings.warn(f"store {str(self._backend)!r}: removing the store that holds no row failed: {e}",
+                          RuntimeWarning, stacklevel=2)
+            return False
 
     def _remove_temp_files(self, shards: bool = True) -> None:
         """Remove the backend's temporary files left by an earlier writer process (FORMAT.md
