@@ -288,24 +288,40 @@ def _row_pieces(batches: list[_Batch], kind: str, keep_empty: bool = False) -> l
 def model_identity(model: torch.nn.Module | None) -> dict | None:
     """Class path and sha256 of the state dict (tensors' bytes in sorted name order).
 
-    Taken when the store opens, before any forward: a model whose weights change during the
-    capture (fine-tuning while capturing) is recorded as it was then."""
+    A store writer takes it when the store opens, before any forward, for a model in training
+    mode (fine-tuning while capturing: recorded as it was then) and for a resume (compared
+    with the stored one); for a new store's model in eval mode it is taken in a background
+    thread while the first forwards run (see :class:`_ModelIdentity`)."""
     if model is None:
         return None
+    return _hash_state(type(model), _state_tensors(model))
+
+
+def _state_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The state dict's tensors in sorted name order (detached: they share the weights'
+    memory and version counters); ArgumentValueError for one on the meta device."""
+    with torch.no_grad():
+        sd = model.state_dict()
+    out = []
+    for name in sorted(sd):
+        t = sd[name]
+        if not isinstance(t, torch.Tensor):
+            continue
+        if t.is_meta:
+            raise ArgumentValueError(
+                f"the model's state dict entry {name!r} is on the meta device (shapes only, no values): a "
+                "store records the sha256 of the model's weights; load them (e.g. model.to_empty(device=...) "
+                "then load_state_dict) before capturing into a store"
+            )
+        out.append((name, t))
+    return out
+
+
+def _hash_state(cls: type, items: list[tuple[str, torch.Tensor]]) -> dict:
     h = hashlib.sha256()
     n_params = 0
     with torch.no_grad():
-        sd = model.state_dict()
-        for name in sorted(sd):
-            t = sd[name]
-            if not isinstance(t, torch.Tensor):
-                continue
-            if t.is_meta:
-                raise ArgumentValueError(
-                    f"the model's state dict entry {name!r} is on the meta device (shapes only, no values): a "
-                    "store records the sha256 of the model's weights; load them (e.g. model.to_empty(device=...) "
-                    "then load_state_dict) before capturing into a store"
-                )
+        for _name, t in items:
             t = t.detach().to("cpu")
             if t.layout != torch.strided:
                 t = t.to_dense()  # a sparse buffer: its values (FORMAT.md)
@@ -315,10 +331,70 @@ def model_identity(model: torch.nn.Module | None) -> dict | None:
             if t.numel():
                 # the buffer itself, no copy, through ctypes: Tensor.numpy() would leave the
                 # model's storage unresizable for good (code that frees parameter memory with
-                # untyped_storage().resize_(0) then fails)
+                # untyped_storage().resize_(0) then fails); hashlib releases the GIL on it
                 h.update((ctypes.c_char * t.nbytes).from_address(t.data_ptr()))
-    cls = type(model)
     return {"class": f"{cls.__module__}.{cls.__qualname__}", "state_dict_sha256": h.hexdigest(), "n_elements": n_params}
+
+
+def _version(t: torch.Tensor) -> int | None:
+    try:
+        return int(t._version)
+    except RuntimeError:  # an inference tensor keeps no version counter
+        return None
+
+
+class _ModelIdentity:
+    """:func:`model_identity` of a new store's model in eval mode, hashed in a background thread
+    while the first forwards run (the sha256 of a model's weights costs about 1 ms per MB,
+    once per capture); :meth:`get` waits for it. The weights' version counters are compared
+    after the hash: weights changed in place while it ran are hashed again as they are then,
+    with a warning (the record is no longer the weights of the open). The meta-device check
+    runs at once."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._cls = type(model)
+        self._items: list[tuple[str, torch.Tensor]] | None = _state_tensors(model)
+        self._versions = [_version(t) for _, t in self._items]
+        self._result: dict | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="activationscope-model-hash", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._result = _hash_state(self._cls, self._items or [])
+        except BaseException as e:  # noqa: BLE001 - reported by get()
+            self._error = e
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def get(self) -> dict | None:
+        """The identity (None, with a warning, when the weights could not be hashed)."""
+        self._thread.join()
+        items, self._items = self._items, None
+        if items is not None:
+            changed = [name for (name, t), v in zip(items, self._versions) if _version(t) != v]
+            if self._error is None and changed:
+                try:
+                    self._result = _hash_state(self._cls, items)
+                except BaseException as e:  # noqa: BLE001
+                    self._error = e
+                else:
+                    warnings.warn(
+                        f"the model's weights changed in place ({', '.join(changed[:3])}"
+                        f"{', ...' if len(changed) > 3 else ''}) while the store was taking their sha256 in the "
+                        "background: the store records them as they are after that change, not as they were when it "
+                        "opened, and a resume is checked against those. Put the model in training mode "
+                        "(model.train()) before opening the store when it is fine-tuned while capturing: its "
+                        "weights are then hashed at the open", CaptureWarning, stacklevel=3)
+            if self._error is not None:
+                warnings.warn(f"the model's weights could not be hashed for the store's model record "
+                              f"({type(self._error).__name__}: {self._error}); the store records no model, so a "
+                              "resume cannot check that it continues with the same model", CaptureWarning,
+                              stacklevel=3)
+                self._result = None
+        return self._result
 
 
 def resumed_provenance(stored: Any, given: Mapping[str, Any]) -> dict:
@@ -722,7 +798,13 @@ class StoreWriter:
         self._provenance = F.check_jsonable(dict(provenance or {}), "provenance")
         self._storage_dtype = None if storage_dtype is None else F.dtype_name(storage_dtype)
         self._fsync = bool(fsync)
-        self._model = model_identity(model)  # before anything is made: a model it refuses leaves no trace
+        # before anything is made: a model it refuses leaves no trace. A resume compares it with the
+        # stored one at once, and a model in training mode (fine-tuned while capturing) is hashed
+        # as it is now; a new store's eval-mode model is hashed in the background while the first
+        # forwards run, and recorded by the first commit that lists rows
+        background = model is not None and not resume and not model.training
+        self._model = None if background else model_identity(model)
+        self._model_hash = _ModelIdentity(model) if background else None
         self._backend = resolve(target, fsync=self._fsync, storage_options=dict(storage_options or {}) or None)
         if isinstance(self._backend, LocalBackend):
             check_local_store_path(self._backend.root)
@@ -1010,7 +1092,7 @@ class StoreWriter:
             "run_id": self._run_id,
             "updated": F.utc_now(),
             "library": _library_versions(),
-            "model": self._model if self._model is not None else (self._state or {}).get("model"),
+            "model": self._model_record(),
             "capture_config": self._capture_config,
             "storage_dtype": self._storage_dtype,
             "provenance": self._provenance,
@@ -1022,6 +1104,16 @@ class StoreWriter:
             "aliases": dict(self.aliases),
             **({"rank_store": dict(self.rank_store)} if self.rank_store else {}),
         }
+
+    def _model_record(self) -> dict | None:
+        """The root document's ``model``: this writer's model's identity (a new store's is
+        waited for by the first commit that lists rows, and by the close; roots written before,
+        with no rows, have none while it is being hashed), else the stored one (a resume
+        without a model)."""
+        if self._model is None and self._model_hash is not None and (
+                self._model_hash.done() or self._n_batches > 0 or self._closed):
+            self._model, self._model_hash = self._model_hash.get(), None
+        return self._model if self._model is not None else (self._state or {}).get("model")
 
     def _truncate_to_committed(self) -> None:
         """Resume: drop every shard and row-table part past the committed prefix.

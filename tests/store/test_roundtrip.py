@@ -288,10 +288,10 @@ def _reference_sha256(model: torch.nn.Module) -> str:
 
 @pytest.mark.parametrize("width", [8, 600])
 def test_model_identity_is_the_sha256_of_the_state_dict_at_the_open(tmp_path, width):
-    # the weights as they are when the store opens, also when they change in place during
-    # the capture (fine-tuning while capturing): a resume with the weights of the open is
-    # accepted, one with other weights refused
-    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, 4)).eval()
+    # a model in training mode: the weights as they are when the store opens, also when they
+    # change in place during the capture (fine-tuning while capturing): a resume with the
+    # weights of the open is accepted, one with other weights refused
+    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, 4)).train()
     want = _reference_sha256(model)
     path = tmp_path / "s.zarr"
     with acs.ActivationScope(store=str(path)).track(model):
@@ -302,6 +302,7 @@ def test_model_identity_is_the_sha256_of_the_state_dict_at_the_open(tmp_path, wi
             model[0].weight.mul_(2)
             model(torch.randn(3, width))
             model[0].weight.div_(2)
+    model.eval()
     attrs = open_store(path).attrs
     assert attrs["model"]["state_dict_sha256"] == want
     assert attrs["model"]["n_elements"] == sum(t.numel() for t in model.state_dict().values())
@@ -316,6 +317,45 @@ def test_model_identity_is_the_sha256_of_the_state_dict_at_the_open(tmp_path, wi
     with acs.ActivationScope(store=str(path), store_options={"resume": True}).track(model), torch.no_grad():
         model(torch.randn(3, width))
     assert open_store(path).n_samples == 9
+
+
+def test_an_eval_model_is_hashed_in_the_background_and_recorded_by_the_first_commit(tmp_path):
+    """In eval mode (inference captures) the sha256 is taken while the first forwards run: the
+    root written at the open may lack it, every root that lists rows has it; weights changed
+    in place while it was being taken are hashed again, with a CaptureWarning."""
+    from activationscope.store import writer as writer_module
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU()).eval()
+    want = _reference_sha256(model)
+    path = tmp_path / "s.zarr"
+    with acs.ActivationScope(store=str(path)).track(model), torch.no_grad():
+        model(torch.randn(3, 64))
+    assert open_store(path).attrs["model"]["state_dict_sha256"] == want
+
+    # the open does not wait for the hash (the capture runs while it is held back); weights
+    # changed in place while it ran: hashed again as they are then, said so
+    class Slow(writer_module._ModelIdentity):
+        def _run(self):
+            self.started.set()
+            self.go.wait(30)
+            super()._run()
+
+    started, go = threading.Event(), threading.Event()
+    Slow.started, Slow.go = started, go
+    orig = writer_module._ModelIdentity
+    writer_module._ModelIdentity = Slow
+    try:
+        path2 = tmp_path / "t.zarr"
+        with pytest.warns(acs.CaptureWarning, match=r"weights changed in place \(0.weight\) while the store"):
+            with acs.ActivationScope(store=str(path2)).track(model), torch.no_grad():
+                started.wait(30)
+                model[0].weight.add_(1)
+                go.set()
+                model(torch.randn(3, 64))
+    finally:
+        writer_module._ModelIdentity = orig
+    assert open_store(path2).attrs["model"]["state_dict_sha256"] == _reference_sha256(model) != want
 
 
 @pytest.mark.parametrize("chunk_rows", [4, 64])
