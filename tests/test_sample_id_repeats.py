@@ -54,6 +54,13 @@ def test_distinct_ids_are_not_warned_about(tmp_path, ids_of):
     (lambda i: [4, 5, 6, 7] if i == 0 else None, "4", 1),               # the counter runs into given ids
     (lambda i: ["a", "b", "c", "a"] if i == 2 else [f"x{i}{j}" for j in range(4)], "'a'", 2),
     (lambda i: [-5 - i, 10**15, 2 + 4 * i, 3 + 4 * i], "1000000000000000", 1),  # ids outside the table
+    # a list of numpy ints (the int64 type an array of ids has) is checked as the ints it holds
+    (lambda i: None if i < 2 else [np.int64(v) for v in range(4)], "0", 2),
+    (lambda i: np.arange(4) if i == 0 else [np.int64(v) for v in (9, 8, 0, 7)], "0", 1),
+    (lambda i: np.array([2**64 - 1, 4 * i + 1, 4 * i + 2, 4 * i + 3], dtype=np.uint64) if i < 2 else None,
+     "18446744073709551615", 1),                                        # uint64 ids named as given
+    (lambda i: np.array([2**64 - 1 - i, 1, 2, 3], dtype=np.uint64) if i == 0 else
+     [np.uint64(2**64 - 1), np.uint64(4 * i), np.uint64(4 * i + 1), np.uint64(4 * i + 2)], "18446744073709551615", 1),
 ])
 def test_repeated_ids_are_named_with_their_batch(tmp_path, ids_of, repeated, batch):
     got = _capture(tmp_path / "s.zarr", ids_of)

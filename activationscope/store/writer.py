@@ -128,11 +128,13 @@ class _SampleIds:
         """Record ``ids`` (one batch's); returns one id seen before (or twice in the batch),
         else None."""
         arr = ids if isinstance(ids, np.ndarray) else np.asarray(ids, dtype=object)
-        if arr.dtype == object and len(arr) and all(type(v) is int and -(1 << 63) <= v < 1 << 63 for v in ids):
-            arr = np.asarray(ids, dtype=np.int64)  # a list of Python ints
+        if arr.dtype == object and len(arr):
+            arr = self._int_list(arr)
         if arr.dtype.kind in "iu" and len(arr):
-            vals = arr.astype(np.int64, copy=False)
+            vals = arr.astype(np.int64, copy=False)  # uint64 ids past 2**63 wrap to negative ones
             repeat = self._add_ints(vals)
+            if repeat is not None and repeat < 0 and arr.dtype.kind == "u":
+                repeat += 1 << 64  # named as given
         else:
             repeat = None
             for v in arr.tolist():
@@ -142,6 +144,21 @@ class _SampleIds:
                     repeat = v
                 self.other.add(v)
         return repeat
+
+    @staticmethod
+    def _int_list(arr: np.ndarray) -> np.ndarray:
+        """A list of ints (Python ints or numpy integer scalars, as a ``numpy.int64`` array of
+        ids stores the same) as the int64 array the table checks, so that it is checked
+        against every int id recorded so far (ids at or past ``2**63`` as a ``numpy.uint64``
+        array); else ``arr`` as given."""
+        vals = [int(v) if isinstance(v, np.integer) else v for v in arr.tolist()]
+        if not all(type(v) is int for v in vals):  # (bool is not int here)
+            return arr
+        if all(-(1 << 63) <= v < 1 << 63 for v in vals):
+            return np.asarray(vals, dtype=np.int64)
+        if all(0 <= v < 1 << 64 for v in vals):
+            return np.asarray(vals, dtype=np.uint64)
+        return arr
 
     def _add_ints(self, vals: np.ndarray) -> Any:
         repeat = None
