@@ -360,3 +360,18 @@ def test_export_hf_twice_replaces_the_earlier_export_and_its_datasets_caches(fai
     code, _, err = run(capsys, "export", str(out), "--format", "hf", "--out", str(hf))
     assert code == 1 and "['notes.txt'], which the export did not write; it is left alone" in err, err
     assert (hf / "notes.txt").read_text() == "mine"
+
+
+def test_an_overwrite_failing_before_any_commit_keeps_the_old_store_that_holds_no_row(failing_module, tmp_path,
+                                                                                      capsys):
+    # a store of an earlier run that holds no row (its data was empty) is the user's: --overwrite
+    # failing on its first batch puts it back, and nothing removes it afterwards
+    out = tmp_path / "old.zarr"
+    model = torch.nn.Sequential(torch.nn.Linear(6, 4))
+    with acs.ActivationScope(store=str(out)).track(model), torch.no_grad():
+        model(torch.randn(0, 6))
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    code, _, err = _capture(capsys, "first", failing_module, out, "--overwrite")
+    assert code == 1 and "bad batch" in err and "was removed" not in err and "kept as it was" in err, err
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    assert acs.open_store(str(out)).status == "complete"

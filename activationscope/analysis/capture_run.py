@@ -193,7 +193,10 @@ def run_capture(
         # (the tracker removes a store it made that holds no row, and says so in a note)
         gone = any(str(n).startswith(REMOVED_NOTE.split("{")[0]) for n in getattr(e, "__notes__", ()))
         e = _token_rows_flag_error(e, token_rows)
-        removed = new_store and (gone or remove_if_empty(out, remove_folder=not folder_existed))
+        # (--overwrite: the store being replaced is put back by the tracker, and may hold no
+        # row either; it is the user's, never removed here)
+        removed = new_store and (gone or (not (store_options or {}).get("overwrite")
+                                          and remove_if_empty(out, remove_folder=not folder_existed)))
         tail = (f"no row was committed, so the new store {out} was removed" if removed else
                 f"{out} is left as it was" if tracker._refused is not None else
                 f"no row was committed, so the store that was at {out} is kept as it was (overwrite replaces it "
