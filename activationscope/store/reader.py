@@ -1042,6 +1042,39 @@ class Store:
     def _shard_key(self, meta: dict, shard: int) -> str:
         return F.shard_key(meta["path"], shard, len(meta["feature_shape"]))
 
+    def _shard_file(self, meta: dict, shard: int) -> str:
+        """The key of the file that holds shard ``shard``'s committed chunks: the shard key, or
+        ``<shard key>.committed.tmp`` in a local store whose resume renamed its rewrite of the
+        partial last shard over the key but has not yet written (or was killed before writing)
+        the manifest that lists it (FORMAT.md section 7): that resume kept the committed file
+        under this name, and it is the one whose chunk holding the last committed row has the
+        crc32c the manifest records while the key's file has not (the only committed chunk the
+        rewrite changes)."""
+        key = self._shard_key(meta, shard)
+        n, shard_rows = int(meta["n_rows"]), int(meta["shard_rows"])
+        if not isinstance(self._backend, LocalBackend) or not n % shard_rows or shard != n // shard_rows:
+            return key
+        kept = key + ".committed.tmp"
+        try:
+            if self._backend.size(kept) is None:
+                return key
+            chunk_rows = int(meta["chunk_rows"])
+            slot = ((n - 1) // chunk_rows) % (shard_rows // chunk_rows)
+            rec = self._array_crcs(meta).get((shard, slot))
+            if rec is None:
+                return key
+            off, nb, crc = rec
+
+            def matches(k: str) -> bool:
+                data = self._backend.get_range(k, off, nb)
+                return data is not None and len(data) == nb and F.crc32c(data) == crc
+
+            if not matches(key) and matches(kept):
+                return kept
+        except StoreError:  # (the key's own checks name what is wrong)
+            pass
+        return key
+
     def _shard_index(self, meta: dict, shard: int) -> _ShardIndex:
         """Read and check a shard's index before any of its rows is used.
 
@@ -1056,7 +1089,7 @@ class Store:
         StoreCorruptError
             Naming the shard file and what is wrong.
         """
-        key = self._shard_key(meta, shard)
+        key = self._shard_file(meta, shard)
         with self._lock:
             cached = self._indexes.get(key)
         if cached is not None:
@@ -1239,7 +1272,7 @@ class Store:
         n_shards = -(-n // shard_rows)
         if not all(self._shard_index(meta, k).contiguous for k in range(n_shards)):
             return None
-        paths = [str(self._backend.path(self._shard_key(meta, k))) for k in range(n_shards)]
+        paths = [str(self._backend.path(self._shard_index(meta, k).key)) for k in range(n_shards)]
         self._check_same_store()
         try:
             flat = C.map_files_contiguous(paths, stride, n * rb)
@@ -1798,7 +1831,7 @@ class Store:
         sizes: dict[int, int | None] = {}
         for k in committed_shards:
             try:
-                sizes[k] = self._backend.size(self._shard_key(meta, k))
+                sizes[k] = self._backend.size(self._shard_file(meta, k))
             except StoreError:  # not a regular file, or outside the store: the shard checks below name it
                 sizes[k] = None
         problems += [f"hook point {hp!r}: {p}" for p in V.manifest_problems(
@@ -1837,7 +1870,7 @@ class Store:
                     problems.append(f"{where}: shard index entry {idx.entries[j]} differs from the manifest: "
                                     f"{_mismatch_cause(meta, chunk)}")
                     continue
-                data = self._backend.get_range(key, off, nb)
+                data = self._backend.get_range(idx.key, off, nb)
                 got = F.crc32c(data or b"")
                 if got != crc:
                     problems.append(f"{where}: crc32c mismatch (manifest {crc:08x}, data {got:08x}): "

@@ -3,6 +3,8 @@
 python store_child.py PATH MODE N_BATCHES [LIMIT_AFTER]
 MODE "run": capture (resume=True when a store exists at PATH), printing "batch <i>" after each forward.
 MODE "runz": the same into a zstd-compressed store.
+MODE "killinstall" / "killinstallrunz": "run" / "runz" killed by SIGKILL right after a resume's commit
+renames its rewrite of the partial last shard over the key.
 MODE "diskfull": after LIMIT_AFTER batches, cap file sizes (RLIMIT_FSIZE) and go on; prints
 "ERR <class>: <message>" for the error that stops the capture.
 """
@@ -58,6 +60,19 @@ def capture(path: str, n_batches: int, *, limit_after: int | None = None, sleep_
 
 if __name__ == "__main__":
     path, mode, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    if mode.startswith("killinstall"):
+        # killed right after a resume's commit renamed its rewrite of the partial last shard over
+        # the key, before the manifest that lists it (FORMAT.md section 7)
+        from activationscope.store.writer import StoreWriter
+
+        install = StoreWriter._install_held_shard
+
+        def _install_then_die(self, arr):
+            install(self, arr)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        StoreWriter._install_held_shard = _install_then_die
+        mode = mode[len("killinstall"):] or "run"
     if mode == "diskfull":
         capture(path, n, limit_after=int(sys.argv[4]))
     else:

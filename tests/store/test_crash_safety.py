@@ -126,6 +126,35 @@ def test_resumes_killed_early_leave_every_committed_row_verifiable(tmp_path, ref
     assert not list(path.rglob("*.tmp"))
 
 
+@pytest.mark.parametrize("mode", ["run", "runz"])
+def test_a_resume_killed_between_its_shard_rename_and_its_manifest_leaves_a_verified_store(tmp_path, reference,
+                                                                                           mode):
+    """Between the rename of a resume's rewritten partial last shard over its key and the
+    manifest that lists it, the key holds bytes the manifest does not describe; the committed
+    file kept as <key>.committed.tmp is read instead, so a store killed there opens verified
+    with every committed row, and the next resume ends as an uninterrupted run."""
+    _, mem = reference
+    path = tmp_path / "s.zarr"
+    compression = "zstd" if mode == "runz" else None
+    store_child.capture(str(path), 6, compression=compression)
+    proc = _child(str(path), "killinstall" + mode, str(N_BATCHES))
+    proc.wait(timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.read()
+    assert list(path.rglob("*.committed.tmp"))  # (killed inside the window)
+    store = open_store(path, verify=True)
+    assert store.verify() == []
+    s = store.n_samples
+    assert s == 30
+    for hp in store.hook_points:
+        assert torch.equal(store[hp], mem[hp][:s]), hp
+    store_child.capture(str(path), N_BATCHES, compression=compression)
+    store = open_store(path, verify=True)
+    assert store.status == "complete" and store.verify() == []
+    for hp in store.hook_points:
+        assert torch.equal(store[hp], mem[hp]), hp
+    assert not list(path.rglob("*.tmp"))
+
+
 def test_resume_reports_committed_samples_and_truncates(tmp_path):
     path = tmp_path / "s.zarr"
     w = StoreWriter(path, capture_config={}, model=None, storage_dtype=None, chunk_rows=2, shard_bytes=2 * 16 * 2)
