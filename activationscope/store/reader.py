@@ -2106,8 +2106,32 @@ def open_store(target: Any, *, cache_bytes: int = 64 << 20, storage_options: dic
     return Store(target, cache_bytes=cache_bytes, storage_options=storage_options, verify=verify)
 
 
+def _committed_shard_files(source: Any) -> dict[str, str]:
+    """``{shard key: file}`` of the shards whose committed chunks a reader of ``source`` (a
+    Store or a backend) reads from another file than the key (:meth:`Store._shard_file`: a
+    resume killed while it committed); empty when it does not open as a store."""
+    try:
+        st = source if isinstance(source, Store) else Store(source)
+        out = {}
+        for hp in st.hook_points:
+            meta = st._checked_meta(hp)
+            n, shard_rows = int(meta["n_rows"]), int(meta["shard_rows"])
+            if n % shard_rows:
+                key = st._shard_key(meta, n // shard_rows)
+                got = st._shard_file(meta, n // shard_rows)
+                if got != key:
+                    out[key] = got
+        return out
+    except (StoreError, OSError):  # (not a store: its files are copied as they are)
+        return {}
+
+
 def copy_store(source: Any, target: Any, *, overwrite: bool = False) -> None:
     """Copy every object of a store (e.g. an in-memory one) to ``target``; root metadata last.
+
+    Temporary files (``*.tmp``: a writer's, or left by one killed) are not copied; a shard
+    whose committed chunks a reader reads from the file a killed resume kept
+    (``<key>.committed.tmp``, FORMAT.md section 7) is copied from that file.
 
     Raises
     ------
@@ -2134,10 +2158,11 @@ def copy_store(source: Any, target: Any, *, overwrite: bool = False) -> None:
                 raise StoreExistsError(f"{str(dst)!r} is not empty; pass overwrite=True to replace it")
             dst.clear()
         keys = sorted(src.list(""))
+        files = _committed_shard_files(source if isinstance(source, Store) else src)
         for key in keys:
-            if key == "zarr.json":
+            if key == "zarr.json" or key.endswith(".tmp"):  # temporary files are no part of the store
                 continue
-            data = src.get(key, max_bytes=None)  # regular files inside the store only (links are refused)
+            data = src.get(files.get(key, key), max_bytes=None)  # regular files inside the store only (links are refused)
             if data is not None:
                 dst.set(key, data)
         root = src.get("zarr.json")

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import activationscope as acs
-from activationscope.store import StoreWriter, open_store
+from activationscope.store import StoreWriter, copy_store, open_store
 
 import store_child
 from store_models import MLP, batches_mlp, capture_memory
@@ -147,6 +147,14 @@ def test_a_resume_killed_between_its_shard_rename_and_its_manifest_leaves_a_veri
     assert s == 30
     for hp in store.hook_points:
         assert torch.equal(store[hp], mem[hp][:s]), hp
+    # a copy (another folder, memory) holds the committed file under the key, and no temporary file
+    for target in (tmp_path / "copy.zarr", f"memory://killinstall-{mode}/copy.zarr"):
+        copy_store(str(path), str(target))
+        copy = open_store(str(target), verify=True)
+        assert copy.verify() == [] and copy.n_samples == s, target
+        for hp in store.hook_points:
+            assert torch.equal(copy[hp], mem[hp][:s]), (target, hp)
+    assert not list((tmp_path / "copy.zarr").rglob("*.tmp"))
     store_child.capture(str(path), N_BATCHES, compression=compression)
     store = open_store(path, verify=True)
     assert store.status == "complete" and store.verify() == []
