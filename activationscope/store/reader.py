@@ -1703,6 +1703,10 @@ class Store:
             for rank, st in self._ranks:
                 problems += [f"rank {rank} ({st.path}): {p}" for p in st.verify()]
             return problems
+        # the shard indexes as the files are now (those read before may be of files a resume
+        # has since rewritten and listed in the manifests this reads now)
+        with self._lock:
+            self._indexes.clear()
         for hp in list(self._attrs.get("arrays", {})):  # aliases have no files of their own
             mine: list[str] = []
             try:
