@@ -1089,11 +1089,12 @@ class Store:
         StoreCorruptError
             Naming the shard file and what is wrong.
         """
-        key = self._shard_file(meta, shard)
+        shard_key = self._shard_key(meta, shard)
         with self._lock:
-            cached = self._indexes.get(key)
+            cached = self._indexes.get(shard_key)
         if cached is not None:
             return cached
+        key = self._shard_file(meta, shard)  # (cached under the shard key: checked once)
         rb, chunk_rows, n_chunks, chunk_bytes = _layout(meta)
         n = int(meta["n_rows"])
         shard_rows = n_chunks * chunk_rows
@@ -1124,7 +1125,7 @@ class Store:
             if raw[:-4] == dense:  # the layout every uncompressed capture writes: one compare
                 out = _ShardIndex(key, size, dense_entries, True, {})
                 with self._lock:
-                    self._indexes[key] = out
+                    self._indexes[shard_key] = out
                 return out
         arr = np.frombuffer(raw, dtype="<u8", count=2 * n_chunks)
         flat = arr.tolist()
@@ -1163,7 +1164,7 @@ class Store:
         contiguous = not bad and bool((offs == expected).all())
         out = _ShardIndex(key, size, entries, contiguous and not compressed, bad)
         with self._lock:
-            self._indexes[key] = out
+            self._indexes[shard_key] = out
         return out
 
     def _check_shard_crcs(self, hook_point: str, shard: int, fix: str = V.FIX) -> None:
