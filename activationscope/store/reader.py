@@ -1318,17 +1318,29 @@ class Store:
         row_bytes, chunk_rows, shard_chunks, full = _layout(meta)
         n = int(meta["n_rows"])
         shard, j = divmod(c, shard_chunks)
-        idx = self._shard_index(meta, shard)
-        idx.check(j, self._backend)
         lo, hi = c * chunk_rows, min(n, (c + 1) * chunk_rows)
-        off, nbytes = idx.entries[j]
-        where = f"hook point {hook_point!r}: chunk {c} (rows {lo}-{hi - 1}, shard {idx.key})"
-        self._check_same_store()
-        data = self._backend.get_range(idx.key, off, nbytes)
-        if data is None or len(data) != nbytes:
-            raise V.corrupt(self._backend, f"{where}: read {len(data or b'')} of its {nbytes} bytes (the file shrank)")
-        if not (self._resume_tail and hi == n and n % chunk_rows):
-            self._check_chunk_crc(meta, shard, j, (off, nbytes), data, where, idx.key)
+        tail = hi == n and n % chunk_rows != 0  # the chunk holding the last committed rows
+        for attempt in range(2):
+            idx = self._shard_index(meta, shard)
+            idx.check(j, self._backend)
+            off, nbytes = idx.entries[j]
+            where = f"hook point {hook_point!r}: chunk {c} (rows {lo}-{hi - 1}, shard {idx.key})"
+            self._check_same_store()
+            try:
+                data = self._backend.get_range(idx.key, off, nbytes)
+                if data is None or len(data) != nbytes:
+                    raise V.corrupt(self._backend,
+                                    f"{where}: read {len(data or b'')} of its {nbytes} bytes (the file shrank)")
+                if not (self._resume_tail and tail):
+                    self._check_chunk_crc(meta, shard, j, (off, nbytes), data, where, idx.key)
+                break
+            except StoreCorruptError:
+                if not tail or attempt:
+                    raise
+                # a resume may have rewritten that chunk's shard (and listed it in the manifest)
+                # since this reader read its index: read the index again, once
+                with self._lock:
+                    self._indexes.pop(self._shard_key(meta, shard), None)
         codec = meta.get("compression")
         buf = out if out is not None and out.nbytes == full else np.empty(full, dtype=np.uint8)
         if codec is None:

@@ -205,3 +205,34 @@ def test_a_reader_that_read_before_a_resume_verifies_clean_after_its_close(tmp_p
     assert before[HP].equal(x[:78])  # still its own snapshot: the rows it was opened with
     before.refresh()
     assert before[HP].equal(x) and before.verify() == []
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_a_reader_that_read_during_a_resume_still_reads_its_rows_after_the_close(tmp_path, compression):
+    """A reader opened before a resume, that read the partial last shard after the resume's
+    commit (the committed file it read is removed at the close), reads its rows again after
+    the close: the shard index it had is read again from the file at the key."""
+    import torch
+
+    from activationscope.store import StoreWriter
+
+    path = tmp_path / "s.zarr"
+    x = torch.randn(100, 64, generator=torch.Generator().manual_seed(1))
+    opts = {"chunk_rows": 4, "shard_rows": 16, "compression": compression}
+    w = StoreWriter(path, **opts)
+    w.open_array(HP, (64,), torch.float32, "sample").append(x[:78])
+    w.add_batch(78)
+    w.close()
+    reader = open_store(path)
+    w = StoreWriter(path, resume=True, **opts)
+    a = w.open_array(HP, (64,), torch.float32, "sample")
+    a.append(x[78:95])
+    w.add_batch(17)
+    w.commit()
+    assert reader[HP].equal(x[:78])
+    a.append(x[95:])
+    w.add_batch(5)
+    w.close()
+    reader._cache.clear()
+    assert reader[HP].equal(x[:78]) and reader[HP][76:78].equal(x[76:78])
+    assert open_store(path)[HP].equal(x)
