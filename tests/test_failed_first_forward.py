@@ -88,3 +88,13 @@ def test_a_memory_store_whose_first_forward_raised_is_removed():
             tr.model(torch.randn(4, 3))
     with pytest.raises(acs.StoreError):
         open_store(zs)
+
+
+def test_an_overwrite_that_captured_no_forward_says_the_old_store_is_kept(tmp_path):
+    path = tmp_path / "s.zarr"
+    _run(path, Breaks(at=10), n=2)
+    with pytest.raises(acs.CaptureError, match="the store that overwrite=True was to replace is kept as it was") as e:
+        _run(path, Breaks(at=10), n=0, overwrite=True)
+    assert "left incomplete" not in str(e.value)
+    store = open_store(path)
+    assert store.status == "complete" and store.n_samples == 8

@@ -949,10 +949,15 @@ class Tracker:
                     # never called): a new store holding nothing is not a success either
                     self.writer.close(status="incomplete")
                     removed = self._remove_unused_store(None)
+                    if removed:
+                        fate = "so the store holds no hook point (removed: it was new)"
+                    elif getattr(self.writer, "put_back", False):
+                        fate = "so the store that overwrite=True was to replace is kept as it was"
+                    else:
+                        fate = "so the store holds no hook point (left incomplete)"
                     raise CaptureError(
                         f"the capture into {self.writer.path!r} captured no forward of "
-                        f"{type(self.model).__name__}, so the store holds no hook point "
-                        f"({'removed: it was new' if removed else 'left incomplete'}); "
+                        f"{type(self.model).__name__}, {fate}; "
                         "call the model inside the `with scope.track(model)` block (check that the data "
                         "yielded batches and that capture_policy / max_k let a forward through)"
                     )

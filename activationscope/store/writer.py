@@ -831,6 +831,7 @@ class StoreWriter:
         # one writer at a time: the lock is held from here to close() / abort()
         self._writer_lock = WriterLock(self._backend).acquire()
         self._aside: Path | None = None  # overwrite: the old store, until the new one commits
+        self.put_back = False  # overwrite: the old store was put back (the new one committed nothing)
         try:
             self._open_existing(overwrite, resume)
             # a store this writer makes from nothing (a local one it replaces is put back by the
@@ -1810,6 +1811,7 @@ class StoreWriter:
         else:
             try:
                 self._backend.restore_aside(aside)
+                self.put_back = True
             except OSError as e:
                 warnings.warn(f"store {str(self._backend)!r}: the new capture committed nothing, but putting the old "
                               f"store back from {str(aside)!r} failed ({e}); it is still there: move its contents "
