@@ -1047,9 +1047,9 @@ class Store:
         ``<shard key>.committed.tmp`` in a local store whose resume renamed its rewrite of the
         partial last shard over the key but has not yet written (or was killed before writing)
         the manifest that lists it (FORMAT.md section 7): that resume kept the committed file
-        under this name, and it is the one whose chunk holding the last committed row has the
-        crc32c the manifest records while the key's file has not (the only committed chunk the
-        rewrite changes)."""
+        under this name, and it is the one of the size the manifest records whose chunk holding
+        the last committed row has the crc32c it records (the only committed chunk the rewrite
+        can change) while the key's file is not."""
         key = self._shard_key(meta, shard)
         n, shard_rows = int(meta["n_rows"]), int(meta["shard_rows"])
         if not isinstance(self._backend, LocalBackend) or not n % shard_rows or shard != n // shard_rows:
@@ -1060,12 +1060,16 @@ class Store:
                 return key
             chunk_rows = int(meta["chunk_rows"])
             slot = ((n - 1) // chunk_rows) % (shard_rows // chunk_rows)
-            rec = self._array_crcs(meta).get((shard, slot))
+            crcs = self._array_crcs(meta)
+            rec = crcs.get((shard, slot))
             if rec is None:
                 return key
             off, nb, crc = rec
+            file_bytes = (crcs._shards.get(shard) or {}).get("file_bytes")
 
             def matches(k: str) -> bool:
+                if self._backend.size(k) != file_bytes:
+                    return False
                 data = self._backend.get_range(k, off, nb)
                 return data is not None and len(data) == nb and F.crc32c(data) == crc
 

@@ -236,3 +236,35 @@ def test_a_reader_that_read_during_a_resume_still_reads_its_rows_after_the_close
     reader._cache.clear()
     assert reader[HP].equal(x[:78]) and reader[HP][76:78].equal(x[76:78])
     assert open_store(path)[HP].equal(x)
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_a_resume_killed_after_its_rename_with_rows_ending_on_a_chunk_boundary_verifies(tmp_path, compression):
+    """The committed rows end on a chunk boundary inside the partial last shard: the rewrite
+    a killed resume renamed over the key holds every committed chunk unchanged but more bytes
+    than the manifest records; readers (verify's file_bytes check too) read the kept file."""
+    import os
+    import shutil
+
+    import torch
+
+    from activationscope.store import StoreWriter
+
+    path, killed = tmp_path / "s.zarr", tmp_path / "killed.zarr"
+    x = torch.randn(100, 64, generator=torch.Generator().manual_seed(1))
+    opts = {"chunk_rows": 4, "shard_rows": 16, "compression": compression}
+    w = StoreWriter(path, **opts)
+    w.open_array(HP, (64,), torch.float32, "sample").append(x[:76])
+    w.add_batch(76)
+    w.close()
+    w = StoreWriter(path, resume=True, **opts)
+    w.open_array(HP, (64,), torch.float32, "sample").append(x[76:87])
+    w.add_batch(11)
+    w.commit()
+    held = shard(path, 4).with_name(shard(path, 4).name + ".resumed.tmp")
+    _wait_for(held)
+    shutil.copytree(path, killed, symlinks=True)
+    os.replace(shard(killed, 4).with_name(held.name), shard(killed, 4))  # the rewrite installed, manifest not written
+    w.abort()
+    store = open_store(killed, verify=True)
+    assert store.verify() == [] and store[HP].equal(x[:76])
