@@ -54,6 +54,7 @@ def test_distinct_ids_are_not_warned_about(tmp_path, ids_of):
     (lambda i: [4, 5, 6, 7] if i == 0 else None, "4", 1),               # the counter runs into given ids
     (lambda i: ["a", "b", "c", "a"] if i == 2 else [f"x{i}{j}" for j in range(4)], "'a'", 2),
     (lambda i: [-5 - i, 10**15, 2 + 4 * i, 3 + 4 * i], "1000000000000000", 1),  # ids outside the table
+    (lambda i: [float("nan"), 0.5 + 4 * i, 1.5 + 4 * i, 2.5 + 4 * i], "nan", 1),   # NaN ids are one id
     # a list of numpy ints (the int64 type an array of ids has) is checked as the ints it holds
     (lambda i: None if i < 2 else [np.int64(v) for v in range(4)], "0", 2),
     (lambda i: np.arange(4) if i == 0 else [np.int64(v) for v in (9, 8, 0, 7)], "0", 1),

@@ -97,6 +97,9 @@ def _remove_staging(core: Any, staging: str, pid: int) -> None:
     shutil.rmtree(staging, ignore_errors=True)
 
 
+_NAN_ID = ("nan",)  # every NaN float id, in _SampleIds' set
+
+
 class _SampleIds:
     """The sample ids a capture has recorded, to warn when one repeats (a per-batch counter
     such as ``range(len(batch))`` is the usual cause; ``sample_ids=`` selections then pick
@@ -140,9 +143,10 @@ class _SampleIds:
             for v in arr.tolist():
                 if len(self.other) >= self.SET_IDS:
                     break
-                if v in self.other and repeat is None:
+                key = _NAN_ID if isinstance(v, float) and v != v else v  # (NaN is never equal to itself)
+                if key in self.other and repeat is None:
                     repeat = v
-                self.other.add(v)
+                self.other.add(key)
         return repeat
 
     @staticmethod
