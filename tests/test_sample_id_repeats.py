@@ -23,8 +23,7 @@ def _capture(path, ids_of, n_batches=3, **options):
         with scope.track(model) as tr, torch.no_grad():
             for i in range(n_batches):
                 ids = ids_of(i)
-                if ids is not None:
-                    tr.set_batch(sample_ids=ids)
+                tr.set_batch(**({} if ids is None else {"sample_ids": ids}))  # (None: default ids)
                 model(torch.randn(4, 4))
     return [str(w.message) for w in caught if issubclass(w.category, acs.CaptureWarning)]
 
@@ -58,7 +57,7 @@ def test_distinct_ids_are_not_warned_about(tmp_path, ids_of):
     # a list of numpy ints (the int64 type an array of ids has) is checked as the ints it holds
     (lambda i: None if i < 2 else [np.int64(v) for v in range(4)], "0", 2),
     (lambda i: np.arange(4) if i == 0 else [np.int64(v) for v in (9, 8, 0, 7)], "0", 1),
-    (lambda i: np.array([2**64 - 1, 4 * i + 1, 4 * i + 2, 4 * i + 3], dtype=np.uint64) if i < 2 else None,
+    (lambda i: np.array([2**64 - 1, 4 * i + 1, 4 * i + 2, 4 * i + 3], dtype=np.uint64),
      "18446744073709551615", 1),                                        # uint64 ids named as given
     (lambda i: np.array([2**64 - 1 - i, 1, 2, 3], dtype=np.uint64) if i == 0 else
      [np.uint64(2**64 - 1), np.uint64(4 * i), np.uint64(4 * i + 1), np.uint64(4 * i + 2)], "18446744073709551615", 1),
@@ -105,3 +104,30 @@ def test_the_id_table_matches_a_set_on_random_batches():
                 assert got in vals and (vals.count(got) > 1 or got in ref)
                 first = first if first is not None else got
             ref.update(vals)
+
+
+def test_forwards_under_one_sticky_description_are_the_same_samples_again(tmp_path):
+    """set_batch is sticky: several forwards after one call (a generation loop) are those
+    samples again, never warned about; a new call that gives the same ids is."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3)).eval()
+    path = tmp_path / "s.zarr"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with acs.ActivationScope(store=str(path)).track(model) as tr, torch.no_grad():
+            tr.set_batch(sample_ids=[5, 6])
+            for _ in range(3):  # three forwards of samples 5 and 6
+                model(torch.randn(2, 4))
+            tr.set_batch(sample_ids=[7, 8])
+            model(torch.randn(2, 4))
+    assert [w for w in caught if issubclass(w.category, acs.CaptureWarning)] == []
+    assert acs.open_store(path).row_table().column("sample_id").to_pylist() == [5, 6] * 3 + [7, 8]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with acs.ActivationScope(store=str(tmp_path / "t.zarr")).track(model) as tr, torch.no_grad():
+            tr.set_batch(sample_ids=[5, 6])
+            model(torch.randn(2, 4))
+            tr.set_batch(sample_ids=[5, 6])  # a new description with the same ids: a repeat
+            model(torch.randn(2, 4))
+    got = [str(w.message) for w in caught if issubclass(w.category, acs.CaptureWarning)]
+    assert len(got) == 1 and "sample id 5 was recorded more than once (batch 1," in got[0]

@@ -615,6 +615,7 @@ class Tracker:
         self._with_depth = 0  # `with tracker:` blocks entered and not yet left
         self._pending_batch: dict[str, Any] | None = None
         self._batch: dict[str, Any] | None = None
+        self._ids_batch: dict[str, Any] | None = None  # the description the last recorded forward had
         self._n_samples = 0
         self._open_forward: int | None = None  # index of a root forward that started and has not ended
         self._stop_learnt = False  # stop_after_last: the stop point was known when this forward started
@@ -1532,8 +1533,12 @@ class Tracker:
             if mask is None and self.scope.rows == "token":
                 mask = self._core.auto_token_mask
                 mask = mask if mask.dim() == 2 else None
+            # the same set_batch description as the previous forward (sticky): the same samples again
+            again = ids is not None and self._batch is not None and self._batch is self._ids_batch
+            self._ids_batch = self._batch
             lost = self.writer.add_batch(
-                n_samples=n, sample_ids=ids, token_mask=mask, columns=batch.get("columns") or {}
+                n_samples=n, sample_ids=ids, token_mask=mask, columns=batch.get("columns") or {},
+                **({"described_again": True} if again else {}),
             )
             if lost and self._refused is None:  # a refused resume commits nothing
                 self._warn_row_table_lost(lost)

@@ -39,8 +39,10 @@ class ActivationWriter(Protocol):
         ``row_kind`` is ``"sample"`` or ``"token"``."""
 
     def add_batch(self, n_samples: int, sample_ids: Any = None, token_mask: Any = None,
-                  columns: Mapping[str, Any] | None = None) -> None:
-        """The row-table entries of one captured forward."""
+                  columns: Mapping[str, Any] | None = None, described_again: bool = False) -> None:
+        """The row-table entries of one captured forward. ``described_again``: the forward
+        reuses the previous forward's ``set_batch`` description (it is sticky), so its sample
+        ids are those samples again (a generation loop), not ids to check for repeats."""
 
     def maybe_commit(self) -> bool:
         """Commit what is durable when due; True when a commit happened."""

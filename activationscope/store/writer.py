@@ -1431,7 +1431,8 @@ class StoreWriter:
         return self._n_batches
 
     def add_batch(self, n_samples: int, sample_ids: Any = None, token_mask: torch.Tensor | None = None,
-                  columns: Mapping[str, Any] | None = None) -> dict[str, tuple[int, int]]:
+                  columns: Mapping[str, Any] | None = None, described_again: bool = False
+                  ) -> dict[str, tuple[int, int]]:
         """Record one captured forward: its samples, token rows and user columns.
 
         Parameters
@@ -1445,6 +1446,10 @@ class StoreWriter:
         columns : dict, optional
             User columns: per sample (length ``batch``) or per token (``(batch, pos)``
             tensors, taken at the mask).
+        described_again : bool, default False
+            The forward has the previous forward's batch description again (``set_batch``
+            is sticky: a generation loop runs several forwards of the same samples): its
+            ``sample_ids`` are those samples again and are not checked for repeats.
 
         Returns
         -------
@@ -1495,7 +1500,7 @@ class StoreWriter:
                 self._column_types[("sample", "sample_id")] = ids_type
             if sample_ids is None:  # (the batch is checked: its ids are noted now, never for a refused one)
                 self._default_ids(int(ids[0]) if n else 0, n)
-            else:
+            elif not described_again:
                 self._check_ids(ids)
             return self._record(n, sample, token)
 
