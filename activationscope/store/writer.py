@@ -203,23 +203,6 @@ class _SampleIds:
         return repeat
 
 
-def _shard_matches(path: Path, rec: dict) -> bool:
-    """Whether the shard file at ``path`` holds every chunk its manifest record lists (offset,
-    size and crc32c), as written; False for a missing or unreadable file."""
-    try:
-        size = os.path.getsize(path)
-        if size != rec.get("file_bytes"):
-            return False
-        with open(path, "rb") as f:
-            data = f.read(size)
-    except OSError:
-        return False
-    for _slot, off, nb, crc in rec.get("chunks", []):
-        if off + nb > len(data) or F.crc32c(memoryview(data)[off:off + nb]) != crc:
-            return False
-    return True
-
-
 @dataclass
 class _Array:
     hook_point: str
@@ -1155,12 +1138,17 @@ class StoreWriter:
                 if problems:
                     raise V.corrupt(b, "; ".join(problems) + "; nothing was deleted or written")
         self._remove_temp_files()  # the writer killed before this one left them (no array writer of ours yet)
+        found = None
+        if isinstance(b, LocalBackend) and self._old_arrays:
+            from .reader import Store
+
+            found = Store(b)
         for hp, meta in self._old_arrays.items():
             path, n = meta["path"], int(meta["n_rows"])
             shard_rows = int(meta["shard_rows"])
             keep_shards = -(-n // shard_rows)  # shards holding committed rows
-            if isinstance(b, LocalBackend):
-                self._restore_kept_shard(hp, meta)
+            if found is not None:
+                self._restore_kept_shard(found, hp)
             for key in list(b.list(f"{path}/")):
                 rel = key[len(path) + 1:]
                 if rel.endswith(".tmp") or "/.tmp" in rel or rel.split("/")[-1].startswith("shard-"):
@@ -1314,33 +1302,25 @@ class StoreWriter:
                 ) from e
         self._kept_shards.append((path, keep))
 
-    def _restore_kept_shard(self, hook_point: str, meta: dict) -> None:
+    def _restore_kept_shard(self, found: Any, hook_point: str) -> None:
         """Resume of a local store: put back the committed partial last shard an earlier resume
         kept as ``<key>.committed.tmp`` when that resume was killed after renaming its rewrite
-        over the key but before its root document listed it (FORMAT.md section 7): the file the
-        manifest describes (every listed chunk's bytes match its crc32c) is kept at the key."""
-        root = self._backend.root
-        n = int(meta["n_rows"])
-        shard = (n - 1) // int(meta["shard_rows"]) if n > 0 else -1
-        if shard < 0 or n % int(meta["shard_rows"]) == 0:
+        over the key but before its root document listed it (FORMAT.md section 7): the file
+        readers of the found store read for that shard (``Store._shard_file``) is kept at the key.
+        ``found``: a reader of the store as found."""
+        meta = found._meta(hook_point)
+        n, shard_rows = int(meta["n_rows"]), int(meta["shard_rows"])
+        if not n % shard_rows:
             return
-        key = F.shard_key(meta["path"], shard, len(meta["feature_shape"]))
-        kept = root / (key + ".committed.tmp")
-        if not os.path.isfile(kept) or os.path.islink(kept):
-            return
-        man_key = f"{meta['path']}/manifest.json"
-        raw = self._backend.get(man_key, max_bytes=V.MAX_JSON_BYTES)
-        if raw is None:
-            return
-        rec = V.parse_manifest(V.loads_json(raw, store=self._backend, key=man_key), meta, store=self._backend,
-                               key=man_key).get(shard)
-        if rec is None or _shard_matches(root / key, rec) or not _shard_matches(kept, rec):
+        key = found._shard_key(meta, n // shard_rows)
+        chosen = found._shard_file(meta, n // shard_rows)
+        if chosen == key:
             return
         try:
-            os.replace(kept, root / key)
+            os.replace(self._backend.root / chosen, self._backend.root / key)
         except OSError as e:
             raise StoreError(f"cannot resume {str(self._backend)!r}: putting back the committed last shard {key!r} of "
-                             f"hook point {hook_point!r} from {kept} failed: {e.strerror or e}; nothing was deleted. "
+                             f"hook point {hook_point!r} from {chosen} failed: {e.strerror or e}; nothing was deleted. "
                              "Fix permissions in the store's folder, then resume again") from e
 
     def _held_path(self, arr: _Array) -> Path:
