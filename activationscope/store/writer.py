@@ -139,14 +139,19 @@ class _SampleIds:
             if repeat is not None and repeat < 0 and arr.dtype.kind == "u":
                 repeat += 1 << 64  # named as given
         else:
-            repeat = None
-            for v in arr.tolist():
-                if len(self.other) >= self.SET_IDS:
-                    break
-                key = _NAN_ID if isinstance(v, float) and v != v else v  # (NaN is never equal to itself)
-                if key in self.other and repeat is None:
-                    repeat = v
-                self.other.add(key)
+            repeat = self._add_to_set(arr.tolist())
+        return repeat
+
+    def _add_to_set(self, values: list) -> Any:
+        """Record ids kept in the set (up to :attr:`SET_IDS`); returns one seen before, else None."""
+        repeat = None
+        for v in values:
+            if len(self.other) >= self.SET_IDS:
+                break
+            key = _NAN_ID if isinstance(v, float) and v != v else v  # (NaN is never equal to itself)
+            if key in self.other and repeat is None:
+                repeat = v
+            self.other.add(key)
         return repeat
 
     @staticmethod
@@ -194,12 +199,8 @@ class _SampleIds:
                 repeat = int(hit[0])
             self.seen[small] = True
         if len(small) != len(uniq):
-            for v in uniq[(uniq < 0) | (uniq >= self.TABLE_IDS)].tolist():
-                if len(self.other) >= self.SET_IDS:
-                    break
-                if v in self.other and repeat is None:
-                    repeat = v
-                self.other.add(v)
+            past = self._add_to_set(uniq[(uniq < 0) | (uniq >= self.TABLE_IDS)].tolist())
+            repeat = past if repeat is None else repeat
         return repeat
 
 
