@@ -142,6 +142,15 @@ SHARD_TEMP_NAME = re.compile(r"shard-[0-9]+-[0-9]+-[0-9]+\.tmp")
 LINK_TEMP_NAME = re.compile(r"\.[^/]+\.link\.tmp")
 
 
+def fsync_dir(path: str | os.PathLike) -> None:
+    """fsync a directory, so that the renames and creations in it are durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 class LocalBackend:
     """A store in a local directory; ``set`` is atomic (temp file, optional fsync, rename).
 
@@ -401,11 +410,7 @@ class LocalBackend:
                 pass
             raise StoreError(f"writing {str(p)!r} failed: {e.strerror or e}") from e
         if self.fsync:
-            fd = os.open(p.parent, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_dir(p.parent)
 
     def set_if_absent(self, key: str, data: bytes) -> bool:
         """Create ``key`` with ``data`` unless it exists (``O_EXCL``: atomic); True when created."""

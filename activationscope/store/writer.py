@@ -53,7 +53,7 @@ from ..errors import (
 )
 from . import _format as F
 from . import _validate as V
-from ._backend import LocalBackend, check_backend_not_in_store, check_local_store_path, resolve
+from ._backend import LocalBackend, check_backend_not_in_store, check_local_store_path, fsync_dir, resolve
 from ._lock import WriterLock
 
 
@@ -1333,11 +1333,7 @@ class StoreWriter:
         try:
             os.replace(held, held.with_name(held.name[: -len(".resumed.tmp")]))
             if self._backend.fsync:
-                fd = os.open(held.parent, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+                fsync_dir(held.parent)
         except OSError as e:
             raise StoreError(f"store {str(self._backend)!r}: renaming the rewritten last shard {held} of hook point "
                              f"{arr.hook_point!r} to its key failed: {e.strerror or e}; the committed rows are "
