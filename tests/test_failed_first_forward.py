@@ -61,20 +61,12 @@ def test_a_store_with_committed_rows_is_kept(tmp_path):
     assert store.status == "incomplete" and store.n_samples == 8
 
 
-def test_a_resume_whose_first_forward_raised_leaves_the_store_as_found(tmp_path):
+@pytest.mark.parametrize("option", ["resume", "overwrite"])
+def test_a_resume_or_overwrite_whose_first_forward_raised_keeps_the_store_as_found(tmp_path, option):
     path = tmp_path / "s.zarr"
     _run(path, Breaks(at=10), n=2)
     with pytest.raises(ValueError):
-        _run(path, Breaks(at=0), resume=True)
-    store = open_store(path)
-    assert store.status == "complete" and store.n_samples == 8
-
-
-def test_an_overwrite_whose_first_forward_raised_keeps_the_old_store(tmp_path):
-    path = tmp_path / "s.zarr"
-    _run(path, Breaks(at=10), n=2)
-    with pytest.raises(ValueError):
-        _run(path, Breaks(at=0), overwrite=True)
+        _run(path, Breaks(at=0), **{option: True})
     store = open_store(path)
     assert store.status == "complete" and store.n_samples == 8
 

@@ -1288,24 +1288,31 @@ def test_tracking_a_bert_layer_and_its_output_submodule_records_both_without_war
     assert acs.open_store(path).n_samples == 2
 
 
-def test_a_resumed_max_k_capture_counts_the_stored_forwards(tmp_path):
-    # max_k=3, killed after 2 captured forwards: the resume captures 1 more, as one
-    # uninterrupted run would have (it captured 3 more, and the store held 5 forwards)
+def _killed_policy_capture(path, stop_at, **policy):
+    """A capture of 6 forwards of a Linear(4, 4) under a capture policy, into ``path`` (a
+    commit after every forward), stopped by KeyboardInterrupt before forward ``stop_at``.
+    Returns (model, inputs (6, 2, 4), path, scope(**store_options) with the same policy)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4))
     xs = torch.randn(6, 2, 4)
-    path = tmp_path / "k.zarr"
 
     def scope(**options):
-        return acs.ActivationScope(store=path, store_options=options,
-                                   capture_policy=acs.CapturePolicy.MAX_K, max_k=3)
+        return acs.ActivationScope(store=path, store_options=options, **policy)
 
     with pytest.raises(KeyboardInterrupt):
         with torch.no_grad(), scope(commit_interval=0).track(model):
             for i in range(6):
-                if i == 2:
+                if i == stop_at:
                     raise KeyboardInterrupt
                 model(xs[i])
+    return model, xs, path, scope
+
+
+def test_a_resumed_max_k_capture_counts_the_stored_forwards(tmp_path):
+    # max_k=3, killed after 2 captured forwards: the resume captures 1 more, as one
+    # uninterrupted run would have (it captured 3 more, and the store held 5 forwards)
+    model, xs, path, scope = _killed_policy_capture(tmp_path / "k.zarr", 2, capture_policy=acs.CapturePolicy.MAX_K,
+                                                    max_k=3)
     assert acs.open_store(path).n_rows("0.output") == 4
     with torch.no_grad(), scope(resume=True).track(model):
         for i in range(2, 6):
@@ -1325,21 +1332,8 @@ def test_a_resume_of_a_sample_n_capture_is_refused_and_the_store_kept(tmp_path):
     """SAMPLE_N keeps forwards 0, n, 2n, ...; the store records those, not the ones skipped, so
     a resume cannot tell which forward comes next (skipping the committed samples stores other
     samples than an uninterrupted run): refused before anything is written."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
-    xs = torch.randn(6, 2, 4)
-    path = tmp_path / "n.zarr"
-
-    def scope(**options):
-        return acs.ActivationScope(store=path, store_options=options,
-                                   capture_policy=acs.CapturePolicy.SAMPLE_N, sample_every=2)
-
-    with pytest.raises(KeyboardInterrupt):
-        with torch.no_grad(), scope(commit_interval=0).track(model):
-            for i in range(6):
-                if i == 5:
-                    raise KeyboardInterrupt
-                model(xs[i])
+    model, xs, path, scope = _killed_policy_capture(tmp_path / "n.zarr", 5, capture_policy=acs.CapturePolicy.SAMPLE_N,
+                                                    sample_every=2)
     files = {p: p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file() and p.name != ".activationscope-writer.lock"}
     assert acs.open_store(path).n_rows("0.output") == 6  # forwards 0, 2, 4
     with pytest.raises(acs.CaptureError, match=r"cannot resume .* with CapturePolicy.SAMPLE_N \(sample_every=2\): the "

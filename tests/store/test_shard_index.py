@@ -79,6 +79,45 @@ def test_shards_of_many_chunks_take_the_per_chunk_check(tmp_path, monkeypatch):
     assert open_store(path)[HP].equal(data)
 
 
+def _closed_store(path, compression, n_rows=78):
+    """A closed store of ``n_rows`` of 100 random rows of 64 floats (16-row shards of 4-row
+    chunks: its last shard is partial); returns (the 100 rows, the writer options)."""
+    import torch
+
+    from activationscope.store import StoreWriter
+
+    x = torch.randn(100, 64, generator=torch.Generator().manual_seed(1))
+    opts = {"chunk_rows": 4, "shard_rows": 16, "compression": compression}
+    w = StoreWriter(path, **opts)
+    w.open_array(HP, (64,), torch.float32, "sample").append(x[:n_rows])
+    w.add_batch(n_rows)
+    w.close()
+    return x, opts
+
+
+def _killed_after_rename(path, killed, x, opts, start, stop):
+    """Resume the store at ``path`` with rows ``start..stop`` of ``x`` and commit (shard 4's
+    rewrite is written, not yet renamed); copy the store to ``killed`` as a resume killed right
+    after renaming that rewrite over the key, before the manifest and root, leaves it. Returns
+    the resume's writer (still open on ``path``)."""
+    import os
+    import shutil
+
+    import torch
+
+    from activationscope.store import StoreWriter
+
+    w = StoreWriter(path, resume=True, **opts)
+    w.open_array(HP, (64,), torch.float32, "sample").append(x[start:stop])
+    w.add_batch(stop - start)
+    w.commit()
+    held = shard(path, 4).with_name(shard(path, 4).name + ".resumed.tmp")
+    _wait_for(held)
+    shutil.copytree(path, killed, symlinks=True)
+    os.replace(shard(killed, 4).with_name(held.name), shard(killed, 4))  # the rewrite installed, root not written
+    return w
+
+
 def _wait_for(path, timeout=30.0):
     import time
 
@@ -99,12 +138,7 @@ def test_a_running_resume_leaves_the_committed_last_shard_as_it_is_until_its_com
     from activationscope.store import StoreWriter
 
     path = tmp_path / "s.zarr"
-    x = torch.randn(100, 64, generator=torch.Generator().manual_seed(1))
-    opts = {"chunk_rows": 4, "shard_rows": 16, "compression": compression}
-    w = StoreWriter(path, **opts)
-    w.open_array(HP, (64,), torch.float32, "sample").append(x[:78])
-    w.add_batch(78)
-    w.close()
+    x, opts = _closed_store(path, compression)
     w = StoreWriter(path, resume=True, **opts)
     shard4 = shard(path, 4)  # rows 64-79; 78 committed
     before = shard4.read_bytes()
@@ -128,31 +162,15 @@ def test_a_resume_killed_between_installing_its_rewrite_and_its_root_is_put_back
     over its key, and the process died before the root document listed the new rows. The
     committed file is still kept as ``<key>.committed.tmp``, which readers read meanwhile; the next resume puts it back
     (the file whose chunks match the manifest wins) and ends as an uninterrupted run."""
-    import os
-    import shutil
-
     import torch
 
     from activationscope.store import StoreWriter
 
     path, killed = tmp_path / "s.zarr", tmp_path / "killed.zarr"
-    x = torch.randn(100, 64, generator=torch.Generator().manual_seed(1))
-    opts = {"chunk_rows": 4, "shard_rows": 16, "compression": compression}
-    w = StoreWriter(path, **opts)
-    w.open_array(HP, (64,), torch.float32, "sample").append(x[:78])
-    w.add_batch(78)
-    w.close()
+    x, opts = _closed_store(path, compression)
     committed = shard(path, 4).read_bytes()
-    w = StoreWriter(path, resume=True, **opts)
-    w.open_array(HP, (64,), torch.float32, "sample").append(x[78:87])
-    w.add_batch(9)
-    w.commit()
-    held = shard(path, 4).with_name(shard(path, 4).name + ".resumed.tmp")
-    _wait_for(held)
-    shutil.copytree(path, killed, symlinks=True)  # the store as the killed process left it:
-    os.replace(shard(killed, 4).with_name(held.name), shard(killed, 4))  # the rewrite installed, root not written
+    _killed_after_rename(path, killed, x, opts, 78, 87).abort()
     assert shard(killed, 4).with_name(shard(killed, 4).name + ".committed.tmp").read_bytes() == committed
-    w.abort()
     # the installed rewrite does not match the manifest the root points to: readers read the kept file
     assert open_store(killed, verify=True)[HP].equal(x[:78]) and open_store(killed).verify() == []
     StoreWriter(killed, resume=True, **opts).abort()  # a resume opened and stopped at once: the committed file is back
@@ -188,12 +206,7 @@ def test_a_reader_that_read_before_a_resume_verifies_clean_after_its_close(tmp_p
     from activationscope.store import StoreWriter
 
     path = tmp_path / "s.zarr"
-    x = torch.randn(100, 64, generator=torch.Generator().manual_seed(1))
-    opts = {"chunk_rows": 4, "shard_rows": 16, "compression": compression}
-    w = StoreWriter(path, **opts)
-    w.open_array(HP, (64,), torch.float32, "sample").append(x[:78])
-    w.add_batch(78)
-    w.close()
+    x, opts = _closed_store(path, compression)
     before = open_store(path)
     assert before[HP].equal(x[:78])
     w = StoreWriter(path, resume=True, **opts)
@@ -217,12 +230,7 @@ def test_a_reader_that_read_during_a_resume_still_reads_its_rows_after_the_close
     from activationscope.store import StoreWriter
 
     path = tmp_path / "s.zarr"
-    x = torch.randn(100, 64, generator=torch.Generator().manual_seed(1))
-    opts = {"chunk_rows": 4, "shard_rows": 16, "compression": compression}
-    w = StoreWriter(path, **opts)
-    w.open_array(HP, (64,), torch.float32, "sample").append(x[:78])
-    w.add_batch(78)
-    w.close()
+    x, opts = _closed_store(path, compression)
     reader = open_store(path)
     w = StoreWriter(path, resume=True, **opts)
     a = w.open_array(HP, (64,), torch.float32, "sample")
@@ -243,28 +251,8 @@ def test_a_resume_killed_after_its_rename_with_rows_ending_on_a_chunk_boundary_v
     """The committed rows end on a chunk boundary inside the partial last shard: the rewrite
     a killed resume renamed over the key holds every committed chunk unchanged but more bytes
     than the manifest records; readers (verify's file_bytes check too) read the kept file."""
-    import os
-    import shutil
-
-    import torch
-
-    from activationscope.store import StoreWriter
-
     path, killed = tmp_path / "s.zarr", tmp_path / "killed.zarr"
-    x = torch.randn(100, 64, generator=torch.Generator().manual_seed(1))
-    opts = {"chunk_rows": 4, "shard_rows": 16, "compression": compression}
-    w = StoreWriter(path, **opts)
-    w.open_array(HP, (64,), torch.float32, "sample").append(x[:76])
-    w.add_batch(76)
-    w.close()
-    w = StoreWriter(path, resume=True, **opts)
-    w.open_array(HP, (64,), torch.float32, "sample").append(x[76:87])
-    w.add_batch(11)
-    w.commit()
-    held = shard(path, 4).with_name(shard(path, 4).name + ".resumed.tmp")
-    _wait_for(held)
-    shutil.copytree(path, killed, symlinks=True)
-    os.replace(shard(killed, 4).with_name(held.name), shard(killed, 4))  # the rewrite installed, manifest not written
-    w.abort()
+    x, opts = _closed_store(path, compression, n_rows=76)
+    _killed_after_rename(path, killed, x, opts, 76, 87).abort()
     store = open_store(killed, verify=True)
     assert store.verify() == [] and store[HP].equal(x[:76])
