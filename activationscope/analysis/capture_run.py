@@ -187,11 +187,9 @@ def run_capture(
     except BaseException as e:
         # a new store that holds no committed row is removed, so the corrected rerun needs no
         # --overwrite; otherwise it keeps every row committed before the failure
-        from ..capture.scope import REMOVED_NOTE
         from ..store import remove_if_empty
 
-        # (the tracker removes a store it made that holds no row, and says so in a note)
-        gone = any(str(n).startswith(REMOVED_NOTE.split("{")[0]) for n in getattr(e, "__notes__", ()))
+        gone = tracker._store_removed  # (a store it made that holds no row: removed, said in a note)
         e = _token_rows_flag_error(e, token_rows)
         # (--overwrite: the store being replaced is put back by the tracker, and may hold no
         # row either; it is the user's, never removed here)

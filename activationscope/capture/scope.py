@@ -68,10 +68,6 @@ __all__ = [
 ]
 
 
-#: The note a failed capture's exception gets when the store it made, holding no committed
-#: row, was removed (:meth:`Tracker._remove_unused_store`).
-REMOVED_NOTE = "no row was committed, so the new store {path!r} was removed"
-
 
 class StoragePolicy(enum.Enum):
     """Where captured activations are kept.
@@ -616,6 +612,8 @@ class Tracker:
         self._pending_batch: dict[str, Any] | None = None
         self._batch: dict[str, Any] | None = None
         self._ids_batch: dict[str, Any] | None = None  # the description the last recorded forward had
+        # True once a failed capture removed the store it made (it held no committed row)
+        self._store_removed = False
         self._n_samples = 0
         self._open_forward: int | None = None  # index of a root forward that started and has not ended
         self._stop_learnt = False  # stop_after_last: the stop point was known when this forward started
@@ -984,12 +982,13 @@ class Tracker:
     def _remove_unused_store(self, exc: BaseException | None) -> bool:
         """After a failed capture: remove the store when this capture made it and it holds no
         committed row (``remove_if_unused`` of the writer, when it has one), saying so in a
-        note of ``exc``; True when removed."""
+        note of ``exc`` and in ``_store_removed``; True when removed."""
         remove = getattr(self.writer, "remove_if_unused", None)
         if remove is None or not remove():
             return False
+        self._store_removed = True
         if exc is not None:
-            exc.add_note(REMOVED_NOTE.format(path=self.writer.path))
+            exc.add_note(f"no row was committed, so the new store {self.writer.path!r} was removed")
         return True
 
     def _silent_modules(self) -> list[tuple[str, torch.nn.Module]]:
