@@ -56,6 +56,9 @@ _MISSING = 2**64 - 1
 #: Read-ahead of a sequential reader of memory-mapped rows: the next READ_AHEAD_BYTES after a
 #: read are advised (``madvise(MADV_WILLNEED)``), renewed when less than half is left.
 READ_AHEAD_BYTES = 64 << 20
+#: A window found warm (no hint needed) grows by this many read-aheads when the rows after
+#: it are warm too (``Store.will_read``).
+WARM_WINDOW_FACTOR = 3
 _MADV_WILLNEED = 3
 
 
@@ -81,7 +84,18 @@ def _resident(page: int) -> bool:
     return bool(_resident_vec.raw[0] & 1)
 
 
-def _will_need(addr: int, nbytes: int) -> None:
+def _range_resident(addr: int, nbytes: int) -> bool:
+    """Whether the first, middle and last pages of ``[addr, addr + nbytes)`` of a file
+    mapping are in the page cache (three ``mincore`` calls of one page each, about 1 us; a
+    sample, not a guarantee: a page may be evicted at any time)."""
+    page = mmap.PAGESIZE
+    end = addr + nbytes - 1
+    mid = addr + nbytes // 2
+    return (_resident(addr - addr % page) and _resident(end - end % page)
+            and _resident(mid - mid % page))
+
+
+def _will_need(addr: int, nbytes: int) -> bool:
     """Ask the kernel to start reading the pages of ``[addr, addr + nbytes)`` of a file
     mapping (asynchronous; a hint, errors ignored): page faults on them then find the data
     in the page cache instead of waiting for one read-around each.
@@ -90,16 +104,16 @@ def _will_need(addr: int, nbytes: int) -> None:
     store: the common case of a second epoch), no hint is given: ``madvise`` walks every
     page of the range in the page cache, about 0.2 ms per 8 MiB, a tenth of the cost of
     reading those bytes once more. Three ``mincore`` calls of one page each cost about 1 us.
+
+    Returns True when no hint was needed (the range is warm), False otherwise.
     """
     if _madvise is None or nbytes <= 0:
-        return
-    page = mmap.PAGESIZE
-    lo = addr - addr % page
-    end = addr + nbytes - 1
-    mid = addr + nbytes // 2
-    if _resident(lo) and _resident(end - end % page) and _resident(mid - mid % page):
-        return
+        return False
+    if _range_resident(addr, nbytes):
+        return True
+    lo = addr - addr % mmap.PAGESIZE
     _madvise(lo, nbytes + (addr - lo), _MADV_WILLNEED)
+    return False
 
 
 def _read_parquet(raw: bytes) -> Any:
@@ -725,7 +739,10 @@ class Store:
         the disk reads ahead of the consumer instead of one page-fault read-around at a
         time. Costs one ``madvise`` per
         about 8 MiB read when the pages are already cached, and none when the range's pages
-        are already in the page cache. Other arrays: nothing.
+        are already in the page cache; such a warm range also takes in the rows after it
+        that are warm too, up to ``WARM_WINDOW_FACTOR`` more read-aheads (three ``mincore``
+        calls each), so that a sequential reader of a warm store asks a quarter as often.
+        Other arrays: nothing.
         ``ActivationDataset`` calls it for contiguous batches.
 
         Returns
@@ -767,26 +784,47 @@ class Store:
             lo = max(start, until) if forward else start
             hi = min(n, stop + ahead_rows) if (forward or start == 0) else stop
             self._advised[hook_point] = (start, hi)
-        self._advise_rows(meta, lo, hi, row_bytes)
+        warm = self._advise_rows(meta, lo, hi, row_bytes, _will_need)
+        if warm and hi < n:
+            # A warm store (read before: a later epoch): no hint was needed. When the rows
+            # after the window are warm too, they join it, so that a sequential reader comes
+            # back here a quarter as often (each visit costs tens of microseconds of Python
+            # and mincore calls between batches of its consumer).
+            ext = hi
+            for _ in range(WARM_WINDOW_FACTOR):  # one read-ahead at a time, while warm
+                nxt = min(n, ext + ahead_rows)
+                if not self._advise_rows(meta, ext, nxt, row_bytes, _range_resident):
+                    break
+                ext = nxt
+                if ext >= n:
+                    break
+            if ext > hi:
+                with self._lock:
+                    if self._advised.get(hook_point) == (start, hi):
+                        self._advised[hook_point] = (start, ext)
+                hi = ext
         return (start, hi if hi >= n else max(stop, hi - half))
 
-    def _advise_rows(self, meta: dict, lo: int, hi: int, row_bytes: int) -> None:
+    def _advise_rows(self, meta: dict, lo: int, hi: int, row_bytes: int, advise: Any) -> bool:
+        """``advise(addr, nbytes)`` over the mapped bytes of rows ``[lo, hi)`` (one range, or
+        one per shard); True when every call returned True (e.g. :func:`_will_need`: every
+        part was warm), False otherwise or when the rows are not mapped back to back."""
         shard_rows = int(meta["shard_rows"])
         whole = None
         if hi - 1 >= shard_rows:
             whole = self._whole_rows(meta)
         if whole is not None:
-            _will_need(whole.data_ptr() + lo * row_bytes, (hi - lo) * row_bytes)
-            return
-        s = lo
+            return bool(advise(whole.data_ptr() + lo * row_bytes, (hi - lo) * row_bytes))
+        s, ok = lo, True
         while s < hi:
             k = s // shard_rows
             e = min(hi, (k + 1) * shard_rows)
             view = self._mapped_rows(meta, k, s - k * shard_rows, e - s)
             if view is None:
-                return
-            _will_need(view.data_ptr(), (e - s) * row_bytes)
+                return False
+            ok = bool(advise(view.data_ptr(), (e - s) * row_bytes)) and ok
             s = e
+        return ok
 
     def compressed_array(self, hook_point: str) -> tuple[Any, int, torch.dtype] | None:
         """``(zarr array, chunk_rows, torch dtype)`` of an array read by decoding chunks

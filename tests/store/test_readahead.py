@@ -119,3 +119,47 @@ def test_will_read_is_a_no_op_for_compressed_arrays_and_clips_ranges(tmp_path):
     store.will_read("x", -5, 10_000)
     store.will_read("x", 200, 100)
     assert torch.equal(store["x"], t)
+
+
+def _warm_store(tmp_path, monkeypatch, n_rows=16384):
+    monkeypatch.setattr(reader, "READ_AHEAD_BYTES", 1 << 20)  # 1024 rows of 1 KiB
+    t = torch.randn(n_rows, 256)
+    path = tmp_path / "w.zarr"
+    _write(path, t, shard_bytes=1 << 20)
+    store = open_store(path)
+    return t, store
+
+
+def test_a_warm_window_grows_by_the_warm_rows_after_it(tmp_path, monkeypatch):
+    t, store = _warm_store(tmp_path, monkeypatch)
+    monkeypatch.setattr(reader, "_resident", lambda page: True)  # every page in the page cache
+    # rows 0-256 and one read-ahead (1024 rows) after them, then three more read-aheads,
+    # less half a read-ahead (where the next hint is due)
+    assert store.will_read("x", 0, 256) == (0, 256 + 4 * 1024 - 512)
+    assert store.will_read("x", 256, 512) == (256, 256 + 4 * 1024 - 512)  # inside it: nothing to do
+
+
+def test_a_warm_window_stops_at_the_first_cold_read_ahead(tmp_path, monkeypatch):
+    t, store = _warm_store(tmp_path, monkeypatch)
+    base = store["x"].data_ptr()
+    cold_from = base + (256 + 2 * 1024) * 1024  # rows from 2304 on are not in the page cache
+    monkeypatch.setattr(reader, "_resident", lambda page: page < cold_from)
+    assert store.will_read("x", 0, 256) == (0, 256 + 2 * 1024 - 512)
+
+
+def test_a_cold_window_does_not_grow(tmp_path, monkeypatch):
+    t, store = _warm_store(tmp_path, monkeypatch)
+    advised = []
+    monkeypatch.setattr(reader, "_madvise", lambda addr, n, advice: advised.append(n) or 0)
+    monkeypatch.setattr(reader, "_resident", lambda page: False)
+    assert store.will_read("x", 0, 256) == (0, 256 + 1024 - 512)
+    assert advised == [(256 + 1024) * 1024]
+
+
+def test_a_warm_window_ends_at_the_last_row(tmp_path, monkeypatch):
+    t, store = _warm_store(tmp_path, monkeypatch, n_rows=2048)
+    monkeypatch.setattr(reader, "_resident", lambda page: True)
+    assert store.will_read("x", 0, 256) == (0, 2048)
+    ds = ActivationDataset(store)
+    got = torch.cat([b["x"] for b in (ds.get_batch(range(s, min(2048, s + 256))) for s in range(0, 2048, 256))])
+    assert torch.equal(got, t)
