@@ -467,8 +467,9 @@ ORDERS = ("sequential", "shuffled", "chunk_shuffled")
 WORKERS = (0, 2)
 OPTIONAL_DATASETS = {"hf"}
 #: rounds of the side-by-side read-back modes by worker count (an epoch with workers is
-#: mostly their start-up: ten times as long, and noisier)
-SIDE_BY_SIDE_ROUNDS = {0: 15, 2: 9}
+#: mostly their start-up: ten times as long, and noisier; an epoch without workers takes
+#: about 50 ms and two of them differ by up to 20 %: 45 rounds)
+SIDE_BY_SIDE_ROUNDS = {0: 45, 2: 9}
 
 register_workload(WorkloadSpec(
     "readback", "data", None,
