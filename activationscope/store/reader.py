@@ -784,7 +784,10 @@ class Store:
             lo = max(start, until) if forward else start
             hi = min(n, stop + ahead_rows) if (forward or start == 0) else stop
             self._advised[hook_point] = (start, hi)
-        warm = self._advise_rows(meta, lo, hi, row_bytes, _will_need)
+        # A hint: a shard it cannot map (missing, damaged, replaced) is not an error here. The
+        # read-ahead lies past the rows asked for, which may never be read (a dataset of some
+        # rows); the read of rows of such a shard raises, naming it.
+        warm = self._advise_quietly(meta, lo, hi, row_bytes, _will_need)
         if warm and hi < n:
             # A warm store (read before: a later epoch): no hint was needed. When the rows
             # after the window are warm too, they join it, so that a sequential reader comes
@@ -793,7 +796,7 @@ class Store:
             ext = hi
             for _ in range(WARM_WINDOW_FACTOR):  # one read-ahead at a time, while warm
                 nxt = min(n, ext + ahead_rows)
-                if not self._advise_rows(meta, ext, nxt, row_bytes, _range_resident):
+                if not self._advise_quietly(meta, ext, nxt, row_bytes, _range_resident):
                     break
                 ext = nxt
                 if ext >= n:
@@ -804,6 +807,13 @@ class Store:
                         self._advised[hook_point] = (start, ext)
                 hi = ext
         return (start, hi if hi >= n else max(stop, hi - half))
+
+    def _advise_quietly(self, meta: dict, lo: int, hi: int, row_bytes: int, advise: Any) -> bool:
+        """:meth:`_advise_rows`, False instead of the error of rows that cannot be mapped."""
+        try:
+            return self._advise_rows(meta, lo, hi, row_bytes, advise)
+        except OSError:  # (StoreError and StoreCorruptError among them)
+            return False
 
     def _advise_rows(self, meta: dict, lo: int, hi: int, row_bytes: int, advise: Any) -> bool:
         """``advise(addr, nbytes)`` over the mapped bytes of rows ``[lo, hi)`` (one range, or

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from activationscope.data import ActivationDataset, SequentialBatchSampler
+from activationscope.errors import StoreCorruptError
 from activationscope.store import StoreWriter, open_store
 from activationscope.store import reader
 from benchmark import pagecache
@@ -163,3 +164,36 @@ def test_a_warm_window_ends_at_the_last_row(tmp_path, monkeypatch):
     ds = ActivationDataset(store)
     got = torch.cat([b["x"] for b in (ds.get_batch(range(s, min(2048, s + 256))) for s in range(0, 2048, 256))])
     assert torch.equal(got, t)
+
+
+def _damage(path, shard: int, how: str) -> None:
+    f = path / "acts" / "x" / "c" / str(shard) / "0"
+    if how == "missing":
+        f.unlink()
+    else:  # one bit of the shard index
+        raw = bytearray(f.read_bytes())
+        raw[-1] ^= 0x01
+        f.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("how", ["missing", "index"])
+@pytest.mark.parametrize("shard", [1, 3])  # in the first read-ahead; in the warm rows after it
+def test_a_damaged_shard_after_the_rows_read_does_not_fail_their_reads(tmp_path, monkeypatch, shard, how):
+    """The read-ahead (and the warm rows a window takes in) lie past the rows read: a hint
+    for them must not raise for a shard the reader does not read (shards of 9 rows, not
+    page-aligned: each mapped alone, as the hint reaches it)."""
+    monkeypatch.setattr(reader, "READ_AHEAD_BYTES", 9 * 64)  # one shard of 9 rows of 64 bytes
+    monkeypatch.setattr(reader, "_resident", lambda page: True)  # a warm store
+    t = torch.randn(90, 16)
+    path = tmp_path / "d.zarr"
+    _write(path, t, chunk_rows=3, shard_rows=9)
+    _damage(path, shard, how)
+    store = open_store(path)
+    lo, hi = store.will_read("x", 0, 3)
+    assert lo == 0 and hi >= 3
+    ds = ActivationDataset(store, rows=range(0, 9))
+    for _epoch in range(2):
+        got = torch.cat([ds.__getitems__(range(a, a + 3)).data["x"] for a in range(0, 9, 3)])
+        assert torch.equal(got, t[:9])
+    with pytest.raises(StoreCorruptError):  # the damaged rows themselves still say so
+        store.rows("x", 9 * shard, 9 * shard + 1)
