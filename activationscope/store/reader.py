@@ -366,6 +366,9 @@ class Store:
             self._checked.clear()
             self._cache.clear()
             self._cached = 0
+            # the rows hinted so far were of the old commit's files: another run in its place,
+            # or a last shard a resume rewrote (a new file), whose pages were never hinted
+            self._advised.clear()
 
     def _refuse_node_of_a_store(self, raw: bytes | None) -> None:
         """Raise :class:`StoreError` naming the store to open when this local path, which holds

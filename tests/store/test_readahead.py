@@ -197,3 +197,26 @@ def test_a_damaged_shard_after_the_rows_read_does_not_fail_their_reads(tmp_path,
         assert torch.equal(got, t[:9])
     with pytest.raises(StoreCorruptError):  # the damaged rows themselves still say so
         store.rows("x", 9 * shard, 9 * shard + 1)
+
+
+def test_a_refresh_forgets_the_rows_hinted_before_it(tmp_path, monkeypatch):
+    """After another run was written in the store's place and the store refreshed, the rows
+    hinted for the old run are not taken as hinted: the range a hint returns ends at the new
+    run's last row, and the new run's (cold) rows are hinted."""
+    monkeypatch.setattr(reader, "READ_AHEAD_BYTES", 64 << 10)  # 64 rows of 1 KiB
+    path = tmp_path / "o.zarr"
+    _write(path, torch.randn(3000, 256))
+    store = open_store(path)
+    assert store.will_read("x", 0, 3000) == (0, 3000)  # (a reader of every row)
+    _write(path, torch.randn(100, 256), overwrite=True)
+    store.refresh()
+    lo, hi = store.will_read("x", 0, 10)
+    assert lo == 0 and 10 <= hi <= 100
+    _write(path, torch.randn(5000, 256), overwrite=True)
+    store.refresh()
+    advised = []
+    monkeypatch.setattr(reader, "_madvise", lambda addr, n, advice: advised.append(n) or 0)
+    monkeypatch.setattr(reader, "_resident", lambda page: False)  # the new run's files: cold
+    lo, hi = store.will_read("x", 0, 10)
+    assert advised and advised[0] >= 10 * 1024
+    assert lo == 0 and 10 <= hi <= 5000
