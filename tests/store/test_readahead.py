@@ -220,3 +220,43 @@ def test_a_refresh_forgets_the_rows_hinted_before_it(tmp_path, monkeypatch):
     lo, hi = store.will_read("x", 0, 10)
     assert advised and advised[0] >= 10 * 1024
     assert lo == 0 and 10 <= hi <= 5000
+
+
+@pytest.mark.parametrize("layout", [dict(chunk_rows=4, shard_rows=16), dict(chunk_rows=3, shard_rows=9)])
+def test_warm_windows_of_a_dataset_of_some_rows_of_a_growing_store(tmp_path, monkeypatch, layout):
+    """Sequential batches sliced from warm windows (one read-ahead of 5 rows, three more
+    taken in) hold the dataset's rows and no others: not past its last row, nor past the
+    rows committed when it was made, before and after the store grows and is refreshed."""
+    monkeypatch.setattr(reader, "READ_AHEAD_BYTES", 5 * 64)
+    monkeypatch.setattr(reader, "_resident", lambda page: True)
+    t = torch.randn(200, 16)
+    path = tmp_path / "g.zarr"
+
+    def append(first, stop, **options):
+        w = StoreWriter(path, capture_config={}, model=None, storage_dtype=None, **layout, **options)
+        w.open_array("x", (16,), torch.float32, "sample").append(t[first:stop])
+        w.add_batch(stop - first, list(range(first, stop)), None, {})
+        w.close()
+
+    append(0, 70)
+    store = open_store(path)
+
+    def epoch(ds, bs):
+        return torch.cat([ds.__getitems__(range(a, min(len(ds), a + bs))).data["x"].clone()
+                          for a in range(0, len(ds), bs)])
+
+    some, every = ActivationDataset(store, rows=range(5, 61)), ActivationDataset(store)
+    for bs in (3, 7, 3):
+        assert torch.equal(epoch(some, bs), t[5:61]) and torch.equal(epoch(every, bs), t[:70])
+    some.__getitems__(range(50, 53))
+    for a, b in [(54, 57), (55, 57), (53, 58)]:  # the window holds rows after its last: not its
+        with pytest.raises(IndexError):
+            some.__getitems__(range(a, b))
+    append(70, 200, resume=True)
+    assert torch.equal(epoch(every, 4), t[:70])  # not refreshed: the rows it was made with
+    store.refresh()
+    grown = ActivationDataset(store, rows=range(60, 190))
+    for bs in (3, 11):
+        assert torch.equal(epoch(every, bs), t[:70]) and torch.equal(epoch(some, bs), t[5:61])
+        assert torch.equal(epoch(grown, bs), t[60:190])
+        assert torch.equal(epoch(ActivationDataset(store), bs), t)
