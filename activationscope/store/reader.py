@@ -785,13 +785,14 @@ class Store:
                 self._advised[hook_point] = (start, until)
                 return (start, until if until >= n else until - half)  # already advised
             lo = max(start, until) if forward else start
-            hi = min(n, stop + ahead_rows) if (forward or start == 0) else stop
+            ahead = forward or start == 0  # a reader moving forward: read ahead of it
+            hi = min(n, stop + ahead_rows) if ahead else stop
             self._advised[hook_point] = (start, hi)
         # A hint: a shard it cannot map (missing, damaged, replaced) is not an error here. The
         # read-ahead lies past the rows asked for, which may never be read (a dataset of some
         # rows); the read of rows of such a shard raises, naming it.
         warm = self._advise_quietly(meta, lo, hi, row_bytes, _will_need)
-        if warm and hi < n:
+        if warm and ahead and hi < n:
             # A warm store (read before: a later epoch): no hint was needed. When the rows
             # after the window are warm too, they join it, so that a sequential reader comes
             # back here a quarter as often (each visit costs tens of microseconds of Python

@@ -140,6 +140,14 @@ def test_a_warm_window_grows_by_the_warm_rows_after_it(tmp_path, monkeypatch):
     assert store.will_read("x", 256, 512) == (256, 256 + 4 * 1024 - 512)  # inside it: nothing to do
 
 
+def test_a_jump_on_a_warm_store_does_not_grow_a_window(tmp_path, monkeypatch):
+    t, store = _warm_store(tmp_path, monkeypatch)
+    probed = []
+    monkeypatch.setattr(reader, "_resident", lambda page: probed.append(page) or True)
+    assert store.will_read("x", 6000, 6016) == (6000, 6016)  # a jump: just its rows, as on a cold store
+    assert len(probed) == 3  # the rows themselves only: no read-ahead after them is probed
+
+
 def test_a_warm_window_stops_at_the_first_cold_read_ahead(tmp_path, monkeypatch):
     t, store = _warm_store(tmp_path, monkeypatch)
     base = store["x"].data_ptr()
