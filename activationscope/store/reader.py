@@ -800,11 +800,9 @@ class Store:
             ext = hi
             for _ in range(WARM_WINDOW_FACTOR):  # one read-ahead at a time, while warm
                 nxt = min(n, ext + ahead_rows)
-                if not self._advise_quietly(meta, ext, nxt, row_bytes, _range_resident):
+                if ext >= n or not self._advise_quietly(meta, ext, nxt, row_bytes, _range_resident):
                     break
                 ext = nxt
-                if ext >= n:
-                    break
             if ext > hi:
                 with self._lock:
                     if self._advised.get(hook_point) == (start, hi):
