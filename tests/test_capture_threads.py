@@ -5,6 +5,7 @@ leaves names and counts intact. Reference: the modules called in plain PyTorch."
 from __future__ import annotations
 
 import threading
+import time
 import warnings
 
 import pytest
@@ -94,6 +95,35 @@ def test_threads_calling_tracked_submodules_outside_a_forward_are_exact(n_thread
     ptrs = [r.data_ptr() for r in recs]
     assert len(set(ptrs)) == len(ptrs)
     assert all(r.untyped_storage().nbytes() == r.nbytes for r in recs)
+
+
+@pytest.mark.parametrize("n_threads", [2, 4])
+def test_threads_meeting_a_new_hook_point_at_once_share_one_sink(n_threads):
+    # every thread calls the tracked submodule for the first time at once: each finds no sink
+    # for its hook point and asks the tracker for one; the tracker's callback runs Python, so
+    # the threads interleave inside it. The records of all of them must land in the sink the
+    # tracker lists (here the callback is slowed down so that they always interleave).
+    m = _mlp(32)
+    inputs = {i: [torch.randn(4, 32) for _ in range(3)] for i in range(n_threads)}
+    barrier = threading.Barrier(n_threads)
+
+    def work(i):
+        barrier.wait()
+        for x in inputs[i]:
+            m[0](x)
+
+    with torch.no_grad(), ActivationScope().track(m, include=["0"]) as t:
+        made = t._core.on_new_hook_point
+
+        def slow(name, tensor):
+            time.sleep(0.05)  # releases the GIL: another thread enters meanwhile
+            return made(name, tensor)
+
+        t._core.on_new_hook_point = slow
+        assert _run_threads(work, n_threads) == []
+    recs = t.activations["0.output"]
+    with torch.no_grad():
+        _assert_same_multiset(recs, [m[0](x) for xs in inputs.values() for x in xs])
 
 
 def test_concurrent_forwards_into_a_store_keep_it_consistent(tmp_path):

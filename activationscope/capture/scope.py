@@ -595,6 +595,7 @@ class Tracker:
         self.stop_after_last = bool(stop_after_last)
         self._arena = _C.Arena()
         self._sinks: dict[str, Any] = {}
+        self._new_hook_point_lock = threading.RLock()
         self._reduction_names: dict[str, list[str]] = {}
         self._reduction_objects: dict[str, list[Any]] = {}
         self._reduction_base: dict[str, int] = {}  # resume: committed rows the reductions started from
@@ -1120,9 +1121,18 @@ class Tracker:
 
     # ------------------------------------------------------------------ callbacks (cold path)
     def _on_new_hook_point(self, name: str, tensor: torch.Tensor) -> Any:
-        name = rename_hook_point(name, self._hook_point_paths, self._side)
-        if name is None:  # a HookPoint's input, already captured as its output
-            return None
+        # Called by the native wrapper for a name it has no sink for yet. Tracked modules
+        # called on their own from several threads at once can ask for the same name together
+        # (this callback runs Python, so they interleave in it): one sink per name, made once,
+        # or the records of one thread would go to a sink the tracker does not list.
+        with self._new_hook_point_lock:
+            renamed = rename_hook_point(name, self._hook_point_paths, self._side)
+            if renamed is None:  # a HookPoint's input, already captured as its output
+                return None
+            made = self._sinks.get(renamed)
+            return made if made is not None else self._new_sink(renamed, tensor)
+
+    def _new_sink(self, name: str, tensor: torch.Tensor) -> Any:
         if self._stored is not None and name not in self._stored:
             self._refuse([], [name])
         if self.writer is not None and self._n_captured > 0 and name not in self._intermittent:
