@@ -211,3 +211,79 @@ def test_warning_turned_error_in_the_start_callback():
     assert t.n_forwards == 3  # the failed one and the two whole ones; not the refused one
     assert len(t.activations["lin.output"]) == 3
     torch.testing.assert_close(t.activations["lin.output"][-1], m.lin(x), rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------- reads and closes under threads
+
+
+@pytest.mark.parametrize("op", ["activations", "reductions", "clear"])
+def test_reading_or_clearing_while_a_thread_meets_a_new_hook_point(op):
+    # tracker.activations / .reductions / .clear() go over the tracker's hook points while
+    # another thread's call adds one: they must not fail ("dictionary changed size during
+    # iteration"); they see the hook points before or after the new one, each whole.
+    m = _mlp(8)
+    x, y = torch.randn(2, 8), torch.randn(3, 8)
+    entered, inserted = threading.Event(), threading.Event()
+
+    class PausingDict(dict):  # the reader pauses inside its iteration until the writer went on
+        def _pause(self, it):
+            yield next(it)
+            if not entered.is_set():
+                entered.set()
+                inserted.wait(0.3)
+            yield from it
+
+        def items(self):
+            return self._pause(iter(dict.items(self)))
+
+        def values(self):
+            return self._pause(iter(dict.values(self)))
+
+    with torch.no_grad(), ActivationScope(reductions=["mean"]).track(m, include=["0", "1", "2"]) as t:
+        m[0](x)
+        m[2](x)
+        made = t._core.on_new_hook_point
+
+        def slow(name, tensor):  # '1.output', new in the forward of the writer thread
+            entered.wait(2)
+            try:
+                return made(name, tensor)
+            finally:
+                inserted.set()
+
+        t._core.on_new_hook_point = slow
+        for attr in ("_sinks", "_reduction_names"):
+            setattr(t, attr, PausingDict(getattr(t, attr)))
+        reads = []
+
+        def read(i):
+            reads.append(getattr(t, op)() if op == "clear" else getattr(t, op))
+
+        writer = threading.Thread(target=lambda: m(y))
+        writer.start()
+        errors = _run_threads(read, 1)
+        writer.join()
+    assert errors == []
+    acts = t.activations
+    with torch.no_grad():
+        # (the writer's forward captured module 0 before it met '1.output')
+        # (records are read as they are when each hook point is read: the writer may have gone
+        # on to module 2 meanwhile)
+        both = [m[0](x), m[0](y)]
+        if op == "activations":
+            assert sorted(reads[0]) == ["0.output", "2.output"]
+            _assert_same_multiset(reads[0]["0.output"], both)
+            torch.testing.assert_close(reads[0]["2.output"][0], m[2](x), rtol=0, atol=0)
+            assert len(reads[0]["2.output"]) in (1, 2)
+        if op == "reductions":
+            torch.testing.assert_close(reads[0]["0.output"]["mean"], torch.cat(both).double().mean(0))
+        if op == "clear":  # cleared while the writer was at module 1: its later records may be kept
+            assert acts["0.output"] == []
+            assert len(acts["2.output"]) <= 1
+            if acts["2.output"]:
+                torch.testing.assert_close(acts["2.output"][0], m(y), rtol=0, atol=0)
+        else:
+            _assert_same_multiset(acts["0.output"], both)
+            assert len(acts["2.output"]) == 2
+        torch.testing.assert_close(acts["1.output"][0], m[1](m[0](y)), rtol=0, atol=0)
+        torch.testing.assert_close(t.reductions["1.output"]["mean"], m[1](m[0](y)).double().mean(0))

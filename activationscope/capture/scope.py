@@ -1038,7 +1038,9 @@ class Tracker:
 
     def clear(self) -> None:
         """Drop every in-memory record (reductions are kept)."""
-        for sink in self._sinks.values():
+        with self._new_hook_point_lock:  # (another thread capturing may add a hook point meanwhile)
+            sinks = list(self._sinks.values())
+        for sink in sinks:
             sink.clear_records()
         self._arena.reset()
 
@@ -1714,8 +1716,10 @@ class Tracker:
         """
         if self._reference_mode:
             self._warn_changed(all_records=True)
-        out = {name: sink.records() for name, sink in self._sinks.items()}
-        for name, target in self._aliases.items():  # kept once: the same tensors
+        with self._new_hook_point_lock:  # (another thread capturing may add a hook point meanwhile)
+            sinks, aliases = list(self._sinks.items()), list(self._aliases.items())
+        out = {name: sink.records() for name, sink in sinks}
+        for name, target in aliases:  # kept once: the same tensors
             out[name] = out[target]
         return out
 
@@ -1760,11 +1764,13 @@ class Tracker:
             Indexing a hook point that has no reductions (the message lists those that do).
         """
         out: dict[str, dict[str, torch.Tensor]] = HookPointResults("reductions")
-        for name, names in self._reduction_names.items():
+        with self._new_hook_point_lock:  # (another thread capturing may add a hook point meanwhile)
+            reductions = [(name, names, self._reduction_objects[name]) for name, names in self._reduction_names.items()]
+        for name, names, objects in reductions:
             if not names:
                 continue
             out[name] = ReductionResults(name)
-            for red_name, red in zip(names, self._reduction_objects[name]):
+            for red_name, red in zip(names, objects):
                 out[name].update(_flatten_result(red_name, red))
         return out
 
