@@ -319,7 +319,7 @@ void bind_capture(py::module_& m) {
            py::call_guard<ReleaseGil>())
       .def("records", &Sink::records, py::call_guard<ReleaseGil>())
       .def("clear_records", &Sink::clear_records, py::call_guard<ReleaseGil>())
-      .def("reference_changed", &Sink::reference_changed, py::arg("all") = false)
+      .def("reference_changed", &Sink::reference_changed, py::arg("all") = false, py::call_guard<ReleaseGil>())
       .def("add_reduction", &Sink::add_reduction)
       .def_property_readonly("reductions", &Sink::reductions)
       .def("set_writer", &Sink::set_writer)
@@ -328,8 +328,10 @@ void bind_capture(py::module_& m) {
       .def_property_readonly("n_rows", &Sink::n_rows)
       .def_property_readonly("n_calls", &Sink::n_calls)
       .def("set_row_base", &Sink::set_row_base, py::arg("base"))
-      .def("set_alias_of", &Sink::set_alias_of, py::arg("target"))
-      .def("watch_aliases", &Sink::watch_aliases, py::arg("on"))
+      // (these take sink locks, which a capturing thread may hold while it waits for the GIL in
+      // a Python reduction: they release the GIL first)
+      .def("set_alias_of", &Sink::set_alias_of, py::arg("target"), py::call_guard<ReleaseGil>())
+      .def("watch_aliases", &Sink::watch_aliases, py::arg("on"), py::call_guard<ReleaseGil>())
       .def("matches_last", &Sink::matches_last, py::arg("x"), py::call_guard<ReleaseGil>())
       .def_property_readonly("feature_shape", &Sink::feature_shape);
 
@@ -397,9 +399,13 @@ void bind_capture(py::module_& m) {
       .def("changed_references",
            [](TrackerCore& c, bool all) {
              // Hook points whose REFERENCE records were changed in place since capture.
-             std::vector<std::string> names;
+             std::vector<std::pair<std::string, std::shared_ptr<Sink>>> sinks;
              for (const auto& kv : c.sinks)
-               if (kv.second && kv.second->reference_changed(all)) names.push_back(kv.first);
+               if (kv.second) sinks.emplace_back(kv.first, kv.second);
+             std::vector<std::string> names;
+             ReleaseGil nogil;  // (sink locks: see watch_aliases)
+             for (const auto& [name, sink] : sinks)
+               if (sink->reference_changed(all)) names.push_back(name);
              return names;
            },
            py::arg("all") = false)

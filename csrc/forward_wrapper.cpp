@@ -424,8 +424,17 @@ std::shared_ptr<Sink> ForwardWrapper::resolve(TrackerCore& core, const std::stri
   if (it == core.sinks.end()) {
     py::object made = call_outside_dynamo(core.on_new_hook_point, py::make_tuple(name, t));
     std::shared_ptr<Sink> sink = made.is_none() ? nullptr : made.cast<std::shared_ptr<Sink>>();
+    // The callback ran Python: another thread may have resolved the name meanwhile (the
+    // tracker's callback then gave it the same sink).
+    it = core.sinks.find(name);
+    if (it != core.sinks.end()) return it->second;
     if (sink) {
-      sink->attach_tally(core.alias_tally);
+      {
+        // (the sink may already be another thread's: its lock is taken without the GIL, which
+        // a thread holding that lock may be waiting for in a Python reduction)
+        ReleaseGil nogil;
+        sink->attach_tally(core.alias_tally);
+      }
       core.alias_scan_needed = true;
     }
     it = core.sinks.emplace(name, std::move(sink)).first;

@@ -287,3 +287,42 @@ def test_reading_or_clearing_while_a_thread_meets_a_new_hook_point(op):
             assert len(acts["2.output"]) == 2
         torch.testing.assert_close(acts["1.output"][0], m[1](m[0](y)), rtol=0, atol=0)
         torch.testing.assert_close(t.reductions["1.output"]["mean"], m[1](m[0](y)).double().mean(0))
+
+
+_DEADLOCK_SCRIPT = r"""
+import threading, time, warnings
+import torch
+from activationscope import ActivationScope
+warnings.simplefilter("ignore")
+torch.manual_seed(0)
+m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
+entered = threading.Event()
+def slow_sum(acc, x):  # not TorchScript (threading): an eager Python reduction
+    if threading.current_thread().name == "outside":
+        entered.set()
+        time.sleep(0.2)  # the GIL goes to the main thread, the sink's lock stays held
+    s = x.sum(0)
+    return s if acc is None else acc + s
+x, y = torch.randn(2, 4), torch.randn(3, 4)
+with torch.no_grad(), ActivationScope(reductions={"0.output": [slow_sum]}).track(m, include=["0"]) as t:
+    th = threading.Thread(target=lambda: m[0](y), name="outside")
+    th.start()
+    entered.wait(5)
+    m(x)  # its start stops watching '0.output' (first seen since the last forward): the sink's lock
+    th.join()
+with torch.no_grad():
+    ref = m[0](y).sum(0) + m[0](x).sum(0)
+torch.testing.assert_close(t.reductions["0.output"]["slow_sum"], ref)
+print("OK")
+"""
+
+
+def test_python_reduction_in_an_outside_call_does_not_deadlock_a_root_forward():
+    # a thread's outside call runs an eager (Python) reduction: it holds its hook point's sink
+    # lock and takes the GIL in turn; a root forward started meanwhile by another thread took
+    # that lock with the GIL held, and both waited for ever
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _DEADLOCK_SCRIPT], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stderr[-2000:]
