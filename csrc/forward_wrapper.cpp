@@ -211,7 +211,6 @@ void ForwardWrapper::check_one_thread() const {
 // decision, batch size, token mask and the start callback. A callback that raises leaves the
 // forward uncounted.
 void ForwardWrapper::start_forward(TrackerCore& c, const at::Tensor& first) {
-  c.owner = std::this_thread::get_id();
   c.capturing = c.decide(c.n_forwards);
   c.batch_size = first.defined() ? first.size(0) : -1;
   c.second_dim = first.defined() && first.dim() >= 2 ? first.size(1) : -1;
@@ -273,7 +272,9 @@ py::object ForwardWrapper::call(py::args args, py::kwargs kwargs) {
   check_one_thread();
   // Root bookkeeping (forward boundaries) for every tracker rooted here. The guard exists
   // before any increment, so a start callback that raises leaves depth (and the #k names
-  // of later forwards) intact, and a forward that never ran is not counted.
+  // of later forwards) intact, and a forward that never ran is not counted. Depth and owner
+  // are set for every tracker before any Python runs (the start callback, the model's input
+  // read): another thread entering meanwhile is refused by check_one_thread.
   std::vector<Site*> roots;
   struct RootGuard {
     std::vector<Site*>& roots;
@@ -287,16 +288,22 @@ py::object ForwardWrapper::call(py::args args, py::kwargs kwargs) {
       }
     }
   } guard{roots};
+  std::vector<TrackerCore*> starting;
   for (auto& s : sites_) {
     if (s->is_root && s->core->active) {
       TrackerCore& c = *s->core;
       const bool outer = c.depth++ == 0;
       roots.push_back(s.get());
       if (outer) {
+        c.owner = std::this_thread::get_id();
         t_open_roots.push_back(&c);
-        start_forward(c, root_first_input(args, kwargs));
+        starting.push_back(&c);
       }
     }
+  }
+  if (!starting.empty()) {
+    const at::Tensor first = root_first_input(args, kwargs);
+    for (TrackerCore* c : starting) start_forward(*c, first);
   }
 
   // Which sites capture this call, and under which names.
@@ -524,7 +531,10 @@ void ForwardWrapper::op_begin(at::TensorList leaves, const std::vector<std::stri
       const bool outer = c.depth++ == 0;
       ++c.op_depth;
       f.roots.push_back(s->core);
-      if (outer) start_forward(c, first);
+      if (outer) {
+        c.owner = std::this_thread::get_id();
+        start_forward(c, first);
+      }
     }
   } catch (...) {
     for (auto& c : f.roots) {

@@ -289,6 +289,58 @@ def test_reading_or_clearing_while_a_thread_meets_a_new_hook_point(op):
         torch.testing.assert_close(t.reductions["1.output"]["mean"], m[1](m[0](y)).double().mean(0))
 
 
+def test_root_forward_of_a_second_thread_while_the_first_reads_its_input():
+    # the first thread's root forward reads its input (Python code: the thread can switch
+    # there): a second thread's root forward started then is refused, never nested into it
+    m = _mlp(8)
+    x, y = torch.randn(2, 8), torch.randn(3, 8)
+    reading, second_done, first_done = threading.Event(), threading.Event(), threading.Event()
+
+    class Batch(list):  # a list whose attribute lookups run Python (as a user's batch type can)
+        def __getattr__(self, name):
+            if threading.current_thread() is threading.main_thread():
+                reading.set()
+                second_done.wait(2)
+            raise AttributeError(name)
+
+    errors = []
+
+    def second():
+        root(Batch([y]))  # this thread runs the last forward before the main thread's
+        first_done.set()
+        reading.wait(2)
+        try:
+            root(Batch([y]))
+        except CaptureError as e:
+            errors.append(e)
+        finally:
+            second_done.set()
+
+    class Takes(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = m
+
+        def forward(self, batch):
+            return self.body(batch[0])
+
+    root = Takes()
+    with torch.no_grad(), ActivationScope().track(root) as t:
+        th = threading.Thread(target=second)
+        th.start()
+        first_done.wait(2)
+        out = root(Batch([x]))
+        th.join()
+    assert len(errors) == 1 and "called from one thread while the tracked model runs a forward" in str(errors[0])
+    acts = t.activations
+    assert sorted(acts) == ["body.0.output", "body.1.output", "body.2.output", "body.output"]
+    with torch.no_grad():
+        torch.testing.assert_close(acts["body.output"][0], m(y), rtol=0, atol=0)
+        torch.testing.assert_close(acts["body.output"][1], m(x), rtol=0, atol=0)
+        torch.testing.assert_close(out, m(x), rtol=0, atol=0)
+    assert t.n_forwards == 2 and all(len(v) == 2 for v in acts.values())
+
+
 _DEADLOCK_SCRIPT = r"""
 import threading, time, warnings
 import torch
