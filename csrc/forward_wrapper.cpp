@@ -240,9 +240,10 @@ void ForwardWrapper::start_forward(TrackerCore& c, const at::Tensor& first) {
 
 // Whether site `s` captures this call; if so, the name base it captures under ("<path>" or
 // "<path>#k" for its k-th call in this root forward).
-bool ForwardWrapper::take_call(Site& s, std::string* base, int64_t* k) {
+bool ForwardWrapper::take_call(Site& s, std::string* base, int64_t* k, bool* outside) {
   TrackerCore& c = *s.core;
   if (!c.active) return false;
+  *outside = c.depth == 0;
   if (c.depth == 0 && c.roots_only) {
     // a tracked module called on its own, outside a forward of the tracked model: a store's
     // rows follow its row table, one entry per sample of a forward, so it records nothing
@@ -311,7 +312,8 @@ py::object ForwardWrapper::call(py::args args, py::kwargs kwargs) {
   for (auto& s : sites_) {
     std::string base;
     int64_t k;
-    if (take_call(*s, &base, &k)) active.push_back({s.get(), std::move(base), k});
+    bool outside = false;
+    if (take_call(*s, &base, &k, &outside)) active.push_back({s.get(), std::move(base), k, outside});
   }
 
   if (!active.empty()) {
@@ -324,7 +326,7 @@ py::object ForwardWrapper::call(py::args args, py::kwargs kwargs) {
           s.in0_sink = resolve(*s.core, join(a.base, "input") + ".0", THPVariable_Unpack(args[0].ptr()));
           s.in0_resolved = true;
         }
-        if (s.in0_sink) consume_one(*s.core, s.in0_sink, THPVariable_Unpack(args[0].ptr()));
+        if (s.in0_sink) consume_one(*s.core, s.in0_sink, THPVariable_Unpack(args[0].ptr()), a.outside);
         continue;
       }
       in_leaves.clear();
@@ -334,7 +336,7 @@ py::object ForwardWrapper::call(py::args args, py::kwargs kwargs) {
       for (auto item : kwargs) {
         collect(item.second, prefix + ".kw." + py::str(item.first).cast<std::string>(), in_leaves, 0);
       }
-      consume_all(*a.site->core, in_leaves);
+      consume_all(*a.site->core, in_leaves, a.outside);
     }
   }
 
@@ -365,12 +367,12 @@ py::object ForwardWrapper::call(py::args args, py::kwargs kwargs) {
           s.out_sink = resolve(*s.core, join(a.base, "output"), THPVariable_Unpack(out.ptr()));
           s.out_resolved = true;
         }
-        if (s.out_sink) consume_one(*s.core, s.out_sink, THPVariable_Unpack(out.ptr()));
+        if (s.out_sink) consume_one(*s.core, s.out_sink, THPVariable_Unpack(out.ptr()), a.outside);
         continue;
       }
       out_leaves.clear();
       collect(out, join(a.base, "output"), out_leaves, 0);
-      consume_all(*a.site->core, out_leaves);
+      consume_all(*a.site->core, out_leaves, a.outside);
     }
     stopped = stop_point(active, roots);
   }
@@ -397,7 +399,7 @@ py::object ForwardWrapper::call(py::args args, py::kwargs kwargs) {
 bool ForwardWrapper::stop_point(const std::vector<Active>& active, const std::vector<Site*>& roots) {
   for (const auto& a : active) {
     TrackerCore& c = *a.site->core;
-    if (!c.stop_now) continue;
+    if (a.outside || !c.stop_now) continue;  // (an outside call never ends another thread's forward)
     c.stop_now = false;
     // Another tracker capturing this forward (and not itself past its own stop point) would
     // lose the hook points after this one: the forward goes on, this tracker has what it needs.
@@ -459,8 +461,8 @@ py::object ForwardWrapper::call_original(const py::args& args, const py::kwargs&
 // Refuse a second tensor under one hook point name in one root forward: two names of the
 // forward collide (a module named like another's repeated call, "a#1"; an output dict with
 // keys 1 and "1"), and keeping both would give that hook point two rows per sample.
-static void claim(const TrackerCore& core, Sink& sink) {
-  if (core.depth == 0) return;  // a module called on its own (in memory): each call is its own
+static void claim(const TrackerCore& core, Sink& sink, bool outside) {
+  if (outside) return;  // a module called on its own (in memory): each call is its own
   ACS_CHECK(sink.claimed_forward() != core.n_forwards, "hook point '", sink.name(), "' was given two tensors in ",
             "forward ", core.n_forwards - 1, " of the tracked model: two names of that forward are the same (a ",
             "module named like another module's repeated call, such as 'a#1' next to a module 'a' called twice, ",
@@ -469,9 +471,10 @@ static void claim(const TrackerCore& core, Sink& sink) {
   sink.set_claimed_forward(core.n_forwards);
 }
 
-void ForwardWrapper::consume_one(TrackerCore& core, const std::shared_ptr<Sink>& sink, const at::Tensor& t) {
-  claim(core, *sink);
-  if (core.batch_size < 0 && t.dim() >= 1) core.batch_size = t.size(0);
+void ForwardWrapper::consume_one(TrackerCore& core, const std::shared_ptr<Sink>& sink, const at::Tensor& t,
+                                 bool outside) {
+  claim(core, *sink, outside);
+  if (!outside && core.batch_size < 0 && t.dim() >= 1) core.batch_size = t.size(0);
   at::Tensor mask = core.mask();
   if (sink->keeps_reference_only()) {  // a few pointer updates: not worth a GIL hand-off
     sink->consume(t, mask);
@@ -479,12 +482,12 @@ void ForwardWrapper::consume_one(TrackerCore& core, const std::shared_ptr<Sink>&
     ReleaseGil nogil;
     sink->consume(t, mask);
   }
-  core.note(sink);
+  if (!outside) core.note(sink);
 }
 
-void ForwardWrapper::consume_all(TrackerCore& core, const Leaves& leaves) {
+void ForwardWrapper::consume_all(TrackerCore& core, const Leaves& leaves, bool outside) {
   if (leaves.empty()) return;
-  if (core.batch_size < 0 && leaves.front().second.dim() >= 1) {
+  if (!outside && core.batch_size < 0 && leaves.front().second.dim() >= 1) {
     core.batch_size = leaves.front().second.size(0);
   }
   std::vector<std::pair<std::shared_ptr<Sink>, const at::Tensor*>> work;
@@ -492,7 +495,7 @@ void ForwardWrapper::consume_all(TrackerCore& core, const Leaves& leaves) {
   for (const auto& leaf : leaves) {
     std::shared_ptr<Sink> sink = resolve(core, leaf.first, leaf.second);
     if (!sink) continue;
-    claim(core, *sink);
+    claim(core, *sink, outside);
     work.emplace_back(std::move(sink), &leaf.second);
   }
   if (work.empty()) return;
@@ -501,7 +504,8 @@ void ForwardWrapper::consume_all(TrackerCore& core, const Leaves& leaves) {
     ReleaseGil nogil;
     for (auto& w : work) w.first->consume(*w.second, mask);
   }
-  for (auto& w : work) core.note(w.first);
+  if (!outside)
+    for (auto& w : work) core.note(w.first);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -547,7 +551,8 @@ void ForwardWrapper::op_begin(at::TensorList leaves, const std::vector<std::stri
   for (auto& s : sites_) {
     std::string base;
     int64_t k;
-    if (take_call(*s, &base, &k)) f.active.emplace_back(s, std::move(base));
+    bool outside = false;
+    if (take_call(*s, &base, &k, &outside)) f.active.emplace_back(s, std::move(base));
   }
   op_frames_.back() = f;
   for (auto& [site, base] : f.active)
@@ -601,7 +606,7 @@ void ForwardWrapper::capture_named(TrackerCore& core, const std::string& base, a
     ACS_CHECK(!sink->alias_of(), "hook point '", sink->name(), "' is kept as an alias of '", sink->alias_of()->name(),
               "' (the same tensor in an eager forward), which cannot be checked inside a compiled graph (it reuses "
               "buffers); track the compiled model from its first forward with a new tracker, or exclude= one of them");
-    claim(core, *sink);
+    claim(core, *sink, core.depth == 0);
     const bool kept_by_reference = !sink->options().snapshot && sink->options().keep != Keep::NONE;
     work.emplace_back(std::move(sink), kept_by_reference ? leaves[i].clone() : leaves[i]);
   }

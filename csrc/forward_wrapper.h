@@ -124,6 +124,9 @@ class ForwardWrapper {
     Site* site;
     std::string base;  // "<path>" or "<path>#k"
     int64_t k;
+    // a call outside any root forward (its own capture, in memory): it never counts as a
+    // capture of a root forward that another thread starts while it runs
+    bool outside;
   };
 
   explicit ForwardWrapper(py::object original);
@@ -180,7 +183,7 @@ class ForwardWrapper {
     std::vector<std::shared_ptr<TrackerCore>> roots;  // trackers rooted here (depth raised)
   };
   void check_one_thread() const;
-  static bool take_call(Site& s, std::string* base, int64_t* k);
+  static bool take_call(Site& s, std::string* base, int64_t* k, bool* outside);
   static void start_forward(TrackerCore& c, const at::Tensor& first);
   static void capture_named(TrackerCore& core, const std::string& base, at::TensorList leaves,
                             const std::vector<std::string>& names);
@@ -189,8 +192,9 @@ class ForwardWrapper {
   static std::shared_ptr<Sink> resolve(TrackerCore& core, const std::string& name, const at::Tensor& t);
   py::object call_original(const py::args& args, const py::kwargs& kwargs) const;
   static bool stop_point(const std::vector<Active>& active, const std::vector<Site*>& roots);
-  static void consume_one(TrackerCore& core, const std::shared_ptr<Sink>& sink, const at::Tensor& t);
-  static void consume_all(TrackerCore& core, const std::vector<std::pair<std::string, at::Tensor>>& leaves);
+  static void consume_one(TrackerCore& core, const std::shared_ptr<Sink>& sink, const at::Tensor& t, bool outside);
+  static void consume_all(TrackerCore& core, const std::vector<std::pair<std::string, at::Tensor>>& leaves,
+                          bool outside);
 
   py::object original_;
   std::vector<std::shared_ptr<Site>> sites_;

@@ -289,6 +289,101 @@ def test_reading_or_clearing_while_a_thread_meets_a_new_hook_point(op):
         torch.testing.assert_close(t.reductions["1.output"]["mean"], m[1](m[0](y)).double().mean(0))
 
 
+def _gate_model():
+    # 0: a Linear whose forward, called from the thread named "outside", waits for `ev["go"]`;
+    # 1: a module that, in a root forward, says the forward is open and waits for `ev["hold"]`
+    ev = {"open": threading.Event(), "go": threading.Event(), "hold": threading.Event(), "entered": threading.Event()}
+
+    class Gate(torch.nn.Linear):
+        def forward(self, x):
+            if threading.current_thread().name == "outside":
+                ev["entered"].set()
+                ev["go"].wait(2)
+            return super().forward(x)
+
+    class Hold(torch.nn.Module):
+        def forward(self, x):
+            ev["open"].set()
+            ev["hold"].wait(2)
+            return x
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(Gate(4, 4), Hold(), torch.nn.Linear(4, 4)), ev
+
+
+@pytest.mark.parametrize("stop_after_last", [False, True])
+def test_outside_call_that_ends_inside_another_threads_forward_is_its_own_capture(stop_after_last):
+    # a tracked submodule called on its own in one thread returns while another thread runs a
+    # root forward that already captured that submodule: the outside call is its own capture
+    # (it was not in the forward), and the forward's capture is whole
+    m, ev = _gate_model()
+    x, y = torch.randn(2, 4), torch.randn(3, 4)
+    got = {}
+
+    def outside():
+        got["y"] = m[0](y)
+        ev["hold"].set()
+
+    def release():
+        ev["open"].wait(2)  # the root forward captured 0 and waits in Hold
+        ev["go"].set()  # the outside call returns now, inside the forward's span
+
+    with torch.no_grad(), ActivationScope().track(m, include=["0", "2"], stop_after_last=stop_after_last) as t:
+        th = threading.Thread(target=outside, name="outside")
+        th.start()
+        ev["entered"].wait(2)  # the outside call runs (before the forward starts)
+        helper = threading.Thread(target=release)
+        helper.start()
+        out = m(x)
+        helper.join()
+        th.join()
+        ev["open"].clear(), ev["go"].clear(), ev["hold"].set()
+        out2 = m(x + 1)  # (stop_after_last: learnt from the first forward)
+    with torch.no_grad():
+        ref0, ref2 = m[0](x), m(x)
+        torch.testing.assert_close(got["y"], m[0](y), rtol=0, atol=0)
+    assert (out is None) == stop_after_last and (out2 is None) == stop_after_last
+    acts = t.activations
+    assert sorted(acts) == ["0.output", "2.output"]
+    assert len(acts["0.output"]) == 3 and len(acts["2.output"]) == 2
+    _assert_same_multiset(acts["0.output"][:2], [ref0, m[0](y).detach()])
+    torch.testing.assert_close(acts["2.output"][0], ref2, rtol=0, atol=0)
+    assert t.n_forwards == 2
+
+
+def test_outside_call_that_starts_before_another_threads_forward_reaches_it():
+    # the outside call returns while the forward is open but before the forward called that
+    # submodule: the forward's own call of it is captured too (no 'two tensors' refusal)
+    m, ev = _gate_model()
+    x, y = torch.randn(2, 4), torch.randn(3, 4)
+
+    class First(torch.nn.Module):  # the root forward is open here, before module 0
+        def forward(self, x):
+            ev["go"].set()
+            ev["back"].wait(2)
+            return x
+
+    ev["back"] = threading.Event()
+    m = torch.nn.Sequential(First(), *m)
+    got = {}
+
+    def outside():
+        got["y"] = m[1](y)
+        ev["back"].set()
+
+    ev["hold"].set()
+    with torch.no_grad(), ActivationScope().track(m, include=["1", "3"]) as t:
+        th = threading.Thread(target=outside, name="outside")
+        th.start()
+        ev["entered"].wait(2)  # the outside call runs (before the forward starts)
+        out = m(x)
+        th.join()
+    with torch.no_grad():
+        torch.testing.assert_close(out, m(x), rtol=0, atol=0)
+        _assert_same_multiset(t.activations["1.output"], [m[1](x), m[1](y)])
+        torch.testing.assert_close(t.activations["3.output"][0], m(x), rtol=0, atol=0)
+
+
 def test_root_forward_of_a_second_thread_while_the_first_reads_its_input():
     # the first thread's root forward reads its input (Python code: the thread can switch
     # there): a second thread's root forward started then is refused, never nested into it
