@@ -346,6 +346,9 @@ void bind_capture(py::module_& m) {
            py::arg("on_new_hook_point"), py::arg("on_forward_start") = py::none(),
            py::arg("on_forward_end") = py::none())
       .def_readwrite("active", &TrackerCore::active)
+      .def_readwrite("closing", &TrackerCore::closing)
+      .def_readonly("in_flight", &TrackerCore::in_flight)
+      .def_property_readonly("calls_elsewhere", &TrackerCore::calls_elsewhere)
       .def_readwrite("on_new_hook_point", &TrackerCore::on_new_hook_point)
       .def_readwrite("on_forward_start", &TrackerCore::on_forward_start)
       .def_readwrite("on_forward_end", &TrackerCore::on_forward_end)

@@ -102,6 +102,10 @@ int64_t g_next_key = 1;
 // tracker's stop point ends a forward only when no other of them still captures in it.
 thread_local std::vector<TrackerCore*> t_open_roots;
 
+// The trackers with a call of one of their modules in progress on this thread, one entry per
+// call (TrackerCore::in_flight counts those of every thread).
+thread_local std::vector<TrackerCore*> t_in_calls;
+
 // torch._C._dynamo.eval_frame.<name> (a new reference, kept for the process), or None where
 // this torch lacks it.
 PyObject* eval_frame_attr(const char* name) {
@@ -134,6 +138,10 @@ bool under_dynamo() {
 }
 
 }  // namespace
+
+int64_t TrackerCore::calls_elsewhere() const {
+  return in_flight - std::count(t_in_calls.begin(), t_in_calls.end(), this);
+}
 
 void ForwardWrapper::warn_eager_once() {
   if (warned_eager_) return;
@@ -242,7 +250,7 @@ void ForwardWrapper::start_forward(TrackerCore& c, const at::Tensor& first) {
 // "<path>#k" for its k-th call in this root forward).
 bool ForwardWrapper::take_call(Site& s, std::string* base, int64_t* k, bool* outside) {
   TrackerCore& c = *s.core;
-  if (!c.active) return false;
+  if (!c.live()) return false;
   *outside = c.depth == 0;
   if (c.depth == 0 && c.roots_only) {
     // a tracked module called on its own, outside a forward of the tracked model: a store's
@@ -271,16 +279,36 @@ py::object ForwardWrapper::call(py::args args, py::kwargs kwargs) {
   }
   if (needs_eager_ && !warned_eager_ && under_dynamo()) warn_eager_once();  // compiled, but not in a graph
   check_one_thread();
+  // Calls in progress per tracker: the close of a tracker waits for those of other threads.
+  // The sites and cores of this call are owned here (a close that gives up waiting removes
+  // them from the wrapper while the call runs).
+  std::vector<std::shared_ptr<TrackerCore>> flying;
+  struct FlightGuard {
+    std::vector<std::shared_ptr<TrackerCore>>& cores;
+    ~FlightGuard() {
+      for (auto& c : cores) {
+        --c->in_flight;
+        auto it = std::find(t_in_calls.rbegin(), t_in_calls.rend(), c.get());
+        if (it != t_in_calls.rend()) t_in_calls.erase(std::next(it).base());
+      }
+    }
+  } flight{flying};
+  for (auto& s : sites_) {
+    if (!s->core->live()) continue;
+    ++s->core->in_flight;
+    t_in_calls.push_back(s->core.get());
+    flying.push_back(s->core);
+  }
   // Root bookkeeping (forward boundaries) for every tracker rooted here. The guard exists
   // before any increment, so a start callback that raises leaves depth (and the #k names
   // of later forwards) intact, and a forward that never ran is not counted. Depth and owner
   // are set for every tracker before any Python runs (the start callback, the model's input
   // read): another thread entering meanwhile is refused by check_one_thread.
-  std::vector<Site*> roots;
+  std::vector<std::shared_ptr<Site>> roots;
   struct RootGuard {
-    std::vector<Site*>& roots;
+    std::vector<std::shared_ptr<Site>>& roots;
     ~RootGuard() {
-      for (Site* s : roots) {
+      for (auto& s : roots) {
         TrackerCore* c = s->core.get();
         if (--c->depth == 0) {
           auto it = std::find(t_open_roots.begin(), t_open_roots.end(), c);
@@ -291,10 +319,10 @@ py::object ForwardWrapper::call(py::args args, py::kwargs kwargs) {
   } guard{roots};
   std::vector<TrackerCore*> starting;
   for (auto& s : sites_) {
-    if (s->is_root && s->core->active) {
+    if (s->is_root && s->core->live()) {
       TrackerCore& c = *s->core;
       const bool outer = c.depth++ == 0;
-      roots.push_back(s.get());
+      roots.push_back(s);
       if (outer) {
         c.owner = std::this_thread::get_id();
         t_open_roots.push_back(&c);
@@ -313,7 +341,7 @@ py::object ForwardWrapper::call(py::args args, py::kwargs kwargs) {
     std::string base;
     int64_t k;
     bool outside = false;
-    if (take_call(*s, &base, &k, &outside)) active.push_back({s.get(), std::move(base), k, outside});
+    if (take_call(*s, &base, &k, &outside)) active.push_back({s, std::move(base), k, outside});
   }
 
   if (!active.empty()) {
@@ -350,10 +378,21 @@ py::object ForwardWrapper::call(py::args args, py::kwargs kwargs) {
       py::object target = py::getattr(e.value(), "args")[py::int_(0)];
       void* who = PyLong_AsVoidPtr(target.ptr());
       bool mine = false;
-      for (Site* s : roots) mine = mine || (s->core.get() == who && s->core->depth == 1);
+      for (auto& s : roots) mine = mine || (s->core.get() == who && s->core->depth == 1);
       if (!mine) throw;  // another tracker's stop: its own root catches it
       stopped = true;
       static_cast<TrackerCore*>(who)->stopped = true;
+    }
+  }
+  for (auto& a : active) {
+    // closed from another thread while the original forward ran (a close that gave up
+    // waiting for this call): its capture cannot be completed, and must not look whole
+    if (!a.site->core->active) {
+      throw UserError("the tracker of module '" + (a.site->path.empty() ? std::string("(the tracked model)")
+                                                                         : a.site->path) +
+                      "' was closed (its `with` block ended, or remove()) while this call ran in another thread, "
+                      "so the capture of this call is incomplete; join the threads that call the tracked model "
+                      "before the `with` block ends");
     }
   }
 
@@ -378,7 +417,7 @@ py::object ForwardWrapper::call(py::args args, py::kwargs kwargs) {
   }
 
   bool none = stopped;
-  for (Site* s : roots) {
+  for (auto& s : roots) {
     TrackerCore& c = *s->core;
     if (c.depth != 1) continue;
     if (c.stop_after_last && c.capturing) {
@@ -396,7 +435,7 @@ py::object ForwardWrapper::call(py::args args, py::kwargs kwargs) {
 // After captures: true when a tracker rooted at this call reached its stop point (the forward
 // then ends here and returns None); raises the stop exception when the root of a tracker that
 // reached it is further up the call stack.
-bool ForwardWrapper::stop_point(const std::vector<Active>& active, const std::vector<Site*>& roots) {
+bool ForwardWrapper::stop_point(const std::vector<Active>& active, const std::vector<std::shared_ptr<Site>>& roots) {
   for (const auto& a : active) {
     TrackerCore& c = *a.site->core;
     if (a.outside || !c.stop_now) continue;  // (an outside call never ends another thread's forward)
@@ -411,7 +450,7 @@ bool ForwardWrapper::stop_point(const std::vector<Active>& active, const std::ve
       c.past_stop = true;
       continue;
     }
-    for (Site* s : roots) {
+    for (auto& s : roots) {
       if (s->core.get() == &c && c.depth == 1) {
         c.stopped = true;
         return true;
@@ -431,6 +470,9 @@ std::string ForwardWrapper::join(const std::string& base, const char* what) {
 std::shared_ptr<Sink> ForwardWrapper::resolve(TrackerCore& core, const std::string& name, const at::Tensor& t) {
   auto it = core.sinks.find(name);
   if (it == core.sinks.end()) {
+    ACS_CHECK(core.active && !core.on_new_hook_point.is_none(), "hook point '", name, "': its tracker was closed ",
+              "(its `with` block ended, or remove()) while this call ran in another thread, so the capture of ",
+              "this call is incomplete; join the threads that call the tracked model before the `with` block ends");
     py::object made = call_outside_dynamo(core.on_new_hook_point, py::make_tuple(name, t));
     std::shared_ptr<Sink> sink = made.is_none() ? nullptr : made.cast<std::shared_ptr<Sink>>();
     // The callback ran Python: another thread may have resolved the name meanwhile (the
@@ -523,7 +565,7 @@ void ForwardWrapper::op_begin(at::TensorList leaves, const std::vector<std::stri
   OpFrame f;
   try {
     for (auto& s : sites_) {
-      if (!s->is_root || !s->core->active) continue;
+      if (!s->is_root || !s->core->live()) continue;
       TrackerCore& c = *s->core;
       if (c.op_depth > 0 && c.depth > 0) {
         // A root forward opened by call_begin and never closed: its compiled graph raised

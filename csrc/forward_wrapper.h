@@ -30,6 +30,13 @@ Policy policy_from_int(int code);
 // State shared by every wrapped module of one tracker.
 struct TrackerCore {
   bool active = true;
+  // The tracker is being closed (its `with` block ends, remove()): a call that starts now
+  // outside an open root forward is not captured (as after the close); a root forward
+  // already open goes on capturing until it ends.
+  bool closing = false;
+  // Calls of this tracker's modules in progress (all threads; changed with the GIL held): the
+  // close waits for those of other threads (calls_elsewhere()) before it removes the wrappers.
+  int64_t in_flight = 0;
   Policy policy = Policy::EVERY;
   int64_t sample_every = 1;
   int64_t max_k = -1;
@@ -77,6 +84,12 @@ struct TrackerCore {
   // no positions.
   at::Tensor mask() const { return token_mask.defined() && token_mask.dim() == 2 ? token_mask : auto_mask; }
 
+  // Whether a call starting now is captured by this tracker: attached, and not being closed
+  // unless a root forward is open (its own calls go on).
+  bool live() const { return active && !(closing && depth == 0); }
+  // in_flight less the calls of this thread (call with the GIL held).
+  int64_t calls_elsewhere() const;
+
   // One capture of `sink` in a root forward: counts towards the stop point.
   void note(const std::shared_ptr<Sink>& sink) {
     if (!stop_after_last || depth == 0) return;
@@ -121,7 +134,7 @@ class ForwardWrapper {
  public:
   // A site that captures the current call, and the name it captures under.
   struct Active {
-    Site* site;
+    std::shared_ptr<Site> site;  // (owned: the tracker may be closed from another thread meanwhile)
     std::string base;  // "<path>" or "<path>#k"
     int64_t k;
     // a call outside any root forward (its own capture, in memory): it never counts as a
@@ -191,7 +204,7 @@ class ForwardWrapper {
   static std::string join(const std::string& base, const char* what);
   static std::shared_ptr<Sink> resolve(TrackerCore& core, const std::string& name, const at::Tensor& t);
   py::object call_original(const py::args& args, const py::kwargs& kwargs) const;
-  static bool stop_point(const std::vector<Active>& active, const std::vector<Site*>& roots);
+  static bool stop_point(const std::vector<Active>& active, const std::vector<std::shared_ptr<Site>>& roots);
   static void consume_one(TrackerCore& core, const std::shared_ptr<Sink>& sink, const at::Tensor& t, bool outside);
   static void consume_all(TrackerCore& core, const std::vector<std::pair<std::string, at::Tensor>>& leaves,
                           bool outside);

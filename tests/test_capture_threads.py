@@ -384,6 +384,65 @@ def test_outside_call_that_starts_before_another_threads_forward_reaches_it():
         torch.testing.assert_close(t.activations["3.output"][0], m(x), rtol=0, atol=0)
 
 
+def test_close_waits_for_a_forward_running_in_another_thread():
+    # the `with` block ends while another thread is inside a forward: the close waits for it,
+    # and its capture is whole (before: the wrappers went away under it, and the forward
+    # failed with "'NoneType' object is not callable" at its next new hook point)
+    m, ev = _gate_model()
+    x = torch.randn(2, 4)
+    outs, errors = [], []
+
+    def run():
+        try:
+            outs.append(m(x))
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    with torch.no_grad():
+        with ActivationScope().track(m) as t:
+            th = threading.Thread(target=run)
+            th.start()
+            ev["open"].wait(2)
+            threading.Timer(0.1, ev["hold"].set).start()
+        th.join()
+        assert errors == []
+        acts = t.activations
+        assert sorted(acts) == ["0.output", "1.output", "2.output"]
+        torch.testing.assert_close(acts["2.output"][0], m(x), rtol=0, atol=0)
+        torch.testing.assert_close(outs[0], m(x), rtol=0, atol=0)
+        assert t.n_forwards == 1
+
+
+def test_close_that_gives_up_waiting_fails_the_forward_it_left(monkeypatch):
+    from activationscope.capture import scope as scope_module
+
+    monkeypatch.setattr(scope_module, "_CLOSE_WAIT_S", 0.1)
+    m, ev = _gate_model()
+    x = torch.randn(2, 4)
+    errors = []
+
+    def run():
+        try:
+            m(x)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    with torch.no_grad():
+        t = ActivationScope().track(m)
+        th = threading.Thread(target=run)
+        with pytest.raises(CaptureError, match="still ran in other threads"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with t:
+                th.start()
+                ev["open"].wait(2)
+        ev["hold"].set()
+        th.join()
+    assert len(errors) == 1 and isinstance(errors[0], CaptureError)
+    assert "was closed" in str(errors[0]) and "another thread" in str(errors[0])
+    assert "forward" not in m.__dict__ and "forward" not in m[2].__dict__  # wrappers removed
+    torch.testing.assert_close(m(x), m[2](m[0](x)))
+
+
 def test_root_forward_of_a_second_thread_while_the_first_reads_its_input():
     # the first thread's root forward reads its input (Python code: the thread can switch
     # there): a second thread's root forward started then is refused, never nested into it

@@ -18,6 +18,7 @@ import operator
 import os
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -134,6 +135,8 @@ _REBUILD_ROWS = 1 << 16  # rows read back per step when a resumed reduction is r
 _POLICY_CODE = {CapturePolicy.EVERY: 0, CapturePolicy.SAMPLE_N: 1, CapturePolicy.MAX_K: 2}
 _KEEP_CODE = {ReductionPolicy.STORE_ALL: 0, ReductionPolicy.FINAL_ONLY: 1, ReductionPolicy.STREAMING: 2}
 _PLACEMENT_CODE = {StoragePolicy.AUTO: 0, StoragePolicy.CPU: 1, StoragePolicy.GPU: 2, StoragePolicy.DISK: 3}
+# The close of a tracker waits this long for calls of its modules still running in other threads.
+_CLOSE_WAIT_S = 30.0
 
 
 def _parse_enum(value: Any, cls: type[enum.Enum], argument: str) -> enum.Enum:
@@ -742,6 +745,7 @@ class Tracker:
         self._core.on_forward_end = self._on_forward_end
         for target in set(self._aliases.values()):  # re-attached: alias targets watch again
             self._sinks[target].watch_aliases(True)
+        self._core.closing = False
         self._core.active = True
         self._attached = True
         if not self._fastpath_off and _inside_fused(self.model, self._modules):
@@ -872,11 +876,44 @@ class Tracker:
         """Remove exactly this tracker's wrappers and close its store (if any).
 
         Records stay readable. After ``remove()`` a store tracker's store is complete.
-        """
-        self._detach()
-        self._finish(status="complete")
+        Calls of the tracked modules still running in other threads are waited for first (a
+        root forward under way ends whole); calls that start meanwhile are not captured.
 
-    def _detach(self) -> None:
+        Raises
+        ------
+        CaptureError
+            Such calls still ran after 30 s: the wrappers are removed anyway, and those calls
+            fail with CaptureError when they go on (their capture cannot be completed).
+        """
+        left = self._detach()
+        self._finish(status="complete")
+        self._raise_left_running(left)
+
+    def _wait_other_threads(self) -> int:
+        """Wait (up to ``_CLOSE_WAIT_S``) until no call of a tracked module runs in another
+        thread; calls that start meanwhile are not captured (``closing``). The calls still
+        running then."""
+        self._core.closing = True
+        deadline = None
+        while self._core.calls_elsewhere:
+            now = time.monotonic()
+            deadline = now + _CLOSE_WAIT_S if deadline is None else deadline
+            if now >= deadline:
+                break
+            time.sleep(0.001)  # (releases the GIL: those calls go on)
+        return int(self._core.calls_elsewhere)
+
+    def _raise_left_running(self, left: int) -> None:
+        if left:
+            raise CaptureError(
+                f"{left} call(s) of tracked modules of {type(self.model).__name__} still ran in other threads "
+                f"{_CLOSE_WAIT_S:g} s after the tracker began to close (its `with` block ended, or remove()): its "
+                "wrappers were removed, and those calls fail with CaptureError, their capture incomplete. Join "
+                "the threads that call the tracked model before the `with` block ends"
+            )
+
+    def _detach(self) -> int:
+        left = self._wait_other_threads()
         self._core.active = False
         self._remove_hook_probes()
         self._uninstall_all()
@@ -890,6 +927,7 @@ class Tracker:
         if self._fastpath_off:
             self._fastpath_off = False
             _fastpath_release()
+        return left
 
     def _warn_outside_calls(self) -> None:
         """Warn once when tracked modules were called on their own (outside a forward of the
@@ -1026,15 +1064,18 @@ class Tracker:
     def __exit__(self, exc_type, exc, tb) -> None:
         """Remove this tracker's wrappers and close its store: status ``complete``, or
         ``incomplete`` when the body raised (the exception propagates). The end of a nested
-        ``with`` block of the same tracker does nothing."""
+        ``with`` block of the same tracker does nothing. Calls of the tracked modules still
+        running in other threads are waited for first, as :meth:`remove` does."""
         if self._with_depth > 1:
             self._with_depth -= 1
             return
         self._with_depth = 0
-        self._detach()
+        left = self._detach()
         self._finish(status="complete" if exc is None else "incomplete", exc=exc)
         if self._reference_mode:
             self._warn_changed(all_records=True)
+        if exc is None:
+            self._raise_left_running(left)
 
     def clear(self) -> None:
         """Drop every in-memory record (reductions are kept)."""
