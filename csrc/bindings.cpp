@@ -364,6 +364,7 @@ void bind_capture(py::module_& m) {
       .def_readwrite("stop_after_last", &TrackerCore::stop_after_last)
       .def_readwrite("roots_only", &TrackerCore::roots_only)
       .def_readonly("outside_calls", &TrackerCore::outside_calls)
+      .def_readonly("outside_captures", &TrackerCore::outside_captures)
       .def_property_readonly("stop_learnt", [](const TrackerCore& c) { return c.stop_count > 0; })
       .def_readonly("stopped", &TrackerCore::stopped)
       .def_readonly("past_stop", &TrackerCore::past_stop)

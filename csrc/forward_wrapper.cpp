@@ -6,6 +6,7 @@
 
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <c10/util/SmallVector.h>
 
 #include <algorithm>
 #include <mutex>
@@ -267,6 +268,7 @@ bool ForwardWrapper::take_call(Site& s, std::string* base, int64_t* k, bool* out
     s.calls_in_fwd = 1;
   }
   if (!take) return false;
+  if (*outside) ++c.outside_captures;
   *base = s.path;
   if (*k > 0) *base += "#" + std::to_string(*k);
   return true;
@@ -282,9 +284,9 @@ py::object ForwardWrapper::call(py::args args, py::kwargs kwargs) {
   // Calls in progress per tracker: the close of a tracker waits for those of other threads.
   // The sites and cores of this call are owned here (a close that gives up waiting removes
   // them from the wrapper while the call runs).
-  std::vector<std::shared_ptr<TrackerCore>> flying;
+  c10::SmallVector<std::shared_ptr<TrackerCore>, 2> flying;  // (no heap allocation per call)
   struct FlightGuard {
-    std::vector<std::shared_ptr<TrackerCore>>& cores;
+    c10::SmallVector<std::shared_ptr<TrackerCore>, 2>& cores;
     ~FlightGuard() {
       for (auto& c : cores) {
         --c->in_flight;
@@ -343,6 +345,13 @@ py::object ForwardWrapper::call(py::args args, py::kwargs kwargs) {
     bool outside = false;
     if (take_call(*s, &base, &k, &outside)) active.push_back({s, std::move(base), k, outside});
   }
+  struct OutsideEnd {  // (counted again when the call ends: its records are in by then)
+    std::vector<Active>& active;
+    ~OutsideEnd() {
+      for (auto& a : active)
+        if (a.outside) ++a.site->core->outside_captures;
+    }
+  } outside_end{active};
 
   if (!active.empty()) {
     Leaves in_leaves;

@@ -608,6 +608,7 @@ class Tracker:
         # was called without the alias's (on its own, outside a forward)
         self._alias_base: dict[str, int] = {}
         self._alias_outside: dict[str, int] = {}  # alias -> such calls found (its records are not whole)
+        self._outside_seen = 0  # the core's outside_captures when the aliases were last checked for such calls
         self._watching: list[str] = []  # hook points of this forward that an alias may repeat
         # Aliases are detected when storing both would duplicate bytes: a store, or in-memory
         # copies (REFERENCE in memory keeps the model's tensor itself: nothing duplicated).
@@ -1483,7 +1484,7 @@ class Tracker:
         self._stop_watching()  # after a forward that raised
         if self._open_forward is not None:
             self._forward_raised()
-        if self._aliases:
+        if self._aliases and self._core.outside_captures != self._outside_seen:
             self._take_unpaired_aliases()
         if self._core.capturing and self._pending_batch is not None:
             # refused before any module of this forward records a row (the end of the forward
@@ -1679,6 +1680,7 @@ class Tracker:
         """Note the target calls made without their alias's since the last forward (the target's
         module called on its own, between forwards): the alias's records (its target's) are then
         not its own, which reading them says. The forward checks start again after them."""
+        self._outside_seen = self._core.outside_captures  # (read first: a call may end meanwhile)
         pending = self._unpaired_aliases()
         if pending:
             for name, extra in pending:
@@ -1816,8 +1818,8 @@ class Tracker:
         """
         if self._reference_mode:
             self._warn_changed(all_records=True)
-        if self._aliases and not self._core.in_flight:  # (a call under way may be between the two)
-            self._take_unpaired_aliases()
+        if self._aliases and not self._core.in_flight and self._core.outside_captures != self._outside_seen:
+            self._take_unpaired_aliases()  # (not while a call is under way: it may be between the two)
         for name, extra in list(self._alias_outside.items()):
             raise self._unpaired_error(name, extra)
         with self._new_hook_point_lock:  # (another thread capturing may add a hook point meanwhile)
