@@ -1008,9 +1008,15 @@ class Store:
         return crcs
 
     def _hook_point_of(self, meta: dict) -> str:
-        """The hook point whose root entry is ``meta``."""
-        for hp, m in (self._attrs.get("arrays") or {}).items():
+        """The hook point whose root entry is ``meta``: that entry, or (an entry of a commit
+        read before a ``refresh()`` of another thread replaced it) the one of the same array
+        path."""
+        arrays = self._attrs.get("arrays") or {}
+        for hp, m in arrays.items():
             if m is meta:
+                return hp
+        for hp, m in arrays.items():
+            if isinstance(m, dict) and m.get("path") == meta["path"]:
                 return hp
         return str(meta["path"])
 
