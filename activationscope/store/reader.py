@@ -314,6 +314,10 @@ class Store:
         # resume killed before its next commit, that chunk was rewritten (FORMAT.md section 5).
         self._resume_tail = False
         self._lock = threading.RLock()
+        # ids of the array entries (``meta``) of the commit read last: a cache entry built from
+        # another commit's entry (a reader that took it before another thread's refresh()) is
+        # returned to that reader but never kept for the others (``_current``)
+        self._live: frozenset[int] = frozenset()
         self._inflight: dict[tuple, Any] = {}  # (hook point, chunk) -> Future of its decode
         self._next_start: dict[str, int] = {}  # where a sequential reader of a hook point goes next
         self._advised: dict[str, tuple[int, int]] = {}  # hook point -> (last hinted start, advised until row)
@@ -361,6 +365,7 @@ class Store:
                 self._maps.clear()
                 self._whole.clear()
             self._stamp, self._run = stamp, run
+            self._live = frozenset(id(m) for m in (attrs.get("arrays") or {}).values())
             self._zarrays.clear()
             self._indexes.clear()
             self._checked.clear()
@@ -1004,8 +1009,15 @@ class Store:
             if self._backend.size(last_key) is None:  # the file holding the last committed row exists
                 raise V.corrupt(self._backend, f"shard {last_key!r} is missing, but {root}")
         with self._lock:
-            self._checked[path] = crcs
+            if self._current(meta):
+                self._checked[path] = crcs
         return crcs
+
+    def _current(self, meta: dict) -> bool:
+        """Whether ``meta`` is an array entry of the commit read last (not one a reader took
+        before a ``refresh()``): what is built from it may be cached (call with the lock held,
+        the caches' publication and ``refresh()`` being under it)."""
+        return id(meta) in self._live
 
     def _hook_point_of(self, meta: dict) -> str:
         """The hook point whose root entry is ``meta``: that entry, or (an entry of a commit
@@ -1185,7 +1197,8 @@ class Store:
             if raw[:-4] == dense:  # the layout every uncompressed capture writes: one compare
                 out = _ShardIndex(key, size, dense_entries, True, {})
                 with self._lock:
-                    self._indexes[shard_key] = out
+                    if self._current(meta):
+                        self._indexes[shard_key] = out
                 return out
         arr = np.frombuffer(raw, dtype="<u8", count=2 * n_chunks)
         flat = arr.tolist()
@@ -1224,7 +1237,8 @@ class Store:
         contiguous = not bad and bool((offs == expected).all())
         out = _ShardIndex(key, size, entries, contiguous and not compressed, bad)
         with self._lock:
-            self._indexes[shard_key] = out
+            if self._current(meta):
+                self._indexes[shard_key] = out
         return out
 
     def _check_shard_crcs(self, hook_point: str, shard: int, fix: str = V.FIX) -> None:
@@ -1267,7 +1281,7 @@ class Store:
                 raise V.corrupt(self._backend, problem, fix)
 
     # ---------------------------------------------------------------- mapped reads
-    def _map(self, key: str, nbytes: int) -> torch.Tensor:
+    def _map(self, key: str, nbytes: int, meta: dict | None = None) -> torch.Tensor:
         """A private (copy-on-write) read mapping of the first ``nbytes`` of a shard, uint8."""
         with self._lock:
             t = self._maps.get(key)
@@ -1295,7 +1309,8 @@ class Store:
         except (OSError, ValueError, RuntimeError) as e:
             raise V.corrupt(self._backend, f"shard {key!r} cannot be mapped: {e}") from None
         with self._lock:
-            self._maps[key] = t
+            if meta is None or self._current(meta):
+                self._maps[key] = t
         return t
 
     def _mapped_rows(self, meta: dict, shard: int, local_start: int, n: int) -> torch.Tensor | None:
@@ -1307,7 +1322,7 @@ class Store:
             return None
         rb, chunk_rows, n_chunks, _ = _layout(meta)
         committed = min(int(meta["n_rows"]) - shard * n_chunks * chunk_rows, n_chunks * chunk_rows)
-        flat = self._map(idx.key, committed * rb)
+        flat = self._map(idx.key, committed * rb, meta)
         return flat[local_start * rb:(local_start + n) * rb].view(dtype).view(n, *feat)
 
     def _whole_rows(self, meta: dict) -> torch.Tensor | None:
@@ -1341,7 +1356,8 @@ class Store:
             raise V.corrupt(self._backend, f"the shards of array {meta['path']!r} cannot be mapped: {e}") from None
         view = flat.view(F.torch_dtype(meta["dtype"])).view(n, *meta["feature_shape"])
         with self._lock:
-            self._whole[meta["path"]] = (n, view)
+            if self._current(meta):
+                self._whole[meta["path"]] = (n, view)
         return view
 
     # ---------------------------------------------------------------- decoded reads
@@ -1358,7 +1374,9 @@ class Store:
             except Exception as e:  # zarr raises many classes for a damaged document
                 raise V.corrupt(self._backend, f"array document {path}/zarr.json does not open with zarr "
                                                f"({type(e).__name__}: {e})") from None
-            self._zarrays[path] = arr
+            with self._lock:
+                if self._current(meta):
+                    self._zarrays[path] = arr
         return arr
 
     def _decodes_locally(self, meta: dict) -> bool:

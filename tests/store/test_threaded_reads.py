@@ -58,3 +58,43 @@ def test_a_refresh_while_a_reader_checks_the_array_is_not_reported_as_damage(tmp
     assert torch.equal(st.rows(HP, 0, 10), data[:10])
     assert fired
     assert st.n_rows(HP) == 100 and torch.equal(st.rows(HP, 0, 32), data[:32])
+
+
+def _refresh_after(monkeypatch, st, method, key):
+    """Make ``st._backend.<method>(key, ...)`` run ``st.refresh()`` once, right after it read
+    ``key`` (another thread's refresh landing while this reader builds a cache entry from
+    the commit it opened)."""
+    real = getattr(st._backend, method)
+    fired = []
+
+    def patched(k, *args, **kwargs):
+        got = real(k, *args, **kwargs)
+        if k == key and not fired:
+            fired.append(True)
+            st.refresh()
+        return got
+
+    monkeypatch.setattr(st._backend, method, patched)
+    return fired
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+@pytest.mark.parametrize("cache", ["array check", "shard index"])
+def test_what_a_reader_built_from_the_commit_before_a_refresh_is_not_kept_for_the_new_one(
+        tmp_path, data, monkeypatch, compression, cache):
+    path = str(tmp_path / "s.zarr")
+    _write(path, data[:37], compression=compression)  # shard 1 holds rows 32-36
+    st = open_store(path, cache_bytes=0)  # (decoded chunks not cached: see the test of that cache below)
+    _write(path, data[37:], resume=True, compression=compression)  # rewrites shard 1, adds shards 2-3
+    if cache == "array check":  # the manifest's chunks of shards 0-1 (the last one of 37 rows)
+        fired = _refresh_after(monkeypatch, st, "size", "acts/x/c/1/0")
+        assert torch.equal(st.rows(HP, 0, 10), data[:10])
+    else:  # the index of shard 1 as its 37-row file had it
+        st.rows(HP, 0, 10)
+        fired = _refresh_after(monkeypatch, st, "tail", "acts/x/c/1/0")
+        assert torch.equal(st.rows(HP, 32, 37), data[32:37])
+    assert fired and st.n_rows(HP) == 100
+    for a, b in [(64, 72), (32, 40), (30, 100), (0, 100)]:
+        assert torch.equal(st.rows(HP, a, b), data[a:b]), (a, b)
+    assert torch.equal(st[HP, ::3], data[::3])
+    assert st.verify() == []
