@@ -318,7 +318,9 @@ class Store:
         # another commit's entry (a reader that took it before another thread's refresh()) is
         # returned to that reader but never kept for the others (``_current``)
         self._live: frozenset[int] = frozenset()
-        self._inflight: dict[tuple, Any] = {}  # (hook point, chunk) -> Future of its decode
+        # (hook point, chunk, id of the array entry it is decoded for) -> Future of its decode;
+        # the decoded chunks cache under the same keys, of the commit read last only
+        self._inflight: dict[tuple, Any] = {}
         self._next_start: dict[str, int] = {}  # where a sequential reader of a hook point goes next
         self._advised: dict[str, tuple[int, int]] = {}  # hook point -> (last hinted start, advised until row)
         self._hints: dict[str, tuple] = {}  # hook point -> (meta, eligible, n_rows, row_bytes, read-ahead rows)
@@ -1442,10 +1444,10 @@ class Store:
             self._zarrays[key] = dec
         return dec
 
-    def _cache_put(self, key: tuple, t: torch.Tensor) -> None:
+    def _cache_put(self, key: tuple, t: torch.Tensor, meta: dict) -> None:
         with self._lock:
             self._inflight.pop(key, None)
-            if key in self._cache:
+            if key in self._cache or not self._current(meta):  # (a chunk of a commit before a refresh: not kept)
                 return
             self._cache[key] = t
             self._cached += t.nbytes
@@ -1454,8 +1456,10 @@ class Store:
                 self._cached -= old.nbytes
 
     def _chunk_future(self, hook_point: str, meta: dict, c: int) -> Any:
-        """A future of decoded chunk ``c`` (cached; one decode per chunk however many readers)."""
-        key = (hook_point, c)
+        """A future of decoded chunk ``c`` (cached; one decode per chunk however many readers of
+        the same commit: a chunk that a commit read since (``refresh()``) may have rewritten
+        with more rows is decoded again for it)."""
+        key = (hook_point, c, id(meta))
         with self._lock:
             fut = self._inflight.get(key)
             if fut is not None:
@@ -1468,7 +1472,7 @@ class Store:
                     with self._lock:
                         self._inflight.pop(key, None)
                     raise
-                self._cache_put(key, t)
+                self._cache_put(key, t, meta)
                 return t
 
             fut = _decode.pool().submit(work)
@@ -1508,13 +1512,14 @@ class Store:
         c0, c1 = start // chunk_rows, (stop - 1) // chunk_rows
         big = (c1 - c0 + 1) * chunk_rows * row_bytes > self._cache_bytes // 2
         waits = []
+        mid = id(meta)  # (the cache's keys: chunks as this commit has them)
         for c in range(c0, c1 + 1):
             lo, hi = max(start, c * chunk_rows), min(stop, (c + 1) * chunk_rows)
             dst = flat[(lo - start) * row_bytes:(hi - start) * row_bytes]
             with self._lock:
-                t = self._cache.get((hook_point, c))
+                t = self._cache.get((hook_point, c, mid))
                 if t is not None:
-                    self._cache.move_to_end((hook_point, c))
+                    self._cache.move_to_end((hook_point, c, mid))
             if t is not None:
                 dst[:] = t.view(-1).view(torch.uint8).numpy()[(lo - c * chunk_rows) * row_bytes:(hi - c * chunk_rows) * row_bytes]
             elif big and lo == c * chunk_rows and (hi == (c + 1) * chunk_rows or hi == n):
@@ -1530,7 +1535,7 @@ class Store:
             last = (n - 1) // chunk_rows
             for c in range(c1 + 1, min(last, c1 + ahead) + 1):
                 with self._lock:
-                    known = (hook_point, c) in self._cache or (hook_point, c) in self._inflight
+                    known = (hook_point, c, mid) in self._cache or (hook_point, c, mid) in self._inflight
                 if not known:
                     self._chunk_future(hook_point, meta, c)
         for c, fut, part in waits:

@@ -84,7 +84,7 @@ def test_sequential_reader_gets_the_next_chunks_decoded_ahead(tmp_path, compress
     _write(tmp_path / "s.zarr", t, batch=50, compression=compression, chunk_rows=10, shard_bytes=10 * 64 * 5)
     store = open_store(tmp_path / "s.zarr")
     assert torch.equal(store.rows("x", 0, 10), t[0:10])
-    ahead = [(hp, c) for hp, c in list(store._cache) + list(store._inflight) if c > 0]
+    ahead = [key for key in list(store._cache) + list(store._inflight) if key[1] > 0]  # (hook point, chunk, ...)
     assert ahead, "a sequential read did not start decoding the next chunk"
     for a in range(10, 400, 10):
         assert torch.equal(store.rows("x", a, a + 10), t[a:a + 10])

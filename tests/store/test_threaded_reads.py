@@ -98,3 +98,33 @@ def test_what_a_reader_built_from_the_commit_before_a_refresh_is_not_kept_for_th
         assert torch.equal(st.rows(HP, a, b), data[a:b]), (a, b)
     assert torch.equal(st[HP, ::3], data[::3])
     assert st.verify() == []
+
+
+def test_a_chunk_decoding_for_the_commit_before_a_refresh_is_not_used_for_the_new_one(tmp_path, data, monkeypatch):
+    path = str(tmp_path / "s.zarr")
+    _write(path, data[:37], compression="zstd")  # chunk 4: rows 32-36 of 37
+    st = open_store(path)
+    entered, gate = threading.Event(), threading.Event()
+    real = R.Store._decode_chunk
+
+    def slow(self, hook_point, meta, c, out=None):  # the old commit's chunk 4 decodes slowly
+        if self is st and c == 4 and int(meta["n_rows"]) == 37:
+            entered.set()
+            gate.wait(2)
+        return real(self, hook_point, meta, c, out)
+
+    monkeypatch.setattr(R.Store, "_decode_chunk", slow)
+    got = {}
+    old_reader = threading.Thread(target=lambda: got.setdefault("old", st.rows(HP, 32, 37)))
+    old_reader.start()
+    assert entered.wait(5)
+    _write(path, data[37:], resume=True, compression="zstd")  # chunk 4 now holds rows 32-39
+    st.refresh()
+    try:  # while the old commit's chunk 4 (5 rows) still decodes
+        assert torch.equal(st.rows(HP, 32, 40), data[32:40])
+    finally:
+        gate.set()
+        old_reader.join()
+    assert torch.equal(got["old"], data[32:37])
+    for a, b in [(32, 40), (24, 48), (0, 100)]:  # once it has finished: not cached for the new commit
+        assert torch.equal(st.rows(HP, a, b), data[a:b]), (a, b)
