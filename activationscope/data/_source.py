@@ -200,7 +200,9 @@ class StoreSource:
         """Drop every cached layout, segment view, read-ahead hint and row table. Each cache
         is replaced by a new dict, never cleared in place: a reader holding the old one keeps
         rows of one layout, and a dataset's sequential window (tied to ``_recent`` by
-        identity) is not used again."""
+        identity) is not used again. A reader takes each dict it fills *before* it asks the
+        store (and caches into that one): what it read from the commit before another
+        thread's ``refresh()`` then goes into the old dicts, never into these."""
         self._views = {}
         self._hinted = {}
         self._recent = {}
@@ -304,10 +306,11 @@ class StoreSource:
     def row_table(self, kind: str) -> Any:
         """The row table of ``kind`` as a ``pyarrow.Table`` (cached until the store is refreshed)."""
         store = self.store
-        table = self._tables.get(kind)
+        tables = self._tables  # (taken before the store is read: see _forget_layouts)
+        table = tables.get(kind)
         if table is None:
             table = store.row_table(kind)
-            self._tables[kind] = table
+            tables[kind] = table
         return table
 
     def dtype(self, hp: str) -> torch.dtype:
@@ -330,23 +333,26 @@ class StoreSource:
         read goes through the store's bounded chunk cache, so segments are not kept here).
         Dropped when the store is refreshed (:meth:`_sync`).
         """
-        self._check_refreshed()
-        cached = self._views.get(hp)
+        store = self.store  # opened (lazily), and the cached layouts forgotten after a refresh
+        views = self._views  # (taken before the store is read: see _forget_layouts)
+        cached = views.get(hp)
         if cached is not None:
             return cached
-        bounds, memoize = self.store.row_blocks(hp)
+        bounds, memoize = store.row_blocks(hp)
         bounds = [int(b) for b in bounds]
         if not bounds or bounds[0] != 0:
             bounds = [0, *bounds]
         cached = (torch.tensor(bounds, dtype=torch.int64), {}, bool(memoize), bounds)
-        self._views[hp] = cached
+        views[hp] = cached
         return cached
 
     def _rows(self, hp: str, start: int, stop: int) -> torch.Tensor:
         return self.store.rows(hp, start, stop)
 
-    def _segment(self, hp: str, k: int) -> torch.Tensor:
-        _bounds, memo, memoize, bl = self._layout(hp)
+    def _segment(self, hp: str, k: int, layout: tuple | None = None) -> torch.Tensor:
+        """Segment ``k`` of ``layout`` (the caller's, whose bounds it indexes with; default:
+        the current one)."""
+        _bounds, memo, memoize, bl = self._layout(hp) if layout is None else layout
         seg = memo.get(k)
         if seg is None:
             seg = self._rows(hp, bl[k], bl[k + 1])
@@ -363,33 +369,35 @@ class StoreSource:
         # The per-batch path of ActivationDataset: plain Python on cached lists, no small
         # tensor operations (each costs microseconds, as much as a batch's own bookkeeping).
         store = self._store
-        if store is not None and getattr(store, "attrs", None) is not self._seen:
-            self._sync(store)  # refreshed: the cached layouts may be stale
-        recent = self._recent.get(hp)
+        if store is None or getattr(store, "attrs", None) is not self._seen:
+            self.store  # opened (lazily); refreshed: the cached layouts may be stale
+        recents, hinted = self._recent, self._hinted  # (taken before the store is read: see _forget_layouts)
+        recent = recents.get(hp)
         if recent is not None and recent[0] <= start <= stop <= recent[1]:
             lo = recent[0]
             return recent[2][start - lo : stop - lo]
-        _bounds, memo, memoize, bl = self._layout(hp)
+        layout = self._layout(hp)
+        _bounds, memo, memoize, bl = layout
         n = bl[-1]
         if not (0 <= start <= stop <= n):
             raise IndexError(f"rows [{start}, {stop}) out of range for hook point {hp!r} with {n} rows")
         if not memoize:  # decoded by the store: read just these rows through its cache
             return self._rows(hp, start, stop)
-        lo, hi = self._hinted.get(hp, (1, 0))
+        lo, hi = hinted.get(hp, (1, 0))
         if not (lo <= start and stop <= hi):  # cold pages: have the kernel read ahead of the consumer
             got = self.store.will_read(hp, start, stop)
             ok = isinstance(got, tuple) and len(got) == 2 and all(isinstance(v, int) for v in got)
             lo, hi = got if ok else (1, 0)
-            self._hinted[hp] = (lo, hi)  # (1, 0), no range given: hint every read
+            hinted[hp] = (lo, hi)  # (1, 0), no range given: hint every read
         k = bisect.bisect_right(bl, start) - 1
         if k < len(bl) - 1 and stop <= bl[k + 1]:
             b = bl[k]
             seg = memo.get(k)
             if seg is None:
-                seg = self._segment(hp, k)
+                seg = self._segment(hp, k, layout)
             r_lo, r_hi = max(b, lo), min(bl[k + 1], hi)  # rows both mapped here and hinted
             if r_lo <= start <= stop <= r_hi:
-                self._recent[hp] = (r_lo, r_hi, seg[r_lo - b : r_hi - b])
+                recents[hp] = (r_lo, r_hi, seg[r_lo - b : r_hi - b])
             return seg[start - b : stop - b]
         return self._rows(hp, start, stop)
 
@@ -407,18 +415,23 @@ class StoreSource:
         gather = _gather_rows()
         if gather is None:
             return None
-        _bounds, memo, memoize, bl = self._layout(hp)
+        store = self._store
+        if store is None or getattr(store, "attrs", None) is not self._seen:
+            self.store  # opened (lazily); refreshed: the cached layouts may be stale
+        seg_lists = self._seg_lists  # (taken before the store is read: see _forget_layouts)
+        layout = self._layout(hp)
+        _bounds, memo, memoize, bl = layout
         if not memoize:
             return None
-        segs = self._seg_lists.get(hp)
-        if segs is None:
+        segs = seg_lists.get(hp)
+        if segs is None or len(segs) != len(bl) - 1:
             segs = [memo.get(k) for k in range(len(bl) - 1)]
-            self._seg_lists[hp] = segs
+            seg_lists[hp] = segs
         for _ in range(len(bl)):
             got = gather(positions, n, start, bl, segs, want_ids)
             if type(got) is not int:
                 return got
-            segs[got] = self._segment(hp, got)  # a segment this batch needs, mapped once
+            segs[got] = self._segment(hp, got, layout)  # a segment this batch needs, mapped once
         return None
 
     def gather_plan(self, hp: str) -> tuple[Any, list[int], list[Any], Any] | None:
@@ -434,31 +447,33 @@ class StoreSource:
         if gather is None:
             return None
         self._check_refreshed()
+        seg_lists, seen = self._seg_lists, self._seen
         _bounds, _memo, memoize, bl = self._layout(hp)
-        segs = self._seg_lists.get(hp)
-        if not memoize or segs is None:
+        segs = seg_lists.get(hp)
+        if not memoize or segs is None or len(segs) != len(bl) - 1:
             return None
-        return gather, bl, segs, (self._seg_lists, self._seen)
+        return gather, bl, segs, (seg_lists, seen)
 
     def take(self, hp: str, index: torch.Tensor) -> torch.Tensor:
         """Rows at ``index`` (int64, (k,)) of ``hp``: a new tensor (one gather per segment touched)."""
-        bounds, _memo, _memoize, bl = self._layout(hp)
+        layout = self._layout(hp)
+        bounds, _memo, _memoize, bl = layout
         if index.numel() == 0:
             return torch.empty((0, *self.feature_shape(hp)), dtype=self.dtype(hp))
         index = index.contiguous()  # (a strided view of the caller's index: searchsorted warns on it)
         if len(bl) <= 2:
-            return torch.index_select(self._segment(hp, 0), 0, index)
+            return torch.index_select(self._segment(hp, 0, layout), 0, index)
         lo, hi = int(index.min()), int(index.max())
         k = bisect.bisect_right(bl, lo) - 1
         if 0 <= k < len(bl) - 1 and hi < bl[k + 1]:  # all in one segment: one gather, no scatter
-            return torch.index_select(self._segment(hp, k), 0, index - bl[k] if bl[k] else index)
+            return torch.index_select(self._segment(hp, k, layout), 0, index - bl[k] if bl[k] else index)
         seg = torch.searchsorted(bounds, index, right=True) - 1
         out = torch.empty((index.numel(), *self.feature_shape(hp)), dtype=self.dtype(hp))
         bits = _INDEXABLE.get(out.dtype)  # (index_put has no kernel for uint16 / uint32 / uint64)
         dst = out if bits is None else out.view(bits)
         for s in torch.unique(seg).tolist():
             pos = (seg == s).nonzero().squeeze(1)
-            rows = torch.index_select(self._segment(hp, s), 0, index[pos] - bl[s])
+            rows = torch.index_select(self._segment(hp, s, layout), 0, index[pos] - bl[s])
             dst[pos] = rows if bits is None else rows.view(bits)
         return out
 

@@ -1,0 +1,71 @@
+"""One ActivationDataset (its StoreSource) read from several threads while another thread
+refreshes the store a live capture grows. The interleavings that went wrong are forced
+deterministically: a slow point of one reader (monkeypatched) runs the other thread's
+``refresh()`` right there."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from activationscope import open_store
+from activationscope.data import ActivationDataset
+from activationscope.data.dataset import collate
+from activationscope.store import StoreWriter
+from activationscope.store import reader as R
+
+HP = "x"
+
+
+def _write(path, data, *, resume=False, compression=None):
+    """Rows of ``HP``: chunks of 8 rows, shards of 32 (40 rows end inside a shard)."""
+    w = StoreWriter(path, resume=resume, compression=compression, chunk_rows=8, shard_rows=32)
+    a = w.open_array(HP, (3,), torch.float32, "sample")
+    a.append(data)
+    w.add_batch(len(data))
+    w.close()
+
+
+def _refresh_inside(monkeypatch, name, ds):
+    """``Store.<name>`` runs once as another thread's ``store.refresh()`` (and its next read
+    of the dataset's source, which notices it) interleave with it: after it has read the
+    old commit, before its caller caches what it returned."""
+    real = getattr(R.Store, name)
+    fired = []
+
+    def patched(self, *args, **kwargs):
+        got = real(self, *args, **kwargs)
+        if not fired:
+            fired.append(True)
+            self.refresh()
+            ds.source.store  # (the other thread's read: the source forgets its layouts)
+        return got
+
+    monkeypatch.setattr(R.Store, name, patched)
+    return fired
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+@pytest.mark.parametrize("cache", ["row table", "row layout"])
+def test_what_the_source_read_from_the_commit_before_a_refresh_is_not_kept_for_the_new_one(
+        tmp_path, monkeypatch, compression, cache):
+    path = str(tmp_path / "s.zarr")
+    data = torch.randn(100, 3, generator=torch.Generator().manual_seed(0))
+    _write(path, data[:40], compression=compression)
+    old = ActivationDataset(open_store(path))
+    _write(path, data[40:], resume=True, compression=compression)  # a live capture grows it
+    if cache == "row table":
+        fired = _refresh_inside(monkeypatch, "row_table", old)
+        old.source.row_table("sample")
+    else:
+        fired = _refresh_inside(monkeypatch, "row_blocks", old)
+        assert torch.equal(old[0:8][HP], data[:8])
+    assert fired
+    new = ActivationDataset(old, columns=["sample_id"])  # made after the refresh: 100 rows
+    assert len(new) == 100
+    assert new[:]["sample_id"].tolist() == list(range(100))
+    assert torch.equal(new[:][HP], data) and torch.equal(new[95][HP], data[95])
+    assert torch.equal(new[[99, 3, 45, 70]][HP], data[[99, 3, 45, 70]])
+    for a in range(0, 100, 7):
+        assert torch.equal(collate(new.__getitems__(range(a, min(100, a + 7))))[HP], data[a : a + 7]), a
+    assert torch.equal(new.block_boundaries(), ActivationDataset(path).block_boundaries())
