@@ -1149,7 +1149,7 @@ class Store:
             pass
         return key
 
-    def _shard_index(self, meta: dict, shard: int) -> _ShardIndex:
+    def _shard_index(self, meta: dict, shard: int, _key: str | None = None) -> _ShardIndex:
         """Read and check a shard's index before any of its rows is used.
 
         Checks: the file exists and is a regular file, holds at least the index, and the
@@ -1158,17 +1158,22 @@ class Store:
         long); one that is not is recorded in ``bad`` and raises when it is read, so the
         other chunks of the shard stay readable.
 
+        The file read is :meth:`_shard_file`'s (``_key``: that one, not cached first). A
+        resume's kept file (``<key>.committed.tmp``) that it removes meanwhile (its commit
+        ended) is read at the key instead, as a reader opened then would.
+
         Raises
         ------
         StoreCorruptError
             Naming the shard file and what is wrong.
         """
         shard_key = self._shard_key(meta, shard)
-        with self._lock:
-            cached = self._indexes.get(shard_key)
-        if cached is not None:
-            return cached
-        key = self._shard_file(meta, shard)  # (cached under the shard key: checked once)
+        if _key is None:
+            with self._lock:
+                cached = self._indexes.get(shard_key)
+            if cached is not None:
+                return cached
+        key = _key or self._shard_file(meta, shard)  # (cached under the shard key: checked once)
         rb, chunk_rows, n_chunks, chunk_bytes = _layout(meta)
         n = int(meta["n_rows"])
         shard_rows = n_chunks * chunk_rows
@@ -1176,6 +1181,9 @@ class Store:
         self._check_same_store()
         index_bytes = 16 * n_chunks + 4
         got_tail = self._backend.tail(key, index_bytes)  # size and index (locally: from one open)
+        if got_tail is None and key != shard_key:  # a resume's kept file, removed since (its commit ended)
+            key = shard_key
+            got_tail = self._backend.tail(key, index_bytes)
         if got_tail is None:
             raise V.corrupt(self._backend, f"shard {key!r} of array {hp!r} is missing; its rows "
                                            f"{shard * shard_rows}.. are committed (n_rows {n})")
@@ -1231,8 +1239,10 @@ class Store:
                 if j not in bad:
                     c = shard * n_chunks + j
                     where = f"chunk {c} (rows {c * chunk_rows}-{min(n, (c + 1) * chunk_rows) - 1}) of array {hp!r}"
-                    problem = self._chunk_crc_problem(meta, shard, j, entries[j],
-                                                      self._backend.get_range(key, *entries[j]) or b"", where, key)
+                    data = self._backend.get_range(key, *entries[j])
+                    if data is None and key != shard_key:  # a resume's kept file, removed since
+                        return self._shard_index(meta, shard, shard_key)
+                    problem = self._chunk_crc_problem(meta, shard, j, entries[j], data or b"", where, key)
                     if problem is not None:
                         bad[j] = problem
         expected = np.arange(committed, dtype=np.uint64) * np.uint64(chunk_bytes)
@@ -1242,6 +1252,20 @@ class Store:
             if self._current(meta):
                 self._indexes[shard_key] = out
         return out
+
+    def _forget_kept(self, meta: dict, shard: int, idx: _ShardIndex) -> bool:
+        """When ``idx`` (shard ``shard``'s cached index) is of a resume's kept file
+        (``<key>.committed.tmp``, FORMAT.md section 7) that is gone now (the resume's commit
+        ended and removed it), forget it (its rows are read at the key from then on) and
+        return True; else False (a file missing is then what it says)."""
+        key = self._shard_key(meta, shard)
+        if idx.key == key or self._backend.size(idx.key) is not None:
+            return False
+        with self._lock:
+            if self._indexes.get(key) is idx:
+                del self._indexes[key]
+            self._maps.pop(idx.key, None)
+        return True
 
     def _check_shard_crcs(self, hook_point: str, shard: int, fix: str = V.FIX) -> None:
         """Check every committed chunk of shard ``shard`` of ``hook_point`` against the crc32c
@@ -1324,7 +1348,12 @@ class Store:
             return None
         rb, chunk_rows, n_chunks, _ = _layout(meta)
         committed = min(int(meta["n_rows"]) - shard * n_chunks * chunk_rows, n_chunks * chunk_rows)
-        flat = self._map(idx.key, committed * rb, meta)
+        try:
+            flat = self._map(idx.key, committed * rb, meta)
+        except StoreCorruptError:
+            if not self._forget_kept(meta, shard, idx):
+                raise
+            return self._mapped_rows(meta, shard, local_start, n)
         return flat[local_start * rb:(local_start + n) * rb].view(dtype).view(n, *feat)
 
     def _whole_rows(self, meta: dict) -> torch.Tensor | None:
@@ -1355,6 +1384,8 @@ class Store:
         try:
             flat = C.map_files_contiguous(paths, stride, n * rb)
         except (OSError, RuntimeError) as e:
+            if self._forget_kept(meta, n_shards - 1, self._shard_index(meta, n_shards - 1)):
+                return self._whole_rows(meta)  # (the kept file of the last shard, gone: at its key)
             raise V.corrupt(self._backend, f"the shards of array {meta['path']!r} cannot be mapped: {e}") from None
         view = flat.view(F.torch_dtype(meta["dtype"])).view(n, *meta["feature_shape"])
         with self._lock:
@@ -1415,7 +1446,7 @@ class Store:
                     self._check_chunk_crc(meta, shard, j, (off, nbytes), data, where, idx.key)
                 break
             except StoreCorruptError:
-                if not tail or attempt:
+                if attempt or not (tail or self._forget_kept(meta, shard, idx)):
                     raise
                 # a resume may have rewritten that chunk's shard (and listed it in the manifest)
                 # since this reader read its index: read the index again, once

@@ -128,3 +128,36 @@ def test_a_chunk_decoding_for_the_commit_before_a_refresh_is_not_used_for_the_ne
     assert torch.equal(got["old"], data[32:37])
     for a, b in [(32, 40), (24, 48), (0, 100)]:  # once it has finished: not cached for the new commit
         assert torch.equal(st.rows(HP, a, b), data[a:b]), (a, b)
+
+
+def _write_wide(path, data, *, resume=False, compression=None):
+    """Rows of 128 float32 (shards of 32 rows are 16 KiB: mapped back to back)."""
+    w = StoreWriter(path, resume=resume, compression=compression, chunk_rows=8, shard_rows=32)
+    a = w.open_array(HP, (128,), torch.float32, "sample")
+    a.append(data)
+    w.add_batch(len(data))
+    w.close()
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+@pytest.mark.parametrize("verify", [False, True])
+def test_a_reader_that_read_the_kept_shard_of_a_resume_reads_on_once_the_resume_removed_it(
+        tmp_path, monkeypatch, compression, verify):
+    data = torch.randn(100, 128, generator=torch.Generator().manual_seed(1))
+    path = tmp_path / "s.zarr"
+    _write_wide(path, data[:45], compression=compression)  # shard 1: chunk 4 full, chunk 5 rows 40-44
+    shard = path / "acts" / "x" / "c" / "1" / "0"
+    kept = shard.with_name("0.committed.tmp")
+    committed = shard.read_bytes()
+    st = open_store(path, cache_bytes=0, verify=verify)
+    assert torch.equal(st.rows(HP, 0, 8), data[:8])
+    _write_wide(path, data[45:], resume=True, compression=compression)
+    # as a reader sees it in a resume's commit: its rewrite at the key, the committed file kept
+    kept.write_bytes(committed)
+    assert torch.equal(st.rows(HP, 40, 45), data[40:45])  # (of the kept file: the key's does not match)
+    kept.unlink()  # the resume's commit ends: it removes the kept file
+    for a, b in [(32, 40), (40, 45), (30, 45), (0, 45)]:
+        assert torch.equal(st.rows(HP, a, b), data[a:b]), (a, b)
+    assert torch.equal(st[HP, ::2], data[:45:2])
+    st.refresh()
+    assert torch.equal(st.rows(HP, 0, 100), data)
