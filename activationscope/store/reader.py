@@ -374,8 +374,9 @@ class Store:
             self._cache.clear()
             self._cached = 0
             # the rows hinted so far were of the old commit's files: another run in its place,
-            # or a last shard a resume rewrote (a new file), whose pages were never hinted
-            self._advised.clear()
+            # or a last shard a resume rewrote (a new file), whose pages were never hinted. A new
+            # dict: a hint given meanwhile (from the old commit) goes into the old one
+            self._advised = {}
 
     def _refuse_node_of_a_store(self, raw: bytes | None) -> None:
         """Raise :class:`StoreError` naming the store to open when this local path, which holds
@@ -765,6 +766,7 @@ class Store:
             for _, st, lo, hi in self._rank_spans(hook_point, int(start), int(stop)):
                 st.will_read(hook_point, lo, hi)
             return
+        advised = self._advised  # (before the metadata: a refresh() meanwhile replaces it)
         meta = self._meta(hook_point)
         hint = self._hints.get(hook_point)
         if hint is None or hint[0] is not meta:  # per array, once (and again after a refresh)
@@ -781,20 +783,20 @@ class Store:
         if stop <= start:
             return (0, 0)
         half = ahead_rows // 2
-        adv = self._advised.get(hook_point)
+        adv = advised.get(hook_point)
         if adv is not None and adv[0] <= start and (stop + half <= adv[1] or adv[1] >= n):
-            self._advised[hook_point] = (start, adv[1])  # already advised (the common case: no lock)
+            advised[hook_point] = (start, adv[1])  # already advised (the common case: no lock)
             return (start, adv[1] if adv[1] >= n else adv[1] - half)
         with self._lock:
-            last_start, until = self._advised.get(hook_point, (-1, 0))
+            last_start, until = advised.get(hook_point, (-1, 0))
             forward = last_start <= start <= until + half  # small gaps: workers taking turns
             if forward and (stop + half <= until or until >= n):
-                self._advised[hook_point] = (start, until)
+                advised[hook_point] = (start, until)
                 return (start, until if until >= n else until - half)  # already advised
             lo = max(start, until) if forward else start
             ahead = forward or start == 0  # a reader moving forward: read ahead of it
             hi = min(n, stop + ahead_rows) if ahead else stop
-            self._advised[hook_point] = (start, hi)
+            advised[hook_point] = (start, hi)
         # A hint: a shard it cannot map (missing, damaged, replaced) is not an error here. The
         # read-ahead lies past the rows asked for, which may never be read (a dataset of some
         # rows); the read of rows of such a shard raises, naming it.
@@ -812,8 +814,8 @@ class Store:
                 ext = nxt
             if ext > hi:
                 with self._lock:
-                    if self._advised.get(hook_point) == (start, hi):
-                        self._advised[hook_point] = (start, ext)
+                    if advised.get(hook_point) == (start, hi):
+                        advised[hook_point] = (start, ext)
                 hi = ext
         return (start, hi if hi >= n else max(stop, hi - half))
 

@@ -268,3 +268,32 @@ def test_warm_windows_of_a_dataset_of_some_rows_of_a_growing_store(tmp_path, mon
         assert torch.equal(epoch(every, bs), t[:70]) and torch.equal(epoch(some, bs), t[5:61])
         assert torch.equal(epoch(grown, bs), t[60:190])
         assert torch.equal(epoch(ActivationDataset(store), bs), t)
+
+
+@pytest.mark.filterwarnings("ignore:.*sample id 0 was recorded more than once")
+def test_a_hint_given_while_another_thread_refreshes_is_not_kept_for_the_new_commit(tmp_path, monkeypatch):
+    path = tmp_path / "s.zarr"
+    t = torch.randn(1000, 256)
+    _write(path, t[:600])  # one shard (1 KiB rows), part-filled
+    store = open_store(path)
+    store.will_read("x", 0, 100)  # a sequential reader: rows 0-99 and the read-ahead after them
+    _write(path, t[600:], resume=True)  # a resume rewrites the last shard (a new file) and grows it
+
+    class RefreshedMeanwhile(dict):  # another thread's refresh() lands inside this hint
+        def get(self, *args):
+            got = super().get(*args)
+            if not fired:
+                fired.append(True)
+                store.refresh()
+            return got
+
+    fired = []
+
+    store._advised = RefreshedMeanwhile(store._advised)
+    store.will_read("x", 100, 200)
+    hinted = []
+    monkeypatch.setattr(reader, "_will_need", lambda addr, nbytes: hinted.append(nbytes) or False)
+    assert store.n_rows("x") == 1000
+    store.will_read("x", 200, 300)  # the rows of the new commit's files were never hinted: hinted now
+    assert fired and sum(hinted) == (1000 - 200) * 1024  # (its rows and the read-ahead after them)
+    assert torch.equal(store.rows("x", 0, 1000), t)
