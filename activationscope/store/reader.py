@@ -756,6 +756,13 @@ class Store:
         Other arrays: nothing.
         ``ActivationDataset`` calls it for contiguous batches.
 
+        A store keeps one read-ahead window per hook point. Readers in several threads that
+        each move forward through the same hook point at different places (a training loop
+        and an evaluator sharing one opened store) take it from one another: each then gets
+        its own rows hinted but no read-ahead after them (their reads return the same rows,
+        the cold ones page in one fault at a time). Give each such reader its own
+        ``open_store`` (or ``ActivationDataset`` of the path) to keep each one's read-ahead.
+
         Returns
         -------
         (int, int)
