@@ -218,8 +218,10 @@ class StoreSource:
         seen = getattr(store, "attrs", None)
         if seen is not self._seen:
             self._forget_layouts()
-            self._seen = seen
+            # the run first: a reader in another thread that finds ``_seen`` current (and so
+            # does not sync itself) then checks its dataset against the run it holds
             self._run = run_of(seen)
+            self._seen = seen
 
     def run(self) -> tuple | None:
         """``(run_id, created)`` of the run the store holds now (as of its last refresh), or

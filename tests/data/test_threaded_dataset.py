@@ -69,3 +69,34 @@ def test_what_the_source_read_from_the_commit_before_a_refresh_is_not_kept_for_t
     for a in range(0, 100, 7):
         assert torch.equal(collate(new.__getitems__(range(a, min(100, a + 7))))[HP], data[a : a + 7]), a
     assert torch.equal(new.block_boundaries(), ActivationDataset(path).block_boundaries())
+
+
+def test_a_read_while_another_thread_notices_an_overwrite_refuses_the_new_run(tmp_path, monkeypatch):
+    from activationscope.data import _source
+    from activationscope.errors import StoreError
+
+    path = str(tmp_path / "s.zarr")
+    _write(path, torch.zeros(40, 3))
+    store = open_store(path)
+    run = store.attrs["run_id"]
+    picked = ActivationDataset(store, rows=[3, 1, 39])
+    picked[:]
+    w = StoreWriter(path, overwrite=True, chunk_rows=8, shard_rows=32)  # another run in its place
+    w.open_array(HP, (3,), torch.float32, "sample").append(torch.ones(50, 3))
+    w.add_batch(50)
+    w.close()
+    store.refresh()
+    real, got = _source.run_of, []
+
+    def run_of(attrs):  # one thread notices the refresh; this dataset's read runs right then
+        if not got:
+            got.append(None)
+            try:
+                got[0] = picked[:]
+            except StoreError as e:
+                got[0] = e
+        return real(attrs)
+
+    monkeypatch.setattr(_source, "run_of", run_of)
+    picked.source.store  # (the other thread)
+    assert isinstance(got[0], StoreError) and f"run {run} then" in str(got[0]), got[0]
