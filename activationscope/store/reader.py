@@ -318,6 +318,7 @@ class Store:
         # another commit's entry (a reader that took it before another thread's refresh()) is
         # returned to that reader but never kept for the others (``_current``)
         self._live: frozenset[int] = frozenset()
+        self._refreshes = self._shown = 0  # refresh() calls started; the one whose commit is shown
         # (hook point, chunk, id of the array entry it is decoded for) -> Future of its decode;
         # the decoded chunks cache under the same keys, of the commit read last only
         self._inflight: dict[tuple, Any] = {}
@@ -332,7 +333,13 @@ class Store:
 
     # ------------------------------------------------------------------ metadata
     def refresh(self) -> None:
-        """Re-read (and re-validate) the root metadata: see rows committed since opening."""
+        """Re-read (and re-validate) the root metadata: see rows committed since opening.
+
+        Threads may call it at once (and read meanwhile): the commit shown is that of the
+        refresh that started last, never an older one read by a slower call."""
+        with self._lock:
+            self._refreshes += 1
+            seq = self._refreshes
         stamp = self._root_stamp()  # before the read: a commit in between only costs one re-read later
         raw = self._backend.get("zarr.json", max_bytes=V.MAX_JSON_BYTES)
         if raw is None:
@@ -359,6 +366,11 @@ class Store:
         if self._rank_view_allowed and isinstance(dist, dict) and dist.get("committed") is False:
             attrs, ranks, parts = _rank_view(self, attrs, dist)
         with self._lock:
+            if seq < self._shown:  # a refresh that started after this one has shown a newer commit
+                for _, st in ranks:
+                    st.close()
+                return
+            self._shown = seq
             for _, old in self._ranks:
                 old.close()
             self._ranks, self._parts = ranks, parts

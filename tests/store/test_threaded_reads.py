@@ -161,3 +161,23 @@ def test_a_reader_that_read_the_kept_shard_of_a_resume_reads_on_once_the_resume_
     assert torch.equal(st[HP, ::2], data[:45:2])
     st.refresh()
     assert torch.equal(st.rows(HP, 0, 100), data)
+
+
+def test_two_threads_refreshing_at_once_never_take_the_store_back_to_an_older_commit(tmp_path, data, monkeypatch):
+    path = str(tmp_path / "s.zarr")
+    _write(path, data[:37])
+    st = open_store(path)
+    real, fired = R.V.parse_root, []
+
+    def parse_root(raw, **kwargs):  # one refresh() has read the root of 37 rows; meanwhile the
+        if not fired:  # store grows and another thread's refresh() reads and shows 100 rows
+            fired.append(True)
+            _write(path, data[37:], resume=True)
+            st.refresh()
+            assert st.n_rows(HP) == 100
+        return real(raw, **kwargs)
+
+    monkeypatch.setattr(R.V, "parse_root", parse_root)
+    st.refresh()
+    assert fired
+    assert st.n_rows(HP) == 100 and torch.equal(st.rows(HP, 90, 100), data[90:])
