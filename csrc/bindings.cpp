@@ -322,6 +322,17 @@ void bind_capture(py::module_& m) {
       .def("reference_changed", &Sink::reference_changed, py::arg("all") = false, py::call_guard<ReleaseGil>())
       .def("add_reduction", &Sink::add_reduction)
       .def_property_readonly("reductions", &Sink::reductions)
+      .def(
+          "reduction_result",
+          [](Sink& s, int64_t index) {
+            NamedTensors r;
+            {
+              ReleaseGil nogil;  // (the sink's lock: a capturing thread may hold it, waiting for the GIL)
+              r = s.reduction_result(index);
+            }
+            return named_to_dict(r);
+          },
+          py::arg("index"))
       .def("set_writer", &Sink::set_writer)
       .def_property_readonly("has_writer", &Sink::has_writer)
       .def_property_readonly("row_kind", &Sink::row_kind)

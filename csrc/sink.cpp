@@ -555,6 +555,15 @@ bool Sink::same_as_last(const at::Tensor& x, int64_t call, bool release) {
   return x.device().is_cpu() && bytes_crc(x) == last_crc_;
 }
 
+NamedTensors Sink::reduction_result(int64_t index) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ACS_CHECK(index >= 0 && index < static_cast<int64_t>(reductions_.size()), "hook point '", name_,
+            "' has ", reductions_.size(), " reduction(s), no reduction ", index);
+  NamedTensors out = reductions_[index]->result();
+  for (auto& kv : out) kv.second = kv.second.clone();
+  return out;
+}
+
 void Sink::reduce(const at::Tensor& rows) {
   try {
     update_reductions(reductions_, rows, row_base_ + n_rows_);

@@ -118,6 +118,9 @@ class Sink {
   void check_cast(const at::Tensor& src, const at::Tensor& cast);
 
   void add_reduction(std::shared_ptr<Reduction> r) { reductions_.push_back(std::move(r)); }
+  // Copies of the result of reduction `index` (in the order added), taken under the sink's
+  // lock: never half of a batch's update, and later batches leave them alone.
+  NamedTensors reduction_result(int64_t index);
   const std::vector<std::shared_ptr<Reduction>>& reductions() const { return reductions_; }
   void set_writer(std::shared_ptr<RowConsumer> w) { writer_ = std::move(w); }
   bool has_writer() const { return writer_ != nullptr; }

@@ -563,3 +563,38 @@ def test_alias_target_module_called_on_its_own_is_refused_not_shown_in_the_alias
     recs = t._sinks["0.0.output"].records()  # the child's own records stay exact
     assert len(recs) == 5
     torch.testing.assert_close(recs[2], refs[2], rtol=0, atol=0)
+
+
+def test_reductions_read_while_another_thread_updates_them_are_whole_batches():
+    # a reduction's update in one thread and a read of `tracker.reductions` in another: the
+    # read sees the state before or after the batch, never half of it (here an eager
+    # reduction updates its accumulator in two steps, sleeping between them)
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    xs = [torch.randn(2, 4), torch.randn(3, 4)]
+    entered = threading.Event()
+
+    def two_step_sum(acc, x):  # not TorchScript (threading): an eager Python reduction
+        s = x.sum(0)
+        if acc is None:
+            return s
+        acc[:2].add_(s[:2])
+        if threading.current_thread().name == "capture":
+            entered.set()
+            time.sleep(0.2)  # the GIL goes to the reading thread meanwhile
+        acc[2:].add_(s[2:])
+        return acc
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        scope = ActivationScope(reductions={"0.output": [two_step_sum]})
+    with torch.no_grad(), scope.track(m) as t:
+        th = threading.Thread(target=lambda: [m(x) for x in xs], name="capture")
+        th.start()
+        assert entered.wait(5)
+        read = t.reductions["0.output"]["two_step_sum"].clone()  # (as it is now)
+        th.join(10)
+    with torch.no_grad():
+        ref = m(xs[0]).sum(0) + m(xs[1]).sum(0)
+    torch.testing.assert_close(read, ref)
+    torch.testing.assert_close(t.reductions["0.output"]["two_step_sum"], ref)

@@ -1739,3 +1739,44 @@ def test_a_cov_over_every_value_of_a_wide_hook_point_is_not_refused(monkeypatch)
     with pytest.raises(ReductionError, match=r"reduction 'c' \(cov, .*\) of hook point '0.output' needs a state of"):
         with acs.ActivationScope(reductions=[("c", "cov", {})]).track(model), torch.no_grad():
             model(x)
+
+
+def _accumulate_in_place(eager: bool):
+    """A custom sum whose accumulator is updated in place from the second batch on
+    (TorchScript-compilable, or eager when ``eager``)."""
+    marker = object() if eager else None
+
+    def in_place_sum(acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        if acc is None:
+            return x.sum(0)
+        acc.add_(x.sum(0))
+        return acc
+    if not eager:
+        return in_place_sum
+
+    def eager_fn(acc, x):
+        assert marker is not None
+        return in_place_sum(acc, x)
+    eager_fn.__name__ = "in_place_sum"
+    return eager_fn
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_reductions_read_during_a_capture_are_copies_that_later_batches_leave_alone(eager):
+    """`tracker.reductions` gives copies: a value read after one batch stays that batch's
+    sum while a custom reduction goes on updating its accumulator in place."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4)).eval()
+    xs = [torch.randn(2, 3), torch.randn(5, 3), torch.randn(4, 3)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", R.EagerFallbackWarning)
+        scope = acs.ActivationScope(include=["0"], reductions=[("s", _accumulate_in_place(eager))])
+    with torch.no_grad(), scope.track(model) as tracker:
+        model(xs[0])
+        first = tracker.reductions["0.output"]["s"]
+        for x in xs[1:]:
+            model(x)
+        last = tracker.reductions["0.output"]["s"]
+    with torch.no_grad():
+        torch.testing.assert_close(first, model(xs[0]).sum(0))
+        torch.testing.assert_close(last, sum(model(x).sum(0) for x in xs))

@@ -1843,7 +1843,8 @@ class Tracker:
         Returns
         -------
         dict of str to dict of str to Tensor
-            On the host (CPU), fresh tensors (copies of the accumulators). Keys, shapes and
+            On the host (CPU), fresh tensors (copies of the accumulators, taken between two
+            batches when another thread captures meanwhile: never half of one). Keys, shapes and
             dtypes per kind, for rows ``(rows, *feature_shape)`` and the default
             ``per_feature=1`` (with ``per_feature=0`` read ``feature_shape`` as ``()``):
 
@@ -1876,8 +1877,12 @@ class Tracker:
             if not names:
                 continue
             out[name] = ReductionResults(name)
-            for red_name, red in zip(names, objects):
-                out[name].update(_flatten_result(red_name, red))
+            sink = self._sinks.get(name)  # (none yet for a resumed hook point not captured again)
+            for i, (red_name, red) in enumerate(zip(names, objects)):
+                # copies taken under the sink's lock: a thread capturing meanwhile adds whole
+                # batches, and later ones leave them alone
+                result = sink.reduction_result(i) if sink is not None else None
+                out[name].update(_flatten_result(red_name, red, result))
         return out
 
     def reduction_objects(self, hook_point: str) -> dict[str, Any]:
@@ -2016,8 +2021,9 @@ def _batch_size(batch: Mapping[str, Any], from_inputs: int) -> int:
     return max(0, int(from_inputs))
 
 
-def _flatten_result(name: str, reduction: Any) -> dict[str, torch.Tensor]:
-    result = reduction.result()
+def _flatten_result(name: str, reduction: Any, result: Any = None) -> dict[str, torch.Tensor]:
+    if result is None:  # (copies: a custom reduction's result may be its live accumulator)
+        result = {key: value.clone() for key, value in reduction.result().items()}
     out: dict[str, torch.Tensor] = {}
     main_key = main_result_key(str(reduction.kind), result)
     for key, value in result.items():
