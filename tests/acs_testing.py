@@ -163,3 +163,15 @@ def set_reduction_state(path, name, key, value, hook_point: str = "0.output") ->
     (path / chunk).write_bytes(data)
     entry["crc32c"] = {chunk: F.crc32c(data)}
     root_file.write_text(json.dumps(root))
+
+
+def write_rows(path, data, hook_point="x", *, resume=False, compression=None):
+    """A store of one sample-row array ``hook_point`` holding ``data`` (rows, features):
+    chunks of 8 rows, shards of 32, one batch (so 37 or 40 rows end inside a shard)."""
+    from activationscope.store import StoreWriter
+
+    w = StoreWriter(path, resume=resume, compression=compression, chunk_rows=8, shard_rows=32)
+    a = w.open_array(hook_point, tuple(data.shape[1:]), data.dtype, "sample")
+    a.append(data)
+    w.add_batch(len(data))
+    w.close()

@@ -13,17 +13,10 @@ from activationscope.data import ActivationDataset
 from activationscope.data.dataset import collate
 from activationscope.store import StoreWriter
 from activationscope.store import reader as R
+from acs_testing import write_rows
 
 HP = "x"
 
-
-def _write(path, data, *, resume=False, compression=None):
-    """Rows of ``HP``: chunks of 8 rows, shards of 32 (40 rows end inside a shard)."""
-    w = StoreWriter(path, resume=resume, compression=compression, chunk_rows=8, shard_rows=32)
-    a = w.open_array(HP, (3,), torch.float32, "sample")
-    a.append(data)
-    w.add_batch(len(data))
-    w.close()
 
 
 def _refresh_inside(monkeypatch, name, ds):
@@ -51,9 +44,9 @@ def test_what_the_source_read_from_the_commit_before_a_refresh_is_not_kept_for_t
         tmp_path, monkeypatch, compression, cache):
     path = str(tmp_path / "s.zarr")
     data = torch.randn(100, 3, generator=torch.Generator().manual_seed(0))
-    _write(path, data[:40], compression=compression)
+    write_rows(path, data[:40], compression=compression)
     old = ActivationDataset(open_store(path))
-    _write(path, data[40:], resume=True, compression=compression)  # a live capture grows it
+    write_rows(path, data[40:], resume=True, compression=compression)  # a live capture grows it
     if cache == "row table":
         fired = _refresh_inside(monkeypatch, "row_table", old)
         old.source.row_table("sample")
@@ -76,7 +69,7 @@ def test_a_read_while_another_thread_notices_an_overwrite_refuses_the_new_run(tm
     from activationscope.errors import StoreError
 
     path = str(tmp_path / "s.zarr")
-    _write(path, torch.zeros(40, 3))
+    write_rows(path, torch.zeros(40, 3))
     store = open_store(path)
     run = store.attrs["run_id"]
     picked = ActivationDataset(store, rows=[3, 1, 39])

@@ -10,19 +10,12 @@ import threading
 import pytest
 import torch
 
-from activationscope.store import StoreWriter, open_store
+from activationscope.store import open_store
 from activationscope.store import reader as R
+from acs_testing import write_rows
 
 HP = "x"
 
-
-def _write(path, data, *, resume=False, compression=None):
-    """Rows of ``HP``: chunks of 8 rows, shards of 32 (37 rows end inside a chunk)."""
-    w = StoreWriter(path, resume=resume, compression=compression, chunk_rows=8, shard_rows=32)
-    a = w.open_array(HP, (3,), torch.float32, "sample")
-    a.append(data)
-    w.add_batch(len(data))
-    w.close()
 
 
 @pytest.fixture
@@ -49,9 +42,9 @@ def _once(monkeypatch, cls, name, before):
 def test_a_refresh_while_a_reader_checks_the_array_is_not_reported_as_damage(tmp_path, data, monkeypatch,
                                                                           compression):
     path = str(tmp_path / "s.zarr")
-    _write(path, data[:37], compression=compression)
+    write_rows(path, data[:37], compression=compression)
     st = open_store(path)
-    _write(path, data[37:], resume=True, compression=compression)  # a live capture grows it
+    write_rows(path, data[37:], resume=True, compression=compression)  # a live capture grows it
     # the reader has taken the array's entry of the commit it opened; another thread's
     # refresh() lands before it checks that entry against the array's files
     fired = _once(monkeypatch, R.Store, "_array_crcs", lambda self: self.refresh())
@@ -83,9 +76,9 @@ def _refresh_after(monkeypatch, st, method, key):
 def test_what_a_reader_built_from_the_commit_before_a_refresh_is_not_kept_for_the_new_one(
         tmp_path, data, monkeypatch, compression, cache):
     path = str(tmp_path / "s.zarr")
-    _write(path, data[:37], compression=compression)  # shard 1 holds rows 32-36
+    write_rows(path, data[:37], compression=compression)  # shard 1 holds rows 32-36
     st = open_store(path, cache_bytes=0)  # (decoded chunks not cached: see the test of that cache below)
-    _write(path, data[37:], resume=True, compression=compression)  # rewrites shard 1, adds shards 2-3
+    write_rows(path, data[37:], resume=True, compression=compression)  # rewrites shard 1, adds shards 2-3
     if cache == "array check":  # the manifest's chunks of shards 0-1 (the last one of 37 rows)
         fired = _refresh_after(monkeypatch, st, "size", "acts/x/c/1/0")
         assert torch.equal(st.rows(HP, 0, 10), data[:10])
@@ -102,7 +95,7 @@ def test_what_a_reader_built_from_the_commit_before_a_refresh_is_not_kept_for_th
 
 def test_a_chunk_decoding_for_the_commit_before_a_refresh_is_not_used_for_the_new_one(tmp_path, data, monkeypatch):
     path = str(tmp_path / "s.zarr")
-    _write(path, data[:37], compression="zstd")  # chunk 4: rows 32-36 of 37
+    write_rows(path, data[:37], compression="zstd")  # chunk 4: rows 32-36 of 37
     st = open_store(path)
     entered, gate = threading.Event(), threading.Event()
     real = R.Store._decode_chunk
@@ -118,7 +111,7 @@ def test_a_chunk_decoding_for_the_commit_before_a_refresh_is_not_used_for_the_ne
     old_reader = threading.Thread(target=lambda: got.setdefault("old", st.rows(HP, 32, 37)))
     old_reader.start()
     assert entered.wait(5)
-    _write(path, data[37:], resume=True, compression="zstd")  # chunk 4 now holds rows 32-39
+    write_rows(path, data[37:], resume=True, compression="zstd")  # chunk 4 now holds rows 32-39
     st.refresh()
     try:  # while the old commit's chunk 4 (5 rows) still decodes
         assert torch.equal(st.rows(HP, 32, 40), data[32:40])
@@ -130,14 +123,6 @@ def test_a_chunk_decoding_for_the_commit_before_a_refresh_is_not_used_for_the_ne
         assert torch.equal(st.rows(HP, a, b), data[a:b]), (a, b)
 
 
-def _write_wide(path, data, *, resume=False, compression=None):
-    """Rows of 128 float32 (shards of 32 rows are 16 KiB: mapped back to back)."""
-    w = StoreWriter(path, resume=resume, compression=compression, chunk_rows=8, shard_rows=32)
-    a = w.open_array(HP, (128,), torch.float32, "sample")
-    a.append(data)
-    w.add_batch(len(data))
-    w.close()
-
 
 @pytest.mark.parametrize("compression", [None, "zstd"])
 @pytest.mark.parametrize("verify", [False, True])
@@ -145,13 +130,13 @@ def test_a_reader_that_read_the_kept_shard_of_a_resume_reads_on_once_the_resume_
         tmp_path, monkeypatch, compression, verify):
     data = torch.randn(100, 128, generator=torch.Generator().manual_seed(1))
     path = tmp_path / "s.zarr"
-    _write_wide(path, data[:45], compression=compression)  # shard 1: chunk 4 full, chunk 5 rows 40-44
+    write_rows(path, data[:45], compression=compression)  # shard 1: chunk 4 full, chunk 5 rows 40-44
     shard = path / "acts" / "x" / "c" / "1" / "0"
     kept = shard.with_name("0.committed.tmp")
     committed = shard.read_bytes()
     st = open_store(path, cache_bytes=0, verify=verify)
     assert torch.equal(st.rows(HP, 0, 8), data[:8])
-    _write_wide(path, data[45:], resume=True, compression=compression)
+    write_rows(path, data[45:], resume=True, compression=compression)
     # as a reader sees it in a resume's commit: its rewrite at the key, the committed file kept
     kept.write_bytes(committed)
     assert torch.equal(st.rows(HP, 40, 45), data[40:45])  # (of the kept file: the key's does not match)
@@ -165,14 +150,14 @@ def test_a_reader_that_read_the_kept_shard_of_a_resume_reads_on_once_the_resume_
 
 def test_two_threads_refreshing_at_once_never_take_the_store_back_to_an_older_commit(tmp_path, data, monkeypatch):
     path = str(tmp_path / "s.zarr")
-    _write(path, data[:37])
+    write_rows(path, data[:37])
     st = open_store(path)
     real, fired = R.V.parse_root, []
 
     def parse_root(raw, **kwargs):  # one refresh() has read the root of 37 rows; meanwhile the
         if not fired:  # store grows and another thread's refresh() reads and shows 100 rows
             fired.append(True)
-            _write(path, data[37:], resume=True)
+            write_rows(path, data[37:], resume=True)
             st.refresh()
             assert st.n_rows(HP) == 100
         return real(raw, **kwargs)
