@@ -892,7 +892,7 @@ class Tracker:
             fail with CaptureError when they go on (their capture cannot be completed).
         """
         left = self._detach()
-        self._finish(status="complete")
+        self._finish(status="complete", left_running=left)
         self._raise_left_running(left)
 
     def _wait_other_threads(self) -> int:
@@ -914,7 +914,8 @@ class Tracker:
             raise CaptureError(
                 f"{left} call(s) of tracked modules of {type(self.model).__name__} still ran in other threads "
                 f"{_CLOSE_WAIT_S:g} s after the tracker began to close (its `with` block ended, or remove()): its "
-                "wrappers were removed, and those calls fail with CaptureError, their capture incomplete. Join "
+                "wrappers were removed, and those calls fail with CaptureError, their capture incomplete (a store "
+                "ends at the last whole forward before them). Join "
                 "the threads that call the tracked model before the `with` block ends"
             )
 
@@ -950,7 +951,10 @@ class Tracker:
                 stacklevel=3,
             )
 
-    def _finish(self, status: str, exc: BaseException | None = None) -> None:
+    def _finish(self, status: str, exc: BaseException | None = None, left_running: int = 0) -> None:
+        """Close the capture (its store, with ``status``). ``exc``: the exception leaving the
+        block; ``left_running``: calls in other threads still running (a forward of theirs is
+        cut short by the close, not by an error: the CaptureError about them says so)."""
         if self._closed:
             return
         self._closed = True
@@ -963,7 +967,7 @@ class Tracker:
                 raise self._refusal()
             return
         if exc is None and self._open_forward is not None:  # the last forward raised, caught
-            self._forward_raised(at_exit=True)
+            self._forward_raised(at_exit=True, warn=not left_running)
         silent = self._silent_modules() if exc is None else []
         if self.writer is not None:
             if exc is None:
@@ -1077,7 +1081,7 @@ class Tracker:
             return
         self._with_depth = 0
         left = self._detach()
-        self._finish(status="complete" if exc is None else "incomplete", exc=exc)
+        self._finish(status="complete" if exc is None else "incomplete", exc=exc, left_running=left)
         if self._reference_mode:
             self._warn_changed(all_records=True)
         if exc is None:
@@ -1748,9 +1752,11 @@ class Tracker:
         warning.reason, warning.first_shapes = "token_rows_unused", f"{{{shown}}}"
         warnings.warn(warning, stacklevel=3)
 
-    def _forward_raised(self, at_exit: bool = False) -> None:
+    def _forward_raised(self, at_exit: bool = False, warn: bool = True) -> None:
         """A root forward raised, the exception was caught and the capture went on: the hook
-        points that ran before the error recorded that forward, the others did not."""
+        points that ran before the error recorded that forward, the others did not. ``warn``
+        False: the forward did not raise but was still running in another thread when the
+        tracker closed (the close raises CaptureError about it instead)."""
         k, self._open_forward = self._open_forward, None
         if self._aliases:
             self._core.alias_mismatch()  # the alias checks start again after this partial forward
@@ -1770,6 +1776,8 @@ class Tracker:
         aliased = sorted(a for a, t in self._aliases.items() if not partial or t in partial)
         if aliased:  # stored once with their target: they show what it recorded of that forward
             effect += f" Hook points kept as aliases of others ({aliased}) show their target's records."
+        if not warn:
+            return
         warnings.warn(
             f"forward {k} of the tracked model raised and the exception was caught inside the capture; "
             f"{where}, the others did not. {effect} To keep every hook point aligned, let the exception "
