@@ -1121,6 +1121,35 @@ class StoreWriter:
             self._model, self._model_hash = self._model_hash.get(), None
         return self._model if self._model is not None else (self._state or {}).get("model")
 
+    def _check_committed_counts(self) -> None:
+        """Resume: refuse a root whose counts disagree with each other (FORMAT.md section 9:
+        what ``verify`` checks of them), before anything is deleted or written.
+
+        The resumed run continues after ``n_samples`` samples (what a caller skips) and after
+        each array's ``n_rows`` rows: ``n_samples`` other than the sample table's ``n_rows``, or
+        an array that follows its row table with more rows than the table, would put the
+        resumed rows next to other samples than theirs.
+
+        Raises
+        ------
+        StoreCorruptError
+            Naming both counts; nothing was deleted or written.
+        """
+        tables = self._row_tables
+        sample_rows = int((tables.get("sample") or {}).get("n_rows", 0))
+        end = "; nothing was deleted or written"
+        if self.n_samples_committed != sample_rows:
+            raise V.corrupt(self._backend, f"zarr.json says n_samples {self.n_samples_committed}, but its sample row "
+                            f"table has n_rows {sample_rows}{end}")
+        for hp, meta in self._old_arrays.items():
+            if not meta.get("follows_row_table", True):
+                continue
+            kind = meta["row_kind"]
+            table_rows = int((tables.get(kind) or {}).get("n_rows", 0))
+            if int(meta["n_rows"]) > table_rows:
+                raise V.corrupt(self._backend, f"zarr.json says hook point {hp!r} has n_rows {meta['n_rows']}, more "
+                                f"than the {table_rows} rows of the {kind} row table it follows{end}")
+
     def _truncate_to_committed(self) -> None:
         """Resume: drop every shard and row-table part past the committed prefix.
 
@@ -1130,6 +1159,7 @@ class StoreWriter:
         must not delete or mix committed rows.
         """
         b = self._backend
+        self._check_committed_counts()
         for hp, meta in self._old_arrays.items():
             doc_key = f"{meta['path']}/zarr.json"
             raw = b.get(doc_key, max_bytes=V.MAX_JSON_BYTES)

@@ -914,6 +914,28 @@ def test_resume_refuses_a_root_that_lies_about_the_layout(plain):
     assert after == before
 
 
+
+@pytest.mark.parametrize("edit", [
+    pytest.param(lambda a: a.update(n_samples=64), id="n_samples below the sample table"),
+    pytest.param(lambda a: a.update(n_samples=400), id="n_samples above the sample table"),
+    pytest.param(lambda a: a["row_tables"]["sample"].update(n_rows=64), id="sample table n_rows below its array"),
+])
+def test_resume_refuses_a_root_whose_counts_disagree(plain, edit):
+    """A resume continues from the root's n_samples (the samples a caller skips) and appends
+    after each array's n_rows: a root whose n_samples is not its sample table's rows, or whose
+    table has fewer rows than an array that follows it, would make the resumed rows land next
+    to the wrong samples. It is refused before a file is deleted or written, naming both counts."""
+    path, data = plain
+    edit_root(path, edit)
+    before = _files(path)
+    with pytest.raises(StoreCorruptError, match=r"nothing was deleted or written"):
+        StoreWriter(path, resume=True)
+    after = _files(path)
+    after.pop(".activationscope-writer.lock", None)
+    before.pop(".activationscope-writer.lock", None)
+    assert after == before
+
+
 # ---------------------------------------------------------------- 11. manifest fields the reader does not use
 def _edit_manifest(path: Path, fn) -> None:
     man = path / "acts" / HP / "manifest.json"
