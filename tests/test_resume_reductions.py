@@ -402,3 +402,42 @@ def test_reductions_of_an_incomplete_store_say_they_come_at_close(tmp_path):
     tracker.__exit__(None, None, None)
     with torch.no_grad():
         torch.testing.assert_close(acs.open_store(path).reductions["0.output"]["mean"], model(x).double().mean(0))
+
+
+def test_a_resume_whose_close_fails_on_a_full_disk_is_resumed_again(tmp_path, monkeypatch):
+    """A close writes the reductions (results and states) before the manifests and the root:
+    a full disk after them (a manifest too large to write) left state
+    files the root did not list (crc32c mismatch), and the next resume refused them
+    (StoreCorruptError) although every committed row was intact. That resume now computes each
+    reduction again from the committed rows and ends with reductions over every row."""
+    import errno
+
+    from activationscope.errors import StoreError
+    from activationscope.store._backend import LocalBackend
+
+    model, xs = _model(), _batches(6, rows=5)
+    path = tmp_path / "s.zarr"
+    _run(model, path, xs[:2], ["mean", "var"])
+    real_set = LocalBackend.set
+    failing = {"on": False}
+
+    def set_or_fail(self, key, data):
+        if failing["on"] and key.endswith("manifest.json"):
+            raise StoreError(f"writing {key!r} failed: {errno.errorcode[errno.EFBIG]} (File too large)")
+        return real_set(self, key, data)
+
+    monkeypatch.setattr(LocalBackend, "set", set_or_fail)
+    with pytest.raises(StoreError, match="File too large"):
+        with ActivationScope(store=path, reductions=["mean", "var"], store_options={"resume": True}).track(model) as tr:
+            for x in xs[2:4]:
+                model(x)
+            failing["on"] = True  # the forwards are captured; the close's writes hit the full disk
+    failing["on"] = False
+    s = open_store(path)
+    assert s.status == "incomplete" and s.n_rows("0.output") == 10  # the committed rows, intact
+    torch.testing.assert_close(s["0.output"].double(), _ref_rows(model, xs[:2]), rtol=0, atol=0)
+
+    _run(model, path, xs[2:], ["mean", "var"], resume=True)  # from the committed samples on
+    s = open_store(path)
+    assert s.status == "complete" and s.verify() == []
+    _check(s, _ref_rows(model, xs), ["mean", "var"])

@@ -2079,10 +2079,10 @@ class StoreWriter:
             same records, by name, size and crc32, read from the archives' directories,
             never loaded); an eager one's never is. Not given: a built-in reduction.
 
-        Raises
-        ------
-        StoreCorruptError
-            A listed state file is missing or fails its checksum.
+        A listed state file (or script) that is missing, or fails its checksum or its
+        document, is treated as absent too: the committed rows are the record, and a run that
+        failed while it closed (a full disk, a kill) may have rewritten those files without
+        committing the root that lists them (FORMAT.md section 6).
         """
         entries = self._old_reductions.get(hook_point) or {}
         owner = next((e for e in entries.values() if e.get("reduction") == name and "state" in e), None)
@@ -2098,15 +2098,18 @@ class StoreWriter:
             if script is None or not isinstance(key, str) or not Path(script).is_file():
                 return None
             old = self._backend.get(key, max_bytes=V.MAX_FILE_BYTES)
-            if old is None:
-                raise V.corrupt(self._backend, f"reduction {name!r}: script {key!r} listed in the metadata is missing")
-            reader._check_crc(old, (owner.get("crc32c") or {}).get(key), f"reduction {name!r}: script {key!r}")
+            if old is None or reader._crc_problem(old, (owner.get("crc32c") or {}).get(key),
+                                                  f"reduction {name!r}: script {key!r}") is not None:
+                return None
             stored_records = _script_records(old)
             if stored_records is None or stored_records != _script_records(Path(script).read_bytes()):
                 return None
         state = {}
-        for key, e in owner["state"].items():
-            state[key] = reader._read_small({**e, "reduction": name}).clone()
+        try:
+            for key, e in owner["state"].items():
+                state[key] = reader._read_small({**e, "reduction": name}).clone()
+        except StoreCorruptError:
+            return None  # (see above: recomputed from the committed rows)
         if script is _NOT_CUSTOM:
             array = self._old_arrays.get(self.aliases.get(hook_point, hook_point)) or {}
             feature_shape = array.get("feature_shape")
