@@ -379,6 +379,7 @@ class Store:
                 self._maps.clear()
                 self._whole.clear()
             self._stamp, self._run = stamp, run
+            self._shown_stamp = stamp  # (_stamp moves on with commits of the same run; this does not)
             self._live = frozenset(id(m) for m in (attrs.get("arrays") or {}).values())
             self._zarrays.clear()
             self._indexes.clear()
@@ -462,6 +463,19 @@ class Store:
             new = "no activationscope store" if run is None else (run[0] or f"created {run[1]}")
             raise StoreError(f"{replaced} (opened: run {was}; now: {new}); {fix}")
         self._stamp = now
+
+    def _reduction_damage(self, what: str) -> StoreError:
+        """The error for a reduction file that is missing or does not match its entry: a
+        :class:`StoreError` telling to refresh when the local store's root was committed again
+        since the reader showed it (a resumed capture rewrites its reductions, and the new
+        root lists their new sizes and crc32c), else :class:`StoreCorruptError`."""
+        shown = getattr(self, "_shown_stamp", None)
+        if shown is not None and self._root_stamp() != shown:
+            return StoreError(
+                f"store at {str(self._backend)!r}: {what}: the store was committed again since it was opened (a "
+                "resumed capture rewrites its reductions); call store.refresh() (or open_store again) to read them"
+            )
+        return V.corrupt(self._backend, what)
 
     def open_options(self) -> dict:
         """The keyword arguments of :func:`open_store` this store was opened with
@@ -1641,14 +1655,16 @@ class Store:
                                            f"{F.zarr_dtype(entry['dtype'])!r}), shape {shape}: the two disagree")
         size = self._backend.size(key)
         if size is None:
-            raise V.corrupt(self._backend, f"{where} listed in the metadata is missing")
+            raise self._reduction_damage(f"{where} listed in the metadata is missing")
         if size != expected:
-            raise V.corrupt(self._backend, f"{where} holds {size} bytes, but its shape {shape} and dtype "
-                                           f"{entry['dtype']} need {expected}")
+            raise self._reduction_damage(f"{where} holds {size} bytes, but its shape {shape} and dtype "
+                                         f"{entry['dtype']} need {expected}")
         raw = self._backend.get(key, max_bytes=expected)
         if raw is None or len(raw) != expected:
-            raise V.corrupt(self._backend, f"{where} changed while it was read")
-        self._check_crc(raw, self._listed_crc(entry, key, where), where)
+            raise self._reduction_damage(f"{where} changed while it was read")
+        problem = self._crc_problem(raw, self._listed_crc(entry, key, where), where)
+        if problem is not None:
+            raise self._reduction_damage(problem)
         return torch.frombuffer(bytearray(raw), dtype=dtype).reshape(shape)
 
     def _listed_crc(self, entry: dict, key: str, where: str) -> int | None:
@@ -1726,8 +1742,10 @@ class Store:
         expected = self._listed_crc(entry, key, where)
         data = self._backend.get(key, max_bytes=V.MAX_FILE_BYTES)
         if data is None:
-            raise V.corrupt(self._backend, f"{where} listed in the metadata is missing")
-        self._check_crc(data, expected, where)
+            raise self._reduction_damage(f"{where} listed in the metadata is missing")
+        problem = self._crc_problem(data, expected, where)
+        if problem is not None:
+            raise self._reduction_damage(problem)
         return data
 
     # ------------------------------------------------------------------ row tables

@@ -79,6 +79,34 @@ def test_resume_under_an_open_reader_is_the_same_store(tmp_path):
     assert torch.equal(s[HP], torch.cat([data, more]))
 
 
+def test_reductions_rewritten_by_a_resume_under_an_open_reader(tmp_path):
+    """A resume rewrites the reduction files a reader opened before it lists (their new
+    crc32c is in the new root only): reading them was a StoreCorruptError telling to restore
+    the store from an intact copy. It is a StoreError telling to refresh; after refresh() the
+    reductions are those of every row."""
+    import activationscope as acs
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    xs = [torch.randn(5, 4) for _ in range(4)]
+    path = tmp_path / "s.zarr"
+    for part, opts in ((xs[:2], {}), (xs[2:], {"resume": True})):
+        if opts:
+            s = open_store(path)
+            first = s.reductions["0.output"]["mean"].clone()
+        with acs.ActivationScope(store=str(path), reductions=["mean"], store_options=opts).track(model), \
+                torch.no_grad():
+            for x in part:
+                model(x)
+    with torch.no_grad():
+        rows = torch.cat([model(x) for x in xs]).double()
+    torch.testing.assert_close(first, rows[:10].mean(0))
+    with pytest.raises(StoreError, match=r"committed again since it was opened.*refresh\(\)") as e:
+        s.reductions["0.output"]["mean"]
+    assert not isinstance(e.value, StoreCorruptError)
+    s.refresh()
+    torch.testing.assert_close(s.reductions["0.output"]["mean"], rows.mean(0))
+
 def test_stores_without_a_run_id_open_and_are_told_apart_by_created(tmp_path):
     path = tmp_path / "s.zarr"
     old = make_store(path)
