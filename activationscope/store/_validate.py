@@ -536,6 +536,48 @@ def array_document_problems(doc: Any, meta: dict, *, hook_point: str, doc_key: s
     return out
 
 
+def small_array_document_problems(doc: dict, dtype: str, shape: list[int], *, doc_key: str) -> list[str]:
+    """What a reduction's array document ``doc`` (``reductions/<node>/<name>/zarr.json``) says
+    of how its one chunk is found and decoded, against the format's layout (FORMAT.md §6, §9
+    rule 14): a Zarr v3 array, a regular chunk grid of one chunk (``chunk_shape`` the shape,
+    0 written as 1), the default chunk key encoding with separator ``/``, the ``bytes`` codec
+    little-endian alone, no storage transformer. activationscope reads the chunk by its key and
+    the root's dtype and shape; a plain Zarr reader (zarr-python, xarray) follows this document,
+    so one edited to say big-endian, another chunk key or another grid would make it read other
+    values (fill values, swapped bytes) from the same intact file. ``data_type`` and ``shape``
+    are compared by the caller. Pure: no I/O.
+
+    Returns
+    -------
+    list of str
+        One line per field that differs, naming the document, the field and both values.
+    """
+    where = f"its array document {doc_key}"
+    out: list[str] = []
+    if doc.get("zarr_format") != 3 or doc.get("node_type") != "array":
+        out.append(f"{where} must be a Zarr v3 array document (zarr_format 3, node_type 'array'), got zarr_format "
+                   f"{doc.get('zarr_format')!r}, node_type {doc.get('node_type')!r}")
+    want_grid = {"name": "regular", "configuration": {"chunk_shape": [max(1, int(d)) for d in shape]}}
+    if doc.get("chunk_grid") != want_grid:
+        out.append(f"{where} field chunk_grid must be {want_grid!r} (one chunk), got {doc.get('chunk_grid')!r}"[:400])
+    cke = doc.get("chunk_key_encoding")
+    cke_conf = cke.get("configuration", {}) if isinstance(cke, dict) else None
+    if not (isinstance(cke, dict) and cke.get("name") == "default" and isinstance(cke_conf, dict)
+            and cke_conf.get("separator", "/") == "/"):
+        out.append(f"{where} field chunk_key_encoding must be the default encoding with separator '/', got "
+                   f"{cke!r}"[:400])
+    codecs = doc.get("codecs")
+    codec = codecs[0] if isinstance(codecs, list) and len(codecs) == 1 and isinstance(codecs[0], dict) else None
+    conf = (codec.get("configuration") or {}) if codec is not None else None
+    if not (codec is not None and codec.get("name") == "bytes" and isinstance(conf, dict)
+            and conf.get("endian", "little" if F.itemsize(dtype) == 1 else None) == "little"):
+        out.append(f"{where} field codecs must be [{F.bytes_codec(dtype)!r}] (the bytes codec, little-endian, "
+                   f"alone), got {codecs!r}"[:400])
+    if doc.get("storage_transformers", []) != []:
+        out.append(f"{where} field storage_transformers must be [], got {doc.get('storage_transformers')!r}"[:400])
+    return out
+
+
 def manifest_problems(doc: Any, shards: dict[int, dict], meta: dict, *, hook_point: str, key: str,
                       sizes: dict[int, int | None] | None = None) -> list[str]:
     """The fields of a parsed manifest (FORMAT.md §5) that the reader does not use but that a

@@ -1653,6 +1653,9 @@ class Store:
                                            f"data_type {said[0]!r}, shape {said[1]!r} (dtype {said[2]!r}), but the "
                                            f"root document zarr.json says dtype {entry['dtype']!r} (data_type "
                                            f"{F.zarr_dtype(entry['dtype'])!r}), shape {shape}: the two disagree")
+        problems = V.small_array_document_problems(doc, entry["dtype"], shape, doc_key=doc_key)
+        if problems:
+            raise V.corrupt(self._backend, f"reduction {entry.get('reduction')!r}: " + "; ".join(problems))
         size = self._backend.size(key)
         if size is None:
             raise self._reduction_damage(f"{where} listed in the metadata is missing")
@@ -1952,6 +1955,8 @@ class Store:
                 try:
                     self._read_small(entry)
                     self._read_script(entry, name)
+                    for part in (entry.get("state") or {}).values():  # plain Zarr readers see these arrays too
+                        self._read_small({**part, "reduction": name})
                 except StoreCorruptError as e:
                     line = f"{where}: {e}"
                     if not any(line.startswith(p.split(":")[0]) and "crc32c" in p for p in problems[-3:]):

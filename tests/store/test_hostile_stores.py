@@ -288,6 +288,50 @@ def test_reduction_dtype_checked_against_its_document(plain, dtype):
         open_store(path).reductions[HP]["mean"]
 
 
+REDUCTION_DOCUMENT_LIES = {
+    "big-endian": (lambda d: d["codecs"][0]["configuration"].update(endian="big"), "codecs"),
+    "chunk key separator '.'": (lambda d: d["chunk_key_encoding"].update(configuration={"separator": "."}),
+                                "chunk_key_encoding"),
+    "v2 chunk keys": (lambda d: d.update(chunk_key_encoding={"name": "v2", "configuration": {"separator": "/"}}),
+                      "chunk_key_encoding"),
+    "another chunk grid": (lambda d: d["chunk_grid"]["configuration"].update(chunk_shape=[2]), "chunk_grid"),
+    "a codec added": (lambda d: d["codecs"].append({"name": "crc32c"}), "codecs"),
+    "a storage transformer": (lambda d: d.update(storage_transformers=[{"name": "x"}]), "storage_transformers"),
+}
+
+
+@pytest.mark.parametrize("array", ["mean", "mean.state.mean"])
+@pytest.mark.parametrize("lie", list(REDUCTION_DOCUMENT_LIES))
+def test_reduction_document_that_plain_zarr_would_misread(tmp_path, lie, array):
+    """A reduction's array document edited to say big-endian bytes, another chunk key or grid
+    made zarr-python and xarray read other values (byte-swapped numbers, fill values) from the
+    intact chunk, while activationscope read it right and verify returned []. The document is
+    now checked against the format's one-chunk layout: reads of the reduction and verify name it."""
+    import zarr
+
+    path = tmp_path / "s.zarr"
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    with acs.ActivationScope(store=str(path), reductions=["mean"]).track(model), torch.no_grad():
+        model(torch.randn(6, 4))
+    s = open_store(path)
+    assert s.verify() == []
+    mean = s.reductions["0.output"]["mean"].numpy()
+    assert (zarr.open_group(str(path), mode="r")["reductions/0.output/mean"][...] == mean).all()
+    edit, field = REDUCTION_DOCUMENT_LIES[lie]
+    doc_path = path / "reductions" / "0.output" / array / "zarr.json"
+    doc = json.loads(doc_path.read_text())
+    edit(doc)
+    doc_path.write_text(json.dumps(doc))
+    s = open_store(path)
+    problems = s.verify()
+    assert len(problems) == 1 and f"reductions/0.output/{array}/zarr.json field {field} must be" in problems[0], problems
+    if array == "mean":
+        with pytest.raises(StoreCorruptError, match=rf"its array document reductions/0.output/mean/zarr.json field "
+                                                    rf"{field} must be"):
+            s.reductions["0.output"]["mean"]
+    else:
+        torch.testing.assert_close(s.reductions["0.output"]["mean"].numpy(), mean)
+
 @pytest.mark.parametrize("field, value", [
     ("feature_shape", [1 << 40]), ("feature_shape", [-1]), ("feature_shape", [2.5]), ("n_rows", -1),
     ("n_rows", 1 << 60), ("chunk_rows", 0), ("shard_rows", 63), ("dtype", "float128"), ("row_kind", "pixel"),
