@@ -1921,6 +1921,20 @@ class Store:
                     self.row_table(kind)
                 except StoreCorruptError as e:
                     problems.append(f"row table {kind!r}: {e}")
+        schemas = {}
+        for kind in ("sample", "token"):
+            if (tables.get(kind) or {}).get("parts"):
+                try:
+                    schemas[kind] = self.row_table(kind).schema
+                except (StoreCorruptError, KeyError):
+                    pass  # (reported above)
+        if len(schemas) == 2:  # token rows are paired with their sample by these columns: one type in both
+            for key in ("rank", "batch", "sample_id"):
+                if key in schemas["sample"].names and key in schemas["token"].names:
+                    s_type, t_type = schemas["sample"].field(key).type, schemas["token"].field(key).type
+                    if s_type != t_type and "null" not in (str(s_type), str(t_type)):
+                        problems.append(f"row tables: column {key!r} is {t_type} in the token row table and {s_type} "
+                                        "in the sample row table (one writer writes both from the same values)")
         # a row table the root does not list reads as one of 0 rows (row_table(), datasets, exports)
         if self.n_samples != int((tables.get("sample") or {}).get("n_rows", 0)):
             problems.append(f"n_samples {self.n_samples} differs from the sample row table's n_rows "

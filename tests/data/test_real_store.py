@@ -284,6 +284,39 @@ def test_one_id_twice_in_a_forward_with_other_columns_is_refused_not_paired_with
     assert ActivationDataset(str(tmp_path / "b.zarr"), columns=["label"])[:]["label"].tolist() == [1] * 6 + [0] * 3 + [1] * 3
 
 
+def test_row_tables_whose_sample_ids_have_two_types_are_damage_not_a_pyarrow_error(tmp_path):
+    """A token row table whose sample_id column is of another type than the sample table's
+    (an edited part, its crc32c recomputed) raised pyarrow's ArrowTypeError from the dataset,
+    and verify returned []. One writer writes both from the same ids: the dataset raises
+    StoreCorruptError naming the column and both types, and verify names it."""
+    import io
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from activationscope.errors import StoreCorruptError
+    from activationscope.store import _format as F
+
+    path = tmp_path / "t.zarr"
+    _two_forwards_of_the_same_ids(path, ids=[[0, 1], [2, 3]], labels=[[0, 1], [1, 0]])
+    assert ActivationDataset(str(path), columns=["label"])[:]["label"].tolist() == [0] * 3 + [1] * 6 + [0] * 3
+    (part,) = (path / "rows" / "token").glob("*.parquet")
+    table = pq.read_table(part)
+    table = table.set_column(0, "sample_id", pa.array([str(v) for v in table.column("sample_id").to_pylist()]))
+    buf = io.BytesIO()
+    pq.write_table(table, buf)
+    part.write_bytes(buf.getvalue())
+    doc = json.loads((path / "zarr.json").read_text())
+    doc["attributes"]["activationscope"]["row_tables"]["token"]["crc32c"][f"rows/token/{part.name}"] = \
+        F.crc32c(buf.getvalue())
+    (path / "zarr.json").write_text(json.dumps(doc))
+    assert open_store(path).verify() == ["row tables: column 'sample_id' is string in the token row table and int64 "
+                                         "in the sample row table (one writer writes both from the same values)"]
+    with pytest.raises(StoreCorruptError, match=r"column 'sample_id' is string in the token row table and int64 in "
+                                                r"the sample row table"):
+        ActivationDataset(str(path), columns=["label"])[:]
+
 @pytest.mark.parametrize("committed", [False, True])
 def test_token_rows_of_each_rank_get_their_own_sample_columns_with_default_ids(tmp_path, committed):
     # default sample ids count per rank: ids 0, 1 on both ranks, told apart by the rank column
