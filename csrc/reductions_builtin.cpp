@@ -745,7 +745,110 @@ class Cov : public Builtin {
 // ------------------------------------------------------------------ topk
 // Per column, the k largest values (descending; NaN ranks above everything, as in
 // torch.topk) with their global row ids. Whole-tensor mode also keeps the flat feature index
-// of each value within its row.
+// of each value within its row. Ties go to the lower row (then the lower feature index):
+// with that strict total order the top k of a split are the top k of the top k of its parts,
+// so any batching, resume, rank split or merge order keeps the same rows.
+
+namespace {
+
+// Equal under the top-k order: the same number, or both NaN (x and t broadcast).
+at::Tensor same_value(const at::Tensor& x, const at::Tensor& t) {
+  return at::eq(x, t).logical_or_(at::isnan(x).logical_and_(at::isnan(t)));
+}
+
+// perm (m, C) reordered, stably, by key.gather(0, perm) (ascending, or descending with NaN
+// first as torch.sort does).
+at::Tensor stable_by(const at::Tensor& perm, const at::Tensor& key, bool descending) {
+  auto order = std::get<1>(at::sort(key.gather(0, perm), /*stable=*/true, /*dim=*/0, descending));
+  return perm.gather(0, order);
+}
+
+// Whether some column of the (m, C) sorted values v holds two equal values in a row.
+bool has_ties(const at::Tensor& v) {
+  if (v.size(0) < 2) return false;
+  return same_value(v.narrow(0, 1, v.size(0) - 1), v.narrow(0, 0, v.size(0) - 1)).any().item<bool>();
+}
+
+// a ranks above b (value descending, NaN above every number): the strict part of the order.
+inline bool ranks_above(double a, double b) { return a > b || (a != a && b == b); }
+
+// ordered_topk for a contiguous CPU float64 x and a small k: one pass in row order keeping
+// each column's k best sorted (a later row enters only when it ranks strictly above the
+// column's k-th: of equal values the lower row stays).
+std::pair<at::Tensor, at::Tensor> ordered_topk_cpu(const at::Tensor& x, int64_t k) {
+  const int64_t m = x.size(0), C = x.size(1);
+  const double* xp = x.const_data_ptr<double>();
+  std::vector<double> val(static_cast<size_t>(C * k));
+  std::vector<int64_t> id(static_cast<size_t>(C * k));
+  std::vector<double> kth(static_cast<size_t>(C));
+  auto insert = [&](int64_t c, int64_t filled, double v, int64_t row) {
+    double* cv = val.data() + c * k;
+    int64_t* ci = id.data() + c * k;
+    int64_t j = std::min(filled, k - 1);  // slot freed at the end (the k-th drops out)
+    while (j > 0 && ranks_above(v, cv[j - 1])) {  // rows come in order: ties stay behind
+      cv[j] = cv[j - 1];
+      ci[j] = ci[j - 1];
+      --j;
+    }
+    cv[j] = v;
+    ci[j] = row;
+  };
+  for (int64_t i = 0; i < m; ++i) {
+    const double* row = xp + i * C;
+    if (i < k) {
+      for (int64_t c = 0; c < C; ++c) insert(c, i, row[c], i);
+      if (i == k - 1)
+        for (int64_t c = 0; c < C; ++c) kth[c] = val[c * k + k - 1];
+      continue;
+    }
+    for (int64_t c = 0; c < C; ++c) {
+      if (!ranks_above(row[c], kth[c])) continue;
+      insert(c, k, row[c], i);
+      kth[c] = val[c * k + k - 1];
+    }
+  }
+  // (C, k) column lists -> (k, C)
+  at::Tensor v = at::from_blob(val.data(), {C, k}, at::kDouble).t().clone(at::MemoryFormat::Contiguous);
+  at::Tensor ids = at::from_blob(id.data(), {C, k}, at::kLong).t().clone(at::MemoryFormat::Contiguous);  // (copies: the vectors go)
+  return {v, ids};
+}
+
+// The first k rows of (m, C) x per column in the order (value descending, NaN first; then
+// the lower index along dim 0): values and indices. torch.topk picks any of several rows
+// tied at the k-th value; in a column where it left out a tied row, the rows above the k-th
+// value and the first tied rows are picked again by index.
+std::pair<at::Tensor, at::Tensor> ordered_topk(const at::Tensor& x, int64_t k) {
+  if (x.is_cpu() && x.scalar_type() == at::kDouble && x.is_contiguous() && k <= 64)
+    return ordered_topk_cpu(x, k);
+  auto top = at::topk(x, k, 0, /*largest=*/true, /*sorted=*/true);
+  at::Tensor v = std::get<0>(top), idx = std::get<1>(top);
+  const at::Tensor kth = v.narrow(0, k - 1, 1);
+  const bool nan_kth = at::isnan(kth).any().item<bool>();
+  const at::Tensor tied_x = nan_kth ? same_value(x, kth) : at::eq(x, kth);
+  const at::Tensor left_out = tied_x.sum(0).gt(same_value(v, kth).sum(0));
+  bool reorder;
+  if (left_out.any().item<bool>()) {
+    const at::Tensor cols = left_out.nonzero().squeeze(1);
+    const at::Tensor xs = x.index_select(1, cols), ks = kth.index_select(1, cols);
+    const at::Tensor above = at::gt(xs, ks).logical_or_(at::isnan(xs).logical_and_(at::isnan(ks).logical_not_()));
+    const at::Tensor pos = at::arange(xs.size(0), xs.options()).view({-1, 1});
+    // every row above the k-th value (key -1), then the tied rows by index (key = index)
+    const at::Tensor key = at::where(above, -1.0, at::where(same_value(xs, ks), pos, INFINITY));
+    const at::Tensor pick = std::get<1>(at::topk(key, k, 0, /*largest=*/false, /*sorted=*/true));
+    v.index_copy_(1, cols, xs.gather(0, pick));
+    idx.index_copy_(1, cols, pick);
+    reorder = true;
+  } else {
+    reorder = has_ties(v);  // topk sorted by value: only ties can be out of order
+  }
+  if (!reorder) return {v, idx};
+  at::Tensor perm = std::get<1>(at::sort(idx, /*stable=*/true, /*dim=*/0, /*descending=*/false));
+  perm = stable_by(perm, v, /*descending=*/true);
+  return {v.gather(0, perm), idx.gather(0, perm)};
+}
+
+}  // namespace
+
 class TopK : public Builtin {
  public:
   explicit TopK(ReductionOptions o) : Builtin("topk", std::move(o), {"k"}) {
@@ -772,8 +875,7 @@ class TopK : public Builtin {
   }
   Slots batch_state(const at::Tensor& x, int64_t row_offset, int64_t width) const override {
     const int64_t n = x.size(0), k = std::min(k_, n);
-    auto top = at::topk(x, k, 0, /*largest=*/true, /*sorted=*/true);
-    at::Tensor v = std::get<0>(top), local = std::get<1>(top);
+    auto [v, local] = ordered_topk(x, k);
     if (per_feature_) return {{"values", v, Layout::kLeadFeat}, {"row_ids", local + row_offset, Layout::kLeadFeat}};
     return {{"values", v, Layout::kLeadFeat},
             {"row_ids", at::floor_divide(local, width) + row_offset, Layout::kLeadFeat},
@@ -782,14 +884,24 @@ class TopK : public Builtin {
   void combine(int64_t, const Slots& b) override {
     if (adopt_if_empty(b)) return;
     at::Tensor v = at::cat({get("values"), get(b, "values")}, 0);
+    at::Tensor rows = at::cat({get("row_ids"), get(b, "row_ids")}, 0);
+    at::Tensor feats = find_slot(acc_, "feature_ids") ? at::cat({get("feature_ids"), get(b, "feature_ids")}, 0)
+                                                      : at::Tensor();
     const int64_t k = std::min(k_, v.size(0));
-    auto top = at::topk(v, k, 0, true, true);
-    at::Tensor idx = std::get<1>(top);
-    set("values", std::get<0>(top));
-    for (const char* name : {"row_ids", "feature_ids"}) {
-      if (!find_slot(acc_, name)) continue;
-      set(name, at::cat({get(name), get(b, name)}, 0).gather(0, idx));
+    // (value descending, NaN first; then the lower row, then the lower feature): the
+    // candidates are each part's top k in that order, so the first k are the union's
+    auto by_value = at::sort(v, /*stable=*/true, /*dim=*/0, /*descending=*/true);
+    at::Tensor perm = std::get<1>(by_value);
+    if (has_ties(std::get<0>(by_value))) {
+      perm = at::arange(v.size(0), rows.options()).view({-1, 1}).expand_as(rows).contiguous();
+      if (feats.defined()) perm = stable_by(perm, feats, /*descending=*/false);
+      perm = stable_by(perm, rows, /*descending=*/false);
+      perm = stable_by(perm, v, /*descending=*/true);
     }
+    perm = perm.narrow(0, 0, k);
+    set("values", v.gather(0, perm));
+    set("row_ids", rows.gather(0, perm));
+    if (feats.defined()) set("feature_ids", feats.gather(0, perm));
   }
   Slots result_slots() const override {
     Slots s{{"values", get("values"), Layout::kLeadFeat}, {"row_ids", get("row_ids"), Layout::kLeadFeat}};

@@ -1780,3 +1780,71 @@ def test_reductions_read_during_a_capture_are_copies_that_later_batches_leave_al
     with torch.no_grad():
         torch.testing.assert_close(first, model(xs[0]).sum(0))
         torch.testing.assert_close(last, sum(model(x).sum(0) for x in xs))
+
+
+def _topk_reference(x: torch.Tensor, k: int):
+    """Per column, the k rows of x in the order (value descending, NaN above every number,
+    then the lower row first): a plain-Python reference for ties."""
+    vals, ids = [], []
+    for c in range(x.shape[1]):
+        col = x[:, c].tolist()
+        key = lambda i: (0, i) if col[i] != col[i] else (1, -col[i], i)  # noqa: E731
+        order = sorted(range(len(col)), key=key)[:k]
+        vals.append([col[i] for i in order])
+        ids.append(order)
+    return torch.tensor(vals, dtype=torch.float64).T, torch.tensor(ids).T
+
+
+@pytest.mark.parametrize("split", [[15], [4, 4, 4, 3], [1] * 15, [7, 8], [2, 13]])
+def test_topk_ties_go_to_the_lower_row_whatever_the_batches(split):
+    # ties are common (a ReLU feature that is mostly zero): the rows kept must not depend on
+    # how the rows were cut into batches (a resumed or multi-rank run equals one pass)
+    nan = float("nan")
+    x = torch.tensor([[1.0, 0.0, nan, 3.0], [2.0, 0.0, 1.0, 3.0], [2.0, 0.0, nan, -0.0],
+                      [2.0, 0.0, 2.0, 0.0], [0.0, 0.0, nan, 3.0]] * 3)
+    for k in (1, 2, 4, 7):
+        r = R.make_reduction("topk", k=k)
+        for rows, off in zip(x.split(split), [sum(split[:i]) for i in range(len(split))]):
+            r.update(rows, off)
+        got = r.result()
+        want_v, want_ids = _topk_reference(x, k)
+        assert got["row_ids"].tolist() == want_ids.tolist(), (k, split)
+        torch.testing.assert_close(got["values"], want_v, equal_nan=True)
+
+
+def test_topk_ties_merge_the_same_in_any_order():
+    x = torch.zeros(40, 3)
+    x[::7, 1] = 5.0
+    parts = [R.make_reduction("topk", k=3) for _ in range(4)]
+    for i, p in enumerate(parts):
+        p.update(x[10 * i:10 * (i + 1)], 10 * i)
+    for order in ([0, 1, 2, 3], [3, 1, 0, 2], [2, 3, 1, 0]):
+        m = R.make_reduction("topk", k=3)
+        for i in order:
+            m.merge(parts[i])
+        assert m.result()["row_ids"].tolist() == [[0, 0, 0], [1, 7, 1], [2, 14, 2]]
+
+
+def test_topk_whole_tensor_ties_go_to_the_lower_row_then_feature():
+    x = torch.tensor([[0.0, 1.0, 1.0], [1.0, 0.0, 1.0], [1.0, 1.0, 0.0]])
+    for split in ([3], [1, 1, 1], [2, 1]):
+        r = R.make_reduction("topk", k=4, per_feature=0)
+        for rows, off in zip(x.split(split), [sum(split[:i]) for i in range(len(split))]):
+            r.update(rows, off)
+        got = r.result()
+        assert got["row_ids"].tolist() == [0, 0, 1, 1] and got["feature_ids"].tolist() == [1, 2, 0, 2], split
+
+
+def test_topk_ties_with_a_large_k_go_to_the_lower_row():
+    # k above the one-pass kernel's limit: the tensor-op path keeps the same order
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(0, 4, (300, 5), generator=g).double()
+    x[::11, 2] = float("nan")
+    for split in ([300], [120, 97, 83]):
+        r = R.make_reduction("topk", k=100)
+        for rows, off in zip(x.split(split), [sum(split[:i]) for i in range(len(split))]):
+            r.update(rows, off)
+        want_v, want_ids = _topk_reference(x, 100)
+        got = r.result()
+        assert got["row_ids"].tolist() == want_ids.tolist(), split
+        torch.testing.assert_close(got["values"], want_v, equal_nan=True)
