@@ -21,6 +21,7 @@ from __future__ import annotations
 import atexit
 import inspect
 import io
+import itertools
 import json
 import os
 import shutil
@@ -682,11 +683,14 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
         source = "" if expected is None else " (the world size the rank stores record: rank_store.world_size)"
     if ranks != list(range(len(ranks))) or (expected is not None and len(ranks) != int(expected)):
         n = int(expected) if expected is not None else ranks[-1] + 1
-        missing = [r for r in range(n) if r not in ranks]
+        present = set(ranks)
+        n_missing = n - len(present & set(range(min(n, ranks[-1] + 1))))
+        missing = list(itertools.islice((r for r in range(n) if r not in present), 10))  # (n may be 10**9)
         extra = [r for r in ranks if r >= n]
         why = []
         if missing:
-            why.append(f"rank(s) {missing} are missing: capture (or resume) them, then consolidate again")
+            shown = str(missing) if n_missing <= len(missing) else f"{str(missing)[:-1]}, ...] ({n_missing} in all)"
+            why.append(f"rank(s) {shown} are missing: capture (or resume) them, then consolidate again")
         if extra:
             paths = [rank_target(str(b), r) for r in extra]
             hint = (f", or, if the capture had {ranks[-1] + 1} ranks, pass world_size={ranks[-1] + 1} (CLI: "

@@ -628,6 +628,30 @@ def test_consolidate_names_missing_and_extra_ranks(tmp_path, capsys):
     assert set(_tree(store)) == {k for k in before if not k.startswith("ranks/00001/")}
 
 
+def test_consolidate_of_a_huge_world_size_names_a_few_missing_ranks(tmp_path, capsys):
+    """A root edited to say world_size 10**9 made consolidate build the
+    list of the 999999998 missing ranks: gigabytes, a MemoryError or the OOM killer. It names
+    the first missing ranks and their count; nothing is written."""
+    from activationscope import cli
+
+    store = tmp_path / "s.zarr"
+    _small_rank_stores(store)
+    _set_attrs(store / "zarr.json", lambda a: a["distributed"].update(world_size=10 ** 9))
+    before = _tree(store)
+    import resource
+
+    limit = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (8 << 30, limit[1]))  # the list alone is 8 GB of pointers
+    try:
+        assert cli.main(["consolidate", str(store)]) == 1
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, limit)
+    err = capsys.readouterr().err
+    assert "are ranks [0, 1], expected 0..999999999; rank(s) [2, 3, 4, 5, 6, 7, 8, 9, 10, 11, ...] (999999998 in " \
+           "all) are missing" in err, err
+    assert _tree(store) == before
+
+
 def _set_attrs(path: Path, edit) -> None:
     doc = json.loads(path.read_text())
     edit(doc["attributes"]["activationscope"])
