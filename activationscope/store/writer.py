@@ -932,6 +932,8 @@ class StoreWriter:
         # resume of a local store: (shard file, hard link to it) of each committed last shard
         # the re-fed rows will rewrite; discard() puts them back, a commit drops the links
         self._kept_shards: list[tuple[Path, Path]] = []
+        # of those, the shards whose rewrite a commit renamed over the key, until a root lists it
+        self._installed_shards: set[Path] = set()
         self._closed = False
         self._failing = False  # closing after a failure (abort, or the writer thread failed)
         self._lock = threading.RLock()
@@ -1368,6 +1370,7 @@ class StoreWriter:
             raise StoreError(f"store {str(self._backend)!r}: renaming the rewritten last shard {held} of hook point "
                              f"{arr.hook_point!r} to its key failed: {e.strerror or e}; the committed rows are "
                              "unchanged (resume=True continues from them)") from e
+        self._installed_shards.add(held.with_name(held.name[: -len(".resumed.tmp")]))
         arr.held_shard, arr.held_ready = -1, False
 
     def _drop_held_shards(self) -> None:
@@ -1380,6 +1383,26 @@ class StoreWriter:
                     warnings.warn(f"store {str(self._backend)!r}: removing {self._held_path(a)}: {e}",
                                   RuntimeWarning, stacklevel=3)
                 a.held_shard, a.held_ready = -1, False
+
+    def _drop_installed_kept_shards(self) -> None:
+        """After a root document was written: remove the kept committed files of the shards
+        whose rewrite a commit renamed over their key (the root now lists the rewrite). The
+        others stay kept until the close (a failure before a root lists their rewrite puts
+        them back: :meth:`_cleanup`)."""
+        installed = self._installed_shards
+        if not installed:
+            return
+        keep_on = []
+        for path, keep in self._kept_shards:
+            if path in installed:
+                try:
+                    keep.unlink(missing_ok=True)
+                except OSError as e:
+                    warnings.warn(f"store {str(self._backend)!r}: removing {keep}: {e}", RuntimeWarning, stacklevel=3)
+            else:
+                keep_on.append((path, keep))
+        self._kept_shards = keep_on
+        installed.clear()
 
     def _drop_kept_shards(self, restore: bool) -> None:
         while self._kept_shards:
@@ -1750,6 +1773,7 @@ class StoreWriter:
         # (new arrays are listed, with their committed 0 rows, before their first shard)
         b.set("zarr.json", F.dumps(F.group_document({F.ATTRS_KEY: self._root_attrs(status)})))
         self._unpublished = False
+        self._drop_installed_kept_shards()  # the root lists the rewrites now: the committed files go
         if self._aside is not None and (self._n_batches > 0 or (self._closed and not self._failing
                                                                 and status == "complete")):
             self._settle_aside(keep_new=True)  # the new store has committed: the old one goes
@@ -2323,7 +2347,9 @@ class StoreWriter:
         file left in the store's folders (after a failure or an abort); then the folders
         ``remove_if_empty`` (local, inside the store) and their subfolders that hold no file."""
         self._drop_held_shards()
-        self._drop_kept_shards(restore=False)
+        # a kept committed file still here: no root lists its shard's rewrite (a close or abort
+        # that failed after renaming it over the key): the committed file goes back (FORMAT.md §7)
+        self._drop_kept_shards(restore=True)
         release = getattr(self._backend, "release", None)
         if release is not None:
             release()

@@ -329,3 +329,45 @@ def test_default_sample_ids_run_on_across_commits(tmp_path):
     w.close()
     st = open_store(path)
     assert st.row_table("sample").column("sample_id").to_pylist() == list(range(20))
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_a_resume_whose_close_fails_before_its_root_puts_the_committed_shard_back(tmp_path, monkeypatch, compression):
+    """A resume rewrites the partial last shard and its close renames the rewrite over the key
+    just before the manifests and the root (FORMAT.md section 7). When a manifest could not be
+    written (a full disk), the failed close removed the kept committed file too: the key held
+    the rewrite, the root the old rows, and (compressed) the last committed rows were an error
+    to read and verify listed the shard until another resume. The close now puts the committed
+    file back: every committed row reads, and the store verifies clean."""
+    import sys as _sys
+
+    from activationscope.store._backend import LocalBackend
+
+    _sys.path.insert(0, str(HERE))
+    from hostile import FEATURE, HP, make_store
+
+    path = tmp_path / "s.zarr"
+    data = make_store(path, compression=compression, n_rows=300)  # 64-row shards: the last one holds 44
+    before = {p: p.read_bytes() for p in path.rglob("*") if p.is_file() and p.name != ".activationscope-writer.lock"}
+    real_set = LocalBackend.set
+
+    def set_or_fail(self, key, raw):
+        if key.endswith("manifest.json"):
+            raise acs.StoreError(f"writing {key!r} failed: File too large")
+        return real_set(self, key, raw)
+
+    w = StoreWriter(path, resume=True)
+    a = w.open_array(HP, (FEATURE,), torch.float32, "sample")
+    a.append(torch.ones(10, FEATURE))
+    w.add_batch(10)
+    monkeypatch.setattr(LocalBackend, "set", set_or_fail)
+    with pytest.raises(acs.StoreError, match="File too large"):
+        w.close()
+    monkeypatch.undo()
+    s = open_store(path)
+    assert s.n_rows(HP) == 300 and torch.equal(s[HP], data)
+    assert s.verify() == []
+    after = {p: p.read_bytes() for p in path.rglob("*") if p.is_file() and p.name != ".activationscope-writer.lock"}
+    assert {p for p in after if p.name.endswith(".tmp")} == set()
+    assert {p: after[p] for p in before if p.name != "zarr.json" or p.parent != path} == \
+           {p: before[p] for p in before if p.name != "zarr.json" or p.parent != path}
