@@ -670,7 +670,9 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
     if dist.get("committed"):
         if ranks:  # crashed while removing the rank stores: finish that
             _check_commit_record(b, root_attrs, dist, ranks)
-            _remove_ranks(b)
+        # (also what a removal killed midway leaves without a zarr.json: rank folders whose
+        # zarr.json went first, an empty ranks/; _remove_ranks takes rank names only)
+        _remove_ranks(b)
         _remove_temp_files(b)
         return {"n_ranks": int(dist.get("world_size", 0)), "n_samples": int(root_attrs.get("n_samples", 0)),
                 "arrays": {}, "already_committed": True}

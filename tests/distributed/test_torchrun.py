@@ -837,6 +837,33 @@ def test_consolidate_leaves_other_files_under_ranks(tmp_path):
     assert not (other / "ranks").exists()
 
 
+@pytest.mark.parametrize("left", ["without its zarr.json", "an empty folder", "an empty ranks/"])
+def test_consolidate_rerun_after_a_kill_while_removing_the_rank_stores_removes_the_rest(tmp_path, left):
+    """A commit killed while it removed the rank stores (after the root) can leave a rank
+    folder whose zarr.json went first, or an empty ranks/: a rerun saw no rank store (a folder
+    with a zarr.json) and left them in the committed store for good, a whole rank's shards
+    included. The rerun removes them as the commit would have."""
+    from activationscope.store.ranks import commit_ranks
+
+    store = tmp_path / "s.zarr"
+    _small_rank_stores(store)
+    kept = tmp_path / "rank1"
+    shutil.copytree(store / "ranks" / "00001", kept)
+    commit_ranks(store)
+    committed = _tree(store)
+    assert not (store / "ranks").exists()
+    (store / "ranks").mkdir()
+    if left != "an empty ranks/":
+        shutil.copytree(kept, store / "ranks" / "00001")
+        if left == "without its zarr.json":
+            (store / "ranks" / "00001" / "zarr.json").unlink()
+        else:
+            for p in sorted((store / "ranks" / "00001").iterdir()):
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
+    commit_ranks(store)
+    assert not (store / "ranks").exists()
+    assert _tree(store) == committed and acs.open_store(store).verify() == []
+
 def _files_of(store: Path) -> dict[str, bytes]:
     return {str(p.relative_to(store)): p.read_bytes() for p in sorted(store.rglob("*"))
             if p.is_file() and p.name != "zarr.json" and not p.name.startswith(".lock")}
