@@ -27,15 +27,34 @@ namespace {
 
 using Leaves = std::vector<std::pair<std::string, at::Tensor>>;
 
+// Containers nested deeper than this in a module's inputs / outputs are not walked (a list
+// that holds itself would never end): the capture warns, naming the path (capture/compiled.py's
+// _MAX_DEPTH, the same rule in a compiled graph).
+constexpr int kMaxDepth = 32;
+
+bool is_container(py::handle obj) {
+  if (PyTuple_Check(obj.ptr()) || PyList_Check(obj.ptr())) return PySequence_Size(obj.ptr()) > 0;
+  if (PyDict_Check(obj.ptr())) return PyDict_Size(obj.ptr()) > 0;
+  return py::hasattr(reinterpret_cast<PyObject*>(Py_TYPE(obj.ptr())), "__dataclass_fields__");
+}
+
 // Flatten a module input / output into named tensor leaves: tensors, tuples / lists
 // (named tuples by field), dicts (HF ModelOutput included, by key) and dataclasses (by
-// field). None and other objects are skipped.
-void collect(py::handle obj, const std::string& prefix, Leaves& out, int depth) {
+// field). None and other objects are skipped. A container kMaxDepth levels down is not
+// walked; with `warn`, a CaptureWarning names it (its tensors are not captured).
+void collect(py::handle obj, const std::string& prefix, Leaves& out, int depth, bool warn = true) {
   if (THPVariable_Check(obj.ptr())) {
     out.emplace_back(prefix, THPVariable_Unpack(obj.ptr()));
     return;
   }
-  if (depth > 8 || obj.is_none()) return;
+  if (obj.is_none()) return;
+  if (depth >= kMaxDepth) {
+    if (warn && is_container(obj)) {
+      call_outside_dynamo(py::module_::import("activationscope.capture.compiled").attr("warn_too_deep"),
+                          py::make_tuple(prefix));
+    }
+    return;
+  }
   if (PyTuple_Check(obj.ptr()) || PyList_Check(obj.ptr())) {
     py::sequence seq = py::reinterpret_borrow<py::sequence>(obj);
     py::object fields = py::getattr(obj, "_fields", py::none());
@@ -44,13 +63,13 @@ void collect(py::handle obj, const std::string& prefix, Leaves& out, int depth) 
       std::string key = (!fields.is_none() && PyTuple_Check(fields.ptr()) && i < py::len(fields))
                             ? py::str(fields[py::int_(i)]).cast<std::string>()
                             : std::to_string(i);
-      collect(seq[i], prefix + "." + key, out, depth + 1);
+      collect(seq[i], prefix + "." + key, out, depth + 1, warn);
     }
     return;
   }
   if (PyDict_Check(obj.ptr())) {
     for (auto item : py::reinterpret_borrow<py::dict>(obj)) {
-      collect(item.second, prefix + "." + py::str(item.first).cast<std::string>(), out, depth + 1);
+      collect(item.second, prefix + "." + py::str(item.first).cast<std::string>(), out, depth + 1, warn);
     }
     return;
   }
@@ -59,7 +78,7 @@ void collect(py::handle obj, const std::string& prefix, Leaves& out, int depth) 
     py::dict fields = type.attr("__dataclass_fields__");
     for (auto item : fields) {
       std::string name = py::str(item.first).cast<std::string>();
-      collect(py::getattr(obj, name.c_str(), py::none()), prefix + "." + name, out, depth + 1);
+      collect(py::getattr(obj, name.c_str(), py::none()), prefix + "." + name, out, depth + 1, warn);
     }
   }
 }
@@ -68,10 +87,10 @@ void collect(py::handle obj, const std::string& prefix, Leaves& out, int depth) 
 // Its first dimension is the forward's samples; with rows="token" its first two are (batch, pos).
 at::Tensor root_first_input(const py::args& args, const py::kwargs& kwargs) {
   Leaves leaves;
-  for (size_t i = 0; i < args.size() && leaves.empty(); ++i) collect(args[i], "", leaves, 0);
+  for (size_t i = 0; i < args.size() && leaves.empty(); ++i) collect(args[i], "", leaves, 0, false);
   if (leaves.empty()) {
     for (auto item : kwargs) {
-      collect(item.second, "", leaves, 0);
+      collect(item.second, "", leaves, 0, false);
       if (!leaves.empty()) break;
     }
   }

@@ -278,3 +278,34 @@ def test_detached_tracker_leaves_the_compiled_model_plain():
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     assert [len(v) for v in tracker.activations.values()] == [1, 1, 1]
     assert "forward" not in model.__dict__
+
+
+class Nested(torch.nn.Module):
+    """Returns ``(x + 1, ((...(x * 3,)...),))``: ``x * 3`` inside ``levels`` one-element tuples."""
+
+    def __init__(self, levels: int) -> None:
+        super().__init__()
+        self.levels = levels
+
+    def forward(self, x):
+        deep = x * 3
+        for _ in range(self.levels):
+            deep = (deep,)
+        return (x + 1, deep)
+
+
+def test_deeply_nested_output_in_a_graph_is_captured_or_warned():
+    # the names and leaves of the graph path are the eager wrapper's: 12 levels are walked,
+    # a container 32 levels down is not, and a CaptureWarning names it
+    x = torch.randn(2, 3)
+    model = torch.nn.Sequential(Nested(12), Nested(40))
+    torch._dynamo.reset()
+    with pytest.warns(CaptureWarning, match=r"'1\.output\.1(\.0){31}'.*nested 32 levels deep"):
+        with ActivationScope().track(model) as tracker, torch.no_grad():
+            torch.compile(model[0])(x)
+            torch.compile(model[1])(x)
+    got = tracker.activations
+    deep = "0.output.1" + ".0" * 12
+    assert sorted(got) == sorted(["0.output.0", deep, "1.output.0"])
+    assert torch.equal(got[deep][0], x * 3)
+    assert torch.equal(got["1.output.0"][0], x + 1)

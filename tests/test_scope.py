@@ -260,6 +260,48 @@ def test_structured_outputs_are_flattened_into_named_leaves():
     assert torch.equal(acts["0.output.3.hidden"][0], x * 2 - 1)
 
 
+class Nested(torch.nn.Module):
+    """Returns ``(x + 1, ((...(x * 3,)...),))``: ``x * 3`` inside ``levels`` one-element tuples
+    (``x`` may come inside tuples too)."""
+
+    def __init__(self, levels: int) -> None:
+        super().__init__()
+        self.levels = levels
+
+    def forward(self, x):
+        while isinstance(x, tuple):
+            (x,) = x
+        deep = x * 3
+        for _ in range(self.levels):
+            deep = (deep,)
+        return (x + 1, deep)
+
+
+def test_deeply_nested_output_is_captured_whole():
+    # a tree-structured output 12 containers deep: every tensor leaf is a hook point
+    model = torch.nn.Sequential(Nested(12))
+    x = torch.randn(2, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with acs.ActivationScope(capture="both").track(model) as tr:
+            model(((x,),))
+    acts = tr.activations
+    deep = "0.output.1" + ".0" * 12
+    assert sorted(acts) == sorted(["0.input.0.0.0", "0.output.0", deep])
+    assert torch.equal(acts[deep][0], x * 3)
+    assert torch.equal(acts["0.output.0"][0], x + 1)
+
+
+def test_output_nested_past_the_walk_limit_warns_naming_the_path():
+    model = torch.nn.Sequential(Nested(40))
+    x = torch.randn(2, 3)
+    with pytest.warns(acs.CaptureWarning, match=r"'0\.output\.1(\.0){31}'.*nested 32 levels deep"):
+        with acs.ActivationScope().track(model) as tr:
+            model(x)
+    assert list(tr.activations) == ["0.output.0"]  # what the walk reached, kept
+    assert torch.equal(tr.activations["0.output.0"][0], x + 1)
+
+
 def test_namedtuple_output_uses_field_names():
     from collections import namedtuple
 

@@ -33,39 +33,60 @@ from . import _native
 
 _C = _native.load()
 
-__all__ = ["traced_call", "leaves", "first_input", "warn_eager", "install"]
+__all__ = ["traced_call", "leaves", "first_input", "warn_eager", "warn_too_deep", "install"]
 
 # Declared mutated by both ops, never written: keeps every op call and their order in a graph.
 _TOKEN = torch.zeros(1)
-_MAX_DEPTH = 8  # as the native collect()
+_MAX_DEPTH = 32  # containers this deep are not walked, as in the native collect()
 
 
-def leaves(obj: Any, prefix: str, names: list[str], tensors: list[torch.Tensor], depth: int = 0) -> None:
+def leaves(obj: Any, prefix: str, names: list[str], tensors: list[torch.Tensor], depth: int = 0,
+           warn: bool = True) -> None:
     """Append the tensor leaves of ``obj`` and their names (``prefix`` + field path), in the
     order and with the names of the native wrapper's ``collect`` (forward_wrapper.cpp):
     tensors; tuples / lists by index (named tuples by field); dicts (HF ``ModelOutput``
     included) by ``str(key)``; dataclasses by field; ``None`` and other objects skipped;
-    at most 8 levels deep."""
+    a container ``_MAX_DEPTH`` levels down is not walked (:func:`warn_too_deep`; ``warn``
+    False: silently)."""
     if isinstance(obj, torch.Tensor):
         names.append(prefix)
         tensors.append(obj)
         return
-    if depth > _MAX_DEPTH or obj is None:
+    if obj is None:
+        return
+    if depth >= _MAX_DEPTH:
+        container = len(obj) > 0 if isinstance(obj, (tuple, list, dict)) else \
+            isinstance(getattr(type(obj), "__dataclass_fields__", None), dict)
+        if warn and container:
+            warn_too_deep(prefix)
         return
     if isinstance(obj, (tuple, list)):
         fields = getattr(obj, "_fields", None)
         for i, item in enumerate(obj):
             key = str(fields[i]) if isinstance(fields, tuple) and i < len(fields) else str(i)
-            leaves(item, prefix + "." + key, names, tensors, depth + 1)
+            leaves(item, prefix + "." + key, names, tensors, depth + 1, warn)
         return
     if isinstance(obj, dict):
         for key, item in obj.items():
-            leaves(item, prefix + "." + str(key), names, tensors, depth + 1)
+            leaves(item, prefix + "." + str(key), names, tensors, depth + 1, warn)
         return
     fields = getattr(type(obj), "__dataclass_fields__", None)
     if isinstance(fields, dict):
         for name in fields:
-            leaves(getattr(obj, name, None), prefix + "." + name, names, tensors, depth + 1)
+            leaves(getattr(obj, name, None), prefix + "." + name, names, tensors, depth + 1, warn)
+
+
+def warn_too_deep(path: str) -> None:
+    """The CaptureWarning of a container nested ``_MAX_DEPTH`` levels deep in a tracked module's
+    inputs or outputs (``path``: its hook point prefix): the capture does not walk it, so the
+    tensors inside it are not captured. Also called by the native ``collect``."""
+    warnings.warn(
+        f"{path!r} is a tuple, list, dict or dataclass nested {_MAX_DEPTH} levels deep in a tracked "
+        "module's inputs or outputs: the capture walks no deeper, so the tensors inside it are not captured. "
+        "Track the modules that compute those tensors, return a flatter structure, or exclude= this module",
+        CaptureWarning,
+        stacklevel=2,
+    )
 
 
 def first_input(args: tuple, kwargs: dict) -> torch.Tensor | None:
@@ -75,12 +96,12 @@ def first_input(args: tuple, kwargs: dict) -> torch.Tensor | None:
     names: list[str] = []
     found: list[torch.Tensor] = []
     for arg in args:
-        leaves(arg, "", names, found)
+        leaves(arg, "", names, found, warn=False)
         if found:
             break
     if not found:
         for arg in kwargs.values():
-            leaves(arg, "", names, found)
+            leaves(arg, "", names, found, warn=False)
             if found:
                 break
     for t in found:
