@@ -126,6 +126,25 @@ thread_local std::vector<TrackerCore*> t_open_roots;
 // call (TrackerCore::in_flight counts those of every thread).
 thread_local std::vector<TrackerCore*> t_in_calls;
 
+// Calls of tracked modules made on their own (outside a root forward of their tracker) open on
+// this thread, one per tracker: (tracker, key of the outermost such call). The tracked modules
+// called inside one are named "#k" from their second call on, as in a root forward.
+thread_local std::vector<std::pair<TrackerCore*, int64_t>> t_outside_calls;
+
+// Ends, when it goes out of scope, the outside calls that take_call opened for it.
+struct OutsideCalls {
+  c10::SmallVector<TrackerCore*, 2> opened;
+  void close() {
+    for (TrackerCore* c : opened) {
+      auto it = std::find_if(t_outside_calls.begin(), t_outside_calls.end(),
+                             [c](const auto& entry) { return entry.first == c; });
+      if (it != t_outside_calls.end()) t_outside_calls.erase(it);
+    }
+    opened.clear();
+  }
+  ~OutsideCalls() { close(); }
+};
+
 // torch._C._dynamo.eval_frame.<name> (a new reference, kept for the process), or None where
 // this torch lacks it.
 PyObject* eval_frame_attr(const char* name) {
@@ -268,7 +287,7 @@ void ForwardWrapper::start_forward(TrackerCore& c, const at::Tensor& first) {
 
 // Whether site `s` captures this call; if so, the name base it captures under ("<path>" or
 // "<path>#k" for its k-th call in this root forward).
-bool ForwardWrapper::take_call(Site& s, std::string* base, int64_t* k, bool* outside) {
+bool ForwardWrapper::take_call(Site& s, std::string* base, int64_t* k, bool* outside, void* opened) {
   TrackerCore& c = *s.core;
   if (!c.live()) return false;
   *outside = c.depth == 0;
@@ -279,11 +298,26 @@ bool ForwardWrapper::take_call(Site& s, std::string* base, int64_t* k, bool* out
     return false;
   }
   const bool take = c.depth > 0 ? c.capturing : c.decide(s.n_calls++);
+  // The call this one is part of: the root forward, or the outermost call of a tracked module
+  // made on its own on this thread (keys -1, -2, ...: never a forward's), which this call
+  // opens when there is none. Repeated calls of a module within one are "#k".
+  int64_t key = c.n_forwards;
+  if (c.depth == 0) {
+    auto it = std::find_if(t_outside_calls.begin(), t_outside_calls.end(),
+                           [&c](const auto& entry) { return entry.first == &c; });
+    if (it != t_outside_calls.end()) {
+      key = it->second;
+    } else {
+      key = -(++c.outside_keys);
+      t_outside_calls.emplace_back(&c, key);
+      static_cast<OutsideCalls*>(opened)->opened.push_back(&c);
+    }
+  }
   *k = 0;
-  if (s.fwd_seen == c.n_forwards && c.depth > 0) {
+  if (s.fwd_seen == key) {
     *k = s.calls_in_fwd++;
   } else {
-    s.fwd_seen = c.n_forwards;
+    s.fwd_seen = key;
     s.calls_in_fwd = 1;
   }
   if (!take) return false;
@@ -357,12 +391,13 @@ py::object ForwardWrapper::call(py::args args, py::kwargs kwargs) {
   }
 
   // Which sites capture this call, and under which names.
+  OutsideCalls outside_calls;  // (declared before `active`: its end is counted with the calls open)
   std::vector<Active> active;
   for (auto& s : sites_) {
     std::string base;
     int64_t k;
     bool outside = false;
-    if (take_call(*s, &base, &k, &outside)) active.push_back({s, std::move(base), k, outside});
+    if (take_call(*s, &base, &k, &outside, &outside_calls)) active.push_back({s, std::move(base), k, outside});
   }
   struct OutsideEnd {  // (counted again when the call ends: its records are in by then)
     std::vector<Active>& active;
@@ -618,12 +653,15 @@ void ForwardWrapper::op_begin(at::TensorList leaves, const std::vector<std::stri
     op_frames_.pop_back();
     throw;
   }
+  // (a call on its own inside a graph names the calls inside it as before: each its own)
+  OutsideCalls outside_calls;
   for (auto& s : sites_) {
     std::string base;
     int64_t k;
     bool outside = false;
-    if (take_call(*s, &base, &k, &outside)) f.active.emplace_back(s, std::move(base));
+    if (take_call(*s, &base, &k, &outside, &outside_calls)) f.active.emplace_back(s, std::move(base));
   }
+  outside_calls.close();
   op_frames_.back() = f;
   for (auto& [site, base] : f.active)
     if (site->capture_input && !leaves.empty()) capture_named(*site->core, base, leaves, names);

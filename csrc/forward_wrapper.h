@@ -61,6 +61,7 @@ struct TrackerCore {
   // ends: the tracker's alias checks look for such calls only when this moved
   int64_t outside_captures = 0;
   int64_t outside_calls = 0;        // calls of tracked modules outside a root forward left out (roots_only)
+  int64_t outside_keys = 0;         // outermost calls of tracked modules on their own (in memory), numbered
   int64_t n_consumed = 0;           // captures (sink calls) in this root forward
   std::shared_ptr<Sink> last_sink;  // the sink of the last of them
   int64_t stop_count = -1;          // captures of the first whole captured forward (-1: not learnt)
@@ -119,8 +120,9 @@ struct Site {
   bool capture_output = true;
   bool is_root = false;
   int64_t n_calls = 0;        // calls outside any root forward (policy fallback)
-  int64_t fwd_seen = -1;      // core->n_forwards at the last call
-  int64_t calls_in_fwd = 0;   // for the #k suffix
+  // core->n_forwards at the last call, or -k in the k-th outermost call on its own (in memory)
+  int64_t fwd_seen = 0;
+  int64_t calls_in_fwd = 0;   // calls in that forward or call, for the #k suffix
   // Fast path of the common case (first call in a forward, one positional tensor input,
   // a tensor output): hook point names and sinks resolved once.
   bool in0_resolved = false, out_resolved = false;
@@ -199,7 +201,8 @@ class ForwardWrapper {
     std::vector<std::shared_ptr<TrackerCore>> roots;  // trackers rooted here (depth raised)
   };
   void check_one_thread() const;
-  static bool take_call(Site& s, std::string* base, int64_t* k, bool* outside);
+  // `opened`: an OutsideCalls (forward_wrapper.cpp) that ends the outside call this one opens.
+  static bool take_call(Site& s, std::string* base, int64_t* k, bool* outside, void* opened);
   static void start_forward(TrackerCore& c, const at::Tensor& first);
   static void capture_named(TrackerCore& core, const std::string& base, at::TensorList leaves,
                             const std::vector<std::string>& names);

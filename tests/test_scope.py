@@ -1175,6 +1175,78 @@ def test_forward_hooks_that_change_an_output_are_named_and_the_next_input_record
     assert not model.pair._forward_hooks  # the probes of the first forward are gone, and so is the user's
 
 
+class Encoder(torch.nn.Module):
+    """Calls its dropout twice (as T5's encoder stack does: on the embeddings and at the end)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Linear(4, 4)
+        self.lin = torch.nn.Linear(4, 4)
+        self.drop = torch.nn.Dropout(0.0)
+
+    def forward(self, x):
+        return self.drop(self.lin(self.drop(self.embed(x))))
+
+
+class EncoderDecoder(torch.nn.Module):
+    """Its forward takes the encoder's output: the encoder runs on its own first, as Hugging Face
+    ``generate()`` runs an encoder-decoder's encoder once, outside the model's forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.encoder = Encoder()
+        self.head = torch.nn.Linear(4, 2)
+
+    def forward(self, h):
+        return self.head(h)
+
+
+@pytest.mark.parametrize("side", ["output", "both"])
+def test_modules_called_twice_inside_a_tracked_module_called_on_its_own_get_their_call_index(side):
+    # each call of a tracked module made on its own names the repeated calls of the modules
+    # inside it as a forward of the tracked model does (drop, drop#1), so a hook point never
+    # mixes two call sites; with capture="both" the dropout's first input stays an alias of the
+    # embedding's output
+    model = EncoderDecoder().eval()
+    xs = [torch.randn(3, 4), torch.randn(2, 4)]
+    with acs.ActivationScope(capture=side).track(model) as tr, torch.no_grad():
+        for x in xs:
+            model(model.encoder(x))
+    acts = tr.activations
+    with torch.no_grad():
+        embeds = [model.encoder.embed(x) for x in xs]
+        lins = [model.encoder.lin(e) for e in embeds]
+    assert len(acts["encoder.drop.output"]) == 2 and len(acts["encoder.drop#1.output"]) == 2
+    for i in range(2):
+        assert torch.equal(acts["encoder.drop.output"][i], embeds[i])
+        assert torch.equal(acts["encoder.drop#1.output"][i], lins[i])
+        assert torch.equal(acts["encoder.output"][i], lins[i])
+        assert torch.equal(acts["head.output"][i], model.head(lins[i]))
+    if side == "both":
+        assert torch.equal(acts["encoder.drop#1.input.0"][1], lins[1])
+        assert torch.equal(acts["encoder.drop.input.0"][1], embeds[1])
+
+
+def test_t5_generate_captures_its_encoder_called_on_its_own():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.T5Config(vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2,
+                                   decoder_start_token_id=0, pad_token_id=0)
+    model = transformers.T5ForConditionalGeneration(config).eval()
+    ids = torch.randint(1, 64, (2, 5))
+    # ("shared" is the embedding both stacks use through modules of their own: never called itself)
+    with acs.ActivationScope(capture="both").track(model, exclude=["shared"]) as tr, torch.no_grad():
+        out = model.generate(input_ids=ids, max_new_tokens=3, do_sample=False)
+    with torch.no_grad():
+        assert torch.equal(out, model.generate(input_ids=ids, max_new_tokens=3, do_sample=False))
+        hidden = model.encoder(input_ids=ids).last_hidden_state
+    acts = tr.activations
+    assert len(acts["encoder.dropout.output"]) == 1 and len(acts["encoder.dropout#1.output"]) == 1
+    assert torch.equal(acts["encoder.dropout#1.output"][0], hidden)
+    assert torch.equal(acts["encoder.output.last_hidden_state"][0], hidden)
+
+
 def test_a_tracked_module_called_on_its_own_in_a_store_capture_records_nothing_and_is_warned(tmp_path):
     """A store's rows follow its row table (one entry per sample of a forward of the tracked
     model): a tracked submodule called on its own between forwards records nothing, its
