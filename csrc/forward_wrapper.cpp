@@ -75,8 +75,12 @@ void collect(py::handle obj, const std::string& prefix, Leaves& out, int depth, 
   }
   py::handle type = reinterpret_cast<PyObject*>(Py_TYPE(obj.ptr()));
   if (py::hasattr(type, "__dataclass_fields__")) {
+    // the kind of a field of the instance; ClassVar and InitVar names have others (the test of
+    // dataclasses.fields); kept for the process
+    static PyObject* field_kind = py::object(py::module_::import("dataclasses").attr("_FIELD")).release().ptr();
     py::dict fields = type.attr("__dataclass_fields__");
     for (auto item : fields) {
+      if (py::getattr(item.second, "_field_type", py::none()).ptr() != field_kind) continue;
       std::string name = py::str(item.first).cast<std::string>();
       collect(py::getattr(obj, name.c_str(), py::none()), prefix + "." + name, out, depth + 1, warn);
     }

@@ -7,6 +7,8 @@ counters).
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 import warnings
 
 import numpy as np
@@ -309,3 +311,24 @@ def test_deeply_nested_output_in_a_graph_is_captured_or_warned():
     assert sorted(got) == sorted(["0.output.0", deep, "1.output.0"])
     assert torch.equal(got[deep][0], x * 3)
     assert torch.equal(got["1.output.0"][0], x + 1)
+
+
+@dataclasses.dataclass
+class WithClassVar:
+    SCALE: typing.ClassVar[torch.Tensor] = torch.full((2,), 7.0)  # of the class, not a field
+    hidden: torch.Tensor
+
+
+class ReturnsDataclass(torch.nn.Module):
+    def forward(self, x):
+        return WithClassVar(hidden=x * 2)
+
+
+def test_dataclass_output_in_a_graph_records_its_fields_only():
+    model = torch.nn.Sequential(ReturnsDataclass())
+    x = torch.randn(2, 3)
+    torch._dynamo.reset()
+    with ActivationScope().track(model) as tracker, torch.no_grad():
+        torch.compile(model)(x)
+    assert list(tracker.activations) == ["0.output.hidden"]
+    assert torch.equal(tracker.activations["0.output.hidden"][0], x * 2)

@@ -8,6 +8,7 @@ import gc
 import sys
 import threading
 import re
+import typing
 import warnings
 from collections import defaultdict
 from typing import Optional
@@ -258,6 +259,31 @@ def test_structured_outputs_are_flattened_into_named_leaves():
     assert torch.equal(acts["0.output.1.0"][0], x)
     assert torch.equal(acts["0.output.2.k"][0], x * 2 + 1)
     assert torch.equal(acts["0.output.3.hidden"][0], x * 2 - 1)
+
+
+@dataclasses.dataclass
+class WithClassVar:
+    SCALE: typing.ClassVar[torch.Tensor] = torch.full((2,), 7.0)  # of the class, not a field
+    hidden: torch.Tensor
+    steps: dataclasses.InitVar[Optional[torch.Tensor]] = None  # an __init__ argument, not a field
+
+    def __post_init__(self, steps):
+        pass
+
+
+def test_dataclass_output_leaves_are_its_fields_only():
+    # ClassVar and InitVar names are in __dataclass_fields__ but are not fields of the output
+    # (dataclasses.fields leaves them out): the class's tensor is not recorded at every call
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return WithClassVar(hidden=x * 2, steps=x)
+
+    model = torch.nn.Sequential(M())
+    x = torch.randn(2, 3)
+    with acs.ActivationScope().track(model) as tr:
+        model(x)
+    assert list(tr.activations) == ["0.output.hidden"]
+    assert torch.equal(tr.activations["0.output.hidden"][0], x * 2)
 
 
 class Nested(torch.nn.Module):

@@ -23,6 +23,7 @@ graph break per tracked module, records exact) and :func:`warn_eager` says so on
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any
 
@@ -45,9 +46,9 @@ def leaves(obj: Any, prefix: str, names: list[str], tensors: list[torch.Tensor],
     """Append the tensor leaves of ``obj`` and their names (``prefix`` + field path), in the
     order and with the names of the native wrapper's ``collect`` (forward_wrapper.cpp):
     tensors; tuples / lists by index (named tuples by field); dicts (HF ``ModelOutput``
-    included) by ``str(key)``; dataclasses by field; ``None`` and other objects skipped;
-    a container ``_MAX_DEPTH`` levels down is not walked (:func:`warn_too_deep`; ``warn``
-    False: silently)."""
+    included) by ``str(key)``; dataclasses by field (``dataclasses.fields``); ``None`` and
+    other objects skipped; a container ``_MAX_DEPTH`` levels down is not walked
+    (:func:`warn_too_deep`; ``warn`` False: silently)."""
     if isinstance(obj, torch.Tensor):
         names.append(prefix)
         tensors.append(obj)
@@ -72,7 +73,9 @@ def leaves(obj: Any, prefix: str, names: list[str], tensors: list[torch.Tensor],
         return
     fields = getattr(type(obj), "__dataclass_fields__", None)
     if isinstance(fields, dict):
-        for name in fields:
+        for name, field in fields.items():
+            if getattr(field, "_field_type", None) is not dataclasses._FIELD:
+                continue  # a ClassVar or InitVar name, not a field of the instance (dataclasses.fields)
             leaves(getattr(obj, name, None), prefix + "." + name, names, tensors, depth + 1, warn)
 
 
