@@ -381,6 +381,20 @@ void Sink::consume(const at::Tensor& x_in, const at::Tensor& token_mask) {
     auto feat = rows.sizes().slice(1);
     if (n_rows_ == 0 && feature_shape_.empty()) {
       feature_shape_.assign(feat.begin(), feat.end());
+    } else if (writer_ && at::IntArrayRef(feature_shape_) != feat && token_mask.defined() &&
+               !is_token_rows(x, token_mask)) {
+      // A mask is given, but this activation does not start with its (batch, pos) (an
+      // attention bias (batch, 1, pos, pos), a sequence-first tensor): its rows are samples
+      // and change shape with pos. Passing a mask, the usual fix, is no fix here.
+      count_call(-1);
+      const bool is_input = name_.find(".input.") != std::string::npos;
+      ACS_CHECK(false, "hook point '", name_, "' changed its feature shape from ", shape_str(feature_shape_),
+                " to ", shape_str(feat), "; a store array needs one feature shape per hook point. The attention ",
+                "mask given to set_batch is (batch, pos) = ", shape_str(token_mask.sizes()),
+                " and this activation, of shape ", shape_str(x.sizes()),
+                ", does not start with it, so it is stored one row per sample, and those rows change shape ",
+                "with pos: leave it out of the capture (exclude= its module",
+                is_input ? ", or capture=\"output\": it is an input of its module)" : ")", ".");
     } else if (writer_) {
       ACS_CHECK(at::IntArrayRef(feature_shape_) == feat, "hook point '", name_,
                 "' changed its feature shape from ", shape_str(feature_shape_), " to ",

@@ -583,6 +583,22 @@ def test_capture_errors_about_row_kinds_use_cli_words(capsys, tmp_path):
     assert "set_batch" not in err and "token_rows=" not in err and not (tmp_path / "b.zarr").exists()
 
 
+@needs_demo
+def test_capture_both_names_the_attention_bias_input_in_cli_words(capsys, tmp_path):
+    """--capture both of a BERT layer: its attention-bias input (batch, 1, pos, pos) does not
+    start with the text's (batch, pos), so it is one row per sample; texts of two lengths make
+    the error, which names the mask's shape and the flags that fix it (the mask is given)."""
+    f = tmp_path / "t.txt"
+    f.write_text("short one\na bit longer\nshort\na much longer sentence with many words in it\n")
+    code, _, err = run(capsys, "capture", "--model", "demo", "--data", str(f), "--out", str(tmp_path / "a.zarr"),
+                       "--include", "encoder.layer.0", "--capture", "both", "--batch-size", "2", "--no-progress")
+    assert code == 1
+    _one_error_line(err, "hook point 'encoder.layer.0.input.1' changed its feature shape from (1, 5, 5) to (1, 11, 11)",
+                    "The attention mask of the tokenized text is (batch, pos) = (2, 11)",
+                    "(--exclude its module, or --capture output: it is an input of its module)")
+    assert "set_batch" not in err and "exclude=" not in err and "--sample-rows" not in err
+
+
 def test_reissued_warnings_keep_category_and_place():
     from activationscope.errors import CaptureWarning
 

@@ -250,3 +250,51 @@ def test_a_sequence_first_model_takes_one_entry_per_sample(tmp_path):
         tracker.set_batch(label=[0, 1])
         with pytest.raises(ArgumentValueError, match=r"describes 2 samples.* has 10 .*sequence-first input, is 3"):
             model(xs[0])
+
+
+class _MaskedBlock(torch.nn.Module):
+    """A block called with hidden states (batch, pos, d) and an additive attention bias
+    (batch, 1, pos, pos), as Hugging Face encoder layers are."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, h, bias):
+        return self.proj(h) + bias.mean((1, 3)).unsqueeze(-1)
+
+
+class _MaskedEncoder(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = _MaskedBlock()
+
+    def forward(self, h, mask):
+        bias = (1.0 - mask[:, None, None, :].float()) * -1e4
+        return self.block(h, bias.expand(-1, 1, h.shape[1], -1))
+
+
+def test_a_hook_point_that_does_not_start_with_the_mask_names_the_mask_and_the_fix(tmp_path):
+    """With an attention mask set, a hook point whose activation does not start with the mask's
+    (batch, pos) (an attention bias (batch, 1, pos, pos)) is stored one row per sample; when
+    pos changes, the error says so and names the fixes that apply, not a mask already given."""
+    torch.manual_seed(0)
+    model = _MaskedEncoder().eval()
+    batches = [(torch.randn(2, 5, 4), torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])),
+               (torch.randn(2, 3, 4), torch.tensor([[1, 1, 1], [1, 0, 0]]))]
+    scope = acs.ActivationScope(store=str(tmp_path / "s.zarr"), capture="both")
+    with pytest.raises(acs.CaptureError) as e:
+        with scope.track(model, include=["block"]) as tracker, torch.no_grad():
+            for h, mask in batches:
+                tracker.set_batch(attention_mask=mask)
+                model(h, mask)
+    msg = str(e.value)
+    assert "hook point 'block.input.1' changed its feature shape from (1, 5, 5) to (1, 3, 3)" in msg
+    assert "(batch, pos) = (2, 3)" in msg and "of shape (2, 1, 3, 3), does not start with it" in msg
+    assert "exclude= its module" in msg and 'capture="output"' in msg
+    assert "pass attention_mask=" not in msg  # the mask was given
+    store = acs.open_store(str(tmp_path / "s.zarr"))  # the first forward is kept, whole
+    assert store.status == "incomplete" and store.n_samples == 2
+    with torch.no_grad():
+        want = model.block(batches[0][0], (1.0 - batches[0][1][:, None, None, :].float()).expand(-1, 1, 5, -1) * -1e4)
+    assert torch.equal(store["block.output"], want[batches[0][1].bool()])

@@ -311,6 +311,10 @@ _CLI_SPELLINGS = (
     ("(pass attention_mask= to tracker.set_batch() for sequences of varying length, or exclude this hook point)",
      "(with text of varying length only token rows keep one feature shape: leave it out of --sample-rows, or "
      "--exclude its module)"),
+    ("The attention mask given to set_batch is (batch, pos)", "The attention mask of the tokenized text is (batch, pos)"),
+    ('(exclude= its module, or capture="output": it is an input of its module)',
+     "(--exclude its module, or --capture output: it is an input of its module)"),
+    ("(exclude= its module)", "(--exclude its module)"),
     ("is set to token rows by token_rows=", "is set to token rows by --token-rows"),
     ("pass attention_mask= to tracker.set_batch (or rows='token'), or drop the hook point from token_rows=",
      "token rows are for activations starting with the (batch, pos) of the text's attention mask: leave it out "
