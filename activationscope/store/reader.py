@@ -2201,6 +2201,16 @@ def _sub_backend(backend: Any, prefix: str) -> Any:
 MAX_RANK_VIEW = 1 << 16
 
 
+def _rank_folders(backend: Any) -> list[int]:
+    """The ranks whose store exists under ``ranks/`` (``ranks/<r, 5 digits>/zarr.json``), sorted."""
+    ranks = set()
+    for key in backend.list("ranks/"):
+        parts = key.split("/")
+        if len(parts) == 3 and parts[2] == "zarr.json" and parts[1].isdigit() and len(parts[1]) == 5:
+            ranks.add(int(parts[1]))
+    return sorted(ranks)
+
+
 def _rank_view(store: "Store", attrs: dict, dist: dict) -> tuple[dict, list, dict]:
     """The root metadata of an uncommitted multi-rank store, showing its rank stores' rows.
 
@@ -2211,10 +2221,21 @@ def _rank_view(store: "Store", attrs: dict, dist: dict) -> tuple[dict, list, dic
     ranks have not been merged).
     """
     world = dist.get("world_size")
-    if isinstance(world, bool) or not isinstance(world, int) or not 1 <= world <= MAX_RANK_VIEW:
+    present = _rank_folders(store._backend)  # rank stores that exist (their zarr.json)
+    valid = not isinstance(world, bool) and isinstance(world, int) and 1 <= world <= MAX_RANK_VIEW
+    beyond = present if not valid else [r for r in present if r >= world]
+    if beyond:  # their rows would be left out of the view without a word
+        shown = f"{beyond[:10]}"[:-1] + (f", ...] ({len(beyond)} in all)" if len(beyond) > 10 else "]")
+        raise V.corrupt(store._backend, (
+            f"the root's distributed.world_size is {world!r}, " + (
+                f"but rank stores {shown} under 'ranks/' lie beyond ranks 0..{world - 1}" if valid else
+                f"not a number of ranks in 1..{MAX_RANK_VIEW}, and rank stores {shown} exist under 'ranks/'")
+            + ": the store would show only part of its rows. Restore the root zarr.json (its world_size is the "
+            "number of ranks that captured it), or move rank stores that belong to another capture away"))
+    if not valid:
         return attrs, [], {}
     ranks: list[tuple[int, Store]] = []
-    for r in range(world):
+    for r in present:
         sub = _sub_backend(store._backend, f"ranks/{r:05d}")
         if sub is None:
             return attrs, [], {}

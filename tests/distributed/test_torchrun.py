@@ -1118,3 +1118,17 @@ def test_consolidate_takes_a_file_url_as_the_folder_it_names(tmp_path, capsys):
     assert cli.main(["consolidate", f"file://{store}"]) == 0
     assert "committed 2 rank stores, 36 samples" in capsys.readouterr().out
     assert acs.open_store(store).status == "complete" and acs.open_store(store).verify() == []
+
+
+@pytest.mark.parametrize("world", [1, 10 ** 9, 0, "2"])
+def test_a_root_whose_world_size_leaves_out_rank_stores_is_damage_not_fewer_rows(tmp_path, world):
+    """An uncommitted multi-rank store is shown as its rank stores' rows; a root edited to say
+    fewer ranks than there are (or a world size out of range) showed rank 0 only, or nothing,
+    and verify() found nothing wrong. It is StoreCorruptError naming the rank stores."""
+    store = tmp_path / "s.zarr"
+    _small_rank_stores(store)
+    assert acs.open_store(store).n_samples == 36  # 18 per rank
+    _set_attrs(store / "zarr.json", lambda a: a["distributed"].update(world_size=world))
+    with pytest.raises(acs.StoreCorruptError, match=r"rank stores? \[1\]|rank stores \[0, 1\]") as e:
+        acs.open_store(store)
+    assert "world_size" in str(e.value) and "ranks/" in str(e.value)
