@@ -434,6 +434,9 @@ def parse_root(raw: bytes, *, store: Any, key: str = "zarr.json") -> dict | None
     attrs = attributes.get(F.ATTRS_KEY)
     if attrs is None:
         return None
+    if doc.get("zarr_format") != 3 or doc.get("node_type") != "group":  # plain Zarr readers open it as one
+        raise corrupt(store, f"{key} must be a Zarr v3 group document (zarr_format 3, node_type 'group'), got "
+                             f"zarr_format {doc.get('zarr_format')!r}, node_type {doc.get('node_type')!r}")
     return check_root_attrs(attrs, store=store, key=key)
 
 

@@ -1424,3 +1424,16 @@ def test_built_in_reduction_entries_that_are_not_its_outputs_are_refused(tmp_pat
     with pytest.raises(StoreCorruptError, match=re.escape(
             "field reductions['0.output']['mean.count'].reduction must be the entry's name, or the part of it before")):
         open_store(path)
+
+
+@pytest.mark.parametrize("field,value", [("node_type", "array"), ("zarr_format", 2), ("node_type", None)])
+def test_root_document_that_is_not_a_zarr_v3_group(tmp_path, plain, field, value):
+    # open_store and verify() took it; zarr-python and xarray then fail to open the group
+    src, _data = plain
+    path = tmp_path / "copy.zarr"
+    shutil.copytree(src, path)
+    doc = root(path)
+    doc[field] = value
+    (path / "zarr.json").write_text(json.dumps(doc))
+    with pytest.raises(StoreCorruptError, match=rf"zarr\.json.*Zarr v3 group.*{field}"):
+        open_store(path)
