@@ -959,6 +959,7 @@ class StoreWriter:
             self._load_column_types()
         self._ids_seen: _SampleIds | None = None  # made with the first batch of given ids (see _check_ids)
         self._old_arrays: dict[str, dict] = dict(st.get("arrays") or {})
+        self._warn_kept_compression()
         self._old_reductions: dict = dict(st.get("reductions") or {})
         self.aliases: dict[str, str] = dict(st.get("aliases") or {})
         #: Hook points the store held when this writer opened (arrays and aliases; resume).
@@ -1207,6 +1208,24 @@ class StoreWriter:
             )
 
     # ------------------------------------------------------------------ arrays
+    def _warn_kept_compression(self) -> None:
+        """A resume asking for another compression than its stored arrays': they keep theirs
+        (their shards go on as they are), which the user is told."""
+        if self._compression is None or not self._old_arrays:
+            return
+        other = {hp: meta.get("compression") for hp, meta in self._old_arrays.items()
+                 if F.codec_for_array(self._compression, meta["dtype"]) != meta.get("compression")}
+        if not other:
+            return
+        names = sorted(other)
+        kept = sorted({(c or {}).get("name", "uncompressed") if c else "uncompressed" for c in other.values()})
+        warnings.warn(
+            f"store {str(self._backend)!r}: the resumed capture asks for compression {self._compression['name']!r}, "
+            f"but the stored hook points {names[:5]}{' ...' if len(names) > 5 else ''} are {', '.join(kept)}: a resume "
+            "keeps each stored array's compression and layout, so compression= applies to hook points new in this "
+            "run only (a capture into a new store compresses every hook point)",
+            RuntimeWarning, stacklevel=4)
+
     def open_array(self, hook_point: str, feature_shape: tuple, dtype: torch.dtype, row_kind: str) -> Any:
         """Create (or, when resuming, reopen) the array of a hook point; returns its native writer.
 
@@ -1390,8 +1409,8 @@ class StoreWriter:
         others stay kept until the close (a failure before a root lists their rewrite puts
         them back: :meth:`_cleanup`)."""
         installed = self._installed_shards
-        if not installed:
-            return
+        if not installed or self._found_files is not None:
+            return  # (no batch committed yet: a discard() may still put the found files back)
         keep_on = []
         for path, keep in self._kept_shards:
             if path in installed:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 import re
 import threading
 import uuid
@@ -716,3 +717,22 @@ def test_a_model_on_the_meta_device_is_refused_by_a_store_naming_the_tensor(tmp_
         with acs.ActivationScope(store=str(tmp_path / "s.zarr")).track(model):
             pass
     assert not (tmp_path / "s.zarr").exists()
+
+
+def test_a_resume_asking_for_another_compression_says_the_stored_arrays_keep_theirs(tmp_path):
+    # the stored arrays keep their codec and layout on resume: compression= asking for another
+    # one was ignored without a word
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3)).eval()
+    path = str(tmp_path / "s.zarr")
+    with acs.ActivationScope(store=path).track(model), torch.no_grad():
+        model(torch.randn(2, 4))
+    with pytest.warns(RuntimeWarning, match=r"'zstd'.*'0\.output'.*uncompressed.*new in this run"):
+        with acs.ActivationScope(store=path, store_options={"resume": True, "compression": "zstd"}).track(model), \
+                torch.no_grad():
+            model(torch.randn(2, 4))
+    store = open_store(path)
+    assert store.n_samples == 4 and store.attrs["arrays"]["0.output"].get("compression") is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same codec again: nothing to say
+        with acs.ActivationScope(store=path, store_options={"resume": True}).track(model), torch.no_grad():
+            model(torch.randn(2, 4))
