@@ -2201,14 +2201,26 @@ def _sub_backend(backend: Any, prefix: str) -> Any:
 MAX_RANK_VIEW = 1 << 16
 
 
-def _rank_folders(backend: Any) -> list[int]:
-    """The ranks whose store exists under ``ranks/`` (``ranks/<r, 5 digits>/zarr.json``), sorted."""
-    ranks = set()
-    for key in backend.list("ranks/"):
-        parts = key.split("/")
-        if len(parts) == 3 and parts[2] == "zarr.json" and parts[1].isdigit() and len(parts[1]) == 5:
-            ranks.add(int(parts[1]))
-    return sorted(ranks)
+def _rank_folders(backend: Any, world: int | None) -> list[int]:
+    """The ranks whose store exists under ``ranks/`` (``ranks/<r, 5 digits>/zarr.json``), sorted.
+
+    A local store's folder is listed. An object store is asked for ranks 0 .. ``world``
+    (one past the last, or rank 0 alone when ``world`` is None) only: a listing there goes
+    through the filesystem's listing cache, which a commit removing the rank stores in
+    another thread at the same time could leave stale."""
+    if isinstance(backend, LocalBackend):
+        ranks = set()
+        for key in backend.list("ranks/"):
+            parts = key.split("/")
+            if len(parts) == 3 and parts[2] == "zarr.json" and parts[1].isdigit() and len(parts[1]) == 5:
+                ranks.add(int(parts[1]))
+        return sorted(ranks)
+    out = []
+    for r in range(1 if world is None else world + 1):
+        sub = _sub_backend(backend, f"ranks/{r:05d}")
+        if sub is not None and sub.get("zarr.json", max_bytes=V.MAX_JSON_BYTES) is not None:
+            out.append(r)
+    return out
 
 
 def _rank_view(store: "Store", attrs: dict, dist: dict) -> tuple[dict, list, dict]:
@@ -2221,8 +2233,8 @@ def _rank_view(store: "Store", attrs: dict, dist: dict) -> tuple[dict, list, dic
     ranks have not been merged).
     """
     world = dist.get("world_size")
-    present = _rank_folders(store._backend)  # rank stores that exist (their zarr.json)
     valid = not isinstance(world, bool) and isinstance(world, int) and 1 <= world <= MAX_RANK_VIEW
+    present = _rank_folders(store._backend, world if valid else None)  # rank stores that exist (their zarr.json)
     beyond = present if not valid else [r for r in present if r >= world]
     if beyond:  # their rows would be left out of the view without a word
         shown = f"{beyond[:10]}"[:-1] + (f", ...] ({len(beyond)} in all)" if len(beyond) > 10 else "]")

@@ -624,7 +624,8 @@ def test_consolidate_names_missing_and_extra_ranks(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "are ranks [0, 2], expected 0..1; rank(s) [1] are missing: capture (or resume) them" in err, err
     assert "rank(s) [2] are beyond the 2 ranks" in err and "nothing was written" in err
-    assert acs.open_store(store).status != "complete"
+    with pytest.raises(acs.StoreCorruptError, match=r"rank stores \[2\] under 'ranks/' lie beyond ranks 0\.\.1"):
+        acs.open_store(store)  # (the reader's view of the ranks refuses the extra one, as consolidate does)
     assert set(_tree(store)) == {k for k in before if not k.startswith("ranks/00001/")}
 
 
