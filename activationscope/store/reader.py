@@ -2204,23 +2204,22 @@ MAX_RANK_VIEW = 1 << 16
 def _rank_folders(backend: Any, world: int | None) -> list[int]:
     """The ranks whose store exists under ``ranks/`` (``ranks/<r, 5 digits>/zarr.json``), sorted.
 
-    A local store's folder is listed. An object store is asked for ranks 0 .. ``world``
-    (one past the last, or rank 0 alone when ``world`` is None) only: a listing there goes
-    through the filesystem's listing cache, which a commit removing the rank stores in
-    another thread at the same time could leave stale."""
-    if isinstance(backend, LocalBackend):
-        ranks = set()
-        for key in backend.list("ranks/"):
+    Every store is asked for ranks 0 .. ``world`` (one past the last, or rank 0 alone when
+    ``world`` is None); a local store's folder is listed as well (for ranks further on). An
+    object store is not listed: a listing there goes through the filesystem's listing cache,
+    which a commit removing the rank stores in another thread at the same time could leave
+    stale."""
+    ranks = set()
+    if isinstance(backend, LocalBackend):  # (the listing does not enter a linked rank folder:
+        for key in backend.list("ranks/"):  # the ranks asked for below do)
             parts = key.split("/")
             if len(parts) == 3 and parts[2] == "zarr.json" and parts[1].isdigit() and len(parts[1]) == 5:
                 ranks.add(int(parts[1]))
-        return sorted(ranks)
-    out = []
     for r in range(1 if world is None else world + 1):
         sub = _sub_backend(backend, f"ranks/{r:05d}")
         if sub is not None and sub.get("zarr.json", max_bytes=V.MAX_JSON_BYTES) is not None:
-            out.append(r)
-    return out
+            ranks.add(r)
+    return sorted(ranks)
 
 
 def _rank_view(store: "Store", attrs: dict, dist: dict) -> tuple[dict, list, dict]:
