@@ -949,14 +949,18 @@ def test_resume_refuses_a_root_that_lies_about_the_layout(plain):
     that lies about it is refused before a file is deleted or written."""
     path, data = plain
     edit_root(path, lambda a: a["arrays"][HP].update(shard_rows=128))
+    _assert_resume_refused_as_found(path, r"chunk_grid .*shard_rows 128.*nothing was deleted or written")
+
+
+def _assert_resume_refused_as_found(path: Path, match: str) -> None:
+    """A resume of ``path`` raises StoreCorruptError matching ``match``, every file as found."""
     before = _files(path)
-    with pytest.raises(StoreCorruptError, match=r"chunk_grid .*shard_rows 128.*nothing was deleted or written"):
+    with pytest.raises(StoreCorruptError, match=match):
         StoreWriter(path, resume=True)
     after = _files(path)
     after.pop(".activationscope-writer.lock", None)
     before.pop(".activationscope-writer.lock", None)
     assert after == before
-
 
 
 @pytest.mark.parametrize("edit", [
@@ -971,13 +975,7 @@ def test_resume_refuses_a_root_whose_counts_disagree(plain, edit):
     to the wrong samples. It is refused before a file is deleted or written, naming both counts."""
     path, data = plain
     edit_root(path, edit)
-    before = _files(path)
-    with pytest.raises(StoreCorruptError, match=r"nothing was deleted or written"):
-        StoreWriter(path, resume=True)
-    after = _files(path)
-    after.pop(".activationscope-writer.lock", None)
-    before.pop(".activationscope-writer.lock", None)
-    assert after == before
+    _assert_resume_refused_as_found(path, r"nothing was deleted or written")
 
 
 # ---------------------------------------------------------------- 11. manifest fields the reader does not use
