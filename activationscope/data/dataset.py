@@ -33,6 +33,7 @@ from ..errors import (
     StoreError,
 )
 from ..capture.hooks import pattern_hits
+from ..store._validate import row_table_type_clashes
 from ._source import StoreSource, as_source
 
 __all__ = ["ActivationDataset", "Batch", "collate"]
@@ -1220,14 +1221,12 @@ def _with_sample_columns(tokens: pa.Table, source: StoreSource, wanted: Iterable
     if not extra or "sample_id" not in samples.column_names or "sample_id" not in tokens.column_names:
         return tokens
     keys = [k for k in _SAMPLE_KEY if k in samples.column_names and k in tokens.column_names]
-    for key in keys:  # one writer wrote both from the same values: one type (else the store is damaged)
-        t_type, s_type = tokens.schema.field(key).type, samples.schema.field(key).type
-        if t_type != s_type and not pa.types.is_null(t_type) and not pa.types.is_null(s_type):
-            raise StoreCorruptError(
-                f"the row tables of {source.describe()} disagree: column {key!r} is {t_type} in the token row table "
-                f"and {s_type} in the sample row table, so token rows cannot be paired with their samples; run "
-                "store.verify() and restore the store from its source"
-            )
+    clashes = row_table_type_clashes(samples.schema, tokens.schema, keys)  # (one writer wrote both: damage)
+    if clashes:
+        raise StoreCorruptError(
+            f"the row tables of {source.describe()} disagree: {clashes[0]}, so token rows cannot be paired with "
+            "their samples; run store.verify() and restore the store from its source"
+        )
     # token rows come in runs, one per sample (row-major mask): look up the first row of each run
     nt = tokens.num_rows
     head = np.zeros(nt, dtype=bool)  # the first token row of each run

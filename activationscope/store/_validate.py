@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Any
+from typing import Any, Iterable
 
 from .._safeio import FIX, MAX_FILE_BYTES, MAX_JSON_BYTES, corrupt  # noqa: F401 - re-exported
 from ..errors import StoreCorruptError, StoreError
@@ -536,6 +536,19 @@ def array_document_problems(doc: Any, meta: dict, *, hook_point: str, doc_key: s
         out.append(f"{where} field codecs[0].configuration must have index_codecs {_INDEX_CODECS!r} and "
                    f"index_location 'end' (FORMAT.md §3), got {conf.get('index_codecs')!r}, "
                    f"{conf.get('index_location')!r}"[:400])
+    return out
+
+
+def row_table_type_clashes(sample: Any, token: Any, keys: Iterable[str]) -> list[str]:
+    """The columns of ``keys`` (token rows are paired with their sample by them) that the
+    sample and token row tables' Arrow schemas hold with two types (a null column, a table
+    of no rows, matches any): one writer writes both from the same values. One line each."""
+    out = []
+    for key in keys:
+        if key in sample.names and key in token.names:
+            s_type, t_type = sample.field(key).type, token.field(key).type
+            if s_type != t_type and "null" not in (str(s_type), str(t_type)):
+                out.append(f"column {key!r} is {t_type} in the token row table and {s_type} in the sample row table")
     return out
 
 

@@ -42,7 +42,7 @@ from . import _format as F
 from . import _validate as V
 from ._backend import LocalBackend, check_backend_not_in_store, resolve
 from ._lock import WriterLock
-from .reader import Store, _no_rank_column
+from .reader import Store, _no_rank_column, listed_rank_stores
 from .writer import ROW_KINDS, _builtin_state_fits, _library_versions, _write_small_array, resume_history
 
 RANKS_DIR = "ranks"
@@ -129,14 +129,6 @@ def _prepare_root(b: Any, world_size: int, overwrite: bool, resume: bool) -> Non
     }
     b.set("zarr.json", _root_doc(attrs))
 
-
-def _rank_dirs(b: Any) -> list[int]:
-    ranks = set()
-    for key in b.list(f"{RANKS_DIR}/"):
-        parts = key.split("/")
-        if len(parts) == 3 and parts[2] == "zarr.json" and parts[1].isdigit() and len(parts[1]) == 5:
-            ranks.add(int(parts[1]))
-    return sorted(ranks)
 
 
 def _check_same(stores: list[Store], what: str, get: Callable[[Store], Any]) -> Any:
@@ -524,7 +516,7 @@ def _check_local_target(b: LocalBackend) -> None:
     if not root.is_dir():
         raise StoreError(f"{str(root)!r} is a file, not a store folder; pass the folder the capture wrote (it holds "
                          f"{RANKS_DIR}/)")
-    if b.get("zarr.json") is None and not _rank_dirs(b):
+    if b.get("zarr.json") is None and not listed_rank_stores(b):
         raise StoreError(f"{str(root)!r} holds no store: no zarr.json and no rank stores under {_ranks_dir(b)!r}; "
                          "nothing to commit. Pass the folder a multi-rank capture wrote")
 
@@ -666,7 +658,7 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
             f"was {state} {recorded} ranks (distributed.world_size in its root zarr.json); nothing was written. "
             f"Pass world_size={recorded} (CLI: --world-size {recorded}) or leave it out, or, if {world_size} is "
             f"right, capture the store again with RankStore(rank, {world_size}) on every task")
-    ranks = _rank_dirs(b)
+    ranks = listed_rank_stores(b)
     if dist.get("committed"):
         if ranks:  # crashed while removing the rank stores: finish that
             _check_commit_record(b, root_attrs, dist, ranks)

@@ -1929,12 +1929,8 @@ class Store:
                 except (StoreCorruptError, KeyError):
                     pass  # (reported above)
         if len(schemas) == 2:  # token rows are paired with their sample by these columns: one type in both
-            for key in ("rank", "batch", "sample_id"):
-                if key in schemas["sample"].names and key in schemas["token"].names:
-                    s_type, t_type = schemas["sample"].field(key).type, schemas["token"].field(key).type
-                    if s_type != t_type and "null" not in (str(s_type), str(t_type)):
-                        problems.append(f"row tables: column {key!r} is {t_type} in the token row table and {s_type} "
-                                        "in the sample row table (one writer writes both from the same values)")
+            problems += [f"row tables: {clash} (one writer writes both from the same values)" for clash in
+                         V.row_table_type_clashes(schemas["sample"], schemas["token"], ("rank", "batch", "sample_id"))]
         # a row table the root does not list reads as one of 0 rows (row_table(), datasets, exports)
         if self.n_samples != int((tables.get("sample") or {}).get("n_rows", 0)):
             problems.append(f"n_samples {self.n_samples} differs from the sample row table's n_rows "
@@ -2201,6 +2197,16 @@ def _sub_backend(backend: Any, prefix: str) -> Any:
 MAX_RANK_VIEW = 1 << 16
 
 
+def listed_rank_stores(backend: Any) -> list[int]:
+    """The ranks whose store (``ranks/<r, 5 digits>/zarr.json``) a listing of ``ranks/`` shows, sorted."""
+    ranks = set()
+    for key in backend.list("ranks/"):
+        parts = key.split("/")
+        if len(parts) == 3 and parts[2] == "zarr.json" and parts[1].isdigit() and len(parts[1]) == 5:
+            ranks.add(int(parts[1]))
+    return sorted(ranks)
+
+
 def _rank_folders(backend: Any, world: int | None) -> list[int]:
     """The ranks whose store exists under ``ranks/`` (``ranks/<r, 5 digits>/zarr.json``), sorted.
 
@@ -2209,12 +2215,8 @@ def _rank_folders(backend: Any, world: int | None) -> list[int]:
     object store is not listed: a listing there goes through the filesystem's listing cache,
     which a commit removing the rank stores in another thread at the same time could leave
     stale."""
-    ranks = set()
-    if isinstance(backend, LocalBackend):  # (the listing does not enter a linked rank folder:
-        for key in backend.list("ranks/"):  # the ranks asked for below do)
-            parts = key.split("/")
-            if len(parts) == 3 and parts[2] == "zarr.json" and parts[1].isdigit() and len(parts[1]) == 5:
-                ranks.add(int(parts[1]))
+    # (the listing does not enter a linked rank folder: the ranks asked for below do)
+    ranks = set(listed_rank_stores(backend)) if isinstance(backend, LocalBackend) else set()
     for r in range(1 if world is None else world + 1):
         sub = _sub_backend(backend, f"ranks/{r:05d}")
         if sub is not None and sub.get("zarr.json", max_bytes=V.MAX_JSON_BYTES) is not None:
@@ -2250,8 +2252,6 @@ def _rank_view(store: "Store", attrs: dict, dist: dict) -> tuple[dict, list, dic
         sub = _sub_backend(store._backend, f"ranks/{r:05d}")
         if sub is None:
             return attrs, [], {}
-        if sub.get("zarr.json", max_bytes=V.MAX_JSON_BYTES) is None:
-            continue  # this rank made no store (yet)
         st = Store(sub, cache_bytes=store._cache_bytes, verify=store._verify_reads, _rank_view=False)
         recorded = (st.attrs.get("rank_store") or {}).get("rank") if isinstance(st.attrs.get("rank_store"), dict) else None
         if recorded is not None and recorded != r:  # another rank's store (a copy, or a link to it) shown twice

@@ -1218,7 +1218,7 @@ class StoreWriter:
         if not other:
             return
         names = sorted(other)
-        kept = sorted({(c or {}).get("name", "uncompressed") if c else "uncompressed" for c in other.values()})
+        kept = sorted({c["name"] if c else "uncompressed" for c in other.values()})
         warnings.warn(
             f"store {str(self._backend)!r}: the resumed capture asks for compression {self._compression['name']!r}, "
             f"but the stored hook points {names[:5]}{' ...' if len(names) > 5 else ''} are {', '.join(kept)}: a resume "
