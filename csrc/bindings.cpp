@@ -341,7 +341,9 @@ void bind_capture(py::module_& m) {
       .def("set_row_base", &Sink::set_row_base, py::arg("base"))
       // (these take sink locks, which a capturing thread may hold while it waits for the GIL in
       // a Python reduction: they release the GIL first)
-      .def("set_alias_of", &Sink::set_alias_of, py::arg("target"), py::call_guard<ReleaseGil>())
+      .def("set_alias_of", &Sink::set_alias_of, py::arg("target"), py::arg("shares_records") = false,
+           py::call_guard<ReleaseGil>())
+      .def_property_readonly("shares_records", &Sink::shares_records)
       .def("watch_aliases", &Sink::watch_aliases, py::arg("on"), py::call_guard<ReleaseGil>())
       .def("matches_last", &Sink::matches_last, py::arg("x"), py::call_guard<ReleaseGil>())
       .def_property_readonly("feature_shape", &Sink::feature_shape);
@@ -375,7 +377,6 @@ void bind_capture(py::module_& m) {
       .def_readwrite("stop_after_last", &TrackerCore::stop_after_last)
       .def_readwrite("roots_only", &TrackerCore::roots_only)
       .def_readonly("outside_calls", &TrackerCore::outside_calls)
-      .def_readonly("outside_captures", &TrackerCore::outside_captures)
       .def_property_readonly("stop_learnt", [](const TrackerCore& c) { return c.stop_count > 0; })
       .def_readonly("stopped", &TrackerCore::stopped)
       .def_readonly("past_stop", &TrackerCore::past_stop)
@@ -392,9 +393,9 @@ void bind_capture(py::module_& m) {
       })
       .def("alias_mismatch",
            [](TrackerCore& c) {
-             // An alias hook point whose calls since the last check differ from its target's
-             // (a forward in which one of them gave no tensor), else "": each alias is stored
-             // as its target's array, so the two must be captured alike. The sinks are scanned
+             // A store's alias hook point whose calls since the last check differ from its
+             // target's (a forward in which one of them gave no tensor), else "": each such
+             // alias is stored as its target's array, so the two must be captured alike. The sinks are scanned
              // only when the alias tally moved (or a sink was added) since the last check.
              const uint64_t tally = c.alias_tally->sum.load(std::memory_order_relaxed);
              if (!c.alias_scan_needed && tally == c.alias_checked) return std::string();
@@ -403,7 +404,7 @@ void bind_capture(py::module_& m) {
              std::string bad;
              for (const auto& kv : c.sinks) {
                const auto& s = kv.second;
-               if (!s || !s->alias_of()) continue;
+               if (!s || !s->alias_of() || s->shares_records()) continue;  // (in memory: need not pair)
                const int64_t own = s->n_calls(), target = s->alias_of()->n_calls();
                auto& last = c.alias_rows[kv.first];
                if (own - last.first != target - last.second && bad.empty()) bad = kv.first;

@@ -325,7 +325,6 @@ bool ForwardWrapper::take_call(Site& s, std::string* base, int64_t* k, bool* out
     s.calls_in_fwd = 1;
   }
   if (!take) return false;
-  if (*outside) ++c.outside_captures;
   *base = s.path;
   if (*k > 0) *base += "#" + std::to_string(*k);
   return true;
@@ -395,7 +394,7 @@ py::object ForwardWrapper::call(py::args args, py::kwargs kwargs) {
   }
 
   // Which sites capture this call, and under which names.
-  OutsideCalls outside_calls;  // (declared before `active`: its end is counted with the calls open)
+  OutsideCalls outside_calls;
   std::vector<Active> active;
   for (auto& s : sites_) {
     std::string base;
@@ -403,14 +402,6 @@ py::object ForwardWrapper::call(py::args args, py::kwargs kwargs) {
     bool outside = false;
     if (take_call(*s, &base, &k, &outside, &outside_calls)) active.push_back({s, std::move(base), k, outside});
   }
-  struct OutsideEnd {  // (counted again when the call ends: its records are in by then)
-    std::vector<Active>& active;
-    ~OutsideEnd() {
-      for (auto& a : active)
-        if (a.outside) ++a.site->core->outside_captures;
-    }
-  } outside_end{active};
-
   if (!active.empty()) {
     Leaves in_leaves;
     for (auto& a : active) {

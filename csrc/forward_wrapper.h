@@ -57,9 +57,6 @@ struct TrackerCore {
   // whole captured forward and the last of them was that forward's last hook point.
   bool stop_after_last = false;
   bool roots_only = false;          // capture only inside root forwards (a store: rows follow its row table)
-  // calls captured outside a root forward (in memory), counted when each starts and again when it
-  // ends: the tracker's alias checks look for such calls only when this moved
-  int64_t outside_captures = 0;
   int64_t outside_calls = 0;        // calls of tracked modules outside a root forward left out (roots_only)
   int64_t outside_keys = 0;         // outermost calls of tracked modules on their own (in memory), numbered
   int64_t n_consumed = 0;           // captures (sink calls) in this root forward

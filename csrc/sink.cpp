@@ -338,8 +338,8 @@ void Sink::consume(const at::Tensor& x_in, const at::Tensor& token_mask) {
   if (x.dim() >= 1 && x.size(0) == 0) {
     // An empty batch: no rows, reductions or store writes. An in-memory capture still keeps
     // its (empty) record, so records stay one per call (record i is call i's; the last
-    // record of keep="last" is the last call's). An alias keeps none: its target's are read.
-    if (options_.keep != Keep::NONE && options_.placement != Placement::DISK && !alias_of_) {
+    // record of keep="last" is the last call's). A store alias keeps none: its target's are read.
+    if (options_.keep != Keep::NONE && options_.placement != Placement::DISK && (!alias_of_ || shares_records_)) {
       Record rec;
       rec.t = at::empty(x.sizes(), x.options().dtype(options_.storage_dtype.value_or(x.scalar_type())));
       if (options_.keep == Keep::LAST) {
@@ -349,6 +349,7 @@ void Sink::consume(const at::Tensor& x_in, const at::Tensor& token_mask) {
       }
       if (!options_.snapshot) versions_.push_back(kCopied);
       records_.push_back(std::move(rec));
+      ++records_made_;
     }
     return;
   }
@@ -369,10 +370,11 @@ void Sink::consume(const at::Tensor& x_in, const at::Tensor& token_mask) {
   }
 
   if (alias_of_) {
-    consume_alias(x, token_mask);
-    return;
+    // the target's tensor: handled; an in-memory alias's other calls are kept as its own below
+    if (consume_alias(x, token_mask)) return;
+  } else if (has_aliases_) {
+    remember_for_aliases(x);
   }
-  if (has_aliases_) remember_for_aliases(x);
 
   const bool need_rows = writer_ || !reductions_.empty();
   at::Tensor rows;
@@ -461,6 +463,7 @@ void Sink::consume(const at::Tensor& x_in, const at::Tensor& token_mask) {
     }
     if (!options_.snapshot) versions_.push_back(copy ? kCopied : x._version());
     records_.push_back(std::move(rec));
+    ++records_made_;
   }
 
   if (need_rows) {
@@ -483,7 +486,7 @@ uint32_t bytes_crc(const at::Tensor& x) {
 }
 }  // namespace
 
-void Sink::set_alias_of(std::shared_ptr<Sink> target) {
+void Sink::set_alias_of(std::shared_ptr<Sink> target, bool shares_records) {
   ACS_CHECK(target && target.get() != this && !target->alias_of_, "hook point '", name_,
             "': an alias needs another, non-alias hook point as its target");
   int64_t offset = 0;
@@ -494,7 +497,8 @@ void Sink::set_alias_of(std::shared_ptr<Sink> target) {
   }
   std::lock_guard<std::mutex> lock(mu_);
   ACS_CHECK(n_calls_ == 0, "hook point '", name_, "' already captured rows; it cannot become an alias");
-  {
+  shares_records_ = shares_records;
+  if (!shares_records) {  // (an in-memory alias's calls need not pair with its target's: no tally)
     // a random odd weight per alias (splitmix64 of a random seed and a counter)
     static std::atomic<uint64_t> counter{std::random_device{}() | (uint64_t{std::random_device{}()} << 32)};
     uint64_t z = counter.fetch_add(0x9E3779B97F4A7C15ull, std::memory_order_relaxed) + 0x9E3779B97F4A7C15ull;
@@ -540,6 +544,7 @@ void Sink::remember_for_aliases(const at::Tensor& x) {
   last_dtype_ = x.scalar_type();
   last_device_ = x.device();
   last_call_ = n_calls_;
+  last_record_ = records_made_;
   if (x.is_inference()) {
     last_version_ = -1;
     last_crc_ = x.device().is_cpu() ? bytes_crc(x) : 0;
@@ -550,14 +555,28 @@ void Sink::remember_for_aliases(const at::Tensor& x) {
 
 bool Sink::same_as_last(const at::Tensor& x, int64_t call, bool release) {
   std::lock_guard<std::mutex> lock(mu_);
-  std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>> weak;
-  weak.swap(last_storage_);
-  if (!release) last_storage_ = weak;  // an alias checks each call once
   // No call counting: a forward that raised may have run the target without the alias. The
   // weak reference expires when the target's storage is freed, so memory reused by another
   // tensor is never taken for the target's; identity plus an unchanged version (or bytes) is
   // the whole test.
   (void)call;
+  return same_as_last_locked(x, release);
+}
+
+bool Sink::share_last_record(const at::Tensor& x, Record* rec, std::shared_ptr<c10::Event>* event) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!same_as_last_locked(x, /*release=*/true)) return false;
+  // that call's record is the last one kept (no later call, no failed keep, no clear since)
+  if (records_.empty() || records_made_ != last_record_ + 1) return false;
+  *rec = records_.back();  // (shares the slab, or the tensor, of the target's record)
+  if (!pending_.empty()) *event = pending_.back();  // (waited for again by the alias's read: harmless)
+  return true;
+}
+
+bool Sink::same_as_last_locked(const at::Tensor& x, bool release) {
+  std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>> weak;
+  weak.swap(last_storage_);
+  if (!release) last_storage_ = weak;  // an alias checks each call once
   if (!weak || !x.has_storage()) return false;
   c10::intrusive_ptr<c10::StorageImpl> alive = weak->lock();
   if (!alive || alive.get() != x.storage().unsafeGetStorageImpl() || x.storage_offset() != last_offset_ ||
@@ -588,24 +607,42 @@ void Sink::reduce(const at::Tensor& rows) {
   }
 }
 
-void Sink::consume_alias(const at::Tensor& x, const at::Tensor& token_mask) {
-  const bool same = alias_of_->same_as_last(x, n_calls_ + call_offset_, /*release=*/true);
-  if (!same) count_call(-1);
-  ACS_CHECK(same, "hook point '", name_, "' is stored once, as an alias of '", alias_of_->name(),
+bool Sink::consume_alias(const at::Tensor& x, const at::Tensor& token_mask) {
+  Record shared;
+  std::shared_ptr<c10::Event> event;
+  if (shares_records_) {
+    if (!alias_of_->share_last_record(x, &shared, &event)) return false;  // kept as its own
+  } else {
+    const bool same = alias_of_->same_as_last(x, n_calls_ + call_offset_, /*release=*/true);
+    if (!same) count_call(-1);
+    ACS_CHECK(same, "hook point '", name_, "' is stored once, as an alias of '", alias_of_->name(),
             "' (it was the same tensor when first captured), but in call ", n_calls_ + 1,
             " it is another tensor or was changed in place after '", alias_of_->name(),
             "' was taken; pass exclude= for the module of one of them (or include= only one)");
+  }
   if (!reductions_.empty()) {
     at::Tensor rows = rows_of(x, token_mask);
     if (options_.storage_dtype && rows.scalar_type() != *options_.storage_dtype) {
       rows = rows.to(*options_.storage_dtype);  // as its target's: reductions of the stored values
     }
-    reduce(rows);
+    try {  // (a reduction that refuses the rows leaves this call without a record)
+      reduce(rows);
+    } catch (...) {
+      count_call(-1);
+      throw;
+    }
     n_rows_ += rows.size(0);
   } else {
     n_rows_ += (row_kind_ == 1 && token_mask.defined()) ? token_mask.sum().item<int64_t>()
                                                          : (x.dim() == 0 ? 1 : x.size(0));
   }
+  if (shares_records_ && options_.keep != Keep::NONE) {
+    if (options_.keep == Keep::LAST) records_.clear();
+    records_.push_back(std::move(shared));
+    ++records_made_;
+    if (event) pending_.push_back(std::move(event));
+  }
+  return true;
 }
 
 std::vector<at::Tensor> Sink::records() {

@@ -99,13 +99,20 @@ class Sink {
   bool reference_changed(bool all);
 
   // Alias: this hook point's activation is the very tensor `target` captured just before it
-  // in the same forward (a container returning its last child's output). Its rows are then
-  // neither copied nor written (the reader resolves the alias to the target's array); each
-  // call checks it is still the same tensor, unchanged since the target took it (same
-  // storage, offset, sizes, strides, dtype; same version counter, or for inference tensors
-  // same bytes), and raises CaptureError otherwise. Reductions of the alias still run.
-  void set_alias_of(std::shared_ptr<Sink> target);
+  // in the same forward (a container returning its last child's output). Each call checks
+  // it is still the same tensor, unchanged since the target took it (same storage, offset,
+  // sizes, strides, dtype; same version counter, or for inference tensors same bytes).
+  // Reductions of the alias still run. In a store (`shares_records` false) its rows are
+  // neither copied nor written (the reader resolves the alias to the target's array), so a
+  // call that is not the target's tensor raises CaptureError. In memory (`shares_records`
+  // true) a call that is the target's tensor keeps the target's record (the same bytes, not
+  // copied); any other call (a branch not taken, a loop of another length, a target called
+  // on its own) is kept as the alias's own record: its records are always its own calls'.
+  void set_alias_of(std::shared_ptr<Sink> target, bool shares_records = false);
   std::shared_ptr<Sink> alias_of() const { return alias_of_; }
+  // An in-memory alias (set_alias_of's shares_records): its calls need not pair with its
+  // target's (not counted in the tracker's alias tally).
+  bool shares_records() const { return shares_records_; }
   // Keep (a reference to) the tensor of each call, so an alias can be checked against it.
   // Off releases the kept tensor.
   void watch_aliases(bool on);
@@ -167,7 +174,15 @@ class Sink {
   at::Tensor rows_of(const at::Tensor& x, const at::Tensor& token_mask);
   void remember_for_aliases(const at::Tensor& x);        // target side, under mu_
   bool same_as_last(const at::Tensor& x, int64_t call, bool release);  // target side, takes mu_
-  void consume_alias(const at::Tensor& x, const at::Tensor& token_mask);  // under mu_
+  bool same_as_last_locked(const at::Tensor& x, bool release);         // target side, under mu_
+  // Target side, takes mu_: when x is the tensor of this sink's last call (as same_as_last)
+  // and that call made the last record, a copy of that record (sharing its bytes) in *rec
+  // and its pending device copy, if any, in *event; true then.
+  bool share_last_record(const at::Tensor& x, Record* rec, std::shared_ptr<c10::Event>* event);
+  // An alias's call: true when it was its target's tensor (handled: reductions run, and in
+  // memory the target's record kept); false when an in-memory alias must keep this call as
+  // its own record. A store alias raises CaptureError instead. Under mu_.
+  bool consume_alias(const at::Tensor& x, const at::Tensor& token_mask);
   // update_reductions on this hook point's rows; a CaptureError of a reduction (rows of
   // another feature shape, complex rows) is raised again naming the hook point. Under mu_.
   void reduce(const at::Tensor& rows);
@@ -214,6 +229,9 @@ class Sink {
   int64_t last_version_ = -1;  // its version counter then (-1: inference tensor)
   uint32_t last_crc_ = 0;      // inference tensors: crc32c of its bytes then
   int64_t last_call_ = 0;      // n_calls_ of that call
+  int64_t last_record_ = -1;   // records_made_ before that call (its record, if made, is the next)
+  int64_t records_made_ = 0;   // records kept so far (not reduced by keep="last" or clear)
+  bool shares_records_ = false;  // an in-memory alias (see set_alias_of)
   int64_t call_offset_ = 0;    // alias side: target's calls before this alias's first call
 };
 

@@ -4,6 +4,8 @@ back through an alias. Reference: the modules called in plain PyTorch."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -76,7 +78,7 @@ def test_in_memory_snapshot_keeps_one_copy():
         m(x + 1)
     acts = t.activations
     for a, b in zip(acts["0.output"], acts["0.2.output"]):
-        assert a is b  # the same record
+        assert a.data_ptr() == b.data_ptr() and a.shape == b.shape  # the same bytes: one copy
     with torch.no_grad():
         torch.testing.assert_close(acts["0.output"][1], m[0](x + 1), rtol=0, atol=0)
 
@@ -165,53 +167,69 @@ class _RaisesOnce(torch.nn.Module):
         return x
 
 
-def test_forward_that_raises_between_target_and_alias(tmp_path):
+@pytest.mark.parametrize("where", ["memory", "store"])
+def test_forward_that_raises_between_target_and_alias(tmp_path, where):
     # forward 1 runs the target (0.output) but raises before the alias (1.output): later
-    # forwards still pair each alias call with its target's call of the same forward
+    # forwards still pair each alias call with its target's call of the same forward. In a
+    # store the alias is its target's array (the warning says it shows the target's rows); in
+    # memory its records are its own calls'
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(4, 4), _RaisesOnce(2), torch.nn.Linear(4, 4))
     xs = [torch.randn(2, 4) for _ in range(4)]
-    with pytest.warns(RuntimeWarning, match=r"forward 1 of the tracked model raised.*aliases of others \(\['1.output'\]\)"):
-        with torch.no_grad(), ActivationScope().track(m) as t:
+    kw = {"store": tmp_path / "s.zarr"} if where == "store" else {}
+    with pytest.warns(RuntimeWarning, match=r"forward 1 of the tracked model raised") as caught:
+        with torch.no_grad(), ActivationScope(**kw).track(m) as t:
             for x in xs:
                 try:
                     m(x)
                 except RuntimeError as e:
                     assert str(e) == "bad batch"
-    acts = t.activations
+    said = " ".join(str(w.message) for w in caught if "raised" in str(w.message))
+    assert ("aliases of others (['1.output'])" in said) == (where == "store")
     assert t._aliases == {"1.output": "0.output"}
+    whole = [x for i, x in enumerate(xs) if i != 1]
+    if where == "store":
+        s = open_store(tmp_path / "s.zarr")
+        assert s.aliases == {"1.output": "0.output"} and s.n_rows("2.output") == 6
+        with torch.no_grad():
+            torch.testing.assert_close(s["2.output"][:], torch.cat([m[2](m[0](x)) for x in whole]), rtol=0, atol=0)
+        return
+    acts = t.activations
     with torch.no_grad():
-        whole = [x for i, x in enumerate(xs) if i != 1]
         _ = [torch.testing.assert_close(r, m[2](m[0](x)), rtol=0, atol=0) for r, x in zip(acts["2.output"], whole)]
+        assert len(acts["1.output"]) == 3
+        _ = [torch.testing.assert_close(r, m[0](x), rtol=0, atol=0) for r, x in zip(acts["1.output"], whole)]
         assert len(acts["0.output"]) == 4  # the partial forward included, as the warning says
 
 
 @pytest.mark.parametrize("where", ["store", "memory"])
-def test_an_alias_that_gets_no_rows_while_its_target_does_is_an_error(tmp_path, where):
-    # the alias is stored as its target's array: it must not show the rows of forwards in
-    # which its module returned nothing
+def test_an_alias_that_gets_no_rows_while_its_target_does(tmp_path, where):
+    # a store holds the alias as its target's array: it must not show the rows of forwards
+    # in which its module returned nothing, so that forward is refused; in memory the alias
+    # keeps its own calls' records (two) while its target goes on
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(8, 8), _GateFor(2))
     xs = [torch.randn(4, 8) for _ in range(5)]
-    kw = {"store": tmp_path / "s.zarr"} if where == "store" else {}
-    with pytest.raises(CaptureError, match=r"'1.output' is stored once, as an alias of '1.lin.output'.*in forward 2 "
-                                           r"it did not get the rows") as raised:
-        with torch.no_grad(), ActivationScope(**kw).track(m) as t:
+    with torch.no_grad():
+        ref = [m[1].lin(m[0](x)) for x in xs]
+    if where == "memory":
+        with torch.no_grad(), ActivationScope().track(m) as t:
             for x in xs:
                 m(x)
-    # what a store keeps is said only for a store
-    assert ("The store keeps every forward before this one" in str(raised.value)) == (where == "store")
-    if where == "store":
-        s = open_store(tmp_path / "s.zarr")
-        assert s.status == "incomplete" and s.aliases == {"1.output": "1.lin.output"}
-        assert s.n_rows("1.output") == s.n_rows("1.lin.output") == 8  # the two whole forwards
-        with torch.no_grad():
-            torch.testing.assert_close(s["1.output"][:], torch.cat([m[1].lin(m[0](x)) for x in xs[:2]]), rtol=0, atol=0)
-    else:  # in memory the refused forward's records stay, as for any forward that raises
-        with torch.no_grad():
-            ref = [m[1].lin(m[0](x)) for x in xs[:3]]
-        got = t.activations["1.lin.output"]
-        assert len(got) == 3 and all(torch.equal(a, b) for a, b in zip(got, ref))
+        acts = t.activations
+        assert t._aliases == {"1.output": "1.lin.output"}
+        assert len(acts["1.output"]) == 2 and all(torch.equal(a, b) for a, b in zip(acts["1.output"], ref))
+        assert len(acts["1.lin.output"]) == 5 and all(torch.equal(a, b) for a, b in zip(acts["1.lin.output"], ref))
+        return
+    with pytest.raises(CaptureError, match=r"'1.output' is stored once, as an alias of '1.lin.output'.*in forward 2 "
+                                           r"it did not get the rows.*The store keeps every forward before this one"):
+        with torch.no_grad(), ActivationScope(store=tmp_path / "s.zarr").track(m):
+            for x in xs:
+                m(x)
+    s = open_store(tmp_path / "s.zarr")
+    assert s.status == "incomplete" and s.aliases == {"1.output": "1.lin.output"}
+    assert s.n_rows("1.output") == s.n_rows("1.lin.output") == 8  # the two whole forwards
+    torch.testing.assert_close(s["1.output"][:], torch.cat(ref[:2]), rtol=0, atol=0)
 
 
 class _GateFor(torch.nn.Module):
@@ -244,20 +262,25 @@ class _LateChild(torch.nn.Module):
 
 
 @pytest.mark.parametrize("n_open", [1, 3, 6])
-def test_an_alias_missing_a_forward_is_found_after_quiet_forwards_and_new_hook_points(n_open):
-    # forwards in which every alias got its target's rows are checked without looking at each
-    # hook point; the forward in which one did not (after quiet forwards, after a hook point
-    # first seen in forward 2, or in that same forward) is still refused, naming it
+def test_an_alias_missing_a_forward_is_found_after_quiet_forwards_and_new_hook_points(tmp_path, n_open):
+    # forwards in which every store alias got its target's rows are checked without looking
+    # at each hook point; the forward in which one did not (after quiet forwards, after a hook
+    # point first seen in forward 2, or in that same forward) is still refused, naming it
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(8, 8), _LateChild(), _GateFor(n_open))
     xs = [torch.randn(4, 8) for _ in range(9)]
     with pytest.raises(CaptureError, match=rf"'2.output' is stored once, as an alias of '2.lin.output'.*in forward "
                                            rf"{n_open} it did not get the rows"):
-        with torch.no_grad(), ActivationScope().track(m) as t:
-            for x in xs:
-                m(x)
-    assert len(t.activations["2.lin.output"]) == n_open + 1
+        with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+            warnings.simplefilter("always")
+            with ActivationScope(store=tmp_path / "s.zarr").track(m) as t:
+                for x in xs:
+                    m(x)
+    s = open_store(tmp_path / "s.zarr")
+    assert s.n_rows("2.lin.output") == 4 * n_open  # the whole forwards before the refused one
     assert ("1.extra.output" in t.hook_points) == (n_open >= 2)
+    late = [w for w in caught if "'1.extra.output' was first captured in forward 2" in str(w.message)]
+    assert len(late) == (n_open >= 2)
 
 
 def test_aliases_that_stay_aligned_over_many_forwards_are_never_refused():
@@ -385,3 +408,129 @@ def test_one_tensor_passed_or_returned_twice_is_captured_in_every_forward(tmp_pa
     assert sorted(names) == sorted(ref)
     for name in names:
         torch.testing.assert_close(got[name][:], torch.cat(ref[name]), rtol=0, atol=0)
+
+
+class _Router(torch.nn.Module):
+    """Routes a batch through one of two experts by its sign (data-dependent routing): its
+    output is expert 0's very tensor in one forward, expert 1's in another."""
+
+    def __init__(self):
+        super().__init__()
+        self.e0, self.e1 = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.e0(x) if x.mean() > 0 else self.e1(x)
+
+
+@pytest.mark.parametrize("policy", ["store_all", "final_only"])
+def test_in_memory_alias_of_a_branch_not_taken_keeps_its_own_records(policy):
+    # '1.output' is kept as an alias of '1.e0.output' (the same tensor in the first forward);
+    # forwards routed through e1 are not e0's tensor: each call is still recorded, as its own
+    # record, and calls that are e0's tensor share e0's record (one copy of the bytes)
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Identity(), _Router())
+    xs = [torch.randn(3, 4) + s for s in (3, -3, 3, -3, -3)]
+    with torch.no_grad(), ActivationScope(reduction_policy=policy, capture="output").track(m) as t:
+        outs = [m(x).clone() for x in xs]
+    assert t._aliases == {"1.output": "1.e0.output"}
+    acts = t.activations
+    if policy == "final_only":
+        assert [len(v) for v in acts.values()] == [1, 1, 1, 1] and torch.equal(acts["1.output"][0], outs[-1])
+        return
+    assert len(acts["1.output"]) == 5 and all(torch.equal(r, o) for r, o in zip(acts["1.output"], outs))
+    assert len(acts["1.e0.output"]) == 2 and len(acts["1.e1.output"]) == 3
+    assert acts["1.output"][0].data_ptr() == acts["1.e0.output"][0].data_ptr()  # kept once
+    assert acts["1.output"][2].data_ptr() == acts["1.e0.output"][1].data_ptr()
+    assert acts["1.output"][1].data_ptr() != acts["1.e1.output"][0].data_ptr()  # its own copy
+    assert torch.equal(acts["1.e1.output"][2], outs[4])
+
+
+def test_store_alias_of_a_branch_not_taken_is_an_error_that_keeps_the_whole_forwards(tmp_path):
+    # a store holds an alias as its target's array: a forward where it is not is refused
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Identity(), _Router())
+    xs = [torch.randn(3, 4) + s for s in (3, 3, -3)]
+    with pytest.raises(CaptureError, match=r"'1.output' is stored once, as an alias of '1.e0.output'.*exclude="), \
+            pytest.warns(RuntimeWarning, match=r"'1.e1.output' was first captured in forward 2"):
+        with torch.no_grad(), ActivationScope(store=tmp_path / "s.zarr", capture="output").track(m):
+            for x in xs:
+                m(x)
+    s = open_store(tmp_path / "s.zarr")
+    assert s.status == "incomplete" and s.n_rows("1.output") == 6
+    with torch.no_grad():
+        torch.testing.assert_close(s["1.output"][:], torch.cat([m[1](x) for x in xs[:2]]), rtol=0, atol=0)
+
+
+class _Unrolled(torch.nn.Module):
+    """Applies one cell a number of times that changes from forward to forward (an RNN over
+    sequences of different lengths): the input of call k + 1 is the output of call k."""
+
+    def __init__(self):
+        super().__init__()
+        self.cell = torch.nn.Linear(4, 4)
+
+    def forward(self, x, steps):
+        for _ in range(steps):
+            x = torch.tanh(self.cell(x))
+        return x
+
+
+def test_in_memory_aliases_of_a_loop_with_a_varying_step_count_record_every_call():
+    torch.manual_seed(0)
+    m = _Unrolled()
+    runs = [(torch.randn(2, 4), steps) for steps in (3, 1, 2, 4)]
+    with torch.no_grad(), ActivationScope(capture="both").track(m) as t:
+        for x, steps in runs:
+            m(x, steps)
+    acts = t.activations
+    expected: dict[str, list[torch.Tensor]] = {}
+    with torch.no_grad():
+        for x, steps in runs:
+            for k in range(steps):
+                name = "cell" if k == 0 else f"cell#{k}"
+                expected.setdefault(f"{name}.input.0", []).append(x)
+                x = torch.tanh(m.cell(x))
+                expected.setdefault(f"{name}.output", []).append(m.cell(expected[f"{name}.input.0"][-1]))
+    for name, refs in expected.items():
+        assert len(acts[name]) == len(refs), name
+        for got, ref in zip(acts[name], refs):
+            torch.testing.assert_close(got, ref, rtol=0, atol=0)
+
+
+def test_t5_generate_with_inputs_and_outputs_records_every_call():
+    # the decoder's cross-attention computes its keys and values from the encoder's output
+    # in the first step only (then they are cached): aliases made there stop pairing
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.T5Config(vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_heads=2,
+                                   decoder_start_token_id=0, pad_token_id=0)
+    model = transformers.T5ForConditionalGeneration(config).eval()
+    ids = torch.randint(1, 64, (2, 5))
+    with torch.no_grad():
+        expected = model.generate(input_ids=ids, max_new_tokens=4, do_sample=False)
+        hidden = model.encoder(input_ids=ids).last_hidden_state
+    # ("shared" is the embedding both stacks use through modules of their own: never called itself)
+    with ActivationScope(capture="both").track(model, exclude=["shared"]) as t, torch.no_grad():
+        out = model.generate(input_ids=ids, max_new_tokens=4, do_sample=False)
+    assert torch.equal(out, expected)
+    acts = t.activations
+    key = "decoder.block.1.layer.1.EncDecAttention"
+    assert len(acts[f"{key}.k.input.0"]) >= 1
+    assert all(torch.equal(r, hidden) for r in acts[f"{key}.k.input.0"])
+    n_steps = len(acts["decoder.output.last_hidden_state"])
+    assert n_steps == expected.shape[1] - 1
+    assert len(acts[f"{key}.input.kw.key_value_states"]) == n_steps
+    assert all(torch.equal(r, hidden) for r in acts[f"{key}.input.kw.key_value_states"])
+
+
+def test_in_memory_alias_reductions_cover_every_call_paired_or_not():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Identity(), _Router())
+    xs = [torch.randn(3, 4) + s for s in (3, -3, 3, -3)]
+    with torch.no_grad(), ActivationScope(capture="output", reductions=["mean", "max"]).track(m) as t:
+        outs = torch.cat([m(x) for x in xs])
+    assert t._aliases == {"1.output": "1.e0.output"}
+    red = t.reductions["1.output"]
+    torch.testing.assert_close(red["mean"], outs.double().mean(0), rtol=1e-12, atol=0)
+    torch.testing.assert_close(red["max"], outs.double().max(0).values, rtol=0, atol=0)
+    assert int(red["mean.count"]) == 12

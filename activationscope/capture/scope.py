@@ -602,13 +602,9 @@ class Tracker:
         self._reduction_names: dict[str, list[str]] = {}
         self._reduction_objects: dict[str, list[Any]] = {}
         self._reduction_base: dict[str, int] = {}  # resume: committed rows the reductions started from
-        self._aliases: dict[str, str] = {}  # hook point -> the hook point it repeats (stored once)
-        # alias -> its target's calls less its own that are accounted for (calls before the
-        # alias was made, forwards that raised or were refused): more means the target's module
-        # was called without the alias's (on its own, outside a forward)
-        self._alias_base: dict[str, int] = {}
-        self._alias_outside: dict[str, int] = {}  # alias -> such calls found (its records are not whole)
-        self._outside_seen = 0  # the core's outside_captures when the aliases were last checked for such calls
+        # hook point -> the hook point it repeats (kept once: in a store an alias, in memory the
+        # same records for the calls where it is the other's tensor)
+        self._aliases: dict[str, str] = {}
         self._watching: list[str] = []  # hook points of this forward that an alias may repeat
         # Aliases are detected when storing both would duplicate bytes: a store, or in-memory
         # copies (REFERENCE in memory keeps the model's tensor itself: nothing duplicated).
@@ -1261,10 +1257,10 @@ class Tracker:
             self._reduction_objects[name] = objects
         target = self._alias_target(name, tensor, 1 if token else 0)
         if target is not None:
-            # the same tensor as an earlier hook point of this forward: kept and stored once
-            sink.set_alias_of(self._sinks[target])
+            # the same tensor as an earlier hook point of this forward: kept and stored once (in
+            # memory each later call that is not its target's tensor is kept on its own)
+            sink.set_alias_of(self._sinks[target], shares_records=self.writer is None)
             self._aliases[name] = target
-            self._alias_base[name] = self._sinks[target].n_calls - 1  # (its call of this forward pairs with this one)
             if self.writer is not None:
                 self.writer.add_alias(name, target)
         elif self.writer is not None:
@@ -1488,8 +1484,6 @@ class Tracker:
         self._stop_watching()  # after a forward that raised
         if self._open_forward is not None:
             self._forward_raised()
-        if self._aliases and self._core.outside_captures != self._outside_seen:
-            self._take_unpaired_aliases()
         if self._core.capturing and self._pending_batch is not None:
             # refused before any module of this forward records a row (the end of the forward
             # checks again when only the first activation tells the batch size)
@@ -1650,7 +1644,7 @@ class Tracker:
             )
 
     def _check_aliases(self) -> None:
-        """Refuse a forward in which an alias hook point was not captured as often as its
+        """Refuse a forward in which a store's alias hook point was not captured as often as its
         target (its module returned no tensor): the alias is stored as its target's array, so
         it would show rows it never had. Checked before the forward is recorded."""
         key = self._core.alias_mismatch()
@@ -1658,55 +1652,11 @@ class Tracker:
             return
         public = key if key in self._aliases else (rename_hook_point(key, self._hook_point_paths, self._side) or key)
         target = self._aliases.get(public, "?")
-        self._resync_aliases()  # (reported here)
         raise CaptureError(
             f"hook point {public!r} is stored once, as an alias of {target!r} (the same tensor when first "
             f"captured), but in forward {self._core.n_forwards - 1} it did not get the rows {target!r} got (its "
             "module returned no tensor); pass exclude= for the module of one of them (or "
             "include= only one)" + (". The store keeps every forward before this one" if self.writer is not None else "")
-        )
-
-    def _unpaired_aliases(self) -> list[tuple[str, int]]:
-        """In-memory aliases whose target's module was called without theirs since last
-        accounted for (``_alias_base``): (alias, such calls)."""
-        out = []
-        for name, target in list(self._aliases.items()):
-            alias, held = self._sinks.get(name), self._sinks.get(target)
-            base = self._alias_base.get(name)
-            if alias is None or held is None or base is None:
-                continue
-            extra = held.n_calls - alias.n_calls - base
-            if extra > 0:
-                out.append((name, extra))
-        return out
-
-    def _take_unpaired_aliases(self) -> None:
-        """Note the target calls made without their alias's since the last forward (the target's
-        module called on its own, between forwards): the alias's records (its target's) are then
-        not its own, which reading them says. The forward checks start again after them."""
-        self._outside_seen = self._core.outside_captures  # (read first: a call may end meanwhile)
-        pending = self._unpaired_aliases()
-        if pending:
-            for name, extra in pending:
-                self._alias_outside[name] = self._alias_outside.get(name, 0) + extra
-            self._resync_aliases()
-            self._core.alias_mismatch()
-
-    def _resync_aliases(self) -> None:
-        for name, target in list(self._aliases.items()):
-            alias, held = self._sinks.get(name), self._sinks.get(target)
-            if alias is not None and held is not None and name in self._alias_base:
-                self._alias_base[name] = held.n_calls - alias.n_calls
-
-    def _unpaired_error(self, name: str, extra: int) -> CaptureError:
-        target = self._aliases[name]
-        return CaptureError(
-            f"hook point {name!r} is kept once, as an alias of {target!r} (the same tensor when first captured: "
-            f"its records are {target!r}'s), but the module of {target!r} ({self._module_of(target)!r}) was called "
-            f"{extra} time(s) without the module of {name!r} ({self._module_of(name)!r}), on its own outside a "
-            f"forward of the tracked model: those records are not {name!r}'s, so its records cannot be listed. "
-            f"Call the tracked model (or the module of {name!r}) instead, or pass exclude= for the module of one "
-            "of them"
         )
 
     def _no_token_rows_shapes(self) -> str | None:
@@ -1760,7 +1710,6 @@ class Tracker:
         k, self._open_forward = self._open_forward, None
         if self._aliases:
             self._core.alias_mismatch()  # the alias checks start again after this partial forward
-            self._resync_aliases()
         partial = self.writer.rows_since_last_batch() if self.writer is not None else {}
         if not at_exit:  # the warning below says they leave the row table: not warned again
             self._warned_row_table.update(partial)
@@ -1773,7 +1722,7 @@ class Tracker:
             effect = ("Their records (and streaming reductions) include that partial forward, and in a "
                       "store their rows no longer line up with the sample row table (follows_row_table "
                       "becomes False).")
-        aliased = sorted(a for a, t in self._aliases.items() if not partial or t in partial)
+        aliased = sorted(a for a, t in self._aliases.items() if t in partial)
         if aliased:  # stored once with their target: they show what it recorded of that forward
             effect += f" Hook points kept as aliases of others ({aliased}) show their target's records."
         if not warn:
@@ -1813,29 +1762,17 @@ class Tracker:
         are the tracker's own copies (each owning exactly its bytes in a pooled staging slab,
         alive as long as you hold them); REFERENCE records are the model's tensors, detached
         (copies under ``torch.inference_mode``, where no version counter tells later
-        in-place changes, and cast copies with ``storage_dtype``). A hook point that repeats
-        another's tensor (an alias) lists the other's records. Empty with ``StoragePolicy.DISK`` (read the store) and
-        ``ReductionPolicy.STREAMING``.
-
-        Raises
-        ------
-        CaptureError
-            The module of an alias's target was called on its own (outside a forward of the
-            tracked model) without the alias's module: the target's records then hold calls
-            the alias never had, so the alias's cannot be listed (the message names both).
+        in-place changes, and cast copies with ``storage_dtype``). A hook point whose tensor
+        in a call is the very tensor another hook point recorded just before (an alias: a
+        container's output and its last child's) shares that record's bytes for that call
+        instead of copying them; its records are always its own calls'. Empty with
+        ``StoragePolicy.DISK`` (read the store) and ``ReductionPolicy.STREAMING``.
         """
         if self._reference_mode:
             self._warn_changed(all_records=True)
-        if self._aliases and not self._core.in_flight and self._core.outside_captures != self._outside_seen:
-            self._take_unpaired_aliases()  # (not while a call is under way: it may be between the two)
-        for name, extra in list(self._alias_outside.items()):
-            raise self._unpaired_error(name, extra)
         with self._new_hook_point_lock:  # (another thread capturing may add a hook point meanwhile)
-            sinks, aliases = list(self._sinks.items()), list(self._aliases.items())
-        out = {name: sink.records() for name, sink in sinks}
-        for name, target in aliases:  # kept once: the same tensors
-            out[name] = out[target]
-        return out
+            sinks = list(self._sinks.items())
+        return {name: sink.records() for name, sink in sinks}
 
     @property
     def reductions(self) -> dict[str, dict[str, torch.Tensor]]:
