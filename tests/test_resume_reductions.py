@@ -436,8 +436,111 @@ def test_a_resume_whose_close_fails_on_a_full_disk_is_resumed_again(tmp_path, mo
     s = open_store(path)
     assert s.status == "incomplete" and s.n_rows("0.output") == 10  # the committed rows, intact
     torch.testing.assert_close(s["0.output"].double(), _ref_rows(model, xs[:2]), rtol=0, atol=0)
+    # the reductions the root lists are those over the committed rows, as they were
+    assert s.verify() == []
+    _check(s, _ref_rows(model, xs[:2]), ["mean", "var"])
+    assert not list(path.rglob("*.committed.tmp"))
 
     _run(model, path, xs[2:], ["mean", "var"], resume=True)  # from the committed samples on
     s = open_store(path)
     assert s.status == "complete" and s.verify() == []
     _check(s, _ref_rows(model, xs), ["mean", "var"])
+
+
+_KILL_IN_CLOSE = r"""
+import os, sys, torch
+from activationscope import ActivationScope
+from activationscope.store.writer import StoreWriter
+
+sys.path.insert(0, sys.argv[3])
+from test_resume_reductions import _batches, _model
+
+path, where, k = sys.argv[1], sys.argv[2], int(sys.argv[4])
+model, xs = _model(), _batches(6, rows=5)
+real_add, real_root = StoreWriter.add_reductions, StoreWriter._root_attrs
+state = {"added": 0}
+
+def add(self, *a, **k):
+    real_add(self, *a, **k)
+    state["added"] += 1
+    if where == "between" and state["added"] == 2:
+        os._exit(9)  # killed between the reductions' writes
+
+def root(self, status):
+    if where == "before_root" and state["added"]:
+        os._exit(9)  # killed after the reductions, before the root lists them
+    return real_root(self, status)
+
+real_drop = StoreWriter._drop_kept_reductions
+
+def drop(self, restore):
+    if where == "after_root" and state["added"] and not restore:
+        os._exit(9)  # killed after the root lists the rewrite, before the kept files go
+    return real_drop(self, restore)
+
+StoreWriter.add_reductions, StoreWriter._root_attrs, StoreWriter._drop_kept_reductions = add, root, drop
+with ActivationScope(store=path, reductions=["mean", "var", ("topk", "topk", {"k": k})],
+                     store_options={"resume": True}).track(model):
+    for x in xs[2:4]:
+        model(x)
+"""
+
+
+@pytest.mark.parametrize("where", ["between", "before_root", "after_root"])
+def test_a_resume_killed_while_it_writes_its_reductions_keeps_the_committed_ones(tmp_path, where):
+    """A resume's close rewrites the reductions in place, then writes the root that lists
+    them: a kill in between left reduction files that failed their crc32c (reading them and
+    verify() said the store was damaged) until another resume recomputed them. The committed
+    files are now kept until the root lists the rewrite: readers read them meanwhile, and the
+    next resume puts them back."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    model, xs = _model(), _batches(6, rows=5)
+    path = tmp_path / "s.zarr"
+    _run(model, path, xs[:2], ["mean", "var", "topk"])  # (topk: k=10 by default)
+    out = subprocess.run([sys.executable, "-c", _KILL_IN_CLOSE, str(path), where, str(Path(__file__).parent), "10"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 9, out.stderr[-2000:]
+    assert list(path.rglob("*.committed.tmp"))  # (the kill left the kept files)
+    s = open_store(path)
+    done = 4 if where == "after_root" else 2  # (the root listing the resumed batches was written)
+    assert s.status == ("complete" if where == "after_root" else "incomplete")
+    assert s.n_rows("0.output") == 5 * done and s.verify() == []
+    _check(s, _ref_rows(model, xs[:done]), ["mean", "var", "topk"])
+    s.save(tmp_path / "copy.zarr")  # a copy holds the files a reader reads
+    copy = open_store(tmp_path / "copy.zarr")
+    assert copy.verify() == [] and not list((tmp_path / "copy.zarr").rglob("*.tmp"))
+    _check(copy, _ref_rows(model, xs[:done]), ["mean", "var", "topk"])
+    _run(model, path, xs[done:], ["mean", "var", "topk"], resume=True)  # from the committed samples on
+    s = open_store(path)
+    assert s.status == "complete" and s.verify() == []
+    _check(s, _ref_rows(model, xs), ["mean", "var", "topk"])
+    assert not list(path.rglob("*.committed.tmp"))
+
+
+def test_a_resume_killed_after_it_removed_a_reduction_of_another_shape_keeps_the_committed_one(tmp_path):
+    """A resumed ``topk`` with another ``k`` removes the committed arrays (another shape)
+    before writing its own: killed before the root, the committed ones are read meanwhile
+    and put back by the next resume, which then continues with the k it asks for."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    model, xs = _model(), _batches(6, rows=5)
+    path = tmp_path / "s.zarr"
+    _run(model, path, xs[:2], ["mean", "var", ("topk", "topk", {"k": 3})])
+    out = subprocess.run([sys.executable, "-c", _KILL_IN_CLOSE, str(path), "before_root", str(Path(__file__).parent),
+                          "5"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 9, out.stderr[-2000:]
+    s = open_store(path)
+    assert s.status == "incomplete" and s.verify() == []
+    assert s.reductions["0.output"]["topk.values"].shape == (3, 5)
+    _check(s, _ref_rows(model, xs[:2]), ["mean", "var", "topk"])
+    _run(model, path, xs[2:], ["mean", "var", ("topk", "topk", {"k": 5})], resume=True)
+    s = open_store(path)
+    assert s.status == "complete" and s.verify() == []
+    assert s.reductions["0.output"]["topk.values"].shape == (5, 5)
+    _check(s, _ref_rows(model, xs), ["mean", "var", "topk"])
+    assert not list(path.rglob("*.committed.tmp"))

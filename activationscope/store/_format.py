@@ -404,3 +404,65 @@ def crc32c(data: Any) -> int:
     import google_crc32c
 
     return int(google_crc32c.value(bytes(data) if not isinstance(data, bytes) else data))
+
+
+#: Suffix of a committed file a resume keeps while it rewrites the file in place (a partial
+#: last shard, a reduction's files), until a root lists the rewrite (FORMAT.md sections 6, 7).
+KEPT_SUFFIX = ".committed.tmp"
+
+
+def _reduction_key(key: Any) -> str | None:
+    """``key`` when it is a file key under ``reductions/`` without ``..``; else None (a key
+    from a store's metadata is never followed elsewhere)."""
+    if isinstance(key, str) and key.startswith("reductions/") and ".." not in key.split("/") and "\\" not in key:
+        return key
+    return None
+
+
+def kept_reduction_key(key: str) -> str:
+    """Where a resume keeps the committed reduction file ``key`` (``reductions/<node>/...``)
+    while it rewrites it: in the hook point's folder, its path below that folder flattened
+    (``%`` as ``%25``, ``/`` as ``%2F``) plus :data:`KEPT_SUFFIX`, e.g.
+    ``reductions/<node>/mean%2Fc%2F0.committed.tmp``. Outside every array's folder, so an
+    array written again with another chunk layout (``c/0`` then ``c``) never finds a kept file
+    where it makes a file or a folder."""
+    parts = key.split("/", 2)
+    if len(parts) < 3:
+        return key + KEPT_SUFFIX
+    return f"{parts[0]}/{parts[1]}/{parts[2].replace('%', '%25').replace('/', '%2F')}{KEPT_SUFFIX}"
+
+
+def committed_reduction_groups(reductions: Any, name: str | None = None) -> list[tuple[str | None, dict[str, int]]]:
+    """The files the ``reductions`` metadata of a root lists (``{hook point: {key: entry}}``;
+    with ``name``, a hook point's ``{key: entry}`` and only reduction ``name``'s), one group
+    per result or state array: (its document ``<path>/zarr.json``, ``{file key: crc32c}`` of
+    its chunk and, for a result, its script). Keys under ``reductions/`` only; malformed
+    parts are left out (the reader refuses them when they are read)."""
+    if name is not None:
+        reductions = {"": {k: e for k, e in (reductions.items() if isinstance(reductions, dict) else ())
+                           if isinstance(e, dict) and e.get("reduction") == name}}
+    out = []
+    for entries in (reductions.values() if isinstance(reductions, dict) else ()):
+        for entry in (entries.values() if isinstance(entries, dict) else ()):
+            if not isinstance(entry, dict):
+                continue
+            states = entry.get("state")
+            for arr in [entry] + [st for st in (states.values() if isinstance(states, dict) else ())
+                                  if isinstance(st, dict)]:
+                path = _reduction_key(arr.get("path"))
+                crcs = arr.get("crc32c")
+                files = {k: c for k, c in (crcs.items() if isinstance(crcs, dict) else ())
+                         if _reduction_key(k) and isinstance(c, int) and not isinstance(c, bool)}
+                out.append((None if path is None else path + "/zarr.json", files))
+    return out
+
+
+def committed_reduction_files(entries: Any, name: str) -> list[str]:
+    """Every file of reduction ``name`` that a hook point's ``entries`` (its part of a root's
+    ``reductions`` metadata) list: each result's and state's document and chunk, the script."""
+    keys: set[str] = set()
+    for doc, files in committed_reduction_groups(entries, name):
+        keys.update(files)
+        if doc is not None:
+            keys.add(doc)
+    return sorted(keys)

@@ -1626,6 +1626,43 @@ class Store:
         if problem is not None:
             raise V.corrupt(self._backend, problem)
 
+    def _reduction_file(self, key: str, crc: int | None) -> str:
+        """The key of the file that holds the committed bytes of reduction file ``key``: the
+        key, or the file a resume kept it as (:func:`~._format.kept_reduction_key`) in a local
+        store whose resume rewrote it but was killed before its root listed the rewrite
+        (FORMAT.md section 6), when that one has the crc32c ``crc`` and the key's file does
+        not (missing, or other bytes)."""
+        if crc is None or not isinstance(self._backend, LocalBackend):
+            return key
+        kept = F.kept_reduction_key(key)
+        try:
+            if self._backend.size(kept) is None:
+                return key
+
+            def matches(k: str) -> bool:
+                data = self._backend.get(k, max_bytes=V.MAX_FILE_BYTES)
+                return data is not None and F.crc32c(data) == int(crc)
+
+            if not matches(key) and matches(kept):
+                return kept
+        except StoreError:  # (the key's own checks name what is wrong)
+            pass
+        return key
+
+    def _reduction_document(self, doc_key: str, chunk_from_kept: bool) -> str:
+        """The key of a reduction array's document to read: the kept committed one when its
+        chunk is read from the kept file, or when the document itself is missing and a kept
+        one is there (see :meth:`_reduction_file`)."""
+        if not isinstance(self._backend, LocalBackend):
+            return doc_key
+        kept = F.kept_reduction_key(doc_key)
+        try:
+            if self._backend.size(kept) is not None and (chunk_from_kept or self._backend.size(doc_key) is None):
+                return kept
+        except StoreError:
+            pass
+        return doc_key
+
     def _read_small(self, entry: dict) -> torch.Tensor:
         """A reduction result: its one chunk, size-checked against its shape before it is read."""
         shape = [int(d) for d in entry["shape"]]
@@ -1637,8 +1674,10 @@ class Store:
         self._check_same_store()
         expected = numel * F.itemsize(entry["dtype"])
         where = f"reduction {entry.get('reduction')!r}: chunk {key!r}"
+        crc = self._listed_crc(entry, key, where)
+        chosen = self._reduction_file(key, crc)
         # the bytes are interpreted as the root says: its dtype and shape must be the array's own
-        doc_key = f"{entry['path']}/zarr.json"
+        doc_key = self._reduction_document(f"{entry['path']}/zarr.json", chosen != key)
         raw_doc = self._backend.get(doc_key)
         doc = None if raw_doc is None else V.loads_json(raw_doc, store=self._backend, key=doc_key)
         if not isinstance(doc, dict):
@@ -1656,16 +1695,16 @@ class Store:
         problems = V.small_array_document_problems(doc, entry["dtype"], shape, doc_key=doc_key)
         if problems:
             raise V.corrupt(self._backend, f"reduction {entry.get('reduction')!r}: " + "; ".join(problems))
-        size = self._backend.size(key)
+        size = self._backend.size(chosen)
         if size is None:
             raise self._reduction_damage(f"{where} listed in the metadata is missing")
         if size != expected:
             raise self._reduction_damage(f"{where} holds {size} bytes, but its shape {shape} and dtype "
                                          f"{entry['dtype']} need {expected}")
-        raw = self._backend.get(key, max_bytes=expected)
+        raw = self._backend.get(chosen, max_bytes=expected)
         if raw is None or len(raw) != expected:
             raise self._reduction_damage(f"{where} changed while it was read")
-        problem = self._crc_problem(raw, self._listed_crc(entry, key, where), where)
+        problem = self._crc_problem(raw, crc, where)
         if problem is not None:
             raise self._reduction_damage(problem)
         return torch.frombuffer(bytearray(raw), dtype=dtype).reshape(shape)
@@ -1743,7 +1782,7 @@ class Store:
         self._check_same_store()
         where = f"reduction {name!r}: script {key!r}"
         expected = self._listed_crc(entry, key, where)
-        data = self._backend.get(key, max_bytes=V.MAX_FILE_BYTES)
+        data = self._backend.get(self._reduction_file(key, expected), max_bytes=V.MAX_FILE_BYTES)
         if data is None:
             raise self._reduction_damage(f"{where} listed in the metadata is missing")
         problem = self._crc_problem(data, expected, where)
@@ -1952,7 +1991,7 @@ class Store:
                     files.update(part.get("crc32c") or {})
                 for key, crc in files.items():
                     try:
-                        data = self._backend.get(key, max_bytes=V.MAX_FILE_BYTES)
+                        data = self._backend.get(self._reduction_file(key, crc), max_bytes=V.MAX_FILE_BYTES)
                     except StoreCorruptError as e:
                         problems.append(f"{where}: {e}")
                         continue
@@ -2328,9 +2367,10 @@ def open_store(target: Any, *, cache_bytes: int = 64 << 20, storage_options: dic
 
 
 def _committed_shard_files(source: Any) -> dict[str, str]:
-    """``{shard key: file}`` of the shards whose committed chunks a reader of ``source`` (a
-    Store or a backend) reads from another file than the key (:meth:`Store._shard_file`: a
-    resume killed while it committed); empty when it does not open as a store."""
+    """``{key: file}`` of the shards whose committed chunks, and the reduction files whose
+    committed bytes, a reader of ``source`` (a Store or a backend) reads from another file
+    than the key (:meth:`Store._shard_file`, :meth:`Store._reduction_file`: a resume killed
+    while it committed); empty when it does not open as a store."""
     try:
         st = source if isinstance(source, Store) else Store(source)
         out = {}
@@ -2342,6 +2382,15 @@ def _committed_shard_files(source: Any) -> dict[str, str]:
                 got = st._shard_file(meta, n // shard_rows)
                 if got != key:
                     out[key] = got
+        # (likewise the files of reductions a resume rewrote but no root lists: FORMAT.md section 6)
+        for doc, files in F.committed_reduction_groups(st._attrs.get("reductions")):
+            kept = False
+            for key, crc in files.items():
+                got = st._reduction_file(key, crc)
+                if got != key:
+                    out[key], kept = got, True
+            if doc is not None and st._reduction_document(doc, kept) != doc:
+                out[doc] = F.kept_reduction_key(doc)
         return out
     except (StoreError, OSError):  # (not a store: its files are copied as they are)
         return {}
@@ -2351,8 +2400,8 @@ def copy_store(source: Any, target: Any, *, overwrite: bool = False) -> None:
     """Copy every object of a store (e.g. an in-memory one) to ``target``; root metadata last.
 
     Temporary files (``*.tmp``: a writer's, or left by one killed) are not copied; a shard
-    whose committed chunks a reader reads from the file a killed resume kept
-    (``<key>.committed.tmp``, FORMAT.md section 7) is copied from that file.
+    or reduction file whose committed bytes a reader reads from the file a killed resume
+    kept (``<key>.committed.tmp``, FORMAT.md sections 6 and 7) is copied from that file.
 
     Raises
     ------

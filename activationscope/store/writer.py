@@ -54,6 +54,7 @@ from ..errors import (
 from . import _format as F
 from . import _validate as V
 from ._backend import LocalBackend, check_backend_not_in_store, check_local_store_path, fsync_dir, resolve
+from ._format import KEPT_SUFFIX, committed_reduction_files, committed_reduction_groups
 from ._lock import WriterLock
 
 
@@ -934,6 +935,9 @@ class StoreWriter:
         self._kept_shards: list[tuple[Path, Path]] = []
         # of those, the shards whose rewrite a commit renamed over the key, until a root lists it
         self._installed_shards: set[Path] = set()
+        # resume of a local store: key -> hard link to it, of each file of a committed reduction
+        # this run rewrites or removes, until a root lists the rewrite (FORMAT.md section 6)
+        self._kept_reductions: dict[str, Path] = {}
         self._closed = False
         self._failing = False  # closing after a failure (abort, or the writer thread failed)
         self._lock = threading.RLock()
@@ -1172,6 +1176,8 @@ class StoreWriter:
                 if problems:
                     raise V.corrupt(b, "; ".join(problems) + "; nothing was deleted or written")
         self._remove_temp_files()  # the writer killed before this one left them (no array writer of ours yet)
+        if isinstance(b, LocalBackend):
+            self._restore_kept_reductions()
         found = None
         if isinstance(b, LocalBackend) and self._old_arrays:
             from .reader import Store
@@ -1793,6 +1799,7 @@ class StoreWriter:
         b.set("zarr.json", F.dumps(F.group_document({F.ATTRS_KEY: self._root_attrs(status)})))
         self._unpublished = False
         self._drop_installed_kept_shards()  # the root lists the rewrites now: the committed files go
+        self._drop_kept_reductions(restore=False)  # (likewise the reductions' committed files)
         if self._aside is not None and (self._n_batches > 0 or (self._closed and not self._failing
                                                                 and status == "complete")):
             self._settle_aside(keep_new=True)  # the new store has committed: the old one goes
@@ -1975,6 +1982,7 @@ class StoreWriter:
             if state and result:
                 planned.update({f"reductions/{node}/{name}.state.{key}": tuple(torch.as_tensor(v).shape)
                                 for key, v in state.items()})
+            self._keep_committed_reduction(hook_point, name)
             self._drop_old_reduction(hook_point, name, planned)
             self._backend.set("reductions/zarr.json", F.dumps(F.group_document()))
             self._backend.set(f"reductions/{node}/zarr.json", F.dumps(F.group_document({F.ATTRS_KEY: {"hook_point": hook_point}})))
@@ -2033,6 +2041,100 @@ class StoreWriter:
                 if name in entries:
                     entries[name]["script"] = key
                     entries[name].setdefault("crc32c", {})[key] = F.crc32c(data)
+
+    def _keep_committed_reduction(self, hook_point: str, name: str) -> None:
+        """Local stores: keep every file of the committed reduction ``name`` of ``hook_point``
+        (the documents and chunks of its results and states, its script) under
+        :func:`~._format.kept_reduction_key` (a hard link, or a copy) before this run rewrites or removes
+        it, until a root lists the rewrite: a writer killed in between leaves the committed
+        bytes, which readers read and the next resume puts back (FORMAT.md section 6); a close
+        that fails before then puts them back itself. Raises StoreError, before anything of
+        the reduction is touched, when a file can be neither linked nor copied."""
+        if not isinstance(self._backend, LocalBackend):
+            return
+        for key in committed_reduction_files(self._old_reductions.get(hook_point) or {}, name):
+            if key in self._kept_reductions:
+                continue  # (kept by an earlier write of this run: the committed bytes already)
+            path = self._backend.path(key)
+            if not path.is_file():
+                continue
+            keep = self._backend.path(F.kept_reduction_key(key))
+            try:
+                keep.unlink(missing_ok=True)
+                try:
+                    os.link(path, keep)
+                except OSError:  # no hard links on this file system: a copy
+                    shutil.copyfile(path, keep)
+            except OSError as e:
+                keep.unlink(missing_ok=True)
+                raise StoreError(
+                    f"store {str(self._backend)!r}: the committed file {key!r} of reduction {name!r} of hook point "
+                    f"{hook_point!r} cannot be kept while it is rewritten (neither a hard link nor a copy at {keep}: "
+                    f"{e.strerror or e}); it was not touched. Free space or fix permissions in the store's folder"
+                ) from e
+            self._kept_reductions[key] = keep
+
+    def _drop_kept_reductions(self, restore: bool) -> None:
+        """Remove the kept committed reduction files (a root lists the rewrite), or with
+        ``restore`` put them back over their keys (no root listed it: a close or abort that
+        failed, a discard)."""
+        while self._kept_reductions:
+            key, keep = self._kept_reductions.popitem()
+            try:
+                if restore:
+                    target = self._backend.path(key)
+                    target.parent.mkdir(parents=True, exist_ok=True)  # (its array's folder may be gone)
+                    os.replace(keep, target)
+                else:
+                    keep.unlink(missing_ok=True)
+            except (OSError, StoreError) as e:
+                warnings.warn(f"store {str(self._backend)!r}: {'restoring' if restore else 'removing'} {keep}: {e}",
+                              RuntimeWarning, stacklevel=3)
+
+    def _restore_kept_reductions(self) -> None:
+        """Resume of a local store: settle the committed reduction files an earlier writer
+        kept (:func:`~._format.kept_reduction_key`) and was killed before removing. One goes
+        back over its key when the key's file does not have the crc32c the root records and the
+        kept one does (a document goes back with a chunk of its array, or when it is missing);
+        every other kept file is removed (the root lists the rewrite)."""
+        b = self._backend
+        base = b.root / "reductions"
+        if not base.is_dir() or base.is_symlink():
+            return
+        kept = set()
+        for dirpath, _dirs, files in os.walk(base):  # never follows a link
+            kept.update(os.path.relpath(os.path.join(dirpath, f), b.root).replace(os.sep, "/")
+                        for f in files if f.endswith(KEPT_SUFFIX))
+        if not kept:
+            return
+
+        def matches(key: str, crc: int) -> bool:
+            try:
+                data = b.get(key, max_bytes=V.MAX_FILE_BYTES)
+            except (OSError, StoreError):  # (not a regular file, too large: not the committed bytes)
+                return False
+            return data is not None and F.crc32c(data) == crc
+
+        back: dict[str, str] = {}  # kept file -> the key it goes back to
+        for doc, files in committed_reduction_groups(self._old_reductions):
+            for key, crc in files.items():
+                keep = F.kept_reduction_key(key)
+                if keep in kept and not matches(key, crc) and matches(keep, crc):
+                    back[keep] = key
+            keep = None if doc is None else F.kept_reduction_key(doc)
+            if keep in kept and (b.size(doc) is None or set(back.values()).intersection(files)):
+                back[keep] = doc
+        for keep in sorted(kept):
+            try:
+                if keep in back:
+                    b.path(back[keep]).parent.mkdir(parents=True, exist_ok=True)
+                    os.replace(b.path(keep), b.path(back[keep]))
+                else:
+                    os.unlink(b.path(keep))
+            except (OSError, StoreError) as e:
+                raise StoreError(f"cannot resume {str(b)!r}: settling the kept reduction file {keep!r} failed: "
+                                 f"{getattr(e, 'strerror', None) or e}; fix permissions in the store's folder, then "
+                                 "resume again") from e
 
     def _drop_old_reduction(self, hook_point: str, name: str, planned: Mapping[str, tuple[int, ...]]) -> None:
         """Remove the arrays of reduction ``name`` of ``hook_point`` that an earlier run (or
@@ -2312,6 +2414,7 @@ class StoreWriter:
             try:
                 self._stop_threads()
                 self._drop_kept_shards(restore=True)
+                self._drop_kept_reductions(restore=True)
                 self._backend.set("zarr.json", self._found_root)
                 empty = self._put_back_found_files()
             except BaseException as e:  # noqa: BLE001 - the refusal stays the error the caller sees
@@ -2369,6 +2472,7 @@ class StoreWriter:
         # a kept committed file still here: no root lists its shard's rewrite (a close or abort
         # that failed after renaming it over the key): the committed file goes back (FORMAT.md §7)
         self._drop_kept_shards(restore=True)
+        self._drop_kept_reductions(restore=True)  # (likewise a reduction's, FORMAT.md section 6)
         release = getattr(self._backend, "release", None)
         if release is not None:
             release()
