@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 
-from activationscope import ActivationScope, CaptureError, open_store
+from activationscope import ActivationScope, CaptureError, ReductionPolicy, StoragePolicy, open_store
 
 
 def _features():
@@ -534,3 +534,32 @@ def test_in_memory_alias_reductions_cover_every_call_paired_or_not():
     torch.testing.assert_close(red["mean"], outs.double().mean(0), rtol=1e-12, atol=0)
     torch.testing.assert_close(red["max"], outs.double().max(0).values, rtol=0, atol=0)
     assert int(red["mean.count"]) == 12
+
+
+@pytest.mark.parametrize("policy", ["store_all", "final_only"])
+def test_store_capture_that_keeps_records_in_memory_keeps_the_aliases_records(tmp_path, policy):
+    # store= with storage=CPU keeps every call in memory too: a hook point stored as an alias
+    # has the same records as any other (its target's bytes, not copied), an empty batch's too
+    m = _features()
+    xs = [torch.randn(4, 6), torch.randn(0, 6), torch.randn(3, 6), torch.randn(5, 6)]
+    scope = ActivationScope(store=tmp_path / "s.zarr", storage=StoragePolicy.CPU, capture="both",
+                            reduction_policy=ReductionPolicy[policy.upper()])
+    with torch.no_grad(), scope.track(m) as t:
+        for x in xs:
+            m(x)
+    with torch.no_grad():
+        hidden = [m[0](x) for x in xs]
+        relu = [m[0][1](m[0][0](x)) for x in xs]
+    kept = slice(None) if policy == "store_all" else slice(-1, None)
+    acts = t.activations
+    assert open_store(tmp_path / "s.zarr").aliases["0.output"] == "0.2.output"
+    for name, expected in [("0.output", hidden), ("0.2.output", hidden), ("1.input.0", hidden),
+                           ("0.2.input.0", relu), ("0.1.output", relu)]:
+        assert len(acts[name]) == len(expected[kept]), name
+        for got, want in zip(acts[name], expected[kept]):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for a, b in zip(acts["0.output"], acts["0.2.output"]):
+        if a.numel():
+            assert a.data_ptr() == b.data_ptr()
+    stored = open_store(tmp_path / "s.zarr")
+    torch.testing.assert_close(stored["0.output"][:], torch.cat(hidden), rtol=0, atol=0)
