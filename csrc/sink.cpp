@@ -543,6 +543,8 @@ void Sink::remember_for_aliases(const at::Tensor& x) {
   last_strides_.assign(x.strides().begin(), x.strides().end());
   last_dtype_ = x.scalar_type();
   last_device_ = x.device();
+  last_conj_ = x.is_conj();
+  last_neg_ = x.is_neg();
   last_call_ = n_calls_;
   last_record_ = records_made_;
   if (x.is_inference()) {
@@ -591,7 +593,10 @@ bool Sink::same_as_last_locked(const at::Tensor& x, bool release) {
   c10::intrusive_ptr<c10::StorageImpl> alive = weak->lock();
   if (!alive || alive.get() != x.storage().unsafeGetStorageImpl() || x.storage_offset() != last_offset_ ||
       x.sizes() != c10::IntArrayRef(last_sizes_) || x.strides() != c10::IntArrayRef(last_strides_) ||
-      x.scalar_type() != last_dtype_ || x.device() != last_device_) {
+      x.scalar_type() != last_dtype_ || x.device() != last_device_ ||
+      // a conjugate or negative view (x.conj() of a complex tensor) reads the same memory as
+      // other values
+      x.is_conj() != last_conj_ || x.is_neg() != last_neg_) {
     return false;
   }
   if (last_version_ >= 0) return !x.is_inference() && x._version() == last_version_;

@@ -230,6 +230,8 @@ class Sink {
   std::vector<int64_t> last_sizes_, last_strides_;
   at::ScalarType last_dtype_ = at::kFloat;
   c10::Device last_device_ = c10::Device(c10::kCPU);
+  bool last_conj_ = false;     // its conjugate and negative bits (lazy views of other values)
+  bool last_neg_ = false;
   int64_t last_version_ = -1;  // its version counter then (-1: inference tensor)
   uint32_t last_crc_ = 0;      // inference tensors: crc32c of its bytes then
   int64_t last_call_ = 0;      // n_calls_ of that call

@@ -563,3 +563,46 @@ def test_store_capture_that_keeps_records_in_memory_keeps_the_aliases_records(tm
             assert a.data_ptr() == b.data_ptr()
     stored = open_store(tmp_path / "s.zarr")
     torch.testing.assert_close(stored["0.output"][:], torch.cat(hidden), rtol=0, atol=0)
+
+
+class _Complex(torch.nn.Module):
+    def forward(self, x):
+        return torch.complex(x, 2 * x)
+
+
+class _Lazy(torch.nn.Module):
+    """Returns a lazy view of its input: the same memory, read as other values."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, x):
+        return x.conj() if self.kind == "conj" else torch._neg_view(x)
+
+
+@pytest.mark.parametrize("grad", ["no_grad", "inference_mode"])
+@pytest.mark.parametrize("kind", ["conj", "neg"])
+@pytest.mark.parametrize("where", ["memory", "store"])
+def test_a_conjugate_or_negative_view_of_the_previous_output_is_not_an_alias(tmp_path, grad, kind, where):
+    # x.conj() has x's storage, offset, shape, strides and dtype, but other values
+    torch.manual_seed(0)
+    first = _Complex() if kind == "conj" else torch.nn.Linear(3, 3)
+    m = torch.nn.Sequential(first, _Lazy(kind))
+    xs = [torch.randn(2, 3) for _ in range(3)]
+    ctx = torch.no_grad if grad == "no_grad" else torch.inference_mode
+    with ctx():
+        expected = [m(x).resolve_conj().resolve_neg() for x in xs]
+        scope = ActivationScope(store=tmp_path / "s.zarr") if where == "store" else ActivationScope()
+        with scope.track(m) as t:
+            for x in xs:
+                m(x)
+    if where == "store":
+        s = open_store(tmp_path / "s.zarr")
+        assert "1.output" not in s.aliases
+        torch.testing.assert_close(s["1.output"][:], torch.cat(expected), rtol=0, atol=0)
+    else:
+        recs = t.activations["1.output"]
+        assert len(recs) == 3
+        for got, want in zip(recs, expected):
+            torch.testing.assert_close(got.resolve_conj().resolve_neg(), want, rtol=0, atol=0)
