@@ -606,3 +606,30 @@ def test_a_conjugate_or_negative_view_of_the_previous_output_is_not_an_alias(tmp
         assert len(recs) == 3
         for got, want in zip(recs, expected):
             torch.testing.assert_close(got.resolve_conj().resolve_neg(), want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("capture", ["output", "input"])
+def test_a_refused_store_alias_says_which_call_and_that_the_whole_forwards_are_kept(tmp_path, capture):
+    # output: '1.output' is another tensor than '1.e0.output' (the C++ check of each call);
+    # input: '1.e0.input.0' is not called at all (the check after the forward)
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Identity(), _Router())
+    xs = [torch.randn(3, 4) + s for s in (3, 3, -3)]
+    alias, target = ("1.output", "1.e0.output") if capture == "output" else ("1.e0.input.0", "1.input.0")
+    if capture == "input":  # ('1.input.0' would be the alias of the Identity's input)
+        m = torch.nn.Sequential(torch.nn.Linear(4, 4), _Router())
+        m[0].weight.data.copy_(torch.eye(4))
+        m[0].bias.data.zero_()
+    where = "its call 3 (counting from 1)" if capture == "output" else "forward 2"
+    with pytest.raises(CaptureError) as info, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.no_grad(), ActivationScope(store=tmp_path / "s.zarr", capture=capture).track(m):
+            for x in xs:
+                m(x)
+    message = str(info.value)
+    assert f"{alias!r} is stored once, as an alias of {target!r}" in message
+    assert where in message and "The store keeps every forward before this one" in message
+    if capture == "input":
+        assert "was not called, or returned no tensor" in message
+    s = open_store(tmp_path / "s.zarr")
+    assert s.status == "incomplete" and s.n_rows(alias) == 6 and s.n_rows(target) == 6

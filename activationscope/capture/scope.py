@@ -1655,7 +1655,7 @@ class Tracker:
         raise CaptureError(
             f"hook point {public!r} is stored once, as an alias of {target!r} (the same tensor when first "
             f"captured), but in forward {self._core.n_forwards - 1} it did not get the rows {target!r} got (its "
-            "module returned no tensor); pass exclude= for the module of one of them (or "
+            "module was not called, or returned no tensor); pass exclude= for the module of one of them (or "
             "include= only one)" + (". The store keeps every forward before this one" if self.writer is not None else "")
         )
 
