@@ -338,8 +338,8 @@ void Sink::consume(const at::Tensor& x_in, const at::Tensor& token_mask) {
   if (x.dim() >= 1 && x.size(0) == 0) {
     // An empty batch: no rows, reductions or store writes. An in-memory capture still keeps
     // its (empty) record, so records stay one per call (record i is call i's; the last
-    // record of keep="last" is the last call's). A store alias keeps none: its target's are read.
-    if (options_.keep != Keep::NONE && options_.placement != Placement::DISK && (!alias_of_ || shares_records_)) {
+    // record of keep="last" is the last call's), an alias too (its target's are not this call's).
+    if (options_.keep != Keep::NONE && options_.placement != Placement::DISK) {
       Record rec;
       rec.t = at::empty(x.sizes(), x.options().dtype(options_.storage_dtype.value_or(x.scalar_type())));
       if (options_.keep == Keep::LAST) {
@@ -543,6 +543,8 @@ void Sink::remember_for_aliases(const at::Tensor& x) {
   last_strides_.assign(x.strides().begin(), x.strides().end());
   last_dtype_ = x.scalar_type();
   last_device_ = x.device();
+  last_conj_ = x.is_conj();
+  last_neg_ = x.is_neg();
   last_call_ = n_calls_;
   last_record_ = records_made_;
   if (x.is_inference()) {
@@ -566,7 +568,17 @@ bool Sink::same_as_last(const at::Tensor& x, int64_t call, bool release) {
 bool Sink::share_last_record(const at::Tensor& x, Record* rec, std::shared_ptr<c10::Event>* event) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!same_as_last_locked(x, /*release=*/true)) return false;
-  // that call's record is the last one kept (no later call, no failed keep, no clear since)
+  return last_record_locked(rec, event);
+}
+
+bool Sink::last_record(Record* rec, std::shared_ptr<c10::Event>* event) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return last_record_locked(rec, event);
+}
+
+bool Sink::last_record_locked(Record* rec, std::shared_ptr<c10::Event>* event) {
+  // the last remembered call's record is the last one kept (no later call, no failed keep, no
+  // clear since)
   if (records_.empty() || records_made_ != last_record_ + 1) return false;
   *rec = records_.back();  // (shares the slab, or the tensor, of the target's record)
   if (!pending_.empty()) *event = pending_.back();  // (waited for again by the alias's read: harmless)
@@ -581,7 +593,10 @@ bool Sink::same_as_last_locked(const at::Tensor& x, bool release) {
   c10::intrusive_ptr<c10::StorageImpl> alive = weak->lock();
   if (!alive || alive.get() != x.storage().unsafeGetStorageImpl() || x.storage_offset() != last_offset_ ||
       x.sizes() != c10::IntArrayRef(last_sizes_) || x.strides() != c10::IntArrayRef(last_strides_) ||
-      x.scalar_type() != last_dtype_ || x.device() != last_device_) {
+      x.scalar_type() != last_dtype_ || x.device() != last_device_ ||
+      // a conjugate or negative view (x.conj() of a complex tensor) reads the same memory as
+      // other values
+      x.is_conj() != last_conj_ || x.is_neg() != last_neg_) {
     return false;
   }
   if (last_version_ >= 0) return !x.is_inference() && x._version() == last_version_;
@@ -616,9 +631,16 @@ bool Sink::consume_alias(const at::Tensor& x, const at::Tensor& token_mask) {
     const bool same = alias_of_->same_as_last(x, n_calls_ + call_offset_, /*release=*/true);
     if (!same) count_call(-1);
     ACS_CHECK(same, "hook point '", name_, "' is stored once, as an alias of '", alias_of_->name(),
-            "' (it was the same tensor when first captured), but in call ", n_calls_ + 1,
-            " it is another tensor or was changed in place after '", alias_of_->name(),
-            "' was taken; pass exclude= for the module of one of them (or include= only one)");
+            "' (it was the same tensor when first captured), but in its call ", n_calls_ + 1,
+            " (counting from 1) it is another tensor or was changed in place after '", alias_of_->name(),
+            "' was taken (a branch, or a loop, that differs from forward to forward); pass exclude= for the "
+            "module of one of them (or include= only one). The store keeps every forward before this one");
+    if (options_.keep != Keep::NONE && options_.placement != Placement::DISK) {
+      // a store capture that also keeps records in memory (storage=CPU or GPU): this call's
+      // record is its target's (the same bytes), as for an in-memory alias; a copy of its own
+      // when the target kept none of this call
+      if (!alias_of_->last_record(&shared, &event)) shared = snapshot(x);
+    }
   }
   if (!reductions_.empty()) {
     at::Tensor rows = rows_of(x, token_mask);
@@ -636,7 +658,7 @@ bool Sink::consume_alias(const at::Tensor& x, const at::Tensor& token_mask) {
     n_rows_ += (row_kind_ == 1 && token_mask.defined()) ? token_mask.sum().item<int64_t>()
                                                          : (x.dim() == 0 ? 1 : x.size(0));
   }
-  if (shares_records_ && options_.keep != Keep::NONE) {
+  if (options_.keep != Keep::NONE && options_.placement != Placement::DISK) {
     if (options_.keep == Keep::LAST) records_.clear();
     records_.push_back(std::move(shared));
     ++records_made_;

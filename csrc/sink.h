@@ -179,6 +179,10 @@ class Sink {
   // and that call made the last record, a copy of that record (sharing its bytes) in *rec
   // and its pending device copy, if any, in *event; true then.
   bool share_last_record(const at::Tensor& x, Record* rec, std::shared_ptr<c10::Event>* event);
+  // Target side, takes mu_: the record of the call last remembered for aliases, as
+  // share_last_record, without the identity check (a store alias has made it already).
+  bool last_record(Record* rec, std::shared_ptr<c10::Event>* event);
+  bool last_record_locked(Record* rec, std::shared_ptr<c10::Event>* event);  // under mu_
   // An alias's call: true when it was its target's tensor (handled: reductions run, and in
   // memory the target's record kept); false when an in-memory alias must keep this call as
   // its own record. A store alias raises CaptureError instead. Under mu_.
@@ -226,6 +230,8 @@ class Sink {
   std::vector<int64_t> last_sizes_, last_strides_;
   at::ScalarType last_dtype_ = at::kFloat;
   c10::Device last_device_ = c10::Device(c10::kCPU);
+  bool last_conj_ = false;     // its conjugate and negative bits (lazy views of other values)
+  bool last_neg_ = false;
   int64_t last_version_ = -1;  // its version counter then (-1: inference tensor)
   uint32_t last_crc_ = 0;      // inference tensors: crc32c of its bytes then
   int64_t last_call_ = 0;      // n_calls_ of that call

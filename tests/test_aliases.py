@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 
-from activationscope import ActivationScope, CaptureError, open_store
+from activationscope import ActivationScope, CaptureError, ReductionPolicy, StoragePolicy, open_store
 
 
 def _features():
@@ -534,3 +534,102 @@ def test_in_memory_alias_reductions_cover_every_call_paired_or_not():
     torch.testing.assert_close(red["mean"], outs.double().mean(0), rtol=1e-12, atol=0)
     torch.testing.assert_close(red["max"], outs.double().max(0).values, rtol=0, atol=0)
     assert int(red["mean.count"]) == 12
+
+
+@pytest.mark.parametrize("policy", ["store_all", "final_only"])
+def test_store_capture_that_keeps_records_in_memory_keeps_the_aliases_records(tmp_path, policy):
+    # store= with storage=CPU keeps every call in memory too: a hook point stored as an alias
+    # has the same records as any other (its target's bytes, not copied), an empty batch's too
+    m = _features()
+    xs = [torch.randn(4, 6), torch.randn(0, 6), torch.randn(3, 6), torch.randn(5, 6)]
+    scope = ActivationScope(store=tmp_path / "s.zarr", storage=StoragePolicy.CPU, capture="both",
+                            reduction_policy=ReductionPolicy[policy.upper()])
+    with torch.no_grad(), scope.track(m) as t:
+        for x in xs:
+            m(x)
+    with torch.no_grad():
+        hidden = [m[0](x) for x in xs]
+        relu = [m[0][1](m[0][0](x)) for x in xs]
+    kept = slice(None) if policy == "store_all" else slice(-1, None)
+    acts = t.activations
+    assert open_store(tmp_path / "s.zarr").aliases["0.output"] == "0.2.output"
+    for name, expected in [("0.output", hidden), ("0.2.output", hidden), ("1.input.0", hidden),
+                           ("0.2.input.0", relu), ("0.1.output", relu)]:
+        assert len(acts[name]) == len(expected[kept]), name
+        for got, want in zip(acts[name], expected[kept]):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for a, b in zip(acts["0.output"], acts["0.2.output"]):
+        if a.numel():
+            assert a.data_ptr() == b.data_ptr()
+    stored = open_store(tmp_path / "s.zarr")
+    torch.testing.assert_close(stored["0.output"][:], torch.cat(hidden), rtol=0, atol=0)
+
+
+class _Complex(torch.nn.Module):
+    def forward(self, x):
+        return torch.complex(x, 2 * x)
+
+
+class _Lazy(torch.nn.Module):
+    """Returns a lazy view of its input: the same memory, read as other values."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, x):
+        return x.conj() if self.kind == "conj" else torch._neg_view(x)
+
+
+@pytest.mark.parametrize("grad", ["no_grad", "inference_mode"])
+@pytest.mark.parametrize("kind", ["conj", "neg"])
+@pytest.mark.parametrize("where", ["memory", "store"])
+def test_a_conjugate_or_negative_view_of_the_previous_output_is_not_an_alias(tmp_path, grad, kind, where):
+    # x.conj() has x's storage, offset, shape, strides and dtype, but other values
+    torch.manual_seed(0)
+    first = _Complex() if kind == "conj" else torch.nn.Linear(3, 3)
+    m = torch.nn.Sequential(first, _Lazy(kind))
+    xs = [torch.randn(2, 3) for _ in range(3)]
+    ctx = torch.no_grad if grad == "no_grad" else torch.inference_mode
+    with ctx():
+        expected = [m(x).resolve_conj().resolve_neg() for x in xs]
+        scope = ActivationScope(store=tmp_path / "s.zarr") if where == "store" else ActivationScope()
+        with scope.track(m) as t:
+            for x in xs:
+                m(x)
+    if where == "store":
+        s = open_store(tmp_path / "s.zarr")
+        assert "1.output" not in s.aliases
+        torch.testing.assert_close(s["1.output"][:], torch.cat(expected), rtol=0, atol=0)
+    else:
+        recs = t.activations["1.output"]
+        assert len(recs) == 3
+        for got, want in zip(recs, expected):
+            torch.testing.assert_close(got.resolve_conj().resolve_neg(), want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("capture", ["output", "input"])
+def test_a_refused_store_alias_says_which_call_and_that_the_whole_forwards_are_kept(tmp_path, capture):
+    # output: '1.output' is another tensor than '1.e0.output' (the C++ check of each call);
+    # input: '1.e0.input.0' is not called at all (the check after the forward)
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Identity(), _Router())
+    xs = [torch.randn(3, 4) + s for s in (3, 3, -3)]
+    alias, target = ("1.output", "1.e0.output") if capture == "output" else ("1.e0.input.0", "1.input.0")
+    if capture == "input":  # ('1.input.0' would be the alias of the Identity's input)
+        m = torch.nn.Sequential(torch.nn.Linear(4, 4), _Router())
+        m[0].weight.data.copy_(torch.eye(4))
+        m[0].bias.data.zero_()
+    where = "its call 3 (counting from 1)" if capture == "output" else "forward 2"
+    with pytest.raises(CaptureError) as info, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.no_grad(), ActivationScope(store=tmp_path / "s.zarr", capture=capture).track(m):
+            for x in xs:
+                m(x)
+    message = str(info.value)
+    assert f"{alias!r} is stored once, as an alias of {target!r}" in message
+    assert where in message and "The store keeps every forward before this one" in message
+    if capture == "input":
+        assert "was not called, or returned no tensor" in message
+    s = open_store(tmp_path / "s.zarr")
+    assert s.status == "incomplete" and s.n_rows(alias) == 6 and s.n_rows(target) == 6

@@ -1133,7 +1133,8 @@ def test_the_store_records_what_track_overrode(tmp_path):
 
 @pytest.mark.parametrize("grad", [False, True, "inference_mode"])
 @pytest.mark.parametrize("hook", ["replace", "in_place", "read_only", "same_tensors_new_tuple", "detach",
-                                  "detach_in_place", "detach_one_replace_other", "same_storage_other_strides"])
+                                  "detach_in_place", "detach_one_replace_other", "same_storage_other_strides",
+                                  "negative_view"])
 def test_forward_hooks_that_change_an_output_are_named_and_the_next_input_records_them(hook, grad):
     """An output is recorded as its module's forward returns it, before its forward hooks run:
     a hook that replaces it or changes it in place (steering) is named in a CaptureWarning
@@ -1173,6 +1174,8 @@ def test_forward_hooks_that_change_an_output_are_named_and_the_next_input_record
         "detach_one_replace_other": lambda m, i, out: (out[0].detach() + 5, out[1].detach()),
         # the same memory read with other strides is another value
         "same_storage_other_strides": lambda m, i, out: (out[0].detach().as_strided((5, 3), (1, 5)), out[1]),
+        # the same memory, offset, shape and strides read as its negation (a lazy view, as conj())
+        "negative_view": lambda m, i, out: (torch._neg_view(out[0].detach()), out[1]),
     }
     handle = model.pair.register_forward_hook(hooks[hook])
     try:
@@ -1188,12 +1191,14 @@ def test_forward_hooks_that_change_an_output_are_named_and_the_next_input_record
         handle.remove()
     messages = [str(w.message) for w in caught if issubclass(w.category, acs.CaptureWarning)]
     torch.testing.assert_close(tr.activations["pair.output.0"][0], plain, rtol=0, atol=0)
-    if hook in ("replace", "in_place", "detach_in_place", "detach_one_replace_other", "same_storage_other_strides"):
+    if hook in ("replace", "in_place", "detach_in_place", "detach_one_replace_other", "same_storage_other_strides",
+                "negative_view"):
         assert len(messages) == 1, messages
         assert re.search(r"forward hooks of the tracked modules 'pair' replaced or changed their output in the "
                          r"first captured forward: .*before its forward hooks run.*capture='input' of the next "
                          r"module", messages[0])
-        passed_on = plain.as_strided((5, 3), (1, 5)) if hook == "same_storage_other_strides" else plain + 5
+        passed_on = {"same_storage_other_strides": plain.as_strided((5, 3), (1, 5)),
+                     "negative_view": -plain}.get(hook, plain + 5)
         torch.testing.assert_close(tr.activations["head.input.0"][0], passed_on, rtol=0, atol=0)
     else:
         assert messages == []

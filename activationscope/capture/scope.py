@@ -496,12 +496,14 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor | None:
 
 def _same_tensor(x: torch.Tensor, y: torch.Tensor) -> bool:
     """Whether ``y`` reads exactly the memory of ``x`` the same way: the same storage, offset,
-    shape, strides, dtype and device (``x.detach()``, or a view that is the whole of ``x``).
+    shape, strides, dtype and device, and the same conjugate and negative bits (``x.detach()``,
+    or a view that is the whole of ``x``; not ``x.conj()``, which reads it as other values).
     Tensors without storage (sparse, functorch wrappers) are the same only as one object."""
     if x is y:
         return True
     try:
         return (x.dtype == y.dtype and x.device == y.device and x.shape == y.shape and x.stride() == y.stride()
+                and x.is_conj() == y.is_conj() and x.is_neg() == y.is_neg()
                 and x.storage_offset() == y.storage_offset()
                 and x.untyped_storage().data_ptr() == y.untyped_storage().data_ptr()
                 and x.untyped_storage().nbytes() == y.untyped_storage().nbytes())
@@ -1655,7 +1657,7 @@ class Tracker:
         raise CaptureError(
             f"hook point {public!r} is stored once, as an alias of {target!r} (the same tensor when first "
             f"captured), but in forward {self._core.n_forwards - 1} it did not get the rows {target!r} got (its "
-            "module returned no tensor); pass exclude= for the module of one of them (or "
+            "module was not called, or returned no tensor); pass exclude= for the module of one of them (or "
             "include= only one)" + (". The store keeps every forward before this one" if self.writer is not None else "")
         )
 
