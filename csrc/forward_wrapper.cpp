@@ -32,6 +32,10 @@ using Leaves = std::vector<std::pair<std::string, at::Tensor>>;
 // _MAX_DEPTH, the same rule in a compiled graph).
 constexpr int kMaxDepth = 32;
 
+// Times an object type the walk does not enter is checked for tensors it holds before it is
+// taken for one that holds none (a type that does is warned about once per tracker).
+constexpr int kUnwalkedChecks = 8;
+
 bool is_container(py::handle obj) {
   if (PyTuple_Check(obj.ptr()) || PyList_Check(obj.ptr())) return PySequence_Size(obj.ptr()) > 0;
   if (PyDict_Check(obj.ptr())) return PyDict_Size(obj.ptr()) > 0;
@@ -41,8 +45,11 @@ bool is_container(py::handle obj) {
 // Flatten a module input / output into named tensor leaves: tensors, tuples / lists
 // (named tuples by field), dicts (HF ModelOutput included, by key) and dataclasses (by
 // field). None and other objects are skipped. A container kMaxDepth levels down is not
-// walked; with `warn`, a CaptureWarning names it (its tensors are not captured).
-void collect(py::handle obj, const std::string& prefix, Leaves& out, int depth, bool warn = true) {
+// walked; with `warn`, a CaptureWarning names it (its tensors are not captured). With
+// `unwalked`, another object that holds tensors (an HF Cache, a torch.distributions object)
+// is named in a CaptureWarning too, once per type (compiled.warn_unwalked).
+void collect(py::handle obj, const std::string& prefix, Leaves& out, int depth, bool warn = true,
+             std::unordered_map<PyTypeObject*, int>* unwalked = nullptr) {
   if (THPVariable_Check(obj.ptr())) {
     out.emplace_back(prefix, THPVariable_Unpack(obj.ptr()));
     return;
@@ -63,13 +70,13 @@ void collect(py::handle obj, const std::string& prefix, Leaves& out, int depth, 
       std::string key = (!fields.is_none() && PyTuple_Check(fields.ptr()) && i < py::len(fields))
                             ? py::str(fields[py::int_(i)]).cast<std::string>()
                             : std::to_string(i);
-      collect(seq[i], prefix + "." + key, out, depth + 1, warn);
+      collect(seq[i], prefix + "." + key, out, depth + 1, warn, unwalked);
     }
     return;
   }
   if (PyDict_Check(obj.ptr())) {
     for (auto item : py::reinterpret_borrow<py::dict>(obj)) {
-      collect(item.second, prefix + "." + py::str(item.first).cast<std::string>(), out, depth + 1, warn);
+      collect(item.second, prefix + "." + py::str(item.first).cast<std::string>(), out, depth + 1, warn, unwalked);
     }
     return;
   }
@@ -82,9 +89,20 @@ void collect(py::handle obj, const std::string& prefix, Leaves& out, int depth, 
     for (auto item : fields) {
       if (py::getattr(item.second, "_field_type", py::none()).ptr() != field_kind) continue;
       std::string name = py::str(item.first).cast<std::string>();
-      collect(py::getattr(obj, name.c_str(), py::none()), prefix + "." + name, out, depth + 1, warn);
+      collect(py::getattr(obj, name.c_str(), py::none()), prefix + "." + name, out, depth + 1, warn, unwalked);
     }
+    return;
   }
+  if (!unwalked || !warn) return;
+  PyObject* o = obj.ptr();
+  if (PyLong_Check(o) || PyFloat_Check(o) || PyUnicode_Check(o) || PyBytes_Check(o) || PyComplex_Check(o)) return;
+  int& checks = (*unwalked)[Py_TYPE(o)];
+  if (checks < 0 || checks >= kUnwalkedChecks) return;
+  static PyObject* check = py::object(py::module_::import("activationscope.capture.compiled").attr("warn_unwalked"))
+                               .release().ptr();  // kept for the process
+  const bool done = call_outside_dynamo(py::reinterpret_borrow<py::object>(check), py::make_tuple(prefix, obj))
+                        .cast<bool>();
+  checks = done ? -1 : checks + 1;
 }
 
 // The model's first tensor input with a dimension (positional, else keyword), or undefined.
@@ -418,9 +436,10 @@ py::object ForwardWrapper::call(py::args args, py::kwargs kwargs) {
       in_leaves.clear();
       std::string prefix = join(a.base, "input");
       const size_t n = args.size();
-      for (size_t i = 0; i < n; ++i) collect(args[i], prefix + "." + std::to_string(i), in_leaves, 0);
+      auto* unwalked = &a.site->core->unwalked_types;
+      for (size_t i = 0; i < n; ++i) collect(args[i], prefix + "." + std::to_string(i), in_leaves, 0, true, unwalked);
       for (auto item : kwargs) {
-        collect(item.second, prefix + ".kw." + py::str(item.first).cast<std::string>(), in_leaves, 0);
+        collect(item.second, prefix + ".kw." + py::str(item.first).cast<std::string>(), in_leaves, 0, true, unwalked);
       }
       consume_all(*a.site->core, in_leaves, a.outside);
     }
@@ -468,7 +487,7 @@ py::object ForwardWrapper::call(py::args args, py::kwargs kwargs) {
         continue;
       }
       out_leaves.clear();
-      collect(out, join(a.base, "output"), out_leaves, 0);
+      collect(out, join(a.base, "output"), out_leaves, 0, true, &a.site->core->unwalked_types);
       consume_all(*a.site->core, out_leaves, a.outside);
     }
     stopped = stop_point(active, roots);

@@ -59,6 +59,10 @@ struct TrackerCore {
   bool roots_only = false;          // capture only inside root forwards (a store: rows follow its row table)
   int64_t outside_calls = 0;        // calls of tracked modules outside a root forward left out (roots_only)
   int64_t outside_keys = 0;         // outermost calls of tracked modules on their own (in memory), numbered
+  // Types of objects met in tracked modules' inputs / outputs that the walk does not enter
+  // (not a tensor, tuple, list, dict or dataclass) -> times checked for tensors they hold
+  // (-1: warned about, or never to check). Touched with the GIL held.
+  std::unordered_map<PyTypeObject*, int> unwalked_types;
   int64_t n_consumed = 0;           // captures (sink calls) in this root forward
   std::shared_ptr<Sink> last_sink;  // the sink of the last of them
   int64_t stop_count = -1;          // captures of the first whole captured forward (-1: not learnt)

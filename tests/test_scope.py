@@ -286,6 +286,82 @@ def test_dataclass_output_leaves_are_its_fields_only():
     assert torch.equal(tr.activations["0.output.hidden"][0], x * 2)
 
 
+class _Holder:
+    """A plain object holding tensors (as an HF cache does)."""
+
+    def __init__(self, x):
+        self.layers = [{"keys": x + 1}]
+        self.note = "not a tensor"
+
+
+class _Empty:
+    """A plain object holding no tensor."""
+
+    def __init__(self):
+        self.n = 3
+
+
+class ReturnsObjects(torch.nn.Module):
+    def forward(self, x, holder=None, empty=None, lin=None, dtype=torch.float32):
+        return x * 2, _Holder(x), _Empty(), torch.distributions.Normal(x, 1.0)
+
+
+def test_tensors_held_by_objects_the_walk_does_not_enter_are_warned_about_once_per_type():
+    # an HF Cache, a distribution or a custom object holding tensors is not walked: its tensors
+    # were left out without a word; now a CaptureWarning names the path, the type and a tensor
+    # of it, once per type per capture. Objects holding no tensor, modules passed as arguments
+    # and dtypes are not warned about.
+    model = torch.nn.Sequential(ReturnsObjects())
+    xs = [torch.randn(2, 3) for _ in range(3)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with acs.ActivationScope(capture="both").track(model) as tr:
+            for x in xs:
+                model[0](x, holder=_Holder(x), empty=_Empty(), lin=torch.nn.Linear(2, 2), dtype=torch.float16)
+    said = [str(w.message) for w in caught if issubclass(w.category, acs.CaptureWarning)]
+    held = [m for m in said if "holding tensors" in m]
+    assert len(held) == 2, said  # one per type: _Holder (input first), Normal
+    assert held[0].startswith("'0.input.kw.holder' is a ") and "_Holder holding tensors (e.g. \".layers[0]['keys']\")" in held[0]
+    assert held[1].startswith("'0.output.3' is a torch.distributions.normal.Normal holding tensors")
+    assert "Track the modules that compute them" in held[0]
+    assert sorted(tr.activations) == ["0.input.0", "0.output.0"]  # what is captured is unchanged
+    assert all(torch.equal(a, x * 2) for a, x in zip(tr.activations["0.output.0"], xs))
+
+
+def test_an_object_that_holds_tensors_only_later_is_still_warned_about():
+    # a cache is empty at its first calls and filled later: the type is checked again (a few
+    # times) until it holds a tensor
+    class Cache:
+        def __init__(self):
+            self.keys = []
+
+    class M(torch.nn.Module):
+        def forward(self, x, cache):
+            cache.keys.append(x + 1)
+            return x
+
+    cache, model = Cache(), torch.nn.Sequential(M())
+    with pytest.warns(acs.CaptureWarning, match=r"'0.input.1' is a .*Cache holding tensors \(e.g. '.keys\[0\]'\)"):
+        with acs.ActivationScope(capture="input").track(model, include=["0"]):
+            with torch.no_grad():
+                model[0](torch.randn(2, 3), Cache())  # empty when it enters the module
+                model[0](torch.randn(2, 3), cache)
+                model[0](torch.randn(2, 3), cache)  # holds one tensor now
+
+
+def test_a_hugging_face_cache_in_the_outputs_is_warned_about():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=16, vocab_size=50, n_positions=32)
+    model = transformers.GPT2Model(config).eval()
+    ids = torch.randint(0, 50, (2, 6))
+    with pytest.warns(acs.CaptureWarning, match=r"'output\.(cache|past_key_values)' is a transformers\.cache_utils\.\w+ "
+                                                r"holding tensors.*key / value projections"):
+        with acs.ActivationScope().track(model, include=[""]) as tr, torch.no_grad():
+            out = model(ids, use_cache=True)
+    assert torch.equal(tr.activations["output.last_hidden_state"][0], out.last_hidden_state)
+
+
 class Nested(torch.nn.Module):
     """Returns ``(x + 1, ((...(x * 3,)...),))``: ``x * 3`` inside ``levels`` one-element tuples
     (``x`` may come inside tuples too)."""

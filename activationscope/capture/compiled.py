@@ -34,7 +34,7 @@ from . import _native
 
 _C = _native.load()
 
-__all__ = ["traced_call", "leaves", "first_input", "warn_eager", "warn_too_deep", "install"]
+__all__ = ["traced_call", "leaves", "first_input", "warn_eager", "warn_too_deep", "warn_unwalked", "install"]
 
 # Declared mutated by both ops, never written: keeps every op call and their order in a graph.
 _TOKEN = torch.zeros(1)
@@ -90,6 +90,83 @@ def warn_too_deep(path: str) -> None:
         CaptureWarning,
         stacklevel=2,
     )
+
+
+_HELD_SCAN_ITEMS = 4096  # objects looked at per scan of an object for the tensors it holds
+_HELD_SCAN_DEPTH = 4  # attributes / items followed this deep
+
+
+def _held_tensor(obj: Any) -> str | None:
+    """The path (``.attr[0].attr``) of a tensor that ``obj`` holds in its attributes (its
+    ``__dict__`` or ``__slots__``) and the lists, tuples, sets and dicts below them,
+    :data:`_HELD_SCAN_DEPTH` levels deep and :data:`_HELD_SCAN_ITEMS` objects at most; None
+    when none is found. Modules, classes, functions and ``nn.Module``s are not entered (a
+    module's parameters are not activations)."""
+    import types
+
+    skip = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
+            torch.nn.Module, torch.dtype, torch.device, str, bytes, int, float, complex)
+    budget = [_HELD_SCAN_ITEMS]
+    seen: set[int] = set()
+
+    def children(o: Any) -> list[tuple[str, Any]]:
+        if isinstance(o, dict):
+            return [(f"[{k!r}]", v) for k, v in list(o.items())[: budget[0]]]
+        if isinstance(o, (list, tuple, set, frozenset)) or type(o).__name__ == "deque":
+            return [(f"[{i}]", v) for i, v in enumerate(list(o)[: budget[0]])]
+        out = []
+        d = getattr(o, "__dict__", None)
+        if isinstance(d, dict):
+            out += [(f".{k}", v) for k, v in list(d.items())[: budget[0]]]
+        for k in getattr(type(o), "__slots__", ()) if isinstance(getattr(type(o), "__slots__", ()), (tuple, list)) else ():
+            if isinstance(k, str) and hasattr(o, k):
+                out.append((f".{k}", getattr(o, k)))
+        return out
+
+    def walk(o: Any, path: str, depth: int) -> str | None:
+        budget[0] -= 1
+        if isinstance(o, torch.Tensor):
+            return path
+        if budget[0] <= 0 or depth >= _HELD_SCAN_DEPTH or o is None or isinstance(o, skip) or id(o) in seen:
+            return None
+        seen.add(id(o))
+        try:
+            items = children(o)
+        except Exception:  # noqa: BLE001 - an object whose attributes cannot be listed holds nothing we can name
+            return None
+        for key, child in items:
+            found = walk(child, path + key, depth + 1)
+            if found is not None:
+                return found
+        return None
+
+    return walk(obj, "", 0) if not isinstance(obj, skip) else None
+
+
+def warn_unwalked(path: str, obj: Any) -> bool:
+    """Called by the native ``collect`` for an object in a tracked module's inputs or outputs
+    that the capture does not walk (not a tensor, tuple, list, dict or dataclass; ``path``:
+    its hook point prefix): when it holds tensors (an HF ``Cache``, a ``torch.distributions``
+    object, a custom class), a CaptureWarning says they are not captured. Returns whether its
+    type needs no further check (warned about, or a type that holds no activations)."""
+    import types
+
+    if isinstance(obj, (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
+                        torch.nn.Module, torch.dtype, torch.device)):
+        return True
+    held = _held_tensor(obj)
+    if held is None:
+        return False
+    kind = f"{type(obj).__module__}.{type(obj).__qualname__}"
+    warnings.warn(
+        f"{path!r} is a {kind} holding tensors (e.g. {held!r}): the capture walks tuples, lists, dicts and "
+        f"dataclasses only, so tensors held by other objects are not captured (here, and wherever a {kind} "
+        "appears in this capture). Track the modules that compute them (for a Hugging Face cache: the attention's "
+        "key / value projections), or return them in a tuple, dict or dataclass",
+        CaptureWarning,
+        stacklevel=2,
+    )
+    return True
 
 
 def first_input(args: tuple, kwargs: dict) -> torch.Tensor | None:
