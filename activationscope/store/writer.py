@@ -672,6 +672,20 @@ def _write_small_array(backend: Any, path: str, t: torch.Tensor, attrs: dict,
     return {key: F.crc32c(data)}
 
 
+def _link_or_copy(path: Path, keep: Path) -> None:
+    """Make ``keep`` a hard link to ``path`` (a copy on a file system without hard links: some
+    network and FUSE mounts), replacing any ``keep``; OSError with no ``keep`` left otherwise."""
+    try:
+        keep.unlink(missing_ok=True)
+        try:
+            os.link(path, keep)
+        except OSError:
+            shutil.copyfile(path, keep)
+    except OSError:
+        keep.unlink(missing_ok=True)
+        raise
+
+
 def _import_row_table_writer() -> None:
     """Import what a commit needs to write row tables (pyarrow, its parquet writer) while the
     writer opens. The first ``pyarrow.array`` also imports pandas where it is installed
@@ -1341,23 +1355,16 @@ class StoreWriter:
         if not isinstance(self._backend, LocalBackend):
             return
         path = self._backend.root / F.shard_key(arr.path, shard, len(arr.feature_shape))
-        keep = path.with_name(path.name + ".committed.tmp")
+        keep = path.with_name(path.name + KEPT_SUFFIX)
         try:
-            keep.unlink(missing_ok=True)
-            os.link(path, keep)
-        except OSError:
-            # no hard links on this file system (some network and FUSE mounts): a copy of the
-            # found file (at most one shard per array), or no abort could put its bytes back
-            try:
-                shutil.copyfile(path, keep)
-            except OSError as e:
-                keep.unlink(missing_ok=True)
-                raise StoreError(
-                    f"cannot resume {str(self._backend)!r}: its partial last shard {path.name!r} of hook point "
-                    f"{arr.hook_point!r} cannot be kept (neither a hard link nor a copy at {keep}: {e}), so an "
-                    "aborted resume could not put it back; the shard was not touched. Free space or fix permissions "
-                    "in the store's folder, then resume again"
-                ) from e
+            _link_or_copy(path, keep)
+        except OSError as e:
+            raise StoreError(
+                f"cannot resume {str(self._backend)!r}: its partial last shard {path.name!r} of hook point "
+                f"{arr.hook_point!r} cannot be kept (neither a hard link nor a copy at {keep}: {e}), so an "
+                "aborted resume could not put it back; the shard was not touched. Free space or fix permissions "
+                "in the store's folder, then resume again"
+            ) from e
         self._kept_shards.append((path, keep))
 
     def _restore_kept_shard(self, found: Any, hook_point: str) -> None:
@@ -2060,13 +2067,8 @@ class StoreWriter:
                 continue
             keep = self._backend.path(F.kept_reduction_key(key))
             try:
-                keep.unlink(missing_ok=True)
-                try:
-                    os.link(path, keep)
-                except OSError:  # no hard links on this file system: a copy
-                    shutil.copyfile(path, keep)
+                _link_or_copy(path, keep)
             except OSError as e:
-                keep.unlink(missing_ok=True)
                 raise StoreError(
                     f"store {str(self._backend)!r}: the committed file {key!r} of reduction {name!r} of hook point "
                     f"{hook_point!r} cannot be kept while it is rewritten (neither a hard link nor a copy at {keep}: "
@@ -2107,23 +2109,16 @@ class StoreWriter:
                         for f in files if f.endswith(KEPT_SUFFIX))
         if not kept:
             return
+        from .reader import Store
 
-        def matches(key: str, crc: int) -> bool:
-            try:
-                data = b.get(key, max_bytes=V.MAX_FILE_BYTES)
-            except (OSError, StoreError):  # (not a regular file, too large: not the committed bytes)
-                return False
-            return data is not None and F.crc32c(data) == crc
-
+        found = Store(b)  # (reads each file from where a reader of the found store would)
         back: dict[str, str] = {}  # kept file -> the key it goes back to
         for doc, files in committed_reduction_groups(self._old_reductions):
             for key, crc in files.items():
-                keep = F.kept_reduction_key(key)
-                if keep in kept and not matches(key, crc) and matches(keep, crc):
-                    back[keep] = key
-            keep = None if doc is None else F.kept_reduction_key(doc)
-            if keep in kept and (b.size(doc) is None or set(back.values()).intersection(files)):
-                back[keep] = doc
+                if found._reduction_file(key, crc) != key:
+                    back[F.kept_reduction_key(key)] = key
+            if doc is not None and found._reduction_document(doc, bool(set(back.values()) & set(files))) != doc:
+                back[F.kept_reduction_key(doc)] = doc
         for keep in sorted(kept):
             try:
                 if keep in back:
