@@ -24,6 +24,7 @@ graph break per tracked module, records exact) and :func:`warn_eager` says so on
 from __future__ import annotations
 
 import dataclasses
+import types
 import warnings
 from typing import Any
 
@@ -92,6 +93,9 @@ def warn_too_deep(path: str) -> None:
     )
 
 
+# objects whose tensors (a module's parameters) are no activations, and ones that hold none
+_NOT_ACTIVATIONS = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
+                    torch.nn.Module, torch.dtype, torch.device)
 _HELD_SCAN_ITEMS = 4096  # objects looked at per scan of an object for the tensors it holds
 _HELD_SCAN_DEPTH = 4  # attributes / items followed this deep
 
@@ -102,10 +106,7 @@ def _held_tensor(obj: Any) -> str | None:
     :data:`_HELD_SCAN_DEPTH` levels deep and :data:`_HELD_SCAN_ITEMS` objects at most; None
     when none is found. Modules, classes, functions and ``nn.Module``s are not entered (a
     module's parameters are not activations)."""
-    import types
-
-    skip = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
-            torch.nn.Module, torch.dtype, torch.device, str, bytes, int, float, complex)
+    skip = _NOT_ACTIVATIONS + (str, bytes, int, float, complex)
     budget = [_HELD_SCAN_ITEMS]
     seen: set[int] = set()
 
@@ -149,10 +150,7 @@ def warn_unwalked(path: str, obj: Any) -> bool:
     its hook point prefix): when it holds tensors (an HF ``Cache``, a ``torch.distributions``
     object, a custom class), a CaptureWarning says they are not captured. Returns whether its
     type needs no further check (warned about, or a type that holds no activations)."""
-    import types
-
-    if isinstance(obj, (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
-                        torch.nn.Module, torch.dtype, torch.device)):
+    if isinstance(obj, _NOT_ACTIVATIONS):
         return True
     held = _held_tensor(obj)
     if held is None:
