@@ -229,17 +229,17 @@ void write_all(int fd, const void* data, size_t n, const std::string& path) {
   }
 }
 
+// mkdir -p: the deepest folder first (one call when its parent exists, the common case:
+// creating a folder is a new inode, the slow part on many file systems), its parents only
+// when it cannot be made for want of them.
 void mkdirs(const std::string& path) {
-  std::string cur;
-  std::stringstream ss(path);
-  std::string part;
-  if (!path.empty() && path[0] == '/') cur = "/";
-  while (std::getline(ss, part, '/')) {
-    if (part.empty()) continue;
-    cur += part;
-    if (::mkdir(cur.c_str(), 0777) != 0 && errno != EEXIST) io_fail("creating directory", cur, errno);
-    cur += "/";
-  }
+  if (path.empty() || path == "/" || path == ".") return;
+  if (::mkdir(path.c_str(), 0777) == 0 || errno == EEXIST) return;
+  if (errno != ENOENT) io_fail("creating directory", path, errno);
+  const auto pos = path.find_last_not_of('/', path.rfind('/'));
+  if (path.rfind('/') == std::string::npos || pos == std::string::npos) io_fail("creating directory", path, ENOENT);
+  mkdirs(path.substr(0, pos + 1));
+  if (::mkdir(path.c_str(), 0777) != 0 && errno != EEXIST) io_fail("creating directory", path, errno);
 }
 
 void fsync_dir(const std::string& dir) {
@@ -646,6 +646,12 @@ void ArrayWriter::write_chunk(WorkItem& item) {
     fd_ = ::open(tmp_path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     if (fd_ < 0) io_fail("creating shard", tmp_path_, errno);
     open_shard_ = shard;
+    // the shard's folder now, while the model runs, not when the shard is finished (at the
+    // close, that is on the capture's critical path, every array at once)
+    std::string final_path = shard_path(shard);
+    if (shard == spec_.hold_shard) final_path += ".resumed.tmp";
+    shard_dir_ = dirname_of(final_path);
+    mkdirs(shard_dir_);
     file_off_ = 0;
     cur_ = ShardRecord();
     cur_.shard = shard;
@@ -695,8 +701,13 @@ void ArrayWriter::finish_shard(int64_t rows_end) {
   fd_ = -1;
   std::string final_path = shard_path(cur_.shard);
   if (cur_.shard == spec_.hold_shard) final_path += ".resumed.tmp";
-  mkdirs(dirname_of(final_path));
-  if (::rename(tmp_path_.c_str(), final_path.c_str()) != 0) {
+  if (dirname_of(final_path) != shard_dir_) mkdirs(dirname_of(final_path));  // (made at the shard's start)
+  int renamed = ::rename(tmp_path_.c_str(), final_path.c_str());
+  if (renamed != 0 && errno == ENOENT && ::access(tmp_path_.c_str(), F_OK) == 0) {
+    mkdirs(dirname_of(final_path));  // its folder went since the shard was opened: made again
+    renamed = ::rename(tmp_path_.c_str(), final_path.c_str());
+  }
+  if (renamed != 0) {
     const int e = errno;
     ::unlink(tmp_path_.c_str());
     io_fail("renaming shard to", final_path, e);

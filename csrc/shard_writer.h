@@ -193,6 +193,7 @@ class ArrayWriter : public RowConsumer, public std::enable_shared_from_this<Arra
   int fd_ = -1;
   int64_t open_shard_ = -1;
   std::string tmp_path_;
+  std::string shard_dir_;               // folder of the open shard's key (made when it was opened)
   int64_t file_off_ = 0;
   ShardRecord cur_;
 };

@@ -1308,7 +1308,7 @@ class StoreWriter:
                 committed = 0
             arr = _Array(hook_point, node, f"acts/{node}", feature_shape, name, row_kind, chunk_rows, shard_chunks,
                          compression, committed_rows=committed)
-            if isinstance(self._backend, LocalBackend):
+            if isinstance(self._backend, LocalBackend) and self._found_root is not None:  # (for a discard)
                 arr.folder_found = os.path.lexists(self._backend.root / arr.path)
                 arr.chunks_found = os.path.lexists(self._backend.root / arr.path / "c")
             start = (committed // arr.shard_rows) * arr.shard_rows
@@ -1865,6 +1865,11 @@ class StoreWriter:
             parts = key.split("/")
             if len(parts) > 3 and parts[0] == "acts" and parts[2] == "c":  # acts/<node>/c/<shard>[/0...]
                 keys.add("/".join(parts[:4]))
+        for a in self._arrays.values():  # the writer thread makes a shard's folder when it opens the shard
+            for shard in range(self._listed_shards(a), a.writer.n_rows // a.shard_rows + 1):
+                parts = F.shard_key(a.path, shard, len(a.feature_shape)).split("/")
+                if len(parts) > 4:
+                    keys.add("/".join(parts[:4]))
         folders = []
         for key in sorted(keys):
             try:
