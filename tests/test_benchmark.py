@@ -466,3 +466,20 @@ def test_store_profile_reports_cpu_per_thread(tmp_path, capsys):
     # the store's writer is a thread of its own; the plain forward and the raw write have none
     assert doc["parts"]["store"]["other_threads_cpu_ms"] > 0
     assert "store" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_neighbour_measures_the_forward_alone_and_beside_each_neighbour(tmp_path, capsys):
+    from benchmark import neighbour
+
+    out = tmp_path / "neighbour.json"
+    assert neighbour.main(["--forwards", "3", "--rounds", "2", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert set(doc["ms_per_forward"]) == {"alone", "alu", "memory"}
+    assert all(len(v) == 2 and all(ms > 0 for ms in v) for v in doc["repeat_ms"].values())
+    assert set(doc["ratio_vs_alone"]) == {"alu", "memory"}
+    for name, ratio in doc["ratio_vs_alone"].items():  # the median of the rounds' own ratios
+        rounds = [a / b for a, b in zip(doc["repeat_ms"][name], doc["repeat_ms"]["alone"])]
+        assert ratio == pytest.approx(sum(rounds) / 2)
+    printed = capsys.readouterr().out
+    assert "beside alu" in printed and "beside memory" in printed
