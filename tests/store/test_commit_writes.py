@@ -1,0 +1,81 @@
+"""A commit writes its array documents and manifests in the committing thread on a fast
+local folder, through a small thread pool where writes are slow (a network file system):
+either way every document lands, and a failed write is the commit's error."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+import activationscope as acs
+from activationscope.errors import StoreError
+from activationscope.store import writer as W
+from activationscope.store._backend import LocalBackend
+
+
+class _Model(torch.nn.Module):
+    def __init__(self, n: int = 10) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(n))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _capture(path, xs):
+    model = _Model()
+    with torch.no_grad(), acs.ActivationScope(store=str(path)).track(model):
+        for x in xs:
+            model(x)
+    return model
+
+
+def _threads_of_sets(monkeypatch, delay_s: float) -> set[str]:
+    names: set[str] = set()
+    real = LocalBackend.set
+
+    def set_(self, key, data):
+        names.add(threading.current_thread().name)
+        if delay_s:
+            time.sleep(delay_s)
+        return real(self, key, data)
+
+    monkeypatch.setattr(LocalBackend, "set", set_)
+    return names
+
+
+@pytest.mark.parametrize("delay_s", [0.0, 0.002], ids=["fast", "slow"])
+def test_every_document_of_a_commit_lands_whether_written_in_one_thread_or_a_pool(tmp_path, monkeypatch, delay_s):
+    names = _threads_of_sets(monkeypatch, delay_s)
+    xs = [torch.randn(3, 4) for _ in range(4)]
+    model = _capture(tmp_path / "s.zarr", xs)
+    pooled = {n for n in names if n.startswith("activationscope-commit")}
+    assert bool(pooled) == (delay_s > W._SERIAL_WRITE_S)  # the pool only where writes are slow
+    store = acs.open_store(tmp_path / "s.zarr")
+    assert store.status == "complete" and len(store.hook_points) == 10
+    x = torch.cat(xs)
+    with torch.no_grad():
+        for i, layer in enumerate(model.layers):
+            assert torch.equal(store[f"layers.{i}.output"], layer(x))
+            x = layer(x)
+
+
+@pytest.mark.parametrize("delay_s", [0.0, 0.002], ids=["fast", "slow"])
+def test_a_failed_document_write_is_the_commits_error(tmp_path, monkeypatch, delay_s):
+    real = LocalBackend.set
+
+    def set_(self, key, data):
+        if delay_s:
+            time.sleep(delay_s)
+        if key.endswith("layers.7.output/zarr.json"):
+            raise StoreError(f"cannot write {key}: disk full (simulated)")
+        return real(self, key, data)
+
+    monkeypatch.setattr(LocalBackend, "set", set_)
+    with pytest.raises(StoreError, match=r"layers\.7\.output/zarr\.json: disk full"):
+        _capture(tmp_path / "s.zarr", [torch.randn(3, 4)])
