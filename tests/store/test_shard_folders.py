@@ -64,3 +64,17 @@ def test_a_capture_into_a_store_is_unchanged_by_early_folders(tmp_path):
     shard_dirs = sorted(os.listdir(path / "acts/0.output/c"))
     assert shard_dirs == ["0", "1", "2", "3"]  # no folder of a shard that holds no row
     assert cli_main(["verify", str(path)]) == 0
+
+
+def test_an_empty_shard_folder_left_by_a_killed_writer_is_ignored_by_readers_and_verify(tmp_path):
+    path = tmp_path / "s.zarr"
+    w = StoreWriter(path, **_options())
+    rows = torch.randn(20, 8)
+    w.open_array("0.output", (8,), torch.float32, "sample").append(rows)
+    w.add_batch(20)
+    w.close()
+    (path / "acts/0.output/c/7").mkdir()  # as a writer killed right after opening shard 7 leaves it
+    (path / "acts/0.output/c/8/0").mkdir(parents=True)  # (a shard key's folders of a 3-d array)
+    store = acs.open_store(path)
+    assert store.status == "complete" and torch.equal(store["0.output"], rows)
+    assert cli_main(["verify", str(path)]) == 0
