@@ -394,16 +394,18 @@ def check_jsonable(value: Any, what: str) -> Any:
         raise ArgumentTypeError(f"{what} must be JSON-serialisable (str, int, float, bool, None, list, dict), got an error: {e}") from None
 
 
-def crc32c(data: Any) -> int:
-    """CRC-32C (Castagnoli) of a bytes-like object: the native one, else google_crc32c (a zarr dependency)."""
+def crc32c(data: Any, crc: int = 0) -> int:
+    """CRC-32C (Castagnoli) of a bytes-like object, continuing ``crc`` (the crc32c of the bytes
+    before ``data``: a file's crc32c from its pieces): the native one, else google_crc32c (a
+    zarr dependency)."""
     from ..capture import _native
 
     mod = _native.optional()
     if mod is not None:
-        return int(mod.crc32c(data))
+        return int(mod.crc32c(data, crc))
     import google_crc32c
 
-    return int(google_crc32c.value(bytes(data) if not isinstance(data, bytes) else data))
+    return int(google_crc32c.extend(crc, bytes(data) if not isinstance(data, bytes) else data))
 
 
 #: Suffix of a committed file a resume keeps while it rewrites the file in place (a partial
