@@ -2045,6 +2045,19 @@ class Store:
             except StoreError as e:
                 if not any(repr(key) in p for p in problems):
                     problems.append(f"file {key!r}: {e}")
+        base = getattr(self._backend, "root", None)
+        base = base / "reductions" if isinstance(self._backend, LocalBackend) else None
+        if base is not None and base.is_dir() and not base.is_symlink():  # (what no file listing shows)
+            for dirpath, dirs, _files in os.walk(base):  # a link to a folder is in dirs, never followed
+                for name in [d for d in dirs if d.endswith(F.KEPT_SUFFIX)]:
+                    dirs.remove(name)
+                    key = os.path.relpath(os.path.join(dirpath, name), self._backend.root).replace(os.sep, "/")
+                    if os.path.islink(os.path.join(dirpath, name)):
+                        problems.append(f"file {key!r}: a symlink to a folder, where a resume keeps a committed "
+                                        "reduction file (FORMAT.md section 6); a resume removes the link")
+                    else:
+                        problems.append(f"file {key!r}: a folder, where a resume keeps a committed reduction file "
+                                        "(FORMAT.md section 6); a resume refuses the store until it is removed")
         return problems
 
     def _verify_array(self, hp: str, problems: list[str]) -> None:

@@ -5,6 +5,7 @@ a resume at its close."""
 
 from __future__ import annotations
 
+import os
 import sys
 import tracemalloc
 from pathlib import Path
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from activationscope import open_store
-from activationscope.errors import StoreCorruptError
+from activationscope.errors import StoreCorruptError, StoreError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from test_resume_reductions import _batches, _model, _ref_rows, _run  # noqa: E402
@@ -61,3 +62,42 @@ def test_an_oversized_reduction_file_is_never_read_whole(store, big):
     assert _peak_bytes(lambda: problems.extend(s.verify())) < 64 << 20
     assert any("mean/c/0" in p for p in problems)
 
+
+@pytest.mark.parametrize("what", ["link to a file outside", "link to a folder outside", "link to /dev/zero"])
+@pytest.mark.parametrize("kept", [KEPT, "mean%2Fzarr.json.committed.tmp", "..%2F..%2Fx.committed.tmp"])
+def test_a_resume_removes_a_planted_link_named_as_a_kept_file_without_following_it(store, tmp_path, what, kept):
+    """A kept file that is a symlink is no file of the store: the resume removes the link
+    (never what it points to). It refused instead, telling to fix permissions (a link to a
+    file), or failed at its close after the whole capture, the store left incomplete (a link
+    to a folder, which verify did not list)."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret.txt").write_text("secret")
+    target = {"link to a file outside": outside / "secret.txt", "link to a folder outside": outside,
+              "link to /dev/zero": Path("/dev/zero")}[what]
+    link = store / "reductions" / "0.output" / kept
+    os.symlink(target, link)
+    assert any(kept in p for p in open_store(store).verify())
+    model, xs = _model(), _batches(4, rows=5)
+    _run(model, store, xs[2:], ["mean", "var"], resume=True)
+    s = open_store(store)
+    assert s.status == "complete" and s.n_rows("0.output") == 20 and s.verify() == []
+    assert not os.path.lexists(link) and not list(store.rglob("*.committed.tmp"))
+    assert sorted(os.listdir(outside)) == ["secret.txt"] and (outside / "secret.txt").read_text() == "secret"
+    import torch
+
+    torch.testing.assert_close(s.reductions["0.output"]["mean"], _ref_rows(model, xs).mean(0))
+
+
+def test_a_resume_refuses_a_folder_named_as_a_kept_file_before_it_captures(store):
+    """A folder where a resume keeps a committed file failed the resume at its close (the
+    rows captured, the store left incomplete, the message telling to free space); verify did
+    not list it. Now verify names it and a resume refuses at its start, touching nothing."""
+    folder = store / "reductions" / "0.output" / KEPT
+    (folder / "sub").mkdir(parents=True)
+    (folder / "sub" / "f").write_text("x")
+    assert any(KEPT in p and "folder" in p for p in open_store(store).verify())
+    with pytest.raises(StoreError, match=r"mean%2Fc%2F0\.committed\.tmp.*folder.*remove it"):
+        _run(_model(), store, _batches(4, rows=5)[2:], ["mean", "var"], resume=True)
+    s = open_store(store)
+    assert s.status == "complete" and s.n_rows("0.output") == 10 and (folder / "sub" / "f").read_text() == "x"
