@@ -427,6 +427,7 @@ class _Key:
 class _HoldsSubclasses:
     def __init__(self, x):
         self.d, self.l, self.k = _Items(a=x), _Iter([x]), {_Key(): x}
+        self.__dict__[_Key()] = x  # (an attribute whose name is no str)
 
 
 class _BaseSlots:

@@ -122,7 +122,8 @@ def _attributes(o: Any) -> list[tuple[str, Any]]:
             if isinstance(d, types.GetSetDescriptorType):
                 inst = d.__get__(o, cls)
                 if type(inst) is dict:
-                    out += [(f".{k}", v) for k, v in itertools.islice(dict.items(inst), _HELD_SCAN_ITEMS)]
+                    out += [(f".{k}" if type(k) is str else f".<{type(k).__name__}>", v)
+                            for k, v in itertools.islice(dict.items(inst), _HELD_SCAN_ITEMS)]
         slots = ns.get("__slots__", ())
         names = (slots,) if type(slots) is str else slots if type(slots) in (tuple, list, dict) else ()
         for name in names:
