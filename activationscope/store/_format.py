@@ -459,6 +459,19 @@ def committed_reduction_groups(reductions: Any, name: str | None = None) -> list
     return out
 
 
+def kept_reduction_places(reductions: Any) -> set[str]:
+    """The keys where a resume of a store whose root lists ``reductions`` (``{hook point:
+    {key: entry}}``) may keep a committed reduction file (:func:`kept_reduction_key` of each
+    file it lists): the only names a folder or a link in the store's place is refused or
+    removed for (a reduction may itself be named ``m.committed.tmp``)."""
+    places = set()
+    for doc, files in committed_reduction_groups(reductions):
+        places.update(kept_reduction_key(k) for k in files)
+        if doc is not None:
+            places.add(kept_reduction_key(doc))
+    return places
+
+
 def committed_reduction_files(entries: Any, name: str) -> list[str]:
     """Every file of reduction ``name`` that a hook point's ``entries`` (its part of a root's
     ``reductions`` metadata) list: each result's and state's document and chunk, the script."""

@@ -2048,10 +2048,13 @@ class Store:
         base = getattr(self._backend, "root", None)
         base = base / "reductions" if isinstance(self._backend, LocalBackend) else None
         if base is not None and base.is_dir() and not base.is_symlink():  # (what no file listing shows)
+            places = F.kept_reduction_places(self._attrs.get("reductions"))  # (a reduction may be m.committed.tmp)
             for dirpath, dirs, _files in os.walk(base):  # a link to a folder is in dirs, never followed
-                for name in [d for d in dirs if d.endswith(F.KEPT_SUFFIX)]:
-                    dirs.remove(name)
+                for name in list(dirs):
                     key = os.path.relpath(os.path.join(dirpath, name), self._backend.root).replace(os.sep, "/")
+                    if key not in places:
+                        continue
+                    dirs.remove(name)
                     if os.path.islink(os.path.join(dirpath, name)):
                         problems.append(f"file {key!r}: a symlink to a folder, where a resume keeps a committed "
                                         "reduction file (FORMAT.md section 6); a resume removes the link")
