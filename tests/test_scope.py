@@ -448,7 +448,22 @@ class _StrSlots:
         self.cache = x
 
 
-@pytest.mark.parametrize("kind", [_SlotsWithGetattr, _ClassProperty, _Getattribute, deque, _HoldsSubclasses])
+class _MroProperty(type):
+    @property
+    def __mro__(cls):
+        _USER_CALLS.append("__mro__")
+        return (cls, object)
+
+
+class _PrivateSlotOfAMetaclass(metaclass=_MroProperty):
+    __slots__ = ("__t",)
+
+    def __init__(self, x):
+        self.__t = x
+
+
+@pytest.mark.parametrize("kind", [_SlotsWithGetattr, _ClassProperty, _Getattribute, deque, _HoldsSubclasses,
+                                  _PrivateSlotOfAMetaclass])
 def test_the_check_for_held_tensors_itself_runs_no_code_of_the_object(kind):
     """(What a capture does besides: its walk tells tensors by torch's own check, which reads
     ``__class__`` of an object that is none, as every torch function given one does.)"""

@@ -102,7 +102,8 @@ _HELD_SCAN_ITEMS = 4096  # objects looked at per scan of an object for the tenso
 _HELD_SCAN_DEPTH = 4  # attributes / items followed this deep
 
 
-_TYPE_NAMESPACE = type.__dict__["__dict__"]  # a class's own namespace, read past any metaclass
+# a class's own namespace, MRO and name, read past any metaclass (whose properties are code)
+_TYPE_NAMESPACE, _TYPE_MRO, _TYPE_NAME = type.__dict__["__dict__"], type.__dict__["__mro__"], type.__dict__["__name__"]
 _SEQUENCES = ((list, list.__iter__), (tuple, tuple.__iter__), (set, set.__iter__), (frozenset, frozenset.__iter__),
               (collections.deque, collections.deque.__iter__))
 
@@ -114,7 +115,7 @@ def _attributes(o: Any) -> list[tuple[str, Any]]:
     ``__getattribute__``, property or other code of the object's runs."""
     out: list[tuple[str, Any]] = []
     instance_dict = False
-    for cls in type(o).__mro__:
+    for cls in _TYPE_MRO.__get__(type(o)):
         ns = _TYPE_NAMESPACE.__get__(cls)
         d = ns.get("__dict__")
         if not instance_dict and d is not None:
@@ -130,7 +131,7 @@ def _attributes(o: Any) -> list[tuple[str, Any]]:
             if type(name) is not str or name in ("__dict__", "__weakref__"):
                 continue
             if name.startswith("__") and not name.endswith("__"):  # (a private name is mangled)
-                name = f"_{cls.__name__.lstrip('_')}{name}"
+                name = f"_{_TYPE_NAME.__get__(cls).lstrip('_')}{name}"
             member = ns.get(name)
             if isinstance(member, types.MemberDescriptorType):
                 try:
