@@ -362,6 +362,145 @@ def test_a_hugging_face_cache_in_the_outputs_is_warned_about():
     assert torch.equal(tr.activations["output.last_hidden_state"][0], out.last_hidden_state)
 
 
+
+_USER_CALLS: list = []
+
+
+class _SlotsWithGetattr:
+    __slots__ = ("t", "unset")
+
+    def __init__(self, x):
+        self.t = x
+
+    def __getattr__(self, name):  # a proxy: any attribute it lacks is made on access
+        _USER_CALLS.append(f"__getattr__({name!r})")
+        return self
+
+
+class _ClassProperty:
+    def __init__(self, x):
+        self.t = x
+
+    @property
+    def __class__(self):  # (as unittest.mock objects have)
+        _USER_CALLS.append("__class__")
+        return _ClassProperty
+
+
+class _Getattribute:
+    def __init__(self, x):
+        self.t = x
+
+    def __getattribute__(self, name):
+        _USER_CALLS.append(f"__getattribute__({name!r})")
+        return object.__getattribute__(self, name)
+
+
+class deque:  # noqa: N801 - a class of the user's that is no collections.deque
+    def __init__(self, x):
+        self.x, self.consumed = x, False
+
+    def __iter__(self):
+        _USER_CALLS.append("deque.__iter__")
+        self.consumed = True
+        return iter([self.x])
+
+
+class _Items(dict):
+    def items(self):
+        _USER_CALLS.append("items")
+        return super().items()
+
+
+class _Iter(list):
+    def __iter__(self):
+        _USER_CALLS.append("list.__iter__")
+        return super().__iter__()
+
+
+class _Key:
+    def __repr__(self):
+        _USER_CALLS.append("__repr__")
+        return "key"
+
+
+class _HoldsSubclasses:
+    def __init__(self, x):
+        self.d, self.l, self.k = _Items(a=x), _Iter([x]), {_Key(): x}
+        self.__dict__[_Key()] = x  # (an attribute whose name is no str)
+
+
+class _BaseSlots:
+    __slots__ = ("cache",)
+
+
+class _InheritedSlots(_BaseSlots):
+    __slots__ = ()
+
+    def __init__(self, x):
+        self.cache = x
+
+
+class _StrSlots:
+    __slots__ = "cache"
+
+    def __init__(self, x):
+        self.cache = x
+
+
+class _MroProperty(type):
+    @property
+    def __mro__(cls):
+        _USER_CALLS.append("__mro__")
+        return (cls, object)
+
+
+class _PrivateSlotOfAMetaclass(metaclass=_MroProperty):
+    __slots__ = ("__t",)
+
+    def __init__(self, x):
+        self.__t = x
+
+
+@pytest.mark.parametrize("kind", [_SlotsWithGetattr, _ClassProperty, _Getattribute, deque, _HoldsSubclasses,
+                                  _PrivateSlotOfAMetaclass])
+def test_the_check_for_held_tensors_itself_runs_no_code_of_the_object(kind):
+    """(What a capture does besides: its walk tells tensors by torch's own check, which reads
+    ``__class__`` of an object that is none, as every torch function given one does.)"""
+    from activationscope.capture import compiled
+
+    obj = kind(torch.ones(2))
+    _USER_CALLS.clear()
+    with pytest.warns(acs.CaptureWarning, match=f"'p' is a {__name__}.{kind.__qualname__} holding tensors"):
+        assert compiled.warn_unwalked("p", obj)
+    assert _USER_CALLS == []
+
+
+@pytest.mark.parametrize("kind", [_SlotsWithGetattr, deque, _HoldsSubclasses, _InheritedSlots, _StrSlots])
+def test_the_check_for_held_tensors_runs_no_code_of_the_object_and_finds_every_slot(kind):
+    """Looking for tensors in an object the walk does not enter read it through its own
+    attribute lookup: it ran a proxy's ``__getattr__``, a ``__class__`` property, an
+    overridden ``__getattribute__``, ``items`` / ``__iter__`` of dict and list subclasses and
+    the ``repr`` of dict keys, and consumed a user class named ``deque`` by iterating it.
+    Tensors in a base class's ``__slots__`` or a ``__slots__`` string were not found."""
+    class M(torch.nn.Module):
+        def forward(self, x, obj):
+            return x * 2
+
+    model, x = torch.nn.Sequential(M()), torch.randn(2, 3)
+    obj = kind(x)
+    _USER_CALLS.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with acs.ActivationScope(capture="input").track(model) as tr:
+            model[0](x, obj)
+    assert _USER_CALLS == []
+    said = [str(w.message) for w in caught if "holding tensors" in str(w.message)]
+    assert len(said) == 1 and said[0].startswith(f"'0.input.1' is a {__name__}.{kind.__qualname__} holding tensors")
+    assert not getattr(obj, "consumed", False) if kind is deque else True
+    assert torch.equal(tr.activations["0.input.0"][0], x)
+
+
 class Nested(torch.nn.Module):
     """Returns ``(x + 1, ((...(x * 3,)...),))``: ``x * 3`` inside ``levels`` one-element tuples
     (``x`` may come inside tuples too)."""

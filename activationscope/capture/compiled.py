@@ -23,7 +23,9 @@ graph break per tracked module, records exact) and :func:`warn_eager` says so on
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import itertools
 import types
 import warnings
 from typing import Any
@@ -100,35 +102,75 @@ _HELD_SCAN_ITEMS = 4096  # objects looked at per scan of an object for the tenso
 _HELD_SCAN_DEPTH = 4  # attributes / items followed this deep
 
 
+# a class's own namespace, MRO and name, read past any metaclass (whose properties are code)
+_TYPE_NAMESPACE, _TYPE_MRO, _TYPE_NAME = type.__dict__["__dict__"], type.__dict__["__mro__"], type.__dict__["__name__"]
+_SEQUENCES = ((list, list.__iter__), (tuple, tuple.__iter__), (set, set.__iter__), (frozenset, frozenset.__iter__),
+              (collections.deque, collections.deque.__iter__))
+
+
+def _attributes(o: Any) -> list[tuple[str, Any]]:
+    """``(name, value)`` of the instance attributes of ``o``: its ``__dict__`` and the
+    ``__slots__`` of every class of its type's MRO, read through the descriptors Python makes
+    for them (C code), never through ``o``'s own attribute lookup: no ``__getattr__``,
+    ``__getattribute__``, property or other code of the object's runs."""
+    out: list[tuple[str, Any]] = []
+    instance_dict = False
+    for cls in _TYPE_MRO.__get__(type(o)):
+        ns = _TYPE_NAMESPACE.__get__(cls)
+        d = ns.get("__dict__")
+        if not instance_dict and d is not None:
+            instance_dict = True  # (the first one found is the instance's; a property of that name is code)
+            if isinstance(d, types.GetSetDescriptorType):
+                inst = d.__get__(o, cls)
+                if type(inst) is dict:
+                    out += [(f".{k}" if type(k) is str else f".<{type(k).__name__}>", v)
+                            for k, v in itertools.islice(dict.items(inst), _HELD_SCAN_ITEMS)]
+        slots = ns.get("__slots__", ())
+        names = (slots,) if type(slots) is str else slots if type(slots) in (tuple, list, dict) else ()
+        for name in names:
+            if type(name) is not str or name in ("__dict__", "__weakref__"):
+                continue
+            if name.startswith("__") and not name.endswith("__"):  # (a private name is mangled)
+                name = f"_{_TYPE_NAME.__get__(cls).lstrip('_')}{name}"
+            member = ns.get(name)
+            if isinstance(member, types.MemberDescriptorType):
+                try:
+                    out.append((f".{name}", member.__get__(o, cls)))
+                except AttributeError:  # (a slot not set)
+                    pass
+    return out
+
+
 def _held_tensor(obj: Any) -> str | None:
     """The path (``.attr[0].attr``) of a tensor that ``obj`` holds in its attributes (its
-    ``__dict__`` or ``__slots__``) and the lists, tuples, sets and dicts below them,
-    :data:`_HELD_SCAN_DEPTH` levels deep and :data:`_HELD_SCAN_ITEMS` objects at most; None
-    when none is found. Modules, classes, functions and ``nn.Module``s are not entered (a
-    module's parameters are not activations)."""
+    ``__dict__`` or the ``__slots__`` of its classes) and the lists, tuples, sets, deques and
+    dicts below them, :data:`_HELD_SCAN_DEPTH` levels deep and :data:`_HELD_SCAN_ITEMS`
+    objects at most; None when none is found. Modules, classes, functions and ``nn.Module``s
+    are not entered (a module's parameters are not activations). Runs no code of the objects
+    it looks at (types are checked by ``type()``, containers read by the built-in methods, dict
+    keys other than str / int named by their type): a proxy's ``__getattr__``, a property,
+    an iterator's ``__iter__`` never run."""
     skip = _NOT_ACTIVATIONS + (str, bytes, int, float, complex)
     budget = [_HELD_SCAN_ITEMS]
     seen: set[int] = set()
 
+    def key_name(k: Any) -> str:
+        return repr(k) if type(k) in (str, int, float, bool, bytes) else f"<{type(k).__name__}>"
+
     def children(o: Any) -> list[tuple[str, Any]]:
-        if isinstance(o, dict):
-            return [(f"[{k!r}]", v) for k, v in list(o.items())[: budget[0]]]
-        if isinstance(o, (list, tuple, set, frozenset)) or type(o).__name__ == "deque":
-            return [(f"[{i}]", v) for i, v in enumerate(list(o)[: budget[0]])]
-        out = []
-        d = getattr(o, "__dict__", None)
-        if isinstance(d, dict):
-            out += [(f".{k}", v) for k, v in list(d.items())[: budget[0]]]
-        for k in getattr(type(o), "__slots__", ()) if isinstance(getattr(type(o), "__slots__", ()), (tuple, list)) else ():
-            if isinstance(k, str) and hasattr(o, k):
-                out.append((f".{k}", getattr(o, k)))
-        return out
+        t = type(o)
+        if issubclass(t, dict):
+            return [(f"[{key_name(k)}]", v) for k, v in itertools.islice(dict.items(o), budget[0])]
+        for kind, it in _SEQUENCES:
+            if issubclass(t, kind):
+                return [(f"[{i}]", v) for i, v in enumerate(itertools.islice(it(o), budget[0]))]
+        return _attributes(o)
 
     def walk(o: Any, path: str, depth: int) -> str | None:
         budget[0] -= 1
-        if isinstance(o, torch.Tensor):
+        if issubclass(type(o), torch.Tensor):
             return path
-        if budget[0] <= 0 or depth >= _HELD_SCAN_DEPTH or o is None or isinstance(o, skip) or id(o) in seen:
+        if budget[0] <= 0 or depth >= _HELD_SCAN_DEPTH or o is None or issubclass(type(o), skip) or id(o) in seen:
             return None
         seen.add(id(o))
         try:
@@ -141,7 +183,7 @@ def _held_tensor(obj: Any) -> str | None:
                 return found
         return None
 
-    return walk(obj, "", 0) if not isinstance(obj, skip) else None
+    return walk(obj, "", 0) if not issubclass(type(obj), skip) else None
 
 
 def warn_unwalked(path: str, obj: Any) -> bool:
@@ -149,8 +191,9 @@ def warn_unwalked(path: str, obj: Any) -> bool:
     that the capture does not walk (not a tensor, tuple, list, dict or dataclass; ``path``:
     its hook point prefix): when it holds tensors (an HF ``Cache``, a ``torch.distributions``
     object, a custom class), a CaptureWarning says they are not captured. Returns whether its
-    type needs no further check (warned about, or a type that holds no activations)."""
-    if isinstance(obj, _NOT_ACTIVATIONS):
+    type needs no further check (warned about, or a type that holds no activations). Runs no
+    code of ``obj`` (:func:`_held_tensor`)."""
+    if issubclass(type(obj), _NOT_ACTIVATIONS):
         return True
     held = _held_tensor(obj)
     if held is None:

@@ -394,16 +394,18 @@ def check_jsonable(value: Any, what: str) -> Any:
         raise ArgumentTypeError(f"{what} must be JSON-serialisable (str, int, float, bool, None, list, dict), got an error: {e}") from None
 
 
-def crc32c(data: Any) -> int:
-    """CRC-32C (Castagnoli) of a bytes-like object: the native one, else google_crc32c (a zarr dependency)."""
+def crc32c(data: Any, crc: int = 0) -> int:
+    """CRC-32C (Castagnoli) of a bytes-like object, continuing ``crc`` (the crc32c of the bytes
+    before ``data``: a file's crc32c from its pieces): the native one, else google_crc32c (a
+    zarr dependency)."""
     from ..capture import _native
 
     mod = _native.optional()
     if mod is not None:
-        return int(mod.crc32c(data))
+        return int(mod.crc32c(data, crc))
     import google_crc32c
 
-    return int(google_crc32c.value(bytes(data) if not isinstance(data, bytes) else data))
+    return int(google_crc32c.extend(crc, bytes(data) if not isinstance(data, bytes) else data))
 
 
 #: Suffix of a committed file a resume keeps while it rewrites the file in place (a partial
@@ -455,6 +457,19 @@ def committed_reduction_groups(reductions: Any, name: str | None = None) -> list
                          if _reduction_key(k) and isinstance(c, int) and not isinstance(c, bool)}
                 out.append((None if path is None else path + "/zarr.json", files))
     return out
+
+
+def kept_reduction_places(reductions: Any) -> set[str]:
+    """The keys where a resume of a store whose root lists ``reductions`` (``{hook point:
+    {key: entry}}``) may keep a committed reduction file (:func:`kept_reduction_key` of each
+    file it lists): the only names a folder or a link in the store's place is refused or
+    removed for (a reduction may itself be named ``m.committed.tmp``)."""
+    places = set()
+    for doc, files in committed_reduction_groups(reductions):
+        places.update(kept_reduction_key(k) for k in files)
+        if doc is not None:
+            places.add(kept_reduction_key(doc))
+    return places
 
 
 def committed_reduction_files(entries: Any, name: str) -> list[str]:

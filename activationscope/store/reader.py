@@ -1626,12 +1626,41 @@ class Store:
         if problem is not None:
             raise V.corrupt(self._backend, problem)
 
-    def _reduction_file(self, key: str, crc: int | None) -> str:
+    def _file_crc(self, key: str, size: int | None = None) -> tuple[int, int] | None:
+        """``(bytes, crc32c)`` of the regular file ``key``, None when absent. A local file is
+        read in pieces of 16 MiB (memory bounded whatever its size); with ``size``, one that
+        holds another number of bytes is not read (None). Raises StoreCorruptError as
+        ``get`` (not a regular file, outside the store, larger than 4 GiB)."""
+        if not isinstance(self._backend, LocalBackend):
+            data = self._backend.get(key, max_bytes=V.MAX_FILE_BYTES)
+            return None if data is None or (size is not None and len(data) != size) else (len(data), F.crc32c(data))
+        opened = self._backend._open_regular(key)
+        if opened is None:
+            return None
+        fd, n = opened
+        try:
+            if size is not None and n != size:
+                return None
+            if n > V.MAX_FILE_BYTES:
+                raise V.corrupt(self._backend, f"{key!r} holds {n} bytes, more than the {V.MAX_FILE_BYTES} such a "
+                                               "file may hold")
+            crc = at = 0
+            while at < n:
+                piece = os.pread(fd, min(n - at, 16 << 20), at)
+                if not piece:
+                    break
+                crc, at = F.crc32c(piece, crc), at + len(piece)
+            return at, crc
+        finally:
+            os.close(fd)
+
+    def _reduction_file(self, key: str, crc: int | None, size: int | None = None) -> str:
         """The key of the file that holds the committed bytes of reduction file ``key``: the
         key, or the file a resume kept it as (:func:`~._format.kept_reduction_key`) in a local
         store whose resume rewrote it but was killed before its root listed the rewrite
         (FORMAT.md section 6), when that one has the crc32c ``crc`` and the key's file does
-        not (missing, or other bytes)."""
+        not (missing, or other bytes). ``size``: the bytes the file must hold, when known (a
+        file of another size is not read). Neither file is ever read whole."""
         if crc is None or not isinstance(self._backend, LocalBackend):
             return key
         kept = F.kept_reduction_key(key)
@@ -1640,8 +1669,8 @@ class Store:
                 return key
 
             def matches(k: str) -> bool:
-                data = self._backend.get(k, max_bytes=V.MAX_FILE_BYTES)
-                return data is not None and F.crc32c(data) == int(crc)
+                got = self._file_crc(k, size)
+                return got is not None and got[1] == int(crc)
 
             if not matches(key) and matches(kept):
                 return kept
@@ -1675,7 +1704,7 @@ class Store:
         expected = numel * F.itemsize(entry["dtype"])
         where = f"reduction {entry.get('reduction')!r}: chunk {key!r}"
         crc = self._listed_crc(entry, key, where)
-        chosen = self._reduction_file(key, crc)
+        chosen = self._reduction_file(key, crc, expected)
         # the bytes are interpreted as the root says: its dtype and shape must be the array's own
         doc_key = self._reduction_document(f"{entry['path']}/zarr.json", chosen != key)
         raw_doc = self._backend.get(doc_key)
@@ -1990,17 +2019,17 @@ class Store:
                 for part in (entry.get("state") or {}).values():  # the state a resume continues from
                     files.update(part.get("crc32c") or {})
                 for key, crc in files.items():
-                    try:
-                        data = self._backend.get(self._reduction_file(key, crc), max_bytes=V.MAX_FILE_BYTES)
+                    try:  # (read in pieces: a file of any size never lands in memory whole)
+                        got = self._file_crc(self._reduction_file(key, crc))
                     except StoreCorruptError as e:
                         problems.append(f"{where}: {e}")
                         continue
-                    if data is None:
+                    if got is None:
                         problems.append(f"{where}: file {key!r} is missing")
                         continue
-                    problem = self._crc_problem(data, crc, f"{where}: file {key!r}")
-                    if problem:
-                        problems.append(problem)
+                    if crc is not None and got[1] != int(crc):
+                        problems.append(f"{where}: file {key!r}: crc32c mismatch (metadata {int(crc):08x}, data "
+                                        f"{got[1]:08x})")
                 try:
                     self._read_small(entry)
                     self._read_script(entry, name)
@@ -2016,6 +2045,22 @@ class Store:
             except StoreError as e:
                 if not any(repr(key) in p for p in problems):
                     problems.append(f"file {key!r}: {e}")
+        base = getattr(self._backend, "root", None)
+        base = base / "reductions" if isinstance(self._backend, LocalBackend) else None
+        if base is not None and base.is_dir() and not base.is_symlink():  # (what no file listing shows)
+            places = F.kept_reduction_places(self._attrs.get("reductions"))  # (a reduction may be m.committed.tmp)
+            for dirpath, dirs, _files in os.walk(base):  # a link to a folder is in dirs, never followed
+                for name in list(dirs):
+                    key = os.path.relpath(os.path.join(dirpath, name), self._backend.root).replace(os.sep, "/")
+                    if key not in places:
+                        continue
+                    dirs.remove(name)
+                    if os.path.islink(os.path.join(dirpath, name)):
+                        problems.append(f"file {key!r}: a symlink to a folder, where a resume keeps a committed "
+                                        "reduction file (FORMAT.md section 6); a resume removes the link")
+                    else:
+                        problems.append(f"file {key!r}: a folder, where a resume keeps a committed reduction file "
+                                        "(FORMAT.md section 6); a resume refuses the store until it is removed")
         return problems
 
     def _verify_array(self, hp: str, problems: list[str]) -> None:

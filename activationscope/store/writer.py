@@ -2118,15 +2118,36 @@ class StoreWriter:
         kept (:func:`~._format.kept_reduction_key`) and was killed before removing. One goes
         back over its key when the key's file does not have the crc32c the root records and the
         kept one does (a document goes back with a chunk of its array, or when it is missing);
-        every other kept file is removed (the root lists the rewrite)."""
+        every other kept file is removed (the root lists the rewrite), and so is a symlink by
+        such a name (the link, never what it points to; a link to a folder only where this
+        resume may keep a file). A folder where it may keep one (no writer makes one) is refused
+        before anything is touched: the close could keep no file there."""
         b = self._backend
         base = b.root / "reductions"
         if not base.is_dir() or base.is_symlink():
             return
-        kept = set()
-        for dirpath, _dirs, files in os.walk(base):  # never follows a link
-            kept.update(os.path.relpath(os.path.join(dirpath, f), b.root).replace(os.sep, "/")
-                        for f in files if f.endswith(KEPT_SUFFIX))
+        places = F.kept_reduction_places(self._old_reductions)  # (a reduction may be named m.committed.tmp)
+        kept, links = set(), []
+        for dirpath, dirs, files in os.walk(base):  # never follows a link (a link to a folder is in dirs)
+            for name in files + dirs:
+                if not name.endswith(KEPT_SUFFIX):
+                    continue
+                key = os.path.relpath(os.path.join(dirpath, name), b.root).replace(os.sep, "/")
+                if name in dirs and key not in places:
+                    continue
+                if os.path.islink(os.path.join(dirpath, name)):
+                    links.append(key)
+                elif name in dirs:
+                    raise StoreError(
+                        f"cannot resume {str(b)!r}: {key!r} is a folder, where a resume keeps a committed reduction "
+                        "file (FORMAT.md section 6; no writer makes such a folder); remove it, then resume again. "
+                        "Nothing of the store was deleted or written")
+                else:
+                    kept.add(key)
+            dirs[:] = [d for d in dirs if os.path.relpath(os.path.join(dirpath, d), b.root).replace(os.sep, "/")
+                       not in places]
+        for key in links:
+            b.delete(key)  # the link itself, never what it points to (its folder is checked to be inside the store)
         if not kept:
             return
         from .reader import Store
