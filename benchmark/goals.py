@@ -35,7 +35,17 @@ def side_by_side_goal(gid: str, text: str, r: R, wl: str, num: str, den: str, op
         info = (f"{floor} (the same tensors held, no hooks) {ratios[f'{floor}/{den}']:.3f}x {den}; "
                 f"{num} {ratios[f'{num}/{floor}']:.3f}x {floor}")
     return goal(gid, text + " (side by side in one process, median over rounds)", fig, op, threshold, note=note,
-                info=info)
+                info=info, rounds=round_ratios(rec, num, den) if fig is not None else None)
+
+
+def round_ratios(rec: dict[str, Any] | None, num: str, den: str) -> list[float] | None:
+    """``num / den`` of each round of an interleaved record (``part_repeat_s``, the cold round
+    already left out), or None when the record has no per-round times of both parts."""
+    times = ((rec or {}).get("extra") or {}).get("part_repeat_s") or {}
+    a, b = times.get(num), times.get(den)
+    if not a or not b:
+        return None
+    return [x / y for x, y in zip(a, b) if y > 0]
 
 
 @register_goal
@@ -61,7 +71,8 @@ def into_a_store(r: R) -> list[dict[str, Any]]:
         goal("toy_store_vs_floor",
              "toy, into an uncompressed store: <= 1.15x max(plain forward, raw write of the same bytes), "
              "median over rounds measured interleaved in one process (store_floor_interleaved)",
-             fig, "<=", 1.15, note=missing(r, ("toy", "store_floor_interleaved"))),
+             fig, "<=", 1.15, note=missing(r, ("toy", "store_floor_interleaved")),
+             rounds=(inter.get("extra") or {}).get("store_vs_floor_per_round") if inter is not None else None),
         ratio_goal("toy_store_vs_torch_save", "toy, into a store: faster than per-batch torch.save (speedup > 1)", r,
                    ("toy", "torch_save"), ("toy", "scope_store"), ">", 1.0),
         ratio_goal("toy_store_vs_zarr_chunked",
@@ -119,7 +130,9 @@ def readback(r: R) -> list[dict[str, Any]]:
             out.append(goal(f"readback_{kind}_w{w}", f"read-back, DataLoader {kind}, num_workers={w}, every batch "
                             f"consumed: ActivationDataset >= {bound}x rows/s of the in-RAM tensor read a batch at a "
                             "time (side by side in one process, median over rounds)", sbs_ratio, ">=", bound,
-                            note=missing(r, ("readback", sbs_mode))))
+                            note=missing(r, ("readback", sbs_mode)),
+                            # rows/s of ours over the baseline's: the baseline's time over ours, per round
+                            rounds=round_ratios(sbs, "tensor_batched", "acs") if sbs_ratio is not None else None))
             theirs = rb.get(f"dl:hf:{kind}:w{w}", {}).get("rows_per_s")
             out.append(goal(f"readback_{kind}_w{w}_vs_hf", f"read-back, DataLoader {kind}, num_workers={w}, every "
                             f"batch consumed: ActivationDataset >= 1.0x rows/s of HF datasets", ratio(ours, theirs),

@@ -18,6 +18,7 @@ from typing import Any
 from activationscope.sizes import format_bytes as fmt_bytes
 
 from .interleaved import side_by_side_text
+from .registry import INTERVAL_COVERAGE
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BEGIN = "<!-- BENCHMARK TABLE"
@@ -93,10 +94,14 @@ def _mode_table(recs: dict[str, Any], rows: list[tuple[str, str]], columns: list
 
 def _goal_cell(g: dict[str, Any]) -> str:
     fig = "–" if g["measured"] is None else f"{g['measured']:.3g}{g['unit'] if g['unit'] != 'x' else 'x'}"
+    iv = g.get("interval")
+    span = f"{iv[0]:.3g}–{iv[1]:.3g}" if iv else "–"
     state = {"PASS": "met", "FAIL": "**not met**", "SKIP": "not measured"}[g["status"]]
+    if iv and not g.get("settled", True):
+        state += "; within noise: the interval spans the bound"
     if g["status"] != "SKIP" and g.get("note"):
         state += f" ({g['note']})"
-    return f"| {g['goal']} | {fig} | {g['op']} {g['threshold']:g}{g['unit']} | {state} |"
+    return f"| {g['goal']} | {fig} | {span} | {g['op']} {g['threshold']:g}{g['unit']} | {state} |"
 
 
 def render(doc: dict[str, Any], json_rel: str) -> str:
@@ -148,8 +153,18 @@ def render(doc: dict[str, Any], json_rel: str) -> str:
     ]
     gs = doc["goals"]
     c = {s: sum(1 for g in gs if g["status"] == s) for s in ("PASS", "FAIL", "SKIP")}
-    lines += [f"**Goals: {c['PASS']} met, {c['FAIL']} not met, {c['SKIP']} not measured.**", "",
-              "| goal | measured | bound | |", "|---|---:|---:|---|"]
+    unsettled = sum(1 for g in gs if g.get("interval") and not g.get("settled", True))
+    with_iv = [g for g in gs if g.get("interval")]
+    covs = [g["interval_coverage"] for g in with_iv]
+    lines += [f"**Goals: {c['PASS']} met, {c['FAIL']} not met, {c['SKIP']} not measured.**"
+              + (f" {unsettled} of the measured verdicts are within noise: the confidence interval of their median "
+                 "spans the bound." if unsettled else ""), ""]
+    if with_iv:
+        lines += [f"A goal measured over interleaved rounds shows the distribution-free confidence interval of its "
+                  f"median over rounds (order statistics of the sign test, coverage at least {INTERVAL_COVERAGE:.0%}, "
+                  f"here {min(covs):.1%}–{max(covs):.1%} by the number of rounds; `benchmark/registry.py`, "
+                  "`median_interval`).", ""]
+    lines += ["| goal | measured | interval of the median | bound | |", "|---|---:|---:|---:|---|"]
     lines += [_goal_cell(g) for g in gs]
     lines.append("")
     if doc.get("failures"):

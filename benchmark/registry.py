@@ -27,6 +27,7 @@ error, which fails the run.
 from __future__ import annotations
 
 import importlib
+import math
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -182,18 +183,63 @@ def missing(results: dict[str, dict[str, Any]], *keys: tuple[str, str]) -> str:
     return "not measured: " + "; ".join(bad or ["no figure"])
 
 
+#: Least coverage of a goal's interval for the median over rounds (:func:`median_interval`).
+INTERVAL_COVERAGE = 0.90
+
+
+def median_interval(values: list[float], coverage: float = INTERVAL_COVERAGE) -> tuple[float, float, float] | None:
+    """Distribution-free confidence interval for the median of ``values`` (independent rounds).
+
+    The order statistics ``x(k) .. x(n + 1 - k)`` of the ``n`` sorted values, with the
+    largest ``k`` whose coverage ``1 - 2 P(B <= k - 1)``, ``B ~ Binomial(n, 1/2)``, is at
+    least ``coverage`` (the sign-test interval for a median: W. J. Conover, *Practical
+    Nonparametric Statistics*, 3rd ed., 1999, section 3.2). Returns ``(low, high,
+    achieved coverage)``, or None when no ``k`` reaches ``coverage`` (fewer than 5 values
+    for 0.90).
+    """
+    xs = sorted(float(v) for v in values)
+    n = len(xs)
+    best = None
+    tail = 0.0  # P(B <= k - 1)
+    for k in range(1, n // 2 + 1):
+        tail += math.comb(n, k - 1) / 2 ** n
+        cov = 1.0 - 2.0 * tail
+        if cov < coverage:
+            break
+        best = (xs[k - 1], xs[n - k], cov)
+    return best
+
+
+def _holds(op: str, x: float, threshold: float) -> bool:
+    return {"<=": x <= threshold, "<": x < threshold, ">=": x >= threshold, ">": x > threshold}[op]
+
+
 def goal(gid: str, text: str, measured: float | None, op: str, threshold: float, unit: str = "x",
-         note: str = "", info: str = "") -> dict[str, Any]:
+         note: str = "", info: str = "", rounds: list[float] | None = None) -> dict[str, Any]:
     """One goal: PASS / FAIL when ``measured`` is a figure, SKIP (with ``note``) when None;
-    ``info`` is the note of a measured goal (figures that explain it)."""
+    ``info`` is the note of a measured goal (figures that explain it).
+
+    ``rounds``: the per-round figures whose median ``measured`` is (a goal measured over
+    interleaved rounds). The goal then also carries ``interval`` (``[low, high]``, the
+    confidence interval of that median, :func:`median_interval`), ``interval_coverage`` and
+    ``settled``: True when the whole interval is on the side of the bound that the status
+    says (the verdict would hold for any median inside it), False when the interval spans the
+    bound (the verdict is within the rounds' noise and can flip between runs).
+    """
     if measured is None:
         status = "SKIP"
     else:
-        ok = {"<=": measured <= threshold, "<": measured < threshold, ">=": measured >= threshold,
-              ">": measured > threshold}[op]
-        status = "PASS" if ok else "FAIL"
-    return {"id": gid, "goal": text, "measured": measured, "op": op, "threshold": threshold, "unit": unit,
-            "status": status, "note": note if measured is None else info}
+        status = "PASS" if _holds(op, measured, threshold) else "FAIL"
+    out = {"id": gid, "goal": text, "measured": measured, "op": op, "threshold": threshold, "unit": unit,
+           "status": status, "note": note if measured is None else info}
+    if measured is not None and rounds:
+        iv = median_interval(rounds)
+        out["rounds"] = [float(v) for v in rounds]
+        if iv is not None:
+            lo, hi, cov = iv
+            out.update(interval=[lo, hi], interval_coverage=cov,
+                       settled=_holds(op, lo, threshold) == _holds(op, hi, threshold))
+    return out
 
 
 def ratio(a: float | None, b: float | None) -> float | None:

@@ -380,7 +380,13 @@ def print_summary(doc: dict[str, Any], out: Any = None) -> None:
     p("goals:")
     for g in doc["goals"]:
         fig = _f(g["measured"], "{:.3f}") + (g["unit"] if g["measured"] is not None else "")
-        p(f"  [{g['status']}] {g['goal']}: measured {fig} (goal {g['op']} {g['threshold']}{g['unit']}) {g['note']}")
+        iv = g.get("interval")
+        spread = ""
+        if iv:
+            spread = (f" [interval of the median {iv[0]:.3f}-{iv[1]:.3f}"
+                      + ("" if g.get("settled") else ", spans the bound: within noise") + "]")
+        p(f"  [{g['status']}] {g['goal']}: measured {fig}{spread} (goal {g['op']} {g['threshold']}{g['unit']}) "
+          f"{g['note']}")
     for e in doc.get("peer_errors", []):
         p(f"  peer error (reported, not a failure of ActivationScope): {e}")
     c = {s: sum(1 for g in doc["goals"] if g["status"] == s) for s in ("PASS", "FAIL", "SKIP")}

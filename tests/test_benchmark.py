@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import json
+import math
 import os
 import statistics
 import re
@@ -144,6 +145,11 @@ def test_quick_runner_produces_documented_keys(tmp_path):
     # speed goals come from the rounds of one process, not from the modes' own children
     assert by_id["toy_snapshot_vs_naive"]["measured"] == sx["ratio_median"]["scope_snapshot/naive_clone"]
     assert by_id["toy_reference_vs_plain"]["measured"] == sx["ratio_median"]["scope_reference/plain"]
+    # ... and carry the ratio of every round, whose median they are (too few rounds for an interval)
+    ref = by_id["toy_reference_vs_plain"]
+    assert ref["rounds"] == pytest.approx([a / b for a, b in zip(t["scope_reference"], t["plain"])])
+    assert statistics.median(ref["rounds"]) == pytest.approx(ref["measured"])
+    assert len(ref["rounds"]) == sx["rounds"] < 5 and "interval" not in ref
 
     rb = doc["results"]["readback"]
     for mode, rec in rb.items():
@@ -355,6 +361,39 @@ def test_side_by_side_rounds_ratios_and_missing_peer(monkeypatch):
     # every part missing: the whole mode is a skip, never an empty figure
     with pytest.raises(MissingOptional):
         interleaved.Interleaved(None, {}, {"peer": Part(0, missing=True)}).setup()
+
+
+def test_median_interval_is_the_sign_test_interval():
+    """The order statistics whose coverage, from Binomial(n, 1/2), is the least at or above 90 %."""
+    from benchmark.registry import median_interval
+
+    xs = [9.0, 1.0, 8.0, 2.0, 7.0, 3.0, 6.0, 4.0, 5.0]  # n = 9: the 2nd and 8th of the sorted values
+    lo, hi, cov = median_interval(xs)
+    assert (lo, hi) == (2.0, 8.0) and cov == pytest.approx(1 - 2 * 10 / 512)
+    assert median_interval(xs[:5])[:2] == (1.0, 9.0)  # n = 5: only min..max reaches 90 % (93.75 %)
+    assert median_interval(xs[:5])[2] == pytest.approx(1 - 2 / 32)
+    assert median_interval(xs[:4]) is None  # 87.5 % at most
+    lo, hi, cov = median_interval(list(range(45)))  # k = 17: 92.8 %; k = 18 would be 88 %
+    assert (lo, hi) == (16, 28) and cov == pytest.approx(0.928, abs=5e-4)
+    # coverage computed, not assumed: check it against a direct binomial sum
+    assert cov == pytest.approx(1 - 2 * sum(math.comb(45, j) for j in range(17)) / 2 ** 45)
+
+
+def test_goals_over_rounds_say_when_the_verdict_is_within_noise():
+    from benchmark import readme
+    from benchmark.registry import goal
+
+    tight = goal("a", "a goal", 1.02, "<=", 1.05, rounds=[1.0, 1.01, 1.02, 1.02, 1.03, 1.03, 1.04, 1.04, 1.045])
+    assert tight["status"] == "PASS" and tight["settled"] is True and tight["interval"] == [1.01, 1.04]
+    loose = goal("b", "b goal", 1.02, "<=", 1.05, rounds=[0.9, 0.95, 1.0, 1.01, 1.02, 1.03, 1.04, 1.2, 1.3])
+    assert loose["status"] == "PASS" and loose["settled"] is False and loose["interval"] == [0.95, 1.2]
+    fail = goal("c", "c goal", 0.99, ">", 1.0, rounds=[0.9, 0.95, 0.96, 0.98, 0.99, 0.99, 1.0, 1.0, 1.01])
+    assert fail["status"] == "FAIL" and fail["settled"] is True  # 0.95..1.0: never above 1
+    plain = goal("d", "d goal", 2.0, ">", 1.0)
+    assert "interval" not in plain and "rounds" not in plain
+    assert readme._goal_cell(tight) == "| a goal | 1.02x | 1.01–1.04 | <= 1.05x | met |"
+    assert readme._goal_cell(loose).endswith("| 0.95–1.2 | <= 1.05x | met; within noise: the interval spans the bound |")
+    assert readme._goal_cell(plain) == "| d goal | 2x | – | > 1x | met |"
 
 
 def test_merge_fills_a_failed_mode_from_a_rerun_with_the_same_parameters(tmp_path):
