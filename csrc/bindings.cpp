@@ -385,6 +385,8 @@ void bind_capture(py::module_& m) {
       .def_readonly("in_graph", &TrackerCore::in_graph)
       .def_readonly("batch_size", &TrackerCore::batch_size)
       .def_readonly("second_dim", &TrackerCore::second_dim)
+      // (tests) entries of the cache of types the walk does not enter (UnwalkedTypes)
+      .def_property_readonly("_unwalked_types_cached", [](const TrackerCore& c) { return c.unwalked_types.size(); })
       .def("sinks", [](const TrackerCore& c) {
         py::dict d;
         for (const auto& kv : c.sinks)
@@ -522,6 +524,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "activationscope native core: forward wrapper, capture sinks, reductions, store writer";
   m.attr("TORCH_VERSION") = ACS_TORCH_VERSION;
   m.attr("_StopForward") = py::handle(acs::stop_forward_type());
+  m.attr("_UNWALKED_TYPES_CAP") = py::int_(acs::UnwalkedTypes::kCap);  // (tests)
   acs::register_error_translators();
   acs::bind_capture(m);
   acs::bind_reductions(m);

@@ -49,7 +49,7 @@ bool is_container(py::handle obj) {
 // `unwalked`, another object that holds tensors (an HF Cache, a torch.distributions object)
 // is named in a CaptureWarning too, once per type (compiled.warn_unwalked).
 void collect(py::handle obj, const std::string& prefix, Leaves& out, int depth, bool warn = true,
-             std::unordered_map<PyTypeObject*, int>* unwalked = nullptr) {
+             UnwalkedTypes* unwalked = nullptr) {
   if (THPVariable_Check(obj.ptr())) {
     out.emplace_back(prefix, THPVariable_Unpack(obj.ptr()));
     return;
@@ -96,13 +96,17 @@ void collect(py::handle obj, const std::string& prefix, Leaves& out, int depth, 
   if (!unwalked || !warn) return;
   PyObject* o = obj.ptr();
   if (PyLong_Check(o) || PyFloat_Check(o) || PyUnicode_Check(o) || PyBytes_Check(o) || PyComplex_Check(o)) return;
-  int& checks = (*unwalked)[Py_TYPE(o)];
+  PyTypeObject* tp = Py_TYPE(o);
+  const int checks = unwalked->checks(tp);
   if (checks < 0 || checks >= kUnwalkedChecks) return;
+  // (the check runs Python: the type is held alive across it, and its entry read again after)
+  py::object keep = py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(tp));
   static PyObject* check = py::object(py::module_::import("activationscope.capture.compiled").attr("warn_unwalked"))
                                .release().ptr();  // kept for the process
   const bool done = call_outside_dynamo(py::reinterpret_borrow<py::object>(check), py::make_tuple(prefix, obj))
                         .cast<bool>();
-  checks = done ? -1 : checks + 1;
+  const int now = unwalked->checks(tp);
+  unwalked->set(tp, done || now < 0 ? -1 : std::max(now, checks) + 1);
 }
 
 // The model's first tensor input with a dimension (positional, else keyword), or undefined.
@@ -199,6 +203,87 @@ bool under_dynamo() {
 }
 
 }  // namespace
+
+namespace {
+
+bool interpreter_ending() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return !Py_IsInitialized() || Py_IsFinalizing();
+#else
+  return !Py_IsInitialized() || _Py_IsFinalizing();
+#endif
+}
+
+// Whether the weak reference `ref` still leads to `obj` (obj null: to any object).
+bool refers_to(PyObject* ref, PyObject* obj) {
+#if PY_VERSION_HEX >= 0x030D0000
+  PyObject* got = nullptr;
+  if (PyWeakref_GetRef(ref, &got) <= 0) {
+    PyErr_Clear();
+    return false;
+  }
+  const bool same = obj == nullptr || got == obj;
+  Py_DECREF(got);
+  return same;
+#else
+  PyObject* got = PyWeakref_GET_OBJECT(ref);
+  return got != Py_None && (obj == nullptr || got == obj);
+#endif
+}
+
+}  // namespace
+
+UnwalkedTypes::~UnwalkedTypes() {
+  if (entries_.empty() || interpreter_ending()) return;  // (an ending interpreter frees them all)
+  PyGILState_STATE gil = PyGILState_Ensure();
+  for (auto& kv : entries_) Py_DECREF(kv.second.ref);  // (a weak reference without callback: runs no code)
+  PyGILState_Release(gil);
+}
+
+bool UnwalkedTypes::alive(const Entry& e, PyTypeObject* type) {
+  return refers_to(e.ref, reinterpret_cast<PyObject*>(type));
+}
+
+int UnwalkedTypes::checks(PyTypeObject* type) {
+  auto it = entries_.find(type);
+  if (it == entries_.end()) return 0;
+  if (alive(it->second, type)) return it->second.checks;
+  // the type it was made for was freed, and `type` is another at its address
+  Py_DECREF(it->second.ref);
+  entries_.erase(it);
+  return 0;
+}
+
+void UnwalkedTypes::drop_dead() {
+  for (auto it = entries_.begin(); it != entries_.end();) {
+    if (!refers_to(it->second.ref, nullptr)) {
+      Py_DECREF(it->second.ref);
+      it = entries_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+void UnwalkedTypes::set(PyTypeObject* type, int n) {
+  auto it = entries_.find(type);
+  if (it != entries_.end()) {
+    if (alive(it->second, type)) {
+      it->second.checks = n;
+      return;
+    }
+    Py_DECREF(it->second.ref);
+    entries_.erase(it);
+  }
+  if (entries_.size() >= kCap) drop_dead();
+  if (entries_.size() >= kCap) return;  // full of live types: `type` is checked each time it is met
+  PyObject* ref = PyWeakref_NewRef(reinterpret_cast<PyObject*>(type), nullptr);
+  if (ref == nullptr) {  // (every type takes weak references; out of memory)
+    PyErr_Clear();
+    return;
+  }
+  entries_.emplace(type, Entry{ref, n});
+}
 
 int64_t TrackerCore::calls_elsewhere() const {
   return in_flight - std::count(t_in_calls.begin(), t_in_calls.end(), this);

@@ -27,6 +27,42 @@ enum class Policy : int { EVERY = 0, SAMPLE_N = 1, MAX_K = 2 };
 // The policy of code `code`; TORCH_CHECK fails on a code outside the enum.
 Policy policy_from_int(int code);
 
+// Types of objects met in a tracker's modules' inputs / outputs that the walk does not enter
+// (not a tensor, tuple, list, dict or dataclass) -> times checked for tensors they hold
+// (-1: warned about, or never to check again). An entry keeps a weak reference to its type and
+// applies only while that reference still leads to it: Python clears a weak reference before
+// it frees the object, so a class freed and another allocated at its address never inherits
+// its verdict (the stale entry is dropped when met). At most kCap entries: when full, the
+// entries of types since freed are dropped; a type met while kCap live types are cached is
+// checked each time it is met (its verdict is not kept). Used with the GIL held; the destructor
+// takes the GIL to release the references, and leaves them to an interpreter that is ending.
+class UnwalkedTypes {
+ public:
+  static constexpr size_t kCap = 256;
+
+  UnwalkedTypes() = default;
+  UnwalkedTypes(const UnwalkedTypes&) = delete;
+  UnwalkedTypes& operator=(const UnwalkedTypes&) = delete;
+  ~UnwalkedTypes();
+
+  // The checks recorded for `type` (0: none, or not cached). `type` must be alive.
+  int checks(PyTypeObject* type);
+  // Records `n` checks for `type` (not kept when the cache is full of live types). `type`
+  // must be alive.
+  void set(PyTypeObject* type, int n);
+  // Entries held (live or not yet dropped).
+  size_t size() const { return entries_.size(); }
+
+ private:
+  struct Entry {
+    PyObject* ref;  // a weak reference to the type (owned)
+    int checks;
+  };
+  static bool alive(const Entry& e, PyTypeObject* type);
+  void drop_dead();
+  std::unordered_map<PyTypeObject*, Entry> entries_;
+};
+
 // State shared by every wrapped module of one tracker.
 struct TrackerCore {
   bool active = true;
@@ -59,10 +95,9 @@ struct TrackerCore {
   bool roots_only = false;          // capture only inside root forwards (a store: rows follow its row table)
   int64_t outside_calls = 0;        // calls of tracked modules outside a root forward left out (roots_only)
   int64_t outside_keys = 0;         // outermost calls of tracked modules on their own (in memory), numbered
-  // Types of objects met in tracked modules' inputs / outputs that the walk does not enter
-  // (not a tensor, tuple, list, dict or dataclass) -> times checked for tensors they hold
-  // (-1: warned about, or never to check). Touched with the GIL held.
-  std::unordered_map<PyTypeObject*, int> unwalked_types;
+  // Types of objects met in tracked modules' inputs / outputs that the walk does not enter,
+  // with the checks made of them (UnwalkedTypes). Touched with the GIL held.
+  UnwalkedTypes unwalked_types;
   int64_t n_consumed = 0;           // captures (sink calls) in this root forward
   std::shared_ptr<Sink> last_sink;  // the sink of the last of them
   int64_t stop_count = -1;          // captures of the first whole captured forward (-1: not learnt)

@@ -349,6 +349,146 @@ def test_an_object_that_holds_tensors_only_later_is_still_warned_about():
                 model[0](torch.randn(2, 3), cache)  # holds one tensor now
 
 
+def _made_class(i: int, holds: bool) -> type:
+    """A class made at run time (as a model that makes one per forward) whose instances hold a
+    tensor in an attribute, or an int."""
+
+    def __init__(self, x):
+        self.t = x + 1 if holds else 3
+
+    return type(f"Made{i}", (), {"__init__": __init__})
+
+
+class _TakesObject(torch.nn.Module):
+    def forward(self, x, obj):
+        return x * 2
+
+
+def _held_warnings(caught) -> list[str]:
+    return [str(w.message) for w in caught if "holding tensors" in str(w.message)]
+
+
+def test_the_verdict_on_a_class_never_applies_to_another_class_at_its_address():
+    """The check for held tensors kept its verdict on a class (warned about; or holding no
+    tensor after 8 checks) by the class's address, for as long as the tracker lived: a class
+    freed and another made at its address (as Python does at once) inherited the verdict, so
+    a class holding tensors went without a warning. Each class is now warned about on its own
+    (once), and the cache of verdicts holds no class alive."""
+    import weakref
+
+    model, x = torch.nn.Sequential(_TakesObject()), torch.randn(2, 3)
+    holds = [i % 3 != 0 for i in range(24)]  # (no, yes, yes, ...: every change of verdict at a reused address)
+    ids, refs = [], []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with acs.ActivationScope(capture="input").track(model, include=["0"]) as tr:
+            for i, h in enumerate(holds):
+                cls = _made_class(i, h)
+                ids.append(id(cls))
+                refs.append(weakref.ref(cls))
+                before = len(caught)
+                for _ in range(10):  # (past the 8 checks of a class that holds none)
+                    model[0](x, cls(x))
+                said = _held_warnings(caught[before:])
+                if h:
+                    assert len(said) == 1 and said[0].startswith(f"'0.input.1' is a {__name__}.Made{i} holding "
+                                                                  "tensors (e.g. '.t')"), (i, said)
+                else:
+                    assert said == [], (i, said)
+                del cls
+                gc.collect()
+                assert refs[-1]() is None  # (freed: the cache holds no class alive)
+            # (one entry per address: a freed class's entry is dropped when another class is met at its address)
+            assert tr._core._unwalked_types_cached <= len(set(ids))
+    assert len(set(ids)) < len(ids)  # (addresses were reused: what the test is about)
+    assert torch.equal(tr.activations["0.input.0"][0], x) and len(tr.activations["0.input.0"]) == 240
+
+
+def test_the_verdicts_on_classes_made_at_each_forward_stay_bounded():
+    """A model that makes a new class at each forward grew the tracker's cache of verdicts by
+    one entry per class, without end. It now holds at most _UNWALKED_TYPES_CAP entries: the
+    entries of freed classes are dropped, and a class met while that many live classes are
+    cached is still checked (warned about when it holds tensors) without a cached verdict."""
+    from activationscope import _C
+
+    cap = _C._UNWALKED_TYPES_CAP
+    model, x = torch.nn.Sequential(_TakesObject()), torch.randn(2, 3)
+    alive = [_made_class(i, i % 2 == 0) for i in range(cap + 40)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with acs.ActivationScope(capture="input").track(model, include=["0"]) as tr:
+            for cls in alive:  # (all kept alive: the cache fills up)
+                model[0](x, cls(x))
+            assert tr._core._unwalked_types_cached == cap
+            said = _held_warnings(caught)
+            for i in range(cap + 40):
+                named = [m for m in said if f".Made{i} holding tensors" in m]
+                assert len(named) == (1 if i % 2 == 0 else 0), (i, named)
+            # a class past the cap is checked at each meeting
+            before = len(caught)
+            model[0](x, alive[-2](x))
+            assert len(_held_warnings(caught[before:])) == 1
+            model[0](x, alive[-1](x))
+            assert _held_warnings(caught[before + 1:]) == []
+            # freed classes make room: a new class is cached again (warned about once)
+            del alive[:]
+            gc.collect()
+            for i in range(cap + 40, cap + 100):
+                before = len(caught)
+                cls = _made_class(i, True)
+                for _ in range(3):
+                    model[0](x, cls(x))
+                said = _held_warnings(caught[before:])
+                assert len(said) == 1 and f".Made{i} holding tensors" in said[0], (i, said)
+                del cls
+                assert tr._core._unwalked_types_cached <= cap
+    assert len(tr.activations["0.input.0"]) == cap + 42 + 60 * 3
+
+
+_VERDICTS_AT_EXIT = r"""
+import gc, sys, threading, warnings
+import torch
+import activationscope as acs
+
+class Holder:
+    def __init__(self, x):
+        self.t = x
+
+class M(torch.nn.Module):
+    def forward(self, x, obj):
+        return x * 2
+
+warnings.simplefilter("ignore")
+model = torch.nn.Sequential(M())
+scope = acs.ActivationScope(capture="input")
+kept = scope.track(model).__enter__()  # (never closed: alive at exit, its verdicts too)
+model[0](torch.ones(2), Holder(torch.ones(2)))
+assert kept._core._unwalked_types_cached == 1
+
+def other():  # a tracker whose last reference goes in another thread
+    with acs.ActivationScope(capture="input").track(model) as tr:
+        model[0](torch.ones(2), type("Made", (), {})())
+        assert tr._core._unwalked_types_cached == 1
+    del tr
+    gc.collect()
+
+t = threading.Thread(target=other)
+t.start()
+t.join()
+print("ok", flush=True)
+"""
+
+
+def test_the_verdicts_on_classes_are_released_at_a_tracker_end_and_at_exit():
+    """The cache of verdicts holds references to Python objects (its types' weak references):
+    released with the GIL when a tracker is freed (also from another thread), left to an
+    interpreter that is ending."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", _VERDICTS_AT_EXIT], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout == "ok\n", out.stderr[-3000:]
+
+
 def test_a_hugging_face_cache_in_the_outputs_is_warned_about():
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)

@@ -25,6 +25,7 @@ import mmap
 import shlex
 import operator
 import os
+import stat
 import sys
 import threading
 from collections import OrderedDict
@@ -48,7 +49,7 @@ from ..errors import (
 from . import _decode
 from . import _format as F
 from . import _validate as V
-from ._backend import LocalBackend, check_backend_not_in_store, open_regular, resolve, store_above
+from ._backend import LocalBackend, _kind, check_backend_not_in_store, open_regular, resolve, store_above
 
 # shard index entry of a chunk that is not there (Zarr sharding: 2**64 - 1)
 _MISSING = 2**64 - 1
@@ -1659,8 +1660,10 @@ class Store:
         key, or the file a resume kept it as (:func:`~._format.kept_reduction_key`) in a local
         store whose resume rewrote it but was killed before its root listed the rewrite
         (FORMAT.md section 6), when that one has the crc32c ``crc`` and the key's file does
-        not (missing, or other bytes). ``size``: the bytes the file must hold, when known (a
-        file of another size is not read). Neither file is ever read whole."""
+        not (missing, other bytes, or damaged: no regular file inside the store, such as a
+        folder, a FIFO or a symlink leaving the store, which is never opened nor followed).
+        ``size``: the bytes the file must hold, when known (a file of another size is not
+        read). Neither file is ever read whole."""
         if crc is None or not isinstance(self._backend, LocalBackend):
             return key
         kept = F.kept_reduction_key(key)
@@ -1672,21 +1675,59 @@ class Store:
                 got = self._file_crc(k, size)
                 return got is not None and got[1] == int(crc)
 
-            if not matches(key) and matches(kept):
+            try:
+                key_matches = matches(key)
+            except StoreCorruptError:  # (no regular file inside the store: damaged, as one of other bytes)
+                key_matches = False
+            if not key_matches and matches(kept):
                 return kept
         except StoreError:  # (the key's own checks name what is wrong)
             pass
         return key
 
+    def _damaged_file(self, key: str) -> str | None:
+        """Local stores: what is in the place of reduction file ``key`` (under ``reductions/``)
+        when that is no regular file inside the store ("a directory", "a FIFO", "a symlink to
+        '...', outside the store", ...); None for a regular file, for none, and for a key
+        that is none of a reduction file. Opens nothing but what a reader opens (a FIFO without
+        waiting, :func:`~.._safeio.open_regular`) and reads nothing outside the store."""
+        if not isinstance(self._backend, LocalBackend) or F._reduction_key(key) is None:
+            return None
+        try:
+            self._backend.size(key)
+            return None
+        except StoreCorruptError:
+            pass
+        except StoreError:  # (permissions: no damage)
+            return None
+        p = self._backend.root / key
+        real, root = os.path.realpath(p), self._backend._root_real()  # (links resolved, nothing opened)
+        if real != root and not real.startswith(root + os.sep):
+            return (f"a symlink to {real!r}, outside the store" if os.path.islink(p)
+                    else f"reached through a symlink leaving the store (to {real!r})")
+        try:
+            mode = os.lstat(p).st_mode
+        except OSError:
+            return "not a regular file"
+        return f"a symlink to {real!r}, not a regular file" if stat.S_ISLNK(mode) else _kind(mode)
+
     def _reduction_document(self, doc_key: str, chunk_from_kept: bool) -> str:
         """The key of a reduction array's document to read: the kept committed one when its
-        chunk is read from the kept file, or when the document itself is missing and a kept
-        one is there (see :meth:`_reduction_file`)."""
+        chunk is read from the kept file, or when the document itself is missing or damaged (no
+        regular file inside the store) and a kept one is there (see :meth:`_reduction_file`)."""
         if not isinstance(self._backend, LocalBackend):
             return doc_key
         kept = F.kept_reduction_key(doc_key)
         try:
-            if self._backend.size(kept) is not None and (chunk_from_kept or self._backend.size(doc_key) is None):
+            if self._backend.size(kept) is None:
+                return doc_key
+            if chunk_from_kept:
+                return kept
+            try:
+                missing = self._backend.size(doc_key) is None
+            except StoreCorruptError:  # (no regular file inside the store: damaged, as missing)
+                missing = True
+            if missing:
                 return kept
         except StoreError:
             pass
@@ -2018,6 +2059,25 @@ class Store:
                 files = dict(entry.get("crc32c") or {})
                 for part in (entry.get("state") or {}).values():  # the state a resume continues from
                     files.update(part.get("crc32c") or {})
+                docs = [arr.get("path") for arr in [entry, *(entry.get("state") or {}).values()]
+                        if isinstance(arr, dict) and isinstance(arr.get("path"), str)]
+                for key in [f"{d}/zarr.json" for d in docs] + list(files):
+                    # a key's file that is no regular file inside the store, where readers read its committed
+                    # bytes from the file a resume kept (FORMAT.md section 6): damage all the same
+                    damage, kept = self._damaged_file(key), F.kept_reduction_key(key)
+                    if damage is None:
+                        continue
+                    chosen = (self._reduction_document(key, False) if key.endswith("/zarr.json")
+                              else self._reduction_file(key, files[key]))
+                    if chosen == key:
+                        continue  # (reading the key's file names what is wrong, below)
+                    fix = ("remove that folder (never the kept file), then resume the capture: it puts the kept "
+                           "file back" if damage == "a directory" else "resume the capture: it puts the kept file "
+                           "back in its place" + (" (replacing the link, never what it points to)"
+                                                  if damage.startswith("a symlink") else ""))
+                    problems.append(f"{where}: file {key!r} is {damage} (no regular file inside the store); readers "
+                                    f"read its committed bytes from the file kept as {kept!r} (FORMAT.md section 6); "
+                                    f"{fix}, or copy the kept file to {key!r} yourself")
                 for key, crc in files.items():
                     try:  # (read in pieces: a file of any size never lands in memory whole)
                         got = self._file_crc(self._reduction_file(key, crc))
@@ -2037,7 +2097,8 @@ class Store:
                         self._read_small({**part, "reduction": name})
                 except StoreCorruptError as e:
                     line = f"{where}: {e}"
-                    if not any(line.startswith(p.split(":")[0]) and "crc32c" in p for p in problems[-3:]):
+                    if line not in problems and not any(line.startswith(p.split(":")[0]) and "crc32c" in p
+                                                        for p in problems[-3:]):
                         problems.append(line)
         for key in self._backend.list(""):  # every file a copy (save) reads: regular, inside the store
             try:
@@ -2446,7 +2507,8 @@ def copy_store(source: Any, target: Any, *, overwrite: bool = False) -> None:
 
     Temporary files (``*.tmp``: a writer's, or left by one killed) are not copied; a shard
     or reduction file whose committed bytes a reader reads from the file a killed resume
-    kept (``<key>.committed.tmp``, FORMAT.md sections 6 and 7) is copied from that file.
+    kept (``<key>.committed.tmp``, FORMAT.md sections 6 and 7) is copied from that file (also
+    when the key's own file is damaged: a folder, a FIFO, a symlink leaving the store).
 
     Raises
     ------
@@ -2472,10 +2534,14 @@ def copy_store(source: Any, target: Any, *, overwrite: bool = False) -> None:
             if not overwrite:
                 raise StoreExistsError(f"{str(dst)!r} is not empty; pass overwrite=True to replace it")
             dst.clear()
-        keys = sorted(src.list(""))
         files = _committed_shard_files(source if isinstance(source, Store) else src)
+        # (a key read from its kept file is copied even when its own is a folder, which lists no file by
+        # that name; the files inside such a folder are no part of the store)
+        keys = sorted(set(src.list("")) | set(files))
+        in_damaged = tuple(key + "/" for key in files)
         for key in keys:
-            if key == "zarr.json" or key.endswith(".tmp"):  # temporary files are no part of the store
+            # (temporary files are no part of the store)
+            if key == "zarr.json" or key.endswith(".tmp") or key.startswith(in_damaged):
                 continue
             data = src.get(files.get(key, key), max_bytes=None)  # regular files inside the store only (links are refused)
             if data is not None:

@@ -2120,8 +2120,10 @@ class StoreWriter:
         kept one does (a document goes back with a chunk of its array, or when it is missing);
         every other kept file is removed (the root lists the rewrite), and so is a symlink by
         such a name (the link, never what it points to; a link to a folder only where this
-        resume may keep a file). A folder where it may keep one (no writer makes one) is refused
-        before anything is touched: the close could keep no file there."""
+        resume may keep a file). A kept file goes back over a key's FIFO or symlink (replacing
+        it, never following it). A folder where it may keep one (no writer makes one), or at a
+        key its kept file goes back to, is refused before anything is touched: the close could
+        keep no file there, and no file can replace it."""
         b = self._backend
         base = b.root / "reductions"
         if not base.is_dir() or base.is_symlink():
@@ -2160,11 +2162,20 @@ class StoreWriter:
                     back[F.kept_reduction_key(key)] = key
             if doc is not None and found._reduction_document(doc, bool(set(back.values()) & set(files))) != doc:
                 back[F.kept_reduction_key(doc)] = doc
+        for keep, key in sorted(back.items()):  # (a key's file may be damaged: no regular file inside the store)
+            place = b.root / key
+            if keep in kept and place.is_dir() and not place.is_symlink():
+                raise StoreError(
+                    f"cannot resume {str(b)!r}: {key!r} is a folder, where the root lists a reduction file whose "
+                    f"committed bytes are kept as {keep!r} (FORMAT.md section 6); remove that folder (never the kept "
+                    "file), then resume again: the resume puts the kept file back. Nothing of the store was deleted "
+                    "or written")
         for keep in sorted(kept):
             try:
                 if keep in back:
-                    b.path(back[keep]).parent.mkdir(parents=True, exist_ok=True)
-                    os.replace(b.path(keep), b.path(back[keep]))
+                    target = b.root / back[keep]
+                    b._make_parent(target, back[keep])  # (checked inside the store; its array's folder may be gone)
+                    os.replace(b.path(keep), target)  # (over a FIFO or a link: replaces it, never follows it)
                 else:
                     os.unlink(b.path(keep))
             except (OSError, StoreError) as e:

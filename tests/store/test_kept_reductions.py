@@ -6,6 +6,7 @@ a resume at its close."""
 from __future__ import annotations
 
 import os
+import re
 import sys
 import tracemalloc
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 
 from activationscope import open_store
 from activationscope.errors import StoreCorruptError, StoreError
+from activationscope.store import _format as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from test_resume_reductions import _batches, _model, _ref_rows, _run  # noqa: E402
@@ -120,3 +122,106 @@ def test_a_reduction_named_like_a_kept_file_is_no_kept_file(tmp_path):
     s = open_store(path)
     assert s.status == "complete" and s.verify() == []
     torch.testing.assert_close(s.reductions["0.output"]["m.committed.tmp"], _ref_rows(model, xs).mean(0))
+
+
+# --------------------------------------------------------------------------- a damaged key's file
+_DAMAGE = ["folder", "fifo", "link outside"]
+_KIND = {"folder": "a directory", "fifo": "a FIFO", "link outside": "a symlink to "}
+
+
+def _damage(key: Path, how: str, outside: Path) -> None:
+    """Put a folder (holding a file), a FIFO or a symlink to ``outside`` in the place of ``key``."""
+    key.unlink()
+    if how == "folder":
+        key.mkdir()
+        (key / "f").write_bytes(b"not the chunk")
+    elif how == "fifo":
+        os.mkfifo(key)
+    else:
+        os.symlink(outside, key)
+
+
+@pytest.mark.timeout(300)  # (a reader that opened the FIFO and waited for a writer fails here, never hangs)
+@pytest.mark.parametrize("file", ["mean/c/0", "mean/zarr.json"])
+@pytest.mark.parametrize("how", _DAMAGE)
+def test_a_reduction_file_that_is_no_regular_file_is_read_from_its_good_kept_copy(store, tmp_path, how, file):
+    """A key's file that is a folder, a FIFO or a symlink leaving the store, with a kept copy
+    of the committed bytes (FORMAT.md section 6): the reader refused it instead of reading the
+    kept copy, as it does for a key's file of other bytes. Now the kept copy is read (the
+    FIFO never opened for reading, the link never followed), verify names the damaged file,
+    a copy holds the committed bytes, and a resume puts the kept copy back (a folder: once
+    removed, which it says)."""
+    import torch
+
+    node = store / "reductions" / "0.output"
+    key, kept = node / file, node / F.kept_reduction_key(f"x/y/{file}").split("/", 2)[2]
+    good = open_store(store).reductions["0.output"]
+    good_mean, good_var = good["mean"].clone(), good["var"].clone()
+    committed = key.read_bytes()
+    kept.write_bytes(committed)
+    outside = tmp_path / "outside"
+    outside.write_bytes(committed)  # (what a reader that followed the link would take for the committed file)
+    _damage(key, how, outside)
+    rel = f"reductions/0.output/{file}"
+
+    s = open_store(store)
+    assert torch.equal(s.reductions["0.output"]["mean"], good_mean)
+    assert torch.equal(s.reductions["0.output"]["var"], good_var)
+    problems = s.verify()
+    assert len(problems) == 1, problems
+    assert problems[0].startswith(f"hook point '0.output': reduction 'mean': file {rel!r} is {_KIND[how]}")
+    assert f"kept as 'reductions/0.output/{kept.name}'" in problems[0]
+    assert ("remove that folder" in problems[0]) == (how == "folder")
+    assert (f"{str(outside)!r}, outside the store" in problems[0]) == (how == "link outside")
+
+    s.save(tmp_path / "copy.zarr")  # (the copy holds the committed bytes at the key)
+    copy = open_store(tmp_path / "copy.zarr")
+    assert copy.verify() == [] and (tmp_path / "copy.zarr" / rel).read_bytes() == committed
+    assert torch.equal(copy.reductions["0.output"]["mean"], good_mean)
+    assert not (tmp_path / "copy.zarr" / rel / "f").exists()
+
+    model, xs = _model(), _batches(4, rows=5)
+    if how == "folder":
+        with pytest.raises(StoreError, match=rf"{re.escape(repr(rel))} is a folder.*{re.escape(kept.name)}.*remove that "
+                                             r"folder.*Nothing of the store was deleted or written"):
+            _run(model, store, xs[2:], ["mean", "var"], resume=True)
+        assert kept.read_bytes() == committed and (key / "f").read_bytes() == b"not the chunk"
+        s = open_store(store)
+        assert s.status == "complete" and s.n_rows("0.output") == 10
+        assert torch.equal(s.reductions["0.output"]["mean"], good_mean)
+        (key / "f").unlink()
+        key.rmdir()
+    _run(model, store, xs[2:], ["mean", "var"], resume=True)
+    s = open_store(store)
+    assert s.status == "complete" and s.n_rows("0.output") == 20 and s.verify() == []
+    assert key.is_file() and not key.is_symlink() and not list(store.rglob("*.committed.tmp"))
+    assert outside.read_bytes() == committed  # (replaced the link, never wrote through it)
+    torch.testing.assert_close(s.reductions["0.output"]["mean"], _ref_rows(model, xs).mean(0))
+    torch.testing.assert_close(s.reductions["0.output"]["var"], _ref_rows(model, xs).var(0, correction=0))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kept_copy", ["none", "other bytes"])
+@pytest.mark.parametrize("how", _DAMAGE)
+def test_a_reduction_file_that_is_no_regular_file_without_a_good_kept_copy_is_refused_naming_it(store, tmp_path, how,
+                                                                                               kept_copy):
+    """Without a kept copy of the committed bytes, a key's file that is a folder, a FIFO or a
+    symlink leaving the store is refused by name (never waited on, never followed: the file
+    outside holds the committed bytes, and is not read), and verify lists it."""
+    node = store / "reductions" / "0.output"
+    key, kept = node / "mean" / "c" / "0", node / KEPT
+    committed = key.read_bytes()
+    if kept_copy == "other bytes":
+        kept.write_bytes(b"\0" * len(committed))
+    outside = tmp_path / "outside"
+    outside.write_bytes(committed)
+    _damage(key, how, outside)
+    s = open_store(store)
+    said = {"folder": "must be a regular file, got a directory", "fifo": "must be a regular file, got a FIFO",
+            "link outside": f"resolves to {str(outside)!r}, outside the store"}[how]
+    with pytest.raises(StoreCorruptError, match=re.escape(f"'reductions/0.output/mean/c/0' {said}") +
+                       r".*restore the store from an intact copy or capture it again"):
+        s.reductions["0.output"]["mean"]
+    problems = s.verify()
+    assert len(problems) == 1 and f"'reductions/0.output/mean/c/0' {said}" in problems[0], problems
+    assert outside.read_bytes() == committed
