@@ -1440,16 +1440,47 @@ class StoreWriter:
         installed.clear()
 
     def _drop_kept_shards(self, restore: bool) -> None:
+        """Remove the kept committed files of rewritten last shards, or with ``restore`` put
+        each back over its key (no root lists the rewrite: a close or abort that failed, a
+        discard), unless the store's manifest as it is now lists the rewrite under the key and
+        not the kept file: a commit that failed after writing that array's manifest (a full
+        disk, another array's document) leaves a manifest that only the rewrite matches (the
+        root, not written, still lists the committed rows, which the rewrite holds too)."""
+        listed = self._rewrite_listed() if restore and self._kept_shards else set()
         while self._kept_shards:
             path, keep = self._kept_shards.pop()
             try:
-                if restore and not (path.exists() and os.path.samefile(keep, path)):
+                if restore and path not in listed and not (path.exists() and os.path.samefile(keep, path)):
                     os.replace(keep, path)  # (rename() of two links to one file does nothing)
                 else:
                     keep.unlink(missing_ok=True)
             except OSError as e:
                 warnings.warn(f"store {str(self._backend)!r}: {'restoring' if restore else 'removing'} {keep}: {e}",
                               RuntimeWarning, stacklevel=3)
+
+    def _rewrite_listed(self) -> set[Path]:
+        """The keys (paths) of the kept shards whose rewrite, now under the key, is the file
+        the store's manifest as it is now describes, and the kept committed file is not (the
+        test a reader's ``Store._shard_file`` makes). Empty where the store cannot be read."""
+        from .reader import Store
+
+        kept = {path for path, _keep in self._kept_shards}
+        listed: set[Path] = set()
+        try:
+            store = Store(self._backend)
+            for hp in self._old_arrays:
+                meta = store._meta(hp)
+                n, shard_rows = int(meta["n_rows"]), int(meta["shard_rows"])
+                if not n % shard_rows:
+                    continue
+                key = store._shard_key(meta, n // shard_rows)
+                path = self._backend.root / key
+                if path in kept and store._matches_manifest(meta, n // shard_rows, key) is True \
+                        and store._matches_manifest(meta, n // shard_rows, key + KEPT_SUFFIX) is False:
+                    listed.add(path)
+        except (ActivationScopeError, OSError, KeyError, TypeError, ValueError):
+            return set()
+        return listed
 
     def _load_manifest(self, arr: _Array) -> dict:
         key = f"{arr.path}/manifest.json"
@@ -2449,10 +2480,11 @@ class StoreWriter:
             empty: list[Path] = []
             try:
                 self._stop_threads()
-                self._drop_kept_shards(restore=True)
                 self._drop_kept_reductions(restore=True)
                 self._backend.set("zarr.json", self._found_root)
                 empty = self._put_back_found_files()
+                # after the found manifests went back: a rewrite they do not list is never kept
+                self._drop_kept_shards(restore=True)
             except BaseException as e:  # noqa: BLE001 - the refusal stays the error the caller sees
                 warnings.warn(f"store {str(self._backend)!r}: putting it back as found failed: {e}",
                               RuntimeWarning, stacklevel=2)
@@ -2506,7 +2538,8 @@ class StoreWriter:
         ``remove_if_empty`` (local, inside the store) and their subfolders that hold no file."""
         self._drop_held_shards()
         # a kept committed file still here: no root lists its shard's rewrite (a close or abort
-        # that failed after renaming it over the key): the committed file goes back (FORMAT.md §7)
+        # that failed after renaming it over the key): the committed file goes back, unless the
+        # array's manifest lists the rewrite (FORMAT.md §7)
         self._drop_kept_shards(restore=True)
         self._drop_kept_reductions(restore=True)  # (likewise a reduction's, FORMAT.md section 6)
         release = getattr(self._backend, "release", None)

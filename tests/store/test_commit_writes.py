@@ -79,3 +79,57 @@ def test_a_failed_document_write_is_the_commits_error(tmp_path, monkeypatch, del
     monkeypatch.setattr(LocalBackend, "set", set_)
     with pytest.raises(StoreError, match=r"layers\.7\.output/zarr\.json: disk full"):
         _capture(tmp_path / "s.zarr", [torch.randn(3, 4)])
+
+
+@pytest.mark.parametrize("delay_s", [0.0, 0.002], ids=["fast", "slow"])
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_a_resume_whose_commit_fails_midway_leaves_the_committed_rows_readable(tmp_path, monkeypatch, delay_s,
+                                                                                compression):
+    # the resume rewrites each array's partial last shard: the failed commit renamed every
+    # rewrite over its key and wrote the manifests of some arrays (not the root) before the
+    # failure; what the failed close leaves must read as the committed store
+    from activationscope.cli import main as cli_main
+
+    path = tmp_path / "s.zarr"
+    options = {"compression": compression}
+    xs = [torch.randn(3, 4) for _ in range(4)]
+    model = _Model()
+    with torch.no_grad(), acs.ActivationScope(store=str(path), store_options=options).track(model):
+        for x in xs:
+            model(x)
+    first = acs.open_store(path)
+    committed = {hp: first[hp].clone() for hp in first.hook_points}
+    real = LocalBackend.set
+    written = []
+
+    def set_(self, key, data):
+        if delay_s:
+            time.sleep(delay_s)
+        if key == "acts/layers.5.output/manifest.json":
+            raise StoreError(f"cannot write {key}: disk full (simulated)")
+        real(self, key, data)
+        written.append(key)
+
+    monkeypatch.setattr(LocalBackend, "set", set_)
+    with pytest.raises(StoreError, match=r"layers\.5\.output/manifest\.json: disk full"):
+        with torch.no_grad(), acs.ActivationScope(store=str(path), store_options={**options, "resume": True}) \
+                .track(model):
+            for x in xs:
+                model(x)
+    monkeypatch.setattr(LocalBackend, "set", real)
+    assert "acts/layers.0.output/manifest.json" in written  # (other arrays' manifests were written)
+    for verified in (False, True):
+        store = acs.open_store(path, verify=verified)
+        assert store.status == "incomplete" and sorted(store.hook_points) == sorted(committed)
+        for hp, rows in committed.items():
+            assert torch.equal(store[hp], rows), hp
+    assert cli_main(["verify", str(path)]) == 0
+    with torch.no_grad(), acs.ActivationScope(store=str(path), store_options={**options, "resume": True}) \
+            .track(model):
+        for x in xs:
+            model(x)
+    store = acs.open_store(path, verify=True)
+    assert store.status == "complete"
+    for hp, rows in committed.items():
+        assert torch.equal(store[hp], torch.cat([rows, rows])), hp
+    assert cli_main(["verify", str(path)]) == 0
