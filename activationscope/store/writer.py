@@ -1192,6 +1192,10 @@ class StoreWriter:
                                                      doc_key=doc_key)
                 if problems:
                     raise V.corrupt(b, "; ".join(problems) + "; nothing was deleted or written")
+        if isinstance(b, LocalBackend):
+            for hp, meta in self._old_arrays.items():
+                self._refuse_linked_folders(meta["path"], hp, int(meta["n_rows"]) // int(meta["shard_rows"]),
+                                            "; nothing was deleted or written")
         self._remove_temp_files()  # the writer killed before this one left them (no array writer of ours yet)
         if isinstance(b, LocalBackend):
             self._restore_kept_reductions()
@@ -1222,6 +1226,38 @@ class StoreWriter:
             for key in list(b.list(f"rows/{kind}/")):
                 if key not in listed:
                     b.delete(key)
+
+    def _refuse_linked_folders(self, path: str, hook_point: str, first_shard: int, done: str) -> None:
+        """Local stores: refuse the folders the writer thread writes an array's shards into
+        (``path``, ``path/c`` and ``path/c/<shard>`` from ``first_shard`` on) where one is a
+        symbolic link or not a folder: it writes no file through a link (one may point outside
+        the store) and would fail at that shard, mid-capture. ``done``: what was changed so far."""
+        root = self._backend.root
+        found = []
+        for rel in (path, f"{path}/c"):
+            p = root / rel
+            if p.is_symlink() or (p.exists() and not p.is_dir()):
+                found.append(rel)
+                break
+        else:
+            c = root / path / "c"
+            if c.is_dir():
+                with os.scandir(c) as entries:
+                    found = sorted((f"{path}/c/{e.name}" for e in entries if e.is_symlink() and e.name.isdigit()
+                                    and int(e.name) >= first_shard), key=lambda k: int(k.rsplit("/", 1)[1]))
+        if found:
+            link = (root / found[0]).is_symlink()
+            if not link:
+                fix = "move it away"
+            elif found[0].count("/") > 2 or hook_point not in self._old_arrays:  # nothing the store reads
+                fix = f"remove {'them' if len(found) > 1 else 'it'} (the link, not what it points to)"
+            else:  # (it may hold committed shards)
+                fix = "replace it with a copy of the folder it points to"
+            raise StoreError(
+                f"cannot write hook point {hook_point!r} into {str(self._backend)!r}: {found[0]!r} is "
+                f"{'a symbolic link' if link else 'not a folder'}, where the writer makes the folders of the array's "
+                f"shards{f' ({len(found)} such links)' if len(found) > 1 else ''}; a writer writes no file through a "
+                f"link (one may point outside the store): {fix}, then resume again{done}")
 
     def _raise_if_failed(self) -> None:
         if self._core.failed:
@@ -1311,6 +1347,8 @@ class StoreWriter:
                 committed = 0
             arr = _Array(hook_point, node, f"acts/{node}", feature_shape, name, row_kind, chunk_rows, shard_chunks,
                          compression, committed_rows=committed)
+            if old is None and isinstance(self._backend, LocalBackend):  # (a stored array's: checked by the resume)
+                self._refuse_linked_folders(arr.path, hook_point, 0, "; the committed rows are unchanged")
             if isinstance(self._backend, LocalBackend) and self._found_root is not None:  # (for a discard)
                 arr.folder_found = os.path.lexists(self._backend.root / arr.path)
                 arr.chunks_found = os.path.lexists(self._backend.root / arr.path / "c")

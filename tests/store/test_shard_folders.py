@@ -1,17 +1,20 @@
 """The writer thread makes a shard's folder (``c/<shard>``) when it opens the shard, while
 the model runs, not when it finishes it (at the close every array's last shard finishes at
 once: making a folder is a new inode, the slow part of a close on some file systems). The
-stored rows, the verification and a discard must not see the difference."""
+stored rows, the verification and a discard must not see the difference, and no folder the
+writer writes a shard into is reached through a symbolic link."""
 
 from __future__ import annotations
 
 import os
 import shutil
 
+import pytest
 import torch
 
 import activationscope as acs
 from activationscope.cli import main as cli_main
+from activationscope.errors import StoreError
 from activationscope.store.writer import StoreWriter
 
 
@@ -78,3 +81,69 @@ def test_an_empty_shard_folder_left_by_a_killed_writer_is_ignored_by_readers_and
     store = acs.open_store(path)
     assert store.status == "complete" and torch.equal(store["0.output"], rows)
     assert cli_main(["verify", str(path)]) == 0
+
+
+def _store_of_20_rows(path):
+    w = StoreWriter(path, **_options())
+    rows = torch.randn(20, 8)
+    w.open_array("0.output", (8,), torch.float32, "sample").append(rows)
+    w.add_batch(20)
+    w.close()
+    return rows
+
+
+def _files_under(folder):
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+def test_a_link_where_a_resume_would_make_a_shard_folder_is_refused_before_anything_is_written(tmp_path):
+    path, outside = tmp_path / "s.zarr", tmp_path / "outside"
+    outside.mkdir()
+    rows = _store_of_20_rows(path)  # shards 0 (full) and 1 (4 rows): the resume writes shard 2 next
+    os.symlink(outside, path / "acts/0.output/c/2")
+    before = {p: p.read_bytes() for p in path.rglob("*") if p.is_file()}
+    with pytest.raises(StoreError, match=r"'acts/0\.output/c/2' is a symbolic link.*remove it \(the link"):
+        StoreWriter(path, resume=True, **_options())
+    assert {p: p.read_bytes() for p in path.rglob("*") if p.is_file()} == before
+    assert _files_under(outside) == []
+    assert torch.equal(acs.open_store(path)["0.output"], rows)
+
+
+def test_a_link_where_a_new_hook_point_s_folder_goes_is_refused(tmp_path):
+    path, outside = tmp_path / "s.zarr", tmp_path / "outside"
+    outside.mkdir()
+    rows = _store_of_20_rows(path)
+    os.symlink(outside, path / "acts/1.output")
+    w = StoreWriter(path, resume=True, **_options())
+    with pytest.raises(StoreError, match=r"'acts/1\.output' is a symbolic link"):
+        w.open_array("1.output", (8,), torch.float32, "sample")
+    w.discard()
+    assert _files_under(outside) == []
+    store = acs.open_store(path)
+    assert store.hook_points == ["0.output"] and torch.equal(store["0.output"], rows)
+
+
+@pytest.mark.parametrize("where", ["outside", "inside"])
+def test_an_open_shard_s_folder_swapped_for_a_link_is_never_written_through(tmp_path, where):
+    path = tmp_path / "s.zarr"
+    w = StoreWriter(path, **_options())
+    a = w.open_array("0.output", (8,), torch.float32, "sample")
+    rows = torch.randn(20, 8)
+    a.append(rows[:16])
+    w.add_batch(16)
+    w._core.drain()
+    w.commit()  # shard 0 committed
+    a.append(rows[16:])
+    w.add_batch(4)
+    w._core.drain()  # shard 1 open, its folder made
+    target = tmp_path / "outside" if where == "outside" else path / "elsewhere"
+    target.mkdir()
+    shard_dir = path / "acts/0.output/c/1"
+    shard_dir.rmdir()
+    os.symlink(target, shard_dir)
+    with pytest.raises(StoreError, match=r"acts/0\.output/c/1' is a symbolic link where the store writer writes"):
+        w.close()
+    assert _files_under(target) == []
+    assert not list(path.rglob("shard-*.tmp"))
+    store = acs.open_store(path)
+    assert store.status == "incomplete" and torch.equal(store["0.output"], rows[:16])
