@@ -1374,11 +1374,11 @@ class StoreWriter:
                 if committed > start:  # re-feed the committed rows of the partial last shard
                     from .reader import Store
 
-                    self._keep_committed_shard(arr, committed // arr.shard_rows)
-
                     st = Store(self._backend)
                     st._resume_tail = True  # a resume killed before its commit rewrote that chunk (FORMAT.md section 5)
+                    # read first: a missing or damaged shard is named as such (by the reader's checks)
                     rows = st._read_rows(hook_point, start, committed, copy=True)
+                    self._keep_committed_shard(arr, committed // arr.shard_rows)
                     writer.append(rows)
             self._arrays[hook_point] = arr
             self._order.append(arr)

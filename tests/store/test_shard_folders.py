@@ -14,7 +14,7 @@ import torch
 
 import activationscope as acs
 from activationscope.cli import main as cli_main
-from activationscope.errors import StoreError
+from activationscope.errors import StoreCorruptError, StoreError
 from activationscope.store.writer import StoreWriter
 
 
@@ -147,3 +147,18 @@ def test_an_open_shard_s_folder_swapped_for_a_link_is_never_written_through(tmp_
     assert not list(path.rglob("shard-*.tmp"))
     store = acs.open_store(path)
     assert store.status == "incomplete" and torch.equal(store["0.output"], rows[:16])
+
+
+def test_a_resume_of_a_store_whose_partial_last_shard_s_folder_is_missing_names_the_missing_shard(tmp_path):
+    path = tmp_path / "s.zarr"
+    rows = _store_of_20_rows(path)  # shard 1 (c/1/0) holds the committed rows 16-19
+    shutil.rmtree(path / "acts/0.output/c/1")
+    before = {p: p.read_bytes() for p in path.rglob("*") if p.is_file()}
+    w = StoreWriter(path, resume=True, **_options())
+    # (it said the shard "cannot be kept": free space or fix permissions)
+    with pytest.raises(StoreCorruptError, match=r"shard 'acts/0\.output/c/1/0' is missing.*restore the store"):
+        w.open_array("0.output", (8,), torch.float32, "sample")
+    w.discard()
+    assert {p: p.read_bytes() for p in path.rglob("*") if p.is_file()} == before
+    store = acs.open_store(path)
+    assert store.status == "complete" and store.n_samples == len(rows)
