@@ -162,3 +162,30 @@ def test_a_resume_of_a_store_whose_partial_last_shard_s_folder_is_missing_names_
     assert {p: p.read_bytes() for p in path.rglob("*") if p.is_file()} == before
     store = acs.open_store(path)
     assert store.status == "complete" and store.n_samples == len(rows)
+
+
+def test_committing_rank_stores_links_no_shard_through_a_link_leaving_the_store(tmp_path):
+    from activationscope.store.ranks import commit_ranks
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2))
+    path, outside = tmp_path / "m.zarr", tmp_path / "outside"
+    outside.mkdir()
+    xs = [torch.randn(2, 3) for _ in range(10)]
+    for task in range(2):  # 10 rows a rank: 2 full 4-row shards each, linked as shards 0-3 of the store
+        opts = {"process_group": acs.RankStore(task, 2), "chunk_rows": 2, "shard_rows": 4}
+        with acs.ActivationScope(store=str(path), store_options=opts).track(model), torch.no_grad():
+            for x in xs[task * 5:(task + 1) * 5]:
+                model(x)
+    (path / "acts/0.output/c").mkdir(parents=True)
+    os.symlink(outside, path / "acts/0.output/c/2")
+    with pytest.raises(StoreCorruptError, match=r"'acts/0\.output/c/2/0' resolves to .*outside the store"):
+        commit_ranks(path)
+    assert _files_under(outside) == []
+    os.unlink(path / "acts/0.output/c/2")
+    commit_ranks(path)
+    store = acs.open_store(path)
+    with torch.no_grad():
+        y0, y1 = model(torch.cat(xs[:5])), model(torch.cat(xs[5:]))
+    # the ranks' full shards, linked in rank order, then their tails re-chunked
+    assert torch.equal(store["0.output"], torch.cat([y0[:8], y1[:8], y0[8:], y1[8:]]))
+    assert store.verify() == []
