@@ -133,3 +133,27 @@ def test_a_resume_whose_commit_fails_midway_leaves_the_committed_rows_readable(t
     for hp, rows in committed.items():
         assert torch.equal(store[hp], torch.cat([rows, rows])), hp
     assert cli_main(["verify", str(path)]) == 0
+
+
+def test_an_object_store_s_commit_goes_through_the_pool_however_fast_its_writes(tmp_path, monkeypatch):
+    import uuid
+
+    from activationscope.store._backend import ZarrBackend
+
+    names: list[tuple[str, str]] = []
+    real = ZarrBackend.set
+
+    def set_(self, key, data):
+        names.append((key, threading.current_thread().name))
+        return real(self, key, data)
+
+    monkeypatch.setattr(ZarrBackend, "set", set_)
+    url = f"memory://acs-commit-writes/{uuid.uuid4().hex}.zarr"
+    xs = [torch.randn(3, 4) for _ in range(2)]
+    model = _capture(url, xs)
+    pooled = [key for key, name in names if name.startswith("activationscope-commit")]
+    assert len(pooled) >= 8 and all(k.startswith("acts/layers.") for k in pooled)
+    assert names[-1] == ("zarr.json", threading.current_thread().name)  # the root last, by the committing thread
+    store = acs.open_store(url)
+    with torch.no_grad():
+        assert torch.equal(store["layers.9.output"], model(torch.cat(xs)))
