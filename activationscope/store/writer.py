@@ -1243,8 +1243,9 @@ class StoreWriter:
             c = root / path / "c"
             if c.is_dir():
                 with os.scandir(c) as entries:
-                    found = sorted((f"{path}/c/{e.name}" for e in entries if e.is_symlink() and e.name.isdigit()
-                                    and int(e.name) >= first_shard), key=lambda k: int(k.rsplit("/", 1)[1]))
+                    found = sorted((f"{path}/c/{e.name}" for e in entries if e.is_symlink() and e.name.isascii()
+                                    and e.name.isdigit() and int(e.name) >= first_shard),
+                                   key=lambda k: int(k.rsplit("/", 1)[1]))
         if found:
             link = (root / found[0]).is_symlink()
             if not link:

@@ -101,6 +101,7 @@ def test_a_link_where_a_resume_would_make_a_shard_folder_is_refused_before_anyth
     outside.mkdir()
     rows = _store_of_20_rows(path)  # shards 0 (full) and 1 (4 rows): the resume writes shard 2 next
     os.symlink(outside, path / "acts/0.output/c/2")
+    os.symlink(outside, path / "acts/0.output/c/\u00b2")  # (no shard's name: str.isdigit() says it is a digit)
     before = {p: p.read_bytes() for p in path.rglob("*") if p.is_file()}
     with pytest.raises(StoreError, match=r"'acts/0\.output/c/2' is a symbolic link.*remove it \(the link"):
         StoreWriter(path, resume=True, **_options())
