@@ -1248,12 +1248,16 @@ class StoreWriter:
                                    key=lambda k: int(k.rsplit("/", 1)[1]))
         if found:
             link = (root / found[0]).is_symlink()
+            meta = self._old_arrays.get(hook_point)
+            held = -(-int(meta["n_rows"]) // int(meta["shard_rows"])) if meta else 0  # shards of committed rows
+            if found[0].count("/") > 2:  # c/<shard>: the partial last shard's may hold committed rows
+                held = int(found[0].rsplit("/", 1)[1]) < held
             if not link:
                 fix = "move it away"
-            elif found[0].count("/") > 2 or hook_point not in self._old_arrays:  # nothing the store reads
+            elif held:
+                fix = "replace it with a copy of the folder it points to (committed rows are in it)"
+            else:  # nothing the store reads
                 fix = f"remove {'them' if len(found) > 1 else 'it'} (the link, not what it points to)"
-            else:  # (it may hold committed shards)
-                fix = "replace it with a copy of the folder it points to"
             raise StoreError(
                 f"cannot write hook point {hook_point!r} into {str(self._backend)!r}: {found[0]!r} is "
                 f"{'a symbolic link' if link else 'not a folder'}, where the writer makes the folders of the array's "

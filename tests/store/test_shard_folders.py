@@ -190,3 +190,15 @@ def test_committing_rank_stores_links_no_shard_through_a_link_leaving_the_store(
     # the ranks' full shards, linked in rank order, then their tails re-chunked
     assert torch.equal(store["0.output"], torch.cat([y0[:8], y1[:8], y0[8:], y1[8:]]))
     assert store.verify() == []
+
+
+def test_a_link_to_the_folder_of_committed_rows_is_refused_with_the_advice_to_copy_it(tmp_path):
+    path = tmp_path / "s.zarr"
+    rows = _store_of_20_rows(path)  # shard 1 holds committed rows 16-19: the resume rewrites it
+    (path / "acts/0.output/c/1").rename(path / "moved")
+    os.symlink(path / "moved", path / "acts/0.output/c/1")  # inside the store: readers read through it
+    assert torch.equal(acs.open_store(path)["0.output"], rows)
+    with pytest.raises(StoreError, match=r"'acts/0\.output/c/1' is a symbolic link.*replace it with a copy of the "
+                                         r"folder it points to \(committed rows are in it\)"):
+        StoreWriter(path, resume=True, **_options())
+    assert torch.equal(acs.open_store(path)["0.output"], rows)
