@@ -1507,8 +1507,10 @@ class StoreWriter:
         test a reader's ``Store._shard_file`` makes). Empty where the store cannot be read."""
         from .reader import Store
 
-        kept = {path for path, _keep in self._kept_shards}
+        kept = {path for path, _keep in self._kept_shards} & self._installed_shards  # (the others hold the kept file)
         listed: set[Path] = set()
+        if not kept:
+            return listed
         try:
             store = Store(self._backend)
             for hp in self._old_arrays:
