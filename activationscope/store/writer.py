@@ -1195,7 +1195,7 @@ class StoreWriter:
         if isinstance(b, LocalBackend):
             for hp, meta in self._old_arrays.items():
                 self._refuse_linked_folders(meta["path"], hp, int(meta["n_rows"]) // int(meta["shard_rows"]),
-                                            "; nothing was deleted or written")
+                                            not meta["feature_shape"], "; nothing was deleted or written")
         self._remove_temp_files()  # the writer killed before this one left them (no array writer of ours yet)
         if isinstance(b, LocalBackend):
             self._restore_kept_reductions()
@@ -1227,11 +1227,13 @@ class StoreWriter:
                 if key not in listed:
                     b.delete(key)
 
-    def _refuse_linked_folders(self, path: str, hook_point: str, first_shard: int, done: str) -> None:
+    def _refuse_linked_folders(self, path: str, hook_point: str, first_shard: int, flat: bool, done: str) -> None:
         """Local stores: refuse the folders the writer thread writes an array's shards into
         (``path``, ``path/c`` and ``path/c/<shard>`` from ``first_shard`` on) where one is a
-        symbolic link or not a folder: it writes no file through a link (one may point outside
-        the store) and would fail at that shard, mid-capture. ``done``: what was changed so far."""
+        symbolic link or not a folder, and, for an array without features (``flat``: its
+        shards are the files ``path/c/<shard>``), a folder where it writes a shard: it writes
+        no file through a link (one may point outside the store) and would fail at that shard,
+        mid-capture. ``done``: what was changed so far."""
         root = self._backend.root
         found = []
         for rel in (path, f"{path}/c"):
@@ -1243,26 +1245,30 @@ class StoreWriter:
             c = root / path / "c"
             if c.is_dir():
                 with os.scandir(c) as entries:
-                    found = sorted((f"{path}/c/{e.name}" for e in entries if e.is_symlink() and e.name.isascii()
-                                    and e.name.isdigit() and int(e.name) >= first_shard),
+                    found = sorted((f"{path}/c/{e.name}" for e in entries
+                                    if (e.is_symlink() or (flat and e.is_dir(follow_symlinks=False)))
+                                    and e.name.isascii() and e.name.isdigit() and int(e.name) >= first_shard),
                                    key=lambda k: int(k.rsplit("/", 1)[1]))
         if found:
-            link = (root / found[0]).is_symlink()
+            link, folder = (root / found[0]).is_symlink(), (root / found[0]).is_dir()
             meta = self._old_arrays.get(hook_point)
             held = -(-int(meta["n_rows"]) // int(meta["shard_rows"])) if meta else 0  # shards of committed rows
             if found[0].count("/") > 2:  # c/<shard>: the partial last shard's may hold committed rows
                 held = int(found[0].rsplit("/", 1)[1]) < held
-            if not link:
-                fix = "move it away"
-            elif held:
-                fix = "replace it with a copy of the folder it points to (committed rows are in it)"
-            else:  # nothing the store reads
-                fix = f"remove {'them' if len(found) > 1 else 'it'} (the link, not what it points to)"
+            them = "them" if len(found) > 1 else "it"
+            if link:
+                what = "a symbolic link"
+                why = "a writer writes no file through a link (one may point outside the store)"
+                fix = ("replace it with a copy of the folder it points to (committed rows are in it)" if held else
+                       f"remove {them} (the link, not what it points to)")
+            elif folder:
+                what, why, fix = "a folder", "a shard of an array without features is a file", f"move {them} away"
+            else:
+                what, why, fix = "not a folder", "the writer makes a folder there", f"move {them} away"
             raise StoreError(
-                f"cannot write hook point {hook_point!r} into {str(self._backend)!r}: {found[0]!r} is "
-                f"{'a symbolic link' if link else 'not a folder'}, where the writer makes the folders of the array's "
-                f"shards{f' ({len(found)} such links)' if len(found) > 1 else ''}; a writer writes no file through a "
-                f"link (one may point outside the store): {fix}, then resume again{done}")
+                f"cannot write hook point {hook_point!r} into {str(self._backend)!r}: {found[0]!r} is {what}, where "
+                f"the writer writes the array's shards{f' ({len(found)} such entries)' if len(found) > 1 else ''}; "
+                f"{why}: {fix}, then resume again{done}")
 
     def _raise_if_failed(self) -> None:
         if self._core.failed:
@@ -1353,7 +1359,7 @@ class StoreWriter:
             arr = _Array(hook_point, node, f"acts/{node}", feature_shape, name, row_kind, chunk_rows, shard_chunks,
                          compression, committed_rows=committed)
             if old is None and isinstance(self._backend, LocalBackend):  # (a stored array's: checked by the resume)
-                self._refuse_linked_folders(arr.path, hook_point, 0, "; the committed rows are unchanged")
+                self._refuse_linked_folders(arr.path, hook_point, 0, not feature_shape, "; the committed rows are unchanged")
             if isinstance(self._backend, LocalBackend) and self._found_root is not None:  # (for a discard)
                 arr.folder_found = os.path.lexists(self._backend.root / arr.path)
                 arr.chunks_found = os.path.lexists(self._backend.root / arr.path / "c")

@@ -202,3 +202,22 @@ def test_a_link_to_the_folder_of_committed_rows_is_refused_with_the_advice_to_co
                                          r"folder it points to \(committed rows are in it\)"):
         StoreWriter(path, resume=True, **_options())
     assert torch.equal(acs.open_store(path)["0.output"], rows)
+
+
+def test_a_folder_where_a_resume_writes_a_shard_of_an_array_without_features_is_refused_up_front(tmp_path):
+    path = tmp_path / "s.zarr"
+    w = StoreWriter(path, **_options())
+    rows = torch.randn(20)
+    w.open_array("y", (), torch.float32, "sample").append(rows)  # shards are the files c/0, c/1
+    w.add_batch(20)
+    w.close()
+    (path / "acts/y/c/2").mkdir()  # (the writer thread failed renaming shard 2 onto it, mid-capture)
+    with pytest.raises(StoreError, match=r"'acts/y/c/2' is a folder, where the writer writes the array's shards; "
+                                         r"a shard of an array without features is a file: move it away"):
+        StoreWriter(path, resume=True, **_options())
+    (path / "acts/y/c/2").rmdir()
+    w = StoreWriter(path, resume=True, **_options())
+    w.open_array("y", (), torch.float32, "sample").append(rows)
+    w.add_batch(20)
+    w.close()
+    assert torch.equal(acs.open_store(path)["y"], torch.cat([rows, rows]))
