@@ -157,3 +157,34 @@ def test_an_object_store_s_commit_goes_through_the_pool_however_fast_its_writes(
     store = acs.open_store(url)
     with torch.no_grad():
         assert torch.equal(store["layers.9.output"], model(torch.cat(xs)))
+
+
+@pytest.mark.parametrize("serial_s", [1.0, 0.0], ids=["serial", "pooled"])
+def test_a_folder_where_a_commit_writes_a_document_is_named_with_the_fix(tmp_path, monkeypatch, serial_s):
+    from activationscope.cli import main as cli_main
+    from activationscope.errors import StoreCorruptError
+    from activationscope.store.writer import StoreWriter
+
+    monkeypatch.setattr(W, "_SERIAL_WRITE_S", serial_s)  # every commit in one thread, or through the pool
+    path = tmp_path / "s.zarr"
+    data = {f"h{i}": torch.randn(20, 8) for i in range(10)}  # 10 arrays: 20 documents a commit
+    w = StoreWriter(path, chunk_rows=4, shard_rows=16)
+    for hp, rows in data.items():
+        w.open_array(hp, (8,), torch.float32, "sample").append(rows)
+    w.add_batch(20)
+    w.close()
+    (path / "acts/new/zarr.json").mkdir(parents=True)
+    w = StoreWriter(path, resume=True, chunk_rows=4, shard_rows=16)
+    for hp, rows in data.items():
+        w.open_array(hp, (8,), torch.float32, "sample").append(rows)
+    w.open_array("new", (8,), torch.float32, "sample").append(torch.randn(20, 8))
+    w.add_batch(20)
+    # (it said: writing '.../acts/new/zarr.json' failed: Is a directory)
+    with pytest.raises(StoreCorruptError, match=r"'acts/new/zarr\.json' must be a regular file, got a directory; "
+                                                r"move the folder at .*acts/new/zarr\.json' away"):
+        w.close()
+    store = acs.open_store(path, verify=True)
+    assert sorted(store.hook_points) == sorted(data)
+    for hp, rows in data.items():
+        assert torch.equal(store[hp], rows), hp
+    assert cli_main(["verify", str(path)]) == 0
