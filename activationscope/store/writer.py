@@ -1219,7 +1219,8 @@ class StoreWriter:
                         k = int(rel.split("/")[1])
                     except (IndexError, ValueError):
                         continue
-                    if k >= keep_shards:
+                    # a shard past the committed ones (a file of another name there is no shard: kept)
+                    if k >= keep_shards and key == F.shard_key(path, k, len(meta["feature_shape"])):
                         b.delete(key)
         for kind, tbl in self._row_tables.items():
             listed = set(tbl.get("parts", []))

@@ -221,3 +221,19 @@ def test_a_folder_where_a_resume_writes_a_shard_of_an_array_without_features_is_
     w.add_batch(20)
     w.close()
     assert torch.equal(acs.open_store(path)["y"], torch.cat([rows, rows]))
+
+
+def test_a_resume_deletes_the_shards_past_the_committed_rows_and_no_other_file_in_their_folders(tmp_path):
+    path = tmp_path / "s.zarr"
+    rows = _store_of_20_rows(path)  # shards 0 and 1 committed
+    (path / "acts/0.output/c/2").mkdir()
+    (path / "acts/0.output/c/2/0").write_bytes(b"a shard a killed writer finished")
+    (path / "acts/0.output/c/5").mkdir()
+    (path / "acts/0.output/c/5/notes.txt").write_text("a file of the user's")  # (it was deleted)
+    w = StoreWriter(path, resume=True, **_options())
+    w.discard()
+    assert not (path / "acts/0.output/c/2/0").exists()
+    assert (path / "acts/0.output/c/5/notes.txt").read_text() == "a file of the user's"
+    store = acs.open_store(path)
+    assert store.status == "complete" and torch.equal(store["0.output"], rows)
+    assert cli_main(["verify", str(path)]) == 0
