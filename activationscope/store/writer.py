@@ -1232,7 +1232,8 @@ class StoreWriter:
         """Local stores: refuse the folders the writer thread writes an array's shards into
         (``path``, ``path/c`` and ``path/c/<shard>`` from ``first_shard`` on) where one is a
         symbolic link or not a folder, and, for an array without features (``flat``: its
-        shards are the files ``path/c/<shard>``), a folder where it writes a shard: it writes
+        shards are the files ``path/c/<shard>``), a folder where it writes a shard (the files
+        there are shards past the committed rows, deleted by the resume): it writes
         no file through a link (one may point outside the store) and would fail at that shard,
         mid-capture. ``done``: what was changed so far."""
         root = self._backend.root
@@ -1247,7 +1248,7 @@ class StoreWriter:
             if c.is_dir():
                 with os.scandir(c) as entries:
                     found = sorted((f"{path}/c/{e.name}" for e in entries
-                                    if (e.is_symlink() or (flat and e.is_dir(follow_symlinks=False)))
+                                    if (e.is_symlink() or e.is_dir(follow_symlinks=False) == flat)
                                     and e.name.isascii() and e.name.isdigit() and int(e.name) >= first_shard),
                                    key=lambda k: int(k.rsplit("/", 1)[1]))
         if found:

@@ -237,3 +237,15 @@ def test_a_resume_deletes_the_shards_past_the_committed_rows_and_no_other_file_i
     store = acs.open_store(path)
     assert store.status == "complete" and torch.equal(store["0.output"], rows)
     assert cli_main(["verify", str(path)]) == 0
+
+
+def test_a_file_where_a_resume_makes_a_shard_folder_is_refused_up_front(tmp_path):
+    path = tmp_path / "s.zarr"
+    rows = _store_of_20_rows(path)
+    (path / "acts/0.output/c/3").write_bytes(b"no shard of an array with features")
+    before = {p: p.read_bytes() for p in path.rglob("*") if p.is_file()}
+    with pytest.raises(StoreError, match=r"'acts/0\.output/c/3' is not a folder, where the writer writes the array's "
+                                         r"shards; the writer makes a folder there: move it away"):
+        StoreWriter(path, resume=True, **_options())
+    assert {p: p.read_bytes() for p in path.rglob("*") if p.is_file()} == before
+    assert torch.equal(acs.open_store(path)["0.output"], rows)
