@@ -1521,7 +1521,10 @@ class StoreWriter:
             return listed
         try:
             store = Store(self._backend)
-            for hp in self._old_arrays:
+        except (ActivationScopeError, OSError, KeyError, TypeError, ValueError):
+            return listed
+        for hp in self._old_arrays:
+            try:  # (an array that cannot be read has its kept file put back)
                 meta = store._meta(hp)
                 n, shard_rows = int(meta["n_rows"]), int(meta["shard_rows"])
                 if not n % shard_rows:
@@ -1531,8 +1534,8 @@ class StoreWriter:
                 if path in kept and store._matches_manifest(meta, n // shard_rows, key) is True \
                         and store._matches_manifest(meta, n // shard_rows, key + KEPT_SUFFIX) is False:
                     listed.add(path)
-        except (ActivationScopeError, OSError, KeyError, TypeError, ValueError):
-            return set()
+            except (ActivationScopeError, OSError, KeyError, TypeError, ValueError):
+                continue
         return listed
 
     def _load_manifest(self, arr: _Array) -> dict:
