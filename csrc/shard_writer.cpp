@@ -242,17 +242,80 @@ void mkdirs(const std::string& path) {
   if (::mkdir(path.c_str(), 0777) != 0 && errno != EEXIST) io_fail("creating directory", path, errno);
 }
 
-void fsync_dir(const std::string& dir) {
-  int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
-  if (fd < 0) return;
-  ::fsync(fd);
-  ::close(fd);
-}
-
 std::string dirname_of(const std::string& p) {
   auto pos = p.rfind('/');
   return pos == std::string::npos ? std::string(".") : p.substr(0, pos);
 }
+
+std::string basename_of(const std::string& p) {
+  auto pos = p.rfind('/');
+  return pos == std::string::npos ? p : p.substr(pos + 1);
+}
+
+// A folder the writer writes into is never reached through a symbolic link (a link planted
+// in a store, or swapped in for a folder while a shard is open, could point outside it):
+// every folder below an array's folder is opened with O_NOFOLLOW, one component at a time,
+// and the shard renamed relative to the folder so opened.
+[[noreturn]] void not_a_folder(const std::string& path) {
+  struct stat st;
+  const bool link = ::lstat(path.c_str(), &st) == 0 && S_ISLNK(st.st_mode);
+  throw StoreIOError(c10::str(
+      "'", path, "' is ", link ? "a symbolic link" : "not a folder", " where the store writer writes shards ",
+      "(it writes no file through a link, nor anywhere but in the store's own folders): ",
+      link ? "remove the link (not what it points to)" : "move it away", ", then resume the capture (resume=True)"));
+}
+
+// Opens the folder `path` itself, never through a link at its last component.
+int open_folder(const std::string& path) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0) {
+    const int e = errno;
+    if (e == ELOOP || e == ENOTDIR) not_a_folder(path);
+    io_fail("opening directory", path, e);
+  }
+  return fd;
+}
+
+// Opens the folder `rel` ('/'-separated components) below the open folder `base_fd` (named
+// `base`), each component with O_NOFOLLOW, making the missing ones. Returns its fd.
+int open_folder_below(int base_fd, const std::string& base, const std::string& rel) {
+  int fd = ::dup(base_fd);
+  if (fd < 0) io_fail("opening directory", base, errno);
+  std::string shown = base;
+  size_t start = 0;
+  while (start <= rel.size()) {
+    size_t end = rel.find('/', start);
+    if (end == std::string::npos) end = rel.size();
+    const std::string part = rel.substr(start, end - start);
+    start = end + 1;
+    if (part.empty()) continue;
+    shown += "/" + part;
+    int next = ::openat(fd, part.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (next < 0 && errno == ENOENT) {
+      if (::mkdirat(fd, part.c_str(), 0777) != 0 && errno != EEXIST) {
+        const int e = errno;
+        ::close(fd);
+        io_fail("creating directory", shown, e);
+      }
+      next = ::openat(fd, part.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    }
+    const int e = errno;
+    ::close(fd);
+    if (next < 0) {
+      if (e == ELOOP || e == ENOTDIR) not_a_folder(shown);
+      io_fail("opening directory", shown, e);
+    }
+    fd = next;
+  }
+  return fd;
+}
+
+struct FdCloser {
+  int fd;
+  ~FdCloser() {
+    if (fd >= 0) ::close(fd);
+  }
+};
 
 }  // namespace
 
@@ -641,17 +704,23 @@ void ArrayWriter::write_chunk(WorkItem& item) {
   if (fd_ >= 0 && open_shard_ != shard) finish_shard(durable_rows_.load());  // defensive
   if (fd_ < 0) {
     mkdirs(spec_.tmp_dir);
-    tmp_path_ = c10::str(spec_.tmp_dir, "/shard-", reinterpret_cast<uintptr_t>(this), "-", shard, "-",
-                         static_cast<long>(::getpid()), ".tmp");
-    fd_ = ::open(tmp_path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd_ < 0) io_fail("creating shard", tmp_path_, errno);
+    FdCloser tmp_dir{open_folder(spec_.tmp_dir)};
+    const std::string tmp_name = c10::str("shard-", reinterpret_cast<uintptr_t>(this), "-", shard, "-",
+                                          static_cast<long>(::getpid()), ".tmp");
+    tmp_path_ = spec_.tmp_dir + "/" + tmp_name;
+    fd_ = ::openat(tmp_dir.fd, tmp_name.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0644);
+    if (fd_ < 0) {
+      if (errno == ELOOP) not_a_folder(tmp_path_);
+      io_fail("creating shard", tmp_path_, errno);
+    }
     open_shard_ = shard;
     // the shard's folder now, while the model runs, not when the shard is finished (at the
     // close, that is on the capture's critical path, every array at once)
     std::string final_path = shard_path(shard);
-    if (shard == spec_.hold_shard) final_path += ".resumed.tmp";
     shard_dir_ = dirname_of(final_path);
-    mkdirs(shard_dir_);
+    FdCloser array_dir{spec_.dir == spec_.tmp_dir ? ::dup(tmp_dir.fd) : open_folder(spec_.dir)};
+    if (array_dir.fd < 0) io_fail("opening directory", spec_.dir, errno);
+    FdCloser made{open_folder_below(array_dir.fd, spec_.dir, shard_dir_.substr(spec_.dir.size()))};
     file_off_ = 0;
     cur_ = ShardRecord();
     cur_.shard = shard;
@@ -701,18 +770,24 @@ void ArrayWriter::finish_shard(int64_t rows_end) {
   fd_ = -1;
   std::string final_path = shard_path(cur_.shard);
   if (cur_.shard == spec_.hold_shard) final_path += ".resumed.tmp";
-  if (dirname_of(final_path) != shard_dir_) mkdirs(dirname_of(final_path));  // (made at the shard's start)
-  int renamed = ::rename(tmp_path_.c_str(), final_path.c_str());
-  if (renamed != 0 && errno == ENOENT && ::access(tmp_path_.c_str(), F_OK) == 0) {
-    mkdirs(dirname_of(final_path));  // its folder went since the shard was opened: made again
-    renamed = ::rename(tmp_path_.c_str(), final_path.c_str());
-  }
-  if (renamed != 0) {
-    const int e = errno;
+  // the folders opened again, none through a link (made again where one went since the
+  // shard was opened), and the shard renamed relative to them
+  int shard_dir = -1;
+  try {
+    FdCloser tmp_dir{open_folder(spec_.tmp_dir)};
+    FdCloser array_dir{spec_.dir == spec_.tmp_dir ? ::dup(tmp_dir.fd) : open_folder(spec_.dir)};
+    if (array_dir.fd < 0) io_fail("opening directory", spec_.dir, errno);
+    shard_dir = open_folder_below(array_dir.fd, spec_.dir, shard_dir_.substr(spec_.dir.size()));
+    if (::renameat(tmp_dir.fd, basename_of(tmp_path_).c_str(), shard_dir, basename_of(final_path).c_str()) != 0) {
+      io_fail("renaming shard to", final_path, errno);
+    }
+  } catch (...) {
+    if (shard_dir >= 0) ::close(shard_dir);
     ::unlink(tmp_path_.c_str());
-    io_fail("renaming shard to", final_path, e);
+    throw;
   }
-  if (core_->fsync_enabled()) fsync_dir(dirname_of(final_path));
+  FdCloser renamed_in{shard_dir};
+  if (core_->fsync_enabled()) ::fsync(shard_dir);
   cur_.rows_end = rows_end;
   cur_.file_bytes = file_off_;
   {

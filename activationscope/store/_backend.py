@@ -408,6 +408,10 @@ class LocalBackend:
                 tmp.unlink()
             except OSError:
                 pass
+            if isinstance(e, IsADirectoryError) or (p.is_dir() and not p.is_symlink()):
+                raise corrupt(self, f"{key!r} must be a regular file, got a directory",
+                              fix=f"move the folder at {str(p)!r} away (the store writes that file there), then try "
+                                  "again (a capture: resume=True continues from its committed rows)") from e
             raise StoreError(f"writing {str(p)!r} failed: {e.strerror or e}") from e
         if self.fsync:
             fsync_dir(p.parent)

@@ -749,7 +749,10 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
                     rec = recs[k]
                     if local:
                         src = st._backend.path(F.shard_key(path, k, nd))
-                        _link_or_copy(src, b.root / F.shard_key(path, base + k, nd))
+                        key = F.shard_key(path, base + k, nd)
+                        dst = b.path(key)  # (a link in the store's folders that leaves it is refused)
+                        b._make_parent(dst, key)
+                        _link_or_copy(src, dst)
                     else:  # object storage: a server-side copy, no bytes through this process
                         src = _remote_path(b, f"{RANKS_DIR}/{r:05d}/{F.shard_key(path, k, nd)}")
                         b._sync(b.store.fs._copy(src, _remote_path(b, F.shard_key(path, base + k, nd))))

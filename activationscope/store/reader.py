@@ -1164,26 +1164,30 @@ class Store:
         try:
             if self._backend.size(kept) is None:
                 return key
-            chunk_rows = int(meta["chunk_rows"])
-            slot = ((n - 1) // chunk_rows) % (shard_rows // chunk_rows)
-            crcs = self._array_crcs(meta)
-            rec = crcs.get((shard, slot))
-            if rec is None:
-                return key
-            off, nb, crc = rec
-            file_bytes = (crcs._shards.get(shard) or {}).get("file_bytes")
-
-            def matches(k: str) -> bool:
-                if self._backend.size(k) != file_bytes:
-                    return False
-                data = self._backend.get_range(k, off, nb)
-                return data is not None and len(data) == nb and F.crc32c(data) == crc
-
-            if not matches(key) and matches(kept):
+            if self._matches_manifest(meta, shard, key) is False and self._matches_manifest(meta, shard, kept):
                 return kept
         except StoreError:  # (the key's own checks name what is wrong)
             pass
         return key
+
+    def _matches_manifest(self, meta: dict, shard: int, key: str) -> bool | None:
+        """Whether the file ``key`` is the partial last shard ``shard`` as the manifest records
+        it: its size (``file_bytes``) and the crc32c of its chunk holding the last committed row
+        (the only committed chunk a resume's rewrite can change); None when the manifest has no
+        record of that chunk. Raises StoreError as reading the file does."""
+        n, shard_rows = int(meta["n_rows"]), int(meta["shard_rows"])
+        chunk_rows = int(meta["chunk_rows"])
+        slot = ((n - 1) // chunk_rows) % (shard_rows // chunk_rows)
+        crcs = self._array_crcs(meta)
+        rec = crcs.get((shard, slot))
+        if rec is None:
+            return None
+        off, nb, crc = rec
+        file_bytes = (crcs._shards.get(shard) or {}).get("file_bytes")
+        if self._backend.size(key) != file_bytes:
+            return False
+        data = self._backend.get_range(key, off, nb)
+        return data is not None and len(data) == nb and F.crc32c(data) == crc
 
     def _shard_index(self, meta: dict, shard: int, _key: str | None = None) -> _ShardIndex:
         """Read and check a shard's index before any of its rows is used.

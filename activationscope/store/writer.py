@@ -1192,6 +1192,10 @@ class StoreWriter:
                                                      doc_key=doc_key)
                 if problems:
                     raise V.corrupt(b, "; ".join(problems) + "; nothing was deleted or written")
+        if isinstance(b, LocalBackend):
+            for hp, meta in self._old_arrays.items():
+                self._refuse_linked_folders(meta["path"], hp, int(meta["n_rows"]) // int(meta["shard_rows"]),
+                                            not meta["feature_shape"], "; nothing was deleted or written")
         self._remove_temp_files()  # the writer killed before this one left them (no array writer of ours yet)
         if isinstance(b, LocalBackend):
             self._restore_kept_reductions()
@@ -1215,13 +1219,58 @@ class StoreWriter:
                         k = int(rel.split("/")[1])
                     except (IndexError, ValueError):
                         continue
-                    if k >= keep_shards:
+                    # a shard past the committed ones (a file of another name there is no shard: kept)
+                    if k >= keep_shards and key == F.shard_key(path, k, len(meta["feature_shape"])):
                         b.delete(key)
         for kind, tbl in self._row_tables.items():
             listed = set(tbl.get("parts", []))
             for key in list(b.list(f"rows/{kind}/")):
                 if key not in listed:
                     b.delete(key)
+
+    def _refuse_linked_folders(self, path: str, hook_point: str, first_shard: int, flat: bool, done: str) -> None:
+        """Local stores: refuse the folders the writer thread writes an array's shards into
+        (``path``, ``path/c`` and ``path/c/<shard>`` from ``first_shard`` on) where one is a
+        symbolic link or not a folder, and, for an array without features (``flat``: its
+        shards are the files ``path/c/<shard>``), a folder where it writes a shard (the files
+        there are shards past the committed rows, deleted by the resume): it writes
+        no file through a link (one may point outside the store) and would fail at that shard,
+        mid-capture. ``done``: what was changed so far."""
+        root = self._backend.root
+        found = []
+        for rel in (path, f"{path}/c"):
+            p = root / rel
+            if p.is_symlink() or (p.exists() and not p.is_dir()):
+                found.append(rel)
+                break
+        else:
+            c = root / path / "c"
+            if c.is_dir():
+                with os.scandir(c) as entries:
+                    found = sorted((f"{path}/c/{e.name}" for e in entries
+                                    if (e.is_symlink() or e.is_dir(follow_symlinks=False) == flat)
+                                    and e.name.isascii() and e.name.isdigit() and int(e.name) >= first_shard),
+                                   key=lambda k: int(k.rsplit("/", 1)[1]))
+        if found:
+            link, folder = (root / found[0]).is_symlink(), (root / found[0]).is_dir()
+            meta = self._old_arrays.get(hook_point)
+            held = -(-int(meta["n_rows"]) // int(meta["shard_rows"])) if meta else 0  # shards of committed rows
+            if found[0].count("/") > 2:  # c/<shard>: the partial last shard's may hold committed rows
+                held = int(found[0].rsplit("/", 1)[1]) < held
+            them = "them" if len(found) > 1 else "it"
+            if link:
+                what = "a symbolic link"
+                why = "a writer writes no file through a link (one may point outside the store)"
+                fix = ("replace it with a copy of the folder it points to (committed rows are in it)" if held else
+                       f"remove {them} (the link, not what it points to)")
+            elif folder:
+                what, why, fix = "a folder", "a shard of an array without features is a file", f"move {them} away"
+            else:
+                what, why, fix = "not a folder", "the writer makes a folder there", f"move {them} away"
+            raise StoreError(
+                f"cannot write hook point {hook_point!r} into {str(self._backend)!r}: {found[0]!r} is {what}, where "
+                f"the writer writes the array's shards{f' ({len(found)} such entries)' if len(found) > 1 else ''}; "
+                f"{why}: {fix}, then resume again{done}")
 
     def _raise_if_failed(self) -> None:
         if self._core.failed:
@@ -1311,6 +1360,8 @@ class StoreWriter:
                 committed = 0
             arr = _Array(hook_point, node, f"acts/{node}", feature_shape, name, row_kind, chunk_rows, shard_chunks,
                          compression, committed_rows=committed)
+            if old is None and isinstance(self._backend, LocalBackend):  # (a stored array's: checked by the resume)
+                self._refuse_linked_folders(arr.path, hook_point, 0, not feature_shape, "; the committed rows are unchanged")
             if isinstance(self._backend, LocalBackend) and self._found_root is not None:  # (for a discard)
                 arr.folder_found = os.path.lexists(self._backend.root / arr.path)
                 arr.chunks_found = os.path.lexists(self._backend.root / arr.path / "c")
@@ -1336,11 +1387,11 @@ class StoreWriter:
                 if committed > start:  # re-feed the committed rows of the partial last shard
                     from .reader import Store
 
-                    self._keep_committed_shard(arr, committed // arr.shard_rows)
-
                     st = Store(self._backend)
                     st._resume_tail = True  # a resume killed before its commit rewrote that chunk (FORMAT.md section 5)
+                    # read first: a missing or damaged shard is named as such (by the reader's checks)
                     rows = st._read_rows(hook_point, start, committed, copy=True)
+                    self._keep_committed_shard(arr, committed // arr.shard_rows)
                     writer.append(rows)
             self._arrays[hook_point] = arr
             self._order.append(arr)
@@ -1440,16 +1491,52 @@ class StoreWriter:
         installed.clear()
 
     def _drop_kept_shards(self, restore: bool) -> None:
+        """Remove the kept committed files of rewritten last shards, or with ``restore`` put
+        each back over its key (no root lists the rewrite: a close or abort that failed, a
+        discard), unless the store's manifest as it is now lists the rewrite under the key and
+        not the kept file: a commit that failed after writing that array's manifest (a full
+        disk, another array's document) leaves a manifest that only the rewrite matches (the
+        root, not written, still lists the committed rows, which the rewrite holds too)."""
+        listed = self._rewrite_listed() if restore and self._kept_shards else set()
         while self._kept_shards:
             path, keep = self._kept_shards.pop()
             try:
-                if restore and not (path.exists() and os.path.samefile(keep, path)):
+                if restore and path not in listed and not (path.exists() and os.path.samefile(keep, path)):
                     os.replace(keep, path)  # (rename() of two links to one file does nothing)
                 else:
                     keep.unlink(missing_ok=True)
             except OSError as e:
                 warnings.warn(f"store {str(self._backend)!r}: {'restoring' if restore else 'removing'} {keep}: {e}",
                               RuntimeWarning, stacklevel=3)
+
+    def _rewrite_listed(self) -> set[Path]:
+        """The keys (paths) of the kept shards whose rewrite, now under the key, is the file
+        the store's manifest as it is now describes, and the kept committed file is not (the
+        test a reader's ``Store._shard_file`` makes). Empty where the store cannot be read."""
+        from .reader import Store
+
+        kept = {path for path, _keep in self._kept_shards} & self._installed_shards  # (the others hold the kept file)
+        listed: set[Path] = set()
+        if not kept:
+            return listed
+        try:
+            store = Store(self._backend)
+        except (ActivationScopeError, OSError, KeyError, TypeError, ValueError):
+            return listed
+        for hp in self._old_arrays:
+            try:  # (an array that cannot be read has its kept file put back)
+                meta = store._meta(hp)
+                n, shard_rows = int(meta["n_rows"]), int(meta["shard_rows"])
+                if not n % shard_rows:
+                    continue
+                key = store._shard_key(meta, n // shard_rows)
+                path = self._backend.root / key
+                if path in kept and store._matches_manifest(meta, n // shard_rows, key) is True \
+                        and store._matches_manifest(meta, n // shard_rows, key + KEPT_SUFFIX) is False:
+                    listed.add(path)
+            except (ActivationScopeError, OSError, KeyError, TypeError, ValueError):
+                continue
+        return listed
 
     def _load_manifest(self, arr: _Array) -> dict:
         key = f"{arr.path}/manifest.json"
@@ -2460,10 +2547,11 @@ class StoreWriter:
             empty: list[Path] = []
             try:
                 self._stop_threads()
-                self._drop_kept_shards(restore=True)
                 self._drop_kept_reductions(restore=True)
                 self._backend.set("zarr.json", self._found_root)
                 empty = self._put_back_found_files()
+                # after the found manifests went back: a rewrite they do not list is never kept
+                self._drop_kept_shards(restore=True)
             except BaseException as e:  # noqa: BLE001 - the refusal stays the error the caller sees
                 warnings.warn(f"store {str(self._backend)!r}: putting it back as found failed: {e}",
                               RuntimeWarning, stacklevel=2)
@@ -2517,7 +2605,8 @@ class StoreWriter:
         ``remove_if_empty`` (local, inside the store) and their subfolders that hold no file."""
         self._drop_held_shards()
         # a kept committed file still here: no root lists its shard's rewrite (a close or abort
-        # that failed after renaming it over the key): the committed file goes back (FORMAT.md §7)
+        # that failed after renaming it over the key): the committed file goes back, unless the
+        # array's manifest lists the rewrite (FORMAT.md §7)
         self._drop_kept_shards(restore=True)
         self._drop_kept_reductions(restore=True)  # (likewise a reduction's, FORMAT.md section 6)
         release = getattr(self._backend, "release", None)

@@ -79,3 +79,112 @@ def test_a_failed_document_write_is_the_commits_error(tmp_path, monkeypatch, del
     monkeypatch.setattr(LocalBackend, "set", set_)
     with pytest.raises(StoreError, match=r"layers\.7\.output/zarr\.json: disk full"):
         _capture(tmp_path / "s.zarr", [torch.randn(3, 4)])
+
+
+@pytest.mark.parametrize("delay_s", [0.0, 0.002], ids=["fast", "slow"])
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_a_resume_whose_commit_fails_midway_leaves_the_committed_rows_readable(tmp_path, monkeypatch, delay_s,
+                                                                                compression):
+    # the resume rewrites each array's partial last shard: the failed commit renamed every
+    # rewrite over its key and wrote the manifests of some arrays (not the root) before the
+    # failure; what the failed close leaves must read as the committed store
+    from activationscope.cli import main as cli_main
+
+    path = tmp_path / "s.zarr"
+    options = {"compression": compression}
+    xs = [torch.randn(3, 4) for _ in range(4)]
+    model = _Model()
+    with torch.no_grad(), acs.ActivationScope(store=str(path), store_options=options).track(model):
+        for x in xs:
+            model(x)
+    first = acs.open_store(path)
+    committed = {hp: first[hp].clone() for hp in first.hook_points}
+    real = LocalBackend.set
+    written = []
+
+    def set_(self, key, data):
+        if delay_s:
+            time.sleep(delay_s)
+        if key == "acts/layers.5.output/manifest.json":
+            raise StoreError(f"cannot write {key}: disk full (simulated)")
+        real(self, key, data)
+        written.append(key)
+
+    monkeypatch.setattr(LocalBackend, "set", set_)
+    with pytest.raises(StoreError, match=r"layers\.5\.output/manifest\.json: disk full"):
+        with torch.no_grad(), acs.ActivationScope(store=str(path), store_options={**options, "resume": True}) \
+                .track(model):
+            for x in xs:
+                model(x)
+    monkeypatch.setattr(LocalBackend, "set", real)
+    assert "acts/layers.0.output/manifest.json" in written  # (other arrays' manifests were written)
+    for verified in (False, True):
+        store = acs.open_store(path, verify=verified)
+        assert store.status == "incomplete" and sorted(store.hook_points) == sorted(committed)
+        for hp, rows in committed.items():
+            assert torch.equal(store[hp], rows), hp
+    assert cli_main(["verify", str(path)]) == 0
+    with torch.no_grad(), acs.ActivationScope(store=str(path), store_options={**options, "resume": True}) \
+            .track(model):
+        for x in xs:
+            model(x)
+    store = acs.open_store(path, verify=True)
+    assert store.status == "complete"
+    for hp, rows in committed.items():
+        assert torch.equal(store[hp], torch.cat([rows, rows])), hp
+    assert cli_main(["verify", str(path)]) == 0
+
+
+def test_an_object_store_s_commit_goes_through_the_pool_however_fast_its_writes(tmp_path, monkeypatch):
+    import uuid
+
+    from activationscope.store._backend import ZarrBackend
+
+    names: list[tuple[str, str]] = []
+    real = ZarrBackend.set
+
+    def set_(self, key, data):
+        names.append((key, threading.current_thread().name))
+        return real(self, key, data)
+
+    monkeypatch.setattr(ZarrBackend, "set", set_)
+    url = f"memory://acs-commit-writes/{uuid.uuid4().hex}.zarr"
+    xs = [torch.randn(3, 4) for _ in range(2)]
+    model = _capture(url, xs)
+    pooled = [key for key, name in names if name.startswith("activationscope-commit")]
+    assert len(pooled) >= 8 and all(k.startswith("acts/layers.") for k in pooled)
+    assert names[-1] == ("zarr.json", threading.current_thread().name)  # the root last, by the committing thread
+    store = acs.open_store(url)
+    with torch.no_grad():
+        assert torch.equal(store["layers.9.output"], model(torch.cat(xs)))
+
+
+@pytest.mark.parametrize("serial_s", [1.0, 0.0], ids=["serial", "pooled"])
+def test_a_folder_where_a_commit_writes_a_document_is_named_with_the_fix(tmp_path, monkeypatch, serial_s):
+    from activationscope.cli import main as cli_main
+    from activationscope.errors import StoreCorruptError
+    from activationscope.store.writer import StoreWriter
+
+    monkeypatch.setattr(W, "_SERIAL_WRITE_S", serial_s)  # every commit in one thread, or through the pool
+    path = tmp_path / "s.zarr"
+    data = {f"h{i}": torch.randn(20, 8) for i in range(10)}  # 10 arrays: 20 documents a commit
+    w = StoreWriter(path, chunk_rows=4, shard_rows=16)
+    for hp, rows in data.items():
+        w.open_array(hp, (8,), torch.float32, "sample").append(rows)
+    w.add_batch(20)
+    w.close()
+    (path / "acts/new/zarr.json").mkdir(parents=True)
+    w = StoreWriter(path, resume=True, chunk_rows=4, shard_rows=16)
+    for hp, rows in data.items():
+        w.open_array(hp, (8,), torch.float32, "sample").append(rows)
+    w.open_array("new", (8,), torch.float32, "sample").append(torch.randn(20, 8))
+    w.add_batch(20)
+    # (it said: writing '.../acts/new/zarr.json' failed: Is a directory)
+    with pytest.raises(StoreCorruptError, match=r"'acts/new/zarr\.json' must be a regular file, got a directory; "
+                                                r"move the folder at .*acts/new/zarr\.json' away"):
+        w.close()
+    store = acs.open_store(path, verify=True)
+    assert sorted(store.hook_points) == sorted(data)
+    for hp, rows in data.items():
+        assert torch.equal(store[hp], rows), hp
+    assert cli_main(["verify", str(path)]) == 0
