@@ -995,6 +995,12 @@ def test_verify_ok_and_damaged(toy_store, capsys):
     code, _, err = run(capsys, "verify", str(out))
     assert code == 1
     assert "damaged" in err and "1.output" in err and "crc32c" in err and "Traceback" not in err
+    # one line per problem, then what to do about them (the lines named the files, not the fix)
+    *damaged, last = err.strip().splitlines()
+    assert damaged and all(": damaged: " in line for line in damaged)
+    n = len(damaged)
+    assert last == (f"activationscope verify: {out}: {n} problem{'' if n == 1 else 's'} found, nothing was changed: "
+                    "restore the files named from an intact copy of the store, or capture it again"), last
 
 
 def test_verify_missing_shard(toy_store, capsys):

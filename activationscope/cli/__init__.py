@@ -521,6 +521,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if problems:
         for p in problems:
             print(_printable(f"{PROG} verify: {args.store}: damaged: {p}"), file=sys.stderr)
+        n = len(problems)
+        print(_printable(f"{PROG} verify: {args.store}: {n} problem{'' if n == 1 else 's'} found, nothing was changed: "
+                         "restore the files named from an intact copy of the store, or capture it again"),
+              file=sys.stderr)
         return 1
     print(f"{args.store}: ok")
     return 0
