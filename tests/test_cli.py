@@ -942,6 +942,28 @@ def test_info_json(toy_store, capsys):
     assert code == 0 and info["status"] == "complete" and info["arrays"]["2.output"]["n_rows"] == 50
 
 
+def test_info_total_counts_every_hook_point_aliases_included(tmp_path, capsys):
+    """A Sequential's output is its last child's tensor: stored once, as an alias. The total
+    line counts the store's hook points (``store.hook_points``, aliases included), not only
+    its arrays (it said "2 hook points" of a store with 3), and says how many are arrays."""
+    import activationscope as acs
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Sequential(torch.nn.ReLU()))
+    with acs.ActivationScope(store=str(tmp_path / "a.zarr")).track(model):
+        model(torch.randn(5, 4))
+    store = acs.open_store(str(tmp_path / "a.zarr"))
+    assert len(store.hook_points) == 3 and store.aliases == {"1.output": "1.0.output"}
+    code, stdout, _ = run(capsys, "info", str(tmp_path / "a.zarr"))
+    assert code == 0
+    total = next(line for line in stdout.splitlines() if line.startswith("total:"))
+    assert total.startswith("total:    3 hook points (2 arrays, 1 stored once as the same tensor as another), "), total
+
+    with acs.ActivationScope(store=str(tmp_path / "one.zarr")).track(model, include=["0"]):
+        model(torch.randn(5, 4))
+    code, stdout, _ = run(capsys, "info", str(tmp_path / "one.zarr"))
+    assert code == 0 and "total:    1 hook point, " in stdout
+
+
 @pytest.mark.parametrize("json_out", [False, True], ids=["table", "json"])
 def test_info_refuses_a_root_that_lies_about_an_array(toy_store, capsys, json_out):
     """info shows the root's entry of each array only once the array's own zarr.json agrees
@@ -973,6 +995,12 @@ def test_verify_ok_and_damaged(toy_store, capsys):
     code, _, err = run(capsys, "verify", str(out))
     assert code == 1
     assert "damaged" in err and "1.output" in err and "crc32c" in err and "Traceback" not in err
+    # one line per problem, then what to do about them (the lines named the files, not the fix)
+    *damaged, last = err.strip().splitlines()
+    assert damaged and all(": damaged: " in line for line in damaged)
+    n = len(damaged)
+    assert last == (f"activationscope verify: {out}: {n} problem{'' if n == 1 else 's'} found, nothing was changed: "
+                    "restore the files named from an intact copy of the store, or capture it again"), last
 
 
 def test_verify_missing_shard(toy_store, capsys):

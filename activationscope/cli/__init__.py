@@ -521,6 +521,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if problems:
         for p in problems:
             print(_printable(f"{PROG} verify: {args.store}: damaged: {p}"), file=sys.stderr)
+        n = len(problems)
+        print(_printable(f"{PROG} verify: {args.store}: {n} problem{'' if n == 1 else 's'} found, nothing was changed: "
+                         "restore the files named from an intact copy of the store, or capture it again"),
+              file=sys.stderr)
         return 1
     print(f"{args.store}: ok")
     return 0
@@ -719,7 +723,7 @@ def format_info(info: dict[str, Any], name: str) -> str:
     ratio = info.get("data_to_disk_ratio")
     lines.append("")
     lines.append(
-        f"total:    {len(arrays)} hook points, {format_bytes(info.get('bytes'))} of activations, "
+        f"total:    {_hook_point_count(len(arrays), len(aliases))}, {format_bytes(info.get('bytes'))} of activations, "
         f"{format_bytes(info.get('bytes_on_disk'))} on disk"
         + (f" (data/disk {ratio:.2f}: activation bytes per byte of shard files, which also hold each array's "
            "full-size last chunk and the shard indexes; not a compression ratio)" if ratio else "")
@@ -734,6 +738,17 @@ def format_info(info: dict[str, Any], name: str) -> str:
     # every value comes from the store, written by someone else: a control character
     # (a terminal escape, a carriage return, a newline) is shown escaped, never sent as is
     return "\n".join(_printable(line) for line in lines)
+
+
+def _hook_point_count(n_arrays: int, n_aliases: int) -> str:
+    """The total line's count: every hook point of the store (``store.hook_points``), the
+    ones stored once as another's alias included, with how many arrays hold them."""
+    total = n_arrays + n_aliases
+    text = f"{total} hook point{'' if total == 1 else 's'}"
+    if n_aliases:
+        text += (f" ({n_arrays} arra{'y' if n_arrays == 1 else 'ys'}, {n_aliases} stored once as the same tensor as "
+                 "another)")
+    return text
 
 
 _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {

@@ -701,7 +701,9 @@ class ActivationDataset(Dataset):
         table = self.source.row_table(self.row_kind)
         lost = [hp for hp in self.hook_points if not self.source.follows_row_table(hp)]
         if lost:
-            raise ActivationScopeError(
+            # columns=, filter= or sample_ids= given for such a hook point: an argument this
+            # dataset cannot honour, refused as export_parquet / export_arrow refuse it
+            raise ArgumentValueError(
                 f"the rows of hook points {lost} do not follow the {self.row_kind} row table of "
                 f"{self.source.describe()} (store.follows_row_table() is False: first captured after some forwards, or "
                 "missing from one, their row i is not row i of the table), so columns, filter and sample_ids cannot be used "

@@ -345,6 +345,20 @@ def test_a_hook_point_off_the_row_table_exports_alone_without_columns(late_store
     assert torch.equal(arrow_to_torch(pq.read_table(tmp_path / "ds.parquet").column("b.output")), want_b[2:5])
 
 
+def test_a_dataset_of_a_hook_point_off_the_row_table_refuses_columns_as_export_does(late_store):
+    """columns=, filter= and sample_ids= for a hook point whose rows do not follow the row
+    table are refused as an argument (ArgumentValueError, a ValueError), as export_parquet
+    refuses them and as the dataset refuses it next to other hook points; they raised the
+    bare ActivationScopeError, which ``except ValueError`` did not catch."""
+    path, _, want_b = late_store
+    for kwargs in ({"columns": ["label"]}, {"filter": pc.field("label") == 1}, {"sample_ids": [1]}):
+        with pytest.raises(ArgumentValueError, match=r"\['b.output'\] do not follow the sample row table"):
+            ActivationDataset(path, hook_points="b.output", **kwargs)
+    with pytest.raises(ValueError):
+        ActivationDataset(path, hook_points="b.output", columns=["label"])
+    assert torch.equal(ActivationDataset(path, hook_points="b.output")[:]["b.output"], want_b)  # alone, it reads
+
+
 def test_a_hook_point_off_the_row_table_refuses_columns_filters_and_company(late_store, tmp_path):
     path, want_a, _ = late_store
     with pytest.raises(ArgumentValueError, match=r"'b.output'.*columns=\['sample_id'\].*export it without columns"):
