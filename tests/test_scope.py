@@ -1853,3 +1853,35 @@ def test_a_resume_of_a_sample_n_capture_is_refused_and_the_store_kept(tmp_path):
         model(xs[1])
     with torch.no_grad():
         assert torch.equal(acs.open_store(path)["0.output"], torch.cat([model(xs[0]), model(xs[1])]))
+
+
+@pytest.mark.parametrize("columns", [False, True])
+def test_default_sample_ids_of_a_sample_n_capture_count_the_skipped_forwards(tmp_path, columns):
+    """The default ids number the samples of every forward, those SAMPLE_N skipped too: a stored
+    sample's id is its row in the data (rows 32..47 of the data are ids 32..47, not 16..31)."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    data = torch.randn(80, 4)
+    path = tmp_path / "n.zarr"
+    with torch.no_grad(), acs.ActivationScope(store=path, capture_policy=acs.CapturePolicy.SAMPLE_N,
+                                              sample_every=2).track(model) as tr:
+        for i, n in enumerate((16, 16, 16, 8, 24)):  # batches of other sizes: the skipped ones counted by theirs
+            first = sum((16, 16, 16, 8, 24)[:i])
+            if columns:  # a described batch without ids: still numbered by the counter
+                tr.set_batch(label=list(range(first, first + n)))
+            model(data[first:first + n])
+    store = acs.open_store(path)
+    ids = store.row_table("sample").column("sample_id").to_pylist()
+    assert ids == list(range(0, 16)) + list(range(32, 48)) + list(range(56, 80))  # forwards 0, 2, 4
+    with torch.no_grad():
+        assert torch.equal(store["0.output"], model(data[ids]))
+    if columns:
+        assert store.row_table("sample").column("label").to_pylist() == ids
+    ds = acs.ActivationDataset(store, "0.output", sample_ids=[33, 60])
+    with torch.no_grad():
+        assert torch.equal(ds[list(range(len(ds)))]["0.output"], model(data[[33, 60]]))
+    # EVERY: the counter as before, 0.. without gaps
+    path = tmp_path / "every.zarr"
+    with torch.no_grad(), acs.ActivationScope(store=path).track(model):
+        model(data[:5])
+        model(data[5:12])
+    assert acs.open_store(path).row_table("sample").column("sample_id").to_pylist() == list(range(12))

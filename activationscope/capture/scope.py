@@ -623,6 +623,9 @@ class Tracker:
         # True once a failed capture removed the store it made (it held no committed row)
         self._store_removed = False
         self._n_samples = 0
+        # samples of the forwards a CapturePolicy skipped (SAMPLE_N): the default sample ids
+        # count them, so that a stored sample's id is its place in the data the model was fed
+        self._skipped_samples = 0
         self._open_forward: int | None = None  # index of a root forward that started and has not ended
         self._stop_learnt = False  # stop_after_last: the stop point was known when this forward started
         self._warned_stop = False
@@ -1556,6 +1559,8 @@ class Tracker:
         if self._core.outside_calls and not self._warned_outside:
             self._warn_outside_calls()
         if not self._core.capturing:
+            if self._core.n_forwards > 0:  # (a forward the policy skipped: its samples still count)
+                self._skipped_samples += _batch_size(self._batch or {}, self._core.batch_size)
             return
         if not self._first_checked and self._stored is not None:
             # the first captured forward of a resume gave every hook point it will: the
@@ -1590,6 +1595,11 @@ class Tracker:
             self._warn_token_rows_unused()
         if self.writer is not None:
             ids = batch.get("sample_ids")  # None: the writer numbers the samples on from its last
+            if ids is None and self._skipped_samples:
+                # the running counter counts the skipped forwards' samples too (SAMPLE_N): the
+                # samples of data rows 32..47 are ids 32..47, whatever forwards were stored
+                start = self._n_samples + self._skipped_samples
+                ids = torch.arange(start, start + n, dtype=torch.int64)
             mask = batch.get("attention_mask")
             if mask is None and self.scope.rows == "token":
                 mask = self._core.auto_token_mask
