@@ -578,7 +578,8 @@ class ActivationDataset(Dataset):
         the store's sample_id type); the rows stay in store
         order whatever the order given. ArgumentTypeError for anything else. An empty
         collection gives an empty dataset; ids none of which is in the dataset's rows raise
-        ArgumentValueError.
+        ArgumentValueError, and so do ids some of which no sample of the store has (those that
+        ``rows=`` or ``filter=`` leave out are no error: the selections intersect).
     open_options : dict, optional
         Keyword arguments of ``open_store`` when ``store`` is a path or URL. With an open
         store, options other than those it was opened with reopen it from its path with
@@ -802,7 +803,33 @@ class ActivationDataset(Dataset):
                 f"none of the sample_ids= (e.g. {some}) is in this dataset's {self.row_kind} row table "
                 "(within rows=, after filter=); read the ids there are with store.row_table()['sample_id']"
             )
+        if sample_ids is not None and len(wanted):
+            self._refuse_unknown_ids(wanted, table)
         self._ids = ids[keep[ids]].contiguous()
+
+    def _refuse_unknown_ids(self, wanted: pa.Array, table: pa.Table) -> None:
+        """ArgumentValueError when ``sample_ids=`` holds ids that no sample of the store has (a
+        typo, ids of another store): the selection would leave them out without a word. The
+        store's samples are those of the dataset's row table and of the store's ``sample`` row
+        table (a sample with no token row is one). Ids that ``rows=`` or ``filter=`` leave out
+        are no error."""
+        known = table.column("sample_id").cast(wanted.type)
+        if self.row_kind != "sample":
+            try:
+                samples = self.source.row_table("sample").column("sample_id").cast(wanted.type)
+                known = pa.chunked_array(known.chunks + samples.chunks, type=wanted.type)
+            except (KeyError, OSError, ActivationScopeError, pa.ArrowInvalid, pa.ArrowNotImplementedError):
+                pass  # (no sample table: the dataset's own)
+        absent = pc.invert(pc.is_in(wanted, value_set=known))
+        n_absent = pc.sum(absent).as_py() or 0
+        if n_absent:
+            missing = wanted.filter(absent)
+            raise ArgumentValueError(
+                f"sample_ids= holds {n_absent} id(s) that no sample of {self.source.describe()} has (e.g. "
+                f"{missing.slice(0, 5).to_pylist()}): the dataset would leave them out without a word; pass only ids "
+                "the store has (store.row_table('sample')['sample_id']; intersect your ids with them to select what "
+                "there is)"
+            )
 
     def _filter_error(self, filter: pc.Expression, table: pa.Table, error: Exception) -> ArgumentValueError:
         """ArgumentValueError for a filter expression Arrow cannot evaluate on the row table:

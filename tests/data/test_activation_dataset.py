@@ -144,6 +144,13 @@ def test_rows_selection_and_filters(store, arrays):
     # sample ids of which none is there: an error, not an empty dataset
     with pytest.raises(ValueError, match=r"none of the sample_ids= \(e.g. \[1000000, 9\]\) is in this dataset's (sample|token) row table"):
         ActivationDataset(store, hook_points=["a.output"], rows=range(0, 32), sample_ids=[10**6, 9])
+    # ids some of which no sample of the store has: an error naming them, not a smaller dataset
+    with pytest.raises(ArgumentValueError, match=r"sample_ids= holds 2 id\(s\) that no sample of .* has \(e.g. "
+                                                  r"\[500, 10000\]\): the dataset would leave them out"):
+        ActivationDataset(store, hook_points=["a.output"], sample_ids=[1, 500, 3, 10000])
+    # ids that rows= (or filter=) leave out are no error: the selections intersect
+    ds = ActivationDataset(store, hook_points=["a.output"], rows=range(0, 8), sample_ids=[1, 9])
+    assert torch.equal(ds[:]["a.output"], arrays["a.output"][4:8])
 
 
 def test_index_tensor_rows_keep_their_order(store, arrays):
@@ -241,9 +248,12 @@ def test_sample_ids_of_a_store_with_str_sample_ids_are_str(tmp_path):
     w.add_batch(6, sample_ids=[f"doc-{i}" for i in range(6)])
     w.close()
     path = str(tmp_path / "s.zarr")
-    for ids in (["doc-4", "doc-1"], {"doc-1", "doc-4"}, ("doc-1", "doc-4", "doc-9")):
+    for ids in (["doc-4", "doc-1"], {"doc-1", "doc-4"}, ("doc-1", "doc-4", "doc-1")):
         ds = ActivationDataset(path, columns=["sample_id"], sample_ids=ids)
         assert torch.equal(ds[:]["x"], data[[1, 4]]) and ds[:]["sample_id"] == ["doc-1", "doc-4"]
+    with pytest.raises(ArgumentValueError, match=r"sample_ids= holds 1 id\(s\) that no sample of .* has \(e.g. "
+                                                  r"\['doc-9'\]\)"):
+        ActivationDataset(path, sample_ids=("doc-1", "doc-4", "doc-9"))
     assert torch.equal(ActivationDataset(path, sample_ids="doc-5")[:]["x"], data[[5]])
     with pytest.raises(ArgumentTypeError, match=r"sample_ids= must be str \(this store's sample ids are strings\), got 3"):
         ActivationDataset(path, sample_ids=["doc-1", 3])
@@ -294,3 +304,22 @@ def test_batch_is_indexed_by_row_not_by_name(store):
         b["a.output"]
     with pytest.raises(ArgumentTypeError, match=r"indexed by row \(an int\), got float"):
         b[0.5]
+
+
+def test_sample_ids_of_a_sample_without_token_rows_are_known(tmp_path):
+    """A sample whose mask keeps no token has no token row but is a sample of the store: asking
+    for it with others is no error (it adds no row); an id of no sample is one."""
+    import activationscope as acs
+
+    model = torch.nn.Linear(3, 2)
+    x = torch.randn(3, 4, 3)
+    mask = torch.tensor([[1, 1, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
+    path = tmp_path / "t.zarr"
+    with torch.no_grad(), acs.ActivationScope(store=path).track(model) as tr:
+        tr.set_batch(attention_mask=mask, sample_ids=[10, 11, 12])
+        model(x)
+    ds = ActivationDataset(path, sample_ids=[10, 11])
+    with torch.no_grad():
+        assert torch.equal(ds[:]["output"], model(x)[0, :2])
+    with pytest.raises(ArgumentValueError, match=r"holds 1 id\(s\) that no sample of .* has \(e.g. \[13\]\)"):
+        ActivationDataset(path, sample_ids=[10, 13])
