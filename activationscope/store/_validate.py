@@ -595,14 +595,16 @@ def small_array_document_problems(doc: dict, dtype: str, shape: list[int], *, do
 
 
 def manifest_problems(doc: Any, shards: dict[int, dict], meta: dict, *, hook_point: str, key: str,
-                      sizes: dict[int, int | None] | None = None) -> list[str]:
+                      sizes: dict[int, int | None] | None = None, restorable: set[int] | None = None) -> list[str]:
     """The fields of a parsed manifest (FORMAT.md §5) that the reader does not use but that a
     reader of the format could trust, checked against what the format prescribes (rule 18):
     ``hook_point`` the array's, each shard's ``key`` the shard key of its number, ``rows_end``
     the end of its shard (``(shard + 1) * shard_rows``) for every shard but the last listed,
     within its shard for the last one (and at least ``n_rows`` when it holds the last committed
     row), and ``file_bytes`` the size of the shard file (``sizes``: ``{shard: size or None}``,
-    for the shards whose files were looked at). Pure: no I/O.
+    for the shards whose files were looked at). ``restorable``: the shards a resume can put
+    back (None: all), which the advice on a partial last shard of another size depends on.
+    Pure: no I/O.
 
     Returns
     -------
@@ -640,11 +642,16 @@ def manifest_problems(doc: Any, shards: dict[int, dict], meta: dict, *, hook_poi
                        "zarr.json) that end in this shard")
         if sizes is not None and k in sizes and sizes[k] is not None and rec.get("file_bytes") != sizes[k]:
             cause = ""
-            if k == last_committed and n % int(meta["chunk_rows"]):  # FORMAT.md section 5
-                cause = (": the shard holds the last committed rows, which end inside a chunk that a resumed capture "
+            if k == last_committed and n % int(meta["chunk_rows"]) and (restorable is None or k in restorable):
+                cause = (": the shard holds the last committed rows, which end inside a chunk that a resumed capture "  # FORMAT.md §5
                          "appends to: it was rewritten by a resume that was killed while it committed, or by an "
                          "older version's resume still running (resume the capture: it puts the committed shard back, "
                          "or check again once that capture has ended), or it is damaged")
+            elif k == last_committed and n % int(meta["chunk_rows"]):
+                cause = (": the shard holds the last committed rows, which end inside a chunk that a resumed capture "
+                         "appends to, and no committed copy of it is kept: it is damaged, or an older version's resume "
+                         "is still running (check again once that capture has ended); restore the store from an intact "
+                         "copy, or capture it again")
             out.append(f"{where}: file_bytes {rec.get('file_bytes')!r} differs from the size of the shard file "
                        f"{want_key!r}, {sizes[k]} bytes{cause}")
     return out

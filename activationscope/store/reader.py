@@ -169,16 +169,24 @@ def _dense_index(n_chunks: int, committed: int, chunk_bytes: int) -> tuple[bytes
     return np.asarray(entries, dtype="<u8").reshape(-1).tobytes(), entries
 
 
-def _mismatch_cause(meta: dict, chunk: int) -> str:
+def _mismatch_cause(meta: dict, chunk: int, restorable: bool = True) -> str:
     """What a crc32c mismatch of ``chunk`` means: damage, or, for the chunk holding the last
-    committed rows when they end inside it, possibly a resume's rewrite (FORMAT.md section 5)."""
+    committed rows when they end inside it, possibly a resume's rewrite (FORMAT.md section 5).
+    ``restorable``: a resume can put the committed shard back (an object store, or a local
+    one holding the committed copy a resume kept, ``<shard key>.committed.tmp``); else the
+    advice is to restore or capture again (a resume would refuse the damaged shard)."""
     _rb, chunk_rows, _nc, _cb = _layout(meta)
     n = int(meta["n_rows"])
     if n % chunk_rows and (chunk + 1) * chunk_rows > n:
-        return (f"the chunk was rewritten by a resumed capture (it holds the last committed rows, "
-                f"{n - n % chunk_rows}-{n - 1}, and a resume appends to it) that was killed while it committed, or "
-                "by an older version's resume still running (resume the capture: it puts the committed shard back, "
-                "or check again once that capture has ended), or it is damaged")
+        last = f"{n - n % chunk_rows}-{n - 1}"
+        if restorable:
+            return (f"the chunk was rewritten by a resumed capture (it holds the last committed rows, {last}, and a "
+                    "resume appends to it) that was killed while it committed, or by an older version's resume still "
+                    "running (resume the capture: it puts the committed shard back, or check again once that capture "
+                    "has ended), or it is damaged")
+        return (f"the chunk holds the last committed rows ({last}), which a resumed capture appends to, and no "
+                "committed copy of its shard is kept: it is damaged, or an older version's resume is still running "
+                "(check again once that capture has ended); restore the store from an intact copy, or capture it again")
     return "the chunk is damaged"
 
 
@@ -1137,12 +1145,13 @@ class Store:
                     "list (its crc32c cannot be checked)")
         if rec[1] != entry[1]:  # (a chunk may move within its shard: its bytes are what count)
             return (f"{where}: the shard index of {key!r} gives the chunk {entry[1]} bytes, the manifest "
-                    f"{meta['manifest']} {rec[1]}: {_mismatch_cause(meta, shard * _layout(meta)[2] + slot)}")
+                    f"{meta['manifest']} {rec[1]}: {_mismatch_cause(meta, shard * _layout(meta)[2] + slot, self._restorable(meta, shard))}")
         got = F.crc32c(data)
         if got == rec[2]:
             return None
         return (f"{where}: shard file {key!r} bytes {entry[0]}-{entry[0] + entry[1] - 1}: crc32c mismatch "
-                f"(manifest {rec[2]:08x}, data {got:08x}): {_mismatch_cause(meta, shard * _layout(meta)[2] + slot)}")
+                f"(manifest {rec[2]:08x}, data {got:08x}): "
+                f"{_mismatch_cause(meta, shard * _layout(meta)[2] + slot, self._restorable(meta, shard))}")
 
     # ---------------------------------------------------------------- shard index
     def _shard_key(self, meta: dict, shard: int) -> str:
@@ -1169,6 +1178,19 @@ class Store:
         except StoreError:  # (the key's own checks name what is wrong)
             pass
         return key
+
+    def _restorable(self, meta: dict, shard: int) -> bool:
+        """Whether a resume can put back the committed partial last shard ``shard``: a store
+        that is not a local folder (a resume rewrites its shards from what it committed), or a
+        local one holding the committed copy a resume kept (``<shard key>.committed.tmp``) as
+        the manifest records it."""
+        if not isinstance(self._backend, LocalBackend):
+            return True
+        kept = self._shard_key(meta, shard) + ".committed.tmp"
+        try:
+            return self._backend.size(kept) is not None and bool(self._matches_manifest(meta, shard, kept))
+        except StoreError:
+            return False
 
     def _matches_manifest(self, meta: dict, shard: int, key: str) -> bool | None:
         """Whether the file ``key`` is the partial last shard ``shard`` as the manifest records
@@ -2169,7 +2191,8 @@ class Store:
             except StoreError:  # not a regular file, or outside the store: the shard checks below name it
                 sizes[k] = None
         problems += [f"hook point {hp!r}: {p}" for p in V.manifest_problems(
-            man_doc, shards, meta, hook_point=hp, key=meta["manifest"], sizes=sizes)]
+            man_doc, shards, meta, hook_point=hp, key=meta["manifest"], sizes=sizes,
+            restorable={k for k in committed_shards if self._restorable(meta, k)})]
         needed = -(-n // shard_rows)
         listed = sorted(k for k in shards if k < needed)
         if len(listed) < needed:
@@ -2202,13 +2225,13 @@ class Store:
                 where = f"hook point {hp!r}: chunk {chunk} (rows {r0}-{r1 - 1}, shard {key}, bytes {off}-{off + nb - 1})"
                 if idx.entries[j] != (off, nb):
                     problems.append(f"{where}: shard index entry {idx.entries[j]} differs from the manifest: "
-                                    f"{_mismatch_cause(meta, chunk)}")
+                                    f"{_mismatch_cause(meta, chunk, self._restorable(meta, k))}")
                     continue
                 data = self._backend.get_range(idx.key, off, nb)
                 got = F.crc32c(data or b"")
                 if got != crc:
                     problems.append(f"{where}: crc32c mismatch (manifest {crc:08x}, data {got:08x}): "
-                                    f"{_mismatch_cause(meta, chunk)}")
+                                    f"{_mismatch_cause(meta, chunk, self._restorable(meta, k))}")
                     continue
                 if meta.get("compression") is not None:
                     try:

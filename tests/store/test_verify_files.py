@@ -95,3 +95,57 @@ def test_v1_golden_without_crcs_still_verifies(tmp_path):
     attrs = json.loads((path / "zarr.json").read_text())["attributes"]["activationscope"]
     assert "crc32c" not in attrs["row_tables"]["sample"]
     assert acs.open_store(path).verify() == []
+
+
+def test_the_advice_on_a_damaged_partial_last_shard_depends_on_a_kept_committed_copy(tmp_path):
+    """The chunk holding the last committed rows may have been rewritten by a resume; a local
+    store can only be put back by one from the committed copy a resume kept: without it the
+    advice is to restore or capture again, never to resume (a resume refuses the damaged shard)."""
+    import os
+
+    model = torch.nn.Linear(4, 4)
+    path = tmp_path / "s.zarr"
+    with torch.no_grad(), acs.ActivationScope(store=path, store_options={"chunk_rows": 8}).track(model):
+        model(torch.randn(13, 4))  # rows 8-12 end inside chunk 1
+    shard = path / "acts" / "output" / "c" / "0" / "0"
+    with open(shard, "r+b") as f:
+        f.seek(130)
+        f.write(b"\1" * 8)
+    lines = acs.open_store(path).verify()
+    assert len(lines) == 1 and "chunk 1 (rows 8-12" in lines[0] and "crc32c mismatch" in lines[0]
+    assert "no committed copy of its shard is kept" in lines[0]
+    assert "restore the store from an intact copy, or capture it again" in lines[0]
+    assert "resume the capture" not in lines[0]
+    os.truncate(shard, 4000)
+    lines = acs.open_store(path).verify()
+    size = next(line for line in lines if "file_bytes" in line)
+    assert "no committed copy of it is kept" in size and "resume the capture" not in size
+    # a kept committed copy as the manifest records it: the reader reads it, nothing to advise
+    original = tmp_path / "o.zarr"
+    with torch.no_grad(), acs.ActivationScope(store=original, store_options={"chunk_rows": 8}).track(model):
+        model(torch.randn(13, 4))
+    committed = (original / "acts" / "output" / "c" / "0" / "0").read_bytes()
+    with open(original / "acts" / "output" / "c" / "0" / "0.committed.tmp", "wb") as f:
+        f.write(committed)
+    with open(original / "acts" / "output" / "c" / "0" / "0", "r+b") as f:
+        f.seek(130)
+        f.write(b"\1" * 8)
+    assert acs.open_store(original).verify() == []
+
+
+def test_the_advice_on_a_damaged_partial_last_shard_of_an_object_store_is_to_resume():
+    import uuid
+
+    model = torch.nn.Linear(4, 4)
+    url = f"memory://acs-advice-{uuid.uuid4().hex}/s.zarr"
+    with torch.no_grad(), acs.ActivationScope(store=url, store_options={"chunk_rows": 8}).track(model):
+        model(torch.randn(13, 4))
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    key = url[len("memory://"):] + "/acts/output/c/0/0"
+    data = bytearray(fs.cat_file(key))
+    data[130:138] = b"\1" * 8
+    fs.pipe_file(key, bytes(data))
+    lines = acs.open_store(url).verify()
+    assert len(lines) == 1 and "resume the capture: it puts the committed shard back" in lines[0]
