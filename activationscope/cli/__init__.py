@@ -370,13 +370,14 @@ def _expand_paths(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------------------- store access
 
 
-def _open(path: str) -> Any:
-    """Open a store read-only, with a clear error for a path that is not one."""
+def _open(path: str, verify: bool = False) -> Any:
+    """Open a store read-only, with a clear error for a path that is not one (``verify``:
+    every chunk read is checked against its crc32c, ``open_store(verify=True)``)."""
     if "://" not in path and not os.path.exists(path):
         raise CLIError(f"store {path!r} does not exist")
     from ..store import open_store
 
-    return open_store(path)
+    return open_store(path, verify=verify)
 
 
 # ---------------------------------------------------------------------------- commands
@@ -561,7 +562,7 @@ def cmd_export(args: argparse.Namespace) -> int:
                               drop_last=args.drop_last)
     if args.compression is not None:
         data.check_compression(args.format, args.compression)
-    store = _open(args.store)
+    store = _open(args.store, verify=True)  # (an export reads every byte: a damaged chunk is an error)
     hook_points = _one_row_kind(store, _check_hook_points(store, args.hook_points))
     if store.status != "complete":  # its committed rows are exported: say it is not all of the capture
         print(f"{PROG} export: note: {args.store} is {store.status} (its capture did not finish, or is running): "

@@ -238,7 +238,10 @@ def _tensor_to_arrow(t: torch.Tensor, field: pa.Field) -> pa.Array:
 
 
 def _dataset_for(source: Any, hook_points: Any, columns: Any, rows: Any, filter: Any) -> ActivationDataset:
-    src = as_source(source)
+    # an export reads every byte it writes: a store given by path or URL is opened with every
+    # chunk checked against its crc32c (a damaged chunk is an error, never exported values);
+    # a store object or dataset is read as it was opened
+    src = as_source(source, {"verify": True} if isinstance(source, (str, os.PathLike)) else None)
     if isinstance(source, ActivationDataset) and hook_points is None:
         names = source.hook_points
     else:
@@ -480,7 +483,10 @@ overwrite: bool = False,
     Parameters
     ----------
     store : str, os.PathLike, store object or ActivationDataset
-        The rows to export (a dataset exports its own selection).
+        The rows to export (a dataset exports its own selection). A path or URL is opened
+        with ``verify=True``: every chunk read is checked against its crc32c, a damaged one
+        raises StoreCorruptError naming it before the file is replaced (a store object or
+        dataset is read as it was opened: ``open_store(path, verify=True)`` checks it too).
     path : str or os.PathLike
         The file to write (replaced atomically): a local path, or a ``file://`` URL checked
         exactly as the path it names (other URLs are refused). An existing file that is not
@@ -711,7 +717,10 @@ def export_hf(
     Parameters
     ----------
     store : str, os.PathLike, store object or ActivationDataset
-        The rows to export (a dataset exports its own selection).
+        The rows to export (a dataset exports its own selection). A path or URL is opened
+        with ``verify=True``: every chunk read is checked against its crc32c, a damaged one
+        raises StoreCorruptError naming it before the file is replaced (a store object or
+        dataset is read as it was opened: ``open_store(path, verify=True)`` checks it too).
     path : str or os.PathLike
         The directory (``"arrow"``) or file (``"parquet"``) to write; replaced as a whole
         at the end (written to a temporary name first), so a failed export leaves nothing.

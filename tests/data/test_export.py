@@ -520,3 +520,43 @@ def test_every_accepted_compression_writes_the_values(store, arrays, tmp_path, f
         fn(store, out, hook_points=["f32"], compression=name)
         table = pq.read_table(out) if kind == "parquet" else pa.ipc.open_file(pa.memory_map(str(out))).read_all()
         assert torch.equal(arrow_to_torch(table.column("f32"), table.schema.field("f32")), arrays["f32"]), name
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "arrow", "hf"])
+def test_an_export_of_a_store_path_refuses_a_damaged_chunk_and_writes_nothing(tmp_path, fmt):
+    """An export reads every byte it writes: a store given by path is read with every chunk
+    checked against its crc32c, so flipped bytes are an error naming the chunk, never values in
+    the export (an earlier export at the path is left as it was)."""
+    import activationscope as acs
+    from activationscope.cli import main
+    from activationscope.data import export_arrow, export_hf, export_parquet
+    from activationscope.errors import StoreCorruptError
+
+    if fmt == "hf":
+        pytest.importorskip("datasets")
+    model = torch.nn.Linear(4, 4)
+    path = tmp_path / "s.zarr"
+    with torch.no_grad(), acs.ActivationScope(store=path, store_options={"chunk_rows": 8}).track(model):
+        model(torch.randn(16, 4))
+    fn = {"parquet": export_parquet, "arrow": export_arrow, "hf": export_hf}[fmt]
+    out = tmp_path / f"out.{fmt}"
+    fn(str(path), out)  # intact: exported
+    before = sorted((p.relative_to(out), p.read_bytes()) for p in out.rglob("*") if p.is_file()) if fmt == "hf" \
+        else out.read_bytes()
+    with open(path / "acts" / "output" / "c" / "0" / "0", "r+b") as f:
+        f.seek(4)
+        f.write(b"\1" * 4)
+    kwargs = {} if fmt == "hf" else {"overwrite": True}
+    with pytest.raises(StoreCorruptError, match=r"chunk 0 \(rows 0-7\) of array 'acts/output'.*crc32c mismatch"):
+        fn(str(path), out, **kwargs)
+    with pytest.raises(StoreCorruptError, match=r"crc32c mismatch"):
+        fn(path, tmp_path / f"other.{fmt}")  # a PathLike too
+    assert not (tmp_path / f"other.{fmt}").exists()
+    after = sorted((p.relative_to(out), p.read_bytes()) for p in out.rglob("*") if p.is_file()) if fmt == "hf" \
+        else out.read_bytes()
+    assert after == before
+    # the command line: exit 1 naming the chunk, nothing written
+    assert main(["export", str(path), "--format", fmt, "--out", str(tmp_path / f"cli.{fmt}")]) == 1
+    assert not (tmp_path / f"cli.{fmt}").exists()
+    # a store object opened without verify= is read as it was opened (zero-copy reads do not checksum)
+    fn(acs.open_store(path), tmp_path / f"unchecked.{fmt}")
