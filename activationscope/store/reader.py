@@ -2248,7 +2248,9 @@ class Store:
         """A summary: arrays (shape, dtype, rows, bytes), reductions, provenance, status.
 
         Sizes: ``bytes`` is the size of the committed rows (``rows x prod(feature_shape) x
-        itemsize``), ``bytes_on_disk`` the size of their shard files, and
+        itemsize``), ``bytes_on_disk`` the size of their shard files (in a local folder the
+        files as they are, a missing one 0: a size other than the manifest's is damage, which
+        :meth:`verify` names; in an object store the sizes its manifests record), and
         ``data_to_disk_ratio`` = ``bytes / bytes_on_disk``. That ratio is not a compression
         ratio: shard files also hold the padding of each array's last chunk (written full
         size) and the shard index, so a small uncompressed store shows well below 1; only
@@ -2280,9 +2282,17 @@ class Store:
             if man is not None:
                 shards = V.parse_manifest(V.loads_json(man, store=self._backend, key=meta["manifest"]), meta,
                                           store=self._backend, key=meta["manifest"])
+                local = isinstance(self._backend, LocalBackend)
                 for k, rec in shards.items():
-                    if k * int(meta["shard_rows"]) < n:
+                    if k * int(meta["shard_rows"]) >= n:
+                        continue
+                    if not local:  # an object store: as its manifest records them (no request per shard)
                         disk += int(rec["file_bytes"])
+                        continue
+                    try:  # the files as they are
+                        disk += int(self._backend.size(self._shard_file(meta, k)) or 0)
+                    except StoreError:  # (not a regular file: verify names it)
+                        pass
             total_raw += raw_bytes
             total_disk += disk
             arrays[hp] = {

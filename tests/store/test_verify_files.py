@@ -149,3 +149,21 @@ def test_the_advice_on_a_damaged_partial_last_shard_of_an_object_store_is_to_res
     fs.pipe_file(key, bytes(data))
     lines = acs.open_store(url).verify()
     assert len(lines) == 1 and "resume the capture: it puts the committed shard back" in lines[0]
+
+
+def test_info_gives_the_shard_files_as_they_are_on_disk(tmp_path):
+    """bytes_on_disk of a local store is the size of its shard files as they are (a truncated
+    one shows smaller than its manifest records; verify names it), not what the manifest says."""
+    import os
+
+    model = torch.nn.Linear(4, 4)
+    path = tmp_path / "s.zarr"
+    with torch.no_grad(), acs.ActivationScope(store=path, store_options={"chunk_rows": 8}).track(model):
+        model(torch.randn(16, 4))
+    shard = path / "acts" / "output" / "c" / "0" / "0"
+    manifest = json.loads((path / "acts" / "output" / "manifest.json").read_text())
+    assert acs.open_store(path).info()["arrays"]["output"]["bytes_on_disk"] == shard.stat().st_size == \
+        manifest["shards"][0]["file_bytes"]
+    os.truncate(shard, 1000)
+    assert acs.open_store(path).info()["arrays"]["output"]["bytes_on_disk"] == 1000
+    assert any("file_bytes" in line and "1000 bytes" in line for line in acs.open_store(path).verify())
