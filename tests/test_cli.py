@@ -1660,3 +1660,55 @@ def test_demo_checks_a_file_url_as_the_path_it_names(tmp_path):
     assert demo.default_report_dir(str(tmp_path / "d.zarr")) == str(tmp_path / "demo-report")
     assert demo.default_report_dir("d.zarr") == os.path.join(".", "demo-report")
     assert demo.default_report_dir("memory://d.zarr") == os.path.join(".", "demo-report")
+
+
+def test_capture_rows_token_stores_tensor_token_ids_one_row_per_token(tmp_path, user_package, capsys):
+    """--rows token: .npy token ids (batch, pos) into an embedding model, one row per token with a
+    token row table, as ActivationScope(rows="token") stores them; a resume with the other rows
+    setting is refused; text data refuses the flag."""
+    import activationscope as acs
+
+    user_package("tokmodels", """
+        import torch
+        class Tiny(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                torch.manual_seed(0)
+                self.emb = torch.nn.Embedding(50, 6)
+                self.proj = torch.nn.Linear(6, 4)
+            def forward(self, ids):
+                return self.proj(self.emb(ids))
+        def tiny():
+            return Tiny()
+    """)
+    ids = np.random.default_rng(0).integers(0, 50, size=(10, 7)).astype(np.int64)
+    data = tmp_path / "ids.npy"
+    np.save(data, ids)
+    out = tmp_path / "t.zarr"
+    code, _, err = run(capsys, "capture", "--model", "tokmodels.nets:tiny", "--data", str(data), "--out", str(out),
+                       "--rows", "token", "--include", "proj", "--batch-size", "4", "--no-progress")
+    assert code == 0, err
+    store = acs.open_store(str(out))
+    model = specs.load_model_spec("tokmodels.nets:tiny").model
+    with torch.no_grad():
+        ref = model.proj(model.emb(torch.from_numpy(ids))).reshape(70, 4)
+    assert store.row_kind("proj.output") == "token" and torch.equal(store["proj.output"], ref)
+    table = store.row_table("token")
+    assert table.column("sample_id").to_pylist() == [i for i in range(10) for _ in range(7)]
+    assert table.column("pos").to_pylist() == list(range(7)) * 10
+    # the same data without --rows: one row per sample, (pos, d); resumed with --rows token: refused
+    plain = tmp_path / "s.zarr"
+    code, _, err = run(capsys, "capture", "--model", "tokmodels.nets:tiny", "--data", str(data), "--out", str(plain),
+                       "--include", "proj", "--no-progress", "--max-samples", "5")
+    assert code == 0, err
+    assert acs.open_store(str(plain))["proj.output"].shape == (5, 7, 4)
+    code, _, err = run(capsys, "capture", "--model", "tokmodels.nets:tiny", "--data", str(data), "--out", str(plain),
+                       "--include", "proj", "--no-progress", "--resume", "--rows", "token")
+    assert code == 1 and "'sample'" in err and "'token'" in err and "keeps its 5 committed samples" in err
+    assert torch.equal(acs.open_store(str(plain))["proj.output"], ref.reshape(10, 7, 4)[:5])
+    text = tmp_path / "t.txt"
+    text.write_text("a b\nc d\n")
+    code, _, err = run(capsys, "capture", "--model", "tokmodels.nets:tiny", "--data", str(text), "--out",
+                       str(tmp_path / "x.zarr"), "--rows", "token", "--no-progress")
+    assert code == 1 and "--rows token is for tensor data" in err
+    assert not (tmp_path / "x.zarr").exists()

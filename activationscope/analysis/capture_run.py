@@ -69,6 +69,7 @@ def run_capture(
     stop_after_last: bool = False,
     token_rows: Any = None,
     resumable: bool = True,
+    rows: str = "auto",
 ) -> CaptureSummary:
     """Run ``batches`` through ``model`` with a store tracker attached.
 
@@ -88,6 +89,9 @@ def run_capture(
     token_rows : bool or dict of str to bool, optional
         ``ActivationScope(token_rows=...)``: which hook points shaped like the mask's
         ``(batch, pos)`` store token rows (True) or sample rows (False).
+    rows : {"auto", "token"}, default "auto"
+        ``ActivationScope(rows=...)``: ``"token"`` stores one row per token of tensor data
+        without a mask (``(batch, pos)`` of the model's first input).
 
     Raises
     ------
@@ -111,6 +115,7 @@ def run_capture(
         capture=capture,
         stop_after_last=stop_after_last,
         token_rows=token_rows,
+        rows=rows,
     )
     summary = CaptureSummary()
     tracker = scope.track(model, include=include, exclude=exclude)  # validates the patterns first
@@ -335,6 +340,7 @@ def capture_dataset(
     progress: bool = True,
     command: str | None = None,
     token_rows: Any = None,
+    rows: str = "auto",
 ) -> CaptureSummary:
     """Capture a model spec over a data spec into a store: ``activationscope capture`` as a function.
 
@@ -379,6 +385,11 @@ def capture_dataset(
         store is checked as an incomplete one is (the model's weights, ``dtype``, and
         ``include`` / ``exclude`` / ``capture`` giving every stored hook point), and data
         with fewer samples than the store holds is refused.
+    rows : {"auto", "token"}, default "auto"
+        ``--rows``: ``"token"`` stores tensor data of token ids ``(batch, pos)`` (or
+        embeddings ``(batch, pos, d)``) one row per token (``ActivationScope(rows="token")``:
+        the SAE-caching layout, with a ``token`` row table of ``sample_id`` and ``pos``); text
+        data has token rows through its attention mask already and refuses it.
     overwrite : bool
         Replace the store at ``out`` (never anything that is not an activationscope store).
     command : str, optional
@@ -439,11 +450,17 @@ def capture_dataset(
         raise ArgumentValueError(f"--dtype must be one of {list(STORAGE_DTYPES)}, got {dtype!r}")
     if compression is not None and compression not in COMPRESSIONS:
         raise ArgumentValueError(f"--compression must be one of {list(COMPRESSIONS)}, got {compression!r}")
+    if rows not in ("auto", "token"):
+        raise ArgumentValueError(f"--rows must be 'auto' or 'token', got {rows!r}")
     reductions = check_reductions(reductions)
     out = os.fspath(out)
     check_out(out, resume=resume, overwrite=overwrite)  # before loading anything
 
     dataset = load_data_spec(data)
+    if rows == "token" and dataset.texts is not None:
+        raise ArgumentValueError(
+            f"--rows token is for tensor data (token ids (batch, pos)); --data {data!r} is text, whose hook points "
+            "shaped like its attention mask store one row per real token already: leave --rows out")
     loaded = load_model_spec(model)
     if dataset.texts is not None and loaded.tokenizer is None:
         raise ArgumentValueError(
@@ -472,7 +489,7 @@ def capture_dataset(
         completed = _check_full_resume(
             out, loaded.model, include=list(include) if include else loaded.default_include,
             exclude=list(exclude) if exclude else None, capture=capture,
-            storage_dtype=getattr(torch, dtype) if dtype else None, token_rows=token_rows,
+            storage_dtype=getattr(torch, dtype) if dtype else None, token_rows=token_rows, rows=rows,
             complete=first >= len(dataset), provenance=capture_store_options(model=loaded.name, data=dataset.name, command=command)["provenance"])
         return CaptureSummary(first_sample=first, n_target=n, completed=completed)
     if first >= n:  # nothing left to capture: the reductions are computed over the stored rows
@@ -494,7 +511,7 @@ def capture_dataset(
         exclude=list(exclude) if exclude else None,
         reductions=reductions, capture=capture,
         storage_dtype=getattr(torch, dtype) if dtype else None, store_options=options,
-        progress=progress, stop_after_last=stop_after_last, token_rows=token_rows,
+        progress=progress, stop_after_last=stop_after_last, token_rows=token_rows, rows=rows,
     )
     summary.first_sample, summary.n_target = first, n
     return summary
@@ -530,7 +547,7 @@ def _check_resumed_side(out: str, capture: str) -> None:
 
 def _check_full_resume(out: str, model: Any, *, include: list[str] | None, exclude: list[str] | None,
                        capture: str, storage_dtype: Any, token_rows: Any = None, complete: bool = False,
-                       provenance: dict[str, Any] | None = None) -> bool:
+                       provenance: dict[str, Any] | None = None, rows: str = "auto") -> bool:
     """The checks of a resume (the writer's model and storage dtype, the tracker's stored hook
     points and recorded include / exclude patterns) for one with nothing left to capture and
     no reductions, which captures nothing (CaptureError when refused; HookPointNotFoundError
@@ -546,7 +563,7 @@ def _check_full_resume(out: str, model: Any, *, include: list[str] | None, exclu
     from ..capture.scope import ActivationScope
 
     options: dict[str, Any] = {"resume": True, "provenance": dict(provenance or {})}
-    scope = ActivationScope(store=out, store_options=options, storage_dtype=storage_dtype, capture=capture)
+    scope = ActivationScope(store=out, store_options=options, storage_dtype=storage_dtype, capture=capture, rows=rows)
     tracker = scope.track(model, include=include, exclude=exclude, token_rows=token_rows)
     tracker.attach()  # refused here (the writer discarded) when the store's hook points or dtype differ
     tracker._detach()

@@ -178,6 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token-rows", action="append", default=None, metavar="PATTERN",
                    help="fnmatch pattern of hook points confirmed as one row per token (their activation must "
                         "start with the mask's (batch, pos)); silences the warning about 2-D ones")
+    p.add_argument("--rows", choices=("auto", "token"), default="auto",
+                   help="what a stored row is: 'token' stores tensor data of token ids (batch, pos) one row per "
+                        "token, with a token row table (sample_id, pos), as for SAE training; 'auto' (default): "
+                        "one per real token of text data, else one per sample")
     p.add_argument("--batch-size", type=int, default=32, help="samples per forward (default: %(default)s)")
     p.add_argument("--max-samples", type=int, default=None, help="capture at most this many samples")
     p.add_argument("--max-length", type=int, default=128, help="token limit of text samples (default: %(default)s)")
@@ -440,7 +444,7 @@ def cmd_capture(args: argparse.Namespace) -> int:
         max_samples=args.max_samples, max_length=args.max_length, resume=args.resume, overwrite=args.overwrite,
         stop_after_last=args.stop_after_last, progress=not args.no_progress,
         command=" ".join([PROG, *args.argv]),
-        token_rows=_token_rows(args.sample_rows, args.token_rows),
+        token_rows=_token_rows(args.sample_rows, args.token_rows), rows=args.rows,
     )
     if summary.nothing_to_capture:
         reduced = (f"; reductions {args.reduce} computed over the stored rows of {len(summary.reduced_hook_points)} "
