@@ -1198,6 +1198,7 @@ class StoreWriter:
                                             not meta["feature_shape"], "; nothing was deleted or written")
         self._remove_temp_files()  # the writer killed before this one left them (no array writer of ours yet)
         if isinstance(b, LocalBackend):
+            self._refuse_folders_at_reduction_keys()
             self._restore_kept_reductions()
         found = None
         if isinstance(b, LocalBackend) and self._old_arrays:
@@ -2199,6 +2200,23 @@ class StoreWriter:
             except (OSError, StoreError) as e:
                 warnings.warn(f"store {str(self._backend)!r}: {'restoring' if restore else 'removing'} {keep}: {e}",
                               RuntimeWarning, stacklevel=3)
+
+    def _refuse_folders_at_reduction_keys(self) -> None:
+        """Resume of a local store: refuse, before anything is captured or written, a folder
+        where the root lists a committed reduction file (a result, a state, a document or a
+        script) and no kept copy of it is there (:meth:`_restore_kept_reductions` refuses one
+        with a kept copy). The close writes every reduction file again, and could not write
+        over a folder: it failed after the whole capture, leaving the store incomplete."""
+        b = self._backend
+        for doc, files in committed_reduction_groups(self._old_reductions):
+            for key in sorted([*files, *([doc] if doc is not None else [])]):
+                place = b.root / key
+                if place.is_dir() and not place.is_symlink() and not os.path.lexists(
+                        b.root / F.kept_reduction_key(key)):
+                    raise StoreError(
+                        f"cannot resume {str(b)!r}: {key!r} is a folder, where the root lists a committed reduction "
+                        "file that this resume writes again at its close (it would fail there, after the capture); move "
+                        "that folder away, then resume again. Nothing of the store was deleted or written")
 
     def _restore_kept_reductions(self) -> None:
         """Resume of a local store: settle the committed reduction files an earlier writer

@@ -225,3 +225,28 @@ def test_a_reduction_file_that_is_no_regular_file_without_a_good_kept_copy_is_re
     problems = s.verify()
     assert len(problems) == 1 and f"'reductions/0.output/mean/c/0' {said}" in problems[0], problems
     assert outside.read_bytes() == committed
+
+
+def test_a_resume_refuses_a_folder_at_a_committed_reduction_key_without_a_kept_copy_before_it_captures(store):
+    """A folder where the root lists a reduction result (no kept copy of it) failed the resume
+    at its close, after the whole capture, leaving the store incomplete. Now the resume refuses
+    at its start, touching nothing; with the folder moved away it resumes, and the reduction
+    continues from its committed state (equal to a reference over every row)."""
+    key = store / "reductions" / "0.output" / "mean" / "c" / "0"
+    key.unlink()
+    key.mkdir()
+    (key / "f").write_text("x")
+    with pytest.raises(StoreError, match=r"'reductions/0.output/mean/c/0' is a folder, where the root lists a committed "
+                                         r"reduction file .* move that folder away, then resume again\. Nothing of the "
+                                         r"store was deleted or written"):
+        _run(_model(), store, _batches(4, rows=5)[2:], ["mean", "var"], resume=True)
+    s = open_store(store)
+    assert s.status == "complete" and s.n_rows("0.output") == 10 and (key / "f").read_text() == "x"
+    (key / "f").unlink()
+    key.rmdir()
+    _run(_model(), store, _batches(4, rows=5)[2:], ["mean", "var"], resume=True)
+    s = open_store(store)
+    ref = _ref_rows(_model(), _batches(4, rows=5)).double()
+    assert s.status == "complete" and s.n_rows("0.output") == 20
+    assert abs(s.reductions["0.output"]["mean"] - ref.mean(0)).max() < 1e-12
+    assert s.verify() == []
