@@ -2204,19 +2204,28 @@ class StoreWriter:
     def _refuse_folders_at_reduction_keys(self) -> None:
         """Resume of a local store: refuse, before anything is captured or written, a folder
         where the root lists a committed reduction file (a result, a state, a document or a
-        script) and no kept copy of it is there (:meth:`_restore_kept_reductions` refuses one
-        with a kept copy). The close writes every reduction file again, and could not write
-        over a folder: it failed after the whole capture, leaving the store incomplete."""
+        script). No file can replace it: neither the kept copy of its committed bytes that
+        :meth:`_restore_kept_reductions` would put back, nor the close, which writes every
+        reduction file again (it failed there after the whole capture, leaving the store
+        incomplete)."""
         b = self._backend
         for doc, files in committed_reduction_groups(self._old_reductions):
             for key in sorted([*files, *([doc] if doc is not None else [])]):
                 place = b.root / key
-                if place.is_dir() and not place.is_symlink() and not os.path.lexists(
-                        b.root / F.kept_reduction_key(key)):
+                if not place.is_dir() or place.is_symlink():
+                    continue
+                keep = F.kept_reduction_key(key)
+                kept = b.root / keep
+                if kept.is_file() and not kept.is_symlink():
                     raise StoreError(
-                        f"cannot resume {str(b)!r}: {key!r} is a folder, where the root lists a committed reduction "
-                        "file that this resume writes again at its close (it would fail there, after the capture); move "
-                        "that folder away, then resume again. Nothing of the store was deleted or written")
+                        f"cannot resume {str(b)!r}: {key!r} is a folder, where the root lists a reduction file whose "
+                        f"committed bytes are kept as {keep!r} (FORMAT.md section 6); remove that folder (never the "
+                        "kept file), then resume again: the resume puts the kept file back. Nothing of the store was "
+                        "deleted or written")
+                raise StoreError(
+                    f"cannot resume {str(b)!r}: {key!r} is a folder, where the root lists a committed reduction "
+                    "file that this resume writes again at its close (it would fail there, after the capture); move "
+                    "that folder away, then resume again. Nothing of the store was deleted or written")
 
     def _restore_kept_reductions(self) -> None:
         """Resume of a local store: settle the committed reduction files an earlier writer
@@ -2226,9 +2235,9 @@ class StoreWriter:
         every other kept file is removed (the root lists the rewrite), and so is a symlink by
         such a name (the link, never what it points to; a link to a folder only where this
         resume may keep a file). A kept file goes back over a key's FIFO or symlink (replacing
-        it, never following it). A folder where it may keep one (no writer makes one), or at a
-        key its kept file goes back to, is refused before anything is touched: the close could
-        keep no file there, and no file can replace it."""
+        it, never following it). A folder where it may keep one (no writer makes one) is refused
+        before anything is touched: the close could keep no file there (a folder at a key is
+        refused before, :meth:`_refuse_folders_at_reduction_keys`)."""
         b = self._backend
         base = b.root / "reductions"
         if not base.is_dir() or base.is_symlink():
@@ -2267,14 +2276,7 @@ class StoreWriter:
                     back[F.kept_reduction_key(key)] = key
             if doc is not None and found._reduction_document(doc, bool(set(back.values()) & set(files))) != doc:
                 back[F.kept_reduction_key(doc)] = doc
-        for keep, key in sorted(back.items()):  # (a key's file may be damaged: no regular file inside the store)
-            place = b.root / key
-            if keep in kept and place.is_dir() and not place.is_symlink():
-                raise StoreError(
-                    f"cannot resume {str(b)!r}: {key!r} is a folder, where the root lists a reduction file whose "
-                    f"committed bytes are kept as {keep!r} (FORMAT.md section 6); remove that folder (never the kept "
-                    "file), then resume again: the resume puts the kept file back. Nothing of the store was deleted "
-                    "or written")
+        # (a folder at a key its kept file goes back to was refused by _refuse_folders_at_reduction_keys)
         for keep in sorted(kept):
             try:
                 if keep in back:
