@@ -108,8 +108,9 @@ def late_branch_store(path, n_forwards: int = 4, rows: int = 6, first_b: int = 2
     """Capture :class:`LateBranch` into ``path``: ``n_forwards`` forwards of ``rows`` samples
     (labels 0/1 alternating), ``b`` called from forward ``first_b`` on.
 
-    Returns (model, inputs): ``a.output`` rows are ``model.a(cat(inputs))``, ``b.output`` rows
-    are ``model.b(model.a(cat(inputs[first_b:])))``.
+    Returns (model, inputs): ``a.output`` rows are ``model.a(x)`` of each input ``x`` in turn,
+    ``b.output`` rows ``model.b(model.a(x))`` of each of ``inputs[first_b:]`` (forward by forward:
+    a matmul's last bits depend on the batch).
     """
     import warnings
 

@@ -1463,7 +1463,7 @@ def test_export_and_report_of_a_hook_point_off_the_row_table(capsys, tmp_path):
     table = pq.read_table(tmp_path / "b.parquet")
     assert table.column_names == ["b.output"]
     with torch.no_grad():
-        assert torch.equal(arrow_to_torch(table.column("b.output")), model.b(model.a(torch.cat(xs[2:]))))
+        assert torch.equal(arrow_to_torch(table.column("b.output")), torch.cat([model.b(model.a(x)) for x in xs[2:]]))
     code, out, err = run(capsys, "export", str(store), "--format", "parquet", "--out", str(tmp_path / "all.parquet"))
     assert code != 0 and not (tmp_path / "all.parquet").exists()
     _one_error_line(err, "b.output", "do not follow the row table", "--hook-points b.output", "--hook-points a.output")

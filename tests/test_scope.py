@@ -1872,13 +1872,13 @@ def test_default_sample_ids_of_a_sample_n_capture_count_the_skipped_forwards(tmp
     store = acs.open_store(path)
     ids = store.row_table("sample").column("sample_id").to_pylist()
     assert ids == list(range(0, 16)) + list(range(32, 48)) + list(range(56, 80))  # forwards 0, 2, 4
-    with torch.no_grad():
-        assert torch.equal(store["0.output"], model(data[ids]))
+    with torch.no_grad():  # forward by forward, as captured (a matmul's last bits depend on the batch)
+        expected = torch.cat([model(data[0:16]), model(data[32:48]), model(data[56:80])])
+    assert torch.equal(store["0.output"], expected)
     if columns:
         assert store.row_table("sample").column("label").to_pylist() == ids
     ds = acs.ActivationDataset(store, "0.output", sample_ids=[33, 60])
-    with torch.no_grad():
-        assert torch.equal(ds[list(range(len(ds)))]["0.output"], model(data[[33, 60]]))
+    assert torch.equal(ds[list(range(len(ds)))]["0.output"], expected[[ids.index(33), ids.index(60)]])
     # EVERY: the counter as before, 0.. without gaps
     path = tmp_path / "every.zarr"
     with torch.no_grad(), acs.ActivationScope(store=path).track(model):
