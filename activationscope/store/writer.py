@@ -1192,6 +1192,7 @@ class StoreWriter:
                                                      doc_key=doc_key)
                 if problems:
                     raise V.corrupt(b, "; ".join(problems) + "; nothing was deleted or written")
+        listed = self._refuse_missing_shards()
         if isinstance(b, LocalBackend):
             for hp, meta in self._old_arrays.items():
                 self._refuse_linked_folders(meta["path"], hp, int(meta["n_rows"]) // int(meta["shard_rows"]),
@@ -1211,7 +1212,7 @@ class StoreWriter:
             keep_shards = -(-n // shard_rows)  # shards holding committed rows
             if found is not None:
                 self._restore_kept_shard(found, hp)
-            for key in list(b.list(f"{path}/")):
+            for key in list(b.list(f"{path}/") if listed is None else listed[hp]):
                 rel = key[len(path) + 1:]
                 if rel.endswith(".tmp") or "/.tmp" in rel or rel.split("/")[-1].startswith("shard-"):
                     b.delete(key)
@@ -1228,6 +1229,48 @@ class StoreWriter:
             for key in list(b.list(f"rows/{kind}/")):
                 if key not in listed:
                     b.delete(key)
+
+    def _refuse_missing_shards(self) -> dict[str, list[str]] | None:
+        """Resume: refuse, before anything is deleted or written, an array whose committed rows
+        need a shard file that is not there (FORMAT.md section 9 rule 11). A resume re-reads
+        only the partial last shard; it appended after a missing full one, leaving a hole that
+        readers and ``verify`` then reported.
+
+        A local store is checked by one ``stat`` per committed shard (the partial last one is
+        also there when an earlier resume kept its committed file, ``<key>.committed.tmp``,
+        which this resume puts back); an object store by one listing of each array's folder,
+        the listing the truncation deletes from, which is returned (``{hook point: keys}``;
+        None for a local store).
+
+        Raises
+        ------
+        StoreCorruptError
+            Naming the hook point, its array, the first missing shard's key and the fix;
+            nothing was deleted or written.
+        """
+        b = self._backend
+        local = isinstance(b, LocalBackend)
+        listed: dict[str, list[str]] | None = None if local else {}
+        for hp, meta in self._old_arrays.items():
+            path, n, shard_rows = meta["path"], int(meta["n_rows"]), int(meta["shard_rows"])
+            if listed is not None:
+                listed[hp] = list(b.list(f"{path}/"))
+                found = set(listed[hp])
+            for k in range(-(-n // shard_rows)):
+                key = F.shard_key(path, k, len(meta["feature_shape"]))
+                if local:
+                    there = os.path.exists(b.root / key) or (
+                        (k + 1) * shard_rows > n and os.path.exists(b.root / (key + KEPT_SUFFIX)))
+                    link = not there and os.path.islink(b.root / key)
+                else:
+                    there, link = key in found, False
+                if not there:
+                    raise V.corrupt(
+                        b, f"cannot resume: hook point {hp!r} (array {path!r}): its shard {key!r} is "
+                           f"{'a symbolic link to a missing file' if link else 'missing'}, but its rows "
+                           f"{k * shard_rows}.. are committed (n_rows {n}), and a resume would leave them a hole "
+                           "that readers refuse; nothing was deleted or written")
+        return listed
 
     def _refuse_linked_folders(self, path: str, hook_point: str, first_shard: int, flat: bool, done: str) -> None:
         """Local stores: refuse the folders the writer thread writes an array's shards into
