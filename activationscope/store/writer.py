@@ -54,6 +54,7 @@ from ..errors import (
 from . import _format as F
 from . import _validate as V
 from ._backend import LocalBackend, check_backend_not_in_store, check_local_store_path, fsync_dir, resolve
+from ._backend import _inside as _inside_folder
 from ._format import KEPT_SUFFIX, committed_reduction_files, committed_reduction_groups
 from ._lock import WriterLock
 
@@ -1197,9 +1198,10 @@ class StoreWriter:
             for hp, meta in self._old_arrays.items():
                 self._refuse_linked_folders(meta["path"], hp, int(meta["n_rows"]) // int(meta["shard_rows"]),
                                             not meta["feature_shape"], "; nothing was deleted or written")
+        if isinstance(b, LocalBackend):
+            self._refuse_unwritable_reduction_keys()
         self._remove_temp_files()  # the writer killed before this one left them (no array writer of ours yet)
         if isinstance(b, LocalBackend):
-            self._refuse_folders_at_reduction_keys()
             self._restore_kept_reductions()
         found = None
         if isinstance(b, LocalBackend) and self._old_arrays:
@@ -2244,18 +2246,45 @@ class StoreWriter:
                 warnings.warn(f"store {str(self._backend)!r}: {'restoring' if restore else 'removing'} {keep}: {e}",
                               RuntimeWarning, stacklevel=3)
 
-    def _refuse_folders_at_reduction_keys(self) -> None:
-        """Resume of a local store: refuse, before anything is captured or written, a folder
-        where the root lists a committed reduction file (a result, a state, a document or a
-        script). No file can replace it: neither the kept copy of its committed bytes that
-        :meth:`_restore_kept_reductions` would put back, nor the close, which writes every
-        reduction file again (it failed there after the whole capture, leaving the store
-        incomplete)."""
+    def _refuse_unwritable_reduction_keys(self) -> None:
+        """Resume of a local store: refuse, before anything is deleted, captured or written, a
+        place where the root lists a committed reduction file (a result, a state, a document or
+        a script) that no file can replace: neither the kept copy of its committed bytes that
+        :meth:`_restore_kept_reductions` would put back, nor the close, which keeps and writes
+        every reduction file again (it failed there after the whole capture, leaving the store
+        incomplete). Such a place is
+
+        - a folder at the key;
+        - a symbolic link leaving the store at the key, unless the kept copy of its committed
+          bytes goes back over it (the link, never what it points to, is replaced).
+        """
         b = self._backend
+        going_back: dict[str, str] | None = None  # kept file -> key, computed when a link needs it
+        end = "then resume again. Nothing of the store was deleted or written"
         for doc, files in committed_reduction_groups(self._old_reductions):
             for key in sorted([*files, *([doc] if doc is not None else [])]):
                 place = b.root / key
-                if not place.is_dir() or place.is_symlink():
+                if place.is_symlink():
+                    real = os.path.realpath(place)
+                    if _inside_folder(real, b._root_real()):
+                        continue  # (read as the file it leads to; the close replaces the link)
+                    if going_back is None:
+                        from .reader import Store
+
+                        going_back = self._kept_reductions_going_back(Store(b))
+                    keep = F.kept_reduction_key(key)
+                    kept = b.root / keep
+                    if going_back.get(keep) == key and kept.is_file() and not kept.is_symlink():
+                        continue  # (the kept copy goes back over the link)
+                    raise V.corrupt(
+                        b, f"cannot resume: {key!r} is a symbolic link to {real!r}, outside the store, where the root "
+                           "lists a committed reduction file with no kept copy of its committed bytes to put back "
+                           "(FORMAT.md section 6); this resume keeps and writes that file again at its close, and a "
+                           "writer follows no link leaving the store (it would fail there, after the capture)",
+                        fix="replace the link with a copy of the file it points to (verify then checks it against "
+                            "the crc32c the root records), or remove the link (not what it points to; the resume "
+                            f"then computes a reduction whose state is gone again from the stored rows), {end}")
+                if not place.is_dir():
                     continue
                 keep = F.kept_reduction_key(key)
                 kept = b.root / keep
@@ -2270,6 +2299,20 @@ class StoreWriter:
                     "file that this resume writes again at its close (it would fail there, after the capture); move "
                     "that folder away, then resume again. Nothing of the store was deleted or written")
 
+    def _kept_reductions_going_back(self, found: Any) -> dict[str, str]:
+        """``{kept file key: key}`` of the committed reduction files whose kept copy
+        (:func:`~._format.kept_reduction_key`) holds the committed bytes where the key's file
+        does not, as ``found`` (a reader of the store as found) reads them: those a resume puts
+        back (a document goes back with a chunk of its array, or when it is missing)."""
+        back: dict[str, str] = {}
+        for doc, files in committed_reduction_groups(self._old_reductions):
+            for key, crc in files.items():
+                if found._reduction_file(key, crc) != key:
+                    back[F.kept_reduction_key(key)] = key
+            if doc is not None and found._reduction_document(doc, bool(set(back.values()) & set(files))) != doc:
+                back[F.kept_reduction_key(doc)] = doc
+        return back
+
     def _restore_kept_reductions(self) -> None:
         """Resume of a local store: settle the committed reduction files an earlier writer
         kept (:func:`~._format.kept_reduction_key`) and was killed before removing. One goes
@@ -2280,7 +2323,7 @@ class StoreWriter:
         resume may keep a file). A kept file goes back over a key's FIFO or symlink (replacing
         it, never following it). A folder where it may keep one (no writer makes one) is refused
         before anything is touched: the close could keep no file there (a folder at a key is
-        refused before, :meth:`_refuse_folders_at_reduction_keys`)."""
+        refused before, :meth:`_refuse_unwritable_reduction_keys`)."""
         b = self._backend
         base = b.root / "reductions"
         if not base.is_dir() or base.is_symlink():
@@ -2311,15 +2354,9 @@ class StoreWriter:
             return
         from .reader import Store
 
-        found = Store(b)  # (reads each file from where a reader of the found store would)
-        back: dict[str, str] = {}  # kept file -> the key it goes back to
-        for doc, files in committed_reduction_groups(self._old_reductions):
-            for key, crc in files.items():
-                if found._reduction_file(key, crc) != key:
-                    back[F.kept_reduction_key(key)] = key
-            if doc is not None and found._reduction_document(doc, bool(set(back.values()) & set(files))) != doc:
-                back[F.kept_reduction_key(doc)] = doc
-        # (a folder at a key its kept file goes back to was refused by _refuse_folders_at_reduction_keys)
+        # kept file -> the key it goes back to (each file read from where a reader of the found store would)
+        back = self._kept_reductions_going_back(Store(b))
+        # (a folder at a key its kept file goes back to was refused by _refuse_unwritable_reduction_keys)
         for keep in sorted(kept):
             try:
                 if keep in back:
