@@ -24,6 +24,7 @@ import math
 import operator
 import os
 import shutil
+import stat
 import tempfile
 import threading
 import time
@@ -2255,6 +2256,8 @@ class StoreWriter:
         incomplete). Such a place is
 
         - a folder at the key;
+        - a key reached through a folder that is a symbolic link leaving the store (a writer
+          writes no file through one: the kept copy could not go back either);
         - a symbolic link leaving the store at the key, unless the kept copy of its committed
           bytes goes back over it (the link, never what it points to, is replaced).
         """
@@ -2263,6 +2266,15 @@ class StoreWriter:
         end = "then resume again. Nothing of the store was deleted or written"
         for doc, files in committed_reduction_groups(self._old_reductions):
             for key in sorted([*files, *([doc] if doc is not None else [])]):
+                linked = self._linked_folder_leaving_the_store(key)
+                if linked is not None:
+                    raise V.corrupt(
+                        b, f"cannot resume: {key!r} is reached through {linked[0]!r}, a symbolic link to "
+                           f"{linked[1]!r}, outside the store; the root lists a committed reduction file there, which "
+                           "this resume writes again at its close (or puts back from its kept copy), and a writer "
+                           "writes no file through a link leaving the store",
+                        fix="replace the link with a copy of the folder it points to (the committed reduction files "
+                            f"are in it), {end}")
                 place = b.root / key
                 if place.is_symlink():
                     real = os.path.realpath(place)
@@ -2298,6 +2310,26 @@ class StoreWriter:
                     f"cannot resume {str(b)!r}: {key!r} is a folder, where the root lists a committed reduction "
                     "file that this resume writes again at its close (it would fail there, after the capture); move "
                     "that folder away, then resume again. Nothing of the store was deleted or written")
+
+    def _linked_folder_leaving_the_store(self, key: str) -> tuple[str, str] | None:
+        """Local stores: ``(folder key, where it leads)`` of the first folder on the way to
+        ``key`` (the key itself left out) that is a symbolic link whose target, resolved, is
+        outside the store; None when there is none (a missing folder ends the walk)."""
+        root = self._backend.root
+        parts = key.split("/")[:-1]
+        for i in range(1, len(parts) + 1):
+            rel = "/".join(parts[:i])
+            p = root / rel
+            try:
+                mode = os.lstat(p).st_mode
+            except OSError:
+                return None
+            if stat.S_ISLNK(mode):
+                real = os.path.realpath(p)
+                return None if _inside_folder(real, self._backend._root_real()) else (rel, real)
+            if not stat.S_ISDIR(mode):
+                return None
+        return None
 
     def _kept_reductions_going_back(self, found: Any) -> dict[str, str]:
         """``{kept file key: key}`` of the committed reduction files whose kept copy
@@ -2356,7 +2388,8 @@ class StoreWriter:
 
         # kept file -> the key it goes back to (each file read from where a reader of the found store would)
         back = self._kept_reductions_going_back(Store(b))
-        # (a folder at a key its kept file goes back to was refused by _refuse_unwritable_reduction_keys)
+        # (a folder at a key its kept file goes back to, or a linked folder on its way leaving the store, was
+        # refused by _refuse_unwritable_reduction_keys)
         for keep in sorted(kept):
             try:
                 if keep in back:

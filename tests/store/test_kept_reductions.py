@@ -306,3 +306,43 @@ def test_a_resume_refuses_a_link_leaving_the_store_at_a_committed_reduction_key_
     assert s.status == "complete" and s.n_rows("0.output") == 20 and s.verify() == []
     torch.testing.assert_close(s.reductions["0.output"]["mean"], _ref_rows(model, xs).mean(0))
     torch.testing.assert_close(s.reductions["0.output"]["var"], _ref_rows(model, xs).var(0, correction=0))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kept_copy", ["none", "committed bytes"])
+@pytest.mark.parametrize("linked", ["reductions/0.output/mean/c", "reductions/0.output", "reductions"])
+def test_a_resume_refuses_a_committed_reduction_key_reached_through_a_linked_folder_leaving_the_store(store, tmp_path,
+                                                                                                   linked, kept_copy):
+    """A folder on the way to a committed reduction file that is a symlink leaving the store:
+    verify named it, but a resume failed at its close (no kept copy: after the whole capture)
+    or, with a kept copy to put back, with a general "settling the kept reduction file ...
+    failed". Now the resume refuses at its start naming the key, the linked folder and the fix,
+    every file as found; with the link replaced by a copy of its folder it resumes."""
+    import shutil
+
+    import torch
+
+    rel = "reductions/0.output/mean/c/0"
+    committed = (store / rel).read_bytes()
+    if kept_copy == "committed bytes":  # (the key's file then differs: the kept one would go back)
+        (store / F.kept_reduction_key(rel)).write_bytes(committed)
+        (store / rel).write_bytes(b"\0" * len(committed))
+    outside = tmp_path / "outside"
+    shutil.copytree(store / linked, outside)
+    shutil.rmtree(store / linked)
+    os.symlink(outside, store / linked)
+    assert any(str(outside) in p for p in open_store(store).verify())
+    before, outside_before = _store_files(store), _store_files(outside)
+    model, xs = _model(), _batches(4, rows=5)
+    with pytest.raises(StoreError, match=rf"'reductions/0\.output/[^']+' is reached through {re.escape(repr(linked))}, a "
+                                         rf"symbolic link to {re.escape(repr(str(outside)))}, outside the store; .*"
+                                         r"replace the link with a copy of the folder it points to .*then resume again\. "
+                                         r"Nothing of the store was deleted or written"):
+        _run(model, store, xs[2:], ["mean", "var"], resume=True)
+    assert _store_files(store) == before and _store_files(outside) == outside_before
+    (store / linked).unlink()
+    shutil.copytree(outside, store / linked)
+    _run(model, store, xs[2:], ["mean", "var"], resume=True)
+    s = open_store(store)
+    assert s.status == "complete" and s.n_rows("0.output") == 20 and s.verify() == []
+    torch.testing.assert_close(s.reductions["0.output"]["mean"], _ref_rows(model, xs).mean(0))
