@@ -1704,8 +1704,20 @@ def test_capture_rows_token_stores_tensor_token_ids_one_row_per_token(tmp_path, 
     assert acs.open_store(str(plain))["proj.output"].shape == (5, 7, 4)
     code, _, err = run(capsys, "capture", "--model", "tokmodels.nets:tiny", "--data", str(data), "--out", str(plain),
                        "--include", "proj", "--no-progress", "--resume", "--rows", "token")
-    assert code == 1 and "'sample'" in err and "'token'" in err and "keeps its 5 committed samples" in err
+    assert code == 1 and "'sample'" in err and "'token'" in err and "left as it was" in err
     assert torch.equal(acs.open_store(str(plain))["proj.output"], ref.reshape(10, 7, 4)[:5])
+    # nothing left to capture (with or without a reduction to compute over the stored rows): the same refusal
+    # (it went through, and --reduce recorded rows 'token' in the store's capture_config)
+    files = {p: p.read_bytes() for p in sorted(plain.rglob("*")) if p.is_file() and p.name != ".activationscope-writer.lock"}
+    for more in ([], ["--reduce", "mean"]):
+        code, _, err = run(capsys, "capture", "--model", "tokmodels.nets:tiny", "--data", str(data), "--out",
+                           str(plain), "--include", "proj", "--no-progress", "--resume", "--rows", "token",
+                           "--max-samples", "5", *more)
+        assert code == 1, err
+        assert "captured with rows='auto'" in err and "this capture has rows='token'" in err and "--rows auto" in err
+        assert {p: p.read_bytes() for p in sorted(plain.rglob("*"))
+                if p.is_file() and p.name != ".activationscope-writer.lock"} == files
+    assert acs.open_store(str(plain)).attrs["capture_config"]["rows"] == "auto"
     text = tmp_path / "t.txt"
     text.write_text("a b\nc d\n")
     code, _, err = run(capsys, "capture", "--model", "tokmodels.nets:tiny", "--data", str(text), "--out",

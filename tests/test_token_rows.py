@@ -184,3 +184,51 @@ def test_a_2d_activation_taken_as_token_rows_with_padding_is_warned_about(tmp_pa
     msgs = [str(r.message) for r in rec if issubclass(r.category, CaptureWarning)]
     assert any("'head.output' has shape (4, 6)" in t and "padded columns are dropped" in t for t in msgs), msgs
     assert open_store(str(tmp_path / "p.zarr")).row_kind("head.output") == "token"
+
+
+def _store_files(path):
+    """Every file of the store (the writer lock aside) with its bytes."""
+    return {str(f.relative_to(path)): f.read_bytes() for f in sorted(path.rglob("*"))
+            if f.is_file() and f.name != ".activationscope-writer.lock"}
+
+
+@pytest.mark.parametrize("first, resumed", [("auto", "token"), ("token", "auto")])
+@pytest.mark.parametrize("more", [True, False], ids=["more-rows", "nothing-left"])
+@pytest.mark.parametrize("reductions", [None, ["mean"]], ids=["no-reductions", "reductions"])
+def test_a_resume_with_the_other_rows_setting_is_refused_naming_both_whether_or_not_rows_are_left(
+        tmp_path, first, resumed, more, reductions):
+    """A resume whose rows= differs from the store's was refused, naming both, only once a
+    forward gave a hook point the other row kind; with nothing left to capture it went through
+    (a resume adding a reduction rewrote the store's recorded rows= too). Both are refused
+    when the tracker attaches, naming both settings and the fix, every file of the store as found."""
+    model = TinyLM().eval()
+    path = tmp_path / "s.zarr"
+    xs = _batches()
+    with torch.no_grad(), acs.ActivationScope(store=path, rows=first).track(model, include=["block0"]):
+        model(xs[0])
+    before = _store_files(path)
+    scope = acs.ActivationScope(store=path, rows=resumed, reductions=reductions, store_options={"resume": True})
+    with pytest.raises(acs.CaptureError, match=rf"cannot resume .*: it was captured with rows={first!r} \(.*\), this "
+                                               rf"capture has rows={resumed!r} \(.*\);.*resume with rows={first!r} \(CLI: --rows "
+                                               rf"{first}\).*left as it was"):
+        with torch.no_grad(), scope.track(model, include=["block0"]):
+            if more:
+                model(xs[1])
+    assert _store_files(path) == before
+    store = acs.open_store(path)
+    assert store.status == "complete" and store.n_samples == 3
+    assert store.row_kind("block0.output") == ("token" if first == "token" else "sample")
+    assert store.attrs["capture_config"]["rows"] == first
+
+
+def test_a_resume_with_the_same_rows_setting_and_nothing_left_goes_through(tmp_path):
+    model = TinyLM().eval()
+    path = tmp_path / "s.zarr"
+    with torch.no_grad(), acs.ActivationScope(store=path, rows="token").track(model, include=["block0"]):
+        model(_batches()[0])
+    scope = acs.ActivationScope(store=path, rows="token", reductions=["mean"], store_options={"resume": True})
+    with torch.no_grad(), scope.track(model, include=["block0"]):
+        pass
+    store = acs.open_store(path)
+    assert store.status == "complete" and store.n_rows("block0.output") == 15
+    assert torch.allclose(store.reductions["block0.output"]["mean"], store["block0.output"].double().mean(0))

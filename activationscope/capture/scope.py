@@ -728,6 +728,7 @@ class Tracker:
                     self._closed = True
                     self._refuse(missing, [])
             self._check_patterns(getattr(self.writer, "stored_capture_config", None))
+            self._check_rows(getattr(self.writer, "stored_capture_config", None))
         if self.scope.capture_parameters:
             with torch.no_grad():
                 self.parameters = {n: p.detach().clone() for n, p in self.model.named_parameters()}
@@ -822,6 +823,30 @@ class Tracker:
             f"every sample, so resume with the same include=/exclude= as the first run"
             f"{f' (CLI: {cli})' if cli else ''}, or write the other hook points into a new store (the store is "
             "left as it was)"
+        )
+        _discard(self.writer)
+        raise CaptureError(self._refused)
+
+    def _check_rows(self, stored_config: Any) -> None:
+        """Refuse a resume whose ``rows=`` differs from the one the store records
+        (``capture_config["rows"]``): the setting decides what a stored row is (one per token
+        of the model's first input, with a token row table, or one per sample), and a resume
+        with nothing left to capture runs no forward that would show the other row kind. Stores
+        without the record are not checked. The writer is discarded: the store is left as it
+        was."""
+        if not isinstance(stored_config, Mapping):
+            return
+        stored = stored_config.get("rows")
+        if stored not in _ROWS or stored == self.scope.rows:
+            return
+        rows = {"auto": "one 'sample' row per sample, or per real token of an attention mask given to set_batch",
+                "token": "one 'token' row per token of the model's first input (batch, pos), with a token row table"}
+        self._closed = True
+        self._refused = (
+            f"cannot resume {self.writer.path!r}: it was captured with rows={stored!r} ({rows[stored]}), this capture "
+            f"has rows={self.scope.rows!r} ({rows[self.scope.rows]}); every array and row table of a store must hold "
+            f"its rows one way, so resume with rows={stored!r} (CLI: --rows {stored}), or capture into a new store "
+            "(the store is left as it was)"
         )
         _discard(self.writer)
         raise CaptureError(self._refused)

@@ -24,6 +24,7 @@ import math
 import operator
 import os
 import shutil
+import stat
 import tempfile
 import threading
 import time
@@ -54,6 +55,7 @@ from ..errors import (
 from . import _format as F
 from . import _validate as V
 from ._backend import LocalBackend, check_backend_not_in_store, check_local_store_path, fsync_dir, resolve
+from ._backend import _inside as _inside_folder
 from ._format import KEPT_SUFFIX, committed_reduction_files, committed_reduction_groups
 from ._lock import WriterLock
 
@@ -1192,13 +1194,15 @@ class StoreWriter:
                                                      doc_key=doc_key)
                 if problems:
                     raise V.corrupt(b, "; ".join(problems) + "; nothing was deleted or written")
+        listed = self._refuse_missing_shards()
         if isinstance(b, LocalBackend):
             for hp, meta in self._old_arrays.items():
                 self._refuse_linked_folders(meta["path"], hp, int(meta["n_rows"]) // int(meta["shard_rows"]),
                                             not meta["feature_shape"], "; nothing was deleted or written")
+        if isinstance(b, LocalBackend):
+            self._refuse_unwritable_reduction_keys()
         self._remove_temp_files()  # the writer killed before this one left them (no array writer of ours yet)
         if isinstance(b, LocalBackend):
-            self._refuse_folders_at_reduction_keys()
             self._restore_kept_reductions()
         found = None
         if isinstance(b, LocalBackend) and self._old_arrays:
@@ -1211,7 +1215,7 @@ class StoreWriter:
             keep_shards = -(-n // shard_rows)  # shards holding committed rows
             if found is not None:
                 self._restore_kept_shard(found, hp)
-            for key in list(b.list(f"{path}/")):
+            for key in list(b.list(f"{path}/") if listed is None else listed[hp]):
                 rel = key[len(path) + 1:]
                 if rel.endswith(".tmp") or "/.tmp" in rel or rel.split("/")[-1].startswith("shard-"):
                     b.delete(key)
@@ -1228,6 +1232,48 @@ class StoreWriter:
             for key in list(b.list(f"rows/{kind}/")):
                 if key not in listed:
                     b.delete(key)
+
+    def _refuse_missing_shards(self) -> dict[str, list[str]] | None:
+        """Resume: refuse, before anything is deleted or written, an array whose committed rows
+        need a shard file that is not there (FORMAT.md section 9 rule 11). A resume re-reads
+        only the partial last shard; it appended after a missing full one, leaving a hole that
+        readers and ``verify`` then reported.
+
+        A local store is checked by one ``stat`` per committed shard (the partial last one is
+        also there when an earlier resume kept its committed file, ``<key>.committed.tmp``,
+        which this resume puts back); an object store by one listing of each array's folder,
+        the listing the truncation deletes from, which is returned (``{hook point: keys}``;
+        None for a local store).
+
+        Raises
+        ------
+        StoreCorruptError
+            Naming the hook point, its array, the first missing shard's key and the fix;
+            nothing was deleted or written.
+        """
+        b = self._backend
+        local = isinstance(b, LocalBackend)
+        listed: dict[str, list[str]] | None = None if local else {}
+        for hp, meta in self._old_arrays.items():
+            path, n, shard_rows = meta["path"], int(meta["n_rows"]), int(meta["shard_rows"])
+            if listed is not None:
+                listed[hp] = list(b.list(f"{path}/"))
+                found = set(listed[hp])
+            for k in range(-(-n // shard_rows)):
+                key = F.shard_key(path, k, len(meta["feature_shape"]))
+                if local:
+                    there = os.path.exists(b.root / key) or (
+                        (k + 1) * shard_rows > n and os.path.exists(b.root / (key + KEPT_SUFFIX)))
+                    link = not there and os.path.islink(b.root / key)
+                else:
+                    there, link = key in found, False
+                if not there:
+                    raise V.corrupt(
+                        b, f"cannot resume: hook point {hp!r} (array {path!r}): its shard {key!r} is "
+                           f"{'a symbolic link to a missing file' if link else 'missing'}, but its rows "
+                           f"{k * shard_rows}.. are committed (n_rows {n}), and a resume would leave them a hole "
+                           "that readers refuse; nothing was deleted or written")
+        return listed
 
     def _refuse_linked_folders(self, path: str, hook_point: str, first_shard: int, flat: bool, done: str) -> None:
         """Local stores: refuse the folders the writer thread writes an array's shards into
@@ -2201,18 +2247,56 @@ class StoreWriter:
                 warnings.warn(f"store {str(self._backend)!r}: {'restoring' if restore else 'removing'} {keep}: {e}",
                               RuntimeWarning, stacklevel=3)
 
-    def _refuse_folders_at_reduction_keys(self) -> None:
-        """Resume of a local store: refuse, before anything is captured or written, a folder
-        where the root lists a committed reduction file (a result, a state, a document or a
-        script). No file can replace it: neither the kept copy of its committed bytes that
-        :meth:`_restore_kept_reductions` would put back, nor the close, which writes every
-        reduction file again (it failed there after the whole capture, leaving the store
-        incomplete)."""
+    def _refuse_unwritable_reduction_keys(self) -> None:
+        """Resume of a local store: refuse, before anything is deleted, captured or written, a
+        place where the root lists a committed reduction file (a result, a state, a document or
+        a script) that no file can replace: neither the kept copy of its committed bytes that
+        :meth:`_restore_kept_reductions` would put back, nor the close, which keeps and writes
+        every reduction file again (it failed there after the whole capture, leaving the store
+        incomplete). Such a place is
+
+        - a folder at the key;
+        - a key reached through a folder that is a symbolic link leaving the store (a writer
+          writes no file through one: the kept copy could not go back either);
+        - a symbolic link leaving the store at the key, unless the kept copy of its committed
+          bytes goes back over it (the link, never what it points to, is replaced).
+        """
         b = self._backend
+        going_back: dict[str, str] | None = None  # kept file -> key, computed when a link needs it
+        end = "then resume again. Nothing of the store was deleted or written"
         for doc, files in committed_reduction_groups(self._old_reductions):
             for key in sorted([*files, *([doc] if doc is not None else [])]):
+                linked = self._linked_folder_leaving_the_store(key)
+                if linked is not None:
+                    raise V.corrupt(
+                        b, f"cannot resume: {key!r} is reached through {linked[0]!r}, a symbolic link to "
+                           f"{linked[1]!r}, outside the store; the root lists a committed reduction file there, which "
+                           "this resume writes again at its close (or puts back from its kept copy), and a writer "
+                           "writes no file through a link leaving the store",
+                        fix="replace the link with a copy of the folder it points to (the committed reduction files "
+                            f"are in it), {end}")
                 place = b.root / key
-                if not place.is_dir() or place.is_symlink():
+                if place.is_symlink():
+                    real = os.path.realpath(place)
+                    if _inside_folder(real, b._root_real()):
+                        continue  # (read as the file it leads to; the close replaces the link)
+                    if going_back is None:
+                        from .reader import Store
+
+                        going_back = self._kept_reductions_going_back(Store(b))
+                    keep = F.kept_reduction_key(key)
+                    kept = b.root / keep
+                    if going_back.get(keep) == key and kept.is_file() and not kept.is_symlink():
+                        continue  # (the kept copy goes back over the link)
+                    raise V.corrupt(
+                        b, f"cannot resume: {key!r} is a symbolic link to {real!r}, outside the store, where the root "
+                           "lists a committed reduction file with no kept copy of its committed bytes to put back "
+                           "(FORMAT.md section 6); this resume keeps and writes that file again at its close, and a "
+                           "writer follows no link leaving the store (it would fail there, after the capture)",
+                        fix="replace the link with a copy of the file it points to (verify then checks it against "
+                            "the crc32c the root records), or remove the link (not what it points to; the resume "
+                            f"then computes a reduction whose state is gone again from the stored rows), {end}")
+                if not place.is_dir():
                     continue
                 keep = F.kept_reduction_key(key)
                 kept = b.root / keep
@@ -2227,6 +2311,40 @@ class StoreWriter:
                     "file that this resume writes again at its close (it would fail there, after the capture); move "
                     "that folder away, then resume again. Nothing of the store was deleted or written")
 
+    def _linked_folder_leaving_the_store(self, key: str) -> tuple[str, str] | None:
+        """Local stores: ``(folder key, where it leads)`` of the first folder on the way to
+        ``key`` (the key itself left out) that is a symbolic link whose target, resolved, is
+        outside the store; None when there is none (a missing folder ends the walk)."""
+        root = self._backend.root
+        parts = key.split("/")[:-1]
+        for i in range(1, len(parts) + 1):
+            rel = "/".join(parts[:i])
+            p = root / rel
+            try:
+                mode = os.lstat(p).st_mode
+            except OSError:
+                return None
+            if stat.S_ISLNK(mode):
+                real = os.path.realpath(p)
+                return None if _inside_folder(real, self._backend._root_real()) else (rel, real)
+            if not stat.S_ISDIR(mode):
+                return None
+        return None
+
+    def _kept_reductions_going_back(self, found: Any) -> dict[str, str]:
+        """``{kept file key: key}`` of the committed reduction files whose kept copy
+        (:func:`~._format.kept_reduction_key`) holds the committed bytes where the key's file
+        does not, as ``found`` (a reader of the store as found) reads them: those a resume puts
+        back (a document goes back with a chunk of its array, or when it is missing)."""
+        back: dict[str, str] = {}
+        for doc, files in committed_reduction_groups(self._old_reductions):
+            for key, crc in files.items():
+                if found._reduction_file(key, crc) != key:
+                    back[F.kept_reduction_key(key)] = key
+            if doc is not None and found._reduction_document(doc, bool(set(back.values()) & set(files))) != doc:
+                back[F.kept_reduction_key(doc)] = doc
+        return back
+
     def _restore_kept_reductions(self) -> None:
         """Resume of a local store: settle the committed reduction files an earlier writer
         kept (:func:`~._format.kept_reduction_key`) and was killed before removing. One goes
@@ -2237,7 +2355,7 @@ class StoreWriter:
         resume may keep a file). A kept file goes back over a key's FIFO or symlink (replacing
         it, never following it). A folder where it may keep one (no writer makes one) is refused
         before anything is touched: the close could keep no file there (a folder at a key is
-        refused before, :meth:`_refuse_folders_at_reduction_keys`)."""
+        refused before, :meth:`_refuse_unwritable_reduction_keys`)."""
         b = self._backend
         base = b.root / "reductions"
         if not base.is_dir() or base.is_symlink():
@@ -2268,15 +2386,10 @@ class StoreWriter:
             return
         from .reader import Store
 
-        found = Store(b)  # (reads each file from where a reader of the found store would)
-        back: dict[str, str] = {}  # kept file -> the key it goes back to
-        for doc, files in committed_reduction_groups(self._old_reductions):
-            for key, crc in files.items():
-                if found._reduction_file(key, crc) != key:
-                    back[F.kept_reduction_key(key)] = key
-            if doc is not None and found._reduction_document(doc, bool(set(back.values()) & set(files))) != doc:
-                back[F.kept_reduction_key(doc)] = doc
-        # (a folder at a key its kept file goes back to was refused by _refuse_folders_at_reduction_keys)
+        # kept file -> the key it goes back to (each file read from where a reader of the found store would)
+        back = self._kept_reductions_going_back(Store(b))
+        # (a folder at a key its kept file goes back to, or a linked folder on its way leaving the store, was
+        # refused by _refuse_unwritable_reduction_keys)
         for keep in sorted(kept):
             try:
                 if keep in back:

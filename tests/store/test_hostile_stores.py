@@ -1435,3 +1435,49 @@ def test_root_document_that_is_not_a_zarr_v3_group(tmp_path, plain, field, value
     (path / "zarr.json").write_text(json.dumps(doc))
     with pytest.raises(StoreCorruptError, match=rf"zarr\.json.*Zarr v3 group.*{field}"):
         open_store(path)
+
+
+# ---------------------------------------------------------------- 12. a committed shard file missing at a resume
+def _memory_files(url: str) -> dict[str, bytes]:
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    base = url[len("memory://"):]
+    return {k: fs.cat_file(k) for k in sorted(fs.find(base)) if not k.endswith(".activationscope-writer.lock")}
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+@pytest.mark.parametrize("n_rows, gone", [(N_ROWS, 2), (300, 1), (300, 4)], ids=["full-shards", "a-full-shard-before-a-partial-one", "the-partial-last-shard"])
+def test_resume_refuses_a_missing_committed_shard_before_it_writes(tmp_path, where, n_rows, gone):
+    """A committed shard file that is gone (here shard ``gone`` of 64-row shards): the resume
+    continued appending after a full one (only the partial last shard was re-read), leaving a
+    hole that readers and verify then reported. It is refused at the resume's start, naming the
+    array, the shard key and the fix, every file as found; the store still reads its other shards."""
+    import uuid
+
+    import fsspec
+
+    if where == "local":
+        path = tmp_path / "s.zarr"
+        data = make_store(path, n_rows=n_rows)
+        shard(path, gone).unlink()
+        files = lambda: {k: v for k, v in _files(path).items() if k != ".activationscope-writer.lock"}  # noqa: E731
+    else:
+        path = f"memory://acs-missing-shard/{uuid.uuid4().hex}.zarr"
+        data = make_store(path, n_rows=n_rows)
+        fsspec.filesystem("memory").rm(f"{path[len('memory://'):]}/acts/{HP}/c/{gone}/0")
+        files = lambda: _memory_files(path)  # noqa: E731
+    before = files()
+    key = f"acts/{HP}/c/{gone}/0"
+    with pytest.raises(StoreCorruptError, match=rf"cannot resume: hook point '0\.output' \(array 'acts/0\.output'\): "
+                                                rf"its shard {re.escape(repr(key))} is missing, but its rows "
+                                                rf"{gone * SHARD_ROWS}\.\. are committed .*nothing was deleted or "
+                                                r"written; restore the store from an intact copy or capture it again"):
+        StoreWriter(path, resume=True)
+    assert files() == before
+    s = open_store(path)
+    assert s.status == "complete" and any(key in p for p in s.verify())
+    if gone < (n_rows - 1) // SHARD_ROWS:  # (the shard of the last committed row: the array is refused whole)
+        assert s.n_rows(HP) == n_rows and torch.equal(s[HP, :gone * SHARD_ROWS], data[:gone * SHARD_ROWS])
+    with pytest.raises(StoreCorruptError, match=rf"shard {re.escape(repr(key))}.* missing"):
+        s[HP]

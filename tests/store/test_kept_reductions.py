@@ -250,3 +250,99 @@ def test_a_resume_refuses_a_folder_at_a_committed_reduction_key_without_a_kept_c
     assert s.status == "complete" and s.n_rows("0.output") == 20
     assert abs(s.reductions["0.output"]["mean"] - ref.mean(0)).max() < 1e-12
     assert s.verify() == []
+
+
+def _store_files(path: Path) -> dict[str, bytes]:
+    """Every file of the store (links not followed, the writer lock left out) with its bytes."""
+    out = {}
+    for dirpath, _, files in os.walk(path):
+        for name in files:
+            p = Path(dirpath) / name
+            if name != ".activationscope-writer.lock":
+                out[str(p.relative_to(path))] = os.readlink(p) if p.is_symlink() else p.read_bytes()
+    return out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("file, kept_copy", [
+    ("mean/c/0", "none"), ("mean/c/0", "other bytes"), ("mean.state.mean/c/0", "none"),
+    ("mean.state.mean/c/0", "other bytes"),
+    ("mean/zarr.json", "none"),  # (a kept document, which has no crc32c, goes back over the link)
+])
+def test_a_resume_refuses_a_link_leaving_the_store_at_a_committed_reduction_key_before_it_captures(store, tmp_path,
+                                                                                                 file, kept_copy):
+    """A symlink leaving the store where the root lists a committed reduction file, with no
+    kept copy of it that a resume puts back, failed the resume at its close (which keeps and
+    writes every reduction file again), after the whole capture, leaving the store incomplete.
+    Now the resume refuses at its start, naming the key and the fix, every file of the store as
+    found and the file outside untouched; with the link replaced by a copy of its file it
+    resumes, and the reduction continues from its committed state."""
+    import torch
+
+    node = store / "reductions" / "0.output"
+    key = node / file
+    rel = f"reductions/0.output/{file}"
+    committed = key.read_bytes()
+    if kept_copy == "other bytes":
+        (node / F.kept_reduction_key(rel).split("/", 2)[2]).write_bytes(b"\0" * len(committed))
+    outside = tmp_path / "outside"
+    outside.write_bytes(committed)
+    key.unlink()
+    os.symlink(outside, key)
+    before = _store_files(store)
+    model, xs = _model(), _batches(4, rows=5)
+    with pytest.raises(StoreError, match=rf"{re.escape(repr(rel))} is a symbolic link to {re.escape(repr(str(outside)))}, "
+                                         r"outside the store, where the root lists a committed reduction file .*"
+                                         r"replace the link with a copy of the file it points to .*then resume again\. "
+                                         r"Nothing of the store was deleted or written"):
+        _run(model, store, xs[2:], ["mean", "var"], resume=True)
+    assert _store_files(store) == before and outside.read_bytes() == committed
+    s = open_store(store)
+    assert s.status == "complete" and s.n_rows("0.output") == 10
+    key.unlink()
+    key.write_bytes(outside.read_bytes())
+    _run(model, store, xs[2:], ["mean", "var"], resume=True)
+    s = open_store(store)
+    assert s.status == "complete" and s.n_rows("0.output") == 20 and s.verify() == []
+    torch.testing.assert_close(s.reductions["0.output"]["mean"], _ref_rows(model, xs).mean(0))
+    torch.testing.assert_close(s.reductions["0.output"]["var"], _ref_rows(model, xs).var(0, correction=0))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kept_copy", ["none", "committed bytes"])
+@pytest.mark.parametrize("linked", ["reductions/0.output/mean/c", "reductions/0.output", "reductions"])
+def test_a_resume_refuses_a_committed_reduction_key_reached_through_a_linked_folder_leaving_the_store(store, tmp_path,
+                                                                                                   linked, kept_copy):
+    """A folder on the way to a committed reduction file that is a symlink leaving the store:
+    verify named it, but a resume failed at its close (no kept copy: after the whole capture)
+    or, with a kept copy to put back, with a general "settling the kept reduction file ...
+    failed". Now the resume refuses at its start naming the key, the linked folder and the fix,
+    every file as found; with the link replaced by a copy of its folder it resumes."""
+    import shutil
+
+    import torch
+
+    rel = "reductions/0.output/mean/c/0"
+    committed = (store / rel).read_bytes()
+    if kept_copy == "committed bytes":  # (the key's file then differs: the kept one would go back)
+        (store / F.kept_reduction_key(rel)).write_bytes(committed)
+        (store / rel).write_bytes(b"\0" * len(committed))
+    outside = tmp_path / "outside"
+    shutil.copytree(store / linked, outside)
+    shutil.rmtree(store / linked)
+    os.symlink(outside, store / linked)
+    assert any(str(outside) in p for p in open_store(store).verify())
+    before, outside_before = _store_files(store), _store_files(outside)
+    model, xs = _model(), _batches(4, rows=5)
+    with pytest.raises(StoreError, match=rf"'reductions/0\.output/[^']+' is reached through {re.escape(repr(linked))}, a "
+                                         rf"symbolic link to {re.escape(repr(str(outside)))}, outside the store; .*"
+                                         r"replace the link with a copy of the folder it points to .*then resume again\. "
+                                         r"Nothing of the store was deleted or written"):
+        _run(model, store, xs[2:], ["mean", "var"], resume=True)
+    assert _store_files(store) == before and _store_files(outside) == outside_before
+    (store / linked).unlink()
+    shutil.copytree(outside, store / linked)
+    _run(model, store, xs[2:], ["mean", "var"], resume=True)
+    s = open_store(store)
+    assert s.status == "complete" and s.n_rows("0.output") == 20 and s.verify() == []
+    torch.testing.assert_close(s.reductions["0.output"]["mean"], _ref_rows(model, xs).mean(0))
