@@ -135,9 +135,12 @@ class _HookCollector:
 class HeldFloor(Mode):
     """The floor of an in-memory capture, without hooks: the ``nn.Sequential``'s layers run by
     hand, the input and every layer's output held until the repeat ends (``copy``: a clone of
-    each, as SNAPSHOT keeps; else the tensors themselves, as REFERENCE keeps). These are the
-    tensors a ``capture="both"`` capture of the toy model keeps (a layer's input is the
-    previous layer's output, kept once). Held tensors cost the plain forward its cache reuse:
+    each, as SNAPSHOT keeps; else the tensors themselves, as REFERENCE keeps), detached from
+    the autograd graph as both keep them (holding the graph instead keeps every node and saved
+    tensor alive, which frees nothing during the forward and so spares the allocator the work
+    that dropping the graph while the data stays held costs). These are the tensors a
+    ``capture="both"`` capture of the toy model keeps (a layer's input is the previous layer's
+    output, kept once). Held tensors cost the plain forward its cache reuse:
     it writes each layer's output into fresh memory instead of a buffer just freed."""
 
     def __init__(self, wl: Workload, ctx: dict[str, Any], copy: bool) -> None:
@@ -152,10 +155,10 @@ class HeldFloor(Mode):
         held: list[torch.Tensor] = []
         for f in range(wl.n_forwards):
             x = wl.batch(f)
-            held.append(x.clone() if copy else x)
+            held.append(x.detach().clone() if copy else x.detach())
             for layer in layers:
                 x = layer(x)
-                held.append(x.clone() if copy else x)
+                held.append(x.detach().clone() if copy else x.detach())
         self.held = held
 
     def describe(self) -> dict[str, Any]:
@@ -167,7 +170,7 @@ class HeldFloor(Mode):
 
 
 register_mode("keep_floor", workloads=("toy",), quick=False,
-              doc="no hooks: the layers of the toy model run by hand, its input and every layer's output held until "
+              doc="no hooks: the layers of the toy model run by hand, its input and every layer's output held, detached, until "
               "the repeat ends (what REFERENCE keeps): the cost of holding the tensors")(
     lambda wl, ctx: HeldFloor(wl, ctx, copy=False))
 register_mode("copy_floor", workloads=("toy",), quick=False,

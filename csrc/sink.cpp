@@ -327,11 +327,44 @@ at::Tensor Sink::rows_of(const at::Tensor& x, const at::Tensor& token_mask) {
   return x;
 }
 
+bool Sink::can_refer(const at::Tensor& x) {
+  const c10::TensorImpl* impl = x.unsafeGetTensorImpl();
+  return typeid(*impl) == typeid(c10::TensorImpl) && x.layout() == at::kStrided && x.has_storage() &&
+         (x.is_cpu() || x.is_cuda()) && !impl->is_python_dispatch() && !x.is_inference() &&
+         !x._is_zerotensor() && !impl->has_symbolic_sizes_strides() &&
+         !x.key_set().has_any(c10::DispatchKeySet({c10::DispatchKey::FuncTorchBatched, c10::DispatchKey::FuncTorchGradWrapper,
+                                                   c10::DispatchKey::Functionalize}));
+}
+
+Sink::Record Sink::refer(const at::Tensor& x) {
+  Record rec;
+  rec.reference = true;
+  rec.slab = x.storage();
+  rec.sizes.assign(x.sizes().begin(), x.sizes().end());
+  rec.strides.assign(x.strides().begin(), x.strides().end());
+  rec.offset = x.storage_offset();
+  rec.dtype = x.scalar_type();
+  rec.keys = x.key_set();
+  rec.version = x.unsafeGetTensorImpl()->version_counter();
+  return rec;
+}
+
+at::Tensor Sink::referred(const Record& r) {
+  // as TensorImpl::shallow_copy_and_detach makes a detached tensor of the same storage
+  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(r.slab), r.keys, c10::scalarTypeToTypeMeta(r.dtype));
+  impl->set_sizes_and_strides(r.sizes, r.strides, r.offset);
+  impl->set_version_counter(r.version);
+  impl->set_allow_tensor_metadata_change(false);
+  return at::Tensor(std::move(impl));
+}
+
 void Sink::consume(const at::Tensor& x_in, const at::Tensor& token_mask) {
   at::AutoGradMode no_grad(false);
-  // A record kept by reference must not hold the autograd graph: detach it. Copies made
-  // under no-grad never record a graph, so the snapshot path skips the detach.
-  const at::Tensor x = (!options_.snapshot && x_in.requires_grad()) ? x_in.detach() : x_in;
+  // A record kept by reference must not hold the autograd graph: detach it (a REFERENCE
+  // record of its storage alone holds none). Copies made under no-grad never record a graph,
+  // so the snapshot path skips the detach.
+  const bool refer_only = !options_.snapshot && writer_ == nullptr && reductions_.empty() && can_refer(x_in);
+  const at::Tensor x = (!options_.snapshot && x_in.requires_grad() && !refer_only) ? x_in.detach() : x_in;
   std::lock_guard<std::mutex> lock(mu_);
   check_layout(x);  // before the call is counted or anything of it kept
   count_call(1);
@@ -445,11 +478,14 @@ void Sink::consume(const at::Tensor& x_in, const at::Tensor& token_mask) {
           throw;
         }
       }
+    } else if (can_refer(x)) {
+      // The model tensor's storage, layout and version counter (in-place changes are still
+      // seen), made into a tensor of our own when read, not x's TensorImpl: holding that would
+      // keep x's Python object alive after the model drops it, one garbage-collected object
+      // per record (a full collection of the interpreter every few hundred forwards).
+      rec = refer(x);
     } else if (!x_in.requires_grad() && !x.unsafeGetTensorImpl()->is_python_dispatch()) {
-      // The model's tensor through a TensorImpl of our own (same storage, sizes, strides and
-      // version counter, so in-place changes are still seen), not x's: holding x's TensorImpl
-      // would keep x's Python object alive after the model drops it, one garbage-collected
-      // object per record (a full collection of the interpreter every few hundred forwards).
+      // Another tensor (a sparse one, ...) through a TensorImpl of our own, as above.
       // (A detached x is ours already; a __torch_dispatch__ subclass is kept itself.)
       c10::TensorImpl* impl = x.unsafeGetTensorImpl();
       rec.t = at::Tensor(impl->shallow_copy_and_detach(impl->version_counter(), /*allow_tensor_metadata_change=*/false));
@@ -675,7 +711,13 @@ std::vector<at::Tensor> Sink::records() {
   out.reserve(records_.size());
   for (auto& r : records_) {
     if (!r.t.defined()) {  // made once, then the same tensor on every read
-      r.t = Arena::tensor_at(r.slab, r.data, r.sizes, r.dtype);
+      if (r.reference) {
+        r.t = referred(r);
+        r.reference = false;
+        r.version = c10::VariableVersion();
+      } else {
+        r.t = Arena::tensor_at(r.slab, r.data, r.sizes, r.dtype);
+      }
       r.slab = c10::Storage();
       r.data = nullptr;
     }
@@ -699,7 +741,7 @@ bool Sink::reference_changed(bool all) {
   const size_t start = all ? 0 : std::min(checked_, versions_.size());
   checked_ = versions_.size();
   for (size_t i = start; i < versions_.size() && i < records_.size(); ++i) {
-    if (versions_[i] != kCopied && records_[i].t._version() != versions_[i]) {
+    if (versions_[i] != kCopied && records_[i].current_version() != versions_[i]) {
       warned_changed_ = true;
       return true;
     }

@@ -162,13 +162,30 @@ class Sink {
   // forward put small long-lived heap objects between the model's transient outputs, so
   // the heap could not reuse those and grew by the size of the capture (fresh pages for
   // every output). The tensor is made when the records are first read.
+  // A REFERENCE record is kept the same way, as the model tensor's storage, layout, dispatch
+  // keys and version counter (no TensorImpl of its own: one per record interleaved small
+  // long-lived objects with the model's outputs, as above), made into a tensor sharing that
+  // version counter when first read.
   struct Record {
-    at::Tensor t;           // the record, once made (or a REFERENCE / non-arena record)
-    c10::Storage slab;      // arena snapshot not yet made into a tensor: its slab,
-    char* data = nullptr;   // its address,
+    at::Tensor t;           // the record, once made (or a non-arena record)
+    c10::Storage slab;      // arena snapshot / REFERENCE record not yet made into a tensor: its slab or storage,
+    char* data = nullptr;   // its address (arena),
     c10::SmallVector<int64_t, 5> sizes;  // its shape
     at::ScalarType dtype = at::kFloat;   // and dtype
+    bool reference = false;               // REFERENCE record not yet made: slab is the model tensor's storage,
+    c10::SmallVector<int64_t, 5> strides;  // its strides,
+    int64_t offset = 0;                    // storage offset,
+    c10::DispatchKeySet keys;              // dispatch keys (conjugate / negative bits included)
+    c10::VariableVersion version;          // and version counter (shared: in-place changes stay visible)
+    // The version counter's value now (t's once made). Not for a copy (kCopied records).
+    int64_t current_version() const {
+      return t.defined() ? t._version() : static_cast<int64_t>(version.current_version());
+    }
   };
+  // A REFERENCE record of x (a dense CPU / CUDA tensor of a plain TensorImpl: can_refer(x)).
+  static Record refer(const at::Tensor& x);
+  static bool can_refer(const at::Tensor& x);
+  static at::Tensor referred(const Record& r);
   Record snapshot(const at::Tensor& x);
   void check_layout(const at::Tensor& x) const;  // CaptureError for values it cannot read
   at::Tensor rows_of(const at::Tensor& x, const at::Tensor& token_mask);

@@ -230,3 +230,42 @@ def test_reference_records_do_not_keep_the_models_python_tensors_alive():
                 model(torch.randn(2, 3)).mul_(2)  # the model's tensor changed after its capture
     finally:
         gc.enable()
+
+
+def test_reference_records_under_autograd_are_the_models_data_without_its_graph():
+    """With autograd on, a REFERENCE record is the model's tensor data (same storage, offset,
+    strides, conjugate bit) detached from its graph: no grad_fn, requires_grad False, the model's
+    backward unaffected, and an in-place change made after the capture is still seen."""
+
+    class Views(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 6)
+            self.t = torch.nn.Identity()
+            self.c = torch.nn.Identity()
+
+        def forward(self, x):
+            y = self.lin(x)
+            z = self.t(y.t()[1:])  # a strided view at an offset
+            w = self.c(torch.complex(y, -y).conj())  # a lazily conjugated view
+            return y, z, w
+
+    m = Views()
+    x = torch.randn(5, 4)
+    with ActivationScope(capture="output", capture_mode=CaptureMode.REFERENCE).track(m) as tr:
+        y, z, w = m(x)
+    acts = tr.activations
+    rec_y, rec_z, rec_w = acts["lin.output"][0], acts["t.output"][0], acts["c.output"][0]
+    for rec, model_t in ((rec_y, y), (rec_z, z), (rec_w, w)):
+        assert rec.grad_fn is None and not rec.requires_grad
+        assert rec.untyped_storage().data_ptr() == model_t.untyped_storage().data_ptr()
+        assert rec.storage_offset() == model_t.storage_offset() and rec.stride() == model_t.stride()
+        assert torch.equal(rec, model_t.detach())
+    assert rec_w.is_conj() and torch.equal(rec_w.imag, y.detach())
+    y.sum().backward()  # the model's graph is its own
+    assert m.lin.weight.grad is not None
+    with torch.no_grad():
+        y.mul_(3)  # after the capture: the record sees it, and the capture says so
+    assert torch.equal(rec_y, y.detach()) and rec_y._version == y._version
+    with pytest.warns(RuntimeWarning, match=r"'lin.output'.*changed in place"):
+        tr.activations
