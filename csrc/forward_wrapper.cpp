@@ -13,6 +13,7 @@
 
 #include "errors.h"
 #include "gil.h"
+#include "py_tensor.h"
 #include "py_errors.h"
 
 namespace acs {
@@ -50,7 +51,7 @@ bool is_container(py::handle obj) {
 // is named in a CaptureWarning too, once per type (compiled.warn_unwalked).
 void collect(py::handle obj, const std::string& prefix, Leaves& out, int depth, bool warn = true,
              UnwalkedTypes* unwalked = nullptr) {
-  if (THPVariable_Check(obj.ptr())) {
+  if (is_tensor_object(obj.ptr())) {
     out.emplace_back(prefix, THPVariable_Unpack(obj.ptr()));
     return;
   }
@@ -509,7 +510,7 @@ py::object ForwardWrapper::call(py::args args, py::kwargs kwargs) {
     Leaves in_leaves;
     for (auto& a : active) {
       if (!a.site->capture_input) continue;
-      if (a.k == 0 && args.size() == 1 && kwargs.empty() && THPVariable_Check(args[0].ptr())) {
+      if (a.k == 0 && args.size() == 1 && kwargs.empty() && is_tensor_object(args[0].ptr())) {
         Site& s = *a.site;
         if (!s.in0_resolved) {
           s.in0_sink = resolve(*s.core, join(a.base, "input") + ".0", THPVariable_Unpack(args[0].ptr()));
@@ -562,7 +563,7 @@ py::object ForwardWrapper::call(py::args args, py::kwargs kwargs) {
     Leaves out_leaves;
     for (auto& a : active) {
       if (!a.site->capture_output) continue;
-      if (a.k == 0 && THPVariable_Check(out.ptr())) {
+      if (a.k == 0 && is_tensor_object(out.ptr())) {
         Site& s = *a.site;
         if (!s.out_resolved) {
           s.out_sink = resolve(*s.core, join(a.base, "output"), THPVariable_Unpack(out.ptr()));

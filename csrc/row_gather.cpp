@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "gil.h"
+#include "py_tensor.h"
 
 namespace py = pybind11;
 
@@ -42,7 +43,7 @@ bool store_rows(const py::handle& index, int64_t n, int64_t start, std::vector<i
     }
     return true;
   }
-  if (THPVariable_Check(index.ptr())) {
+  if (is_tensor_object(index.ptr())) {
     const at::Tensor t = THPVariable_Unpack(index.ptr());
     if (t.dim() != 1 || t.scalar_type() != at::kLong || !t.device().is_cpu() || t.layout() != at::kStrided)
       return false;
@@ -92,7 +93,7 @@ py::object gather_rows(const py::handle& index, int64_t n, int64_t start, const 
     if (base[j]) continue;
     py::handle h = segments[j];
     if (h.is_none()) return py::int_(static_cast<int64_t>(j));
-    if (!THPVariable_Check(h.ptr())) return py::none();
+    if (!is_tensor_object(h.ptr())) return py::none();
     at::Tensor t = THPVariable_Unpack(h.ptr());
     if (!t.device().is_cpu() || t.dim() < 1 || !t.is_contiguous() || t.size(0) != bounds[j + 1] - bounds[j])
       return py::none();
@@ -115,7 +116,7 @@ py::object gather_rows(const py::handle& index, int64_t n, int64_t start, const 
   }
   at::Tensor out;
   if (!out_arg.is_none()) {  // the caller's tensor: exactly the batch's dtype, shape and layout
-    if (!THPVariable_Check(out_arg.ptr())) return py::none();
+    if (!is_tensor_object(out_arg.ptr())) return py::none();
     out = THPVariable_Unpack(out_arg.ptr());
     if (!out.device().is_cpu() || out.layout() != at::kStrided || !out.is_contiguous() ||
         out.scalar_type() != first.scalar_type() || out.dim() != first.dim() || out.size(0) != k ||

@@ -404,6 +404,45 @@ def test_the_verdict_on_a_class_never_applies_to_another_class_at_its_address():
     assert torch.equal(tr.activations["0.input.0"][0], x) and len(tr.activations["0.input.0"]) == 240
 
 
+def test_an_object_whose_class_attribute_claims_tensor_is_not_taken_for_one():
+    """An object whose ``__class__`` says torch.Tensor (a mock, a proxy) passes isinstance(), and
+    the native walk of a module's inputs and outputs took it for a tensor: it ran that property
+    and read the object's memory as a tensor's (the process crashed). Tensors are told by their
+    type now: such an object is not captured, its property never runs, and real tensors beside
+    it are captured as before."""
+    import subprocess
+    import textwrap
+
+    script = textwrap.dedent("""
+        import warnings, torch, activationscope as acs
+        class Fake:
+            calls = 0
+            @property
+            def __class__(self):
+                Fake.calls += 1
+                return torch.Tensor
+        class M(torch.nn.Module):
+            def forward(self, x, other=None):
+                return Fake(), x * 2
+        m = torch.nn.Sequential(M())
+        x = torch.randn(2, 3)
+        assert isinstance(Fake(), torch.Tensor)
+        Fake.calls = 0
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with acs.ActivationScope(capture="both").track(m) as tr:
+                m[0](x, Fake())
+                out = m(x)
+        assert Fake.calls == 0, Fake.calls
+        acts = tr.activations
+        assert sorted(acts) == ["0.input.0", "0.output.1"], sorted(acts)
+        assert torch.equal(acts["0.output.1"][-1], x * 2) and torch.equal(acts["0.input.0"][-1], x)
+        print("ok")
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", (done.returncode, done.stdout, done.stderr[-2000:])
+
+
 def test_the_verdicts_on_classes_made_at_each_forward_stay_bounded():
     """A model that makes a new class at each forward grew the tracker's cache of verdicts by
     one entry per class, without end. It now holds at most _UNWALKED_TYPES_CAP entries: the
