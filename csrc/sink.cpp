@@ -712,6 +712,19 @@ std::vector<at::Tensor> Sink::records() {
   for (auto& r : records_) {
     if (!r.t.defined()) {  // made once, then the same tensor on every read
       if (r.reference) {
+        // The storage may have been shrunk since the capture (untyped_storage().resize_(0),
+        // as sharded training frees memory): a tensor over it would read past its end.
+        int64_t last = r.offset;
+        bool empty = false;
+        for (size_t d = 0; d < r.sizes.size(); ++d) {
+          if (r.sizes[d] == 0) empty = true;
+          last += (r.sizes[d] - 1) * r.strides[d];
+        }
+        const int64_t need = empty ? 0 : (last + 1) * static_cast<int64_t>(c10::elementSize(r.dtype));
+        ACS_CHECK(static_cast<int64_t>(r.slab.nbytes()) >= need, "hook point '", name_, "': a tensor kept by ",
+                  "CaptureMode.REFERENCE lost its memory after it was captured (its storage now holds ",
+                  r.slab.nbytes(), " bytes, the record needs ", need, "; the model or its training freed it, e.g. ",
+                  "untyped_storage().resize_(0)): use CaptureMode.SNAPSHOT (the default) for this model");
         r.t = referred(r);
         r.reference = false;
         r.version = c10::VariableVersion();

@@ -269,3 +269,27 @@ def test_reference_records_under_autograd_are_the_models_data_without_its_graph(
     assert torch.equal(rec_y, y.detach()) and rec_y._version == y._version
     with pytest.warns(RuntimeWarning, match=r"'lin.output'.*changed in place"):
         tr.activations
+
+
+def test_a_reference_record_whose_storage_was_freed_is_an_error_not_a_read_past_its_end():
+    """Sharded training frees memory by shrinking storages (untyped_storage().resize_(0)): a
+    REFERENCE record made into a tensor over such a storage would read past its end. Reading the
+    records names the hook point and the fix."""
+    from activationscope.errors import CaptureError
+
+    class Two(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(3, 3), torch.nn.Linear(3, 2)
+
+        def forward(self, x):
+            h = self.a(x)
+            return h, self.b(h)
+
+    m = Two()
+    with torch.no_grad(), ActivationScope(capture="output", capture_mode=CaptureMode.REFERENCE).track(
+            m, include=["a", "b"]) as tr:
+        h, y = m(torch.randn(2, 3))
+    h.untyped_storage().resize_(0)
+    with pytest.raises(CaptureError, match=r"hook point 'a\.output'.*lost its memory.*holds 0 bytes.*needs 24.*SNAPSHOT"):
+        tr.activations
