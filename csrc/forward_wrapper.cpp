@@ -122,7 +122,7 @@ at::Tensor root_first_input(const py::args& args, const py::kwargs& kwargs) {
     }
   }
   for (const auto& leaf : leaves)
-    if (leaf.second.dim() >= 1) return leaf.second;
+    if (leaf.second.dim() >= 1 && fixed_sizes(leaf.second)) return leaf.second;  // (a nested one has no batch size to read)
   return at::Tensor();
 }
 
@@ -679,7 +679,7 @@ static void claim(const TrackerCore& core, Sink& sink, bool outside) {
 void ForwardWrapper::consume_one(TrackerCore& core, const std::shared_ptr<Sink>& sink, const at::Tensor& t,
                                  bool outside) {
   claim(core, *sink, outside);
-  if (!outside && core.batch_size < 0 && t.dim() >= 1) core.batch_size = t.size(0);
+  if (!outside && core.batch_size < 0 && t.dim() >= 1 && fixed_sizes(t)) core.batch_size = t.size(0);
   at::Tensor mask = core.mask();
   if (sink->keeps_reference_only()) {  // a few pointer updates: not worth a GIL hand-off
     sink->consume(t, mask);
@@ -692,7 +692,7 @@ void ForwardWrapper::consume_one(TrackerCore& core, const std::shared_ptr<Sink>&
 
 void ForwardWrapper::consume_all(TrackerCore& core, const Leaves& leaves, bool outside) {
   if (leaves.empty()) return;
-  if (!outside && core.batch_size < 0 && leaves.front().second.dim() >= 1) {
+  if (!outside && core.batch_size < 0 && leaves.front().second.dim() >= 1 && fixed_sizes(leaves.front().second)) {
     core.batch_size = leaves.front().second.size(0);
   }
   std::vector<std::pair<std::shared_ptr<Sink>, const at::Tensor*>> work;
@@ -797,7 +797,7 @@ void ForwardWrapper::capture_named(TrackerCore& core, const std::string& base, a
                                    const std::vector<std::string>& names) {
   TORCH_CHECK(leaves.size() == names.size(), "activationscope call op: ", leaves.size(), " tensors but ",
               names.size(), " names");
-  if (core.batch_size < 0 && leaves[0].dim() >= 1) core.batch_size = leaves[0].size(0);
+  if (core.batch_size < 0 && leaves[0].dim() >= 1 && fixed_sizes(leaves[0])) core.batch_size = leaves[0].size(0);
   std::vector<std::pair<std::shared_ptr<Sink>, at::Tensor>> work;
   work.reserve(leaves.size());
   struct InGraph {

@@ -115,7 +115,9 @@ void Sink::check_cast(const at::Tensor& src, const at::Tensor& cast) {
 }
 
 bool is_token_rows(const at::Tensor& x, const at::Tensor& token_mask) {
-  return token_mask.defined() && token_mask.dim() == 2 && x.dim() >= 2 && x.size(0) == token_mask.size(0) &&
+  // (a nested tensor has no fixed sizes to compare: a jagged one refuses size())
+  return token_mask.defined() && token_mask.dim() == 2 && fixed_sizes(x) && x.dim() >= 2 &&
+         x.size(0) == token_mask.size(0) &&
          x.size(1) == token_mask.size(1);
 }
 
@@ -214,7 +216,7 @@ void Sink::check_layout(const at::Tensor& x) const {
   // The test of every call: a few bits of the tensor's dispatch key set and layout. The
   // message is the first call's (ActivationScope._check_layout), which the Python side
   // raises before this sink exists; this one covers the calls after it.
-  const bool nested = x.is_nested();
+  const bool nested = !fixed_sizes(x);  // (a jagged nested tensor: its sizes are symbolic)
   const bool strided = x.layout() == c10::kStrided;
   const bool quantized = x.is_quantized();
   const bool complex_to_real = x.is_complex() && options_.storage_dtype &&
@@ -368,7 +370,7 @@ void Sink::consume(const at::Tensor& x_in, const at::Tensor& token_mask) {
   std::lock_guard<std::mutex> lock(mu_);
   check_layout(x);  // before the call is counted or anything of it kept
   count_call(1);
-  if (x.dim() >= 1 && x.size(0) == 0) {
+  if (x.dim() >= 1 && fixed_sizes(x) && x.size(0) == 0) {
     // An empty batch: no rows, reductions or store writes. An in-memory capture still keeps
     // its (empty) record, so records stay one per call (record i is call i's; the last
     // record of keep="last" is the last call's), an alias too (its target's are not this call's).
@@ -692,7 +694,7 @@ bool Sink::consume_alias(const at::Tensor& x, const at::Tensor& token_mask) {
     n_rows_ += rows.size(0);
   } else {
     n_rows_ += (row_kind_ == 1 && token_mask.defined()) ? token_mask.sum().item<int64_t>()
-                                                         : (x.dim() == 0 ? 1 : x.size(0));
+                                                         : (x.dim() == 0 || !fixed_sizes(x) ? 1 : x.size(0));
   }
   if (options_.keep != Keep::NONE && options_.placement != Placement::DISK) {
     if (options_.keep == Keep::LAST) records_.clear();
@@ -712,6 +714,10 @@ std::vector<at::Tensor> Sink::records() {
   for (auto& r : records_) {
     if (!r.t.defined()) {  // made once, then the same tensor on every read
       if (r.reference) {
+        // A tensor of the autograd world whatever mode the reader runs in: made under
+        // torch.inference_mode() it would be an inference tensor, which cannot share the
+        // model tensor's version counter.
+        c10::InferenceMode normal(false);
         // The storage may have been shrunk since the capture (untyped_storage().resize_(0),
         // as sharded training frees memory): a tensor over it would read past its end.
         int64_t last = r.offset;
@@ -746,6 +752,7 @@ void Sink::clear_records() {
   records_.clear();
   versions_.clear();
   checked_ = 0;
+  warned_changed_ = false;  // the records kept from now on are checked (and warned about) again
 }
 
 bool Sink::reference_changed(bool all) {

@@ -19,6 +19,12 @@
 
 namespace acs {
 
+// Whether t has fixed integer sizes to read: not a nested tensor (a jagged one refuses
+// size(), its ragged dimension being symbolic) nor one whose sizes are symbolic.
+inline bool fixed_sizes(const at::Tensor& t) {
+  return !t.is_nested() && !t.unsafeGetTensorImpl()->has_symbolic_sizes_strides();
+}
+
 // Bump allocator over pooled staging slabs (staging_pool.h): one snapshot lives in a
 // slab, so capturing pays neither a large malloc nor fresh page faults per tensor. Each
 // snapshot has a storage of its own bytes only (its data pointer points into the slab and

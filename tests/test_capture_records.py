@@ -5,6 +5,7 @@ torch.inference_mode. References: the modules called in plain PyTorch."""
 from __future__ import annotations
 
 import io
+import warnings
 
 import pytest
 import torch
@@ -293,3 +294,69 @@ def test_a_reference_record_whose_storage_was_freed_is_an_error_not_a_read_past_
     h.untyped_storage().resize_(0)
     with pytest.raises(CaptureError, match=r"hook point 'a\.output'.*lost its memory.*holds 0 bytes.*needs 24.*SNAPSHOT"):
         tr.activations
+
+
+def test_reference_records_first_read_under_inference_mode_are_the_models_data():
+    """REFERENCE records of normal tensors (a pass-through input, a parameter) read for the first
+    time inside torch.inference_mode() are made there: they are ordinary tensors sharing the
+    model tensor's storage and version counter, as read anywhere else (it raised 'Cannot set
+    version_counter for inference tensor')."""
+    x = torch.randn(3, 4)
+    m = torch.nn.Sequential(torch.nn.Identity())
+    with torch.inference_mode():
+        with ActivationScope(capture="input", capture_mode=CaptureMode.REFERENCE).track(m) as tr:
+            m(x)
+            rec = tr.activations["0.input.0"][0]
+        assert not rec.is_inference() and rec.data_ptr() == x.data_ptr() and torch.equal(rec, x)
+    x.add_(1)  # after the capture: seen through the shared version counter
+    with pytest.warns(RuntimeWarning, match=r"'0\.input\.0'.*changed in place"):
+        tr.activations
+
+
+def test_the_in_place_warning_of_a_reference_capture_is_given_again_after_clear():
+    """clear() drops the records; records kept after it are checked again: a change in place of
+    one of them is warned about (after a first warning the hook point was never checked again)."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4))
+    x = torch.randn(3, 8)
+    with ActivationScope(capture_mode=CaptureMode.REFERENCE).track(model) as tr:
+        for k in range(2):
+            out = model(x)
+            with torch.no_grad():
+                out.mul_(2)
+            with pytest.warns(RuntimeWarning, match=r"'0\.output'.*changed in place"):
+                tr.activations
+            tr.clear()
+        out = model(x)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # unchanged: no warning
+            assert torch.equal(tr.activations["0.output"][0], out.detach())
+
+
+def test_a_jagged_nested_tensor_is_kept_by_reference_and_refused_by_a_copy_with_the_fix():
+    """A jagged nested tensor has no fixed sizes (size() raises): REFERENCE keeps it as it is,
+    SNAPSHOT refuses it naming the hook point and the fix, and a model whose first input is one
+    is tracked (its dense outputs captured) instead of failing with torch's own error."""
+    from activationscope.errors import CaptureError
+
+    class ToJagged(torch.nn.Module):
+        def forward(self, x):
+            return torch.nested.nested_tensor([x[:2], x[2:5]], layout=torch.jagged)
+
+    class Total(torch.nn.Module):
+        def forward(self, nt):
+            return nt.values().sum(0)
+
+    x = torch.randn(5, 8)
+    model = torch.nn.Sequential(ToJagged())
+    with torch.no_grad(), ActivationScope(capture_mode=CaptureMode.REFERENCE).track(model) as tr:
+        out = model(x)
+    rec = tr.activations["0.output"][0]
+    assert rec is out or (rec.is_nested and torch.equal(rec.values(), out.values()))
+    with pytest.raises(CaptureError, match=r"'0\.output'.*nested"):
+        with torch.no_grad(), ActivationScope().track(model):
+            model(x)
+    nt = torch.nested.nested_tensor([x[:2], x[2:5]], layout=torch.jagged)
+    total = torch.nn.Sequential(Total())
+    with torch.no_grad(), ActivationScope(capture="output").track(total) as tr:
+        got = total(nt)
+    assert torch.equal(tr.activations["0.output"][0], got)
