@@ -996,6 +996,7 @@ class Tracker:
             self._forward_raised(at_exit=True, warn=not left_running)
         silent = self._silent_modules() if exc is None else []
         if self.writer is not None:
+            self._drop_unrecorded()
             if exc is None:
                 if self._stored and self._n_captured == 0:  # no forward: patterns meet the stored hook points
                     self._check_reduction_patterns(sorted(self._stored), "the store holds")
@@ -1053,6 +1054,19 @@ class Tracker:
             self._remove_unused_store(exc)
             return
         self._warn_silent(silent)
+
+    def _drop_unrecorded(self) -> None:
+        """Closing a store capture: hook points first seen in a forward that was never recorded
+        (refused partway, e.g. by a dtype or feature-shape change, or raised by the model) have
+        no committed row; the store does not list them (its writer drops their arrays), nor
+        does the tracker (``hook_points``, ``reductions``)."""
+        names = getattr(self.writer, "unrecorded_hook_points", None)
+        for name in names or ():
+            self._sinks.pop(name, None)
+            self._reduction_names.pop(name, None)
+            self._reduction_objects.pop(name, None)
+            self._aliases.pop(name, None)
+            self._first_shapes.pop(name, None)
 
     def _remove_unused_store(self, exc: BaseException | None) -> bool:
         """After a failed capture: remove the store when this capture made it and it holds no
