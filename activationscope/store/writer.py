@@ -1434,6 +1434,8 @@ class StoreWriter:
             writer = _native.load().ArrayWriter(
                 self._core, hook_point, str(array_dir), str(array_dir), F.torch_dtype(name), list(feature_shape),
                 chunk_rows, shard_chunks, start, compression is not None, arr.held_shard,
+                # every folder from the store's (or staging) folder down opened without following a link
+                root=str(self._staging),
             )
             arr.writer = writer
             if compression is not None:
