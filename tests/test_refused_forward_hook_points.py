@@ -162,3 +162,17 @@ def test_the_writer_lists_an_array_from_the_batch_that_records_it(tmp_path):
     store = open_store(path)
     assert store.hook_points == ["a"] and store.n_rows("a") == 4 and store.verify() == []
     assert not (path / "acts" / "b").exists()
+
+
+def test_a_capture_whose_only_forward_raised_inside_the_block_stores_nothing_and_says_why(tmp_path):
+    path = tmp_path / "s.zarr"
+    model = Grows("model")
+    model.calls = 1  # its first forward is one that raises
+    with pytest.raises(acs.CaptureError, match=r"captured no whole forward of Grows: the 1 forward\(s\) it captured "
+                                               r"raised before their end .*removed: it was new.*fix the error"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", acs.CaptureWarning)
+            with torch.no_grad(), ActivationScope(store=str(path)).track(model) as tracker:
+                with pytest.raises(ValueError):
+                    model(torch.randn(4, 3))
+    assert not path.exists() and tracker.hook_points == []

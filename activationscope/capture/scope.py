@@ -627,6 +627,7 @@ class Tracker:
         # count them, so that a stored sample's id is its place in the data the model was fed
         self._skipped_samples = 0
         self._open_forward: int | None = None  # index of a root forward that started and has not ended
+        self._n_raised = 0  # captured forwards that raised, the exception caught inside the block
         self._stop_learnt = False  # stop_after_last: the stop point was known when this forward started
         self._warned_stop = False
         self._n_captured = 0  # root forwards captured (ended) while attached
@@ -1030,6 +1031,13 @@ class Tracker:
                         fate = "so the store that overwrite=True was to replace is kept as it was"
                     else:
                         fate = "so the store holds no hook point (left incomplete)"
+                    if self._n_raised:  # called, but no forward ended: none was recorded
+                        raise CaptureError(
+                            f"the capture into {self.writer.path!r} captured no whole forward of "
+                            f"{type(self.model).__name__}: the {self._n_raised} forward(s) it captured raised "
+                            f"before their end (the exception was caught inside the `with` block), {fate}; fix "
+                            "the error the model raised (or let it leave the block to see it)"
+                        )
                     raise CaptureError(
                         f"the capture into {self.writer.path!r} captured no forward of "
                         f"{type(self.model).__name__}, {fate}; "
@@ -1759,6 +1767,7 @@ class Tracker:
         False: the forward did not raise but was still running in another thread when the
         tracker closed (the close raises CaptureError about it instead)."""
         k, self._open_forward = self._open_forward, None
+        self._n_raised += 1 if warn else 0  # (not a forward the close cut short in another thread)
         if self._aliases:
             self._core.alias_mismatch()  # the alias checks start again after this partial forward
         partial = self.writer.rows_since_last_batch() if self.writer is not None else {}
