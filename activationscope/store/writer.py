@@ -584,6 +584,9 @@ def _int64_ids_type() -> Any:
 
 
 _NOT_CUSTOM = object()  # stored_reduction_state(script=...) not given: a built-in reduction
+# a stored script more than twice the resumed one's size plus this is no save of the same
+# program (only the archive's top folder name differs) and is not read
+_SCRIPT_SIZE_SLACK_BYTES = 1 << 20
 
 
 def _script_records(data: bytes) -> list[tuple[str, int, int]] | None:
@@ -2557,7 +2560,9 @@ class StoreWriter:
             eager Python). Every custom reduction has the same ``kind``, so its stored state
             is used only when the store's ``<name>.pt`` is the same TorchScript program (the
             same records, by name, size and crc32, read from the archives' directories,
-            never loaded); an eager one's never is. Not given: a built-in reduction.
+            never loaded; a stored script larger than twice the resumed one plus 1 MiB is
+            another program, never read); an eager one's never is. Not given: a built-in
+            reduction.
 
         A listed state file (or script) that is missing, or fails its checksum or its
         document, is treated as absent too: the committed rows are the record, and a run that
@@ -2577,12 +2582,20 @@ class StoreWriter:
             key = owner.get("script")
             if script is None or not isinstance(key, str) or not Path(script).is_file():
                 return None
-            old = self._backend.get(key, max_bytes=V.MAX_FILE_BYTES)
+            new = Path(script).read_bytes()
+            # the same program saved anew differs only in its archive's top folder name: a stored
+            # file far larger than the resumed one is not it, and is never read (a huge or planted
+            # file cannot make the resume read it whole)
+            limit = 2 * len(new) + _SCRIPT_SIZE_SLACK_BYTES
+            size = self._backend.size(key)
+            if size is None or size > limit:
+                return None
+            old = self._backend.get(key, max_bytes=limit)
             if old is None or reader._crc_problem(old, (owner.get("crc32c") or {}).get(key),
                                                   f"reduction {name!r}: script {key!r}") is not None:
                 return None
             stored_records = _script_records(old)
-            if stored_records is None or stored_records != _script_records(Path(script).read_bytes()):
+            if stored_records is None or stored_records != _script_records(new):
                 return None
         state = {}
         try:
