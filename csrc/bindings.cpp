@@ -224,11 +224,12 @@ void bind_store_writer(py::module_& m) {
       .def(py::init([](std::shared_ptr<StoreCore> core, std::string hook_point, std::string dir,
                        std::string tmp_dir, py::object dtype, std::vector<int64_t> feature_shape,
                        int64_t chunk_rows, int64_t shard_chunks, int64_t start_row, bool encoded,
-                       int64_t hold_shard) {
+                       int64_t hold_shard, std::string root) {
              ArraySpec s;
              s.hook_point = std::move(hook_point);
              s.dir = std::move(dir);
              s.tmp_dir = std::move(tmp_dir);
+             s.root = std::move(root);
              s.dtype = to_scalar_type(dtype);
              s.feature_shape = std::move(feature_shape);
              s.chunk_rows = chunk_rows;
@@ -240,7 +241,7 @@ void bind_store_writer(py::module_& m) {
            }),
            py::arg("core"), py::arg("hook_point"), py::arg("dir"), py::arg("tmp_dir"), py::arg("dtype"),
            py::arg("feature_shape"), py::arg("chunk_rows"), py::arg("shard_chunks"), py::arg("start_row") = 0,
-           py::arg("encoded") = false, py::arg("hold_shard") = -1)
+           py::arg("encoded") = false, py::arg("hold_shard") = -1, py::arg("root") = "")
       .def(
           "append", [](ArrayWriter& w, const at::Tensor& rows) { w.append(rows, nullptr); }, py::arg("rows"),
           py::call_guard<ReleaseGil>())

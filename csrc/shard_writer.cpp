@@ -254,8 +254,9 @@ std::string basename_of(const std::string& p) {
 
 // A folder the writer writes into is never reached through a symbolic link (a link planted
 // in a store, or swapped in for a folder while a shard is open, could point outside it):
-// every folder below an array's folder is opened with O_NOFOLLOW, one component at a time,
-// and the shard renamed relative to the folder so opened.
+// every folder from the store's root down (acts/, the array's folder, c/, ...) is opened
+// with O_NOFOLLOW, one component at a time, relative to the root's folder opened once, and
+// the shard created, renamed and removed relative to the folders so opened.
 [[noreturn]] void not_a_folder(const std::string& path) {
   struct stat st;
   const bool link = ::lstat(path.c_str(), &st) == 0 && S_ISLNK(st.st_mode);
@@ -277,8 +278,8 @@ int open_folder(const std::string& path) {
 }
 
 // Opens the folder `rel` ('/'-separated components) below the open folder `base_fd` (named
-// `base`), each component with O_NOFOLLOW, making the missing ones. Returns its fd.
-int open_folder_below(int base_fd, const std::string& base, const std::string& rel) {
+// `base`), each component with O_NOFOLLOW, making the missing ones (with `make`). Returns its fd.
+int open_folder_below(int base_fd, const std::string& base, const std::string& rel, bool make = true) {
   int fd = ::dup(base_fd);
   if (fd < 0) io_fail("opening directory", base, errno);
   std::string shown = base;
@@ -291,7 +292,7 @@ int open_folder_below(int base_fd, const std::string& base, const std::string& r
     if (part.empty()) continue;
     shown += "/" + part;
     int next = ::openat(fd, part.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-    if (next < 0 && errno == ENOENT) {
+    if (next < 0 && errno == ENOENT && make) {
       if (::mkdirat(fd, part.c_str(), 0777) != 0 && errno != EEXIST) {
         const int e = errno;
         ::close(fd);
@@ -356,6 +357,19 @@ StoreCore::~StoreCore() {
       thread_.join();
     }
   }
+  for (auto& root : roots_) ::close(root.second);
+}
+
+int StoreCore::root_fd(const std::string& root) {
+  std::lock_guard<std::mutex> lock(roots_mu_);
+  for (const auto& r : roots_) {
+    if (r.first == root) return r.second;
+  }
+  // (the root's own path is the caller's: resolved now, links included, and never again)
+  const int fd = ::open(root.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) io_fail("opening the store folder", root, errno);
+  roots_.emplace_back(root, fd);
+  return fd;
 }
 
 void StoreCore::push(WorkItem item) {
@@ -596,12 +610,41 @@ ArrayWriter::ArrayWriter(std::shared_ptr<StoreCore> core, ArraySpec spec)
   n_rows_.store(spec_.start_row);
   durable_rows_.store(spec_.start_row);
   next_chunk_ = spec_.start_row / spec_.chunk_rows;
+  if (!spec_.root.empty()) {
+    const auto below = [&](const std::string& p) {
+      return p == spec_.root || (p.size() > spec_.root.size() && p.compare(0, spec_.root.size(), spec_.root) == 0 &&
+                                 p[spec_.root.size()] == '/');
+    };
+    ACS_CHECK(below(spec_.dir) && below(spec_.tmp_dir), "the folders of hook point '", spec_.hook_point,
+              "' must lie below the store folder '", spec_.root, "', got '", spec_.dir, "' and '", spec_.tmp_dir, "'");
+    root_fd_ = core_->root_fd(spec_.root);
+  }
 }
 
 ArrayWriter::~ArrayWriter() {
   if (fd_ >= 0) {
     ::close(fd_);
+    unlink_tmp();
+  }
+}
+
+int ArrayWriter::open_dir(const std::string& path, bool make) const {
+  if (root_fd_ < 0) {  // (no root given: the folder's own path, its last component not a link)
+    if (make) mkdirs(path);
+    return open_folder(path);
+  }
+  return open_folder_below(root_fd_, spec_.root, path.substr(spec_.root.size()), make);
+}
+
+void ArrayWriter::unlink_tmp() noexcept {
+  if (root_fd_ < 0) {
     ::unlink(tmp_path_.c_str());
+    return;
+  }
+  try {  // (a folder on the way swapped for a link: the file stays, never removed through it)
+    FdCloser tmp_dir{open_dir(spec_.tmp_dir, false)};
+    ::unlinkat(tmp_dir.fd, basename_of(tmp_path_).c_str(), 0);
+  } catch (...) {
   }
 }
 
@@ -688,7 +731,7 @@ std::string ArrayWriter::shard_path(int64_t shard) const {
 void ArrayWriter::abandon_shard() {
   if (fd_ >= 0) {
     ::close(fd_);
-    ::unlink(tmp_path_.c_str());
+    unlink_tmp();
     fd_ = -1;
   }
   open_shard_ = -1;
@@ -703,8 +746,7 @@ void ArrayWriter::write_chunk(WorkItem& item) {
   const int64_t local = item.chunk % spec_.shard_chunks;
   if (fd_ >= 0 && open_shard_ != shard) finish_shard(durable_rows_.load());  // defensive
   if (fd_ < 0) {
-    mkdirs(spec_.tmp_dir);
-    FdCloser tmp_dir{open_folder(spec_.tmp_dir)};
+    FdCloser tmp_dir{open_dir(spec_.tmp_dir, true)};
     const std::string tmp_name = c10::str("shard-", reinterpret_cast<uintptr_t>(this), "-", shard, "-",
                                           static_cast<long>(::getpid()), ".tmp");
     tmp_path_ = spec_.tmp_dir + "/" + tmp_name;
@@ -718,7 +760,7 @@ void ArrayWriter::write_chunk(WorkItem& item) {
     // close, that is on the capture's critical path, every array at once)
     std::string final_path = shard_path(shard);
     shard_dir_ = dirname_of(final_path);
-    FdCloser array_dir{spec_.dir == spec_.tmp_dir ? ::dup(tmp_dir.fd) : open_folder(spec_.dir)};
+    FdCloser array_dir{spec_.dir == spec_.tmp_dir ? ::dup(tmp_dir.fd) : open_dir(spec_.dir, true)};
     if (array_dir.fd < 0) io_fail("opening directory", spec_.dir, errno);
     FdCloser made{open_folder_below(array_dir.fd, spec_.dir, shard_dir_.substr(spec_.dir.size()))};
     file_off_ = 0;
@@ -774,8 +816,8 @@ void ArrayWriter::finish_shard(int64_t rows_end) {
   // shard was opened), and the shard renamed relative to them
   int shard_dir = -1;
   try {
-    FdCloser tmp_dir{open_folder(spec_.tmp_dir)};
-    FdCloser array_dir{spec_.dir == spec_.tmp_dir ? ::dup(tmp_dir.fd) : open_folder(spec_.dir)};
+    FdCloser tmp_dir{open_dir(spec_.tmp_dir, false)};
+    FdCloser array_dir{spec_.dir == spec_.tmp_dir ? ::dup(tmp_dir.fd) : open_dir(spec_.dir, false)};
     if (array_dir.fd < 0) io_fail("opening directory", spec_.dir, errno);
     shard_dir = open_folder_below(array_dir.fd, spec_.dir, shard_dir_.substr(spec_.dir.size()));
     if (::renameat(tmp_dir.fd, basename_of(tmp_path_).c_str(), shard_dir, basename_of(final_path).c_str()) != 0) {
@@ -783,7 +825,7 @@ void ArrayWriter::finish_shard(int64_t rows_end) {
     }
   } catch (...) {
     if (shard_dir >= 0) ::close(shard_dir);
-    ::unlink(tmp_path_.c_str());
+    unlink_tmp();
     throw;
   }
   FdCloser renamed_in{shard_dir};

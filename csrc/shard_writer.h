@@ -49,6 +49,11 @@ struct ArraySpec {
   std::string hook_point;
   std::string dir;                      // local directory of the array (holds c/...)
   std::string tmp_dir;                  // where shard temporaries live (same filesystem)
+  // The store's folder (a remote store's: its staging folder), "" for none. `dir` and `tmp_dir`
+  // lie below it, and every folder from it down is opened relative to it without following a
+  // link (one swapped for a link during a capture is refused, never written through). The
+  // root itself is opened once, when the array writer is made.
+  std::string root;
   at::ScalarType dtype = at::kFloat;    // element type written (bfloat16 = its bit pattern)
   std::vector<int64_t> feature_shape;
   int64_t chunk_rows = 1;
@@ -120,6 +125,10 @@ class StoreCore : public std::enable_shared_from_this<StoreCore> {
   // Returns an uninitialised contiguous tensor of ``shape`` and ``dtype``.
   at::Tensor take_buffer(c10::IntArrayRef shape, c10::ScalarType dtype, int64_t nbytes);
 
+  // The folder `root` opened once per store (its path resolved then); every array writer of
+  // the store opens its folders relative to it. Closed with the core.
+  int root_fd(const std::string& root);
+
  private:
   StoreCore(int64_t max_pending_bytes, bool fsync);  // (make)
   void run();
@@ -146,6 +155,8 @@ class StoreCore : public std::enable_shared_from_this<StoreCore> {
   std::mutex pool_mu_;
   std::vector<at::Tensor> pool_;         // free chunk buffers (uint8, flat), at most pool_cap_ bytes
   int64_t pool_bytes_ = 0;
+  std::mutex roots_mu_;
+  std::vector<std::pair<std::string, int>> roots_;  // (root, its fd) of root_fd
   const pid_t owner_pid_;               // the process that started the writer thread
   std::thread thread_;
 };
@@ -175,9 +186,14 @@ class ArrayWriter : public RowConsumer, public std::enable_shared_from_this<Arra
   void push_chunk(bool final);
   std::string shard_path(int64_t shard) const;
   void finish_shard(int64_t rows_end);
+  // The folder `path` (`dir`, `tmp_dir` or one below them), each component from the root
+  // opened without following a link; `make`: the missing ones are made. Returns its fd.
+  int open_dir(const std::string& path, bool make) const;
+  void unlink_tmp() noexcept;           // the open shard's temporary file, found the same way
 
   std::shared_ptr<StoreCore> core_;
   ArraySpec spec_;
+  int root_fd_ = -1;                    // spec_.root's (owned by core_), -1 without a root
   int64_t row_bytes_ = 0;
   int64_t chunk_bytes_ = 0;
   std::mutex mu_;                       // producers of this array

@@ -544,3 +544,44 @@ def test_a_resume_killed_after_it_removed_a_reduction_of_another_shape_keeps_the
     assert s.reductions["0.output"]["topk.values"].shape == (5, 5)
     _check(s, _ref_rows(model, xs), ["mean", "var", "topk"])
     assert not list(path.rglob("*.committed.tmp"))
+
+
+def test_a_resume_never_reads_a_stored_script_far_larger_than_its_own_whole(tmp_path, monkeypatch):
+    """A stored ``.pt`` far larger than the resumed script cannot be the same program: it is
+    not read (a planted file of up to 4 GiB was read whole into memory to compare them), and
+    the reduction is computed again over every row."""
+    import json
+    import os
+
+    from activationscope.reductions import script_reduction
+    from activationscope.store import _format as F
+
+    model, xs = _model(), _batches(3)
+    path = tmp_path / "s.zarr"
+    first = script_reduction(_calls_and_sum, tmp_path / "a" / "first.pt")
+    _run(model, path, xs[:2], [("agg", first)])
+    root = json.loads((path / "zarr.json").read_text())
+    entry = root["attributes"]["activationscope"]["reductions"]["0.output"]["agg"]
+    key = entry["script"]
+    with open(path / key, "r+b") as f:
+        f.truncate(64 << 20)  # (sparse: no disk used)
+    crc = 0
+    with open(path / key, "rb") as f:
+        while piece := f.read(16 << 20):
+            crc = F.crc32c(piece, crc)
+    entry["crc32c"][key] = crc  # the planted file's: its checksum is no defence
+    (path / "zarr.json").write_text(json.dumps(root))
+    biggest = [0]
+    pread = os.pread
+
+    def recording(fd, n, offset):
+        biggest[0] = max(biggest[0], n)
+        return pread(fd, n, offset)
+
+    monkeypatch.setattr(os, "pread", recording)
+    _run(model, path, xs[2:], [("agg", first)], resume=True)
+    monkeypatch.undo()
+    assert biggest[0] <= 16 << 20
+    got = open_store(path).reductions["0.output"]["agg"]
+    assert got[0] == 2  # recomputed: the stored rows read back at once, then the last batch
+    torch.testing.assert_close(got[1], _ref_rows(model, xs).sum())

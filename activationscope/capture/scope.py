@@ -627,6 +627,7 @@ class Tracker:
         # count them, so that a stored sample's id is its place in the data the model was fed
         self._skipped_samples = 0
         self._open_forward: int | None = None  # index of a root forward that started and has not ended
+        self._n_raised = 0  # captured forwards that raised, the exception caught inside the block
         self._stop_learnt = False  # stop_after_last: the stop point was known when this forward started
         self._warned_stop = False
         self._n_captured = 0  # root forwards captured (ended) while attached
@@ -996,6 +997,7 @@ class Tracker:
             self._forward_raised(at_exit=True, warn=not left_running)
         silent = self._silent_modules() if exc is None else []
         if self.writer is not None:
+            self._drop_unrecorded()
             if exc is None:
                 if self._stored and self._n_captured == 0:  # no forward: patterns meet the stored hook points
                     self._check_reduction_patterns(sorted(self._stored), "the store holds")
@@ -1029,6 +1031,13 @@ class Tracker:
                         fate = "so the store that overwrite=True was to replace is kept as it was"
                     else:
                         fate = "so the store holds no hook point (left incomplete)"
+                    if self._n_raised:  # called, but no forward ended: none was recorded
+                        raise CaptureError(
+                            f"the capture into {self.writer.path!r} captured no whole forward of "
+                            f"{type(self.model).__name__}: the {self._n_raised} forward(s) it captured raised "
+                            f"before their end (the exception was caught inside the `with` block), {fate}; fix "
+                            "the error the model raised (or let it leave the block to see it)"
+                        )
                     raise CaptureError(
                         f"the capture into {self.writer.path!r} captured no forward of "
                         f"{type(self.model).__name__}, {fate}; "
@@ -1053,6 +1062,19 @@ class Tracker:
             self._remove_unused_store(exc)
             return
         self._warn_silent(silent)
+
+    def _drop_unrecorded(self) -> None:
+        """Closing a store capture: hook points first seen in a forward that was never recorded
+        (refused partway, e.g. by a dtype or feature-shape change, or raised by the model) have
+        no committed row; the store does not list them (its writer drops their arrays), nor
+        does the tracker (``hook_points``, ``reductions``)."""
+        names = getattr(self.writer, "unrecorded_hook_points", None)
+        for name in names or ():
+            self._sinks.pop(name, None)
+            self._reduction_names.pop(name, None)
+            self._reduction_objects.pop(name, None)
+            self._aliases.pop(name, None)
+            self._first_shapes.pop(name, None)
 
     def _remove_unused_store(self, exc: BaseException | None) -> bool:
         """After a failed capture: remove the store when this capture made it and it holds no
@@ -1745,6 +1767,7 @@ class Tracker:
         False: the forward did not raise but was still running in another thread when the
         tracker closed (the close raises CaptureError about it instead)."""
         k, self._open_forward = self._open_forward, None
+        self._n_raised += 1 if warn else 0  # (not a forward the close cut short in another thread)
         if self._aliases:
             self._core.alias_mismatch()  # the alias checks start again after this partial forward
         partial = self.writer.rows_since_last_batch() if self.writer is not None else {}

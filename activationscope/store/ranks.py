@@ -143,14 +143,15 @@ def _check_same(stores: list[Store], what: str, get: Callable[[Store], Any]) -> 
 class _TailWriter:
     """The native shard writer of one array, writing shards from a given shard index on."""
 
-    def __init__(self, directory: Path, meta: dict, first_shard: int) -> None:
+    def __init__(self, directory: Path, meta: dict, first_shard: int, root: Path) -> None:
         _C = _native.load()
         self.compression = meta.get("compression")
         self.core = _C.StoreCore(64 << 20, False)
         self.writer = _C.ArrayWriter(
             self.core, meta["path"], str(directory), str(directory), F.torch_dtype(meta["dtype"]),
             list(meta["feature_shape"]), int(meta["chunk_rows"]), int(meta["shard_rows"]) // int(meta["chunk_rows"]),
-            first_shard * int(meta["shard_rows"]), self.compression is not None)
+            first_shard * int(meta["shard_rows"]), self.compression is not None,
+            root=str(root))  # (every folder from the store's down opened without following a link)
         self.thread = None
         if self.compression is not None:
             self.encoder = F.numcodecs_encoder(self.compression)
@@ -768,7 +769,8 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
                         b.delete(stale)
                 except ValueError:
                     continue
-            recs = _TailWriter(array_dir, stores[0].attrs["arrays"][hp], F_total).write(tail) if len(tail) else []
+            recs = _TailWriter(array_dir, stores[0].attrs["arrays"][hp], F_total,
+                               b.root if local else Path(staging)).write(tail) if len(tail) else []
             for rec in recs:
                 if not local:
                     key = F.shard_key(path, int(rec["shard"]), nd)

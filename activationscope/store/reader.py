@@ -152,6 +152,9 @@ class _ShardIndex:
 _CHECK_READ_BYTES = 64 << 20
 #: rows of a strided read that is a copy (``store[hp, ::k]``) are read this many bytes at a time
 _STRIDED_BLOCK_BYTES = 64 << 20
+# bytes of one read of a file whose crc32c is checked in pieces (a reduction file, its script):
+# memory stays bounded whatever the file's size
+_CRC_PIECE_BYTES = 16 << 20
 
 
 #: Shards of at most this many chunks are compared with their dense index (the templates are
@@ -1654,13 +1657,27 @@ class Store:
             raise V.corrupt(self._backend, problem)
 
     def _file_crc(self, key: str, size: int | None = None) -> tuple[int, int] | None:
-        """``(bytes, crc32c)`` of the regular file ``key``, None when absent. A local file is
-        read in pieces of 16 MiB (memory bounded whatever its size); with ``size``, one that
-        holds another number of bytes is not read (None). Raises StoreCorruptError as
-        ``get`` (not a regular file, outside the store, larger than 4 GiB)."""
+        """``(bytes, crc32c)`` of the regular file ``key``, None when absent. Read in pieces
+        of 16 MiB (``_CRC_PIECE_BYTES``; ranged reads on object storage), so memory stays
+        bounded whatever its size; with ``size``, one that holds another number of bytes is
+        not read (None). Raises StoreCorruptError as ``get`` (not a regular file, outside the
+        store, larger than 4 GiB)."""
         if not isinstance(self._backend, LocalBackend):
-            data = self._backend.get(key, max_bytes=V.MAX_FILE_BYTES)
-            return None if data is None or (size is not None and len(data) != size) else (len(data), F.crc32c(data))
+            n = self._backend.size(key)
+            if n is None or (size is not None and n != size):
+                return None
+            if n > V.MAX_FILE_BYTES:
+                raise V.corrupt(self._backend, f"{key!r} holds {n} bytes, more than the {V.MAX_FILE_BYTES} such a "
+                                               "file may hold")
+            crc = at = 0
+            while at < n:
+                piece = self._backend.get_range(key, at, min(n - at, _CRC_PIECE_BYTES))
+                if piece is None and at == 0:
+                    return None
+                if not piece:
+                    break
+                crc, at = F.crc32c(piece, crc), at + len(piece)
+            return at, crc
         opened = self._backend._open_regular(key)
         if opened is None:
             return None
@@ -1673,7 +1690,7 @@ class Store:
                                                "file may hold")
             crc = at = 0
             while at < n:
-                piece = os.pread(fd, min(n - at, 16 << 20), at)
+                piece = os.pread(fd, min(n - at, _CRC_PIECE_BYTES), at)
                 if not piece:
                     break
                 crc, at = F.crc32c(piece, crc), at + len(piece)
@@ -1885,6 +1902,28 @@ class Store:
         if problem is not None:
             raise self._reduction_damage(problem)
         return data
+
+    def _check_script(self, entry: dict, name: str) -> None:
+        """``verify``'s check of the ``.pt`` script of a custom reduction: the file exists and,
+        when recorded, has its crc32c. Read in pieces (:meth:`_file_crc`): a huge or hostile
+        file never lands in memory whole, and nothing of it is loaded or run.
+
+        Raises
+        ------
+        StoreCorruptError
+            The script is missing, is no regular file inside the store, or has another crc32c.
+        """
+        key = entry.get("script")
+        if key is None:
+            return
+        self._check_same_store()
+        where = f"reduction {name!r}: script {key!r}"
+        expected = self._listed_crc(entry, key, where)
+        got = self._file_crc(self._reduction_file(key, expected))
+        if got is None:
+            raise self._reduction_damage(f"{where} listed in the metadata is missing")
+        if expected is not None and got[1] != int(expected):
+            raise self._reduction_damage(f"{where}: crc32c mismatch (metadata {int(expected):08x}, data {got[1]:08x})")
 
     # ------------------------------------------------------------------ row tables
     def row_table(self, kind: str = "sample") -> Any:
@@ -2118,7 +2157,7 @@ class Store:
                                         f"{got[1]:08x})")
                 try:
                     self._read_small(entry)
-                    self._read_script(entry, name)
+                    self._check_script(entry, name)  # (in pieces: never whole in memory, never loaded)
                     for part in (entry.get("state") or {}).values():  # plain Zarr readers see these arrays too
                         self._read_small({**part, "reduction": name})
                 except StoreCorruptError as e:

@@ -235,6 +235,10 @@ class _Array:
     # (FORMAT.md section 7), so a resume killed before that commit leaves the committed file as it was
     held_shard: int = -1
     held_ready: bool = False  # that new file is written (taken from the writer), not yet renamed
+    # a forward recorded by add_batch reached it (or the store as found lists it): only then does
+    # a root list it. An array first opened in a forward that is never recorded (refused or raised
+    # partway) is never listed, and its files are removed by the close
+    recorded: bool = True
 
     @property
     def shard_rows(self) -> int:
@@ -580,6 +584,9 @@ def _int64_ids_type() -> Any:
 
 
 _NOT_CUSTOM = object()  # stored_reduction_state(script=...) not given: a built-in reduction
+# a stored script more than twice the resumed one's size plus this is no save of the same
+# program (only the archive's top folder name differs) and is not read
+_SCRIPT_SIZE_SLACK_BYTES = 1 << 20
 
 
 def _script_records(data: bytes) -> list[tuple[str, int, int]] | None:
@@ -947,7 +954,11 @@ class StoreWriter:
         self._encoders: dict[str, Any] = {}
         self._encoder_thread: threading.Thread | None = None
         self._seen_version = self._core.durable_version
-        self._unpublished = False  # arrays opened since the root was last written
+        self._unpublished = False  # arrays recorded since the root was last written
+        # arrays and aliases opened since the last recorded batch: listed from the batch that records
+        # the forward they were first seen in (a forward refused or raised partway lists none)
+        self._unrecorded: list[_Array] = []
+        self._unrecorded_aliases: set[str] = set()
         self._io_pool: Any = None  # thread pool of _set_many, made on first use
         # resume of a local store: (shard file, hard link to it) of each committed last shard
         # the re-fed rows will rewrite; discard() puts them back, a commit drops the links
@@ -1111,7 +1122,8 @@ class StoreWriter:
     def _root_attrs(self, status: str) -> dict:
         arrays = dict(self._old_arrays)
         for hp, a in self._arrays.items():
-            arrays[hp] = a.meta()
+            if a.recorded:
+                arrays[hp] = a.meta()
         reductions = {hp: dict(entries) for hp, entries in self._old_reductions.items()}
         for hp, entries in self._reductions.items():  # per name: a reduction not continued stays (as partial)
             names = {e.get("reduction") for e in entries.values()}
@@ -1133,7 +1145,7 @@ class StoreWriter:
             "arrays": arrays,
             "row_tables": self._row_tables,
             "reductions": reductions,
-            "aliases": dict(self.aliases),
+            "aliases": {hp: t for hp, t in self.aliases.items() if hp not in self._unrecorded_aliases},
             **({"rank_store": dict(self.rank_store)} if self.rank_store else {}),
         }
 
@@ -1348,6 +1360,11 @@ class StoreWriter:
     def open_array(self, hook_point: str, feature_shape: tuple, dtype: torch.dtype, row_kind: str) -> Any:
         """Create (or, when resuming, reopen) the array of a hook point; returns its native writer.
 
+        A new array is listed in the root from the :meth:`add_batch` that records the forward
+        it was opened in; one whose forward is never recorded (refused or raised partway) is
+        never listed, and :meth:`close` / :meth:`abort` remove its files
+        (:attr:`unrecorded_hook_points`).
+
         Parameters
         ----------
         hook_point : str
@@ -1409,7 +1426,8 @@ class StoreWriter:
                          compression, committed_rows=committed)
             if old is None and isinstance(self._backend, LocalBackend):  # (a stored array's: checked by the resume)
                 self._refuse_linked_folders(arr.path, hook_point, 0, not feature_shape, "; the committed rows are unchanged")
-            if isinstance(self._backend, LocalBackend) and self._found_root is not None:  # (for a discard)
+            if isinstance(self._backend, LocalBackend) and (self._found_root is not None or old is None):
+                # (for a discard, and for the close that removes the folders of an unrecorded array)
                 arr.folder_found = os.path.lexists(self._backend.root / arr.path)
                 arr.chunks_found = os.path.lexists(self._backend.root / arr.path / "c")
             start = (committed // arr.shard_rows) * arr.shard_rows
@@ -1419,6 +1437,8 @@ class StoreWriter:
             writer = _native.load().ArrayWriter(
                 self._core, hook_point, str(array_dir), str(array_dir), F.torch_dtype(name), list(feature_shape),
                 chunk_rows, shard_chunks, start, compression is not None, arr.held_shard,
+                # every folder from the store's (or staging) folder down opened without following a link
+                root=str(self._staging),
             )
             arr.writer = writer
             if compression is not None:
@@ -1443,8 +1463,9 @@ class StoreWriter:
             self._arrays[hook_point] = arr
             self._order.append(arr)
             self._counts.add(writer, row_kind == "token", committed)
-            if old is None:
-                self._unpublished = True
+            if old is None:  # listed once a batch records the forward it is first seen in (_record)
+                arr.recorded = False
+                self._unrecorded.append(arr)
             self._reserve([f"{arr.path}/zarr.json", f"{arr.path}/manifest.json"])
             return writer
 
@@ -1783,6 +1804,12 @@ class StoreWriter:
             if a.follows_row_table:
                 a.follows_row_table = False
                 lost[a.hook_point] = (int(got), int(n if a.row_kind == "sample" else n_tokens))
+        if self._unrecorded or self._unrecorded_aliases:  # first seen in this forward: listed from now on
+            for a in self._unrecorded:
+                a.recorded = True
+            self._unrecorded = []
+            self._unrecorded_aliases = set()
+            self._unpublished = True
         first_id = self.n_samples_committed + self._pending_samples
         self._pending.append(_Batch(self._n_batches + len(self._pending), n, cums, sample, token, first_id))
         self._pending_samples += n
@@ -1797,7 +1824,8 @@ class StoreWriter:
 
     def maybe_commit(self) -> bool:
         """Commit when due: the writer thread made new shards durable and ``commit_interval``
-        seconds passed since the last commit (or a new array is not listed yet); cheap otherwise.
+        seconds passed since the last commit (or a recorded batch reached a new array, not listed yet);
+        cheap otherwise.
 
         Returns
         -------
@@ -1845,6 +1873,10 @@ class StoreWriter:
         b = self._backend
         # 1. data: shards made durable by the writer thread (remote: upload them first)
         for a in self._arrays.values():
+            if not a.recorded:  # its shards are taken once a batch records it; the close removes them
+                if self._closed:
+                    self._drop_unrecorded_shards(a)
+                continue
             for rec in a.writer.take_durable():
                 key = F.shard_key(a.path, rec["shard"], len(a.feature_shape))
                 if self._found_files is not None and not self._closed and key not in self._found_files:
@@ -1911,6 +1943,8 @@ class StoreWriter:
         # 3. manifests and array documents (independent objects: written concurrently)
         writes: list[tuple[str, bytes]] = []
         for a in self._arrays.values():
+            if not a.recorded:  # no root lists it: it gets no document
+                continue
             if a.manifest_dirty:
                 doc = {
                     "hook_point": a.hook_point, "chunk_rows": a.chunk_rows, "shard_rows": a.shard_rows,
@@ -1950,6 +1984,43 @@ class StoreWriter:
         if not self._closed:  # the next commit will rewrite these: make their files now
             self._reserve([key for key, _ in writes] + ["zarr.json"])
         return k > 0 or force
+
+    def _drop_unrecorded_shards(self, a: _Array) -> None:
+        """Closing: remove the shards the writer thread finished for ``a``, an array first
+        opened in a forward no batch recorded (refused or raised partway): no root lists it,
+        so none of its rows is committed (a remote store's are in the staging folder, never
+        uploaded)."""
+        for rec in a.writer.take_durable():
+            key = F.shard_key(a.path, int(rec["shard"]), len(a.feature_shape))
+            if isinstance(self._backend, LocalBackend):
+                self._backend.delete(key)
+            else:
+                (self._staging / key).unlink(missing_ok=True)
+
+    def _unrecorded_folders(self) -> list[Path]:
+        """Local stores: the folders this writer made for arrays no batch recorded, to remove
+        when left empty (:meth:`_cleanup`): the array's folder, or its ``c`` folder when only
+        that one is new."""
+        if not isinstance(self._backend, LocalBackend):
+            return []
+        folders = []
+        for a in self._unrecorded:
+            key = a.path if not a.folder_found else f"{a.path}/c" if not a.chunks_found else None
+            if key is None:
+                continue
+            try:
+                folders.append(self._backend.path(key))  # checked to lie inside the store
+            except StoreError:
+                continue
+        return folders
+
+    @property
+    def unrecorded_hook_points(self) -> list[str]:
+        """Hook points (arrays and aliases) first seen since the last recorded batch: a
+        forward refused or raised partway. No root lists them; once the writer is closed,
+        none ever will (their files are removed by the close)."""
+        with self._lock:
+            return [a.hook_point for a in self._unrecorded] + sorted(self._unrecorded_aliases)
 
     def _listed_shards(self, a: _Array) -> int:
         """Shards of ``a`` that the store as found lists (those holding its committed rows)."""
@@ -2462,9 +2533,9 @@ class StoreWriter:
             old = self.aliases.get(hook_point)
             if old is not None and old != target:
                 raise StoreError(f"hook point {hook_point!r} is stored as an alias of {old!r}, not of {target!r}")
-            if old is None:
+            if old is None:  # listed once a batch records the forward it is first seen in (_record)
                 self.aliases[hook_point] = target
-                self._unpublished = True
+                self._unrecorded_aliases.add(hook_point)
 
     def committed_rows(self, hook_point: str) -> int:
         """Rows of ``hook_point`` committed before this writer opened (0 for a new array)."""
@@ -2489,7 +2560,9 @@ class StoreWriter:
             eager Python). Every custom reduction has the same ``kind``, so its stored state
             is used only when the store's ``<name>.pt`` is the same TorchScript program (the
             same records, by name, size and crc32, read from the archives' directories,
-            never loaded); an eager one's never is. Not given: a built-in reduction.
+            never loaded; a stored script larger than twice the resumed one plus 1 MiB is
+            another program, never read); an eager one's never is. Not given: a built-in
+            reduction.
 
         A listed state file (or script) that is missing, or fails its checksum or its
         document, is treated as absent too: the committed rows are the record, and a run that
@@ -2509,12 +2582,20 @@ class StoreWriter:
             key = owner.get("script")
             if script is None or not isinstance(key, str) or not Path(script).is_file():
                 return None
-            old = self._backend.get(key, max_bytes=V.MAX_FILE_BYTES)
+            new = Path(script).read_bytes()
+            # the same program saved anew differs only in its archive's top folder name: a stored
+            # file far larger than the resumed one is not it, and is never read (a huge or planted
+            # file cannot make the resume read it whole)
+            limit = 2 * len(new) + _SCRIPT_SIZE_SLACK_BYTES
+            size = self._backend.size(key)
+            if size is None or size > limit:
+                return None
+            old = self._backend.get(key, max_bytes=limit)
             if old is None or reader._crc_problem(old, (owner.get("crc32c") or {}).get(key),
                                                   f"reduction {name!r}: script {key!r}") is not None:
                 return None
             stored_records = _script_records(old)
-            if stored_records is None or stored_records != _script_records(Path(script).read_bytes()):
+            if stored_records is None or stored_records != _script_records(new):
                 return None
         state = {}
         try:
@@ -2623,7 +2704,7 @@ class StoreWriter:
             finally:
                 if self._aside is not None:  # closed (failed, or incomplete) before the new store committed a forward
                     self._settle_aside(keep_new=False)
-                self._cleanup(walk=not clean)
+                self._cleanup(walk=not clean, remove_if_empty=self._unrecorded_folders())
 
     def abort(self, exc: BaseException | None = None) -> None:
         """After an exception in the capture loop: commit what is durable, status "incomplete".
@@ -2656,7 +2737,7 @@ class StoreWriter:
                 try:
                     if self._aside is not None:  # overwrite, and the new store committed no row: the old one back
                         self._settle_aside(keep_new=False)
-                    self._cleanup()
+                    self._cleanup(remove_if_empty=self._unrecorded_folders())
                 except BaseException:  # noqa: BLE001
                     pass
 

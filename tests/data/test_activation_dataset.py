@@ -290,6 +290,7 @@ def test_a_filter_callable_returning_an_empty_list_on_a_store_without_rows(tmp_p
 
     w = StoreWriter(tmp_path / "s.zarr")
     w.open_array("x", (2,), torch.float32, "sample")
+    w.add_batch(0)  # a forward that gave it no row: listed with 0 rows
     w.commit()
     ds = ActivationDataset(str(tmp_path / "s.zarr"), filter=lambda t: [v > 0 for v in t["sample_id"].to_pylist()])
     assert len(ds) == 0 and ds[:]["x"].shape == (0, 2)

@@ -32,7 +32,7 @@ def _write(target, data: dict, *, batch: int = 7, **options):
     w = StoreWriter(target, capture_config={}, model=None, storage_dtype=None, **options)
     writers = {hp: w.open_array(hp, tuple(t.shape[1:]), t.dtype, "sample") for hp, t in data.items()}
     n = next(iter(data.values())).shape[0]
-    for s in range(0, n, batch):
+    for s in range(0, max(n, 1), batch):  # (no rows: one batch of none, which lists the arrays)
         e = min(n, s + batch)
         for hp, t in data.items():
             writers[hp].append(t[s:e])

@@ -263,7 +263,10 @@ def test_maybe_commit_waits_for_the_commit_interval_and_commit_does_not(tmp_path
     path = tmp_path / "s.zarr"
     w = StoreWriter(path, chunk_rows=2, shard_rows=4, commit_interval=3600)
     a = w.open_array("x", (4,), torch.float32, "sample")
-    w.maybe_commit()  # a new array is listed at once (no rows yet)
+    w.maybe_commit()  # a new array is listed from the batch that records the forward it is first seen in
+    assert open_store(path).hook_points == []
+    w.add_batch(0)
+    w.maybe_commit()  # then at once (no rows yet)
     assert open_store(path).hook_points == ["x"]
     _durable_shards(w, a, 2)
     assert not w.maybe_commit()  # durable, but the interval has not passed
@@ -299,7 +302,8 @@ def test_commit_interval_elapsed_lets_maybe_commit_through(tmp_path, monkeypatch
     path = tmp_path / "s.zarr"
     w = StoreWriter(path, chunk_rows=2, shard_rows=4, commit_interval=5)
     a = w.open_array("x", (4,), torch.float32, "sample")
-    w.maybe_commit()
+    w.add_batch(0)
+    w.maybe_commit()  # lists the new array
     _durable_shards(w, a, 1)
     now[0] += 4.9
     assert not w.maybe_commit()

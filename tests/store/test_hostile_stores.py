@@ -647,8 +647,10 @@ def test_store_killed_before_its_first_commit_verifies(tmp_path):
     path = tmp_path / "early.zarr"
     w = StoreWriter(path, chunk_rows=16, shard_bytes=1 << 20)
     a = w.open_array(HP, (8,), torch.float32, "sample")
-    a.append(torch.randn(5, 8))  # rows written, never committed
+    w.add_batch(0)  # a forward that gave it no row
     w.commit()  # publishes the array with n_rows 0 (no document yet)
+    a.append(torch.randn(5, 8))  # rows written, never committed
+    w._core.drain()
     killed = tmp_path / "killed.zarr"
     shutil.copytree(path, killed, ignore=shutil.ignore_patterns(".activationscope-writer.lock"))
     w.close()
@@ -934,6 +936,7 @@ def test_array_without_rows_checked_against_its_document(tmp_path):
     path = tmp_path / "empty.zarr"
     w = StoreWriter(path, chunk_rows=16, shard_bytes=1 << 20)
     w.open_array(HP, (8,), torch.float32, "sample")
+    w.add_batch(0)  # a forward that gave it no row
     w.close()
     assert (path / "acts" / HP / "zarr.json").exists() and open_store(path)[HP].shape == (0, 8)
     edit_root(path, lambda a: a["arrays"][HP].update(feature_shape=[0], dtype="int32", storage_dtype="int32"))

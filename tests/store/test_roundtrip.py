@@ -609,6 +609,7 @@ def test_an_unchanged_resume_of_a_store_without_rows_leaves_no_folder_of_shards(
     options = {"chunk_rows": 4, "shard_bytes": 16 * 8 * 4}  # 16-row shards
     w = StoreWriter(path, **options)
     w.open_array("0.output", (8,), torch.float32, "sample")
+    w.add_batch(0)  # a forward that gave it no row
     w.close()
     found = _tree(path)
     assert "acts/0.output/c" not in found[1]

@@ -247,3 +247,56 @@ def test_a_file_where_a_resume_makes_a_shard_folder_is_refused_up_front(tmp_path
         StoreWriter(path, resume=True, **_options())
     assert {p: p.read_bytes() for p in path.rglob("*") if p.is_file()} == before
     assert torch.equal(acs.open_store(path)["0.output"], rows)
+
+
+def _swap_for_a_link(path, where, outside):
+    """Swap ``acts/`` (or the array's folder ``acts/0.output``) for a link to ``outside``,
+    keeping the real folder next to the store; returns a function that puts it back."""
+    folder = path / ("acts" if where == "acts" else "acts/0.output")
+    kept = path.parent / f"{folder.name}.kept"
+    os.rename(folder, kept)
+    os.symlink(outside, folder)
+
+    def put_back():
+        os.unlink(folder)
+        os.rename(kept, folder)
+
+    return put_back
+
+
+@pytest.mark.parametrize("where", ["acts", "array"])
+@pytest.mark.parametrize("when", ["between_shards", "shard_open"])
+def test_a_parent_folder_swapped_for_a_link_during_a_capture_is_never_written_through(tmp_path, where, when):
+    """acts/ or acts/<hook point> swapped for a link leaving the store while the capture runs:
+    the writer thread refuses it, naming the link and the fix, writes nothing where it leads,
+    and every committed row is intact once the folder is back."""
+    path, outside = tmp_path / "s.zarr", tmp_path / "outside"
+    outside.mkdir()
+    (outside / "0.output").mkdir()  # (what a link at acts/ would reach the array's folder as)
+    w = StoreWriter(path, **_options())
+    a = w.open_array("0.output", (8,), torch.float32, "sample")
+    rows = torch.randn(36, 8)
+    a.append(rows[:16])  # shard 0, whole
+    w.add_batch(16)
+    w._core.drain()
+    w.commit()
+    if when == "shard_open":
+        a.append(rows[16:20])  # shard 1 open: its temporary file is in the real folder
+        w.add_batch(4)
+        w._core.drain()
+    put_back = _swap_for_a_link(path, where, outside)
+    link = "acts" if where == "acts" else "acts/0.output"
+    with pytest.raises(StoreError, match=rf"{os.sep}s\.zarr/{link}' is a symbolic link where the store writer "
+                                         r"writes.*remove the link"):
+        if when == "between_shards":
+            a.append(rows[16:36])  # shard 1 whole: opened and finished by the writer thread
+            w.add_batch(20)
+            w._core.drain()
+            w._core.check()
+        w.close()
+    w.abort()
+    assert _files_under(outside) == ["0.output"]  # nothing written where the link leads
+    put_back()
+    store = acs.open_store(path)
+    assert store.status == "incomplete" and torch.equal(store["0.output"], rows[:16])
+    assert store.verify() == []

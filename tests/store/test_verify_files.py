@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -167,3 +168,102 @@ def test_info_gives_the_shard_files_as_they_are_on_disk(tmp_path):
     os.truncate(shard, 1000)
     assert acs.open_store(path).info()["arrays"]["output"]["bytes_on_disk"] == 1000
     assert any("file_bytes" in line and "1000 bytes" in line for line in acs.open_store(path).verify())
+
+
+def _sum_rows(acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    s = x.sum(0)
+    if acc is None:
+        return s
+    return acc + s
+
+
+def _script_store(tmp_path, target):
+    from activationscope.capture.reductions import script_reduction
+
+    pt = script_reduction(_sum_rows, tmp_path / "sum_rows.pt")
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2)).eval()
+    with acs.ActivationScope(store=target, reductions=[str(pt)]).track(model), torch.no_grad():
+        model(torch.randn(4, 3))
+    store = acs.open_store(target)
+    (hp, entries), = store.attrs["reductions"].items()
+    name, entry = next((n, e) for n, e in entries.items() if "script" in e)
+    return hp, name, entry["script"]
+
+
+def _plant_script(backend, hp, name, key, data: bytes | None, crc: str) -> None:
+    """Put ``data`` (None: the big file is already there) at the script's key; the root's
+    crc32c of it says ``crc``: "recorded" (the planted file's), "mismatch" (the old one), or
+    "unrecorded" (none, as stores written before crc32c were recorded)."""
+    from activationscope.store import _format as F
+
+    if data is not None:
+        backend.set(key, data)
+    root = json.loads(backend.get("zarr.json"))
+    entry = root["attributes"]["activationscope"]["reductions"][hp][name]
+    if crc == "recorded":
+        got = 0
+        for at in range(0, backend.size(key), 16 << 20):
+            got = F.crc32c(backend.get_range(key, at, 16 << 20), got)
+        entry["crc32c"][key] = got
+    elif crc == "unrecorded":
+        del entry["crc32c"]
+    backend.set("zarr.json", json.dumps(root).encode())
+
+
+@pytest.mark.parametrize("crc", ["recorded", "mismatch", "unrecorded"])
+def test_verify_reads_a_huge_reduction_script_in_bounded_pieces(tmp_path, monkeypatch, crc):
+    """A planted script of 64 MiB is checked by a crc32c computed piece by piece: no read
+    asks for more than 16 MiB (verify read it whole, and a hostile file of up to 4 GiB with it)."""
+    import os
+
+    from activationscope.store._backend import resolve
+
+    path = tmp_path / "s.zarr"
+    hp, name, key = _script_store(tmp_path, str(path))
+    with open(path / key, "r+b") as f:
+        f.truncate(64 << 20 | 1)  # (sparse: no disk used)
+    _plant_script(resolve(str(path)), hp, name, key, None, crc)
+    biggest = [0]
+    pread = os.pread
+
+    def recording(fd, n, offset):
+        biggest[0] = max(biggest[0], n)
+        return pread(fd, n, offset)
+
+    monkeypatch.setattr(os, "pread", recording)
+    problems = acs.open_store(path).verify()
+    monkeypatch.undo()
+    assert 0 < biggest[0] <= 16 << 20
+    if crc == "mismatch":
+        assert len(problems) == 1 and key in problems[0] and "crc32c mismatch" in problems[0], problems
+    else:
+        assert problems == []
+
+
+@pytest.mark.parametrize("crc", ["recorded", "mismatch", "unrecorded"])
+def test_verify_reads_a_huge_reduction_script_of_an_object_store_in_ranges(tmp_path, monkeypatch, crc):
+    import zarr
+
+    from activationscope.store._backend import ZarrBackend, resolve
+
+    zs = zarr.storage.MemoryStore()
+    hp, name, key = _script_store(tmp_path, zs)
+    _plant_script(resolve(zs), hp, name, key, bytes(40 << 20), crc)
+    asked = []
+    get, get_range = ZarrBackend.get, ZarrBackend.get_range
+
+    def whole(self, k, *args, **kw):
+        asked.append((k, "whole"))
+        return get(self, k, *args, **kw)
+
+    def ranged(self, k, start, length):
+        asked.append((k, length))
+        return get_range(self, k, start, length)
+
+    monkeypatch.setattr(ZarrBackend, "get", whole)
+    monkeypatch.setattr(ZarrBackend, "get_range", ranged)
+    problems = acs.open_store(zs).verify()
+    monkeypatch.undo()
+    script_reads = [n for k, n in asked if k == key]
+    assert script_reads and all(n != "whole" and n <= 16 << 20 for n in script_reads), script_reads
+    assert (len(problems) == 1 and key in problems[0]) if crc == "mismatch" else problems == [], problems
