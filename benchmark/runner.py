@@ -83,6 +83,8 @@ def plan(args: argparse.Namespace, profile: str) -> list[dict[str, Any]]:
                 reps = wspec.repeats.get(profile, prof["repeats"])
             if args.repeats is not None and m.repeats is None:
                 reps = args.repeats
+            if getattr(args, "rounds", None) is not None and m.repeats is not None and m.repeats > 1:
+                reps = args.rounds  # the interleaved modes' rounds
             specs.append({"workload": wl, "mode": m.name, "params": params, "repeats": reps,
                           "budget_s": m.budget_s or (prof["slow_budget_s"] if m.slow else prof["budget_s"]),
                           "timeout_s": prof[m.timeout], "optional": m.optional, "needs": list(m.needs),
@@ -412,6 +414,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--forwards", type=int, help="forwards per repeat of the toy workload (default 200; quick 20)")
     ap.add_argument("--layer-mib", type=int, help="size of the read-back layer in MiB (default 512; quick 64)")
     ap.add_argument("--repeats", type=int, help="timed repeats per mode after the cold one (default 5; quick 2)")
+    ap.add_argument("--rounds", type=int,
+                    help="rounds of the interleaved modes (side_by_side, store_floor_interleaved) after the warm one "
+                    "(default 9; quick 3): more rounds narrow the interval of a ratio's median (e.g. --only "
+                    "'transformer/side_by_side' --rounds 45)")
     ap.add_argument("--durability", choices=("auto", "buffered", "fsync"), default="auto",
                     help="durability of the raw-write floor and the hand-written disk modes (auto: the store's)")
     ap.add_argument("--workdir", help="parent folder of the scratch stores (default: the system temp folder)")

@@ -522,3 +522,19 @@ def test_neighbour_measures_the_forward_alone_and_beside_each_neighbour(tmp_path
         assert ratio == pytest.approx(sum(rounds) / 2)
     printed = capsys.readouterr().out
     assert "beside alu" in printed and "beside memory" in printed
+
+
+def test_rounds_sets_the_rounds_of_the_interleaved_modes_only():
+    """--rounds N gives the interleaved modes (side_by_side, store_floor_interleaved) N rounds
+    after the warm one, to narrow the interval of a ratio's median; other modes keep theirs."""
+    from benchmark import runner
+
+    def specs(rounds):
+        argv = ["--workloads", "toy,transformer"] + (["--rounds", str(rounds)] if rounds else [])
+        args = runner.parse_args(argv)
+        return {(s["workload"], s["mode"]): s["repeats"] for s in runner.plan(args, "full")}
+
+    default, many = specs(None), specs(45)
+    assert default[("transformer", "side_by_side")] == 9 and many[("transformer", "side_by_side")] == 45
+    assert default[("toy", "store_floor_interleaved")] == 9 and many[("toy", "store_floor_interleaved")] == 45
+    assert many[("toy", "plain")] == default[("toy", "plain")] == 5
