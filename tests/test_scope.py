@@ -404,6 +404,28 @@ def test_the_verdict_on_a_class_never_applies_to_another_class_at_its_address():
     assert torch.equal(tr.activations["0.input.0"][0], x) and len(tr.activations["0.input.0"]) == 240
 
 
+def test_the_forward_hook_warning_of_a_reference_capture_says_the_record_holds_the_hooks_value():
+    """Under REFERENCE a record is the module's own tensor: a forward hook that changes it in place
+    changes the record, so the warning about hooks says so (it said only that the record is the
+    value before the hooks), and the record holds the steered value."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    model[0].register_forward_hook(lambda m, i, out: out.mul_(0.5))
+    x = torch.randn(2, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad(), acs.ActivationScope(capture_mode=CaptureMode.REFERENCE).track(model) as tr:
+            out = model(x)
+    said = [str(w.message) for w in caught if "forward hooks of the tracked modules" in str(w.message)]
+    assert len(said) == 1 and "With CaptureMode.REFERENCE a record is the module's own tensor" in said[0]
+    assert torch.equal(tr.activations["0.output"][0], out)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad(), acs.ActivationScope().track(model):
+            model(x)
+    said = [str(w.message) for w in caught if "forward hooks of the tracked modules" in str(w.message)]
+    assert len(said) == 1 and "REFERENCE" not in said[0]
+
+
 def test_an_object_whose_class_attribute_claims_tensor_is_not_taken_for_one():
     """An object whose ``__class__`` says torch.Tensor (a mock, a proxy) passes isinstance(), and
     the native walk of a module's inputs and outputs took it for a tensor: it ran that property

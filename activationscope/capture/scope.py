@@ -1592,7 +1592,10 @@ class Tracker:
             "run, so what is recorded there is not what the model passed on (a steered, ablated or patched value). "
             "To record the value the hooks made, track the module that receives it (capture='input' of the next "
             "module, or the next TransformerLens hook point, e.g. blocks.1.hook_resid_pre after "
-            "blocks.0.hook_resid_post)",
+            "blocks.0.hook_resid_post)" + (
+                ". With CaptureMode.REFERENCE a record is the module's own tensor: where a hook changed that "
+                "tensor in place, the in-memory record holds the hooks' value (and is named as changed in place "
+                "when read)" if self._reference_mode else ""),
             CaptureWarning,
             stacklevel=3,
         )
