@@ -83,11 +83,13 @@ def plan(args: argparse.Namespace, profile: str) -> list[dict[str, Any]]:
                 reps = wspec.repeats.get(profile, prof["repeats"])
             if args.repeats is not None and m.repeats is None:
                 reps = args.repeats
+            scale = 1.0  # the time limits grow with the rounds asked for
             if getattr(args, "rounds", None) is not None and m.repeats is not None and m.repeats > 1:
+                scale = max(1.0, args.rounds / reps)
                 reps = args.rounds  # the interleaved modes' rounds
             specs.append({"workload": wl, "mode": m.name, "params": params, "repeats": reps,
-                          "budget_s": m.budget_s or (prof["slow_budget_s"] if m.slow else prof["budget_s"]),
-                          "timeout_s": prof[m.timeout], "optional": m.optional, "needs": list(m.needs),
+                          "budget_s": scale * (m.budget_s or (prof["slow_budget_s"] if m.slow else prof["budget_s"])),
+                          "timeout_s": scale * prof[m.timeout], "optional": m.optional, "needs": list(m.needs),
                           "own_interpreter": m.own_interpreter})
     if getattr(args, "skip", None):
         specs = [s for s in specs if not any(fnmatch.fnmatchcase(f"{s['workload']}/{s['mode']}", p) for p in args.skip)]

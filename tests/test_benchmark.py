@@ -532,9 +532,12 @@ def test_rounds_sets_the_rounds_of_the_interleaved_modes_only():
     def specs(rounds):
         argv = ["--workloads", "toy,transformer"] + (["--rounds", str(rounds)] if rounds else [])
         args = runner.parse_args(argv)
-        return {(s["workload"], s["mode"]): s["repeats"] for s in runner.plan(args, "full")}
+        return {(s["workload"], s["mode"]): s for s in runner.plan(args, "full")}
 
-    default, many = specs(None), specs(45)
+    default, many = ({k: s["repeats"] for k, s in specs(r).items()} for r in (None, 45))
+    for key in (("transformer", "side_by_side"), ("toy", "store_floor_interleaved")):  # time limits grow with them
+        assert specs(45)[key]["timeout_s"] == 5 * specs(None)[key]["timeout_s"]
+        assert specs(45)[key]["budget_s"] == 5 * specs(None)[key]["budget_s"]
     assert default[("transformer", "side_by_side")] == 9 and many[("transformer", "side_by_side")] == 45
     assert default[("toy", "store_floor_interleaved")] == 9 and many[("toy", "store_floor_interleaved")] == 45
     assert many[("toy", "plain")] == default[("toy", "plain")] == 5
