@@ -1662,26 +1662,18 @@ class Store:
         bounded whatever its size; with ``size``, one that holds another number of bytes is
         not read (None). Raises StoreCorruptError as ``get`` (not a regular file, outside the
         store, larger than 4 GiB)."""
-        if not isinstance(self._backend, LocalBackend):
-            n = self._backend.size(key)
-            if n is None or (size is not None and n != size):
+        fd = None
+        if isinstance(self._backend, LocalBackend):
+            opened = self._backend._open_regular(key)
+            if opened is None:
                 return None
-            if n > V.MAX_FILE_BYTES:
-                raise V.corrupt(self._backend, f"{key!r} holds {n} bytes, more than the {V.MAX_FILE_BYTES} such a "
-                                               "file may hold")
-            crc = at = 0
-            while at < n:
-                piece = self._backend.get_range(key, at, min(n - at, _CRC_PIECE_BYTES))
-                if piece is None and at == 0:
-                    return None
-                if not piece:
-                    break
-                crc, at = F.crc32c(piece, crc), at + len(piece)
-            return at, crc
-        opened = self._backend._open_regular(key)
-        if opened is None:
-            return None
-        fd, n = opened
+            fd, n = opened
+            read = lambda at, k: os.pread(fd, k, at)  # noqa: E731
+        else:
+            n = self._backend.size(key)
+            if n is None:
+                return None
+            read = lambda at, k: self._backend.get_range(key, at, k)  # noqa: E731
         try:
             if size is not None and n != size:
                 return None
@@ -1690,13 +1682,16 @@ class Store:
                                                "file may hold")
             crc = at = 0
             while at < n:
-                piece = os.pread(fd, min(n - at, _CRC_PIECE_BYTES), at)
+                piece = read(at, min(n - at, _CRC_PIECE_BYTES))
+                if piece is None and at == 0:  # (an object removed since its size was read)
+                    return None
                 if not piece:
                     break
                 crc, at = F.crc32c(piece, crc), at + len(piece)
             return at, crc
         finally:
-            os.close(fd)
+            if fd is not None:
+                os.close(fd)
 
     def _reduction_file(self, key: str, crc: int | None, size: int | None = None) -> str:
         """The key of the file that holds the committed bytes of reduction file ``key``: the
