@@ -176,3 +176,19 @@ def write_rows(path, data, hook_point="x", *, resume=False, compression=None):
     a.append(data)
     w.add_batch(len(data))
     w.close()
+
+
+def record_biggest_pread(monkeypatch) -> list:
+    """Patch ``os.pread`` (undone with ``monkeypatch.undo()``) to note the largest read asked
+    for: returns ``[n]``, updated as reads happen."""
+    import os
+
+    biggest = [0]
+    pread = os.pread
+
+    def recording(fd, n, offset):
+        biggest[0] = max(biggest[0], n)
+        return pread(fd, n, offset)
+
+    monkeypatch.setattr(os, "pread", recording)
+    return biggest

@@ -571,14 +571,9 @@ def test_a_resume_never_reads_a_stored_script_far_larger_than_its_own_whole(tmp_
             crc = F.crc32c(piece, crc)
     entry["crc32c"][key] = crc  # the planted file's: its checksum is no defence
     (path / "zarr.json").write_text(json.dumps(root))
-    biggest = [0]
-    pread = os.pread
+    from acs_testing import record_biggest_pread
 
-    def recording(fd, n, offset):
-        biggest[0] = max(biggest[0], n)
-        return pread(fd, n, offset)
-
-    monkeypatch.setattr(os, "pread", recording)
+    biggest = record_biggest_pread(monkeypatch)
     _run(model, path, xs[2:], [("agg", first)], resume=True)
     monkeypatch.undo()
     assert biggest[0] <= 16 << 20

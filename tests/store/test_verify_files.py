@@ -223,14 +223,9 @@ def test_verify_reads_a_huge_reduction_script_in_bounded_pieces(tmp_path, monkey
     with open(path / key, "r+b") as f:
         f.truncate(64 << 20 | 1)  # (sparse: no disk used)
     _plant_script(resolve(str(path)), hp, name, key, None, crc)
-    biggest = [0]
-    pread = os.pread
+    from acs_testing import record_biggest_pread
 
-    def recording(fd, n, offset):
-        biggest[0] = max(biggest[0], n)
-        return pread(fd, n, offset)
-
-    monkeypatch.setattr(os, "pread", recording)
+    biggest = record_biggest_pread(monkeypatch)
     problems = acs.open_store(path).verify()
     monkeypatch.undo()
     assert 0 < biggest[0] <= 16 << 20
