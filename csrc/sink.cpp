@@ -480,7 +480,7 @@ void Sink::consume(const at::Tensor& x_in, const at::Tensor& token_mask) {
           throw;
         }
       }
-    } else if (can_refer(x)) {
+    } else if (refer_only || can_refer(x)) {  // (refer_only: checked above)
       // The model tensor's storage, layout and version counter (in-place changes are still
       // seen), made into a tensor of our own when read, not x's TensorImpl: holding that would
       // keep x's Python object alive after the model drops it, one garbage-collected object
