@@ -713,11 +713,12 @@ std::vector<at::Tensor> Sink::records() {
   out.reserve(records_.size());
   for (auto& r : records_) {
     if (!r.t.defined()) {  // made once, then the same tensor on every read
+      // A tensor of the autograd world whatever mode the reader runs in: made under
+      // torch.inference_mode() it would be an inference tensor, which cannot share the model
+      // tensor's version counter (REFERENCE) and which no later autograd use accepts
+      // ("Inference tensors cannot be saved for backward"), depending on where it was first read.
+      c10::InferenceMode normal(false);
       if (r.reference) {
-        // A tensor of the autograd world whatever mode the reader runs in: made under
-        // torch.inference_mode() it would be an inference tensor, which cannot share the
-        // model tensor's version counter.
-        c10::InferenceMode normal(false);
         // The storage may have been shrunk since the capture (untyped_storage().resize_(0),
         // as sharded training frees memory): a tensor over it would read past its end.
         int64_t last = r.offset;

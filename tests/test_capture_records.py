@@ -360,3 +360,23 @@ def test_a_jagged_nested_tensor_is_kept_by_reference_and_refused_by_a_copy_with_
     with torch.no_grad(), ActivationScope(capture="output").track(total) as tr:
         got = total(nt)
     assert torch.equal(tr.activations["0.output"][0], got)
+
+
+def test_snapshot_records_first_read_under_inference_mode_are_ordinary_tensors():
+    """SNAPSHOT records read for the first time inside torch.inference_mode() are ordinary
+    tensors, as read anywhere else: a probe trained on them with autograd afterwards works (as
+    inference tensors, made where they were first read, they raised 'Inference tensors cannot be
+    saved for backward')."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    x = torch.randn(5, 4)
+    with torch.inference_mode():
+        with ActivationScope().track(m) as tr:
+            m(x)
+        rec = tr.activations["0.output"][0]
+        assert not rec.is_inference()
+        torch.testing.assert_close(rec, m(x), rtol=0, atol=0)
+    w = torch.zeros(3, requires_grad=True)
+    (rec @ w).square().sum().backward()  # saves rec for backward
+    torch.testing.assert_close(w.grad, torch.zeros(3))
+    assert tr.activations["0.output"][0] is rec  # the same tensor on every read
