@@ -112,8 +112,11 @@ class WriterLock:
                 fd = os.open(path, flags, 0o666)
         except (IsADirectoryError, OSError) as e:
             if not isinstance(e, IsADirectoryError) and e.errno != errno.ELOOP:
+                fix = ("; the store is read-only to this process: read it with open_store(), or copy it "
+                       "(activationscope.store.copy_store) to a folder you may write to and resume or overwrite the copy"
+                       ) if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS) else ""
                 raise StoreError(f"store {str(self.backend)!r}: cannot open the writer lock {str(path)!r}: "
-                                 f"{e.strerror or e}") from e
+                                 f"{e.strerror or e}{fix}") from e
             kind = "a directory" if isinstance(e, IsADirectoryError) else "a symbolic link"
             raise corrupt(self.backend, f"the writer lock {LOCK_KEY!r} must be a regular file, got {kind}",
                           fix=f"delete what is at {str(path)!r}") from None
@@ -128,7 +131,12 @@ class WriterLock:
 
         root = self.backend.root
         if not root.exists():
-            root.mkdir(parents=True, exist_ok=True)
+            try:
+                root.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise StoreError(f"store {str(self.backend)!r}: cannot create its folder: {e.strerror or e} "
+                                 f"({e.filename or root}); choose a store path where this process may create "
+                                 "folders") from e
             self.created_root = True
         path = root / LOCK_KEY
         while True:

@@ -264,3 +264,100 @@ def test_two_processes_race_for_one_store(tmp_path):
                 pass
             p.wait(timeout=60)
     assert [p.returncode for p in racers] == [0, 0], [p.stderr.read()[-2000:] for p in racers]
+
+
+def test_a_store_folder_that_cannot_be_made_is_a_store_error(tmp_path):
+    """A store path whose folder cannot be created (here under /proc, which refuses new
+    entries even to root) is a StoreError naming the store and what to choose, not the raw
+    FileNotFoundError / PermissionError of mkdir."""
+    if not os.path.isdir("/proc/self"):
+        pytest.skip("needs Linux's /proc")
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with pytest.raises(StoreError, match=r"store '/proc/acs-new\.zarr': cannot create its folder: .*choose a "
+                                         r"store path where this process may create folders"):
+        with acs.ActivationScope(store="/proc/acs-new.zarr").track(model):
+            model(torch.randn(2, 4))
+    assert not os.path.exists("/proc/acs-new.zarr")
+
+
+def _as_nobody(fn) -> tuple[str, str]:
+    """Run ``fn()`` in a forked child that became user nobody (65534); returns (error type name,
+    message) of what it raised, ("", "") when it returned. Everything ``fn`` imports must be
+    imported already (the interpreter's own files may be unreadable to nobody)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        os.close(r)
+        out = b""
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            fn()
+        except BaseException as e:  # noqa: BLE001 (reported to the parent)
+            out = f"{type(e).__name__}\n{e}".encode()
+        os.write(w, out)
+        os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        got = f.read().decode()
+    os.waitpid(pid, 0)
+    name, _, msg = got.partition("\n")
+    return name, msg
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="needs root to act as another user")
+def test_a_store_read_only_to_this_user_reads_and_refuses_writers_with_the_fix():
+    """A store another user made and this user may only read (a colleague's shared store):
+    it opens and reads; a resume or an overwrite is refused before anything is touched, a
+    StoreError that says the store is read-only here and how to go on (copy it), and the
+    store's files are unchanged."""
+    import shutil
+    import tempfile
+
+    tmp_path = Path(tempfile.mkdtemp(prefix="acs-shared-"))  # (pytest's own folder is closed to other users)
+    try:
+        _read_only_store_checks(tmp_path)
+    finally:
+        for folder, _dirs, _files in os.walk(tmp_path):
+            os.chmod(folder, 0o755)
+        shutil.rmtree(tmp_path)
+
+
+def _read_only_store_checks(tmp_path: Path) -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    path = tmp_path / "shared.zarr"
+    x = torch.randn(3, 4)
+    with torch.no_grad(), acs.ActivationScope(store=str(path), reductions=["mean"]).track(model):
+        model(x)
+    for opts in ({}, {"resume": True}):  # (imports a resume needs, made before the child drops root)
+        with torch.no_grad(), acs.ActivationScope(store=str(tmp_path / "warm.zarr"), store_options=opts,
+                                                  reductions=["mean"]).track(model):
+            model(x)
+    for folder, _dirs, files in os.walk(path):
+        os.chmod(folder, 0o555)
+        for name in files:
+            os.chmod(os.path.join(folder, name), 0o444)
+    os.chmod(tmp_path, 0o755)
+    before = _listing(path)
+
+    with torch.no_grad():
+        expected = model(x)
+
+    def read() -> None:
+        s = open_store(str(path))
+        if not torch.equal(s["0.output"], expected):  # (torch.testing imports more in the child)
+            raise AssertionError(f"read other values: {s['0.output']} != {expected}")
+
+    got = _as_nobody(read)
+    assert got == ("", ""), got
+    for opts in ({"resume": True}, {"overwrite": True}):
+        def write(opts=opts) -> None:
+            with torch.no_grad(), acs.ActivationScope(store=str(path), store_options=opts,
+                                                      reductions=["mean"]).track(model):
+                model(x)
+
+        name, msg = _as_nobody(write)
+        assert name == "StoreError", (name, msg)
+        assert "cannot open the writer lock" in msg and "Permission denied" in msg
+        assert "read-only to this process" in msg and "copy_store" in msg
+    assert _listing(path) == before
