@@ -246,8 +246,8 @@ class LocalBackend:
                 if key in self._spare:
                     continue
             tmp = self._temp_name(self.root / key)
-            try:
-                self._make_parent(tmp, key)
+            try:  # (in a folder that exists: a store folder moved or removed meanwhile is never made again)
+                self._check_inside(tmp.parent, key)
                 os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
             except OSError:
                 continue  # set() makes its own

@@ -845,6 +845,7 @@ class StoreWriter:
         self._closed = True  # until the end of __init__: __del__ and close() do nothing
         # one writer at a time: the lock is held from here to close() / abort()
         self._writer_lock = WriterLock(self._backend).acquire()
+        self._lost: str | None = None  # why the store at the path is no longer this writer's (_check_still_held)
         self._aside: Path | None = None  # overwrite: the old store, until the new one commits
         self.put_back = False  # overwrite: the old store was put back (the new one committed nothing)
         try:
@@ -1330,6 +1331,32 @@ class StoreWriter:
                 f"cannot write hook point {hook_point!r} into {str(self._backend)!r}: {found[0]!r} is {what}, where "
                 f"the writer writes the array's shards{f' ({len(found)} such entries)' if len(found) > 1 else ''}; "
                 f"{why}: {fix}, then resume again{done}")
+
+    def _store_lost(self) -> str | None:
+        """Why the store at this writer's path is no longer the one it locked (its folder
+        moved, removed or replaced, or its lock deleted), remembered once found; None while
+        it is. Nothing more may be written there: it may be another writer's store."""
+        if self._lost is None:
+            self._lost = self._writer_lock.lost()
+        return self._lost
+
+    def _check_still_held(self) -> None:
+        """Raise :class:`StoreError` when the store at this writer's path is no longer the
+        one it locked (see :meth:`_store_lost`), before anything is written there."""
+        why = self._store_lost()
+        if why is None:
+            return
+        where = str(self._backend)
+        if isinstance(self._backend, LocalBackend):
+            raise StoreError(
+                f"store {where!r} was moved, removed or replaced while this writer wrote it ({why}); nothing more is "
+                f"written at {where!r}, so whatever is there now stays as it is. The rows this writer committed are "
+                "in the store's folder wherever it went (moved: resume=True there continues them); write one store "
+                "from one capture at a time, and move or delete a store only once its capture has ended")
+        raise StoreError(
+            f"store {where!r}: {why}, while this writer held it (deleted by hand, and maybe taken by another "
+            "writer); this writer writes nothing more there, so another writer's rows stay as they are. Rows "
+            "committed before stay readable; resume=True continues once no other writer holds the store")
 
     def _raise_if_failed(self) -> None:
         if self._core.failed:
@@ -1871,6 +1898,7 @@ class StoreWriter:
     # ------------------------------------------------------------------ commit
     def _commit(self, status: str, force: bool = False) -> bool:
         b = self._backend
+        self._check_still_held()  # (its folder replaced: every write below would land in another store)
         # 1. data: shards made durable by the writer thread (remote: upload them first)
         for a in self._arrays.values():
             if not a.recorded:  # its shards are taken once a batch records it; the close removes them
@@ -2194,6 +2222,7 @@ class StoreWriter:
         """
         self._refuse_other_process("reductions stored")
         with self._lock:
+            self._check_still_held()
             result = reduction.result()
             for key, value in result.items():  # checked before anything of it is written
                 what = _unstorable(value)
@@ -2761,6 +2790,7 @@ class StoreWriter:
             empty: list[Path] = []
             try:
                 self._stop_threads()
+                self._check_still_held()  # (the store there now is not the one found: left as it is)
                 self._drop_kept_reductions(restore=True)
                 self._backend.set("zarr.json", self._found_root)
                 empty = self._put_back_found_files()
@@ -2788,7 +2818,7 @@ class StoreWriter:
             Whether the store was removed. Never raises (a failure is warned about).
         """
         if not self._closed or not getattr(self, "_made_new", False) or self.n_samples_committed \
-                or self._other_process():
+                or self._other_process() or self._lost is not None:
             return False
         from ._remove import remove_if_empty
 
@@ -2816,7 +2846,14 @@ class StoreWriter:
     def _cleanup(self, walk: bool = True, remove_if_empty: list[Path] = ()) -> None:
         """Release the writer's resources and the lock; with ``walk``, remove any temporary
         file left in the store's folders (after a failure or an abort); then the folders
-        ``remove_if_empty`` (local, inside the store) and their subfolders that hold no file."""
+        ``remove_if_empty`` (local, inside the store) and their subfolders that hold no file.
+        A writer whose store is no longer at its path (:meth:`_store_lost`) touches no file
+        there: it releases its resources and lock only."""
+        if self._store_lost() is not None:  # (its kept and held files are where the store went: left there)
+            walk, remove_if_empty = False, ()
+            for a in self._arrays.values():
+                a.held_shard, a.held_ready = -1, False
+            self._kept_shards, self._kept_reductions = [], {}
         self._drop_held_shards()
         # a kept committed file still here: no root lists its shard's rewrite (a close or abort
         # that failed after renaming it over the key): the committed file goes back, unless the
