@@ -391,19 +391,28 @@ class LocalBackend:
         p = self.root / key
         with self._spare_lock:
             tmp = self._spare.pop(key, None)
-        if tmp is None:
+        fd = -1
+        if tmp is not None:
+            self._check_inside(p.parent, key)
+            fd = _open_spare(tmp)
+        if fd < 0:
             self._make_parent(p, key)
             tmp = self._temp_name(p)
-        else:
-            self._check_inside(p.parent, key)
         try:
-            with open(tmp, "wb") as f:
+            if fd < 0:  # a new name, made here (never a file or link someone put there)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+            with os.fdopen(fd, "wb") as f:
+                fd = -1
                 f.write(data)
                 if self.fsync:
                     f.flush()
                     os.fsync(f.fileno())
+                written = os.fstat(f.fileno())
             os.replace(tmp, p)
+            now = os.lstat(p)
         except OSError as e:
+            if fd >= 0:
+                os.close(fd)
             try:
                 tmp.unlink()
             except OSError:
@@ -413,6 +422,11 @@ class LocalBackend:
                               fix=f"move the folder at {str(p)!r} away (the store writes that file there), then try "
                                   "again (a capture: resume=True continues from its committed rows)") from e
             raise StoreError(f"writing {str(p)!r} failed: {e.strerror or e}") from e
+        if (now.st_dev, now.st_ino) != (written.st_dev, written.st_ino):
+            raise corrupt(self, f"{key!r}: its temporary file {tmp.name!r} was replaced by another process while it "
+                                "was written, so what was renamed over the key is not what was written",
+                          fix="make sure no other process writes in the store's folder, then try again (a capture: "
+                              "resume=True continues from its committed rows)")
         if self.fsync:
             fsync_dir(p.parent)
 
@@ -582,6 +596,25 @@ def safe_local_store(backend: "LocalBackend", *, read_only: bool = True) -> Any:
     else raises :class:`StoreCorruptError` naming the key. Picklable (dask workers).
     """
     return _safe_local_store_class()(backend.root, read_only=read_only)
+
+
+def _open_spare(tmp: Path) -> int:
+    """The spare temporary file ``tmp`` (made empty ahead of time by :meth:`LocalBackend.reserve`)
+    opened for writing, or -1 when what is at its name is no longer it: anything but a regular
+    file of one name (a link or a file another process swapped in, a hard link to a file
+    elsewhere) is never written through; its name is removed (a link: the link only)."""
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        _unlink_quietly(tmp)
+        return -1
+    st = os.fstat(fd)
+    if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_size == 0:
+        return fd
+    os.close(fd)
+    _unlink_quietly(tmp)
+    return -1
+
 
 def _unlink_quietly(path: Path) -> None:
     try:

@@ -117,10 +117,18 @@ class WriterLock:
             kind = "a directory" if isinstance(e, IsADirectoryError) else "a symbolic link"
             raise corrupt(self.backend, f"the writer lock {LOCK_KEY!r} must be a regular file, got {kind}",
                           fix=f"delete what is at {str(path)!r}") from None
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
             os.close(fd)
             raise corrupt(self.backend, f"the writer lock {LOCK_KEY!r} must be a regular file, got another kind "
                                         "of file", fix=f"delete what is at {str(path)!r}")
+        if st.st_nlink != 1:  # the writer truncates and writes it: never another name's file
+            os.close(fd)
+            raise corrupt(self.backend, f"the writer lock {LOCK_KEY!r} must be a file of its own, got a file with "
+                                        f"{st.st_nlink} names (a hard link: another name elsewhere, maybe outside the "
+                                        "store, that a writer would truncate; a store copied with `cp -al` shares "
+                                        "it)", fix=f"delete {str(path)!r} (it holds no data; the writer makes a new "
+                                                   "one)")
         return fd, False
 
     def _acquire_local(self) -> None:

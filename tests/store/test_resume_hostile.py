@@ -1,0 +1,82 @@
+"""A store's files swapped, linked or replaced by another process while a writer (a new
+capture or a resume) writes it: the writer never writes through a link or into a file that
+has another name elsewhere, and the store keeps every committed row."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from activationscope.errors import StoreCorruptError
+from activationscope.store import StoreWriter, open_store
+from activationscope.store._backend import LOCK_KEY
+
+
+def _store(path: Path, rows: torch.Tensor) -> None:
+    with StoreWriter(path) as w:
+        a = w.open_array("x", (rows.shape[1],), rows.dtype, "sample")
+        a.append(rows)
+        w.add_batch(rows.shape[0])
+
+
+def test_a_writer_lock_hard_linked_to_another_file_is_refused_and_that_file_left_as_it_is(tmp_path):
+    """The lock file is truncated and written by the writer that takes it: a lock that is a
+    hard link of a file outside the store (planted, or a store copied with ``cp -al``) is
+    refused before it is written, naming it and the fix, and the other file keeps its bytes."""
+    path = tmp_path / "s.zarr"
+    rows = torch.randn(6, 3)
+    _store(path, rows)
+    victim = tmp_path / "notes.txt"
+    victim.write_bytes(b"precious\n")
+    (path / LOCK_KEY).unlink()
+    os.link(victim, path / LOCK_KEY)
+    with pytest.raises(StoreCorruptError, match=rf"{LOCK_KEY}.*2 names.*delete .*{LOCK_KEY}"):
+        StoreWriter(path, resume=True)
+    assert victim.read_bytes() == b"precious\n"
+    s = open_store(path)
+    assert torch.equal(s["x"], rows) and s.verify() == []
+    (path / LOCK_KEY).unlink()  # the fix the error names
+    w = StoreWriter(path, resume=True)
+    w.close()
+    assert victim.read_bytes() == b"precious\n" and open_store(path).verify() == []
+
+
+@pytest.mark.parametrize("how", ["symlink", "hardlink"])
+def test_a_spare_document_file_swapped_for_a_link_is_never_written_through(tmp_path, how):
+    """A commit writes each document into a spare temporary file made ahead of time (then
+    renames it over the key): one swapped meanwhile for a link to a file outside the store
+    (by another process) is not written through; the document is written into a new file,
+    the outside file keeps its bytes, and the store's documents are regular files."""
+    path = tmp_path / "s.zarr"
+    w = StoreWriter(path, chunk_rows=1, shard_bytes=8, commit_interval=0)
+    a = w.open_array("x", (2,), torch.float32, "sample")
+    a.append(torch.ones(3, 2))
+    w.add_batch(3)
+    w._core.drain()
+    w.commit()
+    import time
+
+    deadline = time.monotonic() + 5
+    while len(w._backend._spare) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    spares = list(w._backend._spare.values())
+    assert len(spares) >= 3  # (the root's, the array document's and the manifest's)
+    victim = tmp_path / "notes.txt"
+    victim.write_bytes(b"precious\n")
+    for spare in spares:
+        spare.unlink()
+        (os.symlink if how == "symlink" else os.link)(victim, spare)
+    a.append(torch.full((2, 2), 2.0))
+    w.add_batch(2)
+    w._core.drain()
+    w.commit()
+    w.close()
+    assert victim.read_bytes() == b"precious\n"
+    for key in ("zarr.json", "acts/x/zarr.json", "acts/x/manifest.json"):
+        assert not (path / key).is_symlink() and (path / key).stat().st_nlink == 1, key
+    assert not [p for p in path.rglob("*.tmp")]
+    s = open_store(path)
+    assert s.verify() == [] and torch.equal(s["x"], torch.cat([torch.ones(3, 2), torch.full((2, 2), 2.0)]))
