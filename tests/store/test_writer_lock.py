@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -279,18 +280,23 @@ def test_a_writer_whose_store_folder_was_replaced_writes_nothing_into_the_new_on
     for i in range(4):
         arr.append(torch.full((5, 8), float(i)))
         a.add_batch(5, list(range(i * 5, i * 5 + 5)))
+        a._core.drain()
         a.commit()
     committed = open_store(path).n_samples
     assert committed > 0
     arr.append(torch.full((5, 8), 4.0))
     a.add_batch(5, list(range(20, 25)))
     a._core.drain()
+    deadline = time.monotonic() + 10  # (the spare files of its next commit made, in the folder it wrote)
+    while not {"zarr.json", "acts/x/manifest.json"} <= set(a._backend._spare) and time.monotonic() < deadline:
+        time.sleep(0.005)
     if how == "moved":
         os.rename(path, tmp_path / "old.zarr")
-    else:
+    else:  # (renamed first: the writer's background thread may be making a spare file in it)
         import shutil
 
-        shutil.rmtree(path)
+        os.rename(path, tmp_path / "trash")
+        shutil.rmtree(tmp_path / "trash")
     with StoreWriter(path) as b:
         _write_rows(b, torch.full((3, 2), 9.0))
     new = _listing(path)
