@@ -217,7 +217,7 @@ class LocalBackend:
                         continue
                     key = os.path.relpath(p, self.root).replace(os.sep, "/")
                     try:
-                        self._check_inside(Path(p).parent, key)
+                        self._check_inside(Path(p).parent, key, cached=False)
                         os.unlink(p)  # a link is removed, never followed
                     except FileNotFoundError:
                         continue
@@ -247,7 +247,7 @@ class LocalBackend:
                     continue
             tmp = self._temp_name(self.root / key)
             try:  # (in a folder that exists: a store folder moved or removed meanwhile is never made again)
-                self._check_inside(tmp.parent, key)
+                self._check_inside(tmp.parent, key, cached=False)
                 os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
             except OSError:
                 continue  # set() makes its own
@@ -266,7 +266,11 @@ class LocalBackend:
             self._spare_thread = None
         with self._spare_lock:
             spare, self._spare = self._spare, {}
-        for tmp in spare.values():
+        for key, tmp in spare.items():
+            try:
+                self._check_inside(tmp.parent, key, cached=False)  # (never through a folder swapped for a link)
+            except StoreError:
+                continue
             _unlink_quietly(tmp)
 
     def __repr__(self) -> str:
@@ -283,7 +287,7 @@ class LocalBackend:
                 self.__dict__["_root_real_cached"] = real
         return real
 
-    def _check_inside(self, p: Path, key: str) -> None:
+    def _check_inside(self, p: Path, key: str, cached: bool = True) -> None:
         """Refuse a path whose real location (symlinks resolved) is outside the store.
 
         Walks the components below the store's root with ``lstat``, remembering the folders
@@ -291,14 +295,16 @@ class LocalBackend:
         files share most of their folders, and resolving every component of every path
         again (``os.path.realpath``) was most of the cost of opening a layer. A component that
         is a symlink has the whole path resolved and checked; a missing one ends the walk
-        (nothing below it to follow)."""
+        (nothing below it to follow). Without ``cached`` (every write: a folder found real
+        before may have been swapped for a link since, e.g. ``rows/`` during a capture) each
+        component is looked at again."""
         sp, rootp = str(p), str(self.root)
         if sp == rootp:
             return
         if not sp.startswith(rootp + os.sep):
             self._check_resolved(sp, key)
             return
-        known = self.__dict__.setdefault("_dirs_inside", set())
+        known = self.__dict__.setdefault("_dirs_inside", set()) if cached else set()
         prefix = rootp
         for part in sp[len(rootp) + 1:].split(os.sep):
             prefix = prefix + os.sep + part
@@ -331,12 +337,13 @@ class LocalBackend:
         q = p.parent
         while not q.exists() and q != q.parent:
             q = q.parent
-        self._check_inside(q, key)
+        self._check_inside(q, key, cached=False)
         p.parent.mkdir(parents=True, exist_ok=True)
-        self._check_inside(p.parent, key)
+        self._check_inside(p.parent, key, cached=False)
 
-    def path(self, key: str) -> Path:
-        """The local path of a key: checked to be inside the store (symlinks resolved)."""
+    def path(self, key: str, write: bool = False) -> Path:
+        """The local path of a key: checked to be inside the store (symlinks resolved; with
+        ``write``, every folder on the way looked at again, see :meth:`_check_inside`)."""
         made = self.__dict__.setdefault("_key_paths", {})  # key -> Path: the key's own checks are pure
         p = made.get(key)
         if p is None:
@@ -345,7 +352,7 @@ class LocalBackend:
             if len(made) >= 65536:
                 made.clear()
             made[key] = p
-        self._check_inside(p, key)  # every time: the file system may have changed
+        self._check_inside(p, key, cached=not write)  # every time: the file system may have changed
         return p
 
     def _open_regular(self, key: str) -> tuple[int, int] | None:
@@ -393,7 +400,7 @@ class LocalBackend:
             tmp = self._spare.pop(key, None)
         fd = -1
         if tmp is not None:
-            self._check_inside(p.parent, key)
+            self._check_inside(p.parent, key, cached=False)
             fd = _open_spare(tmp)
         if fd < 0:
             self._make_parent(p, key)
@@ -454,7 +461,7 @@ class LocalBackend:
         p = self.root / key
         if not p.parent.exists():
             return
-        self._check_inside(p.parent, key)  # the key itself may be a link: unlink removes the link only
+        self._check_inside(p.parent, key, cached=False)  # the key itself may be a link: unlink removes the link only
         try:
             p.unlink()
         except FileNotFoundError:

@@ -2316,10 +2316,10 @@ class StoreWriter:
         for key in committed_reduction_files(self._old_reductions.get(hook_point) or {}, name):
             if key in self._kept_reductions:
                 continue  # (kept by an earlier write of this run: the committed bytes already)
-            path = self._backend.path(key)
+            path = self._backend.path(key, write=True)
             if not path.is_file():
                 continue
-            keep = self._backend.path(F.kept_reduction_key(key))
+            keep = self._backend.path(F.kept_reduction_key(key), write=True)
             try:
                 _link_or_copy(path, keep)
             except OSError as e:
@@ -2338,7 +2338,7 @@ class StoreWriter:
             key, keep = self._kept_reductions.popitem()
             try:
                 if restore:
-                    target = self._backend.path(key)
+                    target = self._backend.path(key, write=True)
                     target.parent.mkdir(parents=True, exist_ok=True)  # (its array's folder may be gone)
                     os.replace(keep, target)
                 else:
@@ -2495,9 +2495,9 @@ class StoreWriter:
                 if keep in back:
                     target = b.root / back[keep]
                     b._make_parent(target, back[keep])  # (checked inside the store; its array's folder may be gone)
-                    os.replace(b.path(keep), target)  # (over a FIFO or a link: replaces it, never follows it)
+                    os.replace(b.path(keep, write=True), target)  # (over a FIFO or a link: replaces it, never follows it)
                 else:
-                    os.unlink(b.path(keep))
+                    os.unlink(b.path(keep, write=True))
             except (OSError, StoreError) as e:
                 raise StoreError(f"cannot resume {str(b)!r}: settling the kept reduction file {keep!r} failed: "
                                  f"{getattr(e, 'strerror', None) or e}; fix permissions in the store's folder, then "

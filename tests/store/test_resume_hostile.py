@@ -22,6 +22,17 @@ def _store(path: Path, rows: torch.Tensor) -> None:
         w.add_batch(rows.shape[0])
 
 
+def _wait_for_spares(w: StoreWriter, keys: set[str]) -> None:
+    """Until the writer's background thread has made the spare temporary files of ``keys``
+    (the documents its last commit wrote, made for the next one)."""
+    import time
+
+    deadline = time.monotonic() + 10
+    while not keys <= set(w._backend._spare) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert keys <= set(w._backend._spare)
+
+
 def test_a_writer_lock_hard_linked_to_another_file_is_refused_and_that_file_left_as_it_is(tmp_path):
     """The lock file is truncated and written by the writer that takes it: a lock that is a
     hard link of a file outside the store (planted, or a store copied with ``cp -al``) is
@@ -57,13 +68,8 @@ def test_a_spare_document_file_swapped_for_a_link_is_never_written_through(tmp_p
     w.add_batch(3)
     w._core.drain()
     w.commit()
-    import time
-
-    deadline = time.monotonic() + 5
-    while len(w._backend._spare) < 3 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    _wait_for_spares(w, {"zarr.json", "acts/x/zarr.json", "acts/x/manifest.json"})
     spares = list(w._backend._spare.values())
-    assert len(spares) >= 3  # (the root's, the array document's and the manifest's)
     victim = tmp_path / "notes.txt"
     victim.write_bytes(b"precious\n")
     for spare in spares:
@@ -80,3 +86,58 @@ def test_a_spare_document_file_swapped_for_a_link_is_never_written_through(tmp_p
     assert not [p for p in path.rglob("*.tmp")]
     s = open_store(path)
     assert s.verify() == [] and torch.equal(s["x"], torch.cat([torch.ones(3, 2), torch.full((2, 2), 2.0)]))
+
+
+def _listing(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+class _Const:
+    kind = "custom"
+
+    def __init__(self, value: float) -> None:
+        self.value = value
+
+    def result(self) -> dict:
+        return {"m": torch.full((2,), self.value)}
+
+
+@pytest.mark.parametrize("folder", ["rows", "rows/sample", "reductions", "reductions/x", "acts/x"])
+def test_a_folder_swapped_for_a_link_leaving_the_store_mid_capture_is_never_written_through(tmp_path, folder):
+    """Another process moves one of the store's folders outside it and leaves a symbolic link in
+    its place after the writer has written there: the writer's next commit, stored reduction
+    and close write nothing through the link (each refuses, naming the key), so the files
+    outside keep their bytes."""
+    import shutil
+
+    from activationscope.errors import StoreError
+
+    path = tmp_path / "s.zarr"
+    w = StoreWriter(path, chunk_rows=1, shard_bytes=8, commit_interval=0)
+    a = w.open_array("x", (2,), torch.float32, "sample")
+    for i in range(2):
+        a.append(torch.full((3, 2), float(i)))
+        w.add_batch(3)
+        w._core.drain()
+        w.commit()
+    w.add_reductions("x", "m", _Const(1.0))
+    _wait_for_spares(w, {"zarr.json", "acts/x/zarr.json", "acts/x/manifest.json"})
+    outside = tmp_path / "outside"
+    shutil.copytree(path / folder, outside, symlinks=True)
+    shutil.rmtree(path / folder)
+    os.symlink(outside, path / folder)
+    before = _listing(outside)
+    raised = []
+
+    def more_rows():
+        a.append(torch.full((3, 2), 2.0))
+        w.add_batch(3)
+        w._core.drain()
+
+    for step in (more_rows, w.commit, lambda: w.add_reductions("x", "m", _Const(2.0)), w.close):
+        try:
+            step()
+        except StoreError as e:
+            raised.append(str(e))
+    assert raised and all("outside the store" in e or "symbolic link" in e for e in raised), raised
+    assert _listing(outside) == before
