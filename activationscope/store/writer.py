@@ -1950,19 +1950,34 @@ class StoreWriter:
         for a in self._arrays.values():
             if a.held_ready:
                 self._install_held_shard(a)
-        batches, self._pending = self._pending[:k], self._pending[k:]
+        batches = self._pending[:k]
+        # 2. row-table parts. A part that fails leaves the tables and the pending batches as they
+        # were (a later commit writes them again): the arrays' rows of those batches, in the
+        # shards, stay next to their row-table rows
+        before = {kind: (len(t.get("parts", [])), t.get("n_rows", 0), len(t.get("columns", [])))
+                  for kind, t in self._row_tables.items()}
+        try:
+            for kind in ROW_KINDS:
+                pieces = _row_pieces(batches, kind)
+                table = self._row_tables.get(kind) or {}
+                if not pieces and not table.get("parts"):
+                    # batches of no rows so far: the user columns they named (with their types) are
+                    # kept in one part of 0 rows, so that a store of no rows still has them
+                    pieces = [p for p in _row_pieces(batches, kind, keep_empty=True)
+                              if set(p) - set(table.get("columns") or ()) - {"sample_id", "pos", "batch"}]
+                if pieces:
+                    self._write_part(kind, pieces)
+        except BaseException:
+            for kind, (n_parts, n_rows, n_columns) in before.items():
+                t = self._row_tables[kind]
+                for key in t.get("parts", [])[n_parts:]:
+                    t.get("crc32c", {}).pop(key, None)
+                del t.setdefault("parts", [])[n_parts:]
+                del t.setdefault("columns", [])[n_columns:]
+                t["n_rows"] = n_rows
+            raise
+        self._pending = self._pending[k:]
         self._pending_samples -= sum(x.n_samples for x in batches)
-        # 2. row-table parts
-        for kind in ROW_KINDS:
-            pieces = _row_pieces(batches, kind)
-            table = self._row_tables.get(kind) or {}
-            if not pieces and not table.get("parts"):
-                # batches of no rows so far: the user columns they named (with their types) are
-                # kept in one part of 0 rows, so that a store of no rows still has them
-                pieces = [p for p in _row_pieces(batches, kind, keep_empty=True)
-                          if set(p) - set(table.get("columns") or ()) - {"sample_id", "pos", "batch"}]
-            if pieces:
-                self._write_part(kind, pieces)
         for x in batches:
             for a, cum in zip(self._order, x.cums):
                 a.committed_rows = max(a.committed_rows, cum)
