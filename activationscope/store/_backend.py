@@ -791,6 +791,26 @@ class FsspecBackend(ZarrBackend):
         self._conditional = bool(names & {"S3FileSystem", "MemoryFileSystem"})
         self.capabilities = Capabilities(atomic_write=True, atomic_rename=False,
                                          conditional_write=self._conditional, mmap=False)
+        self.forget_listings()
+
+    def forget_listings(self) -> None:
+        """Drop the listings of this store's folders that the file system cached (s3fs and
+        others keep one file system object per process, options alike, and answer whether a
+        key exists from a listing made earlier): files another process wrote since, e.g. a
+        resume's documents, shards and row-table parts, would read as missing. Called when a
+        backend is made (a store opened, a writer started) and by ``Store.refresh``."""
+        fs = getattr(self.store, "fs", None)
+        for f in {id(x): x for x in (fs, getattr(fs, "sync_fs", None)) if x is not None}.values():
+            cache = getattr(f, "dircache", None)
+            if not cache:
+                continue
+            try:
+                root = f._strip_protocol(self.store.path).rstrip("/")
+                for key in [k for k in list(cache) if k == root or str(k).startswith(root + "/")]:
+                    cache.pop(key, None)
+                f.invalidate_cache(root)  # (and its parents' listings, which name it)
+            except Exception:  # noqa: BLE001 - a cache it cannot drop: reads as before
+                pass
 
     def set_if_absent(self, key: str, data: bytes) -> bool:
         check_key(key, store=self, what="key")

@@ -353,6 +353,9 @@ class Store:
             self._refreshes += 1
             seq = self._refreshes
         stamp = self._root_stamp()  # before the read: a commit in between only costs one re-read later
+        forget = getattr(self._backend, "forget_listings", None)
+        if forget is not None:  # (a remote file system's cached listings predate the commits since)
+            forget()
         raw = self._backend.get("zarr.json", max_bytes=V.MAX_JSON_BYTES)
         if raw is None:
             self._refuse_node_of_a_store(raw)

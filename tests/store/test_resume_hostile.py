@@ -141,3 +141,33 @@ def test_a_folder_swapped_for_a_link_leaving_the_store_mid_capture_is_never_writ
             raised.append(str(e))
     assert raised and all("outside the store" in e or "symbolic link" in e for e in raised), raised
     assert _listing(outside) == before
+
+
+def test_an_s3_store_written_by_another_process_since_it_was_last_opened_reopens_as_it_is_now(s3):
+    """fsspec's S3 file system is one object per process (same options) and caches the
+    listings it made: a store opened (and verified) once, then resumed by another process,
+    reopened in the first one read its new documents and shards as missing. Opening a store,
+    and refreshing it, sees what is there now. (The other process is a writer with a file
+    system object of its own.)"""
+    url = "s3://acs-bucket/listed-before-a-resume.zarr"
+    other = {**s3, "skip_instance_cache": True}
+    rows = torch.randn(16, 2)
+
+    def write(part, resume):
+        with StoreWriter(url, resume=resume, chunk_rows=4, shard_bytes=4 * 2 * 4, storage_options=other) as w:
+            a = w.open_array("x", (2,), torch.float32, "sample")
+            a.append(part)
+            w.add_batch(part.shape[0])
+
+    with StoreWriter(url, storage_options=other) as w:  # a new store, listed before it has an array
+        w.add_batch(0)
+    first = open_store(url, storage_options=s3)
+    assert first.verify() == [] and first.n_samples == 0
+    write(rows[:6], resume=True)
+    store = open_store(url, storage_options=s3)
+    assert store.n_samples == 6 and store.verify() == [] and torch.equal(store["x"], rows[:6])
+    write(rows[6:], resume=True)
+    store.refresh()
+    assert store.n_samples == 16 and store.verify() == [] and torch.equal(store["x"], rows)
+    again = open_store(url, storage_options=s3)
+    assert again.verify() == [] and torch.equal(again["x"], rows)
