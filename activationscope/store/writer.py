@@ -1481,7 +1481,9 @@ class StoreWriter:
                 if committed > start:  # re-feed the committed rows of the partial last shard
                     from .reader import Store
 
-                    st = Store(self._backend)
+                    # every chunk it writes again checked against its crc32c first (a memory map is
+                    # not: a damaged one would be committed again under a fresh crc32c)
+                    st = Store(self._backend, verify=True)
                     st._resume_tail = True  # a resume killed before its commit rewrote that chunk (FORMAT.md section 5)
                     # read first: a missing or damaged shard is named as such (by the reader's checks)
                     rows = st._read_rows(hook_point, start, committed, copy=True)

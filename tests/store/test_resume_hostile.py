@@ -171,3 +171,32 @@ def test_an_s3_store_written_by_another_process_since_it_was_last_opened_reopens
     assert store.n_samples == 16 and store.verify() == [] and torch.equal(store["x"], rows)
     again = open_store(url, storage_options=s3)
     assert again.verify() == [] and torch.equal(again["x"], rows)
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_a_resume_refuses_a_damaged_committed_chunk_of_the_shard_it_rewrites(tmp_path, compression):
+    """A resume re-reads the committed rows of the partial last shard and writes them again,
+    with new crc32c records, into its rewrite of that shard: a committed chunk there whose bytes
+    no longer match its crc32c (a flipped bit) is refused, naming it, before anything is
+    written. (An uncompressed shard was read through its memory map, unchecked: the damage was
+    written again under a fresh crc32c, and verify() found nothing any more.)"""
+    path = tmp_path / "s.zarr"
+    options = {"chunk_rows": 4, "shard_bytes": 4 * 4 * 4 * 2, "compression": compression}  # 8-row shards
+    rows = torch.randn(12, 4)
+    with StoreWriter(path, **options) as w:  # shard 1 holds rows 8-11, in one whole chunk
+        w.open_array("x", (4,), torch.float32, "sample").append(rows)
+        w.add_batch(12)
+    shard = path / "acts/x/c/1/0"
+    damaged = bytearray(shard.read_bytes())
+    damaged[5] ^= 0x40
+    shard.write_bytes(bytes(damaged))
+    before = _listing(path)
+    found = open_store(path).verify()
+    assert len(found) == 1 and "crc32c mismatch" in found[0]
+    with pytest.raises(StoreCorruptError, match=r"chunk 2 \(rows 8-11.*acts/x/c/1/0.*crc32c mismatch"):
+        with StoreWriter(path, resume=True, **options) as w:
+            w.open_array("x", (4,), torch.float32, "sample").append(torch.zeros(4, 4))
+            w.add_batch(4)
+    assert {k: v for k, v in _listing(path).items() if k != LOCK_KEY} == \
+        {k: v for k, v in before.items() if k != LOCK_KEY}
+    assert open_store(path).verify() == found
