@@ -200,3 +200,31 @@ def test_a_resume_refuses_a_damaged_committed_chunk_of_the_shard_it_rewrites(tmp
     assert {k: v for k, v in _listing(path).items() if k != LOCK_KEY} == \
         {k: v for k, v in before.items() if k != LOCK_KEY}
     assert open_store(path).verify() == found
+
+
+def test_a_file_planted_at_the_next_shard_s_temporary_name_is_never_written_into(tmp_path):
+    """The shard writer's temporary names (``shard-<writer>-<shard>-<pid>.tmp``) are known once
+    one is seen: a hard link to a file elsewhere planted at the next one's name, before the
+    writer opens that shard, is not written into (the writer makes a file of its own there),
+    so the other file keeps its bytes and the store its rows."""
+    import re
+
+    path = tmp_path / "s.zarr"
+    w = StoreWriter(path, chunk_rows=4, shard_bytes=4 * 2 * 4 * 2, commit_interval=0)  # 8-row shards
+    a = w.open_array("x", (2,), torch.float32, "sample")
+    rows = torch.randn(24, 2)
+    a.append(rows[:4])  # shard 0 open, its temporary file made
+    w.add_batch(4)
+    w._core.drain()
+    names = [p.name for p in (path / "acts/x").iterdir() if re.fullmatch(r"shard-\d+-0-\d+\.tmp", p.name)]
+    assert len(names) == 1
+    victim = tmp_path / "notes.txt"
+    victim.write_bytes(b"precious\n")
+    for k in (1, 2):
+        os.link(victim, path / "acts/x" / names[0].replace("-0-", f"-{k}-", 1))
+    a.append(rows[4:])
+    w.add_batch(20)
+    w.close()
+    assert victim.read_bytes() == b"precious\n"
+    s = open_store(path)
+    assert torch.equal(s["x"], rows) and s.verify() == []
