@@ -750,7 +750,14 @@ void ArrayWriter::write_chunk(WorkItem& item) {
     const std::string tmp_name = c10::str("shard-", reinterpret_cast<uintptr_t>(this), "-", shard, "-",
                                           static_cast<long>(::getpid()), ".tmp");
     tmp_path_ = spec_.tmp_dir + "/" + tmp_name;
-    fd_ = ::openat(tmp_dir.fd, tmp_name.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0644);
+    // a file of its own (O_EXCL): never one already at that name (the names are known once one
+    // is seen: a hard link to a file elsewhere planted there would be truncated and written into);
+    // one found there (a planted one, or left by a killed process of the same pid) loses its name
+    const int flags = O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW;
+    fd_ = ::openat(tmp_dir.fd, tmp_name.c_str(), flags, 0644);
+    if (fd_ < 0 && errno == EEXIST && ::unlinkat(tmp_dir.fd, tmp_name.c_str(), 0) == 0) {
+      fd_ = ::openat(tmp_dir.fd, tmp_name.c_str(), flags, 0644);
+    }
     if (fd_ < 0) {
       if (errno == ELOOP) not_a_folder(tmp_path_);
       io_fail("creating shard", tmp_path_, errno);

@@ -217,7 +217,7 @@ class LocalBackend:
                         continue
                     key = os.path.relpath(p, self.root).replace(os.sep, "/")
                     try:
-                        self._check_inside(Path(p).parent, key)
+                        self._check_inside(Path(p).parent, key, cached=False)
                         os.unlink(p)  # a link is removed, never followed
                     except FileNotFoundError:
                         continue
@@ -246,8 +246,8 @@ class LocalBackend:
                 if key in self._spare:
                     continue
             tmp = self._temp_name(self.root / key)
-            try:
-                self._make_parent(tmp, key)
+            try:  # (in a folder that exists: a store folder moved or removed meanwhile is never made again)
+                self._check_inside(tmp.parent, key, cached=False)
                 os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
             except OSError:
                 continue  # set() makes its own
@@ -266,7 +266,11 @@ class LocalBackend:
             self._spare_thread = None
         with self._spare_lock:
             spare, self._spare = self._spare, {}
-        for tmp in spare.values():
+        for key, tmp in spare.items():
+            try:
+                self._check_inside(tmp.parent, key, cached=False)  # (never through a folder swapped for a link)
+            except StoreError:
+                continue
             _unlink_quietly(tmp)
 
     def __repr__(self) -> str:
@@ -283,7 +287,7 @@ class LocalBackend:
                 self.__dict__["_root_real_cached"] = real
         return real
 
-    def _check_inside(self, p: Path, key: str) -> None:
+    def _check_inside(self, p: Path, key: str, cached: bool = True) -> None:
         """Refuse a path whose real location (symlinks resolved) is outside the store.
 
         Walks the components below the store's root with ``lstat``, remembering the folders
@@ -291,14 +295,16 @@ class LocalBackend:
         files share most of their folders, and resolving every component of every path
         again (``os.path.realpath``) was most of the cost of opening a layer. A component that
         is a symlink has the whole path resolved and checked; a missing one ends the walk
-        (nothing below it to follow)."""
+        (nothing below it to follow). Without ``cached`` (every write: a folder found real
+        before may have been swapped for a link since, e.g. ``rows/`` during a capture) each
+        component is looked at again."""
         sp, rootp = str(p), str(self.root)
         if sp == rootp:
             return
         if not sp.startswith(rootp + os.sep):
             self._check_resolved(sp, key)
             return
-        known = self.__dict__.setdefault("_dirs_inside", set())
+        known = self.__dict__.setdefault("_dirs_inside", set()) if cached else set()
         prefix = rootp
         for part in sp[len(rootp) + 1:].split(os.sep):
             prefix = prefix + os.sep + part
@@ -331,12 +337,13 @@ class LocalBackend:
         q = p.parent
         while not q.exists() and q != q.parent:
             q = q.parent
-        self._check_inside(q, key)
+        self._check_inside(q, key, cached=False)
         p.parent.mkdir(parents=True, exist_ok=True)
-        self._check_inside(p.parent, key)
+        self._check_inside(p.parent, key, cached=False)
 
-    def path(self, key: str) -> Path:
-        """The local path of a key: checked to be inside the store (symlinks resolved)."""
+    def path(self, key: str, write: bool = False) -> Path:
+        """The local path of a key: checked to be inside the store (symlinks resolved; with
+        ``write``, every folder on the way looked at again, see :meth:`_check_inside`)."""
         made = self.__dict__.setdefault("_key_paths", {})  # key -> Path: the key's own checks are pure
         p = made.get(key)
         if p is None:
@@ -345,7 +352,7 @@ class LocalBackend:
             if len(made) >= 65536:
                 made.clear()
             made[key] = p
-        self._check_inside(p, key)  # every time: the file system may have changed
+        self._check_inside(p, key, cached=not write)  # every time: the file system may have changed
         return p
 
     def _open_regular(self, key: str) -> tuple[int, int] | None:
@@ -391,19 +398,28 @@ class LocalBackend:
         p = self.root / key
         with self._spare_lock:
             tmp = self._spare.pop(key, None)
-        if tmp is None:
+        fd = -1
+        if tmp is not None:
+            self._check_inside(p.parent, key, cached=False)
+            fd = _open_spare(tmp)
+        if fd < 0:
             self._make_parent(p, key)
             tmp = self._temp_name(p)
-        else:
-            self._check_inside(p.parent, key)
         try:
-            with open(tmp, "wb") as f:
+            if fd < 0:  # a new name, made here (never a file or link someone put there)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+            with os.fdopen(fd, "wb") as f:
+                fd = -1
                 f.write(data)
                 if self.fsync:
                     f.flush()
                     os.fsync(f.fileno())
+                written = os.fstat(f.fileno())
             os.replace(tmp, p)
+            now = os.lstat(p)
         except OSError as e:
+            if fd >= 0:
+                os.close(fd)
             try:
                 tmp.unlink()
             except OSError:
@@ -413,6 +429,11 @@ class LocalBackend:
                               fix=f"move the folder at {str(p)!r} away (the store writes that file there), then try "
                                   "again (a capture: resume=True continues from its committed rows)") from e
             raise StoreError(f"writing {str(p)!r} failed: {e.strerror or e}") from e
+        if (now.st_dev, now.st_ino) != (written.st_dev, written.st_ino):
+            raise corrupt(self, f"{key!r}: its temporary file {tmp.name!r} was replaced by another process while it "
+                                "was written, so what was renamed over the key is not what was written",
+                          fix="make sure no other process writes in the store's folder, then try again (a capture: "
+                              "resume=True continues from its committed rows)")
         if self.fsync:
             fsync_dir(p.parent)
 
@@ -440,7 +461,7 @@ class LocalBackend:
         p = self.root / key
         if not p.parent.exists():
             return
-        self._check_inside(p.parent, key)  # the key itself may be a link: unlink removes the link only
+        self._check_inside(p.parent, key, cached=False)  # the key itself may be a link: unlink removes the link only
         try:
             p.unlink()
         except FileNotFoundError:
@@ -582,6 +603,25 @@ def safe_local_store(backend: "LocalBackend", *, read_only: bool = True) -> Any:
     else raises :class:`StoreCorruptError` naming the key. Picklable (dask workers).
     """
     return _safe_local_store_class()(backend.root, read_only=read_only)
+
+
+def _open_spare(tmp: Path) -> int:
+    """The spare temporary file ``tmp`` (made empty ahead of time by :meth:`LocalBackend.reserve`)
+    opened for writing, or -1 when what is at its name is no longer it: anything but a regular
+    file of one name (a link or a file another process swapped in, a hard link to a file
+    elsewhere) is never written through; its name is removed (a link: the link only)."""
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        _unlink_quietly(tmp)
+        return -1
+    st = os.fstat(fd)
+    if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_size == 0:
+        return fd
+    os.close(fd)
+    _unlink_quietly(tmp)
+    return -1
+
 
 def _unlink_quietly(path: Path) -> None:
     try:
@@ -751,6 +791,26 @@ class FsspecBackend(ZarrBackend):
         self._conditional = bool(names & {"S3FileSystem", "MemoryFileSystem"})
         self.capabilities = Capabilities(atomic_write=True, atomic_rename=False,
                                          conditional_write=self._conditional, mmap=False)
+        self.forget_listings()
+
+    def forget_listings(self) -> None:
+        """Drop the listings of this store's folders that the file system cached (s3fs and
+        others keep one file system object per process, options alike, and answer whether a
+        key exists from a listing made earlier): files another process wrote since, e.g. a
+        resume's documents, shards and row-table parts, would read as missing. Called when a
+        backend is made (a store opened, a writer started) and by ``Store.refresh``."""
+        fs = getattr(self.store, "fs", None)
+        for f in {id(x): x for x in (fs, getattr(fs, "sync_fs", None)) if x is not None}.values():
+            cache = getattr(f, "dircache", None)
+            if not cache:
+                continue
+            try:
+                root = f._strip_protocol(self.store.path).rstrip("/")
+                for key in [k for k in list(cache) if k == root or str(k).startswith(root + "/")]:
+                    cache.pop(key, None)
+                f.invalidate_cache(root)  # (and its parents' listings, which name it)
+            except Exception:  # noqa: BLE001 - a cache it cannot drop: reads as before
+                pass
 
     def set_if_absent(self, key: str, data: bytes) -> bool:
         check_key(key, store=self, what="key")

@@ -120,10 +120,18 @@ class WriterLock:
             kind = "a directory" if isinstance(e, IsADirectoryError) else "a symbolic link"
             raise corrupt(self.backend, f"the writer lock {LOCK_KEY!r} must be a regular file, got {kind}",
                           fix=f"delete what is at {str(path)!r}") from None
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
             os.close(fd)
             raise corrupt(self.backend, f"the writer lock {LOCK_KEY!r} must be a regular file, got another kind "
                                         "of file", fix=f"delete what is at {str(path)!r}")
+        if st.st_nlink != 1:  # the writer truncates and writes it: never another name's file
+            os.close(fd)
+            raise corrupt(self.backend, f"the writer lock {LOCK_KEY!r} must be a file of its own, got a file with "
+                                        f"{st.st_nlink} names (a hard link: another name elsewhere, maybe outside the "
+                                        "store, that a writer would truncate; a store copied with `cp -al` shares "
+                                        "it)", fix=f"delete {str(path)!r} (it holds no data; the writer makes a new "
+                                                   "one)")
         return fd, False
 
     def _acquire_local(self) -> None:
@@ -180,6 +188,40 @@ class WriterLock:
                 continue
             raise self._locked_error(raw, f"; if that writer is gone, delete {str(b).rstrip('/')}/{LOCK_KEY}")
         raise self._locked_error(None)
+
+    def lost(self) -> str | None:
+        """Why this writer no longer holds the store at its path, or None while it does.
+
+        A local store: the lock file at the store's path is not the file this writer locked
+        (one ``stat`` and one ``fstat``): the store's folder was moved, removed or replaced
+        since (e.g. ``rm -rf`` and another capture made a new store there), or the lock file
+        deleted, which lets another writer take the store. An object store: the marker is not
+        this writer's (deleted by hand while this writer was alive, and maybe taken by
+        another writer). Nothing once the lock was released."""
+        if not self._held or os.getpid() != self._pid:
+            return None
+        if self._fd is not None:
+            path = self.backend.root / LOCK_KEY
+            try:
+                now = os.stat(path, follow_symlinks=False)
+            except OSError:
+                return f"its writer lock {str(path)!r} is gone"
+            mine = os.fstat(self._fd)
+            if (now.st_dev, now.st_ino) != (mine.st_dev, mine.st_ino):
+                return f"its writer lock {str(path)!r} is not the file this writer locked any more"
+            return None
+        try:
+            raw = self.backend.get(LOCK_KEY, max_bytes=4096)
+        except Exception as e:  # noqa: BLE001 - unreadable: not known to be ours
+            return f"its writer lock marker {LOCK_KEY!r} cannot be read ({e})"
+        try:
+            token = json.loads(raw or b"").get("token") if raw else None
+        except (ValueError, AttributeError):
+            token = None
+        if token != self.token:
+            held = "gone" if raw is None else f"now held by {_holder_text(raw)}"
+            return f"its writer lock marker {LOCK_KEY!r} is {held}"
+        return None
 
     def release(self) -> None:
         """Give the lock back (nothing when not held, or in a process forked after it was

@@ -845,6 +845,7 @@ class StoreWriter:
         self._closed = True  # until the end of __init__: __del__ and close() do nothing
         # one writer at a time: the lock is held from here to close() / abort()
         self._writer_lock = WriterLock(self._backend).acquire()
+        self._lost: str | None = None  # why the store at the path is no longer this writer's (_check_still_held)
         self._aside: Path | None = None  # overwrite: the old store, until the new one commits
         self.put_back = False  # overwrite: the old store was put back (the new one committed nothing)
         try:
@@ -1331,6 +1332,32 @@ class StoreWriter:
                 f"the writer writes the array's shards{f' ({len(found)} such entries)' if len(found) > 1 else ''}; "
                 f"{why}: {fix}, then resume again{done}")
 
+    def _store_lost(self) -> str | None:
+        """Why the store at this writer's path is no longer the one it locked (its folder
+        moved, removed or replaced, or its lock deleted), remembered once found; None while
+        it is. Nothing more may be written there: it may be another writer's store."""
+        if self._lost is None:
+            self._lost = self._writer_lock.lost()
+        return self._lost
+
+    def _check_still_held(self) -> None:
+        """Raise :class:`StoreError` when the store at this writer's path is no longer the
+        one it locked (see :meth:`_store_lost`), before anything is written there."""
+        why = self._store_lost()
+        if why is None:
+            return
+        where = str(self._backend)
+        if isinstance(self._backend, LocalBackend):
+            raise StoreError(
+                f"store {where!r} was moved, removed or replaced while this writer wrote it ({why}); nothing more is "
+                f"written at {where!r}, so whatever is there now stays as it is. The rows this writer committed are "
+                "in the store's folder wherever it went (moved: resume=True there continues them); write one store "
+                "from one capture at a time, and move or delete a store only once its capture has ended")
+        raise StoreError(
+            f"store {where!r}: {why}, while this writer held it (deleted by hand, and maybe taken by another "
+            "writer); this writer writes nothing more there, so another writer's rows stay as they are. Rows "
+            "committed before stay readable; resume=True continues once no other writer holds the store")
+
     def _raise_if_failed(self) -> None:
         if self._core.failed:
             raise StoreError(
@@ -1454,7 +1481,9 @@ class StoreWriter:
                 if committed > start:  # re-feed the committed rows of the partial last shard
                     from .reader import Store
 
-                    st = Store(self._backend)
+                    # every chunk it writes again checked against its crc32c first (a memory map is
+                    # not: a damaged one would be committed again under a fresh crc32c)
+                    st = Store(self._backend, verify=True)
                     st._resume_tail = True  # a resume killed before its commit rewrote that chunk (FORMAT.md section 5)
                     # read first: a missing or damaged shard is named as such (by the reader's checks)
                     rows = st._read_rows(hook_point, start, committed, copy=True)
@@ -1871,6 +1900,7 @@ class StoreWriter:
     # ------------------------------------------------------------------ commit
     def _commit(self, status: str, force: bool = False) -> bool:
         b = self._backend
+        self._check_still_held()  # (its folder replaced: every write below would land in another store)
         # 1. data: shards made durable by the writer thread (remote: upload them first)
         for a in self._arrays.values():
             if not a.recorded:  # its shards are taken once a batch records it; the close removes them
@@ -1922,19 +1952,34 @@ class StoreWriter:
         for a in self._arrays.values():
             if a.held_ready:
                 self._install_held_shard(a)
-        batches, self._pending = self._pending[:k], self._pending[k:]
+        batches = self._pending[:k]
+        # 2. row-table parts. A part that fails leaves the tables and the pending batches as they
+        # were (a later commit writes them again): the arrays' rows of those batches, in the
+        # shards, stay next to their row-table rows
+        before = {kind: (len(t.get("parts", [])), t.get("n_rows", 0), len(t.get("columns", [])))
+                  for kind, t in self._row_tables.items()}
+        try:
+            for kind in ROW_KINDS:
+                pieces = _row_pieces(batches, kind)
+                table = self._row_tables.get(kind) or {}
+                if not pieces and not table.get("parts"):
+                    # batches of no rows so far: the user columns they named (with their types) are
+                    # kept in one part of 0 rows, so that a store of no rows still has them
+                    pieces = [p for p in _row_pieces(batches, kind, keep_empty=True)
+                              if set(p) - set(table.get("columns") or ()) - {"sample_id", "pos", "batch"}]
+                if pieces:
+                    self._write_part(kind, pieces)
+        except BaseException:
+            for kind, (n_parts, n_rows, n_columns) in before.items():
+                t = self._row_tables[kind]
+                for key in t.get("parts", [])[n_parts:]:
+                    t.get("crc32c", {}).pop(key, None)
+                del t.setdefault("parts", [])[n_parts:]
+                del t.setdefault("columns", [])[n_columns:]
+                t["n_rows"] = n_rows
+            raise
+        self._pending = self._pending[k:]
         self._pending_samples -= sum(x.n_samples for x in batches)
-        # 2. row-table parts
-        for kind in ROW_KINDS:
-            pieces = _row_pieces(batches, kind)
-            table = self._row_tables.get(kind) or {}
-            if not pieces and not table.get("parts"):
-                # batches of no rows so far: the user columns they named (with their types) are
-                # kept in one part of 0 rows, so that a store of no rows still has them
-                pieces = [p for p in _row_pieces(batches, kind, keep_empty=True)
-                          if set(p) - set(table.get("columns") or ()) - {"sample_id", "pos", "batch"}]
-            if pieces:
-                self._write_part(kind, pieces)
         for x in batches:
             for a, cum in zip(self._order, x.cums):
                 a.committed_rows = max(a.committed_rows, cum)
@@ -2194,6 +2239,7 @@ class StoreWriter:
         """
         self._refuse_other_process("reductions stored")
         with self._lock:
+            self._check_still_held()
             result = reduction.result()
             for key, value in result.items():  # checked before anything of it is written
                 what = _unstorable(value)
@@ -2287,10 +2333,10 @@ class StoreWriter:
         for key in committed_reduction_files(self._old_reductions.get(hook_point) or {}, name):
             if key in self._kept_reductions:
                 continue  # (kept by an earlier write of this run: the committed bytes already)
-            path = self._backend.path(key)
+            path = self._backend.path(key, write=True)
             if not path.is_file():
                 continue
-            keep = self._backend.path(F.kept_reduction_key(key))
+            keep = self._backend.path(F.kept_reduction_key(key), write=True)
             try:
                 _link_or_copy(path, keep)
             except OSError as e:
@@ -2309,7 +2355,7 @@ class StoreWriter:
             key, keep = self._kept_reductions.popitem()
             try:
                 if restore:
-                    target = self._backend.path(key)
+                    target = self._backend.path(key, write=True)
                     target.parent.mkdir(parents=True, exist_ok=True)  # (its array's folder may be gone)
                     os.replace(keep, target)
                 else:
@@ -2466,9 +2512,9 @@ class StoreWriter:
                 if keep in back:
                     target = b.root / back[keep]
                     b._make_parent(target, back[keep])  # (checked inside the store; its array's folder may be gone)
-                    os.replace(b.path(keep), target)  # (over a FIFO or a link: replaces it, never follows it)
+                    os.replace(b.path(keep, write=True), target)  # (over a FIFO or a link: replaces it, never follows it)
                 else:
-                    os.unlink(b.path(keep))
+                    os.unlink(b.path(keep, write=True))
             except (OSError, StoreError) as e:
                 raise StoreError(f"cannot resume {str(b)!r}: settling the kept reduction file {keep!r} failed: "
                                  f"{getattr(e, 'strerror', None) or e}; fix permissions in the store's folder, then "
@@ -2761,6 +2807,7 @@ class StoreWriter:
             empty: list[Path] = []
             try:
                 self._stop_threads()
+                self._check_still_held()  # (the store there now is not the one found: left as it is)
                 self._drop_kept_reductions(restore=True)
                 self._backend.set("zarr.json", self._found_root)
                 empty = self._put_back_found_files()
@@ -2788,7 +2835,7 @@ class StoreWriter:
             Whether the store was removed. Never raises (a failure is warned about).
         """
         if not self._closed or not getattr(self, "_made_new", False) or self.n_samples_committed \
-                or self._other_process():
+                or self._other_process() or self._lost is not None:
             return False
         from ._remove import remove_if_empty
 
@@ -2816,7 +2863,14 @@ class StoreWriter:
     def _cleanup(self, walk: bool = True, remove_if_empty: list[Path] = ()) -> None:
         """Release the writer's resources and the lock; with ``walk``, remove any temporary
         file left in the store's folders (after a failure or an abort); then the folders
-        ``remove_if_empty`` (local, inside the store) and their subfolders that hold no file."""
+        ``remove_if_empty`` (local, inside the store) and their subfolders that hold no file.
+        A writer whose store is no longer at its path (:meth:`_store_lost`) touches no file
+        there: it releases its resources and lock only."""
+        if self._store_lost() is not None:  # (its kept and held files are where the store went: left there)
+            walk, remove_if_empty = False, ()
+            for a in self._arrays.values():
+                a.held_shard, a.held_ready = -1, False
+            self._kept_shards, self._kept_reductions = [], {}
         self._drop_held_shards()
         # a kept committed file still here: no root lists its shard's rewrite (a close or abort
         # that failed after renaming it over the key): the committed file goes back, unless the

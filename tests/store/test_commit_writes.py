@@ -188,3 +188,48 @@ def test_a_folder_where_a_commit_writes_a_document_is_named_with_the_fix(tmp_pat
     for hp, rows in data.items():
         assert torch.equal(store[hp], rows), hp
     assert cli_main(["verify", str(path)]) == 0
+
+
+@pytest.mark.parametrize("fails", ["sample", "token"])
+def test_a_commit_whose_row_table_part_fails_keeps_its_forwards_for_the_next_commit(tmp_path, monkeypatch, fails):
+    """A row-table part that cannot be written (a transient I/O error; here the token part,
+    after the sample part was written, or the sample part) fails the commit, and the writer
+    keeps its forwards and its tables as they were: a caller who catches the error and goes on
+    gets every forward committed by a later commit, each array row with its row-table row
+    (the forward was dropped from the tables but not from the arrays, so every later row of
+    the arrays sat next to another sample's row)."""
+    path = tmp_path / "s.zarr"
+    w = W.StoreWriter(path, chunk_rows=1, shard_bytes=8, commit_interval=0)
+    sample = w.open_array("x", (2,), torch.float32, "sample")
+    token = w.open_array("t", (2,), torch.float32, "token")
+    mask = torch.tensor([[True, True], [True, False]])
+
+    def forward(i):
+        sample.append(torch.full((2, 2), float(i)))
+        token.append(torch.full((3, 2), float(i)))
+        w.add_batch(2, [2 * i, 2 * i + 1], mask)
+        w._core.drain()
+
+    forward(0)
+    w.commit()
+    forward(1)
+    set_ = LocalBackend.set
+
+    def failing(self, key, data):
+        if key.startswith(f"rows/{fails}/"):
+            raise StoreError(f"writing {key!r} failed: Input/output error")
+        return set_(self, key, data)
+
+    monkeypatch.setattr(LocalBackend, "set", failing)
+    with pytest.raises(StoreError, match="Input/output error"):
+        w.commit()
+    monkeypatch.setattr(LocalBackend, "set", set_)
+    forward(2)
+    w.commit()
+    w.close()
+    s = acs.open_store(path)
+    assert s.verify() == [] and s.n_samples == 6
+    assert s["x"][:, 0].tolist() == [0, 0, 1, 1, 2, 2]
+    assert s.row_table("sample").column("sample_id").to_pylist() == [0, 1, 2, 3, 4, 5]
+    assert s["t"][:, 0].tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert s.row_table("token").column("sample_id").to_pylist() == [0, 0, 1, 2, 2, 3, 4, 4, 5]

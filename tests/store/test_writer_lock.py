@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -361,3 +362,78 @@ def _read_only_store_checks(tmp_path: Path) -> None:
         assert "cannot open the writer lock" in msg and "Permission denied" in msg
         assert "read-only to this process" in msg and "copy_store" in msg
     assert _listing(path) == before
+
+
+@pytest.mark.parametrize("how", ["moved", "removed"])
+def test_a_writer_whose_store_folder_was_replaced_writes_nothing_into_the_new_one(tmp_path, how):
+    """The store folder moved away (or deleted) while a writer writes it, and another writer
+    makes a new store at the path: the first one's next commit, close and abort write nothing
+    there (its commits went to a folder that is no longer at its path; writing its root over
+    the new store's would take that store's rows away). The new store stays whole, and a moved
+    one keeps every row its writer committed."""
+    path = tmp_path / "s.zarr"
+    a = StoreWriter(path, chunk_rows=4, shard_bytes=4 * 8 * 4 * 2, commit_interval=0)
+    arr = a.open_array("x", (8,), torch.float32, "sample")
+    for i in range(4):
+        arr.append(torch.full((5, 8), float(i)))
+        a.add_batch(5, list(range(i * 5, i * 5 + 5)))
+        a._core.drain()
+        a.commit()
+    committed = open_store(path).n_samples
+    assert committed > 0
+    arr.append(torch.full((5, 8), 4.0))
+    a.add_batch(5, list(range(20, 25)))
+    a._core.drain()
+    deadline = time.monotonic() + 10  # (the spare files of its next commit made, in the folder it wrote)
+    while not {"zarr.json", "acts/x/manifest.json"} <= set(a._backend._spare) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    if how == "moved":
+        os.rename(path, tmp_path / "old.zarr")
+    else:  # (renamed first: the writer's background thread may be making a spare file in it)
+        import shutil
+
+        os.rename(path, tmp_path / "trash")
+        shutil.rmtree(tmp_path / "trash")
+    with StoreWriter(path) as b:
+        _write_rows(b, torch.full((3, 2), 9.0))
+    new = _listing(path)
+    with pytest.raises(StoreError, match=r"s\.zarr.*(moved|removed|replaced).*nothing"):
+        a.commit()
+    with pytest.raises(StoreError, match=r"s\.zarr.*(moved|removed|replaced)"):
+        a.close()
+    a.abort()
+    assert _listing(path) == new
+    s = open_store(path)
+    assert s.hook_points == ["x"] and torch.equal(s["x"], torch.full((3, 2), 9.0)) and s.verify() == []
+    if how == "moved":
+        old = open_store(tmp_path / "old.zarr")
+        assert old.n_samples == committed and old.verify() == []
+        assert torch.equal(old["x"], torch.cat([torch.full((5, 8), float(i)) for i in range(4)])[:committed])
+
+
+def test_a_writer_whose_object_store_marker_was_taken_writes_nothing_more(tmp_path):
+    """On object storage the marker of a writer still alive deleted by hand (as the refusal of
+    a second writer tells to do for a writer that is gone) and taken by a second writer: the
+    first one's next commit and close write nothing, so the second one's store stays whole."""
+    url = "memory://acs-lock-taken/run.zarr"
+    a = StoreWriter(url, commit_interval=0, chunk_rows=4, shard_bytes=4 * 2 * 4)
+    arr = a.open_array("x", (2,), torch.float32, "sample")
+    arr.append(torch.ones(4, 2))
+    a.add_batch(4)
+    a._core.drain()
+    a.commit()
+    assert open_store(url).n_samples == 4
+    resolve_backend = __import__("activationscope.store._backend", fromlist=["resolve"]).resolve
+    resolve_backend(url).delete(LOCK_KEY)
+    b = StoreWriter(url, resume=True)
+    _write_rows(b, torch.full((3, 2), 9.0))
+    b.close()
+    arr.append(torch.zeros(5, 2))
+    a.add_batch(5)
+    with pytest.raises(StoreError, match=rf"{LOCK_KEY}.*(gone|held by pid {os.getpid()}).*writes nothing more"):
+        a.commit()
+    with pytest.raises(StoreError, match="writes nothing more"):
+        a.close()
+    s = open_store(url)
+    assert s.n_samples == 7 and torch.equal(s["x"], torch.cat([torch.ones(4, 2), torch.full((3, 2), 9.0)]))
+    assert s.status == "complete" and s.verify() == []

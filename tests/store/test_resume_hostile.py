@@ -1,0 +1,230 @@
+"""A store's files swapped, linked or replaced by another process while a writer (a new
+capture or a resume) writes it: the writer never writes through a link or into a file that
+has another name elsewhere, and the store keeps every committed row."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from activationscope.errors import StoreCorruptError
+from activationscope.store import StoreWriter, open_store
+from activationscope.store._backend import LOCK_KEY
+
+
+def _store(path: Path, rows: torch.Tensor) -> None:
+    with StoreWriter(path) as w:
+        a = w.open_array("x", (rows.shape[1],), rows.dtype, "sample")
+        a.append(rows)
+        w.add_batch(rows.shape[0])
+
+
+def _wait_for_spares(w: StoreWriter, keys: set[str]) -> None:
+    """Until the writer's background thread has made the spare temporary files of ``keys``
+    (the documents its last commit wrote, made for the next one)."""
+    import time
+
+    deadline = time.monotonic() + 10
+    while not keys <= set(w._backend._spare) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert keys <= set(w._backend._spare)
+
+
+def test_a_writer_lock_hard_linked_to_another_file_is_refused_and_that_file_left_as_it_is(tmp_path):
+    """The lock file is truncated and written by the writer that takes it: a lock that is a
+    hard link of a file outside the store (planted, or a store copied with ``cp -al``) is
+    refused before it is written, naming it and the fix, and the other file keeps its bytes."""
+    path = tmp_path / "s.zarr"
+    rows = torch.randn(6, 3)
+    _store(path, rows)
+    victim = tmp_path / "notes.txt"
+    victim.write_bytes(b"precious\n")
+    (path / LOCK_KEY).unlink()
+    os.link(victim, path / LOCK_KEY)
+    with pytest.raises(StoreCorruptError, match=rf"{LOCK_KEY}.*2 names.*delete .*{LOCK_KEY}"):
+        StoreWriter(path, resume=True)
+    assert victim.read_bytes() == b"precious\n"
+    s = open_store(path)
+    assert torch.equal(s["x"], rows) and s.verify() == []
+    (path / LOCK_KEY).unlink()  # the fix the error names
+    w = StoreWriter(path, resume=True)
+    w.close()
+    assert victim.read_bytes() == b"precious\n" and open_store(path).verify() == []
+
+
+@pytest.mark.parametrize("how", ["symlink", "hardlink"])
+def test_a_spare_document_file_swapped_for_a_link_is_never_written_through(tmp_path, how):
+    """A commit writes each document into a spare temporary file made ahead of time (then
+    renames it over the key): one swapped meanwhile for a link to a file outside the store
+    (by another process) is not written through; the document is written into a new file,
+    the outside file keeps its bytes, and the store's documents are regular files."""
+    path = tmp_path / "s.zarr"
+    w = StoreWriter(path, chunk_rows=1, shard_bytes=8, commit_interval=0)
+    a = w.open_array("x", (2,), torch.float32, "sample")
+    a.append(torch.ones(3, 2))
+    w.add_batch(3)
+    w._core.drain()
+    w.commit()
+    _wait_for_spares(w, {"zarr.json", "acts/x/zarr.json", "acts/x/manifest.json"})
+    spares = list(w._backend._spare.values())
+    victim = tmp_path / "notes.txt"
+    victim.write_bytes(b"precious\n")
+    for spare in spares:
+        spare.unlink()
+        (os.symlink if how == "symlink" else os.link)(victim, spare)
+    a.append(torch.full((2, 2), 2.0))
+    w.add_batch(2)
+    w._core.drain()
+    w.commit()
+    w.close()
+    assert victim.read_bytes() == b"precious\n"
+    for key in ("zarr.json", "acts/x/zarr.json", "acts/x/manifest.json"):
+        assert not (path / key).is_symlink() and (path / key).stat().st_nlink == 1, key
+    assert not [p for p in path.rglob("*.tmp")]
+    s = open_store(path)
+    assert s.verify() == [] and torch.equal(s["x"], torch.cat([torch.ones(3, 2), torch.full((2, 2), 2.0)]))
+
+
+def _listing(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+class _Const:
+    kind = "custom"
+
+    def __init__(self, value: float) -> None:
+        self.value = value
+
+    def result(self) -> dict:
+        return {"m": torch.full((2,), self.value)}
+
+
+@pytest.mark.parametrize("folder", ["rows", "rows/sample", "reductions", "reductions/x", "acts/x"])
+def test_a_folder_swapped_for_a_link_leaving_the_store_mid_capture_is_never_written_through(tmp_path, folder):
+    """Another process moves one of the store's folders outside it and leaves a symbolic link in
+    its place after the writer has written there: the writer's next commit, stored reduction
+    and close write nothing through the link (each refuses, naming the key), so the files
+    outside keep their bytes."""
+    import shutil
+
+    from activationscope.errors import StoreError
+
+    path = tmp_path / "s.zarr"
+    w = StoreWriter(path, chunk_rows=1, shard_bytes=8, commit_interval=0)
+    a = w.open_array("x", (2,), torch.float32, "sample")
+    for i in range(2):
+        a.append(torch.full((3, 2), float(i)))
+        w.add_batch(3)
+        w._core.drain()
+        w.commit()
+    w.add_reductions("x", "m", _Const(1.0))
+    _wait_for_spares(w, {"zarr.json", "acts/x/zarr.json", "acts/x/manifest.json"})
+    outside = tmp_path / "outside"
+    shutil.copytree(path / folder, outside, symlinks=True)
+    shutil.rmtree(path / folder)
+    os.symlink(outside, path / folder)
+    before = _listing(outside)
+    raised = []
+
+    def more_rows():
+        a.append(torch.full((3, 2), 2.0))
+        w.add_batch(3)
+        w._core.drain()
+
+    for step in (more_rows, w.commit, lambda: w.add_reductions("x", "m", _Const(2.0)), w.close):
+        try:
+            step()
+        except StoreError as e:
+            raised.append(str(e))
+    assert raised and all("outside the store" in e or "symbolic link" in e for e in raised), raised
+    assert _listing(outside) == before
+
+
+def test_an_s3_store_written_by_another_process_since_it_was_last_opened_reopens_as_it_is_now(s3):
+    """fsspec's S3 file system is one object per process (same options) and caches the
+    listings it made: a store opened (and verified) once, then resumed by another process,
+    reopened in the first one read its new documents and shards as missing. Opening a store,
+    and refreshing it, sees what is there now. (The other process is a writer with a file
+    system object of its own.)"""
+    url = "s3://acs-bucket/listed-before-a-resume.zarr"
+    other = {**s3, "skip_instance_cache": True}
+    rows = torch.randn(16, 2)
+
+    def write(part, resume):
+        with StoreWriter(url, resume=resume, chunk_rows=4, shard_bytes=4 * 2 * 4, storage_options=other) as w:
+            a = w.open_array("x", (2,), torch.float32, "sample")
+            a.append(part)
+            w.add_batch(part.shape[0])
+
+    with StoreWriter(url, storage_options=other) as w:  # a new store, listed before it has an array
+        w.add_batch(0)
+    first = open_store(url, storage_options=s3)
+    assert first.verify() == [] and first.n_samples == 0
+    write(rows[:6], resume=True)
+    store = open_store(url, storage_options=s3)
+    assert store.n_samples == 6 and store.verify() == [] and torch.equal(store["x"], rows[:6])
+    write(rows[6:], resume=True)
+    store.refresh()
+    assert store.n_samples == 16 and store.verify() == [] and torch.equal(store["x"], rows)
+    again = open_store(url, storage_options=s3)
+    assert again.verify() == [] and torch.equal(again["x"], rows)
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_a_resume_refuses_a_damaged_committed_chunk_of_the_shard_it_rewrites(tmp_path, compression):
+    """A resume re-reads the committed rows of the partial last shard and writes them again,
+    with new crc32c records, into its rewrite of that shard: a committed chunk there whose bytes
+    no longer match its crc32c (a flipped bit) is refused, naming it, before anything is
+    written. (An uncompressed shard was read through its memory map, unchecked: the damage was
+    written again under a fresh crc32c, and verify() found nothing any more.)"""
+    path = tmp_path / "s.zarr"
+    options = {"chunk_rows": 4, "shard_bytes": 4 * 4 * 4 * 2, "compression": compression}  # 8-row shards
+    rows = torch.randn(12, 4)
+    with StoreWriter(path, **options) as w:  # shard 1 holds rows 8-11, in one whole chunk
+        w.open_array("x", (4,), torch.float32, "sample").append(rows)
+        w.add_batch(12)
+    shard = path / "acts/x/c/1/0"
+    damaged = bytearray(shard.read_bytes())
+    damaged[5] ^= 0x40
+    shard.write_bytes(bytes(damaged))
+    before = _listing(path)
+    found = open_store(path).verify()
+    assert len(found) == 1 and "crc32c mismatch" in found[0]
+    with pytest.raises(StoreCorruptError, match=r"chunk 2 \(rows 8-11.*acts/x/c/1/0.*crc32c mismatch"):
+        with StoreWriter(path, resume=True, **options) as w:
+            w.open_array("x", (4,), torch.float32, "sample").append(torch.zeros(4, 4))
+            w.add_batch(4)
+    assert {k: v for k, v in _listing(path).items() if k != LOCK_KEY} == \
+        {k: v for k, v in before.items() if k != LOCK_KEY}
+    assert open_store(path).verify() == found
+
+
+def test_a_file_planted_at_the_next_shard_s_temporary_name_is_never_written_into(tmp_path):
+    """The shard writer's temporary names (``shard-<writer>-<shard>-<pid>.tmp``) are known once
+    one is seen: a hard link to a file elsewhere planted at the next one's name, before the
+    writer opens that shard, is not written into (the writer makes a file of its own there),
+    so the other file keeps its bytes and the store its rows."""
+    import re
+
+    path = tmp_path / "s.zarr"
+    w = StoreWriter(path, chunk_rows=4, shard_bytes=4 * 2 * 4 * 2, commit_interval=0)  # 8-row shards
+    a = w.open_array("x", (2,), torch.float32, "sample")
+    rows = torch.randn(24, 2)
+    a.append(rows[:4])  # shard 0 open, its temporary file made
+    w.add_batch(4)
+    w._core.drain()
+    names = [p.name for p in (path / "acts/x").iterdir() if re.fullmatch(r"shard-\d+-0-\d+\.tmp", p.name)]
+    assert len(names) == 1
+    victim = tmp_path / "notes.txt"
+    victim.write_bytes(b"precious\n")
+    for k in (1, 2):
+        os.link(victim, path / "acts/x" / names[0].replace("-0-", f"-{k}-", 1))
+    a.append(rows[4:])
+    w.add_batch(20)
+    w.close()
+    assert victim.read_bytes() == b"precious\n"
+    s = open_store(path)
+    assert torch.equal(s["x"], rows) and s.verify() == []
