@@ -90,6 +90,17 @@ def test_comma_list_with_an_unbalanced_bracket_is_refused(capsys, tmp_path, flag
     assert not out.exists()
 
 
+@pytest.mark.parametrize("flag", ["--include", "--exclude", "--sample-rows", "--token-rows"])
+@pytest.mark.parametrize("value", ["", " ", ",", " , "])
+def test_a_pattern_flag_without_a_pattern_is_refused(capsys, tmp_path, flag, value):
+    # an empty shell variable (--include "$LAYERS") gave no pattern, which tracked every module
+    out = tmp_path / "o.zarr"
+    code, _, err = run(capsys, "capture", "--model", "m:f", "--data", "d.npy", "--out", str(out), flag, value)
+    assert code == 1
+    _one_error_line(err, f"{flag} {value!r} holds no pattern", f"leave {flag} out")
+    assert not out.exists()
+
+
 def test_an_unbalanced_bracket_without_a_comma_stays_one_pattern():
     assert cli._patterns(["a[0", "b]"]) == ["a[0", "b]"]  # fnmatch reads an unpaired bracket literally
 
