@@ -653,9 +653,17 @@ class ActivationDataset(Dataset):
             table = self._row_table()
             missing = [c for c in self.columns if c not in table.column_names]
             if missing:
+                store = getattr(self.source, "store", None)
+                status = getattr(store, "status", None)
+                empty = ""
+                if table.num_rows == 0 and status not in (None, "complete"):
+                    # (set_batch's columns reach the row table with the first commit)
+                    empty = (f": the store is {status} with no committed row yet (a capture still running?), and "
+                             "columns given to set_batch appear with its first commit; call store.refresh() and "
+                             "make the dataset again once rows are committed")
                 raise ArgumentValueError(
                     f"columns {missing} are not in the {self.row_kind} row table of {self.source.describe()}; "
-                    f"it has {table.column_names}"
+                    f"it has {table.column_names}{empty}"
                 )
         clash = set(self.columns) & set(self.hook_points)
         if clash:
