@@ -1014,6 +1014,28 @@ def test_verify_ok_and_damaged(toy_store, capsys):
                     "restore the files named from an intact copy of the store, or capture it again"), last
 
 
+def test_verify_of_an_incomplete_store_says_what_it_checked(tmp_path, capsys):
+    # a store of a killed (or still running) capture: its committed rows are intact, and
+    # verify says that is all it holds rather than a bare "ok"
+    import activationscope as acs
+
+    m = torch.nn.Linear(4, 3)
+    path = tmp_path / "s.zarr"
+    with torch.no_grad(), pytest.raises(RuntimeError, match="stop"):
+        with acs.ActivationScope(store=str(path), store_options={"shard_bytes": 48}).track(m):
+            for _ in range(3):
+                m(torch.randn(4, 4))
+            raise RuntimeError("stop")
+    store = acs.open_store(str(path))
+    n = store.n_samples
+    assert store.status == "incomplete" and n > 0
+    code, stdout, err = run(capsys, "verify", str(path))
+    assert code == 0, err
+    assert stdout.strip() == f"{path}: ok"
+    assert f"activationscope verify: note: {path} is incomplete" in err and f"its {n} committed samples" in err
+    assert "--resume" in err
+
+
 def test_verify_missing_shard(toy_store, capsys):
     out, _ = toy_store
     for p in (out / "acts" / "2.output").rglob("*"):

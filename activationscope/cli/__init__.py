@@ -540,6 +540,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
                          "restore the files named from an intact copy of the store, or capture it again"),
               file=sys.stderr)
         return 1
+    if store.status != "complete":  # its committed rows were checked: say they are not all of the capture
+        print(f"{PROG} verify: note: {args.store} is {store.status} (its capture did not finish, or is running): "
+              f"its {store.n_samples} committed samples were checked; `activationscope capture --resume` (or "
+              "store_options={'resume': True}) continues a capture that stopped", file=sys.stderr)
     print(f"{args.store}: ok")
     return 0
 
