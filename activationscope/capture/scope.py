@@ -23,6 +23,7 @@ import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from . import _native, compiled
@@ -1154,7 +1155,7 @@ class Tracker:
 
         Parameters
         ----------
-        attention_mask : Tensor, (batch, pos), bool or 0/1 integers, any device, optional
+        attention_mask : Tensor or numpy array, (batch, pos), bool or 0/1 integers, any device, optional
             Real tokens. Hook points whose activation starts with ``(batch, pos)`` then
             store one row per real token (padding never enters the store or the
             reductions); other hook points store one row per sample.
@@ -1178,17 +1179,24 @@ class Tracker:
             ids, columns or mask rows that describe another number of samples than the
             forward's batch (the first dimension of its first input).
         TypeError
-            A float (or complex) attention mask; with a store, a column whose type differs
+            A float (or complex) attention mask, or one that is neither a tensor nor a numpy
+            array (a list: pass ``torch.as_tensor(mask)``); with a store, a column whose type differs
             from its type in earlier batches (``int64`` labels, then ``float``: a row-table
             column has one type), or a column that is not a sequence.
         """
         mask = None
         if attention_mask is not None:
-            if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
+            if isinstance(attention_mask, np.ndarray) and attention_mask.dtype.kind in "biu":
+                attention_mask = torch.from_numpy(np.ascontiguousarray(attention_mask))  # (return_tensors="np")
+            if not isinstance(attention_mask, torch.Tensor):
+                raise ArgumentTypeError(
+                    "attention_mask must be a torch.Tensor or numpy array (batch, pos), got "
+                    f"{type(attention_mask).__name__}"
+                    + (f" of dtype {attention_mask.dtype}" if isinstance(attention_mask, np.ndarray) else "")
+                    + "; pass torch.as_tensor(mask).bool()")
+            if attention_mask.dim() != 2:
                 raise ArgumentValueError(
-                    "attention_mask must be a (batch, pos) tensor, got "
-                    f"{getattr(attention_mask, 'shape', type(attention_mask).__name__)}"
-                )
+                    f"attention_mask must be 2-D (batch, pos), got shape {tuple(attention_mask.shape)}")
             if attention_mask.dtype.is_floating_point or attention_mask.dtype.is_complex:
                 raise ArgumentTypeError(
                     f"attention_mask must be bool or 0/1 integers, got dtype {attention_mask.dtype}; pass mask.bool()"
