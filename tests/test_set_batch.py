@@ -330,3 +330,21 @@ def test_a_hook_point_that_does_not_start_with_the_mask_names_the_mask_and_the_f
     with torch.no_grad():
         want = model.block(batches[0][0], (1.0 - batches[0][1][:, None, None, :].float()).expand(-1, 1, 5, -1) * -1e4)
     assert torch.equal(store["block.output"], want[batches[0][1].bool()])
+
+
+@pytest.mark.parametrize("to_store", [lambda t: t, lambda t: t.numpy()], ids=["tensor", "numpy"])
+def test_a_numpy_per_token_column_is_a_token_column_as_a_tensor_is(tmp_path, to_store):
+    # a (batch, pos) numpy column was stored as one list per sample in the sample table,
+    # while the same tensor gives one value per real token in the token table
+    torch.manual_seed(0)
+    enc = torch.nn.Sequential(torch.nn.Embedding(20, 4), torch.nn.Linear(4, 4))
+    tokens = torch.randint(1, 20, (3, 5))
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
+    path = tmp_path / "s.zarr"
+    with torch.no_grad(), acs.ActivationScope(store=str(path)).track(enc, include=["1"]) as tr:
+        tr.set_batch(attention_mask=mask, token_ids=to_store(tokens), emb=to_store(torch.arange(6).reshape(3, 2)))
+        enc(tokens)
+    store = acs.open_store(path)
+    assert "token_ids" not in store.row_table("sample").column_names
+    assert store.row_table("token")["token_ids"].to_pylist() == tokens[mask.bool()].tolist()
+    assert store.row_table("sample")["emb"].to_pylist() == [[0, 1], [2, 3], [4, 5]]  # (batch, 2): per sample

@@ -1041,6 +1041,9 @@ class StoreWriter:
 
         out = []
         for key, col in (columns or {}).items():
+            if (isinstance(col, np.ndarray) and col.ndim >= 2 and col.dtype.kind in "biuf" and col.dtype.isnative
+                    and mask is not None and tuple(col.shape[:2]) == tuple(mask.shape)):
+                col = torch.from_numpy(np.ascontiguousarray(col))  # a (batch, pos) numpy column: per token, as a tensor
             is_token = isinstance(col, torch.Tensor) and _native.load().is_token_rows(col, mask)  # the sink's rule
             kind = "token" if is_token else "sample"
             if key in _RESERVED[kind]:
