@@ -262,9 +262,12 @@ def _sample_id_strings(ids: Any) -> list[str]:
     """``sample_ids=`` of a store whose sample ids are strings: any collection of str, or one str.
 
     Raises ArgumentTypeError naming the first element that is no str."""
+    if isinstance(ids, np.ndarray) and ids.ndim == 0 and ids.dtype.kind == "U":
+        ids = str(ids.item())  # one str id, as a 0-d array
     if isinstance(ids, str):
         return [ids]
-    if isinstance(ids, bytes) or not isinstance(ids, Iterable):
+    if (isinstance(ids, bytes) or not isinstance(ids, Iterable)
+            or isinstance(ids, (torch.Tensor, np.ndarray)) and ids.ndim == 0):  # (a 0-d one cannot be iterated)
         raise ArgumentTypeError(f"sample_ids= must be a collection of str (this store's sample ids are strings), got "
                                 f"{_short(ids)} ({type(ids).__name__})")
     out = list(ids)
