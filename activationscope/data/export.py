@@ -44,7 +44,7 @@ import pyarrow.parquet as pq
 import torch
 
 from ..errors import ActivationScopeError, ArgumentValueError, ColumnNotFoundError
-from ..store._backend import local_path, relation_to_store
+from ..store._backend import enclosing_store, local_path, relation_to_store
 from ._source import as_source
 from .dataset import ActivationDataset, _names, select_hook_points
 
@@ -387,6 +387,13 @@ def _refuse_inside_store(path: Path, ds: ActivationDataset, folders: bool = True
         raise ArgumentValueError(
             f"export path {str(path)!r} {where} {root!r} being exported: the export would write among, replace or "
             "remove the store's files (overwrite does not allow it); give a path outside the store"
+        )
+    other = enclosing_store(path)
+    if other is not None:  # another store: replacing it (overwrite=True) would remove the export with it
+        raise ArgumentValueError(
+            f"export path {str(path)!r} is inside the store {other!r}: the export would lie among that store's "
+            "files (and capturing it again with overwrite=True removes its folder, the export with it); give a path "
+            "outside the store"
         )
 
 
