@@ -886,6 +886,22 @@ def test_resume_with_another_model_states_the_store_status_and_the_cli_flag(tmp_
         torch.testing.assert_close(acs.open_store(str(out))["2.output"], model(torch.from_numpy(np.load(x))))
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float16])
+def test_data_of_another_float_dtype_than_the_model_names_both(tmp_path, user_module, capsys, dtype):
+    # np.random's default float64 data into a float32 model: torch's "mat1 and mat2 must have
+    # the same dtype" said nothing of --data
+    x = tmp_path / "x.npy"
+    np.save(x, np.zeros((10, 6), dtype=dtype))
+    out = tmp_path / "o.zarr"
+    code, _, err = run(capsys, "capture", "--model", "usermodels.nets:mlp", "--data", str(x), "--out", str(out),
+                       "--no-progress")
+    assert code == 1
+    name = np.dtype(dtype).name
+    _one_error_line(err, "the model raised RuntimeError", f"--data holds {name} values",
+                    "the model's parameters are float32", "save it as float32")
+    assert not out.exists()
+
+
 def test_model_failing_mid_capture_is_one_line_and_store_incomplete(tmp_path, toy_store, capsys):
     import activationscope as acs
 
