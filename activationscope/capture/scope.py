@@ -38,6 +38,19 @@ _C = _native.load()
 compiled.install()  # the in-graph path of a torch.compile'd tracked model
 
 
+def _warn_2d_token_rows(name: str, shape: tuple[int, ...], stacklevel: int) -> None:
+    """The CaptureWarning for a 2-D hook point shaped like the mask, taken as token rows (one
+    scalar per real token) while a mask has padding: its padded columns are dropped."""
+    warnings.warn(
+        f"hook point {name!r} has shape {shape}, the attention mask's (batch, pos): it is "
+        "stored as one scalar row per real token and its padded columns are dropped. If it is a pooled "
+        "(batch, features) output whose width only happens to equal pos, pass token_rows={"
+        f"{name!r}: False}} (one row per sample), or token_rows={{{name!r}: True}} to confirm token rows",
+        CaptureWarning,
+        stacklevel=stacklevel + 1,
+    )
+
+
 def _reduce_forward_wrapper(wrapper: Any) -> tuple[Any, tuple[Any, ...]]:
     """Pickle / copy a tracked module's native forward wrapper as the forward it replaced.
 
@@ -649,6 +662,9 @@ class Tracker:
         # a mask that applies to no hook point: their first shapes, and whether token_rows= chose
         # sample rows for one (then sample rows are asked for, not a mistake)
         self._first_shapes: dict[str, tuple[int, ...] | str] = {}
+        # 2-D hook points taken as token rows by their shape while the mask had no padding:
+        # warned about at the first later mask that has padding (_warn_2d_token_rows)
+        self._unwarned_2d_token: dict[str, tuple[int, ...]] = {}
         self._sample_rows_chosen = False
         self._warned_mask = False
         # store arrays already named in a warning for leaving the row table (first captured
@@ -1225,6 +1241,10 @@ class Tracker:
         check = getattr(self.writer, "check_sample_ids", None)
         if check is not None and sample_ids is not None:
             check(sample_ids)
+        if mask is not None and self._unwarned_2d_token and not bool(mask.all()):
+            for name, shape in self._unwarned_2d_token.items():
+                _warn_2d_token_rows(name, shape, stacklevel=2)
+            self._unwarned_2d_token.clear()
         self._core.token_mask = mask if mask is not None else torch.Tensor()
         self._pending_batch = {"attention_mask": mask, "sample_ids": sample_ids, "columns": columns}
 
@@ -1274,18 +1294,15 @@ class Tracker:
         if decided is False:
             self._sample_rows_chosen = True
             token = False
-        elif token and decided is None and tensor.dim() == 2 and not bool(mask.bool().all()):
+        elif token and decided is None and tensor.dim() == 2:
             # (batch, pos) values with padding: one scalar per real token, the padded columns
             # dropped. Right for per-token scalars (token ids, a per-token score); wrong for a
-            # pooled (batch, features) output whose width happens to equal pos. Say so.
-            warnings.warn(
-                f"hook point {name!r} has shape {tuple(tensor.shape)}, the attention mask's (batch, pos): it is "
-                "stored as one scalar row per real token and its padded columns are dropped. If it is a pooled "
-                "(batch, features) output whose width only happens to equal pos, pass token_rows={"
-                f"{name!r}: False}} (one row per sample), or token_rows={{{name!r}: True}} to confirm token rows",
-                CaptureWarning,
-                stacklevel=2,
-            )
+            # pooled (batch, features) output whose width happens to equal pos. Say so, now
+            # or at the first later mask with padding (set_batch).
+            if bool(mask.bool().all()):
+                self._unwarned_2d_token[name] = tuple(tensor.shape)
+            else:
+                _warn_2d_token_rows(name, tuple(tensor.shape), stacklevel=2)
         keep = _KEEP_CODE[scope.reduction_policy]
         if not self._in_memory:
             keep = 2
