@@ -90,6 +90,17 @@ def test_comma_list_with_an_unbalanced_bracket_is_refused(capsys, tmp_path, flag
     assert not out.exists()
 
 
+@pytest.mark.parametrize("flag", ["--include", "--exclude", "--sample-rows", "--token-rows"])
+@pytest.mark.parametrize("value", ["", " ", ",", " , "])
+def test_a_pattern_flag_without_a_pattern_is_refused(capsys, tmp_path, flag, value):
+    # an empty shell variable (--include "$LAYERS") gave no pattern, which tracked every module
+    out = tmp_path / "o.zarr"
+    code, _, err = run(capsys, "capture", "--model", "m:f", "--data", "d.npy", "--out", str(out), flag, value)
+    assert code == 1
+    _one_error_line(err, f"{flag} {value!r} holds no pattern", f"leave {flag} out")
+    assert not out.exists()
+
+
 def test_an_unbalanced_bracket_without_a_comma_stays_one_pattern():
     assert cli._patterns(["a[0", "b]"]) == ["a[0", "b]"]  # fnmatch reads an unpaired bracket literally
 
@@ -875,6 +886,22 @@ def test_resume_with_another_model_states_the_store_status_and_the_cli_flag(tmp_
         torch.testing.assert_close(acs.open_store(str(out))["2.output"], model(torch.from_numpy(np.load(x))))
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float16])
+def test_data_of_another_float_dtype_than_the_model_names_both(tmp_path, user_module, capsys, dtype):
+    # np.random's default float64 data into a float32 model: torch's "mat1 and mat2 must have
+    # the same dtype" said nothing of --data
+    x = tmp_path / "x.npy"
+    np.save(x, np.zeros((10, 6), dtype=dtype))
+    out = tmp_path / "o.zarr"
+    code, _, err = run(capsys, "capture", "--model", "usermodels.nets:mlp", "--data", str(x), "--out", str(out),
+                       "--no-progress")
+    assert code == 1
+    name = np.dtype(dtype).name
+    _one_error_line(err, "the model raised RuntimeError", f"--data holds {name} values",
+                    "the model's parameters are float32", "save it as float32")
+    assert not out.exists()
+
+
 def test_model_failing_mid_capture_is_one_line_and_store_incomplete(tmp_path, toy_store, capsys):
     import activationscope as acs
 
@@ -1001,6 +1028,28 @@ def test_verify_ok_and_damaged(toy_store, capsys):
     n = len(damaged)
     assert last == (f"activationscope verify: {out}: {n} problem{'' if n == 1 else 's'} found, nothing was changed: "
                     "restore the files named from an intact copy of the store, or capture it again"), last
+
+
+def test_verify_of_an_incomplete_store_says_what_it_checked(tmp_path, capsys):
+    # a store of a killed (or still running) capture: its committed rows are intact, and
+    # verify says that is all it holds rather than a bare "ok"
+    import activationscope as acs
+
+    m = torch.nn.Linear(4, 3)
+    path = tmp_path / "s.zarr"
+    with torch.no_grad(), pytest.raises(RuntimeError, match="stop"):
+        with acs.ActivationScope(store=str(path), store_options={"shard_bytes": 48}).track(m):
+            for _ in range(3):
+                m(torch.randn(4, 4))
+            raise RuntimeError("stop")
+    store = acs.open_store(str(path))
+    n = store.n_samples
+    assert store.status == "incomplete" and n > 0
+    code, stdout, err = run(capsys, "verify", str(path))
+    assert code == 0, err
+    assert stdout.strip() == f"{path}: ok"
+    assert f"activationscope verify: note: {path} is incomplete" in err and f"its {n} committed samples" in err
+    assert "--resume" in err
 
 
 def test_verify_missing_shard(toy_store, capsys):

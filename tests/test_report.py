@@ -445,6 +445,25 @@ def test_report_of_a_hook_point_without_rows_and_inside_the_store(tmp_path, recw
     assert not [w for w in recwarn.list if "log-scaled" in str(w.message)]
 
 
+def test_a_report_into_another_store_is_refused(tmp_path):
+    """A report written into another store's folder (its root, or below) was deleted without
+    a word when that store was captured again with overwrite=True: refused, nothing written."""
+    from activationscope import ActivationScope
+    from activationscope.errors import ArgumentValueError
+
+    m = torch.nn.Sequential(torch.nn.Linear(3, 3))
+    src, other = tmp_path / "s.zarr", tmp_path / "other.zarr"
+    for root in (src, other):
+        with torch.no_grad(), ActivationScope(store=str(root)).track(m):
+            m(torch.randn(4, 3))
+    before = sorted(p.name for p in other.rglob("*"))
+    for inside in (other, other / "acts", other / "rep"):
+        with pytest.raises(ArgumentValueError, match=r"is inside the store .*other\.zarr.*give a folder outside"):
+            report.write_report(str(src), inside)
+    assert sorted(p.name for p in other.rglob("*")) == before
+    assert report.write_report(str(src), tmp_path / "r").exists()
+
+
 def _relu_store(path, reductions):
     import activationscope as acs
 

@@ -114,13 +114,45 @@ def test_matching_description_is_accepted(tmp_path):
     (torch.ones(2, 3), TypeError, r"attention_mask must be bool or 0/1 integers, got dtype torch.float32"),
     (torch.tensor([[0, 2, 1], [1, 1, 0]]), ValueError, r"attention_mask must hold only 0 and 1, got values in \[0, 2\]"),
     (torch.tensor([[0, -1, 1], [1, 1, 0]]), ValueError, r"attention_mask must hold only 0 and 1"),
-    (torch.ones(2, 3, 4, dtype=torch.bool), ValueError, r"attention_mask must be a \(batch, pos\) tensor"),
+    (torch.ones(2, 3, 4, dtype=torch.bool), ValueError, r"attention_mask must be 2-D \(batch, pos\), got shape \(2, 3, 4\)"),
 ])
 def test_bad_masks_are_refused(mask, error, match):
     tr = acs.ActivationScope().track(_model())
     with pytest.raises(error, match=match) as e:
         tr.set_batch(attention_mask=mask)
     assert isinstance(e.value, ActivationScopeError)
+
+
+@pytest.mark.parametrize("mask, error, match", [
+    ([[1, 1, 0]], TypeError, r"attention_mask must be a torch\.Tensor or numpy array \(batch, pos\), got list"),
+    (torch.ones(3, dtype=torch.bool), ValueError, r"attention_mask must be 2-D \(batch, pos\), got shape \(3,\)"),
+])
+def test_a_mask_of_another_kind_or_shape_names_what_it_got(mask, error, match):
+    # (the message said "must be a (batch, pos) tensor, got (3, 5)" for a (3, 5) numpy mask)
+    tr = acs.ActivationScope().track(_model())
+    with pytest.raises(error, match=match) as e:
+        tr.set_batch(attention_mask=mask)
+    assert isinstance(e.value, ActivationScopeError)
+
+
+@pytest.mark.parametrize("dtype", ["bool", "int64", "int32"])
+def test_a_numpy_mask_is_taken_as_the_tensor(tmp_path, dtype):
+    # tokenizers give numpy masks with return_tensors="np"
+    import numpy as np
+
+    torch.manual_seed(0)
+    enc = torch.nn.Sequential(torch.nn.Embedding(20, 4), torch.nn.Linear(4, 4))
+    tokens = torch.randint(1, 20, (3, 5))
+    mask = np.array([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]).astype(dtype)
+    with torch.no_grad(), acs.ActivationScope(store=str(tmp_path / "s.zarr")).track(enc, include=["1"]) as tr:
+        tr.set_batch(attention_mask=mask)
+        enc(tokens)
+    with torch.no_grad():
+        expected = enc(tokens)[torch.from_numpy(mask.astype(bool))]
+    store = acs.open_store(tmp_path / "s.zarr")
+    assert store.row_kind("1.output") == "token"
+    assert torch.equal(store["1.output"], expected)
+    assert store.row_table("token")["pos"].to_pylist() == [2, 3, 4, 0, 1, 2, 3, 4, 0]
 
 
 def test_integer_01_mask_is_accepted():
@@ -298,3 +330,21 @@ def test_a_hook_point_that_does_not_start_with_the_mask_names_the_mask_and_the_f
     with torch.no_grad():
         want = model.block(batches[0][0], (1.0 - batches[0][1][:, None, None, :].float()).expand(-1, 1, 5, -1) * -1e4)
     assert torch.equal(store["block.output"], want[batches[0][1].bool()])
+
+
+@pytest.mark.parametrize("to_store", [lambda t: t, lambda t: t.numpy()], ids=["tensor", "numpy"])
+def test_a_numpy_per_token_column_is_a_token_column_as_a_tensor_is(tmp_path, to_store):
+    # a (batch, pos) numpy column was stored as one list per sample in the sample table,
+    # while the same tensor gives one value per real token in the token table
+    torch.manual_seed(0)
+    enc = torch.nn.Sequential(torch.nn.Embedding(20, 4), torch.nn.Linear(4, 4))
+    tokens = torch.randint(1, 20, (3, 5))
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
+    path = tmp_path / "s.zarr"
+    with torch.no_grad(), acs.ActivationScope(store=str(path)).track(enc, include=["1"]) as tr:
+        tr.set_batch(attention_mask=mask, token_ids=to_store(tokens), emb=to_store(torch.arange(6).reshape(3, 2)))
+        enc(tokens)
+    store = acs.open_store(path)
+    assert "token_ids" not in store.row_table("sample").column_names
+    assert store.row_table("token")["token_ids"].to_pylist() == tokens[mask.bool()].tolist()
+    assert store.row_table("sample")["emb"].to_pylist() == [[0, 1], [2, 3], [4, 5]]  # (batch, 2): per sample

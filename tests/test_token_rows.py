@@ -186,6 +186,61 @@ def test_a_2d_activation_taken_as_token_rows_with_padding_is_warned_about(tmp_pa
     assert open_store(str(tmp_path / "p.zarr")).row_kind("head.output") == "token"
 
 
+def test_a_2d_token_hook_point_is_warned_about_at_the_first_padded_mask_after_unpadded_ones(tmp_path):
+    """The first batch's mask had no padding, so a pooled (batch, 6) output with pos 6 was
+    taken as token rows without a word, and a later padded batch dropped its columns silently:
+    the warning now comes with the first mask that has padding (once), before that forward."""
+    import warnings as _w
+
+    from activationscope import ActivationScope, CaptureWarning, open_store
+
+    class Pooled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(20, 6)
+            self.head = torch.nn.Linear(6, 6)
+
+        def forward(self, ids):
+            return self.head(self.emb(ids).mean(1))  # (batch, 6)
+
+    torch.manual_seed(0)
+    m = Pooled()
+    ids = [torch.randint(0, 20, (2, 6)) for _ in range(3)]
+    masks = [torch.ones(2, 6, dtype=torch.long), torch.tensor([[1, 1, 1, 0, 0, 0], [1] * 6]),
+             torch.tensor([[1, 0, 0, 0, 0, 0], [1] * 6])]
+    seen = []
+    with _w.catch_warnings(record=True) as rec:
+        _w.simplefilter("always")
+        with torch.no_grad(), ActivationScope(store=str(tmp_path / "p.zarr")).track(m, include=["head"]) as tr:
+            for i, (x, mk) in enumerate(zip(ids, masks)):
+                tr.set_batch(attention_mask=mk)
+                seen.append(sum("'head.output'" in str(r.message) and "padded columns are dropped" in str(r.message)
+                                for r in rec if issubclass(r.category, CaptureWarning)))
+                m(x)
+    assert seen == [0, 1, 1]  # at the first padded mask, once
+    store = open_store(str(tmp_path / "p.zarr"))
+    assert store.row_kind("head.output") == "token" and store.n_rows("head.output") == 12 + 9 + 7
+    with torch.no_grad():
+        want = torch.cat([m(x)[mk.bool()] for x, mk in zip(ids, masks)])
+    assert torch.equal(store["head.output"], want)
+
+
+def test_a_2d_token_hook_point_confirmed_by_token_rows_gets_no_later_warning(tmp_path):
+    import warnings as _w
+
+    from activationscope import ActivationScope, CaptureWarning
+
+    m = torch.nn.Sequential(torch.nn.Embedding(20, 6), torch.nn.Flatten(1), torch.nn.Linear(36, 6))
+    with _w.catch_warnings(record=True) as rec:
+        _w.simplefilter("always")
+        scope = ActivationScope(store=str(tmp_path / "p.zarr"), token_rows={"2.output": True})
+        with torch.no_grad(), scope.track(m, include=["2"]) as tr:
+            for mk in (torch.ones(2, 6, dtype=torch.long), torch.tensor([[1, 1, 1, 0, 0, 0], [1] * 6])):
+                tr.set_batch(attention_mask=mk)
+                m(torch.randint(0, 20, (2, 6)))
+    assert not [r for r in rec if issubclass(r.category, CaptureWarning) and "padded columns" in str(r.message)]
+
+
 def _store_files(path):
     """Every file of the store (the writer lock aside) with its bytes."""
     return {str(f.relative_to(path)): f.read_bytes() for f in sorted(path.rglob("*"))

@@ -181,6 +181,7 @@ def run_capture(
                         f"the model raised {type(e).__name__}: {' '.join(str(e).split())} on samples "
                         f"{summary.n_samples}..{summary.n_samples + n - 1} of this run"
                         + "".join(f" ({note})" for note in getattr(e, "__notes__", ()))
+                        + _dtype_hint(model, inputs)
                     ) from e
                 summary.n_samples += n
                 summary.n_forwards += 1
@@ -720,6 +721,24 @@ def check_out(out: str, *, resume: bool, overwrite: bool, replaces: str | None =
     if not (resume or overwrite):
         raise ArgumentValueError(
             f"--out {out!r} is {found[1]}; pass --overwrite to replace it or --resume to continue it")
+
+
+def _dtype_hint(model: Any, inputs: Any) -> str:
+    """``"; --data holds float64 values ..."`` when the failed forward's input is a float tensor
+    of another dtype than the model's floating parameters (numpy's default float64 data into
+    a float32 model), else ``""``: torch's own message does not name the data."""
+    import torch
+
+    if not isinstance(inputs, torch.Tensor) or not inputs.dtype.is_floating_point:
+        return ""
+    params = {p.dtype for p in model.parameters() if p.dtype.is_floating_point}
+    if len(params) != 1 or inputs.dtype in params:
+        return ""
+    want = str(next(iter(params))).removeprefix("torch.")
+    got = str(inputs.dtype).removeprefix("torch.")
+    how = f"numpy: x.astype(np.{want}), " if want != "bfloat16" else ""  # (numpy has no bfloat16: a .pt file)
+    return (f"; --data holds {got} values and the model's parameters are {want}: save it as {want} "
+            f"({how}torch: x.to(torch.{want}))")
 
 
 def _batch_len(inputs: Any) -> int:

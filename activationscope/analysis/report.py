@@ -30,7 +30,7 @@ import torch
 
 from ..errors import ArgumentValueError
 from ..sizes import format_bytes
-from ..store._backend import relation_to_store
+from ..store._backend import enclosing_store, relation_to_store
 from .pca import explained_variance_ratio
 __all__ = ["HookPointStats", "hook_point_stats", "write_report"]
 
@@ -597,6 +597,13 @@ def write_report(
         raise ArgumentValueError(
             f"out_dir {str(out_dir)!r} is inside the store {store.path!r}: the report would write its files among "
             "the store's; give a folder outside the store"
+        )
+    other = enclosing_store(out)
+    if other is not None:  # another store: replacing it (overwrite=True) would remove the report with it
+        raise ArgumentValueError(
+            f"out_dir {str(out_dir)!r} is inside the store {other!r}: the report would write its files among that "
+            "store's (and capturing it again with overwrite=True removes its folder, the report with it); give a "
+            "folder outside the store"
         )
     index = out / "index.html"
     earlier = index.exists() or index.is_symlink()

@@ -23,6 +23,7 @@ import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from . import _native, compiled
@@ -35,6 +36,19 @@ from .writer import open_writer, writer_options
 
 _C = _native.load()
 compiled.install()  # the in-graph path of a torch.compile'd tracked model
+
+
+def _warn_2d_token_rows(name: str, shape: tuple[int, ...], stacklevel: int) -> None:
+    """The CaptureWarning for a 2-D hook point shaped like the mask, taken as token rows (one
+    scalar per real token) while a mask has padding: its padded columns are dropped."""
+    warnings.warn(
+        f"hook point {name!r} has shape {shape}, the attention mask's (batch, pos): it is "
+        "stored as one scalar row per real token and its padded columns are dropped. If it is a pooled "
+        "(batch, features) output whose width only happens to equal pos, pass token_rows={"
+        f"{name!r}: False}} (one row per sample), or token_rows={{{name!r}: True}} to confirm token rows",
+        CaptureWarning,
+        stacklevel=stacklevel + 1,
+    )
 
 
 def _reduce_forward_wrapper(wrapper: Any) -> tuple[Any, tuple[Any, ...]]:
@@ -648,6 +662,9 @@ class Tracker:
         # a mask that applies to no hook point: their first shapes, and whether token_rows= chose
         # sample rows for one (then sample rows are asked for, not a mistake)
         self._first_shapes: dict[str, tuple[int, ...] | str] = {}
+        # 2-D hook points taken as token rows by their shape while the mask had no padding:
+        # warned about at the first later mask that has padding (_warn_2d_token_rows)
+        self._unwarned_2d_token: dict[str, tuple[int, ...]] = {}
         self._sample_rows_chosen = False
         self._warned_mask = False
         # store arrays already named in a warning for leaving the row table (first captured
@@ -1154,7 +1171,7 @@ class Tracker:
 
         Parameters
         ----------
-        attention_mask : Tensor, (batch, pos), bool or 0/1 integers, any device, optional
+        attention_mask : Tensor or numpy array, (batch, pos), bool or 0/1 integers, any device, optional
             Real tokens. Hook points whose activation starts with ``(batch, pos)`` then
             store one row per real token (padding never enters the store or the
             reductions); other hook points store one row per sample.
@@ -1178,17 +1195,24 @@ class Tracker:
             ids, columns or mask rows that describe another number of samples than the
             forward's batch (the first dimension of its first input).
         TypeError
-            A float (or complex) attention mask; with a store, a column whose type differs
+            A float (or complex) attention mask, or one that is neither a tensor nor a numpy
+            array (a list: pass ``torch.as_tensor(mask)``); with a store, a column whose type differs
             from its type in earlier batches (``int64`` labels, then ``float``: a row-table
             column has one type), or a column that is not a sequence.
         """
         mask = None
         if attention_mask is not None:
-            if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
+            if isinstance(attention_mask, np.ndarray) and attention_mask.dtype.kind in "biu":
+                attention_mask = torch.from_numpy(np.ascontiguousarray(attention_mask))  # (return_tensors="np")
+            if not isinstance(attention_mask, torch.Tensor):
+                raise ArgumentTypeError(
+                    "attention_mask must be a torch.Tensor or numpy array (batch, pos), got "
+                    f"{type(attention_mask).__name__}"
+                    + (f" of dtype {attention_mask.dtype}" if isinstance(attention_mask, np.ndarray) else "")
+                    + "; pass torch.as_tensor(mask).bool()")
+            if attention_mask.dim() != 2:
                 raise ArgumentValueError(
-                    "attention_mask must be a (batch, pos) tensor, got "
-                    f"{getattr(attention_mask, 'shape', type(attention_mask).__name__)}"
-                )
+                    f"attention_mask must be 2-D (batch, pos), got shape {tuple(attention_mask.shape)}")
             if attention_mask.dtype.is_floating_point or attention_mask.dtype.is_complex:
                 raise ArgumentTypeError(
                     f"attention_mask must be bool or 0/1 integers, got dtype {attention_mask.dtype}; pass mask.bool()"
@@ -1217,6 +1241,10 @@ class Tracker:
         check = getattr(self.writer, "check_sample_ids", None)
         if check is not None and sample_ids is not None:
             check(sample_ids)
+        if mask is not None and self._unwarned_2d_token and not bool(mask.all()):
+            for name, shape in self._unwarned_2d_token.items():
+                _warn_2d_token_rows(name, shape, stacklevel=2)
+            self._unwarned_2d_token.clear()
         self._core.token_mask = mask if mask is not None else torch.Tensor()
         self._pending_batch = {"attention_mask": mask, "sample_ids": sample_ids, "columns": columns}
 
@@ -1266,18 +1294,15 @@ class Tracker:
         if decided is False:
             self._sample_rows_chosen = True
             token = False
-        elif token and decided is None and tensor.dim() == 2 and not bool(mask.bool().all()):
+        elif token and decided is None and tensor.dim() == 2:
             # (batch, pos) values with padding: one scalar per real token, the padded columns
             # dropped. Right for per-token scalars (token ids, a per-token score); wrong for a
-            # pooled (batch, features) output whose width happens to equal pos. Say so.
-            warnings.warn(
-                f"hook point {name!r} has shape {tuple(tensor.shape)}, the attention mask's (batch, pos): it is "
-                "stored as one scalar row per real token and its padded columns are dropped. If it is a pooled "
-                "(batch, features) output whose width only happens to equal pos, pass token_rows={"
-                f"{name!r}: False}} (one row per sample), or token_rows={{{name!r}: True}} to confirm token rows",
-                CaptureWarning,
-                stacklevel=2,
-            )
+            # pooled (batch, features) output whose width happens to equal pos. Say so, now
+            # or at the first later mask with padding (set_batch).
+            if bool(mask.bool().all()):
+                self._unwarned_2d_token[name] = tuple(tensor.shape)
+            else:
+                _warn_2d_token_rows(name, tuple(tensor.shape), stacklevel=2)
         keep = _KEEP_CODE[scope.reduction_policy]
         if not self._in_memory:
             keep = 2

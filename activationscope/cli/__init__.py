@@ -394,13 +394,22 @@ def _patterns(values: list[str] | None, flag: str = "--include") -> list[str] | 
     ------
     ArgumentValueError
         An item whose brackets do not pair up holds a comma (``a[0,b``): the comma did not
-        separate patterns, so it is refused naming ``flag`` and the item.
+        separate patterns, so it is refused naming ``flag`` and the item. A value that holds
+        no pattern at all (``--include ""``, an empty shell variable) is refused too: read as
+        no ``--include``, it would track every module.
     """
     if values is None:
         return None
     out: list[str] = []
     for v in values:
-        for item in _specs(v):
+        items = _specs(v)
+        if not items:
+            raise ArgumentValueError(
+                f"{flag} {v!r} holds no pattern; give "
+                + ("module name patterns (fnmatch, e.g. 'encoder.layer.?')" if flag in ("--include", "--exclude")
+                   else "hook point patterns (fnmatch, e.g. 'pool.?.output')")
+                + f", or leave {flag} out")
+        for item in items:
             if "," in item and not _balanced(item):
                 raise ArgumentValueError(
                     f"{flag} {item!r} has a '[' or ']' without its pair, so its commas do not separate patterns; "
@@ -531,6 +540,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
                          "restore the files named from an intact copy of the store, or capture it again"),
               file=sys.stderr)
         return 1
+    if store.status != "complete":  # its committed rows were checked: say they are not all of the capture
+        print(f"{PROG} verify: note: {args.store} is {store.status} (its capture did not finish, or is running): "
+              f"its {store.n_samples} committed samples were checked; `activationscope capture --resume` (or "
+              "store_options={'resume': True}) continues a capture that stopped", file=sys.stderr)
     print(f"{args.store}: ok")
     return 0
 

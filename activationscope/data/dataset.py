@@ -262,9 +262,12 @@ def _sample_id_strings(ids: Any) -> list[str]:
     """``sample_ids=`` of a store whose sample ids are strings: any collection of str, or one str.
 
     Raises ArgumentTypeError naming the first element that is no str."""
+    if isinstance(ids, np.ndarray) and ids.ndim == 0 and ids.dtype.kind == "U":
+        ids = str(ids.item())  # one str id, as a 0-d array
     if isinstance(ids, str):
         return [ids]
-    if isinstance(ids, bytes) or not isinstance(ids, Iterable):
+    if (isinstance(ids, bytes) or not isinstance(ids, Iterable)
+            or isinstance(ids, (torch.Tensor, np.ndarray)) and ids.ndim == 0):  # (a 0-d one cannot be iterated)
         raise ArgumentTypeError(f"sample_ids= must be a collection of str (this store's sample ids are strings), got "
                                 f"{_short(ids)} ({type(ids).__name__})")
     out = list(ids)
@@ -653,9 +656,17 @@ class ActivationDataset(Dataset):
             table = self._row_table()
             missing = [c for c in self.columns if c not in table.column_names]
             if missing:
+                store = getattr(self.source, "store", None)
+                status = getattr(store, "status", None)
+                empty = ""
+                if table.num_rows == 0 and status not in (None, "complete"):
+                    # (set_batch's columns reach the row table with the first commit)
+                    empty = (f": the store is {status} with no committed row yet (a capture still running?), and "
+                             "columns given to set_batch appear with its first commit; call store.refresh() and "
+                             "make the dataset again once rows are committed")
                 raise ArgumentValueError(
                     f"columns {missing} are not in the {self.row_kind} row table of {self.source.describe()}; "
-                    f"it has {table.column_names}"
+                    f"it has {table.column_names}{empty}"
                 )
         clash = set(self.columns) & set(self.hook_points)
         if clash:

@@ -44,7 +44,7 @@ import pyarrow.parquet as pq
 import torch
 
 from ..errors import ActivationScopeError, ArgumentValueError, ColumnNotFoundError
-from ..store._backend import local_path, relation_to_store
+from ..store._backend import enclosing_store, local_path, relation_to_store
 from ._source import as_source
 from .dataset import ActivationDataset, _names, select_hook_points
 
@@ -387,6 +387,13 @@ def _refuse_inside_store(path: Path, ds: ActivationDataset, folders: bool = True
         raise ArgumentValueError(
             f"export path {str(path)!r} {where} {root!r} being exported: the export would write among, replace or "
             "remove the store's files (overwrite does not allow it); give a path outside the store"
+        )
+    other = enclosing_store(path)
+    if other is not None:  # another store: replacing it (overwrite=True) would remove the export with it
+        raise ArgumentValueError(
+            f"export path {str(path)!r} is inside the store {other!r}: the export would lie among that store's "
+            "files (and capturing it again with overwrite=True removes its folder, the export with it); give a path "
+            "outside the store"
         )
 
 
@@ -794,6 +801,12 @@ def export_hf(
             "fail on it), so nothing is written; select some rows, or use export_parquet / export_arrow, which "
             "write an empty table"
         )
+    if context_size is not None and context_size > n_rows:  # (drop_last=True would leave nothing)
+        raise ArgumentValueError(
+            f"context_size={context_size} is more than the {n_rows} rows of {ds.hook_points}: not one example "
+            f"can be filled{', and with drop_last=True nothing would be exported' if drop_last else ''}; pass a "
+            f"context_size of at most {n_rows} or capture more rows"
+        )
     if context_size is not None and n_rows % context_size:
         if not drop_last:
             raise ArgumentValueError(
@@ -802,12 +815,6 @@ def export_hf(
                 f"{n_rows % context_size} rows, or another context_size"
             )
         n_rows -= n_rows % context_size
-        if n_rows == 0:
-            raise ArgumentValueError(
-                f"context_size={context_size} is more than the {len(ds)} rows of {ds.hook_points}: with "
-                "drop_last=True nothing would be exported; pass a context_size of at most "
-                f"{len(ds)} or capture more rows"
-            )
     features, shapes = _hf_plan(ds, col_names, context_size, bfloat16)
     path = _local_out(path)
     _refuse_inside_store(path, ds)

@@ -119,6 +119,8 @@ class _BatchSampler(Sampler[list[int]]):
     ) -> None:
         batch_size = _int_arg(batch_size, "batch_size", 1)
         seed = _int_arg(seed, "seed")
+        if not -(1 << 63) <= seed < 1 << 64:  # (as torch.manual_seed; the mix takes it modulo 2**64)
+            raise ArgumentValueError(f"seed must be an int in [-2**63, 2**64), as torch.manual_seed takes, got {seed}")
         self.data_source = data_source
         self.n = data_source if isinstance(data_source, int) else len(data_source)
         self.batch_size = batch_size
@@ -207,7 +209,7 @@ class ShuffledBatchSampler(_BatchSampler):
     data_source, batch_size, drop_last, rank, world_size, even
         As :class:`SequentialBatchSampler`.
     seed : int, default 0
-        Base seed, identical on every rank.
+        Base seed, identical on every rank: an int in [-2**63, 2**64), as torch.manual_seed takes.
 
     Yields
     ------

@@ -125,6 +125,18 @@ def relation_to_store(path: str | os.PathLike, store: Any) -> str | None:
     return "holds" if out in root_p.parents else None
 
 
+def enclosing_store(path: str | os.PathLike) -> str | None:
+    """The folder of the outermost activationscope store that ``path`` is or lies inside
+    (symlinks resolved), or None. Used to refuse outputs (a capture, an export, a report)
+    written among a store's files: replacing that store (``overwrite=True``) removes its
+    folder with them."""
+    out = Path(expand_local(os.fspath(path))).resolve()
+    for above in (*reversed(out.parents), out):  # the outermost first
+        if (above / "zarr.json").is_file() and (describe_local_path(above) or ("",))[0] == "store":
+            return str(above)
+    return None
+
+
 #: The name of the temporary file that :meth:`LocalBackend.set` and :meth:`LocalBackend.reserve`
 #: write a key's new bytes to before renaming it to the key: ``.<name>.<8 lowercase hex>.tmp``,
 #: next to the key.

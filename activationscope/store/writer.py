@@ -54,7 +54,7 @@ from ..errors import (
 )
 from . import _format as F
 from . import _validate as V
-from ._backend import LocalBackend, check_backend_not_in_store, check_local_store_path, fsync_dir, resolve
+from ._backend import LOCK_KEY, LocalBackend, check_backend_not_in_store, check_local_store_path, fsync_dir, resolve
 from ._backend import _inside as _inside_folder
 from ._format import KEPT_SUFFIX, committed_reduction_files, committed_reduction_groups
 from ._lock import WriterLock
@@ -541,6 +541,34 @@ def _positive_int(value: Any, what: str, allow_none: bool = True) -> int | None:
     return value
 
 
+#: The entries of a local store's folder that are the store's own (FORMAT.md section 1; names
+#: ending in ``.tmp`` are unfinished writes, also the store's).
+_STORE_ENTRIES = frozenset({"zarr.json", "acts", "rows", "reductions", "ranks", LOCK_KEY})
+
+
+def _refuse_foreign_entries(backend: LocalBackend) -> None:
+    """Refuse ``overwrite=True`` of a local activationscope store whose folder also holds
+    entries that are not the store's (notes, a report or an export written there, a folder of
+    one's own): replacing the store removes its folder, and they would go with it. A Zarr node
+    that is not an activationscope store is left to the caller's rules (its arrays are its
+    entries).
+
+    Raises StoreExistsError naming them; nothing is changed."""
+    from ._backend import describe_local_path
+
+    root = backend.root
+    if (describe_local_path(root) or ("",))[0] != "store":
+        return
+    foreign = sorted(p.name for p in root.iterdir() if p.name not in _STORE_ENTRIES and not p.name.endswith(".tmp"))
+    if foreign:
+        shown = ", ".join(repr(n) for n in foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise StoreExistsError(
+            f"overwrite=True would delete {len(foreign)} entr{'y' if len(foreign) == 1 else 'ies'} of "
+            f"{str(root)!r} that {'is' if len(foreign) == 1 else 'are'} not the store's ({shown}) together with "
+            "the old store; move them out of the store's folder (or remove them) and run again; nothing was changed"
+        )
+
+
 def _to_column(value: Any) -> Any:
     """The values of a row-table column (or of sample ids) as an ndarray or a list, copied: the
     row table is written at a commit, after the caller may have reused its tensor or array."""
@@ -869,6 +897,7 @@ class StoreWriter:
                 # a store (even a damaged one) or nothing: replaced. A local one is moved aside
                 # and deleted only once the new one has committed (restored if it fails first).
                 if isinstance(self._backend, LocalBackend):
+                    _refuse_foreign_entries(self._backend)
                     self._aside = self._backend.move_aside()
                 else:
                     self._backend.clear()
@@ -1042,6 +1071,9 @@ class StoreWriter:
 
         out = []
         for key, col in (columns or {}).items():
+            if (isinstance(col, np.ndarray) and col.ndim >= 2 and col.dtype.kind in "biuf" and col.dtype.isnative
+                    and mask is not None and tuple(col.shape[:2]) == tuple(mask.shape)):
+                col = torch.from_numpy(np.ascontiguousarray(col))  # a (batch, pos) numpy column: per token, as a tensor
             is_token = isinstance(col, torch.Tensor) and _native.load().is_token_rows(col, mask)  # the sink's rule
             kind = "token" if is_token else "sample"
             if key in _RESERVED[kind]:

@@ -5,6 +5,7 @@ the kinds it takes still read the rows written (plain-torch reference)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pyarrow as pa
 import pytest
 import torch
@@ -110,3 +111,17 @@ def test_an_empty_sample_ids_collection_is_an_empty_dataset(store, empty):
     assert len(ds) == 0 and ds[:]["x"].shape == (0, 3) and ds[:]["sample_id"].tolist() == []
     with pytest.raises(ArgumentValueError, match="none of the sample_ids"):
         ActivationDataset(path, sample_ids=[99])  # ids that are not there are still a mistake
+
+
+@pytest.mark.parametrize("ids", [torch.tensor(2), np.array(2), torch.tensor([2]), 2])
+def test_int_ids_given_to_a_store_of_str_ids_are_named(tmp_path, ids):
+    # a 0-d tensor or array raised Python's own "iteration over a 0-d tensor"
+    path = str(tmp_path / "s.zarr")
+    w = StoreWriter(path, chunk_rows=4, shard_rows=8)
+    w.open_array("x", (3,), torch.float32, "sample").append(torch.zeros(3, 3))
+    w.add_batch(3, sample_ids=["a", "b", "c"])
+    w.close()
+    with pytest.raises(ArgumentTypeError, match=r"sample_ids= must be .*str \(this store's sample ids are strings\)") as e:
+        ActivationDataset(path, sample_ids=ids)
+    assert isinstance(e.value, TypeError)
+    assert [*ActivationDataset(path, sample_ids=np.array("b"), columns=["sample_id"])[:]["sample_id"]] == ["b"]

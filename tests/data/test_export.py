@@ -417,6 +417,35 @@ def test_an_export_into_the_store_it_reads_is_refused_and_the_store_is_unchanged
                                acs.open_store(str(root))["0.output"])
 
 
+def test_an_export_into_another_store_is_refused_and_that_store_is_unchanged(tmp_path):
+    """An export written among the files of another store than the one it reads was lost
+    without a word when that store was captured again with overwrite=True (which removes its
+    folder): refused as a path inside the store it reads is."""
+    import activationscope as acs
+    from activationscope.data import export_hf
+
+    m = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    src, other = tmp_path / "src.zarr", tmp_path / "other.zarr"
+    for root in (src, other):
+        with torch.no_grad(), acs.ActivationScope(store=str(root)).track(m) as tr:
+            tr.set_batch(sample_ids=range(6))
+            m(torch.randn(6, 4))
+    before = _files(other)
+    for path in (other / "x.parquet", other / "acts" / "x.arrow", other / "hf"):
+        for fn in (export_parquet, export_arrow):
+            with pytest.raises(ArgumentValueError, match=r"is inside the store .*other\.zarr.*give a path outside"):
+                fn(str(src), path, overwrite=True)
+        try:
+            import datasets  # noqa: F401
+        except ImportError:
+            continue
+        with pytest.raises(ArgumentValueError, match=r"is inside the store .*other\.zarr.*give a path outside"):
+            export_hf(str(src), path)
+    assert _files(other) == before
+    back = read_arrow(export_arrow(str(src), tmp_path / "ok.arrow"))
+    torch.testing.assert_close(back["0.output"], acs.open_store(str(src))["0.output"])
+
+
 @pytest.mark.parametrize("equal_counts", [False, True])
 def test_a_dataset_refuses_a_hook_point_off_the_row_table_next_to_others(late_store, monkeypatch, equal_counts):
     from activationscope.data import _source

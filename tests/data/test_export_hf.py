@@ -95,9 +95,13 @@ def test_hf_export_groups_rows_into_examples(store, arrays, tmp_path):
     with pytest.raises(ValueError, match=r"multiple of context_size=5 \(remainder 4\); pass drop_last=True"):
         export_hf(store, tmp_path / "g", hook_points=["f32"], context_size=5)
     assert not (tmp_path / "g").exists()
-    with pytest.raises(ValueError, match=r"context_size=1000 is more than the \d+ rows of \['f32'\]: with drop_last=True "
-                       r"nothing would be exported"):
+    with pytest.raises(ValueError, match=r"context_size=1000 is more than the \d+ rows of \['f32'\]: not one example can be "
+                       r"filled, and with drop_last=True nothing would be exported"):
         export_hf(store, tmp_path / "g", hook_points=["f32"], context_size=1000, drop_last=True)
+    # without drop_last too: the advice to pass drop_last=True would lead to the error above
+    with pytest.raises(ValueError, match=r"context_size=1000 is more than the \d+ rows of \['f32'\]") as e:
+        export_hf(store, tmp_path / "g", hook_points=["f32"], context_size=1000)
+    assert "pass drop_last=True" not in str(e.value) and "at most" in str(e.value)
     assert not (tmp_path / "g").exists()
     export_hf(store, tmp_path / "g", hook_points=["f32", "conv"], columns=["sample_id"], context_size=5,
               drop_last=True, batch_rows=7)

@@ -209,3 +209,24 @@ def test_a_dataset_opened_before_a_resume_that_has_committed_reads_its_rows_with
     assert torch.equal(old[[41, 40, 0]][HP], data[[41, 40, 0]])
     assert torch.equal(old[41][HP], data[41]) and old[:]["sample_id"].tolist() == list(range(42))
     assert torch.equal(ActivationDataset(path)[:][HP], data)
+
+
+def test_a_column_of_a_store_with_no_committed_row_yet_names_the_status_and_refresh(tmp_path):
+    # a store opened while its capture has committed nothing: set_batch's columns reach the
+    # row table with the first commit, so the error says so instead of only listing the columns
+    path = tmp_path / "live.zarr"
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3))
+    with ActivationScope(store=str(path)).track(model) as tracker:
+        tracker.set_batch(label=[1, 2])
+        model(torch.randn(2, 2))
+        store = open_store(str(path))
+        assert store.status == "incomplete" and store.n_samples == 0
+        with pytest.raises(ValueError) as e:
+            ActivationDataset(store, columns=["label"])
+        msg = str(e.value)
+        assert "columns ['label'] are not in the sample row table" in msg
+        assert "incomplete" in msg and "no committed row" in msg and "store.refresh()" in msg
+        assert len(ActivationDataset(store)) == 0
+    store.refresh()
+    ds = ActivationDataset(store, columns=["label"])
+    assert ds[:]["label"].tolist() == [1, 2]

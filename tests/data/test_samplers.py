@@ -14,6 +14,8 @@ from activationscope.data import (
     partition_bounds,
 )
 
+from activationscope.errors import ArgumentValueError
+
 SAMPLERS = [SequentialBatchSampler, ShuffledBatchSampler, ChunkShuffleBatchSampler]
 
 
@@ -162,3 +164,18 @@ def test_integer_arguments_take_numpy_and_torch_integers_and_refuse_the_rest():
         ChunkShuffleBatchSampler(10, 4, buffer_rows=8.0)
     assert [list(b) for b in ChunkShuffleBatchSampler(10, 4, buffer_rows=np.int64(8), block_rows=np.int64(2))] == \
         [list(b) for b in ChunkShuffleBatchSampler(10, 4, buffer_rows=8, block_rows=2)]
+
+
+@pytest.mark.parametrize("cls", [ShuffledBatchSampler, ChunkShuffleBatchSampler])
+@pytest.mark.parametrize("seed", [2**64, 2**70 + 5, -(2**63) - 1])
+def test_a_seed_beyond_64_bits_is_refused(cls, seed):
+    # (it was taken modulo 2**64: seed 2**64 gave seed 0's permutation without a word)
+    with pytest.raises(ArgumentValueError, match=r"seed must be an int in \[-2\*\*63, 2\*\*64\)"):
+        cls(100, batch_size=10, seed=seed)
+
+
+@pytest.mark.parametrize("cls", [ShuffledBatchSampler, ChunkShuffleBatchSampler])
+def test_seeds_at_the_ends_of_the_range_give_other_orders(cls):
+    orders = {s: [i for b in cls(100, batch_size=10, seed=s) for i in b] for s in (0, 1, 2**64 - 1, -(2**63))}
+    assert all(sorted(o) == list(range(100)) for o in orders.values())
+    assert len({tuple(o) for o in orders.values()}) == 4

@@ -3,6 +3,7 @@ fails before its first commit leaves the old store in place, byte for byte (FORM
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -116,3 +117,26 @@ def test_writer_that_fails_while_opening_puts_the_old_store_back(tmp_path, monke
     with pytest.raises(OSError, match="disk full"):
         StoreWriter(path, overwrite=True)
     assert _files(path) == before
+
+
+@pytest.mark.parametrize("foreign", ["NOTES.txt", "index.html", "mine/f.txt"])
+def test_overwrite_of_a_store_holding_other_files_is_refused_and_nothing_changes(tmp_path, foreign):
+    """Files that are not the store's at its root (notes, a report written there, a folder of
+    one's own) were deleted with the old store: overwrite now refuses, naming them."""
+    path = tmp_path / "s.zarr"
+    data = make_store(path, n_rows=96)
+    (path / foreign).parent.mkdir(parents=True, exist_ok=True)
+    (path / foreign).write_text("mine")
+    before = _files(path)
+    with pytest.raises(acs.errors.StoreExistsError) as e:
+        _capture(path, _FailsAt(99), 2)
+    msg = str(e.value)
+    assert foreign.split("/")[0] in msg and "not the store's" in msg and "move them" in msg
+    assert isinstance(e.value, FileExistsError)
+    assert _files(path) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.zarr"]
+    assert torch.equal(open_store(path)[HP], data)
+    top = path / foreign.split("/")[0]
+    top.unlink() if top.is_file() else shutil.rmtree(top)
+    _capture(path, _FailsAt(99), 2)  # the store alone: replaced
+    assert open_store(path).hook_points == ["lin.output"]
