@@ -258,8 +258,8 @@ class LocalBackend:
                 if key in self._spare:
                     continue
             tmp = self._temp_name(self.root / key)
-            try:  # (in a folder that exists: a store folder moved or removed meanwhile is never made again)
-                self._check_inside(tmp.parent, key, cached=False)
+            try:
+                self._make_folders_below_root(tmp.parent, key)
                 os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
             except OSError:
                 continue  # set() makes its own
@@ -352,6 +352,21 @@ class LocalBackend:
         self._check_inside(q, key, cached=False)
         p.parent.mkdir(parents=True, exist_ok=True)
         self._check_inside(p.parent, key, cached=False)
+
+    def _make_folders_below_root(self, folder: Path, key: str) -> None:
+        """Make the missing folders of ``folder`` below the store's root one at a time
+        (``os.mkdir``), never the root itself: a store folder moved or removed meanwhile is not
+        made again (the first ``mkdir`` fails). The folders on the way are checked to be inside
+        the store before and after."""
+        self._check_inside(folder, key, cached=False)
+        q = self.root
+        for part in folder.relative_to(self.root).parts:
+            q = q / part
+            try:
+                os.mkdir(q)
+            except FileExistsError:
+                pass
+        self._check_inside(folder, key, cached=False)
 
     def path(self, key: str, write: bool = False) -> Path:
         """The local path of a key: checked to be inside the store (symlinks resolved; with

@@ -4,6 +4,7 @@ commits come at a steady pace whatever the row size; chunks stay whole pages."""
 from __future__ import annotations
 
 import math
+import queue
 import time
 
 import pytest
@@ -124,10 +125,19 @@ def test_failed_commit_write_raises_and_keeps_the_last_commit(tmp_path, monkeypa
 
 
 def test_reserved_temporary_files_are_used_then_released(tmp_path):
-    """LocalBackend.reserve makes empty temporary files ahead of time; set() fills and renames
-    one; release() removes the unused; nothing else is left in the directory."""
+    """LocalBackend.reserve makes empty temporary files ahead of time, in folders it makes below
+    the store's folder (never the store's folder itself: a store moved or removed meanwhile is
+    not made again); set() fills and renames one; release() removes the unused; nothing else is
+    left in the directory."""
     from activationscope.store._backend import LocalBackend
 
+    gone = LocalBackend(tmp_path / "gone")  # (its folder was never made, as one removed)
+    gone._spare_queue = queue.SimpleQueue()  # the reserving thread's loop, run here to its end
+    gone._spare_queue.put("a/zarr.json")
+    gone._spare_queue.put(None)
+    gone._reserve_loop()
+    assert not (tmp_path / "gone").exists() and gone._spare == {}
+    (tmp_path / "s").mkdir()
     b = LocalBackend(tmp_path / "s")
     b.reserve(["a/zarr.json", "b/zarr.json"])
     deadline = time.monotonic() + 10
