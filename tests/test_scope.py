@@ -227,7 +227,7 @@ def test_wrong_reduction_signature_raises_at_construction():
 
 def test_set_batch_validates(mlp):
     tr = acs.ActivationScope().track(mlp)
-    with pytest.raises(ValueError, match="attention_mask must be a \\(batch, pos\\)"):
+    with pytest.raises(ValueError, match="attention_mask must be 2-D \\(batch, pos\\), got shape \\(3,\\)"):
         tr.set_batch(attention_mask=torch.ones(3))
     with pytest.raises(ValueError, match="column 'label' has 2 entries, expected the batch size 3"):
         tr.set_batch(attention_mask=torch.ones(3, 4, dtype=torch.bool), label=[0, 1])
