@@ -271,3 +271,27 @@ def test_a_failed_capture_offers_resume_only_to_a_command_that_has_it(tmp_path):
         text = str(info.value)
         assert "the model raised RuntimeError" in text and "status incomplete" in text and fix in text, text
         assert ("--resume" in text) == resumable
+
+
+@pytest.mark.parametrize("where", ["other store", "its own store", "a file"])
+def test_a_demo_report_folder_that_cannot_be_written_is_refused_before_the_capture(tmp_path, capsys, where):
+    """--report inside a store (another, or the --out the demo writes) or at a file was refused
+    only after the whole capture (and named --out, the report's flag in the `report` command)."""
+    import activationscope as acs
+    from activationscope.cli import main
+
+    other = tmp_path / "other.zarr"
+    m = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    with torch.no_grad(), acs.ActivationScope(store=str(other)).track(m):
+        m(torch.randn(3, 2))
+    out = tmp_path / "demo.zarr"
+    (tmp_path / "f.txt").write_text("x")
+    report = {"other store": other / "rep", "its own store": out / "rep", "a file": tmp_path / "f.txt"}[where]
+    code = main(["demo", "--out", str(out), "--report", str(report), "--max-samples", "10", "--folds", "2",
+                 "--no-progress"])
+    _, err = capsys.readouterr()
+    assert code == 1
+    line = err.strip()
+    assert f"--report {str(report)!r}" in line and "--out '" not in line, line
+    assert ("is inside the store" in line) if where != "a file" else ("is a file" in line), line
+    assert not out.exists() and not report.parent.joinpath("rep").exists()

@@ -176,6 +176,25 @@ def _check_own_store(out: str) -> None:
         )
 
 
+def _check_report_dir(report_dir: str | os.PathLike, out: str) -> None:
+    """Refuse a report folder the report could not be written to (:func:`.report.check_out_dir`),
+    or one inside the local store ``out`` the demo is about to write (not there yet to be
+    found by that check). Nothing is written."""
+    from pathlib import Path
+
+    from ..store._backend import local_path
+    from .report import check_out_dir
+
+    folder = check_out_dir(report_dir).resolve()
+    local = local_path(out)
+    if local is not None:
+        store = Path(local).resolve()
+        if folder == store or store in folder.parents:
+            raise ArgumentValueError(
+                f"out_dir {os.fspath(report_dir)!r} is inside the store {out!r} the demo writes: the report would "
+                "write its files among the store's; give a folder outside the store")
+
+
 def run_demo(
     out: str | os.PathLike = os.path.join("runs", "demo.zarr"),
     report_dir: str | os.PathLike | None = None,
@@ -228,6 +247,8 @@ def run_demo(
     # a store or nothing: nothing else is replaced (the demo has no --overwrite to offer)
     check_out(out, resume=False, overwrite=True, replaces="the demo replaces only stores it wrote")
     _check_own_store(out)
+    if report_dir is not None:  # before the capture, not after it
+        _check_report_dir(report_dir, out)
     tokenizer, model = load_model()
     texts, labels = load_polarity()
     if max_samples is not None and max_samples < len(texts):

@@ -500,8 +500,10 @@ def check_out_dir(out_dir: str | os.PathLike) -> Path:
     Raises
     ------
     ArgumentValueError
-        ``out_dir`` a URL of another filesystem (a report is local files), or an existing
-        file (the report is a folder). Nothing is written either way.
+        ``out_dir`` a URL of another filesystem (a report is local files), an existing
+        file (the report is a folder), a folder inside an activationscope store (replacing
+        that store would remove the report with it), or one holding an ``index.html`` that
+        is not an earlier report. Nothing is written either way.
     """
     from ..errors import ArgumentValueError
     from ..store._backend import local_path
@@ -516,6 +518,18 @@ def check_out_dir(out_dir: str | os.PathLike) -> Path:
         raise ArgumentValueError(
             f"out_dir {os.fspath(out_dir)!r} is a file; the report is a folder (index.html and its plots): give a "
             "folder path (created if missing)")
+    other = enclosing_store(out)
+    if other is not None:  # replacing that store (overwrite=True) would remove the report with it
+        raise ArgumentValueError(
+            f"out_dir {os.fspath(out_dir)!r} is inside the store {other!r}: the report would write its files among "
+            "the store's (and capturing it again with overwrite=True removes its folder, the report with it); give "
+            "a folder outside the store")
+    index = out / "index.html"
+    if (index.exists() or index.is_symlink()) and not _is_report(index):
+        raise ArgumentValueError(
+            f"out_dir {os.fspath(out_dir)!r} holds an index.html that is not an activationscope report: it and the "
+            "folder's other files are left as they are; give another folder (or remove that index.html)"
+        )
     return out
 
 
@@ -598,20 +612,8 @@ def write_report(
             f"out_dir {str(out_dir)!r} is inside the store {store.path!r}: the report would write its files among "
             "the store's; give a folder outside the store"
         )
-    other = enclosing_store(out)
-    if other is not None:  # another store: replacing it (overwrite=True) would remove the report with it
-        raise ArgumentValueError(
-            f"out_dir {str(out_dir)!r} is inside the store {other!r}: the report would write its files among that "
-            "store's (and capturing it again with overwrite=True removes its folder, the report with it); give a "
-            "folder outside the store"
-        )
     index = out / "index.html"
-    earlier = index.exists() or index.is_symlink()
-    if earlier and not _is_report(index):
-        raise ArgumentValueError(
-            f"out_dir {str(out_dir)!r} holds an index.html that is not an activationscope report: it and the "
-            "folder's other files are left as they are; give another folder (or remove that index.html)"
-        )
+    earlier = index.exists() or index.is_symlink()  # (an earlier report: check_out_dir refused any other)
     out.mkdir(parents=True, exist_ok=True)
     if earlier:  # plots of the earlier report here (only then: other PNGs in a folder are not ours)
         for stale in [*out.glob("hp_*.png"), out / "probes.png"]:

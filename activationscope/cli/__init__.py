@@ -279,7 +279,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             notes = "".join(f"; {n}" for n in getattr(e, "__notes__", ()))
             # messages name hook points and values from the store, which may come from someone
             # else: control characters (terminal escapes) are shown escaped, never sent as is
-            print(_printable(f"{PROG} {args.command}: error: {_cli_spelling(one_line(e))}{notes}"), file=sys.stderr)
+            print(_printable(f"{PROG} {args.command}: error: {_cli_spelling(one_line(e), args.command)}{notes}"),
+                  file=sys.stderr)
         return 1
     finally:
         warnings.formatwarning = formatwarning
@@ -300,7 +301,7 @@ def _warning_formatter(command: str) -> Callable[..., str]:
         text = " ".join(str(message).split())
         ours = getattr(category, "__module__", "").startswith("activationscope.") or _in_package(filename)
         kind = "" if ours or category is UserWarning else f"{category.__name__}: "
-        return _printable(f"{PROG} {command}: warning: {kind}{_cli_spelling(text)}") + "\n"
+        return _printable(f"{PROG} {command}: warning: {kind}{_cli_spelling(text, command)}") + "\n"
 
     return format_warning
 
@@ -343,10 +344,14 @@ _CLI_SPELLINGS = (
 )
 
 
-def _cli_spelling(message: str) -> str:
+def _cli_spelling(message: str, command: str | None = None) -> str:
     """``message`` with the library's Python spellings (``drop_last=True``,
-    ``tracker.set_batch(attention_mask=...)``, ``n_folds``) replaced by the command line's."""
+    ``tracker.set_batch(attention_mask=...)``, ``n_folds``) replaced by the command line's
+    (``command``'s: the report folder is ``--report`` of ``demo``, ``--out`` of ``report``)."""
     import re
+
+    if command == "demo":
+        message = message.replace("out_dir '", "--report '")
 
     # the export options of activationscope.data.check_format_options: "option tensor_type="
     # is --tensor-type, "the export format 'hf'" is --format hf
