@@ -276,7 +276,9 @@ def _dataset_for(source: Any, hook_points: Any, columns: Any, rows: Any, filter:
     # the columns it writes are read (every one when columns= is not given)
     ds._columns_read = None if columns is None else _names(columns, "columns", "row-table column names")
     table = ds._row_table()
-    chosen = table.column_names if columns is None else _names(columns, "columns", "row-table column names")
+    # (a column named twice is exported once, as the dataset reads it)
+    chosen = table.column_names if columns is None else list(dict.fromkeys(_names(columns, "columns",
+                                                                                  "row-table column names")))
     missing = [c for c in chosen if c not in table.column_names]
     if missing:
         raise ArgumentValueError(f"columns {missing} are not in the {ds.row_kind} row table; it has {table.column_names}")

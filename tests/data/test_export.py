@@ -590,3 +590,15 @@ def test_an_export_of_a_store_path_refuses_a_damaged_chunk_and_writes_nothing(tm
     assert not (tmp_path / f"cli.{fmt}").exists()
     # a store object opened without verify= is read as it was opened (zero-copy reads do not checksum)
     fn(acs.open_store(path), tmp_path / f"unchecked.{fmt}")
+
+
+@pytest.mark.parametrize("fn", [export_parquet, export_arrow])
+def test_a_column_named_twice_is_exported_once_as_the_dataset_reads_it(store, arrays, tmp_path, fn):
+    # (it raised pyarrow's KeyError "Column sample_id does not exist in schema")
+    path = fn(store, tmp_path / "x.out", hook_points=["f32"], columns=["label", "sample_id", "label"])
+    table = pq.read_table(path) if fn is export_parquet else pa.ipc.open_file(pa.memory_map(str(path))).read_all()
+    assert table.column_names == ["f32", "label", "sample_id"]
+    assert table.column("label").to_pylist() == [i % 2 for i in range(N)]
+    assert np.array_equal(np.stack(table.column("f32").to_pylist()), arrays["f32"].reshape(N, -1).numpy())
+    ds = ActivationDataset(store, hook_points=["f32"], columns=["label", "sample_id", "label"])
+    assert list(ds[0]) == ["f32", "label", "sample_id"]
