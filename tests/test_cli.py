@@ -49,6 +49,14 @@ def test_no_command_is_a_usage_error(capsys):
     assert code == 2 and "required" in err
 
 
+def test_version_prints_the_package_and_torch_versions(capsys):
+    import activationscope
+
+    code, out, _ = run(capsys, "--version")
+    assert code == 0
+    assert out.strip() == f"activationscope {activationscope.__version__} (torch {torch.__version__})"
+
+
 def test_bad_choice_is_a_usage_error(capsys):
     code, _, err = run(capsys, "export", "x.zarr", "--format", "csv", "--out", "x.csv")
     assert code == 2 and "invalid choice" in err

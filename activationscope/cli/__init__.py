@@ -101,6 +101,22 @@ def _folds(value: str) -> int:
     return n
 
 
+class _VersionAction(argparse.Action):
+    """``--version``: prints ``activationscope <version> (torch <version>)``, what a bug report
+    needs first, and exits (torch is imported only then: parsing stays quick)."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: Any, values: Any, option_string: Any = None) -> None:
+        import torch
+
+        from .._version import __version__
+
+        print(f"{PROG} {__version__} (torch {torch.__version__})")
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``activationscope`` command."""
     # --debug goes before or after the command: the subcommands' copy must not reset the
@@ -115,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--debug", action="store_true",
                         help="show tracebacks of errors, and warnings with their source line")
+    parser.add_argument("--version", action=_VersionAction,
+                        help="print the versions of activationscope and torch, and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
