@@ -532,9 +532,9 @@ def select_hook_points(source: StoreSource, hook_points: Any) -> list[str]:
             raise ArgumentTypeError(f"hook_points must be str patterns, got {pat!r}")
         hits = pattern_hits(pat, available)
         if not hits:
-            raise HookPointNotFoundError(
-                f"hook point {pat!r} is not in the store {source.describe()}; it has {available}"
-            )
+            what = (f"pattern {pat!r} matches no hook point of" if any(c in pat for c in "*?[")
+                    else f"hook point {pat!r} is not in")
+            raise HookPointNotFoundError(f"{what} the store {source.describe()}; it has {available}")
         chosen.extend(h for h in hits if h not in chosen)
     return chosen
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import re
 
 import numpy as np
 import pyarrow as pa
@@ -176,6 +177,9 @@ def test_errors_name_the_problem(tmp_path, arrays):
         ActivationDataset(store, hook_points=["nope"])
     with pytest.raises(KeyError):
         ActivationDataset(store, hook_points=["nope*"])
+    for pattern in ("nope*", "t?x", "[xy]ok"):  # a pattern is named as one (it was "hook point 'nope*' is not in")
+        with pytest.raises(HookPointNotFoundError, match=rf"pattern {re.escape(repr(pattern))} matches no hook point"):
+            ActivationDataset(store, hook_points=[pattern])
     with pytest.raises(ValueError, match="columns \\['lbl'\\]"):
         ActivationDataset(store, hook_points=["tok"], columns=["lbl"])
     with pytest.raises(ValueError, match="bool mask of shape \\(8,\\)"):
