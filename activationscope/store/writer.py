@@ -544,6 +544,8 @@ def _positive_int(value: Any, what: str, allow_none: bool = True) -> int | None:
 #: The entries of a local store's folder that are the store's own (FORMAT.md section 1; names
 #: ending in ``.tmp`` are unfinished writes, also the store's).
 _STORE_ENTRIES = frozenset({"zarr.json", "acts", "rows", "reductions", "ranks", LOCK_KEY})
+#: Files a file manager leaves in any folder it shows: not the user's data, removed with the store.
+_OS_CLUTTER = frozenset({".DS_Store", "Thumbs.db", "desktop.ini"})
 
 
 def _refuse_foreign_entries(backend: LocalBackend) -> None:
@@ -559,7 +561,8 @@ def _refuse_foreign_entries(backend: LocalBackend) -> None:
     root = backend.root
     if (describe_local_path(root) or ("",))[0] != "store":
         return
-    foreign = sorted(p.name for p in root.iterdir() if p.name not in _STORE_ENTRIES and not p.name.endswith(".tmp"))
+    foreign = sorted(p.name for p in root.iterdir() if p.name not in _STORE_ENTRIES and p.name not in _OS_CLUTTER
+                     and not p.name.endswith(".tmp") and not p.name.startswith("._"))  # (._*: macOS AppleDouble)
     if foreign:
         shown = ", ".join(repr(n) for n in foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
         raise StoreExistsError(

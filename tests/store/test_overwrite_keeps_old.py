@@ -140,3 +140,13 @@ def test_overwrite_of_a_store_holding_other_files_is_refused_and_nothing_changes
     top.unlink() if top.is_file() else shutil.rmtree(top)
     _capture(path, _FailsAt(99), 2)  # the store alone: replaced
     assert open_store(path).hook_points == ["lin.output"]
+
+
+def test_overwrite_replaces_a_store_whose_folder_holds_only_file_manager_clutter(tmp_path):
+    path = tmp_path / "s.zarr"
+    make_store(path, n_rows=96)
+    for name in (".DS_Store", "._zarr.json", "Thumbs.db"):
+        (path / name).write_bytes(b"\0")
+    _capture(path, _FailsAt(99), 2)
+    assert open_store(path).hook_points == ["lin.output"]
+    assert not (path / ".DS_Store").exists()
