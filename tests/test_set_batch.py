@@ -3,6 +3,7 @@ or a mask that is not 0/1, is refused naming the argument, expected and actual (
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -348,3 +349,35 @@ def test_a_numpy_per_token_column_is_a_token_column_as_a_tensor_is(tmp_path, to_
     assert "token_ids" not in store.row_table("sample").column_names
     assert store.row_table("token")["token_ids"].to_pylist() == tokens[mask.bool()].tolist()
     assert store.row_table("sample")["emb"].to_pylist() == [[0, 1], [2, 3], [4, 5]]  # (batch, 2): per sample
+
+
+@pytest.mark.parametrize("ids, position", [(["x", None], 1), ([None, 1], 0), ([None, None], 0),
+                                            (np.array(["a", None], dtype=object), 1)])
+def test_a_sample_id_of_none_is_refused_at_set_batch(tmp_path, ids, position):
+    """None ids were stored as nulls, and two of one forward were pooled as one sample by
+    sentence_rows / the probes, without the warning a repeated id gets."""
+    path = tmp_path / "s.zarr"
+    m = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    with acs.ActivationScope(store=str(path)).track(m) as tr, torch.no_grad():
+        tr.set_batch(sample_ids=["p", "q"])
+        m(torch.randn(2, 2))
+        with pytest.raises(ArgumentTypeError, match=rf"sample_ids must not hold None, got None at position {position}"):
+            tr.set_batch(sample_ids=ids)
+        tr.set_batch(sample_ids=["r", "s"])
+        m(torch.randn(2, 2))
+    assert acs.open_store(path).row_table("sample")["sample_id"].to_pylist() == ["p", "q", "r", "s"]
+
+
+@pytest.mark.parametrize("ids", [[5, 6], np.array([5, 6], dtype=np.uint32), torch.tensor([5, 6], dtype=torch.int32),
+                                 ["a", "b"], np.array(["a", "b"])])
+def test_int_and_str_sample_ids_are_taken_and_selected(tmp_path, ids):
+    from activationscope.data import ActivationDataset
+
+    path = tmp_path / "s.zarr"
+    m = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    with acs.ActivationScope(store=str(path)).track(m) as tr, torch.no_grad():
+        tr.set_batch(sample_ids=ids)
+        m(torch.randn(2, 2))
+    first = list(ids)[0]
+    first = first.item() if hasattr(first, "item") else first
+    assert len(ActivationDataset(str(path), sample_ids=[first])) == 1

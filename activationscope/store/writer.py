@@ -572,6 +572,26 @@ def _refuse_foreign_entries(backend: LocalBackend) -> None:
         )
 
 
+def _check_id_values(ids: Any) -> None:
+    """Refuse a sample id of None: a sample without an id, which the row table stores as null,
+    no ``sample_ids=`` selection names, and pooling per sample (:func:`.analysis.pooling.labelled_rows`)
+    merges with the other None ids of its forward, without the warning a repeated id gets.
+
+    Raises ArgumentTypeError naming the position; nothing is recorded."""
+    values = ids if isinstance(ids, (list, tuple)) or getattr(ids, "dtype", None) == object else ()
+    for i, v in enumerate(values):
+        if v is None:
+            raise ArgumentTypeError(
+                f"sample_ids must not hold None, got None at position {i} of {_short_ids(values)}: a sample "
+                "without an id (stored as null, selected by no sample_ids=, and pooled together with the other None "
+                "ids of its forward); give every sample an id, or leave sample_ids out for the default counter")
+
+
+def _short_ids(values: Any) -> str:
+    shown = ", ".join(repr(v) for v in list(values)[:6])
+    return f"[{shown}{', ...' if len(values) > 6 else ''}]"
+
+
 def _to_column(value: Any) -> Any:
     """The values of a row-table column (or of sample ids) as an ndarray or a list, copied: the
     row table is written at a commit, after the caller may have reused its tensor or array."""
@@ -1117,6 +1137,7 @@ class StoreWriter:
             typ = _arrow_type(ids)
         except Exception as e:  # pyarrow's ArrowInvalid / ArrowTypeError
             raise ArgumentTypeError(f"sample_ids cannot be stored in the row table ({e}); give ints or strings") from None
+        _check_id_values(ids)
         before = self._column_types.get(("sample", "sample_id"))
         if typ is not None and before is not None and typ != before:
             raise ArgumentTypeError(
