@@ -2590,7 +2590,9 @@ def copy_store(source: Any, target: Any, *, overwrite: bool = False) -> None:
     Raises
     ------
     StoreExistsError
-        ``target`` is not empty and ``overwrite`` is False.
+        ``target`` is not empty and ``overwrite`` is False; or, with ``overwrite``, it holds
+        no Zarr store (a folder of other files is never cleared), or is a local store whose
+        folder also holds entries that are not the store's. Nothing is changed.
     StoreLockedError
         A writer holds ``target``.
     StoreError
@@ -2610,6 +2612,16 @@ def copy_store(source: Any, target: Any, *, overwrite: bool = False) -> None:
         if not dst.is_empty():
             if not overwrite:
                 raise StoreExistsError(f"{str(dst)!r} is not empty; pass overwrite=True to replace it")
+            # as StoreWriter(overwrite=True): a store is replaced, nothing else (a folder of one's own files,
+            # or a store's folder holding other entries, was cleared with it)
+            if dst.size("zarr.json") is None:
+                raise StoreExistsError(
+                    f"{str(dst)!r} exists and is not empty but holds no Zarr store; choose another path or remove it "
+                    "(overwrite=True only replaces stores); nothing was changed")
+            if isinstance(dst, LocalBackend):
+                from .writer import _refuse_foreign_entries
+
+                _refuse_foreign_entries(dst)
             dst.clear()
         files = _committed_shard_files(source if isinstance(source, Store) else src)
         # (a key read from its kept file is copied even when its own is a folder, which lists no file by

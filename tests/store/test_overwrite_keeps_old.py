@@ -150,3 +150,50 @@ def test_overwrite_replaces_a_store_whose_folder_holds_only_file_manager_clutter
     _capture(path, _FailsAt(99), 2)
     assert open_store(path).hook_points == ["lin.output"]
     assert not (path / ".DS_Store").exists()
+
+
+def test_copy_store_with_overwrite_replaces_only_a_store(tmp_path):
+    """copy_store(..., overwrite=True) cleared any folder that was not empty: a folder of one's
+    own files (a project, a home directory) was deleted; it now replaces stores only, as
+    StoreWriter(overwrite=True) does, and a store holding other entries is refused too."""
+    from activationscope.errors import StoreExistsError
+    from activationscope.store import copy_store
+
+    src = tmp_path / "src.zarr"
+    data = make_store(src, n_rows=96)
+    mine = tmp_path / "project"
+    mine.mkdir()
+    (mine / "thesis.tex").write_text("important")
+    with pytest.raises(StoreExistsError, match=r"holds no Zarr store.*overwrite=True only replaces stores"):
+        copy_store(open_store(src), mine, overwrite=True)
+    assert sorted(p.name for p in mine.iterdir()) == ["thesis.tex"]
+
+    old = tmp_path / "old.zarr"
+    make_store(old, n_rows=32)
+    (old / "NOTES.txt").write_text("mine")
+    before = _files(old)
+    with pytest.raises(StoreExistsError, match=r"not the store's \('NOTES.txt'\)"):
+        copy_store(open_store(src), old, overwrite=True)
+    assert _files(old) == before
+
+    (old / "NOTES.txt").unlink()
+    copy_store(open_store(src), old, overwrite=True)  # a store alone: replaced
+    assert torch.equal(open_store(old)[HP], data)
+
+
+def test_copy_store_with_overwrite_into_memory_replaces_only_a_store(tmp_path):
+    import fsspec
+
+    from activationscope.errors import StoreExistsError
+    from activationscope.store import copy_store
+
+    src = tmp_path / "src.zarr"
+    data = make_store(src, n_rows=96)
+    fs = fsspec.filesystem("memory")
+    fs.pipe("/mine-copy/keep.txt", b"x")
+    with pytest.raises(StoreExistsError, match="holds no Zarr store"):
+        copy_store(open_store(src), "memory://mine-copy", overwrite=True)
+    assert fs.cat("/mine-copy/keep.txt") == b"x"
+    copy_store(open_store(src), "memory://copied", overwrite=False)
+    copy_store(open_store(src), "memory://copied", overwrite=True)
+    assert torch.equal(open_store("memory://copied")[HP], data)
