@@ -2591,8 +2591,8 @@ def copy_store(source: Any, target: Any, *, overwrite: bool = False) -> None:
     ------
     StoreExistsError
         ``target`` is not empty and ``overwrite`` is False; or, with ``overwrite``, it holds
-        no Zarr store (a folder of other files is never cleared), or is a local store whose
-        folder also holds entries that are not the store's. Nothing is changed.
+        no Zarr store (a folder of other files is never cleared), or is a store whose folder
+        (or prefix) also holds entries that are not the store's. Nothing is changed.
     StoreLockedError
         A writer holds ``target``.
     StoreError
@@ -2618,10 +2618,9 @@ def copy_store(source: Any, target: Any, *, overwrite: bool = False) -> None:
                 raise StoreExistsError(
                     f"{str(dst)!r} exists and is not empty but holds no Zarr store; choose another path or remove it "
                     "(overwrite=True only replaces stores); nothing was changed")
-            if isinstance(dst, LocalBackend):
-                from .writer import _refuse_foreign_entries
+            from .writer import _refuse_foreign_entries
 
-                _refuse_foreign_entries(dst)
+            _refuse_foreign_entries(dst)
             dst.clear()
         files = _committed_shard_files(source if isinstance(source, Store) else src)
         # (a key read from its kept file is copied even when its own is a folder, which lists no file by

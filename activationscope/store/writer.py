@@ -548,26 +548,35 @@ _STORE_ENTRIES = frozenset({"zarr.json", "acts", "rows", "reductions", "ranks", 
 _OS_CLUTTER = frozenset({".DS_Store", "Thumbs.db", "desktop.ini"})
 
 
-def _refuse_foreign_entries(backend: LocalBackend) -> None:
-    """Refuse ``overwrite=True`` of a local activationscope store whose folder also holds
-    entries that are not the store's (notes, a report or an export written there, a folder of
-    one's own): replacing the store removes its folder, and they would go with it. A Zarr node
-    that is not an activationscope store is left to the caller's rules (its arrays are its
-    entries).
+def _refuse_foreign_entries(backend: Any) -> None:
+    """Refuse replacing an activationscope store (``overwrite=True``, ``copy_store``) whose
+    folder (or prefix, on object storage and ``memory://``) also holds entries that are not
+    the store's (notes, a report or an export written there, a folder of one's own): replacing
+    the store removes them with it. A Zarr node that is not an activationscope store is left
+    to the caller's rules (its arrays are its entries).
 
     Raises StoreExistsError naming them; nothing is changed."""
     from ._backend import describe_local_path
 
-    root = backend.root
-    if (describe_local_path(root) or ("",))[0] != "store":
-        return
-    foreign = sorted(p.name for p in root.iterdir() if p.name not in _STORE_ENTRIES and p.name not in _OS_CLUTTER
-                     and not p.name.endswith(".tmp") and not p.name.startswith("._"))  # (._*: macOS AppleDouble)
+    if isinstance(backend, LocalBackend):
+        if (describe_local_path(backend.root) or ("",))[0] != "store":
+            return
+        names = {p.name for p in backend.root.iterdir()}
+    else:
+        try:
+            attrs = json.loads(backend.get("zarr.json", max_bytes=V.MAX_JSON_BYTES) or b"null").get("attributes")
+        except (ValueError, AttributeError, RecursionError):
+            return
+        if not isinstance(attrs, dict) or not isinstance(attrs.get(F.ATTRS_KEY), dict):
+            return
+        names = {key.split("/", 1)[0] for key in backend.list("")}
+    foreign = sorted(n for n in names if n not in _STORE_ENTRIES and n not in _OS_CLUTTER
+                     and not n.endswith(".tmp") and not n.startswith("._"))  # (._*: macOS AppleDouble)
     if foreign:
         shown = ", ".join(repr(n) for n in foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
         raise StoreExistsError(
             f"overwrite=True would delete {len(foreign)} entr{'y' if len(foreign) == 1 else 'ies'} of "
-            f"{str(root)!r} that {'is' if len(foreign) == 1 else 'are'} not the store's ({shown}) together with "
+            f"{str(backend)!r} that {'is' if len(foreign) == 1 else 'are'} not the store's ({shown}) together with "
             "the old store; move them out of the store's folder (or remove them) and run again; nothing was changed"
         )
 
@@ -919,8 +928,8 @@ class StoreWriter:
             if self._backend.size("zarr.json") is not None or self._backend.is_empty():
                 # a store (even a damaged one) or nothing: replaced. A local one is moved aside
                 # and deleted only once the new one has committed (restored if it fails first).
+                _refuse_foreign_entries(self._backend)
                 if isinstance(self._backend, LocalBackend):
-                    _refuse_foreign_entries(self._backend)
                     self._aside = self._backend.move_aside()
                 else:
                     self._backend.clear()

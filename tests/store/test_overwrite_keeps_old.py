@@ -197,3 +197,22 @@ def test_copy_store_with_overwrite_into_memory_replaces_only_a_store(tmp_path):
     copy_store(open_store(src), "memory://copied", overwrite=False)
     copy_store(open_store(src), "memory://copied", overwrite=True)
     assert torch.equal(open_store("memory://copied")[HP], data)
+
+
+def test_overwrite_of_a_memory_store_holding_other_objects_is_refused(tmp_path):
+    import fsspec
+
+    from activationscope.errors import StoreExistsError
+    from activationscope.store import copy_store
+
+    src = tmp_path / "src.zarr"
+    data = make_store(src, n_rows=96)
+    copy_store(open_store(src), "memory://with-notes")
+    fs = fsspec.filesystem("memory")
+    fs.pipe("/with-notes/notes/today.txt", b"mine")
+    for replace in (lambda: copy_store(open_store(src), "memory://with-notes", overwrite=True),
+                    lambda: _capture("memory://with-notes", _FailsAt(99), 1)):
+        with pytest.raises(StoreExistsError, match=r"not the store's \('notes'\)"):
+            replace()
+        assert fs.cat("/with-notes/notes/today.txt") == b"mine"
+        assert torch.equal(open_store("memory://with-notes")[HP], data)
