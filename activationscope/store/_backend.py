@@ -20,6 +20,7 @@ import shutil
 import stat
 import threading
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Protocol, runtime_checkable
@@ -1104,6 +1105,9 @@ def resolve(target: Any, *, fsync: bool = False, read_only: bool = False,
     to fsspec for URLs (credentials, ``client_kwargs``, ...)."""
     import zarr
 
+    if storage_options is not None and not isinstance(storage_options, Mapping):
+        raise ArgumentTypeError(f"storage_options must be a dict of fsspec options (credentials, client_kwargs, ...) "
+                                f"or None, got {type(storage_options).__name__}")
     target = expand_local(target)
 
     if isinstance(target, (LocalBackend, ZarrBackend)):

@@ -382,3 +382,22 @@ def test_a_path_that_is_not_there_or_not_in_a_store_says_so(tmp_path):
     (tmp_path / "afile").write_text("x")
     with pytest.raises(StoreError, match=r"no store at .*afile': it is a file, and a store is a folder"):
         acs.open_store(tmp_path / "afile")
+
+
+@pytest.mark.parametrize("target", ["local", "memory://acs-storage-options"])
+def test_storage_options_that_are_not_a_mapping_are_refused(tmp_path, target):
+    """storage_options= of another type than a dict is ArgumentTypeError naming it, for a local
+    path too (it was ignored there without a word, and an fsspec URL raised fsspec's error)."""
+    from activationscope.errors import ArgumentTypeError
+
+    path = str(tmp_path / "s.zarr") if target == "local" else target
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with torch.no_grad(), acs.ActivationScope(store=path).track(model):
+        model(torch.randn(2, 4))
+    with pytest.raises(ArgumentTypeError, match=r"storage_options must be a dict of fsspec options .*got int"):
+        acs.open_store(path, storage_options=3)
+    assert acs.open_store(path, storage_options={}).n_samples == 2
+    if target != "local":
+        import fsspec
+
+        fsspec.filesystem("memory").rm("/acs-storage-options", recursive=True)
