@@ -671,6 +671,10 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
                 "arrays": {}, "already_committed": True}
     expected = world_size or dist.get("world_size")
     if not ranks:
+        if raw and not dist:  # a store of one process: nothing was ever split into rank stores
+            raise StoreError(f"{str(b)!r} is a store written by one process (its root zarr.json records no ranks) "
+                             f"and there are no rank stores under {_ranks_dir(b)!r}; it needs no consolidate: open "
+                             "it as it is (activationscope info / verify)")
         raise StoreError(f"no rank stores under {_ranks_dir(b)!r}; nothing to commit")
     source = ""
     if expected is None:  # no root to say it: the world size every rank store records

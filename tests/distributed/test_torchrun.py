@@ -477,6 +477,22 @@ def test_consolidate_world_size_must_be_positive(tmp_path, capsys, value):
     assert _tree(store) == before
 
 
+def test_consolidate_of_a_one_process_store_says_it_needs_none(tmp_path, capsys):
+    """consolidate given a store one process wrote says so and that it needs no consolidate
+    (it said only 'no rank stores'); the store is unchanged."""
+    from activationscope import cli
+
+    path = tmp_path / "one.zarr"
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with torch.no_grad(), acs.ActivationScope(store=str(path)).track(model):
+        model(torch.randn(2, 4))
+    before = {p: p.read_bytes() for p in path.rglob("*") if p.is_file()}
+    assert cli.main(["consolidate", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert f"{str(path)!r} is a store written by one process" in err and "needs no consolidate" in err, err
+    assert {p: p.read_bytes() for p in path.rglob("*") if p.is_file()} == before
+
+
 def test_consolidate_on_a_path_that_is_not_a_store_creates_nothing(tmp_path, capsys):
     """An empty folder, a folder with an empty ranks/, a regular file, a missing path: each is
     refused naming what it is, with one quoted path, and nothing is created there."""
