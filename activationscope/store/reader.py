@@ -467,7 +467,9 @@ class Store:
         replaced = f"store at {str(self._backend)!r} was replaced since it was opened"
         fix = "reopen it (open_store again, or store.refresh()); a dataset of it: make a new ActivationDataset"
         if now is None:
-            raise StoreError(f"{replaced} (its root document zarr.json is gone); {fix}")
+            gone = f"store at {str(self._backend)!r} was removed or moved since it was opened (its root document " \
+                   "zarr.json is gone)"
+            raise StoreError(f"{gone}; if another store was put in its place, {fix}")
         raw = self._backend.get("zarr.json", max_bytes=V.MAX_JSON_BYTES)
         doc = V.loads_json(raw, store=self._backend, key="zarr.json") if raw is not None else None
         attributes = doc.get("attributes") if isinstance(doc, dict) else None
