@@ -894,6 +894,38 @@ def test_resume_with_another_model_states_the_store_status_and_the_cli_flag(tmp_
         torch.testing.assert_close(acs.open_store(str(out))["2.output"], model(torch.from_numpy(np.load(x))))
 
 
+def test_resume_with_nothing_left_of_a_store_being_written_names_the_writer(tmp_path, toy_store, user_package,
+                                                                          capsys):
+    """--resume with nothing left to capture, of a store another writer still holds, with another
+    model: refused naming the live writer (it compared the models of a store still being
+    written and spoke of the model), the store unchanged."""
+    import activationscope as acs
+    from activationscope.store import StoreWriter
+
+    user_package("othernets", """
+        import torch
+        def mlp():
+            torch.manual_seed(1)
+            return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+    """)
+    _, x = toy_store
+    out = tmp_path / "held.zarr"
+    code, _, err = run(capsys, "capture", "--model", "othernets.nets:mlp", "--data", str(x), "--out", str(out),
+                       "--max-samples", "20", "--no-progress")
+    assert code == 0, err
+    before = acs.open_store(str(out))["2.output"].clone()
+    held = StoreWriter(str(out), resume=True)  # another capture, still running
+    try:
+        code, stdout, err = run(capsys, "capture", "--model", "usermodels.nets:mlp", "--data", str(x), "--out",
+                                str(out), "--max-samples", "20", "--no-progress", "--resume")
+    finally:
+        held.discard()
+    assert code == 1 and "nothing to capture" not in stdout
+    assert f"store {str(out)!r} is being written by pid {os.getpid()}" in err and "captured from a model" not in err, err
+    store = acs.open_store(str(out))
+    assert store.n_samples == 20 and torch.equal(store["2.output"], before)
+
+
 @pytest.mark.parametrize("dtype", [np.float64, np.float16])
 def test_data_of_another_float_dtype_than_the_model_names_both(tmp_path, user_module, capsys, dtype):
     # np.random's default float64 data into a float32 model: torch's "mat1 and mat2 must have

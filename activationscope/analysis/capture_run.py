@@ -479,6 +479,7 @@ def capture_dataset(
     n = len(dataset) if max_samples is None else min(len(dataset), max_samples)
     first = resume_offset(out) if resume else 0
     if resume and first >= n:  # the store writer, which checks the model, is not opened when nothing is left
+        _check_no_writer(out)
         _check_resumed_model(out, loaded.model)
         _check_resumed_side(out, capture)
         if len(dataset) < first:
@@ -516,6 +517,17 @@ def capture_dataset(
     )
     summary.first_sample, summary.n_target = first, n
     return summary
+
+
+def _check_no_writer(out: str) -> None:
+    """A resume with nothing left to capture opens no writer, so the writer lock is taken and
+    given back here first: a store another process is still writing is refused as such
+    (StoreLockedError naming its pid and host), not compared, half written, with this run."""
+    from ..store._backend import resolve
+    from ..store._lock import WriterLock
+
+    with WriterLock(resolve(out)):
+        pass
 
 
 def _check_resumed_model(out: str, model: Any) -> None:
