@@ -52,6 +52,7 @@ from ..errors import (
     StoreError,
     StoreExistsError,
 )
+from .._safeio import _kind
 from . import _format as F
 from . import _validate as V
 from ._backend import LocalBackend, check_backend_not_in_store, check_local_store_path, fsync_dir, resolve
@@ -1272,12 +1273,16 @@ class StoreWriter:
             if listed is not None:
                 listed[hp] = list(b.list(f"{path}/"))
                 found = set(listed[hp])
+            sizes = self._committed_shard_sizes(hp, meta) if local and n >= shard_rows else {}
             for k in range(-(-n // shard_rows)):
                 key = F.shard_key(path, k, len(meta["feature_shape"]))
+                damage = None
                 if local:
                     there = os.path.exists(b.root / key) or (
                         (k + 1) * shard_rows > n and os.path.exists(b.root / (key + KEPT_SUFFIX)))
                     link = not there and os.path.islink(b.root / key)
+                    if there and (k + 1) * shard_rows <= n:  # a whole shard, never read again by the resume
+                        damage = self._shard_damage(key, sizes.get(k))
                 else:
                     there, link = key in found, False
                 if not there:
@@ -1286,7 +1291,41 @@ class StoreWriter:
                            f"{'a symbolic link to a missing file' if link else 'missing'}, but its rows "
                            f"{k * shard_rows}.. are committed (n_rows {n}), and a resume would leave them a hole "
                            "that readers refuse; nothing was deleted or written")
+                if damage is not None:
+                    raise V.corrupt(
+                        b, f"cannot resume: hook point {hp!r} (array {path!r}): its shard {key!r}, whose rows "
+                           f"{k * shard_rows}..{(k + 1) * shard_rows - 1} are committed, is {damage}, and a resume "
+                           "would mark the store complete around it; nothing was deleted or written",
+                        fix="restore that file from an intact copy of the store, or capture it again "
+                            "(`activationscope verify STORE` lists every damaged file)")
         return listed
+
+    def _committed_shard_sizes(self, hook_point: str, meta: Mapping[str, Any]) -> dict[int, int]:
+        """Resume of a local store: ``{shard: file_bytes}`` of the committed shards its manifest
+        lists ({} without a manifest; a damaged one is named by the reads that need it)."""
+        key = meta.get("manifest") or f"{meta['path']}/manifest.json"
+        try:
+            raw = self._backend.get(key, max_bytes=V.MAX_JSON_BYTES)
+            if raw is None:
+                return {}
+            shards = V.parse_manifest(V.loads_json(raw, store=self._backend, key=key), meta, store=self._backend,
+                                      key=key)
+        except StoreError:
+            return {}
+        return {int(k): int(rec["file_bytes"]) for k, rec in shards.items() if isinstance(rec.get("file_bytes"), int)}
+
+    def _shard_damage(self, key: str, file_bytes: int | None) -> str | None:
+        """What is wrong with the committed shard file at ``key`` of a local store (not a
+        regular file, or of another size than its manifest records), or None."""
+        try:
+            st = os.stat(self._backend.path(key))
+        except (OSError, StoreError) as e:
+            return f"unreadable ({e})"
+        if not stat.S_ISREG(st.st_mode):
+            return _kind(st.st_mode)
+        if file_bytes is not None and st.st_size != file_bytes:
+            return f"{st.st_size} bytes where its manifest records {file_bytes} (truncated or written into)"
+        return None
 
     def _refuse_linked_folders(self, path: str, hook_point: str, first_shard: int, flat: bool, done: str) -> None:
         """Local stores: refuse the folders the writer thread writes an array's shards into

@@ -228,3 +228,33 @@ def test_a_file_planted_at_the_next_shard_s_temporary_name_is_never_written_into
     assert victim.read_bytes() == b"precious\n"
     s = open_store(path)
     assert torch.equal(s["x"], rows) and s.verify() == []
+
+
+@pytest.mark.parametrize("damage", ["truncated", "grown", "folder", "fifo"])
+def test_a_resume_refuses_a_damaged_whole_committed_shard_before_it_writes(tmp_path, damage):
+    """A committed whole shard (which a resume never reads again) truncated, written past its
+    end, or replaced by a folder or a FIFO: the resume refuses the store, naming the shard and
+    the fix, before it deletes or writes anything (it went on and closed the store as
+    complete around the damaged shard)."""
+    path = tmp_path / "s.zarr"
+    options = {"chunk_rows": 4, "shard_bytes": 4 * 4 * 4 * 2}  # 8-row shards
+    with StoreWriter(path, **options) as w:
+        w.open_array("x", (4,), torch.float32, "sample").append(torch.randn(20, 4))
+        w.add_batch(20)
+    shard = path / "acts/x/c/0/0"
+    if damage == "truncated":
+        os.truncate(shard, 100)
+    elif damage == "grown":
+        with open(shard, "ab") as f:
+            f.write(bytes(64))
+    else:
+        shard.unlink()
+        shard.mkdir() if damage == "folder" else os.mkfifo(shard)
+    before = {k: v for k, v in _listing(path).items() if k != LOCK_KEY}
+    what = {"truncated": "100 bytes where its manifest records 164", "grown": "228 bytes where its manifest records 164",
+            "folder": "a directory", "fifo": "a FIFO"}[damage]
+    with pytest.raises(StoreCorruptError, match=rf"'acts/x/c/0/0', whose rows 0\.\.7 are committed, is {what}.*"
+                                                r"nothing was deleted or written.*activationscope verify"):
+        StoreWriter(path, resume=True, **options)
+    assert {k: v for k, v in _listing(path).items() if k != LOCK_KEY} == before
+    assert open_store(path).status == "complete"
