@@ -1209,6 +1209,7 @@ class StoreWriter:
                 if problems:
                     raise V.corrupt(b, "; ".join(problems) + "; nothing was deleted or written")
         listed = self._refuse_missing_shards()
+        parts = self._refuse_missing_parts()
         if isinstance(b, LocalBackend):
             for hp, meta in self._old_arrays.items():
                 self._refuse_linked_folders(meta["path"], hp, int(meta["n_rows"]) // int(meta["shard_rows"]),
@@ -1243,9 +1244,38 @@ class StoreWriter:
                         b.delete(key)
         for kind, tbl in self._row_tables.items():
             listed = set(tbl.get("parts", []))
-            for key in list(b.list(f"rows/{kind}/")):
+            for key in parts[kind]:
                 if key not in listed:
                     b.delete(key)
+
+    def _refuse_missing_parts(self) -> dict[str, list[str]]:
+        """Resume: refuse, before anything is deleted or written, a row table whose listed part
+        is missing or (locally) not a regular file: the resume would mark the store complete
+        without those rows. Returns the listing of each kind's folder (``{kind: keys}``), which
+        the truncation deletes unlisted parts from.
+
+        Raises
+        ------
+        StoreCorruptError
+            Naming the row table, the part and the fix; nothing was deleted or written.
+        """
+        b = self._backend
+        found: dict[str, list[str]] = {}
+        for kind, tbl in self._row_tables.items():
+            found[kind] = list(b.list(f"rows/{kind}/"))
+            there = set(found[kind])
+            for key in tbl.get("parts", []):
+                if isinstance(b, LocalBackend):
+                    damage = self._shard_damage(key, None)
+                else:
+                    damage = None if key in there else "missing"
+                if damage is not None:
+                    raise V.corrupt(
+                        b, f"cannot resume: row table {kind!r}: its part {key!r}, listed in zarr.json, is {damage}, and "
+                           "a resume would mark the store complete without its rows; nothing was deleted or written",
+                        fix="restore that file from an intact copy of the store, or capture it again "
+                            "(`activationscope verify STORE` lists every damaged file)")
+        return found
 
     def _refuse_missing_shards(self) -> dict[str, list[str]] | None:
         """Resume: refuse, before anything is deleted or written, an array whose committed rows
@@ -1315,10 +1345,12 @@ class StoreWriter:
         return {int(k): int(rec["file_bytes"]) for k, rec in shards.items() if isinstance(rec.get("file_bytes"), int)}
 
     def _shard_damage(self, key: str, file_bytes: int | None) -> str | None:
-        """What is wrong with the committed shard file at ``key`` of a local store (not a
-        regular file, or of another size than its manifest records), or None."""
+        """What is wrong with the committed file (a shard, a row-table part) at ``key`` of a
+        local store (not a regular file, or of another size than ``file_bytes``), or None."""
         try:
             st = os.stat(self._backend.path(key))
+        except FileNotFoundError:
+            return "missing"
         except (OSError, StoreError) as e:
             return f"unreadable ({e})"
         if not stat.S_ISREG(st.st_mode):

@@ -258,3 +258,33 @@ def test_a_resume_refuses_a_damaged_whole_committed_shard_before_it_writes(tmp_p
         StoreWriter(path, resume=True, **options)
     assert {k: v for k, v in _listing(path).items() if k != LOCK_KEY} == before
     assert open_store(path).status == "complete"
+
+
+@pytest.mark.parametrize("damage", ["missing", "folder", "fifo"])
+def test_a_resume_refuses_a_missing_row_table_part_before_it_writes(tmp_path, damage):
+    """A row-table part the root lists, missing or replaced by a folder or a FIFO: the resume
+    refuses the store, naming the part and the fix, before it deletes or writes anything (it
+    warned that the stored sample ids could not be read, then closed the store as complete
+    without those rows)."""
+    path = tmp_path / "s.zarr"
+    options = {"chunk_rows": 4, "shard_bytes": 4 * 4 * 4 * 2, "commit_interval": 0}
+    w = StoreWriter(path, **options)
+    a = w.open_array("x", (4,), torch.float32, "sample")
+    for i in range(3):
+        a.append(torch.randn(8, 4))
+        w.add_batch(8, list(range(8 * i, 8 * i + 8)))
+        w._core.drain()
+        w.commit()
+    w.close()
+    part = path / "rows/sample/part-000001.parquet"
+    part.unlink()
+    if damage == "folder":
+        part.mkdir()
+    elif damage == "fifo":
+        os.mkfifo(part)
+    before = {k: v for k, v in _listing(path).items() if k != LOCK_KEY}
+    what = {"missing": "missing", "folder": "a directory", "fifo": "a FIFO"}[damage]
+    with pytest.raises(StoreCorruptError, match=rf"row table 'sample': its part 'rows/sample/part-000001\.parquet', "
+                                                rf"listed in zarr\.json, is {what}.*nothing was deleted or written"):
+        StoreWriter(path, resume=True, **options)
+    assert {k: v for k, v in _listing(path).items() if k != LOCK_KEY} == before
