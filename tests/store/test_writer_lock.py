@@ -340,3 +340,27 @@ def test_a_writer_whose_object_store_marker_was_taken_writes_nothing_more(tmp_pa
     s = open_store(url)
     assert s.n_samples == 7 and torch.equal(s["x"], torch.cat([torch.ones(4, 2), torch.full((3, 2), 9.0)]))
     assert s.status == "complete" and s.verify() == []
+
+
+def test_removing_an_empty_store_checks_it_under_the_lock(tmp_path, monkeypatch):
+    """remove_if_empty (what a capture whose first forward raised calls on its store) looked at
+    the store, then took the writer lock and deleted everything: a resume that took the store
+    and committed rows in between lost them. The store is looked at under the lock."""
+    from activationscope.store import _remove, remove_if_empty
+
+    path = tmp_path / "s.zarr"
+    StoreWriter(path).close()  # a store of no rows
+    rows = torch.randn(6, 3)
+    acquire = _remove.WriterLock.acquire
+
+    def another_writer_first(self):
+        if not getattr(another_writer_first, "done", False):
+            another_writer_first.done = True
+            with StoreWriter(path, resume=True) as w:  # takes the store and commits rows meanwhile
+                _write_rows(w, rows)
+        return acquire(self)
+
+    monkeypatch.setattr(_remove.WriterLock, "acquire", another_writer_first)
+    assert remove_if_empty(path) is False
+    s = open_store(path)
+    assert s.n_samples == 6 and torch.equal(s["x"], rows) and s.verify() == []
