@@ -364,3 +364,36 @@ def test_removing_an_empty_store_checks_it_under_the_lock(tmp_path, monkeypatch)
     assert remove_if_empty(path) is False
     s = open_store(path)
     assert s.n_samples == 6 and torch.equal(s["x"], rows) and s.verify() == []
+
+
+def test_a_copy_onto_its_own_store_or_a_folder_of_other_files_deletes_nothing(tmp_path):
+    """copy_store(..., overwrite=True) cleared the target before it read the source: onto the
+    source itself (its path, a link to it, or a folder holding it) it deleted the store, and
+    onto a folder that is not a store it deleted the files there. Both are refused (StoreError
+    naming both paths; StoreExistsError as a writer's overwrite=True refuses a folder that
+    holds no store), and nothing is deleted."""
+    path = tmp_path / "s.zarr"
+    rows = torch.randn(5, 3)
+    with StoreWriter(path) as w:
+        _write_rows(w, rows)
+    os.symlink(path, tmp_path / "alias.zarr")
+    for target in (path, tmp_path / "alias.zarr", tmp_path):
+        with pytest.raises(StoreError, match="itself|holds no Zarr store"):
+            copy_store(path, target, overwrite=True)
+        with pytest.raises(StoreError, match="itself|holds no Zarr store"):
+            open_store(path).save(target, overwrite=True)
+        s = open_store(path)
+        assert torch.equal(s["x"], rows) and s.verify() == [], target
+    folder = tmp_path / "papers"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "notes.txt").write_text("mine")
+    (folder / "sub" / "data.csv").write_text("mine too")
+    before = _listing(folder)
+    with pytest.raises(acs.StoreExistsError, match="holds no Zarr store"):
+        copy_store(path, folder, overwrite=True)
+    assert _listing(folder) == before and not (folder / LOCK_KEY).exists()
+    other = tmp_path / "other.zarr"  # a store is still replaced
+    with StoreWriter(other) as w:
+        _write_rows(w, torch.zeros(2, 3))
+    copy_store(path, other, overwrite=True)
+    assert torch.equal(open_store(other)["x"], rows)
