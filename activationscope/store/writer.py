@@ -2301,9 +2301,9 @@ class StoreWriter:
         hook_point, name : str
         reduction : object with ``result() -> dict[str, Tensor]``, ``state()`` and ``kind``
         script_path : path, optional
-            The ``.pt`` of a custom TorchScript reduction (found on the reduction object
-            as ``script_path`` / ``path`` when not given), kept as
-            ``reductions/<hook point>/<name>.pt``.
+            The ``.pt`` of a custom TorchScript reduction (when not given: the bytes on the
+            reduction object as ``script_bytes``, the program as it was loaded, else the file
+            it names as ``script_path`` / ``path``), kept as ``reductions/<hook point>/<name>.pt``.
         n_rows : int, optional
             Rows of the hook point's array the reduction covers (recorded as ``n_rows`` of
             each entry: a reader shows a reduction over fewer rows than its array as partial).
@@ -2376,16 +2376,21 @@ class StoreWriter:
                     if options:  # lets a commit of rank stores rebuild a built-in reduction to merge into
                         owner["options"] = F.check_jsonable(dict(options), "reduction options")
             pt = script_path
-            if pt is None:
+            # the program that ran, as read when the reduction was loaded (the file may have been
+            # saved again with another one since); else the file as it is now
+            data = getattr(reduction, "script_bytes", None) if pt is None else None
+            if pt is None and data is None:
                 for attr in ("script_path", "path"):
                     v = getattr(reduction, attr, None)
                     v = v() if callable(v) else v
                     if v:
                         pt = v
                         break
-            if pt is not None and Path(pt).is_file():
-                key = f"reductions/{node}/{name}.pt"
+            if data is None and pt is not None and Path(pt).is_file():
                 data = Path(pt).read_bytes()
+            if isinstance(data, (bytes, bytearray)):
+                key = f"reductions/{node}/{name}.pt"
+                data = bytes(data)
                 self._backend.set(key, data)
                 if name in entries:
                     entries[name]["script"] = key
@@ -2672,9 +2677,9 @@ class StoreWriter:
             The reduction's options (its ``options``, defaults filled in); a stored state
             recorded with other options (``hist`` with another range or bin count, ``topk``
             with another ``k``) is not used. None skips that comparison.
-        script : path or None, optional
-            For a custom reduction: the ``.pt`` of the resumed one (None for one run as
-            eager Python). Every custom reduction has the same ``kind``, so its stored state
+        script : path, bytes or None, optional
+            For a custom reduction: the ``.pt`` of the resumed one, or its bytes as loaded
+            (None for one run as eager Python). Every custom reduction has the same ``kind``, so its stored state
             is used only when the store's ``<name>.pt`` is the same TorchScript program (the
             same records, by name, size and crc32, read from the archives' directories,
             never loaded; a stored script larger than twice the resumed one plus 1 MiB is
@@ -2697,9 +2702,14 @@ class StoreWriter:
         reader = Store(self._backend)
         if script is not _NOT_CUSTOM:
             key = owner.get("script")
-            if script is None or not isinstance(key, str) or not Path(script).is_file():
+            if script is None or not isinstance(key, str):
                 return None
-            new = Path(script).read_bytes()
+            if isinstance(script, (bytes, bytearray)):  # (the program as it was loaded)
+                new = bytes(script)
+            elif Path(script).is_file():
+                new = Path(script).read_bytes()
+            else:
+                return None
             # the same program saved anew differs only in its archive's top folder name: a stored
             # file far larger than the resumed one is not it, and is never read (a huge or planted
             # file cannot make the resume read it whole)
