@@ -607,3 +607,28 @@ def test_a_custom_reduction_file_replaced_during_the_capture_stores_the_program_
     _run(model, path, xs[2:], [("agg", str(pt))], resume=True)
     got = open_store(path).reductions["0.output"]["agg"]
     assert got[1] == ref.max() and got[0] == 3  # recomputed over the stored rows, then two batches
+
+
+def test_a_fifo_at_a_stored_reduction_script_is_recomputed_over_every_row_on_resume(tmp_path):
+    """A FIFO where the root lists a custom reduction's ``.pt`` (no regular file: no program to
+    compare, never read) is taken as a missing script: the resume computes the reduction again
+    over every stored row and writes the script anew (it raised StoreCorruptError at the
+    resume's first forward, telling to restore the store)."""
+    import os
+
+    from activationscope.reductions import script_reduction
+
+    model, xs = _model(), _batches(4)
+    path = tmp_path / "s.zarr"
+    pt = script_reduction(_calls_and_sum, tmp_path / "agg.pt")
+    _run(model, path, xs[:2], [("agg", str(pt))])
+    key = path / "reductions" / "0.output" / "agg.pt"
+    key.unlink()
+    os.mkfifo(key)
+    _run(model, path, xs[2:], [("agg", str(pt))], resume=True)
+    store = open_store(path)
+    ref = _ref_rows(model, xs)
+    assert store.status == "complete" and store.verify() == []
+    got = store.reductions["0.output"]["agg"]
+    assert got[0] == 3 and torch.allclose(got[1], ref.sum())  # the stored rows read back at once, then two batches
+    assert store.reduction_script("0.output", "agg") == pt.read_bytes()

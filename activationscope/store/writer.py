@@ -2714,10 +2714,13 @@ class StoreWriter:
             # file far larger than the resumed one is not it, and is never read (a huge or planted
             # file cannot make the resume read it whole)
             limit = 2 * len(new) + _SCRIPT_SIZE_SLACK_BYTES
-            size = self._backend.size(key)
-            if size is None or size > limit:
+            try:  # (a FIFO, a folder, a link leaving the store there: no program to compare, as missing)
+                size = self._backend.size(key)
+                if size is None or size > limit:
+                    return None
+                old = self._backend.get(key, max_bytes=limit)
+            except StoreCorruptError:
                 return None
-            old = self._backend.get(key, max_bytes=limit)
             if old is None or reader._crc_problem(old, (owner.get("crc32c") or {}).get(key),
                                                   f"reduction {name!r}: script {key!r}") is not None:
                 return None
