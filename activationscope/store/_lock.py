@@ -3,8 +3,9 @@
 Local stores: ``fcntl.flock`` on ``<store>/.activationscope-writer.lock`` (released by the
 kernel when the holder exits, however it exits). Object stores: a marker object of the same
 key created with a conditional put (S3 ``If-None-Match: *``), deleted by :meth:`release`; a
-marker left by a writer that died on this host is taken over, one left from another host
-must be deleted by hand (the error says which). The lock file holds ``{"pid", "host",
+marker left by a writer that died on this host (or by a writer of this process dropped
+without a close) is taken over, one left from another host must be deleted by hand (the
+error says which). The lock file holds ``{"pid", "host",
 "started", "token"}`` of the holder, which the error of a second writer names.
 
 Readers never take the lock: they see the last commit.
@@ -41,6 +42,12 @@ def _names_holder(raw: bytes | None) -> bool:
         return isinstance(h, dict) and {"pid", "host", "started"} <= set(h)
     except ValueError:
         return False
+
+
+#: Tokens of the marker locks this process holds now (object stores): a marker of this process
+#: whose token is not here was left by a writer dropped without a close (garbage collected),
+#: and is taken over like one of a process that is gone.
+_HELD_TOKENS: set[str] = set()
 
 
 def _pid_alive(pid: Any) -> bool:
@@ -169,14 +176,16 @@ class WriterLock:
         b = self.backend
         for _ in range(2):
             if b.set_if_absent(LOCK_KEY, self._me()):
+                _HELD_TOKENS.add(self.token)
                 return
             raw = b.get(LOCK_KEY, max_bytes=4096)
             try:
                 h = json.loads(raw or b"")
             except ValueError:
                 h = {}
-            if isinstance(h, dict) and h.get("host") == socket.gethostname() and not _pid_alive(h.get("pid")):
-                b.delete(LOCK_KEY)  # left by a writer of this host that died: take it over
+            if isinstance(h, dict) and h.get("host") == socket.gethostname() and (
+                    not _pid_alive(h.get("pid")) or (h.get("pid") == os.getpid() and h.get("token") not in _HELD_TOKENS)):
+                b.delete(LOCK_KEY)  # left by a writer of this host that died (or was dropped unclosed): taken over
                 continue
             raise self._locked_error(raw, f"; if that writer is gone, delete {str(b).rstrip('/')}/{LOCK_KEY}")
         raise self._locked_error(None)
@@ -237,6 +246,8 @@ class WriterLock:
                 self.backend.delete(LOCK_KEY)
         except Exception:  # noqa: BLE001 - a marker we cannot delete only blocks later writers, who are told how
             pass
+        finally:
+            _HELD_TOKENS.discard(self.token)
 
     def discard_root(self) -> None:
         """Release, leaving the target as it was found: the lock file goes when :meth:`acquire`
@@ -260,6 +271,8 @@ class WriterLock:
             if self._fd is not None:  # a writer dropped without close(): the lock goes with it
                 os.close(self._fd)
                 self._fd = None
+            if os.getpid() == self._pid:  # (a marker: left, and taken over by this process's next writer)
+                _HELD_TOKENS.discard(self.token)
         except Exception:  # noqa: BLE001
             pass
 

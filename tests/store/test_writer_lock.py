@@ -397,3 +397,31 @@ def test_a_copy_onto_its_own_store_or_a_folder_of_other_files_deletes_nothing(tm
         _write_rows(w, torch.zeros(2, 3))
     copy_store(path, other, overwrite=True)
     assert torch.equal(open_store(other)["x"], rows)
+
+
+def test_an_object_store_marker_of_a_writer_dropped_unclosed_is_taken_over_by_the_same_process(tmp_path):
+    """On object storage a writer garbage collected without a close (its capture loop failed
+    outside a ``with`` block) left its marker, naming this very process, which is alive: the
+    same process could not resume the store until the marker was deleted by hand (a local
+    store's flock goes with the dropped writer). Such a marker is taken over; one held by a live
+    writer of this process is still refused."""
+    import gc
+
+    url = "memory://acs-lock-dropped/run.zarr"
+    w = StoreWriter(url, chunk_rows=1, shard_bytes=8, commit_interval=0)
+    a = w.open_array("x", (2,), torch.float32, "sample")
+    a.append(torch.ones(3, 2))
+    w.add_batch(3)
+    w._core.drain()
+    w.commit()
+    holder = StoreWriter("memory://acs-lock-dropped/other.zarr")  # a live writer of this process
+    with pytest.raises(StoreLockedError, match=rf"pid {os.getpid()}"):
+        StoreWriter("memory://acs-lock-dropped/other.zarr", resume=True)
+    del a, w
+    gc.collect()
+    again = StoreWriter(url, resume=True)
+    assert again.n_samples_committed == 3
+    _write_rows(again, torch.zeros(2, 2))
+    again.close()
+    holder.close()
+    assert open_store(url).n_samples == 5
