@@ -2625,8 +2625,8 @@ def copy_store(source: Any, target: Any, *, overwrite: bool = False) -> None:
     src = source._backend if isinstance(source, Store) else resolve(source, read_only=True)
     dst = resolve(target)
     check_backend_not_in_store(dst)  # its objects would land among another store's
-    _refuse_copy_onto_itself(src, dst)
     with WriterLock(dst):  # no writer may be writing the target meanwhile
+        _refuse_copy_onto_itself(src, dst)
         if not dst.is_empty():
             if not overwrite:
                 raise StoreExistsError(f"{str(dst)!r} is not empty; pass overwrite=True to replace it")
