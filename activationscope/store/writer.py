@@ -17,12 +17,14 @@ from __future__ import annotations
 import atexit
 import ctypes
 import functools
+import glob
 import hashlib
 import io
 import json
 import math
 import operator
 import os
+import re
 import shutil
 import stat
 import tempfile
@@ -863,8 +865,32 @@ class StoreWriter:
                 staging()
             raise
 
+    def _warn_left_aside(self) -> None:
+        """Local stores: warn about a store an earlier ``overwrite=True`` moved aside next to
+        this one (``.<name>.replaced-<hex>``, FORMAT.md section 7) and never settled: its writer
+        was killed before its new store committed a forward (the old store should have gone
+        back) or before it deleted the old one. Only a person can tell which to keep."""
+        b = self._backend
+        if not isinstance(b, LocalBackend):
+            return
+        try:
+            real = Path(os.path.realpath(b.root))
+            left = sorted(str(p) for p in real.parent.glob(f".{glob.escape(real.name)}.replaced-*")
+                          if p.is_dir() and not p.is_symlink() and re.fullmatch(r"[0-9a-f]{8}", p.name.rsplit("-", 1)[1]))
+        except OSError:
+            return
+        if left:
+            warnings.warn(
+                f"store {str(b)!r}: {left[0]!r}{f' (and {len(left) - 1} more)' if len(left) > 1 else ''} holds a store "
+                "that an earlier overwrite=True moved aside and never settled (its writer was killed before the new "
+                "store there committed a forward, or before it deleted the old one); it is not this store. To keep "
+                f"it, move its entries back into {str(b)!r} (by hand, with no writer running); else delete it",
+                RuntimeWarning, stacklevel=4)
+
     def _open_existing(self, overwrite: bool, resume: bool) -> None:
         """Check what is at the target (under the writer lock) and set up the state."""
+        if overwrite or resume:
+            self._warn_left_aside()  # (before this writer moves one aside of its own)
         if overwrite:
             if self._backend.size("zarr.json") is not None or self._backend.is_empty():
                 # a store (even a damaged one) or nothing: replaced. A local one is moved aside

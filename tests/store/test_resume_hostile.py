@@ -288,3 +288,39 @@ def test_a_resume_refuses_a_missing_row_table_part_before_it_writes(tmp_path, da
                                                 rf"listed in zarr\.json, is {what}.*nothing was deleted or written"):
         StoreWriter(path, resume=True, **options)
     assert {k: v for k, v in _listing(path).items() if k != LOCK_KEY} == before
+
+
+def test_a_resume_after_a_killed_overwrite_names_the_store_it_moved_aside(tmp_path):
+    """``overwrite=True`` moves the old store aside (``.<name>.replaced-<hex>``) until its new
+    store commits; killed before, it leaves the old store there and a new one of no rows at
+    the path, and a resume (or another overwrite) went on without a word about it. They warn,
+    naming the folder; a writer settling its own aside does not."""
+    import subprocess
+    import sys
+    import warnings
+
+    path = tmp_path / "s.zarr"
+    rows = torch.randn(5, 3)
+    _store(path, rows)
+    code = ("import os, sys, torch\nfrom activationscope.store import StoreWriter\n"
+            "w = StoreWriter(sys.argv[1], overwrite=True)\nos.kill(os.getpid(), 9)\n")
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", code, str(path)], env=env, capture_output=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith(".s.zarr.replaced-")]
+    assert len(aside) == 1 and torch.equal(open_store(aside[0])["x"], rows)
+    with pytest.warns(RuntimeWarning, match=rf"{aside[0].name}.*moved aside and never settled.*move its entries back"):
+        StoreWriter(path, resume=True).close()
+    with pytest.warns(RuntimeWarning, match=rf"{aside[0].name}"):
+        StoreWriter(path, overwrite=True).close()
+    import shutil
+
+    shutil.rmtree(aside[0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _store(tmp_path / "t.zarr", rows)
+        with StoreWriter(tmp_path / "t.zarr", overwrite=True) as w:  # its own aside, settled: no warning
+            w.open_array("x", (3,), torch.float32, "sample").append(rows)
+            w.add_batch(5)
+        StoreWriter(tmp_path / "t.zarr", resume=True).close()
