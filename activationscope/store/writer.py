@@ -238,6 +238,9 @@ class _Array:
     # (FORMAT.md section 7), so a resume killed before that commit leaves the committed file as it was
     held_shard: int = -1
     held_ready: bool = False  # that new file is written (taken from the writer), not yet renamed
+    # shard records taken from the writer thread by a commit that failed before listing them (an
+    # upload that failed): the next commit lists them first
+    untaken: list = field(default_factory=list)
     # a forward recorded by add_batch reached it (or the store as found lists it): only then does
     # a root list it. An array first opened in a forward that is never recorded (refused or raised
     # partway) is never listed, and its files are removed by the close
@@ -2004,34 +2007,13 @@ class StoreWriter:
                 if self._closed:
                     self._drop_unrecorded_shards(a)
                 continue
-            for rec in a.writer.take_durable():
-                key = F.shard_key(a.path, rec["shard"], len(a.feature_shape))
-                if self._found_files is not None and not self._closed and key not in self._found_files:
-                    # noted as taken (before an upload that may fail): a discard removes a shard
-                    # past the found ones; the found partial last shard of a remote store, rewritten
-                    # with more rows, has no hard link keeping it, so its found bytes are read first
-                    if int(rec["shard"]) >= self._listed_shards(a):
-                        self._found_files[key] = None
-                    elif not isinstance(b, LocalBackend):  # (its size as the found manifest lists it)
-                        listed = a.manifest.get(int(rec["shard"])) or {}
-                        size = listed.get("file_bytes")
-                        self._found_files[key] = b.get(key, max_bytes=int(size) if isinstance(size, int) else
-                                                       V.MAX_FILE_BYTES)
-                if not isinstance(b, LocalBackend):
-                    local = self._staging / key
-                    b.put_file(key, local)
-                    local.unlink()
-                elif int(rec["shard"]) == a.held_shard:
-                    a.held_ready = True  # renamed over its key once this commit goes ahead (below)
-                a.manifest[int(rec["shard"])] = {
-                    "shard": int(rec["shard"]), "key": key, "rows_end": int(rec["rows_end"]),
-                    "file_bytes": int(rec["file_bytes"]),
-                    # tuples of ints: the garbage collector stops tracking them (a long capture holds
-                    # millions), JSON writes them as lists
-                    "chunks": [(int(j), int(o), int(nb), int(c)) for (j, o, nb, c) in rec["chunks"]],
-                }
-                a.manifest_dirty = True
-                a.listed_rows = max(a.listed_rows, int(rec["rows_end"]))
+            records, a.untaken = a.untaken + list(a.writer.take_durable()), []
+            for i, rec in enumerate(records):
+                try:
+                    self._list_shard(a, rec)
+                except BaseException:  # (an upload that failed: kept for the next commit)
+                    a.untaken = records[i:]
+                    raise
         # rows listed in the manifests above (not the writer thread's durable_rows, read now: a
         # shard it finished since take_durable() is on disk but in no manifest until the next commit)
         durable = [max(a.committed_rows, a.listed_rows) for a in self._order]
@@ -2126,6 +2108,38 @@ class StoreWriter:
         if not self._closed:  # the next commit will rewrite these: make their files now
             self._reserve([key for key, _ in writes] + ["zarr.json"])
         return k > 0 or force
+
+    def _list_shard(self, a: _Array, rec: Mapping[str, Any]) -> None:
+        """Commit, step 1: list the shard ``rec`` the writer thread finished for ``a`` in its
+        manifest (an object store's: uploaded first)."""
+        b = self._backend
+        key = F.shard_key(a.path, rec["shard"], len(a.feature_shape))
+        if self._found_files is not None and not self._closed and key not in self._found_files:
+            # noted as taken (before an upload that may fail): a discard removes a shard
+            # past the found ones; the found partial last shard of a remote store, rewritten
+            # with more rows, has no hard link keeping it, so its found bytes are read first
+            if int(rec["shard"]) >= self._listed_shards(a):
+                self._found_files[key] = None
+            elif not isinstance(b, LocalBackend):  # (its size as the found manifest lists it)
+                listed = a.manifest.get(int(rec["shard"])) or {}
+                size = listed.get("file_bytes")
+                self._found_files[key] = b.get(key, max_bytes=int(size) if isinstance(size, int) else
+                                               V.MAX_FILE_BYTES)
+        if not isinstance(b, LocalBackend):
+            local = self._staging / key
+            b.put_file(key, local)
+            local.unlink()
+        elif int(rec["shard"]) == a.held_shard:
+            a.held_ready = True  # renamed over its key once this commit goes ahead (below)
+        a.manifest[int(rec["shard"])] = {
+            "shard": int(rec["shard"]), "key": key, "rows_end": int(rec["rows_end"]),
+            "file_bytes": int(rec["file_bytes"]),
+            # tuples of ints: the garbage collector stops tracking them (a long capture holds
+            # millions), JSON writes them as lists
+            "chunks": [(int(j), int(o), int(nb), int(c)) for (j, o, nb, c) in rec["chunks"]],
+        }
+        a.manifest_dirty = True
+        a.listed_rows = max(a.listed_rows, int(rec["rows_end"]))
 
     def _drop_unrecorded_shards(self, a: _Array) -> None:
         """Closing: remove the shards the writer thread finished for ``a``, an array first
