@@ -183,8 +183,9 @@ class WriterLock:
                 h = json.loads(raw or b"")
             except ValueError:
                 h = {}
+            dropped = isinstance(h, dict) and h.get("pid") == os.getpid() and h.get("token") not in _HELD_TOKENS
             if isinstance(h, dict) and h.get("host") == socket.gethostname() and (
-                    not _pid_alive(h.get("pid")) or (h.get("pid") == os.getpid() and h.get("token") not in _HELD_TOKENS)):
+                    not _pid_alive(h.get("pid")) or dropped):
                 b.delete(LOCK_KEY)  # left by a writer of this host that died (or was dropped unclosed): taken over
                 continue
             raise self._locked_error(raw, f"; if that writer is gone, delete {str(b).rstrip('/')}/{LOCK_KEY}")

@@ -879,7 +879,8 @@ class StoreWriter:
         try:
             real = Path(os.path.realpath(b.root))
             left = sorted(str(p) for p in real.parent.glob(f".{glob.escape(real.name)}.replaced-*")
-                          if p.is_dir() and not p.is_symlink() and re.fullmatch(r"[0-9a-f]{8}", p.name.rsplit("-", 1)[1]))
+                          if p.is_dir() and not p.is_symlink()
+                          and re.fullmatch(r"[0-9a-f]{8}", p.name.rsplit("-", 1)[1]))
         except OSError:
             return
         if left:
@@ -1300,8 +1301,9 @@ class StoreWriter:
                     damage = None if key in there else "missing"
                 if damage is not None:
                     raise V.corrupt(
-                        b, f"cannot resume: row table {kind!r}: its part {key!r}, listed in zarr.json, is {damage}, and "
-                           "a resume would mark the store complete without its rows; nothing was deleted or written",
+                        b, f"cannot resume: row table {kind!r}: its part {key!r}, listed in zarr.json, is {damage}, "
+                           "and a resume would mark the store complete without its rows; nothing was deleted or "
+                           "written",
                         fix="restore that file from an intact copy of the store, or capture it again "
                             "(`activationscope verify STORE` lists every damaged file)")
         return found
@@ -2628,7 +2630,8 @@ class StoreWriter:
                 if keep in back:
                     target = b.root / back[keep]
                     b._make_parent(target, back[keep])  # (checked inside the store; its array's folder may be gone)
-                    os.replace(b.path(keep, write=True), target)  # (over a FIFO or a link: replaces it, never follows it)
+                    # (over a FIFO or a link: replaces it, never follows it)
+                    os.replace(b.path(keep, write=True), target)
                 else:
                     os.unlink(b.path(keep, write=True))
             except (OSError, StoreError) as e:

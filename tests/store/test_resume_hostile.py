@@ -251,8 +251,8 @@ def test_a_resume_refuses_a_damaged_whole_committed_shard_before_it_writes(tmp_p
         shard.unlink()
         shard.mkdir() if damage == "folder" else os.mkfifo(shard)
     before = {k: v for k, v in _listing(path).items() if k != LOCK_KEY}
-    what = {"truncated": "100 bytes where its manifest records 164", "grown": "228 bytes where its manifest records 164",
-            "folder": "a directory", "fifo": "a FIFO"}[damage]
+    what = {"truncated": "100 bytes where its manifest records 164",
+            "grown": "228 bytes where its manifest records 164", "folder": "a directory", "fifo": "a FIFO"}[damage]
     with pytest.raises(StoreCorruptError, match=rf"'acts/x/c/0/0', whose rows 0\.\.7 are committed, is {what}.*"
                                                 r"nothing was deleted or written.*activationscope verify"):
         StoreWriter(path, resume=True, **options)
