@@ -429,7 +429,10 @@ class LocalBackend:
                               fix=f"move the folder at {str(p)!r} away (the store writes that file there), then try "
                                   "again (a capture: resume=True continues from its committed rows)") from e
             raise StoreError(f"writing {str(p)!r} failed: {e.strerror or e}") from e
-        if (now.st_dev, now.st_ino) != (written.st_dev, written.st_ino):
+        # (a link swapped in for the temporary file is now at the key; another inode alone is no proof:
+        # a FUSE mount may rename by copying)
+        if not stat.S_ISREG(now.st_mode) or ((now.st_dev, now.st_ino) != (written.st_dev, written.st_ino)
+                                             and now.st_nlink > 1):
             raise corrupt(self, f"{key!r}: its temporary file {tmp.name!r} was replaced by another process while it "
                                 "was written, so what was renamed over the key is not what was written",
                           fix="make sure no other process writes in the store's folder, then try again (a capture: "
@@ -616,7 +619,7 @@ def _open_spare(tmp: Path) -> int:
         _unlink_quietly(tmp)
         return -1
     st = os.fstat(fd)
-    if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_size == 0:
+    if stat.S_ISREG(st.st_mode) and st.st_nlink <= 1 and st.st_size == 0:
         return fd
     os.close(fd)
     _unlink_quietly(tmp)

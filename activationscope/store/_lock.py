@@ -129,7 +129,7 @@ class WriterLock:
             os.close(fd)
             raise corrupt(self.backend, f"the writer lock {LOCK_KEY!r} must be a regular file, got another kind "
                                         "of file", fix=f"delete what is at {str(path)!r}")
-        if st.st_nlink != 1:  # the writer truncates and writes it: never another name's file
+        if st.st_nlink > 1:  # the writer truncates and writes it: never another name's file
             os.close(fd)
             raise corrupt(self.backend, f"the writer lock {LOCK_KEY!r} must be a file of its own, got a file with "
                                         f"{st.st_nlink} names (a hard link: another name elsewhere, maybe outside the "

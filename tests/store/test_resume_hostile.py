@@ -324,3 +324,29 @@ def test_a_resume_after_a_killed_overwrite_names_the_store_it_moved_aside(tmp_pa
             w.open_array("x", (3,), torch.float32, "sample").append(rows)
             w.add_batch(5)
         StoreWriter(tmp_path / "t.zarr", resume=True).close()
+
+
+def test_a_document_s_temporary_file_swapped_for_a_link_before_its_rename_is_refused(tmp_path, monkeypatch):
+    """Another process replacing a document's temporary file by a symbolic link between its
+    write and its rename puts the link at the key: that is StoreCorruptError naming the key
+    (never a document read through a link leaving the store), and the linked file keeps its
+    bytes."""
+    from activationscope.store._backend import LocalBackend
+
+    b = LocalBackend(tmp_path / "s.zarr")
+    b.set("acts/x/manifest.json", b"{}")
+    victim = tmp_path / "notes.txt"
+    victim.write_bytes(b"precious\n")
+    replace = os.replace
+
+    def swapping(src, dst, **kw):
+        if str(src).endswith(".tmp"):
+            os.unlink(src)
+            os.symlink(victim, src)
+        return replace(src, dst, **kw)
+
+    monkeypatch.setattr(os, "replace", swapping)
+    with pytest.raises(StoreCorruptError, match=r"'acts/x/manifest\.json': its temporary file .* was replaced"):
+        b.set("acts/x/manifest.json", b'{"hook_point": "x"}')
+    monkeypatch.setattr(os, "replace", replace)
+    assert victim.read_bytes() == b"precious\n"
