@@ -208,8 +208,7 @@ class WriterLock:
                 now = os.stat(path, follow_symlinks=False)
             except OSError:
                 return f"its writer lock {str(path)!r} is gone"
-            mine = os.fstat(self._fd)
-            if (now.st_dev, now.st_ino) != (mine.st_dev, mine.st_ino):
+            if now.st_ino != os.fstat(self._fd).st_ino:  # (as acquire compares them)
                 return f"its writer lock {str(path)!r} is not the file this writer locked any more"
             return None
         try:
