@@ -246,8 +246,8 @@ class LocalBackend:
                 if key in self._spare:
                     continue
             tmp = self._temp_name(self.root / key)
-            try:  # (in a folder that exists: a store folder moved or removed meanwhile is never made again)
-                self._check_inside(tmp.parent, key, cached=False)
+            try:  # (below the store's folder: one moved or removed meanwhile is never made again)
+                self._make_parent(tmp, key, make_root=False)
                 os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
             except OSError:
                 continue  # set() makes its own
@@ -331,14 +331,25 @@ class LocalBackend:
             raise corrupt(self, f"{key!r} resolves to {real!r}, outside the store (a symlink "
                                 "leaving the store); a store never refers to files outside itself")
 
-    def _make_parent(self, p: Path, key: str) -> None:
-        """Make the folders of ``p``, checking first that the deepest existing one is inside the store."""
-        self.root.mkdir(parents=True, exist_ok=True)
+    def _make_parent(self, p: Path, key: str, make_root: bool = True) -> None:
+        """Make the folders of ``p``, checking first that the deepest existing one is inside the
+        store (without ``make_root``, only below the store's folder: FileNotFoundError when it
+        is gone)."""
+        if make_root:
+            self.root.mkdir(parents=True, exist_ok=True)
+        elif not self.root.is_dir():
+            raise FileNotFoundError(f"no store folder at {str(self.root)!r}")
         q = p.parent
         while not q.exists() and q != q.parent:
             q = q.parent
         self._check_inside(q, key, cached=False)
-        p.parent.mkdir(parents=True, exist_ok=True)
+        if make_root:
+            p.parent.mkdir(parents=True, exist_ok=True)
+        else:  # one folder at a time below the root, never the root itself (gone: FileNotFoundError)
+            d = self.root
+            for part in p.parent.relative_to(self.root).parts:
+                d = d / part
+                d.mkdir(exist_ok=True)
         self._check_inside(p.parent, key, cached=False)
 
     def path(self, key: str, write: bool = False) -> Path:

@@ -128,7 +128,16 @@ def test_reserved_temporary_files_are_used_then_released(tmp_path):
     one; release() removes the unused; nothing else is left in the directory."""
     from activationscope.store._backend import LocalBackend
 
+    gone = LocalBackend(tmp_path / "gone")  # no store folder (moved or removed): none is made
+    gone.reserve(["x/zarr.json"])
+    deadline = time.monotonic() + 10
+    while not gone._spare_queue.empty() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)
+    gone.release()
+    assert not (tmp_path / "gone").exists()
     b = LocalBackend(tmp_path / "s")
+    (tmp_path / "s").mkdir()  # (a writer's lock makes it first)
     b.reserve(["a/zarr.json", "b/zarr.json"])
     deadline = time.monotonic() + 10
     while len(b._spare) < 2 and time.monotonic() < deadline:
