@@ -580,3 +580,55 @@ def test_a_resume_never_reads_a_stored_script_far_larger_than_its_own_whole(tmp_
     got = open_store(path).reductions["0.output"]["agg"]
     assert got[0] == 2  # recomputed: the stored rows read back at once, then the last batch
     torch.testing.assert_close(got[1], _ref_rows(model, xs).sum())
+
+
+def test_a_custom_reduction_file_replaced_during_the_capture_stores_the_program_that_ran(tmp_path):
+    """The ``.pt`` given as a reduction was read again at the close to be kept in the store: a
+    file replaced meanwhile by another program (the reduction edited and saved again to the
+    same path while a capture ran) was stored as the program of a state the first one made, and
+    a resume with the new file took it as the same program and continued that state (a max
+    folded onto a sum). The store keeps the bytes of the program that ran."""
+    from activationscope.reductions import script_reduction
+
+    model, xs = _model(), _batches(4)
+    path = tmp_path / "s.zarr"
+    pt = tmp_path / "agg.pt"
+    script_reduction(_calls_and_sum, pt)
+    ran = pt.read_bytes()
+    with ActivationScope(store=path, reductions=[("agg", str(pt))]).track(model):
+        model(xs[0])
+        script_reduction(_calls_and_max, pt)  # edited and saved again while the capture runs
+        model(xs[1])
+    store = open_store(path)
+    assert store.reduction_script("0.output", "agg") == ran
+    ref = _ref_rows(model, xs)
+    torch.testing.assert_close(store.reductions["0.output"]["agg"],
+                               torch.stack([torch.tensor(2.0, dtype=torch.float64), ref[:16].sum()]))
+    _run(model, path, xs[2:], [("agg", str(pt))], resume=True)
+    got = open_store(path).reductions["0.output"]["agg"]
+    assert got[1] == ref.max() and got[0] == 3  # recomputed over the stored rows, then two batches
+
+
+def test_a_fifo_at_a_stored_reduction_script_is_recomputed_over_every_row_on_resume(tmp_path):
+    """A FIFO where the root lists a custom reduction's ``.pt`` (no regular file: no program to
+    compare, never read) is taken as a missing script: the resume computes the reduction again
+    over every stored row and writes the script anew (it raised StoreCorruptError at the
+    resume's first forward, telling to restore the store)."""
+    import os
+
+    from activationscope.reductions import script_reduction
+
+    model, xs = _model(), _batches(4)
+    path = tmp_path / "s.zarr"
+    pt = script_reduction(_calls_and_sum, tmp_path / "agg.pt")
+    _run(model, path, xs[:2], [("agg", str(pt))])
+    key = path / "reductions" / "0.output" / "agg.pt"
+    key.unlink()
+    os.mkfifo(key)
+    _run(model, path, xs[2:], [("agg", str(pt))], resume=True)
+    store = open_store(path)
+    ref = _ref_rows(model, xs)
+    assert store.status == "complete" and store.verify() == []
+    got = store.reductions["0.output"]["agg"]
+    assert got[0] == 3 and torch.allclose(got[1], ref.sum())  # the stored rows read back at once, then two batches
+    assert store.reduction_script("0.output", "agg") == pt.read_bytes()

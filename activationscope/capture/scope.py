@@ -459,6 +459,41 @@ def _memory_bytes() -> int | None:
         return None
 
 
+def _script_of(factory: Any) -> tuple[str | None, bytes | None]:
+    """The ``.pt`` file of a custom reduction's factory and its bytes as they are now ((None,
+    None) for a built-in or eager one, bytes None when the file cannot be read)."""
+    script = factory.script_path()
+    if script is None:
+        return None, None
+    try:
+        with open(script, "rb") as f:
+            return str(script), f.read()
+    except OSError:
+        return str(script), None
+
+
+def _keep_script(reduction: Any, factory: Any, before: tuple[str | None, bytes | None], name: str,
+                 hook_point: str) -> None:
+    """Give a reduction just made by ``factory`` the path (``script_path``) and the bytes
+    (``script_bytes``) of the TorchScript program it runs, read when it was loaded: what the
+    store keeps, and what a resume compares with the stored program (the file may be saved
+    again with another program while the capture runs).
+
+    Raises
+    ------
+    ReductionError
+        The file changed while the reduction loaded it (its bytes before and after differ).
+    """
+    script, data = _script_of(factory)
+    if script is not None and before[0] == script and None not in (before[1], data) and before[1] != data:
+        raise ReductionError(
+            f"custom reduction {name!r} of hook point {hook_point!r}: its file {script!r} changed while it was loaded "
+            "(saved again meanwhile); which program runs is not known. Save a reduction you change to another "
+            "path while a capture uses it, then run the capture again")
+    reduction.script_path = script
+    reduction.script_bytes = data
+
+
 def _check_state_fits(hook_point: str, name: str, reduction: Any, n_features: int, state_bytes: Any) -> None:
     """Refuse, before its state is allocated, a built-in reduction whose float64 state over
     ``n_features`` values per row would be larger than this machine's memory (``hist`` with
@@ -1321,10 +1356,10 @@ class Tracker:
             names, objects = [], []
             n_features = math.prod(tensor.shape[2:] if token else tensor.shape[1:]) if tensor.dim() else 1
             for red_name, factory in self._red_factories.resolve_reductions(scope.reductions, name, self._hook_names):
+                before = _script_of(factory)
                 reduction = factory()
                 _check_state_fits(name, red_name, reduction, n_features, self._red_factories.state_bytes)
-                script = factory.script_path()
-                reduction.script_path = None if script is None else str(script)
+                _keep_script(reduction, factory, before, red_name, name)
                 if isinstance(reduction, self._red_factories.EagerReduction):
                     reduction.hook_point = name  # named in its errors
                 sink.add_reduction(reduction)
@@ -1468,9 +1503,9 @@ class Tracker:
                 continue
             names, objects = [], []
             for red_name, factory in self._red_factories.resolve_reductions(self.scope.reductions, name, self._hook_names):
+                before = _script_of(factory)
                 reduction = factory()
-                script = factory.script_path()
-                reduction.script_path = None if script is None else str(script)
+                _keep_script(reduction, factory, before, red_name, name)
                 if isinstance(reduction, self._red_factories.EagerReduction):
                     reduction.hook_point = name  # named in its errors
                 names.append(red_name)
@@ -1539,8 +1574,8 @@ class Tracker:
             options = getattr(red, "options", None)
             options = options() if callable(options) else options
             kind = str(getattr(red, "kind", "custom"))
-            custom = ({} if kind in self._red_factories.BUILTIN_REDUCTIONS
-                      else {"script": getattr(red, "script_path", None)})  # the same program, or recomputed
+            custom = ({} if kind in self._red_factories.BUILTIN_REDUCTIONS  # the same program, or recomputed
+                      else {"script": getattr(red, "script_bytes", None) or getattr(red, "script_path", None)})
             saved = self.writer.stored_reduction_state(name, red_name, kind, dict(options or {}), **custom)
             if saved is not None and saved[1] <= committed:
                 red.load_state(saved[0])

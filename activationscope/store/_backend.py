@@ -259,8 +259,8 @@ class LocalBackend:
                 if key in self._spare:
                     continue
             tmp = self._temp_name(self.root / key)
-            try:
-                self._make_folders_below_root(tmp.parent, key)
+            try:  # (below the store's folder: one moved or removed meanwhile is never made again)
+                self._make_parent(tmp, key, make_root=False)
                 os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
             except OSError:
                 continue  # set() makes its own
@@ -344,30 +344,26 @@ class LocalBackend:
             raise corrupt(self, f"{key!r} resolves to {real!r}, outside the store (a symlink "
                                 "leaving the store); a store never refers to files outside itself")
 
-    def _make_parent(self, p: Path, key: str) -> None:
-        """Make the folders of ``p``, checking first that the deepest existing one is inside the store."""
-        self.root.mkdir(parents=True, exist_ok=True)
+    def _make_parent(self, p: Path, key: str, make_root: bool = True) -> None:
+        """Make the folders of ``p``, checking first that the deepest existing one is inside the
+        store (without ``make_root``, only below the store's folder: FileNotFoundError when it
+        is gone)."""
+        if make_root:
+            self.root.mkdir(parents=True, exist_ok=True)
+        elif not self.root.is_dir():
+            raise FileNotFoundError(f"no store folder at {str(self.root)!r}")
         q = p.parent
         while not q.exists() and q != q.parent:
             q = q.parent
         self._check_inside(q, key, cached=False)
-        p.parent.mkdir(parents=True, exist_ok=True)
+        if make_root:
+            p.parent.mkdir(parents=True, exist_ok=True)
+        else:  # one folder at a time below the root, never the root itself (gone: FileNotFoundError)
+            d = self.root
+            for part in p.parent.relative_to(self.root).parts:
+                d = d / part
+                d.mkdir(exist_ok=True)
         self._check_inside(p.parent, key, cached=False)
-
-    def _make_folders_below_root(self, folder: Path, key: str) -> None:
-        """Make the missing folders of ``folder`` below the store's root one at a time
-        (``os.mkdir``), never the root itself: a store folder moved or removed meanwhile is not
-        made again (the first ``mkdir`` fails). The folders on the way are checked to be inside
-        the store before and after."""
-        self._check_inside(folder, key, cached=False)
-        q = self.root
-        for part in folder.relative_to(self.root).parts:
-            q = q / part
-            try:
-                os.mkdir(q)
-            except FileExistsError:
-                pass
-        self._check_inside(folder, key, cached=False)
 
     def path(self, key: str, write: bool = False) -> Path:
         """The local path of a key: checked to be inside the store (symlinks resolved; with
@@ -457,7 +453,10 @@ class LocalBackend:
                               fix=f"move the folder at {str(p)!r} away (the store writes that file there), then try "
                                   "again (a capture: resume=True continues from its committed rows)") from e
             raise StoreError(f"writing {str(p)!r} failed: {e.strerror or e}") from e
-        if (now.st_dev, now.st_ino) != (written.st_dev, written.st_ino):
+        # (a link swapped in for the temporary file is now at the key; another inode alone is no proof:
+        # a FUSE mount may rename by copying)
+        if not stat.S_ISREG(now.st_mode) or ((now.st_dev, now.st_ino) != (written.st_dev, written.st_ino)
+                                             and now.st_nlink > 1):
             raise corrupt(self, f"{key!r}: its temporary file {tmp.name!r} was replaced by another process while it "
                                 "was written, so what was renamed over the key is not what was written",
                           fix="make sure no other process writes in the store's folder, then try again (a capture: "
@@ -644,7 +643,7 @@ def _open_spare(tmp: Path) -> int:
         _unlink_quietly(tmp)
         return -1
     st = os.fstat(fd)
-    if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_size == 0:
+    if stat.S_ISREG(st.st_mode) and st.st_nlink <= 1 and st.st_size == 0:
         return fd
     os.close(fd)
     _unlink_quietly(tmp)

@@ -3,8 +3,9 @@
 Local stores: ``fcntl.flock`` on ``<store>/.activationscope-writer.lock`` (released by the
 kernel when the holder exits, however it exits). Object stores: a marker object of the same
 key created with a conditional put (S3 ``If-None-Match: *``), deleted by :meth:`release`; a
-marker left by a writer that died on this host is taken over, one left from another host
-must be deleted by hand (the error says which). The lock file holds ``{"pid", "host",
+marker left by a writer that died on this host (or by a writer of this process dropped
+without a close) is taken over, one left from another host must be deleted by hand (the
+error says which). The lock file holds ``{"pid", "host",
 "started", "token"}`` of the holder, which the error of a second writer names.
 
 Readers never take the lock: they see the last commit.
@@ -41,6 +42,12 @@ def _names_holder(raw: bytes | None) -> bool:
         return isinstance(h, dict) and {"pid", "host", "started"} <= set(h)
     except ValueError:
         return False
+
+
+#: Tokens of the marker locks this process holds now (object stores): a marker of this process
+#: whose token is not here was left by a writer dropped without a close (garbage collected),
+#: and is taken over like one of a process that is gone.
+_HELD_TOKENS: set[str] = set()
 
 
 def _pid_alive(pid: Any) -> bool:
@@ -125,7 +132,7 @@ class WriterLock:
             os.close(fd)
             raise corrupt(self.backend, f"the writer lock {LOCK_KEY!r} must be a regular file, got another kind "
                                         "of file", fix=f"delete what is at {str(path)!r}")
-        if st.st_nlink != 1:  # the writer truncates and writes it: never another name's file
+        if st.st_nlink > 1:  # the writer truncates and writes it: never another name's file
             os.close(fd)
             raise corrupt(self.backend, f"the writer lock {LOCK_KEY!r} must be a file of its own, got a file with "
                                         f"{st.st_nlink} names (a hard link: another name elsewhere, maybe outside the "
@@ -177,14 +184,17 @@ class WriterLock:
         b = self.backend
         for _ in range(2):
             if b.set_if_absent(LOCK_KEY, self._me()):
+                _HELD_TOKENS.add(self.token)
                 return
             raw = b.get(LOCK_KEY, max_bytes=4096)
             try:
                 h = json.loads(raw or b"")
             except ValueError:
                 h = {}
-            if isinstance(h, dict) and h.get("host") == socket.gethostname() and not _pid_alive(h.get("pid")):
-                b.delete(LOCK_KEY)  # left by a writer of this host that died: take it over
+            dropped = isinstance(h, dict) and h.get("pid") == os.getpid() and h.get("token") not in _HELD_TOKENS
+            if isinstance(h, dict) and h.get("host") == socket.gethostname() and (
+                    not _pid_alive(h.get("pid")) or dropped):
+                b.delete(LOCK_KEY)  # left by a writer of this host that died (or was dropped unclosed): taken over
                 continue
             raise self._locked_error(raw, f"; if that writer is gone, delete {str(b).rstrip('/')}/{LOCK_KEY}")
         raise self._locked_error(None)
@@ -206,8 +216,7 @@ class WriterLock:
                 now = os.stat(path, follow_symlinks=False)
             except OSError:
                 return f"its writer lock {str(path)!r} is gone"
-            mine = os.fstat(self._fd)
-            if (now.st_dev, now.st_ino) != (mine.st_dev, mine.st_ino):
+            if now.st_ino != os.fstat(self._fd).st_ino:  # (as acquire compares them)
                 return f"its writer lock {str(path)!r} is not the file this writer locked any more"
             return None
         try:
@@ -245,6 +254,8 @@ class WriterLock:
                 self.backend.delete(LOCK_KEY)
         except Exception:  # noqa: BLE001 - a marker we cannot delete only blocks later writers, who are told how
             pass
+        finally:
+            _HELD_TOKENS.discard(self.token)
 
     def discard_root(self) -> None:
         """Release, leaving the target as it was found: the lock file goes when :meth:`acquire`
@@ -268,6 +279,8 @@ class WriterLock:
             if self._fd is not None:  # a writer dropped without close(): the lock goes with it
                 os.close(self._fd)
                 self._fd = None
+            if os.getpid() == self._pid:  # (a marker: left, and taken over by this process's next writer)
+                _HELD_TOKENS.discard(self.token)
         except Exception:  # noqa: BLE001
             pass
 

@@ -32,29 +32,42 @@ def remove_if_empty(target: Any, *, remove_folder: bool = True, storage_options:
     from .reader import open_store
 
     try:
-        store = open_store(target, storage_options=storage_options)
-    except Exception:  # noqa: BLE001 - not a readable store: not ours to remove
+        backend = resolve(target, storage_options=storage_options)
+    except Exception:  # noqa: BLE001 - not a store location: nothing to remove
         return False
-    try:
-        if store.n_samples != 0 or any(store.n_rows(hp) for hp in store.hook_points):
-            return False
-    finally:
-        store.close()
-    backend = resolve(target, storage_options=storage_options)
     lock = WriterLock(backend)
     try:
         lock.acquire()
     except Exception:  # noqa: BLE001 - another writer holds it
         return False
+    removed = False
     try:
-        backend.clear()
-    finally:
-        lock.release()
-    if isinstance(backend, LocalBackend):
+        # looked at under the lock: a writer that took the store and committed rows since it was
+        # first seen empty keeps them
         try:
-            (backend.root / LOCK_KEY).unlink(missing_ok=True)
-            if remove_folder:
-                backend.root.rmdir()
+            store = open_store(backend)
+        except Exception:  # noqa: BLE001 - not a readable store: not ours to remove
+            return False
+        try:
+            if store.n_samples != 0 or any(store.n_rows(hp) for hp in store.hook_points):
+                return False
+        finally:
+            store.close()
+        backend.clear()
+        removed = True
+        if isinstance(backend, LocalBackend):  # (while held: no other writer holds the file it removes)
+            try:
+                (backend.root / LOCK_KEY).unlink(missing_ok=True)
+            except OSError:
+                pass
+    finally:
+        if removed:
+            lock.release()
+        else:  # left as found (a lock file or folder the lock made for nothing there goes again)
+            lock.discard_root()
+    if remove_folder and isinstance(backend, LocalBackend):
+        try:
+            backend.root.rmdir()
         except OSError:
             pass
     return True

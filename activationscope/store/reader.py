@@ -2581,6 +2581,23 @@ def _committed_shard_files(source: Any) -> dict[str, str]:
         return {}
 
 
+def _refuse_copy_onto_itself(src: Any, dst: Any) -> None:
+    """Refuse a copy whose target is its source, or a folder holding it, or inside it
+    (symlinks resolved): clearing the target would delete what the copy reads."""
+    if isinstance(src, LocalBackend) and isinstance(dst, LocalBackend):
+        a, b = os.path.realpath(src.root), os.path.realpath(dst.root)
+    elif isinstance(src, LocalBackend) or isinstance(dst, LocalBackend):
+        return
+    elif getattr(src, "store", None) is not None and src.store is getattr(dst, "store", None):
+        a = b = str(src)
+    else:
+        a, b = str(src).rstrip("/"), str(dst).rstrip("/")
+    if a == b or a.startswith(b.rstrip("/") + "/") or b.startswith(a.rstrip("/") + "/"):
+        raise StoreError(f"cannot copy store {str(src)!r} onto {str(dst)!r}: that is the store itself, a folder "
+                         "holding it or a folder inside it, and the copy would delete what it reads; copy it to "
+                         "another path")
+
+
 def copy_store(source: Any, target: Any, *, overwrite: bool = False) -> None:
     """Copy every object of a store (e.g. an in-memory one) to ``target``; root metadata last.
 
@@ -2598,7 +2615,8 @@ def copy_store(source: Any, target: Any, *, overwrite: bool = False) -> None:
     StoreLockedError
         A writer holds ``target``.
     StoreError
-        ``target`` is a local path inside another store.
+        ``target`` is a local path inside another store, or the source itself, a folder
+        holding it or a folder inside it (symlinks resolved); nothing is deleted.
     StoreCorruptError
         The source holds a file that is not a regular file inside it (a symlink leaving it,
         a FIFO, a device): nothing is copied through it.
@@ -2611,6 +2629,7 @@ def copy_store(source: Any, target: Any, *, overwrite: bool = False) -> None:
     dst = resolve(target)
     check_backend_not_in_store(dst)  # its objects would land among another store's
     with WriterLock(dst):  # no writer may be writing the target meanwhile
+        _refuse_copy_onto_itself(src, dst)
         if not dst.is_empty():
             if not overwrite:
                 raise StoreExistsError(f"{str(dst)!r} is not empty; pass overwrite=True to replace it")

@@ -17,12 +17,14 @@ from __future__ import annotations
 import atexit
 import ctypes
 import functools
+import glob
 import hashlib
 import io
 import json
 import math
 import operator
 import os
+import re
 import shutil
 import stat
 import tempfile
@@ -52,6 +54,7 @@ from ..errors import (
     StoreError,
     StoreExistsError,
 )
+from .._safeio import _kind
 from . import _format as F
 from . import _validate as V
 from ._backend import LOCK_KEY, LocalBackend, check_backend_not_in_store, check_local_store_path, fsync_dir, resolve
@@ -235,6 +238,9 @@ class _Array:
     # (FORMAT.md section 7), so a resume killed before that commit leaves the committed file as it was
     held_shard: int = -1
     held_ready: bool = False  # that new file is written (taken from the writer), not yet renamed
+    # shard records taken from the writer thread by a commit that failed before listing them (an
+    # upload that failed): the next commit lists them first
+    untaken: list = field(default_factory=list)
     # a forward recorded by add_batch reached it (or the store as found lists it): only then does
     # a root list it. An array first opened in a forward that is never recorded (refused or raised
     # partway) is never listed, and its files are removed by the close
@@ -922,8 +928,33 @@ class StoreWriter:
                 staging()
             raise
 
+    def _warn_left_aside(self) -> None:
+        """Local stores: warn about a store an earlier ``overwrite=True`` moved aside next to
+        this one (``.<name>.replaced-<hex>``, FORMAT.md section 7) and never settled: its writer
+        was killed before its new store committed a forward (the old store should have gone
+        back) or before it deleted the old one. Only a person can tell which to keep."""
+        b = self._backend
+        if not isinstance(b, LocalBackend):
+            return
+        try:
+            real = Path(os.path.realpath(b.root))
+            left = sorted(str(p) for p in real.parent.glob(f".{glob.escape(real.name)}.replaced-*")
+                          if p.is_dir() and not p.is_symlink()
+                          and re.fullmatch(r"[0-9a-f]{8}", p.name.rsplit("-", 1)[1]))
+        except OSError:
+            return
+        if left:
+            warnings.warn(
+                f"store {str(b)!r}: {left[0]!r}{f' (and {len(left) - 1} more)' if len(left) > 1 else ''} holds a store "
+                "that an earlier overwrite=True moved aside and never settled (its writer was killed before the new "
+                "store there committed a forward, or before it deleted the old one); it is not this store. To keep "
+                f"it, move its entries back into {str(b)!r} (by hand, with no writer running); else delete it",
+                RuntimeWarning, stacklevel=4)
+
     def _open_existing(self, overwrite: bool, resume: bool) -> None:
         """Check what is at the target (under the writer lock) and set up the state."""
+        if overwrite or resume:
+            self._warn_left_aside()  # (before this writer moves one aside of its own)
         if overwrite:
             if self._backend.size("zarr.json") is not None or self._backend.is_empty():
                 # a store (even a damaged one) or nothing: replaced. A local one is moved aside
@@ -1273,6 +1304,7 @@ class StoreWriter:
                 if problems:
                     raise V.corrupt(b, "; ".join(problems) + "; nothing was deleted or written")
         listed = self._refuse_missing_shards()
+        parts = self._refuse_missing_parts()
         if isinstance(b, LocalBackend):
             for hp, meta in self._old_arrays.items():
                 self._refuse_linked_folders(meta["path"], hp, int(meta["n_rows"]) // int(meta["shard_rows"]),
@@ -1307,9 +1339,39 @@ class StoreWriter:
                         b.delete(key)
         for kind, tbl in self._row_tables.items():
             listed = set(tbl.get("parts", []))
-            for key in list(b.list(f"rows/{kind}/")):
+            for key in parts[kind]:
                 if key not in listed:
                     b.delete(key)
+
+    def _refuse_missing_parts(self) -> dict[str, list[str]]:
+        """Resume: refuse, before anything is deleted or written, a row table whose listed part
+        is missing or (locally) not a regular file: the resume would mark the store complete
+        without those rows. Returns the listing of each kind's folder (``{kind: keys}``), which
+        the truncation deletes unlisted parts from.
+
+        Raises
+        ------
+        StoreCorruptError
+            Naming the row table, the part and the fix; nothing was deleted or written.
+        """
+        b = self._backend
+        found: dict[str, list[str]] = {}
+        for kind, tbl in self._row_tables.items():
+            found[kind] = list(b.list(f"rows/{kind}/"))
+            there = set(found[kind])
+            for key in tbl.get("parts", []):
+                if isinstance(b, LocalBackend):
+                    damage = self._shard_damage(key, None)
+                else:
+                    damage = None if key in there else "missing"
+                if damage is not None:
+                    raise V.corrupt(
+                        b, f"cannot resume: row table {kind!r}: its part {key!r}, listed in zarr.json, is {damage}, "
+                           "and a resume would mark the store complete without its rows; nothing was deleted or "
+                           "written",
+                        fix="restore that file from an intact copy of the store, or capture it again "
+                            "(`activationscope verify STORE` lists every damaged file)")
+        return found
 
     def _refuse_missing_shards(self) -> dict[str, list[str]] | None:
         """Resume: refuse, before anything is deleted or written, an array whose committed rows
@@ -1337,12 +1399,16 @@ class StoreWriter:
             if listed is not None:
                 listed[hp] = list(b.list(f"{path}/"))
                 found = set(listed[hp])
+            sizes = self._committed_shard_sizes(hp, meta) if local and n >= shard_rows else {}
             for k in range(-(-n // shard_rows)):
                 key = F.shard_key(path, k, len(meta["feature_shape"]))
+                damage = None
                 if local:
                     there = os.path.exists(b.root / key) or (
                         (k + 1) * shard_rows > n and os.path.exists(b.root / (key + KEPT_SUFFIX)))
                     link = not there and os.path.islink(b.root / key)
+                    if there and (k + 1) * shard_rows <= n:  # a whole shard, never read again by the resume
+                        damage = self._shard_damage(key, sizes.get(k))
                 else:
                     there, link = key in found, False
                 if not there:
@@ -1351,7 +1417,43 @@ class StoreWriter:
                            f"{'a symbolic link to a missing file' if link else 'missing'}, but its rows "
                            f"{k * shard_rows}.. are committed (n_rows {n}), and a resume would leave them a hole "
                            "that readers refuse; nothing was deleted or written")
+                if damage is not None:
+                    raise V.corrupt(
+                        b, f"cannot resume: hook point {hp!r} (array {path!r}): its shard {key!r}, whose rows "
+                           f"{k * shard_rows}..{(k + 1) * shard_rows - 1} are committed, is {damage}, and a resume "
+                           "would mark the store complete around it; nothing was deleted or written",
+                        fix="restore that file from an intact copy of the store, or capture it again "
+                            "(`activationscope verify STORE` lists every damaged file)")
         return listed
+
+    def _committed_shard_sizes(self, hook_point: str, meta: Mapping[str, Any]) -> dict[int, int]:
+        """Resume of a local store: ``{shard: file_bytes}`` of the committed shards its manifest
+        lists ({} without a manifest; a damaged one is named by the reads that need it)."""
+        key = meta.get("manifest") or f"{meta['path']}/manifest.json"
+        try:
+            raw = self._backend.get(key, max_bytes=V.MAX_JSON_BYTES)
+            if raw is None:
+                return {}
+            shards = V.parse_manifest(V.loads_json(raw, store=self._backend, key=key), meta, store=self._backend,
+                                      key=key)
+        except StoreError:
+            return {}
+        return {int(k): int(rec["file_bytes"]) for k, rec in shards.items() if isinstance(rec.get("file_bytes"), int)}
+
+    def _shard_damage(self, key: str, file_bytes: int | None) -> str | None:
+        """What is wrong with the committed file (a shard, a row-table part) at ``key`` of a
+        local store (not a regular file, or of another size than ``file_bytes``), or None."""
+        try:
+            st = os.stat(self._backend.path(key))
+        except FileNotFoundError:
+            return "missing"
+        except (OSError, StoreError) as e:
+            return f"unreadable ({e})"
+        if not stat.S_ISREG(st.st_mode):
+            return _kind(st.st_mode)
+        if file_bytes is not None and st.st_size != file_bytes:
+            return f"{st.st_size} bytes where its manifest records {file_bytes} (truncated or written into)"
+        return None
 
     def _refuse_linked_folders(self, path: str, hook_point: str, first_shard: int, flat: bool, done: str) -> None:
         """Local stores: refuse the folders the writer thread writes an array's shards into
@@ -1972,34 +2074,13 @@ class StoreWriter:
                 if self._closed:
                     self._drop_unrecorded_shards(a)
                 continue
-            for rec in a.writer.take_durable():
-                key = F.shard_key(a.path, rec["shard"], len(a.feature_shape))
-                if self._found_files is not None and not self._closed and key not in self._found_files:
-                    # noted as taken (before an upload that may fail): a discard removes a shard
-                    # past the found ones; the found partial last shard of a remote store, rewritten
-                    # with more rows, has no hard link keeping it, so its found bytes are read first
-                    if int(rec["shard"]) >= self._listed_shards(a):
-                        self._found_files[key] = None
-                    elif not isinstance(b, LocalBackend):  # (its size as the found manifest lists it)
-                        listed = a.manifest.get(int(rec["shard"])) or {}
-                        size = listed.get("file_bytes")
-                        self._found_files[key] = b.get(key, max_bytes=int(size) if isinstance(size, int) else
-                                                       V.MAX_FILE_BYTES)
-                if not isinstance(b, LocalBackend):
-                    local = self._staging / key
-                    b.put_file(key, local)
-                    local.unlink()
-                elif int(rec["shard"]) == a.held_shard:
-                    a.held_ready = True  # renamed over its key once this commit goes ahead (below)
-                a.manifest[int(rec["shard"])] = {
-                    "shard": int(rec["shard"]), "key": key, "rows_end": int(rec["rows_end"]),
-                    "file_bytes": int(rec["file_bytes"]),
-                    # tuples of ints: the garbage collector stops tracking them (a long capture holds
-                    # millions), JSON writes them as lists
-                    "chunks": [(int(j), int(o), int(nb), int(c)) for (j, o, nb, c) in rec["chunks"]],
-                }
-                a.manifest_dirty = True
-                a.listed_rows = max(a.listed_rows, int(rec["rows_end"]))
+            records, a.untaken = a.untaken + list(a.writer.take_durable()), []
+            for i, rec in enumerate(records):
+                try:
+                    self._list_shard(a, rec)
+                except BaseException:  # (an upload that failed: kept for the next commit)
+                    a.untaken = records[i:]
+                    raise
         # rows listed in the manifests above (not the writer thread's durable_rows, read now: a
         # shard it finished since take_durable() is on disk but in no manifest until the next commit)
         durable = [max(a.committed_rows, a.listed_rows) for a in self._order]
@@ -2094,6 +2175,38 @@ class StoreWriter:
         if not self._closed:  # the next commit will rewrite these: make their files now
             self._reserve([key for key, _ in writes] + ["zarr.json"])
         return k > 0 or force
+
+    def _list_shard(self, a: _Array, rec: Mapping[str, Any]) -> None:
+        """Commit, step 1: list the shard ``rec`` the writer thread finished for ``a`` in its
+        manifest (an object store's: uploaded first)."""
+        b = self._backend
+        key = F.shard_key(a.path, rec["shard"], len(a.feature_shape))
+        if self._found_files is not None and not self._closed and key not in self._found_files:
+            # noted as taken (before an upload that may fail): a discard removes a shard
+            # past the found ones; the found partial last shard of a remote store, rewritten
+            # with more rows, has no hard link keeping it, so its found bytes are read first
+            if int(rec["shard"]) >= self._listed_shards(a):
+                self._found_files[key] = None
+            elif not isinstance(b, LocalBackend):  # (its size as the found manifest lists it)
+                listed = a.manifest.get(int(rec["shard"])) or {}
+                size = listed.get("file_bytes")
+                self._found_files[key] = b.get(key, max_bytes=int(size) if isinstance(size, int) else
+                                               V.MAX_FILE_BYTES)
+        if not isinstance(b, LocalBackend):
+            local = self._staging / key
+            b.put_file(key, local)
+            local.unlink()
+        elif int(rec["shard"]) == a.held_shard:
+            a.held_ready = True  # renamed over its key once this commit goes ahead (below)
+        a.manifest[int(rec["shard"])] = {
+            "shard": int(rec["shard"]), "key": key, "rows_end": int(rec["rows_end"]),
+            "file_bytes": int(rec["file_bytes"]),
+            # tuples of ints: the garbage collector stops tracking them (a long capture holds
+            # millions), JSON writes them as lists
+            "chunks": [(int(j), int(o), int(nb), int(c)) for (j, o, nb, c) in rec["chunks"]],
+        }
+        a.manifest_dirty = True
+        a.listed_rows = max(a.listed_rows, int(rec["rows_end"]))
 
     def _drop_unrecorded_shards(self, a: _Array) -> None:
         """Closing: remove the shards the writer thread finished for ``a``, an array first
@@ -2295,9 +2408,9 @@ class StoreWriter:
         hook_point, name : str
         reduction : object with ``result() -> dict[str, Tensor]``, ``state()`` and ``kind``
         script_path : path, optional
-            The ``.pt`` of a custom TorchScript reduction (found on the reduction object
-            as ``script_path`` / ``path`` when not given), kept as
-            ``reductions/<hook point>/<name>.pt``.
+            The ``.pt`` of a custom TorchScript reduction (when not given: the bytes on the
+            reduction object as ``script_bytes``, the program as it was loaded, else the file
+            it names as ``script_path`` / ``path``), kept as ``reductions/<hook point>/<name>.pt``.
         n_rows : int, optional
             Rows of the hook point's array the reduction covers (recorded as ``n_rows`` of
             each entry: a reader shows a reduction over fewer rows than its array as partial).
@@ -2370,16 +2483,21 @@ class StoreWriter:
                     if options:  # lets a commit of rank stores rebuild a built-in reduction to merge into
                         owner["options"] = F.check_jsonable(dict(options), "reduction options")
             pt = script_path
-            if pt is None:
+            # the program that ran, as read when the reduction was loaded (the file may have been
+            # saved again with another one since); else the file as it is now
+            data = getattr(reduction, "script_bytes", None) if pt is None else None
+            if pt is None and data is None:
                 for attr in ("script_path", "path"):
                     v = getattr(reduction, attr, None)
                     v = v() if callable(v) else v
                     if v:
                         pt = v
                         break
-            if pt is not None and Path(pt).is_file():
-                key = f"reductions/{node}/{name}.pt"
+            if data is None and pt is not None and Path(pt).is_file():
                 data = Path(pt).read_bytes()
+            if isinstance(data, (bytes, bytearray)):
+                key = f"reductions/{node}/{name}.pt"
+                data = bytes(data)
                 self._backend.set(key, data)
                 if name in entries:
                     entries[name]["script"] = key
@@ -2577,7 +2695,8 @@ class StoreWriter:
                 if keep in back:
                     target = b.root / back[keep]
                     b._make_parent(target, back[keep])  # (checked inside the store; its array's folder may be gone)
-                    os.replace(b.path(keep, write=True), target)  # (over a FIFO or a link: replaces it, never follows it)
+                    # (over a FIFO or a link: replaces it, never follows it)
+                    os.replace(b.path(keep, write=True), target)
                 else:
                     os.unlink(b.path(keep, write=True))
             except (OSError, StoreError) as e:
@@ -2666,9 +2785,9 @@ class StoreWriter:
             The reduction's options (its ``options``, defaults filled in); a stored state
             recorded with other options (``hist`` with another range or bin count, ``topk``
             with another ``k``) is not used. None skips that comparison.
-        script : path or None, optional
-            For a custom reduction: the ``.pt`` of the resumed one (None for one run as
-            eager Python). Every custom reduction has the same ``kind``, so its stored state
+        script : path, bytes or None, optional
+            For a custom reduction: the ``.pt`` of the resumed one, or its bytes as loaded
+            (None for one run as eager Python). Every custom reduction has the same ``kind``, so its stored state
             is used only when the store's ``<name>.pt`` is the same TorchScript program (the
             same records, by name, size and crc32, read from the archives' directories,
             never loaded; a stored script larger than twice the resumed one plus 1 MiB is
@@ -2691,17 +2810,25 @@ class StoreWriter:
         reader = Store(self._backend)
         if script is not _NOT_CUSTOM:
             key = owner.get("script")
-            if script is None or not isinstance(key, str) or not Path(script).is_file():
+            if script is None or not isinstance(key, str):
                 return None
-            new = Path(script).read_bytes()
+            if isinstance(script, (bytes, bytearray)):  # (the program as it was loaded)
+                new = bytes(script)
+            elif Path(script).is_file():
+                new = Path(script).read_bytes()
+            else:
+                return None
             # the same program saved anew differs only in its archive's top folder name: a stored
             # file far larger than the resumed one is not it, and is never read (a huge or planted
             # file cannot make the resume read it whole)
             limit = 2 * len(new) + _SCRIPT_SIZE_SLACK_BYTES
-            size = self._backend.size(key)
-            if size is None or size > limit:
+            try:  # (a FIFO, a folder, a link leaving the store there: no program to compare, as missing)
+                size = self._backend.size(key)
+                if size is None or size > limit:
+                    return None
+                old = self._backend.get(key, max_bytes=limit)
+            except StoreCorruptError:
                 return None
-            old = self._backend.get(key, max_bytes=limit)
             if old is None or reader._crc_problem(old, (owner.get("crc32c") or {}).get(key),
                                                   f"reduction {name!r}: script {key!r}") is not None:
                 return None

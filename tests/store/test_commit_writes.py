@@ -233,3 +233,45 @@ def test_a_commit_whose_row_table_part_fails_keeps_its_forwards_for_the_next_com
     assert s.row_table("sample").column("sample_id").to_pylist() == [0, 1, 2, 3, 4, 5]
     assert s["t"][:, 0].tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
     assert s.row_table("token").column("sample_id").to_pylist() == [0, 0, 1, 2, 2, 3, 4, 4, 5]
+
+
+@pytest.mark.parametrize("failing", [1, 2, 3])
+def test_a_commit_whose_shard_upload_fails_uploads_those_shards_with_the_next_commit(monkeypatch, failing):
+    """An object store's commit uploads the shards the writer thread finished: one whose upload
+    fails (a transient network error) failed the commit, and the shards taken for it were
+    dropped, so a caller who caught the error and went on got a root listing rows whose shards
+    no manifest lists (the store unreadable). The next commit uploads them."""
+    from activationscope.store._backend import ZarrBackend
+
+    url = f"memory://acs-upload-fails-{failing}/run.zarr"
+    w = W.StoreWriter(url, chunk_rows=1, shard_bytes=8, commit_interval=0)  # one row a shard
+    a = w.open_array("x", (2,), torch.float32, "sample")
+
+    def forward(i):
+        a.append(torch.full((3, 2), float(i)))
+        w.add_batch(3, [3 * i, 3 * i + 1, 3 * i + 2])
+        w._core.drain()
+
+    forward(0)
+    w.commit()
+    put = ZarrBackend.put_file
+    calls = []
+
+    def flaky(self, key, local):
+        calls.append(key)
+        if len(calls) == failing:
+            raise StoreError(f"uploading {key!r} failed: connection reset")
+        return put(self, key, local)
+
+    monkeypatch.setattr(ZarrBackend, "put_file", flaky)
+    forward(1)
+    with pytest.raises(StoreError, match="connection reset"):
+        w.commit()
+    monkeypatch.setattr(ZarrBackend, "put_file", put)
+    forward(2)
+    w.commit()
+    w.close()
+    s = acs.open_store(url)
+    assert s.verify() == [] and s.n_samples == 9
+    assert s["x"][:, 0].tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert s.row_table("sample").column("sample_id").to_pylist() == list(range(9))

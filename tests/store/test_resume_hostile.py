@@ -228,3 +228,125 @@ def test_a_file_planted_at_the_next_shard_s_temporary_name_is_never_written_into
     assert victim.read_bytes() == b"precious\n"
     s = open_store(path)
     assert torch.equal(s["x"], rows) and s.verify() == []
+
+
+@pytest.mark.parametrize("damage", ["truncated", "grown", "folder", "fifo"])
+def test_a_resume_refuses_a_damaged_whole_committed_shard_before_it_writes(tmp_path, damage):
+    """A committed whole shard (which a resume never reads again) truncated, written past its
+    end, or replaced by a folder or a FIFO: the resume refuses the store, naming the shard and
+    the fix, before it deletes or writes anything (it went on and closed the store as
+    complete around the damaged shard)."""
+    path = tmp_path / "s.zarr"
+    options = {"chunk_rows": 4, "shard_bytes": 4 * 4 * 4 * 2}  # 8-row shards
+    with StoreWriter(path, **options) as w:
+        w.open_array("x", (4,), torch.float32, "sample").append(torch.randn(20, 4))
+        w.add_batch(20)
+    shard = path / "acts/x/c/0/0"
+    if damage == "truncated":
+        os.truncate(shard, 100)
+    elif damage == "grown":
+        with open(shard, "ab") as f:
+            f.write(bytes(64))
+    else:
+        shard.unlink()
+        shard.mkdir() if damage == "folder" else os.mkfifo(shard)
+    before = {k: v for k, v in _listing(path).items() if k != LOCK_KEY}
+    what = {"truncated": "100 bytes where its manifest records 164",
+            "grown": "228 bytes where its manifest records 164", "folder": "a directory", "fifo": "a FIFO"}[damage]
+    with pytest.raises(StoreCorruptError, match=rf"'acts/x/c/0/0', whose rows 0\.\.7 are committed, is {what}.*"
+                                                r"nothing was deleted or written.*activationscope verify"):
+        StoreWriter(path, resume=True, **options)
+    assert {k: v for k, v in _listing(path).items() if k != LOCK_KEY} == before
+    assert open_store(path).status == "complete"
+
+
+@pytest.mark.parametrize("damage", ["missing", "folder", "fifo"])
+def test_a_resume_refuses_a_missing_row_table_part_before_it_writes(tmp_path, damage):
+    """A row-table part the root lists, missing or replaced by a folder or a FIFO: the resume
+    refuses the store, naming the part and the fix, before it deletes or writes anything (it
+    warned that the stored sample ids could not be read, then closed the store as complete
+    without those rows)."""
+    path = tmp_path / "s.zarr"
+    options = {"chunk_rows": 4, "shard_bytes": 4 * 4 * 4 * 2, "commit_interval": 0}
+    w = StoreWriter(path, **options)
+    a = w.open_array("x", (4,), torch.float32, "sample")
+    for i in range(3):
+        a.append(torch.randn(8, 4))
+        w.add_batch(8, list(range(8 * i, 8 * i + 8)))
+        w._core.drain()
+        w.commit()
+    w.close()
+    part = path / "rows/sample/part-000001.parquet"
+    part.unlink()
+    if damage == "folder":
+        part.mkdir()
+    elif damage == "fifo":
+        os.mkfifo(part)
+    before = {k: v for k, v in _listing(path).items() if k != LOCK_KEY}
+    what = {"missing": "missing", "folder": "a directory", "fifo": "a FIFO"}[damage]
+    with pytest.raises(StoreCorruptError, match=rf"row table 'sample': its part 'rows/sample/part-000001\.parquet', "
+                                                rf"listed in zarr\.json, is {what}.*nothing was deleted or written"):
+        StoreWriter(path, resume=True, **options)
+    assert {k: v for k, v in _listing(path).items() if k != LOCK_KEY} == before
+
+
+def test_a_resume_after_a_killed_overwrite_names_the_store_it_moved_aside(tmp_path):
+    """``overwrite=True`` moves the old store aside (``.<name>.replaced-<hex>``) until its new
+    store commits; killed before, it leaves the old store there and a new one of no rows at
+    the path, and a resume (or another overwrite) went on without a word about it. They warn,
+    naming the folder; a writer settling its own aside does not."""
+    import subprocess
+    import sys
+    import warnings
+
+    path = tmp_path / "s.zarr"
+    rows = torch.randn(5, 3)
+    _store(path, rows)
+    code = ("import os, sys, torch\nfrom activationscope.store import StoreWriter\n"
+            "w = StoreWriter(sys.argv[1], overwrite=True)\nos.kill(os.getpid(), 9)\n")
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", code, str(path)], env=env, capture_output=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith(".s.zarr.replaced-")]
+    assert len(aside) == 1 and torch.equal(open_store(aside[0])["x"], rows)
+    with pytest.warns(RuntimeWarning, match=rf"{aside[0].name}.*moved aside and never settled.*move its entries back"):
+        StoreWriter(path, resume=True).close()
+    with pytest.warns(RuntimeWarning, match=rf"{aside[0].name}"):
+        StoreWriter(path, overwrite=True).close()
+    import shutil
+
+    shutil.rmtree(aside[0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _store(tmp_path / "t.zarr", rows)
+        with StoreWriter(tmp_path / "t.zarr", overwrite=True) as w:  # its own aside, settled: no warning
+            w.open_array("x", (3,), torch.float32, "sample").append(rows)
+            w.add_batch(5)
+        StoreWriter(tmp_path / "t.zarr", resume=True).close()
+
+
+def test_a_document_s_temporary_file_swapped_for_a_link_before_its_rename_is_refused(tmp_path, monkeypatch):
+    """Another process replacing a document's temporary file by a symbolic link between its
+    write and its rename puts the link at the key: that is StoreCorruptError naming the key
+    (never a document read through a link leaving the store), and the linked file keeps its
+    bytes."""
+    from activationscope.store._backend import LocalBackend
+
+    b = LocalBackend(tmp_path / "s.zarr")
+    b.set("acts/x/manifest.json", b"{}")
+    victim = tmp_path / "notes.txt"
+    victim.write_bytes(b"precious\n")
+    replace = os.replace
+
+    def swapping(src, dst, **kw):
+        if str(src).endswith(".tmp"):
+            os.unlink(src)
+            os.symlink(victim, src)
+        return replace(src, dst, **kw)
+
+    monkeypatch.setattr(os, "replace", swapping)
+    with pytest.raises(StoreCorruptError, match=r"'acts/x/manifest\.json': its temporary file .* was replaced"):
+        b.set("acts/x/manifest.json", b'{"hook_point": "x"}')
+    monkeypatch.setattr(os, "replace", replace)
+    assert victim.read_bytes() == b"precious\n"

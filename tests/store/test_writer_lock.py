@@ -437,3 +437,88 @@ def test_a_writer_whose_object_store_marker_was_taken_writes_nothing_more(tmp_pa
     s = open_store(url)
     assert s.n_samples == 7 and torch.equal(s["x"], torch.cat([torch.ones(4, 2), torch.full((3, 2), 9.0)]))
     assert s.status == "complete" and s.verify() == []
+
+
+def test_removing_an_empty_store_checks_it_under_the_lock(tmp_path, monkeypatch):
+    """remove_if_empty (what a capture whose first forward raised calls on its store) looked at
+    the store, then took the writer lock and deleted everything: a resume that took the store
+    and committed rows in between lost them. The store is looked at under the lock."""
+    from activationscope.store import _remove, remove_if_empty
+
+    path = tmp_path / "s.zarr"
+    StoreWriter(path).close()  # a store of no rows
+    rows = torch.randn(6, 3)
+    acquire = _remove.WriterLock.acquire
+
+    def another_writer_first(self):
+        if not getattr(another_writer_first, "done", False):
+            another_writer_first.done = True
+            with StoreWriter(path, resume=True) as w:  # takes the store and commits rows meanwhile
+                _write_rows(w, rows)
+        return acquire(self)
+
+    monkeypatch.setattr(_remove.WriterLock, "acquire", another_writer_first)
+    assert remove_if_empty(path) is False
+    s = open_store(path)
+    assert s.n_samples == 6 and torch.equal(s["x"], rows) and s.verify() == []
+
+
+def test_a_copy_onto_its_own_store_or_a_folder_of_other_files_deletes_nothing(tmp_path):
+    """copy_store(..., overwrite=True) cleared the target before it read the source: onto the
+    source itself (its path, a link to it, or a folder holding it) it deleted the store, and
+    onto a folder that is not a store it deleted the files there. Both are refused (StoreError
+    naming both paths; StoreExistsError as a writer's overwrite=True refuses a folder that
+    holds no store), and nothing is deleted."""
+    path = tmp_path / "s.zarr"
+    rows = torch.randn(5, 3)
+    with StoreWriter(path) as w:
+        _write_rows(w, rows)
+    os.symlink(path, tmp_path / "alias.zarr")
+    for target in (path, tmp_path / "alias.zarr", tmp_path):
+        with pytest.raises(StoreError, match="itself|holds no Zarr store"):
+            copy_store(path, target, overwrite=True)
+        with pytest.raises(StoreError, match="itself|holds no Zarr store"):
+            open_store(path).save(target, overwrite=True)
+        s = open_store(path)
+        assert torch.equal(s["x"], rows) and s.verify() == [], target
+    folder = tmp_path / "papers"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "notes.txt").write_text("mine")
+    (folder / "sub" / "data.csv").write_text("mine too")
+    before = _listing(folder)
+    with pytest.raises(acs.StoreExistsError, match="holds no Zarr store"):
+        copy_store(path, folder, overwrite=True)
+    assert _listing(folder) == before and not (folder / LOCK_KEY).exists()
+    other = tmp_path / "other.zarr"  # a store is still replaced
+    with StoreWriter(other) as w:
+        _write_rows(w, torch.zeros(2, 3))
+    copy_store(path, other, overwrite=True)
+    assert torch.equal(open_store(other)["x"], rows)
+
+
+def test_an_object_store_marker_of_a_writer_dropped_unclosed_is_taken_over_by_the_same_process(tmp_path):
+    """On object storage a writer garbage collected without a close (its capture loop failed
+    outside a ``with`` block) left its marker, naming this very process, which is alive: the
+    same process could not resume the store until the marker was deleted by hand (a local
+    store's flock goes with the dropped writer). Such a marker is taken over; one held by a live
+    writer of this process is still refused."""
+    import gc
+
+    url = "memory://acs-lock-dropped/run.zarr"
+    w = StoreWriter(url, chunk_rows=1, shard_bytes=8, commit_interval=0)
+    a = w.open_array("x", (2,), torch.float32, "sample")
+    a.append(torch.ones(3, 2))
+    w.add_batch(3)
+    w._core.drain()
+    w.commit()
+    holder = StoreWriter("memory://acs-lock-dropped/other.zarr")  # a live writer of this process
+    with pytest.raises(StoreLockedError, match=rf"pid {os.getpid()}"):
+        StoreWriter("memory://acs-lock-dropped/other.zarr", resume=True)
+    del a, w
+    gc.collect()
+    again = StoreWriter(url, resume=True)
+    assert again.n_samples_committed == 3
+    _write_rows(again, torch.zeros(2, 2))
+    again.close()
+    holder.close()
+    assert open_store(url).n_samples == 5
