@@ -25,8 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Protocol, runtime_checkable
 
-from ..errors import ArgumentTypeError, StoreError
+from ..errors import ArgumentTypeError, StoreError, StoreExistsError
 from .._safeio import _kind, open_regular, read_regular  # noqa: F401 - the one way a local file is opened
+from . import _format
 from ._validate import MAX_FILE_BYTES, MAX_JSON_BYTES, check_key, corrupt
 
 #: Key of the writer lock (FORMAT.md §7): never part of the data, never listed or copied.
@@ -1134,3 +1135,41 @@ def resolve(target: Any, *, fsync: bool = False, read_only: bool = False,
     raise ArgumentTypeError(
         f"store must be a local path, an fsspec URL (s3://..., memory://...) or a zarr Store, got {type(target).__name__}"
     )
+
+
+#: The entries of a local store's folder that are the store's own (FORMAT.md section 1; names
+#: ending in ``.tmp`` are unfinished writes, also the store's).
+_STORE_ENTRIES = frozenset({"zarr.json", "acts", "rows", "reductions", "ranks", LOCK_KEY})
+#: Files a file manager leaves in any folder it shows: not the user's data, removed with the store.
+_OS_CLUTTER = frozenset({".DS_Store", "Thumbs.db", "desktop.ini"})
+
+
+def refuse_foreign_entries(backend: Any) -> None:
+    """Refuse replacing an activationscope store (``overwrite=True``, ``copy_store``) whose
+    folder (or prefix, on object storage and ``memory://``) also holds entries that are not
+    the store's (notes, a report or an export written there, a folder of one's own): replacing
+    the store removes them with it. A Zarr node that is not an activationscope store is left
+    to the caller's rules (its arrays are its entries).
+
+    Raises StoreExistsError naming them; nothing is changed."""
+    if isinstance(backend, LocalBackend):
+        if (describe_local_path(backend.root) or ("",))[0] != "store":
+            return
+        names = {p.name for p in backend.root.iterdir()}
+    else:
+        try:
+            attrs = json.loads(backend.get("zarr.json", max_bytes=MAX_JSON_BYTES) or b"null").get("attributes")
+        except (ValueError, AttributeError, RecursionError):
+            return
+        if not isinstance(attrs, dict) or not isinstance(attrs.get(_format.ATTRS_KEY), dict):
+            return
+        names = {key.split("/", 1)[0] for key in backend.list("")}
+    foreign = sorted(n for n in names if n not in _STORE_ENTRIES and n not in _OS_CLUTTER
+                     and not n.endswith(".tmp") and not n.startswith("._"))  # (._*: macOS AppleDouble)
+    if foreign:
+        shown = ", ".join(repr(n) for n in foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise StoreExistsError(
+            f"overwrite=True would delete {len(foreign)} entr{'y' if len(foreign) == 1 else 'ies'} of "
+            f"{str(backend)!r} that {'is' if len(foreign) == 1 else 'are'} not the store's ({shown}) together with "
+            "the old store; move them out of the store's folder (or remove them) and run again; nothing was changed"
+        )

@@ -49,7 +49,8 @@ from ..errors import (
 from . import _decode
 from . import _format as F
 from . import _validate as V
-from ._backend import LocalBackend, _kind, check_backend_not_in_store, open_regular, resolve, store_above
+from ._backend import (LocalBackend, _kind, check_backend_not_in_store, open_regular, refuse_foreign_entries, resolve,
+                       store_above)
 
 # shard index entry of a chunk that is not there (Zarr sharding: 2**64 - 1)
 _MISSING = 2**64 - 1
@@ -2639,9 +2640,7 @@ def copy_store(source: Any, target: Any, *, overwrite: bool = False) -> None:
                 raise StoreExistsError(
                     f"{str(dst)!r} exists and is not empty but holds no Zarr store; choose another path or remove it "
                     "(overwrite=True only replaces stores); nothing was changed")
-            from .writer import _refuse_foreign_entries
-
-            _refuse_foreign_entries(dst)
+            refuse_foreign_entries(dst)
             dst.clear()
         files = _committed_shard_files(source if isinstance(source, Store) else src)
         # (a key read from its kept file is copied even when its own is a folder, which lists no file by

@@ -57,7 +57,8 @@ from ..errors import (
 from .._safeio import _kind
 from . import _format as F
 from . import _validate as V
-from ._backend import LOCK_KEY, LocalBackend, check_backend_not_in_store, check_local_store_path, fsync_dir, resolve
+from ._backend import (LocalBackend, check_backend_not_in_store, check_local_store_path, fsync_dir,
+                       refuse_foreign_entries, resolve)
 from ._backend import _inside as _inside_folder
 from ._format import KEPT_SUFFIX, committed_reduction_files, committed_reduction_groups
 from ._lock import WriterLock
@@ -547,46 +548,6 @@ def _positive_int(value: Any, what: str, allow_none: bool = True) -> int | None:
     return value
 
 
-#: The entries of a local store's folder that are the store's own (FORMAT.md section 1; names
-#: ending in ``.tmp`` are unfinished writes, also the store's).
-_STORE_ENTRIES = frozenset({"zarr.json", "acts", "rows", "reductions", "ranks", LOCK_KEY})
-#: Files a file manager leaves in any folder it shows: not the user's data, removed with the store.
-_OS_CLUTTER = frozenset({".DS_Store", "Thumbs.db", "desktop.ini"})
-
-
-def _refuse_foreign_entries(backend: Any) -> None:
-    """Refuse replacing an activationscope store (``overwrite=True``, ``copy_store``) whose
-    folder (or prefix, on object storage and ``memory://``) also holds entries that are not
-    the store's (notes, a report or an export written there, a folder of one's own): replacing
-    the store removes them with it. A Zarr node that is not an activationscope store is left
-    to the caller's rules (its arrays are its entries).
-
-    Raises StoreExistsError naming them; nothing is changed."""
-    from ._backend import describe_local_path
-
-    if isinstance(backend, LocalBackend):
-        if (describe_local_path(backend.root) or ("",))[0] != "store":
-            return
-        names = {p.name for p in backend.root.iterdir()}
-    else:
-        try:
-            attrs = json.loads(backend.get("zarr.json", max_bytes=V.MAX_JSON_BYTES) or b"null").get("attributes")
-        except (ValueError, AttributeError, RecursionError):
-            return
-        if not isinstance(attrs, dict) or not isinstance(attrs.get(F.ATTRS_KEY), dict):
-            return
-        names = {key.split("/", 1)[0] for key in backend.list("")}
-    foreign = sorted(n for n in names if n not in _STORE_ENTRIES and n not in _OS_CLUTTER
-                     and not n.endswith(".tmp") and not n.startswith("._"))  # (._*: macOS AppleDouble)
-    if foreign:
-        shown = ", ".join(repr(n) for n in foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
-        raise StoreExistsError(
-            f"overwrite=True would delete {len(foreign)} entr{'y' if len(foreign) == 1 else 'ies'} of "
-            f"{str(backend)!r} that {'is' if len(foreign) == 1 else 'are'} not the store's ({shown}) together with "
-            "the old store; move them out of the store's folder (or remove them) and run again; nothing was changed"
-        )
-
-
 def _check_id_values(ids: Any) -> None:
     """Refuse a sample id of None: a sample without an id, which the row table stores as null,
     no ``sample_ids=`` selection names, and pooling per sample (:func:`.analysis.pooling.labelled_rows`)
@@ -959,7 +920,7 @@ class StoreWriter:
             if self._backend.size("zarr.json") is not None or self._backend.is_empty():
                 # a store (even a damaged one) or nothing: replaced. A local one is moved aside
                 # and deleted only once the new one has committed (restored if it fails first).
-                _refuse_foreign_entries(self._backend)
+                refuse_foreign_entries(self._backend)
                 if isinstance(self._backend, LocalBackend):
                     self._aside = self._backend.move_aside()
                 else:
