@@ -1070,19 +1070,24 @@ def test_verify_ok_and_damaged(toy_store, capsys):
                     "restore the files named from an intact copy of the store, or capture it again"), last
 
 
-def test_verify_of_an_incomplete_store_says_what_it_checked(tmp_path, capsys):
-    # a store of a killed (or still running) capture: its committed rows are intact, and
-    # verify says that is all it holds rather than a bare "ok"
+def _incomplete_store(path):
+    """A store of a capture stopped by an error after some commits: status 'incomplete'."""
     import activationscope as acs
 
     m = torch.nn.Linear(4, 3)
-    path = tmp_path / "s.zarr"
     with torch.no_grad(), pytest.raises(RuntimeError, match="stop"):
         with acs.ActivationScope(store=str(path), store_options={"shard_bytes": 48}).track(m):
             for _ in range(3):
                 m(torch.randn(4, 4))
             raise RuntimeError("stop")
-    store = acs.open_store(str(path))
+    return acs.open_store(str(path))
+
+
+def test_verify_of_an_incomplete_store_says_what_it_checked(tmp_path, capsys):
+    # a store of a killed (or still running) capture: its committed rows are intact, and
+    # verify says that is all it holds rather than a bare "ok"
+    path = tmp_path / "s.zarr"
+    store = _incomplete_store(path)
     n = store.n_samples
     assert store.status == "incomplete" and n > 0
     code, stdout, err = run(capsys, "verify", str(path))
@@ -1190,16 +1195,8 @@ def test_export_parquet_and_arrow(tmp_path, toy_store, capsys):
 
 
 def test_export_of_an_incomplete_store_says_so(tmp_path, capsys):
-    import activationscope as acs
-
-    m = torch.nn.Linear(4, 3)
     path = tmp_path / "s.zarr"
-    with torch.no_grad(), pytest.raises(RuntimeError, match="stop"):
-        with acs.ActivationScope(store=str(path), store_options={"shard_bytes": 48}).track(m):
-            for _ in range(3):
-                m(torch.randn(4, 4))
-            raise RuntimeError("stop")
-    store = acs.open_store(str(path))
+    store = _incomplete_store(path)
     assert store.status == "incomplete" and store.n_samples > 0
     code, _, err = run(capsys, "export", str(path), "--format", "parquet", "--out", str(tmp_path / "t.parquet"))
     assert code == 0
