@@ -853,23 +853,29 @@ def test_resume_of_a_full_but_incomplete_store_marks_it_complete(tmp_path, toy_s
     assert acs.open_store(str(out)).info()["provenance"] == info
 
 
-def test_resume_with_another_model_states_the_store_status_and_the_cli_flag(tmp_path, toy_store, user_package,
-                                                                            capsys):
-    """--resume of a complete store captured from another model: refused, the message gives the
-    store's real status (complete, unchanged) and --overwrite, never "status incomplete"."""
-    import activationscope as acs
-
+def _store_of_another_model(out, x, user_package, capsys):
+    """``out`` captured by the CLI from 20 samples of ``x`` with a model other than
+    ``usermodels.nets:mlp`` (package ``othernets``, same shapes, other weights)."""
     user_package("othernets", """
         import torch
         def mlp():
             torch.manual_seed(1)
             return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
     """)
-    _, x = toy_store
-    out = tmp_path / "e1.zarr"
     code, _, err = run(capsys, "capture", "--model", "othernets.nets:mlp", "--data", str(x), "--out", str(out),
                        "--max-samples", "20", "--no-progress")
     assert code == 0, err
+    return out
+
+
+def test_resume_with_another_model_states_the_store_status_and_the_cli_flag(tmp_path, toy_store, user_package,
+                                                                            capsys):
+    """--resume of a complete store captured from another model: refused, the message gives the
+    store's real status (complete, unchanged) and --overwrite, never "status incomplete"."""
+    import activationscope as acs
+
+    _, x = toy_store
+    out = _store_of_another_model(tmp_path / "e1.zarr", x, user_package, capsys)
     before = acs.open_store(str(out))["2.output"].clone()
     args = ["capture", "--model", "usermodels.nets:mlp", "--data", str(x), "--out", str(out), "--no-progress"]
     code, _, err = run(capsys, *args, "--resume")
@@ -902,17 +908,8 @@ def test_resume_with_nothing_left_of_a_store_being_written_names_the_writer(tmp_
     import activationscope as acs
     from activationscope.store import StoreWriter
 
-    user_package("othernets", """
-        import torch
-        def mlp():
-            torch.manual_seed(1)
-            return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
-    """)
     _, x = toy_store
-    out = tmp_path / "held.zarr"
-    code, _, err = run(capsys, "capture", "--model", "othernets.nets:mlp", "--data", str(x), "--out", str(out),
-                       "--max-samples", "20", "--no-progress")
-    assert code == 0, err
+    out = _store_of_another_model(tmp_path / "held.zarr", x, user_package, capsys)
     before = acs.open_store(str(out))["2.output"].clone()
     held = StoreWriter(str(out), resume=True)  # another capture, still running
     try:
