@@ -129,14 +129,14 @@ def relation_to_store(path: str | os.PathLike, store: Any) -> str | None:
 
 def enclosing_store(path: str | os.PathLike) -> str | None:
     """The folder of the outermost activationscope store that ``path`` is or lies inside
-    (symlinks resolved), or None. Used to refuse outputs (a capture, an export, a report)
-    written among a store's files: replacing that store (``overwrite=True``) removes its
-    folder with them."""
+    (symlinks resolved; :func:`store_above`, then ``path`` itself), or None. Used to refuse
+    outputs (an export, a report) written among a store's files: replacing that store
+    (``overwrite=True``) removes its folder with them."""
+    above = store_above(path)
+    if above is not None:
+        return str(above)
     out = Path(expand_local(os.fspath(path))).resolve()
-    for above in (*reversed(out.parents), out):  # the outermost first
-        if (above / "zarr.json").is_file() and (describe_local_path(above) or ("",))[0] == "store":
-            return str(above)
-    return None
+    return str(out) if _store_marks(out)[0] else None
 
 
 #: The name of the temporary file that :meth:`LocalBackend.set` and :meth:`LocalBackend.reserve`
