@@ -258,6 +258,49 @@ def _sample_id_array(ids: Any) -> np.ndarray:
                                 f"({type(e.value).__name__}) in {_short(ids)}") from None
 
 
+def _sample_id_numbers(ids: Any, id_type: pa.DataType) -> np.ndarray:
+    """``sample_ids=`` of a store whose sample ids are uint64 (uint64 (k,)) or floats (float64
+    (k,)): any collection of such numbers, a 1-D Tensor or numpy array of them, or one.
+
+    Raises ArgumentTypeError for what is no such number (None, a str, a bool; a float for
+    uint64 ids) and ArgumentValueError for one no sample can have (a negative or >= 2**64
+    uint64 id, NaN)."""
+    what = "sample_ids="
+    unsigned = pa.types.is_uint64(id_type)
+    kinds = "ints in [0, 2**64)" if unsigned else "numbers"
+    where = f"this store's sample ids are {id_type}"
+    if isinstance(ids, (torch.Tensor, np.ndarray)):
+        if isinstance(ids, torch.Tensor):
+            if ids.device.type == "meta":
+                raise ArgumentValueError(f"{what} is a meta tensor, which holds no values: build it on the CPU")
+            t = ids.detach().to("cpu")
+            good = t.dtype in _INT_DTYPES or not unsigned and t.dtype.is_floating_point
+            if good and t.dtype == _UINT64:
+                t = t.view(torch.int64)  # (bits kept: read back as uint64 below)
+            arr = t.numpy().view(np.uint64) if good and ids.dtype == _UINT64 else t.numpy() if good else None
+        else:
+            good = ids.dtype.kind in ("iu" if unsigned else "iuf")
+            arr = ids
+        if not good or ids.ndim > 1:
+            raise ArgumentTypeError(f"{what} must be {kinds} ({where}; a 1-D Tensor or numpy array of them), got "
+                                    f"{_short(ids)}")
+        items: list = arr.reshape(-1).tolist()
+    else:
+        items = [ids] if _is_int(ids) or isinstance(ids, (float, np.floating)) else ids
+        if isinstance(items, (str, bytes)) or not isinstance(items, Iterable):
+            raise ArgumentTypeError(f"{what} must be a collection of {kinds} ({where}), got {_short(ids)} "
+                                    f"({type(ids).__name__})")
+        items = list(items)
+    for v in items:
+        number = (_is_int(v) or not unsigned and isinstance(v, (float, np.floating))) and not isinstance(v, np.bool_)
+        if not number:
+            raise ArgumentTypeError(f"{what} must be {kinds} ({where}), got {_short(v)} ({type(v).__name__}) in "
+                                    f"{_short(ids)}")
+        if unsigned and not 0 <= int(v) < 2**64 or not unsigned and v != v:
+            raise ArgumentValueError(f"{what} holds {v!r}, which no sample has ({where})")
+    return np.array(items, dtype=np.uint64 if unsigned else np.float64)
+
+
 def _sample_id_strings(ids: Any) -> list[str]:
     """``sample_ids=`` of a store whose sample ids are strings: any collection of str, or one str.
 
@@ -577,8 +620,9 @@ class ActivationDataset(Dataset):
     sample_ids : collection of int, optional
         Keep rows of these samples only (every token row of a sample for token hook points):
         a list, tuple, set, range, 1-D integer Tensor or numpy array, or one int (a collection
-        of str, or one str, for a store captured with str sample ids; a pyarrow Array that casts to
-        the store's sample_id type); the rows stay in store
+        of str, or one str, for a store captured with str sample ids; ints up to 2**64 - 1 for
+        uint64 ids, and floats too for float ids; a pyarrow Array that casts to the store's
+        sample_id type); the rows stay in store
         order whatever the order given. ArgumentTypeError for anything else. An empty
         collection gives an empty dataset; ids none of which is in the dataset's rows raise
         ArgumentValueError, and so do ids some of which no sample of the store has (those that
@@ -778,6 +822,8 @@ class ActivationDataset(Dataset):
                 ids = sample_ids
             elif pa.types.is_string(id_type) or pa.types.is_large_string(id_type):
                 ids = _sample_id_strings(sample_ids)  # a store captured with str sample ids
+            elif pa.types.is_uint64(id_type) or pa.types.is_floating(id_type):
+                ids = _sample_id_numbers(sample_ids, id_type)  # beyond int64, or fractions
             else:
                 ids = _sample_id_array(sample_ids)
             try:

@@ -125,3 +125,60 @@ def test_int_ids_given_to_a_store_of_str_ids_are_named(tmp_path, ids):
         ActivationDataset(path, sample_ids=ids)
     assert isinstance(e.value, TypeError)
     assert [*ActivationDataset(path, sample_ids=np.array("b"), columns=["sample_id"])[:]["sample_id"]] == ["b"]
+
+
+def _store_of_ids(tmp_path, ids):
+    path = str(tmp_path / "ids.zarr")
+    data = torch.arange(12, dtype=torch.float32).reshape(4, 3)
+    w = StoreWriter(path, chunk_rows=4, shard_rows=8)
+    w.open_array("x", (3,), torch.float32, "sample").append(data)
+    w.add_batch(4, sample_ids=ids)
+    w.close()
+    return path, data
+
+
+_BIG = [2**63 + 5, 2**64 - 1, 7, 2**63]
+
+
+@pytest.mark.parametrize("sel", [[2**64 - 1, 2**63], 2**64 - 1, np.array([2**64 - 1, 2**63], dtype=np.uint64),
+                                 torch.tensor([2**64 - 1, 2**63], dtype=torch.uint64), {2**63, 2**64 - 1}])
+def test_uint64_sample_ids_beyond_int64_are_selected(tmp_path, sel):
+    """Sample ids of a store captured with uint64 ids (hashes of documents) beyond int64 were
+    refused ("beyond int64: no sample has that id") though the store has them."""
+    path, data = _store_of_ids(tmp_path, np.array(_BIG, dtype=np.uint64))
+    ds = ActivationDataset(path, sample_ids=sel)
+    want = [1] if isinstance(sel, int) else [1, 3]
+    assert ds.store_rows().tolist() == want and torch.equal(ds[:]["x"], data[want])
+    assert open_store(path).row_table()["sample_id"].type == pa.uint64()
+
+
+@pytest.mark.parametrize("sel, error, match", [
+    ([-1], ArgumentValueError, r"holds -1, which no sample has \(this store's sample ids are uint64\)"),
+    ([2**64], ArgumentValueError, "holds 18446744073709551616"),
+    ([True], ArgumentTypeError, r"must be ints in \[0, 2\*\*64\)"), ([1.5], ArgumentTypeError, "got 1.5"),
+    (["7"], ArgumentTypeError, "got '7'"), (np.array([7.0]), ArgumentTypeError, "numpy array"),
+    (torch.tensor([-1]), ArgumentValueError, "holds -1"), ([99], ArgumentValueError, "none of the sample_ids"),
+])
+def test_uint64_sample_ids_refused_name_why(tmp_path, sel, error, match):
+    path, _ = _store_of_ids(tmp_path, np.array(_BIG, dtype=np.uint64))
+    with pytest.raises(error, match=match):
+        ActivationDataset(path, sample_ids=sel)
+
+
+@pytest.mark.parametrize("sel", [[1.5, 0.25], 1.5, np.array([1.5, 0.25]), torch.tensor([1.5, 0.25], dtype=torch.float64),
+                                 (np.float32(1.5), 0.25)])
+def test_float_sample_ids_are_selected(tmp_path, sel):
+    """A store captured with float sample ids (times, scores) could not be selected from:
+    sample_ids= took ints only."""
+    path, data = _store_of_ids(tmp_path, [0.5, 1.5, 2.25, 0.25])
+    ds = ActivationDataset(path, sample_ids=sel)
+    want = [1] if isinstance(sel, float) else [1, 3]
+    assert ds.store_rows().tolist() == want and torch.equal(ds[:]["x"], data[want])
+
+
+@pytest.mark.parametrize("sel, error", [([float("nan")], ArgumentValueError), ([True], ArgumentTypeError),
+                                        ([None], ArgumentTypeError), ([3.0], ArgumentValueError)])
+def test_float_sample_ids_refused_name_why(tmp_path, sel, error):
+    path, _ = _store_of_ids(tmp_path, [0.5, 1.5, 2.25, 0.25])
+    with pytest.raises(error, match="sample_ids="):
+        ActivationDataset(path, sample_ids=sel)
