@@ -485,7 +485,7 @@ def export_arrow(
     filter: Any = None,
     tensor_type: str = "fixed_shape_tensor",
     compression: str | None = None,
-overwrite: bool = False,
+    overwrite: bool = False,
 ) -> Path:
     """Write rows of a store to an Arrow IPC file (``.arrow``, the Feather v2 format).
 
@@ -558,7 +558,7 @@ def export_parquet(
     filter: Any = None,
     tensor_type: str = "fixed_shape_tensor",
     compression: str | None = "zstd",
-overwrite: bool = False,
+    overwrite: bool = False,
 ) -> Path:
     """Write rows of a store to a Parquet file, one row group per ``batch_rows`` rows.
 
