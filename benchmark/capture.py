@@ -10,7 +10,6 @@ including attaching and removing hooks and, for disk modes, closing / flushing f
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
 from collections import defaultdict
 from typing import Any

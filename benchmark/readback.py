@@ -13,7 +13,6 @@ epoch's checksum, which must agree between the datasets of one order (the same r
 from __future__ import annotations
 
 import gc
-import importlib.util
 import os
 import time
 from typing import Any
@@ -24,7 +23,7 @@ import torch
 from activationscope.sizes import dir_bytes
 
 from ._util import remove, rss_bytes
-from .registry import MissingOptional, add_mode, ModeSpec, WorkloadSpec, register_workload, require_optional
+from .registry import add_mode, ModeSpec, WorkloadSpec, register_workload, require_optional
 
 WIDTH = 256
 BUILD_BATCH = 8192

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
-import importlib.util
 import inspect
 import json
 import os

@@ -559,7 +559,7 @@ def test_empty_label_tag_is_refused(tmp_path):
 @pytest.mark.parametrize("folds", ["1", "0", "x"])
 def test_folds_below_two_is_a_usage_error_in_cli_words(capsys, command, folds):
     code, _, err = run(capsys, *command, "--folds", folds)
-    assert code == 2 and f"argument --folds: must be an int of at least 2" in err and f"got {folds!r}" in err
+    assert code == 2 and "argument --folds: must be an int of at least 2" in err and f"got {folds!r}" in err
     assert "n_folds" not in err
 
 

@@ -551,7 +551,6 @@ def test_a_resume_never_reads_a_stored_script_far_larger_than_its_own_whole(tmp_
     not read (a planted file of up to 4 GiB was read whole into memory to compare them), and
     the reduction is computed again over every row."""
     import json
-    import os
 
     from activationscope.reductions import script_reduction
     from activationscope.store import _format as F

@@ -17,11 +17,10 @@ import pytest
 import torch
 import torch.utils.checkpoint
 
-import activationscope
 import activationscope as acs
 from activationscope import CaptureMode, CapturePolicy, ReductionPolicy, StoragePolicy
 
-from acs_testing import BracketNames, SmallCNN, small_transformer, toy_mlp
+from acs_testing import BracketNames, SmallCNN, toy_mlp
 
 
 # ----------------------------------------------------------------------------- reference

@@ -1945,7 +1945,6 @@ class Store:
             number of rows than the metadata's ``n_rows``.
         """
         import pyarrow as pa
-        import pyarrow.parquet as pq
 
         if kind not in ("sample", "token"):
             raise ArgumentValueError(f"kind must be one of ['sample', 'token'], got {kind!r}")

@@ -13,8 +13,6 @@ import mmap
 import os
 from pathlib import Path
 
-import numpy as np
-import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 

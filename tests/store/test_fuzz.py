@@ -9,7 +9,6 @@ a fixed one, so that CI replays the same cases; the seed is printed on failure).
 from __future__ import annotations
 
 import os
-import random
 import subprocess
 import sys
 from pathlib import Path

@@ -270,8 +270,8 @@ def test_a_store_inside_another_store_on_an_fsspec_file_system_is_refused(how):
         model(torch.randn(3, 2))
     before = {k: fs.cat_file(k) for k in fs.find(f"{base}/a.zarr")}
     target = f"{base}/a.zarr/acts/new.zarr"
-    with pytest.raises(StoreError, match=rf"lies inside the store 'memory://.*/a.zarr' \(as 'acts/new.zarr"
-                                         rf"(/ranks/00000)?'\).*nothing was written"):
+    with pytest.raises(StoreError, match=r"lies inside the store 'memory://.*/a.zarr' \(as 'acts/new.zarr"
+                                         r"(/ranks/00000)?'\).*nothing was written"):
         if how == "new":
             StoreWriter(target)
         elif how == "copy":

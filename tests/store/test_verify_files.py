@@ -214,7 +214,6 @@ def _plant_script(backend, hp, name, key, data: bytes | None, crc: str) -> None:
 def test_verify_reads_a_huge_reduction_script_in_bounded_pieces(tmp_path, monkeypatch, crc):
     """A planted script of 64 MiB is checked by a crc32c computed piece by piece: no read
     asks for more than 16 MiB (verify read it whole, and a hostile file of up to 4 GiB with it)."""
-    import os
 
     from activationscope.store._backend import resolve
 
