@@ -136,7 +136,8 @@ def _check_same(stores: list[Store], what: str, get: Callable[[Store], Any]) -> 
     for r, st in enumerate(stores[1:], 1):
         if get(st) != first:
             raise StoreError(f"rank stores disagree on {what}: rank 0 has {first!r}, rank {r} has {get(st)!r}; "
-                             "every rank must capture the same model with the same options")
+                             "every rank must capture the same model with the same options (capture rank "
+                             f"{r} again with those of rank 0); nothing was written")
     return first
 
 
@@ -241,13 +242,16 @@ def _merge_states(hp: str, name: str, entries: list[dict], stores: list[Store],
     for e in entries[1:]:
         if e["kind"] != kind or e["options"] != entries[0]["options"]:
             raise StoreError(f"rank stores disagree on reduction {name!r} of hook point {hp!r}: "
-                             f"{entries[0]['kind']}{entries[0]['options']} vs {e['kind']}{e['options']}")
+                             f"{entries[0]['kind']}{entries[0]['options']} vs {e['kind']}{e['options']}; every rank must "
+                             "capture the same reductions (capture the other rank again with those of rank 0); nothing "
+                             "was written")
     total = make(hp, name, entries[0]) if make is not None else None
     if total is None:
         if kind not in R.BUILTIN_REDUCTIONS:
             raise StoreError(
                 f"reduction {name!r} of hook point {hp!r} is a custom reduction ({kind!r}); its rank states can only "
-                "be merged by the capture that defined it (torchrun), never by running code from a store")
+                "be merged by the capture that defined it (torchrun), never by running code from a store; nothing "
+                "was written")
         total = R.make_reduction(kind, **entries[0]["options"])
     total = total.fresh()
     read = read or {}
@@ -285,6 +289,69 @@ def _check_states_fit(stores: list[Store]) -> dict[tuple[int, str, str], dict]:
                         f"a {e['kind']!r} reduction can hold after its {st.n_rows(hp)} rows (keys, shapes, dtypes, "
                         "count or row ids); the rank store is damaged: capture that rank again; nothing was written")
     return read
+
+
+def _rank_row_tables(stores: list[Store], hps: list[str], metas: dict[str, dict]) -> dict[str, list]:
+    """Every rank's row tables with a ``rank`` column, by row kind, checked against the rows
+    of the arrays that follow them (read before a commit writes anything).
+
+    Raises
+    ------
+    StoreError
+        A rank store with a user column named ``rank``, or an array whose rows are not its
+        row table's rows; nothing was written.
+    """
+    import pyarrow as pa
+
+    out: dict[str, list] = {}
+    for kind in ROW_KINDS:
+        tables = [s.row_table(kind) for s in stores]
+        for r, (t, rank_st) in enumerate(zip(tables, stores)):
+            _no_rank_column(t, rank_st, r)
+        for hp in hps:
+            if metas[hp]["row_kind"] != kind or not all(
+                    bool(s.attrs["arrays"][hp].get("follows_row_table", True)) for s in stores):
+                continue
+            for r, (t, st) in enumerate(zip(tables, stores)):
+                if st.n_rows(hp) != t.num_rows:
+                    raise StoreError(f"rank {r}: hook point {hp!r} has {st.n_rows(hp)} rows but its {kind} row table "
+                                     f"{t.num_rows}; run verify on the rank store {st.path!r}; nothing was written")
+        out[kind] = [t.append_column("rank", pa.array(np.full(t.num_rows, r, dtype=np.int64)))
+                     for r, t in enumerate(tables)]
+    return out
+
+
+def _merged_reductions(stores: list[Store], make_reduction: Callable[[str, str, dict], Any] | None,
+                       states_read: dict[tuple[int, str, str], dict]) -> dict[str, dict[str, tuple[str, dict]]]:
+    """Every reduction of the rank stores merged from their float64 states (before a commit
+    writes anything): ``{hook point: {name: (kind, result)}}``.
+
+    Raises
+    ------
+    StoreError
+        Rank stores with other reductions (names, kinds or options), results without
+        states, a state covering other rows than its rank store holds, or a custom reduction
+        without ``make_reduction``; nothing was written.
+    """
+    states = [_rank_states(s) for s in stores]
+    state_hps = _check_same(stores, "the reductions", lambda s: {
+        hp: sorted(v) for hp, v in states[stores.index(s)].items()})
+    if stores[0].attrs.get("reductions") and not state_hps:
+        raise StoreError("the rank stores hold reduction results but no reduction states; they cannot be merged; "
+                         "nothing was written")
+    out: dict[str, dict[str, tuple[str, dict]]] = {}
+    for hp, names in state_hps.items():
+        for name in names:
+            entries = [st_[hp][name] for st_ in states]
+            for r, (st, e) in enumerate(zip(stores, entries)):
+                n = st.n_rows(hp) if hp in st.hook_points else 0
+                if "n_rows" in e and int(e["n_rows"]) != n:
+                    raise StoreError(f"rank {r}: the state of reduction {name!r} of hook point {hp!r} covers "
+                                     f"{e['n_rows']} rows, the rank store holds {n}; it would give a partial result; "
+                                     "nothing was written")
+            total = _merge_states(hp, name, entries, stores, make_reduction, states_read)
+            out.setdefault(hp, {})[name] = (str(getattr(total, "kind", entries[0]["kind"])), total.result())
+    return out
 
 
 def commit_ranks(target: Any, *, storage_options: dict | None = None,
@@ -733,6 +800,10 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
     # every rank shard that is linked, copied or re-chunked is checked before anything is written
     manifests = {hp: _check_rank_shards(hp, metas[hp], stores, local, verify) for hp in hps}
     states_read = _check_states_fit(stores)
+    # everything else that can refuse the commit, before its first write: the row tables
+    # against the arrays' rows, and every reduction merged from the ranks' states
+    tables = _rank_row_tables(stores, hps, metas)
+    merged = _merged_reductions(stores, make_reduction, states_read)
     arrays: dict[str, dict] = {}
     summary: dict[str, dict] = {}
     for hp in hps:
@@ -805,22 +876,12 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
     import pyarrow.parquet as pq
 
     for kind in ROW_KINDS:
-        tables = [s.row_table(kind) for s in stores]
-        for r, (t, rank_st) in enumerate(zip(tables, stores)):
-            _no_rank_column(t, rank_st, r)
-        tables = [t.append_column("rank", pa.array(np.full(t.num_rows, r, dtype=np.int64))) for r, t in enumerate(tables)]
         S = shard_rows.get(kind)
-        for hp, meta in arrays.items():
-            if meta["row_kind"] == kind and meta["follows_row_table"]:
-                for r, t in enumerate(tables):
-                    if summary[hp]["rank_rows"][r] != t.num_rows:
-                        raise StoreError(f"rank {r}: hook point {hp!r} has {summary[hp]['rank_rows'][r]} rows but "
-                                         f"its {kind} row table {t.num_rows}; run verify on the rank store")
         if S is None:
-            heads, tails = tables, []
+            heads, tails = tables[kind], []
         else:
-            heads = [t.slice(0, (t.num_rows // S) * S) for t in tables]
-            tails = [t.slice((t.num_rows // S) * S) for t in tables]
+            heads = [t.slice(0, (t.num_rows // S) * S) for t in tables[kind]]
+            tails = [t.slice((t.num_rows // S) * S) for t in tables[kind]]
         parts = [t for t in heads + tails if t.num_rows]
         info = {"parts": [], "n_rows": 0, "columns": []}
         if parts:
@@ -835,26 +896,12 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
         row_tables[kind] = info
     # reductions: every rank's float64 state merged (Chan et al. for moments), results written
     reductions: dict[str, dict] = {}
-    states = [_rank_states(s) for s in stores]
-    state_hps = _check_same(stores, "the reductions", lambda s: {
-        hp: sorted(v) for hp, v in states[stores.index(s)].items()})
-    if stores[0].attrs.get("reductions") and not state_hps:
-        raise StoreError("the rank stores hold reduction results but no reduction states; they cannot be merged")
-    for hp, names in state_hps.items():
+    for hp, by_name in merged.items():
         node = F.node_name(hp)
         b.set("reductions/zarr.json", F.dumps(F.group_document()))
         b.set(f"reductions/{node}/zarr.json", F.dumps(F.group_document({F.ATTRS_KEY: {"hook_point": hp}})))
         entries_out = reductions.setdefault(hp, {})
-        for name in names:
-            entries = [st_[hp][name] for st_ in states]
-            for r, (st, e) in enumerate(zip(stores, entries)):
-                n = st.n_rows(hp) if hp in st.hook_points else 0
-                if "n_rows" in e and int(e["n_rows"]) != n:
-                    raise StoreError(f"rank {r}: the state of reduction {name!r} of hook point {hp!r} covers "
-                                     f"{e['n_rows']} rows, the rank store holds {n}; it would give a partial result")
-            total = _merge_states(hp, name, entries, stores, make_reduction, states_read)
-            result = total.result()
-            kind = str(getattr(total, "kind", entries[0]["kind"]))
+        for name, (kind, result) in by_name.items():
             main = kind if kind in result else ("value" if "value" in result else None)
             if main is None and len(result) == 1:
                 main = next(iter(result))

@@ -1149,3 +1149,53 @@ def test_a_root_whose_world_size_leaves_out_rank_stores_is_damage_not_fewer_rows
     with pytest.raises(acs.StoreCorruptError, match=r"rank stores? \[1\]|rank stores \[0, 1\]") as e:
         acs.open_store(store)
     assert "world_size" in str(e.value) and "ranks/" in str(e.value)
+
+
+@pytest.mark.parametrize("rank1", [
+    {"reductions": ["mean", "var"]},                                   # another set of reductions
+    {"reductions": [("mean", "hist", {"lo": -1, "hi": 1, "bins": 4})]},  # same name, other kind
+    {"rows": 0},                                                        # a rank store whose row table is short
+])
+def test_consolidate_of_rank_stores_that_disagree_writes_nothing(tmp_path, capsys, rank1):
+    """Rank stores whose reductions disagree (or whose row table does not hold an array's
+    rows) were found out only after the commit had linked the shards, re-chunked the tails and
+    written the arrays' manifests and documents and the row tables into the store. It is
+    refused before the first write: every file stays as it was, and the store still reads
+    every rank's rows."""
+    from activationscope import cli
+
+    store = tmp_path / "s.zarr"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    xs = [torch.randn(6, 8) for _ in range(6)]
+    for task in (0, 1):
+        reductions = rank1.get("reductions", ["mean"]) if task else ["mean"]
+        opts = {"shard_rows": 8, "chunk_rows": 4, "process_group": acs.RankStore(task, 2)}
+        with acs.ActivationScope(store=str(store), store_options=opts, reductions=reductions).track(model), \
+                torch.no_grad():
+            for x in xs[task * 3:(task + 1) * 3]:
+                model(x)
+    if "rows" in rank1:  # rank 1's sample table keeps 2 of its 18 rows (its records kept in step)
+        import pyarrow.parquet as pq
+
+        from activationscope.capture import _native
+        from activationscope.store.ranks import rank_target
+
+        rank_store = Path(rank_target(str(store), 1))
+        attrs = json.loads((rank_store / "zarr.json").read_text())
+        info = attrs["attributes"]["activationscope"]["row_tables"]["sample"]
+        part = rank_store / info["parts"][0]
+        pq.write_table(pq.read_table(part).slice(0, 2), part)
+        info["crc32c"][info["parts"][0]] = _native.load().crc32c(part.read_bytes())
+        info["n_rows"] = attrs["attributes"]["activationscope"]["n_samples"] = 2
+        (rank_store / "zarr.json").write_text(json.dumps(attrs))
+    before = _tree(store)
+    assert cli.main(["consolidate", str(store)]) == 1
+    assert _tree(store) == before
+    err = capsys.readouterr().err
+    assert "nothing was written" in err and "Traceback" not in err, err
+    if "rows" not in rank1:
+        s = acs.open_store(store)
+        assert s.status == "incomplete" and s.n_rows("0.output") == 36
+        with torch.no_grad():
+            torch.testing.assert_close(s["0.output"], model(torch.cat(xs)))
