@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -1199,3 +1200,57 @@ def test_consolidate_of_rank_stores_that_disagree_writes_nothing(tmp_path, capsy
         assert s.status == "incomplete" and s.n_rows("0.output") == 36
         with torch.no_grad():
             torch.testing.assert_close(s["0.output"], model(torch.cat(xs)))
+
+
+def test_a_rank_whose_data_is_empty_adds_no_row(tmp_path):
+    """A rank (or task) whose share of the data yielded no batch raised CaptureError ("captured
+    no forward") and, under torchrun, failed every rank: nothing was committed. It now closes a
+    rank store without rows (with a CaptureWarning), and the commit takes the hook points,
+    layout and reductions from the other ranks: the rows and statistics are theirs, exactly."""
+    from activationscope.store.ranks import commit_ranks
+
+    store = tmp_path / "s.zarr"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
+    shares = {0: [], 1: [torch.randn(6, 8) for _ in range(3)], 2: [torch.randn(5, 8)]}  # rank 0 has no data
+    for task, xs in shares.items():
+        opts = {"shard_rows": 8, "chunk_rows": 4, "process_group": acs.RankStore(task, 3)}
+        scope = acs.ActivationScope(store=str(store), store_options=opts, reductions=["mean", "var", "cov"])
+        with warnings.catch_warnings(record=True) as caught, scope.track(model) as tracker, torch.no_grad():
+            warnings.simplefilter("always")
+            for i, x in enumerate(xs):
+                tracker.set_batch(sample_ids=torch.arange(len(x)) + 100 * task + 10 * i)
+                model(x)
+        assert any("captured no forward" in str(w.message) for w in caught) == (not xs)
+    assert acs.open_store(store).n_rows("1.output") == 23  # the uncommitted view: ranks 1 and 2
+    commit_ranks(store)
+    s = acs.open_store(store)
+    with torch.no_grad():
+        y = {r: torch.cat([model(x) for x in xs]) for r, xs in shares.items() if xs}  # (batch by batch, as captured)
+    # FORMAT.md section 10: full shards of every rank (rank 1: 2), then the tails (rank 1: 2 rows, rank 2: 5)
+    expected = torch.cat([y[1][:16], y[1][16:], y[2]])
+    assert s.status == "complete" and s.verify() == [] and s.n_samples == 23
+    assert torch.equal(s["1.output"], expected)
+    assert s.row_table("sample").column("rank").to_pylist() == [1] * 18 + [2] * 5
+    assert s.row_table("sample").column("sample_id").to_pylist() == (
+        [100 + 10 * i + j for i in range(3) for j in range(6)] + list(range(200, 205)))
+    ref = expected.double()
+    torch.testing.assert_close(s.reductions["1.output"]["mean"], ref.mean(0), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(s.reductions["1.output"]["var"], ref.var(0, correction=0), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(s.reductions["1.output"]["cov"], torch.cov(ref.T, correction=0), rtol=1e-10, atol=1e-12)
+    assert [e["n_samples"] for e in s.attrs["distributed"]["ranks"]] == [0, 18, 5]
+
+
+def test_rank_stores_that_all_captured_nothing_are_not_committed(tmp_path):
+    from activationscope.store.ranks import commit_ranks
+
+    store = tmp_path / "s.zarr"
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    for task in (0, 1):
+        with pytest.warns(acs.CaptureWarning, match="captured no forward"), acs.ActivationScope(
+                store=str(store), store_options={"process_group": acs.RankStore(task, 2)}).track(model):
+            pass
+    before = _tree(store)
+    with pytest.raises(acs.StoreError, match="none of the 2 rank stores .* captured a forward"):
+        commit_ranks(store)
+    assert _tree(store) == before and acs.open_store(store).status == "incomplete"
