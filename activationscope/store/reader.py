@@ -2492,8 +2492,15 @@ def _rank_view(store: "Store", attrs: dict, dist: dict) -> tuple[dict, list, dic
         for hp in st.attrs.get("arrays", {}):
             meta = st.attrs["arrays"][hp]
             if hp in arrays and any(arrays[hp][k] != meta[k] for k in layout):
-                raise V.corrupt(store._backend, f"rank {r} stores hook point {hp!r} as "
-                                f"{[meta[k] for k in layout]}, an earlier rank as {[arrays[hp][k] for k in layout]}")
+                first = arrays[hp]["ranks"][0]["rank"]
+                raise V.corrupt(
+                    store._backend,
+                    f"rank {r} stores hook point {hp!r} as {dict((k, meta[k]) for k in layout)}, rank {first} as "
+                    f"{dict((k, arrays[hp][k]) for k in layout)} (row kind, feature shape, dtype): the rank stores "
+                    "were captured with other options, and their rows cannot be shown as one array",
+                    f"capture rank {r} again with the options of rank {first} (store_options overwrite=True and the "
+                    f"same process_group RankStore({r}, world size)); until then each rank store opens on its own: "
+                    f"open_store('{str(store._backend).rstrip('/')}/ranks/{r:05d}')")
             entry = arrays.setdefault(hp, {**meta, "n_rows": 0, "ranks": [], "follows_row_table": True})
             parts.setdefault(hp, []).append((r, st, int(entry["n_rows"])))
             entry["n_rows"] += st.n_rows(hp)

@@ -1254,3 +1254,31 @@ def test_rank_stores_that_all_captured_nothing_are_not_committed(tmp_path):
     with pytest.raises(acs.StoreError, match="none of the 2 rank stores .* captured a forward"):
         commit_ranks(store)
     assert _tree(store) == before and acs.open_store(store).status == "incomplete"
+
+
+def test_rank_stores_of_other_dtypes_are_named_with_the_fix(tmp_path, capsys):
+    """Task 1 captured float32 where task 0 captured bfloat16: consolidate refuses, writing
+    nothing, and opening the store said "restore the store from an intact copy" (nothing is
+    damaged). It names both ranks' layouts and the fix, and each rank store opens alone."""
+    from activationscope import cli
+
+    store = tmp_path / "s.zarr"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    xs = [torch.randn(6, 8), torch.randn(5, 8)]
+    for task, dtype in ((0, torch.bfloat16), (1, None)):
+        opts = {"process_group": acs.RankStore(task, 2)}
+        with acs.ActivationScope(store=str(store), storage_dtype=dtype, store_options=opts).track(model), \
+                torch.no_grad():
+            model(xs[task])
+    before = _tree(store)
+    assert cli.main(["consolidate", str(store)]) == 1
+    assert "rank stores disagree on the layout of hook point '0.output'" in capsys.readouterr().err
+    assert _tree(store) == before
+    with pytest.raises(acs.StoreCorruptError) as e:
+        acs.open_store(store)
+    msg = str(e.value)
+    assert "'dtype': 'float32'" in msg and "'dtype': 'bfloat16'" in msg and "capture rank 1 again" in msg
+    assert "intact copy" not in msg and f"open_store('{store}/ranks/00001')" in msg
+    with torch.no_grad():
+        assert torch.equal(acs.open_store(store / "ranks" / "00001")["0.output"], model(xs[1]))
