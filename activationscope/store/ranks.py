@@ -42,7 +42,7 @@ from . import _format as F
 from . import _validate as V
 from ._backend import LocalBackend, check_backend_not_in_store, resolve
 from ._lock import WriterLock
-from .reader import Store, _no_rank_column, listed_rank_stores
+from .reader import Store, _no_rank_column, concat_rank_tables, listed_rank_stores
 from .writer import ROW_KINDS, _builtin_state_fits, _library_versions, _write_small_array, resume_history
 
 RANKS_DIR = "ranks"
@@ -313,8 +313,9 @@ def _rank_row_tables(stores: list[Store], hps: list[str], metas: dict[str, dict]
     Raises
     ------
     StoreError
-        A rank store with a user column named ``rank``, or an array whose rows are not its
-        row table's rows; nothing was written.
+        A rank store with a user column named ``rank``, ranks whose tables hold a column of
+        the same name with other types, or an array whose rows are not its row table's rows;
+        nothing was written.
     """
     import pyarrow as pa
 
@@ -333,6 +334,7 @@ def _rank_row_tables(stores: list[Store], hps: list[str], metas: dict[str, dict]
                                      f"{t.num_rows}; run verify on the rank store {st.path!r}; nothing was written")
         out[kind] = [t.append_column("rank", pa.array(np.full(t.num_rows, r, dtype=np.int64)))
                      for r, t in enumerate(tables)]
+        concat_rank_tables(out[kind], list(range(len(stores))), stores, kind, "; nothing was written")  # (types agree)
     return out
 
 

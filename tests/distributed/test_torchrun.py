@@ -1282,3 +1282,32 @@ def test_rank_stores_of_other_dtypes_are_named_with_the_fix(tmp_path, capsys):
     assert "intact copy" not in msg and f"open_store('{store}/ranks/00001')" in msg
     with torch.no_grad():
         assert torch.equal(acs.open_store(store / "ranks" / "00001")["0.output"], model(xs[1]))
+
+
+def test_rank_row_tables_with_a_column_of_other_types_are_refused_before_writing(tmp_path, capsys):
+    """Task 0 gave its labels as int64, task 1 as float32: the uncommitted store's row table
+    and consolidate raised pyarrow's ArrowTypeError, and consolidate had already linked the
+    shards and written the arrays. Both raise StoreError naming the column, the ranks and the
+    types; consolidate writes nothing, and the arrays still read every rank's rows."""
+    from activationscope import cli
+
+    store = tmp_path / "s.zarr"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    xs = [torch.randn(6, 8), torch.randn(5, 8)]
+    for task in (0, 1):
+        with acs.ActivationScope(store=str(store), store_options={"process_group": acs.RankStore(task, 2)}) \
+                .track(model) as tracker, torch.no_grad():
+            tracker.set_batch(label=torch.arange(len(xs[task])).to(torch.float32 if task else torch.int64))
+            model(xs[task])
+    before = _tree(store)
+    assert cli.main(["consolidate", str(store)]) == 1
+    assert _tree(store) == before
+    err = capsys.readouterr().err
+    assert "disagree on column 'label': rank 0 holds int64, rank 1" in err and "holds float" in err, err
+    assert "nothing was written" in err and "Traceback" not in err
+    s = acs.open_store(store)
+    with pytest.raises(acs.StoreError, match="disagree on column 'label': rank 0 holds int64"):
+        s.row_table("sample")
+    with torch.no_grad():
+        assert torch.equal(s["0.output"], torch.cat([model(x) for x in xs]))
