@@ -339,9 +339,9 @@ def _rank_row_tables(stores: list[Store], hps: list[str], metas: dict[str, dict]
 
 
 def _merged_reductions(stores: list[Store], make_reduction: Callable[[str, str, dict], Any] | None,
-                       states_read: dict[tuple[int, str, str], dict]) -> dict[str, dict[str, tuple[str, dict]]]:
+                       states_read: dict[tuple[int, str, str], dict]) -> dict[str, dict[str, tuple[str, Any, dict]]]:
     """Every reduction of the rank stores merged from their float64 states (before a commit
-    writes anything): ``{hook point: {name: (kind, result)}}``.
+    writes anything): ``{hook point: {name: (kind, options, result)}}``.
 
     Raises
     ------
@@ -357,7 +357,7 @@ def _merged_reductions(stores: list[Store], make_reduction: Callable[[str, str, 
     if stores[used[0]].attrs.get("reductions") and not state_hps:
         raise StoreError("the rank stores hold reduction results but no reduction states; they cannot be merged; "
                          "nothing was written")
-    out: dict[str, dict[str, tuple[str, dict]]] = {}
+    out: dict[str, dict[str, tuple[str, Any, dict]]] = {}
     for hp, names in state_hps.items():
         for name in names:
             entries = [states[r][hp][name] for r in used]
@@ -369,7 +369,8 @@ def _merged_reductions(stores: list[Store], make_reduction: Callable[[str, str, 
                                      f"{e['n_rows']} rows, the rank store holds {n}; it would give a partial result; "
                                      "nothing was written")
             total = _merge_states(hp, name, entries, [stores[r] for r in used], make_reduction, states_read, used)
-            out.setdefault(hp, {})[name] = (str(getattr(total, "kind", entries[0]["kind"])), total.result())
+            out.setdefault(hp, {})[name] = (str(getattr(total, "kind", entries[0]["kind"])), entries[0]["options"],
+                                            total.result())
     return out
 
 
@@ -929,7 +930,7 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
         b.set("reductions/zarr.json", F.dumps(F.group_document()))
         b.set(f"reductions/{node}/zarr.json", F.dumps(F.group_document({F.ATTRS_KEY: {"hook_point": hp}})))
         entries_out = reductions.setdefault(hp, {})
-        for name, (kind, result) in by_name.items():
+        for name, (kind, options, result) in by_name.items():
             main = kind if kind in result else ("value" if "value" in result else None)
             if main is None and len(result) == 1:
                 main = next(iter(result))
@@ -939,8 +940,7 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
                 path = f"reductions/{node}/{full}"
                 t = torch.as_tensor(value).detach().to("cpu").contiguous()
                 dname = F.dtype_name(t.dtype)
-                dims = (F.feature_dimension_names(hp, t.dim()) if feat is not None and tuple(t.shape) == feat
-                        else [f"{hp}.{full}.dim{i}" for i in range(t.dim())])
+                dims = F.reduction_dimension_names(hp, full, key, kind, options, tuple(t.shape), feat)
                 crcs = _write_small_array(b, path, t, {"hook_point": hp, "reduction": name, "dtype": dname}, dims)
                 entries_out[full] = {"path": path, "reduction": name, "kind": kind, "dtype": dname,
                                      "shape": list(t.shape), "crc32c": crcs}
