@@ -1072,6 +1072,19 @@ class Tracker:
                         f"the capture into {self.writer.path!r} recorded no hook point in {self._n_captured} forward(s) "
                         f"(store left 'incomplete'): {_silent_message(silent, self.model)}"
                     )
+                if not self._sinks and self._n_captured == 0 and not int(self.writer.n_samples_committed) \
+                        and not self._n_raised and getattr(self.writer, "may_be_empty", False):
+                    # one rank of a multi-rank capture whose share of the data was empty: it
+                    # adds no row (the commit takes the hook points from the other ranks)
+                    warnings.warn(
+                        f"the capture into {self.writer.path!r} captured no forward of {type(self.model).__name__} "
+                        "(this rank's data yielded no batch): its rank store holds no row; the other ranks' rows are "
+                        "committed without it",
+                        CaptureWarning,
+                        stacklevel=3,
+                    )
+                    self.writer.close(status=status)
+                    return
                 if not self._sinks and self._n_captured == 0 and not int(self.writer.n_samples_committed):
                     # no forward was captured at all (an empty data loader, max_k=0, the model
                     # never called): a new store holding nothing is not a success either

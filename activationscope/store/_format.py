@@ -320,6 +320,28 @@ def feature_dimension_names(hook_point: str, ndim: int) -> list[str]:
     return [f"{hook_point}.dim{i}" for i in range(ndim)]
 
 
+#: Outputs of built-in reductions that are never per feature, whatever their shape.
+NOT_PER_FEATURE_OUTPUTS = {"hist": {"edges"}}
+
+
+def reduction_dimension_names(hook_point: str, full: str, key: str, kind: str, options: Any,
+                              shape: tuple[int, ...], feature_shape: tuple[int, ...] | None) -> list[str]:
+    """Dimension names of the reduction array ``reductions/<node>/<full>`` (output ``key`` of
+    a reduction of ``kind`` with ``options``, shape ``shape``).
+
+    The hook point's feature names (:func:`feature_dimension_names`) when the output is per
+    feature: its shape is ``feature_shape``, the reduction reduces per feature (``per_feature``
+    not 0) and the output is not one that never is (``hist`` ``edges``, ``bins + 1`` values,
+    which may have as many values as there are features); otherwise
+    ``<hook point>.<full>.dim<i>``.
+    """
+    per_feature = bool((options or {}).get("per_feature", 1)) if isinstance(options, dict) else True
+    if (feature_shape is not None and tuple(shape) == tuple(feature_shape) and per_feature
+            and key not in NOT_PER_FEATURE_OUTPUTS.get(kind, ())):
+        return feature_dimension_names(hook_point, len(shape))
+    return [f"{hook_point}.{full}.dim{i}" for i in range(len(shape))]
+
+
 def dimension_names(hook_point: str, row_kind: str, follows_row_table: bool, ndim_feature: int) -> list[str]:
     """The Zarr ``dimension_names`` of an ``acts/<hook point>`` array.
 

@@ -42,7 +42,7 @@ from . import _format as F
 from . import _validate as V
 from ._backend import LocalBackend, check_backend_not_in_store, resolve
 from ._lock import WriterLock
-from .reader import Store, _no_rank_column, listed_rank_stores
+from .reader import Store, _no_rank_column, concat_rank_tables, listed_rank_stores
 from .writer import ROW_KINDS, _builtin_state_fits, _library_versions, _write_small_array, resume_history
 
 RANKS_DIR = "ranks"
@@ -131,13 +131,28 @@ def _prepare_root(b: Any, world_size: int, overwrite: bool, resume: bool) -> Non
 
 
 
-def _check_same(stores: list[Store], what: str, get: Callable[[Store], Any]) -> Any:
+def _check_same(stores: list[Store], what: str, get: Callable[[Store], Any], ranks: list[int] | None = None) -> Any:
+    """``get`` of the first store, once every store gives the same; ``ranks``: the rank of
+    each store (default 0, 1, ...), for the message."""
+    ranks = list(range(len(stores))) if ranks is None else ranks
     first = get(stores[0])
-    for r, st in enumerate(stores[1:], 1):
+    for r, st in zip(ranks[1:], stores[1:]):
         if get(st) != first:
-            raise StoreError(f"rank stores disagree on {what}: rank 0 has {first!r}, rank {r} has {get(st)!r}; "
-                             "every rank must capture the same model with the same options")
+            raise StoreError(f"rank stores disagree on {what}: rank {ranks[0]} has {first!r}, rank {r} has "
+                             f"{get(st)!r}; every rank must capture the same model with the same options (capture "
+                             f"rank {r} again with those of rank {ranks[0]}); nothing was written")
     return first
+
+
+def _n_rows(st: Store, hp: str) -> int:
+    """Rows of ``hp`` in a rank store; 0 in a rank store that captured no forward."""
+    return st.n_rows(hp) if hp in st.hook_points else 0
+
+
+def _captured(st: Store) -> bool:
+    """Whether a rank store holds anything: False for a rank whose share of the data was
+    empty (it captured no forward: no hook point, no sample, no reduction state)."""
+    return bool(st.hook_points or st.n_samples or _rank_states(st))
 
 
 class _TailWriter:
@@ -232,26 +247,30 @@ def _read_state(st: Store, name: str, entry: dict) -> dict[str, torch.Tensor]:
 
 def _merge_states(hp: str, name: str, entries: list[dict], stores: list[Store],
                   make: Callable[[str, str, dict], Any] | None,
-                  read: dict[tuple[int, str, str], dict] | None = None) -> Any:
+                  read: dict[tuple[int, str, str], dict] | None = None, ranks: list[int] | None = None) -> Any:
     """The rank states of reduction ``name`` of ``hp`` merged; ``read``: states already read
-    (by :func:`_check_states_fit`), by ``(rank, hook point, name)``."""
+    (by :func:`_check_states_fit`), by ``(rank, hook point, name)``; ``ranks``: the rank of
+    each store (default 0, 1, ...)."""
     from ..capture import reductions as R
 
     kind = entries[0]["kind"]
     for e in entries[1:]:
         if e["kind"] != kind or e["options"] != entries[0]["options"]:
             raise StoreError(f"rank stores disagree on reduction {name!r} of hook point {hp!r}: "
-                             f"{entries[0]['kind']}{entries[0]['options']} vs {e['kind']}{e['options']}")
+                             f"{entries[0]['kind']}{entries[0]['options']} vs {e['kind']}{e['options']}; every rank must "
+                             "capture the same reductions (capture the other rank again with those of rank 0); nothing "
+                             "was written")
     total = make(hp, name, entries[0]) if make is not None else None
     if total is None:
         if kind not in R.BUILTIN_REDUCTIONS:
             raise StoreError(
                 f"reduction {name!r} of hook point {hp!r} is a custom reduction ({kind!r}); its rank states can only "
-                "be merged by the capture that defined it (torchrun), never by running code from a store")
+                "be merged by the capture that defined it (torchrun), never by running code from a store; nothing "
+                "was written")
         total = R.make_reduction(kind, **entries[0]["options"])
     total = total.fresh()
     read = read or {}
-    for r, (st, e) in enumerate(zip(stores, entries)):
+    for r, st, e in zip(range(len(stores)) if ranks is None else ranks, stores, entries):
         state = read[(r, hp, name)] if (r, hp, name) in read else _read_state(st, name, e)
         part = total.fresh()
         part.load_state(state)
@@ -285,6 +304,74 @@ def _check_states_fit(stores: list[Store]) -> dict[tuple[int, str, str], dict]:
                         f"a {e['kind']!r} reduction can hold after its {st.n_rows(hp)} rows (keys, shapes, dtypes, "
                         "count or row ids); the rank store is damaged: capture that rank again; nothing was written")
     return read
+
+
+def _rank_row_tables(stores: list[Store], hps: list[str], metas: dict[str, dict]) -> dict[str, list]:
+    """Every rank's row tables with a ``rank`` column, by row kind, checked against the rows
+    of the arrays that follow them (read before a commit writes anything).
+
+    Raises
+    ------
+    StoreError
+        A rank store with a user column named ``rank``, ranks whose tables hold a column of
+        the same name with other types, or an array whose rows are not its row table's rows;
+        nothing was written.
+    """
+    import pyarrow as pa
+
+    out: dict[str, list] = {}
+    for kind in ROW_KINDS:
+        tables = [s.row_table(kind) for s in stores]
+        for r, (t, rank_st) in enumerate(zip(tables, stores)):
+            _no_rank_column(t, rank_st, r)
+        for hp in hps:
+            if metas[hp]["row_kind"] != kind or not all(
+                    bool(s.attrs["arrays"][hp].get("follows_row_table", True)) for s in stores if hp in s.hook_points):
+                continue
+            for r, (t, st) in enumerate(zip(tables, stores)):
+                if _n_rows(st, hp) != t.num_rows:
+                    raise StoreError(f"rank {r}: hook point {hp!r} has {_n_rows(st, hp)} rows but its {kind} row table "
+                                     f"{t.num_rows}; run verify on the rank store {st.path!r}; nothing was written")
+        out[kind] = [t.append_column("rank", pa.array(np.full(t.num_rows, r, dtype=np.int64)))
+                     for r, t in enumerate(tables)]
+        concat_rank_tables(out[kind], list(range(len(stores))), stores, kind, "; nothing was written")  # (types agree)
+    return out
+
+
+def _merged_reductions(stores: list[Store], make_reduction: Callable[[str, str, dict], Any] | None,
+                       states_read: dict[tuple[int, str, str], dict]) -> dict[str, dict[str, tuple[str, Any, dict]]]:
+    """Every reduction of the rank stores merged from their float64 states (before a commit
+    writes anything): ``{hook point: {name: (kind, options, result)}}``.
+
+    Raises
+    ------
+    StoreError
+        Rank stores with other reductions (names, kinds or options), results without
+        states, a state covering other rows than its rank store holds, or a custom reduction
+        without ``make_reduction``; nothing was written.
+    """
+    states = [_rank_states(s) for s in stores]
+    used = [r for r, s in enumerate(stores) if _captured(s)]  # a rank that captured nothing adds no state
+    state_hps = _check_same([stores[r] for r in used], "the reductions", lambda s: {
+        hp: sorted(v) for hp, v in states[stores.index(s)].items()}, used)
+    if stores[used[0]].attrs.get("reductions") and not state_hps:
+        raise StoreError("the rank stores hold reduction results but no reduction states; they cannot be merged; "
+                         "nothing was written")
+    out: dict[str, dict[str, tuple[str, Any, dict]]] = {}
+    for hp, names in state_hps.items():
+        for name in names:
+            entries = [states[r][hp][name] for r in used]
+            for r, e in zip(used, entries):
+                st = stores[r]
+                n = _n_rows(st, hp)
+                if "n_rows" in e and int(e["n_rows"]) != n:
+                    raise StoreError(f"rank {r}: the state of reduction {name!r} of hook point {hp!r} covers "
+                                     f"{e['n_rows']} rows, the rank store holds {n}; it would give a partial result; "
+                                     "nothing was written")
+            total = _merge_states(hp, name, entries, [stores[r] for r in used], make_reduction, states_read, used)
+            out.setdefault(hp, {})[name] = (str(getattr(total, "kind", entries[0]["kind"])), entries[0]["options"],
+                                            total.result())
+    return out
 
 
 def commit_ranks(target: Any, *, storage_options: dict | None = None,
@@ -461,9 +548,12 @@ def _check_rank_shards(hp: str, meta: dict, stores: list[Store], local: bool,
     """
     S = int(meta["shard_rows"])
     nd = len(meta["feature_shape"])
-    path = stores[0].attrs["arrays"][hp]["path"]
+    path = next(st.attrs["arrays"][hp]["path"] for st in stores if hp in st.hook_points)
     out = []
     for r, st in enumerate(stores):
+        if hp not in st.hook_points:  # a rank that captured no forward: no shard
+            out.append({})
+            continue
         key = f"{path}/manifest.json"
         raw = st._backend.get(key, max_bytes=V.MAX_JSON_BYTES)
         fix = (f"nothing was committed. Run `activationscope verify {st.path}`, and rerun rank {r} (or restore "
@@ -718,13 +808,19 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
     model = _check_same(stores, "the model (class, state dict sha256)",
                         lambda s: (s.attrs.get("model") or {}).get("state_dict_sha256"))
     del model
-    hps = _check_same(stores, "the hook points", lambda s: sorted(s.hook_points))
+    # a rank whose share of the data was empty captured no forward: it adds no row (and no state)
+    used = [r for r, s in enumerate(stores) if _captured(s)]
+    if not used:
+        raise StoreError(f"none of the {len(stores)} rank stores under {_ranks_dir(b)!r} captured a forward: there "
+                         "is no row to commit; nothing was written. Check that the ranks' data yielded batches")
+    held = [stores[r] for r in used]
+    hps = _check_same(held, "the hook points", lambda s: sorted(s.hook_points), used)
     layout_keys = ("row_kind", "feature_shape", "dtype", "storage_dtype", "chunk_rows", "shard_rows", "compression")
     shard_rows: dict[str, int] = {}
     metas: dict[str, dict] = {}
     for hp in hps:
-        meta = _check_same(stores, f"the layout of hook point {hp!r}",
-                           lambda s: {k: s.attrs["arrays"][hp].get(k) for k in layout_keys})
+        meta = _check_same(held, f"the layout of hook point {hp!r}",
+                           lambda s: {k: s.attrs["arrays"][hp].get(k) for k in layout_keys}, used)
         kind, S = meta["row_kind"], int(meta["shard_rows"])
         if shard_rows.setdefault(kind, S) != S:
             raise StoreError(f"arrays of row kind {kind!r} have shard_rows {shard_rows[kind]} and {S} ({hp!r}); a "
@@ -733,13 +829,17 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
     # every rank shard that is linked, copied or re-chunked is checked before anything is written
     manifests = {hp: _check_rank_shards(hp, metas[hp], stores, local, verify) for hp in hps}
     states_read = _check_states_fit(stores)
+    # everything else that can refuse the commit, before its first write: the row tables
+    # against the arrays' rows, and every reduction merged from the ranks' states
+    tables = _rank_row_tables(stores, hps, metas)
+    merged = _merged_reductions(stores, make_reduction, states_read)
     arrays: dict[str, dict] = {}
     summary: dict[str, dict] = {}
     for hp in hps:
         meta = metas[hp]
         kind, S = meta["row_kind"], int(meta["shard_rows"])
-        path = stores[0].attrs["arrays"][hp]["path"]
-        ns = [s.n_rows(hp) for s in stores]
+        path = held[0].attrs["arrays"][hp]["path"]
+        ns = [_n_rows(s, hp) for s in stores]
         fulls = [n // S for n in ns]
         F_total = sum(fulls)
         nd = len(meta["feature_shape"])
@@ -765,7 +865,7 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
                                      "rows_end": (base + k + 1) * S})
                 base += fulls[r]
             # views of the rank shards (mapped, local): the one copy is the concatenation
-            tails = [st._read_rows(hp, f * S, n) for st, f, n in zip(stores, fulls, ns)]
+            tails = [st._read_rows(hp, f * S, n) for st, f, n in zip(stores, fulls, ns) if hp in st.hook_points]
             tail = torch.cat(tails) if tails else torch.empty(0)
             for stale in list(b.list(f"{path}/c/")):  # shards of an earlier, crashed commit past the full ones
                 try:
@@ -773,7 +873,7 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
                         b.delete(stale)
                 except ValueError:
                     continue
-            recs = _TailWriter(array_dir, stores[0].attrs["arrays"][hp], F_total,
+            recs = _TailWriter(array_dir, held[0].attrs["arrays"][hp], F_total,
                                b.root if local else Path(staging)).write(tail) if len(tail) else []
             for rec in recs:
                 if not local:
@@ -786,7 +886,7 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
             if staging is not None:
                 shutil.rmtree(staging, ignore_errors=True)
         n_total = sum(ns)
-        follows = all(bool(s.attrs["arrays"][hp].get("follows_row_table", True)) for s in stores)
+        follows = all(bool(s.attrs["arrays"][hp].get("follows_row_table", True)) for s in held)
         b.set(f"{path}/manifest.json", json.dumps({"hook_point": hp, "chunk_rows": meta["chunk_rows"],
                                                    "shard_rows": S, "shards": manifest}).encode())
         attrs = {F.ATTRS_KEY: {"hook_point": hp, "dtype": meta["dtype"], "row_kind": kind}}
@@ -795,7 +895,7 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
                                compression=meta["compression"], attributes=attrs,
                                dimension_names=F.dimension_names(hp, kind, follows, nd))
         b.set(f"{path}/zarr.json", F.dumps(doc))
-        arrays[hp] = {**stores[0].attrs["arrays"][hp], "n_rows": n_total, "follows_row_table": follows}
+        arrays[hp] = {**held[0].attrs["arrays"][hp], "n_rows": n_total, "follows_row_table": follows}
         summary[hp] = {"n_rows": n_total, "rank_rows": ns, "linked_shards": F_total, "copied_rows": int(len(tail)),
                        "copied_shards": len(recs), "copied_bytes": sum(int(r["file_bytes"]) for r in recs)}
     b.set("acts/zarr.json", F.dumps(F.group_document()))
@@ -805,22 +905,12 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
     import pyarrow.parquet as pq
 
     for kind in ROW_KINDS:
-        tables = [s.row_table(kind) for s in stores]
-        for r, (t, rank_st) in enumerate(zip(tables, stores)):
-            _no_rank_column(t, rank_st, r)
-        tables = [t.append_column("rank", pa.array(np.full(t.num_rows, r, dtype=np.int64))) for r, t in enumerate(tables)]
         S = shard_rows.get(kind)
-        for hp, meta in arrays.items():
-            if meta["row_kind"] == kind and meta["follows_row_table"]:
-                for r, t in enumerate(tables):
-                    if summary[hp]["rank_rows"][r] != t.num_rows:
-                        raise StoreError(f"rank {r}: hook point {hp!r} has {summary[hp]['rank_rows'][r]} rows but "
-                                         f"its {kind} row table {t.num_rows}; run verify on the rank store")
         if S is None:
-            heads, tails = tables, []
+            heads, tails = tables[kind], []
         else:
-            heads = [t.slice(0, (t.num_rows // S) * S) for t in tables]
-            tails = [t.slice((t.num_rows // S) * S) for t in tables]
+            heads = [t.slice(0, (t.num_rows // S) * S) for t in tables[kind]]
+            tails = [t.slice((t.num_rows // S) * S) for t in tables[kind]]
         parts = [t for t in heads + tails if t.num_rows]
         info = {"parts": [], "n_rows": 0, "columns": []}
         if parts:
@@ -835,26 +925,12 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
         row_tables[kind] = info
     # reductions: every rank's float64 state merged (Chan et al. for moments), results written
     reductions: dict[str, dict] = {}
-    states = [_rank_states(s) for s in stores]
-    state_hps = _check_same(stores, "the reductions", lambda s: {
-        hp: sorted(v) for hp, v in states[stores.index(s)].items()})
-    if stores[0].attrs.get("reductions") and not state_hps:
-        raise StoreError("the rank stores hold reduction results but no reduction states; they cannot be merged")
-    for hp, names in state_hps.items():
+    for hp, by_name in merged.items():
         node = F.node_name(hp)
         b.set("reductions/zarr.json", F.dumps(F.group_document()))
         b.set(f"reductions/{node}/zarr.json", F.dumps(F.group_document({F.ATTRS_KEY: {"hook_point": hp}})))
         entries_out = reductions.setdefault(hp, {})
-        for name in names:
-            entries = [st_[hp][name] for st_ in states]
-            for r, (st, e) in enumerate(zip(stores, entries)):
-                n = st.n_rows(hp) if hp in st.hook_points else 0
-                if "n_rows" in e and int(e["n_rows"]) != n:
-                    raise StoreError(f"rank {r}: the state of reduction {name!r} of hook point {hp!r} covers "
-                                     f"{e['n_rows']} rows, the rank store holds {n}; it would give a partial result")
-            total = _merge_states(hp, name, entries, stores, make_reduction, states_read)
-            result = total.result()
-            kind = str(getattr(total, "kind", entries[0]["kind"]))
+        for name, (kind, options, result) in by_name.items():
             main = kind if kind in result else ("value" if "value" in result else None)
             if main is None and len(result) == 1:
                 main = next(iter(result))
@@ -864,19 +940,18 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
                 path = f"reductions/{node}/{full}"
                 t = torch.as_tensor(value).detach().to("cpu").contiguous()
                 dname = F.dtype_name(t.dtype)
-                dims = (F.feature_dimension_names(hp, t.dim()) if feat is not None and tuple(t.shape) == feat
-                        else [f"{hp}.{full}.dim{i}" for i in range(t.dim())])
+                dims = F.reduction_dimension_names(hp, full, key, kind, options, tuple(t.shape), feat)
                 crcs = _write_small_array(b, path, t, {"hook_point": hp, "reduction": name, "dtype": dname}, dims)
                 entries_out[full] = {"path": path, "reduction": name, "kind": kind, "dtype": dname,
                                      "shape": list(t.shape), "crc32c": crcs}
-            src_script = (stores[0].attrs.get("reductions") or {}).get(hp, {}).get(name, {}).get("script")
+            src_script = (held[0].attrs.get("reductions") or {}).get(hp, {}).get(name, {}).get("script")
             if src_script:
-                data = stores[0]._backend.get(src_script)
+                data = held[0]._backend.get(src_script)
                 if data is not None and name in entries_out:
                     b.set(src_script, data)
                     entries_out[name]["script"] = src_script
                     entries_out[name].setdefault("crc32c", {})[src_script] = int(_native.load().crc32c(data))
-    first = stores[0].attrs
+    first = held[0].attrs
     attrs = {
         "format": {"name": F.FORMAT_NAME, "version": DISTRIBUTED_FORMAT_VERSION},
         "status": "complete",
@@ -896,7 +971,7 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
             "world_size": len(stores), "committed": True, "shard_rows": shard_rows,
             "row_order": "full shards of rank 0, 1, ..., then the tails of rank 0, 1, ... (FORMAT.md section 10)",
             "ranks": [{"rank": r, "n_samples": s.n_samples, "n_batches": int(s.attrs.get("n_batches", 0)),
-                       "n_rows": {hp: s.n_rows(hp) for hp in hps}} for r, s in enumerate(stores)],
+                       "n_rows": {hp: _n_rows(s, hp) for hp in hps}} for r, s in enumerate(stores)],
         },
     }
     for st in stores:
@@ -1207,6 +1282,9 @@ class RankWriter:
 
     #: The merge of rank stores (commit_ranks) copies arrays only: every hook point keeps its own.
     supports_aliases = False
+    #: A rank whose share of the data is empty closes a rank store without rows (the commit
+    #: takes its hook points from the other ranks), where a one-process capture raises.
+    may_be_empty = True
 
     def remove_if_unused(self) -> bool:
         """A rank store is the rank session's to keep or remove: never removed here."""

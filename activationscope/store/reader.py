@@ -276,6 +276,34 @@ def _no_rank_column(table: Any, st: Any, rank: int) -> None:
             "capture again with that column renamed"
         )
 
+def concat_rank_tables(tables: list, ranks: list[int], stores: list, kind: str, after: str = "") -> Any:
+    """The row tables of rank stores (each with its ``rank`` column) as one table, in the
+    order given; a column missing from a rank is null there. ``after``: the end of the
+    message of the error below.
+
+    Raises
+    ------
+    StoreError
+        Two ranks hold a column of the same name with other types (a user column given as
+        int64 by one rank and float by another): naming the column, both ranks and types.
+    """
+    import pyarrow as pa
+
+    seen: dict[str, tuple[int, Any]] = {}
+    for r, st, t in zip(ranks, stores, tables):
+        for field in t.schema:
+            first = seen.setdefault(field.name, (r, field.type))
+            if first[1] != field.type and not pa.types.is_null(first[1]) and not pa.types.is_null(field.type):
+                raise StoreError(
+                    f"the {kind} row tables of the rank stores disagree on column {field.name!r}: rank {first[0]} "
+                    f"holds {first[1]}, rank {r} ({str(st._backend)!r}) holds {field.type}; their rows cannot be "
+                    "one table. Capture that rank again giving the column the same dtype on every rank (e.g. "
+                    f"set_batch({field.name}=tensor.to(one dtype))){after}")
+            if pa.types.is_null(first[1]):
+                seen[field.name] = (r, field.type)
+    return pa.concat_tables(tables, promote_options="default")
+
+
 class Store:
     """A read-only activationscope store (a snapshot of its last commit).
 
@@ -1954,7 +1982,7 @@ class Store:
                 t = st.row_table(kind)
                 _no_rank_column(t, st, rank)
                 tables.append(t.append_column("rank", pa.array(np.full(t.num_rows, rank, dtype=np.int64))))
-            return pa.concat_tables(tables, promote_options="default")
+            return concat_rank_tables(tables, [r for r, _ in self._ranks], [st for _, st in self._ranks], kind)
         info = (self._attrs.get("row_tables") or {}).get(kind) or {"parts": []}
         crcs = info.get("crc32c") or {}
         self._check_same_store()
@@ -2491,8 +2519,15 @@ def _rank_view(store: "Store", attrs: dict, dist: dict) -> tuple[dict, list, dic
         for hp in st.attrs.get("arrays", {}):
             meta = st.attrs["arrays"][hp]
             if hp in arrays and any(arrays[hp][k] != meta[k] for k in layout):
-                raise V.corrupt(store._backend, f"rank {r} stores hook point {hp!r} as "
-                                f"{[meta[k] for k in layout]}, an earlier rank as {[arrays[hp][k] for k in layout]}")
+                first = arrays[hp]["ranks"][0]["rank"]
+                raise V.corrupt(
+                    store._backend,
+                    f"rank {r} stores hook point {hp!r} as {dict((k, meta[k]) for k in layout)}, rank {first} as "
+                    f"{dict((k, arrays[hp][k]) for k in layout)} (row kind, feature shape, dtype): the rank stores "
+                    "were captured with other options, and their rows cannot be shown as one array",
+                    f"capture rank {r} again with the options of rank {first} (store_options overwrite=True and the "
+                    f"same process_group RankStore({r}, world size)); until then each rank store opens on its own: "
+                    f"open_store('{str(store._backend).rstrip('/')}/ranks/{r:05d}')")
             entry = arrays.setdefault(hp, {**meta, "n_rows": 0, "ranks": [], "follows_row_table": True})
             parts.setdefault(hp, []).append((r, st, int(entry["n_rows"])))
             entry["n_rows"] += st.n_rows(hp)

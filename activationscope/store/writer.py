@@ -2409,10 +2409,8 @@ class StoreWriter:
                 t = torch.as_tensor(value).detach().to("cpu").contiguous()
                 dname = F.dtype_name(t.dtype)
                 arr = self._arrays.get(hook_point)
-                if arr is not None and tuple(t.shape) == arr.feature_shape:
-                    dims = F.feature_dimension_names(hook_point, t.dim())
-                else:
-                    dims = [f"{hook_point}.{full}.dim{i}" for i in range(t.dim())]
+                dims = F.reduction_dimension_names(hook_point, full, key, kind, getattr(reduction, "options", None),
+                                                   tuple(t.shape), None if arr is None else arr.feature_shape)
                 crcs = self._write_small_array(path, t, {"hook_point": hook_point, "reduction": name, "dtype": dname},
                                                dims)
                 entries[full] = {"path": path, "reduction": name, "kind": kind, "dtype": dname, "shape": list(t.shape),

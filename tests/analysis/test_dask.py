@@ -292,3 +292,41 @@ def test_distributed_doc_runs(tmp_path):
     from acs_testing import run_doc_blocks
 
     run_doc_blocks(Path(__file__).resolve().parents[2] / "docs" / "usage" / "distributed.md", tmp_path, min_blocks=5)
+
+
+@pytest.mark.parametrize("ranks", [False, True])
+def test_xarray_names_only_per_feature_reduction_outputs_by_the_features(tmp_path, ranks):
+    """A reduction output whose shape happened to be the feature shape was named by the
+    feature dimension: with 4 features, the 4 edges of a 3-bin hist and the top-4 values of a
+    topk over all values (per_feature 0) lined up with the features in xarray (selecting
+    feature 2 picked an edge). Only per-feature outputs carry the feature names, in a store
+    of one process and in one committed from rank stores alike."""
+    xr = pytest.importorskip("xarray")
+    from activationscope.store.ranks import commit_ranks
+
+    path = tmp_path / "s.zarr"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4))
+    xs = [torch.randn(6, 8), torch.randn(5, 8)]
+    reductions = ["mean", ("h", "hist", {"lo": -1, "hi": 1, "bins": 3}), ("top", "topk", {"k": 4, "per_feature": 0})]
+    for task in (0, 1) if ranks else (None,):
+        opts = {"process_group": acs.RankStore(task, 2)} if ranks else {}
+        with acs.ActivationScope(store=str(path), reductions=reductions, store_options=opts).track(model), \
+                torch.no_grad():
+            for x in xs if not ranks else xs[task:task + 1]:
+                model(x)
+    if ranks:
+        commit_ranks(path)
+    red = xr.open_zarr(str(path), group="reductions/0.output", consolidated=False)
+    store = acs.open_store(path)
+    assert red["mean"].dims == ("0.output.dim0",) and red["h.underflow"].dims == ("0.output.dim0",)
+    assert red["h.counts"].dims == ("0.output.h.counts.dim0", "0.output.h.counts.dim1")
+    assert red["h.edges"].dims == ("0.output.h.edges.dim0",)
+    for name in ("top.values", "top.row_ids", "top.feature_ids"):
+        assert red[name].dims == (f"0.output.{name}.dim0",) and red[name].shape == (4,)
+    np.testing.assert_array_equal(red["h.edges"].values, store.reductions["0.output"]["h.edges"].numpy())
+    np.testing.assert_allclose(red["h.edges"].values, np.linspace(-1, 1, 4), rtol=0, atol=1e-15)
+    with torch.no_grad():
+        ref = torch.cat([model(x) for x in xs]).double()
+    np.testing.assert_allclose(red["mean"].values, ref.mean(0).numpy(), rtol=1e-12)
+    np.testing.assert_allclose(red["top.values"].values, ref.flatten().topk(4).values.numpy(), rtol=1e-7)

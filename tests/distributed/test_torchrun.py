@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -1149,3 +1150,164 @@ def test_a_root_whose_world_size_leaves_out_rank_stores_is_damage_not_fewer_rows
     with pytest.raises(acs.StoreCorruptError, match=r"rank stores? \[1\]|rank stores \[0, 1\]") as e:
         acs.open_store(store)
     assert "world_size" in str(e.value) and "ranks/" in str(e.value)
+
+
+@pytest.mark.parametrize("rank1", [
+    {"reductions": ["mean", "var"]},                                   # another set of reductions
+    {"reductions": [("mean", "hist", {"lo": -1, "hi": 1, "bins": 4})]},  # same name, other kind
+    {"rows": 0},                                                        # a rank store whose row table is short
+])
+def test_consolidate_of_rank_stores_that_disagree_writes_nothing(tmp_path, capsys, rank1):
+    """Rank stores whose reductions disagree (or whose row table does not hold an array's
+    rows) were found out only after the commit had linked the shards, re-chunked the tails and
+    written the arrays' manifests and documents and the row tables into the store. It is
+    refused before the first write: every file stays as it was, and the store still reads
+    every rank's rows."""
+    from activationscope import cli
+
+    store = tmp_path / "s.zarr"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    xs = [torch.randn(6, 8) for _ in range(6)]
+    for task in (0, 1):
+        reductions = rank1.get("reductions", ["mean"]) if task else ["mean"]
+        opts = {"shard_rows": 8, "chunk_rows": 4, "process_group": acs.RankStore(task, 2)}
+        with acs.ActivationScope(store=str(store), store_options=opts, reductions=reductions).track(model), \
+                torch.no_grad():
+            for x in xs[task * 3:(task + 1) * 3]:
+                model(x)
+    if "rows" in rank1:  # rank 1's sample table keeps 2 of its 18 rows (its records kept in step)
+        import pyarrow.parquet as pq
+
+        from activationscope.capture import _native
+        from activationscope.store.ranks import rank_target
+
+        rank_store = Path(rank_target(str(store), 1))
+        attrs = json.loads((rank_store / "zarr.json").read_text())
+        info = attrs["attributes"]["activationscope"]["row_tables"]["sample"]
+        part = rank_store / info["parts"][0]
+        pq.write_table(pq.read_table(part).slice(0, 2), part)
+        info["crc32c"][info["parts"][0]] = _native.load().crc32c(part.read_bytes())
+        info["n_rows"] = attrs["attributes"]["activationscope"]["n_samples"] = 2
+        (rank_store / "zarr.json").write_text(json.dumps(attrs))
+    before = _tree(store)
+    assert cli.main(["consolidate", str(store)]) == 1
+    assert _tree(store) == before
+    err = capsys.readouterr().err
+    assert "nothing was written" in err and "Traceback" not in err, err
+    if "rows" not in rank1:
+        s = acs.open_store(store)
+        assert s.status == "incomplete" and s.n_rows("0.output") == 36
+        with torch.no_grad():
+            torch.testing.assert_close(s["0.output"], model(torch.cat(xs)))
+
+
+def test_a_rank_whose_data_is_empty_adds_no_row(tmp_path):
+    """A rank (or task) whose share of the data yielded no batch raised CaptureError ("captured
+    no forward") and, under torchrun, failed every rank: nothing was committed. It now closes a
+    rank store without rows (with a CaptureWarning), and the commit takes the hook points,
+    layout and reductions from the other ranks: the rows and statistics are theirs, exactly."""
+    from activationscope.store.ranks import commit_ranks
+
+    store = tmp_path / "s.zarr"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
+    shares = {0: [], 1: [torch.randn(6, 8) for _ in range(3)], 2: [torch.randn(5, 8)]}  # rank 0 has no data
+    for task, xs in shares.items():
+        opts = {"shard_rows": 8, "chunk_rows": 4, "process_group": acs.RankStore(task, 3)}
+        scope = acs.ActivationScope(store=str(store), store_options=opts, reductions=["mean", "var", "cov"])
+        with warnings.catch_warnings(record=True) as caught, scope.track(model) as tracker, torch.no_grad():
+            warnings.simplefilter("always")
+            for i, x in enumerate(xs):
+                tracker.set_batch(sample_ids=torch.arange(len(x)) + 100 * task + 10 * i)
+                model(x)
+        assert any("captured no forward" in str(w.message) for w in caught) == (not xs)
+    assert acs.open_store(store).n_rows("1.output") == 23  # the uncommitted view: ranks 1 and 2
+    commit_ranks(store)
+    s = acs.open_store(store)
+    with torch.no_grad():
+        y = {r: torch.cat([model(x) for x in xs]) for r, xs in shares.items() if xs}  # (batch by batch, as captured)
+    # FORMAT.md section 10: full shards of every rank (rank 1: 2), then the tails (rank 1: 2 rows, rank 2: 5)
+    expected = torch.cat([y[1][:16], y[1][16:], y[2]])
+    assert s.status == "complete" and s.verify() == [] and s.n_samples == 23
+    assert torch.equal(s["1.output"], expected)
+    assert s.row_table("sample").column("rank").to_pylist() == [1] * 18 + [2] * 5
+    assert s.row_table("sample").column("sample_id").to_pylist() == (
+        [100 + 10 * i + j for i in range(3) for j in range(6)] + list(range(200, 205)))
+    ref = expected.double()
+    torch.testing.assert_close(s.reductions["1.output"]["mean"], ref.mean(0), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(s.reductions["1.output"]["var"], ref.var(0, correction=0), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(s.reductions["1.output"]["cov"], torch.cov(ref.T, correction=0), rtol=1e-10, atol=1e-12)
+    assert [e["n_samples"] for e in s.attrs["distributed"]["ranks"]] == [0, 18, 5]
+
+
+def test_rank_stores_that_all_captured_nothing_are_not_committed(tmp_path):
+    from activationscope.store.ranks import commit_ranks
+
+    store = tmp_path / "s.zarr"
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    for task in (0, 1):
+        with pytest.warns(acs.CaptureWarning, match="captured no forward"), acs.ActivationScope(
+                store=str(store), store_options={"process_group": acs.RankStore(task, 2)}).track(model):
+            pass
+    before = _tree(store)
+    with pytest.raises(acs.StoreError, match="none of the 2 rank stores .* captured a forward"):
+        commit_ranks(store)
+    assert _tree(store) == before and acs.open_store(store).status == "incomplete"
+
+
+def test_rank_stores_of_other_dtypes_are_named_with_the_fix(tmp_path, capsys):
+    """Task 1 captured float32 where task 0 captured bfloat16: consolidate refuses, writing
+    nothing, and opening the store said "restore the store from an intact copy" (nothing is
+    damaged). It names both ranks' layouts and the fix, and each rank store opens alone."""
+    from activationscope import cli
+
+    store = tmp_path / "s.zarr"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    xs = [torch.randn(6, 8), torch.randn(5, 8)]
+    for task, dtype in ((0, torch.bfloat16), (1, None)):
+        opts = {"process_group": acs.RankStore(task, 2)}
+        with acs.ActivationScope(store=str(store), storage_dtype=dtype, store_options=opts).track(model), \
+                torch.no_grad():
+            model(xs[task])
+    before = _tree(store)
+    assert cli.main(["consolidate", str(store)]) == 1
+    assert "rank stores disagree on the layout of hook point '0.output'" in capsys.readouterr().err
+    assert _tree(store) == before
+    with pytest.raises(acs.StoreCorruptError) as e:
+        acs.open_store(store)
+    msg = str(e.value)
+    assert "'dtype': 'float32'" in msg and "'dtype': 'bfloat16'" in msg and "capture rank 1 again" in msg
+    assert "intact copy" not in msg and f"open_store('{store}/ranks/00001')" in msg
+    with torch.no_grad():
+        assert torch.equal(acs.open_store(store / "ranks" / "00001")["0.output"], model(xs[1]))
+
+
+def test_rank_row_tables_with_a_column_of_other_types_are_refused_before_writing(tmp_path, capsys):
+    """Task 0 gave its labels as int64, task 1 as float32: the uncommitted store's row table
+    and consolidate raised pyarrow's ArrowTypeError, and consolidate had already linked the
+    shards and written the arrays. Both raise StoreError naming the column, the ranks and the
+    types; consolidate writes nothing, and the arrays still read every rank's rows."""
+    from activationscope import cli
+
+    store = tmp_path / "s.zarr"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    xs = [torch.randn(6, 8), torch.randn(5, 8)]
+    for task in (0, 1):
+        with acs.ActivationScope(store=str(store), store_options={"process_group": acs.RankStore(task, 2)}) \
+                .track(model) as tracker, torch.no_grad():
+            tracker.set_batch(label=torch.arange(len(xs[task])).to(torch.float32 if task else torch.int64))
+            model(xs[task])
+    before = _tree(store)
+    assert cli.main(["consolidate", str(store)]) == 1
+    assert _tree(store) == before
+    err = capsys.readouterr().err
+    assert "disagree on column 'label': rank 0 holds int64, rank 1" in err and "holds float" in err, err
+    assert "nothing was written" in err and "Traceback" not in err
+    s = acs.open_store(store)
+    with pytest.raises(acs.StoreError, match="disagree on column 'label': rank 0 holds int64"):
+        s.row_table("sample")
+    with torch.no_grad():
+        assert torch.equal(s["0.output"], torch.cat([model(x) for x in xs]))
