@@ -960,11 +960,21 @@ def check_not_in_store(root: str | os.PathLike) -> None:
     if outer is None:
         return
     p = Path(expand_local(os.fspath(root))).resolve()
+    rel = p.relative_to(outer).as_posix()
     raise StoreError(
-        f"store path {str(root)!r} lies inside the store {str(outer)!r} (as {p.relative_to(outer).as_posix()!r}); "
-        f"a store cannot be written inside another store, and nothing was written. Choose a path outside "
-        f"{str(outer)!r} (e.g. {str(outer.parent / p.name)!r})"
+        f"store path {str(root)!r} lies inside the store {str(outer)!r} (as {rel!r}); "
+        f"a store cannot be written inside another store, and nothing was written. "
+        + (_committed_rank_hint(str(outer)) if _RANK_FOLDER.fullmatch(rel) else
+           f"Choose a path outside {str(outer)!r} (e.g. {str(outer.parent / p.name)!r})")
     )
+
+
+def _committed_rank_hint(outer: str) -> str:
+    """The fix for a rank store path ``ranks/<rank>`` of a store already committed from its
+    rank stores (a commit stopped before it removed them): the capture is done there."""
+    return (f"It is a rank store left over from the commit of {outer!r}, which already holds every rank's rows: "
+            f"run `activationscope consolidate {outer}` to finish that commit (it removes the rank stores), and "
+            "capture again into a new store")
 
 
 def _parse_marks(raw: bytes | None, locked: bool) -> tuple[bool, dict | None]:
@@ -1037,9 +1047,12 @@ def check_backend_not_in_store(backend: Any) -> None:
     protocol = getattr(backend.store.fs, "protocol", None)
     protocol = protocol[0] if isinstance(protocol, (tuple, list)) else protocol
     scheme = f"{protocol}://" if protocol else ""
+    rel = path[len(outer) + 1:]
     raise StoreError(
-        f"store {backend.label!r} lies inside the store {scheme + outer!r} (as {path[len(outer) + 1:]!r}); a store "
-        f"cannot be written inside another store, and nothing was written. Choose a path outside {scheme + outer!r}"
+        f"store {backend.label!r} lies inside the store {scheme + outer!r} (as {rel!r}); a store "
+        f"cannot be written inside another store, and nothing was written. "
+        + (_committed_rank_hint(scheme + outer) if _RANK_FOLDER.fullmatch(rel) else
+           f"Choose a path outside {scheme + outer!r}")
     )
 
 

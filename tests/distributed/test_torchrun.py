@@ -1311,3 +1311,27 @@ def test_rank_row_tables_with_a_column_of_other_types_are_refused_before_writing
         s.row_table("sample")
     with torch.no_grad():
         assert torch.equal(s["0.output"], torch.cat([model(x) for x in xs]))
+
+
+@pytest.mark.parametrize("opts", [{"overwrite": True}, {"resume": True}])
+def test_a_rank_store_left_by_a_stopped_commit_names_consolidate(tmp_path, opts):
+    """A commit stopped after its root, before it removed the rank stores: capturing a rank
+    again was refused as a store "inside another store", with the advice to choose another
+    path; the message now says the store is committed and how to finish the commit."""
+    from activationscope.store.ranks import commit_ranks
+
+    store = tmp_path / "s.zarr"
+    _small_rank_stores(store)
+    shutil.copytree(store / "ranks", tmp_path / "ranks-copy")
+    commit_ranks(store)
+    shutil.copytree(tmp_path / "ranks-copy", store / "ranks")  # (as the stopped commit left them)
+    before = _tree(store)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    with pytest.raises(acs.StoreError, match=r"rank store left over from the commit of .*s\.zarr', which already holds "
+                       r"every rank's rows: run `activationscope consolidate .*s\.zarr` to finish that commit"):
+        with acs.ActivationScope(store=str(store), store_options={"process_group": acs.RankStore(1, 2), **opts}).track(
+                model), torch.no_grad():
+            model(torch.randn(6, 8))
+    assert _tree(store) == before
+    commit_ranks(store)  # what the message says: the rank stores go, the rows stay
+    assert not (store / "ranks").exists() and acs.open_store(store).n_rows("0.output") == 36
