@@ -39,6 +39,7 @@ class ScriptReduction : public Reduction {
     ACS_CHECK(acc_.defined() || acc_optional_, "custom reduction '", path_,
               "' declares acc as Tensor, so it cannot start from None: annotate it "
               "acc: Optional[Tensor] or pre-seed the accumulator (init=...)");
+    own_acc();
     std::vector<c10::IValue> in;
     in.emplace_back(acc_.defined() ? c10::IValue(acc_) : c10::IValue());
     in.emplace_back(rows.detach());  // (shares the rows' version counter)
@@ -84,6 +85,7 @@ class ScriptReduction : public Reduction {
       acc_ = b;
       return;
     }
+    own_acc();
     c10::IValue out = module_->get_method("merge")({acc_, b});
     ACS_CHECK(out.isTensor(), "merge of custom reduction '", path_, "' must return a Tensor");
     acc_ = out.toTensor().detach();
@@ -113,6 +115,17 @@ class ScriptReduction : public Reduction {
   ReductionOptions options() const override { return opts_; }
 
  private:
+  // The function (and merge) may update the accumulator in place (`acc += x.sum(0)`): give it
+  // one no one else holds. acc_ is shared after state() / result() handed it out, load_state
+  // took it (init= is one tensor for the reductions of every hook point), or a merge adopted
+  // the other side's: then it is copied first (once), so that no other reduction, earlier
+  // result or the caller's tensor changes.
+  void own_acc() {
+    if (!acc_.defined()) return;
+    const bool shared = acc_.use_count() > 1 || (acc_.has_storage() && acc_.storage().use_count() > 1);
+    if (shared) acc_ = acc_.clone();
+  }
+
   std::string path_;
   ReductionOptions opts_;
   std::shared_ptr<torch::jit::Module> module_;  // shared by fresh() copies; forward is const

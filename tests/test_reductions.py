@@ -553,6 +553,74 @@ def test_script_reduction_preseeded_accumulator():
     assert init.tolist() == [100.0] * 3  # the caller's tensor is untouched
 
 
+def add_in_place(acc: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    acc += x.double().sum(0)
+    return acc
+
+
+_IN_PLACE_SCALE = 1.0  # a global Python float: TorchScript refuses it, so this one runs eagerly
+
+
+def add_in_place_eager(acc, x):
+    acc += x.double().sum(0) * _IN_PLACE_SCALE
+    return acc
+
+
+class AddInPlaceWithMerge(torch.nn.Module):
+    def forward(self, acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        if acc is None:
+            return x.double().sum(0)
+        acc += x.double().sum(0)
+        return acc
+
+    @torch.jit.export
+    def merge(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        a += b
+        return a
+
+
+@pytest.mark.parametrize("fn", [add_in_place, add_in_place_eager], ids=["script", "eager"])
+def test_in_place_accumulator_is_each_reductions_own(fn):
+    """A reduction that updates acc in place (`acc += ...`) with init=: each hook point's
+    reduction has its own accumulator (init= is one tensor for all of them), the caller's init
+    stays as it was, and results handed out earlier do not change."""
+    init = torch.zeros(3, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", R.EagerFallbackWarning)
+        model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3))
+        x = torch.randn(4, 3)
+        with torch.no_grad(), acs.ActivationScope(reductions=[("total", fn, {"init": init})]).track(model) as tracker:
+            model(x)
+            first = tracker.reductions["0.output"]["total"].clone()
+            seen = tracker.reductions["0.output"]["total"]
+            model(x)
+    with torch.no_grad():
+        h0 = model[0](x)
+        h1 = model[1](h0)
+    torch.testing.assert_close(tracker.reductions["0.output"]["total"], 2 * h0.double().sum(0))
+    torch.testing.assert_close(tracker.reductions["1.output"]["total"], 2 * h1.double().sum(0))
+    assert init.tolist() == [0.0, 0.0, 0.0]
+    assert torch.equal(seen, first)  # the result read after the first forward stayed as it was
+
+
+def test_in_place_accumulator_state_and_merge_stay_apart():
+    sm = _quiet_script(AddInPlaceWithMerge())
+    a, b = R.make_reduction(sm), R.make_reduction(sm)
+    a.update(torch.ones(2, 2))
+    state = a.state()["acc"]
+    a.update(torch.ones(3, 2))
+    assert state.tolist() == [2.0, 2.0]  # state() taken earlier keeps its value
+    b.update(torch.ones(1, 2))
+    b_before = b.state()["acc"].clone()
+    c = R.make_reduction(sm)
+    c.merge(b)  # c adopts b's accumulator
+    c.update(torch.ones(4, 2))
+    assert torch.equal(b.state()["acc"], b_before)
+    a.merge(b)
+    assert a.result()["value"].tolist() == [6.0, 6.0] and torch.equal(b.state()["acc"], b_before)
+    assert c.result()["value"].tolist() == [5.0, 5.0]
+
+
 def test_unannotated_acc_needs_optional_or_init():
     def plain(acc, x):
         return x.sum(0) if acc is None else acc + x.sum(0)

@@ -296,6 +296,10 @@ class EagerReduction(_C.Reduction):
         self._fn = fn
         self._options = dict(options or {})
         self._acc: Optional[torch.Tensor] = None
+        # True while someone else may hold self._acc (result() / state() handed it out, or
+        # load_state took it: init= is one tensor for the reductions of every hook point):
+        # the function may update acc in place (`acc += x.sum(0)`), so it then gets a copy.
+        self._acc_shared = False
 
     @property
     def options(self) -> dict[str, float]:
@@ -311,9 +315,12 @@ class EagerReduction(_C.Reduction):
             return
         # (an inference tensor, rows of a model run under torch.inference_mode, has no version counter)
         version = None if rows.is_inference() else rows._version
+        acc_in = self._acc
+        if acc_in is not None and self._acc_shared:
+            acc_in = acc_in.clone()
         try:
             with torch.no_grad():
-                out = self._fn(self._acc, rows.detach())
+                out = self._fn(acc_in, rows.detach())
         except Exception as e:  # noqa: BLE001 - named as the native side names a script's failure
             raise CaptureError(
                 f"{self._where()}custom reduction {_fn_name(self._fn)!r} (eager) failed on rows of shape "
@@ -334,6 +341,7 @@ class EagerReduction(_C.Reduction):
         if acc.untyped_storage().data_ptr() == rows.untyped_storage().data_ptr() and rows.untyped_storage().nbytes():
             acc = acc.clone()  # x itself (`return x` for the first batch) or a view of it: the model's memory
         self._acc = acc
+        self._acc_shared = False
 
     def merge(self, other: "EagerReduction") -> None:
         raise ReductionError(
@@ -342,9 +350,11 @@ class EagerReduction(_C.Reduction):
         )
 
     def result(self) -> dict[str, torch.Tensor]:
+        self._acc_shared = True
         return {} if self._acc is None else {"value": self._acc}
 
     def state(self) -> dict[str, torch.Tensor]:
+        self._acc_shared = True
         return {} if self._acc is None else {"acc": self._acc}
 
     def load_state(self, state: Mapping[str, torch.Tensor]) -> None:
@@ -353,6 +363,7 @@ class EagerReduction(_C.Reduction):
             raise ReductionError(f"state of a custom reduction has only the key 'acc', got {sorted(unknown)}")
         acc = state.get("acc")
         self._acc = None if acc is None else acc.detach()
+        self._acc_shared = True
 
     def fresh(self) -> "EagerReduction":
         return EagerReduction(self._fn, self._options)
