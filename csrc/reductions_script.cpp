@@ -19,15 +19,16 @@ namespace {
 // defines merge(a: Tensor, b: Tensor) -> Tensor can be merged.
 class ScriptReduction : public Reduction {
  public:
-  ScriptReduction(std::string path, ReductionOptions opts, std::shared_ptr<torch::jit::Module> m)
-      : path_(std::move(path)), opts_(std::move(opts)), module_(std::move(m)) {
+  ScriptReduction(std::string path, ReductionOptions opts, std::shared_ptr<torch::jit::Module> m,
+                  std::string name = {})
+      : path_(std::move(path)), name_(std::move(name)), opts_(std::move(opts)), module_(std::move(m)) {
     auto fwd = module_->find_method("forward");
-    ACS_CHECK(fwd.has_value(), "custom reduction '", path_,
+    ACS_CHECK(fwd.has_value(), "custom reduction '", label(),
               "' has no forward; save a scripted function or a module whose forward is "
               "(acc: Optional[Tensor], x: Tensor) -> Tensor");
     const auto& schema = fwd->function().getSchema();
     const auto& args = schema.arguments();  // self, acc, x
-    ACS_CHECK(args.size() == 3, "custom reduction '", path_, "' must take exactly two arguments ",
+    ACS_CHECK(args.size() == 3, "custom reduction '", label(), "' must take exactly two arguments ",
               "(acc: Optional[Tensor], x: Tensor) -> Tensor, got ", schema);
     acc_optional_ = args[1].type()->kind() == c10::TypeKind::OptionalType;
     has_merge_ = module_->find_method("merge").has_value();
@@ -36,7 +37,7 @@ class ScriptReduction : public Reduction {
   void update(const at::Tensor& rows, int64_t) override {
     at::AutoGradMode no_grad(false);
     if (rows.dim() >= 1 && rows.size(0) == 0) return;  // an empty batch is a no-op
-    ACS_CHECK(acc_.defined() || acc_optional_, "custom reduction '", path_,
+    ACS_CHECK(acc_.defined() || acc_optional_, "custom reduction '", label(),
               "' declares acc as Tensor, so it cannot start from None: annotate it "
               "acc: Optional[Tensor] or pre-seed the accumulator (init=...)");
     own_acc();
@@ -50,16 +51,16 @@ class ScriptReduction : public Reduction {
     try {
       out = module_->forward(std::move(in));
     } catch (const std::exception& e) {
-      ACS_CHECK(false, "custom reduction '", path_, "' failed on rows of shape ",
+      ACS_CHECK(false, "custom reduction '", label(), "' failed on rows of shape ",
                 shape_str(rows.sizes()), " (", rows.scalar_type(), "): ", e.what());
     }
     // The rows are the model's activations (or the rows a store keeps): a reduction that
     // writes into them changes the model's forward and what is stored.
-    ACS_CHECK(!versioned || rows._version() == version, "custom reduction '", path_,
+    ACS_CHECK(!versioned || rows._version() == version, "custom reduction '", label(),
               "' changed its input x in place (rows of shape ", shape_str(rows.sizes()),
               "): x holds the model's activations, so the forward and the stored rows would change; "
               "use out-of-place ops (x = x.clamp(min=0.0), not x.clamp_(min=0.0)) or work on x.clone()");
-    ACS_CHECK(out.isTensor(), "custom reduction '", path_, "' must return a Tensor, got ",
+    ACS_CHECK(out.isTensor(), "custom reduction '", label(), "' must return a Tensor, got ",
               out.tagKind());
     at::Tensor acc = out.toTensor().detach();
     // An accumulator that is x itself (`return x` for the first batch) or a view of it would
@@ -75,7 +76,7 @@ class ScriptReduction : public Reduction {
               "' reduction into a custom ('script') reduction");
     ACS_CHECK(other->path_ == path_, "cannot merge custom reductions from different files: '",
               path_, "' and '", other->path_, "'");
-    ACS_CHECK(has_merge_, "custom reduction '", path_,
+    ACS_CHECK(has_merge_, "custom reduction '", label(),
               "' cannot merge: a plain function has no merge rule. Register it as a scripted "
               "module with forward(acc, x) and merge(a: Tensor, b: Tensor) -> Tensor methods, "
               "or merge the states yourself");
@@ -87,7 +88,7 @@ class ScriptReduction : public Reduction {
     }
     own_acc();
     c10::IValue out = module_->get_method("merge")({acc_, b});
-    ACS_CHECK(out.isTensor(), "merge of custom reduction '", path_, "' must return a Tensor");
+    ACS_CHECK(out.isTensor(), "merge of custom reduction '", label(), "' must return a Tensor");
     acc_ = out.toTensor().detach();
   }
 
@@ -102,14 +103,14 @@ class ScriptReduction : public Reduction {
   void load_state(const NamedTensors& st) override {
     at::Tensor a;
     for (const auto& kv : st) {
-      ACS_CHECK(kv.first == "acc", "state of custom reduction '", path_,
+      ACS_CHECK(kv.first == "acc", "state of custom reduction '", label(),
                 "' has only the key 'acc', got '", kv.first, "'");
       a = kv.second;
     }
     acc_ = a.defined() ? a.detach() : a;
   }
   std::shared_ptr<Reduction> fresh() const override {
-    return std::make_shared<ScriptReduction>(path_, opts_, module_);
+    return std::make_shared<ScriptReduction>(path_, opts_, module_, name_);
   }
   std::string kind() const override { return "script"; }
   ReductionOptions options() const override { return opts_; }
@@ -126,7 +127,12 @@ class ScriptReduction : public Reduction {
     if (shared) acc_ = acc_.clone();
   }
 
+  // How errors name it: the name given (the function a capture compiled to a scratch file),
+  // else the file's path.
+  const std::string& label() const { return name_.empty() ? path_ : name_; }
+
   std::string path_;
+  std::string name_;
   ReductionOptions opts_;
   std::shared_ptr<torch::jit::Module> module_;  // shared by fresh() copies; forward is const
   bool acc_optional_ = true;
@@ -136,7 +142,8 @@ class ScriptReduction : public Reduction {
 
 }  // namespace
 
-std::shared_ptr<Reduction> make_script_reduction(const std::string& path, const ReductionOptions& options) {
+std::shared_ptr<Reduction> make_script_reduction(const std::string& path, const ReductionOptions& options,
+                                                 const std::string& name) {
   std::shared_ptr<torch::jit::Module> m;
   try {
     m = std::make_shared<torch::jit::Module>(torch::jit::load(path));
@@ -144,7 +151,7 @@ std::shared_ptr<Reduction> make_script_reduction(const std::string& path, const 
     ACS_CHECK(false, "custom reduction file '", path, "' could not be loaded as TorchScript: ", e.what());
   }
   m->eval();
-  return std::make_shared<ScriptReduction>(path, options, std::move(m));
+  return std::make_shared<ScriptReduction>(path, options, std::move(m), name);
 }
 
 }  // namespace acs

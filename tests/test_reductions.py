@@ -648,13 +648,20 @@ def test_script_module_with_merge_and_plain_function_without():
         p.merge(R.make_reduction("mean"))
 
 
-def test_script_reduction_error_names_the_file():
+def test_script_reduction_error_names_the_function_or_the_file(tmp_path):
+    """A function compiled here is named by its name (not the scratch .pt it was saved to); a
+    .pt file the user gave, by its path."""
     def bad_shape(acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         return x.reshape(7, -1)
 
     r = R.make_reduction(bad_shape)
-    with pytest.raises(CaptureError, match=r"custom reduction '.*bad_shape.*\.pt' failed on rows of shape \(3, 2\)"):
+    with pytest.raises(CaptureError, match=r"custom reduction 'bad_shape' failed on rows of shape \(3, 2\)"):
         r.update(torch.ones(3, 2))
+    with pytest.raises(CaptureError, match=r"custom reduction 'bad_shape' failed"):
+        r.fresh().update(torch.ones(3, 2))
+    path = R.script_reduction(bad_shape, tmp_path / "mine.pt")
+    with pytest.raises(CaptureError, match=r"custom reduction '.*mine\.pt' failed on rows of shape \(3, 2\)"):
+        R.make_reduction(path).update(torch.ones(3, 2))
 
 
 @pytest.mark.parametrize("fn", [lambda acc: acc, lambda acc, x, y: x, lambda *a: a[1]], ids=["one", "three", "varargs"])

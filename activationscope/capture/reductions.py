@@ -415,9 +415,11 @@ def _seed(r: ReductionLike, init: Any) -> ReductionLike:
     return r
 
 
-def _from_pt(path: Path, options: dict[str, float], name: str) -> "_C.Reduction":
+def _from_pt(path: Path, options: dict[str, float], name: str, *, scratch: bool = False) -> "_C.Reduction":
+    """The native reduction of a ``.pt`` file; errors name it ``name`` when the file is a
+    scratch file (a function compiled here), else by the path the user gave."""
     try:
-        return _C.make_script_reduction(str(path), options)
+        return _C.make_script_reduction(str(path), options, name if scratch else "")
     except ActivationScopeError as e:
         raise ReductionError(f"custom reduction {name!r}: {e}") from e
 
@@ -490,7 +492,7 @@ def make_reduction(spec: Any, *, init: Any = None, **options: float) -> Reductio
         path, acc_optional = entry
         if init is None and not acc_optional:
             raise _needs_optional(spec)
-        return _seed(_from_pt(path, opts, _fn_name(spec)), init)
+        return _seed(_from_pt(path, opts, _fn_name(spec), scratch=True), init)
     raise ReductionError(
         f"reduction must be a built-in name {list(BUILTIN_REDUCTIONS)}, a function {CONTRACT}, "
         f"a scripted function / module or a path to a .pt file; got {type(spec).__name__}"
