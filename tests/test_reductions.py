@@ -466,6 +466,28 @@ def test_pca_of_a_cov_reduction_without_rows_names_the_hook_point():
         R.pca({"mean": torch.zeros(3)})
 
 
+def test_pca_of_a_cov_with_nan_or_inf_is_a_reduction_error():
+    """Rows with inf (masked attention scores) or NaN, or one row with ddof=1, make the
+    covariance non-finite: the library's error naming the hook point and the cause, not
+    torch's "ill-conditioned" LinAlgError."""
+    from activationscope.capture.results import ReductionResults
+
+    x = torch.randn(20, 3, generator=torch.Generator().manual_seed(0))
+    x[4, 1] = -float("inf")
+    with_inf = stream("cov", [x]).result()
+    with pytest.raises(ReductionError, match=r"cov holds NaN or inf \(5 of 9 values\) \(count 20\)"):
+        R.pca(with_inf)
+    one_row = stream("cov", [x[:1]], ddof=1).result()
+    with pytest.raises(ReductionError, match=r"\(count 1\).*no more rows than its ddof"):
+        R.pca(one_row)
+    stored = ReductionResults("blocks.0.attn.hook_attn_scores", {"cov": with_inf["cov"], "cov.count": torch.tensor(20)})
+    with pytest.raises(ReductionError, match=r"cov of hook point 'blocks.0.attn.hook_attn_scores' holds NaN or inf"):
+        R.pca(stored)
+    x[4, 1] = 0.0
+    ratio, _ = R.pca(stream("cov", [x]).result())
+    assert bool(torch.isfinite(ratio).all())
+
+
 @pytest.mark.parametrize("n_components", [0, -1, 4, 2.0, True])
 def test_pca_n_components_out_of_range(n_components):
     from activationscope.errors import ArgumentValueError

@@ -865,7 +865,8 @@ def pca(cov: Union[Mapping[str, torch.Tensor], torch.Tensor], n_components: Opti
     ------
     ReductionError
         The ``cov`` reduction saw no rows (its result has only a count of 0; the message
-        names the hook point when known), or ``cov`` is not a square matrix.
+        names the hook point when known), ``cov`` is not a square matrix, or it holds NaN or
+        inf (rows with NaN or inf, or no more rows than ``ddof``).
     ReductionNotFoundError
         ``cov`` is a hook point's reductions without a ``cov`` one.
     ArgumentValueError
@@ -895,6 +896,17 @@ def pca(cov: Union[Mapping[str, torch.Tensor], torch.Tensor], n_components: Opti
             isinstance(n_components, bool) or not isinstance(n_components, int) or not 1 <= n_components <= d):
         raise ArgumentValueError(f"n_components must be an int in 1..{d}, got {n_components!r}")
     c = c.to(torch.float64)
+    finite = torch.isfinite(c)
+    if not bool(finite.all()):
+        n_bad = int((~finite).sum())
+        count = cov.get("cov.count", cov.get("count")) if isinstance(cov, Mapping) else None
+        seen = (f" (count {int(count)})"
+                if count is not None and torch.as_tensor(count).numel() == 1 else "")
+        raise ReductionError(
+            f"cov{where} holds NaN or inf ({n_bad} of {d * d} values){seen}, so it has no principal components: "
+            "the rows it saw hold NaN or +-inf (an overflow, masked attention scores), or no more rows than its "
+            "ddof; capture 'cov' where the rows are finite, or run activationscope.analysis.dask.pca on the stored "
+            "rows, which leaves out rows with NaN or inf")
     c = (c + c.T) / 2
     evals, evecs = torch.linalg.eigh(c)
     evals = evals.flip(0).clamp_min(0)
