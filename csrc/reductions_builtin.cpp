@@ -112,14 +112,16 @@ struct BatchStats {
 enum StatBits : unsigned { kStatMean = 1, kStatM2 = 2, kStatMin = 4, kStatMax = 8, kStatAbsMax = 16 };
 
 // Mean of na + nb observations from the means of two parts. Chan et al.'s form
-// ma + (mb - ma) * nb / n where both are finite (it keeps precision when the means are close);
-// the weighted sum ma * na / n + mb * nb / n where one is +-inf or NaN, so that an infinite
-// part stays infinite (Chan's delta would make inf - inf = NaN), and +inf with -inf or any
-// NaN gives NaN, as torch.mean over all the values does.
+// ma + (mb - ma) * nb / n where both and their difference are finite (it keeps precision when
+// the means are close); the weighted sum ma * na / n + mb * nb / n where one is +-inf or NaN,
+// so that an infinite part stays infinite (Chan's delta would make inf - inf = NaN), and +inf
+// with -inf or any NaN gives NaN, as torch.mean over all the values does; and where finite
+// means of opposite signs differ by more than float64 holds (+-1e308), whose delta would
+// overflow to inf.
 at::Tensor merge_means(const at::Tensor& ma, const at::Tensor& mb, double na, double nb) {
   const double n = na + nb;
   at::Tensor chan = ma + (mb - ma) * (nb / n);
-  at::Tensor finite = at::isfinite(ma).logical_and(at::isfinite(mb));
+  at::Tensor finite = at::isfinite(mb - ma);  // (finite: so are ma and mb)
   return at::where(finite, chan, ma * (na / n) + mb * (nb / n));
 }
 

@@ -1166,6 +1166,30 @@ def test_infinite_values_stay_infinite_across_batches(kind):
             assert torch.equal(got.nan_to_num(), want.nan_to_num()), (split, got)
 
 
+@pytest.mark.parametrize("kind", ["mean", "var", "std", "cov"])
+def test_finite_means_whose_difference_overflows_merge_to_a_finite_mean(kind):
+    """float64 batch means of opposite signs near the float64 limit (+-1e308): their difference
+    overflows, so Chan's update mean_a + (mean_b - mean_a) * w gave -inf; the mean of the rows
+    is finite (as torch.mean over them says), on every path (fast, ATen, fused, merge)."""
+    from activationscope.capture import _native
+
+    C = _native.load()
+    cols = torch.tensor([[1e308, 1.5e308, -1e308, 2.0, 1e308], [-1e308, -1.6e308, 1e308, 4.0, -1e308]],
+                        dtype=torch.float64)  # 5 columns: the 4-wide kernel and its scalar tail
+    want = cols.mean(0)
+    assert bool(torch.isfinite(want).all())
+    parts = list(cols.split(1))
+    fast = stream(kind, parts)
+    slow = stream(kind, [_non_contiguous(p) for p in parts])
+    fused = [R.make_reduction(kind), R.make_reduction("max")]
+    for p in parts:
+        C.update_reductions(fused, p)
+    merged = stream(kind, parts[:1])
+    merged.merge(stream(kind, parts[1:]))
+    for r in (fast, slow, fused[0], merged):
+        torch.testing.assert_close(r.result()["mean"], want, rtol=1e-15, atol=1e292)
+
+
 # ---------------------------------------------------------------------------- patterns
 
 
