@@ -69,7 +69,8 @@ std::shared_ptr<Reduction> make_script_reduction(const std::string& pt_path,
 // batch sums and extrema and one for the centred squares, instead of a pass each; results
 // are the same as separate updates (same summation order; extrema are exact). The others,
 // and batches off the fast path, go through update(). Every reduction's check() runs
-// first: a batch one of them refuses updates none.
+// first: a batch one of them refuses updates none. Custom reductions run before the
+// built-ins, and one that raises leaves every reduction as it was before the batch.
 void update_reductions(const std::vector<std::shared_ptr<Reduction>>& reductions, const at::Tensor& rows,
                        int64_t row_offset);
 

@@ -939,11 +939,12 @@ std::shared_ptr<Reduction> make_builtin_reduction(const std::string& kind, const
 
 std::vector<std::string> builtin_reduction_kinds() { return kinds(); }
 
-void update_reductions(const std::vector<std::shared_ptr<Reduction>>& reductions, const at::Tensor& rows,
-                       int64_t row_offset) {
-  if (reductions.size() >= 2) {
-    for (const auto& r : reductions) r->check(rows);
-  }
+namespace {
+
+// update_reductions of reductions whose check() accepted the rows (built-ins: their update
+// then does not throw).
+void update_checked(const std::vector<std::shared_ptr<Reduction>>& reductions, const at::Tensor& rows,
+                    int64_t row_offset) {
   std::vector<Builtin*> fused;
   bool grouped = false;  // every reduction was either updated or put in `fused`
   if (reductions.size() >= 2 && rows.defined()) {
@@ -1007,6 +1008,38 @@ void update_reductions(const std::vector<std::shared_ptr<Reduction>>& reductions
     st.absmax = ax;
   }
   for (auto* b : fused) b->fused_end(st);
+}
+
+}  // namespace
+
+void update_reductions(const std::vector<std::shared_ptr<Reduction>>& reductions, const at::Tensor& rows,
+                       int64_t row_offset) {
+  if (reductions.size() < 2) {
+    for (const auto& r : reductions) r->update(rows, row_offset);
+    return;
+  }
+  for (const auto& r : reductions) r->check(rows);
+  // A custom reduction (TorchScript or Python) may raise on any batch check() accepted, or
+  // refuse rows it wrote into: the custom ones go first, and when one raises, those before it
+  // are put back to their state before this batch and no built-in has seen the rows. So a
+  // batch refused by a custom reduction is in none of the hook point's reductions (a capture
+  // keeps no record of it either), and top-k row ids never point at rows that are not there.
+  std::vector<std::shared_ptr<Reduction>> custom, builtin;
+  for (const auto& r : reductions) (dynamic_cast<Builtin*>(r.get()) != nullptr ? builtin : custom).push_back(r);
+  std::vector<NamedTensors> before;
+  if (custom.size() >= 2) {
+    for (const auto& r : custom) before.push_back(r->state());  // (handles: a custom one replaces its acc)
+  }
+  for (size_t i = 0; i < custom.size(); ++i) {
+    try {
+      custom[i]->update(rows, row_offset);
+    } catch (...) {
+      for (size_t j = 0; j < i; ++j) custom[j]->load_state(before[j]);
+      throw;
+    }
+  }
+  before.clear();
+  update_checked(builtin, rows, row_offset);
 }
 
 }  // namespace acs

@@ -1590,6 +1590,72 @@ def test_a_pt_file_with_another_signature_is_refused_when_the_reduction_is_made(
         torch.testing.assert_close(r.result()["value"], torch.full((2,), 3.0))
 
 
+def raises_on_two_rows(acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    if x.shape[0] == 2:
+        raise RuntimeError("refused")
+    s = x.double().sum(0)
+    return s if acc is None else acc + s
+
+
+_SUM_SCALE = 1.0  # a global Python float: TorchScript refuses it, so this one runs eagerly
+
+
+def eager_sum_in_place(acc, x):
+    s = x.double().sum(0) * _SUM_SCALE
+    if acc is None:
+        return s
+    acc += s
+    return acc
+
+
+class _TimesHundredOnTwoRows(torch.nn.Module):
+    def forward(self, x):
+        return x * (100.0 if x.shape[0] == 2 else 1.0)
+
+
+@pytest.mark.parametrize("in_store", [False, True])
+def test_a_batch_a_custom_reduction_refuses_is_in_no_reduction(in_store, tmp_path):
+    """A custom reduction raising on one batch, and the capture going on (the caller skips the
+    batch): the batch is not kept (no record, no stored row), and none of the hook point's
+    reductions may keep it either. Those updated before the failing one (the built-ins, a
+    custom one listed earlier) kept it: counts past the rows, a mean over rows not stored,
+    and top-k values of the refused batch whose row ids pointed at other stored rows."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), _TimesHundredOnTwoRows()).eval()
+    batches = [torch.randn(n, 4) for n in (3, 5, 2, 4)]
+    specs = [("t", "topk", {"k": 2}), "mean", eager_sum_in_place, raises_on_two_rows, "max"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", R.EagerFallbackWarning)
+        scope = acs.ActivationScope(reductions=specs, store=str(tmp_path / "s.zarr") if in_store else None)
+    refused = 0
+    with torch.no_grad(), scope.track(model, include=["1"]) as tracker:
+        for x in batches:
+            try:
+                model(x)
+            except CaptureError as e:
+                assert "raises_on_two_rows" in str(e) and "hook point '1.output'" in str(e)
+                refused += 1
+    assert refused == 1
+    if in_store:
+        store = acs.open_store(tmp_path / "s.zarr")
+        rows, red = store["1.output"], store.reductions["1.output"]
+    else:
+        rows, red = torch.cat(tracker.activations["1.output"]), tracker.reductions["1.output"]
+    with torch.no_grad():
+        want = torch.cat([model(x) for x in batches if x.shape[0] != 2])
+    assert torch.equal(rows, want)
+    for name in ("t", "mean", "eager_sum_in_place", "raises_on_two_rows", "max"):
+        if f"{name}.count" in red:
+            assert int(red[f"{name}.count"]) == 12, name
+    torch.testing.assert_close(red["mean"], want.double().mean(0), rtol=1e-12, atol=0)
+    assert torch.equal(red["max"], want.double().amax(0))
+    torch.testing.assert_close(red["eager_sum_in_place"], want.double().sum(0))
+    torch.testing.assert_close(red["raises_on_two_rows"], want.double().sum(0))
+    ids = red["t.row_ids"]
+    assert torch.equal(rows.double().gather(0, ids), red["t.values"])
+    assert torch.equal(red["t.values"], want.double().topk(2, 0).values)
+
+
 @pytest.mark.parametrize("in_store", [False, True])
 def test_an_eager_reduction_that_raises_names_the_hook_point_and_itself(in_store, tmp_path):
     """A script reduction's failure names the hook point and the reduction; an eager one's
