@@ -1,6 +1,7 @@
 // Custom reductions from TorchScript files, run from C++ (no Python, no GIL).
 #include "reductions.h"
 
+#include <c10/core/InferenceMode.h>
 #include <torch/script.h>
 
 #include <memory>
@@ -121,10 +122,17 @@ class ScriptReduction : public Reduction {
   // took it (init= is one tensor for the reductions of every hook point), or a merge adopted
   // the other side's: then it is copied first (once), so that no other reduction, earlier
   // result or the caller's tensor changes.
+  // An accumulator made under torch.inference_mode (an inference tensor) is copied too when
+  // the batch comes outside it: an in-place update of it there is an error. The copy is a
+  // normal tensor, so a capture may mix forwards under inference_mode and not.
   void own_acc() {
     if (!acc_.defined()) return;
     const bool shared = acc_.use_count() > 1 || (acc_.has_storage() && acc_.storage().use_count() > 1);
-    if (shared) acc_ = acc_.clone();
+    const bool frozen = acc_.is_inference() && !c10::InferenceMode::is_enabled();
+    if (shared || frozen) {
+      c10::InferenceMode normal(false);
+      acc_ = acc_.clone();
+    }
   }
 
   // How errors name it: the name given (the function a capture compiled to a scratch file),

@@ -625,6 +625,27 @@ def test_in_place_accumulator_is_each_reductions_own(fn):
     assert torch.equal(seen, first)  # the result read after the first forward stayed as it was
 
 
+@pytest.mark.parametrize("fn", [add_in_place, add_in_place_eager], ids=["script", "eager"])
+def test_in_place_accumulator_in_a_capture_mixing_inference_mode_and_not(fn):
+    """The accumulator copied (or made) under torch.inference_mode is an inference tensor; the
+    next batch outside it updates it in place, which torch refuses: it is a normal copy."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3))
+    x = torch.randn(2, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", R.EagerFallbackWarning)
+        scope = acs.ActivationScope(reductions=[("total", fn, {"init": torch.zeros(3, dtype=torch.float64)})])
+    with scope.track(model) as tracker:
+        with torch.inference_mode():
+            model(x)
+        with torch.no_grad():
+            model(x)
+        with torch.inference_mode():
+            model(x)
+    with torch.no_grad():
+        want = 3 * model(x).double().sum(0)
+    torch.testing.assert_close(tracker.reductions["0.output"]["total"], want)
+
+
 def test_in_place_accumulator_state_and_merge_stay_apart():
     sm = _quiet_script(AddInPlaceWithMerge())
     a, b = R.make_reduction(sm), R.make_reduction(sm)

@@ -316,8 +316,10 @@ class EagerReduction(_C.Reduction):
         # (an inference tensor, rows of a model run under torch.inference_mode, has no version counter)
         version = None if rows.is_inference() else rows._version
         acc_in = self._acc
-        if acc_in is not None and self._acc_shared:
-            acc_in = acc_in.clone()
+        frozen = acc_in is not None and acc_in.is_inference() and not torch.is_inference_mode_enabled()
+        if acc_in is not None and (self._acc_shared or frozen):
+            with torch.inference_mode(False):  # a normal tensor, which may be updated in place anywhere
+                acc_in = acc_in.clone()
         try:
             with torch.no_grad():
                 out = self._fn(acc_in, rows.detach())
