@@ -88,7 +88,14 @@ class ScriptReduction : public Reduction {
       return;
     }
     own_acc();
-    c10::IValue out = module_->get_method("merge")({acc_, b});
+    c10::IValue out;
+    try {
+      out = module_->get_method("merge")({acc_, b});
+    } catch (const std::exception& e) {
+      ACS_CHECK(false, "merge of custom reduction '", label(), "' failed on accumulators of shapes ",
+                shape_str(acc_.sizes()), " and ", shape_str(b.sizes()), " (", acc_.scalar_type(), ", ",
+                b.scalar_type(), "): ", e.what());
+    }
     ACS_CHECK(out.isTensor(), "merge of custom reduction '", label(), "' must return a Tensor");
     acc_ = out.toTensor().detach();
   }

@@ -646,6 +646,21 @@ def test_in_place_accumulator_in_a_capture_mixing_inference_mode_and_not(fn):
     torch.testing.assert_close(tracker.reductions["0.output"]["total"], want)
 
 
+def test_a_custom_merge_that_fails_is_the_librarys_error_naming_the_reduction():
+    """A scripted merge(a, b) that raises (accumulators of other shapes) gave torch's bare
+    RuntimeError, naming no reduction; merge_states let it through as well."""
+    sm = _quiet_script(SumWithMerge())
+    a, b = R.make_reduction(sm), R.make_reduction(sm)
+    a.update(torch.ones(2, 3))
+    b.update(torch.ones(2, 4))
+    with pytest.raises(CaptureError, match=r"merge of custom reduction 'SumWithMerge' failed on accumulators of "
+                                           r"shapes \(3,\) and \(4,\)"):
+        a.merge(b)
+    assert a.result()["value"].tolist() == [2.0, 2.0, 2.0]  # left as it was
+    with pytest.raises(ReductionError, match=r"merge of custom reduction 'SumWithMerge' failed"):
+        R.merge_states(sm, [a.state(), b.state()])
+
+
 def test_in_place_accumulator_state_and_merge_stay_apart():
     sm = _quiet_script(AddInPlaceWithMerge())
     a, b = R.make_reduction(sm), R.make_reduction(sm)
