@@ -1024,6 +1024,10 @@ void update_reductions(const std::vector<std::shared_ptr<Reduction>>& reductions
   // are put back to their state before this batch and no built-in has seen the rows. So a
   // batch refused by a custom reduction is in none of the hook point's reductions (a capture
   // keeps no record of it either), and top-k row ids never point at rows that are not there.
+  const bool all_builtin = std::all_of(reductions.begin(), reductions.end(), [](const auto& r) {
+    return dynamic_cast<Builtin*>(r.get()) != nullptr;
+  });
+  if (all_builtin) return update_checked(reductions, rows, row_offset);  // (no allocation per batch)
   std::vector<std::shared_ptr<Reduction>> custom, builtin;
   for (const auto& r : reductions) (dynamic_cast<Builtin*>(r.get()) != nullptr ? builtin : custom).push_back(r);
   std::vector<NamedTensors> before;
