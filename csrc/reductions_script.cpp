@@ -41,33 +41,52 @@ class ScriptReduction : public Reduction {
     ACS_CHECK(acc_.defined() || acc_optional_, "custom reduction '", label(),
               "' declares acc as Tensor, so it cannot start from None: annotate it "
               "acc: Optional[Tensor] or pre-seed the accumulator (init=...)");
-    own_acc();
-    std::vector<c10::IValue> in;
-    in.emplace_back(acc_.defined() ? c10::IValue(acc_) : c10::IValue());
-    in.emplace_back(rows.detach());  // (shares the rows' version counter)
-    // (inference tensors have no version counter: nothing to compare there)
-    const bool versioned = !rows.is_inference();
-    const uint32_t version = versioned ? rows._version() : 0;
-    c10::IValue out;
+    // The accumulator as it was: put back when this batch fails (the function raises, writes
+    // into x or returns no tensor). A function seen updating acc in place, or not yet seen with
+    // an accumulator, works on a copy, so that what is put back is untouched.
+    const bool copy = in_place_ || !seen_ || acc_needs_copy();  // (before `kept` shares it)
+    const at::Tensor kept = acc_;
+    if (copy) copy_acc();
+    const at::Tensor acc_in = acc_;
+    const bool acc_versioned = acc_in.defined() && !acc_in.is_inference();
+    const uint32_t acc_version = acc_versioned ? acc_in._version() : 0;
     try {
-      out = module_->forward(std::move(in));
-    } catch (const std::exception& e) {
-      ACS_CHECK(false, "custom reduction '", label(), "' failed on rows of shape ",
-                shape_str(rows.sizes()), " (", rows.scalar_type(), "): ", e.what());
+      std::vector<c10::IValue> in;
+      in.emplace_back(acc_in.defined() ? c10::IValue(acc_in) : c10::IValue());
+      in.emplace_back(rows.detach());  // (shares the rows' version counter)
+      // (inference tensors have no version counter: nothing to compare there)
+      const bool versioned = !rows.is_inference();
+      const uint32_t version = versioned ? rows._version() : 0;
+      c10::IValue out;
+      try {
+        out = module_->forward(std::move(in));
+      } catch (const std::exception& e) {
+        ACS_CHECK(false, "custom reduction '", label(), "' failed on rows of shape ",
+                  shape_str(rows.sizes()), " (", rows.scalar_type(), "): ", e.what());
+      }
+      // The rows are the model's activations (or the rows a store keeps): a reduction that
+      // writes into them changes the model's forward and what is stored.
+      ACS_CHECK(!versioned || rows._version() == version, "custom reduction '", label(),
+                "' changed its input x in place (rows of shape ", shape_str(rows.sizes()),
+                "): x holds the model's activations, so the forward and the stored rows would change; "
+                "use out-of-place ops (x = x.clamp(min=0.0), not x.clamp_(min=0.0)) or work on x.clone()");
+      ACS_CHECK(out.isTensor(), "custom reduction '", label(), "' must return a Tensor, got ",
+                out.tagKind());
+      at::Tensor acc = out.toTensor().detach();
+      if (acc_in.defined() &&
+          ((acc_versioned && acc_in._version() != acc_version) ||
+           (acc.has_storage() && acc_in.has_storage() && acc.storage().is_alias_of(acc_in.storage())))) {
+        in_place_ = true;  // (acc += ...; return acc): from the next batch on, on a copy
+      }
+      seen_ = seen_ || acc_in.defined();
+      // An accumulator that is x itself (`return x` for the first batch) or a view of it would
+      // change with the model's memory: keep a copy.
+      if (acc.has_storage() && rows.has_storage() && acc.storage().is_alias_of(rows.storage())) acc = acc.clone();
+      acc_ = std::move(acc);
+    } catch (...) {
+      acc_ = kept;
+      throw;
     }
-    // The rows are the model's activations (or the rows a store keeps): a reduction that
-    // writes into them changes the model's forward and what is stored.
-    ACS_CHECK(!versioned || rows._version() == version, "custom reduction '", label(),
-              "' changed its input x in place (rows of shape ", shape_str(rows.sizes()),
-              "): x holds the model's activations, so the forward and the stored rows would change; "
-              "use out-of-place ops (x = x.clamp(min=0.0), not x.clamp_(min=0.0)) or work on x.clone()");
-    ACS_CHECK(out.isTensor(), "custom reduction '", label(), "' must return a Tensor, got ",
-              out.tagKind());
-    at::Tensor acc = out.toTensor().detach();
-    // An accumulator that is x itself (`return x` for the first batch) or a view of it would
-    // change with the model's memory: keep a copy.
-    if (acc.has_storage() && rows.has_storage() && acc.storage().is_alias_of(rows.storage())) acc = acc.clone();
-    acc_ = std::move(acc);
   }
 
   void merge(const Reduction& other_r) override {
@@ -128,18 +147,23 @@ class ScriptReduction : public Reduction {
   // one no one else holds. acc_ is shared after state() / result() handed it out, load_state
   // took it (init= is one tensor for the reductions of every hook point), or a merge adopted
   // the other side's: then it is copied first (once), so that no other reduction, earlier
-  // result or the caller's tensor changes.
-  // An accumulator made under torch.inference_mode (an inference tensor) is copied too when
-  // the batch comes outside it: an in-place update of it there is an error. The copy is a
-  // normal tensor, so a capture may mix forwards under inference_mode and not.
-  void own_acc() {
-    if (!acc_.defined()) return;
+  // result or the caller's tensor changes. An accumulator made under torch.inference_mode (an
+  // inference tensor) is copied too when the batch comes outside it: an in-place update of it
+  // there is an error. The copy is a normal tensor, so a capture may mix forwards under
+  // inference_mode and not.
+  bool acc_needs_copy() const {
+    if (!acc_.defined()) return false;
     const bool shared = acc_.use_count() > 1 || (acc_.has_storage() && acc_.storage().use_count() > 1);
     const bool frozen = acc_.is_inference() && !c10::InferenceMode::is_enabled();
-    if (shared || frozen) {
-      c10::InferenceMode normal(false);
-      acc_ = acc_.clone();
-    }
+    return shared || frozen;
+  }
+  void copy_acc() {
+    if (!acc_.defined()) return;
+    c10::InferenceMode normal(false);
+    acc_ = acc_.clone();
+  }
+  void own_acc() {
+    if (acc_needs_copy()) copy_acc();
   }
 
   // How errors name it: the name given (the function a capture compiled to a scratch file),
@@ -152,6 +176,8 @@ class ScriptReduction : public Reduction {
   std::shared_ptr<torch::jit::Module> module_;  // shared by fresh() copies; forward is const
   bool acc_optional_ = true;
   bool has_merge_ = false;
+  bool in_place_ = false;  // the function was seen updating acc in place
+  bool seen_ = false;      // the function was seen with an accumulator (in place or not)
   at::Tensor acc_;
 };
 

@@ -1649,6 +1649,46 @@ class _TimesHundredOnTwoRows(torch.nn.Module):
         return x * (100.0 if x.shape[0] == 2 else 1.0)
 
 
+def add_then_refuse(acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    s = x.double().sum(0)
+    if acc is None:
+        return s
+    acc += s
+    if x.shape[0] == 2:
+        raise RuntimeError("refused after the update")
+    return acc
+
+
+def add_then_refuse_eager(acc, x):
+    s = x.double().sum(0) * _SUM_SCALE
+    if acc is None:
+        return s
+    acc += s
+    if x.shape[0] == 2:
+        raise RuntimeError("refused after the update")
+    return acc
+
+
+@pytest.mark.parametrize("fn", [add_then_refuse, add_then_refuse_eager], ids=["script", "eager"])
+@pytest.mark.parametrize("sizes", [(3, 5, 2, 4), (3, 2, 5, 4)], ids=["later", "first-in-place"])
+def test_a_custom_reduction_that_updates_in_place_then_raises_keeps_its_accumulator(fn, sizes):
+    """A function that adds the batch to acc in place and then raises: its accumulator held
+    the refused batch (the capture going on gave sums over rows it never kept); the batch it
+    fails on now leaves the accumulator as it was, also when it is the first in-place one."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", R.EagerFallbackWarning)
+        r = R.make_reduction(fn)
+    batches = [torch.randn(n, 3) for n in sizes]
+    for x in batches:
+        if x.shape[0] == 2:
+            with pytest.raises(CaptureError, match="refused after the update"):
+                r.update(x)
+        else:
+            r.update(x)
+    want = torch.cat([x for x in batches if x.shape[0] != 2]).double().sum(0)
+    torch.testing.assert_close(r.result()["value"], want)
+
+
 @pytest.mark.parametrize("in_store", [False, True])
 def test_a_batch_a_custom_reduction_refuses_is_in_no_reduction(in_store, tmp_path):
     """A custom reduction raising on one batch, and the capture going on (the caller skips the

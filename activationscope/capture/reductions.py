@@ -300,6 +300,8 @@ class EagerReduction(_C.Reduction):
         # load_state took it: init= is one tensor for the reductions of every hook point):
         # the function may update acc in place (`acc += x.sum(0)`), so it then gets a copy.
         self._acc_shared = False
+        self._in_place = False  # the function was seen updating acc in place
+        self._seen = False  # the function was seen with an accumulator (in place or not)
 
     @property
     def options(self) -> dict[str, float]:
@@ -315,11 +317,15 @@ class EagerReduction(_C.Reduction):
             return
         # (an inference tensor, rows of a model run under torch.inference_mode, has no version counter)
         version = None if rows.is_inference() else rows._version
+        # self._acc stays as it was until the batch is folded in; a function seen updating acc
+        # in place (or not yet seen with one) works on a copy, so a batch it fails on leaves the
+        # accumulator untouched
         acc_in = self._acc
         frozen = acc_in is not None and acc_in.is_inference() and not torch.is_inference_mode_enabled()
-        if acc_in is not None and (self._acc_shared or frozen):
+        if acc_in is not None and (self._acc_shared or frozen or self._in_place or not self._seen):
             with torch.inference_mode(False):  # a normal tensor, which may be updated in place anywhere
                 acc_in = acc_in.clone()
+        acc_version = None if acc_in is None or acc_in.is_inference() else acc_in._version
         try:
             with torch.no_grad():
                 out = self._fn(acc_in, rows.detach())
@@ -340,6 +346,12 @@ class EagerReduction(_C.Reduction):
                 f"{self._where()}custom reduction {_fn_name(self._fn)!r} must return a Tensor, got {type(out).__name__}"
             )
         acc = out.detach()
+        changed = acc_version is not None and acc_in._version != acc_version
+        returned = acc_in is not None and bool(acc_in.untyped_storage().nbytes()) and (
+            acc.untyped_storage().data_ptr() == acc_in.untyped_storage().data_ptr())
+        if changed or returned:
+            self._in_place = True  # (acc += ...; return acc): from the next batch on, on a copy
+        self._seen = self._seen or acc_in is not None
         if acc.untyped_storage().data_ptr() == rows.untyped_storage().data_ptr() and rows.untyped_storage().nbytes():
             acc = acc.clone()  # x itself (`return x` for the first batch) or a view of it: the model's memory
         self._acc = acc
