@@ -495,7 +495,7 @@ void bind_reductions(py::module_& m) {
   m.def("make_builtin_reduction", &make_builtin_reduction, py::arg("kind"),
         py::arg("options") = ReductionOptions{});
   m.def("make_script_reduction", &make_script_reduction, py::arg("path"),
-        py::arg("options") = ReductionOptions{});
+        py::arg("options") = ReductionOptions{}, py::arg("name") = std::string());
   m.def("builtin_reduction_kinds", &builtin_reduction_kinds);
   m.def("update_reductions", &update_reductions, py::arg("reductions"), py::arg("rows"),
         py::arg("row_offset") = 0, py::call_guard<ReleaseGil>(),

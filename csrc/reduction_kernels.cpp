@@ -500,7 +500,7 @@ ACS_INLINE void chan_fold_cols(double* __restrict mean, double* __restrict m2, c
   for (; j < d; ++j) {
     const double a = mean[j], b = mb[j];
     const double delta = b - a;
-    mean[j] = std::isfinite(a) && std::isfinite(b) ? a + delta * wb : a * wa + b * wb;
+    mean[j] = std::isfinite(delta) ? a + delta * wb : a * wa + b * wb;  // (delta finite: a and b are)
     if (m2 != nullptr) m2[j] = m2[j] + m2b[j] + delta * delta * wm;
   }
 }
@@ -517,9 +517,9 @@ ACS_TARGET_AVX2 void chan_fold_avx2(double* __restrict mean, double* __restrict 
     const __m256d delta = _mm256_sub_pd(b, a);
     const __m256d chan = _mm256_add_pd(a, _mm256_mul_pd(delta, vb));
     const __m256d weighted = _mm256_add_pd(_mm256_mul_pd(a, va), _mm256_mul_pd(b, vb));
-    // |x| <= DBL_MAX: false for +-inf and NaN (an ordered comparison), as !std::isfinite
-    const __m256d finite = _mm256_and_pd(_mm256_cmp_pd(_mm256_and_pd(a, abs_mask), big, _CMP_LE_OQ),
-                                         _mm256_cmp_pd(_mm256_and_pd(b, abs_mask), big, _CMP_LE_OQ));
+    // |delta| <= DBL_MAX: false for +-inf and NaN (an ordered comparison), as !std::isfinite;
+    // a finite delta means both means are finite too
+    const __m256d finite = _mm256_cmp_pd(_mm256_and_pd(delta, abs_mask), big, _CMP_LE_OQ);
     _mm256_storeu_pd(mean + j, _mm256_blendv_pd(weighted, chan, finite));
     if (m2 != nullptr) {
       const __m256d s = _mm256_add_pd(_mm256_loadu_pd(m2 + j), _mm256_loadu_pd(m2b + j));

@@ -42,8 +42,10 @@ void fold_extremum_values(Ext e, const double* v, int64_t d, double* acc);
 void add_sums_fold_min_max(const RowsView& r, double* sum, double* mn, double* mx);
 
 // Chan et al.'s merge of a batch of nb rows into a running state of na rows, per column:
-// mean[j] += (mb[j] - mean[j]) * wb where both means are finite, else mean[j] * wa + mb[j] * wb
-// (an infinite part stays infinite, +inf with -inf or NaN gives NaN); with m2 (else null),
+// mean[j] += (mb[j] - mean[j]) * wb where both means and their difference are finite, else
+// mean[j] * wa + mb[j] * wb (an infinite part stays infinite, +inf with -inf or NaN gives NaN;
+// finite means of opposite signs whose difference overflows, as +-1e308, merge to their
+// finite weighted sum); with m2 (else null),
 // m2[j] += m2b[j] + delta^2 * wm. wa = na / n, wb = nb / n, wm = na * nb / n, n = na + nb.
 void chan_fold(double* mean, double* m2, const double* mb, const double* m2b, int64_t d, double wa, double wb,
                double wm);

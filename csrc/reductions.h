@@ -58,16 +58,19 @@ std::shared_ptr<Reduction> make_builtin_reduction(const std::string& kind,
                                                   const ReductionOptions& options);
 
 // Custom reduction from a TorchScript file (`torch.jit.save` of a scripted function or
-// module with signature (acc: Optional[Tensor], x: Tensor) -> Tensor), run from C++.
+// module with signature (acc: Optional[Tensor], x: Tensor) -> Tensor), run from C++. Errors
+// name it `name` when given (a function compiled to a scratch file), else by its path.
 std::shared_ptr<Reduction> make_script_reduction(const std::string& pt_path,
-                                                 const ReductionOptions& options);
+                                                 const ReductionOptions& options,
+                                                 const std::string& name = {});
 
 // Update every reduction of a hook point with the same rows, in order. Built-in mean / var /
 // std / min / max / absmax (per feature) on a contiguous CPU batch share one pass for the
 // batch sums and extrema and one for the centred squares, instead of a pass each; results
 // are the same as separate updates (same summation order; extrema are exact). The others,
 // and batches off the fast path, go through update(). Every reduction's check() runs
-// first: a batch one of them refuses updates none.
+// first: a batch one of them refuses updates none. Custom reductions run before the
+// built-ins, and one that raises leaves every reduction as it was before the batch.
 void update_reductions(const std::vector<std::shared_ptr<Reduction>>& reductions, const at::Tensor& rows,
                        int64_t row_offset);
 

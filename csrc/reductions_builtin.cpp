@@ -112,14 +112,16 @@ struct BatchStats {
 enum StatBits : unsigned { kStatMean = 1, kStatM2 = 2, kStatMin = 4, kStatMax = 8, kStatAbsMax = 16 };
 
 // Mean of na + nb observations from the means of two parts. Chan et al.'s form
-// ma + (mb - ma) * nb / n where both are finite (it keeps precision when the means are close);
-// the weighted sum ma * na / n + mb * nb / n where one is +-inf or NaN, so that an infinite
-// part stays infinite (Chan's delta would make inf - inf = NaN), and +inf with -inf or any
-// NaN gives NaN, as torch.mean over all the values does.
+// ma + (mb - ma) * nb / n where both and their difference are finite (it keeps precision when
+// the means are close); the weighted sum ma * na / n + mb * nb / n where one is +-inf or NaN,
+// so that an infinite part stays infinite (Chan's delta would make inf - inf = NaN), and +inf
+// with -inf or any NaN gives NaN, as torch.mean over all the values does; and where finite
+// means of opposite signs differ by more than float64 holds (+-1e308), whose delta would
+// overflow to inf.
 at::Tensor merge_means(const at::Tensor& ma, const at::Tensor& mb, double na, double nb) {
   const double n = na + nb;
   at::Tensor chan = ma + (mb - ma) * (nb / n);
-  at::Tensor finite = at::isfinite(ma).logical_and(at::isfinite(mb));
+  at::Tensor finite = at::isfinite(mb - ma);  // (finite: so are ma and mb)
   return at::where(finite, chan, ma * (na / n) + mb * (nb / n));
 }
 
@@ -937,11 +939,12 @@ std::shared_ptr<Reduction> make_builtin_reduction(const std::string& kind, const
 
 std::vector<std::string> builtin_reduction_kinds() { return kinds(); }
 
-void update_reductions(const std::vector<std::shared_ptr<Reduction>>& reductions, const at::Tensor& rows,
-                       int64_t row_offset) {
-  if (reductions.size() >= 2) {
-    for (const auto& r : reductions) r->check(rows);
-  }
+namespace {
+
+// update_reductions of reductions whose check() accepted the rows (built-ins: their update
+// then does not throw).
+void update_checked(const std::vector<std::shared_ptr<Reduction>>& reductions, const at::Tensor& rows,
+                    int64_t row_offset) {
   std::vector<Builtin*> fused;
   bool grouped = false;  // every reduction was either updated or put in `fused`
   if (reductions.size() >= 2 && rows.defined()) {
@@ -1005,6 +1008,42 @@ void update_reductions(const std::vector<std::shared_ptr<Reduction>>& reductions
     st.absmax = ax;
   }
   for (auto* b : fused) b->fused_end(st);
+}
+
+}  // namespace
+
+void update_reductions(const std::vector<std::shared_ptr<Reduction>>& reductions, const at::Tensor& rows,
+                       int64_t row_offset) {
+  if (reductions.size() < 2) {
+    for (const auto& r : reductions) r->update(rows, row_offset);
+    return;
+  }
+  for (const auto& r : reductions) r->check(rows);
+  // A custom reduction (TorchScript or Python) may raise on any batch check() accepted, or
+  // refuse rows it wrote into: the custom ones go first, and when one raises, those before it
+  // are put back to their state before this batch and no built-in has seen the rows. So a
+  // batch refused by a custom reduction is in none of the hook point's reductions (a capture
+  // keeps no record of it either), and top-k row ids never point at rows that are not there.
+  const bool all_builtin = std::all_of(reductions.begin(), reductions.end(), [](const auto& r) {
+    return dynamic_cast<Builtin*>(r.get()) != nullptr;
+  });
+  if (all_builtin) return update_checked(reductions, rows, row_offset);  // (no allocation per batch)
+  std::vector<std::shared_ptr<Reduction>> custom, builtin;
+  for (const auto& r : reductions) (dynamic_cast<Builtin*>(r.get()) != nullptr ? builtin : custom).push_back(r);
+  std::vector<NamedTensors> before;
+  if (custom.size() >= 2) {
+    for (const auto& r : custom) before.push_back(r->state());  // (handles: a custom one replaces its acc)
+  }
+  for (size_t i = 0; i < custom.size(); ++i) {
+    try {
+      custom[i]->update(rows, row_offset);
+    } catch (...) {
+      for (size_t j = 0; j < i; ++j) custom[j]->load_state(before[j]);
+      throw;
+    }
+  }
+  before.clear();
+  update_checked(builtin, rows, row_offset);
 }
 
 }  // namespace acs

@@ -1,6 +1,7 @@
 // Custom reductions from TorchScript files, run from C++ (no Python, no GIL).
 #include "reductions.h"
 
+#include <c10/core/InferenceMode.h>
 #include <torch/script.h>
 
 #include <memory>
@@ -19,15 +20,16 @@ namespace {
 // defines merge(a: Tensor, b: Tensor) -> Tensor can be merged.
 class ScriptReduction : public Reduction {
  public:
-  ScriptReduction(std::string path, ReductionOptions opts, std::shared_ptr<torch::jit::Module> m)
-      : path_(std::move(path)), opts_(std::move(opts)), module_(std::move(m)) {
+  ScriptReduction(std::string path, ReductionOptions opts, std::shared_ptr<torch::jit::Module> m,
+                  std::string name = {})
+      : path_(std::move(path)), name_(std::move(name)), opts_(std::move(opts)), module_(std::move(m)) {
     auto fwd = module_->find_method("forward");
-    ACS_CHECK(fwd.has_value(), "custom reduction '", path_,
+    ACS_CHECK(fwd.has_value(), "custom reduction '", label(),
               "' has no forward; save a scripted function or a module whose forward is "
               "(acc: Optional[Tensor], x: Tensor) -> Tensor");
     const auto& schema = fwd->function().getSchema();
     const auto& args = schema.arguments();  // self, acc, x
-    ACS_CHECK(args.size() == 3, "custom reduction '", path_, "' must take exactly two arguments ",
+    ACS_CHECK(args.size() == 3, "custom reduction '", label(), "' must take exactly two arguments ",
               "(acc: Optional[Tensor], x: Tensor) -> Tensor, got ", schema);
     acc_optional_ = args[1].type()->kind() == c10::TypeKind::OptionalType;
     has_merge_ = module_->find_method("merge").has_value();
@@ -36,35 +38,55 @@ class ScriptReduction : public Reduction {
   void update(const at::Tensor& rows, int64_t) override {
     at::AutoGradMode no_grad(false);
     if (rows.dim() >= 1 && rows.size(0) == 0) return;  // an empty batch is a no-op
-    ACS_CHECK(acc_.defined() || acc_optional_, "custom reduction '", path_,
+    ACS_CHECK(acc_.defined() || acc_optional_, "custom reduction '", label(),
               "' declares acc as Tensor, so it cannot start from None: annotate it "
               "acc: Optional[Tensor] or pre-seed the accumulator (init=...)");
-    std::vector<c10::IValue> in;
-    in.emplace_back(acc_.defined() ? c10::IValue(acc_) : c10::IValue());
-    in.emplace_back(rows.detach());  // (shares the rows' version counter)
-    // (inference tensors have no version counter: nothing to compare there)
-    const bool versioned = !rows.is_inference();
-    const uint32_t version = versioned ? rows._version() : 0;
-    c10::IValue out;
+    // The accumulator as it was: put back when this batch fails (the function raises, writes
+    // into x or returns no tensor). A function seen updating acc in place, or not yet seen with
+    // an accumulator, works on a copy, so that what is put back is untouched.
+    const bool copy = in_place_ || !seen_ || acc_needs_copy();  // (before `kept` shares it)
+    const at::Tensor kept = acc_;
+    if (copy) copy_acc();
+    const at::Tensor acc_in = acc_;
+    const bool acc_versioned = acc_in.defined() && !acc_in.is_inference();
+    const uint32_t acc_version = acc_versioned ? acc_in._version() : 0;
     try {
-      out = module_->forward(std::move(in));
-    } catch (const std::exception& e) {
-      ACS_CHECK(false, "custom reduction '", path_, "' failed on rows of shape ",
-                shape_str(rows.sizes()), " (", rows.scalar_type(), "): ", e.what());
+      std::vector<c10::IValue> in;
+      in.emplace_back(acc_in.defined() ? c10::IValue(acc_in) : c10::IValue());
+      in.emplace_back(rows.detach());  // (shares the rows' version counter)
+      // (inference tensors have no version counter: nothing to compare there)
+      const bool versioned = !rows.is_inference();
+      const uint32_t version = versioned ? rows._version() : 0;
+      c10::IValue out;
+      try {
+        out = module_->forward(std::move(in));
+      } catch (const std::exception& e) {
+        ACS_CHECK(false, "custom reduction '", label(), "' failed on rows of shape ",
+                  shape_str(rows.sizes()), " (", rows.scalar_type(), "): ", e.what());
+      }
+      // The rows are the model's activations (or the rows a store keeps): a reduction that
+      // writes into them changes the model's forward and what is stored.
+      ACS_CHECK(!versioned || rows._version() == version, "custom reduction '", label(),
+                "' changed its input x in place (rows of shape ", shape_str(rows.sizes()),
+                "): x holds the model's activations, so the forward and the stored rows would change; "
+                "use out-of-place ops (x = x.clamp(min=0.0), not x.clamp_(min=0.0)) or work on x.clone()");
+      ACS_CHECK(out.isTensor(), "custom reduction '", label(), "' must return a Tensor, got ",
+                out.tagKind());
+      at::Tensor acc = out.toTensor().detach();
+      if (acc_in.defined() &&
+          ((acc_versioned && acc_in._version() != acc_version) ||
+           (acc.has_storage() && acc_in.has_storage() && acc.storage().is_alias_of(acc_in.storage())))) {
+        in_place_ = true;  // (acc += ...; return acc): from the next batch on, on a copy
+      }
+      seen_ = seen_ || acc_in.defined();
+      // An accumulator that is x itself (`return x` for the first batch) or a view of it would
+      // change with the model's memory: keep a copy.
+      if (acc.has_storage() && rows.has_storage() && acc.storage().is_alias_of(rows.storage())) acc = acc.clone();
+      acc_ = std::move(acc);
+    } catch (...) {
+      acc_ = kept;
+      throw;
     }
-    // The rows are the model's activations (or the rows a store keeps): a reduction that
-    // writes into them changes the model's forward and what is stored.
-    ACS_CHECK(!versioned || rows._version() == version, "custom reduction '", path_,
-              "' changed its input x in place (rows of shape ", shape_str(rows.sizes()),
-              "): x holds the model's activations, so the forward and the stored rows would change; "
-              "use out-of-place ops (x = x.clamp(min=0.0), not x.clamp_(min=0.0)) or work on x.clone()");
-    ACS_CHECK(out.isTensor(), "custom reduction '", path_, "' must return a Tensor, got ",
-              out.tagKind());
-    at::Tensor acc = out.toTensor().detach();
-    // An accumulator that is x itself (`return x` for the first batch) or a view of it would
-    // change with the model's memory: keep a copy.
-    if (acc.has_storage() && rows.has_storage() && acc.storage().is_alias_of(rows.storage())) acc = acc.clone();
-    acc_ = std::move(acc);
   }
 
   void merge(const Reduction& other_r) override {
@@ -74,7 +96,7 @@ class ScriptReduction : public Reduction {
               "' reduction into a custom ('script') reduction");
     ACS_CHECK(other->path_ == path_, "cannot merge custom reductions from different files: '",
               path_, "' and '", other->path_, "'");
-    ACS_CHECK(has_merge_, "custom reduction '", path_,
+    ACS_CHECK(has_merge_, "custom reduction '", label(),
               "' cannot merge: a plain function has no merge rule. Register it as a scripted "
               "module with forward(acc, x) and merge(a: Tensor, b: Tensor) -> Tensor methods, "
               "or merge the states yourself");
@@ -84,8 +106,16 @@ class ScriptReduction : public Reduction {
       acc_ = b;
       return;
     }
-    c10::IValue out = module_->get_method("merge")({acc_, b});
-    ACS_CHECK(out.isTensor(), "merge of custom reduction '", path_, "' must return a Tensor");
+    own_acc();
+    c10::IValue out;
+    try {
+      out = module_->get_method("merge")({acc_, b});
+    } catch (const std::exception& e) {
+      ACS_CHECK(false, "merge of custom reduction '", label(), "' failed on accumulators of shapes ",
+                shape_str(acc_.sizes()), " and ", shape_str(b.sizes()), " (", acc_.scalar_type(), ", ",
+                b.scalar_type(), "): ", e.what());
+    }
+    ACS_CHECK(out.isTensor(), "merge of custom reduction '", label(), "' must return a Tensor");
     acc_ = out.toTensor().detach();
   }
 
@@ -100,30 +130,61 @@ class ScriptReduction : public Reduction {
   void load_state(const NamedTensors& st) override {
     at::Tensor a;
     for (const auto& kv : st) {
-      ACS_CHECK(kv.first == "acc", "state of custom reduction '", path_,
+      ACS_CHECK(kv.first == "acc", "state of custom reduction '", label(),
                 "' has only the key 'acc', got '", kv.first, "'");
       a = kv.second;
     }
     acc_ = a.defined() ? a.detach() : a;
   }
   std::shared_ptr<Reduction> fresh() const override {
-    return std::make_shared<ScriptReduction>(path_, opts_, module_);
+    return std::make_shared<ScriptReduction>(path_, opts_, module_, name_);
   }
   std::string kind() const override { return "script"; }
   ReductionOptions options() const override { return opts_; }
 
  private:
+  // The function (and merge) may update the accumulator in place (`acc += x.sum(0)`): give it
+  // one no one else holds. acc_ is shared after state() / result() handed it out, load_state
+  // took it (init= is one tensor for the reductions of every hook point), or a merge adopted
+  // the other side's: then it is copied first (once), so that no other reduction, earlier
+  // result or the caller's tensor changes. An accumulator made under torch.inference_mode (an
+  // inference tensor) is copied too when the batch comes outside it: an in-place update of it
+  // there is an error. The copy is a normal tensor, so a capture may mix forwards under
+  // inference_mode and not.
+  bool acc_needs_copy() const {
+    if (!acc_.defined()) return false;
+    const bool shared = acc_.use_count() > 1 || (acc_.has_storage() && acc_.storage().use_count() > 1);
+    const bool frozen = acc_.is_inference() && !c10::InferenceMode::is_enabled();
+    return shared || frozen;
+  }
+  void copy_acc() {
+    if (!acc_.defined()) return;
+    c10::InferenceMode normal(false);
+    acc_ = acc_.clone();
+  }
+  void own_acc() {
+    if (acc_needs_copy()) copy_acc();
+  }
+
+  // How errors name it: the name given (the function a capture compiled to a scratch file),
+  // else the file's path.
+  const std::string& label() const { return name_.empty() ? path_ : name_; }
+
   std::string path_;
+  std::string name_;
   ReductionOptions opts_;
   std::shared_ptr<torch::jit::Module> module_;  // shared by fresh() copies; forward is const
   bool acc_optional_ = true;
   bool has_merge_ = false;
+  bool in_place_ = false;  // the function was seen updating acc in place
+  bool seen_ = false;      // the function was seen with an accumulator (in place or not)
   at::Tensor acc_;
 };
 
 }  // namespace
 
-std::shared_ptr<Reduction> make_script_reduction(const std::string& path, const ReductionOptions& options) {
+std::shared_ptr<Reduction> make_script_reduction(const std::string& path, const ReductionOptions& options,
+                                                 const std::string& name) {
   std::shared_ptr<torch::jit::Module> m;
   try {
     m = std::make_shared<torch::jit::Module>(torch::jit::load(path));
@@ -131,7 +192,7 @@ std::shared_ptr<Reduction> make_script_reduction(const std::string& path, const 
     ACS_CHECK(false, "custom reduction file '", path, "' could not be loaded as TorchScript: ", e.what());
   }
   m->eval();
-  return std::make_shared<ScriptReduction>(path, options, std::move(m));
+  return std::make_shared<ScriptReduction>(path, options, std::move(m), name);
 }
 
 }  // namespace acs

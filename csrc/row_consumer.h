@@ -6,6 +6,7 @@
 #include <c10/core/Event.h>
 
 #include <memory>
+#include <vector>
 
 namespace acs {
 
@@ -17,6 +18,9 @@ class RowConsumer {
   // and must not be read before ready->synchronize(). May block (backpressure). Throws
   // c10::Error on a writer failure, with the path and the cause.
   virtual void append(const at::Tensor& rows, std::shared_ptr<c10::Event> ready) = 0;
+  // The dtype and feature shape of the rows it holds (an array opened at a hook point's first
+  // call, which may have been an empty batch), when it has them; false otherwise.
+  virtual bool row_spec(at::ScalarType* /*dtype*/, std::vector<int64_t>* /*feature_shape*/) const { return false; }
 };
 
 }  // namespace acs

@@ -168,6 +168,11 @@ class ArrayWriter : public RowConsumer, public std::enable_shared_from_this<Arra
 
   // rows: (n, *feature_shape), any dtype / strides; cast to the array dtype. No GIL.
   void append(const at::Tensor& rows, std::shared_ptr<c10::Event> ready) override;
+  bool row_spec(at::ScalarType* dtype, std::vector<int64_t>* feature_shape) const override {
+    *dtype = spec_.dtype;
+    *feature_shape = spec_.feature_shape;
+    return true;
+  }
   // Push the partial chunk (zero-padded) as the array's final chunk. Idempotent.
   void flush();
 

@@ -360,6 +360,31 @@ at::Tensor Sink::referred(const Record& r) {
   return at::Tensor(std::move(impl));
 }
 
+// The store array of a hook point is opened at its first call, with that call's dtype and
+// feature shape. When that call was an empty batch (nothing of it kept; a placeholder such as
+// x.new_zeros(0) or torch.empty(0, 3, dtype=torch.float16)), the first rows may be of another
+// dtype or feature shape: cast to the array's dtype they would be stored changed (float32
+// values rounded to float16, or turned into inf, and reduced uncast). Refused here, before
+// anything of this call is kept, reduced or written. (A call with rows opened the array
+// itself: nothing to check; a resumed array was checked when it was opened.)
+void Sink::check_first_rows_fit_writer(const at::Tensor& x) {
+  at::ScalarType dtype;
+  std::vector<int64_t> feat;
+  if (!writer_ || !writer_->row_spec(&dtype, &feat)) return;
+  const at::ScalarType rows_dtype = options_.storage_dtype.value_or(x.scalar_type());
+  const size_t lead = row_kind_ == 1 ? 2 : 1;  // (batch, pos) of token rows, batch of sample rows
+  c10::IntArrayRef rows_feat = x.dim() < static_cast<int64_t>(lead) ? c10::IntArrayRef() : x.sizes().slice(lead);
+  if (rows_dtype == dtype && rows_feat == c10::IntArrayRef(feat)) return;
+  count_call(-1);
+  seen_dtype_.reset();
+  ACS_CHECK(false, "hook point '", name_, "' returned an empty batch at its first call (rows of shape ",
+            shape_str(feat), ", ", dtype_name(dtype), "), which fixed its store array's row shape and dtype; its ",
+            "first rows are ", shape_str(rows_feat), ", ", dtype_name(rows_dtype), ", and would be stored cast to ",
+            dtype_name(dtype), " or refused. Return an empty tensor of the rows' shape and dtype ",
+            "(x.new_empty((0, *rows.shape[1:]))), pass storage_dtype= to store every row as one dtype, or ",
+            "exclude= its module");
+}
+
 void Sink::consume(const at::Tensor& x_in, const at::Tensor& token_mask) {
   at::AutoGradMode no_grad(false);
   // A record kept by reference must not hold the autograd graph: detach it (a REFERENCE
@@ -393,6 +418,7 @@ void Sink::consume(const at::Tensor& x_in, const at::Tensor& token_mask) {
   }
   if (!seen_dtype_) {
     seen_dtype_ = x.scalar_type();
+    check_first_rows_fit_writer(x);
   } else if (writer_ && !options_.storage_dtype && x.scalar_type() != *seen_dtype_) {
     // A store array has one dtype: rows of another would be cast to it, silently losing
     // precision (float64 -> float32) or changing values (float -> int). Checked before this

@@ -213,6 +213,8 @@ class Sink {
   // update_reductions on this hook point's rows; a CaptureError of a reduction (rows of
   // another feature shape, complex rows) is raised again naming the hook point. Under mu_.
   void reduce(const at::Tensor& rows);
+  // The first rows fit the store array, opened at the first call (maybe an empty batch).
+  void check_first_rows_fit_writer(const at::Tensor& x);
 
   std::string name_;
   std::optional<std::string> module_;

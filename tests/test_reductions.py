@@ -466,6 +466,28 @@ def test_pca_of_a_cov_reduction_without_rows_names_the_hook_point():
         R.pca({"mean": torch.zeros(3)})
 
 
+def test_pca_of_a_cov_with_nan_or_inf_is_a_reduction_error():
+    """Rows with inf (masked attention scores) or NaN, or one row with ddof=1, make the
+    covariance non-finite: the library's error naming the hook point and the cause, not
+    torch's "ill-conditioned" LinAlgError."""
+    from activationscope.capture.results import ReductionResults
+
+    x = torch.randn(20, 3, generator=torch.Generator().manual_seed(0))
+    x[4, 1] = -float("inf")
+    with_inf = stream("cov", [x]).result()
+    with pytest.raises(ReductionError, match=r"cov holds NaN or inf \(5 of 9 values\) \(count 20\)"):
+        R.pca(with_inf)
+    one_row = stream("cov", [x[:1]], ddof=1).result()
+    with pytest.raises(ReductionError, match=r"\(count 1\).*no more rows than its ddof"):
+        R.pca(one_row)
+    stored = ReductionResults("blocks.0.attn.hook_attn_scores", {"cov": with_inf["cov"], "cov.count": torch.tensor(20)})
+    with pytest.raises(ReductionError, match=r"cov of hook point 'blocks.0.attn.hook_attn_scores' holds NaN or inf"):
+        R.pca(stored)
+    x[4, 1] = 0.0
+    ratio, _ = R.pca(stream("cov", [x]).result())
+    assert bool(torch.isfinite(ratio).all())
+
+
 @pytest.mark.parametrize("n_components", [0, -1, 4, 2.0, True])
 def test_pca_n_components_out_of_range(n_components):
     from activationscope.errors import ArgumentValueError
@@ -553,6 +575,110 @@ def test_script_reduction_preseeded_accumulator():
     assert init.tolist() == [100.0] * 3  # the caller's tensor is untouched
 
 
+def add_in_place(acc: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    acc += x.double().sum(0)
+    return acc
+
+
+_IN_PLACE_SCALE = 1.0  # a global Python float: TorchScript refuses it, so this one runs eagerly
+
+
+def add_in_place_eager(acc, x):
+    acc += x.double().sum(0) * _IN_PLACE_SCALE
+    return acc
+
+
+class AddInPlaceWithMerge(torch.nn.Module):
+    def forward(self, acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        if acc is None:
+            return x.double().sum(0)
+        acc += x.double().sum(0)
+        return acc
+
+    @torch.jit.export
+    def merge(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        a += b
+        return a
+
+
+@pytest.mark.parametrize("fn", [add_in_place, add_in_place_eager], ids=["script", "eager"])
+def test_in_place_accumulator_is_each_reductions_own(fn):
+    """A reduction that updates acc in place (`acc += ...`) with init=: each hook point's
+    reduction has its own accumulator (init= is one tensor for all of them), the caller's init
+    stays as it was, and results handed out earlier do not change."""
+    init = torch.zeros(3, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", R.EagerFallbackWarning)
+        model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3))
+        x = torch.randn(4, 3)
+        with torch.no_grad(), acs.ActivationScope(reductions=[("total", fn, {"init": init})]).track(model) as tracker:
+            model(x)
+            first = tracker.reductions["0.output"]["total"].clone()
+            seen = tracker.reductions["0.output"]["total"]
+            model(x)
+    with torch.no_grad():
+        h0 = model[0](x)
+        h1 = model[1](h0)
+    torch.testing.assert_close(tracker.reductions["0.output"]["total"], 2 * h0.double().sum(0))
+    torch.testing.assert_close(tracker.reductions["1.output"]["total"], 2 * h1.double().sum(0))
+    assert init.tolist() == [0.0, 0.0, 0.0]
+    assert torch.equal(seen, first)  # the result read after the first forward stayed as it was
+
+
+@pytest.mark.parametrize("fn", [add_in_place, add_in_place_eager], ids=["script", "eager"])
+def test_in_place_accumulator_in_a_capture_mixing_inference_mode_and_not(fn):
+    """The accumulator copied (or made) under torch.inference_mode is an inference tensor; the
+    next batch outside it updates it in place, which torch refuses: it is a normal copy."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3))
+    x = torch.randn(2, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", R.EagerFallbackWarning)
+        scope = acs.ActivationScope(reductions=[("total", fn, {"init": torch.zeros(3, dtype=torch.float64)})])
+    with scope.track(model) as tracker:
+        with torch.inference_mode():
+            model(x)
+        with torch.no_grad():
+            model(x)
+        with torch.inference_mode():
+            model(x)
+    with torch.no_grad():
+        want = 3 * model(x).double().sum(0)
+    torch.testing.assert_close(tracker.reductions["0.output"]["total"], want)
+
+
+def test_a_custom_merge_that_fails_is_the_librarys_error_naming_the_reduction():
+    """A scripted merge(a, b) that raises (accumulators of other shapes) gave torch's bare
+    RuntimeError, naming no reduction; merge_states let it through as well."""
+    sm = _quiet_script(SumWithMerge())
+    a, b = R.make_reduction(sm), R.make_reduction(sm)
+    a.update(torch.ones(2, 3))
+    b.update(torch.ones(2, 4))
+    with pytest.raises(CaptureError, match=r"merge of custom reduction 'SumWithMerge' failed on accumulators of "
+                                           r"shapes \(3,\) and \(4,\)"):
+        a.merge(b)
+    assert a.result()["value"].tolist() == [2.0, 2.0, 2.0]  # left as it was
+    with pytest.raises(ReductionError, match=r"merge of custom reduction 'SumWithMerge' failed"):
+        R.merge_states(sm, [a.state(), b.state()])
+
+
+def test_in_place_accumulator_state_and_merge_stay_apart():
+    sm = _quiet_script(AddInPlaceWithMerge())
+    a, b = R.make_reduction(sm), R.make_reduction(sm)
+    a.update(torch.ones(2, 2))
+    state = a.state()["acc"]
+    a.update(torch.ones(3, 2))
+    assert state.tolist() == [2.0, 2.0]  # state() taken earlier keeps its value
+    b.update(torch.ones(1, 2))
+    b_before = b.state()["acc"].clone()
+    c = R.make_reduction(sm)
+    c.merge(b)  # c adopts b's accumulator
+    c.update(torch.ones(4, 2))
+    assert torch.equal(b.state()["acc"], b_before)
+    a.merge(b)
+    assert a.result()["value"].tolist() == [6.0, 6.0] and torch.equal(b.state()["acc"], b_before)
+    assert c.result()["value"].tolist() == [5.0, 5.0]
+
+
 def test_unannotated_acc_needs_optional_or_init():
     def plain(acc, x):
         return x.sum(0) if acc is None else acc + x.sum(0)
@@ -580,13 +706,20 @@ def test_script_module_with_merge_and_plain_function_without():
         p.merge(R.make_reduction("mean"))
 
 
-def test_script_reduction_error_names_the_file():
+def test_script_reduction_error_names_the_function_or_the_file(tmp_path):
+    """A function compiled here is named by its name (not the scratch .pt it was saved to); a
+    .pt file the user gave, by its path."""
     def bad_shape(acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         return x.reshape(7, -1)
 
     r = R.make_reduction(bad_shape)
-    with pytest.raises(CaptureError, match=r"custom reduction '.*bad_shape.*\.pt' failed on rows of shape \(3, 2\)"):
+    with pytest.raises(CaptureError, match=r"custom reduction 'bad_shape' failed on rows of shape \(3, 2\)"):
         r.update(torch.ones(3, 2))
+    with pytest.raises(CaptureError, match=r"custom reduction 'bad_shape' failed"):
+        r.fresh().update(torch.ones(3, 2))
+    path = R.script_reduction(bad_shape, tmp_path / "mine.pt")
+    with pytest.raises(CaptureError, match=r"custom reduction '.*mine\.pt' failed on rows of shape \(3, 2\)"):
+        R.make_reduction(path).update(torch.ones(3, 2))
 
 
 @pytest.mark.parametrize("fn", [lambda acc: acc, lambda acc, x, y: x, lambda *a: a[1]], ids=["one", "three", "varargs"])
@@ -1069,6 +1202,30 @@ def test_infinite_values_stay_infinite_across_batches(kind):
             assert torch.equal(got.nan_to_num(), want.nan_to_num()), (split, got)
 
 
+@pytest.mark.parametrize("kind", ["mean", "var", "std", "cov"])
+def test_finite_means_whose_difference_overflows_merge_to_a_finite_mean(kind):
+    """float64 batch means of opposite signs near the float64 limit (+-1e308): their difference
+    overflows, so Chan's update mean_a + (mean_b - mean_a) * w gave -inf; the mean of the rows
+    is finite (as torch.mean over them says), on every path (fast, ATen, fused, merge)."""
+    from activationscope.capture import _native
+
+    C = _native.load()
+    cols = torch.tensor([[1e308, 1.5e308, -1e308, 2.0, 1e308], [-1e308, -1.6e308, 1e308, 4.0, -1e308]],
+                        dtype=torch.float64)  # 5 columns: the 4-wide kernel and its scalar tail
+    want = cols.mean(0)
+    assert bool(torch.isfinite(want).all())
+    parts = list(cols.split(1))
+    fast = stream(kind, parts)
+    slow = stream(kind, [_non_contiguous(p) for p in parts])
+    fused = [R.make_reduction(kind), R.make_reduction("max")]
+    for p in parts:
+        C.update_reductions(fused, p)
+    merged = stream(kind, parts[:1])
+    merged.merge(stream(kind, parts[1:]))
+    for r in (fast, slow, fused[0], merged):
+        torch.testing.assert_close(r.result()["mean"], want, rtol=1e-15, atol=1e292)
+
+
 # ---------------------------------------------------------------------------- patterns
 
 
@@ -1467,6 +1624,113 @@ def test_a_pt_file_with_another_signature_is_refused_when_the_reduction_is_made(
         r = R.make_reduction(path, init=torch.zeros(2))
         r.update(torch.ones(3, 2))
         torch.testing.assert_close(r.result()["value"], torch.full((2,), 3.0))
+
+
+def raises_on_two_rows(acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    if x.shape[0] == 2:
+        raise RuntimeError("refused")
+    s = x.double().sum(0)
+    return s if acc is None else acc + s
+
+
+_SUM_SCALE = 1.0  # a global Python float: TorchScript refuses it, so this one runs eagerly
+
+
+def eager_sum_in_place(acc, x):
+    s = x.double().sum(0) * _SUM_SCALE
+    if acc is None:
+        return s
+    acc += s
+    return acc
+
+
+class _TimesHundredOnTwoRows(torch.nn.Module):
+    def forward(self, x):
+        return x * (100.0 if x.shape[0] == 2 else 1.0)
+
+
+def add_then_refuse(acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    s = x.double().sum(0)
+    if acc is None:
+        return s
+    acc += s
+    if x.shape[0] == 2:
+        raise RuntimeError("refused after the update")
+    return acc
+
+
+def add_then_refuse_eager(acc, x):
+    s = x.double().sum(0) * _SUM_SCALE
+    if acc is None:
+        return s
+    acc += s
+    if x.shape[0] == 2:
+        raise RuntimeError("refused after the update")
+    return acc
+
+
+@pytest.mark.parametrize("fn", [add_then_refuse, add_then_refuse_eager], ids=["script", "eager"])
+@pytest.mark.parametrize("sizes", [(3, 5, 2, 4), (3, 2, 5, 4)], ids=["later", "first-in-place"])
+def test_a_custom_reduction_that_updates_in_place_then_raises_keeps_its_accumulator(fn, sizes):
+    """A function that adds the batch to acc in place and then raises: its accumulator held
+    the refused batch (the capture going on gave sums over rows it never kept); the batch it
+    fails on now leaves the accumulator as it was, also when it is the first in-place one."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", R.EagerFallbackWarning)
+        r = R.make_reduction(fn)
+    batches = [torch.randn(n, 3) for n in sizes]
+    for x in batches:
+        if x.shape[0] == 2:
+            with pytest.raises(CaptureError, match="refused after the update"):
+                r.update(x)
+        else:
+            r.update(x)
+    want = torch.cat([x for x in batches if x.shape[0] != 2]).double().sum(0)
+    torch.testing.assert_close(r.result()["value"], want)
+
+
+@pytest.mark.parametrize("in_store", [False, True])
+def test_a_batch_a_custom_reduction_refuses_is_in_no_reduction(in_store, tmp_path):
+    """A custom reduction raising on one batch, and the capture going on (the caller skips the
+    batch): the batch is not kept (no record, no stored row), and none of the hook point's
+    reductions may keep it either. Those updated before the failing one (the built-ins, a
+    custom one listed earlier) kept it: counts past the rows, a mean over rows not stored,
+    and top-k values of the refused batch whose row ids pointed at other stored rows."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), _TimesHundredOnTwoRows()).eval()
+    batches = [torch.randn(n, 4) for n in (3, 5, 2, 4)]
+    specs = [("t", "topk", {"k": 2}), "mean", eager_sum_in_place, raises_on_two_rows, "max"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", R.EagerFallbackWarning)
+        scope = acs.ActivationScope(reductions=specs, store=str(tmp_path / "s.zarr") if in_store else None)
+    refused = 0
+    with pytest.warns(acs.CaptureWarning, match="raised and the exception was caught"):
+        with torch.no_grad(), scope.track(model, include=["1"]) as tracker:
+            for x in batches:
+                try:
+                    model(x)
+                except CaptureError as e:
+                    assert "raises_on_two_rows" in str(e) and "hook point '1.output'" in str(e)
+                    refused += 1
+    assert refused == 1
+    if in_store:
+        store = acs.open_store(tmp_path / "s.zarr")
+        rows, red = store["1.output"], store.reductions["1.output"]
+    else:
+        rows, red = torch.cat(tracker.activations["1.output"]), tracker.reductions["1.output"]
+    with torch.no_grad():
+        want = torch.cat([model(x) for x in batches if x.shape[0] != 2])
+    assert torch.equal(rows, want)
+    for name in ("t", "mean", "eager_sum_in_place", "raises_on_two_rows", "max"):
+        if f"{name}.count" in red:
+            assert int(red[f"{name}.count"]) == 12, name
+    torch.testing.assert_close(red["mean"], want.double().mean(0), rtol=1e-12, atol=0)
+    assert torch.equal(red["max"], want.double().amax(0))
+    torch.testing.assert_close(red["eager_sum_in_place"], want.double().sum(0))
+    torch.testing.assert_close(red["raises_on_two_rows"], want.double().sum(0))
+    ids = red["t.row_ids"]
+    assert torch.equal(rows.double().gather(0, ids), red["t.values"])
+    assert torch.equal(red["t.values"], want.double().topk(2, 0).values)
 
 
 @pytest.mark.parametrize("in_store", [False, True])

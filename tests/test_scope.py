@@ -891,6 +891,46 @@ def test_empty_batch_keeps_an_empty_record(mlp, mode):
     assert [tuple(t.shape) for t in tr.activations["0.output"]] == [(0, 16)]
 
 
+class _EmptyPlaceholder(torch.nn.Module):
+    """Returns a float16 (0, 3) placeholder for an empty batch, its float32 rows otherwise."""
+
+    def forward(self, x):
+        if x.shape[0] == 0:
+            return torch.zeros(0, 3, dtype=torch.float16)
+        return x * 1.001
+
+
+@pytest.mark.parametrize("first", [(0, 3), (0, 5)], ids=["other-dtype", "other-shape"])
+def test_a_store_array_opened_by_an_empty_first_batch_refuses_rows_it_would_change(tmp_path, first):
+    """The store array is opened at a hook point's first call: an empty batch there (a
+    placeholder of another dtype) fixed its dtype, and the first real rows were cast to it
+    without a word (float32 70070 stored as float16 inf, 1.2358 as 1.2354) while the
+    reductions saw them uncast. Now refused, naming the hook point and the fix."""
+    m = torch.nn.Sequential(_EmptyPlaceholder())
+    store = tmp_path / "s.zarr"
+    rows = torch.tensor([[70000.0, 1.2345678, -3.0]])
+    with pytest.raises(acs.CaptureError, match=(
+            r"hook point '0.output' returned an empty batch at its first call \(rows of shape \(3,\), "
+            r"torch.float16\).*first rows are \(3,\), torch.float32.*x.new_empty")):
+        with acs.ActivationScope(store=store, reductions=["max"]).track(m), torch.no_grad():
+            m(torch.zeros(*first))  # first=(0, 5): the placeholder's shape (3,) is what counts
+            m(rows)
+    # storage_dtype= makes every row one dtype: the empty placeholder is no longer a problem
+    with acs.ActivationScope(store=store, storage_dtype=torch.float32,
+                             store_options={"overwrite": True}).track(m), torch.no_grad():
+        m(torch.zeros(0, 3))
+        m(rows)
+    assert torch.equal(acs.open_store(store)["0.output"], rows * 1.001)
+    # an empty first batch of the rows' own dtype and shape is fine, as before
+    mlp = torch.nn.Sequential(torch.nn.Linear(3, 3))
+    with acs.ActivationScope(store=tmp_path / "t.zarr").track(mlp), torch.no_grad():
+        mlp(torch.zeros(0, 3))
+        mlp(rows)
+    with torch.no_grad():
+        want = mlp(rows)
+    assert torch.equal(acs.open_store(tmp_path / "t.zarr")["0.output"], want)
+
+
 # ----------------------------------------------------------------------------- autograd modes
 @pytest.mark.parametrize("use_reentrant", [False, True])
 def test_checkpoint_recompute_is_not_recorded_twice(use_reentrant):

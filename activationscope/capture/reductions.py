@@ -296,6 +296,12 @@ class EagerReduction(_C.Reduction):
         self._fn = fn
         self._options = dict(options or {})
         self._acc: Optional[torch.Tensor] = None
+        # True while someone else may hold self._acc (result() / state() handed it out, or
+        # load_state took it: init= is one tensor for the reductions of every hook point):
+        # the function may update acc in place (`acc += x.sum(0)`), so it then gets a copy.
+        self._acc_shared = False
+        self._in_place = False  # the function was seen updating acc in place
+        self._seen = False  # the function was seen with an accumulator (in place or not)
 
     @property
     def options(self) -> dict[str, float]:
@@ -311,9 +317,18 @@ class EagerReduction(_C.Reduction):
             return
         # (an inference tensor, rows of a model run under torch.inference_mode, has no version counter)
         version = None if rows.is_inference() else rows._version
+        # self._acc stays as it was until the batch is folded in; a function seen updating acc
+        # in place (or not yet seen with one) works on a copy, so a batch it fails on leaves the
+        # accumulator untouched
+        acc_in = self._acc
+        frozen = acc_in is not None and acc_in.is_inference() and not torch.is_inference_mode_enabled()
+        if acc_in is not None and (self._acc_shared or frozen or self._in_place or not self._seen):
+            with torch.inference_mode(False):  # a normal tensor, which may be updated in place anywhere
+                acc_in = acc_in.clone()
+        acc_version = None if acc_in is None or acc_in.is_inference() else acc_in._version
         try:
             with torch.no_grad():
-                out = self._fn(self._acc, rows.detach())
+                out = self._fn(acc_in, rows.detach())
         except Exception as e:  # noqa: BLE001 - named as the native side names a script's failure
             raise CaptureError(
                 f"{self._where()}custom reduction {_fn_name(self._fn)!r} (eager) failed on rows of shape "
@@ -331,9 +346,16 @@ class EagerReduction(_C.Reduction):
                 f"{self._where()}custom reduction {_fn_name(self._fn)!r} must return a Tensor, got {type(out).__name__}"
             )
         acc = out.detach()
+        changed = acc_version is not None and acc_in._version != acc_version
+        returned = acc_in is not None and bool(acc_in.untyped_storage().nbytes()) and (
+            acc.untyped_storage().data_ptr() == acc_in.untyped_storage().data_ptr())
+        if changed or returned:
+            self._in_place = True  # (acc += ...; return acc): from the next batch on, on a copy
+        self._seen = self._seen or acc_in is not None
         if acc.untyped_storage().data_ptr() == rows.untyped_storage().data_ptr() and rows.untyped_storage().nbytes():
             acc = acc.clone()  # x itself (`return x` for the first batch) or a view of it: the model's memory
         self._acc = acc
+        self._acc_shared = False
 
     def merge(self, other: "EagerReduction") -> None:
         raise ReductionError(
@@ -342,9 +364,11 @@ class EagerReduction(_C.Reduction):
         )
 
     def result(self) -> dict[str, torch.Tensor]:
+        self._acc_shared = True
         return {} if self._acc is None else {"value": self._acc}
 
     def state(self) -> dict[str, torch.Tensor]:
+        self._acc_shared = True
         return {} if self._acc is None else {"acc": self._acc}
 
     def load_state(self, state: Mapping[str, torch.Tensor]) -> None:
@@ -353,6 +377,7 @@ class EagerReduction(_C.Reduction):
             raise ReductionError(f"state of a custom reduction has only the key 'acc', got {sorted(unknown)}")
         acc = state.get("acc")
         self._acc = None if acc is None else acc.detach()
+        self._acc_shared = True
 
     def fresh(self) -> "EagerReduction":
         return EagerReduction(self._fn, self._options)
@@ -404,9 +429,11 @@ def _seed(r: ReductionLike, init: Any) -> ReductionLike:
     return r
 
 
-def _from_pt(path: Path, options: dict[str, float], name: str) -> "_C.Reduction":
+def _from_pt(path: Path, options: dict[str, float], name: str, *, scratch: bool = False) -> "_C.Reduction":
+    """The native reduction of a ``.pt`` file; errors name it ``name`` when the file is a
+    scratch file (a function compiled here), else by the path the user gave."""
     try:
-        return _C.make_script_reduction(str(path), options)
+        return _C.make_script_reduction(str(path), options, name if scratch else "")
     except ActivationScopeError as e:
         raise ReductionError(f"custom reduction {name!r}: {e}") from e
 
@@ -479,7 +506,7 @@ def make_reduction(spec: Any, *, init: Any = None, **options: float) -> Reductio
         path, acc_optional = entry
         if init is None and not acc_optional:
             raise _needs_optional(spec)
-        return _seed(_from_pt(path, opts, _fn_name(spec)), init)
+        return _seed(_from_pt(path, opts, _fn_name(spec), scratch=True), init)
     raise ReductionError(
         f"reduction must be a built-in name {list(BUILTIN_REDUCTIONS)}, a function {CONTRACT}, "
         f"a scripted function / module or a path to a .pt file; got {type(spec).__name__}"
@@ -852,7 +879,8 @@ def pca(cov: Union[Mapping[str, torch.Tensor], torch.Tensor], n_components: Opti
     ------
     ReductionError
         The ``cov`` reduction saw no rows (its result has only a count of 0; the message
-        names the hook point when known), or ``cov`` is not a square matrix.
+        names the hook point when known), ``cov`` is not a square matrix, or it holds NaN or
+        inf (rows with NaN or inf, or no more rows than ``ddof``).
     ReductionNotFoundError
         ``cov`` is a hook point's reductions without a ``cov`` one.
     ArgumentValueError
@@ -882,6 +910,17 @@ def pca(cov: Union[Mapping[str, torch.Tensor], torch.Tensor], n_components: Opti
             isinstance(n_components, bool) or not isinstance(n_components, int) or not 1 <= n_components <= d):
         raise ArgumentValueError(f"n_components must be an int in 1..{d}, got {n_components!r}")
     c = c.to(torch.float64)
+    finite = torch.isfinite(c)
+    if not bool(finite.all()):
+        n_bad = int((~finite).sum())
+        count = cov.get("cov.count", cov.get("count")) if isinstance(cov, Mapping) else None
+        seen = (f" (count {int(count)})"
+                if count is not None and torch.as_tensor(count).numel() == 1 else "")
+        raise ReductionError(
+            f"cov{where} holds NaN or inf ({n_bad} of {d * d} values){seen}, so it has no principal components: "
+            "the rows it saw hold NaN or +-inf (an overflow, masked attention scores), or no more rows than its "
+            "ddof; capture 'cov' where the rows are finite, or run activationscope.analysis.dask.pca on the stored "
+            "rows, which leaves out rows with NaN or inf")
     c = (c + c.T) / 2
     evals, evecs = torch.linalg.eigh(c)
     evals = evals.flip(0).clamp_min(0)
