@@ -3,6 +3,8 @@ or a mask that is not 0/1, is refused naming the argument, expected and actual (
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -381,3 +383,30 @@ def test_int_and_str_sample_ids_are_taken_and_selected(tmp_path, ids):
     first = list(ids)[0]
     first = first.item() if hasattr(first, "item") else first
     assert len(ActivationDataset(str(path), sample_ids=[first])) == 1
+
+
+def test_a_tracked_sequence_first_module_is_named_in_a_store_capture(tmp_path):
+    """A store capture of an nn.LSTM built sequence-first stored one row per position (its
+    first dimension) with the batch among the features, and the row table listed those rows as
+    samples, without a word; a warning now names the module, its hook points and the fix."""
+    torch.manual_seed(0)
+    model = _SeqFirst().eval()
+    x = torch.randn(5, 3, 4)  # (pos, batch, features)
+    with pytest.warns(acs.CaptureWarning, match=r"sequence-first \(batch_first=False\).*'lstm' \(LSTM\): "
+                      r"lstm\.output\.0, lstm\.output\.1\.0, lstm\.output\.1\.1\. A store's rows are the first "
+                      r"dimension.*batch_first=True"):
+        with acs.ActivationScope(store=str(tmp_path / "s.zarr")).track(model) as tracker, torch.no_grad():
+            tracker.set_batch(label=[0, 1, 0])
+            model(x)
+    store = acs.open_store(str(tmp_path / "s.zarr"))
+    assert store["lstm.output.0"].shape == (5, 3, 8)  # (what the warning says: positions as rows)
+    # built batch-first, or only its batch-first head tracked, or in memory: nothing to say
+    first = torch.nn.TransformerEncoderLayer(4, 2, 8, dropout=0.0, batch_first=True).eval()
+    for m, kw, store_opts in ((first, {}, {"store": str(tmp_path / "b.zarr")}),
+                              (model, {"include": ["head"]}, {"store": str(tmp_path / "h.zarr")}),
+                              (model, {}, {})):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", acs.CaptureWarning)
+            with acs.ActivationScope(**store_opts).track(m, **kw) as tracker, torch.no_grad():
+                tracker.set_batch(label=[0, 1, 0])
+                m(x.transpose(0, 1).contiguous() if m is first else x)
