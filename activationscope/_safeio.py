@@ -232,15 +232,26 @@ def read_shard(root: str, spec: dict) -> Any:
         record or not matching its crc32c, or not decoding to its size; the message names the
         shard file.
     StoreError
-        The store was replaced since the task was made (another run in its place).
+        The store was replaced since the task was made (another run in its place), or is
+        no longer there (removed or moved).
     """
     try:
         return _read_shard(root, spec)
     except StoreCorruptError:
-        if _run(root) != tuple(spec["run"]):
-            raise StoreError(f"store at {root!r} was replaced since the Dask graph was made (another run is there "
-                             "now); make the graph again (to_dask)") from None
+        now = _run(root)
+        if now != tuple(spec["run"]):
+            raise _changed_since_graph(root, now) from None
         raise
+
+
+def _changed_since_graph(where: str, now: tuple | None) -> StoreError:
+    """The error of a Dask task whose store is no longer the one its graph was made of:
+    another run in its place, or no readable store there (removed or moved; a rank store
+    removed by the commit of its multi-rank store)."""
+    what = ("was replaced since the Dask graph was made (another run is there now)" if now is not None else
+            "was removed or moved since the Dask graph was made (no readable store is there now; a rank store is "
+            "removed once its multi-rank store is committed, which then holds its rows)")
+    return StoreError(f"store at {where!r} {what}; make the graph again (to_dask) of the store there is")
 
 
 def _read_shard(root: str, spec: dict) -> Any:
@@ -285,9 +296,9 @@ def read_remote_shard(zarr_store: Any, label: str, spec: dict) -> Any:
     try:
         return _read_remote_shard(zarr_store, label, spec)
     except StoreCorruptError:
-        if _remote_run(zarr_store) != tuple(spec["run"]):
-            raise StoreError(f"store at {label!r} was replaced since the Dask graph was made (another run is there "
-                             "now); make the graph again (to_dask)") from None
+        now = _remote_run(zarr_store)
+        if now != tuple(spec["run"]):
+            raise _changed_since_graph(label, now) from None
         raise
 
 

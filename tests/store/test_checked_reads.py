@@ -277,6 +277,21 @@ def test_to_dask_store_replaced_after_the_graph_is_named(tmp_path):
     assert not isinstance(e.value, StoreCorruptError)
 
 
+def test_to_dask_store_removed_after_the_graph_is_named_as_removed(tmp_path):
+    """A graph computed after its store was removed (a rank store its multi-rank store's
+    commit removed) said the store "was replaced (another run is there now)"."""
+    import shutil
+
+    path = tmp_path / "s.zarr"
+    make_store(path, compression="zstd")
+    x = _to_dask(path)
+    shutil.rmtree(path)
+    with pytest.raises(StoreError, match=r"was removed or moved since the Dask graph was made \(no readable store is "
+                       r"there now.*make the graph again \(to_dask\)") as e:
+        x.compute(scheduler="sync")
+    assert not isinstance(e.value, StoreCorruptError)
+
+
 def test_to_dask_workers_never_import_torch(tmp_path):
     """The graph, pickled, computes in a process where importing torch fails."""
     import pickle
