@@ -1694,6 +1694,8 @@ class Tracker:
                 self._refuse(missing, [])
         if self._n_captured == 0:  # the first captured forward gave its hook points
             self._check_reduction_patterns(list(self._sinks), "the first captured forward gave")
+            if self.writer is not None:
+                self._warn_sequence_first()
         if self._stop_learnt and not (self._core.stopped or self._core.past_stop) and not self._warned_stop:
             self._warned_stop = True
             warnings.warn(
@@ -1759,6 +1761,34 @@ class Tracker:
                 f"{'absent' if int(self._core.second_dim) < 0 else int(self._core.second_dim)}); call set_batch "
                 "with one entry per sample before each forward"
             )
+
+    def _warn_sequence_first(self) -> None:
+        """Warn once, at the first captured forward of a store capture, about tracked modules
+        built sequence-first (``batch_first=False``: ``nn.LSTM``, ``nn.GRU``, ``nn.RNN``,
+        ``nn.Transformer`` and its layers, ``nn.MultiheadAttention``, as they are by default):
+        their tensors are ``(pos, batch, ...)``, so their store rows (the first dimension) are
+        positions with the batch among the features, not the samples the row table lists."""
+        names = {n for n, m in self._modules if getattr(m, "batch_first", None) is False}
+        if not names:
+            return
+        hps: dict[str, list[str]] = {}
+        for hp in self._sinks:
+            module = self._module_of(hp)
+            if module in names:
+                hps.setdefault(module, []).append(hp)
+        if not hps:
+            return
+        shown = "; ".join(f"{m or type(self.model).__name__!r} ({type(dict(self._modules)[m]).__name__}): "
+                          f"{', '.join(sorted(h)[:4])}{', ...' if len(h) > 4 else ''}" for m, h in sorted(hps.items()))
+        warnings.warn(
+            f"tracked modules built sequence-first (batch_first=False) take and return (pos, batch, ...) tensors: "
+            f"{shown}. A store's rows are the first dimension, so these hook points store one row per position "
+            "(or per layer of an RNN's hidden state) with the batch among the features, and their rows are not the "
+            "samples of the row table. Build the modules with batch_first=True (the same state_dict loads) and feed "
+            "(batch, pos, ...) tensors, or exclude= them",
+            CaptureWarning,
+            stacklevel=3,
+        )
 
     def _warn_row_table_lost(self, lost: Mapping[str, tuple[int, int]]) -> None:
         """Warn once per hook point whose store rows stopped following the row table in this
