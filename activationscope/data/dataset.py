@@ -380,13 +380,14 @@ class _BadItem(Exception):
 
 
 def _int64_items(items: Iterable[Any]) -> list[int]:
-    """Each element as a Python int within int64 (bools are no ints here).
+    """Each element as a Python int within int64 (bools are no ints here, nor are 0-d bool
+    tensors, which ``operator.index`` reads as 0 / 1, nor tensors of one or more dimensions).
 
     Raises _BadItem for the first element that is not, for the caller's message."""
     out = []
     for k, v in enumerate(items):
         try:
-            if isinstance(v, (bool, np.bool_)):
+            if isinstance(v, (bool, np.bool_)) or isinstance(v, torch.Tensor) and (v.dtype == torch.bool or v.dim()):
                 raise TypeError
             i = operator.index(v)
         except TypeError:
