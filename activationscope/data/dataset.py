@@ -1055,7 +1055,8 @@ class ActivationDataset(Dataset):
             Otherwise it is one new tensor: one copy across shards, and for positions given
             as a list, tuple or tensor always a gather of the rows into a new tensor (a native
             pass over the mapped shards of an uncompressed local store, else
-            ``torch.index_select``), also when they happen to be consecutive.
+            ``torch.index_select``), also when they happen to be consecutive. Column tensors
+            are always new tensors (the dataset's values are never handed out to be changed).
 
         Raises
         ------
@@ -1088,7 +1089,9 @@ class ActivationDataset(Dataset):
             read = self.source.read
             data: dict[str, Any] = {hp: read(hp, a, b) for hp in self.hook_points}
             for name, col in cols.items():
-                data[name] = col[a:b]
+                # (the dataset's own column values, not the store's: each batch gets a copy, so
+                # that an in-place change, ``batch["label"] -= 1``, never reaches later reads)
+                data[name] = col[a:b].clone() if isinstance(col, torch.Tensor) else col[a:b]
         else:
             take = self.source.take
             data = {hp: take(hp, where) for hp in self.hook_points}
@@ -1237,7 +1240,7 @@ class ActivationDataset(Dataset):
         row = self._start + i if self._ids is None else int(self._ids[i])
         data = {hp: self.source.read(hp, row, row + 1)[0] for hp in self.hook_points}
         for name, col in self._column_values().items():
-            data[name] = col[row]
+            data[name] = col[row].clone() if isinstance(col, torch.Tensor) else col[row]  # (a copy: see get_batch)
         return data
 
     def _name_index_error(self, name: str) -> ArgumentTypeError:
