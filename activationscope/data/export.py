@@ -47,6 +47,7 @@ from ..errors import ActivationScopeError, ArgumentValueError, ColumnNotFoundErr
 from ..store._backend import enclosing_store, local_path, relation_to_store
 from ._source import as_source
 from .dataset import ActivationDataset, _names, select_hook_points
+from .samplers import _int_arg
 
 __all__ = ["export_arrow", "export_parquet", "export_hf", "to_pandas", "read_arrow", "arrow_to_torch", "EXPORT_FORMAT",
            "EXPORT_FORMATS", "EXPORT_FORMAT_OPTIONS", "EXPORT_COMPRESSIONS", "check_format_options",
@@ -447,8 +448,7 @@ def _check_out(path: Path, kind: str, overwrite: bool) -> None:
 
 def _export(kind: str, source: Any, path: Any, hook_points: Any, columns: Any, batch_rows: int,
             rows: Any, filter: Any, tensor_type: str, compression: Any, overwrite: bool = False) -> Path:
-    if not isinstance(batch_rows, int) or batch_rows < 1:
-        raise ArgumentValueError(f"batch_rows must be a positive int, got {batch_rows!r}")
+    batch_rows = _int_arg(batch_rows, "batch_rows", 1)  # (a bool is refused, not written in 1-row batches)
     compression = check_compression(kind, compression)  # before the store is read or a file made
     path = _local_out(path)
     ds = _dataset_for(source, hook_points, columns, rows, filter)
@@ -534,7 +534,10 @@ def export_arrow(
         A hook point that does not follow the row table exported with other hook points,
         or with ``columns`` / ``filter`` (the message names it: export it alone); a
         ``path`` inside the local store being exported or the store itself (even with
-        ``overwrite``); a ``path`` that is a folder; bad arguments.
+        ``overwrite``); a ``path`` that is a folder; bad arguments (``batch_rows`` below 1).
+    ArgumentTypeError
+        ``batch_rows`` that is no int (a bool, float or str; numpy and 0-d torch integers are
+        taken). A TypeError.
     HookPointNotFoundError
         A hook point or pattern that is not in the store.
 
@@ -771,6 +774,8 @@ def export_hf(
         files or another ``datasets`` dataset, a file this function did not write), or is an
         earlier export folder that also holds other files (the ``cache-*.arrow`` Arrow
         streams ``datasets`` writes there are replaced with the export): it is left as it is.
+    ArgumentTypeError
+        ``batch_rows`` that is no int (a bool, float or str). A TypeError.
     ImportError
         ``datasets`` is not installed (``pip install datasets``).
 
@@ -787,8 +792,7 @@ def export_hf(
     if context_size is not None and (not isinstance(context_size, int) or isinstance(context_size, bool)
                                      or context_size < 1):
         raise ArgumentValueError(f"context_size must be a positive int or None, got {context_size!r}")
-    if not isinstance(batch_rows, int) or batch_rows < 1:
-        raise ArgumentValueError(f"batch_rows must be a positive int, got {batch_rows!r}")
+    batch_rows = _int_arg(batch_rows, "batch_rows", 1)  # (a bool is refused, not written in 1-row batches)
     try:
         import datasets
     except ImportError as e:
