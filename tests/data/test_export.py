@@ -156,6 +156,9 @@ def test_export_validates_before_writing(store, tmp_path):
         for bad in (True, 2.0, "8"):
             with pytest.raises(ArgumentTypeError, match=rf"batch_rows must be an int, got {re.escape(repr(bad))}"):
                 fn(store, tmp_path / "a.arrow", batch_rows=bad)
+    assert list(tmp_path.glob("a.arrow*")) == []
+    export_arrow(store, tmp_path / "np.arrow", batch_rows=np.int64(8))  # (numpy integers were refused)
+    assert pa.ipc.open_file(tmp_path / "np.arrow").num_record_batches == -(-store.n_rows(store.hook_points[0]) // 8)
     with pytest.raises(ValueError, match="tensor_type must be one of"):
         export_arrow(store, tmp_path / "a.arrow", tensor_type="list")
     with pytest.raises(ValueError, match="columns \\['nope'\\]"):
