@@ -136,3 +136,29 @@ def test_workers_reopen_a_store_object_with_its_open_options(tmp_path, method):
         next(iter(loader))
     # given open_options win over the store's
     assert ActivationDataset(store, open_options={"verify": False}).source._options == {"verify": False, "cache_bytes": 1 << 20}
+
+
+def test_a_relative_store_path_names_the_same_store_after_chdir(tmp_path, monkeypatch):
+    # (the path was kept as given: a worker, or a pickled copy, reopened it relative to the
+    # current folder, so after os.chdir it read another store of that name, or none at all)
+    import pickle
+
+    from activationscope.store import StoreWriter
+
+    data = {}
+    for name, sign in (("a", 1.0), ("b", -1.0)):
+        (tmp_path / name / "runs").mkdir(parents=True)
+        data[name] = sign * torch.arange(40 * 3, dtype=torch.float32).reshape(40, 3)
+        w = StoreWriter(tmp_path / name / "runs" / "s.zarr", chunk_rows=8, shard_rows=16)
+        w.open_array("x", (3,), torch.float32, "sample").append(data[name])
+        w.add_batch(40)
+        w.close()
+    monkeypatch.chdir(tmp_path / "a")
+    ds = ActivationDataset("runs/s.zarr")
+    assert "runs/s.zarr" in repr(ds)  # (messages name the path as given)
+    monkeypatch.chdir(tmp_path / "b")  # another store of the same relative name here
+    assert torch.equal(pickle.loads(pickle.dumps(ds))[:]["x"], data["a"])
+    loader = DataLoader(ds, batch_size=16, num_workers=1, multiprocessing_context=mp.get_context("fork"))
+    assert torch.equal(torch.cat([b["x"] for b in loader]), data["a"])
+    monkeypatch.chdir(tmp_path)  # nothing of that name here
+    assert torch.equal(pickle.loads(pickle.dumps(ds))[[39, 0]]["x"], data["a"][[39, 0]])
