@@ -130,6 +130,15 @@ def _to_shared(t: torch.Tensor) -> torch.Tensor:
     return _shared_empty(tuple(t.shape), t.dtype).copy_(t)
 
 
+def _owned(data: Mapping[str, Any]) -> dict[str, Any]:
+    """``data`` with each tensor that is a view of a larger storage (a row of the store's
+    map) copied, so that pickling it (a DataLoader worker) sends its own bytes, not its
+    whole storage."""
+    return {k: v.clone() if isinstance(v, torch.Tensor) and (
+        v.storage_offset() or v.untyped_storage().nbytes() != v.nbytes or not v.is_contiguous()) else v
+        for k, v in data.items()}
+
+
 def _finish(data: Mapping[str, Any]) -> dict[str, Any]:
     if get_worker_info() is None:
         return data if type(data) is dict else dict(data)
@@ -1074,7 +1083,19 @@ class ActivationDataset(Dataset):
         StoreError
             Another run was written in the store's place (an overwrite) and the store
             refreshed since this dataset was made (see :meth:`_check_run`).
+
+        Notes
+        -----
+        In a DataLoader worker every tensor is the batch's own (a view is copied): a view of
+        the store's map would reach the main process as a copy of the whole map into shared
+        memory (torch pickles a tensor's whole storage), the whole store for each worker.
         """
+        data = self._get_batch(index)
+        return data if get_worker_info() is None else _owned(data)
+
+    def _get_batch(self, index: Any) -> dict[str, Any]:
+        """:meth:`get_batch`, views included also in a DataLoader worker (for :meth:`__getitems__`,
+        which copies its batch into shared memory there)."""
         self._check_run()
         if self._ids is None and isinstance(index, (list, tuple, torch.Tensor)):
             data = self._gather(index)
@@ -1134,8 +1155,16 @@ class ActivationDataset(Dataset):
         """Read a batch for ``DataLoader`` (called with the batch sampler's index list).
 
         Returns a :class:`Batch`; ``default_collate`` (and :func:`collate`) turn it into the
-        dict of :meth:`get_batch` without stacking rows.
+        dict of :meth:`get_batch` without stacking rows. In a DataLoader worker its tensors
+        are already in shared memory (one copy, also for a view of the store), so that the
+        batch crosses to the main process as it is, whatever ``collate_fn`` does with it.
         """
+        batch = self._getitems(indices)
+        if get_worker_info() is not None:  # (never a view of the store's map: see get_batch)
+            batch.data = _finish(batch.data)
+        return batch
+
+    def _getitems(self, indices: Sequence[int]) -> Batch:
         if type(indices) is range:
             # a sequential batch sampler's batch: rows [start, stop) of every hook point
             # (per-batch Python here costs as much as the batch's own bookkeeping: keep it short)
@@ -1170,7 +1199,7 @@ class ActivationDataset(Dataset):
                 if type(got) is tuple and got[1] < 0:  # (not a view of consecutive rows: get_batch clones those)
                     rows = got[0]
                     return Batch({g.hook_point: rows}, rows.shape[0])
-            data = self.get_batch(indices)
+            data = self._get_batch(indices)
             if self._ids is None and not self.columns and len(self.hook_points) == 1:
                 hp = self.hook_points[0]
                 plan = self.source.gather_plan(hp)
@@ -1178,7 +1207,7 @@ class ActivationDataset(Dataset):
                     *plan, self._stop - self._start, self._start, hp, tuple(self.source.feature_shape(hp)),
                     self.source.dtype(hp), get_worker_info() is not None)
             return Batch(data, len(data[self.hook_points[0]]))
-        data = self.get_batch(indices)
+        data = self._get_batch(indices)
         return Batch(data, len(data[self.hook_points[0]]))  # (a bool mask reads fewer rows than its length)
 
     def _check_run(self) -> None:
@@ -1241,7 +1270,7 @@ class ActivationDataset(Dataset):
         data = {hp: self.source.read(hp, row, row + 1)[0] for hp in self.hook_points}
         for name, col in self._column_values().items():
             data[name] = col[row].clone() if isinstance(col, torch.Tensor) else col[row]  # (a copy: see get_batch)
-        return data
+        return data if get_worker_info() is None else _owned(data)  # (no view of the map: see get_batch)
 
     def _name_index_error(self, name: str) -> ArgumentTypeError:
         """The error for ``ds["name"]``: positions select rows; names select within an item."""
