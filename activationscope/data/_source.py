@@ -167,7 +167,7 @@ class StoreSource:
         self._lock = threading.Lock()
         self._given: str | None = None  # a path or URL as given (for messages)
         if isinstance(spec, (str, os.PathLike)):
-            self._given = os.fspath(spec)
+            self._given = os.fsdecode(os.fspath(spec))
             # (reopened in a DataLoader worker, maybe after os.chdir; a custom opener's str is its own)
             self._spec = self._given if "opener" in self._options else _absolute(self._given)
             self._store = None
