@@ -163,6 +163,12 @@ def test_a_relative_store_path_names_the_same_store_after_chdir(tmp_path, monkey
     monkeypatch.chdir(tmp_path)  # nothing of that name here
     assert torch.equal(pickle.loads(pickle.dumps(ds))[[39, 0]]["x"], data["a"][[39, 0]])
 
+    class BytesPath:  # an os.PathLike whose path is bytes
+        def __fspath__(self):
+            return b"a/runs/s.zarr"
+
+    assert torch.equal(pickle.loads(pickle.dumps(ActivationDataset(BytesPath())))[:]["x"], data["a"])
+
 
 def _as_is(batch):
     return batch
