@@ -764,7 +764,7 @@ class Store:
         across segments one copy.
         """
         if self._parts:
-            return self._rank_bounds(hook_point, lambda st, hp: st.segments(hp))[0]
+            return self._rank_bounds(hook_point, lambda st, hp: (st.segments(hp), True))[0]
         meta = self._meta(hook_point)
         if meta["path"] not in self._checked:
             self._array_crcs(meta)
