@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 __all__ = ["labelled_rows", "pool_by_sample", "sentence_rows"]
@@ -75,6 +76,7 @@ def labelled_rows(
     (missing, ``-1``, ``-100``, empty string): ``(x, labels, n_unlabelled)``, or None. Sample rows
     come in their stored dtype (a float64 copy of a wide store is 4x a bfloat16 one; the
     probe makes each fold float64), pooled token rows in float64."""
+    import pyarrow.compute as pc
     from torch.utils.data import DataLoader
 
     from ..data import ActivationDataset
@@ -90,7 +92,16 @@ def labelled_rows(
         names = [*names, *ds.source.row_table("sample").column_names]
     if label_column not in names:
         return None
-    ds = ActivationDataset(store, hook_points=[hook_point], columns=[*keys, label_column])
+    # a label missing for some samples (set_batch(label=...) given for some batches only) is
+    # null in the row table, and a numeric column with nulls cannot be read as a tensor: those
+    # rows are left out by a filter, and counted as unlabelled
+    holder = "sample" if token else ds.row_kind
+    missing = None
+    if ds.source.row_table(holder).column(label_column).null_count:
+        missing = ActivationDataset(store, hook_points=[hook_point], columns=keys,
+                                    filter=pc.field(label_column).is_null())
+    ds = ActivationDataset(store, hook_points=[hook_point], columns=[*keys, label_column],
+                           filter=None if missing is None else pc.field(label_column).is_valid())
     rows: list[torch.Tensor] = []  # sample rows: the labelled rows of each batch
     labels: list[Any] = []  # labels of the kept sample rows, or of the samples of the token rows
     group: dict[Any, int] = {}  # token rows: (rank, batch, sample_id) -> index of the sample
@@ -98,6 +109,15 @@ def labelled_rows(
     counts = torch.zeros(0, dtype=torch.float64)
     unlabelled: set[Any] = set()
     n_unlabelled = n_seen = 0
+    if missing is not None and len(missing):
+        if token:  # the samples of those token rows, from the row table (their rows are not read)
+            at = missing.store_rows()
+            at = np.arange(at.start, at.stop) if isinstance(at, range) else at.numpy()
+            table = ds.source.row_table("token").select(keys).take(at)
+            unlabelled.update(zip(*(table.column(c).to_pylist() for c in keys)))
+        else:
+            n_unlabelled += len(missing)
+        n_seen += len(missing)
     for batch in DataLoader(ds, batch_size=batch_size, shuffle=False):
         x = torch.as_tensor(batch[hook_point])
         n_seen += len(x)

@@ -122,6 +122,20 @@ def _check_open_options(open_options: Any) -> dict[str, Any]:
     return options
 
 
+def _absolute(spec: str) -> str:
+    """A local store path (a str without ``://``, or a ``file://`` URL) made absolute, a
+    leading ``~`` expanded: it names the same store in every process and after ``os.chdir``
+    (a DataLoader worker reopens it; a relative path would name another folder, or a
+    store of another run, there). Other URLs are returned as they are."""
+    from ..store._backend import expand_local
+
+    if spec.startswith("file://"):
+        return "file://" + os.path.abspath(expand_local(spec)[len("file://"):])
+    if "://" in spec:
+        return spec
+    return os.path.abspath(expand_local(spec))
+
+
 def _open_store(spec: Any, options: Mapping[str, Any]) -> Any:
     options = dict(options)
     opener = options.pop("opener", None)
@@ -151,8 +165,11 @@ class StoreSource:
     def __init__(self, spec: Any, open_options: Mapping[str, Any] | None = None) -> None:
         self._options = _check_open_options(open_options)
         self._lock = threading.Lock()
+        self._given: str | None = None  # a path or URL as given (for messages)
         if isinstance(spec, (str, os.PathLike)):
-            self._spec = os.fspath(spec)
+            self._given = os.fsdecode(os.fspath(spec))
+            # (reopened in a DataLoader worker, maybe after os.chdir; a custom opener's str is its own)
+            self._spec = self._given if "opener" in self._options else _absolute(self._given)
             self._store = None
         else:
             self._spec = spec
@@ -291,7 +308,7 @@ class StoreSource:
         self._pickled_in = state.get("pid")
 
     def describe(self) -> str:
-        spec = self._reopen_spec()
+        spec = self._given if self._given is not None else self._reopen_spec()
         return repr(spec) if isinstance(spec, str) else type(spec).__name__
 
     # ------------------------------------------------------------------ metadata

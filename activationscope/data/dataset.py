@@ -130,6 +130,15 @@ def _to_shared(t: torch.Tensor) -> torch.Tensor:
     return _shared_empty(tuple(t.shape), t.dtype).copy_(t)
 
 
+def _owned(data: Mapping[str, Any]) -> dict[str, Any]:
+    """``data`` with each tensor that is a view of a larger storage (a row of the store's
+    map) copied, so that pickling it (a DataLoader worker) sends its own bytes, not its
+    whole storage."""
+    return {k: v.clone() if isinstance(v, torch.Tensor) and (
+        v.storage_offset() or v.untyped_storage().nbytes() != v.nbytes or not v.is_contiguous()) else v
+        for k, v in data.items()}
+
+
 def _finish(data: Mapping[str, Any]) -> dict[str, Any]:
     if get_worker_info() is None:
         return data if type(data) is dict else dict(data)
@@ -380,13 +389,14 @@ class _BadItem(Exception):
 
 
 def _int64_items(items: Iterable[Any]) -> list[int]:
-    """Each element as a Python int within int64 (bools are no ints here).
+    """Each element as a Python int within int64 (bools are no ints here, nor are 0-d bool
+    tensors, which ``operator.index`` reads as 0 / 1, nor tensors of one or more dimensions).
 
     Raises _BadItem for the first element that is not, for the caller's message."""
     out = []
     for k, v in enumerate(items):
         try:
-            if isinstance(v, (bool, np.bool_)):
+            if isinstance(v, (bool, np.bool_)) or isinstance(v, torch.Tensor) and (v.dtype == torch.bool or v.dim()):
                 raise TypeError
             i = operator.index(v)
         except TypeError:
@@ -1054,7 +1064,8 @@ class ActivationDataset(Dataset):
             Otherwise it is one new tensor: one copy across shards, and for positions given
             as a list, tuple or tensor always a gather of the rows into a new tensor (a native
             pass over the mapped shards of an uncompressed local store, else
-            ``torch.index_select``), also when they happen to be consecutive.
+            ``torch.index_select``), also when they happen to be consecutive. Column tensors
+            are always new tensors (the dataset's values are never handed out to be changed).
 
         Raises
         ------
@@ -1072,7 +1083,19 @@ class ActivationDataset(Dataset):
         StoreError
             Another run was written in the store's place (an overwrite) and the store
             refreshed since this dataset was made (see :meth:`_check_run`).
+
+        Notes
+        -----
+        In a DataLoader worker every tensor is the batch's own (a view is copied): a view of
+        the store's map would reach the main process as a copy of the whole map into shared
+        memory (torch pickles a tensor's whole storage), the whole store for each worker.
         """
+        data = self._get_batch(index)
+        return data if get_worker_info() is None else _owned(data)
+
+    def _get_batch(self, index: Any) -> dict[str, Any]:
+        """:meth:`get_batch`, views included also in a DataLoader worker (for :meth:`__getitems__`,
+        which copies its batch into shared memory there)."""
         self._check_run()
         if self._ids is None and isinstance(index, (list, tuple, torch.Tensor)):
             data = self._gather(index)
@@ -1087,7 +1110,9 @@ class ActivationDataset(Dataset):
             read = self.source.read
             data: dict[str, Any] = {hp: read(hp, a, b) for hp in self.hook_points}
             for name, col in cols.items():
-                data[name] = col[a:b]
+                # (the dataset's own column values, not the store's: each batch gets a copy, so
+                # that an in-place change, ``batch["label"] -= 1``, never reaches later reads)
+                data[name] = col[a:b].clone() if isinstance(col, torch.Tensor) else col[a:b]
         else:
             take = self.source.take
             data = {hp: take(hp, where) for hp in self.hook_points}
@@ -1130,8 +1155,16 @@ class ActivationDataset(Dataset):
         """Read a batch for ``DataLoader`` (called with the batch sampler's index list).
 
         Returns a :class:`Batch`; ``default_collate`` (and :func:`collate`) turn it into the
-        dict of :meth:`get_batch` without stacking rows.
+        dict of :meth:`get_batch` without stacking rows. In a DataLoader worker its tensors
+        are already in shared memory (one copy, also for a view of the store), so that the
+        batch crosses to the main process as it is, whatever ``collate_fn`` does with it.
         """
+        batch = self._getitems(indices)
+        if get_worker_info() is not None:  # (never a view of the store's map: see get_batch)
+            batch.data = _finish(batch.data)
+        return batch
+
+    def _getitems(self, indices: Sequence[int]) -> Batch:
         if type(indices) is range:
             # a sequential batch sampler's batch: rows [start, stop) of every hook point
             # (per-batch Python here costs as much as the batch's own bookkeeping: keep it short)
@@ -1166,7 +1199,7 @@ class ActivationDataset(Dataset):
                 if type(got) is tuple and got[1] < 0:  # (not a view of consecutive rows: get_batch clones those)
                     rows = got[0]
                     return Batch({g.hook_point: rows}, rows.shape[0])
-            data = self.get_batch(indices)
+            data = self._get_batch(indices)
             if self._ids is None and not self.columns and len(self.hook_points) == 1:
                 hp = self.hook_points[0]
                 plan = self.source.gather_plan(hp)
@@ -1174,7 +1207,7 @@ class ActivationDataset(Dataset):
                     *plan, self._stop - self._start, self._start, hp, tuple(self.source.feature_shape(hp)),
                     self.source.dtype(hp), get_worker_info() is not None)
             return Batch(data, len(data[self.hook_points[0]]))
-        data = self.get_batch(indices)
+        data = self._get_batch(indices)
         return Batch(data, len(data[self.hook_points[0]]))  # (a bool mask reads fewer rows than its length)
 
     def _check_run(self) -> None:
@@ -1236,8 +1269,8 @@ class ActivationDataset(Dataset):
         row = self._start + i if self._ids is None else int(self._ids[i])
         data = {hp: self.source.read(hp, row, row + 1)[0] for hp in self.hook_points}
         for name, col in self._column_values().items():
-            data[name] = col[row]
-        return data
+            data[name] = col[row].clone() if isinstance(col, torch.Tensor) else col[row]  # (a copy: see get_batch)
+        return data if get_worker_info() is None else _owned(data)  # (no view of the map: see get_batch)
 
     def _name_index_error(self, name: str) -> ArgumentTypeError:
         """The error for ``ds["name"]``: positions select rows; names select within an item."""

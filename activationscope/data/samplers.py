@@ -59,7 +59,8 @@ def _int_arg(value: Any, name: str, low: int | None = None) -> int:
     ArgumentValueError
         Below ``low``.
     """
-    if isinstance(value, bool):
+    if isinstance(value, bool) or isinstance(value, torch.Tensor) and value.dtype == torch.bool:
+        # (operator.index reads a bool tensor as 0 / 1)
         raise ArgumentTypeError(f"{name} must be an int, got {value!r}")
     try:
         out = operator.index(value)

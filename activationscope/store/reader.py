@@ -523,6 +523,13 @@ class Store:
             )
         return V.corrupt(self._backend, what)
 
+    def __reduce__(self) -> tuple:
+        """Pickle as the store's path or URL and :meth:`open_options` (a Dataset holding a
+        store, in a DataLoader worker started with ``spawn``): unpickled, the store is opened
+        again there, and raises StoreError when another run has been written in its place
+        since (its rows would not be the ones read here)."""
+        return (_reopen_pickled, (self.path, self.open_options(), self._run, os.getpid()))
+
     def open_options(self) -> dict:
         """The keyword arguments of :func:`open_store` this store was opened with
         (``cache_bytes``, ``verify``, ``storage_options`` when given): what reopens it the same
@@ -757,7 +764,7 @@ class Store:
         across segments one copy.
         """
         if self._parts:
-            return self._rank_bounds(hook_point, lambda st, hp: st.segments(hp))[0]
+            return self._rank_bounds(hook_point, lambda st, hp: (st.segments(hp), True))[0]
         meta = self._meta(hook_point)
         if meta["path"] not in self._checked:
             self._array_crcs(meta)
@@ -2584,6 +2591,34 @@ def open_store(target: Any, *, cache_bytes: int = 64 << 20, storage_options: dic
     if isinstance(target, Store):
         return target
     return Store(target, cache_bytes=cache_bytes, storage_options=storage_options, verify=verify)
+
+
+def _reopen_pickled(target: str, options: dict, run: Any, pid: int) -> Store:
+    """The store a pickled :class:`Store` names (``Store.__reduce__``), opened again.
+
+    Raises
+    ------
+    StoreError
+        Nothing there (a ``memory://`` store pickled to another process: it lives only in
+        the one that made it), or another run than the pickled store's."""
+    try:
+        st = Store(target, **options)
+    except StoreError as e:
+        if target.startswith("memory:") and pid != os.getpid():
+            raise StoreError(
+                f"no store at {target!r} in this process (pid {os.getpid()}): a memory:// store exists only inside "
+                f"the process that made it (pid {pid}), and it was pickled to another one (a DataLoader worker "
+                "started with 'spawn' or 'forkserver'); use multiprocessing_context='fork', num_workers=0, or a "
+                "store on a local path"
+            ) from e
+        raise
+    if run is not None and st._run != run:
+        raise StoreError(
+            f"the store at {target!r} holds another run than when it was pickled (run {run[0] or run[1]} then, "
+            f"{'none' if st._run is None else st._run[0] or st._run[1]} now): another run was written in its place; "
+            "open it again (open_store) to read the new run"
+        )
+    return st
 
 
 def _committed_shard_files(source: Any) -> dict[str, str]:

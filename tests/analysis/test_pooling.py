@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import activationscope as acs
-from activationscope.analysis.pooling import sentence_rows
+from activationscope.analysis.pooling import labelled_rows, sentence_rows
 from activationscope.analysis.probes import probe_store
 
 
@@ -215,3 +215,40 @@ def test_probes_of_bfloat16_rows_equal_those_of_their_float64_copy_without_holdi
     assert sentence_rows(acs.open_store(path), "output")[0].dtype == torch.float64
     result = probe_store(acs.open_store(path), n_folds=3)["output"]
     assert result.fold_accuracies == b.fold_accuracies
+
+
+def test_samples_whose_label_is_missing_are_left_out_and_counted(tmp_path):
+    # (set_batch(label=...) given for some batches only leaves the label null for the others:
+    # a numeric column with nulls made labelled_rows raise, and probe_store skip every hook
+    # point with that error, where missing labels are to be left out and counted)
+    model = Encoder().eval()
+    gen = torch.Generator().manual_seed(11)
+    scope = acs.ActivationScope(store=str(tmp_path / "m.zarr"))
+    with scope.track(model, include=["layer", "head"]) as tracker, torch.no_grad():
+        for b in range(4):
+            mask = torch.arange(6)[None, :] < torch.randint(2, 7, (6, 1), generator=gen)
+            labelled = {"label": [(b + i) % 2 for i in range(6)]} if b in (0, 3) else {}
+            tracker.set_batch(attention_mask=mask, **labelled)
+            model(torch.randint(1, 50, (6, 6), generator=gen) * mask)
+    store = acs.open_store(str(tmp_path / "m.zarr"))
+    samples = store.row_table("sample").to_pylist()
+    assert sum(s["label"] is None for s in samples) == 12
+    keep = torch.tensor([s["label"] is not None for s in samples])
+    rows, labels, n_unlabelled = labelled_rows(store, "head.output")
+    assert torch.equal(rows, store["head.output"][keep]) and n_unlabelled == 12
+    assert labels == [s["label"] for s in samples if s["label"] is not None]
+    tokens = store.row_table("token").to_pylist()
+    token_rows = store["layer.output"].double()
+    label_of = {(s["batch"], s["sample_id"]): s["label"] for s in samples}
+    keys = [(t["batch"], t["sample_id"]) for t in tokens]
+    order = [k for k in dict.fromkeys(keys) if label_of[k] is not None]
+    want = torch.stack([token_rows[[i for i, k in enumerate(keys) if k == key]].mean(0) for key in order])
+    for batch_size in (8192, 5):
+        x, labels, n_unlabelled = labelled_rows(store, "layer.output", batch_size=batch_size)
+        torch.testing.assert_close(x, want, rtol=1e-12, atol=1e-12)
+        assert labels == [label_of[k] for k in order] and n_unlabelled == 12
+    result = probe_store(store, n_folds=2)
+    assert not result.skipped
+    for hp in ("head.output", "layer.output"):
+        assert result[hp].n_samples == 12
+        assert result[hp].dropped_note == "12 sample(s) without a label (missing, -1, -100 or empty) left out"

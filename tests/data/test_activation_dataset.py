@@ -12,7 +12,7 @@ import pytest
 import torch
 from fake_store import FakeStore, open_fake, write_fake_store
 
-from activationscope.data import ActivationDataset, Batch, collate
+from activationscope.data import ActivationDataset, Batch, SequentialBatchSampler, collate
 from activationscope.errors import ArgumentTypeError, ArgumentValueError, HookPointNotFoundError
 
 N = 40
@@ -328,3 +328,21 @@ def test_sample_ids_of_a_sample_without_token_rows_are_known(tmp_path):
         assert torch.equal(ds[:]["output"], model(x)[0, :2])
     with pytest.raises(ArgumentValueError, match=r"holds 1 id\(s\) that no sample of .* has \(e.g. \[13\]\)"):
         ActivationDataset(path, sample_ids=[10, 13])
+
+
+def test_changing_a_batch_column_in_place_does_not_change_later_reads(store):
+    # (contiguous batches and items handed out views of the dataset's cached column values:
+    # ``batch["label"] -= 1`` in a training loop shifted the labels of every later epoch)
+    ds = ActivationDataset(store, hook_points=["a.output"], columns=["label", "pos"])
+    want = {c: torch.tensor([(i // 4) % 2 if c == "label" else i % 4 for i in range(N)]) for c in ("label", "pos")}
+    sampler = SequentialBatchSampler(ds, 8)
+    for _epoch in range(2):
+        for batch in torch.utils.data.DataLoader(ds, batch_sampler=sampler):
+            batch["label"] -= 1
+            batch["pos"].zero_()
+    item = ds[5]
+    item["label"] += 7
+    ds.get_batch(slice(0, 20))["pos"].fill_(9)
+    for c in ("label", "pos"):
+        assert torch.equal(ds[:][c], want[c]) and torch.equal(ds.get_batch(range(0, N))[c], want[c])
+    assert int(ds[5]["label"]) == int(want["label"][5])

@@ -136,3 +136,62 @@ def test_workers_reopen_a_store_object_with_its_open_options(tmp_path, method):
         next(iter(loader))
     # given open_options win over the store's
     assert ActivationDataset(store, open_options={"verify": False}).source._options == {"verify": False, "cache_bytes": 1 << 20}
+
+
+def test_a_relative_store_path_names_the_same_store_after_chdir(tmp_path, monkeypatch):
+    # (the path was kept as given: a worker, or a pickled copy, reopened it relative to the
+    # current folder, so after os.chdir it read another store of that name, or none at all)
+    import pickle
+
+    from activationscope.store import StoreWriter
+
+    data = {}
+    for name, sign in (("a", 1.0), ("b", -1.0)):
+        (tmp_path / name / "runs").mkdir(parents=True)
+        data[name] = sign * torch.arange(40 * 3, dtype=torch.float32).reshape(40, 3)
+        w = StoreWriter(tmp_path / name / "runs" / "s.zarr", chunk_rows=8, shard_rows=16)
+        w.open_array("x", (3,), torch.float32, "sample").append(data[name])
+        w.add_batch(40)
+        w.close()
+    monkeypatch.chdir(tmp_path / "a")
+    ds = ActivationDataset("runs/s.zarr")
+    assert "runs/s.zarr" in repr(ds)  # (messages name the path as given)
+    monkeypatch.chdir(tmp_path / "b")  # another store of the same relative name here
+    assert torch.equal(pickle.loads(pickle.dumps(ds))[:]["x"], data["a"])
+    loader = DataLoader(ds, batch_size=16, num_workers=1, multiprocessing_context=mp.get_context("fork"))
+    assert torch.equal(torch.cat([b["x"] for b in loader]), data["a"])
+    monkeypatch.chdir(tmp_path)  # nothing of that name here
+    assert torch.equal(pickle.loads(pickle.dumps(ds))[[39, 0]]["x"], data["a"][[39, 0]])
+
+    class BytesPath:  # an os.PathLike whose path is bytes
+        def __fspath__(self):
+            return b"a/runs/s.zarr"
+
+    assert torch.equal(pickle.loads(pickle.dumps(ActivationDataset(BytesPath())))[:]["x"], data["a"])
+
+
+def _as_is(batch):
+    return batch
+
+
+def test_worker_batches_never_carry_the_whole_store_map(store_path):
+    # (a view of the store's map that reached the main process without our collate, with
+    # batch_size=None or a collate_fn of the user's, was pickled with its whole storage: torch
+    # moved the whole mapped store into shared memory, in each worker)
+    from activationscope.data import SequentialBatchSampler, collate
+
+    path, acts = store_path
+    ds = ActivationDataset(str(path), columns=["label"], open_options={"opener": open_fake})
+    assert ds[0]["x"].untyped_storage().nbytes() > acts[0].nbytes  # (in this process: a view of the map)
+    fork = mp.get_context("fork")
+    items = list(DataLoader(ds, batch_size=None, num_workers=1, multiprocessing_context=fork))
+    assert all(it["x"].untyped_storage().nbytes() == acts[0].nbytes for it in items)
+    assert torch.equal(torch.stack([it["x"] for it in items]), acts)
+    assert [int(it["label"]) for it in items] == [i % 3 for i in range(N)]
+    for sampler in (SequentialBatchSampler(ds, 10), ShuffledBatchSampler(ds, 10, seed=1)):
+        order = [i for b in sampler for i in b]
+        batches = list(DataLoader(ds, batch_sampler=sampler, num_workers=2, multiprocessing_context=fork,
+                                  collate_fn=_as_is))
+        for b in batches:
+            assert all(t.untyped_storage().nbytes() == t.nbytes for t in b.data.values())
+        assert torch.equal(torch.cat([collate(b)["x"] for b in batches]), acts[order])

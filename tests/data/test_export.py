@@ -12,7 +12,7 @@ import pytest
 import torch
 from fake_store import FakeStore, write_fake_store
 
-from activationscope.errors import ArgumentValueError
+from activationscope.errors import ArgumentTypeError, ArgumentValueError
 from activationscope.data import ActivationDataset, arrow_to_torch, export_arrow, export_parquet, read_arrow
 
 N = 30
@@ -152,6 +152,13 @@ def test_a_dataset_keeps_its_selection_when_hook_points_are_chosen(store, arrays
 def test_export_validates_before_writing(store, tmp_path):
     with pytest.raises(ValueError, match="batch_rows must be a positive int"):
         export_arrow(store, tmp_path / "a.arrow", batch_rows=0)
+    for fn in (export_arrow, export_parquet):  # (True was taken as 1: a file of 1-row batches)
+        for bad in (True, 2.0, "8"):
+            with pytest.raises(ArgumentTypeError, match=rf"batch_rows must be an int, got {re.escape(repr(bad))}"):
+                fn(store, tmp_path / "a.arrow", batch_rows=bad)
+    assert list(tmp_path.glob("a.arrow*")) == []
+    export_arrow(store, tmp_path / "np.arrow", batch_rows=np.int64(8))  # (numpy integers were refused)
+    assert pa.ipc.open_file(tmp_path / "np.arrow").num_record_batches == -(-store.n_rows(store.hook_points[0]) // 8)
     with pytest.raises(ValueError, match="tensor_type must be one of"):
         export_arrow(store, tmp_path / "a.arrow", tensor_type="list")
     with pytest.raises(ValueError, match="columns \\['nope'\\]"):

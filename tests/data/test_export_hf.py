@@ -113,6 +113,10 @@ def test_hf_export_groups_rows_into_examples(store, arrays, tmp_path):
     assert torch.equal(got["f32"], arrays["f32"][:20].reshape(4, 5, 5))
     assert torch.equal(got["conv"], arrays["conv"][:20].reshape(4, 5, 2, 3, 4))
     assert got["sample_id"].tolist() == np.arange(20).reshape(4, 5).tolist()
+    for bad in (True, 7.0):  # (True was taken as 1 row per record batch)
+        with pytest.raises(TypeError, match=rf"batch_rows must be an int, got {bad!r}"):
+            export_hf(store, tmp_path / "h", hook_points=["f32"], batch_rows=bad)
+    assert not (tmp_path / "h").exists()
 
 
 def test_hf_export_never_replaces_what_it_did_not_write(store, tmp_path):

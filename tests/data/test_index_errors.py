@@ -293,6 +293,25 @@ def test_a_bool_among_ints_is_refused_not_read_as_position_one(ds, index, at):
         ds[index]
 
 
+
+@pytest.mark.parametrize("index, at, kind", [
+    ([torch.tensor(True), torch.tensor(5)], 0, r"a torch\.bool Tensor of shape \(\)"),
+    ([4, torch.tensor(False)], 1, r"a torch\.bool Tensor of shape \(\)"),
+    ([torch.tensor([3]), 1], 0, r"a torch\.int64 Tensor of shape \(1,\)"),
+])
+def test_a_bool_or_1d_tensor_among_positions_is_refused(ds, index, at, kind):
+    # (a 0-d bool tensor in a list of positions was read as position 0 / 1, and a 1-element
+    # tensor as its value, where a Python bool and np.array([3]) are refused)
+    for read in (lambda: ds[index], lambda: ds.__getitems__(index)):
+        with pytest.raises(ArgumentTypeError, match=rf"got {kind} on cpu \(Tensor\) at element {at}"):
+            read()
+
+
+def test_0d_integer_tensors_in_a_list_are_positions(ds, data):
+    _, a = data
+    index = list(torch.tensor([7, 250, 7, 0]))  # a list of 0-d tensors
+    assert torch.equal(ds[index]["a"], a[[7, 250, 7, 0]])
+
 def test_a_bool_mask_batch_has_the_length_of_its_rows(ds, data):
     _, a = data
     mask = torch.zeros(N, dtype=torch.bool)

@@ -335,3 +335,25 @@ def test_token_rows_of_each_rank_get_their_own_sample_columns_with_default_ids(t
     got = ActivationDataset(str(path), columns=["rank", "sample_id", "label"])[:]
     assert got["label"].tolist() == [10 * r + s for r, s in zip(got["rank"].tolist(), got["sample_id"].tolist())]
     assert sorted(got["label"].tolist()) == [0, 0, 0, 1, 1, 1, 10, 10, 10, 11, 11, 11]
+
+
+def test_segments_of_an_uncommitted_multi_rank_store(tmp_path):
+    # (store.segments raised "ValueError: too many values to unpack" on a store whose ranks
+    # have not been committed yet: it was read as (bounds, views) of each rank store)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(50, 4), torch.nn.Linear(4, 4))
+    path = tmp_path / "r.zarr"
+    for r in range(2):
+        options = {"process_group": acs.RankStore(r, 2), "chunk_rows": 2, "shard_rows": 4}
+        with acs.ActivationScope(store=path, store_options=options).track(model, include=["1"]) as tracker, torch.no_grad():
+            for _ in range(2):
+                tracker.set_batch(attention_mask=torch.ones(2, 3, dtype=torch.bool))
+                model(torch.randint(1, 50, (2, 3)))
+    store = open_store(path)
+    assert store.status == "incomplete" and store.ranks == [0, 1] and store.n_rows("1.output") == 24
+    segments = store.segments("1.output")
+    assert segments == store.row_blocks("1.output")[0] and segments[0] == 0 and segments[-1] == 24
+    assert 12 in segments and all(a < b for a, b in zip(segments, segments[1:]))  # (rank 1 starts a segment)
+    rows = store["1.output"]
+    for a, b in zip(segments, segments[1:]):
+        assert torch.equal(store.rows("1.output", a, b), rows[a:b])

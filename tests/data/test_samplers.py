@@ -154,10 +154,11 @@ def test_integer_arguments_take_numpy_and_torch_integers_and_refuse_the_rest():
         plain.set_epoch(2)
         other.set_epoch(np.int64(2))
         assert [list(b) for b in other] == [list(b) for b in plain] and other.epoch == 2
-        for kw in ({"batch_size": 4.0}, {"seed": 1.5}, {"rank": True, "world_size": 2}, {"world_size": "2"}):
+        for kw in ({"batch_size": 4.0}, {"seed": 1.5}, {"rank": True, "world_size": 2}, {"world_size": "2"},
+                   {"batch_size": torch.tensor(True)}):
             with pytest.raises(ArgumentTypeError, match=next(iter(kw))):
                 S(10, **{"batch_size": 4, **kw})
-        for bad in (1.5, "a", True):
+        for bad in (1.5, "a", True, torch.tensor(True)):  # (a bool tensor was taken as epoch 1)
             with pytest.raises(ArgumentTypeError, match="epoch must be an int"):
                 plain.set_epoch(bad)
     with pytest.raises(ArgumentTypeError, match="buffer_rows"):

@@ -134,3 +134,31 @@ def test_run_id_is_validated(tmp_path, bad):
     edit_root(path, lambda a: a.update(run_id=bad))
     with pytest.raises(StoreCorruptError, match="run_id must be a str of 1..128 characters"):
         open_store(path)
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_a_store_pickles_as_its_path_and_is_reopened_as_that_run_only(tmp_path, compression):
+    # (pickling a Store, as a Dataset of the user's holding one does for a 'spawn' DataLoader
+    # worker, raised Python's "cannot pickle '_thread.lock' object")
+    import copy
+    import pickle
+
+    path = tmp_path / "s.zarr"
+    old = make_store(path, compression=compression)
+    s = open_store(path, cache_bytes=4096, verify=True)
+    s.rows(HP, 0, 10)
+    raw = pickle.dumps(s)
+    assert len(raw) < 1000  # its path and options, none of its rows
+    for again in (pickle.loads(raw), copy.deepcopy(s)):
+        assert again is not s and again.open_options() == s.open_options()
+        assert torch.equal(again[HP], old) and again.row_table("sample").equals(s.row_table("sample"))
+    _write(path, torch.randn(320, FEATURE, generator=torch.Generator().manual_seed(7)), compression=compression)
+    with pytest.raises(StoreError, match=r"holds another run than when it was pickled .* open it again"):
+        pickle.loads(raw)
+
+
+def test_a_pickled_memory_store_in_another_process_says_where_it_lives():
+    from activationscope.store.reader import _reopen_pickled
+
+    with pytest.raises(StoreError, match=r"a memory:// store exists only inside the process that made it \(pid 1\)"):
+        _reopen_pickled("memory://nowhere/s.zarr", {"cache_bytes": 1024, "verify": False}, None, 1)
