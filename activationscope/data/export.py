@@ -238,7 +238,8 @@ def _tensor_to_arrow(t: torch.Tensor, field: pa.Field) -> pa.Array:
     return values
 
 
-def _dataset_for(source: Any, hook_points: Any, columns: Any, rows: Any, filter: Any) -> ActivationDataset:
+def _dataset_for(source: Any, hook_points: Any, columns: Any, rows: Any, filter: Any,
+                 sample_ids: Any = None) -> ActivationDataset:
     # an export reads every byte it writes: a store given by path or URL is opened with every
     # chunk checked against its crc32c (a damaged chunk is an error, never exported values);
     # a store object or dataset is read as it was opened
@@ -249,13 +250,13 @@ def _dataset_for(source: Any, hook_points: Any, columns: Any, rows: Any, filter:
         names = select_hook_points(src, hook_points)
     lost = [hp for hp in names if not src.follows_row_table(hp)]
     if lost:
-        _check_alone(src, names, lost, columns, filter)
+        _check_alone(src, names, lost, columns, filter, sample_ids)
     if isinstance(source, ActivationDataset):  # its own row selection, whatever the hook points
-        if rows is not None or filter is not None:
+        if rows is not None or filter is not None or sample_ids is not None:
             raise ArgumentValueError(
-                f"rows= and filter= select rows of a store, but a dataset was given, which exports its own "
-                f"{len(source)} rows; select them when making the dataset, or pass its store "
-                f"({src.describe()}) with rows= / filter="
+                f"rows=, filter= and sample_ids= select rows of a store, but a dataset was given, which exports its "
+                f"own {len(source)} rows; select them when making the dataset, or pass its store "
+                f"({src.describe()}) with rows= / filter= / sample_ids="
             )
         if hook_points is None:
             ds = copy.copy(source)  # other columns
@@ -270,7 +271,7 @@ def _dataset_for(source: Any, hook_points: Any, columns: Any, rows: Any, filter:
                 )
             ds = ActivationDataset(src, hook_points=names, rows=source.store_rows())
     else:
-        ds = ActivationDataset(src, hook_points=names, rows=rows, filter=filter)
+        ds = ActivationDataset(src, hook_points=names, rows=rows, filter=filter, sample_ids=sample_ids)
     if lost:  # rows as stored: no row-table column lines up with them
         ds._export_columns = []  # type: ignore[attr-defined]
         return ds
@@ -287,9 +288,10 @@ def _dataset_for(source: Any, hook_points: Any, columns: Any, rows: Any, filter:
     return ds
 
 
-def _check_alone(src: Any, names: list[str], lost: list[str], columns: Any, filter: Any) -> None:
+def _check_alone(src: Any, names: list[str], lost: list[str], columns: Any, filter: Any, sample_ids: Any = None) -> None:
     """A hook point whose rows do not follow the row table is exported alone, without row-table
-    columns or a filter: its row i is not row i of the table (nor of another hook point)."""
+    columns, a filter or sample ids: its row i is not row i of the table (nor of another hook
+    point)."""
     where = src.describe()
     if len(names) > 1:
         others = [hp for hp in names if hp not in lost]
@@ -302,12 +304,12 @@ def _check_alone(src: Any, names: list[str], lost: list[str], columns: Any, filt
                if others else "")
         )
     chosen = [] if columns is None else _names(columns, "columns", "row-table column names")
-    if chosen or filter is not None:
+    if chosen or filter is not None or sample_ids is not None:
         raise ArgumentValueError(
             f"the rows of hook point {lost[0]!r} of {where} do not follow the row table "
             "(store.follows_row_table() is False: first captured after some forwards, or missing from one), so "
-            + (f"columns={chosen!r}" if chosen else "a filter")
-            + " cannot be exported with them; export it without columns and filter (its rows as stored)"
+            + (f"columns={chosen!r}" if chosen else "a filter" if filter is not None else "sample_ids=")
+            + " cannot be exported with them; export it without columns, filter and sample_ids (its rows as stored)"
         )
 
 
@@ -447,11 +449,12 @@ def _check_out(path: Path, kind: str, overwrite: bool) -> None:
 
 
 def _export(kind: str, source: Any, path: Any, hook_points: Any, columns: Any, batch_rows: int,
-            rows: Any, filter: Any, tensor_type: str, compression: Any, overwrite: bool = False) -> Path:
+            rows: Any, filter: Any, tensor_type: str, compression: Any, overwrite: bool = False,
+            sample_ids: Any = None) -> Path:
     batch_rows = _int_arg(batch_rows, "batch_rows", 1)  # (a bool is refused, not written in 1-row batches)
     compression = check_compression(kind, compression)  # before the store is read or a file made
     path = _local_out(path)
-    ds = _dataset_for(source, hook_points, columns, rows, filter)
+    ds = _dataset_for(source, hook_points, columns, rows, filter, sample_ids)
     _refuse_inside_store(path, ds, folders=False)
     _check_out(path, kind, overwrite)
     col_names = _export_columns(ds, columns)
@@ -483,6 +486,7 @@ def export_arrow(
     *,
     rows: Any = None,
     filter: Any = None,
+    sample_ids: Any = None,
     tensor_type: str = "fixed_shape_tensor",
     compression: str | None = None,
     overwrite: bool = False,
@@ -512,9 +516,9 @@ def export_arrow(
     batch_rows : int, default 65536
         Rows per record batch: bounds memory during export (a batch of rows of every hook
         point is held at once).
-    rows, filter
+    rows, filter, sample_ids
         Row selection of a store, as :class:`ActivationDataset`. A dataset given as ``store``
-        exports its own selection (also with ``hook_points``); with it these two are refused.
+        exports its own selection (also with ``hook_points``); with it these are refused.
     tensor_type : {"fixed_shape_tensor", "fixed_size_list"}
         Arrow type of hook point columns (see the module docstring).
     compression : {None, "none", "lz4", "zstd"}
@@ -547,7 +551,7 @@ def export_arrow(
     >>> acts = read_arrow("demo.arrow")["blocks.0.output"]                             # doctest: +SKIP
     """
     return _export("arrow", store, path, hook_points, columns, batch_rows, rows, filter, tensor_type, compression,
-                   overwrite)
+                   overwrite, sample_ids)
 
 
 def export_parquet(
@@ -559,6 +563,7 @@ def export_parquet(
     *,
     rows: Any = None,
     filter: Any = None,
+    sample_ids: Any = None,
     tensor_type: str = "fixed_shape_tensor",
     compression: str | None = "zstd",
     overwrite: bool = False,
@@ -583,7 +588,7 @@ def export_parquet(
         ``path``.
     """
     return _export("parquet", store, path, hook_points, columns, batch_rows, rows, filter, tensor_type, compression,
-                   overwrite)
+                   overwrite, sample_ids)
 
 
 # ---------------------------------------------------------------------- Hugging Face datasets
@@ -698,6 +703,7 @@ def export_hf(
     bfloat16: str = "float32",
     rows: Any = None,
     filter: Any = None,
+    sample_ids: Any = None,
     batch_rows: int = 65536,
 ) -> Path:
     """Write rows of a store as a Hugging Face ``datasets`` dataset.
@@ -749,9 +755,9 @@ def export_hf(
         raising.
     file_format : {"arrow", "parquet"}
     bfloat16 : {"float32", "bits"}
-    rows, filter
+    rows, filter, sample_ids
         Row selection of a store, as :class:`ActivationDataset`. A dataset given as ``store``
-        exports its own selection (also with ``hook_points``); with it these two are refused.
+        exports its own selection (also with ``hook_points``); with it these are refused.
     batch_rows : int, default 65536
         Store rows per record batch (bounds the memory held during the export).
 
@@ -797,7 +803,8 @@ def export_hf(
         import datasets
     except ImportError as e:
         raise ImportError("export_hf needs the Hugging Face datasets library: pip install datasets") from e
-    ds = _dataset_for(source=store, hook_points=hook_points, columns=columns, rows=rows, filter=filter)
+    ds = _dataset_for(source=store, hook_points=hook_points, columns=columns, rows=rows, filter=filter,
+                      sample_ids=sample_ids)
     col_names = _export_columns(ds, columns)
     n_rows = len(ds)
     if n_rows == 0:

@@ -125,6 +125,30 @@ def test_parquet_round_trip_and_filters(store, arrays, tmp_path):
         assert torch.equal(arrow_to_torch(col, table.schema.field(name)), t[rows]), name
 
 
+@pytest.mark.parametrize("fn", [export_arrow, export_parquet, "hf"])
+def test_exports_select_rows_by_sample_ids(store, arrays, tmp_path, fn):
+    """sample_ids= selects the rows of those samples, in store order, as ActivationDataset's
+    does (the exports took rows= and filter= only: sample_ids= was Python's bare TypeError)."""
+    out = tmp_path / "ids"
+    if fn == "hf":
+        from activationscope.data import export_hf
+
+        pytest.importorskip("datasets")
+        import datasets
+
+        export_hf(store, out, hook_points="f32", sample_ids=[21, 4, 17])
+        got = datasets.load_from_disk(str(out)).with_format("torch")[:]
+        ids, f32 = got["sample_id"].tolist(), got["f32"]
+    else:
+        fn(store, out, hook_points="f32", sample_ids=np.array([21, 4, 17]))
+        table = pq.read_table(out) if fn is export_parquet else pa.ipc.open_file(out).read_all()
+        ids, f32 = table.column("sample_id").to_pylist(), arrow_to_torch(table.column("f32"), table.schema.field("f32"))
+    assert ids == [4, 17, 21] and torch.equal(f32, arrays["f32"][[4, 17, 21]])
+    with pytest.raises(ArgumentValueError, match=r"sample_ids= holds 1 id\(s\) that no sample"):
+        export_parquet(store, tmp_path / "none.parquet", sample_ids=[4, 99])
+    assert not (tmp_path / "none.parquet").exists()
+
+
 def test_export_a_dataset_selection(store, arrays, tmp_path):
     ds = ActivationDataset(store, hook_points=["f32"], rows=[5, 1, 9], columns=["label"])
     path = export_arrow(ds, tmp_path / "sel.arrow")
@@ -143,7 +167,7 @@ def test_a_dataset_keeps_its_selection_when_hook_points_are_chosen(store, arrays
     assert table.column("sample_id").to_pylist() == odd and set(table.column("label").to_pylist()) == {1}
     assert torch.equal(arrow_to_torch(table.column("bf16"), table.schema.field("bf16")), arrays["bf16"][odd])
     # rows= / filter= select store rows: next to a dataset's own selection they are refused
-    for kw in ({"rows": [0, 1]}, {"filter": pc.field("label") == 0}):
+    for kw in ({"rows": [0, 1]}, {"filter": pc.field("label") == 0}, {"sample_ids": [1]}):
         with pytest.raises(ArgumentValueError, match=rf"a dataset was given, which exports its own {len(odd)} rows"):
             fn(ds, tmp_path / "again", **kw)
     assert not (tmp_path / "again").exists()
@@ -373,6 +397,8 @@ def test_a_hook_point_off_the_row_table_refuses_columns_filters_and_company(late
         export_parquet(path, tmp_path / "x.parquet", hook_points="b.output", columns=["sample_id"])
     with pytest.raises(ArgumentValueError, match=r"'b.output'.*a filter"):
         export_parquet(path, tmp_path / "x.parquet", hook_points="b.output", filter=pc.field("label") == 1)
+    with pytest.raises(ArgumentValueError, match=r"'b.output'.*sample_ids= cannot be exported with them"):
+        export_parquet(path, tmp_path / "x.parquet", hook_points="b.output", sample_ids=[1])
     for hps in (None, ["a.output", "b.output"]):
         with pytest.raises(ArgumentValueError, match=r"\['b.output'\].*do not follow the row table.*"
                                                      r"with \['a.output'\]; export them separately"):
