@@ -851,7 +851,7 @@ class Store:
         if self._parts:
             for _, st, lo, hi in self._rank_spans(hook_point, int(start), int(stop)):
                 st.will_read(hook_point, lo, hi)
-            return
+            return int(start), int(stop)  # (each rank store's own read-ahead is its own)
         advised = self._advised  # (before the metadata: a refresh() meanwhile replaces it)
         meta = self._meta(hook_point)
         hint = self._hints.get(hook_point)

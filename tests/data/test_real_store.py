@@ -357,3 +357,6 @@ def test_segments_of_an_uncommitted_multi_rank_store(tmp_path):
     rows = store["1.output"]
     for a, b in zip(segments, segments[1:]):
         assert torch.equal(store.rows("1.output", a, b), rows[a:b])
+    # a read hint over both ranks is taken as its docstring says: (lo, hi) covering the range
+    assert store.will_read("1.output", 10, 14) == (10, 14)
+    assert torch.equal(store.rows("1.output", 10, 14), rows[10:14])
