@@ -1117,7 +1117,7 @@ class ActivationDataset(Dataset):
             take = self.source.take
             data = {hp: take(hp, where) for hp in self.hook_points}
             for name, col in cols.items():
-                data[name] = col[where] if isinstance(col, torch.Tensor) else [col[i] for i in where.tolist()]
+                data[name] = col[where] if isinstance(col, torch.Tensor) else _pick(col, where.tolist())
         return data
 
     def _gather(self, index: Any) -> dict[str, Any] | None:
@@ -1148,7 +1148,7 @@ class ActivationDataset(Dataset):
             else:  # (consecutive rows within one of this array's shards, which may hold more rows: a view)
                 data[hp] = other[0].clone() if other[1] >= 0 else other[0]
         for name, col in cols.items():
-            data[name] = col[ids] if isinstance(col, torch.Tensor) else [col[i] for i in ids.tolist()]
+            data[name] = col[ids] if isinstance(col, torch.Tensor) else _pick(col, ids.tolist())
         return data
 
     def __getitems__(self, indices: Sequence[int]) -> Batch:
@@ -1418,4 +1418,34 @@ def _column_to_torch(col: pa.Array, name: str) -> Any:
         if pa.types.is_unsigned_integer(t) and arr.dtype.itemsize > 1 and arr.dtype != np.uint64:
             arr = arr.astype(np.int64)
         return torch.from_numpy(np.array(arr, copy=True))
+    if pa.types.is_nested(t):
+        return _NestedColumn(col)
     return col.to_pylist()
+
+
+class _NestedColumn:
+    """A list / struct / map column of a dataset: every read makes new Python lists and dicts
+    from the Arrow values, so that a batch's ``batch["tags"][0].append(x)`` never reaches
+    later reads (a cached list of lists would hand out the same inner lists every time)."""
+
+    __slots__ = ("values",)
+
+    def __init__(self, values: pa.Array) -> None:
+        self.values = values
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            a, b, step = i.indices(len(self.values))
+            return self.values.slice(a, max(0, b - a)).to_pylist() if step == 1 else self.values.to_pylist()[i]
+        return self.values[i].as_py()
+
+    def take(self, positions: list[int]) -> list:
+        return self.values.take(pa.array(positions, pa.int64())).to_pylist()
+
+
+def _pick(col: Any, positions: list[int]) -> list:
+    """The values of a non-tensor column at ``positions``, as a new list."""
+    return col.take(positions) if type(col) is _NestedColumn else [col[i] for i in positions]

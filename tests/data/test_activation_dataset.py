@@ -346,3 +346,27 @@ def test_changing_a_batch_column_in_place_does_not_change_later_reads(store):
     for c in ("label", "pos"):
         assert torch.equal(ds[:][c], want[c]) and torch.equal(ds.get_batch(range(0, N))[c], want[c])
     assert int(ds[5]["label"]) == int(want["label"][5])
+
+
+def test_changing_a_list_or_dict_column_value_in_place_does_not_change_later_reads(tmp_path):
+    # (list and struct columns were cached as Python lists of lists / dicts: every batch and
+    # item handed out the same inner objects, so batch["tags"][0].append(x) changed later reads)
+    import activationscope as acs
+
+    path = tmp_path / "lists.zarr"
+    model = torch.nn.Linear(2, 2)
+    tags, meta = [[1, 2], [3], [], [4, 5, 6]], [{"a": 1}, {"a": 2}, {"a": 3}, {"a": 4}]
+    with acs.ActivationScope(store=str(path)).track(model) as tracker, torch.no_grad():
+        tracker.set_batch(tags=tags, meta=meta, text=["w", "x", "y", "z"])
+        model(torch.randn(4, 2))
+    ds = ActivationDataset(str(path), columns=["tags", "meta", "text"])
+    batch = ds[0:2]
+    batch["tags"][0].append(99)
+    batch["meta"][1]["a"] = -1
+    ds[1]["tags"].append(7)
+    ds[[3, 0]]["tags"][1].append(42)
+    for b in torch.utils.data.DataLoader(ds, batch_size=3, shuffle=True, generator=torch.Generator().manual_seed(0)):
+        for t in b["tags"]:
+            t.append(0)
+    assert ds[0:4]["tags"] == tags and ds[0:4]["meta"] == meta and ds[0:4]["text"] == ["w", "x", "y", "z"]
+    assert ds[[3, 1]]["tags"] == [[4, 5, 6], [3]] and ds[1]["tags"] == [3] and ds.get_batch(range(4))["meta"] == meta
