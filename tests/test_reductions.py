@@ -1188,18 +1188,23 @@ def test_infinite_values_stay_infinite_across_batches(kind):
     cols = torch.tensor([[1.0, inf, 1.0, 1.0], [-inf, 2.0, inf, float("nan")], [2.0, 3.0, -inf, 4.0]])
     want = cols.double().mean(0)
     for split in ([1, 2], [2, 1], [1, 1, 1]):
-        parts = list(cols.split(split))
-        fast = stream(kind, parts)
-        slow = stream(kind, [_non_contiguous(p) for p in parts])
-        fused = [R.make_reduction(kind), R.make_reduction("max")]
-        for p in parts:
-            C.update_reductions(fused, p)
-        merged = stream(kind, parts[:1])
-        merged.merge(stream(kind, parts[1:]))
-        for r in (fast, slow, fused[0], merged):
+        for r in _every_update_path(C, kind, list(cols.split(split))):
             got = r.result()["mean"]
             assert torch.equal(got.isnan(), want.isnan()), (split, got)
             assert torch.equal(got.nan_to_num(), want.nan_to_num()), (split, got)
+
+
+def _every_update_path(C, kind, parts):
+    """A ``kind`` reduction fed ``parts`` on each update path: the fast one (contiguous
+    batches), the ATen one (non-contiguous), fused with another reduction, and merged."""
+    fast = stream(kind, parts)
+    slow = stream(kind, [_non_contiguous(p) for p in parts])
+    fused = [R.make_reduction(kind), R.make_reduction("max")]
+    for p in parts:
+        C.update_reductions(fused, p)
+    merged = stream(kind, parts[:1])
+    merged.merge(stream(kind, parts[1:]))
+    return fast, slow, fused[0], merged
 
 
 @pytest.mark.parametrize("kind", ["mean", "var", "std", "cov"])
@@ -1214,15 +1219,7 @@ def test_finite_means_whose_difference_overflows_merge_to_a_finite_mean(kind):
                         dtype=torch.float64)  # 5 columns: the 4-wide kernel and its scalar tail
     want = cols.mean(0)
     assert bool(torch.isfinite(want).all())
-    parts = list(cols.split(1))
-    fast = stream(kind, parts)
-    slow = stream(kind, [_non_contiguous(p) for p in parts])
-    fused = [R.make_reduction(kind), R.make_reduction("max")]
-    for p in parts:
-        C.update_reductions(fused, p)
-    merged = stream(kind, parts[:1])
-    merged.merge(stream(kind, parts[1:]))
-    for r in (fast, slow, fused[0], merged):
+    for r in _every_update_path(C, kind, list(cols.split(1))):
         torch.testing.assert_close(r.result()["mean"], want, rtol=1e-15, atol=1e292)
 
 

@@ -317,19 +317,27 @@ def test_row_tables_whose_sample_ids_have_two_types_are_damage_not_a_pyarrow_err
                                                 r"the sample row table"):
         ActivationDataset(str(path), columns=["label"])[:]
 
-@pytest.mark.parametrize("committed", [False, True])
-def test_token_rows_of_each_rank_get_their_own_sample_columns_with_default_ids(tmp_path, committed):
-    # default sample ids count per rank: ids 0, 1 on both ranks, told apart by the rank column
-    from activationscope.store.ranks import commit_ranks
-
+def _token_rank_stores(tmp_path, n_forwards, columns):
+    """Two rank stores (RankStore(r, 2), not committed) of token rows of an Embedding + Linear:
+    ``n_forwards`` forwards of 2 samples x 3 tokens each, ``columns(r)`` given to set_batch."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Embedding(50, 4), torch.nn.Linear(4, 4))
     path = tmp_path / "r.zarr"
     for r in range(2):
         options = {"process_group": acs.RankStore(r, 2), "chunk_rows": 2, "shard_rows": 4}
         with acs.ActivationScope(store=path, store_options=options).track(model, include=["1"]) as tracker, torch.no_grad():
-            tracker.set_batch(attention_mask=torch.ones(2, 3, dtype=torch.bool), label=[10 * r, 10 * r + 1])
-            model(torch.randint(1, 50, (2, 3)))
+            for _ in range(n_forwards):
+                tracker.set_batch(attention_mask=torch.ones(2, 3, dtype=torch.bool), **columns(r))
+                model(torch.randint(1, 50, (2, 3)))
+    return path
+
+
+@pytest.mark.parametrize("committed", [False, True])
+def test_token_rows_of_each_rank_get_their_own_sample_columns_with_default_ids(tmp_path, committed):
+    # default sample ids count per rank: ids 0, 1 on both ranks, told apart by the rank column
+    from activationscope.store.ranks import commit_ranks
+
+    path = _token_rank_stores(tmp_path, 1, lambda r: {"label": [10 * r, 10 * r + 1]})
     if committed:
         commit_ranks(path)
     got = ActivationDataset(str(path), columns=["rank", "sample_id", "label"])[:]
@@ -340,15 +348,7 @@ def test_token_rows_of_each_rank_get_their_own_sample_columns_with_default_ids(t
 def test_segments_of_an_uncommitted_multi_rank_store(tmp_path):
     # (store.segments raised "ValueError: too many values to unpack" on a store whose ranks
     # have not been committed yet: it was read as (bounds, views) of each rank store)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Embedding(50, 4), torch.nn.Linear(4, 4))
-    path = tmp_path / "r.zarr"
-    for r in range(2):
-        options = {"process_group": acs.RankStore(r, 2), "chunk_rows": 2, "shard_rows": 4}
-        with acs.ActivationScope(store=path, store_options=options).track(model, include=["1"]) as tracker, torch.no_grad():
-            for _ in range(2):
-                tracker.set_batch(attention_mask=torch.ones(2, 3, dtype=torch.bool))
-                model(torch.randint(1, 50, (2, 3)))
+    path = _token_rank_stores(tmp_path, 2, lambda r: {})
     store = open_store(path)
     assert store.status == "incomplete" and store.ranks == [0, 1] and store.n_rows("1.output") == 24
     segments = store.segments("1.output")
