@@ -186,7 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="target bytes per shard file, e.g. 4MiB (default: 64 MiB but at most 16384 rows); rows are "
                         "committed a whole shard at a time, so smaller shards commit more often")
     p.add_argument("--chunk-rows", type=_positive, default=None, metavar="N",
-                   help="rows per chunk (default: about 256 KiB of rows, at most 16384)")
+                   help="rows per chunk (default: about 256 KiB of rows, at most 16384; with --shard-bytes, "
+                        "no larger than it and at most 65536)")
     p.add_argument("--stop-after-last", action="store_true",
                    help="end each forward after its last tracked hook point (later layers do not run)")
     p.add_argument("--sample-rows", action="append", default=None, metavar="PATTERN",
