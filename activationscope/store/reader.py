@@ -1899,7 +1899,9 @@ class Store:
         """``{name: (kind, options)}`` of the reductions of ``hook_point`` in :attr:`reductions`
         (each name as given at capture, e.g. ``"var"``; its results are ``name`` and
         ``name.<key>``), so a reader can pick a statistic by kind rather than by name.
-        ``{}`` when the hook point has none. ``kind`` is ``"custom"`` for a custom reduction."""
+        ``{}`` when the hook point has none. ``kind`` is the built-in's name, ``"script"`` for a
+        custom TorchScript reduction and ``"eager"`` for a custom one run as Python (an entry
+        that records no kind, from another writer, reads as ``"custom"``)."""
         out: dict[str, tuple[str, dict[str, float]]] = {}
         entries = self._complete_reductions().get(hook_point) or {}
         for full, entry in entries.items():
