@@ -378,6 +378,9 @@ def _cli_spelling(message: str, command: str | None = None) -> str:
     message = re.sub(r"\bthe export format '(\w+)'", r"--format \1", message)
     for python, cli in _CLI_SPELLINGS:
         message = message.replace(python, cli)
+    # the rest of the advice to leave a module out ("or exclude= them", "exclude= the module of
+    # 'x'"); "include=/exclude= as the first run" names both keyword arguments and stays
+    message = re.sub(r"(?<![\w/])exclude= ", "--exclude ", message)
     return message
 
 
