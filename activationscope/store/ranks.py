@@ -387,7 +387,10 @@ def commit_ranks(target: Any, *, storage_options: dict | None = None,
     Parameters
     ----------
     target : str or os.PathLike
-        The store (local path; the rank stores are ``<target>/ranks/<rank>``).
+        The store: a local path or an fsspec URL (``s3://bucket/run.zarr``); the rank stores
+        are ``<target>/ranks/<rank>``.
+    storage_options : dict, optional
+        fsspec options of a URL ``target`` (credentials, ``client_kwargs``).
     make_reduction : callable, optional
         ``(hook_point, name, entry) -> reduction`` for custom reductions (the capture's own
         objects); built-in reductions are made from their recorded kind and options.
