@@ -322,6 +322,8 @@ class Store:
         shard's bytes are read once more (about the cost of reading it). Decoded reads check
         every chunk whatever this says. Off, flipped bytes inside a mapped shard read as they
         are (``verify()`` finds them).
+    storage_options : dict, optional
+        fsspec options of a URL ``target`` (credentials, ``client_kwargs``).
 
     Raises
     ------
