@@ -1154,7 +1154,9 @@ def read_arrow(
     Parameters
     ----------
     path : str or os.PathLike
-        An uncompressed Arrow IPC file (``export_arrow(..., compression=None)``).
+        An Arrow IPC file of :func:`export_arrow`. Uncompressed (``compression=None``, the
+        default) its columns are read as views; a compressed one (``"lz4"``, ``"zstd"``) is
+        decompressed into new memory (one copy).
     columns : list of str, optional
         Columns to read (default all).
     batches : bool, default False
