@@ -1937,8 +1937,8 @@ class Tracker:
               ``.overflow`` / ``.nan`` ``(*feature_shape)`` int64;
             - ``cov``: ``(D, D)`` float64 with ``D = prod(feature_shape)``, and
               ``<name>.mean`` ``(D,)``;
-            - ``topk``: ``<name>.values`` ``(k, *feature_shape)`` float64 and
-              ``<name>.row_ids`` ``(k, *feature_shape)`` int64 (global store row of each
+            - ``topk``: ``<name>.values`` ``(n, *feature_shape)`` float64 (``n = min(k,
+              rows seen)``) and ``<name>.row_ids`` of the same shape, int64 (global store row of each
               value);
             - every reduction: ``<name>.count``, int64 scalar, observations per output value;
               a reduction that saw no rows has only that (0): no value is made up, and

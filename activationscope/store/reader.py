@@ -1879,7 +1879,8 @@ class Store:
         ``min`` / ``max`` / ``absmax`` / ``l2`` / ``nonzero`` are ``(*feature_shape)``
         float64; ``<hist>.counts`` ``(*feature_shape, bins)`` int64 and ``<hist>.edges``
         ``(bins + 1,)`` float64; ``cov`` ``(D, D)`` float64, ``D = prod(feature_shape)``;
-        ``<topk>.values`` ``(k, *feature_shape)`` float64 and ``<topk>.row_ids`` int64;
+        ``<topk>.values`` ``(n, *feature_shape)`` float64 (``n = min(k, rows)``) and
+        ``<topk>.row_ids`` int64 of the same shape;
         ``<name>.count`` an int64 scalar (observations per output value).
 
         Returns
