@@ -1673,6 +1673,33 @@ class Tracker:
             stacklevel=3,
         )
 
+    def _warn_sequence_first(self) -> None:
+        """At a store capture's first captured forward, name the tracked modules built
+        sequence-first (``batch_first=False``: ``nn.LSTM`` / ``GRU`` / ``RNN``, ``nn.Transformer``,
+        ``nn.MultiheadAttention`` and the layers holding one, by default) that recorded hook
+        points: a store's rows are the first dimension of each activation, so theirs are
+        positions with the batch among the features, which the row table lists as samples."""
+        by_module: dict[str, list[str]] = {}
+        for hp in self._sinks:
+            by_module.setdefault(self._module_of(hp), []).append(hp)
+        found = []
+        for name, module in self._modules:
+            first = getattr(module, "batch_first", None)
+            if first is None:  # (nn.TransformerEncoderLayer / DecoderLayer: their attention's)
+                first = getattr(getattr(module, "self_attn", None), "batch_first", None)
+            if first is False and by_module.get(name):
+                found.append(f"{name!r} ({type(module).__name__}): {', '.join(sorted(by_module[name]))}")
+        if found:
+            warnings.warn(
+                "tracked modules built sequence-first (batch_first=False) take and give (pos, batch, ...) "
+                f"tensors: {'; '.join(found)}. A store's rows are the first dimension of each activation, so "
+                "these hook points store one row per position, with the batch among the features, and the row "
+                "table lists those rows as samples. Build the module with batch_first=True (the same state_dict "
+                "loads) and feed it (batch, pos, ...) inputs, or exclude= it",
+                CaptureWarning,
+                stacklevel=2,
+            )
+
     def _on_forward_end(self) -> None:
         self._open_forward = None
         self._stop_watching()
@@ -1694,6 +1721,8 @@ class Tracker:
                 self._refuse(missing, [])
         if self._n_captured == 0:  # the first captured forward gave its hook points
             self._check_reduction_patterns(list(self._sinks), "the first captured forward gave")
+            if self.writer is not None:
+                self._warn_sequence_first()
         if self._stop_learnt and not (self._core.stopped or self._core.past_stop) and not self._warned_stop:
             self._warned_stop = True
             warnings.warn(
