@@ -1241,7 +1241,8 @@ class Tracker:
             length is not the batch size, or (with a store) a column named like one the
             row table fills itself (``sample_id``, ``pos``, ``batch``); at the forward (the model call raises it): sample
             ids, columns or mask rows that describe another number of samples than the
-            forward's batch (the first dimension of its first input).
+            forward's batch (the first dimension of its first input), nor its second (taken as
+            the batch of a sequence-first input).
         TypeError
             A float (or complex) attention mask, or one that is neither a tensor nor a numpy
             array (a list: pass ``torch.as_tensor(mask)``); with a store, a column whose type differs
