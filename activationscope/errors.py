@@ -78,6 +78,11 @@ class StoreExistsError(StoreError, FileExistsError):
     """A store already exists where a new one was asked for."""
 
 
+class ExportExistsError(ActivationScopeError, FileExistsError):
+    """An export path holds something the export does not replace (a file or folder it did not
+    write); it is left as it is, and the message names it and the fix."""
+
+
 class StoreCorruptError(StoreError):
     """A store is damaged or breaks a rule of its format (FORMAT.md §9); the message names the
     file, what is wrong and the fix."""

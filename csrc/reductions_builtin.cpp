@@ -62,6 +62,17 @@ std::string options_str(const ReductionOptions& o) {
   return s.str();
 }
 
+// An option value as given: whole numbers in full (16777217, not 1.67772e+07).
+std::string number_str(double v) {
+  std::ostringstream s;
+  if (std::isfinite(v) && v == std::floor(v) && std::fabs(v) < 9007199254740992.0) {
+    s << static_cast<int64_t>(v);
+  } else {
+    s << v;
+  }
+  return s.str();
+}
+
 std::string join(const std::vector<std::string>& v) {
   std::string out;
   for (size_t i = 0; i < v.size(); ++i) out += (i ? ", " : "") + v[i];
@@ -453,7 +464,7 @@ class Moments : public Builtin {
     if (with_m2_ && !opts_.count("ddof")) opts_["ddof"] = 0;
     if (with_m2_)
       ACS_CHECK(opt("ddof") >= 0 && opt("ddof") == std::floor(opt("ddof")), "option 'ddof' of reduction '",
-                kind_, "' must be a non-negative integer, got ", opt("ddof"));
+                kind_, "' must be a non-negative integer, got ", number_str(opt("ddof")));
   }
 
  protected:
@@ -639,7 +650,7 @@ class Hist : public Builtin {
               options_str(opts_));
     const double b = opt("bins");
     ACS_CHECK(b >= 1 && b == std::floor(b) && b <= (1 << 24),
-              "option 'bins' of reduction 'hist' must be an integer in [1, 2**24], got ", b);
+              "option 'bins' of reduction 'hist' must be an integer in [1, 2**24], got ", number_str(b));
     ACS_CHECK(opt("lo") < opt("hi"), "options of reduction 'hist' must satisfy lo < hi, got lo=",
               opt("lo"), " hi=", opt("hi"));
     bins_ = static_cast<int64_t>(b);
@@ -856,7 +867,7 @@ class TopK : public Builtin {
   explicit TopK(ReductionOptions o) : Builtin("topk", std::move(o), {"k"}) {
     if (!opts_.count("k")) opts_["k"] = 10;
     ACS_CHECK(opt("k") >= 1 && opt("k") == std::floor(opt("k")) && opt("k") <= (1 << 24),
-              "option 'k' of reduction 'topk' must be a positive integer, got ", opt("k"));
+              "option 'k' of reduction 'topk' must be an integer in [1, 2**24], got ", number_str(opt("k")));
     k_ = static_cast<int64_t>(opt("k"));
   }
 

@@ -80,7 +80,7 @@ def test_reductions_docstrings_give_shapes_and_dtypes():
     from activationscope.store import Store
 
     for doc in (acs.Tracker.reductions.__doc__, Store.reductions.__doc__):
-        for word in ("(*feature_shape)", "float64", "int64", "(bins + 1,)", "(D, D)", "(k, *feature_shape)"):
+        for word in ("(*feature_shape)", "float64", "int64", "(bins + 1,)", "(D, D)", "(n, *feature_shape)", "min(k,"):
             assert word in doc, word
 
 

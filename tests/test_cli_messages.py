@@ -66,6 +66,44 @@ def failing_module(user_package):
     """, data=(40, 6, 0))
 
 
+def test_advice_to_exclude_a_module_is_given_as_the_flag(user_package, tmp_path, capsys, recwarn):
+    """The warning about a tracked module that recorded nothing ends with advice to leave it
+    out; the command line gives it as --exclude, not as the keyword argument exclude=."""
+    x = user_package("idlenets", """
+        import torch
+
+        class WithIdle(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.used = torch.nn.Linear(6, 3)
+                self.idle = torch.nn.Linear(3, 3)
+            def forward(self, x):
+                return self.used(x)
+
+        def make():
+            return WithIdle()
+    """, data=(16, 6, 0))
+    code, _, err = run(capsys, "capture", "--model", "idlenets.nets:make", "--data", str(x),
+                       "--out", str(tmp_path / "s.zarr"), "--no-progress")
+    assert code == 0, err
+    from activationscope import cli
+
+    caught = next(w for w in recwarn if "recorded nothing" in str(w.message))   # as the command prints it:
+    warning = cli._warning_formatter("capture")(caught.message, caught.category, caught.filename, caught.lineno)
+    warning = warning.rstrip("\n")
+    assert warning.startswith("activationscope capture: warning: ") and "'idle'" in warning
+    assert warning.endswith("or --exclude them") and "exclude=" not in warning
+
+
+def test_cli_spelling_keeps_keyword_pairs_and_translates_lone_exclude():
+    from activationscope.cli import _cli_spelling
+
+    assert _cli_spelling("pass storage_dtype= one of those, or exclude= the module of 'a.output'") == \
+        "pass storage_dtype= one of those, or --exclude the module of 'a.output'"
+    kept = "resume with the same include=/exclude= as the first run (CLI: --include 0)"
+    assert _cli_spelling(kept) == kept
+
+
 def _capture(capsys, factory, x, out, *extra):
     return run(capsys, "capture", "--model", f"failnets.nets:{factory}", "--data", str(x), "--out", str(out),
                "--batch-size", "8", "--no-progress", *extra)

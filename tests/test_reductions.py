@@ -266,6 +266,19 @@ def test_rejects_complex_and_bad_options():
         R.make_reduction("mean", per_feature=2)
 
 
+@pytest.mark.parametrize("kind, options, message", [
+    ("topk", {"k": 2**24 + 1}, r"option 'k' of reduction 'topk' must be an integer in \[1, 2\*\*24\], got 16777217$"),
+    ("topk", {"k": 0}, r"option 'k' of reduction 'topk' must be an integer in \[1, 2\*\*24\], got 0$"),
+    ("hist", {"lo": 0, "hi": 1, "bins": 2**24 + 1}, r"must be an integer in \[1, 2\*\*24\], got 16777217$"),
+    ("var", {"ddof": -3}, r"option 'ddof' of reduction 'var' must be a non-negative integer, got -3$"),
+])
+def test_an_option_out_of_range_is_refused_with_its_range_and_value(kind, options, message):
+    """The refusal states the range the option must be in (topk's k: 1..2**24, as FORMAT.md
+    section 9 rule 10) and the value given in full, never rounded to 6 digits."""
+    with pytest.raises(ReductionError, match=message):
+        R.make_reduction(kind, **options)
+
+
 class _Pass(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -566,12 +566,13 @@ def write_report(
     n_folds : int, default 5
         Folds of the probes computed here (fewer when the smallest class is smaller; the
         page says so).
-    max_rows : int
+    max_rows : int, default 20000
         Rows sampled per hook point for histograms and PCA (fewer for wide rows, see
         :func:`hook_point_stats`).
-    feature_axis : int, None or "auto"
+    feature_axis : int, None or "auto", default "auto"
         What a unit of the per-unit panels is (see :func:`hook_point_stats`): "auto" makes
-        it a channel (axis 0) for rows of 2 or more dimensions.
+        it a channel (axis 0) for rows of 3 or more dimensions (conv outputs), a feature of
+        the last axis for 2 (``(pos, d_model)`` rows), every value for 1.
 
     Returns
     -------

@@ -1241,7 +1241,8 @@ class Tracker:
             length is not the batch size, or (with a store) a column named like one the
             row table fills itself (``sample_id``, ``pos``, ``batch``); at the forward (the model call raises it): sample
             ids, columns or mask rows that describe another number of samples than the
-            forward's batch (the first dimension of its first input).
+            forward's batch (the first dimension of its first input), nor its second (taken as
+            the batch of a sequence-first input).
         TypeError
             A float (or complex) attention mask, or one that is neither a tensor nor a numpy
             array (a list: pass ``torch.as_tensor(mask)``); with a store, a column whose type differs
@@ -1673,6 +1674,33 @@ class Tracker:
             stacklevel=3,
         )
 
+    def _warn_sequence_first(self) -> None:
+        """At a store capture's first captured forward, name the tracked modules built
+        sequence-first (``batch_first=False``: ``nn.LSTM`` / ``GRU`` / ``RNN``, ``nn.Transformer``,
+        ``nn.MultiheadAttention`` and the layers holding one, by default) that recorded hook
+        points: a store's rows are the first dimension of each activation, so theirs are
+        positions with the batch among the features, which the row table lists as samples."""
+        by_module: dict[str, list[str]] = {}
+        for hp in self._sinks:
+            by_module.setdefault(self._module_of(hp), []).append(hp)
+        found = []
+        for name, module in self._modules:
+            first = getattr(module, "batch_first", None)
+            if first is None:  # (nn.TransformerEncoderLayer / DecoderLayer: their attention's)
+                first = getattr(getattr(module, "self_attn", None), "batch_first", None)
+            if first is False and by_module.get(name):
+                found.append(f"{name!r} ({type(module).__name__}): {', '.join(sorted(by_module[name]))}")
+        if found:
+            warnings.warn(
+                "tracked modules built sequence-first (batch_first=False) take and give (pos, batch, ...) "
+                f"tensors: {'; '.join(found)}. A store's rows are the first dimension of each activation, so "
+                "these hook points store one row per position, with the batch among the features, and the row "
+                "table lists those rows as samples. Build the module with batch_first=True (the same state_dict "
+                "loads) and feed it (batch, pos, ...) inputs, or exclude= it",
+                CaptureWarning,
+                stacklevel=2,
+            )
+
     def _on_forward_end(self) -> None:
         self._open_forward = None
         self._stop_watching()
@@ -1761,34 +1789,6 @@ class Tracker:
                 f"{'absent' if int(self._core.second_dim) < 0 else int(self._core.second_dim)}); call set_batch "
                 "with one entry per sample before each forward"
             )
-
-    def _warn_sequence_first(self) -> None:
-        """Warn once, at the first captured forward of a store capture, about tracked modules
-        built sequence-first (``batch_first=False``: ``nn.LSTM``, ``nn.GRU``, ``nn.RNN``,
-        ``nn.Transformer`` and its layers, ``nn.MultiheadAttention``, as they are by default):
-        their tensors are ``(pos, batch, ...)``, so their store rows (the first dimension) are
-        positions with the batch among the features, not the samples the row table lists."""
-        names = {n for n, m in self._modules if getattr(m, "batch_first", None) is False}
-        if not names:
-            return
-        hps: dict[str, list[str]] = {}
-        for hp in self._sinks:
-            module = self._module_of(hp)
-            if module in names:
-                hps.setdefault(module, []).append(hp)
-        if not hps:
-            return
-        shown = "; ".join(f"{m or type(self.model).__name__!r} ({type(dict(self._modules)[m]).__name__}): "
-                          f"{', '.join(sorted(h)[:4])}{', ...' if len(h) > 4 else ''}" for m, h in sorted(hps.items()))
-        warnings.warn(
-            f"tracked modules built sequence-first (batch_first=False) take and return (pos, batch, ...) tensors: "
-            f"{shown}. A store's rows are the first dimension, so these hook points store one row per position "
-            "(or per layer of an RNN's hidden state) with the batch among the features, and their rows are not the "
-            "samples of the row table. Build the modules with batch_first=True (the same state_dict loads) and feed "
-            "(batch, pos, ...) tensors, or exclude= them",
-            CaptureWarning,
-            stacklevel=3,
-        )
 
     def _warn_row_table_lost(self, lost: Mapping[str, tuple[int, int]]) -> None:
         """Warn once per hook point whose store rows stopped following the row table in this
@@ -1967,8 +1967,8 @@ class Tracker:
               ``.overflow`` / ``.nan`` ``(*feature_shape)`` int64;
             - ``cov``: ``(D, D)`` float64 with ``D = prod(feature_shape)``, and
               ``<name>.mean`` ``(D,)``;
-            - ``topk``: ``<name>.values`` ``(k, *feature_shape)`` float64 and
-              ``<name>.row_ids`` ``(k, *feature_shape)`` int64 (global store row of each
+            - ``topk``: ``<name>.values`` ``(n, *feature_shape)`` float64 (``n = min(k,
+              rows seen)``) and ``<name>.row_ids`` of the same shape, int64 (global store row of each
               value);
             - every reduction: ``<name>.count``, int64 scalar, observations per output value;
               a reduction that saw no rows has only that (0): no value is made up, and

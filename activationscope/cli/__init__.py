@@ -186,7 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="target bytes per shard file, e.g. 4MiB (default: 64 MiB but at most 16384 rows); rows are "
                         "committed a whole shard at a time, so smaller shards commit more often")
     p.add_argument("--chunk-rows", type=_positive, default=None, metavar="N",
-                   help="rows per chunk (default: about 256 KiB of rows, at most 16384)")
+                   help="rows per chunk (default: about 256 KiB of rows, at most 16384; with --shard-bytes, "
+                        "no larger than it and at most 65536)")
     p.add_argument("--stop-after-last", action="store_true",
                    help="end each forward after its last tracked hook point (later layers do not run)")
     p.add_argument("--sample-rows", action="append", default=None, metavar="PATTERN",
@@ -377,6 +378,9 @@ def _cli_spelling(message: str, command: str | None = None) -> str:
     message = re.sub(r"\bthe export format '(\w+)'", r"--format \1", message)
     for python, cli in _CLI_SPELLINGS:
         message = message.replace(python, cli)
+    # the rest of the advice to leave a module out ("or exclude= them", "exclude= the module of
+    # 'x'"); "include=/exclude= as the first run" names both keyword arguments and stays
+    message = re.sub(r"(?<![\w/])exclude= ", "--exclude ", message)
     return message
 
 

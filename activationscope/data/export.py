@@ -43,7 +43,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from ..errors import ActivationScopeError, ArgumentValueError, ColumnNotFoundError
+from ..errors import ActivationScopeError, ArgumentValueError, ColumnNotFoundError, ExportExistsError
 from ..store._backend import enclosing_store, local_path, relation_to_store
 from ._source import as_source
 from .dataset import ActivationDataset, _names, select_hook_points
@@ -775,8 +775,8 @@ def export_hf(
         holding it (``ArgumentValueError``).
     ActivationScopeError
         A hook point of more than 5 dimensions per example, or a dtype without an Arrow type.
-    FileExistsError
-        ``path`` exists and is not an earlier export of ``file_format`` (a directory of other
+    ExportExistsError
+        (a ``FileExistsError``) ``path`` exists and is not an earlier export of ``file_format`` (a directory of other
         files or another ``datasets`` dataset, a file this function did not write), or is an
         earlier export folder that also holds other files (the ``cache-*.arrow`` Arrow
         streams ``datasets`` writes there are replaced with the export): it is left as it is.
@@ -878,25 +878,25 @@ def _check_replaceable(path: Path, file_format: str) -> None:
         return
     if file_format == "parquet":
         if path.is_dir():
-            raise FileExistsError(f"export path {str(path)!r} must be a file for file_format='parquet', got a directory")
+            raise ExportExistsError(f"export path {str(path)!r} must be a file for file_format='parquet', got a directory")
         try:
             earlier = b"activationscope.format" in (pq.read_schema(str(path)).metadata or {})
         except Exception:  # noqa: BLE001 - not a Parquet file
             earlier = False
         if not earlier:
-            raise FileExistsError(
+            raise ExportExistsError(
                 f"export path {str(path)!r} exists and is not an earlier export_hf Parquet file; it is left alone: "
                 "remove it or choose another path"
             )
         return
     if not path.is_dir():
-        raise FileExistsError(
+        raise ExportExistsError(
             f"export path {str(path)!r} must be a directory (a datasets save_to_disk layout) for "
             "file_format='arrow', got an existing file; remove it or choose another path"
         )
     entries = {p.name for p in path.iterdir()}
     if entries and not _is_hf_export(path):
-        raise FileExistsError(
+        raise ExportExistsError(
             f"export path {str(path)!r} is a directory that is not an earlier export_hf export ({len(entries)} "
             "entries; a datasets folder of other data is not replaced either); it is left alone: remove it or "
             "choose another path"
@@ -907,7 +907,7 @@ def _check_replaceable(path: Path, file_format: str) -> None:
                     and not re.fullmatch(r"data-\d{5}-of-\d{5}\.arrow", e)
                     and not _is_datasets_cache(path / e))
     if others:
-        raise FileExistsError(
+        raise ExportExistsError(
             f"export path {str(path)!r} is an earlier export_hf export that now also holds {others[:4]}"
             f"{' ...' if len(others) > 4 else ''}, which the export did not write; it is left alone: move those "
             "away, or choose another path"
@@ -1161,7 +1161,9 @@ def read_arrow(
     Parameters
     ----------
     path : str or os.PathLike
-        An uncompressed Arrow IPC file (``export_arrow(..., compression=None)``).
+        An Arrow IPC file of :func:`export_arrow`. Uncompressed (``compression=None``, the
+        default) its columns are read as views; a compressed one (``"lz4"``, ``"zstd"``) is
+        decompressed into new memory (one copy).
     columns : list of str, optional
         Columns to read (default all).
     batches : bool, default False

@@ -158,7 +158,7 @@ def parse_compression(compression: Any) -> dict | None:
             )
         return doc
     raise ArgumentValueError(
-        "compression must be one of [None, 'zstd', 'zstd:<level>', 'blosc-lz4'], a zarr ZstdCodec / "
+        "compression must be one of [None, 'zstd', 'zstd:<level>', 'blosc-lz4', 'blosc-lz4:<clevel>'], a zarr ZstdCodec / "
         f"BloscCodec or a numcodecs Zstd / Blosc, got {compression!r}"
     )
 

@@ -30,6 +30,7 @@ import tempfile
 import threading
 import time
 import types
+import uuid
 from pathlib import Path
 from typing import Any, Callable
 
@@ -91,6 +92,7 @@ def prepare_root(target: Any, *, world_size: int, overwrite: bool = False, resum
 
 def _prepare_root(b: Any, world_size: int, overwrite: bool, resume: bool) -> None:
     raw = b.get("zarr.json")
+    kept: dict | None = None  # the root a resume continues: its run (run_id, created) stays
     if raw is not None:
         try:
             attrs = (json.loads(raw).get("attributes") or {}).get(F.ATTRS_KEY)
@@ -114,15 +116,23 @@ def _prepare_root(b: Any, world_size: int, overwrite: bool, resume: bool) -> Non
             if dist.get("world_size") not in (None, world_size):
                 raise StoreError(f"{str(b)!r} was captured by {dist.get('world_size')} ranks, this run has "
                                  f"{world_size}; resume with the same number of ranks or overwrite=True")
+            kept = attrs
         else:
             status = (attrs or {}).get("status", "not an activationscope store")
             raise StoreExistsError(f"a store already exists at {str(b)!r} (status {status!r}); pass overwrite=True to "
                                    "replace it or resume=True to continue it")
     elif not b.is_empty() and not overwrite:
         raise StoreExistsError(f"{str(b)!r} exists and is not empty but holds no Zarr store; choose another path")
+    # FORMAT.md section 2: a new store (or an overwrite) is a new run with a run_id of its own; a
+    # resume keeps the run it continues (its run_id, or none as written before run ids, and its
+    # created), so readers opened before it read on rather than see another run in its place
+    run: dict[str, Any] = {"run_id": uuid.uuid4().hex, "created": F.utc_now()}
+    if kept is not None:
+        run = {k: kept[k] for k in ("run_id", "created") if isinstance(kept.get(k), str)}
+        run.setdefault("created", F.utc_now())
     attrs = {
         "format": {"name": F.FORMAT_NAME, "version": DISTRIBUTED_FORMAT_VERSION},
-        "status": "incomplete", "created": F.utc_now(), "updated": F.utc_now(), "library": _library_versions(),
+        "status": "incomplete", **run, "updated": F.utc_now(), "library": _library_versions(),
         "model": None, "capture_config": {}, "storage_dtype": None, "provenance": {}, "n_samples": 0,
         "n_batches": 0, "arrays": {}, "row_tables": {k: {"parts": [], "n_rows": 0, "columns": []} for k in ROW_KINDS},
         "reductions": {}, "distributed": {"world_size": int(world_size), "committed": False},
@@ -387,7 +397,10 @@ def commit_ranks(target: Any, *, storage_options: dict | None = None,
     Parameters
     ----------
     target : str or os.PathLike
-        The store (local path; the rank stores are ``<target>/ranks/<rank>``).
+        The store: a local path or an fsspec URL (``s3://bucket/run.zarr``); the rank stores
+        are ``<target>/ranks/<rank>``.
+    storage_options : dict, optional
+        fsspec options of a URL ``target`` (credentials, ``client_kwargs``).
     make_reduction : callable, optional
         ``(hook_point, name, entry) -> reduction`` for custom reductions (the capture's own
         objects); built-in reductions are made from their recorded kind and options.
@@ -956,6 +969,7 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
         "format": {"name": F.FORMAT_NAME, "version": DISTRIBUTED_FORMAT_VERSION},
         "status": "complete",
         "created": root_attrs.get("created") or first.get("created"),
+        **({"run_id": root_attrs["run_id"]} if isinstance(root_attrs.get("run_id"), str) else {}),
         "updated": F.utc_now(),
         "library": _library_versions(),
         "model": first.get("model"),

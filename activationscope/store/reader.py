@@ -322,6 +322,8 @@ class Store:
         shard's bytes are read once more (about the cost of reading it). Decoded reads check
         every chunk whatever this says. Off, flipped bytes inside a mapped shard read as they
         are (``verify()`` finds them).
+    storage_options : dict, optional
+        fsspec options of a URL ``target`` (credentials, ``client_kwargs``).
 
     Raises
     ------
@@ -1884,7 +1886,8 @@ class Store:
         ``min`` / ``max`` / ``absmax`` / ``l2`` / ``nonzero`` are ``(*feature_shape)``
         float64; ``<hist>.counts`` ``(*feature_shape, bins)`` int64 and ``<hist>.edges``
         ``(bins + 1,)`` float64; ``cov`` ``(D, D)`` float64, ``D = prod(feature_shape)``;
-        ``<topk>.values`` ``(k, *feature_shape)`` float64 and ``<topk>.row_ids`` int64;
+        ``<topk>.values`` ``(n, *feature_shape)`` float64 (``n = min(k, rows)``) and
+        ``<topk>.row_ids`` int64 of the same shape;
         ``<name>.count`` an int64 scalar (observations per output value).
 
         Returns
@@ -1906,7 +1909,9 @@ class Store:
         """``{name: (kind, options)}`` of the reductions of ``hook_point`` in :attr:`reductions`
         (each name as given at capture, e.g. ``"var"``; its results are ``name`` and
         ``name.<key>``), so a reader can pick a statistic by kind rather than by name.
-        ``{}`` when the hook point has none. ``kind`` is ``"custom"`` for a custom reduction."""
+        ``{}`` when the hook point has none. ``kind`` is the built-in's name, ``"script"`` for a
+        custom TorchScript reduction and ``"eager"`` for a custom one run as Python (an entry
+        that records no kind, from another writer, reads as ``"custom"``)."""
         out: dict[str, tuple[str, dict[str, float]]] = {}
         entries = self._complete_reductions().get(hook_point) or {}
         for full, entry in entries.items():

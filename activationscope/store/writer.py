@@ -762,7 +762,8 @@ class StoreWriter:
         Inner-chunk compression (None keeps arrays zero-copy readable); zstd levels 1..22,
         blosc clevel 0..9.
     chunk_rows : int, optional
-        Rows per chunk (default: about 256 KiB of rows in whole 4 KiB pages, at most 16384).
+        Rows per chunk (default: about 256 KiB of rows in whole 4 KiB pages, at most 16384; with
+        an explicit ``shard_bytes``, no larger than it and at most 65536 rows).
     shard_bytes : int, optional
         Target bytes per shard; a shard holds a whole number of chunks. Default: 64 MiB but
         at most 16384 rows, so that every array completes shards -- and so lets commits

@@ -136,6 +136,28 @@ def test_hf_export_never_replaces_what_it_did_not_write(store, tmp_path):
     assert not list(tmp_path.glob("*.tmp"))
 
 
+def test_hf_export_refusals_are_the_library_s_own_error(store, tmp_path):
+    """Every path export_hf leaves alone is refused with ExportExistsError: an
+    ActivationScopeError (so `except ActivationScopeError` catches it) and a FileExistsError."""
+    from activationscope.errors import ActivationScopeError, ExportExistsError
+
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("keep me")
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    earlier = tmp_path / "hf"
+    export_hf(store, earlier, hook_points=["f32"])
+    (earlier / "README.md").write_text("mine")
+    cases = [(folder, "arrow"), (a_file, "arrow"), (earlier, "arrow"), (a_file, "parquet"), (folder, "parquet")]
+    for path, file_format in cases:
+        with pytest.raises(ExportExistsError) as info:
+            export_hf(store, path, hook_points=["f32"], file_format=file_format)
+        assert isinstance(info.value, ActivationScopeError) and isinstance(info.value, FileExistsError)
+        assert str(path) in str(info.value)
+    assert (folder / "notes.txt").read_text() == "keep me" and a_file.read_text() == "x"
+
+
 def test_hf_parquet_export_never_replaces_a_file_it_did_not_write(store, tmp_path):
     for name, content in (("notes.parquet", b"keep me"), ("notes.txt", b"keep me")):
         mine = tmp_path / name

@@ -162,3 +162,36 @@ def test_a_pickled_memory_store_in_another_process_says_where_it_lives():
 
     with pytest.raises(StoreError, match=r"a memory:// store exists only inside the process that made it \(pid 1\)"):
         _reopen_pickled("memory://nowhere/s.zarr", {"cache_bytes": 1024, "verify": False}, None, 1)
+
+
+def test_a_multi_rank_store_has_a_run_id_that_a_resume_and_the_commit_keep(tmp_path):
+    """FORMAT.md section 2: a new multi-rank store (its root, written before the ranks) has a
+    run_id of its own, an overwrite gets another, and a resume (a torchrun restart) and the
+    commit keep the run (run_id and created) that readers opened before them are reading."""
+    from activationscope.store.ranks import commit_ranks, prepare_root
+
+    import activationscope as acs
+
+    path = tmp_path / "m.zarr"
+    prepare_root(str(path), world_size=2)
+    first = json.loads((path / "zarr.json").read_text())["attributes"]["activationscope"]
+    assert isinstance(first.get("run_id"), str) and 1 <= len(first["run_id"]) <= 128
+    # an earlier run's root (its created second long past): a resume keeps it as it is
+    edit_root(path, lambda a: a.update(created="2020-01-01T00:00:00Z"))
+    prepare_root(str(path), world_size=2, resume=True)
+    resumed = json.loads((path / "zarr.json").read_text())["attributes"]["activationscope"]
+    assert (resumed["run_id"], resumed["created"]) == (first["run_id"], "2020-01-01T00:00:00Z")
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    for task in range(2):
+        scope = acs.ActivationScope(store=str(path), store_options={"shard_rows": 8, "process_group": acs.RankStore(task, 2)})
+        with scope.track(model):
+            model(torch.randn(4, 4))
+    reader = open_store(path)                    # the ranks, before the commit
+    commit_ranks(str(path))
+    committed = open_store(path).attrs
+    assert (committed["run_id"], committed["created"]) == (first["run_id"], "2020-01-01T00:00:00Z")
+    reader.refresh()                             # the same run, committed: no "replaced"
+    assert reader.status == "complete" and reader.n_samples == 8
+    prepare_root(str(path), world_size=2, overwrite=True)
+    again = json.loads((path / "zarr.json").read_text())["attributes"]["activationscope"]
+    assert isinstance(again.get("run_id"), str) and again["run_id"] != first["run_id"]

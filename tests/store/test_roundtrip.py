@@ -250,6 +250,19 @@ def test_invalid_options_write_nothing(tmp_path, kwargs, match):
     assert not (tmp_path / "s.zarr").exists()
 
 
+def test_unknown_compression_lists_every_accepted_form():
+    """The refusal lists every form parse_compression accepts (store.md's options table),
+    'blosc-lz4:<clevel>' included, each of which is then accepted."""
+    from activationscope.store import _format as F
+
+    with pytest.raises(acs.errors.ArgumentValueError) as info:
+        F.parse_compression("lzma")
+    listed = re.search(r"one of (\[.*?\])", str(info.value)).group(1)
+    assert listed == "[None, 'zstd', 'zstd:<level>', 'blosc-lz4', 'blosc-lz4:<clevel>']"
+    for form in ("zstd", "zstd:7", "blosc-lz4", "blosc-lz4:2"):
+        assert F.parse_compression(form) is not None
+
+
 def test_shape_change_between_batches_names_the_hook_point(tmp_path):
     model = torch.nn.Sequential(torch.nn.Identity())
     scope = acs.ActivationScope(store=str(tmp_path / "s.zarr"))
