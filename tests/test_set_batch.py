@@ -393,7 +393,7 @@ def test_a_tracked_sequence_first_module_is_named_in_a_store_capture(tmp_path):
     model = _SeqFirst().eval()
     x = torch.randn(5, 3, 4)  # (pos, batch, features)
     with pytest.warns(acs.CaptureWarning, match=r"sequence-first \(batch_first=False\).*'lstm' \(LSTM\): "
-                      r"lstm\.output\.0, lstm\.output\.1\.0, lstm\.output\.1\.1\. A store's rows are the first "
+                      r"lstm\.output\.0, lstm\.output\.1\.0, lstm\.output\.1\.1\. Rows are the first "
                       r"dimension.*batch_first=True"):
         with acs.ActivationScope(store=str(tmp_path / "s.zarr")).track(model) as tracker, torch.no_grad():
             tracker.set_batch(label=[0, 1, 0])
@@ -410,3 +410,8 @@ def test_a_tracked_sequence_first_module_is_named_in_a_store_capture(tmp_path):
             with acs.ActivationScope(**store_opts).track(m, **kw) as tracker, torch.no_grad():
                 tracker.set_batch(label=[0, 1, 0])
                 m(x.transpose(0, 1).contiguous() if m is first else x)
+    # in memory with reductions: reduced over positions, named the same way (only the reduced ones)
+    with pytest.warns(acs.CaptureWarning, match=r"'lstm' \(LSTM\): lstm\.output\.0\. Rows are the first dimension"):
+        with acs.ActivationScope(reductions={"lstm.output.0": ["mean"]}).track(model) as tracker, torch.no_grad():
+            model(x)
+    assert tracker.reductions["lstm.output.0"]["mean"].shape == (3, 8)  # (per batch member: positions reduced)

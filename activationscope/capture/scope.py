@@ -1675,14 +1675,16 @@ class Tracker:
         )
 
     def _warn_sequence_first(self) -> None:
-        """At a store capture's first captured forward, name the tracked modules built
-        sequence-first (``batch_first=False``: ``nn.LSTM`` / ``GRU`` / ``RNN``, ``nn.Transformer``,
-        ``nn.MultiheadAttention`` and the layers holding one, by default) that recorded hook
-        points: a store's rows are the first dimension of each activation, so theirs are
-        positions with the batch among the features, which the row table lists as samples."""
+        """At the first captured forward of a store capture or of one with reductions, name the
+        tracked modules built sequence-first (``batch_first=False``: ``nn.LSTM`` / ``GRU`` /
+        ``RNN``, ``nn.Transformer``, ``nn.MultiheadAttention`` and the layers holding one, by
+        default) that recorded hook points (stored, or reduced): rows are the first dimension of
+        each activation, so theirs are positions with the batch among the features, which the
+        row table lists as samples and reductions take as observations."""
         by_module: dict[str, list[str]] = {}
         for hp in self._sinks:
-            by_module.setdefault(self._module_of(hp), []).append(hp)
+            if self.writer is not None or self._reduction_names.get(hp):
+                by_module.setdefault(self._module_of(hp), []).append(hp)
         found = []
         for name, module in self._modules:
             first = getattr(module, "batch_first", None)
@@ -1693,10 +1695,10 @@ class Tracker:
         if found:
             warnings.warn(
                 "tracked modules built sequence-first (batch_first=False) take and give (pos, batch, ...) "
-                f"tensors: {'; '.join(found)}. A store's rows are the first dimension of each activation, so "
-                "these hook points store one row per position, with the batch among the features, and the row "
-                "table lists those rows as samples. Build the module with batch_first=True (the same state_dict "
-                "loads) and feed it (batch, pos, ...) inputs, or exclude= it",
+                f"tensors: {'; '.join(found)}. Rows are the first dimension of each activation, so these hook "
+                "points store (and reduce over) one row per position, with the batch among the features, and the "
+                "row table lists those rows as samples. Build the module with batch_first=True (the same "
+                "state_dict loads) and feed it (batch, pos, ...) inputs, or exclude= it",
                 CaptureWarning,
                 stacklevel=2,
             )
@@ -1722,7 +1724,7 @@ class Tracker:
                 self._refuse(missing, [])
         if self._n_captured == 0:  # the first captured forward gave its hook points
             self._check_reduction_patterns(list(self._sinks), "the first captured forward gave")
-            if self.writer is not None:
+            if self.writer is not None or self._reduction_names:
                 self._warn_sequence_first()
         if self._stop_learnt and not (self._core.stopped or self._core.past_stop) and not self._warned_stop:
             self._warned_stop = True
