@@ -43,7 +43,7 @@ from . import _format as F
 from . import _validate as V
 from ._backend import LocalBackend, check_backend_not_in_store, resolve
 from ._lock import WriterLock
-from .reader import Store, _no_rank_column, concat_rank_tables, listed_rank_stores
+from .reader import Store, _no_rank_column, check_rank_column_types, listed_rank_stores
 from .writer import ROW_KINDS, _builtin_state_fits, _library_versions, _write_small_array, resume_history
 
 RANKS_DIR = "ranks"
@@ -344,7 +344,7 @@ def _rank_row_tables(stores: list[Store], hps: list[str], metas: dict[str, dict]
                                      f"{t.num_rows}; run verify on the rank store {st.path!r}; nothing was written")
         out[kind] = [t.append_column("rank", pa.array(np.full(t.num_rows, r, dtype=np.int64)))
                      for r, t in enumerate(tables)]
-        concat_rank_tables(out[kind], list(range(len(stores))), stores, kind, "; nothing was written")  # (types agree)
+        check_rank_column_types(out[kind], list(range(len(stores))), stores, kind, "; nothing was written")
     return out
 
 

@@ -276,17 +276,26 @@ def _no_rank_column(table: Any, st: Any, rank: int) -> None:
             "capture again with that column renamed"
         )
 
-def concat_rank_tables(tables: list, ranks: list[int], stores: list, kind: str, after: str = "") -> Any:
+def concat_rank_tables(tables: list, ranks: list[int], stores: list, kind: str) -> Any:
     """The row tables of rank stores (each with its ``rank`` column) as one table, in the
-    order given; a column missing from a rank is null there. ``after``: the end of the
-    message of the error below.
+    order given; a column missing from a rank is null there.
 
     Raises
     ------
     StoreError
-        Two ranks hold a column of the same name with other types (a user column given as
-        int64 by one rank and float by another): naming the column, both ranks and types.
+        As :func:`check_rank_column_types`.
     """
+    import pyarrow as pa
+
+    check_rank_column_types(tables, ranks, stores, kind)
+    return pa.concat_tables(tables, promote_options="default")
+
+
+def check_rank_column_types(tables: list, ranks: list[int], stores: list, kind: str, after: str = "") -> None:
+    """Raise :class:`StoreError` when two ranks' row tables hold a column of the same name
+    with other types (a user column given as int64 by one rank and float by another; a
+    column all null on a rank takes any type), naming the column, both ranks and types.
+    ``after``: the end of the message."""
     import pyarrow as pa
 
     seen: dict[str, tuple[int, Any]] = {}
@@ -301,7 +310,6 @@ def concat_rank_tables(tables: list, ranks: list[int], stores: list, kind: str, 
                     f"set_batch({field.name}=tensor.to(one dtype))){after}")
             if pa.types.is_null(first[1]):
                 seen[field.name] = (r, field.type)
-    return pa.concat_tables(tables, promote_options="default")
 
 
 class Store:
