@@ -284,9 +284,8 @@ def _sample_id_numbers(ids: Any, id_type: pa.DataType) -> np.ndarray:
                 raise ArgumentValueError(f"{what} is a meta tensor, which holds no values: build it on the CPU")
             t = ids.detach().to("cpu")
             good = t.dtype in _INT_DTYPES or not unsigned and t.dtype.is_floating_point
-            if good and t.dtype == _UINT64:
-                t = t.view(torch.int64)  # (bits kept: read back as uint64 below)
-            arr = t.numpy().view(np.uint64) if good and ids.dtype == _UINT64 else t.numpy() if good else None
+            # (numpy takes no torch.uint64: its bits, as int64, read back as uint64)
+            arr = None if not good else t.view(torch.int64).numpy().view(np.uint64) if t.dtype == _UINT64 else t.numpy()
         else:
             good = ids.dtype.kind in ("iu" if unsigned else "iuf")
             arr = ids
