@@ -1,36 +1,110 @@
 #!/usr/bin/env bash
-# The CUDA path on a CUDA machine, in under 8 minutes: build the extension, run the
-# `gpu`-marked tests, then a short GPU benchmark (capture / plain on the toy model and a
-# transformer, pinned asynchronous copies against the copy engine alone; see
-# benchmark/gpu_bench.py). Run from anywhere: bash benchmark/gpu_check.sh
+# The CUDA path on a CUDA machine, in under 8 minutes: install the wheels of .whl/ (the
+# dependencies the machine lacks, see benchmark/gpu_wheels.sh), build the extension against the
+# machine's torch, run the `gpu`-marked tests, then a short GPU benchmark (capture / plain on
+# the toy model and a transformer, pinned asynchronous copies against the copy engine alone;
+# see benchmark/gpu_bench.py). Run from anywhere: bash benchmark/gpu_check.sh
 #
-#   PY      python to use (default: .venv/bin/python if present, else python)
-#   OUT     folder for the JSON and the logs (default: benchmark/results)
+#   PY                 python to use (default: .venv/bin/python if present, else python3, else python)
+#   OUT                folder for the JSON and the logs (default: benchmark/results)
+#   WHEELS             folder of wheels to install first when it holds any (default: .whl)
+#   ACS_SITE           where those wheels are installed, put on PYTHONPATH (default: a new temporary folder)
+#   ACS_GPU_DRY_RUN=1  run every step on the CPU except those that need CUDA: the wheel install,
+#                      the build, the collection of the gpu-marked tests (they skip without
+#                      CUDA) and the benchmark script with --device cpu and small sizes; proves
+#                      the plumbing on a machine without a GPU (no GPU figure comes out of it)
+#   ACS_BUILD_TIMEOUT_S  the build step's limit (default 210; a 2-core machine needs about 15 minutes)
 #
-# Each step has its own time limit (build 300 s, tests 120 s, benchmark 120 s); the script
-# stops at the first failure with that step's exit status.
-set -euo pipefail
+# Each step has its own time limit (wheels 30 s, build 210 s, tests 120 s, benchmark 120 s:
+# 8 minutes at the very worst). The device and build steps stop
+# the script at a failure; the tests and the benchmark run whatever the other's outcome, and
+# the script exits with the first failing step's status.
+set -uo pipefail
 cd "$(dirname "$0")/.."
-PY=${PY:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python )}
+if [ -z "${PY:-}" ]; then
+  if [ -x .venv/bin/python ]; then PY=.venv/bin/python
+  elif command -v python3 >/dev/null; then PY=python3
+  else PY=python
+  fi
+fi
+DRY=${ACS_GPU_DRY_RUN:-0}
 OUT=${OUT:-benchmark/results}
+WHEELS=${WHEELS:-.whl}
 mkdir -p "$OUT"
 STAMP=$(date +%Y-%m-%d)
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 start=$(date +%s)
+status=0
 step() { echo "== [$(( $(date +%s) - start )) s] $*"; }
+fail() {  # fail STATUS WHAT: remember the first failure
+  echo "!! $2 failed (exit status $1)"
+  [ "$status" -ne 0 ] || status=$1
+}
+
+step "python: $PY ($("$PY" -c 'import sys; print(sys.version.split()[0])' 2>&1))$([ "$DRY" = 1 ] && echo ', dry run on the CPU')"
+
+if compgen -G "$WHEELS/*.whl" >/dev/null; then
+  SITE=${ACS_SITE:-$(mktemp -d /tmp/acs-site.XXXXXX)}
+  step "install $(ls "$WHEELS"/*.whl | wc -l) wheels of $WHEELS into $SITE"
+  timeout 30 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --disable-pip-version-check --target "$SITE" "$WHEELS"/*.whl || { fail $? "wheel install"; exit $status; }
+  export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+step "runtime dependencies"
+"$PY" - <<'EOF' || { fail $? "dependency check"; exit $status; }
+import importlib, sys
+missing = []
+for name in ("torch", "numpy", "zarr", "numcodecs", "google_crc32c", "donfig", "pyarrow", "fsspec", "tqdm", "pytest"):
+    try:
+        mod = importlib.import_module(name)
+        print(f"  {name} {getattr(mod, '__version__', '')} ({mod.__file__})")
+    except ImportError as e:
+        missing.append(f"{name} ({e})")
+if missing:
+    sys.exit(f"missing: {', '.join(missing)}: run `bash benchmark/gpu_wheels.sh` where pip works, and bring .whl/ along")
+EOF
 
 step "device"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
-"$PY" -c "import torch, sys; ok = torch.cuda.is_available(); print('torch', torch.__version__, 'cuda', torch.version.cuda, 'available', ok); sys.exit(0 if ok else 3)"
+if [ "$DRY" = 1 ]; then
+  echo "  dry run: no CUDA needed"
+else
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+  "$PY" -c "import torch, sys; ok = torch.cuda.is_available(); print('torch', torch.__version__, 'cuda', torch.version.cuda, 'available', ok, 'devices', torch.cuda.device_count()); sys.exit(0 if ok else 3)" \
+    || { fail $? "CUDA check (torch.cuda.is_available() is False; ACS_GPU_DRY_RUN=1 runs the CPU steps)"; exit $status; }
+fi
 
-step "build the extension (setup.py build_ext --inplace, MAX_JOBS=$(nproc))"
-MAX_JOBS=$(nproc) timeout 300 "$PY" setup.py -q build_ext --inplace 2>&1 | tail -5
-"$PY" -c "import activationscope._C"
+step "build the extension against torch $("$PY" -c 'import torch; print(torch.__version__)') (setup.py build_ext --inplace, MAX_JOBS=$(nproc))"
+MAX_JOBS=$(nproc) timeout "${ACS_BUILD_TIMEOUT_S:-210}" "$PY" setup.py -q build_ext --inplace >"$OUT/gpu-build-$STAMP.log" 2>&1
+rc=$?
+tail -5 "$OUT/gpu-build-$STAMP.log"
+[ $rc -eq 0 ] || { fail $rc "build (log: $OUT/gpu-build-$STAMP.log)"; exit $status; }
+"$PY" -c "from activationscope.capture import _native; m = _native.load(); print('  loaded', m.__file__, 'built against torch', m.TORCH_VERSION)" \
+  || { fail $? "loading the extension"; exit $status; }
 
+# Collecting `tests` imports every test module; those that need packages missing here (dask,
+# moto, transformer_lens, ...) import them inside the tests (pytest.importorskip), so the
+# gpu-marked tests are collected with the rest. Without CUDA every gpu-marked test skips.
 step "gpu-marked tests"
-timeout 120 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tee "$OUT/gpu-tests-$STAMP.log" | tail -15
+timeout 120 "$PY" -m pytest -q -rs -p no:cacheprovider -m gpu tests >"$OUT/gpu-tests-$STAMP.log" 2>&1
+rc=$?
+tail -25 "$OUT/gpu-tests-$STAMP.log"
+if [ $rc -ne 0 ]; then
+  fail $rc "gpu-marked tests"
+elif [ "$DRY" = 1 ] && ! grep -q -E '[0-9]+ skipped' "$OUT/gpu-tests-$STAMP.log"; then
+  fail 1 "gpu-marked tests (the dry run expects them collected and skipped)"
+fi
 
 step "GPU benchmark"
-timeout 120 "$PY" -m benchmark.gpu_bench --json "$OUT/gpu-$STAMP.json" 2>&1 | tee "$OUT/gpu-bench-$STAMP.log"
+if [ "$DRY" = 1 ]; then
+  BENCH=(--device cpu --forwards 5 --repeats 1)
+else
+  BENCH=()
+fi
+timeout 120 "$PY" -m benchmark.gpu_bench "${BENCH[@]}" --json "$OUT/gpu-$STAMP.json" >"$OUT/gpu-bench-$STAMP.log" 2>&1
+rc=$?
+cat "$OUT/gpu-bench-$STAMP.log"
+[ $rc -eq 0 ] || fail $rc "GPU benchmark"
 
-step "done: $OUT/gpu-$STAMP.json"
+step "done (exit status $status): $OUT/gpu-$STAMP.json and the logs gpu-*-$STAMP.log"
+exit $status
