@@ -5,6 +5,7 @@
 #include <torch/script.h>
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -41,6 +42,15 @@ class ScriptReduction : public Reduction {
     ACS_CHECK(acc_.defined() || acc_optional_, "custom reduction '", label(),
               "' declares acc as Tensor, so it cannot start from None: annotate it "
               "acc: Optional[Tensor] or pre-seed the accumulator (init=...)");
+    // An accumulator that did not come from rows of this device follows the rows: an init=
+    // or a stored state (resume) is on the CPU, committed rows read back from a store are on
+    // the CPU while a CUDA model's rows are not, and init= is one tensor for hook points that
+    // may live on several devices. One made from rows of this device stays where the function
+    // put it.
+    if (acc_.defined() && acc_.device() != rows.device() && rows_device_ != rows.device()) {
+      c10::InferenceMode normal(false);
+      acc_ = acc_.to(rows.device());
+    }
     // The accumulator as it was: put back when this batch fails (the function raises, writes
     // into x or returns no tensor). A function seen updating acc in place, or not yet seen with
     // an accumulator, works on a copy, so that what is put back is untouched.
@@ -83,6 +93,7 @@ class ScriptReduction : public Reduction {
       // change with the model's memory: keep a copy.
       if (acc.has_storage() && rows.has_storage() && acc.storage().is_alias_of(rows.storage())) acc = acc.clone();
       acc_ = std::move(acc);
+      rows_device_ = rows.device();
     } catch (...) {
       acc_ = kept;
       throw;
@@ -135,6 +146,7 @@ class ScriptReduction : public Reduction {
       a = kv.second;
     }
     acc_ = a.defined() ? a.detach() : a;
+    rows_device_ = std::nullopt;  // (moved to the rows' device at the next update)
   }
   std::shared_ptr<Reduction> fresh() const override {
     return std::make_shared<ScriptReduction>(path_, opts_, module_, name_);
@@ -179,6 +191,7 @@ class ScriptReduction : public Reduction {
   bool in_place_ = false;  // the function was seen updating acc in place
   bool seen_ = false;      // the function was seen with an accumulator (in place or not)
   at::Tensor acc_;
+  std::optional<c10::Device> rows_device_;  // the device of the rows acc_ was last made from
 };
 
 }  // namespace

@@ -302,6 +302,7 @@ class EagerReduction(_C.Reduction):
         self._acc_shared = False
         self._in_place = False  # the function was seen updating acc in place
         self._seen = False  # the function was seen with an accumulator (in place or not)
+        self._rows_device: torch.device | None = None  # the device of the rows self._acc was last made from
 
     @property
     def options(self) -> dict[str, float]:
@@ -321,6 +322,11 @@ class EagerReduction(_C.Reduction):
         # in place (or not yet seen with one) works on a copy, so a batch it fails on leaves the
         # accumulator untouched
         acc_in = self._acc
+        if acc_in is not None and acc_in.device != rows.device and self._rows_device != rows.device:
+            # as the native reduction: an accumulator that did not come from rows of this device
+            # (init=, a stored state, committed rows read back from a store) follows the rows
+            with torch.inference_mode(False):
+                acc_in = self._acc = acc_in.to(rows.device)
         frozen = acc_in is not None and acc_in.is_inference() and not torch.is_inference_mode_enabled()
         if acc_in is not None and (self._acc_shared or frozen or self._in_place or not self._seen):
             with torch.inference_mode(False):  # a normal tensor, which may be updated in place anywhere
@@ -356,6 +362,7 @@ class EagerReduction(_C.Reduction):
             acc = acc.clone()  # x itself (`return x` for the first batch) or a view of it: the model's memory
         self._acc = acc
         self._acc_shared = False
+        self._rows_device = rows.device
 
     def merge(self, other: "EagerReduction") -> None:
         raise ReductionError(
@@ -378,6 +385,7 @@ class EagerReduction(_C.Reduction):
         acc = state.get("acc")
         self._acc = None if acc is None else acc.detach()
         self._acc_shared = True
+        self._rows_device = None  # (moved to the rows' device at the next update)
 
     def fresh(self) -> "EagerReduction":
         return EagerReduction(self._fn, self._options)
