@@ -85,11 +85,18 @@ at::Tensor Sink::cast_checked(const at::Tensor& src, at::ScalarType dtype) {
   return cast;
 }
 
+namespace {
+// Whether a cast from -> to can turn a finite value into inf (a narrower floating dtype).
+bool cast_may_overflow(at::ScalarType from, at::ScalarType to) {
+  if (!(at::isFloatingType(to) || at::isComplexType(to))) return false;
+  const double room = largest_finite(to);
+  return !(room > 0 && room >= largest_finite(from));
+}
+}  // namespace
+
 void Sink::check_cast(const at::Tensor& src, const at::Tensor& cast) {
   const at::ScalarType dtype = cast.scalar_type();
-  if (!(at::isFloatingType(dtype) || at::isComplexType(dtype))) return;
-  const double room = largest_finite(dtype);
-  if (room > 0 && room >= largest_finite(src.scalar_type())) return;  // a cast that cannot overflow
+  if (!cast_may_overflow(src.scalar_type(), dtype)) return;
   bool maybe = true;  // some value is inf or NaN after the cast
   if (cast.device().is_cpu() && cast.is_contiguous()) {
     const int64_t n = cast.numel();
@@ -285,7 +292,15 @@ Sink::Record Sink::snapshot(const at::Tensor& x) {
   }
   if (on_device) {
     rec.t = at::empty(x.sizes(), at::TensorOptions().dtype(dtype).pinned_memory(true));
-    pending_.push_back(device_to_host(x, rec.t));
+    if (dtype != x.scalar_type() && cast_may_overflow(x.scalar_type(), dtype)) {
+      // A narrowing storage_dtype (float32 -> float16): checked for overflow on the device
+      // before the copy, as a record cast on the CPU is (the check waits for the cast).
+      const at::Tensor cast = x.to(dtype);
+      check_cast(x, cast);
+      pending_.push_back(device_to_host(cast, rec.t));
+    } else {
+      pending_.push_back(device_to_host(x, rec.t));
+    }
     return rec;
   }
   const bool plain = dtype == x.scalar_type() && x.is_contiguous() && x.layout() == at::kStrided && !x.is_conj() &&
@@ -496,7 +511,12 @@ void Sink::consume(const at::Tensor& x_in, const at::Tensor& token_mask) {
     const bool copy = options_.snapshot || x.is_inference();
     Record rec;
     if (copy) {
-      rec = snapshot(x);
+      try {  // (a narrowing storage_dtype of a device tensor is checked for overflow there)
+        rec = snapshot(x);
+      } catch (...) {
+        count_call(-1);
+        throw;
+      }
       if (!need_rows && options_.storage_dtype && x.scalar_type() != *options_.storage_dtype && rec.t.defined() &&
           rec.t.device() == x.device()) {
         try {  // a cast record (not one copied to the host asynchronously): checked for overflow
