@@ -179,6 +179,7 @@ def test_taken_batch_indexes_read_the_rows_of_their_positions(ds, data, index, r
         assert torch.equal(ds[list(index)]["a"], got["a"])
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_a_cuda_index_tensor_reads_the_same_rows(ds, data):
     _, a = data

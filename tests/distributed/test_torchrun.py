@@ -123,6 +123,34 @@ def test_merged_reductions_equal_one_process(captured):
         assert int(got["var.count"]) == len(rows)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_two_ranks_of_a_cuda_model_make_one_store_equal_to_one_process(tmp_path):
+    # every rank's model on the CUDA device (gloo: both ranks share the one GPU a test machine
+    # may have): rows copied from the device, reductions accumulated there, merged at the commit
+    store = tmp_path / "cuda.zarr"
+    out = _torchrun(store, "--device", "cuda")
+    assert out.returncode == 0, out.stderr[-3000:]
+    model = job.toy_mlp(job.WIDTH, 3).eval().cuda()
+    one = tmp_path / "one.zarr"
+    scope = acs.ActivationScope(store=str(one), reductions=["mean", "var", "cov"],
+                                store_options={**job.STORE_OPTIONS, "process_group": False})
+    with scope.track(model) as tracker, torch.no_grad():
+        for b in [b for r in range(WORLD) for b in job.batches_of(r, WORLD)]:
+            tracker.set_batch(sample_ids=torch.arange(b * job.BATCH, (b + 1) * job.BATCH))
+            model(job.batch(b).cuda())
+    st, ref = acs.open_store(store), acs.open_store(one)
+    rank_rows = [len(job.batches_of(r, WORLD)) * job.BATCH for r in range(WORLD)]
+    perm = torch.from_numpy(_documented_order(rank_rows, job.STORE_OPTIONS["shard_rows"]))
+    assert st.status == "complete" and st.hook_points == ref.hook_points and len(st.hook_points) >= 3
+    for hp in st.hook_points:
+        assert torch.equal(st[hp], ref[hp][perm]), hp
+        rows = ref[hp].double()
+        torch.testing.assert_close(st.reductions[hp]["mean"], rows.mean(0), rtol=1e-12, atol=1e-15)
+        torch.testing.assert_close(st.reductions[hp]["var"], rows.var(0, correction=0), rtol=1e-11, atol=1e-15)
+    assert st.verify() == []
+
+
 def test_other_readers_read_the_multi_rank_store(captured):
     import zarr
 

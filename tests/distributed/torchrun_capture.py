@@ -66,6 +66,7 @@ def main() -> None:
     p.add_argument("--die-how", choices=["exit", "sigkill"], default="exit")
     p.add_argument("--plain-init", action="store_true")
     p.add_argument("--storage-options", type=json.loads, default=None)
+    p.add_argument("--device", default="cpu", help="the model's device (cuda: every rank on the current one, gloo)")
     args = p.parse_args()
     torch.set_num_threads(1)
     distributed = "WORLD_SIZE" in os.environ
@@ -75,7 +76,7 @@ def main() -> None:
         else:
             acs.init_process_group("gloo")
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-    model = toy_mlp(WIDTH, 3).eval()
+    model = toy_mlp(WIDTH, 3).eval().to(args.device)
     scope = acs.ActivationScope(store=args.store, reductions=["mean", "var", "cov"],
                                 store_options={**STORE_OPTIONS, "resume": args.resume,
                                                **({"storage_options": args.storage_options} if args.storage_options else {})})
@@ -100,7 +101,7 @@ def main() -> None:
 
                 model[2].register_forward_hook(die)
             tracker.set_batch(sample_ids=torch.arange(b * BATCH, (b + 1) * BATCH))
-            model(batch(b))
+            model(batch(b).to(args.device))
     summary = getattr(tracker.writer, "summary", None)
     if rank == 0 and summary is not None and "://" not in args.store:
         with open(args.store + ".summary.json", "w") as f:

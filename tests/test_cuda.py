@@ -1,0 +1,353 @@
+"""The CUDA paths, each against plain PyTorch: SNAPSHOT through pinned host buffers and
+asynchronous copies (later in-place changes, many forwards in flight, keep="last", a non-default
+compute stream), GPU storage, REFERENCE, storage dtypes, a store written from CUDA (sample and
+token rows, fp16 / bf16), reductions (built-in and TorchScript, resumed), read-back through a
+DataLoader with pinned memory, and a model on a second device. Tests that take the ``device``
+fixture also run on the CPU; their ``cuda`` cases, and the tests that need CUDA itself, are
+marked ``gpu`` and skipped without CUDA (``bash benchmark/gpu_check.sh`` runs them on a CUDA
+machine)."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Optional
+
+import pytest
+import torch
+
+import activationscope as acs
+from activationscope import CaptureMode, ReductionPolicy, StoragePolicy
+
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+DTYPE_IDS = ["float32", "float16", "bfloat16"]
+
+
+def _deep(device, width: int = 256, depth: int = 8, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.ReLU(inplace=True)]
+    return torch.nn.Sequential(*layers).to(device=device, dtype=dtype).eval()
+
+
+def _reference(model: torch.nn.Module, x: torch.Tensor, names: list[str]) -> dict[str, torch.Tensor]:
+    """``{<name>.output: host copy}`` of one forward through plain PyTorch hooks (cloned at the
+    call, so later in-place changes of the model do not reach them)."""
+    out: dict[str, torch.Tensor] = {}
+    mods = dict(model.named_modules())
+    handles = [mods[n].register_forward_hook(lambda m, a, o, _n=n: out.__setitem__(f"{_n}.output", o.detach().clone()))
+               for n in names]
+    try:
+        with torch.no_grad():
+            model(x)
+    finally:
+        for h in handles:
+            h.remove()
+    return {k: v.cpu() for k, v in out.items()}
+
+
+def _on_host(rec: torch.Tensor, device: torch.device) -> bool:
+    """A record kept in host memory: pinned when it came from CUDA (an asynchronous copy)."""
+    return rec.device.type == "cpu" and (device.type != "cuda" or rec.is_pinned())
+
+
+LINEARS = [str(2 * i) for i in range(8)]
+
+
+@torch.no_grad()
+def test_snapshot_of_many_forwards_in_flight_equals_plain_hooks(device):
+    # each Linear's output is changed in place by the ReLU right after it (on the compute
+    # stream, while its copy to pinned host memory runs on a side stream), and every forward
+    # queues 8 copies of 4 MiB: a buffer reused or read before its copy finished shows here
+    model = _deep(device)
+    xs = [torch.randn(4096, 256, device=device) for _ in range(6)]
+    want = [_reference(model, x, LINEARS) for x in xs]
+    with acs.ActivationScope().track(model, include=LINEARS) as tr:
+        for x in xs:
+            model(x)
+    acts = tr.activations
+    assert sorted(acts) == sorted(f"{n}.output" for n in LINEARS)
+    for hp, recs in acts.items():
+        assert len(recs) == len(xs)
+        for i, rec in enumerate(recs):
+            assert _on_host(rec, device)
+            assert torch.equal(rec, want[i][hp]), (hp, i)
+            assert (rec < 0).any()  # the value before the in-place ReLU
+
+
+@torch.no_grad()
+def test_snapshot_keep_last_is_the_last_forward(device):
+    model = _deep(device, depth=2)
+    xs = [torch.randn(2048, 256, device=device) for _ in range(5)]
+    scope = acs.ActivationScope(reduction_policy=ReductionPolicy.FINAL_ONLY, reductions=["mean"])
+    with scope.track(model, include=["0"]) as tr:
+        for x in xs:
+            model(x)
+    (rec,) = tr.activations["0.output"]
+    assert _on_host(rec, device)
+    assert torch.equal(rec, _reference(model, xs[-1], ["0"])["0.output"])
+    mean = torch.cat([model[0](x) for x in xs]).double().mean(0).cpu()
+    assert torch.allclose(tr.reductions["0.output"]["mean"].cpu(), mean, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("side", [True, False], ids=["side_stream", "default_stream"])
+@pytest.mark.parametrize("capture_mode", [CaptureMode.SNAPSHOT, CaptureMode.REFERENCE])
+@pytest.mark.parametrize("storage", [StoragePolicy.AUTO, StoragePolicy.GPU])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@torch.no_grad()
+def test_capture_on_a_compute_stream_of_its_own(side, capture_mode, storage):
+    # the model runs on a stream of its own: each copy must wait for that stream's work, and
+    # the records read afterwards are its values
+    model = _deep("cuda", depth=3)
+    x = torch.randn(4096, 256, device="cuda")
+    names = ["0", "2", "4"]
+    want = _reference(model, x, names)
+    s = torch.cuda.Stream() if side else torch.cuda.current_stream()
+    s.wait_stream(torch.cuda.current_stream())
+    scope = acs.ActivationScope(capture_mode=capture_mode, storage=storage)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (REFERENCE: the in-place ReLU is warned about)
+        with scope.track(model, include=names) as tr:
+            with torch.cuda.stream(s):
+                model(x)
+            torch.cuda.current_stream().wait_stream(s)
+            acts = tr.activations
+    for hp, t in want.items():
+        rec = acts[hp][0]
+        if capture_mode is CaptureMode.REFERENCE:
+            t = t.clamp_min(0)  # the kept tensor itself, changed by the ReLU after it
+        assert torch.equal(rec.cpu(), t), hp
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("storage", [StoragePolicy.AUTO, StoragePolicy.CPU, StoragePolicy.GPU])
+@torch.no_grad()
+def test_storage_and_dtype(device, dtype, storage):
+    model = _deep(device, depth=2, dtype=dtype)
+    x = torch.randn(64, 256, device=device, dtype=dtype)
+    want = _reference(model, x, ["0", "2"])
+    with acs.ActivationScope(storage=storage).track(model, include=["0", "2"]) as tr:
+        model(x)
+    for hp, t in want.items():
+        (rec,) = tr.activations[hp]
+        assert rec.dtype == dtype
+        if storage is StoragePolicy.GPU:
+            assert rec.device == x.device
+        else:
+            assert _on_host(rec, device)
+        assert torch.equal(rec.cpu(), t), hp
+
+
+@pytest.mark.parametrize("storage", [StoragePolicy.AUTO, StoragePolicy.GPU])
+@torch.no_grad()
+def test_storage_dtype_cast(device, storage):
+    model = _deep(device, depth=1)
+    x = torch.randn(64, 256, device=device)
+    want = _reference(model, x, ["0"])["0.output"].to(torch.bfloat16)
+    with acs.ActivationScope(storage=storage, storage_dtype=torch.bfloat16).track(model, include=["0"]) as tr:
+        model(x)
+    (rec,) = tr.activations["0.output"]
+    assert rec.dtype == torch.bfloat16 and torch.equal(rec.cpu(), want)
+
+
+@torch.no_grad()
+def test_reference_keeps_the_tensor_and_warns_on_in_place_change(device):
+    model = _deep(device, depth=1)
+    x = torch.randn(8, 256, device=device)
+    before = model[0](x).clone()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with acs.ActivationScope(capture_mode=CaptureMode.REFERENCE).track(model, include=["0"]) as tr:
+            model(x)
+        (rec,) = tr.activations["0.output"]
+    assert rec.device == x.device
+    assert torch.equal(rec, before.clamp_min(0))  # the ReLU ran in place on the kept tensor
+    assert any("0.output" in str(w.message) for w in seen)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@torch.no_grad()
+def test_store_equals_plain_hooks(tmp_path, device, dtype):
+    model = _deep(device, depth=2, dtype=dtype)
+    xs = [torch.randn(512, 256, device=device, dtype=dtype) for _ in range(4)]
+    want = [_reference(model, x, ["0", "2"]) for x in xs]
+    path = str(tmp_path / "s.zarr")
+    with acs.ActivationScope(store=path, reductions=["mean"]).track(model, include=["0", "2"]):
+        for x in xs:
+            model(x)
+    st = acs.open_store(path)
+    for hp in ("0.output", "2.output"):
+        rows = torch.cat([w[hp] for w in want])
+        assert st[hp].dtype == dtype and torch.equal(st[hp], rows), hp
+        got_mean = st.reductions[hp]["mean"]
+        assert torch.allclose(got_mean.double(), rows.double().mean(0), rtol=1e-9, atol=1e-12), hp
+
+
+@pytest.mark.parametrize("mask_device", ["cpu", "same"])
+@torch.no_grad()
+def test_store_token_rows(tmp_path, device, mask_device):
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)).to(device).eval()
+    x = torch.randn(4, 10, 32, device=device)
+    mask = torch.ones(4, 10, dtype=torch.bool)
+    mask[1, 6:] = False
+    mask[3, 2:] = False
+    path = str(tmp_path / "t.zarr")
+    with acs.ActivationScope(store=path).track(model, include=["0"]) as tr:
+        tr.set_batch(attention_mask=mask if mask_device == "cpu" else mask.to(device))
+        model(x)
+    want = model[0](x).cpu()[mask]
+    st = acs.open_store(path)
+    assert tuple(st["0.output"].shape) == (int(mask.sum()), 32)
+    assert torch.equal(st["0.output"], want)
+
+
+@torch.no_grad()
+def test_builtin_reductions_equal_torch(device):
+    model = _deep(device, depth=1)
+    xs = [torch.randn(1000, 256, device=device) for _ in range(3)]
+    scope = acs.ActivationScope(reduction_policy=ReductionPolicy.STREAMING, reductions=["mean", "var", "min", "max"])
+    with scope.track(model, include=["0"]) as tr:
+        for x in xs:
+            model(x)
+    rows = torch.cat([model[0](x) for x in xs]).double().cpu()
+    red = {k: v.cpu() for k, v in tr.reductions["0.output"].items()}
+    assert torch.allclose(red["mean"], rows.mean(0), rtol=1e-9, atol=1e-12)
+    assert torch.allclose(red["var"], rows.var(0, correction=0), rtol=1e-9, atol=1e-12)
+    assert torch.equal(red["min"].double(), rows.min(0).values)
+    assert torch.equal(red["max"].double(), rows.max(0).values)
+
+
+def _sum_rows(acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    s = x.double().sum(0)
+    if acc is None:
+        return s
+    return acc + s
+
+
+@torch.no_grad()
+def test_custom_reduction_seeded_on_the_cpu(device):
+    # init= is one tensor for every hook point, made on the CPU: the accumulator follows the
+    # rows to their device (not "Expected all tensors to be on the same device")
+    model = _deep(device, depth=1)
+    x = torch.randn(64, 256, device=device)
+    init = torch.zeros(256, dtype=torch.float64)
+    scope = acs.ActivationScope(reduction_policy=ReductionPolicy.STREAMING, reductions=[("s", _sum_rows, {"init": init})])
+    with scope.track(model, include=["0"]) as tr:
+        model(x)
+        model(x)
+    got = tr.reductions["0.output"]["s"]
+    want = 2 * model[0](x).double().sum(0)
+    assert got.device == x.device and torch.allclose(got, want, rtol=1e-12, atol=1e-9)
+
+
+@torch.no_grad()
+def test_resumed_capture_continues_a_custom_reduction(tmp_path, device):
+    # the stored state (or the committed rows read back) is on the CPU, the new rows on the
+    # model's device
+    model = _deep(device, depth=1)
+    xs = [torch.randn(32, 256, device=device) for _ in range(4)]
+    path = str(tmp_path / "r.zarr")
+    with acs.ActivationScope(store=path, reductions=[("s", _sum_rows)]).track(model, include=["0"]):
+        for x in xs[:2]:
+            model(x)
+    with acs.ActivationScope(store=path, store_options={"resume": True}, reductions=[("s", _sum_rows)]).track(
+            model, include=["0"]):
+        for x in xs[2:]:
+            model(x)
+    st = acs.open_store(path)
+    rows = torch.cat([model[0](x) for x in xs]).cpu()
+    assert torch.equal(st["0.output"], rows)
+    assert torch.allclose(st.reductions["0.output"]["s"], rows.double().sum(0), rtol=1e-12, atol=1e-9)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@torch.no_grad()
+def test_read_back_through_a_dataloader(tmp_path, device, num_workers):
+    model = _deep(device, depth=1)
+    x = torch.randn(100, 256, device=device)
+    path = str(tmp_path / "d.zarr")
+    with acs.ActivationScope(store=path).track(model, include=["0"]):
+        model(x)
+    want = model[0](x)
+    ds = acs.ActivationDataset(path, hook_points=["0.output"])
+    cuda = device.type == "cuda"
+    loader = torch.utils.data.DataLoader(ds, batch_size=16, pin_memory=cuda, num_workers=num_workers,
+                                         multiprocessing_context="fork" if num_workers else None)
+    got = []
+    for batch in loader:
+        t = batch["0.output"]
+        assert t.is_pinned() == cuda
+        got.append(t.to(device, non_blocking=True))
+    assert torch.equal(torch.cat(got), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize("storage", [StoragePolicy.AUTO, StoragePolicy.GPU])
+@torch.no_grad()
+def test_model_on_the_second_device(tmp_path, storage):
+    # the current device stays cuda:0: streams, events and copies must follow the tensor's device
+    model = _deep("cuda:1", depth=2)
+    x = torch.randn(256, 256, device="cuda:1")
+    want = _reference(model, x, ["0", "2"])
+    with acs.ActivationScope(storage=storage, reductions=["mean"]).track(model, include=["0", "2"]) as tr:
+        model(x)
+    for hp, t in want.items():
+        (rec,) = tr.activations[hp]
+        assert rec.device == (torch.device("cuda:1") if storage is StoragePolicy.GPU else torch.device("cpu"))
+        assert torch.equal(rec.cpu(), t), hp
+        assert torch.allclose(tr.reductions[hp]["mean"].cpu(), t.double().mean(0), rtol=1e-9, atol=1e-12)
+    path = str(tmp_path / "d1.zarr")
+    with acs.ActivationScope(store=path).track(model, include=["0"]):
+        model(x)
+    assert torch.equal(acs.open_store(path)["0.output"], want["0.output"])
+
+
+_EAGER_SCALE = 1.0  # a global Python float: TorchScript refuses it, so the function runs eagerly
+
+
+def _sum_rows_eager(acc, x):
+    s = x.double().sum(0) * _EAGER_SCALE
+    return s if acc is None else acc + s
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["script", "eager"])
+def test_custom_accumulator_follows_the_rows_to_their_device(eager):
+    # A CPU stand-in for an init= (or a stored state) on the CPU with rows on a GPU: rows on the
+    # meta device. The accumulator moves to the rows' device once; one the function made from
+    # rows of a device stays where it put it.
+    from activationscope.capture.reductions import make_reduction
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the eager function: "could not be compiled")
+        r = make_reduction(_sum_rows_eager if eager else _sum_rows, init=torch.ones(3, dtype=torch.float64))
+    assert (type(r).__name__ == "EagerReduction") == eager
+    r.update(torch.ones(2, 3, device="meta"))
+    acc = r.result()["value"]
+    assert acc.device.type == "meta" and acc.shape == (3,)
+    r.load_state({"acc": torch.full((3,), 5.0, dtype=torch.float64)})
+    r.update(torch.ones(2, 3))  # rows on the state's device: nothing moves
+    assert r.result()["value"].tolist() == [7.0, 7.0, 7.0]
+
+
+@pytest.mark.parametrize("storage", [StoragePolicy.AUTO, StoragePolicy.CPU, StoragePolicy.GPU])
+@torch.no_grad()
+def test_a_float16_cast_that_overflows_is_an_error_in_memory(device, storage):
+    # as on the CPU: a record copied to the host asynchronously is checked too (on the device)
+    model = torch.nn.Linear(8, 8).to(device).eval()
+    model.weight.copy_(torch.eye(8))
+    model.bias.zero_()
+    x = torch.full((4, 8), 1e5, device=device)  # 1e5 > 65504, float16's largest
+    scope = acs.ActivationScope(storage=storage, storage_dtype=torch.float16)
+    with pytest.raises(acs.CaptureError, match="hook point 'output': storage_dtype=torch.float16 turns finite values "
+                                               "into inf"):
+        with scope.track(model, include=[""]) as tr:
+            model(x)
+    assert tr.activations.get("output", []) == []  # nothing of that call was kept
+    with scope.track(model, include=[""]) as tr:  # values that fit: kept, cast
+        model(x / 1e5)
+    (rec,) = tr.activations["output"]
+    assert rec.dtype == torch.float16 and torch.equal(rec.cpu(), model(x / 1e5).half().cpu())
