@@ -44,7 +44,9 @@ def _torchrun(store: Path | str, *extra: str, script: Path = SCRIPT, max_restart
             env.pop(k, None)
         cmd = [sys.executable, str(script), str(store), *extra]
     else:
-        cmd = [str(TORCHRUN), "--standalone", f"--nproc_per_node={world}", f"--max-restarts={max_restarts}",
+        # (torchrun beside the python, else its module: an environment without console scripts)
+        launcher = [str(TORCHRUN)] if TORCHRUN.exists() else [sys.executable, "-m", "torch.distributed.run"]
+        cmd = [*launcher, "--standalone", f"--nproc_per_node={world}", f"--max-restarts={max_restarts}",
                str(script), str(store), *extra]
     own_tmp = None
     if "TMPDIR" not in (env_in or {}):  # torchrun's agent leaves torchelastic_* folders in TMPDIR
