@@ -31,8 +31,16 @@ _ZSTD_MAGIC = 0xFD2FB528
 _MISSING = 2**64 - 1
 
 
+#: What :data:`FIX` says after the advice that a damaged chunk's own cause may already give.
+_VERIFY_HINT = "`activationscope verify STORE` lists every damaged file"
+
+
 def corrupt(store: Any, what: str, fix: str = FIX) -> StoreCorruptError:
-    """``StoreCorruptError("store <path>: <what>; <fix>")``."""
+    """``StoreCorruptError("store <path>: <what>; <fix>")``. Where ``what`` already advises to
+    restore the store or capture it again (a damaged chunk's cause), :data:`FIX` adds only its
+    pointer to ``verify``, so the advice is given once."""
+    if fix == FIX and "restore the store from an intact copy" in what:
+        fix = _VERIFY_HINT
     return StoreCorruptError(f"store {str(store)!r}: {what}; {fix}")
 
 

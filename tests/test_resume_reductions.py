@@ -396,12 +396,18 @@ def test_reductions_of_an_incomplete_store_say_they_come_at_close(tmp_path):
         x = torch.randn(3, 2)
         model(x)
     tracker.writer.commit()
-    with pytest.raises(KeyError, match=r"'0.output' has no reductions in this store \(yet: the store is 'incomplete', "
-                                       r"and a capture writes its reductions when it closes\)"):
-        acs.open_store(path).reductions["0.output"]
+    opened = acs.open_store(path)
+    with pytest.raises(KeyError, match=r"'0.output' has no reductions in this store \(yet: the store is 'incomplete' "
+                                       r"as this handle last read it, and a capture writes its reductions when it "
+                                       r"closes; store.refresh\(\) sees them once it has\)"):
+        opened.reductions["0.output"]
     tracker.__exit__(None, None, None)
     with torch.no_grad():
         torch.testing.assert_close(acs.open_store(path).reductions["0.output"]["mean"], model(x).double().mean(0))
+        # the handle opened while the capture ran: the refresh its message names shows them
+        opened.refresh()
+        assert opened.status == "complete"
+        torch.testing.assert_close(opened.reductions["0.output"]["mean"], model(x).double().mean(0))
 
 
 def test_a_resume_whose_close_fails_on_a_full_disk_is_resumed_again(tmp_path, monkeypatch):

@@ -223,51 +223,227 @@ def row_table_dask(store: Any, kind: str = "sample", *, storage_options: dict | 
     dask.dataframe.DataFrame
         Rows in row-table order (partition ``p`` is part ``p``); row *i* describes row *i* of
         every ``kind`` array whose ``follows_row_table`` is true. Only the parts listed in
-        the root metadata are read. Parts whose schemas differ (a user column first seen in
-        a later forward) and stores that are not a local directory or URL (an in-memory zarr
-        Store) are read eagerly with :meth:`Store.row_table` (which also checks each part's
-        crc32c) and split into as many partitions.
+        the root metadata are read. Each partition is read when computed, checked as
+        :meth:`Store.row_table` checks its parts (FORMAT.md section 9 rule 15): a regular
+        file inside the store, its crc32c when recorded, its rows and ``batch`` column as its
+        Parquet footer said when the graph was made (the footers' row counts sum to the
+        metadata's ``n_rows``, checked here). Parts whose schemas differ (a user column first
+        seen in a later forward) or repeat a column name, parts without ``batch`` statistics
+        in their footers, and an uncommitted multi-rank store are read eagerly with
+        :meth:`Store.row_table` and split into as many partitions.
 
     Raises
     ------
     ValueError
         ``kind`` is not "sample" or "token".
+    StoreCorruptError
+        A listed part is missing, has no readable Parquet footer, or the parts hold another
+        number of rows than the metadata's ``n_rows`` (named); when computed, a part that is
+        damaged or disagrees with its footer (named).
+    StoreError
+        When computed: the store was replaced since the graph was made.
     """
     dd = _require("dask.dataframe")
     if kind not in ("sample", "token"):
         raise ArgumentValueError(f"kind must be one of ['sample', 'token'], got {kind!r}")
     st = _open(store, storage_options)
-    parts = list(((st.attrs.get("row_tables") or {}).get(kind) or {}).get("parts", []))
+    info = (st.attrs.get("row_tables") or {}).get(kind) or {}
+    parts = list(info.get("parts", []))
     for key in parts:
         if not isinstance(key, str) or not key.startswith(f"rows/{kind}/") or ".." in key.split("/"):
             raise StoreCorruptError(f"row table {kind!r}: part key {key!r} in the metadata of {st.path!r} is not under rows/{kind}/")
-    urls = None
-    if isinstance(st._backend, LocalBackend):
-        for key in parts:  # regular files inside the store only (a FIFO would block pyarrow's open)
-            if st._backend.size(key) is None:
-                raise StoreCorruptError(f"row table {kind!r}: part {key!r} listed in the metadata of {st.path!r} is "
-                                        "missing; run `activationscope verify` on the store")
-        urls = [str(st._backend.path(key)) for key in parts]
-    elif isinstance(store, str) and "://" in store:
-        urls = [store.rstrip("/") + "/" + key for key in parts]
-    if urls:
-        import pyarrow.parquet as pq
+    specs = _part_specs(st, kind, info, parts) if parts and not st._parts else None
+    if specs is not None:
+        import pyarrow as pa
 
-        if isinstance(st._backend, LocalBackend):
-            fs_opts: dict = {}
-            schemas = [pq.read_schema(u) for u in urls]
-        else:
-            import fsspec
-
-            fs_opts = {"storage_options": storage_options or {}}
-            schemas = []
-            for u in urls:
-                with fsspec.open(u, "rb", **(storage_options or {})) as f:
-                    schemas.append(pq.read_schema(f))
-        if all(s.equals(schemas[0]) for s in schemas):
-            return dd.read_parquet(urls, split_row_groups=False, **fs_opts)
+        schema = specs.pop()
+        meta = pa.Table.from_batches([], schema=schema).to_pandas()
+        local = isinstance(st._backend, LocalBackend)
+        root = str(st._backend.root) if local else str(st._backend)
+        zstore = None if local else st._backend.zarr_store(read_only=True)
+        return dd.from_map(_read_part, [root] * len(specs), [zstore] * len(specs), specs, meta=meta,
+                           enforce_metadata=False)
     table = st.row_table(kind).to_pandas()
     return dd.from_pandas(table, npartitions=max(1, len(parts)), sort=False)
+
+
+def _part_specs(st: Store, kind: str, info: dict, parts: list[str]) -> list | None:
+    """The tasks of :func:`row_table_dask`'s partitions (one per part, then the parts' common
+    Arrow schema), from each part's Parquet footer (:func:`_footer`), or None where the parts must be read
+    eagerly (:meth:`Store.row_table`, which checks them all): schemas that differ or repeat a
+    column name, footers without ``batch`` statistics to check the parts' order by.
+
+    Raises StoreCorruptError naming the part when a listed part is missing, not a regular file
+    inside the store, or has no readable footer, and naming both counts when the footers
+    hold another number of rows than the metadata's ``n_rows`` (FORMAT.md section 9 rule 15)."""
+    dist = st.attrs.get("distributed")
+    by_rank = isinstance(dist, dict) and dist.get("committed") is True
+    crcs = info.get("crc32c") if isinstance(info.get("crc32c"), dict) else {}
+    run = list(st._run)
+    specs: list = []
+    schema = None
+    for key in parts:
+        footer = _footer(st, kind, key)
+        part_schema = footer.schema.to_arrow_schema()
+        names = part_schema.names
+        if len(set(names)) != len(names) or (schema is not None and not part_schema.equals(schema)):
+            return None
+        schema = part_schema
+        try:
+            batch = _batch_range(footer, names)
+        except Exception:  # noqa: BLE001 - statistics pyarrow cannot give: the eager read checks the rows
+            batch = None
+        if batch is None:
+            return None
+        if specs and not by_rank and batch[0] < specs[-1]["batch"][1]:
+            return None  # parts out of order: the eager read names the row where the batch goes back
+        specs.append({"key": key, "kind": kind, "n_rows": footer.num_rows, "batch": batch,
+                      "crc32c": crcs.get(key), "by_rank": by_rank, "run": run})
+    if by_rank and len(specs) > 1:
+        return None  # (the order is per rank: checked on the whole table)
+    total = sum(sp["n_rows"] for sp in specs)
+    if "n_rows" in info and total != int(info["n_rows"]):
+        raise V.corrupt(st._backend, f"row table {kind!r} has {total} rows in its parts, but the metadata says "
+                                     f"n_rows {info['n_rows']}")
+    return [*specs, schema]
+
+
+def _footer(st: Store, kind: str, key: str) -> Any:
+    """The Parquet footer (``pyarrow.parquet.FileMetaData``) of row-table part ``key``, read
+    through the store's backend (its last bytes only: a regular file inside the store).
+
+    Raises StoreCorruptError naming the part when it is missing or has no readable footer."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    end = st._backend.tail(key, 8)
+    if end is None:
+        raise V.corrupt(st._backend, f"row table {kind!r}: part {key!r} listed in the metadata is missing")
+    size, last = end
+    problem = None
+    n = int.from_bytes(last[:4], "little") if len(last) == 8 else -1
+    if len(last) < 8 or last[4:] != b"PAR1":
+        problem = f"it does not end with a Parquet footer ({size} bytes)"
+    elif n + 12 > size or n > V.MAX_JSON_BYTES:
+        problem = f"its footer of {n} bytes does not fit in its {size} bytes"
+    else:
+        got = st._backend.tail(key, n + 8)
+        try:
+            if got is None or got[0] != size:
+                raise ValueError("the file changed while its footer was read")
+            footer = pq.read_metadata(pa.BufferReader(b"PAR1" + got[1]))
+            footer.schema.to_arrow_schema()  # (raises on a schema Arrow cannot read)
+            return footer
+        except Exception as e:  # noqa: BLE001 - pyarrow raises ArrowInvalid / OSError / ...
+            problem = f"{type(e).__name__}: {e}"
+    raise V.corrupt(st._backend, f"row-table part {key!r} is not a readable Parquet file ({problem})")
+
+
+def _batch_range(footer: Any, names: list[str]) -> tuple[int, int] | None:
+    """(min, max) of a part's integer ``batch`` column from its footer's statistics ((0, 0)
+    for no rows); None when it has none to give."""
+    if "batch" not in names:
+        return None
+    if footer.num_rows == 0:
+        return (0, 0)
+    col = names.index("batch")
+    lo, hi = [], []
+    for g in range(footer.num_row_groups):
+        c = footer.row_group(g).column(col)
+        stats = c.statistics
+        if c.num_values == 0:
+            continue
+        if stats is None or not stats.has_min_max or stats.null_count != 0:
+            return None
+        if type(stats.min) is not int or type(stats.max) is not int:
+            return None
+        lo.append(stats.min)
+        hi.append(stats.max)
+    return (min(lo), max(hi)) if lo else None
+
+
+def _read_part(root: str, zarr_store: Any, spec: dict) -> Any:
+    """One partition of :func:`row_table_dask`: the part ``spec["key"]`` as a pandas frame,
+    read and checked as :meth:`Store.row_table` checks it (a Dask task: no torch).
+
+    The part is read as a regular file inside the store (local) or through the zarr store
+    (object storage), its crc32c (when recorded) checked, and its rows counted and its
+    ``batch`` column checked against its footer as read when the graph was made (integers
+    without nulls that never go back; per ``rank`` in a store committed from rank stores).
+
+    Raises
+    ------
+    StoreCorruptError
+        The part is missing, damaged (crc32c, Parquet), or disagrees with its footer; named.
+    StoreError
+        The store was replaced since the graph was made, or removed.
+    """
+    from .._safeio import _changed_since_graph, _remote_run, _run
+
+    try:
+        return _checked_part(root, zarr_store, spec)
+    except StoreCorruptError:
+        now = _run(root) if zarr_store is None else _remote_run(zarr_store)
+        if now != tuple(spec["run"]):
+            raise _changed_since_graph(root, now) from None
+        raise
+
+
+def _checked_part(root: str, zarr_store: Any, spec: dict) -> Any:
+    import os
+
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    from .._safeio import MAX_FILE_BYTES, _inside, _remote_get, corrupt, crc32c, read_regular
+
+    key, kind = spec["key"], spec["kind"]
+    if zarr_store is None:
+        path = os.path.join(root, key)
+        real = os.path.realpath(path)
+        if not _inside(real, os.path.realpath(root)):
+            raise corrupt(root, f"{key!r} resolves to {real!r}, outside the store (a symlink leaving the store)")
+        raw = read_regular(path, store=root, key=key, max_bytes=MAX_FILE_BYTES)
+    else:
+        raw = _remote_get(zarr_store, root, key)
+    if raw is None:
+        raise corrupt(root, f"row-table part {key!r} listed in the metadata is missing")
+    if spec["crc32c"] is not None and crc32c(raw) != spec["crc32c"]:
+        raise corrupt(root, f"row table {kind!r}: part {key!r}: crc32c mismatch (recorded {spec['crc32c']}, "
+                            f"computed {crc32c(raw)})")
+    try:
+        buf = pa.allocate_buffer(len(raw))
+        memoryview(buf).cast("B")[:] = raw
+        table = pq.ParquetFile(pa.BufferReader(buf)).read(use_threads=False)
+    except Exception as e:  # noqa: BLE001 - pyarrow raises ArrowInvalid / OSError / ...
+        raise corrupt(root, f"row-table part {key!r} is not a readable Parquet file ({type(e).__name__}: {e})") from None
+    batch = table.column("batch") if "batch" in table.column_names else None
+    problem = None
+    back = np.zeros(0, dtype=bool)
+    if table.num_rows != spec["n_rows"]:
+        problem = f"holds {table.num_rows} rows, but its footer said {spec['n_rows']} when the graph was made"
+    elif batch is None or not pa.types.is_integer(batch.type) or batch.null_count:
+        problem = "has no batch column of integers without nulls"
+    elif table.num_rows:
+        b = batch.to_numpy().astype(np.int64, copy=False)
+        if spec["by_rank"] and "rank" in table.column_names:
+            rank = table.column("rank")
+            if not pa.types.is_integer(rank.type) or rank.null_count:
+                problem = "has no rank column of integers without nulls"
+            else:
+                r = rank.to_numpy().astype(np.int64, copy=False)
+                order = np.argsort(r, kind="stable")
+                back = (np.diff(b[order]) < 0) & (np.diff(r[order]) == 0)
+        else:
+            back = np.diff(b) < 0
+        if problem is None and back.any():
+            problem = "has a batch column that goes back: its rows are not in the order they were written"
+        elif problem is None and (int(pc.min(batch).as_py()), int(pc.max(batch).as_py())) != tuple(spec["batch"]):
+            problem = "has batch values other than its footer's statistics"
+    if problem is not None:
+        raise corrupt(root, f"row table {kind!r}: part {key!r} {problem}")
+    return table.to_pandas()
 
 
 def moments(x: Any) -> dict[str, Any]:

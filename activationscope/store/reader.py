@@ -214,8 +214,8 @@ class _Reductions(Mapping):
             why = (f"; its reductions {sorted(partial)} cover only part of its rows (see store.partial_reductions)"
                    if partial else "")
             if not partial and self._store.status != "complete":
-                why = (f" (yet: the store is {self._store.status!r}, and a capture writes its reductions when it "
-                       "closes)")
+                why = (f" (yet: the store is {self._store.status!r} as this handle last read it, and a capture writes "
+                       "its reductions when it closes; store.refresh() sees them once it has)")
             raise HookPointNotFoundError(
                 f"hook point {hook_point!r} has no reductions in this store{why}; "
                 f"hook points with reductions: {list(self)}"

@@ -430,3 +430,95 @@ def test_to_dask_of_a_remote_store_checks_what_it_reads(compression):
     with pytest.raises(StoreCorruptError, match=r"shard 'acts/0.output/c/1/0' is missing"):
         x[64:128].compute(scheduler="sync")
     fs.rm(url[len("memory://"):], recursive=True)
+
+
+# ------------------------------------------------------------------ row tables as Dask data frames
+def _rewrite_part(path: Path, edit, *, record_crc: bool = True) -> Path:
+    """Rewrite the sample row table's one part with ``edit(table)``; its crc32c in the root is
+    updated (a store consistent but for the edit) unless ``record_crc`` is False."""
+    import google_crc32c
+    import pyarrow.parquet as pq
+
+    key = json.loads((path / "zarr.json").read_text())["attributes"]["activationscope"]["row_tables"]["sample"]["parts"]
+    assert len(key) == 1
+    part = path / key[0]
+    pq.write_table(edit(pq.read_table(part)), part)
+    if record_crc:
+        crc = int(google_crc32c.value(part.read_bytes()))
+        edit_root(path, lambda a: a["row_tables"]["sample"]["crc32c"].update({key[0]: crc}))
+    return part
+
+
+def _one_part_store(path: Path) -> None:
+    """96 float32 rows of ``HP`` and a sample row table of one part (sample_id, batch, label)."""
+    import torch
+
+    from activationscope.store import StoreWriter
+
+    w = StoreWriter(path, chunk_rows=16, shard_bytes=64 * FEATURE * 4)
+    a = w.open_array(HP, (FEATURE,), torch.float32, "sample")
+    a.append(torch.arange(96 * FEATURE, dtype=torch.float32).reshape(96, FEATURE))
+    w.add_batch(96, list(range(96)), None, {"label": torch.arange(96) % 3})
+    w.close()
+
+
+def test_row_table_dask_counts_the_rows_of_its_parts_against_the_metadata(tmp_path):
+    """A part of fewer rows than the root's n_rows (its crc32c recorded): refused when the
+    graph is made, as Store.row_table refuses it, never a frame whose rows are not the arrays'."""
+    dd = pytest.importorskip("dask.dataframe")  # noqa: F841
+    from activationscope.analysis.dask import row_table_dask
+
+    path = tmp_path / "s.zarr"
+    _one_part_store(path)
+    assert row_table_dask(str(path)).compute()["label"].tolist() == [i % 3 for i in range(96)]
+    _rewrite_part(path, lambda t: t.slice(0, 50))
+    with pytest.raises(StoreCorruptError, match=r"s\.zarr'.*row table 'sample' has 50 rows in its parts, but the "
+                                                r"metadata says n_rows 96"):
+        row_table_dask(str(path))
+
+
+def test_row_table_dask_workers_check_the_crc32c_of_what_they_read(tmp_path):
+    """The graph is made first, the part replaced after by one of other labels (same rows,
+    same schema): the worker checks the part's crc32c and names it, never other labels."""
+    pytest.importorskip("dask.dataframe")
+    import pyarrow.compute as pc
+
+    from activationscope.analysis.dask import row_table_dask
+
+    path = tmp_path / "s.zarr"
+    _one_part_store(path)
+    ddf = row_table_dask(str(path))
+    _rewrite_part(path, lambda t: t.set_column(2, "label", pc.add(t.column("label"), 1)), record_crc=False)
+    with pytest.raises(StoreCorruptError, match=r"row table 'sample': part 'rows/sample/part-000000.parquet': "
+                                                r"crc32c mismatch"):
+        ddf.compute(scheduler="sync")
+
+
+@pytest.mark.parametrize("damage", ["truncated", "footer"])
+def test_row_table_dask_names_a_part_without_a_readable_footer(tmp_path, damage):
+    """A part cut short or with its footer overwritten: StoreCorruptError naming the part
+    (pyarrow's ArrowInvalid never escapes)."""
+    pytest.importorskip("dask.dataframe")
+    from activationscope.analysis.dask import row_table_dask
+
+    path = tmp_path / "s.zarr"
+    _one_part_store(path)
+    part = next((path / "rows" / "sample").iterdir())
+    raw = bytearray(part.read_bytes())
+    part.write_bytes(bytes(raw[:len(raw) // 2]) if damage == "truncated" else bytes(raw[:-12]) + b"\xff" * 8 + b"PAR1")
+    with pytest.raises(StoreCorruptError, match=r"row-table part 'rows/sample/part-000000.parquet' is not a readable "
+                                                r"Parquet file"):
+        row_table_dask(str(path))
+
+
+def test_row_table_dask_of_parts_with_a_column_named_twice(tmp_path):
+    """A part whose schema names a column twice (dask cannot read it as a frame): the row
+    table is read as Store.row_table reads it, our error naming the row table."""
+    pytest.importorskip("dask.dataframe")
+    from activationscope.analysis.dask import row_table_dask
+
+    path = tmp_path / "s.zarr"
+    _one_part_store(path)
+    _rewrite_part(path, lambda t: t.append_column("label", t.column("label")))
+    with pytest.raises(StoreCorruptError, match=r"row table 'sample' do not fit together .*duplicate field names"):
+        row_table_dask(str(path))

@@ -98,6 +98,30 @@ def test_v1_golden_without_crcs_still_verifies(tmp_path):
     assert acs.open_store(path).verify() == []
 
 
+def test_a_read_of_a_damaged_last_chunk_gives_the_advice_once(tmp_path):
+    """A checked read (open_store(verify=True), every export) of a damaged chunk holding the
+    last committed rows of a store with no kept committed copy advised to restore the store or
+    capture it again twice: once from the chunk's cause, once more as the error's ending."""
+    from activationscope.data import export_parquet
+
+    model = torch.nn.Linear(4, 4)
+    path = tmp_path / "s.zarr"
+    with torch.no_grad(), acs.ActivationScope(store=path, store_options={"chunk_rows": 8}).track(model):
+        model(torch.randn(13, 4))  # rows 8-12 end inside chunk 1
+    with open(path / "acts" / "output" / "c" / "0" / "0", "r+b") as f:
+        f.seek(130)
+        f.write(b"\1" * 8)
+    for read in (lambda: acs.open_store(path, verify=True)["output"],
+                 lambda: export_parquet(path, tmp_path / "e.parquet")):
+        with pytest.raises(StoreCorruptError) as info:
+            read()
+        message = str(info.value)
+        assert "chunk 1 (rows 8-12)" in message and "crc32c mismatch" in message
+        assert message.count("restore the store from an intact copy") == 1, message
+        assert message.endswith("capture it again; `activationscope verify STORE` lists every damaged file"), message
+    assert not (tmp_path / "e.parquet").exists()
+
+
 def test_the_advice_on_a_damaged_partial_last_shard_depends_on_a_kept_committed_copy(tmp_path):
     """The chunk holding the last committed rows may have been rewritten by a resume; a local
     store can only be put back by one from the committed copy a resume kept: without it the
