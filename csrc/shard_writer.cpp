@@ -608,6 +608,7 @@ ArrayWriter::ArrayWriter(std::shared_ptr<StoreCore> core, ArraySpec spec)
   row_bytes_ = elems * static_cast<int64_t>(c10::elementSize(spec_.dtype));
   chunk_bytes_ = row_bytes_ * spec_.chunk_rows;
   n_rows_.store(spec_.start_row);
+  chunked_rows_ = spec_.start_row;
   durable_rows_.store(spec_.start_row);
   next_chunk_ = spec_.start_row / spec_.chunk_rows;
   if (!spec_.root.empty()) {
@@ -650,7 +651,6 @@ void ArrayWriter::unlink_tmp() noexcept {
 
 void ArrayWriter::append(const at::Tensor& rows_in, std::shared_ptr<c10::Event> ready) {
   core_->check();
-  if (ready) ready->synchronize();
   at::Tensor rows = rows_in;
   if (rows.dim() == 0) rows = rows.reshape({1});
   auto feat = rows.sizes().slice(1);
@@ -659,9 +659,41 @@ void ArrayWriter::append(const at::Tensor& rows_in, std::shared_ptr<c10::Event> 
             c10::IntArrayRef(spec_.feature_shape), ", got rows of shape ", feat,
             "; a store array needs one feature shape per hook point (pass attention_mask= to "
             "tracker.set_batch() for sequences of varying length, or exclude this hook point)");
-  if (!rows.device().is_cpu()) rows = rows.to(at::kCPU);
   std::lock_guard<std::mutex> lock(mu_);
   ACS_CHECK(!flushed_, "hook point '", spec_.hook_point, "': rows appended after the array was flushed");
+  if (ready) {
+    // Rows on their way from a device (an asynchronous copy into pinned host memory, queued
+    // behind the model's kernels): waiting for the copy here would stall the forward at every
+    // hook point until the device caught up. They are kept, and taken into chunks in order
+    // once their copies are done (at a later append, or at the flush); past a bound the
+    // oldest are waited for (memory held in pinned buffers stays bounded).
+    const int64_t bytes = rows.numel() * static_cast<int64_t>(rows.element_size());
+    deferred_.push_back({rows, std::move(ready), bytes});
+    deferred_bytes_ += bytes;
+    n_rows_.fetch_add(rows.size(0));
+    drain(false);
+    return;
+  }
+  drain(true);  // (rows before these first)
+  if (!rows.device().is_cpu()) rows = rows.to(at::kCPU);
+  append_now(rows);
+  n_rows_.fetch_add(rows.size(0));
+}
+
+void ArrayWriter::drain(bool all) {
+  const int64_t bound = std::max<int64_t>(4 * chunk_bytes_, int64_t{16} << 20);
+  while (!deferred_.empty()) {
+    Deferred& d = deferred_.front();
+    if (!all && deferred_bytes_ <= bound && !d.ready->query()) return;
+    d.ready->synchronize();
+    const at::Tensor rows = std::move(d.rows);
+    deferred_bytes_ -= d.bytes;
+    deferred_.pop_front();
+    append_now(rows);
+  }
+}
+
+void ArrayWriter::append_now(const at::Tensor& rows) {
   int64_t off = 0;
   const int64_t n = rows.size(0);
   // Contiguous rows of the storage dtype: plain byte copies, no dispatcher per chunk.
@@ -683,7 +715,7 @@ void ArrayWriter::append(const at::Tensor& rows_in, std::shared_ptr<c10::Event> 
     }
     fill_ += k;
     off += k;
-    n_rows_.fetch_add(k);
+    chunked_rows_ += k;
     if (fill_ == spec_.chunk_rows) push_chunk(false);
   }
 }
@@ -692,7 +724,7 @@ void ArrayWriter::push_chunk(bool final) {
   WorkItem item;
   item.array = shared_from_this();
   item.chunk = next_chunk_++;
-  item.rows_end = n_rows_.load();
+  item.rows_end = chunked_rows_;
   item.final = final;
   item.raw = std::move(chunk_);
   item.budget_bytes = chunk_bytes_;
@@ -704,8 +736,9 @@ void ArrayWriter::push_chunk(bool final) {
 void ArrayWriter::flush() {
   std::lock_guard<std::mutex> lock(mu_);
   if (flushed_) return;
-  flushed_ = true;
   core_->check();
+  drain(true);  // rows still on their way from a device
+  flushed_ = true;
   if (chunk_.defined() && fill_ > 0) {
     chunk_.narrow(0, fill_, spec_.chunk_rows - fill_).zero_();  // fill value 0
     push_chunk(true);
@@ -714,7 +747,7 @@ void ArrayWriter::flush() {
     WorkItem item;
     item.array = shared_from_this();
     item.chunk = -1;
-    item.rows_end = n_rows_.load();
+    item.rows_end = chunked_rows_;
     item.final = true;
     chunk_ = at::Tensor();
     core_->push(std::move(item));

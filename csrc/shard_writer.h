@@ -176,7 +176,7 @@ class ArrayWriter : public RowConsumer, public std::enable_shared_from_this<Arra
   // Push the partial chunk (zero-padded) as the array's final chunk. Idempotent.
   void flush();
 
-  int64_t n_rows() const { return n_rows_.load(); }            // rows appended (from row 0)
+  int64_t n_rows() const { return n_rows_.load(); }            // rows appended (from row 0), deferred ones too
   int64_t durable_rows() const { return durable_rows_.load(); }
   std::vector<ShardRecord> take_durable();                     // records since the last call
   const ArraySpec& spec() const { return spec_; }
@@ -189,6 +189,8 @@ class ArrayWriter : public RowConsumer, public std::enable_shared_from_this<Arra
 
  private:
   void push_chunk(bool final);
+  void append_now(const at::Tensor& rows);  // into chunks (mu_ held; rows on the host)
+  void drain(bool all);                     // deferred rows into chunks, in order (mu_ held)
   std::string shard_path(int64_t shard) const;
   void finish_shard(int64_t rows_end);
   // The folder `path` (`dir`, `tmp_dir` or one below them), each component from the root
@@ -206,6 +208,17 @@ class ArrayWriter : public RowConsumer, public std::enable_shared_from_this<Arra
   int64_t fill_ = 0;                    // rows in chunk_
   int64_t next_chunk_ = 0;              // global index of chunk_
   bool flushed_ = false;
+  // Rows copied from a device asynchronously (pinned host memory and the copy's event),
+  // waiting for their copies: taken into chunks, in order, once done, so that the forward is
+  // not held up by each hook point's copy (see append).
+  struct Deferred {
+    at::Tensor rows;
+    std::shared_ptr<c10::Event> ready;
+    int64_t bytes;
+  };
+  std::deque<Deferred> deferred_;
+  int64_t deferred_bytes_ = 0;
+  int64_t chunked_rows_ = 0;            // rows in chunks (from row 0): n_rows_ less the deferred ones
   std::atomic<int64_t> n_rows_{0};
   std::atomic<int64_t> durable_rows_{0};
   std::mutex rec_mu_;

@@ -351,3 +351,29 @@ def test_a_float16_cast_that_overflows_is_an_error_in_memory(device, storage):
         model(x / 1e5)
     (rec,) = tr.activations["output"]
     assert rec.dtype == torch.float16 and torch.equal(rec.cpu(), model(x / 1e5).half().cpu())
+
+
+@torch.no_grad()
+def test_store_of_many_forwards_in_flight_equals_plain_hooks(tmp_path, device):
+    # Rows copied from a device are taken into chunks once their copies are done (later
+    # appends, or the flush), not waited for at each hook point: many forwards of uneven
+    # batches with an in-place ReLU after every tracked layer, small chunks and shards (every
+    # forward crosses chunk boundaries), must store exactly what plain hooks saw, in order.
+    model = _deep(device, width=64, depth=3)
+    torch.manual_seed(2)
+    xs = [torch.randn(int(n), 64, device=device) for n in torch.randint(1, 40, (60,))]
+    want = [_reference(model, x, ["0", "4"]) for x in xs]
+    path = str(tmp_path / "many.zarr")
+    opts = {"chunk_rows": 8, "shard_bytes": 8 * 64 * 4 * 4}
+    with acs.ActivationScope(store=path, reductions=["mean", "max"], store_options=opts).track(
+            model, include=["0", "4"]):
+        for x in xs:
+            model(x)
+    st = acs.open_store(path)
+    assert st.status == "complete"
+    for hp in ("0.output", "4.output"):
+        rows = torch.cat([w[hp] for w in want])
+        assert torch.equal(st[hp], rows), hp
+        assert torch.equal(st.reductions[hp]["max"], rows.max(0).values), hp
+        assert torch.allclose(st.reductions[hp]["mean"], rows.double().mean(0), rtol=1e-12, atol=1e-12), hp
+    assert st.verify() == []
