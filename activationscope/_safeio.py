@@ -52,6 +52,76 @@ def crc32c(data: Any) -> int:
     return int(google_crc32c.value(data if isinstance(data, bytes) else bytes(data)))
 
 
+def _decoded_bytes(arr: Any) -> int:
+    """Bytes an Arrow array holds once its dictionary-encoded strings and binaries are decoded
+    (each index counts its value's length, and an offset), nested lists, maps and structs
+    included; an array with no dictionary counts its buffers as they are."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    t = arr.type
+    if pa.types.is_dictionary(t):
+        if not (pa.types.is_string(t.value_type) or pa.types.is_binary(t.value_type)
+                or pa.types.is_large_string(t.value_type) or pa.types.is_large_binary(t.value_type)):
+            return arr.nbytes
+        taken = pc.sum(pc.take(pc.binary_length(arr.dictionary), arr.indices)).as_py()
+        return int(taken or 0) + 8 * len(arr)
+    if pa.types.is_struct(t):
+        return sum(_decoded_bytes(arr.field(i)) for i in range(t.num_fields)) + len(arr) // 8 + 1
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_map(t) or pa.types.is_fixed_size_list(t):
+        return _decoded_bytes(arr.values) + 8 * len(arr)
+    return arr.nbytes
+
+
+def read_parquet_part(raw: bytes, where: Any, key: str, max_decoded: int = MAX_FILE_BYTES) -> Any:
+    """A row-table part (Parquet bytes, read whole and checked already) as a ``pyarrow.Table``,
+    read on this thread, whose decoded size is bounded before it is decoded.
+
+    A part may hold at most ``max_decoded`` bytes once decoded (4 GiB, as a part's file): its
+    strings and binaries, at any depth, are first read as dictionaries (no larger than the
+    file), their decoded size added up, and the part refused above the bound -- a small file
+    of dictionary-encoded long strings (one 4 MiB value taken by every row: 200 KB on disk,
+    400 MB decoded) never expands in memory. Then they are decoded to the file's own types.
+
+    The bytes are copied into an Arrow-owned buffer and read through ``ParquetFile`` without
+    threads: a reader over a Python object (``io.BytesIO``, a bytes-backed buffer) whose last
+    reference is dropped by one of pyarrow's pool threads at interpreter exit takes the GIL
+    there and aborts the process ("terminate called without an active exception",
+    apache/arrow#34314).
+
+    Raises
+    ------
+    StoreCorruptError
+        The bytes are no readable Parquet file, or they decode to more than ``max_decoded``
+        bytes; the message names ``key``.
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        buf = pa.allocate_buffer(len(raw))
+        memoryview(buf).cast("B")[:] = raw
+        plain = pq.ParquetFile(pa.BufferReader(buf))
+        schema, target = plain.schema, plain.schema_arrow  # (the types the file's columns read as)
+        strings = [schema.column(i).path for i in range(len(schema)) if schema.column(i).physical_type == "BYTE_ARRAY"]
+        table = pq.ParquetFile(pa.BufferReader(buf), read_dictionary=strings or None).read(use_threads=False)
+    except Exception as e:  # noqa: BLE001 - pyarrow raises ArrowInvalid / OSError / ...
+        raise corrupt(where, f"row-table part {key!r} is not a readable Parquet file ({type(e).__name__}: {e})") from None
+    n = 0
+    for i, col in enumerate(table.columns):  # (a column the file keeps as a dictionary stays one)
+        kept = pa.types.is_dictionary(target.field(i).type)
+        n += col.nbytes if kept else sum(_decoded_bytes(chunk) for chunk in col.chunks)
+    if n > max_decoded:
+        raise corrupt(where, f"row-table part {key!r} decodes to {n} bytes ({len(raw)} in the file), more than the "
+                             f"{max_decoded} a part may hold")
+    if not strings:
+        return table
+    try:
+        return table.cast(target)
+    except Exception as e:  # noqa: BLE001
+        raise corrupt(where, f"row-table part {key!r} is not a readable Parquet file ({type(e).__name__}: {e})") from None
+
+
 def _kind(mode: int) -> str:
     return ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
             else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)

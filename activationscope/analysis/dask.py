@@ -394,9 +394,8 @@ def _checked_part(root: str, zarr_store: Any, spec: dict) -> Any:
 
     import pyarrow as pa
     import pyarrow.compute as pc
-    import pyarrow.parquet as pq
 
-    from .._safeio import MAX_FILE_BYTES, _inside, _remote_get, corrupt, crc32c, read_regular
+    from .._safeio import MAX_FILE_BYTES, _inside, _remote_get, corrupt, crc32c, read_parquet_part, read_regular
 
     key, kind = spec["key"], spec["kind"]
     if zarr_store is None:
@@ -412,12 +411,7 @@ def _checked_part(root: str, zarr_store: Any, spec: dict) -> Any:
     if spec["crc32c"] is not None and crc32c(raw) != spec["crc32c"]:
         raise corrupt(root, f"row table {kind!r}: part {key!r}: crc32c mismatch (recorded {spec['crc32c']}, "
                             f"computed {crc32c(raw)})")
-    try:
-        buf = pa.allocate_buffer(len(raw))
-        memoryview(buf).cast("B")[:] = raw
-        table = pq.ParquetFile(pa.BufferReader(buf)).read(use_threads=False)
-    except Exception as e:  # noqa: BLE001 - pyarrow raises ArrowInvalid / OSError / ...
-        raise corrupt(root, f"row-table part {key!r} is not a readable Parquet file ({type(e).__name__}: {e})") from None
+    table = read_parquet_part(raw, root, key)
     batch = table.column("batch") if "batch" in table.column_names else None
     problem = None
     back = np.zeros(0, dtype=bool)

@@ -46,6 +46,7 @@ from ..errors import (
     StoreCorruptError,
     StoreError,
 )
+from .._safeio import read_parquet_part
 from . import _decode
 from . import _format as F
 from . import _validate as V
@@ -116,23 +117,6 @@ def _will_need(addr: int, nbytes: int) -> bool:
     lo = addr - addr % mmap.PAGESIZE
     _madvise(lo, nbytes + (addr - lo), _MADV_WILLNEED)
     return False
-
-
-def _read_parquet(raw: bytes) -> Any:
-    """A Parquet file held in memory as a ``pyarrow.Table``, read on this thread.
-
-    The bytes are copied into an Arrow-owned buffer and read through ``ParquetFile`` without
-    threads: a reader over a Python object (``io.BytesIO``, a bytes-backed buffer) whose last
-    reference is dropped by one of pyarrow's pool threads at interpreter exit takes the GIL
-    there and aborts the process ("terminate called without an active exception",
-    apache/arrow#34314) -- a few percent of the runs that read a row table did.
-    """
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    buf = pa.allocate_buffer(len(raw))
-    memoryview(buf).cast("B")[:] = raw
-    return pq.ParquetFile(pa.BufferReader(buf)).read(use_threads=False)
 
 
 @dataclass(frozen=True)
@@ -2012,11 +1996,7 @@ class Store:
             if raw is None:
                 raise V.corrupt(self._backend, f"row-table part {key!r} listed in the metadata is missing")
             self._check_crc(raw, crcs.get(key), f"row table {kind!r}: part {key!r}")
-            try:
-                tables.append(_read_parquet(raw))
-            except Exception as e:  # pyarrow raises ArrowInvalid / OSError / ...
-                raise V.corrupt(self._backend, f"row-table part {key!r} is not a readable Parquet file "
-                                               f"({type(e).__name__}: {e})") from None
+            tables.append(read_parquet_part(raw, self._backend, key))
         if not tables:
             if int(info.get("n_rows", 0)):
                 raise V.corrupt(self._backend, f"row table {kind!r} lists no parts, but the metadata says n_rows "

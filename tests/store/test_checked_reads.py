@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -522,3 +523,58 @@ def test_row_table_dask_of_parts_with_a_column_named_twice(tmp_path):
     _rewrite_part(path, lambda t: t.append_column("label", t.column("label")))
     with pytest.raises(StoreCorruptError, match=r"row table 'sample' do not fit together .*duplicate field names"):
         row_table_dask(str(path))
+
+
+def _part_of_long_strings(path: Path, value_bytes: int) -> None:
+    """Rewrite the one sample row-table part with a ``text`` column whose 96 rows all take one
+    dictionary-encoded value of ``value_bytes`` bytes (a small file: the value is written once,
+    zstd-compressed), its crc32c recorded."""
+    import pyarrow.parquet as pq
+
+    def edit(t):
+        text = pa.DictionaryArray.from_arrays(pa.array(np.zeros(t.num_rows, np.int32)), pa.array(["x" * value_bytes]))
+        return t.append_column("text", text)
+
+    _rewrite_part(path, edit)
+    part = next((path / "rows" / "sample").iterdir())
+    table = pq.read_table(part)  # (rewritten as plain strings: their decoded size is the bomb's)
+    pq.write_table(table.combine_chunks(), part, compression="zstd", store_schema=False)
+    import google_crc32c
+
+    key = "rows/sample/" + part.name
+    edit_root(path, lambda a: a["row_tables"]["sample"]["crc32c"].update({key: int(google_crc32c.value(part.read_bytes()))}))
+
+
+def test_a_row_table_part_decoding_beyond_its_bound_is_refused_before_it_is_decoded(tmp_path):
+    """96 rows taking one 48 MiB string (a few hundred KB on disk, 4.5 GiB decoded, above the
+    4 GiB a part may hold): refused from the dictionary sizes, in a child whose address space
+    could not hold the decoded column, by Store.row_table and by row_table_dask."""
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "s.zarr"
+    _one_part_store(path)
+    part = next((path / "rows" / "sample").iterdir())
+    # the part as written by the store reads its strings back as they were (small ones first)
+    _part_of_long_strings(path, 8)
+    small = open_store(path).row_table("sample")
+    assert small.column("text").to_pylist() == ["x" * 8] * 96 and small.schema.field("text").type == pa.string()
+    assert pq.read_schema(part).field("text").type == pa.string()
+    _one_part_store(tmp_path / "big.zarr")
+    _part_of_long_strings(tmp_path / "big.zarr", 48 << 20)
+    assert (tmp_path / "big.zarr" / "rows" / "sample" / part.name).stat().st_size < 4 << 20
+    out = _run_capped(f"""
+        try:
+            open_store({str(tmp_path / 'big.zarr')!r}).row_table("sample")
+        except ActivationScopeError as e:
+            print(type(e).__name__, e)
+    """, cap_gib=2)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith("StoreCorruptError") and "big.zarr" in out.stdout, out.stdout
+    decoded = re.search(rf"row-table part 'rows/sample/{part.name}' decodes to (\d+) bytes", out.stdout)
+    assert decoded and int(decoded.group(1)) > 96 * (48 << 20), out.stdout
+    assert f"more than the {4 << 30} a part may hold" in out.stdout and "big.zarr" in out.stdout
+    pytest.importorskip("dask.dataframe")
+    from activationscope.analysis.dask import row_table_dask
+
+    with pytest.raises(StoreCorruptError, match=rf"part 'rows/sample/{part.name}' decodes to \d+ bytes"):
+        row_table_dask(str(tmp_path / "big.zarr")).compute(scheduler="sync")
