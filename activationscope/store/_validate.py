@@ -410,6 +410,10 @@ def check_root_attrs(attrs: Any, *, store: Any, key: str = "zarr.json") -> dict:
         if not isinstance(cols, list) or not all(isinstance(x, str) for x in cols):
             raise c.fail(f"{f}.columns", "a list of str", cols)
         c.crcs(info.get("crc32c"), f"{f}.crc32c", f"rows/{kind}")
+    sample_rows = (tables.get("sample") or {}).get("n_rows", 0)
+    if attrs.get("n_samples", 0) != sample_rows:  # (info() and len() would report samples that are not there)
+        listed = "" if "sample" in tables else ": zarr.json lists no row_tables['sample']"
+        raise c.fail("n_samples", f"the sample row table's n_rows ({sample_rows}{listed})", attrs.get("n_samples", 0))
     reductions = c.dict(attrs.get("reductions", {}), "reductions")
     for hp, entries in reductions.items():
         for name, e in c.dict(entries, f"reductions[{hp!r}]").items():

@@ -806,14 +806,15 @@ def test_consolidate_keeps_the_rank_stores_under_a_root_whose_committed_flag_was
 
 def test_consolidate_refuses_a_rank_store_whose_n_samples_is_not_its_sample_rows(tmp_path, capsys):
     """A rank store whose root says more samples than its sample row table holds is refused
-    before anything is written; before, the commit summed the count into a complete store that
-    verify then reported (n_samples 37 differs from the sample row table's n_rows 36)."""
+    (at its open) before anything is written; before, the commit summed the count into a
+    complete store that verify then reported (n_samples 37 differs from the sample row table's
+    n_rows 36)."""
     store = tmp_path / "s.zarr"
     _small_rank_stores(store)
     rank1 = store / "ranks" / "00001" / "zarr.json"
     good, before, err = _consolidate_after_editing(
         store, rank1, lambda d: d["attributes"]["activationscope"].update(n_samples=19), capsys)
-    assert "ranks/00001': its zarr.json says n_samples 19, but its sample row table holds 18 rows" in err, err
+    assert "ranks/00001': zarr.json field n_samples must be the sample row table's n_rows (18), got 19" in err, err
     assert _tree(store) == before
     rank1.write_bytes(good)
     from activationscope.store.ranks import commit_ranks

@@ -365,7 +365,8 @@ def test_root_tables_that_are_null(plain, field):
 @pytest.mark.parametrize("kind", ["sample", "token"])
 def test_verify_names_a_row_table_the_root_does_not_list(tmp_path, kind):
     """A root without the row table its arrays follow reads that table as 0 rows (datasets and
-    exports of the arrays then fail): verify reports it instead of returning []."""
+    exports of the arrays then fail): verify reports it instead of returning []. Without the
+    sample table, the root's n_samples no longer matches it: refused at open."""
     path = tmp_path / "t.zarr"
     w = StoreWriter(path)
     a = w.open_array(HP, (FEATURE,), torch.float32, "token")
@@ -374,6 +375,11 @@ def test_verify_names_a_row_table_the_root_does_not_list(tmp_path, kind):
     w.close()
     assert open_store(path).verify() == []
     edit_root(path, lambda a: a["row_tables"].pop(kind))
+    if kind == "sample":  # the root's n_samples (2) is checked against the table's rows at open
+        with pytest.raises(StoreCorruptError, match=r"t\.zarr'.*field n_samples must be the sample row table's n_rows "
+                           r"\(0: zarr.json lists no row_tables\['sample'\]\), got 2"):
+            open_store(path)
+        return
     problems = open_store(path).verify()
     if kind == "token":
         assert problems == [f"hook point {HP!r}: n_rows 5 exceeds the 0 rows of the token row table it follows "
@@ -381,9 +387,6 @@ def test_verify_names_a_row_table_the_root_does_not_list(tmp_path, kind):
         with pytest.raises(StoreCorruptError, match=r"token row table .* has 0 rows, but hook point '0.output', "
                            r"which follows it, has 5: .* store.verify\(\)"):
             acs.ActivationDataset(path, columns=["sample_id"])[0:1]
-    else:
-        assert problems == ["n_samples 2 differs from the sample row table's n_rows 0 "
-                            "(zarr.json lists no row_tables['sample'])"], problems
 
 
 def test_verify_names_row_table_parts_that_do_not_fit_together(plain):
@@ -966,19 +969,23 @@ def _assert_resume_refused_as_found(path: Path, match: str) -> None:
     assert after == before
 
 
-@pytest.mark.parametrize("edit", [
-    pytest.param(lambda a: a.update(n_samples=64), id="n_samples below the sample table"),
-    pytest.param(lambda a: a.update(n_samples=400), id="n_samples above the sample table"),
-    pytest.param(lambda a: a["row_tables"]["sample"].update(n_rows=64), id="sample table n_rows below its array"),
+@pytest.mark.parametrize("edit, match", [
+    pytest.param(lambda a: a.update(n_samples=64), r"field n_samples must be the sample row table's n_rows \(320\), "
+                 r"got 64", id="n_samples below the sample table"),
+    pytest.param(lambda a: a.update(n_samples=400), r"field n_samples must be the sample row table's n_rows \(320\), "
+                 r"got 400", id="n_samples above the sample table"),
+    pytest.param(lambda a: (a.update(n_samples=64), a["row_tables"]["sample"].update(n_rows=64)),
+                 r"hook point '0.output' has n_rows 320, more than the 64 rows of the sample row table it follows; "
+                 r"nothing was deleted or written", id="sample table n_rows below its array"),
 ])
-def test_resume_refuses_a_root_whose_counts_disagree(plain, edit):
+def test_resume_refuses_a_root_whose_counts_disagree(plain, edit, match):
     """A resume continues from the root's n_samples (the samples a caller skips) and appends
     after each array's n_rows: a root whose n_samples is not its sample table's rows, or whose
     table has fewer rows than an array that follows it, would make the resumed rows land next
     to the wrong samples. It is refused before a file is deleted or written, naming both counts."""
     path, data = plain
     edit_root(path, edit)
-    _assert_resume_refused_as_found(path, r"nothing was deleted or written")
+    _assert_resume_refused_as_found(path, match)
 
 
 # ---------------------------------------------------------------- 11. manifest fields the reader does not use
@@ -1484,3 +1491,19 @@ def test_resume_refuses_a_missing_committed_shard_before_it_writes(tmp_path, whe
         assert s.n_rows(HP) == n_rows and torch.equal(s[HP, :gone * SHARD_ROWS], data[:gone * SHARD_ROWS])
     with pytest.raises(StoreCorruptError, match=rf"shard {re.escape(repr(key))}.* missing"):
         s[HP]
+
+
+def test_n_samples_other_than_the_sample_row_table_is_refused_at_open(tmp_path):
+    """A root whose n_samples was raised over its 2-row sample table (info() and len() reported
+    samples that are not there): refused at open, naming the field and both counts."""
+    path = tmp_path / "t.zarr"
+    w = StoreWriter(path)
+    a = w.open_array(HP, (FEATURE,), torch.float32, "sample")
+    a.append(torch.randn(2, FEATURE))
+    w.add_batch(2, [0, 1], None)
+    w.close()
+    assert open_store(path).n_samples == 2
+    edit_root(path, lambda a: a.update(n_samples=1000))
+    with pytest.raises(StoreCorruptError, match=r"t\.zarr'.*field n_samples must be the sample row table's n_rows "
+                                                r"\(2\), got 1000"):
+        open_store(path)
