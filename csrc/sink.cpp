@@ -281,6 +281,10 @@ void Sink::check_layout(const at::Tensor& x) const {
             "capture_mode=CaptureMode.REFERENCE and no reductions keeps such a tensor as it is");
 }
 
+namespace {
+constexpr size_t kPrunePending = 64;  // events kept before the done ones are let go
+}  // namespace
+
 Sink::Record Sink::snapshot(const at::Tensor& x) {
   Record rec;
   const at::ScalarType dtype = options_.storage_dtype.value_or(x.scalar_type());
@@ -291,6 +295,14 @@ Sink::Record Sink::snapshot(const at::Tensor& x) {
     return rec;
   }
   if (on_device) {
+    if (pending_.size() >= kPrunePending) {
+      // Copies already done need no event: a long capture that reads its records rarely
+      // (the last record only, over many forwards) would otherwise hold one per call. Only a done
+      // prefix goes, so the last record's event (shared with an alias) stays while in flight.
+      size_t done = 0;
+      while (done < pending_.size() && pending_[done]->query()) ++done;
+      pending_.erase(pending_.begin(), pending_.begin() + static_cast<std::ptrdiff_t>(done));
+    }
     rec.t = at::empty(x.sizes(), at::TensorOptions().dtype(dtype).pinned_memory(true));
     if (dtype != x.scalar_type() && cast_may_overflow(x.scalar_type(), dtype)) {
       // A narrowing storage_dtype (float32 -> float16): checked for overflow on the device

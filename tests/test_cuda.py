@@ -91,6 +91,26 @@ def test_snapshot_keep_last_is_the_last_forward(device):
     assert torch.allclose(tr.reductions["0.output"]["mean"].cpu(), mean, rtol=1e-9, atol=1e-12)
 
 
+@torch.no_grad()
+def test_many_records_copied_from_the_device_stay_exact(device):
+    # 200 forwards of 2 hook points kept without reading them (the last record, and every one):
+    # past 64 copies in flight the done ones' events are let go; each record must still be its
+    # call's value (before the in-place ReLU), the last one too
+    model = _deep(device, width=64, depth=2)
+    xs = [torch.randn(32, 64, device=device) for _ in range(200)]
+    for keep in (ReductionPolicy.FINAL_ONLY, ReductionPolicy.STORE_ALL):
+        scope = acs.ActivationScope(reduction_policy=keep, reductions=["max"])
+        with scope.track(model, include=["0", "2"]) as tr:
+            for x in xs:
+                model(x)
+        for hp in ("0.output", "2.output"):
+            recs = tr.activations[hp]
+            assert len(recs) == (1 if keep is ReductionPolicy.FINAL_ONLY else len(xs)), (keep, hp)
+            for rec, x in zip(recs, xs[-len(recs):]):
+                assert _on_host(rec, device)
+                assert torch.equal(rec, _reference(model, x, [hp.split(".")[0]])[hp]), (keep, hp)
+
+
 @pytest.mark.parametrize("side", [True, False], ids=["side_stream", "default_stream"])
 @pytest.mark.parametrize("capture_mode", [CaptureMode.SNAPSHOT, CaptureMode.REFERENCE])
 @pytest.mark.parametrize("storage", [StoragePolicy.AUTO, StoragePolicy.GPU])
