@@ -865,13 +865,31 @@ class ActivationDataset(Dataset):
         if sample_ids is not None and len(wanted) and not bool(keep[ids].any()) and len(ids):
             # an intersection with rows= and filter=, but none at all is a mistake (an empty
             # collection selects no sample: an empty dataset, as rows=[] is)
+            if bool(hit.to_numpy(zero_copy_only=False).any()):  # rows there are, left out by rows= / filter=
+                rows_given = self._ids is not None or (self._start, self._stop) != (0, n)
+                where = [w for w, on in (("within rows=", rows_given), ("after filter=", filter is not None)) if on]
+                why = f" ({' and '.join(where)})"
+            elif self.row_kind == "token" and self._samples_without_rows(wanted):
+                why = (": those samples have no token rows in this store (the attention mask left out every position "
+                       "of theirs)")
+            else:
+                why = ""
             raise ArgumentValueError(
-                f"none of the sample_ids= (e.g. {some}) is in this dataset's {self.row_kind} row table "
-                "(within rows=, after filter=); read the ids there are with store.row_table()['sample_id']"
+                f"none of the sample_ids= (e.g. {some}) is in this dataset's {self.row_kind} row table{why}; read the "
+                f"ids there are with store.row_table({self.row_kind!r})['sample_id']"
             )
         if sample_ids is not None and len(wanted):
             self._refuse_unknown_ids(wanted, table)
         self._ids = ids[keep[ids]].contiguous()
+
+    def _samples_without_rows(self, wanted: pa.Array) -> bool:
+        """Whether some of ``wanted`` are samples of the store's ``sample`` row table (a token
+        dataset's ids that select no token row: samples with none)."""
+        try:
+            samples = self.source.row_table("sample").column("sample_id").cast(wanted.type)
+        except (KeyError, OSError, ActivationScopeError, pa.ArrowInvalid, pa.ArrowNotImplementedError):
+            return False
+        return bool(pc.any(pc.is_in(wanted, value_set=samples)).as_py())
 
     def _refuse_unknown_ids(self, wanted: pa.Array, table: pa.Table) -> None:
         """ArgumentValueError when ``sample_ids=`` holds ids that no sample of the store has (a

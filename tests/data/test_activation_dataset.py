@@ -370,3 +370,27 @@ def test_changing_a_list_or_dict_column_value_in_place_does_not_change_later_rea
             t.append(0)
     assert ds[0:4]["tags"] == tags and ds[0:4]["meta"] == meta and ds[0:4]["text"] == ["w", "x", "y", "z"]
     assert ds[[3, 1]]["tags"] == [[4, 5, 6], [3]] and ds[1]["tags"] == [3] and ds.get_batch(range(4))["meta"] == meta
+
+
+def test_sample_ids_of_samples_without_token_rows_say_so(tmp_path):
+    """A sample whose every position the mask left out has no token row: sample_ids= of it
+    alone says that (it named rows= and filter=, which were not given); ids left out by rows=
+    name rows= alone."""
+    from activationscope.store import StoreWriter
+
+    path = tmp_path / "t.zarr"
+    w = StoreWriter(path)
+    a = w.open_array("h", (2,), torch.float32, "token")
+    mask = torch.tensor([[True, True], [True, False], [False, False]])  # sample 12: no token row
+    a.append(torch.arange(6, dtype=torch.float32).reshape(3, 2))
+    w.add_batch(3, [10, 11, 12], mask)
+    w.close()
+    with pytest.raises(ArgumentValueError, match=r"none of the sample_ids= \(e.g. \[12\]\) is in this dataset's token "
+                                                  r"row table: those samples have no token rows in this store") as e:
+        ActivationDataset(path, sample_ids=[12])
+    assert "rows=" not in str(e.value) and "filter=" not in str(e.value)
+    with pytest.raises(ArgumentValueError, match=r"none of the sample_ids= \(e.g. \[11\]\) is in this dataset's token "
+                                                  r"row table \(within rows=\); read the ids there are with "
+                                                  r"store.row_table\('token'\)\['sample_id'\]"):
+        ActivationDataset(path, sample_ids=[11], rows=range(0, 2))
+    assert ActivationDataset(path, sample_ids=[11, 12])[:]["h"].tolist() == [[4.0, 5.0]]
