@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..errors import ActivationScopeError
+from ..errors import ActivationScopeError, ArgumentValueError
 
 __all__ = [
     "DemoDependencyError",
@@ -95,7 +95,7 @@ def load_polarity(path: str | os.PathLike | None = None) -> tuple[list[str], lis
 
     Raises
     ------
-    ActivationScopeError
+    ArgumentValueError
         A line without a ``__label__`` prefix, or an empty file.
     """
     path = Path(path) if path is not None else gensim_data_dir() / POLARITY_FILE
@@ -108,13 +108,13 @@ def load_polarity(path: str | os.PathLike | None = None) -> tuple[list[str], lis
             continue
         tag, _, text = line.partition(" ")
         if not tag.startswith("__label__") or tag[len("__label__"):] not in names:
-            raise ActivationScopeError(
+            raise ArgumentValueError(
                 f"{path}:{lineno}: line must start with __label__neg or __label__pos, got {tag[:30]!r}"
             )
         texts.append(text.strip())
         labels.append(names[tag[len("__label__"):]])
     if not texts:
-        raise ActivationScopeError(f"{path} holds no labelled sentences")
+        raise ArgumentValueError(f"{path} holds no labelled sentences")
     return texts, labels
 
 
@@ -222,26 +222,26 @@ def load_model(path: str | os.PathLike | None = None, *, pooled: bool = True) ->
     ------
     DemoDependencyError
         transformers or the bundled model is missing.
-    ActivationScopeError
+    ArgumentValueError
         ``path`` is not a model folder or the weights cannot be read.
     """
     transformers = _transformers()
     folder = Path(path) if path is not None else model_dir()
     if not (folder / "config.json").is_file():
-        raise ActivationScopeError(f"model folder {str(folder)!r} must hold a config.json (a Hugging Face model folder)")
+        raise ArgumentValueError(f"model folder {str(folder)!r} must hold a config.json (a Hugging Face model folder)")
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
         if pooled:
             config = transformers.AutoConfig.from_pretrained(str(folder))
             if config.model_type != "bert":
-                raise ActivationScopeError(
+                raise ArgumentValueError(
                     f"pooled=True needs a BERT model, got model_type {config.model_type!r} in {str(folder)!r}"
                 )
             model = pooled_model_class().from_pretrained(str(folder))
         else:
             model = transformers.AutoModel.from_pretrained(str(folder))
     except (OSError, ValueError) as e:
-        raise ActivationScopeError(f"cannot load a model from {str(folder)!r}: {str(e).splitlines()[0]}") from e
+        raise ArgumentValueError(f"cannot load a model from {str(folder)!r}: {str(e).splitlines()[0]}") from e
     model.eval()
     return tokenizer, model
 

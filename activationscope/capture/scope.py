@@ -722,7 +722,7 @@ class Tracker:
 
         Raises
         ------
-        ActivationScopeError
+        CaptureError
             The tracker was already closed (a store tracker cannot be re-attached).
         CaptureError
             A resumed store holds hook points this tracker's modules and side cannot give
@@ -736,7 +736,7 @@ class Tracker:
         if self._attached:
             return self
         if self._closed and self.writer is not None:
-            raise ActivationScopeError("this tracker's store is closed; make a new tracker with resume=True to add rows")
+            raise CaptureError("this tracker's store is closed; make a new tracker with resume=True to add rows")
         if self.scope.store is not None and self.writer is None:
             self.writer = open_writer(
                 self.scope.store,

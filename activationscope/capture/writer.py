@@ -13,7 +13,7 @@ import inspect
 from collections.abc import Mapping
 from typing import Any, Callable, Protocol, runtime_checkable
 
-from ..errors import ActivationScopeError
+from ..errors import CaptureError
 
 
 @runtime_checkable
@@ -123,7 +123,7 @@ def register_writer(factory: WriterFactory) -> None:
 
 def _require() -> WriterFactory:
     if _factory is None:
-        raise ActivationScopeError(
+        raise CaptureError(
             "ActivationScope(store=...) needs a store writer, and none is registered; "
             "import activationscope.store first (activationscope.ActivationScope does)"
         )

@@ -30,7 +30,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from ..errors import ActivationScopeError, ArgumentTypeError, ArgumentValueError, StoreError
+from ..errors import ArgumentTypeError, ArgumentValueError, StoreError
 from ..store._format import run_of
 
 __all__ = ["RowSource", "StoreSource", "as_source"]
@@ -272,7 +272,7 @@ class StoreSource:
                         raise
                     if not isinstance(self._store, RowSource):
                         missing = [m for m in _CONTRACT if not hasattr(self._store, m)]
-                        raise ActivationScopeError(
+                        raise ArgumentTypeError(
                             f"{type(self._store).__name__} from {self.describe()} is not a store the data layer can "
                             f"read: it lacks {missing} of the RowSource protocol (activationscope.data._source)"
                         )
@@ -525,5 +525,5 @@ def as_source(store_or_path: Any, open_options: Mapping[str, Any] | None = None)
             )
         return src
     if store_or_path is None:
-        raise ActivationScopeError("a store (path, URL or store object) is required, got None")
+        raise ArgumentTypeError("a store (path, URL or store object) is required, got None")
     return StoreSource(store_or_path, open_options)

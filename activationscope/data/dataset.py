@@ -1386,7 +1386,7 @@ def _with_sample_columns(tokens: pa.Table, source: StoreSource, wanted: Iterable
                     break
                 if a != b and not (a != a and b != b):  # (NaN == NaN here)
                     ident = ", ".join(f"{k} {samples.column(k)[row].as_py()!r}" for k in keys)
-                    raise ActivationScopeError(
+                    raise ArgumentValueError(
                         f"the sample row table of {source.describe()} holds two samples with {ident} (one forward "
                         f"gave one sample id twice) whose column {name!r} differs ({b!r}, {a!r}): their token "
                         f"rows cannot be paired with their sample's columns. Read the token rows without {name!r} in "

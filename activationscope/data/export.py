@@ -43,7 +43,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from ..errors import ActivationScopeError, ArgumentValueError, ColumnNotFoundError, ExportExistsError
+from ..errors import ArgumentTypeError, ArgumentValueError, ColumnNotFoundError, ExportExistsError
 from ..store._backend import enclosing_store, local_path, relation_to_store
 from ._source import as_source
 from .dataset import ActivationDataset, _names, select_hook_points
@@ -194,7 +194,7 @@ def _large(t: pa.DataType) -> pa.DataType:
 def _check_has_values(name: str, shape: tuple[int, ...]) -> None:
     """Arrow's fixed-size lists (and datasets' fixed-length lists) hold at least one value."""
     if shape and not int(np.prod(shape)):
-        raise ActivationScopeError(
+        raise ArgumentValueError(
             f"hook point {name!r} has feature shape {tuple(shape)}: its rows hold no values, and Arrow's fixed-size "
             "lists hold at least one; leave it out of hook_points (CLI: --hook-points)"
         )
@@ -202,7 +202,7 @@ def _check_has_values(name: str, shape: tuple[int, ...]) -> None:
 
 def _hook_point_field(name: str, dtype: torch.dtype, shape: tuple[int, ...], tensor_type: str) -> pa.Field:
     if dtype not in _TORCH_TO_ARROW:
-        raise ActivationScopeError(f"hook point {name!r} has dtype {dtype}, which export does not support")
+        raise ArgumentValueError(f"hook point {name!r} has dtype {dtype}, which export does not support")
     _check_has_values(name, shape)
     value_type = _TORCH_TO_ARROW[dtype]
     if not shape:
@@ -606,7 +606,7 @@ def _hf_feature(shape: tuple[int, ...], dtype_name: str) -> Any:
         return List(Value(dtype_name), length=int(shape[0]))
     kinds = {2: Array2D, 3: Array3D, 4: Array4D, 5: Array5D}
     if len(shape) not in kinds:
-        raise ActivationScopeError(
+        raise ArgumentValueError(
             f"Hugging Face datasets holds arrays of at most 5 dimensions per example, got {shape}; "
             "export one row per example (context_size=None) or fewer feature dimensions"
         )
@@ -654,7 +654,7 @@ def _hf_plan(ds: ActivationDataset, col_names: list[str], context_size: int | No
         elif dtype in _TORCH_TO_ARROW:
             name = _dtype_name(dtype)
         else:
-            raise ActivationScopeError(f"hook point {hp!r} has dtype {dtype}, which export does not support")
+            raise ArgumentValueError(f"hook point {hp!r} has dtype {dtype}, which export does not support")
         _check_has_values(hp, tuple(ds.source.feature_shape(hp)))
         shapes[hp] = group + tuple(ds.source.feature_shape(hp))
         features[hp] = _hf_feature(shapes[hp], name)
@@ -773,7 +773,7 @@ def export_hf(
         ``n_rows`` not a multiple of ``context_size`` without ``drop_last``;
         a ``path`` inside the local store being exported, the store itself or a folder
         holding it (``ArgumentValueError``).
-    ActivationScopeError
+    ArgumentValueError
         A hook point of more than 5 dimensions per example, or a dtype without an Arrow type.
     ExportExistsError
         (a ``FileExistsError``) ``path`` exists and is not an earlier export of ``file_format`` (a directory of other
@@ -1024,12 +1024,12 @@ def _buffer_view(buf: pa.Buffer, offset_bytes: int, nbytes: int, dtype: torch.dt
 
 def _primitive_to_torch(values: pa.Array, base: _MapBase | None) -> torch.Tensor:
     if values.null_count:
-        raise ActivationScopeError(f"cannot convert an Arrow array with {values.null_count} nulls to a tensor")
+        raise ArgumentValueError(f"cannot convert an Arrow array with {values.null_count} nulls to a tensor")
     if pa.types.is_boolean(values.type):
         return torch.from_numpy(values.to_numpy(zero_copy_only=False).copy())
     dtype = _ARROW_TO_TORCH.get(values.type)
     if dtype is None:
-        raise ActivationScopeError(f"Arrow type {values.type} has no torch dtype")
+        raise ArgumentTypeError(f"Arrow type {values.type} has no torch dtype")
     item = values.type.bit_width // 8
     n = len(values)
     data = values.buffers()[1]
@@ -1050,10 +1050,10 @@ def _feature_shape(raw: bytes, column_type: pa.DataType, storage_type: pa.DataTy
     (``raw``) gives, checked against the column: a JSON list of at most 32 ints >= 0 equal to
     a fixed-shape tensor's shape, whose product is a fixed-size list's size, and ``[]`` for a
     primitive column (``shape``: what the type says)."""
-    def bad(constraint: str) -> ActivationScopeError:
+    def bad(constraint: str) -> ArgumentValueError:
         shown = raw.decode("utf-8", "replace")
         shown = shown if len(shown) <= 200 else shown[:200] + "..."
-        return ActivationScopeError(
+        return ArgumentValueError(
             f"column {name!r}: field metadata {_META_SHAPE.decode()} must be {constraint}, got {shown!r}; the file is "
             "damaged or was not written by export_arrow / export_parquet: export the store again"
         )
@@ -1095,7 +1095,8 @@ def arrow_to_torch(array: pa.Array | pa.ChunkedArray, field: pa.Field | None = N
 
     Raises
     ------
-    ActivationScopeError
+    ArgumentValueError
+        (``ArgumentTypeError`` for a type with no tensor equivalent, or no hook point column)
         Nulls, a type with no tensor equivalent, or an ``activationscope.shape`` that does not
         describe the column (not a JSON list of ints >= 0, another shape than a fixed-shape
         tensor's, another number of values than a fixed-size list's, not ``[]`` for a
@@ -1114,12 +1115,12 @@ def arrow_to_torch(array: pa.Array | pa.ChunkedArray, field: pa.Field | None = N
         shape = tuple(arr.type.shape)
         arr = arr.storage
         if math.prod(shape) != arr.type.list_size:
-            raise ActivationScopeError(
+            raise ArgumentValueError(
                 f"column of type {array.type}: its fixed_shape_tensor shape {list(shape)} holds {math.prod(shape)} "
                 f"values, its storage {arr.type} {arr.type.list_size}; the file is damaged: export the store again")
     if pa.types.is_fixed_size_list(arr.type):
         if arr.null_count:
-            raise ActivationScopeError(f"cannot convert a fixed-size list array with {arr.null_count} nulls")
+            raise ArgumentValueError(f"cannot convert a fixed-size list array with {arr.null_count} nulls")
         size = arr.type.list_size
         if not shape:
             shape = (size,)
@@ -1127,7 +1128,7 @@ def arrow_to_torch(array: pa.Array | pa.ChunkedArray, field: pa.Field | None = N
     elif pa.types.is_primitive(arr.type):
         values = arr
     else:
-        raise ActivationScopeError(f"Arrow type {arr.type} is not a hook point column (primitive, fixed-size list or fixed-shape tensor)")
+        raise ArgumentTypeError(f"Arrow type {arr.type} is not a hook point column (primitive, fixed-size list or fixed-shape tensor)")
     meta = (field.metadata or {}) if field is not None else {}
     if _META_SHAPE in meta:
         shape = _feature_shape(meta[_META_SHAPE], array.type, arr.type, shape, field.name)
@@ -1182,8 +1183,8 @@ def read_arrow(
     ------
     ColumnNotFoundError
         A column of ``columns`` is not in the file.
-    ActivationScopeError
-        A hook point column that cannot be read as a tensor: nulls, a type with no tensor
+    ArgumentValueError
+        (``ArgumentTypeError`` for a type) A hook point column that cannot be read as a tensor: nulls, a type with no tensor
         equivalent, or field metadata ``activationscope.shape`` that does not describe it
         (see :func:`arrow_to_torch`).
 
