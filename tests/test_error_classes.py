@@ -14,7 +14,7 @@ import torch
 import activationscope as acs
 from activationscope.data import arrow_to_torch
 from activationscope.data._source import as_source
-from activationscope.errors import ActivationScopeError
+from activationscope.errors import ActivationScopeError, RowIndexError
 
 PACKAGE = Path(acs.__file__).parent
 
@@ -53,3 +53,14 @@ def test_a_closed_store_tracker_entered_again_is_a_capture_error(tmp_path):
         with tracker:
             pass
     assert isinstance(e.value, acs.CaptureError)
+
+
+def test_rows_out_of_range_of_a_source_are_a_row_index_error(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    with acs.ActivationScope(store=str(tmp_path / "s.zarr")).track(model), torch.no_grad():
+        model(torch.ones(3, 2))
+    source = as_source(str(tmp_path / "s.zarr"))
+    assert source.read("0.output", 1, 3).shape == (2, 2)
+    with pytest.raises(IndexError, match=r"rows \[2, 4\) out of range for hook point '0.output' with 3 rows") as e:
+        source.read("0.output", 2, 4)
+    assert isinstance(e.value, RowIndexError)

@@ -30,7 +30,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from ..errors import ArgumentTypeError, ArgumentValueError, StoreError
+from ..errors import ArgumentTypeError, ArgumentValueError, RowIndexError, StoreError
 from ..store._format import run_of
 
 __all__ = ["RowSource", "StoreSource", "as_source"]
@@ -399,7 +399,7 @@ class StoreSource:
         _bounds, memo, memoize, bl = layout
         n = bl[-1]
         if not (0 <= start <= stop <= n):
-            raise IndexError(f"rows [{start}, {stop}) out of range for hook point {hp!r} with {n} rows")
+            raise RowIndexError(f"rows [{start}, {stop}) out of range for hook point {hp!r} with {n} rows")
         if not memoize:  # decoded by the store: read just these rows through its cache
             return self._rows(hp, start, stop)
         lo, hi = hinted.get(hp, (1, 0))
