@@ -68,7 +68,8 @@ def _decoded_bytes(arr: Any) -> int:
         return int(taken or 0) + 8 * len(arr)
     if pa.types.is_struct(t):
         return sum(_decoded_bytes(arr.field(i)) for i in range(t.num_fields)) + len(arr) // 8 + 1
-    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_map(t) or pa.types.is_fixed_size_list(t):
+    if (pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_map(t) or pa.types.is_fixed_size_list(t)
+            or pa.types.is_list_view(t) or pa.types.is_large_list_view(t)):
         return _decoded_bytes(arr.values) + 8 * len(arr)
     return arr.nbytes
 
@@ -81,7 +82,8 @@ def read_parquet_part(raw: bytes, where: Any, key: str, max_decoded: int = MAX_F
     strings and binaries, at any depth, are first read as dictionaries (no larger than the
     file), their decoded size added up, and the part refused above the bound -- a small file
     of dictionary-encoded long strings (one 4 MiB value taken by every row: 200 KB on disk,
-    400 MB decoded) never expands in memory. Then they are decoded to the file's own types.
+    400 MB decoded) never expands in memory. Then they are decoded to the file's own types
+    (read again as those where Arrow casts no dictionary to them: views of strings or lists).
 
     The bytes are copied into an Arrow-owned buffer and read through ``ParquetFile`` without
     threads: a reader over a Python object (``io.BytesIO``, a bytes-backed buffer) whose last
@@ -118,6 +120,10 @@ def read_parquet_part(raw: bytes, where: Any, key: str, max_decoded: int = MAX_F
         return table
     try:
         return table.cast(target)
+    except Exception:  # noqa: BLE001 - a type Arrow casts no dictionary to (string_view, list_view, ...)
+        pass
+    try:  # (its decoded size is bounded above: read again as the file's own types)
+        return pq.ParquetFile(pa.BufferReader(buf)).read(use_threads=False)
     except Exception as e:  # noqa: BLE001
         raise corrupt(where, f"row-table part {key!r} is not a readable Parquet file ({type(e).__name__}: {e})") from None
 
