@@ -285,7 +285,7 @@ namespace {
 constexpr size_t kPrunePending = 64;  // events kept before the done ones are let go
 }  // namespace
 
-Sink::Record Sink::snapshot(const at::Tensor& x) {
+Sink::Record Sink::snapshot(const at::Tensor& x, bool check_overflow) {
   Record rec;
   const at::ScalarType dtype = options_.storage_dtype.value_or(x.scalar_type());
   const bool on_device = !x.device().is_cpu();
@@ -304,9 +304,11 @@ Sink::Record Sink::snapshot(const at::Tensor& x) {
       pending_.erase(pending_.begin(), pending_.begin() + static_cast<std::ptrdiff_t>(done));
     }
     rec.t = at::empty(x.sizes(), at::TensorOptions().dtype(dtype).pinned_memory(true));
-    if (dtype != x.scalar_type() && cast_may_overflow(x.scalar_type(), dtype)) {
+    if (check_overflow && dtype != x.scalar_type() && cast_may_overflow(x.scalar_type(), dtype)) {
       // A narrowing storage_dtype (float32 -> float16): checked for overflow on the device
-      // before the copy, as a record cast on the CPU is (the check waits for the cast).
+      // before the copy, as a record cast on the CPU is (the check waits for the cast); not
+      // when the call has rows (a store or reductions), whose values are checked as rows
+      // (a record's padding positions are not), as on the CPU.
       const at::Tensor cast = x.to(dtype);
       check_cast(x, cast);
       pending_.push_back(device_to_host(cast, rec.t));
@@ -524,7 +526,7 @@ void Sink::consume(const at::Tensor& x_in, const at::Tensor& token_mask) {
     Record rec;
     if (copy) {
       try {  // (a narrowing storage_dtype of a device tensor is checked for overflow there)
-        rec = snapshot(x);
+        rec = snapshot(x, /*check_overflow=*/!need_rows);
       } catch (...) {
         count_call(-1);
         throw;
@@ -735,7 +737,7 @@ bool Sink::consume_alias(const at::Tensor& x, const at::Tensor& token_mask) {
       // a store capture that also keeps records in memory (storage=CPU or GPU): this call's
       // record is its target's (the same bytes), as for an in-memory alias; a copy of its own
       // when the target kept none of this call
-      if (!alias_of_->last_record(&shared, &event)) shared = snapshot(x);
+      if (!alias_of_->last_record(&shared, &event)) shared = snapshot(x, /*check_overflow=*/false);  // (a store's rows)
     }
   }
   if (!reductions_.empty()) {

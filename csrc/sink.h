@@ -192,7 +192,8 @@ class Sink {
   static Record refer(const at::Tensor& x);
   static bool can_refer(const at::Tensor& x);
   static at::Tensor referred(const Record& r);
-  Record snapshot(const at::Tensor& x);
+  // check_overflow: a narrowing storage_dtype of a device tensor is checked on the device
+  Record snapshot(const at::Tensor& x, bool check_overflow);
   void check_layout(const at::Tensor& x) const;  // CaptureError for values it cannot read
   at::Tensor rows_of(const at::Tensor& x, const at::Tensor& token_mask);
   void remember_for_aliases(const at::Tensor& x);        // target side, under mu_

@@ -353,6 +353,26 @@ def test_custom_accumulator_follows_the_rows_to_their_device(eager):
     assert r.result()["value"].tolist() == [7.0, 7.0, 7.0]
 
 
+@torch.no_grad()
+def test_a_float16_cast_of_padding_only_is_no_error_with_reductions(device):
+    # as on the CPU: with rows (token rows taken by the mask, reduced), the rows' values are
+    # what is checked; a padding position beyond float16 stays in the record (inf), no error
+    model = torch.nn.Linear(8, 8).to(device).eval()
+    model.weight.copy_(torch.eye(8))
+    model.bias.zero_()
+    x = torch.ones(2, 3, 8, device=device)
+    x[1, 2] = 1e5  # padding: left out by the mask
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    scope = acs.ActivationScope(storage_dtype=torch.float16, reductions=["mean"])
+    with scope.track(model, include=[""]) as tr:
+        tr.set_batch(attention_mask=mask)
+        model(x)
+    (rec,) = tr.activations["output"]
+    assert rec.dtype == torch.float16 and torch.isinf(rec[1, 2]).all() and torch.equal(rec[mask].float().cpu(),
+                                                                                       torch.ones(5, 8))
+    assert torch.equal(tr.reductions["output"]["mean"].cpu(), torch.ones(8, dtype=torch.float64))
+
+
 @pytest.mark.parametrize("storage", [StoragePolicy.AUTO, StoragePolicy.CPU, StoragePolicy.GPU])
 @torch.no_grad()
 def test_a_float16_cast_that_overflows_is_an_error_in_memory(device, storage):
