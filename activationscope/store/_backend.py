@@ -778,6 +778,21 @@ class ZarrBackend:
     def exists(self) -> bool:
         return self.size("zarr.json") is not None
 
+    def stamp(self, key: str) -> tuple | None:
+        """What changes when the object ``key`` is written again, read fresh from the store
+        (never from a cached listing): here its size and the crc32c of its bytes (at most
+        ``MAX_JSON_BYTES``; a larger one stamps by its size alone). None when it is not there.
+        A reader compares stamps of the root document to see a store replaced under it."""
+        from . import _format as F
+
+        size = self.size(key)
+        if size is None:
+            return None
+        if size > MAX_JSON_BYTES:
+            return (size,)
+        data = self._get(key)
+        return None if data is None else (len(data), F.crc32c(data))
+
     def is_empty(self) -> bool:
         return next(iter(self.list("")), None) is None
 
@@ -839,6 +854,34 @@ class FsspecBackend(ZarrBackend):
                 f.invalidate_cache(root)  # (and its parents' listings, which name it)
             except Exception:  # noqa: BLE001 - a cache it cannot drop: reads as before
                 pass
+
+    def stamp(self, key: str) -> tuple | None:
+        """The object's size and identity (S3: ETag and last-modified; fsspec memory: its
+        creation time) from one metadata request that bypasses the file system's cached
+        listings; the bytes' crc32c (:meth:`ZarrBackend.stamp`) where the file system gives
+        no identity. None when it is not there."""
+        check_key(key, store=self, what="key")
+        fs = getattr(self.store, "fs", None)
+        if fs is None or not hasattr(fs, "_info"):
+            return super().stamp(key)
+        path = f"{self.store.path.rstrip('/')}/{key}"
+        try:
+            inner = getattr(fs, "sync_fs", None)  # (zarr wraps a synchronous file system)
+            if inner is not None:
+                inner.invalidate_cache(path)
+                info = inner.info(path)
+            else:
+                fs.invalidate_cache(path)
+                info = self._sync(fs._info(path))
+        except FileNotFoundError:
+            return None
+        except Exception as e:  # remote errors come in many classes
+            raise StoreError(f"reading the size of {key!r} in {self.label} failed: {e}") from e
+        ident = tuple(str(info.get(k)) for k in ("ETag", "LastModified", "created", "mtime", "VersionId")
+                      if info.get(k) is not None)
+        if not ident:
+            return super().stamp(key)
+        return (info.get("size"), *ident)
 
     def set_if_absent(self, key: str, data: bytes) -> bool:
         check_key(key, store=self, what="key")

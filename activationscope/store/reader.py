@@ -461,10 +461,13 @@ class Store:
         )
 
     def _root_stamp(self) -> tuple | None:
-        """(device, inode, mtime, size) of a local store's root document; None for other
-        stores, or when it is not there."""
+        """(device, inode, mtime, size) of a local store's root document; of another store,
+        what its backend's ``stamp`` says changes when the root is written again (object
+        storage: size, ETag, last-modified); None when it is not there or the backend cannot
+        tell."""
         if not isinstance(self._backend, LocalBackend):
-            return None
+            stamp = getattr(self._backend, "stamp", None)
+            return None if stamp is None else ("remote", stamp("zarr.json"))
         doc = self.__dict__.get("_root_doc_path")
         if doc is None:
             doc = self.__dict__["_root_doc_path"] = os.path.join(str(self._backend.root), "zarr.json")
@@ -474,19 +477,23 @@ class Store:
             return None
         return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
 
-    def _check_same_store(self) -> None:
+    def _check_same_store(self, per_chunk: bool = False) -> None:
         """Raise :class:`StoreError` when the local store was replaced (another run written in
         its place: ``overwrite=True``, a copy, a delete and a new capture) since it was opened
         or refreshed. Called before a file is opened lazily, and before a read error is
-        blamed on damage. One ``stat`` of the root document; the root is re-read only when it
+        blamed on damage. One ``stat`` of the root document (object storage: one metadata request; not per chunk, where a chunk of another run fails its crc32c); the root is re-read only when it
         changed (a commit), to compare its ``run_id`` (``created`` for stores written before
         run ids)."""
         stamp = getattr(self, "_stamp", None)
         if stamp is None:
             return
+        if per_chunk and not isinstance(self._backend, LocalBackend):
+            return  # one request per chunk is too many; a chunk of another run fails its manifest's crc32c
         now = self._root_stamp()
         if now == stamp:
             return
+        if now is not None and now[0] == "remote" and now[1] is None:
+            now = None
         replaced = f"store at {str(self._backend)!r} was replaced since it was opened"
         fix = "reopen it (open_store again, or store.refresh()); a dataset of it: make a new ActivationDataset"
         if now is None:
@@ -1539,7 +1546,7 @@ class Store:
             idx.check(j, self._backend)
             off, nbytes = idx.entries[j]
             where = f"hook point {hook_point!r}: chunk {c} (rows {lo}-{hi - 1}, shard {idx.key})"
-            self._check_same_store()
+            self._check_same_store(per_chunk=True)
             try:
                 data = self._backend.get_range(idx.key, off, nbytes)
                 if data is None or len(data) != nbytes:
