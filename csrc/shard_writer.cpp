@@ -623,6 +623,7 @@ ArrayWriter::ArrayWriter(std::shared_ptr<StoreCore> core, ArraySpec spec)
 }
 
 ArrayWriter::~ArrayWriter() {
+  if (deferred_bytes_) core_->add_deferred(-deferred_bytes_);  // (rows never taken: the store failed)
   if (fd_ >= 0) {
     ::close(fd_);
     unlink_tmp();
@@ -670,6 +671,7 @@ void ArrayWriter::append(const at::Tensor& rows_in, std::shared_ptr<c10::Event> 
     const int64_t bytes = rows.numel() * static_cast<int64_t>(rows.element_size());
     deferred_.push_back({rows, std::move(ready), bytes});
     deferred_bytes_ += bytes;
+    core_->add_deferred(bytes);
     n_rows_.fetch_add(rows.size(0));
     drain(false);
     return;
@@ -681,13 +683,17 @@ void ArrayWriter::append(const at::Tensor& rows_in, std::shared_ptr<c10::Event> 
 }
 
 void ArrayWriter::drain(bool all) {
+  // bounds on the pinned memory held: this array's (4 chunks, at least 16 MiB) and the store's
   const int64_t bound = std::max<int64_t>(4 * chunk_bytes_, int64_t{16} << 20);
   while (!deferred_.empty()) {
     Deferred& d = deferred_.front();
-    if (!all && deferred_bytes_ <= bound && !d.ready->query()) return;
+    if (!all && deferred_bytes_ <= bound && core_->deferred_bytes() <= StoreCore::kDeferredTotal &&
+        !d.ready->query())
+      return;
     d.ready->synchronize();
     const at::Tensor rows = std::move(d.rows);
     deferred_bytes_ -= d.bytes;
+    core_->add_deferred(-d.bytes);
     deferred_.pop_front();
     append_now(rows);
   }

@@ -129,7 +129,14 @@ class StoreCore : public std::enable_shared_from_this<StoreCore> {
   // the store opens its folders relative to it. Closed with the core.
   int root_fd(const std::string& root);
 
+  // Bytes of rows, over all arrays, waiting in pinned host memory for their copies from a
+  // device (ArrayWriter's deferred rows): past kDeferredTotal each array waits for its oldest.
+  static constexpr int64_t kDeferredTotal = int64_t{256} << 20;
+  int64_t add_deferred(int64_t bytes) { return deferred_bytes_.fetch_add(bytes) + bytes; }
+  int64_t deferred_bytes() const { return deferred_bytes_.load(); }
+
  private:
+  std::atomic<int64_t> deferred_bytes_{0};
   StoreCore(int64_t max_pending_bytes, bool fsync);  // (make)
   void run();
   void release(int64_t bytes);
