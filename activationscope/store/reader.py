@@ -467,7 +467,7 @@ class Store:
         tell."""
         if not isinstance(self._backend, LocalBackend):
             stamp = getattr(self._backend, "stamp", None)
-            return None if stamp is None else ("remote", stamp("zarr.json"))
+            return None if stamp is None else stamp("zarr.json")
         doc = self.__dict__.get("_root_doc_path")
         if doc is None:
             doc = self.__dict__["_root_doc_path"] = os.path.join(str(self._backend.root), "zarr.json")
@@ -481,9 +481,10 @@ class Store:
         """Raise :class:`StoreError` when the local store was replaced (another run written in
         its place: ``overwrite=True``, a copy, a delete and a new capture) since it was opened
         or refreshed. Called before a file is opened lazily, and before a read error is
-        blamed on damage. One ``stat`` of the root document (object storage: one metadata request; not per chunk, where a chunk of another run fails its crc32c); the root is re-read only when it
-        changed (a commit), to compare its ``run_id`` (``created`` for stores written before
-        run ids)."""
+        blamed on damage. One ``stat`` of the root document (object storage: one metadata
+        request, and not per chunk, where a chunk of another run fails its crc32c); the root is
+        re-read only when it changed (a commit), to compare its ``run_id`` (``created`` for
+        stores written before run ids)."""
         stamp = getattr(self, "_stamp", None)
         if stamp is None:
             return
@@ -492,8 +493,6 @@ class Store:
         now = self._root_stamp()
         if now == stamp:
             return
-        if now is not None and now[0] == "remote" and now[1] is None:
-            now = None
         replaced = f"store at {str(self._backend)!r} was replaced since it was opened"
         fix = "reopen it (open_store again, or store.refresh()); a dataset of it: make a new ActivationDataset"
         if now is None:
