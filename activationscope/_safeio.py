@@ -128,6 +128,36 @@ def read_parquet_part(raw: bytes, where: Any, key: str, max_decoded: int = MAX_F
         raise corrupt(where, f"row-table part {key!r} is not a readable Parquet file ({type(e).__name__}: {e})") from None
 
 
+def batch_order(table: Any, by_rank: bool) -> tuple[str, tuple] | None:
+    """Where a row table (with a ``batch`` column) breaks the order a writer appends its
+    forwards in (FORMAT.md section 5, section 9 rule 15), per ``rank`` when ``by_rank`` (a
+    store committed from rank stores, section 10) and it has a ``rank`` column.
+
+    Returns ``("type", (column, type, null_count))`` for a ``batch`` (or that ``rank``) column
+    that is not integers without nulls, ``("back", (row, from, to))`` at the first row (of its
+    rank) where ``batch`` goes back, None when the table is in order."""
+    import numpy as np
+    import pyarrow as pa
+
+    names = table.column_names
+    cols = {c: table.column(c) for c in ("batch", "rank") if c in names and (c == "batch" or by_rank)}
+    for c, col in cols.items():
+        if not pa.types.is_integer(col.type) or col.null_count:
+            return "type", (c, col.type, col.null_count)
+    batch = cols["batch"].to_numpy().astype(np.int64, copy=False)
+    if "rank" in cols:
+        rank = cols["rank"].to_numpy().astype(np.int64, copy=False)
+        order = np.argsort(rank, kind="stable")
+        rank, batch = rank[order], batch[order]
+        back = (np.diff(batch) < 0) & (np.diff(rank) == 0)
+    else:
+        back = np.diff(batch) < 0
+    if back.any():
+        i = int(np.flatnonzero(back)[0])
+        return "back", (i + 1, int(batch[i]), int(batch[i + 1]))
+    return None
+
+
 def _kind(mode: int) -> str:
     return ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
             else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)

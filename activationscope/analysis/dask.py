@@ -392,10 +392,10 @@ def _read_part(root: str, zarr_store: Any, spec: dict) -> Any:
 def _checked_part(root: str, zarr_store: Any, spec: dict) -> Any:
     import os
 
-    import pyarrow as pa
     import pyarrow.compute as pc
 
-    from .._safeio import MAX_FILE_BYTES, _inside, _remote_get, corrupt, crc32c, read_parquet_part, read_regular
+    from .._safeio import (MAX_FILE_BYTES, _inside, _remote_get, batch_order, corrupt, crc32c, read_parquet_part,
+                          read_regular)
 
     key, kind = spec["key"], spec["kind"]
     if zarr_store is None:
@@ -413,28 +413,16 @@ def _checked_part(root: str, zarr_store: Any, spec: dict) -> Any:
                             f"computed {crc32c(raw)})")
     table = read_parquet_part(raw, root, key)
     batch = table.column("batch") if "batch" in table.column_names else None
+    found = batch_order(table, spec["by_rank"]) if batch is not None else ("type", ("batch",))
     problem = None
-    back = np.zeros(0, dtype=bool)
     if table.num_rows != spec["n_rows"]:
         problem = f"holds {table.num_rows} rows, but its footer said {spec['n_rows']} when the graph was made"
-    elif batch is None or not pa.types.is_integer(batch.type) or batch.null_count:
-        problem = "has no batch column of integers without nulls"
-    elif table.num_rows:
-        b = batch.to_numpy().astype(np.int64, copy=False)
-        if spec["by_rank"] and "rank" in table.column_names:
-            rank = table.column("rank")
-            if not pa.types.is_integer(rank.type) or rank.null_count:
-                problem = "has no rank column of integers without nulls"
-            else:
-                r = rank.to_numpy().astype(np.int64, copy=False)
-                order = np.argsort(r, kind="stable")
-                back = (np.diff(b[order]) < 0) & (np.diff(r[order]) == 0)
-        else:
-            back = np.diff(b) < 0
-        if problem is None and back.any():
-            problem = "has a batch column that goes back: its rows are not in the order they were written"
-        elif problem is None and (int(pc.min(batch).as_py()), int(pc.max(batch).as_py())) != tuple(spec["batch"]):
-            problem = "has batch values other than its footer's statistics"
+    elif found is not None and found[0] == "type":
+        problem = f"has no {found[1][0]} column of integers without nulls"
+    elif found is not None:
+        problem = "has a batch column that goes back: its rows are not in the order they were written"
+    elif table.num_rows and (int(pc.min(batch).as_py()), int(pc.max(batch).as_py())) != tuple(spec["batch"]):
+        problem = "has batch values other than its footer's statistics"
     if problem is not None:
         raise corrupt(root, f"row table {kind!r}: part {key!r} {problem}")
     return table.to_pandas()

@@ -46,7 +46,7 @@ from ..errors import (
     StoreCorruptError,
     StoreError,
 )
-from .._safeio import read_parquet_part
+from .._safeio import batch_order, read_parquet_part
 from . import _decode
 from . import _format as F
 from . import _validate as V
@@ -2031,31 +2031,23 @@ class Store:
         names = table.column_names
         if "batch" not in names or table.num_rows < 2:
             return
-        import pyarrow as pa
-
         dist = self._attrs.get("distributed")
         by_rank = isinstance(dist, dict) and dist.get("committed") is True
-        cols = {c: table.column(c) for c in ("batch", "rank") if c in names and (c == "batch" or by_rank)}
-        for c, col in cols.items():
-            if not pa.types.is_integer(col.type) or col.null_count:
-                raise V.corrupt(self._backend, f"row table {kind!r}: its {c} column must hold integers without "
-                                               f"nulls, got {col.type} with {col.null_count} nulls")
-        batch = cols["batch"].to_numpy().astype(np.int64, copy=False)
-        if "rank" in cols:
-            rank = cols["rank"].to_numpy().astype(np.int64, copy=False)
-            order = np.argsort(rank, kind="stable")
-            rank, batch = rank[order], batch[order]
-            back = (np.diff(batch) < 0) & (np.diff(rank) == 0)
-        else:
-            back = np.diff(batch) < 0
-        if back.any():
-            i = int(np.flatnonzero(back)[0])
-            raise V.corrupt(
-                self._backend,
-                f"row table {kind!r}: its batch column goes back from {int(batch[i])} to {int(batch[i + 1])} "
-                f"(row {i + 1}{' of its rank' if 'rank' in cols else ''}): its parts are not in the order they "
-                "were written (an edited zarr.json), so its rows would describe other rows of the arrays",
-            )
+        found = batch_order(table, by_rank)
+        if found is None:
+            return
+        what, detail = found
+        if what == "type":
+            c, col_type, nulls = detail
+            raise V.corrupt(self._backend, f"row table {kind!r}: its {c} column must hold integers without "
+                                           f"nulls, got {col_type} with {nulls} nulls")
+        row, before, after = detail
+        raise V.corrupt(
+            self._backend,
+            f"row table {kind!r}: its batch column goes back from {before} to {after} "
+            f"(row {row}{' of its rank' if by_rank and 'rank' in names else ''}): its parts are not in the order they "
+            "were written (an edited zarr.json), so its rows would describe other rows of the arrays",
+        )
 
     # ------------------------------------------------------------------ checks and info
     def verify(self) -> list[str]:
