@@ -882,14 +882,18 @@ class ActivationDataset(Dataset):
             self._refuse_unknown_ids(wanted, table)
         self._ids = ids[keep[ids]].contiguous()
 
+    def _stored_sample_ids(self, id_type: pa.DataType) -> pa.ChunkedArray | None:
+        """The ids of the store's ``sample`` row table as ``id_type``; None without one."""
+        try:
+            return self.source.row_table("sample").column("sample_id").cast(id_type)
+        except (KeyError, OSError, ActivationScopeError, pa.ArrowInvalid, pa.ArrowNotImplementedError):
+            return None
+
     def _samples_without_rows(self, wanted: pa.Array) -> bool:
         """Whether some of ``wanted`` are samples of the store's ``sample`` row table (a token
         dataset's ids that select no token row: samples with none)."""
-        try:
-            samples = self.source.row_table("sample").column("sample_id").cast(wanted.type)
-        except (KeyError, OSError, ActivationScopeError, pa.ArrowInvalid, pa.ArrowNotImplementedError):
-            return False
-        return bool(pc.any(pc.is_in(wanted, value_set=samples)).as_py())
+        samples = self._stored_sample_ids(wanted.type)
+        return samples is not None and bool(pc.any(pc.is_in(wanted, value_set=samples)).as_py())
 
     def _refuse_unknown_ids(self, wanted: pa.Array, table: pa.Table) -> None:
         """ArgumentValueError when ``sample_ids=`` holds ids that no sample of the store has (a
@@ -898,12 +902,9 @@ class ActivationDataset(Dataset):
         table (a sample with no token row is one). Ids that ``rows=`` or ``filter=`` leave out
         are no error."""
         known = table.column("sample_id").cast(wanted.type)
-        if self.row_kind != "sample":
-            try:
-                samples = self.source.row_table("sample").column("sample_id").cast(wanted.type)
-                known = pa.chunked_array(known.chunks + samples.chunks, type=wanted.type)
-            except (KeyError, OSError, ActivationScopeError, pa.ArrowInvalid, pa.ArrowNotImplementedError):
-                pass  # (no sample table: the dataset's own)
+        samples = self._stored_sample_ids(wanted.type) if self.row_kind != "sample" else None
+        if samples is not None:  # (no sample table: the dataset's own)
+            known = pa.chunked_array(known.chunks + samples.chunks, type=wanted.type)
         absent = pc.invert(pc.is_in(wanted, value_set=known))
         n_absent = pc.sum(absent).as_py() or 0
         if n_absent:
