@@ -1328,6 +1328,18 @@ def test_bad_store_options_and_storage_dtype_are_named(tmp_path):
         acs.ActivationScope(store=str(tmp_path / "s.zarr"), store_options={"compresion": "zstd"})
     with pytest.raises(ValueError, match="store_options=.*needs store="):
         acs.ActivationScope(store_options={"overwrite": True})
+    # values too, when the scope is made: nothing runs, nothing is written
+    bad = [({"compression": "zstd:99"}, ValueError, "zstd"), ({"chunk_rows": 0}, ValueError, "chunk_rows"),
+           ({"shard_rows": 100, "shard_bytes": 1 << 20}, ValueError, "shard_rows and shard_bytes"),
+           ({"overwrite": True, "resume": True}, ValueError, "overwrite=True and resume=True"),
+           ({"commit_interval": -1}, ValueError, "commit_interval"),
+           ({"provenance": ["x"]}, TypeError, "provenance must be a dict"),
+           ({"storage_options": "anon"}, TypeError, "storage_options must be a dict")]
+    for options, cls, msg in bad:
+        with pytest.raises(cls, match=msg):
+            acs.ActivationScope(store=str(tmp_path / "s.zarr"), store_options=options)
+    assert not (tmp_path / "s.zarr").exists()
+    acs.ActivationScope(store=str(tmp_path / "s.zarr"), store_options={"compression": "zstd:5", "chunk_rows": 4})
     with pytest.raises(ValueError, match="storage_dtype must be a floating-point dtype.*torch.int8"):
         acs.ActivationScope(storage_dtype=torch.int8)
 

@@ -32,7 +32,7 @@ from ..errors import (ActivationScopeError, ArgumentTypeError, ArgumentValueErro
 from .hooks import (check_column, hook_point_module, is_hook_point_module, normalize_patterns, pattern_selects,
                     rename_hook_point, select_modules)
 from .results import HookPointResults, ReductionResults, main_result_key
-from .writer import open_writer, writer_options
+from .writer import check_writer_options, open_writer, writer_options
 
 _C = _native.load()
 compiled.install()  # the in-graph path of a torch.compile'd tracked model
@@ -170,6 +170,7 @@ def _check_store_options(options: Mapping[str, Any]) -> None:
         if key not in valid:
             hint = "; storage_dtype is an argument of ActivationScope itself" if key == "storage_dtype" else ""
             raise ArgumentTypeError(f"store_options has no option {key!r}; valid options are {valid}{hint}")
+    check_writer_options(options)  # their values, before a model runs
 
 
 def _parse_token_rows(value: Any) -> bool | dict[str, bool] | None:
@@ -289,9 +290,12 @@ class ActivationScope:
     ------
     TypeError
         ``capture=`` given a CapturePolicy (use ``capture_policy=``), or a ``token_rows``
-        that is not a bool or a dict of pattern to bool.
+        that is not a bool or a dict of pattern to bool; a ``store_options`` key the writer
+        does not take.
     ValueError
-        An unknown policy, side or non-positive ``sample_every`` / ``max_k``.
+        An unknown policy, side or non-positive ``sample_every`` / ``max_k``; a
+        ``store_options`` value the writer refuses (``compression``, ``chunk_rows``,
+        ``shard_rows``, ...: checked here, before a model runs).
 
     Example
     -------

@@ -136,6 +136,14 @@ def writer_options() -> list[str]:
     return sorted(n for n, p in params.items() if n not in _FIXED and p.kind is p.KEYWORD_ONLY)
 
 
+def check_writer_options(options: Mapping[str, Any]) -> None:
+    """Check ``store_options`` values with the registered writer's ``check_options`` (a factory
+    without one is checked when it opens); raises what that raises."""
+    check = getattr(_require(), "check_options", None)
+    if check is not None:
+        check(**options)
+
+
 def open_writer(target: Any, **kwargs: Any) -> ActivationWriter:
     """A writer for ``target`` from the registered factory (arguments as :data:`WriterFactory`)."""
     return _require()(target, **kwargs)

@@ -1396,8 +1396,18 @@ def _capture_writer_signature() -> Any:
     return inspect.Signature(params)
 
 
-# the valid store_options are StoreWriter's plus process_group (capture.writer.writer_options)
+def _check_capture_writer_options(*, process_group: Any = None, **options: Any) -> None:
+    """Check ``store_options`` values as :meth:`StoreWriter.check_options` (``process_group`` is
+    checked when the writer opens: it needs ``torch.distributed``)."""
+    from .writer import StoreWriter
+
+    StoreWriter.check_options(**options)
+
+
+# the valid store_options are StoreWriter's plus process_group (capture.writer.writer_options);
+# their values are checked when the scope is made (capture.writer.check_writer_options)
 open_capture_writer.__signature__ = _capture_writer_signature()  # type: ignore[attr-defined]
+open_capture_writer.check_options = _check_capture_writer_options  # type: ignore[attr-defined]
 
 
 def _ranks_provenance(stores: list) -> dict:

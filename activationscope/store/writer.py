@@ -813,6 +813,58 @@ class StoreWriter:
         Invalid options (checked before anything is written).
     """
 
+    @staticmethod
+    def check_options(
+        *,
+        overwrite: bool = False,
+        resume: bool = False,
+        compression: Any = None,
+        chunk_rows: int | None = None,
+        shard_bytes: int | None = None,
+        shard_rows: int | Mapping[str, int] | None = None,
+        fsync: bool = False,
+        commit_interval: float = 1.0,
+        max_pending_bytes: int = 256 << 20,
+        provenance: Mapping[str, Any] | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """Check the writer's options (arguments as :class:`StoreWriter`) without opening anything.
+
+        ``ActivationScope(store_options=...)`` calls it when the scope is made, so that a bad
+        value is refused before the model runs; the writer calls it again when it opens.
+
+        Returns
+        -------
+        dict
+            The normalised ``compression`` (codec document or None), ``chunk_rows``,
+            ``shard_bytes``, ``shard_rows`` (dict per row kind or None), ``commit_interval``
+            (float seconds) and ``provenance`` (dict).
+
+        Raises
+        ------
+        ArgumentValueError, ArgumentTypeError
+            The option and the values it takes.
+        """
+        if overwrite and resume:
+            raise ArgumentValueError("overwrite=True and resume=True exclude each other; pick one")
+        compression = F.parse_compression(compression)
+        chunk_rows = _positive_int(chunk_rows, "chunk_rows")
+        shard_bytes = _positive_int(shard_bytes, "shard_bytes")
+        shard_rows = F.parse_shard_rows(shard_rows, chunk_rows)
+        if shard_rows is not None and shard_bytes is not None:
+            raise ArgumentValueError("shard_rows and shard_bytes exclude each other; pick one")
+        _positive_int(max_pending_bytes, "max_pending_bytes", allow_none=False)
+        if isinstance(commit_interval, bool) or not isinstance(commit_interval, (int, float)) \
+                or not math.isfinite(commit_interval) or commit_interval < 0:
+            raise ArgumentValueError(f"commit_interval must be a number of seconds >= 0, got {commit_interval!r}")
+        if provenance is not None and not isinstance(provenance, Mapping):
+            raise ArgumentTypeError(f"provenance must be a dict or None, got {type(provenance).__name__}")
+        if storage_options is not None and not isinstance(storage_options, Mapping):
+            raise ArgumentTypeError(f"storage_options must be a dict or None, got {type(storage_options).__name__}")
+        return {"compression": compression, "chunk_rows": chunk_rows, "shard_bytes": shard_bytes,
+                "shard_rows": shard_rows, "commit_interval": float(commit_interval),
+                "provenance": F.check_jsonable(dict(provenance or {}), "provenance")}
+
     def __init__(
         self,
         target: Any,
@@ -834,28 +886,20 @@ class StoreWriter:
     ) -> None:
         _native.load()  # writing needs the native extension (reading does not): say so first
         # ---- validate everything before the first byte is written
-        if overwrite and resume:
-            raise ArgumentValueError("overwrite=True and resume=True exclude each other; pick one")
-        self._compression = F.parse_compression(compression)
-        self._chunk_rows = _positive_int(chunk_rows, "chunk_rows")
-        self._shard_bytes = _positive_int(shard_bytes, "shard_bytes")
-        self._shard_rows = F.parse_shard_rows(shard_rows, self._chunk_rows)
-        if self._shard_rows is not None and self._shard_bytes is not None:
-            raise ArgumentValueError("shard_rows and shard_bytes exclude each other; pick one")
-        _positive_int(max_pending_bytes, "max_pending_bytes", allow_none=False)
-        if isinstance(commit_interval, bool) or not isinstance(commit_interval, (int, float)) \
-                or not math.isfinite(commit_interval) or commit_interval < 0:
-            raise ArgumentValueError(f"commit_interval must be a number of seconds >= 0, got {commit_interval!r}")
-        self._commit_interval = float(commit_interval)
+        opts = StoreWriter.check_options(
+            overwrite=overwrite, resume=resume, compression=compression, chunk_rows=chunk_rows,
+            shard_bytes=shard_bytes, shard_rows=shard_rows, commit_interval=commit_interval,
+            max_pending_bytes=max_pending_bytes, provenance=provenance, storage_options=storage_options)
+        self._compression, self._chunk_rows = opts["compression"], opts["chunk_rows"]
+        self._shard_bytes, self._shard_rows = opts["shard_bytes"], opts["shard_rows"]
+        self._commit_interval = opts["commit_interval"]
         self._last_commit = time.monotonic()
         if storage_dtype is not None:
             F.parse_dtype(storage_dtype, "storage_dtype")
         if model is not None and not isinstance(model, torch.nn.Module):
             raise ArgumentTypeError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
-        if provenance is not None and not isinstance(provenance, Mapping):
-            raise ArgumentTypeError(f"provenance must be a dict or None, got {type(provenance).__name__}")
         self._capture_config = F.check_jsonable(dict(capture_config or {}), "capture_config")
-        self._provenance = F.check_jsonable(dict(provenance or {}), "provenance")
+        self._provenance = opts["provenance"]
         self._storage_dtype = None if storage_dtype is None else F.dtype_name(storage_dtype)
         self._fsync = bool(fsync)
         # before anything is made: a model it refuses leaves no trace. A resume compares it with the
