@@ -241,6 +241,59 @@ def test_a_2d_token_hook_point_confirmed_by_token_rows_gets_no_later_warning(tmp
     assert not [r for r in rec if issubclass(r.category, CaptureWarning) and "padded columns" in str(r.message)]
 
 
+class _HeadFirst(torch.nn.Module):
+    """An attention map (batch, heads, pos, pos) as a module output (its dropout), beside the
+    (batch, pos, d) values it weights."""
+
+    def __init__(self, heads: int, d: int = 8) -> None:
+        super().__init__()
+        self.heads = heads
+        self.values = torch.nn.Linear(d, d)
+        self.drop = torch.nn.Dropout(0.0)
+
+    def forward(self, x):
+        batch, pos, _ = x.shape
+        scores = torch.arange(batch * self.heads * pos * pos, dtype=torch.float32).reshape(batch, self.heads, pos, pos)
+        return self.drop(torch.softmax(scores / 100, -1)) @ self.values(x).unsqueeze(1)
+
+
+@pytest.mark.parametrize("heads, token_rows, warned, kind", [
+    (4, None, True, "token"),     # heads == pos: (batch, pos, pos, pos) could be either
+    (4, False, False, "sample"),  # the user says head-first: one row per sample, no warning
+    (4, True, False, "token"),    # the user confirms token rows: no warning
+    (3, None, False, "sample"),   # heads != pos: the shape tells
+])
+def test_a_head_first_map_whose_heads_equal_pos_is_warned_about(tmp_path, heads, token_rows, warned, kind):
+    """An attention map (batch, heads, pos, pos) of 4 heads over batches padded to 4 tokens
+    starts with the mask's (batch, pos): it was stored as token rows of (sample, head) pairs
+    picked by the mask without a word. The capture now says so, naming token_rows=."""
+    import warnings as _w
+
+    from activationscope import ActivationScope, CaptureWarning, open_store
+
+    torch.manual_seed(0)
+    m = _HeadFirst(heads).eval()
+    x = torch.randn(2, 4, 8)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    opts = {} if token_rows is None else {"token_rows": {"drop.output": token_rows}}
+    with _w.catch_warnings(record=True) as rec:
+        _w.simplefilter("always")
+        with torch.no_grad(), ActivationScope(store=str(tmp_path / "s.zarr"), **opts).track(m) as tr:
+            for _ in range(2):
+                tr.set_batch(attention_mask=mask)
+                m(x)
+    msgs = [str(r.message) for r in rec if issubclass(r.category, CaptureWarning) and "head-first" in str(r.message)]
+    assert len(msgs) == warned  # once per capture, not per forward
+    if warned:
+        assert "'drop.output'" in msgs[0] and "(2, 4, 4, 4)" in msgs[0] and "token_rows={'drop.output': False}" in msgs[0]
+    store = open_store(str(tmp_path / "s.zarr"))
+    assert store.row_kind("drop.output") == kind and store.row_kind("values.output") == "token"
+    with torch.no_grad():
+        attn = m.drop(torch.softmax(torch.arange(2 * heads * 16, dtype=torch.float32).reshape(2, heads, 4, 4) / 100, -1))
+    want = attn[mask.bool()] if kind == "token" else attn
+    assert torch.equal(store["drop.output"], torch.cat([want, want]))
+
+
 def _store_files(path):
     """Every file of the store (the writer lock aside) with its bytes."""
     return {str(f.relative_to(path)): f.read_bytes() for f in sorted(path.rglob("*"))

@@ -51,6 +51,22 @@ def _warn_2d_token_rows(name: str, shape: tuple[int, ...], stacklevel: int) -> N
     )
 
 
+def _warn_head_first_token_rows(name: str, shape: tuple[int, ...], stacklevel: int) -> None:
+    """The CaptureWarning for a hook point of shape ``(batch, pos, pos, ...)``, taken as token
+    rows: an attention map or per-head tensor ``(batch, heads, pos, ...)`` whose number of heads
+    only happens to equal pos has that shape too, and would be stored as rows of (sample,
+    head) pairs picked by the mask."""
+    warnings.warn(
+        f"hook point {name!r} has shape {shape}: its second dimension equals the attention mask's pos, and "
+        "so does its third. It is stored as one row per real token of shape "
+        f"{shape[2:]}. If it is head-first, (batch, heads, pos, ...) like an attention map whose number "
+        f"of heads only happens to equal pos, pass token_rows={{{name!r}: False}} (one row per sample); "
+        f"token_rows={{{name!r}: True}} confirms token rows",
+        CaptureWarning,
+        stacklevel=stacklevel + 1,
+    )
+
+
 def _reduce_forward_wrapper(wrapper: Any) -> tuple[Any, tuple[Any, ...]]:
     """Pickle / copy a tracked module's native forward wrapper as the forward it replaced.
 
@@ -1356,6 +1372,11 @@ class Tracker:
                 self._unwarned_2d_token[name] = tuple(tensor.shape)
             else:
                 _warn_2d_token_rows(name, tuple(tensor.shape), stacklevel=2)
+        elif token and decided is None and tensor.dim() >= 4 and tensor.shape[2] == tensor.shape[1]:
+            # (batch, pos, pos, ...): token rows of (pos, ...), or a head-first (batch, heads, pos,
+            # ...) tensor with as many heads as positions (an attention map of 12 heads over 12
+            # tokens), whose rows would be (sample, head) pairs. Only the user knows: say so.
+            _warn_head_first_token_rows(name, tuple(tensor.shape), stacklevel=2)
         keep = _KEEP_CODE[scope.reduction_policy]
         if not self._in_memory:
             keep = 2
