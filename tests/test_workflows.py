@@ -1,0 +1,279 @@
+"""Researchers' workflows end to end, each against plain PyTorch forward hooks: capture under
+``torch.autocast``, a training loop (dropout, backward, optimizer steps), ``no_grad`` /
+``inference_mode`` forwards of a float16 / bfloat16 model, and ``generate()`` of a decoder
+with a key-value cache."""
+
+from __future__ import annotations
+
+import gc
+import os
+import warnings
+
+import pytest
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+import activationscope as acs
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+MODES = [acs.CaptureMode.SNAPSHOT, acs.CaptureMode.REFERENCE]
+STATS = ["mean", "var", "min", "max"]
+
+
+def _mlp(dtype=torch.float32, dropout=0.0):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Dropout(dropout), torch.nn.LayerNorm(16),
+        torch.nn.Linear(16, 4),
+    ).to(dtype)
+
+
+def _hooked(model, run, names=None):
+    """``run()`` with a plain forward hook on each child of ``model`` (or each module in
+    ``names``), recording a detached copy of its output: ``({hook point: [Tensor]}, result)``."""
+    records: dict[str, list[torch.Tensor]] = {}
+    modules = dict(model.named_modules())
+    handles = [
+        modules[n].register_forward_hook(
+            lambda mod, args, out, n=n: records.setdefault(f"{n}.output", []).append(
+                (out[0] if isinstance(out, tuple) else out).detach().clone()))
+        for n in (names if names is not None else [n for n, _ in model.named_children()])
+    ]
+    try:
+        result = run()
+    finally:
+        for h in handles:
+            h.remove()
+    return records, result
+
+
+def _assert_records_equal(got, expected):
+    assert sorted(got) == sorted(expected)
+    for name, refs in expected.items():
+        assert len(got[name]) == len(refs), name
+        for a, b in zip(got[name], refs):
+            assert a.dtype == b.dtype and a.shape == b.shape, (name, a.dtype, b.dtype)
+            assert torch.equal(a, b), name
+
+
+def _assert_stats(red, rows):
+    """Reductions against float64 statistics of the very rows recorded."""
+    v = rows.double().reshape(-1, *rows.shape[1:])
+    torch.testing.assert_close(red["mean"], v.mean(0), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(red["var"], v.var(0, unbiased=False), rtol=1e-9, atol=1e-12)
+    assert torch.equal(red["min"].double(), v.min(0).values)
+    assert torch.equal(red["max"].double(), v.max(0).values)
+
+
+# ---------------------------------------------------------------------- torch.autocast
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.name.lower())
+def test_autocast_bf16_records_and_reductions_equal_plain_hooks(mode, grad):
+    model = _mlp().eval()
+    xs = [torch.randn(5, 8) + i for i in range(3)]
+
+    def run():
+        with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=torch.bfloat16):
+            return [model(x) for x in xs]
+
+    expected, outs = _hooked(model, run)
+    assert expected["0.output"][0].dtype == torch.bfloat16  # the autocast op's dtype, not the module's
+    with acs.ActivationScope(capture_mode=mode, reductions=STATS).track(model) as tracker:
+        got_outs = run()
+    _assert_records_equal(tracker.activations, expected)
+    assert all(torch.equal(a, b) for a, b in zip(got_outs, outs))
+    for name, refs in expected.items():
+        _assert_stats(tracker.reductions[name], torch.cat(refs))
+
+
+def test_autocast_bf16_into_a_store_is_bit_exact_with_its_dtype(tmp_path):
+    model = _mlp().eval()
+    xs = [torch.randn(5, 8) * (i + 1) for i in range(3)]
+
+    def run():
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            return [model(x) for x in xs]
+
+    expected, _ = _hooked(model, run)
+    path = tmp_path / "autocast.zarr"
+    with acs.ActivationScope(store=path, reductions=STATS).track(model):
+        run()
+    store = acs.open_store(path)
+    for name, refs in expected.items():
+        rows = torch.cat(refs)
+        assert store[name].dtype == rows.dtype and torch.equal(store[name], rows), name
+        _assert_stats(store.reductions[name], rows)
+    batch = next(iter(torch.utils.data.DataLoader(acs.ActivationDataset(path, hook_points=["0.output"]),
+                                                  batch_size=15)))
+    assert batch["0.output"].dtype == torch.bfloat16 and torch.equal(batch["0.output"], torch.cat(expected["0.output"]))
+
+
+def test_autocast_switched_on_mid_capture_is_refused_in_a_store_not_cast(tmp_path):
+    # float32 rows first, then bf16 rows of the same hook point: one dtype per array
+    model = _mlp().eval()
+    path = tmp_path / "mixed.zarr"
+    with pytest.raises(acs.CaptureError, match="'0.output'"):
+        with torch.no_grad(), acs.ActivationScope(store=path).track(model, include=["0"]):
+            model(torch.randn(5, 8))
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                model(torch.randn(5, 8))
+    store = acs.open_store(path)
+    assert store["0.output"].dtype == torch.float32 and store["0.output"].shape == (5, 16)
+
+
+# ---------------------------------------------------------------------- training loop
+
+
+def _train(model, steps, capture=None):
+    """A few steps of training with dropout: ``(losses, grads per step)``; the model's
+    parameters are trained in place."""
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    xs, ys = torch.randn(steps, 16, 8, generator=g), torch.randn(steps, 16, 4, generator=g)
+    model.train()
+    torch.manual_seed(2)  # dropout masks
+    losses, grads = [], []
+    for x, y in zip(xs, ys):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        losses.append(loss.detach())
+        opt.step()
+    return losses, grads
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.name.lower())
+def test_training_loop_under_capture_trains_bit_identically_and_records_plain_hook_values(mode):
+    plain = _mlp(dropout=0.5)
+    losses, grads = _train(plain, 4)
+    hooked = _mlp(dropout=0.5)
+    expected, _ = _hooked(hooked, lambda: _train(hooked, 4))
+    model = _mlp(dropout=0.5)
+    with acs.ActivationScope(capture_mode=mode, reductions=["mean"]).track(model) as tracker:
+        got_losses, got_grads = _train(model, 4)
+    assert all(torch.equal(a, b) for a, b in zip(got_losses, losses))
+    for step_a, step_b in zip(got_grads, grads):
+        assert all(torch.equal(a, b) for a, b in zip(step_a, step_b))
+    for a, b in zip(model.parameters(), plain.parameters()):
+        assert torch.equal(a, b)
+    _assert_records_equal(tracker.activations, expected)
+    # dropout zeroed about half of its inputs: the records are the training forward's
+    assert 0.3 < float((tracker.activations["2.output"][0] == 0).float().mean()) < 0.7
+    for rec in tracker.activations["0.output"]:
+        assert not rec.requires_grad and rec.grad_fn is None
+    torch.testing.assert_close(tracker.reductions["4.output"]["mean"],
+                               torch.cat(expected["4.output"]).double().mean(0), rtol=1e-12, atol=1e-12)
+
+
+def test_training_loop_into_a_store_keeps_the_training_forward_values(tmp_path):
+    hooked = _mlp(dropout=0.5)
+    expected, _ = _hooked(hooked, lambda: _train(hooked, 3))
+    model = _mlp(dropout=0.5)
+    path = tmp_path / "train.zarr"
+    with acs.ActivationScope(store=path, reductions=["mean"]).track(model, include=["2", "4"]):
+        _train(model, 3)
+    store = acs.open_store(path)
+    for name in ("2.output", "4.output"):
+        assert torch.equal(store[name], torch.cat(expected[name])), name
+
+
+def _saved_storages(model, run):
+    """Run ``run()`` with autograd's saved tensors noted (weakly, parameters left out):
+    the :class:`StorageWeakRef` of each, per call of ``run``."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: list[StorageWeakRef] = []
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            saved.append(StorageWeakRef(t.untyped_storage()))
+        return t.detach()  # (the tensor itself would make a cycle through its grad_fn)
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    return saved
+
+
+@pytest.mark.parametrize("clear", [False, True], ids=["kept", "cleared"])
+def test_reference_records_with_grad_keep_no_graph_alive(clear):
+    """REFERENCE records hold the storage of the captured tensors only: the rest of each
+    forward's graph (its other saved tensors) is freed with the model's output, backward or
+    not; records dropped with ``clear()`` free those too, so memory stays flat."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    per_step = []
+    scope = acs.ActivationScope(capture_mode=acs.CaptureMode.REFERENCE)
+    with scope.track(model, include=["1"]) as tracker:
+        for i in range(6):
+            def step():
+                out = model(torch.randn(64, 8))
+                if i % 2 == 0:  # backward on some steps only: the others just drop the output
+                    out.sum().backward()
+                    opt.step()
+                    opt.zero_grad()
+            saved = _saved_storages(model, step)
+            gc.collect()
+            per_step.append(saved)
+            if clear:
+                tracker.clear()
+        # Linear 0 saves its input, Tanh and Linear 2 its output (the record's storage)
+        assert all(len(s) == 3 for s in per_step)
+        for s in per_step:
+            assert s[0].expired()  # the input: part of the graph only
+            assert s[1].expired() == clear and s[2].expired() == clear
+        assert len(tracker.activations["1.output"]) == (0 if clear else 6)
+
+
+def test_reference_streaming_capture_with_grad_keeps_nothing_over_many_steps():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    scope = acs.ActivationScope(capture_mode=acs.CaptureMode.REFERENCE, reductions=["mean"],
+                                reduction_policy=acs.ReductionPolicy.STREAMING)
+    saved = []
+    with scope.track(model) as tracker:
+        for _ in range(50):
+            saved += _saved_storages(model, lambda: model(torch.randn(16, 8)).sum().backward())
+        gc.collect()
+        assert saved and all(s.expired() for s in saved)
+        assert tracker.activations["1.output"] == []
+        assert int(tracker.reductions["1.output"]["mean.count"]) == 50 * 16
+
+
+# ---------------------------------------------------------------------- no_grad / inference_mode, half models
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.name.lower())
+@pytest.mark.parametrize("context", [torch.no_grad, torch.inference_mode])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+def test_half_model_into_a_store_and_back_through_the_dataset(tmp_path, dtype, context, mode):
+    model = _mlp(dtype).eval()
+    xs = [(torch.randn(5, 8) * (i + 1)).to(dtype) for i in range(3)]
+
+    def run():
+        with context():
+            return [model(x) for x in xs]
+
+    expected, _ = _hooked(model, run)
+    with acs.ActivationScope(capture_mode=mode, reductions=STATS).track(model) as tracker:
+        run()
+    _assert_records_equal(tracker.activations, expected)
+    assert not any(r.is_inference() for rs in tracker.activations.values() for r in rs)
+    path = tmp_path / "half.zarr"
+    with acs.ActivationScope(store=path, capture_mode=mode, reductions=STATS).track(model) as tracker:
+        for i, x in enumerate(xs):
+            tracker.set_batch(sample_ids=range(5 * i, 5 * i + 5))
+            with context():
+                model(x)
+    store = acs.open_store(path)
+    ds = acs.ActivationDataset(path, hook_points=list(expected), columns=["sample_id"])
+    batch = next(iter(torch.utils.data.DataLoader(ds, batch_size=15)))
+    assert torch.equal(batch["sample_id"], torch.arange(15))
+    for name, refs in expected.items():
+        rows = torch.cat(refs)
+        assert store[name].dtype == dtype and torch.equal(store[name], rows), name
+        assert batch[name].dtype == dtype and torch.equal(batch[name], rows), name
+        _assert_stats(store.reductions[name], rows)
