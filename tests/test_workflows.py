@@ -14,6 +14,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import activationscope as acs
+from activationscope.errors import ArgumentValueError
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -277,3 +278,144 @@ def test_half_model_into_a_store_and_back_through_the_dataset(tmp_path, dtype, c
         assert store[name].dtype == dtype and torch.equal(store[name], rows), name
         assert batch[name].dtype == dtype and torch.equal(batch[name], rows), name
         _assert_stats(store.reductions[name], rows)
+
+
+# ---------------------------------------------------------------------- generate() with a key-value cache
+
+BLOCKS = ["transformer.h.0", "transformer.h.1"]
+
+
+def _gpt2():
+    """A small random GPT-2 (no download) and a left-padded prompt: sample 0 has 2 pad tokens."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=50, n_positions=32, n_embd=16, n_layer=2, n_head=2,
+                                     pad_token_id=0, bos_token_id=1, eos_token_id=49)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    ids = torch.randint(2, 48, (3, 4))
+    mask = torch.ones_like(ids)
+    ids[0, :2], mask[0, :2] = 0, 0
+    return model, ids, mask
+
+
+def _generate(model, ids, mask):
+    with torch.no_grad():
+        return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+
+
+def _by_block(records):
+    """Records keyed by block (``transformer.h.0``), whatever the hook point's leaf name."""
+    return {b: records[next(k for k in records if k.startswith(b + ".output"))] for b in BLOCKS}
+
+
+def test_generate_in_memory_records_every_step_as_plain_hooks_and_generates_the_same():
+    model, ids, mask = _gpt2()
+    expected, out = _hooked(model, lambda: _generate(model, ids, mask), names=BLOCKS)
+    expected = {f"{b}.output": v for b, v in _by_block(expected).items()}
+    assert [tuple(r.shape) for r in expected["transformer.h.0.output"]] == [(3, 4, 16)] + [(3, 1, 16)] * 4
+    with acs.ActivationScope().track(model, include=["transformer.h.?"]) as tracker:
+        tracker.set_batch(attention_mask=mask)  # no effect on records kept whole
+        got = _generate(model, ids, mask)
+    assert torch.equal(got, out)
+    _assert_records_equal({f"{b}.output": v for b, v in _by_block(tracker.activations).items()}, expected)
+
+
+def test_generate_into_a_store_with_token_rows_keeps_the_samples_ids_at_every_step(tmp_path):
+    model, ids, _ = _gpt2()
+    ids[0, :2] = 7  # no padding: every position is a token
+    expected, out = _hooked(model, lambda: _generate(model, ids, None), names=BLOCKS)
+    path = tmp_path / "gen.zarr"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", acs.CaptureWarning)
+        with acs.ActivationScope(store=path, rows="token", reductions=["mean"]).track(
+                model, include=["transformer.h.?"]) as tracker:
+            tracker.set_batch(sample_ids=[10, 11, 12])  # sticky: every step's forward is these samples
+            got = _generate(model, ids, None)
+    assert torch.equal(got, out)
+    store = acs.open_store(path)
+    for block, refs in _by_block(expected).items():
+        (name,) = [h for h in store.hook_points if h.startswith(block + ".output")]
+        rows = torch.cat([r.reshape(-1, 16) for r in refs])
+        assert store.row_kind(name) == "token" and torch.equal(store[name], rows)
+        torch.testing.assert_close(store.reductions[name]["mean"], rows.double().mean(0), rtol=1e-12, atol=1e-12)
+    table = store.row_table("token")
+    assert table.column("sample_id").to_pylist() == [10] * 4 + [11] * 4 + [12] * 4 + [10, 11, 12] * 4
+    assert table.column("batch").to_pylist() == [0] * 12 + [1, 1, 1, 2, 2, 2, 3, 3, 3, 4, 4, 4]
+
+
+def test_generate_with_the_prompts_mask_only_refuses_the_cached_steps_and_keeps_the_prompt(tmp_path):
+    """The mask given for the prompt (batch, pos) cannot describe the (batch, 1) forwards of
+    the later steps: the capture says so and how to describe them, rather than guess."""
+    model, ids, mask = _gpt2()
+    expected, _ = _hooked(model, lambda: _generate(model, ids, mask), names=BLOCKS)
+    path = tmp_path / "gen.zarr"
+    with pytest.raises(acs.CaptureError, match=r"got activation \(3, 1, 16\) and mask \(3, 4\)") as info:
+        with acs.ActivationScope(store=path).track(model, include=["transformer.h.?"]) as tracker:
+            tracker.set_batch(attention_mask=mask)
+            _generate(model, ids, mask)
+    assert "generate()" in str(info.value) and "same_samples=True" in str(info.value)
+    store = acs.open_store(path)
+    assert store.status == "incomplete"
+    for block, refs in _by_block(expected).items():
+        (name,) = [h for h in store.hook_points if h.startswith(block + ".output")]
+        assert torch.equal(store[name], refs[0][mask.bool()])  # the prompt's real tokens only
+
+
+def _describe_each_step(model, tracker, **columns):
+    """A forward pre-hook that describes each step of generate() after the prompt: the new
+    token's column of the mask generate() passes, the same samples again."""
+
+    def describe(module, args, kwargs):
+        n = kwargs["input_ids"].shape[1]
+        if n < kwargs["attention_mask"].shape[1]:  # the cache holds the earlier tokens
+            tracker.set_batch(attention_mask=kwargs["attention_mask"][:, -n:], same_samples=True, **columns)
+
+    return model.register_forward_pre_hook(describe, with_kwargs=True)
+
+
+@pytest.mark.parametrize("given_ids", [True, False], ids=["ids", "counted"])
+def test_generate_with_a_mask_per_step_stores_the_prompt_tokens_and_every_new_token(tmp_path, given_ids):
+    model, ids, mask = _gpt2()
+    expected, out = _hooked(model, lambda: _generate(model, ids, mask), names=BLOCKS)
+    path = tmp_path / "gen.zarr"
+    sample_ids = [10, 11, 12] if given_ids else [0, 1, 2]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", acs.CaptureWarning)
+        with acs.ActivationScope(store=path, reductions=["mean"]).track(model, include=["transformer.h.?"]) as tracker:
+            tracker.set_batch(attention_mask=mask, label=[0, 1, 0], **({"sample_ids": sample_ids} if given_ids else {}))
+            handle = _describe_each_step(model, tracker, label=[0, 1, 0])
+            try:
+                got = _generate(model, ids, mask)
+            finally:
+                handle.remove()
+    assert torch.equal(got, out)
+    store = acs.open_store(path)
+    for block, refs in _by_block(expected).items():
+        (name,) = [h for h in store.hook_points if h.startswith(block + ".output")]
+        rows = torch.cat([refs[0][mask.bool()]] + [r[:, 0] for r in refs[1:]])
+        assert store.row_kind(name) == "token" and torch.equal(store[name], rows)
+        torch.testing.assert_close(store.reductions[name]["mean"], rows.double().mean(0), rtol=1e-12, atol=1e-12)
+    a, b, c = sample_ids
+    table = store.row_table("token")
+    assert table.column("sample_id").to_pylist() == [a] * 2 + [b] * 4 + [c] * 4 + [a, b, c] * 4
+    assert table.column("pos").to_pylist()[:10] == [2, 3, 0, 1, 2, 3, 0, 1, 2, 3]
+    samples = store.row_table("sample")
+    assert samples.column("sample_id").to_pylist() == sample_ids * 5
+    assert samples.column("label").to_pylist() == [0, 1, 0] * 5
+
+
+def test_same_samples_needs_a_captured_forward_before_it_and_takes_no_ids():
+    model = _mlp().eval()
+    with acs.ActivationScope().track(model, include=["0"]) as tracker:
+        with pytest.raises(ArgumentValueError, match="no forward was captured yet"):
+            tracker.set_batch(same_samples=True)
+        with torch.no_grad():
+            model(torch.randn(2, 8))
+        with pytest.raises(ArgumentValueError, match="sample_ids= as well"):
+            tracker.set_batch(sample_ids=[0, 1], same_samples=True)
+        tracker.set_batch(same_samples=True)
+        with torch.no_grad():
+            model(torch.randn(2, 8))
+        with pytest.raises(ArgumentValueError, match="describes 2 samples, but the forward's batch has 3"):
+            with torch.no_grad():
+                model(torch.randn(3, 8))
