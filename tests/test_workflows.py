@@ -419,3 +419,19 @@ def test_same_samples_needs_a_captured_forward_before_it_and_takes_no_ids():
         with pytest.raises(ArgumentValueError, match="describes 2 samples, but the forward's batch has 3"):
             with torch.no_grad():
                 model(torch.randn(3, 8))
+
+
+def test_same_samples_takes_the_ids_as_they_were_at_the_forward(tmp_path):
+    # a sample-id tensor refilled for the next batch does not change the ids continued
+    model = _mlp().eval()
+    ids = torch.tensor([4, 5])
+    path = tmp_path / "ids.zarr"
+    with torch.no_grad(), acs.ActivationScope(store=path).track(model, include=["0"]) as tracker:
+        tracker.set_batch(sample_ids=ids)
+        model(torch.randn(2, 8))
+        ids.copy_(torch.tensor([6, 7]))
+        tracker.set_batch(same_samples=True)
+        model(torch.randn(2, 8))
+        tracker.set_batch(sample_ids=ids)
+        model(torch.randn(2, 8))
+    assert acs.open_store(path).row_table().column("sample_id").to_pylist() == [4, 5, 4, 5, 6, 7]
