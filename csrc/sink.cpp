@@ -347,7 +347,13 @@ at::Tensor Sink::rows_of(const at::Tensor& x, const at::Tensor& token_mask) {
               "(batch, pos) = the first two dims of its activation; got activation ",
               shape_str(x.sizes()), " and mask ",
               token_mask.defined() ? shape_str(token_mask.sizes()) : std::string("None"),
-              ". Pass attention_mask= to tracker.set_batch() for every batch.");
+              token_mask.defined()
+                  ? ". The mask is the one last given to tracker.set_batch() (it stays until the next call): "
+                    "give each forward of another (batch, pos) its own, also each step of generate() with a "
+                    "key-value cache, whose forwards after the prompt's are (batch, 1) (call "
+                    "set_batch(attention_mask=..., same_samples=True) from a forward pre-hook of the model, see "
+                    "docs/usage/capture.md, \"Generation with a key-value cache\")."
+                  : ". Pass attention_mask= to tracker.set_batch() for every batch.");
     if (token_mask.device().is_cpu() && token_mask.all().item<bool>()) {
       return x.flatten(0, 1);  // every position is a token (rows="token" without a mask): a view
     }

@@ -689,6 +689,9 @@ class Tracker:
         self._pending_batch: dict[str, Any] | None = None
         self._batch: dict[str, Any] | None = None
         self._ids_batch: dict[str, Any] | None = None  # the description the last recorded forward had
+        # the sample ids of the last captured forward, for set_batch(same_samples=True): (the ids
+        # it was given, or None and the first id of the running counter, its number of samples)
+        self._last_ids: tuple[Any, int, int] | None = None
         # True once a failed capture removed the store it made (it held no committed row)
         self._store_removed = False
         self._n_samples = 0
@@ -1233,6 +1236,8 @@ class Tracker:
         self,
         attention_mask: torch.Tensor | None = None,
         sample_ids: Sequence[int] | torch.Tensor | None = None,
+        *,
+        same_samples: bool = False,
         **columns: Any,
     ) -> None:
         """Describe the next forward's batch (sticky until changed).
@@ -1249,6 +1254,11 @@ class Tracker:
             shapes; ``token_rows=False`` says that sample rows are meant.
         sample_ids : sequence of int or Tensor (batch,), optional
             Ids of the samples (default: a running counter over captured samples).
+        same_samples : bool, default False
+            The next forward continues the samples of the last captured forward (a generation
+            step with a key-value cache, described with its own ``attention_mask``): it takes
+            that forward's sample ids (given or counted), which are not warned about as
+            repeats. Columns are not carried over: give them again.
         **columns
             Per-sample user columns for the row table (labels, text, ...), each of length
             ``batch``; token columns (e.g. ``token_ids``) of shape (batch, pos) are taken
@@ -1257,7 +1267,8 @@ class Tracker:
         Raises
         ------
         ValueError
-            A mask that is not 2-D or holds values other than 0 and 1, columns whose
+            ``same_samples=True`` with ``sample_ids`` or before any captured forward; a mask
+            that is not 2-D or holds values other than 0 and 1, columns whose
             length is not the batch size, or (with a store) a column named like one the
             row table fills itself (``sample_id``, ``pos``, ``batch``); at the forward (the model call raises it): sample
             ids, columns or mask rows that describe another number of samples than the
@@ -1269,6 +1280,17 @@ class Tracker:
             from its type in earlier batches (``int64`` labels, then ``float``: a row-table
             column has one type), or a column that is not a sequence.
         """
+        if same_samples:
+            if sample_ids is not None:
+                raise ArgumentValueError(
+                    "set_batch(same_samples=True) takes the sample ids of the last captured forward, got "
+                    "sample_ids= as well; pass one or the other")
+            if self._last_ids is None:
+                raise ArgumentValueError(
+                    "set_batch(same_samples=True) continues the samples of the last captured forward, and no "
+                    "forward was captured yet; describe the first forward (the prompt) without it")
+            given, first, n_last = self._last_ids
+            sample_ids = given if given is not None else torch.arange(first, first + n_last, dtype=torch.int64)
         mask = None
         if attention_mask is not None:
             if isinstance(attention_mask, np.ndarray) and attention_mask.dtype.kind in "biu":
@@ -1315,7 +1337,8 @@ class Tracker:
                 _warn_2d_token_rows(name, shape, stacklevel=2)
             self._unwarned_2d_token.clear()
         self._core.token_mask = mask if mask is not None else torch.Tensor()
-        self._pending_batch = {"attention_mask": mask, "sample_ids": sample_ids, "columns": columns}
+        self._pending_batch = {"attention_mask": mask, "sample_ids": sample_ids, "columns": columns,
+                               "same_samples": bool(same_samples)}
 
     # ------------------------------------------------------------------ callbacks (cold path)
     def _on_new_hook_point(self, name: str, tensor: torch.Tensor) -> Any:
@@ -1784,9 +1807,13 @@ class Tracker:
             if mask is None and self.scope.rows == "token":
                 mask = self._core.auto_token_mask
                 mask = mask if mask.dim() == 2 else None
-            # the same set_batch description as the previous forward (sticky): the same samples again
-            again = ids is not None and self._batch is not None and self._batch is self._ids_batch
+            # the same set_batch description as the previous forward (sticky), or one that says
+            # so (same_samples=True): the same samples again
+            again = ids is not None and self._batch is not None and (
+                self._batch is self._ids_batch or bool(self._batch.get("same_samples")))
             self._ids_batch = self._batch
+            first = int(getattr(self.writer, "next_sample_id", 0)) if ids is None else 0
+            self._last_ids = (_copy_ids(ids), first, n)
             lost = self.writer.add_batch(
                 n_samples=n, sample_ids=ids, token_mask=mask, columns=batch.get("columns") or {},
                 **({"described_again": True} if again else {}),
@@ -1794,6 +1821,8 @@ class Tracker:
             if lost and self._refused is None:  # a refused resume commits nothing
                 self._warn_row_table_lost(lost)
             self.writer.maybe_commit()
+        else:
+            self._last_ids = (_copy_ids(batch.get("sample_ids")), self._n_samples + self._skipped_samples, n)
         self._n_samples += n
         # (REFERENCE records changed in place are looked for when the records are read and at
         # the end of the `with` block, not here: a check here reads every new record's version
@@ -2143,6 +2172,18 @@ def _token_rows_for(name: str, token_rows: bool | Mapping[str, bool] | None, nam
         if pattern_selects(pattern, name, names):
             return flag
     return None
+
+
+def _copy_ids(ids: Any) -> Any:
+    """Sample ids as they are now (a tensor or array the caller refills for the next batch
+    does not change them)."""
+    if ids is None:
+        return None
+    if isinstance(ids, torch.Tensor):
+        return ids.detach().clone()
+    if isinstance(ids, np.ndarray):
+        return ids.copy()
+    return list(ids)
 
 
 def _batch_size(batch: Mapping[str, Any], from_inputs: int) -> int:

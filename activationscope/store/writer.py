@@ -1848,6 +1848,13 @@ class StoreWriter:
         included."""
         return self._n_batches
 
+    @property
+    def next_sample_id(self) -> int:
+        """The id the running counter gives the next sample recorded without ids (the
+        samples already recorded, those of the run it resumes included)."""
+        with self._lock:
+            return self.n_samples_committed + self._pending_samples
+
     def add_batch(self, n_samples: int, sample_ids: Any = None, token_mask: torch.Tensor | None = None,
                   columns: Mapping[str, Any] | None = None, described_again: bool = False
                   ) -> dict[str, tuple[int, int]]:

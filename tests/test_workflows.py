@@ -1,0 +1,437 @@
+"""Researchers' workflows end to end, each against plain PyTorch forward hooks: capture under
+``torch.autocast``, a training loop (dropout, backward, optimizer steps), ``no_grad`` /
+``inference_mode`` forwards of a float16 / bfloat16 model, and ``generate()`` of a decoder
+with a key-value cache."""
+
+from __future__ import annotations
+
+import gc
+import os
+import warnings
+
+import pytest
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+import activationscope as acs
+from activationscope.errors import ArgumentValueError
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+MODES = [acs.CaptureMode.SNAPSHOT, acs.CaptureMode.REFERENCE]
+STATS = ["mean", "var", "min", "max"]
+
+
+def _mlp(dtype=torch.float32, dropout=0.0):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Dropout(dropout), torch.nn.LayerNorm(16),
+        torch.nn.Linear(16, 4),
+    ).to(dtype)
+
+
+def _hooked(model, run, names=None):
+    """``run()`` with a plain forward hook on each child of ``model`` (or each module in
+    ``names``), recording a detached copy of its output: ``({hook point: [Tensor]}, result)``."""
+    records: dict[str, list[torch.Tensor]] = {}
+    modules = dict(model.named_modules())
+    handles = [
+        modules[n].register_forward_hook(
+            lambda mod, args, out, n=n: records.setdefault(f"{n}.output", []).append(
+                (out[0] if isinstance(out, tuple) else out).detach().clone()))
+        for n in (names if names is not None else [n for n, _ in model.named_children()])
+    ]
+    try:
+        result = run()
+    finally:
+        for h in handles:
+            h.remove()
+    return records, result
+
+
+def _assert_records_equal(got, expected):
+    assert sorted(got) == sorted(expected)
+    for name, refs in expected.items():
+        assert len(got[name]) == len(refs), name
+        for a, b in zip(got[name], refs):
+            assert a.dtype == b.dtype and a.shape == b.shape, (name, a.dtype, b.dtype)
+            assert torch.equal(a, b), name
+
+
+def _assert_stats(red, rows):
+    """Reductions against float64 statistics of the very rows recorded."""
+    v = rows.double().reshape(-1, *rows.shape[1:])
+    torch.testing.assert_close(red["mean"], v.mean(0), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(red["var"], v.var(0, unbiased=False), rtol=1e-9, atol=1e-12)
+    assert torch.equal(red["min"].double(), v.min(0).values)
+    assert torch.equal(red["max"].double(), v.max(0).values)
+
+
+# ---------------------------------------------------------------------- torch.autocast
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.name.lower())
+def test_autocast_bf16_records_and_reductions_equal_plain_hooks(mode, grad):
+    model = _mlp().eval()
+    xs = [torch.randn(5, 8) + i for i in range(3)]
+
+    def run():
+        with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=torch.bfloat16):
+            return [model(x) for x in xs]
+
+    expected, outs = _hooked(model, run)
+    assert expected["0.output"][0].dtype == torch.bfloat16  # the autocast op's dtype, not the module's
+    with acs.ActivationScope(capture_mode=mode, reductions=STATS).track(model) as tracker:
+        got_outs = run()
+    _assert_records_equal(tracker.activations, expected)
+    assert all(torch.equal(a, b) for a, b in zip(got_outs, outs))
+    for name, refs in expected.items():
+        _assert_stats(tracker.reductions[name], torch.cat(refs))
+
+
+def test_autocast_bf16_into_a_store_is_bit_exact_with_its_dtype(tmp_path):
+    model = _mlp().eval()
+    xs = [torch.randn(5, 8) * (i + 1) for i in range(3)]
+
+    def run():
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            return [model(x) for x in xs]
+
+    expected, _ = _hooked(model, run)
+    path = tmp_path / "autocast.zarr"
+    with acs.ActivationScope(store=path, reductions=STATS).track(model):
+        run()
+    store = acs.open_store(path)
+    for name, refs in expected.items():
+        rows = torch.cat(refs)
+        assert store[name].dtype == rows.dtype and torch.equal(store[name], rows), name
+        _assert_stats(store.reductions[name], rows)
+    batch = next(iter(torch.utils.data.DataLoader(acs.ActivationDataset(path, hook_points=["0.output"]),
+                                                  batch_size=15)))
+    assert batch["0.output"].dtype == torch.bfloat16 and torch.equal(batch["0.output"], torch.cat(expected["0.output"]))
+
+
+def test_autocast_switched_on_mid_capture_is_refused_in_a_store_not_cast(tmp_path):
+    # float32 rows first, then bf16 rows of the same hook point: one dtype per array
+    model = _mlp().eval()
+    path = tmp_path / "mixed.zarr"
+    with pytest.raises(acs.CaptureError, match="'0.output'"):
+        with torch.no_grad(), acs.ActivationScope(store=path).track(model, include=["0"]):
+            model(torch.randn(5, 8))
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                model(torch.randn(5, 8))
+    store = acs.open_store(path)
+    assert store["0.output"].dtype == torch.float32 and store["0.output"].shape == (5, 16)
+
+
+# ---------------------------------------------------------------------- training loop
+
+
+def _train(model, steps, capture=None):
+    """A few steps of training with dropout: ``(losses, grads per step)``; the model's
+    parameters are trained in place."""
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    xs, ys = torch.randn(steps, 16, 8, generator=g), torch.randn(steps, 16, 4, generator=g)
+    model.train()
+    torch.manual_seed(2)  # dropout masks
+    losses, grads = [], []
+    for x, y in zip(xs, ys):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        losses.append(loss.detach())
+        opt.step()
+    return losses, grads
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.name.lower())
+def test_training_loop_under_capture_trains_bit_identically_and_records_plain_hook_values(mode):
+    plain = _mlp(dropout=0.5)
+    losses, grads = _train(plain, 4)
+    hooked = _mlp(dropout=0.5)
+    expected, _ = _hooked(hooked, lambda: _train(hooked, 4))
+    model = _mlp(dropout=0.5)
+    with acs.ActivationScope(capture_mode=mode, reductions=["mean"]).track(model) as tracker:
+        got_losses, got_grads = _train(model, 4)
+    assert all(torch.equal(a, b) for a, b in zip(got_losses, losses))
+    for step_a, step_b in zip(got_grads, grads):
+        assert all(torch.equal(a, b) for a, b in zip(step_a, step_b))
+    for a, b in zip(model.parameters(), plain.parameters()):
+        assert torch.equal(a, b)
+    _assert_records_equal(tracker.activations, expected)
+    # dropout zeroed about half of its inputs: the records are the training forward's
+    assert 0.3 < float((tracker.activations["2.output"][0] == 0).float().mean()) < 0.7
+    for rec in tracker.activations["0.output"]:
+        assert not rec.requires_grad and rec.grad_fn is None
+    torch.testing.assert_close(tracker.reductions["4.output"]["mean"],
+                               torch.cat(expected["4.output"]).double().mean(0), rtol=1e-12, atol=1e-12)
+
+
+def test_training_loop_into_a_store_keeps_the_training_forward_values(tmp_path):
+    hooked = _mlp(dropout=0.5)
+    expected, _ = _hooked(hooked, lambda: _train(hooked, 3))
+    model = _mlp(dropout=0.5)
+    path = tmp_path / "train.zarr"
+    with acs.ActivationScope(store=path, reductions=["mean"]).track(model, include=["2", "4"]):
+        _train(model, 3)
+    store = acs.open_store(path)
+    for name in ("2.output", "4.output"):
+        assert torch.equal(store[name], torch.cat(expected[name])), name
+
+
+def _saved_storages(model, run):
+    """Run ``run()`` with autograd's saved tensors noted (weakly, parameters left out):
+    the :class:`StorageWeakRef` of each, per call of ``run``."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: list[StorageWeakRef] = []
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            saved.append(StorageWeakRef(t.untyped_storage()))
+        return t.detach()  # (the tensor itself would make a cycle through its grad_fn)
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    return saved
+
+
+@pytest.mark.parametrize("clear", [False, True], ids=["kept", "cleared"])
+def test_reference_records_with_grad_keep_no_graph_alive(clear):
+    """REFERENCE records hold the storage of the captured tensors only: the rest of each
+    forward's graph (its other saved tensors) is freed with the model's output, backward or
+    not; records dropped with ``clear()`` free those too, so memory stays flat."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    per_step = []
+    scope = acs.ActivationScope(capture_mode=acs.CaptureMode.REFERENCE)
+    with scope.track(model, include=["1"]) as tracker:
+        for i in range(6):
+            def step():
+                out = model(torch.randn(64, 8))
+                if i % 2 == 0:  # backward on some steps only: the others just drop the output
+                    out.sum().backward()
+                    opt.step()
+                    opt.zero_grad()
+            saved = _saved_storages(model, step)
+            gc.collect()
+            per_step.append(saved)
+            if clear:
+                tracker.clear()
+        # Linear 0 saves its input, Tanh and Linear 2 its output (the record's storage)
+        assert all(len(s) == 3 for s in per_step)
+        for s in per_step:
+            assert s[0].expired()  # the input: part of the graph only
+            assert s[1].expired() == clear and s[2].expired() == clear
+        assert len(tracker.activations["1.output"]) == (0 if clear else 6)
+
+
+def test_reference_streaming_capture_with_grad_keeps_nothing_over_many_steps():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    scope = acs.ActivationScope(capture_mode=acs.CaptureMode.REFERENCE, reductions=["mean"],
+                                reduction_policy=acs.ReductionPolicy.STREAMING)
+    saved = []
+    with scope.track(model) as tracker:
+        for _ in range(50):
+            saved += _saved_storages(model, lambda: model(torch.randn(16, 8)).sum().backward())
+        gc.collect()
+        assert saved and all(s.expired() for s in saved)
+        assert tracker.activations["1.output"] == []
+        assert int(tracker.reductions["1.output"]["mean.count"]) == 50 * 16
+
+
+# ---------------------------------------------------------------------- no_grad / inference_mode, half models
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.name.lower())
+@pytest.mark.parametrize("context", [torch.no_grad, torch.inference_mode])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+def test_half_model_into_a_store_and_back_through_the_dataset(tmp_path, dtype, context, mode):
+    model = _mlp(dtype).eval()
+    xs = [(torch.randn(5, 8) * (i + 1)).to(dtype) for i in range(3)]
+
+    def run():
+        with context():
+            return [model(x) for x in xs]
+
+    expected, _ = _hooked(model, run)
+    with acs.ActivationScope(capture_mode=mode, reductions=STATS).track(model) as tracker:
+        run()
+    _assert_records_equal(tracker.activations, expected)
+    assert not any(r.is_inference() for rs in tracker.activations.values() for r in rs)
+    path = tmp_path / "half.zarr"
+    with acs.ActivationScope(store=path, capture_mode=mode, reductions=STATS).track(model) as tracker:
+        for i, x in enumerate(xs):
+            tracker.set_batch(sample_ids=range(5 * i, 5 * i + 5))
+            with context():
+                model(x)
+    store = acs.open_store(path)
+    ds = acs.ActivationDataset(path, hook_points=list(expected), columns=["sample_id"])
+    batch = next(iter(torch.utils.data.DataLoader(ds, batch_size=15)))
+    assert torch.equal(batch["sample_id"], torch.arange(15))
+    for name, refs in expected.items():
+        rows = torch.cat(refs)
+        assert store[name].dtype == dtype and torch.equal(store[name], rows), name
+        assert batch[name].dtype == dtype and torch.equal(batch[name], rows), name
+        _assert_stats(store.reductions[name], rows)
+
+
+# ---------------------------------------------------------------------- generate() with a key-value cache
+
+BLOCKS = ["transformer.h.0", "transformer.h.1"]
+
+
+def _gpt2():
+    """A small random GPT-2 (no download) and a left-padded prompt: sample 0 has 2 pad tokens."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=50, n_positions=32, n_embd=16, n_layer=2, n_head=2,
+                                     pad_token_id=0, bos_token_id=1, eos_token_id=49)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    ids = torch.randint(2, 48, (3, 4))
+    mask = torch.ones_like(ids)
+    ids[0, :2], mask[0, :2] = 0, 0
+    return model, ids, mask
+
+
+def _generate(model, ids, mask):
+    with torch.no_grad():
+        return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+
+
+def _by_block(records):
+    """Records keyed by block (``transformer.h.0``), whatever the hook point's leaf name."""
+    return {b: records[next(k for k in records if k.startswith(b + ".output"))] for b in BLOCKS}
+
+
+def test_generate_in_memory_records_every_step_as_plain_hooks_and_generates_the_same():
+    model, ids, mask = _gpt2()
+    expected, out = _hooked(model, lambda: _generate(model, ids, mask), names=BLOCKS)
+    expected = {f"{b}.output": v for b, v in _by_block(expected).items()}
+    assert [tuple(r.shape) for r in expected["transformer.h.0.output"]] == [(3, 4, 16)] + [(3, 1, 16)] * 4
+    with acs.ActivationScope().track(model, include=["transformer.h.?"]) as tracker:
+        tracker.set_batch(attention_mask=mask)  # no effect on records kept whole
+        got = _generate(model, ids, mask)
+    assert torch.equal(got, out)
+    _assert_records_equal({f"{b}.output": v for b, v in _by_block(tracker.activations).items()}, expected)
+
+
+def test_generate_into_a_store_with_token_rows_keeps_the_samples_ids_at_every_step(tmp_path):
+    model, ids, _ = _gpt2()
+    ids[0, :2] = 7  # no padding: every position is a token
+    expected, out = _hooked(model, lambda: _generate(model, ids, None), names=BLOCKS)
+    path = tmp_path / "gen.zarr"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", acs.CaptureWarning)
+        with acs.ActivationScope(store=path, rows="token", reductions=["mean"]).track(
+                model, include=["transformer.h.?"]) as tracker:
+            tracker.set_batch(sample_ids=[10, 11, 12])  # sticky: every step's forward is these samples
+            got = _generate(model, ids, None)
+    assert torch.equal(got, out)
+    store = acs.open_store(path)
+    for block, refs in _by_block(expected).items():
+        (name,) = [h for h in store.hook_points if h.startswith(block + ".output")]
+        rows = torch.cat([r.reshape(-1, 16) for r in refs])
+        assert store.row_kind(name) == "token" and torch.equal(store[name], rows)
+        torch.testing.assert_close(store.reductions[name]["mean"], rows.double().mean(0), rtol=1e-12, atol=1e-12)
+    table = store.row_table("token")
+    assert table.column("sample_id").to_pylist() == [10] * 4 + [11] * 4 + [12] * 4 + [10, 11, 12] * 4
+    assert table.column("batch").to_pylist() == [0] * 12 + [1, 1, 1, 2, 2, 2, 3, 3, 3, 4, 4, 4]
+
+
+def test_generate_with_the_prompts_mask_only_refuses_the_cached_steps_and_keeps_the_prompt(tmp_path):
+    """The mask given for the prompt (batch, pos) cannot describe the (batch, 1) forwards of
+    the later steps: the capture says so and how to describe them, rather than guess."""
+    model, ids, mask = _gpt2()
+    expected, _ = _hooked(model, lambda: _generate(model, ids, mask), names=BLOCKS)
+    path = tmp_path / "gen.zarr"
+    with pytest.raises(acs.CaptureError, match=r"got activation \(3, 1, 16\) and mask \(3, 4\)") as info:
+        with acs.ActivationScope(store=path).track(model, include=["transformer.h.?"]) as tracker:
+            tracker.set_batch(attention_mask=mask)
+            _generate(model, ids, mask)
+    assert "generate()" in str(info.value) and "same_samples=True" in str(info.value)
+    store = acs.open_store(path)
+    assert store.status == "incomplete"
+    for block, refs in _by_block(expected).items():
+        (name,) = [h for h in store.hook_points if h.startswith(block + ".output")]
+        assert torch.equal(store[name], refs[0][mask.bool()])  # the prompt's real tokens only
+
+
+def _describe_each_step(model, tracker, **columns):
+    """A forward pre-hook that describes each step of generate() after the prompt: the new
+    token's column of the mask generate() passes, the same samples again."""
+
+    def describe(module, args, kwargs):
+        n = kwargs["input_ids"].shape[1]
+        if n < kwargs["attention_mask"].shape[1]:  # the cache holds the earlier tokens
+            tracker.set_batch(attention_mask=kwargs["attention_mask"][:, -n:], same_samples=True, **columns)
+
+    return model.register_forward_pre_hook(describe, with_kwargs=True)
+
+
+@pytest.mark.parametrize("given_ids", [True, False], ids=["ids", "counted"])
+def test_generate_with_a_mask_per_step_stores_the_prompt_tokens_and_every_new_token(tmp_path, given_ids):
+    model, ids, mask = _gpt2()
+    expected, out = _hooked(model, lambda: _generate(model, ids, mask), names=BLOCKS)
+    path = tmp_path / "gen.zarr"
+    sample_ids = [10, 11, 12] if given_ids else [0, 1, 2]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", acs.CaptureWarning)
+        with acs.ActivationScope(store=path, reductions=["mean"]).track(model, include=["transformer.h.?"]) as tracker:
+            tracker.set_batch(attention_mask=mask, label=[0, 1, 0], **({"sample_ids": sample_ids} if given_ids else {}))
+            handle = _describe_each_step(model, tracker, label=[0, 1, 0])
+            try:
+                got = _generate(model, ids, mask)
+            finally:
+                handle.remove()
+    assert torch.equal(got, out)
+    store = acs.open_store(path)
+    for block, refs in _by_block(expected).items():
+        (name,) = [h for h in store.hook_points if h.startswith(block + ".output")]
+        rows = torch.cat([refs[0][mask.bool()]] + [r[:, 0] for r in refs[1:]])
+        assert store.row_kind(name) == "token" and torch.equal(store[name], rows)
+        torch.testing.assert_close(store.reductions[name]["mean"], rows.double().mean(0), rtol=1e-12, atol=1e-12)
+    a, b, c = sample_ids
+    table = store.row_table("token")
+    assert table.column("sample_id").to_pylist() == [a] * 2 + [b] * 4 + [c] * 4 + [a, b, c] * 4
+    assert table.column("pos").to_pylist()[:10] == [2, 3, 0, 1, 2, 3, 0, 1, 2, 3]
+    samples = store.row_table("sample")
+    assert samples.column("sample_id").to_pylist() == sample_ids * 5
+    assert samples.column("label").to_pylist() == [0, 1, 0] * 5
+
+
+def test_same_samples_needs_a_captured_forward_before_it_and_takes_no_ids():
+    model = _mlp().eval()
+    with acs.ActivationScope().track(model, include=["0"]) as tracker:
+        with pytest.raises(ArgumentValueError, match="no forward was captured yet"):
+            tracker.set_batch(same_samples=True)
+        with torch.no_grad():
+            model(torch.randn(2, 8))
+        with pytest.raises(ArgumentValueError, match="sample_ids= as well"):
+            tracker.set_batch(sample_ids=[0, 1], same_samples=True)
+        tracker.set_batch(same_samples=True)
+        with torch.no_grad():
+            model(torch.randn(2, 8))
+        with pytest.raises(ArgumentValueError, match="describes 2 samples, but the forward's batch has 3"):
+            with torch.no_grad():
+                model(torch.randn(3, 8))
+
+
+def test_same_samples_takes_the_ids_as_they_were_at_the_forward(tmp_path):
+    # a sample-id tensor refilled for the next batch does not change the ids continued
+    model = _mlp().eval()
+    ids = torch.tensor([4, 5])
+    path = tmp_path / "ids.zarr"
+    with torch.no_grad(), acs.ActivationScope(store=path).track(model, include=["0"]) as tracker:
+        tracker.set_batch(sample_ids=ids)
+        model(torch.randn(2, 8))
+        ids.copy_(torch.tensor([6, 7]))
+        tracker.set_batch(same_samples=True)
+        model(torch.randn(2, 8))
+        tracker.set_batch(sample_ids=ids)
+        model(torch.randn(2, 8))
+    assert acs.open_store(path).row_table().column("sample_id").to_pylist() == [4, 5, 4, 5, 6, 7]
