@@ -76,7 +76,14 @@ READS = {
     "row-table part": ("get", lambda k: k.startswith("rows/sample/part-"), lambda st: st.row_table()),
     "reduction": ("get", lambda k: k.startswith("reductions/"), lambda st: st.reductions[HP]["mean"]),
     "dask graph": ("get", lambda k: k.endswith("manifest.json"), lambda st: _to_dask(st).compute()),
+    "dask row table": ("tail", lambda k: k.startswith("rows/sample/part-"), lambda st: _row_table_dask(st).compute()),
 }
+
+
+def _row_table_dask(st):
+    from activationscope.analysis.dask import row_table_dask
+
+    return row_table_dask(st)
 
 
 def _to_dask(st):
@@ -85,13 +92,11 @@ def _to_dask(st):
     return to_dask(st, HP)
 
 
-@pytest.mark.parametrize("what", list(READS))
-@pytest.mark.parametrize("crc", [True, False], ids=["crc32c", "no-crc32c"])
+@pytest.mark.parametrize(("what", "crc"), [(w, True) for w in READS] + [
+    (w, False) for w in ("row-table part", "reduction", "dask row table")])
 def test_overwrite_between_the_check_and_the_read_is_refused(remote, what, crc):
-    """``no-crc32c``: a root without the optional crc32c of its row-table parts and reductions
-    (stores written before they were recorded; the new run's files then match nothing)."""
-    if not crc and what not in ("row-table part", "reduction"):
-        pytest.skip("only row-table parts and reductions have optional crc32c")
+    """``crc`` False: a root without the optional crc32c of its row-table parts and reductions
+    (stores written before they were recorded: nothing else tells the new run's files)."""
     url, so = remote
     old = _write(url, so, seed=0)
     if not crc:
@@ -259,3 +264,17 @@ def test_remote_lazy_opens_cost_one_root_stamp_each(remote, monkeypatch):
     st.row_table()
     st.reductions[HP]["mean"]
     assert len(n) == 3 + N_ROWS // SHARD_ROWS, n
+
+
+def test_a_dask_row_table_computed_after_an_overwrite_is_refused_without_crc32c(remote):
+    """A partition reads its part when computed: in a store that records no crc32c of its parts,
+    the root is read after the part, so another run's part (same rows, same batches) is refused."""
+    from activationscope.analysis.dask import row_table_dask
+
+    url, so = remote
+    _write(url, so, seed=0)
+    _drop_crc32c(url, so)
+    graph = row_table_dask(open_store(url, storage_options=so))
+    _write(url, so, seed=1, overwrite=True)
+    with pytest.raises(StoreError, match="was replaced since the Dask graph was made"):
+        graph.compute()
