@@ -32,6 +32,14 @@ def remote(request):
     return f"memory://acs/{name}", None
 
 
+@pytest.fixture(params=["s3", "memory", "local"])
+def anywhere(request, tmp_path):
+    """(path or URL of a new store, its storage_options): object storage, fsspec memory, a local folder."""
+    if request.param == "local":
+        return str(tmp_path / "race.zarr"), None
+    return request.getfixturevalue("remote")
+
+
 def _write(url: str, so, seed: int, *, overwrite: bool = False, resume: bool = False, n_rows: int = N_ROWS,
            feature: int = FEATURE) -> torch.Tensor:
     """A store of ``n_rows`` rows of ``HP`` (as hostile.make_store: 64-row shards of 16-row chunks,
@@ -94,10 +102,12 @@ def _to_dask(st):
 
 @pytest.mark.parametrize(("what", "crc"), [(w, True) for w in READS] + [
     (w, False) for w in ("row-table part", "reduction", "dask row table")])
-def test_overwrite_between_the_check_and_the_read_is_refused(remote, what, crc):
+def test_overwrite_between_the_check_and_the_read_is_refused(anywhere, what, crc):
     """``crc`` False: a root without the optional crc32c of its row-table parts and reductions
-    (stores written before they were recorded: nothing else tells the new run's files)."""
-    url, so = remote
+    (stores written before they were recorded: nothing else tells the new run's files). Local
+    stores too: their overwrite is no single rename (the old entries are moved aside one by one,
+    root first), so a reader may open a file of the new run after its check of the root."""
+    url, so = anywhere
     old = _write(url, so, seed=0)
     if not crc:
         _drop_crc32c(url, so)
@@ -121,7 +131,7 @@ def test_overwrite_between_the_check_and_the_read_is_refused(remote, what, crc):
 def _drop_crc32c(url: str, so) -> None:
     from activationscope.store._backend import resolve
 
-    b = resolve(url, storage_options=so)
+    b = resolve(url, storage_options=so)  # (a local one writes it through a temporary file: a new inode)
     doc = json.loads(b.get("zarr.json"))
     attrs = doc["attributes"]["activationscope"]
     for tbl in attrs["row_tables"].values():
@@ -266,12 +276,12 @@ def test_remote_lazy_opens_cost_one_root_stamp_each(remote, monkeypatch):
     assert len(n) == 3 + N_ROWS // SHARD_ROWS, n
 
 
-def test_a_dask_row_table_computed_after_an_overwrite_is_refused_without_crc32c(remote):
+def test_a_dask_row_table_computed_after_an_overwrite_is_refused_without_crc32c(anywhere):
     """A partition reads its part when computed: in a store that records no crc32c of its parts,
     the root is read after the part, so another run's part (same rows, same batches) is refused."""
     from activationscope.analysis.dask import row_table_dask
 
-    url, so = remote
+    url, so = anywhere
     _write(url, so, seed=0)
     _drop_crc32c(url, so)
     graph = row_table_dask(open_store(url, storage_options=so))
