@@ -23,21 +23,25 @@ from hostile import CHUNK_ROWS, FEATURE, HP, N_ROWS, SHARD_ROWS, _Mean
 REPLACED = r"was replaced since it was opened .*reopen it"
 
 
-@pytest.fixture(params=["s3", "memory"])
-def remote(request):
-    """(URL of a new store, its storage_options)."""
+def _new_store(request, where: str) -> tuple[str, dict | None]:
+    """(path or URL of a new store, its storage_options) on object storage (``s3``), in fsspec
+    memory or in a local folder."""
     name = f"race-{uuid.uuid4().hex}.zarr"
-    if request.param == "s3":
+    if where == "s3":
         return f"s3://acs-bucket/{name}", request.getfixturevalue("s3")
+    if where == "local":
+        return str(request.getfixturevalue("tmp_path") / name), None
     return f"memory://acs/{name}", None
 
 
+@pytest.fixture(params=["s3", "memory"])
+def remote(request):
+    return _new_store(request, request.param)
+
+
 @pytest.fixture(params=["s3", "memory", "local"])
-def anywhere(request, tmp_path):
-    """(path or URL of a new store, its storage_options): object storage, fsspec memory, a local folder."""
-    if request.param == "local":
-        return str(tmp_path / "race.zarr"), None
-    return request.getfixturevalue("remote")
+def anywhere(request):
+    return _new_store(request, request.param)
 
 
 def _write(url: str, so, seed: int, *, overwrite: bool = False, resume: bool = False, n_rows: int = N_ROWS,
