@@ -236,7 +236,7 @@ def test_an_overwrite_killed_after_replacing_the_root_leaves_a_new_incomplete_st
     assert got.hook_points == [] and got.n_samples == 0 and got.row_table().num_rows == 0
     assert got.reductions == {} or not got.reductions.get(HP)
     assert any(k.startswith(f"acts/{HP}/c/") for k in got._backend.list("acts/"))  # (the old run's files are there)
-    got.verify()
+    assert got.verify() == []
 
 
 @pytest.mark.parametrize("then", ["resume", "overwrite"])
@@ -252,7 +252,7 @@ def test_an_overwrite_killed_after_replacing_the_root_is_resumed_or_overwritten(
     assert st.status == "complete" and (st.attrs["run_id"] == killed_run) == (then == "resume")
     assert st.hook_points == [HP] and st.n_samples == 70 and torch.equal(st[HP], new)
     assert st.row_table().num_rows == 70
-    st.verify()
+    assert st.verify() == []
     shards = sorted(k for k in st._backend.list(f"acts/{HP}/") if "/c/" in k)
     assert shards == [f"acts/{HP}/c/0/0", f"acts/{HP}/c/1/0"]  # (70 rows of 4 features: 2 shards; none of the old 5)
 
@@ -292,3 +292,44 @@ def test_a_dask_row_table_computed_after_an_overwrite_is_refused_without_crc32c(
     _write(url, so, seed=1, overwrite=True)
     with pytest.raises(StoreError, match="was replaced since the Dask graph was made"):
         graph.compute()
+
+
+_CHILD = """
+import json, os, sys
+sys.path.insert(0, sys.argv[1])
+from activationscope.store import _backend as B
+from test_remote_overwrite_race import _write
+
+delete = B.ZarrBackend.delete
+
+def die(self, key):
+    if key != B.LOCK_KEY:
+        os._exit(9)  # killed right after the root of its run replaced the old one
+    return delete(self, key)
+
+B.ZarrBackend.delete = die
+_write(sys.argv[2], json.loads(sys.argv[3]), seed=1, overwrite=True)
+"""
+
+
+def test_an_overwrite_on_s3_whose_process_dies_after_replacing_the_root_is_resumed(s3):
+    """A real death (its lock marker left behind): the store opens as a new incomplete one, and
+    a resume in this process (same host, the writer's pid gone) takes the marker over and writes
+    only its own rows."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    url = f"s3://acs-bucket/race-{uuid.uuid4().hex}.zarr"
+    _write(url, s3, seed=0)
+    old_run = open_store(url, storage_options=s3).attrs["run_id"]
+    here = Path(__file__).parent
+    env = {**__import__("os").environ, "PYTHONPATH": f"{here.parents[1]}"}
+    done = subprocess.run([sys.executable, "-c", _CHILD, str(here), url, json.dumps(s3)], env=env, timeout=300)
+    assert done.returncode == 9
+    st = open_store(url, storage_options=s3)
+    assert st.status == "incomplete" and st.attrs["run_id"] != old_run and st.hook_points == [] and st.n_samples == 0
+    new = _write(url, s3, seed=3, n_rows=40, resume=True)
+    st = open_store(url, storage_options=s3)
+    assert st.status == "complete" and st.n_samples == 40 and torch.equal(st[HP], new)
+    assert st.verify() == []
