@@ -282,8 +282,9 @@ def _part_specs(st: Store, kind: str, info: dict, parts: list[str]) -> list | No
     run = list(st._run)
     specs: list = []
     schema = None
-    for key in parts:
-        footer = _footer(st, kind, key)
+    with st._reads_of_the_opened_run():  # the footers of the opened run (the root checked once they are read)
+        footers = [_footer(st, kind, key) for key in parts]
+    for key, footer in zip(parts, footers):
         part_schema = footer.schema.to_arrow_schema()
         names = part_schema.names
         if len(set(names)) != len(names) or (schema is not None and not part_schema.equals(schema)):
@@ -381,12 +382,17 @@ def _read_part(root: str, zarr_store: Any, spec: dict) -> Any:
     from .._safeio import _changed_since_graph, _remote_run, _run
 
     try:
-        return _checked_part(root, zarr_store, spec)
+        part = _checked_part(root, zarr_store, spec)
     except StoreCorruptError:
         now = _run(root) if zarr_store is None else _remote_run(zarr_store)
         if now != tuple(spec["run"]):
             raise _changed_since_graph(root, now) from None
         raise
+    if spec["crc32c"] is None:  # (no crc32c to tell another run's part: the root read after the part)
+        now = _run(root) if zarr_store is None else _remote_run(zarr_store)
+        if now != tuple(spec["run"]):
+            raise _changed_since_graph(root, now)
+    return part
 
 
 def _checked_part(root: str, zarr_store: Any, spec: dict) -> Any:

@@ -20,7 +20,7 @@ import shutil
 import stat
 import threading
 import uuid
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Protocol, runtime_checkable
@@ -102,8 +102,8 @@ class StoreBackend(Protocol):
     def is_empty(self) -> bool:
         """Whether the location holds no object (the writer lock excluded)."""
 
-    def clear(self) -> None:
-        """Remove every object but the writer lock."""
+    def clear(self, keep: Collection[str] = ()) -> None:
+        """Remove every object but the writer lock and the keys (of the store's top level) in ``keep``."""
 
     def zarr_store(self, read_only: bool = True) -> Any:
         """The zarr ``Store`` of the same objects (for plain zarr-python access)."""
@@ -514,12 +514,13 @@ class LocalBackend:
     def is_empty(self) -> bool:
         return not self.root.exists() or not any(p.name != LOCK_KEY for p in self.root.iterdir())
 
-    def clear(self) -> None:
-        """Remove everything in the store folder but the writer lock (links removed, never followed)."""
+    def clear(self, keep: Collection[str] = ()) -> None:
+        """Remove everything in the store folder but the writer lock and the names in ``keep``
+        (links removed, never followed)."""
         if not self.root.exists():
             return
         for p in self.root.iterdir():
-            if p.name == LOCK_KEY:
+            if p.name == LOCK_KEY or p.name in keep:
                 continue
             if p.is_dir() and not p.is_symlink():
                 shutil.rmtree(p)
@@ -796,9 +797,10 @@ class ZarrBackend:
     def is_empty(self) -> bool:
         return next(iter(self.list("")), None) is None
 
-    def clear(self) -> None:
+    def clear(self, keep: Collection[str] = ()) -> None:
         for key in list(self.list("")):
-            self.delete(key)
+            if key not in keep:
+                self.delete(key)
 
     def zarr_store(self, read_only: bool = True) -> Any:
         return self.store

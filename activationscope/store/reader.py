@@ -15,6 +15,7 @@ cache.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import io
@@ -477,14 +478,32 @@ class Store:
             return None
         return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
 
+    @contextlib.contextmanager
+    def _reads_of_the_opened_run(self) -> Iterator[None]:
+        """Around the reads of a file opened lazily (an array's documents and manifest, a shard
+        index or mapping, row-table parts, reduction files): once they are done, and before what
+        they read is used or cached, :meth:`_check_same_store`; also when they raise
+        :class:`StoreCorruptError` (a file of another run, or one an overwrite deleted, is not
+        damage). Checking after the read, not before, is what makes it sound: a writer that
+        replaces the store writes the root document of its run before it deletes or writes
+        anything else (FORMAT.md section 7), so a root unchanged after the read was unchanged
+        during it, and what was read is the opened run's (object stores read their latest
+        write: S3, fsspec memory)."""
+        try:
+            yield
+        except StoreCorruptError:
+            self._check_same_store()
+            raise
+        self._check_same_store()
+
     def _check_same_store(self, per_chunk: bool = False) -> None:
         """Raise :class:`StoreError` when the local store was replaced (another run written in
         its place: ``overwrite=True``, a copy, a delete and a new capture) since it was opened
-        or refreshed. Called before a file is opened lazily, and before a read error is
-        blamed on damage. One ``stat`` of the root document (object storage: one metadata
-        request, and not per chunk, where a chunk of another run fails its crc32c); the root is
-        re-read only when it changed (a commit), to compare its ``run_id`` (``created`` for
-        stores written before run ids)."""
+        or refreshed. Called after a file opened lazily was read (:meth:`_reads_of_the_opened_run`),
+        and before a read error is blamed on damage. One ``stat`` of the root document (object
+        storage: one metadata request, and not per chunk, where a chunk of another run fails
+        its crc32c); the root is re-read only when it changed (a commit), to compare its
+        ``run_id`` (``created`` for stores written before run ids)."""
         stamp = getattr(self, "_stamp", None)
         if stamp is None:
             return
@@ -514,7 +533,9 @@ class Store:
         """The error for a reduction file that is missing or does not match its entry: a
         :class:`StoreError` telling to refresh when the local store's root was committed again
         since the reader showed it (a resumed capture rewrites its reductions, and the new
-        root lists their new sizes and crc32c), else :class:`StoreCorruptError`."""
+        root lists their new sizes and crc32c), else :class:`StoreCorruptError`. Raises
+        :class:`StoreError` when another run is in the store's place now (:meth:`_check_same_store`)."""
+        self._check_same_store()  # another run in its place: said as such, not as damage
         shown = getattr(self, "_shown_stamp", None)
         if shown is not None and self._root_stamp() != shown:
             return StoreError(
@@ -1060,44 +1081,50 @@ class Store:
         crcs: Any = _ChunkCrcs({}, -1, 1, self._backend, "")
         doc_key = f"{path}/zarr.json"
         if n == 0:  # no committed rows: the document may not exist yet (section 7); when it does, it agrees
-            self._check_document(meta, self._backend.get(doc_key, max_bytes=V.MAX_JSON_BYTES), doc_key)
+            try:  # (nothing of it is used: the root is checked only when it disagrees)
+                self._check_document(meta, self._backend.get(doc_key, max_bytes=V.MAX_JSON_BYTES), doc_key)
+            except StoreCorruptError:
+                self._check_same_store()  # a document of another run is not damage
+                raise
         if n:
-            self._check_same_store()
-            _rb, chunk_rows, n_chunks, _cb = _layout(meta)
-            shard_rows = n_chunks * chunk_rows
-            last = (n - 1) // shard_rows
-            root = f"the root document zarr.json says {n} rows of array {path!r} are committed (its n_rows)"
-            raw = self._backend.get(doc_key, max_bytes=V.MAX_JSON_BYTES)
-            if raw is None:
-                raise V.corrupt(self._backend, f"array document {doc_key} is missing, but {root}")
-            shape = self._check_document(meta, raw, doc_key)["shape"]
-            if shape[0] < n:
-                raise V.corrupt(self._backend, f"array document {doc_key} holds {shape[0]} rows (shape[0]), but "
-                                               f"{root}: the two disagree (the root's count may be behind the "
-                                               "array's, never ahead)")
-            man_key = meta["manifest"]
-            man = self._backend.get(man_key, max_bytes=V.MAX_JSON_BYTES)
-            if man is None:
-                raise V.corrupt(self._backend, f"manifest {man_key} is missing, but {root}")
-            shards = V.parse_manifest(V.loads_json(man, store=self._backend, key=man_key), meta,
-                                      store=self._backend, key=man_key, check_chunks=False)
-            rec = shards.get(last)
-            if rec is None:
-                raise V.corrupt(self._backend, f"manifest {man_key} lists no shard {last}, but {root}, which "
-                                               f"needs shards 0..{last} ({shard_rows} rows each)")
-            listed = sum(1 for k in shards if k <= last)
-            if listed != last + 1:  # every shard of the committed rows is listed (bounds what n_rows can claim)
-                first = next(k for k in range(last + 1) if k not in shards)
-                raise V.corrupt(self._backend, f"manifest {man_key} lists {listed} of the {last + 1} shards that {root} "
-                                               f"needs (first missing: shard {first})")
-            rows_end = rec.get("rows_end")
-            if isinstance(rows_end, int) and not isinstance(rows_end, bool) and rows_end < n:
-                raise V.corrupt(self._backend, f"manifest {man_key} says shard {last} ends at row {rows_end}, but "
-                                               f"{root}: the two disagree")
-            crcs = _ChunkCrcs(shards, last, meta["shard_rows"] // meta["chunk_rows"], self._backend, man_key)
-            last_key = self._shard_key(meta, last)
-            if self._backend.size(last_key) is None:  # the file holding the last committed row exists
-                raise V.corrupt(self._backend, f"shard {last_key!r} is missing, but {root}")
+            # the files of the opened run: the root checked after they were read (an overwrite meanwhile
+            # wrote another run's manifest, whose crc32c its chunks would match)
+            with self._reads_of_the_opened_run():
+                _rb, chunk_rows, n_chunks, _cb = _layout(meta)
+                shard_rows = n_chunks * chunk_rows
+                last = (n - 1) // shard_rows
+                root = f"the root document zarr.json says {n} rows of array {path!r} are committed (its n_rows)"
+                raw = self._backend.get(doc_key, max_bytes=V.MAX_JSON_BYTES)
+                if raw is None:
+                    raise V.corrupt(self._backend, f"array document {doc_key} is missing, but {root}")
+                shape = self._check_document(meta, raw, doc_key)["shape"]
+                if shape[0] < n:
+                    raise V.corrupt(self._backend, f"array document {doc_key} holds {shape[0]} rows (shape[0]), but "
+                                                   f"{root}: the two disagree (the root's count may be behind the "
+                                                   "array's, never ahead)")
+                man_key = meta["manifest"]
+                man = self._backend.get(man_key, max_bytes=V.MAX_JSON_BYTES)
+                if man is None:
+                    raise V.corrupt(self._backend, f"manifest {man_key} is missing, but {root}")
+                shards = V.parse_manifest(V.loads_json(man, store=self._backend, key=man_key), meta,
+                                          store=self._backend, key=man_key, check_chunks=False)
+                rec = shards.get(last)
+                if rec is None:
+                    raise V.corrupt(self._backend, f"manifest {man_key} lists no shard {last}, but {root}, which "
+                                                   f"needs shards 0..{last} ({shard_rows} rows each)")
+                listed = sum(1 for k in shards if k <= last)
+                if listed != last + 1:  # every shard of the committed rows is listed (bounds what n_rows can claim)
+                    first = next(k for k in range(last + 1) if k not in shards)
+                    raise V.corrupt(self._backend, f"manifest {man_key} lists {listed} of the {last + 1} shards that "
+                                                   f"{root} needs (first missing: shard {first})")
+                rows_end = rec.get("rows_end")
+                if isinstance(rows_end, int) and not isinstance(rows_end, bool) and rows_end < n:
+                    raise V.corrupt(self._backend, f"manifest {man_key} says shard {last} ends at row {rows_end}, but "
+                                                   f"{root}: the two disagree")
+                crcs = _ChunkCrcs(shards, last, meta["shard_rows"] // meta["chunk_rows"], self._backend, man_key)
+                last_key = self._shard_key(meta, last)
+                if self._backend.size(last_key) is None:  # the file holding the last committed row exists
+                    raise V.corrupt(self._backend, f"shard {last_key!r} is missing, but {root}")
         with self._lock:
             if self._current(meta):
                 self._checked[path] = crcs
@@ -1284,15 +1311,15 @@ class Store:
         n = int(meta["n_rows"])
         shard_rows = n_chunks * chunk_rows
         hp = meta["path"]
-        self._check_same_store()
         index_bytes = 16 * n_chunks + 4
-        got_tail = self._backend.tail(key, index_bytes)  # size and index (locally: from one open)
-        if got_tail is None and key != shard_key:  # a resume's kept file, removed since (its commit ended)
-            key = shard_key
-            got_tail = self._backend.tail(key, index_bytes)
-        if got_tail is None:
-            raise V.corrupt(self._backend, f"shard {key!r} of array {hp!r} is missing; its rows "
-                                           f"{shard * shard_rows}.. are committed (n_rows {n})")
+        with self._reads_of_the_opened_run():  # (the index of a shard another run wrote since: refused)
+            got_tail = self._backend.tail(key, index_bytes)  # size and index (locally: from one open)
+            if got_tail is None and key != shard_key:  # a resume's kept file, removed since (its commit ended)
+                key = shard_key
+                got_tail = self._backend.tail(key, index_bytes)
+            if got_tail is None:
+                raise V.corrupt(self._backend, f"shard {key!r} of array {hp!r} is missing; its rows "
+                                               f"{shard * shard_rows}.. are committed (n_rows {n})")
         size, raw = got_tail
         if size < index_bytes:
             raise V.corrupt(self._backend, f"shard {key!r} is truncated: {size} bytes, fewer than its "
@@ -1422,27 +1449,27 @@ class Store:
             t = self._maps.get(key)
         if t is not None and t.numel() >= nbytes:
             return t
-        self._check_same_store()
         path = str(self._backend.path(key))
         C = _native.optional()
-        try:
-            if C is not None:  # opens non-blocking and maps regular files only
-                stride = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
-                t = C.map_files_contiguous([path], stride, nbytes)
-            else:
-                opened = open_regular(path, store=self._backend, key=key)
-                if opened is None:
-                    raise V.corrupt(self._backend, f"shard {key!r} is missing (committed rows need it)")
-                fd, size = opened
-                with os.fdopen(fd, "rb") as f:
-                    if size < nbytes:
-                        raise V.corrupt(self._backend, f"shard {key!r} holds {size} bytes, fewer than the {nbytes} "
-                                                       "its committed rows need")
-                    t = torch.from_numpy(np.memmap(f, dtype=np.uint8, mode="c", shape=(nbytes,)))
-        except StoreError:
-            raise
-        except (OSError, ValueError, RuntimeError) as e:
-            raise V.corrupt(self._backend, f"shard {key!r} cannot be mapped: {e}") from None
+        with self._reads_of_the_opened_run():  # (the root checked once the file is mapped)
+            try:
+                if C is not None:  # opens non-blocking and maps regular files only
+                    stride = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+                    t = C.map_files_contiguous([path], stride, nbytes)
+                else:
+                    opened = open_regular(path, store=self._backend, key=key)
+                    if opened is None:
+                        raise V.corrupt(self._backend, f"shard {key!r} is missing (committed rows need it)")
+                    fd, size = opened
+                    with os.fdopen(fd, "rb") as f:
+                        if size < nbytes:
+                            raise V.corrupt(self._backend, f"shard {key!r} holds {size} bytes, fewer than the "
+                                                           f"{nbytes} its committed rows need")
+                        t = torch.from_numpy(np.memmap(f, dtype=np.uint8, mode="c", shape=(nbytes,)))
+            except StoreError:
+                raise
+            except (OSError, ValueError, RuntimeError) as e:
+                raise V.corrupt(self._backend, f"shard {key!r} cannot be mapped: {e}") from None
         with self._lock:
             if meta is None or self._current(meta):
                 self._maps[key] = t
@@ -1489,13 +1516,16 @@ class Store:
         if not all(self._shard_index(meta, k).contiguous for k in range(n_shards)):
             return None
         paths = [str(self._backend.path(self._shard_index(meta, k).key)) for k in range(n_shards)]
-        self._check_same_store()
-        try:
-            flat = C.map_files_contiguous(paths, stride, n * rb)
-        except (OSError, RuntimeError) as e:
+        failed: Exception | None = None
+        with self._reads_of_the_opened_run():
+            try:
+                flat = C.map_files_contiguous(paths, stride, n * rb)
+            except (OSError, RuntimeError) as e:
+                failed = e
+        if failed is not None:
             if self._forget_kept(meta, n_shards - 1, self._shard_index(meta, n_shards - 1)):
                 return self._whole_rows(meta)  # (the kept file of the last shard, gone: at its key)
-            raise V.corrupt(self._backend, f"the shards of array {meta['path']!r} cannot be mapped: {e}") from None
+            raise V.corrupt(self._backend, f"the shards of array {meta['path']!r} cannot be mapped: {failed}") from None
         view = flat.view(F.torch_dtype(meta["dtype"])).view(n, *meta["feature_shape"])
         with self._lock:
             if self._current(meta):
@@ -1823,43 +1853,43 @@ class Store:
         if numel == 0:
             return torch.empty(shape, dtype=dtype)
         key = entry["path"] + "/c" + "".join("/0" for _ in shape)
-        self._check_same_store()
-        expected = numel * F.itemsize(entry["dtype"])
-        where = f"reduction {entry.get('reduction')!r}: chunk {key!r}"
-        crc = self._listed_crc(entry, key, where)
-        chosen = self._reduction_file(key, crc, expected)
-        # the bytes are interpreted as the root says: its dtype and shape must be the array's own
-        doc_key = self._reduction_document(f"{entry['path']}/zarr.json", chosen != key)
-        raw_doc = self._backend.get(doc_key)
-        doc = None if raw_doc is None else V.loads_json(raw_doc, store=self._backend, key=doc_key)
-        if not isinstance(doc, dict):
-            raise V.corrupt(self._backend, f"reduction {entry.get('reduction')!r}: its array document {doc_key} is "
-                                           f"{'missing' if doc is None else 'not a JSON object'}")
-        attr = doc.get("attributes")
-        attr = attr.get(F.ATTRS_KEY) if isinstance(attr, dict) else None
-        said = (doc.get("data_type"), doc.get("shape"),
-                attr.get("dtype", entry["dtype"]) if isinstance(attr, dict) else entry["dtype"])
-        if said != (F.zarr_dtype(entry["dtype"]), shape, entry["dtype"]):
-            raise V.corrupt(self._backend, f"reduction {entry.get('reduction')!r}: its array document {doc_key} says "
-                                           f"data_type {said[0]!r}, shape {said[1]!r} (dtype {said[2]!r}), but the "
-                                           f"root document zarr.json says dtype {entry['dtype']!r} (data_type "
-                                           f"{F.zarr_dtype(entry['dtype'])!r}), shape {shape}: the two disagree")
-        problems = V.small_array_document_problems(doc, entry["dtype"], shape, doc_key=doc_key)
-        if problems:
-            raise V.corrupt(self._backend, f"reduction {entry.get('reduction')!r}: " + "; ".join(problems))
-        size = self._backend.size(chosen)
-        if size is None:
-            raise self._reduction_damage(f"{where} listed in the metadata is missing")
-        if size != expected:
-            raise self._reduction_damage(f"{where} holds {size} bytes, but its shape {shape} and dtype "
-                                         f"{entry['dtype']} need {expected}")
-        raw = self._backend.get(chosen, max_bytes=expected)
-        if raw is None or len(raw) != expected:
-            raise self._reduction_damage(f"{where} changed while it was read")
-        problem = self._crc_problem(raw, crc, where)
-        if problem is not None:
-            raise self._reduction_damage(problem)
-        return torch.frombuffer(bytearray(raw), dtype=dtype).reshape(shape)
+        with self._reads_of_the_opened_run():  # (the root checked once its files are read)
+            expected = numel * F.itemsize(entry["dtype"])
+            where = f"reduction {entry.get('reduction')!r}: chunk {key!r}"
+            crc = self._listed_crc(entry, key, where)
+            chosen = self._reduction_file(key, crc, expected)
+            # the bytes are interpreted as the root says: its dtype and shape must be the array's own
+            doc_key = self._reduction_document(f"{entry['path']}/zarr.json", chosen != key)
+            raw_doc = self._backend.get(doc_key)
+            doc = None if raw_doc is None else V.loads_json(raw_doc, store=self._backend, key=doc_key)
+            if not isinstance(doc, dict):
+                raise V.corrupt(self._backend, f"reduction {entry.get('reduction')!r}: its array document {doc_key} "
+                                               f"is {'missing' if doc is None else 'not a JSON object'}")
+            attr = doc.get("attributes")
+            attr = attr.get(F.ATTRS_KEY) if isinstance(attr, dict) else None
+            said = (doc.get("data_type"), doc.get("shape"),
+                    attr.get("dtype", entry["dtype"]) if isinstance(attr, dict) else entry["dtype"])
+            if said != (F.zarr_dtype(entry["dtype"]), shape, entry["dtype"]):
+                raise V.corrupt(self._backend, f"reduction {entry.get('reduction')!r}: its array document {doc_key} "
+                                               f"says data_type {said[0]!r}, shape {said[1]!r} (dtype {said[2]!r}), but the "
+                                               f"root document zarr.json says dtype {entry['dtype']!r} (data_type "
+                                               f"{F.zarr_dtype(entry['dtype'])!r}), shape {shape}: the two disagree")
+            problems = V.small_array_document_problems(doc, entry["dtype"], shape, doc_key=doc_key)
+            if problems:
+                raise V.corrupt(self._backend, f"reduction {entry.get('reduction')!r}: " + "; ".join(problems))
+            size = self._backend.size(chosen)
+            if size is None:
+                raise self._reduction_damage(f"{where} listed in the metadata is missing")
+            if size != expected:
+                raise self._reduction_damage(f"{where} holds {size} bytes, but its shape {shape} and dtype "
+                                             f"{entry['dtype']} need {expected}")
+            raw = self._backend.get(chosen, max_bytes=expected)
+            if raw is None or len(raw) != expected:
+                raise self._reduction_damage(f"{where} changed while it was read")
+            problem = self._crc_problem(raw, crc, where)
+            if problem is not None:
+                raise self._reduction_damage(problem)
+            return torch.frombuffer(bytearray(raw), dtype=dtype).reshape(shape)
 
     def _listed_crc(self, entry: dict, key: str, where: str) -> int | None:
         """The crc32c the entry records for its file ``key``; None when it records none (stores
@@ -1934,16 +1964,16 @@ class Store:
         key = entry.get("script")
         if key is None:
             return None
-        self._check_same_store()
         where = f"reduction {name!r}: script {key!r}"
-        expected = self._listed_crc(entry, key, where)
-        data = self._backend.get(self._reduction_file(key, expected), max_bytes=V.MAX_FILE_BYTES)
-        if data is None:
-            raise self._reduction_damage(f"{where} listed in the metadata is missing")
-        problem = self._crc_problem(data, expected, where)
-        if problem is not None:
-            raise self._reduction_damage(problem)
-        return data
+        with self._reads_of_the_opened_run():  # (the root checked once the script is read)
+            expected = self._listed_crc(entry, key, where)
+            data = self._backend.get(self._reduction_file(key, expected), max_bytes=V.MAX_FILE_BYTES)
+            if data is None:
+                raise self._reduction_damage(f"{where} listed in the metadata is missing")
+            problem = self._crc_problem(data, expected, where)
+            if problem is not None:
+                raise self._reduction_damage(problem)
+            return data
 
     def _check_script(self, entry: dict, name: str) -> None:
         """``verify``'s check of the ``.pt`` script of a custom reduction: the file exists and,
@@ -1958,14 +1988,15 @@ class Store:
         key = entry.get("script")
         if key is None:
             return
-        self._check_same_store()
         where = f"reduction {name!r}: script {key!r}"
-        expected = self._listed_crc(entry, key, where)
-        got = self._file_crc(self._reduction_file(key, expected))
-        if got is None:
-            raise self._reduction_damage(f"{where} listed in the metadata is missing")
-        if expected is not None and got[1] != int(expected):
-            raise self._reduction_damage(f"{where}: crc32c mismatch (metadata {int(expected):08x}, data {got[1]:08x})")
+        with self._reads_of_the_opened_run():  # (the root checked once the script is read)
+            expected = self._listed_crc(entry, key, where)
+            got = self._file_crc(self._reduction_file(key, expected))
+            if got is None:
+                raise self._reduction_damage(f"{where} listed in the metadata is missing")
+            if expected is not None and got[1] != int(expected):
+                raise self._reduction_damage(f"{where}: crc32c mismatch (metadata {int(expected):08x}, data "
+                                             f"{got[1]:08x})")
 
     # ------------------------------------------------------------------ row tables
     def row_table(self, kind: str = "sample") -> Any:
@@ -1995,14 +2026,14 @@ class Store:
             return concat_rank_tables(tables, [r for r, _ in self._ranks], [st for _, st in self._ranks], kind)
         info = (self._attrs.get("row_tables") or {}).get(kind) or {"parts": []}
         crcs = info.get("crc32c") or {}
-        self._check_same_store()
         tables = []
-        for key in info.get("parts", []):
-            raw = self._backend.get(key, max_bytes=V.MAX_FILE_BYTES)
-            if raw is None:
-                raise V.corrupt(self._backend, f"row-table part {key!r} listed in the metadata is missing")
-            self._check_crc(raw, crcs.get(key), f"row table {kind!r}: part {key!r}")
-            tables.append(read_parquet_part(raw, self._backend, key))
+        with self._reads_of_the_opened_run():  # (the root checked once the parts are read)
+            for key in info.get("parts", []):
+                raw = self._backend.get(key, max_bytes=V.MAX_FILE_BYTES)
+                if raw is None:
+                    raise V.corrupt(self._backend, f"row-table part {key!r} listed in the metadata is missing")
+                self._check_crc(raw, crcs.get(key), f"row table {kind!r}: part {key!r}")
+                tables.append(read_parquet_part(raw, self._backend, key))
         if not tables:
             if int(info.get("n_rows", 0)):
                 raise V.corrupt(self._backend, f"row table {kind!r} lists no parts, but the metadata says n_rows "
@@ -2069,6 +2100,12 @@ class Store:
         list of str
             One line per problem, naming the hook point, the file and what is wrong (empty:
             all good); at most 20 lines per array.
+
+        Raises
+        ------
+        StoreError
+            The store was replaced (another run written in its place) since it was opened,
+            before or while it was verified: its files are not this store's.
         """
         problems: list[str] = []
         if self._ranks:  # an uncommitted multi-rank store: its rank stores hold every file
@@ -2216,6 +2253,7 @@ class Store:
                     else:
                         problems.append(f"file {key!r}: a folder, where a resume keeps a committed reduction file "
                                         "(FORMAT.md section 6); a resume refuses the store until it is removed")
+        self._check_same_store()  # the files read were the opened run's: another run's are no damage of it
         return problems
 
     def _verify_array(self, hp: str, problems: list[str]) -> None:

@@ -920,6 +920,7 @@ class StoreWriter:
         self._lost: str | None = None  # why the store at the path is no longer this writer's (_check_still_held)
         self._aside: Path | None = None  # overwrite: the old store, until the new one commits
         self.put_back = False  # overwrite: the old store was put back (the new one committed nothing)
+        self._replacing = False  # overwrite on object storage: the old objects go once this run's root is written
         try:
             self._open_existing(overwrite, resume)
             # a store this writer makes from nothing (a local one it replaces is put back by the
@@ -968,14 +969,14 @@ class StoreWriter:
                 refuse_foreign_entries(self._backend)
                 if isinstance(self._backend, LocalBackend):
                     self._aside = self._backend.move_aside()
-                else:
-                    self._backend.clear()
+                else:  # no rename: the root of this run replaces the old one first (_setup), then they go
+                    self._replacing = not self._backend.is_empty()
             else:
                 raise StoreExistsError(
                     f"{str(self._backend)!r} exists and is not empty but holds no Zarr store; choose another path "
                     "or remove it (overwrite=True only replaces stores)"
                 )
-        raw = self._backend.get("zarr.json", max_bytes=V.MAX_JSON_BYTES)
+        raw = None if self._replacing else self._backend.get("zarr.json", max_bytes=V.MAX_JSON_BYTES)
         self._state: dict | None = None
         self._found_root: bytes | None = None  # resume: the root as found (discard() puts it back)
         if raw is not None:
@@ -999,7 +1000,7 @@ class StoreWriter:
                 f"resume=True needs a store to continue, but there is nothing to resume at {str(self._backend)!r}; "
                 "drop resume=True to start a new store"
             )
-        elif not self._backend.is_empty():
+        elif not self._replacing and not self._backend.is_empty():
             raise StoreExistsError(
                 f"{str(self._backend)!r} exists and is not empty but holds no Zarr store; choose another path "
                 "or remove it (overwrite=True only replaces stores)"
@@ -1106,8 +1107,13 @@ class StoreWriter:
         self.stored_capture_config: dict = dict(config) if isinstance(config, dict) else {}
         if self._state is not None:
             self._truncate_to_committed()
-        # the first byte: the root document (status incomplete)
+        # the first byte: the root document (status incomplete). An overwrite on object storage writes
+        # it over the old run's root before it deletes anything: a reader of the old run sees the store
+        # replaced before any of its objects goes or one of this run's is written (FORMAT.md section 7),
+        # and one killed in between leaves a new store with no rows (a resume removes the old arrays)
         self._backend.set("zarr.json", F.dumps(F.group_document({F.ATTRS_KEY: self._root_attrs("incomplete")})))
+        if self._replacing:
+            self._backend.clear(keep=("zarr.json",))
         self._backend.set("acts/zarr.json", F.dumps(F.group_document()))
 
     def _load_column_types(self) -> None:
@@ -1344,6 +1350,19 @@ class StoreWriter:
             for key in parts[kind]:
                 if key not in listed:
                     b.delete(key)
+        if not isinstance(b, LocalBackend):
+            self._remove_unlisted_arrays()
+
+    def _remove_unlisted_arrays(self) -> None:
+        """Resume of a store on object storage: delete the objects under ``acts/`` of arrays the
+        root does not list. An overwrite killed after it replaced the root leaves the old run's
+        there (FORMAT.md section 7): none of their rows is committed, and a hook point of this
+        run must not find another run's document, manifest or shards at its array's path."""
+        b = self._backend
+        listed = {meta["path"] for meta in self._old_arrays.values()}
+        for key in list(b.list("acts/")):
+            if key != "acts/zarr.json" and "/".join(key.split("/")[:2]) not in listed:
+                b.delete(key)
 
     def _refuse_missing_parts(self) -> dict[str, list[str]]:
         """Resume: refuse, before anything is deleted or written, a row table whose listed part
