@@ -351,6 +351,11 @@ class Builtin : public Reduction {
 
   double opt(const std::string& k) const { return opts_.at(k); }
 
+  // The divisor of var / std / cov: count - ddof, or 0 where ddof >= count, as torch.var,
+  // torch.std and torch.cov take max(0, n - correction): a sum of squares (co-moment) > 0
+  // over it is then inf (< 0: -inf), and 0 / 0 (a constant column, or a single row) NaN.
+  double dof_denominator() const { return std::max(0.0, static_cast<double>(count_) - opt("ddof")); }
+
   at::Tensor unflatten(const at::Tensor& t, Layout layout) const {
     std::vector<int64_t> shape = per_feature_ ? feat_ : std::vector<int64_t>{};
     switch (layout) {
@@ -523,8 +528,7 @@ class Moments : public Builtin {
   Slots result_slots() const override {
     Slots s{{"mean", get("mean"), Layout::kFeat}};
     if (with_m2_) {
-      const double denom = static_cast<double>(count_) - opt("ddof");
-      at::Tensor var = denom > 0 ? get("m2") / denom : at::full_like(get("m2"), NAN);
+      at::Tensor var = get("m2") / dof_denominator();
       if (kind_ == "std")
         s.push_back({"std", var.sqrt(), Layout::kFeat});
       else
@@ -748,10 +752,7 @@ class Cov : public Builtin {
     set("mean", merge_means(ma, get(b, "mean"), na, static_cast<double>(nb)));
   }
   Slots result_slots() const override {
-    const double denom = static_cast<double>(count_) - opt("ddof");
-    const at::Tensor& c = get("comoment");
-    return {{"mean", get("mean"), Layout::kFeat},
-            {"cov", denom > 0 ? c / denom : at::full_like(c, NAN), Layout::kRaw}};
+    return {{"mean", get("mean"), Layout::kFeat}, {"cov", get("comoment") / dof_denominator(), Layout::kRaw}};
   }
 };
 

@@ -204,6 +204,41 @@ def test_nan_handling():
     assert (h["counts"].sum(-1) + h["nan"] + h["overflow"] + h["underflow"]).tolist() == [3, 3]
 
 
+def _torch_dof(kind: str, d: torch.Tensor, ddof: int) -> torch.Tensor:
+    with warnings.catch_warnings():  # torch warns that the degrees of freedom are <= 0
+        warnings.simplefilter("ignore", UserWarning)
+        if kind == "cov":
+            return torch.cov(d.T, correction=ddof)
+        return getattr(d, kind)(0, correction=ddof)
+
+
+@pytest.mark.parametrize("kind", ["var", "std", "cov"])
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+@pytest.mark.parametrize("ddof", [0, 1, 2, 3, 5])
+@pytest.mark.parametrize("split", ["one", "rows", "merged"])
+def test_ddof_at_or_above_the_row_count_gives_what_torch_gives(kind, n, ddof, split):
+    """torch divides by max(0, n - ddof): a spread column gives inf, a constant one (or a
+    single row) 0 / 0 = NaN, and a negative co-moment -inf; whatever the batches or merges."""
+    d = torch.tensor([[0.0, 1.0, 3.0], [2.0, 1.0, -1.0], [5.0, 1.0, -2.0], [-1.0, 1.0, 4.0]], dtype=torch.float64)[:n]
+    if split == "one":
+        r = stream(kind, [d], ddof=ddof)
+    elif split == "rows":
+        r = stream(kind, list(d.split(1)), ddof=ddof)
+    else:
+        r = stream(kind, [d[: n // 2]], ddof=ddof)
+        r.merge(stream(kind, [d[n // 2:]], ddof=ddof))
+    got, want = r.result()[kind], _torch_dof(kind, d, ddof)
+    assert got.shape == want.shape
+    assert torch.equal(got.isnan(), want.isnan()), (got, want)
+    assert torch.equal(got.nan_to_num(), want.nan_to_num()) if n <= ddof else torch.allclose(
+        got, want, rtol=1e-12, atol=0, equal_nan=True), (got, want)
+    if n <= ddof and n >= 2:  # the spread columns are inf, the constant one NaN
+        diag = got.diagonal() if kind == "cov" else got
+        assert diag[0].item() == math.inf and math.isnan(diag[1].item()) and diag[2].item() == math.inf
+    if kind == "cov" and n <= ddof and n >= 2:
+        assert got[0, 2].item() == -math.inf  # a negative co-moment over 0
+
+
 def test_hist_edges_and_bins():
     x = torch.tensor([-5.0, -2.0, -1.5, 0.0, 0.49, 2.0, 7.0, float("inf"), float("-inf")])
     h = stream("hist", [x.reshape(-1, 1)], bins=4, lo=-2, hi=2).result()

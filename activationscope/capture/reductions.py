@@ -464,7 +464,9 @@ def make_reduction(spec: Any, *, init: Any = None, **options: float) -> Reductio
     **options : float
         Options of the built-ins: ``per_feature`` (1: reduce over rows, result shape =
         feature_shape; 0: every value is one observation, result is a scalar), ``ddof``
-        (``var``/``std``/``cov``, default 0: population statistics), ``bins``/``lo``/``hi``
+        (``var``/``std``/``cov``, default 0: population statistics; the divisor is
+        ``max(0, count - ddof)`` as in ``torch.var(correction=ddof)``, so ``ddof >= count``
+        gives inf for a column that varies and NaN for a constant one), ``bins``/``lo``/``hi``
         (``hist``), ``k`` (``topk``, default 10). Custom reductions keep them as metadata.
 
     Returns
