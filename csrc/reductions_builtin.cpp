@@ -129,6 +129,21 @@ enum StatBits : unsigned { kStatMean = 1, kStatM2 = 2, kStatMin = 4, kStatMax = 
 // with -inf or any NaN gives NaN, as torch.mean over all the values does; and where finite
 // means of opposite signs differ by more than float64 holds (+-1e308), whose delta would
 // overflow to inf.
+// A batch's column means, x.mean(0), kept within the column's [min, max]: sum / n may round
+// out of it (three rows of 0.1 sum to 0.30000000000000004, whose third is above 0.1), and a
+// constant column then has a mean off its value and a sum of squared deviations > 0 where
+// torch.var gives 0 (and, with ddof >= n, NaN, not inf). Clamped, a constant column's mean is
+// its value and its deviations are exactly 0; NaN stays NaN.
+at::Tensor batch_means(const at::Tensor& x) { return at::clamp(x.mean(0), x.amin(0), x.amax(0)); }
+void clamp_means(double* mean, const double* mn, const double* mx, int64_t d) {
+  for (int64_t j = 0; j < d; ++j) {
+    double m = mean[j];
+    if (m < mn[j]) m = mn[j];
+    if (m > mx[j]) m = mx[j];
+    mean[j] = m;
+  }
+}
+
 at::Tensor merge_means(const at::Tensor& ma, const at::Tensor& mb, double na, double nb) {
   const double n = na + nb;
   at::Tensor chan = ma + (mb - ma) * (nb / n);
@@ -479,7 +494,7 @@ class Moments : public Builtin {
     return s;
   }
   Slots batch_state(const at::Tensor& x, int64_t, int64_t) const override {
-    at::Tensor mean = x.mean(0);
+    at::Tensor mean = batch_means(x);
     Slots s{{"mean", mean, Layout::kFeat}};
     if (with_m2_) s.push_back({"m2", (x - mean).square().sum(0), Layout::kFeat});
     return s;
@@ -497,13 +512,18 @@ class Moments : public Builtin {
   // The same two-pass batch state and Chan merge as batch_state + combine, per column.
   void fast_update(const RowsView& r) override {
     const int64_t d = r.d;
-    if (static_cast<int64_t>(scratch_.size()) < 2 * d) scratch_.resize(2 * d);
+    if (static_cast<int64_t>(scratch_.size()) < 4 * d) scratch_.resize(4 * d);
     double* mb = scratch_.data();  // batch mean
     double* m2b = mb + d;          // batch sum of squared deviations from mb
+    double* mn = m2b + d;          // batch minima and maxima (batch_means)
+    double* mx = mn + d;
     std::fill(mb, mb + 2 * d, 0.0);
-    kernels::add_column_sums(r, mb);
+    std::fill(mn, mn + d, INFINITY);
+    std::fill(mx, mx + d, -INFINITY);
+    kernels::add_sums_fold_min_max(r, mb, mn, mx);
     const double nb = static_cast<double>(r.n);
     for (int64_t j = 0; j < d; ++j) mb[j] /= nb;  // x.mean(0): sum / n
+    clamp_means(mb, mn, mx, d);                    // within [min, max], as batch_means
     if (with_m2_) {
       kernels::add_centred_squares(r, mb, m2b);
     }
@@ -539,7 +559,7 @@ class Moments : public Builtin {
 
  private:
   bool with_m2_;
-  std::vector<double> scratch_;  // batch mean and m2 of the fast path (2 * F), kept
+  std::vector<double> scratch_;  // batch mean, m2, min and max of the fast path (4 * F), kept
 };
 
 // ------------------------------------------------------------------ min / max / absmax
@@ -738,7 +758,7 @@ class Cov : public Builtin {
               shape_str(c.sizes()));
   }
   Slots batch_state(const at::Tensor& x, int64_t, int64_t) const override {
-    at::Tensor mean = x.mean(0);
+    at::Tensor mean = batch_means(x);
     at::Tensor xc = x - mean;
     return {{"mean", mean, Layout::kFeat}, {"comoment", at::mm(xc.t(), xc), Layout::kRaw}};
   }
@@ -1005,6 +1025,7 @@ void update_checked(const std::vector<std::shared_ptr<Reduction>>& reductions, c
     kernels::add_sums_fold_min_max(view, sum, mn, mx);
     const double nb = static_cast<double>(n);
     for (int64_t j = 0; j < d; ++j) sum[j] /= nb;  // the batch mean, as Moments::fast_update
+    clamp_means(sum, mn, mx, d);
     st.mean = sum;
     st.min = mn;
     st.max = mx;

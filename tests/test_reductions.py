@@ -239,6 +239,46 @@ def test_ddof_at_or_above_the_row_count_gives_what_torch_gives(kind, n, ddof, sp
         assert got[0, 2].item() == -math.inf  # a negative co-moment over 0
 
 
+@pytest.mark.parametrize("value", [0.1, 0.7, 1 / 3, 1e10 + 0.1, -2.5e-300])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("path", ["fast", "aten", "fused", "whole"])
+def test_a_constant_column_has_its_value_as_mean_and_zero_variance(value, dtype, path):
+    """sum / n rounds (three rows of 0.1 sum to 0.30000000000000004): a constant column's
+    mean must still be its value and its variance exactly 0, as torch.var gives, so that
+    ddof >= n gives NaN there, not inf (a sum of squares of round-off over 0)."""
+    from activationscope.capture import _native
+
+    x = torch.full((10, 3), value, dtype=dtype)
+    x[:, 2] = torch.arange(10, dtype=dtype)  # one column that varies
+    c = x[0, 0].double().item()  # the value as the rows hold it
+    opts = {"per_feature": 0} if path == "whole" else {}
+    rows = x[:, :1].contiguous() if path == "whole" else x
+    for n in (3, 7, 10):
+        batches = list(rows[:n].split(4))
+        if path == "aten":
+            batches = [_non_contiguous(b) for b in batches]
+        reds = {kind: R.make_reduction(kind, ddof=n, **opts) for kind in ("var", "std", "cov")}
+        reds["mean"] = R.make_reduction("mean", **opts)
+        reds["min"] = R.make_reduction("min", **opts)
+        reds["var0"] = R.make_reduction("var", **opts)
+        for b in batches:
+            if path == "fused":
+                _native.load().update_reductions(list(reds.values()), b, 0)
+            else:
+                for r in reds.values():
+                    r.update(b)
+        mean, var0 = reds["mean"].result()["mean"], reds["var0"].result()["var"]
+        assert mean.reshape(-1)[0].item() == c and reds["var0"].result()["mean"].reshape(-1)[0].item() == c
+        assert var0.reshape(-1)[0].item() == 0.0
+        assert math.isnan(reds["var"].result()["var"].reshape(-1)[0].item())
+        assert math.isnan(reds["std"].result()["std"].reshape(-1)[0].item())
+        assert math.isnan(reds["cov"].result()["cov"][0, 0].item())
+        if path != "whole":
+            assert reds["var"].result()["var"][2].item() == math.inf
+            want = rows[:n].double().var(0, correction=0)
+            assert torch.equal(var0[:2], want[:2]) and torch.allclose(var0, want, rtol=1e-12)
+
+
 def test_hist_edges_and_bins():
     x = torch.tensor([-5.0, -2.0, -1.5, 0.0, 0.49, 2.0, 7.0, float("inf"), float("-inf")])
     h = stream("hist", [x.reshape(-1, 1)], bins=4, lo=-2, hi=2).result()
