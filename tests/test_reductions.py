@@ -100,8 +100,15 @@ def assert_matches(kind: str, got: dict, rows: torch.Tensor, rtol: float = 1e-10
             assert torch.equal(g, w.to(g.dtype)), (key, g, w)
 
 
+def exact_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What min / max / topk keep rows of ``dtype`` in: int64 for integers (not bool or
+    uint64), float64 for the rest."""
+    integer = not dtype.is_floating_point and dtype not in (torch.bool, torch.uint64)
+    return torch.int64 if integer else torch.float64
+
+
 def assert_topk_ids(got: dict, rows: torch.Tensor, **opts) -> None:
-    d = rows.to(torch.float64).cpu()
+    d = rows.cpu().to(exact_dtype(rows.dtype))
     n = d.shape[0]
     ids = got["row_ids"].cpu()
     assert ids.dtype == torch.int64
@@ -114,7 +121,9 @@ def assert_topk_ids(got: dict, rows: torch.Tensor, **opts) -> None:
         picked = flat[local.reshape(local.shape[0], -1), cols].reshape(got["values"].shape)
     else:
         picked = d.reshape(n, -1)[local, got["feature_ids"].cpu()]
-    assert torch.equal(picked, got["values"].cpu())
+    values = got["values"].cpu()
+    assert picked.dtype == values.dtype
+    assert torch.equal(picked.isnan(), values.isnan()) and torch.equal(picked.nan_to_num(), values.nan_to_num())
 
 
 def stream(kind: str, batches: list[torch.Tensor], row_offset: int = 0, **opts):
@@ -277,6 +286,73 @@ def test_a_constant_column_has_its_value_as_mean_and_zero_variance(value, dtype,
             assert reds["var"].result()["var"][2].item() == math.inf
             want = rows[:n].double().var(0, correction=0)
             assert torch.equal(var0[:2], want[:2]) and torch.allclose(var0, want, rtol=1e-12)
+
+
+def _int_rows(n: int, feat: tuple, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Integers over the dtype's range (int64: far past 2**53, where float64 rounds), with
+    repeats (ties) and zeros."""
+    g = torch.Generator().manual_seed(seed)
+    info = torch.iinfo(dtype)
+    lo, hi = max(info.min, -(2 ** 62)), min(info.max, 2 ** 62)
+    x = torch.randint(lo, hi, (n, *feat), generator=g, dtype=torch.int64)
+    x[torch.rand(x.shape, generator=g) < 0.2] = 0
+    x[torch.rand(x.shape, generator=g) < 0.2] = hi - 1
+    if dtype == torch.int64 and n >= 2:
+        x.view(n, -1)[:2] = torch.tensor([2 ** 60 + 1, 2 ** 60 + 3]).view(2, 1)  # one float64 value
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.int16, torch.uint8], ids=str)
+@pytest.mark.parametrize("per_feature", [1, 0])
+@pytest.mark.parametrize("k", [3, 70])  # 70: past the one-pass top-k (k <= 64)
+def test_integer_rows_keep_min_max_topk_exact_in_int64(dtype, per_feature, k):
+    x = _int_rows(90, (2, 3), dtype, seed=4)
+    exact = x.long() if per_feature else x.long().reshape(-1)
+    opts = {"per_feature": per_feature}
+    bounds = [0, 1, 2, 40, 41, 90]
+    for kind, key, want in (("min", "min", exact.amin(0)), ("max", "max", exact.amax(0)),
+                            ("topk", "values", exact.topk(min(k, exact.shape[0]), 0).values)):
+        o = {**opts, "k": k} if kind == "topk" else opts
+        streamed = stream(kind, _pieces(x, bounds), **o)
+        slow = stream(kind, [_non_contiguous(p) for p in _pieces(x, bounds) if p.shape[0]], **o)
+        parts = [stream(kind, [p], row_offset=a, **o) for p, a in zip(_pieces(x, bounds), bounds)]
+        merged = parts.pop()
+        for p in parts:  # in reverse row order
+            merged.merge(p)
+        resumed = R.make_reduction(kind, **o)
+        resumed.load_state(stream(kind, [x[:40]], **o).state())
+        resumed.update(x[40:], 40)
+        for r in (streamed, slow, merged, resumed):
+            got = r.result()
+            assert got[key].dtype == torch.int64 and r.state()["value" if kind != "topk" else "values"].dtype == torch.int64
+            assert torch.equal(got[key], want), (kind, got[key], want)
+            if kind == "topk":
+                assert_topk_ids(got, x, **opts)
+                assert torch.equal(got["row_ids"], streamed.result()["row_ids"])  # ties: the lower row, any split
+    if dtype == torch.int64:  # float64 would make these equal
+        assert int(stream("max", [x[:2]]).result()["max"][0, 0]) == 2 ** 60 + 3
+        assert int(stream("min", [x[:2]]).result()["min"][0, 0]) == 2 ** 60 + 1
+
+
+def test_integer_and_float_rows_in_one_reduction_give_float64():
+    """As torch promotes int64 with float64: integer batches then float ones, float then
+    integer, and a merge of the two, give float64; bool and uint64 rows are float64."""
+    ints, floats = torch.tensor([[3, -7]]), torch.tensor([[0.5, -7.5]])
+    for kind, key in (("min", "min"), ("max", "max"), ("topk", "values")):
+        want = getattr(torch.cat([ints.double(), floats.double()]), {"topk": "topk"}.get(kind, "a" + kind))(
+            *((2, 0) if kind == "topk" else (0,)))
+        want = want.values if kind == "topk" else want
+        for first, second in ((ints, floats), (floats, ints), (ints.int(), floats.half())):
+            got = stream(kind, [first, second], k=2) if kind == "topk" else stream(kind, [first, second])
+            assert got.result()[key].dtype == torch.float64 and torch.equal(got.result()[key], want)
+            a = stream(kind, [first], **({"k": 2} if kind == "topk" else {}))
+            a.merge(stream(kind, [second], 1, **({"k": 2} if kind == "topk" else {})))
+            assert a.result()[key].dtype == torch.float64 and torch.equal(a.result()[key], want)
+    assert stream("max", [torch.tensor([[True, False]])]).result()["max"].tolist() == [1.0, 0.0]
+    big = torch.tensor([[2 ** 64 - 1], [2 ** 63 + 5]], dtype=torch.uint64)  # int64 cannot hold them
+    got = stream("max", [big]).result()["max"]
+    assert got.dtype == torch.float64 and got.item() == float(2 ** 64)
+    assert stream("absmax", [torch.tensor([[-(2 ** 63)]])]).result()["absmax"].item() == 2.0 ** 63
 
 
 def test_hist_edges_and_bins():

@@ -1,7 +1,8 @@
 """Online reductions: built-in streaming statistics and custom TorchScript reductions.
 
 A reduction sees the rows of one hook point batch after batch and keeps a small state. The
-built-ins run in C++ (``activationscope._C``) with float64 accumulators on the rows' device;
+built-ins run in C++ (``activationscope._C``) with float64 accumulators on the rows' device
+(``min``, ``max`` and ``topk`` of integer rows: int64, exact beyond 2**53);
 every one of them is mergeable (workers, ranks, resumed runs) so that streaming any split of
 the rows, in any order, gives the one-shot result up to float64 round-off.
 
