@@ -148,11 +148,16 @@ enum StatBits : unsigned { kStatMean = 1, kStatM2 = 2, kStatMin = 4, kStatMax = 
 // out of it (three rows of 0.1 sum to 0.30000000000000004, whose third is above 0.1), and a
 // constant column then has a mean off its value and a sum of squared deviations > 0 where
 // torch.var gives 0 (and, with ddof >= n, NaN, not inf). Clamped, a constant column's mean is
-// its value and its deviations are exactly 0; NaN stays NaN.
-at::Tensor batch_means(const at::Tensor& x) { return at::clamp(x.mean(0), x.amin(0), x.amax(0)); }
+// its value and its deviations are exactly 0. A mean that is not finite stays as it is: NaN,
+// and +-inf, also that of finite values whose sum overflows (torch.mean gives inf there too).
+at::Tensor batch_means(const at::Tensor& x) {
+  const at::Tensor mean = x.mean(0);
+  return at::where(at::isfinite(mean), at::clamp(mean, x.amin(0), x.amax(0)), mean);
+}
 void clamp_means(double* mean, const double* mn, const double* mx, int64_t d) {
   for (int64_t j = 0; j < d; ++j) {
     double m = mean[j];
+    if (!std::isfinite(m)) continue;
     if (m < mn[j]) m = mn[j];
     if (m > mx[j]) m = mx[j];
     mean[j] = m;

@@ -288,6 +288,26 @@ def test_a_constant_column_has_its_value_as_mean_and_zero_variance(value, dtype,
             assert torch.equal(var0[:2], want[:2]) and torch.allclose(var0, want, rtol=1e-12)
 
 
+@pytest.mark.parametrize("path", ["fast", "aten", "fused"])
+def test_a_batch_mean_whose_sum_overflows_stays_infinite_as_torch_mean(path):
+    """Keeping batch means within [min, max] must not turn a sum that overflowed (inf, as
+    torch.mean gives) into the column's max: only finite means are kept within it."""
+    from activationscope.capture import _native
+
+    x = torch.tensor([[1e308, -1e308, 1.0], [1.5e308, -1.5e308, 2.0]], dtype=torch.float64)
+    rows = _non_contiguous(x) if path == "aten" else x
+    reds = [R.make_reduction("mean"), R.make_reduction("var"), R.make_reduction("max")]
+    if path == "fused":
+        _native.load().update_reductions(reds, rows, 0)
+    else:
+        for r in reds:
+            r.update(rows)
+    want = x.mean(0)
+    assert want.tolist() == [math.inf, -math.inf, 1.5]
+    assert reds[0].result()["mean"].tolist() == want.tolist()
+    assert reds[1].result()["mean"].tolist() == want.tolist()
+
+
 def _int_rows(n: int, feat: tuple, dtype: torch.dtype, seed: int) -> torch.Tensor:
     """Integers over the dtype's range (int64: far past 2**53, where float64 rounds), with
     repeats (ties) and zeros."""
