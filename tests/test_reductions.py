@@ -37,8 +37,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def reference(kind: str, rows: torch.Tensor, **opts) -> dict[str, torch.Tensor]:
-    """Offline float64 result on all rows at once (what streaming must reproduce)."""
-    d = rows.to("cpu", torch.float64)
+    """Offline float64 result on all rows at once (what streaming must reproduce); min, max
+    and topk of integer rows exact, in int64."""
+    d = rows.to("cpu", exact_dtype(rows.dtype) if kind in ("min", "max", "topk") else torch.float64)
     per_feature = opts.get("per_feature", 1)
     if not per_feature:
         d = d.reshape(-1)
@@ -49,7 +50,7 @@ def reference(kind: str, rows: torch.Tensor, **opts) -> dict[str, torch.Tensor]:
         out["mean"] = d.mean(0)
     elif kind in ("var", "std"):
         out["mean"] = d.mean(0)
-        with warnings.catch_warnings():  # ddof >= n: NaN, as the native side gives
+        with warnings.catch_warnings():  # ddof >= n: inf or NaN, torch warns
             warnings.simplefilter("ignore", UserWarning)
             var = d.var(0, correction=ddof)
         out[kind] = var if kind == "var" else var.sqrt()
@@ -76,7 +77,9 @@ def reference(kind: str, rows: torch.Tensor, **opts) -> dict[str, torch.Tensor]:
     elif kind == "cov":
         flat = d.reshape(n, -1)
         out["mean"] = d.mean(0)
-        out["cov"] = torch.cov(flat.T, correction=ddof).reshape(flat.shape[1], flat.shape[1])
+        with warnings.catch_warnings():  # ddof >= n: inf or NaN, torch warns
+            warnings.simplefilter("ignore", UserWarning)
+            out["cov"] = torch.cov(flat.T, correction=ddof).reshape(flat.shape[1], flat.shape[1])
     elif kind == "topk":
         k = min(int(opts["k"]), n)
         out["values"] = d.topk(k, dim=0).values
@@ -93,6 +96,7 @@ def assert_matches(kind: str, got: dict, rows: torch.Tensor, rtol: float = 1e-10
     for key, w in want.items():
         g = got[key].cpu()
         assert g.shape == w.shape, (key, g.shape, w.shape)
+        assert g.dtype == w.dtype, (key, g.dtype, w.dtype)
         if g.dtype.is_floating_point:
             assert g.dtype == torch.float64, key
             torch.testing.assert_close(g, w.to(g.dtype), rtol=rtol, atol=1e-12, equal_nan=True, msg=key)
@@ -567,36 +571,66 @@ def test_merge_states_helper():
 # ---------------------------------------------------------------------------- properties
 
 
+SWEEP_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool]
+
+
+def sweep_rows(n: int, feat: tuple, dtype: torch.dtype, seed: int, special: bool) -> torch.Tensor:
+    """Rows of ``dtype``: floats as :func:`data` (with NaN, +-inf and -0.0 when ``special``),
+    integers over the dtype's range (int64 past 2**53) with ties, bools."""
+    if dtype == torch.bool:
+        return torch.rand((n, *feat), generator=torch.Generator().manual_seed(seed)) < 0.5
+    if not dtype.is_floating_point:
+        return _int_rows(n, feat, dtype, seed)
+    if not special:
+        return data(n, feat, dtype, seed=seed)
+    x = data(n, feat, torch.float64, seed=seed)
+    flat = x.view(-1)
+    pick = torch.randperm(flat.numel(), generator=torch.Generator().manual_seed(seed + 1))
+    for i, v in zip(pick[: max(1, flat.numel() // 4)].tolist(), [math.nan, math.inf, -math.inf, -0.0] * flat.numel()):
+        flat[i] = v
+    return x.to(dtype)
+
+
 @st.composite
 def split_case(draw):
+    """Rows (1-D, 2-D or scalar features) of every accepted dtype, NaN / inf / -0.0 or not,
+    cut into batches anywhere (single rows, empty batches); every built-in with its options
+    (``ddof`` up to past the row count) in per-feature and whole-tensor mode."""
     n = draw(st.integers(1, 40))
     f = draw(st.integers(1, 4))
+    feat = draw(st.sampled_from([(f,), (2, f), ()]))
     cuts = sorted(draw(st.lists(st.integers(0, n), max_size=6)))
     seed = draw(st.integers(0, 2**31 - 1))
-    dtype = draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
+    dtype = draw(st.sampled_from(SWEEP_DTYPES))
+    special = dtype.is_floating_point and draw(st.booleans())
     kind, opts = draw(st.sampled_from(CASES))
+    if kind in ("var", "std", "cov"):
+        opts = {**opts, "ddof": draw(st.sampled_from([0, 1, 2, 3, 41]))}
     per_feature = draw(st.sampled_from([0, 1]))
-    return n, f, [0, *cuts, n], seed, dtype, kind, {**opts, "per_feature": per_feature}
+    return n, feat, [0, *cuts, n], seed, dtype, special, kind, {**opts, "per_feature": per_feature}
 
 
 def _pieces(x, bounds):
     return [x[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(split_case())
 def test_property_streaming_equals_offline(case):
-    n, f, bounds, seed, dtype, kind, opts = case
-    x = data(n, (f,), dtype, seed=seed)
+    n, feat, bounds, seed, dtype, special, kind, opts = case
+    x = sweep_rows(n, feat, dtype, seed, special)
     r = stream(kind, _pieces(x, bounds), **opts)
     assert_matches(kind, r.result(), x, rtol=1e-9, **opts)
+    resumed = R.make_reduction(kind, **opts)  # load_state(state()) is the identity
+    resumed.load_state(r.state())
+    assert_matches(kind, resumed.result(), x, rtol=1e-9, **opts)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(split_case(), st.randoms(use_true_random=False))
 def test_property_merge_associative_any_order(case, rnd):
-    n, f, bounds, seed, dtype, kind, opts = case
-    x = data(n, (f,), dtype, seed=seed)
+    n, feat, bounds, seed, dtype, special, kind, opts = case
+    x = sweep_rows(n, feat, dtype, seed, special)
     parts = []
     for a, b in zip(bounds[:-1], bounds[1:]):
         parts.append(stream(kind, [x[a:b]], row_offset=a, **opts))
