@@ -229,10 +229,12 @@ def _torch_dof(kind: str, d: torch.Tensor, ddof: int) -> torch.Tensor:
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 @pytest.mark.parametrize("ddof", [0, 1, 2, 3, 5])
 @pytest.mark.parametrize("split", ["one", "rows", "merged"])
-def test_ddof_at_or_above_the_row_count_gives_what_torch_gives(kind, n, ddof, split):
+@pytest.mark.parametrize("device", DEVICES)
+def test_ddof_at_or_above_the_row_count_gives_what_torch_gives(kind, n, ddof, split, device):
     """torch divides by max(0, n - ddof): a spread column gives inf, a constant one (or a
     single row) 0 / 0 = NaN, and a negative co-moment -inf; whatever the batches or merges."""
     d = torch.tensor([[0.0, 1.0, 3.0], [2.0, 1.0, -1.0], [5.0, 1.0, -2.0], [-1.0, 1.0, 4.0]], dtype=torch.float64)[:n]
+    d = d.to(device)
     if split == "one":
         r = stream(kind, [d], ddof=ddof)
     elif split == "rows":
@@ -240,7 +242,7 @@ def test_ddof_at_or_above_the_row_count_gives_what_torch_gives(kind, n, ddof, sp
     else:
         r = stream(kind, [d[: n // 2]], ddof=ddof)
         r.merge(stream(kind, [d[n // 2:]], ddof=ddof))
-    got, want = r.result()[kind], _torch_dof(kind, d, ddof)
+    got, want = r.result()[kind].cpu(), _torch_dof(kind, d.cpu(), ddof)
     assert got.shape == want.shape
     assert torch.equal(got.isnan(), want.isnan()), (got, want)
     assert torch.equal(got.nan_to_num(), want.nan_to_num()) if n <= ddof else torch.allclose(
@@ -641,6 +643,53 @@ def test_property_merge_associative_any_order(case, rnd):
         left, right = parts[i], parts.pop(i + 1)
         left.merge(right)
     assert_matches(kind, parts[0].result(), x, rtol=1e-9, **opts)
+
+
+class _Clone(torch.nn.Module):
+    def forward(self, x):
+        return x.clone()  # (x + 0 would turn -0.0 into 0.0, x * 1 bool into int64)
+
+
+CAPTURE_SPECS = [(f"r{i}", kind, opts) for i, (kind, opts) in enumerate(
+    CASES + [("var", {"ddof": 13}), ("std", {"ddof": 20}), ("cov", {"ddof": 13}), ("topk", {"k": 4, "per_feature": 0}),
+             ("mean", {"per_feature": 0}), ("max", {"per_feature": 0}), ("topk", {"k": 20})])]
+
+
+@pytest.mark.parametrize("dtype", SWEEP_DTYPES, ids=str)
+@pytest.mark.parametrize("special", [False, True], ids=["finite", "nan_inf"])
+@pytest.mark.parametrize("policy", ["store_all", "final_only", "streaming"])
+@pytest.mark.parametrize("in_store", [False, True], ids=["memory", "store"])
+def test_every_builtin_in_a_capture_equals_torch_over_the_rows(dtype, special, policy, in_store, tmp_path):
+    """Every built-in (ddof at and past the 13 rows, whole-tensor mode, k past the rows)
+    captured from a model whose output is its input, in memory or into a store (chunks of 4
+    rows: batches of 3, 1, 5 and 4 rows cross them) under each ReductionPolicy, read back,
+    against torch over the rows: the same values and dtypes as reductions fed the rows
+    directly (assert_matches)."""
+    if special and not dtype.is_floating_point:
+        pytest.skip("NaN, inf and -0.0 are float values")
+    import activationscope as acs
+
+    x = sweep_rows(13, (2, 3), dtype, seed=31, special=special)
+    xs = list(x.split([3, 1, 5, 4]))
+    model = torch.nn.Sequential(_Clone())
+    store = tmp_path / "s.zarr" if in_store else None
+    scope = acs.ActivationScope(store=store, reductions=CAPTURE_SPECS, reduction_policy=policy,
+                                store_options={"chunk_rows": 4} if in_store else None)
+    with scope.track(model) as tracker:
+        for b in xs:
+            model(b)
+    if in_store:
+        s = acs.open_store(store)
+        got = s.reductions["0.output"]
+        if policy == "store_all":
+            assert s["0.output"].dtype == dtype and torch.equal(s["0.output"].nan_to_num(), x.nan_to_num())
+    else:
+        got = tracker.reductions["0.output"]
+    for name, kind, opts in CAPTURE_SPECS:
+        fed = stream(kind, xs, **opts).result()
+        main = kind if kind in fed else None
+        result = {k: got[name if k == main else f"{name}.{k}"] for k in fed}
+        assert_matches(kind, result, x, rtol=1e-9, **opts)
 
 
 # ---------------------------------------------------------------------------- PCA
