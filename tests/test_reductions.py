@@ -1743,25 +1743,29 @@ def test_fused_min_max_keep_the_last_nan_bit_for_bit(width):
 
 @pytest.mark.parametrize("width", [16, 17, 40, 256])
 @pytest.mark.parametrize("special", ["finite", "nan_late_block", "inf_minus_inf", "nan_state"])
-def test_float32_rows_reduce_as_the_same_rows_in_float64_bit_for_bit(width, special):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_float32_rows_reduce_as_the_same_rows_in_float64_bit_for_bit(width, special, dtype):
     """The float32 kernels (blocks of 16 columns without NaN bookkeeping, redone exactly when
     a block's sums end NaN; centred squares 16 columns at a time) widen each value to double
     and add in row order: their states equal, bit for bit, those of the same rows given as
-    float64 (the generic loops), whatever NaN, inf - inf or NaN state a block holds. (With
+    float64 (the generic loops), whatever NaN, inf - inf or NaN state a block holds; so do
+    float16 / bfloat16 rows, widened to float32 a chunk of rows at a time (300 rows: several
+    chunks) and then reduced by the float32 kernels. (With
     several NaNs in one column, which NaN's payload a sum keeps is left open by IEEE 754 and
     may differ between the two; the columns here hold one NaN each.)"""
     from activationscope.capture import _native
 
     C = _native.load()
     g = torch.Generator().manual_seed(41)
-    x = torch.randn(37, width, generator=g) * 3
+    x = torch.randn(300, width, generator=g) * 3
     if special == "nan_late_block" or special == "nan_state":
         x[30 if special == "nan_late_block" else 2, width - 1] = float("nan")  # the last block only
     if special == "inf_minus_inf":
         x[3, 1], x[20, 1] = float("inf"), -float("inf")  # sum NaN without a NaN value
         x[5, width // 2] = float("inf")
     kinds = ["mean", "var", "min", "max"]
-    split = [5, 32] if special == "nan_state" else [37]  # nan_state: the second batch starts from NaN min / max
+    x = x.to(dtype)
+    split = [5, 295] if special == "nan_state" else [300]  # nan_state: the second batch starts from NaN min / max
     got, want = _make_group(kinds), _make_group(kinds)
     offset = 0
     for p in x.split(split):
