@@ -137,13 +137,6 @@ struct BatchStats {
 };
 enum StatBits : unsigned { kStatMean = 1, kStatM2 = 2, kStatMin = 4, kStatMax = 8, kStatAbsMax = 16 };
 
-// Mean of na + nb observations from the means of two parts. Chan et al.'s form
-// ma + (mb - ma) * nb / n where both and their difference are finite (it keeps precision when
-// the means are close); the weighted sum ma * na / n + mb * nb / n where one is +-inf or NaN,
-// so that an infinite part stays infinite (Chan's delta would make inf - inf = NaN), and +inf
-// with -inf or any NaN gives NaN, as torch.mean over all the values does; and where finite
-// means of opposite signs differ by more than float64 holds (+-1e308), whose delta would
-// overflow to inf.
 // A batch's column means, x.mean(0), kept within the column's [min, max]: sum / n may round
 // out of it (three rows of 0.1 sum to 0.30000000000000004, whose third is above 0.1), and a
 // constant column then has a mean off its value and a sum of squared deviations > 0 where
@@ -164,6 +157,13 @@ void clamp_means(double* mean, const double* mn, const double* mx, int64_t d) {
   }
 }
 
+// Mean of na + nb observations from the means of two parts. Chan et al.'s form
+// ma + (mb - ma) * nb / n where both and their difference are finite (it keeps precision when
+// the means are close); the weighted sum ma * na / n + mb * nb / n where one is +-inf or NaN,
+// so that an infinite part stays infinite (Chan's delta would make inf - inf = NaN), and +inf
+// with -inf or any NaN gives NaN, as torch.mean over all the values does; and where finite
+// means of opposite signs differ by more than float64 holds (+-1e308), whose delta would
+// overflow to inf.
 at::Tensor merge_means(const at::Tensor& ma, const at::Tensor& mb, double na, double nb) {
   const double n = na + nb;
   at::Tensor chan = ma + (mb - ma) * (nb / n);
