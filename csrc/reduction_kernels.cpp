@@ -603,8 +603,34 @@ bool set_avx512_kernels(bool on) {
 #endif
 }
 
+#if ACS_AVX2_DISPATCH
+// add_sums_fold_min_max of float16 / bfloat16 rows: widened (exactly) to float32 a chunk of
+// rows at a time, as reduce_rows does, then the float32 kernels. Each chunk accumulates into
+// sum / mn / mx in row order, so the results are the row fold's (SumMinMaxOp), bit for bit.
+template <typename T>
+void sum_min_max_widened(const T* x, int64_t n, int64_t d, double* sum, double* mn, double* mx) {
+  thread_local std::vector<float> buf;
+  const int64_t chunk = std::max<int64_t>(1, kConvertChunk / std::max<int64_t>(d, 1));
+  if (static_cast<int64_t>(buf.size()) < chunk * d) buf.resize(chunk * d);
+  const bool wide = cpu_has_avx512() && !avx512_off();
+  for (int64_t i = 0; i < n; i += chunk) {
+    const int64_t m = std::min(chunk, n - i);
+    widen(x + i * d, m * d, buf.data());
+    if (wide) {
+      sum_min_max_f32_avx512(buf.data(), m, d, sum, mn, mx);
+    } else {
+      sum_min_max_f32_avx2(buf.data(), m, d, sum, mn, mx);
+    }
+  }
+}
+#endif
+
 void add_sums_fold_min_max(const RowsView& r, double* sum, double* mn, double* mx) {
 #if ACS_AVX2_DISPATCH
+  if (r.dtype == at::kHalf && cpu_has_avx2())
+    return sum_min_max_widened(static_cast<const c10::Half*>(r.data), r.n, r.d, sum, mn, mx);
+  if (r.dtype == at::kBFloat16 && cpu_has_avx2())
+    return sum_min_max_widened(static_cast<const c10::BFloat16*>(r.data), r.n, r.d, sum, mn, mx);
   if (r.dtype == at::kFloat && cpu_has_avx512() && !avx512_off())
     return sum_min_max_f32_avx512(static_cast<const float*>(r.data), r.n, r.d, sum, mn, mx);
   if (r.dtype == at::kFloat && cpu_has_avx2())

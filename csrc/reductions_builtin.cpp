@@ -4,7 +4,8 @@
 // Every built-in keeps a flat state over F "columns": F = prod(feature_shape) in per-feature
 // mode (option per_feature=1, the default), F = 1 in whole-tensor mode (per_feature=0, every
 // value of the batch is one observation). A batch is first turned into a float64 matrix
-// (n, F) on the accumulators' device, then reduced to a batch state, which is folded into the
+// (n, F) on the accumulators' device (min, max and topk: integer rows into an int64 matrix,
+// exact beyond 2**53; see work_dtype), then reduced to a batch state, which is folded into the
 // running state by the same `combine` that `merge` uses. Streaming and merging therefore share
 // one code path: the pairwise update of Chan, Golub & LeVeque (1979, 1983) for moments and
 // co-moments (Welford 1962 is its one-row special case), plain sums / extrema / top-k merges
@@ -85,6 +86,20 @@ const std::vector<std::string>& kinds() {
   return k;
 }
 
+// Integer rows that min, max and topk keep exact, in int64 (float64 holds every integer only
+// up to 2**53): not bool, and not uint64, whose values past 2**63 int64 cannot hold (they
+// stay float64, in order but rounded; torch has no amin / topk of uint64 at all).
+bool integer_rows(at::ScalarType t) {
+  return at::isIntegralType(t, /*includeBool=*/false) && t != at::kUInt64;
+}
+
+// a and b in one dtype: as they are when they agree, else both float64 (an int64 state of
+// integer rows meeting a float64 one of float rows, as torch promotes int64 with float64).
+std::pair<at::Tensor, at::Tensor> promoted(const at::Tensor& a, const at::Tensor& b) {
+  if (a.scalar_type() == b.scalar_type()) return {a, b};
+  return {a.to(at::kDouble), b.to(at::kDouble)};
+}
+
 at::Tensor count_tensor(int64_t n) { return at::scalar_tensor(n, at::TensorOptions().dtype(at::kLong)); }
 
 // How a flat state / result tensor maps back to the feature shape.
@@ -121,6 +136,26 @@ struct BatchStats {
   const double* absmax = nullptr;
 };
 enum StatBits : unsigned { kStatMean = 1, kStatM2 = 2, kStatMin = 4, kStatMax = 8, kStatAbsMax = 16 };
+
+// A batch's column means, x.mean(0), kept within the column's [min, max]: sum / n may round
+// out of it (three rows of 0.1 sum to 0.30000000000000004, whose third is above 0.1), and a
+// constant column then has a mean off its value and a sum of squared deviations > 0 where
+// torch.var gives 0 (and, with ddof >= n, NaN, not inf). Clamped, a constant column's mean is
+// its value and its deviations are exactly 0. A mean that is not finite stays as it is: NaN,
+// and +-inf, also that of finite values whose sum overflows (torch.mean gives inf there too).
+at::Tensor batch_means(const at::Tensor& x) {
+  const at::Tensor mean = x.mean(0);
+  return at::where(at::isfinite(mean), at::clamp(mean, x.amin(0), x.amax(0)), mean);
+}
+void clamp_means(double* mean, const double* mn, const double* mx, int64_t d) {
+  for (int64_t j = 0; j < d; ++j) {
+    double m = mean[j];
+    if (!std::isfinite(m)) continue;
+    if (m < mn[j]) m = mn[j];
+    if (m > mx[j]) m = mx[j];
+    mean[j] = m;
+  }
+}
 
 // Mean of na + nb observations from the means of two parts. Chan et al.'s form
 // ma + (mb - ma) * nb / n where both and their difference are finite (it keeps precision when
@@ -189,12 +224,12 @@ class Builtin : public Reduction {
         count_ += n;
         return;
       }
-      x = rows.detach().to(device_, at::kDouble).reshape({n, -1});
+      x = rows.detach().to(device_, work_dtype(rows.scalar_type())).reshape({n, -1});
     } else {
       if (rows.numel() == 0) return;
       if (!device_set_) set_device(rows.device());
       width = rows.numel() / n;
-      x = rows.detach().to(device_, at::kDouble).reshape({-1, 1});
+      x = rows.detach().to(device_, work_dtype(rows.scalar_type())).reshape({-1, 1});
     }
     Slots batch = batch_state(x, row_offset, width);
     combine(x.size(0), batch);
@@ -296,7 +331,7 @@ class Builtin : public Reduction {
         case Layout::kLeadFeat: t = t.reshape({t.size(0), F}); break;
         case Layout::kRaw: break;
       }
-      x.t = t.to(slot_dtype(x.name)).contiguous();
+      x.t = t.to(loaded_dtype(x.name, t.scalar_type())).contiguous();
     }
     validate_loaded(s, F);
     if (per_feature_) {
@@ -341,6 +376,12 @@ class Builtin : public Reduction {
   // Names and layouts of the state slots (tensors undefined).
   virtual Slots empty_slots() const = 0;
   virtual at::ScalarType slot_dtype(const std::string&) const { return at::kDouble; }
+  // The dtype a batch of `rows` dtype is reduced in (ATen path): float64, or int64 for the
+  // kinds that keep integer rows exact (min, max, topk).
+  virtual at::ScalarType work_dtype(at::ScalarType) const { return at::kDouble; }
+  // The dtype a state slot given to load_state is kept in (a stored state of such a kind may
+  // hold int64 values: of integer rows).
+  virtual at::ScalarType loaded_dtype(const std::string& name, at::ScalarType) const { return slot_dtype(name); }
   virtual void validate_loaded(const Slots&, int64_t) const {}
   // Fast path (per-feature mode, see the kernels above): fold the batch into acc_ in place.
   // own_slots() has run: every slot is a contiguous CPU (F,) tensor of slot_dtype owned by
@@ -350,6 +391,11 @@ class Builtin : public Reduction {
   virtual void fold_stats(const BatchStats&) {}
 
   double opt(const std::string& k) const { return opts_.at(k); }
+
+  // The divisor of var / std / cov: count - ddof, or 0 where ddof >= count, as torch.var,
+  // torch.std and torch.cov take max(0, n - correction): a sum of squares (co-moment) > 0
+  // over it is then inf (< 0: -inf), and 0 / 0 (a constant column, or a single row) NaN.
+  double dof_denominator() const { return std::max(0.0, static_cast<double>(count_) - opt("ddof")); }
 
   at::Tensor unflatten(const at::Tensor& t, Layout layout) const {
     std::vector<int64_t> shape = per_feature_ ? feat_ : std::vector<int64_t>{};
@@ -474,7 +520,7 @@ class Moments : public Builtin {
     return s;
   }
   Slots batch_state(const at::Tensor& x, int64_t, int64_t) const override {
-    at::Tensor mean = x.mean(0);
+    at::Tensor mean = batch_means(x);
     Slots s{{"mean", mean, Layout::kFeat}};
     if (with_m2_) s.push_back({"m2", (x - mean).square().sum(0), Layout::kFeat});
     return s;
@@ -492,13 +538,18 @@ class Moments : public Builtin {
   // The same two-pass batch state and Chan merge as batch_state + combine, per column.
   void fast_update(const RowsView& r) override {
     const int64_t d = r.d;
-    if (static_cast<int64_t>(scratch_.size()) < 2 * d) scratch_.resize(2 * d);
+    if (static_cast<int64_t>(scratch_.size()) < 4 * d) scratch_.resize(4 * d);
     double* mb = scratch_.data();  // batch mean
     double* m2b = mb + d;          // batch sum of squared deviations from mb
+    double* mn = m2b + d;          // batch minima and maxima (batch_means)
+    double* mx = mn + d;
     std::fill(mb, mb + 2 * d, 0.0);
-    kernels::add_column_sums(r, mb);
+    std::fill(mn, mn + d, INFINITY);
+    std::fill(mx, mx + d, -INFINITY);
+    kernels::add_sums_fold_min_max(r, mb, mn, mx);
     const double nb = static_cast<double>(r.n);
     for (int64_t j = 0; j < d; ++j) mb[j] /= nb;  // x.mean(0): sum / n
+    clamp_means(mb, mn, mx, d);                    // within [min, max], as batch_means
     if (with_m2_) {
       kernels::add_centred_squares(r, mb, m2b);
     }
@@ -523,8 +574,7 @@ class Moments : public Builtin {
   Slots result_slots() const override {
     Slots s{{"mean", get("mean"), Layout::kFeat}};
     if (with_m2_) {
-      const double denom = static_cast<double>(count_) - opt("ddof");
-      at::Tensor var = denom > 0 ? get("m2") / denom : at::full_like(get("m2"), NAN);
+      at::Tensor var = get("m2") / dof_denominator();
       if (kind_ == "std")
         s.push_back({"std", var.sqrt(), Layout::kFeat});
       else
@@ -535,7 +585,7 @@ class Moments : public Builtin {
 
  private:
   bool with_m2_;
-  std::vector<double> scratch_;  // batch mean and m2 of the fast path (2 * F), kept
+  std::vector<double> scratch_;  // batch mean, m2, min and max of the fast path (4 * F), kept
 };
 
 // ------------------------------------------------------------------ min / max / absmax
@@ -545,6 +595,12 @@ class Extremum : public Builtin {
 
  protected:
   Slots empty_slots() const override { return {{"value", {}, Layout::kFeat}}; }
+  // min / max of integer rows are kept in int64, exact (absmax in float64: |-2**63| does
+  // not fit int64); float rows (and bool) in float64.
+  at::ScalarType work_dtype(at::ScalarType t) const override {
+    return kind_ != "absmax" && integer_rows(t) ? at::kLong : at::kDouble;
+  }
+  at::ScalarType loaded_dtype(const std::string&, at::ScalarType t) const override { return work_dtype(t); }
   Slots batch_state(const at::Tensor& x, int64_t, int64_t) const override {
     at::Tensor v;
     if (kind_ == "min")
@@ -558,8 +614,8 @@ class Extremum : public Builtin {
   void combine(int64_t, const Slots& b) override {
     if (adopt_if_empty(b)) return;
     // at::minimum / at::maximum propagate NaN, like torch.amin / amax.
-    set("value", kind_ == "min" ? at::minimum(get("value"), get(b, "value"))
-                                : at::maximum(get("value"), get(b, "value")));
+    auto [a, v] = promoted(get("value"), get(b, "value"));
+    set("value", kind_ == "min" ? at::minimum(a, v) : at::maximum(a, v));
   }
   Slots result_slots() const override { return {{kind_, get("value"), Layout::kFeat}}; }
   bool has_fast_path() const override { return true; }
@@ -734,7 +790,7 @@ class Cov : public Builtin {
               shape_str(c.sizes()));
   }
   Slots batch_state(const at::Tensor& x, int64_t, int64_t) const override {
-    at::Tensor mean = x.mean(0);
+    at::Tensor mean = batch_means(x);
     at::Tensor xc = x - mean;
     return {{"mean", mean, Layout::kFeat}, {"comoment", at::mm(xc.t(), xc), Layout::kRaw}};
   }
@@ -748,10 +804,7 @@ class Cov : public Builtin {
     set("mean", merge_means(ma, get(b, "mean"), na, static_cast<double>(nb)));
   }
   Slots result_slots() const override {
-    const double denom = static_cast<double>(count_) - opt("ddof");
-    const at::Tensor& c = get("comoment");
-    return {{"mean", get("mean"), Layout::kFeat},
-            {"cov", denom > 0 ? c / denom : at::full_like(c, NAN), Layout::kRaw}};
+    return {{"mean", get("mean"), Layout::kFeat}, {"cov", get("comoment") / dof_denominator(), Layout::kRaw}};
   }
 };
 
@@ -783,19 +836,21 @@ bool has_ties(const at::Tensor& v) {
 }
 
 // a ranks above b (value descending, NaN above every number): the strict part of the order.
-inline bool ranks_above(double a, double b) { return a > b || (a != a && b == b); }
+template <typename T>
+inline bool ranks_above(T a, T b) { return a > b || (a != a && b == b); }
 
-// ordered_topk for a contiguous CPU float64 x and a small k: one pass in row order keeping
-// each column's k best sorted (a later row enters only when it ranks strictly above the
-// column's k-th: of equal values the lower row stays).
+// ordered_topk for a contiguous CPU float64 (or int64) x and a small k: one pass in row
+// order keeping each column's k best sorted (a later row enters only when it ranks strictly
+// above the column's k-th: of equal values the lower row stays).
+template <typename T>
 std::pair<at::Tensor, at::Tensor> ordered_topk_cpu(const at::Tensor& x, int64_t k) {
   const int64_t m = x.size(0), C = x.size(1);
-  const double* xp = x.const_data_ptr<double>();
-  std::vector<double> val(static_cast<size_t>(C * k));
+  const T* xp = x.const_data_ptr<T>();
+  std::vector<T> val(static_cast<size_t>(C * k));
   std::vector<int64_t> id(static_cast<size_t>(C * k));
-  std::vector<double> kth(static_cast<size_t>(C));
-  auto insert = [&](int64_t c, int64_t filled, double v, int64_t row) {
-    double* cv = val.data() + c * k;
+  std::vector<T> kth(static_cast<size_t>(C));
+  auto insert = [&](int64_t c, int64_t filled, T v, int64_t row) {
+    T* cv = val.data() + c * k;
     int64_t* ci = id.data() + c * k;
     int64_t j = std::min(filled, k - 1);  // slot freed at the end (the k-th drops out)
     while (j > 0 && ranks_above(v, cv[j - 1])) {  // rows come in order: ties stay behind
@@ -807,7 +862,7 @@ std::pair<at::Tensor, at::Tensor> ordered_topk_cpu(const at::Tensor& x, int64_t 
     ci[j] = row;
   };
   for (int64_t i = 0; i < m; ++i) {
-    const double* row = xp + i * C;
+    const T* row = xp + i * C;
     if (i < k) {
       for (int64_t c = 0; c < C; ++c) insert(c, i, row[c], i);
       if (i == k - 1)
@@ -821,7 +876,7 @@ std::pair<at::Tensor, at::Tensor> ordered_topk_cpu(const at::Tensor& x, int64_t 
     }
   }
   // (C, k) column lists -> (k, C)
-  at::Tensor v = at::from_blob(val.data(), {C, k}, at::kDouble).t().clone(at::MemoryFormat::Contiguous);
+  at::Tensor v = at::from_blob(val.data(), {C, k}, x.scalar_type()).t().clone(at::MemoryFormat::Contiguous);
   at::Tensor ids = at::from_blob(id.data(), {C, k}, at::kLong).t().clone(at::MemoryFormat::Contiguous);  // (copies: the vectors go)
   return {v, ids};
 }
@@ -831,8 +886,10 @@ std::pair<at::Tensor, at::Tensor> ordered_topk_cpu(const at::Tensor& x, int64_t 
 // tied at the k-th value; in a column where it left out a tied row, the rows above the k-th
 // value and the first tied rows are picked again by index.
 std::pair<at::Tensor, at::Tensor> ordered_topk(const at::Tensor& x, int64_t k) {
-  if (x.is_cpu() && x.scalar_type() == at::kDouble && x.is_contiguous() && k <= 64)
-    return ordered_topk_cpu(x, k);
+  if (x.is_cpu() && x.is_contiguous() && k <= 64) {
+    if (x.scalar_type() == at::kDouble) return ordered_topk_cpu<double>(x, k);
+    if (x.scalar_type() == at::kLong) return ordered_topk_cpu<int64_t>(x, k);
+  }
   auto top = at::topk(x, k, 0, /*largest=*/true, /*sorted=*/true);
   at::Tensor v = std::get<0>(top), idx = std::get<1>(top);
   const at::Tensor kth = v.narrow(0, k - 1, 1);
@@ -844,7 +901,7 @@ std::pair<at::Tensor, at::Tensor> ordered_topk(const at::Tensor& x, int64_t k) {
     const at::Tensor cols = left_out.nonzero().squeeze(1);
     const at::Tensor xs = x.index_select(1, cols), ks = kth.index_select(1, cols);
     const at::Tensor above = at::gt(xs, ks).logical_or_(at::isnan(xs).logical_and_(at::isnan(ks).logical_not_()));
-    const at::Tensor pos = at::arange(xs.size(0), xs.options()).view({-1, 1});
+    const at::Tensor pos = at::arange(xs.size(0), xs.options().dtype(at::kDouble)).view({-1, 1});
     // every row above the k-th value (key -1), then the tied rows by index (key = index)
     const at::Tensor key = at::where(above, -1.0, at::where(same_value(xs, ks), pos, INFINITY));
     const at::Tensor pick = std::get<1>(at::topk(key, k, 0, /*largest=*/false, /*sorted=*/true));
@@ -880,6 +937,11 @@ class TopK : public Builtin {
   at::ScalarType slot_dtype(const std::string& name) const override {
     return name == "values" ? at::kDouble : at::kLong;
   }
+  // Values of integer rows are kept in int64, exact; of float rows (and bool) in float64.
+  at::ScalarType work_dtype(at::ScalarType t) const override { return integer_rows(t) ? at::kLong : at::kDouble; }
+  at::ScalarType loaded_dtype(const std::string& name, at::ScalarType t) const override {
+    return name == "values" ? work_dtype(t) : at::kLong;
+  }
   void validate_loaded(const Slots& s, int64_t) const override {
     const auto& v = get(s, "values");
     for (auto& x : s)
@@ -896,7 +958,8 @@ class TopK : public Builtin {
   }
   void combine(int64_t, const Slots& b) override {
     if (adopt_if_empty(b)) return;
-    at::Tensor v = at::cat({get("values"), get(b, "values")}, 0);
+    auto [va, vb] = promoted(get("values"), get(b, "values"));
+    at::Tensor v = at::cat({va, vb}, 0);
     at::Tensor rows = at::cat({get("row_ids"), get(b, "row_ids")}, 0);
     at::Tensor feats = find_slot(acc_, "feature_ids") ? at::cat({get("feature_ids"), get(b, "feature_ids")}, 0)
                                                       : at::Tensor();
@@ -1004,6 +1067,7 @@ void update_checked(const std::vector<std::shared_ptr<Reduction>>& reductions, c
     kernels::add_sums_fold_min_max(view, sum, mn, mx);
     const double nb = static_cast<double>(n);
     for (int64_t j = 0; j < d; ++j) sum[j] /= nb;  // the batch mean, as Moments::fast_update
+    clamp_means(sum, mn, mx, d);
     st.mean = sum;
     st.min = mn;
     st.max = mx;

@@ -37,8 +37,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def reference(kind: str, rows: torch.Tensor, **opts) -> dict[str, torch.Tensor]:
-    """Offline float64 result on all rows at once (what streaming must reproduce)."""
-    d = rows.to("cpu", torch.float64)
+    """Offline float64 result on all rows at once (what streaming must reproduce); min, max
+    and topk of integer rows exact, in int64."""
+    d = rows.to("cpu", exact_dtype(rows.dtype) if kind in ("min", "max", "topk") else torch.float64)
     per_feature = opts.get("per_feature", 1)
     if not per_feature:
         d = d.reshape(-1)
@@ -49,7 +50,7 @@ def reference(kind: str, rows: torch.Tensor, **opts) -> dict[str, torch.Tensor]:
         out["mean"] = d.mean(0)
     elif kind in ("var", "std"):
         out["mean"] = d.mean(0)
-        with warnings.catch_warnings():  # ddof >= n: NaN, as the native side gives
+        with warnings.catch_warnings():  # ddof >= n: inf or NaN, torch warns
             warnings.simplefilter("ignore", UserWarning)
             var = d.var(0, correction=ddof)
         out[kind] = var if kind == "var" else var.sqrt()
@@ -76,7 +77,9 @@ def reference(kind: str, rows: torch.Tensor, **opts) -> dict[str, torch.Tensor]:
     elif kind == "cov":
         flat = d.reshape(n, -1)
         out["mean"] = d.mean(0)
-        out["cov"] = torch.cov(flat.T, correction=ddof).reshape(flat.shape[1], flat.shape[1])
+        with warnings.catch_warnings():  # ddof >= n: inf or NaN, torch warns
+            warnings.simplefilter("ignore", UserWarning)
+            out["cov"] = torch.cov(flat.T, correction=ddof).reshape(flat.shape[1], flat.shape[1])
     elif kind == "topk":
         k = min(int(opts["k"]), n)
         out["values"] = d.topk(k, dim=0).values
@@ -93,6 +96,7 @@ def assert_matches(kind: str, got: dict, rows: torch.Tensor, rtol: float = 1e-10
     for key, w in want.items():
         g = got[key].cpu()
         assert g.shape == w.shape, (key, g.shape, w.shape)
+        assert g.dtype == w.dtype, (key, g.dtype, w.dtype)
         if g.dtype.is_floating_point:
             assert g.dtype == torch.float64, key
             torch.testing.assert_close(g, w.to(g.dtype), rtol=rtol, atol=1e-12, equal_nan=True, msg=key)
@@ -100,8 +104,15 @@ def assert_matches(kind: str, got: dict, rows: torch.Tensor, rtol: float = 1e-10
             assert torch.equal(g, w.to(g.dtype)), (key, g, w)
 
 
+def exact_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What min / max / topk keep rows of ``dtype`` in: int64 for integers (not bool or
+    uint64), float64 for the rest."""
+    integer = not dtype.is_floating_point and dtype not in (torch.bool, torch.uint64)
+    return torch.int64 if integer else torch.float64
+
+
 def assert_topk_ids(got: dict, rows: torch.Tensor, **opts) -> None:
-    d = rows.to(torch.float64).cpu()
+    d = rows.cpu().to(exact_dtype(rows.dtype))
     n = d.shape[0]
     ids = got["row_ids"].cpu()
     assert ids.dtype == torch.int64
@@ -114,7 +125,9 @@ def assert_topk_ids(got: dict, rows: torch.Tensor, **opts) -> None:
         picked = flat[local.reshape(local.shape[0], -1), cols].reshape(got["values"].shape)
     else:
         picked = d.reshape(n, -1)[local, got["feature_ids"].cpu()]
-    assert torch.equal(picked, got["values"].cpu())
+    values = got["values"].cpu()
+    assert picked.dtype == values.dtype
+    assert torch.equal(picked.isnan(), values.isnan()) and torch.equal(picked.nan_to_num(), values.nan_to_num())
 
 
 def stream(kind: str, batches: list[torch.Tensor], row_offset: int = 0, **opts):
@@ -202,6 +215,170 @@ def test_nan_handling():
     h = stream("hist", [x], bins=4, lo=-2, hi=2).result()
     assert h["nan"].tolist() == [1, 0] and h["overflow"].tolist() == [1, 0]
     assert (h["counts"].sum(-1) + h["nan"] + h["overflow"] + h["underflow"]).tolist() == [3, 3]
+
+
+def _torch_dof(kind: str, d: torch.Tensor, ddof: int) -> torch.Tensor:
+    with warnings.catch_warnings():  # torch warns that the degrees of freedom are <= 0
+        warnings.simplefilter("ignore", UserWarning)
+        if kind == "cov":
+            return torch.cov(d.T, correction=ddof)
+        return getattr(d, kind)(0, correction=ddof)
+
+
+@pytest.mark.parametrize("kind", ["var", "std", "cov"])
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+@pytest.mark.parametrize("ddof", [0, 1, 2, 3, 5])
+@pytest.mark.parametrize("split", ["one", "rows", "merged"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_ddof_at_or_above_the_row_count_gives_what_torch_gives(kind, n, ddof, split, device):
+    """torch divides by max(0, n - ddof): a spread column gives inf, a constant one (or a
+    single row) 0 / 0 = NaN, and a negative co-moment -inf; whatever the batches or merges."""
+    d = torch.tensor([[0.0, 1.0, 3.0], [2.0, 1.0, -1.0], [5.0, 1.0, -2.0], [-1.0, 1.0, 4.0]], dtype=torch.float64)[:n]
+    d = d.to(device)
+    if split == "one":
+        r = stream(kind, [d], ddof=ddof)
+    elif split == "rows":
+        r = stream(kind, list(d.split(1)), ddof=ddof)
+    else:
+        r = stream(kind, [d[: n // 2]], ddof=ddof)
+        r.merge(stream(kind, [d[n // 2:]], ddof=ddof))
+    got, want = r.result()[kind].cpu(), _torch_dof(kind, d.cpu(), ddof)
+    assert got.shape == want.shape
+    assert torch.equal(got.isnan(), want.isnan()), (got, want)
+    assert torch.equal(got.nan_to_num(), want.nan_to_num()) if n <= ddof else torch.allclose(
+        got, want, rtol=1e-12, atol=0, equal_nan=True), (got, want)
+    if n <= ddof and n >= 2:  # the spread columns are inf, the constant one NaN
+        diag = got.diagonal() if kind == "cov" else got
+        assert diag[0].item() == math.inf and math.isnan(diag[1].item()) and diag[2].item() == math.inf
+    if kind == "cov" and n <= ddof and n >= 2:
+        assert got[0, 2].item() == -math.inf  # a negative co-moment over 0
+
+
+@pytest.mark.parametrize("value", [0.1, 0.7, 1 / 3, 1e10 + 0.1, -2.5e-300])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("path", ["fast", "aten", "fused", "whole"])
+def test_a_constant_column_has_its_value_as_mean_and_zero_variance(value, dtype, path):
+    """sum / n rounds (three rows of 0.1 sum to 0.30000000000000004): a constant column's
+    mean must still be its value and its variance exactly 0, as torch.var gives, so that
+    ddof >= n gives NaN there, not inf (a sum of squares of round-off over 0)."""
+    from activationscope.capture import _native
+
+    x = torch.full((10, 3), value, dtype=dtype)
+    x[:, 2] = torch.arange(10, dtype=dtype)  # one column that varies
+    c = x[0, 0].double().item()  # the value as the rows hold it
+    opts = {"per_feature": 0} if path == "whole" else {}
+    rows = x[:, :1].contiguous() if path == "whole" else x
+    for n in (3, 7, 10):
+        batches = list(rows[:n].split(4))
+        if path == "aten":
+            batches = [_non_contiguous(b) for b in batches]
+        reds = {kind: R.make_reduction(kind, ddof=n, **opts) for kind in ("var", "std", "cov")}
+        reds["mean"] = R.make_reduction("mean", **opts)
+        reds["min"] = R.make_reduction("min", **opts)
+        reds["var0"] = R.make_reduction("var", **opts)
+        for b in batches:
+            if path == "fused":
+                _native.load().update_reductions(list(reds.values()), b, 0)
+            else:
+                for r in reds.values():
+                    r.update(b)
+        mean, var0 = reds["mean"].result()["mean"], reds["var0"].result()["var"]
+        assert mean.reshape(-1)[0].item() == c and reds["var0"].result()["mean"].reshape(-1)[0].item() == c
+        assert var0.reshape(-1)[0].item() == 0.0
+        assert math.isnan(reds["var"].result()["var"].reshape(-1)[0].item())
+        assert math.isnan(reds["std"].result()["std"].reshape(-1)[0].item())
+        assert math.isnan(reds["cov"].result()["cov"][0, 0].item())
+        if path != "whole":
+            assert reds["var"].result()["var"][2].item() == math.inf
+            want = rows[:n].double().var(0, correction=0)
+            assert torch.equal(var0[:2], want[:2]) and torch.allclose(var0, want, rtol=1e-12)
+
+
+@pytest.mark.parametrize("path", ["fast", "aten", "fused"])
+def test_a_batch_mean_whose_sum_overflows_stays_infinite_as_torch_mean(path):
+    """Keeping batch means within [min, max] must not turn a sum that overflowed (inf, as
+    torch.mean gives) into the column's max: only finite means are kept within it."""
+    from activationscope.capture import _native
+
+    x = torch.tensor([[1e308, -1e308, 1.0], [1.5e308, -1.5e308, 2.0]], dtype=torch.float64)
+    rows = _non_contiguous(x) if path == "aten" else x
+    reds = [R.make_reduction("mean"), R.make_reduction("var"), R.make_reduction("max")]
+    if path == "fused":
+        _native.load().update_reductions(reds, rows, 0)
+    else:
+        for r in reds:
+            r.update(rows)
+    want = x.mean(0)
+    assert want.tolist() == [math.inf, -math.inf, 1.5]
+    assert reds[0].result()["mean"].tolist() == want.tolist()
+    assert reds[1].result()["mean"].tolist() == want.tolist()
+
+
+def _int_rows(n: int, feat: tuple, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Integers over the dtype's range (int64: far past 2**53, where float64 rounds), with
+    repeats (ties) and zeros."""
+    g = torch.Generator().manual_seed(seed)
+    info = torch.iinfo(dtype)
+    lo, hi = max(info.min, -(2 ** 62)), min(info.max, 2 ** 62)
+    x = torch.randint(lo, hi, (n, *feat), generator=g, dtype=torch.int64)
+    x[torch.rand(x.shape, generator=g) < 0.2] = 0
+    x[torch.rand(x.shape, generator=g) < 0.2] = hi - 1
+    if dtype == torch.int64 and n >= 2:
+        x.view(n, -1)[:2] = torch.tensor([2 ** 60 + 1, 2 ** 60 + 3]).view(2, 1)  # one float64 value
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.int16, torch.uint8], ids=str)
+@pytest.mark.parametrize("per_feature", [1, 0])
+@pytest.mark.parametrize("k", [3, 70])  # 70: past the one-pass top-k (k <= 64)
+def test_integer_rows_keep_min_max_topk_exact_in_int64(dtype, per_feature, k):
+    x = _int_rows(90, (2, 3), dtype, seed=4)
+    exact = x.long() if per_feature else x.long().reshape(-1)
+    opts = {"per_feature": per_feature}
+    bounds = [0, 1, 2, 40, 41, 90]
+    for kind, key, want in (("min", "min", exact.amin(0)), ("max", "max", exact.amax(0)),
+                            ("topk", "values", exact.topk(min(k, exact.shape[0]), 0).values)):
+        o = {**opts, "k": k} if kind == "topk" else opts
+        streamed = stream(kind, _pieces(x, bounds), **o)
+        slow = stream(kind, [_non_contiguous(p) for p in _pieces(x, bounds) if p.shape[0]], **o)
+        parts = [stream(kind, [p], row_offset=a, **o) for p, a in zip(_pieces(x, bounds), bounds)]
+        merged = parts.pop()
+        for p in parts:  # in reverse row order
+            merged.merge(p)
+        resumed = R.make_reduction(kind, **o)
+        resumed.load_state(stream(kind, [x[:40]], **o).state())
+        resumed.update(x[40:], 40)
+        for r in (streamed, slow, merged, resumed):
+            got = r.result()
+            assert got[key].dtype == torch.int64 and r.state()["value" if kind != "topk" else "values"].dtype == torch.int64
+            assert torch.equal(got[key], want), (kind, got[key], want)
+            if kind == "topk":
+                assert_topk_ids(got, x, **opts)
+                assert torch.equal(got["row_ids"], streamed.result()["row_ids"])  # ties: the lower row, any split
+    if dtype == torch.int64:  # float64 would make these equal
+        assert int(stream("max", [x[:2]]).result()["max"][0, 0]) == 2 ** 60 + 3
+        assert int(stream("min", [x[:2]]).result()["min"][0, 0]) == 2 ** 60 + 1
+
+
+def test_integer_and_float_rows_in_one_reduction_give_float64():
+    """As torch promotes int64 with float64: integer batches then float ones, float then
+    integer, and a merge of the two, give float64; bool and uint64 rows are float64."""
+    ints, floats = torch.tensor([[3, -7]]), torch.tensor([[0.5, -7.5]])
+    for kind, key in (("min", "min"), ("max", "max"), ("topk", "values")):
+        want = getattr(torch.cat([ints.double(), floats.double()]), {"topk": "topk"}.get(kind, "a" + kind))(
+            *((2, 0) if kind == "topk" else (0,)))
+        want = want.values if kind == "topk" else want
+        for first, second in ((ints, floats), (floats, ints), (ints.int(), floats.half())):
+            got = stream(kind, [first, second], k=2) if kind == "topk" else stream(kind, [first, second])
+            assert got.result()[key].dtype == torch.float64 and torch.equal(got.result()[key], want)
+            a = stream(kind, [first], **({"k": 2} if kind == "topk" else {}))
+            a.merge(stream(kind, [second], 1, **({"k": 2} if kind == "topk" else {})))
+            assert a.result()[key].dtype == torch.float64 and torch.equal(a.result()[key], want)
+    assert stream("max", [torch.tensor([[True, False]])]).result()["max"].tolist() == [1.0, 0.0]
+    big = torch.tensor([[2 ** 64 - 1], [2 ** 63 + 5]], dtype=torch.uint64)  # int64 cannot hold them
+    got = stream("max", [big]).result()["max"]
+    assert got.dtype == torch.float64 and got.item() == float(2 ** 64)
+    assert stream("absmax", [torch.tensor([[-(2 ** 63)]])]).result()["absmax"].item() == 2.0 ** 63
 
 
 def test_hist_edges_and_bins():
@@ -396,36 +573,66 @@ def test_merge_states_helper():
 # ---------------------------------------------------------------------------- properties
 
 
+SWEEP_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool]
+
+
+def sweep_rows(n: int, feat: tuple, dtype: torch.dtype, seed: int, special: bool) -> torch.Tensor:
+    """Rows of ``dtype``: floats as :func:`data` (with NaN, +-inf and -0.0 when ``special``),
+    integers over the dtype's range (int64 past 2**53) with ties, bools."""
+    if dtype == torch.bool:
+        return torch.rand((n, *feat), generator=torch.Generator().manual_seed(seed)) < 0.5
+    if not dtype.is_floating_point:
+        return _int_rows(n, feat, dtype, seed)
+    if not special:
+        return data(n, feat, dtype, seed=seed)
+    x = data(n, feat, torch.float64, seed=seed)
+    flat = x.view(-1)
+    pick = torch.randperm(flat.numel(), generator=torch.Generator().manual_seed(seed + 1))
+    for i, v in zip(pick[: max(1, flat.numel() // 4)].tolist(), [math.nan, math.inf, -math.inf, -0.0] * flat.numel()):
+        flat[i] = v
+    return x.to(dtype)
+
+
 @st.composite
 def split_case(draw):
+    """Rows (1-D, 2-D or scalar features) of every accepted dtype, NaN / inf / -0.0 or not,
+    cut into batches anywhere (single rows, empty batches); every built-in with its options
+    (``ddof`` up to past the row count) in per-feature and whole-tensor mode."""
     n = draw(st.integers(1, 40))
     f = draw(st.integers(1, 4))
+    feat = draw(st.sampled_from([(f,), (2, f), ()]))
     cuts = sorted(draw(st.lists(st.integers(0, n), max_size=6)))
     seed = draw(st.integers(0, 2**31 - 1))
-    dtype = draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
+    dtype = draw(st.sampled_from(SWEEP_DTYPES))
+    special = dtype.is_floating_point and draw(st.booleans())
     kind, opts = draw(st.sampled_from(CASES))
+    if kind in ("var", "std", "cov"):
+        opts = {**opts, "ddof": draw(st.sampled_from([0, 1, 2, 3, 41]))}
     per_feature = draw(st.sampled_from([0, 1]))
-    return n, f, [0, *cuts, n], seed, dtype, kind, {**opts, "per_feature": per_feature}
+    return n, feat, [0, *cuts, n], seed, dtype, special, kind, {**opts, "per_feature": per_feature}
 
 
 def _pieces(x, bounds):
     return [x[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(split_case())
 def test_property_streaming_equals_offline(case):
-    n, f, bounds, seed, dtype, kind, opts = case
-    x = data(n, (f,), dtype, seed=seed)
+    n, feat, bounds, seed, dtype, special, kind, opts = case
+    x = sweep_rows(n, feat, dtype, seed, special)
     r = stream(kind, _pieces(x, bounds), **opts)
     assert_matches(kind, r.result(), x, rtol=1e-9, **opts)
+    resumed = R.make_reduction(kind, **opts)  # load_state(state()) is the identity
+    resumed.load_state(r.state())
+    assert_matches(kind, resumed.result(), x, rtol=1e-9, **opts)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(split_case(), st.randoms(use_true_random=False))
 def test_property_merge_associative_any_order(case, rnd):
-    n, f, bounds, seed, dtype, kind, opts = case
-    x = data(n, (f,), dtype, seed=seed)
+    n, feat, bounds, seed, dtype, special, kind, opts = case
+    x = sweep_rows(n, feat, dtype, seed, special)
     parts = []
     for a, b in zip(bounds[:-1], bounds[1:]):
         parts.append(stream(kind, [x[a:b]], row_offset=a, **opts))
@@ -436,6 +643,53 @@ def test_property_merge_associative_any_order(case, rnd):
         left, right = parts[i], parts.pop(i + 1)
         left.merge(right)
     assert_matches(kind, parts[0].result(), x, rtol=1e-9, **opts)
+
+
+class _Clone(torch.nn.Module):
+    def forward(self, x):
+        return x.clone()  # (x + 0 would turn -0.0 into 0.0, x * 1 bool into int64)
+
+
+CAPTURE_SPECS = [(f"r{i}", kind, opts) for i, (kind, opts) in enumerate(
+    CASES + [("var", {"ddof": 13}), ("std", {"ddof": 20}), ("cov", {"ddof": 13}), ("topk", {"k": 4, "per_feature": 0}),
+             ("mean", {"per_feature": 0}), ("max", {"per_feature": 0}), ("topk", {"k": 20})])]
+
+
+@pytest.mark.parametrize("dtype", SWEEP_DTYPES, ids=str)
+@pytest.mark.parametrize("special", [False, True], ids=["finite", "nan_inf"])
+@pytest.mark.parametrize("policy", ["store_all", "final_only", "streaming"])
+@pytest.mark.parametrize("in_store", [False, True], ids=["memory", "store"])
+def test_every_builtin_in_a_capture_equals_torch_over_the_rows(dtype, special, policy, in_store, tmp_path):
+    """Every built-in (ddof at and past the 13 rows, whole-tensor mode, k past the rows)
+    captured from a model whose output is its input, in memory or into a store (chunks of 4
+    rows: batches of 3, 1, 5 and 4 rows cross them) under each ReductionPolicy, read back,
+    against torch over the rows: the same values and dtypes as reductions fed the rows
+    directly (assert_matches)."""
+    if special and not dtype.is_floating_point:
+        pytest.skip("NaN, inf and -0.0 are float values")
+    import activationscope as acs
+
+    x = sweep_rows(13, (2, 3), dtype, seed=31, special=special)
+    xs = list(x.split([3, 1, 5, 4]))
+    model = torch.nn.Sequential(_Clone())
+    store = tmp_path / "s.zarr" if in_store else None
+    scope = acs.ActivationScope(store=store, reductions=CAPTURE_SPECS, reduction_policy=policy,
+                                store_options={"chunk_rows": 4} if in_store else None)
+    with scope.track(model) as tracker:
+        for b in xs:
+            model(b)
+    if in_store:
+        s = acs.open_store(store)
+        got = s.reductions["0.output"]
+        if policy == "store_all":
+            assert s["0.output"].dtype == dtype and torch.equal(s["0.output"].nan_to_num(), x.nan_to_num())
+    else:
+        got = tracker.reductions["0.output"]
+    for name, kind, opts in CAPTURE_SPECS:
+        fed = stream(kind, xs, **opts).result()
+        main = kind if kind in fed else None
+        result = {k: got[name if k == main else f"{name}.{k}"] for k in fed}
+        assert_matches(kind, result, x, rtol=1e-9, **opts)
 
 
 # ---------------------------------------------------------------------------- PCA
@@ -1489,25 +1743,29 @@ def test_fused_min_max_keep_the_last_nan_bit_for_bit(width):
 
 @pytest.mark.parametrize("width", [16, 17, 40, 256])
 @pytest.mark.parametrize("special", ["finite", "nan_late_block", "inf_minus_inf", "nan_state"])
-def test_float32_rows_reduce_as_the_same_rows_in_float64_bit_for_bit(width, special):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_float32_rows_reduce_as_the_same_rows_in_float64_bit_for_bit(width, special, dtype):
     """The float32 kernels (blocks of 16 columns without NaN bookkeeping, redone exactly when
     a block's sums end NaN; centred squares 16 columns at a time) widen each value to double
     and add in row order: their states equal, bit for bit, those of the same rows given as
-    float64 (the generic loops), whatever NaN, inf - inf or NaN state a block holds. (With
+    float64 (the generic loops), whatever NaN, inf - inf or NaN state a block holds; so do
+    float16 / bfloat16 rows, widened to float32 a chunk of rows at a time (300 rows: several
+    chunks) and then reduced by the float32 kernels. (With
     several NaNs in one column, which NaN's payload a sum keeps is left open by IEEE 754 and
     may differ between the two; the columns here hold one NaN each.)"""
     from activationscope.capture import _native
 
     C = _native.load()
     g = torch.Generator().manual_seed(41)
-    x = torch.randn(37, width, generator=g) * 3
+    x = torch.randn(300, width, generator=g) * 3
     if special == "nan_late_block" or special == "nan_state":
         x[30 if special == "nan_late_block" else 2, width - 1] = float("nan")  # the last block only
     if special == "inf_minus_inf":
         x[3, 1], x[20, 1] = float("inf"), -float("inf")  # sum NaN without a NaN value
         x[5, width // 2] = float("inf")
     kinds = ["mean", "var", "min", "max"]
-    split = [5, 32] if special == "nan_state" else [37]  # nan_state: the second batch starts from NaN min / max
+    x = x.to(dtype)
+    split = [5, 295] if special == "nan_state" else [300]  # nan_state: the second batch starts from NaN min / max
     got, want = _make_group(kinds), _make_group(kinds)
     offset = 0
     for p in x.split(split):

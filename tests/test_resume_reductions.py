@@ -637,3 +637,106 @@ def test_a_fifo_at_a_stored_reduction_script_is_recomputed_over_every_row_on_res
     got = store.reductions["0.output"]["agg"]
     assert got[0] == 3 and torch.allclose(got[1], ref.sum())  # the stored rows read back at once, then two batches
     assert store.reduction_script("0.output", "agg") == pt.read_bytes()
+
+
+class _Plus0(torch.nn.Module):
+    def forward(self, x):
+        return x + 0
+
+
+def _int_batches(dtype=torch.int64):
+    g = torch.Generator().manual_seed(5)
+    hi = 2 ** 62 if dtype == torch.int64 else 2 ** 30
+    xs = [torch.randint(-hi, hi, (5, 3), generator=g, dtype=dtype) for _ in range(4)]
+    if dtype == torch.int64:  # values float64 cannot tell apart: 2**60 + 1 and 2**60 + 3 round to 2**60
+        xs[0][0] = torch.tensor([2 ** 60 + 1, -(2 ** 60) - 1, 2 ** 60 + 1])
+        xs[3][1] = torch.tensor([2 ** 60 + 3, -(2 ** 60) - 3, 2 ** 60 + 2])
+    return xs
+
+
+INT_SPECS = ["min", "max", ("topk", "topk", {"k": 3}), ("top_all", "topk", {"k": 2, "per_feature": 0}), "mean"]
+
+
+def _check_int(r, ref):
+    assert r["min"].dtype == r["max"].dtype == r["topk.values"].dtype == torch.int64
+    assert torch.equal(r["min"], ref.amin(0).long()) and torch.equal(r["max"], ref.amax(0).long())
+    assert torch.equal(r["topk.values"], ref.topk(3, 0).values.long())
+    assert torch.equal(r["topk.row_ids"], ref.topk(3, 0).indices)
+    assert torch.equal(r["top_all.values"], ref.reshape(-1).topk(2).values.long())
+    torch.testing.assert_close(r["mean"], ref.double().mean(0))  # mean of integers: float64
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32], ids=str)
+def test_integer_rows_keep_exact_int64_min_max_topk_across_a_resume(tmp_path, monkeypatch, dtype):
+    """min / max / topk of integer rows are int64, exact beyond 2**53 (float64 would make
+    2**60 + 1 and 2**60 + 3 equal), in the stored results and states, and a resume continues
+    the int64 state without reading rows back."""
+    from activationscope.store.writer import StoreWriter
+
+    model, xs = torch.nn.Sequential(_Plus0()), _int_batches(dtype)
+    path = tmp_path / "s.zarr"
+    _run(model, path, xs[:2], INT_SPECS)
+    read_back = []
+    monkeypatch.setattr(StoreWriter, "read_committed_rows", lambda self, *a: read_back.append(a))
+    _run(model, path, xs[2:], INT_SPECS, resume=True)
+    assert read_back == []
+    s = open_store(path)
+    assert s["0.output"].dtype == dtype
+    _check_int(s.reductions["0.output"], torch.cat(xs))
+
+
+def test_a_float64_state_of_integer_rows_from_an_older_store_is_recomputed_exactly(tmp_path):
+    """A store written when min / max / topk of integer rows were float64 states: still read
+    (its results as they were), and a resume computes those reductions again from the
+    stored rows, in int64."""
+    model, xs = torch.nn.Sequential(_Plus0()), _int_batches()
+    path = tmp_path / "s.zarr"
+    _run(model, path, xs[:2], INT_SPECS)
+    for name, key in (("min", "value"), ("max", "value"), ("topk", "values"), ("top_all", "values")):
+        _as_float64_state(path, name, key)
+    old = open_store(path)
+    assert old.verify() == []
+    assert old.reductions["0.output"]["max"].dtype == torch.float64
+    assert torch.equal(old.reductions["0.output"]["max"], torch.cat(xs[:2]).amax(0).double())
+    _run(model, path, xs[2:], INT_SPECS, resume=True)
+    _check_int(open_store(path).reductions["0.output"], torch.cat(xs))
+
+
+def _as_float64_state(path, name, key, hook_point="0.output"):
+    """Rewrite the int64 result and state ``key`` of reduction ``name`` as float64 arrays,
+    checksums and all: what a store written before integer states were kept holds."""
+    import json
+
+    from activationscope.store import _format as F
+
+    root_file = path / "zarr.json"
+    root = json.loads(root_file.read_text())
+    entries = root["attributes"]["activationscope"]["reductions"][hook_point]
+    owner = next(e for e in entries.values() if e.get("reduction") == name and "state" in e)
+    result = owner if owner["path"].endswith(f"/{name}") else entries[f"{name}.{key}"]
+    for entry in (result, owner["state"][key]):
+        doc_file = path / entry["path"] / "zarr.json"
+        doc = json.loads(doc_file.read_text())
+        assert doc["data_type"] == "int64"
+        doc["data_type"] = entry["dtype"] = doc["attributes"]["activationscope"]["dtype"] = "float64"
+        doc_file.write_text(json.dumps(doc))
+        (chunk,) = entry["crc32c"]
+        value = torch.frombuffer(bytearray((path / chunk).read_bytes()), dtype=torch.int64)
+        data = value.double().numpy().tobytes()
+        (path / chunk).write_bytes(data)
+        entry["crc32c"] = {chunk: F.crc32c(data)}
+    root_file.write_text(json.dumps(root))
+
+
+def test_rank_stores_of_integer_rows_merge_exact_int64_min_max_topk(tmp_path):
+    import activationscope as acs
+    from activationscope.store.ranks import commit_ranks
+
+    model, xs = torch.nn.Sequential(_Plus0()), _int_batches()
+    for t in (0, 1):
+        with ActivationScope(store=str(tmp_path / "r.zarr"), reductions=INT_SPECS,
+                             store_options={"process_group": acs.RankStore(t, 2)}).track(model):
+            for x in xs[2 * t:2 * t + 2]:
+                model(x)
+    commit_ranks(str(tmp_path / "r.zarr"))
+    _check_int(open_store(tmp_path / "r.zarr").reductions["0.output"], torch.cat(xs))

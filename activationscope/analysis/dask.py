@@ -438,7 +438,10 @@ def moments(x: Any) -> dict[str, Any]:
     """Per-feature mean and population variance (ddof 0) of a dask array, in float64.
 
     Two passes (the mean, then the squared deviations from it), each a tree reduction of
-    per-block partial sums in float64; no block is held longer than its own task.
+    per-block partial sums in float64; no block is held longer than its own task. A finite
+    mean is kept within its column's [min, max] (``sum / n`` may round out of it), so a
+    constant column has its value as mean and a variance of exactly 0, as ``torch.var`` and
+    the built-in ``var`` reduction give.
 
     Parameters
     ----------
@@ -452,9 +455,12 @@ def moments(x: Any) -> dict[str, Any]:
     dask = _require("dask")
     n = int(x.shape[0])
     x64 = x.astype(np.float64)
-    mean = x64.mean(axis=0).compute() if n else np.full(x.shape[1:], np.nan)
     if not n:
+        mean = np.full(x.shape[1:], np.nan)
         return {"mean": mean, "var": mean.copy(), "count": 0}
+    mean, lo, hi = dask.compute(x64.mean(axis=0), x64.min(axis=0), x64.max(axis=0))
+    with np.errstate(invalid="ignore"):
+        mean = np.where(np.isfinite(mean), np.clip(mean, lo, hi), mean)
     (var,) = dask.compute(((x64 - mean) ** 2).mean(axis=0))
     return {"mean": mean, "var": var, "count": n}
 

@@ -1,7 +1,8 @@
 """Online reductions: built-in streaming statistics and custom TorchScript reductions.
 
 A reduction sees the rows of one hook point batch after batch and keeps a small state. The
-built-ins run in C++ (``activationscope._C``) with float64 accumulators on the rows' device;
+built-ins run in C++ (``activationscope._C``) with float64 accumulators on the rows' device
+(``min``, ``max`` and ``topk`` of integer rows: int64, exact beyond 2**53);
 every one of them is mergeable (workers, ranks, resumed runs) so that streaming any split of
 the rows, in any order, gives the one-shot result up to float64 round-off.
 
@@ -464,7 +465,9 @@ def make_reduction(spec: Any, *, init: Any = None, **options: float) -> Reductio
     **options : float
         Options of the built-ins: ``per_feature`` (1: reduce over rows, result shape =
         feature_shape; 0: every value is one observation, result is a scalar), ``ddof``
-        (``var``/``std``/``cov``, default 0: population statistics), ``bins``/``lo``/``hi``
+        (``var``/``std``/``cov``, default 0: population statistics; the divisor is
+        ``max(0, count - ddof)`` as in ``torch.var(correction=ddof)``, so ``ddof >= count``
+        gives inf for a column that varies and NaN for a constant one), ``bins``/``lo``/``hi``
         (``hist``), ``k`` (``topk``, default 10). Custom reductions keep them as metadata.
 
     Returns

@@ -2016,15 +2016,16 @@ class Tracker:
             ``per_feature=1`` (with ``per_feature=0`` read ``feature_shape`` as ``()``):
 
             - ``mean``, ``var``, ``std``, ``min``, ``max``, ``absmax``, ``l2``, ``nonzero``:
-              ``(*feature_shape)``, float64 (``nonzero``: fraction of values != 0); ``var``
-              and ``std`` also ``<name>.mean``;
+              ``(*feature_shape)``, float64 (``nonzero``: fraction of values != 0;
+              ``min`` / ``max`` of integer rows: int64, exact); ``var`` and ``std`` also
+              ``<name>.mean``;
             - ``hist``: ``<name>.counts`` ``(*feature_shape, bins)`` int64,
               ``<name>.edges`` ``(bins + 1,)`` float64, ``<name>.underflow`` /
               ``.overflow`` / ``.nan`` ``(*feature_shape)`` int64;
             - ``cov``: ``(D, D)`` float64 with ``D = prod(feature_shape)``, and
               ``<name>.mean`` ``(D,)``;
-            - ``topk``: ``<name>.values`` ``(n, *feature_shape)`` float64 (``n = min(k,
-              rows seen)``) and ``<name>.row_ids`` of the same shape, int64 (global store row of each
+            - ``topk``: ``<name>.values`` ``(n, *feature_shape)`` float64, int64 of
+              integer rows (``n = min(k, rows seen)``) and ``<name>.row_ids`` of the same shape, int64 (global store row of each
               value);
             - every reduction: ``<name>.count``, int64 scalar, observations per output value;
               a reduction that saw no rows has only that (0): no value is made up, and

@@ -255,6 +255,17 @@ def _read_state(st: Store, name: str, entry: dict) -> dict[str, torch.Tensor]:
     return {key: st._read_small({**arr, "reduction": name}) for key, arr in entry["state"].items()}
 
 
+def _committed_row_ids(row_ids: torch.Tensor, i: int, ns: list[int], shard_rows: int) -> torch.Tensor:
+    """Row ids of the ``i``-th rank store (``ns``: every rank store's rows of the array, in
+    rank order) as rows of the committed store, in its row order (module docstring): a row
+    in one of the rank's ``f_i`` full shards follows the full shards of the ranks before it;
+    a row of its tail follows every full shard and the tails of the ranks before it."""
+    fulls = [n // shard_rows * shard_rows for n in ns]  # rows in full shards, per rank
+    head = sum(fulls[:i])
+    tail = sum(fulls) + sum(n - f for n, f in zip(ns[:i], fulls[:i]))
+    return torch.where(row_ids < fulls[i], row_ids + head, row_ids - fulls[i] + tail)
+
+
 def _merge_states(hp: str, name: str, entries: list[dict], stores: list[Store],
                   make: Callable[[str, str, dict], Any] | None,
                   read: dict[tuple[int, str, str], dict] | None = None, ranks: list[int] | None = None) -> Any:
@@ -280,8 +291,12 @@ def _merge_states(hp: str, name: str, entries: list[dict], stores: list[Store],
         total = R.make_reduction(kind, **entries[0]["options"])
     total = total.fresh()
     read = read or {}
-    for r, st, e in zip(range(len(stores)) if ranks is None else ranks, stores, entries):
+    ns = [_n_rows(st, hp) for st in stores]
+    for i, (r, st, e) in enumerate(zip(range(len(stores)) if ranks is None else ranks, stores, entries)):
         state = read[(r, hp, name)] if (r, hp, name) in read else _read_state(st, name, e)
+        if kind == "topk" and "row_ids" in state:  # rank rows -> the committed store's rows
+            shard_rows = int(st.attrs["arrays"][st.aliases.get(hp, hp)]["shard_rows"])
+            state = {**state, "row_ids": _committed_row_ids(state["row_ids"], i, ns, shard_rows)}
         part = total.fresh()
         part.load_state(state)
         total.merge(part)

@@ -1912,9 +1912,11 @@ class Store:
         :attr:`Tracker.reductions <activationscope.Tracker.reductions>` at the end of the
         capture: for rows ``(rows, *feature_shape)``, ``mean`` / ``var`` / ``std`` /
         ``min`` / ``max`` / ``absmax`` / ``l2`` / ``nonzero`` are ``(*feature_shape)``
-        float64; ``<hist>.counts`` ``(*feature_shape, bins)`` int64 and ``<hist>.edges``
+        float64 (``min`` / ``max`` of integer rows int64, exact; a store written before
+        that holds them as float64); ``<hist>.counts`` ``(*feature_shape, bins)`` int64 and ``<hist>.edges``
         ``(bins + 1,)`` float64; ``cov`` ``(D, D)`` float64, ``D = prod(feature_shape)``;
-        ``<topk>.values`` ``(n, *feature_shape)`` float64 (``n = min(k, rows)``) and
+        ``<topk>.values`` ``(n, *feature_shape)`` float64 (int64 of integer rows;
+        ``n = min(k, rows)``) and
         ``<topk>.row_ids`` int64 of the same shape;
         ``<name>.count`` an int64 scalar (observations per output value).
 

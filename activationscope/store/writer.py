@@ -628,11 +628,27 @@ def _script_records(data: bytes) -> list[tuple[str, int, int]] | None:
         return None
 
 
+#: State keys a built-in keeps in int64 for integer rows (exact beyond 2**53), float64 for
+#: float rows: min / max keep their ``value`` and topk its ``values`` in the rows' kind.
+_INTEGER_STATE_KEYS = {"min": "value", "max": "value", "topk": "values"}
+
+
+def _state_dtypes(kind: str, key: str, probe_dtype: torch.dtype, exact: bool) -> tuple[torch.dtype, ...]:
+    """The dtypes a stored state's ``key`` of built-in ``kind`` may have: the probe's, and
+    (``exact`` false: rows of a dtype not known) also the other of float64 and int64 where
+    the reduction keeps integer rows exact (:data:`_INTEGER_STATE_KEYS`)."""
+    if exact or _INTEGER_STATE_KEYS.get(kind) != key:
+        return (probe_dtype,)
+    return (torch.float64, torch.int64)
+
+
 def _builtin_state_fits(kind: str, options: Mapping[str, Any], state: Mapping[str, torch.Tensor], n_rows: int,
-                        feature_shape: tuple[int, ...]) -> bool:
+                        feature_shape: tuple[int, ...], dtype: torch.dtype | None = None) -> bool:
     """Whether ``state`` is one that the built-in reduction ``kind`` with ``options`` can hold
-    after ``n_rows`` rows of ``feature_shape``: the keys, shapes and dtypes of a reduction of
-    the same kind fed as many rows as shape it (zeros), the count of those rows, row ids
+    after ``n_rows`` rows of ``feature_shape`` (and of ``dtype``: min, max and topk keep
+    integer rows in int64, float rows in float64; when None, either is taken, as a store
+    written before integer states were kept holds float64 ones of integer rows): the keys,
+    shapes and dtypes of a reduction of the same kind fed as many rows as shape it (zeros), the count of those rows, row ids
     among them, no negative count or sum of squares, as many hist values (bins, under, over,
     NaN) and no more nonzero values than observations."""
     from ..capture.reductions import make_reduction
@@ -640,14 +656,14 @@ def _builtin_state_fits(kind: str, options: Mapping[str, Any], state: Mapping[st
     try:
         probe = make_reduction(kind, **dict(options))
         n_probe = min(n_rows, int(options.get("k", 10))) if kind == "topk" else min(n_rows, 1)
-        probe.update(torch.zeros((n_probe, *feature_shape), dtype=torch.float64), 0)
+        probe.update(torch.zeros((n_probe, *feature_shape), dtype=dtype or torch.float64), 0)
     except (ActivationScopeError, RuntimeError, ValueError, TypeError):
         return False
     want = probe.state()
     if set(want) != set(state):
         return False
     for key, t in want.items():
-        if tuple(state[key].shape) != tuple(t.shape) or state[key].dtype != t.dtype:
+        if tuple(state[key].shape) != tuple(t.shape) or state[key].dtype not in _state_dtypes(kind, key, t.dtype, dtype is not None):
             return False
     per_row = 1 if options.get("per_feature", 1) else math.prod(feature_shape)
     if int(state["count"]) != n_rows * per_row:
@@ -2870,8 +2886,11 @@ class StoreWriter:
         if script is _NOT_CUSTOM:
             array = self._old_arrays.get(self.aliases.get(hook_point, hook_point)) or {}
             feature_shape = array.get("feature_shape")
+            # (of integer rows, a float64 min / max / topk state, as an older version wrote, is
+            # not exact beyond 2**53: recomputed from the rows, in int64)
+            dtype = F.torch_dtype(array["dtype"]) if array.get("dtype") in F.SUPPORTED_DTYPES else None
             if not isinstance(feature_shape, list) or not _builtin_state_fits(
-                    kind, owner.get("options") or {}, state, int(owner["n_rows"]), tuple(feature_shape)):
+                    kind, owner.get("options") or {}, state, int(owner["n_rows"]), tuple(feature_shape), dtype):
                 return None  # a state no such reduction can have after those rows: recomputed from them
         return state, int(owner["n_rows"])
 

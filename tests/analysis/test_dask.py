@@ -152,6 +152,24 @@ def test_moments_and_pca_equal_store_and_float64_reference(tmp_path):
 
 
 
+@pytest.mark.parametrize("value", [0.1, 0.7, 1 / 3])
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # inf - inf: numpy says so
+def test_moments_of_a_constant_column_are_its_value_and_zero(value):
+    """sum / n rounds (three rows of 0.1 sum to 0.30000000000000004): a constant column's
+    mean is still its value and its variance exactly 0, as torch.var and the built-in var
+    reduction give; NaN and inf columns stay NaN and inf."""
+    rows = np.full((7, 4), value)
+    rows[:, 1] = np.arange(7)
+    rows[3, 2] = np.nan
+    rows[:, 3] = np.inf
+    m = moments(da.from_array(rows, chunks=(3, 4)))
+    want = torch.from_numpy(rows).var(0, correction=0).numpy()
+    assert m["mean"][0] == value and m["var"][0] == 0.0 == want[0]
+    np.testing.assert_allclose(m["var"][1], want[1], rtol=1e-12)
+    assert np.isnan(m["mean"][2]) and np.isnan(m["var"][2]) and np.isnan(want[2])
+    assert m["mean"][3] == np.inf and np.isnan(m["var"][3]) and np.isnan(want[3])
+
+
 def test_pca_leaves_out_rows_with_nan_or_inf(tmp_path):
     # a model whose output overflows float32 for one sample per forward: inf (and NaN) rows
     model = torch.nn.Linear(5, 5).eval()

@@ -1366,3 +1366,41 @@ def test_a_rank_store_left_by_a_stopped_commit_names_consolidate(tmp_path, opts)
     assert _tree(store) == before
     commit_ranks(store)  # what the message says: the rank stores go, the rows stay
     assert not (store / "ranks").exists() and acs.open_store(store).n_rows("0.output") == 36
+
+
+@pytest.mark.parametrize("per_feature", [1, 0])
+def test_committed_topk_row_ids_point_at_the_committed_rows(tmp_path, per_feature):
+    """Each rank's top-k row ids count its own rows; committed, they must be rows of the
+    committed store, whose order is the full shards of every rank, then every rank's tail
+    (18 rows a rank in shards of 8: rows 8..15 of rank 1 are committed rows 16..23, its
+    rows 16..17 rows 34..35), with ties to the lower committed row."""
+    from activationscope.store.ranks import commit_ranks
+
+    store = tmp_path / "rk.zarr"
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())  # ReLU: ties at 0
+    xs = [torch.randn(6, 8) for _ in range(6)]
+    specs = [("top", "topk", {"k": 5, "per_feature": per_feature})]
+    for task in (0, 1):
+        opts = {"shard_rows": 8, "chunk_rows": 4, "process_group": acs.RankStore(task, 2)}
+        with acs.ActivationScope(store=str(store), store_options=opts, reductions=specs).track(model), \
+                torch.no_grad():
+            for x in xs[task * 3:(task + 1) * 3]:
+                model(x)
+    commit_ranks(store)
+    s = acs.open_store(store)
+    rows = s["0.output"].double()
+    r = s.reductions["0.output"]
+    ids = r["top.row_ids"]
+    if per_feature:
+        picked = rows[ids, torch.arange(8)]
+        want = rows.topk(5, 0).values
+    else:
+        picked = rows[ids, r["top.feature_ids"]]
+        want = rows.reshape(-1).topk(5).values
+    assert torch.equal(picked, r["top.values"]) and torch.equal(r["top.values"], want)
+    from activationscope.reductions import make_reduction
+
+    ref = make_reduction("topk", k=5, per_feature=per_feature)
+    ref.update(rows, 0)
+    assert torch.equal(ref.result()["row_ids"], ids)  # the rows one process keeps over the committed rows
