@@ -548,6 +548,14 @@ def _positive_int(value: Any, what: str, allow_none: bool = True) -> int | None:
     return value
 
 
+def _flag(value: Any, what: str) -> bool:
+    """A True / False option (``overwrite``, ``resume``, ``fsync``): anything else is refused, as
+    ``overwrite="False"`` from a config file is a true string that would replace the store."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ArgumentTypeError(f"{what} must be True or False, got {value!r}; pass a bool")
+    return bool(value)
+
+
 def _check_id_values(ids: Any) -> None:
     """Refuse a sample id of None: a sample without an id, which the row table stores as null,
     no ``sample_ids=`` selection names, and pooling per sample (:func:`.analysis.pooling.labelled_rows`)
@@ -845,6 +853,8 @@ class StoreWriter:
         ArgumentValueError, ArgumentTypeError
             The option and the values it takes.
         """
+        overwrite, resume = _flag(overwrite, "overwrite"), _flag(resume, "resume")
+        _flag(fsync, "fsync")
         if overwrite and resume:
             raise ArgumentValueError("overwrite=True and resume=True exclude each other; pick one")
         compression = F.parse_compression(compression)
@@ -888,7 +898,7 @@ class StoreWriter:
         # ---- validate everything before the first byte is written
         opts = StoreWriter.check_options(
             overwrite=overwrite, resume=resume, compression=compression, chunk_rows=chunk_rows,
-            shard_bytes=shard_bytes, shard_rows=shard_rows, commit_interval=commit_interval,
+            shard_bytes=shard_bytes, shard_rows=shard_rows, fsync=fsync, commit_interval=commit_interval,
             max_pending_bytes=max_pending_bytes, provenance=provenance, storage_options=storage_options)
         self._compression, self._chunk_rows = opts["compression"], opts["chunk_rows"]
         self._shard_bytes, self._shard_rows = opts["shard_bytes"], opts["shard_rows"]
