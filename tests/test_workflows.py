@@ -435,3 +435,38 @@ def test_same_samples_takes_the_ids_as_they_were_at_the_forward(tmp_path):
         tracker.set_batch(sample_ids=ids)
         model(torch.randn(2, 8))
     assert acs.open_store(path).row_table().column("sample_id").to_pylist() == [4, 5, 4, 5, 6, 7]
+
+
+@pytest.mark.parametrize("policy", [{}, {"capture_policy": acs.CapturePolicy.SAMPLE_N, "sample_every": 2}])
+def test_same_samples_forwards_do_not_advance_the_running_counter(tmp_path, policy):
+    # counted ids are the samples' places in the data: the generation steps of prompts 0..2
+    # (captured or skipped) feed no new sample, so the next prompts are 3..5, not 9..11
+    model = _mlp().eval()
+    path = tmp_path / "counter.zarr"
+    with torch.no_grad(), acs.ActivationScope(store=path, **policy).track(model, include=["0"]) as tracker:
+        for _ in range(2):                     # two "prompt batches" of 3, each with 3 steps
+            tracker.set_batch()
+            model(torch.randn(3, 8))
+            for _ in range(3):
+                tracker.set_batch(same_samples=True)
+                model(torch.randn(3, 8))
+    ids = acs.open_store(path).row_table("sample").column("sample_id").to_pylist()
+    # every forward stored: 8 forwards of 3; SAMPLE_N: forwards 0, 2, 4, 6 (prompt, step 2, prompt, step 2)
+    assert ids == ([0, 1, 2] * 4 + [3, 4, 5] * 4 if not policy else [0, 1, 2] * 2 + [3, 4, 5] * 2)
+
+
+def test_same_samples_then_counted_ids_in_a_memory_store_continue_the_data_counter():
+    # the counted ids same_samples continues: after the steps, a new batch's
+    # forward and a same_samples step of it take its own ids
+    model = _mlp().eval()
+    path = "memory://counter_same_samples"
+    with torch.no_grad(), acs.ActivationScope(store=path, store_options={"overwrite": True}).track(
+            model, include=["0"]) as tracker:
+        model(torch.randn(2, 8))
+        tracker.set_batch(same_samples=True)
+        model(torch.randn(2, 8))
+        tracker.set_batch()
+        model(torch.randn(2, 8))
+        tracker.set_batch(same_samples=True)
+        model(torch.randn(2, 8))
+    assert acs.open_store(path).row_table("sample").column("sample_id").to_pylist() == [0, 1, 0, 1, 2, 3, 2, 3]

@@ -698,6 +698,9 @@ class Tracker:
         # samples of the forwards a CapturePolicy skipped (SAMPLE_N): the default sample ids
         # count them, so that a stored sample's id is its place in the data the model was fed
         self._skipped_samples = 0
+        # samples of captured forwards described with same_samples=True (generation steps of
+        # samples already fed): the default sample ids do not count them
+        self._repeated_samples = 0
         self._open_forward: int | None = None  # index of a root forward that started and has not ended
         self._n_raised = 0  # captured forwards that raised, the exception caught inside the block
         self._stop_learnt = False  # stop_after_last: the stop point was known when this forward started
@@ -1751,6 +1754,11 @@ class Tracker:
                 stacklevel=2,
             )
 
+    def _next_counted_id(self) -> int:
+        """The id the running counter gives the next sample: the samples fed before it (those a
+        policy skipped too, not the forwards that described the same samples again)."""
+        return self._n_samples + self._skipped_samples - self._repeated_samples
+
     def _on_forward_end(self) -> None:
         self._open_forward = None
         self._stop_watching()
@@ -1760,7 +1768,9 @@ class Tracker:
         if self._core.outside_calls and not self._warned_outside:
             self._warn_outside_calls()
         if not self._core.capturing:
-            if self._core.n_forwards > 0:  # (a forward the policy skipped: its samples still count)
+            # (a forward the policy skipped: its samples still count, unless they are the last
+            # captured forward's again, same_samples=True)
+            if self._core.n_forwards > 0 and not (self._batch or {}).get("same_samples"):
                 self._skipped_samples += _batch_size(self._batch or {}, self._core.batch_size)
             return
         if not self._first_checked and self._stored is not None:
@@ -1798,10 +1808,11 @@ class Tracker:
             self._warn_token_rows_unused()
         if self.writer is not None:
             ids = batch.get("sample_ids")  # None: the writer numbers the samples on from its last
-            if ids is None and self._skipped_samples:
-                # the running counter counts the skipped forwards' samples too (SAMPLE_N): the
+            if ids is None and (self._skipped_samples or self._repeated_samples):
+                # the running counter counts the skipped forwards' samples too (SAMPLE_N), and not
+                # the same_samples=True forwards' (stored rows of samples counted before): the
                 # samples of data rows 32..47 are ids 32..47, whatever forwards were stored
-                start = self._n_samples + self._skipped_samples
+                start = self._next_counted_id()
                 ids = torch.arange(start, start + n, dtype=torch.int64)
             mask = batch.get("attention_mask")
             if mask is None and self.scope.rows == "token":
@@ -1822,7 +1833,9 @@ class Tracker:
                 self._warn_row_table_lost(lost)
             self.writer.maybe_commit()
         else:
-            self._last_ids = (_copy_ids(batch.get("sample_ids")), self._n_samples + self._skipped_samples, n)
+            self._last_ids = (_copy_ids(batch.get("sample_ids")), self._next_counted_id(), n)
+        if batch.get("same_samples"):
+            self._repeated_samples += n
         self._n_samples += n
         # (REFERENCE records changed in place are looked for when the records are read and at
         # the end of the `with` block, not here: a check here reads every new record's version
