@@ -294,6 +294,34 @@ def test_a_head_first_map_whose_heads_equal_pos_is_warned_about(tmp_path, heads,
     assert torch.equal(store["drop.output"], torch.cat([want, want]))
 
 
+def test_a_head_first_map_under_rows_token_without_a_mask_is_warned_about_by_its_input_pos(tmp_path):
+    """rows="token" takes (batch, pos) from the model's first input: the warning says so, not
+    that a mask (there is none) fixed pos, and token_rows=False keeps the map whole."""
+    import warnings as _w
+
+    from activationscope import ActivationScope, CaptureWarning, open_store
+
+    torch.manual_seed(0)
+    m = _HeadFirst(4).eval()
+    x = torch.randn(2, 4, 8)
+    for token_rows, kind in ((None, "token"), ({"drop.output": False}, "sample")):
+        opts = {} if token_rows is None else {"token_rows": token_rows}
+        with _w.catch_warnings(record=True) as rec:
+            _w.simplefilter("always")
+            with torch.no_grad(), ActivationScope(store=str(tmp_path / "s.zarr"), rows="token",
+                                                  store_options={"overwrite": True}, **opts).track(m):
+                m(x)
+        msgs = [str(r.message) for r in rec if issubclass(r.category, CaptureWarning) and "head-first" in str(r.message)]
+        assert len(msgs) == (token_rows is None)
+        if msgs:
+            assert "of the model's first input" in msgs[0] and "(2, 4, 4, 4)" in msgs[0]
+        store = open_store(str(tmp_path / "s.zarr"))
+        with torch.no_grad():
+            attn = m.drop(torch.softmax(torch.arange(2 * 4 * 16, dtype=torch.float32).reshape(2, 4, 4, 4) / 100, -1))
+        assert store.row_kind("drop.output") == kind
+        assert torch.equal(store["drop.output"], attn.reshape(8, 4, 4) if kind == "token" else attn)
+
+
 def _store_files(path):
     """Every file of the store (the writer lock aside) with its bytes."""
     return {str(f.relative_to(path)): f.read_bytes() for f in sorted(path.rglob("*"))

@@ -57,8 +57,9 @@ def _warn_head_first_token_rows(name: str, shape: tuple[int, ...], stacklevel: i
     only happens to equal pos has that shape too, and would be stored as rows of (sample,
     head) pairs picked by the mask."""
     warnings.warn(
-        f"hook point {name!r} has shape {shape}: its second dimension equals the attention mask's pos, and "
-        "so does its third. It is stored as one row per real token of shape "
+        f"hook point {name!r} has shape {shape}: its second dimension equals pos (of the attention mask, or "
+        "under rows='token' without one, of the model's first input), and so does its third. It is stored as "
+        "one row per real token of shape "
         f"{shape[2:]}. If it is head-first, (batch, heads, pos, ...) like an attention map whose number "
         f"of heads only happens to equal pos, pass token_rows={{{name!r}: False}} (one row per sample); "
         f"token_rows={{{name!r}: True}} confirms token rows",
