@@ -404,6 +404,54 @@ def test_generate_with_a_mask_per_step_stores_the_prompt_tokens_and_every_new_to
     assert samples.column("label").to_pylist() == [0, 1, 0] * 5
 
 
+@pytest.mark.parametrize("generate_kwargs", [{"num_beams": 2}, {"num_return_sequences": 2, "do_sample": True}],
+                         ids=["beams", "return_sequences"])
+def test_generate_with_two_rows_per_prompt_is_refused_for_one_row_each_and_stored_for_repeated_ones(
+        tmp_path, generate_kwargs):
+    """generate() with num_beams= or num_return_sequences= runs batch * k rows from the prompt on:
+    a description of the prompts is refused (saying so), never stored under other samples' ids;
+    one of every row (its own id, the prompt's as a column) stores every row as plain hooks see it."""
+    model, ids, mask = _gpt2()
+    kwargs = {"max_new_tokens": 3, **generate_kwargs}
+
+    def gen():
+        torch.manual_seed(1)
+        with torch.no_grad():
+            return model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+
+    path = tmp_path / "gen.zarr"
+    with pytest.raises(ArgumentValueError, match=r"describes 3 samples, but the forward's batch has 6") as info:
+        with acs.ActivationScope(store=path).track(model, include=["transformer.h.?"]) as tracker:
+            tracker.set_batch(attention_mask=mask, sample_ids=[10, 11, 12])
+            gen()
+    assert "2 times the samples described" in str(info.value) and "prompt=ids.repeat_interleave(k)" in str(info.value)
+    assert not path.exists()
+
+    expected, out = _hooked(model, gen, names=BLOCKS)
+    prompt = torch.tensor([10, 11, 12]).repeat_interleave(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", acs.CaptureWarning)
+        with acs.ActivationScope(store=path).track(model, include=["transformer.h.?"]) as tracker:
+            tracker.set_batch(attention_mask=mask.repeat_interleave(2, 0), sample_ids=range(6), prompt=prompt)
+            handle = _describe_each_step(model, tracker, prompt=prompt)
+            try:
+                got = gen()
+            finally:
+                handle.remove()
+    assert torch.equal(got, out)
+    store = acs.open_store(path)
+    for block, refs in _by_block(expected).items():
+        (name,) = [h for h in store.hook_points if h.startswith(block + ".output")]
+        assert [tuple(r.shape) for r in refs] == [(6, 4, 16), (6, 1, 16), (6, 1, 16)]
+        rows = torch.cat([refs[0][mask.repeat_interleave(2, 0).bool()]] + [r[:, 0] for r in refs[1:]])
+        assert torch.equal(store[name], rows)
+    table = store.row_table("sample")
+    assert table.column("sample_id").to_pylist() == list(range(6)) * 3
+    assert table.column("prompt").to_pylist() == [10, 10, 11, 11, 12, 12] * 3
+    assert store.row_table("token").column("sample_id").to_pylist() == [0, 0, 1, 1] + [2] * 4 + [3] * 4 + [4] * 4 \
+        + [5] * 4 + list(range(6)) * 2
+
+
 def test_same_samples_needs_a_captured_forward_before_it_and_takes_no_ids():
     model = _mlp().eval()
     with acs.ActivationScope().track(model, include=["0"]) as tracker:

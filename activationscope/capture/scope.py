@@ -1858,6 +1858,11 @@ class Tracker:
                 "dimension of its first input; its second dimension, the batch of a sequence-first input, is "
                 f"{'absent' if int(self._core.second_dim) < 0 else int(self._core.second_dim)}); call set_batch "
                 "with one entry per sample before each forward"
+                + (f" (the batch is {actual // n} times the samples described: generate() with num_beams= or "
+                   "num_return_sequences= runs that many rows per prompt, each prompt's rows next to each other; "
+                   "describe every row: attention_mask=mask.repeat_interleave(k, 0), sample ids of its own for "
+                   "each row and the prompt's as a column, e.g. prompt=ids.repeat_interleave(k))"
+                   if n > 0 and actual > n and actual % n == 0 else "")
             )
 
     def _warn_row_table_lost(self, lost: Mapping[str, tuple[int, int]]) -> None:
