@@ -322,6 +322,48 @@ def test_a_head_first_map_under_rows_token_without_a_mask_is_warned_about_by_its
         assert torch.equal(store["drop.output"], attn.reshape(8, 4, 4) if kind == "token" else attn)
 
 
+def test_head_first_maps_of_several_layers_are_warned_about_in_one_warning(tmp_path):
+    """A model returning the attention map of every layer (output_attentions=True) has several
+    such hook points: one warning names them all, with the token_rows= that keeps each whole,
+    and that token_rows= stores every map as one row per sample, no warning left."""
+    import warnings as _w
+
+    from activationscope import ActivationScope, CaptureWarning, open_store
+
+    class TwoLayers(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = _HeadFirst(4), _HeadFirst(4)
+
+        def forward(self, x):
+            return self.b(self.a(x).mean(1))
+
+    torch.manual_seed(0)
+    m = TwoLayers().eval()
+    x = torch.randn(2, 4, 8)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    for token_rows in (None, {"a.drop.output": False, "b.drop.output": False}):
+        opts = {} if token_rows is None else {"token_rows": token_rows}
+        with _w.catch_warnings(record=True) as rec:
+            _w.simplefilter("always")
+            with torch.no_grad(), ActivationScope(store=str(tmp_path / "s.zarr"), store_options={"overwrite": True},
+                                                  **opts).track(m, include=["a.drop", "b.drop"]) as tr:
+                for _ in range(2):
+                    tr.set_batch(attention_mask=mask)
+                    m(x)
+        msgs = [str(r.message) for r in rec if issubclass(r.category, CaptureWarning) and "head-first" in str(r.message)]
+        store = open_store(str(tmp_path / "s.zarr"))
+        if token_rows is None:
+            assert len(msgs) == 1
+            assert "'a.drop.output' (2, 4, 4, 4)" in msgs[0] and "'b.drop.output' (2, 4, 4, 4)" in msgs[0]
+            assert "token_rows={'a.drop.output': False, 'b.drop.output': False}" in msgs[0]
+            assert store.row_kind("a.drop.output") == store.row_kind("b.drop.output") == "token"
+        else:
+            assert msgs == []
+            assert store.row_kind("a.drop.output") == store.row_kind("b.drop.output") == "sample"
+            assert store["a.drop.output"].shape == (4, 4, 4, 4)
+
+
 def _store_files(path):
     """Every file of the store (the writer lock aside) with its bytes."""
     return {str(f.relative_to(path)): f.read_bytes() for f in sorted(path.rglob("*"))

@@ -51,18 +51,20 @@ def _warn_2d_token_rows(name: str, shape: tuple[int, ...], stacklevel: int) -> N
     )
 
 
-def _warn_head_first_token_rows(name: str, shape: tuple[int, ...], stacklevel: int) -> None:
-    """The CaptureWarning for a hook point of shape ``(batch, pos, pos, ...)``, taken as token
-    rows: an attention map or per-head tensor ``(batch, heads, pos, ...)`` whose number of heads
-    only happens to equal pos has that shape too, and would be stored as rows of (sample,
-    head) pairs picked by the mask."""
+def _warn_head_first_token_rows(found: Mapping[str, tuple[int, ...]], stacklevel: int) -> None:
+    """One CaptureWarning for the hook points of shape ``(batch, pos, pos, ...)`` first captured
+    in a forward, taken as token rows: an attention map or per-head tensor ``(batch, heads, pos,
+    ...)`` whose number of heads only happens to equal pos has that shape too, and would be
+    stored as rows of (sample, head) pairs picked by the mask. (One warning, not one per hook
+    point: a model returning its attention maps has several per layer.)"""
+    listed = "; ".join(f"{name!r} {shape}, rows of {shape[2:]}" for name, shape in found.items())
+    sample = ", ".join(f"{name!r}: False" for name in found)
     warnings.warn(
-        f"hook point {name!r} has shape {shape}: its second dimension equals pos (of the attention mask, or "
-        "under rows='token' without one, of the model's first input), and so does its third. It is stored as "
-        "one row per real token of shape "
-        f"{shape[2:]}. If it is head-first, (batch, heads, pos, ...) like an attention map whose number "
-        f"of heads only happens to equal pos, pass token_rows={{{name!r}: False}} (one row per sample); "
-        f"token_rows={{{name!r}: True}} confirms token rows",
+        f"hook point{'s' if len(found) > 1 else ''} {listed}: the second dimension equals pos (of the attention "
+        "mask, or under rows='token' without one, of the model's first input), and so does the third, so each "
+        "is stored as one row per real token. If it is head-first, (batch, heads, pos, ...) like an attention "
+        f"map whose number of heads only happens to equal pos, pass token_rows={{{sample}}} (one row per "
+        "sample; fnmatch patterns work too); True instead of False confirms token rows",
         CaptureWarning,
         stacklevel=stacklevel + 1,
     )
@@ -727,6 +729,8 @@ class Tracker:
         # 2-D hook points taken as token rows by their shape while the mask had no padding:
         # warned about at the first later mask that has padding (_warn_2d_token_rows)
         self._unwarned_2d_token: dict[str, tuple[int, ...]] = {}
+        # hook points of shape (batch, pos, pos, ...) taken as token rows in this forward, not yet warned about
+        self._head_first_found: dict[str, tuple[int, ...]] = {}
         self._sample_rows_chosen = False
         self._warned_mask = False
         # store arrays already named in a warning for leaving the row table (first captured
@@ -1027,6 +1031,7 @@ class Tracker:
 
     def _detach(self) -> int:
         left = self._wait_other_threads()
+        self._warn_head_first_found()  # (a forward that raised: its hook points were captured)
         self._core.active = False
         self._remove_hook_probes()
         self._uninstall_all()
@@ -1403,7 +1408,7 @@ class Tracker:
             # (batch, pos, pos, ...): token rows of (pos, ...), or a head-first (batch, heads, pos,
             # ...) tensor with as many heads as positions (an attention map of 12 heads over 12
             # tokens), whose rows would be (sample, head) pairs. Only the user knows: say so.
-            _warn_head_first_token_rows(name, tuple(tensor.shape), stacklevel=2)
+            self._head_first_found[name] = tuple(tensor.shape)  # warned at the forward's end, all at once
         keep = _KEEP_CODE[scope.reduction_policy]
         if not self._in_memory:
             keep = 2
@@ -1657,7 +1662,13 @@ class Tracker:
                     red.update(rows, row)
                 row = stop
 
+    def _warn_head_first_found(self) -> None:
+        if self._head_first_found:
+            found, self._head_first_found = self._head_first_found, {}
+            _warn_head_first_token_rows(found, stacklevel=3)
+
     def _on_forward_start(self) -> None:
+        self._warn_head_first_found()  # (after a forward that raised)
         self._stop_learnt = self.stop_after_last and self._core.stop_learnt
         self._stop_watching()  # after a forward that raised
         if self._open_forward is not None:
@@ -1761,6 +1772,7 @@ class Tracker:
         return self._n_samples + self._skipped_samples - self._repeated_samples
 
     def _on_forward_end(self) -> None:
+        self._warn_head_first_found()
         self._open_forward = None
         self._stop_watching()
         if self._hook_probes:
