@@ -1267,7 +1267,8 @@ class Tracker:
             The next forward continues the samples of the last captured forward (a generation
             step with a key-value cache, described with its own ``attention_mask``): it takes
             that forward's sample ids (given or counted), which are not warned about as
-            repeats. Columns are not carried over: give them again.
+            repeats, and the running counter does not count its samples again. Columns are
+            not carried over: give them again.
         **columns
             Per-sample user columns for the row table (labels, text, ...), each of length
             ``batch``; token columns (e.g. ``token_ids``) of shape (batch, pos) are taken
