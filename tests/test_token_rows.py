@@ -364,6 +364,44 @@ def test_head_first_maps_of_several_layers_are_warned_about_in_one_warning(tmp_p
             assert store["a.drop.output"].shape == (4, 4, 4, 4)
 
 
+@pytest.mark.parametrize("reductions, warned", [(None, False), (["mean"], True)])
+def test_ambiguous_token_rows_are_warned_about_only_where_rows_are_taken(reductions, warned):
+    """In memory, records are whole tensors whatever the row rule says: a head-first map or a
+    (batch, pos) output is warned about only when reductions take its rows (or a store does)."""
+    import warnings as _w
+
+    from activationscope import ActivationScope, CaptureWarning
+
+    class Both(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = _HeadFirst(4)
+            self.score = torch.nn.Sequential(torch.nn.Linear(8, 1), torch.nn.Flatten(1))  # (batch, pos)
+
+        def forward(self, x):
+            return self.score(self.attn(x).mean(1))
+
+    torch.manual_seed(0)
+    m = Both().eval()
+    x = torch.randn(2, 4, 8)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    opts = {} if reductions is None else {"reductions": reductions}
+    with _w.catch_warnings(record=True) as rec:
+        _w.simplefilter("always")
+        with torch.no_grad(), ActivationScope(**opts).track(m, include=["attn.drop", "score.1"]) as tr:
+            tr.set_batch(attention_mask=mask)
+            out = m(x)
+    msgs = [str(r.message) for r in rec if issubclass(r.category, CaptureWarning)]
+    assert sum("head-first" in msg for msg in msgs) == warned
+    assert sum("'score.1.output'" in msg for msg in msgs) == warned  # (batch, pos): a per-token scalar?
+    with torch.no_grad():
+        attn = m.attn.drop(torch.softmax(torch.arange(2 * 4 * 16, dtype=torch.float32).reshape(2, 4, 4, 4) / 100, -1))
+    assert torch.equal(tr.activations["attn.drop.output"][0], attn)  # whole, either way
+    if reductions:
+        torch.testing.assert_close(tr.reductions["attn.drop.output"]["mean"].double(),
+                                   attn[mask.bool()].double().mean(0), rtol=1e-6, atol=1e-6)
+
+
 def _store_files(path):
     """Every file of the store (the writer lock aside) with its bytes."""
     return {str(f.relative_to(path)): f.read_bytes() for f in sorted(path.rglob("*"))

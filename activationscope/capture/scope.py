@@ -1396,20 +1396,19 @@ class Tracker:
         if decided is False:
             self._sample_rows_chosen = True
             token = False
-        elif token and decided is None and tensor.dim() == 2:
+        # a shape that could be token rows or not, taken as token rows (warned about below, where
+        # rows matter: a store or reductions; in-memory records are whole tensors either way)
+        ambiguous = None
+        if decided is None and token and tensor.dim() == 2:
             # (batch, pos) values with padding: one scalar per real token, the padded columns
             # dropped. Right for per-token scalars (token ids, a per-token score); wrong for a
-            # pooled (batch, features) output whose width happens to equal pos. Say so, now
-            # or at the first later mask with padding (set_batch).
-            if bool(mask.bool().all()):
-                self._unwarned_2d_token[name] = tuple(tensor.shape)
-            else:
-                _warn_2d_token_rows(name, tuple(tensor.shape), stacklevel=2)
-        elif token and decided is None and tensor.dim() >= 4 and tensor.shape[2] == tensor.shape[1]:
+            # pooled (batch, features) output whose width happens to equal pos.
+            ambiguous = "2d"
+        elif decided is None and token and tensor.dim() >= 4 and tensor.shape[2] == tensor.shape[1]:
             # (batch, pos, pos, ...): token rows of (pos, ...), or a head-first (batch, heads, pos,
             # ...) tensor with as many heads as positions (an attention map of 12 heads over 12
-            # tokens), whose rows would be (sample, head) pairs. Only the user knows: say so.
-            self._head_first_found[name] = tuple(tensor.shape)  # warned at the forward's end, all at once
+            # tokens), whose rows would be (sample, head) pairs. Only the user knows.
+            ambiguous = "head-first"
         keep = _KEEP_CODE[scope.reduction_policy]
         if not self._in_memory:
             keep = 2
@@ -1439,6 +1438,13 @@ class Tracker:
                 objects.append(reduction)  # keeps Python subclasses (eager reductions) alive
             self._reduction_names[name] = names
             self._reduction_objects[name] = objects
+        if ambiguous is not None and (self.writer is not None or self._reduction_names.get(name)):
+            if ambiguous == "head-first":
+                self._head_first_found[name] = tuple(tensor.shape)  # warned at the forward's end, all at once
+            elif bool(mask.bool().all()):
+                self._unwarned_2d_token[name] = tuple(tensor.shape)  # warned at the first mask with padding
+            else:
+                _warn_2d_token_rows(name, tuple(tensor.shape), stacklevel=2)
         target = self._alias_target(name, tensor, 1 if token else 0)
         if target is not None:
             # the same tensor as an earlier hook point of this forward: kept and stored once (in
