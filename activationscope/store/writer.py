@@ -548,14 +548,6 @@ def _positive_int(value: Any, what: str, allow_none: bool = True) -> int | None:
     return value
 
 
-def _flag(value: Any, what: str) -> bool:
-    """A True / False option (``overwrite``, ``resume``, ``fsync``): anything else is refused, as
-    ``overwrite="False"`` from a config file is a true string that would replace the store."""
-    if not isinstance(value, (bool, np.bool_)):
-        raise ArgumentTypeError(f"{what} must be True or False, got {value!r}; pass a bool")
-    return bool(value)
-
-
 def _check_id_values(ids: Any) -> None:
     """Refuse a sample id of None: a sample without an id, which the row table stores as null,
     no ``sample_ids=`` selection names, and pooling per sample (:func:`.analysis.pooling.labelled_rows`)
@@ -853,8 +845,8 @@ class StoreWriter:
         ArgumentValueError, ArgumentTypeError
             The option and the values it takes.
         """
-        overwrite, resume = _flag(overwrite, "overwrite"), _flag(resume, "resume")
-        _flag(fsync, "fsync")
+        overwrite, resume = F.parse_flag(overwrite, "overwrite"), F.parse_flag(resume, "resume")
+        F.parse_flag(fsync, "fsync")
         if overwrite and resume:
             raise ArgumentValueError("overwrite=True and resume=True exclude each other; pick one")
         compression = F.parse_compression(compression)
