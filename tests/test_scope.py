@@ -19,6 +19,7 @@ import torch.utils.checkpoint
 
 import activationscope as acs
 from activationscope import CaptureMode, CapturePolicy, ReductionPolicy, StoragePolicy
+from activationscope.errors import ArgumentTypeError
 
 from acs_testing import BracketNames, SmallCNN, toy_mlp
 
@@ -1342,6 +1343,29 @@ def test_bad_store_options_and_storage_dtype_are_named(tmp_path):
     acs.ActivationScope(store=str(tmp_path / "s.zarr"), store_options={"compression": "zstd:5", "chunk_rows": 4})
     with pytest.raises(ValueError, match="storage_dtype must be a floating-point dtype.*torch.int8"):
         acs.ActivationScope(storage_dtype=torch.int8)
+
+
+@pytest.mark.parametrize("options", [{"overwrite": "False"}, {"overwrite": 1}, {"overwrite": None},
+                                     {"resume": "no"}, {"resume": 0.0}, {"fsync": "no"}, {"fsync": None}])
+def test_store_option_flags_must_be_bools(tmp_path, options):
+    # overwrite="False" (from a config file or an environment variable) is a true string: taken
+    # as a flag it would replace the store. Refused when the scope is made, naming the option
+    (name, value), = options.items()
+    with pytest.raises(ArgumentTypeError, match=rf"{name} must be True or False, got {re.escape(repr(value))}"):
+        acs.ActivationScope(store=str(tmp_path / "s.zarr"), store_options=options)
+    with pytest.raises(ArgumentTypeError, match=rf"{name} must be True or False"):
+        acs.store.StoreWriter(str(tmp_path / "s.zarr"), **options)
+    assert not (tmp_path / "s.zarr").exists()
+
+
+@pytest.mark.parametrize("group", ["gloo", 3, True])
+def test_store_option_process_group_is_checked_when_the_scope_is_made(tmp_path, group):
+    with pytest.raises(ArgumentTypeError, match=r"process_group must be None, False, a torch.distributed "
+                                                    rf"process group or an acs.RankStore, got {re.escape(repr(group))}"):
+        acs.ActivationScope(store=str(tmp_path / "s.zarr"), store_options={"process_group": group})
+    assert not (tmp_path / "s.zarr").exists()
+    for good in (None, False, acs.RankStore(0, 1)):
+        acs.ActivationScope(store=str(tmp_path / "s.zarr"), store_options={"process_group": good})
 
 
 class SeqFirst(torch.nn.Module):

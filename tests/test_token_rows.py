@@ -294,6 +294,114 @@ def test_a_head_first_map_whose_heads_equal_pos_is_warned_about(tmp_path, heads,
     assert torch.equal(store["drop.output"], torch.cat([want, want]))
 
 
+def test_a_head_first_map_under_rows_token_without_a_mask_is_warned_about_by_its_input_pos(tmp_path):
+    """rows="token" takes (batch, pos) from the model's first input: the warning says so, not
+    that a mask (there is none) fixed pos, and token_rows=False keeps the map whole."""
+    import warnings as _w
+
+    from activationscope import ActivationScope, CaptureWarning, open_store
+
+    torch.manual_seed(0)
+    m = _HeadFirst(4).eval()
+    x = torch.randn(2, 4, 8)
+    for token_rows, kind in ((None, "token"), ({"drop.output": False}, "sample")):
+        opts = {} if token_rows is None else {"token_rows": token_rows}
+        with _w.catch_warnings(record=True) as rec:
+            _w.simplefilter("always")
+            with torch.no_grad(), ActivationScope(store=str(tmp_path / "s.zarr"), rows="token",
+                                                  store_options={"overwrite": True}, **opts).track(m):
+                m(x)
+        msgs = [str(r.message) for r in rec if issubclass(r.category, CaptureWarning) and "head-first" in str(r.message)]
+        assert len(msgs) == (token_rows is None)
+        if msgs:
+            assert "of the model's first input" in msgs[0] and "(2, 4, 4, 4)" in msgs[0]
+        store = open_store(str(tmp_path / "s.zarr"))
+        with torch.no_grad():
+            attn = m.drop(torch.softmax(torch.arange(2 * 4 * 16, dtype=torch.float32).reshape(2, 4, 4, 4) / 100, -1))
+        assert store.row_kind("drop.output") == kind
+        assert torch.equal(store["drop.output"], attn.reshape(8, 4, 4) if kind == "token" else attn)
+
+
+def test_head_first_maps_of_several_layers_are_warned_about_in_one_warning(tmp_path):
+    """A model returning the attention map of every layer (output_attentions=True) has several
+    such hook points: one warning names them all, with the token_rows= that keeps each whole,
+    and that token_rows= stores every map as one row per sample, no warning left."""
+    import warnings as _w
+
+    from activationscope import ActivationScope, CaptureWarning, open_store
+
+    class TwoLayers(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = _HeadFirst(4), _HeadFirst(4)
+
+        def forward(self, x):
+            return self.b(self.a(x).mean(1))
+
+    torch.manual_seed(0)
+    m = TwoLayers().eval()
+    x = torch.randn(2, 4, 8)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    for token_rows in (None, {"a.drop.output": False, "b.drop.output": False}):
+        opts = {} if token_rows is None else {"token_rows": token_rows}
+        with _w.catch_warnings(record=True) as rec:
+            _w.simplefilter("always")
+            with torch.no_grad(), ActivationScope(store=str(tmp_path / "s.zarr"), store_options={"overwrite": True},
+                                                  **opts).track(m, include=["a.drop", "b.drop"]) as tr:
+                for _ in range(2):
+                    tr.set_batch(attention_mask=mask)
+                    m(x)
+        msgs = [str(r.message) for r in rec if issubclass(r.category, CaptureWarning) and "head-first" in str(r.message)]
+        store = open_store(str(tmp_path / "s.zarr"))
+        if token_rows is None:
+            assert len(msgs) == 1
+            assert "'a.drop.output' (2, 4, 4, 4)" in msgs[0] and "'b.drop.output' (2, 4, 4, 4)" in msgs[0]
+            assert "token_rows={'a.drop.output': False, 'b.drop.output': False}" in msgs[0]
+            assert store.row_kind("a.drop.output") == store.row_kind("b.drop.output") == "token"
+        else:
+            assert msgs == []
+            assert store.row_kind("a.drop.output") == store.row_kind("b.drop.output") == "sample"
+            assert store["a.drop.output"].shape == (4, 4, 4, 4)
+
+
+@pytest.mark.parametrize("reductions, warned", [(None, False), (["mean"], True)])
+def test_ambiguous_token_rows_are_warned_about_only_where_rows_are_taken(reductions, warned):
+    """In memory, records are whole tensors whatever the row rule says: a head-first map or a
+    (batch, pos) output is warned about only when reductions take its rows (or a store does)."""
+    import warnings as _w
+
+    from activationscope import ActivationScope, CaptureWarning
+
+    class Both(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = _HeadFirst(4)
+            self.score = torch.nn.Sequential(torch.nn.Linear(8, 1), torch.nn.Flatten(1))  # (batch, pos)
+
+        def forward(self, x):
+            return self.score(self.attn(x).mean(1))
+
+    torch.manual_seed(0)
+    m = Both().eval()
+    x = torch.randn(2, 4, 8)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    opts = {} if reductions is None else {"reductions": reductions}
+    with _w.catch_warnings(record=True) as rec:
+        _w.simplefilter("always")
+        with torch.no_grad(), ActivationScope(**opts).track(m, include=["attn.drop", "score.1"]) as tr:
+            tr.set_batch(attention_mask=mask)
+            out = m(x)
+    msgs = [str(r.message) for r in rec if issubclass(r.category, CaptureWarning)]
+    assert sum("head-first" in msg for msg in msgs) == warned
+    assert sum("'score.1.output'" in msg for msg in msgs) == warned  # (batch, pos): a per-token scalar?
+    with torch.no_grad():
+        attn = m.attn.drop(torch.softmax(torch.arange(2 * 4 * 16, dtype=torch.float32).reshape(2, 4, 4, 4) / 100, -1))
+    assert torch.equal(tr.activations["attn.drop.output"][0], attn)  # whole, either way
+    if reductions:
+        torch.testing.assert_close(tr.reductions["attn.drop.output"]["mean"].double(),
+                                   attn[mask.bool()].double().mean(0), rtol=1e-6, atol=1e-6)
+
+
 def _store_files(path):
     """Every file of the store (the writer lock aside) with its bytes."""
     return {str(f.relative_to(path)): f.read_bytes() for f in sorted(path.rglob("*"))

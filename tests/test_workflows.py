@@ -404,6 +404,54 @@ def test_generate_with_a_mask_per_step_stores_the_prompt_tokens_and_every_new_to
     assert samples.column("label").to_pylist() == [0, 1, 0] * 5
 
 
+@pytest.mark.parametrize("generate_kwargs", [{"num_beams": 2}, {"num_return_sequences": 2, "do_sample": True}],
+                         ids=["beams", "return_sequences"])
+def test_generate_with_two_rows_per_prompt_is_refused_for_one_row_each_and_stored_for_repeated_ones(
+        tmp_path, generate_kwargs):
+    """generate() with num_beams= or num_return_sequences= runs batch * k rows from the prompt on:
+    a description of the prompts is refused (saying so), never stored under other samples' ids;
+    one of every row (its own id, the prompt's as a column) stores every row as plain hooks see it."""
+    model, ids, mask = _gpt2()
+    kwargs = {"max_new_tokens": 3, **generate_kwargs}
+
+    def gen():
+        torch.manual_seed(1)
+        with torch.no_grad():
+            return model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+
+    path = tmp_path / "gen.zarr"
+    with pytest.raises(ArgumentValueError, match=r"describes 3 samples, but the forward's batch has 6") as info:
+        with acs.ActivationScope(store=path).track(model, include=["transformer.h.?"]) as tracker:
+            tracker.set_batch(attention_mask=mask, sample_ids=[10, 11, 12])
+            gen()
+    assert "2 times the samples described" in str(info.value) and "prompt=ids.repeat_interleave(k)" in str(info.value)
+    assert not path.exists()
+
+    expected, out = _hooked(model, gen, names=BLOCKS)
+    prompt = torch.tensor([10, 11, 12]).repeat_interleave(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", acs.CaptureWarning)
+        with acs.ActivationScope(store=path).track(model, include=["transformer.h.?"]) as tracker:
+            tracker.set_batch(attention_mask=mask.repeat_interleave(2, 0), sample_ids=range(6), prompt=prompt)
+            handle = _describe_each_step(model, tracker, prompt=prompt)
+            try:
+                got = gen()
+            finally:
+                handle.remove()
+    assert torch.equal(got, out)
+    store = acs.open_store(path)
+    for block, refs in _by_block(expected).items():
+        (name,) = [h for h in store.hook_points if h.startswith(block + ".output")]
+        assert [tuple(r.shape) for r in refs] == [(6, 4, 16), (6, 1, 16), (6, 1, 16)]
+        rows = torch.cat([refs[0][mask.repeat_interleave(2, 0).bool()]] + [r[:, 0] for r in refs[1:]])
+        assert torch.equal(store[name], rows)
+    table = store.row_table("sample")
+    assert table.column("sample_id").to_pylist() == list(range(6)) * 3
+    assert table.column("prompt").to_pylist() == [10, 10, 11, 11, 12, 12] * 3
+    assert store.row_table("token").column("sample_id").to_pylist() == [0, 0, 1, 1] + [2] * 4 + [3] * 4 + [4] * 4 \
+        + [5] * 4 + list(range(6)) * 2
+
+
 def test_same_samples_needs_a_captured_forward_before_it_and_takes_no_ids():
     model = _mlp().eval()
     with acs.ActivationScope().track(model, include=["0"]) as tracker:
@@ -435,3 +483,38 @@ def test_same_samples_takes_the_ids_as_they_were_at_the_forward(tmp_path):
         tracker.set_batch(sample_ids=ids)
         model(torch.randn(2, 8))
     assert acs.open_store(path).row_table().column("sample_id").to_pylist() == [4, 5, 4, 5, 6, 7]
+
+
+@pytest.mark.parametrize("policy", [{}, {"capture_policy": acs.CapturePolicy.SAMPLE_N, "sample_every": 2}])
+def test_same_samples_forwards_do_not_advance_the_running_counter(tmp_path, policy):
+    # counted ids are the samples' places in the data: the generation steps of prompts 0..2
+    # (captured or skipped) feed no new sample, so the next prompts are 3..5, not 9..11
+    model = _mlp().eval()
+    path = tmp_path / "counter.zarr"
+    with torch.no_grad(), acs.ActivationScope(store=path, **policy).track(model, include=["0"]) as tracker:
+        for _ in range(2):                     # two "prompt batches" of 3, each with 3 steps
+            tracker.set_batch()
+            model(torch.randn(3, 8))
+            for _ in range(3):
+                tracker.set_batch(same_samples=True)
+                model(torch.randn(3, 8))
+    ids = acs.open_store(path).row_table("sample").column("sample_id").to_pylist()
+    # every forward stored: 8 forwards of 3; SAMPLE_N: forwards 0, 2, 4, 6 (prompt, step 2, prompt, step 2)
+    assert ids == ([0, 1, 2] * 4 + [3, 4, 5] * 4 if not policy else [0, 1, 2] * 2 + [3, 4, 5] * 2)
+
+
+def test_same_samples_then_counted_ids_in_a_memory_store_continue_the_data_counter():
+    # the counted ids same_samples continues: after the steps, a new batch's
+    # forward and a same_samples step of it take its own ids
+    model = _mlp().eval()
+    path = "memory://counter_same_samples"
+    with torch.no_grad(), acs.ActivationScope(store=path, store_options={"overwrite": True}).track(
+            model, include=["0"]) as tracker:
+        model(torch.randn(2, 8))
+        tracker.set_batch(same_samples=True)
+        model(torch.randn(2, 8))
+        tracker.set_batch()
+        model(torch.randn(2, 8))
+        tracker.set_batch(same_samples=True)
+        model(torch.randn(2, 8))
+    assert acs.open_store(path).row_table("sample").column("sample_id").to_pylist() == [0, 1, 0, 1, 2, 3, 2, 3]

@@ -51,17 +51,20 @@ def _warn_2d_token_rows(name: str, shape: tuple[int, ...], stacklevel: int) -> N
     )
 
 
-def _warn_head_first_token_rows(name: str, shape: tuple[int, ...], stacklevel: int) -> None:
-    """The CaptureWarning for a hook point of shape ``(batch, pos, pos, ...)``, taken as token
-    rows: an attention map or per-head tensor ``(batch, heads, pos, ...)`` whose number of heads
-    only happens to equal pos has that shape too, and would be stored as rows of (sample,
-    head) pairs picked by the mask."""
+def _warn_head_first_token_rows(found: Mapping[str, tuple[int, ...]], stacklevel: int) -> None:
+    """One CaptureWarning for the hook points of shape ``(batch, pos, pos, ...)`` first captured
+    in a forward, taken as token rows: an attention map or per-head tensor ``(batch, heads, pos,
+    ...)`` whose number of heads only happens to equal pos has that shape too, and would be
+    stored as rows of (sample, head) pairs picked by the mask. (One warning, not one per hook
+    point: a model returning its attention maps has several per layer.)"""
+    listed = "; ".join(f"{name!r} {shape}, rows of {shape[2:]}" for name, shape in found.items())
+    sample = ", ".join(f"{name!r}: False" for name in found)
     warnings.warn(
-        f"hook point {name!r} has shape {shape}: its second dimension equals the attention mask's pos, and "
-        "so does its third. It is stored as one row per real token of shape "
-        f"{shape[2:]}. If it is head-first, (batch, heads, pos, ...) like an attention map whose number "
-        f"of heads only happens to equal pos, pass token_rows={{{name!r}: False}} (one row per sample); "
-        f"token_rows={{{name!r}: True}} confirms token rows",
+        f"hook point{'s' if len(found) > 1 else ''} {listed}: the second dimension equals pos (of the attention "
+        "mask, or under rows='token' without one, of the model's first input), and so does the third, so each "
+        "is stored as one row per real token. If it is head-first, (batch, heads, pos, ...) like an attention "
+        f"map whose number of heads only happens to equal pos, pass token_rows={{{sample}}} (one row per "
+        "sample; fnmatch patterns work too); True instead of False confirms token rows",
         CaptureWarning,
         stacklevel=stacklevel + 1,
     )
@@ -698,6 +701,9 @@ class Tracker:
         # samples of the forwards a CapturePolicy skipped (SAMPLE_N): the default sample ids
         # count them, so that a stored sample's id is its place in the data the model was fed
         self._skipped_samples = 0
+        # samples of captured forwards described with same_samples=True (generation steps of
+        # samples already fed): the default sample ids do not count them
+        self._repeated_samples = 0
         self._open_forward: int | None = None  # index of a root forward that started and has not ended
         self._n_raised = 0  # captured forwards that raised, the exception caught inside the block
         self._stop_learnt = False  # stop_after_last: the stop point was known when this forward started
@@ -723,6 +729,8 @@ class Tracker:
         # 2-D hook points taken as token rows by their shape while the mask had no padding:
         # warned about at the first later mask that has padding (_warn_2d_token_rows)
         self._unwarned_2d_token: dict[str, tuple[int, ...]] = {}
+        # hook points of shape (batch, pos, pos, ...) taken as token rows in this forward, not yet warned about
+        self._head_first_found: dict[str, tuple[int, ...]] = {}
         self._sample_rows_chosen = False
         self._warned_mask = False
         # store arrays already named in a warning for leaving the row table (first captured
@@ -1023,6 +1031,7 @@ class Tracker:
 
     def _detach(self) -> int:
         left = self._wait_other_threads()
+        self._warn_head_first_found()  # (a forward that raised: its hook points were captured)
         self._core.active = False
         self._remove_hook_probes()
         self._uninstall_all()
@@ -1258,7 +1267,8 @@ class Tracker:
             The next forward continues the samples of the last captured forward (a generation
             step with a key-value cache, described with its own ``attention_mask``): it takes
             that forward's sample ids (given or counted), which are not warned about as
-            repeats. Columns are not carried over: give them again.
+            repeats, and the running counter does not count its samples again. Columns are
+            not carried over: give them again.
         **columns
             Per-sample user columns for the row table (labels, text, ...), each of length
             ``batch``; token columns (e.g. ``token_ids``) of shape (batch, pos) are taken
@@ -1386,20 +1396,19 @@ class Tracker:
         if decided is False:
             self._sample_rows_chosen = True
             token = False
-        elif token and decided is None and tensor.dim() == 2:
+        # a shape that could be token rows or not, taken as token rows (warned about below, where
+        # rows matter: a store or reductions; in-memory records are whole tensors either way)
+        ambiguous = None
+        if decided is None and token and tensor.dim() == 2:
             # (batch, pos) values with padding: one scalar per real token, the padded columns
             # dropped. Right for per-token scalars (token ids, a per-token score); wrong for a
-            # pooled (batch, features) output whose width happens to equal pos. Say so, now
-            # or at the first later mask with padding (set_batch).
-            if bool(mask.bool().all()):
-                self._unwarned_2d_token[name] = tuple(tensor.shape)
-            else:
-                _warn_2d_token_rows(name, tuple(tensor.shape), stacklevel=2)
-        elif token and decided is None and tensor.dim() >= 4 and tensor.shape[2] == tensor.shape[1]:
+            # pooled (batch, features) output whose width happens to equal pos.
+            ambiguous = "2d"
+        elif decided is None and token and tensor.dim() >= 4 and tensor.shape[2] == tensor.shape[1]:
             # (batch, pos, pos, ...): token rows of (pos, ...), or a head-first (batch, heads, pos,
             # ...) tensor with as many heads as positions (an attention map of 12 heads over 12
-            # tokens), whose rows would be (sample, head) pairs. Only the user knows: say so.
-            _warn_head_first_token_rows(name, tuple(tensor.shape), stacklevel=2)
+            # tokens), whose rows would be (sample, head) pairs. Only the user knows.
+            ambiguous = "head-first"
         keep = _KEEP_CODE[scope.reduction_policy]
         if not self._in_memory:
             keep = 2
@@ -1429,6 +1438,13 @@ class Tracker:
                 objects.append(reduction)  # keeps Python subclasses (eager reductions) alive
             self._reduction_names[name] = names
             self._reduction_objects[name] = objects
+        if ambiguous is not None and (self.writer is not None or self._reduction_names.get(name)):
+            if ambiguous == "head-first":
+                self._head_first_found[name] = tuple(tensor.shape)  # warned at the forward's end, all at once
+            elif bool(mask.bool().all()):
+                self._unwarned_2d_token[name] = tuple(tensor.shape)  # warned at the first mask with padding
+            else:
+                _warn_2d_token_rows(name, tuple(tensor.shape), stacklevel=2)
         target = self._alias_target(name, tensor, 1 if token else 0)
         if target is not None:
             # the same tensor as an earlier hook point of this forward: kept and stored once (in
@@ -1653,7 +1669,13 @@ class Tracker:
                     red.update(rows, row)
                 row = stop
 
+    def _warn_head_first_found(self) -> None:
+        if self._head_first_found:
+            found, self._head_first_found = self._head_first_found, {}
+            _warn_head_first_token_rows(found, stacklevel=3)
+
     def _on_forward_start(self) -> None:
+        self._warn_head_first_found()  # (after a forward that raised)
         self._stop_learnt = self.stop_after_last and self._core.stop_learnt
         self._stop_watching()  # after a forward that raised
         if self._open_forward is not None:
@@ -1751,7 +1773,13 @@ class Tracker:
                 stacklevel=2,
             )
 
+    def _next_counted_id(self) -> int:
+        """The id the running counter gives the next sample: the samples fed before it (those a
+        policy skipped too, not the forwards that described the same samples again)."""
+        return self._n_samples + self._skipped_samples - self._repeated_samples
+
     def _on_forward_end(self) -> None:
+        self._warn_head_first_found()
         self._open_forward = None
         self._stop_watching()
         if self._hook_probes:
@@ -1760,7 +1788,9 @@ class Tracker:
         if self._core.outside_calls and not self._warned_outside:
             self._warn_outside_calls()
         if not self._core.capturing:
-            if self._core.n_forwards > 0:  # (a forward the policy skipped: its samples still count)
+            # (a forward the policy skipped: its samples still count, unless they are the last
+            # captured forward's again, same_samples=True)
+            if self._core.n_forwards > 0 and not (self._batch or {}).get("same_samples"):
                 self._skipped_samples += _batch_size(self._batch or {}, self._core.batch_size)
             return
         if not self._first_checked and self._stored is not None:
@@ -1798,10 +1828,11 @@ class Tracker:
             self._warn_token_rows_unused()
         if self.writer is not None:
             ids = batch.get("sample_ids")  # None: the writer numbers the samples on from its last
-            if ids is None and self._skipped_samples:
-                # the running counter counts the skipped forwards' samples too (SAMPLE_N): the
+            if ids is None and (self._skipped_samples or self._repeated_samples):
+                # the running counter counts the skipped forwards' samples too (SAMPLE_N), and not
+                # the same_samples=True forwards' (stored rows of samples counted before): the
                 # samples of data rows 32..47 are ids 32..47, whatever forwards were stored
-                start = self._n_samples + self._skipped_samples
+                start = self._next_counted_id()
                 ids = torch.arange(start, start + n, dtype=torch.int64)
             mask = batch.get("attention_mask")
             if mask is None and self.scope.rows == "token":
@@ -1822,7 +1853,9 @@ class Tracker:
                 self._warn_row_table_lost(lost)
             self.writer.maybe_commit()
         else:
-            self._last_ids = (_copy_ids(batch.get("sample_ids")), self._n_samples + self._skipped_samples, n)
+            self._last_ids = (_copy_ids(batch.get("sample_ids")), self._next_counted_id(), n)
+        if batch.get("same_samples"):
+            self._repeated_samples += n
         self._n_samples += n
         # (REFERENCE records changed in place are looked for when the records are read and at
         # the end of the `with` block, not here: a check here reads every new record's version
@@ -1844,6 +1877,11 @@ class Tracker:
                 "dimension of its first input; its second dimension, the batch of a sequence-first input, is "
                 f"{'absent' if int(self._core.second_dim) < 0 else int(self._core.second_dim)}); call set_batch "
                 "with one entry per sample before each forward"
+                + (f" (the batch is {actual // n} times the samples described: generate() with num_beams= or "
+                   "num_return_sequences= runs that many rows per prompt, each prompt's rows next to each other; "
+                   "describe every row: attention_mask=mask.repeat_interleave(k, 0), sample ids of its own for "
+                   "each row and the prompt's as a column, e.g. prompt=ids.repeat_interleave(k))"
+                   if n > 0 and actual > n and actual % n == 0 else "")
             )
 
     def _warn_row_table_lost(self, lost: Mapping[str, tuple[int, int]]) -> None:

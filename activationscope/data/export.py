@@ -45,6 +45,7 @@ import torch
 
 from ..errors import ArgumentTypeError, ArgumentValueError, ColumnNotFoundError, ExportExistsError
 from ..store._backend import enclosing_store, local_path, relation_to_store
+from ..store._format import parse_flag
 from ._source import as_source
 from .dataset import ActivationDataset, _names, select_hook_points
 from .samplers import _int_arg
@@ -452,6 +453,7 @@ def _export(kind: str, source: Any, path: Any, hook_points: Any, columns: Any, b
             rows: Any, filter: Any, tensor_type: str, compression: Any, overwrite: bool = False,
             sample_ids: Any = None) -> Path:
     batch_rows = _int_arg(batch_rows, "batch_rows", 1)  # (a bool is refused, not written in 1-row batches)
+    overwrite = parse_flag(overwrite, "overwrite")  # (overwrite="False" is a true string)
     compression = check_compression(kind, compression)  # before the store is read or a file made
     path = _local_out(path)
     ds = _dataset_for(source, hook_points, columns, rows, filter, sample_ids)

@@ -1412,11 +1412,23 @@ def _capture_writer_signature() -> Any:
 
 
 def _check_capture_writer_options(*, process_group: Any = None, **options: Any) -> None:
-    """Check ``store_options`` values as :meth:`StoreWriter.check_options` (``process_group`` is
-    checked when the writer opens: it needs ``torch.distributed``)."""
+    """Check ``store_options`` values as :meth:`StoreWriter.check_options`, and that
+    ``process_group`` is one of the values it takes (whether the group works is learnt when the
+    writer opens)."""
     from .writer import StoreWriter
 
+    if not (process_group is None or process_group is False or isinstance(process_group, RankStore)
+            or _is_process_group(process_group)):
+        raise ArgumentTypeError(
+            "process_group must be None, False, a torch.distributed process group or an acs.RankStore, got "
+            f"{process_group!r}; pass None to use the default group of an initialised torch.distributed")
     StoreWriter.check_options(**options)
+
+
+def _is_process_group(group: Any) -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and isinstance(group, dist.ProcessGroup)
 
 
 # the valid store_options are StoreWriter's plus process_group (capture.writer.writer_options);

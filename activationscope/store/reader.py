@@ -2721,11 +2721,14 @@ def copy_store(source: Any, target: Any, *, overwrite: bool = False) -> None:
     StoreCorruptError
         The source holds a file that is not a regular file inside it (a symlink leaving it,
         a FIFO, a device): nothing is copied through it.
+    ArgumentTypeError
+        ``overwrite`` that is not a bool; nothing is changed.
     """
     from ..errors import StoreExistsError
 
     from ._lock import WriterLock
 
+    overwrite = F.parse_flag(overwrite, "overwrite")  # (overwrite="False" is a true string)
     src = source._backend if isinstance(source, Store) else resolve(source, read_only=True)
     dst = resolve(target)
     check_backend_not_in_store(dst)  # its objects would land among another store's

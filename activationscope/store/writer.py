@@ -861,6 +861,8 @@ class StoreWriter:
         ArgumentValueError, ArgumentTypeError
             The option and the values it takes.
         """
+        overwrite, resume = F.parse_flag(overwrite, "overwrite"), F.parse_flag(resume, "resume")
+        F.parse_flag(fsync, "fsync")
         if overwrite and resume:
             raise ArgumentValueError("overwrite=True and resume=True exclude each other; pick one")
         compression = F.parse_compression(compression)
@@ -904,7 +906,7 @@ class StoreWriter:
         # ---- validate everything before the first byte is written
         opts = StoreWriter.check_options(
             overwrite=overwrite, resume=resume, compression=compression, chunk_rows=chunk_rows,
-            shard_bytes=shard_bytes, shard_rows=shard_rows, commit_interval=commit_interval,
+            shard_bytes=shard_bytes, shard_rows=shard_rows, fsync=fsync, commit_interval=commit_interval,
             max_pending_bytes=max_pending_bytes, provenance=provenance, storage_options=storage_options)
         self._compression, self._chunk_rows = opts["compression"], opts["chunk_rows"]
         self._shard_bytes, self._shard_rows = opts["shard_bytes"], opts["shard_rows"]

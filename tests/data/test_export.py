@@ -273,6 +273,17 @@ def test_a_hook_point_of_rows_without_values_is_named(tmp_path):
     assert torch.equal(back["f32"], arrays["f32"])
 
 
+@pytest.mark.parametrize("overwrite", ["False", 0, None])
+@pytest.mark.parametrize("fn", [export_parquet, export_arrow])
+def test_overwrite_must_be_a_bool_and_nothing_is_replaced(store, tmp_path, fn, overwrite):
+    # overwrite="False" from a config file is a true string: it replaced a file that is not an export
+    mine = tmp_path / "notes.parquet"
+    mine.write_bytes(b"mine")
+    with pytest.raises(ArgumentTypeError, match=rf"overwrite must be True or False, got {re.escape(repr(overwrite))}"):
+        fn(store, mine, hook_points=["f32"], overwrite=overwrite)
+    assert mine.read_bytes() == b"mine"
+
+
 @pytest.mark.parametrize("overwrite", [False, True])
 def test_a_pipe_or_a_link_to_one_is_never_read_nor_replaced(store, tmp_path, overwrite):
     import os

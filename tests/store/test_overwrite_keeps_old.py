@@ -216,3 +216,22 @@ def test_overwrite_of_a_memory_store_holding_other_objects_is_refused(tmp_path):
             replace()
         assert fs.cat("/with-notes/notes/today.txt") == b"mine"
         assert torch.equal(open_store("memory://with-notes")[HP], data)
+
+
+@pytest.mark.parametrize("overwrite", ["False", "no", 1, None])
+def test_copy_store_overwrite_must_be_a_bool(tmp_path, overwrite):
+    """copy_store(..., overwrite="False") (a value read from a config file) was a true string
+    and replaced the store there; it is refused, naming overwrite, and nothing changes."""
+    from activationscope.errors import ArgumentTypeError
+    from activationscope.store import copy_store
+
+    src = tmp_path / "src.zarr"
+    make_store(src, n_rows=96)
+    old = tmp_path / "old.zarr"
+    make_store(old, n_rows=32)
+    before = _files(old)
+    with pytest.raises(ArgumentTypeError, match=rf"overwrite must be True or False, got {overwrite!r}"):
+        copy_store(open_store(src), old, overwrite=overwrite)
+    with pytest.raises(ArgumentTypeError, match=r"overwrite must be True or False"):
+        open_store(src).save(old, overwrite=overwrite)
+    assert _files(old) == before and open_store(old).n_rows(HP) == 32
