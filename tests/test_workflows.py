@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import warnings
 
 import pytest
@@ -467,6 +468,23 @@ def test_same_samples_needs_a_captured_forward_before_it_and_takes_no_ids():
         with pytest.raises(ArgumentValueError, match="describes 2 samples, but the forward's batch has 3"):
             with torch.no_grad():
                 model(torch.randn(3, 8))
+
+
+@pytest.mark.parametrize("flag", ["False", "no", 1, None])
+def test_same_samples_must_be_a_bool(tmp_path, flag):
+    # same_samples="False" (from a config file) is a true string: taken as a flag, the next forward
+    # would store its rows under the last forward's ids. Refused, naming the argument; nothing changes
+    model = _mlp().eval()
+    path = tmp_path / "flag.zarr"
+    with torch.no_grad(), acs.ActivationScope(store=path).track(model, include=["0"]) as tracker:
+        tracker.set_batch(sample_ids=[4, 5])
+        model(torch.randn(2, 8))
+        with pytest.raises(acs.errors.ArgumentTypeError,
+                           match=rf"same_samples must be True or False, got {re.escape(repr(flag))}"):
+            tracker.set_batch(same_samples=flag)
+        tracker.set_batch()  # (a description of new samples: counted on)
+        model(torch.randn(2, 8))
+    assert acs.open_store(path).row_table().column("sample_id").to_pylist() == [4, 5, 2, 3]
 
 
 def test_same_samples_takes_the_ids_as_they_were_at_the_forward(tmp_path):

@@ -1285,11 +1285,14 @@ class Tracker:
             forward's batch (the first dimension of its first input), nor its second (taken as
             the batch of a sequence-first input).
         TypeError
-            A float (or complex) attention mask, or one that is neither a tensor nor a numpy
-            array (a list: pass ``torch.as_tensor(mask)``); with a store, a column whose type differs
+            ``same_samples`` that is not a bool; a float (or complex) attention mask, or one that is
+            neither a tensor nor a numpy array (a list: pass ``torch.as_tensor(mask)``); with a store,
+            a column whose type differs
             from its type in earlier batches (``int64`` labels, then ``float``: a row-table
             column has one type), or a column that is not a sequence.
         """
+        if not isinstance(same_samples, (bool, np.bool_)):  # (same_samples="False" is a true string)
+            raise ArgumentTypeError(f"same_samples must be True or False, got {same_samples!r}; pass a bool")
         if same_samples:
             if sample_ids is not None:
                 raise ArgumentValueError(
