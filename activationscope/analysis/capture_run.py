@@ -424,6 +424,9 @@ def capture_dataset(
         A ``token_rows`` pattern that selects no hook point of the first forward (nor of
         the store, for a resume with nothing left to capture): worded for ``--sample-rows``
         / ``--token-rows``, with ``argument`` (the flag), ``pattern`` and ``hook_points``.
+    ArgumentTypeError
+        ``resume`` or ``overwrite`` that is not a bool (``"False"`` is a true string); nothing
+        is loaded or changed.
 
     Warns
     -----
@@ -437,8 +440,11 @@ def capture_dataset(
     """
     import torch
 
+    from ..store._format import parse_flag
     from .specs import load_data_spec, load_model_spec
 
+    # (resume="False" or overwrite="False", from a config file, are true strings: they resumed or replaced the store)
+    resume, overwrite = parse_flag(resume, "resume"), parse_flag(overwrite, "overwrite")
     if resume and overwrite:
         raise ArgumentValueError("--resume and --overwrite exclude each other: pass one of them")
     if batch_size < 1:
@@ -597,11 +603,14 @@ def capture_store_options(
     compression: str | None = None, shard_bytes: int | None = None, chunk_rows: int | None = None,
 ) -> dict[str, Any]:
     """``store_options`` of :class:`ActivationScope` for a capture of ``model`` over ``data``:
-    provenance, and only the options that were given (``compression='none'`` is the default)."""
+    provenance, and only the options that were given (``compression='none'`` is the default).
+    Raises ArgumentTypeError for a ``resume`` or ``overwrite`` that is not a bool."""
+    from ..store._format import parse_flag
+
     options: dict[str, Any] = {"provenance": {"model": model, "data": data, "command": command or ""}}
-    if overwrite:
+    if parse_flag(overwrite, "overwrite"):
         options["overwrite"] = True
-    if resume:
+    if parse_flag(resume, "resume"):
         options["resume"] = True
     if compression and compression != "none":
         options["compression"] = compression

@@ -366,3 +366,19 @@ def test_the_trackers_own_runtime_warning_turned_into_an_error_is_raised_as_itse
                                     include=None, exclude=None, reductions=None, progress=False,
                                     stop_after_last=True)
     assert isinstance(raised.value, RuntimeWarning) and not isinstance(raised.value, CaptureError)
+
+
+@pytest.mark.parametrize("flag", ["resume", "overwrite"])
+@pytest.mark.parametrize("value", ["False", "no", 1, None])
+def test_resume_and_overwrite_must_be_bools(nets, tmp_path, flag, value):
+    # resume="False" (from a config file) is a true string: it resumed the store there (an
+    # incomplete one holding every sample was closed complete); refused before anything is loaded
+    from activationscope.errors import ArgumentTypeError
+
+    out = str(tmp_path / "b.zarr")
+    capture_run.capture_dataset("runnets.nets:mlp", str(nets), out, max_samples=20, progress=False)
+    before = acs.open_store(out).attrs
+    with pytest.raises(ArgumentTypeError, match=rf"{flag} must be True or False, got {value!r}"):
+        capture_run.capture_dataset("runnets.nets:mlp", str(nets), out, max_samples=20, progress=False,
+                                    **{flag: value})
+    assert acs.open_store(out).attrs == before
