@@ -1358,6 +1358,19 @@ def test_store_option_flags_must_be_bools(tmp_path, options):
     assert not (tmp_path / "s.zarr").exists()
 
 
+def test_store_writer_check_options_takes_every_store_option_with_its_default():
+    # ActivationScope checks store_options with StoreWriter.check_options(**options): an option
+    # StoreWriter takes and check_options lacks would fail there as an unexpected keyword
+    import inspect
+
+    from activationscope.capture.writer import writer_options
+
+    check = inspect.signature(acs.store.StoreWriter.check_options).parameters
+    init = inspect.signature(acs.store.StoreWriter.__init__).parameters
+    assert sorted(check) == [o for o in writer_options() if o != "process_group"]
+    assert {n: p.default for n, p in check.items()} == {n: init[n].default for n in check}
+
+
 @pytest.mark.parametrize("group", ["gloo", 3, True])
 def test_store_option_process_group_is_checked_when_the_scope_is_made(tmp_path, group):
     with pytest.raises(ArgumentTypeError, match=r"process_group must be None, False, a torch.distributed "
