@@ -310,7 +310,8 @@ class ActivationScope:
     TypeError
         ``capture=`` given a CapturePolicy (use ``capture_policy=``), or a ``token_rows``
         that is not a bool or a dict of pattern to bool; a ``store_options`` key the writer
-        does not take.
+        does not take, or a value of the wrong type (``overwrite`` / ``resume`` / ``fsync``
+        not a bool, ``process_group``, ``provenance`` or ``storage_options`` of another type).
     ValueError
         An unknown policy, side or non-positive ``sample_every`` / ``max_k``; a
         ``store_options`` value the writer refuses (``compression``, ``chunk_rows``,
