@@ -521,6 +521,27 @@ def test_same_samples_forwards_do_not_advance_the_running_counter(tmp_path, poli
     assert ids == ([0, 1, 2] * 4 + [3, 4, 5] * 4 if not policy else [0, 1, 2] * 2 + [3, 4, 5] * 2)
 
 
+@pytest.mark.parametrize("given_ids", [False, True], ids=["counted", "given"])
+def test_same_samples_after_a_skipped_forward_continues_its_samples(tmp_path, given_ids):
+    # SAMPLE_N (every 2nd forward) over prompt batches of 3 forwards (the prompt, 2 steps): the
+    # second prompt's forward (3) is skipped and its first step (4) captured; that step's rows
+    # are the second prompt's samples, never stored under the first prompt's ids
+    model = _mlp().eval()
+    path = tmp_path / "skipped.zarr"
+    prompts = [[10, 11, 12], [20, 21, 22]] if given_ids else [None, None]
+    with torch.no_grad(), acs.ActivationScope(store=path, capture_policy=acs.CapturePolicy.SAMPLE_N,
+                                              sample_every=2).track(model, include=["0"]) as tracker:
+        for ids in prompts:
+            tracker.set_batch(**({"sample_ids": ids} if ids else {}))
+            model(torch.randn(3, 8))
+            for _ in range(2):
+                tracker.set_batch(same_samples=True)
+                model(torch.randn(3, 8))
+    first, second = prompts if given_ids else ([0, 1, 2], [3, 4, 5])
+    # forwards 0 (prompt 1), 2 (its second step), 4 (the first step of prompt 2)
+    assert acs.open_store(path).row_table("sample").column("sample_id").to_pylist() == first * 2 + second
+
+
 def test_same_samples_then_counted_ids_in_a_memory_store_continue_the_data_counter():
     # the counted ids same_samples continues: after the steps, a new batch's
     # forward and a same_samples step of it take its own ids

@@ -693,8 +693,9 @@ class Tracker:
         self._pending_batch: dict[str, Any] | None = None
         self._batch: dict[str, Any] | None = None
         self._ids_batch: dict[str, Any] | None = None  # the description the last recorded forward had
-        # the sample ids of the last captured forward, for set_batch(same_samples=True): (the ids
-        # it was given, or None and the first id of the running counter, its number of samples)
+        # the sample ids of the last forward, captured or skipped by the policy, for
+        # set_batch(same_samples=True): (the ids it was given, or None and the first id of the
+        # running counter, its number of samples)
         self._last_ids: tuple[Any, int, int] | None = None
         # True once a failed capture removed the store it made (it held no committed row)
         self._store_removed = False
@@ -1265,11 +1266,11 @@ class Tracker:
         sample_ids : sequence of int or Tensor (batch,), optional
             Ids of the samples (default: a running counter over captured samples).
         same_samples : bool, default False
-            The next forward continues the samples of the last captured forward (a generation
-            step with a key-value cache, described with its own ``attention_mask``): it takes
-            that forward's sample ids (given or counted), which are not warned about as
-            repeats, and the running counter does not count its samples again. Columns are
-            not carried over: give them again.
+            The next forward continues the samples of the last forward (a generation step with
+            a key-value cache, described with its own ``attention_mask``), captured or skipped
+            by the capture policy: it takes that forward's sample ids (given or counted), which
+            are not warned about as repeats, and the running counter does not count its samples
+            again. Columns are not carried over: give them again.
         **columns
             Per-sample user columns for the row table (labels, text, ...), each of length
             ``batch``; token columns (e.g. ``token_ids``) of shape (batch, pos) are taken
@@ -1297,7 +1298,7 @@ class Tracker:
         if same_samples:
             if sample_ids is not None:
                 raise ArgumentValueError(
-                    "set_batch(same_samples=True) takes the sample ids of the last captured forward, got "
+                    "set_batch(same_samples=True) takes the sample ids of the last forward, got "
                     "sample_ids= as well; pass one or the other")
             if self._last_ids is None:
                 raise ArgumentValueError(
@@ -1793,9 +1794,12 @@ class Tracker:
             self._warn_outside_calls()
         if not self._core.capturing:
             # (a forward the policy skipped: its samples still count, unless they are the last
-            # captured forward's again, same_samples=True)
+            # forward's again, same_samples=True; a same_samples=True forward after it continues them)
             if self._core.n_forwards > 0 and not (self._batch or {}).get("same_samples"):
-                self._skipped_samples += _batch_size(self._batch or {}, self._core.batch_size)
+                batch = self._batch or {}
+                n = _batch_size(batch, self._core.batch_size)
+                self._last_ids = (_copy_ids(batch.get("sample_ids")), self._next_counted_id(), n)
+                self._skipped_samples += n
             return
         if not self._first_checked and self._stored is not None:
             # the first captured forward of a resume gave every hook point it will: the
