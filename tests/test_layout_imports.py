@@ -1,7 +1,7 @@
 """The package layout follows the data path: capture -> store -> data -> analysis -> cli.
 
 A module imports only from its own layer or the layers before it (docs/development.md,
-"Import rule"); the shared base modules (errors.py, sizes.py, _version.py) import no layer; and the
+"Import rule"); the shared base modules (errors.py, sizes.py, _version.py, _safeio.py, _args.py) import no layer; and the
 import graph between modules has no cycle. Imports inside functions count too.
 The package's ``__init__.py`` (the public facade) and ``__main__.py`` sit above every layer.
 """
@@ -16,7 +16,7 @@ import pytest
 PKG = Path(__file__).resolve().parents[1] / "activationscope"
 LAYERS = ["capture", "store", "data", "analysis", "cli"]
 BASE = {"activationscope.errors", "activationscope.sizes", "activationscope._version", "activationscope._C",
-        "activationscope._safeio"}
+        "activationscope._safeio", "activationscope._args"}
 TOP = {"activationscope", "activationscope.__main__"}
 
 

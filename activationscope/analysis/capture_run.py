@@ -440,7 +440,7 @@ def capture_dataset(
     """
     import torch
 
-    from ..store._format import parse_flag
+    from .._args import parse_flag
     from .specs import load_data_spec, load_model_spec
 
     # (resume="False" or overwrite="False", from a config file, are true strings: they resumed or replaced the store)
@@ -605,7 +605,7 @@ def capture_store_options(
     """``store_options`` of :class:`ActivationScope` for a capture of ``model`` over ``data``:
     provenance, and only the options that were given (``compression='none'`` is the default).
     Raises ArgumentTypeError for a ``resume`` or ``overwrite`` that is not a bool."""
-    from ..store._format import parse_flag
+    from .._args import parse_flag
 
     options: dict[str, Any] = {"provenance": {"model": model, "data": data, "command": command or ""}}
     if parse_flag(overwrite, "overwrite"):

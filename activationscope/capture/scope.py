@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from . import _native, compiled
+from .._args import parse_flag
 from ..errors import (ActivationScopeError, ArgumentTypeError, ArgumentValueError, CaptureError, CaptureWarning,
                       HookPointNotFoundError, ReductionError)
 from .hooks import (check_column, hook_point_module, is_hook_point_module, normalize_patterns, pattern_selects,
@@ -349,8 +350,7 @@ class ActivationScope:
         self.token_rows = _parse_token_rows(token_rows)
         if rows not in _ROWS:
             raise ArgumentValueError(f"rows must be one of {list(_ROWS)}, got {rows!r}")
-        if not isinstance(stop_after_last, bool):
-            raise ArgumentTypeError(f"stop_after_last must be a bool, got {stop_after_last!r}")
+        stop_after_last = parse_flag(stop_after_last, "stop_after_last")
         self.rows = rows
         self.stop_after_last = stop_after_last
         self.capture_policy = _parse_enum(capture_policy, CapturePolicy, "capture_policy")
@@ -461,8 +461,8 @@ class ActivationScope:
         side = self.capture if capture is None else _parse_capture(capture)
         inc = normalize_patterns(include, "include") if include is not None else self.include
         exc = normalize_patterns(exclude, "exclude") if exclude is not None else self.exclude
-        if stop_after_last is not None and not isinstance(stop_after_last, bool):
-            raise ArgumentTypeError(f"stop_after_last must be a bool, got {stop_after_last!r}")
+        if stop_after_last is not None:
+            stop_after_last = parse_flag(stop_after_last, "stop_after_last")
         compiled = model is not _uncompiled(model) or getattr(model, "_compiled_call_impl", None) is not None
         model = _uncompiled(model)
         modules = select_modules(model, inc, exc)
@@ -1293,8 +1293,7 @@ class Tracker:
             from its type in earlier batches (``int64`` labels, then ``float``: a row-table
             column has one type), or a column that is not a sequence.
         """
-        if not isinstance(same_samples, (bool, np.bool_)):  # (same_samples="False" is a true string)
-            raise ArgumentTypeError(f"same_samples must be True or False, got {same_samples!r}; pass a bool")
+        same_samples = parse_flag(same_samples, "same_samples")  # (same_samples="False" is a true string)
         if same_samples:
             if sample_ids is not None:
                 raise ArgumentValueError(

@@ -45,7 +45,7 @@ import torch
 
 from ..errors import ArgumentTypeError, ArgumentValueError, ColumnNotFoundError, ExportExistsError
 from ..store._backend import enclosing_store, local_path, relation_to_store
-from ..store._format import parse_flag
+from .._args import parse_flag
 from ._source import as_source
 from .dataset import ActivationDataset, _names, select_hook_points
 from .samplers import _int_arg

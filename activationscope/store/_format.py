@@ -13,9 +13,9 @@ import json
 import math
 from typing import Any
 
-import numpy as np
 import torch
 
+from .._args import parse_flag  # noqa: F401  (the store's flags: F.parse_flag)
 from ..errors import ArgumentTypeError, ArgumentValueError
 
 FORMAT_NAME = "activationscope"
@@ -125,20 +125,6 @@ def node_name(hook_point: str) -> str:
 
 
 # ------------------------------------------------------------------------ codecs
-def parse_flag(value: Any, what: str) -> bool:
-    """A True / False argument (``overwrite``, ``resume``, ``fsync``) as a bool.
-
-    Raises
-    ------
-    ArgumentTypeError
-        Anything but a bool (a numpy bool is one): ``overwrite="False"``, from a config file or
-        an environment variable, is a true string that would replace what is there.
-    """
-    if not isinstance(value, (bool, np.bool_)):
-        raise ArgumentTypeError(f"{what} must be True or False, got {value!r}; pass a bool")
-    return bool(value)
-
-
 def parse_compression(compression: Any) -> dict | None:
     """Normalise ``compression=`` to the Zarr v3 codec document (or None).
 

@@ -47,6 +47,7 @@ from ..errors import (
     StoreCorruptError,
     StoreError,
 )
+from .._args import parse_flag
 from .._safeio import batch_order, read_parquet_part
 from . import _decode
 from . import _format as F
@@ -330,9 +331,7 @@ class Store:
                  verify: bool = False, _rank_view: bool = True) -> None:
         if isinstance(cache_bytes, bool) or not isinstance(cache_bytes, int) or cache_bytes < 0:
             raise ArgumentTypeError(f"cache_bytes must be a non-negative int, got {cache_bytes!r}")
-        if not isinstance(verify, bool):
-            raise ArgumentTypeError(f"verify must be a bool, got {verify!r}")
-        self._verify_reads = verify
+        self._verify_reads = verify = parse_flag(verify, "verify")
         # what reopens this store as it was opened, in another process (a DataLoader worker)
         self._open_options = {"cache_bytes": int(cache_bytes), "verify": verify}
         if storage_options is not None:
