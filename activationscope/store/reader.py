@@ -29,6 +29,7 @@ import os
 import stat
 import sys
 import threading
+import uuid
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -2699,8 +2700,27 @@ def _refuse_copy_onto_itself(src: Any, dst: Any) -> None:
                          "another path")
 
 
+def _copy_first_root() -> dict:
+    """The first root a copy writes at its target: a new store's first root (format version 1,
+    status ``incomplete``, a run_id of its own, no rows, arrays, row-table parts or reductions)."""
+    from .writer import ROW_KINDS, _library_versions
+
+    now = F.utc_now()
+    return {
+        "format": {"name": F.FORMAT_NAME, "version": F.FORMAT_VERSION}, "status": "incomplete", "created": now,
+        "run_id": uuid.uuid4().hex, "updated": now, "library": _library_versions(), "model": None,
+        "capture_config": {}, "storage_dtype": None, "provenance": {}, "n_samples": 0, "n_batches": 0, "arrays": {},
+        "row_tables": {k: {"parts": [], "n_rows": 0, "columns": []} for k in ROW_KINDS}, "reductions": {},
+    }
+
+
 def copy_store(source: Any, target: Any, *, overwrite: bool = False) -> None:
     """Copy every object of a store (e.g. an in-memory one) to ``target``; root metadata last.
+
+    The target's first write is the root of a new, incomplete store with no rows (over the old
+    root, with ``overwrite``); then the old store's objects are deleted and the source's copied.
+    A copy killed partway leaves an incomplete store listing no row (never the old root over
+    missing files): run it again with ``overwrite=True`` (FORMAT.md section 7).
 
     Temporary files (``*.tmp``: a writer's, or left by one killed) are not copied; a shard
     or reduction file whose committed bytes a reader reads from the file a killed resume
@@ -2744,7 +2764,12 @@ def copy_store(source: Any, target: Any, *, overwrite: bool = False) -> None:
                     f"{str(dst)!r} exists and is not empty but holds no Zarr store; choose another path or remove it "
                     "(overwrite=True only replaces stores); nothing was changed")
             refuse_foreign_entries(dst)
-            dst.clear()
+        # FORMAT.md section 7: the root of the copy's run comes first (incomplete, no rows), over the old
+        # store's root, then the old objects go, then the copy's objects, its own root last. Killed at any
+        # point, the target is the old store intact or an incomplete store listing no row of the old one;
+        # copy_store(..., overwrite=True) again completes it
+        dst.set("zarr.json", F.dumps(F.group_document({F.ATTRS_KEY: _copy_first_root()})))
+        dst.clear(keep=("zarr.json",))
         files = _committed_shard_files(source if isinstance(source, Store) else src)
         # (a key read from its kept file is copied even when its own is a folder, which lists no file by
         # that name; the files inside such a folder are no part of the store)
