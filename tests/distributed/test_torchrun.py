@@ -452,7 +452,8 @@ def test_consolidate_refuses_a_world_size_other_than_the_capture_s(tmp_path, cap
     store = tmp_path / "rk.zarr"
     _small_rank_stores(store, tasks=(0,))
     rank0 = json.loads((store / "ranks" / "00000" / "zarr.json").read_text())["attributes"]["activationscope"]
-    assert rank0["rank_store"] == {"rank": 0, "world_size": 2}
+    root = json.loads((store / "zarr.json").read_text())["attributes"]["activationscope"]
+    assert rank0["rank_store"] == {"rank": 0, "world_size": 2, "run_id": root["distributed"]["run_id"]}
     before = _tree(store)
     for n in (1, 3):
         assert cli.main(["consolidate", str(store), "--world-size", str(n)]) == 1
@@ -1083,7 +1084,8 @@ def test_prepare_root_refuses_a_damaged_root_document(tmp_path, damaged):
         assert (store / "zarr.json").read_text() == damaged
     prepare_root(store, world_size=2, overwrite=True)
     doc = json.loads((store / "zarr.json").read_text())
-    assert doc["attributes"]["activationscope"]["distributed"] == {"world_size": 2, "committed": False}
+    attrs = doc["attributes"]["activationscope"]
+    assert attrs["distributed"] == {"world_size": 2, "committed": False, "run_id": attrs["run_id"]}
 
 
 def test_consolidate_keeps_every_rank_s_provenance_and_resumes(tmp_path):
