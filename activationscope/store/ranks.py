@@ -43,7 +43,8 @@ from . import _format as F
 from . import _validate as V
 from ._backend import LocalBackend, check_backend_not_in_store, resolve
 from ._lock import WriterLock
-from .reader import Store, _no_rank_column, check_rank_column_types, listed_rank_stores
+from .reader import (Store, _no_rank_column, check_rank_column_types, listed_rank_stores, rank_store_run_id,
+                     ranks_run_id, split_rank_stores_by_run)
 from .writer import ROW_KINDS, _builtin_state_fits, _library_versions, _write_small_array, resume_history
 
 RANKS_DIR = "ranks"
@@ -67,12 +68,20 @@ def _root_doc(attrs: dict) -> bytes:
 
 
 def prepare_root(target: Any, *, world_size: int, overwrite: bool = False, resume: bool = False,
-                 storage_options: dict | None = None) -> None:
+                 storage_options: dict | None = None) -> str | None:
     """Make (or check) the root of a multi-rank store before the ranks write (rank 0 only).
 
     Writes a root ``zarr.json`` with status ``incomplete``, no arrays, and
-    ``distributed = {"world_size", "committed": false}``, so the store opens (as incomplete)
-    while the ranks write.
+    ``distributed = {"world_size", "committed": false, "run_id"}``, so the store opens (as
+    incomplete) while the ranks write. With ``overwrite``, that root is written over the old
+    one first, and the old store's objects are deleted after it; a resume removes rank stores
+    of another run (FORMAT.md section 10).
+
+    Returns
+    -------
+    str or None
+        The run the rank stores must record (``rank_store.run_id``): the root's
+        ``distributed.run_id``, None for a resumed root written before it was recorded.
 
     Raises
     ------
@@ -87,12 +96,22 @@ def prepare_root(target: Any, *, world_size: int, overwrite: bool = False, resum
     if isinstance(b, LocalBackend):
         b.root.mkdir(parents=True, exist_ok=True)
     with WriterLock(b):  # the store's writer lock, as every writer takes it
-        _prepare_root(b, world_size, overwrite, resume)
+        return _prepare_root(b, world_size, overwrite, resume)
 
 
-def _prepare_root(b: Any, world_size: int, overwrite: bool, resume: bool) -> None:
+def _root_ranks_run(b: Any) -> str | None:
+    """The ``distributed.run_id`` of the root of ``b`` while uncommitted, else None."""
+    try:
+        dist = json.loads(b.get("zarr.json"))["attributes"][F.ATTRS_KEY]["distributed"]
+    except (TypeError, KeyError, ValueError, RecursionError):
+        return None
+    return None if not isinstance(dist, dict) or dist.get("committed") is not False else ranks_run_id(dist)
+
+
+def _prepare_root(b: Any, world_size: int, overwrite: bool, resume: bool) -> str | None:
     raw = b.get("zarr.json")
     kept: dict | None = None  # the root a resume continues: its run (run_id, created) stays
+    replacing = False  # overwrite: the old objects go once the new root is written
     if raw is not None:
         try:
             attrs = (json.loads(raw).get("attributes") or {}).get(F.ATTRS_KEY)
@@ -107,7 +126,7 @@ def _prepare_root(b: Any, world_size: int, overwrite: bool, resume: bool) -> Non
                     "verify on it") from None
             attrs = None
         if overwrite:
-            b.clear()
+            replacing = True
         elif resume and attrs is not None:
             dist = attrs.get("distributed") or {}
             if dist.get("committed"):
@@ -121,8 +140,10 @@ def _prepare_root(b: Any, world_size: int, overwrite: bool, resume: bool) -> Non
             status = (attrs or {}).get("status", "not an activationscope store")
             raise StoreExistsError(f"a store already exists at {str(b)!r} (status {status!r}); pass overwrite=True to "
                                    "replace it or resume=True to continue it")
-    elif not b.is_empty() and not overwrite:
-        raise StoreExistsError(f"{str(b)!r} exists and is not empty but holds no Zarr store; choose another path")
+    elif not b.is_empty():
+        if not overwrite:
+            raise StoreExistsError(f"{str(b)!r} exists and is not empty but holds no Zarr store; choose another path")
+        replacing = True
     # FORMAT.md section 2: a new store (or an overwrite) is a new run with a run_id of its own; a
     # resume keeps the run it continues (its run_id, or none as written before run ids, and its
     # created), so readers opened before it read on rather than see another run in its place
@@ -137,7 +158,51 @@ def _prepare_root(b: Any, world_size: int, overwrite: bool, resume: bool) -> Non
         "n_batches": 0, "arrays": {}, "row_tables": {k: {"parts": [], "n_rows": 0, "columns": []} for k in ROW_KINDS},
         "reductions": {}, "distributed": {"world_size": int(world_size), "committed": False},
     }
+    # FORMAT.md section 10: the root names the run whose rank stores it shows (a resume of a root
+    # written before that keeps showing every rank store, as it did)
+    ranks_run = ranks_run_id((kept or {}).get("distributed")) if kept is not None else run["run_id"]
+    if ranks_run is not None:
+        attrs["distributed"]["run_id"] = ranks_run
+    # the new run's root first, over the old one: from here on no object of the old run is read as
+    # this store's (its arrays are not listed, its rank stores record another run), whatever is left
+    # of them when the process dies; then they go
     b.set("zarr.json", _root_doc(attrs))
+    if replacing:
+        b.clear(keep=("zarr.json",))
+    elif kept is not None and ranks_run is not None:
+        _remove_other_runs(b, ranks_run)
+    return ranks_run
+
+
+def _remove_other_runs(b: Any, run: str) -> None:
+    """Resume of an uncommitted multi-rank store whose root records ``distributed.run_id``:
+    remove what is not that run's before a rank writes: the rank stores recording another run
+    (or none), and every object beside the root and ``ranks/`` (what an ``overwrite=True``
+    killed after writing its root left of the old run, or a commit killed before its root
+    wrote, which the next commit writes again)."""
+    other = split_rank_stores_by_run(b, listed_rank_stores(b), {"run_id": run})[1]
+    ours = ("acts", "rows", "reductions")  # (a store's entries beside the root and ranks/: nothing else is touched)
+    if isinstance(b, LocalBackend):
+        for p in b.root.iterdir():
+            if p.name not in ours:
+                continue
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
+        for r in other:
+            p = b.root / RANKS_DIR / f"{r:05d}"
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            else:
+                p.unlink(missing_ok=True)
+        return
+    stale = {f"{r:05d}" for r in other}
+    for key in list(b.list("")):
+        parts = key.split("/")
+        if parts[0] not in ours and not (parts[0] == RANKS_DIR and len(parts) >= 3 and parts[1] in stale):
+            continue
+        b.delete(key)
 
 
 
@@ -788,6 +853,18 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
         return {"n_ranks": int(dist.get("world_size", 0)), "n_samples": int(root_attrs.get("n_samples", 0)),
                 "arrays": {}, "already_committed": True}
     expected = world_size or dist.get("world_size")
+    # FORMAT.md section 10: under a root naming its run (distributed.run_id), rank stores of another run
+    # (left by an overwrite killed before it removed them) are no part of the commit
+    ranks, other = split_rank_stores_by_run(b, ranks, dist)
+    inside = [r for r in other if expected is None or r < int(expected)]
+    if inside:
+        shown = f"{inside[:10]}"[:-1] + (f", ...] ({len(inside)} in all)" if len(inside) > 10 else "]")
+        raise StoreError(
+            f"rank store(s) {shown} under {_ranks_dir(b)!r} were written under another run than the root's "
+            f"(distributed.run_id {ranks_run_id(dist)!r}, rank_store.run_id in their zarr.json): an overwrite=True "
+            "killed before it removed them, or a capture into the store it replaced; none of their rows is this "
+            "run's. Rerun the capture with store_options resume=True (those ranks capture again) or "
+            "overwrite=True; nothing was written")
     if not ranks:
         if raw and not dist:  # a store of one process: nothing was ever split into rank stores
             raise StoreError(f"{str(b)!r} is a store written by one process (its root zarr.json records no ranks) "
@@ -1179,6 +1256,8 @@ class RankSession:
     def __init__(self, group: Any, rank: int, world_size: int, root: str, standalone: bool = False) -> None:
         self.group, self.rank, self.world_size, self.root = group, rank, world_size, root
         self.standalone = standalone
+        #: the run the root names (``distributed.run_id``), recorded by this rank's store
+        self.run_id: str | None = None
         self.summary: dict | None = None
         self.storage_options: dict | None = None
         #: ``time.monotonic()`` when this rank's store was closed, and the seconds spent after
@@ -1211,19 +1290,21 @@ class RankSession:
                     prepare_root(self.root, world_size=self.world_size, storage_options=so)
                 except StoreExistsError:
                     pass  # another task made it first
+            self.run_id = _root_ranks_run(_resolve(self.root, storage_options=so))
             target = rank_target(self.root, self.rank)
-            exists = _resolve(target, storage_options=so).get("zarr.json") is not None
-            opts["resume"], opts["overwrite"] = resume and exists, overwrite and exists
+            exists, other = self._rank_store_found(target, so)
+            opts["resume"], opts["overwrite"] = resume and exists, (overwrite and exists) or other
             return target, opts
-        error = None
+        error = run_id = None
         if self.rank == 0:
             try:
-                prepare_root(self.root, world_size=self.world_size, overwrite=overwrite, resume=resume,
+                run_id = prepare_root(self.root, world_size=self.world_size, overwrite=overwrite, resume=resume,
                                storage_options=opts.get("storage_options"))
             except Exception as e:  # noqa: BLE001 - every rank must learn it
                 error = e
         seen = self._gather({"root": self.root if "://" in self.root else os.path.abspath(self.root),
-                             "error": None if error is None else f"{type(error).__name__}: {error}"})
+                             "error": None if error is None else f"{type(error).__name__}: {error}",
+                             "run_id": run_id})
         roots = {s["root"] for s in seen}
         if len(roots) != 1:
             raise StoreError(f"the ranks of a multi-rank capture must name one store, got {sorted(roots)}; pass "
@@ -1234,12 +1315,21 @@ class RankSession:
             raise StoreError(f"rank 0 could not prepare the store {self.root!r}: {seen[0]['error']}")
         target = rank_target(self.root, self.rank)
         self.storage_options = opts.get("storage_options")
-        from ._backend import resolve
-
-        exists = resolve(target, storage_options=opts.get("storage_options")).get("zarr.json") is not None
+        self.run_id = seen[0].get("run_id")
+        exists, other = self._rank_store_found(target, opts.get("storage_options"))
         opts["resume"] = resume and exists
-        opts["overwrite"] = overwrite or (not resume and exists)
+        opts["overwrite"] = overwrite or (not resume and exists) or other
         return target, opts
+
+    def _rank_store_found(self, target: str, storage_options: dict | None) -> tuple[bool, bool]:
+        """``(exists, of another run)`` of this rank's store: one recording another run than the
+        root's (FORMAT.md section 10) is never resumed but overwritten."""
+        sub = resolve(target, storage_options=storage_options)
+        if sub.get("zarr.json") is None:
+            return False, False
+        if self.run_id is not None and rank_store_run_id(sub) != self.run_id:
+            return False, True
+        return True, False
 
     def finish(self, w: Any, live: dict, exc: BaseException | None) -> None:
         """Close this rank's store, agree on the outcome, commit on rank 0 (see the module)."""
@@ -1397,7 +1487,8 @@ def open_capture_writer(target: Any, *, process_group: Any = None, **options: An
     fixed = {k: options.pop(k) for k in ("capture_config", "model", "storage_dtype") if k in options}
     rank_target_, opts = session.writer_options(options)
     inner = StoreWriter(rank_target_, **fixed, **opts)
-    inner.rank_store = {"rank": session.rank, "world_size": session.world_size}  # checked by commit_ranks
+    inner.rank_store = {"rank": session.rank, "world_size": session.world_size,  # checked by commit_ranks
+                        **({"run_id": session.run_id} if session.run_id is not None else {})}
     return RankWriter(session, inner)
 
 

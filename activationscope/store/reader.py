@@ -29,6 +29,7 @@ import os
 import stat
 import sys
 import threading
+import uuid
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -2513,10 +2514,44 @@ def _rank_folders(backend: Any, world: int | None) -> list[int]:
     return sorted(ranks)
 
 
+def ranks_run_id(dist: Any) -> str | None:
+    """The run whose rank stores an uncommitted multi-rank root shows (``distributed.run_id``,
+    FORMAT.md section 10), or None for a root written before rank stores recorded their run."""
+    run = dist.get("run_id") if isinstance(dist, dict) else None
+    return run if isinstance(run, str) and run else None
+
+
+def rank_store_run_id(sub: Any) -> str | None:
+    """The ``rank_store.run_id`` a rank store records in its root (the run of the multi-rank
+    store it was written under), or None when it records none or its root cannot be read."""
+    try:
+        raw = sub.get("zarr.json", max_bytes=V.MAX_JSON_BYTES)
+        run = json.loads(raw)["attributes"][F.ATTRS_KEY]["rank_store"]["run_id"]
+    except (TypeError, KeyError, ValueError, RecursionError, StoreError):
+        return None
+    return run if isinstance(run, str) else None
+
+
+def split_rank_stores_by_run(backend: Any, ranks: list[int], dist: Any) -> tuple[list[int], list[int]]:
+    """``(this run's ranks, other runs' ranks)`` of the rank stores ``ranks``: under a root that
+    records ``distributed.run_id``, a rank store is this run's only when its ``rank_store.run_id``
+    is that one (a store of the run the root replaced, or one recording no run, is not); under an
+    older root, every rank store is (FORMAT.md section 10)."""
+    run = ranks_run_id(dist)
+    if run is None:
+        return list(ranks), []
+    mine, other = [], []
+    for r in ranks:
+        sub = _sub_backend(backend, f"ranks/{r:05d}")
+        (mine if sub is None or rank_store_run_id(sub) == run else other).append(r)
+    return mine, other
+
+
 def _rank_view(store: "Store", attrs: dict, dist: dict) -> tuple[dict, list, dict]:
     """The root metadata of an uncommitted multi-rank store, showing its rank stores' rows.
 
-    Every rank store that exists is opened (read-only, validated as any store); each hook
+    Every rank store of the root's run that exists is opened (read-only, validated as any
+    store; one of another run is left out, and listed in ``distributed.other_runs``); each hook
     point's rows are rank 0's committed rows, then rank 1's, ... (no copy: reads go to the
     rank stores' shards), the row tables are the ranks' tables in the same order with a
     ``rank`` column (FORMAT.md section 10). Status stays ``incomplete``; no reductions (the
@@ -2525,6 +2560,10 @@ def _rank_view(store: "Store", attrs: dict, dist: dict) -> tuple[dict, list, dic
     world = dist.get("world_size")
     valid = not isinstance(world, bool) and isinstance(world, int) and 1 <= world <= MAX_RANK_VIEW
     present = _rank_folders(store._backend, world if valid else None)  # rank stores that exist (their zarr.json)
+    present, other = split_rank_stores_by_run(store._backend, present, dist)
+    if other:  # another run's (an overwrite killed before it removed them): none of their rows is this run's
+        attrs = {**attrs, "distributed": {**dist, "other_runs": other}}
+        dist = attrs["distributed"]
     beyond = present if not valid else [r for r in present if r >= world]
     if beyond:  # their rows would be left out of the view without a word
         shown = f"{beyond[:10]}"[:-1] + (f", ...] ({len(beyond)} in all)" if len(beyond) > 10 else "]")
@@ -2698,8 +2737,27 @@ def _refuse_copy_onto_itself(src: Any, dst: Any) -> None:
                          "another path")
 
 
+def _copy_first_root() -> dict:
+    """The first root a copy writes at its target: a new store's first root (format version 1,
+    status ``incomplete``, a run_id of its own, no rows, arrays, row-table parts or reductions)."""
+    from .writer import ROW_KINDS, _library_versions
+
+    now = F.utc_now()
+    return {
+        "format": {"name": F.FORMAT_NAME, "version": F.FORMAT_VERSION}, "status": "incomplete", "created": now,
+        "run_id": uuid.uuid4().hex, "updated": now, "library": _library_versions(), "model": None,
+        "capture_config": {}, "storage_dtype": None, "provenance": {}, "n_samples": 0, "n_batches": 0, "arrays": {},
+        "row_tables": {k: {"parts": [], "n_rows": 0, "columns": []} for k in ROW_KINDS}, "reductions": {},
+    }
+
+
 def copy_store(source: Any, target: Any, *, overwrite: bool = False) -> None:
     """Copy every object of a store (e.g. an in-memory one) to ``target``; root metadata last.
+
+    The target's first write is the root of a new, incomplete store with no rows (over the old
+    root, with ``overwrite``); then the old store's objects are deleted and the source's copied.
+    A copy killed partway leaves an incomplete store listing no row (never the old root over
+    missing files): run it again with ``overwrite=True`` (FORMAT.md section 7).
 
     Temporary files (``*.tmp``: a writer's, or left by one killed) are not copied; a shard
     or reduction file whose committed bytes a reader reads from the file a killed resume
@@ -2743,7 +2801,12 @@ def copy_store(source: Any, target: Any, *, overwrite: bool = False) -> None:
                     f"{str(dst)!r} exists and is not empty but holds no Zarr store; choose another path or remove it "
                     "(overwrite=True only replaces stores); nothing was changed")
             refuse_foreign_entries(dst)
-            dst.clear()
+        # FORMAT.md section 7: the root of the copy's run comes first (incomplete, no rows), over the old
+        # store's root, then the old objects go, then the copy's objects, its own root last. Killed at any
+        # point, the target is the old store intact or an incomplete store listing no row of the old one;
+        # copy_store(..., overwrite=True) again completes it
+        dst.set("zarr.json", F.dumps(F.group_document({F.ATTRS_KEY: _copy_first_root()})))
+        dst.clear(keep=("zarr.json",))
         files = _committed_shard_files(source if isinstance(source, Store) else src)
         # (a key read from its kept file is copied even when its own is a folder, which lists no file by
         # that name; the files inside such a folder are no part of the store)

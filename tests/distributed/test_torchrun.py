@@ -193,6 +193,32 @@ class _Where:
         return {k[len(base) + 1:]: fs.cat_file(k) for k in fs.find(f"{base}/{prefix}")}
 
 
+def test_an_overwrite_under_torchrun_records_its_run_in_every_rank_store_and_resume_completes_it(captured, tmp_path):
+    """overwrite=True over a committed store, a rank killed: the store opens as the new run
+    (incomplete), showing only rank stores that record its run (distributed.run_id, gathered
+    from rank 0 by every rank); a resume ends equal to an uninterrupted capture."""
+    from activationscope.store import copy_store
+
+    ref_path, _, _ = captured
+    store = tmp_path / "again.zarr"
+    copy_store(acs.open_store(ref_path), store)
+    old = acs.open_store(store).attrs
+    out = _torchrun(store, "--overwrite", "--die-at-batch", "17", "--die-rank", "1")
+    assert out.returncode != 0 and "exitcode: 3" in out.stderr
+    st = acs.open_store(store)
+    run = st.attrs["distributed"]["run_id"]
+    assert st.status == "incomplete" and st.attrs["run_id"] == run != old["run_id"] and st.ranks == [0, 1]
+    assert "other_runs" not in st.attrs["distributed"] and st.attrs["format"]["version"] == 2
+    for r in (0, 1):
+        assert acs.open_store(store / "ranks" / f"{r:05d}").attrs["rank_store"]["run_id"] == run
+    out = _torchrun(store, "--resume")
+    assert out.returncode == 0, out.stderr[-3000:]
+    st, ref = acs.open_store(store), acs.open_store(ref_path)
+    assert st.status == "complete" and st.attrs["run_id"] == run and st.verify() == []
+    for hp in ref.hook_points:
+        assert torch.equal(st[hp].view(torch.int32), ref[hp].view(torch.int32))
+
+
 @pytest.mark.parametrize("where,how", [("local", "exit"), ("local", "sigkill"), ("s3", "exit")])
 def test_a_killed_rank_leaves_rank_stores_and_resume_ends_identical(captured, tmp_path, request, where, how):
     """Rank 1 dies mid-forward (os._exit, or SIGKILL of its pid). The root opens incomplete
@@ -452,7 +478,8 @@ def test_consolidate_refuses_a_world_size_other_than_the_capture_s(tmp_path, cap
     store = tmp_path / "rk.zarr"
     _small_rank_stores(store, tasks=(0,))
     rank0 = json.loads((store / "ranks" / "00000" / "zarr.json").read_text())["attributes"]["activationscope"]
-    assert rank0["rank_store"] == {"rank": 0, "world_size": 2}
+    root = json.loads((store / "zarr.json").read_text())["attributes"]["activationscope"]
+    assert rank0["rank_store"] == {"rank": 0, "world_size": 2, "run_id": root["distributed"]["run_id"]}
     before = _tree(store)
     for n in (1, 3):
         assert cli.main(["consolidate", str(store), "--world-size", str(n)]) == 1
@@ -1083,7 +1110,8 @@ def test_prepare_root_refuses_a_damaged_root_document(tmp_path, damaged):
         assert (store / "zarr.json").read_text() == damaged
     prepare_root(store, world_size=2, overwrite=True)
     doc = json.loads((store / "zarr.json").read_text())
-    assert doc["attributes"]["activationscope"]["distributed"] == {"world_size": 2, "committed": False}
+    attrs = doc["attributes"]["activationscope"]
+    assert attrs["distributed"] == {"world_size": 2, "committed": False, "run_id": attrs["run_id"]}
 
 
 def test_consolidate_keeps_every_rank_s_provenance_and_resumes(tmp_path):

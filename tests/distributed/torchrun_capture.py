@@ -1,6 +1,6 @@
 """A capture script run by the tests under torchrun (or as one process with WORLD_SIZE unset).
 
-    torchrun --standalone --nproc_per_node=2 torchrun_capture.py STORE [--resume] [--die-at-batch K --die-rank R
+    torchrun --standalone --nproc_per_node=2 torchrun_capture.py STORE [--resume] [--overwrite] [--die-at-batch K --die-rank R
                                                                          [--die-once] [--die-how exit|sigkill]] [--plain-init]
                                                                          [--storage-options JSON]
 
@@ -60,6 +60,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("store")
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--overwrite", action="store_true")
     p.add_argument("--die-at-batch", type=int, default=-1)
     p.add_argument("--die-rank", type=int, default=1)
     p.add_argument("--die-once", action="store_true")
@@ -78,7 +79,7 @@ def main() -> None:
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     model = toy_mlp(WIDTH, 3).eval().to(args.device)
     scope = acs.ActivationScope(store=args.store, reductions=["mean", "var", "cov"],
-                                store_options={**STORE_OPTIONS, "resume": args.resume,
+                                store_options={**STORE_OPTIONS, "resume": args.resume, "overwrite": args.overwrite,
                                                **({"storage_options": args.storage_options} if args.storage_options else {})})
     with scope.track(model) as tracker, torch.no_grad():
         skip = tracker.resume_from // BATCH

@@ -1,0 +1,244 @@
+"""The overwrite of a multi-rank store (rank 0's prepare_root) killed at any step: the store
+is the old run intact or an incomplete store of the new run that shows no row of the old run
+(neither its arrays nor its leftover rank stores), and rerunning the capture (overwrite, or
+resume) completes it (FORMAT.md section 10), on a local folder, in fsspec memory and on S3."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+import activationscope as acs
+from activationscope.store import _backend as B
+from activationscope.store.ranks import commit_ranks, prepare_root
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import torchrun_capture as job  # noqa: E402
+
+WORLD = 2
+
+
+class _Killed(BaseException):
+    """Stands for rank 0's process dying (nothing of it runs after it)."""
+
+
+def _where(request, where: str) -> tuple[str, dict | None]:
+    name = f"ranks-{uuid.uuid4().hex}.zarr"
+    if where == "s3":
+        return f"s3://acs-ranks/{name}", request.getfixturevalue("s3")
+    if where == "local":
+        return str(request.getfixturevalue("tmp_path") / name), None
+    return f"memory://acs/{name}", None
+
+
+@pytest.fixture(params=["local", "memory", "s3"])
+def target(request):
+    return _where(request, request.param)
+
+
+def _model(seed: int) -> torch.nn.Module:
+    model = job.toy_mlp(job.WIDTH, 3).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)))
+    return model
+
+
+def _strip_run_ids(url: str, so) -> None:
+    """Make the store look written before rank stores recorded their run (no
+    ``distributed.run_id`` in the root, no ``rank_store.run_id`` in the rank stores)."""
+    b = B.resolve(url, storage_options=so)
+    for key in ["zarr.json"] + [f"ranks/{r:05d}/zarr.json" for r in range(WORLD)]:
+        doc = json.loads(b.get(key))
+        attrs = doc["attributes"]["activationscope"]
+        (attrs.get("distributed") or {}).pop("run_id", None)
+        (attrs.get("rank_store") or {}).pop("run_id", None)
+        b.set(key, json.dumps(doc).encode())
+
+
+def _old_store(url: str, so, kind: str) -> dict:
+    """The store the overwrite replaces: ``committed``, its rank stores ``uncommitted``, or
+    uncommitted as written before run ids (``legacy``). Returns its root attributes."""
+    if B.resolve(url, storage_options=so).get("zarr.json") is not None:
+        prepare_root(url, world_size=WORLD, overwrite=True, storage_options=so)
+    job.capture_rank_stores(url, ["mean"], WORLD, storage_options=so, model=_model(0))
+    if kind == "committed":
+        commit_ranks(url, storage_options=so)
+    elif kind == "legacy":
+        _strip_run_ids(url, so)
+    st = acs.open_store(url, storage_options=so)
+    assert st.n_samples == job.N_BATCHES * job.BATCH
+    return dict(st.attrs)
+
+
+def _die_at(monkeypatch, step: int) -> list:
+    """The ``step``-th write or delete of a store object (the lock excluded) raises _Killed
+    before it happens; returns the operations made before it."""
+    done: list = []
+
+    def wrap(fn, what):
+        def run(*args, **kwargs):
+            key = str(args[-1]) if what != "set" else args[1]
+            if not key.endswith(B.LOCK_KEY):
+                if len(done) == step:
+                    if what == "rmtree":  # killed partway through a folder: every other file of it gone
+                        files = sorted(p for p in Path(key).rglob("*") if p.is_file())
+                        for p in files[::2]:
+                            p.unlink()
+                    raise _Killed
+                done.append(("delete" if what == "rmtree" else what, key))
+            return fn(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(B.ZarrBackend, "set", wrap(B.ZarrBackend.set, "set"))
+    monkeypatch.setattr(B.ZarrBackend, "delete", wrap(B.ZarrBackend.delete, "delete"))
+    monkeypatch.setattr(B.LocalBackend, "set", wrap(B.LocalBackend.set, "set"))
+    monkeypatch.setattr(B.shutil, "rmtree", wrap(shutil.rmtree, "rmtree"))
+    monkeypatch.setattr(B.Path, "unlink", wrap(Path.unlink, "delete"))
+    return done
+
+
+def _state(url: str, so, old: dict) -> str:
+    """'old' (the old run as it was) or 'new' (an incomplete store of another run, no row)."""
+    st = acs.open_store(url, storage_options=so)
+    if st.attrs.get("run_id") == old["run_id"]:
+        assert st.status == old["status"] and st.n_samples == old["n_samples"]
+        assert st.verify() == []
+        return "old"
+    assert st.status == "incomplete" and st.n_samples == 0 and st.hook_points == []
+    assert st.attrs["distributed"]["committed"] is False
+    return "new"
+
+
+def _n_steps(url: str, so) -> int:
+    """The writes and deletes an overwrite of the store makes: its root, then one delete per
+    other object (object storage) or per top-level entry (a local folder's, removed whole);
+    the count varies with the rank stores' commits (one row-table part each)."""
+    b = B.resolve(url, storage_options=so)
+    if isinstance(b, B.LocalBackend):
+        return 1 + sum(p.name not in ("zarr.json", B.LOCK_KEY) for p in b.root.iterdir())
+    return 1 + sum(key != "zarr.json" for key in b.list(""))
+
+
+@pytest.mark.parametrize("kind", ["committed", "uncommitted", "legacy"])
+def test_a_multi_rank_overwrite_killed_at_each_step_leaves_the_old_run_or_an_empty_new_one(target, kind,
+                                                                                            monkeypatch):
+    url, so = target
+    for at in ("first", "root", "second", "half", "last"):
+        old = _old_store(url, so, kind)
+        n = _n_steps(url, so)
+        assert n >= 2
+        step = {"first": 0, "root": 1, "second": min(2, n - 1), "half": n // 2, "last": n - 1}[at]
+        done = _die_at(monkeypatch, step)
+        with pytest.raises(_Killed):
+            prepare_root(url, world_size=WORLD, overwrite=True, storage_options=so)
+        monkeypatch.undo()
+        assert _state(url, so, old) == ("old" if step == 0 else "new"), (step, done)
+        if step:
+            assert done[0] == ("set", "zarr.json")  # the new run's root first
+            st = acs.open_store(url, storage_options=so)
+            if kind != "committed" and not any("ranks" in k for _, k in done[1:]):
+                # every old rank store is still there, and none is shown as this run's
+                assert st.attrs["distributed"].get("other_runs") == list(range(WORLD))
+            with pytest.raises(acs.StoreError):  # consolidate writes nothing of the old run
+                commit_ranks(url, storage_options=so)
+            assert _state(url, so, old) == "new"
+
+
+@pytest.mark.parametrize("then", ["overwrite", "resume"])
+@pytest.mark.parametrize("kind", ["committed", "uncommitted", "legacy"])
+def test_a_killed_multi_rank_overwrite_is_completed_by_rerunning_it(target, kind, then, monkeypatch):
+    url, so = target
+    old = _old_store(url, so, kind)
+    _die_at(monkeypatch, 1)  # the new root written, nothing of the old run deleted
+    with pytest.raises(_Killed):
+        prepare_root(url, world_size=WORLD, overwrite=True, storage_options=so)
+    monkeypatch.undo()
+    killed_run = acs.open_store(url, storage_options=so).attrs["run_id"]
+    run = prepare_root(url, world_size=WORLD, overwrite=then == "overwrite", resume=then == "resume",
+                       storage_options=so)  # (rank 0's step of the rerun)
+    st = acs.open_store(url, storage_options=so)
+    assert (st.attrs["run_id"] == killed_run) == (then == "resume") and run == st.attrs["distributed"]["run_id"]
+    assert st.n_samples == 0 and not list(B.resolve(url, storage_options=so).list("acts/"))
+    job.capture_rank_stores(url, ["mean"], WORLD, storage_options=so, model=_model(1))
+    for r in range(WORLD):
+        assert acs.open_store(f"{url}/ranks/{r:05d}", storage_options=so).attrs["rank_store"]["run_id"] == run
+    commit_ranks(url, storage_options=so)
+    st = acs.open_store(url, storage_options=so)
+    ref = f"memory://acs/ref-{uuid.uuid4().hex}.zarr"
+    job.capture_rank_stores(ref, ["mean"], WORLD, model=_model(1))
+    commit_ranks(ref)
+    ref = acs.open_store(ref)
+    assert st.status == "complete" and st.attrs["run_id"] != old["run_id"] and st.verify() == []
+    assert st.attrs["model"] == ref.attrs["model"] != old["model"]
+    for hp in ref.hook_points:
+        assert torch.equal(st[hp], ref[hp])
+    assert not list(B.resolve(url, storage_options=so).list("ranks/"))
+
+
+def test_a_rank_store_of_another_run_is_overwritten_not_resumed(tmp_path):
+    """A rank task (RankStore) resuming under a root of another run than its rank store's
+    starts that rank store again instead of continuing the other run's rows."""
+    url = str(tmp_path / "s.zarr")
+    job.capture_rank_stores(url, ["mean"], WORLD, model=_model(0))
+    b = B.resolve(url)
+    doc = json.loads(b.get("zarr.json"))
+    doc["attributes"]["activationscope"]["distributed"]["run_id"] = uuid.uuid4().hex  # (as a killed overwrite leaves)
+    b.set("zarr.json", json.dumps(doc).encode())
+    assert acs.open_store(url).n_samples == 0
+    scope = acs.ActivationScope(store=url, reductions=["mean"], store_options={
+        **job.STORE_OPTIONS, "resume": True, "process_group": acs.RankStore(0, WORLD)})
+    model = _model(1)
+    with scope.track(model) as tracker, torch.no_grad():
+        assert tracker.resume_from == 0
+        tracker.set_batch(sample_ids=torch.arange(job.BATCH))
+        model(job.batch(0))
+    st = acs.open_store(url)
+    assert st.n_samples == job.BATCH and st.attrs["distributed"]["other_runs"] == [1]
+    with pytest.raises(acs.StoreError, match=r"rank store\(s\) \[1\] .* another run"):
+        commit_ranks(url)
+
+
+_CHILD = """
+import json, os, shutil, sys
+from activationscope.store import _backend as B
+from activationscope.store.ranks import prepare_root
+
+n = [0]
+def dying(fn):
+    def run(*args, **kwargs):
+        n[0] += 1
+        if n[0] == int(sys.argv[3]):
+            os._exit(9)  # killed while the old store's objects are being deleted
+        return fn(*args, **kwargs)
+    return run
+
+B.ZarrBackend.delete = dying(B.ZarrBackend.delete)
+B.shutil.rmtree = dying(shutil.rmtree)
+so = json.loads(sys.argv[2])
+prepare_root(sys.argv[1], world_size=2, overwrite=True, storage_options=so)
+"""
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_multi_rank_overwrite_whose_process_dies_is_resumed(request, where):
+    url, so = _where(request, where)
+    old = _old_store(url, so, "uncommitted")
+    env = {**os.environ, "PYTHONPATH": str(HERE.parents[1])}
+    done = subprocess.run([sys.executable, "-c", _CHILD, url, json.dumps(so), "1" if where == "local" else "3"], env=env, timeout=300)
+    assert done.returncode == 9
+    assert _state(url, so, old) == "new"
+    prepare_root(url, world_size=WORLD, resume=True, storage_options=so)  # (its lock taken over: a dead pid)
+    job.capture_rank_stores(url, ["mean"], WORLD, storage_options=so, model=_model(1))
+    commit_ranks(url, storage_options=so)
+    st = acs.open_store(url, storage_options=so)
+    assert st.status == "complete" and st.attrs["model"] != old["model"] and st.verify() == []
