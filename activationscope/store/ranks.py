@@ -41,7 +41,7 @@ from ..capture import _native
 from ..errors import ArgumentTypeError, ArgumentValueError, StoreCorruptError, StoreError, StoreExistsError
 from . import _format as F
 from . import _validate as V
-from ._backend import LocalBackend, check_backend_not_in_store, resolve
+from ._backend import LocalBackend, check_backend_not_in_store, refuse_foreign_entries, resolve
 from ._lock import WriterLock
 from .reader import (Store, _no_rank_column, check_rank_column_types, listed_rank_stores, rank_store_run_id,
                      ranks_run_id, split_rank_stores_by_run)
@@ -86,7 +86,10 @@ def prepare_root(target: Any, *, world_size: int, overwrite: bool = False, resum
     Raises
     ------
     StoreExistsError
-        Something is at ``target`` and neither ``overwrite`` nor ``resume`` is set.
+        Something is at ``target`` and neither ``overwrite`` nor ``resume`` is set; with
+        ``overwrite``, a non-empty folder (prefix) that holds no store, or a store whose folder
+        also holds entries that are not the store's (they would be deleted with it): nothing
+        is changed.
     StoreError
         ``resume`` of a store captured with another world size, or of a store whose ranks
         were already committed.
@@ -126,6 +129,9 @@ def _prepare_root(b: Any, world_size: int, overwrite: bool, resume: bool) -> str
                     "verify on it") from None
             attrs = None
         if overwrite:
+            # (entries of the user's in the store's folder would go with the old store: refused,
+            # as a one-process overwrite does)
+            refuse_foreign_entries(b)
             replacing = True
         elif resume and attrs is not None:
             dist = attrs.get("distributed") or {}
@@ -141,9 +147,9 @@ def _prepare_root(b: Any, world_size: int, overwrite: bool, resume: bool) -> str
             raise StoreExistsError(f"a store already exists at {str(b)!r} (status {status!r}); pass overwrite=True to "
                                    "replace it or resume=True to continue it")
     elif not b.is_empty():
-        if not overwrite:
-            raise StoreExistsError(f"{str(b)!r} exists and is not empty but holds no Zarr store; choose another path")
-        replacing = True
+        # not a store: never cleared, also with overwrite=True (as a one-process overwrite)
+        raise StoreExistsError(f"{str(b)!r} exists and is not empty but holds no Zarr store; choose another path "
+                               "or remove it (overwrite=True only replaces stores)")
     # FORMAT.md section 2: a new store (or an overwrite) is a new run with a run_id of its own; a
     # resume keeps the run it continues (its run_id, or none as written before run ids, and its
     # created), so readers opened before it read on rather than see another run in its place

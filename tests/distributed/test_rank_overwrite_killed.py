@@ -242,3 +242,24 @@ def test_a_multi_rank_overwrite_whose_process_dies_is_resumed(request, where):
     commit_ranks(url, storage_options=so)
     st = acs.open_store(url, storage_options=so)
     assert st.status == "complete" and st.attrs["model"] != old["model"] and st.verify() == []
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_an_overwrite_leaves_what_is_not_a_store_s_as_a_one_process_overwrite_does(request, where):
+    """A multi-rank overwrite cleared the whole folder (prefix): a note of the user's beside the
+    store went with it, and a folder that held no store at all was emptied. Both are now refused
+    with StoreExistsError naming what would be lost, nothing changed, as a one-process overwrite
+    refuses them."""
+    url, so = _where(request, where)
+    prepare_root(url, world_size=WORLD, storage_options=so)
+    b = B.resolve(url, storage_options=so)
+    b.set("notes.txt", b"mine")
+    root = b.get("zarr.json")
+    with pytest.raises(acs.StoreExistsError, match=r"not the store's \('notes.txt'\)"):
+        prepare_root(url, world_size=WORLD, overwrite=True, storage_options=so)
+    assert b.get("notes.txt") == b"mine" and b.get("zarr.json") == root
+    other = B.resolve(url.replace(".zarr", "-data"), storage_options=so)
+    other.set("a.bin", b"x")
+    with pytest.raises(acs.StoreExistsError, match="holds no Zarr store"):
+        prepare_root(url.replace(".zarr", "-data"), world_size=WORLD, overwrite=True, storage_options=so)
+    assert other.get("a.bin") == b"x" and other.get("zarr.json") is None
