@@ -124,6 +124,20 @@ def node_name(hook_point: str) -> str:
     return out
 
 
+#: The row kinds of a store's row tables (FORMAT.md section 3), in the order they are written.
+ROW_KINDS = ("sample", "token")
+
+
+def library_versions() -> dict:
+    """The ``library`` record of a root document: the activationscope, torch and zarr
+    versions of the writer (FORMAT.md section 2)."""
+    import zarr
+
+    from .._version import __version__
+
+    return {"activationscope": __version__, "torch": torch.__version__, "zarr": zarr.__version__}
+
+
 # ------------------------------------------------------------------------ codecs
 def parse_compression(compression: Any) -> dict | None:
     """Normalise ``compression=`` to the Zarr v3 codec document (or None).

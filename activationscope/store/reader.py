@@ -2740,14 +2740,12 @@ def _refuse_copy_onto_itself(src: Any, dst: Any) -> None:
 def _copy_first_root() -> dict:
     """The first root a copy writes at its target: a new store's first root (format version 1,
     status ``incomplete``, a run_id of its own, no rows, arrays, row-table parts or reductions)."""
-    from .writer import ROW_KINDS, _library_versions
-
     now = F.utc_now()
     return {
         "format": {"name": F.FORMAT_NAME, "version": F.FORMAT_VERSION}, "status": "incomplete", "created": now,
-        "run_id": uuid.uuid4().hex, "updated": now, "library": _library_versions(), "model": None,
+        "run_id": uuid.uuid4().hex, "updated": now, "library": F.library_versions(), "model": None,
         "capture_config": {}, "storage_dtype": None, "provenance": {}, "n_samples": 0, "n_batches": 0, "arrays": {},
-        "row_tables": {k: {"parts": [], "n_rows": 0, "columns": []} for k in ROW_KINDS}, "reductions": {},
+        "row_tables": {k: {"parts": [], "n_rows": 0, "columns": []} for k in F.ROW_KINDS}, "reductions": {},
     }
 
 

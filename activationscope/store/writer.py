@@ -64,7 +64,7 @@ from ._format import KEPT_SUFFIX, committed_reduction_files, committed_reduction
 from ._lock import WriterLock
 
 
-ROW_KINDS = ("sample", "token")
+ROW_KINDS = F.ROW_KINDS
 # threads writing a commit's manifests and array documents
 _IO_THREADS = 4
 #: A local folder whose first document write of a commit took less than this (seconds)
@@ -456,12 +456,7 @@ def resume_history(provenance: Mapping[str, Any]) -> list:
     return list(before) if isinstance(before, list) else ([] if before is None else [before])
 
 
-def _library_versions() -> dict:
-    import zarr
-
-    from .._version import __version__
-
-    return {"activationscope": __version__, "torch": torch.__version__, "zarr": zarr.__version__}
+_library_versions = F.library_versions  # (named so where the writer and ranks use it)
 
 
 def check_same_model(target: str, state: Mapping[str, Any], model: dict | None) -> None:
