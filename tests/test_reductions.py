@@ -97,11 +97,35 @@ def assert_matches(kind: str, got: dict, rows: torch.Tensor, rtol: float = 1e-10
         g = got[key].cpu()
         assert g.shape == w.shape, (key, g.shape, w.shape)
         assert g.dtype == w.dtype, (key, g.dtype, w.dtype)
+        if key == kind and kind in ("var", "std", "cov") and opts.get("ddof", 0) >= int(want["count"]) > 0:
+            assert_divided_by_zero(kind, g, rows, **opts)
+            continue
         if g.dtype.is_floating_point:
             assert g.dtype == torch.float64, key
             torch.testing.assert_close(g, w.to(g.dtype), rtol=rtol, atol=1e-12, equal_nan=True, msg=key)
         else:
             assert torch.equal(g, w.to(g.dtype)), (key, g, w)
+
+
+def assert_divided_by_zero(kind: str, got: torch.Tensor, rows: torch.Tensor, **opts) -> None:
+    """var / std / cov with ddof >= n divide the sums of squared deviations (co-moments) M by
+    0, as torch does: +-inf where M is away from 0, NaN where it is 0 (a constant column: its
+    mean is its value, its M exactly 0). An off-diagonal co-moment that is 0 in exact
+    arithmetic (uncorrelated columns) is a rounding residual of either sign in float64, in
+    torch's reference as in a streaming result: there inf, -inf and NaN are all right (|M| at
+    most 1e-9 of the Cauchy-Schwarz bound sqrt(M_ii M_jj))."""
+    base = "var" if kind == "std" else kind
+    m = reference(base, rows, **dict(opts, ddof=0))[base] * int(rows.shape[0] if opts.get("per_feature", 1)
+                                                                  else rows.numel())
+    want = torch.where(m > 0, torch.inf, torch.where(m < 0, -torch.inf, torch.nan))
+    clear = torch.ones_like(m, dtype=torch.bool)
+    if kind == "cov":
+        diag = m.diagonal()
+        bound = (diag[:, None] * diag[None, :]).sqrt()
+        clear = m.isnan() | (m.abs() > 1e-9 * bound) | torch.eye(m.shape[0], dtype=torch.bool)
+    same = (got == want) | (got.isnan() & want.isnan())
+    assert bool(same[clear].all()), (kind, got, want)
+    assert bool((got[~clear].isnan() | got[~clear].isinf()).all()), (kind, got)
 
 
 def exact_dtype(dtype: torch.dtype) -> torch.dtype:
