@@ -555,11 +555,130 @@ class LocalBackend:
 
     def restore_aside(self, aside: Path) -> None:
         """Put back a store :meth:`move_aside` moved: remove what is in the folder now (but the
-        writer lock), move the old entries back (root document last), remove ``aside``."""
+        writer lock; the new root document first, so that a process killed meanwhile leaves no
+        root at the path, which :meth:`finish_move_aside` recognises), move the old entries back
+        (root document last), remove ``aside``."""
+        try:
+            (self.root / "zarr.json").unlink()
+        except (FileNotFoundError, IsADirectoryError):  # (a folder there: clear() removes it)
+            pass
         self.clear()
         for p in sorted(Path(aside).iterdir(), key=lambda p: p.name == "zarr.json"):
             os.rename(p, self.root / p.name)
         Path(aside).rmdir()
+
+    def aside_folders(self) -> list[Path]:
+        """The folders :meth:`move_aside` made for this store that are still there
+        (``.<name>.replaced-<8 hex>`` next to the store folder's real path; real directories,
+        never links), empty ones included, sorted."""
+        try:
+            real = Path(os.path.realpath(self.root))
+            pattern = re.compile(re.escape(f".{real.name}.replaced-") + "[0-9a-f]{8}")
+            return sorted(p for p in real.parent.iterdir()
+                          if pattern.fullmatch(p.name) and p.is_dir() and not p.is_symlink())
+        except OSError:
+            return []
+
+    def drop_empty_aside_folders(self) -> None:
+        """Remove the empty folders of :meth:`aside_folders` (a process killed right after it
+        made one, or right before it removed one it emptied). A writer calls it under its
+        lock: no other :meth:`move_aside` of this store is filling one meanwhile."""
+        for p in self.aside_folders():
+            try:
+                p.rmdir()  # (fails, changing nothing, on a folder that is not empty)
+            except OSError:
+                pass
+
+    def moved_roots(self) -> list[Path]:
+        """The folders of :meth:`aside_folders` that hold the root document of an
+        activationscope store (``zarr.json`` with our attributes): a store an overwrite moved
+        aside, whole or in part."""
+        return [p for p in self.aside_folders() if (describe_local_path(p) or ("",))[0] == "store"]
+
+    def moved_aside_hint(self) -> str:
+        """For a message about a store folder that holds no root document: a sentence naming
+        the folder an interrupted overwrite moved the store's root into, and the ways out; ""
+        when there is none (or the store folder holds a root document)."""
+        try:
+            if not self.root.is_dir() or os.path.lexists(self.root / "zarr.json"):
+                return ""
+        except OSError:
+            return ""
+        moved = self.moved_roots()
+        if not moved:
+            return ""
+        shown = " and ".join(repr(str(p)) for p in moved)
+        left = sorted(p.name for p in self.root.iterdir() if p.name != LOCK_KEY)
+        here = (f"the path holds the rest of its entries ({', '.join(map(repr, left))})" if left
+                else "the path holds none of its entries")
+        return (f"an overwrite=True moved the store's root document (zarr.json) into {shown} and has not finished "
+                f"({here}): its writer was killed, or is still running. With no writer running, run the capture "
+                "again with overwrite=True (StoreWriter(..., overwrite=True) finishes the move, and puts the old store "
+                "back whole if the new one commits nothing), or, to keep the old store, move every entry of that "
+                f"folder back into {str(self.root)!r} (zarr.json last) and delete the empty folder")
+
+    def finish_move_aside(self) -> Path | None:
+        """``overwrite=True`` of a store folder that holds no root document: finish the move of
+        an overwrite whose process was killed in :meth:`move_aside` (or in
+        :meth:`restore_aside`), and return the folder that now holds the whole old store, for
+        the caller to settle as its own (delete once the new store commits, else put back).
+
+        Returns None, changing nothing, when no folder of :meth:`aside_folders` holds a root
+        document, or the store folder holds no entry (but the lock) and two or more do. Raises
+        StoreExistsError, changing nothing, when what is left is ambiguous: two or more such
+        folders and entries left at the path, an entry that is not a store's, or a name held
+        both at the path and in the folder. Call it under the writer lock."""
+        if not self.root.is_dir() or os.path.lexists(self.root / "zarr.json"):
+            return None
+        moved = self.moved_roots()
+        if not moved:
+            return None
+        left = sorted(p.name for p in self.root.iterdir() if p.name != LOCK_KEY)
+        where = repr(str(self.root))
+        if not left:
+            return moved[0] if len(moved) == 1 else None
+        shown = _shown(left)
+        if len(moved) > 1:
+            raise StoreExistsError(
+                f"{where} holds no root document (zarr.json) but entries of a store ({shown}), and "
+                f"{len(moved)} folders next to it hold the root of a store that an overwrite=True moved aside and never "
+                f"settled ({', '.join(repr(str(p)) for p in moved)}): which one those entries belong to cannot be "
+                "told; nothing was changed. Move them by hand into the folder they came from (or that folder's "
+                f"entries back into {where}, zarr.json last), delete what you do not keep, and run again")
+        aside = moved[0]
+        foreign = _foreign_names(left)
+        if foreign:
+            raise StoreExistsError(
+                f"{where} holds no root document (zarr.json): an overwrite=True moved it into {str(aside)!r} and was "
+                f"killed before it finished; but {where} also holds entries that are not a store's "
+                f"({_shown(foreign)}), which overwrite=True would delete with the old store; nothing was changed. "
+                f"Move them out of {where} (or remove them) and run again")
+        both = sorted(set(left) & {p.name for p in aside.iterdir()})
+        if both:
+            raise StoreExistsError(
+                f"{where} holds no root document (zarr.json): an overwrite=True moved it into {str(aside)!r}, but "
+                f"both hold {_shown(both)}, so those are not the two halves of one interrupted move (a writer killed "
+                f"while it removed a new store that committed nothing, to put the old one back, leaves its files "
+                f"at the path); nothing was changed. If open_store({str(aside)!r}).verify() reports no problem, the "
+                f"old store is whole there: remove those entries from {where} and run again; else move the entries "
+                f"you keep back into {where} by hand (zarr.json last)")
+        done: list[str] = []
+        try:
+            for name in left:
+                os.rename(self.root / name, aside / name)
+                done.append(name)
+        except OSError as e:
+            undone = True
+            for name in reversed(done):  # as found
+                try:
+                    os.rename(aside / name, self.root / name)
+                except OSError:
+                    undone = False
+            raise StoreError(
+                f"overwrite: finishing the move of the old store {where} into {str(aside)!r} failed: {e.strerror or e}; "
+                + ("nothing was changed" if undone else "some of its entries could not be moved back, and are in that "
+                   "folder with the rest: once the cause is fixed, run again with overwrite=True")) from e
+        return aside
 
 
 def _read_for_zarr(backend: "LocalBackend", key: str, prototype: Any, byte_range: Any) -> Any:
@@ -1202,6 +1321,18 @@ _STORE_ENTRIES = frozenset({"zarr.json", "acts", "rows", "reductions", "ranks", 
 _OS_CLUTTER = frozenset({".DS_Store", "Thumbs.db", "desktop.ini"})
 
 
+def _foreign_names(names: Collection[str]) -> list[str]:
+    """The names of ``names`` (top-level entries of a store folder) that are not a store's:
+    neither a store entry, nor file-manager clutter, nor a temporary file. Sorted."""
+    return sorted(n for n in names if n not in _STORE_ENTRIES and n not in _OS_CLUTTER
+                  and not n.endswith(".tmp") and not n.startswith("._"))  # (._*: macOS AppleDouble)
+
+
+def _shown(names: list[str]) -> str:
+    """At most five names quoted, for a message."""
+    return ", ".join(repr(n) for n in names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
 def refuse_foreign_entries(backend: Any) -> None:
     """Refuse replacing an activationscope store (``overwrite=True``, ``copy_store``) whose
     folder (or prefix, on object storage and ``memory://``) also holds entries that are not
@@ -1222,10 +1353,9 @@ def refuse_foreign_entries(backend: Any) -> None:
         if not isinstance(attrs, dict) or not isinstance(attrs.get(_format.ATTRS_KEY), dict):
             return
         names = {key.split("/", 1)[0] for key in backend.list("")}
-    foreign = sorted(n for n in names if n not in _STORE_ENTRIES and n not in _OS_CLUTTER
-                     and not n.endswith(".tmp") and not n.startswith("._"))  # (._*: macOS AppleDouble)
+    foreign = _foreign_names(names)
     if foreign:
-        shown = ", ".join(repr(n) for n in foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        shown = _shown(foreign)
         raise StoreExistsError(
             f"overwrite=True would delete {len(foreign)} entr{'y' if len(foreign) == 1 else 'ies'} of "
             f"{str(backend)!r} that {'is' if len(foreign) == 1 else 'are'} not the store's ({shown}) together with "

@@ -389,6 +389,10 @@ class Store:
                     raise StoreError(f"no store at {str(self._backend)!r}: it is a file, and a store is a folder")
                 if not root.exists():
                     raise StoreError(f"no store at {str(self._backend)!r}: nothing is there")
+                moved = self._backend.moved_aside_hint()
+                if moved:
+                    raise StoreError(f"no store at {str(self._backend)!r}: it holds no root document (zarr.json); "
+                                     f"{moved}")
             raise StoreError(f"no store at {str(self._backend)!r} (no zarr.json)")
         try:
             attrs = V.parse_root(raw, store=self._backend)
@@ -2795,6 +2799,10 @@ def copy_store(source: Any, target: Any, *, overwrite: bool = False) -> None:
             # as StoreWriter(overwrite=True): a store is replaced, nothing else (a folder of one's own files,
             # or a store's folder holding other entries, was cleared with it)
             if dst.size("zarr.json") is None:
+                moved = dst.moved_aside_hint() if isinstance(dst, LocalBackend) else ""
+                if moved:
+                    raise StoreExistsError(f"{str(dst)!r} holds no root document (zarr.json): {moved}; then copy "
+                                           "again; nothing was changed")
                 raise StoreExistsError(
                     f"{str(dst)!r} exists and is not empty but holds no Zarr store; choose another path or remove it "
                     "(overwrite=True only replaces stores); nothing was changed")

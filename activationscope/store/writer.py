@@ -17,14 +17,12 @@ from __future__ import annotations
 import atexit
 import ctypes
 import functools
-import glob
 import hashlib
 import io
 import json
 import math
 import operator
 import os
-import re
 import shutil
 import stat
 import tempfile
@@ -948,19 +946,17 @@ class StoreWriter:
                 staging()
             raise
 
-    def _warn_left_aside(self) -> None:
+    def _warn_left_aside(self, adopted: Path | None = None) -> None:
         """Local stores: warn about a store an earlier ``overwrite=True`` moved aside next to
         this one (``.<name>.replaced-<hex>``, FORMAT.md section 7) and never settled: its writer
         was killed before its new store committed a forward (the old store should have gone
-        back) or before it deleted the old one. Only a person can tell which to keep."""
+        back) or before it deleted the old one. Only a person can tell which to keep. The folder
+        this writer took over (``adopted``, see ``LocalBackend.finish_move_aside``) is its own."""
         b = self._backend
         if not isinstance(b, LocalBackend):
             return
         try:
-            real = Path(os.path.realpath(b.root))
-            left = sorted(str(p) for p in real.parent.glob(f".{glob.escape(real.name)}.replaced-*")
-                          if p.is_dir() and not p.is_symlink()
-                          and re.fullmatch(r"[0-9a-f]{8}", p.name.rsplit("-", 1)[1]))
+            left = [str(p) for p in b.aside_folders() if p != adopted and any(p.iterdir())]
         except OSError:
             return
         if left:
@@ -973,10 +969,26 @@ class StoreWriter:
 
     def _open_existing(self, overwrite: bool, resume: bool) -> None:
         """Check what is at the target (under the writer lock) and set up the state."""
+        b = self._backend
+        adopted = None  # overwrite: the folder an interrupted overwrite moved the old store into
+        moved = ""  # a local folder with no root document whose root an interrupted overwrite moved aside
+        if isinstance(b, LocalBackend) and (overwrite or resume):
+            b.drop_empty_aside_folders()
+            if overwrite and not self._writer_lock.created_root:  # (a folder that was not there holds nothing)
+                adopted = b.finish_move_aside()  # (refuses, changing nothing, what it cannot tell apart)
+            elif resume:
+                moved = b.moved_aside_hint()
+        if moved:  # (resume: its error names the folder, no warning first)
+            raise StoreError(f"resume=True needs a store to continue, but {str(b)!r} holds no root document "
+                             f"(zarr.json): {moved}; nothing was changed")
         if overwrite or resume:
-            self._warn_left_aside()  # (before this writer moves one aside of its own)
+            self._warn_left_aside(adopted)  # (before this writer moves one aside of its own)
         if overwrite:
-            if self._backend.size("zarr.json") is not None or self._backend.is_empty():
+            if adopted is not None:
+                # the old store, whole again in the folder the killed overwrite made: settled as one
+                # this writer moved (deleted once the new store commits, else put back)
+                self._aside = adopted
+            elif self._backend.size("zarr.json") is not None or self._backend.is_empty():
                 # a store (even a damaged one) or nothing: replaced. A local one is moved aside
                 # and deleted only once the new one has committed (restored if it fails first).
                 refuse_foreign_entries(self._backend)

@@ -1,0 +1,305 @@
+"""``overwrite=True`` on a local store moves the old store's entries into
+``.<name>.replaced-<hex>`` one rename at a time (root document first) and moves them back
+(root document last) when the new store commits nothing. A process killed between two of
+those renames leaves the store split between the two folders; running the capture again with
+``overwrite=True`` finishes the move and settles that folder as its own: deleted once the new
+store commits, else the old store back whole at the path (FORMAT.md section 7). Readers, a
+resume and ``copy_store`` name the folder and the ways out; anything ambiguous is refused,
+changing nothing."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import activationscope as acs
+from activationscope.errors import StoreError, StoreExistsError
+from activationscope.store import StoreWriter, copy_store, open_store
+
+from hostile import FEATURE, HP, make_store, run_python
+
+LOCK = ".activationscope-writer.lock"
+ENTRIES = ["acts", "reductions", "rows", "zarr.json"]  # what make_store's folder holds (the lock aside)
+
+# Kills the process (os._exit: no finally, no atexit) at the rename number argv[3] (0-based) of
+# the old store's entries: into the aside folder ("aside": StoreWriter(overwrite=True) moving the
+# old store), or out of it ("restore": the new store aborted before committing, the old one put
+# back). "aside-done": killed right after the whole move, before the new store's first root.
+# "clear": killed while the new store's entries are removed to put the old one back.
+_CHILD = r"""
+import os, shutil, sys
+from activationscope.store import StoreWriter
+from activationscope.store import _backend as B
+
+path, phase, k = sys.argv[1], sys.argv[2], int(sys.argv[3])
+rename, n = os.rename, [0]
+
+def dying_rename(src, dst, *args, **kwargs):
+    s, d = os.path.basename(os.path.dirname(os.fspath(src))), os.path.basename(os.path.dirname(os.fspath(dst)))
+    if ".replaced-" in (d if phase == "aside" else s if phase == "restore" else ""):
+        if n[0] == k:
+            os._exit(9)
+        n[0] += 1
+    return rename(src, dst, *args, **kwargs)
+
+os.rename = dying_rename
+if phase == "aside-done":
+    move = B.LocalBackend.move_aside
+    def move_then_die(self):
+        move(self)
+        os._exit(9)
+    B.LocalBackend.move_aside = move_then_die
+if phase == "clear":
+    B.shutil.rmtree = lambda *a, **k: os._exit(9)
+w = StoreWriter(path, overwrite=True)
+w.abort(RuntimeError("stop"))  # (restore, clear: the new store committed nothing: the old one goes back)
+os._exit(0)
+"""
+
+
+def _files(p: Path) -> dict[str, bytes]:
+    return {str(q.relative_to(p)): q.read_bytes() for q in sorted(p.rglob("*")) if q.is_file() and q.name != LOCK}
+
+
+def _everything(top: Path) -> dict[str, bytes | None]:
+    """Every entry under ``top`` (folders and the writer lock as None): 'nothing changed'."""
+    return {str(q.relative_to(top)): (q.read_bytes() if q.is_file() and q.name != LOCK else None)
+            for q in sorted(top.rglob("*"))}
+
+
+def _asides(top: Path) -> list[Path]:
+    return sorted(p for p in top.iterdir() if p.name.startswith(".s.zarr.replaced-"))
+
+
+def _assert_split(path: Path, aside: Path, n_aside: int, root_aside: bool) -> None:
+    here = {p.name for p in path.iterdir() if p.name != LOCK}
+    there = {p.name for p in aside.iterdir()}
+    assert sorted(here | there) == ENTRIES and not here & there and len(there) == n_aside
+    assert ("zarr.json" in there) == root_aside
+
+
+def _kill(path: Path, phase: str, k: int) -> None:
+    done = run_python(_CHILD, str(path), phase, str(k))
+    assert done.returncode == 9, done.stderr
+
+
+class _FailsAt(torch.nn.Module):
+    def __init__(self, fail_at: int) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(FEATURE, 4)
+        self.fail_at, self.calls = fail_at, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls - 1 == self.fail_at:
+            raise RuntimeError(f"forward {self.fail_at} fails")
+        return self.lin(x)
+
+
+def _capture(path: Path, model: torch.nn.Module, n_batches: int) -> None:
+    scope = acs.ActivationScope(store=str(path), store_options={"overwrite": True})
+    with scope.track(model, include=["lin"]) as tracker, torch.no_grad():
+        for _ in range(n_batches):
+            tracker.set_batch()
+            model(torch.randn(8, FEATURE))
+
+
+def _rerun(path: Path, outcome: str, before: dict[str, bytes], data: torch.Tensor) -> None:
+    """Run the capture again with overwrite=True: it commits (the new store, the old one gone)
+    or fails in its first forward (the old store back, byte for byte); no folder left aside."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (the folder it finishes is its own: no warning about it)
+        if outcome == "commits":
+            _capture(path, _FailsAt(-1), 2)
+        else:
+            with pytest.raises(RuntimeError, match="forward 0 fails"):
+                _capture(path, _FailsAt(0), 3)
+    assert sorted(p.name for p in path.parent.iterdir()) == ["s.zarr"]  # no folder aside
+    s = open_store(path)
+    assert s.verify() == []
+    if outcome == "commits":
+        assert s.hook_points == ["lin.output"] and s.n_samples == 16 and s.status == "complete"
+        assert s["lin.output"].shape == (16, 4) and not (path / "acts" / HP).exists()
+    else:
+        assert _files(path) == before
+        assert torch.equal(s[HP], data) and s.hook_points == [HP]
+
+
+@pytest.mark.parametrize("outcome", ["commits", "fails"])
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_overwrite_killed_while_moving_the_old_store_aside_is_finished_by_a_rerun(tmp_path, k, outcome):
+    path = tmp_path / "s.zarr"
+    data = make_store(path, n_rows=96)
+    before = _files(path)
+    _kill(path, "aside", k)
+    (aside,) = _asides(tmp_path)
+    # the interrupted state: the root and k - 1 more entries aside (in directory order), the rest at the path
+    _assert_split(path, aside, n_aside=k, root_aside=True)
+    _rerun(path, outcome, before, data)
+
+
+@pytest.mark.parametrize("outcome", ["commits", "fails"])
+@pytest.mark.parametrize("phase, k", [("aside", 0), ("aside-done", 0)])
+def test_overwrite_killed_before_or_after_every_rename_is_settled_by_a_rerun(tmp_path, phase, k, outcome):
+    """Killed before the first rename (an empty folder aside, the store whole at the path) or
+    after the last one (the path empty but for the lock, the whole store aside)."""
+    path = tmp_path / "s.zarr"
+    data = make_store(path, n_rows=96)
+    before = _files(path)
+    _kill(path, phase, k)
+    (aside,) = _asides(tmp_path)
+    assert sorted(p.name for p in aside.iterdir()) == ([] if phase == "aside" else ENTRIES)
+    _rerun(path, outcome, before, data)
+
+
+@pytest.mark.parametrize("outcome", ["commits", "fails"])
+@pytest.mark.parametrize("k", [0, 1, 3])
+def test_overwrite_killed_while_putting_the_old_store_back_is_finished_by_a_rerun(tmp_path, k, outcome):
+    path = tmp_path / "s.zarr"
+    data = make_store(path, n_rows=96)
+    before = _files(path)
+    _kill(path, "restore", k)
+    (aside,) = _asides(tmp_path)
+    # moved back root last: the new store gone, k old entries back
+    _assert_split(path, aside, n_aside=len(ENTRIES) - k, root_aside=True)
+    _rerun(path, outcome, before, data)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_a_reader_a_resume_and_a_copy_name_the_folder_of_an_interrupted_overwrite(tmp_path, k):
+    path = tmp_path / "s.zarr"
+    data = make_store(path, n_rows=96)
+    before = _files(path)
+    _kill(path, "aside", k)
+    (aside,) = _asides(tmp_path)
+    found = _everything(tmp_path)
+    fix = rf"moved the store's root document \(zarr\.json\) into '{aside}'.*overwrite=True.*zarr\.json last"
+    with pytest.raises(StoreError, match=rf"no store at '{path}': it holds no root document.*{fix}"):
+        open_store(path)
+    with pytest.raises(StoreError, match=rf"resume=True needs a store to continue.*{fix}.*nothing was changed"):
+        StoreWriter(path, resume=True)
+    src = tmp_path.parent / f"{tmp_path.name}-src.zarr"
+    make_store(src, n_rows=32)
+    with pytest.raises(StoreExistsError, match=rf"{fix}.*then copy again; nothing was changed"):
+        copy_store(open_store(src), path, overwrite=True)
+    assert _everything(tmp_path) == found
+    # following the second way out: the entries moved back by hand, zarr.json last
+    for p in sorted(aside.iterdir(), key=lambda p: p.name == "zarr.json"):
+        os.rename(p, path / p.name)
+    aside.rmdir()
+    assert _files(path) == before and torch.equal(open_store(path)[HP], data)
+
+
+def _split(path: Path, aside: Path, moved: list[str]) -> None:
+    """The state of an overwrite killed after moving ``moved`` (root first) into ``aside``."""
+    aside.mkdir()
+    for name in moved:
+        os.rename(path / name, aside / name)
+
+
+def test_two_folders_holding_a_moved_root_are_refused_naming_both(tmp_path):
+    path = tmp_path / "s.zarr"
+    make_store(path, n_rows=96)
+    other = tmp_path / "t.zarr"
+    make_store(other, n_rows=32)
+    _split(path, tmp_path / ".s.zarr.replaced-0000aaaa", ["zarr.json", "acts"])
+    shutil.move(other, tmp_path / ".s.zarr.replaced-0000bbbb")
+    found = _everything(tmp_path)
+    with pytest.raises(StoreExistsError, match=r"holds no root document.*'reductions', 'rows'.*2 folders.*"
+                                               r"\.s\.zarr\.replaced-0000aaaa.*\.s\.zarr\.replaced-0000bbbb.*"
+                                               r"cannot be told; nothing was changed") as e:
+        _capture(path, _FailsAt(-1), 1)
+    assert isinstance(e.value, FileExistsError)
+    assert _everything(tmp_path) == found
+
+
+def test_an_entry_that_is_not_a_store_s_is_refused(tmp_path):
+    path = tmp_path / "s.zarr"
+    make_store(path, n_rows=96)
+    (path / "NOTES.txt").write_text("mine")
+    _split(path, tmp_path / ".s.zarr.replaced-0000aaaa", ["zarr.json", "acts"])
+    found = _everything(tmp_path)
+    with pytest.raises(StoreExistsError, match=r"replaced-0000aaaa.*not a store's \('NOTES\.txt'\).*nothing was "
+                                               r"changed\. Move them out"):
+        _capture(path, _FailsAt(-1), 1)
+    assert _everything(tmp_path) == found
+
+
+def test_a_name_at_the_path_and_in_the_folder_is_refused_and_the_advice_works(tmp_path):
+    """Killed while it removed the new store (no root at the path, its 'acts' left there) to
+    put the old one back: not the two halves of one move. Refused, naming both; following its
+    advice (the old store verifies whole in the folder: remove the path's entries) a rerun
+    settles it."""
+    path = tmp_path / "s.zarr"
+    data = make_store(path, n_rows=96)
+    before = _files(path)
+    _kill(path, "clear", 0)
+    (aside,) = _asides(tmp_path)
+    assert sorted(p.name for p in path.iterdir() if p.name != LOCK) == ["acts"]
+    assert _files(aside) == before  # the whole old store
+    found = _everything(tmp_path)
+    with pytest.raises(StoreExistsError, match=rf"moved it into '{aside}', but both hold 'acts'.*nothing was changed\."
+                                               rf" If open_store\('{aside}'\)\.verify\(\) reports no problem"):
+        _capture(path, _FailsAt(-1), 1)
+    assert _everything(tmp_path) == found
+    assert open_store(aside).verify() == []
+    shutil.rmtree(path / "acts")
+    _rerun(path, "fails", before, data)
+
+
+def test_a_folder_aside_that_is_a_link_is_never_taken(tmp_path):
+    path = tmp_path / "s.zarr"
+    make_store(path, n_rows=96)
+    elsewhere = tmp_path / "elsewhere"
+    _split(path, elsewhere, ["zarr.json"])
+    (tmp_path / ".s.zarr.replaced-0000aaaa").symlink_to(elsewhere, target_is_directory=True)
+    found = _everything(tmp_path)
+    with pytest.raises(StoreExistsError, match="holds no Zarr store"):
+        _capture(path, _FailsAt(-1), 1)
+    assert _everything(tmp_path) == found
+
+
+def test_an_empty_path_with_two_folders_aside_makes_a_new_store_and_keeps_both(tmp_path):
+    """Nothing at the path to tell them apart, and nothing there to lose: a new store, both
+    folders kept and named in a warning."""
+    path = tmp_path / "s.zarr"
+    make_store(path, n_rows=96)
+    a, b = tmp_path / ".s.zarr.replaced-0000aaaa", tmp_path / ".s.zarr.replaced-0000bbbb"
+    _split(path, a, ENTRIES)
+    shutil.copytree(a, b)
+    held = _files(a)
+    with pytest.warns(RuntimeWarning, match=r"replaced-0000aaaa.*\(and 1 more\).*never settled"):
+        _capture(path, _FailsAt(-1), 2)
+    assert open_store(path).n_samples == 16
+    assert _files(a) == held and _files(b) == held
+
+
+def test_a_failed_rename_while_finishing_the_move_changes_nothing(tmp_path, monkeypatch):
+    from activationscope.store import _backend as B
+
+    path = tmp_path / "s.zarr"
+    data = make_store(path, n_rows=96)
+    before = _files(path)
+    aside = tmp_path / ".s.zarr.replaced-0000aaaa"
+    _split(path, aside, ["zarr.json"])
+    found = _everything(tmp_path)
+    rename, n = os.rename, [0]
+
+    def failing(src, dst):
+        n[0] += 1
+        if n[0] == 2:
+            raise OSError(28, "No space left on device")
+        rename(src, dst)
+
+    monkeypatch.setattr(B.os, "rename", failing)
+    with pytest.raises(StoreError, match=rf"finishing the move of the old store '{path}' into '{aside}' failed: "
+                                         r"No space left on device; nothing was changed"):
+        _capture(path, _FailsAt(-1), 1)
+    monkeypatch.undo()
+    assert n[0] == 3 and _everything(tmp_path) == found  # (one moved, one failed, the first moved back)
+    _rerun(path, "fails", before, data)
