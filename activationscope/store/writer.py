@@ -956,9 +956,17 @@ class StoreWriter:
         if not isinstance(b, LocalBackend):
             return
         try:
-            left = [str(p) for p in b.aside_folders() if p != adopted and any(p.iterdir())]
+            left = [p for p in b.aside_folders() if p != adopted and any(p.iterdir())]
+            remains = [str(p) for p in left if not os.path.lexists(p / "zarr.json")]
+            left = [str(p) for p in left if str(p) not in remains]
         except OSError:
             return
+        if remains:  # (a deletion of a settled old store cut short: its root document goes first)
+            warnings.warn(
+                f"store {str(b)!r}: {remains[0]!r}{f' (and {len(remains) - 1} more)' if len(remains) > 1 else ''} "
+                "holds what is left of a store an earlier overwrite=True replaced and was deleting (its root document "
+                "is gone: nothing reads it as a store); delete it, unless it holds entries you are moving back by hand",
+                RuntimeWarning, stacklevel=4)
         if left:
             warnings.warn(
                 f"store {str(b)!r}: {left[0]!r}{f' (and {len(left) - 1} more)' if len(left) > 1 else ''} holds a store "
@@ -2368,7 +2376,11 @@ class StoreWriter:
         aside, self._aside = self._aside, None
         if aside is None:
             return
-        if keep_new:
+        if keep_new:  # (its root document first: a deletion cut short leaves no store there)
+            try:
+                (aside / "zarr.json").unlink()
+            except OSError:
+                pass
             shutil.rmtree(aside, ignore_errors=True)
         else:
             try:

@@ -303,3 +303,34 @@ def test_a_failed_rename_while_finishing_the_move_changes_nothing(tmp_path, monk
     monkeypatch.undo()
     assert n[0] == 3 and _everything(tmp_path) == found  # (one moved, one failed, the first moved back)
     _rerun(path, "fails", before, data)
+
+
+def test_the_old_store_is_deleted_root_first_and_its_remains_are_named(tmp_path, monkeypatch):
+    """Once the new store commits, the folder aside goes, its root document first: a deletion
+    cut short (the process killed) leaves no store there, and the next overwrite or resume
+    warns that what is left may be deleted (not that it holds a store to move back)."""
+    from activationscope.store import writer as W
+
+    path = tmp_path / "s.zarr"
+    make_store(path, n_rows=96)
+    seen = []
+    rmtree = shutil.rmtree
+
+    def recording(p, *args, **kwargs):
+        if ".replaced-" in Path(p).name:
+            seen.append(sorted(q.name for q in Path(p).iterdir()))
+        return rmtree(p, *args, **kwargs)
+
+    monkeypatch.setattr(W.shutil, "rmtree", recording)
+    _capture(path, _FailsAt(-1), 1)
+    monkeypatch.undo()
+    assert seen == [["acts", "reductions", "rows"]] and _asides(tmp_path) == []
+    left = tmp_path / ".s.zarr.replaced-0000aaaa"  # as a deletion cut short leaves it
+    (left / "acts").mkdir(parents=True)
+    (left / "acts" / "zarr.json").write_text("{}")
+    for opts in ({"resume": True}, {"overwrite": True}):
+        with pytest.warns(RuntimeWarning, match=rf"'{left}' holds what is left of a store.*root document is gone.*"
+                                                r"delete it") as w:
+            StoreWriter(path, **opts).close()
+        assert not any("never settled" in str(x.message) for x in w)
+    assert sorted(q.name for q in left.iterdir()) == ["acts"]  # (a warning only)
