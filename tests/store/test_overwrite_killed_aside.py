@@ -187,6 +187,11 @@ def test_a_reader_a_resume_and_a_copy_name_the_folder_of_an_interrupted_overwrit
     make_store(src, n_rows=32)
     with pytest.raises(StoreExistsError, match=rf"{fix}.*then copy again; nothing was changed"):
         copy_store(open_store(src), path, overwrite=True)
+    from activationscope.store.ranks import prepare_root
+
+    for opts in ({"overwrite": True}, {"resume": True}):  # a multi-rank capture's root
+        with pytest.raises(StoreExistsError, match=rf"{fix}.*then run this capture again; nothing was changed"):
+            prepare_root(str(path), world_size=2, **opts)
     assert _everything(tmp_path) == found
     # following the second way out: the entries moved back by hand, zarr.json last
     for p in sorted(aside.iterdir(), key=lambda p: p.name == "zarr.json"):
