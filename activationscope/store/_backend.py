@@ -627,7 +627,8 @@ class LocalBackend:
         document, or the store folder holds no entry (but the lock) and two or more do. Raises
         StoreExistsError, changing nothing, when what is left is ambiguous: two or more such
         folders and entries left at the path, an entry that is not a store's, or a name held
-        both at the path and in the folder. Call it under the writer lock."""
+        both at the path and in the folder; StoreError when a rename fails (the entries it
+        moved are moved back). Call it under the writer lock."""
         if not self.root.is_dir() or os.path.lexists(self.root / "zarr.json"):
             return None
         moved = self.moved_roots()
