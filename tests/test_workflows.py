@@ -557,3 +557,49 @@ def test_same_samples_then_counted_ids_in_a_memory_store_continue_the_data_count
         tracker.set_batch(same_samples=True)
         model(torch.randn(2, 8))
     assert acs.open_store(path).row_table("sample").column("sample_id").to_pylist() == [0, 1, 0, 1, 2, 3, 2, 3]
+
+
+def _generate_batches(model, path, batches, store_options, stop_after=None, ids=None):
+    """generate() over prompt batches of 2 into a store, each step after the prompt described
+    by a pre-hook with ``same_samples=True``; skips the batches a resume already holds and,
+    with ``stop_after``, stops (KeyboardInterrupt) before that batch. Returns ``resume_from``."""
+    tracker = acs.ActivationScope(store=path, store_options=store_options).track(model, include=["transformer.h.?"])
+    with tracker:
+        for i in range(tracker.resume_from // 2, len(batches)):
+            if i == stop_after:
+                raise KeyboardInterrupt
+            prompt, mask = batches[i]
+            tracker.set_batch(attention_mask=mask, **({"sample_ids": ids[i]} if ids else {}))
+            handle = _describe_each_step(model, tracker)
+            try:
+                _generate(model, prompt, mask)
+            finally:
+                handle.remove()
+    return tracker.resume_from
+
+
+@pytest.mark.parametrize("given_ids", [False, True], ids=["counted", "given"])
+def test_generate_killed_between_prompts_and_resumed_stores_what_an_uninterrupted_run_does(tmp_path, given_ids):
+    # each prompt batch of 2 stores 5 forwards (the prompt, 4 steps): 10 sample rows of 2
+    # samples. The resume skips 4 samples of the data (not 20) and numbers on from 4
+    model, ids, mask = _gpt2()
+    batches = [(ids[r], mask[r]) for r in ([0, 1], [2, 0], [0, 2])]  # (each padded: generate() passes a mask)
+    given = [[10, 11], [12, 13], [14, 15]] if given_ids else None
+    ref, path = tmp_path / "ref.zarr", tmp_path / "gen.zarr"
+    assert _generate_batches(model, ref, batches, {}, ids=given) == 0
+    with pytest.raises(KeyboardInterrupt):
+        _generate_batches(model, path, batches, {}, stop_after=2, ids=given)
+    assert acs.open_store(path).n_samples == 20
+    assert _generate_batches(model, path, batches, {"resume": True}, ids=given) == 4
+    got, want = acs.open_store(path), acs.open_store(ref)
+    samples = [i for b in (given or [[0, 1], [2, 3], [4, 5]]) for i in b * 5]
+    assert want.row_table("sample").column("sample_id").to_pylist() == samples
+    assert got.row_table("sample").column("sample_id").to_pylist() == samples
+    for kind in ("sample", "token"):
+        for column in ("sample_id", "pos", "batch") if kind == "token" else ("sample_id", "batch"):
+            assert got.row_table(kind).column(column).to_pylist() == want.row_table(kind).column(column).to_pylist()
+    assert got.status == "complete" and got.attrs["next_sample_id"] == 6
+    assert got.hook_points == want.hook_points
+    for hp in want.hook_points:
+        assert torch.equal(got[hp], want[hp]), hp
+
