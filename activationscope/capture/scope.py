@@ -698,6 +698,10 @@ class Tracker:
         # set_batch(same_samples=True): (the ids it was given, or None and the first id of the
         # running counter, its number of samples)
         self._last_ids: tuple[Any, int, int] | None = None
+        # (index, described with same_samples=True) of the root forward that started last and has
+        # not recorded its samples: it is running, or it raised (then set_batch(same_samples=True)
+        # has no ids to continue, unless it was itself a step of the samples before it)
+        self._unrecorded_forward: tuple[int, bool] | None = None
         # True once a failed capture removed the store it made (it held no committed row)
         self._store_removed = False
         self._n_samples = 0
@@ -1274,8 +1278,11 @@ class Tracker:
             a key-value cache, described with its own ``attention_mask``), captured or skipped
             by the capture policy: it takes that forward's sample ids (given or counted), which
             are not warned about as repeats, and the running counter does not count its samples
-            again (a resume continues the counter, not the store's sample rows). Columns are
-            not carried over: give them again.
+            again (a resume continues the counter, not the store's sample rows). A forward
+            that recorded its samples is continued (also one in which no hook
+            point gave a row, or that ``stop_after_last`` cut short); one that raised before it
+            recorded them leaves nothing to continue, unless it was itself described with
+            ``same_samples=True``. Columns are not carried over: give them again.
         **columns
             Per-sample user columns for the row table (labels, text, ...), each of length
             ``batch``; token columns (e.g. ``token_ids``) of shape (batch, pos) are taken
@@ -1284,7 +1291,8 @@ class Tracker:
         Raises
         ------
         ValueError
-            ``same_samples=True`` with ``sample_ids`` or before any captured forward; a mask
+            ``same_samples=True`` with ``sample_ids``, before any captured forward, or after a
+            forward that raised before recording the new samples it described; a mask
             that is not 2-D or holds values other than 0 and 1, columns whose
             length is not the batch size, or (with a store) a column named like one the
             row table fills itself (``sample_id``, ``pos``, ``batch``); at the forward (the model call raises it): sample
@@ -1304,6 +1312,14 @@ class Tracker:
                 raise ArgumentValueError(
                     "set_batch(same_samples=True) takes the sample ids of the last forward, got "
                     "sample_ids= as well; pass one or the other")
+            failed = self._unrecorded_forward
+            if failed is not None and not failed[1]:
+                raise ArgumentValueError(
+                    f"set_batch(same_samples=True) continues the samples of the last forward, and that forward "
+                    f"(forward {failed[0]} of the tracked model) raised before its samples were recorded (a "
+                    "store's row table has no row of them): there are no sample ids to continue, and the forward "
+                    "before it described other samples. Run that batch's first forward again, described as it "
+                    "was (without same_samples=True), then its steps")
             if self._last_ids is None:
                 raise ArgumentValueError(
                     "set_batch(same_samples=True) continues the samples of the last captured forward, and no "
@@ -1698,6 +1714,7 @@ class Tracker:
             self._batch = self._pending_batch
         else:
             self._batch = None
+        self._unrecorded_forward = (self._core.n_forwards - 1, bool((self._batch or {}).get("same_samples")))
         if self._hook_probes:  # (after a forward that raised)
             self._remove_hook_probes()
         if not self._hook_probes_done and self._core.capturing and self._side != "input":
@@ -1804,6 +1821,7 @@ class Tracker:
                 n = _batch_size(batch, self._core.batch_size)
                 self._last_ids = (_copy_ids(batch.get("sample_ids")), self._next_counted_id(), n)
                 self._skipped_samples += n
+            self._unrecorded_forward = None
             return
         if not self._first_checked and self._stored is not None:
             # the first captured forward of a resume gave every hook point it will: the
@@ -1873,6 +1891,7 @@ class Tracker:
         if batch.get("same_samples"):
             self._repeated_samples += n
         self._n_samples += n
+        self._unrecorded_forward = None
         # (REFERENCE records changed in place are looked for when the records are read and at
         # the end of the `with` block, not here: a check here reads every new record's version
         # counter after every forward)
