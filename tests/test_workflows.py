@@ -557,3 +557,181 @@ def test_same_samples_then_counted_ids_in_a_memory_store_continue_the_data_count
         tracker.set_batch(same_samples=True)
         model(torch.randn(2, 8))
     assert acs.open_store(path).row_table("sample").column("sample_id").to_pylist() == [0, 1, 0, 1, 2, 3, 2, 3]
+
+
+def _generate_batches(model, path, batches, store_options, stop_after=None, ids=None):
+    """generate() over prompt batches of 2 into a store, each step after the prompt described
+    by a pre-hook with ``same_samples=True``; skips the batches a resume already holds and,
+    with ``stop_after``, stops (KeyboardInterrupt) before that batch. Returns ``resume_from``."""
+    tracker = acs.ActivationScope(store=path, store_options=store_options).track(model, include=["transformer.h.?"])
+    with tracker:
+        for i in range(tracker.resume_from // 2, len(batches)):
+            if i == stop_after:
+                raise KeyboardInterrupt
+            prompt, mask = batches[i]
+            tracker.set_batch(attention_mask=mask, **({"sample_ids": ids[i]} if ids else {}))
+            handle = _describe_each_step(model, tracker)
+            try:
+                _generate(model, prompt, mask)
+            finally:
+                handle.remove()
+    return tracker.resume_from
+
+
+@pytest.mark.parametrize("given_ids", [False, True], ids=["counted", "given"])
+def test_generate_killed_between_prompts_and_resumed_stores_what_an_uninterrupted_run_does(tmp_path, given_ids):
+    # each prompt batch of 2 stores 5 forwards (the prompt, 4 steps): 10 sample rows of 2
+    # samples. The resume skips 4 samples of the data (not 20) and numbers on from 4
+    model, ids, mask = _gpt2()
+    batches = [(ids[r], mask[r]) for r in ([0, 1], [2, 0], [0, 2])]  # (each padded: generate() passes a mask)
+    given = [[10, 11], [12, 13], [14, 15]] if given_ids else None
+    ref, path = tmp_path / "ref.zarr", tmp_path / "gen.zarr"
+    assert _generate_batches(model, ref, batches, {}, ids=given) == 0
+    with pytest.raises(KeyboardInterrupt):
+        _generate_batches(model, path, batches, {}, stop_after=2, ids=given)
+    assert acs.open_store(path).n_samples == 20
+    assert _generate_batches(model, path, batches, {"resume": True}, ids=given) == 4
+    got, want = acs.open_store(path), acs.open_store(ref)
+    samples = [i for b in (given or [[0, 1], [2, 3], [4, 5]]) for i in b * 5]
+    assert want.row_table("sample").column("sample_id").to_pylist() == samples
+    assert got.row_table("sample").column("sample_id").to_pylist() == samples
+    for kind in ("sample", "token"):
+        for column in ("sample_id", "pos", "batch") if kind == "token" else ("sample_id", "batch"):
+            assert got.row_table(kind).column(column).to_pylist() == want.row_table(kind).column(column).to_pylist()
+    assert got.status == "complete" and got.attrs["next_sample_id"] == 6
+    assert got.hook_points == want.hook_points
+    for hp in want.hook_points:
+        assert torch.equal(got[hp], want[hp]), hp
+
+
+class _Failing(torch.nn.Module):
+    """Two linear layers on (batch, pos, 8) tokens; ``fail`` makes the forward raise between them."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.fail = torch.nn.Linear(8, 8), torch.nn.Linear(8, 4), False
+
+    def forward(self, x):
+        x = self.a(x)
+        if self.fail:
+            raise RuntimeError("boom")
+        return self.b(x)
+
+
+def _raise_in_model(model, tracker, ids):
+    tracker.set_batch(attention_mask=torch.ones(2, 3, dtype=torch.bool), **ids)
+    model.fail = True
+    try:
+        with pytest.raises(RuntimeError, match="boom"):
+            model(torch.randn(2, 3, 8))
+    finally:
+        model.fail = False
+
+
+def _raise_at_a_hook_point(model, tracker, ids):
+    tracker.set_batch(attention_mask=torch.ones(2, 4, dtype=torch.bool), **ids)  # the prompt's mask: (2, 4)
+    with pytest.raises(acs.CaptureError, match=r"got activation \(2, 3, 8\) and mask \(2, 4\)"):
+        model(torch.randn(2, 3, 8))
+
+
+@pytest.mark.parametrize("given_ids", [False, True], ids=["counted", "given"])
+@pytest.mark.parametrize(("store", "fail"), [(True, _raise_in_model), (True, _raise_at_a_hook_point),
+                                             (False, _raise_in_model)],  # (in memory a mask checks no record)
+                         ids=["store-model", "store-hook_point", "memory-model"])
+def test_same_samples_after_a_forward_that_raised_is_refused_and_its_retry_is_continued(
+        tmp_path, fail, given_ids, store):
+    # the failed forward described new samples and recorded none of them: its steps have no ids
+    # to take (the last recorded forward's are other samples'), so same_samples=True is refused
+    # naming it; the batch run again is recorded and its steps continue its ids
+    model = _Failing().eval()
+    path = tmp_path / "failed.zarr"
+    first, second = ({"sample_ids": [10, 11]}, {"sample_ids": [20, 21]}) if given_ids else ({}, {})
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore", acs.CaptureWarning)  # (the partial forward's, tested elsewhere)
+        with acs.ActivationScope(**({"store": path} if store else {})).track(model, include=["a", "b"]) as tracker:
+            tracker.set_batch(attention_mask=torch.ones(2, 4, dtype=torch.bool), **first)
+            model(torch.randn(2, 4, 8))
+            fail(model, tracker, second)
+            with pytest.raises(ArgumentValueError, match=r"forward 1 of the tracked model\) raised before its "
+                                                         r"samples were recorded") as info:
+                tracker.set_batch(same_samples=True)
+            assert "Run that batch's first forward again" in str(info.value)
+            tracker.set_batch(attention_mask=torch.ones(2, 3, dtype=torch.bool), **second)  # the retry
+            model(torch.randn(2, 3, 8))
+            tracker.set_batch(attention_mask=torch.ones(2, 1, dtype=torch.bool), same_samples=True)
+            model(torch.randn(2, 1, 8))
+            tracker.set_batch(attention_mask=torch.ones(2, 1, dtype=torch.bool))
+            model(torch.randn(2, 1, 8))
+    if not store:  # (the failed forward raised before b)
+        assert [tuple(r.shape) for r in tracker.activations["b.output"]] == [(2, 4, 4), (2, 3, 4), (2, 1, 4), (2, 1, 4)]
+    else:
+        a, b = ([10, 11], [20, 21]) if given_ids else ([0, 1], [2, 3])
+        table = acs.open_store(path).row_table("sample")
+        assert table.column("sample_id").to_pylist() == a + b + b + [4, 5]
+        assert table.column("batch").to_pylist() == [0, 0, 1, 1, 2, 2, 3, 3]
+
+
+def test_same_samples_after_a_step_that_raised_continues_its_prompts_samples(tmp_path):
+    # a step described with same_samples=True that raised continued samples already recorded:
+    # the next step continues them too
+    model = _Failing().eval()
+    path = tmp_path / "step.zarr"
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore", acs.CaptureWarning)
+        with acs.ActivationScope(store=path).track(model, include=["a", "b"]) as tracker:
+            tracker.set_batch(sample_ids=[10, 11])
+            model(torch.randn(2, 8))
+            tracker.set_batch(same_samples=True)
+            model.fail = True
+            with pytest.raises(RuntimeError, match="boom"):
+                model(torch.randn(2, 8))
+            model.fail = False
+            tracker.set_batch(same_samples=True)
+            model(torch.randn(2, 8))
+            tracker.set_batch()
+            model(torch.randn(2, 8))
+    assert acs.open_store(path).row_table("sample").column("sample_id").to_pylist() == [10, 11, 10, 11, 2, 3]
+
+
+class _Skippable(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.skip_a = torch.nn.Linear(8, 8), torch.nn.Linear(8, 4), False
+
+    def forward(self, x):
+        return self.b(x if self.skip_a else self.a(x))
+
+
+@pytest.mark.parametrize("case", ["no_hook_point", "stop_after_last", "given_ids", "policy_skipped"])
+def test_same_samples_continues_a_forward_that_recorded_its_samples(tmp_path, case):
+    # the forward before the step recorded its samples (with no row of the tracked hook point,
+    # cut short by stop_after_last, with ids given, or skipped by the capture policy, whose
+    # samples are counted): the step takes its ids, and the next batch is counted on after it
+    model = _Skippable().eval()
+    path = tmp_path / f"{case}.zarr"
+    options = {"stop_after_last": True} if case == "stop_after_last" else \
+        {"capture_policy": acs.CapturePolicy.SAMPLE_N, "sample_every": 2} if case == "policy_skipped" else {}
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        with acs.ActivationScope(store=path, **options).track(model, include=["a"]) as tracker:
+            model(torch.randn(2, 8))  # samples 0, 1
+            tracker.set_batch(**({"sample_ids": [7, 9]} if case == "given_ids" else {}))
+            model.skip_a = case == "no_hook_point"
+            out = model(torch.randn(2, 8))  # samples 2, 3 (or 7, 9): skipped under SAMPLE_N
+            model.skip_a = False
+            tracker.set_batch(same_samples=True)
+            model(torch.randn(2, 8))
+            tracker.set_batch()
+            model(torch.randn(2, 8))  # samples 4, 5: skipped under SAMPLE_N
+    assert (out is None) == (case == "stop_after_last")
+    lost = [w for w in caught if "recorded 0 row(s) in forward 1" in str(w.message)]
+    assert len(lost) == (case == "no_hook_point")
+    second = [7, 9] if case == "given_ids" else [2, 3]
+    expected = [0, 1, second, second, 4, 5] if case != "policy_skipped" else [0, 1, 2, 3]
+    expected = [i for x in expected for i in (x if isinstance(x, list) else [x])]
+    table = acs.open_store(path).row_table("sample")
+    assert table.column("sample_id").to_pylist() == expected
+    # the counter after the last stored forward (under SAMPLE_N the step; the skipped 4, 5 come after it)
+    assert acs.open_store(path).attrs["next_sample_id"] == (4 if case == "policy_skipped" else 6)

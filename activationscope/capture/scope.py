@@ -634,8 +634,9 @@ class Tracker:
         The writer of a store capture (``store=``; an :class:`activationscope.store.StoreWriter`
         unless another writer is registered), made by :meth:`attach` (so ``None``
         before it, and always ``None`` for an in-memory capture). Read-only use:
-        ``writer.n_samples_committed`` (int, samples already in the store: 0 for a new
-        store, the committed count for ``resume=True``; equal to :attr:`resume_from`),
+        ``writer.n_samples_committed`` (int, sample rows already in the store: 0 for a new
+        store, the committed count for ``resume=True``; equal to :attr:`resume_from` unless
+        ``same_samples=True`` steps stored a sample's rows again),
         ``writer.path`` (str, where it writes). Do not call its write methods yourself: the
         tracker drives the commit protocol.
     parameters : dict of str to Tensor
@@ -697,9 +698,14 @@ class Tracker:
         # set_batch(same_samples=True): (the ids it was given, or None and the first id of the
         # running counter, its number of samples)
         self._last_ids: tuple[Any, int, int] | None = None
+        # (index, described with same_samples=True) of the root forward that started last and has
+        # not recorded its samples: it is running, or it raised (then set_batch(same_samples=True)
+        # has no ids to continue, unless it was itself a step of the samples before it)
+        self._unrecorded_forward: tuple[int, bool] | None = None
         # True once a failed capture removed the store it made (it held no committed row)
         self._store_removed = False
         self._n_samples = 0
+        self._resume_from = 0  # the running counter a resumed store left (set by attach)
         # samples of the forwards a CapturePolicy skipped (SAMPLE_N): the default sample ids
         # count them, so that a stored sample's id is its place in the data the model was fed
         self._skipped_samples = 0
@@ -781,8 +787,10 @@ class Tracker:
             # a store's rows follow its row table: tracked modules called on their own, outside
             # a forward of the tracked model, are left out (and warned about)
             self._core.roots_only = True
-            # resume: default sample ids continue after the samples already committed
-            self._n_samples = int(self.writer.n_samples_committed)
+            # resume: default sample ids continue the stored run's counter (its samples, each
+            # counted once: a generation step's rows are not new samples)
+            self._n_samples = int(getattr(self.writer, "next_sample_id", self.writer.n_samples_committed))
+            self._resume_from = self._n_samples
             if self.scope.capture_policy is CapturePolicy.MAX_K:
                 # a resume continues the capture's first max_k forwards: those stored count
                 done = int(getattr(self.writer, "n_batches_committed", 0))
@@ -1270,7 +1278,11 @@ class Tracker:
             a key-value cache, described with its own ``attention_mask``), captured or skipped
             by the capture policy: it takes that forward's sample ids (given or counted), which
             are not warned about as repeats, and the running counter does not count its samples
-            again. Columns are not carried over: give them again.
+            again (a resume continues the counter, not the store's sample rows). A forward
+            that recorded its samples is continued (also one in which no hook
+            point gave a row, or that ``stop_after_last`` cut short); one that raised before it
+            recorded them leaves nothing to continue, unless it was itself described with
+            ``same_samples=True``. Columns are not carried over: give them again.
         **columns
             Per-sample user columns for the row table (labels, text, ...), each of length
             ``batch``; token columns (e.g. ``token_ids``) of shape (batch, pos) are taken
@@ -1279,7 +1291,8 @@ class Tracker:
         Raises
         ------
         ValueError
-            ``same_samples=True`` with ``sample_ids`` or before any captured forward; a mask
+            ``same_samples=True`` with ``sample_ids``, before any captured forward, or after a
+            forward that raised before recording the new samples it described; a mask
             that is not 2-D or holds values other than 0 and 1, columns whose
             length is not the batch size, or (with a store) a column named like one the
             row table fills itself (``sample_id``, ``pos``, ``batch``); at the forward (the model call raises it): sample
@@ -1299,6 +1312,14 @@ class Tracker:
                 raise ArgumentValueError(
                     "set_batch(same_samples=True) takes the sample ids of the last forward, got "
                     "sample_ids= as well; pass one or the other")
+            failed = self._unrecorded_forward
+            if failed is not None and not failed[1]:
+                raise ArgumentValueError(
+                    f"set_batch(same_samples=True) continues the samples of the last forward, and that forward "
+                    f"(forward {failed[0]} of the tracked model) raised before its samples were recorded (a "
+                    "store's row table has no row of them): there are no sample ids to continue, and the forward "
+                    "before it described other samples. Run that batch's first forward again, described as it "
+                    "was (without same_samples=True), then its steps")
             if self._last_ids is None:
                 raise ArgumentValueError(
                     "set_batch(same_samples=True) continues the samples of the last captured forward, and no "
@@ -1693,6 +1714,7 @@ class Tracker:
             self._batch = self._pending_batch
         else:
             self._batch = None
+        self._unrecorded_forward = (self._core.n_forwards - 1, bool((self._batch or {}).get("same_samples")))
         if self._hook_probes:  # (after a forward that raised)
             self._remove_hook_probes()
         if not self._hook_probes_done and self._core.capturing and self._side != "input":
@@ -1799,6 +1821,7 @@ class Tracker:
                 n = _batch_size(batch, self._core.batch_size)
                 self._last_ids = (_copy_ids(batch.get("sample_ids")), self._next_counted_id(), n)
                 self._skipped_samples += n
+            self._unrecorded_forward = None
             return
         if not self._first_checked and self._stored is not None:
             # the first captured forward of a resume gave every hook point it will: the
@@ -1852,9 +1875,13 @@ class Tracker:
             self._ids_batch = self._batch
             first = int(getattr(self.writer, "next_sample_id", 0)) if ids is None else 0
             self._last_ids = (_copy_ids(ids), first, n)
+            extra: dict[str, Any] = {"described_again": True} if again else {}
+            if self._skipped_samples or self._repeated_samples or batch.get("same_samples"):
+                # the counter after this forward, which the store records for a resume (without
+                # skips and repeats the writer's own: its samples counted on)
+                extra["next_id"] = self._next_counted_id() + (0 if batch.get("same_samples") else n)
             lost = self.writer.add_batch(
-                n_samples=n, sample_ids=ids, token_mask=mask, columns=batch.get("columns") or {},
-                **({"described_again": True} if again else {}),
+                n_samples=n, sample_ids=ids, token_mask=mask, columns=batch.get("columns") or {}, **extra,
             )
             if lost and self._refused is None:  # a refused resume commits nothing
                 self._warn_row_table_lost(lost)
@@ -1864,6 +1891,7 @@ class Tracker:
         if batch.get("same_samples"):
             self._repeated_samples += n
         self._n_samples += n
+        self._unrecorded_forward = None
         # (REFERENCE records changed in place are looked for when the records are read and at
         # the end of the `with` block, not here: a check here reads every new record's version
         # counter after every forward)
@@ -2111,9 +2139,12 @@ class Tracker:
 
     @property
     def resume_from(self) -> int:
-        """Samples already committed in the store when this tracker attached (``resume=True``);
-        skip that many samples of your data. 0 for a new store or in-memory capture."""
-        return 0 if self.writer is None else int(self.writer.n_samples_committed)
+        """Samples of the data the store already held when this tracker attached
+        (``resume=True``), each counted once: skip that many samples of your data, and the
+        default sample ids continue from it. In a generation capture (``same_samples=True``
+        steps) the store holds more sample rows than that, a prompt's rows at each step.
+        0 for a new store or an in-memory capture."""
+        return self._resume_from
 
     @property
     def n_forwards(self) -> int:

@@ -27,6 +27,10 @@ class ActivationWriter(Protocol):
         continues after them).
     path : str
         Where it writes.
+    next_sample_id : int, optional
+        The id the running counter gives the next sample recorded without ids (resume: where
+        the stored run left it, each sample counted once). A writer without it is continued
+        from ``n_samples_committed``.
     """
 
     n_samples_committed: int
@@ -39,10 +43,14 @@ class ActivationWriter(Protocol):
         ``row_kind`` is ``"sample"`` or ``"token"``."""
 
     def add_batch(self, n_samples: int, sample_ids: Any = None, token_mask: Any = None,
-                  columns: Mapping[str, Any] | None = None, described_again: bool = False) -> None:
+                  columns: Mapping[str, Any] | None = None, described_again: bool = False,
+                  next_id: int | None = None) -> None:
         """The row-table entries of one captured forward. ``described_again``: the forward
         reuses the previous forward's ``set_batch`` description (it is sticky), so its sample
-        ids are those samples again (a generation loop), not ids to check for repeats."""
+        ids are those samples again (a generation loop), not ids to check for repeats.
+        ``next_id`` (passed only when the forward repeats samples or follows skipped ones): the
+        running counter of default ids after this forward, which a resume continues from
+        (default: the counter before it plus ``n_samples``)."""
 
     def maybe_commit(self) -> bool:
         """Commit what is durable when due; True when a commit happened."""

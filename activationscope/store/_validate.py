@@ -379,6 +379,7 @@ def check_root_attrs(attrs: Any, *, store: Any, key: str = "zarr.json") -> dict:
         raise c.fail("storage_dtype", f"null or one of {list(F.SUPPORTED_DTYPES)}", attrs["storage_dtype"])
     c.int(attrs, "n_samples", "n_samples", default=0)
     c.int(attrs, "n_batches", "n_batches", default=0)
+    c.int(attrs, "next_sample_id", "next_sample_id", default=0)  # (absent in stores written before it)
     # absent in a store of nothing yet; present, each is an object (null is not one)
     if "arrays" not in attrs and attrs.get("n_samples", 0):
         # a root that records samples but no hook point entries lost them (an edited or

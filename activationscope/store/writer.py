@@ -272,7 +272,8 @@ class _Batch:
     cums: tuple[int, ...]  # rows of each array after this batch, in the writer's array order
     sample: dict[str, Any] | None  # None: default sample ids first_id.. (made at the commit)
     token: dict[str, Any] | None
-    first_id: int = 0
+    first_id: int = 0  # the running counter's value before this batch
+    next_id: int = 0  # the running counter's value after it (the next counted sample's id)
 
 
 def _row_pieces(batches: list[_Batch], kind: str, keep_empty: bool = False) -> list[dict[str, Any]]:
@@ -764,8 +765,11 @@ class StoreWriter:
     overwrite : bool, default False
         Replace an existing store at ``target``.
     resume : bool, default False
-        Continue an existing store: every array is truncated to the committed samples and
-        :attr:`n_samples_committed` says how many samples the caller must skip. Nothing at
+        Continue an existing store: every array is truncated to the committed samples,
+        :attr:`n_samples_committed` says how many sample rows it holds and
+        :attr:`next_sample_id` how many samples of the data the caller must skip (the same,
+        unless batches of samples recorded before, generation steps, stored them again); the
+        default sample ids continue from :attr:`next_sample_id`. Nothing at
         ``target`` is an error (drop ``resume=True`` to start a new store).
     compression : None, "zstd", "zstd:<level>", "blosc-lz4", "blosc-lz4:<clevel>", or a zarr / numcodecs codec
         Inner-chunk compression (None keeps arrays zero-copy readable); zstd levels 1..22,
@@ -1140,6 +1144,8 @@ class StoreWriter:
         self.stored_capture_config: dict = dict(config) if isinstance(config, dict) else {}
         if self._state is not None:
             self._truncate_to_committed()
+        # the running counter of default sample ids, as the committed batches left it
+        self._committed_next_id = self._stored_next_id(st)
         # the first byte: the root document (status incomplete). An overwrite on object storage writes
         # it over the old run's root before it deletes anything: a reader of the old run sees the store
         # replaced before any of its objects goes or one of this run's is written (FORMAT.md section 7),
@@ -1284,6 +1290,7 @@ class StoreWriter:
             "provenance": self._provenance,
             "n_samples": self.n_samples_committed,
             "n_batches": self._n_batches,
+            "next_sample_id": self._committed_next_id,
             "arrays": arrays,
             "row_tables": self._row_tables,
             "reductions": reductions,
@@ -1902,14 +1909,46 @@ class StoreWriter:
 
     @property
     def next_sample_id(self) -> int:
-        """The id the running counter gives the next sample recorded without ids (the
-        samples already recorded, those of the run it resumes included)."""
+        """The id the running counter gives the next sample recorded without ids: the samples
+        of the data fed so far, those of the run it resumes included, each counted once.
+
+        Each batch advances the counter by its samples, whether their ids were given or
+        counted, unless :meth:`add_batch` was told otherwise (``next_id=``: a generation step
+        of samples already counted, or samples a capture policy skipped). A resume continues
+        from the counter the store records (``next_sample_id`` of the root, FORMAT.md section
+        2); a store written before that field continues from the number of distinct sample
+        ids it holds (its samples, each counted once however many forwards stored it), which
+        equals the counter for counted ids and for given ones that never repeat a sample.
+        """
         with self._lock:
-            return self.n_samples_committed + self._pending_samples
+            return self._pending[-1].next_id if self._pending else self._committed_next_id
+
+    def _stored_next_id(self, st: Mapping[str, Any]) -> int:
+        """The running counter a resumed store left (0 for a new store): its root's
+        ``next_sample_id``, or for a store written before that field, the number of distinct
+        sample ids of its sample table (the rows count when they cannot be read, with a
+        :class:`CaptureWarning`)."""
+        if "next_sample_id" in st:
+            return int(st["next_sample_id"])
+        committed = self.n_samples_committed
+        if not committed or not self._row_tables.get("sample", {}).get("parts"):
+            return committed
+        import pyarrow.compute as pc
+
+        from .reader import Store
+
+        try:
+            col = Store(self._backend).row_table("sample").column("sample_id")
+            return int(pc.count_distinct(col.slice(0, committed)).as_py())
+        except (StoreError, OSError, KeyError) as e:
+            warnings.warn(f"store {str(self._backend)!r}: the stored sample ids could not be read to count its "
+                          f"samples ({e}); default sample ids continue from its {committed} sample rows",
+                          CaptureWarning, stacklevel=4)
+            return committed
 
     def add_batch(self, n_samples: int, sample_ids: Any = None, token_mask: torch.Tensor | None = None,
-                  columns: Mapping[str, Any] | None = None, described_again: bool = False
-                  ) -> dict[str, tuple[int, int]]:
+                  columns: Mapping[str, Any] | None = None, described_again: bool = False,
+                  next_id: int | None = None) -> dict[str, tuple[int, int]]:
         """Record one captured forward: its samples, token rows and user columns.
 
         Parameters
@@ -1917,7 +1956,7 @@ class StoreWriter:
         n_samples : int
             Samples in the forward (``batch``).
         sample_ids : Tensor (batch,) or list, optional
-            Ids of the samples (default: running counter).
+            Ids of the samples (default: the running counter, :attr:`next_sample_id` on).
         token_mask : Tensor, (batch, pos), bool, optional
             Real tokens: one token row per True entry, in row-major order.
         columns : dict, optional
@@ -1927,6 +1966,12 @@ class StoreWriter:
             The forward has the previous forward's batch description again (``set_batch``
             is sticky: a generation loop runs several forwards of the same samples): its
             ``sample_ids`` are those samples again and are not checked for repeats.
+        next_id : int, optional
+            The running counter after this batch: the id the next counted sample gets
+            (default: :attr:`next_sample_id` plus ``n_samples``). A batch of samples counted
+            before (a generation step) leaves it where it was; one after samples a capture
+            policy skipped counts those too. The store records it at each commit, and a resume
+            continues from it.
 
         Returns
         -------
@@ -1946,10 +1991,13 @@ class StoreWriter:
             if self._closed:
                 raise StoreError(f"the store writer of {str(self._backend)!r} is closed")
             n = _n_samples(n_samples)
+            if next_id is not None and not (isinstance(next_id, (int, np.integer)) and not isinstance(next_id, bool)
+                                            and 0 <= next_id <= V.MAX_ROWS):
+                raise ArgumentValueError(f"next_id must be an int in 0..{V.MAX_ROWS}, got {next_id!r}")
             if sample_ids is None and token_mask is None and not columns and n <= _DEFERRED_IDS_MAX:
-                return self._add_plain_batch(n)
+                return self._add_plain_batch(n, next_id)
             if sample_ids is None:
-                start = self.n_samples_committed + self._pending_samples
+                start = self.next_sample_id
                 ids: Any = np.arange(start, start + n, dtype=np.int64)
             else:
                 ids = _to_column(sample_ids)
@@ -1979,7 +2027,7 @@ class StoreWriter:
                 self._default_ids(int(ids[0]) if n else 0, n)
             elif not described_again:
                 self._check_ids(ids)
-            return self._record(n, sample, token)
+            return self._record(n, sample, token, next_id)
 
     def _default_ids(self, start: int, n: int) -> None:
         """Default ids ``start .. start + n - 1`` recorded: noted while ids are checked (once
@@ -2035,22 +2083,23 @@ class StoreWriter:
             "store picks the rows of every sample with that id. Warned once per capture",
             CaptureWarning, stacklevel=4)
 
-    def _add_plain_batch(self, n: int) -> dict[str, tuple[int, int]]:
+    def _add_plain_batch(self, n: int, next_id: int | None = None) -> dict[str, tuple[int, int]]:
         """:meth:`add_batch` of a forward with default sample ids, no token rows and no
         columns (the common one, after every forward: kept short). Its row-table rows are made
         at the commit (:func:`_row_pieces`)."""
         key = ("sample", "sample_id")
         if self._ids_seen is not None:
-            self._default_ids(self.n_samples_committed + self._pending_samples, n)
+            self._default_ids(self.next_sample_id, n)
         if self._column_types.get(key) is not _int64_ids_type():
             # default ids are int64: refused after ids of another type, as add_batch does
             self._column_types[key] = self._sample_ids_type(_EMPTY_IDS)
-        return self._record(n, None, None)
+        return self._record(n, None, None, next_id)
 
-    def _record(self, n: int, sample: dict[str, Any] | None, token: dict[str, Any] | None
-                ) -> dict[str, tuple[int, int]]:
+    def _record(self, n: int, sample: dict[str, Any] | None, token: dict[str, Any] | None,
+                next_id: int | None = None) -> dict[str, tuple[int, int]]:
         """Record a checked batch of ``n`` samples (``sample`` None: default ids, made at the
-        commit); returns :meth:`add_batch`'s arrays that stopped following the row table."""
+        commit; ``next_id``: the running counter after it, default its samples counted);
+        returns :meth:`add_batch`'s arrays that stopped following the row table."""
         n_tokens = 0 if token is None else len(token["pos"])
         # every array's rows now, and those that got another number than this batch's
         # samples (sample rows) or tokens (token rows) since the last batch: one native call
@@ -2067,8 +2116,9 @@ class StoreWriter:
             self._unrecorded = []
             self._unrecorded_aliases = set()
             self._unpublished = True
-        first_id = self.n_samples_committed + self._pending_samples
-        self._pending.append(_Batch(self._n_batches + len(self._pending), n, cums, sample, token, first_id))
+        first_id = self.next_sample_id
+        self._pending.append(_Batch(self._n_batches + len(self._pending), n, cums, sample, token, first_id,
+                                    first_id + n if next_id is None else int(next_id)))
         self._pending_samples += n
         return lost
 
@@ -2192,6 +2242,7 @@ class StoreWriter:
                 a.committed_rows = max(a.committed_rows, cum)
             self.n_samples_committed += x.n_samples
             self._n_batches += 1
+            self._committed_next_id = x.next_id
         # 3. manifests and array documents (independent objects: written concurrently)
         writes: list[tuple[str, bytes]] = []
         for a in self._arrays.values():
