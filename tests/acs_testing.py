@@ -192,3 +192,98 @@ def record_biggest_pread(monkeypatch) -> list:
 
     monkeypatch.setattr(os, "pread", recording)
     return biggest
+
+
+def store_target(request, where: str, prefix: str = "race", bucket: str = "acs-bucket") -> tuple[str, dict | None]:
+    """(path or URL of a new store, its storage_options): on S3 (``where="s3"``: the moto
+    server of the ``s3`` fixture, in ``bucket``), in a local folder (``"local"``, under
+    ``tmp_path``) or in fsspec memory (``"memory"``); named ``<prefix>-<hex>.zarr``."""
+    import uuid
+
+    name = f"{prefix}-{uuid.uuid4().hex}.zarr"
+    if where == "s3":
+        return f"s3://{bucket}/{name}", request.getfixturevalue("s3")
+    if where == "local":
+        return str(request.getfixturevalue("tmp_path") / name), None
+    return f"memory://acs/{name}", None
+
+
+class Killed(BaseException):
+    """Stands for a process dying (nothing of it runs after it): raised by :func:`die_at`."""
+
+
+def die_at(monkeypatch, step: int) -> list:
+    """Make the ``step``-th write or delete of a store object (the writer lock excluded) raise
+    :class:`Killed` before it happens: on object storage and in fsspec memory ``set`` and
+    ``delete``; in a local folder ``set``, the removal of a file and of a folder (one killed
+    partway through a folder first removes every other file of it, as a death mid-way would).
+    Returns the operations made before it, ``("set" | "delete", key or path)``, in order;
+    ``monkeypatch.undo()`` ends it."""
+    import shutil
+    from pathlib import Path
+
+    from activationscope.store import _backend as B
+
+    done: list = []
+
+    def wrap(fn, what):
+        def run(*args, **kwargs):
+            key = str(args[-1]) if what != "set" else args[1]
+            if not key.endswith(B.LOCK_KEY):
+                if len(done) == step:
+                    if what == "rmtree":
+                        for p in sorted(p for p in Path(key).rglob("*") if p.is_file())[::2]:
+                            p.unlink()
+                    raise Killed
+                done.append(("delete" if what == "rmtree" else what, key))
+            return fn(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(B.ZarrBackend, "set", wrap(B.ZarrBackend.set, "set"))
+    monkeypatch.setattr(B.ZarrBackend, "delete", wrap(B.ZarrBackend.delete, "delete"))
+    monkeypatch.setattr(B.LocalBackend, "set", wrap(B.LocalBackend.set, "set"))
+    monkeypatch.setattr(B.shutil, "rmtree", wrap(shutil.rmtree, "rmtree"))
+    monkeypatch.setattr(B.Path, "unlink", wrap(Path.unlink, "delete"))
+    return done
+
+
+_DIE_AT_DELETE = """\
+import os as _os, shutil as _shutil
+from activationscope.store import _backend as _B
+
+_n_deletes = [0]
+
+def _dying(fn):
+    def run(*args, **kwargs):
+        if not str(args[-1]).endswith(_B.LOCK_KEY):
+            _n_deletes[0] += 1
+            if _n_deletes[0] == {at}:
+                _os._exit(9)  # killed before this delete, as the kernel would kill it
+        return fn(*args, **kwargs)
+    return run
+
+_B.ZarrBackend.delete = _dying(_B.ZarrBackend.delete)
+_B.shutil.rmtree = _dying(_shutil.rmtree)
+"""
+
+
+def run_killed_at_delete(code: str, at: int, *args: str, path=(), timeout: float = 300):
+    """Run the script ``code`` (``sys.argv[1:]`` is ``args``) in a fresh interpreter that dies
+    (``os._exit(9)``: no ``finally``, no lock released, as a kill) right before its ``at``-th
+    delete of a store object (1: the first; the writer lock excluded): on object storage and in
+    fsspec memory ``ZarrBackend.delete``, in a local folder the removal of a top-level folder
+    (``shutil.rmtree``). The repository, this folder (``tests``) and the folders in ``path`` are
+    on its import path.
+
+    Fails the test, with the script's output, when the script does not die there."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent  # (this module's folder: a script may import it)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here.parent), str(here), *map(str, path)])}
+    done = subprocess.run([sys.executable, "-c", _DIE_AT_DELETE.format(at=int(at)) + code, *args], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 9, f"the script was to die at its delete {at}, it ended with {done.returncode}:\n" \
+                                 f"{done.stdout}\n{done.stderr}"

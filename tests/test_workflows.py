@@ -374,26 +374,44 @@ def _describe_each_step(model, tracker, **columns):
     return model.register_forward_pre_hook(describe, with_kwargs=True)
 
 
+def _generate_into_store(model, path, gen, *, prompt: dict, each_step: dict, reductions=None):
+    """Run ``gen()`` (a ``generate()`` of ``model``) captured into the store at ``path``: its
+    first forward described by ``set_batch(**prompt)``, each later step by
+    :func:`_describe_each_step` with ``each_step`` columns; a CaptureWarning fails the test.
+    Returns ``gen()``'s result."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", acs.CaptureWarning)
+        with acs.ActivationScope(store=path, reductions=reductions).track(
+                model, include=["transformer.h.?"]) as tracker:
+            tracker.set_batch(**prompt)
+            handle = _describe_each_step(model, tracker, **each_step)
+            try:
+                return gen()
+            finally:
+                handle.remove()
+
+
+def _stored_steps(store, expected, mask):
+    """Per block: ``(its hook point in store, its records in expected, the rows the store must
+    hold)``: the prompt's tokens where ``mask`` is 1, then each later step's new token."""
+    for block, refs in _by_block(expected).items():
+        (name,) = [h for h in store.hook_points if h.startswith(block + ".output")]
+        yield name, refs, torch.cat([refs[0][mask.bool()]] + [r[:, 0] for r in refs[1:]])
+
+
 @pytest.mark.parametrize("given_ids", [True, False], ids=["ids", "counted"])
 def test_generate_with_a_mask_per_step_stores_the_prompt_tokens_and_every_new_token(tmp_path, given_ids):
     model, ids, mask = _gpt2()
     expected, out = _hooked(model, lambda: _generate(model, ids, mask), names=BLOCKS)
     path = tmp_path / "gen.zarr"
     sample_ids = [10, 11, 12] if given_ids else [0, 1, 2]
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", acs.CaptureWarning)
-        with acs.ActivationScope(store=path, reductions=["mean"]).track(model, include=["transformer.h.?"]) as tracker:
-            tracker.set_batch(attention_mask=mask, label=[0, 1, 0], **({"sample_ids": sample_ids} if given_ids else {}))
-            handle = _describe_each_step(model, tracker, label=[0, 1, 0])
-            try:
-                got = _generate(model, ids, mask)
-            finally:
-                handle.remove()
+    got = _generate_into_store(model, path, lambda: _generate(model, ids, mask), reductions=["mean"],
+                               prompt={"attention_mask": mask, "label": [0, 1, 0],
+                                       **({"sample_ids": sample_ids} if given_ids else {})},
+                               each_step={"label": [0, 1, 0]})
     assert torch.equal(got, out)
     store = acs.open_store(path)
-    for block, refs in _by_block(expected).items():
-        (name,) = [h for h in store.hook_points if h.startswith(block + ".output")]
-        rows = torch.cat([refs[0][mask.bool()]] + [r[:, 0] for r in refs[1:]])
+    for name, _, rows in _stored_steps(store, expected, mask):
         assert store.row_kind(name) == "token" and torch.equal(store[name], rows)
         torch.testing.assert_close(store.reductions[name]["mean"], rows.double().mean(0), rtol=1e-12, atol=1e-12)
     a, b, c = sample_ids
@@ -430,21 +448,12 @@ def test_generate_with_two_rows_per_prompt_is_refused_for_one_row_each_and_store
 
     expected, out = _hooked(model, gen, names=BLOCKS)
     prompt = torch.tensor([10, 11, 12]).repeat_interleave(2)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", acs.CaptureWarning)
-        with acs.ActivationScope(store=path).track(model, include=["transformer.h.?"]) as tracker:
-            tracker.set_batch(attention_mask=mask.repeat_interleave(2, 0), sample_ids=range(6), prompt=prompt)
-            handle = _describe_each_step(model, tracker, prompt=prompt)
-            try:
-                got = gen()
-            finally:
-                handle.remove()
+    got = _generate_into_store(model, path, gen, each_step={"prompt": prompt}, prompt={
+        "attention_mask": mask.repeat_interleave(2, 0), "sample_ids": range(6), "prompt": prompt})
     assert torch.equal(got, out)
     store = acs.open_store(path)
-    for block, refs in _by_block(expected).items():
-        (name,) = [h for h in store.hook_points if h.startswith(block + ".output")]
+    for name, refs, rows in _stored_steps(store, expected, mask.repeat_interleave(2, 0)):
         assert [tuple(r.shape) for r in refs] == [(6, 4, 16), (6, 1, 16), (6, 1, 16)]
-        rows = torch.cat([refs[0][mask.repeat_interleave(2, 0).bool()]] + [r[:, 0] for r in refs[1:]])
         assert torch.equal(store[name], rows)
     table = store.row_table("sample")
     assert table.column("sample_id").to_pylist() == list(range(6)) * 3

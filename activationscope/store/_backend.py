@@ -1362,3 +1362,20 @@ def refuse_foreign_entries(backend: Any) -> None:
             f"{str(backend)!r} that {'is' if len(foreign) == 1 else 'are'} not the store's ({shown}) together with "
             "the old store; move them out of the store's folder (or remove them) and run again; nothing was changed"
         )
+
+
+def write_root_first(backend: Any, attrs: dict, *, replacing: bool) -> None:
+    """Write the root document of a run that starts (``attrs``: its ``activationscope``
+    attributes, status ``incomplete``), over the root of the store it replaces if any; then,
+    with ``replacing``, delete every other object of the old store (the writer lock kept).
+
+    The root goes first (FORMAT.md section 7): from that atomic write on, a reader of the old
+    run is told the store was replaced and no object of the old run is read as this store's, so
+    a process killed at any point leaves the old store intact or an incomplete store of the new
+    run listing no row of the old one (what is left of its objects is removed by a resume or an
+    overwrite). Used by an overwrite on object storage (``StoreWriter``), ``copy_store`` and a
+    multi-rank overwrite (``prepare_root``); a local ``StoreWriter`` moves the old store aside
+    instead."""
+    backend.set("zarr.json", _format.dumps(_format.group_document({_format.ATTRS_KEY: attrs})))
+    if replacing:
+        backend.clear(keep=("zarr.json",))

@@ -128,6 +128,19 @@ def node_name(hook_point: str) -> str:
 ROW_KINDS = ("sample", "token")
 
 
+def first_root_attrs(run_id: str | None, created: str, *, version: int = FORMAT_VERSION) -> dict:
+    """The ``activationscope`` attributes of the first root of a run (FORMAT.md section 2):
+    status ``incomplete``, no model, rows, arrays, row-table parts or reductions. ``run_id``
+    None records none (a resumed multi-rank root written before run ids)."""
+    return {
+        "format": {"name": FORMAT_NAME, "version": version}, "status": "incomplete",
+        **({} if run_id is None else {"run_id": run_id}), "created": created, "updated": utc_now(),
+        "library": library_versions(), "model": None, "capture_config": {}, "storage_dtype": None, "provenance": {},
+        "n_samples": 0, "n_batches": 0, "arrays": {},
+        "row_tables": {k: {"parts": [], "n_rows": 0, "columns": []} for k in ROW_KINDS}, "reductions": {},
+    }
+
+
 def library_versions() -> dict:
     """The ``library`` record of a root document: the activationscope, torch and zarr
     versions of the writer (FORMAT.md section 2)."""

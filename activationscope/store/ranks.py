@@ -41,7 +41,8 @@ from ..capture import _native
 from ..errors import ArgumentTypeError, ArgumentValueError, StoreCorruptError, StoreError, StoreExistsError
 from . import _format as F
 from . import _validate as V
-from ._backend import LocalBackend, check_backend_not_in_store, refuse_foreign_entries, resolve
+from ._backend import (LocalBackend, check_backend_not_in_store, refuse_foreign_entries, resolve,
+                       write_root_first)
 from ._lock import WriterLock
 from .reader import (Store, _no_rank_column, check_rank_column_types, listed_rank_stores, rank_store_run_id,
                      ranks_run_id, split_rank_stores_by_run)
@@ -157,29 +158,22 @@ def _prepare_root(b: Any, world_size: int, overwrite: bool, resume: bool) -> str
     # FORMAT.md section 2: a new store (or an overwrite) is a new run with a run_id of its own; a
     # resume keeps the run it continues (its run_id, or none as written before run ids, and its
     # created), so readers opened before it read on rather than see another run in its place
-    run: dict[str, Any] = {"run_id": uuid.uuid4().hex, "created": F.utc_now()}
+    run_id, created = uuid.uuid4().hex, F.utc_now()
     if kept is not None:
-        run = {k: kept[k] for k in ("run_id", "created") if isinstance(kept.get(k), str)}
-        run.setdefault("created", F.utc_now())
-    attrs = {
-        "format": {"name": F.FORMAT_NAME, "version": DISTRIBUTED_FORMAT_VERSION},
-        "status": "incomplete", **run, "updated": F.utc_now(), "library": _library_versions(),
-        "model": None, "capture_config": {}, "storage_dtype": None, "provenance": {}, "n_samples": 0,
-        "n_batches": 0, "arrays": {}, "row_tables": {k: {"parts": [], "n_rows": 0, "columns": []} for k in ROW_KINDS},
-        "reductions": {}, "distributed": {"world_size": int(world_size), "committed": False},
-    }
+        run_id = kept.get("run_id") if isinstance(kept.get("run_id"), str) else None
+        created = kept["created"] if isinstance(kept.get("created"), str) else created
+    attrs = F.first_root_attrs(run_id, created, version=DISTRIBUTED_FORMAT_VERSION)
+    attrs["distributed"] = {"world_size": int(world_size), "committed": False}
     # FORMAT.md section 10: the root names the run whose rank stores it shows (a resume of a root
     # written before that keeps showing every rank store, as it did)
-    ranks_run = ranks_run_id((kept or {}).get("distributed")) if kept is not None else run["run_id"]
+    ranks_run = ranks_run_id((kept or {}).get("distributed")) if kept is not None else run_id
     if ranks_run is not None:
         attrs["distributed"]["run_id"] = ranks_run
     # the new run's root first, over the old one: from here on no object of the old run is read as
     # this store's (its arrays are not listed, its rank stores record another run), whatever is left
     # of them when the process dies; then they go
-    b.set("zarr.json", _root_doc(attrs))
-    if replacing:
-        b.clear(keep=("zarr.json",))
-    elif kept is not None and ranks_run is not None:
+    write_root_first(b, attrs, replacing=replacing)
+    if kept is not None and ranks_run is not None:  # (a resume: its root was kept, nothing is replaced)
         _remove_other_runs(b, ranks_run)
     return ranks_run
 

@@ -54,7 +54,7 @@ from . import _decode
 from . import _format as F
 from . import _validate as V
 from ._backend import (LocalBackend, _kind, check_backend_not_in_store, open_regular, refuse_foreign_entries, resolve,
-                       store_above)
+                       store_above, write_root_first)
 
 # shard index entry of a chunk that is not there (Zarr sharding: 2**64 - 1)
 _MISSING = 2**64 - 1
@@ -2741,18 +2741,6 @@ def _refuse_copy_onto_itself(src: Any, dst: Any) -> None:
                          "another path")
 
 
-def _copy_first_root() -> dict:
-    """The first root a copy writes at its target: a new store's first root (format version 1,
-    status ``incomplete``, a run_id of its own, no rows, arrays, row-table parts or reductions)."""
-    now = F.utc_now()
-    return {
-        "format": {"name": F.FORMAT_NAME, "version": F.FORMAT_VERSION}, "status": "incomplete", "created": now,
-        "run_id": uuid.uuid4().hex, "updated": now, "library": F.library_versions(), "model": None,
-        "capture_config": {}, "storage_dtype": None, "provenance": {}, "n_samples": 0, "n_batches": 0, "arrays": {},
-        "row_tables": {k: {"parts": [], "n_rows": 0, "columns": []} for k in F.ROW_KINDS}, "reductions": {},
-    }
-
-
 def copy_store(source: Any, target: Any, *, overwrite: bool = False) -> None:
     """Copy every object of a store (e.g. an in-memory one) to ``target``; root metadata last.
 
@@ -2811,8 +2799,7 @@ def copy_store(source: Any, target: Any, *, overwrite: bool = False) -> None:
         # store's root, then the old objects go, then the copy's objects, its own root last. Killed at any
         # point, the target is the old store intact or an incomplete store listing no row of the old one;
         # copy_store(..., overwrite=True) again completes it
-        dst.set("zarr.json", F.dumps(F.group_document({F.ATTRS_KEY: _copy_first_root()})))
-        dst.clear(keep=("zarr.json",))
+        write_root_first(dst, F.first_root_attrs(uuid.uuid4().hex, F.utc_now()), replacing=True)
         files = _committed_shard_files(source if isinstance(source, Store) else src)
         # (a key read from its kept file is copied even when its own is a folder, which lists no file by
         # that name; the files inside such a folder are no part of the store)

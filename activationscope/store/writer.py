@@ -56,7 +56,7 @@ from .._safeio import _kind
 from . import _format as F
 from . import _validate as V
 from ._backend import (LocalBackend, check_backend_not_in_store, check_local_store_path, fsync_dir,
-                       refuse_foreign_entries, resolve)
+                       refuse_foreign_entries, resolve, write_root_first)
 from ._backend import _inside as _inside_folder
 from ._format import KEPT_SUFFIX, committed_reduction_files, committed_reduction_groups
 from ._lock import WriterLock
@@ -1150,9 +1150,7 @@ class StoreWriter:
         # it over the old run's root before it deletes anything: a reader of the old run sees the store
         # replaced before any of its objects goes or one of this run's is written (FORMAT.md section 7),
         # and one killed in between leaves a new store with no rows (a resume removes the old arrays)
-        self._backend.set("zarr.json", F.dumps(F.group_document({F.ATTRS_KEY: self._root_attrs("incomplete")})))
-        if self._replacing:
-            self._backend.clear(keep=("zarr.json",))
+        write_root_first(self._backend, self._root_attrs("incomplete"), replacing=self._replacing)
         self._backend.set("acts/zarr.json", F.dumps(F.group_document()))
 
     def _load_column_types(self) -> None:

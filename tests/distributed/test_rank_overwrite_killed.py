@@ -6,9 +6,6 @@ resume) completes it (FORMAT.md section 10), on a local folder, in fsspec memory
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
 import sys
 import uuid
 from pathlib import Path
@@ -20,6 +17,8 @@ import activationscope as acs
 from activationscope.store import _backend as B
 from activationscope.store.ranks import commit_ranks, prepare_root
 
+from acs_testing import Killed, die_at, run_killed_at_delete, store_target
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import torchrun_capture as job  # noqa: E402
@@ -27,17 +26,8 @@ import torchrun_capture as job  # noqa: E402
 WORLD = 2
 
 
-class _Killed(BaseException):
-    """Stands for rank 0's process dying (nothing of it runs after it)."""
-
-
 def _where(request, where: str) -> tuple[str, dict | None]:
-    name = f"ranks-{uuid.uuid4().hex}.zarr"
-    if where == "s3":
-        return f"s3://acs-ranks/{name}", request.getfixturevalue("s3")
-    if where == "local":
-        return str(request.getfixturevalue("tmp_path") / name), None
-    return f"memory://acs/{name}", None
+    return store_target(request, where, "ranks", bucket="acs-ranks")
 
 
 @pytest.fixture(params=["local", "memory", "s3"])
@@ -80,33 +70,6 @@ def _old_store(url: str, so, kind: str) -> dict:
     return dict(st.attrs)
 
 
-def _die_at(monkeypatch, step: int) -> list:
-    """The ``step``-th write or delete of a store object (the lock excluded) raises _Killed
-    before it happens; returns the operations made before it."""
-    done: list = []
-
-    def wrap(fn, what):
-        def run(*args, **kwargs):
-            key = str(args[-1]) if what != "set" else args[1]
-            if not key.endswith(B.LOCK_KEY):
-                if len(done) == step:
-                    if what == "rmtree":  # killed partway through a folder: every other file of it gone
-                        files = sorted(p for p in Path(key).rglob("*") if p.is_file())
-                        for p in files[::2]:
-                            p.unlink()
-                    raise _Killed
-                done.append(("delete" if what == "rmtree" else what, key))
-            return fn(*args, **kwargs)
-        return run
-
-    monkeypatch.setattr(B.ZarrBackend, "set", wrap(B.ZarrBackend.set, "set"))
-    monkeypatch.setattr(B.ZarrBackend, "delete", wrap(B.ZarrBackend.delete, "delete"))
-    monkeypatch.setattr(B.LocalBackend, "set", wrap(B.LocalBackend.set, "set"))
-    monkeypatch.setattr(B.shutil, "rmtree", wrap(shutil.rmtree, "rmtree"))
-    monkeypatch.setattr(B.Path, "unlink", wrap(Path.unlink, "delete"))
-    return done
-
-
 def _state(url: str, so, old: dict) -> str:
     """'old' (the old run as it was) or 'new' (an incomplete store of another run, no row)."""
     st = acs.open_store(url, storage_options=so)
@@ -138,8 +101,8 @@ def test_a_multi_rank_overwrite_killed_at_each_step_leaves_the_old_run_or_an_emp
         n = _n_steps(url, so)
         assert n >= 2
         step = {"first": 0, "root": 1, "second": min(2, n - 1), "half": n // 2, "last": n - 1}[at]
-        done = _die_at(monkeypatch, step)
-        with pytest.raises(_Killed):
+        done = die_at(monkeypatch, step)
+        with pytest.raises(Killed):
             prepare_root(url, world_size=WORLD, overwrite=True, storage_options=so)
         monkeypatch.undo()
         assert _state(url, so, old) == ("old" if step == 0 else "new"), (step, done)
@@ -159,8 +122,8 @@ def test_a_multi_rank_overwrite_killed_at_each_step_leaves_the_old_run_or_an_emp
 def test_a_killed_multi_rank_overwrite_is_completed_by_rerunning_it(target, kind, then, monkeypatch):
     url, so = target
     old = _old_store(url, so, kind)
-    _die_at(monkeypatch, 1)  # the new root written, nothing of the old run deleted
-    with pytest.raises(_Killed):
+    die_at(monkeypatch, 1)  # the new root written, nothing of the old run deleted
+    with pytest.raises(Killed):
         prepare_root(url, world_size=WORLD, overwrite=True, storage_options=so)
     monkeypatch.undo()
     killed_run = acs.open_store(url, storage_options=so).attrs["run_id"]
@@ -209,23 +172,10 @@ def test_a_rank_store_of_another_run_is_overwritten_not_resumed(tmp_path):
 
 
 _CHILD = """
-import json, os, shutil, sys
-from activationscope.store import _backend as B
+import json, sys
 from activationscope.store.ranks import prepare_root
 
-n = [0]
-def dying(fn):
-    def run(*args, **kwargs):
-        n[0] += 1
-        if n[0] == int(sys.argv[3]):
-            os._exit(9)  # killed while the old store's objects are being deleted
-        return fn(*args, **kwargs)
-    return run
-
-B.ZarrBackend.delete = dying(B.ZarrBackend.delete)
-B.shutil.rmtree = dying(shutil.rmtree)
-so = json.loads(sys.argv[2])
-prepare_root(sys.argv[1], world_size=2, overwrite=True, storage_options=so)
+prepare_root(sys.argv[1], world_size=2, overwrite=True, storage_options=json.loads(sys.argv[2]))
 """
 
 
@@ -233,9 +183,7 @@ prepare_root(sys.argv[1], world_size=2, overwrite=True, storage_options=so)
 def test_a_multi_rank_overwrite_whose_process_dies_is_resumed(request, where):
     url, so = _where(request, where)
     old = _old_store(url, so, "uncommitted")
-    env = {**os.environ, "PYTHONPATH": str(HERE.parents[1])}
-    done = subprocess.run([sys.executable, "-c", _CHILD, url, json.dumps(so), "1" if where == "local" else "3"], env=env, timeout=300)
-    assert done.returncode == 9
+    run_killed_at_delete(_CHILD, 1 if where == "local" else 3, url, json.dumps(so))  # (while the old store goes)
     assert _state(url, so, old) == "new"
     prepare_root(url, world_size=WORLD, resume=True, storage_options=so)  # (its lock taken over: a dead pid)
     job.capture_rank_stores(url, ["mean"], WORLD, storage_options=so, model=_model(1))

@@ -6,12 +6,7 @@ completes the copy (FORMAT.md section 7), on a local folder, in fsspec memory an
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import sys
 import uuid
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,17 +14,14 @@ import torch
 from activationscope.store import copy_store, open_store
 from activationscope.store import _backend as B
 
+from acs_testing import Killed, die_at, run_killed_at_delete, store_target
 from hostile import HP
-from test_remote_overwrite_race import _new_store, _write
-
-
-class _Killed(BaseException):
-    """Stands for the copying process dying (nothing of it runs after it)."""
+from test_remote_overwrite_race import _write
 
 
 @pytest.fixture(params=["local", "memory", "s3"])
 def target(request):
-    return _new_store(request, request.param)
+    return store_target(request, request.param, "copy")
 
 
 @pytest.fixture(scope="module")
@@ -37,30 +29,6 @@ def sources():
     """Two stores in memory: the old one (copied to the target first) and the new one."""
     old, new = (f"memory://acs/copy-src-{uuid.uuid4().hex}.zarr" for _ in range(2))
     return (old, _write(old, None, seed=0)), (new, _write(new, None, seed=1, n_rows=100, feature=4))
-
-
-def _die_at(monkeypatch, step: int) -> list:
-    """Make the ``step``-th write or delete of a store object (the lock excluded) raise _Killed
-    before it happens: on object storage ``set`` and ``delete``, locally ``set`` and the removal
-    of each top-level entry by ``clear``. Returns the operations made before it."""
-    done: list = []
-
-    def wrap(fn, what):
-        def run(*args, **kwargs):
-            key = str(args[-1]) if what != "set" else args[1]
-            if not key.endswith(B.LOCK_KEY):
-                if len(done) == step:
-                    raise _Killed
-                done.append((what, key))
-            return fn(*args, **kwargs)
-        return run
-
-    monkeypatch.setattr(B.ZarrBackend, "set", wrap(B.ZarrBackend.set, "set"))
-    monkeypatch.setattr(B.ZarrBackend, "delete", wrap(B.ZarrBackend.delete, "delete"))
-    monkeypatch.setattr(B.LocalBackend, "set", wrap(B.LocalBackend.set, "set"))
-    monkeypatch.setattr(B.shutil, "rmtree", wrap(shutil.rmtree, "delete"))
-    monkeypatch.setattr(B.Path, "unlink", wrap(Path.unlink, "delete"))
-    return done
 
 
 def _old_or_new_incomplete(url: str, so, old_rows: torch.Tensor, old_run: str) -> str:
@@ -82,10 +50,10 @@ def test_copy_store_killed_at_each_step_leaves_the_old_store_or_an_incomplete_on
     while True:
         copy_store(src_old, _target(url, so), overwrite=True)
         old_run = open_store(url, storage_options=so).attrs["run_id"]
-        done = _die_at(monkeypatch, step)
+        done = die_at(monkeypatch, step)
         try:
             copy_store(src_new, _target(url, so), overwrite=True)
-        except _Killed:
+        except Killed:
             killed = True
         else:
             killed = False
@@ -118,8 +86,8 @@ def test_a_new_copy_killed_partway_is_completed_by_an_overwrite(target, sources,
     """An empty target killed into holds an incomplete store (not files without a root)."""
     url, so = target
     (_, _), (new, new_rows) = sources
-    _die_at(monkeypatch, 3)
-    with pytest.raises(_Killed):
+    die_at(monkeypatch, 3)
+    with pytest.raises(Killed):
         copy_store(open_store(new), _target(url, so))
     monkeypatch.undo()
     st = open_store(url, storage_options=so)
@@ -129,23 +97,11 @@ def test_a_new_copy_killed_partway_is_completed_by_an_overwrite(target, sources,
 
 
 _CHILD = """
-import json, os, shutil, sys
-sys.path.insert(0, sys.argv[1])
+import json, sys
 from activationscope.store import _backend as B, copy_store, open_store
 
-n = [0]
-def dying(fn):
-    def run(*args, **kwargs):
-        n[0] += 1
-        if n[0] == int(sys.argv[5]):
-            os._exit(9)  # killed while the old store's objects are being deleted
-        return fn(*args, **kwargs)
-    return run
-
-B.ZarrBackend.delete = dying(B.ZarrBackend.delete)
-B.shutil.rmtree = dying(shutil.rmtree)
-so = json.loads(sys.argv[4])
-copy_store(open_store(sys.argv[2]), sys.argv[3] if so is None else B.resolve(sys.argv[3], storage_options=so),
+so = json.loads(sys.argv[3])
+copy_store(open_store(sys.argv[1]), sys.argv[2] if so is None else B.resolve(sys.argv[2], storage_options=so),
            overwrite=True)
 """
 
@@ -154,18 +110,14 @@ copy_store(open_store(sys.argv[2]), sys.argv[3] if so is None else B.resolve(sys
 def test_a_copy_whose_process_dies_while_deleting_the_old_store_is_completed(request, where, tmp_path):
     """A real death (its lock left behind: a file lock the kernel released, or a marker of a
     dead pid): the target opens as an incomplete store, and copy_store again completes it."""
-    url, so = _new_store(request, where)
+    url, so = store_target(request, where, "copy")
     src_old = tmp_path / "old.zarr"
     old_rows = _write(str(src_old), None, seed=0)
     src_new = tmp_path / "new.zarr"
     new_rows = _write(str(src_new), None, seed=1, n_rows=100, feature=4)
     copy_store(open_store(src_old), _target(url, so))
     old_run = open_store(url, storage_options=so).attrs["run_id"]
-    here = Path(__file__).parent
-    env = {**os.environ, "PYTHONPATH": f"{here.parents[1]}"}
-    done = subprocess.run([sys.executable, "-c", _CHILD, str(here), str(src_new), url, json.dumps(so), "2"],
-                          env=env, timeout=300)
-    assert done.returncode == 9
+    run_killed_at_delete(_CHILD, 2, str(src_new), url, json.dumps(so))  # (while the old store goes)
     assert _old_or_new_incomplete(url, so, old_rows, old_run) == "new"
     copy_store(open_store(src_new), _target(url, so), overwrite=True)
     st = open_store(url, storage_options=so)

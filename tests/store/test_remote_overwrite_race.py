@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,30 +19,20 @@ from activationscope.errors import StoreCorruptError, StoreError
 from activationscope.store import StoreWriter, open_store
 from activationscope.store import _backend as B
 
+from acs_testing import Killed, die_at, run_killed_at_delete, store_target
 from hostile import CHUNK_ROWS, FEATURE, HP, N_ROWS, SHARD_ROWS, _Mean
 
 REPLACED = r"was replaced since it was opened .*reopen it"
 
 
-def _new_store(request, where: str) -> tuple[str, dict | None]:
-    """(path or URL of a new store, its storage_options) on object storage (``s3``), in fsspec
-    memory or in a local folder."""
-    name = f"race-{uuid.uuid4().hex}.zarr"
-    if where == "s3":
-        return f"s3://acs-bucket/{name}", request.getfixturevalue("s3")
-    if where == "local":
-        return str(request.getfixturevalue("tmp_path") / name), None
-    return f"memory://acs/{name}", None
-
-
 @pytest.fixture(params=["s3", "memory"])
 def remote(request):
-    return _new_store(request, request.param)
+    return store_target(request, request.param, "race")
 
 
 @pytest.fixture(params=["s3", "memory", "local"])
 def anywhere(request):
-    return _new_store(request, request.param)
+    return store_target(request, request.param, "race")
 
 
 def _write(url: str, so, seed: int, *, overwrite: bool = False, resume: bool = False, n_rows: int = N_ROWS,
@@ -206,22 +197,12 @@ def test_overwrite_replaces_the_root_before_it_deletes_or_writes_anything(remote
     assert not torch.equal(new, old)
 
 
-class _Killed(BaseException):
-    """Stands for the writer's process dying (nothing of the writer runs after it)."""
-
-
 def _killed_after_replacing_the_root(url: str, so, monkeypatch) -> None:
-    delete = B.ZarrBackend.delete
-
-    def die(self, key):
-        if key != B.LOCK_KEY:
-            raise _Killed
-        return delete(self, key)
-
-    monkeypatch.setattr(B.ZarrBackend, "delete", die)
-    with pytest.raises(_Killed):
+    done = die_at(monkeypatch, 1)  # (its first delete)
+    with pytest.raises(Killed):
         _write(url, so, seed=1, overwrite=True)
     monkeypatch.undo()
+    assert done == [("set", "zarr.json")]
 
 
 def test_an_overwrite_killed_after_replacing_the_root_leaves_a_new_incomplete_store(remote, monkeypatch):
@@ -295,20 +276,10 @@ def test_a_dask_row_table_computed_after_an_overwrite_is_refused_without_crc32c(
 
 
 _CHILD = """
-import json, os, sys
-sys.path.insert(0, sys.argv[1])
-from activationscope.store import _backend as B
+import json, sys
 from test_remote_overwrite_race import _write
 
-delete = B.ZarrBackend.delete
-
-def die(self, key):
-    if key != B.LOCK_KEY:
-        os._exit(9)  # killed right after the root of its run replaced the old one
-    return delete(self, key)
-
-B.ZarrBackend.delete = die
-_write(sys.argv[2], json.loads(sys.argv[3]), seed=1, overwrite=True)
+_write(sys.argv[1], json.loads(sys.argv[2]), seed=1, overwrite=True)
 """
 
 
@@ -316,17 +287,11 @@ def test_an_overwrite_on_s3_whose_process_dies_after_replacing_the_root_is_resum
     """A real death (its lock marker left behind): the store opens as a new incomplete one, and
     a resume in this process (same host, the writer's pid gone) takes the marker over and writes
     only its own rows."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
     url = f"s3://acs-bucket/race-{uuid.uuid4().hex}.zarr"
     _write(url, s3, seed=0)
     old_run = open_store(url, storage_options=s3).attrs["run_id"]
-    here = Path(__file__).parent
-    env = {**__import__("os").environ, "PYTHONPATH": f"{here.parents[1]}"}
-    done = subprocess.run([sys.executable, "-c", _CHILD, str(here), url, json.dumps(s3)], env=env, timeout=300)
-    assert done.returncode == 9
+    # (killed at its first delete: right after the root of its run replaced the old one)
+    run_killed_at_delete(_CHILD, 1, url, json.dumps(s3), path=[Path(__file__).parent])
     st = open_store(url, storage_options=s3)
     assert st.status == "incomplete" and st.attrs["run_id"] != old_run and st.hook_points == [] and st.n_samples == 0
     new = _write(url, s3, seed=3, n_rows=40, resume=True)
