@@ -1312,18 +1312,24 @@ class StoreWriter:
         Each array's root entry is first checked against the array's own document (FORMAT.md
         section 9 rule 17): which shards are deleted, and how the rows appended next are laid
         out, follow the root's ``shard_rows`` and ``chunk_rows``, so a root that lies about them
-        must not delete or mix committed rows.
+        must not delete or mix committed rows. An array document whose ``shape[0]`` is past the
+        committed rows (a commit killed before its root) is written again with ``n_rows`` rows
+        before the shards past them are deleted: a plain Zarr reader never reads those rows as
+        fill values, even when this resume is killed before its first commit.
         """
         b = self._backend
         self._check_committed_counts()
+        ahead: dict[str, dict] = {}  # hook point -> its array document, whose shape[0] is past n_rows
         for hp, meta in self._old_arrays.items():
             doc_key = f"{meta['path']}/zarr.json"
             raw = b.get(doc_key, max_bytes=V.MAX_JSON_BYTES)
             if raw is not None:
-                problems = V.array_document_problems(V.loads_json(raw, store=b, key=doc_key), meta, hook_point=hp,
-                                                     doc_key=doc_key)
+                doc = V.loads_json(raw, store=b, key=doc_key)
+                problems = V.array_document_problems(doc, meta, hook_point=hp, doc_key=doc_key)
                 if problems:
                     raise V.corrupt(b, "; ".join(problems) + "; nothing was deleted or written")
+                if doc["shape"][0] > int(meta["n_rows"]):
+                    ahead[hp] = doc
         listed = self._refuse_missing_shards()
         parts = self._refuse_missing_parts()
         if isinstance(b, LocalBackend):
@@ -1346,6 +1352,10 @@ class StoreWriter:
             keep_shards = -(-n // shard_rows)  # shards holding committed rows
             if found is not None:
                 self._restore_kept_shard(found, hp)
+            if hp in ahead:  # (a commit killed before its root wrote it): down to the committed rows before the
+                # shards past them go, so that no plain Zarr reader reads their rows as fill values meanwhile
+                ahead[hp]["shape"][0] = n
+                b.set(f"{path}/zarr.json", F.dumps(ahead[hp]))
             for key in list(b.list(f"{path}/") if listed is None else listed[hp]):
                 rel = key[len(path) + 1:]
                 if rel.endswith(".tmp") or "/.tmp" in rel or rel.split("/")[-1].startswith("shard-"):
