@@ -1332,6 +1332,7 @@ class StoreWriter:
                     ahead[hp] = doc
         listed = self._refuse_missing_shards()
         parts = self._refuse_missing_parts()
+        self._refuse_damaged_parts()
         if isinstance(b, LocalBackend):
             for hp, meta in self._old_arrays.items():
                 self._refuse_linked_folders(meta["path"], hp, int(meta["n_rows"]) // int(meta["shard_rows"]),
@@ -1416,6 +1417,51 @@ class StoreWriter:
                         fix="restore that file from an intact copy of the store, or capture it again "
                             "(`activationscope verify STORE` lists every damaged file)")
         return found
+
+    def _refuse_damaged_parts(self) -> None:
+        """Resume: refuse, before anything is deleted or written, a row table that readers and
+        ``verify`` refuse (FORMAT.md section 9 rule 15): a listed part whose bytes fail the
+        crc32c the root records for it, or that is not readable Parquet, or parts that together
+        hold another number of rows than the table's ``n_rows``. A resume keeps every listed part
+        (it drops only unlisted ones, and recomputes none) and appends after them: it would mark
+        the store complete on a table whose rows no reader returns. One part in memory at a time.
+
+        Raises
+        ------
+        StoreCorruptError
+            Naming the row table, the part, both values and the fix; nothing was deleted or
+            written.
+        """
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        b = self._backend
+        end = "; a resume keeps every listed part and appends after it, so it would mark the store complete on " \
+              "a row table no reader returns; nothing was deleted or written"
+        fix = ("restore that file from an intact copy of the store, or capture the store again with overwrite=True "
+               "(`activationscope verify STORE` lists every damaged file)")
+        for kind, tbl in self._row_tables.items():
+            crcs = tbl.get("crc32c") or {}
+            total = 0
+            for key in tbl.get("parts", []):
+                raw = b.get(key, max_bytes=V.MAX_FILE_BYTES)
+                if raw is None:  # (gone since _refuse_missing_parts looked: refused as missing)
+                    raise V.corrupt(b, f"cannot resume: row table {kind!r}: its part {key!r}, listed in zarr.json, is "
+                                       f"missing{end}", fix=fix)
+                want = crcs.get(key)
+                got = F.crc32c(raw) if want is not None else None
+                if want is not None and got != int(want):
+                    raise V.corrupt(b, f"cannot resume: row table {kind!r}: part {key!r} has crc32c {got:08x}, but "
+                                       f"zarr.json records {int(want):08x} for it (its bytes changed since they were "
+                                       f"committed){end}", fix=fix)
+                try:
+                    total += pq.read_metadata(pa.BufferReader(raw)).num_rows
+                except Exception as e:  # noqa: BLE001 - any Parquet failure
+                    raise V.corrupt(b, f"cannot resume: row table {kind!r}: part {key!r} is not a readable Parquet "
+                                       f"file ({e}){end}", fix=fix) from None
+            if total != int(tbl.get("n_rows", 0)):
+                raise V.corrupt(b, f"cannot resume: row table {kind!r}: its parts hold {total} rows, but zarr.json "
+                                   f"says n_rows {tbl.get('n_rows', 0)}{end}", fix=fix)
 
     def _refuse_missing_shards(self) -> dict[str, list[str]] | None:
         """Resume: refuse, before anything is deleted or written, an array whose committed rows
