@@ -2525,6 +2525,15 @@ class StoreWriter:
                         f"acc.cpu(), a dtype among {list(F.SUPPORTED_DTYPES)}), or drop it"
                     )
             kind = str(getattr(reduction, "kind", "custom"))
+            if kind in V.BUILTIN_OPTIONS:  # (readers refuse a built-in's output of another dtype: FORMAT.md rule 10)
+                for key, value in result.items():
+                    dname = F.dtype_name(torch.as_tensor(value).dtype)
+                    if dname not in V.BUILTIN_DTYPES:
+                        raise StoreError(
+                            f"reduction {name!r} of hook point {hook_point!r}: result {key!r} is {dname}, but a "
+                            f"reduction of the built-in kind {kind!r} stores {' or '.join(V.BUILTIN_DTYPES)} outputs "
+                            "only; cast it (.double()) or give the reduction another kind"
+                        )
             main = main_result_key(kind, result)
             node = F.node_name(hook_point)
             entries = self._reductions.setdefault(hook_point, {})
@@ -2564,7 +2573,7 @@ class StoreWriter:
                         break
                     t = torch.as_tensor(value).detach().to("cpu").contiguous()
                     dname = F.dtype_name(t.dtype)
-                    if dname not in F.SUPPORTED_DTYPES:
+                    if dname not in F.SUPPORTED_DTYPES or (kind in V.BUILTIN_OPTIONS and dname not in V.BUILTIN_DTYPES):
                         saved = None  # a state this format cannot hold: the result stays, resume rebuilds
                         break
                     crcs = self._write_small_array(path, t, {"hook_point": hook_point, "reduction": name,

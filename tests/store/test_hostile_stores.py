@@ -1485,6 +1485,38 @@ def test_a_built_in_reduction_of_a_dtype_it_never_stores_is_refused(tmp_path, na
     assert _files(path) == before
 
 
+def test_a_writer_refuses_a_built_in_kind_of_another_dtype_before_it_writes(tmp_path):
+    """StoreWriter.add_reductions of a reduction whose kind is a built-in's but whose output is
+    float32 is refused before anything of it is written (readers would refuse the store); a
+    state of such a dtype is not kept (a resume rebuilds it), the result is."""
+    path = tmp_path / "s.zarr"
+    data = make_store(path)
+
+    class Mean:
+        kind = "mean"
+
+        def __init__(self, value, state=None):
+            self.value, self._state = value, state
+
+        def result(self):
+            return {"mean": self.value}
+
+        def state(self):
+            return self._state
+
+    w = StoreWriter(path, resume=True)
+    w.open_array(HP, (FEATURE,), torch.float32, "sample")
+    with pytest.raises(StoreError, match=r"reduction 'm32' of hook point '0\.output': result 'mean' is float32, but a "
+                                         r"reduction of the built-in kind 'mean' stores float64 or int64 outputs only"):
+        w.add_reductions(HP, "m32", Mean(data.mean(0)))
+    w.add_reductions(HP, "m64", Mean(data.double().mean(0), {"mean": data.mean(0), "count": torch.tensor(N_ROWS)}))
+    w.close()
+    s = open_store(path)
+    assert s.verify() == [] and not (path / "reductions" / HP / "m32").exists()
+    assert torch.equal(s.reductions[HP]["m64"], data.double().mean(0))
+    assert "state" not in root(path)["attributes"]["activationscope"]["reductions"][HP]["m64"]
+
+
 def test_a_built_in_reduction_count_stored_as_float64_still_reads(tmp_path):
     """int64 outputs stored as float64 (exact below 2**53; the extrema of some integer rows are
     float64 in stores written before they were int64) are values the reduction wrote."""
