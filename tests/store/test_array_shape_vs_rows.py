@@ -170,3 +170,19 @@ def test_resume_writes_a_shape_ahead_down_before_it_deletes_shards(tmp_path, per
         assert s.verify() == [] and torch.equal(s[HP], data[:256])
         z = zarr.open_array(str(p / "acts" / HP), mode="r")
         assert z.shape == (256, 8) and np.array_equal(z[:], data[:256].numpy())
+
+
+def test_verify_names_a_shape_ahead_of_the_manifest_s_rows_end(per_shard):
+    """The manifest's last shard ends (rows_end) before the document's shape[0]: the rows past
+    rows_end were never listed as written (a plain Zarr reader reads the chunks' zero padding
+    or fill values there)."""
+    path, _ = per_shard
+    _killed_commit(path)
+    p = path / "acts" / HP / "manifest.json"
+    man = json.loads(p.read_text())
+    man["shards"][4]["rows_end"] = 300
+    p.write_text(json.dumps(man))
+    problems = open_store(path).verify()
+    assert len(problems) == 1
+    assert f"hold rows 0..299 only (its manifest acts/{HP}/manifest.json says shard 4, the last it lists, ends at row 300)" \
+        in problems[0] and f"rows 300..{N_ROWS - 1}, never written" in problems[0]
