@@ -2371,17 +2371,15 @@ class Store:
         ahead of its committed ``n_rows`` would misread (FORMAT.md section 9, what ``verify``
         checks): rows past the ones its shards hold, read as fill values (zeros) though never
         written, and, in a complete store, rows that no row table lists. Rows between ``n_rows``
-        and ``shape[0]`` are held when the manifest lists their shards, ending at or past them,
-        and those shard files exist (a commit killed before its root leaves that: its array
-        documents are written after its shards and manifests)."""
+        and ``shape[0]`` are held when their shard files exist and the manifest lists them, ending
+        at or past them (a commit killed before its root leaves that: its array documents are
+        written after its shards); a shard the manifest does not list yet (a commit killed while
+        it wrote its manifests and documents, which it writes together) holds the chunks its
+        own index lists, from its first one on."""
         n, shard_rows = int(meta["n_rows"]), int(meta["shard_rows"])
         held, k, why = n, n // shard_rows, ""
         while held < doc_rows:
             key = self._shard_key(meta, k)
-            rec = shards.get(k)
-            if rec is None:
-                why = f"its manifest {meta['manifest']} lists no shard {k} ({key})"
-                break
             try:
                 size = self._backend.size(key)
             except StoreError:
@@ -2389,13 +2387,21 @@ class Store:
             if size is None:
                 why = f"shard {k}'s file {key} is missing or not a regular file inside the store"
                 break
-            end = rec.get("rows_end")
-            if not isinstance(end, int) or isinstance(end, bool) or end <= held:
+            rec = shards.get(k)
+            end = None if rec is None else rec.get("rows_end")
+            if rec is not None and (not isinstance(end, int) or isinstance(end, bool) or end <= held):
                 why = f"its manifest {meta['manifest']} says shard {k} ends at row {end!r}"
                 break
+            if rec is None:
+                end = k * shard_rows + self._rows_in_index(meta, key, size)
+                if end <= held:
+                    why = f"its manifest {meta['manifest']} lists no shard {k}, and {key} holds no chunk past row {held}"
+                    break
             held = min(end, (k + 1) * shard_rows)
-            if held < (k + 1) * shard_rows:
-                why = f"its manifest {meta['manifest']} says shard {k}, the last it lists, ends at row {end}"
+            if held < min(doc_rows, (k + 1) * shard_rows):
+                why = (f"its manifest {meta['manifest']} says shard {k}, the last it lists, ends at row {end}"
+                       if rec is not None else f"its manifest {meta['manifest']} lists no shard {k}, whose file {key} "
+                       f"holds chunks up to row {end}")
                 break
             k += 1
         fix = (f"set shape[0] in {doc_key} to {n} (the root's n_rows, which activationscope reads), or resume the "
@@ -2403,13 +2409,33 @@ class Store:
         where = f"hook point {hp!r}: array document {doc_key} has shape[0] {doc_rows}"
         if held < doc_rows:
             return [f"{where}, but its shards hold {f'rows 0..{held - 1} only' if held else 'no rows'} ({why}): a "
-                    f"plain Zarr reader would read "
-                    f"rows {held}..{doc_rows - 1}, never written, as fill values (zeros); {fix}"]
+                    f"plain Zarr reader would read rows {held}..{doc_rows - 1}, never written, as fill values (zeros); "
+                    f"{fix}"]
         if self.status == "complete":
             return [f"{where}, more than the {n} committed rows (n_rows of the root document zarr.json) of a complete "
                     f"store: a plain Zarr reader would read {doc_rows - n} rows that were never committed and that no "
                     f"row table lists; {fix}"]
         return []
+
+    def _rows_in_index(self, meta: dict, key: str, size: int) -> int:
+        """Rows of the shard file ``key`` (``size`` bytes) that its index lists chunks for, from
+        its first chunk on (what a plain Zarr reader reads as written): whole chunks, 0 for an
+        index that is damaged (crc32c) or a file shorter than one."""
+        n_chunks = int(meta["shard_rows"]) // int(meta["chunk_rows"])
+        index_bytes = 16 * n_chunks + 4
+        if size < index_bytes:
+            return 0
+        raw = self._backend.get_range(key, size - index_bytes, index_bytes) or b""
+        if len(raw) != index_bytes or F.crc32c(raw[:-4]) != int.from_bytes(raw[-4:], "little"):
+            return 0
+        entries = np.frombuffer(raw[:-4], dtype="<u8").reshape(-1, 2)
+        data_end = size - index_bytes
+        present = 0
+        for off, nb in entries.tolist():
+            if off == _MISSING or nb == _MISSING or off > data_end or nb > data_end - off:
+                break
+            present += 1
+        return present * int(meta["chunk_rows"])
 
     def info(self) -> dict:
         """A summary: arrays (shape, dtype, rows, bytes), reductions, provenance, status.
