@@ -301,8 +301,13 @@ def _builtin_output_shape(kind: str, key: str, options: dict, feature_shape: lis
     return None
 
 
+#: The dtypes of every output and state array of a built-in reduction (FORMAT.md section 6).
+BUILTIN_DTYPES = ("float64", "int64")
+
+
 def check_builtin_reductions(attrs: dict, c: _Checker) -> None:
-    """Every reduction entry of a built-in ``kind`` (FORMAT.md §9 rule 10): the options of its
+    """Every reduction entry of a built-in ``kind`` (FORMAT.md §9 rule 10): its dtype, and its
+    state's, float64 or int64 (what the native reductions store), the options of its
     main entry are ones that reduction can be made with, and each entry is one of its outputs
     with the shape it has over rows of its hook point's feature shape (when the hook point,
     or the target of its alias, has an array)."""
@@ -319,6 +324,15 @@ def check_builtin_reductions(attrs: dict, c: _Checker) -> None:
             if kind not in BUILTIN_OPTIONS:
                 continue
             f = f"reductions[{hp!r}][{name!r}]"
+            # the native reductions keep float64 values and int64 counts, ids and extrema of integer
+            # rows: an output of another dtype (a bool "mean") is no value the reduction wrote
+            arrays_of = [(f"{f}.dtype", e.get("dtype"))] + [
+                (f"{f}.state[{k!r}].dtype", part.get("dtype")) for k, part in (e.get("state") or {}).items()
+                if isinstance(part, dict)]
+            for field, dtype in arrays_of:
+                if dtype not in BUILTIN_DTYPES:
+                    raise c.fail(field, f"one of {list(BUILTIN_DTYPES)} (what the built-in reduction {kind!r} stores: "
+                                 "float64 values, int64 counts, ids and extrema of integer rows)", dtype)
             if "options" in e:
                 bad = _builtin_option_problem(kind, e["options"])
                 if bad is not None:

@@ -2099,7 +2099,11 @@ class Store:
         its crc32c (when recorded), readable, the parts' rows equal to ``n_rows``. Reductions:
         every file's crc32c (when recorded) and its size against shape and dtype. Every file
         of the store (what :meth:`save` copies): a regular file inside the store. An array
-        with no committed rows may lack its document and manifest (FORMAT.md §7).
+        with no committed rows may lack its document and manifest (FORMAT.md §7). An array
+        document whose ``shape[0]`` is past ``n_rows`` (which this library reads) must not be
+        past the rows its shards hold, nor, in a complete store, past ``n_rows`` at all: a
+        plain Zarr reader reads the document's shape (fill values, zeros, where no row was
+        written).
 
         Returns
         -------
@@ -2269,8 +2273,15 @@ class Store:
         raw = self._backend.get(doc_key)
         if n == 0:  # nothing committed: the document and manifest may not exist yet; one that does agrees
             if raw is not None:
-                problems += V.array_document_problems(V.loads_json(raw, store=self._backend, key=doc_key), meta,
-                                                      hook_point=hp, doc_key=doc_key)
+                doc = V.loads_json(raw, store=self._backend, key=doc_key)
+                disagree = V.array_document_problems(doc, meta, hook_point=hp, doc_key=doc_key)
+                problems += disagree
+                if not disagree and doc["shape"][0] > 0:  # (a commit killed before its root: rows held, or not)
+                    man_raw = self._backend.get(meta["manifest"], max_bytes=V.MAX_JSON_BYTES)
+                    shards = {} if man_raw is None else V.parse_manifest(
+                        V.loads_json(man_raw, store=self._backend, key=meta["manifest"]), meta, store=self._backend,
+                        key=meta["manifest"], check_chunks=False)
+                    problems += self._shape_problems(hp, meta, doc_key, doc["shape"][0], shards)
             return
         rb, chunk_rows, n_chunks, chunk_bytes = _layout(meta)
         shard_rows = n_chunks * chunk_rows
@@ -2282,7 +2293,8 @@ class Store:
             if disagree:  # the root's layout is not the array's: its chunks cannot be checked by it
                 problems += disagree
                 return
-            if doc["shape"][0] < n:
+            doc_rows = doc["shape"][0]
+            if doc_rows < n:
                 problems.append(f"hook point {hp!r}: array document {doc_key} has shape {doc['shape']!r}, expected "
                                 f"[>= {n} committed rows, *{list(meta['feature_shape'])}]")
             try:  # what decoded reads, to_dask and plain zarr readers open (fill value, names, extra fields)
@@ -2295,6 +2307,8 @@ class Store:
             return
         man_doc = V.loads_json(man_raw, store=self._backend, key=meta["manifest"])
         shards = V.parse_manifest(man_doc, meta, store=self._backend, key=meta["manifest"])
+        if raw is not None and doc_rows > n:
+            problems += self._shape_problems(hp, meta, doc_key, doc_rows, shards)
         committed_shards = [k for k in shards if k * shard_rows < n]
         sizes: dict[int, int | None] = {}
         for k in committed_shards:
@@ -2355,6 +2369,77 @@ class Store:
                 self._read_rows(hp, 0, n)
             except StoreCorruptError as e:
                 problems.append(f"hook point {hp!r}: {e}")
+
+    def _shape_problems(self, hp: str, meta: dict, doc_key: str, doc_rows: int, shards: dict[int, dict]) -> list[str]:
+        """What a plain Zarr reader of an array whose document's ``shape[0]`` (``doc_rows``) is
+        ahead of its committed ``n_rows`` would misread (FORMAT.md section 9, what ``verify``
+        checks): rows past the ones its shards hold, read as fill values (zeros) though never
+        written, and, in a complete store, rows that no row table lists. Rows between ``n_rows``
+        and ``shape[0]`` are held when their shard files exist and the manifest lists them, ending
+        at or past them (a commit killed before its root leaves that: its array documents are
+        written after its shards); a shard the manifest does not list yet (a commit killed while
+        it wrote its manifests and documents, which it writes together) holds the chunks its
+        own index lists, from its first one on."""
+        n, shard_rows = int(meta["n_rows"]), int(meta["shard_rows"])
+        held, k, why = n, n // shard_rows, ""
+        while held < doc_rows:
+            key = self._shard_key(meta, k)
+            try:
+                size = self._backend.size(key)
+            except StoreError:
+                size = None
+            if size is None:
+                why = f"shard {k}'s file {key} is missing or not a regular file inside the store"
+                break
+            rec = shards.get(k)
+            end = None if rec is None else rec.get("rows_end")
+            if rec is not None and (not isinstance(end, int) or isinstance(end, bool) or end <= held):
+                why = f"its manifest {meta['manifest']} says shard {k} ends at row {end!r}"
+                break
+            if rec is None:
+                end = k * shard_rows + self._rows_in_index(meta, key, size)
+                if end <= held:
+                    why = f"its manifest {meta['manifest']} lists no shard {k}, and {key} holds no chunk past row {held}"
+                    break
+            held = min(end, (k + 1) * shard_rows)
+            if held < min(doc_rows, (k + 1) * shard_rows):
+                why = (f"its manifest {meta['manifest']} says shard {k}, the last it lists, ends at row {end}"
+                       if rec is not None else f"its manifest {meta['manifest']} lists no shard {k}, whose file {key} "
+                       f"holds chunks up to row {end}")
+                break
+            k += 1
+        fix = (f"set shape[0] in {doc_key} to {n} (the root's n_rows, which activationscope reads), or resume the "
+               "capture (it writes that document again)")
+        where = f"hook point {hp!r}: array document {doc_key} has shape[0] {doc_rows}"
+        if held < doc_rows:
+            return [f"{where}, but its shards hold {f'rows 0..{held - 1} only' if held else 'no rows'} ({why}): a "
+                    f"plain Zarr reader would read rows {held}..{doc_rows - 1}, never written, as fill values (zeros); "
+                    f"{fix}"]
+        if self.status == "complete":
+            return [f"{where}, more than the {n} committed rows (n_rows of the root document zarr.json) of a complete "
+                    f"store: a plain Zarr reader would read {doc_rows - n} rows that were never committed and that no "
+                    f"row table lists; {fix}"]
+        return []
+
+    def _rows_in_index(self, meta: dict, key: str, size: int) -> int:
+        """Rows of the shard file ``key`` (``size`` bytes) that its index lists chunks for, from
+        its first chunk on (what a plain Zarr reader reads as written): whole chunks, 0 for an
+        index that is damaged (crc32c) or a file shorter than one."""
+        n_chunks = int(meta["shard_rows"]) // int(meta["chunk_rows"])
+        index_bytes = 16 * n_chunks + 4
+        if size < index_bytes:
+            return 0
+        raw = self._backend.get_range(key, size - index_bytes, index_bytes) or b""
+        if len(raw) != index_bytes or F.crc32c(raw[:-4]) != int.from_bytes(raw[-4:], "little"):
+            return 0
+        entries = np.frombuffer(raw[:-4], dtype="<u8").reshape(-1, 2)
+        data_end = size - index_bytes
+        present = 0
+        for off, nb in entries.tolist():
+            if off == _MISSING or nb == _MISSING or off > data_end or nb > data_end - off:
+                break
+            present += 1
+        return present * int(meta["chunk_rows"])
 
     def info(self) -> dict:
         """A summary: arrays (shape, dtype, rows, bytes), reductions, provenance, status.

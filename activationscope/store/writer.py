@@ -1337,20 +1337,27 @@ class StoreWriter:
         Each array's root entry is first checked against the array's own document (FORMAT.md
         section 9 rule 17): which shards are deleted, and how the rows appended next are laid
         out, follow the root's ``shard_rows`` and ``chunk_rows``, so a root that lies about them
-        must not delete or mix committed rows.
+        must not delete or mix committed rows. An array document whose ``shape[0]`` is past the
+        committed rows (a commit killed before its root) is written again with ``n_rows`` rows
+        before the shards past them are deleted: a plain Zarr reader never reads those rows as
+        fill values, even when this resume is killed before its first commit.
         """
         b = self._backend
         self._check_committed_counts()
+        ahead: dict[str, dict] = {}  # hook point -> its array document, whose shape[0] is past n_rows
         for hp, meta in self._old_arrays.items():
             doc_key = f"{meta['path']}/zarr.json"
             raw = b.get(doc_key, max_bytes=V.MAX_JSON_BYTES)
             if raw is not None:
-                problems = V.array_document_problems(V.loads_json(raw, store=b, key=doc_key), meta, hook_point=hp,
-                                                     doc_key=doc_key)
+                doc = V.loads_json(raw, store=b, key=doc_key)
+                problems = V.array_document_problems(doc, meta, hook_point=hp, doc_key=doc_key)
                 if problems:
                     raise V.corrupt(b, "; ".join(problems) + "; nothing was deleted or written")
+                if doc["shape"][0] > int(meta["n_rows"]):
+                    ahead[hp] = doc
         listed = self._refuse_missing_shards()
         parts = self._refuse_missing_parts()
+        self._refuse_damaged_parts()
         if isinstance(b, LocalBackend):
             for hp, meta in self._old_arrays.items():
                 self._refuse_linked_folders(meta["path"], hp, int(meta["n_rows"]) // int(meta["shard_rows"]),
@@ -1371,6 +1378,10 @@ class StoreWriter:
             keep_shards = -(-n // shard_rows)  # shards holding committed rows
             if found is not None:
                 self._restore_kept_shard(found, hp)
+            if hp in ahead:  # (a commit killed before its root wrote it): down to the committed rows before the
+                # shards past them go, so that no plain Zarr reader reads their rows as fill values meanwhile
+                ahead[hp]["shape"][0] = n
+                b.set(f"{path}/zarr.json", F.dumps(ahead[hp]))
             for key in list(b.list(f"{path}/") if listed is None else listed[hp]):
                 rel = key[len(path) + 1:]
                 if rel.endswith(".tmp") or "/.tmp" in rel or rel.split("/")[-1].startswith("shard-"):
@@ -1431,6 +1442,51 @@ class StoreWriter:
                         fix="restore that file from an intact copy of the store, or capture it again "
                             "(`activationscope verify STORE` lists every damaged file)")
         return found
+
+    def _refuse_damaged_parts(self) -> None:
+        """Resume: refuse, before anything is deleted or written, a row table that readers and
+        ``verify`` refuse (FORMAT.md section 9 rule 15): a listed part whose bytes fail the
+        crc32c the root records for it, or that is not readable Parquet, or parts that together
+        hold another number of rows than the table's ``n_rows``. A resume keeps every listed part
+        (it drops only unlisted ones, and recomputes none) and appends after them: it would mark
+        the store complete on a table whose rows no reader returns. One part in memory at a time.
+
+        Raises
+        ------
+        StoreCorruptError
+            Naming the row table, the part, both values and the fix; nothing was deleted or
+            written.
+        """
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        b = self._backend
+        end = "; a resume keeps every listed part and appends after it, so it would mark the store complete on " \
+              "a row table no reader returns; nothing was deleted or written"
+        fix = ("restore that file from an intact copy of the store, or capture the store again with overwrite=True "
+               "(`activationscope verify STORE` lists every damaged file)")
+        for kind, tbl in self._row_tables.items():
+            crcs = tbl.get("crc32c") or {}
+            total = 0
+            for key in tbl.get("parts", []):
+                raw = b.get(key, max_bytes=V.MAX_FILE_BYTES)
+                if raw is None:  # (gone since _refuse_missing_parts looked: refused as missing)
+                    raise V.corrupt(b, f"cannot resume: row table {kind!r}: its part {key!r}, listed in zarr.json, is "
+                                       f"missing{end}", fix=fix)
+                want = crcs.get(key)
+                got = F.crc32c(raw) if want is not None else None
+                if want is not None and got != int(want):
+                    raise V.corrupt(b, f"cannot resume: row table {kind!r}: part {key!r} has crc32c {got:08x}, but "
+                                       f"zarr.json records {int(want):08x} for it (its bytes changed since they were "
+                                       f"committed){end}", fix=fix)
+                try:
+                    total += pq.read_metadata(pa.BufferReader(raw)).num_rows
+                except Exception as e:  # noqa: BLE001 - any Parquet failure
+                    raise V.corrupt(b, f"cannot resume: row table {kind!r}: part {key!r} is not a readable Parquet "
+                                       f"file ({e}){end}", fix=fix) from None
+            if total != int(tbl.get("n_rows", 0)):
+                raise V.corrupt(b, f"cannot resume: row table {kind!r}: its parts hold {total} rows, but zarr.json "
+                                   f"says n_rows {tbl.get('n_rows', 0)}{end}", fix=fix)
 
     def _refuse_missing_shards(self) -> dict[str, list[str]] | None:
         """Resume: refuse, before anything is deleted or written, an array whose committed rows
@@ -2542,6 +2598,15 @@ class StoreWriter:
                         f"acc.cpu(), a dtype among {list(F.SUPPORTED_DTYPES)}), or drop it"
                     )
             kind = str(getattr(reduction, "kind", "custom"))
+            if kind in V.BUILTIN_OPTIONS:  # (readers refuse a built-in's output of another dtype: FORMAT.md rule 10)
+                for key, value in result.items():
+                    dname = F.dtype_name(torch.as_tensor(value).dtype)
+                    if dname not in V.BUILTIN_DTYPES:
+                        raise StoreError(
+                            f"reduction {name!r} of hook point {hook_point!r}: result {key!r} is {dname}, but a "
+                            f"reduction of the built-in kind {kind!r} stores {' or '.join(V.BUILTIN_DTYPES)} outputs "
+                            "only; cast it (.double()) or give the reduction another kind"
+                        )
             main = main_result_key(kind, result)
             node = F.node_name(hook_point)
             entries = self._reductions.setdefault(hook_point, {})
@@ -2581,7 +2646,7 @@ class StoreWriter:
                         break
                     t = torch.as_tensor(value).detach().to("cpu").contiguous()
                     dname = F.dtype_name(t.dtype)
-                    if dname not in F.SUPPORTED_DTYPES:
+                    if dname not in F.SUPPORTED_DTYPES or (kind in V.BUILTIN_OPTIONS and dname not in V.BUILTIN_DTYPES):
                         saved = None  # a state this format cannot hold: the result stays, resume rebuilds
                         break
                     crcs = self._write_small_array(path, t, {"hook_point": hook_point, "reduction": name,

@@ -276,7 +276,9 @@ def test_reduction_dtype_checked_against_its_document(plain, dtype):
     its array document and both values; before, the float64 bytes were returned reinterpreted
     as that dtype and verify returned []."""
     path, _ = plain
-    edit_root(path, lambda a: a["reductions"][HP]["mean"].update(dtype=dtype))
+    # (a built-in kind of a dtype none stores is refused at open: test_a_built_in_reduction_of_a_dtype_it_never_stores)
+    kind = "mean" if dtype == "int64" else "eager"
+    edit_root(path, lambda a: a["reductions"][HP]["mean"].update(dtype=dtype, kind=kind))
     s = open_store(path)
     message = (rf"reduction 'mean': its array document reductions/{HP}/mean/zarr.json says data_type 'float64', "
                rf"shape \[8\] \(dtype 'float64'\), but the root document zarr.json says dtype '{dtype}'")
@@ -1432,6 +1434,101 @@ def test_built_in_reduction_entries_that_are_not_its_outputs_are_refused(tmp_pat
     with pytest.raises(StoreCorruptError, match=re.escape(
             "field reductions['0.output']['mean.count'].reduction must be the entry's name, or the part of it before")):
         open_store(path)
+
+
+def _retype_reduction(path: Path, name: str, dtype: str, state: str | None = None) -> str:
+    """Rewrite one array of a built-in reduction (its output ``name``, or that entry's state
+    array ``state``) as ``dtype`` everywhere at once: its values cast, its document's data type,
+    the root's dtype and crc32c (a consistent store, as someone else might write it). Returns
+    the root field that names its dtype."""
+    import google_crc32c
+    import numpy as np
+
+    def entry(a):
+        e = a["reductions"]["0.output"][name]
+        return e["state"][state] if state else e
+
+    e = entry(root(path)["attributes"]["activationscope"])
+    (chunk,) = [k for k in e["crc32c"] if not k.endswith(".pt")]
+    doc_path = path / e["path"] / "zarr.json"
+    doc = json.loads(doc_path.read_text())
+    values = np.frombuffer((path / chunk).read_bytes(), dtype=np.dtype(doc["data_type"]).newbyteorder("<"))
+    (path / chunk).write_bytes(values.astype(np.dtype(dtype).newbyteorder("<")).tobytes())
+    doc["data_type"], doc["fill_value"] = dtype, (False if dtype == "bool" else 0)
+    if "dtype" in doc.get("attributes", {}).get("activationscope", {}):
+        doc["attributes"]["activationscope"]["dtype"] = dtype
+    doc_path.write_text(json.dumps(doc))
+    crc = int(google_crc32c.value((path / chunk).read_bytes()))
+    edit_root(path, lambda a: entry(a).update(dtype=dtype, crc32c={chunk: crc}))
+    return f"reductions['0.output'][{name!r}]" + (f".state[{state!r}]" if state else "") + ".dtype"
+
+
+@pytest.mark.parametrize("name, dtype, state", [
+    ("mean", "bool", None), ("var", "float32", None), ("hist.counts", "int8", None), ("topk.row_ids", "float16", None),
+    ("cov", "complex128", None), ("var", "float32", "m2"), ("min", "uint8", "value"),
+])
+def test_a_built_in_reduction_of_a_dtype_it_never_stores_is_refused(tmp_path, name, dtype, state):
+    """A built-in reduction output (or state array) stored as a dtype the native reductions
+    never write, consistently (document, root, crc32c): refused at open, by verify and by a
+    resume, naming the field; before, a bool "mean" read back as True/False, verify returned
+    [] and the report plotted it as a mean of 1.0."""
+    from activationscope import cli
+
+    path = tmp_path / "b.zarr"
+    _builtin_store(path)
+    field = _retype_reduction(path, name, dtype, state)
+    message = re.escape(f"zarr.json field {field} must be one of ['float64', 'int64'] (what the built-in reduction")
+    before = _files(path)
+    with pytest.raises(StoreCorruptError, match=message + rf".*got {dtype!r}"):
+        open_store(path)
+    assert cli.main(["verify", str(path)]) == 1
+    with pytest.raises(StoreCorruptError, match=message):
+        StoreWriter(path, resume=True)
+    assert _files(path) == before
+
+
+def test_a_writer_refuses_a_built_in_kind_of_another_dtype_before_it_writes(tmp_path):
+    """StoreWriter.add_reductions of a reduction whose kind is a built-in's but whose output is
+    float32 is refused before anything of it is written (readers would refuse the store); a
+    state of such a dtype is not kept (a resume rebuilds it), the result is."""
+    path = tmp_path / "s.zarr"
+    data = make_store(path)
+
+    class Mean:
+        kind = "mean"
+
+        def __init__(self, value, state=None):
+            self.value, self._state = value, state
+
+        def result(self):
+            return {"mean": self.value}
+
+        def state(self):
+            return self._state
+
+    w = StoreWriter(path, resume=True)
+    w.open_array(HP, (FEATURE,), torch.float32, "sample")
+    with pytest.raises(StoreError, match=r"reduction 'm32' of hook point '0\.output': result 'mean' is float32, but a "
+                                         r"reduction of the built-in kind 'mean' stores float64 or int64 outputs only"):
+        w.add_reductions(HP, "m32", Mean(data.mean(0)))
+    w.add_reductions(HP, "m64", Mean(data.double().mean(0), {"mean": data.mean(0), "count": torch.tensor(N_ROWS)}))
+    w.close()
+    s = open_store(path)
+    assert s.verify() == [] and not (path / "reductions" / HP / "m32").exists()
+    assert torch.equal(s.reductions[HP]["m64"], data.double().mean(0))
+    assert "state" not in root(path)["attributes"]["activationscope"]["reductions"][HP]["m64"]
+
+
+def test_a_built_in_reduction_count_stored_as_float64_still_reads(tmp_path):
+    """int64 outputs stored as float64 (exact below 2**53; the extrema of some integer rows are
+    float64 in stores written before they were int64) are values the reduction wrote."""
+    path = tmp_path / "b.zarr"
+    _builtin_store(path)
+    count = open_store(path).reductions["0.output"]["mean.count"]
+    _retype_reduction(path, "mean.count", "float64")
+    s = open_store(path)
+    assert s.verify() == [] and s.reductions["0.output"]["mean.count"].dtype == torch.float64
+    assert s.reductions["0.output"]["mean.count"].item() == count.item() == 10
 
 
 @pytest.mark.parametrize("field,value", [("node_type", "array"), ("zarr_format", 2), ("node_type", None)])

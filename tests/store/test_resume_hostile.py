@@ -350,3 +350,83 @@ def test_a_document_s_temporary_file_swapped_for_a_link_before_its_rename_is_ref
         b.set("acts/x/manifest.json", b'{"hook_point": "x"}')
     monkeypatch.setattr(os, "replace", replace)
     assert victim.read_bytes() == b"precious\n"
+
+
+def _three_parts(target) -> dict:
+    """A store of 24 rows of ``x`` committed in three parts of 8 sample rows each."""
+    options = {"chunk_rows": 4, "shard_bytes": 4 * 4 * 4 * 2, "commit_interval": 0}
+    w = StoreWriter(target, **options)
+    a = w.open_array("x", (4,), torch.float32, "sample")
+    for i in range(3):
+        a.append(torch.randn(8, 4))
+        w.add_batch(8, list(range(8 * i, 8 * i + 8)))
+        w._core.drain()
+        w.commit()
+    w.close()
+    return options
+
+
+def _small_part(rows: int) -> bytes:
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    buf = io.BytesIO()
+    pq.write_table(pa.table({"sample_id": pa.array(range(rows), pa.int64()), "batch": pa.array([1] * rows, pa.int64())}),
+                   buf)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("damage", ["flipped byte", "not parquet", "fewer rows"])
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_a_resume_refuses_a_damaged_row_table_part_before_it_writes(tmp_path, damage, where):
+    """A row-table part the root lists whose bytes fail their recorded crc32c, or (no crc32c
+    recorded) that is not Parquet, or parts holding fewer rows than the table's n_rows: readers
+    and verify() refuse that table, and a resume, which keeps every listed part and appends
+    after it, refuses the store before it deletes or writes anything, naming the part and the
+    fix (it warned, then closed the store complete on the damaged table)."""
+    import json
+    import uuid
+
+    import fsspec
+
+    key = "rows/sample/part-000001.parquet"
+    if where == "local":
+        target = tmp_path / "s.zarr"
+        options = _three_parts(target)
+        get, put = (lambda k: (target / k).read_bytes()), (lambda k, v: (target / k).write_bytes(v))
+    else:
+        target = f"memory://acs-resume-parts-{uuid.uuid4().hex}/s.zarr"
+        options = _three_parts(target)
+        fs, base = fsspec.filesystem("memory"), target[len("memory://"):]
+        get, put = (lambda k: fs.cat_file(f"{base}/{k}")), (lambda k, v: fs.pipe_file(f"{base}/{k}", v))
+    doc = json.loads(get("zarr.json"))
+    table = doc["attributes"]["activationscope"]["row_tables"]["sample"]
+    recorded = table["crc32c"][key]
+    if damage == "flipped byte":
+        raw = bytearray(get(key))
+        raw[len(raw) // 2] ^= 0x01
+        put(key, bytes(raw))
+        match = rf"part '{key}' has crc32c [0-9a-f]{{8}}, but zarr\.json records {recorded:08x} for it"
+    else:
+        del table["crc32c"][key]  # (a store written before parts were checksummed)
+        put("zarr.json", json.dumps(doc).encode())
+        put(key, b"PAR1 not a parquet file PAR1" if damage == "not parquet" else _small_part(4))
+        match = (rf"part '{key}' is not a readable Parquet file" if damage == "not parquet"
+                 else r"its parts hold 20 rows, but zarr\.json says n_rows 24")
+    s = open_store(target)
+    problems = s.verify()
+    said = {"flipped byte": f"part {key!r}: crc32c mismatch", "not parquet": f"part {key!r} is not a readable Parquet",
+            "fewer rows": "its parts hold 20 rows, the metadata says n_rows 24"}[damage]
+    assert len(problems) == 1 and said in problems[0]
+    with pytest.raises(StoreCorruptError):
+        s.row_table()
+    before = {k: get(k) for k in ["zarr.json", key, "rows/sample/part-000002.parquet", "acts/x/manifest.json"]}
+    with pytest.raises(StoreCorruptError, match=rf"cannot resume: row table 'sample': {match}.*nothing was deleted or "
+                                                r"written; restore that file from an intact copy"):
+        StoreWriter(target, resume=True, **options)
+    assert {k: get(k) for k in before} == before
+    assert open_store(target).verify() == problems  # (and the lock was let go: the fix can be applied)
+    w = StoreWriter(target, overwrite=True, **options)
+    w.close()
