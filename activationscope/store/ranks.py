@@ -246,10 +246,10 @@ def _capture_again(b: Any, root: str, rank: int, world_size: int, overwrite: boo
     left = [r for r, x in runs.items() if committed and x is not None and x != run]
     if left:  # what a commit killed before it removed its rank stores left (consolidate removes them)
         raise StoreError(
-            f"store path {rank_target(root, rank)!r}: rank store(s) {[f'{r:05d}' for r in left]} under "
-            f"{_ranks_dir(b)!r} are left over from the commit of {root!r}, which already holds every rank's rows: "
-            f"run `activationscope consolidate {root}` to finish that commit (it removes the rank stores), then run "
-            "the task again; nothing was written")
+            f"store path {rank_target(root, rank)!r}: under {_ranks_dir(b)!r}, {[f'{r:05d}' for r in left]} is each a "
+            f"rank store left over from the commit of {root!r}, which already holds every rank's rows: run "
+            f"{_consolidate_call(root)} to finish that commit (it removes the rank stores), then run the task "
+            "again; nothing was written")
     if overwrite:
         return run
     if committed or one_process:
@@ -1084,12 +1084,15 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
         # the new run's root first, over the old store's (as every overwrite, FORMAT.md section 10):
         # from here on the old store's objects are no part of the store, whatever is left of them
         # when the process dies (a rerun of the commit continues under this root)
+        replaced = root_attrs.get("run_id")
         root_attrs = _uncommitted_root_attrs(len(stores), {"run_id": again, "created": F.utc_now()}, again)
+        root_attrs["distributed"]["replaces_run"] = replaced if isinstance(replaced, str) else None
         _put_root(b, _root_doc(root_attrs), etag)
         etag = _root_etag(b)
-    # an uncommitted root lists no array: what lies under acts/, rows/ or reductions/ is a replaced
-    # store's or a killed commit's, which this commit writes again
-    _remove_store_objects(b)
+    if "replaces_run" in root_attrs.get("distributed", {}):
+        # (also a rerun of such a commit killed after that root) what lies under acts/, rows/ and
+        # reductions/ is the replaced store's, or this commit's own, which it writes again
+        _remove_store_objects(b)
     arrays: dict[str, dict] = {}
     summary: dict[str, dict] = {}
     for hp in hps:

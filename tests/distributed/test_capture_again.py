@@ -253,36 +253,41 @@ def test_a_damaged_rank_store_of_a_capture_again_leaves_the_old_store(tmp_path, 
     assert all(torch.equal(st[hp], rows) for hp, rows in old.items())
 
 
-def test_a_commit_of_a_capture_again_killed_after_the_new_root_is_finished_by_consolidate(tmp_path, monkeypatch):
-    """Killed once the new run's root is written: the store is an incomplete store of the new
-    run showing its rank stores' rows (never a mix with the old arrays); consolidate finishes."""
+@pytest.mark.parametrize("step", ["removing", "tails"])
+def test_a_commit_of_a_capture_again_killed_after_the_new_root_is_finished_by_consolidate(tmp_path, monkeypatch, step):
+    """Killed once the new run's root is written (while the old store's objects go, or in the
+    re-chunking of the tails): the store is an incomplete store of the new run showing its rank
+    stores' rows (never a mix with the old arrays); consolidate finishes, and no object of the
+    old store (which had a hook point more) is left."""
     from activationscope.store import ranks as R
 
     url = str(tmp_path / "s.zarr")
-    _committed(url, None, WORLD, _model(0))
+    old = _committed(url, None, WORLD, job.toy_mlp(job.WIDTH, 4).eval())
     for task in range(WORLD):
         _task(url, None, task, WORLD, _model(1), overwrite=True)
 
-    def killed(self, rows):
+    def killed(*args):
         raise OSError("simulated crash inside the commit")
 
-    monkeypatch.setattr(R._TailWriter, "write", killed)
+    monkeypatch.setattr(*((R, "_remove_store_objects") if step == "removing" else (R._TailWriter, "write")), killed)
     with pytest.raises(OSError, match="simulated crash"):
         commit_ranks(url)
     monkeypatch.undo()
     ref = _committed(str(tmp_path / "ref.zarr"), None, WORLD, _model(1))
+    assert set(old.hook_points) > set(ref.hook_points)
     st = acs.open_store(url)
     assert st.status == "incomplete" and st.ranks == [0, 1] and st.n_samples == ref.n_samples
-    assert st.attrs["model"] == ref.attrs["model"]  # the rank stores' rows: none of the old store's
+    assert st.attrs["model"] == ref.attrs["model"] and st.hook_points == ref.hook_points  # none of the old store's
     for hp in ref.hook_points:
         ranks = [acs.open_store(Path(url) / "ranks" / f"{r:05d}")[hp] for r in range(WORLD)]
         assert torch.equal(st[hp], torch.cat(ranks))
     summary = commit_ranks(url)
     assert summary["replaced"] is False  # (the root is the new run's already)
     st = acs.open_store(url)
-    assert st.status == "complete" and st.verify() == []
+    assert st.status == "complete" and st.verify() == [] and "replaces_run" not in st.attrs["distributed"]
     for hp in ref.hook_points:
         assert torch.equal(st[hp], ref[hp])
+    assert _files(url, None).keys() == _files(str(tmp_path / "ref.zarr"), None).keys()
 
 
 def test_consolidate_names_a_rank_store_that_is_not_of_the_capture_again(tmp_path, capsys):
