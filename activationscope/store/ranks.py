@@ -637,8 +637,9 @@ def commit_ranks(target: Any, *, storage_options: dict | None = None,
         A local path that does not exist, is a file, or holds neither a store nor rank stores
         (nothing is created there); no rank stores, a rank store that is not complete (resume it first), rank stores
         that disagree (model, arrays, layout), ``world_size`` other than the world size the
-        root or a rank store records (nothing written), or a custom reduction without
-        ``make_reduction``.
+        root or a rank store records (nothing written), a rank store of another run in the place
+        of a rank of a capture again (nothing written: the store stays the old one), or a custom
+        reduction without ``make_reduction``.
     StoreCorruptError
         A root ``zarr.json`` that is not ours (not JSON, attributes other than one
         ``activationscope`` object with our ``format``, a malformed ``distributed`` record), a
