@@ -544,8 +544,9 @@ def cmd_consolidate(args: argparse.Namespace) -> int:
         print(f"{args.store}: already committed ({summary['n_ranks']} ranks, {summary['n_samples']} samples)")
         return 0
     copied = sum(a["copied_bytes"] for a in summary["arrays"].values())
+    replaced = ", replacing the store it held" if summary.get("replaced") else ""
     print(f"{args.store}: committed {summary['n_ranks']} rank stores, {summary['n_samples']} samples, "
-          f"{len(summary['arrays'])} hook points ({copied} bytes of tail rows re-chunked)")
+          f"{len(summary['arrays'])} hook points ({copied} bytes of tail rows re-chunked){replaced}")
     return 0
 
 

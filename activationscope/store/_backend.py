@@ -11,6 +11,8 @@ The reusable test suite every backend passes is ``tests/store/backend_suite.py``
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import json
 import os
@@ -1071,6 +1073,26 @@ def describe_local_path(path: str | os.PathLike) -> tuple[str, str] | None:
 
 #: A rank store's folder in its multi-rank store (FORMAT.md §10): ``ranks/<rank, 5 digits>``.
 _RANK_FOLDER = re.compile(r"ranks/[0-9]{5}")
+#: The stores (a local store's resolved folder, an fsspec store's path) under which a rank task
+#: that captures the store again (FORMAT.md section 10, "Capturing a store again") writes its rank
+#: store while the root is a complete store: set by the rank task around the making of its writer.
+_CAPTURED_AGAIN: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar("captured_again",
+                                                                                default=frozenset())
+
+
+@contextlib.contextmanager
+def rank_stores_allowed(backend: Any) -> Iterator[None]:
+    """Within the block, a rank store ``ranks/<rank, 5 digits>`` of the store ``backend`` may be
+    written under its root even when that root is complete (a rank task capturing the store
+    again, FORMAT.md section 10); elsewhere such a path is a store inside another store."""
+    key = (str(backend.root.resolve()) if isinstance(backend, LocalBackend) else
+           backend.store.path.strip("/") if isinstance(backend, FsspecBackend) else None)
+    token = _CAPTURED_AGAIN.set(_CAPTURED_AGAIN.get() | {key}) if key is not None else None
+    try:
+        yield
+    finally:
+        if token is not None:
+            _CAPTURED_AGAIN.reset(token)
 
 
 def _store_marks(folder: Path) -> tuple[bool, dict | None]:
@@ -1110,7 +1132,8 @@ def store_above(path: str | os.PathLike) -> Path | None:
         if not is_store:
             continue
         dist = (attrs or {}).get("distributed")
-        rank_root = attrs is None or (isinstance(dist, dict) and dist.get("committed") is not True)
+        rank_root = attrs is None or (isinstance(dist, dict) and dist.get("committed") is not True) \
+            or str(q) in _CAPTURED_AGAIN.get()
         if rank_root and _RANK_FOLDER.fullmatch(p.relative_to(q).as_posix()):
             continue
         found = q
@@ -1138,8 +1161,9 @@ def _committed_rank_hint(outer: str) -> str:
     """The fix for a rank store path ``ranks/<rank>`` of a store already committed from its
     rank stores (a commit stopped before it removed them): the capture is done there."""
     return (f"It is a rank store left over from the commit of {outer!r}, which already holds every rank's rows: "
-            f"run `activationscope consolidate {outer}` to finish that commit (it removes the rank stores), and "
-            "capture again into a new store")
+            f"run `activationscope consolidate {outer}` to finish that commit (it removes the rank stores); to "
+            "capture that store again, run every task with store_options overwrite=True and "
+            "process_group=acs.RankStore(rank, world_size)")
 
 
 def _parse_marks(raw: bytes | None, locked: bool) -> tuple[bool, dict | None]:
@@ -1189,7 +1213,8 @@ def remote_store_above(backend: "FsspecBackend") -> str | None:
         if not is_store:
             continue
         dist = (attrs or {}).get("distributed")
-        rank_root = attrs is None or (isinstance(dist, dict) and dist.get("committed") is not True)
+        rank_root = attrs is None or (isinstance(dist, dict) and dist.get("committed") is not True) \
+            or prefix in _CAPTURED_AGAIN.get()
         if rank_root and _RANK_FOLDER.fullmatch("/".join(parts[i:])):
             continue
         found = prefix

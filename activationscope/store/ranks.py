@@ -19,6 +19,8 @@ its table is still row *i* of the table.
 from __future__ import annotations
 
 import atexit
+import contextlib
+import hashlib
 import inspect
 import io
 import itertools
@@ -41,11 +43,11 @@ from ..capture import _native
 from ..errors import ArgumentTypeError, ArgumentValueError, StoreCorruptError, StoreError, StoreExistsError
 from . import _format as F
 from . import _validate as V
-from ._backend import (LocalBackend, check_backend_not_in_store, refuse_foreign_entries, resolve,
-                       write_root_first)
+from ._backend import (LocalBackend, check_backend_not_in_store, rank_stores_allowed, refuse_foreign_entries,
+                       resolve, write_root_first)
 from ._lock import WriterLock
-from .reader import (Store, _no_rank_column, check_rank_column_types, listed_rank_stores, rank_store_run_id,
-                     ranks_run_id, split_rank_stores_by_run)
+from .reader import (Store, _no_rank_column, _sub_backend, check_rank_column_types, listed_rank_stores,
+                     rank_store_run_id, ranks_run_id, split_rank_stores_by_run)
 from .writer import ROW_KINDS, _builtin_state_fits, _library_versions, _write_small_array, resume_history
 
 RANKS_DIR = "ranks"
@@ -101,6 +103,34 @@ def prepare_root(target: Any, *, world_size: int, overwrite: bool = False, resum
         b.root.mkdir(parents=True, exist_ok=True)
     with WriterLock(b):  # the store's writer lock, as every writer takes it
         return _prepare_root(b, world_size, overwrite, resume)
+
+
+def _uncommitted_root_attrs(world_size: int, run_id: str | None, created: str, ranks_run: str | None) -> dict:
+    """The attributes of the root of a multi-rank store whose ranks write (FORMAT.md section 10):
+    a run's first root (:func:`F.first_root_attrs`: status ``incomplete``, no arrays; no
+    ``run_id`` when ``run_id`` is None) with ``distributed = {"world_size", "committed": false,
+    "run_id": ranks_run}`` (no ``run_id`` there when ``ranks_run`` is None)."""
+    attrs = F.first_root_attrs(run_id, created, version=DISTRIBUTED_FORMAT_VERSION)
+    attrs["distributed"] = {"world_size": int(world_size), "committed": False}
+    if ranks_run is not None:
+        attrs["distributed"]["run_id"] = ranks_run
+    return attrs
+
+
+#: The namespace of the run ids of a capture again (:func:`capture_again_run_id`).
+_AGAIN_NAMESPACE = uuid.UUID("5b0c3a52-6f0e-4e8f-9a51-3d1c9c2f7e10")
+
+
+def capture_again_run_id(attrs: dict, raw: bytes) -> str:
+    """The run that rank tasks record when they capture again the store whose root document is
+    ``raw`` (attributes ``attrs``; FORMAT.md section 10, "Capturing a store again").
+
+    Derived from the root's ``run_id`` (from its bytes when it has none), so that every task of
+    the capture finds the same one without talking to the others, and a store committed since
+    (a new ``run_id``) gives its next capture again another one."""
+    run = attrs.get("run_id")
+    seed = run if isinstance(run, str) and run else "sha256:" + hashlib.sha256(raw).hexdigest()
+    return uuid.uuid5(_AGAIN_NAMESPACE, seed).hex
 
 
 def _root_ranks_run(b: Any) -> str | None:
@@ -162,13 +192,10 @@ def _prepare_root(b: Any, world_size: int, overwrite: bool, resume: bool) -> str
     if kept is not None:
         run_id = kept.get("run_id") if isinstance(kept.get("run_id"), str) else None
         created = kept["created"] if isinstance(kept.get("created"), str) else created
-    attrs = F.first_root_attrs(run_id, created, version=DISTRIBUTED_FORMAT_VERSION)
-    attrs["distributed"] = {"world_size": int(world_size), "committed": False}
     # FORMAT.md section 10: the root names the run whose rank stores it shows (a resume of a root
     # written before that keeps showing every rank store, as it did)
     ranks_run = ranks_run_id((kept or {}).get("distributed")) if kept is not None else run_id
-    if ranks_run is not None:
-        attrs["distributed"]["run_id"] = ranks_run
+    attrs = _uncommitted_root_attrs(world_size, run_id, created, ranks_run)
     # the new run's root first, over the old one: from here on no object of the old run is read as
     # this store's (its arrays are not listed, its rank stores record another run), whatever is left
     # of them when the process dies; then they go
@@ -178,6 +205,105 @@ def _prepare_root(b: Any, world_size: int, overwrite: bool, resume: bool) -> str
     return ranks_run
 
 
+def _capture_again(b: Any, root: str, rank: int, world_size: int, overwrite: bool, resume: bool) -> str | None:
+    """A rank task (``RankStore(rank, world_size)``) under a root that is not the uncommitted root
+    of a capture it can join: a complete store (committed from rank stores, or written by one
+    process), or an uncommitted multi-rank root of another world size. Returns the run its rank
+    store records (:func:`capture_again_run_id`: a new run, which ``consolidate`` commits over the
+    store once all its ranks are complete, FORMAT.md section 10), or None for any other root (the
+    task joins the capture the root names, as before). Nothing is written here: the store reads as
+    it is until that commit.
+
+    Raises
+    ------
+    StoreExistsError
+        A complete store and neither ``overwrite`` nor ``resume``.
+    StoreError
+        An uncommitted root of another world size and neither; ``resume`` when no task has
+        captured the store again yet (nothing to resume); rank stores that a commit of the store
+        left behind (``consolidate`` finishes that commit first).
+    """
+    raw = b.get("zarr.json", max_bytes=V.MAX_JSON_BYTES)
+    try:
+        attrs = json.loads(raw)["attributes"][F.ATTRS_KEY]
+    except (TypeError, KeyError, ValueError, RecursionError):
+        return None  # no root, or not ours: as before (the writer or consolidate names it)
+    if not isinstance(attrs, dict):
+        return None
+    dist = attrs.get("distributed")
+    n = dist.get("world_size") if isinstance(dist, dict) else None
+    committed = isinstance(dist, dict) and dist.get("committed") is True
+    one_process = dist is None and attrs.get("status") == "complete"
+    other_world = (isinstance(dist, dict) and not committed and isinstance(n, int) and not isinstance(n, bool)
+                   and n != world_size)
+    if not (committed or one_process or other_world):
+        return None
+    run = capture_again_run_id(attrs, raw)
+    runs = _rank_runs(b, listed_rank_stores(b))
+    left = [r for r, x in runs.items() if committed and x is not None and x != run]
+    if left:  # what a commit killed before it removed its rank stores left (consolidate removes them)
+        raise StoreError(
+            f"store path {rank_target(root, rank)!r}: under {_ranks_dir(b)!r}, {[f'{r:05d}' for r in left]} is each a "
+            f"rank store left over from the commit of {root!r}, which already holds every rank's rows: run "
+            f"{_consolidate_call(root)} to finish that commit (it removes the rank stores), then run the task "
+            "again; nothing was written")
+    if overwrite:
+        return run
+    if committed or one_process:
+        what = (f"committed from {n} rank stores" if committed else "written by one process")
+        state = f"a complete store ({what}) is at {root!r}"
+    else:
+        state = (f"the store {root!r} is being captured by {n} ranks (distributed.world_size of its root, not "
+                 f"committed yet), this task is RankStore({rank}, {world_size})")
+    again = (f"to capture it again{'' if committed or one_process else f' with {world_size} ranks'}, pass "
+             "overwrite=True on every task: each task then writes its rank store as a new run, and the store reads as "
+             f"it is until {_consolidate_call(root)} replaces it with that run")
+    if resume:
+        if run in runs.values():
+            return run  # a capture again: this task resumes (or starts) its rank store of it
+        raise StoreError(f"{state}, and no task has captured it again (no rank store of run {run!r} under "
+                         f"{_ranks_dir(b)!r}): there is nothing to resume; nothing was written. "
+                         f"{again[0].upper()}{again[1:]}")
+    if committed or one_process:
+        raise StoreExistsError(f"{state}; nothing was written. {again[0].upper()}{again[1:]}; or choose another "
+                               "path")
+    raise StoreError(f"{state}; nothing was written. Pass RankStore(rank, {n}) to join that capture; or, {again}")
+
+
+def _consolidate_call(root: str) -> str:
+    """How to commit the rank stores of ``root``: the command for a local path, the function for a URL."""
+    return (f"`activationscope.store.ranks.commit_ranks({root!r}, storage_options=...)`" if "://" in root else
+            f"`activationscope consolidate {root}`")
+
+
+def _rank_runs(b: Any, ranks: list[int]) -> dict[int, str | None]:
+    """``{rank: rank_store.run_id}`` of the rank stores ``ranks`` (None: none recorded)."""
+    out = {}
+    for r in ranks:
+        sub = _sub_backend(b, f"{RANKS_DIR}/{r:05d}")
+        out[r] = None if sub is None else rank_store_run_id(sub)
+    return out
+
+
+_STORE_OBJECTS = ("acts", "rows", "reductions")  # a store's entries beside the root and ranks/
+
+
+def _remove_store_objects(b: Any) -> None:
+    """Remove every object under ``acts/``, ``rows/`` and ``reductions/`` (a link there is
+    unlinked, never followed); nothing else is touched."""
+    if isinstance(b, LocalBackend):
+        for name in _STORE_OBJECTS:
+            p = b.root / name
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            elif p.is_symlink() or p.exists():
+                p.unlink()
+        return
+    for name in _STORE_OBJECTS:
+        for key in list(b.list(f"{name}/")):
+            b.delete(key)
+
+
 def _remove_other_runs(b: Any, run: str) -> None:
     """Resume of an uncommitted multi-rank store whose root records ``distributed.run_id``:
     remove what is not that run's before a rank writes: the rank stores recording another run
@@ -185,15 +311,8 @@ def _remove_other_runs(b: Any, run: str) -> None:
     killed after writing its root left of the old run, or a commit killed before its root
     wrote, which the next commit writes again)."""
     other = split_rank_stores_by_run(b, listed_rank_stores(b), {"run_id": run})[1]
-    ours = ("acts", "rows", "reductions")  # (a store's entries beside the root and ranks/: nothing else is touched)
+    _remove_store_objects(b)  # (a store's entries beside the root and ranks/: nothing else is touched)
     if isinstance(b, LocalBackend):
-        for p in b.root.iterdir():
-            if p.name not in ours:
-                continue
-            if p.is_dir() and not p.is_symlink():
-                shutil.rmtree(p)
-            else:
-                p.unlink()
         for r in other:
             p = b.root / RANKS_DIR / f"{r:05d}"
             if p.is_dir() and not p.is_symlink():
@@ -201,12 +320,9 @@ def _remove_other_runs(b: Any, run: str) -> None:
             else:
                 p.unlink(missing_ok=True)
         return
-    stale = {f"{r:05d}" for r in other}
-    for key in list(b.list("")):
-        parts = key.split("/")
-        if parts[0] not in ours and not (parts[0] == RANKS_DIR and len(parts) >= 3 and parts[1] in stale):
-            continue
-        b.delete(key)
+    for r in other:
+        for key in list(b.list(f"{RANKS_DIR}/{r:05d}/")):
+            b.delete(key)
 
 
 
@@ -474,7 +590,9 @@ def commit_ranks(target: Any, *, storage_options: dict | None = None,
     """Commit the complete rank stores under ``<target>/ranks/`` into one store (format v2).
 
     Idempotent: a commit that crashed part way is finished by running it again (the rank
-    stores stay until the root ``zarr.json`` is written, then are removed). Temporary files
+    stores stay until the root ``zarr.json`` is written, then are removed). Under a complete
+    store, the rank stores of the run that captures it again (``RankStore`` tasks with
+    ``overwrite=True``) are committed over it, once every check passed, root first. Temporary files
     that a killed writer or commit left in the store's own folders (our own temporary names
     only, never through a link) are removed once the store is committed, as a resume does.
 
@@ -503,8 +621,12 @@ def commit_ranks(target: Any, *, storage_options: dict | None = None,
     -------
     dict
         ``{"n_ranks", "n_samples", "arrays": {hook point: {"n_rows", "linked_shards",
-        "copied_rows", "copied_bytes", "copied_shards"}}, "commit_s", "cleanup_s"}``:
-        seconds to the commit point (root written) and then to remove the rank stores.
+        "copied_rows", "copied_bytes", "copied_shards"}}, "commit_s", "cleanup_s", "replaced"}``:
+        seconds to the commit point (root written) and then to remove the rank stores;
+        ``replaced``: the rank stores captured the store again (``RankStore`` tasks with
+        ``overwrite=True`` on a complete store) and their run replaced the store it held
+        (its root first, store/FORMAT.md section 10). ``{"n_ranks", "n_samples", "arrays": {},
+        "already_committed": True}`` for a store committed before, with no such rank stores.
 
     Raises
     ------
@@ -512,8 +634,9 @@ def commit_ranks(target: Any, *, storage_options: dict | None = None,
         A local path that does not exist, is a file, or holds neither a store nor rank stores
         (nothing is created there); no rank stores, a rank store that is not complete (resume it first), rank stores
         that disagree (model, arrays, layout), ``world_size`` other than the world size the
-        root or a rank store records (nothing written), or a custom reduction without
-        ``make_reduction``.
+        root or a rank store records (nothing written), a rank store of another run in the place
+        of a rank of a capture again (nothing written: the store stays the old one), or a custom
+        reduction without ``make_reduction``.
     StoreCorruptError
         A root ``zarr.json`` that is not ours (not JSON, attributes other than one
         ``activationscope`` object with our ``format``, a malformed ``distributed`` record), a
@@ -838,15 +961,26 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
     raw = b.get("zarr.json")
     root_attrs: Any = _root_attrs_to_commit(b, raw) if raw else {}
     dist = root_attrs.get("distributed") or {}
+    ranks = listed_rank_stores(b)
+    # FORMAT.md section 10, "Capturing a store again": rank stores of the run that captures this
+    # root's store again make the commit a new run that replaces the store (its root first)
+    again = capture_again_run_id(root_attrs, raw) if raw else None
+    if again is not None and again not in _rank_runs(b, ranks).values():
+        again = None
+    if again is not None:
+        n_again = _recorded_world_size(b, [r for r, x in _rank_runs(b, ranks).items() if x == again])
+        dist = {**({"world_size": n_again} if n_again is not None else {}), "committed": False, "run_id": again}
     recorded = dist.get("world_size")
     if world_size is not None and recorded is not None and int(recorded) != world_size:
         state = "committed from" if dist.get("committed") else "captured by"
+        where = "distributed.world_size in its root zarr.json"
+        if again is not None:
+            state, where = "captured again by", "rank_store.world_size in the zarr.json of its rank stores"
         raise StoreError(
             f"world_size={world_size} (CLI: --world-size {world_size}) disagrees with the store {str(b)!r}, which "
-            f"was {state} {recorded} ranks (distributed.world_size in its root zarr.json); nothing was written. "
+            f"was {state} {recorded} ranks ({where}); nothing was written. "
             f"Pass world_size={recorded} (CLI: --world-size {recorded}) or leave it out, or, if {world_size} is "
             f"right, capture the store again with RankStore(rank, {world_size}) on every task")
-    ranks = listed_rank_stores(b)
     if dist.get("committed"):
         if ranks:  # crashed while removing the rank stores: finish that
             _check_commit_record(b, root_attrs, dist, ranks)
@@ -861,6 +995,13 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
     # (left by an overwrite killed before it removed them) are no part of the commit
     ranks, other = split_rank_stores_by_run(b, ranks, dist)
     inside = [r for r in other if expected is None or r < int(expected)]
+    if inside and again is not None:
+        shown = f"{inside[:10]}"[:-1] + (f", ...] ({len(inside)} in all)" if len(inside) > 10 else "]")
+        raise StoreError(
+            f"rank store(s) {shown} under {_ranks_dir(b)!r} are not of the capture again of {str(b)!r} (run "
+            f"{again!r}, rank_store.run_id in the zarr.json of the other rank stores) but of an earlier run: capture "
+            "those ranks again with store_options overwrite=True, then consolidate again; nothing was written (the "
+            "store reads as it was)")
     if inside:
         shown = f"{inside[:10]}"[:-1] + (f", ...] ({len(inside)} in all)" if len(inside) > 10 else "]")
         raise StoreError(
@@ -937,6 +1078,19 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
     # against the arrays' rows, and every reduction merged from the ranks' states
     tables = _rank_row_tables(stores, hps, metas)
     merged = _merged_reductions(stores, make_reduction, states_read)
+    if again is not None:
+        # the new run's root first, over the old store's (as every overwrite, FORMAT.md section 10):
+        # from here on the old store's objects are no part of the store, whatever is left of them
+        # when the process dies (a rerun of the commit continues under this root)
+        replaced = root_attrs.get("run_id")
+        root_attrs = _uncommitted_root_attrs(len(stores), again, F.utc_now(), again)
+        root_attrs["distributed"]["replaces_run"] = replaced if isinstance(replaced, str) else None
+        _put_root(b, _root_doc(root_attrs), etag)
+        etag = _root_etag(b)
+    if "replaces_run" in root_attrs.get("distributed", {}):
+        # (also a rerun of such a commit killed after that root) what lies under acts/, rows/ and
+        # reductions/ is the replaced store's, or this commit's own, which it writes again
+        _remove_store_objects(b)
     arrays: dict[str, dict] = {}
     summary: dict[str, dict] = {}
     for hp in hps:
@@ -1087,7 +1241,7 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
     _remove_ranks(b)
     _remove_temp_files(b)
     return {"n_ranks": len(stores), "n_samples": attrs["n_samples"], "arrays": summary,
-            "commit_s": t_commit, "cleanup_s": time.monotonic() - t0}
+            "commit_s": t_commit, "cleanup_s": time.monotonic() - t0, "replaced": again is not None}
 
 
 # ---------------------------------------------------------------------------- process group
@@ -1199,6 +1353,12 @@ class RankStore:
     commits nothing; once every rank store is complete, ``activationscope consolidate STORE``
     (or :func:`activationscope.store.ranks.commit_ranks`) commits them into one store.
 
+    On a store that is already complete (committed, or written by one process), or uncommitted
+    with another world size, every task needs ``store_options`` ``overwrite=True`` to capture it
+    again: each task writes its rank store as a new run, the store reads as it is until the
+    commit replaces it with that run (store/FORMAT.md section 10). Without it the task raises
+    StoreExistsError (StoreError for another world size) before its first forward.
+
     Parameters
     ----------
     rank : int
@@ -1260,6 +1420,8 @@ class RankSession:
     def __init__(self, group: Any, rank: int, world_size: int, root: str, standalone: bool = False) -> None:
         self.group, self.rank, self.world_size, self.root = group, rank, world_size, root
         self.standalone = standalone
+        #: a task capturing the store again (:func:`_capture_again`): its rank store is of a new run
+        self.again = False
         #: the run the root names (``distributed.run_id``), recorded by this rank's store
         self.run_id: str | None = None
         self.summary: dict | None = None
@@ -1285,16 +1447,16 @@ class RankSession:
                              "rank), not shard_bytes=")
         opts.setdefault("shard_rows", F.MAX_SHARD_ROWS)
         if self.standalone:  # no process group: the first task makes the root, nobody clears it
-            from ..errors import StoreExistsError
-            from ._backend import resolve as _resolve
-
             so = opts.get("storage_options")
-            if _resolve(self.root, storage_options=so).get("zarr.json") is None:
+            b = resolve(self.root, storage_options=so)
+            if b.get("zarr.json") is None:
                 try:
                     prepare_root(self.root, world_size=self.world_size, storage_options=so)
                 except StoreExistsError:
                     pass  # another task made it first
-            self.run_id = _root_ranks_run(_resolve(self.root, storage_options=so))
+            again = _capture_again(b, self.root, self.rank, self.world_size, overwrite, resume)
+            self.run_id = _root_ranks_run(b) if again is None else again
+            self.again = again is not None
             target = rank_target(self.root, self.rank)
             exists, other = self._rank_store_found(target, so)
             opts["resume"], opts["overwrite"] = resume and exists, (overwrite and exists) or other
@@ -1490,7 +1652,11 @@ def open_capture_writer(target: Any, *, process_group: Any = None, **options: An
         return StoreWriter(target, **options)
     fixed = {k: options.pop(k) for k in ("capture_config", "model", "storage_dtype") if k in options}
     rank_target_, opts = session.writer_options(options)
-    inner = StoreWriter(rank_target_, **fixed, **opts)
+    # a task capturing a complete store again writes its rank store under that store's root
+    allowed = rank_stores_allowed(resolve(session.root, storage_options=opts.get("storage_options"))) \
+        if session.again else contextlib.nullcontext()
+    with allowed:
+        inner = StoreWriter(rank_target_, **fixed, **opts)
     inner.rank_store = {"rank": session.rank, "world_size": session.world_size,  # checked by commit_ranks
                         **({"run_id": session.run_id} if session.run_id is not None else {})}
     return RankWriter(session, inner)
