@@ -415,3 +415,63 @@ def test_a_tracked_sequence_first_module_is_named_in_a_store_capture(tmp_path):
         with acs.ActivationScope(reductions={"lstm.output.0": ["mean"]}).track(model) as tracker, torch.no_grad():
             model(x)
     assert tracker.reductions["lstm.output.0"]["mean"].shape == (3, 8)  # (per batch member: positions reduced)
+
+
+# ------------------------------------------------------------ a description kept for new data
+def _stale_capture(tmp_path, where, describe, n_forwards=2):
+    """Forwards of an embedding model (batch 2, pos 3) into a store or memory; ``describe(tr, k)``
+    runs before forward k. Returns (the CaptureWarnings about a kept description, the store path)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(50, 4)).eval()
+    path = tmp_path / "s.zarr"
+    scope = {"store": acs.ActivationScope(store=str(path)),
+             "reductions": acs.ActivationScope(reductions=["mean"]),
+             "memory": acs.ActivationScope()}[where]
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with scope.track(model) as tr, torch.no_grad():
+            for k in range(n_forwards):
+                describe(tr, k)
+                model(torch.randint(1, 50, (2, 3)))
+    return [str(w.message) for w in seen if "kept the set_batch description" in str(w.message)], path
+
+
+PADDED = torch.tensor([[1, 1, 0], [1, 1, 1]])
+
+
+@pytest.mark.parametrize("where", ["store", "reductions"])
+def test_a_padding_mask_kept_for_a_new_batch_of_counted_samples_warns_once(tmp_path, where):
+    # set_batch before the first batch only: the later batches are new samples (counted ids 2, 3,
+    # 4, 5) that got the first batch's padding, with no word before
+    msgs, path = _stale_capture(tmp_path, where, lambda tr, k: k == 0 and tr.set_batch(attention_mask=PADDED), 3)
+    assert len(msgs) == 1
+    assert "forward 1 of the tracked model" in msgs[0] and "attention_mask (with padding)" in msgs[0]
+    assert "call set_batch(...) before each batch" in msgs[0] and "same_samples=True" in msgs[0]
+    if where == "store":  # every row is still stored as described (a warning, not a refusal)
+        table = acs.open_store(path).row_table("token")
+        assert table.column("sample_id").to_pylist() == [0, 0, 1, 1, 1, 2, 2, 3, 3, 3, 4, 4, 5, 5, 5]
+
+
+def test_sticky_columns_kept_for_a_new_batch_of_counted_samples_warn_naming_them(tmp_path):
+    msgs, _ = _stale_capture(tmp_path, "store", lambda tr, k: k == 0 and tr.set_batch(label=[1, 0]))
+    assert len(msgs) == 1 and "columns 'label'" in msgs[0] and "attention_mask" not in msgs[0]
+
+
+@pytest.mark.parametrize("describe", [
+    pytest.param(lambda tr, k: tr.set_batch(attention_mask=PADDED), id="set_batch-before-each-batch"),
+    pytest.param(lambda tr, k: tr.set_batch(attention_mask=PADDED, same_samples=k > 0), id="same_samples-steps"),
+    pytest.param(lambda tr, k: k == 0 and tr.set_batch(attention_mask=PADDED, sample_ids=[7, 8]),
+                 id="given-sample-ids-kept"),
+    pytest.param(lambda tr, k: k == 0 and tr.set_batch(attention_mask=torch.ones(2, 3, dtype=torch.bool)),
+                 id="mask-without-padding"),
+    pytest.param(lambda tr, k: None, id="no-description"),
+])
+def test_a_description_that_still_describes_the_forward_does_not_warn(tmp_path, describe):
+    msgs, _ = _stale_capture(tmp_path, "store", describe, 3)
+    assert msgs == []
+
+
+def test_a_kept_mask_of_an_in_memory_capture_without_reductions_does_not_warn(tmp_path):
+    # records are kept whole there: the mask describes no row
+    msgs, _ = _stale_capture(tmp_path, "memory", lambda tr, k: k == 0 and tr.set_batch(attention_mask=PADDED))
+    assert msgs == []

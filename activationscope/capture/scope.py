@@ -694,6 +694,11 @@ class Tracker:
         self._pending_batch: dict[str, Any] | None = None
         self._batch: dict[str, Any] | None = None
         self._ids_batch: dict[str, Any] | None = None  # the description the last recorded forward had
+        # the description the last recorded forward had (any capture), and whether a later forward
+        # that kept it with newly counted samples was checked / warned about (_warn_stale_batch)
+        self._last_batch: dict[str, Any] | None = None
+        self._stale_checked: dict[str, Any] | None = None
+        self._warned_stale_batch = False
         # the sample ids of the last forward, captured or skipped by the policy, for
         # set_batch(same_samples=True): (the ids it was given, or None and the first id of the
         # running counter, its number of samples)
@@ -1260,6 +1265,10 @@ class Tracker:
         **columns: Any,
     ) -> None:
         """Describe the next forward's batch (sticky until changed).
+
+        Call it before each batch of data: a later forward that keeps the description without
+        ``sample_ids=`` or ``same_samples=True`` is new samples, and a padding mask or columns
+        kept for them warn once (``CaptureWarning``) where rows matter (a store, reductions).
 
         Parameters
         ----------
@@ -1852,6 +1861,9 @@ class Tracker:
         n = _batch_size(batch, self._core.batch_size)
         if self._batch is not None:
             self._check_batch_size(self._batch)
+        if self._batch is not None and self._batch is self._last_batch and not self._warned_stale_batch:
+            self._warn_stale_batch(self._batch)
+        self._last_batch = self._batch
         if batch.get("attention_mask") is not None and not self._warned_mask:
             self._warn_mask_unused(batch["attention_mask"])
         elif self.scope.rows == "token" and not self._warned_mask:
@@ -1895,6 +1907,38 @@ class Tracker:
         # (REFERENCE records changed in place are looked for when the records are read and at
         # the end of the `with` block, not here: a check here reads every new record's version
         # counter after every forward)
+
+    def _warn_stale_batch(self, batch: Mapping[str, Any]) -> None:
+        """Warn (once per capture) when a forward keeps the last forward's ``set_batch``
+        description (it is sticky) with samples the running counter numbers anew: its padding
+        mask, or its per-sample columns, then describe another batch of data (``set_batch`` was
+        not called before this batch). Not for ``same_samples=True`` steps or given sample ids
+        (the same samples again, as documented), nor for a mask without padding."""
+        if batch.get("same_samples") or batch.get("sample_ids") is not None or self._stale_checked is batch:
+            return
+        self._stale_checked = batch  # (one look per description: the mask is not read again each forward)
+        mask, columns = batch.get("attention_mask"), batch.get("columns") or {}
+        what = []
+        # the mask matters where rows do (a store, reductions: in-memory records are kept whole),
+        # and only when it fits this forward (one that does not is refused at the token rows)
+        rows_matter = self.writer is not None or any(self._reduction_names.values())
+        fits = mask is not None and mask.dim() == 2 and int(mask.shape[1]) in (
+            int(self._core.second_dim), int(self._core.batch_size))
+        if rows_matter and fits and not bool(mask.all()):
+            what.append("attention_mask (with padding)")
+        if columns and self.writer is not None:  # (columns go to a store's row table only)
+            what.append("columns " + ", ".join(repr(c) for c in list(columns)[:4]) + (", ..." if len(columns) > 4 else ""))
+        if not what:
+            return
+        self._warned_stale_batch = True
+        k = self._core.n_forwards - 1
+        warnings.warn(
+            f"forward {k} of the tracked model kept the set_batch description of an earlier forward (set_batch is "
+            f"sticky), so the {' and '.join(what)} given there were applied to forward {k}'s new samples (numbered "
+            "on by the counter). "
+            "If this forward fed another batch of data, its padding and columns are wrong: call set_batch(...) "
+            "before each batch; if it continued the same samples (a generation step), pass same_samples=True "
+            "(or the same sample_ids=)", CaptureWarning, stacklevel=3)
 
     def _check_batch_size(self, batch: Mapping[str, Any]) -> None:
         """Refuse a ``set_batch`` that describes another number of samples than the forward's
