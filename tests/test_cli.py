@@ -62,6 +62,35 @@ def test_bad_choice_is_a_usage_error(capsys):
     assert code == 2 and "invalid choice" in err
 
 
+@pytest.mark.parametrize("argv,expected", [
+    (("info", "x.zarr", "--jsn"),
+     "activationscope info: error: unrecognized arguments: --jsn (--jsn: did you mean --json?)"),
+    (("export", "x.zarr", "--format", "hf", "--out", "x", "--contex-size=8"),
+     "activationscope export: error: unrecognized arguments: --contex-size=8 (--contex-size: did you mean --context-size?)"),
+    (("info", "x.zarr", "y.zarr"),
+     "activationscope info: error: unrecognized arguments: y.zarr (see activationscope info --help)"),
+    # a required option misspelt is reported missing by argparse: the misspelling is named too
+    (("export", "x.zarr", "--fromat", "parquet", "--out", "x.parquet"),
+     "activationscope export: error: the following arguments are required: --format (--fromat: did you mean --format?)"),
+    (("capture", "--modle", "m:f", "--data", "d.npy", "--out", "o.zarr"),
+     "activationscope capture: error: the following arguments are required: --model (--modle: did you mean --model?)"),
+    (("capture", "--data", "d.npy", "--out", "o.zarr"),
+     "activationscope capture: error: the following arguments are required: --model"),
+])
+def test_misspelt_option_is_a_usage_error_of_its_command_naming_the_option_meant(capsys, argv, expected):
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and out == ""
+    assert err.splitlines()[-1] == expected
+    assert err.startswith(f"usage: activationscope {argv[0]} ")   # the command's usage, not the top-level one
+
+
+def test_abbreviated_option_is_no_misspelling(capsys):
+    # argparse takes an unambiguous prefix (--hook-point for --hook-points): it is parsed, not refused
+    code, _, err = run(capsys, "export", "no/such.zarr", "--format", "parquet", "--out", "x.parquet",
+                       "--hook-point", "a.output")
+    assert code == 1 and "did you mean" not in err and "does not exist" in err
+
+
 def test_capture_options_parse():
     args = cli.build_parser().parse_args(
         ["capture", "--model", "m:f", "--data", "d.npy", "--out", "o.zarr", "--include", "a.*,b", "--include", "c",
