@@ -737,3 +737,18 @@ def test_write_report_takes_one_name_or_patterns_of_hook_points(tmp_path):
     assert "1.output" in index.read_text() and "2.output" not in index.read_text()
     with pytest.raises(HookPointNotFoundError, match=r"pattern '\[34\]\.output' matches no hook point"):
         write_report(store, tmp_path / "c", hook_points="[34].output")
+
+
+def test_hook_point_stats_of_a_store_path_equal_those_of_the_open_store(tmp_path):
+    import activationscope as acs
+    from activationscope.analysis.report import hook_point_stats
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU())
+    torch.manual_seed(0)
+    with acs.ActivationScope(store=str(tmp_path / "s.zarr")).track(model, include=["1"]), torch.no_grad():
+        model(torch.randn(30, 3))
+    store = acs.open_store(str(tmp_path / "s.zarr"))
+    x = store["1.output"].double()
+    got = hook_point_stats(str(tmp_path / "s.zarr"), "1.output")    # a path was indexed as a str: TypeError
+    assert torch.allclose(got.mean, x.mean(0)) and torch.allclose(got.std, x.std(0, correction=0))
+    assert torch.equal(got.nonzero, (x != 0).double().mean(0)) and got.n_rows == 30

@@ -84,7 +84,19 @@ def pool_by_sample(rows: torch.Tensor, sample_ids: torch.Tensor) -> tuple[torch.
     Returns
     -------
     (ids, pooled) : Tensor (n_samples,) sorted unique ids, Tensor (n_samples, *feature_shape) float64
+
+    Raises
+    ------
+    ArgumentValueError
+        ``sample_ids`` is not 1-D with one id per row of ``rows``.
     """
+    if sample_ids.dim() != 1 or len(sample_ids) != len(rows):
+        from ..errors import ArgumentValueError
+
+        raise ArgumentValueError(
+            f"sample_ids must be 1-D with one id per row of rows ({len(rows)} rows), got shape "
+            f"{tuple(sample_ids.shape)}; pass the row table's sample_id column of the same rows"
+        )
     ids, inverse = torch.unique(sample_ids, return_inverse=True)
     flat = rows.reshape(rows.shape[0], -1).to(torch.float64)
     total = torch.zeros(len(ids), flat.shape[1], dtype=torch.float64).index_add_(0, inverse, flat)

@@ -32,7 +32,7 @@ from ..errors import ArgumentValueError
 from ..sizes import format_bytes
 from ..store._backend import enclosing_store, relation_to_store
 from .pca import explained_variance_ratio
-from .pooling import select_hook_points
+from .pooling import _open, select_hook_points
 __all__ = ["HookPointStats", "hook_point_stats", "write_report"]
 
 #: Units (flattened features) above which per-unit plots show an evenly spaced subset.
@@ -161,7 +161,7 @@ def hook_point_stats(
 
     Parameters
     ----------
-    store : an open store (``activationscope.open_store``)
+    store : an open store (``activationscope.open_store``), or a path / URL (opened read-only)
     hook_point : str
     max_rows : int
         Rows sampled (evenly spaced) for histograms, PCA and missing reductions; fewer for
@@ -181,6 +181,7 @@ def hook_point_stats(
     """
     if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
         raise ArgumentValueError(f"max_rows must be a positive int, got {max_rows!r}")
+    store = _open(store)
     acts = store[hook_point]
     n_rows = int(acts.shape[0])
     feature_shape = tuple(int(s) for s in acts.shape[1:])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -312,3 +313,16 @@ def test_sentence_rows_of_a_pattern_needs_exactly_one_hook_point(tmp_path):
     with pytest.raises(ArgumentValueError, match=r"hook_point must select one hook point, got 'd\.\*', which matches "
                                                  r"\['d\.0\.output', 'd\.1\.output'\]; call once per hook point"):
         sentence_rows(store, "d.*")
+
+
+def test_pool_by_sample_refuses_ids_that_do_not_pair_with_the_rows():
+    from activationscope.analysis.pooling import pool_by_sample
+    from activationscope.errors import ArgumentValueError
+
+    rows = torch.arange(10.0).reshape(5, 2)
+    ids, pooled = pool_by_sample(rows, torch.tensor([3, 1, 3, 1, 1]))
+    assert ids.tolist() == [1, 3] and torch.allclose(pooled, torch.tensor([[16 / 3, 19 / 3], [2.0, 3.0]], dtype=torch.float64))
+    for bad in (torch.tensor([0, 0, 1]), torch.zeros(5, 1, dtype=torch.long)):
+        with pytest.raises(ArgumentValueError, match=r"sample_ids must be 1-D with one id per row of rows \(5 rows\), "
+                                                     rf"got shape {re.escape(str(tuple(bad.shape)))}"):
+            pool_by_sample(rows, bad)
