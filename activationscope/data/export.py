@@ -1190,10 +1190,16 @@ def read_arrow(
         equivalent, or field metadata ``activationscope.shape`` that does not describe it
         (see :func:`arrow_to_torch`).
 
+    ArgumentValueError
+        ``path`` is not an Arrow IPC file: a Parquet file, an Arrow stream, a folder (a
+        ``--format hf`` export), an empty file or other bytes; the message names the path and
+        how to read what it is.
+
     Example
     -------
     >>> acts = read_arrow("demo.arrow")["blocks.0.output"]   # doctest: +SKIP
     """
+    _check_arrow_file(path)
     base = _MapBase(path)
     reader = pa.ipc.open_file(pa.py_buffer(base.mm))
     schema = reader.schema
@@ -1225,6 +1231,41 @@ def read_arrow(
         vals = [p[name] for p in parts]
         merged[name] = torch.cat(vals) if isinstance(vals[0], torch.Tensor) else [x for v in vals for x in v]
     return merged
+
+
+#: The first bytes of an Arrow IPC file, of a Parquet file, and of an Arrow IPC stream
+#: (a continuation marker; streams have no magic bytes).
+_ARROW_MAGIC, _PARQUET_MAGIC, _STREAM_START = b"ARROW1", b"PAR1", b"\xff\xff\xff\xff"
+
+
+def _check_arrow_file(path: str | os.PathLike) -> None:
+    """Refuse what :func:`read_arrow` cannot map as an Arrow IPC file, saying what it is and
+    how to read it (pyarrow's own error names neither the path nor the fix)."""
+    where = repr(os.fspath(path))
+    if os.path.isdir(path):
+        raise ArgumentValueError(
+            f"read_arrow: {where} is a folder, not an Arrow IPC file: read a store with open_store(path) or "
+            "ActivationDataset(path), a Hugging Face datasets export (export_hf, --format hf) with "
+            "datasets.load_from_disk(path)"
+        )
+    with open(path, "rb") as f:  # (a missing path: FileNotFoundError, which names it)
+        head = f.read(len(_ARROW_MAGIC))
+    if head == _ARROW_MAGIC:
+        return
+    if not head:
+        what = "is empty"
+    elif head.startswith(_PARQUET_MAGIC):
+        what = ("is a Parquet file (export_parquet, --format parquet): read it with pyarrow.parquet.read_table(path), "
+                "and a hook point column as a tensor with arrow_to_torch(table[name], table.schema.field(name))")
+    elif head.startswith(_STREAM_START):
+        what = ("is an Arrow IPC stream, not a file: read it with pyarrow.ipc.open_stream(path).read_all(), "
+                "and a hook point column as a tensor with arrow_to_torch(table[name], table.schema.field(name))")
+    else:
+        what = f"does not start with the Arrow file magic {_ARROW_MAGIC!r} (got {head!r})"
+    raise ArgumentValueError(
+        f"read_arrow: {where} {what}" + ("" if "read it" in what else "; give a file written by export_arrow "
+                                          "(activationscope export --format arrow)")
+    )
 
 
 def _empty_batch(schema: pa.Schema) -> pa.RecordBatch:
