@@ -272,6 +272,7 @@ def _dataset_for(source: Any, hook_points: Any, columns: Any, rows: Any, filter:
                 )
             ds = ActivationDataset(src, hook_points=names, rows=source.store_rows())
     else:
+        _check_one_row_kind(src, names)
         ds = ActivationDataset(src, hook_points=names, rows=rows, filter=filter, sample_ids=sample_ids)
     if lost:  # rows as stored: no row-table column lines up with them
         ds._export_columns = []  # type: ignore[attr-defined]
@@ -287,6 +288,19 @@ def _dataset_for(source: Any, hook_points: Any, columns: Any, rows: Any, filter:
         raise ArgumentValueError(f"columns {missing} are not in the {ds.row_kind} row table; it has {table.column_names}")
     ds._export_columns = chosen  # type: ignore[attr-defined]
     return ds
+
+
+def _check_one_row_kind(src: Any, names: list[str]) -> None:
+    """One file holds rows of one kind: name the hook points of each kind, and the fix."""
+    kinds: dict[str, list[str]] = {}
+    for hp in names:
+        kinds.setdefault(str(src.row_kind(hp)), []).append(hp)
+    if len(kinds) > 1:
+        listing = "; ".join(f"{kind} rows: {hps}" for kind, hps in kinds.items())
+        raise ArgumentValueError(
+            f"exported hook points must have one row kind (token or sample rows), got {listing}; pass hook_points= "
+            "of one kind and export the others to another file"
+        )
 
 
 def _check_alone(src: Any, names: list[str], lost: list[str], columns: Any, filter: Any, sample_ids: Any = None) -> None:

@@ -678,3 +678,27 @@ def test_read_arrow_of_what_is_not_an_arrow_file_says_what_it_is_and_how_to_read
     # an Arrow file still reads as before
     assert torch.equal(read_arrow(export_arrow(store, tmp_path / "x.arrow", hook_points=["bf16"]))["bf16"],
                        arrays["bf16"])
+
+
+@pytest.mark.parametrize("fn", ["parquet", "arrow", "hf"])
+def test_an_export_of_token_and_sample_rows_names_each_kind_and_writes_nothing(tmp_path, fn):
+    from activationscope.data import export_hf
+
+    tables = {
+        "token": pa.table({"sample_id": pa.array(np.arange(8) // 4, pa.int64()), "pos": pa.array(np.arange(8) % 4, pa.int64())}),
+        "sample": pa.table({"sample_id": pa.array(np.arange(2), pa.int64())}),
+    }
+    tok, sam = torch.arange(16.0).reshape(8, 2), torch.ones(2, 3)
+    store = FakeStore(write_fake_store(tmp_path / "mixed", {"tok": tok, "sam": sam}, kinds={"tok": "token"}, tables=tables))
+    export = {"parquet": export_parquet, "arrow": export_arrow, "hf": export_hf}[fn]
+    out = tmp_path / f"x.{fn}"
+    # the export's own words (it said "hook points of one ActivationDataset ...; make one dataset per row kind")
+    with pytest.raises(ArgumentValueError, match=re.escape(
+            "exported hook points must have one row kind (token or sample rows), got token rows: ['tok']; "
+            "sample rows: ['sam']; pass hook_points= of one kind and export the others to another file")):
+        export(store, out)
+    assert not out.exists()
+    # each kind to its own file, as the message says
+    export(store, tmp_path / f"tok.{fn}", hook_points="tok")
+    if fn == "arrow":
+        assert torch.equal(read_arrow(tmp_path / "tok.arrow")["tok"], tok)
