@@ -382,3 +382,45 @@ def test_resume_and_overwrite_must_be_bools(nets, tmp_path, flag, value):
         capture_run.capture_dataset("runnets.nets:mlp", str(nets), out, max_samples=20, progress=False,
                                     **{flag: value})
     assert acs.open_store(out).attrs == before
+
+
+class _Tokenizer:
+    pad_token_id = 0
+
+
+@pytest.mark.parametrize("side", ["right", "left", "none"])
+def test_token_ids_padded_with_the_pad_id_are_warned_about(tmp_path, monkeypatch, side):
+    """Tensor data gives the model no attention mask: ids padded with the tokenizer's pad id
+    are attended to and stored as tokens, which a text file would have masked."""
+    from activationscope.analysis import specs
+    from activationscope.errors import CaptureWarning
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(20, 4))
+    monkeypatch.setattr(specs, "load_model_spec", lambda spec: specs.LoadedModel(model=model, tokenizer=_Tokenizer(),
+                                                                              name=spec))
+    ids = torch.randint(1, 20, (6, 5))
+    if side == "right":
+        ids[1, 3:] = 0
+        ids[4, 4:] = 0
+    elif side == "left":
+        ids[2, :2] = 0
+    torch.save(ids, tmp_path / "ids.pt")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        capture_run.capture_dataset("tok:model", str(tmp_path / "ids.pt"), str(tmp_path / "r.zarr"), rows="token",
+                                    batch_size=3, progress=False)
+    padded = [str(w.message) for w in caught if issubclass(w.category, CaptureWarning) and "pad token id" in str(w.message)]
+    n = {"right": 2, "left": 1, "none": 0}[side]
+    if n:
+        assert padded == [
+            f"--data {str(tmp_path / 'ids.pt')!r} holds token ids padded with the tokenizer's pad token id 0 ({n} of 6 "
+            "samples start or end with it), but a tensor file gives the model no attention mask: padded positions are "
+            "attended to and stored as rows like real tokens. Give the text instead (a text file, one sample per "
+            "line: each batch is tokenized with its attention mask, and padding never enters the store), or ids of "
+            "one length without padding"]
+    else:
+        assert padded == []
+    # what the warning says: the padded positions are stored, one row per token
+    store = acs.open_store(str(tmp_path / "r.zarr"))
+    assert torch.equal(store["0.output"], model[0](ids).detach().reshape(30, 4))
