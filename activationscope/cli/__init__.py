@@ -390,6 +390,8 @@ _CLI_SPELLINGS = (
     ('(exclude= its module, or capture="output": it is an input of its module)',
      "(--exclude its module, or --capture output: it is an input of its module)"),
     ("(exclude= its module)", "(--exclude its module)"),
+    ("resume with the same include=/exclude=/capture= as the first run",
+     "resume with the same --include / --exclude / --capture as the first run"),
     ("is set to token rows by token_rows=", "is set to token rows by --token-rows"),
     ("pass attention_mask= to tracker.set_batch (or rows='token'), or drop the hook point from token_rows=",
      "token rows are for activations starting with the (batch, pos) of the text's attention mask: leave it out "
