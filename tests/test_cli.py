@@ -1836,3 +1836,31 @@ def test_capture_rows_token_stores_tensor_token_ids_one_row_per_token(tmp_path, 
                        str(tmp_path / "x.zarr"), "--rows", "token", "--no-progress")
     assert code == 1 and "--rows token is for tensor data" in err
     assert not (tmp_path / "x.zarr").exists()
+
+
+@pytest.mark.parametrize("argv,flag,fix", [
+    (("report", "S", "--out", ""), "--out", "give a path (. for the current folder)"),
+    (("report", " ", "--out", "r"), "store", "give a path (. for the current folder)"),
+    (("export", "S", "--format", "parquet", "--out", ""), "--out", "give a path (. for the current folder)"),
+    (("info", ""), "store", "give a path (. for the current folder)"),
+    (("demo", "--report", ""), "--report", "give a path (. for the current folder)"),
+    (("capture", "--model", "", "--data", "d.npy", "--out", "o.zarr"), "--model",
+     "give 'demo', a Hugging Face model folder or package.module:factory"),
+    (("capture", "--model", "m:f", "--data", "", "--out", "o.zarr"), "--data", "give 'demo' or a data file"),
+])
+def test_an_empty_path_argument_is_a_usage_error_and_nothing_is_written(tmp_path, monkeypatch, capsys, argv, flag, fix):
+    # an empty shell variable (--out "$DIR") was the current folder: report wrote its page and
+    # plots there, export read the folder holding the store
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2))
+    import activationscope as acs
+
+    with acs.ActivationScope(store=str(tmp_path / "s.zarr")).track(model), torch.no_grad():
+        model(torch.randn(4, 3))
+    monkeypatch.chdir(tmp_path)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    code, out, err = run(capsys, *[str(tmp_path / "s.zarr") if a == "S" else a for a in argv])
+    assert code == 2 and out == ""
+    value = " " if flag == "store" and argv[1] == " " else ""
+    assert err.splitlines()[-1] == (f"activationscope {argv[0]}: error: argument {flag}: must not be empty, got "
+                                    f"{value!r} (an empty shell variable?); {fix}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == before

@@ -310,6 +310,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args, unknown = parser.parse_known_args(argv)
         if unknown:  # said by the command they were given to, with the option it may have meant
             _unrecognized(parser, args.command, unknown)
+        _refuse_empty_paths(parser, args)
     except SystemExit as e:  # argparse: --help (0) or a usage error (2)
         return int(e.code or 0)
     args.argv = list(sys.argv[1:] if argv is None else argv)
@@ -440,6 +441,20 @@ def _cli_spelling(message: str, command: str | None = None) -> str:
 #: Arguments that name local paths (stores, outputs, data files, model folders): a leading
 #: ``~`` is expanded in them, also where the shell leaves it (``--out=~/runs/x``, quoted).
 _PATH_ARGS = ("store", "out", "report", "data", "model")
+
+
+def _refuse_empty_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A usage error (2) for an empty or blank path argument (an empty shell variable,
+    ``--out "$DIR"``): as a path it is the current folder, where ``report`` wrote its page and
+    plots and ``export`` read the folder holding the store."""
+    for name in _PATH_ARGS:
+        value = getattr(args, name, None)
+        if isinstance(value, str) and not value.strip():
+            flag = name if name == "store" else f"--{name}"
+            fix = ("give 'demo', a Hugging Face model folder or package.module:factory" if name == "model" else
+                   "give 'demo' or a data file" if name == "data" else "give a path (. for the current folder)")
+            _subparser(parser, args.command).error(
+                f"argument {flag}: must not be empty, got {value!r} (an empty shell variable?); {fix}")
 
 
 def _expand_paths(args: argparse.Namespace) -> None:
