@@ -208,7 +208,9 @@ def run_capture(
                 and summary.n_forwards == 0 else
                 _what_is_kept(out, resumable))
         if isinstance(e, CaptureError) and not isinstance(e.__cause__, ActivationScopeError):
-            raise CaptureError(f"{e}; {tail}") from e.__cause__
+            said = str(e)
+            said = said[:-1] if said.endswith(".") and not said.endswith("..") else said  # (no ".;")
+            raise CaptureError(f"{said}; {tail}") from e.__cause__
         if not gone:  # (the tracker's note says it already)
             e.add_note(tail)
         raise e

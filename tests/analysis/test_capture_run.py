@@ -424,3 +424,36 @@ def test_token_ids_padded_with_the_pad_id_are_warned_about(tmp_path, monkeypatch
     # what the warning says: the padded positions are stored, one row per token
     store = acs.open_store(str(tmp_path / "r.zarr"))
     assert torch.equal(store["0.output"], model[0](ids).detach().reshape(30, 4))
+
+
+def test_a_failed_capture_joins_the_error_and_what_the_store_keeps_in_one_sentence(tmp_path, monkeypatch):
+    """A sample-row hook point that changes shape with pos under a mask: the native error ends
+    with a full stop, and what the store keeps follows after "; " (it read "module).; r.zarr")."""
+    from activationscope.analysis import specs
+
+    class Tok:
+        pad_token_id = 0
+
+        def __call__(self, texts, **kwargs):
+            n = max(len(t.split()) for t in texts)
+            ids = torch.tensor([[1] * len(t.split()) + [0] * (n - len(t.split())) for t in texts])
+            return {"input_ids": ids, "attention_mask": (ids != 0).long()}
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(3, 2)
+            self.pos = torch.nn.Embedding(16, 2)
+
+        def forward(self, input_ids, attention_mask=None):
+            return self.emb(input_ids) + self.pos(torch.arange(input_ids.shape[1])[None])  # pos: (1, pos, d)
+
+    monkeypatch.setattr(specs, "load_model_spec", lambda spec: specs.LoadedModel(model=Model(), tokenizer=Tok(), name=spec))
+    (tmp_path / "t.txt").write_text("a b\nc d\ne f g h\ni j k\n")
+    with pytest.raises(CaptureError) as e:
+        capture_run.capture_dataset("m:f", str(tmp_path / "t.txt"), str(tmp_path / "r.zarr"), batch_size=2,
+                                    progress=False)
+    message = str(e.value)
+    assert "hook point 'pos.output' changed its feature shape from (2, 2) to (4, 2)" in message
+    assert message.endswith(f"leave it out of the capture (exclude= its module); {tmp_path / 'r.zarr'} keeps the rows "
+                            "committed before (2 samples, status incomplete; --resume continues it)")
