@@ -62,6 +62,35 @@ def test_bad_choice_is_a_usage_error(capsys):
     assert code == 2 and "invalid choice" in err
 
 
+@pytest.mark.parametrize("argv,expected", [
+    (("info", "x.zarr", "--jsn"),
+     "activationscope info: error: unrecognized arguments: --jsn (--jsn: did you mean --json?)"),
+    (("export", "x.zarr", "--format", "hf", "--out", "x", "--contex-size=8"),
+     "activationscope export: error: unrecognized arguments: --contex-size=8 (--contex-size: did you mean --context-size?)"),
+    (("info", "x.zarr", "y.zarr"),
+     "activationscope info: error: unrecognized arguments: y.zarr (see activationscope info --help)"),
+    # a required option misspelt is reported missing by argparse: the misspelling is named too
+    (("export", "x.zarr", "--fromat", "parquet", "--out", "x.parquet"),
+     "activationscope export: error: the following arguments are required: --format (--fromat: did you mean --format?)"),
+    (("capture", "--modle", "m:f", "--data", "d.npy", "--out", "o.zarr"),
+     "activationscope capture: error: the following arguments are required: --model (--modle: did you mean --model?)"),
+    (("capture", "--data", "d.npy", "--out", "o.zarr"),
+     "activationscope capture: error: the following arguments are required: --model"),
+])
+def test_misspelt_option_is_a_usage_error_of_its_command_naming_the_option_meant(capsys, argv, expected):
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and out == ""
+    assert err.splitlines()[-1] == expected
+    assert err.startswith(f"usage: activationscope {argv[0]} ")   # the command's usage, not the top-level one
+
+
+def test_abbreviated_option_is_no_misspelling(capsys):
+    # argparse takes an unambiguous prefix (--hook-point for --hook-points): it is parsed, not refused
+    code, _, err = run(capsys, "export", "no/such.zarr", "--format", "parquet", "--out", "x.parquet",
+                       "--hook-point", "a.output")
+    assert code == 1 and "did you mean" not in err and "does not exist" in err
+
+
 def test_capture_options_parse():
     args = cli.build_parser().parse_args(
         ["capture", "--model", "m:f", "--data", "d.npy", "--out", "o.zarr", "--include", "a.*,b", "--include", "c",
@@ -1807,3 +1836,31 @@ def test_capture_rows_token_stores_tensor_token_ids_one_row_per_token(tmp_path, 
                        str(tmp_path / "x.zarr"), "--rows", "token", "--no-progress")
     assert code == 1 and "--rows token is for tensor data" in err
     assert not (tmp_path / "x.zarr").exists()
+
+
+@pytest.mark.parametrize("argv,flag,fix", [
+    (("report", "S", "--out", ""), "--out", "give a path (. for the current folder)"),
+    (("report", " ", "--out", "r"), "store", "give a path (. for the current folder)"),
+    (("export", "S", "--format", "parquet", "--out", ""), "--out", "give a path (. for the current folder)"),
+    (("info", ""), "store", "give a path (. for the current folder)"),
+    (("demo", "--report", ""), "--report", "give a path (. for the current folder)"),
+    (("capture", "--model", "", "--data", "d.npy", "--out", "o.zarr"), "--model",
+     "give 'demo', a Hugging Face model folder or package.module:factory"),
+    (("capture", "--model", "m:f", "--data", "", "--out", "o.zarr"), "--data", "give 'demo' or a data file"),
+])
+def test_an_empty_path_argument_is_a_usage_error_and_nothing_is_written(tmp_path, monkeypatch, capsys, argv, flag, fix):
+    # an empty shell variable (--out "$DIR") was the current folder: report wrote its page and
+    # plots there, export read the folder holding the store
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2))
+    import activationscope as acs
+
+    with acs.ActivationScope(store=str(tmp_path / "s.zarr")).track(model), torch.no_grad():
+        model(torch.randn(4, 3))
+    monkeypatch.chdir(tmp_path)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    code, out, err = run(capsys, *[str(tmp_path / "s.zarr") if a == "S" else a for a in argv])
+    assert code == 2 and out == ""
+    value = " " if flag == "store" and argv[1] == " " else ""
+    assert err.splitlines()[-1] == (f"activationscope {argv[0]}: error: argument {flag}: must not be empty, got "
+                                    f"{value!r} (an empty shell variable?); {fix}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == before

@@ -413,3 +413,26 @@ def test_an_overwrite_failing_before_any_commit_keeps_the_old_store_that_holds_n
     assert code == 1 and "bad batch" in err and "was removed" not in err and "kept as it was" in err, err
     assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
     assert acs.open_store(str(out)).status == "complete"
+
+
+def test_a_resume_refused_for_its_hook_points_names_the_flags(user_package, capsys):
+    data = user_package("resnets", """
+        import torch
+
+        def mlp():
+            torch.manual_seed(0)
+            return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+    """, data=(40, 6, 0))
+    code, _, _ = run(capsys, "capture", "--model", "resnets.nets:mlp", "--data", str(data), "--out", "r.zarr",
+                     "--max-samples", "20", "--no-progress")
+    assert code == 0
+    before = acs.open_store("r.zarr")["2.output"].clone()
+    code, _, err = run(capsys, "capture", "--model", "resnets.nets:mlp", "--data", str(data), "--out", "r.zarr",
+                       "--resume", "--include", "2", "--no-progress")
+    line = err.strip().splitlines()[-1]
+    assert code == 1 and line.startswith("activationscope capture: error: cannot resume ")
+    # the command's flags, not the Python keywords (it said "include=/exclude=/capture=")
+    assert "resume with the same --include / --exclude / --capture as the first run" in line
+    assert "include=" not in line
+    store = acs.open_store("r.zarr")
+    assert store.n_samples == 20 and torch.equal(store["2.output"], before)

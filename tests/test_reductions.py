@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import math
 import os
 import re
@@ -523,6 +524,42 @@ def test_unknown_builtin_lists_names():
         R.make_reduction("means")
     with pytest.raises(ReductionError):
         R.make_reduction(42)
+
+
+@pytest.mark.parametrize("spec,kind,options", [
+    ("hist[lo=-4,hi=4,bins=16]", "hist", {"lo": -4, "hi": 4, "bins": 16}),
+    ("topk[k=3]", "topk", {"k": 3}),
+    ("var[ddof=1]", "var", {"ddof": 1}),
+])
+def test_command_line_bracket_options_in_python_give_the_python_spelling(spec, kind, options):
+    # --reduce's "hist[lo=-4,hi=4]" given to the Python API: the error spells the same reduction
+    # in Python, and what it spells is that reduction
+    with pytest.raises(ReductionError, match=r"options in brackets are the command line's spelling") as e:
+        acs.ActivationScope(reductions=[spec])
+    message = str(e.value)
+    assert message.startswith("reduction must be one of ['mean', 'var'")
+    suggested = re.search(r"as a \(name, kind, options\) tuple, (\(.*\))$", message).group(1)
+    assert ast.literal_eval(suggested) == (kind, kind, options)
+    assert f"make_reduction({kind!r}, " in message
+    model = torch.nn.Sequential(torch.nn.Identity())
+    x = torch.linspace(-5, 5, 12).reshape(6, 2)
+    with acs.ActivationScope(reductions=[ast.literal_eval(suggested)]).track(model, include=["0"]) as tracker:
+        model(x)
+    got = tracker.reductions["0.output"]
+    reference = R.make_reduction(kind, **options)
+    reference.update(x)
+    expected = {f"{kind}.{k}" if k != kind else kind: v for k, v in reference.result().items()}
+    assert set(expected) <= set(got)
+    for key, value in expected.items():
+        assert torch.equal(got[key], value), key
+
+
+def test_bracket_options_that_are_not_numbers_get_a_generic_python_spelling():
+    with pytest.raises(ReductionError, match=r"make_reduction\('hist', <option>=<value>\)"):
+        R.make_reduction("hist[lo=a]")
+    # a name that is no built-in keeps the list of names
+    with pytest.raises(ReductionError, match=r"got 'foo\[x=1\]'$"):
+        R.make_reduction("foo[x=1]")
 
 
 # ---------------------------------------------------------------------------- merge / state

@@ -714,3 +714,41 @@ def test_max_rows_is_checked_and_kept():
     for bad in (0, -3, 2.5, True):
         with pytest.raises(ValueError, match=f"max_rows must be a positive int, got {bad!r}"):
             report.hook_point_stats(TinyStore({"h": x}), "h", max_rows=bad)
+
+
+def test_write_report_takes_one_name_or_patterns_of_hook_points(tmp_path):
+    import activationscope as acs
+    from activationscope.analysis.report import write_report
+    from activationscope.errors import HookPointNotFoundError
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    torch.manual_seed(0)
+    labels = [0, 1] * 10
+    with acs.ActivationScope(store=str(tmp_path / "s.zarr")).track(model) as tracker, torch.no_grad():
+        tracker.set_batch(label=labels)
+        model(torch.randn(20, 3) + torch.tensor(labels)[:, None])
+    store = acs.open_store(str(tmp_path / "s.zarr"))
+    # a pattern, as --hook-points takes it (it was looked up as a hook point: "not in the store")
+    index = write_report(store, tmp_path / "a", hook_points=["[02].output"], n_folds=2)
+    assert sorted(p.name for p in index.parent.glob("hp_*.png")) == ["hp_0_output.png", "hp_2_output.png"]
+    # one name as a str (it was taken letter by letter)
+    index = write_report(str(tmp_path / "s.zarr"), tmp_path / "b", hook_points="1.output", n_folds=2)
+    assert [p.name for p in index.parent.glob("hp_*.png")] == ["hp_1_output.png"]
+    assert "1.output" in index.read_text() and "2.output" not in index.read_text()
+    with pytest.raises(HookPointNotFoundError, match=r"pattern '\[34\]\.output' matches no hook point"):
+        write_report(store, tmp_path / "c", hook_points="[34].output")
+
+
+def test_hook_point_stats_of_a_store_path_equal_those_of_the_open_store(tmp_path):
+    import activationscope as acs
+    from activationscope.analysis.report import hook_point_stats
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU())
+    torch.manual_seed(0)
+    with acs.ActivationScope(store=str(tmp_path / "s.zarr")).track(model, include=["1"]), torch.no_grad():
+        model(torch.randn(30, 3))
+    store = acs.open_store(str(tmp_path / "s.zarr"))
+    x = store["1.output"].double()
+    got = hook_point_stats(str(tmp_path / "s.zarr"), "1.output")    # a path was indexed as a str: TypeError
+    assert torch.allclose(got.mean, x.mean(0)) and torch.allclose(got.std, x.std(0, correction=0))
+    assert torch.equal(got.nonzero, (x != 0).double().mean(0)) and got.n_rows == 30

@@ -208,7 +208,9 @@ def run_capture(
                 and summary.n_forwards == 0 else
                 _what_is_kept(out, resumable))
         if isinstance(e, CaptureError) and not isinstance(e.__cause__, ActivationScopeError):
-            raise CaptureError(f"{e}; {tail}") from e.__cause__
+            said = str(e)
+            said = said[:-1] if said.endswith(".") and not said.endswith("..") else said  # (no ".;")
+            raise CaptureError(f"{said}; {tail}") from e.__cause__
         if not gone:  # (the tracker's note says it already)
             e.add_note(tail)
         raise e
@@ -508,6 +510,7 @@ def capture_dataset(
         batches = text_batches(
             dataset.texts[first:n], loaded.tokenizer, batch_size, max_length, labels, first_id=first, sample_ids=ids)
     else:
+        _warn_padded_ids(dataset.tensor[first:n], loaded.tokenizer, data)
         batches = tensor_batches(dataset.tensor[first:n], batch_size, first_id=first)
     options = capture_store_options(
         model=loaded.name, data=dataset.name, command=command, resume=resume, overwrite=overwrite,
@@ -523,6 +526,30 @@ def capture_dataset(
     )
     summary.first_sample, summary.n_target = first, n
     return summary
+
+
+def _warn_padded_ids(tensor: Any, tokenizer: Any, data: str) -> None:
+    """Warn when tensor data of token ids ``(batch, pos)`` starts or ends with the model's
+    pad token id: a tensor file gives the model no attention mask, so those positions are
+    attended to and stored as if they were text."""
+    import torch
+
+    pad = getattr(tokenizer, "pad_token_id", None)
+    if (isinstance(pad, bool) or not isinstance(pad, int) or not isinstance(tensor, torch.Tensor)
+            or tensor.dim() != 2 or tensor.shape[1] < 2 or tensor.dtype.is_floating_point
+            or tensor.dtype.is_complex or tensor.dtype == torch.bool):
+        return
+    padded = int(((tensor[:, -1] == pad) | (tensor[:, 0] == pad)).sum())
+    if padded:
+        from ..errors import CaptureWarning
+
+        warnings.warn(CaptureWarning(
+            f"--data {data!r} holds token ids padded with the tokenizer's pad token id {pad} ({padded} of "
+            f"{tensor.shape[0]} samples start or end with it), but a tensor file gives the model no attention "
+            "mask: padded positions are attended to and stored as rows like real tokens. Give the text instead "
+            "(a text file, one sample per line: each batch is tokenized with its attention mask, and padding "
+            "never enters the store), or ids of one length without padding"
+        ), stacklevel=3)
 
 
 def _check_no_writer(out: str) -> None:

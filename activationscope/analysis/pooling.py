@@ -7,7 +7,70 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["labelled_rows", "pool_by_sample", "sentence_rows"]
+__all__ = ["labelled_rows", "pool_by_sample", "select_hook_points", "sentence_rows"]
+
+
+def select_hook_points(store: Any, hook_points: Any) -> list[str]:
+    """The hook points of ``store`` that ``hook_points`` names, in the order given (the
+    hook points a pattern matches in store order; each once).
+
+    The rule of ``ActivationDataset(hook_points=...)``, ``export_parquet`` and the command
+    line's ``--hook-points``: a str is one name or fnmatch pattern, a list holds several;
+    a pattern equal to a hook point selects that hook point only; None selects them all.
+
+    Parameters
+    ----------
+    store : an open store (``hook_points``, as :func:`activationscope.open_store` gives)
+    hook_points : str, iterable of str or None
+
+    Returns
+    -------
+    list of str
+
+    Raises
+    ------
+    HookPointNotFoundError
+        A name that is not a hook point of the store, or a pattern that matches none; the
+        message lists the hook points there are.
+    ArgumentTypeError
+        ``hook_points`` neither a str nor an iterable of str.
+    """
+    from ..capture.hooks import pattern_hits
+    from ..errors import ArgumentTypeError, HookPointNotFoundError
+
+    known = list(store.hook_points)
+    if hook_points is None:
+        return known
+    if isinstance(hook_points, str):
+        hook_points = [hook_points]
+    try:
+        patterns = list(hook_points)
+    except TypeError:
+        patterns = [hook_points]
+    chosen: list[str] = []
+    for pattern in patterns:
+        if not isinstance(pattern, str):
+            raise ArgumentTypeError(
+                f"hook_points must be a str or a list of str (hook point names or fnmatch patterns), got {pattern!r}"
+            )
+        hits = pattern_hits(pattern, known)
+        if not hits:
+            what = (f"pattern {pattern!r} matches no hook point of" if any(c in pattern for c in "*?[")
+                    else f"hook point {pattern!r} is not in")
+            raise HookPointNotFoundError(f"{what} the store {getattr(store, 'path', store)!r}; it has {known}")
+        chosen.extend(h for h in hits if h not in chosen)
+    return chosen
+
+
+def _open(store: Any) -> Any:
+    """An open store: a path or URL is opened read-only, anything else is returned as it is."""
+    import os
+
+    if isinstance(store, (str, os.PathLike)):
+        from ..store import open_store
+
+        return open_store(os.fspath(store))
+    return store
 
 
 def pool_by_sample(rows: torch.Tensor, sample_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -21,7 +84,19 @@ def pool_by_sample(rows: torch.Tensor, sample_ids: torch.Tensor) -> tuple[torch.
     Returns
     -------
     (ids, pooled) : Tensor (n_samples,) sorted unique ids, Tensor (n_samples, *feature_shape) float64
+
+    Raises
+    ------
+    ArgumentValueError
+        ``sample_ids`` is not 1-D with one id per row of ``rows``.
     """
+    if sample_ids.dim() != 1 or len(sample_ids) != len(rows):
+        from ..errors import ArgumentValueError
+
+        raise ArgumentValueError(
+            f"sample_ids must be 1-D with one id per row of rows ({len(rows)} rows), got shape "
+            f"{tuple(sample_ids.shape)}; pass the row table's sample_id column of the same rows"
+        )
     ids, inverse = torch.unique(sample_ids, return_inverse=True)
     flat = rows.reshape(rows.shape[0], -1).to(torch.float64)
     total = torch.zeros(len(ids), flat.shape[1], dtype=torch.float64).index_add_(0, inverse, flat)
@@ -60,6 +135,9 @@ def sentence_rows(
     Token rows are summed per sample batch by batch: memory holds one batch of rows and one
     float64 row per sample, not every token row.
 
+    ``hook_point`` is one hook point: a name, or a pattern that matches exactly one (else
+    :class:`~activationscope.errors.ArgumentValueError` naming those it matches).
+
     Returns
     -------
     (x, labels) : Tensor (n_samples, *feature_shape) float64 (samples in store order), list
@@ -82,6 +160,14 @@ def labelled_rows(
     from ..data import ActivationDataset
 
     ds = ActivationDataset(store, hook_points=[hook_point])
+    if len(ds.hook_points) != 1:  # (a pattern: the rows of one hook point are pooled here)
+        from ..errors import ArgumentValueError
+
+        raise ArgumentValueError(
+            f"hook_point must select one hook point, got {hook_point!r}, which matches {ds.hook_points}; "
+            "call once per hook point"
+        )
+    hook_point = ds.hook_points[0]
     names = ds.source.row_table(ds.row_kind).column_names
     keys = ["sample_id"]
     # token rows are pooled for a per-sample label; a per-token one (a (batch, pos) column of

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from ..errors import ActivationScopeError, ArgumentValueError, StoreError
-from .pooling import labelled_rows
+from .pooling import _open, labelled_rows, select_hook_points
 
 __all__ = ["ProbeResult", "ProbeResults", "choose_folds", "drop_nonfinite_rows", "probe_accuracy", "probe_store"]
 
@@ -316,6 +316,13 @@ def probe_store(
     folds are chosen; each result's ``dropped_note`` says how many of each (``n_dropped``
     counts the rows with NaN or inf).
 
+    Parameters
+    ----------
+    store : an open store, or a path / URL (opened read-only)
+    hook_points : str or list of str, optional
+        Hook point names or fnmatch patterns (``"pool.*"``; the rule of
+        ``ActivationDataset(hook_points=...)``), in the order given; default: all.
+
     Returns
     -------
     ProbeResults
@@ -325,12 +332,15 @@ def probe_store(
     ------
     ArgumentValueError
         ``n_folds`` is not an int of at least 2 (before any hook point is read).
+    HookPointNotFoundError
+        A name that is not a hook point of the store, or a pattern that matches none.
     """
     if isinstance(n_folds, bool) or not isinstance(n_folds, int) or n_folds < 2:
         raise ArgumentValueError(f"n_folds must be an int of at least 2, got {n_folds!r}")
+    store = _open(store)
     out = ProbeResults()
     follows = getattr(store, "follows_row_table", None)
-    for hp in hook_points if hook_points is not None else list(store.hook_points):
+    for hp in select_hook_points(store, hook_points):
         if follows is not None and not follows(hp):
             out.skipped[hp] = OFF_TABLE
             continue

@@ -32,6 +32,7 @@ from ..errors import ArgumentValueError
 from ..sizes import format_bytes
 from ..store._backend import enclosing_store, relation_to_store
 from .pca import explained_variance_ratio
+from .pooling import _open, select_hook_points
 __all__ = ["HookPointStats", "hook_point_stats", "write_report"]
 
 #: Units (flattened features) above which per-unit plots show an evenly spaced subset.
@@ -160,7 +161,7 @@ def hook_point_stats(
 
     Parameters
     ----------
-    store : an open store (``activationscope.open_store``)
+    store : an open store (``activationscope.open_store``), or a path / URL (opened read-only)
     hook_point : str
     max_rows : int
         Rows sampled (evenly spaced) for histograms, PCA and missing reductions; fewer for
@@ -180,6 +181,7 @@ def hook_point_stats(
     """
     if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
         raise ArgumentValueError(f"max_rows must be a positive int, got {max_rows!r}")
+    store = _open(store)
     acts = store[hook_point]
     n_rows = int(acts.shape[0])
     feature_shape = tuple(int(s) for s in acts.shape[1:])
@@ -553,8 +555,10 @@ def write_report(
     out_dir : str or os.PathLike
         The report folder: a local path, or a ``file://`` URL checked exactly as the path it
         names (other URLs are refused, see :func:`check_out_dir`).
-    hook_points : list of str, optional
-        Hook points to show (default: all, in store order). A hook point whose rows do not
+    hook_points : str or list of str, optional
+        Hook points to show, names or fnmatch patterns (``"encoder.layer.*"``; the rule of
+        ``ActivationDataset(hook_points=...)``), in the order given (default: all, in store
+        order). A hook point whose rows do not
         follow the row table (``store.follows_row_table()`` False: first captured after some
         forwards) gets its statistics and plots but no probe; the page says why.
     probes : {hook point: ProbeResult}, optional
@@ -619,7 +623,7 @@ def write_report(
     if earlier:  # plots of the earlier report here (only then: other PNGs in a folder are not ours)
         for stale in [*out.glob("hp_*.png"), out / "probes.png"]:
             stale.unlink(missing_ok=True)
-    hps = list(hook_points) if hook_points is not None else list(store.hook_points)
+    hps = select_hook_points(store, hook_points)
     info = store.info() if hasattr(store, "info") else {}
     if probes is None:
         from .probes import probe_store

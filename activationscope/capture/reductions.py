@@ -36,6 +36,7 @@ import difflib
 import inspect
 import math
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -415,7 +416,36 @@ def _is_path_spec(spec: Any) -> bool:
     return isinstance(spec, str) and (spec.endswith(".pt") or os.sep in spec or "/" in spec)
 
 
+def _bracket_hint(spec: str) -> str:
+    """The Python spelling of a built-in given with the command line's options in brackets
+    (``"hist[lo=-4,hi=4]"``, what ``--reduce`` takes), or "" for any other string."""
+    m = re.fullmatch(r"\s*([A-Za-z_]\w*)\s*\[(.*)\]\s*", spec)
+    if m is None or m.group(1) not in BUILTIN_REDUCTIONS:
+        return ""
+    kind = m.group(1)
+    options = {}
+    for item in (i for i in m.group(2).split(",") if i.strip()):
+        key, sep, value = item.partition("=")
+        try:
+            number = float(value)
+        except ValueError:
+            number = None
+        if not sep or not key.strip().isidentifier() or number is None:
+            options = None
+            break
+        options[key.strip()] = int(number) if number.is_integer() else number
+    example = f"make_reduction({kind!r}, {', '.join(f'{k}={v!r}' for k, v in options.items())})" if options else \
+        f"make_reduction({kind!r}, <option>=<value>)"
+    as_tuple = f"({kind!r}, {kind!r}, {options!r})" if options else f"({kind!r}, {kind!r}, {{<option>: <value>}})"
+    return (f"; options in brackets are the command line's spelling (--reduce): in Python pass them as "
+            f"keywords, {example}, or in reductions= as a (name, kind, options) tuple, {as_tuple}")
+
+
 def _unknown_builtin(spec: str) -> ReductionError:
+    bracket = _bracket_hint(spec)
+    if bracket:
+        return ReductionError(f"reduction must be one of {list(BUILTIN_REDUCTIONS)} (a name, without options), "
+                              f"got {spec!r}{bracket}")
     close = difflib.get_close_matches(spec, BUILTIN_REDUCTIONS, n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     return ReductionError(

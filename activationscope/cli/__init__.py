@@ -44,6 +44,38 @@ class CLIError(ActivationScopeError):
     """A user error reported by the command line (one line, no traceback)."""
 
 
+def _misspelt_options(parser: argparse.ArgumentParser, args: Iterable[str]) -> str:
+    """``"--jsn: did you mean --json?"`` for each of ``args`` that looks like an option of
+    ``parser`` misspelt (an option string it does not take, nor abbreviates), joined by ``; ``."""
+    import difflib
+
+    options = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+    hints = []
+    for arg in args:
+        name = arg.split("=", 1)[0]
+        if not name.startswith("--") or any(o.startswith(name) for o in options):
+            continue
+        close = difflib.get_close_matches(name, options, n=1)
+        if close:
+            hints.append(f"{name}: did you mean {close[0]}?")
+    return "; ".join(hints)
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose usage errors also name the option a misspelt one may have
+    meant: a required option misspelt (``--fromat parquet``) is reported as missing, and
+    argparse never gets to the misspelling."""
+
+    argv: Sequence[str] = ()
+
+    def error(self, message: str) -> Any:
+        if message.startswith("the following arguments are required"):
+            hints = _misspelt_options(self, self.argv)
+            if hints:
+                message = f"{message} ({hints})"
+        super().error(message)
+
+
 # ---------------------------------------------------------------------------- parser
 
 
@@ -125,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                         help="show tracebacks of errors, and warnings with their source line")
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog=PROG,
         description="Capture activations of PyTorch models into a Zarr v3 store, inspect, verify, export and report them.",
     )
@@ -271,8 +303,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (0 ok, 1 error, 2 usage)."""
     parser = build_parser()
+    given = list(sys.argv[1:] if argv is None else argv)
+    for p in (parser, *next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices.values()):
+        p.argv = given
     try:
-        args = parser.parse_args(argv)
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:  # said by the command they were given to, with the option it may have meant
+            _unrecognized(parser, args.command, unknown)
+        _refuse_empty_paths(parser, args)
     except SystemExit as e:  # argparse: --help (0) or a usage error (2)
         return int(e.code or 0)
     args.argv = list(sys.argv[1:] if argv is None else argv)
@@ -303,6 +341,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     finally:
         warnings.formatwarning = formatwarning
+
+
+def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+
+
+def _unrecognized(parser: argparse.ArgumentParser, command: str, unknown: list[str]) -> None:
+    """Exit with a usage error (2) naming the arguments ``command`` does not take, as that
+    command's error (its usage line, ``activationscope <command>: error: ...``), with the
+    option each misspelt one is closest to (``--jsn``: did you mean ``--json``?)."""
+    sub = _subparser(parser, command)
+    hints = _misspelt_options(sub, unknown)
+    fix = f" ({hints})" if hints else f" (see {PROG} {command} --help)"
+    sub.error(f"unrecognized arguments: {' '.join(unknown)}{fix}")
 
 
 def _in_package(filename: str) -> bool:
@@ -339,6 +391,8 @@ _CLI_SPELLINGS = (
     ('(exclude= its module, or capture="output": it is an input of its module)',
      "(--exclude its module, or --capture output: it is an input of its module)"),
     ("(exclude= its module)", "(--exclude its module)"),
+    ("resume with the same include=/exclude=/capture= as the first run",
+     "resume with the same --include / --exclude / --capture as the first run"),
     ("is set to token rows by token_rows=", "is set to token rows by --token-rows"),
     ("pass attention_mask= to tracker.set_batch (or rows='token'), or drop the hook point from token_rows=",
      "token rows are for activations starting with the (batch, pos) of the text's attention mask: leave it out "
@@ -387,6 +441,20 @@ def _cli_spelling(message: str, command: str | None = None) -> str:
 #: Arguments that name local paths (stores, outputs, data files, model folders): a leading
 #: ``~`` is expanded in them, also where the shell leaves it (``--out=~/runs/x``, quoted).
 _PATH_ARGS = ("store", "out", "report", "data", "model")
+
+
+def _refuse_empty_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A usage error (2) for an empty or blank path argument (an empty shell variable,
+    ``--out "$DIR"``): as a path it is the current folder, where ``report`` wrote its page and
+    plots and ``export`` read the folder holding the store."""
+    for name in _PATH_ARGS:
+        value = getattr(args, name, None)
+        if isinstance(value, str) and not value.strip():
+            flag = name if name == "store" else f"--{name}"
+            fix = ("give 'demo', a Hugging Face model folder or package.module:factory" if name == "model" else
+                   "give 'demo' or a data file" if name == "data" else "give a path (. for the current folder)")
+            _subparser(parser, args.command).error(
+                f"argument {flag}: must not be empty, got {value!r} (an empty shell variable?); {fix}")
 
 
 def _expand_paths(args: argparse.Namespace) -> None:

@@ -272,6 +272,7 @@ def _dataset_for(source: Any, hook_points: Any, columns: Any, rows: Any, filter:
                 )
             ds = ActivationDataset(src, hook_points=names, rows=source.store_rows())
     else:
+        _check_one_row_kind(src, names)
         ds = ActivationDataset(src, hook_points=names, rows=rows, filter=filter, sample_ids=sample_ids)
     if lost:  # rows as stored: no row-table column lines up with them
         ds._export_columns = []  # type: ignore[attr-defined]
@@ -287,6 +288,19 @@ def _dataset_for(source: Any, hook_points: Any, columns: Any, rows: Any, filter:
         raise ArgumentValueError(f"columns {missing} are not in the {ds.row_kind} row table; it has {table.column_names}")
     ds._export_columns = chosen  # type: ignore[attr-defined]
     return ds
+
+
+def _check_one_row_kind(src: Any, names: list[str]) -> None:
+    """One file holds rows of one kind: name the hook points of each kind, and the fix."""
+    kinds: dict[str, list[str]] = {}
+    for hp in names:
+        kinds.setdefault(str(src.row_kind(hp)), []).append(hp)
+    if len(kinds) > 1:
+        listing = "; ".join(f"{kind} rows: {hps}" for kind, hps in kinds.items())
+        raise ArgumentValueError(
+            f"exported hook points must have one row kind (token or sample rows), got {listing}; pass hook_points= "
+            "of one kind and export the others to another file"
+        )
 
 
 def _check_alone(src: Any, names: list[str], lost: list[str], columns: Any, filter: Any, sample_ids: Any = None) -> None:
@@ -1190,10 +1204,16 @@ def read_arrow(
         equivalent, or field metadata ``activationscope.shape`` that does not describe it
         (see :func:`arrow_to_torch`).
 
+    ArgumentValueError
+        ``path`` is not an Arrow IPC file: a Parquet file, an Arrow stream, a folder (a
+        ``--format hf`` export), an empty file or other bytes; the message names the path and
+        how to read what it is.
+
     Example
     -------
     >>> acts = read_arrow("demo.arrow")["blocks.0.output"]   # doctest: +SKIP
     """
+    _check_arrow_file(path)
     base = _MapBase(path)
     reader = pa.ipc.open_file(pa.py_buffer(base.mm))
     schema = reader.schema
@@ -1225,6 +1245,41 @@ def read_arrow(
         vals = [p[name] for p in parts]
         merged[name] = torch.cat(vals) if isinstance(vals[0], torch.Tensor) else [x for v in vals for x in v]
     return merged
+
+
+#: The first bytes of an Arrow IPC file, of a Parquet file, and of an Arrow IPC stream
+#: (a continuation marker; streams have no magic bytes).
+_ARROW_MAGIC, _PARQUET_MAGIC, _STREAM_START = b"ARROW1", b"PAR1", b"\xff\xff\xff\xff"
+
+
+def _check_arrow_file(path: str | os.PathLike) -> None:
+    """Refuse what :func:`read_arrow` cannot map as an Arrow IPC file, saying what it is and
+    how to read it (pyarrow's own error names neither the path nor the fix)."""
+    where = repr(os.fspath(path))
+    if os.path.isdir(path):
+        raise ArgumentValueError(
+            f"read_arrow: {where} is a folder, not an Arrow IPC file: read a store with open_store(path) or "
+            "ActivationDataset(path), a Hugging Face datasets export (export_hf, --format hf) with "
+            "datasets.load_from_disk(path)"
+        )
+    with open(path, "rb") as f:  # (a missing path: FileNotFoundError, which names it)
+        head = f.read(len(_ARROW_MAGIC))
+    if head == _ARROW_MAGIC:
+        return
+    if not head:
+        what = "is empty"
+    elif head.startswith(_PARQUET_MAGIC):
+        what = ("is a Parquet file (export_parquet, --format parquet): read it with pyarrow.parquet.read_table(path), "
+                "and a hook point column as a tensor with arrow_to_torch(table[name], table.schema.field(name))")
+    elif head.startswith(_STREAM_START):
+        what = ("is an Arrow IPC stream, not a file: read it with pyarrow.ipc.open_stream(path).read_all(), "
+                "and a hook point column as a tensor with arrow_to_torch(table[name], table.schema.field(name))")
+    else:
+        what = f"does not start with the Arrow file magic {_ARROW_MAGIC!r} (got {head!r})"
+    raise ArgumentValueError(
+        f"read_arrow: {where} {what}" + ("" if "read it" in what else "; give a file written by export_arrow "
+                                          "(activationscope export --format arrow)")
+    )
 
 
 def _empty_batch(schema: pa.Schema) -> pa.RecordBatch:

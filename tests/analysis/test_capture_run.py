@@ -382,3 +382,78 @@ def test_resume_and_overwrite_must_be_bools(nets, tmp_path, flag, value):
         capture_run.capture_dataset("runnets.nets:mlp", str(nets), out, max_samples=20, progress=False,
                                     **{flag: value})
     assert acs.open_store(out).attrs == before
+
+
+class _Tokenizer:
+    pad_token_id = 0
+
+
+@pytest.mark.parametrize("side", ["right", "left", "none"])
+def test_token_ids_padded_with_the_pad_id_are_warned_about(tmp_path, monkeypatch, side):
+    """Tensor data gives the model no attention mask: ids padded with the tokenizer's pad id
+    are attended to and stored as tokens, which a text file would have masked."""
+    from activationscope.analysis import specs
+    from activationscope.errors import CaptureWarning
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(20, 4))
+    monkeypatch.setattr(specs, "load_model_spec", lambda spec: specs.LoadedModel(model=model, tokenizer=_Tokenizer(),
+                                                                              name=spec))
+    ids = torch.randint(1, 20, (6, 5))
+    if side == "right":
+        ids[1, 3:] = 0
+        ids[4, 4:] = 0
+    elif side == "left":
+        ids[2, :2] = 0
+    torch.save(ids, tmp_path / "ids.pt")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        capture_run.capture_dataset("tok:model", str(tmp_path / "ids.pt"), str(tmp_path / "r.zarr"), rows="token",
+                                    batch_size=3, progress=False)
+    padded = [str(w.message) for w in caught if issubclass(w.category, CaptureWarning) and "pad token id" in str(w.message)]
+    n = {"right": 2, "left": 1, "none": 0}[side]
+    if n:
+        assert padded == [
+            f"--data {str(tmp_path / 'ids.pt')!r} holds token ids padded with the tokenizer's pad token id 0 ({n} of 6 "
+            "samples start or end with it), but a tensor file gives the model no attention mask: padded positions are "
+            "attended to and stored as rows like real tokens. Give the text instead (a text file, one sample per "
+            "line: each batch is tokenized with its attention mask, and padding never enters the store), or ids of "
+            "one length without padding"]
+    else:
+        assert padded == []
+    # what the warning says: the padded positions are stored, one row per token
+    store = acs.open_store(str(tmp_path / "r.zarr"))
+    assert torch.equal(store["0.output"], model[0](ids).detach().reshape(30, 4))
+
+
+def test_a_failed_capture_joins_the_error_and_what_the_store_keeps_in_one_sentence(tmp_path, monkeypatch):
+    """A sample-row hook point that changes shape with pos under a mask: the native error ends
+    with a full stop, and what the store keeps follows after "; " (it read "module).; r.zarr")."""
+    from activationscope.analysis import specs
+
+    class Tok:
+        pad_token_id = 0
+
+        def __call__(self, texts, **kwargs):
+            n = max(len(t.split()) for t in texts)
+            ids = torch.tensor([[1] * len(t.split()) + [0] * (n - len(t.split())) for t in texts])
+            return {"input_ids": ids, "attention_mask": (ids != 0).long()}
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(3, 2)
+            self.pos = torch.nn.Embedding(16, 2)
+
+        def forward(self, input_ids, attention_mask=None):
+            return self.emb(input_ids) + self.pos(torch.arange(input_ids.shape[1])[None])  # pos: (1, pos, d)
+
+    monkeypatch.setattr(specs, "load_model_spec", lambda spec: specs.LoadedModel(model=Model(), tokenizer=Tok(), name=spec))
+    (tmp_path / "t.txt").write_text("a b\nc d\ne f g h\ni j k\n")
+    with pytest.raises(CaptureError) as e:
+        capture_run.capture_dataset("m:f", str(tmp_path / "t.txt"), str(tmp_path / "r.zarr"), batch_size=2,
+                                    progress=False)
+    message = str(e.value)
+    assert "hook point 'pos.output' changed its feature shape from (2, 2) to (4, 2)" in message
+    assert message.endswith(f"leave it out of the capture (exclude= its module); {tmp_path / 'r.zarr'} keeps the rows "
+                            "committed before (2 samples, status incomplete; --resume continues it)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -252,3 +253,76 @@ def test_samples_whose_label_is_missing_are_left_out_and_counted(tmp_path):
     for hp in ("head.output", "layer.output"):
         assert result[hp].n_samples == 12
         assert result[hp].dropped_note == "12 sample(s) without a label (missing, -1, -100 or empty) left out"
+
+
+def _layered_store(path):
+    """Sample rows of three hook points ``d.0.output``, ``d.1.output``, ``head.output``,
+    labelled 0 / 1 alternately and separable in every hook point."""
+    model = torch.nn.Sequential()
+    model.add_module("d", torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)))
+    model.add_module("head", torch.nn.Linear(4, 2))
+    torch.manual_seed(0)
+    labels = [0, 1] * 20
+    x = torch.randn(40, 4) + 3 * torch.tensor(labels, dtype=torch.float32)[:, None]
+    with acs.ActivationScope(store=str(path)).track(model, include=["d.?", "head"]) as tracker, torch.no_grad():
+        tracker.set_batch(label=labels)
+        model(x)
+    return acs.open_store(str(path)), labels
+
+
+@pytest.mark.parametrize("as_path", [False, True], ids=["store", "path"])
+def test_probe_store_takes_one_name_or_patterns_as_the_dataset_does(tmp_path, as_path):
+    from activationscope.analysis.probes import probe_accuracy
+
+    store, labels = _layered_store(tmp_path / "p.zarr")
+    given = str(tmp_path / "p.zarr") if as_path else store
+    # a str is one hook point (it was taken letter by letter: "hook point 'h' is not in the store")
+    one = probe_store(given, "head.output", n_folds=4)
+    assert list(one) == ["head.output"]
+    expected = probe_accuracy(store["head.output"], labels, n_folds=4)
+    assert one["head.output"].fold_accuracies == expected.fold_accuracies
+    # a pattern selects the hook points it matches (it was read as a hook point: a bare KeyError)
+    layers = probe_store(given, ["d.?.output"], n_folds=4)
+    assert list(layers) == ["d.0.output", "d.1.output"]
+    for hp in layers:
+        assert layers[hp].fold_accuracies == probe_accuracy(store[hp], labels, n_folds=4).fold_accuracies
+    # in the order given, each once
+    assert list(probe_store(given, ["head.output", "d.*", "d.1.output"], n_folds=4)) == \
+        ["head.output", "d.0.output", "d.1.output"]
+
+
+def test_probe_store_names_a_pattern_or_hook_point_the_store_lacks(tmp_path):
+    from activationscope.errors import ArgumentTypeError, HookPointNotFoundError
+
+    store, _ = _layered_store(tmp_path / "p.zarr")
+    with pytest.raises(HookPointNotFoundError, match=r"pattern 'd\.\*\.outptu' matches no hook point of the store .*"
+                                                     r"it has \['d\.0\.output', 'd\.1\.output', 'head\.output'\]"):
+        probe_store(store, ["d.*.outptu"])
+    with pytest.raises(HookPointNotFoundError, match=r"hook point 'd\.2\.output' is not in the store"):
+        probe_store(store, "d.2.output")
+    with pytest.raises(ArgumentTypeError, match=r"hook_points must be a str or a list of str .*got 3"):
+        probe_store(store, ["d.0.output", 3])
+
+
+def test_sentence_rows_of_a_pattern_needs_exactly_one_hook_point(tmp_path):
+    from activationscope.errors import ArgumentValueError
+
+    store, labels = _layered_store(tmp_path / "p.zarr")
+    x, got = sentence_rows(store, "head.*")                      # matches head.output only
+    assert torch.equal(x, store["head.output"].double()) and got == labels
+    with pytest.raises(ArgumentValueError, match=r"hook_point must select one hook point, got 'd\.\*', which matches "
+                                                 r"\['d\.0\.output', 'd\.1\.output'\]; call once per hook point"):
+        sentence_rows(store, "d.*")
+
+
+def test_pool_by_sample_refuses_ids_that_do_not_pair_with_the_rows():
+    from activationscope.analysis.pooling import pool_by_sample
+    from activationscope.errors import ArgumentValueError
+
+    rows = torch.arange(10.0).reshape(5, 2)
+    ids, pooled = pool_by_sample(rows, torch.tensor([3, 1, 3, 1, 1]))
+    assert ids.tolist() == [1, 3] and torch.allclose(pooled, torch.tensor([[16 / 3, 19 / 3], [2.0, 3.0]], dtype=torch.float64))
+    for bad in (torch.tensor([0, 0, 1]), torch.zeros(5, 1, dtype=torch.long)):
+        with pytest.raises(ArgumentValueError, match=r"sample_ids must be 1-D with one id per row of rows \(5 rows\), "
+                                                     rf"got shape {re.escape(str(tuple(bad.shape)))}"):
+            pool_by_sample(rows, bad)

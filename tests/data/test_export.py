@@ -646,3 +646,59 @@ def test_a_column_named_twice_is_exported_once_as_the_dataset_reads_it(store, ar
     assert np.array_equal(np.stack(table.column("f32").to_pylist()), arrays["f32"].reshape(N, -1).numpy())
     ds = ActivationDataset(store, hook_points=["f32"], columns=["label", "sample_id", "label"])
     assert list(ds[0]) == ["f32", "label", "sample_id"]
+
+
+def test_read_arrow_of_what_is_not_an_arrow_file_says_what_it_is_and_how_to_read_it(store, arrays, tmp_path):
+    parquet = export_parquet(store, tmp_path / "x.parquet", hook_points=["bf16"])
+    with pytest.raises(ArgumentValueError, match=r"read_arrow: '.*x\.parquet' is a Parquet file .*"
+                                                 r"pyarrow\.parquet\.read_table\(path\).*arrow_to_torch"):
+        read_arrow(parquet)
+    # what it says works: the Parquet file's column read that way is the stored bf16 rows
+    table = pq.read_table(parquet)
+    assert torch.equal(arrow_to_torch(table["bf16"], table.schema.field("bf16")), arrays["bf16"])
+    stream = tmp_path / "x.arrows"
+    with pa.ipc.new_stream(str(stream), table.schema) as w:
+        w.write_table(table)
+    with pytest.raises(ArgumentValueError, match=r"'.*x\.arrows' is an Arrow IPC stream, not a file: read it with "
+                                                 r"pyarrow\.ipc\.open_stream\(path\)\.read_all\(\)"):
+        read_arrow(stream)
+    back = pa.ipc.open_stream(str(stream)).read_all()
+    assert torch.equal(arrow_to_torch(back["bf16"], back.schema.field("bf16")), arrays["bf16"])
+    with pytest.raises(ArgumentValueError, match=r"'.*' is a folder, not an Arrow IPC file: read a store with "
+                                                 r"open_store\(path\)"):
+        read_arrow(tmp_path)
+    (tmp_path / "empty.arrow").write_bytes(b"")
+    with pytest.raises(ArgumentValueError, match=r"'.*empty\.arrow' is empty; give a file written by export_arrow"):
+        read_arrow(tmp_path / "empty.arrow")
+    (tmp_path / "t.arrow").write_text("hello world")
+    with pytest.raises(ArgumentValueError, match=r"does not start with the Arrow file magic b'ARROW1' \(got b'hello '\)"):
+        read_arrow(tmp_path / "t.arrow")
+    with pytest.raises(FileNotFoundError, match=r"no\.arrow"):
+        read_arrow(tmp_path / "no.arrow")
+    # an Arrow file still reads as before
+    assert torch.equal(read_arrow(export_arrow(store, tmp_path / "x.arrow", hook_points=["bf16"]))["bf16"],
+                       arrays["bf16"])
+
+
+@pytest.mark.parametrize("fn", ["parquet", "arrow", "hf"])
+def test_an_export_of_token_and_sample_rows_names_each_kind_and_writes_nothing(tmp_path, fn):
+    from activationscope.data import export_hf
+
+    tables = {
+        "token": pa.table({"sample_id": pa.array(np.arange(8) // 4, pa.int64()), "pos": pa.array(np.arange(8) % 4, pa.int64())}),
+        "sample": pa.table({"sample_id": pa.array(np.arange(2), pa.int64())}),
+    }
+    tok, sam = torch.arange(16.0).reshape(8, 2), torch.ones(2, 3)
+    store = FakeStore(write_fake_store(tmp_path / "mixed", {"tok": tok, "sam": sam}, kinds={"tok": "token"}, tables=tables))
+    export = {"parquet": export_parquet, "arrow": export_arrow, "hf": export_hf}[fn]
+    out = tmp_path / f"x.{fn}"
+    # the export's own words (it said "hook points of one ActivationDataset ...; make one dataset per row kind")
+    with pytest.raises(ArgumentValueError, match=re.escape(
+            "exported hook points must have one row kind (token or sample rows), got token rows: ['tok']; "
+            "sample rows: ['sam']; pass hook_points= of one kind and export the others to another file")):
+        export(store, out)
+    assert not out.exists()
+    # each kind to its own file, as the message says
+    export(store, tmp_path / f"tok.{fn}", hook_points="tok")
+    if fn == "arrow":
+        assert torch.equal(read_arrow(tmp_path / "tok.arrow")["tok"], tok)
