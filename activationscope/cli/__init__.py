@@ -381,9 +381,9 @@ def _warning_formatter(command: str) -> Callable[..., str]:
 #: command line; the messages come from the library and its native code, in one line.
 _CLI_SPELLINGS = (
     ("For sequences of varying length pass attention_mask= to tracker.set_batch() so rows are tokens, or "
-     "exclude this hook point.",
+     "exclude this hook point",  # (no full stop: a message joined to what the store keeps has none there)
      "With text of varying length only token rows keep one feature shape: leave it out of --sample-rows, or "
-     "--exclude its module."),
+     "--exclude its module"),
     ("(pass attention_mask= to tracker.set_batch() for sequences of varying length, or exclude this hook point)",
      "(with text of varying length only token rows keep one feature shape: leave it out of --sample-rows, or "
      "--exclude its module)"),
