@@ -397,8 +397,8 @@ _CLI_SPELLINGS = (
     ("pass attention_mask= to tracker.set_batch (or rows='token'), or drop the hook point from token_rows=",
      "token rows are for activations starting with the (batch, pos) of the text's attention mask: leave it out "
      "of --token-rows"),
-    ("Pass attention_mask= to tracker.set_batch() for every batch.",
-     "Token rows need text data (the tokenizer's attention mask): leave it out of --token-rows."),
+    ("Pass attention_mask= to tracker.set_batch() for every batch",
+     "Token rows need text data (the tokenizer's attention mask): leave it out of --token-rows"),
     ("export compression must be", "--compression must be"),
     ("pass drop_last=True", "pass --drop-last"),
     ("with drop_last=True", "with --drop-last"),
