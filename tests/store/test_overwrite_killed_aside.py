@@ -339,3 +339,32 @@ def test_the_old_store_is_deleted_root_first_and_its_remains_are_named(tmp_path,
             StoreWriter(path, **opts).close()
         assert not any("never settled" in str(x.message) for x in w)
     assert sorted(q.name for q in left.iterdir()) == ["acts"]  # (a warning only)
+
+
+@pytest.mark.parametrize("fail_at", [1, 2, 3])
+def test_a_failed_rename_while_moving_the_old_store_aside_keeps_every_entry(tmp_path, monkeypatch, fail_at):
+    """The rename number ``fail_at`` (0-based, root document first) of the old store's entries
+    into the folder aside fails: the entries moved go back, and the ones still at the path, the
+    old store's, stay (none is removed as if it were the new store's)."""
+    from activationscope.store import _backend as B
+
+    path = tmp_path / "s.zarr"
+    data = make_store(path, n_rows=96)
+    before = _files(path)
+    rename, n = os.rename, [0]
+
+    def failing(src, dst):
+        if ".replaced-" in Path(dst).parent.name:
+            if n[0] == fail_at:
+                raise OSError(13, "Permission denied")
+            n[0] += 1
+        rename(src, dst)
+
+    monkeypatch.setattr(B.os, "rename", failing)
+    with pytest.raises(StoreError, match=rf"moving the old store '{path}' aside to '.*' failed: Permission denied; "
+                                         r"nothing was changed"):
+        StoreWriter(path, overwrite=True)
+    monkeypatch.undo()
+    assert _asides(tmp_path) == [] and _files(path) == before
+    s = open_store(path)
+    assert s.verify() == [] and torch.equal(s[HP], data)
