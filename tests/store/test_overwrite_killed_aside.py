@@ -368,3 +368,22 @@ def test_a_failed_rename_while_moving_the_old_store_aside_keeps_every_entry(tmp_
     assert _asides(tmp_path) == [] and _files(path) == before
     s = open_store(path)
     assert s.verify() == [] and torch.equal(s[HP], data)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_a_new_store_on_the_path_of_an_interrupted_overwrite_names_the_folder(tmp_path, k):
+    """``StoreWriter(path)`` (neither overwrite nor resume) on the half of a store a killed
+    overwrite left at the path names the folder aside and both ways out; before, it called the
+    path a folder that holds no store, to choose another path or remove (half the old store)."""
+    path = tmp_path / "s.zarr"
+    data = make_store(path, n_rows=96)
+    before = _files(path)
+    _kill(path, "aside", k)
+    (aside,) = _asides(tmp_path)
+    found = _everything(tmp_path)
+    with pytest.raises(StoreExistsError, match=rf"'{path}' exists and is not empty but holds no root document "
+                                               rf"\(zarr\.json\): an overwrite=True moved the store's root document "
+                                               rf"\(zarr\.json\) into '{aside}'.*zarr\.json last.*nothing was changed"):
+        StoreWriter(path)
+    assert _everything(tmp_path) == found
+    _rerun(path, "fails", before, data)
