@@ -387,3 +387,38 @@ def test_a_new_store_on_the_path_of_an_interrupted_overwrite_names_the_folder(tm
         StoreWriter(path)
     assert _everything(tmp_path) == found
     _rerun(path, "fails", before, data)
+
+
+@pytest.mark.parametrize("phase, k", [("aside", 1), ("aside-done", 0)])
+def test_the_capture_command_with_overwrite_finishes_an_interrupted_overwrite(tmp_path, monkeypatch, capsys, phase, k):
+    """``activationscope capture --overwrite`` run again on a store a killed overwrite left split
+    (or wholly aside) completes it, as docs/usage/cli.md says; without ``--overwrite`` it names
+    the folder aside. Before, the command refused the path as a folder that is not a store."""
+    import numpy as np
+
+    from activationscope import cli
+
+    (tmp_path / "kill_aside_models.py").write_text(
+        "import torch\n"
+        "def mlp():\n"
+        "    torch.manual_seed(0)\n"
+        f"    return torch.nn.Sequential(torch.nn.Linear({FEATURE}, 4))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    x = tmp_path / "x.npy"
+    np.save(x, np.random.default_rng(0).standard_normal((12, FEATURE)).astype(np.float32))
+    path = tmp_path / "s.zarr"
+    make_store(path, n_rows=96)
+    _kill(path, phase, k)
+    (aside,) = _asides(tmp_path)
+    found = _everything(tmp_path)
+    command = ["capture", "--model", "kill_aside_models:mlp", "--data", str(x), "--out", str(path)]
+    assert cli.main(command) == 1
+    err = capsys.readouterr().err
+    assert f"holds no root document (zarr.json): an overwrite=True moved the store's root document (zarr.json) " \
+           f"into '{aside}'" in err and "nothing was changed" in err, err
+    assert _everything(tmp_path) == found
+    assert cli.main([*command, "--overwrite"]) == 0, capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".s.zarr")) == []  # no folder aside
+    s = open_store(path)
+    assert s.verify() == [] and s.status == "complete" and s.n_samples == 12
+    assert s.hook_points == ["0.output"] and tuple(s["0.output"].shape) == (12, 4)  # (the old one: 96 x 8)
