@@ -737,7 +737,7 @@ def check_out(out: str, *, resume: bool, overwrite: bool, replaces: str | None =
     """
     from pathlib import Path
 
-    from ..store._backend import check_local_store_path, describe_local_path, local_path
+    from ..store._backend import LocalBackend, check_local_store_path, describe_local_path, local_path
 
     path = local_path(out)
     if path is None:
@@ -760,6 +760,13 @@ def check_out(out: str, *, resume: bool, overwrite: bool, replaces: str | None =
             raise ArgumentValueError(
                 f"--resume: {out!r} is an empty folder, not a store; drop --resume to start a new store")
         return
+    if kind == "folder":  # (the half of a store an interrupted local overwrite left at the path?)
+        moved = LocalBackend(path).moved_aside_hint()
+        if moved and overwrite and replaces is None:
+            return  # the store writer finishes that overwrite (store.md, "Options")
+        if moved:
+            raise ArgumentValueError(f"--out {out!r} holds no root document (zarr.json): {moved} (CLI: --overwrite); "
+                                     "nothing was changed")
     if kind != "store":
         what = replaces or "--overwrite only replaces activationscope stores"
         raise ArgumentValueError(

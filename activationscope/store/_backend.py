@@ -546,13 +546,27 @@ class LocalBackend:
         real = Path(os.path.realpath(self.root))
         aside = real.parent / f".{real.name}.replaced-{uuid.uuid4().hex[:8]}"
         aside.mkdir()
+        done: list[str] = []
         try:
             for p in entries:
                 os.rename(p, aside / p.name)
+                done.append(p.name)
         except OSError as e:
-            self.restore_aside(aside)
+            # only what was moved goes back (root document last); the entries still at the path are
+            # the old store's own, never removed (restore_aside would clear them as a new store's)
+            undone = True
+            for name in sorted(reversed(done), key=lambda n: n == "zarr.json"):
+                try:
+                    os.rename(aside / name, self.root / name)
+                except OSError:
+                    undone = False
+            if undone:
+                with contextlib.suppress(OSError):
+                    aside.rmdir()
             raise StoreError(f"overwrite: moving the old store {str(self.root)!r} aside to {str(aside)!r} failed: "
-                             f"{e.strerror or e}; nothing was changed") from e
+                             f"{e.strerror or e}; " + ("nothing was changed" if undone else
+                             "some of its entries could not be moved back and are in that folder: once the cause is "
+                             "fixed, run again with overwrite=True (it finishes the move)")) from e
         return aside
 
     def restore_aside(self, aside: Path) -> None:

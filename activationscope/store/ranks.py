@@ -43,8 +43,8 @@ from ..capture import _native
 from ..errors import ArgumentTypeError, ArgumentValueError, StoreCorruptError, StoreError, StoreExistsError
 from . import _format as F
 from . import _validate as V
-from ._backend import (LocalBackend, check_backend_not_in_store, rank_stores_allowed, refuse_foreign_entries,
-                       resolve, write_root_first)
+from ._backend import (LocalBackend, _foreign_names, check_backend_not_in_store, rank_stores_allowed,
+                       refuse_foreign_entries, resolve, write_root_first)
 from ._lock import WriterLock
 from .reader import (Store, _no_rank_column, _sub_backend, check_rank_column_types, listed_rank_stores,
                      rank_store_run_id, ranks_run_id, split_rank_stores_by_run)
@@ -1453,7 +1453,11 @@ class RankSession:
                 try:
                     prepare_root(self.root, world_size=self.world_size, storage_options=so)
                 except StoreExistsError:
-                    pass  # another task made it first
+                    # another task made it first; but a local folder with no root that holds a
+                    # store an overwrite left split, or entries of the user's, is no store to join
+                    if b.get("zarr.json") is None and isinstance(b, LocalBackend) and (
+                            b.moved_aside_hint() or _foreign_names(p.name for p in b.root.iterdir())):
+                        raise
             again = _capture_again(b, self.root, self.rank, self.world_size, overwrite, resume)
             self.run_id = _root_ranks_run(b) if again is None else again
             self.again = again is not None

@@ -990,9 +990,14 @@ class StoreWriter:
                 adopted = b.finish_move_aside()  # (refuses, changing nothing, what it cannot tell apart)
             elif resume:
                 moved = b.moved_aside_hint()
-        if moved:  # (resume: its error names the folder, no warning first)
+        elif isinstance(b, LocalBackend) and not self._writer_lock.created_root and not b.is_empty():
+            moved = b.moved_aside_hint()  # (a new store: the folder is half of an old one, not one to remove)
+        if moved and resume:  # (resume: its error names the folder, no warning first)
             raise StoreError(f"resume=True needs a store to continue, but {str(b)!r} holds no root document "
                              f"(zarr.json): {moved}; nothing was changed")
+        if moved:
+            raise StoreExistsError(f"{str(b)!r} exists and is not empty but holds no root document (zarr.json): "
+                                   f"{moved}; nothing was changed")
         if overwrite or resume:
             self._warn_left_aside(adopted)  # (before this writer moves one aside of its own)
         if overwrite:

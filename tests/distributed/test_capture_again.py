@@ -329,3 +329,30 @@ def test_tasks_capture_a_store_of_one_process_again(tmp_path):
     for hp in ref.hook_points:
         assert torch.equal(st[hp], ref[hp])
     assert not (Path(url) / "ranks").exists()
+
+
+@pytest.mark.parametrize("case", ["user-folder", "split-store"])
+def test_a_task_on_a_local_folder_that_holds_no_store_to_join_is_refused(tmp_path, case):
+    """A task whose path holds no root document but files of the user's, or the half of a store
+    that a killed one-process overwrite left there (its root in ``.<name>.replaced-<hex>``), is
+    refused before its first forward, naming the path; before, it wrote its rank store there
+    (taking the refusal of the root for another task having made it first)."""
+    url = str(tmp_path / "s.zarr")
+    if case == "user-folder":
+        Path(url).mkdir()
+        (Path(url) / "notes.txt").write_text("mine")
+        match = r"exists and is not empty but holds no Zarr store"
+    else:
+        model = _model(0)
+        with acs.ActivationScope(store=url, store_options={"process_group": False}).track(model), torch.no_grad():
+            model(job.batch(0))
+        aside = tmp_path / ".s.zarr.replaced-0000aaaa"
+        aside.mkdir()
+        (Path(url) / "zarr.json").rename(aside / "zarr.json")  # (as an overwrite killed after its first rename)
+        match = rf"holds no root document \(zarr\.json\).*moved the store's root document \(zarr\.json\) into '{aside}'"
+    found = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    model = _Counted(_model(1))
+    for opts in ({}, {"overwrite": True}):
+        with pytest.raises(acs.StoreExistsError, match=match):
+            _task(url, None, 0, WORLD, model, **opts)
+    assert model.n == 0 and sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == found

@@ -339,3 +339,86 @@ def test_the_old_store_is_deleted_root_first_and_its_remains_are_named(tmp_path,
             StoreWriter(path, **opts).close()
         assert not any("never settled" in str(x.message) for x in w)
     assert sorted(q.name for q in left.iterdir()) == ["acts"]  # (a warning only)
+
+
+@pytest.mark.parametrize("fail_at", [1, 2, 3])
+def test_a_failed_rename_while_moving_the_old_store_aside_keeps_every_entry(tmp_path, monkeypatch, fail_at):
+    """The rename number ``fail_at`` (0-based, root document first) of the old store's entries
+    into the folder aside fails: the entries moved go back, and the ones still at the path, the
+    old store's, stay (none is removed as if it were the new store's)."""
+    from activationscope.store import _backend as B
+
+    path = tmp_path / "s.zarr"
+    data = make_store(path, n_rows=96)
+    before = _files(path)
+    rename, n = os.rename, [0]
+
+    def failing(src, dst):
+        if ".replaced-" in Path(dst).parent.name:
+            if n[0] == fail_at:
+                raise OSError(13, "Permission denied")
+            n[0] += 1
+        rename(src, dst)
+
+    monkeypatch.setattr(B.os, "rename", failing)
+    with pytest.raises(StoreError, match=rf"moving the old store '{path}' aside to '.*' failed: Permission denied; "
+                                         r"nothing was changed"):
+        StoreWriter(path, overwrite=True)
+    monkeypatch.undo()
+    assert _asides(tmp_path) == [] and _files(path) == before
+    s = open_store(path)
+    assert s.verify() == [] and torch.equal(s[HP], data)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_a_new_store_on_the_path_of_an_interrupted_overwrite_names_the_folder(tmp_path, k):
+    """``StoreWriter(path)`` (neither overwrite nor resume) on the half of a store a killed
+    overwrite left at the path names the folder aside and both ways out; before, it called the
+    path a folder that holds no store, to choose another path or remove (half the old store)."""
+    path = tmp_path / "s.zarr"
+    data = make_store(path, n_rows=96)
+    before = _files(path)
+    _kill(path, "aside", k)
+    (aside,) = _asides(tmp_path)
+    found = _everything(tmp_path)
+    with pytest.raises(StoreExistsError, match=rf"'{path}' exists and is not empty but holds no root document "
+                                               rf"\(zarr\.json\): an overwrite=True moved the store's root document "
+                                               rf"\(zarr\.json\) into '{aside}'.*zarr\.json last.*nothing was changed"):
+        StoreWriter(path)
+    assert _everything(tmp_path) == found
+    _rerun(path, "fails", before, data)
+
+
+@pytest.mark.parametrize("phase, k", [("aside", 1), ("aside-done", 0)])
+def test_the_capture_command_with_overwrite_finishes_an_interrupted_overwrite(tmp_path, monkeypatch, capsys, phase, k):
+    """``activationscope capture --overwrite`` run again on a store a killed overwrite left split
+    (or wholly aside) completes it, as docs/usage/cli.md says; without ``--overwrite`` it names
+    the folder aside. Before, the command refused the path as a folder that is not a store."""
+    import numpy as np
+
+    from activationscope import cli
+
+    (tmp_path / "kill_aside_models.py").write_text(
+        "import torch\n"
+        "def mlp():\n"
+        "    torch.manual_seed(0)\n"
+        f"    return torch.nn.Sequential(torch.nn.Linear({FEATURE}, 4))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    x = tmp_path / "x.npy"
+    np.save(x, np.random.default_rng(0).standard_normal((12, FEATURE)).astype(np.float32))
+    path = tmp_path / "s.zarr"
+    make_store(path, n_rows=96)
+    _kill(path, phase, k)
+    (aside,) = _asides(tmp_path)
+    found = _everything(tmp_path)
+    command = ["capture", "--model", "kill_aside_models:mlp", "--data", str(x), "--out", str(path)]
+    assert cli.main(command) == 1
+    err = capsys.readouterr().err
+    assert f"holds no root document (zarr.json): an overwrite=True moved the store's root document (zarr.json) " \
+           f"into '{aside}'" in err and "nothing was changed" in err, err
+    assert _everything(tmp_path) == found
+    assert cli.main([*command, "--overwrite"]) == 0, capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".s.zarr")) == []  # no folder aside
+    s = open_store(path)
+    assert s.verify() == [] and s.status == "complete" and s.n_samples == 12
+    assert s.hook_points == ["0.output"] and tuple(s["0.output"].shape) == (12, 4)  # (the old one: 96 x 8)
