@@ -475,3 +475,33 @@ def test_a_kept_mask_of_an_in_memory_capture_without_reductions_does_not_warn(tm
     # records are kept whole there: the mask describes no row
     msgs, _ = _stale_capture(tmp_path, "memory", lambda tr, k: k == 0 and tr.set_batch(attention_mask=PADDED))
     assert msgs == []
+
+
+@pytest.mark.filterwarnings("ignore:.*was recorded more than once")  # (that writer is not told of steps)
+def test_a_registered_writer_without_the_optional_add_batch_keywords_takes_generation_steps(tmp_path, monkeypatch):
+    # a writer of the interface before described_again= / next_id=: a same_samples=True step is
+    # given neither keyword (it was a TypeError at the step), and every row is stored
+    from activationscope.capture import writer as capture_writer
+    from activationscope.store import open_capture_writer
+
+    class OlderWriter:
+        def __init__(self, inner):
+            self._inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self._inner, name)
+
+        def add_batch(self, n_samples, sample_ids=None, token_mask=None, columns=None):
+            return self._inner.add_batch(n_samples=n_samples, sample_ids=sample_ids, token_mask=token_mask,
+                                         columns=columns)
+
+    monkeypatch.setattr(capture_writer, "_factory", lambda target, **kw: OlderWriter(open_capture_writer(target, **kw)))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(50, 4)).eval()
+    with acs.ActivationScope(store=str(tmp_path / "s.zarr")).track(model) as tr, torch.no_grad():
+        tr.set_batch(attention_mask=torch.ones(2, 3, dtype=torch.bool))
+        model(torch.randint(1, 50, (2, 3)))
+        tr.set_batch(attention_mask=torch.ones(2, 1, dtype=torch.bool), same_samples=True)
+        model(torch.randint(1, 50, (2, 1)))
+    table = acs.open_store(tmp_path / "s.zarr").row_table("token")
+    assert table.column("sample_id").to_pylist() == [0, 0, 0, 1, 1, 1, 0, 1]

@@ -1892,6 +1892,8 @@ class Tracker:
                 # the counter after this forward, which the store records for a resume (without
                 # skips and repeats the writer's own: its samples counted on)
                 extra["next_id"] = self._next_counted_id() + (0 if batch.get("same_samples") else n)
+            if extra:  # (optional keywords: a registered writer of an older protocol takes neither)
+                extra = {k: v for k, v in extra.items() if _takes_keyword(self.writer.add_batch, k)}
             lost = self.writer.add_batch(
                 n_samples=n, sample_ids=ids, token_mask=mask, columns=batch.get("columns") or {}, **extra,
             )
@@ -2293,6 +2295,27 @@ def _token_rows_for(name: str, token_rows: bool | Mapping[str, bool] | None, nam
         if pattern_selects(pattern, name, names):
             return flag
     return None
+
+
+def _takes_keyword(method: Any, name: str) -> bool:
+    """Whether ``method`` (a writer's ``add_batch``) takes the keyword argument ``name``: named
+    in its signature, or taken by its ``**kwargs`` (a signature that cannot be read: True)."""
+    key = (getattr(method, "__func__", method), name)
+    known = _TAKES_KEYWORD.get(key)
+    if known is None:
+        import inspect
+
+        try:
+            params = inspect.signature(method).parameters
+        except (TypeError, ValueError):
+            known = True
+        else:
+            known = name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+        _TAKES_KEYWORD[key] = known
+    return known
+
+
+_TAKES_KEYWORD: dict[tuple[Any, str], bool] = {}
 
 
 def _copy_ids(ids: Any) -> Any:

@@ -50,7 +50,8 @@ class ActivationWriter(Protocol):
         ids are those samples again (a generation loop), not ids to check for repeats.
         ``next_id`` (passed only when the forward repeats samples or follows skipped ones): the
         running counter of default ids after this forward, which a resume continues from
-        (default: the counter before it plus ``n_samples``)."""
+        (default: the counter before it plus ``n_samples``). Both are optional: a writer whose
+        ``add_batch`` takes neither (nor ``**kwargs``) is given neither."""
 
     def maybe_commit(self) -> bool:
         """Commit what is durable when due; True when a commit happened."""
