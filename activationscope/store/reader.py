@@ -2374,12 +2374,11 @@ class Store:
         """What a plain Zarr reader of an array whose document's ``shape[0]`` (``doc_rows``) is
         ahead of its committed ``n_rows`` would misread (FORMAT.md section 9, what ``verify``
         checks): rows past the ones its shards hold, read as fill values (zeros) though never
-        written, and, in a complete store, rows that no row table lists. Rows between ``n_rows``
-        and ``shape[0]`` are held when their shard files exist and the manifest lists them, ending
-        at or past them (a commit killed before its root leaves that: its array documents are
-        written after its shards); a shard the manifest does not list yet (a commit killed while
-        it wrote its manifests and documents, which it writes together) holds the chunks its
-        own index lists, from its first one on."""
+        written, and, in a complete store (the root as it is now), rows that no row table lists.
+        Rows between ``n_rows`` and ``shape[0]`` are held when their shard files exist and their
+        own indexes list their chunks, from the first one on: what a plain Zarr reader reads as
+        written (a commit killed or failed before its root leaves such rows; its manifests may
+        list an earlier, shorter version of a rewritten last shard, or not list it yet)."""
         n, shard_rows = int(meta["n_rows"]), int(meta["shard_rows"])
         held, k, why = n, n // shard_rows, ""
         while held < doc_rows:
@@ -2391,21 +2390,17 @@ class Store:
             if size is None:
                 why = f"shard {k}'s file {key} is missing or not a regular file inside the store"
                 break
-            rec = shards.get(k)
-            end = None if rec is None else rec.get("rows_end")
-            if rec is not None and (not isinstance(end, int) or isinstance(end, bool) or end <= held):
-                why = f"its manifest {meta['manifest']} says shard {k} ends at row {end!r}"
+            # what a plain Zarr reader reads as written is what the shard's own index lists (the
+            # manifest may list an earlier version of a rewritten last shard: a commit killed or
+            # failed between its shards and its manifests leaves that)
+            end = k * shard_rows + self._rows_in_index(meta, key, size)
+            if end <= held:
+                why = (f"{key} holds no chunk past row {held}" + ("" if shards.get(k) is not None else
+                       f", and its manifest {meta['manifest']} lists no shard {k}"))
                 break
-            if rec is None:
-                end = k * shard_rows + self._rows_in_index(meta, key, size)
-                if end <= held:
-                    why = f"its manifest {meta['manifest']} lists no shard {k}, and {key} holds no chunk past row {held}"
-                    break
             held = min(end, (k + 1) * shard_rows)
             if held < min(doc_rows, (k + 1) * shard_rows):
-                why = (f"its manifest {meta['manifest']} says shard {k}, the last it lists, ends at row {end}"
-                       if rec is not None else f"its manifest {meta['manifest']} lists no shard {k}, whose file {key} "
-                       f"holds chunks up to row {end}")
+                why = f"shard {k}'s file {key} holds chunks up to row {end}"
                 break
             k += 1
         fix = (f"set shape[0] in {doc_key} to {n} (the root's n_rows, which activationscope reads), or resume the "
@@ -2415,11 +2410,23 @@ class Store:
             return [f"{where}, but its shards hold {f'rows 0..{held - 1} only' if held else 'no rows'} ({why}): a "
                     f"plain Zarr reader would read rows {held}..{doc_rows - 1}, never written, as fill values (zeros); "
                     f"{fix}"]
-        if self.status == "complete":
+        if self.status == "complete" and self._committed_rows_now(hp) < doc_rows:
             return [f"{where}, more than the {n} committed rows (n_rows of the root document zarr.json) of a complete "
                     f"store: a plain Zarr reader would read {doc_rows - n} rows that were never committed and that no "
                     f"row table lists; {fix}"]
         return []
+
+    def _committed_rows_now(self, hp: str) -> int:
+        """``n_rows`` of ``hp``'s array in the root document as it is now (this reader may hold
+        an earlier snapshot: a resume since has committed more rows and written the array's
+        document for them); 0 when that root cannot be read or does not list the array."""
+        try:
+            raw = self._backend.get("zarr.json", max_bytes=V.MAX_JSON_BYTES)
+            attrs = V.parse_root(raw, store=self._backend) if raw is not None else None
+            rows = ((attrs or {}).get("arrays") or {}).get(hp, {}).get("n_rows", 0)
+        except (StoreError, AttributeError, TypeError):
+            return 0
+        return rows if isinstance(rows, int) and not isinstance(rows, bool) else 0
 
     def _rows_in_index(self, meta: dict, key: str, size: int) -> int:
         """Rows of the shard file ``key`` (``size`` bytes) that its index lists chunks for, from
