@@ -30,36 +30,22 @@ def select_hook_points(store: Any, hook_points: Any) -> list[str]:
     Raises
     ------
     HookPointNotFoundError
-        A name that is not a hook point of the store, or a pattern that matches none; the
-        message lists the hook points there are.
+        A name that is not a hook point of the store, or a pattern that matches none (the
+        message lists the hook points there are); None for a store without hook points.
+    ArgumentValueError
+        An empty list.
     ArgumentTypeError
         ``hook_points`` neither a str nor an iterable of str.
     """
-    from ..capture.hooks import pattern_hits
-    from ..errors import ArgumentTypeError, HookPointNotFoundError
+    from ..data.dataset import select_hook_points as select
 
-    known = list(store.hook_points)
-    if hook_points is None:
-        return known
-    if isinstance(hook_points, str):
-        hook_points = [hook_points]
-    try:
-        patterns = list(hook_points)
-    except TypeError:
-        patterns = [hook_points]
-    chosen: list[str] = []
-    for pattern in patterns:
-        if not isinstance(pattern, str):
-            raise ArgumentTypeError(
-                f"hook_points must be a str or a list of str (hook point names or fnmatch patterns), got {pattern!r}"
-            )
-        hits = pattern_hits(pattern, known)
-        if not hits:
-            what = (f"pattern {pattern!r} matches no hook point of" if any(c in pattern for c in "*?[")
-                    else f"hook point {pattern!r} is not in")
-            raise HookPointNotFoundError(f"{what} the store {getattr(store, 'path', store)!r}; it has {known}")
-        chosen.extend(h for h in hits if h not in chosen)
-    return chosen
+    class _Named:  # (what that rule reads of a store: its hook points, and how to name it)
+        hook_points = list(store.hook_points)
+
+        def describe(self) -> str:
+            return repr(getattr(store, "path", store))
+
+    return select(_Named(), hook_points)
 
 
 def _open(store: Any) -> Any:
