@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import activationscope as acs
 from activationscope.store import StoreWriter
 
 HERE = Path(__file__).parent
@@ -93,3 +94,27 @@ def run_python(code: str, *args: str, native: bool = True, timeout: float = 300)
         code = _HIDE_NATIVE + code
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env,
                           timeout=timeout)
+
+
+class FailsAt(torch.nn.Module):
+    """A linear layer whose forward ``fail_at`` (0-based) raises."""
+
+    def __init__(self, fail_at: int) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(FEATURE, 4)
+        self.fail_at, self.calls = fail_at, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls - 1 == self.fail_at:
+            raise RuntimeError(f"forward {self.fail_at} fails")
+        return self.lin(x)
+
+
+def overwrite_capture(path: Path, model: torch.nn.Module, n_batches: int) -> None:
+    """``n_batches`` forwards of ``model`` (8 rows of FEATURE) into ``path`` with overwrite=True."""
+    scope = acs.ActivationScope(store=str(path), store_options={"overwrite": True})
+    with scope.track(model, include=["lin"]) as tracker, torch.no_grad():
+        for _ in range(n_batches):
+            tracker.set_batch()
+            model(torch.randn(8, FEATURE))

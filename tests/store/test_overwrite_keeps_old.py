@@ -12,7 +12,7 @@ import torch
 import activationscope as acs
 from activationscope.store import StoreWriter, open_store
 
-from hostile import FEATURE, HP, make_store
+from hostile import HP, FailsAt, make_store, overwrite_capture
 
 LOCK = ".activationscope-writer.lock"
 
@@ -21,35 +21,12 @@ def _files(p: Path) -> dict[str, bytes]:
     return {str(q.relative_to(p)): q.read_bytes() for q in sorted(p.rglob("*")) if q.is_file() and q.name != LOCK}
 
 
-class _FailsAt(torch.nn.Module):
-    """A linear layer whose forward ``fail_at`` (0-based) raises."""
-
-    def __init__(self, fail_at: int) -> None:
-        super().__init__()
-        self.lin = torch.nn.Linear(FEATURE, 4)
-        self.fail_at, self.calls = fail_at, 0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        if self.calls - 1 == self.fail_at:
-            raise RuntimeError(f"forward {self.fail_at} fails")
-        return self.lin(x)
-
-
-def _capture(path: Path, model: torch.nn.Module, n_batches: int) -> None:
-    scope = acs.ActivationScope(store=str(path), store_options={"overwrite": True})
-    with scope.track(model, include=["lin"]) as tracker, torch.no_grad():
-        for i in range(n_batches):
-            tracker.set_batch()
-            model(torch.randn(8, FEATURE))
-
-
 def test_overwrite_that_fails_on_its_first_batch_keeps_the_old_store(tmp_path):
     path = tmp_path / "s.zarr"
     data = make_store(path, n_rows=96)
     before = _files(path)
     with pytest.raises(RuntimeError, match="forward 0 fails"):
-        _capture(path, _FailsAt(0), 3)
+        overwrite_capture(path, FailsAt(0), 3)
     assert _files(path) == before  # byte-identical, nothing of the new capture left
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.zarr"]  # no folder left aside
     s = open_store(path)
@@ -62,7 +39,7 @@ def test_overwrite_that_fails_after_a_whole_forward_commits_it(tmp_path):
     path = tmp_path / "s.zarr"
     make_store(path, n_rows=96)
     with pytest.raises(RuntimeError, match="forward 1 fails"):
-        _capture(path, _FailsAt(1), 3)
+        overwrite_capture(path, FailsAt(1), 3)
     s = open_store(path)
     assert s.hook_points == ["lin.output"] and s.n_samples == 8 and s.status == "incomplete"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.zarr"]
@@ -71,8 +48,8 @@ def test_overwrite_that_fails_after_a_whole_forward_commits_it(tmp_path):
 def test_overwrite_that_commits_replaces_the_old_store(tmp_path):
     path = tmp_path / "s.zarr"
     make_store(path, n_rows=96)
-    model = _FailsAt(-1)
-    _capture(path, model, 2)
+    model = FailsAt(-1)
+    overwrite_capture(path, model, 2)
     s = open_store(path)
     assert s.hook_points == ["lin.output"] and s.n_samples == 16 and s.status == "complete"
     assert not (path / "acts" / HP).exists()
@@ -129,7 +106,7 @@ def test_overwrite_of_a_store_holding_other_files_is_refused_and_nothing_changes
     (path / foreign).write_text("mine")
     before = _files(path)
     with pytest.raises(acs.errors.StoreExistsError) as e:
-        _capture(path, _FailsAt(99), 2)
+        overwrite_capture(path, FailsAt(99), 2)
     msg = str(e.value)
     assert foreign.split("/")[0] in msg and "not the store's" in msg and "move them" in msg
     assert isinstance(e.value, FileExistsError)
@@ -138,7 +115,7 @@ def test_overwrite_of_a_store_holding_other_files_is_refused_and_nothing_changes
     assert torch.equal(open_store(path)[HP], data)
     top = path / foreign.split("/")[0]
     top.unlink() if top.is_file() else shutil.rmtree(top)
-    _capture(path, _FailsAt(99), 2)  # the store alone: replaced
+    overwrite_capture(path, FailsAt(99), 2)  # the store alone: replaced
     assert open_store(path).hook_points == ["lin.output"]
 
 
@@ -147,7 +124,7 @@ def test_overwrite_replaces_a_store_whose_folder_holds_only_file_manager_clutter
     make_store(path, n_rows=96)
     for name in (".DS_Store", "._zarr.json", "Thumbs.db"):
         (path / name).write_bytes(b"\0")
-    _capture(path, _FailsAt(99), 2)
+    overwrite_capture(path, FailsAt(99), 2)
     assert open_store(path).hook_points == ["lin.output"]
     assert not (path / ".DS_Store").exists()
 
@@ -211,7 +188,7 @@ def test_overwrite_of_a_memory_store_holding_other_objects_is_refused(tmp_path):
     fs = fsspec.filesystem("memory")
     fs.pipe("/with-notes/notes/today.txt", b"mine")
     for replace in (lambda: copy_store(open_store(src), "memory://with-notes", overwrite=True),
-                    lambda: _capture("memory://with-notes", _FailsAt(99), 1)):
+                    lambda: overwrite_capture("memory://with-notes", FailsAt(99), 1)):
         with pytest.raises(StoreExistsError, match=r"not the store's \('notes'\)"):
             replace()
         assert fs.cat("/with-notes/notes/today.txt") == b"mine"

@@ -17,11 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import activationscope as acs
 from activationscope.errors import StoreError, StoreExistsError
 from activationscope.store import StoreWriter, copy_store, open_store
 
-from hostile import FEATURE, HP, make_store, run_python
+from hostile import FEATURE, HP, FailsAt, make_store, overwrite_capture, run_python
 
 LOCK = ".activationscope-writer.lock"
 ENTRIES = ["acts", "reductions", "rows", "zarr.json"]  # what make_store's folder holds (the lock aside)
@@ -88,37 +87,16 @@ def _kill(path: Path, phase: str, k: int) -> None:
     assert done.returncode == 9, done.stderr
 
 
-class _FailsAt(torch.nn.Module):
-    def __init__(self, fail_at: int) -> None:
-        super().__init__()
-        self.lin = torch.nn.Linear(FEATURE, 4)
-        self.fail_at, self.calls = fail_at, 0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        if self.calls - 1 == self.fail_at:
-            raise RuntimeError(f"forward {self.fail_at} fails")
-        return self.lin(x)
-
-
-def _capture(path: Path, model: torch.nn.Module, n_batches: int) -> None:
-    scope = acs.ActivationScope(store=str(path), store_options={"overwrite": True})
-    with scope.track(model, include=["lin"]) as tracker, torch.no_grad():
-        for _ in range(n_batches):
-            tracker.set_batch()
-            model(torch.randn(8, FEATURE))
-
-
 def _rerun(path: Path, outcome: str, before: dict[str, bytes], data: torch.Tensor) -> None:
     """Run the capture again with overwrite=True: it commits (the new store, the old one gone)
     or fails in its first forward (the old store back, byte for byte); no folder left aside."""
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # (the folder it finishes is its own: no warning about it)
         if outcome == "commits":
-            _capture(path, _FailsAt(-1), 2)
+            overwrite_capture(path, FailsAt(-1), 2)
         else:
             with pytest.raises(RuntimeError, match="forward 0 fails"):
-                _capture(path, _FailsAt(0), 3)
+                overwrite_capture(path, FailsAt(0), 3)
     assert sorted(p.name for p in path.parent.iterdir()) == ["s.zarr"]  # no folder aside
     s = open_store(path)
     assert s.verify() == []
@@ -218,7 +196,7 @@ def test_two_folders_holding_a_moved_root_are_refused_naming_both(tmp_path):
     with pytest.raises(StoreExistsError, match=r"holds no root document.*'reductions', 'rows'.*2 folders.*"
                                                r"\.s\.zarr\.replaced-0000aaaa.*\.s\.zarr\.replaced-0000bbbb.*"
                                                r"cannot be told; nothing was changed") as e:
-        _capture(path, _FailsAt(-1), 1)
+        overwrite_capture(path, FailsAt(-1), 1)
     assert isinstance(e.value, FileExistsError)
     assert _everything(tmp_path) == found
 
@@ -231,7 +209,7 @@ def test_an_entry_that_is_not_a_store_s_is_refused(tmp_path):
     found = _everything(tmp_path)
     with pytest.raises(StoreExistsError, match=r"replaced-0000aaaa.*not a store's \('NOTES\.txt'\).*nothing was "
                                                r"changed\. Move them out"):
-        _capture(path, _FailsAt(-1), 1)
+        overwrite_capture(path, FailsAt(-1), 1)
     assert _everything(tmp_path) == found
 
 
@@ -250,7 +228,7 @@ def test_a_name_at_the_path_and_in_the_folder_is_refused_and_the_advice_works(tm
     found = _everything(tmp_path)
     with pytest.raises(StoreExistsError, match=rf"moved it into '{aside}', but both hold 'acts'.*nothing was changed\."
                                                rf" If open_store\('{aside}'\)\.verify\(\) reports no problem"):
-        _capture(path, _FailsAt(-1), 1)
+        overwrite_capture(path, FailsAt(-1), 1)
     assert _everything(tmp_path) == found
     assert open_store(aside).verify() == []
     shutil.rmtree(path / "acts")
@@ -265,7 +243,7 @@ def test_a_folder_aside_that_is_a_link_is_never_taken(tmp_path):
     (tmp_path / ".s.zarr.replaced-0000aaaa").symlink_to(elsewhere, target_is_directory=True)
     found = _everything(tmp_path)
     with pytest.raises(StoreExistsError, match="holds no Zarr store"):
-        _capture(path, _FailsAt(-1), 1)
+        overwrite_capture(path, FailsAt(-1), 1)
     assert _everything(tmp_path) == found
 
 
@@ -279,7 +257,7 @@ def test_an_empty_path_with_two_folders_aside_makes_a_new_store_and_keeps_both(t
     shutil.copytree(a, b)
     held = _files(a)
     with pytest.warns(RuntimeWarning, match=r"replaced-0000aaaa.*\(and 1 more\).*never settled"):
-        _capture(path, _FailsAt(-1), 2)
+        overwrite_capture(path, FailsAt(-1), 2)
     assert open_store(path).n_samples == 16
     assert _files(a) == held and _files(b) == held
 
@@ -304,7 +282,7 @@ def test_a_failed_rename_while_finishing_the_move_changes_nothing(tmp_path, monk
     monkeypatch.setattr(B.os, "rename", failing)
     with pytest.raises(StoreError, match=rf"finishing the move of the old store '{path}' into '{aside}' failed: "
                                          r"No space left on device; nothing was changed"):
-        _capture(path, _FailsAt(-1), 1)
+        overwrite_capture(path, FailsAt(-1), 1)
     monkeypatch.undo()
     assert n[0] == 3 and _everything(tmp_path) == found  # (one moved, one failed, the first moved back)
     _rerun(path, "fails", before, data)
@@ -327,7 +305,7 @@ def test_the_old_store_is_deleted_root_first_and_its_remains_are_named(tmp_path,
         return rmtree(p, *args, **kwargs)
 
     monkeypatch.setattr(W.shutil, "rmtree", recording)
-    _capture(path, _FailsAt(-1), 1)
+    overwrite_capture(path, FailsAt(-1), 1)
     monkeypatch.undo()
     assert seen == [["acts", "reductions", "rows"]] and _asides(tmp_path) == []
     left = tmp_path / ".s.zarr.replaced-0000aaaa"  # as a deletion cut short leaves it
