@@ -965,10 +965,11 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
     # FORMAT.md section 10, "Capturing a store again": rank stores of the run that captures this
     # root's store again make the commit a new run that replaces the store (its root first)
     again = capture_again_run_id(root_attrs, raw) if raw else None
-    if again is not None and again not in _rank_runs(b, ranks).values():
+    runs = _rank_runs(b, ranks) if again is not None else {}
+    if again is not None and again not in runs.values():
         again = None
     if again is not None:
-        n_again = _recorded_world_size(b, [r for r, x in _rank_runs(b, ranks).items() if x == again])
+        n_again = _recorded_world_size(b, [r for r, x in runs.items() if x == again])
         dist = {**({"world_size": n_again} if n_again is not None else {}), "committed": False, "run_id": again}
     recorded = dist.get("world_size")
     if world_size is not None and recorded is not None and int(recorded) != world_size:
@@ -995,15 +996,14 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
     # (left by an overwrite killed before it removed them) are no part of the commit
     ranks, other = split_rank_stores_by_run(b, ranks, dist)
     inside = [r for r in other if expected is None or r < int(expected)]
+    shown = f"{inside[:10]}"[:-1] + (f", ...] ({len(inside)} in all)" if len(inside) > 10 else "]")
     if inside and again is not None:
-        shown = f"{inside[:10]}"[:-1] + (f", ...] ({len(inside)} in all)" if len(inside) > 10 else "]")
         raise StoreError(
             f"rank store(s) {shown} under {_ranks_dir(b)!r} are not of the capture again of {str(b)!r} (run "
             f"{again!r}, rank_store.run_id in the zarr.json of the other rank stores) but of an earlier run: capture "
             "those ranks again with store_options overwrite=True, then consolidate again; nothing was written (the "
             "store reads as it was)")
     if inside:
-        shown = f"{inside[:10]}"[:-1] + (f", ...] ({len(inside)} in all)" if len(inside) > 10 else "]")
         raise StoreError(
             f"rank store(s) {shown} under {_ranks_dir(b)!r} were written under another run than the root's "
             f"(distributed.run_id {ranks_run_id(dist)!r}, rank_store.run_id in their zarr.json): an overwrite=True "
