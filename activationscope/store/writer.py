@@ -1038,6 +1038,9 @@ class StoreWriter:
                 "drop resume=True to start a new store"
             )
         elif not self._replacing and not self._backend.is_empty():
+            moved = b.moved_aside_hint() if isinstance(b, LocalBackend) else ""
+            if moved:  # (removing what is there would delete part of the old store)
+                raise StoreExistsError(f"{str(b)!r} holds no root document (zarr.json): {moved}; nothing was changed")
             raise StoreExistsError(
                 f"{str(self._backend)!r} exists and is not empty but holds no Zarr store; choose another path "
                 "or remove it (overwrite=True only replaces stores)"
