@@ -260,7 +260,17 @@ def _capture_again(b: Any, root: str, rank: int, world_size: int, overwrite: boo
              f"it is until {_consolidate_call(root)} replaces it with that run")
     if resume:
         if run in runs.values():
-            return run  # a capture again: this task resumes (or starts) its rank store of it
+            # a capture again: this task resumes (or starts) its rank store of it, with the world size
+            # its rank stores record (another one would split the data into other parts)
+            n_run = _recorded_world_size(b, [r for r, x in runs.items() if x == run])
+            if n_run is not None and n_run != world_size:
+                raise StoreError(
+                    f"store path {rank_target(root, rank)!r}: the capture again of {root!r} (run {run!r}) is by "
+                    f"{n_run} ranks (rank_store.world_size in the zarr.json of its rank stores under "
+                    f"{_ranks_dir(b)!r}), this task is RankStore({rank}, {world_size}); nothing was written. Pass "
+                    f"RankStore(rank, {n_run}) to resume that capture; or, to capture it again with {world_size} "
+                    "ranks, pass overwrite=True on every task")
+            return run
         raise StoreError(f"{state}, and no task has captured it again (no rank store of run {run!r} under "
                          f"{_ranks_dir(b)!r}): there is nothing to resume; nothing was written. "
                          f"{again[0].upper()}{again[1:]}")

@@ -2870,6 +2870,11 @@ def copy_store(source: Any, target: Any, *, overwrite: bool = False) -> None:
     overwrite = F.parse_flag(overwrite, "overwrite")  # (overwrite="False" is a true string)
     src = source._backend if isinstance(source, Store) else resolve(source, read_only=True)
     dst = resolve(target)
+    if src.size("zarr.json") is None:  # (a mistyped source would replace the target with an empty store)
+        moved = src.moved_aside_hint() if isinstance(src, LocalBackend) else ""
+        raise StoreError(f"source {str(src)!r} of copy_store must be a store, got a path with no root document "
+                         f"(zarr.json){f': {moved}' if moved else '; check the path'}; nothing was copied and "
+                         f"the target {str(dst)!r} was not changed")
     check_backend_not_in_store(dst)  # its objects would land among another store's
     with WriterLock(dst):  # no writer may be writing the target meanwhile
         _refuse_copy_onto_itself(src, dst)

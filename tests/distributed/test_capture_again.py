@@ -331,6 +331,7 @@ def test_tasks_capture_a_store_of_one_process_again(tmp_path):
     assert not (Path(url) / "ranks").exists()
 
 
+<<<<<<< HEAD
 @pytest.mark.parametrize("case", ["user-folder", "split-store"])
 def test_a_task_on_a_local_folder_that_holds_no_store_to_join_is_refused(tmp_path, case):
     """A task whose path holds no root document but files of the user's, or the half of a store
@@ -356,3 +357,31 @@ def test_a_task_on_a_local_folder_that_holds_no_store_to_join_is_refused(tmp_pat
         with pytest.raises(acs.StoreExistsError, match=match):
             _task(url, None, 0, WORLD, model, **opts)
     assert model.n == 0 and sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == found
+=======
+def test_a_resume_of_a_capture_again_with_another_world_size_is_refused(tmp_path):
+    """The rank stores of a capture again record 2 ranks: a task resuming it as RankStore(1, 3)
+    (its own rank store of 2 ranks, or one it would start) is refused before its first forward,
+    nothing written; never a rank store of rows of two partitions relabelled and committed."""
+    url = str(tmp_path / "s.zarr")
+    _committed(url, None, WORLD, _model(0))
+    model = _model(1)
+    for task in range(WORLD):
+        _task(url, None, task, WORLD, model, overwrite=True)
+    before = _files(url, None)
+    for task in (1, 2):  # rank 1 has a rank store of that run, rank 2 has none
+        counted = _Counted(model)
+        with pytest.raises(acs.StoreError) as e:
+            _task(url, None, task, 3, counted, resume=True)
+        msg = str(e.value)
+        assert "is by 2 ranks (rank_store.world_size in the zarr.json of its rank stores" in msg, msg
+        assert f"this task is RankStore({task}, 3); nothing was written. Pass RankStore(rank, 2) to resume" in msg
+        assert "to capture it again with 3 ranks, pass overwrite=True on every task" in msg
+        assert counted.n == 0 and _files(url, None) == before
+    assert _task(url, None, 1, WORLD, model, resume=True) == len(job.batches_of(1, WORLD)) * job.BATCH  # same world: continues
+    commit_ranks(url)
+    ref = _committed(str(tmp_path / "ref.zarr"), None, WORLD, _model(1))
+    st = acs.open_store(url)
+    assert st.verify() == [] and st.n_samples == ref.n_samples
+    for hp in ref.hook_points:
+        assert torch.equal(st[hp], ref[hp])
+>>>>>>> trial

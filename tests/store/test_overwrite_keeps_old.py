@@ -212,3 +212,34 @@ def test_copy_store_overwrite_must_be_a_bool(tmp_path, overwrite):
     with pytest.raises(ArgumentTypeError, match=r"overwrite must be True or False"):
         open_store(src).save(old, overwrite=overwrite)
     assert _files(old) == before and open_store(old).n_rows(HP) == 32
+
+
+def test_copy_store_of_a_source_that_is_no_store_changes_nothing(tmp_path):
+    """copy_store of a mistyped source path (nothing there), an empty folder, an empty
+    memory:// prefix or a store whose overwrite was killed after it moved the root document
+    aside wrote an empty incomplete store at the target, deleting the store there with
+    overwrite=True; it is refused naming the source, and the target is left as it was."""
+    import os
+
+    from activationscope.errors import StoreError
+    from activationscope.store import copy_store
+
+    old = tmp_path / "old.zarr"
+    data = make_store(old, n_rows=32)
+    before = _files(old)
+    (tmp_path / "empty").mkdir()
+    split = tmp_path / "s.zarr"
+    make_store(split, n_rows=16)
+    aside = tmp_path / ".s.zarr.replaced-0123abcd"  # an overwrite killed after its first rename
+    aside.mkdir()
+    os.rename(split / "zarr.json", aside / "zarr.json")
+    for source, says in ((tmp_path / "typo.zarr", "check the path"), (tmp_path / "empty", "check the path"),
+                         ("memory://nothing-here", "check the path"),
+                         (split, f"moved the store's root document (zarr.json) into {str(aside)!r}")):
+        for target in (old, tmp_path / "new.zarr"):
+            with pytest.raises(StoreError, match="of copy_store must be a store, got a path with no root document") as e:
+                copy_store(source, target, overwrite=True)
+            msg = str(e.value)
+            assert says in msg and f"the target {str(target)!r} was not changed" in msg, msg
+        assert _files(old) == before and not (tmp_path / "new.zarr").exists()
+    assert torch.equal(open_store(old)[HP], data)

@@ -161,6 +161,14 @@ def test_a_reader_a_resume_and_a_copy_name_the_folder_of_an_interrupted_overwrit
         open_store(path)
     with pytest.raises(StoreError, match=rf"resume=True needs a store to continue.*{fix}.*nothing was changed"):
         StoreWriter(path, resume=True)
+    # a new capture without either flag: not "remove it" (the path holds part of the old store)
+    with pytest.raises(StoreExistsError, match=rf"'{path}' holds no root document \(zarr\.json\): an overwrite=True {fix}.*nothing was "
+                                               "changed") as e:
+        StoreWriter(path)
+    assert "remove it" not in str(e.value)
+    with pytest.raises(StoreError, match=rf"source '{path}' of copy_store must be a store.*{fix}"):
+        copy_store(path, tmp_path.parent / f"{tmp_path.name}-copy.zarr")
+    assert not (tmp_path.parent / f"{tmp_path.name}-copy.zarr").exists()
     src = tmp_path.parent / f"{tmp_path.name}-src.zarr"
     make_store(src, n_rows=32)
     with pytest.raises(StoreExistsError, match=rf"{fix}.*then copy again; nothing was changed"):

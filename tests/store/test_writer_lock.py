@@ -77,8 +77,12 @@ def test_a_refused_writer_leaves_the_folder_as_it_found_it(tmp_path):
     with pytest.raises(acs.StoreExistsError):
         with acs.ActivationScope(store=str(folder)).track(model):
             model(torch.randn(3, 2))
+    with StoreWriter(tmp_path / "src.zarr") as w:
+        _write_rows(w, torch.randn(4, 2))
     with pytest.raises(acs.StoreExistsError, match="not empty"):
-        copy_store(tmp_path / "none.zarr", folder)
+        copy_store(tmp_path / "src.zarr", folder)
+    with pytest.raises(acs.StoreError, match="none.zarr' of copy_store must be a store"):  # (no source: refused first)
+        copy_store(tmp_path / "none.zarr", folder, overwrite=True)
     assert _listing(folder) == before
     assert sorted(p.name for p in folder.iterdir()) == ["notes.txt"]
 
