@@ -331,7 +331,6 @@ def test_tasks_capture_a_store_of_one_process_again(tmp_path):
     assert not (Path(url) / "ranks").exists()
 
 
-<<<<<<< HEAD
 @pytest.mark.parametrize("case", ["user-folder", "split-store"])
 def test_a_task_on_a_local_folder_that_holds_no_store_to_join_is_refused(tmp_path, case):
     """A task whose path holds no root document but files of the user's, or the half of a store
@@ -357,7 +356,8 @@ def test_a_task_on_a_local_folder_that_holds_no_store_to_join_is_refused(tmp_pat
         with pytest.raises(acs.StoreExistsError, match=match):
             _task(url, None, 0, WORLD, model, **opts)
     assert model.n == 0 and sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == found
-=======
+
+
 def test_a_resume_of_a_capture_again_with_another_world_size_is_refused(tmp_path):
     """The rank stores of a capture again record 2 ranks: a task resuming it as RankStore(1, 3)
     (its own rank store of 2 ranks, or one it would start) is refused before its first forward,
@@ -384,4 +384,3 @@ def test_a_resume_of_a_capture_again_with_another_world_size_is_refused(tmp_path
     assert st.verify() == [] and st.n_samples == ref.n_samples
     for hp in ref.hook_points:
         assert torch.equal(st[hp], ref[hp])
->>>>>>> trial
