@@ -633,6 +633,34 @@ class LocalBackend:
                 "back whole if the new one commits nothing), or, to keep the old store, move every entry of that "
                 f"folder back into {str(self.root)!r} (zarr.json last) and delete the empty folder")
 
+    def drop_unstarted_store(self, attrs: dict | None) -> bool:
+        """``overwrite=True`` of a store folder whose root (``attrs``, its parsed attributes) is
+        that of a run that committed no forward (status ``incomplete``, no batch, no array with
+        rows) while exactly one folder of :meth:`aside_folders` holds a whole store's root: an
+        overwrite killed after its new store's first root and before its first commit, which
+        should have put that old store back. Removes the unstarted store (its root document
+        last: killed here, what is left is that store again, or a folder with only the lock,
+        which :meth:`finish_move_aside` then takes the old store back into) and returns True;
+        else returns False, changing nothing. Entries that are not a store's are never removed
+        (the caller refuses them first). Call it under the writer lock."""
+        if (not isinstance(attrs, dict) or attrs.get("status") != "incomplete" or attrs.get("n_batches") != 0
+                or "distributed" in attrs or "rank_store" in attrs):  # (rank stores hold rows of their own)
+            return False
+        arrays = attrs.get("arrays") or {}
+        if any(not isinstance(a, dict) or a.get("n_rows") != 0 for a in arrays.values()):
+            return False
+        if len(self.moved_roots()) != 1:
+            return False
+        for p in sorted(self.root.iterdir(), key=lambda q: q.name):
+            if p.name in (LOCK_KEY, "zarr.json"):
+                continue
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
+        (self.root / "zarr.json").unlink()
+        return True
+
     def finish_move_aside(self) -> Path | None:
         """``overwrite=True`` of a store folder that holds no root document: finish the move of
         an overwrite whose process was killed in :meth:`move_aside` (or in

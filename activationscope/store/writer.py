@@ -979,6 +979,25 @@ class StoreWriter:
                 f"it, move its entries back into {str(b)!r} (by hand, with no writer running); else delete it",
                 RuntimeWarning, stacklevel=4)
 
+    def _drop_unstarted_store(self) -> None:
+        """overwrite=True, local: the store at the path is the new store of an earlier overwrite
+        killed before its first commit (no row), whose old store is still in the one folder it
+        was moved aside into: the unstarted store goes (``LocalBackend.drop_unstarted_store``)
+        and that folder is then taken back as this overwrite's own (``finish_move_aside``), so
+        the old store is put back if this run commits nothing and deleted once it commits, as
+        in an overwrite never interrupted (before, it stayed aside with a warning)."""
+        b = self._backend
+        if not os.path.lexists(b.root / "zarr.json") or not b.moved_roots():
+            return
+        raw = b.get("zarr.json", max_bytes=V.MAX_JSON_BYTES)
+        try:
+            attrs = V.parse_root(raw, store=b) if raw is not None else None
+        except StoreError:
+            return  # (a damaged root: moved aside as any other store)
+        if attrs is not None:
+            refuse_foreign_entries(b)  # (a file of the user's beside it is never removed)
+            b.drop_unstarted_store(attrs)
+
     def _open_existing(self, overwrite: bool, resume: bool) -> None:
         """Check what is at the target (under the writer lock) and set up the state."""
         b = self._backend
@@ -987,6 +1006,7 @@ class StoreWriter:
         if isinstance(b, LocalBackend) and (overwrite or resume):
             b.drop_empty_aside_folders()
             if overwrite and not self._writer_lock.created_root:  # (a folder that was not there holds nothing)
+                self._drop_unstarted_store()
                 adopted = b.finish_move_aside()  # (refuses, changing nothing, what it cannot tell apart)
             elif resume:
                 moved = b.moved_aside_hint()

@@ -30,6 +30,7 @@ ENTRIES = ["acts", "reductions", "rows", "zarr.json"]  # what make_store's folde
 # old store), or out of it ("restore": the new store aborted before committing, the old one put
 # back). "aside-done": killed right after the whole move, before the new store's first root.
 # "clear": killed while the new store's entries are removed to put the old one back.
+# "first-root": killed once the new store is open (its first root written), before its first commit.
 _CHILD = r"""
 import os, shutil, sys
 from activationscope.store import StoreWriter
@@ -56,6 +57,8 @@ if phase == "aside-done":
 if phase == "clear":
     B.shutil.rmtree = lambda *a, **k: os._exit(9)
 w = StoreWriter(path, overwrite=True)
+if phase == "first-root":  # the new store's first root written, no forward committed
+    os._exit(9)
 w.abort(RuntimeError("stop"))  # (restore, clear: the new store committed nothing: the old one goes back)
 os._exit(0)
 """
@@ -408,3 +411,42 @@ def test_the_capture_command_with_overwrite_finishes_an_interrupted_overwrite(tm
     s = open_store(path)
     assert s.verify() == [] and s.status == "complete" and s.n_samples == 12
     assert s.hook_points == ["0.output"] and tuple(s["0.output"].shape) == (12, 4)  # (the old one: 96 x 8)
+
+
+@pytest.mark.parametrize("outcome", ["commits", "fails"])
+@pytest.mark.parametrize("cut", [None, "entries", "all"])
+def test_overwrite_killed_before_the_new_store_s_first_commit_is_settled_by_a_rerun(tmp_path, outcome, cut):
+    """Killed after the new store's first root, before its first commit: the old store is whole
+    aside and a store of no row is at the path. A rerun removes that unstarted store and takes
+    the old one back as its own: deleted once the new store commits, put back byte for byte if
+    it commits nothing (before, the old store stayed aside, a warning at every later overwrite).
+    ``cut``: the rerun that removes the unstarted store was itself killed, after its entries
+    (its root still there) or after all of it (only the lock left)."""
+    path = tmp_path / "s.zarr"
+    data = make_store(path, n_rows=96)
+    before = _files(path)
+    _kill(path, "first-root", 0)
+    (aside,) = _asides(tmp_path)
+    assert sorted(p.name for p in aside.iterdir()) == ENTRIES
+    unstarted = open_store(path)
+    assert unstarted.status == "incomplete" and unstarted.n_samples == 0
+    if cut is not None:  # (what a rerun killed while removing it leaves: its root goes last)
+        for p in path.iterdir():
+            if p.name not in (LOCK, "zarr.json"):
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
+        if cut == "all":
+            (path / "zarr.json").unlink()
+    _rerun(path, outcome, before, data)
+
+
+def test_an_unstarted_store_is_not_removed_when_two_folders_aside_hold_a_store(tmp_path):
+    """Which old store the unstarted one replaced cannot be told: it is moved aside as any store
+    (nothing removed), and the folders are named in the warning as before."""
+    path = tmp_path / "s.zarr"
+    make_store(path, n_rows=96)
+    _kill(path, "first-root", 0)
+    (aside,) = _asides(tmp_path)
+    shutil.copytree(aside, tmp_path / ".s.zarr.replaced-0000aaaa")
+    with pytest.warns(RuntimeWarning, match=r"never settled"):
+        overwrite_capture(path, FailsAt(-1), 2)
+    assert len(_asides(tmp_path)) == 2 and open_store(path).n_samples == 16
