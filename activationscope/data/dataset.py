@@ -33,7 +33,7 @@ from ..errors import (
     StoreError,
 )
 from ..capture.hooks import pattern_hits
-from ..store._validate import row_table_type_clashes
+from ..store._validate import row_table_type_clashes, token_rows_without_sample_lines
 from ._source import StoreSource, as_source
 
 __all__ = ["ActivationDataset", "Batch", "collate"]
@@ -1395,7 +1395,17 @@ def _with_sample_columns(tokens: pa.Table, source: StoreSource, wanted: Iterable
                         "without it), or capture with sample ids unique within each forward (set_batch(sample_ids=...))"
                     )
         extra = [c for c in extra if c not in ambiguous]
-    hit = of_tokens >= 0  # (a token row of no sample gets nulls, as before)
+    hit = of_tokens >= 0  # (a token row of no sample gets nulls where no sample column is read)
+    found = []
+    if not hit.all() and (wanted is None or any(name in wanted for name in extra)):
+        # a writer records each token row with its sample: a store whose row tables were edited or mixed
+        found = token_rows_without_sample_lines(samples, tokens, keys, "")
+    if found:
+        raise StoreCorruptError(
+            f"the row tables of {source.describe()} are damaged: {int((~hit).sum())} token rows have no sample row "
+            f"to take the sample columns {extra} from ({'; '.join(f.rstrip('; ') for f in found)}); a null there is no "
+            "missing value to filter out. Run `activationscope verify` on the store and restore it from its source"
+        )
     where = pa.array(np.where(hit, of_tokens, 0), mask=None if hit.all() else ~hit)
     picked = samples.select(extra).take(where)
     for name in extra:

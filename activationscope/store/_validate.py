@@ -722,3 +722,82 @@ def check_chunk_entries(rec: dict, n_chunks: int, *, store: Any, key: str, field
                 or not 0 <= ch[1] <= 1 << 62 or not 0 <= ch[2] <= 1 << 62 or not 0 <= ch[3] < 1 << 32):
             raise c.fail(f"{field}.chunks[]", f"[slot 0..{n_chunks - 1}, offset, nbytes, crc32c] of ints", ch)
     return chunks
+
+
+def pairing_keys(samples: Any, tokens: Any, keys: Iterable[str]) -> list[str]:
+    """Of ``keys``, those that pair a token row with its sample, ``sample_id`` last: the ones
+    both tables hold, ``rank`` only without nulls in either (a store's ``rank`` column, one
+    value per row; a user column of that name given per sample in some forwards and per token
+    in others is null in the rows of the other kind, FORMAT.md section 9 rule 15)."""
+    out = [k for k in keys if k != "sample_id" and k in samples.column_names and k in tokens.column_names]
+    out = [k for k in out if k != "rank" or not (samples.column(k).null_count or tokens.column(k).null_count)]
+    return out + ["sample_id"]
+
+
+def token_rows_without_sample(samples: Any, tokens: Any, keys: Iterable[str]) -> tuple[int, list, int, list]:
+    """Token rows that no sample row describes (FORMAT.md §4, §9 rule 15): a writer records
+    each forward's samples and their token rows together, with the same ``sample_id``,
+    ``batch`` (and, in a store committed from rank stores, ``rank``), so each token row's
+    ``keys`` values are those of a row of the sample table. A generation step
+    (``same_samples=True``) records its samples again under its own ``batch``; resumed and
+    multi-rank stores keep the pairing. Vectorised (hash lookups, no loop per row): a store
+    of millions of token rows is checked in one pass over each column.
+
+    Parameters
+    ----------
+    samples, tokens : pyarrow.Table
+        The sample and token row tables; both hold ``sample_id`` and every key of ``keys``.
+    keys : iterable of str
+        The columns that pair a token row with its sample (``sample_id`` among them).
+
+    Returns
+    -------
+    (n_unknown, unknown_ids, n_unpaired, unpaired)
+        ``n_unknown`` token rows whose ``sample_id`` is in no sample row, the first (at most 5)
+        distinct such ids in row order; ``n_unpaired`` further token rows whose ``sample_id`` is known but
+        whose ``keys`` values together are in no sample row, and the first (at most 5) distinct
+        such values of the keys, as dicts, in row order.
+    """
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    keys = pairing_keys(samples, tokens, keys)
+    ids = tokens.column("sample_id")
+    known_ids = pc.unique(samples.column("sample_id").combine_chunks())
+    known = pc.fill_null(pc.is_in(ids, value_set=known_ids), False)
+    unknown = pc.invert(known)
+    n_unknown = int(pc.sum(unknown).as_py() or 0)
+    unknown_ids = pc.unique(ids.filter(unknown).combine_chunks()).slice(0, 5).to_pylist() if n_unknown else []
+    if len(keys) == 1 or not tokens.num_rows:
+        return n_unknown, unknown_ids, 0, []
+    # among the rows of known ids (a null id pairs by is_in above, never by a join): each row's
+    # keys looked up among the sample rows' distinct keys
+    rows = tokens.select(keys).append_column("_row", pa.array(np.arange(tokens.num_rows, dtype=np.int64)))
+    rows = rows.filter(pc.and_(known, pc.is_valid(ids)))
+    pairs = samples.select(keys).group_by(keys).aggregate([])
+    pairs = pairs.append_column("_pair", pa.array(np.ones(pairs.num_rows, dtype=bool)))
+    joined = rows.join(pairs, keys, join_type="left outer")
+    lost = joined.filter(pc.is_null(joined.column("_pair")))
+    if not lost.num_rows:
+        return n_unknown, unknown_ids, 0, []
+    first = lost.group_by(keys).aggregate([("_row", "min")]).sort_by("_row_min").slice(0, 5).select(keys).to_pylist()
+    return n_unknown, unknown_ids, lost.num_rows, first
+
+
+def token_rows_without_sample_lines(samples: Any, tokens: Any, keys: Iterable[str], fix: str) -> list[str]:
+    """:func:`token_rows_without_sample` said in words, one line per finding, each ending with
+    ``fix``: what verify reports and the dataset's join raises."""
+    n_unknown, unknown_ids, n_unpaired, unpaired = token_rows_without_sample(samples, tokens, keys)
+    out = []
+    if n_unknown:
+        out.append(f"row table 'token': {n_unknown} of its {tokens.num_rows} rows have a sample_id that is in no row "
+                   f"of the sample row table ({samples.num_rows} rows), first {unknown_ids!r}: those token rows have "
+                   f"no sample (the row tables were edited, or their parts come from different stores); {fix}")
+    if n_unpaired:
+        keys = pairing_keys(samples, tokens, keys)
+        out.append(f"row table 'token': {n_unpaired} of its {tokens.num_rows} rows have a sample_id of the sample row "
+                   f"table but no sample row with their {', '.join(keys)} together, first {unpaired!r}: those token "
+                   f"rows are paired with no sample (the row tables were edited, or their parts come from different "
+                   f"stores); {fix}")
+    return out

@@ -2096,7 +2096,9 @@ class Store:
         file_bytes, which reads do not use), every shard's index (crc32c, each
         committed chunk present and inside the file), each committed chunk's crc32c and (for
         compressed arrays) that it decodes to the right size. Row tables: every part present,
-        its crc32c (when recorded), readable, the parts' rows equal to ``n_rows``. Reductions:
+        its crc32c (when recorded), readable, the parts' rows equal to ``n_rows``; every token
+        row paired with a sample row (its ``sample_id``, and its ``batch`` and ``rank`` with it,
+        in the sample table: FORMAT.md section 9 rule 15). Reductions:
         every file's crc32c (when recorded) and its size against shape and dtype. Every file
         of the store (what :meth:`save` copies): a regular file inside the store. An array
         with no committed rows may lack its document and manifest (FORMAT.md §7). An array
@@ -2171,16 +2173,23 @@ class Store:
                     self.row_table(kind)
                 except StoreCorruptError as e:
                     problems.append(f"row table {kind!r}: {e}")
-        schemas = {}
+        read = {}
         for kind in ("sample", "token"):
             if (tables.get(kind) or {}).get("parts"):
                 try:
-                    schemas[kind] = self.row_table(kind).schema
+                    read[kind] = self.row_table(kind)
                 except (StoreCorruptError, KeyError):
                     pass  # (reported above)
-        if len(schemas) == 2:  # token rows are paired with their sample by these columns: one type in both
-            problems += [f"row tables: {clash} (one writer writes both from the same values)" for clash in
-                         V.row_table_type_clashes(schemas["sample"], schemas["token"], ("rank", "batch", "sample_id"))]
+        if len(read) == 2:  # token rows are paired with their sample by these columns: one type in both
+            keys = [k for k in ("rank", "batch", "sample_id")
+                    if k in read["sample"].column_names and k in read["token"].column_names]
+            clashes = V.row_table_type_clashes(read["sample"].schema, read["token"].schema, keys)
+            problems += [f"row tables: {clash} (one writer writes both from the same values)" for clash in clashes]
+            if not clashes and "sample_id" in keys:  # and every token row has its sample (FORMAT.md section 4)
+                problems += V.token_rows_without_sample_lines(
+                    read["sample"], read["token"], keys, "reads of the sample columns on token rows refuse the store; "
+                    "restore it from its source")
+        del read
         # a row table the root does not list reads as one of 0 rows (row_table(), datasets, exports)
         if self.n_samples != int((tables.get("sample") or {}).get("n_rows", 0)):
             problems.append(f"n_samples {self.n_samples} differs from the sample row table's n_rows "
