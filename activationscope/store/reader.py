@@ -2098,7 +2098,9 @@ class Store:
         compressed arrays) that it decodes to the right size. Row tables: every part present,
         its crc32c (when recorded), readable, the parts' rows equal to ``n_rows``; every token
         row paired with a sample row (its ``sample_id``, and its ``batch`` and ``rank`` with it,
-        in the sample table: FORMAT.md section 9 rule 15). Reductions:
+        in the sample table: FORMAT.md section 9 rule 15); no array that follows its row table
+        holding more rows than the table, nor fewer where no writer leaves that (inside a
+        forward, or at all in a store committed from rank stores). Reductions:
         every file's crc32c (when recorded) and its size against shape and dtype. Every file
         of the store (what :meth:`save` copies): a regular file inside the store. An array
         with no committed rows may lack its document and manifest (FORMAT.md §7). An array
@@ -2189,7 +2191,6 @@ class Store:
                 problems += V.token_rows_without_sample_lines(
                     read["sample"], read["token"], keys, "reads of the sample columns on token rows refuse the store; "
                     "restore it from its source")
-        del read
         # a row table the root does not list reads as one of 0 rows (row_table(), datasets, exports)
         if self.n_samples != int((tables.get("sample") or {}).get("n_rows", 0)):
             problems.append(f"n_samples {self.n_samples} differs from the sample row table's n_rows "
@@ -2203,6 +2204,10 @@ class Store:
                 listed = "" if table is not None else f" (zarr.json lists no row_tables[{meta['row_kind']!r}])"
                 problems.append(f"hook point {hp!r}: n_rows {meta['n_rows']} exceeds the {table_rows} "
                                 f"rows of the {meta['row_kind']} row table it follows{listed}")
+            elif meta.get("follows_row_table", True) and int(meta["n_rows"]) < table_rows:
+                problems += self._short_of_row_table(hp, int(meta["n_rows"]), meta["row_kind"], table_rows,
+                                                     read.get(meta["row_kind"]))
+        del read
         for hp, entries in (self._attrs.get("reductions") or {}).items():
             for name, entry in entries.items():
                 where = f"hook point {hp!r}: reduction {name!r}"
@@ -2274,6 +2279,33 @@ class Store:
                                         "(FORMAT.md section 6); a resume refuses the store until it is removed")
         self._check_same_store()  # the files read were the opened run's: another run's are no damage of it
         return problems
+
+    def _short_of_row_table(self, hp: str, n_rows: int, kind: str, table_rows: int, table: Any) -> list[str]:
+        """verify: an array that follows its row table with fewer rows than the table (its first
+        ``n_rows`` rows pair with the table's first rows; the dataset reads the table that far).
+
+        Legitimate only at the end of a forward, in a store not committed from rank stores: a
+        writer commits whole forwards in every array, and a resume through ``StoreWriter`` that
+        never opens a stored array again leaves it at the end of the last forward committed
+        before (the capture API refuses such a resume; an array missing from a forward of the
+        same run no longer follows the table). ``commit_ranks`` refuses a rank store whose array
+        that follows its table holds fewer rows than it, so a committed multi-rank store has
+        none. ``table``: the row table as read (None: unreadable, reported already)."""
+        fix = "the root's n_rows or the row table was edited (its parts rewritten); restore the store from its source"
+        where = f"hook point {hp!r}: n_rows {n_rows} is fewer than the {table_rows} rows of the {kind} row table it follows"
+        dist = self._attrs.get("distributed")
+        if isinstance(dist, dict) and dist.get("committed") is True:
+            return [f"{where}: in a store committed from rank stores every array that follows its row table holds "
+                    f"all of the table's rows (the commit refuses a rank store where it does not); {fix}"]
+        if table is None or "batch" not in table.column_names or n_rows == 0 or table.num_rows <= n_rows:
+            return []
+        batch = table.column("batch")
+        last, after = batch[n_rows - 1].as_py(), batch[n_rows].as_py()
+        if last != after:
+            return []  # the end of a forward: a resume that never opened this array again
+        return [f"{where}, and ends inside forward (batch) {last!r}, whose rows continue at table row {n_rows}: a "
+                f"writer commits whole forwards in every array (a resume that never opens a stored array again "
+                f"leaves it short at the end of a forward), so its rows and the table's no longer pair; {fix}"]
 
     def _verify_array(self, hp: str, problems: list[str]) -> None:
         meta = self._meta(hp)
