@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import time
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -27,6 +28,11 @@ def _resumed_without_b(path):
         b.append(torch.full((4, 4), float(f)))
         w.add_batch(4, list(range(4 * f, 4 * f + 4)), None, {"label": torch.arange(4 * f, 4 * f + 4) % 3})
         w.commit()
+    deadline = time.monotonic() + 60  # (a commit lists the rows the writer thread has made durable)
+    while open_store(path).n_samples < 8 and time.monotonic() < deadline:
+        time.sleep(0.01)
+        w.commit()
+    assert open_store(path).n_samples == 8
     w.abort()  # the run stops: its committed forwards stay, the store incomplete
     w = StoreWriter(path, chunk_rows=2, shard_bytes=4 * 4 * 4, resume=True)
     a = w.open_array("a", (4,), torch.float32, "sample")
