@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import shutil
 import sys
-import uuid
 from pathlib import Path
 
 import pytest
@@ -18,21 +17,18 @@ import torch
 import activationscope as acs
 from activationscope.store import _backend as B
 from activationscope.store.ranks import capture_again_run_id, commit_ranks
+from acs_testing import store_target
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import torchrun_capture as job  # noqa: E402
 
+
 WORLD = 2
 
 
 def _where(request, where: str) -> tuple[str, dict | None]:
-    name = f"again-{uuid.uuid4().hex}.zarr"
-    if where == "s3":
-        return f"s3://acs-ranks/{name}", request.getfixturevalue("s3")
-    if where == "local":
-        return str(request.getfixturevalue("tmp_path") / name), None
-    return f"memory://acs/{name}", None
+    return store_target(request, where, "again", bucket="acs-ranks")
 
 
 def _model(seed: int) -> torch.nn.Module:
