@@ -33,7 +33,7 @@ from ..errors import (
     StoreError,
 )
 from ..capture.hooks import pattern_hits
-from ..store._validate import row_table_type_clashes, token_rows_without_sample_lines
+from ..store._validate import row_table_type_clashes, short_of_row_table_line, token_rows_without_sample_lines
 from ._source import StoreSource, as_source
 
 __all__ = ["ActivationDataset", "Batch", "collate"]
@@ -777,6 +777,14 @@ class ActivationDataset(Dataset):
         if self.row_kind == "token":
             table = _with_sample_columns(table, self.source, getattr(self, "_columns_read", None))
         if table.num_rows > self.n_store_rows:  # rows committed for other hook points only
+            attrs = getattr(getattr(self.source, "store", None), "attrs", None)
+            dist = attrs.get("distributed") if isinstance(attrs, dict) else None
+            damage = short_of_row_table_line(
+                self.hook_points[0], self.n_store_rows, self.row_kind, table.num_rows, table,
+                isinstance(dist, dict) and dist.get("committed") is True,
+                "its rows cannot be paired with the table's; run store.verify() and restore the store from its source")
+            if damage is not None:  # (where verify names it: never trimmed without a word)
+                raise StoreCorruptError(f"{self.source.describe()}: {damage}")
             table = table.slice(0, self.n_store_rows)
         if table.num_rows != self.n_store_rows:
             # the table and the hook point's rows are committed together: fewer rows is damage

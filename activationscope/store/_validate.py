@@ -801,3 +801,34 @@ def token_rows_without_sample_lines(samples: Any, tokens: Any, keys: Iterable[st
                    f"rows are paired with no sample (the row tables were edited, or their parts come from different "
                    f"stores); {fix}")
     return out
+
+
+def short_of_row_table_line(hook_point: str, n_rows: int, kind: str, table_rows: int, table: Any,
+                            from_ranks: bool, fix: str) -> str | None:
+    """Whether an array that follows its row table with fewer rows (``n_rows``) than the
+    table (``table_rows``) is damage, said in words ending with ``fix``; None where a writer
+    leaves it (its first ``n_rows`` rows pair with the table's first rows; readers read the
+    table that far).
+
+    Legitimate only at the end of a forward, in a store not committed from rank stores
+    (``from_ranks``): a writer commits whole forwards in every array, and a resume through
+    ``StoreWriter`` that never opens a stored array again leaves it at the end of the last
+    forward committed before (the capture API refuses such a resume; an array missing from a
+    forward of the same run no longer follows the table). ``commit_ranks`` refuses a rank
+    store whose array that follows its table holds fewer rows than it, so a committed
+    multi-rank store has none. ``table``: the row table (``pyarrow.Table``, at least
+    ``n_rows + 1`` rows to tell; None: not read, nothing said)."""
+    where = (f"hook point {hook_point!r}: n_rows {n_rows} is fewer than the {table_rows} rows of the {kind} row "
+             "table it follows")
+    if from_ranks:
+        return (f"{where}: in a store committed from rank stores every array that follows its row table holds all of "
+                f"the table's rows (the commit refuses a rank store where it does not); {fix}")
+    if table is None or "batch" not in table.column_names or n_rows == 0 or table.num_rows <= n_rows:
+        return None
+    batch = table.column("batch")
+    last, after = batch[n_rows - 1].as_py(), batch[n_rows].as_py()
+    if last != after:
+        return None  # the end of a forward: a resume that never opened this array again
+    return (f"{where}, and ends inside forward (batch) {last!r}, whose rows continue at table row {n_rows}: a writer "
+            f"commits whole forwards in every array (a resume that never opens a stored array again leaves it short "
+            f"at the end of a forward), so its rows and the table's no longer pair; {fix}")

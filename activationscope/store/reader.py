@@ -2281,31 +2281,15 @@ class Store:
         return problems
 
     def _short_of_row_table(self, hp: str, n_rows: int, kind: str, table_rows: int, table: Any) -> list[str]:
-        """verify: an array that follows its row table with fewer rows than the table (its first
-        ``n_rows`` rows pair with the table's first rows; the dataset reads the table that far).
-
-        Legitimate only at the end of a forward, in a store not committed from rank stores: a
-        writer commits whole forwards in every array, and a resume through ``StoreWriter`` that
-        never opens a stored array again leaves it at the end of the last forward committed
-        before (the capture API refuses such a resume; an array missing from a forward of the
-        same run no longer follows the table). ``commit_ranks`` refuses a rank store whose array
-        that follows its table holds fewer rows than it, so a committed multi-rank store has
-        none. ``table``: the row table as read (None: unreadable, reported already)."""
-        fix = "the root's n_rows or the row table was edited (its parts rewritten); restore the store from its source"
-        where = f"hook point {hp!r}: n_rows {n_rows} is fewer than the {table_rows} rows of the {kind} row table it follows"
+        """verify: an array that follows its row table with fewer rows than the table (see
+        :func:`V.short_of_row_table_line`). ``table``: the row table as read (None: unreadable,
+        reported already)."""
         dist = self._attrs.get("distributed")
-        if isinstance(dist, dict) and dist.get("committed") is True:
-            return [f"{where}: in a store committed from rank stores every array that follows its row table holds "
-                    f"all of the table's rows (the commit refuses a rank store where it does not); {fix}"]
-        if table is None or "batch" not in table.column_names or n_rows == 0 or table.num_rows <= n_rows:
-            return []
-        batch = table.column("batch")
-        last, after = batch[n_rows - 1].as_py(), batch[n_rows].as_py()
-        if last != after:
-            return []  # the end of a forward: a resume that never opened this array again
-        return [f"{where}, and ends inside forward (batch) {last!r}, whose rows continue at table row {n_rows}: a "
-                f"writer commits whole forwards in every array (a resume that never opens a stored array again "
-                f"leaves it short at the end of a forward), so its rows and the table's no longer pair; {fix}"]
+        line = V.short_of_row_table_line(hp, n_rows, kind, table_rows, table,
+                                         isinstance(dist, dict) and dist.get("committed") is True,
+                                         "the root's n_rows or the row table was edited (its parts rewritten); "
+                                         "restore the store from its source")
+        return [] if line is None else [line]
 
     def _verify_array(self, hp: str, problems: list[str]) -> None:
         meta = self._meta(hp)

@@ -10,11 +10,13 @@ import json
 import time
 
 import pyarrow as pa
+import pytest
 import pyarrow.parquet as pq
 import torch
 
 import activationscope as acs
 from activationscope.store import StoreWriter, open_store
+from activationscope.errors import StoreCorruptError
 from activationscope.store import _format as F
 
 
@@ -139,3 +141,27 @@ def test_a_committed_rank_store_with_a_row_more_in_its_table_is_named_by_verify(
     (line,) = open_store(path).verify()
     assert line.startswith("hook point '0.output': n_rows 12 is fewer than the 13 rows of the sample row table it "
                            "follows: in a store committed from rank stores"), line
+
+
+def test_a_dataset_refuses_an_array_short_of_its_table_inside_a_forward(tmp_path):
+    # where verify names the shortfall, the dataset does not trim the table to the array's rows
+    # without a word (it would pair rows 0-7 of b with rows of a forward cut in two)
+    path = tmp_path / "s.zarr"
+    _resumed_without_b(path)
+    _rewrite_sample_parts(path, _batch_of_rows(range(8, 12), 1))
+    with pytest.raises(StoreCorruptError, match=r"hook point 'b': n_rows 8 is fewer than the 16 rows of the sample "
+                       r"row table it follows, and ends inside forward \(batch\) 1.*run store.verify\(\)"):
+        acs.ActivationDataset(path, hook_points="b", columns=["label"])
+    with pytest.raises(StoreCorruptError, match="ends inside forward"):
+        acs.ActivationDataset(path, hook_points="b", filter=lambda t: t["label"] == 1)
+    got = acs.ActivationDataset(path, hook_points="b")[:]  # (no row table read: the rows themselves)
+    assert got["b"][:, 0].tolist() == [0.0] * 4 + [1.0] * 4
+
+
+def test_a_dataset_refuses_a_committed_rank_store_short_of_its_table(tmp_path):
+    path = tmp_path / "r.zarr"
+    _committed_ranks(path)
+    assert sorted(acs.ActivationDataset(path, columns=["label"])[:]["label"].tolist()) == [0] * 6 + [1] * 6
+    _rewrite_sample_parts(path, _last_row_again)
+    with pytest.raises(StoreCorruptError, match="in a store committed from rank stores"):
+        acs.ActivationDataset(path, columns=["label"])
