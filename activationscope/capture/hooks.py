@@ -228,8 +228,10 @@ def block_stacks(model: torch.nn.Module) -> list[str]:
 def block_modules(model: torch.nn.Module) -> list[str]:
     """Module names of the blocks of ``model``'s stacks (:func:`block_stacks`): every
     child of every stack, ``encoder.layer.0``, ``encoder.layer.1``, ... Each block's
-    ``output`` hook point is the residual stream after that block (for Hugging Face models,
-    ``hidden_states[i + 1]`` of ``output_hidden_states=True``).
+    ``output`` hook point is the residual stream after that block: for a Hugging Face model,
+    ``hidden_states[i + 1]`` of ``output_hidden_states=True`` (where the model normalises its
+    last hidden state, GPT-2's ``ln_f`` or Llama's ``norm``, the last block's output is that
+    state before the norm).
 
     Returns
     -------
