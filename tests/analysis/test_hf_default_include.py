@@ -227,3 +227,33 @@ def test_describe_modules_shows_runs_of_numbered_siblings_as_ranges():
 def test_the_demo_model_says_its_default_too():
     loaded = specs.load_model_spec("demo")
     assert loaded.default_note == "encoder.layer.0..5, pool.0..5 (the demo's layers and pools; --include to choose others)"
+
+
+def test_a_capture_of_an_encoder_decoder_folder_stores_both_stacks(tmp_path, capsys):
+    folder, _ = _tiny_folder(tmp_path, "gpt2")  # (its tokenizer)
+    torch.manual_seed(0)
+    transformers.BartModel(transformers.BartConfig(
+        vocab_size=32, d_model=16, encoder_layers=2, decoder_layers=3, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, pad_token_id=0, bos_token_id=0,
+        eos_token_id=0, decoder_start_token_id=0, forced_eos_token_id=None)).save_pretrained(folder)
+    out = tmp_path / "s.zarr"
+    code, stdout, err = run(capsys, "capture", "--model", str(folder), "--data", str(_text_file(tmp_path)),
+                            "--out", str(out), "--batch-size", "2", "--no-progress")
+    assert code == 0, err
+    assert ("tracked modules: encoder.layers.0..1, decoder.layers.0..2 (the model's blocks; --include to choose "
+            "others)") in stdout
+    store = acs.open_store(str(out))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
+    model = transformers.AutoModel.from_pretrained(str(folder)).eval()
+    rows: dict[str, list[torch.Tensor]] = {}
+    with torch.no_grad():
+        for start in (0, 2):
+            enc = tokenizer(TEXTS[start:start + 2], padding=True, return_tensors="pt")
+            result = model(**enc, output_hidden_states=True)
+            mask = enc["attention_mask"].bool()
+            for side, hidden in (("encoder", result.encoder_hidden_states), ("decoder", result.decoder_hidden_states)):
+                for i, h in enumerate(hidden[1:]):
+                    rows.setdefault(f"{side}.layers.{i}.output", []).append(h[mask])
+    assert store.hook_points == list(rows)
+    for name, parts in rows.items():
+        torch.testing.assert_close(store[name], torch.cat(parts))
