@@ -45,6 +45,11 @@ class CaptureSummary:
     #: A resume with nothing left to capture found the store ``incomplete`` (a run stopped
     #: after its last sample was stored, before it closed) and marked it complete.
     completed: bool = False
+    #: The modules tracked for want of ``include``, in a few words for the user: the model
+    #: spec's default, e.g. ``"encoder.layer.0..5 (the model's blocks; --include to choose
+    #: others)"``, or for the resume of a store of every module ``"every module, as the store
+    #: was captured"``; "" when ``include`` was given.
+    include_note: str = ""
 
     @property
     def nothing_to_capture(self) -> bool:
@@ -362,7 +367,12 @@ def capture_dataset(
     out : str
         Store path or URL.
     include, exclude : sequence of str, optional
-        fnmatch patterns of module names; ``include`` defaults to the model spec's default.
+        fnmatch patterns of module names (``["*"]``: every module). ``include`` defaults to
+        the model spec's default (:func:`.specs.load_model_spec`): the demo's layers and
+        pools, a Hugging Face model's blocks (the children of its stacks of repeated layers,
+        ``encoder.layer.0`` ...: the residual stream after each block), every module of an
+        import path; the ``resume`` of a store that records ``include=None`` (every module)
+        tracks every module. The summary's ``include_note`` says which.
     capture : {'output', 'input', 'both'}
     reductions : sequence of str, optional
         Built-in reduction names (``capture.reductions.BUILTIN_REDUCTIONS``), each optionally
@@ -417,7 +427,9 @@ def capture_dataset(
         that has no tokenizer, a ``max_length`` that leaves no token of text after the
         tokenizer's special tokens, ``resume`` with data of fewer samples than the store holds.
     SpecError
-        A model or data spec that names nothing usable.
+        A model or data spec that names nothing usable; no ``include`` for a Hugging Face
+        model without a stack of repeated blocks (the message names ``--include`` and a few
+        module names).
     CaptureError
         The model raised during a forward (the store keeps the rows committed before), or
         ``resume`` with another model, ``dtype`` or hook points than the store's (the store
@@ -486,6 +498,7 @@ def capture_dataset(
                 f"{n_special + 1} or more")
     n = len(dataset) if max_samples is None else min(len(dataset), max_samples)
     first = resume_offset(out) if resume else 0
+    include, include_note = _include_for(include, loaded, out, resume)
     if resume and first >= n:  # the store writer, which checks the model, is not opened when nothing is left
         _check_no_writer(out)
         _check_resumed_model(out, loaded.model)
@@ -497,11 +510,11 @@ def capture_dataset(
                 "--resume to capture this data into a new store (nothing was changed)")
     if first >= n and not reductions:
         completed = _check_full_resume(
-            out, loaded.model, include=list(include) if include else loaded.default_include,
+            out, loaded.model, include=include,
             exclude=list(exclude) if exclude else None, capture=capture,
             storage_dtype=getattr(torch, dtype) if dtype else None, token_rows=token_rows, rows=rows,
             complete=first >= len(dataset), provenance=capture_store_options(model=loaded.name, data=dataset.name, command=command)["provenance"])
-        return CaptureSummary(first_sample=first, n_target=n, completed=completed)
+        return CaptureSummary(first_sample=first, n_target=n, completed=completed, include_note=include_note)
     if first >= n:  # nothing left to capture: the reductions are computed over the stored rows
         batches: Iterable[tuple[int, Any, dict[str, Any]]] = []
     elif dataset.texts is not None:
@@ -518,14 +531,61 @@ def capture_dataset(
     )
     summary = run_capture(
         loaded.model, batches, out=out, n_total=max(0, n - first),
-        include=list(include) if include else loaded.default_include,
+        include=include,
         exclude=list(exclude) if exclude else None,
         reductions=reductions, capture=capture,
         storage_dtype=getattr(torch, dtype) if dtype else None, store_options=options,
         progress=progress, stop_after_last=stop_after_last, token_rows=token_rows, rows=rows,
     )
-    summary.first_sample, summary.n_target = first, n
+    summary.first_sample, summary.n_target, summary.include_note = first, n, include_note
     return summary
+
+
+def _include_for(include: Sequence[str] | None, loaded: Any, out: str, resume: bool) -> tuple[list[str] | None, str]:
+    """The ``include`` patterns of a capture and, when none were given, what was chosen in
+    a few words (:attr:`CaptureSummary.include_note`): the model spec's default
+    (:attr:`.specs.LoadedModel.default_include`), except for the resume of a store that
+    records ``include=None`` (every module: a Hugging Face model folder captured without
+    ``--include`` by a version whose default was every module), which tracks every module
+    as the store was captured, since no ``--include`` pattern selects exactly that.
+
+    Raises
+    ------
+    SpecError
+        No ``include`` for a model spec that needs one (a Hugging Face model without a stack
+        of repeated blocks: :attr:`.specs.LoadedModel.needs_include`).
+    """
+    if include:
+        return list(include), ""
+    if resume and (loaded.default_include is not None or loaded.needs_include) and _recorded_include(out) is None:
+        return None, "every module, as the store was captured"
+    if loaded.needs_include:
+        raise SpecError(loaded.needs_include)
+    return loaded.default_include, loaded.default_note
+
+
+#: :func:`_recorded_include` of a store that records no include patterns.
+_UNRECORDED = object()
+
+
+def _recorded_include(out: str) -> Any:
+    """The ``include`` patterns the store at ``out`` records (``capture_config["patterns"]``):
+    a list of str, None (every module), or :data:`_UNRECORDED` for a store written before
+    the patterns were recorded."""
+    from ..store import open_store
+
+    store = open_store(out)
+    try:
+        config = store.attrs.get("capture_config")
+    finally:
+        store.close()
+    patterns = config.get("patterns") if isinstance(config, dict) else None
+    if not isinstance(patterns, dict) or "include" not in patterns:
+        return _UNRECORDED
+    recorded = patterns["include"]
+    if recorded is None or (isinstance(recorded, list) and recorded and all(isinstance(p, str) for p in recorded)):
+        return recorded
+    return _UNRECORDED
 
 
 def _warn_padded_ids(tensor: Any, tokenizer: Any, data: str) -> None:

@@ -19,14 +19,82 @@ from ..errors import SpecError, one_line
 
 @dataclass
 class LoadedModel:
+    """A loaded ``--model``: the module, its tokenizer (None for an import path) and what a
+    capture without ``--include`` tracks."""
+
     model: Any
     tokenizer: Any = None
     name: str = ""
+    #: Module names a capture without ``--include`` tracks; None: every module.
     default_include: list[str] | None = None
+    #: ``default_include`` in a few words for the user, e.g. ``"encoder.layer.0..5 (the
+    #: model's blocks; --include to choose others)"``; "" without a default.
+    default_note: str = ""
+    #: Why a capture of this model needs ``--include`` (a Hugging Face model folder without a
+    #: stack of repeated blocks), said as the error of such a capture; "" when none is needed.
+    needs_include: str = ""
+
+
+def describe_modules(names: list[str]) -> str:
+    """Module names in short: runs of numbered siblings as a range, ``encoder.layer.0..5``;
+    others as they are, comma separated (``"h.0..1, ln_f"``)."""
+    parts: list[str] = []
+    run: list[Any] = []  # [prefix, first, last] of the current run of numbered siblings
+
+    def close() -> None:
+        if run:
+            prefix, first, last = run
+            parts.append(f"{prefix}{first}" if first == last else f"{prefix}{first}..{last}")
+            run.clear()
+
+    for name in names:
+        prefix, _, last = name.rpartition(".")
+        prefix = f"{prefix}." if prefix else ""
+        if last.isdigit() and str(int(last)) == last:
+            if run and run[0] == prefix and run[2] + 1 == int(last):
+                run[2] = int(last)
+                continue
+            close()
+            run.extend([prefix, int(last), int(last)])
+            continue
+        close()
+        parts.append(name)
+    close()
+    return ", ".join(parts)
+
+
+def hf_default_include(model: Any, spec: str) -> tuple[list[str] | None, str, str]:
+    """What a capture of a Hugging Face model without ``--include`` tracks: the blocks of its
+    stacks of repeated layers (:func:`~activationscope.capture.hooks.block_modules`), whose
+    ``output`` hook points are the residual stream after each block.
+
+    Returns
+    -------
+    (default_include, default_note, needs_include)
+        The block module names and their description; or ``(None, "", message)`` when the
+        model has no stack, the message naming ``--include`` and a few module names.
+    """
+    from ..capture.hooks import block_modules
+
+    blocks = block_modules(model)
+    if blocks:
+        return blocks, f"{describe_modules(blocks)} (the model's blocks; --include to choose others)", ""
+    names = [n for n, _ in model.named_modules() if n]
+    shown = ", ".join(repr(n) for n in names[:8]) + (", ..." if len(names) > 8 else "")
+    return None, "", (
+        f"--model {spec!r} has no stack of repeated blocks (an nn.ModuleList of layers of one class) to track by "
+        f"default; pass --include PATTERN with the modules to track (its modules are [{shown}]), or --include '*' "
+        "for every module")
 
 
 def load_model_spec(spec: str) -> LoadedModel:
     """``demo``, a Hugging Face model folder, or ``package.module:factory``.
+
+    Without ``--include`` a capture tracks ``default_include``: for ``demo`` the encoder
+    layers and pools, for a Hugging Face model folder the blocks of its stacks of repeated
+    layers (:func:`hf_default_include`; a folder whose model has none sets ``needs_include``
+    instead), for an import path every module (None). A Hugging Face model is loaded with
+    ``config.use_cache = False``: a capture generates nothing, so no key/value cache.
 
     Raises
     ------
@@ -39,7 +107,9 @@ def load_model_spec(spec: str) -> LoadedModel:
 
     if spec == "demo":
         tokenizer, model = demo.load_model()
-        return LoadedModel(model, tokenizer, "all-MiniLM-L6-v2 (demo)", demo.layer_include(model))
+        layers = demo.layer_include(model)
+        return LoadedModel(model, tokenizer, "all-MiniLM-L6-v2 (demo)", layers,
+                           f"{describe_modules(layers)} (the demo's layers and pools; --include to choose others)")
     path = Path(spec)
     looks_like_path = spec.startswith((".", "/", "~")) or os.sep in spec or (os.altsep or os.sep) in spec
     if looks_like_path and ":" not in spec and not path.exists():
@@ -53,7 +123,13 @@ def load_model_spec(spec: str) -> LoadedModel:
         if not (path / "config.json").is_file():
             raise SpecError(f"--model {spec!r} is a folder without config.json (not a Hugging Face model folder)")
         tokenizer, model = demo.load_model(path, pooled=False)
-        return LoadedModel(model, tokenizer, str(path))
+        config = getattr(model, "config", None)
+        if getattr(config, "use_cache", False):
+            # a capture generates nothing: without a key/value cache the blocks return their
+            # hidden states alone (older transformers return (hidden, cache) tuples otherwise)
+            config.use_cache = False
+        include, note, needs = hf_default_include(model, spec)
+        return LoadedModel(model, tokenizer, str(path), include, note, needs)
     if ":" not in spec:
         raise SpecError(
             f"--model must be 'demo', a Hugging Face model folder or an import path package.module:factory, got {spec!r}"

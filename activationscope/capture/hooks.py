@@ -26,7 +26,7 @@ import torch
 from ..errors import ArgumentTypeError, CaptureWarning, HookPointNotFoundError
 
 __all__ = ["select_modules", "hook_point_module", "normalize_patterns", "is_hook_point_module", "rename_hook_point",
-           "pattern_hits", "pattern_selects"]
+           "pattern_hits", "pattern_selects", "block_stacks", "block_modules"]
 
 
 def pattern_hits(pattern: str, names: Iterable[str]) -> list[str]:
@@ -179,6 +179,76 @@ def select_modules(
             f"module names look like {_examples(names)}"
         )
     return chosen
+
+
+def block_stacks(model: torch.nn.Module) -> list[str]:
+    """Module names of ``model``'s stacks of repeated blocks, in ``named_modules()`` order.
+
+    A stack is an ``nn.ModuleList`` (or ``nn.Sequential``) whose children are all instances
+    of one class, each holding submodules and parameters of its own (a transformer layer,
+    not a ``Linear`` or a parameterless pool), and that lies inside no other such stack (the
+    experts of a mixture-of-experts layer are inside the layers' stack). Found by structure,
+    not by architecture names: ``encoder.layer`` of BERT, ``h`` / ``transformer.h`` of GPT-2,
+    ``layers`` / ``model.layers`` of Llama-style models, ``gpt_neox.layers``; both
+    ``encoder.layers`` and ``decoder.layers`` of an encoder-decoder model. The model itself
+    is a stack when it is one (``""``).
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+
+    Returns
+    -------
+    list of str
+        The stacks' module names; empty when the model has none.
+
+    Raises
+    ------
+    ArgumentTypeError
+        ``model`` is not an ``nn.Module``.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise ArgumentTypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    found: list[str] = []
+    for name, module in model.named_modules():
+        if not isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)):
+            continue
+        children = list(module.children())
+        if not children or len({type(c) for c in children}) != 1:
+            continue
+        if not all(next(c.children(), None) is not None and next(c.parameters(), None) is not None
+                   for c in children):
+            continue
+        if any(name == s or s == "" or name.startswith(s + ".") for s in found):  # inside a stack found
+            continue
+        found.append(name)
+    return found
+
+
+def block_modules(model: torch.nn.Module) -> list[str]:
+    """Module names of the blocks of ``model``'s stacks (:func:`block_stacks`): every
+    child of every stack, ``encoder.layer.0``, ``encoder.layer.1``, ... Each block's
+    ``output`` hook point is the residual stream after that block: for a Hugging Face model,
+    ``hidden_states[i + 1]`` of ``output_hidden_states=True`` (where the model normalises its
+    last hidden state, GPT-2's ``ln_f`` or Llama's ``norm``, the last block's output is that
+    state before the norm).
+
+    Returns
+    -------
+    list of str
+        Module names in ``named_modules()`` order, usable as ``include=`` patterns (each
+        selects that module only); empty when the model has no stack.
+
+    Raises
+    ------
+    ArgumentTypeError
+        ``model`` is not an ``nn.Module``.
+    """
+    out: list[str] = []
+    for stack in block_stacks(model):
+        module = model.get_submodule(stack)
+        out.extend(f"{stack}.{child}" if stack else child for child, _ in module.named_children())
+    return out
 
 
 def _scripted_owner(name: str, by_name: dict[str, torch.nn.Module]) -> str | None:

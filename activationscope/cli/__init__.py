@@ -204,7 +204,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "'__label__X text' lines give labels, on every line or none), or a tensor file (.npy / .pt, samples along dim 0)")
     p.add_argument("--out", required=True, help="store path or URL")
     p.add_argument("--include", action="append", default=None, metavar="PATTERN",
-                   help="fnmatch pattern of module names to track (repeatable or comma separated)")
+                   help="fnmatch pattern of module names to track (repeatable or comma separated; '*': every "
+                        "module). Default: for a Hugging Face model folder its blocks (the children of its stack "
+                        "of repeated layers, e.g. encoder.layer.0..5: the residual stream after each), for 'demo' "
+                        "its layers and pools, for package.module:factory every module)")
     p.add_argument("--exclude", action="append", default=None, metavar="PATTERN",
                    help="fnmatch pattern of module names not to track (repeatable or comma separated)")
     p.add_argument("--capture", choices=("output", "input", "both"), default="output",
@@ -558,6 +561,8 @@ def cmd_capture(args: argparse.Namespace) -> int:
         print(f"store {args.out} already holds {summary.first_sample} samples of {summary.n_target}; "
               f"nothing to capture{reduced}{completed}")
         return 0
+    if summary.include_note:
+        print(f"tracked modules: {summary.include_note}")
     print(
         f"captured {summary.n_samples} samples ({summary.n_forwards} forward{'' if summary.n_forwards == 1 else 's'}, "
         f"{len(summary.hook_points)} hook point{'' if len(summary.hook_points) == 1 else 's'}) "
