@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import hashlib
 import inspect
 import io
 import itertools
@@ -46,8 +45,9 @@ from . import _validate as V
 from ._backend import (LocalBackend, _foreign_names, check_backend_not_in_store, rank_stores_allowed,
                        refuse_foreign_entries, resolve, write_root_first)
 from ._lock import WriterLock
-from .reader import (Store, _no_rank_column, _sub_backend, check_rank_column_types, listed_rank_stores,
-                     rank_store_run_id, ranks_run_id, split_rank_stores_by_run)
+from .reader import (Store, _no_rank_column, _sub_backend, capture_again_run_id, check_rank_column_types,
+                     listed_rank_stores, rank_store_run_id, ranks_run_id, split_rank_stores_by_run)
+from .reader import recorded_world_size as _recorded_world_size
 from .writer import ROW_KINDS, _builtin_state_fits, _library_versions, _write_small_array, resume_history
 
 RANKS_DIR = "ranks"
@@ -115,22 +115,6 @@ def _uncommitted_root_attrs(world_size: int, run_id: str | None, created: str, r
     if ranks_run is not None:
         attrs["distributed"]["run_id"] = ranks_run
     return attrs
-
-
-#: The namespace of the run ids of a capture again (:func:`capture_again_run_id`).
-_AGAIN_NAMESPACE = uuid.UUID("5b0c3a52-6f0e-4e8f-9a51-3d1c9c2f7e10")
-
-
-def capture_again_run_id(attrs: dict, raw: bytes) -> str:
-    """The run that rank tasks record when they capture again the store whose root document is
-    ``raw`` (attributes ``attrs``; FORMAT.md section 10, "Capturing a store again").
-
-    Derived from the root's ``run_id`` (from its bytes when it has none), so that every task of
-    the capture finds the same one without talking to the others, and a store committed since
-    (a new ``run_id``) gives its next capture again another one."""
-    run = attrs.get("run_id")
-    seed = run if isinstance(run, str) and run else "sha256:" + hashlib.sha256(raw).hexdigest()
-    return uuid.uuid5(_AGAIN_NAMESPACE, seed).hex
 
 
 def _root_ranks_run(b: Any) -> str | None:
@@ -922,21 +906,6 @@ def _root_attrs_to_commit(b: Any, raw: bytes) -> dict:
 def _short(value: Any) -> str:
     r = repr(value)
     return r if len(r) <= 120 else r[:120] + "..."
-
-
-def _recorded_world_size(b: Any, ranks: list[int]) -> int | None:
-    """The world size the rank stores ``ranks`` record (``rank_store.world_size``), when they
-    agree on one; None when none records it or they disagree (each is checked once opened)."""
-    sizes = set()
-    for r in ranks:
-        try:
-            attrs = json.loads(b.get(f"{RANKS_DIR}/{r:05d}/zarr.json", max_bytes=V.MAX_JSON_BYTES))
-            n = attrs["attributes"][F.ATTRS_KEY]["rank_store"]["world_size"]
-        except (ValueError, TypeError, KeyError, RecursionError, StoreCorruptError):
-            continue  # an unreadable rank store is named when it is opened
-        if isinstance(n, int) and not isinstance(n, bool) and n >= 1:
-            sizes.add(n)
-    return sizes.pop() if len(sizes) == 1 else None
 
 
 def _check_commit_record(b: Any, attrs: dict, dist: dict, ranks: list[int]) -> None:
