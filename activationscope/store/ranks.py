@@ -220,9 +220,10 @@ def _capture_again(b: Any, root: str, rank: int, world_size: int, overwrite: boo
     one_process = dist is None and attrs.get("status") == "complete"
     other_world = (isinstance(dist, dict) and not committed and isinstance(n, int) and not isinstance(n, bool)
                    and n != world_size)
-    if not (committed or one_process or other_world):
-        return None
     run = capture_again_run_id(attrs, raw)
+    if not (committed or one_process or other_world):
+        _refuse_stale_attempt(b, root, rank, world_size, run)
+        return None
     runs = _rank_runs(b, listed_rank_stores(b))
     left = [r for r, x in runs.items() if committed and x is not None and x != run]
     if left:  # what a commit killed before it removed its rank stores left (consolidate removes them)
@@ -231,6 +232,8 @@ def _capture_again(b: Any, root: str, rank: int, world_size: int, overwrite: boo
             f"rank store left over from the commit of {root!r}, which already holds every rank's rows: run "
             f"{_consolidate_call(root)} to finish that commit (it removes the rank stores), then run the task "
             "again; nothing was written")
+    if overwrite or resume:
+        _refuse_stale_attempt(b, root, rank, world_size, run, runs)
     if overwrite:
         return run
     if committed or one_process:
@@ -262,6 +265,43 @@ def _capture_again(b: Any, root: str, rank: int, world_size: int, overwrite: boo
         raise StoreExistsError(f"{state}; nothing was written. {again[0].upper()}{again[1:]}; or choose another "
                                "path")
     raise StoreError(f"{state}; nothing was written. Pass RankStore(rank, {n}) to join that capture; or, {again}")
+
+
+def _refuse_stale_attempt(b: Any, root: str, rank: int, world_size: int, run: str,
+                          runs: dict[int, str | None] | None = None) -> None:
+    """Refuse a task of ``world_size`` ranks under a store where rank stores of the capture again
+    ``run`` (:func:`capture_again_run_id` of the store's root) lie at ranks ``world_size`` and
+    beyond: what an earlier attempt with more tasks left (3 tasks, then rerun with 2 after an
+    allocation changed). No task of this capture ever writes over them, ``consolidate`` could
+    neither commit them with this capture's rank stores nor leave their rows out, so the task
+    stops before its first forward, naming them. ``runs``: the run of each rank store, when
+    already read (else only the rank stores beyond ``world_size`` are read).
+
+    Raises
+    ------
+    StoreError
+        Such rank stores; nothing was written.
+    """
+    if runs is None:
+        beyond = [r for r in listed_rank_stores(b) if r >= world_size]
+        runs = _rank_runs(b, beyond) if beyond else {}
+    stale = [r for r, x in runs.items() if r >= world_size and x == run]
+    if not stale:
+        return
+    n = _recorded_world_size(b, stale)
+    by = f"{n} tasks" if n is not None else "more tasks"
+    names = [f"{r:05d}" for r in stale[:10]] + ([f"... ({len(stale)} in all)"] if len(stale) > 10 else [])
+    paths = " ".join(rank_target(root, r) for r in stale[:10]) + (" ..." if len(stale) > 10 else "")
+    remove = f"`rm -r {paths}`" if "://" not in root else f"every object under {paths}"
+    raise StoreError(
+        f"store path {rank_target(root, rank)!r}: under {_ranks_dir(b)!r}, rank store(s) {names} are of an earlier "
+        f"attempt to capture {root!r} again by {by} (run {run!r}: rank_store.run_id and rank_store.world_size in "
+        f"their zarr.json), beyond the {world_size} ranks of this task, RankStore({rank}, {world_size}): no task of "
+        f"this capture writes over them, and consolidate can neither commit them with its {world_size} rank stores "
+        "nor leave their rows out; nothing was written. To capture the store with "
+        f"{world_size} tasks, remove them ({remove}: they hold rows of that attempt only, the store itself is "
+        "not changed), then run the tasks again; to finish that attempt instead, run its tasks as RankStore(rank, "
+        f"{n if n is not None else 'its world size'})")
 
 
 def _consolidate_call(root: str) -> str:
@@ -840,9 +880,14 @@ def _check_rank_world_sizes(b: Any, stores: list[Store], expected: int | None) -
                 why = (f"rank(s) {list(range(len(stores), n))} are missing: capture (or resume) them, then "
                        "consolidate again")
             else:
-                why = (f"rank(s) {list(range(n, len(stores)))} are beyond its {n} ranks: move the rank store(s) "
-                       f"{[rank_target(str(b), k) for k in range(n, len(stores))]} away if they belong to another "
-                       "capture")
+                beyond = list(range(n, len(stores)))
+                theirs = {(stores[k].attrs.get("rank_store") or {}).get("world_size") for k in beyond
+                          if isinstance(stores[k].attrs.get("rank_store"), dict)}
+                earlier = (f" (captured as ranks of {theirs.pop()} ranks: an earlier attempt with more tasks, whose "
+                           "rows are no part of this capture)" if len(theirs) == 1 and None not in theirs else "")
+                why = (f"rank(s) {beyond} are beyond its {n} ranks{earlier}: remove (or move away) the rank store(s) "
+                       f"{[rank_target(str(b), k) for k in beyond]} if they belong to another capture or attempt, "
+                       "then consolidate again")
             raise StoreError(
                 f"the rank store {st.path!r} was captured as rank {rank} of {n} ranks, but {len(stores)} rank "
                 f"store(s) are under {_ranks_dir(b)!r}: {why}; nothing was written")
@@ -976,6 +1021,19 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
     ranks, other = split_rank_stores_by_run(b, ranks, dist)
     inside = [r for r in other if expected is None or r < int(expected)]
     shown = f"{inside[:10]}"[:-1] + (f", ...] ({len(inside)} in all)" if len(inside) > 10 else "]")
+    own_run = ranks_run_id(root_attrs.get("distributed"))
+    own = [r for r in inside if again is not None and own_run is not None and runs.get(r) == own_run]
+    if own:  # (an uncommitted root's capture, and an attempt to capture it again: never a mix)
+        n_root = (root_attrs.get("distributed") or {}).get("world_size")
+        paths = " ".join(rank_target(str(b), r) for r in ranks[:10]) + (" ..." if len(ranks) > 10 else "")
+        remove = f"`rm -r {paths}`" if isinstance(b, LocalBackend) else f"every object under {paths}"
+        raise StoreError(
+            f"the rank stores under {_ranks_dir(b)!r} are of two captures of {str(b)!r}: {own[:10]} of the capture "
+            f"its root names (run {own_run!r}, {n_root} ranks: distributed in its root zarr.json), and {ranks[:10]} of "
+            f"an attempt to capture it again by {recorded if recorded is not None else 'other'} tasks (run {again!r}: "
+            "rank_store.run_id and rank_store.world_size in their zarr.json); consolidate commits one capture, never "
+            "a mix; nothing was written. Remove the rank stores of the one you do not keep (to commit the capture of "
+            f"{n_root} ranks: {remove}; else capture the others again with overwrite=True), then consolidate again")
     if inside and again is not None:
         raise StoreError(
             f"rank store(s) {shown} under {_ranks_dir(b)!r} are not of the capture again of {str(b)!r} (run "
