@@ -373,6 +373,39 @@ def _check_same(stores: list[Store], what: str, get: Callable[[Store], Any], ran
     return first
 
 
+def _check_same_hook_points(stores: list[Store], ranks: list[int]) -> None:
+    """Refuse rank stores (each of which captured a forward) that do not hold the same hook points.
+
+    A committed store holds each hook point for the rows of every rank, in the order of the row
+    tables: a hook point that a rank lacks (captured with other ``include=`` / ``exclude=``, or
+    whose module no forward of that rank ran) cannot be committed as following its table, nor its
+    rows placed among the other ranks'.
+
+    Raises
+    ------
+    StoreError
+        Naming the hook points each rank lacks and the fixes; nothing was written.
+    """
+    every = sorted(set().union(*(s.hook_points for s in stores)))
+    lacking = {r: [hp for hp in every if hp not in s.hook_points] for r, s in zip(ranks, stores)}
+    lacking = {r: hps for r, hps in lacking.items() if hps}
+    if not lacking:
+        return
+
+    def shown(hps: list[str]) -> str:
+        return str(hps) if len(hps) <= 10 else f"{str(hps[:10])[:-1]}, ...] ({len(hps)} in all)"
+    r, hps = next(iter(lacking.items()))
+    holder = next(q for q, s in zip(ranks, stores) if hps[0] in s.hook_points)
+    more = f" (and rank(s) {sorted(lacking)[1:10]} lack others)" if len(lacking) > 1 else ""
+    raise StoreError(
+        f"rank stores disagree on the hook points: rank {r} lacks {shown(hps)}, which rank {holder} holds{more}; "
+        "a committed store holds every hook point for the rows of every rank, so these rank stores cannot be committed as they are; "
+        "nothing was written. Either the ranks were captured with other include=/exclude= (capture rank "
+        f"{r} again with those of rank {holder}, store_options overwrite=True), or no forward of rank {r} ran "
+        f"those modules (its data never reaches them): capture every rank again leaving them out (exclude=), or "
+        f"capture them into a store of their own")
+
+
 def _n_rows(st: Store, hp: str) -> int:
     """Rows of ``hp`` in a rank store; 0 in a rank store that captured no forward."""
     return st.n_rows(hp) if hp in st.hook_points else 0
@@ -1096,7 +1129,8 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
         raise StoreError(f"none of the {len(stores)} rank stores under {_ranks_dir(b)!r} captured a forward: there "
                          "is no row to commit; nothing was written. Check that the ranks' data yielded batches")
     held = [stores[r] for r in used]
-    hps = _check_same(held, "the hook points", lambda s: sorted(s.hook_points), used)
+    _check_same_hook_points(held, used)
+    hps = sorted(held[0].hook_points)
     layout_keys = ("row_kind", "feature_shape", "dtype", "storage_dtype", "chunk_rows", "shard_rows", "compression")
     shard_rows: dict[str, int] = {}
     metas: dict[str, dict] = {}
