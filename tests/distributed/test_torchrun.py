@@ -768,7 +768,9 @@ def test_consolidate_without_a_root_names_missing_and_extra_ranks_by_the_rank_st
     assert cli.main(["consolidate", str(store)]) == 1
     err = capsys.readouterr().err
     assert "captured as rank 0 of 2 ranks, but 3 rank store(s) are under" in err, err
-    assert f"rank(s) [2] are beyond its 2 ranks: move the rank store(s) [{str(store / 'ranks' / '00002')!r}]" in err
+    assert ("rank(s) [2] are beyond its 2 ranks (captured as ranks of 3 ranks: an earlier attempt with more tasks, "
+            f"whose rows are no part of this capture): remove (or move away) the rank store(s) "
+            f"[{str(store / 'ranks' / '00002')!r}]") in err, err
     assert "missing" not in err and _tree(store) == before
 
 
