@@ -101,3 +101,18 @@ def one_line(e: BaseException) -> str:
     if not isinstance(e, (ActivationScopeError, OSError, ValueError, KeyError, ImportError)):
         text = f"{type(e).__name__}: {text}"
     return text
+
+
+def stacklevel_outside_package() -> int:
+    """The ``stacklevel`` of a ``warnings.warn`` made by the caller of this function that
+    attributes the warning to the first frame outside this package: the user's line (the
+    ``with scope.track(model)``, the ``StoreWriter(...)``), however many of our frames lie
+    between (a one-process or a multi-rank capture open the store through other calls)."""
+    import os
+    import sys
+
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level  # (the outermost frame when every one is ours)

@@ -796,7 +796,9 @@ def format_info(info: dict[str, Any], name: str) -> str:
         f"store:    {info.get('path') or name}",
         f"status:   {info.get('status', '?')}, {info.get('n_samples', '?')} samples, format {fmt_s}",
     ]
-    if info.get("rank_stores"):
+    if isinstance(info.get("pending_ranks"), dict):
+        lines.extend(_pending_ranks_lines(info["pending_ranks"], info, name))
+    elif info.get("rank_stores"):
         lines.append(f"ranks:    not committed; the rows of rank stores {info['rank_stores']} (rank by rank), "
                      "no reductions; commit with `activationscope consolidate STORE` once every rank is complete")
     if info.get("created"):
@@ -857,6 +859,84 @@ def format_info(info: dict[str, Any], name: str) -> str:
     # every value comes from the store, written by someone else: a control character
     # (a terminal escape, a carriage return, a newline) is shown escaped, never sent as is
     return "\n".join(_printable(line) for line in lines)
+
+
+#: Most rank stores listed one per line by ``info``.
+_MAX_RANK_LINES = 20
+
+
+def _shown_ranks(ranks: list, n: int | None = None) -> str:
+    """``[0, 1, 2]``, or the first ten and how many in all."""
+    n = len(ranks) if n is None else n
+    return str(ranks) if n <= 10 and len(ranks) == n else f"{str(list(ranks[:10]))[:-1]}, ...] ({n} in all)"
+
+
+def _rank_rows(entry: dict) -> str:
+    rows = sorted({int(v) for v in (entry.get("n_rows") or {}).values()})
+    if not rows:
+        return "no rows"
+    return f"{rows[0]:,} rows per hook point" if len(rows) == 1 else f"{rows[0]:,}..{rows[-1]:,} rows per hook point"
+
+
+def _pending_ranks_lines(p: dict[str, Any], info: dict[str, Any], name: str) -> list[str]:
+    """The lines of ``info`` about the rank stores waiting under ranks/ (``info()["pending_ranks"]``):
+    which capture they are, each rank's status and rows, what is missing, and what to run."""
+    url = "://" in name and not name.startswith("file://")
+    call = (f"activationscope.store.ranks.commit_ranks({name!r}, storage_options=...)" if url else
+            f"`activationscope consolidate {name}`")
+    kind, world, run = p.get("capture"), p.get("world_size"), p.get("run_id")
+    entries = p.get("ranks") or []
+    others = p.get("other_runs") or []
+    listed = [e.get("rank") for e in entries]
+    if kind == "left_by_commit":
+        return [f"ranks:    rank stores {_shown_ranks(listed)} under ranks/ were left by the commit of this store, "
+                f"which already holds every rank's rows: {call} removes them"]
+    if kind == "other":
+        return [f"ranks:    rank stores {_shown_ranks(others)} under ranks/ are of another run, no capture of this store: "
+                "consolidate does not commit them; move them away if they are yours"]
+    n_ranks = f"{world} ranks" if world is not None else "ranks recording different world sizes"
+    if kind == "again":
+        lines = [f"ranks:    a capture again of this store waits in ranks/ (run {run}, {n_ranks}), not committed: "
+                 f"the store reads its current rows ({info.get('n_samples', '?')} samples) until it is"]
+    else:
+        lines = [f"ranks:    not committed: a capture by {n_ranks} (run {run}); shown are the rows of rank stores "
+                 f"{_shown_ranks(info.get('rank_stores') or [])} (rank by rank), no reductions"]
+    for e in entries[:_MAX_RANK_LINES]:
+        if "error" in e:
+            lines.append(f"            rank {e.get('rank')}: cannot be opened: {e['error']}")
+        else:
+            lines.append(f"            rank {e.get('rank')}: {e.get('status')}, {e.get('n_samples')} samples, "
+                         f"{_rank_rows(e)}")
+    if len(entries) > _MAX_RANK_LINES:
+        lines.append(f"            ... ({len(entries) - _MAX_RANK_LINES} more rank stores)")
+    missing, beyond, incomplete = p.get("missing") or [], p.get("beyond") or [], p.get("incomplete") or []
+    if missing:
+        lines.append(f"            missing: rank(s) {_shown_ranks(missing, p.get('n_missing') or len(missing))}")
+    if beyond:
+        lines.append(f"            beyond its {world} ranks: rank store(s) {_shown_ranks(beyond)}")
+    if others:
+        lines.append(f"            of another run, no part of it: rank store(s) {_shown_ranks(others)}")
+    replacing = ", replacing the store's current rows" if kind == "again" else " into one store"
+    if p.get("ready"):
+        lines.append(f"next:     all {world} ranks are complete: {call} commits them{replacing}")
+        return lines
+    todo = []
+    if world is None:
+        todo.append("the rank stores record different world sizes (rank_store.world_size): run every task again "
+                    "with the same RankStore(rank, world_size) (store_options overwrite=True)")
+    if missing:
+        with_opts = " with store_options overwrite=True, as the others" if kind == "again" else ""
+        todo.append(f"run the task(s) of rank(s) {_shown_ranks(missing, p.get('n_missing') or len(missing))}"
+                    f"{with_opts}")
+    if incomplete:
+        todo.append(f"resume rank(s) {_shown_ranks(incomplete)} (store_options resume=True) until complete")
+    if beyond:
+        todo.append(f"remove the rank store(s) {_shown_ranks(beyond)} beyond its {world} ranks (an earlier attempt's)")
+    inside = [r for r in others if world is not None and r < world]
+    if inside:
+        todo.append(f"capture rank(s) {_shown_ranks(inside)} again (store_options overwrite=True)")
+    lines.append(f"next:     {'; '.join(todo)}; then {call} commits them{replacing}")
+    return lines
 
 
 def _hook_point_count(n_arrays: int, n_aliases: int) -> str:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import hashlib
 import inspect
 import io
 import itertools
@@ -46,8 +45,9 @@ from . import _validate as V
 from ._backend import (LocalBackend, _foreign_names, check_backend_not_in_store, rank_stores_allowed,
                        refuse_foreign_entries, resolve, write_root_first)
 from ._lock import WriterLock
-from .reader import (Store, _no_rank_column, _sub_backend, check_rank_column_types, listed_rank_stores,
-                     rank_store_run_id, ranks_run_id, split_rank_stores_by_run)
+from .reader import (Store, _no_rank_column, _sub_backend, capture_again_run_id, check_rank_column_types,
+                     listed_rank_stores, rank_store_run_id, ranks_run_id, split_rank_stores_by_run)
+from .reader import recorded_world_size as _recorded_world_size
 from .writer import ROW_KINDS, _builtin_state_fits, _library_versions, _write_small_array, resume_history
 
 RANKS_DIR = "ranks"
@@ -115,22 +115,6 @@ def _uncommitted_root_attrs(world_size: int, run_id: str | None, created: str, r
     if ranks_run is not None:
         attrs["distributed"]["run_id"] = ranks_run
     return attrs
-
-
-#: The namespace of the run ids of a capture again (:func:`capture_again_run_id`).
-_AGAIN_NAMESPACE = uuid.UUID("5b0c3a52-6f0e-4e8f-9a51-3d1c9c2f7e10")
-
-
-def capture_again_run_id(attrs: dict, raw: bytes) -> str:
-    """The run that rank tasks record when they capture again the store whose root document is
-    ``raw`` (attributes ``attrs``; FORMAT.md section 10, "Capturing a store again").
-
-    Derived from the root's ``run_id`` (from its bytes when it has none), so that every task of
-    the capture finds the same one without talking to the others, and a store committed since
-    (a new ``run_id``) gives its next capture again another one."""
-    run = attrs.get("run_id")
-    seed = run if isinstance(run, str) and run else "sha256:" + hashlib.sha256(raw).hexdigest()
-    return uuid.uuid5(_AGAIN_NAMESPACE, seed).hex
 
 
 def _root_ranks_run(b: Any) -> str | None:
@@ -236,9 +220,10 @@ def _capture_again(b: Any, root: str, rank: int, world_size: int, overwrite: boo
     one_process = dist is None and attrs.get("status") == "complete"
     other_world = (isinstance(dist, dict) and not committed and isinstance(n, int) and not isinstance(n, bool)
                    and n != world_size)
-    if not (committed or one_process or other_world):
-        return None
     run = capture_again_run_id(attrs, raw)
+    if not (committed or one_process or other_world):
+        _refuse_stale_attempt(b, root, rank, world_size, run)
+        return None
     runs = _rank_runs(b, listed_rank_stores(b))
     left = [r for r, x in runs.items() if committed and x is not None and x != run]
     if left:  # what a commit killed before it removed its rank stores left (consolidate removes them)
@@ -247,6 +232,8 @@ def _capture_again(b: Any, root: str, rank: int, world_size: int, overwrite: boo
             f"rank store left over from the commit of {root!r}, which already holds every rank's rows: run "
             f"{_consolidate_call(root)} to finish that commit (it removes the rank stores), then run the task "
             "again; nothing was written")
+    if overwrite or resume:
+        _refuse_stale_attempt(b, root, rank, world_size, run, runs)
     if overwrite:
         return run
     if committed or one_process:
@@ -278,6 +265,43 @@ def _capture_again(b: Any, root: str, rank: int, world_size: int, overwrite: boo
         raise StoreExistsError(f"{state}; nothing was written. {again[0].upper()}{again[1:]}; or choose another "
                                "path")
     raise StoreError(f"{state}; nothing was written. Pass RankStore(rank, {n}) to join that capture; or, {again}")
+
+
+def _refuse_stale_attempt(b: Any, root: str, rank: int, world_size: int, run: str,
+                          runs: dict[int, str | None] | None = None) -> None:
+    """Refuse a task of ``world_size`` ranks under a store where rank stores of the capture again
+    ``run`` (:func:`capture_again_run_id` of the store's root) lie at ranks ``world_size`` and
+    beyond: what an earlier attempt with more tasks left (3 tasks, then rerun with 2 after an
+    allocation changed). No task of this capture ever writes over them, ``consolidate`` could
+    neither commit them with this capture's rank stores nor leave their rows out, so the task
+    stops before its first forward, naming them. ``runs``: the run of each rank store, when
+    already read (else only the rank stores beyond ``world_size`` are read).
+
+    Raises
+    ------
+    StoreError
+        Such rank stores; nothing was written.
+    """
+    if runs is None:
+        beyond = [r for r in listed_rank_stores(b) if r >= world_size]
+        runs = _rank_runs(b, beyond) if beyond else {}
+    stale = [r for r, x in runs.items() if r >= world_size and x == run]
+    if not stale:
+        return
+    n = _recorded_world_size(b, stale)
+    by = f"{n} tasks" if n is not None else "more tasks"
+    names = [f"{r:05d}" for r in stale[:10]] + ([f"... ({len(stale)} in all)"] if len(stale) > 10 else [])
+    paths = " ".join(rank_target(root, r) for r in stale[:10]) + (" ..." if len(stale) > 10 else "")
+    remove = f"`rm -r {paths}`" if "://" not in root else f"every object under {paths}"
+    raise StoreError(
+        f"store path {rank_target(root, rank)!r}: under {_ranks_dir(b)!r}, rank store(s) {names} are of an earlier "
+        f"attempt to capture {root!r} again by {by} (run {run!r}: rank_store.run_id and rank_store.world_size in "
+        f"their zarr.json), beyond the {world_size} ranks of this task, RankStore({rank}, {world_size}): no task of "
+        f"this capture writes over them, and consolidate can neither commit them with its {world_size} rank stores "
+        "nor leave their rows out; nothing was written. To capture the store with "
+        f"{world_size} tasks, remove them ({remove}: they hold rows of that attempt only, the store itself is "
+        "not changed), then run the tasks again; to finish that attempt instead, run its tasks as RankStore(rank, "
+        f"{n if n is not None else 'its world size'})")
 
 
 def _consolidate_call(root: str) -> str:
@@ -347,6 +371,39 @@ def _check_same(stores: list[Store], what: str, get: Callable[[Store], Any], ran
                              f"{get(st)!r}; every rank must capture the same model with the same options (capture "
                              f"rank {r} again with those of rank {ranks[0]}); nothing was written")
     return first
+
+
+def _check_same_hook_points(stores: list[Store], ranks: list[int]) -> None:
+    """Refuse rank stores (each of which captured a forward) that do not hold the same hook points.
+
+    A committed store holds each hook point for the rows of every rank, in the order of the row
+    tables: a hook point that a rank lacks (captured with other ``include=`` / ``exclude=``, or
+    whose module no forward of that rank ran) cannot be committed as following its table, nor its
+    rows placed among the other ranks'.
+
+    Raises
+    ------
+    StoreError
+        Naming the hook points each rank lacks and the fixes; nothing was written.
+    """
+    every = sorted(set().union(*(s.hook_points for s in stores)))
+    lacking = {r: [hp for hp in every if hp not in s.hook_points] for r, s in zip(ranks, stores)}
+    lacking = {r: hps for r, hps in lacking.items() if hps}
+    if not lacking:
+        return
+
+    def shown(hps: list[str]) -> str:
+        return str(hps) if len(hps) <= 10 else f"{str(hps[:10])[:-1]}, ...] ({len(hps)} in all)"
+    r, hps = next(iter(lacking.items()))
+    holder = next(q for q, s in zip(ranks, stores) if hps[0] in s.hook_points)
+    more = f" (and rank(s) {sorted(lacking)[1:10]} lack others)" if len(lacking) > 1 else ""
+    raise StoreError(
+        f"rank stores disagree on the hook points: rank {r} lacks {shown(hps)}, which rank {holder} holds{more}; "
+        "a committed store holds every hook point for the rows of every rank, so these rank stores cannot be committed as they are; "
+        "nothing was written. Either the ranks were captured with other include=/exclude= (capture rank "
+        f"{r} again with those of rank {holder}, store_options overwrite=True), or no forward of rank {r} ran "
+        f"those modules (its data never reaches them): capture every rank again leaving them out (exclude=), or "
+        f"capture them into a store of their own")
 
 
 def _n_rows(st: Store, hp: str) -> int:
@@ -856,9 +913,14 @@ def _check_rank_world_sizes(b: Any, stores: list[Store], expected: int | None) -
                 why = (f"rank(s) {list(range(len(stores), n))} are missing: capture (or resume) them, then "
                        "consolidate again")
             else:
-                why = (f"rank(s) {list(range(n, len(stores)))} are beyond its {n} ranks: move the rank store(s) "
-                       f"{[rank_target(str(b), k) for k in range(n, len(stores))]} away if they belong to another "
-                       "capture")
+                beyond = list(range(n, len(stores)))
+                theirs = {(stores[k].attrs.get("rank_store") or {}).get("world_size") for k in beyond
+                          if isinstance(stores[k].attrs.get("rank_store"), dict)}
+                earlier = (f" (captured as ranks of {theirs.pop()} ranks: an earlier attempt with more tasks, whose "
+                           "rows are no part of this capture)" if len(theirs) == 1 and None not in theirs else "")
+                why = (f"rank(s) {beyond} are beyond its {n} ranks{earlier}: remove (or move away) the rank store(s) "
+                       f"{[rank_target(str(b), k) for k in beyond]} if they belong to another capture or attempt, "
+                       "then consolidate again")
             raise StoreError(
                 f"the rank store {st.path!r} was captured as rank {rank} of {n} ranks, but {len(stores)} rank "
                 f"store(s) are under {_ranks_dir(b)!r}: {why}; nothing was written")
@@ -922,21 +984,6 @@ def _root_attrs_to_commit(b: Any, raw: bytes) -> dict:
 def _short(value: Any) -> str:
     r = repr(value)
     return r if len(r) <= 120 else r[:120] + "..."
-
-
-def _recorded_world_size(b: Any, ranks: list[int]) -> int | None:
-    """The world size the rank stores ``ranks`` record (``rank_store.world_size``), when they
-    agree on one; None when none records it or they disagree (each is checked once opened)."""
-    sizes = set()
-    for r in ranks:
-        try:
-            attrs = json.loads(b.get(f"{RANKS_DIR}/{r:05d}/zarr.json", max_bytes=V.MAX_JSON_BYTES))
-            n = attrs["attributes"][F.ATTRS_KEY]["rank_store"]["world_size"]
-        except (ValueError, TypeError, KeyError, RecursionError, StoreCorruptError):
-            continue  # an unreadable rank store is named when it is opened
-        if isinstance(n, int) and not isinstance(n, bool) and n >= 1:
-            sizes.add(n)
-    return sizes.pop() if len(sizes) == 1 else None
 
 
 def _check_commit_record(b: Any, attrs: dict, dist: dict, ranks: list[int]) -> None:
@@ -1007,6 +1054,19 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
     ranks, other = split_rank_stores_by_run(b, ranks, dist)
     inside = [r for r in other if expected is None or r < int(expected)]
     shown = f"{inside[:10]}"[:-1] + (f", ...] ({len(inside)} in all)" if len(inside) > 10 else "]")
+    own_run = ranks_run_id(root_attrs.get("distributed"))
+    own = [r for r in inside if again is not None and own_run is not None and runs.get(r) == own_run]
+    if own:  # (an uncommitted root's capture, and an attempt to capture it again: never a mix)
+        n_root = (root_attrs.get("distributed") or {}).get("world_size")
+        paths = " ".join(rank_target(str(b), r) for r in ranks[:10]) + (" ..." if len(ranks) > 10 else "")
+        remove = f"`rm -r {paths}`" if isinstance(b, LocalBackend) else f"every object under {paths}"
+        raise StoreError(
+            f"the rank stores under {_ranks_dir(b)!r} are of two captures of {str(b)!r}: {own[:10]} of the capture "
+            f"its root names (run {own_run!r}, {n_root} ranks: distributed in its root zarr.json), and {ranks[:10]} of "
+            f"an attempt to capture it again by {recorded if recorded is not None else 'other'} tasks (run {again!r}: "
+            "rank_store.run_id and rank_store.world_size in their zarr.json); consolidate commits one capture, never "
+            "a mix; nothing was written. Remove the rank stores of the one you do not keep (to commit the capture of "
+            f"{n_root} ranks: {remove}; else capture the others again with overwrite=True), then consolidate again")
     if inside and again is not None:
         raise StoreError(
             f"rank store(s) {shown} under {_ranks_dir(b)!r} are not of the capture again of {str(b)!r} (run "
@@ -1069,7 +1129,8 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
         raise StoreError(f"none of the {len(stores)} rank stores under {_ranks_dir(b)!r} captured a forward: there "
                          "is no row to commit; nothing was written. Check that the ranks' data yielded batches")
     held = [stores[r] for r in used]
-    hps = _check_same(held, "the hook points", lambda s: sorted(s.hook_points), used)
+    _check_same_hook_points(held, used)
+    hps = sorted(held[0].hook_points)
     layout_keys = ("row_kind", "feature_shape", "dtype", "storage_dtype", "chunk_rows", "shard_rows", "compression")
     shard_rows: dict[str, int] = {}
     metas: dict[str, dict] = {}

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import hashlib
 import io
 import itertools
 import json
@@ -2490,6 +2491,13 @@ class Store:
         that says another dtype, feature shape, layout or row count than the array's document
         and manifest is an error, never a summary of rows that are not there.
 
+        Rank stores under ``ranks/`` that ``activationscope consolidate`` would commit are
+        described under ``pending_ranks`` (:func:`pending_ranks`: a capture again of this store,
+        whose commit replaces its rows, or the ranks of an uncommitted multi-rank store: which
+        ranks, their run, rows and status, which are missing or incomplete, whether every rank
+        is ready); the key is absent when there is no rank store. The rows, sizes and status
+        above are always those the store reads now.
+
         Raises
         ------
         StoreCorruptError
@@ -2531,6 +2539,10 @@ class Store:
                 "data_to_disk_ratio": (raw_bytes / disk) if disk else None,
                 "follows_row_table": meta.get("follows_row_table", True),
             }
+        # rank stores under ranks/ that consolidate would commit (a capture again of this store, or
+        # this uncommitted store's own capture), read as the commit reads them
+        pending = pending_ranks(self._backend, self._attrs, self._backend.get("zarr.json", max_bytes=V.MAX_JSON_BYTES),
+                                opened=dict(self._ranks), cache_bytes=self._cache_bytes)
         return {
             "path": str(self._backend),
             "format": self._attrs.get("format"),
@@ -2542,6 +2554,7 @@ class Store:
             "data_to_disk_ratio": (total_raw / total_disk) if total_disk else None,
             "aliases": self.aliases,
             **({"rank_stores": self.ranks} if self._ranks else {}),
+            **({"pending_ranks": pending} if pending is not None else {}),
             "reductions": {hp: sorted(v) for hp, v in self._complete_reductions().items()},
             "partial_reductions": {hp: {n: {"n_rows": c[0], "of_rows": c[1]} for n, c in v.items()}
                                    for hp, v in self.partial_reductions.items()},
@@ -2666,6 +2679,145 @@ def split_rank_stores_by_run(backend: Any, ranks: list[int], dist: Any) -> tuple
         sub = _sub_backend(backend, f"ranks/{r:05d}")
         (mine if sub is None or rank_store_run_id(sub) == run else other).append(r)
     return mine, other
+
+
+#: The namespace of the run ids of a capture again (:func:`capture_again_run_id`).
+_AGAIN_NAMESPACE = uuid.UUID("5b0c3a52-6f0e-4e8f-9a51-3d1c9c2f7e10")
+
+
+def capture_again_run_id(attrs: dict, raw: bytes) -> str:
+    """The run that rank tasks record when they capture again the store whose root document is
+    ``raw`` (attributes ``attrs``; FORMAT.md section 10, "Capturing a store again").
+
+    Derived from the root's ``run_id`` (from its bytes when it has none), so that every task of
+    the capture finds the same one without talking to the others, and a store committed since
+    (a new ``run_id``) gives its next capture again another one."""
+    run = attrs.get("run_id")
+    seed = run if isinstance(run, str) and run else "sha256:" + hashlib.sha256(raw).hexdigest()
+    return uuid.uuid5(_AGAIN_NAMESPACE, seed).hex
+
+
+def recorded_world_size(backend: Any, ranks: list[int]) -> int | None:
+    """The world size the rank stores ``ranks`` record (``rank_store.world_size``), when they
+    agree on one; None when none records it or they disagree (each is checked once opened)."""
+    sizes = set()
+    for r in ranks:
+        try:
+            attrs = json.loads(backend.get(f"ranks/{r:05d}/zarr.json", max_bytes=V.MAX_JSON_BYTES))
+            n = attrs["attributes"][F.ATTRS_KEY]["rank_store"]["world_size"]
+        except (ValueError, TypeError, KeyError, RecursionError, StoreCorruptError):
+            continue  # an unreadable rank store is named when it is opened
+        if isinstance(n, int) and not isinstance(n, bool) and n >= 1:
+            sizes.add(n)
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+#: Most missing ranks :func:`pending_ranks` lists (a recorded world size may be any number).
+_MAX_LISTED_MISSING = 100
+
+
+def pending_ranks(backend: Any, attrs: dict, raw: bytes | None, opened: dict[int, "Store"] | None = None,
+                  cache_bytes: int = 64 << 20) -> dict | None:
+    """What waits under ``ranks/`` of the store at ``backend`` (root attributes ``attrs``, root
+    document ``raw``) for ``activationscope consolidate``, as :meth:`Store.info` shows it under
+    ``pending_ranks``; None when there is no rank store. The rank stores are read as the commit
+    reads them (FORMAT.md section 10): those recording the run that captures the store again
+    (:func:`capture_again_run_id`) are that capture; else, under an uncommitted root, those of
+    the run its ``distributed.run_id`` names; under a committed root, rank stores its commit
+    left (``consolidate`` removes them).
+
+    Parameters
+    ----------
+    opened : dict, optional
+        ``{rank: Store}`` of rank stores already open (not closed here); the others are opened
+        and closed here.
+
+    Returns
+    -------
+    dict or None
+        ``{"capture": "again" | "this" | "left_by_commit" | "other", "run_id": str | None,
+        "world_size": int | None, "ranks": [{"rank", "status", "n_samples", "n_rows": {hook
+        point: rows}, "world_size"} | {"rank", "error"}], "missing": [int] (at most 100),
+        "n_missing": int, "beyond": [int], "incomplete": [int], "other_runs": [int], "ready":
+        bool}``. ``capture``: ``"again"`` a capture again (its commit replaces the store's rows),
+        ``"this"`` the store's own uncommitted capture, ``"left_by_commit"`` what a committed
+        store's commit left, ``"other"`` rank stores of no run of this store. ``world_size``: the
+        root's ``distributed.world_size`` (``"this"``) or the one the rank stores record (None
+        when they disagree). ``missing``: ranks below the world size without a rank store;
+        ``beyond``: rank stores at or past it; ``incomplete``: rank stores not complete or that
+        do not open (``error`` names why); ``other_runs``: rank stores of another run, no part of
+        it. ``ready``: every rank is there and complete, and no other run's rank store lies in
+        their places (``consolidate`` may still refuse on what only it checks: layouts, shards).
+    """
+    ranks = listed_rank_stores(backend)
+    if not ranks:
+        return None
+    opened = opened or {}
+    dist = attrs.get("distributed")
+    dist = dist if isinstance(dist, dict) else None
+
+    def run_of(r: int) -> str | None:
+        if r in opened:
+            rec = opened[r].attrs.get("rank_store")
+            run = rec.get("run_id") if isinstance(rec, dict) else None
+            return run if isinstance(run, str) else None
+        sub = _sub_backend(backend, f"ranks/{r:05d}")
+        return None if sub is None else rank_store_run_id(sub)
+
+    runs = {r: run_of(r) for r in ranks}
+    again = capture_again_run_id(attrs, raw) if raw is not None else None
+    world: Any = None
+    if again is not None and again in runs.values():
+        capture, run = "again", again
+        mine = [r for r in ranks if runs[r] == again]
+        world = recorded_world_size(backend, mine)
+    elif dist is not None and dist.get("committed") is True:
+        capture, run, mine = "left_by_commit", None, list(ranks)
+        world = dist.get("world_size")
+    elif dist is not None and dist.get("committed") is False:
+        capture, run = "this", ranks_run_id(dist)
+        mine = [r for r in ranks if run is None or runs[r] == run]
+        world = dist.get("world_size")
+    else:
+        capture, run, mine = "other", None, []
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        world = None  # (read from a store: a world size that is not one tells nothing)
+    entries, incomplete = [], []
+    for r in mine:
+        st, own = opened.get(r), False
+        if st is None:
+            try:
+                sub = _sub_backend(backend, f"ranks/{r:05d}")
+                if sub is None:
+                    raise StoreError(f"rank store 'ranks/{r:05d}' cannot be opened")
+                st, own = Store(sub, cache_bytes=cache_bytes, _rank_view=False), True
+            except StoreError as e:
+                entries.append({"rank": r, "error": " ".join(str(e).split())})
+                incomplete.append(r)
+                continue
+        try:
+            rec = st.attrs.get("rank_store")
+            n = rec.get("world_size") if isinstance(rec, dict) else None
+            entries.append({"rank": r, "status": st.status, "n_samples": st.n_samples,
+                            "n_rows": {hp: st.n_rows(hp) for hp in st.hook_points},
+                            "world_size": n if isinstance(n, int) and not isinstance(n, bool) else None})
+            if st.status != "complete":
+                incomplete.append(r)
+        finally:
+            if own:
+                st.close()
+    present = set(mine)
+    missing = [] if world is None else list(itertools.islice(
+        (r for r in range(world) if r not in present), _MAX_LISTED_MISSING))
+    n_missing = 0 if world is None else world - len([r for r in present if r < world])
+    beyond = [] if world is None else [r for r in mine if r >= world]
+    others = [r for r in ranks if r not in present]
+    ready = (capture == "left_by_commit" or (
+        capture in ("again", "this") and world is not None and bool(mine) and not n_missing and not beyond
+        and not incomplete and not [r for r in others if r < world]))
+    return {"capture": capture, "run_id": run, "world_size": world, "ranks": entries, "missing": missing,
+            "n_missing": n_missing, "beyond": beyond, "incomplete": incomplete, "other_runs": others,
+            "ready": ready}
 
 
 def _rank_view(store: "Store", attrs: dict, dist: dict) -> tuple[dict, list, dict]:

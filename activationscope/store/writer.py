@@ -51,6 +51,7 @@ from ..errors import (
     StoreCorruptError,
     StoreError,
     StoreExistsError,
+    stacklevel_outside_package,
 )
 from .._safeio import _kind
 from . import _format as F
@@ -970,14 +971,14 @@ class StoreWriter:
                 f"store {str(b)!r}: {remains[0]!r}{f' (and {len(remains) - 1} more)' if len(remains) > 1 else ''} "
                 "holds what is left of a store an earlier overwrite=True replaced and was deleting (its root document "
                 "is gone: nothing reads it as a store); delete it, unless it holds entries you are moving back by hand",
-                RuntimeWarning, stacklevel=4)
+                RuntimeWarning, stacklevel=stacklevel_outside_package())
         if left:
             warnings.warn(
                 f"store {str(b)!r}: {left[0]!r}{f' (and {len(left) - 1} more)' if len(left) > 1 else ''} holds a store "
                 "that an earlier overwrite=True moved aside and never settled (its writer was killed before the new "
                 "store there committed a forward, or before it deleted the old one); it is not this store. To keep "
                 f"it, move its entries back into {str(b)!r} (by hand, with no writer running); else delete it",
-                RuntimeWarning, stacklevel=4)
+                RuntimeWarning, stacklevel=stacklevel_outside_package())
 
     def _drop_unstarted_store(self) -> None:
         """overwrite=True, local: the store at the path is the new store of an earlier overwrite

@@ -380,3 +380,58 @@ def test_a_resume_of_a_capture_again_with_another_world_size_is_refused(tmp_path
     assert st.verify() == [] and st.n_samples == ref.n_samples
     for hp in ref.hook_points:
         assert torch.equal(st[hp], ref[hp])
+
+
+@pytest.mark.parametrize("kind", ["committed", "uncommitted"])
+def test_a_capture_again_rerun_with_fewer_tasks_is_refused_naming_the_stale_rank_store(tmp_path, capsys, kind):
+    """Captured again by 3 tasks, then rerun with 2 (overwrite=True, e.g. after an allocation
+    changed): ranks/00002 of the 3-task attempt is written over by no task of the rerun and
+    would have stopped consolidate after the whole rerun. Now every task of the rerun is refused
+    before its first forward, naming that rank store and how to remove it, nothing written; once
+    it is removed the rerun commits its own 2 ranks. A rank store of the attempt put back after
+    the rerun is named by consolidate (nothing written); never a mix of the two attempts."""
+    from activationscope import cli
+
+    url = str(tmp_path / "s.zarr")
+    if kind == "committed":
+        old = _rows(_committed(url, None, WORLD, _model(0)))
+    else:  # an uncommitted store of 2 ranks, captured again by 3
+        for task in range(WORLD):
+            _task(url, None, task, WORLD, _model(0))
+        old = None
+    for task in range(3):
+        _task(url, None, task, 3, _model(1), overwrite=True)
+    before = _files(url, None)
+    stale = Path(url) / "ranks" / "00002"
+    for task in range(WORLD):
+        model = _Counted(_model(2))
+        with pytest.raises(acs.StoreError) as e:
+            _task(url, None, task, WORLD, model, overwrite=True)
+        msg = str(e.value)
+        assert f"rank store(s) ['00002'] are of an earlier attempt to capture {url!r} again by 3 tasks" in msg, msg
+        assert f"this task, RankStore({task}, {WORLD})" in msg and "nothing was written" in msg
+        assert f"`rm -r {stale}`" in msg and "run its tasks as RankStore(rank, 3)" in msg
+        assert model.n == 0 and _files(url, None) == before
+    if old is not None:
+        assert all(torch.equal(acs.open_store(url)[hp], rows) for hp, rows in old.items())
+    kept = tmp_path / "attempt-00002"
+    shutil.move(stale, kept)  # as the message says (kept aside here, to put it back below)
+    for task in range(WORLD):
+        _task(url, None, task, WORLD, _model(2), overwrite=True)
+    shutil.copytree(kept, stale)  # (the 3-task attempt's rank 2, finishing late)
+    before = _files(url, None)
+    assert cli.main(["consolidate", url]) == 1
+    err = capsys.readouterr().err
+    if kind == "committed":
+        assert "rank(s) [2] are beyond its 2 ranks (captured as ranks of 3 ranks: an earlier attempt" in err, err
+    else:  # (the rerun joined the capture the root names; the late rank store is of the attempt to capture it again)
+        assert "are of two captures of" in err and "[0, 1] of the capture its root names" in err, err
+        assert "[2] of an attempt to capture it again by 3 tasks" in err and f"`rm -r {stale}`" in err, err
+    assert str(stale) in err and "nothing was written" in err and _files(url, None) == before
+    shutil.rmtree(stale)
+    assert cli.main(["consolidate", url]) == 0
+    ref = _committed(str(tmp_path / "ref.zarr"), None, WORLD, _model(2))
+    st = acs.open_store(url)
+    assert st.attrs["distributed"]["world_size"] == WORLD and st.verify() == [] and st.n_samples == ref.n_samples
+    for hp in ref.hook_points:
+        assert torch.equal(st[hp], ref[hp])

@@ -211,3 +211,38 @@ def test_an_overwrite_leaves_what_is_not_a_store_s_as_a_one_process_overwrite_do
     with pytest.raises(acs.StoreExistsError, match="holds no Zarr store"):
         prepare_root(url.replace(".zarr", "-data"), world_size=WORLD, overwrite=True, storage_options=so)
     assert other.get("a.bin") == b"x" and other.get("zarr.json") is None
+
+
+@pytest.mark.parametrize("kind", ["rank-task", "one-process"])
+def test_the_warning_about_a_store_moved_aside_names_the_line_of_the_user_s_code(tmp_path, kind):
+    """A store folder that an interrupted overwrite moved aside and never settled is warned
+    about when the next overwrite opens the store; the warning named a line of
+    activationscope/store/ranks.py (where the writer is made), never the user's own code. It
+    now names the user's ``with scope.track(model)`` line, for a rank task and for one process."""
+    import shutil
+    import warnings
+
+    url = tmp_path / "s.zarr"
+    model = _model(0)
+    if kind == "rank-task":
+        opts = {**job.STORE_OPTIONS, "process_group": acs.RankStore(0, WORLD)}
+        store, aside = url / "ranks" / "00000", url / "ranks" / ".00000.replaced-0000aaaa"
+    else:
+        opts = {"process_group": False}
+        store, aside = url, tmp_path / ".s.zarr.replaced-0000aaaa"
+
+    def capture(**more) -> int:
+        scope = acs.ActivationScope(store=str(url), store_options={**opts, **more})
+        line = sys._getframe().f_lineno + 1
+        with scope.track(model), torch.no_grad():
+            model(job.batch(0))
+        return line
+
+    capture()
+    shutil.copytree(store, aside)  # (as an overwrite of it killed before it settled its old store)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = capture(overwrite=True)
+    (w,) = [w for w in caught if "never settled" in str(w.message)]
+    assert str(aside) in str(w.message)
+    assert (w.filename, w.lineno) == (__file__, line), (w.filename, w.lineno)

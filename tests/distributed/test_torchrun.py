@@ -768,7 +768,9 @@ def test_consolidate_without_a_root_names_missing_and_extra_ranks_by_the_rank_st
     assert cli.main(["consolidate", str(store)]) == 1
     err = capsys.readouterr().err
     assert "captured as rank 0 of 2 ranks, but 3 rank store(s) are under" in err, err
-    assert f"rank(s) [2] are beyond its 2 ranks: move the rank store(s) [{str(store / 'ranks' / '00002')!r}]" in err
+    assert ("rank(s) [2] are beyond its 2 ranks (captured as ranks of 3 ranks: an earlier attempt with more tasks, "
+            f"whose rows are no part of this capture): remove (or move away) the rank store(s) "
+            f"[{str(store / 'ranks' / '00002')!r}]") in err, err
     assert "missing" not in err and _tree(store) == before
 
 
@@ -1432,3 +1434,54 @@ def test_committed_topk_row_ids_point_at_the_committed_rows(tmp_path, per_featur
     ref = make_reduction("topk", k=5, per_feature=per_feature)
     ref.update(rows, 0)
     assert torch.equal(ref.result()["row_ids"], ids)  # the rows one process keeps over the committed rows
+
+
+class _Branch(torch.nn.Module):
+    """``extra`` runs only on inputs whose mean is above 1 (rank 0's data here, never rank 1's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.extra = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return self.extra(y) if x.mean() > 1 else y
+
+
+@pytest.mark.parametrize("why", ["include", "never-ran"])
+def test_a_hook_point_that_one_rank_lacks_is_not_committed_and_the_error_names_it(tmp_path, capsys, why):
+    """A hook point captured by rank 0 and missing from rank 1 (captured with another include=,
+    or its module never ran on rank 1's data) is never committed as following the row table
+    with rank 0's rows only: consolidate refuses, naming the hook point, the rank that lacks it
+    and both fixes (the message said only to capture rank 1 again with rank 0's options, which
+    does not help a module that never runs on its data); nothing is written, and the uncommitted
+    store says the array does not follow its row table, as verify agrees."""
+    import warnings
+
+    from activationscope import cli
+
+    store = tmp_path / "s.zarr"
+    torch.manual_seed(0)
+    model = _Branch().eval()
+    xs = [torch.randn(6, 8) + (3.0 if task == 0 else 0.0) for task in (0, 1) for _ in range(3)]
+    for task in (0, 1):
+        include = ["lin", "extra"] if task == 0 or why == "never-ran" else ["lin"]
+        opts = {"shard_rows": 8, "chunk_rows": 4, "process_group": acs.RankStore(task, 2)}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (rank 1: a module that never ran is warned about)
+            with acs.ActivationScope(store=str(store), store_options=opts).track(model, include=include), \
+                    torch.no_grad():
+                for x in xs[task * 3:(task + 1) * 3]:
+                    model(x)
+    assert acs.open_store(store / "ranks" / "00001").hook_points == ["lin.output"]
+    before = _tree(store)
+    assert cli.main(["consolidate", str(store)]) == 1
+    err = capsys.readouterr().err
+    assert "rank stores disagree on the hook points: rank 1 lacks ['extra.output'], which rank 0 holds" in err, err
+    assert "other include=/exclude=" in err and "no forward of rank 1 ran those modules" in err
+    assert "nothing was written" in err and _tree(store) == before
+    st = acs.open_store(store)
+    assert st.status == "incomplete" and st.n_rows("extra.output") == 18 and st.n_rows("lin.output") == 36
+    assert st.info()["arrays"]["extra.output"]["follows_row_table"] is False
+    assert st.info()["arrays"]["lin.output"]["follows_row_table"] is True
+    assert st.verify() == []
