@@ -762,14 +762,17 @@ def _flat(value: Any) -> str:
     return str(value)
 
 
-def _reduction_names(names: Iterable[str], partial: Mapping[str, Any] | None = None) -> str:
+def _reduction_names(names: Iterable[str], partial: Mapping[str, Any] | None = None,
+                     refused: Iterable[str] = ()) -> str:
     # "var", "var.mean", "var.count" are outputs of one reduction: show "var" once; a reduction
-    # over part of the rows (a resume that did not continue it) says so
+    # over part of the rows (a resume that did not continue it) says so, one with a refused entry too
+    refused_bases = {name.split(".")[0] for name in refused}
     seen: list[str] = []
     for name in names:
         base = name.split(".")[0]
-        if base not in seen:
-            seen.append(base)
+        label = f"{base} (refused)" if base in refused_bases else base
+        if label not in seen:
+            seen.append(label)
     for name, cov in (partial or {}).items():
         base = name.split(".")[0]
         label = f"{base} (partial: {cov['n_rows']:,} of {cov['of_rows']:,} rows)"
@@ -819,7 +822,8 @@ def format_info(info: dict[str, Any], name: str) -> str:
             hp, str(a.get("row_kind", "?")), f"{a.get('n_rows', 0):,}", str(shape), dtype,
             format_bytes(a.get("bytes")), format_bytes(a.get("bytes_on_disk")),
             "-" if ratio is None else f"{ratio:.2f}",
-            _reduction_names(reductions.get(hp, []), (info.get("partial_reductions") or {}).get(hp)),
+            _reduction_names(reductions.get(hp, []), (info.get("partial_reductions") or {}).get(hp),
+                             (info.get("refused_reductions") or {}).get(hp) or ()),
         ))
     lines.append("")
     if rows:
@@ -832,6 +836,12 @@ def format_info(info: dict[str, Any], name: str) -> str:
         lines.extend(line(r) for r in rows)
     else:
         lines.append("(no hook points)")
+    refused = info.get("refused_reductions") or {}
+    if refused:
+        lines.append("")
+        lines.append("refused reductions (no built-in reduction writes them; reading the reductions of their hook point "
+                     "raises, the rest of the store reads as usual; `activationscope verify STORE` says why):")
+        lines.extend(f"  {hp}: {', '.join(sorted(names))}" for hp, names in refused.items())
     aliases = info.get("aliases") or {}
     if aliases:
         lines.append("")

@@ -62,15 +62,20 @@ def _int(v: Any, lo: int, hi: int) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
 
 
+def field_message(key: str, field: str, constraint: str, got: Any) -> str:
+    """``"<key> field <field> must be <constraint>, got <got!r>"`` (a long value cut at 200 characters)."""
+    r = repr(got)
+    if len(r) > 200:
+        r = r[:200] + "..."
+    return f"{key} field {field} must be {constraint}, got {r}"
+
+
 class _Checker:
     def __init__(self, store: Any, key: str) -> None:
         self.store, self.key = store, key
 
     def fail(self, field: str, constraint: str, got: Any) -> StoreCorruptError:
-        r = repr(got)
-        if len(r) > 200:
-            r = r[:200] + "..."
-        return corrupt(self.store, f"{self.key} field {field} must be {constraint}, got {r}")
+        return corrupt(self.store, field_message(self.key, field, constraint, got))
 
     def int(self, d: dict, name: str, field: str, lo: int = 0, hi: int = MAX_ROWS, default: Any = ...) -> int:
         v = d.get(name, default)
@@ -301,75 +306,128 @@ def _builtin_output_shape(kind: str, key: str, options: dict, feature_shape: lis
     return None
 
 
+#: The fix given with a reduction entry that breaks a rule of built-in reductions (FORMAT.md §9 rule 10).
+REFUSED_REDUCTION_FIX = (
+    "no built-in reduction writes such an entry (earlier versions' StoreWriter.add_reductions stored values of the "
+    "writer's own under a built-in kind, or the store was edited): capture that reduction again into a new store "
+    "(or capture the store again with overwrite=True); the store's arrays, row tables and the reductions of its "
+    "other hook points read as usual (`activationscope verify STORE` lists every refused entry)"
+)
 #: The dtypes of every output and state array of a built-in reduction (FORMAT.md section 6).
 BUILTIN_DTYPES = ("float64", "int64")
 
 
-def check_builtin_reductions(attrs: dict, c: _Checker) -> None:
-    """Every reduction entry of a built-in ``kind`` (FORMAT.md §9 rule 10): its dtype, and its
-    state's, float64 or int64 (what the native reductions store), the options of its
-    main entry are ones that reduction can be made with, and each entry is one of its outputs
-    with the shape it has over rows of its hook point's feature shape (when the hook point,
-    or the target of its alias, has an array)."""
+class _EntryProblem(Exception):
+    """A per-entry rule of a built-in reduction broken (its message: :func:`field_message`)."""
+
+
+class _EntryChecker(_Checker):
+    def fail(self, field: str, constraint: str, got: Any) -> _EntryProblem:  # type: ignore[override]
+        return _EntryProblem(field_message(self.key, field, constraint, got))
+
+
+def _check_builtin_entry(hp: str, name: str, e: dict, kind: str, features: Any, options_of: dict[str, dict],
+                         c: _EntryChecker) -> None:
+    """The rules of FORMAT.md §9 rule 10 for one entry of built-in ``kind``; raises
+    :class:`_EntryProblem` naming the first it breaks."""
+    f = f"reductions[{hp!r}][{name!r}]"
+    # the native reductions keep float64 values and int64 counts, ids and extrema of integer
+    # rows: an output of another dtype (a bool "mean") is no value the reduction wrote
+    arrays_of = [(f"{f}.dtype", e.get("dtype"))] + [
+        (f"{f}.state[{k!r}].dtype", part.get("dtype")) for k, part in (e.get("state") or {}).items()
+        if isinstance(part, dict)]
+    for field, dtype in arrays_of:
+        if dtype not in BUILTIN_DTYPES:
+            raise c.fail(field, f"one of {list(BUILTIN_DTYPES)} (what the built-in reduction {kind!r} stores: "
+                         "float64 values, int64 counts, ids and extrema of integer rows)", dtype)
+    if "options" in e:
+        bad = _builtin_option_problem(kind, e["options"])
+        if bad is not None:
+            option, constraint, value = bad
+            raise c.fail(f"{f}.options[{option!r}]", f"{constraint} for the built-in reduction {kind!r}", value)
+    red = e.get("reduction")
+    if red is None:
+        return  # which reduction (and output) it is is not recorded: nothing to compare
+    if not isinstance(red, str) or not (name == red or name.startswith(red + ".")):
+        raise c.fail(f"{f}.reduction", "the entry's name, or the part of it before '.<output>'", red)
+    key = kind if name == red else name[len(red) + 1:]
+    options = options_of.get(red)
+    if options is None:  # options not recorded: its outputs are known, their shapes are not
+        if all(_builtin_output_shape(kind, key, {"per_feature": pf, "lo": 0, "hi": 1}, []) is None
+               for pf in (0, 1)):
+            raise c.fail(f, f"an output of the built-in reduction {kind!r}", name)
+        return
+    if kind == "hist" and ("lo" not in options or "hi" not in options):
+        options = {**options, "lo": 0.0, "hi": 1.0}  # (refused with the entry that records them)
+    want = _builtin_output_shape(kind, key, options, features if isinstance(features, list) else [])
+    if want is None:
+        raise c.fail(f, f"an output of the built-in reduction {kind!r} (the entry {red!r} or {red!r}.<output>)", name)
+    per_feature = bool(options.get("per_feature", 1))
+    if per_feature and not isinstance(features, list) and want != [] and key != "edges":
+        return  # no array of this hook point: its feature shape is not known
+    shape = e["shape"]
+    if isinstance(want, tuple):
+        k = int(options.get("k", 10))
+        ok = len(shape) == 1 + len(want[1]) and 1 <= shape[0] <= k and shape[1:] == want[1]
+        want = f"[n, *{want[1]}] with n in 1..{k} (k)"
+    else:
+        ok = shape == want
+    if not ok:
+        where = f"the feature shape {features} of {hp!r}" if per_feature else "per_feature=0"
+        raise c.fail(f"{f}.shape", f"{want} (output {key!r} of the built-in reduction {kind!r}, by {where} "
+                     f"and its options {options})", shape)
+
+
+def builtin_reduction_problems(attrs: dict, *, key: str = "zarr.json") -> dict[str, dict[str, str]]:
+    """``{hook_point: {name: problem}}`` of the reduction entries of a built-in ``kind`` that
+    break a rule of FORMAT.md §9 rule 10 (attributes that passed :func:`check_root_attrs`).
+
+    The rules: its dtype, and its state's, float64 or int64 (what the native reductions
+    store), the options of its main entry ones that reduction can be made with, and each entry
+    one of its outputs with the shape it has over rows of its hook point's feature shape (when
+    the hook point, or the target of its alias, has an array). An output of a reduction whose
+    options are refused is refused with it (its shape was checked against options no
+    reduction has). Each problem is ``"<key> field <field> must be <constraint>, got <value>"``.
+
+    Each rule concerns one entry: a store holding such an entry (an earlier version's
+    ``StoreWriter.add_reductions`` took a built-in ``kind`` of any dtype) opens, and the
+    readers of that entry refuse it (FORMAT.md §9 rule 10). Pure: no I/O.
+    """
+    c = _EntryChecker(None, key)
+    out: dict[str, dict[str, str]] = {}
     arrays, aliases = attrs.get("arrays", {}), attrs.get("aliases") or {}
     for hp, entries in attrs.get("reductions", {}).items():
         meta = arrays.get(aliases.get(hp, hp)) or arrays.get(hp)
         features = meta.get("feature_shape") if isinstance(meta, dict) else None
+        kinds = {name: e.get("kind") for name, e in entries.items()
+                 if isinstance(e.get("kind"), str) and e["kind"] in BUILTIN_OPTIONS}
         options_of: dict[str, dict] = {}
-        for name, e in entries.items():
-            if e.get("kind") in BUILTIN_OPTIONS and isinstance(e.get("options"), dict):
-                options_of.setdefault(str(e.get("reduction", name)), e["options"])
-        for name, e in entries.items():
-            kind = e.get("kind")
-            if kind not in BUILTIN_OPTIONS:
+        given_by: dict[str, str] = {}  # reduction -> the entry whose options are its own
+        for name, kind in kinds.items():
+            e = entries[name]
+            if isinstance(e.get("options"), dict):
+                red = str(e.get("reduction", name))
+                if red not in options_of:
+                    options_of[red], given_by[red] = e["options"], name
+        problems: dict[str, str] = {}
+        for name, kind in kinds.items():
+            red = entries[name].get("reduction")
+            owner = given_by.get(red) if isinstance(red, str) else None
+            bad = None if owner in (None, name) else _builtin_option_problem(kinds[owner], options_of[red])
+            if bad is not None:  # (its shape, compared with options no reduction has, would say nothing)
+                option, constraint, value = bad
+                problems[name] = field_message(
+                    key, f"reductions[{hp!r}][{owner!r}].options[{option!r}]",
+                    f"{constraint} for the built-in reduction {kinds[owner]!r} (the options of the reduction {red!r} "
+                    f"that {name!r} is an output of)", value)
                 continue
-            f = f"reductions[{hp!r}][{name!r}]"
-            # the native reductions keep float64 values and int64 counts, ids and extrema of integer
-            # rows: an output of another dtype (a bool "mean") is no value the reduction wrote
-            arrays_of = [(f"{f}.dtype", e.get("dtype"))] + [
-                (f"{f}.state[{k!r}].dtype", part.get("dtype")) for k, part in (e.get("state") or {}).items()
-                if isinstance(part, dict)]
-            for field, dtype in arrays_of:
-                if dtype not in BUILTIN_DTYPES:
-                    raise c.fail(field, f"one of {list(BUILTIN_DTYPES)} (what the built-in reduction {kind!r} stores: "
-                                 "float64 values, int64 counts, ids and extrema of integer rows)", dtype)
-            if "options" in e:
-                bad = _builtin_option_problem(kind, e["options"])
-                if bad is not None:
-                    option, constraint, value = bad
-                    raise c.fail(f"{f}.options[{option!r}]", f"{constraint} for the built-in reduction {kind!r}", value)
-            red = e.get("reduction")
-            if red is None:
-                continue  # which reduction (and output) it is is not recorded: nothing to compare
-            if not isinstance(red, str) or not (name == red or name.startswith(red + ".")):
-                raise c.fail(f"{f}.reduction", "the entry's name, or the part of it before '.<output>'", red)
-            key = kind if name == red else name[len(red) + 1:]
-            options = options_of.get(red)
-            if options is None:  # options not recorded: its outputs are known, their shapes are not
-                if all(_builtin_output_shape(kind, key, {"per_feature": pf, "lo": 0, "hi": 1}, []) is None
-                       for pf in (0, 1)):
-                    raise c.fail(f, f"an output of the built-in reduction {kind!r}", name)
-                continue
-            if kind == "hist" and ("lo" not in options or "hi" not in options):
-                options = {**options, "lo": 0.0, "hi": 1.0}  # (refused above when on this entry)
-            want = _builtin_output_shape(kind, key, options, features if isinstance(features, list) else [])
-            if want is None:
-                raise c.fail(f, f"an output of the built-in reduction {kind!r} (the entry {red!r} or {red!r}.<output>)",
-                             name)
-            per_feature = bool(options.get("per_feature", 1))
-            if per_feature and not isinstance(features, list) and want != [] and key != "edges":
-                continue  # no array of this hook point: its feature shape is not known
-            shape = e["shape"]
-            if isinstance(want, tuple):
-                k = int(options.get("k", 10))
-                ok = len(shape) == 1 + len(want[1]) and 1 <= shape[0] <= k and shape[1:] == want[1]
-                want = f"[n, *{want[1]}] with n in 1..{k} (k)"
-            else:
-                ok = shape == want
-            if not ok:
-                where = f"the feature shape {features} of {hp!r}" if per_feature else "per_feature=0"
-                raise c.fail(f"{f}.shape", f"{want} (output {key!r} of the built-in reduction {kind!r}, by {where} "
-                             f"and its options {options})", shape)
+            try:
+                _check_builtin_entry(hp, name, entries[name], kind, features, options_of, c)
+            except _EntryProblem as p:
+                problems[name] = str(p)
+        if problems:
+            out[hp] = problems
+    return out
 
 
 def check_root_attrs(attrs: Any, *, store: Any, key: str = "zarr.json") -> dict:
@@ -438,7 +496,8 @@ def check_root_attrs(attrs: Any, *, store: Any, key: str = "zarr.json") -> dict:
             raise c.fail(f"aliases[{alias!r}]", "a hook point of 'arrays'", target)
         if alias in arrays:
             raise c.fail(f"aliases[{alias!r}]", "a hook point without an array of its own", alias)
-    check_builtin_reductions(attrs, c)
+    # (the rules of built-in reduction entries concern one entry each: builtin_reduction_problems,
+    # refused by the readers of that entry, never for the whole store)
     return attrs
 
 

@@ -625,8 +625,12 @@ def _merged_reductions(stores: list[Store], make_reduction: Callable[[str, str, 
     StoreError
         Rank stores with other reductions (names, kinds or options), results without
         states, a state covering other rows than its rank store holds, or a custom reduction
-        without ``make_reduction``; nothing was written.
+        without ``make_reduction``; nothing was written. A StoreCorruptError for an entry a
+        rank store refuses (:attr:`Store.refused_reductions`).
     """
+    for st in stores:  # (merged, such an entry would give values no reduction wrote)
+        for hp, problems in st.refused_reductions.items():
+            raise st._refused_error(hp, problems)
     states = [_rank_states(s) for s in stores]
     used = [r for r, s in enumerate(stores) if _captured(s)]  # a rank that captured nothing adds no state
     state_hps = _check_same([stores[r] for r in used], "the reductions", lambda s: {

@@ -34,7 +34,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -59,6 +59,7 @@ from ._backend import (LocalBackend, _kind, check_backend_not_in_store, open_reg
 
 # shard index entry of a chunk that is not there (Zarr sharding: 2**64 - 1)
 _MISSING = 2**64 - 1
+REFUSED_REDUCTION_FIX = V.REFUSED_REDUCTION_FIX
 
 #: Read-ahead of a sequential reader of memory-mapped rows: the next READ_AHEAD_BYTES after a
 #: read are advised (``madvise(MADV_WILLNEED)``), renewed when less than half is left.
@@ -208,6 +209,7 @@ class _Reductions(Mapping):
                 f"hook point {hook_point!r} has no reductions in this store{why}; "
                 f"hook points with reductions: {list(self)}"
             )
+        self._store._refuse_reductions(hook_point, entries)
         return ReductionResults(hook_point, {name: self._store._read_small(e) for name, e in entries.items()})
 
     def __iter__(self) -> Iterator[str]:
@@ -404,6 +406,7 @@ class Store:
             self._refuse_node_of_a_store(raw)
             raise StoreError(f"{str(self._backend)!r} is a Zarr node but not an activationscope store")
         run = F.run_of(attrs)
+        refused = V.builtin_reduction_problems(attrs)  # (refused by the readers of each: FORMAT.md §9 rule 10)
         ranks: list[tuple[int, Store]] = []
         parts: dict[str, list[tuple[int, Store, int]]] = {}
         dist = attrs.get("distributed")
@@ -418,7 +421,7 @@ class Store:
             for _, old in self._ranks:
                 old.close()
             self._ranks, self._parts = ranks, parts
-            self._attrs = attrs
+            self._attrs, self._refused = attrs, refused
             if getattr(self, "_run", run) != run:  # another run in its place: nothing mapped is its
                 self._maps.clear()
                 self._whole.clear()
@@ -629,6 +632,33 @@ class Store:
                 if cov is not None:
                     out.setdefault(hp, {})[name] = cov
         return out
+
+    @property
+    def refused_reductions(self) -> dict[str, dict[str, str]]:
+        """``{hook_point: {name: problem}}`` of the reduction entries of a built-in kind
+        (``mean``, ``var``, ``hist``, ...) that no built-in reduction writes: a dtype other than
+        float64 / int64 (a ``bool`` ``mean``, a user's own float32 values given a built-in kind,
+        which earlier versions stored), options that reduction cannot have, or an output or shape
+        it does not have (FORMAT.md §9 rule 10). ``problem`` names the field, the rule and the
+        value. The store opens and reads the rest as usual; reading the reductions of such a hook
+        point (:attr:`reductions`, :meth:`reduction_specs`, the report) raises
+        :class:`StoreCorruptError` naming the entry, and :meth:`verify` lists each."""
+        return {hp: dict(v) for hp, v in self._refused.items()}
+
+    def _refused_error(self, hook_point: str, names: Iterable[str]) -> StoreCorruptError:
+        refused = self._refused.get(hook_point) or {}
+        names = [n for n in names if n in refused]
+        return V.corrupt(self._backend, f"hook point {hook_point!r}: reduction {names[0]!r} is refused: "
+                         f"{refused[names[0]]}" + (f" (and {names[1:]} likewise)" if len(names) > 1 else ""),
+                         fix=REFUSED_REDUCTION_FIX)
+
+    def _refuse_reductions(self, hook_point: str, names: Iterable[str]) -> None:
+        """Raise :class:`StoreCorruptError` when one of the entries ``names`` of ``hook_point``
+        is refused (:attr:`refused_reductions`): never returned as values."""
+        refused = self._refused.get(hook_point) or {}
+        names = list(names)
+        if any(n in refused for n in names):
+            raise self._refused_error(hook_point, names)
 
     def _meta(self, hook_point: str) -> dict:
         if not isinstance(hook_point, str):
@@ -1949,6 +1979,7 @@ class Store:
         that records no kind, from another writer, reads as ``"custom"``)."""
         out: dict[str, tuple[str, dict[str, float]]] = {}
         entries = self._complete_reductions().get(hook_point) or {}
+        self._refuse_reductions(hook_point, entries)
         for full, entry in entries.items():
             if not isinstance(entry, dict):
                 continue
@@ -2212,6 +2243,8 @@ class Store:
         for hp, entries in (self._attrs.get("reductions") or {}).items():
             for name, entry in entries.items():
                 where = f"hook point {hp!r}: reduction {name!r}"
+                if name in (self._refused.get(hp) or {}):
+                    problems.append(f"{where} is refused: {self._refused[hp][name]}; {REFUSED_REDUCTION_FIX}")
                 files = dict(entry.get("crc32c") or {})
                 for part in (entry.get("state") or {}).values():  # the state a resume continues from
                     files.update(part.get("crc32c") or {})
@@ -2558,6 +2591,7 @@ class Store:
             "reductions": {hp: sorted(v) for hp, v in self._complete_reductions().items()},
             "partial_reductions": {hp: {n: {"n_rows": c[0], "of_rows": c[1]} for n, c in v.items()}
                                    for hp, v in self.partial_reductions.items()},
+            "refused_reductions": self.refused_reductions,
             "row_tables": {k: v.get("n_rows", 0) for k, v in (self._attrs.get("row_tables") or {}).items()},
             "model": self._attrs.get("model"),
             "provenance": self._attrs.get("provenance"),

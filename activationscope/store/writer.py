@@ -1051,6 +1051,12 @@ class StoreWriter:
                         f"{self._backend!r} is a Zarr node but not an activationscope store; it cannot be resumed "
                         "(pass overwrite=True to replace it)"
                     )
+                refused = V.builtin_reduction_problems(ours)
+                for hp, problems in refused.items():  # (its readers refuse it: never carried on, never continued)
+                    name, problem = next(iter(problems.items()))
+                    raise V.corrupt(self._backend, f"hook point {hp!r}: reduction {name!r} is refused: {problem}; "
+                                    "a resume neither continues nor carries such an entry, so this store cannot be "
+                                    "resumed (nothing was written)", fix=V.REFUSED_REDUCTION_FIX)
                 self._state = ours
                 self._found_root = bytes(raw)
             else:

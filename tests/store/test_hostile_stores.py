@@ -276,7 +276,7 @@ def test_reduction_dtype_checked_against_its_document(plain, dtype):
     its array document and both values; before, the float64 bytes were returned reinterpreted
     as that dtype and verify returned []."""
     path, _ = plain
-    # (a built-in kind of a dtype none stores is refused at open: test_a_built_in_reduction_of_a_dtype_it_never_stores)
+    # (a built-in kind of a dtype none stores is refused by its readers: test_a_built_in_reduction_of_a_dtype_it_never_stores)
     kind = "mean" if dtype == "int64" else "eager"
     edit_root(path, lambda a: a["reductions"][HP]["mean"].update(dtype=dtype, kind=kind))
     s = open_store(path)
@@ -1329,16 +1329,16 @@ def test_resume_of_a_root_whose_row_table_lists_no_parts_field(plain):
     assert st.row_table("token").num_rows == 0 and torch.equal(st["0.output"], data)
 
 
-def _builtin_store(path: Path, feature_shape=(2, 3)) -> None:
-    """A store of one hook point ``0.output`` (rows of ``feature_shape``) with every built-in
-    reduction, per feature and over every value (``<name>0``)."""
+def _builtin_store(path: Path, feature_shape=(2, 3), n_modules: int = 1) -> None:
+    """A store of one hook point ``0.output`` (rows of ``feature_shape``; ``1.output``, ... with
+    ``n_modules``) with every built-in reduction, per feature and over every value (``<name>0``)."""
     from activationscope.reductions import BUILTIN_REDUCTIONS
 
     class M(torch.nn.Module):
         def forward(self, x):
             return x * 2
 
-    model = torch.nn.Sequential(M())
+    model = torch.nn.Sequential(*(M() for _ in range(n_modules)))
     reds = []
     for kind in BUILTIN_REDUCTIONS:
         opts = {"hist": {"lo": -1.0, "hi": 1.0, "bins": 4}, "topk": {"k": 3}, "var": {"ddof": 1}}.get(kind, {})
@@ -1346,6 +1346,29 @@ def _builtin_store(path: Path, feature_shape=(2, 3)) -> None:
     with acs.ActivationScope(store=str(path), reductions=reds).track(model), torch.no_grad():
         for _ in range(2):
             model(torch.randn(5, *feature_shape))
+
+
+def _refused_by_its_readers(path: Path, entry: str, message: str, hp: str = "0.output") -> None:
+    """The store at ``path`` opens, and reduction ``entry`` of ``hp`` is refused by every reader
+    of it, the message (a regex) naming the field and the value with the fix: listed in
+    ``refused_reductions``, ``store.reductions[hp]`` and ``reduction_specs`` raise, ``verify``
+    and the ``verify`` command name it, a resume refuses before it writes anything."""
+    from activationscope import cli
+
+    before = _files(path)
+    s = open_store(path)
+    assert re.search(message, s.refused_reductions[hp][entry])
+    raised = rf"hook point {re.escape(repr(hp))}: reduction '[^']+' is refused: .*{message}.*capture that reduction again"
+    with pytest.raises(StoreCorruptError, match=raised):
+        s.reductions[hp]
+    with pytest.raises(StoreCorruptError, match=raised):
+        s.reduction_specs(hp)
+    assert any(p.startswith(f"hook point {hp!r}: reduction {entry!r} is refused: ") and re.search(message, p)
+               and "capture that reduction again" in p for p in s.verify())
+    assert cli.main(["verify", str(path)]) == 1
+    with pytest.raises(StoreCorruptError, match=raised.replace("capture that reduction again", "cannot be resumed")):
+        StoreWriter(path, resume=True)
+    assert _files(path) == before
 
 
 @pytest.mark.parametrize("feature_shape", [(3,), (2, 3), (1, 2, 2)])
@@ -1391,14 +1414,14 @@ def test_every_built_in_reduction_a_capture_stores_passes_the_open_checks(tmp_pa
     ("topk.row_ids", {"shape": [0, 2, 3]}, "shape", "[n, *[2, 3]] with n in 1..3 (k)"),
     ("topk.values", {"shape": [3, 6]}, "shape", "[n, *[2, 3]]"),
 ])
-def test_built_in_reduction_metadata_that_no_reduction_has_is_refused_at_open(tmp_path, entry, edit, field, constraint):
+def test_built_in_reduction_metadata_that_no_reduction_has_is_refused(tmp_path, entry, edit, field, constraint):
     """A root whose built-in reduction entries name options that reduction cannot have (hist
     bins <= 0 or lo >= hi, topk k <= 0 or not an integer, an unknown option) or an output
-    shape its hook point's feature shape cannot give is refused at open with
-    StoreCorruptError naming the field; before, it opened and verified clean, and a resume,
-    a commit or the report failed on it later (or binned with a range that is none)."""
-    from activationscope import cli
-
+    shape its hook point's feature shape cannot give: the store opens, and every reader of
+    that entry refuses it with StoreCorruptError naming the field (an output of a reduction
+    whose options are refused with them), as verify and a resume do; before, it opened and
+    verified clean, and a resume, a commit or the report failed on it later (or binned with a
+    range that is none)."""
     path = tmp_path / "b.zarr"
     _builtin_store(path)
 
@@ -1411,14 +1434,14 @@ def test_built_in_reduction_metadata_that_no_reduction_has_is_refused_at_open(tm
             e["shape"] = edit["shape"]
 
     edit_root(path, forge)
-    before = _files(path)
     message = re.escape(f"zarr.json field reductions['0.output'][{entry!r}].{field} must be {constraint}")
-    with pytest.raises(StoreCorruptError, match=message):
-        open_store(path)
-    assert cli.main(["verify", str(path)]) == 1
-    with pytest.raises(StoreCorruptError, match=message):
-        StoreWriter(path, resume=True)
-    assert _files(path) == before
+    _refused_by_its_readers(path, entry, message)
+    entries = root(path)["attributes"]["activationscope"]["reductions"]["0.output"]
+    outputs = {n for n, e in entries.items() if e["reduction"] == entries[entry]["reduction"]}
+    refused = open_store(path).refused_reductions["0.output"]
+    # an output of a reduction whose options are refused: refused with them, naming them; a shape only its entry
+    assert set(refused) == (outputs if "options" in edit else {entry})
+    assert all(re.search(message, refused[n]) for n in refused)
 
 
 def test_built_in_reduction_entries_that_are_not_its_outputs_are_refused(tmp_path):
@@ -1426,17 +1449,16 @@ def test_built_in_reduction_entries_that_are_not_its_outputs_are_refused(tmp_pat
     _builtin_store(path)
     edit_root(path, lambda a: a["reductions"]["0.output"].update(
         {"mean.extra": {**a["reductions"]["0.output"]["mean.count"]}}))
-    with pytest.raises(StoreCorruptError, match=re.escape(
-            "field reductions['0.output']['mean.extra'] must be an output of the built-in reduction 'mean'")):
-        open_store(path)
+    _refused_by_its_readers(path, "mean.extra", re.escape(
+        "field reductions['0.output']['mean.extra'] must be an output of the built-in reduction 'mean'"))
+    assert set(open_store(path).refused_reductions["0.output"]) == {"mean.extra"}
     _builtin_store(path := tmp_path / "c.zarr")
     edit_root(path, lambda a: a["reductions"]["0.output"]["mean.count"].update(reduction="var"))
-    with pytest.raises(StoreCorruptError, match=re.escape(
-            "field reductions['0.output']['mean.count'].reduction must be the entry's name, or the part of it before")):
-        open_store(path)
+    _refused_by_its_readers(path, "mean.count", re.escape(
+        "field reductions['0.output']['mean.count'].reduction must be the entry's name, or the part of it before"))
 
 
-def _retype_reduction(path: Path, name: str, dtype: str, state: str | None = None) -> str:
+def _retype_reduction(path: Path, name: str, dtype: str, state: str | None = None, hp: str = "0.output") -> str:
     """Rewrite one array of a built-in reduction (its output ``name``, or that entry's state
     array ``state``) as ``dtype`` everywhere at once: its values cast, its document's data type,
     the root's dtype and crc32c (a consistent store, as someone else might write it). Returns
@@ -1445,7 +1467,7 @@ def _retype_reduction(path: Path, name: str, dtype: str, state: str | None = Non
     import numpy as np
 
     def entry(a):
-        e = a["reductions"]["0.output"][name]
+        e = a["reductions"][hp][name]
         return e["state"][state] if state else e
 
     e = entry(root(path)["attributes"]["activationscope"])
@@ -1460,7 +1482,7 @@ def _retype_reduction(path: Path, name: str, dtype: str, state: str | None = Non
     doc_path.write_text(json.dumps(doc))
     crc = int(google_crc32c.value((path / chunk).read_bytes()))
     edit_root(path, lambda a: entry(a).update(dtype=dtype, crc32c={chunk: crc}))
-    return f"reductions['0.output'][{name!r}]" + (f".state[{state!r}]" if state else "") + ".dtype"
+    return f"reductions[{hp!r}][{name!r}]" + (f".state[{state!r}]" if state else "") + ".dtype"
 
 
 @pytest.mark.parametrize("name, dtype, state", [
@@ -1469,22 +1491,77 @@ def _retype_reduction(path: Path, name: str, dtype: str, state: str | None = Non
 ])
 def test_a_built_in_reduction_of_a_dtype_it_never_stores_is_refused(tmp_path, name, dtype, state):
     """A built-in reduction output (or state array) stored as a dtype the native reductions
-    never write, consistently (document, root, crc32c): refused at open, by verify and by a
-    resume, naming the field; before, a bool "mean" read back as True/False, verify returned
-    [] and the report plotted it as a mean of 1.0."""
-    from activationscope import cli
-
+    never write, consistently (document, root, crc32c): refused by its readers, by verify and
+    by a resume, naming the field and the dtype; before, a bool "mean" read back as
+    True/False, verify returned [] and the report plotted it as a mean of 1.0."""
     path = tmp_path / "b.zarr"
     _builtin_store(path)
     field = _retype_reduction(path, name, dtype, state)
     message = re.escape(f"zarr.json field {field} must be one of ['float64', 'int64'] (what the built-in reduction")
-    before = _files(path)
-    with pytest.raises(StoreCorruptError, match=message + rf".*got {dtype!r}"):
-        open_store(path)
-    assert cli.main(["verify", str(path)]) == 1
+    _refused_by_its_readers(path, name, message + rf".*got {re.escape(repr(dtype))}")
+    assert set(open_store(path).refused_reductions["0.output"]) == {name}
+
+
+def test_a_store_with_a_refused_reduction_entry_reads_everything_else(tmp_path):
+    """A store an earlier version wrote with a float32 "mean" of a built-in kind (its
+    StoreWriter.add_reductions took one) opens: its arrays, row table, datasets and the
+    reductions of its other hook points read as before; the reductions of the entry's hook
+    point, the report and a resume refuse it naming the entry, the field, the value and the
+    fix; info lists it as refused. Before, open_store refused the whole store."""
+    from activationscope import cli
+    from activationscope.analysis.report import write_report
+
+    path = tmp_path / "b.zarr"
+    _builtin_store(path, n_modules=2)
+    s = open_store(path)
+    acts = {hp: s[hp].clone() for hp in s.hook_points}
+    samples = s.row_table("sample")
+    others = dict(s.reductions["1.output"])
+    specs = s.reduction_specs("1.output")
+    _retype_reduction(path, "mean", "float32", hp="0.output")
+
+    s = open_store(path)
+    assert sorted(s.hook_points) == ["0.output", "1.output"]
+    assert all(torch.equal(s[hp], acts[hp]) for hp in acts)
+    assert s.row_table("sample").equals(samples)
+    ds = acs.ActivationDataset(path, hook_points=["0.output"])
+    assert torch.equal(ds[0:len(ds)]["0.output"], acts["0.output"])
+    got = s.reductions["1.output"]
+    assert sorted(got) == sorted(others) and all(torch.equal(got[k], others[k]) for k in others)
+    assert s.reduction_specs("1.output") == specs
+    assert list(s.refused_reductions) == ["0.output"] and list(s.refused_reductions["0.output"]) == ["mean"]
+    message = (r"hook point '0\.output': reduction 'mean' is refused: zarr\.json field reductions\['0\.output'\]"
+               r"\['mean'\]\.dtype must be one of \['float64', 'int64'\].*got 'float32'; .*capture that reduction again")
     with pytest.raises(StoreCorruptError, match=message):
+        s.reductions["0.output"]
+    with pytest.raises(StoreCorruptError, match=message):
+        s.reductions.get("0.output")
+    with pytest.raises(StoreCorruptError, match=message):
+        write_report(path, tmp_path / "report")
+    assert s.info()["refused_reductions"] == s.refused_reductions
+    problems = s.verify()
+    assert len(problems) == 1 and re.match(message, problems[0])
+    assert cli.main(["info", str(path)]) == 0
+    with pytest.raises(StoreCorruptError, match=message.replace("capture that reduction again", "cannot be resumed")):
         StoreWriter(path, resume=True)
-    assert _files(path) == before
+    # the same store with the entry's values as the reduction writes them: nothing refused
+    _retype_reduction(path, "mean", "float64", hp="0.output")
+    s = open_store(path)
+    assert s.refused_reductions == {} and s.verify() == [] and "mean" in s.reductions["0.output"]
+
+
+def test_info_names_a_refused_reduction_entry(tmp_path, capsys):
+    from activationscope import cli
+
+    path = tmp_path / "b.zarr"
+    _builtin_store(path)
+    _retype_reduction(path, "var", "float32")
+    assert cli.main(["info", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "var (refused)" in out and "var0 (refused)" not in out
+    assert "refused reductions" in out and "  0.output: var" in out
+    assert cli.main(["info", "--json", str(path)]) == 0
+    assert list(json.loads(capsys.readouterr().out)["refused_reductions"]["0.output"]) == ["var"]
 
 
 def test_a_writer_refuses_a_built_in_kind_of_another_dtype_before_it_writes(tmp_path):
