@@ -1681,3 +1681,28 @@ def test_n_samples_other_than_the_sample_row_table_is_refused_at_open(tmp_path):
     with pytest.raises(StoreCorruptError, match=r"t\.zarr'.*field n_samples must be the sample row table's n_rows "
                                                 r"\(2\), got 1000"):
         open_store(path)
+
+
+def test_a_commit_of_rank_stores_refuses_a_refused_reduction_entry(tmp_path):
+    """A rank store whose built-in "mean" is float32 (as an earlier version's writer could store
+    it): the commit of the rank stores refuses it naming the rank store, the entry, the field
+    and the value, and writes nothing; never merged as values the reduction wrote."""
+    from activationscope.store.ranks import commit_ranks
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2))
+    path = tmp_path / "m.zarr"
+    for task in range(2):
+        opts = {"process_group": acs.RankStore(task, 2)}
+        with acs.ActivationScope(store=str(path), store_options=opts, reductions=["mean"]).track(model), \
+                torch.no_grad():
+            for _ in range(2):
+                model(torch.randn(2, 3))
+    rank0 = path / "ranks" / "00000"
+    _retype_reduction(rank0, "mean", "float32")
+    before = _files(path)
+    with pytest.raises(StoreCorruptError, match=re.escape(f"store {str(rank0)!r}: hook point '0.output': reduction "
+                                                          "'mean' is refused: zarr.json field reductions['0.output']"
+                                                          "['mean'].dtype must be one of ['float64', 'int64']")
+                       + r".*got 'float32'; .*capture that reduction again"):
+        commit_ranks(path)
+    assert _files(path) == before and open_store(path).status == "incomplete"
