@@ -21,6 +21,7 @@ from __future__ import annotations
 import html
 import math
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -187,8 +188,12 @@ def hook_point_stats(
     feature_shape = tuple(int(s) for s in acts.shape[1:])
     rows = _sample_rows(acts, max_rows) if n_rows else torch.zeros(0, max(1, math.prod(feature_shape)), dtype=torch.float64)
     units = rows.shape[1]
+    refused = (getattr(store, "refused_reductions", None) or {}).get(hook_point)
     try:
-        reds = store.reductions.get(hook_point, {}) if hasattr(store.reductions, "get") else store.reductions[hook_point]
+        if refused:  # (an entry its readers refuse: no value of that hook point's reductions is used)
+            reds = {}
+        else:
+            reds = store.reductions.get(hook_point, {}) if hasattr(store.reductions, "get") else store.reductions[hook_point]
     except (KeyError, AttributeError):
         reds = {}
     entry = _hp_info(info, hook_point)
@@ -221,6 +226,13 @@ def hook_point_stats(
 
     finite = rows[torch.isfinite(rows)]
     notes = []
+    if refused:
+        name, problem = next(iter(refused.items()))
+        note = (f"reductions: the store's reduction {name!r} of this hook point is refused ({problem}), so its "
+                "reductions are not used: mean, std and non-zero fraction are computed from the sampled rows")
+        notes.append(note)
+        warnings.warn(f"hook point {hook_point!r}: {note}; capture that reduction again to use it", UserWarning,
+                      stacklevel=2)
     if finite.numel() < rows.numel():
         notes.append(f"histogram: {rows.numel() - finite.numel():,} of the {rows.numel():,} sampled values are NaN or inf "
                      "and left out of it")
