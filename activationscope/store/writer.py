@@ -1010,8 +1010,10 @@ class StoreWriter:
                 adopted = b.finish_move_aside()  # (refuses, changing nothing, what it cannot tell apart)
             elif resume:
                 moved = b.moved_aside_hint()
-        elif isinstance(b, LocalBackend) and not self._writer_lock.created_root and not b.is_empty():
-            moved = b.moved_aside_hint()  # (a new store: the folder is half of an old one, not one to remove)
+        elif isinstance(b, LocalBackend) and not self._writer_lock.created_root:
+            # (a new store: the folder is half of an old one, not one to remove; or, empty, the whole old
+            # store is in the folder aside, which a new store here would leave there without a word)
+            moved = b.moved_aside_hint()
         if moved and resume:  # (resume: its error names the folder, no warning first)
             raise StoreError(f"resume=True needs a store to continue, but {str(b)!r} holds no root document "
                              f"(zarr.json): {moved}; nothing was changed")
