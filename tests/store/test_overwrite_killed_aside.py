@@ -481,3 +481,39 @@ def test_a_new_store_or_copy_on_the_empty_path_of_an_interrupted_overwrite_names
     assert _everything(tmp_path) == found
     _rerun(path, "fails", before, data)
 
+
+def test_a_failed_rename_back_after_a_failed_move_aside_leaves_a_split_a_rerun_finishes(tmp_path, monkeypatch):
+    """Moving the old store aside fails at its third entry, and moving its second entry back
+    fails too: the root document stays in the folder with it (a split the next overwrite=True
+    finishes, as the error says), not back at the path over a store missing that entry (read
+    as damaged, its folder aside named as remains to delete, and not finished by a rerun)."""
+    from activationscope.store import _backend as B
+
+    path = tmp_path / "s.zarr"
+    data = make_store(path, n_rows=96)
+    before = _files(path)
+    rename, n = os.rename, [0]
+
+    def failing(src, dst):
+        into, out = ".replaced-" in Path(dst).parent.name, ".replaced-" in Path(src).parent.name
+        if into:
+            if n[0] == 2:
+                raise OSError(28, "No space left on device")
+            n[0] += 1
+        if out and Path(src).name != "zarr.json":
+            raise OSError(13, "Permission denied")
+        rename(src, dst)
+
+    monkeypatch.setattr(B.os, "rename", failing)
+    with pytest.raises(StoreError, match=r"failed: No space left on device; some of its entries could not be moved "
+                                         r"back and are in that folder, with its root document: .*run again with "
+                                         r"overwrite=True \(it finishes the move\)"):
+        StoreWriter(path, overwrite=True)
+    monkeypatch.undo()
+    (aside,) = _asides(tmp_path)
+    _assert_split(path, aside, n_aside=2, root_aside=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(StoreError, match="holds no root document"):
+            open_store(path)
+    _rerun(path, "fails", before, data)
