@@ -2049,7 +2049,8 @@ class StoreWriter:
             ``sample_ids`` are those samples again and are not checked for repeats.
         next_id : int, optional
             The running counter after this batch: the id the next counted sample gets
-            (default: :attr:`next_sample_id` plus ``n_samples``). A batch of samples counted
+            (default: :attr:`next_sample_id` plus ``n_samples``; never below
+            :attr:`next_sample_id`). A batch of samples counted
             before (a generation step) leaves it where it was; one after samples a capture
             policy skipped counts those too. The store records it at each commit, and a resume
             continues from it.
@@ -2075,6 +2076,11 @@ class StoreWriter:
             if next_id is not None and not (isinstance(next_id, (int, np.integer)) and not isinstance(next_id, bool)
                                             and 0 <= next_id <= V.MAX_ROWS):
                 raise ArgumentValueError(f"next_id must be an int in 0..{V.MAX_ROWS}, got {next_id!r}")
+            if next_id is not None and next_id < self.next_sample_id:  # (later default ids would repeat stored ones)
+                raise ArgumentValueError(
+                    f"next_id must be at least next_sample_id {self.next_sample_id} (the running counter never goes "
+                    f"back: the default ids below it are taken), got {next_id!r}; pass next_sample_id for a batch of "
+                    "samples counted before")
             if sample_ids is None and token_mask is None and not columns and n <= _DEFERRED_IDS_MAX:
                 return self._add_plain_batch(n, next_id)
             if sample_ids is None:
