@@ -553,9 +553,14 @@ class LocalBackend:
                 done.append(p.name)
         except OSError as e:
             # only what was moved goes back (root document last); the entries still at the path are
-            # the old store's own, never removed (restore_aside would clear them as a new store's)
+            # the old store's own, never removed (restore_aside would clear them as a new store's).
+            # The root goes back only after every other entry did: else it stays in the folder with
+            # them, a split that finish_move_aside recognises (a root at the path over missing
+            # entries would read as a damaged store, and its folder aside as remains to delete)
             undone = True
             for name in sorted(reversed(done), key=lambda n: n == "zarr.json"):
+                if name == "zarr.json" and not undone:
+                    break
                 try:
                     os.rename(aside / name, self.root / name)
                 except OSError:
@@ -565,8 +570,9 @@ class LocalBackend:
                     aside.rmdir()
             raise StoreError(f"overwrite: moving the old store {str(self.root)!r} aside to {str(aside)!r} failed: "
                              f"{e.strerror or e}; " + ("nothing was changed" if undone else
-                             "some of its entries could not be moved back and are in that folder: once the cause is "
-                             "fixed, run again with overwrite=True (it finishes the move)")) from e
+                             "some of its entries could not be moved back and are in that folder, with its root "
+                             "document: once the cause is fixed, run again with overwrite=True (it finishes the "
+                             "move)")) from e
         return aside
 
     def restore_aside(self, aside: Path) -> None:

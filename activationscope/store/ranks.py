@@ -161,11 +161,12 @@ def _prepare_root(b: Any, world_size: int, overwrite: bool, resume: bool) -> str
             status = (attrs or {}).get("status", "not an activationscope store")
             raise StoreExistsError(f"a store already exists at {str(b)!r} (status {status!r}); pass overwrite=True to "
                                    "replace it or resume=True to continue it")
+    elif (moved := b.moved_aside_hint() if isinstance(b, LocalBackend) else ""):
+        # (a one-process overwrite killed partway: its folder aside holds the old root; the path
+        # holds the rest of the old store, or nothing)
+        raise StoreExistsError(f"{str(b)!r} holds no root document (zarr.json): {moved}; then run this capture "
+                               "again; nothing was changed")
     elif not b.is_empty():
-        moved = b.moved_aside_hint() if isinstance(b, LocalBackend) else ""
-        if moved:  # (a one-process overwrite killed partway: its folder aside holds the old root)
-            raise StoreExistsError(f"{str(b)!r} holds no root document (zarr.json): {moved}; then run this capture "
-                                   "again; nothing was changed")
         # not a store: never cleared, also with overwrite=True (as a one-process overwrite)
         raise StoreExistsError(f"{str(b)!r} exists and is not empty but holds no Zarr store; choose another path "
                                "or remove it (overwrite=True only replaces stores)")

@@ -3089,16 +3089,16 @@ def copy_store(source: Any, target: Any, *, overwrite: bool = False) -> None:
     check_backend_not_in_store(dst)  # its objects would land among another store's
     with WriterLock(dst):  # no writer may be writing the target meanwhile
         _refuse_copy_onto_itself(src, dst)
+        moved = dst.moved_aside_hint() if isinstance(dst, LocalBackend) else ""
+        if moved:  # (an empty folder too: the whole old store is in the folder aside)
+            raise StoreExistsError(f"{str(dst)!r} holds no root document (zarr.json): {moved}; then copy "
+                                   "again; nothing was changed")
         if not dst.is_empty():
             if not overwrite:
                 raise StoreExistsError(f"{str(dst)!r} is not empty; pass overwrite=True to replace it")
             # as StoreWriter(overwrite=True): a store is replaced, nothing else (a folder of one's own files,
             # or a store's folder holding other entries, was cleared with it)
             if dst.size("zarr.json") is None:
-                moved = dst.moved_aside_hint() if isinstance(dst, LocalBackend) else ""
-                if moved:
-                    raise StoreExistsError(f"{str(dst)!r} holds no root document (zarr.json): {moved}; then copy "
-                                           "again; nothing was changed")
                 raise StoreExistsError(
                     f"{str(dst)!r} exists and is not empty but holds no Zarr store; choose another path or remove it "
                     "(overwrite=True only replaces stores); nothing was changed")

@@ -1011,8 +1011,10 @@ class StoreWriter:
                 adopted = b.finish_move_aside()  # (refuses, changing nothing, what it cannot tell apart)
             elif resume:
                 moved = b.moved_aside_hint()
-        elif isinstance(b, LocalBackend) and not self._writer_lock.created_root and not b.is_empty():
-            moved = b.moved_aside_hint()  # (a new store: the folder is half of an old one, not one to remove)
+        elif isinstance(b, LocalBackend) and not self._writer_lock.created_root:
+            # (a new store: the folder is half of an old one, not one to remove; or, empty, the whole old
+            # store is in the folder aside, which a new store here would leave there without a word)
+            moved = b.moved_aside_hint()
         if moved and resume:  # (resume: its error names the folder, no warning first)
             raise StoreError(f"resume=True needs a store to continue, but {str(b)!r} holds no root document "
                              f"(zarr.json): {moved}; nothing was changed")
@@ -2054,7 +2056,8 @@ class StoreWriter:
             ``sample_ids`` are those samples again and are not checked for repeats.
         next_id : int, optional
             The running counter after this batch: the id the next counted sample gets
-            (default: :attr:`next_sample_id` plus ``n_samples``). A batch of samples counted
+            (default: :attr:`next_sample_id` plus ``n_samples``; never below
+            :attr:`next_sample_id`). A batch of samples counted
             before (a generation step) leaves it where it was; one after samples a capture
             policy skipped counts those too. The store records it at each commit, and a resume
             continues from it.
@@ -2080,6 +2083,11 @@ class StoreWriter:
             if next_id is not None and not (isinstance(next_id, (int, np.integer)) and not isinstance(next_id, bool)
                                             and 0 <= next_id <= V.MAX_ROWS):
                 raise ArgumentValueError(f"next_id must be an int in 0..{V.MAX_ROWS}, got {next_id!r}")
+            if next_id is not None and next_id < self.next_sample_id:  # (later default ids would repeat stored ones)
+                raise ArgumentValueError(
+                    f"next_id must be at least next_sample_id {self.next_sample_id} (the running counter never goes "
+                    f"back: the default ids below it are taken), got {next_id!r}; pass next_sample_id for a batch of "
+                    "samples counted before")
             if sample_ids is None and token_mask is None and not columns and n <= _DEFERRED_IDS_MAX:
                 return self._add_plain_batch(n, next_id)
             if sample_ids is None:

@@ -450,3 +450,70 @@ def test_an_unstarted_store_is_not_removed_when_two_folders_aside_hold_a_store(t
     with pytest.warns(RuntimeWarning, match=r"never settled"):
         overwrite_capture(path, FailsAt(-1), 2)
     assert len(_asides(tmp_path)) == 2 and open_store(path).n_samples == 16
+
+
+def test_a_new_store_or_copy_on_the_empty_path_of_an_interrupted_overwrite_names_the_folder(tmp_path):
+    """Killed after its last rename: the whole old store is in the folder aside and the path
+    holds only the lock. A new store (neither flag), a copy onto the path (with or without
+    overwrite) and a multi-rank capture's root name that folder, as FORMAT.md section 7 says;
+    before, they made a new store there without a word, leaving the old one aside."""
+    from activationscope.store.ranks import prepare_root
+
+    path = tmp_path / "s.zarr"
+    data = make_store(path, n_rows=96)
+    before = _files(path)
+    _kill(path, "aside-done", 0)
+    (aside,) = _asides(tmp_path)
+    assert [p.name for p in path.iterdir()] == [LOCK]
+    found = _everything(tmp_path)
+    fix = rf"moved the store's root document \(zarr\.json\) into '{aside}'.*holds none of its entries.*zarr\.json last"
+    with pytest.raises(StoreExistsError, match=rf"'{path}' .*holds no root document \(zarr\.json\): an overwrite=True "
+                                               rf"{fix}.*nothing was changed"):
+        StoreWriter(path)
+    src = tmp_path.parent / f"{tmp_path.name}-src.zarr"
+    make_store(src, n_rows=32)
+    for overwrite in (False, True):
+        with pytest.raises(StoreExistsError, match=rf"{fix}.*then copy again; nothing was changed"):
+            copy_store(open_store(src), path, overwrite=overwrite)
+    for opts in ({}, {"overwrite": True}):
+        with pytest.raises(StoreExistsError, match=rf"{fix}.*then run this capture again; nothing was changed"):
+            prepare_root(str(path), world_size=2, **opts)
+    assert _everything(tmp_path) == found
+    _rerun(path, "fails", before, data)
+
+
+def test_a_failed_rename_back_after_a_failed_move_aside_leaves_a_split_a_rerun_finishes(tmp_path, monkeypatch):
+    """Moving the old store aside fails at its third entry, and moving its second entry back
+    fails too: the root document stays in the folder with it (a split the next overwrite=True
+    finishes, as the error says), not back at the path over a store missing that entry (read
+    as damaged, its folder aside named as remains to delete, and not finished by a rerun)."""
+    from activationscope.store import _backend as B
+
+    path = tmp_path / "s.zarr"
+    data = make_store(path, n_rows=96)
+    before = _files(path)
+    rename, n = os.rename, [0]
+
+    def failing(src, dst):
+        into, out = ".replaced-" in Path(dst).parent.name, ".replaced-" in Path(src).parent.name
+        if into:
+            if n[0] == 2:
+                raise OSError(28, "No space left on device")
+            n[0] += 1
+        if out and Path(src).name != "zarr.json":
+            raise OSError(13, "Permission denied")
+        rename(src, dst)
+
+    monkeypatch.setattr(B.os, "rename", failing)
+    with pytest.raises(StoreError, match=r"failed: No space left on device; some of its entries could not be moved "
+                                         r"back and are in that folder, with its root document: .*run again with "
+                                         r"overwrite=True \(it finishes the move\)"):
+        StoreWriter(path, overwrite=True)
+    monkeypatch.undo()
+    (aside,) = _asides(tmp_path)
+    _assert_split(path, aside, n_aside=2, root_aside=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(StoreError, match="holds no root document"):
+            open_store(path)
+    _rerun(path, "fails", before, data)

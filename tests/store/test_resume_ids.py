@@ -203,6 +203,24 @@ def test_add_batch_refuses_a_next_id_that_is_not_a_row_count(tmp_path, bad):
     assert acs.open_store(tmp_path / "w.zarr").row_table("sample").column("sample_id").to_pylist() == [5, 6, 0, 1]
 
 
+def test_add_batch_refuses_a_next_id_that_takes_the_counter_back(tmp_path):
+    """A counter set back would give later samples default ids already stored (repeated ids,
+    silently): refused, naming the counter, the batch not recorded."""
+    from activationscope.store import StoreWriter
+
+    writer = StoreWriter(tmp_path / "w.zarr")
+    try:
+        writer.add_batch(3)
+        with pytest.raises(acs.errors.ArgumentValueError, match=r"next_id must be at least next_sample_id 3 .*got 1"):
+            writer.add_batch(2, sample_ids=[7, 8], next_id=1)
+        assert writer.next_sample_id == 3
+        writer.add_batch(2, sample_ids=[0, 1], described_again=True, next_id=3)  # (a step: the counter stays)
+        writer.add_batch(1)
+    finally:
+        writer.close()
+    assert acs.open_store(tmp_path / "w.zarr").row_table("sample").column("sample_id").to_pylist() == [0, 1, 2, 0, 1, 3]
+
+
 @pytest.mark.parametrize("bad", [-1, 1.5, "3", True, None, 1 << 49])
 def test_a_stored_next_sample_id_that_is_not_a_count_is_refused_and_the_store_left_as_it_was(tmp_path, bad):
     from hostile import edit_root, make_store
