@@ -591,7 +591,11 @@ def _recorded_include(out: str) -> Any:
 def _warn_padded_ids(tensor: Any, tokenizer: Any, data: str) -> None:
     """Warn when tensor data of token ids ``(batch, pos)`` starts or ends with the model's
     pad token id: a tensor file gives the model no attention mask, so those positions are
-    attended to and stored as if they were text."""
+    attended to and stored as if they were text.
+
+    Where the pad id is also the tokenizer's BOS or EOS id (GPT-2's 50256, which SAE token
+    data begins or ends each context with), one such id at an end is that token, not
+    padding: a sample counts as padded when two of them end or start it."""
     import torch
 
     pad = getattr(tokenizer, "pad_token_id", None)
@@ -599,7 +603,10 @@ def _warn_padded_ids(tensor: Any, tokenizer: Any, data: str) -> None:
             or tensor.dim() != 2 or tensor.shape[1] < 2 or tensor.dtype.is_floating_point
             or tensor.dtype.is_complex or tensor.dtype == torch.bool):
         return
-    padded = int(((tensor[:, -1] == pad) | (tensor[:, 0] == pad)).sum())
+    ends = (tensor[:, -1] == pad) | (tensor[:, 0] == pad)
+    if pad in (getattr(tokenizer, "bos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        ends = ((tensor[:, -1] == pad) & (tensor[:, -2] == pad)) | ((tensor[:, 0] == pad) & (tensor[:, 1] == pad))
+    padded = int(ends.sum())
     if padded:
         from ..errors import CaptureWarning
 

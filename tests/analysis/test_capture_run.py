@@ -426,6 +426,36 @@ def test_token_ids_padded_with_the_pad_id_are_warned_about(tmp_path, monkeypatch
     assert torch.equal(store["0.output"], model[0](ids).detach().reshape(30, 4))
 
 
+class _GPT2LikeTokenizer:
+    pad_token_id = bos_token_id = eos_token_id = 0
+
+
+@pytest.mark.parametrize("ends, n", [("bos_eos", 0), ("padded", 2)])
+def test_a_pad_id_that_is_also_bos_or_eos_warns_only_for_runs_of_it(tmp_path, monkeypatch, ends, n):
+    """A tokenizer whose pad id is its BOS / EOS id (GPT-2's): token data that begins or
+    ends each context with that token (SAE caching) is not padded; two of them at an end are."""
+    from activationscope.analysis import specs
+    from activationscope.errors import CaptureWarning
+
+    model = torch.nn.Sequential(torch.nn.Embedding(20, 4))
+    monkeypatch.setattr(specs, "load_model_spec", lambda spec: specs.LoadedModel(
+        model=model, tokenizer=_GPT2LikeTokenizer(), name=spec))
+    ids = torch.randint(1, 20, (6, 5))
+    ids[:, 0] = 0  # every context starts with BOS
+    ids[3, -1] = 0  # one ends with EOS
+    if ends == "padded":
+        ids[1, 3:] = 0
+        ids[4, 4:] = 0
+        ids[4, 3] = 0
+    torch.save(ids, tmp_path / "ids.pt")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        capture_run.capture_dataset("tok:model", str(tmp_path / "ids.pt"), str(tmp_path / "r.zarr"), rows="token",
+                                    batch_size=3, progress=False)
+    padded = [str(w.message) for w in caught if issubclass(w.category, CaptureWarning) and "pad token id" in str(w.message)]
+    assert len(padded) == (1 if n else 0) and all(f"({n} of 6 samples start or end with it)" in p for p in padded)
+
+
 def test_a_failed_capture_joins_the_error_and_what_the_store_keeps_in_one_sentence(tmp_path, monkeypatch):
     """A sample-row hook point that changes shape with pos under a mask: the native error ends
     with a full stop, and what the store keeps follows after "; " (it read "module).; r.zarr")."""
