@@ -182,6 +182,63 @@ def test_remote_s3_store_resume_and_read(s3, mlp):
 
 
 @pytest.fixture
+def no_aws_environment(monkeypatch, tmp_path):
+    """No credentials anywhere botocore looks for them (variables, files, instance metadata)."""
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
+                 "AWS_DEFAULT_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_a_remote_store_without_credentials_or_endpoint_names_the_fix(s3, mlp, no_aws_environment, capsys, monkeypatch):
+    """Reading or writing an S3 store without credentials, or at an endpoint that does not
+    answer, said only botocore's words ("Unable to locate credentials"), with no way to give
+    them named (the command line takes no option for them): the error now names
+    storage_options= and the environment variables, for open_store, a capture and the CLI."""
+    import s3fs
+
+    from activationscope import cli
+
+    url = "s3://acs-bucket/creds.zarr"
+    with acs.ActivationScope(store=url, store_options={"storage_options": s3, "overwrite": True}).track(mlp), \
+            torch.no_grad():
+        mlp(torch.randn(3, 8))
+    endpoint = s3["client_kwargs"]
+    no_key = {"client_kwargs": endpoint}
+    creds = r"no credentials were found: pass storage_options=\{'key': \.\.\., 'secret': \.\.\.\}.*AWS_ACCESS_KEY_ID"
+    with pytest.raises(acs.StoreError, match=rf"'zarr.json' in {url}.*Unable to locate credentials; {creds}"):
+        open_store(url, storage_options=no_key)
+    with pytest.raises(acs.StoreError, match=rf"to s3://acs-bucket/new.zarr failed: .*; {creds}"):
+        with acs.ActivationScope(store="s3://acs-bucket/new.zarr", store_options={"storage_options": no_key}).track(mlp):
+            mlp(torch.randn(3, 8))
+    elsewhere = {**s3, "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{_closed_port()}"}}
+    with pytest.raises(acs.StoreError, match=r"the endpoint did not answer: check storage_options=\{'client_kwargs': "
+                       r"\{'endpoint_url': \.\.\.\}\} or AWS_ENDPOINT_URL"):
+        open_store(url, storage_options=elsewhere)
+    anonymous = {"anon": True, "client_kwargs": endpoint}
+    with pytest.raises(acs.StoreError, match=r"the object store refused the credentials or this bucket"):
+        open_store(url, storage_options=anonymous)
+    assert cli.main(["info", url]) == 1
+    assert "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY" in capsys.readouterr().err
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3["key"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3["secret"])
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint["endpoint_url"])
+    s3fs.S3FileSystem.clear_instance_cache()   # (a new process of the command line starts without it)
+    assert cli.main(["verify", url]) == 0, capsys.readouterr().err
+
+
+@pytest.fixture
 def staging_dir(tmp_path, monkeypatch):
     """The folder where writers of remote stores make their staging folders in this test
     (``tempfile``'s folder, as TMPDIR sets it)."""
