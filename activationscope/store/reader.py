@@ -2553,10 +2553,13 @@ class Store:
         }
 
     # ------------------------------------------------------------------ copies
-    def save(self, target: Any, *, overwrite: bool = False) -> "Store":
-        """Copy the store to ``target`` (a path, URL or zarr Store); returns it opened."""
-        copy_store(self, target, overwrite=overwrite)
-        return open_store(target)
+    def save(self, target: Any, *, overwrite: bool = False, storage_options: dict | None = None) -> "Store":
+        """Copy the store to ``target`` (a path, URL or zarr Store); returns it opened.
+
+        ``storage_options`` are the fsspec options (credentials, endpoint) of a URL ``target``
+        (``s3://...``), as :func:`copy_store` takes them."""
+        copy_store(self, target, overwrite=overwrite, storage_options=storage_options)
+        return open_store(target, storage_options=storage_options)
 
     def close(self) -> None:
         """Drop the store's own references to its mappings (views keep theirs alive)."""
@@ -2862,8 +2865,15 @@ def _refuse_copy_onto_itself(src: Any, dst: Any) -> None:
 _COPY_ATTEMPTS = 3
 
 
-def copy_store(source: Any, target: Any, *, overwrite: bool = False) -> None:
+def copy_store(source: Any, target: Any, *, overwrite: bool = False, storage_options: dict | None = None) -> None:
     """Copy every object of a store (e.g. an in-memory one) to ``target``; root metadata last.
+
+    ``source`` and ``target`` are each a local path, an fsspec URL (``s3://bucket/run.zarr``),
+    a zarr Store, and for ``source`` also an opened :class:`Store` (which reads with the
+    options it was opened with). ``storage_options`` are the fsspec options (credentials,
+    ``client_kwargs={"endpoint_url": ...}``) of whichever of them is a URL; to copy between
+    two services that need different ones, pass the source opened
+    (``open_store(url, storage_options=...)``).
 
     The target's first write is the root of a new, incomplete store with no rows (over the old
     root, with ``overwrite``); then the old store's objects are deleted and the source's copied.
@@ -2901,8 +2911,9 @@ def copy_store(source: Any, target: Any, *, overwrite: bool = False) -> None:
     from ._lock import WriterLock
 
     overwrite = F.parse_flag(overwrite, "overwrite")  # (overwrite="False" is a true string)
-    src = source._backend if isinstance(source, Store) else resolve(source, read_only=True)
-    dst = resolve(target)
+    src = source._backend if isinstance(source, Store) else resolve(source, read_only=True,
+                                                                    storage_options=storage_options)
+    dst = resolve(target, storage_options=storage_options)
     if src.size("zarr.json") is None:  # (a mistyped source would replace the target with an empty store)
         moved = src.moved_aside_hint() if isinstance(src, LocalBackend) else ""
         raise StoreError(f"source {str(src)!r} of copy_store must be a store, got a path with no root document "

@@ -181,6 +181,28 @@ def test_remote_s3_store_resume_and_read(s3, mlp):
     assert store.verify() == []
 
 
+def test_copy_store_and_save_take_the_storage_options_of_an_s3_url(s3, mlp, tmp_path):
+    """A local store copied to S3 (and back) with the credentials given as storage_options, as
+    open_store and a capture take them; before, copy_store and save had no such argument, and
+    a URL target needed the credentials in the environment."""
+    local = tmp_path / "a.zarr"
+    xs = batches_mlp(n_batches=3)
+    ref = capture_memory(mlp, xs)
+    capture_store(mlp, xs, str(local), reductions=["mean"])
+    url = f"s3://acs-bucket/copied-{uuid.uuid4().hex}.zarr"
+    copy_store(str(local), url, storage_options=s3)
+    remote = open_store(url, storage_options=s3)
+    assert remote.verify() == [] and remote.status == "complete"
+    for hp, rows in ref.items():
+        assert torch.equal(remote[hp], rows), hp
+        assert torch.equal(remote.reductions[hp]["mean"], open_store(local).reductions[hp]["mean"])
+    back = tmp_path / "back.zarr"
+    copy_store(url, str(back), storage_options=s3)
+    assert all(torch.equal(open_store(back)[hp], rows) for hp, rows in ref.items())
+    again = open_store(local).save(url, overwrite=True, storage_options=s3)
+    assert again.verify() == [] and all(torch.equal(again[hp], rows) for hp, rows in ref.items())
+
+
 @pytest.fixture
 def no_aws_environment(monkeypatch, tmp_path):
     """No credentials anywhere botocore looks for them (variables, files, instance metadata)."""
