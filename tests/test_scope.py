@@ -1851,13 +1851,70 @@ class _CollidingKeys(torch.nn.Module):
         return {1: x, "1": x * 2}
 
 
-@pytest.mark.parametrize("model, name", [(_CollidingModules(), "d.a#1.output"),
-                                         (torch.nn.Sequential(_CollidingKeys()), "0.output.1")])
+class _CollidingAcrossForwards(torch.nn.Module):
+    """Module 'a#1' in one forward, module 'a' called twice (its second call is 'd.a#1') in the next."""
+
+    def __init__(self):
+        super().__init__()
+        self.d = torch.nn.ModuleDict({"a": torch.nn.Linear(2, 2), "a#1": torch.nn.Linear(2, 2)})
+
+    def forward(self, x, twice=False):
+        return self.d["a"](self.d["a"](x)) if twice else self.d["a#1"](self.d["a"](x))
+
+
+@pytest.mark.parametrize("model_class", [_CollidingModules, _CollidingAcrossForwards])
+@pytest.mark.parametrize("to_store", [False, True])
+def test_a_module_named_like_another_modules_repeated_call_is_refused_at_track(tmp_path, model_class, to_store):
+    """Tracked modules 'd.a' and 'd.a#1': 'd.a#1.output' names both the second call of 'd.a'
+    and the module 'd.a#1', so a forward calling 'd.a' twice after one calling 'd.a#1' stored
+    the rows of two modules as one array (verify found nothing). Refused when the tracker
+    attaches, naming both and the fix, before any forward; excluding one of them captures."""
+    model = model_class().eval()
+    store = str(tmp_path / "s.zarr") if to_store else None
+    x = torch.randn(3, 2)
+    with pytest.raises(acs.CaptureError, match=r"tracked module 'd.a#1' of .* is named like the repeated call #1 of "
+                       r"the tracked module 'd.a'.*rename the module.*exclude=\['d.a#1'\]"):
+        with acs.ActivationScope(store=store).track(model) as tr, torch.no_grad():
+            model(x)
+            model(x, True) if model_class is _CollidingAcrossForwards else None
+    if to_store:
+        assert not (tmp_path / "s.zarr").exists()
+    with acs.ActivationScope(store=store).track(model, exclude=["d.a#1"]) as tr, torch.no_grad():
+        model(x, True) if model_class is _CollidingAcrossForwards else model(x)
+    assert tr.hook_points == ["d.a.output", "d.a#1.output"]
+
+
+class _HashInName(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.d = torch.nn.ModuleDict({"g#h": torch.nn.Linear(2, 2), "b#2": torch.nn.Linear(2, 2)})
+
+    def forward(self, x):
+        return self.d["b#2"](self.d["g#h"](x))
+
+
+def test_a_module_whose_name_holds_a_hash_is_not_reported_as_recording_nothing():
+    """A module 'g#h' (or 'b#2' with no module 'b') records its own hook point; the capture
+    warned that it recorded nothing, reading its name as module 'g', call '#h'."""
+    model = _HashInName().eval()
+    x = torch.randn(3, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", acs.CaptureWarning)
+        with acs.ActivationScope().track(model) as tr, torch.no_grad():
+            model(x)
+    with torch.no_grad():
+        first = model.d["g#h"](x)
+        torch.testing.assert_close(tr.activations["d.g#h.output"][0], first, rtol=0, atol=0)
+        torch.testing.assert_close(tr.activations["d.b#2.output"][0], model.d["b#2"](first), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("model, name", [(torch.nn.Sequential(_CollidingKeys()), "0.output.1")])
 @pytest.mark.parametrize("to_store", [False, True])
 def test_two_tensors_of_one_forward_under_one_name_are_refused(tmp_path, model, name, to_store):
-    """Two names of one forward that are the same (a module named like another's repeated
-    call; output keys 1 and '1') would put two tensors, two rows per sample, under one hook
-    point: refused as CaptureError naming it, and a store keeps the forwards before."""
+    """Two names of one forward that are the same (output keys 1 and '1'; a module named like
+    another's repeated call is refused earlier, when the tracker attaches) would put two tensors,
+    two rows per sample, under one hook point: refused as CaptureError naming it, and a store
+    keeps the forwards before."""
     store = str(tmp_path / "s.zarr") if to_store else None
     with pytest.raises(acs.CaptureError, match=rf"hook point '{re.escape(name)}' was given two tensors in forward 0 "
                        r"of the tracked model: two names of that forward are the same.*Rename the module or key"):

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ..errors import ArgumentTypeError, CaptureWarning, HookPointNotFoundError
+from ..errors import ArgumentTypeError, CaptureError, CaptureWarning, HookPointNotFoundError
 
 __all__ = ["select_modules", "hook_point_module", "normalize_patterns", "is_hook_point_module", "rename_hook_point",
            "pattern_hits", "pattern_selects", "block_stacks", "block_modules"]
@@ -132,6 +132,10 @@ def select_modules(
     HookPointNotFoundError
         If an ``include`` pattern matches no module, or the selection ends up empty; the
         message lists module names that exist.
+    CaptureError
+        If two selected modules are ``P`` and ``P#<k>`` (``k`` digits, e.g. the ``nn.ModuleDict``
+        keys ``"a"`` and ``"a#1"``): ``P#<k>.output`` also names the repeated call ``#k`` of
+        ``P``, so their rows could end up in one array. Rename one, or exclude it.
     TypeError
         If ``model`` is not an ``nn.Module``.
     """
@@ -178,6 +182,7 @@ def select_modules(
             f"include={include!r} and exclude={exclude!r} leave no module of {type(model).__name__} to track; "
             f"module names look like {_examples(names)}"
         )
+    _refuse_call_index_names(chosen, type(model).__name__)
     return chosen
 
 
@@ -249,6 +254,23 @@ def block_modules(model: torch.nn.Module) -> list[str]:
         module = model.get_submodule(stack)
         out.extend(f"{stack}.{child}" if stack else child for child, _ in module.named_children())
     return out
+
+
+def _refuse_call_index_names(chosen: list[tuple[str, torch.nn.Module]], model_name: str) -> None:
+    """Refuse two tracked modules ``P`` and ``P#<k>`` (an ``nn.ModuleDict`` key ``"a#1"`` next to
+    ``"a"``): the hook points of ``P#<k>`` are the names of the (k+1)-th call of ``P`` in one
+    forward, so a forward calling ``P`` twice and another calling ``P#<k>`` would store the rows
+    of two modules as one array."""
+    tracked = {n for n, _ in chosen}
+    for n, _ in chosen:
+        base, sep, k = n.rpartition("#")
+        if sep and k.isdigit() and k.isascii() and base in tracked:
+            raise CaptureError(
+                f"tracked module {n!r} of {model_name} is named like the repeated call #{k} of the tracked module "
+                f"{base!r}: the hook points of both would be {n + '.output'!r}, so the rows of two modules could be "
+                f"stored as one array; rename the module (its nn.ModuleDict key), or pass exclude=[{n!r}] "
+                f"(or [{base!r}]) to track()"
+            )
 
 
 def _scripted_owner(name: str, by_name: dict[str, torch.nn.Module]) -> str | None:
@@ -344,6 +366,7 @@ def _module_readings(hook_point: str, hook_point_paths: Any = ()) -> list[str]:
             rest = hook_point[i + len(marker):]
             if rest == "" or rest.startswith("."):
                 out.append(hook_point[:i].split("#")[0])
+                out.append(hook_point[:i])  # (a module whose own name holds a '#': a ModuleDict key "g#h")
             i = hook_point.find(marker, i + 1)
     whole = hook_point.split("#")[0]
     if whole in hook_point_paths:

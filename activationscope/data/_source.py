@@ -79,6 +79,8 @@ class RowSource(Protocol):
         hint outside it (the reader then skips them)."""
 
 _LIVE: "weakref.WeakSet[StoreSource]" = weakref.WeakSet()
+#: In a forked child, the parent's store objects its sources dropped (see ``_drop_handles``).
+_PARENTS_STORES: list = []
 
 
 def _after_fork_in_child() -> None:
@@ -210,7 +212,11 @@ class StoreSource:
         self._lock = threading.Lock()
         self._forget_layouts()
         if isinstance(self._reopen_spec(), str):
-            self._store = None  # reopened lazily from its path or URL
+            # reopened lazily from its path or URL; the parent's store object is kept, never
+            # finalised here: its file system's client sessions belong to the parent's event
+            # loop, and closing them in the child prints "Unclosed client session" (aiohttp)
+            _PARENTS_STORES.append(self._store)
+            self._store = None
         self._pid = os.getpid()
 
     def _forget_layouts(self) -> None:

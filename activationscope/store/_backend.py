@@ -829,6 +829,36 @@ def _unlink_quietly(path: Path) -> None:
         pass
 
 
+
+def remote_failure(e: BaseException) -> str:
+    """``e`` (an error of an object store's client) as text, with the fix where it is a missing
+    credential, a refused one or an endpoint that does not answer: where ``storage_options``
+    (``store_options={"storage_options": ...}`` of a capture) or the environment the command
+    line reads (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE``,
+    ``AWS_ENDPOINT_URL``) give them."""
+    chain, seen = [], e
+    while seen is not None and len(chain) < 8:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    names = {type(x).__name__ for x in chain}
+    text = " ".join(str(x) for x in chain)
+    if names & {"NoCredentialsError", "PartialCredentialsError"} or "Unable to locate credentials" in text:
+        hint = ("no credentials were found: pass storage_options={'key': ..., 'secret': ...} (a capture: "
+                "store_options={'storage_options': ...}), or set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+                "(or AWS_PROFILE) in the environment, as the command line reads them")
+    elif names & {"EndpointConnectionError", "ConnectTimeoutError", "ClientConnectorError"} or \
+            "Could not connect to the endpoint URL" in text:
+        hint = ("the endpoint did not answer: check storage_options={'client_kwargs': {'endpoint_url': ...}} "
+                "or AWS_ENDPOINT_URL in the environment (the command line reads it)")
+    elif isinstance(e, PermissionError) or any(w in text for w in (
+            "AccessDenied", "Access Denied", "Forbidden", "InvalidAccessKeyId", "SignatureDoesNotMatch")):
+        hint = ("the object store refused the credentials or this bucket: check the key and secret "
+                "(storage_options=, or AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY) and the bucket's permissions")
+    else:
+        return str(e)
+    return f"{e}; {hint}"
+
+
 class ZarrBackend:
     """Any zarr ``Store``; :class:`MemoryBackend` and :class:`FsspecBackend` are its common kinds.
 
@@ -859,7 +889,7 @@ class ZarrBackend:
         except (FileNotFoundError, KeyError):
             return None
         except OSError as e:
-            raise StoreError(f"reading {key!r} from {self.label} failed: {e}") from e
+            raise StoreError(f"reading {key!r} from {self.label} failed: {remote_failure(e)}") from e
         return None if buf is None else buf.to_bytes()
 
     def get(self, key: str, max_bytes: int | None = MAX_JSON_BYTES) -> bytes | None:
@@ -915,7 +945,7 @@ class ZarrBackend:
         try:
             self._sync(self.store.set(key, cpu.Buffer.from_bytes(data)))
         except Exception as e:  # remote errors come in many classes
-            raise StoreError(f"writing {key!r} to {self.label} failed: {e}") from e
+            raise StoreError(f"writing {key!r} to {self.label} failed: {remote_failure(e)}") from e
 
     def set_if_absent(self, key: str, data: bytes) -> bool:
         """Write ``key`` unless it exists; True when this call wrote it (not atomic here)."""
@@ -1048,7 +1078,7 @@ class FsspecBackend(ZarrBackend):
         except FileNotFoundError:
             return None
         except Exception as e:  # remote errors come in many classes
-            raise StoreError(f"reading the size of {key!r} in {self.label} failed: {e}") from e
+            raise StoreError(f"reading the size of {key!r} in {self.label} failed: {remote_failure(e)}") from e
         ident = tuple(str(info.get(k)) for k in ("ETag", "LastModified", "created", "mtime", "VersionId")
                       if info.get(k) is not None)
         if not ident:
@@ -1079,7 +1109,7 @@ class FsspecBackend(ZarrBackend):
         except Exception as e:  # remote errors come in many classes
             if "PreconditionFailed" in str(e) or "412" in str(e):
                 return False
-            raise StoreError(f"writing {key!r} to {self.label} failed: {e}") from e
+            raise StoreError(f"writing {key!r} to {self.label} failed: {remote_failure(e)}") from e
 
 
 def describe_local_path(path: str | os.PathLike) -> tuple[str, str] | None:

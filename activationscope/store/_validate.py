@@ -241,6 +241,25 @@ def check_reduction_entry(hp: str, name: str, e: Any, c: _Checker) -> None:
         c.crcs(part.get("crc32c"), f"{g}.crc32c", "reductions")
 
 
+def _check_reduction_places(hp: str, name: str, e: dict, owners: dict[str, str], c: _Checker) -> None:
+    """Each file of a reduction entry (its result, its state, its script) lies in its hook
+    point's folder, ``reductions/<node>/`` (FORMAT.md section 1), and belongs to that entry
+    alone: an entry naming another hook point's files (or another entry's) would be read as
+    its own, the other's values under its name, with every crc32c matching."""
+    f = f"reductions[{hp!r}][{name!r}]"
+    folder = f"reductions/{F.node_name(hp)}/"
+    places = [(f"{f}.path", e["path"])]
+    places += [(f"{f}.state[{key!r}].path", part["path"]) for key, part in (e.get("state") or {}).items()]
+    if e.get("script") is not None:
+        places.append((f"{f}.script", e["script"]))
+    for field, path in places:
+        if not path.startswith(folder):
+            raise c.fail(field, f"a key in the hook point's folder {folder!r}", path)
+        if path in owners:
+            raise c.fail(field, "unique", f"{path} (also the file of {owners[path]})")
+        owners[path] = field
+
+
 #: The built-in reductions (``capture.reductions.BUILTIN_REDUCTIONS``, made in
 #: ``csrc/reductions_builtin.cpp``) and the options each takes besides ``per_feature``.
 BUILTIN_OPTIONS: dict[str, tuple[str, ...]] = {
@@ -498,6 +517,10 @@ def check_root_attrs(attrs: Any, *, store: Any, key: str = "zarr.json") -> dict:
             raise c.fail(f"aliases[{alias!r}]", "a hook point without an array of its own", alias)
     # (the rules of built-in reduction entries concern one entry each: builtin_reduction_problems,
     # refused by the readers of that entry, never for the whole store)
+    owners: dict[str, str] = {}
+    for hp, entries in reductions.items():
+        for name, e in entries.items():
+            _check_reduction_places(hp, name, e, owners, c)
     return attrs
 
 

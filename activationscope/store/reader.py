@@ -2600,10 +2600,13 @@ class Store:
         }
 
     # ------------------------------------------------------------------ copies
-    def save(self, target: Any, *, overwrite: bool = False) -> "Store":
-        """Copy the store to ``target`` (a path, URL or zarr Store); returns it opened."""
-        copy_store(self, target, overwrite=overwrite)
-        return open_store(target)
+    def save(self, target: Any, *, overwrite: bool = False, storage_options: dict | None = None) -> "Store":
+        """Copy the store to ``target`` (a path, URL or zarr Store); returns it opened.
+
+        ``storage_options`` are the fsspec options (credentials, endpoint) of a URL ``target``
+        (``s3://...``), as :func:`copy_store` takes them."""
+        copy_store(self, target, overwrite=overwrite, storage_options=storage_options)
+        return open_store(target, storage_options=storage_options)
 
     def close(self) -> None:
         """Drop the store's own references to its mappings (views keep theirs alive)."""
@@ -3044,8 +3047,19 @@ def _refuse_copy_onto_itself(src: Any, dst: Any) -> None:
                          "another path")
 
 
-def copy_store(source: Any, target: Any, *, overwrite: bool = False) -> None:
+#: Times copy_store copies a source that a writer commits to meanwhile before it gives up.
+_COPY_ATTEMPTS = 3
+
+
+def copy_store(source: Any, target: Any, *, overwrite: bool = False, storage_options: dict | None = None) -> None:
     """Copy every object of a store (e.g. an in-memory one) to ``target``; root metadata last.
+
+    ``source`` and ``target`` are each a local path, an fsspec URL (``s3://bucket/run.zarr``),
+    a zarr Store, and for ``source`` also an opened :class:`Store` (which reads with the
+    options it was opened with). ``storage_options`` are the fsspec options (credentials,
+    ``client_kwargs={"endpoint_url": ...}``) of whichever of them is a URL; to copy between
+    two services that need different ones, pass the source opened
+    (``open_store(url, storage_options=...)``).
 
     The target's first write is the root of a new, incomplete store with no rows (over the old
     root, with ``overwrite``); then the old store's objects are deleted and the source's copied.
@@ -3067,7 +3081,11 @@ def copy_store(source: Any, target: Any, *, overwrite: bool = False) -> None:
         A writer holds ``target``.
     StoreError
         ``target`` is a local path inside another store, or the source itself, a folder
-        holding it or a folder inside it (symlinks resolved); nothing is deleted.
+        holding it or a folder inside it (symlinks resolved); nothing is deleted. Or the
+        source's root document changed while its objects were copied, three times in a row (a
+        capture writing it commits meanwhile): the target is left an incomplete store with no
+        rows. A source a writer commits to is copied as the commit its root named when the copy
+        started, whenever no commit lands while the copy runs.
     StoreCorruptError
         The source holds a file that is not a regular file inside it (a symlink leaving it,
         a FIFO, a device): nothing is copied through it.
@@ -3079,8 +3097,9 @@ def copy_store(source: Any, target: Any, *, overwrite: bool = False) -> None:
     from ._lock import WriterLock
 
     overwrite = F.parse_flag(overwrite, "overwrite")  # (overwrite="False" is a true string)
-    src = source._backend if isinstance(source, Store) else resolve(source, read_only=True)
-    dst = resolve(target)
+    src = source._backend if isinstance(source, Store) else resolve(source, read_only=True,
+                                                                    storage_options=storage_options)
+    dst = resolve(target, storage_options=storage_options)
     if src.size("zarr.json") is None:  # (a mistyped source would replace the target with an empty store)
         moved = src.moved_aside_hint() if isinstance(src, LocalBackend) else ""
         raise StoreError(f"source {str(src)!r} of copy_store must be a store, got a path with no root document "
@@ -3108,18 +3127,31 @@ def copy_store(source: Any, target: Any, *, overwrite: bool = False) -> None:
         # point, the target is the old store intact or an incomplete store listing no row of the old one;
         # copy_store(..., overwrite=True) again completes it
         write_root_first(dst, F.first_root_attrs(uuid.uuid4().hex, F.utc_now()), replacing=True)
-        files = _committed_shard_files(source if isinstance(source, Store) else src)
-        # (a key read from its kept file is copied even when its own is a folder, which lists no file by
-        # that name; the files inside such a folder are no part of the store)
-        keys = sorted(set(src.list("")) | set(files))
-        in_damaged = tuple(key + "/" for key in files)
-        for key in keys:
-            # (temporary files are no part of the store)
-            if key == "zarr.json" or key.endswith(".tmp") or key.startswith(in_damaged):
-                continue
-            data = src.get(files.get(key, key), max_bytes=None)  # regular files inside the store only (links are refused)
-            if data is not None:
-                dst.set(key, data)
-        root = src.get("zarr.json")
+        for _ in range(_COPY_ATTEMPTS):
+            # the source's root is read before its objects, and the copy is of that commit only if the
+            # root is the same after them: a writer committing meanwhile (a capture still running) writes
+            # its objects first and its root last, so a root read at the end could list rows, shards or
+            # reductions that the objects copied before it do not hold
+            root = src.get("zarr.json")
+            files = _committed_shard_files(source if isinstance(source, Store) else src)
+            # (a key read from its kept file is copied even when its own is a folder, which lists no file by
+            # that name; the files inside such a folder are no part of the store)
+            keys = sorted(set(src.list("")) | set(files))
+            in_damaged = tuple(key + "/" for key in files)
+            for key in keys:
+                # (temporary files are no part of the store)
+                if key == "zarr.json" or key.endswith(".tmp") or key.startswith(in_damaged):
+                    continue
+                data = src.get(files.get(key, key), max_bytes=None)  # regular files inside the store only (links are refused)
+                if data is not None:
+                    dst.set(key, data)
+            if src.get("zarr.json") == root:
+                break
+        else:
+            raise StoreError(
+                f"source {str(src)!r} of copy_store was committed again while it was copied, {_COPY_ATTEMPTS} times "
+                f"(a capture or resume is writing it), so the copy would not be one commit of it; the target "
+                f"{str(dst)!r} is left an incomplete store with no rows: copy again once the writer has finished "
+                f"(activationscope info shows status complete), with overwrite=True")
         if root is not None:
             dst.set("zarr.json", root)

@@ -195,3 +195,55 @@ def test_worker_batches_never_carry_the_whole_store_map(store_path):
         for b in batches:
             assert all(t.untyped_storage().nbytes() == t.nbytes for t in b.data.values())
         assert torch.equal(torch.cat([collate(b)["x"] for b in batches]), acts[order])
+
+
+
+_FORKED_S3_CHILD = """
+import json, sys
+import torch
+import activationscope as acs
+from torch.utils.data import DataLoader
+from activationscope.data import ActivationDataset, ShuffledBatchSampler
+
+url, so = sys.argv[1], json.loads(sys.argv[2])
+want = torch.load(sys.argv[3])
+ds = ActivationDataset(url, hook_points="0.output", columns=["sample_id"], open_options={"storage_options": so})
+assert torch.equal(ds[:]["0.output"], want)  # (the dataset's store holds a client session now)
+loader = DataLoader(ds, batch_sampler=ShuffledBatchSampler(ds, batch_size=8, seed=0), num_workers=2,
+                    multiprocessing_context="fork")
+seen = []
+for batch in loader:
+    assert torch.equal(batch["0.output"], want[batch["sample_id"]])
+    seen += batch["sample_id"].tolist()
+assert sorted(seen) == list(range(40))
+print("read", len(seen))
+"""
+
+
+def test_forked_workers_of_an_s3_dataset_print_nothing_about_the_parents_client_sessions(s3, tmp_path):
+    """A forked worker drops the store object the dataset opened in the parent and reopens the
+    store; the dropped object's S3 client session, finalised in the child, made every worker
+    print "Unclosed client session" (aiohttp) on stderr. The rows read are the stored ones."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import activationscope as acs
+
+    url = "s3://acs-bucket/forked-workers.zarr"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8)).eval()
+    xs = torch.randn(40, 4)
+    scope = acs.ActivationScope(store=url, store_options={"storage_options": s3, "overwrite": True})
+    with scope.track(model) as tr, torch.no_grad():
+        for i in range(0, 40, 10):
+            tr.set_batch(sample_ids=range(i, i + 10))
+            model(xs[i:i + 10])
+    with torch.no_grad():
+        torch.save(torch.cat([model(x) for x in xs.split(10)]), tmp_path / "want.pt")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run([sys.executable, "-c", _FORKED_S3_CHILD, url, json.dumps(s3), str(tmp_path / "want.pt")],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0 and out.stdout.strip() == "read 40", out.stderr
+    assert "Unclosed client session" not in out.stderr

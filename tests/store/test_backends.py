@@ -181,6 +181,85 @@ def test_remote_s3_store_resume_and_read(s3, mlp):
     assert store.verify() == []
 
 
+def test_copy_store_and_save_take_the_storage_options_of_an_s3_url(s3, mlp, tmp_path):
+    """A local store copied to S3 (and back) with the credentials given as storage_options, as
+    open_store and a capture take them; before, copy_store and save had no such argument, and
+    a URL target needed the credentials in the environment."""
+    local = tmp_path / "a.zarr"
+    xs = batches_mlp(n_batches=3)
+    ref = capture_memory(mlp, xs)
+    capture_store(mlp, xs, str(local), reductions=["mean"])
+    url = f"s3://acs-bucket/copied-{uuid.uuid4().hex}.zarr"
+    copy_store(str(local), url, storage_options=s3)
+    remote = open_store(url, storage_options=s3)
+    assert remote.verify() == [] and remote.status == "complete"
+    for hp, rows in ref.items():
+        assert torch.equal(remote[hp], rows), hp
+        assert torch.equal(remote.reductions[hp]["mean"], open_store(local).reductions[hp]["mean"])
+    back = tmp_path / "back.zarr"
+    copy_store(url, str(back), storage_options=s3)
+    assert all(torch.equal(open_store(back)[hp], rows) for hp, rows in ref.items())
+    again = open_store(local).save(url, overwrite=True, storage_options=s3)
+    assert again.verify() == [] and all(torch.equal(again[hp], rows) for hp, rows in ref.items())
+
+
+@pytest.fixture
+def no_aws_environment(monkeypatch, tmp_path):
+    """No credentials anywhere botocore looks for them (variables, files, instance metadata)."""
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
+                 "AWS_DEFAULT_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_a_remote_store_without_credentials_or_endpoint_names_the_fix(s3, mlp, no_aws_environment, capsys, monkeypatch):
+    """Reading or writing an S3 store without credentials, or at an endpoint that does not
+    answer, said only botocore's words ("Unable to locate credentials"), with no way to give
+    them named (the command line takes no option for them): the error now names
+    storage_options= and the environment variables, for open_store, a capture and the CLI."""
+    import s3fs
+
+    from activationscope import cli
+
+    url = "s3://acs-bucket/creds.zarr"
+    with acs.ActivationScope(store=url, store_options={"storage_options": s3, "overwrite": True}).track(mlp), \
+            torch.no_grad():
+        mlp(torch.randn(3, 8))
+    endpoint = s3["client_kwargs"]
+    no_key = {"client_kwargs": endpoint}
+    creds = r"no credentials were found: pass storage_options=\{'key': \.\.\., 'secret': \.\.\.\}.*AWS_ACCESS_KEY_ID"
+    with pytest.raises(acs.StoreError, match=rf"'zarr.json' in {url}.*Unable to locate credentials; {creds}"):
+        open_store(url, storage_options=no_key)
+    with pytest.raises(acs.StoreError, match=rf"to s3://acs-bucket/new.zarr failed: .*; {creds}"):
+        with acs.ActivationScope(store="s3://acs-bucket/new.zarr", store_options={"storage_options": no_key}).track(mlp):
+            mlp(torch.randn(3, 8))
+    elsewhere = {**s3, "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{_closed_port()}"}}
+    with pytest.raises(acs.StoreError, match=r"the endpoint did not answer: check storage_options=\{'client_kwargs': "
+                       r"\{'endpoint_url': \.\.\.\}\} or AWS_ENDPOINT_URL"):
+        open_store(url, storage_options=elsewhere)
+    anonymous = {"anon": True, "client_kwargs": endpoint}
+    with pytest.raises(acs.StoreError, match=r"the object store refused the credentials or this bucket"):
+        open_store(url, storage_options=anonymous)
+    assert cli.main(["info", url]) == 1
+    assert "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY" in capsys.readouterr().err
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3["key"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3["secret"])
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint["endpoint_url"])
+    s3fs.S3FileSystem.clear_instance_cache()   # (a new process of the command line starts without it)
+    assert cli.main(["verify", url]) == 0, capsys.readouterr().err
+
+
 @pytest.fixture
 def staging_dir(tmp_path, monkeypatch):
     """The folder where writers of remote stores make their staging folders in this test

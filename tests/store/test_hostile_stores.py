@@ -11,6 +11,7 @@ import re
 import shutil
 import threading
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -762,16 +763,44 @@ def test_reduction_entry_pointed_at_another_file(tmp_path, field, value):
     s = open_store(path)
     assert s.verify() == [] and s.reduction_script(HP, "absmax") == b"scripted module bytes"
     edit_root(path, lambda a: a["reductions"][HP]["mean"].update({field: value}))
-    s = open_store(path)
-    if field == "path":
-        with pytest.raises(StoreCorruptError, match=rf"reduction 'mean': chunk 'reductions/{HP}/var/c/0': the entry's "
-                                                    r"crc32c lists \['reductions/0.output/mean/c/0'\] but not this file"):
-            s.reductions[HP]["mean"]
+    # (a file of another entry: refused when the store opens, as two arrays of one path are)
+    with pytest.raises(StoreCorruptError, match=rf"reductions\['{HP}'\]\['\w+'\]\.{field} must be unique, got "
+                                                rf"\"{value} \(also the file of reductions\['{HP}'\]\['(mean|var|absmax)'\]"):
+        open_store(path)
+
+
+def _row_sum(acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    s = x.double().sum(0)
+    return s if acc is None else acc + s
+
+
+def _row_max(acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    m = x.double().amax(0)
+    return m if acc is None else torch.maximum(acc, m)
+
+
+@pytest.mark.parametrize("edit", ["another hook point's entry", "another entry of its hook point"])
+def test_a_reduction_entry_replaced_by_another_entry_whole_is_refused(tmp_path, edit):
+    """A root edited so that reduction 'mean' of one hook point is the entry of another (its
+    path, state and crc32c map together: every checksum matches) read the other's values as
+    this one's, and verify returned []; refused when the store opens, naming the entry."""
+    path = tmp_path / "r.zarr"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()).eval()
+    with acs.ActivationScope(store=str(path), reductions=["mean", _row_sum, _row_max]).track(model) as tr, \
+            torch.no_grad():
+        model(torch.randn(6, 4))
+    assert open_store(path).verify() == []
+    if edit == "another hook point's entry":
+        change, match = (lambda a: a["reductions"]["0.output"].update(mean=a["reductions"]["1.output"]["mean"])), \
+            r"reductions\['0.output'\]\['mean'\].path must be a key in the hook point's folder 'reductions/0.output/', " \
+            r"got 'reductions/1.output/mean'"
     else:
-        with pytest.raises(StoreCorruptError, match=rf"reduction 'mean': script 'reductions/{HP}/absmax.pt': the entry's "
-                                                    "crc32c lists"):
-            s.reduction_script(HP, "mean")
-    assert any("but not this file" in p for p in s.verify())
+        change, match = (lambda a: a["reductions"]["0.output"].update(_row_max=a["reductions"]["0.output"]["_row_sum"])), \
+            r"reductions\['0.output'\]\['_row_(max|sum)'\].(path|script) must be unique, got \"reductions/0.output/_row_sum"
+    edit_root(path, change)
+    with pytest.raises(StoreCorruptError, match=match):
+        open_store(path)
 
 
 def test_one_shard_folder_linked_outside_among_real_ones(tmp_path, plain):
