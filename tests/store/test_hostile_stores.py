@@ -1476,8 +1476,10 @@ def test_built_in_reduction_metadata_that_no_reduction_has_is_refused(tmp_path, 
 def test_built_in_reduction_entries_that_are_not_its_outputs_are_refused(tmp_path):
     path = tmp_path / "b.zarr"
     _builtin_store(path)
+    # (the count's entry under another name: a copy of it would name a file of another entry,
+    # refused at open for the whole store, as two arrays of one path are)
     edit_root(path, lambda a: a["reductions"]["0.output"].update(
-        {"mean.extra": {**a["reductions"]["0.output"]["mean.count"]}}))
+        {"mean.extra": a["reductions"]["0.output"].pop("mean.count")}))
     _refused_by_its_readers(path, "mean.extra", re.escape(
         "field reductions['0.output']['mean.extra'] must be an output of the built-in reduction 'mean'"))
     assert set(open_store(path).refused_reductions["0.output"]) == {"mean.extra"}
