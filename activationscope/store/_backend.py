@@ -909,10 +909,19 @@ class ZarrBackend:
         from zarr.abc.store import RangeByteRequest
 
         check_key(key, store=self, what="key")
+        if length <= 0 or start < 0:
+            return b"" if self.size(key) is not None else None
+        try:  # one ranged read (an object store's request costs its latency: no size asked first)
+            data = self._get(key, RangeByteRequest(start, start + length))
+        except StoreError:
+            data = None  # (a range past the end is refused by some stores: asked again with the size)
+        else:
+            if data is None or len(data) <= length:
+                return data
         size = self.size(key)
         if size is None:
             return None
-        if start >= size or length <= 0:
+        if start >= size:
             return b""
         return self._get(key, RangeByteRequest(start, min(size, start + length)))
 
@@ -920,9 +929,10 @@ class ZarrBackend:
         check_key(key, store=self, what="key")
 
         async def getsize() -> int | None:
-            if not await self.store.exists(key):
+            try:  # (one metadata request: a missing key raises FileNotFoundError)
+                return await self.store.getsize(key)
+            except (FileNotFoundError, KeyError):
                 return None
-            return await self.store.getsize(key)
 
         try:
             n = self._sync(getsize())

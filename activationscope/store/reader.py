@@ -346,6 +346,7 @@ class Store:
         self._cached = 0
         self._maps: dict[str, torch.Tensor] = {}
         self._indexes: dict[str, _ShardIndex] = {}
+        self._index_gates: dict[str, threading.Lock] = {}  # (see _shard_index)
         self._whole: dict[str, tuple[int, torch.Tensor]] = {}
         self._zarrays: dict[str, Any] = {}
         self._checked: dict[str, _ChunkCrcs] = {}  # array path -> (shard, slot) -> (offset, nbytes, crc32c)
@@ -1339,9 +1340,23 @@ class Store:
         if _key is None:
             with self._lock:
                 cached = self._indexes.get(shard_key)
+                gate = None if cached is not None else self._index_gates.setdefault(shard_key, threading.Lock())
             if cached is not None:
                 return cached
-        key = _key or self._shard_file(meta, shard)  # (cached under the shard key: checked once)
+            # one read of a shard's index however many threads want it at once (the decode pool's
+            # chunks of one shard): a request, or three, each on object storage
+            with gate:
+                with self._lock:
+                    cached = self._indexes.get(shard_key)
+                if cached is not None:
+                    return cached
+                try:
+                    return self._shard_index(meta, shard, self._shard_file(meta, shard))
+                finally:
+                    with self._lock:
+                        if self._index_gates.get(shard_key) is gate:
+                            del self._index_gates[shard_key]
+        key = _key  # (cached under the shard key: checked once)
         rb, chunk_rows, n_chunks, chunk_bytes = _layout(meta)
         n = int(meta["n_rows"])
         shard_rows = n_chunks * chunk_rows
