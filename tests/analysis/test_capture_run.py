@@ -388,12 +388,23 @@ class _Tokenizer:
     pad_token_id = 0
 
 
+def _pad_warnings(tmp_path, ids):
+    """The pad-id CaptureWarnings of a token-row capture of tensor data ``ids`` (6, 5)."""
+    from activationscope.errors import CaptureWarning
+
+    torch.save(ids, tmp_path / "ids.pt")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        capture_run.capture_dataset("tok:model", str(tmp_path / "ids.pt"), str(tmp_path / "r.zarr"), rows="token",
+                                    batch_size=3, progress=False)
+    return [str(w.message) for w in caught if issubclass(w.category, CaptureWarning) and "pad token id" in str(w.message)]
+
+
 @pytest.mark.parametrize("side", ["right", "left", "none"])
 def test_token_ids_padded_with_the_pad_id_are_warned_about(tmp_path, monkeypatch, side):
     """Tensor data gives the model no attention mask: ids padded with the tokenizer's pad id
     are attended to and stored as tokens, which a text file would have masked."""
     from activationscope.analysis import specs
-    from activationscope.errors import CaptureWarning
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Embedding(20, 4))
@@ -405,12 +416,7 @@ def test_token_ids_padded_with_the_pad_id_are_warned_about(tmp_path, monkeypatch
         ids[4, 4:] = 0
     elif side == "left":
         ids[2, :2] = 0
-    torch.save(ids, tmp_path / "ids.pt")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        capture_run.capture_dataset("tok:model", str(tmp_path / "ids.pt"), str(tmp_path / "r.zarr"), rows="token",
-                                    batch_size=3, progress=False)
-    padded = [str(w.message) for w in caught if issubclass(w.category, CaptureWarning) and "pad token id" in str(w.message)]
+    padded = _pad_warnings(tmp_path, ids)
     n = {"right": 2, "left": 1, "none": 0}[side]
     if n:
         assert padded == [
@@ -435,7 +441,6 @@ def test_a_pad_id_that_is_also_bos_or_eos_warns_only_for_runs_of_it(tmp_path, mo
     """A tokenizer whose pad id is its BOS / EOS id (GPT-2's): token data that begins or
     ends each context with that token (SAE caching) is not padded; two of them at an end are."""
     from activationscope.analysis import specs
-    from activationscope.errors import CaptureWarning
 
     model = torch.nn.Sequential(torch.nn.Embedding(20, 4))
     monkeypatch.setattr(specs, "load_model_spec", lambda spec: specs.LoadedModel(
@@ -447,12 +452,7 @@ def test_a_pad_id_that_is_also_bos_or_eos_warns_only_for_runs_of_it(tmp_path, mo
         ids[1, 3:] = 0
         ids[4, 4:] = 0
         ids[4, 3] = 0
-    torch.save(ids, tmp_path / "ids.pt")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        capture_run.capture_dataset("tok:model", str(tmp_path / "ids.pt"), str(tmp_path / "r.zarr"), rows="token",
-                                    batch_size=3, progress=False)
-    padded = [str(w.message) for w in caught if issubclass(w.category, CaptureWarning) and "pad token id" in str(w.message)]
+    padded = _pad_warnings(tmp_path, ids)
     assert len(padded) == (1 if n else 0) and all(f"({n} of 6 samples start or end with it)" in p for p in padded)
 
 
