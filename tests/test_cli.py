@@ -462,6 +462,57 @@ def test_capture_max_length_below_the_special_tokens_is_refused(capsys, tmp_path
     assert code == 0, err
     assert acs.open_store(str(tmp_path / "b.zarr"))["encoder.layer.0.output"].shape[0] == 2 * 3
 
+
+@needs_demo
+def test_capture_says_how_many_texts_were_cut_to_max_length(capsys, tmp_path, recwarn):
+    # texts longer than --max-length lose their tail: one warning counts them and names the longest
+    import activationscope as acs
+    from activationscope.errors import CaptureWarning
+
+    f = tmp_path / "s.txt"
+    f.write_text("one two\none two three four five six seven eight nine ten\nthree\nfour five six seven\n")
+    code, _, err = run(capsys, "capture", "--model", "demo", "--data", str(f), "--out", str(tmp_path / "a.zarr"),
+                       "--include", "encoder.layer.0", "--max-length", "5", "--batch-size", "2", "--no-progress")
+    assert code == 0, err
+    cut = [str(w.message) for w in recwarn if "--max-length" in str(w.message)]
+    assert len(cut) == 1, cut                    # [CLS] + 10 words + [SEP] = 12 tokens; [CLS] + 4 + [SEP] = 6
+    assert [w.category for w in recwarn if "--max-length" in str(w.message)] == [CaptureWarning]
+    assert cut[0].startswith("2 of the 4 text samples of this run are longer than --max-length 5 tokens"), cut[0]
+    assert "the longest, sample 1, has 12" in cut[0] and "pass --max-length 12 to keep every token" in cut[0]
+    rows = acs.open_store(str(tmp_path / "a.zarr")).row_table("token").column("sample_id").to_pylist()
+    assert [rows.count(i) for i in range(4)] == [4, 5, 3, 5]
+    recwarn.clear()
+    code, _, err = run(capsys, "capture", "--model", "demo", "--data", str(f), "--out", str(tmp_path / "b.zarr"),
+                       "--include", "encoder.layer.0", "--max-length", "12", "--no-progress")
+    assert code == 0, err
+    assert not [w for w in recwarn if "--max-length" in str(w.message)]
+
+
+@needs_demo
+def test_capture_max_length_above_the_model_positions_is_refused(capsys, tmp_path):
+    # all-MiniLM-L6-v2 takes 512 positions: a longer text would fail inside the model
+    f = tmp_path / "s.txt"
+    f.write_text("one two\n")
+    code, _, err = run(capsys, "capture", "--model", "demo", "--data", str(f), "--out", str(tmp_path / "a.zarr"),
+                       "--include", "encoder.layer.0", "--max-length", "513", "--no-progress")
+    assert code == 1
+    _one_error_line(err, "--max-length 513 is more than the 512 positions", "config.max_position_embeddings",
+                    "pass --max-length 512 or less", "nothing was written")
+    assert not (tmp_path / "a.zarr").exists()
+
+
+def test_default_max_length_is_the_model_positions_where_fewer():
+    class Config:
+        max_position_embeddings = 64
+
+    model = torch.nn.Linear(2, 2)
+    assert capture_run._check_max_length(None, model, "m") == capture_run.MAX_LENGTH
+    model.config = Config()
+    assert capture_run._check_max_length(None, model, "m") == 64
+    assert capture_run._check_max_length(64, model, "m") == 64
+    with pytest.raises(ArgumentValueError, match="--max-length 65 is more than the 64 positions --model 'm' takes"):
+        capture_run._check_max_length(65, model, "m")
+
 def test_text_lines_end_at_newline_only(tmp_path):
     f = tmp_path / "t.txt"
     f.write_bytes(b"alpha\xe2\x80\xa8beta\ngamma\x0cdelta\x0bx\xc2\x85y\x1cz\nlast\n")

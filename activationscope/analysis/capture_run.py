@@ -341,7 +341,7 @@ def capture_dataset(
     chunk_rows: int | None = None,
     batch_size: int = 32,
     max_samples: int | None = None,
-    max_length: int = MAX_LENGTH,
+    max_length: int | None = None,
     resume: bool = False,
     overwrite: bool = False,
     stop_after_last: bool = False,
@@ -387,9 +387,13 @@ def capture_dataset(
         Samples per forward, at least 1.
     max_samples : int, optional
         The store holds at most this many samples (the first ones of ``data``), at least 1.
-    max_length : int, default 128
+    max_length : int, optional
         Token limit of text samples (special tokens included), more than the special tokens
-        the tokenizer adds to a sample.
+        the tokenizer adds to a sample and at most the positions the model takes
+        (``config.max_position_embeddings``). Default: :data:`MAX_LENGTH` (128), or the
+        model's positions where it takes fewer. Longer texts are cut to their first
+        ``max_length`` tokens, with a :class:`~activationscope.errors.CaptureWarning` that
+        says how many and how long the longest is.
     resume : bool
         Continue the incomplete store at ``out`` from its next sample: samples
         ``store.n_samples`` .. end of ``data`` are captured with those sample ids. With
@@ -465,7 +469,7 @@ def capture_dataset(
         raise ArgumentValueError(f"--batch-size must be a positive int, got {batch_size}")
     if max_samples is not None and max_samples < 1:
         raise ArgumentValueError(f"--max-samples must be a positive int, got {max_samples}")
-    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
+    if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1):
         raise ArgumentValueError(f"--max-length must be a positive int, got {max_length!r}")
     if dtype is not None and dtype not in STORAGE_DTYPES:
         raise ArgumentValueError(f"--dtype must be one of {list(STORAGE_DTYPES)}, got {dtype!r}")
@@ -489,6 +493,7 @@ def capture_dataset(
             "(or pass a .npy / .pt tensor file)"
         )
     if dataset.texts is not None:
+        max_length = _check_max_length(max_length, loaded.model, model)
         count = getattr(loaded.tokenizer, "num_special_tokens_to_add", None)
         n_special = int(count(pair=False)) if callable(count) else 0
         if max_length <= n_special:  # the tokenizer cannot truncate below its special tokens: it would not truncate
@@ -521,7 +526,8 @@ def capture_dataset(
         labels = dataset.labels[first:n] if dataset.labels is not None else None
         ids = dataset.sample_ids[first:n] if dataset.sample_ids is not None else None
         batches = text_batches(
-            dataset.texts[first:n], loaded.tokenizer, batch_size, max_length, labels, first_id=first, sample_ids=ids)
+            dataset.texts[first:n], loaded.tokenizer, batch_size, max_length, labels, first_id=first, sample_ids=ids,
+            max_positions=model_positions(loaded.model))
     else:
         _warn_padded_ids(dataset.tensor[first:n], loaded.tokenizer, data)
         batches = tensor_batches(dataset.tensor[first:n], batch_size, first_id=first)
@@ -539,6 +545,38 @@ def capture_dataset(
     )
     summary.first_sample, summary.n_target, summary.include_note = first, n, include_note
     return summary
+
+
+def model_positions(module: Any) -> int | None:
+    """The positions (tokens) a Hugging Face model takes, ``config.max_position_embeddings``;
+    None for a model without one."""
+    config = getattr(module, "config", None)
+    limit = getattr(config, "max_position_embeddings", None) if config is not None else None
+    return None if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1 else limit
+
+
+def _check_max_length(max_length: int | None, module: Any, model: str) -> int:
+    """``max_length`` of a text capture, checked against the positions the model takes
+    (``config.max_position_embeddings`` of a Hugging Face model, where it has one); None
+    gives :data:`MAX_LENGTH`, or those positions where they are fewer.
+
+    Raises
+    ------
+    ArgumentValueError
+        ``max_length`` above the model's positions: its forward would fail on the first
+        text that long (an index error inside the model), after rows were committed.
+    """
+    limit = model_positions(module)
+    if limit is None:
+        return MAX_LENGTH if max_length is None else max_length
+    if max_length is None:
+        return min(MAX_LENGTH, limit)
+    if max_length > limit:
+        raise ArgumentValueError(
+            f"--max-length {max_length} is more than the {limit} positions --model {model!r} takes "
+            f"(config.max_position_embeddings): a longer text would fail inside the model; pass --max-length "
+            f"{limit} or less (nothing was written)")
+    return max_length
 
 
 def _include_for(include: Sequence[str] | None, loaded: Any, out: str, resume: bool) -> tuple[list[str] | None, str]:
@@ -875,18 +913,27 @@ def _written_bytes(tracker: Any, out: str) -> int:
 def text_batches(
     texts: Sequence[str], tokenizer: Any, batch_size: int, max_length: int,
     labels: Sequence[Any] | None = None, first_id: int = 0, extra: dict[str, Sequence[Any]] | None = None,
-    sample_ids: Sequence[int] | None = None,
+    sample_ids: Sequence[int] | None = None, max_positions: int | None = None, warn_cut: bool = True,
 ) -> Iterator[tuple[int, dict[str, Any], dict[str, Any]]]:
     """Tokenized batches with their ``set_batch`` arguments (mask, sample ids, label, text).
 
     The sample ids are ``sample_ids`` (one per text, e.g. line numbers of a text file) when
     given, else ``first_id``, ``first_id + 1``, ...; the ``text`` and ``label`` columns are
-    sliced alongside them.
+    sliced alongside them. Texts longer than ``max_length`` tokens are cut to their first
+    ``max_length``: once the last batch is yielded, one ``CaptureWarning`` says how many were
+    and how long the longest is, with the ``--max-length`` that keeps every token
+    (``max_positions``, the positions the model takes, when given, bounds that advice);
+    ``warn_cut=False`` for a caller that cuts its texts on purpose and says so itself.
     """
     if sample_ids is not None and len(sample_ids) != len(texts):
         raise ArgumentValueError(f"sample_ids must have one entry per text ({len(texts)}), got {len(sample_ids)}")
+    n_cut, longest = 0, (0, -1)  # texts cut to max_length; (tokens, -sample id) of the longest
     for start, enc in iter_text_batches(texts, tokenizer, batch_size, max_length):
         n = enc["input_ids"].shape[0]
+        for i, length in _cut_lengths(texts[start:start + n], enc, tokenizer, max_length):
+            n_cut += 1
+            sid = int(sample_ids[start + i]) if sample_ids is not None else first_id + start + i
+            longest = max(longest, (length, -sid))
         info: dict[str, Any] = {
             "attention_mask": enc["attention_mask"],
             "sample_ids": (list(sample_ids[start:start + n]) if sample_ids is not None
@@ -898,6 +945,34 @@ def text_batches(
         for key, col in (extra or {}).items():
             info[key] = list(col[start:start + n])
         yield start, enc, info
+    if n_cut and warn_cut:
+        from ..errors import CaptureWarning
+
+        if max_positions is not None and longest[0] > max_positions:
+            fix = (f"the model takes at most {max_positions} positions: split the longer texts into several samples "
+                   "to keep every token")
+            if max_length < max_positions:
+                fix = f"pass --max-length {max_positions} to keep more; " + fix
+        else:
+            fix = f"pass --max-length {longest[0]} to keep every token"
+        warnings.warn(CaptureWarning(
+            f"{n_cut} of the {len(texts)} text samples of this run are longer than --max-length {max_length} tokens "
+            f"(special tokens included; the longest, sample {-longest[1]}, has {longest[0]}): each was cut to its "
+            f"first {max_length} tokens, and the rest of it is not in the store; {fix}"), stacklevel=2)
+
+
+def _cut_lengths(texts: Sequence[str], encoded: Any, tokenizer: Any, max_length: int) -> list[tuple[int, int]]:
+    """``(index in texts, length in tokens)`` of the texts that ``encoded`` (truncated to
+    ``max_length``) holds cut short. Only the texts that fill ``max_length`` are tokenized
+    again, without truncation, to learn their full length."""
+    mask = encoded.get("attention_mask")
+    if mask is None:
+        return []
+    full = [i for i, m in enumerate(mask.sum(1).tolist()) if m >= max_length]
+    if not full:
+        return []
+    ids = tokenizer([texts[i] for i in full], truncation=False, padding=False, verbose=False)["input_ids"]
+    return [(i, len(row)) for i, row in zip(full, ids) if len(row) > max_length]
 
 
 def tensor_batches(tensor: Any, batch_size: int, first_id: int = 0) -> Iterator[tuple[int, Any, dict[str, Any]]]:

@@ -238,7 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "one per real token of text data, else one per sample")
     p.add_argument("--batch-size", type=int, default=32, help="samples per forward (default: %(default)s)")
     p.add_argument("--max-samples", type=int, default=None, help="capture at most this many samples")
-    p.add_argument("--max-length", type=int, default=128, help="token limit of text samples (default: %(default)s)")
+    p.add_argument("--max-length", type=int, default=None,
+                   help="token limit of text samples, special tokens included; longer texts are cut, with a warning "
+                        "(default: 128, or the model's positions where it takes fewer)")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--resume", action="store_true", help="continue an incomplete store from its next sample")
     group.add_argument("--overwrite", action="store_true", help="replace an existing store")
