@@ -501,6 +501,36 @@ def test_capture_max_length_above_the_model_positions_is_refused(capsys, tmp_pat
     assert not (tmp_path / "a.zarr").exists()
 
 
+@needs_demo
+def test_resume_cuts_texts_at_the_stores_max_length(capsys, tmp_path, recwarn):
+    # a resume with another --max-length would cut its texts at another length than the stored ones
+    import activationscope as acs
+
+    f = tmp_path / "s.txt"
+    f.write_text("".join(f"{w} " * 9 + "\n" for w in ("good", "bad", "fun", "dull", "long", "short")))  # 11 tokens
+    out = tmp_path / "a.zarr"
+    code, _, err = run(capsys, "capture", "--model", "demo", "--data", str(f), "--out", str(out), "--include",
+                       "encoder.layer.0", "--max-length", "5", "--max-samples", "2", "--no-progress")
+    assert code == 0, err
+    before = sorted(p.relative_to(out).as_posix() for p in out.rglob("*"))
+    code, _, err = run(capsys, "capture", "--model", "demo", "--data", str(f), "--out", str(out), "--include",
+                       "encoder.layer.0", "--max-length", "8", "--resume", "--no-progress")
+    assert code == 1
+    _one_error_line(err, "--resume --max-length 8: store", "was captured with --max-length 5",
+                    "resume with --max-length 5 (or without --max-length)", "nothing was changed")
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == before
+    assert acs.open_store(str(out)).n_samples == 2
+    recwarn.clear()
+    code, _, err = run(capsys, "capture", "--model", "demo", "--data", str(f), "--out", str(out), "--include",
+                       "encoder.layer.0", "--resume", "--no-progress")        # no --max-length: the store's 5
+    assert code == 0, err
+    rows = acs.open_store(str(out)).row_table("token").column("sample_id").to_pylist()
+    assert [rows.count(i) for i in range(6)] == [5] * 6
+    cut = [str(w.message) for w in recwarn if "--max-length" in str(w.message)]
+    assert len(cut) == 1 and cut[0].startswith("4 of the 4 text samples of this run"), cut
+    assert "pass --overwrite --max-length 11 to keep every token" in cut[0]
+
+
 def test_default_max_length_is_the_model_positions_where_fewer():
     class Config:
         max_position_embeddings = 64

@@ -493,6 +493,8 @@ def capture_dataset(
             "(or pass a .npy / .pt tensor file)"
         )
     if dataset.texts is not None:
+        if resume:
+            max_length = _resumed_max_length(out, max_length)
         max_length = _check_max_length(max_length, loaded.model, model)
         count = getattr(loaded.tokenizer, "num_special_tokens_to_add", None)
         n_special = int(count(pair=False)) if callable(count) else 0
@@ -527,13 +529,14 @@ def capture_dataset(
         ids = dataset.sample_ids[first:n] if dataset.sample_ids is not None else None
         batches = text_batches(
             dataset.texts[first:n], loaded.tokenizer, batch_size, max_length, labels, first_id=first, sample_ids=ids,
-            max_positions=model_positions(loaded.model))
+            max_positions=model_positions(loaded.model), resumed=resume)
     else:
         _warn_padded_ids(dataset.tensor[first:n], loaded.tokenizer, data)
         batches = tensor_batches(dataset.tensor[first:n], batch_size, first_id=first)
     options = capture_store_options(
         model=loaded.name, data=dataset.name, command=command, resume=resume, overwrite=overwrite,
         compression=compression, shard_bytes=shard_bytes, chunk_rows=chunk_rows,
+        max_length=max_length if dataset.texts is not None else None,
     )
     summary = run_capture(
         loaded.model, batches, out=out, n_total=max(0, n - first),
@@ -545,6 +548,40 @@ def capture_dataset(
     )
     summary.first_sample, summary.n_target, summary.include_note = first, n, include_note
     return summary
+
+
+def _resumed_max_length(out: str, max_length: int | None) -> int | None:
+    """The ``max_length`` of a resumed text capture: the one the store records
+    (``provenance["max_length"]``) when none is given, so the resumed samples are cut as the
+    stored ones were; ``max_length`` as given for a store that records none (or none yet).
+
+    Raises
+    ------
+    ArgumentValueError
+        ``max_length`` other than the store's: its samples would be cut at another length
+        than the stored ones, in one store. Nothing is changed.
+    """
+    from ..store import open_store
+    from ..store._backend import local_path
+
+    local = local_path(out)
+    if local is not None and not os.path.exists(local):
+        return max_length  # resume_offset says the store does not exist
+    store = open_store(out)
+    try:
+        provenance = store.attrs.get("provenance")
+    finally:
+        store.close()
+    stored = provenance.get("max_length") if isinstance(provenance, dict) else None
+    if isinstance(stored, bool) or not isinstance(stored, int):
+        return max_length
+    if max_length is not None and max_length != stored:
+        raise ArgumentValueError(
+            f"--resume --max-length {max_length}: store {out!r} was captured with --max-length {stored}, and its "
+            f"resumed texts would be cut at another length than its stored ones; resume with --max-length {stored} "
+            "(or without --max-length), or pass --overwrite instead of --resume to capture every text again "
+            "(nothing was changed)")
+    return stored
 
 
 def model_positions(module: Any) -> int | None:
@@ -726,13 +763,17 @@ def _check_full_resume(out: str, model: Any, *, include: list[str] | None, exclu
 def capture_store_options(
     *, model: str, data: str, command: str | None = None, resume: bool = False, overwrite: bool = False,
     compression: str | None = None, shard_bytes: int | None = None, chunk_rows: int | None = None,
+    max_length: int | None = None,
 ) -> dict[str, Any]:
     """``store_options`` of :class:`ActivationScope` for a capture of ``model`` over ``data``:
-    provenance, and only the options that were given (``compression='none'`` is the default).
+    provenance (with ``max_length``, the token limit of text data, when given), and only the
+    options that were given (``compression='none'`` is the default).
     Raises ArgumentTypeError for a ``resume`` or ``overwrite`` that is not a bool."""
     from .._args import parse_flag
 
     options: dict[str, Any] = {"provenance": {"model": model, "data": data, "command": command or ""}}
+    if max_length is not None:
+        options["provenance"]["max_length"] = int(max_length)
     if parse_flag(overwrite, "overwrite"):
         options["overwrite"] = True
     if parse_flag(resume, "resume"):
@@ -914,6 +955,7 @@ def text_batches(
     texts: Sequence[str], tokenizer: Any, batch_size: int, max_length: int,
     labels: Sequence[Any] | None = None, first_id: int = 0, extra: dict[str, Sequence[Any]] | None = None,
     sample_ids: Sequence[int] | None = None, max_positions: int | None = None, warn_cut: bool = True,
+    resumed: bool = False,
 ) -> Iterator[tuple[int, dict[str, Any], dict[str, Any]]]:
     """Tokenized batches with their ``set_batch`` arguments (mask, sample ids, label, text).
 
@@ -923,7 +965,8 @@ def text_batches(
     ``max_length``: once the last batch is yielded, one ``CaptureWarning`` says how many were
     and how long the longest is, with the ``--max-length`` that keeps every token
     (``max_positions``, the positions the model takes, when given, bounds that advice);
-    ``warn_cut=False`` for a caller that cuts its texts on purpose and says so itself.
+    ``warn_cut=False`` for a caller that cuts its texts on purpose and says so itself;
+    ``resumed=True`` words that advice for a resume, which keeps the store's ``--max-length``.
     """
     if sample_ids is not None and len(sample_ids) != len(texts):
         raise ArgumentValueError(f"sample_ids must have one entry per text ({len(texts)}), got {len(sample_ids)}")
@@ -948,13 +991,14 @@ def text_batches(
     if n_cut and warn_cut:
         from ..errors import CaptureWarning
 
+        flag = "--overwrite --max-length" if resumed else "--max-length"  # a resume keeps the store's
         if max_positions is not None and longest[0] > max_positions:
             fix = (f"the model takes at most {max_positions} positions: split the longer texts into several samples "
                    "to keep every token")
             if max_length < max_positions:
-                fix = f"pass --max-length {max_positions} to keep more; " + fix
+                fix = f"pass {flag} {max_positions} to keep more; " + fix
         else:
-            fix = f"pass --max-length {longest[0]} to keep every token"
+            fix = f"pass {flag} {longest[0]} to keep every token"
         warnings.warn(CaptureWarning(
             f"{n_cut} of the {len(texts)} text samples of this run are longer than --max-length {max_length} tokens "
             f"(special tokens included; the longest, sample {-longest[1]}, has {longest[0]}): each was cut to its "
