@@ -493,6 +493,7 @@ def capture_dataset(
             "(or pass a .npy / .pt tensor file)"
         )
     if dataset.texts is not None:
+        _ensure_pad_token(loaded.tokenizer, model)
         if resume:
             max_length = _resumed_max_length(out, max_length)
         max_length = _check_max_length(max_length, loaded.model, model)
@@ -548,6 +549,28 @@ def capture_dataset(
     )
     summary.first_sample, summary.n_target, summary.include_note = first, n, include_note
     return summary
+
+
+def _ensure_pad_token(tokenizer: Any, model: str) -> None:
+    """Give a tokenizer without a pad token (GPT-2's, Llama's) its end-of-sequence token as
+    one, so that text batches can be padded: the attention mask leaves the padded positions
+    out of the forward's attention and out of the store, so which token fills them does not
+    change a stored row (the tokenizer pads on its own side, right for GPT-2).
+
+    Raises
+    ------
+    SpecError
+        The tokenizer has neither a pad token nor an end-of-sequence token.
+    """
+    if getattr(tokenizer, "pad_token", None) is not None or not hasattr(tokenizer, "pad_token"):
+        return
+    eos = getattr(tokenizer, "eos_token", None)
+    if eos is None:
+        raise SpecError(
+            f"the tokenizer of --model {model!r} has no pad token (nor an end-of-sequence token to pad with), so "
+            "batches of texts of different lengths cannot be padded: add \"pad_token\" to the folder's "
+            "tokenizer_config.json, or pass --batch-size 1")
+    tokenizer.pad_token = eos
 
 
 def _resumed_max_length(out: str, max_length: int | None) -> int | None:
