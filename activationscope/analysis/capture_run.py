@@ -494,6 +494,7 @@ def capture_dataset(
         )
     if dataset.texts is not None:
         _ensure_pad_token(loaded.tokenizer, model)
+        _pad_on_the_right(loaded.tokenizer)
         if resume:
             max_length = _resumed_max_length(out, max_length)
         max_length = _check_max_length(max_length, loaded.model, model)
@@ -571,6 +572,17 @@ def _ensure_pad_token(tokenizer: Any, model: str) -> None:
             "batches of texts of different lengths cannot be padded: add \"pad_token\" to the folder's "
             "tokenizer_config.json, or pass --batch-size 1")
     tokenizer.pad_token = eos
+
+
+def _pad_on_the_right(tokenizer: Any) -> None:
+    """Make a tokenizer that pads on the left (many decoders' tokenizer configs ask for it,
+    for generation) pad on the right. A capture feeds the model ``input_ids`` and
+    ``attention_mask`` only, and a model that numbers positions from 0 whatever the mask
+    (GPT-2, Llama) would give a left-padded text's tokens the positions after its padding:
+    rows other than the model's own on that text. Padded on the right, each text's tokens
+    keep positions 0.., and the mask keeps the padding out of what they attend to."""
+    if getattr(tokenizer, "padding_side", "right") == "left":
+        tokenizer.padding_side = "right"
 
 
 def _resumed_max_length(out: str, max_length: int | None) -> int | None:

@@ -5,6 +5,7 @@ Reference values: the model run in plain transformers with ``output_hidden_state
 from __future__ import annotations
 
 import importlib.util
+import json
 
 import pytest
 import torch
@@ -297,3 +298,22 @@ def test_texts_of_a_model_whose_tokenizer_cannot_pad_are_refused(capsys, tmp_pat
     assert code == 1 and not out.exists()
     assert err.strip().startswith("activationscope capture: error: the tokenizer of --model"), err
     assert "has no pad token (nor an end-of-sequence token to pad with)" in err and "pad_token" in err
+
+
+def test_texts_of_a_tokenizer_that_pads_on_the_left(capsys, tmp_path):
+    # GPT-2 numbers positions from 0 whatever the mask: a left-padded text's tokens would be
+    # stored at the positions after their padding; a capture pads on the right instead
+    folder, _ = _tiny_folder(tmp_path, "gpt2")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "padding_side": "left"}))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
+    assert tokenizer.padding_side == "left"
+    out = tmp_path / "s.zarr"
+    code, _, err = run(capsys, "capture", "--model", str(folder), "--data", str(_text_file(tmp_path)),
+                       "--out", str(out), "--batch-size", "4", "--no-progress")
+    assert code == 0, err
+    model = transformers.AutoModel.from_pretrained(str(folder)).eval()
+    with torch.no_grad():                                      # each text alone: no padding at all
+        alone = [model(**tokenizer(t, return_tensors="pt"), output_hidden_states=True).hidden_states[1][0]
+                 for t in TEXTS]
+    torch.testing.assert_close(acs.open_store(str(out))["h.0.output"], torch.cat(alone))
