@@ -543,6 +543,16 @@ def test_default_max_length_is_the_model_positions_where_fewer():
     with pytest.raises(ArgumentValueError, match="--max-length 65 is more than the 64 positions --model 'm' takes"):
         capture_run._check_max_length(65, model, "m")
 
+@pytest.mark.parametrize("name", ["d.csv", "d.TSV", "d.jsonl", "d.json", "d.parquet"])
+def test_a_table_is_not_read_as_lines_of_text(tmp_path, name):
+    # a CSV's header and separators would be samples' text
+    f = tmp_path / name
+    f.write_text("text,label\ngood film,1\n")
+    with pytest.raises(SpecError, match=r"is a \.\w+ file, a table: --data reads a text file as one sample per line"
+                       r".*write the text column to a \.txt file"):
+        specs.load_data_spec(str(f))
+
+
 def test_text_lines_end_at_newline_only(tmp_path):
     f = tmp_path / "t.txt"
     f.write_bytes(b"alpha\xe2\x80\xa8beta\ngamma\x0cdelta\x0bx\xc2\x85y\x1cz\nlast\n")
