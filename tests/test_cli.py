@@ -1652,6 +1652,29 @@ def test_errors_and_warnings_show_control_characters_from_the_store_escaped(tmp_
     assert "\x1b" not in line and "\x07" not in line and line.endswith("\n")
 
 
+def test_report_of_a_hook_point_with_other_row_counts_says_why_it_is_off_the_row_table(capsys, tmp_path):
+    # captured from the first forward on, but one row a forward: not "first captured after some forwards"
+    import activationscope as acs
+
+    class FirstRow(torch.nn.Module):
+        def forward(self, x):
+            return x[:1]
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), FirstRow())
+    store = tmp_path / "s.zarr"
+    with pytest.warns(acs.CaptureWarning, match="recorded 1 row"), torch.no_grad(), \
+            acs.ActivationScope(store=str(store)).track(model, include=["0", "1"]) as tracker:
+        for i in range(3):
+            tracker.set_batch(label=[0, 1, 0, 1])
+            model(torch.randn(4, 3))
+    assert not acs.open_store(str(store)).follows_row_table("1.output")
+    code, out, err = run(capsys, "report", str(store), "--out", str(tmp_path / "rep"), "--folds", "2")
+    assert code == 0, err
+    note = [line for line in out.splitlines() if "no probe for 1.output" in line]
+    assert len(note) == 1 and "another number of rows than the row table's, or none, in some forward" in note[0]
+    assert "another number of rows than the row table" in (tmp_path / "rep" / "index.html").read_text()
+
+
 def test_export_and_report_of_a_hook_point_off_the_row_table(capsys, tmp_path):
     import pyarrow.parquet as pq
     from acs_testing import late_branch_store

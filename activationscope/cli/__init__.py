@@ -749,7 +749,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     for hp in hook_points if hook_points is not None else list(store.hook_points):
         if not store.follows_row_table(hp):
             print(f"{PROG} report: note: no probe for {_printable(hp)}: its rows do not follow the row table (first captured "
-                  "after some forwards), so no label lines up with them; its statistics and plots are in the report")
+                  "after some forwards, or another number of rows than the row table's, or none, in some forward), so no "
+                  "label lines up with them; its statistics and plots are in the report")
     path = report.write_report(store, args.out, hook_points=hook_points, label_column=args.label_column,
                                n_folds=args.folds)
     print(f"report: {os.path.abspath(path)}")
