@@ -479,6 +479,7 @@ def test_capture_says_how_many_texts_were_cut_to_max_length(capsys, tmp_path, re
     assert [w.category for w in recwarn if "--max-length" in str(w.message)] == [CaptureWarning]
     assert cut[0].startswith("2 of the 4 text samples of this run are longer than --max-length 5 tokens"), cut[0]
     assert "the longest, sample 1, has 12" in cut[0] and "pass --max-length 12 to keep every token" in cut[0]
+    assert "each was cut to its first 5 tokens" in cut[0]
     rows = acs.open_store(str(tmp_path / "a.zarr")).row_table("token").column("sample_id").to_pylist()
     assert [rows.count(i) for i in range(4)] == [4, 5, 3, 5]
     recwarn.clear()

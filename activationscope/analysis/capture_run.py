@@ -1037,7 +1037,8 @@ def text_batches(
         warnings.warn(CaptureWarning(
             f"{n_cut} of the {len(texts)} text samples of this run are longer than --max-length {max_length} tokens "
             f"(special tokens included; the longest, sample {-longest[1]}, has {longest[0]}): each was cut to its "
-            f"first {max_length} tokens, and the rest of it is not in the store; {fix}"), stacklevel=2)
+            f"{'last' if getattr(tokenizer, 'truncation_side', 'right') == 'left' else 'first'} {max_length} tokens, "
+            f"and the rest of it is not in the store; {fix}"), stacklevel=2)
 
 
 def _cut_lengths(texts: Sequence[str], encoded: Any, tokenizer: Any, max_length: int) -> list[tuple[int, int]]:

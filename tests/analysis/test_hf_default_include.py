@@ -317,3 +317,14 @@ def test_texts_of_a_tokenizer_that_pads_on_the_left(capsys, tmp_path):
         alone = [model(**tokenizer(t, return_tensors="pt"), output_hidden_states=True).hidden_states[1][0]
                  for t in TEXTS]
     torch.testing.assert_close(acs.open_store(str(out))["h.0.output"], torch.cat(alone))
+
+
+def test_texts_cut_by_a_tokenizer_that_truncates_on_the_left_are_said_to_keep_their_last_tokens(tmp_path):
+    folder, _ = _tiny_folder(tmp_path, "gpt2")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "truncation_side": "left"}))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
+    with pytest.warns(acs.CaptureWarning, match="1 of the 4 text samples of this run are longer than --max-length 6 "
+                      r"tokens \(special tokens included; the longest, sample 2, has 10\): each was cut to its last 6"):
+        batches = list(capture_run.text_batches(TEXTS, tokenizer, 2, 6))
+    assert batches[1][1]["input_ids"][0].tolist() == tokenizer(TEXTS[2])["input_ids"][-6:]
