@@ -429,11 +429,14 @@ def capture_dataset(
         A bad option value, ``resume`` and ``overwrite`` together, an ``out`` that is not a
         store (or is one, without ``resume`` / ``overwrite``), text data with a model spec
         that has no tokenizer, a ``max_length`` that leaves no token of text after the
-        tokenizer's special tokens, ``resume`` with data of fewer samples than the store holds.
+        tokenizer's special tokens or exceeds the model's positions, ``resume`` with data of
+        fewer samples than the store holds or with another ``max_length`` than the store
+        records.
     SpecError
-        A model or data spec that names nothing usable; no ``include`` for a Hugging Face
-        model without a stack of repeated blocks (the message names ``--include`` and a few
-        module names).
+        A model or data spec that names nothing usable (a table, ``.csv`` / ``.jsonl`` /
+        ...); no ``include`` for a Hugging Face model without a stack of repeated blocks (the
+        message names ``--include`` and a few module names); text data whose tokenizer has
+        neither a pad token nor an end-of-sequence token.
     CaptureError
         The model raised during a forward (the store keeps the rows committed before), or
         ``resume`` with another model, ``dtype`` or hook points than the store's (the store
@@ -448,6 +451,9 @@ def capture_dataset(
 
     Warns
     -----
+    CaptureWarning
+        Text samples longer than ``max_length`` tokens, cut to it: once, after the last
+        batch, with their count and the longest (see :func:`text_batches`).
     CaptureWarning
         Text data whose attention mask fits no tracked hook point (every hook point stores
         one row per sample): worded for ``--sample-rows``, raised once per capture, with the
