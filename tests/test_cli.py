@@ -462,6 +462,98 @@ def test_capture_max_length_below_the_special_tokens_is_refused(capsys, tmp_path
     assert code == 0, err
     assert acs.open_store(str(tmp_path / "b.zarr"))["encoder.layer.0.output"].shape[0] == 2 * 3
 
+
+@needs_demo
+def test_capture_says_how_many_texts_were_cut_to_max_length(capsys, tmp_path, recwarn):
+    # texts longer than --max-length lose their tail: one warning counts them and names the longest
+    import activationscope as acs
+    from activationscope.errors import CaptureWarning
+
+    f = tmp_path / "s.txt"
+    f.write_text("one two\none two three four five six seven eight nine ten\nthree\nfour five six seven\n")
+    code, _, err = run(capsys, "capture", "--model", "demo", "--data", str(f), "--out", str(tmp_path / "a.zarr"),
+                       "--include", "encoder.layer.0", "--max-length", "5", "--batch-size", "2", "--no-progress")
+    assert code == 0, err
+    cut = [str(w.message) for w in recwarn if "--max-length" in str(w.message)]
+    assert len(cut) == 1, cut                    # [CLS] + 10 words + [SEP] = 12 tokens; [CLS] + 4 + [SEP] = 6
+    assert [w.category for w in recwarn if "--max-length" in str(w.message)] == [CaptureWarning]
+    assert cut[0].startswith("2 of the 4 text samples of this run are longer than --max-length 5 tokens"), cut[0]
+    assert "the longest, sample 1, has 12" in cut[0] and "pass --max-length 12 to keep every token" in cut[0]
+    assert "each was cut to its first 5 tokens" in cut[0]
+    rows = acs.open_store(str(tmp_path / "a.zarr")).row_table("token").column("sample_id").to_pylist()
+    assert [rows.count(i) for i in range(4)] == [4, 5, 3, 5]
+    recwarn.clear()
+    code, _, err = run(capsys, "capture", "--model", "demo", "--data", str(f), "--out", str(tmp_path / "b.zarr"),
+                       "--include", "encoder.layer.0", "--max-length", "12", "--no-progress")
+    assert code == 0, err
+    assert not [w for w in recwarn if "--max-length" in str(w.message)]
+
+
+@needs_demo
+def test_capture_max_length_above_the_model_positions_is_refused(capsys, tmp_path):
+    # all-MiniLM-L6-v2 takes 512 positions: a longer text would fail inside the model
+    f = tmp_path / "s.txt"
+    f.write_text("one two\n")
+    code, _, err = run(capsys, "capture", "--model", "demo", "--data", str(f), "--out", str(tmp_path / "a.zarr"),
+                       "--include", "encoder.layer.0", "--max-length", "513", "--no-progress")
+    assert code == 1
+    _one_error_line(err, "--max-length 513 is more than the 512 positions", "config.max_position_embeddings",
+                    "pass --max-length 512 or less", "nothing was written")
+    assert not (tmp_path / "a.zarr").exists()
+
+
+@needs_demo
+def test_resume_cuts_texts_at_the_stores_max_length(capsys, tmp_path, recwarn):
+    # a resume with another --max-length would cut its texts at another length than the stored ones
+    import activationscope as acs
+
+    f = tmp_path / "s.txt"
+    f.write_text("".join(f"{w} " * 9 + "\n" for w in ("good", "bad", "fun", "dull", "long", "short")))  # 11 tokens
+    out = tmp_path / "a.zarr"
+    code, _, err = run(capsys, "capture", "--model", "demo", "--data", str(f), "--out", str(out), "--include",
+                       "encoder.layer.0", "--max-length", "5", "--max-samples", "2", "--no-progress")
+    assert code == 0, err
+    before = sorted(p.relative_to(out).as_posix() for p in out.rglob("*"))
+    code, _, err = run(capsys, "capture", "--model", "demo", "--data", str(f), "--out", str(out), "--include",
+                       "encoder.layer.0", "--max-length", "8", "--resume", "--no-progress")
+    assert code == 1
+    _one_error_line(err, "--resume --max-length 8: store", "was captured with --max-length 5",
+                    "resume with --max-length 5 (or without --max-length)", "nothing was changed")
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == before
+    assert acs.open_store(str(out)).n_samples == 2
+    recwarn.clear()
+    code, _, err = run(capsys, "capture", "--model", "demo", "--data", str(f), "--out", str(out), "--include",
+                       "encoder.layer.0", "--resume", "--no-progress")        # no --max-length: the store's 5
+    assert code == 0, err
+    rows = acs.open_store(str(out)).row_table("token").column("sample_id").to_pylist()
+    assert [rows.count(i) for i in range(6)] == [5] * 6
+    cut = [str(w.message) for w in recwarn if "--max-length" in str(w.message)]
+    assert len(cut) == 1 and cut[0].startswith("4 of the 4 text samples of this run"), cut
+    assert "pass --overwrite --max-length 11 to keep every token" in cut[0]
+
+
+def test_default_max_length_is_the_model_positions_where_fewer():
+    class Config:
+        max_position_embeddings = 64
+
+    model = torch.nn.Linear(2, 2)
+    assert capture_run._check_max_length(None, model, "m") == capture_run.MAX_LENGTH
+    model.config = Config()
+    assert capture_run._check_max_length(None, model, "m") == 64
+    assert capture_run._check_max_length(64, model, "m") == 64
+    with pytest.raises(ArgumentValueError, match="--max-length 65 is more than the 64 positions --model 'm' takes"):
+        capture_run._check_max_length(65, model, "m")
+
+@pytest.mark.parametrize("name", ["d.csv", "d.TSV", "d.jsonl", "d.json", "d.parquet"])
+def test_a_table_is_not_read_as_lines_of_text(tmp_path, name):
+    # a CSV's header and separators would be samples' text
+    f = tmp_path / name
+    f.write_text("text,label\ngood film,1\n")
+    with pytest.raises(SpecError, match=r"is a \.\w+ file, a table: --data reads a text file as one sample per line"
+                       r".*write the text column to a \.txt file"):
+        specs.load_data_spec(str(f))
+
+
 def test_text_lines_end_at_newline_only(tmp_path):
     f = tmp_path / "t.txt"
     f.write_bytes(b"alpha\xe2\x80\xa8beta\ngamma\x0cdelta\x0bx\xc2\x85y\x1cz\nlast\n")
@@ -1559,6 +1651,29 @@ def test_errors_and_warnings_show_control_characters_from_the_store_escaped(tmp_
     line = cli._warning_formatter("info")(f"a warning about {name}", UserWarning, "user.py", 1)
     assert line.startswith("activationscope info: warning: a warning about x\\x1b]0;TITLE")
     assert "\x1b" not in line and "\x07" not in line and line.endswith("\n")
+
+
+def test_report_of_a_hook_point_with_other_row_counts_says_why_it_is_off_the_row_table(capsys, tmp_path):
+    # captured from the first forward on, but one row a forward: not "first captured after some forwards"
+    import activationscope as acs
+
+    class FirstRow(torch.nn.Module):
+        def forward(self, x):
+            return x[:1]
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), FirstRow())
+    store = tmp_path / "s.zarr"
+    with pytest.warns(acs.CaptureWarning, match="recorded 1 row"), torch.no_grad(), \
+            acs.ActivationScope(store=str(store)).track(model, include=["0", "1"]) as tracker:
+        for i in range(3):
+            tracker.set_batch(label=[0, 1, 0, 1])
+            model(torch.randn(4, 3))
+    assert not acs.open_store(str(store)).follows_row_table("1.output")
+    code, out, err = run(capsys, "report", str(store), "--out", str(tmp_path / "rep"), "--folds", "2")
+    assert code == 0, err
+    note = [line for line in out.splitlines() if "no probe for 1.output" in line]
+    assert len(note) == 1 and "another number of rows than the row table's, or none, in some forward" in note[0]
+    assert "another number of rows than the row table" in (tmp_path / "rep" / "index.html").read_text()
 
 
 def test_export_and_report_of_a_hook_point_off_the_row_table(capsys, tmp_path):

@@ -341,7 +341,7 @@ def capture_dataset(
     chunk_rows: int | None = None,
     batch_size: int = 32,
     max_samples: int | None = None,
-    max_length: int = MAX_LENGTH,
+    max_length: int | None = None,
     resume: bool = False,
     overwrite: bool = False,
     stop_after_last: bool = False,
@@ -387,9 +387,13 @@ def capture_dataset(
         Samples per forward, at least 1.
     max_samples : int, optional
         The store holds at most this many samples (the first ones of ``data``), at least 1.
-    max_length : int, default 128
+    max_length : int, optional
         Token limit of text samples (special tokens included), more than the special tokens
-        the tokenizer adds to a sample.
+        the tokenizer adds to a sample and at most the positions the model takes
+        (``config.max_position_embeddings``). Default: :data:`MAX_LENGTH` (128), or the
+        model's positions where it takes fewer. Longer texts are cut to their first
+        ``max_length`` tokens, with a :class:`~activationscope.errors.CaptureWarning` that
+        says how many and how long the longest is.
     resume : bool
         Continue the incomplete store at ``out`` from its next sample: samples
         ``store.n_samples`` .. end of ``data`` are captured with those sample ids. With
@@ -425,11 +429,14 @@ def capture_dataset(
         A bad option value, ``resume`` and ``overwrite`` together, an ``out`` that is not a
         store (or is one, without ``resume`` / ``overwrite``), text data with a model spec
         that has no tokenizer, a ``max_length`` that leaves no token of text after the
-        tokenizer's special tokens, ``resume`` with data of fewer samples than the store holds.
+        tokenizer's special tokens or exceeds the model's positions, ``resume`` with data of
+        fewer samples than the store holds or with another ``max_length`` than the store
+        records.
     SpecError
-        A model or data spec that names nothing usable; no ``include`` for a Hugging Face
-        model without a stack of repeated blocks (the message names ``--include`` and a few
-        module names).
+        A model or data spec that names nothing usable (a table, ``.csv`` / ``.jsonl`` /
+        ...); no ``include`` for a Hugging Face model without a stack of repeated blocks (the
+        message names ``--include`` and a few module names); text data whose tokenizer has
+        neither a pad token nor an end-of-sequence token.
     CaptureError
         The model raised during a forward (the store keeps the rows committed before), or
         ``resume`` with another model, ``dtype`` or hook points than the store's (the store
@@ -444,6 +451,9 @@ def capture_dataset(
 
     Warns
     -----
+    CaptureWarning
+        Text samples longer than ``max_length`` tokens, cut to it: once, after the last
+        batch, with their count and the longest (see :func:`text_batches`).
     CaptureWarning
         Text data whose attention mask fits no tracked hook point (every hook point stores
         one row per sample): worded for ``--sample-rows``, raised once per capture, with the
@@ -465,7 +475,7 @@ def capture_dataset(
         raise ArgumentValueError(f"--batch-size must be a positive int, got {batch_size}")
     if max_samples is not None and max_samples < 1:
         raise ArgumentValueError(f"--max-samples must be a positive int, got {max_samples}")
-    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
+    if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1):
         raise ArgumentValueError(f"--max-length must be a positive int, got {max_length!r}")
     if dtype is not None and dtype not in STORAGE_DTYPES:
         raise ArgumentValueError(f"--dtype must be one of {list(STORAGE_DTYPES)}, got {dtype!r}")
@@ -489,6 +499,11 @@ def capture_dataset(
             "(or pass a .npy / .pt tensor file)"
         )
     if dataset.texts is not None:
+        _ensure_pad_token(loaded.tokenizer, model)
+        _pad_on_the_right(loaded.tokenizer)
+        if resume:
+            max_length = _resumed_max_length(out, max_length)
+        max_length = _check_max_length(max_length, loaded.model, model)
         count = getattr(loaded.tokenizer, "num_special_tokens_to_add", None)
         n_special = int(count(pair=False)) if callable(count) else 0
         if max_length <= n_special:  # the tokenizer cannot truncate below its special tokens: it would not truncate
@@ -521,13 +536,15 @@ def capture_dataset(
         labels = dataset.labels[first:n] if dataset.labels is not None else None
         ids = dataset.sample_ids[first:n] if dataset.sample_ids is not None else None
         batches = text_batches(
-            dataset.texts[first:n], loaded.tokenizer, batch_size, max_length, labels, first_id=first, sample_ids=ids)
+            dataset.texts[first:n], loaded.tokenizer, batch_size, max_length, labels, first_id=first, sample_ids=ids,
+            max_positions=model_positions(loaded.model), resumed=resume)
     else:
         _warn_padded_ids(dataset.tensor[first:n], loaded.tokenizer, data)
         batches = tensor_batches(dataset.tensor[first:n], batch_size, first_id=first)
     options = capture_store_options(
         model=loaded.name, data=dataset.name, command=command, resume=resume, overwrite=overwrite,
         compression=compression, shard_bytes=shard_bytes, chunk_rows=chunk_rows,
+        max_length=max_length if dataset.texts is not None else None,
     )
     summary = run_capture(
         loaded.model, batches, out=out, n_total=max(0, n - first),
@@ -539,6 +556,105 @@ def capture_dataset(
     )
     summary.first_sample, summary.n_target, summary.include_note = first, n, include_note
     return summary
+
+
+def _ensure_pad_token(tokenizer: Any, model: str) -> None:
+    """Give a tokenizer without a pad token (GPT-2's, Llama's) its end-of-sequence token as
+    one, so that text batches can be padded: the attention mask leaves the padded positions
+    out of the forward's attention and out of the store, so which token fills them does not
+    change a stored row (the tokenizer pads on its own side, right for GPT-2).
+
+    Raises
+    ------
+    SpecError
+        The tokenizer has neither a pad token nor an end-of-sequence token.
+    """
+    if getattr(tokenizer, "pad_token", None) is not None or not hasattr(tokenizer, "pad_token"):
+        return
+    eos = getattr(tokenizer, "eos_token", None)
+    if eos is None:
+        raise SpecError(
+            f"the tokenizer of --model {model!r} has no pad token (nor an end-of-sequence token to pad with), so "
+            "batches of texts of different lengths cannot be padded: add \"pad_token\" to the folder's "
+            "tokenizer_config.json, or pass --batch-size 1")
+    tokenizer.pad_token = eos
+
+
+def _pad_on_the_right(tokenizer: Any) -> None:
+    """Make a tokenizer that pads on the left (many decoders' tokenizer configs ask for it,
+    for generation) pad on the right. A capture feeds the model ``input_ids`` and
+    ``attention_mask`` only, and a model that numbers positions from 0 whatever the mask
+    (GPT-2, Llama) would give a left-padded text's tokens the positions after its padding:
+    rows other than the model's own on that text. Padded on the right, each text's tokens
+    keep positions 0.., and the mask keeps the padding out of what they attend to."""
+    if getattr(tokenizer, "padding_side", "right") == "left":
+        tokenizer.padding_side = "right"
+
+
+def _resumed_max_length(out: str, max_length: int | None) -> int | None:
+    """The ``max_length`` of a resumed text capture: the one the store records
+    (``provenance["max_length"]``) when none is given, so the resumed samples are cut as the
+    stored ones were; ``max_length`` as given for a store that records none (or none yet).
+
+    Raises
+    ------
+    ArgumentValueError
+        ``max_length`` other than the store's: its samples would be cut at another length
+        than the stored ones, in one store. Nothing is changed.
+    """
+    from ..store import open_store
+    from ..store._backend import local_path
+
+    local = local_path(out)
+    if local is not None and not os.path.exists(local):
+        return max_length  # resume_offset says the store does not exist
+    store = open_store(out)
+    try:
+        provenance = store.attrs.get("provenance")
+    finally:
+        store.close()
+    stored = provenance.get("max_length") if isinstance(provenance, dict) else None
+    if isinstance(stored, bool) or not isinstance(stored, int):
+        return max_length
+    if max_length is not None and max_length != stored:
+        raise ArgumentValueError(
+            f"--resume --max-length {max_length}: store {out!r} was captured with --max-length {stored}, and its "
+            f"resumed texts would be cut at another length than its stored ones; resume with --max-length {stored} "
+            "(or without --max-length), or pass --overwrite instead of --resume to capture every text again "
+            "(nothing was changed)")
+    return stored
+
+
+def model_positions(module: Any) -> int | None:
+    """The positions (tokens) a Hugging Face model takes, ``config.max_position_embeddings``;
+    None for a model without one."""
+    config = getattr(module, "config", None)
+    limit = getattr(config, "max_position_embeddings", None) if config is not None else None
+    return None if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1 else limit
+
+
+def _check_max_length(max_length: int | None, module: Any, model: str) -> int:
+    """``max_length`` of a text capture, checked against the positions the model takes
+    (``config.max_position_embeddings`` of a Hugging Face model, where it has one); None
+    gives :data:`MAX_LENGTH`, or those positions where they are fewer.
+
+    Raises
+    ------
+    ArgumentValueError
+        ``max_length`` above the model's positions: its forward would fail on the first
+        text that long (an index error inside the model), after rows were committed.
+    """
+    limit = model_positions(module)
+    if limit is None:
+        return MAX_LENGTH if max_length is None else max_length
+    if max_length is None:
+        return min(MAX_LENGTH, limit)
+    if max_length > limit:
+        raise ArgumentValueError(
+            f"--max-length {max_length} is more than the {limit} positions --model {model!r} takes "
+            f"(config.max_position_embeddings): a longer text would fail inside the model; pass --max-length "
+            f"{limit} or less (nothing was written)")
+    return max_length
 
 
 def _include_for(include: Sequence[str] | None, loaded: Any, out: str, resume: bool) -> tuple[list[str] | None, str]:
@@ -695,13 +811,17 @@ def _check_full_resume(out: str, model: Any, *, include: list[str] | None, exclu
 def capture_store_options(
     *, model: str, data: str, command: str | None = None, resume: bool = False, overwrite: bool = False,
     compression: str | None = None, shard_bytes: int | None = None, chunk_rows: int | None = None,
+    max_length: int | None = None,
 ) -> dict[str, Any]:
     """``store_options`` of :class:`ActivationScope` for a capture of ``model`` over ``data``:
-    provenance, and only the options that were given (``compression='none'`` is the default).
+    provenance (with ``max_length``, the token limit of text data, when given), and only the
+    options that were given (``compression='none'`` is the default).
     Raises ArgumentTypeError for a ``resume`` or ``overwrite`` that is not a bool."""
     from .._args import parse_flag
 
     options: dict[str, Any] = {"provenance": {"model": model, "data": data, "command": command or ""}}
+    if max_length is not None:
+        options["provenance"]["max_length"] = int(max_length)
     if parse_flag(overwrite, "overwrite"):
         options["overwrite"] = True
     if parse_flag(resume, "resume"):
@@ -882,18 +1002,29 @@ def _written_bytes(tracker: Any, out: str) -> int:
 def text_batches(
     texts: Sequence[str], tokenizer: Any, batch_size: int, max_length: int,
     labels: Sequence[Any] | None = None, first_id: int = 0, extra: dict[str, Sequence[Any]] | None = None,
-    sample_ids: Sequence[int] | None = None,
+    sample_ids: Sequence[int] | None = None, max_positions: int | None = None, warn_cut: bool = True,
+    resumed: bool = False,
 ) -> Iterator[tuple[int, dict[str, Any], dict[str, Any]]]:
     """Tokenized batches with their ``set_batch`` arguments (mask, sample ids, label, text).
 
     The sample ids are ``sample_ids`` (one per text, e.g. line numbers of a text file) when
     given, else ``first_id``, ``first_id + 1``, ...; the ``text`` and ``label`` columns are
-    sliced alongside them.
+    sliced alongside them. Texts longer than ``max_length`` tokens are cut to their first
+    ``max_length``: once the last batch is yielded, one ``CaptureWarning`` says how many were
+    and how long the longest is, with the ``--max-length`` that keeps every token
+    (``max_positions``, the positions the model takes, when given, bounds that advice);
+    ``warn_cut=False`` for a caller that cuts its texts on purpose and says so itself;
+    ``resumed=True`` words that advice for a resume, which keeps the store's ``--max-length``.
     """
     if sample_ids is not None and len(sample_ids) != len(texts):
         raise ArgumentValueError(f"sample_ids must have one entry per text ({len(texts)}), got {len(sample_ids)}")
+    n_cut, longest = 0, (0, -1)  # texts cut to max_length; (tokens, -sample id) of the longest
     for start, enc in iter_text_batches(texts, tokenizer, batch_size, max_length):
         n = enc["input_ids"].shape[0]
+        for i, length in _cut_lengths(texts[start:start + n], enc, tokenizer, max_length):
+            n_cut += 1
+            sid = int(sample_ids[start + i]) if sample_ids is not None else first_id + start + i
+            longest = max(longest, (length, -sid))
         info: dict[str, Any] = {
             "attention_mask": enc["attention_mask"],
             "sample_ids": (list(sample_ids[start:start + n]) if sample_ids is not None
@@ -905,6 +1036,36 @@ def text_batches(
         for key, col in (extra or {}).items():
             info[key] = list(col[start:start + n])
         yield start, enc, info
+    if n_cut and warn_cut:
+        from ..errors import CaptureWarning
+
+        flag = "--overwrite --max-length" if resumed else "--max-length"  # a resume keeps the store's
+        if max_positions is not None and longest[0] > max_positions:
+            fix = (f"the model takes at most {max_positions} positions: split the longer texts into several samples "
+                   "to keep every token")
+            if max_length < max_positions:
+                fix = f"pass {flag} {max_positions} to keep more; " + fix
+        else:
+            fix = f"pass {flag} {longest[0]} to keep every token"
+        warnings.warn(CaptureWarning(
+            f"{n_cut} of the {len(texts)} text samples of this run are longer than --max-length {max_length} tokens "
+            f"(special tokens included; the longest, sample {-longest[1]}, has {longest[0]}): each was cut to its "
+            f"{'last' if getattr(tokenizer, 'truncation_side', 'right') == 'left' else 'first'} {max_length} tokens, "
+            f"and the rest of it is not in the store; {fix}"), stacklevel=2)
+
+
+def _cut_lengths(texts: Sequence[str], encoded: Any, tokenizer: Any, max_length: int) -> list[tuple[int, int]]:
+    """``(index in texts, length in tokens)`` of the texts that ``encoded`` (truncated to
+    ``max_length``) holds cut short. Only the texts that fill ``max_length`` are tokenized
+    again, without truncation, to learn their full length."""
+    mask = encoded.get("attention_mask")
+    if mask is None:
+        return []
+    full = [i for i, m in enumerate(mask.sum(1).tolist()) if m >= max_length]
+    if not full:
+        return []
+    ids = tokenizer([texts[i] for i in full], truncation=False, padding=False, verbose=False)["input_ids"]
+    return [(i, len(row)) for i, row in zip(full, ids) if len(row) > max_length]
 
 
 def tensor_batches(tensor: Any, batch_size: int, first_id: int = 0) -> Iterator[tuple[int, Any, dict[str, Any]]]:

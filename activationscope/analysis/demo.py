@@ -264,7 +264,8 @@ def run_demo(
         labels = labels + [-1] * len(lee)
         sources = sources + ["lee"] * len(lee)
     include = layer_include(model)
-    batches = text_batches(texts, tokenizer, batch_size, MAX_LENGTH, labels, extra={"source": sources})
+    # the Lee articles are cut to their first MAX_LENGTH tokens, as docs/usage/cli.md says
+    batches = text_batches(texts, tokenizer, batch_size, MAX_LENGTH, labels, extra={"source": sources}, warn_cut=False)
     summary = run_capture(
         model, batches, out=out, n_total=len(texts), include=include, exclude=None,
         reductions=list(DEMO_REDUCTIONS),

@@ -291,7 +291,8 @@ def probe_accuracy(
 
 
 OFF_TABLE = ("its rows do not follow the row table (store.follows_row_table() is False: first captured after "
-             "some forwards), so no label lines up with them")
+             "some forwards, or another number of rows than the row table's, or none, in some forward), so no label "
+             "lines up with them")
 
 
 def probe_store(

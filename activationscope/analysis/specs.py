@@ -186,6 +186,10 @@ def _looks_like_text(path: Path) -> bool:
     return True
 
 
+#: File name suffixes of tables, which ``--data`` refuses rather than read as lines of text.
+TABLE_SUFFIXES = (".csv", ".tsv", ".json", ".jsonl", ".ndjson", ".parquet", ".arrow", ".feather")
+
+
 def load_data_spec(spec: str) -> LoadedData:
     """``demo``, a text file (one sample per line) or a tensor file (.npy / .pt).
 
@@ -202,7 +206,8 @@ def load_data_spec(spec: str) -> LoadedData:
     Raises
     ------
     SpecError
-        Missing or unreadable file, an empty data set, a ``.npy`` file of values that are not
+        Missing or unreadable file, a table (:data:`TABLE_SUFFIXES`: ``.csv``, ``.jsonl``, ...,
+        whose lines are not samples), an empty data set, a ``.npy`` file of values that are not
         numbers (strings, dates), or a tensor file without a tensor; a
         text file mixing UTF-8 with other bytes (naming the line and byte offset), one holding
         NUL characters (UTF-16 / UTF-32 without a byte order mark) or a byte order mark
@@ -222,6 +227,12 @@ def load_data_spec(spec: str) -> LoadedData:
         what = "a folder" if path.is_dir() else "something that is not a regular file (a device, FIFO or socket)"
         raise SpecError(f"--data {spec!r} must be a file (text, .npy or .pt), got {what}")
     suffix = path.suffix.lower()
+    if suffix in TABLE_SUFFIXES:
+        raise SpecError(
+            f"--data {spec!r} is a {suffix} file, a table: --data reads a text file as one sample per line, so every "
+            "line of it (a header, the other columns and their separators included) would be a sample's text; "
+            "write the text column to a .txt file, one sample per line (a line starting with '__label__<name> ' "
+            "gives it a label column)")
     if suffix == ".npy":
         import numpy as np
 

@@ -238,7 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "one per real token of text data, else one per sample")
     p.add_argument("--batch-size", type=int, default=32, help="samples per forward (default: %(default)s)")
     p.add_argument("--max-samples", type=int, default=None, help="capture at most this many samples")
-    p.add_argument("--max-length", type=int, default=128, help="token limit of text samples (default: %(default)s)")
+    p.add_argument("--max-length", type=int, default=None,
+                   help="token limit of text samples, special tokens included; longer texts are cut, with a warning "
+                        "(default: 128, or the model's positions where it takes fewer)")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--resume", action="store_true", help="continue an incomplete store from its next sample")
     group.add_argument("--overwrite", action="store_true", help="replace an existing store")
@@ -747,7 +749,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     for hp in hook_points if hook_points is not None else list(store.hook_points):
         if not store.follows_row_table(hp):
             print(f"{PROG} report: note: no probe for {_printable(hp)}: its rows do not follow the row table (first captured "
-                  "after some forwards), so no label lines up with them; its statistics and plots are in the report")
+                  "after some forwards, or another number of rows than the row table's, or none, in some forward), so no "
+                  "label lines up with them; its statistics and plots are in the report")
     path = report.write_report(store, args.out, hook_points=hook_points, label_column=args.label_column,
                                n_folds=args.folds)
     print(f"report: {os.path.abspath(path)}")

@@ -373,14 +373,62 @@ def _record_batches(ds: ActivationDataset, schema: pa.Schema, col_names: list[st
 def _temp_sibling(path: Path, suffix: str = ".tmp") -> Path:
     """A fresh name next to ``path`` to write the export to before it is renamed into place:
     unique to this call, so an existing file or folder of the user's (``out.parquet.tmp``)
-    is never written over or removed."""
+    is never written over or removed. The name, ``<out>.<host>-<pid>-<8 hex><suffix>``,
+    says which process writes it; the files an export of ``path`` that was killed on this
+    host left behind (its process is gone) are removed first (:func:`_remove_stale_temps`)."""
     import secrets
 
     base = path.name.encode("utf-8", "surrogateescape")[:200].decode("utf-8", "ignore")  # a name has <= 255 bytes
+    host = _host_tag()
+    _remove_stale_temps(path.parent, base, host)
     while True:
-        tmp = path.with_name(f"{base}.{os.getpid()}-{secrets.token_hex(4)}{suffix}")
+        tmp = path.with_name(f"{base}.{host}-{os.getpid()}-{secrets.token_hex(4)}{suffix}")
         if not tmp.exists() and not tmp.is_symlink():
             return tmp
+
+
+def _host_tag() -> str:
+    """This host's name in at most 16 letters and digits (``"h"`` when it has none)."""
+    import socket
+
+    return "".join(c for c in socket.gethostname() if c.isascii() and c.isalnum())[:16] or "h"
+
+
+def _remove_stale_temps(folder: Path, base: str, host: str) -> None:
+    """Remove the temporary files of earlier exports to ``folder / base`` that were killed
+    before they could (SIGKILL, a power loss): plain files named as :func:`_temp_sibling`
+    names them, on this host, whose process no longer runs. Files of a process still
+    running, of another host (a shared file system), and anything else are left alone."""
+    import re
+
+    pattern = re.compile(re.escape(base) + r"\." + re.escape(host) + r"-(\d{1,10})-[0-9a-f]{8}(?:\.stream)?\.tmp")
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for name in names:
+        m = pattern.fullmatch(name)
+        if m is None or _pid_alive(int(m.group(1))):
+            continue
+        stale = folder / name
+        try:
+            if stale.is_file() and not stale.is_symlink():
+                stale.unlink()
+        except OSError:
+            pass
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` runs on this host (one of another user's counts as running)."""
+    if pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, OSError):
+        return True
+    return True
 
 
 def _is_export(path: Path, kind: str) -> bool:

@@ -5,6 +5,7 @@ Reference values: the model run in plain transformers with ``output_hidden_state
 from __future__ import annotations
 
 import importlib.util
+import json
 
 import pytest
 import torch
@@ -257,3 +258,73 @@ def test_a_capture_of_an_encoder_decoder_folder_stores_both_stacks(tmp_path, cap
     assert store.hook_points == list(rows)
     for name, parts in rows.items():
         torch.testing.assert_close(store[name], torch.cat(parts))
+
+
+def _without_pad_token(folder, eos: bool):
+    """The tokenizer of ``folder`` saved again without a pad token, as GPT-2's and Llama's
+    are (with ``[UNK]`` as its end-of-sequence token when ``eos``)."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
+    kwargs = {"eos_token": "[UNK]"} if eos else {}
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend_tokenizer, unk_token="[UNK]",
+                                         **kwargs).save_pretrained(folder)
+    assert transformers.AutoTokenizer.from_pretrained(str(folder)).pad_token is None
+
+
+def test_texts_of_a_model_whose_tokenizer_has_no_pad_token(capsys, tmp_path):
+    # GPT-2's tokenizer has no pad token: batches of texts of different lengths are padded with
+    # its end-of-sequence token, which the attention mask keeps out of every stored row
+    folder, _ = _tiny_folder(tmp_path, "gpt2")
+    _without_pad_token(folder, eos=True)
+    out = tmp_path / "s.zarr"
+    code, _, err = run(capsys, "capture", "--model", str(folder), "--data", str(_text_file(tmp_path)),
+                       "--out", str(out), "--batch-size", "4", "--no-progress")
+    assert code == 0, err
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
+    model = transformers.AutoModel.from_pretrained(str(folder)).eval()
+    with torch.no_grad():                                      # each text alone: no padding at all
+        alone = [model(**tokenizer(t, return_tensors="pt"), output_hidden_states=True).hidden_states for t in TEXTS]
+    store = acs.open_store(str(out))
+    torch.testing.assert_close(store["h.0.output"], torch.cat([h[1][0] for h in alone]))
+    with torch.no_grad():                                      # hidden_states[-1] is the last block's after ln_f
+        torch.testing.assert_close(model.ln_f(store["h.1.output"]), torch.cat([h[2][0] for h in alone]))
+
+
+def test_texts_of_a_model_whose_tokenizer_cannot_pad_are_refused(capsys, tmp_path):
+    folder, _ = _tiny_folder(tmp_path, "gpt2")
+    _without_pad_token(folder, eos=False)
+    out = tmp_path / "s.zarr"
+    code, _, err = run(capsys, "capture", "--model", str(folder), "--data", str(_text_file(tmp_path)),
+                       "--out", str(out), "--no-progress")
+    assert code == 1 and not out.exists()
+    assert err.strip().startswith("activationscope capture: error: the tokenizer of --model"), err
+    assert "has no pad token (nor an end-of-sequence token to pad with)" in err and "pad_token" in err
+
+
+def test_texts_of_a_tokenizer_that_pads_on_the_left(capsys, tmp_path):
+    # GPT-2 numbers positions from 0 whatever the mask: a left-padded text's tokens would be
+    # stored at the positions after their padding; a capture pads on the right instead
+    folder, _ = _tiny_folder(tmp_path, "gpt2")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "padding_side": "left"}))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
+    assert tokenizer.padding_side == "left"
+    out = tmp_path / "s.zarr"
+    code, _, err = run(capsys, "capture", "--model", str(folder), "--data", str(_text_file(tmp_path)),
+                       "--out", str(out), "--batch-size", "4", "--no-progress")
+    assert code == 0, err
+    model = transformers.AutoModel.from_pretrained(str(folder)).eval()
+    with torch.no_grad():                                      # each text alone: no padding at all
+        alone = [model(**tokenizer(t, return_tensors="pt"), output_hidden_states=True).hidden_states[1][0]
+                 for t in TEXTS]
+    torch.testing.assert_close(acs.open_store(str(out))["h.0.output"], torch.cat(alone))
+
+
+def test_texts_cut_by_a_tokenizer_that_truncates_on_the_left_are_said_to_keep_their_last_tokens(tmp_path):
+    folder, _ = _tiny_folder(tmp_path, "gpt2")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "truncation_side": "left"}))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
+    with pytest.warns(acs.CaptureWarning, match="1 of the 4 text samples of this run are longer than --max-length 6 "
+                      r"tokens \(special tokens included; the longest, sample 2, has 10\): each was cut to its last 6"):
+        batches = list(capture_run.text_batches(TEXTS, tokenizer, 2, 6))
+    assert batches[1][1]["input_ids"][0].tolist() == tokenizer(TEXTS[2])["input_ids"][-6:]

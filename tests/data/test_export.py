@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 
 import numpy as np
@@ -350,6 +351,31 @@ def test_a_file_named_like_the_temporary_one_is_kept(store, tmp_path, fn, kind):
         fn(store, out, hook_points=["f32"], tensor_type="nope")   # a failed export cleans up only its own file
     assert mine.read_text() == "my notes"
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("x.")) == [out.name, mine.name]
+
+
+@pytest.mark.parametrize("fn, kind", [(export_arrow, "arrow"), (export_parquet, "parquet")])
+def test_an_export_removes_what_a_killed_export_to_its_path_left(store, tmp_path, fn, kind):
+    # SIGKILL leaves the temporary file of an export behind (as large as what it had written)
+    import subprocess
+    import sys
+
+    from activationscope.data import export as export_module
+
+    out = tmp_path / f"x.{kind}"
+    child = ("import os, sys; from pathlib import Path; from activationscope.data.export import _temp_sibling; "
+             "t = _temp_sibling(Path(sys.argv[1])); t.write_bytes(b'half an export'); print(t.name); os._exit(9)")
+    done = subprocess.run([sys.executable, "-c", child, str(out)], capture_output=True, text=True, timeout=120)
+    killed = tmp_path / done.stdout.strip()
+    assert done.returncode == 9 and killed.is_file(), done.stderr
+    host = export_module._host_tag()
+    running = tmp_path / f"x.{kind}.{host}-{os.getpid()}-0123abcd.tmp"   # a process still at work: kept
+    other_host = tmp_path / f"x.{kind}.elsewhere-1-0123abcd.tmp"         # another host's: kept
+    for f in (running, other_host):
+        f.write_text("in use")
+    fn(store, out, hook_points=["f32"])
+    assert not killed.exists()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("x.")) == sorted(
+        [out.name, running.name, other_host.name])
 
 
 # ----------------------------------------------------------- hook points off the row table
