@@ -347,6 +347,7 @@ class Store:
         self._maps: dict[str, torch.Tensor] = {}
         self._indexes: dict[str, _ShardIndex] = {}
         self._index_gates: dict[str, threading.Lock] = {}  # (see _shard_index)
+        self._gates_pid = os.getpid()  # the process whose threads hold _index_gates
         self._whole: dict[str, tuple[int, torch.Tensor]] = {}
         self._zarrays: dict[str, Any] = {}
         self._checked: dict[str, _ChunkCrcs] = {}  # array path -> (shard, slot) -> (offset, nbytes, crc32c)
@@ -1340,6 +1341,8 @@ class Store:
         if _key is None:
             with self._lock:
                 cached = self._indexes.get(shard_key)
+                if self._gates_pid != os.getpid():  # a forked child: a gate its parent's thread held
+                    self._index_gates, self._gates_pid = {}, os.getpid()  # at the fork is never released
                 gate = None if cached is not None else self._index_gates.setdefault(shard_key, threading.Lock())
             if cached is not None:
                 return cached
