@@ -103,12 +103,8 @@ def itemsize(name: str) -> int:
 MAX_NODE_BYTES = 128
 
 
-def node_name(hook_point: str) -> str:
-    """The Zarr node name of a hook point (``/``, ``\\``, NUL and a leading ``__`` escaped with ``%``).
-
-    A name longer than :data:`MAX_NODE_BYTES` UTF-8 bytes is cut to its first 100 bytes (at a
-    character boundary) plus ``~`` and the first 16 hex digits of the sha256 of the hook point
-    (FORMAT.md section 1): a folder a file system can make, one per hook point."""
+def _whole_node_name(hook_point: str) -> str:
+    """:func:`node_name` before a long one is shortened: the hook point, escaped."""
     if not isinstance(hook_point, str) or not hook_point:
         raise ArgumentValueError(f"hook point must be a non-empty str, got {hook_point!r}")
     # (a backslash or NUL is no character of a store key: a module named "a\\b" is a folder "a%5Cb")
@@ -117,6 +113,24 @@ def node_name(hook_point: str) -> str:
         out = "%5F" + out[1:]
     if out in (".", ".."):
         out = out.replace(".", "%2E")
+    return out
+
+
+def node_names(hook_point: str) -> tuple[str, ...]:
+    """The node names a store may keep ``hook_point``'s folders under: :func:`node_name`, and
+    for a name it shortens also the whole escaped name, which stores written before names
+    were shortened use (on object storage, or on a file system within its name limit)."""
+    names = (node_name(hook_point), _whole_node_name(hook_point))
+    return names[:1] if names[0] == names[1] else names
+
+
+def node_name(hook_point: str) -> str:
+    """The Zarr node name of a hook point (``/``, ``\\``, NUL and a leading ``__`` escaped with ``%``).
+
+    A name longer than :data:`MAX_NODE_BYTES` UTF-8 bytes is cut to its first 100 bytes (at a
+    character boundary) plus ``~`` and the first 16 hex digits of the sha256 of the hook point
+    (FORMAT.md section 1): a folder a file system can make, one per hook point."""
+    out = _whole_node_name(hook_point)
     raw = out.encode("utf-8", "surrogatepass")
     if len(raw) > MAX_NODE_BYTES:
         head = raw[:100].decode("utf-8", "ignore")  # (a character cut in two is left out)

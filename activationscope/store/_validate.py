@@ -247,14 +247,16 @@ def _check_reduction_places(hp: str, name: str, e: dict, owners: dict[str, str],
     alone: an entry naming another hook point's files (or another entry's) would be read as
     its own, the other's values under its name, with every crc32c matching."""
     f = f"reductions[{hp!r}][{name!r}]"
-    folder = f"reductions/{F.node_name(hp)}/"
+    folders = [f"reductions/{node}/" for node in F.node_names(hp)]  # (a long name's whole: an older store's)
     places = [(f"{f}.path", e["path"])]
     places += [(f"{f}.state[{key!r}].path", part["path"]) for key, part in (e.get("state") or {}).items()]
     if e.get("script") is not None:
         places.append((f"{f}.script", e["script"]))
     for field, path in places:
-        if not path.startswith(folder):
-            raise c.fail(field, f"a key in the hook point's folder {folder!r}", path)
+        if not path.startswith(tuple(folders)):
+            raise c.fail(field, f"a key in the hook point's folder {folders[0]!r}"
+                         + (f" (or {folders[1]!r}, as stores written before long names were shortened)"
+                            if len(folders) > 1 else ""), path)
         if path in owners:
             raise c.fail(field, "unique", f"{path} (also the file of {owners[path]})")
         owners[path] = field
