@@ -388,10 +388,22 @@ def _temp_sibling(path: Path, suffix: str = ".tmp") -> Path:
 
 
 def _host_tag() -> str:
-    """This host's name in at most 16 letters and digits (``"h"`` when it has none)."""
+    """This host in at most 20 letters and digits: the first 8 letters and digits of its
+    name, then 12 hex digits of the sha256 of its whole name and of the process id space it
+    runs in (Linux: its pid namespace). Hosts whose names agree in their first letters (cluster
+    nodes on one shared file system), or once their other characters are left out, and
+    containers of one host name each with their own process ids, get tags of their own: a
+    process id is only ever looked up where it means that process."""
+    import hashlib
     import socket
 
-    return "".join(c for c in socket.gethostname() if c.isascii() and c.isalnum())[:16] or "h"
+    name = socket.gethostname()
+    try:
+        space = str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        space = ""
+    digest = hashlib.sha256(f"{name}\0{space}".encode("utf-8", "surrogatepass")).hexdigest()[:12]
+    return "".join(c for c in name if c.isascii() and c.isalnum())[:8] + digest
 
 
 def _remove_stale_temps(folder: Path, base: str, host: str) -> None:

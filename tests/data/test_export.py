@@ -728,3 +728,28 @@ def test_an_export_of_token_and_sample_rows_names_each_kind_and_writes_nothing(t
     export(store, tmp_path / f"tok.{fn}", hook_points="tok")
     if fn == "arrow":
         assert torch.equal(read_arrow(tmp_path / "tok.arrow")["tok"], tok)
+
+
+@pytest.mark.parametrize("fn, kind", [(export_arrow, "arrow"), (export_parquet, "parquet")])
+def test_an_export_keeps_the_temporary_file_of_another_host_of_a_similar_name(store, tmp_path, monkeypatch, fn, kind):
+    # cluster nodes on one shared file system: names alike in their first letters, or alike
+    # once their dashes and dots are left out
+    import socket
+    import subprocess
+    import sys
+
+    from activationscope.data import export as export_module
+
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          timeout=60)
+    gone = int(done.stdout)  # a process id that runs on neither host now
+    out = tmp_path / f"x.{kind}"
+    others = []
+    for name in ("gpu-node-cluster-a-0017", "gpunode-cluster-a-0018.local", "gpu.node-cluster-a-0019"):
+        monkeypatch.setattr(socket, "gethostname", lambda name=name: name)
+        f = tmp_path / f"x.{kind}.{export_module._host_tag()}-{gone}-0123abcd.tmp"
+        f.write_text("another host's export, at work")
+        others.append(f)
+    monkeypatch.setattr(socket, "gethostname", lambda: "gpu-node-cluster-a-0016")
+    fn(store, out, hook_points=["f32"])
+    assert all(f.read_text() == "another host's export, at work" for f in others)
