@@ -544,6 +544,27 @@ def test_default_max_length_is_the_model_positions_where_fewer():
     with pytest.raises(ArgumentValueError, match="--max-length 65 is more than the 64 positions --model 'm' takes"):
         capture_run._check_max_length(65, model, "m")
 
+
+def test_max_length_is_bounded_by_the_tokenizer_model_max_length_where_fewer():
+    # RoBERTa: 514 position embeddings, numbered from pad_token_id + 1 = 2: 512 tokens, which
+    # its tokenizer's model_max_length says; a tokenizer that does not know (10**30) is ignored
+    class Config:
+        max_position_embeddings = 514
+
+    class Tokenizer:
+        model_max_length = 512
+
+    model = torch.nn.Linear(2, 2)
+    model.config = Config()
+    assert capture_run._check_max_length(512, model, "m", Tokenizer()) == 512
+    with pytest.raises(ArgumentValueError, match=r"--max-length 513 is more than the 512 positions --model 'm' takes "
+                       r"\(config.max_position_embeddings, or the tokenizer's model_max_length\)"):
+        capture_run._check_max_length(513, model, "m", Tokenizer())
+    Tokenizer.model_max_length = int(1e30)
+    assert capture_run._check_max_length(514, model, "m", Tokenizer()) == 514
+    assert capture_run.model_positions(torch.nn.Linear(2, 2), Tokenizer()) is None
+
+
 @pytest.mark.parametrize("name", ["d.csv", "d.TSV", "d.jsonl", "d.json", "d.parquet"])
 def test_a_table_is_not_read_as_lines_of_text(tmp_path, name):
     # a CSV's header and separators would be samples' text

@@ -503,7 +503,7 @@ def capture_dataset(
         _pad_on_the_right(loaded.tokenizer)
         if resume:
             max_length = _resumed_max_length(out, max_length)
-        max_length = _check_max_length(max_length, loaded.model, model)
+        max_length = _check_max_length(max_length, loaded.model, model, loaded.tokenizer)
         count = getattr(loaded.tokenizer, "num_special_tokens_to_add", None)
         n_special = int(count(pair=False)) if callable(count) else 0
         if max_length <= n_special:  # the tokenizer cannot truncate below its special tokens: it would not truncate
@@ -537,7 +537,7 @@ def capture_dataset(
         ids = dataset.sample_ids[first:n] if dataset.sample_ids is not None else None
         batches = text_batches(
             dataset.texts[first:n], loaded.tokenizer, batch_size, max_length, labels, first_id=first, sample_ids=ids,
-            max_positions=model_positions(loaded.model), resumed=resume)
+            max_positions=model_positions(loaded.model, loaded.tokenizer), resumed=resume)
     else:
         _warn_padded_ids(dataset.tensor[first:n], loaded.tokenizer, data)
         batches = tensor_batches(dataset.tensor[first:n], batch_size, first_id=first)
@@ -625,18 +625,25 @@ def _resumed_max_length(out: str, max_length: int | None) -> int | None:
     return stored
 
 
-def model_positions(module: Any) -> int | None:
-    """The positions (tokens) a Hugging Face model takes, ``config.max_position_embeddings``;
-    None for a model without one."""
+def model_positions(module: Any, tokenizer: Any = None) -> int | None:
+    """The positions (tokens) a Hugging Face model takes: ``config.max_position_embeddings``,
+    or the tokenizer's ``model_max_length`` where it is fewer (RoBERTa numbers positions from
+    ``pad_token_id + 1``: 514 embeddings, 512 tokens; a tokenizer that does not know its
+    model's length says 10**30, ignored); None for a model without either."""
+    def positive(n: Any) -> int | None:
+        return None if isinstance(n, bool) or not isinstance(n, int) or n < 1 or n > 10**9 else n
+
     config = getattr(module, "config", None)
-    limit = getattr(config, "max_position_embeddings", None) if config is not None else None
-    return None if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1 else limit
+    limits = [n for n in (positive(getattr(config, "max_position_embeddings", None)),
+                          positive(getattr(tokenizer, "model_max_length", None))) if n is not None]
+    return min(limits) if limits else None
 
 
-def _check_max_length(max_length: int | None, module: Any, model: str) -> int:
+def _check_max_length(max_length: int | None, module: Any, model: str, tokenizer: Any = None) -> int:
     """``max_length`` of a text capture, checked against the positions the model takes
-    (``config.max_position_embeddings`` of a Hugging Face model, where it has one); None
-    gives :data:`MAX_LENGTH`, or those positions where they are fewer.
+    (:func:`model_positions`: ``config.max_position_embeddings`` of a Hugging Face model, or
+    its tokenizer's ``model_max_length`` where fewer); None gives :data:`MAX_LENGTH`, or those
+    positions where they are fewer.
 
     Raises
     ------
@@ -644,7 +651,7 @@ def _check_max_length(max_length: int | None, module: Any, model: str) -> int:
         ``max_length`` above the model's positions: its forward would fail on the first
         text that long (an index error inside the model), after rows were committed.
     """
-    limit = model_positions(module)
+    limit = model_positions(module, tokenizer)
     if limit is None:
         return MAX_LENGTH if max_length is None else max_length
     if max_length is None:
@@ -652,7 +659,8 @@ def _check_max_length(max_length: int | None, module: Any, model: str) -> int:
     if max_length > limit:
         raise ArgumentValueError(
             f"--max-length {max_length} is more than the {limit} positions --model {model!r} takes "
-            f"(config.max_position_embeddings): a longer text would fail inside the model; pass --max-length "
+            f"(config.max_position_embeddings, or the tokenizer's model_max_length): a longer text would fail inside "
+            f"the model; pass --max-length "
             f"{limit} or less (nothing was written)")
     return max_length
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Protocol, runtime_checkable
 
-from ..errors import ArgumentTypeError, StoreError, StoreExistsError
+from ..errors import ArgumentTypeError, ArgumentValueError, StoreError, StoreExistsError
 from .._safeio import _kind, open_regular, read_regular  # noqa: F401 - the one way a local file is opened
 from . import _format
 from ._validate import MAX_FILE_BYTES, MAX_JSON_BYTES, check_key, corrupt
@@ -909,7 +909,9 @@ class ZarrBackend:
         from zarr.abc.store import RangeByteRequest
 
         check_key(key, store=self, what="key")
-        if length <= 0 or start < 0:
+        if start < 0:
+            raise ArgumentValueError(f"get_range of {key!r}: start must be 0 or more, got {start}")
+        if length <= 0:
             return b"" if self.size(key) is not None else None
         try:  # one ranged read (an object store's request costs its latency: no size asked first)
             data = self._get(key, RangeByteRequest(start, start + length))
@@ -938,6 +940,8 @@ class ZarrBackend:
             n = self._sync(getsize())
         except (FileNotFoundError, KeyError):
             return None
+        except OSError as e:  # (a refused credential, an endpoint that does not answer: with the fix)
+            raise StoreError(f"reading the size of {key!r} in {self.label} failed: {remote_failure(e)}") from e
         return None if n is None else int(n)
 
     def tail(self, key: str, length: int) -> tuple[int, bytes] | None:

@@ -43,6 +43,8 @@ class BackendTests:
         assert backend.get_range("r", 10, 5) == bytes(range(10, 15))
         assert backend.get_range("r", 95, 10) == bytes(range(95, 100))  # fewer at the end
         assert backend.get_range("r", 100, 10) == b""
+        assert backend.get_range("r", 250, 10) == b""  # (past the end: an object store refuses the range)
+        assert backend.get_range("r", 10, 0) == b"" and backend.get_range("nope", 10, 0) is None
 
     def test_tail(self, backend):
         backend.set("r", bytes(range(100)))

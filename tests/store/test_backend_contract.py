@@ -42,3 +42,12 @@ class TestS3Backend(BackendTests):
         b = resolve(f"s3://acs-bucket/contract-{uuid.uuid4().hex}.zarr", storage_options=s3)
         assert isinstance(b, FsspecBackend) and b.capabilities.conditional_write
         return b
+
+
+def test_a_negative_start_of_a_ranged_read_is_refused():
+    from activationscope.errors import ArgumentValueError
+
+    backend = MemoryBackend(zarr.storage.MemoryStore())
+    backend.set("r", bytes(range(10)))
+    with pytest.raises(ArgumentValueError, match=r"get_range of 'r': start must be 0 or more, got -1"):
+        backend.get_range("r", -1, 4)
