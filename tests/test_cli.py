@@ -532,6 +532,39 @@ def test_resume_cuts_texts_at_the_stores_max_length(capsys, tmp_path, recwarn):
     assert "pass --overwrite --max-length 11 to keep every token" in cut[0]
 
 
+@needs_demo
+@pytest.mark.parametrize("command", ["with", "without"])
+def test_resume_of_a_store_recording_no_max_length(capsys, tmp_path, recwarn, command):
+    # a store of an earlier version records no max_length: the one its recorded command line
+    # gave is the store's; with none there, another --max-length of the resume is warned about
+    import json
+
+    import activationscope as acs
+
+    f = tmp_path / "s.txt"
+    f.write_text("".join(f"{w} " * 9 + "\n" for w in ("good", "bad", "fun", "dull")))  # 11 tokens
+    out = tmp_path / "a.zarr"
+    code, _, err = run(capsys, "capture", "--model", "demo", "--data", str(f), "--out", str(out), "--include",
+                       "encoder.layer.0", "--max-length", "5", "--max-samples", "2", "--no-progress")
+    assert code == 0, err
+    doc = json.loads((out / "zarr.json").read_text())
+    provenance = doc["attributes"]["activationscope"]["provenance"]
+    del provenance["max_length"]
+    if command == "without":
+        provenance["command"] = provenance["command"].replace(" --max-length 5", "")
+    (out / "zarr.json").write_text(json.dumps(doc))
+    recwarn.clear()
+    code, _, err = run(capsys, "capture", "--model", "demo", "--data", str(f), "--out", str(out), "--include",
+                       "encoder.layer.0", "--max-length", "8", "--resume", "--no-progress")
+    if command == "with":  # refused as for a store recording --max-length 5
+        assert code == 1 and "was captured with --max-length 5" in err
+        assert acs.open_store(str(out)).n_samples == 2
+        return
+    assert code == 0, err
+    said = [str(w.message) for w in recwarn if "records no --max-length" in str(w.message)]
+    assert len(said) == 1 and "where its 2 stored samples were cut at another length than 8" in said[0], said
+
+
 def test_default_max_length_is_the_model_positions_where_fewer():
     class Config:
         max_position_embeddings = 64

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import ActivationScopeError, ArgumentValueError, CaptureError, SpecError
+from ..errors import ActivationScopeError, ArgumentValueError, CaptureError, CaptureWarning, SpecError
 from ..sizes import dir_bytes, format_bytes
 
 #: Tokens per text at most (longer texts are truncated).
@@ -611,10 +611,20 @@ def _resumed_max_length(out: str, max_length: int | None) -> int | None:
     store = open_store(out)
     try:
         provenance = store.attrs.get("provenance")
+        n_samples = store.n_samples
     finally:
         store.close()
     stored = provenance.get("max_length") if isinstance(provenance, dict) else None
     if isinstance(stored, bool) or not isinstance(stored, int):
+        stored = _max_length_of_command(provenance.get("command") if isinstance(provenance, dict) else None)
+    if stored is None:
+        if max_length is not None and n_samples:
+            warnings.warn(CaptureWarning(
+                f"--resume --max-length {max_length}: store {out!r} records no --max-length (an earlier version "
+                f"wrote it, and its command line gave none: it cut texts at {MAX_LENGTH} tokens unless the model "
+                f"took fewer); where its {n_samples} stored samples were cut at another length than "
+                f"{max_length}, the resumed ones are cut differently; pass --overwrite instead of --resume to "
+                "capture every text at one length"), stacklevel=3)
         return max_length
     if max_length is not None and max_length != stored:
         raise ArgumentValueError(
@@ -623,6 +633,20 @@ def _resumed_max_length(out: str, max_length: int | None) -> int | None:
             "(or without --max-length), or pass --overwrite instead of --resume to capture every text again "
             "(nothing was changed)")
     return stored
+
+
+def _max_length_of_command(command: Any) -> int | None:
+    """``--max-length N`` (or ``--max-length=N``) of a command line a store's provenance
+    records; None where it gives none (or is no str)."""
+    if not isinstance(command, str):
+        return None
+    words = command.split()
+    for i, word in enumerate(words):
+        value = words[i + 1] if word == "--max-length" and i + 1 < len(words) else (
+            word.partition("=")[2] if word.startswith("--max-length=") else None)
+        if value is not None and value.isdigit() and value.isascii():
+            return int(value)
+    return None
 
 
 def model_positions(module: Any, tokenizer: Any = None) -> int | None:
