@@ -8,6 +8,8 @@ import torch
 from activationscope.store import StoreWriter, open_store
 from activationscope.store import _format as F
 
+from hostile import _Mean
+
 LONG = "encoder." + "very_long_module_name_" * 7  # 162 bytes: shortened by node_name today
 
 
@@ -16,16 +18,6 @@ def _node_name_before_shortening(hook_point: str) -> str:
     if out.startswith("__"):
         out = "%5F" + out[1:]
     return out.replace(".", "%2E") if out in (".", "..") else out
-
-
-class _Mean:
-    kind = "mean"
-
-    def __init__(self, value: torch.Tensor) -> None:
-        self.value = value
-
-    def result(self) -> dict:
-        return {"mean": self.value}
 
 
 def test_a_store_whose_long_hook_point_has_the_folders_of_its_whole_name_opens(tmp_path, monkeypatch):
