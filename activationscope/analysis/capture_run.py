@@ -15,7 +15,7 @@ import re
 import sys
 import time
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -349,6 +349,7 @@ def capture_dataset(
     command: str | None = None,
     token_rows: Any = None,
     rows: str = "auto",
+    on_start: Callable[[str], None] | None = None,
 ) -> CaptureSummary:
     """Capture a model spec over a data spec into a store: ``activationscope capture`` as a function.
 
@@ -415,6 +416,10 @@ def capture_dataset(
         ``ActivationScope(token_rows=...)`` (``--token-rows`` / ``--sample-rows``); each
         pattern must select a hook point of the first forward (of the store, for a resume
         with nothing left to capture), else HookPointNotFoundError names the flag.
+    on_start : callable, optional
+        Called once with :attr:`CaptureSummary.include_note` (the modules tracked without
+        ``include``, in a few words) before the first forward, when there is one: what a long
+        capture tracks is known from its start, also when it stops early.
 
     Returns
     -------
@@ -541,6 +546,8 @@ def capture_dataset(
     else:
         _warn_padded_ids(dataset.tensor[first:n], loaded.tokenizer, data)
         batches = tensor_batches(dataset.tensor[first:n], batch_size, first_id=first)
+    if on_start is not None and include_note:
+        on_start(include_note)
     options = capture_store_options(
         model=loaded.name, data=dataset.name, command=command, resume=resume, overwrite=overwrite,
         compression=compression, shard_bytes=shard_bytes, chunk_rows=chunk_rows,

@@ -554,6 +554,7 @@ def cmd_capture(args: argparse.Namespace) -> int:
         stop_after_last=args.stop_after_last, progress=not args.no_progress,
         command=" ".join([PROG, *args.argv]),
         token_rows=_token_rows(args.sample_rows, args.token_rows), rows=args.rows,
+        on_start=lambda note: print(f"tracked modules: {note}", flush=True),
     )
     if summary.nothing_to_capture:
         reduced = (f"; reductions {args.reduce} computed over the stored rows of {len(summary.reduced_hook_points)} "
@@ -563,8 +564,6 @@ def cmd_capture(args: argparse.Namespace) -> int:
         print(f"store {args.out} already holds {summary.first_sample} samples of {summary.n_target}; "
               f"nothing to capture{reduced}{completed}")
         return 0
-    if summary.include_note:
-        print(f"tracked modules: {summary.include_note}")
     print(
         f"captured {summary.n_samples} samples ({summary.n_forwards} forward{'' if summary.n_forwards == 1 else 's'}, "
         f"{len(summary.hook_points)} hook point{'' if len(summary.hook_points) == 1 else 's'}) "

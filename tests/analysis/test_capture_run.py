@@ -487,3 +487,33 @@ def test_a_failed_capture_joins_the_error_and_what_the_store_keeps_in_one_senten
     assert "hook point 'pos.output' changed its feature shape from (2, 2) to (4, 2)" in message
     assert message.endswith(f"leave it out of the capture (exclude= its module); {tmp_path / 'r.zarr'} keeps the rows "
                             "committed before (2 samples, status incomplete; --resume continues it)")
+
+
+def test_on_start_names_the_tracked_modules_before_the_first_forward(tmp_path, monkeypatch):
+    # a long capture says what it tracks from its start, also when it stops early (the command
+    # line prints "tracked modules: ..." then, not after the capture)
+    from activationscope.analysis import specs
+
+    calls = []
+
+    class Failing(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(4, 4)) for _ in range(2))
+
+        def forward(self, x):
+            calls.append("forward")
+            if len(calls) > 2:
+                raise RuntimeError("stopped in forward 2")
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    model = Failing()
+    monkeypatch.setattr(specs, "load_model_spec", lambda spec: specs.LoadedModel(
+        model=model, name=spec, default_include=["layers.0", "layers.1"], default_note="layers.0..1 (the blocks)"))
+    torch.save(torch.randn(12, 4), tmp_path / "x.pt")
+    with pytest.raises(Exception, match="stopped in forward 2"):
+        capture_run.capture_dataset("m:model", str(tmp_path / "x.pt"), str(tmp_path / "r.zarr"), batch_size=4,
+                                    progress=False, on_start=lambda note: calls.append(f"start: {note}"))
+    assert calls[:2] == ["start: layers.0..1 (the blocks)", "forward"]
