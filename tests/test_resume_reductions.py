@@ -299,7 +299,53 @@ def test_a_custom_reduction_resumed_as_another_function_is_recomputed_over_every
     _run(model, path, xs[3:], [("agg", other)], resume=True)
     got = open_store(path).reductions["0.output"]["agg"]
     assert got[1] == ref.max()                 # over every row, not max(sum of 24 rows, the last batch)
-    assert got[0] == 2                         # the stored rows read back at once, then the last batch
+    assert got[0] == 4                         # the stored rows read back forward by forward, then the last batch
+
+
+def _batch_max_of_means(acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """[batches seen, largest batch mean of unit 0]: depends on how the rows were cut."""
+    s = torch.stack([torch.ones((), dtype=torch.float64), x[:, 0].double().mean()])
+    return s if acc is None else torch.stack([acc[0] + 1, torch.maximum(acc[1], s[1])])
+
+
+@pytest.mark.parametrize("token_rows", [False, True])
+def test_a_custom_reduction_rebuilt_on_resume_sees_the_captured_batches(tmp_path, token_rows):
+    """A killed run leaves no reduction state: the resume read the stored rows back in blocks of
+    up to 65536 rows and fed each block as one batch, so a custom reduction that depends on its
+    batches (a count of batches, a maximum of batch means) silently differed from the
+    uninterrupted run. It is fed the stored rows forward by forward, as the capture fed them."""
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU())
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    sizes = [3, 5, 2, 4, 6]
+    xs = [torch.randn(n, 4, 6, generator=g) if token_rows else torch.randn(n, 6, generator=g) for n in sizes]
+    masks = [torch.arange(4).expand(n, 4) < torch.randint(1, 5, (n, 1), generator=g) for n in sizes]
+    reds = [("agg", _batch_max_of_means), "mean"]
+
+    def run(path, batches, *, resume=False, kill=False):
+        try:
+            scope = ActivationScope(store=path, reductions=reds, store_options={"resume": resume} if resume else {})
+            with scope.track(model, include=["0"]) as tr, torch.no_grad():
+                for i in batches:
+                    if token_rows:
+                        tr.set_batch(attention_mask=masks[i])
+                    model(xs[i])
+                if kill:
+                    raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            pass
+
+    run(tmp_path / "whole.zarr", range(5))
+    run(tmp_path / "s.zarr", range(3), kill=True)          # its reductions are never written
+    run(tmp_path / "s.zarr", range(3, 5), resume=True)
+    whole, resumed = open_store(tmp_path / "whole.zarr"), open_store(tmp_path / "s.zarr")
+    rows = resumed["0.output"].double()
+    torch.testing.assert_close(rows, whole["0.output"].double(), rtol=0, atol=0)
+    assert resumed.reductions["0.output"]["agg"].tolist() == whole.reductions["0.output"]["agg"].tolist()
+    assert whole.reductions["0.output"]["agg"][0] == 5
+    batch = torch.as_tensor(resumed.row_table("token" if token_rows else "sample").column("batch").to_numpy())
+    ref = max(rows[batch == b, 0].mean() for b in batch.unique())
+    assert resumed.reductions["0.output"]["agg"][1] == ref
 
 
 def test_an_eager_custom_reduction_is_recomputed_on_resume(tmp_path):
@@ -583,7 +629,7 @@ def test_a_resume_never_reads_a_stored_script_far_larger_than_its_own_whole(tmp_
     monkeypatch.undo()
     assert biggest[0] <= 16 << 20
     got = open_store(path).reductions["0.output"]["agg"]
-    assert got[0] == 2  # recomputed: the stored rows read back at once, then the last batch
+    assert got[0] == 3  # recomputed: the stored rows read back forward by forward, then the last batch
     torch.testing.assert_close(got[1], _ref_rows(model, xs).sum())
 
 
@@ -611,7 +657,7 @@ def test_a_custom_reduction_file_replaced_during_the_capture_stores_the_program_
                                torch.stack([torch.tensor(2.0, dtype=torch.float64), ref[:16].sum()]))
     _run(model, path, xs[2:], [("agg", str(pt))], resume=True)
     got = open_store(path).reductions["0.output"]["agg"]
-    assert got[1] == ref.max() and got[0] == 3  # recomputed over the stored rows, then two batches
+    assert got[1] == ref.max() and got[0] == 4  # recomputed over the stored rows (two forwards), then two batches
 
 
 def test_a_fifo_at_a_stored_reduction_script_is_recomputed_over_every_row_on_resume(tmp_path):
@@ -635,7 +681,7 @@ def test_a_fifo_at_a_stored_reduction_script_is_recomputed_over_every_row_on_res
     ref = _ref_rows(model, xs)
     assert store.status == "complete" and store.verify() == []
     got = store.reductions["0.output"]["agg"]
-    assert got[0] == 3 and torch.allclose(got[1], ref.sum())  # the stored rows read back at once, then two batches
+    assert got[0] == 4 and torch.allclose(got[1], ref.sum())  # the stored rows read back forward by forward, then two
     assert store.reduction_script("0.output", "agg") == pt.read_bytes()
 
 

@@ -1694,13 +1694,32 @@ class Tracker:
                 start = saved[1]
             if start < committed:
                 starts.setdefault(start, []).append(red)
+        ends = None
+        if any(str(getattr(red, "kind", "custom")) not in self._red_factories.BUILTIN_REDUCTIONS
+               for reds in starts.values() for red in reds):
+            # a custom reduction is fed the stored rows forward by forward, as the capture fed it,
+            # so that a resume gives what an uninterrupted run gives (its function may depend on
+            # how the rows were cut); built-in ones are the same for any cut
+            ends = self.writer.committed_batch_ends(array)
         for start, reds in starts.items():
             row = start
+            cuts = [e for e in (ends or ()) if e > start]
             while row < committed:
                 stop = min(committed, row + _REBUILD_ROWS)
+                if cuts:  # whole forwards only (one forward larger than a step is read whole)
+                    stop = max([e for e in cuts if e <= stop] or [cuts[0]])
                 rows = self.writer.read_committed_rows(array, row, stop)
                 for red in reds:
-                    red.update(rows, row)
+                    if ends is None or str(getattr(red, "kind", "custom")) in self._red_factories.BUILTIN_REDUCTIONS:
+                        red.update(rows, row)
+                        continue
+                    first = row
+                    for end in cuts:
+                        if end > stop:
+                            break
+                        red.update(rows[first - row:end - row], first)
+                        first = end
+                cuts = [e for e in cuts if e > stop]
                 row = stop
 
     def _warn_head_first_found(self) -> None:

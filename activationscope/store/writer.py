@@ -3069,6 +3069,39 @@ class StoreWriter:
                 return None  # a state no such reduction can have after those rows: recomputed from them
         return state, int(owner["n_rows"])
 
+    def committed_batch_ends(self, hook_point: str) -> list[int] | None:
+        """Where each captured forward's rows of ``hook_point`` end, among the rows committed
+        before this writer opened: increasing ends, the last one its committed rows, from the
+        ``batch`` column of its row table. None when those rows do not follow the row table
+        (``follows_row_table`` false) or the table does not cover them: their forwards are
+        not known.
+
+        A custom reduction recomputed from the stored rows is fed them forward by forward, as
+        the capture fed it: its result may depend on how the rows were cut (a count of
+        batches, a maximum of batch means).
+        """
+        array = self.aliases.get(hook_point, hook_point)
+        meta = self._old_arrays.get(array)
+        if not meta or not meta.get("follows_row_table", True) or meta.get("row_kind") not in ("sample", "token"):
+            return None
+        n = int(meta["n_rows"])
+        if n == 0:
+            return []
+        from .reader import Store
+
+        cache = self.__dict__.setdefault("_batch_column_cache", {})
+        kind = meta["row_kind"]
+        if kind not in cache:
+            table = Store(self._backend).row_table(kind)
+            cache[kind] = (np.asarray(table.column("batch").to_numpy(zero_copy_only=False), dtype=np.int64)
+                           if "batch" in table.column_names else None)
+        batches = cache[kind]
+        if batches is None or len(batches) < n:
+            return None
+        batches = batches[:n]
+        ends = (np.flatnonzero(batches[1:] != batches[:-1]) + 1).tolist()
+        return [int(e) for e in ends] + [n]
+
     def read_committed_rows(self, hook_point: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``[start, stop)`` of ``hook_point`` as committed before this writer opened (a copy)."""
         from .reader import Store
