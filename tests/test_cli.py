@@ -222,6 +222,8 @@ def test_capture_unknown_reduction(capsys, tmp_path):
     ("hist[lo=-4]", "hist"),
     ("topk[k=x]", "options are option=number pairs separated by commas, got 'k=x'"),
     ("mean[", "is not a reduction name or name[option=value,...]"),
+    ("runs/sumsq.pt", "--reduce: 'runs/sumsq.pt' looks like a custom reduction file; --reduce takes built-in "
+                      "reductions only (mean, var"),
     ("median[k=3]", "unknown reduction 'median'"),
     ("hist[lo=-4,hi=4,lo=0]", "--reduce 'hist[lo=-4,hi=4,lo=0]': option 'lo' is given twice"),
     ("mean[]", "--reduce: 'mean' and 'mean[]' both give a reduction named 'mean'"),

@@ -909,6 +909,11 @@ def check_reductions(names: Sequence[str] | None) -> list[Any] | None:
     given: dict[str, str] = {}  # reduction name -> the --reduce item that gave it
     for spec in names:
         m = re.fullmatch(r"\s*([A-Za-z_]\w*)\s*(?:\[(.*)\])?\s*", spec)
+        if m is None and spec.strip().lower().endswith(".pt"):
+            raise ArgumentValueError(
+                f"--reduce: {spec!r} looks like a custom reduction file; --reduce takes built-in reductions only "
+                f"({', '.join(BUILTIN_REDUCTIONS)}). Capture with a custom reduction from Python: "
+                f"ActivationScope(reductions=[{spec.strip()!r}]) (docs/usage/reductions.md, \"Custom reductions\")")
         if m is None:
             raise ArgumentValueError(f"--reduce: {spec!r} is not a reduction name or name[option=value,...] "
                                      "(e.g. hist[lo=-4,hi=4,bins=32])")
