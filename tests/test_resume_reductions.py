@@ -786,3 +786,42 @@ def test_rank_stores_of_integer_rows_merge_exact_int64_min_max_topk(tmp_path):
                 model(x)
     commit_ranks(str(tmp_path / "r.zarr"))
     _check_int(open_store(tmp_path / "r.zarr").reductions["0.output"], torch.cat(xs))
+
+
+class _SumRows(torch.nn.Module):
+    def forward(self, acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        s = x.double().sum(0)
+        return s if acc is None else acc + s
+
+    @torch.jit.export
+    def merge(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a + b
+
+
+def test_rank_stores_of_a_custom_reduction_say_how_to_commit_them(tmp_path):
+    """A commit of rank stores holding a custom reduction said only that its states "can only be
+    merged by the capture that defined it": it now names commit_ranks(make_reduction=), which
+    commits them with the user's mergeable reduction, and equals the sum over every row."""
+    import warnings
+
+    import activationscope as acs
+    from activationscope.errors import StoreError
+    from activationscope.reductions import make_reduction
+    from activationscope.store.ranks import commit_ranks
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        scripted = torch.jit.script(_SumRows())
+    model, xs = _model(), _batches(4)
+    path = str(tmp_path / "r.zarr")
+    for t in (0, 1):
+        with ActivationScope(store=path, reductions=[("total", scripted), "mean"],
+                             store_options={"process_group": acs.RankStore(t, 2)}).track(model):
+            for x in xs[2 * t:2 * t + 2]:
+                model(x)
+    with pytest.raises(StoreError, match=r"commit_ranks\(.*make_reduction=.*'total'.*None for the others"):
+        commit_ranks(path)
+    commit_ranks(path, make_reduction=lambda hp, name, entry: make_reduction(scripted) if name == "total" else None)
+    red = open_store(path).reductions["0.output"]
+    torch.testing.assert_close(red["total"], _ref_rows(model, xs).sum(0))
+    torch.testing.assert_close(red["mean"], _ref_rows(model, xs).mean(0))

@@ -540,7 +540,9 @@ def _merge_states(hp: str, name: str, entries: list[dict], stores: list[Store],
             raise StoreError(
                 f"reduction {name!r} of hook point {hp!r} is a custom reduction ({kind!r}); its rank states can only "
                 "be merged by the capture that defined it (torchrun), never by running code from a store; nothing "
-                "was written")
+                "was written. Commit them from Python with your mergeable reduction (a scripted module with a merge "
+                "method): commit_ranks(store, make_reduction=lambda hook_point, name, entry: "
+                f"make_reduction(<yours>) if name == {name!r} else None), None for the others (built-in ones)")
         total = R.make_reduction(kind, **entries[0]["options"])
     total = total.fresh()
     read = read or {}
