@@ -1497,6 +1497,44 @@ def test_caught_exception_in_a_forward_warns_with_the_partial_hook_points(tmp_pa
         assert store.n_rows("0.output") == 8 and store.n_rows("2.output") == 6
 
 
+def test_a_forward_refused_before_any_row_was_stored_is_said_to_leave_the_store_aligned(tmp_path):
+    """A custom reduction that raises on one batch (caught inside the capture): no hook point
+    stored a row of that forward, the store leaves it out whole and stays aligned with its row
+    table, and the warning says so (it said the rows no longer line up)."""
+    import warnings
+    from typing import Optional
+
+    from activationscope.errors import CaptureError, CaptureWarning
+
+    def refuses_two_rows(acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 2:
+            raise RuntimeError("two rows")
+        return x.sum(0) if acc is None else acc + x.sum(0)
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    xs = [torch.randn(3, 4), torch.randn(2, 4), torch.randn(3, 4)]
+    path = tmp_path / "s.zarr"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad(), acs.ActivationScope(store=str(path), reductions=["mean", refuses_two_rows]).track(
+                model, include=["0"]):
+            for x in xs:
+                try:
+                    model(x)
+                except CaptureError:
+                    pass
+    msgs = [str(w.message) for w in caught if issubclass(w.category, CaptureWarning) and "raised" in str(w.message)]
+    assert len(msgs) == 1 and msgs[0].startswith(
+        "forward 1 of the tracked model raised and the exception was caught inside the capture before any hook point "
+        "stored a row of it: the store leaves that forward out whole and its rows still line up"), msgs
+    store = acs.open_store(path)
+    assert store.follows_row_table("0.output") and store.verify() == []
+    with torch.no_grad():
+        want = torch.cat([model(xs[0]), model(xs[2])])
+    assert torch.equal(store["0.output"], want) and store.row_table().num_rows == 6
+    assert torch.allclose(store.reductions["0.output"]["mean"], want.double().mean(0))
+
+
 def test_uncaught_or_uncaptured_failures_do_not_warn(tmp_path):
     import warnings
 

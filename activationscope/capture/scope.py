@@ -2078,6 +2078,18 @@ class Tracker:
         if at_exit:  # the last forward: the store ends at the whole forward before it
             effect = ("Their in-memory records and streaming reductions include that partial forward; "
                       "the store does not (it ends at the last whole forward).")
+        elif self.writer is not None and not partial:  # (refused by a hook point before any stored a row)
+            if warn:
+                warnings.warn(
+                    f"forward {k} of the tracked model raised and the exception was caught inside the capture "
+                    "before any hook point stored a row of it: the store leaves that forward out whole and its "
+                    "rows still line up with the sample row table; in-memory records and streaming reductions "
+                    "of hook points that ran before the error may include it. Check the batch before calling "
+                    "the model to keep every hook point's records whole.",
+                    CaptureWarning,
+                    stacklevel=3,
+                )
+            return
         else:
             effect = ("Their records (and streaming reductions) include that partial forward, and in a "
                       "store their rows no longer line up with the sample row table (follows_row_table "
