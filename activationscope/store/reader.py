@@ -3096,7 +3096,10 @@ def copy_store(source: Any, target: Any, *, overwrite: bool = False, storage_opt
         no Zarr store (a folder of other files is never cleared), or is a store whose folder
         (or prefix) also holds entries that are not the store's. Nothing is changed.
     StoreLockedError
-        A writer holds ``target``.
+        A writer holds ``target``; or, with ``overwrite`` replacing a store at ``target``, a
+        writer holds ``source`` (its lock file names a live holder, or its lock marker exists):
+        a copy of a store being written may fail after the old store was deleted. Nothing is
+        changed; copy into a new path, or once the writer has finished.
     StoreError
         ``target`` is a local path inside another store, or the source itself, a folder
         holding it or a folder inside it (symlinks resolved); nothing is deleted. Or the
@@ -3112,7 +3115,7 @@ def copy_store(source: Any, target: Any, *, overwrite: bool = False, storage_opt
     """
     from ..errors import StoreExistsError
 
-    from ._lock import WriterLock
+    from ._lock import WriterLock, writer_holding
 
     overwrite = F.parse_flag(overwrite, "overwrite")  # (overwrite="False" is a true string)
     src = source._backend if isinstance(source, Store) else resolve(source, read_only=True,
@@ -3140,6 +3143,21 @@ def copy_store(source: Any, target: Any, *, overwrite: bool = False, storage_opt
                     f"{str(dst)!r} exists and is not empty but holds no Zarr store; choose another path or remove it "
                     "(overwrite=True only replaces stores); nothing was changed")
             refuse_foreign_entries(dst)
+            # a copy of a store being written may fail (a commit landing during every attempt) after the
+            # target's store was deleted: the store overwrite replaces goes only for a copy that can finish
+            holder = writer_holding(src)
+            if holder is not None:
+                from ..errors import StoreLockedError
+
+                from ._backend import LOCK_KEY
+
+                gone = f"; if that writer is gone (killed on another host), delete {str(src).rstrip('/')}/{LOCK_KEY}"
+                raise StoreLockedError(
+                    f"source {str(src)!r} of copy_store is being written by {holder}: a commit landing while it is "
+                    f"copied makes the copy start again, and after {_COPY_ATTEMPTS} it fails, when overwrite=True "
+                    f"would already have deleted the store at {str(dst)!r}; nothing was changed. Copy once the writer "
+                    f"has finished (activationscope info shows status complete), or copy into a new path (a copy "
+                    f"failing there loses nothing){gone}")
         # FORMAT.md section 7: the root of the copy's run comes first (incomplete, no rows), over the old
         # store's root, then the old objects go, then the copy's objects, its own root last. Killed at any
         # point, the target is the old store intact or an incomplete store listing no row of the old one;
