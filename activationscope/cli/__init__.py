@@ -900,6 +900,8 @@ def _pending_ranks_lines(p: dict[str, Any], info: dict[str, Any], name: str) -> 
     entries = p.get("ranks") or []
     others = p.get("other_runs") or []
     listed = [e.get("rank") for e in entries]
+    if kind == "unreadable":
+        return [f"ranks:    the rank stores under ranks/ cannot be read: {p.get('error')}"]
     if kind == "left_by_commit":
         return [f"ranks:    rank stores {_shown_ranks(listed)} under ranks/ were left by the commit of this store, "
                 f"which already holds every rank's rows: {call} removes them"]

@@ -103,3 +103,23 @@ def test_info_of_an_uncommitted_multi_rank_store_names_its_missing_ranks_and_wha
     assert acs.open_store(url).info()["pending_ranks"]["ready"]
     assert (f"next:     all 3 ranks are complete: `activationscope consolidate {url}` commits them into one "
             "store") in _info(url, capsys)
+
+
+def test_info_of_a_store_whose_ranks_folder_cannot_be_read_says_so_and_describes_the_store(tmp_path, capsys):
+    """info() of a committed store whose ranks/ is a link leaving the store raised
+    StoreCorruptError (the listing of ranks/ refuses it), though the store opens and its rows
+    read: info describes the store and says why its rank stores cannot be read."""
+    url = str(tmp_path / "s.zarr")
+    old = _committed(url, None, 2, _model(0))
+    expected = old.info()
+    (tmp_path / "elsewhere").mkdir()
+    (Path(url) / "ranks").symlink_to(tmp_path / "elsewhere")
+    info = acs.open_store(url).info()
+    p = info.pop("pending_ranks")
+    assert info == expected  # the store as it reads
+    assert p["capture"] == "unreadable" and not p["ready"] and p["ranks"] == []
+    assert "'ranks/' resolves to" in p["error"] and "outside the store" in p["error"]
+    out = _info(url, capsys)
+    assert "status:   complete, 147 samples" in out
+    assert "ranks:    the rank stores under ranks/ cannot be read: store " in out and "outside the store" in out
+    assert "next:" not in out
