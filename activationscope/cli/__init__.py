@@ -929,7 +929,8 @@ def _pending_ranks_lines(p: dict[str, Any], info: dict[str, Any], name: str) -> 
     if beyond:
         lines.append(f"            beyond its {world} ranks: rank store(s) {_shown_ranks(beyond)}")
     if others:
-        lines.append(f"            of another run, no part of it: rank store(s) {_shown_ranks(others)}")
+        lines.append(f"            of another run, no part of it: rank store(s) {_shown_ranks(others)}; consolidate "
+                     "removes them with the others once it commits: move them away first if you keep them")
     replacing = ", replacing the store's current rows" if kind == "again" else " into one store"
     if p.get("ready"):
         lines.append(f"next:     all {world} ranks are complete: {call} commits them{replacing}")
