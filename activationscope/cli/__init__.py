@@ -900,6 +900,8 @@ def _pending_ranks_lines(p: dict[str, Any], info: dict[str, Any], name: str) -> 
     entries = p.get("ranks") or []
     others = p.get("other_runs") or []
     listed = [e.get("rank") for e in entries]
+    if kind == "unreadable":
+        return [f"ranks:    the rank stores under ranks/ cannot be read: {p.get('error')}"]
     if kind == "left_by_commit":
         return [f"ranks:    rank stores {_shown_ranks(listed)} under ranks/ were left by the commit of this store, "
                 f"which already holds every rank's rows: {call} removes them"]
@@ -927,7 +929,8 @@ def _pending_ranks_lines(p: dict[str, Any], info: dict[str, Any], name: str) -> 
     if beyond:
         lines.append(f"            beyond its {world} ranks: rank store(s) {_shown_ranks(beyond)}")
     if others:
-        lines.append(f"            of another run, no part of it: rank store(s) {_shown_ranks(others)}")
+        lines.append(f"            of another run, no part of it: rank store(s) {_shown_ranks(others)}; consolidate "
+                     "removes them with the others once it commits: move them away first if you keep them")
     replacing = ", replacing the store's current rows" if kind == "again" else " into one store"
     if p.get("ready"):
         lines.append(f"next:     all {world} ranks are complete: {call} commits them{replacing}")

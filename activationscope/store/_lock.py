@@ -62,6 +62,40 @@ def _pid_alive(pid: Any) -> bool:
     return True
 
 
+def writer_holding(backend: Any) -> str | None:
+    """Who holds the writer lock of the store at ``backend`` now (``pid ... on host ...``), or
+    None when no writer is known to: read only, no lock is taken (a writer starting at the same
+    time is never turned away by it). A local store: its lock file names a holder (a writer
+    truncates it when it releases the lock); an object store: its marker exists. A holder of
+    this host whose pid is gone (killed) holds nothing; one of another host is taken to hold the
+    store (its pid cannot be checked from here)."""
+    if isinstance(backend, LocalBackend):
+        try:
+            fd = os.open(backend.root / LOCK_KEY, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:  # (none, or not a regular file a writer could hold: that writer is refused)
+            return None
+        try:
+            raw = os.pread(fd, 4096, 0) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
+        finally:
+            os.close(fd)
+    else:
+        try:
+            raw = backend.get(LOCK_KEY, max_bytes=4096)
+        except StoreError:
+            return None
+        if raw is None:
+            return None
+    if not raw and isinstance(backend, LocalBackend):
+        return None  # (released: its last writer truncated it)
+    try:
+        h = json.loads(raw)
+    except ValueError:
+        h = None
+    if isinstance(h, dict) and h.get("host") == socket.gethostname() and not _pid_alive(h.get("pid")):
+        return None
+    return _holder_text(raw)
+
+
 class WriterLock:
     """The exclusive writer lock of one store; :meth:`acquire` raises when another writer holds it.
 

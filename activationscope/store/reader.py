@@ -2592,8 +2592,13 @@ class Store:
             }
         # rank stores under ranks/ that consolidate would commit (a capture again of this store, or
         # this uncommitted store's own capture), read as the commit reads them
-        pending = pending_ranks(self._backend, self._attrs, self._backend.get("zarr.json", max_bytes=V.MAX_JSON_BYTES),
-                                opened=dict(self._ranks), cache_bytes=self._cache_bytes)
+        # (what cannot be read there is shown, never an info that fails: the store's own rows read as above)
+        try:
+            pending = pending_ranks(self._backend, self._attrs, opened=dict(self._ranks), cache_bytes=self._cache_bytes)
+        except StoreError as e:
+            pending = {"capture": "unreadable", "error": " ".join(str(e).split()), "run_id": None, "world_size": None,
+                       "ranks": [], "missing": [], "n_missing": 0, "beyond": [], "incomplete": [], "other_runs": [],
+                       "ready": False}
         return {
             "path": str(self._backend),
             "format": self._attrs.get("format"),
@@ -2771,7 +2776,7 @@ def recorded_world_size(backend: Any, ranks: list[int]) -> int | None:
 _MAX_LISTED_MISSING = 100
 
 
-def pending_ranks(backend: Any, attrs: dict, raw: bytes | None, opened: dict[int, "Store"] | None = None,
+def pending_ranks(backend: Any, attrs: dict, raw: Any = ..., opened: dict[int, "Store"] | None = None,
                   cache_bytes: int = 64 << 20) -> dict | None:
     """What waits under ``ranks/`` of the store at ``backend`` (root attributes ``attrs``, root
     document ``raw``) for ``activationscope consolidate``, as :meth:`Store.info` shows it under
@@ -2783,6 +2788,9 @@ def pending_ranks(backend: Any, attrs: dict, raw: bytes | None, opened: dict[int
 
     Parameters
     ----------
+    raw : bytes or None, optional
+        The root document; read from ``backend`` when left out (only where a rank store is
+        listed: a store without one costs one listing of ``ranks/``).
     opened : dict, optional
         ``{rank: Store}`` of rank stores already open (not closed here); the others are opened
         and closed here.
@@ -2794,7 +2802,8 @@ def pending_ranks(backend: Any, attrs: dict, raw: bytes | None, opened: dict[int
         "world_size": int | None, "ranks": [{"rank", "status", "n_samples", "n_rows": {hook
         point: rows}, "world_size"} | {"rank", "error"}], "missing": [int] (at most 100),
         "n_missing": int, "beyond": [int], "incomplete": [int], "other_runs": [int], "ready":
-        bool}``. ``capture``: ``"again"`` a capture again (its commit replaces the store's rows),
+        bool}`` (:meth:`Store.info` shows ``capture`` ``"unreadable"`` and the ``error`` where
+        ``ranks/`` cannot be listed or read). ``capture``: ``"again"`` a capture again (its commit replaces the store's rows),
         ``"this"`` the store's own uncommitted capture, ``"left_by_commit"`` what a committed
         store's commit left, ``"other"`` rank stores of no run of this store. ``world_size``: the
         root's ``distributed.world_size`` (``"this"``) or the one the rank stores record (None
@@ -2807,6 +2816,8 @@ def pending_ranks(backend: Any, attrs: dict, raw: bytes | None, opened: dict[int
     ranks = listed_rank_stores(backend)
     if not ranks:
         return None
+    if raw is ...:
+        raw = backend.get("zarr.json", max_bytes=V.MAX_JSON_BYTES)
     opened = opened or {}
     dist = attrs.get("distributed")
     dist = dist if isinstance(dist, dict) else None
@@ -3096,7 +3107,10 @@ def copy_store(source: Any, target: Any, *, overwrite: bool = False, storage_opt
         no Zarr store (a folder of other files is never cleared), or is a store whose folder
         (or prefix) also holds entries that are not the store's. Nothing is changed.
     StoreLockedError
-        A writer holds ``target``.
+        A writer holds ``target``; or, with ``overwrite`` replacing a store at ``target``, a
+        writer holds ``source`` (its lock file names a live holder, or its lock marker exists):
+        a copy of a store being written may fail after the old store was deleted. Nothing is
+        changed; copy into a new path, or once the writer has finished.
     StoreError
         ``target`` is a local path inside another store, or the source itself, a folder
         holding it or a folder inside it (symlinks resolved); nothing is deleted. Or the
@@ -3112,7 +3126,7 @@ def copy_store(source: Any, target: Any, *, overwrite: bool = False, storage_opt
     """
     from ..errors import StoreExistsError
 
-    from ._lock import WriterLock
+    from ._lock import WriterLock, writer_holding
 
     overwrite = F.parse_flag(overwrite, "overwrite")  # (overwrite="False" is a true string)
     src = source._backend if isinstance(source, Store) else resolve(source, read_only=True,
@@ -3140,6 +3154,21 @@ def copy_store(source: Any, target: Any, *, overwrite: bool = False, storage_opt
                     f"{str(dst)!r} exists and is not empty but holds no Zarr store; choose another path or remove it "
                     "(overwrite=True only replaces stores); nothing was changed")
             refuse_foreign_entries(dst)
+            # a copy of a store being written may fail (a commit landing during every attempt) after the
+            # target's store was deleted: the store overwrite replaces goes only for a copy that can finish
+            holder = writer_holding(src)
+            if holder is not None:
+                from ..errors import StoreLockedError
+
+                from ._backend import LOCK_KEY
+
+                gone = f"; if that writer is gone (killed on another host), delete {str(src).rstrip('/')}/{LOCK_KEY}"
+                raise StoreLockedError(
+                    f"source {str(src)!r} of copy_store is being written by {holder}: a commit landing while it is "
+                    f"copied makes the copy start again, and after {_COPY_ATTEMPTS} it fails, when overwrite=True "
+                    f"would already have deleted the store at {str(dst)!r}; nothing was changed. Copy once the writer "
+                    f"has finished (activationscope info shows status complete), or copy into a new path (a copy "
+                    f"failing there loses nothing){gone}")
         # FORMAT.md section 7: the root of the copy's run comes first (incomplete, no rows), over the old
         # store's root, then the old objects go, then the copy's objects, its own root last. Killed at any
         # point, the target is the old store intact or an incomplete store listing no row of the old one;

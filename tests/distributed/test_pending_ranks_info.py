@@ -103,3 +103,45 @@ def test_info_of_an_uncommitted_multi_rank_store_names_its_missing_ranks_and_wha
     assert acs.open_store(url).info()["pending_ranks"]["ready"]
     assert (f"next:     all 3 ranks are complete: `activationscope consolidate {url}` commits them into one "
             "store") in _info(url, capsys)
+
+
+def test_info_of_a_store_whose_ranks_folder_cannot_be_read_says_so_and_describes_the_store(tmp_path, capsys):
+    """info() of a committed store whose ranks/ is a link leaving the store raised
+    StoreCorruptError (the listing of ranks/ refuses it), though the store opens and its rows
+    read: info describes the store and says why its rank stores cannot be read."""
+    url = str(tmp_path / "s.zarr")
+    old = _committed(url, None, 2, _model(0))
+    expected = old.info()
+    (tmp_path / "elsewhere").mkdir()
+    (Path(url) / "ranks").symlink_to(tmp_path / "elsewhere")
+    info = acs.open_store(url).info()
+    p = info.pop("pending_ranks")
+    assert info == expected  # the store as it reads
+    assert p["capture"] == "unreadable" and not p["ready"] and p["ranks"] == []
+    assert "'ranks/' resolves to" in p["error"] and "outside the store" in p["error"]
+    out = _info(url, capsys)
+    assert "status:   complete, 147 samples" in out
+    assert "ranks:    the rank stores under ranks/ cannot be read: store " in out and "outside the store" in out
+    assert "next:" not in out
+
+
+def test_info_says_consolidate_removes_a_rank_store_of_another_run_beside_a_ready_capture(tmp_path, capsys):
+    """A rank store of another run beyond the world size of a ready capture again was shown as
+    "no part of it" under a next: line saying consolidate commits the others; consolidate then
+    removed it with them (every rank store under ranks/ goes once the commit lands)."""
+    url = str(tmp_path / "s.zarr")
+    _committed(url, None, 2, _model(0))
+    for task in (0, 1):
+        _task(url, None, task, 2, _model(1), overwrite=True)
+    import shutil
+    shutil.copytree(Path(url) / "ranks" / "00000", Path(url) / "ranks" / "00002")
+    doc = json.loads((Path(url) / "ranks" / "00002" / "zarr.json").read_text())
+    doc["attributes"]["activationscope"]["rank_store"]["run_id"] = "0" * 32
+    (Path(url) / "ranks" / "00002" / "zarr.json").write_text(json.dumps(doc))
+    p = acs.open_store(url).info()["pending_ranks"]
+    assert p["capture"] == "again" and p["other_runs"] == [2] and p["ready"]
+    out = _info(url, capsys)
+    assert ("of another run, no part of it: rank store(s) [2]; consolidate removes them with the others once it "
+            "commits: move them away first if you keep them") in out, out
+    assert cli.main(["consolidate", url]) == 0  # (what info said: the rank store of the other run is gone)
+    assert not (Path(url) / "ranks" / "00002").exists()

@@ -90,3 +90,54 @@ def test_a_copy_of_a_store_committed_during_every_attempt_is_refused(live, tmp_p
     assert left[0] == 7
     copy = open_store(tmp_path / "copy.zarr")
     assert copy.status == "incomplete" and copy.n_samples == 0 and copy.hook_points == []
+
+
+def test_a_copy_of_a_store_being_written_never_replaces_an_existing_target(live, tmp_path, monkeypatch):
+    """With overwrite=True the target's store was deleted before the source was read: a copy
+    that then failed (a commit landing during every attempt) left an empty incomplete store
+    where the user's old store had been. Refused now before anything changes while a writer
+    holds the source; a copy into an empty target still copies it (above)."""
+    url, so, step, ref = live
+    old = tmp_path / "old.zarr"
+    copy_store(B.resolve(url, storage_options=so), str(old))  # a store of 8 rows, then replaced
+    before = sorted(p.relative_to(old) for p in old.rglob("*"))
+    left = _commit_while_copying(monkeypatch, step, 10)
+    with pytest.raises(acs.StoreLockedError, match=r"source .* of copy_store is being written by pid \d+ on host .*"
+                       r"nothing was changed.*copy into a new path"):
+        copy_store(B.resolve(url, storage_options=so), str(old), overwrite=True)
+    monkeypatch.undo()
+    assert left[0] == 10  # (refused before the source's objects were read)
+    assert sorted(p.relative_to(old) for p in old.rglob("*")) == before
+    kept = open_store(old)
+    assert kept.n_samples == 8 and kept.verify() == []
+    for hp, rows in ref.items():
+        assert torch.equal(kept[hp], rows[:8]), hp
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_a_copy_of_a_store_no_writer_holds_replaces_an_existing_target(request, where, tmp_path):
+    """A released lock (a local lock file left empty) or one of a process of this host that is
+    gone (killed: its pid in the lock file or marker) is no writer: overwrite=True copies."""
+    import json
+    import socket
+    import subprocess
+
+    from acs_testing import store_target, store_three_batches
+
+    url, so = store_target(request, where, "done")
+    data = store_three_batches(url)
+    src = B.resolve(url, storage_options=so)
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    src_w = B.resolve(url, storage_options=so, read_only=False) if where != "local" else src
+    dead = json.dumps({"pid": gone.pid, "host": socket.gethostname(), "started": "2026-01-01T00:00:00Z",
+                       "token": "x"}).encode()
+    if where == "local":
+        (tmp_path / url.rsplit("/", 1)[-1] / B.LOCK_KEY).write_bytes(dead)
+    else:
+        src_w.set(B.LOCK_KEY, dead)
+    old = tmp_path / "old.zarr"
+    store_three_batches(old)
+    copy_store(src, str(old), overwrite=True)
+    copy = open_store(old)
+    assert copy.status == "complete" and copy.verify() == [] and torch.equal(copy["0.output"], data)
