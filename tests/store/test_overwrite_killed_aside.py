@@ -111,14 +111,21 @@ def _rerun(path: Path, outcome: str, before: dict[str, bytes], data: torch.Tenso
         assert torch.equal(s[HP], data) and s.hook_points == [HP]
 
 
-@pytest.mark.parametrize("outcome", ["commits", "fails"])
-@pytest.mark.parametrize("k", [1, 2, 3])
-def test_overwrite_killed_while_moving_the_old_store_aside_is_finished_by_a_rerun(tmp_path, k, outcome):
+def _killed_moving_aside(tmp_path, k):
+    """A 96-row store at ``tmp_path / "s.zarr"`` whose overwrite was killed after moving ``k``
+    entries aside: ``(path, its rows, its files before, the folder aside)``."""
     path = tmp_path / "s.zarr"
     data = make_store(path, n_rows=96)
     before = _files(path)
     _kill(path, "aside", k)
     (aside,) = _asides(tmp_path)
+    return path, data, before, aside
+
+
+@pytest.mark.parametrize("outcome", ["commits", "fails"])
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_overwrite_killed_while_moving_the_old_store_aside_is_finished_by_a_rerun(tmp_path, k, outcome):
+    path, data, before, aside = _killed_moving_aside(tmp_path, k)
     # the interrupted state: the root and k - 1 more entries aside (in directory order), the rest at the path
     _assert_split(path, aside, n_aside=k, root_aside=True)
     _rerun(path, outcome, before, data)
@@ -153,11 +160,7 @@ def test_overwrite_killed_while_putting_the_old_store_back_is_finished_by_a_reru
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_a_reader_a_resume_and_a_copy_name_the_folder_of_an_interrupted_overwrite(tmp_path, k):
-    path = tmp_path / "s.zarr"
-    data = make_store(path, n_rows=96)
-    before = _files(path)
-    _kill(path, "aside", k)
-    (aside,) = _asides(tmp_path)
+    path, data, before, aside = _killed_moving_aside(tmp_path, k)
     found = _everything(tmp_path)
     fix = rf"moved the store's root document \(zarr\.json\) into '{aside}'.*overwrite=True.*zarr\.json last"
     with pytest.raises(StoreError, match=rf"no store at '{path}': it holds no root document.*{fix}"):
@@ -364,11 +367,7 @@ def test_a_new_store_on_the_path_of_an_interrupted_overwrite_names_the_folder(tm
     """``StoreWriter(path)`` (neither overwrite nor resume) on the half of a store a killed
     overwrite left at the path names the folder aside and both ways out; before, it called the
     path a folder that holds no store, to choose another path or remove (half the old store)."""
-    path = tmp_path / "s.zarr"
-    data = make_store(path, n_rows=96)
-    before = _files(path)
-    _kill(path, "aside", k)
-    (aside,) = _asides(tmp_path)
+    path, data, before, aside = _killed_moving_aside(tmp_path, k)
     found = _everything(tmp_path)
     with pytest.raises(StoreExistsError, match=rf"'{path}' exists and is not empty but holds no root document "
                                                rf"\(zarr\.json\): an overwrite=True moved the store's root document "

@@ -151,20 +151,26 @@ def test_a_resumed_token_store_verifies_clean(tmp_path):
     assert got["label"].tolist() == [(s // 2) + (s % 2) for s in got["sample_id"].tolist()]
 
 
+def _two_rank_token_stores(path, batch_of_rank) -> None:
+    """Two RankStore tasks, each one forward of 2 samples x 3 tokens into ``path`` (token rows
+    of ``1.output``); ``batch_of_rank(r)``: the set_batch keywords of rank ``r`` besides the mask."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(50, 4), torch.nn.Linear(4, 4))
+    for r in range(2):
+        options = {"process_group": acs.RankStore(r, 2), "chunk_rows": 2, "shard_rows": 4}
+        with acs.ActivationScope(store=path, store_options=options).track(model, include=["1"]) as tracker, \
+                torch.no_grad():
+            tracker.set_batch(attention_mask=torch.ones(2, 3, dtype=torch.bool), **batch_of_rank(r))
+            model(torch.randint(1, 50, (2, 3)))
+
+
 @pytest.mark.parametrize("committed", [False, True])
 def test_rank_stores_with_the_same_default_ids_verify_clean(tmp_path, committed):
     # default ids count per rank: ids 0, 1 on both ranks, paired with their sample by rank
     from activationscope.store.ranks import commit_ranks
 
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Embedding(50, 4), torch.nn.Linear(4, 4))
     path = tmp_path / "r.zarr"
-    for r in range(2):
-        options = {"process_group": acs.RankStore(r, 2), "chunk_rows": 2, "shard_rows": 4}
-        with acs.ActivationScope(store=path, store_options=options).track(model, include=["1"]) as tracker, \
-                torch.no_grad():
-            tracker.set_batch(attention_mask=torch.ones(2, 3, dtype=torch.bool), label=[10 * r, 10 * r + 1])
-            model(torch.randint(1, 50, (2, 3)))
+    _two_rank_token_stores(path, lambda r: {"label": [10 * r, 10 * r + 1]})
     if committed:
         commit_ranks(path)
     store = open_store(path)
@@ -176,15 +182,8 @@ def test_rank_stores_with_the_same_default_ids_verify_clean(tmp_path, committed)
 def test_rows_of_a_committed_rank_store_paired_with_another_rank_are_named_by_verify(tmp_path):
     from activationscope.store.ranks import commit_ranks
 
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Embedding(50, 4), torch.nn.Linear(4, 4))
     path = tmp_path / "r.zarr"
-    for r in range(2):
-        options = {"process_group": acs.RankStore(r, 2), "chunk_rows": 2, "shard_rows": 4}
-        with acs.ActivationScope(store=path, store_options=options).track(model, include=["1"]) as tracker, \
-                torch.no_grad():
-            tracker.set_batch(attention_mask=torch.ones(2, 3, dtype=torch.bool), sample_ids=[2 * r, 2 * r + 1])
-            model(torch.randint(1, 50, (2, 3)))
+    _two_rank_token_stores(path, lambda r: {"sample_ids": [2 * r, 2 * r + 1]})
     commit_ranks(path)
     assert open_store(path).verify() == []
     # the rows of sample 2 (rank 1) said of rank 0, which has no sample 2
