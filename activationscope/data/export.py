@@ -45,6 +45,7 @@ import torch
 
 from ..errors import ArgumentTypeError, ArgumentValueError, ColumnNotFoundError, ExportExistsError
 from ..store._backend import enclosing_store, local_path, relation_to_store
+from ..store._lock import _pid_alive
 from .._args import parse_flag
 from ._source import as_source
 from .dataset import ActivationDataset, _names, select_hook_points
@@ -420,7 +421,8 @@ def _remove_stale_temps(folder: Path, base: str, host: str) -> None:
         return
     for name in names:
         m = pattern.fullmatch(name)
-        if m is None or _pid_alive(int(m.group(1))):
+        pid = int(m.group(1)) if m is not None else 0
+        if pid <= 0 or _pid_alive(pid):  # (a name of pid 0 is no process's: left alone)
             continue
         stale = folder / name
         try:
@@ -428,19 +430,6 @@ def _remove_stale_temps(folder: Path, base: str, host: str) -> None:
                 stale.unlink()
         except OSError:
             pass
-
-
-def _pid_alive(pid: int) -> bool:
-    """Whether a process ``pid`` runs on this host (one of another user's counts as running)."""
-    if pid <= 0:
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError, OSError):
-        return True
-    return True
 
 
 def _is_export(path: Path, kind: str) -> bool:

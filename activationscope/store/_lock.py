@@ -51,13 +51,16 @@ _HELD_TOKENS: set[str] = set()
 
 
 def _pid_alive(pid: Any) -> bool:
-    if not isinstance(pid, int) or pid <= 0:
+    """Whether a process ``pid`` runs on this host (one of another user's counts as running,
+    and so does a number no process id can be); False for what is no process id (not a
+    positive int)."""
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
         return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
+    except (PermissionError, OverflowError, OSError):
         return True
     return True
 
