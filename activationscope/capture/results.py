@@ -50,13 +50,22 @@ class HookPointResults(_Results):
 
 class ReductionResults(_Results):
     """``{reduction name: Tensor}`` of one hook point; a missing name raises
-    :class:`ReductionNotFoundError` naming the hook point and the names there are."""
+    :class:`ReductionNotFoundError` naming the hook point and the names there are, and the
+    name of an entry the store refuses (left out) raises its :class:`StoreCorruptError`."""
 
     _error = ReductionNotFoundError
 
     def __init__(self, hook_point: str, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.hook_point = hook_point
+        #: ``{name: error}`` of the entries a store refuses (``Store.refused_reductions``):
+        #: left out of the dict, and indexing one raises its error
+        self.refused: dict[str, Exception] = {}
+
+    def __missing__(self, name: str):
+        if name in self.refused:
+            raise self.refused[name]
+        return super().__missing__(name)
 
     def _missing_message(self, name: str) -> str:
         count = dict.get(self, f"{name}.count")

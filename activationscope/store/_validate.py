@@ -331,8 +331,8 @@ def _builtin_output_shape(kind: str, key: str, options: dict, feature_shape: lis
 REFUSED_REDUCTION_FIX = (
     "no built-in reduction writes such an entry (earlier versions' StoreWriter.add_reductions stored values of the "
     "writer's own under a built-in kind, or the store was edited): capture that reduction again into a new store "
-    "(or capture the store again with overwrite=True); the store's arrays, row tables and the reductions of its "
-    "other hook points read as usual (`activationscope verify STORE` lists every refused entry)"
+    "(or capture the store again with overwrite=True); the store's arrays, row tables and other reductions "
+    "read as usual (`activationscope verify STORE` lists every refused entry)"
 )
 #: The dtypes of every output and state array of a built-in reduction (FORMAT.md section 6).
 BUILTIN_DTYPES = ("float64", "int64")

@@ -31,6 +31,7 @@ import stat
 import sys
 import threading
 import uuid
+import warnings
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -209,8 +210,16 @@ class _Reductions(Mapping):
                 f"hook point {hook_point!r} has no reductions in this store{why}; "
                 f"hook points with reductions: {list(self)}"
             )
-        self._store._refuse_reductions(hook_point, entries)
-        return ReductionResults(hook_point, {name: self._store._read_small(e) for name, e in entries.items()})
+        refused = self._store._refused.get(hook_point) or {}
+        out = ReductionResults(hook_point, {name: self._store._read_small(e) for name, e in entries.items()
+                                            if name not in refused})
+        if refused:
+            names = [n for n in entries if n in refused]
+            error = self._store._refused_error(hook_point, names)
+            out.refused = {n: self._store._refused_error(hook_point, [n]) for n in names}
+            warnings.warn(f"{error}; the hook point's other reductions are returned without "
+                          f"{'it' if len(names) == 1 else 'them'}", UserWarning, stacklevel=2)
+        return out
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._store._complete_reductions())
@@ -642,9 +651,11 @@ class Store:
         float64 / int64 (a ``bool`` ``mean``, a user's own float32 values given a built-in kind,
         which earlier versions stored), options that reduction cannot have, or an output or shape
         it does not have (FORMAT.md §9 rule 10). ``problem`` names the field, the rule and the
-        value. The store opens and reads the rest as usual; reading the reductions of such a hook
-        point (:attr:`reductions`, :meth:`reduction_specs`, the report) raises
-        :class:`StoreCorruptError` naming the entry, and :meth:`verify` lists each."""
+        value. The store opens and reads the rest as usual: ``store.reductions[hook_point]``
+        returns that hook point's other reductions with a ``UserWarning`` naming the entry, and
+        indexing the entry there raises :class:`StoreCorruptError` naming it;
+        :meth:`reduction_specs` leaves it out; the report uses none of that hook point's
+        reductions; a resume and a commit of rank stores refuse it; :meth:`verify` lists each."""
         return {hp: dict(v) for hp, v in self._refused.items()}
 
     def _refused_error(self, hook_point: str, names: Iterable[str]) -> StoreCorruptError:
@@ -653,14 +664,6 @@ class Store:
         return V.corrupt(self._backend, f"hook point {hook_point!r}: reduction {names[0]!r} is refused: "
                          f"{refused[names[0]]}" + (f" (and {names[1:]} likewise)" if len(names) > 1 else ""),
                          fix=REFUSED_REDUCTION_FIX)
-
-    def _refuse_reductions(self, hook_point: str, names: Iterable[str]) -> None:
-        """Raise :class:`StoreCorruptError` when one of the entries ``names`` of ``hook_point``
-        is refused (:attr:`refused_reductions`): never returned as values."""
-        refused = self._refused.get(hook_point) or {}
-        names = list(names)
-        if any(n in refused for n in names):
-            raise self._refused_error(hook_point, names)
 
     def _meta(self, hook_point: str) -> dict:
         if not isinstance(hook_point, str):
@@ -1984,7 +1987,9 @@ class Store:
             Indexing a hook point without reductions (the message lists those with some).
         StoreCorruptError
             A reduction's file is missing, of another size than its shape and dtype need,
-            or does not match its recorded crc32c.
+            or does not match its recorded crc32c; indexing the result with an entry the
+            store refuses (:attr:`refused_reductions`: left out of the result, with a
+            ``UserWarning`` naming it).
         """
         return _Reductions(self)
 
@@ -1994,14 +1999,18 @@ class Store:
         ``name.<key>``), so a reader can pick a statistic by kind rather than by name.
         ``{}`` when the hook point has none. ``kind`` is the built-in's name, ``"script"`` for a
         custom TorchScript reduction and ``"eager"`` for a custom one run as Python (an entry
-        that records no kind, from another writer, reads as ``"custom"``)."""
+        that records no kind, from another writer, reads as ``"custom"``; a reduction one of whose
+        entries the store refuses, :attr:`refused_reductions`, is left out)."""
         out: dict[str, tuple[str, dict[str, float]]] = {}
         entries = self._complete_reductions().get(hook_point) or {}
-        self._refuse_reductions(hook_point, entries)
+        refused = {str(e.get("reduction", n)) if isinstance(e, dict) else n
+                   for n, e in entries.items() if n in (self._refused.get(hook_point) or {})}
         for full, entry in entries.items():
             if not isinstance(entry, dict):
                 continue
             name = str(entry.get("reduction", full))
+            if name in refused:
+                continue
             options = entry.get("options")
             if name not in out or (full == name and isinstance(options, dict)):
                 out[name] = (str(entry.get("kind", "custom")), dict(options) if isinstance(options, dict) else {})

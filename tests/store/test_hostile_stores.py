@@ -1380,18 +1380,26 @@ def _builtin_store(path: Path, feature_shape=(2, 3), n_modules: int = 1) -> None
 def _refused_by_its_readers(path: Path, entry: str, message: str, hp: str = "0.output") -> None:
     """The store at ``path`` opens, and reduction ``entry`` of ``hp`` is refused by every reader
     of it, the message (a regex) naming the field and the value with the fix: listed in
-    ``refused_reductions``, ``store.reductions[hp]`` and ``reduction_specs`` raise, ``verify``
-    and the ``verify`` command name it, a resume refuses before it writes anything."""
+    ``refused_reductions``; ``store.reductions[hp]`` returns the others with a warning naming
+    it, and indexing it there raises; ``reduction_specs`` leaves it out; ``verify`` and the
+    ``verify`` command name it, a resume refuses before it writes anything."""
     from activationscope import cli
 
     before = _files(path)
     s = open_store(path)
     assert re.search(message, s.refused_reductions[hp][entry])
     raised = rf"hook point {re.escape(repr(hp))}: reduction '[^']+' is refused: .*{message}.*capture that reduction again"
-    with pytest.raises(StoreCorruptError, match=raised):
-        s.reductions[hp]
-    with pytest.raises(StoreCorruptError, match=raised):
-        s.reduction_specs(hp)
+    refused = set(s.refused_reductions[hp])
+    with pytest.warns(UserWarning, match=raised + r".*the hook point's other reductions are returned without"):
+        got = s.reductions[hp]
+    entries = root(path)["attributes"]["activationscope"]["reductions"][hp]
+    assert set(got) == set(entries) - refused and got  # every other entry, read
+    for name in refused:
+        with pytest.raises(StoreCorruptError, match=raised.replace("'[^']+'", re.escape(repr(name)))):
+            got[name]
+    specs = s.reduction_specs(hp)  # a reduction with a refused entry left out, the others there
+    assert specs and not {entries[n]["reduction"] for n in refused} & set(specs)
+    assert set(specs) == {e["reduction"] for e in entries.values()} - {entries[n]["reduction"] for n in refused}
     assert any(p.startswith(f"hook point {hp!r}: reduction {entry!r} is refused: ") and re.search(message, p)
                and "capture that reduction again" in p for p in s.verify())
     assert cli.main(["verify", str(path)]) == 1
@@ -1537,7 +1545,7 @@ def test_a_store_with_a_refused_reduction_entry_reads_everything_else(tmp_path):
     """A store an earlier version wrote with a float32 "mean" of a built-in kind (its
     StoreWriter.add_reductions took one) opens: its arrays, row table, datasets and the
     reductions of its other hook points read as before; the reductions of the entry's hook
-    point, the report and a resume refuse it naming the entry, the field, the value and the
+    point leave it out (indexing it raises), the report and a resume refuse it naming the entry, the field, the value and the
     fix; info lists it as refused. Before, open_store refused the whole store."""
     from activationscope import cli
     from activationscope.analysis.report import write_report
@@ -1549,6 +1557,7 @@ def test_a_store_with_a_refused_reduction_entry_reads_everything_else(tmp_path):
     samples = s.row_table("sample")
     others = dict(s.reductions["1.output"])
     specs = s.reduction_specs("1.output")
+    same_hp = dict(s.reductions["0.output"])
     _retype_reduction(path, "mean", "float32", hp="0.output")
 
     s = open_store(path)
@@ -1563,10 +1572,14 @@ def test_a_store_with_a_refused_reduction_entry_reads_everything_else(tmp_path):
     assert list(s.refused_reductions) == ["0.output"] and list(s.refused_reductions["0.output"]) == ["mean"]
     message = (r"hook point '0\.output': reduction 'mean' is refused: zarr\.json field reductions\['0\.output'\]"
                r"\['mean'\]\.dtype must be one of \['float64', 'int64'\].*got 'float32'; .*capture that reduction again")
+    with pytest.warns(UserWarning, match=message):
+        got = s.reductions["0.output"]
+    assert sorted(got) == sorted(set(same_hp) - {"mean"})  # the others read, as they were
+    assert all(torch.equal(got[k], same_hp[k]) for k in got)
     with pytest.raises(StoreCorruptError, match=message):
-        s.reductions["0.output"]
-    with pytest.raises(StoreCorruptError, match=message):
-        s.reductions.get("0.output")
+        got["mean"]
+    with pytest.warns(UserWarning, match=message):
+        assert "mean" not in s.reductions.get("0.output")
     with pytest.warns(UserWarning, match=r"hook point '0\.output': reductions: the store's reduction 'mean' of this "
                       r"hook point is refused \(zarr\.json field .*got 'float32'.*computed from the sampled rows"):
         report = write_report(path, tmp_path / "report")  # the report goes on from the rows, saying so
