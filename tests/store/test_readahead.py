@@ -297,3 +297,46 @@ def test_a_hint_given_while_another_thread_refreshes_is_not_kept_for_the_new_com
     store.will_read("x", 200, 300)  # the rows of the new commit's files were never hinted: hinted now
     assert fired and sum(hinted) == (1000 - 200) * 1024  # (its rows and the read-ahead after them)
     assert torch.equal(store.rows("x", 0, 1000), t)
+
+
+def _cold_wide_store(tmp_path, n_rows=2048):
+    t = torch.randn(n_rows, 4096)  # 16 KiB rows: 32 MiB, shards of 4 MiB
+    path = tmp_path / "w.zarr"
+    _write(path, t, shard_bytes=4 << 20)
+    pagecache.evict(_shards(path))
+    if pagecache.resident(_shards(path))[0]:
+        pytest.skip("this filesystem keeps the pages in memory (tmpfs?): no cold reads to test")
+    return t, path
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_shuffled_batch_of_a_cold_store_reads_its_rows_and_not_the_pages_around_them(tmp_path, threads):
+    """A gathered batch (shuffled sampler) of cold rows is read as those rows (madvise WILLNEED
+    per row, all in flight at once), not by page faults that each read the device's read-ahead
+    around the row (128 KiB to 8 MiB a fault: a batch of 64 rows of 16 KiB read the whole
+    32 MiB array). Both copy paths: one thread (row copies) and two (index_select)."""
+    t, path = _cold_wide_store(tmp_path)
+    ds = ActivationDataset(path)
+    idx = torch.randperm(len(ds), generator=torch.Generator().manual_seed(0))[:64].tolist()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = ds.get_batch(idx)["x"]
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got, t[idx])
+    rows_pages = len(idx) * (4 + 1)  # each row's 4 pages, one more where it straddles a page
+    assert rows_pages // 2 <= pagecache.resident(_shards(path))[0] <= 2 * rows_pages
+
+
+def test_a_shuffled_batch_of_a_warm_store_reads_the_same_rows(tmp_path):
+    """After a first epoch (warm pages) and with some rows evicted since, every batch has the
+    stored rows."""
+    t, path = _cold_wide_store(tmp_path, n_rows=512)
+    ds = ActivationDataset(path)
+    order = torch.randperm(len(ds), generator=torch.Generator().manual_seed(1)).tolist()
+    for s in range(0, len(order), 100):
+        assert torch.equal(ds.get_batch(order[s:s + 100])["x"], t[order[s:s + 100]])
+    pagecache.evict(_shards(path))  # (pages this process maps stay: some rows warm, some cold)
+    for s in range(0, len(order), 100):
+        assert torch.equal(ds.get_batch(order[s:s + 100])["x"], t[order[s:s + 100]])
