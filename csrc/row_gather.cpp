@@ -64,20 +64,25 @@ bool store_rows(const py::handle& index, int64_t n, int64_t start, std::vector<i
   return false;
 }
 
-// Cold rows of a file mapping: ask the kernel to read exactly the batch's rows, all at once
+// Cold rows of a file mapping: ask the kernel to read the batch's rows, all at once
 // (madvise(MADV_WILLNEED) per row: many reads in flight), before the copy touches them. A
 // touched cold row is otherwise faulted in with a read-around of the device's read-ahead
 // (read_ahead_kb: 128 KiB to several MiB) around it, one fault at a time: a shuffled batch of
 // 16 KiB rows from a store larger than the page cache read up to 500 times its bytes, one
-// request after another. A warm batch (the first page of up to 16 rows spread over it all in
-// the page cache: a store read before, or one in memory) costs those mincore calls only.
-// Hints only: a failing call changes nothing but speed. Called without the GIL.
+// request after another. `block` > 0 widens each row's range to the aligned blocks of that
+// many bytes around it (a store that fits in memory: an epoch reads it all anyway, in fewer,
+// larger reads); 0 reads each row's own pages; < 0 gives no hint. A warm batch (the first
+// page of up to 16 rows spread over it all in the page cache: a store read before, or one in
+// memory) costs those mincore calls only. Hints only: a failing call changes nothing but
+// speed. Called without the GIL.
 void advise_cold_rows(const std::vector<int64_t>& rows, const std::vector<int32_t>& seg_of,
                       const std::vector<const char*>& base, const std::vector<int64_t>& bounds,
-                      int64_t row_bytes) {
+                      int64_t row_bytes, int64_t block) {
 #ifdef __linux__
   static const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
-  if (row_bytes <= 0 || rows.empty() || page == 0 || (page & (page - 1))) return;
+  if (block < 0 || row_bytes <= 0 || rows.empty() || page == 0 || (page & (page - 1))) return;
+  uintptr_t blk = page;
+  while (blk < static_cast<uintptr_t>(block) && blk < (uintptr_t{1} << 30)) blk <<= 1;  // a power of two
   auto addr = [&](size_t i) {
     const size_t j = static_cast<size_t>(seg_of[i]);
     return reinterpret_cast<uintptr_t>(base[j] + (rows[i] - bounds[j]) * row_bytes);
@@ -93,20 +98,25 @@ void advise_cold_rows(const std::vector<int64_t>& rows, const std::vector<int32_
   }
   if (!cold) return;
   for (size_t i = 0; i < k; ++i) {
+    // (a block is clipped to the row's segment: the mapping may end inside it)
+    const size_t j = static_cast<size_t>(seg_of[i]);
+    const uintptr_t seg_lo = reinterpret_cast<uintptr_t>(base[j]) & ~(page - 1);
+    const uintptr_t seg_hi = reinterpret_cast<uintptr_t>(base[j]) +
+                             static_cast<uintptr_t>((bounds[j + 1] - bounds[j]) * row_bytes);
     const uintptr_t a = addr(i);
-    const uintptr_t lo = a & ~(page - 1);
-    madvise(reinterpret_cast<void*>(lo), static_cast<size_t>(a + static_cast<uintptr_t>(row_bytes) - lo),
-            MADV_WILLNEED);
+    const uintptr_t lo = std::max(a & ~(blk - 1), seg_lo);
+    const uintptr_t hi = std::min((a + static_cast<uintptr_t>(row_bytes) + blk - 1) & ~(blk - 1), seg_hi);
+    if (hi > lo) madvise(reinterpret_cast<void*>(lo), static_cast<size_t>(hi - lo), MADV_WILLNEED);
   }
 #else
-  (void)rows, (void)seg_of, (void)base, (void)bounds, (void)row_bytes;
+  (void)rows, (void)seg_of, (void)base, (void)bounds, (void)row_bytes, (void)block;
 #endif
 }
 
 }  // namespace
 
 py::object gather_rows(const py::handle& index, int64_t n, int64_t start, const std::vector<int64_t>& bounds,
-                       const py::list& segments, bool want_ids, const py::object& out_arg) {
+                       const py::list& segments, bool want_ids, const py::object& out_arg, int64_t hint_block) {
   const size_t n_seg = bounds.size() < 2 ? 0 : bounds.size() - 1;
   if (n_seg == 0 || static_cast<size_t>(py::len(segments)) != n_seg || n <= 0) return py::none();
   std::vector<int64_t> rows;
@@ -191,11 +201,11 @@ py::object gather_rows(const py::handle& index, int64_t n, int64_t start, const 
     int64_t* p = idx.data_ptr<int64_t>();
     for (int64_t i = 0; i < k; ++i) p[i] = rows[static_cast<size_t>(i)] - bounds[j];
     ReleaseGil nogil;
-    advise_cold_rows(rows, seg_of, base, bounds, row_bytes);
+    advise_cold_rows(rows, seg_of, base, bounds, row_bytes, hint_block);
     at::index_select_out(out, segs[j], 0, idx);
   } else {
     ReleaseGil nogil;
-    advise_cold_rows(rows, seg_of, base, bounds, row_bytes);
+    advise_cold_rows(rows, seg_of, base, bounds, row_bytes, hint_block);
     char* dst = static_cast<char*>(out.data_ptr());
     for (size_t i = 0; i < rows.size(); ++i) {
       const size_t j = static_cast<size_t>(seg_of[i]);

@@ -28,9 +28,12 @@ namespace acs {
 // are copied into it, consecutive ones too, and rows is `out` (a = b = -1); an `out` of
 // another dtype, shape or layout gives None. (A DataLoader worker gathers straight into
 // shared memory this way.)
+// Cold rows of file mappings are asked of the kernel before they are copied (madvise
+// WILLNEED, see advise_cold_rows): `hint_block` < 0 no hint, 0 each row's own pages, > 0 the
+// aligned blocks of that many bytes (rounded up to a power of two) around each row.
 // The row copies run without the GIL.
 pybind11::object gather_rows(const pybind11::handle& index, int64_t n, int64_t start,
                              const std::vector<int64_t>& bounds, const pybind11::list& segments,
-                             bool want_ids, const pybind11::object& out);
+                             bool want_ids, const pybind11::object& out, int64_t hint_block);
 
 }  // namespace acs

@@ -12,6 +12,7 @@ from activationscope.data import ActivationDataset, SequentialBatchSampler
 from activationscope.errors import StoreCorruptError
 from activationscope.store import StoreWriter, open_store
 from activationscope.store import reader
+from activationscope.data import _source
 from benchmark import pagecache
 
 
@@ -309,24 +310,51 @@ def _cold_wide_store(tmp_path, n_rows=2048):
     return t, path
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-def test_a_shuffled_batch_of_a_cold_store_reads_its_rows_and_not_the_pages_around_them(tmp_path, threads):
-    """A gathered batch (shuffled sampler) of cold rows is read as those rows (madvise WILLNEED
-    per row, all in flight at once), not by page faults that each read the device's read-ahead
-    around the row (128 KiB to 8 MiB a fault: a batch of 64 rows of 16 KiB read the whole
-    32 MiB array). Both copy paths: one thread (row copies) and two (index_select)."""
-    t, path = _cold_wide_store(tmp_path)
-    ds = ActivationDataset(path)
-    idx = torch.randperm(len(ds), generator=torch.Generator().manual_seed(0))[:64].tolist()
+def _gathered(ds, idx, threads):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = ds.get_batch(idx)["x"]
+        return ds.get_batch(idx)["x"]
     finally:
         torch.set_num_threads(before)
-    assert torch.equal(got, t[idx])
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_shuffled_batch_of_a_cold_store_larger_than_memory_reads_its_rows_and_not_the_pages_around_them(
+        tmp_path, monkeypatch, threads):
+    """A gathered batch (shuffled sampler) of cold rows of a store larger than memory is read
+    as those rows (madvise WILLNEED per row, all in flight at once), not by page faults that
+    each read the device's read-ahead around the row (128 KiB to 8 MiB a fault: a batch of 64
+    rows of 16 KiB read the whole 32 MiB array). Both copy paths: one thread (row copies) and
+    two (index_select)."""
+    monkeypatch.setattr(_source, "_memory_bytes", lambda: 32 << 20)  # (the store: 32 MiB)
+    t, path = _cold_wide_store(tmp_path)
+    ds = ActivationDataset(path)
+    idx = torch.randperm(len(ds), generator=torch.Generator().manual_seed(0))[:64].tolist()
+    assert torch.equal(_gathered(ds, idx, threads), t[idx])
     rows_pages = len(idx) * (4 + 1)  # each row's 4 pages, one more where it straddles a page
     assert rows_pages // 2 <= pagecache.resident(_shards(path))[0] <= 2 * rows_pages
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_shuffled_batch_of_a_cold_store_that_fits_in_memory_reads_the_blocks_around_its_rows(
+        tmp_path, monkeypatch, threads):
+    """A store that fits in memory: the blocks of GATHER_HINT_BLOCK bytes around each cold row
+    (an epoch reads every row: fewer, larger reads), and no more."""
+    monkeypatch.setattr(_source, "_memory_bytes", lambda: 1 << 40)
+    t, path = _cold_wide_store(tmp_path)
+    ds = ActivationDataset(path)
+    idx = torch.randperm(len(ds), generator=torch.Generator().manual_seed(0))[:8].tolist()
+    assert torch.equal(_gathered(ds, idx, threads), t[idx])
+    block_pages = _source.GATHER_HINT_BLOCK // 4096
+    got = _wait_resident(path, len(idx) * block_pages // 2)
+    assert len(idx) * block_pages // 2 <= got <= len(idx) * (block_pages + 5)
+
+
+def test_gather_hint_block_is_a_block_for_an_array_that_fits_in_memory_else_rows(monkeypatch):
+    monkeypatch.setattr(_source, "_memory_bytes", lambda: 1000)
+    assert _source.gather_hint_block(500) == _source.GATHER_HINT_BLOCK
+    assert _source.gather_hint_block(501) == 0
 
 
 def test_a_shuffled_batch_of_a_warm_store_reads_the_same_rows(tmp_path):
