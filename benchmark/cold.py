@@ -1,6 +1,6 @@
 """Cold and compressed read-back, side by side: ``python -m benchmark.cold``.
 
-Two figures of issue 16, measured on the same rows in the same run:
+Figures of cold and compressed reads, each measured side by side in one run:
 
 - **cold**: rows/s of a sequential epoch (batches of ``--batch`` rows, every batch copied into
   a training-sized buffer and summed) through ``ActivationDataset`` on an uncompressed store,
@@ -12,6 +12,16 @@ Two figures of issue 16, measured on the same rows in the same run:
   repeat opens its dataset anew (the open is timed too). Warm epochs follow each cold one.
 - **zstd**: the same epoch on a zstd store against the uncompressed store, warm, with the
   decode threads the process may use (``taskset -c 0,1`` for 2 cores).
+- **cold shuffled**: the first ``--shuffled-batches`` batches of ``--shuffled-batch`` rows at uniformly
+  random positions of a cold layer of ``--shuffled-mib`` MiB of 16 KiB rows (4096 float32),
+  every batch copied and summed, the start of a shuffled epoch: ``ActivationDataset`` (its
+  rule: in blocks around each row for a layer that fits in half the memory, else each row's
+  own pages; see ``GATHER_HINT_BLOCK`` in ``activationscope/data/_source.py``), the same
+  dataset asking each row's own pages whatever the layer's size (the rule for a layer larger
+  than memory), numpy's ``np.load(mmap_mode="r")[positions]`` of a ``.npy`` of the same rows
+  (page faults with the kernel's read-around), and an HF ``datasets`` Arrow file
+  (``ds[positions]``). A layer larger than memory (``--shuffled-mib`` above the RAM) shows
+  the second rule on its own.
 
 Ratios are medians over ``--repeats`` repeats, the two sides alternating within a repeat.
 """
@@ -76,6 +86,122 @@ def build(workdir: str, n_rows: int) -> dict[str, str]:
     return paths
 
 
+SHUFFLED_WIDTH = 4096
+
+
+def build_shuffled(workdir: str, mib: int) -> dict[str, str]:
+    """An uncompressed store of one (rows, 4096) float32 layer of ``mib`` MiB, a ``.npy`` and
+    an HF Arrow dataset of the same rows."""
+    import datasets
+    import numpy as np
+
+    import activationscope as acs
+
+    datasets.disable_progress_bars()
+    n_rows = mib * 64
+    paths = {"acs": os.path.join(workdir, "wide.zarr"), "npy": os.path.join(workdir, "wide.npy"),
+             "hf": os.path.join(workdir, "wide-hf")}
+    model = torch.nn.Sequential(torch.nn.Identity())
+    with torch.no_grad(), acs.ActivationScope(store=paths["acs"]).track(model):
+        for k in range(0, n_rows, 1024):
+            model(torch.randn(min(1024, n_rows - k), SHUFFLED_WIDTH, generator=torch.Generator().manual_seed(k)))
+    store = acs.open_store(paths["acs"])
+    layer = store[store.hook_points[0]]
+    out = np.lib.format.open_memmap(paths["npy"], mode="w+", dtype=np.float32, shape=(n_rows, SHUFFLED_WIDTH))
+    feats = datasets.Features({"act": datasets.Sequence(datasets.Value("float32"), length=SHUFFLED_WIDTH)})
+    tables = []
+    for a in range(0, n_rows, 2048):
+        part = np.asarray(layer[a:a + 2048].numpy())
+        out[a:a + 2048] = part
+        tables.append(datasets.Dataset.from_dict({"act": part}, features=feats))
+    out.flush()
+    datasets.concatenate_datasets(tables).save_to_disk(paths["hf"])
+    del out, layer, store, tables
+    gc.collect()
+    return paths
+
+
+def shuffled_acs(path: str, batches: list[list[int]], buf: torch.Tensor) -> tuple[int, float]:
+    """(rows, checksum) of the batches read through ActivationDataset (each reader alike)."""
+    from activationscope.data import ActivationDataset
+
+    ds = ActivationDataset(path)
+    hp = ds.hook_points[0]
+    rows, total = 0, 0.0
+    for idx in batches:
+        x = ds.get_batch(idx)[hp]
+        total += _consume(x, buf)
+        rows += x.shape[0]
+    return rows, total
+
+
+def shuffled_acs_rows(path: str, batches: list[list[int]], buf: torch.Tensor) -> tuple[int, float]:
+    from activationscope.data import _source
+
+    before = _source.GATHER_BLOCK_MEMORY_FRACTION
+    _source.GATHER_BLOCK_MEMORY_FRACTION = 0.0  # as for a layer larger than memory
+    try:
+        return shuffled_acs(path, batches, buf)
+    finally:
+        _source.GATHER_BLOCK_MEMORY_FRACTION = before
+
+
+def shuffled_npy(path: str, batches: list[list[int]], buf: torch.Tensor) -> tuple[int, float]:
+    import numpy as np
+
+    arr = np.load(path, mmap_mode="r")
+    rows, total = 0, 0.0
+    for idx in batches:
+        x = torch.from_numpy(arr[np.asarray(idx)])
+        total += _consume(x, buf)
+        rows += x.shape[0]
+    del arr
+    return rows, total
+
+
+def shuffled_hf(path: str, batches: list[list[int]], buf: torch.Tensor) -> tuple[int, float]:
+    import datasets
+
+    ds = datasets.load_from_disk(path).with_format("arrow")
+    rows, total = 0, 0.0
+    for idx in batches:
+        col = ds[idx]["act"]
+        flat = col.combine_chunks().values if hasattr(col, "combine_chunks") else col.values
+        x = torch.from_numpy(flat.to_numpy(zero_copy_only=True)).view(-1, SHUFFLED_WIDTH)
+        total += _consume(x, buf)
+        rows += x.shape[0]
+    return rows, total
+
+
+def measure_shuffled(paths: dict[str, str], batch: int, n_batches: int, repeats: int) -> dict[str, Any]:
+    """rows/s of the first ``n_batches`` shuffled batches of the cold layer, per reader
+    (median over ``repeats``, the readers' order rotated each repeat); every reader's
+    checksum of a repeat's batches must agree."""
+    import numpy as np
+
+    n_rows = int(np.load(paths["npy"], mmap_mode="r").shape[0])
+    buf = torch.empty(batch, SHUFFLED_WIDTH)
+    readers = [("acs", paths["acs"], shuffled_acs), ("acs_rows", paths["acs"], shuffled_acs_rows),
+               ("npy", paths["npy"], shuffled_npy), ("hf", paths["hf"], shuffled_hf)]
+    out: dict[str, list[float]] = {name: [] for name, _p, _f in readers}
+    for r in range(repeats):
+        g = torch.Generator().manual_seed(r)
+        perm = torch.randperm(n_rows, generator=g)[: batch * n_batches].tolist()
+        batches = [perm[i:i + batch] for i in range(0, len(perm), batch)]
+        sums = {}
+        for name, path, fn in readers[r % len(readers):] + readers[: r % len(readers)]:
+            gc.collect()
+            pagecache.evict_checked(path)
+            dt, (rows, sums[name]) = timed(lambda: fn(path, batches, buf))
+            out[name].append(rows / dt)
+        if max(sums.values()) - min(sums.values()) > 1e-6 * max(1.0, max(abs(v) for v in sums.values())):
+            raise RuntimeError(f"the readers read other rows: checksums {sums}")
+    med = {k: statistics.median(v) for k, v in out.items()}
+    return {"rows": n_rows, "batch": batch, "batches": n_batches, "repeats": repeats, "rows_per_s": med,
+            "acs_vs_npy": med["acs"] / med["npy"], "acs_vs_hf": med["acs"] / med["hf"],
+            "acs_rows_vs_npy": med["acs_rows"] / med["npy"]}
+
+
 def epoch_acs(path: str, batch: int, buf: torch.Tensor) -> int:
     from activationscope.data import ActivationDataset, SequentialBatchSampler
 
@@ -103,7 +229,7 @@ def epoch_hf(path: str, batch: int, buf: torch.Tensor) -> int:
     return rows
 
 
-def timed(fn: Callable[[], int]) -> tuple[float, int]:
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     t = time.perf_counter()
     rows = fn()
     return time.perf_counter() - t, rows
@@ -148,6 +274,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mib", type=int, default=256, help="layer size in MiB (default: %(default)s)")
     p.add_argument("--batch", type=int, default=4096, help="rows per batch (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--shuffled-mib", type=int, default=2048,
+                   help="size of the cold shuffled layer in MiB, rows of 16 KiB (default: %(default)s; 0: skip)")
+    p.add_argument("--shuffled-batches", type=int, default=8, help="shuffled batches timed per repeat")
+    p.add_argument("--shuffled-batch", type=int, default=1024, help="rows per shuffled batch (default: %(default)s)")
     p.add_argument("--workdir", default=None, help="parent of the scratch folder (a disk, not tmpfs)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
@@ -156,6 +286,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         paths = build(work, args.mib * 1024)
         res = measure(paths, args.batch, args.repeats)
+        shutil.rmtree(work, ignore_errors=True)
+        os.makedirs(work, exist_ok=True)
+        if args.shuffled_mib > 0:
+            wide = build_shuffled(work, args.shuffled_mib)
+            res["shuffled"] = measure_shuffled(wide, args.shuffled_batch, args.shuffled_batches, args.repeats)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     r = res["rows_per_s"]
@@ -167,6 +302,13 @@ def main(argv: list[str] | None = None) -> int:
           f"{res['warm_acs_vs_hf']:.2f}x")
     print(f"zstd:  {r['zstd_warm'] / 1e6:.3f} M rows/s vs uncompressed {r['raw_warm'] / 1e6:.3f}: "
           f"{res['zstd_vs_uncompressed']:.2f}x (goal >= 0.5)")
+    sh = res.get("shuffled")
+    if sh:
+        r = sh["rows_per_s"]
+        print(f"cold shuffled: first {sh['batches']} batches of {sh['batch']} random rows of {SHUFFLED_WIDTH} float32 "
+              f"({sh['rows']} rows), rows/s: ActivationScope {r['acs']:,.0f} (each row's own pages: "
+              f"{r['acs_rows']:,.0f}), numpy memmap {r['npy']:,.0f}, HF datasets Arrow {r['hf']:,.0f}: "
+              f"{sh['acs_vs_npy']:.2f}x numpy, {sh['acs_vs_hf']:.2f}x HF (row pages {sh['acs_rows_vs_npy']:.2f}x numpy)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

@@ -541,3 +541,27 @@ def test_rounds_sets_the_rounds_of_the_interleaved_modes_only():
     assert default[("transformer", "side_by_side")] == 9 and many[("transformer", "side_by_side")] == 45
     assert default[("toy", "store_floor_interleaved")] == 9 and many[("toy", "store_floor_interleaved")] == 45
     assert many[("toy", "plain")] == default[("toy", "plain")] == 5
+
+
+def test_cold_shuffled_readers_read_the_same_rows_from_evicted_files(tmp_path):
+    """benchmark.cold's shuffled figure: every reader (the dataset with its rule, the dataset
+    row by row, a numpy memory map, HF datasets) reads the same batches of a cold layer (their
+    checksums agree, else the run fails) and each rate is a positive number."""
+    from benchmark import cold, pagecache
+
+    paths = cold.build_shuffled(str(tmp_path), 2)  # 128 rows of 16 KiB
+    pagecache.evict(paths["acs"])
+    if pagecache.resident(paths["acs"])[0]:
+        pytest.skip("this filesystem keeps the pages in memory (tmpfs?): no cold reads to measure")
+    res = cold.measure_shuffled(paths, batch=16, n_batches=3, repeats=2)
+    assert set(res["rows_per_s"]) == {"acs", "acs_rows", "npy", "hf"}
+    assert all(v > 0 for v in res["rows_per_s"].values()) and res["rows"] == 128
+    buf = torch.empty(16, cold.SHUFFLED_WIDTH)
+    batches = [[5, 99, 0], [127, 64]]
+    got = {fn: getattr(cold, fn)(paths[key], batches, buf) for fn, key in
+           (("shuffled_acs", "acs"), ("shuffled_acs_rows", "acs"), ("shuffled_npy", "npy"), ("shuffled_hf", "hf"))}
+    import numpy as np
+
+    rows = np.load(paths["npy"])
+    expected = float(sum(torch.from_numpy(rows[b]).double().sum() for b in batches))
+    assert all(r == 5 and abs(s - expected) <= 1e-6 * abs(expected) for r, s in got.values())
