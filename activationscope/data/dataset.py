@@ -666,7 +666,9 @@ class ActivationDataset(Dataset):
     HookPointNotFoundError
         A hook point or pattern names nothing in the store.
     ValueError
-        Hook points of different row kinds or row counts; an unknown column; a filter
+        Hook points of different row kinds or row counts; an unknown column; a numeric or
+        bool column that is null in a row of the dataset (a tensor has no null: select the
+        rows where it is set with ``filter=pc.field(name).is_valid()``); a filter
         expression naming a field the row table lacks, or that Arrow cannot evaluate on it
         (the message lists the table's columns); a filter mask of the wrong length; ``rows=``
         a tensor on the meta device (ArgumentValueError).
@@ -732,6 +734,10 @@ class ActivationDataset(Dataset):
         self._select_rows(rows)
         if filter is not None or sample_ids is not None:
             self._apply_filter(filter, sample_ids)
+        if self.columns:
+            # the columns as tensors now, so that a null in a row of the dataset is refused here,
+            # not at the first read (in a DataLoader worker, after the training loop started)
+            self._column_values()
 
     # ------------------------------------------------------------------ construction
     def _select_hook_points(self, hook_points: Any) -> list[str]:
