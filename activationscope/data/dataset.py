@@ -139,6 +139,25 @@ def _owned(data: Mapping[str, Any]) -> dict[str, Any]:
         for k, v in data.items()}
 
 
+class _Item(dict):
+    """One row, ``ds[i]``: a plain dict whose type sends torch's ``default_collate`` to
+    :func:`collate`, so that rows read one by one (a ``ConcatDataset``, which has no
+    ``__getitems__``) collate as a batch of the dataset does: string, list and struct column
+    values stay a list of the rows' values (``default_collate`` would transpose lists and refuse
+    ``None``)."""
+
+    __slots__ = ()
+
+
+def _collate_values(values: list[Any], fn_map: Any) -> Any:
+    """One key of rows being collated: tensors stacked (a copy, in shared memory inside a
+    DataLoader worker, as ``default_collate`` does); the values of string, list, struct and
+    null columns as the list of the rows' values, as a batch of the dataset holds them."""
+    if any(isinstance(v, torch.Tensor) for v in values):
+        return _torch_collate.collate(values, collate_fn_map=fn_map)
+    return list(values)
+
+
 def _finish(data: Mapping[str, Any]) -> dict[str, Any]:
     if get_worker_info() is None:
         return data if type(data) is dict else dict(data)
@@ -159,8 +178,12 @@ def collate(batch: Any, *, collate_fn_map: Any = None) -> Any:
         ``{hook point: Tensor (rows, *feature_shape)}`` plus row-table columns. For a whole
         :class:`Batch` these are the batch's own tensors (a view of the store for a contiguous
         batch within one shard; otherwise the one gathered copy) in the main process, and one
-        copy into shared memory inside a DataLoader worker. Rows from elsewhere are stacked
-        (a copy), as ``default_collate`` would.
+        copy into shared memory inside a DataLoader worker. Rows from elsewhere (items
+        ``ds[i]``, as a ``ConcatDataset`` reads them, or rows of several batches) have their
+        tensors stacked (a copy), as ``default_collate`` would, and their string, list,
+        struct and null column values kept as the list of the rows' values, as in a batch
+        of the dataset (``default_collate`` would transpose a list column's lists and refuse
+        ``None``).
     """
     if type(batch) is Batch:  # the common case first: no per-row work
         data = batch.data
@@ -178,12 +201,14 @@ def collate(batch: Any, *, collate_fn_map: Any = None) -> Any:
         return _finish(batch)
     fn_map = collate_fn_map if collate_fn_map is not None else _torch_collate.default_collate_fn_map
     keys = list(rows[0])
-    return {k: _torch_collate.collate([r[k] for r in rows], collate_fn_map=fn_map) for k in keys}
+    return {k: _collate_values([r[k] for r in rows], fn_map) for k in keys}
 
 
 # torch's documented extension point of default_collate: rows of our batches collate to the
-# batch itself, so DataLoader(ActivationDataset(...), batch_size=...) makes no per-row copies.
+# batch itself, so DataLoader(ActivationDataset(...), batch_size=...) makes no per-row copies;
+# items read one by one (ds[i]) collate as a batch of the dataset does.
 _torch_collate.default_collate_fn_map[_Row] = collate
+_torch_collate.default_collate_fn_map[_Item] = collate
 
 
 def _is_int(x: Any) -> bool:
@@ -1299,10 +1324,10 @@ class ActivationDataset(Dataset):
             )
         i %= n
         row = self._start + i if self._ids is None else int(self._ids[i])
-        data = {hp: self.source.read(hp, row, row + 1)[0] for hp in self.hook_points}
+        data = _Item((hp, self.source.read(hp, row, row + 1)[0]) for hp in self.hook_points)
         for name, col in self._column_values().items():
             data[name] = col[row].clone() if isinstance(col, torch.Tensor) else col[row]  # (a copy: see get_batch)
-        return data if get_worker_info() is None else _owned(data)  # (no view of the map: see get_batch)
+        return data if get_worker_info() is None else _Item(_owned(data))  # (no view of the map: see get_batch)
 
     def _name_index_error(self, name: str) -> ArgumentTypeError:
         """The error for ``ds["name"]``: positions select rows; names select within an item."""
