@@ -596,9 +596,15 @@ def select_hook_points(source: StoreSource, hook_points: Any) -> list[str]:
         A pattern that is not a str.
     """
     available = source.hook_points
+    status = getattr(getattr(source, "store", None), "status", None)
+    # (a capture still running lists its hook points with its first commit)
+    pending = ("" if status in (None, "complete") else
+               f": the store is {status} (a capture still running, or stopped before its first commit?), and a "
+               "capture's hook points appear with its first commit; call store.refresh() and make the dataset "
+               "again once rows are committed")
     if hook_points is None:
         if not available:
-            raise HookPointNotFoundError(f"the store {source.describe()} has no hook points")
+            raise HookPointNotFoundError(f"the store {source.describe()} has no hook points{pending}")
         return available
     patterns = _names(hook_points, "hook_points", "hook point names or fnmatch patterns")
     if not patterns:
@@ -611,7 +617,8 @@ def select_hook_points(source: StoreSource, hook_points: Any) -> list[str]:
         if not hits:
             what = (f"pattern {pat!r} matches no hook point of" if any(c in pat for c in "*?[")
                     else f"hook point {pat!r} is not in")
-            raise HookPointNotFoundError(f"{what} the store {source.describe()}; it has {available}")
+            raise HookPointNotFoundError(f"{what} the store {source.describe()}; it has {available}"
+                                         + (pending if not available else ""))
         chosen.extend(h for h in hits if h not in chosen)
     return chosen
 
