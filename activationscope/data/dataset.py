@@ -184,6 +184,12 @@ def collate(batch: Any, *, collate_fn_map: Any = None) -> Any:
         struct and null column values kept as the list of the rows' values, as in a batch
         of the dataset (``default_collate`` would transpose a list column's lists and refuse
         ``None``).
+
+    Raises
+    ------
+    ArgumentValueError
+        Rows with different keys (a ``ConcatDataset`` of datasets reading other hook points
+        or columns).
     """
     if type(batch) is Batch:  # the common case first: no per-row work
         data = batch.data
@@ -201,6 +207,13 @@ def collate(batch: Any, *, collate_fn_map: Any = None) -> Any:
         return _finish(batch)
     fn_map = collate_fn_map if collate_fn_map is not None else _torch_collate.default_collate_fn_map
     keys = list(rows[0])
+    for r in rows[1:]:
+        if len(r) != len(keys) or any(k not in r for k in keys):
+            raise ArgumentValueError(
+                f"rows collated into one batch must have the same keys, got {keys} and {list(r)}: the datasets of a "
+                "ConcatDataset must read the same hook points and columns (pass the same hook_points= and columns= "
+                "to each ActivationDataset)"
+            )
     return {k: _collate_values([r[k] for r in rows], fn_map) for k in keys}
 
 

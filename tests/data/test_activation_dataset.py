@@ -426,3 +426,8 @@ def test_items_read_one_by_one_collate_as_a_batch_of_the_dataset(tmp_path):
     assert collate([ds[4], ds[1]])["tags"] == [[4, 5], [1, 2]]
     b = ds.__getitems__([0, 1, 2, 3])
     assert collate([b[3], b[1]])["tags"] == [[3, 4], [1, 2]]  # rows of a batch taken apart
+    # datasets reading other columns: named, not a bare KeyError from inside the DataLoader
+    other = ActivationDataset(str(tmp_path / "s.zarr"), columns=["label"])
+    with pytest.raises(ArgumentValueError, match=r"rows collated into one batch must have the same keys, got "
+                                                 r"\['x', 'label', 'tags', 'name', 'meta'\] and \['x', 'label'\]"):
+        next(iter(DataLoader(ConcatDataset([ds, other]), batch_size=12)))
