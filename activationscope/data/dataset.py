@@ -1337,6 +1337,11 @@ class ActivationDataset(Dataset):
             return self.get_batch(index)
         self._check_run()
         n = len(self)
+        if not n:
+            raise RowIndexError(
+                f"ds[{i}]: the dataset has no rows (rows=, sample_ids= or filter= selected none, or the store had "
+                "no committed row when it was opened); check len(ds) before reading a row"
+            )
         if not -n <= i < n:
             raise RowIndexError(
                 f"ds[index]: index must be in [-{n}, {n}) for a dataset of {n} rows (negative positions "
