@@ -416,7 +416,7 @@ _CLI_SPELLINGS = (
     ("out_dir '", "--out '"),
     ("max_samples must be at least 2 * n_folds", "--max-samples must be at least 2 * --folds"),
     ("for file_format='arrow'", "for --format hf"),
-    ("(none committed, or none selected by rows= / filter=)", "(none committed)"),
+    ("(none committed, or none selected by rows= / filter= / sample_ids=)", "(none committed)"),
     ("select some rows, or use export_parquet / export_arrow, which write an empty table",
      "--format parquet and --format arrow write an empty table"),
 )

@@ -140,6 +140,25 @@ def _owned(data: Mapping[str, Any]) -> dict[str, Any]:
         for k, v in data.items()}
 
 
+class _Item(dict):
+    """One row, ``ds[i]``: a plain dict whose type sends torch's ``default_collate`` to
+    :func:`collate`, so that rows read one by one (a ``ConcatDataset``, which has no
+    ``__getitems__``) collate as a batch of the dataset does: string, list and struct column
+    values stay a list of the rows' values (``default_collate`` would transpose lists and refuse
+    ``None``)."""
+
+    __slots__ = ()
+
+
+def _collate_values(values: list[Any], fn_map: Any) -> Any:
+    """One key of rows being collated: tensors stacked (a copy, in shared memory inside a
+    DataLoader worker, as ``default_collate`` does); the values of string, list, struct and
+    null columns as the list of the rows' values, as a batch of the dataset holds them."""
+    if any(isinstance(v, torch.Tensor) for v in values):
+        return _torch_collate.collate(values, collate_fn_map=fn_map)
+    return list(values)
+
+
 def _finish(data: Mapping[str, Any]) -> dict[str, Any]:
     if get_worker_info() is None:
         return data if type(data) is dict else dict(data)
@@ -160,8 +179,18 @@ def collate(batch: Any, *, collate_fn_map: Any = None) -> Any:
         ``{hook point: Tensor (rows, *feature_shape)}`` plus row-table columns. For a whole
         :class:`Batch` these are the batch's own tensors (a view of the store for a contiguous
         batch within one shard; otherwise the one gathered copy) in the main process, and one
-        copy into shared memory inside a DataLoader worker. Rows from elsewhere are stacked
-        (a copy), as ``default_collate`` would.
+        copy into shared memory inside a DataLoader worker. Rows from elsewhere (items
+        ``ds[i]``, as a ``ConcatDataset`` reads them, or rows of several batches) have their
+        tensors stacked (a copy), as ``default_collate`` would, and their string, list,
+        struct and null column values kept as the list of the rows' values, as in a batch
+        of the dataset (``default_collate`` would transpose a list column's lists and refuse
+        ``None``).
+
+    Raises
+    ------
+    ArgumentValueError
+        Rows with different keys (a ``ConcatDataset`` of datasets reading other hook points
+        or columns).
     """
     if type(batch) is Batch:  # the common case first: no per-row work
         data = batch.data
@@ -179,12 +208,21 @@ def collate(batch: Any, *, collate_fn_map: Any = None) -> Any:
         return _finish(batch)
     fn_map = collate_fn_map if collate_fn_map is not None else _torch_collate.default_collate_fn_map
     keys = list(rows[0])
-    return {k: _torch_collate.collate([r[k] for r in rows], collate_fn_map=fn_map) for k in keys}
+    for r in rows[1:]:
+        if len(r) != len(keys) or any(k not in r for k in keys):
+            raise ArgumentValueError(
+                f"rows collated into one batch must have the same keys, got {keys} and {list(r)}: the datasets of a "
+                "ConcatDataset must read the same hook points and columns (pass the same hook_points= and columns= "
+                "to each ActivationDataset)"
+            )
+    return {k: _collate_values([r[k] for r in rows], fn_map) for k in keys}
 
 
 # torch's documented extension point of default_collate: rows of our batches collate to the
-# batch itself, so DataLoader(ActivationDataset(...), batch_size=...) makes no per-row copies.
+# batch itself, so DataLoader(ActivationDataset(...), batch_size=...) makes no per-row copies;
+# items read one by one (ds[i]) collate as a batch of the dataset does.
 _torch_collate.default_collate_fn_map[_Row] = collate
+_torch_collate.default_collate_fn_map[_Item] = collate
 
 
 def _is_int(x: Any) -> bool:
@@ -572,9 +610,15 @@ def select_hook_points(source: StoreSource, hook_points: Any) -> list[str]:
         A pattern that is not a str.
     """
     available = source.hook_points
+    status = getattr(getattr(source, "store", None), "status", None)
+    # (a capture still running lists its hook points with its first commit)
+    pending = ("" if status in (None, "complete") else
+               f": the store is {status} (a capture still running, or stopped before its first commit?), and a "
+               "capture's hook points appear with its first commit; call store.refresh() and make the dataset "
+               "again once rows are committed")
     if hook_points is None:
         if not available:
-            raise HookPointNotFoundError(f"the store {source.describe()} has no hook points")
+            raise HookPointNotFoundError(f"the store {source.describe()} has no hook points{pending}")
         return available
     patterns = _names(hook_points, "hook_points", "hook point names or fnmatch patterns")
     if not patterns:
@@ -587,7 +631,8 @@ def select_hook_points(source: StoreSource, hook_points: Any) -> list[str]:
         if not hits:
             what = (f"pattern {pat!r} matches no hook point of" if any(c in pat for c in "*?[")
                     else f"hook point {pat!r} is not in")
-            raise HookPointNotFoundError(f"{what} the store {source.describe()}; it has {available}")
+            raise HookPointNotFoundError(f"{what} the store {source.describe()}; it has {available}"
+                                         + (pending if not available else ""))
         chosen.extend(h for h in hits if h not in chosen)
     return chosen
 
@@ -667,7 +712,9 @@ class ActivationDataset(Dataset):
     HookPointNotFoundError
         A hook point or pattern names nothing in the store.
     ValueError
-        Hook points of different row kinds or row counts; an unknown column; a filter
+        Hook points of different row kinds or row counts; an unknown column; a numeric or
+        bool column that is null in a row of the dataset (a tensor has no null: select the
+        rows where it is set with ``filter=pc.field(name).is_valid()``); a filter
         expression naming a field the row table lacks, or that Arrow cannot evaluate on it
         (the message lists the table's columns); a filter mask of the wrong length; ``rows=``
         a tensor on the meta device (ArgumentValueError).
@@ -706,9 +753,12 @@ class ActivationDataset(Dataset):
         # the per-sample columns read from token rows (None: any, as a filter sees every column)
         self._columns_read: list[str] | None = None if filter is not None else self.columns
         self._col_cache: dict[str, Any] | None = None
+        nullable = False  # a numeric or bool column in columns= with a null in some store row
         if self.columns:
             table = self._row_table()
             missing = [c for c in self.columns if c not in table.column_names]
+            nullable = any(table.column(c).null_count and _numeric(table.column(c).type)
+                           for c in self.columns if c not in missing)
             if missing:
                 store = getattr(self.source, "store", None)
                 status = getattr(store, "status", None)
@@ -733,6 +783,10 @@ class ActivationDataset(Dataset):
         self._select_rows(rows)
         if filter is not None or sample_ids is not None:
             self._apply_filter(filter, sample_ids)
+        if nullable:
+            # the columns as tensors now, so that a null in a row of the dataset is refused here,
+            # not at the first read (in a DataLoader worker, after the training loop started)
+            self._column_values()
 
     # ------------------------------------------------------------------ construction
     def _select_hook_points(self, hook_points: Any) -> list[str]:
@@ -1287,6 +1341,11 @@ class ActivationDataset(Dataset):
             return self.get_batch(index)
         self._check_run()
         n = len(self)
+        if not n:
+            raise RowIndexError(
+                f"ds[{i}]: the dataset has no rows (rows=, sample_ids= or filter= selected none, or the store had "
+                "no committed row when it was opened); check len(ds) before reading a row"
+            )
         if not -n <= i < n:
             raise RowIndexError(
                 f"ds[index]: index must be in [-{n}, {n}) for a dataset of {n} rows (negative positions "
@@ -1294,10 +1353,10 @@ class ActivationDataset(Dataset):
             )
         i %= n
         row = self._start + i if self._ids is None else int(self._ids[i])
-        data = {hp: self.source.read(hp, row, row + 1)[0] for hp in self.hook_points}
+        data = _Item((hp, self.source.read(hp, row, row + 1)[0]) for hp in self.hook_points)
         for name, col in self._column_values().items():
             data[name] = col[row].clone() if isinstance(col, torch.Tensor) else col[row]  # (a copy: see get_batch)
-        return data if get_worker_info() is None else _owned(data)  # (no view of the map: see get_batch)
+        return data if get_worker_info() is None else _Item(_owned(data))  # (no view of the map: see get_batch)
 
     def _name_index_error(self, name: str) -> ArgumentTypeError:
         """The error for ``ds["name"]``: positions select rows; names select within an item."""

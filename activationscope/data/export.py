@@ -875,7 +875,7 @@ def export_hf(
     if n_rows == 0:
         raise ArgumentValueError(
             f"{ds.hook_points} have no rows to export from {ds.source.describe()} (none committed, or none selected "
-            "by rows= / filter=): datasets cannot load a dataset of 0 rows back (load_from_disk and from_parquet "
+            "by rows= / filter= / sample_ids=): datasets cannot load a dataset of 0 rows back (load_from_disk and from_parquet "
             "fail on it), so nothing is written; select some rows, or use export_parquet / export_arrow, which "
             "write an empty table"
         )

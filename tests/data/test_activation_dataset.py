@@ -283,9 +283,12 @@ def test_a_numeric_column_with_nulls_reads_where_the_dataset_leaves_them_out(tmp
         got = ds[:]
         assert torch.equal(got["label"], want[: len(ds)]) and torch.equal(got["x"], data[set_rows][: len(ds)])
         assert [ds[i]["label"].item() for i in range(len(ds))] == want[: len(ds)].tolist()
-    with pytest.raises(ArgumentValueError, match=r"column 'label' of .* is null in 2 of this dataset's rows \(first: "
-                                                 r"dataset row 1, store row 3\).*filter=pc.field\('label'\).is_valid\(\)"):
-        ActivationDataset(path, columns=["label"], rows=[0, 3, 4, 1])[:]
+    # refused when the dataset is made, not at its first read (in a DataLoader worker, mid-epoch)
+    for kwargs in ({"rows": [0, 3, 4, 1]}, {"filter": pc.field("sample_id") != 0}):
+        with pytest.raises(ArgumentValueError, match=r"column 'label' of .* is null in 2 of this dataset's rows \(first: "
+                                                     r"dataset row [01], store row [13]\).*filter=pc.field\('label'\).is_valid\(\)"):
+            ActivationDataset(path, columns=["label"], **kwargs)
+    assert len(ActivationDataset(path, rows=[0, 3, 4, 1])) == 4  # a null column not asked for is no error
 
 
 def test_a_filter_callable_returning_an_empty_list_on_a_store_without_rows(tmp_path):
@@ -394,3 +397,37 @@ def test_sample_ids_of_samples_without_token_rows_say_so(tmp_path):
                                                   r"store.row_table\('token'\)\['sample_id'\]"):
         ActivationDataset(path, sample_ids=[11], rows=range(0, 2))
     assert ActivationDataset(path, sample_ids=[11, 12])[:]["h"].tolist() == [[4.0, 5.0]]
+
+
+def test_items_read_one_by_one_collate_as_a_batch_of_the_dataset(tmp_path):
+    # a ConcatDataset has no __getitems__: the DataLoader collates items ds[i]. default_collate
+    # transposed a list column ([[0, 1], [1, 2]] -> [tensor([0, 1]), tensor([1, 2])]) and
+    # refused a null string; the rows now collate as the dataset's own batches do
+    from torch.utils.data import ConcatDataset, DataLoader
+
+    from activationscope.store import StoreWriter
+
+    data = torch.arange(12.0).reshape(6, 2)
+    w = StoreWriter(tmp_path / "s.zarr")
+    w.open_array("x", (2,), torch.float32, "sample").append(data)
+    w.add_batch(6, columns={"label": [0, 1, 2, 3, 4, 5], "tags": [[i, i + 1] for i in range(6)],
+                            "name": [None, "b", "c", None, "e", "f"], "meta": [{"k": i} for i in range(6)]})
+    w.close()
+    ds = ActivationDataset(str(tmp_path / "s.zarr"), columns=["label", "tags", "name", "meta"])
+    whole = ds[:]
+    cat = ConcatDataset([ds, ds])
+    for loader in (DataLoader(cat, batch_size=4), DataLoader(cat, batch_size=4, collate_fn=collate),
+                   DataLoader(cat, batch_size=4, num_workers=2)):
+        batches = list(loader)
+        assert torch.equal(torch.cat([b["x"] for b in batches]), torch.cat([data, data]))
+        assert torch.equal(torch.cat([b["label"] for b in batches]), torch.cat([whole["label"]] * 2))
+        for key in ("tags", "name", "meta"):
+            assert [v for b in batches for v in b[key]] == whole[key] * 2, key
+    assert collate([ds[4], ds[1]])["tags"] == [[4, 5], [1, 2]]
+    b = ds.__getitems__([0, 1, 2, 3])
+    assert collate([b[3], b[1]])["tags"] == [[3, 4], [1, 2]]  # rows of a batch taken apart
+    # datasets reading other columns: named, not a bare KeyError from inside the DataLoader
+    other = ActivationDataset(str(tmp_path / "s.zarr"), columns=["label"])
+    with pytest.raises(ArgumentValueError, match=r"rows collated into one batch must have the same keys, got "
+                                                 r"\['x', 'label', 'tags', 'name', 'meta'\] and \['x', 'label'\]"):
+        next(iter(DataLoader(ConcatDataset([ds, other]), batch_size=12)))

@@ -243,6 +243,10 @@ def test_hf_export_of_no_rows_is_refused_and_writes_nothing(store, tmp_path, fil
         export_hf(store, out, hook_points=["f32"], filter=pc.field("label") == 5, file_format=file_format)
     with pytest.raises(acs.errors.ArgumentValueError, match=r"no rows to export"):
         export_hf(store, out, hook_points=["f32"], rows=[], context_size=2, drop_last=True, file_format=file_format)
+    # the message names the argument that selected no row (it named rows= / filter= only)
+    with pytest.raises(acs.errors.ArgumentValueError, match=r"no rows to export .* none selected by rows= / filter= / "
+                                                            r"sample_ids="):
+        export_hf(store, out, hook_points=["f32"], sample_ids=[], file_format=file_format)
     assert list(tmp_path.iterdir()) == [tmp_path / "s"]
 
 

@@ -125,6 +125,18 @@ def test_positions_out_of_range_are_a_row_index_error_naming_the_position(ds, in
     assert isinstance(info.value, IndexError)
 
 
+@pytest.mark.parametrize("selection", [{"rows": []}, {"filter": lambda t: [False] * t.num_rows}, {"rows": slice(5, 5)}])
+def test_a_row_of_an_empty_dataset_says_it_has_no_rows(data, selection):
+    # it said "index must be in [-0, 0)", which reads as an off-by-one, not as an empty selection
+    path, _ = data
+    empty = ActivationDataset(path, hook_points=["a"], open_options=OPEN, **selection)
+    for index in (0, -1, np.int64(0), torch.tensor(0)):
+        with pytest.raises(RowIndexError, match=r"ds\[-?[01]\]: the dataset has no rows \(rows=, sample_ids= or filter= "
+                                                r"selected none.*check len\(ds\)"):
+            empty[index]
+    assert empty[:]["a"].shape == (0, 2)
+
+
 @pytest.mark.parametrize("index", [torch.tensor([0, 1], device="meta"), torch.tensor(1, device="meta")])
 def test_an_index_on_the_meta_device_is_refused_with_the_fix(ds, index):
     with pytest.raises(ArgumentValueError, match=r"ds\[index\]: index must be a tensor with values, got a (0-d )?tensor "

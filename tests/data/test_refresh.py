@@ -230,3 +230,24 @@ def test_a_column_of_a_store_with_no_committed_row_yet_names_the_status_and_refr
     store.refresh()
     ds = ActivationDataset(store, columns=["label"])
     assert ds[:]["label"].tolist() == [1, 2]
+
+
+def test_a_store_whose_capture_has_listed_no_hook_point_yet_names_the_status_and_refresh(tmp_path):
+    # opened before the capture's first commit: the store has no hook points yet, and saying
+    # only that read as if the capture had recorded nothing
+    from activationscope.errors import HookPointNotFoundError
+
+    path = tmp_path / "live.zarr"
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3))
+    with ActivationScope(store=str(path)).track(model) as tracker:
+        store = open_store(str(path))
+        assert store.status == "incomplete" and store.hook_points == []
+        for hook_points in (None, "0.output", "0.*"):
+            with pytest.raises(HookPointNotFoundError) as e:
+                ActivationDataset(store, hook_points=hook_points)
+            msg = str(e.value)
+            assert "incomplete" in msg and "first commit" in msg and "store.refresh()" in msg, msg
+        tracker.set_batch(label=[1, 2])
+        model(torch.randn(2, 2))
+    store.refresh()
+    assert ActivationDataset(store, hook_points="0.output", columns=["label"])[:]["label"].tolist() == [1, 2]
