@@ -72,7 +72,7 @@ bool store_rows(const py::handle& index, int64_t n, int64_t start, std::vector<i
 // request after another. `block` > 0 widens each row's range to the aligned blocks of that
 // many bytes around it (a store that fits in memory: an epoch reads it all anyway, in fewer,
 // larger reads); 0 reads each row's own pages; < 0 gives no hint. A warm batch (the first
-// page of up to 16 rows spread over it all in the page cache: a store read before, or one in
+// page of up to 4 rows spread over it all in the page cache: a store read before, or one in
 // memory) costs those mincore calls only. Hints only: a failing call changes nothing but
 // speed. Called without the GIL.
 void advise_cold_rows(const std::vector<int64_t>& rows, const std::vector<int32_t>& seg_of,
@@ -88,7 +88,7 @@ void advise_cold_rows(const std::vector<int64_t>& rows, const std::vector<int32_
     return reinterpret_cast<uintptr_t>(base[j] + (rows[i] - bounds[j]) * row_bytes);
   };
   const size_t k = rows.size();
-  const size_t step = std::max<size_t>(1, k / 16);
+  const size_t step = std::max<size_t>(1, k / 4);  // (4 mincore calls: about 4 us)
   bool cold = false;
   unsigned char vec = 0;
   for (size_t i = 0; i < k && !cold; i += step) {
