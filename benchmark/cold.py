@@ -18,10 +18,11 @@ Figures of cold and compressed reads, each measured side by side in one run:
   rule: in blocks around each row for a layer that fits in half the memory, else each row's
   own pages; see ``GATHER_HINT_BLOCK`` in ``activationscope/data/_source.py``), the same
   dataset asking each row's own pages whatever the layer's size (the rule for a layer larger
-  than memory), numpy's ``np.load(mmap_mode="r")[positions]`` of a ``.npy`` of the same rows
+  than memory), the dataset without hints (page faults and the kernel's read-around), numpy's ``np.load(mmap_mode="r")[positions]`` of a ``.npy`` of the same rows
   (page faults with the kernel's read-around), and an HF ``datasets`` Arrow file
-  (``ds[positions]``). A layer larger than memory (``--shuffled-mib`` above the RAM) shows
-  the second rule on its own.
+  (``ds[positions]``). A layer larger than memory (``--shuffled-mib`` above the RAM, with
+  ``--no-shuffled-peers`` when the disk has no room for three copies) shows the second rule on
+  its own.
 
 Ratios are medians over ``--repeats`` repeats, the two sides alternating within a repeat.
 """
@@ -87,11 +88,12 @@ def build(workdir: str, n_rows: int) -> dict[str, str]:
 
 
 SHUFFLED_WIDTH = 4096
+SHUFFLED_HOOK_POINT = "0.output"
 
 
-def build_shuffled(workdir: str, mib: int) -> dict[str, str]:
-    """An uncompressed store of one (rows, 4096) float32 layer of ``mib`` MiB, a ``.npy`` and
-    an HF Arrow dataset of the same rows."""
+def build_shuffled(workdir: str, mib: int, peers: bool = True) -> dict[str, str]:
+    """An uncompressed store of one (rows, 4096) float32 layer of ``mib`` MiB and, with
+    ``peers``, a ``.npy`` and an HF Arrow dataset of the same rows."""
     import datasets
     import numpy as np
 
@@ -99,12 +101,15 @@ def build_shuffled(workdir: str, mib: int) -> dict[str, str]:
 
     datasets.disable_progress_bars()
     n_rows = mib * 64
-    paths = {"acs": os.path.join(workdir, "wide.zarr"), "npy": os.path.join(workdir, "wide.npy"),
-             "hf": os.path.join(workdir, "wide-hf")}
+    paths = {"acs": os.path.join(workdir, "wide.zarr")}
+    if peers:
+        paths.update(npy=os.path.join(workdir, "wide.npy"), hf=os.path.join(workdir, "wide-hf"))
     model = torch.nn.Sequential(torch.nn.Identity())
     with torch.no_grad(), acs.ActivationScope(store=paths["acs"]).track(model):
         for k in range(0, n_rows, 1024):
             model(torch.randn(min(1024, n_rows - k), SHUFFLED_WIDTH, generator=torch.Generator().manual_seed(k)))
+    if not peers:
+        return paths
     store = acs.open_store(paths["acs"])
     layer = store[store.hook_points[0]]
     out = np.lib.format.open_memmap(paths["npy"], mode="w+", dtype=np.float32, shape=(n_rows, SHUFFLED_WIDTH))
@@ -146,6 +151,17 @@ def shuffled_acs_rows(path: str, batches: list[list[int]], buf: torch.Tensor) ->
         _source.GATHER_BLOCK_MEMORY_FRACTION = before
 
 
+def shuffled_acs_faults(path: str, batches: list[list[int]], buf: torch.Tensor) -> tuple[int, float]:
+    from activationscope.data import _source
+
+    before = _source.gather_hint_block
+    _source.gather_hint_block = lambda array_bytes: -1  # no hint: page faults and the kernel's read-around
+    try:
+        return shuffled_acs(path, batches, buf)
+    finally:
+        _source.gather_hint_block = before
+
+
 def shuffled_npy(path: str, batches: list[list[int]], buf: torch.Tensor) -> tuple[int, float]:
     import numpy as np
 
@@ -175,14 +191,18 @@ def shuffled_hf(path: str, batches: list[list[int]], buf: torch.Tensor) -> tuple
 
 def measure_shuffled(paths: dict[str, str], batch: int, n_batches: int, repeats: int) -> dict[str, Any]:
     """rows/s of the first ``n_batches`` shuffled batches of the cold layer, per reader
-    (median over ``repeats``, the readers' order rotated each repeat); every reader's
-    checksum of a repeat's batches must agree."""
-    import numpy as np
+    (median over ``repeats``, the readers' order rotated each repeat): the dataset (its rule),
+    the dataset row by row (``acs_rows``), the dataset without hints (``acs_faults``: page
+    faults and the kernel's read-around) and, when ``paths`` has them, numpy and HF datasets.
+    Every reader's checksum of a repeat's batches must agree."""
+    import activationscope as acs
 
-    n_rows = int(np.load(paths["npy"], mmap_mode="r").shape[0])
+    n_rows = acs.open_store(paths["acs"]).n_rows(SHUFFLED_HOOK_POINT)
     buf = torch.empty(batch, SHUFFLED_WIDTH)
     readers = [("acs", paths["acs"], shuffled_acs), ("acs_rows", paths["acs"], shuffled_acs_rows),
-               ("npy", paths["npy"], shuffled_npy), ("hf", paths["hf"], shuffled_hf)]
+               ("acs_faults", paths["acs"], shuffled_acs_faults)]
+    if "npy" in paths:
+        readers += [("npy", paths["npy"], shuffled_npy), ("hf", paths["hf"], shuffled_hf)]
     out: dict[str, list[float]] = {name: [] for name, _p, _f in readers}
     for r in range(repeats):
         g = torch.Generator().manual_seed(r)
@@ -197,9 +217,19 @@ def measure_shuffled(paths: dict[str, str], batch: int, n_batches: int, repeats:
         if max(sums.values()) - min(sums.values()) > 1e-6 * max(1.0, max(abs(v) for v in sums.values())):
             raise RuntimeError(f"the readers read other rows: checksums {sums}")
     med = {k: statistics.median(v) for k, v in out.items()}
-    return {"rows": n_rows, "batch": batch, "batches": n_batches, "repeats": repeats, "rows_per_s": med,
-            "acs_vs_npy": med["acs"] / med["npy"], "acs_vs_hf": med["acs"] / med["hf"],
-            "acs_rows_vs_npy": med["acs_rows"] / med["npy"]}
+    res = {"rows": n_rows, "row_bytes": SHUFFLED_WIDTH * 4, "batch": batch, "batches": n_batches,
+           "repeats": repeats, "rows_per_s": med, "memory_bytes": _source_memory(),
+           "acs_vs_faults": med["acs"] / med["acs_faults"], "acs_rows_vs_faults": med["acs_rows"] / med["acs_faults"]}
+    if "npy" in med:
+        res.update(acs_vs_npy=med["acs"] / med["npy"], acs_vs_hf=med["acs"] / med["hf"],
+                   acs_rows_vs_npy=med["acs_rows"] / med["npy"])
+    return res
+
+
+def _source_memory() -> int:
+    from activationscope.data import _source
+
+    return _source._memory_bytes()
 
 
 def epoch_acs(path: str, batch: int, buf: torch.Tensor) -> int:
@@ -278,6 +308,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="size of the cold shuffled layer in MiB, rows of 16 KiB (default: %(default)s; 0: skip)")
     p.add_argument("--shuffled-batches", type=int, default=8, help="shuffled batches timed per repeat")
     p.add_argument("--shuffled-batch", type=int, default=1024, help="rows per shuffled batch (default: %(default)s)")
+    p.add_argument("--no-shuffled-peers", dest="shuffled_peers", action="store_false",
+                   help="no numpy / HF copies of the shuffled layer (a layer larger than memory, on a disk "
+                        "without room for three copies)")
     p.add_argument("--workdir", default=None, help="parent of the scratch folder (a disk, not tmpfs)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
@@ -289,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
         os.makedirs(work, exist_ok=True)
         if args.shuffled_mib > 0:
-            wide = build_shuffled(work, args.shuffled_mib)
+            wide = build_shuffled(work, args.shuffled_mib, args.shuffled_peers)
             res["shuffled"] = measure_shuffled(wide, args.shuffled_batch, args.shuffled_batches, args.repeats)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -306,9 +339,12 @@ def main(argv: list[str] | None = None) -> int:
     if sh:
         r = sh["rows_per_s"]
         print(f"cold shuffled: first {sh['batches']} batches of {sh['batch']} random rows of {SHUFFLED_WIDTH} float32 "
-              f"({sh['rows']} rows), rows/s: ActivationScope {r['acs']:,.0f} (each row's own pages: "
-              f"{r['acs_rows']:,.0f}), numpy memmap {r['npy']:,.0f}, HF datasets Arrow {r['hf']:,.0f}: "
-              f"{sh['acs_vs_npy']:.2f}x numpy, {sh['acs_vs_hf']:.2f}x HF (row pages {sh['acs_rows_vs_npy']:.2f}x numpy)")
+              f"({sh['rows']} rows, {sh['rows'] * sh['row_bytes'] / sh['memory_bytes']:.2f}x the memory), rows/s: "
+              f"ActivationScope {r['acs']:,.0f} (each row's own pages: {r['acs_rows']:,.0f}; no hints, page faults: "
+              f"{r['acs_faults']:,.0f}): {sh['acs_vs_faults']:.2f}x page faults (row pages {sh['acs_rows_vs_faults']:.2f}x)")
+        if "npy" in r:
+            print(f"               numpy memmap {r['npy']:,.0f}, HF datasets Arrow {r['hf']:,.0f}: "
+                  f"{sh['acs_vs_npy']:.2f}x numpy, {sh['acs_vs_hf']:.2f}x HF (row pages {sh['acs_rows_vs_npy']:.2f}x numpy)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

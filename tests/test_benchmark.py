@@ -554,14 +554,19 @@ def test_cold_shuffled_readers_read_the_same_rows_from_evicted_files(tmp_path):
     if pagecache.resident(paths["acs"])[0]:
         pytest.skip("this filesystem keeps the pages in memory (tmpfs?): no cold reads to measure")
     res = cold.measure_shuffled(paths, batch=16, n_batches=3, repeats=2)
-    assert set(res["rows_per_s"]) == {"acs", "acs_rows", "npy", "hf"}
+    assert set(res["rows_per_s"]) == {"acs", "acs_rows", "acs_faults", "npy", "hf"}
     assert all(v > 0 for v in res["rows_per_s"].values()) and res["rows"] == 128
     buf = torch.empty(16, cold.SHUFFLED_WIDTH)
     batches = [[5, 99, 0], [127, 64]]
     got = {fn: getattr(cold, fn)(paths[key], batches, buf) for fn, key in
-           (("shuffled_acs", "acs"), ("shuffled_acs_rows", "acs"), ("shuffled_npy", "npy"), ("shuffled_hf", "hf"))}
+           (("shuffled_acs", "acs"), ("shuffled_acs_rows", "acs"), ("shuffled_acs_faults", "acs"),
+            ("shuffled_npy", "npy"), ("shuffled_hf", "hf"))}
     import numpy as np
 
     rows = np.load(paths["npy"])
     expected = float(sum(torch.from_numpy(rows[b]).double().sum() for b in batches))
     assert all(r == 5 and abs(s - expected) <= 1e-6 * abs(expected) for r, s in got.values())
+    alone = cold.build_shuffled(str(tmp_path / "alone"), 1, peers=False)  # (a layer too large for copies)
+    assert set(alone) == {"acs"}
+    res = cold.measure_shuffled(alone, batch=8, n_batches=2, repeats=1)
+    assert set(res["rows_per_s"]) == {"acs", "acs_rows", "acs_faults"} and "acs_vs_npy" not in res
