@@ -155,7 +155,7 @@ def test_conv_maps_in_a_store_equal_forward_hooks_and_leave_the_model_as_untrack
 
 
 # (REFERENCE records of bn1 warn: the in-place ReLU after it changes them, as it should be said)
-@pytest.mark.filterwarnings("ignore:hook point .block.bn1.output.: a tensor kept by CaptureMode.REFERENCE")
+@pytest.mark.filterwarnings("ignore:hook point .block.bn1.output...a tensor kept by CaptureMode.REFERENCE")
 @pytest.mark.parametrize("mode", [acs.CaptureMode.SNAPSHOT, acs.CaptureMode.REFERENCE])
 def test_records_under_grad_hold_no_graph(mode):
     """Records of a forward with grad enabled are detached: they do not require grad and do
