@@ -377,3 +377,22 @@ def test_xarray_lines_up_the_reductions_of_an_alias_with_its_targets_features(tm
                                rtol=1e-6, atol=1e-6)
     assert red["top.values"].dims == ("1.output.top.values.dim0", "1.output.top.values.dim1",
                                       "1.output.top.values.dim2", "1.output.top.values.dim3")
+
+
+def test_pca_of_conv_maps_says_how_to_flatten_them(tmp_path):
+    """to_dask of a conv hook point is (rows, C, H, W); pca refused it with "reshape it
+    first", leaving the reshape to guess. The message gives the call, and that call gives the
+    store's cov of the flattened rows."""
+    path = tmp_path / "s.zarr"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 2, 3, padding=1)).eval()
+    with acs.ActivationScope(store=str(path), reductions=["cov"]).track(model), torch.no_grad():
+        for x in torch.randn(9, 3, 4, 4).split(4):
+            model(x)
+    x = to_dask(str(path), "0.output")
+    assert x.shape == (9, 2, 4, 4)
+    with pytest.raises(ValueError, match=r"flatten each row first, pca\(x.reshape\(x.shape\[0\], -1\)\)"):
+        pca(x)
+    p = pca(x.reshape(x.shape[0], -1), n_components=3)
+    store = acs.open_store(path)
+    np.testing.assert_allclose(p["cov"], store.reductions["0.output"]["cov"].numpy(), rtol=1e-9, atol=1e-12)
