@@ -181,3 +181,36 @@ def test_records_under_grad_hold_no_graph(mode):
     assert alive() is None
     records = tracker.activations
     assert records and all(not r.requires_grad and r.grad_fn is None for rs in records.values() for r in rs)
+
+
+def test_stop_after_last_in_training_mode_says_what_it_changes():
+    """stop_after_last=True skips the modules after the stop point: in training mode their
+    dropout draws no random numbers, so the next forwards' dropout masks (before the stop
+    point too) and their records differed from a full run's, while the docs said records are
+    exactly a full run's. The capture now says so when such modules are in training mode;
+    in eval mode the records are a full run's, without a warning."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Dropout(0.5), torch.nn.Conv2d(4, 4, 3),
+                                torch.nn.Dropout(0.5))
+    images = torch.randn(12, 3, 8, 8)
+    records = {}
+    for train in (True, False):
+        model.train(train)
+        for stop in (False, True):
+            torch.manual_seed(7)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                with torch.no_grad(), acs.ActivationScope().track(model, include=["1"], stop_after_last=stop) as tr:
+                    for b in images.split(4):
+                        model(b)
+            said = [str(w.message) for w in caught if issubclass(w.category, acs.CaptureWarning)]
+            records[train, stop] = torch.cat(tr.activations["1.output"])
+            if train and stop:
+                assert len(said) == 1 and "stop_after_last=True with the model in training mode" in said[0]
+                assert "'1', '3'" in said[0] and "model.eval()" in said[0]
+            else:
+                assert not said, said
+    assert not torch.equal(records[True, True], records[True, False])  # what the warning is about
+    assert torch.equal(records[False, True], records[False, False])

@@ -302,7 +302,9 @@ class ActivationScope:
         captured: the modules after the last hook point (later layers, the unembedding)
         do not run, and the forward returns ``None``. Which hook point is last is learnt
         from the first captured forward (call order), which runs in full. Records, stores
-        and reductions are exactly those of a full run. Forwards that the capture policy
+        and reductions are exactly those of a full run in eval mode (in training mode the
+        skipped dropout and BatchNorm modules change later forwards' random draws: a
+        ``CaptureWarning`` says so). Forwards that the capture policy
         skips run in full and return their output. See the capture guide for what it
         assumes (every forward reaches the same hook points in the same order).
 
@@ -721,6 +723,7 @@ class Tracker:
         self._n_raised = 0  # captured forwards that raised, the exception caught inside the block
         self._stop_learnt = False  # stop_after_last: the stop point was known when this forward started
         self._warned_stop = False
+        self._warned_training_stop = False  # stop_after_last in training mode: said once
         self._n_captured = 0  # root forwards captured (ended) while attached
         # resume: the hook points the store holds (a capture must give exactly these), None
         # when there is nothing to check; a refused resume leaves the store as it was found
@@ -1727,9 +1730,32 @@ class Tracker:
             found, self._head_first_found = self._head_first_found, {}
             _warn_head_first_token_rows(found, stacklevel=3)
 
+    def _warn_training_stop(self) -> None:
+        """A forward cut short by stop_after_last in training mode: the modules after the stop
+        point take no random numbers (dropout) and update no running statistics (BatchNorm), so
+        the random draws of later forwards, and their records, differ from a full run's."""
+        self._warned_training_stop = True  # (looked at once: the hot path stays a flag)
+        names = [n or type(m).__name__ for n, m in self.model.named_modules() if m.training and (
+            isinstance(m, torch.nn.modules.dropout._DropoutNd)
+            or (isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.track_running_stats))]
+        if not names:
+            return
+        shown = ", ".join(repr(n) for n in names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+        warnings.warn(
+            "stop_after_last=True with the model in training mode: the modules after the stop point do not run, so "
+            f"those of {shown} that come after it take no random numbers (dropout) and update no running statistics "
+            "(BatchNorm); the random draws of later forwards (dropout masks before the stop point too), and so "
+            "their records, then differ from a full run's. Call model.eval() for the capture, or pass "
+            "stop_after_last=False",
+            CaptureWarning,
+            stacklevel=3,
+        )
+
     def _on_forward_start(self) -> None:
         self._warn_head_first_found()  # (after a forward that raised)
         self._stop_learnt = self.stop_after_last and self._core.stop_learnt
+        if self._stop_learnt and not self._warned_training_stop and self.model.training:
+            self._warn_training_stop()
         self._stop_watching()  # after a forward that raised
         if self._open_forward is not None:
             self._forward_raised()
