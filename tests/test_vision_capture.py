@@ -188,7 +188,8 @@ def test_stop_after_last_in_training_mode_says_what_it_changes():
     dropout draws no random numbers, so the next forwards' dropout masks (before the stop
     point too) and their records differed from a full run's, while the docs said records are
     exactly a full run's. The capture now says so when such modules are in training mode;
-    in eval mode the records are a full run's, without a warning."""
+    in eval mode the records are a full run's, without a warning, and so are they when
+    every such module comes before the stop point."""
     import warnings
 
     torch.manual_seed(0)
@@ -208,9 +209,31 @@ def test_stop_after_last_in_training_mode_says_what_it_changes():
             said = [str(w.message) for w in caught if issubclass(w.category, acs.CaptureWarning)]
             records[train, stop] = torch.cat(tr.activations["1.output"])
             if train and stop:
-                assert len(said) == 1 and "stop_after_last=True with the model in training mode" in said[0]
-                assert "'1', '3'" in said[0] and "model.eval()" in said[0]
+                assert len(said) == 1 and "stop_after_last=True with the model in training mode skips '3'" in said[0]
+                assert "'1'" not in said[0] and "model.eval()" in said[0]  # (the dropout before the stop point runs)
             else:
                 assert not said, said
     assert not torch.equal(records[True, True], records[True, False])  # what the warning is about
     assert torch.equal(records[False, True], records[False, False])
+    model.train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", acs.CaptureWarning)
+        with torch.no_grad(), acs.ActivationScope().track(model, include=["3"], stop_after_last=True):
+            for b in images.split(4):
+                model(b)  # nothing after the stop point: no warning
+
+
+def test_stop_after_last_in_training_mode_before_a_batchnorm_names_its_statistics():
+    import warnings
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4)).train()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad(), acs.ActivationScope().track(model, include=["0"], stop_after_last=True):
+            for _ in range(3):
+                model(torch.randn(4, 3, 6, 6))
+    said = [str(w.message) for w in caught if issubclass(w.category, acs.CaptureWarning)]
+    assert len(said) == 1 and "skips '1' after the stop point: its BatchNorm running statistics are not updated" in said[0]
+    assert "dropout" not in said[0]
+    assert int(model[1].num_batches_tracked) == 1  # only the first, full forward ran it
