@@ -659,7 +659,8 @@ void ArrayWriter::append(const at::Tensor& rows_in, std::shared_ptr<c10::Event> 
             "' changed its feature shape: the store array has rows of shape ",
             c10::IntArrayRef(spec_.feature_shape), ", got rows of shape ", feat,
             "; a store array needs one feature shape per hook point (pass attention_mask= to "
-            "tracker.set_batch() for sequences of varying length, or exclude this hook point)");
+            "tracker.set_batch() for sequences of varying length; feed images of one size; or "
+            "exclude this hook point)");
   std::lock_guard<std::mutex> lock(mu_);
   ACS_CHECK(!flushed_, "hook point '", spec_.hook_point, "': rows appended after the array was flushed");
   if (ready) {

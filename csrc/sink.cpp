@@ -499,7 +499,10 @@ void Sink::consume(const at::Tensor& x_in, const at::Tensor& token_mask) {
                 shape_str(feat),
                 "; a store array needs one feature shape per hook point. For sequences of "
                 "varying length pass attention_mask= to tracker.set_batch() so rows are "
-                "tokens, or exclude this hook point.");
+                "tokens; for images of varying size (conv maps (C, H, W) follow the input's "
+                "size) feed one size (resize or crop), track a module after a global pooling "
+                "(nn.AdaptiveAvgPool2d) instead, or capture each size into a store of its own; "
+                "or exclude this hook point.");
     }
   }
 

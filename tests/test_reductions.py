@@ -455,6 +455,27 @@ def test_feature_shape_change_is_an_error():
     assert w.result()["mean"].item() == pytest.approx(6 / 10)
 
 
+@pytest.mark.parametrize("make", [
+    lambda: R.make_reduction("mean", dim=(0, 2, 3)),
+    lambda: R.resolve_reductions([("channel_mean", "mean", {"dim": (0, 2, 3)})], "conv.output"),
+    lambda: acs.ActivationScope(reductions=[("channel_mean", "mean", {"dim": (0, 2, 3)})]),
+])
+def test_an_axis_option_for_conv_channels_is_named_as_an_unknown_option(make):
+    """A vision user asking for per-channel statistics (``dim=(0, 2, 3)``, as torch.mean takes)
+    was told "reduction option 'dim' must be a number", as if 'dim' were an option with a
+    value of the wrong type; the unknown name is said first, with the options there are and
+    where the docs show per-channel statistics."""
+    with pytest.raises(ReductionError, match=r"reduction 'mean' has no option 'dim'; its options are \[per_feature\] "
+                                             r"\(there is no per-channel or axis option: see 'Per channel of conv"):
+        make()
+
+
+def test_builtin_option_names_are_those_the_store_validates():
+    from activationscope.store import _validate as V
+
+    assert R.BUILTIN_OPTION_NAMES == V.BUILTIN_OPTIONS
+    assert set(R.BUILTIN_OPTION_NAMES) == set(R.BUILTIN_REDUCTIONS)
+
 def test_rejects_complex_and_bad_options():
     with pytest.raises(CaptureError, match="real-valued"):
         R.make_reduction("mean").update(torch.ones(2, 2, dtype=torch.complex64))

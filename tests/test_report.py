@@ -209,6 +209,22 @@ def test_conv_layers_are_reduced_per_channel():
     torch.testing.assert_close(st4.mean, seq.double().reshape(-1, 8).mean(0))
 
 
+def test_per_channel_std_from_reductions_of_maps_with_a_large_offset():
+    # conv maps far from 0 (a BatchNorm bias, an unnormalised input): the per-channel std
+    # combined from per-position reductions must not lose its digits to E[x^2] - E[x]^2
+    g = torch.Generator().manual_seed(2)
+    x = (torch.randn(40, 3, 5, 5, generator=g, dtype=torch.float64) * 1e-3 + 1e6)
+    flat = x.reshape(len(x), -1)
+    reds = {"conv": {"var": flat.var(0, correction=0), "var.mean": flat.mean(0),
+                     "nonzero": (flat != 0).double().mean(0)}}
+    specs = {"conv": {"var": ("var", {}), "nonzero": ("nonzero", {})}}
+    st = report.hook_point_stats(TinyStore({"conv": x}, reductions=reds, specs=specs), "conv", max_rows=8)
+    assert st.source == "reductions"
+    per_channel = x.transpose(0, 1).reshape(3, -1)
+    torch.testing.assert_close(st.std, per_channel.std(1, correction=0), rtol=1e-6, atol=0)
+    torch.testing.assert_close(st.mean, per_channel.mean(1), rtol=1e-12, atol=0)
+
+
 def test_nonzero_panel_only_where_it_informs(tmp_path):
     dense = torch.randn(200, 16, generator=torch.Generator().manual_seed(0))  # no exact zeros (no ReLU)
     st = report.hook_point_stats(TinyStore({"h": dense}), "h")

@@ -498,7 +498,11 @@ def pca(x: Any, n_components: int | None = None) -> dict[str, Any]:
         is out of range.
     """
     if x.ndim != 2:
-        raise ArgumentValueError(f"pca needs a (rows, features) array, got shape {tuple(x.shape)}; reshape it first")
+        raise ArgumentValueError(
+            f"pca needs a (rows, features) array, got shape {tuple(x.shape)}; flatten each row first, "
+            "pca(x.reshape(x.shape[0], -1)) (the feature order of the store's cov reduction: conv maps "
+            "(C, H, W) give C * H * W features)"
+        )
     n, d = int(x.shape[0]), int(x.shape[1])
     if n < 2:
         raise ArgumentValueError(f"pca needs at least 2 rows, got {n}")

@@ -271,13 +271,16 @@ def hook_point_stats(
 def _per_channel(mean: torch.Tensor, std: torch.Tensor, nonzero: torch.Tensor, shape: tuple[int, ...],
                  axis: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-position mean / std / non-zero fraction (over the same rows) -> per channel of
-    ``axis``: mean of means, sqrt(mean of (var + mean^2) - mean^2), mean of fractions."""
+    ``axis``: mean of means, sqrt(mean of (var + (mean - channel mean)^2)), mean of fractions.
+
+    The law of total variance with deviations from the channel mean (Chan, Golub & LeVeque
+    1979), not ``E[x^2] - E[x]^2``, which loses every digit of the std of maps far from 0."""
     def channels(t: torch.Tensor) -> torch.Tensor:
         return t.reshape(shape).movedim(axis, 0).reshape(shape[axis], -1)
 
     m, sd, nz = channels(mean), channels(std), channels(nonzero)
     mean_c = m.mean(1)
-    var_c = ((sd * sd + m * m).mean(1) - mean_c * mean_c).clamp_min(0)
+    var_c = (sd * sd + (m - mean_c[:, None]) ** 2).mean(1)
     return mean_c, var_c.sqrt(), nz.mean(1)
 
 

@@ -399,7 +399,26 @@ class EagerReduction(_C.Reduction):
 # ---------------------------------------------------------------------------- construction
 
 
-def _parse_options(options: Mapping[str, Any]) -> dict[str, float]:
+#: The options each built-in takes besides ``per_feature`` (``csrc/reductions_builtin.cpp``
+#: checks them too; known here so that an unknown name is said before its value's type).
+BUILTIN_OPTION_NAMES: dict[str, tuple[str, ...]] = {
+    "mean": (), "var": ("ddof",), "std": ("ddof",), "min": (), "max": (), "absmax": (), "l2": (), "nonzero": (),
+    "hist": ("bins", "lo", "hi"), "cov": ("ddof",), "topk": ("k",),
+}
+
+
+def _parse_options(options: Mapping[str, Any], spec: Any = None) -> dict[str, float]:
+    """Options as floats. For a built-in ``spec``, an option it does not take is refused first
+    (``dim=(0, 2, 3)`` of ``mean`` is an unknown option, not a value of the wrong type)."""
+    if isinstance(spec, str) and spec in BUILTIN_OPTION_NAMES:
+        allowed = (*BUILTIN_OPTION_NAMES[spec], "per_feature")
+        for k in options:
+            if k not in allowed:
+                hint = (" (there is no per-channel or axis option: see 'Per channel of conv feature maps' in "
+                        "docs/usage/reductions.md)" if k in ("dim", "dims", "axis", "axes", "per_channel", "channel")
+                        else "")
+                raise ReductionError(f"reduction {spec!r} has no option {k!r}; its options are [{', '.join(allowed)}]"
+                                     f"{hint}")
     out = {}
     for k, v in options.items():
         if isinstance(v, bool):
@@ -520,7 +539,7 @@ def make_reduction(spec: Any, *, init: Any = None, **options: float) -> Reductio
     >>> r.result()["var"].shape
     torch.Size([16])
     """
-    opts = _parse_options(options)
+    opts = _parse_options(options, spec)
     if isinstance(spec, str) and not _is_path_spec(spec):
         if spec not in BUILTIN_REDUCTIONS:
             raise _unknown_builtin(spec)
@@ -751,7 +770,7 @@ def _factory(item: Any) -> ReductionFactory:
         spec, name = item, _default_name(item)
     init = options.pop("init", None)
     _check_name(name)
-    f = ReductionFactory(name=name, spec=spec, options=_parse_options(options), init=init)
+    f = ReductionFactory(name=name, spec=spec, options=_parse_options(options, spec), init=init)
     f()  # validate now (name, signature, options, TorchScript), not at the first batch
     return f
 

@@ -302,7 +302,9 @@ class ActivationScope:
         captured: the modules after the last hook point (later layers, the unembedding)
         do not run, and the forward returns ``None``. Which hook point is last is learnt
         from the first captured forward (call order), which runs in full. Records, stores
-        and reductions are exactly those of a full run. Forwards that the capture policy
+        and reductions are exactly those of a full run in eval mode (in training mode the
+        skipped dropout and BatchNorm modules change later forwards' random draws: a
+        ``CaptureWarning`` says so). Forwards that the capture policy
         skips run in full and return their output. See the capture guide for what it
         assumes (every forward reaches the same hook points in the same order).
 
@@ -472,6 +474,7 @@ class ActivationScope:
         if token_rows is not None:
             tracker._token_rows = _parse_token_rows(token_rows)
         tracker._hook_probes_done = compiled  # (probes would make a compiled model compile again)
+        tracker._hook_probes_done_compiled = compiled
         return tracker
 
 
@@ -721,6 +724,13 @@ class Tracker:
         self._n_raised = 0  # captured forwards that raised, the exception caught inside the block
         self._stop_learnt = False  # stop_after_last: the stop point was known when this forward started
         self._warned_stop = False
+        self._warned_training_stop = False  # stop_after_last in training mode: said once
+        # stop_after_last in training mode: the dropout / BatchNorm modules in training mode that ran
+        # in the full first captured forward (None: not watched) and in the forward being watched
+        self._train_full: set[str] | None = None
+        self._train_ran: set[str] = set()
+        self._train_phase = ""  # "full", "cut" or "" (not watching)
+        self._train_probes: list[Any] = []
         self._n_captured = 0  # root forwards captured (ended) while attached
         # resume: the hook points the store holds (a capture must give exactly these), None
         # when there is nothing to check; a refused resume leaves the store as it was found
@@ -729,6 +739,7 @@ class Tracker:
         self._first_checked = False
         # forward hooks that replace an output: looked for in the first captured forward
         self._hook_probes_done = False
+        self._hook_probes_done_compiled = False
         self._warned_outside = False
         self._hook_probes: list[Any] = []
         self._hook_replaced: list[str] = []
@@ -1049,6 +1060,8 @@ class Tracker:
         self._warn_head_first_found()  # (a forward that raised: its hook points were captured)
         self._core.active = False
         self._remove_hook_probes()
+        self._remove_train_probes()
+        self._train_phase = ""
         self._uninstall_all()
         self._core.release_callbacks()
         self._attached = False
@@ -1727,9 +1740,86 @@ class Tracker:
             found, self._head_first_found = self._head_first_found, {}
             _warn_head_first_token_rows(found, stacklevel=3)
 
+    def _training_modules(self) -> list[tuple[str, torch.nn.Module]]:
+        """Modules of the tracked model in training mode whose skipping changes later forwards:
+        dropout (random draws) and norms with running statistics (BatchNorm)."""
+        return [(n or type(m).__name__, m) for n, m in self.model.named_modules() if m.training and (
+            isinstance(m, torch.nn.modules.dropout._DropoutNd)
+            or (isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.track_running_stats))]
+
+    def _watch_training_stop(self) -> None:
+        """stop_after_last=True in training mode: note which dropout / BatchNorm modules run in
+        the full first captured forward and in the first forward cut short; those skipped by
+        the cut are named at its end (:meth:`_check_training_stop`). Looked at in those two
+        forwards only (pre-hooks, removed after): later forwards pay nothing."""
+        if self._train_phase == "full" and self._train_full is None:
+            self._remove_train_probes()  # (the full forward raised: watch again from here)
+            self._train_phase = ""
+        if self._train_phase:
+            return
+        if not self._stop_learnt:
+            if self._train_full is not None or not self.model.training or self._hook_probes_done_compiled:
+                return
+            self._train_phase = "full"
+        elif self._train_full is not None:
+            self._train_phase = "cut"
+        else:
+            self._warned_training_stop = True  # (in eval mode when the stop point was learnt)
+            return
+        modules = self._training_modules()
+        if not modules:
+            self._remove_train_probes()
+            self._train_phase = ""
+            self._warned_training_stop = True
+            return
+        self._train_ran.clear()  # (the probes hold this set)
+        if not self._train_probes:
+            ran = self._train_ran
+
+            def probe(name: str):
+                return lambda module, args: ran.add(name)
+
+            self._train_probes = [m.register_forward_pre_hook(probe(n)) for n, m in modules]
+
+    def _remove_train_probes(self) -> None:
+        while self._train_probes:
+            self._train_probes.pop().remove()
+
+    def _check_training_stop(self) -> None:
+        """At the end of a watched forward (:meth:`_watch_training_stop`): after the full one,
+        keep what ran; after the first cut one, warn naming what the cut skipped."""
+        if self._train_phase == "full":
+            self._train_full = set(self._train_ran)
+            self._train_ran.clear()
+            self._train_phase = ""
+            return
+        self._train_phase = ""
+        self._warned_training_stop = True
+        self._remove_train_probes()
+        skipped = sorted(self._train_full - self._train_ran) if self._train_full is not None else []
+        if not skipped:
+            return
+        dropout = {n for n, m in self._training_modules() if isinstance(m, torch.nn.modules.dropout._DropoutNd)}
+        effects = []
+        if any(n in dropout for n in skipped):
+            effects.append("its dropout takes no random numbers, so the dropout masks of later forwards (before the "
+                           "stop point too), and so their records, differ from a full run's")
+        if any(n not in dropout for n in skipped):
+            effects.append("its BatchNorm running statistics are not updated, so the model's state after the capture "
+                           "differs from a full run's")
+        shown = ", ".join(repr(n) for n in skipped[:6]) + (f" and {len(skipped) - 6} more" if len(skipped) > 6 else "")
+        warnings.warn(
+            f"stop_after_last=True with the model in training mode skips {shown} after the stop point: "
+            f"{'; '.join(effects)}. Call model.eval() for the capture, or pass stop_after_last=False",
+            CaptureWarning,
+            stacklevel=3,
+        )
+
     def _on_forward_start(self) -> None:
         self._warn_head_first_found()  # (after a forward that raised)
         self._stop_learnt = self.stop_after_last and self._core.stop_learnt
+        if self.stop_after_last and not self._warned_training_stop and self._core.capturing:
+            self._watch_training_stop()
         self._stop_watching()  # after a forward that raised
         if self._open_forward is not None:
             self._forward_raised()
@@ -1834,6 +1924,8 @@ class Tracker:
 
     def _on_forward_end(self) -> None:
         self._warn_head_first_found()
+        if self._train_phase:
+            self._check_training_stop()
         self._open_forward = None
         self._stop_watching()
         if self._hook_probes:

@@ -385,11 +385,14 @@ def _warning_formatter(command: str) -> Callable[..., str]:
 #: Library advice in Python spelling (keyword arguments, set_batch) and what it is on the
 #: command line; the messages come from the library and its native code, in one line.
 _CLI_SPELLINGS = (
-    ("For sequences of varying length pass attention_mask= to tracker.set_batch() so rows are tokens, or "
+    ("For sequences of varying length pass attention_mask= to tracker.set_batch() so rows are tokens; for images "
+     "of varying size (conv maps (C, H, W) follow the input's size) feed one size (resize or crop), track a module "
+     "after a global pooling (nn.AdaptiveAvgPool2d) instead, or capture each size into a store of its own; or "
      "exclude this hook point",  # (no full stop: a message joined to what the store keeps has none there)
      "With text of varying length only token rows keep one feature shape: leave it out of --sample-rows, or "
      "--exclude its module"),
-    ("(pass attention_mask= to tracker.set_batch() for sequences of varying length, or exclude this hook point)",
+    ("(pass attention_mask= to tracker.set_batch() for sequences of varying length; feed images of one size; or "
+     "exclude this hook point)",
      "(with text of varying length only token rows keep one feature shape: leave it out of --sample-rows, or "
      "--exclude its module)"),
     ("The attention mask given to set_batch is (batch, pos)", "The attention mask of the tokenized text is (batch, pos)"),

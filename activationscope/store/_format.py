@@ -367,20 +367,22 @@ NOT_PER_FEATURE_OUTPUTS = {"hist": {"edges"}}
 
 
 def reduction_dimension_names(hook_point: str, full: str, key: str, kind: str, options: Any,
-                              shape: tuple[int, ...], feature_shape: tuple[int, ...] | None) -> list[str]:
+                              shape: tuple[int, ...], feature_shape: tuple[int, ...] | None,
+                              features_of: str | None = None) -> list[str]:
     """Dimension names of the reduction array ``reductions/<node>/<full>`` (output ``key`` of
     a reduction of ``kind`` with ``options``, shape ``shape``).
 
-    The hook point's feature names (:func:`feature_dimension_names`) when the output is per
-    feature: its shape is ``feature_shape``, the reduction reduces per feature (``per_feature``
-    not 0) and the output is not one that never is (``hist`` ``edges``, ``bins + 1`` values,
-    which may have as many values as there are features); otherwise
-    ``<hook point>.<full>.dim<i>``.
+    The feature names (:func:`feature_dimension_names`) of the array the hook point's rows are
+    read from (``features_of``: the target of an alias, which has no array of its own; default
+    the hook point) when the output is per feature: its shape is ``feature_shape``, the
+    reduction reduces per feature (``per_feature`` not 0) and the output is not one that never
+    is (``hist`` ``edges``, ``bins + 1`` values, which may have as many values as there are
+    features); otherwise ``<hook point>.<full>.dim<i>``.
     """
     per_feature = bool((options or {}).get("per_feature", 1)) if isinstance(options, dict) else True
     if (feature_shape is not None and tuple(shape) == tuple(feature_shape) and per_feature
             and key not in NOT_PER_FEATURE_OUTPUTS.get(kind, ())):
-        return feature_dimension_names(hook_point, len(shape))
+        return feature_dimension_names(features_of or hook_point, len(shape))
     return [f"{hook_point}.{full}.dim{i}" for i in range(len(shape))]
 
 

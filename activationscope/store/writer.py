@@ -2666,9 +2666,12 @@ class StoreWriter:
                 path = f"reductions/{node}/{full}"
                 t = torch.as_tensor(value).detach().to("cpu").contiguous()
                 dname = F.dtype_name(t.dtype)
-                arr = self._arrays.get(hook_point)
+                # an alias has no array: its reductions line up with its target's, which readers read for it
+                rows_of = self.aliases.get(hook_point, hook_point)
+                arr = self._arrays.get(rows_of)
                 dims = F.reduction_dimension_names(hook_point, full, key, kind, getattr(reduction, "options", None),
-                                                   tuple(t.shape), None if arr is None else arr.feature_shape)
+                                                   tuple(t.shape), None if arr is None else arr.feature_shape,
+                                                   features_of=rows_of)
                 crcs = self._write_small_array(path, t, {"hook_point": hook_point, "reduction": name, "dtype": dname},
                                                dims)
                 entries[full] = {"path": path, "reduction": name, "kind": kind, "dtype": dname, "shape": list(t.shape),

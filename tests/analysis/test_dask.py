@@ -348,3 +348,51 @@ def test_xarray_names_only_per_feature_reduction_outputs_by_the_features(tmp_pat
         ref = torch.cat([model(x) for x in xs]).double()
     np.testing.assert_allclose(red["mean"].values, ref.mean(0).numpy(), rtol=1e-12)
     np.testing.assert_allclose(red["top.values"].values, ref.flatten().topk(4).values.numpy(), rtol=1e-7)
+
+
+def test_xarray_lines_up_the_reductions_of_an_alias_with_its_targets_features(tmp_path):
+    """A hook point stored as an alias (an nn.Identity after a conv: the very tensor of the
+    conv's output) has no array of its own; readers read its target's. Its per-feature
+    reductions were named by dimensions of its own (``1.output.mean.dim0``), which no array
+    has: in xarray they did not line up with the rows read for it (a difference broadcast to
+    an outer product). They carry the target's feature names now."""
+    xr = pytest.importorskip("xarray")
+    path = tmp_path / "s.zarr"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.Identity()).eval()
+    scope = acs.ActivationScope(store=str(path), reductions=["mean", ("top", "topk", {"k": 2})])
+    with torch.no_grad(), scope.track(model):
+        for x in torch.randn(7, 3, 5, 5).split(4):
+            model(x)
+    store = acs.open_store(path)
+    assert store.aliases == {"1.output": "0.output"}
+    acts = xr.open_zarr(str(path), group="acts", consolidated=False)
+    red = xr.open_zarr(str(path), group="reductions/1.output", consolidated=False)
+    features = ("0.output.dim0", "0.output.dim1", "0.output.dim2")
+    assert acts["0.output"].dims == ("sample", *features)
+    assert red["mean"].dims == features
+    centred = acts[store.aliases["1.output"]] - red["mean"]
+    assert centred.shape == (7, 4, 5, 5)
+    np.testing.assert_allclose(centred.values, (store["1.output"].double() - store.reductions["1.output"]["mean"]).numpy(),
+                               rtol=1e-6, atol=1e-6)
+    assert red["top.values"].dims == ("1.output.top.values.dim0", "1.output.top.values.dim1",
+                                      "1.output.top.values.dim2", "1.output.top.values.dim3")
+
+
+def test_pca_of_conv_maps_says_how_to_flatten_them(tmp_path):
+    """to_dask of a conv hook point is (rows, C, H, W); pca refused it with "reshape it
+    first", leaving the reshape to guess. The message gives the call, and that call gives the
+    store's cov of the flattened rows."""
+    path = tmp_path / "s.zarr"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 2, 3, padding=1)).eval()
+    with acs.ActivationScope(store=str(path), reductions=["cov"]).track(model), torch.no_grad():
+        for x in torch.randn(9, 3, 4, 4).split(4):
+            model(x)
+    x = to_dask(str(path), "0.output")
+    assert x.shape == (9, 2, 4, 4)
+    with pytest.raises(ValueError, match=r"flatten each row first, pca\(x.reshape\(x.shape\[0\], -1\)\)"):
+        pca(x)
+    p = pca(x.reshape(x.shape[0], -1), n_components=3)
+    store = acs.open_store(path)
+    np.testing.assert_allclose(p["cov"], store.reductions["0.output"]["cov"].numpy(), rtol=1e-9, atol=1e-12)

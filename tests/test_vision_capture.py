@@ -1,0 +1,239 @@
+"""Convolutional networks: what a capture of conv feature maps (batch, C, H, W) tells the user."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import activationscope as acs
+from activationscope.errors import CaptureError
+
+
+class _Stem(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = torch.nn.BatchNorm2d(4)
+        self.pool = torch.nn.AdaptiveAvgPool2d(1)
+
+    def forward(self, x):
+        return self.pool(torch.relu(self.bn(self.conv(x))))
+
+
+def test_images_of_another_size_name_the_fixes_for_images(tmp_path):
+    """Conv maps follow the input's size: a second batch of 10x10 images after 8x8 ones is
+    refused, and the message only said to pass an attention mask (a fix for token sequences
+    that does not apply to images). It now names the fixes for images too, and the pooled
+    output of the same forwards is stored."""
+    torch.manual_seed(0)
+    model = _Stem().eval()
+    scope = acs.ActivationScope(store=str(tmp_path / "s.zarr"))
+    with pytest.raises(CaptureError) as info:
+        with torch.no_grad(), scope.track(model, include=["conv", "pool"]):
+            model(torch.randn(2, 3, 8, 8))
+            model(torch.randn(2, 3, 10, 10))
+    message = str(info.value)
+    assert "hook point 'conv.output' changed its feature shape from (4, 8, 8) to (4, 10, 10)" in message
+    assert "for images of varying size" in message and "resize or crop" in message
+    assert "nn.AdaptiveAvgPool2d" in message
+    store = acs.open_store(tmp_path / "s.zarr")
+    assert store.n_rows("pool.output") == 2  # the first forward is kept whole
+
+
+class _Block(torch.nn.Module):
+    """A residual block as in ResNet (in-place ReLU called twice per forward)."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn1 = torch.nn.BatchNorm2d(c)
+        self.relu = torch.nn.ReLU(inplace=True)
+        self.conv2 = torch.nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn2 = torch.nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        out = self.relu(self.bn1(self.conv1(x)))
+        return self.relu(self.bn2(self.conv2(out)) + x)
+
+
+class _Views(torch.nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, x):
+        if self.kind == "transpose":
+            return x.transpose(1, 3)
+        if self.kind == "slice":
+            return x[:, ::2, 1:, :]
+        return x[:, :1].expand(-1, 3, -1, -1)  # stride 0 along channels
+
+
+class _Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.BatchNorm2d(4))
+        self.block = _Block(4)
+        self.t, self.s, self.e = _Views("transpose"), _Views("slice"), _Views("expand")
+        self.drop = torch.nn.Dropout(0.5)
+        self.fc = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        y = self.block(self.stem(x))
+        side = self.t(y).mean() + self.s(y).mean() + self.e(y).mean()
+        return self.fc(self.drop(y.mean((2, 3)))) + side
+
+
+_HOOKED = ["stem", "block.bn1", "block.relu", "block", "t", "s", "e", "drop"]
+
+
+def _reference(model, batches):
+    """Plain forward hooks, cloned at the call (a module called twice gives two lists)."""
+    seen: dict[str, list[torch.Tensor]] = {}
+
+    def hook(name):
+        def fn(module, args, out):
+            calls = seen.setdefault(name, [])
+            calls.append(out.detach().clone())
+        return fn
+
+    handles = [model.get_submodule(n).register_forward_hook(hook(n)) for n in _HOOKED]
+    try:
+        outs = [model(b) for b in batches]
+    finally:
+        for h in handles:
+            h.remove()
+    per_call = {}
+    for name, calls in seen.items():
+        k = len(calls) // len(batches)
+        for j in range(k):
+            hp = f"{name}.output" if j == 0 else f"{name}#{j}.output"
+            per_call[hp] = torch.cat(calls[j::k])
+    return per_call, outs
+
+
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_conv_maps_in_a_store_equal_forward_hooks_and_leave_the_model_as_untracked(tmp_path, memory_format, mode):
+    """Rows of conv maps (channels_last inputs, transposed, sliced and expanded outputs, an
+    in-place ReLU called twice, BatchNorm in train mode, dropout) equal plain forward hooks;
+    float64 reductions equal torch over the stored rows; a tracked training step gives the
+    same outputs, gradients and BatchNorm running statistics as an untracked one."""
+    import copy
+
+    torch.manual_seed(0)
+    base = _Net().to(memory_format=memory_format)
+    base.train(mode == "train")
+    images = torch.randn(11, 3, 6, 6).contiguous(memory_format=memory_format)
+    batches = list(images.split(4))  # 4, 4, 3: the last batch smaller
+    plain, tracked = copy.deepcopy(base), copy.deepcopy(base)
+    torch.manual_seed(1)
+    ref, ref_out = _reference(plain, batches)
+    sum(o.square().sum() for o in ref_out).backward()
+    scope = acs.ActivationScope(store=str(tmp_path / "s.zarr"), reductions=["mean", "var", "min", ("top", "topk", {"k": 2})])
+    torch.manual_seed(1)
+    with scope.track(tracked, include=_HOOKED):
+        outs = [tracked(b) for b in batches]
+    sum(o.square().sum() for o in outs).backward()
+    for a, b in zip(ref_out, outs):
+        assert torch.equal(a, b)
+    for (name, p), q in zip(plain.named_parameters(), tracked.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    for (name, a), b in zip(plain.state_dict().items(), tracked.state_dict().values()):
+        assert torch.equal(a, b), name
+    store = acs.open_store(tmp_path / "s.zarr")
+    assert sorted(store.hook_points) == sorted(ref)
+    for hp, rows in ref.items():
+        assert torch.equal(store[hp], rows), hp
+        x = rows.double()
+        red = store.reductions[hp]
+        torch.testing.assert_close(red["mean"], x.mean(0), rtol=1e-12, atol=1e-300)
+        torch.testing.assert_close(red["var"], x.var(0, correction=0), rtol=1e-12, atol=1e-300)
+        assert torch.equal(red["min"], x.amin(0)), hp
+        values, row_ids = torch.sort(x, dim=0, descending=True, stable=True)  # ties: the lower row first
+        assert torch.equal(red["top.values"], values[:2]) and torch.equal(red["top.row_ids"], row_ids[:2]), hp
+
+
+# (REFERENCE records of bn1 warn: the in-place ReLU after it changes them, as it should be said)
+@pytest.mark.filterwarnings("ignore:hook point .block.bn1.output...a tensor kept by CaptureMode.REFERENCE")
+@pytest.mark.parametrize("mode", [acs.CaptureMode.SNAPSHOT, acs.CaptureMode.REFERENCE])
+def test_records_under_grad_hold_no_graph(mode):
+    """Records of a forward with grad enabled are detached: they do not require grad and do
+    not keep the autograd graph (and the tensors it saved) alive once the output is dropped."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    model = _Net().train()
+
+    class Marker:
+        pass
+
+    with acs.ActivationScope(capture_mode=mode).track(model, include=_HOOKED) as tracker:
+        out = model(torch.randn(4, 3, 6, 6))
+        marker = Marker()
+        out.grad_fn.register_hook(lambda *args, m=marker: None)  # lives as long as the graph
+        alive = weakref.ref(marker)
+        del marker
+        assert alive() is not None
+        del out
+    gc.collect()
+    assert alive() is None
+    records = tracker.activations
+    assert records and all(not r.requires_grad and r.grad_fn is None for rs in records.values() for r in rs)
+
+
+def test_stop_after_last_in_training_mode_says_what_it_changes():
+    """stop_after_last=True skips the modules after the stop point: in training mode their
+    dropout draws no random numbers, so the next forwards' dropout masks (before the stop
+    point too) and their records differed from a full run's, while the docs said records are
+    exactly a full run's. The capture now says so when such modules are in training mode;
+    in eval mode the records are a full run's, without a warning, and so are they when
+    every such module comes before the stop point."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Dropout(0.5), torch.nn.Conv2d(4, 4, 3),
+                                torch.nn.Dropout(0.5))
+    images = torch.randn(12, 3, 8, 8)
+    records = {}
+    for train in (True, False):
+        model.train(train)
+        for stop in (False, True):
+            torch.manual_seed(7)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                with torch.no_grad(), acs.ActivationScope().track(model, include=["1"], stop_after_last=stop) as tr:
+                    for b in images.split(4):
+                        model(b)
+            said = [str(w.message) for w in caught if issubclass(w.category, acs.CaptureWarning)]
+            records[train, stop] = torch.cat(tr.activations["1.output"])
+            if train and stop:
+                assert len(said) == 1 and "stop_after_last=True with the model in training mode skips '3'" in said[0]
+                assert "'1'" not in said[0] and "model.eval()" in said[0]  # (the dropout before the stop point runs)
+            else:
+                assert not said, said
+    assert not torch.equal(records[True, True], records[True, False])  # what the warning is about
+    assert torch.equal(records[False, True], records[False, False])
+    model.train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", acs.CaptureWarning)
+        with torch.no_grad(), acs.ActivationScope().track(model, include=["3"], stop_after_last=True):
+            for b in images.split(4):
+                model(b)  # nothing after the stop point: no warning
+
+
+def test_stop_after_last_in_training_mode_before_a_batchnorm_names_its_statistics():
+    import warnings
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4)).train()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad(), acs.ActivationScope().track(model, include=["0"], stop_after_last=True):
+            for _ in range(3):
+                model(torch.randn(4, 3, 6, 6))
+    said = [str(w.message) for w in caught if issubclass(w.category, acs.CaptureWarning)]
+    assert len(said) == 1 and "skips '1' after the stop point: its BatchNorm running statistics are not updated" in said[0]
+    assert "dropout" not in said[0]
+    assert int(model[1].num_batches_tracked) == 1  # only the first, full forward ran it
