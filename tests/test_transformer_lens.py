@@ -151,3 +151,34 @@ def test_hook_point_names_are_read_as_their_modules_and_a_store_of_them_resumes(
     rows = store["blocks.1.hook_resid_post"]
     assert torch.equal(rows[: rows.shape[0] // 2].reshape(cache["blocks.1.hook_resid_post"].shape),
                        cache["blocks.1.hook_resid_post"])
+
+
+def test_rows_token_warns_when_the_model_is_given_a_mask_with_padding_that_set_batch_is_not(model, tokens, tmp_path):
+    """rows='token' stores every position of a forward whose set_batch gave no mask: a padded
+    batch whose attention_mask went to the model only (model(tokens, attention_mask=mask))
+    would put its padding into the store's token rows and reductions without a word. It is
+    named in a CaptureWarning (once); given to set_batch too, the padding is left out and
+    nothing is warned about; a mask without padding is no reason to warn."""
+    mask = torch.ones(3, 8, dtype=torch.long)
+    mask[1:, 5:] = 0                                                 # 6 padded positions of 24
+    hp = "blocks.0.hook_resid_post"
+
+    def capture(path, describe, masks):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            scope = acs.ActivationScope(store=str(tmp_path / path), rows="token", reductions=["mean"])
+            with scope.track(model, include=[hp]) as tr, torch.no_grad():
+                for m in masks:
+                    if describe:
+                        tr.set_batch(attention_mask=m)
+                    model(tokens, attention_mask=m)
+        return [str(w.message) for w in caught if issubclass(w.category, acs.CaptureWarning)]
+
+    caught = capture("model-only.zarr", False, [torch.ones_like(mask), mask, mask])
+    assert len(caught) == 1, caught
+    assert "forward 1 of the tracked model was given attention_mask= with padding (6 of 24 positions are 0)" in caught[0]
+    assert "tracker.set_batch(attention_mask=mask)" in caught[0]
+    assert acs.open_store(str(tmp_path / "model-only.zarr")).n_rows(hp) == 3 * 24     # as warned: padding kept
+    assert capture("described.zarr", True, [mask]) == []
+    assert acs.open_store(str(tmp_path / "described.zarr")).n_rows(hp) == 18
+    assert capture("no-padding.zarr", False, [torch.ones_like(mask)]) == []

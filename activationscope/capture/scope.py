@@ -746,6 +746,12 @@ class Tracker:
         self._head_first_found: dict[str, tuple[int, ...]] = {}
         self._sample_rows_chosen = False
         self._warned_mask = False
+        # rows="token": the attention_mask the model itself was given in the current forward
+        # (noted by the root's Python frame, _python_frame), warned about once when it has
+        # padding that set_batch did not describe (those positions are stored as token rows)
+        self._model_mask: torch.Tensor | None = None
+        self._warned_model_mask = False
+        self._mask_arg_index: int | None = None
         # store arrays already named in a warning for leaving the row table (first captured
         # late, a forward that raised, rows missing from a forward): warned once each
         self._warned_row_table: set[str] = set()
@@ -977,11 +983,14 @@ class Tracker:
         else:
             forward = module.forward
             original = forward
-            if module is self.model and _in_torch(forward):
+            note = self._note_model_mask if module is self.model and self.scope.rows == "token" else None
+            if module is self.model and (_in_torch(forward) or note is not None):
                 # a model compiled after tracking: TorchDynamo starts at the first Python frame
                 # under the native root wrapper and skips torch.nn's own (nn.Sequential.forward),
-                # so it would compile nothing; one Python frame of ours per forward gives it one
-                original = _python_frame(forward)
+                # so it would compile nothing; one Python frame of ours per forward gives it one.
+                # With rows="token" that frame also notes the attention_mask the model is given
+                self._mask_arg_index = _mask_arg_index(forward) if note is not None else None
+                original = _python_frame(forward, note)
             wrapper = _C.ForwardWrapper(original)
             wrapper.__wrapped__ = forward  # inspect.signature() sees the real forward; traced_call calls it
             wrapper._acs_prior = current  # an instance-level forward set by someone else
@@ -1887,6 +1896,9 @@ class Tracker:
             self._warn_mask_unused(batch["attention_mask"])
         elif self.scope.rows == "token" and not self._warned_mask:
             self._warn_token_rows_unused()
+        if self.scope.rows == "token" and batch.get("attention_mask") is None:
+            self._warn_model_mask_padding()
+        self._model_mask = None
         if self.writer is not None:
             ids = batch.get("sample_ids")  # None: the writer numbers the samples on from its last
             if ids is None and (self._skipped_samples or self._repeated_samples):
@@ -2042,6 +2054,45 @@ class Tracker:
         # what it is, for callers that say it in their own words (the command line)
         warning.reason, warning.mask_shape, warning.first_shapes = "mask_unused", tuple(mask.shape), f"{{{shown}}}"
         warnings.warn(warning, stacklevel=3)
+
+    def _note_model_mask(self, args: tuple, kwargs: dict) -> None:
+        """(rows="token", in the root's Python frame) the ``attention_mask`` the tracked model
+        is called with in this forward: a 2-D tensor, or None."""
+        if self._warned_model_mask:
+            return
+        mask = kwargs.get("attention_mask")
+        if mask is None and self._mask_arg_index is not None and self._mask_arg_index < len(args):
+            mask = args[self._mask_arg_index]
+        self._model_mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+
+    def _warn_model_mask_padding(self) -> None:
+        """Warn (once per capture) when ``rows="token"`` stored every position of a forward
+        whose model was given an ``attention_mask`` with padding that ``set_batch`` did not
+        describe: the padded positions went into the store (and reductions) as token rows."""
+        mask = self._model_mask
+        if mask is None or self._warned_model_mask:
+            return
+        if self.writer is None and not any(self._reduction_names.values()):
+            return  # (in memory, records are whole tensors: no rows taken)
+        auto = self._core.auto_token_mask
+        if auto.dim() != 2 or tuple(mask.shape) != tuple(auto.shape):
+            return
+        if not any(s.row_kind == 1 for s in self._sinks.values()):
+            return
+        n_pad = int((mask == 0).sum())
+        if n_pad == 0:
+            return
+        self._warned_model_mask = True
+        k = self._core.n_forwards - 1
+        warnings.warn(
+            f"forward {k} of the tracked model was given attention_mask= with padding ({n_pad} of {mask.numel()} "
+            f"positions are 0), but rows='token' with no attention_mask in tracker.set_batch stores every position "
+            f"of its (batch, pos) = {tuple(mask.shape)}: the padded positions are stored as token rows and enter the "
+            "reductions. Give the mask to tracker.set_batch(attention_mask=mask) before each forward to leave "
+            "padding out (warned once per capture)",
+            CaptureWarning,
+            stacklevel=3,
+        )
 
     def _warn_token_rows_unused(self) -> None:
         """Warn (once per capture) when ``rows="token"`` makes no hook point token rows: no
@@ -2238,13 +2289,36 @@ def _in_torch(forward: Any) -> bool:
     return str(getattr(getattr(forward, "__func__", None), "__module__", "")).startswith("torch.")
 
 
-def _python_frame(forward: Any) -> Any:
-    """``forward`` called from one Python frame of this module (which TorchDynamo traces)."""
-
-    def forward_of_tracked_model(*args: Any, **kwargs: Any) -> Any:
-        return forward(*args, **kwargs)
+def _python_frame(forward: Any, note: Any = None) -> Any:
+    """``forward`` called from one Python frame of this module (which TorchDynamo traces).
+    ``note(args, kwargs)``, when given, sees the arguments of each eager call first."""
+    if note is None:
+        def forward_of_tracked_model(*args: Any, **kwargs: Any) -> Any:
+            return forward(*args, **kwargs)
+    else:
+        def forward_of_tracked_model(*args: Any, **kwargs: Any) -> Any:
+            if not torch.compiler.is_compiling():
+                note(args, kwargs)
+            return forward(*args, **kwargs)
 
     return forward_of_tracked_model
+
+
+def _mask_arg_index(forward: Any) -> int | None:
+    """The position of ``forward``'s ``attention_mask`` parameter among its positional
+    arguments (``model(input_ids, mask)``), or None."""
+    import inspect
+
+    try:
+        params = list(inspect.signature(forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    for i, p in enumerate(params):
+        if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            return None
+        if p.name == "attention_mask":
+            return i
+    return None
 
 
 # Modules of torch.nn whose fused fast path (torch.backends.mha) computes their children without
