@@ -182,3 +182,40 @@ def test_rows_token_warns_when_the_model_is_given_a_mask_with_padding_that_set_b
     assert capture("described.zarr", True, [mask]) == []
     assert acs.open_store(str(tmp_path / "described.zarr")).n_rows(hp) == 18
     assert capture("no-padding.zarr", False, [torch.ones_like(mask)]) == []
+
+
+@pytest.mark.parametrize("hook, flag, setter", [
+    ("blocks.0.attn.hook_result", "use_attn_result", "model.set_use_attn_result(True)"),
+    ("blocks.0.hook_q_input", "use_split_qkv_input", "model.set_use_split_qkv_input(True)"),
+    ("blocks.0.hook_attn_in", "use_attn_in", "model.set_use_attn_in(True)"),
+    ("blocks.0.hook_mlp_in", "use_hook_mlp_in", "model.set_use_hook_mlp_in(True)"),
+])
+def test_a_hook_point_that_the_model_config_turns_off_is_named_with_its_switch(model, tokens, tmp_path, hook, flag,
+                                                                               setter):
+    """TransformerLens calls some HookPoints only when a config flag is on
+    (cfg.use_attn_result for attn.hook_result, ...): a capture of one with the flag off records
+    nothing, and the error names the flag and its setter, not fused fast paths or F.* calls."""
+    assert not getattr(model.cfg, flag)
+    with pytest.raises(acs.CaptureError) as e:
+        with acs.ActivationScope(store=str(tmp_path / "s.zarr")).track(model, include=[hook]), torch.no_grad():
+            model(tokens)
+    message = str(e.value)
+    assert f"{hook!r} (HookPoint): TransformerLens calls it only with model.cfg.{flag}=True" in message
+    assert setter in message and "fused fast path" not in message
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with acs.ActivationScope().track(model, include=[hook, "blocks.0.hook_resid_post"]), torch.no_grad():
+            model(tokens)
+    (warned,) = [str(w.message) for w in caught if issubclass(w.category, acs.CaptureWarning)]
+    assert f"model.cfg.{flag}=True" in warned and setter in warned
+
+
+def test_hook_points_after_stop_at_layer_are_named_with_it(model, tokens):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with acs.ActivationScope().track(model, include=["blocks.*.hook_resid_post"]) as tr, torch.no_grad():
+            model(tokens, stop_at_layer=1)
+    (warned,) = [str(w.message) for w in caught if issubclass(w.category, acs.CaptureWarning)]
+    assert "'blocks.1.hook_resid_post' (HookPoint): never called" in warned
+    assert "stop_at_layer=" in warned
+    assert list(tr.activations) == ["blocks.0.hook_resid_post"]

@@ -2363,13 +2363,42 @@ def _silent_reason(name: str, module: torch.nn.Module, model: torch.nn.Module) -
     if isinstance(parent, torch.nn.MultiheadAttention) and name.endswith("out_proj"):
         return (f"{name!r}: nn.MultiheadAttention uses its weights directly and never calls it; track "
                 f"{parent_name!r} instead (hook point {(parent_name + '.' if parent_name else '') + 'output.0'!r})")
+    if is_hook_point_module(module):
+        switch = _transformer_lens_switch(name, model)
+        if switch is not None:
+            flag, setter = switch
+            return (f"{name!r} (HookPoint): TransformerLens calls it only with model.cfg.{flag}=True, and this "
+                    f"model has {flag}=False: call {setter} before the capture")
+        return (f"{name!r} (HookPoint): never called (TransformerLens skips the hook points of the layers a "
+                "forward with stop_at_layer= does not run, and those its config leaves out)")
     return f"{name!r} ({type(module).__name__}): never called, or it returned / received no tensor"
+
+
+# TransformerLens HookPoints called only when a config flag is on: name suffix -> (flag, setter)
+_TRANSFORMER_LENS_SWITCHES = (
+    (("attn.hook_result",), "use_attn_result", "model.set_use_attn_result(True)"),
+    (("hook_q_input", "hook_k_input", "hook_v_input"), "use_split_qkv_input", "model.set_use_split_qkv_input(True)"),
+    (("hook_attn_in",), "use_attn_in", "model.set_use_attn_in(True)"),
+    (("hook_mlp_in",), "use_hook_mlp_in", "model.set_use_hook_mlp_in(True)"),
+)
+
+
+def _transformer_lens_switch(name: str, model: torch.nn.Module | None) -> tuple[str, str] | None:
+    """``(flag, setter)`` when the HookPoint ``name`` is one TransformerLens calls only with
+    ``model.cfg.<flag>`` on, and the model's config has it off; else None."""
+    cfg = getattr(model, "cfg", None)
+    for suffixes, flag, setter in _TRANSFORMER_LENS_SWITCHES:
+        if any(name == x or name.endswith("." + x) for x in suffixes):
+            return (flag, setter) if getattr(cfg, flag, None) is False else None
+    return None
 
 
 def _silent_message(silent: list[tuple[str, torch.nn.Module]], model: torch.nn.Module | None = None) -> str:
     shown = silent[:6]
     parts = [_silent_reason(n, m, model) if model is not None else f"{n!r} ({type(m).__name__})" for n, m in shown]
     more = f"; and {len(silent) - len(shown)} more" if len(silent) > len(shown) else ""
+    if all(is_hook_point_module(m) for _, m in silent):
+        return "; ".join(parts) + more + ". Track the hook points the model's forward reaches, or exclude= them"
     return (
         "; ".join(parts) + more + ". A parent may compute them without calling them (a fused fast path, "
         "F.* on their weights) or they are unused: track the parent or the hook points that ran, or "
