@@ -752,6 +752,7 @@ class Tracker:
         self._model_mask: torch.Tensor | None = None
         self._warned_model_mask = False
         self._mask_arg_index: int | None = None
+        self._first_arg_type: str | None = None
         # store arrays already named in a warning for leaving the row table (first captured
         # late, a forward that raised, rows missing from a forward): warned once each
         self._warned_row_table: set[str] = set()
@@ -2057,7 +2058,12 @@ class Tracker:
 
     def _note_model_mask(self, args: tuple, kwargs: dict) -> None:
         """(rows="token", in the root's Python frame) the ``attention_mask`` the tracked model
-        is called with in this forward: a 2-D tensor, or None."""
+        is called with in this forward: a 2-D tensor, or None (and the type of its first
+        argument, for the warning about a model given no tensor)."""
+        first = args[0] if args else next(iter(kwargs.values()), None)
+        text = isinstance(first, str) or (isinstance(first, (list, tuple)) and bool(first)
+                                          and all(isinstance(x, str) for x in first))
+        self._first_arg_type = type(first).__name__ if text else None
         if self._warned_model_mask:
             return
         mask = kwargs.get("attention_mask")
@@ -2102,6 +2108,18 @@ class Tracker:
         if shown is None:
             return
         auto = self._core.auto_token_mask
+        if self._first_arg_type is not None and auto.dim() != 2:  # text, which the model tokenizes itself
+            warning = CaptureWarning(
+                f"rows='token' found no token rows: the model was called with no tensor input (its first argument "
+                f"is a {self._first_arg_type}, text the model tokenizes inside its forward), so there "
+                f"is no (batch, pos) to take token rows from ({{{shown}}}), and every hook point stores one row per "
+                "sample, padding included. Call the model with token ids (TransformerLens: tokens = "
+                "model.to_tokens(texts), then model(tokens)) and, for padded texts, give their attention_mask to "
+                "tracker.set_batch; or token_rows=False if one row per sample is what you want"
+            )
+            warning.reason, warning.first_shapes = "token_rows_unused", f"{{{shown}}}"
+            warnings.warn(warning, stacklevel=3)
+            return
         first = f"(batch, pos) = {tuple(auto.shape)}" if auto.dim() == 2 else "no (batch, pos) (it has fewer than 2 dims)"
         warning = CaptureWarning(
             f"rows='token' found no token rows: the model's first tensor input has {first}, and no tracked "
