@@ -1704,13 +1704,11 @@ class Tracker:
                 start = saved[1]
             if start < committed:
                 starts.setdefault(start, []).append(red)
-        ends = None
-        if any(str(getattr(red, "kind", "custom")) not in self._red_factories.BUILTIN_REDUCTIONS
-               for reds in starts.values() for red in reds):
-            # a custom reduction is fed the stored rows forward by forward, as the capture fed it,
-            # so that a resume gives what an uninterrupted run gives (its function may depend on
-            # how the rows were cut); built-in ones are the same for any cut
-            ends = self.writer.committed_batch_ends(array)
+        # every reduction is fed the stored rows forward by forward, as the capture fed it, so
+        # that a resume gives the very result of an uninterrupted run: a custom function may
+        # depend on how the rows were cut, and a built-in one's float64 round-off does (None:
+        # rows that do not follow the row table, whose forwards are not known, go in blocks)
+        ends = self.writer.committed_batch_ends(array) if starts else None
         for start, reds in starts.items():
             row = start
             cuts = [e for e in (ends or ()) if e > start]
@@ -1720,7 +1718,7 @@ class Tracker:
                     stop = max([e for e in cuts if e <= stop] or [cuts[0]])
                 rows = self.writer.read_committed_rows(array, row, stop)
                 for red in reds:
-                    if ends is None or str(getattr(red, "kind", "custom")) in self._red_factories.BUILTIN_REDUCTIONS:
+                    if ends is None:
                         red.update(rows, row)
                         continue
                     first = row
