@@ -219,3 +219,21 @@ def test_hook_points_after_stop_at_layer_are_named_with_it(model, tokens):
     assert "'blocks.1.hook_resid_post' (HookPoint): never called" in warned
     assert "stop_at_layer=" in warned
     assert list(tr.activations) == ["blocks.0.hook_resid_post"]
+
+
+@pytest.mark.parametrize("typo, meant", [
+    ("blocks.0.hook_resid_postt", "blocks.0.hook_resid_post"),
+    ("blocks.1.hook_mlp_output", "blocks.1.hook_mlp_out"),
+    ("blocks.*.hook_resid_psot", "blocks.0.hook_resid_post"),
+])
+def test_a_mistyped_hook_point_is_refused_naming_the_names_it_is_close_to(model, typo, meant):
+    """The first module names of a HookedTransformer (embed, hook_embed, ...) say nothing about
+    a typo deep in the model: the error names the module names closest to the pattern."""
+    with pytest.raises(acs.HookPointNotFoundError) as e:
+        acs.ActivationScope().track(model, include=[typo])
+    message = str(e.value)
+    assert f"include pattern {typo!r} matches no module of HookedTransformer" in message
+    assert "did you mean" in message and repr(meant) in message.split("did you mean")[1]
+    for _, hp in model.hook_dict.items():
+        assert not hp._forward_hooks
+    assert "forward" not in model.__dict__
