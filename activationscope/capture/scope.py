@@ -1736,6 +1736,7 @@ class Tracker:
             _warn_head_first_token_rows(found, stacklevel=3)
 
     def _on_forward_start(self) -> None:
+        self._model_mask = None  # (noted again by the root's Python frame, which runs next)
         self._warn_head_first_found()  # (after a forward that raised)
         self._stop_learnt = self.stop_after_last and self._core.stop_learnt
         self._stop_watching()  # after a forward that raised
@@ -1897,7 +1898,6 @@ class Tracker:
             self._warn_token_rows_unused()
         if self.scope.rows == "token" and batch.get("attention_mask") is None:
             self._warn_model_mask_padding()
-        self._model_mask = None
         if self.writer is not None:
             ids = batch.get("sample_ids")  # None: the writer numbers the samples on from its last
             if ids is None and (self._skipped_samples or self._repeated_samples):
