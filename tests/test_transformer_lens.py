@@ -237,3 +237,15 @@ def test_a_mistyped_hook_point_is_refused_naming_the_names_it_is_close_to(model,
     for _, hp in model.hook_dict.items():
         assert not hp._forward_hooks
     assert "forward" not in model.__dict__
+
+
+@pytest.mark.parametrize("side", [".output", ".input"])
+def test_a_hook_point_named_with_a_side_is_refused_naming_its_transformer_lens_name(model, side):
+    """include= names modules: 'blocks.0.hook_resid_post.output' selects none. A HookPoint is
+    recorded under its own path, so the error says so (not that it records '...output')."""
+    with pytest.raises(acs.HookPointNotFoundError) as e:
+        acs.ActivationScope().track(model, include=["blocks.0.hook_resid_post" + side])
+    message = str(e.value)
+    assert ("include='blocks.0.hook_resid_post' records the HookPoint under its TransformerLens name "
+            "'blocks.0.hook_resid_post'") in message
+    assert "records 'blocks.0.hook_resid_post" + side not in message

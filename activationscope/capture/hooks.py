@@ -160,7 +160,7 @@ def select_modules(
             if not hits:
                 raise HookPointNotFoundError(
                     f"include pattern {pat!r} matches no module of {type(model).__name__}; "
-                    f"module names look like {_examples(names)}" + _hook_point_hint(pat, names)
+                    f"module names look like {_examples(names)}" + _hook_point_hint(pat, names, named)
                 )
             included.update(hits)
         chosen = [(n, m) for n, m in named if n in included and (n not in never_called or n in include)]
@@ -403,13 +403,21 @@ def _examples(names: Sequence[str], n: int = 8) -> str:
     return "[" + ", ".join(shown) + more + "]"
 
 
-def _hook_point_hint(pattern: str, names: list[str]) -> str:
+def _hook_point_hint(pattern: str, names: list[str], named: list[tuple[str, torch.nn.Module]] = ()) -> str:
     """A hint for an include pattern that names a hook point (``<module>.output``) rather
-    than a module: patterns select modules, and each tracked module gives its hook points.
-    Otherwise the module names closest to the pattern (a typo), if any are close."""
+    than a module: patterns select modules, and each tracked module gives its hook points
+    (a TransformerLens ``HookPoint`` under its own path). Otherwise the module names closest
+    to the pattern (a typo), if any are close."""
     for side in (".output", ".input"):
-        if pattern.endswith(side) and pattern_hits(pattern[: -len(side)], names):
-            return (f". Patterns name modules, not hook points: include={pattern[: -len(side)]!r} records "
+        hits = pattern_hits(pattern[: -len(side)], names) if pattern.endswith(side) else []
+        if hits:
+            module = pattern[: -len(side)]
+            modules = dict(named)
+            if all(h in modules and is_hook_point_module(modules[h]) for h in hits):
+                shown = repr(hits[0]) if len(hits) == 1 else f"{hits[0]!r}, ..."
+                return (f". Patterns name modules, not hook points: include={module!r} records the HookPoint under "
+                        f"its TransformerLens name {shown} (no {side!r})")
+            return (f". Patterns name modules, not hook points: include={module!r} records "
                     f"{pattern!r}" + (" (with capture='input' or 'both')" if side == ".input" else ""))
     close = _close_names(pattern, names)
     return f"; did you mean {close}?" if close else ""
