@@ -1437,8 +1437,15 @@ class Tracker:
                 "pass attention_mask= to tracker.set_batch (or rows='token'), or drop the hook point from token_rows="
             )
         self._first_shapes[name] = "(nested)" if tensor.is_nested else tuple(tensor.shape)
+        known_layout = decided is None and _attention_map_hook_point(name, self._hook_point_paths)
+        if known_layout:
+            # a TransformerLens attention map is (batch, head_index, query_pos, key_pos), whatever
+            # the shape says (with as many heads as positions it would pass for token rows of
+            # (sample, head) pairs): one row per sample
+            decided = False
         if decided is False:
-            self._sample_rows_chosen = True
+            if not known_layout:  # (not asked for by the user: a mask that fits nothing is still warned about)
+                self._sample_rows_chosen = True
             token = False
         # a shape that could be token rows or not, taken as token rows (warned about below, where
         # rows matter: a store or reductions; in-memory records are whole tensors either way)
@@ -2369,6 +2376,14 @@ def _fastpath_release() -> None:
 
 def _no_forward(module: torch.nn.Module) -> bool:
     return getattr(type(module), "forward", None) is torch.nn.Module.forward
+
+
+def _attention_map_hook_point(name: str, hook_point_paths: frozenset[str]) -> bool:
+    """Whether ``name`` is a TransformerLens attention map (``attn.hook_pattern``,
+    ``attn.hook_attn_scores``, or a later call ``#k`` of one): head-first,
+    ``(batch, head_index, query_pos, key_pos)``."""
+    path = name.split("#")[0]
+    return path in hook_point_paths and path.endswith(("attn.hook_pattern", "attn.hook_attn_scores"))
 
 
 def _silent_reason(name: str, module: torch.nn.Module, model: torch.nn.Module) -> str:
