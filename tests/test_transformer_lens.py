@@ -276,3 +276,13 @@ def test_attention_maps_are_sample_rows_also_when_heads_equal_pos(model, tmp_pat
         assert torch.equal(store[name], cache[name])
         assert torch.equal(store.reductions[name]["max"], cache[name].double().amax(0))
     assert store.row_kind(names[2]) == "token" and torch.equal(store[names[2]], cache[names[2]][mask.bool()])
+
+
+def test_a_mistyped_exclude_pattern_is_warned_naming_the_names_it_is_close_to(model, tokens):
+    with pytest.warns(acs.CaptureWarning, match=r"exclude pattern 'blocks\.1\.hook_resid_psot' matches no module of "
+                                                r"HookedTransformer, so it excludes nothing; .*did you mean "
+                                                r"\['blocks\.1\.hook_resid_post'"):
+        with acs.ActivationScope().track(model, include=["blocks.*.hook_resid_post"],
+                                         exclude=["blocks.1.hook_resid_psot"]) as tr, torch.no_grad():
+            model(tokens)
+    assert "blocks.1.hook_resid_post" in tr.activations           # as warned: nothing excluded

@@ -170,9 +170,10 @@ def select_modules(
         for pat in exclude:
             hits = pattern_hits(pat, names)
             if not hits:
+                close = _close_names(pat, names)
                 warnings.warn(
                     f"exclude pattern {pat!r} matches no module of {type(model).__name__}, so it excludes nothing; "
-                    f"module names look like {_examples(names)}",
+                    f"module names look like {_examples(names)}" + (f"; did you mean {close}?" if close else ""),
                     CaptureWarning, stacklevel=3,
                 )
             excluded.update(hits)
