@@ -286,3 +286,24 @@ def test_a_mistyped_exclude_pattern_is_warned_naming_the_names_it_is_close_to(mo
                                          exclude=["blocks.1.hook_resid_psot"]) as tr, torch.no_grad():
             model(tokens)
     assert "blocks.1.hook_resid_post" in tr.activations           # as warned: nothing excluded
+
+
+def test_hook_tokens_are_token_rows_without_a_warning_about_their_shape():
+    """hook_tokens (cfg.use_hook_tokens) is TransformerLens's (batch, pos) token ids: one scalar
+    per real token, a layout that is known, so it is not warned about as a 2-D hook point that
+    might be a pooled (batch, features) output."""
+    cfg = tl.HookedTransformerConfig(n_layers=1, d_model=16, n_ctx=8, d_head=4, n_heads=4, d_vocab=50,
+                                     act_fn="relu", d_mlp=32, seed=0, use_hook_tokens=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = tl.HookedTransformer(cfg).eval()
+    tokens = torch.randint(0, 50, (3, 8), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(3, 8, dtype=torch.long)
+    mask[1:, 5:] = 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with acs.ActivationScope(reductions=["max"]).track(model, include=["hook_tokens"]) as tr, torch.no_grad():
+            tr.set_batch(attention_mask=mask)
+            model(tokens, attention_mask=mask)
+    assert [str(w.message) for w in caught if issubclass(w.category, acs.CaptureWarning)] == []
+    assert torch.equal(tr.reductions["hook_tokens"]["max"], tokens[mask.bool()].max())

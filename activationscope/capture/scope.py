@@ -1450,7 +1450,7 @@ class Tracker:
         # a shape that could be token rows or not, taken as token rows (warned about below, where
         # rows matter: a store or reductions; in-memory records are whole tensors either way)
         ambiguous = None
-        if decided is None and token and tensor.dim() == 2:
+        if decided is None and token and tensor.dim() == 2 and not _token_ids_hook_point(name, self._hook_point_paths):
             # (batch, pos) values with padding: one scalar per real token, the padded columns
             # dropped. Right for per-token scalars (token ids, a per-token score); wrong for a
             # pooled (batch, features) output whose width happens to equal pos.
@@ -2384,6 +2384,13 @@ def _attention_map_hook_point(name: str, hook_point_paths: frozenset[str]) -> bo
     ``(batch, head_index, query_pos, key_pos)``."""
     path = name.split("#")[0]
     return path in hook_point_paths and path.endswith(("attn.hook_pattern", "attn.hook_attn_scores"))
+
+
+def _token_ids_hook_point(name: str, hook_point_paths: frozenset[str]) -> bool:
+    """Whether ``name`` is TransformerLens's ``hook_tokens``: the ``(batch, pos)`` token ids,
+    one scalar per token (a layout that is known, not a pooled output to guess about)."""
+    path = name.split("#")[0]
+    return path in hook_point_paths and (path == "hook_tokens" or path.endswith(".hook_tokens"))
 
 
 def _silent_reason(name: str, module: torch.nn.Module, model: torch.nn.Module) -> str:
