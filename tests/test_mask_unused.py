@@ -137,3 +137,32 @@ def test_rows_token_of_a_model_called_with_text_says_so(tmp_path):
     assert "the model was called with no tensor input (its first argument is a list, text the model" in message
     assert "fewer than 2 dims" not in message and "model.to_tokens" in message
     assert acs.open_store(tmp_path / "run.zarr").row_kind("proj.output") == "sample"
+
+
+class _MaskedEncoder(torch.nn.Module):
+    """Takes (input_ids, attention_mask) as a Hugging Face encoder does."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(50, 8)
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, input_ids, attention_mask=None):
+        h = self.embed(input_ids)
+        return self.proj(h if attention_mask is None else h * attention_mask[..., None])
+
+
+@pytest.mark.parametrize("how", ["keyword", "positional"])
+def test_rows_token_warns_about_padding_given_to_the_model_only(how, tmp_path):
+    model = _MaskedEncoder()
+    ids = torch.randint(1, 50, (4, 6))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad(), acs.ActivationScope(store=tmp_path / "run.zarr", rows="token").track(model,
+                                                                                                   include=["proj"]):
+            for _ in range(2):
+                model(ids, attention_mask=_mask(6)) if how == "keyword" else model(ids, _mask(6))
+    mine = [str(w.message) for w in caught if issubclass(w.category, acs.CaptureWarning)]
+    assert len(mine) == 1 and "given attention_mask= with padding (6 of 24 positions are 0)" in mine[0], mine
+    assert acs.open_store(tmp_path / "run.zarr").n_rows("proj.output") == 48
