@@ -104,3 +104,65 @@ def test_rows_token_that_applies_or_sample_rows_asked_for_do_not_warn(include, k
     if "0" in include:
         with torch.no_grad():
             assert torch.equal(store["0.output"], model[0](ids).reshape(24, 8))
+
+
+class _TextModel(torch.nn.Module):
+    """Tokenizes its str input inside its forward, as TransformerLens's model("text") does."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(128, 8)
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, texts):
+        texts = [texts] if isinstance(texts, str) else texts
+        width = max(len(t) for t in texts)
+        ids = torch.tensor([[ord(c) % 128 for c in t] + [0] * (width - len(t)) for t in texts])
+        return self.proj(self.embed(ids))
+
+
+def test_rows_token_of_a_model_called_with_text_says_so(tmp_path):
+    # no tensor input: the warning says that the model got text (not "fewer than 2 dims") and
+    # how to give it token ids
+    model = _TextModel()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad(), acs.ActivationScope(store=tmp_path / "run.zarr", rows="token").track(model,
+                                                                                                   include=["proj"]):
+            model(["hello world", "hi"])
+    (mine,) = [w for w in caught if issubclass(w.category, acs.CaptureWarning) and "rows='token'" in str(w.message)]
+    assert mine.message.reason == "token_rows_unused"
+    message = str(mine.message)
+    assert "the model was called with no tensor input (its first argument is a list, text the model" in message
+    assert "fewer than 2 dims" not in message and "model.to_tokens" in message
+    assert acs.open_store(tmp_path / "run.zarr").row_kind("proj.output") == "sample"
+
+
+class _MaskedEncoder(torch.nn.Module):
+    """Takes (input_ids, attention_mask) as a Hugging Face encoder does."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(50, 8)
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, input_ids, attention_mask=None):
+        h = self.embed(input_ids)
+        return self.proj(h if attention_mask is None else h * attention_mask[..., None])
+
+
+@pytest.mark.parametrize("how", ["keyword", "positional"])
+def test_rows_token_warns_about_padding_given_to_the_model_only(how, tmp_path):
+    model = _MaskedEncoder()
+    ids = torch.randint(1, 50, (4, 6))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad(), acs.ActivationScope(store=tmp_path / "run.zarr", rows="token").track(model,
+                                                                                                   include=["proj"]):
+            for _ in range(2):
+                model(ids, attention_mask=_mask(6)) if how == "keyword" else model(ids, _mask(6))
+    mine = [str(w.message) for w in caught if issubclass(w.category, acs.CaptureWarning)]
+    assert len(mine) == 1 and "given attention_mask= with padding (6 of 24 positions are 0)" in mine[0], mine
+    assert acs.open_store(tmp_path / "run.zarr").n_rows("proj.output") == 48

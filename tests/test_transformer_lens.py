@@ -151,3 +151,159 @@ def test_hook_point_names_are_read_as_their_modules_and_a_store_of_them_resumes(
     rows = store["blocks.1.hook_resid_post"]
     assert torch.equal(rows[: rows.shape[0] // 2].reshape(cache["blocks.1.hook_resid_post"].shape),
                        cache["blocks.1.hook_resid_post"])
+
+
+def test_rows_token_warns_when_the_model_is_given_a_mask_with_padding_that_set_batch_is_not(model, tokens, tmp_path):
+    """rows='token' stores every position of a forward whose set_batch gave no mask: a padded
+    batch whose attention_mask went to the model only (model(tokens, attention_mask=mask))
+    would put its padding into the store's token rows and reductions without a word. It is
+    named in a CaptureWarning (once); given to set_batch too, the padding is left out and
+    nothing is warned about; a mask without padding is no reason to warn."""
+    mask = torch.ones(3, 8, dtype=torch.long)
+    mask[1:, 5:] = 0                                                 # 6 padded positions of 24
+    hp = "blocks.0.hook_resid_post"
+
+    def capture(path, describe, masks):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            scope = acs.ActivationScope(store=str(tmp_path / path), rows="token", reductions=["mean"])
+            with scope.track(model, include=[hp]) as tr, torch.no_grad():
+                for m in masks:
+                    if describe:
+                        tr.set_batch(attention_mask=m)
+                    model(tokens, attention_mask=m)
+        return [str(w.message) for w in caught if issubclass(w.category, acs.CaptureWarning)]
+
+    caught = capture("model-only.zarr", False, [torch.ones_like(mask), mask, mask])
+    assert len(caught) == 1, caught
+    assert "forward 1 of the tracked model was given attention_mask= with padding (6 of 24 positions are 0)" in caught[0]
+    assert "tracker.set_batch(attention_mask=mask)" in caught[0]
+    assert acs.open_store(str(tmp_path / "model-only.zarr")).n_rows(hp) == 3 * 24     # as warned: padding kept
+    assert capture("described.zarr", True, [mask]) == []
+    assert acs.open_store(str(tmp_path / "described.zarr")).n_rows(hp) == 18
+    assert capture("no-padding.zarr", False, [torch.ones_like(mask)]) == []
+
+
+@pytest.mark.parametrize("hook, flag, setter", [
+    ("blocks.0.attn.hook_result", "use_attn_result", "model.set_use_attn_result(True)"),
+    ("blocks.0.hook_q_input", "use_split_qkv_input", "model.set_use_split_qkv_input(True)"),
+    ("blocks.0.hook_attn_in", "use_attn_in", "model.set_use_attn_in(True)"),
+    ("blocks.0.hook_mlp_in", "use_hook_mlp_in", "model.set_use_hook_mlp_in(True)"),
+])
+def test_a_hook_point_that_the_model_config_turns_off_is_named_with_its_switch(model, tokens, tmp_path, hook, flag,
+                                                                               setter):
+    """TransformerLens calls some HookPoints only when a config flag is on
+    (cfg.use_attn_result for attn.hook_result, ...): a capture of one with the flag off records
+    nothing, and the error names the flag and its setter, not fused fast paths or F.* calls."""
+    assert not getattr(model.cfg, flag)
+    with pytest.raises(acs.CaptureError) as e:
+        with acs.ActivationScope(store=str(tmp_path / "s.zarr")).track(model, include=[hook]), torch.no_grad():
+            model(tokens)
+    message = str(e.value)
+    assert f"{hook!r} (HookPoint): TransformerLens calls it only with model.cfg.{flag}=True" in message
+    assert setter in message and "fused fast path" not in message
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with acs.ActivationScope().track(model, include=[hook, "blocks.0.hook_resid_post"]), torch.no_grad():
+            model(tokens)
+    (warned,) = [str(w.message) for w in caught if issubclass(w.category, acs.CaptureWarning)]
+    assert f"model.cfg.{flag}=True" in warned and setter in warned
+
+
+def test_hook_points_after_stop_at_layer_are_named_with_it(model, tokens):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with acs.ActivationScope().track(model, include=["blocks.*.hook_resid_post"]) as tr, torch.no_grad():
+            model(tokens, stop_at_layer=1)
+    (warned,) = [str(w.message) for w in caught if issubclass(w.category, acs.CaptureWarning)]
+    assert "'blocks.1.hook_resid_post' (HookPoint): never called" in warned
+    assert "stop_at_layer=" in warned
+    assert list(tr.activations) == ["blocks.0.hook_resid_post"]
+
+
+@pytest.mark.parametrize("typo, meant", [
+    ("blocks.0.hook_resid_postt", "blocks.0.hook_resid_post"),
+    ("blocks.1.hook_mlp_output", "blocks.1.hook_mlp_out"),
+    ("blocks.*.hook_resid_psot", "blocks.0.hook_resid_post"),
+])
+def test_a_mistyped_hook_point_is_refused_naming_the_names_it_is_close_to(model, typo, meant):
+    """The first module names of a HookedTransformer (embed, hook_embed, ...) say nothing about
+    a typo deep in the model: the error names the module names closest to the pattern."""
+    with pytest.raises(acs.HookPointNotFoundError) as e:
+        acs.ActivationScope().track(model, include=[typo])
+    message = str(e.value)
+    assert f"include pattern {typo!r} matches no module of HookedTransformer" in message
+    assert "did you mean" in message and repr(meant) in message.split("did you mean")[1]
+    for _, hp in model.hook_dict.items():
+        assert not hp._forward_hooks
+    assert "forward" not in model.__dict__
+
+
+@pytest.mark.parametrize("side", [".output", ".input"])
+def test_a_hook_point_named_with_a_side_is_refused_naming_its_transformer_lens_name(model, side):
+    """include= names modules: 'blocks.0.hook_resid_post.output' selects none. A HookPoint is
+    recorded under its own path, so the error says so (not that it records '...output')."""
+    with pytest.raises(acs.HookPointNotFoundError) as e:
+        acs.ActivationScope().track(model, include=["blocks.0.hook_resid_post" + side])
+    message = str(e.value)
+    assert ("include='blocks.0.hook_resid_post' records the HookPoint under its TransformerLens name "
+            "'blocks.0.hook_resid_post'") in message
+    assert "records 'blocks.0.hook_resid_post" + side not in message
+
+
+def test_attention_maps_are_sample_rows_also_when_heads_equal_pos(model, tmp_path):
+    """attn.hook_pattern and attn.hook_attn_scores are (batch, head_index, query_pos, key_pos):
+    with as many positions as heads (4 here) the shape rule would take them as token rows,
+    (sample, head) pairs picked by the mask. Their layout is known: one row per sample, whole,
+    as run_with_cache gives it, and no warning about a layout to guess."""
+    assert model.cfg.n_heads == 4
+    tokens = torch.randint(0, 50, (3, 4), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(3, 4, dtype=torch.long)
+    mask[1:, 3:] = 0
+    names = ["blocks.1.attn.hook_pattern", "blocks.1.attn.hook_attn_scores", "blocks.1.hook_resid_post"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with acs.ActivationScope(store=str(tmp_path / "s.zarr"), reductions=["max"]).track(model, include=names) as tr, \
+                torch.no_grad():
+            tr.set_batch(attention_mask=mask)
+            model(tokens, attention_mask=mask)
+    assert [str(w.message) for w in caught if issubclass(w.category, acs.CaptureWarning)] == []
+    store = acs.open_store(str(tmp_path / "s.zarr"))
+    with torch.no_grad():
+        _, cache = model.run_with_cache(tokens, attention_mask=mask)
+    for name in names[:2]:
+        assert store.row_kind(name) == "sample"
+        assert torch.equal(store[name], cache[name])
+        assert torch.equal(store.reductions[name]["max"], cache[name].double().amax(0))
+    assert store.row_kind(names[2]) == "token" and torch.equal(store[names[2]], cache[names[2]][mask.bool()])
+
+
+def test_a_mistyped_exclude_pattern_is_warned_naming_the_names_it_is_close_to(model, tokens):
+    with pytest.warns(acs.CaptureWarning, match=r"exclude pattern 'blocks\.1\.hook_resid_psot' matches no module of "
+                                                r"HookedTransformer, so it excludes nothing; .*did you mean "
+                                                r"\['blocks\.1\.hook_resid_post'"):
+        with acs.ActivationScope().track(model, include=["blocks.*.hook_resid_post"],
+                                         exclude=["blocks.1.hook_resid_psot"]) as tr, torch.no_grad():
+            model(tokens)
+    assert "blocks.1.hook_resid_post" in tr.activations           # as warned: nothing excluded
+
+
+def test_hook_tokens_are_token_rows_without_a_warning_about_their_shape():
+    """hook_tokens (cfg.use_hook_tokens) is TransformerLens's (batch, pos) token ids: one scalar
+    per real token, a layout that is known, so it is not warned about as a 2-D hook point that
+    might be a pooled (batch, features) output."""
+    cfg = tl.HookedTransformerConfig(n_layers=1, d_model=16, n_ctx=8, d_head=4, n_heads=4, d_vocab=50,
+                                     act_fn="relu", d_mlp=32, seed=0, use_hook_tokens=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = tl.HookedTransformer(cfg).eval()
+    tokens = torch.randint(0, 50, (3, 8), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(3, 8, dtype=torch.long)
+    mask[1:, 5:] = 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with acs.ActivationScope(reductions=["max"]).track(model, include=["hook_tokens"]) as tr, torch.no_grad():
+            tr.set_batch(attention_mask=mask)
+            model(tokens, attention_mask=mask)
+    assert [str(w.message) for w in caught if issubclass(w.category, acs.CaptureWarning)] == []
+    assert torch.equal(tr.reductions["hook_tokens"]["max"], tokens[mask.bool()].max())

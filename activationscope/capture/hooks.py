@@ -160,7 +160,7 @@ def select_modules(
             if not hits:
                 raise HookPointNotFoundError(
                     f"include pattern {pat!r} matches no module of {type(model).__name__}; "
-                    f"module names look like {_examples(names)}" + _hook_point_hint(pat, names)
+                    f"module names look like {_examples(names)}" + _hook_point_hint(pat, names, named)
                 )
             included.update(hits)
         chosen = [(n, m) for n, m in named if n in included and (n not in never_called or n in include)]
@@ -170,9 +170,10 @@ def select_modules(
         for pat in exclude:
             hits = pattern_hits(pat, names)
             if not hits:
+                close = _close_names(pat, names)
                 warnings.warn(
                     f"exclude pattern {pat!r} matches no module of {type(model).__name__}, so it excludes nothing; "
-                    f"module names look like {_examples(names)}",
+                    f"module names look like {_examples(names)}" + (f"; did you mean {close}?" if close else ""),
                     CaptureWarning, stacklevel=3,
                 )
             excluded.update(hits)
@@ -403,11 +404,44 @@ def _examples(names: Sequence[str], n: int = 8) -> str:
     return "[" + ", ".join(shown) + more + "]"
 
 
-def _hook_point_hint(pattern: str, names: list[str]) -> str:
+def _hook_point_hint(pattern: str, names: list[str], named: list[tuple[str, torch.nn.Module]] = ()) -> str:
     """A hint for an include pattern that names a hook point (``<module>.output``) rather
-    than a module: patterns select modules, and each tracked module gives its hook points."""
+    than a module: patterns select modules, and each tracked module gives its hook points
+    (a TransformerLens ``HookPoint`` under its own path). Otherwise the module names closest
+    to the pattern (a typo), if any are close."""
     for side in (".output", ".input"):
-        if pattern.endswith(side) and pattern_hits(pattern[: -len(side)], names):
-            return (f". Patterns name modules, not hook points: include={pattern[: -len(side)]!r} records "
+        hits = pattern_hits(pattern[: -len(side)], names) if pattern.endswith(side) else []
+        if hits:
+            module = pattern[: -len(side)]
+            modules = dict(named)
+            if all(h in modules and is_hook_point_module(modules[h]) for h in hits):
+                shown = repr(hits[0]) if len(hits) == 1 else f"{hits[0]!r}, ..."
+                return (f". Patterns name modules, not hook points: include={module!r} records the HookPoint under "
+                        f"its TransformerLens name {shown} (no {side!r})")
+            return (f". Patterns name modules, not hook points: include={module!r} records "
                     f"{pattern!r}" + (" (with capture='input' or 'both')" if side == ".input" else ""))
-    return ""
+    close = _close_names(pattern, names)
+    return f"; did you mean {close}?" if close else ""
+
+
+def _close_names(pattern: str, names: list[str], n: int = 3) -> list[str]:
+    """Up to ``n`` module names closest to ``pattern`` (difflib's ratio of at least 0.8): for a
+    pattern with wildcards, the names closest to it with each wildcard read as one of them."""
+    import difflib
+
+    if not any(c in pattern for c in "*?["):
+        return difflib.get_close_matches(pattern, [x for x in names if x], n=n, cutoff=0.8)
+    # a wildcard pattern: each name of as many dotted components is compared with the pattern
+    # whose wildcard components are replaced by that name's own ("blocks.*.hook_resid_psot"
+    # read as "blocks.0.hook_resid_psot" against "blocks.0.hook_resid_post")
+    parts = pattern.split(".")
+    scored = []
+    for name in names:
+        comps = name.split(".")
+        if len(comps) != len(parts):
+            continue
+        filled = ".".join(c if any(w in p for w in "*?[") else p for p, c in zip(parts, comps))
+        ratio = difflib.SequenceMatcher(None, filled, name).ratio()
+        if ratio >= 0.8:
+            scored.append((-ratio, name))
+    return [name for _, name in sorted(scored)[:n]]

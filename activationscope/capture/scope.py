@@ -757,6 +757,13 @@ class Tracker:
         self._head_first_found: dict[str, tuple[int, ...]] = {}
         self._sample_rows_chosen = False
         self._warned_mask = False
+        # rows="token": the attention_mask the model itself was given in the current forward
+        # (noted by the root's Python frame, _python_frame), warned about once when it has
+        # padding that set_batch did not describe (those positions are stored as token rows)
+        self._model_mask: torch.Tensor | None = None
+        self._warned_model_mask = False
+        self._mask_arg_index: int | None = None
+        self._first_arg_type: str | None = None
         # store arrays already named in a warning for leaving the row table (first captured
         # late, a forward that raised, rows missing from a forward): warned once each
         self._warned_row_table: set[str] = set()
@@ -988,11 +995,14 @@ class Tracker:
         else:
             forward = module.forward
             original = forward
-            if module is self.model and _in_torch(forward):
+            note = self._note_model_mask if module is self.model and self.scope.rows == "token" else None
+            if module is self.model and (_in_torch(forward) or note is not None):
                 # a model compiled after tracking: TorchDynamo starts at the first Python frame
                 # under the native root wrapper and skips torch.nn's own (nn.Sequential.forward),
-                # so it would compile nothing; one Python frame of ours per forward gives it one
-                original = _python_frame(forward)
+                # so it would compile nothing; one Python frame of ours per forward gives it one.
+                # With rows="token" that frame also notes the attention_mask the model is given
+                self._mask_arg_index = _mask_arg_index(forward) if note is not None else None
+                original = _python_frame(forward, note)
             wrapper = _C.ForwardWrapper(original)
             wrapper.__wrapped__ = forward  # inspect.signature() sees the real forward; traced_call calls it
             wrapper._acs_prior = current  # an instance-level forward set by someone else
@@ -1440,13 +1450,20 @@ class Tracker:
                 "pass attention_mask= to tracker.set_batch (or rows='token'), or drop the hook point from token_rows="
             )
         self._first_shapes[name] = "(nested)" if tensor.is_nested else tuple(tensor.shape)
+        known_layout = decided is None and _attention_map_hook_point(name, self._hook_point_paths)
+        if known_layout:
+            # a TransformerLens attention map is (batch, head_index, query_pos, key_pos), whatever
+            # the shape says (with as many heads as positions it would pass for token rows of
+            # (sample, head) pairs): one row per sample
+            decided = False
         if decided is False:
-            self._sample_rows_chosen = True
+            if not known_layout:  # (not asked for by the user: a mask that fits nothing is still warned about)
+                self._sample_rows_chosen = True
             token = False
         # a shape that could be token rows or not, taken as token rows (warned about below, where
         # rows matter: a store or reductions; in-memory records are whole tensors either way)
         ambiguous = None
-        if decided is None and token and tensor.dim() == 2:
+        if decided is None and token and tensor.dim() == 2 and not _token_ids_hook_point(name, self._hook_point_paths):
             # (batch, pos) values with padding: one scalar per real token, the padded columns
             # dropped. Right for per-token scalars (token ids, a per-token score); wrong for a
             # pooled (batch, features) output whose width happens to equal pos.
@@ -1707,13 +1724,11 @@ class Tracker:
                 start = saved[1]
             if start < committed:
                 starts.setdefault(start, []).append(red)
-        ends = None
-        if any(str(getattr(red, "kind", "custom")) not in self._red_factories.BUILTIN_REDUCTIONS
-               for reds in starts.values() for red in reds):
-            # a custom reduction is fed the stored rows forward by forward, as the capture fed it,
-            # so that a resume gives what an uninterrupted run gives (its function may depend on
-            # how the rows were cut); built-in ones are the same for any cut
-            ends = self.writer.committed_batch_ends(array)
+        # every reduction is fed the stored rows forward by forward, as the capture fed it, so
+        # that a resume gives the very result of an uninterrupted run: a custom function may
+        # depend on how the rows were cut, and a built-in one's float64 round-off does (None:
+        # rows that do not follow the row table, whose forwards are not known, go in blocks)
+        ends = self.writer.committed_batch_ends(array) if starts else None
         for start, reds in starts.items():
             row = start
             cuts = [e for e in (ends or ()) if e > start]
@@ -1723,7 +1738,7 @@ class Tracker:
                     stop = max([e for e in cuts if e <= stop] or [cuts[0]])
                 rows = self.writer.read_committed_rows(array, row, stop)
                 for red in reds:
-                    if ends is None or str(getattr(red, "kind", "custom")) in self._red_factories.BUILTIN_REDUCTIONS:
+                    if ends is None:
                         red.update(rows, row)
                         continue
                     first = row
@@ -1816,6 +1831,7 @@ class Tracker:
         )
 
     def _on_forward_start(self) -> None:
+        self._model_mask = None  # (noted again by the root's Python frame, which runs next)
         self._warn_head_first_found()  # (after a forward that raised)
         self._stop_learnt = self.stop_after_last and self._core.stop_learnt
         if self.stop_after_last and not self._warned_training_stop and self._core.capturing:
@@ -1979,6 +1995,8 @@ class Tracker:
             self._warn_mask_unused(batch["attention_mask"])
         elif self.scope.rows == "token" and not self._warned_mask:
             self._warn_token_rows_unused()
+        if self.scope.rows == "token" and batch.get("attention_mask") is None:
+            self._warn_model_mask_padding()
         if self.writer is not None:
             ids = batch.get("sample_ids")  # None: the writer numbers the samples on from its last
             if ids is None and (self._skipped_samples or self._repeated_samples):
@@ -2135,6 +2153,50 @@ class Tracker:
         warning.reason, warning.mask_shape, warning.first_shapes = "mask_unused", tuple(mask.shape), f"{{{shown}}}"
         warnings.warn(warning, stacklevel=3)
 
+    def _note_model_mask(self, args: tuple, kwargs: dict) -> None:
+        """(rows="token", in the root's Python frame) the ``attention_mask`` the tracked model
+        is called with in this forward: a 2-D tensor, or None (and the type of its first
+        argument, for the warning about a model given no tensor)."""
+        first = args[0] if args else next(iter(kwargs.values()), None)
+        text = isinstance(first, str) or (isinstance(first, (list, tuple)) and bool(first)
+                                          and all(isinstance(x, str) for x in first))
+        self._first_arg_type = type(first).__name__ if text else None
+        if self._warned_model_mask:
+            return
+        mask = kwargs.get("attention_mask")
+        if mask is None and self._mask_arg_index is not None and self._mask_arg_index < len(args):
+            mask = args[self._mask_arg_index]
+        self._model_mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+
+    def _warn_model_mask_padding(self) -> None:
+        """Warn (once per capture) when ``rows="token"`` stored every position of a forward
+        whose model was given an ``attention_mask`` with padding that ``set_batch`` did not
+        describe: the padded positions went into the store (and reductions) as token rows."""
+        mask = self._model_mask
+        if mask is None or self._warned_model_mask:
+            return
+        if self.writer is None and not any(self._reduction_names.values()):
+            return  # (in memory, records are whole tensors: no rows taken)
+        auto = self._core.auto_token_mask
+        if auto.dim() != 2 or tuple(mask.shape) != tuple(auto.shape):
+            return
+        if not any(s.row_kind == 1 for s in self._sinks.values()):
+            return
+        n_pad = int((mask == 0).sum())
+        if n_pad == 0:
+            return
+        self._warned_model_mask = True
+        k = self._core.n_forwards - 1
+        warnings.warn(
+            f"forward {k} of the tracked model was given attention_mask= with padding ({n_pad} of {mask.numel()} "
+            f"positions are 0), but rows='token' with no attention_mask in tracker.set_batch stores every position "
+            f"of its (batch, pos) = {tuple(mask.shape)}: the padded positions are stored as token rows and enter the "
+            "reductions. Give the mask to tracker.set_batch(attention_mask=mask) before each forward to leave "
+            "padding out (warned once per capture)",
+            CaptureWarning,
+            stacklevel=3,
+        )
+
     def _warn_token_rows_unused(self) -> None:
         """Warn (once per capture) when ``rows="token"`` makes no hook point token rows: no
         activation starts with the (batch, pos) of the model's first input (a model that
@@ -2143,6 +2205,18 @@ class Tracker:
         if shown is None:
             return
         auto = self._core.auto_token_mask
+        if self._first_arg_type is not None and auto.dim() != 2:  # text, which the model tokenizes itself
+            warning = CaptureWarning(
+                f"rows='token' found no token rows: the model was called with no tensor input (its first argument "
+                f"is a {self._first_arg_type}, text the model tokenizes inside its forward), so there "
+                f"is no (batch, pos) to take token rows from ({{{shown}}}), and every hook point stores one row per "
+                "sample, padding included. Call the model with token ids (TransformerLens: tokens = "
+                "model.to_tokens(texts), then model(tokens)) and, for padded texts, give their attention_mask to "
+                "tracker.set_batch; or token_rows=False if one row per sample is what you want"
+            )
+            warning.reason, warning.first_shapes = "token_rows_unused", f"{{{shown}}}"
+            warnings.warn(warning, stacklevel=3)
+            return
         first = f"(batch, pos) = {tuple(auto.shape)}" if auto.dim() == 2 else "no (batch, pos) (it has fewer than 2 dims)"
         warning = CaptureWarning(
             f"rows='token' found no token rows: the model's first tensor input has {first}, and no tracked "
@@ -2330,13 +2404,36 @@ def _in_torch(forward: Any) -> bool:
     return str(getattr(getattr(forward, "__func__", None), "__module__", "")).startswith("torch.")
 
 
-def _python_frame(forward: Any) -> Any:
-    """``forward`` called from one Python frame of this module (which TorchDynamo traces)."""
-
-    def forward_of_tracked_model(*args: Any, **kwargs: Any) -> Any:
-        return forward(*args, **kwargs)
+def _python_frame(forward: Any, note: Any = None) -> Any:
+    """``forward`` called from one Python frame of this module (which TorchDynamo traces).
+    ``note(args, kwargs)``, when given, sees the arguments of each eager call first."""
+    if note is None:
+        def forward_of_tracked_model(*args: Any, **kwargs: Any) -> Any:
+            return forward(*args, **kwargs)
+    else:
+        def forward_of_tracked_model(*args: Any, **kwargs: Any) -> Any:
+            if not torch.compiler.is_compiling():
+                note(args, kwargs)
+            return forward(*args, **kwargs)
 
     return forward_of_tracked_model
+
+
+def _mask_arg_index(forward: Any) -> int | None:
+    """The position of ``forward``'s ``attention_mask`` parameter among its positional
+    arguments (``model(input_ids, mask)``), or None."""
+    import inspect
+
+    try:
+        params = list(inspect.signature(forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    for i, p in enumerate(params):
+        if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            return None
+        if p.name == "attention_mask":
+            return i
+    return None
 
 
 # Modules of torch.nn whose fused fast path (torch.backends.mha) computes their children without
@@ -2373,6 +2470,21 @@ def _no_forward(module: torch.nn.Module) -> bool:
     return getattr(type(module), "forward", None) is torch.nn.Module.forward
 
 
+def _attention_map_hook_point(name: str, hook_point_paths: frozenset[str]) -> bool:
+    """Whether ``name`` is a TransformerLens attention map (``attn.hook_pattern``,
+    ``attn.hook_attn_scores``, or a later call ``#k`` of one): head-first,
+    ``(batch, head_index, query_pos, key_pos)``."""
+    path = name.split("#")[0]
+    return path in hook_point_paths and path.endswith(("attn.hook_pattern", "attn.hook_attn_scores"))
+
+
+def _token_ids_hook_point(name: str, hook_point_paths: frozenset[str]) -> bool:
+    """Whether ``name`` is TransformerLens's ``hook_tokens``: the ``(batch, pos)`` token ids,
+    one scalar per token (a layout that is known, not a pooled output to guess about)."""
+    path = name.split("#")[0]
+    return path in hook_point_paths and (path == "hook_tokens" or path.endswith(".hook_tokens"))
+
+
 def _silent_reason(name: str, module: torch.nn.Module, model: torch.nn.Module) -> str:
     if _no_forward(module):
         return f"{name!r}: a {type(module).__name__} has no forward of its own; track its items ({name + '.*'!r})"
@@ -2381,13 +2493,42 @@ def _silent_reason(name: str, module: torch.nn.Module, model: torch.nn.Module) -
     if isinstance(parent, torch.nn.MultiheadAttention) and name.endswith("out_proj"):
         return (f"{name!r}: nn.MultiheadAttention uses its weights directly and never calls it; track "
                 f"{parent_name!r} instead (hook point {(parent_name + '.' if parent_name else '') + 'output.0'!r})")
+    if is_hook_point_module(module):
+        switch = _transformer_lens_switch(name, model)
+        if switch is not None:
+            flag, setter = switch
+            return (f"{name!r} (HookPoint): TransformerLens calls it only with model.cfg.{flag}=True, and this "
+                    f"model has {flag}=False: call {setter} before the capture")
+        return (f"{name!r} (HookPoint): never called (TransformerLens skips the hook points of the layers a "
+                "forward with stop_at_layer= does not run, and those its config leaves out)")
     return f"{name!r} ({type(module).__name__}): never called, or it returned / received no tensor"
+
+
+# TransformerLens HookPoints called only when a config flag is on: name suffix -> (flag, setter)
+_TRANSFORMER_LENS_SWITCHES = (
+    (("attn.hook_result",), "use_attn_result", "model.set_use_attn_result(True)"),
+    (("hook_q_input", "hook_k_input", "hook_v_input"), "use_split_qkv_input", "model.set_use_split_qkv_input(True)"),
+    (("hook_attn_in",), "use_attn_in", "model.set_use_attn_in(True)"),
+    (("hook_mlp_in",), "use_hook_mlp_in", "model.set_use_hook_mlp_in(True)"),
+)
+
+
+def _transformer_lens_switch(name: str, model: torch.nn.Module | None) -> tuple[str, str] | None:
+    """``(flag, setter)`` when the HookPoint ``name`` is one TransformerLens calls only with
+    ``model.cfg.<flag>`` on, and the model's config has it off; else None."""
+    cfg = getattr(model, "cfg", None)
+    for suffixes, flag, setter in _TRANSFORMER_LENS_SWITCHES:
+        if any(name == x or name.endswith("." + x) for x in suffixes):
+            return (flag, setter) if getattr(cfg, flag, None) is False else None
+    return None
 
 
 def _silent_message(silent: list[tuple[str, torch.nn.Module]], model: torch.nn.Module | None = None) -> str:
     shown = silent[:6]
     parts = [_silent_reason(n, m, model) if model is not None else f"{n!r} ({type(m).__name__})" for n, m in shown]
     more = f"; and {len(silent) - len(shown)} more" if len(silent) > len(shown) else ""
+    if all(is_hook_point_module(m) for _, m in silent):
+        return "; ".join(parts) + more + ". Track the hook points the model's forward reaches, or exclude= them"
     return (
         "; ".join(parts) + more + ". A parent may compute them without calling them (a fused fast path, "
         "F.* on their weights) or they are unused: track the parent or the hook points that ran, or "

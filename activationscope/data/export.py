@@ -720,8 +720,13 @@ def _hf_plan(ds: ActivationDataset, col_names: list[str], context_size: int | No
             name = _dtype_name(dtype)
         else:
             raise ArgumentValueError(f"hook point {hp!r} has dtype {dtype}, which export does not support")
-        _check_has_values(hp, tuple(ds.source.feature_shape(hp)))
-        shapes[hp] = group + tuple(ds.source.feature_shape(hp))
+        feature_shape = tuple(ds.source.feature_shape(hp))
+        _check_has_values(hp, feature_shape)
+        if context_size is not None and len(feature_shape) > 1:
+            # SAELens's layout is (context_size, d_in) whatever the hook: it caches a head-split
+            # hook (hook_z, (n_heads, d_head)) with its heads side by side, d_in = n_heads * d_head
+            feature_shape = (int(np.prod(feature_shape)),)
+        shapes[hp] = group + feature_shape
         features[hp] = _hf_feature(shapes[hp], name)
     for name in col_names:
         if name in ds.hook_points:
@@ -783,8 +788,11 @@ def export_hf(
     their own types. An example is one store row (``context_size=None``): a feature shape
     ``(d,)`` is ``List(Value(dtype), length=d)``, 2 to 5 dimensions ``Array2D`` ..
     ``Array5D``. With ``context_size=n`` an example is ``n`` consecutive rows: hook point
-    columns ``Array2D((n, d))`` (the layout of SAELens's cached activations, whose
-    ``ActivationsStore(cached_activations_path=path)`` reads it) and row-table columns
+    columns ``Array2D((n, d_in))`` (the layout of SAELens's cached activations, whose
+    ``ActivationsStore(cached_activations_path=path)`` reads it), ``d_in`` the product of the
+    feature shape (rows of ``(n_heads, d_head)``, a ``hook_z``, are flattened to
+    ``n_heads * d_head`` values, heads side by side, as SAELens caches them; rows of one
+    value stay ``List(length=n)``) and row-table columns
     ``List(..., length=n)`` (``token_ids`` becomes SAELens's token id column). Token rows are
     packed in store order, so a group can span samples (as SAELens packs documents into
     its context windows); padding never enters, since the store holds none.

@@ -3079,9 +3079,9 @@ class StoreWriter:
         (``follows_row_table`` false) or the table does not cover them: their forwards are
         not known.
 
-        A custom reduction recomputed from the stored rows is fed them forward by forward, as
-        the capture fed it: its result may depend on how the rows were cut (a count of
-        batches, a maximum of batch means).
+        A reduction recomputed from the stored rows is fed them forward by forward, as the
+        capture fed it: a custom one's result may depend on how the rows were cut (a count of
+        batches, a maximum of batch means), and a built-in one's float64 round-off does.
         """
         array = self.aliases.get(hook_point, hook_point)
         meta = self._old_arrays.get(array)

@@ -107,11 +107,11 @@ def test_hf_export_groups_rows_into_examples(store, arrays, tmp_path):
               drop_last=True, batch_rows=7)
     hf = datasets.load_from_disk(str(tmp_path / "g"))
     assert hf.features["f32"] == datasets.Array2D((5, 5), "float32")
-    assert hf.features["conv"] == datasets.Array4D((5, 2, 3, 4), "float32")
+    assert hf.features["conv"] == datasets.Array2D((5, 24), "float32")   # (context_size, d_in), as SAELens
     assert hf.features["sample_id"] == datasets.List(datasets.Value("int64"), length=5)
     got = hf.with_format("torch")[:]
     assert torch.equal(got["f32"], arrays["f32"][:20].reshape(4, 5, 5))
-    assert torch.equal(got["conv"], arrays["conv"][:20].reshape(4, 5, 2, 3, 4))
+    assert torch.equal(got["conv"], arrays["conv"][:20].reshape(4, 5, 24))
     assert got["sample_id"].tolist() == np.arange(20).reshape(4, 5).tolist()
     for bad in (True, 7.0):  # (True was taken as 1 row per record batch)
         with pytest.raises(TypeError, match=rf"batch_rows must be an int, got {bad!r}"):
