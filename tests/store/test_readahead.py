@@ -368,3 +368,23 @@ def test_a_shuffled_batch_of_a_warm_store_reads_the_same_rows(tmp_path):
     pagecache.evict(_shards(path))  # (pages this process maps stay: some rows warm, some cold)
     for s in range(0, len(order), 100):
         assert torch.equal(ds.get_batch(order[s:s + 100])["x"], t[order[s:s + 100]])
+
+
+def test_the_hint_block_of_a_hook_point_is_worked_out_once_not_per_shuffled_batch(tmp_path, monkeypatch):
+    """get_batch of positions (a dataset with columns or several hook points in a DataLoader
+    reads every batch that way) works out the gather's hint_block once per hook point and
+    store commit, not in each batch (it asks the store for the row shape and dtype and the
+    system for its memory: microseconds of Python a batch); a refresh works it out again."""
+    calls = []
+    monkeypatch.setattr(_source, "_memory_bytes", lambda: calls.append(1) or 1 << 40)
+    t = torch.randn(256, 64)
+    path = tmp_path / "h.zarr"
+    _write(path, t)
+    ds = ActivationDataset(path)
+    for s in range(10):
+        idx = torch.randperm(256, generator=torch.Generator().manual_seed(s))[:32].tolist()
+        assert torch.equal(ds.get_batch(idx)["x"], t[idx])
+    assert len(calls) == 1
+    ds.source.store.refresh()
+    assert torch.equal(ds.get_batch([3, 1, 2])["x"], t[[3, 1, 2]])
+    assert len(calls) == 2
