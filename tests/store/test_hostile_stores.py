@@ -1606,6 +1606,9 @@ def test_info_names_a_refused_reduction_entry(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "var (refused)" in out and "var0 (refused)" not in out
     assert "refused reductions" in out and "  0.output: var" in out
+    # what reading them does now: the hook point's other reductions read, the entry raises
+    assert "reading the reductions of their hook point raises" not in out
+    assert "store.reductions[hook point] returns the others with a warning" in out
     assert cli.main(["info", "--json", str(path)]) == 0
     assert list(json.loads(capsys.readouterr().out)["refused_reductions"]["0.output"]) == ["var"]
 
