@@ -844,8 +844,9 @@ def format_info(info: dict[str, Any], name: str) -> str:
     refused = info.get("refused_reductions") or {}
     if refused:
         lines.append("")
-        lines.append("refused reductions (no built-in reduction writes them; reading the reductions of their hook point "
-                     "raises, the rest of the store reads as usual; `activationscope verify STORE` says why):")
+        lines.append("refused reductions (no built-in reduction writes them; reading one raises, "
+                     "store.reductions[hook point] returns the others with a warning, the rest of the store reads as "
+                     "usual; `activationscope verify STORE` says why):")
         lines.extend(f"  {hp}: {', '.join(sorted(names))}" for hp, names in refused.items())
     aliases = info.get("aliases") or {}
     if aliases:

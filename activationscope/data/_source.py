@@ -201,6 +201,7 @@ class StoreSource:
         self._recent: dict[str, tuple[int, int, torch.Tensor]] = {}
         self._tables: dict[str, Any] = {}
         self._seg_lists: dict[str, list[Any]] = {}  # hook point -> mapped segments (None: not yet), for gather
+        self._hints: dict[str, int] = {}  # hook point -> the gather's hint_block (see hint_block)
         # the store's metadata object (``store.attrs``) the caches above were filled under:
         # ``Store.refresh()`` replaces it, and the layouts it cached may then be stale
         self._seen: Any = None
@@ -231,6 +232,7 @@ class StoreSource:
         self._recent = {}
         self._tables = {}
         self._seg_lists = {}
+        self._hints = {}
         self._seen = None
 
     def _sync(self, store: Any) -> None:
@@ -443,7 +445,7 @@ class StoreSource:
         store = self._store
         if store is None or getattr(store, "attrs", None) is not self._seen:
             self.store  # opened (lazily); refreshed: the cached layouts may be stale
-        seg_lists = self._seg_lists  # (taken before the store is read: see _forget_layouts)
+        seg_lists, hints = self._seg_lists, self._hints  # (taken before the store is read: see _forget_layouts)
         layout = self._layout(hp)
         _bounds, memo, memoize, bl = layout
         if not memoize:
@@ -452,7 +454,9 @@ class StoreSource:
         if segs is None or len(segs) != len(bl) - 1:
             segs = [memo.get(k) for k in range(len(bl) - 1)]
             seg_lists[hp] = segs
-        hint = self.hint_block(hp, bl[-1])
+        hint = hints.get(hp)
+        if hint is None:  # (once per hook point and commit: a batch costs microseconds)
+            hint = hints[hp] = self.hint_block(hp, bl[-1])
         for _ in range(len(bl)):
             got = gather(positions, n, start, bl, segs, want_ids, None, hint)
             if type(got) is not int:

@@ -213,8 +213,8 @@ class _Reductions(Mapping):
         refused = self._store._refused.get(hook_point) or {}
         out = ReductionResults(hook_point, {name: self._store._read_small(e) for name, e in entries.items()
                                             if name not in refused})
-        if refused:
-            names = [n for n in entries if n in refused]
+        names = [n for n in entries if n in refused]  # (a refused entry covering part of the rows is not here)
+        if names:
             error = self._store._refused_error(hook_point, names)
             out.refused = {n: self._store._refused_error(hook_point, [n]) for n in names}
             warnings.warn(f"{error}; the hook point's other reductions are returned without "

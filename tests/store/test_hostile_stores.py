@@ -1596,6 +1596,27 @@ def test_a_store_with_a_refused_reduction_entry_reads_everything_else(tmp_path):
     assert s.refused_reductions == {} and s.verify() == [] and "mean" in s.reductions["0.output"]
 
 
+def test_a_refused_reduction_entry_that_covers_part_of_the_rows_leaves_the_others_readable(tmp_path):
+    """A refused entry that a resume did not continue (it covers fewer rows than its hook point:
+    left out of store.reductions as partial) does not break reading the hook point's complete
+    reductions (it raised IndexError)."""
+    import warnings
+
+    path = tmp_path / "b.zarr"
+    _builtin_store(path)
+    before = dict(open_store(path).reductions["0.output"])
+    _retype_reduction(path, "mean", "float32")
+    edit_root(path, lambda a: a["reductions"]["0.output"]["mean"].update(n_rows=5))
+    s = open_store(path)
+    assert list(s.refused_reductions["0.output"]) == ["mean"] and "mean" in s.partial_reductions["0.output"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (no complete entry is refused: nothing left out to warn about)
+        got = s.reductions["0.output"]
+    assert sorted(got) == sorted(set(before) - {"mean"})
+    assert all(torch.equal(got[k], before[k]) for k in got)
+    assert s.reduction_specs("0.output")["var"] == ("var", {"ddof": 1.0, "per_feature": 1.0})
+
+
 def test_info_names_a_refused_reduction_entry(tmp_path, capsys):
     from activationscope import cli
 
@@ -1606,6 +1627,9 @@ def test_info_names_a_refused_reduction_entry(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "var (refused)" in out and "var0 (refused)" not in out
     assert "refused reductions" in out and "  0.output: var" in out
+    # what reading them does now: the hook point's other reductions read, the entry raises
+    assert "reading the reductions of their hook point raises" not in out
+    assert "store.reductions[hook point] returns the others with a warning" in out
     assert cli.main(["info", "--json", str(path)]) == 0
     assert list(json.loads(capsys.readouterr().out)["refused_reductions"]["0.output"]) == ["var"]
 

@@ -3,6 +3,9 @@ ahead (madvise WILLNEED), checked with a residency count (mincore) after evictio
 
 from __future__ import annotations
 
+import bisect
+import ctypes
+import mmap
 import time
 
 import pytest
@@ -347,8 +350,40 @@ def test_a_shuffled_batch_of_a_cold_store_that_fits_in_memory_reads_the_blocks_a
     idx = torch.randperm(len(ds), generator=torch.Generator().manual_seed(0))[:8].tolist()
     assert torch.equal(_gathered(ds, idx, threads), t[idx])
     block_pages = _source.GATHER_HINT_BLOCK // 4096
-    got = _wait_resident(path, len(idx) * block_pages // 2)
-    assert len(idx) * block_pages // 2 <= got <= len(idx) * (block_pages + 5)
+    # every page of each row's block is read (the kernel's own read-around of a fault, 128 KiB
+    # on many disks, or a smaller block would leave some out), and not much more
+    blocks = _row_blocks(ds, "x", idx, _source.GATHER_HINT_BLOCK)
+    end = time.monotonic() + 20.0  # (the kernel reads asynchronously)
+    while not all(_all_resident(a, b) for a, b in blocks) and time.monotonic() < end:
+        time.sleep(0.02)
+    assert all(_all_resident(a, b) for a, b in blocks)
+    assert pagecache.resident(_shards(path))[0] <= len(idx) * (block_pages + 5)
+
+
+def _row_blocks(ds, hp, idx, block):
+    """The address ranges the gather asks the kernel for around rows ``idx`` of ``hp``: each
+    row's aligned block of ``block`` bytes in the mapping, clipped to the row's segment."""
+    src = ds.source
+    bl, segs = src._layout(hp)[3], src._seg_lists[hp]
+    out = []
+    for r in idx:
+        k = bisect.bisect_right(bl, r) - 1
+        seg = segs[k]
+        rb = seg[0].numel() * seg.element_size()
+        base = seg.data_ptr()
+        a = base + (r - bl[k]) * rb
+        lo = max(a & ~(block - 1), base & ~(mmap.PAGESIZE - 1))
+        hi = min((a + rb + block - 1) & ~(block - 1), base + seg.shape[0] * rb)
+        out.append((lo, hi))
+    return out
+
+
+def _all_resident(lo, hi):
+    """Whether every page of addresses [lo, hi) of this process's mappings is in memory."""
+    n = -(-(hi - lo) // mmap.PAGESIZE)
+    vec = (ctypes.c_ubyte * n)()
+    assert pagecache._libc.mincore(lo, n * mmap.PAGESIZE, vec) == 0
+    return all(v & 1 for v in vec)
 
 
 def test_gather_hint_block_is_a_block_for_an_array_that_fits_in_memory_else_rows(monkeypatch):
@@ -368,3 +403,23 @@ def test_a_shuffled_batch_of_a_warm_store_reads_the_same_rows(tmp_path):
     pagecache.evict(_shards(path))  # (pages this process maps stay: some rows warm, some cold)
     for s in range(0, len(order), 100):
         assert torch.equal(ds.get_batch(order[s:s + 100])["x"], t[order[s:s + 100]])
+
+
+def test_the_hint_block_of_a_hook_point_is_worked_out_once_not_per_shuffled_batch(tmp_path, monkeypatch):
+    """get_batch of positions (a dataset with columns or several hook points in a DataLoader
+    reads every batch that way) works out the gather's hint_block once per hook point and
+    store commit, not in each batch (it asks the store for the row shape and dtype and the
+    system for its memory: microseconds of Python a batch); a refresh works it out again."""
+    calls = []
+    monkeypatch.setattr(_source, "_memory_bytes", lambda: calls.append(1) or 1 << 40)
+    t = torch.randn(256, 64)
+    path = tmp_path / "h.zarr"
+    _write(path, t)
+    ds = ActivationDataset(path)
+    for s in range(10):
+        idx = torch.randperm(256, generator=torch.Generator().manual_seed(s))[:32].tolist()
+        assert torch.equal(ds.get_batch(idx)["x"], t[idx])
+    assert len(calls) == 1
+    ds.source.store.refresh()
+    assert torch.equal(ds.get_batch([3, 1, 2])["x"], t[[3, 1, 2]])
+    assert len(calls) == 2
