@@ -512,7 +512,7 @@ void bind_store(py::module_& m) {
         py::arg("total_bytes"), py::call_guard<ReleaseGil>(),
         "Map files back to back into one contiguous copy-on-write uint8 tensor (see shard_map.h).");
   m.def("gather_rows", &gather_rows, py::arg("index"), py::arg("n"), py::arg("start"), py::arg("bounds"),
-        py::arg("segments"), py::arg("want_ids") = false, py::arg("out") = py::none(), py::arg("hint_block") = -1,
+        py::arg("segments"), py::arg("want_ids") = false, py::arg("out") = py::none(), py::arg("hint") = py::none(),
         "Rows at dataset positions from an array's mapped segments, in one pass (see row_gather.h).");
   bind_store_writer(m);
 }

@@ -4,6 +4,8 @@
 #include <Python.h>
 
 #include <algorithm>
+#include <atomic>
+#include <optional>
 #include <cstdint>
 #include <cstring>
 
@@ -73,11 +75,14 @@ bool store_rows(const py::handle& index, int64_t n, int64_t start, std::vector<i
 // many bytes around it (a store that fits in memory: an epoch reads it all anyway, in fewer,
 // larger reads); 0 reads each row's own pages; < 0 gives no hint. A warm batch (the first
 // page of up to 4 rows spread over it all in the page cache: a store read before, or one in
-// memory) costs those mincore calls only. Hints only: a failing call changes nothing but
+// memory) costs those mincore calls only, and with `state` (see gather_rows) fewer: after
+// warm batches in a row, the next 1, 3, 7, ... up to 63 batches are taken as warm unchecked
+// (a warm epoch checks one batch in 64; a store evicted meanwhile faults its pages in, as
+// without hints, until the next check). Hints only: a failing call changes nothing but
 // speed. Called without the GIL.
 void advise_cold_rows(const std::vector<int64_t>& rows, const std::vector<int32_t>& seg_of,
                       const std::vector<const char*>& base, const std::vector<int64_t>& bounds,
-                      int64_t row_bytes, int64_t block) {
+                      int64_t row_bytes, int64_t block, int64_t* state) {
 #ifdef __linux__
   static const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
   if (block < 0 || row_bytes <= 0 || rows.empty() || page == 0 || (page & (page - 1))) return;
@@ -87,14 +92,30 @@ void advise_cold_rows(const std::vector<int64_t>& rows, const std::vector<int32_
     const size_t j = static_cast<size_t>(seg_of[i]);
     return reinterpret_cast<uintptr_t>(base[j] + (rows[i] - bounds[j]) * row_bytes);
   };
+  // state (the caller's, per array): {batches left to take as warm unchecked, warm streak}
+  std::optional<std::atomic_ref<int64_t>> skip, streak;
+  if (state) {
+    skip.emplace(state[0]);
+    streak.emplace(state[1]);
+    const int64_t left = skip->load(std::memory_order_relaxed);
+    if (left > 0) {  // warm lately: checked again in a few batches
+      skip->store(left - 1, std::memory_order_relaxed);
+      return;
+    }
+  }
   const size_t k = rows.size();
-  const size_t step = std::max<size_t>(1, k / 4);  // (4 mincore calls: about 4 us)
+  const size_t step = (k + 3) / 4;  // at most 4 mincore calls (a few us)
   bool cold = false;
   unsigned char vec = 0;
   for (size_t i = 0; i < k && !cold; i += step) {
     const uintptr_t lo = addr(i) & ~(page - 1);
     if (mincore(reinterpret_cast<void*>(lo), page, &vec) != 0) return;  // not a mapping to ask about
     cold = !(vec & 1);
+  }
+  if (state) {  // warm batches in a row: the next 1, 3, 7, ... up to 63 are not checked
+    const int64_t next = cold ? 0 : std::min<int64_t>(2 * streak->load(std::memory_order_relaxed) + 1, 63);
+    streak->store(next, std::memory_order_relaxed);
+    skip->store(next, std::memory_order_relaxed);
   }
   if (!cold) return;
   for (size_t i = 0; i < k; ++i) {
@@ -109,16 +130,27 @@ void advise_cold_rows(const std::vector<int64_t>& rows, const std::vector<int32_
     if (hi > lo) madvise(reinterpret_cast<void*>(lo), static_cast<size_t>(hi - lo), MADV_WILLNEED);
   }
 #else
-  (void)rows, (void)seg_of, (void)base, (void)bounds, (void)row_bytes, (void)block;
+  (void)rows, (void)seg_of, (void)base, (void)bounds, (void)row_bytes, (void)block, (void)state;
 #endif
 }
 
 }  // namespace
 
 py::object gather_rows(const py::handle& index, int64_t n, int64_t start, const std::vector<int64_t>& bounds,
-                       const py::list& segments, bool want_ids, const py::object& out_arg, int64_t hint_block) {
+                       const py::list& segments, bool want_ids, const py::object& out_arg, const py::object& hint) {
   const size_t n_seg = bounds.size() < 2 ? 0 : bounds.size() - 1;
   if (n_seg == 0 || static_cast<size_t>(py::len(segments)) != n_seg || n <= 0) return py::none();
+  int64_t hint_block = -1;
+  int64_t* hint_state = nullptr;
+  if (PyLong_CheckExact(hint.ptr())) {
+    hint_block = hint.cast<int64_t>();
+  } else if (is_tensor_object(hint.ptr())) {
+    at::Tensor h = THPVariable_Unpack(hint.ptr());
+    if (h.device().is_cpu() && h.scalar_type() == at::kLong && h.dim() == 1 && h.size(0) == 3 && h.is_contiguous()) {
+      hint_block = h.data_ptr<int64_t>()[0];
+      hint_state = h.data_ptr<int64_t>() + 1;
+    }
+  }
   std::vector<int64_t> rows;
   if (!store_rows(index, n, start, rows) || rows.empty()) return py::none();
   const int64_t k = static_cast<int64_t>(rows.size());
@@ -201,11 +233,11 @@ py::object gather_rows(const py::handle& index, int64_t n, int64_t start, const 
     int64_t* p = idx.data_ptr<int64_t>();
     for (int64_t i = 0; i < k; ++i) p[i] = rows[static_cast<size_t>(i)] - bounds[j];
     ReleaseGil nogil;
-    advise_cold_rows(rows, seg_of, base, bounds, row_bytes, hint_block);
+    advise_cold_rows(rows, seg_of, base, bounds, row_bytes, hint_block, hint_state);
     at::index_select_out(out, segs[j], 0, idx);
   } else {
     ReleaseGil nogil;
-    advise_cold_rows(rows, seg_of, base, bounds, row_bytes, hint_block);
+    advise_cold_rows(rows, seg_of, base, bounds, row_bytes, hint_block, hint_state);
     char* dst = static_cast<char*>(out.data_ptr());
     for (size_t i = 0; i < rows.size(); ++i) {
       const size_t j = static_cast<size_t>(seg_of[i]);

@@ -29,11 +29,14 @@ namespace acs {
 // another dtype, shape or layout gives None. (A DataLoader worker gathers straight into
 // shared memory this way.)
 // Cold rows of file mappings are asked of the kernel before they are copied (madvise
-// WILLNEED, see advise_cold_rows): `hint_block` < 0 no hint, 0 each row's own pages, > 0 the
-// aligned blocks of that many bytes (rounded up to a power of two) around each row.
+// WILLNEED, see advise_cold_rows), by `hint`: None no hint; an int, the block: < 0 no hint,
+// 0 each row's own pages, > 0 the aligned blocks of that many bytes (rounded up to a power of
+// two) around each row; a 1-D int64 CPU tensor of 3, [block, skip, streak], the block and the
+// caller's state of that array (zeros at first), which lets a warm array be checked in one
+// batch of up to 64 (updated here; any other tensor: no hint).
 // The row copies run without the GIL.
 pybind11::object gather_rows(const pybind11::handle& index, int64_t n, int64_t start,
                              const std::vector<int64_t>& bounds, const pybind11::list& segments,
-                             bool want_ids, const pybind11::object& out, int64_t hint_block);
+                             bool want_ids, const pybind11::object& out, const pybind11::object& hint);
 
 }  // namespace acs

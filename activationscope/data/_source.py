@@ -201,7 +201,7 @@ class StoreSource:
         self._recent: dict[str, tuple[int, int, torch.Tensor]] = {}
         self._tables: dict[str, Any] = {}
         self._seg_lists: dict[str, list[Any]] = {}  # hook point -> mapped segments (None: not yet), for gather
-        self._hints: dict[str, int] = {}  # hook point -> the gather's hint_block (see hint_block)
+        self._hints: dict[str, torch.Tensor] = {}  # hook point -> the gather's hint (see _hint_state)
         # the store's metadata object (``store.attrs``) the caches above were filled under:
         # ``Store.refresh()`` replaces it, and the layouts it cached may then be stale
         self._seen: Any = None
@@ -456,7 +456,7 @@ class StoreSource:
             seg_lists[hp] = segs
         hint = hints.get(hp)
         if hint is None:  # (once per hook point and commit: a batch costs microseconds)
-            hint = hints[hp] = self.hint_block(hp, bl[-1])
+            hint = hints[hp] = self._hint_state(hp, bl[-1])
         for _ in range(len(bl)):
             got = gather(positions, n, start, bl, segs, want_ids, None, hint)
             if type(got) is not int:
@@ -472,11 +472,17 @@ class StoreSource:
             row_bytes *= int(d)
         return gather_hint_block(int(n_rows) * row_bytes)
 
-    def gather_plan(self, hp: str) -> tuple[Any, list[int], list[Any], Any, int] | None:
-        """``(gather, boundaries, segments, token, hint_block)`` for calling the native gather
+    def _hint_state(self, hp: str, n_rows: int) -> torch.Tensor:
+        """The native gather's ``hint`` of ``hp``: int64 ``[hint_block, 0, 0]``, the block and
+        the gather's state of the array (how many batches it takes as warm unchecked, and its
+        warm streak; see ``csrc/row_gather.h``), one per hook point, source and commit."""
+        return torch.tensor([self.hint_block(hp, n_rows), 0, 0], dtype=torch.int64)
+
+    def gather_plan(self, hp: str) -> tuple[Any, list[int], list[Any], Any, torch.Tensor] | None:
+        """``(gather, boundaries, segments, token, hint)`` for calling the native gather
         of ``hp`` directly, batch after batch, as :meth:`gather` does (``gather(positions, n,
-        start, boundaries, segments, False, out, hint_block)``), or None when :meth:`gather`
-        would not apply.
+        start, boundaries, segments, False, out, hint)``; ``hint`` is the one :meth:`gather`
+        uses, see :meth:`_hint_state`), or None when :meth:`gather` would not apply.
 
         ``token`` is ``(self._seg_lists, store metadata object)``: the plan holds while
         ``token[0] is self._seg_lists`` and the open store's ``attrs`` is ``token[1]`` (a
@@ -491,7 +497,11 @@ class StoreSource:
         segs = seg_lists.get(hp)
         if not memoize or segs is None or len(segs) != len(bl) - 1:
             return None
-        return gather, bl, segs, (seg_lists, seen), self.hint_block(hp, bl[-1])
+        hints = self._hints
+        hint = hints.get(hp)
+        if hint is None:
+            hint = hints[hp] = self._hint_state(hp, bl[-1])
+        return gather, bl, segs, (seg_lists, seen), hint
 
     def take(self, hp: str, index: torch.Tensor) -> torch.Tensor:
         """Rows at ``index`` (int64, (k,)) of ``hp``: a new tensor (one gather per segment touched)."""
@@ -530,12 +540,28 @@ GATHER_HINT_BLOCK = 256 << 10
 GATHER_BLOCK_MEMORY_FRACTION = 0.5
 
 
+#: cgroup files that may hold this process's memory limit (v2, then v1)
+_CGROUP_MEMORY_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
 def _memory_bytes() -> int:
-    """The machine's physical memory in bytes (0 when the platform does not say)."""
+    """The memory this process's page cache can hope for, in bytes: the machine's physical
+    memory, or a container's (cgroup) memory limit when lower (0 when the platform says
+    neither)."""
     try:
-        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+        total = int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
     except (ValueError, OSError, AttributeError):
-        return 0
+        total = 0
+    for name in _CGROUP_MEMORY_LIMITS:
+        try:
+            with open(name) as f:
+                text = f.read(64).strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) > 0:  # ("max": no limit)
+            total = min(total, int(text)) if total else int(text)
+        break
+    return total
 
 
 def gather_hint_block(array_bytes: int) -> int:

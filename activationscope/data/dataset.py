@@ -105,7 +105,7 @@ class _Plan(NamedTuple):
     bounds: list[int]  # row boundaries of the mapped segments
     segments: list[Any]  # the mapped segments (None: not yet)
     token: tuple[Any, Any]  # (source._seg_lists, store metadata object) the plan holds for
-    hint_block: int  # how cold rows are asked of the kernel (see StoreSource.hint_block)
+    hint: torch.Tensor  # how cold rows are asked of the kernel (see StoreSource._hint_state)
     n: int  # dataset rows (positions are taken modulo n)
     start: int  # first store row of the dataset
     hook_point: str
@@ -1276,7 +1276,7 @@ class ActivationDataset(Dataset):
                 # in a DataLoader worker the rows go straight into shared memory (one copy
                 # fewer: the batch then crosses to the main process as it is)
                 out = _shared_empty((len(indices), *g.feature_shape), g.dtype) if g.in_worker else None
-                got = g.gather(indices, g.n, g.start, g.bounds, g.segments, False, out, g.hint_block)
+                got = g.gather(indices, g.n, g.start, g.bounds, g.segments, False, out, g.hint)
                 if type(got) is tuple and got[1] < 0:  # (not a view of consecutive rows: get_batch clones those)
                     rows = got[0]
                     return Batch({g.hook_point: rows}, rows.shape[0])

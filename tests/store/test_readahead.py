@@ -6,6 +6,7 @@ from __future__ import annotations
 import bisect
 import ctypes
 import mmap
+import os
 import time
 
 import pytest
@@ -423,3 +424,49 @@ def test_the_hint_block_of_a_hook_point_is_worked_out_once_not_per_shuffled_batc
     ds.source.store.refresh()
     assert torch.equal(ds.get_batch([3, 1, 2])["x"], t[[3, 1, 2]])
     assert len(calls) == 2
+
+
+def test_a_warm_array_is_checked_for_cold_pages_in_ever_fewer_batches_and_a_cold_one_in_each():
+    """The gather's state of an array (``hint`` [block, skip, streak]): after warm batches in a
+    row the next 1, 3, 7, ... up to 63 are taken as warm unchecked (a warm epoch costs one
+    residency check in 64 batches); a cold batch starts over."""
+    from activationscope.capture import _native
+
+    gather = _native.load().gather_rows
+    seg = torch.randn(1000, 8)  # anonymous memory just written: resident
+    hint = torch.tensor([0, 0, 0], dtype=torch.int64)
+    states = []
+    for _ in range(12):
+        rows, a, b, _ids = gather([5, 1, 700], 1000, 0, [0, 1000], [seg], False, None, hint)
+        assert torch.equal(rows, seg[[5, 1, 700]]) and a == b == -1
+        states.append(tuple(hint[1:].tolist()))
+    assert states == [(1, 1), (0, 1), (3, 3), (2, 3), (1, 3), (0, 3), (7, 7), (6, 7), (5, 7), (4, 7), (3, 7), (2, 7)]
+    hint[1:] = torch.tensor([0, 63])
+    gather([5, 1], 1000, 0, [0, 1000], [seg], False, None, hint)
+    assert hint[1:].tolist() == [63, 63]  # (at most 63)
+    for bad in (torch.zeros(3, dtype=torch.int32), torch.zeros(4, dtype=torch.int64), "0"):  # not a hint: none
+        rows, *_ = gather([5, 1], 1000, 0, [0, 1000], [seg], False, None, bad)
+        assert torch.equal(rows, seg[[5, 1]])
+
+
+def test_a_cold_batch_resets_the_warm_streak(tmp_path):
+    t, path = _cold_wide_store(tmp_path, n_rows=512)
+    ds = ActivationDataset(path)
+    assert torch.equal(ds.get_batch([3, 400, 100])["x"], t[[3, 400, 100]])  # cold: hinted, read
+    hint = ds.source._hints["x"]
+    assert hint[1:].tolist() == [0, 0]
+    assert torch.equal(ds.get_batch([3, 400, 100])["x"], t[[3, 400, 100]])  # warm now
+    assert hint[1:].tolist() == [1, 1]
+
+
+def test_memory_is_the_containers_limit_when_lower(tmp_path, monkeypatch):
+    v2 = tmp_path / "memory.max"
+    monkeypatch.setattr(_source, "_CGROUP_MEMORY_LIMITS", (str(v2), str(tmp_path / "missing")))
+    machine = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    v2.write_text("max\n")  # no limit: the machine's memory
+    total = _source._memory_bytes()
+    assert total == machine
+    v2.write_text(f"{1 << 20}\n")
+    assert _source._memory_bytes() == 1 << 20
+    v2.write_text(f"{total * 4}\n")  # a limit above the machine's memory: the machine's
+    assert _source._memory_bytes() == total
