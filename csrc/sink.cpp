@@ -7,6 +7,7 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/irange.h>
 
+#include <cstdio>
 #include <cstring>
 
 
@@ -115,8 +116,15 @@ void Sink::check_cast(const at::Tensor& src, const at::Tensor& cast) {
   if (!at::logical_and(at::isinf(cast), finite).any().item<bool>()) return;
   const double biggest = at::where(finite, src.abs(), at::zeros({}, src.abs().options())).max().item<double>();
   const double limit = largest_finite(dtype);
+  // (9 significant digits: float32's values, told apart; 6 showed 3.40282e+38 for both a value
+  // just past float32's largest and the largest itself)
+  auto g9 = [](double v) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.9g", v);
+    return std::string(buf);
+  };
   ACS_CHECK(false, "hook point '", name_, "': storage_dtype=", dtype_name(dtype), " turns finite values into inf ",
-            "(max |value| ", biggest, limit > 0 ? c10::str(", the largest ", dtype_name(dtype), " is ", limit) : "",
+            "(max |value| ", g9(biggest), limit > 0 ? c10::str(", the largest ", dtype_name(dtype), " is ", g9(limit)) : "",
             "), so the stored rows and their reductions would not be the captured values; pass a wider ",
             "storage_dtype (torch.bfloat16 keeps float32's range, or torch.float32), or none");
 }

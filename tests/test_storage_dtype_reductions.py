@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import pathlib
+import re
 
 import pytest
 import torch
@@ -145,7 +146,7 @@ def test_a_float16_cast_that_overflows_is_an_error_naming_the_hook_point(tmp_pat
     msg = str(err.value)
     assert "hook point '2.output'" in msg and "torch.float16 turns finite values into inf" in msg
     assert "the largest torch.float16 is 65504" in msg and "wider storage_dtype" in msg
-    assert f"max |value| {biggest:.6g}" in msg
+    assert f"max |value| {biggest:.9g}" in msg
     if not store:
         assert tr.activations.get("2.output", []) == []  # nothing of that call was kept
     else:  # the refused forward is the first: no row committed, the new store is removed
@@ -161,6 +162,14 @@ def test_a_float64_to_float32_overflow_is_an_error_and_genuine_inf_is_not(tmp_pa
         with torch.no_grad(), ActivationScope(store=tmp_path / "a.zarr", storage_dtype=torch.float32).track(
                 lin, include=[""]):
             lin(torch.tensor([[1e39, 1.0]], dtype=torch.float64))
+    # a value just past float32's largest (cast to inf) is told apart from that largest
+    past = 3.4028235677973366e+38
+    assert torch.tensor(past, dtype=torch.float64).float().isinf()
+    with pytest.raises(CaptureError, match=re.escape("(max |value| 3.40282357e+38, the largest torch.float32 is "
+                                                     "3.40282347e+38)")):
+        with torch.no_grad(), ActivationScope(store=tmp_path / "c.zarr", storage_dtype=torch.float32).track(
+                lin, include=[""]):
+            lin(torch.tensor([[past, 1.0]], dtype=torch.float64))
     # values that are already inf (or NaN) stay so: no error, stored as they are
     x = torch.tensor([[float("inf"), 1.0], [float("nan"), -2.0]], dtype=torch.float64)
     with torch.no_grad(), ActivationScope(store=tmp_path / "b.zarr", storage_dtype=torch.float16,
