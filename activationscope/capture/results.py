@@ -4,7 +4,7 @@ use them too)."""
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from ..errors import HookPointNotFoundError, ReductionNotFoundError
 
@@ -58,13 +58,13 @@ class ReductionResults(_Results):
     def __init__(self, hook_point: str, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.hook_point = hook_point
-        #: ``{name: error}`` of the entries a store refuses (``Store.refused_reductions``):
-        #: left out of the dict, and indexing one raises its error
-        self.refused: dict[str, Exception] = {}
+        #: ``{name: make_error}`` of the entries a store refuses (``Store.refused_reductions``):
+        #: left out of the dict, and indexing one raises ``make_error()`` (a new error each time)
+        self.refused: dict[str, Callable[[], Exception]] = {}
 
     def __missing__(self, name: str):
         if name in self.refused:
-            raise self.refused[name]
+            raise self.refused[name]()
         return super().__missing__(name)
 
     def _missing_message(self, name: str) -> str:

@@ -216,7 +216,7 @@ class _Reductions(Mapping):
         names = [n for n in entries if n in refused]  # (a refused entry covering part of the rows is not here)
         if names:
             error = self._store._refused_error(hook_point, names)
-            out.refused = {n: self._store._refused_error(hook_point, [n]) for n in names}
+            out.refused = {n: functools.partial(self._store._refused_error, hook_point, [n]) for n in names}
             warnings.warn(f"{error}; the hook point's other reductions are returned without "
                           f"{'it' if len(names) == 1 else 'them'}", UserWarning, stacklevel=2)
         return out

@@ -1576,8 +1576,11 @@ def test_a_store_with_a_refused_reduction_entry_reads_everything_else(tmp_path):
         got = s.reductions["0.output"]
     assert sorted(got) == sorted(set(same_hp) - {"mean"})  # the others read, as they were
     assert all(torch.equal(got[k], same_hp[k]) for k in got)
-    with pytest.raises(StoreCorruptError, match=message):
+    with pytest.raises(StoreCorruptError, match=message) as first:
         got["mean"]
+    with pytest.raises(StoreCorruptError, match=message) as again:
+        got["mean"]
+    assert again.value is not first.value  # (a new error each time: no traceback kept growing)
     with pytest.warns(UserWarning, match=message):
         assert "mean" not in s.reductions.get("0.output")
     with pytest.warns(UserWarning, match=r"hook point '0\.output': reductions: the store's reduction 'mean' of this "
