@@ -106,14 +106,21 @@ def test_rows_token_that_applies_or_sample_rows_asked_for_do_not_warn(include, k
             assert torch.equal(store["0.output"], model[0](ids).reshape(24, 8))
 
 
-class _TextModel(torch.nn.Module):
+class _EmbedProj(torch.nn.Module):
+    """An embedding of ``vocab`` ids and a linear layer, seeded."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(vocab, 8)
+        self.proj = torch.nn.Linear(8, 8)
+
+
+class _TextModel(_EmbedProj):
     """Tokenizes its str input inside its forward, as TransformerLens's model("text") does."""
 
     def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.embed = torch.nn.Embedding(128, 8)
-        self.proj = torch.nn.Linear(8, 8)
+        super().__init__(128)
 
     def forward(self, texts):
         texts = [texts] if isinstance(texts, str) else texts
@@ -139,14 +146,11 @@ def test_rows_token_of_a_model_called_with_text_says_so(tmp_path):
     assert acs.open_store(tmp_path / "run.zarr").row_kind("proj.output") == "sample"
 
 
-class _MaskedEncoder(torch.nn.Module):
+class _MaskedEncoder(_EmbedProj):
     """Takes (input_ids, attention_mask) as a Hugging Face encoder does."""
 
     def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.embed = torch.nn.Embedding(50, 8)
-        self.proj = torch.nn.Linear(8, 8)
+        super().__init__(50)
 
     def forward(self, input_ids, attention_mask=None):
         h = self.embed(input_ids)

@@ -22,10 +22,11 @@ def _batches(n, rows=8):
     return [torch.randn(rows, 6, generator=g) * 3 - 1 for _ in range(n)]
 
 
-def _run(model, path, xs, reductions, *, resume=False, kill=False):
+def _run(model, path, xs, reductions, *, resume=False, kill=False, include=None, rows="auto"):
     opts = {"resume": True} if resume else {}
     try:
-        with ActivationScope(store=path, reductions=reductions, store_options=opts).track(model):
+        with ActivationScope(store=path, reductions=reductions, store_options=opts, rows=rows).track(
+                model, include=include):
             for x in xs:
                 model(x)
             if kill:
@@ -840,16 +841,7 @@ def test_builtin_reductions_rebuilt_on_resume_equal_an_uninterrupted_run_bit_for
     names = ["mean", "var", "std", "cov", "l2", "min", "max", "absmax", "nonzero", "topk"]
 
     def run(path, xs, resume=False, kill=False):
-        scope = ActivationScope(store=path, reductions=names, store_options={"resume": resume},
-                                rows="token" if token_rows else "auto")
-        try:
-            with scope.track(model, include=["1"]), torch.no_grad():
-                for x in xs:
-                    model(x)
-                if kill:
-                    raise KeyboardInterrupt
-        except KeyboardInterrupt:
-            pass
+        _run(model, path, xs, names, resume=resume, kill=kill, include=["1"], rows="token" if token_rows else "auto")
 
     run(tmp_path / "whole.zarr", batches)
     run(tmp_path / "resumed.zarr", batches[:5], kill=True)

@@ -34,10 +34,12 @@ def _shards(path):
     return str(path / "acts" / "x" / "c")
 
 
-def _cold_store(tmp_path, n_rows=8192):
-    t = torch.randn(n_rows, 256)  # 1 KiB rows: 8 MiB, shards of 1 MiB
-    path = tmp_path / "s.zarr"
-    _write(path, t, shard_bytes=1 << 20)
+def _cold_store(tmp_path, n_rows=8192, width=256, shard_bytes=1 << 20, name="s.zarr"):
+    """``(rows, path)`` of a store of one array ``x`` (default 1 KiB rows: 8 MiB, shards of
+    1 MiB) whose shard files are not in the page cache (skipped where they cannot be evicted)."""
+    t = torch.randn(n_rows, width)
+    path = tmp_path / name
+    _write(path, t, shard_bytes=shard_bytes)
     pagecache.evict(_shards(path))
     if pagecache.resident(_shards(path))[0]:
         pytest.skip("this filesystem keeps the pages in memory (tmpfs?): no cold reads to test")
@@ -305,13 +307,7 @@ def test_a_hint_given_while_another_thread_refreshes_is_not_kept_for_the_new_com
 
 
 def _cold_wide_store(tmp_path, n_rows=2048):
-    t = torch.randn(n_rows, 4096)  # 16 KiB rows: 32 MiB, shards of 4 MiB
-    path = tmp_path / "w.zarr"
-    _write(path, t, shard_bytes=4 << 20)
-    pagecache.evict(_shards(path))
-    if pagecache.resident(_shards(path))[0]:
-        pytest.skip("this filesystem keeps the pages in memory (tmpfs?): no cold reads to test")
-    return t, path
+    return _cold_store(tmp_path, n_rows, width=4096, shard_bytes=4 << 20, name="w.zarr")  # 16 KiB rows: 32 MiB
 
 
 def _gathered(ds, idx, threads):
