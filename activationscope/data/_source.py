@@ -531,11 +531,11 @@ class StoreSource:
 #: kernel before they are copied: in aligned blocks of this many bytes around each row when the
 #: array is at most ``GATHER_BLOCK_MEMORY_FRACTION`` of the machine's memory (an epoch reads it
 #: all, and the page cache can keep it: fewer, larger reads), else each row's own pages (a
-#: store larger than memory: the rows asked for and nothing around them). Measured on a 2-core
-#: VM disk (read_ahead_kb 8192): an epoch of a cold 256 MiB store of 1 KiB rows 0.50 s in
-#: 256 KiB blocks, 0.65 s with the kernel's own read-around, 1.8 s row by row; 5 batches of
-#: 4096 rows of 16 KiB of a cold 26 GiB store 1.0 s row by row, 3.0 s in 256 KiB blocks,
-#: 20-40 s with the kernel's read-around.
+#: store larger than memory: the rows asked for and nothing around them). On a 2-core VM
+#: disk (read_ahead_kb 8192) an epoch of a cold 256 MiB store of 1 KiB rows took 0.45 s in
+#: 256 KiB blocks, 0.66 s with the kernel's own read-around, 1.4 s row by row (one run,
+#: side by side); the first shuffled batches of a cold 26 GiB layer: README, "Read-back of a
+#: cold layer" (benchmark/cold.py).
 GATHER_HINT_BLOCK = 256 << 10
 GATHER_BLOCK_MEMORY_FRACTION = 0.5
 
