@@ -201,7 +201,7 @@ class StoreSource:
         self._recent: dict[str, tuple[int, int, torch.Tensor]] = {}
         self._tables: dict[str, Any] = {}
         self._seg_lists: dict[str, list[Any]] = {}  # hook point -> mapped segments (None: not yet), for gather
-        self._hints: dict[str, torch.Tensor] = {}  # hook point -> the gather's hint (see _hint_state)
+        self._hints: dict[str, torch.Tensor] = {}  # hook point -> the gather's hint (see _hint)
         # the store's metadata object (``store.attrs``) the caches above were filled under:
         # ``Store.refresh()`` replaces it, and the layouts it cached may then be stale
         self._seen: Any = None
@@ -454,9 +454,7 @@ class StoreSource:
         if segs is None or len(segs) != len(bl) - 1:
             segs = [memo.get(k) for k in range(len(bl) - 1)]
             seg_lists[hp] = segs
-        hint = hints.get(hp)
-        if hint is None:  # (once per hook point and commit: a batch costs microseconds)
-            hint = hints[hp] = self._hint_state(hp, bl[-1])
+        hint = self._hint(hints, hp, bl[-1])
         for _ in range(len(bl)):
             got = gather(positions, n, start, bl, segs, want_ids, None, hint)
             if type(got) is not int:
@@ -472,17 +470,22 @@ class StoreSource:
             row_bytes *= int(d)
         return gather_hint_block(int(n_rows) * row_bytes)
 
-    def _hint_state(self, hp: str, n_rows: int) -> torch.Tensor:
-        """The native gather's ``hint`` of ``hp``: int64 ``[hint_block, 0, 0]``, the block and
-        the gather's state of the array (how many batches it takes as warm unchecked, and its
-        warm streak; see ``csrc/row_gather.h``), one per hook point, source and commit."""
-        return torch.tensor([self.hint_block(hp, n_rows), 0, 0], dtype=torch.int64)
+    def _hint(self, hints: dict[str, torch.Tensor], hp: str, n_rows: int) -> torch.Tensor:
+        """The native gather's ``hint`` of ``hp``, kept in ``hints`` (``self._hints`` as the
+        caller took it): int64 ``[hint_block, 0, 0]`` at first, the block and the gather's state
+        of the array (how many batches it takes as warm unchecked, and its warm streak; see
+        ``csrc/row_gather.h``). Made once per hook point, source and commit (a batch costs
+        microseconds)."""
+        hint = hints.get(hp)
+        if hint is None:
+            hint = hints[hp] = torch.tensor([self.hint_block(hp, n_rows), 0, 0], dtype=torch.int64)
+        return hint
 
     def gather_plan(self, hp: str) -> tuple[Any, list[int], list[Any], Any, torch.Tensor] | None:
         """``(gather, boundaries, segments, token, hint)`` for calling the native gather
         of ``hp`` directly, batch after batch, as :meth:`gather` does (``gather(positions, n,
         start, boundaries, segments, False, out, hint)``; ``hint`` is the one :meth:`gather`
-        uses, see :meth:`_hint_state`), or None when :meth:`gather` would not apply.
+        uses, see :meth:`_hint`), or None when :meth:`gather` would not apply.
 
         ``token`` is ``(self._seg_lists, store metadata object)``: the plan holds while
         ``token[0] is self._seg_lists`` and the open store's ``attrs`` is ``token[1]`` (a
@@ -497,11 +500,7 @@ class StoreSource:
         segs = seg_lists.get(hp)
         if not memoize or segs is None or len(segs) != len(bl) - 1:
             return None
-        hints = self._hints
-        hint = hints.get(hp)
-        if hint is None:
-            hint = hints[hp] = self._hint_state(hp, bl[-1])
-        return gather, bl, segs, (seg_lists, seen), hint
+        return gather, bl, segs, (seg_lists, seen), self._hint(self._hints, hp, bl[-1])
 
     def take(self, hp: str, index: torch.Tensor) -> torch.Tensor:
         """Rows at ``index`` (int64, (k,)) of ``hp``: a new tensor (one gather per segment touched)."""

@@ -105,7 +105,7 @@ class _Plan(NamedTuple):
     bounds: list[int]  # row boundaries of the mapped segments
     segments: list[Any]  # the mapped segments (None: not yet)
     token: tuple[Any, Any]  # (source._seg_lists, store metadata object) the plan holds for
-    hint: torch.Tensor  # how cold rows are asked of the kernel (see StoreSource._hint_state)
+    hint: torch.Tensor  # how cold rows are asked of the kernel (see StoreSource._hint)
     n: int  # dataset rows (positions are taken modulo n)
     start: int  # first store row of the dataset
     hook_point: str
