@@ -1178,7 +1178,13 @@ class ActivationDataset(Dataset):
         """:meth:`get_batch`, views included also in a DataLoader worker (for :meth:`__getitems__`,
         which copies its batch into shared memory there)."""
         self._check_run()
-        data = self._read_batch(index)
+        try:
+            data = self._read_batch(index)
+        except Exception:
+            # (a hook point missing from a run being written in the store's place, refreshed
+            # while the batch was read: said as what it is)
+            self._check_run()
+            raise
         # again: another thread's ``store.refresh()`` of an overwritten store while the batch
         # was read gives the new run's rows of the hook points read after it (and the old run's
         # of those before): never such a batch

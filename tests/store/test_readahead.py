@@ -519,3 +519,32 @@ def test_a_batch_of_several_hook_points_read_while_another_thread_refreshes_an_o
     else:
         one_run = torch.equal(got["a"], old[0][list(idx)]) and torch.equal(got["b"], old[1][list(idx)])
         assert seen and one_run
+
+
+def test_a_batch_read_while_another_thread_refreshes_a_store_being_overwritten_says_another_run(tmp_path, monkeypatch):
+    """The same, while the other run is still being written (no hook point yet): the batch
+    raised HookPointNotFoundError ("it has []") for its second hook point; now the StoreError
+    of a dataset of another run."""
+    from activationscope.errors import StoreError
+
+    old = (torch.randn(1000, 8), torch.randint(0, 255, (1000, 1), dtype=torch.uint8))
+    path = tmp_path / "s.zarr"
+    _write_two(path, *old)
+    ds = ActivationDataset(path)
+    store = ds.source.store
+    assert torch.equal(ds.get_batch([5, 1, 700])["b"], old[1][[5, 1, 700]])
+    w = StoreWriter(path, capture_config={}, model=None, storage_dtype=None, overwrite=True)
+    try:
+        source = type(ds.source)
+        gather = source.gather
+
+        def refreshed_between(self, hp, *args):
+            if hp == "b":
+                store.refresh()  # (another thread, between the hook points)
+            return gather(self, hp, *args)
+
+        monkeypatch.setattr(source, "gather", refreshed_between)
+        with pytest.raises(StoreError, match="another run"):
+            ds.get_batch([5, 1, 700])
+    finally:
+        w.close()
