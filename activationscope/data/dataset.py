@@ -1187,8 +1187,9 @@ class ActivationDataset(Dataset):
             raise
         # again: another thread's ``store.refresh()`` of an overwritten store while the batch
         # was read gives the new run's rows of the hook points read after it (and the old run's
-        # of those before): never such a batch
-        self._check_run()
+        # of those before): never such a batch (a read after a refresh syncs the source's run)
+        if self.source._run != self._run:
+            self._check_run()
         return data
 
     def _read_batch(self, index: Any) -> dict[str, Any]:
@@ -1282,7 +1283,8 @@ class ActivationDataset(Dataset):
                         self._remember_window(hps[0])
                         return Batch({hps[0]: rows}, b - a)
                     data = {hp: read(hp, a, b) for hp in hps}
-                    self._check_run()  # (one run's rows: see _get_batch)
+                    if self.source._run != self._run:  # (one run's rows: see _get_batch)
+                        self._check_run()
                     return Batch(data, b - a)
         elif type(indices) is list:
             # a shuffled batch sampler's batch: one native gather, as get_batch's would be
