@@ -1178,6 +1178,21 @@ class ActivationDataset(Dataset):
         """:meth:`get_batch`, views included also in a DataLoader worker (for :meth:`__getitems__`,
         which copies its batch into shared memory there)."""
         self._check_run()
+        try:
+            data = self._read_batch(index)
+        except Exception:
+            # (a hook point missing from a run being written in the store's place, refreshed
+            # while the batch was read: said as what it is)
+            self._check_run()
+            raise
+        # again: another thread's ``store.refresh()`` of an overwritten store while the batch
+        # was read gives the new run's rows of the hook points read after it (and the old run's
+        # of those before): never such a batch (a read after a refresh syncs the source's run)
+        if self.source._run != self._run:
+            self._check_run()
+        return data
+
+    def _read_batch(self, index: Any) -> dict[str, Any]:
         if self._ids is None and isinstance(index, (list, tuple, torch.Tensor)):
             data = self._gather(index)
             if data is not None:
@@ -1267,7 +1282,10 @@ class ActivationDataset(Dataset):
                         rows = read(hps[0], a, b)
                         self._remember_window(hps[0])
                         return Batch({hps[0]: rows}, b - a)
-                    return Batch({hp: read(hp, a, b) for hp in hps}, b - a)
+                    data = {hp: read(hp, a, b) for hp in hps}
+                    if self.source._run != self._run:  # (one run's rows: see _get_batch)
+                        self._check_run()
+                    return Batch(data, b - a)
         elif type(indices) is list:
             # a shuffled batch sampler's batch: one native gather, as get_batch's would be
             g = self._plan

@@ -466,3 +466,85 @@ def test_memory_is_the_containers_limit_when_lower(tmp_path, monkeypatch):
     assert _source._memory_bytes() == 1 << 20
     v2.write_text(f"{total * 4}\n")  # a limit above the machine's memory: the machine's
     assert _source._memory_bytes() == total
+
+
+def _write_two(path, a: torch.Tensor, b: torch.Tensor, **options) -> None:
+    w = StoreWriter(path, capture_config={}, model=None, storage_dtype=None, shard_bytes=1 << 14, **options)
+    arrs = {"a": w.open_array("a", tuple(a.shape[1:]), a.dtype, "sample"),
+            "b": w.open_array("b", tuple(b.shape[1:]), b.dtype, "sample")}
+    for s in range(0, a.shape[0], 100):
+        e = min(a.shape[0], s + 100)
+        arrs["a"].append(a[s:e])
+        arrs["b"].append(b[s:e])
+        w.add_batch(e - s, list(range(s, e)), None, {})
+    w.close()
+
+
+@pytest.mark.parametrize("idx", [[5, 1, 700], [7, 8, 9], range(7, 10)])
+def test_a_batch_of_several_hook_points_read_while_another_thread_refreshes_an_overwritten_store_is_one_runs(
+        tmp_path, monkeypatch, idx):
+    """Another thread's ``store.refresh()`` between the reads of a batch's hook points (a
+    shuffled batch: the gather of the first, then the others) once the store was overwritten
+    by another run: the batch was the old run's first hook point and the new run's others,
+    silently. Now it is one run's rows, or the StoreError of a dataset of another run."""
+    from activationscope.errors import StoreError
+
+    old = (torch.randn(1000, 8), torch.randint(0, 255, (1000, 1), dtype=torch.uint8))
+    new = (torch.randn(1000, 8), torch.randint(0, 255, (1000, 1), dtype=torch.uint8))
+    path = tmp_path / "s.zarr"
+    _write_two(path, *old)
+    ds = ActivationDataset(path)
+    assert ds.hook_points == ["a", "b"]
+    store = ds.source.store
+    for batch in ([5, 1, 700], [7, 8, 9]):  # (the old run's layouts, cached)
+        assert torch.equal(ds.get_batch(batch)["b"], old[1][batch])
+    _write_two(path, *new, overwrite=True)  # another capture's run in its place (not refreshed yet)
+    source = type(ds.source)
+    seen = []
+
+    def refreshed_between(method):
+        def call(self, hp, *args):
+            if hp == "b" and not seen:
+                seen.append(hp)
+                store.refresh()  # (another thread, between the hook points)
+            return method(self, hp, *args)
+        return call
+
+    for name in ("gather", "read", "take"):
+        monkeypatch.setattr(source, name, refreshed_between(getattr(source, name)))
+    try:
+        got = ds.__getitems__(idx).data if type(idx) is range else ds.get_batch(idx)  # (range: a sequential sampler's)
+    except StoreError as e:
+        assert "another run" in str(e) or "was replaced since it was opened" in str(e)
+    else:
+        one_run = torch.equal(got["a"], old[0][list(idx)]) and torch.equal(got["b"], old[1][list(idx)])
+        assert seen and one_run
+
+
+def test_a_batch_read_while_another_thread_refreshes_a_store_being_overwritten_says_another_run(tmp_path, monkeypatch):
+    """The same, while the other run is still being written (no hook point yet): the batch
+    raised HookPointNotFoundError ("it has []") for its second hook point; now the StoreError
+    of a dataset of another run."""
+    from activationscope.errors import StoreError
+
+    old = (torch.randn(1000, 8), torch.randint(0, 255, (1000, 1), dtype=torch.uint8))
+    path = tmp_path / "s.zarr"
+    _write_two(path, *old)
+    ds = ActivationDataset(path)
+    store = ds.source.store
+    assert torch.equal(ds.get_batch([5, 1, 700])["b"], old[1][[5, 1, 700]])
+    w = StoreWriter(path, capture_config={}, model=None, storage_dtype=None, overwrite=True)
+    try:
+        source = type(ds.source)
+        gather = source.gather
+
+        def refreshed_between(self, hp, *args):
+            if hp == "b":
+                store.refresh()  # (another thread, between the hook points)
+            return gather(self, hp, *args)
+
+        monkeypatch.setattr(source, "gather", refreshed_between)
+        with pytest.raises(StoreError, match="another run"):
+            ds.get_batch([5, 1, 700])
+    finally:
+        w.close()
