@@ -15,6 +15,12 @@ class UserError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// A store's bytes changed under a reader (activationscope.errors.StoreCorruptError).
+class StoreCorruptNativeError : public UserError {
+ public:
+  using UserError::UserError;
+};
+
 // ACS_CHECK(cond, "hook point ", name, " must ..., got ", x): throws acs::UserError.
 #define ACS_CHECK(cond, ...)                                   \
   do {                                                         \

@@ -25,6 +25,9 @@ bool set_acs_python_error(const std::exception_ptr& p) {
   } catch (const StoreIOError& e) {  // a UserError: caught first
     set_error("StoreError", e.what());
     return true;
+  } catch (const StoreCorruptNativeError& e) {  // a UserError: caught first
+    set_error("StoreCorruptError", e.what());
+    return true;
   } catch (const UserError& e) {
     set_error("CaptureError", e.what());
     return true;

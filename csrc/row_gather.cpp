@@ -16,6 +16,7 @@
 
 #include "gil.h"
 #include "py_tensor.h"
+#include "shard_map.h"
 
 namespace py = pybind11;
 
@@ -221,6 +222,7 @@ py::object gather_rows(const py::handle& index, int64_t n, int64_t start, const 
     shape[0] = k;
     out = at::empty(shape, first.options());
   }
+  const uint64_t faults = mapped_fault_count();
   if (at::get_num_threads() > 1 && k * row_bytes >= kParallelBytes &&
       std::all_of(seg_of.begin(), seg_of.end(), [&](int32_t v) { return v == seg_of[0]; })) {
     // One segment (the common case: a whole mapped array) and more than one intra-op
@@ -244,6 +246,12 @@ py::object gather_rows(const py::handle& index, int64_t n, int64_t start, const 
       std::memcpy(dst + static_cast<int64_t>(i) * row_bytes, base[j] + (rows[i] - bounds[j]) * row_bytes,
                   static_cast<size_t>(row_bytes));
     }
+  }
+  if (mapped_fault_count() != faults) {  // a page past a shard's end read as zeros: raise here, in this thread
+    std::vector<std::pair<const void*, size_t>> ranges;
+    for (size_t j = 0; j < segs.size(); ++j)
+      if (base[j]) ranges.emplace_back(base[j], static_cast<size_t>(segs[j].nbytes()));
+    check_mapped_faults(faults, ranges);
   }
   return py::make_tuple(py::reinterpret_steal<py::object>(THPVariable_Wrap(out)), -1, -1, ids);
 }

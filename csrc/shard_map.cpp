@@ -12,6 +12,9 @@
 #include <cstdint>
 #include <cstring>
 #include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "errors.h"
 
@@ -27,6 +30,9 @@ namespace {
 // (Py_AddPendingCall) that raises activationscope.errors.StoreCorruptError naming the file in
 // the main thread at its next bytecode. A fault anywhere else goes to the handler that was
 // there before (faulthandler, or the default action: the process dies as it would have).
+// Native reads that copy from mappings (gather_rows) also check the faults taken during
+// their copy (check_mapped_faults) and raise in their own thread -- which may not be the
+// main one -- claiming the faults, so that the main thread does not raise them again.
 
 constexpr int kMaxGuarded = 4096;
 
@@ -42,27 +48,47 @@ int64_t g_stride[kMaxGuarded];
 std::atomic<uintptr_t> g_fault_addr{0};
 std::atomic<int> g_fault_slot{-1};
 std::atomic<bool> g_pending{false};
+// Faults taken on guarded mappings: a count, the last kRing addresses, and how many are
+// neither raised in the main thread nor claimed by a native read (check_mapped_faults).
+constexpr uint64_t kRing = 64;
+std::atomic<uint64_t> g_fault_count{0};
+std::atomic<uint64_t> g_fault_reserved{0};  // ring slots taken (a fault counts once its address is in)
+std::atomic<uintptr_t> g_fault_ring[kRing];
+std::atomic<int64_t> g_unclaimed{0};
 struct sigaction g_prev {};
 long g_page = 4096;
+
+std::string truncated_message(const std::string& path) {
+  return "shard " + path + " was truncated or rewritten in place while it was memory-mapped "
+      "(e.g. `cp` over a store that is being read): rows read from it since then are zeros, not the stored "
+      "values; reopen the store (open_store) once the copy is complete, and check it with `activationscope "
+      "verify`. Replace store files atomically (copy elsewhere, then rename) while readers have them open";
+}
+
+// The file a faulting address of guarded slot `slot` lies in, quoted ("a shard file" when unknown).
+std::string path_at(int slot, uintptr_t addr) {
+  std::lock_guard<std::mutex> lock(g_guard_mu);
+  if (slot < 0 || g_paths[slot].empty()) return "a shard file";
+  const uintptr_t base = g_guarded[slot].base.load();
+  size_t i = base && addr >= base && g_stride[slot] > 0 ? (addr - base) / static_cast<size_t>(g_stride[slot]) : 0;
+  if (i >= g_paths[slot].size()) i = g_paths[slot].size() - 1;
+  return "'" + g_paths[slot][i] + "'";
+}
+
+int slot_of(uintptr_t addr) {
+  for (int i = 0; i < kMaxGuarded; ++i) {
+    const uintptr_t b = g_guarded[i].base.load(std::memory_order_acquire);
+    if (b != 0 && addr >= b && addr < g_guarded[i].end.load(std::memory_order_acquire)) return i;
+  }
+  return -1;
+}
 
 int raise_truncated(void*) {
   const int slot = g_fault_slot.exchange(-1);
   const uintptr_t addr = g_fault_addr.load();
   g_pending.store(false);
-  std::string path = "a shard file";
-  {
-    std::lock_guard<std::mutex> lock(g_guard_mu);
-    if (slot >= 0 && !g_paths[slot].empty()) {
-      const uintptr_t base = g_guarded[slot].base.load();
-      size_t i = base && addr >= base && g_stride[slot] > 0 ? (addr - base) / static_cast<size_t>(g_stride[slot]) : 0;
-      if (i >= g_paths[slot].size()) i = g_paths[slot].size() - 1;
-      path = "'" + g_paths[slot][i] + "'";
-    }
-  }
-  const std::string msg = "shard " + path + " was truncated or rewritten in place while it was memory-mapped "
-      "(e.g. `cp` over a store that is being read): rows read from it since then are zeros, not the stored "
-      "values; reopen the store (open_store) once the copy is complete, and check it with `activationscope "
-      "verify`. Replace store files atomically (copy elsewhere, then rename) while readers have them open";
+  if (g_unclaimed.exchange(0) <= 0) return 0;  // every fault was raised by the read that took it
+  const std::string msg = truncated_message(path_at(slot, addr));
   PyObject* mod = PyImport_ImportModule("activationscope.errors");
   PyObject* cls = mod != nullptr ? PyObject_GetAttrString(mod, "StoreCorruptError") : nullptr;
   Py_XDECREF(mod);
@@ -84,6 +110,9 @@ void on_sigbus(int sig, siginfo_t* info, void* ctx) {
     }
     g_fault_addr.store(a);
     g_fault_slot.store(i);
+    g_fault_ring[g_fault_reserved.fetch_add(1) % kRing].store(a, std::memory_order_relaxed);
+    g_unclaimed.fetch_add(1);
+    g_fault_count.fetch_add(1, std::memory_order_release);
     if (!g_pending.exchange(true) && Py_AddPendingCall(raise_truncated, nullptr) != 0) g_pending.store(false);
     return;
   }
@@ -148,6 +177,33 @@ void unmap_region(void* ctx) {
 }
 
 }  // namespace
+
+uint64_t mapped_fault_count() { return g_fault_count.load(std::memory_order_acquire); }
+
+void check_mapped_faults(uint64_t since, const std::vector<std::pair<const void*, size_t>>& ranges) {
+  const uint64_t now = g_fault_count.load(std::memory_order_acquire);
+  if (now == since) return;
+  // The faults since `since` within `ranges` (all of them when more than the ring holds).
+  uintptr_t hit = 0;
+  uint64_t mine = 0;
+  for (uint64_t k = now > since + kRing ? now - kRing : since; k < now; ++k) {
+    const uintptr_t a = g_fault_ring[k % kRing].load(std::memory_order_relaxed);
+    for (const auto& r : ranges) {
+      const uintptr_t lo = reinterpret_cast<uintptr_t>(r.first);
+      if (a >= lo && a < lo + r.second) {
+        if (!hit) hit = a;
+        ++mine;
+        break;
+      }
+    }
+  }
+  if (!hit) return;
+  // Claimed: the main thread's pending call raises only faults nobody raised.
+  int64_t left = g_unclaimed.load();
+  while (left > 0 && !g_unclaimed.compare_exchange_weak(left, std::max<int64_t>(0, left - static_cast<int64_t>(mine)))) {
+  }
+  throw StoreCorruptNativeError(truncated_message(path_at(slot_of(hit), hit)));
+}
 
 at::Tensor map_files_contiguous(const std::vector<std::string>& paths, int64_t stride_bytes,
                                 int64_t total_bytes) {

@@ -4,7 +4,9 @@
 
 #include <ATen/ATen.h>
 
+#include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace acs {
@@ -16,5 +18,15 @@ namespace acs {
 // naming the file on a missing / short file or a failed mapping.
 at::Tensor map_files_contiguous(const std::vector<std::string>& paths, int64_t stride_bytes,
                                 int64_t total_bytes);
+
+// Faults taken so far on pages of these mappings past their file's end (a shard truncated or
+// rewritten in place while mapped: each such page reads as zeros). A native read that copies
+// from mappings takes the count before its copy and calls check_mapped_faults after it.
+uint64_t mapped_fault_count();
+
+// Throws StoreCorruptNativeError (Python: StoreCorruptError) naming the file when a fault since
+// `since` hit one of `ranges` ((start, bytes) of the memory the read copied from), and claims
+// those faults so that the main thread does not raise them a second time. Any thread.
+void check_mapped_faults(uint64_t since, const std::vector<std::pair<const void*, size_t>>& ranges);
 
 }  // namespace acs

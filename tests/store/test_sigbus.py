@@ -54,3 +54,69 @@ def test_shard_truncated_under_a_view_raises_not_kills(tmp_path, layout, view):
     assert "c/1/0" in r.stdout and "truncated or rewritten in place" in r.stdout
 
 
+
+
+_THREAD_READ = """
+    import sys, threading, time, torch
+    from pathlib import Path
+    from activationscope.data import ActivationDataset
+    from activationscope.errors import StoreCorruptError
+    from activationscope.store import open_store
+    from hostile import HP, shard
+    path = Path(sys.argv[1])
+    torch.set_num_threads({threads})
+    ds = ActivationDataset(open_store(path), hook_points=[HP])
+    batch = [int(i) for i in torch.randperm(len(ds), generator=torch.Generator().manual_seed(1))[:{k}]]
+    want = ds.get_batch(batch)[HP].clone()
+    assert float(want.abs().sum()) > 0
+    open(shard(path, {victim}), "wb").close()  # truncated to 0 bytes, as `cp` over it does
+    got = []
+    def read():
+        try:
+            got.append(ds.get_batch(batch)[HP])
+        except StoreCorruptError as e:
+            got.append(e)
+    t = threading.Thread(target=read)
+    t.start()
+    t.join()
+    r = got[0]
+    if isinstance(r, Exception):
+        print("thread: StoreCorruptError:", r, flush=True)
+    else:
+        print("thread: rows", "equal" if torch.equal(r, want) else "differ", flush=True)
+    try:
+        for _ in range(1000):  # bytecodes for a pending call of the main thread to run in
+            time.sleep(0)
+        print("main: no error", flush=True)
+    except StoreCorruptError as e:
+        print("main: StoreCorruptError:", e, flush=True)
+"""
+
+
+@pytest.mark.parametrize("layout, threads, k", [
+    ("64-row shards", 1, 96),           # one segment per shard, copied on the calling thread
+    ("page-sized shards", 2, 2048),     # one view of every shard, copied by index_select's threads
+])
+def test_shard_truncated_under_a_reader_thread_raises_in_that_thread(tmp_path, layout, threads, k):
+    """A shuffled batch read in a thread other than the main one raised nothing there (its rows
+    from the truncated shard were zeros) while the main thread got the error at some later,
+    unrelated bytecode. The read now raises StoreCorruptError in its own thread, and the main
+    thread does not raise it a second time."""
+    path = tmp_path / "s.zarr"
+    if layout == "64-row shards":
+        make_store(path)
+    else:
+        from activationscope.store import StoreWriter
+
+        w = StoreWriter(path, chunk_rows=64, shard_bytes=64 * 64 * 4)  # 16 KiB shards of 64-float rows
+        a = w.open_array(HP, (64,), torch.float32, "sample")
+        a.append(torch.randn(k, 64))
+        w.add_batch(k)
+        w.close()
+        assert len(open_store(path).segments(HP)) == 2  # one view of all rows
+    code = _THREAD_READ.replace("{threads}", str(threads)).replace("{k}", str(k)).replace("{victim}", "1")
+    r = run_python(code, str(path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "thread: StoreCorruptError:" in r.stdout, r.stdout + r.stderr[-2000:]
+    assert "c/1/0" in r.stdout and "truncated or rewritten in place" in r.stdout
+    assert "main: no error" in r.stdout, r.stdout
