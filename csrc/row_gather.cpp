@@ -114,7 +114,8 @@ void advise_cold_rows(const std::vector<int64_t>& rows, const std::vector<int32_
     cold = !(vec & 1);
   }
   if (state) {  // warm batches in a row: the next 1, 3, 7, ... up to 63 are not checked
-    const int64_t next = cold ? 0 : std::min<int64_t>(2 * streak->load(std::memory_order_relaxed) + 1, 63);
+    const int64_t last = std::clamp<int64_t>(streak->load(std::memory_order_relaxed), 0, 63);  // (any caller's value)
+    const int64_t next = cold ? 0 : std::min<int64_t>(2 * last + 1, 63);
     streak->store(next, std::memory_order_relaxed);
     skip->store(next, std::memory_order_relaxed);
   }
@@ -144,7 +145,9 @@ py::object gather_rows(const py::handle& index, int64_t n, int64_t start, const 
   int64_t hint_block = -1;
   int64_t* hint_state = nullptr;
   if (PyLong_CheckExact(hint.ptr())) {
-    hint_block = hint.cast<int64_t>();
+    int overflow = 0;
+    const long long b = PyLong_AsLongLongAndOverflow(hint.ptr(), &overflow);
+    hint_block = overflow > 0 ? (int64_t{1} << 30) : overflow < 0 ? -1 : static_cast<int64_t>(b);  // (clipped to 1 GiB)
   } else if (is_tensor_object(hint.ptr())) {
     at::Tensor h = THPVariable_Unpack(hint.ptr());
     if (h.device().is_cpu() && h.scalar_type() == at::kLong && h.dim() == 1 && h.size(0) == 3 && h.is_contiguous()) {

@@ -443,6 +443,13 @@ def test_a_warm_array_is_checked_for_cold_pages_in_ever_fewer_batches_and_a_cold
     for bad in (torch.zeros(3, dtype=torch.int32), torch.zeros(4, dtype=torch.int64), "0"):  # not a hint: none
         rows, *_ = gather([5, 1], 1000, 0, [0, 1000], [seg], False, None, bad)
         assert torch.equal(rows, seg[[5, 1]])
+    for streak in (2**62, -5):  # any state a caller left: clipped, never overflowing
+        hint[1:] = torch.tensor([0, streak])
+        gather([5, 1], 1000, 0, [0, 1000], [seg], False, None, hint)
+        assert hint[1:].tolist() == [63, 63] if streak > 0 else [1, 1]
+    for block in (2**70, -(2**70), 2**63 - 1):  # an int beyond int64: clipped, not a TypeError
+        rows, *_ = gather([5, 1], 1000, 0, [0, 1000], [seg], False, None, block)
+        assert torch.equal(rows, seg[[5, 1]])
 
 
 def test_a_cold_batch_resets_the_warm_streak(tmp_path):
