@@ -10,8 +10,10 @@ Figures of cold and compressed reads, each measured side by side in one run:
   cache (``benchmark.pagecache``: fsync, ``posix_fadvise(DONTNEED)``) and the eviction is
   checked with a residency count (``mincore``: 0 pages resident, else the run fails). Each
   repeat opens its dataset anew (the open is timed too). Warm epochs follow each cold one.
-- **zstd**: the same epoch on a zstd store against the uncompressed store, warm, with the
-  decode threads the process may use (``taskset -c 0,1`` for 2 cores).
+- **zstd** and **blosc-lz4**: the same epoch on a zstd store and on a blosc-lz4 store (byte
+  shuffle) against the uncompressed store, warm, with the decode threads the process may use
+  (``taskset -c 0,1`` for 2 cores), and each store's bytes on disk (its ``acts/`` folder):
+  what the compression saves for what it costs to read.
 - **cold shuffled**: the first ``--shuffled-batches`` batches of ``--shuffled-batch`` rows at uniformly
   random positions of a cold layer of ``--shuffled-mib`` MiB of 16 KiB rows (4096 float32),
   every batch copied and summed, the start of a shuffled epoch: ``ActivationDataset`` (its
@@ -54,8 +56,8 @@ def _consume(x: torch.Tensor, buf: torch.Tensor) -> float:
 
 
 def build(workdir: str, n_rows: int) -> dict[str, str]:
-    """An uncompressed and a zstd store of one (n_rows, 256) float32 layer, and an HF Arrow
-    dataset of the same rows."""
+    """An uncompressed, a zstd and a blosc-lz4 store of one (n_rows, 256) float32 layer (a
+    random linear layer's outputs), and an HF Arrow dataset of the same rows."""
     import datasets
     import numpy as np
 
@@ -63,10 +65,10 @@ def build(workdir: str, n_rows: int) -> dict[str, str]:
 
     datasets.disable_progress_bars()
     paths = {"raw": os.path.join(workdir, "raw.zarr"), "zstd": os.path.join(workdir, "zstd.zarr"),
-             "hf": os.path.join(workdir, "hf")}
+             "blosc": os.path.join(workdir, "blosc.zarr"), "hf": os.path.join(workdir, "hf")}
     torch.manual_seed(0)
     model = torch.nn.Linear(WIDTH, WIDTH)
-    for key, opts in (("raw", {}), ("zstd", {"compression": "zstd"})):
+    for key, opts in (("raw", {}), ("zstd", {"compression": "zstd"}), ("blosc", {"compression": "blosc-lz4"})):
         scope = acs.ActivationScope(store=paths[key], store_options={"overwrite": True, **opts})
         with torch.no_grad(), scope.track(model):
             for k in range(0, n_rows, 4096):
@@ -232,16 +234,21 @@ def _source_memory() -> int:
     return _source._memory_bytes()
 
 
-def epoch_acs(path: str, batch: int, buf: torch.Tensor) -> int:
+def epoch_acs(path: str, batch: int, buf: torch.Tensor, sums: set[float] | None = None) -> int:
+    """Rows of one sequential epoch of the store's first hook point (the epoch's checksum, the
+    sum of every batch's sums, added to ``sums`` when given)."""
     from activationscope.data import ActivationDataset, SequentialBatchSampler
 
     ds = ActivationDataset(path)
     hp = ds.hook_points[0]
     rows = 0
+    total = 0.0
     for b in SequentialBatchSampler(ds, batch_size=batch):
         x = ds.get_batch(b)[hp]
-        _consume(x, buf)
+        total += _consume(x, buf)
         rows += x.shape[0]
+    if sums is not None:
+        sums.add(total)
     return rows
 
 
@@ -265,10 +272,17 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     return time.perf_counter() - t, rows
 
 
+def acts_bytes(path: str) -> int:
+    """Bytes of a store's arrays on disk (its ``acts/`` folder)."""
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(os.path.join(path, "acts"))
+               for f in files)
+
+
 def measure(paths: dict[str, str], batch: int, repeats: int) -> dict[str, Any]:
     buf = torch.empty(max(batch, 8192), WIDTH)
     out: dict[str, list[float]] = {k: [] for k in ("acs_cold", "hf_cold", "acs_warm", "hf_warm", "raw_warm",
-                                                   "zstd_warm")}
+                                                   "zstd_warm", "blosc_warm")}
+    sums: dict[str, set[float]] = {k: set() for k in ("raw", "zstd", "blosc")}
     n = None
     for r in range(repeats):
         order = [("acs", paths["raw"], epoch_acs), ("hf", paths["hf"], epoch_hf)]
@@ -282,10 +296,14 @@ def measure(paths: dict[str, str], batch: int, repeats: int) -> dict[str, Any]:
             dt, rows = timed(lambda: fn(path, batch, buf))
             out[f"{name}_warm"].append(rows / dt)
             n = rows
-        for name in (("raw", "zstd") if r % 2 == 0 else ("zstd", "raw")):
-            epoch_acs(paths[name], batch, buf)  # pages cached, decode pool started
+        names = ("raw", "zstd", "blosc")
+        for name in (names if r % 2 == 0 else names[::-1]):
+            epoch_acs(paths[name], batch, buf, sums[name])  # pages cached, decode pool started
             dt, rows = timed(lambda: epoch_acs(paths[name], batch, buf))
             out[f"{name}_warm"].append(rows / dt)
+    if len(set.union(*sums.values())) != 1:
+        raise RuntimeError(f"the uncompressed and compressed stores read different rows: checksums {sums}")
+    sizes = {name: acts_bytes(paths[name]) for name in ("raw", "zstd", "blosc")}
     med = {k: statistics.median(v) for k, v in out.items()}
     return {
         "rows": n, "batch": batch, "repeats": repeats,
@@ -293,6 +311,10 @@ def measure(paths: dict[str, str], batch: int, repeats: int) -> dict[str, Any]:
         "cold_acs_vs_hf": med["acs_cold"] / med["hf_cold"],
         "warm_acs_vs_hf": med["acs_warm"] / med["hf_warm"],
         "zstd_vs_uncompressed": med["zstd_warm"] / med["raw_warm"],
+        "blosc_vs_uncompressed": med["blosc_warm"] / med["raw_warm"],
+        "acts_bytes": sizes,
+        "zstd_size_ratio": sizes["raw"] / sizes["zstd"],
+        "blosc_size_ratio": sizes["raw"] / sizes["blosc"],
         "cpus": len(os.sched_getaffinity(0)),
         "goals": {"cold_acs_vs_hf >= 1.0": med["acs_cold"] / med["hf_cold"] >= 1.0,
                   "zstd_vs_uncompressed >= 0.5": med["zstd_warm"] / med["raw_warm"] >= 0.5},
@@ -334,7 +356,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"warm:  ActivationScope {r['acs_warm'] / 1e6:.3f} M rows/s, HF datasets Arrow {r['hf_warm'] / 1e6:.3f}: "
           f"{res['warm_acs_vs_hf']:.2f}x")
     print(f"zstd:  {r['zstd_warm'] / 1e6:.3f} M rows/s vs uncompressed {r['raw_warm'] / 1e6:.3f}: "
-          f"{res['zstd_vs_uncompressed']:.2f}x (goal >= 0.5)")
+          f"{res['zstd_vs_uncompressed']:.2f}x (goal >= 0.5); {res['zstd_size_ratio']:.3f}x smaller on disk")
+    print(f"blosc-lz4: {r['blosc_warm'] / 1e6:.3f} M rows/s: {res['blosc_vs_uncompressed']:.2f}x the uncompressed "
+          f"store's rate; {res['blosc_size_ratio']:.3f}x smaller on disk")
     sh = res.get("shuffled")
     if sh:
         r = sh["rows_per_s"]

@@ -570,3 +570,31 @@ def test_cold_shuffled_readers_read_the_same_rows_from_evicted_files(tmp_path):
     assert set(alone) == {"acs"}
     res = cold.measure_shuffled(alone, batch=8, n_batches=2, repeats=1)
     assert set(res["rows_per_s"]) == {"acs", "acs_rows", "acs_faults"} and "acs_vs_npy" not in res
+
+
+def test_cold_compressed_stores_read_the_same_rows_and_report_their_size_on_disk(tmp_path):
+    """benchmark.cold's compressed figure: the zstd and blosc-lz4 stores hold the uncompressed
+    store's rows (their epochs' checksums agree, else the run fails), each is compressed with
+    its codec, and the sizes it reports are the bytes of each store's arrays."""
+    from benchmark import cold, pagecache
+
+    paths = cold.build(str(tmp_path), 3000)
+    pagecache.evict(paths["raw"])
+    if pagecache.resident(paths["raw"])[0]:
+        pytest.skip("this filesystem keeps the pages in memory (tmpfs?): no cold reads to measure")
+    import activationscope as acs
+
+    codecs = {k: acs.open_store(paths[k]).info()["arrays"]["output"]["compression"] for k in ("raw", "zstd", "blosc")}
+    assert codecs == {"raw": None, "zstd": "zstd", "blosc": "blosc"}
+    res = cold.measure(paths, batch=1024, repeats=1)
+    assert res["rows"] == 3000 and set(res["acts_bytes"]) == {"raw", "zstd", "blosc"}
+    assert res["acts_bytes"]["raw"] >= 3000 * cold.WIDTH * 4  # every row's bytes
+    assert res["zstd_size_ratio"] == res["acts_bytes"]["raw"] / res["acts_bytes"]["zstd"]
+    assert res["acts_bytes"]["zstd"] < res["acts_bytes"]["raw"]  # (random linear outputs: a few % smaller)
+    assert res["blosc_vs_uncompressed"] > 0 and res["zstd_vs_uncompressed"] > 0
+    buf = torch.empty(1024, cold.WIDTH)
+    sums = {k: set() for k in ("raw", "zstd", "blosc")}
+    for k in sums:
+        assert cold.epoch_acs(paths[k], 1024, buf, sums[k]) == 3000
+    expected = float(sum(acs.open_store(paths["raw"])["output"][a:a + 1024].double().sum() for a in range(0, 3000, 1024)))
+    assert all(abs(next(iter(s)) - expected) <= 1e-6 * abs(expected) for s in sums.values())
