@@ -828,6 +828,77 @@ def test_rank_stores_of_a_custom_reduction_say_how_to_commit_them(tmp_path):
     torch.testing.assert_close(red["mean"], _ref_rows(model, xs).mean(0))
 
 
+def _plain_total(acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    s = x.double().sum(0)
+    return s if acc is None else acc + s
+
+
+def _eager_total(acc, x):  # TorchScript refuses the global it reads: the eager fallback
+    s = x.double().sum(0) * _SCALE
+    return s if acc is None else acc + s
+
+
+_SCALE = 1.0
+
+
+@pytest.mark.parametrize("spec", ["plain", "scripted function", "module without merge", "eager"])
+def test_a_multi_rank_capture_refuses_a_custom_reduction_without_merge_before_writing(tmp_path, spec):
+    """A custom reduction with no merge rule was captured into rank stores that no commit could
+    ever merge (consolidate and commit_ranks refused them after the whole capture). The capture
+    now refuses it before it writes anything, naming the reduction and the fix; a mergeable
+    one, and the same function with a store per process, capture as before."""
+    import warnings
+
+    import activationscope as acs
+    from activationscope.errors import ReductionError
+
+    class _NoMerge(torch.nn.Module):
+        def forward(self, acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+            s = x.double().sum(0)
+            return s if acc is None else acc + s
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fn = {"plain": _plain_total, "eager": _eager_total,
+              "scripted function": torch.jit.script(_plain_total),
+              "module without merge": torch.jit.script(_NoMerge())}[spec]
+        mergeable = torch.jit.script(_SumRows())
+    model, xs = _model(), _batches(2)
+    path = tmp_path / "r.zarr"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        scope = ActivationScope(store=str(path), reductions={"0.*": ["mean", ("total", fn)]},
+                                store_options={"process_group": acs.RankStore(0, 2)})
+        with pytest.raises(ReductionError, match=r"'total' has no merge rule.*merge\(a, b\).*process_group.*False"):
+            with scope.track(model):
+                model(xs[0])
+    assert not path.exists()  # nothing written
+    with ActivationScope(store=str(path), reductions=[("total", mergeable)],
+                         store_options={"process_group": acs.RankStore(0, 2)}).track(model):
+        model(xs[0])
+    assert open_store(path).status == "incomplete"  # rank 0's rows, rank 1 to come
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with ActivationScope(store=str(tmp_path / "one.zarr"), reductions=[("total", fn)]).track(model):
+            model(xs[0])
+    torch.testing.assert_close(open_store(tmp_path / "one.zarr").reductions["0.output"]["total"],
+                               _ref_rows(model, xs[:1]).sum(0))
+
+
+def test_unmergeable_reductions_names_the_custom_reductions_without_merge():
+    import warnings
+
+    from activationscope.capture.reductions import unmergeable_reductions
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mergeable = torch.jit.script(_SumRows())
+        assert unmergeable_reductions(None) == [] and unmergeable_reductions(["mean", "max"]) == []
+        assert unmergeable_reductions({"a.*": ["mean", _plain_total], "b": [("m", mergeable), _plain_total]}) == \
+            ["_plain_total"]
+        assert unmergeable_reductions([("m", mergeable), ("x", _plain_total), ("y", _eager_total)]) == ["x", "y"]
+
+
 @pytest.mark.parametrize("token_rows", [False, True])
 def test_builtin_reductions_rebuilt_on_resume_equal_an_uninterrupted_run_bit_for_bit(tmp_path, token_rows):
     """A run that raised wrote no reductions: the resume reads the committed rows back. Fed

@@ -867,6 +867,34 @@ def validate_reductions(reductions: Union[Sequence[Any], Mapping[str, Sequence[A
         _check_overlapping_names(seen, f"pattern {pattern!r}")
 
 
+def unmergeable_reductions(reductions: Union[Sequence[Any], Mapping[str, Sequence[Any]], None]) -> list[str]:
+    """Names of the custom reductions of a scope's ``reductions=`` argument that cannot merge
+    (a plain function, scripted or not: no ``merge(a, b)`` method), in the order given.
+
+    A multi-rank capture merges every rank's state when it commits; such a reduction would
+    make its rank stores impossible to commit, so the capture refuses it before it starts.
+    Each custom factory is made once and merged with an empty reduction of its kind (a no-op
+    for a mergeable one).
+    """
+    if not reductions:
+        return []
+    specs = [s for v in reductions.values() for s in _as_list(v)] if isinstance(reductions, Mapping) else _as_list(reductions)
+    out: list[str] = []
+    for item in specs:
+        f = _factory(item)
+        if f.is_builtin or f.name in out:
+            continue
+        r = f()
+        try:
+            r.merge(r.fresh())
+        except ActivationScopeError as e:
+            if "no merge rule" in str(e):
+                out.append(f.name)
+            else:
+                raise
+    return out
+
+
 def reductions_for(
     reductions: Union[Sequence[Any], Mapping[str, Sequence[Any]], None], hook_point: str
 ) -> list[tuple[str, ReductionLike]]:

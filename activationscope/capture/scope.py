@@ -33,7 +33,7 @@ from ..errors import (ActivationScopeError, ArgumentTypeError, ArgumentValueErro
 from .hooks import (check_column, hook_point_module, is_hook_point_module, normalize_patterns, pattern_selects,
                     rename_hook_point, select_modules)
 from .results import HookPointResults, ReductionResults, main_result_key
-from .writer import check_writer_options, open_writer, writer_options
+from .writer import check_writer_options, merges_reductions, open_writer, writer_options
 
 _C = _native.load()
 compiled.install()  # the in-graph path of a torch.compile'd tracked model
@@ -800,6 +800,17 @@ class Tracker:
         if self._closed and self.writer is not None:
             raise CaptureError("this tracker's store is closed; make a new tracker with resume=True to add rows")
         if self.scope.store is not None and self.writer is None:
+            if self._red_factories is not None and merges_reductions(self.scope.store, self.scope.store_options):
+                # a multi-rank capture merges every rank's reduction states when it commits
+                bad = self._red_factories.unmergeable_reductions(self.scope.reductions)
+                if bad:
+                    raise ReductionError(
+                        f"custom reduction {bad[0]!r} has no merge rule (a plain function): a multi-rank capture "
+                        "merges every rank's reduction state when it commits, so its rank stores could never be "
+                        "committed. Script a torch.nn.Module with forward(acc, x) and merge(a, b) methods "
+                        "(docs/usage/reductions.md, 'Merging custom reductions'), or capture a store per rank with "
+                        "store_options={'process_group': False}; nothing was written"
+                    )
             self.writer = open_writer(
                 self.scope.store,
                 capture_config=self._capture_config(),

@@ -153,6 +153,14 @@ def check_writer_options(options: Mapping[str, Any]) -> None:
         check(**options)
 
 
+def merges_reductions(target: Any, options: Mapping[str, Any]) -> bool:
+    """Whether the registered writer's capture into ``target`` with ``store_options`` merges
+    reduction states from several processes when it commits (the factory's optional
+    ``merges_reductions(target, **options)``; False without one)."""
+    check = getattr(_require(), "merges_reductions", None)
+    return bool(check(target, **options)) if check is not None else False
+
+
 def open_writer(target: Any, **kwargs: Any) -> ActivationWriter:
     """A writer for ``target`` from the registered factory (arguments as :data:`WriterFactory`)."""
     return _require()(target, **kwargs)

@@ -1777,7 +1777,20 @@ def _is_process_group(group: Any) -> bool:
 # the valid store_options are StoreWriter's plus process_group (capture.writer.writer_options);
 # their values are checked when the scope is made (capture.writer.check_writer_options)
 open_capture_writer.__signature__ = _capture_writer_signature()  # type: ignore[attr-defined]
+def _merges_reductions(target: Any, *, process_group: Any = None, **_options: Any) -> bool:
+    """Whether a capture with these options is multi-rank (its reduction states are merged
+    when it commits), as :func:`detect` decides, without starting anything."""
+    if process_group is False or target is None:
+        return False
+    if isinstance(process_group, RankStore) or process_group is not None:
+        return True
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 open_capture_writer.check_options = _check_capture_writer_options  # type: ignore[attr-defined]
+open_capture_writer.merges_reductions = _merges_reductions  # type: ignore[attr-defined]
 
 
 def _ranks_provenance(stores: list) -> dict:
