@@ -31,23 +31,29 @@ _TRUNCATE = """
 """
 
 
+def _store(path, layout: str, n_rows: int) -> None:
+    """``make_store``'s 64-row shards (a mapped segment each), or 16 KiB shards of 64-float rows
+    mapped back to back as one view of all rows."""
+    if layout == "64-row shards":
+        make_store(path)
+        return
+    from activationscope.store import StoreWriter
+
+    w = StoreWriter(path, chunk_rows=64, shard_bytes=64 * 64 * 4)
+    a = w.open_array(HP, (64,), torch.float32, "sample")
+    a.append(torch.randn(n_rows, 64))
+    w.add_batch(n_rows)
+    w.close()
+    assert len(open_store(path).segments(HP)) == 2  # one view of all rows
+
+
 @pytest.mark.parametrize("layout, view", [
     ("64-row shards", "s[HP, 64:128]"),                 # one mapped shard
     ("page-sized shards", "s[HP]"),                     # every shard mapped back to back as one view
 ])
 def test_shard_truncated_under_a_view_raises_not_kills(tmp_path, layout, view):
     path = tmp_path / "s.zarr"
-    if layout == "64-row shards":
-        make_store(path)
-    else:
-        from activationscope.store import StoreWriter
-
-        w = StoreWriter(path, chunk_rows=64, shard_bytes=64 * 64 * 4)  # 16 KiB shards of 64-float rows
-        a = w.open_array(HP, (64,), torch.float32, "sample")
-        a.append(torch.randn(320, 64))
-        w.add_batch(320)
-        w.close()
-        assert len(open_store(path).segments(HP)) == 2  # one view of all rows
+    _store(path, layout, 320)
     r = run_python(_TRUNCATE.replace("{view}", view), str(path))
     assert r.returncode == 0, r.stderr[-3000:]
     assert "alive" in r.stdout and "StoreCorruptError:" in r.stdout, r.stdout + r.stderr[-2000:]
@@ -103,17 +109,7 @@ def test_shard_truncated_under_a_reader_thread_raises_in_that_thread(tmp_path, l
     unrelated bytecode. The read now raises StoreCorruptError in its own thread, and the main
     thread does not raise it a second time."""
     path = tmp_path / "s.zarr"
-    if layout == "64-row shards":
-        make_store(path)
-    else:
-        from activationscope.store import StoreWriter
-
-        w = StoreWriter(path, chunk_rows=64, shard_bytes=64 * 64 * 4)  # 16 KiB shards of 64-float rows
-        a = w.open_array(HP, (64,), torch.float32, "sample")
-        a.append(torch.randn(k, 64))
-        w.add_batch(k)
-        w.close()
-        assert len(open_store(path).segments(HP)) == 2  # one view of all rows
+    _store(path, layout, k)
     code = _THREAD_READ.replace("{threads}", str(threads)).replace("{k}", str(k)).replace("{victim}", "1")
     r = run_python(code, str(path))
     assert r.returncode == 0, r.stderr[-3000:]
