@@ -92,6 +92,23 @@ def _stop_encoders_at_exit() -> None:
             pass
 
 
+# model weights being hashed in the background (_ModelIdentity): stopped at interpreter exit
+_HASHING: "weakref.WeakSet[_ModelIdentity]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_hashes_at_exit() -> None:
+    """Stop the background hashes of model weights still running (a writer that failed to open,
+    or was never closed), while the interpreter is still whole: a daemon thread inside torch's
+    native code when Python finalizes is ended with ``pthread_exit``, which aborts the process
+    ("terminate called without an active exception", exit status 134)."""
+    for identity in list(_HASHING):
+        try:
+            identity.cancel()
+        except Exception:  # noqa: BLE001 - exiting: never mask the process's own outcome
+            pass
+
+
 def _remove_staging(core: Any, staging: str, pid: int) -> None:
     """Stop the native writer thread of ``core`` (it writes shards into ``staging``), then
     remove the staging folder of a remote store's writer: a ``weakref.finalize`` callback, so
@@ -339,11 +356,17 @@ def _state_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def _hash_state(cls: type, items: list[tuple[str, torch.Tensor]]) -> dict:
+class _HashCancelled(Exception):
+    """A background hash of model weights stopped before its end (see _ModelIdentity.cancel)."""
+
+
+def _hash_state(cls: type, items: list[tuple[str, torch.Tensor]], stop: threading.Event | None = None) -> dict:
     h = hashlib.sha256()
     n_params = 0
     with torch.no_grad():
         for _name, t in items:
+            if stop is not None and stop.is_set():
+                raise _HashCancelled()
             t = t.detach().to("cpu")
             if t.layout != torch.strided:
                 t = t.to_dense()  # a sparse buffer: its values (FORMAT.md)
@@ -379,21 +402,36 @@ class _ModelIdentity:
         self._versions = [_version(t) for _, t in self._items]
         self._result: dict | None = None
         self._error: BaseException | None = None
+        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="activationscope-model-hash", daemon=True)
+        _HASHING.add(self)
         self._thread.start()
 
     def _run(self) -> None:
         try:
-            self._result = _hash_state(self._cls, self._items or [])
+            self._result = _hash_state(self._cls, self._items or [], self._stop)
         except BaseException as e:  # noqa: BLE001 - reported by get()
             self._error = e
+
+    def cancel(self) -> None:
+        """Stop the hash (after the tensor it is reading) and wait for its thread: a writer that
+        failed to open, or the interpreter's exit. :meth:`get` then returns None."""
+        self._stop.set()
+        self._thread.join()
+        _HASHING.discard(self)
+        self._items = None
+        self._result = None
 
     def done(self) -> bool:
         return not self._thread.is_alive()
 
     def get(self) -> dict | None:
-        """The identity (None, with a warning, when the weights could not be hashed)."""
+        """The identity (None, with a warning, when the weights could not be hashed; None when
+        cancelled)."""
         self._thread.join()
+        _HASHING.discard(self)
+        if self._stop.is_set():
+            return None
         items, self._items = self._items, None
         if items is not None:
             changed = [name for (name, t), v in zip(items, self._versions) if _version(t) != v]
@@ -925,30 +963,35 @@ class StoreWriter:
         background = model is not None and not resume and not model.training
         self._model = None if background else model_identity(model)
         self._model_hash = _ModelIdentity(model) if background else None
-        self._backend = resolve(target, fsync=self._fsync, storage_options=dict(storage_options or {}) or None)
-        if isinstance(self._backend, LocalBackend):
-            check_local_store_path(self._backend.root)
-        check_backend_not_in_store(self._backend)
-        self.target = target
-        self._closed = True  # until the end of __init__: __del__ and close() do nothing
-        # one writer at a time: the lock is held from here to close() / abort()
-        self._writer_lock = WriterLock(self._backend).acquire()
-        self._lost: str | None = None  # why the store at the path is no longer this writer's (_check_still_held)
-        self._aside: Path | None = None  # overwrite: the old store, until the new one commits
-        self.put_back = False  # overwrite: the old store was put back (the new one committed nothing)
-        self._replacing = False  # overwrite on object storage: the old objects go once this run's root is written
         try:
-            self._open_existing(overwrite, resume)
-            # a store this writer makes from nothing (a local one it replaces is put back by the
-            # close of a run that committed no forward: see _settle_aside)
-            self._made_new = not resume and self._aside is None
-            self._setup(max_pending_bytes)
+            self._backend = resolve(target, fsync=self._fsync, storage_options=dict(storage_options or {}) or None)
+            if isinstance(self._backend, LocalBackend):
+                check_local_store_path(self._backend.root)
+            check_backend_not_in_store(self._backend)
+            self.target = target
+            self._closed = True  # until the end of __init__: __del__ and close() do nothing
+            # one writer at a time: the lock is held from here to close() / abort()
+            self._writer_lock = WriterLock(self._backend).acquire()
+            self._lost: str | None = None  # why the store at the path is no longer this writer's (_check_still_held)
+            self._aside: Path | None = None  # overwrite: the old store, until the new one commits
+            self.put_back = False  # overwrite: the old store was put back (the new one committed nothing)
+            self._replacing = False  # overwrite on object storage: the old objects go once this run's root is written
+            try:
+                self._open_existing(overwrite, resume)
+                # a store this writer makes from nothing (a local one it replaces is put back by the
+                # close of a run that committed no forward: see _settle_aside)
+                self._made_new = not resume and self._aside is None
+                self._setup(max_pending_bytes)
+            except BaseException:
+                self._settle_aside(keep_new=False)
+                self._writer_lock.discard_root()
+                staging = getattr(self, "_staging_finalizer", None)
+                if staging is not None:  # made before the failure: nothing of this writer needs it
+                    staging()
+                raise
         except BaseException:
-            self._settle_aside(keep_new=False)
-            self._writer_lock.discard_root()
-            staging = getattr(self, "_staging_finalizer", None)
-            if staging is not None:  # made before the failure: nothing of this writer needs it
-                staging()
+            if self._model_hash is not None:  # (no store to record it in)
+                self._model_hash.cancel()
             raise
 
     def _warn_left_aside(self, adopted: Path | None = None) -> None:

@@ -372,6 +372,80 @@ def test_an_eval_model_is_hashed_in_the_background_and_recorded_by_the_first_com
     assert open_store(path2).attrs["model"]["state_dict_sha256"] == _reference_sha256(model) != want
 
 
+def test_a_writer_that_fails_to_open_stops_hashing_the_model(tmp_path):
+    """A capture refused at the open (StoreExistsError: the store is there) left the background
+    hash of the model's weights running, unjoined: at interpreter exit the daemon thread, inside
+    torch's native code, was ended by pthread_exit, which aborted the process (status 134,
+    "terminate called without an active exception"), about 1 run in 3. The failed open now
+    stops the hash and waits for its thread; the exit hook stops any other still running."""
+    from activationscope.errors import StoreExistsError
+    from activationscope.store import writer as writer_module
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4)).eval()
+    path = tmp_path / "s.zarr"
+    with acs.ActivationScope(store=str(path)).track(model), torch.no_grad():
+        model(torch.randn(3, 4))
+
+    started, go = threading.Event(), threading.Event()
+    made = []
+
+    class Held(writer_module._ModelIdentity):  # a hash still running when the open fails
+        def __init__(self, m):
+            super().__init__(m)
+            made.append(self)
+
+        def _run(self):
+            started.set()
+            go.wait(30)
+            super()._run()
+
+    orig = writer_module._ModelIdentity
+    writer_module._ModelIdentity = Held
+    try:
+        threading.Timer(0.5, go.set).start()  # (let the hash go on its own, with or without a cancel)
+        with pytest.raises(StoreExistsError):
+            with acs.ActivationScope(store=str(path)).track(model), torch.no_grad():
+                model(torch.randn(3, 4))
+    finally:
+        writer_module._ModelIdentity = orig
+    assert started.is_set() and len(made) == 1
+    assert not made[0]._thread.is_alive() and made[0]._stop.is_set()  # stopped and joined by the failed open
+    assert made[0].get() is None and made[0] not in writer_module._HASHING
+
+
+def test_the_exit_hook_stops_a_model_hash_still_running():
+    """A writer never closed (or a capture that raised before its first commit) leaves its hash
+    running: the exit hook stops it after the tensor it is reading and joins its thread, before
+    Python finalizes (where the daemon thread would abort the process)."""
+    from activationscope.store import writer as writer_module
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(50)]).eval()
+    seen = []
+
+    class Slow(writer_module._ModelIdentity):
+        def _run(self):
+            real = writer_module._hash_state
+
+            def one_tensor_at_a_time(cls, items, stop=None):
+                for i in range(len(items)):
+                    seen.append(i)
+                    real(cls, items[i:i + 1], stop)
+                    if stop is not None and stop.wait(0.05):
+                        raise writer_module._HashCancelled()
+                return real(cls, items, stop)
+
+            try:
+                self._result = one_tensor_at_a_time(self._cls, self._items or [], self._stop)
+            except BaseException as e:  # noqa: BLE001 - as _ModelIdentity._run
+                self._error = e
+
+    ident = Slow(model)
+    assert ident in writer_module._HASHING and ident._thread.is_alive()
+    writer_module._stop_hashes_at_exit()
+    assert not ident._thread.is_alive() and ident not in writer_module._HASHING
+    assert 0 < len(seen) < 100 and ident.get() is None  # stopped partway: no record
+
+
 @pytest.mark.parametrize("chunk_rows", [4, 64])
 def test_store_capture_under_inference_mode_keeps_every_row(tmp_path, chunk_rows):
     """Chunk buffers made under torch.inference_mode() are filled and padded in place later,
