@@ -3068,6 +3068,23 @@ def _committed_shard_files(source: Any) -> dict[str, str]:
         return {}
 
 
+def _refuse_newer_format(src: Any, dst: Any) -> None:
+    """Refuse to copy a store of a format version this reader does not know: which of its files
+    make up the store (temporary files are left out, kept files read instead of damaged ones) is
+    known only for the versions it reads, so such a copy could miss files. A root that does not
+    parse, or names no version, is copied as it is (a damaged store may still be salvaged)."""
+    try:
+        fmt = json.loads(src.get("zarr.json", max_bytes=V.MAX_JSON_BYTES) or b"")["attributes"]["activationscope"]["format"]
+        version = fmt["version"]
+    except (ValueError, KeyError, TypeError, StoreError):
+        return
+    if isinstance(version, int) and not isinstance(version, bool) and version > F.MAX_READ_VERSION:
+        raise StoreError(
+            f"source {str(src)!r} of copy_store has format version {version}; this activationscope reads versions up "
+            f"to {F.MAX_READ_VERSION}: upgrade activationscope to copy it, or copy its folder as it is (cp -a, "
+            f"rsync -a, tar) while no writer runs; nothing was copied and the target {str(dst)!r} was not changed")
+
+
 def _refuse_copy_onto_itself(src: Any, dst: Any) -> None:
     """Refuse a copy whose target is its source, or a folder holding it, or inside it
     (symlinks resolved): clearing the target would delete what the copy reads."""
@@ -3126,7 +3143,9 @@ def copy_store(source: Any, target: Any, *, overwrite: bool = False, storage_opt
         source's root document changed while its objects were copied, three times in a row (a
         capture writing it commits meanwhile): the target is left an incomplete store with no
         rows. A source a writer commits to is copied as the commit its root named when the copy
-        started, whenever no commit lands while the copy runs.
+        started, whenever no commit lands while the copy runs. Or the source's root names a
+        format version newer than this reader's (its files are known only to a newer
+        activationscope); nothing is changed.
     StoreCorruptError
         The source holds a file that is not a regular file inside it (a symlink leaving it,
         a FIFO, a device): nothing is copied through it.
@@ -3146,6 +3165,7 @@ def copy_store(source: Any, target: Any, *, overwrite: bool = False, storage_opt
         raise StoreError(f"source {str(src)!r} of copy_store must be a store, got a path with no root document "
                          f"(zarr.json){f': {moved}' if moved else '; check the path'}; nothing was copied and "
                          f"the target {str(dst)!r} was not changed")
+    _refuse_newer_format(src, dst)
     check_backend_not_in_store(dst)  # its objects would land among another store's
     with WriterLock(dst):  # no writer may be writing the target meanwhile
         _refuse_copy_onto_itself(src, dst)
