@@ -536,7 +536,9 @@ class Store:
         if now is None:
             gone = f"store at {str(self._backend)!r} was removed or moved since it was opened (its root document " \
                    "zarr.json is gone)"
-            raise StoreError(f"{gone}; if another store was put in its place, {fix}")
+            raise StoreError(f"{gone}; if another store was put in its place, {fix}; if it was moved or renamed, "
+                             "open it at its new path (open_store(new path); a dataset: a new ActivationDataset of "
+                             "that path)")
         raw = self._backend.get("zarr.json", max_bytes=V.MAX_JSON_BYTES)
         doc = V.loads_json(raw, store=self._backend, key="zarr.json") if raw is not None else None
         attributes = doc.get("attributes") if isinstance(doc, dict) else None

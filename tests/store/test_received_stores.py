@@ -45,3 +45,16 @@ def test_copy_store_still_copies_the_versions_it_reads(tmp_path):
     assert torch.equal(open_store(tmp_path / "copy.zarr")[HP], rows)
     shutil.rmtree(src)
 
+
+
+def test_a_store_moved_under_an_open_reader_says_to_open_it_at_its_new_path(tmp_path):
+    path = tmp_path / "s.zarr"
+    rows = make_store(path)
+    s = open_store(path)
+    assert torch.equal(s.rows(HP, 0, 10), rows[:10])
+    path.rename(tmp_path / "renamed.zarr")  # handed over: the folder renamed while it was open
+    with pytest.raises(StoreError, match=r"s\.zarr' was removed or moved since it was opened .*if it was moved or "
+                                         r"renamed, open it at its new path \(open_store\(new path\)") as e:
+        s.rows(HP, 200, 210)
+    assert not isinstance(e.value, StoreCorruptError)
+    assert torch.equal(open_store(tmp_path / "renamed.zarr").rows(HP, 200, 210), rows[200:210])
