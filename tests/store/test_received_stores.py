@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
 from hostile import HP, edit_root, make_store, root
 
+import activationscope as acs
+from activationscope.data.export import export_parquet
 from activationscope.errors import StoreCorruptError, StoreError
+from activationscope.reductions import script_reduction
 from activationscope.store import copy_store, open_store
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("overwrite", [False, True])
@@ -58,3 +65,65 @@ def test_a_store_moved_under_an_open_reader_says_to_open_it_at_its_new_path(tmp_
         s.rows(HP, 200, 210)
     assert not isinstance(e.value, StoreCorruptError)
     assert torch.equal(open_store(tmp_path / "renamed.zarr").rows(HP, 200, 210), rows[200:210])
+
+
+def _sum_of_squares(acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    s = x.double().pow(2).sum(0)
+    return s if acc is None else acc + s
+
+
+def _capture(path, pt, batches):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU())
+    torch.manual_seed(0)
+    model.load_state_dict({k: torch.randn_like(v) for k, v in model.state_dict().items()})
+    reductions = ["mean"] + ([str(pt)] if pt is not None else [])
+    opts = {"resume": True} if pt is None or path.exists() else {}
+    scope = acs.ActivationScope(store=str(path), reductions=reductions, store_options=opts)
+    with scope.track(model, include=["0"]) as tracker, torch.no_grad():
+        for x in batches:
+            model(x)
+    return tracker
+
+
+def test_a_received_stores_custom_reduction_reads_without_its_pt_and_nothing_is_loaded(tmp_path, monkeypatch):
+    pt = script_reduction(_sum_of_squares, tmp_path / "a" / "sumsq.pt")
+    program = pt.read_bytes()
+    batches = list(torch.randn(12, 4, generator=torch.Generator().manual_seed(1)).split(5))
+    _capture(tmp_path / "a" / "run.zarr", pt, batches)
+    received = tmp_path / "b" / "received run.zarr"
+    shutil.copytree(tmp_path / "a" / "run.zarr", received)
+    shutil.rmtree(tmp_path / "a")  # the sender's folder, .pt included, is gone
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a store's program was loaded")
+
+    monkeypatch.setattr(torch.jit, "load", refuse)
+    monkeypatch.setattr(torch, "load", refuse)
+    store = open_store(received)
+    rows = store["0.output"]
+    assert store.verify() == [] and rows.shape == (12, 6)
+    expected = None  # the capture's result: the rows of each forward folded in, in order
+    for part in rows.split(5):
+        expected = _sum_of_squares(expected, part)
+    assert torch.equal(store.reductions["0.output"]["sumsq"], expected)
+    assert store.reduction_specs("0.output")["sumsq"] == ("script", {})
+    assert store.reduction_script("0.output", "sumsq") == program  # its bytes, as they ran
+    assert store.info()["status"] == "complete"
+    export_parquet(store, tmp_path / "b" / "rows.parquet")
+    copy_store(store, tmp_path / "b" / "copy.zarr")
+    assert torch.equal(open_store(tmp_path / "b" / "copy.zarr").reductions["0.output"]["sumsq"],
+                       store.reductions["0.output"]["sumsq"])
+    monkeypatch.undo()
+
+    # a resume without the program leaves its values as they were, reported partial
+    before = store.reductions["0.output"]["sumsq"].clone()
+    _capture(received, None, [torch.randn(3, 4)])
+    again = open_store(received)
+    assert again.partial_reductions["0.output"]["sumsq"] == (12, 15)
+    assert "sumsq" not in again.reductions["0.output"]
+
+    # the page says what loading a .pt does, and how a received store's program is had
+    text = (ROOT / "docs" / "usage" / "reductions.md").read_text()
+    assert "a `.pt` is\ncode, so load one only from someone you trust" in text
+    assert "never load or run a store's program" in text and "store.reduction_script(hook_point, name)" in text
+    assert torch.equal(before, expected)
