@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -13,8 +14,9 @@ from hostile import HP, edit_root, make_store, root
 import activationscope as acs
 from activationscope.data.export import export_parquet
 from activationscope.errors import StoreCorruptError, StoreError
-from activationscope.reductions import script_reduction
+from activationscope.reductions import make_reduction, script_reduction
 from activationscope.store import copy_store, open_store
+from activationscope.store.ranks import commit_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -127,3 +129,55 @@ def test_a_received_stores_custom_reduction_reads_without_its_pt_and_nothing_is_
     assert "a `.pt` is\ncode, so load one only from someone you trust" in text
     assert "never load or run a store's program" in text and "store.reduction_script(hook_point, name)" in text
     assert torch.equal(before, expected)
+
+
+class _SumRows(torch.nn.Module):
+    def forward(self, acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        s = x.double().sum(0)
+        return s if acc is None else acc + s
+
+    @torch.jit.export
+    def merge(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a + b
+
+
+def test_rank_stores_whose_custom_reduction_program_is_damaged_are_not_committed(tmp_path):
+    # rank stores received to be committed (consolidate): a damaged .pt of rank 0 was copied into the
+    # committed store with a crc32c computed anew over the damaged bytes, so verify found nothing
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        scripted = torch.jit.script(_SumRows())
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4)).eval()
+    path = tmp_path / "tasks.zarr"
+    xs = list(torch.randn(12, 4, generator=torch.Generator().manual_seed(2)).split(3))
+    for task in range(2):
+        scope = acs.ActivationScope(store=str(path), reductions=["mean", ("rows", scripted)],
+                                    store_options={"shard_rows": 8, "process_group": acs.RankStore(task, 2)})
+        with scope.track(model) as tracker, torch.no_grad():
+            for b in range(2 * task, 2 * task + 2):
+                tracker.set_batch(sample_ids=torch.arange(3 * b, 3 * b + 3))
+                model(xs[b])
+    pt = path / "ranks" / "00000" / "reductions" / "0.output" / "rows.pt"
+    program = pt.read_bytes()
+    damaged = bytearray(program)
+    damaged[len(damaged) // 2] ^= 0xFF
+    pt.write_bytes(bytes(damaged))
+
+    def make(hook_point, name, entry):
+        return make_reduction(scripted) if name == "rows" else None
+
+    with pytest.raises(StoreCorruptError, match=r"ranks/00000'.*reduction 'rows': script "
+                                                r"'reductions/0.output/rows.pt': crc32c mismatch"):
+        commit_ranks(path, make_reduction=make)
+    assert open_store(path).status == "incomplete"  # nothing committed
+    assert pt.read_bytes() == bytes(damaged)  # and the rank store left as it was
+
+    pt.write_bytes(program)  # restored from an intact copy: it commits
+    commit_ranks(path, make_reduction=make)
+    store = open_store(path)
+    assert store.status == "complete" and store.verify() == []
+    assert store.reduction_script("0.output", "rows") == program
+    rows = store["0.output"]
+    assert rows.shape == (12, 4)
+    assert torch.allclose(store.reductions["0.output"]["rows"], rows.double().sum(0), rtol=1e-12, atol=0)
