@@ -3136,7 +3136,8 @@ def copy_store(source: Any, target: Any, *, overwrite: bool = False, storage_opt
         (or prefix) also holds entries that are not the store's. Nothing is changed.
     StoreLockedError
         A writer holds ``target``; or, with ``overwrite`` replacing a store at ``target``, a
-        writer holds ``source`` (its lock file names a live holder, or its lock marker exists):
+        writer holds ``source`` (a process holds its lock file's ``flock``, or its lock marker exists;
+        a lock file left by a writer killed elsewhere is none):
         a copy of a store being written may fail after the old store was deleted. Nothing is
         changed; copy into a new path, or once the writer has finished.
     StoreError

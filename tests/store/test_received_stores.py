@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import warnings
 from pathlib import Path
@@ -13,9 +15,9 @@ from hostile import HP, edit_root, make_store, root
 
 import activationscope as acs
 from activationscope.data.export import export_parquet
-from activationscope.errors import StoreCorruptError, StoreError
+from activationscope.errors import StoreCorruptError, StoreError, StoreLockedError
 from activationscope.reductions import make_reduction, script_reduction
-from activationscope.store import copy_store, open_store
+from activationscope.store import StoreWriter, copy_store, open_store
 from activationscope.store.ranks import commit_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -181,3 +183,60 @@ def test_rank_stores_whose_custom_reduction_program_is_damaged_are_not_committed
     rows = store["0.output"]
     assert rows.shape == (12, 4)
     assert torch.allclose(store.reductions["0.output"]["rows"], rows.double().sum(0), rtol=1e-12, atol=0)
+
+
+def _lock_of_a_writer_killed_elsewhere(path):
+    (path / ".activationscope-writer.lock").write_text(json.dumps(
+        {"pid": 1, "host": "capture-node-7", "started": "2026-01-01T00:00:00Z", "token": "0" * 32}))
+
+
+def test_a_received_store_whose_writer_was_killed_elsewhere_can_replace_a_copy(tmp_path):
+    # a capture killed on another machine, then tarred: its lock file still names that writer.
+    # No process holds the lock here, so copying it over an existing copy is no race with a writer
+    src = tmp_path / "received.zarr"
+    rows = make_store(src)
+    _lock_of_a_writer_killed_elsewhere(src)
+    dst = tmp_path / "mine.zarr"
+    make_store(dst, n_rows=64)
+    copy_store(src, dst, overwrite=True)
+    assert torch.equal(open_store(dst)[HP], rows) and open_store(dst).verify() == []
+
+
+def test_a_store_a_writer_holds_is_still_refused_as_a_copy_source_and_named(tmp_path):
+    src = tmp_path / "live.zarr"
+    make_store(src)
+    dst = tmp_path / "mine.zarr"
+    old = make_store(dst, n_rows=64)
+    writer = StoreWriter(src, resume=True)  # holds the lock of src
+    try:
+        with pytest.raises(StoreLockedError, match=rf"of copy_store is being written by pid {os.getpid()} on host"):
+            copy_store(src, dst, overwrite=True)
+    finally:
+        writer.close()
+    assert torch.equal(open_store(dst)[HP], old)
+
+
+def test_a_writer_starting_while_a_copy_looks_at_the_lock_is_not_turned_away(tmp_path, monkeypatch):
+    import fcntl
+
+    from activationscope.store import _lock
+
+    path = tmp_path / "s.zarr"
+    make_store(path)
+    _lock_of_a_writer_killed_elsewhere(path)  # a stale name the refusal would show
+    looker = os.open(path / ".activationscope-writer.lock", os.O_RDONLY)
+    fcntl.flock(looker, fcntl.LOCK_SH | fcntl.LOCK_NB)  # what writer_holding takes a moment to look
+    real_sleep = _lock.time.sleep
+
+    def sleep(s):  # the look ends while the writer waits
+        fcntl.flock(looker, fcntl.LOCK_UN)
+        real_sleep(s)
+
+    monkeypatch.setattr(_lock.time, "sleep", sleep)
+    try:
+        writer = StoreWriter(path, resume=True)
+    finally:
+        os.close(looker)
+    monkeypatch.undo()
+    writer.close()
+    assert open_store(path).verify() == []
