@@ -985,6 +985,12 @@ def _root_attrs_to_commit(b: Any, raw: bytes) -> dict:
             f"the root document zarr.json of {str(b)!r} {what}, so consolidate cannot tell whether its ranks were "
             "committed; nothing was changed. Run verify on it; if that zarr.json is not this capture's, move it "
             "away and consolidate again (the rank stores record their world size)")
+    try:  # a root a newer activationscope wrote: its ranks and their commit are that version's to read
+        V.check_format(attrs, store=b)
+    except StoreCorruptError as e:
+        raise StoreCorruptError(f"{e}; consolidate changed nothing") from None
+    except StoreError as e:
+        raise StoreError(f"{e} to commit its rank stores; nothing was changed") from None
     return attrs
 
 

@@ -240,3 +240,31 @@ def test_a_writer_starting_while_a_copy_looks_at_the_lock_is_not_turned_away(tmp
     monkeypatch.undo()
     writer.close()
     assert open_store(path).verify() == []
+
+
+def test_rank_stores_under_a_root_of_a_newer_format_version_are_not_committed(tmp_path):
+    # the commit wrote its version 2 root over a newer activationscope's, reading that store by this version's rules
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4)).eval()
+    path = tmp_path / "tasks.zarr"
+    xs = list(torch.randn(12, 4, generator=torch.Generator().manual_seed(3)).split(3))
+    for task in range(2):
+        scope = acs.ActivationScope(store=str(path), reductions=["mean"],
+                                    store_options={"shard_rows": 8, "process_group": acs.RankStore(task, 2)})
+        with scope.track(model) as tracker, torch.no_grad():
+            for b in range(2 * task, 2 * task + 2):
+                tracker.set_batch(sample_ids=torch.arange(3 * b, 3 * b + 3))
+                model(xs[b])
+    edit_root(path, lambda a: a["format"].update(version=3))
+    before = {p.relative_to(path): p.read_bytes() for p in path.rglob("*") if p.is_file()}
+    with pytest.raises(StoreError, match=r"format version 3; this activationscope reads versions up to 2: upgrade "
+                                         r"activationscope to commit its rank stores; nothing was changed") as e:
+        commit_ranks(path)
+    assert not isinstance(e.value, StoreCorruptError)
+    assert {p.relative_to(path): p.read_bytes() for p in path.rglob("*") if p.is_file()} == before
+
+    edit_root(path, lambda a: a["format"].update(version=2))  # the version it was written with: commits
+    commit_ranks(path)
+    store = open_store(path)
+    assert store.status == "complete" and store.verify() == []
+    with torch.no_grad():
+        assert torch.equal(store["0.output"], torch.cat([model(x) for x in xs]))
