@@ -65,22 +65,45 @@ def _pid_alive(pid: Any) -> bool:
     return True
 
 
+def _flock_held(fd: int) -> bool | None:
+    """Whether a process holds the ``flock`` of the open lock file ``fd`` (tried as a shared
+    lock without blocking, released at once); None where ``flock`` cannot be tried."""
+    try:
+        import fcntl
+
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except (ImportError, OSError):  # (no flock here: a file system without locks)
+        return None
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return False
+
+
 def writer_holding(backend: Any) -> str | None:
     """Who holds the writer lock of the store at ``backend`` now (``pid ... on host ...``), or
-    None when no writer is known to: read only, no lock is taken (a writer starting at the same
-    time is never turned away by it). A local store: its lock file names a holder (a writer
-    truncates it when it releases the lock); an object store: its marker exists. A holder of
-    this host whose pid is gone (killed) holds nothing; one of another host is taken to hold the
-    store (its pid cannot be checked from here)."""
+    None when no writer is known to. A local store: whether a process holds the lock file's
+    ``flock`` (the lock a writer takes; a shared lock tried without blocking and dropped at once:
+    a writer starting at that moment tries again, and is never turned away by it), its holder
+    named by the file; so a lock file that a killed writer left, on this host or another (a store
+    copied or unpacked from a capture killed elsewhere), holds nothing. Where ``flock`` cannot be
+    tried, the file alone: a holder named (a writer truncates it when it releases the lock) whose
+    pid is gone on this host holds nothing, one of another host is taken to hold the store. An
+    object store: its marker exists (one of this host whose pid is gone holds nothing)."""
     if isinstance(backend, LocalBackend):
         try:
             fd = os.open(backend.root / LOCK_KEY, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError:  # (none, or not a regular file a writer could hold: that writer is refused)
             return None
         try:
-            raw = os.pread(fd, 4096, 0) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return None
+            raw = os.pread(fd, 4096, 0)
+            held = _flock_held(fd)
         finally:
             os.close(fd)
+        if held is not None:
+            return _holder_text(raw) if held else None
     else:
         try:
             raw = backend.get(LOCK_KEY, max_bytes=4096)
@@ -178,6 +201,21 @@ class WriterLock:
                                                    "one)")
         return fd, False
 
+    @staticmethod
+    def _locked_once_free(fd: int) -> bool:
+        """Try the exclusive ``flock`` of ``fd`` again a few times over 20 ms: a shared lock that
+        :func:`writer_holding` took to look is dropped at once. True once it is taken."""
+        import fcntl
+
+        for _ in range(4):
+            time.sleep(0.005)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+            except BlockingIOError:
+                continue
+        return False
+
     def _acquire_local(self) -> None:
         import fcntl
 
@@ -196,15 +234,18 @@ class WriterLock:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                try:  # the holder writes its pid just after it locks: give it a moment to be named
-                    for _ in range(40):
-                        holder = os.pread(fd, 4096, 0)
-                        if _names_holder(holder):
-                            break
-                        time.sleep(0.005)
-                finally:
-                    os.close(fd)
-                raise self._locked_error(holder) from None
+                # the holder writes its pid just after it locks: give it a moment to be named; a
+                # reader asking whether a writer holds the store (writer_holding) holds it a moment only
+                if not self._locked_once_free(fd):
+                    try:
+                        for _ in range(40):
+                            holder = os.pread(fd, 4096, 0)
+                            if _names_holder(holder):
+                                break
+                            time.sleep(0.005)
+                    finally:
+                        os.close(fd)
+                    raise self._locked_error(holder) from None
             try:  # the file may have been replaced between open and flock: lock the current one
                 same = os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
             except FileNotFoundError:

@@ -985,6 +985,12 @@ def _root_attrs_to_commit(b: Any, raw: bytes) -> dict:
             f"the root document zarr.json of {str(b)!r} {what}, so consolidate cannot tell whether its ranks were "
             "committed; nothing was changed. Run verify on it; if that zarr.json is not this capture's, move it "
             "away and consolidate again (the rank stores record their world size)")
+    try:  # a root a newer activationscope wrote: its ranks and their commit are that version's to read
+        V.check_format(attrs, store=b)
+    except StoreCorruptError as e:
+        raise StoreCorruptError(f"{e}; consolidate changed nothing") from None
+    except StoreError as e:
+        raise StoreError(f"{e} to commit its rank stores; nothing was changed") from None
     return attrs
 
 
@@ -1156,6 +1162,9 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
     # against the arrays' rows, and every reduction merged from the ranks' states
     tables = _rank_row_tables(stores, hps, metas)
     merged = _merged_reductions(stores, make_reduction, states_read)
+    # the programs of custom reductions, kept as rank 0 holds them: read (and their crc32c checked)
+    # now, so a damaged one refuses the commit before its first write, never committed with a new crc32c
+    scripts = {(hp, name): held[0].reduction_script(hp, name) for hp, by_name in merged.items() for name in by_name}
     if again is not None:
         # the new run's root first, over the old store's (as every overwrite, FORMAT.md section 10):
         # from here on the old store's objects are no part of the store, whatever is left of them
@@ -1282,7 +1291,7 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
                                      "shape": list(t.shape), "crc32c": crcs}
             src_script = (held[0].attrs.get("reductions") or {}).get(hp, {}).get(name, {}).get("script")
             if src_script:
-                data = held[0]._backend.get(src_script)
+                data = scripts.get((hp, name))
                 if data is not None and name in entries_out:
                     b.set(src_script, data)
                     entries_out[name]["script"] = src_script

@@ -536,7 +536,9 @@ class Store:
         if now is None:
             gone = f"store at {str(self._backend)!r} was removed or moved since it was opened (its root document " \
                    "zarr.json is gone)"
-            raise StoreError(f"{gone}; if another store was put in its place, {fix}")
+            raise StoreError(f"{gone}; if another store was put in its place, {fix}; if it was moved or renamed, "
+                             "open it at its new path (open_store(new path); a dataset: a new ActivationDataset of "
+                             "that path)")
         raw = self._backend.get("zarr.json", max_bytes=V.MAX_JSON_BYTES)
         doc = V.loads_json(raw, store=self._backend, key="zarr.json") if raw is not None else None
         attributes = doc.get("attributes") if isinstance(doc, dict) else None
@@ -3068,6 +3070,23 @@ def _committed_shard_files(source: Any) -> dict[str, str]:
         return {}
 
 
+def _refuse_newer_format(src: Any, dst: Any) -> None:
+    """Refuse to copy a store of a format version this reader does not know: which of its files
+    make up the store (temporary files are left out, kept files read instead of damaged ones) is
+    known only for the versions it reads, so such a copy could miss files. A root that does not
+    parse, or names no version, is copied as it is (a damaged store may still be salvaged)."""
+    try:
+        fmt = json.loads(src.get("zarr.json", max_bytes=V.MAX_JSON_BYTES) or b"")["attributes"]["activationscope"]["format"]
+        version = fmt["version"]
+    except (ValueError, KeyError, TypeError, StoreError):
+        return
+    if isinstance(version, int) and not isinstance(version, bool) and version > F.MAX_READ_VERSION:
+        raise StoreError(
+            f"source {str(src)!r} of copy_store has format version {version}; this activationscope reads versions up "
+            f"to {F.MAX_READ_VERSION}: upgrade activationscope to copy it, or copy its folder as it is (cp -a, "
+            f"rsync -a, tar) while no writer runs; nothing was copied and the target {str(dst)!r} was not changed")
+
+
 def _refuse_copy_onto_itself(src: Any, dst: Any) -> None:
     """Refuse a copy whose target is its source, or a folder holding it, or inside it
     (symlinks resolved): clearing the target would delete what the copy reads."""
@@ -3117,7 +3136,8 @@ def copy_store(source: Any, target: Any, *, overwrite: bool = False, storage_opt
         (or prefix) also holds entries that are not the store's. Nothing is changed.
     StoreLockedError
         A writer holds ``target``; or, with ``overwrite`` replacing a store at ``target``, a
-        writer holds ``source`` (its lock file names a live holder, or its lock marker exists):
+        writer holds ``source`` (a process holds its lock file's ``flock``, or its lock marker exists;
+        a lock file left by a writer killed elsewhere is none):
         a copy of a store being written may fail after the old store was deleted. Nothing is
         changed; copy into a new path, or once the writer has finished.
     StoreError
@@ -3126,7 +3146,9 @@ def copy_store(source: Any, target: Any, *, overwrite: bool = False, storage_opt
         source's root document changed while its objects were copied, three times in a row (a
         capture writing it commits meanwhile): the target is left an incomplete store with no
         rows. A source a writer commits to is copied as the commit its root named when the copy
-        started, whenever no commit lands while the copy runs.
+        started, whenever no commit lands while the copy runs. Or the source's root names a
+        format version newer than this reader's (its files are known only to a newer
+        activationscope); nothing is changed.
     StoreCorruptError
         The source holds a file that is not a regular file inside it (a symlink leaving it,
         a FIFO, a device): nothing is copied through it.
@@ -3146,6 +3168,7 @@ def copy_store(source: Any, target: Any, *, overwrite: bool = False, storage_opt
         raise StoreError(f"source {str(src)!r} of copy_store must be a store, got a path with no root document "
                          f"(zarr.json){f': {moved}' if moved else '; check the path'}; nothing was copied and "
                          f"the target {str(dst)!r} was not changed")
+    _refuse_newer_format(src, dst)
     check_backend_not_in_store(dst)  # its objects would land among another store's
     with WriterLock(dst):  # no writer may be writing the target meanwhile
         _refuse_copy_onto_itself(src, dst)
