@@ -1242,7 +1242,11 @@ class Store:
                                       store=self._backend, key=man_key, check_chunks=False)
             rec = _ChunkCrcs(shards, shard, n_chunks, self._backend, man_key).get((shard, slot))
         except StoreCorruptError:
+            self._check_same_store()
             return False
+        # the manifest of a resume of the opened run, not of another run written in its place, whose
+        # chunk would match its own manifest (the root is written first: unchanged now, unchanged then)
+        self._check_same_store()
         return rec is not None and rec[1] == entry[1] and F.crc32c(data) == rec[2]
 
     def _chunk_crc_problem_of(self, meta: dict, shard: int, slot: int, entry: tuple[int, int], data: Any,
