@@ -79,9 +79,10 @@ class StoreBackend(Protocol):
     def size(self, key: str) -> int | None:
         """The object's size in bytes, None when absent."""
 
-    def tail(self, key: str, length: int) -> tuple[int, bytes] | None:
+    def tail(self, key: str, length: int, size_hint: int | None = None) -> tuple[int, bytes] | None:
         """``(size, last min(length, size) bytes)`` of the object (a shard's size and index),
-        None when absent."""
+        None when absent. ``size_hint``: the size the object is expected to have (a manifest's
+        record), which a backend may use to save a request; the result is its real size."""
 
     def set(self, key: str, data: bytes) -> None:
         """Write an object atomically (readers see the old bytes or the new ones)."""
@@ -406,10 +407,10 @@ class LocalBackend:
         os.close(opened[0])
         return opened[1]
 
-    def tail(self, key: str, length: int) -> tuple[int, bytes] | None:
+    def tail(self, key: str, length: int, size_hint: int | None = None) -> tuple[int, bytes] | None:
         """``(size, last min(length, size) bytes)`` of a regular file inside the store, from
         one open (a shard's size and index: opening a layer reads one per shard); None when
-        absent. Raises as :meth:`get`."""
+        absent. Raises as :meth:`get`. (``size_hint`` is not needed here.)"""
         opened = self._open_regular(key)
         if opened is None:
             return None
@@ -944,7 +945,18 @@ class ZarrBackend:
             raise StoreError(f"reading the size of {key!r} in {self.label} failed: {remote_failure(e)}") from e
         return None if n is None else int(n)
 
-    def tail(self, key: str, length: int) -> tuple[int, bytes] | None:
+    def tail(self, key: str, length: int, size_hint: int | None = None) -> tuple[int, bytes] | None:
+        """``(size, last min(length, size) bytes)`` of the object, None when absent: its size
+        (one metadata request), then a ranged read. With ``size_hint`` (the size a manifest
+        records), one ranged read of ``length + 1`` bytes from ``size_hint - length``: it comes
+        back as exactly ``length`` bytes only when the object ends at ``size_hint`` (a read past
+        the end stops there), so the hint is only a guess that the read confirms; any other
+        answer asks for the size as without it."""
+        if (isinstance(size_hint, int) and not isinstance(size_hint, bool) and length > 0
+                and length <= size_hint <= MAX_FILE_BYTES):
+            data = self.get_range(key, size_hint - length, length + 1)
+            if data is not None and len(data) == length:
+                return size_hint, data
         size = self.size(key)
         if size is None:
             return None

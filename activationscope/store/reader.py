@@ -1372,8 +1372,16 @@ class Store:
         shard_rows = n_chunks * chunk_rows
         hp = meta["path"]
         index_bytes = 16 * n_chunks + 4
-        with self._reads_of_the_opened_run():  # (the index of a shard another run wrote since: refused)
-            got_tail = self._backend.tail(key, index_bytes)  # size and index (locally: from one open)
+        # Locally the root is checked once the index is read (a mapped shard's rows are not checksummed:
+        # the index of a shard another run wrote since is refused here). On object storage every chunk
+        # read through the index is checked against the opened run's manifest (its size and crc32c), and
+        # a read that fails asks the root then (_read_rows, verify): a request per shard here made a read
+        # ask for the root document once per shard.
+        local = isinstance(self._backend, LocalBackend)
+        with self._reads_of_the_opened_run() if local else contextlib.nullcontext():
+            # size and index (locally: from one open; on object storage at the size the manifest records)
+            got_tail = (self._backend.tail(key, index_bytes) if local
+                        else self._backend.tail(key, index_bytes, size_hint=self._recorded_bytes(meta, shard)))
             if got_tail is None and key != shard_key:  # a resume's kept file, removed since (its commit ended)
                 key = shard_key
                 got_tail = self._backend.tail(key, index_bytes)
@@ -1448,6 +1456,13 @@ class Store:
             if self._current(meta):
                 self._indexes[shard_key] = out
         return out
+
+    def _recorded_bytes(self, meta: dict, shard: int) -> int | None:
+        """The size of shard ``shard``'s file the manifest records (``file_bytes``), None when
+        it records none: a hint for reading its index (``tail``), which the read confirms."""
+        rec = self._array_crcs(meta)._shards.get(shard)
+        hint = rec.get("file_bytes") if isinstance(rec, dict) else None
+        return hint if isinstance(hint, int) and not isinstance(hint, bool) else None
 
     def _forget_kept(self, meta: dict, shard: int, idx: _ShardIndex) -> bool:
         """When ``idx`` (shard ``shard``'s cached index) is of a resume's kept file

@@ -1,8 +1,12 @@
 """Reads of a store on object storage (moto S3) or in fsspec memory, shard by shard: a
 replaced store is never read as the opened run, whatever the reader cached before the
-replacement."""
+replacement, and a full read asks for the root document a number of times that does not grow
+with the shards read (every chunk is checked against the opened run's manifest instead)."""
 
 from __future__ import annotations
+
+import collections
+import uuid
 
 import pytest
 import torch
@@ -41,3 +45,56 @@ def test_the_partial_last_chunk_of_another_run_is_refused_after_its_shard_index_
     st.refresh()
     assert torch.equal(st.rows(HP, tail.start, tail.stop), new[tail])
 
+
+def _requests_of_a_full_read(url: str, so, monkeypatch) -> collections.Counter:
+    """(method, key) of every S3 request of opening the store at ``url`` and reading all its rows."""
+    endpoint = pytest.importorskip("aiobotocore.endpoint")
+    requests: collections.Counter = collections.Counter()
+    send = endpoint.AioEndpoint._send
+
+    async def counted(self, request):
+        requests[(request.method, request.url.split("?")[0].split(".zarr/")[-1])] += 1
+        return await send(self, request)
+
+    monkeypatch.setattr(endpoint.AioEndpoint, "_send", counted)
+    st = open_store(url, storage_options=so)
+    requests["rows"] = st.n_rows(HP)
+    got = torch.cat([st.rows(HP, s, min(s + 40, st.n_rows(HP))) for s in range(0, st.n_rows(HP), 40)])
+    monkeypatch.undo()
+    requests["values"] = got
+    return requests
+
+
+@pytest.mark.parametrize("n_shards", [2, 10])
+def test_a_full_read_of_an_s3_store_asks_for_metadata_once_per_array_not_per_shard(s3, monkeypatch, n_shards):
+    """Opening a store and reading every row of an array of ``n_shards`` shards: the root
+    document is asked for as many times whatever the number of shards, and a shard's size is
+    never asked for (its index is read at the size its manifest records, which the read
+    confirms); before, one HEAD of the root and one of the shard per shard. Rows as written."""
+    url = f"s3://acs-bucket/shards-{uuid.uuid4().hex}.zarr"
+    want = _write(url, s3, seed=0, n_rows=n_shards * SHARD_ROWS)
+    requests = _requests_of_a_full_read(url, s3, monkeypatch)
+    assert torch.equal(requests.pop("values"), want)
+    assert requests.pop("rows") == n_shards * SHARD_ROWS
+    shards = {key for _, key in requests if key.startswith(f"acts/{HP}/c/")}
+    assert len(shards) == n_shards
+    root = sum(v for (m, key), v in requests.items() if key.endswith(".zarr") or key == "zarr.json")
+    assert root <= 5, requests  # opening (its stamp, size, bytes), the array's first read; before: + n_shards
+    heads = {key: requests[("HEAD", key)] for key in shards if requests[("HEAD", key)]}
+    # the last shard's size, checked once when the array is first read (n_rows against its files)
+    assert heads == {f"acts/{HP}/c/{n_shards - 1}/0": 1}, requests
+    for key in shards:  # its index and its 4 chunks
+        assert requests[("GET", key)] <= 5, (key, requests)
+
+
+def test_a_shard_of_another_size_than_its_manifest_records_is_read_at_its_size(remote):
+    """A shard file longer than the manifest's ``file_bytes`` (a resume's rewrite of the last
+    shard since the reader opened the store): its index is read at its real end, and the rows
+    committed when the reader opened it read as they were."""
+    url, so = remote
+    old = _write(url, so, seed=0, n_rows=N_TAIL)
+    st = open_store(url, storage_options=so)
+    assert torch.equal(st.rows(HP, 0, 4), old[:4])  # (the manifest read: the shard sizes it records)
+    _write(url, so, seed=2, resume=True, n_rows=CHUNK_ROWS)  # the last shard rewritten with 16 more rows
+    assert open_store(url, storage_options=so).n_rows(HP) == N_TAIL + CHUNK_ROWS
+    assert torch.equal(st.rows(HP, 0, N_TAIL), old)
