@@ -851,6 +851,10 @@ def remote_failure(e: BaseException) -> str:
             "Could not connect to the endpoint URL" in text:
         hint = ("the endpoint did not answer: check storage_options={'client_kwargs': {'endpoint_url': ...}} "
                 "or AWS_ENDPOINT_URL in the environment (the command line reads it)")
+    elif "NoSuchBucket" in names or "NoSuchBucket" in text or "specified bucket does not exist" in text:
+        hint = ("the bucket does not exist at this endpoint: create it (e.g. `aws s3 mb s3://<bucket>`) or correct "
+                "the bucket's name in the URL (and the endpoint: storage_options={'client_kwargs': "
+                "{'endpoint_url': ...}} or AWS_ENDPOINT_URL)")
     elif isinstance(e, PermissionError) or any(w in text for w in (
             "AccessDenied", "Access Denied", "Forbidden", "InvalidAccessKeyId", "SignatureDoesNotMatch")):
         hint = ("the object store refused the credentials or this bucket: check the key and secret "
@@ -1082,6 +1086,38 @@ class FsspecBackend(ZarrBackend):
                 f.invalidate_cache(root)  # (and its parents' listings, which name it)
             except Exception:  # noqa: BLE001 - a cache it cannot drop: reads as before
                 pass
+
+    def why_no_root(self) -> str:
+        """Why this URL holds no store root, where the file system can tell in a request or
+        two (called once ``zarr.json`` was found missing): its bucket does not exist, or an
+        object (a file) sits at the store's own path. '' when neither."""
+        fs = getattr(self.store, "fs", None)
+        if fs is None or not hasattr(fs, "_info"):
+            return ""
+        path = self.store.path.rstrip("/")
+        protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+        try:
+            info = self._sync(fs._info(path))
+        except FileNotFoundError as e:
+            bucket = path.split("/", 1)[0]
+            missing = "bucket does not exist" in str(e) or "NoSuchBucket" in str(e)
+            if not missing and set(protocols) & {"s3", "s3a", "gs", "gcs"} and bucket != path:
+                try:
+                    self._sync(fs._info(bucket))
+                except FileNotFoundError:
+                    missing = True
+                except Exception:  # noqa: BLE001 - said by the caller's message as it is
+                    return ""
+            if missing:
+                return (f"the bucket {bucket!r} does not exist at this endpoint: create it (e.g. `aws s3 mb "
+                        f"s3://{bucket}`) or correct the bucket's name in the URL")
+            return ""
+        except Exception:  # noqa: BLE001 - a refused credential or an endpoint down: the next request says it
+            return ""
+        if isinstance(info, dict) and info.get("type") == "file":
+            return ("an object (a file) is at that path, and a store is a prefix (folder) of objects: "
+                    "give the store's own URL (the prefix that holds its zarr.json)")
+        return ""
 
     def stamp(self, key: str) -> tuple | None:
         """The object's size and identity (S3: ETag and last-modified; fsspec memory: its

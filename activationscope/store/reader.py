@@ -407,7 +407,9 @@ class Store:
                 if moved:
                     raise StoreError(f"no store at {str(self._backend)!r}: it holds no root document (zarr.json); "
                                      f"{moved}")
-            raise StoreError(f"no store at {str(self._backend)!r} (no zarr.json)")
+            why = getattr(self._backend, "why_no_root", None)
+            why = why() if why is not None else ""
+            raise StoreError(f"no store at {str(self._backend)!r} (no zarr.json)" + (f": {why}" if why else ""))
         try:
             attrs = V.parse_root(raw, store=self._backend)
         except StoreCorruptError:

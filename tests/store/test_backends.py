@@ -260,6 +260,32 @@ def test_a_remote_store_without_credentials_or_endpoint_names_the_fix(s3, mlp, n
     assert cli.main(["verify", url]) == 0, capsys.readouterr().err
 
 
+def test_a_missing_bucket_or_an_object_at_the_store_s_path_is_named_with_the_fix(s3, mlp):
+    """Opening or capturing into an S3 URL whose bucket does not exist said only "no store
+    (no zarr.json)" or botocore's "The specified bucket does not exist": both now name the
+    bucket's absence and the fix. A URL naming an object (a file), not a prefix, says so."""
+    url = f"s3://acs-missing-{uuid.uuid4().hex[:12]}/run.zarr"
+    bucket = url.split("/")[2]
+    with pytest.raises(acs.StoreError, match=rf"no store at '{url}' \(no zarr.json\): the bucket '{bucket}' does "
+                       rf"not exist at this endpoint: create it \(e.g. `aws s3 mb s3://{bucket}`\) or correct"):
+        open_store(url, storage_options=s3)
+    with pytest.raises(acs.StoreError, match=rf"to {url} failed: .*; the bucket does not exist at this endpoint: "
+                       r"create it .* or correct the bucket's name in the URL"):
+        with acs.ActivationScope(store=url, store_options={"storage_options": s3}).track(mlp), torch.no_grad():
+            mlp(torch.randn(3, 8))
+    import s3fs
+
+    fs = s3fs.S3FileSystem(**s3)
+    assert not fs.exists(bucket)  # (nothing was made)
+    file_url = f"s3://acs-bucket/object-{uuid.uuid4().hex}.zarr"
+    fs.pipe(file_url[len("s3://"):], b"not a store")
+    with pytest.raises(acs.StoreError, match=r"\(no zarr.json\): an object \(a file\) is at that path, and a store "
+                       r"is a prefix \(folder\) of objects: give the store's own URL"):
+        open_store(file_url, storage_options=s3)
+    with pytest.raises(acs.StoreError, match=r"no store at 's3://acs-bucket/absent-[0-9a-f]+.zarr' \(no zarr.json\)$"):
+        open_store(f"s3://acs-bucket/absent-{uuid.uuid4().hex}.zarr", storage_options=s3)
+
+
 @pytest.fixture
 def staging_dir(tmp_path, monkeypatch):
     """The folder where writers of remote stores make their staging folders in this test
