@@ -1404,6 +1404,30 @@ def check_local_store_path(root: str | os.PathLike) -> None:
             return
 
 
+def check_remote_store_path(backend: Any) -> None:
+    """:func:`check_local_store_path` for a prefix of an fsspec file system (``s3://``, ...):
+    raise :class:`StoreError` when an object (a file) sits at the store's own path and no store
+    is under it. Object storage would keep both (the object, and the store's objects under the
+    prefix of the same name), so the mistyped path of a file would become a store beside it."""
+    if not isinstance(backend, FsspecBackend):
+        return
+    fs = getattr(backend.store, "fs", None)
+    if fs is None or not hasattr(fs, "_info"):
+        return
+    path = backend.store.path.rstrip("/")
+    try:
+        info = backend._sync(fs._info(path))
+    except Exception:  # noqa: BLE001 - nothing there, or a failure the writer's next request names
+        return
+    if not isinstance(info, dict) or info.get("type") != "file" or backend.size("zarr.json") is not None:
+        return
+    raise StoreError(
+        f"store path {backend.label!r} must be a prefix (folder) of objects or a path where nothing is yet, got an "
+        f"existing object (a file) of {info.get('size')} bytes; choose another path, or delete that object if it "
+        "is not needed (overwrite=True never deletes an object that is not a store)"
+    )
+
+
 def expand_local(target: Any) -> Any:
     """``target`` with a leading ``~`` or ``~user`` of a local path expanded (as a shell does,
     ``os.path.expanduser``): a str without ``://``, a ``file://~...`` URL, or an

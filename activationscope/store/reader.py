@@ -55,7 +55,8 @@ from .._safeio import batch_order, read_parquet_part
 from . import _decode
 from . import _format as F
 from . import _validate as V
-from ._backend import (LocalBackend, _kind, check_backend_not_in_store, open_regular, refuse_foreign_entries, resolve,
+from ._backend import (LocalBackend, _kind, check_backend_not_in_store, check_remote_store_path,
+                       open_regular, refuse_foreign_entries, resolve,
                        store_above, write_root_first)
 
 # shard index entry of a chunk that is not there (Zarr sharding: 2**64 - 1)
@@ -3168,6 +3169,7 @@ def copy_store(source: Any, target: Any, *, overwrite: bool = False, storage_opt
                          f"(zarr.json){f': {moved}' if moved else '; check the path'}; nothing was copied and "
                          f"the target {str(dst)!r} was not changed")
     check_backend_not_in_store(dst)  # its objects would land among another store's
+    check_remote_store_path(dst)  # (an object at the target's own path: its store would sit beside it)
     with WriterLock(dst):  # no writer may be writing the target meanwhile
         _refuse_copy_onto_itself(src, dst)
         moved = dst.moved_aside_hint() if isinstance(dst, LocalBackend) else ""

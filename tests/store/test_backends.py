@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -284,6 +285,40 @@ def test_a_missing_bucket_or_an_object_at_the_store_s_path_is_named_with_the_fix
         open_store(file_url, storage_options=s3)
     with pytest.raises(acs.StoreError, match=r"no store at 's3://acs-bucket/absent-[0-9a-f]+.zarr' \(no zarr.json\)$"):
         open_store(f"s3://acs-bucket/absent-{uuid.uuid4().hex}.zarr", storage_options=s3)
+
+
+@pytest.mark.parametrize("how", ["capture", "copy_store"])
+def test_a_store_is_not_written_beside_an_object_at_its_own_s3_path(s3, mlp, tmp_path, how):
+    """An object (a file) at ``s3://bucket/run.zarr``: a capture or a copy into that URL wrote
+    the store's objects under the prefix of the same name, beside the file (a local path that
+    is a file is refused). Now refused with StoreError naming the path and the fix; the object
+    is left as it was and no object is written under the prefix."""
+    import s3fs
+
+    fs = s3fs.S3FileSystem(**s3)
+    url = f"s3://acs-bucket/file-{uuid.uuid4().hex}.zarr"
+    fs.pipe(url[len("s3://"):], b"my notes")
+    fix = (rf"store path '{url}' must be a prefix \(folder\) of objects or a path where nothing is yet, got an "
+           r"existing object \(a file\) of 8 bytes; choose another path, or delete that object")
+    with pytest.raises(acs.StoreError, match=fix):
+        if how == "capture":
+            for options in ({}, {"overwrite": True}):
+                try:
+                    with acs.ActivationScope(store=url, store_options={"storage_options": s3, **options}).track(mlp), \
+                            torch.no_grad():
+                        mlp(torch.randn(3, 8))
+                except acs.StoreError as e:
+                    if options:
+                        raise
+                    assert re.search(fix, str(e)), e
+        else:
+            local = str(tmp_path / "src.zarr")
+            capture_store(mlp, batches_mlp(n_batches=1), local)
+            copy_store(local, url, storage_options=s3)
+    fs.invalidate_cache()
+    assert fs.cat(url[len("s3://"):]) == b"my notes"
+    key = url[len("s3://"):]
+    assert [k for k in fs.find("acs-bucket") if k.startswith(key + "/")] == []
 
 
 @pytest.fixture
