@@ -851,6 +851,12 @@ def remote_failure(e: BaseException) -> str:
             "Could not connect to the endpoint URL" in text:
         hint = ("the endpoint did not answer: check storage_options={'client_kwargs': {'endpoint_url': ...}} "
                 "or AWS_ENDPOINT_URL in the environment (the command line reads it)")
+    elif names & {"ReadTimeoutError", "ReadTimeout", "TimeoutError", "FSTimeoutError"} or "Read timeout on endpoint" in text:
+        hint = ("the endpoint took the connection but did not answer in time (each request was retried: s3fs and "
+                "botocore retry it, waiting read_timeout, 60 s by default, each time): check that the endpoint "
+                "(storage_options={'client_kwargs': {'endpoint_url': ...}} or AWS_ENDPOINT_URL) is an S3 service "
+                "that is up; to fail sooner pass storage_options={'config_kwargs': "
+                "{'read_timeout': 10, 'retries': {'max_attempts': 1}}}")
     elif "NoSuchBucket" in names or "NoSuchBucket" in text or "specified bucket does not exist" in text:
         hint = ("the bucket does not exist at this endpoint: create it (e.g. `aws s3 mb s3://<bucket>`) or correct "
                 "the bucket's name in the URL (and the endpoint: storage_options={'client_kwargs': "

@@ -321,6 +321,41 @@ def test_a_store_is_not_written_beside_an_object_at_its_own_s3_path(s3, mlp, tmp
     assert [k for k in fs.find("acs-bucket") if k.startswith(key + "/")] == []
 
 
+def test_an_endpoint_that_never_answers_is_named_with_the_fix(tmp_path):
+    """An endpoint that takes the connection and never answers (a port of another service, a
+    stalled proxy): the error said only botocore's "Read timeout on endpoint URL", after every
+    retry of s3fs and botocore (about 25 minutes with the default 60 s read timeout). It now
+    names the endpoint's settings and the storage_options that make it fail sooner (used here)."""
+    import socket
+    import threading
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    held: list = []
+
+    def take() -> None:
+        while True:
+            try:
+                held.append(server.accept()[0])
+            except OSError:
+                return
+
+    threading.Thread(target=take, daemon=True).start()
+    options = {"key": "k", "secret": "s",
+               "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{server.getsockname()[1]}"},
+               "config_kwargs": {"read_timeout": 0.5, "connect_timeout": 1, "retries": {"max_attempts": 1}}}
+    try:
+        with pytest.raises(acs.StoreError, match=r"in s3://acs-bucket/silent.zarr failed: .*Read timeout.*; the endpoint "
+                           r"took the connection but did not answer in time .*to fail sooner pass storage_options="
+                           r"\{'config_kwargs': \{'read_timeout': 10"):
+            open_store("s3://acs-bucket/silent.zarr", storage_options=options)
+    finally:
+        server.close()
+        for c in held:
+            c.close()
+
+
 @pytest.fixture
 def staging_dir(tmp_path, monkeypatch):
     """The folder where writers of remote stores make their staging folders in this test
