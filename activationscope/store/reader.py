@@ -1400,8 +1400,15 @@ class Store:
         stored = int.from_bytes(raw[-4:], "little")
         got = F.crc32c(raw[:-4])
         if got != stored:
+            try:  # (the index is read at the file's end: a file cut short reads other bytes there)
+                recorded = self._recorded_bytes(meta, shard)
+            except StoreError:
+                recorded = None
+            cut = "" if recorded is None or recorded == size else (
+                f": it holds {size} bytes, its manifest {meta['manifest']} records {recorded} (file_bytes), so it "
+                f"was {'cut short' if size < recorded else 'written over'} after its commit")
             raise V.corrupt(self._backend, f"shard {key!r}: shard index crc32c mismatch (stored {stored:08x}, "
-                                           f"computed {got:08x})")
+                                           f"computed {got:08x}){cut}")
         data_end = size - index_bytes
         committed = max(0, min(n_chunks, -(-(n - shard * shard_rows) // chunk_rows)))
         compressed = meta.get("compression") is not None

@@ -98,3 +98,24 @@ def test_a_shard_of_another_size_than_its_manifest_records_is_read_at_its_size(r
     _write(url, so, seed=2, resume=True, n_rows=CHUNK_ROWS)  # the last shard rewritten with 16 more rows
     assert open_store(url, storage_options=so).n_rows(HP) == N_TAIL + CHUNK_ROWS
     assert torch.equal(st.rows(HP, 0, N_TAIL), old)
+
+
+@pytest.mark.parametrize("cut", [7, SHARD_ROWS * 8])
+def test_a_shard_cut_short_on_object_storage_is_named_as_such(remote, cut):
+    """A shard object truncated after its commit (an interrupted copy, a tool that rewrote it)
+    was refused as "shard index crc32c mismatch" alone: the error now says it holds fewer bytes
+    than its manifest records. The other shards still read."""
+    from activationscope.store._backend import resolve
+
+    url, so = remote
+    old = _write(url, so, seed=0, n_rows=2 * SHARD_ROWS)
+    b = resolve(url, storage_options=so)
+    key = f"acts/{HP}/c/1/0"
+    data = b.get(key, max_bytes=None)
+    b.set(key, data[:-cut])
+    st = open_store(url, storage_options=so)
+    with pytest.raises(StoreCorruptError, match=rf"shard '{key}': shard index crc32c mismatch .*: it holds "
+                       rf"{len(data) - cut} bytes, its manifest acts/{HP}/manifest.json records {len(data)} "
+                       r"\(file_bytes\), so it was cut short after its commit"):
+        st.rows(HP, SHARD_ROWS, SHARD_ROWS + 1)
+    assert torch.equal(st.rows(HP, 0, SHARD_ROWS), old[:SHARD_ROWS])
