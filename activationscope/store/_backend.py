@@ -79,9 +79,10 @@ class StoreBackend(Protocol):
     def size(self, key: str) -> int | None:
         """The object's size in bytes, None when absent."""
 
-    def tail(self, key: str, length: int) -> tuple[int, bytes] | None:
+    def tail(self, key: str, length: int, size_hint: int | None = None) -> tuple[int, bytes] | None:
         """``(size, last min(length, size) bytes)`` of the object (a shard's size and index),
-        None when absent."""
+        None when absent. ``size_hint``: the size the object is expected to have (a manifest's
+        record), which a backend may use to save a request; the result is its real size."""
 
     def set(self, key: str, data: bytes) -> None:
         """Write an object atomically (readers see the old bytes or the new ones)."""
@@ -406,10 +407,10 @@ class LocalBackend:
         os.close(opened[0])
         return opened[1]
 
-    def tail(self, key: str, length: int) -> tuple[int, bytes] | None:
+    def tail(self, key: str, length: int, size_hint: int | None = None) -> tuple[int, bytes] | None:
         """``(size, last min(length, size) bytes)`` of a regular file inside the store, from
         one open (a shard's size and index: opening a layer reads one per shard); None when
-        absent. Raises as :meth:`get`."""
+        absent. Raises as :meth:`get`. (``size_hint`` is not needed here.)"""
         opened = self._open_regular(key)
         if opened is None:
             return None
@@ -850,6 +851,16 @@ def remote_failure(e: BaseException) -> str:
             "Could not connect to the endpoint URL" in text:
         hint = ("the endpoint did not answer: check storage_options={'client_kwargs': {'endpoint_url': ...}} "
                 "or AWS_ENDPOINT_URL in the environment (the command line reads it)")
+    elif names & {"ReadTimeoutError", "ReadTimeout", "TimeoutError", "FSTimeoutError"} or "Read timeout on endpoint" in text:
+        hint = ("the endpoint took the connection but did not answer in time (each request was retried: s3fs and "
+                "botocore retry it, waiting read_timeout, 60 s by default, each time): check that the endpoint "
+                "(storage_options={'client_kwargs': {'endpoint_url': ...}} or AWS_ENDPOINT_URL) is an S3 service "
+                "that is up; to fail sooner pass storage_options={'config_kwargs': "
+                "{'read_timeout': 10, 'retries': {'max_attempts': 1}}}")
+    elif "NoSuchBucket" in names or "NoSuchBucket" in text or "specified bucket does not exist" in text:
+        hint = ("the bucket does not exist at this endpoint: create it (e.g. `aws s3 mb s3://<bucket>`) or correct "
+                "the bucket's name in the URL (and the endpoint: storage_options={'client_kwargs': "
+                "{'endpoint_url': ...}} or AWS_ENDPOINT_URL)")
     elif isinstance(e, PermissionError) or any(w in text for w in (
             "AccessDenied", "Access Denied", "Forbidden", "InvalidAccessKeyId", "SignatureDoesNotMatch")):
         hint = ("the object store refused the credentials or this bucket: check the key and secret "
@@ -944,7 +955,18 @@ class ZarrBackend:
             raise StoreError(f"reading the size of {key!r} in {self.label} failed: {remote_failure(e)}") from e
         return None if n is None else int(n)
 
-    def tail(self, key: str, length: int) -> tuple[int, bytes] | None:
+    def tail(self, key: str, length: int, size_hint: int | None = None) -> tuple[int, bytes] | None:
+        """``(size, last min(length, size) bytes)`` of the object, None when absent: its size
+        (one metadata request), then a ranged read. With ``size_hint`` (the size a manifest
+        records), one ranged read of ``length + 1`` bytes from ``size_hint - length``: it comes
+        back as exactly ``length`` bytes only when the object ends at ``size_hint`` (a read past
+        the end stops there), so the hint is only a guess that the read confirms; any other
+        answer asks for the size as without it."""
+        if (isinstance(size_hint, int) and not isinstance(size_hint, bool) and length > 0
+                and length <= size_hint <= MAX_FILE_BYTES):
+            data = self.get_range(key, size_hint - length, length + 1)
+            if data is not None and len(data) == length:
+                return size_hint, data
         size = self.size(key)
         if size is None:
             return None
@@ -1070,6 +1092,38 @@ class FsspecBackend(ZarrBackend):
                 f.invalidate_cache(root)  # (and its parents' listings, which name it)
             except Exception:  # noqa: BLE001 - a cache it cannot drop: reads as before
                 pass
+
+    def why_no_root(self) -> str:
+        """Why this URL holds no store root, where the file system can tell in a request or
+        two (called once ``zarr.json`` was found missing): its bucket does not exist, or an
+        object (a file) sits at the store's own path. '' when neither."""
+        fs = getattr(self.store, "fs", None)
+        if fs is None or not hasattr(fs, "_info"):
+            return ""
+        path = self.store.path.rstrip("/")
+        protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+        try:
+            info = self._sync(fs._info(path))
+        except FileNotFoundError as e:
+            bucket = path.split("/", 1)[0]
+            missing = "bucket does not exist" in str(e) or "NoSuchBucket" in str(e)
+            if not missing and set(protocols) & {"s3", "s3a", "gs", "gcs"} and bucket != path:
+                try:
+                    self._sync(fs._info(bucket))
+                except FileNotFoundError:
+                    missing = True
+                except Exception:  # noqa: BLE001 - said by the caller's message as it is
+                    return ""
+            if missing:
+                return (f"the bucket {bucket!r} does not exist at this endpoint: create it (e.g. `aws s3 mb "
+                        f"s3://{bucket}`) or correct the bucket's name in the URL")
+            return ""
+        except Exception:  # noqa: BLE001 - a refused credential or an endpoint down: the next request says it
+            return ""
+        if isinstance(info, dict) and info.get("type") == "file":
+            return ("an object (a file) is at that path, and a store is a prefix (folder) of objects: "
+                    "give the store's own URL (the prefix that holds its zarr.json)")
+        return ""
 
     def stamp(self, key: str) -> tuple | None:
         """The object's size and identity (S3: ETag and last-modified; fsspec memory: its
@@ -1354,6 +1408,30 @@ def check_local_store_path(root: str | os.PathLike) -> None:
                     f"file{what}; choose a directory path (overwrite=True never deletes a file that is not a store)"
                 )
             return
+
+
+def check_remote_store_path(backend: Any) -> None:
+    """:func:`check_local_store_path` for a prefix of an fsspec file system (``s3://``, ...):
+    raise :class:`StoreError` when an object (a file) sits at the store's own path and no store
+    is under it. Object storage would keep both (the object, and the store's objects under the
+    prefix of the same name), so the mistyped path of a file would become a store beside it."""
+    if not isinstance(backend, FsspecBackend):
+        return
+    fs = getattr(backend.store, "fs", None)
+    if fs is None or not hasattr(fs, "_info"):
+        return
+    path = backend.store.path.rstrip("/")
+    try:
+        info = backend._sync(fs._info(path))
+    except Exception:  # noqa: BLE001 - nothing there, or a failure the writer's next request names
+        return
+    if not isinstance(info, dict) or info.get("type") != "file" or backend.size("zarr.json") is not None:
+        return
+    raise StoreError(
+        f"store path {backend.label!r} must be a prefix (folder) of objects or a path where nothing is yet, got an "
+        f"existing object (a file) of {info.get('size')} bytes; choose another path, or delete that object if it "
+        "is not needed (overwrite=True never deletes an object that is not a store)"
+    )
 
 
 def expand_local(target: Any) -> Any:

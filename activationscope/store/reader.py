@@ -55,7 +55,8 @@ from .._safeio import batch_order, read_parquet_part
 from . import _decode
 from . import _format as F
 from . import _validate as V
-from ._backend import (LocalBackend, _kind, check_backend_not_in_store, open_regular, refuse_foreign_entries, resolve,
+from ._backend import (LocalBackend, _kind, check_backend_not_in_store, check_remote_store_path,
+                       open_regular, refuse_foreign_entries, resolve,
                        store_above, write_root_first)
 
 # shard index entry of a chunk that is not there (Zarr sharding: 2**64 - 1)
@@ -407,7 +408,9 @@ class Store:
                 if moved:
                     raise StoreError(f"no store at {str(self._backend)!r}: it holds no root document (zarr.json); "
                                      f"{moved}")
-            raise StoreError(f"no store at {str(self._backend)!r} (no zarr.json)")
+            why = getattr(self._backend, "why_no_root", None)
+            why = why() if why is not None else ""
+            raise StoreError(f"no store at {str(self._backend)!r} (no zarr.json)" + (f": {why}" if why else ""))
         try:
             attrs = V.parse_root(raw, store=self._backend)
         except StoreCorruptError:
@@ -1244,7 +1247,11 @@ class Store:
                                       store=self._backend, key=man_key, check_chunks=False)
             rec = _ChunkCrcs(shards, shard, n_chunks, self._backend, man_key).get((shard, slot))
         except StoreCorruptError:
+            self._check_same_store()
             return False
+        # the manifest of a resume of the opened run, not of another run written in its place, whose
+        # chunk would match its own manifest (the root is written first: unchanged now, unchanged then)
+        self._check_same_store()
         return rec is not None and rec[1] == entry[1] and F.crc32c(data) == rec[2]
 
     def _chunk_crc_problem_of(self, meta: dict, shard: int, slot: int, entry: tuple[int, int], data: Any,
@@ -1370,8 +1377,16 @@ class Store:
         shard_rows = n_chunks * chunk_rows
         hp = meta["path"]
         index_bytes = 16 * n_chunks + 4
-        with self._reads_of_the_opened_run():  # (the index of a shard another run wrote since: refused)
-            got_tail = self._backend.tail(key, index_bytes)  # size and index (locally: from one open)
+        # Locally the root is checked once the index is read (a mapped shard's rows are not checksummed:
+        # the index of a shard another run wrote since is refused here). On object storage every chunk
+        # read through the index is checked against the opened run's manifest (its size and crc32c), and
+        # a read that fails asks the root then (_read_rows, verify): a request per shard here made a read
+        # ask for the root document once per shard.
+        local = isinstance(self._backend, LocalBackend)
+        with self._reads_of_the_opened_run() if local else contextlib.nullcontext():
+            # size and index (locally: from one open; on object storage at the size the manifest records)
+            got_tail = (self._backend.tail(key, index_bytes) if local
+                        else self._backend.tail(key, index_bytes, size_hint=self._recorded_bytes(meta, shard)))
             if got_tail is None and key != shard_key:  # a resume's kept file, removed since (its commit ended)
                 key = shard_key
                 got_tail = self._backend.tail(key, index_bytes)
@@ -1387,8 +1402,15 @@ class Store:
         stored = int.from_bytes(raw[-4:], "little")
         got = F.crc32c(raw[:-4])
         if got != stored:
+            try:  # (the index is read at the file's end: a file cut short reads other bytes there)
+                recorded = self._recorded_bytes(meta, shard)
+            except StoreError:
+                recorded = None
+            cut = "" if recorded is None or recorded == size else (
+                f": it holds {size} bytes, its manifest {meta['manifest']} records {recorded} (file_bytes), so it "
+                f"was {'cut short' if size < recorded else 'written over'} after its commit")
             raise V.corrupt(self._backend, f"shard {key!r}: shard index crc32c mismatch (stored {stored:08x}, "
-                                           f"computed {got:08x})")
+                                           f"computed {got:08x}){cut}")
         data_end = size - index_bytes
         committed = max(0, min(n_chunks, -(-(n - shard * shard_rows) // chunk_rows)))
         compressed = meta.get("compression") is not None
@@ -1446,6 +1468,13 @@ class Store:
             if self._current(meta):
                 self._indexes[shard_key] = out
         return out
+
+    def _recorded_bytes(self, meta: dict, shard: int) -> int | None:
+        """The size of shard ``shard``'s file the manifest records (``file_bytes``), None when
+        it records none: a hint for reading its index (``tail``), which the read confirms."""
+        rec = self._array_crcs(meta)._shards.get(shard)
+        hint = rec.get("file_bytes") if isinstance(rec, dict) else None
+        return hint if isinstance(hint, int) and not isinstance(hint, bool) else None
 
     def _forget_kept(self, meta: dict, shard: int, idx: _ShardIndex) -> bool:
         """When ``idx`` (shard ``shard``'s cached index) is of a resume's kept file
@@ -3170,6 +3199,7 @@ def copy_store(source: Any, target: Any, *, overwrite: bool = False, storage_opt
                          f"the target {str(dst)!r} was not changed")
     _refuse_newer_format(src, dst)
     check_backend_not_in_store(dst)  # its objects would land among another store's
+    check_remote_store_path(dst)  # (an object at the target's own path: its store would sit beside it)
     with WriterLock(dst):  # no writer may be writing the target meanwhile
         _refuse_copy_onto_itself(src, dst)
         moved = dst.moved_aside_hint() if isinstance(dst, LocalBackend) else ""

@@ -56,8 +56,8 @@ from ..errors import (
 from .._safeio import _kind
 from . import _format as F
 from . import _validate as V
-from ._backend import (LocalBackend, check_backend_not_in_store, check_local_store_path, fsync_dir,
-                       refuse_foreign_entries, resolve, write_root_first)
+from ._backend import (LocalBackend, check_backend_not_in_store, check_local_store_path, check_remote_store_path,
+                       fsync_dir, refuse_foreign_entries, resolve, write_root_first)
 from ._backend import _inside as _inside_folder
 from ._format import KEPT_SUFFIX, committed_reduction_files, committed_reduction_groups
 from ._lock import WriterLock
@@ -967,6 +967,7 @@ class StoreWriter:
             self._backend = resolve(target, fsync=self._fsync, storage_options=dict(storage_options or {}) or None)
             if isinstance(self._backend, LocalBackend):
                 check_local_store_path(self._backend.root)
+            check_remote_store_path(self._backend)
             check_backend_not_in_store(self._backend)
             self.target = target
             self._closed = True  # until the end of __init__: __del__ and close() do nothing

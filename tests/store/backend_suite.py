@@ -53,6 +53,14 @@ class BackendTests:
         assert backend.tail("r", 0) == (100, b"")
         assert backend.tail("nope", 5) is None
 
+    @pytest.mark.parametrize("hint", [100, 99, 101, 4, 0, None, True])
+    def test_tail_with_a_size_hint_gives_the_real_size_and_end(self, backend, hint):
+        """A size hint (a manifest's record) right, too small, too large or unusable: the
+        object's real size and last bytes, never the bytes before a wrong end."""
+        backend.set("r", bytes(range(100)))
+        assert backend.tail("r", 5, size_hint=hint) == (100, bytes(range(95, 100)))
+        assert backend.tail("nope", 5, size_hint=hint) is None
+
     def test_list_and_delete(self, backend):
         for key in ("x/1", "x/2/3", "y/1", "zarr.json"):
             backend.set(key, key.encode())

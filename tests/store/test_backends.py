@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -258,6 +259,101 @@ def test_a_remote_store_without_credentials_or_endpoint_names_the_fix(s3, mlp, n
     monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint["endpoint_url"])
     s3fs.S3FileSystem.clear_instance_cache()   # (a new process of the command line starts without it)
     assert cli.main(["verify", url]) == 0, capsys.readouterr().err
+
+
+def test_a_missing_bucket_or_an_object_at_the_store_s_path_is_named_with_the_fix(s3, mlp):
+    """Opening or capturing into an S3 URL whose bucket does not exist said only "no store
+    (no zarr.json)" or botocore's "The specified bucket does not exist": both now name the
+    bucket's absence and the fix. A URL naming an object (a file), not a prefix, says so."""
+    url = f"s3://acs-missing-{uuid.uuid4().hex[:12]}/run.zarr"
+    bucket = url.split("/")[2]
+    with pytest.raises(acs.StoreError, match=rf"no store at '{url}' \(no zarr.json\): the bucket '{bucket}' does "
+                       rf"not exist at this endpoint: create it \(e.g. `aws s3 mb s3://{bucket}`\) or correct"):
+        open_store(url, storage_options=s3)
+    with pytest.raises(acs.StoreError, match=rf"to {url} failed: .*; the bucket does not exist at this endpoint: "
+                       r"create it .* or correct the bucket's name in the URL"):
+        with acs.ActivationScope(store=url, store_options={"storage_options": s3}).track(mlp), torch.no_grad():
+            mlp(torch.randn(3, 8))
+    import s3fs
+
+    fs = s3fs.S3FileSystem(**s3)
+    assert not fs.exists(bucket)  # (nothing was made)
+    file_url = f"s3://acs-bucket/object-{uuid.uuid4().hex}.zarr"
+    fs.pipe(file_url[len("s3://"):], b"not a store")
+    with pytest.raises(acs.StoreError, match=r"\(no zarr.json\): an object \(a file\) is at that path, and a store "
+                       r"is a prefix \(folder\) of objects: give the store's own URL"):
+        open_store(file_url, storage_options=s3)
+    with pytest.raises(acs.StoreError, match=r"no store at 's3://acs-bucket/absent-[0-9a-f]+.zarr' \(no zarr.json\)$"):
+        open_store(f"s3://acs-bucket/absent-{uuid.uuid4().hex}.zarr", storage_options=s3)
+
+
+@pytest.mark.parametrize("how", ["capture", "copy_store"])
+def test_a_store_is_not_written_beside_an_object_at_its_own_s3_path(s3, mlp, tmp_path, how):
+    """An object (a file) at ``s3://bucket/run.zarr``: a capture or a copy into that URL wrote
+    the store's objects under the prefix of the same name, beside the file (a local path that
+    is a file is refused). Now refused with StoreError naming the path and the fix; the object
+    is left as it was and no object is written under the prefix."""
+    import s3fs
+
+    fs = s3fs.S3FileSystem(**s3)
+    url = f"s3://acs-bucket/file-{uuid.uuid4().hex}.zarr"
+    fs.pipe(url[len("s3://"):], b"my notes")
+    fix = (rf"store path '{url}' must be a prefix \(folder\) of objects or a path where nothing is yet, got an "
+           r"existing object \(a file\) of 8 bytes; choose another path, or delete that object")
+    with pytest.raises(acs.StoreError, match=fix):
+        if how == "capture":
+            for options in ({}, {"overwrite": True}):
+                try:
+                    with acs.ActivationScope(store=url, store_options={"storage_options": s3, **options}).track(mlp), \
+                            torch.no_grad():
+                        mlp(torch.randn(3, 8))
+                except acs.StoreError as e:
+                    if options:
+                        raise
+                    assert re.search(fix, str(e)), e
+        else:
+            local = str(tmp_path / "src.zarr")
+            capture_store(mlp, batches_mlp(n_batches=1), local)
+            copy_store(local, url, storage_options=s3)
+    fs.invalidate_cache()
+    assert fs.cat(url[len("s3://"):]) == b"my notes"
+    key = url[len("s3://"):]
+    assert [k for k in fs.find("acs-bucket") if k.startswith(key + "/")] == []
+
+
+def test_an_endpoint_that_never_answers_is_named_with_the_fix(tmp_path):
+    """An endpoint that takes the connection and never answers (a port of another service, a
+    stalled proxy): the error said only botocore's "Read timeout on endpoint URL", after every
+    retry of s3fs and botocore (about 25 minutes with the default 60 s read timeout). It now
+    names the endpoint's settings and the storage_options that make it fail sooner (used here)."""
+    import socket
+    import threading
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    held: list = []
+
+    def take() -> None:
+        while True:
+            try:
+                held.append(server.accept()[0])
+            except OSError:
+                return
+
+    threading.Thread(target=take, daemon=True).start()
+    options = {"key": "k", "secret": "s",
+               "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{server.getsockname()[1]}"},
+               "config_kwargs": {"read_timeout": 0.5, "connect_timeout": 1, "retries": {"max_attempts": 1}}}
+    try:
+        with pytest.raises(acs.StoreError, match=r"in s3://acs-bucket/silent.zarr failed: .*Read timeout.*; the endpoint "
+                           r"took the connection but did not answer in time .*to fail sooner pass storage_options="
+                           r"\{'config_kwargs': \{'read_timeout': 10"):
+            open_store("s3://acs-bucket/silent.zarr", storage_options=options)
+    finally:
+        server.close()
+        for c in held:
+            c.close()
 
 
 @pytest.fixture
