@@ -2035,3 +2035,34 @@ def test_an_empty_path_argument_is_a_usage_error_and_nothing_is_written(tmp_path
     assert err.splitlines()[-1] == (f"activationscope {argv[0]}: error: argument {flag}: must not be empty, got "
                                     f"{value!r} (an empty shell variable?); {fix}")
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+@needs_demo
+@pytest.mark.parametrize("other, needle", [
+    ("good movie\nsomething else\nfun\ndull\n", "sample 1 is 'something else' there and 'bad movie' in the store"),
+    ("__label__a good movie\n__label__b bad movie\n__label__a fun\n", "has labels (__label__ tags)"),
+    ("good movie\n\nbad movie\nfun\n", "has id 2 where the store has 1"),
+])
+def test_resume_with_other_text_data_is_refused(capsys, tmp_path, other, needle):
+    # a --resume appends the data's later samples to the stored ones: another file (or this one
+    # edited) would mix two data sets in one store under sample ids and texts that do not match
+    import activationscope as acs
+
+    f = tmp_path / "s.txt"
+    f.write_text("good movie\nbad movie\nfun\ndull\n")
+    out = tmp_path / "a.zarr"
+    args = ["capture", "--model", "demo", "--include", "encoder.layer.0", "--out", str(out), "--no-progress"]
+    code, _, err = run(capsys, *args, "--data", str(f), "--max-samples", "2")
+    assert code == 0, err
+    before = sorted(p.relative_to(out).as_posix() for p in out.rglob("*"))
+    g = tmp_path / "other.txt"
+    g.write_text(other)
+    code, _, err = run(capsys, *args, "--data", str(g), "--resume")
+    assert code == 1
+    _one_error_line(err, "--resume: store", needle, "not the data", "--overwrite", "nothing was changed")
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == before
+    assert acs.open_store(str(out)).n_samples == 2
+    code, _, err = run(capsys, *args, "--data", str(f), "--resume")  # the same data: resumed
+    assert code == 0, err
+    assert acs.open_store(str(out)).row_table("sample").column("text").to_pylist() == \
+        ["good movie", "bad movie", "fun", "dull"]

@@ -435,8 +435,9 @@ def capture_dataset(
         store (or is one, without ``resume`` / ``overwrite``), text data with a model spec
         that has no tokenizer, a ``max_length`` that leaves no token of text after the
         tokenizer's special tokens or exceeds the model's positions, ``resume`` with data of
-        fewer samples than the store holds or with another ``max_length`` than the store
-        records.
+        fewer samples than the store holds, with text data whose first samples are not the
+        stored ones (``sample_id`` / ``text`` / ``label`` of the store's sample table), or
+        with another ``max_length`` than the store records.
     SpecError
         A model or data spec that names nothing usable (a table, ``.csv`` / ``.jsonl`` /
         ...); no ``include`` for a Hugging Face model without a stack of repeated blocks (the
@@ -528,6 +529,8 @@ def capture_dataset(
                 f"--resume: store {out!r} holds {first} samples, but --data {data!r} has only {len(dataset)}, so it is "
                 "not the data the store was captured from; resume with that data, or pass --overwrite instead of "
                 "--resume to capture this data into a new store (nothing was changed)")
+    if resume and 0 < first <= len(dataset) and dataset.texts is not None:
+        _check_resumed_texts(out, dataset, data, first)
     if first >= n and not reductions:
         completed = _check_full_resume(
             out, loaded.model, include=include,
@@ -795,6 +798,53 @@ def _check_resumed_model(out: str, model: Any) -> None:
 
     if isinstance(model, torch.nn.Module):
         check_same_model(out, open_store(out).attrs, model_identity(model))
+
+
+def _check_resumed_texts(out: str, dataset: Any, data: str, first: int) -> None:
+    """A resume continues the data the store was captured from at its next sample: text data
+    whose first ``first`` samples are not the stored ones (another file, or this one edited)
+    would append other texts to them under sample ids that say otherwise. The store's sample
+    table records each sample's ``sample_id``, ``text`` and ``label``: the data's first
+    ``first`` samples must have the same (ArgumentValueError naming the first that differs;
+    nothing changed). A store whose table has no ``text`` column is not checked."""
+    from ..store import open_store
+
+    table = open_store(out).row_table("sample")
+    if "text" not in table.column_names or table.num_rows != first:
+        return
+    stored_ids = table.column("sample_id").to_pylist() if "sample_id" in table.column_names else list(range(first))
+    stored_texts = table.column("text").to_pylist()
+    stored_labels = table.column("label").to_pylist() if "label" in table.column_names else None
+    order = sorted(range(first), key=lambda i: stored_ids[i])
+    ids = dataset.sample_ids[:first] if dataset.sample_ids is not None else list(range(first))
+    labels = dataset.labels[:first] if dataset.labels is not None else None
+    fix = ("resume with the data the store was captured from, or pass --overwrite instead of --resume to capture "
+           "this data into a new store (nothing was changed)")
+
+    def short(text: Any) -> str:
+        text = str(text)
+        return repr(text if len(text) <= 60 else text[:57] + "...")
+
+    for k, i in enumerate(order):
+        if stored_ids[i] != ids[k]:
+            raise ArgumentValueError(
+                f"--resume: store {out!r} holds sample ids up to {max(stored_ids)}, but sample {k} of --data {data!r} "
+                f"has id {ids[k]} where the store has {stored_ids[i]} (blank lines moved), so it is not the data the "
+                f"store was captured from; {fix}")
+        if stored_texts[i] != dataset.texts[k]:
+            raise ArgumentValueError(
+                f"--resume: store {out!r} holds {first} samples, but --data {data!r} is not the data they were "
+                f"captured from: sample {ids[k]} is {short(dataset.texts[k])} there and {short(stored_texts[i])} in "
+                f"the store; {fix}")
+        if stored_labels is not None and labels is not None and str(stored_labels[i]) != str(labels[k]):
+            raise ArgumentValueError(
+                f"--resume: store {out!r} holds {first} samples, but --data {data!r} labels them otherwise: sample "
+                f"{ids[k]} has label {str(labels[k])!r} there and {str(stored_labels[i])!r} in the store; {fix}")
+    if (stored_labels is None) != (labels is None):
+        has, lacks = ("the store", f"--data {data!r}") if labels is None else (f"--data {data!r}", "the store")
+        raise ArgumentValueError(
+            f"--resume: store {out!r} holds {first} samples, but {has} has labels (__label__ tags) and {lacks} has "
+            f"none, so it is not the data the store was captured from; {fix}")
 
 
 def _check_resumed_side(out: str, capture: str) -> None:
