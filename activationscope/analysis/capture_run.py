@@ -129,6 +129,7 @@ def run_capture(
 
     local = local_path(out) if isinstance(out, (str, os.PathLike)) else None
     folder_existed = local is not None and os.path.isdir(local)
+    path_existed = local is not None and os.path.lexists(local)  # (nothing there: a failure has nothing to keep)
     bar = tqdm(total=n_total, unit="samples", desc=desc, disable=not progress, dynamic_ncols=True,
                file=sys.stderr, leave=True)
     start = time.perf_counter()
@@ -206,7 +207,9 @@ def run_capture(
         # row either; it is the user's, never removed here)
         removed = new_store and (gone or (not (store_options or {}).get("overwrite")
                                           and remove_if_empty(out, remove_folder=not folder_existed)))
+        nothing_there = local is not None and not path_existed and not os.path.lexists(local)
         tail = (f"no row was committed, so the new store {out} was removed" if removed else
+                f"nothing was written at {out}" if nothing_there else
                 f"{out} is left as it was" if tracker._refused is not None else
                 f"no row was committed, so the store that was at {out} is kept as it was (overwrite replaces it "
                 "only once the new capture commits)" if (store_options or {}).get("overwrite")
@@ -531,6 +534,8 @@ def capture_dataset(
                 "--resume to capture this data into a new store (nothing was changed)")
     if resume and 0 < first <= len(dataset) and dataset.texts is not None:
         _check_resumed_texts(out, dataset, data, first)
+    if resume and 0 < first <= len(dataset) and dataset.tensor is not None:
+        _check_resumed_tensor(out, dataset.tensor, data, first)
     if first >= n and not reductions:
         completed = _check_full_resume(
             out, loaded.model, include=include,
@@ -556,6 +561,8 @@ def capture_dataset(
         compression=compression, shard_bytes=shard_bytes, chunk_rows=chunk_rows,
         max_length=max_length if dataset.texts is not None else None,
     )
+    if dataset.tensor is not None:  # what a later --resume checks its data against
+        options["provenance"]["data_fingerprint"] = tensor_fingerprint(dataset.tensor, n)
     summary = run_capture(
         loaded.model, batches, out=out, n_total=max(0, n - first),
         include=include,
@@ -845,6 +852,46 @@ def _check_resumed_texts(out: str, dataset: Any, data: str, first: int) -> None:
         raise ArgumentValueError(
             f"--resume: store {out!r} holds {first} samples, but {has} has labels (__label__ tags) and {lacks} has "
             f"none, so it is not the data the store was captured from; {fix}")
+
+
+def tensor_fingerprint(tensor: Any, n: int) -> dict[str, Any]:
+    """``{"samples": n, "sha256": ...}``: the sha256 of the first ``n`` samples of tensor
+    data (their dtype, shape and bytes), recorded in a capture's provenance so that a
+    ``--resume`` can tell the data it was captured from (:func:`_check_resumed_tensor`)."""
+    import hashlib
+
+    import torch
+
+    part = tensor[:n].contiguous()
+    digest = hashlib.sha256(f"{part.dtype}{tuple(part.shape)}".encode())
+    if part.numel():
+        digest.update(memoryview(part.reshape(-1).view(torch.uint8).numpy()))
+    return {"samples": int(n), "sha256": digest.hexdigest()}
+
+
+def _check_resumed_tensor(out: str, tensor: Any, data: str, first: int) -> None:
+    """Tensor data of a resume must start with the samples the store was captured from: the
+    store's provenance records the sha256 of the first ``samples`` samples of its first run's
+    data (``data_fingerprint``, :func:`tensor_fingerprint`); data holding at least as many
+    whose first ones hash otherwise is another data set (ArgumentValueError; nothing changed).
+    A store recording no fingerprint (an earlier version's, or a capture from Python), or
+    data with fewer samples than it covers, is not checked."""
+    from ..store import open_store
+
+    provenance = open_store(out).attrs.get("provenance")
+    recorded = provenance.get("data_fingerprint") if isinstance(provenance, dict) else None
+    if not isinstance(recorded, dict):
+        return
+    n = recorded.get("samples")
+    if isinstance(n, bool) or not isinstance(n, int) or n < first or n > len(tensor):
+        return
+    if tensor_fingerprint(tensor, n)["sha256"] != recorded.get("sha256"):
+        raise ArgumentValueError(
+            f"--resume: store {out!r} holds {first} samples, but --data {data!r} is not the data they were captured "
+            f"from: its first {n} samples (dtype {tensor.dtype}, shape {tuple(tensor.shape[1:])} each) differ from "
+            "those the store recorded (sha256 in its provenance, data_fingerprint); resume with the data the store "
+            "was captured from, or pass --overwrite instead of --resume to capture this data into a new store "
+            "(nothing was changed)")
 
 
 def _check_resumed_side(out: str, capture: str) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 import traceback
@@ -417,6 +418,7 @@ _CLI_SPELLINGS = (
     ("batch_size must", "--batch-size must"),
     ("label_column '", "--label-column '"),
     ("out_dir '", "--out '"),
+    ("export path '", "--out '"),
     ("max_samples must be at least 2 * n_folds", "--max-samples must be at least 2 * --folds"),
     ("for file_format='arrow'", "for --format hf"),
     ("(none committed, or none selected by rows= / filter= / sample_ids=)", "(none committed)"),
@@ -440,10 +442,34 @@ def _cli_spelling(message: str, command: str | None = None) -> str:
     message = re.sub(r"\bthe export format '(\w+)'", r"--format \1", message)
     for python, cli in _CLI_SPELLINGS:
         message = message.replace(python, cli)
+    message = _token_rows_flags(message)
+    if command in ("capture", "export"):  # the commands with an --overwrite flag
+        for python in ("overwrite=True (CLI: --overwrite)", "overwrite=True (--overwrite)", "overwrite=True"):
+            message = message.replace(python, "--overwrite")
+        message = re.sub(r"\((overwrite) (does not allow|replaces)\b", r"(--\1 \2", message)
     # the rest of the advice to leave a module out ("or exclude= them", "exclude= the module of
     # 'x'"); "include=/exclude= as the first run" names both keyword arguments and stays
     message = re.sub(r"(?<![\w/])exclude= ", "--exclude ", message)
     return message
+
+
+#: ``token_rows={'a': False, 'b': True}`` in a library message, and one entry of it (a hook
+#: point's repr, in single or double quotes).
+_TOKEN_ROWS_DICT = re.compile(r"token_rows=\{((?:'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"): (?:True|False)"
+                              r"(?:, (?:'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"): (?:True|False))*)\}")
+_TOKEN_ROWS_ENTRY = re.compile(r"('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"): (True|False)")
+
+
+def _token_rows_flags(message: str) -> str:
+    """The library's advice ``token_rows={'x': False}`` (one row per sample) / ``{'x': True}``
+    (token rows confirmed) as the flags that give it, ``--sample-rows 'x'`` / ``--token-rows 'x'``."""
+
+    def flags(m: re.Match) -> str:
+        return " ".join(f"--{'token' if value == 'True' else 'sample'}-rows {name}"
+                        for name, value in _TOKEN_ROWS_ENTRY.findall(m.group(1)))
+
+    message = _TOKEN_ROWS_DICT.sub(flags, message)
+    return message.replace("; True instead of False confirms token rows", "; --token-rows instead confirms token rows")
 
 
 #: Arguments that name local paths (stores, outputs, data files, model folders): a leading
