@@ -512,3 +512,20 @@ def test_a_capture_whose_folder_cannot_be_created_says_nothing_was_written(capsy
     assert code == 1 and "Traceback" not in err
     assert "cannot create its folder" in err and "keeps the rows committed before" not in err, err
     assert err.strip().endswith(f"nothing was written at {out}") and not out.exists()
+
+
+def test_an_interrupted_capture_says_what_is_kept_in_the_commands_flags(capsys, monkeypatch):
+    # Ctrl-C during `capture --overwrite`: the note said "(overwrite replaces it only once ...)"
+    from activationscope import cli
+
+    def interrupted(args):
+        e = KeyboardInterrupt()
+        e.add_note("no row was committed, so the store that was at s.zarr is kept as it was (overwrite replaces it "
+                   "only once the new capture commits)")
+        raise e
+
+    monkeypatch.setitem(cli._COMMANDS, "capture", interrupted)
+    code, _, err = run(capsys, "capture", "--model", "m:f", "--data", "d.npy", "--out", "s.zarr")
+    assert code == 130
+    assert err == ("activationscope capture: interrupted; no row was committed, so the store that was at s.zarr is "
+                   "kept as it was (--overwrite replaces it only once the new capture commits)\n")

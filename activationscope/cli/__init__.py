@@ -331,7 +331,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return handler(args) or 0
     except KeyboardInterrupt as e:
         notes = "".join(f"; {n}" for n in getattr(e, "__notes__", ()))
-        print(f"{PROG} {args.command}: interrupted{notes}", file=sys.stderr)
+        print(_printable(f"{PROG} {args.command}: interrupted{_cli_spelling(notes, args.command)}"), file=sys.stderr)
         return 130
     except BrokenPipeError:
         return 1
