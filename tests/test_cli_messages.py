@@ -529,3 +529,23 @@ def test_an_interrupted_capture_says_what_is_kept_in_the_commands_flags(capsys, 
     assert code == 130
     assert err == ("activationscope capture: interrupted; no row was committed, so the store that was at s.zarr is "
                    "kept as it was (--overwrite replaces it only once the new capture commits)\n")
+
+
+def test_a_new_remote_store_that_could_not_be_written_is_not_said_to_keep_rows(monkeypatch):
+    # `capture --out s3://...` without credentials: the lock could not be written, yet the error
+    # ended "s3://bucket/q.zarr keeps the rows committed before" of a store that never existed
+    from activationscope.analysis import capture_run
+    from activationscope.errors import StoreError
+    from activationscope.store import _lock
+
+    def refused(self):
+        raise StoreError("writing '.activationscope-writer.lock' to memory://acs-nocreds failed: Unable to locate "
+                         "credentials")
+
+    monkeypatch.setattr(_lock.WriterLock, "_acquire_marker", refused)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with pytest.raises(StoreError) as info:
+        capture_run.run_capture(model, capture_run.tensor_batches(torch.zeros(8, 4), 4), out="memory://acs-nocreds",
+                                n_total=8, include=None, exclude=None, reductions=None, progress=False)
+    notes = " ".join(getattr(info.value, "__notes__", ()))
+    assert "keeps the rows committed before" not in notes and "nothing was committed at memory://acs-nocreds" in notes

@@ -210,6 +210,8 @@ def run_capture(
         nothing_there = local is not None and not path_existed and not os.path.lexists(local)
         tail = (f"no row was committed, so the new store {out} was removed" if removed else
                 f"nothing was written at {out}" if nothing_there else
+                f"nothing was committed at {out}" if new_store and not (store_options or {}).get("overwrite")
+                and summary.n_forwards == 0 and not _readable_store(out) else
                 f"{out} is left as it was" if tracker._refused is not None else
                 f"no row was committed, so the store that was at {out} is kept as it was (overwrite replaces it "
                 "only once the new capture commits)" if (store_options or {}).get("overwrite")
@@ -301,6 +303,19 @@ def _token_rows_flag_error(e: BaseException, token_rows: Any) -> BaseException:
     error.argument, error.pattern, error.hook_points = option, e.pattern, hook_points
     error.__suppress_context__ = True
     return error.with_traceback(e.__traceback__)
+
+
+def _readable_store(out: Any) -> bool:
+    """Whether a store opens at ``out`` (a new capture that failed before its first forward,
+    at a location that cannot be read or written, e.g. object storage without credentials,
+    left none there: it did not "keep the rows committed before")."""
+    from ..store import open_store
+
+    try:
+        open_store(out).close()
+    except Exception:  # noqa: BLE001 - no store, or none that can be read
+        return False
+    return True
 
 
 def _what_is_kept(out: Any, resumable: bool = True) -> str:
