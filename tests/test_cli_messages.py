@@ -549,3 +549,13 @@ def test_a_new_remote_store_that_could_not_be_written_is_not_said_to_keep_rows(m
                                 n_total=8, include=None, exclude=None, reductions=None, progress=False)
     notes = " ".join(getattr(info.value, "__notes__", ()))
     assert "keeps the rows committed before" not in notes and "nothing was committed at memory://acs-nocreds" in notes
+
+
+def test_demo_help_says_where_the_report_goes(capsys):
+    # "<store folder>/demo-report" read as a folder inside the store; the report is its sibling
+    from activationscope import cli
+
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["demo", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "demo-report next to the store" in out and "<store folder>" not in out

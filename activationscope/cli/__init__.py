@@ -182,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", default=DEFAULT_DEMO_OUT, help="store path, overwritten on rerun (default: %(default)s)")
     p.add_argument("--report", default=None, metavar="DIR",
-                   help="report folder (default: <store folder>/demo-report)")
+                   help="report folder (default: demo-report next to the store, in the folder holding it)")
     p.add_argument("--no-report", action="store_true", help="skip the HTML report")
     p.add_argument("--corpus", action="store_true",
                    help="also capture the 300 unlabelled Lee news articles (label -1; not used by the probe)")
