@@ -1130,7 +1130,7 @@ def test_data_of_another_float_dtype_than_the_model_names_both(tmp_path, user_mo
     assert not out.exists()
 
 
-def test_model_failing_mid_capture_is_one_line_and_store_incomplete(tmp_path, toy_store, capsys):
+def test_model_failing_mid_capture_is_one_line_and_store_incomplete(tmp_path, toy_store, user_package, capsys):
     import activationscope as acs
 
     bad = tmp_path / "bad.npy"
@@ -1143,14 +1143,27 @@ def test_model_failing_mid_capture_is_one_line_and_store_incomplete(tmp_path, to
     _one_error_line(err, "the model raised RuntimeError", "samples 0..9", "no row was committed", "was removed")
     assert not out.exists()
     # a resume failing on its first batch leaves the store as it was: its rows, status complete
-    # (failing after commits keeps them, status incomplete: test_cli_messages)
-    wide = tmp_path / "wide.npy"
-    np.save(wide, np.zeros((30, 7), dtype=np.float32))   # samples 20.. do not fit the model
-    _, x = toy_store
-    code, _, err = run(capsys, "capture", "--model", "usermodels.nets:mlp", "--data", str(x), "--out", str(out),
+    # (failing after commits keeps them, status incomplete: test_cli_messages). The resume reads
+    # the same data (another array is refused before any forward: test_resume_with_other_tensor_data)
+    user_package("picky", """
+        import torch
+        class Picky(torch.nn.Linear):
+            def forward(self, x):
+                if (x.abs() > 1e6).any():
+                    raise RuntimeError("a value above 1e6")
+                return super().forward(x)
+        def net():
+            torch.manual_seed(0)
+            return Picky(6, 3)
+    """)
+    x = tmp_path / "picky.npy"
+    data = np.zeros((30, 6), dtype=np.float32)
+    data[20:] = 1e9  # samples 20.. make the model raise
+    np.save(x, data)
+    code, _, err = run(capsys, "capture", "--model", "picky.nets:net", "--data", str(x), "--out", str(out),
                        "--no-progress", "--batch-size", "10", "--max-samples", "20")
     assert code == 0, err
-    code, _, err = run(capsys, "capture", "--model", "usermodels.nets:mlp", "--data", str(wide), "--out", str(out),
+    code, _, err = run(capsys, "capture", "--model", "picky.nets:net", "--data", str(x), "--out", str(out),
                        "--no-progress", "--resume")
     assert code == 1
     _one_error_line(err, "the model raised RuntimeError", f"{out} keeps its 20 committed samples (status complete)")
