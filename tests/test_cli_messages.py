@@ -559,3 +559,20 @@ def test_demo_help_says_where_the_report_goes(capsys):
         cli.build_parser().parse_args(["demo", "--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert "demo-report next to the store" in out and "<store folder>" not in out
+
+
+def test_include_and_exclude_leaving_nothing_are_named_as_flags(capsys, tmp_path, user_package):
+    # "include=['0', '2'] and exclude=['*'] leave no module" spoke Python to a command-line user
+    x = user_package("leavenone", """
+        import torch
+        def mlp():
+            return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    """, data=(4, 4, 0))
+    code, _, err = run(capsys, "capture", "--model", "leavenone.nets:mlp", "--data", str(x), "--out",
+                       str(tmp_path / "a.zarr"), "--include", "0,2", "--exclude", "*", "--no-progress")
+    assert code == 1 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert "--include '0,2' and --exclude '*' leave no module" in err and "include=[" not in err, err
+    from activationscope.cli import _cli_spelling
+
+    assert _cli_spelling("include=None and exclude=['x'] leave no module of M to track") == \
+        "--include '*' and --exclude 'x' leave no module of M to track"

@@ -443,6 +443,10 @@ def _cli_spelling(message: str, command: str | None = None) -> str:
     for python, cli in _CLI_SPELLINGS:
         message = message.replace(python, cli)
     message = _token_rows_flags(message)
+    # hooks.select_modules: "include=['a', 'b'] and exclude=['c'] leave no module of M to track"
+    message = re.sub(r"\binclude=(\[.*?\]|None) and exclude=(\[.*?\]|None) leave no module",
+                     lambda m: f"--include {_pattern_list(m.group(1))} and --exclude {_pattern_list(m.group(2))} "
+                               "leave no module", message)
     if command in ("capture", "export"):  # the commands with an --overwrite flag
         for python in ("overwrite=True (CLI: --overwrite)", "overwrite=True (--overwrite)", "overwrite=True"):
             message = message.replace(python, "--overwrite")
@@ -458,6 +462,22 @@ def _cli_spelling(message: str, command: str | None = None) -> str:
 _TOKEN_ROWS_DICT = re.compile(r"token_rows=\{((?:'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"): (?:True|False)"
                               r"(?:, (?:'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"): (?:True|False))*)\}")
 _TOKEN_ROWS_ENTRY = re.compile(r"('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"): (True|False)")
+
+
+def _pattern_list(shown: str) -> str:
+    """A Python list of patterns as a message shows it (``['a', 'b']``) in the words of a
+    comma-separated flag value (``'a,b'``); ``None`` (no patterns: every module) as ``'*'``."""
+    import ast
+
+    try:
+        patterns = ast.literal_eval(shown)
+    except (ValueError, SyntaxError):
+        return shown
+    if patterns is None:
+        return "'*'"
+    if not isinstance(patterns, list) or not all(isinstance(p, str) for p in patterns):
+        return shown
+    return repr(",".join(patterns))
 
 
 def _token_rows_flags(message: str) -> str:
