@@ -464,6 +464,9 @@ def test_cli_spelling_of_overwrite_where_the_command_has_the_flag():
     assert _cli_spelling("files (overwrite does not allow it); or pass overwrite=True (--overwrite) to", "export") == \
         "files (--overwrite does not allow it); or pass --overwrite to"
     assert _cli_spelling(lock, "demo") == lock  # (the demo has no --overwrite)
+    python = "run it again with overwrite=True (StoreWriter(..., overwrite=True) finishes it; store_options overwrite=True)"
+    assert _cli_spelling(python, "capture") == \
+        "run it again with --overwrite (StoreWriter(..., overwrite=True) finishes it; store_options overwrite=True)"
 
 
 @pytest.mark.parametrize("command", ["report", "export-parquet", "export-hf"])

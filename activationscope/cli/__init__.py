@@ -448,8 +448,11 @@ def _cli_spelling(message: str, command: str | None = None) -> str:
                      lambda m: f"--include {_pattern_list(m.group(1))} and --exclude {_pattern_list(m.group(2))} "
                                "leave no module", message)
     if command in ("capture", "export"):  # the commands with an --overwrite flag
-        for python in ("overwrite=True (CLI: --overwrite)", "overwrite=True (--overwrite)", "overwrite=True"):
+        for python in ("overwrite=True (CLI: --overwrite)", "overwrite=True (--overwrite)"):
             message = message.replace(python, "--overwrite")
+        # (not inside a Python call the message names: "StoreWriter(..., overwrite=True)", "store_options
+        # overwrite=True" of a rank store)
+        message = re.sub(r"(?<!\.\.\., )(?<!store_options )\boverwrite=True\b", "--overwrite", message)
         message = re.sub(r"\((overwrite) (does not allow|replaces)\b", r"(--\1 \2", message)
     # the rest of the advice to leave a module out ("or exclude= them", "exclude= the module of
     # 'x'"); "include=/exclude= as the first run" names both keyword arguments and stays
