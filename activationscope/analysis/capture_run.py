@@ -454,8 +454,10 @@ def capture_dataset(
         that has no tokenizer, a ``max_length`` that leaves no token of text after the
         tokenizer's special tokens or exceeds the model's positions, ``resume`` with data of
         fewer samples than the store holds, with text data whose first samples are not the
-        stored ones (``sample_id`` / ``text`` / ``label`` of the store's sample table), or
-        with another ``max_length`` than the store records.
+        stored ones (``sample_id`` / ``text`` / ``label`` of the store's sample table), with
+        tensor data whose first samples hash otherwise than the store's first run recorded
+        (provenance ``data_fingerprint``, :func:`tensor_fingerprint`), or with another
+        ``max_length`` than the store records.
     SpecError
         A model or data spec that names nothing usable (a table, ``.csv`` / ``.jsonl`` /
         ...); no ``include`` for a Hugging Face model without a stack of repeated blocks (the
