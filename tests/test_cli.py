@@ -702,9 +702,22 @@ def test_utf8_file_with_a_stray_latin1_byte_is_refused(tmp_path):
 
 def test_latin1_text_file(tmp_path):
     f = tmp_path / "t.txt"
-    f.write_bytes("café\nna\x97ïve\x85x\n".encode("latin-1"))
+    f.write_bytes("café\nnaïve\n".encode("latin-1"))
     d = specs.load_data_spec(str(f))
-    assert d.texts == ["café", "na\x97ïve\x85x"] and d.sample_ids == [0, 1]
+    assert d.texts == ["café", "naïve"] and d.sample_ids == [0, 1]
+
+
+def test_windows_1252_text_file_keeps_its_punctuation(tmp_path):
+    # bytes 0x80-0x9F of a file that is not UTF-8 are Windows-1252 punctuation (gensim's
+    # pang_lee_polarity.cor writes its em dashes as 0x97): as latin-1 they were C1 control
+    # characters, stored in the text column and dropped by the tokenizer, the dash lost
+    f = tmp_path / "t.txt"
+    f.write_bytes("caf\xe9 \u2014 na\xefve\u2026 \u2019quoted\u2019 \u20ac5\n".encode("cp1252") + b"x\x81y\x85z\n")
+    d = specs.load_data_spec(str(f))
+    assert d.texts == ["caf\xe9 \u2014 na\xefve\u2026 \u2019quoted\u2019 \u20ac5", "x\x81y\u2026z"]  # 0x81: undefined
+    assert specs.decode_windows_1252(bytes(range(256))) == "".join(
+        bytes([b]).decode("cp1252") if 0x80 <= b < 0xA0 and b not in (0x81, 0x8D, 0x8F, 0x90, 0x9D) else chr(b)
+        for b in range(256))
 
 
 @needs_demo
@@ -715,6 +728,7 @@ def test_gensim_polarity_file_reads_like_the_demo():
     texts, labels = demo_assets.load_polarity()
     assert d.texts == texts and [{"neg": 0, "pos": 1}[x] for x in d.labels] == labels
     assert d.sample_ids == list(range(200)) and any("é" in t for t in texts)
+    assert sum(t.count("\u2014") for t in texts) == 3 and not any("\x97" in t for t in texts)  # its 0x97 em dashes
 
 
 def test_multi_label_line_is_refused(tmp_path):
@@ -1058,7 +1072,7 @@ def test_resume_with_another_model_states_the_store_status_and_the_cli_flag(tmp_
     code, _, err = run(capsys, *args, "--resume")
     assert code == 1
     _one_error_line(err, f"cannot resume {str(out)!r} (status 'complete', 20 samples)", "nothing was changed",
-                    "overwrite=True (CLI: --overwrite)", f"{out} keeps its 20 committed samples (status complete)")
+                    "pass --overwrite to capture it again", f"{out} keeps its 20 committed samples (status complete)")
     assert "incomplete" not in err and "--resume continues" not in err, err
     store = acs.open_store(str(out))
     assert store.status == "complete" and store.n_samples == 20 and torch.equal(store["2.output"], before)
@@ -1066,7 +1080,7 @@ def test_resume_with_another_model_states_the_store_status_and_the_cli_flag(tmp_
     code, stdout, err = run(capsys, *args, "--max-samples", "20", "--resume")
     assert code == 1 and "nothing to capture" not in stdout
     _one_error_line(err, f"cannot resume {str(out)!r} (status 'complete', 20 samples)", "nothing was changed",
-                    "overwrite=True (CLI: --overwrite)")
+                    "pass --overwrite to capture it again")
     code, stdout, err = run(capsys, "capture", "--model", "othernets.nets:mlp", "--data", str(x), "--out", str(out),
                             "--max-samples", "20", "--no-progress", "--resume")
     assert code == 0 and "nothing to capture" in stdout, err  # the same model: nothing to do
@@ -1116,7 +1130,7 @@ def test_data_of_another_float_dtype_than_the_model_names_both(tmp_path, user_mo
     assert not out.exists()
 
 
-def test_model_failing_mid_capture_is_one_line_and_store_incomplete(tmp_path, toy_store, capsys):
+def test_model_failing_mid_capture_is_one_line_and_store_incomplete(tmp_path, toy_store, user_package, capsys):
     import activationscope as acs
 
     bad = tmp_path / "bad.npy"
@@ -1129,14 +1143,27 @@ def test_model_failing_mid_capture_is_one_line_and_store_incomplete(tmp_path, to
     _one_error_line(err, "the model raised RuntimeError", "samples 0..9", "no row was committed", "was removed")
     assert not out.exists()
     # a resume failing on its first batch leaves the store as it was: its rows, status complete
-    # (failing after commits keeps them, status incomplete: test_cli_messages)
-    wide = tmp_path / "wide.npy"
-    np.save(wide, np.zeros((30, 7), dtype=np.float32))   # samples 20.. do not fit the model
-    _, x = toy_store
-    code, _, err = run(capsys, "capture", "--model", "usermodels.nets:mlp", "--data", str(x), "--out", str(out),
+    # (failing after commits keeps them, status incomplete: test_cli_messages). The resume reads
+    # the same data (another array is refused before any forward: test_resume_with_other_tensor_data)
+    user_package("picky", """
+        import torch
+        class Picky(torch.nn.Linear):
+            def forward(self, x):
+                if (x.abs() > 1e6).any():
+                    raise RuntimeError("a value above 1e6")
+                return super().forward(x)
+        def net():
+            torch.manual_seed(0)
+            return Picky(6, 3)
+    """)
+    x = tmp_path / "picky.npy"
+    data = np.zeros((30, 6), dtype=np.float32)
+    data[20:] = 1e9  # samples 20.. make the model raise
+    np.save(x, data)
+    code, _, err = run(capsys, "capture", "--model", "picky.nets:net", "--data", str(x), "--out", str(out),
                        "--no-progress", "--batch-size", "10", "--max-samples", "20")
     assert code == 0, err
-    code, _, err = run(capsys, "capture", "--model", "usermodels.nets:mlp", "--data", str(wide), "--out", str(out),
+    code, _, err = run(capsys, "capture", "--model", "picky.nets:net", "--data", str(x), "--out", str(out),
                        "--no-progress", "--resume")
     assert code == 1
     _one_error_line(err, "the model raised RuntimeError", f"{out} keeps its 20 committed samples (status complete)")
@@ -2035,3 +2062,67 @@ def test_an_empty_path_argument_is_a_usage_error_and_nothing_is_written(tmp_path
     assert err.splitlines()[-1] == (f"activationscope {argv[0]}: error: argument {flag}: must not be empty, got "
                                     f"{value!r} (an empty shell variable?); {fix}")
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+@needs_demo
+@pytest.mark.parametrize("other, needle", [
+    ("good movie\nsomething else\nfun\ndull\n", "sample 1 is 'something else' there and 'bad movie' in the store"),
+    ("__label__a good movie\n__label__b bad movie\n__label__a fun\n", "has labels (__label__ tags)"),
+    ("good movie\n\nbad movie\nfun\n", "has id 2 where the store has 1"),
+])
+def test_resume_with_other_text_data_is_refused(capsys, tmp_path, other, needle):
+    # a --resume appends the data's later samples to the stored ones: another file (or this one
+    # edited) would mix two data sets in one store under sample ids and texts that do not match
+    import activationscope as acs
+
+    f = tmp_path / "s.txt"
+    f.write_text("good movie\nbad movie\nfun\ndull\n")
+    out = tmp_path / "a.zarr"
+    args = ["capture", "--model", "demo", "--include", "encoder.layer.0", "--out", str(out), "--no-progress"]
+    code, _, err = run(capsys, *args, "--data", str(f), "--max-samples", "2")
+    assert code == 0, err
+    before = sorted(p.relative_to(out).as_posix() for p in out.rglob("*"))
+    g = tmp_path / "other.txt"
+    g.write_text(other)
+    code, _, err = run(capsys, *args, "--data", str(g), "--resume")
+    assert code == 1
+    _one_error_line(err, "--resume: store", needle, "not the data", "--overwrite", "nothing was changed")
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == before
+    assert acs.open_store(str(out)).n_samples == 2
+    code, _, err = run(capsys, *args, "--data", str(f), "--resume")  # the same data: resumed
+    assert code == 0, err
+    assert acs.open_store(str(out)).row_table("sample").column("text").to_pylist() == \
+        ["good movie", "bad movie", "fun", "dull"]
+
+
+def test_resume_with_other_tensor_data_is_refused(tmp_path, user_module, capsys):
+    # a --resume appended the later samples of any .npy with the stored feature shape: another
+    # array (or this one regenerated) mixed two data sets in one store, silently
+    import activationscope as acs
+
+    x = tmp_path / "x.npy"
+    data = np.random.default_rng(0).standard_normal((30, 6)).astype(np.float32)
+    np.save(x, data)
+    out = tmp_path / "a.zarr"
+    args = ["capture", "--model", "usermodels.nets:mlp", "--out", str(out), "--batch-size", "8", "--no-progress"]
+    code, _, err = run(capsys, *args, "--data", str(x), "--max-samples", "10")
+    assert code == 0, err
+    assert acs.open_store(str(out)).attrs["provenance"]["data_fingerprint"] == capture_run.tensor_fingerprint(
+        torch.from_numpy(data), 10)
+    before = sorted(p.relative_to(out).as_posix() for p in out.rglob("*"))
+    other = data.copy()
+    other[9, 5] += 1  # one value of the stored samples differs
+    y = tmp_path / "y.npy"
+    np.save(y, other)
+    code, _, err = run(capsys, *args, "--data", str(y), "--resume")
+    assert code == 1
+    _one_error_line(err, "--resume: store", "holds 10 samples", f"--data {str(y)!r} is not the data they were "
+                    "captured from: its first 10 samples", "--overwrite", "nothing was changed")
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == before
+    other = data.copy()
+    other[10:] = 0  # later samples may differ: they are not stored yet (the data grew or changed after them)
+    np.save(y, other)
+    code, _, err = run(capsys, *args, "--data", str(y), "--resume")
+    assert code == 0, err
+    store = acs.open_store(str(out))
+    assert store.n_samples == 30 and store.attrs["provenance"]["data_fingerprint"]["samples"] == 10  # the first run's

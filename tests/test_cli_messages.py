@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 import activationscope as acs
@@ -436,3 +437,145 @@ def test_a_resume_refused_for_its_hook_points_names_the_flags(user_package, caps
     assert "include=" not in line
     store = acs.open_store("r.zarr")
     assert store.n_samples == 20 and torch.equal(store["2.output"], before)
+
+
+def test_cli_spelling_turns_token_rows_advice_into_the_row_flags():
+    # the library's token_rows={...} advice, printed by `capture`, is --sample-rows / --token-rows there
+    from activationscope.cli import _cli_spelling
+    from activationscope.capture import scope
+
+    with pytest.warns(acs.CaptureWarning) as caught:
+        scope._warn_2d_token_rows("embeddings.input.kw.input_ids", (10, 39), 1)
+        scope._warn_head_first_token_rows({"a.output": (2, 5, 5), "b'q.output": (2, 5, 5, 3)}, 1)
+    first, second = (_cli_spelling(" ".join(str(w.message).split()), "capture") for w in caught)
+    assert "token_rows" not in first + second
+    assert "pass --sample-rows 'embeddings.input.kw.input_ids' (one row per sample), or --token-rows " \
+           "'embeddings.input.kw.input_ids' to confirm token rows" in first
+    assert """pass --sample-rows 'a.output' --sample-rows "b'q.output" (one row per sample""" in second
+    assert second.endswith("; --token-rows instead confirms token rows")
+
+
+def test_cli_spelling_of_overwrite_where_the_command_has_the_flag():
+    from activationscope.cli import _cli_spelling
+
+    lock = "write elsewhere (overwrite=True is refused while a writer holds the store); kept (overwrite replaces it only once"
+    assert _cli_spelling(lock, "capture") == \
+        "write elsewhere (--overwrite is refused while a writer holds the store); kept (--overwrite replaces it only once"
+    assert _cli_spelling("files (overwrite does not allow it); or pass overwrite=True (--overwrite) to", "export") == \
+        "files (--overwrite does not allow it); or pass --overwrite to"
+    assert _cli_spelling(lock, "demo") == lock  # (the demo has no --overwrite)
+    python = "run it again with overwrite=True (StoreWriter(..., overwrite=True) finishes it; store_options overwrite=True)"
+    assert _cli_spelling(python, "capture") == \
+        "run it again with --overwrite (StoreWriter(..., overwrite=True) finishes it; store_options overwrite=True)"
+
+
+@pytest.mark.parametrize("command", ["report", "export-parquet", "export-hf"])
+def test_an_output_folder_this_process_may_not_write_is_named_with_the_fix(capsys, tmp_path, monkeypatch, command):
+    # a read-only folder (or file system): "[Errno 1] Operation not permitted: 'ro/rep'" named a
+    # temporary file, or no argument, and no fix
+    import os
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with acs.ActivationScope(store=str(tmp_path / "s.zarr")).track(model):
+        model(torch.randn(8, 4))
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if os.fspath(p).rstrip("/").endswith("ro")
+                        and mode & os.W_OK else access(p, mode, **kw))
+    out = ro / ("rep" if command == "report" else "x.parquet" if command == "export-parquet" else "hf")
+    argv = (["report", str(tmp_path / "s.zarr"), "--out", str(out)] if command == "report" else
+            ["export", str(tmp_path / "s.zarr"), "--format", command.split("-")[1], "--out", str(out)])
+    code, _, err = run(capsys, *argv)
+    assert code == 1
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert f"--out '{out}'" in lines[0] and "is not writable by this process" in lines[0], lines[0]
+    assert "nothing was written" in lines[0] and "you may write" in lines[0]
+    assert list(ro.iterdir()) == []
+
+
+def test_a_capture_whose_folder_cannot_be_created_says_nothing_was_written(capsys, tmp_path, monkeypatch):
+    # "ro/x.zarr keeps the rows committed before" was said of a store that never existed
+    x = tmp_path / "x.npy"
+    np.save(x, np.zeros((4, 4), np.float32))
+    import pathlib
+
+    out = tmp_path / "ro" / "x.zarr"
+    mkdir = pathlib.Path.mkdir
+
+    def refused(self, *args, **kwargs):  # a read-only folder: creating the store's folder fails
+        if self == out:
+            raise PermissionError(1, "Operation not permitted", str(self))
+        return mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "mkdir", refused)
+    code, _, err = run(capsys, "capture", "--model", "torch.nn:Identity", "--data", str(x), "--out", str(out),
+                       "--no-progress")
+    assert code == 1 and "Traceback" not in err
+    assert "cannot create its folder" in err and "keeps the rows committed before" not in err, err
+    assert err.strip().endswith(f"nothing was written at {out}") and not out.exists()
+
+
+def test_an_interrupted_capture_says_what_is_kept_in_the_commands_flags(capsys, monkeypatch):
+    # Ctrl-C during `capture --overwrite`: the note said "(overwrite replaces it only once ...)"
+    from activationscope import cli
+
+    def interrupted(args):
+        e = KeyboardInterrupt()
+        e.add_note("no row was committed, so the store that was at s.zarr is kept as it was (overwrite replaces it "
+                   "only once the new capture commits)")
+        raise e
+
+    monkeypatch.setitem(cli._COMMANDS, "capture", interrupted)
+    code, _, err = run(capsys, "capture", "--model", "m:f", "--data", "d.npy", "--out", "s.zarr")
+    assert code == 130
+    assert err == ("activationscope capture: interrupted; no row was committed, so the store that was at s.zarr is "
+                   "kept as it was (--overwrite replaces it only once the new capture commits)\n")
+
+
+def test_a_new_remote_store_that_could_not_be_written_is_not_said_to_keep_rows(monkeypatch):
+    # `capture --out s3://...` without credentials: the lock could not be written, yet the error
+    # ended "s3://bucket/q.zarr keeps the rows committed before" of a store that never existed
+    from activationscope.analysis import capture_run
+    from activationscope.errors import StoreError
+    from activationscope.store import _lock
+
+    def refused(self):
+        raise StoreError("writing '.activationscope-writer.lock' to memory://acs-nocreds failed: Unable to locate "
+                         "credentials")
+
+    monkeypatch.setattr(_lock.WriterLock, "_acquire_marker", refused)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with pytest.raises(StoreError) as info:
+        capture_run.run_capture(model, capture_run.tensor_batches(torch.zeros(8, 4), 4), out="memory://acs-nocreds",
+                                n_total=8, include=None, exclude=None, reductions=None, progress=False)
+    notes = " ".join(getattr(info.value, "__notes__", ()))
+    assert "keeps the rows committed before" not in notes and "nothing was committed at memory://acs-nocreds" in notes
+
+
+def test_demo_help_says_where_the_report_goes(capsys):
+    # "<store folder>/demo-report" read as a folder inside the store; the report is its sibling
+    from activationscope import cli
+
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["demo", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "demo-report next to the store" in out and "<store folder>" not in out
+
+
+def test_include_and_exclude_leaving_nothing_are_named_as_flags(capsys, tmp_path, user_package):
+    # "include=['0', '2'] and exclude=['*'] leave no module" spoke Python to a command-line user
+    x = user_package("leavenone", """
+        import torch
+        def mlp():
+            return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    """, data=(4, 4, 0))
+    code, _, err = run(capsys, "capture", "--model", "leavenone.nets:mlp", "--data", str(x), "--out",
+                       str(tmp_path / "a.zarr"), "--include", "0,2", "--exclude", "*", "--no-progress")
+    assert code == 1 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert "--include '0,2' and --exclude '*' leave no module" in err and "include=[" not in err, err
+    from activationscope.cli import _cli_spelling
+
+    assert _cli_spelling("include=None and exclude=['x'] leave no module of M to track") == \
+        "--include '*' and --exclude 'x' leave no module of M to track"

@@ -129,6 +129,7 @@ def run_capture(
 
     local = local_path(out) if isinstance(out, (str, os.PathLike)) else None
     folder_existed = local is not None and os.path.isdir(local)
+    path_existed = local is not None and os.path.lexists(local)  # (nothing there: a failure has nothing to keep)
     bar = tqdm(total=n_total, unit="samples", desc=desc, disable=not progress, dynamic_ncols=True,
                file=sys.stderr, leave=True)
     start = time.perf_counter()
@@ -206,7 +207,11 @@ def run_capture(
         # row either; it is the user's, never removed here)
         removed = new_store and (gone or (not (store_options or {}).get("overwrite")
                                           and remove_if_empty(out, remove_folder=not folder_existed)))
+        nothing_there = local is not None and not path_existed and not os.path.lexists(local)
         tail = (f"no row was committed, so the new store {out} was removed" if removed else
+                f"nothing was written at {out}" if nothing_there else
+                f"nothing was committed at {out}" if new_store and not (store_options or {}).get("overwrite")
+                and summary.n_forwards == 0 and not _readable_store(out) else
                 f"{out} is left as it was" if tracker._refused is not None else
                 f"no row was committed, so the store that was at {out} is kept as it was (overwrite replaces it "
                 "only once the new capture commits)" if (store_options or {}).get("overwrite")
@@ -298,6 +303,19 @@ def _token_rows_flag_error(e: BaseException, token_rows: Any) -> BaseException:
     error.argument, error.pattern, error.hook_points = option, e.pattern, hook_points
     error.__suppress_context__ = True
     return error.with_traceback(e.__traceback__)
+
+
+def _readable_store(out: Any) -> bool:
+    """Whether a store opens at ``out`` (a new capture that failed before its first forward,
+    at a location that cannot be read or written, e.g. object storage without credentials,
+    left none there: it did not "keep the rows committed before")."""
+    from ..store import open_store
+
+    try:
+        open_store(out).close()
+    except Exception:  # noqa: BLE001 - no store, or none that can be read
+        return False
+    return True
 
 
 def _what_is_kept(out: Any, resumable: bool = True) -> str:
@@ -435,8 +453,11 @@ def capture_dataset(
         store (or is one, without ``resume`` / ``overwrite``), text data with a model spec
         that has no tokenizer, a ``max_length`` that leaves no token of text after the
         tokenizer's special tokens or exceeds the model's positions, ``resume`` with data of
-        fewer samples than the store holds or with another ``max_length`` than the store
-        records.
+        fewer samples than the store holds, with text data whose first samples are not the
+        stored ones (``sample_id`` / ``text`` / ``label`` of the store's sample table), with
+        tensor data whose first samples hash otherwise than the store's first run recorded
+        (provenance ``data_fingerprint``, :func:`tensor_fingerprint`), or with another
+        ``max_length`` than the store records.
     SpecError
         A model or data spec that names nothing usable (a table, ``.csv`` / ``.jsonl`` /
         ...); no ``include`` for a Hugging Face model without a stack of repeated blocks (the
@@ -528,6 +549,10 @@ def capture_dataset(
                 f"--resume: store {out!r} holds {first} samples, but --data {data!r} has only {len(dataset)}, so it is "
                 "not the data the store was captured from; resume with that data, or pass --overwrite instead of "
                 "--resume to capture this data into a new store (nothing was changed)")
+    if resume and 0 < first <= len(dataset) and dataset.texts is not None:
+        _check_resumed_texts(out, dataset, data, first)
+    if resume and 0 < first <= len(dataset) and dataset.tensor is not None:
+        _check_resumed_tensor(out, dataset.tensor, data, first)
     if first >= n and not reductions:
         completed = _check_full_resume(
             out, loaded.model, include=include,
@@ -553,6 +578,8 @@ def capture_dataset(
         compression=compression, shard_bytes=shard_bytes, chunk_rows=chunk_rows,
         max_length=max_length if dataset.texts is not None else None,
     )
+    if dataset.tensor is not None:  # what a later --resume checks its data against
+        options["provenance"]["data_fingerprint"] = tensor_fingerprint(dataset.tensor, n)
     summary = run_capture(
         loaded.model, batches, out=out, n_total=max(0, n - first),
         include=include,
@@ -795,6 +822,93 @@ def _check_resumed_model(out: str, model: Any) -> None:
 
     if isinstance(model, torch.nn.Module):
         check_same_model(out, open_store(out).attrs, model_identity(model))
+
+
+def _check_resumed_texts(out: str, dataset: Any, data: str, first: int) -> None:
+    """A resume continues the data the store was captured from at its next sample: text data
+    whose first ``first`` samples are not the stored ones (another file, or this one edited)
+    would append other texts to them under sample ids that say otherwise. The store's sample
+    table records each sample's ``sample_id``, ``text`` and ``label``: the data's first
+    ``first`` samples must have the same (ArgumentValueError naming the first that differs;
+    nothing changed). A store whose table has no ``text`` column is not checked."""
+    from ..store import open_store
+
+    table = open_store(out).row_table("sample")
+    if "text" not in table.column_names or table.num_rows != first:
+        return
+    stored_ids = table.column("sample_id").to_pylist() if "sample_id" in table.column_names else list(range(first))
+    stored_texts = table.column("text").to_pylist()
+    stored_labels = table.column("label").to_pylist() if "label" in table.column_names else None
+    order = sorted(range(first), key=lambda i: stored_ids[i])
+    ids = dataset.sample_ids[:first] if dataset.sample_ids is not None else list(range(first))
+    labels = dataset.labels[:first] if dataset.labels is not None else None
+    fix = ("resume with the data the store was captured from, or pass --overwrite instead of --resume to capture "
+           "this data into a new store (nothing was changed)")
+
+    def short(text: Any) -> str:
+        text = str(text)
+        return repr(text if len(text) <= 60 else text[:57] + "...")
+
+    for k, i in enumerate(order):
+        if stored_ids[i] != ids[k]:
+            raise ArgumentValueError(
+                f"--resume: store {out!r} holds sample ids up to {max(stored_ids)}, but sample {k} of --data {data!r} "
+                f"has id {ids[k]} where the store has {stored_ids[i]} (blank lines moved), so it is not the data the "
+                f"store was captured from; {fix}")
+        if stored_texts[i] != dataset.texts[k]:
+            raise ArgumentValueError(
+                f"--resume: store {out!r} holds {first} samples, but --data {data!r} is not the data they were "
+                f"captured from: sample {ids[k]} is {short(dataset.texts[k])} there and {short(stored_texts[i])} in "
+                f"the store; {fix}")
+        if stored_labels is not None and labels is not None and str(stored_labels[i]) != str(labels[k]):
+            raise ArgumentValueError(
+                f"--resume: store {out!r} holds {first} samples, but --data {data!r} labels them otherwise: sample "
+                f"{ids[k]} has label {str(labels[k])!r} there and {str(stored_labels[i])!r} in the store; {fix}")
+    if (stored_labels is None) != (labels is None):
+        has, lacks = ("the store", f"--data {data!r}") if labels is None else (f"--data {data!r}", "the store")
+        raise ArgumentValueError(
+            f"--resume: store {out!r} holds {first} samples, but {has} has labels (__label__ tags) and {lacks} has "
+            f"none, so it is not the data the store was captured from; {fix}")
+
+
+def tensor_fingerprint(tensor: Any, n: int) -> dict[str, Any]:
+    """``{"samples": n, "sha256": ...}``: the sha256 of the first ``n`` samples of tensor
+    data (their dtype, shape and bytes), recorded in a capture's provenance so that a
+    ``--resume`` can tell the data it was captured from (:func:`_check_resumed_tensor`)."""
+    import hashlib
+
+    import torch
+
+    part = tensor[:n].contiguous()
+    digest = hashlib.sha256(f"{part.dtype}{tuple(part.shape)}".encode())
+    if part.numel():
+        digest.update(memoryview(part.reshape(-1).view(torch.uint8).numpy()))
+    return {"samples": int(n), "sha256": digest.hexdigest()}
+
+
+def _check_resumed_tensor(out: str, tensor: Any, data: str, first: int) -> None:
+    """Tensor data of a resume must start with the samples the store was captured from: the
+    store's provenance records the sha256 of the first ``samples`` samples of its first run's
+    data (``data_fingerprint``, :func:`tensor_fingerprint`); data holding at least as many
+    whose first ones hash otherwise is another data set (ArgumentValueError; nothing changed).
+    A store recording no fingerprint (an earlier version's, or a capture from Python), or
+    data with fewer samples than it covers, is not checked."""
+    from ..store import open_store
+
+    provenance = open_store(out).attrs.get("provenance")
+    recorded = provenance.get("data_fingerprint") if isinstance(provenance, dict) else None
+    if not isinstance(recorded, dict):
+        return
+    n = recorded.get("samples")
+    if isinstance(n, bool) or not isinstance(n, int) or n < first or n > len(tensor):
+        return
+    if tensor_fingerprint(tensor, n)["sha256"] != recorded.get("sha256"):
+        raise ArgumentValueError(
+            f"--resume: store {out!r} holds {first} samples, but --data {data!r} is not the data they were captured "
+            f"from: its first {n} samples (dtype {tensor.dtype}, shape {tuple(tensor.shape[1:])} each) differ from "
+            "those the store recorded (sha256 in its provenance, data_fingerprint); resume with the data the store "
+            "was captured from, or pass --overwrite instead of --resume to capture this data into a new store "
+            "(nothing was changed)")
 
 
 def _check_resumed_side(out: str, capture: str) -> None:

@@ -85,7 +85,8 @@ def gensim_data_dir() -> Path:
 def load_polarity(path: str | os.PathLike | None = None) -> tuple[list[str], list[int]]:
     """The labelled movie-review sentences of Pang & Lee (200 in gensim's copy).
 
-    Each line is ``__label__neg <text>`` or ``__label__pos <text>`` (latin-1).
+    Each line is ``__label__neg <text>`` or ``__label__pos <text>`` (Windows-1252: its em
+    dashes are byte 0x97, which latin-1 would make a control character that the tokenizer drops).
 
     Returns
     -------
@@ -102,7 +103,9 @@ def load_polarity(path: str | os.PathLike | None = None) -> tuple[list[str], lis
     texts: list[str] = []
     labels: list[int] = []
     names = {"neg": 0, "pos": 1}
-    for lineno, line in enumerate(path.read_text(encoding="latin-1").splitlines(), 1):
+    from .specs import decode_windows_1252
+
+    for lineno, line in enumerate(decode_windows_1252(path.read_bytes()).split("\n"), 1):
         line = line.strip()
         if not line:
             continue
@@ -119,9 +122,11 @@ def load_polarity(path: str | os.PathLike | None = None) -> tuple[list[str], lis
 
 
 def load_lee(path: str | os.PathLike | None = None) -> list[str]:
-    """The Lee background corpus: 300 news articles, one per line (latin-1), unlabelled."""
+    """The Lee background corpus: 300 news articles, one per line (Windows-1252), unlabelled."""
+    from .specs import decode_windows_1252
+
     path = Path(path) if path is not None else gensim_data_dir() / LEE_FILE
-    return [line.strip() for line in path.read_text(encoding="latin-1").splitlines() if line.strip()]
+    return [line.strip() for line in decode_windows_1252(path.read_bytes()).split("\n") if line.strip()]
 
 
 # ---------------------------------------------------------------------------- model

@@ -519,8 +519,9 @@ def check_out_dir(out_dir: str | os.PathLike) -> Path:
     ArgumentValueError
         ``out_dir`` a URL of another filesystem (a report is local files), an existing
         file (the report is a folder), a folder inside an activationscope store (replacing
-        that store would remove the report with it), or one holding an ``index.html`` that
-        is not an earlier report. Nothing is written either way.
+        that store would remove the report with it), one holding an ``index.html`` that
+        is not an earlier report, or one this process may not write or create (a read-only
+        folder or file system, or a file in its path). Nothing is written either way.
     """
     from ..errors import ArgumentValueError
     from ..store._backend import local_path
@@ -547,6 +548,20 @@ def check_out_dir(out_dir: str | os.PathLike) -> Path:
             f"out_dir {os.fspath(out_dir)!r} holds an index.html that is not an activationscope report: it and the "
             "folder's other files are left as they are; give another folder (or remove that index.html)"
         )
+    # the folder is written, or created in the nearest folder that exists: refused here, before
+    # the store is read, rather than as an OSError naming neither the argument nor a fix
+    existing = out.resolve()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if existing.is_dir() and not os.access(existing, os.W_OK | os.X_OK):
+        where = "it" if existing == out.resolve() else f"its folder {str(existing)!r}"
+        raise ArgumentValueError(
+            f"out_dir {os.fspath(out_dir)!r}: {where} is not writable by this process (a read-only folder or file "
+            "system); give a folder you may write (nothing was written)")
+    if not existing.is_dir():
+        raise ArgumentValueError(
+            f"out_dir {os.fspath(out_dir)!r}: {str(existing)!r} is a file, so the folder cannot be created there; give "
+            "a folder path (nothing was written)")
     return out
 
 
@@ -634,7 +649,12 @@ def write_report(
         )
     index = out / "index.html"
     earlier = index.exists() or index.is_symlink()  # (an earlier report: check_out_dir refused any other)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # (check_out_dir found it writable: a race, or a file system that says so wrongly)
+        raise ArgumentValueError(
+            f"out_dir {os.fspath(out_dir)!r}: cannot create the folder: {e.strerror or e}; give a folder you may write "
+            "(nothing was written)") from None
     if earlier:  # plots of the earlier report here (only then: other PNGs in a folder are not ours)
         for stale in [*out.glob("hp_*.png"), out / "probes.png"]:
             stale.unlink(missing_ok=True)

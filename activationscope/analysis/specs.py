@@ -199,7 +199,7 @@ def load_data_spec(spec: str) -> LoadedData:
     are skipped without renumbering the lines after them (one ``UserWarning`` says how many
     were skipped). Lines end at ``\\n`` (or ``\\r\\n``) only. A text file is read as UTF-8;
     one starting with a byte order mark by that mark (UTF-8, UTF-16 or UTF-32, the mark
-    removed); one that is not UTF-8 as latin-1, when it holds no multi-byte UTF-8 character.
+    removed); one that is not UTF-8 as Windows-1252 (latin-1 with its punctuation in 0x80-0x9F), when it holds no multi-byte UTF-8 character.
 
     A ``.npy`` array stored big-endian is read as the same values in native byte order.
 
@@ -307,8 +307,9 @@ _UTF8_MULTIBYTE = re.compile(
 def _decode_text(spec: str, data: bytes) -> str:
     """The text of a data file: a file starting with a byte order mark is decoded by it
     (UTF-8, UTF-16 or UTF-32, the mark removed); otherwise as UTF-8, and a file that is not
-    UTF-8 as latin-1 when it holds no multi-byte UTF-8 character at all (a latin-1 or
-    cp1252 file, such as gensim's ``pang_lee_polarity.cor``).
+    UTF-8 as Windows-1252 (:func:`decode_windows_1252`: latin-1, with the punctuation of
+    bytes 0x80-0x9F) when it holds no multi-byte UTF-8 character at all (a latin-1 or cp1252
+    file, such as gensim's ``pang_lee_polarity.cor``).
 
     Raises
     ------
@@ -336,11 +337,26 @@ def _decode_text(spec: str, data: bytes) -> str:
             line = data.count(b"\n", 0, e.start) + 1
             raise SpecError(
                 f"--data {spec!r} mixes encodings: it holds UTF-8 characters, but line {line} (byte offset "
-                f"{e.start}) has the byte {data[e.start:e.start + 1]!r}, which is not UTF-8 (latin-1 is read only "
+                f"{e.start}) has the byte {data[e.start:e.start + 1]!r}, which is not UTF-8 (Windows-1252 / latin-1 is read only "
                 "from a file without UTF-8 characters); write that line's characters in UTF-8"
             ) from None
-        text = data.decode("latin-1")  # NUL bytes: refused just below
+        text = decode_windows_1252(data)  # NUL bytes: refused just below
     return _no_nul(spec, text, fix)
+
+
+#: Bytes 0x80-0x9F as Windows-1252 reads them (``€``, ``…``, ``’``, ``—`` ...); latin-1 makes
+#: them C1 control characters, which no text means and tokenizers drop. The five bytes that
+#: Windows-1252 leaves undefined (0x81, 0x8D, 0x8F, 0x90, 0x9D) stay the control characters
+#: latin-1 gives them (as the WHATWG Encoding Standard decodes "windows-1252" and "latin1").
+_WINDOWS_1252 = {b: bytes([b]).decode("cp1252") for b in range(0x80, 0xA0) if b not in (0x81, 0x8D, 0x8F, 0x90, 0x9D)}
+
+
+def decode_windows_1252(data: bytes) -> str:
+    """``data`` decoded as Windows-1252, the superset of latin-1 that a text file that is not
+    UTF-8 is written in (gensim's ``pang_lee_polarity.cor`` spells its em dashes 0x97): bytes
+    0xA0-0xFF and 0x00-0x7F as latin-1, 0x80-0x9F as the punctuation Windows-1252 gives
+    them, the five it leaves undefined as the C1 controls of latin-1. Never fails."""
+    return data.decode("latin-1").translate(_WINDOWS_1252)
 
 
 def _no_nul(spec: str, text: str, fix: str) -> str:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 import traceback
@@ -181,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", default=DEFAULT_DEMO_OUT, help="store path, overwritten on rerun (default: %(default)s)")
     p.add_argument("--report", default=None, metavar="DIR",
-                   help="report folder (default: <store folder>/demo-report)")
+                   help="report folder (default: demo-report next to the store, in the folder holding it)")
     p.add_argument("--no-report", action="store_true", help="skip the HTML report")
     p.add_argument("--corpus", action="store_true",
                    help="also capture the 300 unlabelled Lee news articles (label -1; not used by the probe)")
@@ -330,7 +331,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return handler(args) or 0
     except KeyboardInterrupt as e:
         notes = "".join(f"; {n}" for n in getattr(e, "__notes__", ()))
-        print(f"{PROG} {args.command}: interrupted{notes}", file=sys.stderr)
+        print(_printable(f"{PROG} {args.command}: interrupted{_cli_spelling(notes, args.command)}"), file=sys.stderr)
         return 130
     except BrokenPipeError:
         return 1
@@ -417,6 +418,7 @@ _CLI_SPELLINGS = (
     ("batch_size must", "--batch-size must"),
     ("label_column '", "--label-column '"),
     ("out_dir '", "--out '"),
+    ("export path '", "--out '"),
     ("max_samples must be at least 2 * n_folds", "--max-samples must be at least 2 * --folds"),
     ("for file_format='arrow'", "for --format hf"),
     ("(none committed, or none selected by rows= / filter= / sample_ids=)", "(none committed)"),
@@ -440,10 +442,57 @@ def _cli_spelling(message: str, command: str | None = None) -> str:
     message = re.sub(r"\bthe export format '(\w+)'", r"--format \1", message)
     for python, cli in _CLI_SPELLINGS:
         message = message.replace(python, cli)
+    message = _token_rows_flags(message)
+    # hooks.select_modules: "include=['a', 'b'] and exclude=['c'] leave no module of M to track"
+    message = re.sub(r"\binclude=(\[.*?\]|None) and exclude=(\[.*?\]|None) leave no module",
+                     lambda m: f"--include {_pattern_list(m.group(1))} and --exclude {_pattern_list(m.group(2))} "
+                               "leave no module", message)
+    if command in ("capture", "export"):  # the commands with an --overwrite flag
+        for python in ("overwrite=True (CLI: --overwrite)", "overwrite=True (--overwrite)"):
+            message = message.replace(python, "--overwrite")
+        # (not inside a Python call the message names: "StoreWriter(..., overwrite=True)", "store_options
+        # overwrite=True" of a rank store)
+        message = re.sub(r"(?<!\.\.\., )(?<!store_options )\boverwrite=True\b", "--overwrite", message)
+        message = re.sub(r"\((overwrite) (does not allow|replaces)\b", r"(--\1 \2", message)
     # the rest of the advice to leave a module out ("or exclude= them", "exclude= the module of
     # 'x'"); "include=/exclude= as the first run" names both keyword arguments and stays
     message = re.sub(r"(?<![\w/])exclude= ", "--exclude ", message)
     return message
+
+
+#: ``token_rows={'a': False, 'b': True}`` in a library message, and one entry of it (a hook
+#: point's repr, in single or double quotes).
+_TOKEN_ROWS_DICT = re.compile(r"token_rows=\{((?:'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"): (?:True|False)"
+                              r"(?:, (?:'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"): (?:True|False))*)\}")
+_TOKEN_ROWS_ENTRY = re.compile(r"('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"): (True|False)")
+
+
+def _pattern_list(shown: str) -> str:
+    """A Python list of patterns as a message shows it (``['a', 'b']``) in the words of a
+    comma-separated flag value (``'a,b'``); ``None`` (no patterns: every module) as ``'*'``."""
+    import ast
+
+    try:
+        patterns = ast.literal_eval(shown)
+    except (ValueError, SyntaxError):
+        return shown
+    if patterns is None:
+        return "'*'"
+    if not isinstance(patterns, list) or not all(isinstance(p, str) for p in patterns):
+        return shown
+    return repr(",".join(patterns))
+
+
+def _token_rows_flags(message: str) -> str:
+    """The library's advice ``token_rows={'x': False}`` (one row per sample) / ``{'x': True}``
+    (token rows confirmed) as the flags that give it, ``--sample-rows 'x'`` / ``--token-rows 'x'``."""
+
+    def flags(m: re.Match) -> str:
+        return " ".join(f"--{'token' if value == 'True' else 'sample'}-rows {name}"
+                        for name, value in _TOKEN_ROWS_ENTRY.findall(m.group(1)))
+
+    message = _TOKEN_ROWS_DICT.sub(flags, message)
+    return message.replace("; True instead of False confirms token rows", "; --token-rows instead confirms token rows")
 
 
 #: Arguments that name local paths (stores, outputs, data files, model folders): a leading

@@ -480,11 +480,17 @@ def _local_out(path: str | os.PathLike) -> Path:
 
 
 def _check_parent(path: Path) -> None:
-    """Refuse a ``path`` whose folder is missing or is a file (before a temporary file is made there)."""
+    """Refuse a ``path`` whose folder is missing, is a file or is not writable (before a
+    temporary file is made there)."""
     parent = path.parent
     if not parent.is_dir():
         what = "is not a folder" if parent.exists() else "does not exist"
         raise ArgumentValueError(f"export path {str(path)!r}: its folder {str(parent)!r} {what}; give a path in an existing folder")
+    if not os.access(parent, os.W_OK | os.X_OK):  # (a read-only folder or file system, an immutable folder)
+        raise ArgumentValueError(
+            f"export path {str(path)!r}: its folder {str(parent)!r} is not writable by this process (the export "
+            "writes a file there and renames it into place); give a path in a folder you may write (nothing was "
+            "written)")
 
 
 def _refuse_special(path: Path) -> None:

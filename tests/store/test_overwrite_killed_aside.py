@@ -402,8 +402,9 @@ def test_the_capture_command_with_overwrite_finishes_an_interrupted_overwrite(tm
     command = ["capture", "--model", "kill_aside_models:mlp", "--data", str(x), "--out", str(path)]
     assert cli.main(command) == 1
     err = capsys.readouterr().err
-    assert f"holds no root document (zarr.json): an overwrite=True moved the store's root document (zarr.json) " \
+    assert f"holds no root document (zarr.json): an --overwrite moved the store's root document (zarr.json) " \
            f"into '{aside}'" in err and "nothing was changed" in err, err
+    assert "run the capture again with --overwrite (StoreWriter(..., overwrite=True) finishes the move" in err, err
     assert _everything(tmp_path) == found
     assert cli.main([*command, "--overwrite"]) == 0, capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".s.zarr")) == []  # no folder aside
