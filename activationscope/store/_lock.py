@@ -203,11 +203,13 @@ class WriterLock:
 
     @staticmethod
     def _locked_once_free(fd: int) -> bool:
-        """Try the exclusive ``flock`` of ``fd`` again a few times over 20 ms: a shared lock that
-        :func:`writer_holding` took to look is dropped at once. True once it is taken."""
+        """Try the exclusive ``flock`` of ``fd`` again over 200 ms: a shared lock that
+        :func:`writer_holding` took to look is dropped at once, though a process descheduled
+        between taking and dropping it (a busy machine) holds it for a few time slices. True
+        once it is taken."""
         import fcntl
 
-        for _ in range(4):
+        for _ in range(40):
             time.sleep(0.005)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

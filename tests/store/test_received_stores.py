@@ -268,3 +268,34 @@ def test_rank_stores_under_a_root_of_a_newer_format_version_are_not_committed(tm
     assert store.status == "complete" and store.verify() == []
     with torch.no_grad():
         assert torch.equal(store["0.output"], torch.cat([model(x) for x in xs]))
+
+
+def test_a_look_at_the_lock_that_lasts_a_few_time_slices_does_not_turn_a_writer_away(tmp_path, monkeypatch):
+    """A process descheduled between taking and dropping its shared look at the lock (a busy
+    machine) held it for longer than the 20 ms a starting writer waited: the writer was refused,
+    naming the dead writer the file still names. It now waits up to 200 ms."""
+    import fcntl
+
+    from activationscope.store import _lock
+
+    path = tmp_path / "s.zarr"
+    make_store(path)
+    _lock_of_a_writer_killed_elsewhere(path)
+    looker = os.open(path / ".activationscope-writer.lock", os.O_RDONLY)
+    fcntl.flock(looker, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    real_sleep, slept = _lock.time.sleep, []
+
+    def sleep(s):  # the look ends after 60 ms of the writer's waits
+        slept.append(s)
+        if sum(slept) >= 0.06:
+            fcntl.flock(looker, fcntl.LOCK_UN)
+        real_sleep(s)
+
+    monkeypatch.setattr(_lock.time, "sleep", sleep)
+    try:
+        writer = StoreWriter(path, resume=True)
+    finally:
+        os.close(looker)
+    monkeypatch.undo()
+    writer.close()
+    assert open_store(path).verify() == []
