@@ -476,6 +476,22 @@ def test_builtin_option_names_are_those_the_store_validates():
     assert R.BUILTIN_OPTION_NAMES == V.BUILTIN_OPTIONS
     assert set(R.BUILTIN_OPTION_NAMES) == set(R.BUILTIN_REDUCTIONS)
 
+def test_a_hist_without_its_range_names_the_options_given_and_how_to_give_lo_and_hi():
+    """The error listed per_feature: 1, an option the user never gave, in a C++ map's spelling;
+    it now shows the options given and the spellings of lo and hi in Python and on the command line."""
+    with pytest.raises(ReductionError, match=r"got bins=8: in Python \('hist', 'hist', \{'lo'.*hist\[lo=-4,hi=4\]") as e:
+        R.make_reduction("hist", bins=8)
+    assert "per_feature" not in str(e.value)
+    with pytest.raises(ReductionError, match=r"'lo' and 'hi' .*got lo=1:"):
+        R.make_reduction("hist", lo=1.0)
+    with pytest.raises(ReductionError, match=r"got none:"):
+        acs.ActivationScope(reductions=[("h", "hist", {})])
+    h = R.make_reduction("hist", lo=-4.0, hi=4.0)  # the spellings the message gives work
+    h.update(torch.tensor([[0.5], [9.0]]))
+    assert h.result()["counts"].sum() == 1 and h.result()["overflow"].sum() == 1
+    acs.ActivationScope(reductions=[("hist", "hist", {"lo": -4.0, "hi": 4.0})])
+
+
 def test_rejects_complex_and_bad_options():
     with pytest.raises(CaptureError, match="real-valued"):
         R.make_reduction("mean").update(torch.ones(2, 2, dtype=torch.complex64))

@@ -543,6 +543,12 @@ def make_reduction(spec: Any, *, init: Any = None, **options: float) -> Reductio
     if isinstance(spec, str) and not _is_path_spec(spec):
         if spec not in BUILTIN_REDUCTIONS:
             raise _unknown_builtin(spec)
+        if spec == "hist" and not {"lo", "hi"} <= set(opts):
+            given = ", ".join(f"{k}={v:g}" for k, v in opts.items()) or "none"
+            raise ReductionError(
+                f"reduction 'hist' needs options 'lo' and 'hi' (the histogram range), got {given}: in Python "
+                "('hist', 'hist', {'lo': -4.0, 'hi': 4.0}) in reductions= or make_reduction('hist', lo=-4.0, hi=4.0); "
+                "on the command line hist[lo=-4,hi=4]")
         try:
             r = _C.make_builtin_reduction(spec, opts)
         except ActivationScopeError as e:
