@@ -579,3 +579,23 @@ def test_include_and_exclude_leaving_nothing_are_named_as_flags(capsys, tmp_path
 
     assert _cli_spelling("include=None and exclude=['x'] leave no module of M to track") == \
         "--include '*' and --exclude 'x' leave no module of M to track"
+
+
+def test_exclude_leaving_none_of_the_default_modules_does_not_name_an_include_never_given(capsys, tmp_path,
+                                                                                         user_package):
+    # without --include the error read "--include '<the default modules>' and --exclude '*' ...",
+    # a flag the user never gave
+    x = user_package("leavenodefault", """
+        import torch
+        def mlp():
+            return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    """, data=(4, 4, 0))
+    code, _, err = run(capsys, "capture", "--model", "leavenodefault.nets:mlp", "--data", str(x), "--out",
+                       str(tmp_path / "a.zarr"), "--exclude", "*", "--no-progress")
+    assert code == 1 and "Traceback" not in err, err
+    assert "the modules tracked by default (" in err and "no --include given) and --exclude '*' leave no module" in err
+    assert "--include '" not in err, err
+    from activationscope.cli import _cli_spelling
+
+    assert _cli_spelling("include=['a'] and exclude=['x'] leave no module of M", "capture", include_given=False) == \
+        "the modules tracked by default ('a'; no --include given) and --exclude 'x' leave no module of M"

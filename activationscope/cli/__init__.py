@@ -342,7 +342,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             notes = "".join(f"; {n}" for n in getattr(e, "__notes__", ()))
             # messages name hook points and values from the store, which may come from someone
             # else: control characters (terminal escapes) are shown escaped, never sent as is
-            print(_printable(f"{PROG} {args.command}: error: {_cli_spelling(one_line(e), args.command)}{notes}"),
+            spelled = _cli_spelling(one_line(e), args.command, include_given=getattr(args, "include", True) not in (None, []))
+            print(_printable(f"{PROG} {args.command}: error: {spelled}{notes}"),
                   file=sys.stderr)
         return 1
     finally:
@@ -427,10 +428,11 @@ _CLI_SPELLINGS = (
 )
 
 
-def _cli_spelling(message: str, command: str | None = None) -> str:
+def _cli_spelling(message: str, command: str | None = None, include_given: bool = True) -> str:
     """``message`` with the library's Python spellings (``drop_last=True``,
     ``tracker.set_batch(attention_mask=...)``, ``n_folds``) replaced by the command line's
-    (``command``'s: the report folder is ``--report`` of ``demo``, ``--out`` of ``report``)."""
+    (``command``'s: the report folder is ``--report`` of ``demo``, ``--out`` of ``report``).
+    ``include_given`` False: the command chose the modules to track itself (no ``--include``)."""
     import re
 
     if command == "demo":
@@ -445,8 +447,9 @@ def _cli_spelling(message: str, command: str | None = None) -> str:
     message = _token_rows_flags(message)
     # hooks.select_modules: "include=['a', 'b'] and exclude=['c'] leave no module of M to track"
     message = re.sub(r"\binclude=(\[.*?\]|None) and exclude=(\[.*?\]|None) leave no module",
-                     lambda m: f"--include {_pattern_list(m.group(1))} and --exclude {_pattern_list(m.group(2))} "
-                               "leave no module", message)
+                     lambda m: (f"--include {_pattern_list(m.group(1))}" if include_given else
+                                f"the modules tracked by default ({_pattern_list(m.group(1))}; no --include given)")
+                               + f" and --exclude {_pattern_list(m.group(2))} leave no module", message)
     if command in ("capture", "export"):  # the commands with an --overwrite flag
         for python in ("overwrite=True (CLI: --overwrite)", "overwrite=True (--overwrite)"):
             message = message.replace(python, "--overwrite")
