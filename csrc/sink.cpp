@@ -519,6 +519,11 @@ void Sink::consume(const at::Tensor& x_in, const at::Tensor& token_mask) {
     // anything of this call is kept.
     try {
       rows = cast_checked(rows, *options_.storage_dtype);
+      if (rows.numel() != x.numel() && options_.keep != Keep::NONE && options_.placement != Placement::DISK) {
+        // Token rows leave the padding positions out, a record keeps them: a record whose
+        // padding turns into inf is refused as one without a mask is.
+        (void)cast_checked(x, *options_.storage_dtype);
+      }
     } catch (...) {
       count_call(-1);
       throw;

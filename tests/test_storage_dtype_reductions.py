@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 
-from activationscope import ActivationScope, CaptureError, open_store
+from activationscope import ActivationScope, CaptureError, StoragePolicy, open_store
 
 
 def _model(scale=1.0):
@@ -202,3 +202,32 @@ def test_a_resume_with_another_storage_dtype_is_refused_and_the_store_untouched(
     assert f"(CLI: {cli})" in msg and "overwrite=True (CLI: --overwrite)" in msg
     assert _files(path) == before
     assert open_store(path).status == "complete"
+
+
+@pytest.mark.parametrize("store, reductions", [(False, ["mean"]), (True, None), (True, ["mean"])])
+def test_a_record_whose_padding_overflows_is_an_error_as_without_a_mask(tmp_path, store, reductions):
+    """A record keeps the whole activation, padding positions too: a float16 cast that turns a
+    finite padding value into inf is refused, as it is where no mask is given (token rows leave
+    the padding out of the stored rows and reductions, not out of the record)."""
+    layer = torch.nn.Sequential(torch.nn.Identity(), torch.nn.Identity())
+    x = torch.ones(2, 3, 4)
+    x[0, 2] = 1e6                                     # a padding position past float16's largest
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    kwargs = {"store": tmp_path / "s.zarr", "storage": StoragePolicy.CPU} if store else {}
+    scope = ActivationScope(storage_dtype=torch.float16, reductions=reductions, **kwargs)
+    with pytest.raises(CaptureError, match=r"hook point '0.output': storage_dtype=torch.float16 turns finite"):
+        with torch.no_grad(), scope.track(layer, include=["0"]) as tr:
+            tr.set_batch(attention_mask=mask)
+            layer(x)
+    assert tr.activations.get("0.output", []) == []   # nothing of that call kept
+    if reductions:
+        assert "mean" not in tr.reductions.get("0.output", {})
+    # the real tokens alone fit float16: kept, stored and reduced as cast
+    x[0, 2] = 1.0
+    with torch.no_grad(), ActivationScope(storage_dtype=torch.float16, reductions=reductions, **{
+            **kwargs, **({"store_options": {"overwrite": True}} if store else {})}).track(layer, include=["0"]) as tr:
+        tr.set_batch(attention_mask=mask)
+        layer(x)
+    assert torch.equal(tr.activations["0.output"][0], x.half())
+    if store:
+        assert torch.equal(open_store(tmp_path / "s.zarr")["0.output"], x[mask.bool()].half())
