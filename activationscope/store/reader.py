@@ -1626,6 +1626,9 @@ class Store:
         path = meta["path"]
         arr = self._zarrays.get(path)
         if arr is None:
+            from .._safeio import exit_safe_zarr
+
+            exit_safe_zarr()
             try:
                 arr = zarr.open_array(self._backend.zarr_store(read_only=True), path=path, mode="r")
             except StoreError:  # the document is not a regular file, or too large (named)
