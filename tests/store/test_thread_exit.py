@@ -137,3 +137,18 @@ def test_a_thread_reading_after_the_main_thread_returned_opens_compressed_arrays
     store = acs.open_store(str(tmp_path / "s.zarr"))
     assert torch.equal(store.rows("0.output", 0, len(want)), want)
 
+
+def test_a_thread_capturing_into_an_object_store_after_the_main_thread_returned_commits(monkeypatch):
+    """The same for a capture into an object store (memory://): zarr puts each object through
+    asyncio.to_thread, and the open failed taking the writer lock ("writing
+    '.activationscope-writer.lock' to memory://... failed: cannot schedule new futures after
+    interpreter shutdown"). The capture now commits every row."""
+    import concurrent.futures.thread as cf_thread
+    import uuid
+
+    url = f"memory://exit-{uuid.uuid4().hex[:8]}"
+    monkeypatch.setattr(cf_thread, "_shutdown", True)
+    want = _capture(url)
+    store = acs.open_store(url)
+    assert store.attrs["status"] == "complete"
+    assert torch.equal(store.rows("0.output", 0, len(want)), want)
