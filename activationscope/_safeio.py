@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
+from concurrent.futures import BrokenExecutor, Future, ThreadPoolExecutor
 from typing import Any
 
 from .errors import StoreCorruptError, StoreError
@@ -416,12 +418,64 @@ def read_remote_shard(zarr_store: Any, label: str, spec: dict) -> Any:
         raise
 
 
-def _remote_get(zarr_store: Any, label: str, key: str, byte_range: Any = None) -> bytes | None:
-    from zarr.core.buffer import default_buffer_prototype
+class _ExitSafeExecutor(ThreadPoolExecutor):
+    """A ThreadPoolExecutor whose calls refused once the interpreter began its exit run in the
+    calling thread (zarr's event loop thread) instead of failing."""
+
+    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Future:
+        try:
+            return super().submit(fn, *args, **kwargs)
+        except BrokenExecutor:
+            raise
+        except RuntimeError:  # "cannot schedule new futures after interpreter shutdown"
+            fut: Future = Future()
+            fut.set_running_or_notify_cancel()
+            try:
+                fut.set_result(fn(*args, **kwargs))
+            except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
+                fut.set_exception(e)
+            return fut
+
+
+_zarr_lock = threading.Lock()
+
+
+def exit_safe_zarr() -> None:
+    """Give zarr's event loop a default executor that keeps working once the interpreter began
+    its exit; call before each use of zarr's synchronous API.
+
+    zarr runs local file reads and fsspec's synchronous file systems (``memory://``) through
+    ``asyncio.to_thread``, on its loop's default executor. From the moment the main thread
+    returns, ``concurrent.futures`` refuses new work (its exit hook runs before the threads still
+    running are joined), so a thread that went on opening or reading a store, or capturing into
+    an object store, failed with "cannot schedule new futures after interpreter shutdown" (a
+    compressed array's document was even reported damaged). Those calls now run in zarr's loop
+    thread itself.
+    """
+    from zarr.core import sync as zsync
+
+    loop = zsync._get_loop()
+    if isinstance(getattr(loop, "_default_executor", None), _ExitSafeExecutor):
+        return
+    with _zarr_lock:
+        if not isinstance(getattr(loop, "_default_executor", None), _ExitSafeExecutor):
+            loop.set_default_executor(_ExitSafeExecutor(thread_name_prefix="activationscope-zarr"))
+
+
+def zarr_sync(coro: Any) -> Any:
+    """``zarr.core.sync.sync(coro)``, working also once the interpreter began its exit
+    (:func:`exit_safe_zarr`)."""
     from zarr.core.sync import sync
 
+    exit_safe_zarr()
+    return sync(coro)
+
+
+def _remote_get(zarr_store: Any, label: str, key: str, byte_range: Any = None) -> bytes | None:
+    from zarr.core.buffer import default_buffer_prototype
+
     try:
-        buf = sync(zarr_store.get(key, prototype=default_buffer_prototype(), byte_range=byte_range))
+        buf = zarr_sync(zarr_store.get(key, prototype=default_buffer_prototype(), byte_range=byte_range))
     except (FileNotFoundError, KeyError):
         return None
     except OSError as e:
@@ -445,11 +499,10 @@ def _remote_run(zarr_store: Any) -> tuple | None:
 
 def _read_remote_shard(zarr_store: Any, label: str, spec: dict) -> Any:
     from zarr.abc.store import RangeByteRequest
-    from zarr.core.sync import sync
 
     key = spec["key"]
     try:
-        size = sync(zarr_store.getsize(key))
+        size = zarr_sync(zarr_store.getsize(key))
     except (FileNotFoundError, KeyError):
         size = None
     except OSError as e:

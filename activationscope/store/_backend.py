@@ -888,9 +888,9 @@ class ZarrBackend:
         return self.label
 
     def _sync(self, coro: Any) -> Any:
-        from zarr.core.sync import sync
+        from .._safeio import zarr_sync
 
-        return sync(coro)
+        return zarr_sync(coro)
 
     def _get(self, key: str, byte_range: Any = None) -> bytes | None:
         from zarr.core.buffer import default_buffer_prototype

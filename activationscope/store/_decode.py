@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from concurrent.futures import BrokenExecutor, Future, ThreadPoolExecutor
+from typing import Any, Callable
 
 import numpy as np
 
@@ -51,6 +51,57 @@ def pool() -> ThreadPoolExecutor:
                 _pool = ThreadPoolExecutor(max_workers=n_decode_threads(), thread_name_prefix="activationscope-decode")
                 _pool_pid = os.getpid()
     return _pool
+
+
+class _Deferred(Future):
+    """A call the decode pool refused, run in the first thread that asks for its result (or
+    exception), once; never run when nobody asks (a chunk decoded ahead that is not read)."""
+
+    def __init__(self, fn: Callable[..., Any], args: tuple) -> None:
+        super().__init__()
+        self._call: tuple[Callable[..., Any], tuple] | None = (fn, args)
+        self._run_lock = threading.Lock()
+
+    def _run_once(self) -> None:
+        with self._run_lock:
+            if self._call is None:
+                return
+            fn, args = self._call
+            self._call = None
+            if not self.set_running_or_notify_cancel():
+                return
+            try:
+                result = fn(*args)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller of result()
+                self.set_exception(e)
+            else:
+                self.set_result(result)
+
+    def result(self, timeout: float | None = None) -> Any:
+        self._run_once()
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._run_once()
+        return super().exception(timeout)
+
+
+def submit(fn: Callable[..., Any], *args: Any) -> Future:
+    """``fn(*args)`` on the decode pool; once the interpreter is exiting, in the thread that
+    asks for the result.
+
+    From the moment the main thread returns, ``concurrent.futures`` refuses new work
+    ("cannot schedule new futures after interpreter shutdown"): its exit hook runs before the
+    threads still running are joined, so a thread that goes on reading a compressed store after
+    the main thread returned (a training thread, a producer feeding a queue) would fail at
+    its next chunk. Its chunks are then decoded in the reading thread itself.
+    """
+    try:
+        return pool().submit(fn, *args)
+    except BrokenExecutor:
+        raise
+    except RuntimeError:  # the pool, or every pool of the interpreter, is shut down
+        return _Deferred(fn, args)
 
 
 def _after_fork_in_child() -> None:

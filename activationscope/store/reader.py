@@ -1626,6 +1626,9 @@ class Store:
         path = meta["path"]
         arr = self._zarrays.get(path)
         if arr is None:
+            from .._safeio import exit_safe_zarr
+
+            exit_safe_zarr()
             try:
                 arr = zarr.open_array(self._backend.zarr_store(read_only=True), path=path, mode="r")
             except StoreError:  # the document is not a regular file, or too large (named)
@@ -1732,7 +1735,7 @@ class Store:
                 self._cache_put(key, t, meta)
                 return t
 
-            fut = _decode.pool().submit(work)
+            fut = _decode.submit(work)
             self._inflight[key] = fut
             return fut
 
@@ -1780,7 +1783,7 @@ class Store:
             if t is not None:
                 dst[:] = t.view(-1).view(torch.uint8).numpy()[(lo - c * chunk_rows) * row_bytes:(hi - c * chunk_rows) * row_bytes]
             elif big and lo == c * chunk_rows and (hi == (c + 1) * chunk_rows or hi == n):
-                waits.append((None, _decode.pool().submit(self._decode_chunk, hook_point, meta, c, dst), None))
+                waits.append((None, _decode.submit(self._decode_chunk, hook_point, meta, c, dst), None))
             else:
                 waits.append((c, self._chunk_future(hook_point, meta, c), (lo, hi, dst)))
         # a sequential reader: decode the chunks after this read while it is consumed

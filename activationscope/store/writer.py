@@ -2611,8 +2611,18 @@ class StoreWriter:
             from concurrent.futures import ThreadPoolExecutor
 
             self._io_pool = ThreadPoolExecutor(_IO_THREADS, thread_name_prefix="activationscope-commit")
-        futures = [self._io_pool.submit(self._backend.set, key, data) for key, data in writes]
-        errors = [f.exception() for f in futures]  # waits for every write
+        futures, serial_error = [], None
+        for i, (key, data) in enumerate(writes):
+            try:
+                futures.append(self._io_pool.submit(self._backend.set, key, data))
+            except RuntimeError:  # the interpreter began its exit: concurrent.futures refuses new
+                try:  # work from then on, before the threads still running are joined: the rest here
+                    for key2, data2 in writes[i:]:
+                        self._backend.set(key2, data2)
+                except Exception as e:  # noqa: BLE001 - raised once every write has ended
+                    serial_error = e
+                break
+        errors = [f.exception() for f in futures] + [serial_error]  # waits for every write
         for e in errors:
             if e is not None:
                 raise e

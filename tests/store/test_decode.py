@@ -258,3 +258,41 @@ def test_zstd_frame_content_size_is_read_from_the_header(n):
     # frames of the header size classes (1, 2 and 4-byte content size fields)
     enc = numcodecs.Zstd(level=1).encode(np.zeros(n, np.uint8))
     assert _decode.decoded_size({"name": "zstd"}, enc) == n
+
+
+@pytest.mark.parametrize("shutdown", ["pool", "interpreter"])
+def test_reads_after_the_interpreter_began_its_exit_decode_in_the_reading_thread(tmp_path, monkeypatch, shutdown):
+    """Once the main thread returns, concurrent.futures refuses new work (its exit hook runs
+    before the threads still running are joined): a thread that went on reading a compressed
+    store failed at its next chunk with RuntimeError ("cannot schedule new futures after
+    [interpreter] shutdown"). Its chunks are now decoded in the reading thread, the same rows;
+    a chunk asked for ahead is decoded only once it is read."""
+    import concurrent.futures.thread as cf_thread
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    t = _data((96, 3), torch.float32)
+    _write(tmp_path / "s.zarr", t, compression="zstd", chunk_rows=8, shard_rows=32)
+    st = open_store(tmp_path / "s.zarr")
+    assert torch.equal(st.rows("x", 40, 48), t[40:48])  # (the array document opened; chunks 6.. decoded ahead)
+    if shutdown == "pool":  # the state concurrent.futures' exit hook leaves the decode pool in
+        ended = ThreadPoolExecutor(1)
+        ended.shutdown(wait=True)
+        monkeypatch.setattr(_decode, "_pool", ended)
+        monkeypatch.setattr(_decode, "_pool_pid", os.getpid())
+    else:  # concurrent.futures' own flag, set at exit for every pool
+        monkeypatch.setattr(cf_thread, "_shutdown", True)
+    ran = []
+    real = type(st)._decode_chunk
+
+    def counting(self, hook_point, meta, c, *rest):
+        ran.append(c)
+        return real(self, hook_point, meta, c, *rest)
+
+    monkeypatch.setattr(type(st), "_decode_chunk", counting)
+    assert torch.equal(st.rows("x", 8, 16), t[8:16]) and ran == [1]
+    assert torch.equal(st.rows("x", 16, 24), t[16:24])  # sequential: the chunks after it are asked for ahead
+    assert ran == [1, 2]  # ... and not decoded until read
+    assert torch.equal(st.rows("x", 24, 28), t[24:28]) and ran == [1, 2, 3]
+    assert torch.equal(st.rows("x", 40, 70), t[40:70])
+    assert torch.equal(st.rows("x", 0, 96), t)

@@ -109,3 +109,46 @@ def test_a_native_writer_dropped_without_close_writes_its_queue_and_ends(tmp_pat
         for s, p in enumerate(shards):  # the shard's chunks: raw rows, then the index
             data = p.read_bytes()
             assert data[: 8 * 24 * 4] == rows[8 * s: 8 * s + 8].numpy().tobytes()
+
+
+def _capture(target, n_batches: int = 3, **options) -> torch.Tensor:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(5)]).eval()
+    xs = torch.randn(n_batches, 4, 8)
+    store_options = {"overwrite": True, "commit_interval": 0.0, **options}
+    with acs.ActivationScope(store=target, store_options=store_options).track(model), torch.no_grad():
+        for x in xs:
+            model(x)
+    with torch.no_grad():
+        return model[0](xs.reshape(-1, 8))
+
+
+def test_a_thread_reading_after_the_main_thread_returned_opens_compressed_arrays(tmp_path, monkeypatch):
+    """Once the main thread returns, concurrent.futures refuses new work (its exit hook runs
+    before the threads still running are joined). zarr reads local files through that machinery
+    (asyncio.to_thread): a thread that went on reading opened its first compressed array with
+    StoreCorruptError ("does not open with zarr (RuntimeError: cannot schedule new futures after
+    interpreter shutdown)"), calling an intact store damaged. The flag concurrent.futures sets at
+    exit, set here: the rows are read."""
+    import concurrent.futures.thread as cf_thread
+
+    want = _capture(str(tmp_path / "s.zarr"), compression="zstd")
+    monkeypatch.setattr(cf_thread, "_shutdown", True)
+    store = acs.open_store(str(tmp_path / "s.zarr"))
+    assert torch.equal(store.rows("0.output", 0, len(want)), want)
+
+
+def test_a_thread_capturing_into_an_object_store_after_the_main_thread_returned_commits(monkeypatch):
+    """The same for a capture into an object store (memory://): zarr puts each object through
+    asyncio.to_thread, and the open failed taking the writer lock ("writing
+    '.activationscope-writer.lock' to memory://... failed: cannot schedule new futures after
+    interpreter shutdown"). The capture now commits every row."""
+    import concurrent.futures.thread as cf_thread
+    import uuid
+
+    url = f"memory://exit-{uuid.uuid4().hex[:8]}"
+    monkeypatch.setattr(cf_thread, "_shutdown", True)
+    want = _capture(url)
+    store = acs.open_store(url)
+    assert store.attrs["status"] == "complete"
+    assert torch.equal(store.rows("0.output", 0, len(want)), want)
