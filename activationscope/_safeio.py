@@ -452,14 +452,21 @@ def exit_safe_zarr() -> None:
     compressed array's document was even reported damaged). Those calls now run in zarr's loop
     thread itself.
     """
-    from zarr.core import sync as zsync
+    try:
+        from zarr.core import sync as zsync
 
-    loop = zsync._get_loop()
-    if isinstance(getattr(loop, "_default_executor", None), _ExitSafeExecutor):
+        loop = zsync._get_loop()  # (zarr's own loop; a zarr without it: nothing to do)
+    except (ImportError, AttributeError):
+        return
+    current = getattr(loop, "_default_executor", None)
+    if isinstance(current, _ExitSafeExecutor):
         return
     with _zarr_lock:
-        if not isinstance(getattr(loop, "_default_executor", None), _ExitSafeExecutor):
-            loop.set_default_executor(_ExitSafeExecutor(thread_name_prefix="activationscope-zarr"))
+        current = getattr(loop, "_default_executor", None)
+        if current is None or type(current) is ThreadPoolExecutor:  # (never one of another kind)
+            # as many threads as zarr's own (its ``threading.max_workers`` setting), when it made one
+            workers = getattr(current, "_max_workers", None)
+            loop.set_default_executor(_ExitSafeExecutor(max_workers=workers, thread_name_prefix="activationscope-zarr"))
 
 
 def zarr_sync(coro: Any) -> Any:
