@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 
@@ -64,6 +66,18 @@ def run_doc_blocks(path, workdir, *, min_blocks: int = 1) -> None:
         runpy.run_path(str(script), run_name="__docs__")
     finally:
         os.chdir(cwd)
+
+
+class SumRows(torch.nn.Module):
+    """A mergeable custom reduction (script it): the float64 sum of the rows."""
+
+    def forward(self, acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        s = x.double().sum(0)
+        return s if acc is None else acc + s
+
+    @torch.jit.export
+    def merge(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a + b
 
 
 class PrependCLS(torch.nn.Module):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from activationscope import ActivationScope, open_store
-from acs_testing import set_reduction_state
+from acs_testing import SumRows, set_reduction_state
 
 
 def _model():
@@ -789,16 +789,6 @@ def test_rank_stores_of_integer_rows_merge_exact_int64_min_max_topk(tmp_path):
     _check_int(open_store(tmp_path / "r.zarr").reductions["0.output"], torch.cat(xs))
 
 
-class _SumRows(torch.nn.Module):
-    def forward(self, acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        s = x.double().sum(0)
-        return s if acc is None else acc + s
-
-    @torch.jit.export
-    def merge(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return a + b
-
-
 def test_rank_stores_of_a_custom_reduction_say_how_to_commit_them(tmp_path):
     """A commit of rank stores holding a custom reduction said only that its states "can only be
     merged by the capture that defined it": it now names commit_ranks(make_reduction=), which
@@ -812,7 +802,7 @@ def test_rank_stores_of_a_custom_reduction_say_how_to_commit_them(tmp_path):
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        scripted = torch.jit.script(_SumRows())
+        scripted = torch.jit.script(SumRows())
     model, xs = _model(), _batches(4)
     path = str(tmp_path / "r.zarr")
     for t in (0, 1):
@@ -862,7 +852,7 @@ def test_a_multi_rank_capture_refuses_a_custom_reduction_without_merge_before_wr
         fn = {"plain": _plain_total, "eager": _eager_total,
               "scripted function": torch.jit.script(_plain_total),
               "module without merge": torch.jit.script(_NoMerge())}[spec]
-        mergeable = torch.jit.script(_SumRows())
+        mergeable = torch.jit.script(SumRows())
     model, xs = _model(), _batches(2)
     path = tmp_path / "r.zarr"
     with warnings.catch_warnings():
@@ -892,7 +882,7 @@ def test_unmergeable_reductions_names_the_custom_reductions_without_merge():
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        mergeable = torch.jit.script(_SumRows())
+        mergeable = torch.jit.script(SumRows())
         assert unmergeable_reductions(None) == [] and unmergeable_reductions(["mean", "max"]) == []
         assert unmergeable_reductions({"a.*": ["mean", _plain_total], "b": [("m", mergeable), _plain_total]}) == \
             ["_plain_total"]

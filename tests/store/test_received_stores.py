@@ -11,6 +11,7 @@ from typing import Optional
 
 import pytest
 import torch
+from acs_testing import SumRows
 from hostile import HP, edit_root, make_store, root
 
 import activationscope as acs
@@ -133,22 +134,12 @@ def test_a_received_stores_custom_reduction_reads_without_its_pt_and_nothing_is_
     assert torch.equal(before, expected)
 
 
-class _SumRows(torch.nn.Module):
-    def forward(self, acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        s = x.double().sum(0)
-        return s if acc is None else acc + s
-
-    @torch.jit.export
-    def merge(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return a + b
-
-
 def test_rank_stores_whose_custom_reduction_program_is_damaged_are_not_committed(tmp_path):
     # rank stores received to be committed (consolidate): a damaged .pt of rank 0 was copied into the
     # committed store with a crc32c computed anew over the damaged bytes, so verify found nothing
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        scripted = torch.jit.script(_SumRows())
+        scripted = torch.jit.script(SumRows())
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4)).eval()
     path = tmp_path / "tasks.zarr"
@@ -216,7 +207,10 @@ def test_a_store_a_writer_holds_is_still_refused_as_a_copy_source_and_named(tmp_
     assert torch.equal(open_store(dst)[HP], old)
 
 
-def test_a_writer_starting_while_a_copy_looks_at_the_lock_is_not_turned_away(tmp_path, monkeypatch):
+def _writer_started_during_a_look(tmp_path, monkeypatch, look_s: float) -> None:
+    """A store whose lock file names a writer killed on another host, a shared look at its lock
+    (what writer_holding takes a moment) that ends after ``look_s`` seconds of a starting
+    writer's waits (0: at its first wait); the writer must start, and the store stay intact."""
     import fcntl
 
     from activationscope.store import _lock
@@ -225,11 +219,13 @@ def test_a_writer_starting_while_a_copy_looks_at_the_lock_is_not_turned_away(tmp
     make_store(path)
     _lock_of_a_writer_killed_elsewhere(path)  # a stale name the refusal would show
     looker = os.open(path / ".activationscope-writer.lock", os.O_RDONLY)
-    fcntl.flock(looker, fcntl.LOCK_SH | fcntl.LOCK_NB)  # what writer_holding takes a moment to look
-    real_sleep = _lock.time.sleep
+    fcntl.flock(looker, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    real_sleep, slept = _lock.time.sleep, []
 
-    def sleep(s):  # the look ends while the writer waits
-        fcntl.flock(looker, fcntl.LOCK_UN)
+    def sleep(s):
+        slept.append(s)
+        if sum(slept) >= look_s:
+            fcntl.flock(looker, fcntl.LOCK_UN)
         real_sleep(s)
 
     monkeypatch.setattr(_lock.time, "sleep", sleep)
@@ -240,6 +236,10 @@ def test_a_writer_starting_while_a_copy_looks_at_the_lock_is_not_turned_away(tmp
     monkeypatch.undo()
     writer.close()
     assert open_store(path).verify() == []
+
+
+def test_a_writer_starting_while_a_copy_looks_at_the_lock_is_not_turned_away(tmp_path, monkeypatch):
+    _writer_started_during_a_look(tmp_path, monkeypatch, 0.0)
 
 
 def test_rank_stores_under_a_root_of_a_newer_format_version_are_not_committed(tmp_path):
@@ -274,28 +274,4 @@ def test_a_look_at_the_lock_that_lasts_a_few_time_slices_does_not_turn_a_writer_
     """A process descheduled between taking and dropping its shared look at the lock (a busy
     machine) held it for longer than the 20 ms a starting writer waited: the writer was refused,
     naming the dead writer the file still names. It now waits up to 200 ms."""
-    import fcntl
-
-    from activationscope.store import _lock
-
-    path = tmp_path / "s.zarr"
-    make_store(path)
-    _lock_of_a_writer_killed_elsewhere(path)
-    looker = os.open(path / ".activationscope-writer.lock", os.O_RDONLY)
-    fcntl.flock(looker, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    real_sleep, slept = _lock.time.sleep, []
-
-    def sleep(s):  # the look ends after 60 ms of the writer's waits
-        slept.append(s)
-        if sum(slept) >= 0.06:
-            fcntl.flock(looker, fcntl.LOCK_UN)
-        real_sleep(s)
-
-    monkeypatch.setattr(_lock.time, "sleep", sleep)
-    try:
-        writer = StoreWriter(path, resume=True)
-    finally:
-        os.close(looker)
-    monkeypatch.undo()
-    writer.close()
-    assert open_store(path).verify() == []
+    _writer_started_during_a_look(tmp_path, monkeypatch, 0.06)
