@@ -103,7 +103,7 @@ def load_polarity(path: str | os.PathLike | None = None) -> tuple[list[str], lis
     texts: list[str] = []
     labels: list[int] = []
     names = {"neg": 0, "pos": 1}
-    from .specs import decode_windows_1252
+    from ._text import decode_windows_1252
 
     for lineno, line in enumerate(decode_windows_1252(path.read_bytes()).split("\n"), 1):
         line = line.strip()
@@ -123,7 +123,7 @@ def load_polarity(path: str | os.PathLike | None = None) -> tuple[list[str], lis
 
 def load_lee(path: str | os.PathLike | None = None) -> list[str]:
     """The Lee background corpus: 300 news articles, one per line (Windows-1252), unlabelled."""
-    from .specs import decode_windows_1252
+    from ._text import decode_windows_1252
 
     path = Path(path) if path is not None else gensim_data_dir() / LEE_FILE
     return [line.strip() for line in decode_windows_1252(path.read_bytes()).split("\n") if line.strip()]
