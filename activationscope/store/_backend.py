@@ -831,6 +831,13 @@ def _unlink_quietly(path: Path) -> None:
 
 
 
+def _no_bucket(bucket: str) -> str:
+    """What to say of a bucket that does not exist, and the fix."""
+    shown = "the bucket" if bucket.startswith("<") else f"the bucket {bucket!r}"
+    return (f"{shown} does not exist at this endpoint: create it (e.g. `aws s3 mb s3://{bucket}`) or correct the "
+            "bucket's name in the URL")
+
+
 def remote_failure(e: BaseException) -> str:
     """``e`` (an error of an object store's client) as text, with the fix where it is a missing
     credential, a refused one or an endpoint that does not answer: where ``storage_options``
@@ -858,8 +865,7 @@ def remote_failure(e: BaseException) -> str:
                 "that is up; to fail sooner pass storage_options={'config_kwargs': "
                 "{'read_timeout': 10, 'retries': {'max_attempts': 1}}}")
     elif "NoSuchBucket" in names or "NoSuchBucket" in text or "specified bucket does not exist" in text:
-        hint = ("the bucket does not exist at this endpoint: create it (e.g. `aws s3 mb s3://<bucket>`) or correct "
-                "the bucket's name in the URL (and the endpoint: storage_options={'client_kwargs': "
+        hint = (f"{_no_bucket('<bucket>')} (and the endpoint: storage_options={{'client_kwargs': "
                 "{'endpoint_url': ...}} or AWS_ENDPOINT_URL)")
     elif isinstance(e, PermissionError) or any(w in text for w in (
             "AccessDenied", "Access Denied", "Forbidden", "InvalidAccessKeyId", "SignatureDoesNotMatch")):
@@ -1093,6 +1099,15 @@ class FsspecBackend(ZarrBackend):
             except Exception:  # noqa: BLE001 - a cache it cannot drop: reads as before
                 pass
 
+    def path_info(self) -> Any:
+        """The file system's info of the store's own path (``{"type": "file" | "directory",
+        ...}``; raises what the file system raises: FileNotFoundError when nothing is there);
+        None for a file system without async info."""
+        fs = getattr(self.store, "fs", None)
+        if fs is None or not hasattr(fs, "_info"):
+            return None
+        return self._sync(fs._info(self.store.path.rstrip("/")))
+
     def why_no_root(self) -> str:
         """Why this URL holds no store root, where the file system can tell in a request or
         two (called once ``zarr.json`` was found missing): its bucket does not exist, or an
@@ -1103,7 +1118,7 @@ class FsspecBackend(ZarrBackend):
         path = self.store.path.rstrip("/")
         protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
         try:
-            info = self._sync(fs._info(path))
+            info = self.path_info()
         except FileNotFoundError as e:
             bucket = path.split("/", 1)[0]
             missing = "bucket does not exist" in str(e) or "NoSuchBucket" in str(e)
@@ -1114,10 +1129,7 @@ class FsspecBackend(ZarrBackend):
                     missing = True
                 except Exception:  # noqa: BLE001 - said by the caller's message as it is
                     return ""
-            if missing:
-                return (f"the bucket {bucket!r} does not exist at this endpoint: create it (e.g. `aws s3 mb "
-                        f"s3://{bucket}`) or correct the bucket's name in the URL")
-            return ""
+            return _no_bucket(bucket) if missing else ""
         except Exception:  # noqa: BLE001 - a refused credential or an endpoint down: the next request says it
             return ""
         if isinstance(info, dict) and info.get("type") == "file":
@@ -1417,12 +1429,8 @@ def check_remote_store_path(backend: Any) -> None:
     prefix of the same name), so the mistyped path of a file would become a store beside it."""
     if not isinstance(backend, FsspecBackend):
         return
-    fs = getattr(backend.store, "fs", None)
-    if fs is None or not hasattr(fs, "_info"):
-        return
-    path = backend.store.path.rstrip("/")
     try:
-        info = backend._sync(fs._info(path))
+        info = backend.path_info()
     except Exception:  # noqa: BLE001 - nothing there, or a failure the writer's next request names
         return
     if not isinstance(info, dict) or info.get("type") != "file" or backend.size("zarr.json") is not None:
