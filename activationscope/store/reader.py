@@ -3108,15 +3108,14 @@ def _refuse_newer_format(src: Any, dst: Any) -> None:
     known only for the versions it reads, so such a copy could miss files. A root that does not
     parse, or names no version, is copied as it is (a damaged store may still be salvaged)."""
     try:
-        fmt = json.loads(src.get("zarr.json", max_bytes=V.MAX_JSON_BYTES) or b"")["attributes"]["activationscope"]["format"]
-        version = fmt["version"]
-    except (ValueError, KeyError, TypeError, StoreError):
+        attrs = json.loads(src.get("zarr.json", max_bytes=V.MAX_JSON_BYTES) or b"")["attributes"]["activationscope"]
+        V.check_format(attrs, store=src)
+    except (ValueError, KeyError, TypeError, StoreCorruptError):
         return
-    if isinstance(version, int) and not isinstance(version, bool) and version > F.MAX_READ_VERSION:
+    except StoreError as e:  # a newer version
         raise StoreError(
-            f"source {str(src)!r} of copy_store has format version {version}; this activationscope reads versions up "
-            f"to {F.MAX_READ_VERSION}: upgrade activationscope to copy it, or copy its folder as it is (cp -a, "
-            f"rsync -a, tar) while no writer runs; nothing was copied and the target {str(dst)!r} was not changed")
+            f"source of copy_store: {e} to copy it, or copy its folder as it is (cp -a, rsync -a, tar) while no "
+            f"writer runs; nothing was copied and the target {str(dst)!r} was not changed") from None
 
 
 def _refuse_copy_onto_itself(src: Any, dst: Any) -> None:
