@@ -36,14 +36,6 @@ def _holder_text(raw: bytes | None) -> str:
         return "another process (it has not written its pid yet)"
 
 
-def _names_holder(raw: bytes | None) -> bool:
-    try:
-        h = json.loads(raw or b"")
-        return isinstance(h, dict) and {"pid", "host", "started"} <= set(h)
-    except ValueError:
-        return False
-
-
 #: Tokens of the marker locks this process holds now (object stores): a marker of this process
 #: whose token is not here was left by a writer dropped without a close (garbage collected),
 #: and is taken over like one of a process that is gone.
@@ -202,21 +194,23 @@ class WriterLock:
         return fd, False
 
     @staticmethod
-    def _locked_once_free(fd: int) -> bool:
-        """Try the exclusive ``flock`` of ``fd`` again over 200 ms: a shared lock that
-        :func:`writer_holding` took to look is dropped at once, though a process descheduled
-        between taking and dropping it (a busy machine) holds it for a few time slices. True
-        once it is taken."""
+    def _holder_unless_freed(fd: int) -> bytes | None:
+        """After the exclusive ``flock`` of ``fd`` was refused: try it again over 200 ms, and
+        return None once it is taken, else what the lock file then says of its holder. A writer
+        names itself just after it locks (so it is named by then); a process asking whether a
+        writer holds the store (:func:`writer_holding`) drops its shared lock at once, though
+        one descheduled meanwhile (a busy machine) holds it for a few time slices."""
         import fcntl
 
+        holder = b""
         for _ in range(40):
             time.sleep(0.005)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return True
+                return None
             except BlockingIOError:
-                continue
-        return False
+                holder = os.pread(fd, 4096, 0)
+        return holder
 
     def _acquire_local(self) -> None:
         import fcntl
@@ -236,17 +230,13 @@ class WriterLock:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                # the holder writes its pid just after it locks: give it a moment to be named; a
-                # reader asking whether a writer holds the store (writer_holding) holds it a moment only
-                if not self._locked_once_free(fd):
-                    try:
-                        for _ in range(40):
-                            holder = os.pread(fd, 4096, 0)
-                            if _names_holder(holder):
-                                break
-                            time.sleep(0.005)
-                    finally:
-                        os.close(fd)
+                try:
+                    holder = self._holder_unless_freed(fd)
+                except BaseException:
+                    os.close(fd)
+                    raise
+                if holder is not None:
+                    os.close(fd)
                     raise self._locked_error(holder) from None
             try:  # the file may have been replaced between open and flock: lock the current one
                 same = os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
