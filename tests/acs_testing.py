@@ -296,7 +296,11 @@ def run_killed_at_delete(code: str, at: int, *args: str, path=(), timeout: float
     from pathlib import Path
 
     here = Path(__file__).resolve().parent  # (this module's folder: a script may import it)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here.parent), str(here), *map(str, path)])}
+    import tempfile
+
+    # (its temporary folders, which its death leaves, go where this process puts its own)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here.parent), str(here), *map(str, path)]),
+           "TMPDIR": tempfile.gettempdir()}
     done = subprocess.run([sys.executable, "-c", _DIE_AT_DELETE.format(at=int(at)) + code, *args], env=env,
                           capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 9, f"the script was to die at its delete {at}, it ended with {done.returncode}:\n" \
