@@ -453,6 +453,8 @@ void bind_capture(py::module_& m) {
       .def(py::init<py::object>(), py::arg("original"))
       .def("__call__", &ForwardWrapper::call)
       .def("add_site", &ForwardWrapper::add_site)
+      .def("set_kw_order", &ForwardWrapper::set_kw_order)
+      .def_property_readonly("kw_order", &ForwardWrapper::kw_order)
       .def("remove_site", &ForwardWrapper::remove_site)
       .def_property_readonly("n_sites", &ForwardWrapper::n_sites)
       .def_property_readonly("original", &ForwardWrapper::original)

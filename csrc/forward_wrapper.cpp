@@ -112,11 +112,25 @@ void collect(py::handle obj, const std::string& prefix, Leaves& out, int depth, 
 
 // The model's first tensor input with a dimension (positional, else keyword), or undefined.
 // Its first dimension is the forward's samples; with rows="token" its first two are (batch, pos).
-at::Tensor root_first_input(const py::args& args, const py::kwargs& kwargs) {
+// Keyword arguments are taken in the order of the forward's parameters (`kw_order`), those it
+// does not name after them in the order passed: model(position_ids=p, input_ids=i) reads the
+// batch from input_ids, as model(i, p) does, not from a (1, pos) position_ids.
+at::Tensor root_first_input(const py::args& args, const py::kwargs& kwargs, const std::vector<std::string>& kw_order) {
   Leaves leaves;
   for (size_t i = 0; i < args.size() && leaves.empty(); ++i) collect(args[i], "", leaves, 0, false);
+  if (leaves.empty() && kwargs.size() > 0) {
+    for (const auto& name : kw_order) {
+      py::str key(name);
+      if (!kwargs.contains(key)) continue;
+      collect(kwargs[key], "", leaves, 0, false);
+      if (!leaves.empty()) break;
+    }
+  }
   if (leaves.empty()) {
     for (auto item : kwargs) {
+      if (!kw_order.empty() && PyUnicode_Check(item.first.ptr()) &&
+          std::find(kw_order.begin(), kw_order.end(), py::str(item.first).cast<std::string>()) != kw_order.end())
+        continue;  // (looked at above)
       collect(item.second, "", leaves, 0, false);
       if (!leaves.empty()) break;
     }
@@ -493,7 +507,7 @@ py::object ForwardWrapper::call(py::args args, py::kwargs kwargs) {
     }
   }
   if (!starting.empty()) {
-    const at::Tensor first = root_first_input(args, kwargs);
+    const at::Tensor first = root_first_input(args, kwargs, kw_order_);
     for (TrackerCore* c : starting) start_forward(*c, first);
   }
 

@@ -206,6 +206,11 @@ class ForwardWrapper {
   void warn_eager_once();
   size_t n_sites() const { return sites_.size(); }
   py::object original() const { return original_; }
+  // The names of the wrapped forward's parameters that a keyword can fill, in their order:
+  // the order in which a root forward's keyword arguments are searched for its first tensor
+  // input (the batch). Empty: the order they are passed in.
+  void set_kw_order(std::vector<std::string> names) { kw_order_ = std::move(names); }
+  const std::vector<std::string>& kw_order() const { return kw_order_; }
 
   // The module call: original_(*args, **kwargs), capturing the tracked sites' inputs and
   // outputs around it.
@@ -252,6 +257,7 @@ class ForwardWrapper {
                           bool outside);
 
   py::object original_;
+  std::vector<std::string> kw_order_;
   std::vector<std::shared_ptr<Site>> sites_;
   int64_t key_ = 0;
   std::vector<OpFrame> op_frames_;

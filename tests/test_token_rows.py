@@ -448,3 +448,54 @@ def test_a_resume_with_the_same_rows_setting_and_nothing_left_goes_through(tmp_p
     store = acs.open_store(path)
     assert store.status == "complete" and store.n_rows("block0.output") == 15
     assert torch.allclose(store.reductions["block0.output"]["mean"], store["block0.output"].double().mean(0))
+
+
+class _PositionsModel(torch.nn.Module):
+    """forward(input_ids, position_ids): position ids (1, pos) broadcast over the batch, as
+    Hugging Face models take them."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.tok = torch.nn.Embedding(20, 4)
+        self.pos = torch.nn.Embedding(8, 4)
+        self.out = torch.nn.Linear(4, 4)
+
+    def forward(self, input_ids, position_ids=None, **extra):
+        return self.out(self.tok(input_ids) + self.pos(position_ids))
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("rows", ["auto", "token"])
+def test_keyword_inputs_passed_in_another_order_take_the_batch_from_the_first_parameter(tmp_path, rows, compiled):
+    """model(position_ids=p, input_ids=i) is model(i, p): the batch (and with rows="token" the
+    (batch, pos) of the token rows) comes from input_ids, the forward's first parameter, not
+    from the (1, pos) position ids passed first. A keyword the forward does not name (taken
+    by **extra) comes after its parameters."""
+    import warnings as _w
+
+    model = _PositionsModel().eval()
+    ids = torch.randint(0, 20, (3, 5), generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(5)[None]
+    ref = model(ids, pos).detach()
+    stores = {}
+    for order in ("as_signature", "reversed"):
+        path = tmp_path / f"{order}.zarr"
+        with _w.catch_warnings():
+            _w.simplefilter("error", acs.CaptureWarning)
+            with torch.no_grad(), acs.ActivationScope(store=path, rows=rows).track(model, include=["tok", "out"]):
+                # (compiled: a function calling the tracked model, so its root wrapper is traced in the graph)
+                run = torch.compile(lambda **kw: model(**kw), backend="eager") if compiled else model
+                if order == "as_signature":
+                    run(input_ids=ids, position_ids=pos)
+                else:
+                    run(unused=torch.zeros(1, 1), position_ids=pos, input_ids=ids)
+        stores[order] = acs.open_store(path)
+    for order, store in stores.items():
+        assert store.n_samples == 3, order
+        if rows == "token":
+            assert torch.equal(store["out.output"], ref.reshape(15, 4)), order
+            assert store.row_table("token")["pos"].to_pylist() == [0, 1, 2, 3, 4] * 3
+        else:
+            assert torch.equal(store["out.output"], ref), order
+        assert store.follows_row_table("out.output") and store.follows_row_table("tok.output")

@@ -210,10 +210,11 @@ def warn_unwalked(path: str, obj: Any) -> bool:
     return True
 
 
-def first_input(args: tuple, kwargs: dict) -> torch.Tensor | None:
+def first_input(args: tuple, kwargs: dict, kw_order: tuple[str, ...] = ()) -> torch.Tensor | None:
     """The model's first tensor input with a dimension, as the native ``root_first_input``:
     the leaves of the first positional argument that has any (else of the first keyword
-    argument that has any), their first tensor of one dimension or more."""
+    argument that has any, keywords taken in the order of the forward's parameters
+    ``kw_order``, the others after them as passed), their first tensor of one dimension or more."""
     names: list[str] = []
     found: list[torch.Tensor] = []
     for arg in args:
@@ -221,8 +222,9 @@ def first_input(args: tuple, kwargs: dict) -> torch.Tensor | None:
         if found:
             break
     if not found:
-        for arg in kwargs.values():
-            leaves(arg, "", names, found, warn=False)
+        keys = [k for k in kw_order if k in kwargs] + [k for k in kwargs if k not in kw_order]
+        for key in keys:
+            leaves(kwargs[key], "", names, found, warn=False)
             if found:
                 break
     for t in found:
@@ -248,7 +250,7 @@ def traced_call(self: Any, *args: Any, **kwargs: Any) -> Any:
             leaves(arg, "input." + str(i), names, tensors)
         for kw, arg in kwargs.items():
             leaves(arg, "input.kw." + kw, names, tensors)
-    first = first_input(args, kwargs) if root else None
+    first = first_input(args, kwargs, self._acs_kw_order) if root else None
     torch.ops.activationscope.call_begin(_TOKEN, key, tensors, names, first)
     out = self.__wrapped__(*args, **kwargs)
     names = []

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copyreg
 import enum
+import inspect
 import itertools
 import math
 import operator
@@ -1016,6 +1017,8 @@ class Tracker:
                 original = _python_frame(forward, note)
             wrapper = _C.ForwardWrapper(original)
             wrapper.__wrapped__ = forward  # inspect.signature() sees the real forward; traced_call calls it
+            wrapper._acs_kw_order = _keyword_order(forward)  # (where a root forward's batch is looked for)
+            wrapper.set_kw_order(list(wrapper._acs_kw_order))
             wrapper._acs_prior = current  # an instance-level forward set by someone else
             wrapper._acs_key = str(wrapper.key)  # names the wrapper in the in-graph ops
             wrapper.add_site(site)
@@ -2430,11 +2433,21 @@ def _python_frame(forward: Any, note: Any = None) -> Any:
     return forward_of_tracked_model
 
 
+def _keyword_order(forward: Any) -> tuple[str, ...]:
+    """The parameters of ``forward`` that a keyword argument can fill, in their order (none
+    when its signature cannot be read): a root forward called with keywords only takes its
+    batch from the first of them given a tensor, as a positional call would."""
+    try:
+        params = inspect.signature(forward).parameters.values()
+    except (TypeError, ValueError):
+        return ()
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return tuple(p.name for p in params if p.kind in kinds)
+
+
 def _mask_arg_index(forward: Any) -> int | None:
     """The position of ``forward``'s ``attention_mask`` parameter among its positional
     arguments (``model(input_ids, mask)``), or None."""
-    import inspect
-
     try:
         params = list(inspect.signature(forward).parameters.values())
     except (TypeError, ValueError):
