@@ -112,3 +112,25 @@ def test_version_2_stores_match_the_version_2_schema(tmp_path):
         jsonschema.validate(committed, v1)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({**committed, "distributed": {"world_size": 0, "committed": True}}, v2)
+
+
+def test_v2_committed_from_rank_stores():
+    # FORMAT.md section 8: a golden store of every version the library writes; version 2 had none
+    store = open_store(GOLDEN / "v2" / "ranks.zarr")
+    exp = torch.load(GOLDEN / "v2" / "expected.pt")
+    assert store.status == "complete" and store.attrs["format"]["version"] == 2
+    assert store.attrs["provenance"] == {"golden": "v2"}
+    # section 10's row order: the full shards (4 rows) of rank 0, then of rank 1, then the tails
+    r0, r1 = exp["0.output"]
+    rows = torch.cat([r0[:4], r1[:8], r0[4:], r1[8:]])
+    got = store["0.output"]
+    assert got.dtype == torch.bfloat16 and torch.equal(got.view(torch.int16), rows.view(torch.int16))
+    table = store.row_table("sample")
+    ids, labels = exp["sample_id"], exp["label"]
+    assert table.column("sample_id").to_pylist() == ids[0][:4] + ids[1][:8] + ids[0][4:] + ids[1][8:]
+    assert table.column("label").to_pylist() == labels[0][:4] + labels[1][:8] + labels[0][4:] + labels[1][8:]
+    assert table.column("rank").to_pylist() == [0] * 4 + [1] * 8 + [0] * 2 + [1]
+    assert torch.allclose(store.reductions["0.output"]["mean"], rows.double().mean(0))
+    assert store.verify() == []
+    jsonschema = pytest.importorskip("jsonschema")
+    jsonschema.validate(store.attrs, json.loads((SCHEMA.parent / "metadata.v2.json").read_text()))
