@@ -525,3 +525,22 @@ def test_a_complex_column_is_refused_as_our_error_and_earlier_batches_stay(tmp_p
     assert st.status == "incomplete" and st.n_samples == 2
     table = st.row_table("token" if token else "sample")
     assert table.column("phase").to_pylist() == bad.real.reshape(-1).tolist()
+
+
+@pytest.mark.parametrize("ids", [torch.arange(4).view(2, 2), [[0, 1], [2, 3]]])
+def test_sample_ids_of_a_sequence_per_sample_are_refused_at_set_batch(tmp_path, ids):
+    """A 2-D tensor of ids got past set_batch and the forward, then left the capture as a bare
+    TypeError ("unhashable type: 'list'") when the forward was recorded."""
+    model, path = _model(), tmp_path / "s.zarr"
+    ran = []
+    model[0].register_forward_hook(lambda *a: ran.append(1))
+    with pytest.raises(ArgumentTypeError, match=r"sample_ids must hold one id per sample \(ints or strings\), got "
+                                                r"list<item: int64> values"):
+        with acs.ActivationScope(store=str(path)).track(model) as tr, torch.no_grad():
+            tr.set_batch(sample_ids=[7, 8])
+            model(torch.randn(2, 6))
+            tr.set_batch(sample_ids=ids)
+            model(torch.randn(2, 6))
+    assert len(ran) == 1  # refused before the forward
+    st = acs.open_store(path)
+    assert st.row_table("sample").column("sample_id").to_pylist() == [7, 8]

@@ -1308,6 +1308,12 @@ class StoreWriter:
             typ = _arrow_type(ids)
         except Exception as e:  # pyarrow's ArrowInvalid / ArrowTypeError
             raise ArgumentTypeError(f"sample_ids cannot be stored in the row table ({e}); give ints or strings") from None
+        import pyarrow as pa
+
+        if typ is not None and pa.types.is_nested(typ):  # e.g. a (batch, k) tensor: k values a sample, no id
+            raise ArgumentTypeError(
+                f"sample_ids must hold one id per sample (ints or strings), got {typ} values (a sequence per "
+                "sample, e.g. a 2-D tensor); give one id per sample, and keep other values per sample as a column")
         _check_id_values(ids)
         before = self._column_types.get(("sample", "sample_id"))
         if typ is not None and before is not None and typ != before:
