@@ -345,3 +345,20 @@ def test_rank_stores_read_by_the_document_before_and_after_their_commit(tmp_path
         assert np.array_equal(x, np.concatenate(full + tails)), hp
     _same_as_the_library(path, committed)
     shutil.rmtree(path)
+
+
+def test_user_columns_hold_the_arrow_types_section_4_names(tmp_path):
+    model = toy_mlp(8, 1)
+    bf = torch.tensor([0.1, -2.5, 3e38]).to(torch.bfloat16)
+    cols = {"bf": bf, "h": torch.tensor([0.5, 1.5, -2.0]).half(), "flag": torch.tensor([True, False, True]),
+            "text": ["a", "b", "c"], "raw": [b"x", b"y", b"z"], "vec": torch.arange(6.0).view(3, 2)}
+    with acs.ActivationScope(store=str(tmp_path / "s.zarr")).track(model) as tracker, torch.no_grad():
+        tracker.set_batch(**cols)
+        model(torch.randn(3, 8))
+    meta = spec_root(tmp_path / "s.zarr")
+    table = spec_table(tmp_path / "s.zarr", meta["row_tables"]["sample"])
+    types = {f.name: f.type for f in table.schema}
+    assert types["bf"] == pa.float32() and table.column("bf").to_pylist() == bf.float().tolist()
+    assert types["h"] == pa.float16() and types["flag"] == pa.bool_()
+    assert types["text"] == pa.string() and types["raw"] == pa.binary()
+    assert pa.types.is_list(types["vec"]) and table.column("vec").to_pylist() == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]
