@@ -65,7 +65,7 @@ def spec_rows(path: Path, entry: dict) -> np.ndarray:
     row_bytes = int(np.prod(feature_shape, dtype=np.int64)) * dtype.itemsize
     n_chunks = shard_rows // chunk_rows
     out = bytearray()
-    if n_rows:
+    if n_rows and row_bytes:  # (§3: rows of no byte read no chunk)
         manifest = json.loads((path / entry["manifest"]).read_text())
         assert (manifest["chunk_rows"], manifest["shard_rows"]) == (chunk_rows, shard_rows)
         shards = {s["shard"]: s for s in manifest["shards"]}
@@ -270,13 +270,20 @@ def stores(tmp_path_factory):
     w = StoreWriter(base / "names.zarr", capture_config={}, model=None, storage_dtype=None, chunk_rows=2, shard_rows=4)
     for i, hp in enumerate([".", "..", "a/b%c.output", "__init__.output", "x" * 140 + ".output", "é.output"]):
         w.open_array(hp, (2, 3), torch.float32, "sample").append(torch.arange(30.0).view(5, 2, 3) + i)
+    w.open_array("empty.output", (3, 0), torch.float32, "sample").append(torch.zeros(5, 3, 0))
+    w.add_batch(5, list(range(5)), None, {})
+    w.close()
+    w = StoreWriter(base / "empty_zstd.zarr", capture_config={}, model=None, storage_dtype=None, chunk_rows=2,
+                    shard_rows=4, compression="zstd")
+    w.open_array("empty.output", (0,), torch.float32, "sample").append(torch.zeros(5, 0))
+    w.open_array("h.output", (2,), torch.bfloat16, "sample").append(torch.arange(10.0).view(5, 2).to(torch.bfloat16))
     w.add_batch(5, list(range(5)), None, {})
     w.close()
     return base
 
 
 @pytest.mark.parametrize("name", ["tokens_bf16_zstd.zarr", "tokens_blosc.zarr", "resumed.zarr", "copied.zarr",
-                                  "names.zarr"])
+                                  "names.zarr", "empty_zstd.zarr"])
 def test_a_store_read_by_the_format_document_alone_is_what_the_library_reads(stores, name):
     spec = spec_read(stores / name)
     assert spec["rows"]
