@@ -369,3 +369,49 @@ def test_user_columns_hold_the_arrow_types_section_4_names(tmp_path):
     assert types["h"] == pa.float16() and types["flag"] == pa.bool_()
     assert types["text"] == pa.string() and types["raw"] == pa.binary()
     assert pa.types.is_list(types["vec"]) and table.column("vec").to_pylist() == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]
+
+
+def test_topk_row_ids_index_the_stored_rows(tmp_path, stores):
+    # §6: values[i, f] == rows[row_ids[i, f], f]; in a store committed from rank stores, rows in
+    # the committed order (each rank's ids were its own row indices before the commit)
+    checked = 0
+    path = tmp_path / "tasks.zarr"
+    topk = [("topk", "topk", {"k": 3}), ("flat", "topk", {"k": 4, "per_feature": 0})]
+    for task in range(2):
+        _samples(path, compression=None, batches=2 + task, reductions=topk,
+                 opts={"chunk_rows": 4, "shard_rows": 8, "process_group": acs.RankStore(task, 2)})
+    commit_ranks(path)
+    for store in (stores / "tokens_bf16_zstd.zarr", stores / "resumed.zarr", path):
+        spec = spec_read(store)
+        for hp, values in spec["reductions"].items():
+            if "topk.values" not in values:
+                continue
+            rows = spec["rows"][hp]
+            target = (spec["meta"].get("aliases") or {}).get(hp, hp)
+            rows = bf16_rows(rows) if spec["meta"]["arrays"][target]["dtype"] == "bfloat16" else rows
+            assert np.array_equal(np.take_along_axis(rows, values["topk.row_ids"], 0), values["topk.values"]), hp
+            if "flat.values" in values:
+                flat = rows.reshape(len(rows), -1)
+                assert np.array_equal(flat[values["flat.row_ids"], values["flat.feature_ids"]], values["flat.values"])
+            checked += 1
+    assert checked >= 5
+
+
+def bf16_rows(bits: np.ndarray) -> np.ndarray:
+    """§3: bfloat16 bit patterns to the float32 values they are."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+@pytest.mark.filterwarnings("ignore:hook point '1.output' recorded 0 row")
+def test_a_reduction_that_saw_no_row_has_its_count_alone(tmp_path):
+    class Skip(torch.nn.Module):
+        def forward(self, x):
+            return x[:0] + 1  # no row in any forward
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), Skip())
+    with acs.ActivationScope(store=str(tmp_path / "s.zarr"), reductions=["mean", "var"]).track(model), torch.no_grad():
+        model(torch.randn(2, 3))
+    spec = spec_read(tmp_path / "s.zarr")
+    assert sorted(spec["meta"]["reductions"]["1.output"]) == ["mean.count", "var.count"]
+    assert spec["reductions"]["1.output"]["mean.count"] == 0
+    assert sorted(spec["meta"]["reductions"]["0.output"]) == ["mean", "mean.count", "var", "var.count", "var.mean"]
