@@ -505,3 +505,42 @@ def test_a_registered_writer_without_the_optional_add_batch_keywords_takes_gener
         model(torch.randint(1, 50, (2, 1)))
     table = acs.open_store(tmp_path / "s.zarr").row_table("token")
     assert table.column("sample_id").to_pylist() == [0, 0, 0, 1, 1, 1, 0, 1]
+
+
+@pytest.mark.parametrize("token", [False, True])
+def test_a_complex_column_is_refused_as_our_error_and_earlier_batches_stay(tmp_path, token):
+    """Parquet has no complex type: pyarrow's own NotImplementedError ("Unsupported numpy type 14")
+    left set_batch; it is our ArgumentTypeError naming the column and the fix."""
+    model, path = _model(), tmp_path / "s.zarr"
+    x = torch.randn(2, 3, 6) if token else torch.randn(2, 6)
+    mask = torch.ones(2, 3, dtype=torch.bool) if token else None
+    bad = torch.complex(torch.randn(*x.shape[:-1]), torch.randn(*x.shape[:-1]))
+    with pytest.raises(ArgumentTypeError, match=r"column 'phase' cannot be stored in the row table \(complex values: "
+                                                r"Parquet has no complex type\); store col\.real and col\.imag as two"):
+        with acs.ActivationScope(store=str(path)).track(model) as tr, torch.no_grad():
+            tr.set_batch(attention_mask=mask, phase=bad.real)
+            model(x)
+            tr.set_batch(attention_mask=mask, phase=bad)
+    st = acs.open_store(path)
+    assert st.status == "incomplete" and st.n_samples == 2
+    table = st.row_table("token" if token else "sample")
+    assert table.column("phase").to_pylist() == bad.real.reshape(-1).tolist()
+
+
+@pytest.mark.parametrize("ids", [torch.arange(4).view(2, 2), [[0, 1], [2, 3]]])
+def test_sample_ids_of_a_sequence_per_sample_are_refused_at_set_batch(tmp_path, ids):
+    """A 2-D tensor of ids got past set_batch and the forward, then left the capture as a bare
+    TypeError ("unhashable type: 'list'") when the forward was recorded."""
+    model, path = _model(), tmp_path / "s.zarr"
+    ran = []
+    model[0].register_forward_hook(lambda *a: ran.append(1))
+    with pytest.raises(ArgumentTypeError, match=r"sample_ids must hold one id per sample \(ints or strings\), got "
+                                                r"list<item: int64> values"):
+        with acs.ActivationScope(store=str(path)).track(model) as tr, torch.no_grad():
+            tr.set_batch(sample_ids=[7, 8])
+            model(torch.randn(2, 6))
+            tr.set_batch(sample_ids=ids)
+            model(torch.randn(2, 6))
+    assert len(ran) == 1  # refused before the forward
+    st = acs.open_store(path)
+    assert st.row_table("sample").column("sample_id").to_pylist() == [7, 8]

@@ -1282,9 +1282,13 @@ class StoreWriter:
                     raise ArgumentValueError(f"column {key!r} has {len(values)} entries, expected n_samples={n}")
             try:
                 typ = _arrow_type(values)
-            except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError) as e:
-                raise ArgumentTypeError(f"column {key!r} cannot be stored in the row table ({e}); give it values "
-                                        "of one type (numbers, strings or bools)") from None
+            except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, TypeError) as e:
+                # (complex values: Parquet has no such type, pyarrow says "Unsupported numpy type 14")
+                cplx = getattr(values, "dtype", None) is not None and values.dtype.kind == "c"
+                why = "complex values: Parquet has no complex type" if cplx else str(e)
+                fix = ("store col.real and col.imag as two columns" if cplx
+                       else "give it values of one type (numbers, strings or bools)")
+                raise ArgumentTypeError(f"column {key!r} cannot be stored in the row table ({why}); {fix}") from None
             before = self._column_types.get((kind, key))
             if before is not None and typ is not None and typ != before:
                 raise ArgumentTypeError(
@@ -1304,6 +1308,12 @@ class StoreWriter:
             typ = _arrow_type(ids)
         except Exception as e:  # pyarrow's ArrowInvalid / ArrowTypeError
             raise ArgumentTypeError(f"sample_ids cannot be stored in the row table ({e}); give ints or strings") from None
+        import pyarrow as pa
+
+        if typ is not None and pa.types.is_nested(typ):  # e.g. a (batch, k) tensor: k values a sample, no id
+            raise ArgumentTypeError(
+                f"sample_ids must hold one id per sample (ints or strings), got {typ} values (a sequence per "
+                "sample, e.g. a 2-D tensor); give one id per sample, and keep other values per sample as a column")
         _check_id_values(ids)
         before = self._column_types.get(("sample", "sample_id"))
         if typ is not None and before is not None and typ != before:

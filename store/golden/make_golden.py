@@ -1,6 +1,7 @@
 """Write the golden stores of the current format version (run once per format release).
 
-python store/golden/make_golden.py   ->  store/golden/v1/{mlp_f32,tokens_bf16_zstd}.zarr + expected.pt
+python store/golden/make_golden.py      ->  store/golden/v1/{mlp_f32,tokens_bf16_zstd}.zarr + expected.pt
+python store/golden/make_golden.py v2   ->  store/golden/v2/ranks.zarr (committed from 2 rank stores) + expected.pt
 Never regenerate an existing version's stores: the tests check that they still read.
 """
 
@@ -14,9 +15,51 @@ import torch
 from activationscope.store import StoreWriter
 
 OUT = Path(__file__).parent / "v1"
+OUT_V2 = Path(__file__).parent / "v2"
+
+
+def main_v2() -> None:
+    """Version 2 (FORMAT.md section 10): two rank stores of bfloat16 sample rows (zstd), committed.
+    Shards of 4 rows: rank 0 holds 1 full shard and a tail of 2 rows, rank 1 2 full shards and a
+    tail of 1, so the committed order (full shards of every rank, then the tails) is not theirs."""
+    import shutil
+
+    import activationscope as acs
+    from activationscope.store.ranks import commit_ranks
+
+    if OUT_V2.exists() and "--force" not in sys.argv:
+        sys.exit(f"{OUT_V2} exists; golden stores are never regenerated")
+    OUT_V2.mkdir(parents=True, exist_ok=True)
+    path = OUT_V2 / "ranks.zarr"
+    shutil.rmtree(path, ignore_errors=True)
+    g = torch.Generator().manual_seed(2024)
+    model = torch.nn.Sequential(torch.nn.Identity())  # "0.output": the rows given
+    expected = {"0.output": [], "sample_id": [], "label": []}
+    for rank, n_batches in ((0, 2), (1, 3)):
+        scope = acs.ActivationScope(store=str(path), reductions=["mean"], storage_dtype=torch.bfloat16,
+                                    store_options={"shard_rows": 4, "chunk_rows": 2, "compression": "zstd",
+                                                   "provenance": {"golden": "v2"},
+                                                   "process_group": acs.RankStore(rank, 2)})
+        rows, ids, labels = [], [], []
+        with scope.track(model) as tracker, torch.no_grad():
+            for b in range(n_batches):
+                x = torch.randn(3, 5, generator=g)
+                tracker.set_batch(sample_ids=torch.arange(3) + 100 * rank + 3 * b, label=torch.arange(3) + b)
+                model(x)
+                rows.append(x.to(torch.bfloat16))
+                ids += [100 * rank + 3 * b + i for i in range(3)]
+                labels += [b + i for i in range(3)]
+        expected["0.output"].append(torch.cat(rows))
+        expected["sample_id"].append(ids)
+        expected["label"].append(labels)
+    commit_ranks(path)
+    (path / ".activationscope-writer.lock").unlink(missing_ok=True)  # not part of the data (FORMAT.md section 1)
+    torch.save(expected, OUT_V2 / "expected.pt")
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["v2"]:
+        return main_v2()
     if OUT.exists() and "--force" not in sys.argv:
         sys.exit(f"{OUT} exists; golden stores are never regenerated")
     OUT.mkdir(parents=True, exist_ok=True)

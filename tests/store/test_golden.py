@@ -10,7 +10,9 @@ import pytest
 import torch
 import zarr
 
+import activationscope as acs
 from activationscope.store import open_store
+from activationscope.store.ranks import commit_ranks
 
 GOLDEN = Path(__file__).resolve().parents[2] / "store" / "golden"
 SCHEMA = Path(__file__).resolve().parents[2] / "store" / "schema" / "metadata.v1.json"
@@ -59,3 +61,76 @@ def test_new_stores_match_the_schema(tmp_path):
     capture_store(MLP().eval(), batches_mlp(2), tmp_path / "s.zarr", reductions=["mean"])
     attrs = open_store(tmp_path / "s.zarr").attrs
     jsonschema.validate(attrs, json.loads(SCHEMA.read_text()))
+
+
+class _Complex(torch.nn.Module):
+    def forward(self, x):
+        return torch.complex(x, -x)
+
+
+def test_stores_of_complex_rows_match_the_schema(tmp_path):
+    # FORMAT.md section 2 lists complex64 and complex128 among the dtypes a store holds: a consumer
+    # validating the metadata with the published schema refused every store that recorded one
+    jsonschema = pytest.importorskip("jsonschema")
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), _Complex())
+    with acs.ActivationScope(store=str(tmp_path / "c.zarr")).track(model), torch.no_grad():
+        for _ in range(2):
+            model(torch.randn(4, 3))
+    attrs = open_store(tmp_path / "c.zarr").attrs
+    assert attrs["arrays"]["1.output"]["dtype"] == "complex64"
+    jsonschema.validate(attrs, json.loads(SCHEMA.read_text()))
+    with pytest.raises(jsonschema.ValidationError):  # the schema still checks the dtype
+        attrs["arrays"]["1.output"]["dtype"] = "complex32"
+        jsonschema.validate(attrs, json.loads(SCHEMA.read_text()))
+
+
+def test_version_2_stores_match_the_version_2_schema(tmp_path):
+    # stores captured by several ranks are format version 2 (FORMAT.md section 10): the only published
+    # schema said version 1, so their metadata (the root before the commit and after) had none to match
+    jsonschema = pytest.importorskip("jsonschema")
+    v1, v2 = (json.loads((SCHEMA.parent / f"metadata.v{v}.json").read_text()) for v in (1, 2))
+    assert {k: v for k, v in v2["$defs"].items() if k != "distributed"} == v1["$defs"]  # one format, kept in step
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4)).eval()
+    path = tmp_path / "tasks.zarr"
+    for task in range(2):
+        scope = acs.ActivationScope(store=str(path), reductions=["mean"],
+                                    store_options={"shard_rows": 8, "process_group": acs.RankStore(task, 2)})
+        with scope.track(model), torch.no_grad():
+            for _ in range(2):
+                model(torch.randn(3, 4))
+    pending = json.loads((path / "zarr.json").read_text())["attributes"]["activationscope"]
+    rank = json.loads((path / "ranks" / "00001" / "zarr.json").read_text())["attributes"]["activationscope"]
+    commit_ranks(path)
+    committed = json.loads((path / "zarr.json").read_text())["attributes"]["activationscope"]
+    assert [pending["format"]["version"], rank["format"]["version"], committed["format"]["version"]] == [2, 1, 2]
+    assert pending["distributed"]["committed"] is False and committed["distributed"]["committed"] is True
+    jsonschema.validate(pending, v2)
+    jsonschema.validate(committed, v2)
+    jsonschema.validate(rank, v1)  # a rank store is a version 1 store
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(committed, v1)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({**committed, "distributed": {"world_size": 0, "committed": True}}, v2)
+
+
+def test_v2_committed_from_rank_stores():
+    # FORMAT.md section 8: a golden store of every version the library writes; version 2 had none
+    store = open_store(GOLDEN / "v2" / "ranks.zarr")
+    exp = torch.load(GOLDEN / "v2" / "expected.pt")
+    assert store.status == "complete" and store.attrs["format"]["version"] == 2
+    assert store.attrs["provenance"] == {"golden": "v2"}
+    # section 10's row order: the full shards (4 rows) of rank 0, then of rank 1, then the tails
+    r0, r1 = exp["0.output"]
+    rows = torch.cat([r0[:4], r1[:8], r0[4:], r1[8:]])
+    got = store["0.output"]
+    assert got.dtype == torch.bfloat16 and torch.equal(got.view(torch.int16), rows.view(torch.int16))
+    table = store.row_table("sample")
+    ids, labels = exp["sample_id"], exp["label"]
+    assert table.column("sample_id").to_pylist() == ids[0][:4] + ids[1][:8] + ids[0][4:] + ids[1][8:]
+    assert table.column("label").to_pylist() == labels[0][:4] + labels[1][:8] + labels[0][4:] + labels[1][8:]
+    assert table.column("rank").to_pylist() == [0] * 4 + [1] * 8 + [0] * 2 + [1]
+    assert torch.allclose(store.reductions["0.output"]["mean"], rows.double().mean(0))
+    assert store.verify() == []
+    jsonschema = pytest.importorskip("jsonschema")
+    jsonschema.validate(store.attrs, json.loads((SCHEMA.parent / "metadata.v2.json").read_text()))

@@ -222,3 +222,18 @@ def test_a_capture_with_a_small_shard_bytes_commits_narrow_rows_a_shard_at_a_tim
     assert meta["shard_rows"] * 16 == 64 << 10  # 4096 rows of 16 bytes a shard (16384 before)
     with torch.no_grad():
         assert torch.equal(store["0.output"], torch.cat([model(x) for x in xs]))
+
+
+@pytest.mark.parametrize("shard_rows, feature_shape, want", [(24, (16,), 24), (100000, (16,), 4000), (6, (100000,), 1),
+                                                            (4099, (16,), 1)])
+def test_an_explicit_shard_rows_takes_the_largest_divisor_of_it_not_above_the_default_chunk(
+        tmp_path, shard_rows, feature_shape, want):
+    # FORMAT.md section 3, as a store records it
+    default, _ = F.chunk_layout(feature_shape, "float32", None, None)
+    assert want == max(d for d in range(1, min(default, shard_rows) + 1) if shard_rows % d == 0)
+    model = torch.nn.Sequential(torch.nn.Tanh())
+    with acs.ActivationScope(store=str(tmp_path / "s.zarr"), store_options={"shard_rows": shard_rows}).track(model), \
+            torch.no_grad():
+        model(torch.randn(2, feature_shape[0]))
+    entry = acs.open_store(tmp_path / "s.zarr").attrs["arrays"]["0.output"]
+    assert (entry["shard_rows"], entry["chunk_rows"]) == (shard_rows, want)
