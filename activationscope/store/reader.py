@@ -142,6 +142,9 @@ class _ShardIndex:
 
 #: Most bytes of a shard one read takes when its chunks' crc32c are checked on object storage.
 _CHECK_READ_BYTES = 64 << 20
+#: Most bytes of one ranged request that reads neighbouring chunks of a shard together on
+#: object storage (a sequential read): one round trip for a run of chunks, not one per chunk.
+_RUN_READ_BYTES = 8 << 20
 #: rows of a strided read that is a copy (``store[hp, ::k]``) are read this many bytes at a time
 _STRIDED_BLOCK_BYTES = 64 << 20
 # bytes of one read of a file whose crc32c is checked in pieces (a reduction file, its script):
@@ -1646,13 +1649,17 @@ class Store:
         return (isinstance(self._backend, LocalBackend) and isinstance(comp, dict)
                 and comp.get("name") in ("zstd", "blosc"))
 
-    def _decode_chunk(self, hook_point: str, meta: dict, c: int, out: np.ndarray | None = None) -> torch.Tensor | None:
+    def _decode_chunk(self, hook_point: str, meta: dict, c: int, out: np.ndarray | None = None,
+                      run: Any = None) -> torch.Tensor | None:
         """Decode chunk ``c`` of an array read by decoding (runs on the decode pool).
 
         Its place comes from the checked shard index (:meth:`_shard_index`); the decoded size
         must be exactly the chunk's (from the codec's frame header, before decoding). Into
         ``out`` (uint8, exactly the chunk's committed bytes) when given (returns None), else
-        into a new tensor ``(rows of the chunk, *feature_shape)``.
+        into a new tensor ``(rows of the chunk, *feature_shape)``. ``run``: a future of
+        :meth:`_read_run` whose result may hold the chunk's stored bytes (read with its
+        neighbours); they are taken when the index still places the chunk where the run read
+        it, and checked as a read of the chunk alone is.
         """
         feat = tuple(meta["feature_shape"])
         row_bytes, chunk_rows, shard_chunks, full = _layout(meta)
@@ -1667,7 +1674,11 @@ class Store:
             where = f"hook point {hook_point!r}: chunk {c} (rows {lo}-{hi - 1}, shard {idx.key})"
             self._check_same_store(per_chunk=True)
             try:
-                data = self._backend.get_range(idx.key, off, nbytes)
+                got = run.result().get(c) if run is not None and attempt == 0 else None
+                if got is not None and got[0] == idx.key and got[1] == (off, nbytes):
+                    data = got[2]
+                else:
+                    data = self._backend.get_range(idx.key, off, nbytes)
                 if data is None or len(data) != nbytes:
                     raise V.corrupt(self._backend,
                                     f"{where}: read {len(data or b'')} of its {nbytes} bytes (the file shrank)")
@@ -1715,10 +1726,10 @@ class Store:
                 _, old = self._cache.popitem(last=False)
                 self._cached -= old.nbytes
 
-    def _chunk_future(self, hook_point: str, meta: dict, c: int) -> Any:
+    def _chunk_future(self, hook_point: str, meta: dict, c: int, run: Any = None) -> Any:
         """A future of decoded chunk ``c`` (cached; one decode per chunk however many readers of
         the same commit: a chunk that a commit read since (``refresh()``) may have rewritten
-        with more rows is decoded again for it)."""
+        with more rows is decoded again for it). ``run``: as :meth:`_decode_chunk`'s."""
         key = (hook_point, c, id(meta))
         with self._lock:
             fut = self._inflight.get(key)
@@ -1727,7 +1738,7 @@ class Store:
 
             def work() -> torch.Tensor:
                 try:
-                    t = self._decode_chunk(hook_point, meta, c)
+                    t = self._decode_chunk(hook_point, meta, c, run=run)
                 except BaseException:
                     with self._lock:
                         self._inflight.pop(key, None)
@@ -1738,6 +1749,62 @@ class Store:
             fut = _decode.submit(work)
             self._inflight[key] = fut
             return fut
+
+    def _read_run(self, meta: dict, shard: int, slots: list[int]) -> dict[int, tuple[str, tuple[int, int], bytes]]:
+        """The stored bytes of chunks ``slots`` of shard ``shard`` (neighbours, back to back in
+        its file) in one ranged read: chunk number -> (shard key, (offset, nbytes), bytes).
+        Empty when the index no longer places them back to back or the read comes back short:
+        each chunk is then read on its own, which raises what is wrong."""
+        idx = self._shard_index(meta, shard)
+        entries = [idx.entries[j] for j in slots]
+        off0 = entries[0][0]
+        total = sum(nb for _, nb in entries)
+        if any(j in idx.bad for j in slots) or any(
+                entries[i + 1][0] != entries[i][0] + entries[i][1] for i in range(len(entries) - 1)):
+            return {}
+        data = self._backend.get_range(idx.key, off0, total)
+        if data is None or len(data) != total:
+            return {}
+        n_chunks = _layout(meta)[2]
+        out = {}
+        view = memoryview(data)
+        for j, (off, nb) in zip(slots, entries):
+            out[shard * n_chunks + j] = (idx.key, (off, nb), bytes(view[off - off0 : off - off0 + nb]))
+        return out
+
+    def _plan_runs(self, meta: dict, chunks: list[int]) -> dict[int, Any]:
+        """On object storage: chunk -> a future of :meth:`_read_run` for each chunk of
+        ``chunks`` (ascending) that lies back to back with a neighbour of the list in the same
+        shard, at most ``_RUN_READ_BYTES`` a run: a sequential read of a shard makes a few
+        requests, not one per chunk. Elsewhere (a local folder: each chunk is a pread) none."""
+        if isinstance(self._backend, LocalBackend) or len(chunks) < 2:
+            return {}
+        n_chunks = _layout(meta)[2]
+        runs: list[tuple[int, list[int]]] = []
+        for c in chunks:
+            shard, j = divmod(c, n_chunks)
+            try:
+                idx = self._shard_index(meta, shard)
+            except StoreError:  # (a shard read ahead: its chunk's own read raises it, if it is read)
+                continue
+            if j >= len(idx.entries) or j in idx.bad:
+                continue
+            off, nb = idx.entries[j]
+            if runs:
+                k, slots = runs[-1]
+                poff, pnb = idx.entries[slots[-1]] if k == shard else (None, None)
+                size = sum(idx.entries[i][1] for i in slots) if k == shard else 0
+                if k == shard and slots[-1] == j - 1 and poff + pnb == off and size + nb <= _RUN_READ_BYTES:
+                    slots.append(j)
+                    continue
+            runs.append((shard, [j]))
+        planned: dict[int, Any] = {}
+        for shard, slots in runs:
+            if len(slots) > 1:
+                fut = _decode.submit(self._read_run, meta, shard, slots)
+                for j in slots:
+                    planned[shard * n_chunks + j] = fut
+        return planned
 
     def _read_decoded(self, hook_point: str, meta: dict, start: int, stop: int) -> torch.Tensor:
         """Rows ``[start, stop)`` of a local compressed array: one new tensor.
@@ -1771,8 +1838,8 @@ class Store:
         flat = out.view(-1).view(torch.uint8).numpy()
         c0, c1 = start // chunk_rows, (stop - 1) // chunk_rows
         big = (c1 - c0 + 1) * chunk_rows * row_bytes > self._cache_bytes // 2
-        waits = []
         mid = id(meta)  # (the cache's keys: chunks as this commit has them)
+        todo = []  # (chunk, first row, end row, destination) of the chunks not cached
         for c in range(c0, c1 + 1):
             lo, hi = max(start, c * chunk_rows), min(stop, (c + 1) * chunk_rows)
             dst = flat[(lo - start) * row_bytes:(hi - start) * row_bytes]
@@ -1782,22 +1849,37 @@ class Store:
                     self._cache.move_to_end((hook_point, c, mid))
             if t is not None:
                 dst[:] = t.view(-1).view(torch.uint8).numpy()[(lo - c * chunk_rows) * row_bytes:(hi - c * chunk_rows) * row_bytes]
-            elif big and lo == c * chunk_rows and (hi == (c + 1) * chunk_rows or hi == n):
-                waits.append((None, _decode.submit(self._decode_chunk, hook_point, meta, c, dst), None))
             else:
-                waits.append((c, self._chunk_future(hook_point, meta, c), (lo, hi, dst)))
-        # a sequential reader: decode the chunks after this read while it is consumed
+                todo.append((c, lo, hi, dst))
+        # a sequential reader: decode the chunks after this read while it is consumed (on object
+        # storage, in runs read together, asked for when half the window is left)
         with self._lock:
             sequential = self._next_start.get(hook_point, 0) == start
             self._next_start[hook_point] = stop
+        remote = not isinstance(self._backend, LocalBackend)
+        ahead_chunks: list[int] = []
         if sequential and not big:
-            ahead = min(_decode.n_decode_threads(), max(1, (self._cache_bytes // 4) // max(1, chunk_rows * row_bytes)))
+            per_chunk = max(1, chunk_rows * row_bytes)
+            ahead = max(1, (self._cache_bytes // 4) // per_chunk)
+            ahead = min(ahead, max(_decode.n_decode_threads(), _RUN_READ_BYTES // per_chunk) if remote
+                        else _decode.n_decode_threads())
             last = (n - 1) // chunk_rows
-            for c in range(c1 + 1, min(last, c1 + ahead) + 1):
-                with self._lock:
-                    known = (hook_point, c, mid) in self._cache or (hook_point, c, mid) in self._inflight
-                if not known:
-                    self._chunk_future(hook_point, meta, c)
+            with self._lock:
+                ahead_chunks = [c for c in range(c1 + 1, min(last, c1 + ahead) + 1)
+                                if (hook_point, c, mid) not in self._cache and (hook_point, c, mid) not in self._inflight]
+            if remote and ahead_chunks and c1 + 1 not in ahead_chunks and len(ahead_chunks) < max(1, ahead // 2):
+                ahead_chunks = []  # (more than half the window is on its way: the rest with the next run)
+        with self._lock:
+            fetch = [c for c, *_ in todo if (hook_point, c, mid) not in self._inflight] + ahead_chunks
+        runs = self._plan_runs(meta, fetch)
+        waits = []
+        for c, lo, hi, dst in todo:
+            if big and lo == c * chunk_rows and (hi == (c + 1) * chunk_rows or hi == n):
+                waits.append((None, _decode.submit(self._decode_chunk, hook_point, meta, c, dst, runs.get(c)), None))
+            else:
+                waits.append((c, self._chunk_future(hook_point, meta, c, runs.get(c)), (lo, hi, dst)))
+        for c in ahead_chunks:
+            self._chunk_future(hook_point, meta, c, runs.get(c))
         for c, fut, part in waits:
             t = fut.result()
             if part is not None:

@@ -47,3 +47,80 @@ def test_a_sequential_read_of_an_s3_store_makes_few_requests_per_shard(s3, monke
         # and 5 GETs
         assert requests[("HEAD", key)] <= 1, (key, requests)
         assert requests[("GET", key)] <= 3, (key, requests)
+
+
+def _counted_requests(monkeypatch):
+    endpoint = pytest.importorskip("aiobotocore.endpoint")
+    requests: collections.Counter = collections.Counter()
+    send = endpoint.AioEndpoint._send
+
+    async def counted(self, request):
+        key = request.url.split("?")[0].split(".zarr/")[-1]
+        requests[(request.method, key)] += 1
+        return await send(self, request)
+
+    monkeypatch.setattr(endpoint.AioEndpoint, "_send", counted)
+    return requests
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_a_sequential_read_reads_neighbouring_chunks_of_a_shard_in_one_request(s3, monkeypatch, compression):
+    """8 chunks a shard: a sequential read asks for runs of neighbouring chunks, not for each
+    chunk (before: the shard's index and 8 ranged GETs per shard)."""
+    url = f"s3://acs-bucket/runs-{uuid.uuid4().hex}.zarr"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16))
+    batches = [torch.randn(8, 16) for _ in range(12)]
+    options = {"storage_options": s3, "chunk_rows": 4, "shard_rows": 32, "compression": compression}
+    with acs.ActivationScope(store=url, store_options=options).track(model, include=["0"]), torch.no_grad():
+        for x in batches:
+            model(x)
+    with torch.no_grad():
+        want = torch.cat([model(x) for x in batches])
+    requests = _counted_requests(monkeypatch)
+    ds = acs.ActivationDataset(url, open_options={"storage_options": s3})
+    requests.clear()
+    got = torch.cat([ds[i:i + 8]["0.output"] for i in range(0, len(ds), 8)])
+    assert torch.equal(got, want)
+    shards = sorted({key for _, key in requests if key.startswith("acts/0.output/c/")})
+    assert len(shards) == 3
+    gets = [requests[("GET", key)] for key in shards]
+    # its index and at most two runs (the first read's chunks, then the rest of the shard)
+    assert gets[0] <= 3 and all(g <= 2 for g in gets[1:]), (gets, requests)
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_a_damaged_chunk_read_with_its_neighbours_is_refused_by_its_checksum(compression, monkeypatch):
+    """A chunk read in a run is checked as one read alone: a flipped byte in chunk 5 of the
+    shard fails the read of its rows, naming the chunk; the rows before it read as written."""
+    import fsspec
+
+    url = f"memory://runs-{uuid.uuid4().hex}.zarr"
+    torch.manual_seed(0)
+    x = torch.randn(64, 16)
+    from activationscope.store import StoreWriter
+
+    w = StoreWriter(url, capture_config={}, model=None, storage_dtype=None, chunk_rows=4, shard_rows=32,
+                    compression=compression)
+    w.open_array("h", (16,), torch.float32, "sample").append(x)
+    w.add_batch(64, list(range(64)), None, {})
+    w.close()
+    fs = fsspec.filesystem("memory")
+    store = acs.open_store(url)
+    idx = store._shard_index(store._checked_meta("h"), 0)
+    off, nb = idx.entries[5]
+    path = url[len("memory:/"):] + "/" + idx.key
+    raw = bytearray(fs.cat_file(path))
+    raw[off + nb // 2] ^= 0xFF
+    fs.pipe_file(path, bytes(raw))
+    from activationscope.store.reader import Store
+
+    runs = []
+    read_run = Store._read_run
+    monkeypatch.setattr(Store, "_read_run", lambda self, meta, shard, slots: runs.append(slots) or
+                        read_run(self, meta, shard, slots))
+    store = acs.open_store(url)
+    assert torch.equal(store.rows("h", 0, 20), x[:20])
+    assert runs[0] == list(range(8))  # (read together: the rows asked for and the rest of the shard ahead)
+    with pytest.raises(acs.StoreCorruptError, match=r"chunk 5 \(rows 20-23"):
+        store.rows("h", 0, 32)
