@@ -142,6 +142,27 @@ class _ShardIndex:
 
 #: Most bytes of a shard one read takes when its chunks' crc32c are checked on object storage.
 _CHECK_READ_BYTES = 64 << 20
+class _Run:
+    """Neighbouring chunks of a shard read in one request (:meth:`Store._read_run`), asked of
+    the decode pool when its first chunk's decode is (just before it): the pool takes work in
+    the order given, so a decode waiting for its run never waits for work queued behind it,
+    and a large read holds a few runs' bytes at a time, not all of them."""
+
+    def __init__(self, read: Any) -> None:
+        self._read = read
+        self._future: Any = None
+
+    @staticmethod
+    def future(runs: dict[int, "_Run"], chunk: int) -> Any:
+        """The future of ``chunk``'s run (submitted now if it is its first), None without one."""
+        run = runs.get(chunk)
+        if run is None:
+            return None
+        if run._future is None:
+            run._future = _decode.submit(run._read)
+        return run._future
+
+
 #: Most bytes of one ranged request that reads neighbouring chunks of a shard together on
 #: object storage (a sequential read): one round trip for a run of chunks, not one per chunk.
 _RUN_READ_BYTES = 8 << 20
@@ -1772,11 +1793,11 @@ class Store:
             out[shard * n_chunks + j] = (idx.key, (off, nb), bytes(view[off - off0 : off - off0 + nb]))
         return out
 
-    def _plan_runs(self, meta: dict, chunks: list[int]) -> dict[int, Any]:
-        """On object storage: chunk -> a future of :meth:`_read_run` for each chunk of
-        ``chunks`` (ascending) that lies back to back with a neighbour of the list in the same
-        shard, at most ``_RUN_READ_BYTES`` a run: a sequential read of a shard makes a few
-        requests, not one per chunk. Elsewhere (a local folder: each chunk is a pread) none."""
+    def _plan_runs(self, meta: dict, chunks: list[int]) -> dict[int, "_Run"]:
+        """On object storage: chunk -> its :class:`_Run` for each chunk of ``chunks``
+        (ascending) that lies back to back with a neighbour of the list in the same shard, at
+        most ``_RUN_READ_BYTES`` a run: a sequential read of a shard makes a few requests, not
+        one per chunk. Elsewhere (a local folder: each chunk is a pread) none."""
         if isinstance(self._backend, LocalBackend) or len(chunks) < 2:
             return {}
         n_chunks = _layout(meta)[2]
@@ -1798,12 +1819,12 @@ class Store:
                     slots.append(j)
                     continue
             runs.append((shard, [j]))
-        planned: dict[int, Any] = {}
+        planned: dict[int, _Run] = {}
         for shard, slots in runs:
             if len(slots) > 1:
-                fut = _decode.submit(self._read_run, meta, shard, slots)
+                run = _Run(functools.partial(self._read_run, meta, shard, slots))
                 for j in slots:
-                    planned[shard * n_chunks + j] = fut
+                    planned[shard * n_chunks + j] = run
         return planned
 
     def _read_decoded(self, hook_point: str, meta: dict, start: int, stop: int) -> torch.Tensor:
@@ -1875,11 +1896,11 @@ class Store:
         waits = []
         for c, lo, hi, dst in todo:
             if big and lo == c * chunk_rows and (hi == (c + 1) * chunk_rows or hi == n):
-                waits.append((None, _decode.submit(self._decode_chunk, hook_point, meta, c, dst, runs.get(c)), None))
+                waits.append((None, _decode.submit(self._decode_chunk, hook_point, meta, c, dst, _Run.future(runs, c)), None))
             else:
-                waits.append((c, self._chunk_future(hook_point, meta, c, runs.get(c)), (lo, hi, dst)))
+                waits.append((c, self._chunk_future(hook_point, meta, c, _Run.future(runs, c)), (lo, hi, dst)))
         for c in ahead_chunks:
-            self._chunk_future(hook_point, meta, c, runs.get(c))
+            self._chunk_future(hook_point, meta, c, _Run.future(runs, c))
         for c, fut, part in waits:
             t = fut.result()
             if part is not None:

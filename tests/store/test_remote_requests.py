@@ -124,3 +124,32 @@ def test_a_damaged_chunk_read_with_its_neighbours_is_refused_by_its_checksum(com
     assert runs[0] == list(range(8))  # (read together: the rows asked for and the rest of the shard ahead)
     with pytest.raises(acs.StoreCorruptError, match=r"chunk 5 \(rows 20-23"):
         store.rows("h", 0, 32)
+
+
+@pytest.mark.parametrize("cache_bytes", [64 << 20, 0], ids=["cached", "large_read"])
+def test_a_run_is_asked_for_just_before_its_chunks_decode(monkeypatch, cache_bytes):
+    """The decode pool takes work in order: each run's read is queued right before its own
+    chunks' decodes, not every run first (a large read would hold every run's bytes at once,
+    as much again as the rows read)."""
+    from activationscope.store import StoreWriter, _decode
+    from activationscope.store.reader import _Run
+
+    url = f"memory://runs-{uuid.uuid4().hex}.zarr"
+    x = torch.randn(128, 16, generator=torch.Generator().manual_seed(0))
+    w = StoreWriter(url, capture_config={}, model=None, storage_dtype=None, chunk_rows=4, shard_rows=32,
+                    compression="zstd")
+    w.open_array("h", (16,), torch.float32, "sample").append(x)
+    w.add_batch(128, list(range(128)), None, {})
+    w.close()
+    kinds: list[str] = []
+    submit = _decode.submit
+
+    def recorded(fn, *args):
+        kinds.append("run" if getattr(fn, "func", None) is not None and fn.func.__name__ == "_read_run" else "chunk")
+        return submit(fn, *args)
+
+    monkeypatch.setattr(_decode, "submit", recorded)
+    store = acs.open_store(url, cache_bytes=cache_bytes)
+    assert torch.equal(store.rows("h", 0, 128), x)
+    assert kinds == (["run"] + ["chunk"] * 8) * 4
+    assert _Run.future({}, 0) is None
