@@ -283,11 +283,14 @@ class _Array:
         }
 
 
-@dataclass
+@dataclass(slots=True)
 class _Batch:
     index: int
     n_samples: int
-    cums: tuple[int, ...]  # rows of each array after this batch, in the writer's array order
+    # rows of each array after this batch, in the writer's array order (int64: a batch stays
+    # pending until every array's rows of it are durable, up to a shard of the slowest array,
+    # thousands of forwards of hundreds of arrays, so it is 8 bytes an array, not a Python int)
+    cums: np.ndarray
     sample: dict[str, Any] | None  # None: default sample ids first_id.. (made at the commit)
     token: dict[str, Any] | None
     first_id: int = 0  # the running counter's value before this batch
@@ -2242,6 +2245,7 @@ class StoreWriter:
         # every array's rows now, and those that got another number than this batch's
         # samples (sample rows) or tokens (token rows) since the last batch: one native call
         cums, off = self._counts.step(n, n_tokens)
+        cums = np.array(cums, dtype=np.int64)
         lost: dict[str, tuple[int, int]] = {}
         for i, got in off:
             a = self._order[i]
@@ -2332,10 +2336,10 @@ class StoreWriter:
                     raise
         # rows listed in the manifests above (not the writer thread's durable_rows, read now: a
         # shard it finished since take_durable() is on disk but in no manifest until the next commit)
-        durable = [max(a.committed_rows, a.listed_rows) for a in self._order]
+        durable = np.array([max(a.committed_rows, a.listed_rows) for a in self._order], dtype=np.int64)
         k = 0
-        for batch in self._pending:
-            if all(cum <= d for cum, d in zip(batch.cums, durable)):
+        for batch in self._pending:  # (an array opened after a batch has no count in it)
+            if bool((batch.cums <= durable[:len(batch.cums)]).all()):
                 k += 1
             else:
                 break
@@ -2376,7 +2380,7 @@ class StoreWriter:
         self._pending = self._pending[k:]
         self._pending_samples -= sum(x.n_samples for x in batches)
         for x in batches:
-            for a, cum in zip(self._order, x.cums):
+            for a, cum in zip(self._order, x.cums.tolist()):
                 a.committed_rows = max(a.committed_rows, cum)
             self.n_samples_committed += x.n_samples
             self._n_batches += 1
