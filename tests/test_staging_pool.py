@@ -88,3 +88,40 @@ def test_check_pool_env_is_quiet_when_unset(monkeypatch):
     monkeypatch.setenv("ACS_STAGING_POOL_BYTES", "12x")
     with pytest.raises(ArgumentValueError, match="ACS_STAGING_POOL_BYTES"):
         _native.check_pool_env()
+
+
+def _anon_rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) << 10
+    raise AssertionError("no RssAnon in /proc/self/status")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc_trim, /proc")
+def test_clear_gives_back_the_memory_of_its_records_descriptors():
+    import ctypes
+
+    trim = ctypes.CDLL("libc.so.6").malloc_trim
+    C = _C()
+    model = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(200)])
+    x = torch.randn(1, 2)
+    C.set_staging_prefault(False)  # no slab prepared in the background while measuring
+    try:
+        with torch.no_grad(), acs.ActivationScope().track(model) as tr:
+            for _ in range(2000):  # 400,000 records of 8 bytes each
+                model(x)
+        tr.clear()
+        gc.collect()
+        trim(0)
+        cleared = _anon_rss()
+        assert [len(v) for v in tr.activations.values()] == [0] * 200
+        del tr
+        gc.collect()
+        trim(0)
+        dropped = _anon_rss()
+    finally:
+        C.set_staging_prefault(True)
+    # clear() kept each record list's capacity: about 160 bytes a record, 64 MB here, that only
+    # dropping the tracker gave back
+    assert cleared - dropped < 24 << 20, (cleared, dropped)
