@@ -1168,6 +1168,7 @@ class StoreWriter:
         self._counts = _native.load().RowCounts()  # each array's rows at the last recorded batch
         self._pending: list[_Batch] = []
         self._pending_samples = 0  # samples of the batches in _pending
+        self._warned_held = False  # (_warn_held_commits: once per capture)
         self._reductions: dict[str, dict] = {}
         self._encoders: dict[str, Any] = {}
         self._encoder_thread: threading.Thread | None = None
@@ -2264,6 +2265,27 @@ class StoreWriter:
         self._pending_samples += n
         return lost
 
+    def _warn_held_commits(self, k: int, durable: np.ndarray) -> None:
+        """Warn once when the forwards waiting for a commit are more than twice the rows of
+        the largest shard: an array that gets a row every forward (as every array following
+        the row table does) fills a shard within that many forwards, so one that has not is
+        getting fewer (a module called in some forwards only) and holds back every commit:
+        a crash loses those forwards, and their bookkeeping grows until its shard fills."""
+        held = len(self._pending) - k
+        limit = 2 * max((a.shard_rows for a in self._order), default=0)
+        if not limit or held <= limit:
+            return
+        first = self._pending[k]
+        slow = [a.hook_point for a, cum, d in zip(self._order, first.cums.tolist(), durable.tolist()) if cum > d]
+        self._warned_held = True
+        warnings.warn(
+            f"store {str(self._backend)!r}: the last {held} forwards are not committed, since forward "
+            f"{first.index} (counted from 0): hook point(s) {slow[:8]} got too few rows since then to fill "
+            "a shard, and a commit covers only the forwards whose rows are durable in every array. A crash "
+            "now loses those forwards, and each one held costs memory until the shard fills. Exclude those "
+            "hook points (exclude=), capture them into a store of their own, or pass a smaller shard_rows= "
+            "or shard_bytes=. Warned once per capture", CaptureWarning, stacklevel=2)
+
     def rows_since_last_batch(self) -> dict[str, int]:
         """``{hook_point: rows}`` appended since the last :meth:`add_batch` (rows of a forward
         that has not been recorded, e.g. one that raised); empty when every array is even."""
@@ -2343,6 +2365,8 @@ class StoreWriter:
                 k += 1
             else:
                 break
+        if k < len(self._pending) and not self._warned_held:
+            self._warn_held_commits(k, durable)
         if k == 0 and not force and not self._unpublished:
             return False  # (the shards taken above stay in the store, noted in _found_files)
         # the rewritten last shard of a resume replaces the committed one now, just before the

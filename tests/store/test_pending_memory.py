@@ -37,3 +37,40 @@ def test_pending_forwards_of_many_hook_points_cost_eight_bytes_an_array(tmp_path
     assert len(ds) == 2 * len(xs)
     with torch.no_grad():
         assert torch.equal(ds[0:len(ds)]["0.output"], torch.cat([model[0](x) for x in xs]))
+
+
+class _FirstForwardOnly(torch.nn.Module):
+    """Its ``lin`` runs in the first forward only (a branch the data takes once)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.lin(x) if self.calls == 1 else x
+
+
+def test_a_hook_point_that_holds_back_every_commit_is_named(tmp_path):
+    import warnings
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), _FirstForwardOnly())
+    xs = [torch.full((1, 4), float(i)) for i in range(300)]
+    path = tmp_path / "s.zarr"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad(), acs.ActivationScope(store=path, store_options={
+                "shard_rows": 64, "chunk_rows": 64, "commit_interval": 0}).track(model, exclude=["1"]):
+            for x in xs:
+                model(x)
+    held = [str(w.message) for w in caught if issubclass(w.category, acs.CaptureWarning)
+            and "are not committed" in str(w.message)]
+    # '0.output' fills a 64-row shard every 64 forwards; '1.lin.output' got 1 row, in forward 0, and
+    # its shard never fills: no forward was committed until the capture closed, without a word
+    assert len(held) == 1, held
+    assert "'1.lin.output'" in held[0] and "'0.output'" not in held[0] and "since forward 0" in held[0]
+    ds = ActivationDataset(path, hook_points=["0.output"])
+    assert len(ds) == 300  # the close commits everything: the warning changes nothing stored
+    with torch.no_grad():
+        assert torch.equal(ds[0:300]["0.output"], torch.cat([model[0](x) for x in xs]))
