@@ -29,7 +29,7 @@ struct Pool {
 };
 
 // $ACS_STAGING_POOL_BYTES: a whole number of bytes, at least 0 (the Python side refuses any
-// other value when the extension loads, naming the variable); unset or not such a number: 1 GiB.
+// other value when an ActivationScope is made, naming the variable); unset or not such a number: 1 GiB.
 int64_t cap_from_env() {
   const int64_t fallback = int64_t(1) << 30;
   const char* env = std::getenv("ACS_STAGING_POOL_BYTES");
@@ -44,10 +44,15 @@ int64_t cap_from_env() {
 Pool& pool() {
   static Pool* p = new Pool();  // leaked on purpose: outlives every storage
   if (p->owner != getpid()) {
-    // First use, or a child after fork: the parent's thread and lock state are gone.
+    // First use, or a child after fork: the parent's thread and lock state are gone. A child
+    // keeps the parent's settings (a cap set with set_pool_cap_bytes, not the environment's).
+    const bool child = p->owner != 0;
+    const int64_t cap = child ? p->cap : cap_from_env();
+    const bool prefault = child ? p->prefault : true;
     new (p) Pool();
     p->owner = getpid();
-    p->cap = cap_from_env();
+    p->cap = cap;
+    p->prefault = prefault;
   }
   return *p;
 }

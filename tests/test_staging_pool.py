@@ -125,3 +125,27 @@ def test_clear_gives_back_the_memory_of_its_records_descriptors():
     # clear() kept each record list's capacity: about 160 bytes a record, 64 MB here, that only
     # dropping the tracker gave back
     assert cleared - dropped < 24 << 20, (cleared, dropped)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
+def test_a_forked_child_keeps_the_cap_set_in_its_parent():
+    C = _C()
+    cap = C.staging_pool_bytes()
+    try:
+        C.set_staging_pool_bytes(2 * SLAB)
+        C.pooled_staging_bytes()  # (the pool is in use in the parent)
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report its cap, then leave without running any cleanup
+            try:
+                os.write(w, str(C.staging_pool_bytes()).encode())
+            finally:
+                os._exit(0)
+        os.close(w)
+        got = os.read(r, 64).decode()
+        os.close(r)
+        os.waitpid(pid, 0)
+    finally:
+        C.set_staging_pool_bytes(cap)
+    # the child took the environment's cap (1 GiB by default) instead, as if never set
+    assert int(got) == 2 * SLAB
