@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
 #include <condition_variable>
 #include <cstdlib>
 #include <mutex>
@@ -27,14 +28,31 @@ struct Pool {
   pid_t owner = 0;
 };
 
+// $ACS_STAGING_POOL_BYTES: a whole number of bytes, at least 0 (the Python side refuses any
+// other value when an ActivationScope is made, naming the variable); unset or not such a number: 1 GiB.
+int64_t cap_from_env() {
+  const int64_t fallback = int64_t(1) << 30;
+  const char* env = std::getenv("ACS_STAGING_POOL_BYTES");
+  if (!env || !*env) return fallback;
+  char* end = nullptr;
+  errno = 0;
+  const long long v = std::strtoll(env, &end, 10);
+  if (errno != 0 || end == env || *end != '\0' || v < 0) return fallback;
+  return int64_t(v);
+}
+
 Pool& pool() {
   static Pool* p = new Pool();  // leaked on purpose: outlives every storage
   if (p->owner != getpid()) {
-    // First use, or a child after fork: the parent's thread and lock state are gone.
+    // First use, or a child after fork: the parent's thread and lock state are gone. A child
+    // keeps the parent's settings (a cap set with set_pool_cap_bytes, not the environment's).
+    const bool child = p->owner != 0;
+    const int64_t cap = child ? p->cap : cap_from_env();
+    const bool prefault = child ? p->prefault : true;
     new (p) Pool();
     p->owner = getpid();
-    const char* env = std::getenv("ACS_STAGING_POOL_BYTES");
-    p->cap = env ? std::atoll(env) : (int64_t(1) << 30);
+    p->cap = cap;
+    p->prefault = prefault;
   }
   return *p;
 }
@@ -106,11 +124,16 @@ c10::Storage acquire_slab(bool expect_more) {
 
 void set_pool_cap_bytes(int64_t cap) {
   Pool& p = pool();
+  std::vector<void*> over;  // slabs pooled past the new cap: unmapped now, not kept
   {
     std::lock_guard<std::mutex> lock(p.mu);
     p.cap = cap;
+    while (!p.free_slabs.empty() && int64_t(p.free_slabs.size()) * kSlabBytes > cap) {
+      over.push_back(p.free_slabs.back());
+      p.free_slabs.pop_back();
+    }
   }
-  if (cap <= 0) trim_pool();
+  for (void* s : over) munmap(s, kSlabBytes);
 }
 
 int64_t pool_cap_bytes() { return pool().cap; }

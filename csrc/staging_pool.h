@@ -20,8 +20,8 @@ constexpr int64_t kSlabBytes = int64_t(64) << 20;
 // prepares (maps and populates) the next one now.
 c10::Storage acquire_slab(bool expect_more);
 
-// Bytes the pool may keep for reuse (default 1 GiB or $ACS_STAGING_POOL_BYTES); 0 frees
-// everything pooled now and disables recycling.
+// Bytes the pool may keep for reuse (default 1 GiB or $ACS_STAGING_POOL_BYTES); a lower cap
+// frees the pooled slabs past it now (0: all of them, and disables recycling).
 void set_pool_cap_bytes(int64_t cap);
 int64_t pool_cap_bytes();
 int64_t pooled_bytes();

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import importlib
+import os
 from types import ModuleType
 
 import torch
 
-from ..errors import NativeExtensionError
+from ..errors import ArgumentValueError, NativeExtensionError
 
 _module: ModuleType | None = None
 
@@ -24,6 +25,20 @@ def _has(mod: ModuleType, dotted: str) -> bool:
             return False
         obj = getattr(obj, part)
     return True
+
+
+def check_pool_env() -> None:
+    """Refuse a ``$ACS_STAGING_POOL_BYTES`` that is not a whole number of bytes (the native
+    pool would otherwise fall back to its 1 GiB default without a word: a ``512MiB`` or ``1e9``
+    meant as a cap would not be one). Called when an :class:`ActivationScope` is made."""
+    raw = os.environ.get("ACS_STAGING_POOL_BYTES")
+    if raw is None or raw == "":
+        return
+    if not (raw.isascii() and raw.isdigit()):
+        raise ArgumentValueError(
+            f"$ACS_STAGING_POOL_BYTES={raw!r} is not a whole number of bytes (at least 0): it caps the "
+            "staging memory kept for reuse after in-memory captures; set it to bytes, such as "
+            "536870912 for 512 MiB, or 0 to keep none, or unset it for the default of 1 GiB")
 
 
 def load() -> ModuleType:

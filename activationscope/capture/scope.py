@@ -404,6 +404,7 @@ class ActivationScope:
             from . import reductions as _red
 
             _red.validate_reductions(reductions)
+        _native.check_pool_env()  # the staging pool's cap, read once the first capture needs a slab
 
     def config(self) -> dict[str, Any]:
         """The capture configuration as plain JSON-able values (stored as provenance)."""

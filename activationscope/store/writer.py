@@ -283,11 +283,14 @@ class _Array:
         }
 
 
-@dataclass
+@dataclass(slots=True)
 class _Batch:
     index: int
     n_samples: int
-    cums: tuple[int, ...]  # rows of each array after this batch, in the writer's array order
+    # rows of each array after this batch, in the writer's array order (int64: a batch stays
+    # pending until every array's rows of it are durable, up to a shard of the slowest array,
+    # thousands of forwards of hundreds of arrays, so it is 8 bytes an array, not a Python int)
+    cums: np.ndarray
     sample: dict[str, Any] | None  # None: default sample ids first_id.. (made at the commit)
     token: dict[str, Any] | None
     first_id: int = 0  # the running counter's value before this batch
@@ -1165,6 +1168,7 @@ class StoreWriter:
         self._counts = _native.load().RowCounts()  # each array's rows at the last recorded batch
         self._pending: list[_Batch] = []
         self._pending_samples = 0  # samples of the batches in _pending
+        self._warned_held = False  # (_warn_held_commits: once per capture)
         self._reductions: dict[str, dict] = {}
         self._encoders: dict[str, Any] = {}
         self._encoder_thread: threading.Thread | None = None
@@ -2252,6 +2256,7 @@ class StoreWriter:
         # every array's rows now, and those that got another number than this batch's
         # samples (sample rows) or tokens (token rows) since the last batch: one native call
         cums, off = self._counts.step(n, n_tokens)
+        cums = np.array(cums, dtype=np.int64)
         lost: dict[str, tuple[int, int]] = {}
         for i, got in off:
             a = self._order[i]
@@ -2269,6 +2274,27 @@ class StoreWriter:
                                     first_id + n if next_id is None else int(next_id)))
         self._pending_samples += n
         return lost
+
+    def _warn_held_commits(self, k: int, durable: np.ndarray) -> None:
+        """Warn once when the forwards waiting for a commit are more than twice the rows of
+        the largest shard: an array that gets a row every forward (as every array following
+        the row table does) fills a shard within that many forwards, so one that has not is
+        getting fewer (a module called in some forwards only) and holds back every commit:
+        a crash loses those forwards, and their bookkeeping grows until its shard fills."""
+        held = len(self._pending) - k
+        limit = 2 * max((a.shard_rows for a in self._order), default=0)
+        if not limit or held <= limit:
+            return
+        first = self._pending[k]
+        slow = [a.hook_point for a, cum, d in zip(self._order, first.cums.tolist(), durable.tolist()) if cum > d]
+        self._warned_held = True
+        warnings.warn(
+            f"store {str(self._backend)!r}: the last {held} forwards are not committed, since forward "
+            f"{first.index} (counted from 0): hook point(s) {slow[:8]} got too few rows since then to fill "
+            "a shard, and a commit covers only the forwards whose rows are durable in every array. A crash "
+            "now loses those forwards, and each one held costs memory until the shard fills. Exclude those "
+            "hook points (exclude=), capture them into a store of their own, or pass a smaller shard_rows= "
+            "or shard_bytes=. Warned once per capture", CaptureWarning, stacklevel=2)
 
     def rows_since_last_batch(self) -> dict[str, int]:
         """``{hook_point: rows}`` appended since the last :meth:`add_batch` (rows of a forward
@@ -2342,13 +2368,15 @@ class StoreWriter:
                     raise
         # rows listed in the manifests above (not the writer thread's durable_rows, read now: a
         # shard it finished since take_durable() is on disk but in no manifest until the next commit)
-        durable = [max(a.committed_rows, a.listed_rows) for a in self._order]
+        durable = np.array([max(a.committed_rows, a.listed_rows) for a in self._order], dtype=np.int64)
         k = 0
-        for batch in self._pending:
-            if all(cum <= d for cum, d in zip(batch.cums, durable)):
+        for batch in self._pending:  # (an array opened after a batch has no count in it)
+            if bool((batch.cums <= durable[:len(batch.cums)]).all()):
                 k += 1
             else:
                 break
+        if k < len(self._pending) and not self._warned_held:
+            self._warn_held_commits(k, durable)
         if k == 0 and not force and not self._unpublished:
             return False  # (the shards taken above stay in the store, noted in _found_files)
         # the rewritten last shard of a resume replaces the committed one now, just before the
@@ -2386,7 +2414,7 @@ class StoreWriter:
         self._pending = self._pending[k:]
         self._pending_samples -= sum(x.n_samples for x in batches)
         for x in batches:
-            for a, cum in zip(self._order, x.cums):
+            for a, cum in zip(self._order, x.cums.tolist()):
                 a.committed_rows = max(a.committed_rows, cum)
             self.n_samples_committed += x.n_samples
             self._n_batches += 1
