@@ -679,8 +679,15 @@ class Store:
         try:
             return arrays[hook_point]
         except KeyError:
+            pending = ""
+            if not self.hook_points and self.status != "complete":
+                # (a capture still running lists its hook points with its first commit)
+                pending = (f": the store is {self.status} (a capture still running, or stopped before its first "
+                           "commit?), and a capture's hook points appear with its first commit; call "
+                           "store.refresh() once rows are committed")
             raise HookPointNotFoundError(
                 f"hook point {hook_point!r} is not in the store {str(self._backend)!r}; it has {self.hook_points}"
+                f"{pending}"
             ) from None
 
     def n_rows(self, hook_point: str) -> int:
