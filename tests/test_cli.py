@@ -1114,6 +1114,40 @@ def test_resume_with_nothing_left_of_a_store_being_written_names_the_writer(tmp_
     assert store.n_samples == 20 and torch.equal(store["2.output"], before)
 
 
+@pytest.mark.parametrize("mode", ["--resume", "--overwrite"])
+def test_a_capture_refused_by_a_running_writer_offers_no_resume(tmp_path, toy_store, user_package, capsys, mode):
+    """A capture (--resume or --overwrite) of an incomplete store another capture is writing:
+    refused naming the writer, and its message ended "(... status incomplete; --resume
+    continues it)" or "no row was committed, so the store ... is kept", advice for a store
+    no capture holds; now it says the store is left to the writer that holds it."""
+    import activationscope as acs
+    from activationscope.store import StoreWriter
+
+    _, x = toy_store
+    from activationscope.analysis import specs
+
+    out = _store_of_another_model(tmp_path / "held.zarr", x, user_package, capsys)
+    model = specs.load_model_spec("othernets.nets:mlp").model
+    with pytest.raises(KeyboardInterrupt):  # a resume stopped after 5 more samples: incomplete
+        with acs.ActivationScope(store=str(out), store_options={"resume": True}).track(model), torch.no_grad():
+            model(torch.from_numpy(np.load(x))[20:25])
+            raise KeyboardInterrupt
+    store = acs.open_store(str(out))
+    assert store.status == "incomplete" and store.n_samples == 25
+    before = store["2.output"].clone()
+    held = StoreWriter(str(out), resume=True)  # another capture, still running
+    try:
+        code, stdout, err = run(capsys, "capture", "--model", "usermodels.nets:mlp", "--data", str(x), "--out",
+                                str(out), "--no-progress", mode)
+    finally:
+        held.discard()
+    assert code == 1 and f"store {str(out)!r} is being written by pid {os.getpid()}" in err, err
+    assert err.rstrip().endswith(f"this capture wrote nothing; {out} is left to the writer that holds it"), err
+    assert "--resume continues it" not in err and "no row was committed" not in err, err
+    store = acs.open_store(str(out))
+    assert store.n_samples == 25 and store.status == "incomplete" and torch.equal(store["2.output"], before)
+
+
 @pytest.mark.parametrize("dtype", [np.float64, np.float16])
 def test_data_of_another_float_dtype_than_the_model_names_both(tmp_path, user_module, capsys, dtype):
     # np.random's default float64 data into a float32 model: torch's "mat1 and mat2 must have

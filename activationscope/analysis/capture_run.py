@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import ActivationScopeError, ArgumentValueError, CaptureError, CaptureWarning, SpecError
+from ..errors import ActivationScopeError, ArgumentValueError, CaptureError, CaptureWarning, SpecError, StoreLockedError
 from ..sizes import dir_bytes, format_bytes
 
 #: Tokens per text at most (longer texts are truncated).
@@ -208,7 +208,9 @@ def run_capture(
         removed = new_store and (gone or (not (store_options or {}).get("overwrite")
                                           and remove_if_empty(out, remove_folder=not folder_existed)))
         nothing_there = local is not None and not path_existed and not os.path.lexists(local)
-        tail = (f"no row was committed, so the new store {out} was removed" if removed else
+        tail = (f"this capture wrote nothing; {out} is left to the writer that holds it"
+                if isinstance(e, StoreLockedError) else
+                f"no row was committed, so the new store {out} was removed" if removed else
                 f"nothing was written at {out}" if nothing_there else
                 f"nothing was committed at {out}" if new_store and not (store_options or {}).get("overwrite")
                 and summary.n_forwards == 0 and not _readable_store(out) else

@@ -252,11 +252,13 @@ class WriterLock:
 
     def _acquire_marker(self) -> None:
         b = self.backend
-        for _ in range(2):
+        for _ in range(5):
             if b.set_if_absent(LOCK_KEY, self._me()):
                 _HELD_TOKENS.add(self.token)
                 return
             raw = b.get(LOCK_KEY, max_bytes=4096)
+            if raw is None:  # released by its holder since (a writer that was refused, or closed): free again
+                continue
             try:
                 h = json.loads(raw or b"")
             except ValueError:

@@ -405,6 +405,29 @@ class Store:
         self._ranks: list[tuple[int, "Store"]] = []  # an uncommitted multi-rank store: its rank stores
         self._parts: dict[str, list[tuple[int, "Store", int]]] = {}  # hook point -> (rank, store, first row)
         self.refresh()
+        self._warn_store_moved_aside()
+
+    def _warn_store_moved_aside(self) -> None:
+        """A local store that holds no rows yet while a folder next to it holds the store an
+        ``overwrite=True`` moved aside (FORMAT.md section 7): the new run is still before its
+        first commit, or its writer was killed there. Said once, when the store is opened: the
+        rows a reader expected are in that folder, not lost."""
+        if not isinstance(self._backend, LocalBackend) or self.status == "complete" or self.hook_points:
+            return
+        try:
+            moved = self._backend.moved_roots()
+        except OSError:
+            return
+        if moved:
+            shown = " and ".join(repr(str(p)) for p in moved)
+            warnings.warn(
+                f"store {str(self._backend)!r} holds no rows yet: an overwrite=True is writing a new store there "
+                f"and has not committed (or its writer was killed before its first commit); the store it replaces "
+                f"is in {shown} until then. With no writer running, run the capture again with overwrite=True "
+                "(the old store is put back whole if the new one commits nothing), or, to keep the old store, "
+                f"delete the new one's entries in {str(self._backend.root)!r} and move every entry of that folder "
+                "back into it (zarr.json last)",
+                UserWarning, stacklevel=4)  # (the caller of open_store)
 
     # ------------------------------------------------------------------ metadata
     def refresh(self) -> None:
@@ -703,8 +726,15 @@ class Store:
         try:
             return arrays[hook_point]
         except KeyError:
+            pending = ""
+            if not self.hook_points and self.status != "complete":
+                # (a capture still running lists its hook points with its first commit)
+                pending = (f": the store is {self.status} (a capture still running, or stopped before its first "
+                           "commit?), and a capture's hook points appear with its first commit; call "
+                           "store.refresh() once rows are committed")
             raise HookPointNotFoundError(
                 f"hook point {hook_point!r} is not in the store {str(self._backend)!r}; it has {self.hook_points}"
+                f"{pending}"
             ) from None
 
     def n_rows(self, hook_point: str) -> int:

@@ -526,3 +526,37 @@ def test_an_object_store_marker_of_a_writer_dropped_unclosed_is_taken_over_by_th
     again.close()
     holder.close()
     assert open_store(url).n_samples == 5
+
+
+def test_an_object_store_marker_released_while_a_writer_starts_is_taken(monkeypatch):
+    """Two writers start on one object store, and the holder of the marker lets it go (a writer
+    refused with StoreExistsError, or one that closed) between the other's conditional put
+    and its read of the marker: the store is free, yet that writer raised StoreLockedError
+    "being written by another process (it has not written its pid yet)"; now it takes the lock."""
+    from activationscope.store import _backend
+
+    url = "memory://acs-lock-released/run.zarr"
+    set_if_absent = _backend.FsspecBackend.set_if_absent
+    raced = []
+
+    def holder_lets_go_meanwhile(self, key, data):
+        if key == LOCK_KEY and not raced:
+            raced.append(key)
+            assert set_if_absent(self, key, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                                        "started": "x", "token": "other"}).encode())
+            taken = set_if_absent(self, key, data)  # refused: the other writer holds it
+            self.delete(key)  # ... and lets it go before this writer reads who holds it
+            return taken
+        return set_if_absent(self, key, data)
+
+    monkeypatch.setattr(_backend.FsspecBackend, "set_if_absent", holder_lets_go_meanwhile)
+    w = StoreWriter(url)
+    try:
+        assert raced
+        _write_rows(w, torch.arange(6.0).reshape(3, 2))
+    finally:
+        w.close()
+    assert torch.equal(open_store(url)["x"], torch.arange(6.0).reshape(3, 2))
+    with pytest.raises(StoreLockedError, match=rf"pid {os.getpid()}"):  # a held marker still refuses
+        with StoreWriter(url, resume=True):
+            StoreWriter(url, resume=True)
