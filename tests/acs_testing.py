@@ -233,11 +233,18 @@ def die_at(monkeypatch, step: int) -> list:
     partway through a folder first removes every other file of it, as a death mid-way would).
     Returns the operations made before it, ``("set" | "delete", key or path)``, in order;
     ``monkeypatch.undo()`` ends it."""
+    import atexit
     import shutil
+    import tempfile
     from pathlib import Path
 
     from activationscope.store import _backend as B
 
+    # (the temporary folders of a writer that "dies" here, such as a remote store's staging
+    # folder, go in one removed when the test process exits)
+    tmp = tempfile.mkdtemp(prefix="acs-killed-")
+    atexit.register(shutil.rmtree, tmp, True)
+    monkeypatch.setattr(tempfile, "tempdir", tmp)
     done: list = []
 
     def wrap(fn, what):
@@ -296,12 +303,17 @@ def run_killed_at_delete(code: str, at: int, *args: str, path=(), timeout: float
     from pathlib import Path
 
     here = Path(__file__).resolve().parent  # (this module's folder: a script may import it)
+    import shutil
     import tempfile
 
-    # (its temporary folders, which its death leaves, go where this process puts its own)
+    # (its temporary folders, which its death leaves behind, go in one removed after it)
+    tmp = tempfile.mkdtemp(prefix="acs-killed-")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here.parent), str(here), *map(str, path)]),
-           "TMPDIR": tempfile.gettempdir()}
-    done = subprocess.run([sys.executable, "-c", _DIE_AT_DELETE.format(at=int(at)) + code, *args], env=env,
-                          capture_output=True, text=True, timeout=timeout)
+           "TMPDIR": tmp}
+    try:
+        done = subprocess.run([sys.executable, "-c", _DIE_AT_DELETE.format(at=int(at)) + code, *args], env=env,
+                              capture_output=True, text=True, timeout=timeout)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     assert done.returncode == 9, f"the script was to die at its delete {at}, it ended with {done.returncode}:\n" \
                                  f"{done.stdout}\n{done.stderr}"

@@ -40,19 +40,6 @@ def pytest_runtest_protocol(item, nextitem):
         faulthandler.cancel_dump_traceback_later()
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _temp_files_in_basetemp(tmp_path_factory):
-    """Temporary folders made in this process (a remote store's local staging folder among
-    them) go under pytest's base temp folder, which pytest prunes: a writer a test kills on
-    purpose (``acs_testing.die_at``) leaves its staging folder where no later run sees it."""
-    import tempfile
-
-    before = tempfile.tempdir
-    tempfile.tempdir = str(tmp_path_factory.mktemp("tempdir"))
-    yield
-    tempfile.tempdir = before
-
-
 DEVICES = [
     "cpu",
     pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]),
