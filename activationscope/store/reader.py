@@ -1915,6 +1915,9 @@ class Store:
             ahead = min(ahead, max(_decode.n_decode_threads(), _RUN_READ_BYTES // per_chunk) if remote
                         else _decode.n_decode_threads())
             last = (n - 1) // chunk_rows
+            if remote:  # (within the shard being read: the next one's index is read when a read gets there)
+                shard_chunks = int(meta["shard_rows"]) // chunk_rows
+                last = min(last, (c1 // shard_chunks + 1) * shard_chunks - 1)
             with self._lock:
                 ahead_chunks = [c for c in range(c1 + 1, min(last, c1 + ahead) + 1)
                                 if (hook_point, c, mid) not in self._cache and (hook_point, c, mid) not in self._inflight]

@@ -85,8 +85,9 @@ def test_a_sequential_read_reads_neighbouring_chunks_of_a_shard_in_one_request(s
     shards = sorted({key for _, key in requests if key.startswith("acts/0.output/c/")})
     assert len(shards) == 3
     gets = [requests[("GET", key)] for key in shards]
-    # its index and at most two runs (the first read's chunks, then the rest of the shard)
-    assert gets[0] <= 3 and all(g <= 2 for g in gets[1:]), (gets, requests)
+    # its index and two runs: the chunks of the read that gets to the shard, and the rest of
+    # the shard read ahead (not into the next shard: its index is read when a read gets there)
+    assert all(g <= 3 for g in gets), (gets, requests)
 
 
 @pytest.mark.parametrize("compression", [None, "zstd"])
