@@ -14,31 +14,8 @@ import activationscope as acs
 
 
 def test_a_sequential_read_of_an_s3_store_makes_few_requests_per_shard(s3, monkeypatch):
-    endpoint = pytest.importorskip("aiobotocore.endpoint")
-    url = f"s3://acs-bucket/requests-{uuid.uuid4().hex}.zarr"
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 16))
-    batches = [torch.randn(8, 16) for _ in range(6)]
-    options = {"storage_options": s3, "chunk_rows": 4, "shard_rows": 8}
-    with acs.ActivationScope(store=url, store_options=options).track(model, include=["0"]), torch.no_grad():
-        for x in batches:
-            model(x)
-    with torch.no_grad():
-        want = torch.cat([model(x) for x in batches])
-
-    requests: collections.Counter = collections.Counter()
-    send = endpoint.AioEndpoint._send
-
-    async def counted(self, request):
-        key = request.url.split("?")[0].split(".zarr/")[-1]
-        requests[(request.method, key)] += 1
-        return await send(self, request)
-
-    monkeypatch.setattr(endpoint.AioEndpoint, "_send", counted)
-    ds = acs.ActivationDataset(url, open_options={"storage_options": s3})
-    requests.clear()
-    got = torch.cat([ds[i:i + 8]["0.output"] for i in range(0, len(ds), 8)])
-    assert torch.equal(got, want)
+    requests = _counted_requests(monkeypatch)
+    _read_in_order(s3, requests, n_batches=6, shard_rows=8, compression=None)
     shards = {key for _, key in requests if key.startswith("acts/0.output/c/")}
     assert len(shards) == 6
     for key in shards:
@@ -47,6 +24,26 @@ def test_a_sequential_read_of_an_s3_store_makes_few_requests_per_shard(s3, monke
         # and 5 GETs
         assert requests[("HEAD", key)] <= 1, (key, requests)
         assert requests[("GET", key)] <= 3, (key, requests)
+
+
+def _read_in_order(s3, requests, n_batches: int, shard_rows: int, compression) -> None:
+    """Capture ``n_batches`` of 8 rows (chunks of 4 rows) into a new S3 store, then read it in
+    batches of 8 through ActivationDataset with ``requests`` counting only the read's; the
+    rows read equal the model's."""
+    url = f"s3://acs-bucket/requests-{uuid.uuid4().hex}.zarr"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16))
+    batches = [torch.randn(8, 16) for _ in range(n_batches)]
+    options = {"storage_options": s3, "chunk_rows": 4, "shard_rows": shard_rows, "compression": compression}
+    with acs.ActivationScope(store=url, store_options=options).track(model, include=["0"]), torch.no_grad():
+        for x in batches:
+            model(x)
+    with torch.no_grad():
+        want = torch.cat([model(x) for x in batches])
+    ds = acs.ActivationDataset(url, open_options={"storage_options": s3})
+    requests.clear()
+    got = torch.cat([ds[i:i + 8]["0.output"] for i in range(0, len(ds), 8)])
+    assert torch.equal(got, want)
 
 
 def _counted_requests(monkeypatch):
@@ -67,21 +64,8 @@ def _counted_requests(monkeypatch):
 def test_a_sequential_read_reads_neighbouring_chunks_of_a_shard_in_one_request(s3, monkeypatch, compression):
     """8 chunks a shard: a sequential read asks for runs of neighbouring chunks, not for each
     chunk (before: the shard's index and 8 ranged GETs per shard)."""
-    url = f"s3://acs-bucket/runs-{uuid.uuid4().hex}.zarr"
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 16))
-    batches = [torch.randn(8, 16) for _ in range(12)]
-    options = {"storage_options": s3, "chunk_rows": 4, "shard_rows": 32, "compression": compression}
-    with acs.ActivationScope(store=url, store_options=options).track(model, include=["0"]), torch.no_grad():
-        for x in batches:
-            model(x)
-    with torch.no_grad():
-        want = torch.cat([model(x) for x in batches])
     requests = _counted_requests(monkeypatch)
-    ds = acs.ActivationDataset(url, open_options={"storage_options": s3})
-    requests.clear()
-    got = torch.cat([ds[i:i + 8]["0.output"] for i in range(0, len(ds), 8)])
-    assert torch.equal(got, want)
+    _read_in_order(s3, requests, n_batches=12, shard_rows=32, compression=compression)
     shards = sorted({key for _, key in requests if key.startswith("acts/0.output/c/")})
     assert len(shards) == 3
     gets = [requests[("GET", key)] for key in shards]

@@ -249,7 +249,7 @@ def test_two_processes_race_for_one_store(tmp_path):
             said = [_line(p) for p in racers]
             assert sorted(s.split()[0] for s in said) == ["acquired", "locked"], (rnd, mode, said)
             won = said.index("acquired")
-            winner, loser = racers[won], racers[1 - won]
+            winner = racers[won]
             assert f"pid {winner.pid} on host {socket.gethostname()!r}" in said[1 - won], said
             winner.stdin.write("close\n")
             winner.stdin.flush()
