@@ -285,9 +285,9 @@ def test_reads_after_the_interpreter_began_its_exit_decode_in_the_reading_thread
     ran = []
     real = type(st)._decode_chunk
 
-    def counting(self, hook_point, meta, c, *rest):
+    def counting(self, hook_point, meta, c, *rest, **kw):
         ran.append(c)
-        return real(self, hook_point, meta, c, *rest)
+        return real(self, hook_point, meta, c, *rest, **kw)
 
     monkeypatch.setattr(type(st), "_decode_chunk", counting)
     assert torch.equal(st.rows("x", 8, 16), t[8:16]) and ran == [1]

@@ -100,11 +100,11 @@ def test_a_chunk_decoding_for_the_commit_before_a_refresh_is_not_used_for_the_ne
     entered, gate = threading.Event(), threading.Event()
     real = R.Store._decode_chunk
 
-    def slow(self, hook_point, meta, c, out=None):  # the old commit's chunk 4 decodes slowly
+    def slow(self, hook_point, meta, c, out=None, run=None):  # the old commit's chunk 4 decodes slowly
         if self is st and c == 4 and int(meta["n_rows"]) == 37:
             entered.set()
             gate.wait(2)
-        return real(self, hook_point, meta, c, out)
+        return real(self, hook_point, meta, c, out, run)
 
     monkeypatch.setattr(R.Store, "_decode_chunk", slow)
     got = {}
