@@ -162,8 +162,8 @@ def test_object_store_marker(tmp_path):
     url = "memory://acs-lock-test/run.zarr"
     w = StoreWriter(url, overwrite=False)
     _write_rows(w, torch.randn(5, 2))
-    with pytest.raises(StoreLockedError, match=rf"pid {os.getpid()}.*delete memory://acs-lock-test/run.zarr/{LOCK_KEY}"):
-        StoreWriter(url, overwrite=True)
+    with pytest.raises(StoreLockedError, match=rf"pid {os.getpid()}.*that writer is in this process and still open"):
+        StoreWriter(url, overwrite=True)  # (a writer of another process: see the next test)
     w.close()
     s = open_store(url)
     assert s.n_rows("x") == 5
@@ -183,7 +183,7 @@ def test_object_store_marker_of_a_dead_writer_is_taken_over(tmp_path):
     b.set(LOCK_KEY, json.dumps({"pid": dead.pid, "host": socket.gethostname(), "started": "x", "token": "t"}).encode())
     StoreWriter(ms).close()  # taken over
     b.set(LOCK_KEY, json.dumps({"pid": 1, "host": "another-host", "started": "x", "token": "t"}).encode())
-    with pytest.raises(StoreLockedError, match="pid 1 on host 'another-host'"):
+    with pytest.raises(StoreLockedError, match=rf"pid 1 on host 'another-host'.*if that writer is gone, delete .*{LOCK_KEY}"):
         StoreWriter(ms, resume=True)
 
 
@@ -560,3 +560,23 @@ def test_an_object_store_marker_released_while_a_writer_starts_is_taken(monkeypa
     with pytest.raises(StoreLockedError, match=rf"pid {os.getpid()}"):  # a held marker still refuses
         with StoreWriter(url, resume=True):
             StoreWriter(url, resume=True)
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_a_second_writer_of_the_same_process_is_told_to_close_the_first(tmp_path, where):
+    """The holder is a writer of this process that is still open: the message says so and how to
+    go on, not to delete a lock file (that writer is not gone); the first writer goes on."""
+    import uuid
+
+    from activationscope.store import StoreWriter
+
+    target = str(tmp_path / "s.zarr") if where == "local" else f"memory://same-{uuid.uuid4().hex}.zarr"
+    first = StoreWriter(target, capture_config={}, model=None, storage_dtype=None)
+    with pytest.raises(acs.StoreLockedError, match=rf"pid {os.getpid()} .*that writer is in this process and still "
+                       r"open: close it first \(leave its `with` block, or call its close\(\)\)$") as e:
+        StoreWriter(target, capture_config={}, model=None, storage_dtype=None, resume=True)
+    assert "delete" not in str(e.value)
+    first.open_array("x", (2,), torch.float32, "sample").append(torch.ones(3, 2))
+    first.add_batch(3, [0, 1, 2], None, {})
+    first.close()
+    assert torch.equal(acs.open_store(target)["x"], torch.ones(3, 2))
