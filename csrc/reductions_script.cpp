@@ -83,6 +83,17 @@ class ScriptReduction : public Reduction {
       ACS_CHECK(out.isTensor(), "custom reduction '", label(), "' must return a Tensor, got ",
                 out.tagKind());
       at::Tensor acc = out.toTensor().detach();
+      // An accumulator of another shape broadcasts (a () sum plus a (d,) one is (d,), every
+      // feature holding the earlier batches' total), and one of another dtype rounds what was
+      // folded in: each batch would be folded in unlike the others, without an error.
+      ACS_CHECK(!acc_in.defined() || (acc.sizes() == acc_in.sizes() && acc.scalar_type() == acc_in.scalar_type()),
+                "custom reduction '", label(), "' was given an accumulator of shape ", shape_str(acc_in.sizes()),
+                " (", acc_in.scalar_type(), ") and returned one of shape ", shape_str(acc.sizes()), " (",
+                acc.scalar_type(), "), on rows of shape ", shape_str(rows.sizes()), " (", rows.scalar_type(),
+                "): the accumulator must keep its shape and dtype from batch to batch (one of another shape "
+                "broadcasts, so the batches would not be folded in alike); ",
+                acc_from_state_ ? "give init= (or the stored state) the shape and dtype the function returns"
+                                : "make the function return a tensor of its accumulator's shape and dtype");
       if (acc_in.defined() &&
           ((acc_versioned && acc_in._version() != acc_version) ||
            (acc.has_storage() && acc_in.has_storage() && acc.storage().is_alias_of(acc_in.storage())))) {
@@ -93,6 +104,7 @@ class ScriptReduction : public Reduction {
       // change with the model's memory: keep a copy.
       if (acc.has_storage() && rows.has_storage() && acc.storage().is_alias_of(rows.storage())) acc = acc.clone();
       acc_ = std::move(acc);
+      acc_from_state_ = false;
       rows_device_ = rows.device();
     } catch (...) {
       acc_ = kept;
@@ -117,6 +129,11 @@ class ScriptReduction : public Reduction {
       acc_ = b;
       return;
     }
+    // (merge(a, b) of other shapes may broadcast: a () accumulator plus a (d,) one)
+    ACS_CHECK(b.sizes() == acc_.sizes() && b.scalar_type() == acc_.scalar_type(), "merge of custom reduction '",
+              label(), "' failed on accumulators of shapes ", shape_str(acc_.sizes()), " and ", shape_str(b.sizes()),
+              " (", acc_.scalar_type(), ", ", b.scalar_type(), "): they must have the same shape and dtype (states "
+              "of rows of other shapes, or of another hook point, do not merge)");
     own_acc();
     c10::IValue out;
     try {
@@ -127,7 +144,12 @@ class ScriptReduction : public Reduction {
                 b.scalar_type(), "): ", e.what());
     }
     ACS_CHECK(out.isTensor(), "merge of custom reduction '", label(), "' must return a Tensor");
-    acc_ = out.toTensor().detach();
+    at::Tensor merged = out.toTensor().detach();
+    ACS_CHECK(merged.sizes() == acc_.sizes() && merged.scalar_type() == acc_.scalar_type(), "merge of custom reduction '",
+              label(), "' was given accumulators of shape ", shape_str(acc_.sizes()), " (", acc_.scalar_type(),
+              ") and returned one of shape ", shape_str(merged.sizes()), " (", merged.scalar_type(),
+              "): merge(a, b) must return a tensor of the accumulators' shape and dtype");
+    acc_ = std::move(merged);
   }
 
   NamedTensors result() const override {
@@ -146,6 +168,7 @@ class ScriptReduction : public Reduction {
       a = kv.second;
     }
     acc_ = a.defined() ? a.detach() : a;
+    acc_from_state_ = a.defined();
     rows_device_ = std::nullopt;  // (moved to the rows' device at the next update)
   }
   std::shared_ptr<Reduction> fresh() const override {
@@ -190,6 +213,7 @@ class ScriptReduction : public Reduction {
   bool has_merge_ = false;
   bool in_place_ = false;  // the function was seen updating acc in place
   bool seen_ = false;      // the function was seen with an accumulator (in place or not)
+  bool acc_from_state_ = false;  // acc_ is an init= or a loaded state, not yet updated
   at::Tensor acc_;
   std::optional<c10::Device> rows_device_;  // the device of the rows acc_ was last made from
 };

@@ -7,6 +7,7 @@ import math
 import os
 import re
 import runpy
+import types
 import warnings
 from pathlib import Path
 from typing import Optional
@@ -1908,7 +1909,7 @@ def test_reductions_whose_arrays_overlap_are_refused(specs, tmp_path):
 
 
 def to_sparse(acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    return x.to_sparse()
+    return x.sum(0).to_sparse()  # (of one shape for every batch: an accumulator keeps its shape)
 
 
 def on_meta(acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -2478,3 +2479,172 @@ def test_topk_ties_with_a_large_k_go_to_the_lower_row():
         got = r.result()
         assert got["row_ids"].tolist() == want_ids.tolist(), split
         torch.testing.assert_close(got["values"], want_v, equal_nan=True)
+
+
+# ---------------------------------------------------------------------------- accumulator shape and dtype
+
+
+def total_first_then_per_feature(acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    # a slip: the first batch's total over every value, then per-feature sums, which broadcast
+    if acc is None:
+        return x.double().sum()
+    return acc + x.double().sum(0)
+
+
+_ONE = types.SimpleNamespace(v=1.0)  # a Python object: TorchScript refuses it, so the eager twins below run as Python
+
+
+def total_first_then_per_feature_eager(acc, x):
+    if acc is None:
+        return x.double().sum()
+    return acc + x.double().sum(0) * _ONE.v
+
+
+def sum_half_first(acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    # a slip: the first accumulator float16, so later batches promote it to float32
+    s = x.sum(0)
+    return s.half() if acc is None else acc + s
+
+
+def sum_half_first_eager(acc, x):
+    s = x.sum(0) * _ONE.v
+    return s.half() if acc is None else acc + s
+
+
+def sum_rows_f64(acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    s = x.double().sum(0)
+    return s if acc is None else acc + s
+
+
+def sum_rows_f64_eager(acc, x):
+    s = x.double().sum(0) * _ONE.v
+    return s if acc is None else acc + s
+
+
+def _capture_with(spec, model, batches, store=None):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", R.EagerFallbackWarning)
+        scope = acs.ActivationScope(reductions=[spec], store=store)
+    with torch.no_grad(), scope.track(model) as tracker:
+        for x in batches:
+            model(x)
+    return tracker
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["script", "eager"])
+@pytest.mark.parametrize("in_store", [False, True])
+def test_an_accumulator_that_changes_shape_is_refused_before_it_is_kept(eager, in_store, tmp_path):
+    """A custom reduction whose accumulator changed shape from one batch to the next (a ()
+    total, then (d,) sums, which broadcast: every feature held the first batch's total) gave a
+    (d,) result without an error, stored as the reduction's value. The batch that changes it
+    is refused, naming the hook point, the reduction, both shapes and the fix; the reduction
+    and the rows keep the batches before it."""
+    fn = total_first_then_per_feature_eager if eager else total_first_then_per_feature
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4)).eval()
+    xs = [torch.randn(2, 3), torch.randn(5, 3)]
+    store = str(tmp_path / "s.zarr") if in_store else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", R.EagerFallbackWarning)
+        scope = acs.ActivationScope(reductions=[fn], store=store)
+    name = fn.__name__
+    with pytest.raises(CaptureError, match=(
+            rf"hook point '0.output': custom reduction '{name}' (\(eager\) )?was given an accumulator of shape \(\) "
+            rf"\((torch.float64|Double)\) and returned one of shape \(4,\) .*on rows of shape \(5, 4\).*keep its shape "
+            rf"and dtype from batch to batch.*make the function return a tensor of its accumulator's shape")):
+        with torch.no_grad(), scope.track(model) as tracker:
+            for x in xs:
+                model(x)
+    with torch.no_grad():
+        first = model(xs[0]).double().sum()
+    if in_store:  # the first forward's rows; a capture that raised writes no reductions
+        stored = acs.open_store(store)
+        assert stored.n_rows("0.output") == 2 and stored.status == "incomplete"
+        assert "0.output" not in stored.reductions
+    else:
+        assert len(tracker.activations["0.output"]) == 1
+        torch.testing.assert_close(tracker.reductions["0.output"][name], first)
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["script", "eager"])
+def test_an_init_of_another_shape_or_dtype_is_refused_on_the_first_batch(eager):
+    """An init= of another shape than the function's accumulator (a () init for per-feature
+    sums) was broadcast to the accumulator's, and one of another dtype promoted, without an
+    error. The first batch is refused, naming the shapes and dtypes and saying to give init=
+    the accumulator's."""
+    fn = sum_rows_f64_eager if eager else sum_rows_f64
+    name = fn.__name__
+    model = torch.nn.Sequential(torch.nn.Linear(3, 1)).eval()
+    for init, what in [(torch.tensor(100.0, dtype=torch.float64), r"shape \(\) .* returned one of shape \(1,\)"),
+                       (torch.zeros(1, dtype=torch.float32), r"shape \(1,\) \((torch.float32|Float)\) and returned one "
+                                                             r"of shape \(1,\) \((torch.float64|Double)\)")]:
+        with pytest.raises(CaptureError, match=rf"hook point '0.output': custom reduction '{name}'.* was given an "
+                                               rf"accumulator of {what}.*give init= \(or the stored state\) the shape "
+                                               rf"and dtype the function returns"):
+            _capture_with((name, fn, {"init": init}), model, [torch.randn(2, 3)])
+    r = R.make_reduction(fn, init=torch.zeros(1, dtype=torch.float64))  # the right one works
+    x = torch.randn(6, 1)
+    r.update(x[:2])
+    r.update(x[2:])
+    torch.testing.assert_close(r.result()["value"], x.double().sum(0))
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["script", "eager"])
+def test_an_accumulator_that_changes_dtype_is_refused(eager):
+    """A float16 first accumulator, promoted to float32 by the next batch, rounded the first
+    batch's sums to float16 without an error; the second batch is refused and the
+    accumulator stays the first batch's."""
+    fn = sum_half_first_eager if eager else sum_half_first
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", R.EagerFallbackWarning)
+        r = R.make_reduction(fn)
+    assert isinstance(r, R.EagerReduction) == eager
+    x = torch.randn(7, 3)
+    r.update(x[:3])
+    with pytest.raises(CaptureError, match=r"given an accumulator of shape \(3,\) \((torch.float16|Half)\) and returned "
+                                           r"one of shape \(3,\) \((torch.float32|Float)\)"):
+        r.update(x[3:])
+    assert torch.equal(r.result()["value"], x[:3].sum(0).half())
+
+
+class SumWithBroadcastingMerge(torch.nn.Module):
+    def forward(self, acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        s = x.double().sum(0)
+        return s if acc is None else acc + s
+
+    @torch.jit.export
+    def merge(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a + b
+
+
+class MergeReturnsTotal(torch.nn.Module):
+    def forward(self, acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        s = x.double().sum(0)
+        return s if acc is None else acc + s
+
+    @torch.jit.export
+    def merge(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return (a + b).sum()  # a slip: the merged accumulator is a scalar
+
+
+def test_a_merge_of_accumulators_of_other_shapes_is_refused():
+    """merge(a, b) of a () accumulator (a whole-tensor sum) and a (3,) one broadcast to a (3,)
+    result, each value the scalar plus one feature, without an error; a merge that returned
+    another shape replaced the accumulator with it. Both are refused, the accumulator left as
+    it was."""
+    sm = _quiet_script(SumWithBroadcastingMerge())
+    a, b = R.make_reduction(sm), R.make_reduction(sm)
+    a.update(torch.ones(2, 3))
+    b.load_state({"acc": torch.tensor(5.0, dtype=torch.float64)})
+    with pytest.raises(CaptureError, match=r"merge of custom reduction 'SumWithBroadcastingMerge' failed on "
+                                           r"accumulators of shapes \(3,\) and \(\) .*same shape and dtype"):
+        a.merge(b)
+    assert a.result()["value"].tolist() == [2.0, 2.0, 2.0]
+    bad = _quiet_script(MergeReturnsTotal())
+    a, b = R.make_reduction(bad), R.make_reduction(bad)
+    a.update(torch.ones(2, 3))
+    b.update(torch.ones(1, 3))
+    with pytest.raises(CaptureError, match=r"merge of custom reduction 'MergeReturnsTotal' was given accumulators of "
+                                           r"shape \(3,\) \(Double\) and returned one of shape \(\)"):
+        a.merge(b)
+    assert a.result()["value"].tolist() == [2.0, 2.0, 2.0]
+

@@ -13,7 +13,8 @@ Welford's one-pass update [1]_ is the one-row special case.
 
 Custom reductions follow the contract ``(acc: Optional[Tensor], x: Tensor) -> Tensor``: the
 function receives ``acc=None`` on the first batch (unless pre-seeded with ``init=``) and the
-rows ``x`` of each batch, and returns the new accumulator. Functions are compiled with
+rows ``x`` of each batch, and returns the new accumulator, of the shape and dtype of the one it
+was given (another is refused with :class:`CaptureError`). Functions are compiled with
 TorchScript, saved to a ``.pt`` file and run from C++ with no Python per batch; when
 TorchScript cannot compile one, an :class:`EagerReduction` runs the Python function per batch
 instead, after one :class:`EagerFallbackWarning`.
@@ -305,6 +306,7 @@ class EagerReduction(_C.Reduction):
         self._in_place = False  # the function was seen updating acc in place
         self._seen = False  # the function was seen with an accumulator (in place or not)
         self._rows_device: torch.device | None = None  # the device of the rows self._acc was last made from
+        self._acc_from_state = False  # self._acc is an init= or a loaded state, not yet updated
 
     @property
     def options(self) -> dict[str, float]:
@@ -354,6 +356,18 @@ class EagerReduction(_C.Reduction):
                 f"{self._where()}custom reduction {_fn_name(self._fn)!r} must return a Tensor, got {type(out).__name__}"
             )
         acc = out.detach()
+        if acc_in is not None and (acc.shape != acc_in.shape or acc.dtype != acc_in.dtype):
+            # another shape broadcasts (a () sum plus a (d,) one is (d,), every feature holding the
+            # earlier batches' total), another dtype rounds what was folded in
+            fix = ("give init= (or the stored state) the shape and dtype the function returns" if self._acc_from_state
+                   else "make the function return a tensor of its accumulator's shape and dtype")
+            raise CaptureError(
+                f"{self._where()}custom reduction {_fn_name(self._fn)!r} (eager) was given an accumulator of shape "
+                f"{tuple(acc_in.shape)} ({acc_in.dtype}) and returned one of shape {tuple(acc.shape)} ({acc.dtype}), "
+                f"on rows of shape {tuple(rows.shape)} ({rows.dtype}): the accumulator must keep its shape and dtype "
+                f"from batch to batch (one of another shape broadcasts, so the batches would not be folded in alike); "
+                f"{fix}"
+            )
         changed = acc_version is not None and acc_in._version != acc_version
         returned = acc_in is not None and bool(acc_in.untyped_storage().nbytes()) and (
             acc.untyped_storage().data_ptr() == acc_in.untyped_storage().data_ptr())
@@ -363,6 +377,7 @@ class EagerReduction(_C.Reduction):
         if acc.untyped_storage().data_ptr() == rows.untyped_storage().data_ptr() and rows.untyped_storage().nbytes():
             acc = acc.clone()  # x itself (`return x` for the first batch) or a view of it: the model's memory
         self._acc = acc
+        self._acc_from_state = False
         self._acc_shared = False
         self._rows_device = rows.device
 
@@ -386,6 +401,7 @@ class EagerReduction(_C.Reduction):
             raise ReductionError(f"state of a custom reduction has only the key 'acc', got {sorted(unknown)}")
         acc = state.get("acc")
         self._acc = None if acc is None else acc.detach()
+        self._acc_from_state = acc is not None
         self._acc_shared = True
         self._rows_device = None  # (moved to the rows' device at the next update)
 
