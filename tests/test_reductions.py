@@ -2648,3 +2648,22 @@ def test_a_merge_of_accumulators_of_other_shapes_is_refused():
         a.merge(b)
     assert a.result()["value"].tolist() == [2.0, 2.0, 2.0]
 
+
+def test_options_given_to_a_custom_reduction_are_refused(tmp_path):
+    """Options given to a custom reduction (("s", fn, {"scale": 2}), make_reduction(fn,
+    per_feature=0)) were kept and never reached the function: its values were those without
+    them, with no error. They are refused when the reduction is made, naming it and the fix;
+    init= is still its first accumulator."""
+    path = R.script_reduction(sum_rows_f64, tmp_path / "sum_rows_f64.pt")
+    for spec, name in [(sum_rows_f64, "sum_rows_f64"), (path, "sum_rows_f64"), (str(path), "sum_rows_f64"),
+                       (_quiet_script(SumWithMerge()), "SumWithMerge")]:
+        for options, shown in [({"per_feature": 0}, "per_feature=0"), ({"scale": 2}, "scale=2")]:
+            with pytest.raises(ReductionError, match=rf"custom reduction '{name}' takes no options, got {shown}: .*"
+                                                     r"write the value into the function"):
+                R.make_reduction(spec, **options)
+    with pytest.raises(ReductionError, match=r"custom reduction 'sum_rows_f64' takes no options, got scale=2"):
+        acs.ActivationScope(reductions=[("s", sum_rows_f64, {"scale": 2})])
+    (name, factory), = R.resolve_reductions([("s", sum_rows_f64, {"init": torch.ones(2, dtype=torch.float64)})], "h")
+    r = factory()
+    r.update(torch.ones(3, 2))
+    assert name == "s" and r.result()["value"].tolist() == [4.0, 4.0]

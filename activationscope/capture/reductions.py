@@ -533,7 +533,8 @@ def make_reduction(spec: Any, *, init: Any = None, **options: float) -> Reductio
         (``var``/``std``/``cov``, default 0: population statistics; the divisor is
         ``max(0, count - ddof)`` as in ``torch.var(correction=ddof)``, so ``ddof >= count``
         gives inf for a column that varies and NaN for a constant one), ``bins``/``lo``/``hi``
-        (``hist``), ``k`` (``topk``, default 10). Custom reductions keep them as metadata.
+        (``hist``), ``k`` (``topk``, default 10). Custom reductions take none (their function
+        gets only ``acc`` and ``x``): options given to one raise :class:`ReductionError`.
 
     Returns
     -------
@@ -572,6 +573,16 @@ def make_reduction(spec: Any, *, init: Any = None, **options: float) -> Reductio
         if spec == "hist":
             _check_hist_range(opts)
         return _seed(r, init)
+    if opts and (_is_path_spec(spec) or _is_scripted(spec) or callable(spec)):
+        # the function gets only (acc, x): an option would change nothing in its values
+        name = Path(spec).stem if _is_path_spec(spec) else _fn_name(spec)
+        given = ", ".join(f"{k}={v:g}" for k, v in opts.items())
+        raise ReductionError(
+            f"custom reduction {name!r} takes no options, got {given}: its function is called as fn(acc, x) only, so "
+            f"the options would change none of its values (per_feature, ddof, bins, lo, hi and k are the built-ins'); "
+            f"write the value into the function (or a scripted module's attribute), and give its first accumulator "
+            f"as init="
+        )
     if _is_path_spec(spec):
         path = Path(spec)
         if not path.is_file():
