@@ -46,6 +46,7 @@ from ..errors import (
     ArgumentTypeError,
     ArgumentValueError,
     HookPointNotFoundError,
+    ReductionNotFoundError,
     RowIndexError,
     StoreCorruptError,
     StoreError,
@@ -2187,12 +2188,40 @@ class Store:
         return out
 
     def reduction_script(self, hook_point: str, name: str) -> bytes | None:
-        """The ``.pt`` bytes of a custom TorchScript reduction, or None.
+        """The ``.pt`` bytes of a custom TorchScript reduction, or None for a reduction
+        without a program (a built-in one, or a custom one that ran as eager Python).
 
         Never loaded or run here. ``torch.jit.load(io.BytesIO(b))`` of a file from a store
         someone else wrote runs code of theirs: load it only from a store you trust.
+
+        Raises
+        ------
+        HookPointNotFoundError
+            ``hook_point`` has no reductions in the store.
+        ReductionNotFoundError
+            ``hook_point`` has no reduction named ``name``.
         """
-        entry = self._attrs.get("reductions", {}).get(hook_point, {}).get(name) or {}
+        stored = self._attrs.get("reductions") or {}
+        entries = stored.get(hook_point) if isinstance(hook_point, str) else None
+        if entries is None and isinstance(hook_point, str) and hook_point in self.aliases:
+            entries = stored.get(self.aliases[hook_point])
+        if entries is None:
+            raise HookPointNotFoundError(
+                f"hook point {hook_point!r} has no reductions in the store {str(self._backend)!r}; hook points with "
+                f"reductions: {sorted(stored)}"
+            )
+        # (an entry per result array, "var.mean", "var.count": each names its reduction)
+        of = {n: (e.get("reduction") if isinstance(e, dict) and isinstance(e.get("reduction"), str) else n)
+              for n, e in entries.items()}
+        entry = entries.get(name) if isinstance(name, str) else None
+        if entry is None:
+            if name not in of.values():
+                scripts = sorted({of[n] for n, e in entries.items() if isinstance(e, dict) and e.get("script")})
+                raise ReductionNotFoundError(
+                    f"hook point {hook_point!r} has no reduction named {name!r}; its reductions are "
+                    f"{sorted(set(of.values()))} (those with a program: {scripts})"
+                )
+            entry = {}  # a built-in's results, none of them named the reduction itself: no program
         return self._read_script(entry, name)
 
     def _read_script(self, entry: dict, name: str) -> bytes | None:

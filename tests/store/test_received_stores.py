@@ -16,7 +16,13 @@ from hostile import HP, edit_root, make_store, root
 
 import activationscope as acs
 from activationscope.data.export import export_parquet
-from activationscope.errors import StoreCorruptError, StoreError, StoreLockedError
+from activationscope.errors import (
+    HookPointNotFoundError,
+    ReductionNotFoundError,
+    StoreCorruptError,
+    StoreError,
+    StoreLockedError,
+)
 from activationscope.reductions import make_reduction, script_reduction
 from activationscope.store import StoreWriter, copy_store, open_store
 from activationscope.store.ranks import commit_ranks
@@ -275,3 +281,23 @@ def test_a_look_at_the_lock_that_lasts_a_few_time_slices_does_not_turn_a_writer_
     machine) held it for longer than the 20 ms a starting writer waited: the writer was refused,
     naming the dead writer the file still names. It now waits up to 200 ms."""
     _writer_started_during_a_look(tmp_path, monkeypatch, 0.06)
+
+
+def test_the_program_of_a_reduction_the_store_does_not_hold_is_an_error(tmp_path):
+    """store.reduction_script of a misspelt reduction or hook point returned None, as for a
+    built-in reduction, so writing the program to a file failed later with a bare TypeError
+    naming neither. Each is now an error naming what the store holds; None stays the answer
+    for a reduction without a program."""
+    pt = script_reduction(_sum_of_squares, tmp_path / "sumsq.pt")
+    _capture(tmp_path / "run.zarr", pt, [torch.randn(3, 4)])
+    store = open_store(tmp_path / "run.zarr")
+    assert store.reduction_script("0.output", "sumsq") == pt.read_bytes()
+    assert store.reduction_script("0.output", "mean") is None  # a built-in: no program
+    assert store.reduction_script("0.output", "mean.count") is None  # (one of its result arrays)
+    with pytest.raises(ReductionNotFoundError, match=r"hook point '0.output' has no reduction named 'sumsqr'; its "
+                                                     r"reductions are \['mean', 'sumsq'\] \(those with a program: "
+                                                     r"\['sumsq'\]\)"):
+        store.reduction_script("0.output", "sumsqr")
+    with pytest.raises(HookPointNotFoundError, match=r"hook point '0' has no reductions in the store .*; hook points "
+                                                     r"with reductions: \['0.output'\]"):
+        store.reduction_script("0", "sumsq")
