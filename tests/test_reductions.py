@@ -2667,3 +2667,30 @@ def test_options_given_to_a_custom_reduction_are_refused(tmp_path):
     r = factory()
     r.update(torch.ones(3, 2))
     assert name == "s" and r.result()["value"].tolist() == [4.0, 4.0]
+
+
+_HALF = types.SimpleNamespace(v=0.5)  # a Python object: TorchScript refuses it
+
+
+def _eager_for_the_warning_line(acc, x):
+    s = x.double().sum(0) * _HALF.v
+    return s if acc is None else acc + s
+
+
+def _eager_for_the_warning_line_2(acc, x):
+    s = x.double().sum(0) * _HALF.v
+    return s if acc is None else acc + s
+
+
+def test_the_eager_fallback_warning_names_the_users_line():
+    """EagerFallbackWarning for a function given to ActivationScope(reductions=[...]) or
+    resolve_reductions was attributed to a line inside activationscope/capture/reductions.py
+    (a fixed stacklevel counted for make_reduction called directly): it names the caller's."""
+    cases = [lambda: acs.ActivationScope(reductions=[_eager_for_the_warning_line]),
+             lambda: R.resolve_reductions([_eager_for_the_warning_line_2], "h")]
+    for make in cases:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            make()
+        got = [w for w in caught if issubclass(w.category, R.EagerFallbackWarning)]
+        assert len(got) == 1 and got[0].filename == __file__, [(w.filename, w.lineno) for w in got]

@@ -52,7 +52,13 @@ from typing import Any, Optional, Union
 import torch
 
 from activationscope import _C
-from activationscope.errors import ActivationScopeError, ArgumentValueError, CaptureError, ReductionError
+from activationscope.errors import (
+    ActivationScopeError,
+    ArgumentValueError,
+    CaptureError,
+    ReductionError,
+    stacklevel_outside_package,
+)
 
 from .hooks import pattern_selects
 
@@ -245,7 +251,7 @@ def _compile(fn: Callable, *, strict: bool) -> Optional[Any]:
             "it will run as eager Python once per captured batch, holding the GIL. "
             "Make it TorchScript-compatible to run it natively.",
             EagerFallbackWarning,
-            stacklevel=4,
+            stacklevel=stacklevel_outside_package(),  # the user's line: make_reduction, ActivationScope(...)
         )
         return None
 
