@@ -2694,3 +2694,28 @@ def test_the_eager_fallback_warning_names_the_users_line():
             make()
         got = [w for w in caught if issubclass(w.category, R.EagerFallbackWarning)]
         assert len(got) == 1 and got[0].filename == __file__, [(w.filename, w.lineno) for w in got]
+
+
+def two_sums(acc: Optional[tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    s, q = x.double().sum(0), x.double().pow(2).sum(0)
+    return (s, q) if acc is None else (acc[0] + s, acc[1] + q)
+
+
+def two_sums_eager(acc, x):
+    s, q = x.double().sum(0) * _HALF.v, x.double().pow(2).sum(0)
+    return {"s": s, "q": q}
+
+
+def test_a_state_of_several_tensors_is_refused_with_the_way_to_keep_it():
+    """A function keeping two statistics as a tuple (or an eager one returning a dict) was
+    refused naming only the contract; the error says how to keep several statistics: in one
+    tensor."""
+    with pytest.raises(ReductionError, match=r"custom reduction 'two_sums' must have the signature .*; to keep several "
+                                             r"statistics, hold them in one tensor \(torch.stack"):
+        R.make_reduction(two_sums)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", R.EagerFallbackWarning)
+        r = R.make_reduction(two_sums_eager)
+    with pytest.raises(ReductionError, match=r"custom reduction 'two_sums_eager' must return a Tensor, got dict; to "
+                                             r"keep several statistics, hold them in one tensor"):
+        r.update(torch.ones(2, 3))

@@ -174,6 +174,11 @@ def _schema_acc_optional(scripted: Any) -> bool:
         return True
 
 
+#: The fix for a state of several tensors (a tuple, dict or list), which the contract does not take.
+_SEVERAL_HINT = ("; to keep several statistics, hold them in one tensor (torch.stack([s, q]) of one shape, or "
+                 "torch.cat of flattened ones) and split the result after reading it")
+
+
 def _check_returns_tensor(scripted: Any, name: str) -> None:
     """Raise ReductionError unless the scripted forward returns a Tensor and a ``merge``, if
     there is one, is ``(a: Tensor, b: Tensor) -> Tensor`` (found when the reduction is made,
@@ -191,7 +196,9 @@ def _check_returns_tensor(scripted: Any, name: str) -> None:
         if method == "merge":
             ok = ok and len(args) == 2 and all(isinstance(a.type, torch.TensorType) for a in args)
         if not ok:
-            raise ReductionError(f"custom reduction {name!r} must have the signature {contract}, got {schema}")
+            several = any(isinstance(r.type, (torch.TupleType, torch.DictType, torch.ListType)) for r in returns)
+            raise ReductionError(f"custom reduction {name!r} must have the signature {contract}, got {schema}"
+                                 f"{_SEVERAL_HINT if several else ''}")
 
 
 _loaded: dict[tuple[str, int, int], tuple[bool, Optional[str]]] = {}
@@ -358,8 +365,10 @@ class EagerReduction(_C.Reduction):
                 "would change; use out-of-place ops (x = x.clamp(min=0.0), not x.clamp_(min=0.0)) or work on x.clone()"
             )
         if not isinstance(out, torch.Tensor):
+            several = isinstance(out, (tuple, list, dict))
             raise ReductionError(
                 f"{self._where()}custom reduction {_fn_name(self._fn)!r} must return a Tensor, got {type(out).__name__}"
+                f"{_SEVERAL_HINT if several else ''}"
             )
         acc = out.detach()
         if acc_in is not None and (acc.shape != acc_in.shape or acc.dtype != acc_in.dtype):
