@@ -2719,3 +2719,18 @@ def test_a_state_of_several_tensors_is_refused_with_the_way_to_keep_it():
     with pytest.raises(ReductionError, match=r"custom reduction 'two_sums_eager' must return a Tensor, got dict; to "
                                              r"keep several statistics, hold them in one tensor"):
         r.update(torch.ones(2, 3))
+
+
+def test_a_lone_tensor_as_init_of_a_built_in_names_what_init_is_there():
+    """make_reduction("mean", init=torch.zeros(3)) said "state of reduction 'mean' must have a
+    one-element 'count' tensor", not that a built-in's init= is a state() dict."""
+    for kind in ("mean", "max", "topk"):
+        with pytest.raises(ReductionError, match=rf"init= of the built-in reduction '{kind}' must be its state dict "
+                                                 r"\(the state\(\) of .*got Tensor; a lone tensor is the first "
+                                                 r"accumulator of a custom reduction only"):
+            R.make_reduction(kind, init=torch.zeros(3))
+    src = R.make_reduction("mean")
+    src.update(torch.ones(2, 3))
+    r = R.make_reduction("mean", init=src.state())  # a state dict still seeds it
+    r.update(torch.zeros(2, 3))
+    assert r.result()["mean"].tolist() == [0.5] * 3 and int(r.result()["count"]) == 4

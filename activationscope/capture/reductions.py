@@ -507,6 +507,12 @@ def _unknown_builtin(spec: str) -> ReductionError:
 def _seed(r: ReductionLike, init: Any) -> ReductionLike:
     if init is None:
         return r
+    if not isinstance(init, Mapping) and r.kind in BUILTIN_REDUCTIONS:
+        raise ReductionError(
+            f"init= of the built-in reduction {r.kind!r} must be its state dict (the state() of a {r.kind!r} reduction "
+            f"with the same options, e.g. to resume one), got {type(init).__name__}; a lone tensor is the first "
+            "accumulator of a custom reduction only"
+        )
     state = dict(init) if isinstance(init, Mapping) else {"acc": init}
     for k, v in state.items():
         if not isinstance(v, torch.Tensor):
