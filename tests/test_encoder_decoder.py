@@ -1,0 +1,147 @@
+"""Encoder-decoder models: two sequences, the encoder's (batch, S) and the decoder's (batch, T).
+Token rows are taken with one mask; a decoder activation starts with the encoder mask's
+(batch, S) whenever T == S, and its rows must not be taken at the encoder's tokens."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import activationscope as acs
+from activationscope.data import ActivationDataset
+
+transformers = pytest.importorskip("transformers")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+B, S = 3, 6
+
+
+def _t5():
+    torch.manual_seed(0)
+    config = transformers.T5Config(d_model=32, d_ff=64, num_layers=2, num_heads=2, vocab_size=200, d_kv=16,
+                                   decoder_start_token_id=0, pad_token_id=0)
+    return transformers.T5ForConditionalGeneration(config).eval()
+
+
+def _batch(t: int, pad: bool = True):
+    g = torch.Generator().manual_seed(t)
+    src, tgt = torch.randint(2, 200, (B, S), generator=g), torch.randint(2, 200, (B, t), generator=g)
+    src_mask, tgt_mask = torch.ones(B, S, dtype=torch.long), torch.ones(B, t, dtype=torch.long)
+    if pad:
+        src_mask[1, 4:] = 0
+        src_mask[2, 3:] = 0
+        tgt_mask[0, t - 1:] = 0
+        tgt_mask[2, 2:] = 0
+    return src, src_mask, tgt, tgt_mask
+
+
+def _reference(model, names, src, src_mask, tgt, tgt_mask):
+    """The outputs of the modules ``names`` in one forward, by plain forward hooks."""
+    out = {}
+    handles = [model.get_submodule(n).register_forward_hook(
+        lambda m, a, o, n=n: out.__setitem__(n, (o[0] if isinstance(o, tuple) else o).detach().clone()))
+        for n in names]
+    try:
+        with torch.no_grad():
+            model(input_ids=src, attention_mask=src_mask, decoder_input_ids=tgt, decoder_attention_mask=tgt_mask)
+    finally:
+        for h in handles:
+            h.remove()
+    return out
+
+
+def test_decoder_token_rows_taken_with_the_encoders_mask_are_refused(tmp_path):
+    # T == S: the decoder's (batch, T, d) starts with the encoder mask's (batch, S); its rows
+    # would be the decoder positions where the encoder has tokens (13 of them, where the
+    # decoder has 12), listed with the encoder's positions and token ids
+    model = _t5()
+    src, src_mask, tgt, tgt_mask = _batch(S)
+    scope = acs.ActivationScope(store=tmp_path / "s.zarr")
+    with pytest.raises(acs.CaptureError, match=r"hook point 'decoder\.block\.0\.output\.0' is on the decoder "
+                       r"side of the encoder-decoder model T5ForConditionalGeneration.*is the encoder's "
+                       r"\(attention_mask, .*one tracker per side"):
+        with torch.no_grad(), scope.track(model, include=["encoder.block.0", "decoder.block.0"]) as tracker:
+            tracker.set_batch(attention_mask=src_mask, token_ids=src)
+            model(input_ids=src, attention_mask=src_mask, decoder_input_ids=tgt, decoder_attention_mask=tgt_mask)
+    assert not (tmp_path / "s.zarr").exists()  # nothing committed: the new store is removed
+
+
+def test_reductions_of_decoder_token_rows_with_the_encoders_mask_are_refused():
+    model = _t5()
+    src, src_mask, tgt, tgt_mask = _batch(S)
+    scope = acs.ActivationScope(reductions={"decoder.*": ["mean"]})
+    with pytest.raises(acs.CaptureError, match=r"'decoder\.final_layer_norm\.output' is on the decoder side"):
+        with torch.no_grad(), scope.track(model, include=["decoder.final_layer_norm"]) as tracker:
+            tracker.set_batch(attention_mask=src_mask)
+            model(input_ids=src, attention_mask=src_mask, decoder_input_ids=tgt, decoder_attention_mask=tgt_mask)
+
+
+def test_rows_token_with_a_padded_decoder_is_refused(tmp_path):
+    # rows="token" takes every position of the model's first input, the encoder's: right for a
+    # decoder without padding, not for one whose decoder_attention_mask has some
+    model = _t5()
+    src, _, tgt, tgt_mask = _batch(S)
+    scope = acs.ActivationScope(store=tmp_path / "s.zarr", rows="token")
+    with pytest.raises(acs.CaptureError, match=r"'lm_head\.output' is on the decoder side.*rows='token'.*is the "
+                       r"encoder's"):
+        with torch.no_grad(), scope.track(model, include=["lm_head"]):
+            model(input_ids=src, decoder_input_ids=tgt, decoder_attention_mask=tgt_mask)
+
+
+def test_a_later_forward_whose_decoder_mask_differs_is_refused_and_the_earlier_kept(tmp_path):
+    # the first batch has no padding on either side (the masks agree); the second has: its
+    # decoder rows would be taken at the encoder's tokens. Refused before any row of it.
+    model = _t5()
+    first, second = _batch(S, pad=False), _batch(S)
+    ref = _reference(model, ["decoder.block.1"], *first)
+    scope = acs.ActivationScope(store=tmp_path / "s.zarr", reductions=["mean"])
+    with pytest.raises(acs.CaptureError, match=r"'decoder\.block\.1\.output\.0' is on the decoder side.*forward 1"):
+        with torch.no_grad(), scope.track(model, include=["decoder.block.1"]) as tracker:
+            for src, src_mask, tgt, tgt_mask in (first, second):
+                tracker.set_batch(attention_mask=src_mask)
+                model(input_ids=src, attention_mask=src_mask, decoder_input_ids=tgt, decoder_attention_mask=tgt_mask)
+    store = acs.open_store(tmp_path / "s.zarr")
+    assert store.n_samples == B
+    assert torch.equal(store["decoder.block.1.output.0"], ref["decoder.block.1"].reshape(B * S, -1))
+
+
+@pytest.mark.parametrize("t", [S, 4])
+def test_each_side_in_a_tracker_of_its_own_stores_its_own_tokens(tmp_path, t):
+    model = _t5()
+    src, src_mask, tgt, tgt_mask = _batch(t)
+    ref = _reference(model, ["encoder.block.1", "decoder.block.1", "lm_head"], src, src_mask, tgt, tgt_mask)
+    enc = acs.ActivationScope(store=tmp_path / "enc.zarr", reductions=["mean"])
+    dec = acs.ActivationScope(store=tmp_path / "dec.zarr", reductions=["mean"])
+    with torch.no_grad(), enc.track(model, include=["encoder.block.1"]) as te, \
+            dec.track(model, include=["decoder.block.1", "lm_head"]) as td:
+        te.set_batch(attention_mask=src_mask, sample_ids=[10, 11, 12], token_ids=src)
+        td.set_batch(attention_mask=tgt_mask, sample_ids=[10, 11, 12], token_ids=tgt)
+        model(input_ids=src, attention_mask=src_mask, decoder_input_ids=tgt, decoder_attention_mask=tgt_mask)
+    e, d = acs.open_store(tmp_path / "enc.zarr"), acs.open_store(tmp_path / "dec.zarr")
+    src_rows, tgt_rows = src_mask.bool(), tgt_mask.bool()
+    assert torch.equal(e["encoder.block.1.output.0"], ref["encoder.block.1"][src_rows])
+    assert torch.equal(d["decoder.block.1.output.0"], ref["decoder.block.1"][tgt_rows])
+    assert torch.equal(d["lm_head.output"], ref["lm_head"][tgt_rows])
+    torch.testing.assert_close(d.reductions["lm_head.output"]["mean"], ref["lm_head"][tgt_rows].double().mean(0))
+    ds = ActivationDataset(tmp_path / "dec.zarr", hook_points=["decoder.block.1.output.0"],
+                           columns=["sample_id", "pos", "token_ids"])
+    rows = ds[:]
+    assert torch.equal(rows["token_ids"], tgt[tgt_rows])
+    assert torch.equal(rows["pos"], tgt_rows.nonzero()[:, 1])
+    assert torch.equal(rows["sample_id"], torch.tensor([10, 11, 12])[tgt_rows.nonzero()[:, 0]])
+
+
+def test_decoder_hook_points_as_sample_rows_when_asked(tmp_path):
+    model = _t5()
+    src, src_mask, tgt, tgt_mask = _batch(S)
+    ref = _reference(model, ["encoder.block.1", "decoder.block.1"], src, src_mask, tgt, tgt_mask)
+    scope = acs.ActivationScope(store=tmp_path / "s.zarr", token_rows={"decoder.*": False})
+    with torch.no_grad(), scope.track(model, include=["encoder.block.1", "decoder.block.1"]) as tracker:
+        tracker.set_batch(attention_mask=src_mask)
+        model(input_ids=src, attention_mask=src_mask, decoder_input_ids=tgt, decoder_attention_mask=tgt_mask)
+    store = acs.open_store(tmp_path / "s.zarr")
+    assert store.row_kind("decoder.block.1.output.0") == "sample"
+    assert torch.equal(store["decoder.block.1.output.0"], ref["decoder.block.1"])
+    assert torch.equal(store["encoder.block.1.output.0"], ref["encoder.block.1"][src_mask.bool()])
