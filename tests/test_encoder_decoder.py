@@ -145,3 +145,44 @@ def test_decoder_hook_points_as_sample_rows_when_asked(tmp_path):
     assert store.row_kind("decoder.block.1.output.0") == "sample"
     assert torch.equal(store["decoder.block.1.output.0"], ref["decoder.block.1"])
     assert torch.equal(store["encoder.block.1.output.0"], ref["encoder.block.1"][src_mask.bool()])
+
+
+# ---------------------------------------------------------------------------- recurrent modules
+
+
+class _Packed(torch.nn.Module):
+    """Token ids and lengths -> a PackedSequence through an LSTM and a GRU -> padded logits."""
+
+    def __init__(self, num_layers: int = 1) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(50, 8)
+        self.lstm = torch.nn.LSTM(8, 6, num_layers=num_layers, batch_first=True)
+        self.head = torch.nn.Linear(6, 2)
+
+    def forward(self, ids, lengths):
+        packed = torch.nn.utils.rnn.pack_padded_sequence(self.emb(ids), lengths, batch_first=True,
+                                                         enforce_sorted=False)
+        out, _ = self.lstm(packed)
+        padded, _ = torch.nn.utils.rnn.pad_packed_sequence(out, batch_first=True, total_length=ids.shape[1])
+        return self.head(padded)
+
+
+def test_a_batch_first_lstm_hidden_state_is_warned_about_as_rows_of_layers(tmp_path):
+    # h_n and c_n are (num_layers, batch, hidden) with batch_first=True too: with 2 layers and
+    # 2 samples the store lists layer i as sample i; the warning names them
+    model = _Packed(num_layers=2).eval()
+    ids, lengths = torch.randint(1, 50, (2, 5)), torch.tensor([5, 3])
+    with pytest.warns(acs.CaptureWarning, match=r"'lstm' \(LSTM\): lstm\.output\.0\.batch_sizes, "
+                      r"lstm\.output\.0\.data, lstm\.output\.0\.sorted_indices, lstm\.output\.0\.unsorted_indices, "
+                      r"lstm\.output\.1\.0, lstm\.output\.1\.1\. A hidden state"):
+        with torch.no_grad(), acs.ActivationScope(store=tmp_path / "s.zarr").track(model) as tracker:
+            tracker.set_batch(attention_mask=torch.arange(5)[None] < lengths[:, None], label=[0, 1])
+            model(ids, lengths)
+    store = acs.open_store(tmp_path / "s.zarr")
+    with torch.no_grad():
+        _, (h, _) = model.lstm(torch.nn.utils.rnn.pack_padded_sequence(model.emb(ids), lengths, batch_first=True,
+                                                                       enforce_sorted=False))
+    assert torch.equal(store["lstm.output.1.0"], h)  # stored as it is: rows are layers
+    assert store.row_kind("head.output") == "token" and store.n_rows("head.output") == 8
+

@@ -1968,6 +1968,28 @@ class Tracker:
                 CaptureWarning,
                 stacklevel=2,
             )
+        # a recurrent module built batch-first still gives its hidden state layer-first, and a
+        # PackedSequence's fields in packed order: their rows are not samples either
+        recurrent = []
+        for name, module in self._modules:
+            if isinstance(module, torch.nn.RNNBase) and module.batch_first and by_module.get(name):
+                odd = [hp for hp in sorted(by_module[name]) if _recurrent_layout(hp, name) is not None]
+                if odd:
+                    recurrent.append(f"{name!r} ({type(module).__name__}): {', '.join(odd)}")
+        if recurrent:
+            warnings.warn(
+                f"tracked recurrent modules give tensors whose first dimension is not the batch: "
+                f"{'; '.join(recurrent)}. A hidden state (output.1, h_n and c_n, and the hx input) is "
+                "(num_layers * num_directions, batch, hidden) whatever batch_first says: its rows are layers, with "
+                "the batch among the features. A PackedSequence (output.0 of a packed input) is stored field by "
+                "field: data is one row per real token in time-major order of the samples sorted by length, "
+                "batch_sizes one per time step, sorted_indices and unsorted_indices a permutation. Neither is one "
+                "row per sample, yet where the number of rows equals the batch the row table lists them as samples "
+                "(their labels and ids). Track the module that takes the padded output (after "
+                "pad_packed_sequence), or one of your own that returns h_n.transpose(0, 1); or exclude= it",
+                CaptureWarning,
+                stacklevel=2,
+            )
 
     def _next_counted_id(self) -> int:
         """The id the running counter gives the next sample: the samples fed before it (those a
@@ -2575,6 +2597,23 @@ def _keyword_order(forward: Any) -> tuple[str, ...]:
         return ()
     kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     return tuple(p.name for p in params if p.kind in kinds)
+
+
+def _recurrent_layout(hook_point: str, module: str) -> str | None:
+    """For a hook point of the ``nn.RNNBase`` module ``module``: ``"hidden"`` for its hidden
+    state (``output.1`` and below, the ``hx`` input), ``"packed"`` for a field of a
+    PackedSequence it gives or takes (``output.0.data``, ...), None for the others."""
+    rest = hook_point[len(module):] if module else "." + hook_point
+    if rest.startswith("#"):
+        rest = rest[rest.find("."):] if "." in rest else ""
+    for side in (".output", ".input"):
+        for hidden in (f"{side}.1", f"{side}.kw.hx"):
+            if rest == hidden or rest.startswith(hidden + "."):
+                return "hidden"
+        for field in ("data", "batch_sizes", "sorted_indices", "unsorted_indices"):
+            if rest == f"{side}.0.{field}":
+                return "packed"
+    return None
 
 
 def _seq2seq_parameters(forward: Any) -> tuple[str, ...] | None:
