@@ -186,3 +186,47 @@ def test_a_batch_first_lstm_hidden_state_is_warned_about_as_rows_of_layers(tmp_p
     assert torch.equal(store["lstm.output.1.0"], h)  # stored as it is: rows are layers
     assert store.row_kind("head.output") == "token" and store.n_rows("head.output") == 8
 
+
+
+# ---------------------------------------------------------------------------- generate()
+
+
+def test_generate_into_a_store_says_why_the_encoder_recorded_nothing(tmp_path):
+    # generate() calls the encoder on its own, before the decoder's forwards: a store records
+    # forwards of the tracked model only, so the encoder's modules record nothing there, and
+    # the warning naming them says they were called (not "never called" alone)
+    model = _t5()
+    src, src_mask, _, _ = _batch(S)
+    scope = acs.ActivationScope(store=tmp_path / "s.zarr")
+    with pytest.warns(acs.CaptureWarning, match=r"recorded nothing in 3 captured forward\(s\): "
+                      r"'encoder\.block\.1\.layer\.1'.*called on their own, outside a forward of the tracked model "
+                      r"\(1 call\(s\)\).*scope\.track\(model\.get_encoder\(\)\)"):
+        with torch.no_grad(), scope.track(model, include=["encoder.block.1.layer.1", "decoder.block.1.layer.2"]):
+            model.generate(input_ids=src, attention_mask=src_mask, max_new_tokens=3, min_new_tokens=3,
+                           do_sample=False)
+
+
+def test_generate_with_the_encoder_in_a_tracker_of_its_own_stores_both_sides(tmp_path):
+    model = _t5()
+    src, src_mask, _, _ = _batch(S)
+    steps = []
+    handle = model.get_submodule("decoder.block.1.layer.2").register_forward_hook(
+        lambda m, a, o: steps.append(o.detach().clone()))
+    with torch.no_grad():
+        hidden = model.encoder(input_ids=src, attention_mask=src_mask).last_hidden_state
+        expected = model.generate(input_ids=src, attention_mask=src_mask, max_new_tokens=3, min_new_tokens=3,
+                                  do_sample=False)
+    handle.remove()
+    enc = acs.ActivationScope(store=tmp_path / "enc.zarr")
+    dec = acs.ActivationScope(store=tmp_path / "dec.zarr")
+    with torch.no_grad(), enc.track(model.get_encoder(), include=["final_layer_norm"]) as te, \
+            dec.track(model, include=["decoder.block.1.layer.2"]) as td:
+        te.set_batch(attention_mask=src_mask, sample_ids=[7, 8, 9])
+        td.set_batch(sample_ids=[7, 8, 9])
+        out = model.generate(input_ids=src, attention_mask=src_mask, max_new_tokens=3, min_new_tokens=3,
+                             do_sample=False)
+    assert torch.equal(out, expected)
+    e, d = acs.open_store(tmp_path / "enc.zarr"), acs.open_store(tmp_path / "dec.zarr")
+    assert torch.equal(e["final_layer_norm.output"], hidden[src_mask.bool()])
+    assert len(steps) == 3 and torch.equal(d["decoder.block.1.layer.2.output"], torch.cat(steps))
+    assert d.row_table("sample").column("sample_id").to_pylist() == [7, 8, 9] * 3

@@ -1265,9 +1265,20 @@ class Tracker:
 
     def _warn_silent(self, silent: list[tuple[str, torch.nn.Module]]) -> None:
         if silent:
+            outside = ""
+            n = int(self._core.outside_calls) if self.writer is not None else 0
+            if n:
+                # (a module called only on its own was called: "never called" is not the whole story)
+                outside = (
+                    f" Tracked modules were also called on their own, outside a forward of the tracked model ({n} "
+                    "call(s)), which a store does not record: those named may be among them, as the encoder of an "
+                    "encoder-decoder model that generate() calls before the decoder's forwards. Track such a module "
+                    "in a tracker of its own, with a store of its own (scope.track(model.get_encoder())): its calls "
+                    "are that tracker's forwards"
+                )
             warnings.warn(
                 f"{len(silent)} tracked module(s) of {type(self.model).__name__} recorded nothing in "
-                f"{self._n_captured} captured forward(s): {_silent_message(silent, self.model)}",
+                f"{self._n_captured} captured forward(s): {_silent_message(silent, self.model)}{outside}",
                 CaptureWarning,
                 stacklevel=4,
             )
