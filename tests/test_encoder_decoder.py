@@ -41,7 +41,7 @@ def _reference(model, names, src, src_mask, tgt, tgt_mask):
     """The outputs of the modules ``names`` in one forward, by plain forward hooks."""
     out = {}
     handles = [model.get_submodule(n).register_forward_hook(
-        lambda m, a, o, n=n: out.__setitem__(n, (o[0] if isinstance(o, tuple) else o).detach().clone()))
+        lambda m, a, o, n=n: out.__setitem__(n, (o if isinstance(o, torch.Tensor) else o[0]).detach().clone()))
         for n in names]
     try:
         with torch.no_grad():
@@ -230,3 +230,30 @@ def test_generate_with_the_encoder_in_a_tracker_of_its_own_stores_both_sides(tmp
     assert torch.equal(e["final_layer_norm.output"], hidden[src_mask.bool()])
     assert len(steps) == 3 and torch.equal(d["decoder.block.1.layer.2.output"], torch.cat(steps))
     assert d.row_table("sample").column("sample_id").to_pylist() == [7, 8, 9] * 3
+
+
+# ---------------------------------------------------------------------------- cross-attention
+
+
+def test_cross_attention_keys_are_the_encoders_positions(tmp_path):
+    # T == S: a cross-attention's key projection is (batch, S, inner) inside the decoder. The
+    # decoder's tracker (decoder mask) refuses it; the encoder's (encoder mask) stores its rows
+    # at the encoder's tokens, as the encoder states a decoder block takes (input.3, encoder_hidden_states)
+    model = _t5()
+    src, src_mask, tgt, tgt_mask = _batch(S)
+    key = "decoder.block.0.layer.1.EncDecAttention.k"
+    ref = _reference(model, [key, "encoder"], src, src_mask, tgt, tgt_mask)
+    dec = acs.ActivationScope(store=tmp_path / "dec.zarr")
+    with pytest.raises(acs.CaptureError, match=rf"'{key}\.output' is on the encoder side.*is the decoder's"):
+        with torch.no_grad(), dec.track(model, include=[key]) as tracker:
+            tracker.set_batch(attention_mask=tgt_mask)
+            model(input_ids=src, attention_mask=src_mask, decoder_input_ids=tgt, decoder_attention_mask=tgt_mask)
+    decoder_positions = {"decoder.block.0.input.0": False, "decoder.block.0.output*": False}
+    enc = acs.ActivationScope(store=tmp_path / "enc.zarr", capture="both", token_rows=decoder_positions)
+    with torch.no_grad(), enc.track(model, include=[key, "decoder.block.0"]) as tracker:
+        tracker.set_batch(attention_mask=src_mask)
+        model(input_ids=src, attention_mask=src_mask, decoder_input_ids=tgt, decoder_attention_mask=tgt_mask)
+    store = acs.open_store(tmp_path / "enc.zarr")
+    rows = src_mask.bool()
+    assert torch.equal(store[f"{key}.output"], ref[key][rows])
+    assert torch.equal(store["decoder.block.0.input.3"], ref["encoder"][rows])

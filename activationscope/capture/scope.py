@@ -2325,8 +2325,10 @@ class Tracker:
     def _side_of(self, name: str) -> str:
         """The side of an encoder-decoder model hook point ``name`` is on: ``"encoder"`` for a
         module inside ``model.get_encoder()`` (a module both stacks share, as T5's embedding,
-        at its first call of a forward: the encoder runs first), else ``"decoder"`` (the
-        decoder's modules, and those after it, as the language-model head)."""
+        at its first call of a forward: the encoder runs first), and for the encoder's positions
+        inside the decoder (a cross-attention's key and value projections, the encoder states a
+        decoder module takes), else ``"decoder"`` (the decoder's modules, and those after it, as
+        the language-model head)."""
         if self._stacks is None:
             get_encoder, get_decoder = getattr(self.model, "get_encoder", None), getattr(self.model, "get_decoder", None)
             ids: list[set[int]] = []
@@ -2341,6 +2343,8 @@ class Tracker:
         encoder, decoder = self._stacks
         path = self._module_of(name)
         module = dict(self._modules).get(path)
+        if _encoder_positions(name, path, module):
+            return "encoder"  # (in the decoder, but over the encoder's positions: a cross-attention's keys)
         if module is None or id(module) not in encoder:
             return "decoder"
         if id(module) in decoder and "#" in name[len(path):]:
@@ -2625,6 +2629,42 @@ def _recurrent_layout(hook_point: str, module: str) -> str | None:
             if rest == f"{side}.0.{field}":
                 return "packed"
     return None
+
+
+# Hugging Face names of a cross-attention module (T5, BART / Marian / Pegasus / Whisper, BERT as
+# a decoder, others), of its key and value projections, and of the keyword inputs that carry the
+# encoder's states or mask into the decoder's modules
+_CROSS_ATTENTION = frozenset({"EncDecAttention", "encoder_attn", "crossattention", "cross_attn"})
+_KEYS_VALUES = frozenset({"k", "v", "k_proj", "v_proj", "key", "value"})
+_ENCODER_KEYWORDS = ("key_value_states", "encoder_hidden_states", "encoder_attention_mask")
+
+
+def _encoder_positions(hook_point: str, path: str, module: torch.nn.Module | None) -> bool:
+    """Whether a hook point of an encoder-decoder's decoder is over the encoder's positions:
+    a cross-attention's key or value projection (or a module inside one), or an encoder state
+    or mask a decoder module takes (by keyword, or by position: the parameter of that name)."""
+    parts = path.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part in _CROSS_ATTENTION and parts[i + 1] in _KEYS_VALUES:
+            return True
+    rest = hook_point[len(path):]
+    rest = rest[rest.find("."):] if rest.startswith("#") and "." in rest else rest
+    if not rest.startswith(".input."):
+        return False
+    first = rest[len(".input."):].split(".")
+    if first[0] == "kw":
+        param = first[1] if len(first) > 1 else ""
+    elif first[0].isdigit() and module is not None:
+        try:
+            params = [p for p in inspect.signature(module.forward).parameters.values()
+                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        except (TypeError, ValueError):
+            return False
+        i = int(first[0])
+        param = params[i].name if i < len(params) else ""
+    else:
+        return False
+    return param in _ENCODER_KEYWORDS
 
 
 def _seq2seq_parameters(forward: Any) -> tuple[str, ...] | None:
