@@ -257,3 +257,38 @@ def test_cross_attention_keys_are_the_encoders_positions(tmp_path):
     rows = src_mask.bool()
     assert torch.equal(store[f"{key}.output"], ref[key][rows])
     assert torch.equal(store["decoder.block.0.input.3"], ref["encoder"][rows])
+
+
+def test_decoder_hook_points_stored_as_sample_rows_under_the_encoders_mask_are_named(tmp_path):
+    # T != S: the decoder's (batch, T, d) does not start with the encoder mask's (batch, S): one
+    # row per sample, the decoder's padding inside. Stored as the documented rule says, and named
+    model = _t5()
+    src, src_mask, tgt, tgt_mask = _batch(4)
+    ref = _reference(model, ["decoder.block.1", "lm_head"], src, src_mask, tgt, tgt_mask)
+    scope = acs.ActivationScope(store=tmp_path / "s.zarr", reductions=["mean"])
+    with pytest.warns(acs.CaptureWarning, match=r"decoder hook points of the encoder-decoder model "
+                      r"T5ForConditionalGeneration start with the decoder's \(batch, T\), not with the \(batch, pos\) "
+                      r"\(3, 6\) of the encoder's mask.*'decoder\.block\.1\.output\.0' \(3, 4, 32\), 'lm_head\.output' "
+                      r"\(3, 4, 200\)\. They are stored one row per sample"):
+        with torch.no_grad(), scope.track(model, include=["encoder.block.1", "decoder.block.1", "lm_head"]) as tracker:
+            tracker.set_batch(attention_mask=src_mask)
+            model(input_ids=src, attention_mask=src_mask, decoder_input_ids=tgt, decoder_attention_mask=tgt_mask)
+    store = acs.open_store(tmp_path / "s.zarr")
+    assert store.row_kind("lm_head.output") == "sample"
+    assert torch.equal(store["lm_head.output"], ref["lm_head"])
+    assert torch.equal(store["decoder.block.1.output.0"], ref["decoder.block.1"])
+
+
+def test_decoder_sample_rows_asked_for_are_not_warned_about(tmp_path):
+    import warnings
+
+    model = _t5()
+    src, src_mask, tgt, tgt_mask = _batch(4)
+    scope = acs.ActivationScope(store=tmp_path / "s.zarr", token_rows={"lm_head*": False})
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        with scope.track(model, include=["lm_head"]) as tracker:
+            tracker.set_batch(attention_mask=src_mask)
+            model(input_ids=src, attention_mask=src_mask, decoder_input_ids=tgt, decoder_attention_mask=tgt_mask)
+    assert not [w for w in caught if "decoder hook points" in str(w.message)]
+    assert acs.open_store(tmp_path / "s.zarr").n_rows("lm_head.output") == B

@@ -776,6 +776,10 @@ class Tracker:
         self._seq_masks: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
         self._stacks: tuple[set[int], set[int]] | None = None
         self._token_sides: dict[str, str] = {}
+        # decoder hook points (batch, T, ...) stored one row per sample under the encoder's mask,
+        # named once per capture at the end of the forward that first gave them
+        self._decoder_sample_rows: dict[str, tuple[int, ...]] = {}
+        self._warned_decoder_sample_rows = False
         # store arrays already named in a warning for leaving the row table (first captured
         # late, a forward that raised, rows missing from a forward): warned once each
         self._warned_row_table: set[str] = set()
@@ -1500,13 +1504,20 @@ class Tracker:
             if not known_layout:  # (not asked for by the user: a mask that fits nothing is still warned about)
                 self._sample_rows_chosen = True
             token = False
-        if token and decided is None and self._seq2seq and (self.writer is not None or (
+        if decided is None and self._seq2seq and (self.writer is not None or (
                 self._red_factories is not None
                 and self._red_factories.resolve_reductions(scope.reductions, name, self._hook_names))):
-            # an encoder-decoder model: the mask must be that of this hook point's sequence
             side = self._side_of(name)
-            self._check_token_side(name, side, tuple(tensor.shape), mask)
-            self._token_sides[name] = side
+            decoder = self._seq_masks[1]
+            if token:
+                # an encoder-decoder model: the mask must be that of this hook point's sequence
+                self._check_token_side(name, side, tuple(tensor.shape), mask)
+                self._token_sides[name] = side
+            elif (side == "decoder" and mask is not None and decoder is not None and tensor.dim() >= 2
+                  and tuple(tensor.shape[:2]) == tuple(decoder.shape) != tuple(mask.shape)):
+                # (batch, T, ...) of the decoder, with the encoder's (batch, S) mask: one row per
+                # sample, the decoder's padding inside (named at the end of the forward)
+                self._decoder_sample_rows[name] = tuple(tensor.shape)
         # a shape that could be token rows or not, taken as token rows (warned about below, where
         # rows matter: a store or reductions; in-memory records are whole tensors either way)
         ambiguous = None
@@ -1809,6 +1820,30 @@ class Tracker:
             isinstance(m, torch.nn.modules.dropout._DropoutNd)
             or (isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.track_running_stats))]
 
+    def _warn_decoder_sample_rows(self) -> None:
+        """Name (once per capture) the decoder hook points of an encoder-decoder model stored
+        one row per sample because the mask given is the encoder's: each row holds a whole
+        target, the decoder's padding inside, and a batch of another target length is refused."""
+        found, self._decoder_sample_rows = self._decoder_sample_rows, {}
+        if not found or self._warned_decoder_sample_rows:
+            return
+        self._warned_decoder_sample_rows = True
+        mask = self._rows_mask()
+        names = sorted(found)
+        shown = ", ".join(f"{n!r} {found[n]}" for n in names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6
+                                                                      else "")
+        warnings.warn(
+            f"decoder hook points of the encoder-decoder model {type(self.model).__name__} start with the "
+            f"decoder's (batch, T), not with the (batch, pos) {tuple(mask.shape) if mask is not None else ''} of the "
+            f"encoder's mask their rows are taken with: {shown}. They are stored one row per sample, each a whole "
+            "target with the decoder's padding inside (in the rows and the reductions), and a batch of another "
+            "target length is refused. For one row per decoder token capture the decoder in a tracker of its own, "
+            "described with the decoder's mask (docs/usage/capture.md, \"Encoder-decoder models\"); "
+            "token_rows={pattern: False} says that sample rows are meant",
+            CaptureWarning,
+            stacklevel=3,
+        )
+
     def _watch_training_stop(self) -> None:
         """stop_after_last=True in training mode: note which dropout / BatchNorm modules run in
         the full first captured forward and in the first forward cut short; those skipped by
@@ -2009,6 +2044,7 @@ class Tracker:
 
     def _on_forward_end(self) -> None:
         self._warn_head_first_found()
+        self._warn_decoder_sample_rows()
         if self._train_phase:
             self._check_training_stop()
         self._open_forward = None
