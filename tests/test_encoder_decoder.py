@@ -292,3 +292,49 @@ def test_decoder_sample_rows_asked_for_are_not_warned_about(tmp_path):
             model(input_ids=src, attention_mask=src_mask, decoder_input_ids=tgt, decoder_attention_mask=tgt_mask)
     assert not [w for w in caught if "decoder hook points" in str(w.message)]
     assert acs.open_store(tmp_path / "s.zarr").n_rows("lm_head.output") == B
+
+
+class _PackedInput(torch.nn.Module):
+    """Takes a PackedSequence: a GRU over it, a head on the last layer's hidden state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.gru = torch.nn.GRU(4, 3, batch_first=True)
+        self.head = torch.nn.Linear(3, 2)
+
+    def forward(self, packed):
+        _, h = self.gru(packed)
+        return self.head(h[-1])
+
+
+@pytest.mark.parametrize("by_keyword", [False, True])
+def test_a_packed_sequence_input_counts_its_samples_not_its_tokens(tmp_path, by_keyword):
+    # the PackedSequence's first tensor, data, is (5 + 2 + 3 tokens, 4): the batch is 3 samples,
+    # not 10 (the row table had 10 samples, the head's 3 rows left it, and a column of 3 was refused)
+    model = _PackedInput().eval()
+    x, lengths = torch.randn(3, 5, 4), torch.tensor([5, 2, 3])
+    packed = torch.nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+    with torch.no_grad():
+        expected = model(packed)
+    with torch.no_grad(), acs.ActivationScope(store=tmp_path / "s.zarr").track(model, include=["head"]) as tracker:
+        tracker.set_batch(label=[0, 1, 2], sample_ids=[4, 5, 6])
+        model(packed=packed) if by_keyword else model(packed)
+    store = acs.open_store(tmp_path / "s.zarr")
+    assert store.n_samples == 3 and store.follows_row_table("head.output")
+    assert torch.equal(store["head.output"], expected)
+    table = store.row_table("sample")
+    assert table.column("sample_id").to_pylist() == [4, 5, 6]
+    assert table.column("label").to_pylist() == [0, 1, 2]
+    with torch.no_grad(), acs.ActivationScope(store=tmp_path / "t.zarr").track(model, include=["head"]):
+        model(packed)  # no description: the counter numbers 3 samples
+    assert acs.open_store(tmp_path / "t.zarr").row_table("sample").column("sample_id").to_pylist() == [0, 1, 2]
+
+
+def test_the_compiled_path_reads_a_packed_sequence_batch_as_the_native_one():
+    from activationscope.capture.compiled import first_input
+
+    packed = torch.nn.utils.rnn.pack_padded_sequence(torch.randn(3, 5, 4), torch.tensor([5, 2, 3]), batch_first=True,
+                                                     enforce_sorted=False)
+    assert first_input((packed,), {}).shape == (3,)
+    assert first_input((), {"packed": packed}, ("packed",)).shape == (3,)
