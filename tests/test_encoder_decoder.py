@@ -338,3 +338,28 @@ def test_the_compiled_path_reads_a_packed_sequence_batch_as_the_native_one():
                                                      enforce_sorted=False)
     assert first_input((packed,), {}).shape == (3,)
     assert first_input((), {"packed": packed}, ("packed",)).shape == (3,)
+
+
+def test_a_decoder_mask_of_ones_own_is_refused_until_confirmed(tmp_path):
+    # a training forward given labels (the decoder's input made from them, no decoder mask):
+    # the decoder tracker's mask leaves out the -100 positions. It is neither mask the model
+    # has, so it is refused, naming token_rows=; confirmed, the rows are those of the mask
+    model = _t5()
+    src, src_mask, tgt, tgt_mask = _batch(S)
+    labels = tgt.masked_fill(tgt_mask == 0, -100)
+    out = {}
+    handle = model.lm_head.register_forward_hook(lambda m, a, o: out.__setitem__("lm_head", o.detach().clone()))
+    with torch.no_grad():
+        model(input_ids=src, attention_mask=src_mask, labels=labels)
+    handle.remove()
+    mask = labels != -100
+    with pytest.raises(acs.CaptureError, match=r"'lm_head\.output' is on the decoder side.*labels != -100.*"
+                       r"token_rows=\{'lm_head\.output': True\}"):
+        with torch.no_grad(), acs.ActivationScope(store=tmp_path / "a.zarr").track(model, include=["lm_head"]) as t:
+            t.set_batch(attention_mask=mask)
+            model(input_ids=src, attention_mask=src_mask, labels=labels)
+    scope = acs.ActivationScope(store=tmp_path / "b.zarr", token_rows={"lm_head*": True})
+    with torch.no_grad(), scope.track(model, include=["lm_head"]) as tracker:
+        tracker.set_batch(attention_mask=mask)
+        model(input_ids=src, attention_mask=src_mask, labels=labels)
+    assert torch.equal(acs.open_store(tmp_path / "b.zarr")["lm_head.output"], out["lm_head"][mask])

@@ -2339,7 +2339,9 @@ class Tracker:
             if same(mask, decoder):
                 return
             what = ("the encoder's (attention_mask, else every position of input_ids)" if same(mask, encoder) else
-                    "not the decoder's (decoder_attention_mask, else every position of decoder_input_ids)")
+                    "not the decoder's (decoder_attention_mask, else every position of decoder_input_ids; a mask "
+                    "of your own for the decoder, as labels != -100 where the model is given no "
+                    "decoder_attention_mask, is confirmed with token_rows= True below)")
         else:
             if not same(mask, decoder) or same(mask, encoder):
                 return
