@@ -110,18 +110,40 @@ void collect(py::handle obj, const std::string& prefix, Leaves& out, int depth, 
   unwalked->set(tp, done || now < 0 ? -1 : std::max(now, checks) + 1);
 }
 
+// A PackedSequence argument (torch.nn.utils.rnn) stands for its samples: its first tensor,
+// data, is (sum of the lengths, ...), one row per token of every sample, not (batch, ...).
+// Returns a (batch,) placeholder of its batch (batch_sizes[0]), or undefined for any other object.
+at::Tensor packed_batch(py::handle obj) {
+  if (!PyTuple_Check(obj.ptr())) return at::Tensor();  // (a named tuple)
+  static PyObject* packed =
+      py::object(py::module_::import("torch.nn.utils.rnn").attr("PackedSequence")).release().ptr();  // kept
+  if (PyObject_IsInstance(obj.ptr(), packed) != 1) return at::Tensor();
+  py::object sizes = py::getattr(obj, "batch_sizes", py::none());
+  if (!is_tensor_object(sizes.ptr())) return at::Tensor();
+  const at::Tensor b = THPVariable_Unpack(sizes.ptr());
+  if (b.dim() != 1 || b.numel() == 0 || !b.device().is_cpu() || !fixed_sizes(b)) return at::Tensor();
+  return at::empty({b[0].item<int64_t>()}, at::TensorOptions().dtype(at::kBool));
+}
+
 // The model's first tensor input with a dimension (positional, else keyword), or undefined.
 // Its first dimension is the forward's samples; with rows="token" its first two are (batch, pos).
 // Keyword arguments are taken in the order of the forward's parameters (`kw_order`), those it
 // does not name after them in the order passed: model(position_ids=p, input_ids=i) reads the
-// batch from input_ids, as model(i, p) does, not from a (1, pos) position_ids.
+// batch from input_ids, as model(i, p) does, not from a (1, pos) position_ids. A PackedSequence
+// argument gives its batch (packed_batch).
 at::Tensor root_first_input(const py::args& args, const py::kwargs& kwargs, const std::vector<std::string>& kw_order) {
   Leaves leaves;
-  for (size_t i = 0; i < args.size() && leaves.empty(); ++i) collect(args[i], "", leaves, 0, false);
+  for (size_t i = 0; i < args.size() && leaves.empty(); ++i) {
+    const at::Tensor packed = packed_batch(args[i]);
+    if (packed.defined()) return packed;
+    collect(args[i], "", leaves, 0, false);
+  }
   if (leaves.empty() && kwargs.size() > 0) {
     for (const auto& name : kw_order) {
       py::str key(name);
       if (!kwargs.contains(key)) continue;
+      const at::Tensor packed = packed_batch(kwargs[key]);
+      if (packed.defined()) return packed;
       collect(kwargs[key], "", leaves, 0, false);
       if (!leaves.empty()) break;
     }
@@ -131,6 +153,8 @@ at::Tensor root_first_input(const py::args& args, const py::kwargs& kwargs, cons
       if (!kw_order.empty() && PyUnicode_Check(item.first.ptr()) &&
           std::find(kw_order.begin(), kw_order.end(), py::str(item.first).cast<std::string>()) != kw_order.end())
         continue;  // (looked at above)
+      const at::Tensor packed = packed_batch(item.second);
+      if (packed.defined()) return packed;
       collect(item.second, "", leaves, 0, false);
       if (!leaves.empty()) break;
     }

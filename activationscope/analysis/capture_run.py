@@ -187,7 +187,7 @@ def run_capture(
                         f"the model raised {type(e).__name__}: {' '.join(str(e).split())} on samples "
                         f"{summary.n_samples}..{summary.n_samples + n - 1} of this run"
                         + "".join(f" ({note})" for note in getattr(e, "__notes__", ()))
-                        + _dtype_hint(model, inputs)
+                        + _dtype_hint(model, inputs) + _decoder_hint(model, inputs)
                     ) from e
                 summary.n_samples += n
                 summary.n_forwards += 1
@@ -1141,6 +1141,22 @@ def _dtype_hint(model: Any, inputs: Any) -> str:
     how = f"numpy: x.astype(np.{want}), " if want != "bfloat16" else ""  # (numpy has no bfloat16: a .pt file)
     return (f"; --data holds {got} values and the model's parameters are {want}: save it as {want} "
             f"({how}torch: x.to(torch.{want}))")
+
+
+def _decoder_hint(model: Any, inputs: Any) -> str:
+    """``"; <model> is an encoder-decoder model ..."`` when the failed forward was an
+    encoder-decoder model's given no decoder input: the command gives a text's ``input_ids`` and
+    ``attention_mask`` only, which BART turns into its decoder's input (shifted) and T5 does not
+    (it raises about the decoder's missing ``input_ids``), else ``""``."""
+    config = getattr(model, "config", None)
+    if not getattr(config, "is_encoder_decoder", False) or not isinstance(inputs, dict):
+        return ""
+    if any(k in inputs for k in ("decoder_input_ids", "decoder_inputs_embeds", "labels")):
+        return ""
+    return (f"; {type(model).__name__} is an encoder-decoder model, and the command gives it each text as "
+            "input_ids and attention_mask only, without a decoder input, which this model does not make from "
+            "them (BART does, T5 does not): capture it in Python, giving the decoder its input and each side its "
+            "own mask (docs/usage/capture.md, \"Encoder-decoder models and other models of two sequences\")")
 
 
 def _batch_len(inputs: Any) -> int:

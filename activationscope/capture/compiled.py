@@ -210,20 +210,35 @@ def warn_unwalked(path: str, obj: Any) -> bool:
     return True
 
 
+def _packed_batch(packed: Any) -> torch.Tensor | None:
+    """A ``(batch,)`` placeholder of a PackedSequence's batch (``batch_sizes[0]``), as the
+    native ``packed_batch``."""
+    sizes = packed.batch_sizes
+    if not isinstance(sizes, torch.Tensor) or sizes.dim() != 1 or sizes.numel() == 0:
+        return None
+    return torch.empty(int(sizes[0]), dtype=torch.bool)
+
+
 def first_input(args: tuple, kwargs: dict, kw_order: tuple[str, ...] = ()) -> torch.Tensor | None:
     """The model's first tensor input with a dimension, as the native ``root_first_input``:
     the leaves of the first positional argument that has any (else of the first keyword
     argument that has any, keywords taken in the order of the forward's parameters
-    ``kw_order``, the others after them as passed), their first tensor of one dimension or more."""
+    ``kw_order``, the others after them as passed), their first tensor of one dimension or more.
+    A PackedSequence argument gives a ``(batch,)`` placeholder of its batch (its data is one row
+    per token of every sample)."""
     names: list[str] = []
     found: list[torch.Tensor] = []
     for arg in args:
+        if isinstance(arg, torch.nn.utils.rnn.PackedSequence):
+            return _packed_batch(arg)
         leaves(arg, "", names, found, warn=False)
         if found:
             break
     if not found:
         keys = [k for k in kw_order if k in kwargs] + [k for k in kwargs if k not in kw_order]
         for key in keys:
+            if isinstance(kwargs[key], torch.nn.utils.rnn.PackedSequence):
+                return _packed_batch(kwargs[key])
             leaves(kwargs[key], "", names, found, warn=False)
             if found:
                 break

@@ -766,6 +766,20 @@ class Tracker:
         self._warned_model_mask = False
         self._mask_arg_index: int | None = None
         self._first_arg_type: str | None = None
+        # an encoder-decoder model (its forward takes decoder_input_ids / decoder_inputs_embeds):
+        # the names of its positional parameters, the masks of the current forward's two
+        # sequences (noted by the root's Python frame; the decoder's None when the forward gives
+        # it no input of its own), the modules of its encoder and decoder (ids, found when first
+        # needed), and the side of each hook point stored as token rows (its mask is checked
+        # against that side's at each forward)
+        self._seq2seq: tuple[str, ...] | None = None
+        self._seq_masks: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+        self._stacks: tuple[set[int], set[int]] | None = None
+        self._token_sides: dict[str, str] = {}
+        # decoder hook points (batch, T, ...) stored one row per sample under the encoder's mask,
+        # named once per capture at the end of the forward that first gave them
+        self._decoder_sample_rows: dict[str, tuple[int, ...]] = {}
+        self._warned_decoder_sample_rows = False
         # store arrays already named in a warning for leaving the row table (first captured
         # late, a forward that raised, rows missing from a forward): warned once each
         self._warned_row_table: set[str] = set()
@@ -1008,13 +1022,17 @@ class Tracker:
         else:
             forward = module.forward
             original = forward
-            note = self._note_model_mask if module is self.model and self.scope.rows == "token" else None
+            note_mask = module is self.model and self.scope.rows == "token"
+            if module is self.model:
+                self._seq2seq = _seq2seq_parameters(forward)
+            note = self._note_root_call if note_mask or (module is self.model and self._seq2seq) else None
             if module is self.model and (_in_torch(forward) or note is not None):
                 # a model compiled after tracking: TorchDynamo starts at the first Python frame
                 # under the native root wrapper and skips torch.nn's own (nn.Sequential.forward),
                 # so it would compile nothing; one Python frame of ours per forward gives it one.
-                # With rows="token" that frame also notes the attention_mask the model is given
-                self._mask_arg_index = _mask_arg_index(forward) if note is not None else None
+                # With rows="token" that frame also notes the attention_mask the model is given,
+                # and for an encoder-decoder model the masks of its two sequences
+                self._mask_arg_index = _mask_arg_index(forward) if note_mask else None
                 original = _python_frame(forward, note)
             wrapper = _C.ForwardWrapper(original)
             wrapper.__wrapped__ = forward  # inspect.signature() sees the real forward; traced_call calls it
@@ -1251,9 +1269,20 @@ class Tracker:
 
     def _warn_silent(self, silent: list[tuple[str, torch.nn.Module]]) -> None:
         if silent:
+            outside = ""
+            n = int(self._core.outside_calls) if self.writer is not None else 0
+            if n:
+                # (a module called only on its own was called: "never called" is not the whole story)
+                outside = (
+                    f" Tracked modules were also called on their own, outside a forward of the tracked model ({n} "
+                    "call(s)), which a store does not record: those named may be among them, as the encoder of an "
+                    "encoder-decoder model that generate() calls before the decoder's forwards. Track such a module "
+                    "in a tracker of its own, with a store of its own (scope.track(model.get_encoder())): its calls "
+                    "are that tracker's forwards"
+                )
             warnings.warn(
                 f"{len(silent)} tracked module(s) of {type(self.model).__name__} recorded nothing in "
-                f"{self._n_captured} captured forward(s): {_silent_message(silent, self.model)}",
+                f"{self._n_captured} captured forward(s): {_silent_message(silent, self.model)}{outside}",
                 CaptureWarning,
                 stacklevel=4,
             )
@@ -1475,6 +1504,20 @@ class Tracker:
             if not known_layout:  # (not asked for by the user: a mask that fits nothing is still warned about)
                 self._sample_rows_chosen = True
             token = False
+        if decided is None and self._seq2seq and (self.writer is not None or (
+                self._red_factories is not None
+                and self._red_factories.resolve_reductions(scope.reductions, name, self._hook_names))):
+            side = self._side_of(name)
+            decoder = self._seq_masks[1]
+            if token:
+                # an encoder-decoder model: the mask must be that of this hook point's sequence
+                self._check_token_side(name, side, tuple(tensor.shape), mask)
+                self._token_sides[name] = side
+            elif (side == "decoder" and mask is not None and decoder is not None and tensor.dim() >= 2
+                  and tuple(tensor.shape[:2]) == tuple(decoder.shape) != tuple(mask.shape)):
+                # (batch, T, ...) of the decoder, with the encoder's (batch, S) mask: one row per
+                # sample, the decoder's padding inside (named at the end of the forward)
+                self._decoder_sample_rows[name] = tuple(tensor.shape)
         # a shape that could be token rows or not, taken as token rows (warned about below, where
         # rows matter: a store or reductions; in-memory records are whole tensors either way)
         ambiguous = None
@@ -1777,6 +1820,30 @@ class Tracker:
             isinstance(m, torch.nn.modules.dropout._DropoutNd)
             or (isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.track_running_stats))]
 
+    def _warn_decoder_sample_rows(self) -> None:
+        """Name (once per capture) the decoder hook points of an encoder-decoder model stored
+        one row per sample because the mask given is the encoder's: each row holds a whole
+        target, the decoder's padding inside, and a batch of another target length is refused."""
+        found, self._decoder_sample_rows = self._decoder_sample_rows, {}
+        if not found or self._warned_decoder_sample_rows:
+            return
+        self._warned_decoder_sample_rows = True
+        mask = self._rows_mask()
+        names = sorted(found)
+        shown = ", ".join(f"{n!r} {found[n]}" for n in names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6
+                                                                      else "")
+        warnings.warn(
+            f"decoder hook points of the encoder-decoder model {type(self.model).__name__} start with the "
+            f"decoder's (batch, T), not with the (batch, pos) {tuple(mask.shape) if mask is not None else ''} of the "
+            f"encoder's mask their rows are taken with: {shown}. They are stored one row per sample, each a whole "
+            "target with the decoder's padding inside (in the rows and the reductions), and a batch of another "
+            "target length is refused. For one row per decoder token capture the decoder in a tracker of its own, "
+            "described with the decoder's mask (docs/usage/capture.md, \"Encoder-decoder models\"); "
+            "token_rows={pattern: False} says that sample rows are meant",
+            CaptureWarning,
+            stacklevel=3,
+        )
+
     def _watch_training_stop(self) -> None:
         """stop_after_last=True in training mode: note which dropout / BatchNorm modules run in
         the full first captured forward and in the first forward cut short; those skipped by
@@ -1947,6 +2014,28 @@ class Tracker:
                 CaptureWarning,
                 stacklevel=2,
             )
+        # a recurrent module built batch-first still gives its hidden state layer-first, and a
+        # PackedSequence's fields in packed order: their rows are not samples either
+        recurrent = []
+        for name, module in self._modules:
+            if isinstance(module, torch.nn.RNNBase) and module.batch_first and by_module.get(name):
+                odd = [hp for hp in sorted(by_module[name]) if _recurrent_layout(hp, name) is not None]
+                if odd:
+                    recurrent.append(f"{name!r} ({type(module).__name__}): {', '.join(odd)}")
+        if recurrent:
+            warnings.warn(
+                f"tracked recurrent modules give tensors whose first dimension is not the batch: "
+                f"{'; '.join(recurrent)}. A hidden state (output.1, h_n and c_n, and the hx input) is "
+                "(num_layers * num_directions, batch, hidden) whatever batch_first says: its rows are layers, with "
+                "the batch among the features. A PackedSequence (output.0 of a packed input) is stored field by "
+                "field: data is one row per real token in time-major order of the samples sorted by length, "
+                "batch_sizes one per time step, sorted_indices and unsorted_indices a permutation. Neither is one "
+                "row per sample, yet where the number of rows equals the batch the row table lists them as samples "
+                "(their labels and ids). Track the module that takes the padded output (after "
+                "pad_packed_sequence), or one of your own that returns h_n.transpose(0, 1); or exclude= it",
+                CaptureWarning,
+                stacklevel=2,
+            )
 
     def _next_counted_id(self) -> int:
         """The id the running counter gives the next sample: the samples fed before it (those a
@@ -1955,6 +2044,7 @@ class Tracker:
 
     def _on_forward_end(self) -> None:
         self._warn_head_first_found()
+        self._warn_decoder_sample_rows()
         if self._train_phase:
             self._check_training_stop()
         self._open_forward = None
@@ -2182,6 +2272,122 @@ class Tracker:
         if mask is None and self._mask_arg_index is not None and self._mask_arg_index < len(args):
             mask = args[self._mask_arg_index]
         self._model_mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+
+    def _note_root_call(self, args: tuple, kwargs: dict) -> None:
+        """(in the root's Python frame) what the tracked model is called with in this forward:
+        its ``attention_mask`` (``rows="token"``), and for an encoder-decoder model the masks of
+        its two sequences, checked against the hook points stored as token rows."""
+        if self.scope.rows == "token":
+            self._note_model_mask(args, kwargs)
+        if self._seq2seq:
+            self._note_sequences(args, kwargs)
+
+    def _note_sequences(self, args: tuple, kwargs: dict) -> None:
+        """The masks of an encoder-decoder forward's sequences: the encoder's (its
+        ``attention_mask``, else all of its input's positions) and the decoder's
+        (``decoder_attention_mask``, else all of ``decoder_input_ids`` / ``decoder_inputs_embeds``
+        / ``labels``' positions; None when the forward gives the decoder no input of its own, as
+        a BART forward given ``input_ids`` alone makes it from them). Then each hook point
+        already stored as token rows is checked against the mask of this forward."""
+        given = dict(zip(self._seq2seq or (), args))
+        given.update(kwargs)
+
+        def positions(keys: tuple[str, ...], mask_key: str) -> torch.Tensor | None:
+            mask = given.get(mask_key)
+            if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+                return mask.detach().to("cpu", torch.bool)
+            for key in keys:
+                t = given.get(key)
+                if isinstance(t, torch.Tensor) and t.dim() >= 2:
+                    return torch.ones(tuple(t.shape[:2]), dtype=torch.bool)
+            return None
+
+        decoder = positions(("decoder_input_ids", "decoder_inputs_embeds", "labels"), "decoder_attention_mask")
+        encoder = positions(("input_ids", "inputs_embeds"), "attention_mask")
+        self._seq_masks = (encoder, decoder)
+        if decoder is None or not self._token_sides or not self._core.capturing:
+            return
+        mask = self._rows_mask()
+        for name, side in self._token_sides.items():
+            self._check_token_side(name, side, None, mask)
+
+    def _rows_mask(self) -> torch.Tensor | None:
+        """The (batch, pos) mask token rows are taken with in the current forward."""
+        mask = (self._batch or {}).get("attention_mask")
+        if mask is None and self.scope.rows == "token":
+            mask = self._core.auto_token_mask
+            mask = mask if mask.dim() == 2 else None
+        return mask
+
+    def _check_token_side(self, name: str, side: str, shape: tuple[int, ...] | None,
+                          mask: torch.Tensor | None) -> None:
+        """Refuse token rows of an encoder-decoder hook point taken with the other sequence's
+        mask. Token rows are the positions of the mask given to ``set_batch`` (or of the
+        model's first input, ``rows="token"``), and a decoder activation ``(batch, T, ...)``
+        starts with the encoder mask's ``(batch, S)`` whenever ``T == S``: its rows would be
+        the decoder positions where the encoder has tokens, listed with the encoder's
+        positions and token columns. A decoder hook point needs the decoder's mask; an encoder
+        one is refused when the mask is the decoder's and not the encoder's."""
+        encoder, decoder = self._seq_masks
+        if decoder is None or mask is None:
+            return
+
+        def same(a: torch.Tensor, b: torch.Tensor | None) -> bool:
+            return b is not None and tuple(a.shape) == tuple(b.shape) and bool(torch.equal(a.to("cpu", torch.bool), b))
+
+        if side == "decoder":
+            if same(mask, decoder):
+                return
+            what = ("the encoder's (attention_mask, else every position of input_ids)" if same(mask, encoder) else
+                    "not the decoder's (decoder_attention_mask, else every position of decoder_input_ids; a mask "
+                    "of your own for the decoder, as labels != -100 where the model is given no "
+                    "decoder_attention_mask, is confirmed with token_rows= True below)")
+        else:
+            if not same(mask, decoder) or same(mask, encoder):
+                return
+            what = "the decoder's (decoder_attention_mask, else every position of decoder_input_ids), not the encoder's"
+        given = "tracker.set_batch(attention_mask=...)" if (self._batch or {}).get("attention_mask") is not None \
+            else "rows='token' (every position of the model's first input)"
+        where = f"its activation {shape} starts" if shape is not None else "its activation starts"
+        raise CaptureError(
+            f"hook point {name!r} is on the {side} side of the encoder-decoder model {type(self.model).__name__}, "
+            f"and {where} with the (batch, pos) {tuple(mask.shape)} of the mask its token rows are taken with "
+            f"({given}), which in forward {self._core.n_forwards - 1} is {what}: its rows would be the "
+            f"{side}'s activations at the other sequence's tokens, listed with that sequence's positions and "
+            f"columns. Capture each side with its own mask: one tracker per side on the same model, nested (each "
+            f"with its own store, include= the {side}'s modules, and its own set_batch(attention_mask=...)), see "
+            f"docs/usage/capture.md, \"Encoder-decoder models\"; or pass token_rows={{{name!r}: False}} for one "
+            f"row per sample (padding included), or token_rows={{{name!r}: True}} if this mask is meant for it"
+        )
+
+    def _side_of(self, name: str) -> str:
+        """The side of an encoder-decoder model hook point ``name`` is on: ``"encoder"`` for a
+        module inside ``model.get_encoder()`` (a module both stacks share, as T5's embedding,
+        at its first call of a forward: the encoder runs first), and for the encoder's positions
+        inside the decoder (a cross-attention's key and value projections, the encoder states a
+        decoder module takes), else ``"decoder"`` (the decoder's modules, and those after it, as
+        the language-model head)."""
+        if self._stacks is None:
+            get_encoder, get_decoder = getattr(self.model, "get_encoder", None), getattr(self.model, "get_decoder", None)
+            ids: list[set[int]] = []
+            for get in (get_encoder, get_decoder):
+                try:
+                    stack = get() if callable(get) else None
+                except Exception:  # noqa: BLE001 - a model without one
+                    stack = None
+                ok = isinstance(stack, torch.nn.Module) and stack is not self.model
+                ids.append({id(m) for m in stack.modules()} if ok else set())
+            self._stacks = (ids[0], ids[1])
+        encoder, decoder = self._stacks
+        path = self._module_of(name)
+        module = dict(self._modules).get(path)
+        if _encoder_positions(name, path, module):
+            return "encoder"  # (in the decoder, but over the encoder's positions: a cross-attention's keys)
+        if module is None or id(module) not in encoder:
+            return "decoder"
+        if id(module) in decoder and "#" in name[len(path):]:
+            return "decoder"  # (a later call of a module both stacks share)
+        return "encoder"
 
     def _warn_model_mask_padding(self) -> None:
         """Warn (once per capture) when ``rows="token"`` stored every position of a forward
@@ -2444,6 +2650,72 @@ def _keyword_order(forward: Any) -> tuple[str, ...]:
         return ()
     kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     return tuple(p.name for p in params if p.kind in kinds)
+
+
+def _recurrent_layout(hook_point: str, module: str) -> str | None:
+    """For a hook point of the ``nn.RNNBase`` module ``module``: ``"hidden"`` for its hidden
+    state (``output.1`` and below, the ``hx`` input), ``"packed"`` for a field of a
+    PackedSequence it gives or takes (``output.0.data``, ...), None for the others."""
+    rest = hook_point[len(module):] if module else "." + hook_point
+    if rest.startswith("#"):
+        rest = rest[rest.find("."):] if "." in rest else ""
+    for side in (".output", ".input"):
+        for hidden in (f"{side}.1", f"{side}.kw.hx"):
+            if rest == hidden or rest.startswith(hidden + "."):
+                return "hidden"
+        for field in ("data", "batch_sizes", "sorted_indices", "unsorted_indices"):
+            if rest == f"{side}.0.{field}":
+                return "packed"
+    return None
+
+
+# Hugging Face names of a cross-attention module (T5, BART / Marian / Pegasus / Whisper, BERT as
+# a decoder, others), of its key and value projections, and of the keyword inputs that carry the
+# encoder's states or mask into the decoder's modules
+_CROSS_ATTENTION = frozenset({"EncDecAttention", "encoder_attn", "crossattention", "cross_attn"})
+_KEYS_VALUES = frozenset({"k", "v", "k_proj", "v_proj", "key", "value"})
+_ENCODER_KEYWORDS = ("key_value_states", "encoder_hidden_states", "encoder_attention_mask")
+
+
+def _encoder_positions(hook_point: str, path: str, module: torch.nn.Module | None) -> bool:
+    """Whether a hook point of an encoder-decoder's decoder is over the encoder's positions:
+    a cross-attention's key or value projection (or a module inside one), or an encoder state
+    or mask a decoder module takes (by keyword, or by position: the parameter of that name)."""
+    parts = path.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part in _CROSS_ATTENTION and parts[i + 1] in _KEYS_VALUES:
+            return True
+    rest = hook_point[len(path):]
+    rest = rest[rest.find("."):] if rest.startswith("#") and "." in rest else rest
+    if not rest.startswith(".input."):
+        return False
+    first = rest[len(".input."):].split(".")
+    if first[0] == "kw":
+        param = first[1] if len(first) > 1 else ""
+    elif first[0].isdigit() and module is not None:
+        try:
+            params = [p for p in inspect.signature(module.forward).parameters.values()
+                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        except (TypeError, ValueError):
+            return False
+        i = int(first[0])
+        param = params[i].name if i < len(params) else ""
+    else:
+        return False
+    return param in _ENCODER_KEYWORDS
+
+
+def _seq2seq_parameters(forward: Any) -> tuple[str, ...] | None:
+    """The positional parameters of an encoder-decoder model's forward (one that takes
+    ``decoder_input_ids`` or ``decoder_inputs_embeds``, as Hugging Face's T5, BART, Marian,
+    ``EncoderDecoderModel`` do), or None for any other forward."""
+    try:
+        params = list(inspect.signature(forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    if not any(p.name in ("decoder_input_ids", "decoder_inputs_embeds") for p in params):
+        return None
+    return tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
 
 
 def _mask_arg_index(forward: Any) -> int | None:

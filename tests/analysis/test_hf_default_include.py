@@ -260,6 +260,22 @@ def test_a_capture_of_an_encoder_decoder_folder_stores_both_stacks(tmp_path, cap
         torch.testing.assert_close(store[name], torch.cat(parts))
 
 
+def test_an_encoder_decoder_folder_that_needs_a_decoder_input_is_refused_saying_so(tmp_path, capsys):
+    # T5 does not make its decoder's input from input_ids (BART does): its own error is about
+    # the decoder's missing input_ids, which the command does not give; the message says so
+    folder, _ = _tiny_folder(tmp_path, "gpt2")  # (its tokenizer)
+    torch.manual_seed(0)
+    transformers.T5Model(transformers.T5Config(vocab_size=32, d_model=16, d_ff=32, num_layers=2, num_heads=2, d_kv=8,
+                                               decoder_start_token_id=0, pad_token_id=0)).save_pretrained(folder)
+    out = tmp_path / "s.zarr"
+    code, _, err = run(capsys, "capture", "--model", str(folder), "--data", str(_text_file(tmp_path)),
+                       "--out", str(out), "--batch-size", "2", "--no-progress")
+    assert code == 1
+    assert ("T5Model is an encoder-decoder model, and the command gives it each text as input_ids and "
+            "attention_mask only, without a decoder input") in err
+    assert "Encoder-decoder models" in err and not out.exists()
+
+
 def _without_pad_token(folder, eos: bool):
     """The tokenizer of ``folder`` saved again without a pad token, as GPT-2's and Llama's
     are (with ``[UNK]`` as its end-of-sequence token when ``eos``)."""
