@@ -544,3 +544,58 @@ def test_sample_ids_of_a_sequence_per_sample_are_refused_at_set_batch(tmp_path, 
     assert len(ran) == 1  # refused before the forward
     st = acs.open_store(path)
     assert st.row_table("sample").column("sample_id").to_pylist() == [7, 8]
+
+
+def _decoder():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Embedding(20, 4), torch.nn.Linear(4, 4)).eval()
+
+
+def test_a_sticky_per_token_column_at_a_one_token_step_is_refused_and_the_prompt_stays(tmp_path):
+    # a generate() loop: the prompt's (batch, pos) token_ids stay described (set_batch is
+    # sticky) at the (batch, 1) steps, where they were stored as one list per sample and the
+    # steps' token rows got null token_ids, without a word
+    dec, path = _decoder(), tmp_path / "s.zarr"
+    prompt = torch.randint(1, 20, (3, 5))
+    with pytest.raises(ArgumentValueError, match=r"column 'token_ids' is a per-token column .* shape \(3, 5\) while "
+                                                  r"the forward has \(batch, pos\) = \(3, 1\).*same_samples=True"):
+        with torch.no_grad(), acs.ActivationScope(store=str(path), rows="token").track(dec, include=["1"]) as tr:
+            tr.set_batch(sample_ids=[7, 8, 9], token_ids=prompt)
+            dec(prompt)
+            dec(prompt[:, -1:])                                       # a step: the sticky description
+    store = acs.open_store(path)
+    assert store.status == "incomplete" and store.n_rows("1.output") == 15   # the prompt's rows, whole
+    with torch.no_grad():
+        assert torch.equal(store["1.output"], dec(prompt).reshape(15, 4))
+    assert store.row_table("token")["token_ids"].to_pylist() == prompt.reshape(-1).tolist()
+    assert "token_ids" not in store.row_table("sample").column_names
+
+
+def test_the_steps_described_with_their_own_token_column_are_stored_per_token(tmp_path):
+    dec, path = _decoder(), tmp_path / "s.zarr"
+    prompt, step = torch.randint(1, 20, (3, 5)), torch.randint(1, 20, (3, 1))
+    with torch.no_grad(), acs.ActivationScope(store=str(path), rows="token").track(dec, include=["1"]) as tr:
+        tr.set_batch(sample_ids=[7, 8, 9], token_ids=prompt)
+        dec(prompt)
+        tr.set_batch(same_samples=True, token_ids=step)
+        dec(step)
+    table = acs.open_store(path).row_table("token")
+    assert table["token_ids"].to_pylist() == prompt.reshape(-1).tolist() + step.reshape(-1).tolist()
+    assert table["sample_id"].to_pylist()[15:] == [7, 8, 9]
+
+
+def test_a_per_sample_tensor_column_as_wide_as_a_later_mask_is_refused_at_set_batch(tmp_path):
+    # a (batch, k) per-sample column whose k equals the pos of a later batch was stored per
+    # token in that batch (its sample rows left null, its values picked by the mask)
+    dec, path = _decoder(), tmp_path / "s.zarr"
+    with torch.no_grad(), acs.ActivationScope(store=str(path)).track(dec, include=["1"]) as tr:
+        tr.set_batch(attention_mask=torch.ones(2, 5, dtype=torch.bool), emb=torch.zeros(2, 3))
+        dec(torch.randint(1, 20, (2, 5)))
+        with pytest.raises(ArgumentValueError, match=r"column 'emb' is a per-sample column .* shape \(2, 3\), the "
+                                                      r"token mask's \(batch, pos\) = \(2, 3\).*emb=list\(values.cpu\(\).numpy\(\)\)"):
+            tr.set_batch(attention_mask=torch.ones(2, 3, dtype=torch.bool), emb=torch.ones(2, 3))
+        tr.set_batch(attention_mask=torch.ones(2, 3, dtype=torch.bool), emb=list(torch.ones(2, 3).numpy()))   # the fix: per sample
+        dec(torch.randint(1, 20, (2, 3)))
+    store = acs.open_store(path)
+    assert store.row_table("sample")["emb"].to_pylist() == [[0.0] * 3] * 2 + [[1.0] * 3] * 2
+    assert "emb" not in store.row_table("token").column_names

@@ -1333,7 +1333,8 @@ class Tracker:
         **columns
             Per-sample user columns for the row table (labels, text, ...), each of length
             ``batch``; token columns (e.g. ``token_ids``) of shape (batch, pos) are taken
-            at the real tokens.
+            at the real tokens. A column keeps its kind (per token or per sample) for the
+            whole store.
 
         Raises
         ------
@@ -1345,7 +1346,9 @@ class Tracker:
             row table fills itself (``sample_id``, ``pos``, ``batch``); at the forward (the model call raises it): sample
             ids, columns or mask rows that describe another number of samples than the
             forward's batch (the first dimension of its first input), nor its second (taken as
-            the batch of a sequence-first input).
+            the batch of a sequence-first input); with a store, a column whose kind differs from
+            its kind in earlier batches (a (batch, pos) token column at a forward of another
+            pos, a generation step; a (batch, k) per-sample tensor where the mask is (batch, k)).
         TypeError
             ``same_samples`` that is not a bool; a float (or complex) attention mask, or one that is
             neither a tensor nor a numpy array (a list: pass ``torch.as_tensor(mask)``); with a store,
