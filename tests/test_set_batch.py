@@ -335,6 +335,38 @@ def test_a_hook_point_that_does_not_start_with_the_mask_names_the_mask_and_the_f
     assert torch.equal(store["block.output"], want[batches[0][1].bool()])
 
 
+@pytest.mark.parametrize("rows", ["mask", "token"])
+def test_a_generation_steps_bias_that_starts_with_the_steps_mask_names_the_mask_and_the_fix(tmp_path, rows):
+    """A step after the prompt (a (batch, 1) forward, the key-value cache holding the rest)
+    gives the attention bias (batch, 1, 1, pos + 1), which starts with the step's (batch, 1)
+    mask: the error told to pass attention_mask= (given, or taken by rows="token") rather than
+    that the hook point is stored one row per sample and is to be left out."""
+    torch.manual_seed(0)
+    model = _MaskedEncoder().eval()
+    prompt, prompt_mask = torch.randn(2, 5, 4), torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    step, step_mask = torch.randn(2, 1, 4), torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    scope = acs.ActivationScope(store=str(tmp_path / "s.zarr"), capture="both",
+                                **({"rows": "token"} if rows == "token" else {}))
+    with pytest.raises(acs.CaptureError) as e:
+        with scope.track(model, include=["block"]) as tracker, torch.no_grad():
+            if rows == "mask":
+                tracker.set_batch(attention_mask=prompt_mask)
+            model(prompt, prompt_mask)
+            if rows == "mask":
+                tracker.set_batch(attention_mask=step_mask[:, -1:], same_samples=True)
+            model(step, step_mask)
+    msg = str(e.value)
+    assert "hook point 'block.input.1' changed its feature shape from (1, 5, 5) to (1, 1, 6)" in msg
+    assert "(batch, pos) = (2, 1)" in msg and "of shape (2, 1, 1, 6), is stored one row per sample" in msg
+    assert "exclude= its module" in msg and 'capture="output"' in msg
+    assert "pass attention_mask=" not in msg
+    store = acs.open_store(str(tmp_path / "s.zarr"))  # the prompt's forward is kept, whole
+    assert store.status == "incomplete" and store.n_samples == 2
+    with torch.no_grad():
+        want = model.block(prompt, (1.0 - prompt_mask[:, None, None, :].float()).expand(-1, 1, 5, -1) * -1e4)
+    assert torch.equal(store["block.output"], want[prompt_mask.bool()] if rows == "mask" else want.reshape(10, 4))
+
+
 @pytest.mark.parametrize("to_store", [lambda t: t, lambda t: t.numpy()], ids=["tensor", "numpy"])
 def test_a_numpy_per_token_column_is_a_token_column_as_a_tensor_is(tmp_path, to_store):
     # a (batch, pos) numpy column was stored as one list per sample in the sample table,
