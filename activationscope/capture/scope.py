@@ -1486,7 +1486,8 @@ class Tracker:
             # dropped. Right for per-token scalars (token ids, a per-token score); wrong for a
             # pooled (batch, features) output whose width happens to equal pos.
             ambiguous = "2d"
-        elif decided is None and token and tensor.dim() >= 4 and tensor.shape[2] == tensor.shape[1]:
+        elif (decided is None and token and tensor.dim() >= 4 and tensor.shape[2] == tensor.shape[1]
+              and not _per_head_token_hook_point(name, self._hook_point_paths)):
             # (batch, pos, pos, ...): token rows of (pos, ...), or a head-first (batch, heads, pos,
             # ...) tensor with as many heads as positions (an attention map of 12 heads over 12
             # tokens), whose rows would be (sample, head) pairs. Only the user knows.
@@ -2504,6 +2505,20 @@ def _attention_map_hook_point(name: str, hook_point_paths: frozenset[str]) -> bo
     ``(batch, head_index, query_pos, key_pos)``."""
     path = name.split("#")[0]
     return path in hook_point_paths and path.endswith(("attn.hook_pattern", "attn.hook_attn_scores"))
+
+
+# TransformerLens per-head activations, (batch, pos, head_index, d_head | d_model): token-first
+_PER_HEAD_TOKEN_HOOKS = ("attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_z", "attn.hook_rot_q",
+                         "attn.hook_rot_k", "attn.hook_result", "hook_q_input", "hook_k_input", "hook_v_input")
+
+
+def _per_head_token_hook_point(name: str, hook_point_paths: frozenset[str]) -> bool:
+    """Whether ``name`` is a TransformerLens per-head activation (``attn.hook_q``, ``hook_k``,
+    ``hook_v``, ``hook_z``, ``hook_rot_q``, ``hook_rot_k``, ``hook_result``, ``hook_q_input``,
+    ...; or a later call ``#k`` of one): ``(batch, pos, head_index, ...)``, token rows whatever
+    the number of heads (a layout that is known, not one to warn about as head-first)."""
+    path = name.split("#")[0]
+    return path in hook_point_paths and path.endswith(_PER_HEAD_TOKEN_HOOKS)
 
 
 def _token_ids_hook_point(name: str, hook_point_paths: frozenset[str]) -> bool:
