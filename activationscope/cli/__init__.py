@@ -398,6 +398,8 @@ _CLI_SPELLINGS = (
      "(with text of varying length only token rows keep one feature shape: leave it out of --sample-rows, or "
      "--exclude its module)"),
     ("The attention mask given to set_batch is (batch, pos)", "The attention mask of the tokenized text is (batch, pos)"),
+    ('The attention mask given to set_batch (or taken from the input by rows="token") is (batch, pos)',
+     "The attention mask of the tokenized text is (batch, pos)"),
     ('(exclude= its module, or capture="output": it is an input of its module)',
      "(--exclude its module, or --capture output: it is an input of its module)"),
     ("(exclude= its module)", "(--exclude its module)"),
