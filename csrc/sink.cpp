@@ -506,7 +506,9 @@ void Sink::consume(const at::Tensor& x_in, const at::Tensor& token_mask) {
                 starts ? ", is stored one row per sample (its first captured activation did not start with "
                          "that forward's (batch, pos))"
                        : ", does not start with it, so it is stored one row per sample",
-                ", and those rows change shape with pos: leave it out of the capture (exclude= its module",
+                ", and those rows change shape with pos: leave it out of the capture, alone with ",
+                "exclude_hook_points=['", name_, "'] (the other hook points of its module still captured), or ",
+                "with its module (exclude= its module",
                 is_input ? ", or capture=\"output\": it is an input of its module)" : ")", ".");
     } else if (writer_) {
       ACS_CHECK(at::IntArrayRef(feature_shape_) == feat, "hook point '", name_,

@@ -272,6 +272,13 @@ class ActivationScope:
         (``tracker.parameters``).
     include, exclude : list of str, optional
         Default fnmatch patterns of modules for :meth:`track`.
+    exclude_hook_points : list of str, optional
+        Default fnmatch patterns of hook points for :meth:`track` that are never captured
+        (no record, row or reduction), while the other hook points of their module are: a
+        leaf of a structured output, such as the attention weights ``h.0.output.1`` a BLOOM
+        block returns next to its hidden state ``h.0.output.0``. A pattern equal to a hook
+        point selects that one only. A pattern that left out no hook point of the captured
+        forwards warns at the end of the capture (``CaptureWarning``).
     rows : {"auto", "token"}, default "auto"
         What a stored row is. ``"auto"``: one row per real token for hook points whose
         activation starts with the ``(batch, pos)`` of an attention mask given to
@@ -348,6 +355,7 @@ class ActivationScope:
         rows: str = "auto",
         token_rows: bool | Mapping[str, bool] | None = None,
         stop_after_last: bool = False,
+        exclude_hook_points: Iterable[str] | None = None,
     ) -> None:
         self.capture = _parse_capture(capture)
         self.token_rows = _parse_token_rows(token_rows)
@@ -400,6 +408,7 @@ class ActivationScope:
         self.capture_parameters = bool(capture_parameters)
         self.include = normalize_patterns(include, "include")
         self.exclude = normalize_patterns(exclude, "exclude")
+        self.exclude_hook_points = normalize_patterns(exclude_hook_points, "exclude_hook_points")
         if reductions is not None:
             from . import reductions as _red
 
@@ -422,6 +431,7 @@ class ActivationScope:
             "rows": self.rows,
             "token_rows": self.token_rows,
             "stop_after_last": self.stop_after_last,
+            "exclude_hook_points": self.exclude_hook_points,
         }
 
     def track(
@@ -432,6 +442,7 @@ class ActivationScope:
         capture: str | None = None,
         stop_after_last: bool | None = None,
         token_rows: bool | Mapping[str, bool] | None = None,
+        exclude_hook_points: Iterable[str] | None = None,
     ) -> "Tracker":
         """Make a tracker for ``model`` (attached on ``__enter__`` or :meth:`Tracker.attach`).
 
@@ -450,6 +461,8 @@ class ActivationScope:
         token_rows : bool or dict of str to bool, optional
             Override the scope's ``token_rows`` (which hook points shaped like the mask's
             ``(batch, pos)`` store token rows, and which sample rows).
+        exclude_hook_points : list of str, optional
+            Override the scope's ``exclude_hook_points`` (hook points never captured).
 
         Raises
         ------
@@ -475,6 +488,8 @@ class ActivationScope:
                           patterns={"include": inc, "exclude": exc})
         if token_rows is not None:
             tracker._token_rows = _parse_token_rows(token_rows)
+        if exclude_hook_points is not None:
+            tracker._skip_patterns = normalize_patterns(exclude_hook_points, "exclude_hook_points")
         tracker._hook_probes_done = compiled  # (probes would make a compiled model compile again)
         tracker._hook_probes_done_compiled = compiled
         return tracker
@@ -749,6 +764,9 @@ class Tracker:
         self._refused_error: type[ActivationScopeError] = CaptureError  # raised again at the close
         self._refused_attrs: dict[str, Any] = {}  # ... with these attributes (argument, pattern, hook_points)
         self._token_rows = scope.token_rows
+        # exclude_hook_points= patterns, and the hook points they left out (never captured)
+        self._skip_patterns = scope.exclude_hook_points
+        self._skipped_hook_points: set[str] = set()
         # a mask that applies to no hook point: their first shapes, and whether token_rows= chose
         # sample rows for one (then sample rows are asked for, not a mistake)
         self._first_shapes: dict[str, tuple[int, ...] | str] = {}
@@ -1243,13 +1261,24 @@ class Tracker:
         if self._n_captured == 0:
             return []
         names = {n for n, _ in self._modules}
-        recorded = {hook_point_module(h, names, self._hook_point_paths) for h in self._sinks}
+        recorded = {hook_point_module(h, names, self._hook_point_paths)
+                    for h in [*self._sinks, *self._skipped_hook_points]}  # (left out on purpose: not silent)
         silent = [(n, m) for n, m in self._modules if n not in recorded]
         if recorded:  # containers without a forward (ModuleList, ModuleDict) are never called
             silent = [(n, m) for n, m in silent if not _no_forward(m)]
         return silent
 
     def _warn_silent(self, silent: list[tuple[str, torch.nn.Module]]) -> None:
+        unused = [p for p in self._skip_patterns or () if self._n_captured
+                  and not any(pattern_selects(p, h, self._hook_names) for h in self._skipped_hook_points)]
+        if unused:
+            warnings.warn(
+                f"exclude_hook_points pattern(s) {unused} left out no hook point of the {self._n_captured} captured "
+                f"forward(s), so they excluded nothing; the hook points captured: {sorted(self._sinks)[:8]}"
+                + (", ..." if len(self._sinks) > 8 else ""),
+                CaptureWarning,
+                stacklevel=4,
+            )
         if silent:
             warnings.warn(
                 f"{len(silent)} tracked module(s) of {type(self.model).__name__} recorded nothing in "
@@ -1434,6 +1463,9 @@ class Tracker:
         with self._new_hook_point_lock:
             renamed = rename_hook_point(name, self._hook_point_paths, self._side)
             if renamed is None:  # a HookPoint's input, already captured as its output
+                return None
+            if self._skip_patterns and any(pattern_selects(p, renamed, self._hook_names) for p in self._skip_patterns):
+                self._skipped_hook_points.add(renamed)  # (the native wrapper keeps its None: asked once)
                 return None
             made = self._sinks.get(renamed)
             return made if made is not None else self._new_sink(renamed, tensor)
