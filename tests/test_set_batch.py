@@ -631,3 +631,44 @@ def test_a_per_sample_tensor_column_as_wide_as_a_later_mask_is_refused_at_set_ba
     store = acs.open_store(path)
     assert store.row_table("sample")["emb"].to_pylist() == [[0.0] * 3] * 2 + [[1.0] * 3] * 2
     assert "emb" not in store.row_table("token").column_names
+
+
+@pytest.mark.parametrize("describe", ["nothing", "sticky_ids", "same_samples"])
+def test_a_one_token_step_after_a_prompt_numbered_as_new_samples_warns_once(tmp_path, describe):
+    # generate() with a key-value cache under rows="token" and no set_batch: the (batch, 1)
+    # steps' rows got new sample ids (3, 4, 5, then 6, 7, 8) from the running counter, without
+    # a word, so a join on sample_id attributed them to samples that do not exist
+    dec, path = _decoder(), tmp_path / "s.zarr"
+    prompt, steps = torch.randint(1, 20, (3, 5)), [torch.randint(1, 20, (3, 1)) for _ in range(2)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad(), acs.ActivationScope(store=str(path), rows="token").track(dec, include=["1"]) as tr:
+            if describe == "sticky_ids":
+                tr.set_batch(sample_ids=[0, 1, 2])
+            dec(prompt)
+            for step in steps:
+                if describe == "same_samples":
+                    tr.set_batch(same_samples=True)
+                dec(step)
+    said = [str(w.message) for w in caught if issubclass(w.category, acs.CaptureWarning)]
+    ids = acs.open_store(path).row_table("token")["sample_id"].to_pylist()
+    assert ids[:15] == [i for i in range(3) for _ in range(5)]
+    if describe == "nothing":
+        assert ids[15:] == [3, 4, 5, 6, 7, 8]  # as documented: new samples, now with the warning
+        assert len(said) == 1 and said[0].startswith(
+            "forward 1 of the tracked model fed one token per sample, (batch, pos) = (3, 1), right after a forward of "
+            "(3, 5), and no set_batch described its samples") and "set_batch(sample_ids=...)" in said[0]
+    else:
+        assert ids[15:] == [0, 1, 2, 0, 1, 2] and said == []
+
+
+def test_sequences_of_one_token_fed_from_the_start_do_not_warn(tmp_path):
+    dec, path = _decoder(), tmp_path / "s.zarr"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad(), acs.ActivationScope(store=str(path), rows="token").track(dec, include=["1"]):
+            for _ in range(2):
+                dec(torch.randint(1, 20, (3, 1)))
+            dec(torch.randint(1, 20, (4, 5)))
+            dec(torch.randint(1, 20, (2, 1)))                  # another batch size: new data
+    assert [w for w in caught if issubclass(w.category, acs.CaptureWarning)] == []

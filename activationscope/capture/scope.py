@@ -719,6 +719,8 @@ class Tracker:
         self._last_batch: dict[str, Any] | None = None
         self._stale_checked: dict[str, Any] | None = None
         self._warned_stale_batch = False
+        self._warned_step = False  # (a generation step's new sample ids: warned once)
+        self._last_token_shape: tuple[int, int] | None = None  # rows='token': the last captured forward's (batch, pos)
         # the sample ids of the last forward, captured or skipped by the policy, for
         # set_batch(same_samples=True): (the ids it was given, or None and the first id of the
         # running counter, its number of samples)
@@ -2048,6 +2050,8 @@ class Tracker:
             self._warn_token_rows_unused()
         if self.scope.rows == "token" and batch.get("attention_mask") is None:
             self._warn_model_mask_padding()
+        if self.writer is not None and self.scope.rows == "token":
+            self._warn_generation_step(batch)
         if self.writer is not None:
             ids = batch.get("sample_ids")  # None: the writer numbers the samples on from its last
             if ids is None and (self._skipped_samples or self._repeated_samples):
@@ -2089,6 +2093,28 @@ class Tracker:
         # (REFERENCE records changed in place are looked for when the records are read and at
         # the end of the `with` block, not here: a check here reads every new record's version
         # counter after every forward)
+
+    def _warn_generation_step(self, batch: Mapping[str, Any]) -> None:
+        """Warn (once per capture) when a ``rows='token'`` store capture numbers the samples of a
+        forward of one token per sample, ``(batch, 1)``, that follows a forward of longer sequences
+        of as many samples without a description of its samples: the mark of a generation step
+        with a key-value cache (``generate()``), whose rows continue the prompt's samples but get
+        new ids from the running counter."""
+        auto = self._core.auto_token_mask
+        shape = (int(auto.shape[0]), int(auto.shape[1])) if auto.dim() == 2 else None
+        last, self._last_token_shape = self._last_token_shape, shape
+        if (self._warned_step or shape is None or last is None or shape[1] != 1 or last[1] <= 1
+                or shape[0] != last[0] or batch.get("sample_ids") is not None or batch.get("same_samples")):
+            return
+        self._warned_step = True
+        k = self._core.n_forwards - 1
+        warnings.warn(
+            f"forward {k} of the tracked model fed one token per sample, (batch, pos) = {shape}, right after a "
+            f"forward of {last}, and no set_batch described its samples, so the running counter gave its rows new "
+            "sample ids. If it is a generation step with a key-value cache (generate()), its rows continue the "
+            "samples of the forward before: give their ids once before generate() with "
+            "tracker.set_batch(sample_ids=...) (it is sticky: every step keeps them), or describe each step from a "
+            "forward pre-hook of the model with set_batch(same_samples=True)", CaptureWarning, stacklevel=3)
 
     def _warn_stale_batch(self, batch: Mapping[str, Any]) -> None:
         """Warn (once per capture) when a forward keeps the last forward's ``set_batch``
