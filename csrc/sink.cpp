@@ -487,19 +487,28 @@ void Sink::consume(const at::Tensor& x_in, const at::Tensor& token_mask) {
     auto feat = rows.sizes().slice(1);
     if (n_rows_ == 0 && feature_shape_.empty()) {
       feature_shape_.assign(feat.begin(), feat.end());
-    } else if (writer_ && at::IntArrayRef(feature_shape_) != feat && token_mask.defined() &&
-               !is_token_rows(x, token_mask)) {
-      // A mask is given, but this activation does not start with its (batch, pos) (an
-      // attention bias (batch, 1, pos, pos), a sequence-first tensor): its rows are samples
-      // and change shape with pos. Passing a mask, the usual fix, is no fix here.
+    } else if (writer_ && at::IntArrayRef(feature_shape_) != feat && token_mask.defined() && row_kind_ == 0 &&
+               !(sample_rows_chosen_ && is_token_rows(x, token_mask))) {
+      // A mask is given, but this hook point is stored one row per sample (its first activation
+      // did not start with the mask's (batch, pos): an attention bias (batch, 1, pos, pos), a
+      // sequence-first tensor; or token_rows= said so): its rows change shape with pos. Passing
+      // a mask, the usual fix, is no fix here, also where this activation happens to start with
+      // the mask (a generation step's (batch, 1, 1, pos + 1) bias under a (batch, 1) mask). Not
+      // for sample rows chosen by token_rows=False of a token-shaped activation: there the
+      // usual advice (token rows keep one feature shape) is the fix.
       count_call(-1);
       const bool is_input = name_.find(".input.") != std::string::npos;
+      const bool starts = is_token_rows(x, token_mask);
       ACS_CHECK(false, "hook point '", name_, "' changed its feature shape from ", shape_str(feature_shape_),
                 " to ", shape_str(feat), "; a store array needs one feature shape per hook point. The attention ",
-                "mask given to set_batch is (batch, pos) = ", shape_str(token_mask.sizes()),
-                " and this activation, of shape ", shape_str(x.sizes()),
-                ", does not start with it, so it is stored one row per sample, and those rows change shape ",
-                "with pos: leave it out of the capture (exclude= its module",
+                "mask given to set_batch (or taken from the input by rows=\"token\") is (batch, pos) = ",
+                shape_str(token_mask.sizes()), " and this activation, of shape ", shape_str(x.sizes()),
+                starts ? ", is stored one row per sample (its first captured activation did not start with "
+                         "that forward's (batch, pos))"
+                       : ", does not start with it, so it is stored one row per sample",
+                ", and those rows change shape with pos: leave it out of the capture, alone with ",
+                "exclude_hook_points=['", name_, "'] (the other hook points of its module still captured), or ",
+                "with its module (exclude= its module",
                 is_input ? ", or capture=\"output\": it is an input of its module)" : ")", ".");
     } else if (writer_) {
       ACS_CHECK(at::IntArrayRef(feature_shape_) == feat, "hook point '", name_,

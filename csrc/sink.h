@@ -149,7 +149,11 @@ class Sink {
   void set_claimed_forward(int64_t f) { claimed_forward_ = f; }
 
   int row_kind() const { return row_kind_; }
-  void set_row_kind(int kind) { row_kind_ = kind; }  // -1 unknown, 0 sample rows, 1 token rows
+  // -1 unknown, 0 sample rows, 1 token rows; 0 given here is chosen (token_rows=False), not found
+  void set_row_kind(int kind) {
+    row_kind_ = kind;
+    sample_rows_chosen_ = kind == 0;
+  }
   int64_t n_rows() const { return n_rows_; }
   // Rows the reductions saw before this sink (a resumed store): the row ids they record
   // (topk) count from there.
@@ -228,6 +232,7 @@ class Sink {
   std::vector<std::shared_ptr<Reduction>> reductions_;
   std::shared_ptr<RowConsumer> writer_;
   int row_kind_ = -1;
+  bool sample_rows_chosen_ = false;  // sample rows by choice (token_rows=False), whatever the shape
   int64_t claimed_forward_ = -1;
   int64_t n_rows_ = 0;
   int64_t row_base_ = 0;

@@ -2160,3 +2160,43 @@ def test_resume_with_other_tensor_data_is_refused(tmp_path, user_module, capsys)
     assert code == 0, err
     store = acs.open_store(str(out))
     assert store.n_samples == 30 and store.attrs["provenance"]["data_fingerprint"]["samples"] == 10  # the first run's
+
+
+def test_capture_exclude_hook_points_leaves_out_one_leaf_of_a_modules_output(capsys, tmp_path, user_package):
+    """--exclude-hook-points: a block returning (hidden, attention weights), as BLOOM's does,
+    stores its hidden state only; the library's advice reads in the flag's words."""
+    x = user_package("pairnets", """
+        import torch
+        class Pair(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = torch.nn.Linear(6, 4)
+            def forward(self, x):
+                h = self.lin(x)
+                return h, h.softmax(-1)
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.block = Pair()
+            def forward(self, x):
+                return self.block(x)[0]
+        def net():
+            torch.manual_seed(0)
+            return Net()
+    """, data=(10, 6, 0))
+    out = tmp_path / "s.zarr"
+    code, _, err = run(capsys, "capture", "--model", "pairnets.nets:net", "--data", str(x), "--out", str(out),
+                       "--include", "block", "--exclude-hook-points", "block.output.1", "--no-progress")
+    assert code == 0, err
+    import activationscope as acs
+    from pairnets.nets import net
+
+    store = acs.open_store(out)
+    assert store.hook_points == ["block.output.0"]
+    with torch.no_grad():
+        assert torch.allclose(store["block.output.0"], net().block.lin(torch.from_numpy(np.load(x))))
+    message = cli._cli_spelling(
+        "leave it out of the capture, alone with exclude_hook_points=['h.0.output.1'] (the other hook points of its "
+        "module still captured), or with its module (exclude= its module).", "capture")
+    assert message == ("leave it out of the capture, alone with --exclude-hook-points 'h.0.output.1' (the other hook "
+                       "points of its module still captured), or with its module (--exclude its module).")

@@ -167,6 +167,59 @@ def test_an_include_pattern_naming_a_hook_point_says_patterns_name_modules():
     assert "Patterns name modules" not in str(e.value)
 
 
+class _SharedLayers(torch.nn.Module):
+    """One block registered three times (``nn.ModuleList([block] * 3)``, as ALBERT shares its
+    layer) and the embedding under a second attribute: ``named_modules()`` lists each once."""
+
+    def __init__(self):
+        super().__init__()
+        block = torch.nn.Linear(4, 4)
+        self.emb = torch.nn.Embedding(10, 4)
+        self.layers = torch.nn.ModuleList([block, block, block])
+        self.tied = self.emb
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        for layer in self.layers:
+            h = layer(h)
+        return h
+
+
+@pytest.mark.parametrize("pattern, first", [("layers.2", "layers.0"), ("tied", "emb"), ("layers.[12]", "layers.0")])
+def test_an_include_naming_a_module_registered_under_another_name_says_which_and_the_fix(pattern, first):
+    # "matches no module; module names look like [...]" although model.layers[2] and
+    # model.tied exist: they are the modules named_modules() lists as layers.0 and emb
+    torch.manual_seed(0)
+    model = _SharedLayers().eval()
+    with pytest.raises(acs.HookPointNotFoundError) as e:
+        acs.ActivationScope().track(model, include=[pattern])
+    msg = str(e.value)
+    assert f"include pattern {pattern!r} matches no module of _SharedLayers: it names a module registered" in msg
+    assert f" is {first!r}: the same module object" in msg and f"include={[first]!r} records every call" in msg
+    assert f"({first!r}: {first}.output, {first}#1.output, ...)" in msg
+    with pytest.warns(acs.CaptureWarning, match=rf"exclude pattern {re.escape(repr(pattern))} matches no module of "
+                                            rf"_SharedLayers, so it excludes nothing: .*exclude=\['{first}'\] leaves "
+                                            "out every call of it"):
+        with acs.ActivationScope().track(model, exclude=[pattern]):
+            pass
+    # what the message says is so: the fix records every call under the first name
+    ids = torch.randint(0, 10, (2, 3))
+    with torch.no_grad(), acs.ActivationScope().track(model, include=["layers.0"]) as tracker:
+        model(ids)
+    assert tracker.hook_points == ["layers.0.output", "layers.0#1.output", "layers.0#2.output"]
+    with torch.no_grad():
+        h = model.emb(ids)
+        for k, name in enumerate(tracker.hook_points):
+            h = model.layers[k](h)
+            assert torch.equal(tracker.activations[name][0], h)
+
+
+def test_a_pattern_naming_no_module_under_any_name_keeps_its_message():
+    with pytest.raises(acs.HookPointNotFoundError) as e:
+        acs.ActivationScope().track(_SharedLayers(), include=["layers.3"])
+    assert "module names look like" in str(e.value) and "registered under more than one name" not in str(e.value)
+
+
 def test_exclude_everything_is_an_error(mlp):
     with pytest.raises(acs.HookPointNotFoundError, match="leave no module"):
         acs.ActivationScope().track(mlp, exclude=["*"])

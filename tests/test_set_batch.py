@@ -335,6 +335,38 @@ def test_a_hook_point_that_does_not_start_with_the_mask_names_the_mask_and_the_f
     assert torch.equal(store["block.output"], want[batches[0][1].bool()])
 
 
+@pytest.mark.parametrize("rows", ["mask", "token"])
+def test_a_generation_steps_bias_that_starts_with_the_steps_mask_names_the_mask_and_the_fix(tmp_path, rows):
+    """A step after the prompt (a (batch, 1) forward, the key-value cache holding the rest)
+    gives the attention bias (batch, 1, 1, pos + 1), which starts with the step's (batch, 1)
+    mask: the error told to pass attention_mask= (given, or taken by rows="token") rather than
+    that the hook point is stored one row per sample and is to be left out."""
+    torch.manual_seed(0)
+    model = _MaskedEncoder().eval()
+    prompt, prompt_mask = torch.randn(2, 5, 4), torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    step, step_mask = torch.randn(2, 1, 4), torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    scope = acs.ActivationScope(store=str(tmp_path / "s.zarr"), capture="both",
+                                **({"rows": "token"} if rows == "token" else {}))
+    with pytest.raises(acs.CaptureError) as e:
+        with scope.track(model, include=["block"]) as tracker, torch.no_grad():
+            if rows == "mask":
+                tracker.set_batch(attention_mask=prompt_mask)
+            model(prompt, prompt_mask)
+            if rows == "mask":
+                tracker.set_batch(attention_mask=step_mask[:, -1:], same_samples=True)
+            model(step, step_mask)
+    msg = str(e.value)
+    assert "hook point 'block.input.1' changed its feature shape from (1, 5, 5) to (1, 1, 6)" in msg
+    assert "(batch, pos) = (2, 1)" in msg and "of shape (2, 1, 1, 6), is stored one row per sample" in msg
+    assert "exclude= its module" in msg and 'capture="output"' in msg
+    assert "pass attention_mask=" not in msg
+    store = acs.open_store(str(tmp_path / "s.zarr"))  # the prompt's forward is kept, whole
+    assert store.status == "incomplete" and store.n_samples == 2
+    with torch.no_grad():
+        want = model.block(prompt, (1.0 - prompt_mask[:, None, None, :].float()).expand(-1, 1, 5, -1) * -1e4)
+    assert torch.equal(store["block.output"], want[prompt_mask.bool()] if rows == "mask" else want.reshape(10, 4))
+
+
 @pytest.mark.parametrize("to_store", [lambda t: t, lambda t: t.numpy()], ids=["tensor", "numpy"])
 def test_a_numpy_per_token_column_is_a_token_column_as_a_tensor_is(tmp_path, to_store):
     # a (batch, pos) numpy column was stored as one list per sample in the sample table,
@@ -544,3 +576,99 @@ def test_sample_ids_of_a_sequence_per_sample_are_refused_at_set_batch(tmp_path, 
     assert len(ran) == 1  # refused before the forward
     st = acs.open_store(path)
     assert st.row_table("sample").column("sample_id").to_pylist() == [7, 8]
+
+
+def _decoder():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Embedding(20, 4), torch.nn.Linear(4, 4)).eval()
+
+
+def test_a_sticky_per_token_column_at_a_one_token_step_is_refused_and_the_prompt_stays(tmp_path):
+    # a generate() loop: the prompt's (batch, pos) token_ids stay described (set_batch is
+    # sticky) at the (batch, 1) steps, where they were stored as one list per sample and the
+    # steps' token rows got null token_ids, without a word
+    dec, path = _decoder(), tmp_path / "s.zarr"
+    prompt = torch.randint(1, 20, (3, 5))
+    with pytest.raises(ArgumentValueError, match=r"column 'token_ids' is a per-token column .* shape \(3, 5\) while "
+                                                  r"the forward has \(batch, pos\) = \(3, 1\).*same_samples=True"):
+        with torch.no_grad(), acs.ActivationScope(store=str(path), rows="token").track(dec, include=["1"]) as tr:
+            tr.set_batch(sample_ids=[7, 8, 9], token_ids=prompt)
+            dec(prompt)
+            dec(prompt[:, -1:])                                       # a step: the sticky description
+    store = acs.open_store(path)
+    assert store.status == "incomplete" and store.n_rows("1.output") == 15   # the prompt's rows, whole
+    with torch.no_grad():
+        assert torch.equal(store["1.output"], dec(prompt).reshape(15, 4))
+    assert store.row_table("token")["token_ids"].to_pylist() == prompt.reshape(-1).tolist()
+    assert "token_ids" not in store.row_table("sample").column_names
+
+
+def test_the_steps_described_with_their_own_token_column_are_stored_per_token(tmp_path):
+    dec, path = _decoder(), tmp_path / "s.zarr"
+    prompt, step = torch.randint(1, 20, (3, 5)), torch.randint(1, 20, (3, 1))
+    with torch.no_grad(), acs.ActivationScope(store=str(path), rows="token").track(dec, include=["1"]) as tr:
+        tr.set_batch(sample_ids=[7, 8, 9], token_ids=prompt)
+        dec(prompt)
+        tr.set_batch(same_samples=True, token_ids=step)
+        dec(step)
+    table = acs.open_store(path).row_table("token")
+    assert table["token_ids"].to_pylist() == prompt.reshape(-1).tolist() + step.reshape(-1).tolist()
+    assert table["sample_id"].to_pylist()[15:] == [7, 8, 9]
+
+
+def test_a_per_sample_tensor_column_as_wide_as_a_later_mask_is_refused_at_set_batch(tmp_path):
+    # a (batch, k) per-sample column whose k equals the pos of a later batch was stored per
+    # token in that batch (its sample rows left null, its values picked by the mask)
+    dec, path = _decoder(), tmp_path / "s.zarr"
+    with torch.no_grad(), acs.ActivationScope(store=str(path)).track(dec, include=["1"]) as tr:
+        tr.set_batch(attention_mask=torch.ones(2, 5, dtype=torch.bool), emb=torch.zeros(2, 3))
+        dec(torch.randint(1, 20, (2, 5)))
+        with pytest.raises(ArgumentValueError, match=r"column 'emb' is a per-sample column .* shape \(2, 3\), the "
+                                                      r"token mask's \(batch, pos\) = \(2, 3\).*emb=list\(values.cpu\(\).numpy\(\)\)"):
+            tr.set_batch(attention_mask=torch.ones(2, 3, dtype=torch.bool), emb=torch.ones(2, 3))
+        tr.set_batch(attention_mask=torch.ones(2, 3, dtype=torch.bool), emb=list(torch.ones(2, 3).numpy()))   # the fix: per sample
+        dec(torch.randint(1, 20, (2, 3)))
+    store = acs.open_store(path)
+    assert store.row_table("sample")["emb"].to_pylist() == [[0.0] * 3] * 2 + [[1.0] * 3] * 2
+    assert "emb" not in store.row_table("token").column_names
+
+
+@pytest.mark.parametrize("describe", ["nothing", "sticky_ids", "same_samples"])
+def test_a_one_token_step_after_a_prompt_numbered_as_new_samples_warns_once(tmp_path, describe):
+    # generate() with a key-value cache under rows="token" and no set_batch: the (batch, 1)
+    # steps' rows got new sample ids (3, 4, 5, then 6, 7, 8) from the running counter, without
+    # a word, so a join on sample_id attributed them to samples that do not exist
+    dec, path = _decoder(), tmp_path / "s.zarr"
+    prompt, steps = torch.randint(1, 20, (3, 5)), [torch.randint(1, 20, (3, 1)) for _ in range(2)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad(), acs.ActivationScope(store=str(path), rows="token").track(dec, include=["1"]) as tr:
+            if describe == "sticky_ids":
+                tr.set_batch(sample_ids=[0, 1, 2])
+            dec(prompt)
+            for step in steps:
+                if describe == "same_samples":
+                    tr.set_batch(same_samples=True)
+                dec(step)
+    said = [str(w.message) for w in caught if issubclass(w.category, acs.CaptureWarning)]
+    ids = acs.open_store(path).row_table("token")["sample_id"].to_pylist()
+    assert ids[:15] == [i for i in range(3) for _ in range(5)]
+    if describe == "nothing":
+        assert ids[15:] == [3, 4, 5, 6, 7, 8]  # as documented: new samples, now with the warning
+        assert len(said) == 1 and said[0].startswith(
+            "forward 1 of the tracked model fed one token per sample, (batch, pos) = (3, 1), right after a forward of "
+            "(3, 5), and no set_batch described its samples") and "set_batch(sample_ids=...)" in said[0]
+    else:
+        assert ids[15:] == [0, 1, 2, 0, 1, 2] and said == []
+
+
+def test_sequences_of_one_token_fed_from_the_start_do_not_warn(tmp_path):
+    dec, path = _decoder(), tmp_path / "s.zarr"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad(), acs.ActivationScope(store=str(path), rows="token").track(dec, include=["1"]):
+            for _ in range(2):
+                dec(torch.randint(1, 20, (3, 1)))
+            dec(torch.randint(1, 20, (4, 5)))
+            dec(torch.randint(1, 20, (2, 1)))                  # another batch size: new data
+    assert [w for w in caught if issubclass(w.category, acs.CaptureWarning)] == []

@@ -278,6 +278,32 @@ def test_attention_maps_are_sample_rows_also_when_heads_equal_pos(model, tmp_pat
     assert store.row_kind(names[2]) == "token" and torch.equal(store[names[2]], cache[names[2]][mask.bool()])
 
 
+def test_per_head_activations_are_token_rows_without_a_warning_when_heads_equal_pos(model, tmp_path):
+    """attn.hook_q / hook_k / hook_v / hook_z (and hook_rot_q, hook_result, ...) are (batch, pos,
+    head_index, d_head): with as many positions as heads (4 here) the shape rule warned that they
+    might be head-first and told to pass token_rows=, although their layout is known. Token rows,
+    no warning."""
+    assert model.cfg.n_heads == 4
+    tokens = torch.randint(0, 50, (3, 4), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(3, 4, dtype=torch.long)
+    mask[1:, 3:] = 0
+    names = ["blocks.1.attn.hook_q", "blocks.1.attn.hook_k", "blocks.1.attn.hook_v", "blocks.1.attn.hook_z"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with acs.ActivationScope(store=str(tmp_path / "s.zarr"), reductions=["max"]).track(model, include=names) as tr, \
+                torch.no_grad():
+            tr.set_batch(attention_mask=mask)
+            model(tokens, attention_mask=mask)
+    assert [str(w.message) for w in caught if issubclass(w.category, acs.CaptureWarning)] == []
+    store = acs.open_store(str(tmp_path / "s.zarr"))
+    with torch.no_grad():
+        _, cache = model.run_with_cache(tokens, attention_mask=mask)
+    for name in names:
+        want = cache[name][mask.bool()]                          # (real tokens, head_index, d_head)
+        assert store.row_kind(name) == "token" and torch.equal(store[name], want)
+        assert torch.equal(store.reductions[name]["max"], want.double().amax(0))
+
+
 def test_a_mistyped_exclude_pattern_is_warned_naming_the_names_it_is_close_to(model, tokens):
     with pytest.warns(acs.CaptureWarning, match=r"exclude pattern 'blocks\.1\.hook_resid_psot' matches no module of "
                                                 r"HookedTransformer, so it excludes nothing; .*did you mean "

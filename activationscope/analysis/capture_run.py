@@ -75,6 +75,7 @@ def run_capture(
     token_rows: Any = None,
     resumable: bool = True,
     rows: str = "auto",
+    exclude_hook_points: list[str] | None = None,
 ) -> CaptureSummary:
     """Run ``batches`` through ``model`` with a store tracker attached.
 
@@ -121,6 +122,7 @@ def run_capture(
         stop_after_last=stop_after_last,
         token_rows=token_rows,
         rows=rows,
+        exclude_hook_points=exclude_hook_points,
     )
     summary = CaptureSummary()
     tracker = scope.track(model, include=include, exclude=exclude)  # validates the patterns first
@@ -370,6 +372,7 @@ def capture_dataset(
     token_rows: Any = None,
     rows: str = "auto",
     on_start: Callable[[str], None] | None = None,
+    exclude_hook_points: Sequence[str] | None = None,
 ) -> CaptureSummary:
     """Capture a model spec over a data spec into a store: ``activationscope capture`` as a function.
 
@@ -589,6 +592,7 @@ def capture_dataset(
         reductions=reductions, capture=capture,
         storage_dtype=getattr(torch, dtype) if dtype else None, store_options=options,
         progress=progress, stop_after_last=stop_after_last, token_rows=token_rows, rows=rows,
+        exclude_hook_points=list(exclude_hook_points) if exclude_hook_points else None,
     )
     summary.first_sample, summary.n_target, summary.include_note = first, n, include_note
     return summary

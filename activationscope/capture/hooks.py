@@ -131,7 +131,9 @@ def select_modules(
     ------
     HookPointNotFoundError
         If an ``include`` pattern matches no module, or the selection ends up empty; the
-        message lists module names that exist.
+        message lists module names that exist, or, for a pattern naming a module registered
+        under several names by one of its later names (``named_modules()`` lists it once,
+        under its first), that first name.
     CaptureError
         If two selected modules are ``P`` and ``P#<k>`` (``k`` digits, e.g. the ``nn.ModuleDict``
         keys ``"a"`` and ``"a#1"``): ``P#<k>.output`` also names the repeated call ``#k`` of
@@ -159,8 +161,9 @@ def select_modules(
             hits = pattern_hits(pat, names)
             if not hits:
                 raise HookPointNotFoundError(
-                    f"include pattern {pat!r} matches no module of {type(model).__name__}; "
-                    f"module names look like {_examples(names)}" + _hook_point_hint(pat, names, named)
+                    f"include pattern {pat!r} matches no module of {type(model).__name__}"
+                    + (_shared_names_hint(model, named, pat, "include")
+                       or f"; module names look like {_examples(names)}" + _hook_point_hint(pat, names, named))
                 )
             included.update(hits)
         chosen = [(n, m) for n, m in named if n in included and (n not in never_called or n in include)]
@@ -172,8 +175,9 @@ def select_modules(
             if not hits:
                 close = _close_names(pat, names)
                 warnings.warn(
-                    f"exclude pattern {pat!r} matches no module of {type(model).__name__}, so it excludes nothing; "
-                    f"module names look like {_examples(names)}" + (f"; did you mean {close}?" if close else ""),
+                    f"exclude pattern {pat!r} matches no module of {type(model).__name__}, so it excludes nothing"
+                    + (_shared_names_hint(model, named, pat, "exclude")
+                       or f"; module names look like {_examples(names)}" + (f"; did you mean {close}?" if close else "")),
                     CaptureWarning, stacklevel=3,
                 )
             excluded.update(hits)
@@ -396,6 +400,31 @@ def rename_hook_point(name: str, hook_point_paths: frozenset[str], side: str) ->
             if base.split("#")[0] in hook_point_paths:
                 return None if is_input and side == "both" else base
     return name
+
+
+def _shared_names_hint(model: torch.nn.Module, named: list[tuple[str, torch.nn.Module]], pattern: str,
+                       argument: str) -> str:
+    """For a pattern that selects none of ``named`` (``named_modules()``, which lists a module
+    once, under its first name) but names a module registered under another name as well (a
+    layer shared by ``nn.ModuleList([block] * 3)``, a submodule assigned to two attributes):
+    that it is tracked under its first name, one hook point per call. Else ``""``."""
+    first = {id(m): n for n, m in named}
+    other: dict[str, str] = {}
+    for n, m in model.named_modules(remove_duplicate=False):
+        if first.get(id(m), n) != n:
+            other.setdefault(n, first[id(m)])
+    hits = pattern_hits(pattern, list(other))
+    if not hits:
+        return ""
+    canon = list(dict.fromkeys(other[h] for h in hits))
+    shown = ", ".join(f"{h!r} is {other[h]!r}" for h in hits[:3]) + (", ..." if len(hits) > 3 else "")
+    c = canon[0]
+    fix = (f"include={canon!r} records every call of it" if argument == "include"
+           else f"exclude={canon!r} leaves out every call of it")
+    return (f": it names a module registered under more than one name ({shown}: the same module object), which "
+            "named_modules() lists once, under its first name; the capture tracks it under that name, each call in "
+            f"a forward a hook point of its own in call order ({c!r}: {c}.output, {c}#1.output, ...), so one name "
+            f"of it cannot be chosen apart from the others: {fix}")
 
 
 def _examples(names: Sequence[str], n: int = 8) -> str:

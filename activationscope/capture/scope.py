@@ -272,6 +272,13 @@ class ActivationScope:
         (``tracker.parameters``).
     include, exclude : list of str, optional
         Default fnmatch patterns of modules for :meth:`track`.
+    exclude_hook_points : list of str, optional
+        Default fnmatch patterns of hook points for :meth:`track` that are never captured
+        (no record, row or reduction), while the other hook points of their module are: a
+        leaf of a structured output, such as the attention weights ``h.0.output.1`` a BLOOM
+        block returns next to its hidden state ``h.0.output.0``. A pattern equal to a hook
+        point selects that one only. A pattern that left out no hook point of the captured
+        forwards warns at the end of the capture (``CaptureWarning``).
     rows : {"auto", "token"}, default "auto"
         What a stored row is. ``"auto"``: one row per real token for hook points whose
         activation starts with the ``(batch, pos)`` of an attention mask given to
@@ -348,6 +355,7 @@ class ActivationScope:
         rows: str = "auto",
         token_rows: bool | Mapping[str, bool] | None = None,
         stop_after_last: bool = False,
+        exclude_hook_points: Iterable[str] | None = None,
     ) -> None:
         self.capture = _parse_capture(capture)
         self.token_rows = _parse_token_rows(token_rows)
@@ -400,6 +408,7 @@ class ActivationScope:
         self.capture_parameters = bool(capture_parameters)
         self.include = normalize_patterns(include, "include")
         self.exclude = normalize_patterns(exclude, "exclude")
+        self.exclude_hook_points = normalize_patterns(exclude_hook_points, "exclude_hook_points")
         if reductions is not None:
             from . import reductions as _red
 
@@ -422,6 +431,7 @@ class ActivationScope:
             "rows": self.rows,
             "token_rows": self.token_rows,
             "stop_after_last": self.stop_after_last,
+            "exclude_hook_points": self.exclude_hook_points,
         }
 
     def track(
@@ -432,6 +442,7 @@ class ActivationScope:
         capture: str | None = None,
         stop_after_last: bool | None = None,
         token_rows: bool | Mapping[str, bool] | None = None,
+        exclude_hook_points: Iterable[str] | None = None,
     ) -> "Tracker":
         """Make a tracker for ``model`` (attached on ``__enter__`` or :meth:`Tracker.attach`).
 
@@ -450,6 +461,8 @@ class ActivationScope:
         token_rows : bool or dict of str to bool, optional
             Override the scope's ``token_rows`` (which hook points shaped like the mask's
             ``(batch, pos)`` store token rows, and which sample rows).
+        exclude_hook_points : list of str, optional
+            Override the scope's ``exclude_hook_points`` (hook points never captured).
 
         Raises
         ------
@@ -475,6 +488,8 @@ class ActivationScope:
                           patterns={"include": inc, "exclude": exc})
         if token_rows is not None:
             tracker._token_rows = _parse_token_rows(token_rows)
+        if exclude_hook_points is not None:
+            tracker._skip_patterns = normalize_patterns(exclude_hook_points, "exclude_hook_points")
         tracker._hook_probes_done = compiled  # (probes would make a compiled model compile again)
         tracker._hook_probes_done_compiled = compiled
         return tracker
@@ -704,6 +719,8 @@ class Tracker:
         self._last_batch: dict[str, Any] | None = None
         self._stale_checked: dict[str, Any] | None = None
         self._warned_stale_batch = False
+        self._warned_step = False  # (a generation step's new sample ids: warned once)
+        self._last_token_shape: tuple[int, int] | None = None  # rows='token': the last captured forward's (batch, pos)
         # the sample ids of the last forward, captured or skipped by the policy, for
         # set_batch(same_samples=True): (the ids it was given, or None and the first id of the
         # running counter, its number of samples)
@@ -749,6 +766,9 @@ class Tracker:
         self._refused_error: type[ActivationScopeError] = CaptureError  # raised again at the close
         self._refused_attrs: dict[str, Any] = {}  # ... with these attributes (argument, pattern, hook_points)
         self._token_rows = scope.token_rows
+        # exclude_hook_points= patterns, and the hook points they left out (never captured)
+        self._skip_patterns = scope.exclude_hook_points
+        self._skipped_hook_points: set[str] = set()
         # a mask that applies to no hook point: their first shapes, and whether token_rows= chose
         # sample rows for one (then sample rows are asked for, not a mistake)
         self._first_shapes: dict[str, tuple[int, ...] | str] = {}
@@ -1261,13 +1281,24 @@ class Tracker:
         if self._n_captured == 0:
             return []
         names = {n for n, _ in self._modules}
-        recorded = {hook_point_module(h, names, self._hook_point_paths) for h in self._sinks}
+        recorded = {hook_point_module(h, names, self._hook_point_paths)
+                    for h in [*self._sinks, *self._skipped_hook_points]}  # (left out on purpose: not silent)
         silent = [(n, m) for n, m in self._modules if n not in recorded]
         if recorded:  # containers without a forward (ModuleList, ModuleDict) are never called
             silent = [(n, m) for n, m in silent if not _no_forward(m)]
         return silent
 
     def _warn_silent(self, silent: list[tuple[str, torch.nn.Module]]) -> None:
+        unused = [p for p in self._skip_patterns or () if self._n_captured
+                  and not any(pattern_selects(p, h, self._hook_names) for h in self._skipped_hook_points)]
+        if unused:
+            warnings.warn(
+                f"exclude_hook_points pattern(s) {unused} left out no hook point of the {self._n_captured} captured "
+                f"forward(s), so they excluded nothing; the hook points captured: {sorted(self._sinks)[:8]}"
+                + (", ..." if len(self._sinks) > 8 else ""),
+                CaptureWarning,
+                stacklevel=4,
+            )
         if silent:
             outside = ""
             n = int(self._core.outside_calls) if self.writer is not None else 0
@@ -1362,7 +1393,8 @@ class Tracker:
         **columns
             Per-sample user columns for the row table (labels, text, ...), each of length
             ``batch``; token columns (e.g. ``token_ids``) of shape (batch, pos) are taken
-            at the real tokens.
+            at the real tokens. A column keeps its kind (per token or per sample) for the
+            whole store.
 
         Raises
         ------
@@ -1374,7 +1406,9 @@ class Tracker:
             row table fills itself (``sample_id``, ``pos``, ``batch``); at the forward (the model call raises it): sample
             ids, columns or mask rows that describe another number of samples than the
             forward's batch (the first dimension of its first input), nor its second (taken as
-            the batch of a sequence-first input).
+            the batch of a sequence-first input); with a store, a column whose kind differs from
+            its kind in earlier batches (a (batch, pos) token column at a forward of another
+            pos, a generation step; a (batch, k) per-sample tensor where the mask is (batch, k)).
         TypeError
             ``same_samples`` that is not a bool; a float (or complex) attention mask, or one that is
             neither a tensor nor a numpy array (a list: pass ``torch.as_tensor(mask)``); with a store,
@@ -1461,6 +1495,9 @@ class Tracker:
             renamed = rename_hook_point(name, self._hook_point_paths, self._side)
             if renamed is None:  # a HookPoint's input, already captured as its output
                 return None
+            if self._skip_patterns and any(pattern_selects(p, renamed, self._hook_names) for p in self._skip_patterns):
+                self._skipped_hook_points.add(renamed)  # (the native wrapper keeps its None: asked once)
+                return None
             made = self._sinks.get(renamed)
             return made if made is not None else self._new_sink(renamed, tensor)
 
@@ -1526,7 +1563,8 @@ class Tracker:
             # dropped. Right for per-token scalars (token ids, a per-token score); wrong for a
             # pooled (batch, features) output whose width happens to equal pos.
             ambiguous = "2d"
-        elif decided is None and token and tensor.dim() >= 4 and tensor.shape[2] == tensor.shape[1]:
+        elif (decided is None and token and tensor.dim() >= 4 and tensor.shape[2] == tensor.shape[1]
+              and not _per_head_token_hook_point(name, self._hook_point_paths)):
             # (batch, pos, pos, ...): token rows of (pos, ...), or a head-first (batch, heads, pos,
             # ...) tensor with as many heads as positions (an attention map of 12 heads over 12
             # tokens), whose rows would be (sample, head) pairs. Only the user knows.
@@ -2102,6 +2140,8 @@ class Tracker:
             self._warn_token_rows_unused()
         if self.scope.rows == "token" and batch.get("attention_mask") is None:
             self._warn_model_mask_padding()
+        if self.writer is not None and self.scope.rows == "token":
+            self._warn_generation_step(batch)
         if self.writer is not None:
             ids = batch.get("sample_ids")  # None: the writer numbers the samples on from its last
             if ids is None and (self._skipped_samples or self._repeated_samples):
@@ -2143,6 +2183,28 @@ class Tracker:
         # (REFERENCE records changed in place are looked for when the records are read and at
         # the end of the `with` block, not here: a check here reads every new record's version
         # counter after every forward)
+
+    def _warn_generation_step(self, batch: Mapping[str, Any]) -> None:
+        """Warn (once per capture) when a ``rows='token'`` store capture numbers the samples of a
+        forward of one token per sample, ``(batch, 1)``, that follows a forward of longer sequences
+        of as many samples without a description of its samples: the mark of a generation step
+        with a key-value cache (``generate()``), whose rows continue the prompt's samples but get
+        new ids from the running counter."""
+        auto = self._core.auto_token_mask
+        shape = (int(auto.shape[0]), int(auto.shape[1])) if auto.dim() == 2 else None
+        last, self._last_token_shape = self._last_token_shape, shape
+        if (self._warned_step or shape is None or last is None or shape[1] != 1 or last[1] <= 1
+                or shape[0] != last[0] or batch.get("sample_ids") is not None or batch.get("same_samples")):
+            return
+        self._warned_step = True
+        k = self._core.n_forwards - 1
+        warnings.warn(
+            f"forward {k} of the tracked model fed one token per sample, (batch, pos) = {shape}, right after a "
+            f"forward of {last}, and no set_batch described its samples, so the running counter gave its rows new "
+            "sample ids. If it is a generation step with a key-value cache (generate()), its rows continue the "
+            "samples of the forward before: give their ids once before generate() with "
+            "tracker.set_batch(sample_ids=...) (it is sticky: every step keeps them), or describe each step from a "
+            "forward pre-hook of the model with set_batch(same_samples=True)", CaptureWarning, stacklevel=3)
 
     def _warn_stale_batch(self, batch: Mapping[str, Any]) -> None:
         """Warn (once per capture) when a forward keeps the last forward's ``set_batch``
@@ -2773,6 +2835,20 @@ def _attention_map_hook_point(name: str, hook_point_paths: frozenset[str]) -> bo
     ``(batch, head_index, query_pos, key_pos)``."""
     path = name.split("#")[0]
     return path in hook_point_paths and path.endswith(("attn.hook_pattern", "attn.hook_attn_scores"))
+
+
+# TransformerLens per-head activations, (batch, pos, head_index, d_head | d_model): token-first
+_PER_HEAD_TOKEN_HOOKS = ("attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_z", "attn.hook_rot_q",
+                         "attn.hook_rot_k", "attn.hook_result", "hook_q_input", "hook_k_input", "hook_v_input")
+
+
+def _per_head_token_hook_point(name: str, hook_point_paths: frozenset[str]) -> bool:
+    """Whether ``name`` is a TransformerLens per-head activation (``attn.hook_q``, ``hook_k``,
+    ``hook_v``, ``hook_z``, ``hook_rot_q``, ``hook_rot_k``, ``hook_result``, ``hook_q_input``,
+    ...; or a later call ``#k`` of one): ``(batch, pos, head_index, ...)``, token rows whatever
+    the number of heads (a layout that is known, not one to warn about as head-first)."""
+    path = name.split("#")[0]
+    return path in hook_point_paths and path.endswith(_PER_HEAD_TOKEN_HOOKS)
 
 
 def _token_ids_hook_point(name: str, hook_point_paths: frozenset[str]) -> bool:

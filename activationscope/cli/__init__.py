@@ -211,6 +211,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "its layers and pools, for package.module:factory every module)")
     p.add_argument("--exclude", action="append", default=None, metavar="PATTERN",
                    help="fnmatch pattern of module names not to track (repeatable or comma separated)")
+    p.add_argument("--exclude-hook-points", action="append", default=None, metavar="PATTERN",
+                   help="fnmatch pattern of hook points never captured while the rest of their module's are, "
+                        "e.g. 'h.*.output.1' (the attention weights a BLOOM block returns next to its hidden state) "
+                        "(repeatable or comma separated)")
     p.add_argument("--capture", choices=("output", "input", "both"), default="output",
                    help="which side of each module (default: %(default)s)")
     p.add_argument("--reduce", type=_specs, default=None, metavar="NAMES",
@@ -398,6 +402,8 @@ _CLI_SPELLINGS = (
      "(with text of varying length only token rows keep one feature shape: leave it out of --sample-rows, or "
      "--exclude its module)"),
     ("The attention mask given to set_batch is (batch, pos)", "The attention mask of the tokenized text is (batch, pos)"),
+    ('The attention mask given to set_batch (or taken from the input by rows="token") is (batch, pos)',
+     "The attention mask of the tokenized text is (batch, pos)"),
     ('(exclude= its module, or capture="output": it is an input of its module)',
      "(--exclude its module, or --capture output: it is an input of its module)"),
     ("(exclude= its module)", "(--exclude its module)"),
@@ -445,6 +451,10 @@ def _cli_spelling(message: str, command: str | None = None, include_given: bool 
     for python, cli in _CLI_SPELLINGS:
         message = message.replace(python, cli)
     message = _token_rows_flags(message)
+    # sink.cpp: "alone with exclude_hook_points=['h.0.output.1']"; scope: "exclude_hook_points pattern(s) [...]"
+    message = re.sub(r"\bexclude_hook_points=(\[.*?\])", lambda m: f"--exclude-hook-points {_pattern_list(m.group(1))}",
+                     message)
+    message = message.replace("exclude_hook_points pattern(s)", "--exclude-hook-points pattern(s)")
     # hooks.select_modules: "include=['a', 'b'] and exclude=['c'] leave no module of M to track"
     message = re.sub(r"\binclude=(\[.*?\]|None) and exclude=(\[.*?\]|None) leave no module",
                      lambda m: (f"--include {_pattern_list(m.group(1))}" if include_given else
@@ -609,6 +619,7 @@ def cmd_capture(args: argparse.Namespace) -> int:
         stop_after_last=args.stop_after_last, progress=not args.no_progress,
         command=" ".join([PROG, *args.argv]),
         token_rows=_token_rows(args.sample_rows, args.token_rows), rows=args.rows,
+        exclude_hook_points=_patterns(args.exclude_hook_points, "--exclude-hook-points"),
         on_start=lambda note: print(f"tracked modules: {note}", flush=True),
     )
     if summary.nothing_to_capture:

@@ -1270,6 +1270,13 @@ class StoreWriter:
                 col = torch.from_numpy(np.ascontiguousarray(col))  # a (batch, pos) numpy column: per token, as a tensor
             is_token = isinstance(col, torch.Tensor) and _native.load().is_token_rows(col, mask)  # the sink's rule
             kind = "token" if is_token else "sample"
+            other = "sample" if is_token else "token"
+            if ((mask is not None or n is not None) and (other, key) in self._column_types
+                    and (kind, key) not in self._column_types):
+                # a column is per token or per sample for the whole store: a per-token column given
+                # again at a forward of another pos (a sticky description at a generate() step)
+                # would turn into per-sample lists, its token rows left null, without a word
+                self._refuse_column_kind(key, col, mask, was_token=not is_token)
             if key in _RESERVED[kind]:
                 raise ArgumentValueError(f"column {key!r} clashes with a reserved row-table column "
                                          f"{list(_RESERVED[kind])}; rename it")
@@ -1302,6 +1309,30 @@ class StoreWriter:
                 )
             out.append((kind, key, values, typ))
         return out
+
+    def _refuse_column_kind(self, key: str, col: Any, mask: torch.Tensor | None, *, was_token: bool) -> None:
+        """Raise ArgumentValueError for a user column whose values this batch would store as the
+        other row kind than in the earlier batches of the store (per token, then per sample, or
+        the reverse): a column is one or the other for the whole store."""
+        shape = tuple(col.shape) if hasattr(col, "shape") else f"a {type(col).__name__} of {len(col)} entries"
+        forward = ("(batch, pos) = " + str(tuple(mask.shape))) if mask is not None else "no token mask"
+        where = f"the earlier batches of {str(self._backend)!r}"
+        if was_token:
+            raise ArgumentValueError(
+                f"column {key!r} is a per-token column in {where} (a (batch, pos) tensor, one value per real "
+                f"token), but this batch gives it shape {shape} while the forward has {forward}, so it would be "
+                "stored per sample and its token rows left null; a column is per token or per sample for the whole "
+                "store. A generate() step after the prompt is a (batch, 1) forward that keeps the prompt's sticky "
+                "description: describe each step from a forward pre-hook of the model with "
+                f"set_batch(same_samples=True, {key}=<the step's (batch, 1) values, e.g. kwargs['input_ids']>), or "
+                f"without {key!r}; otherwise give it this forward's (batch, pos) shape, or store per-sample values "
+                "under another name")
+        raise ArgumentValueError(
+            f"column {key!r} is a per-sample column in {where}, but this batch gives it shape {shape}, the token "
+            f"mask's {forward}, so it would be stored per token; a column is per token or per sample for the whole "
+            f"store. A per-sample (batch, k) tensor whose k only happens to equal pos: give it as a list of one array "
+            f"per sample ({key}=list(values.cpu().numpy()), the same Arrow type), which stays per sample; otherwise "
+            "store per-token values under another name")
 
     def _sample_ids_type(self, ids: Any) -> Any:
         """The Arrow type of a batch's sample ids (``_to_column``'s), checked against the sample
