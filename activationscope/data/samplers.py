@@ -84,6 +84,21 @@ def _dist_defaults(rank: int | None, world_size: int | None) -> tuple[int, int]:
     initialised = dist.is_available() and dist.is_initialized()
     if world_size is None:
         world_size = dist.get_world_size() if initialised else 1
+    elif rank is None:
+        # world_size given, rank left to its default: the default rank is only this process's
+        # part when it comes from a process group of that size (every process taking part 0
+        # would read the same rows, and the other parts none)
+        world_size = _int_arg(world_size, "world_size", 1)
+        group = dist.get_world_size() if initialised else None
+        if world_size > 1 and group != world_size:
+            where = (f"the torch.distributed process group has {group} ranks" if initialised
+                     else "no torch.distributed process group is initialised to take it from")
+            raise ArgumentValueError(
+                f"world_size={world_size} was given without rank= and {where}: every process would take rank 0's "
+                f"part (the same rows), and the other parts no process; pass rank= (this process's part, an int "
+                f"in [0, {world_size}))"
+            )
+        rank = 0 if world_size == 1 else None
     if rank is None:
         rank = dist.get_rank() if initialised else 0
     world_size = _int_arg(world_size, "world_size", 1)
@@ -179,6 +194,8 @@ class SequentialBatchSampler(_BatchSampler):
         Unused (accepted for a uniform signature).
     rank, world_size : int, optional
         This process's part; default ``torch.distributed`` when initialised, else 0 / 1.
+        ``world_size`` > 1 without ``rank`` raises ArgumentValueError unless the process
+        group has that size (every process would take part 0).
     even : bool, default False
         Equal parts on every rank (see the module docstring).
 
