@@ -206,3 +206,22 @@ def test_seeds_at_the_ends_of_the_range_give_other_orders(cls):
     orders = {s: [i for b in cls(100, batch_size=10, seed=s) for i in b] for s in (0, 1, 2**64 - 1, -(2**63))}
     assert all(sorted(o) == list(range(100)) for o in orders.values())
     assert len({tuple(o) for o in orders.values()}) == 4
+
+
+@pytest.mark.parametrize("which", [SequentialBatchSampler, ShuffledBatchSampler, ChunkShuffleBatchSampler])
+def test_a_row_count_takes_numpy_and_torch_integers_and_refuses_the_rest(which):
+    # (a numpy or 0-d torch count raised Python's bare "has no len()", True was taken as one
+    # row, and a negative count failed in len() or torch.arange with no word of the argument)
+    import numpy as np
+
+    from activationscope.errors import ArgumentTypeError
+
+    plain = [list(b) for b in which(5, 2, seed=1)]
+    assert plain and sorted(i for b in plain for i in b) == [0, 1, 2, 3, 4]
+    for count in (np.int64(5), torch.tensor(5), np.array(5)):
+        assert [list(b) for b in which(count, 2, seed=1)] == plain
+    for bad in (True, 5.0, torch.tensor(True), None):
+        with pytest.raises(ArgumentTypeError, match=r"data_source \(a dataset, or a number of rows\) must be"):
+            which(bad, 2)
+    with pytest.raises(ArgumentValueError, match=r"data_source \(a dataset, or a number of rows\) must be an int >= 0, got -5"):
+        which(-5, 2)
