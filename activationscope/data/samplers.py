@@ -71,6 +71,27 @@ def _int_arg(value: Any, name: str, low: int | None = None) -> int:
     return out
 
 
+def _n_rows(data_source: Any) -> int:
+    """The rows a sampler covers: ``len(data_source)``, or ``data_source`` itself when it is a
+    row count (a Python, numpy or 0-d torch integer, at least 0).
+
+    Raises
+    ------
+    ArgumentTypeError
+        A bool, float or anything else that is neither sized nor an integer (a bool was taken
+        as 1 row or 0, a numpy or 0-d torch integer raised Python's bare TypeError).
+    ArgumentValueError
+        A negative row count.
+    """
+    if isinstance(data_source, int) and not isinstance(data_source, bool) or not hasattr(type(data_source), "__len__") \
+            or getattr(data_source, "ndim", None) == 0:  # (a 0-d tensor or array has a __len__ that raises)
+        what = "data_source (a dataset, or a number of rows)"
+        if isinstance(data_source, (int, torch.Tensor)) or hasattr(data_source, "__index__"):
+            return _int_arg(data_source, what, 0)
+        raise ArgumentTypeError(f"{what} must be a sized dataset or an int, got {data_source!r} ({type(data_source).__name__})")
+    return len(data_source)
+
+
 def _mix_seed(seed: int, epoch: int, salt: int = 0) -> int:
     """A 63-bit generator seed from (seed, epoch, salt): SplitMix64 finalizer (Steele et al., 2014)."""
     z = (seed * 0x9E3779B97F4A7C15 + epoch * 0xBF58476D1CE4E5B9 + salt * 0x94D049BB133111EB) & _MASK64
@@ -84,6 +105,21 @@ def _dist_defaults(rank: int | None, world_size: int | None) -> tuple[int, int]:
     initialised = dist.is_available() and dist.is_initialized()
     if world_size is None:
         world_size = dist.get_world_size() if initialised else 1
+    elif rank is None:
+        # world_size given, rank left to its default: the default rank is only this process's
+        # part when it comes from a process group of that size (every process taking part 0
+        # would read the same rows, and the other parts none)
+        world_size = _int_arg(world_size, "world_size", 1)
+        group = dist.get_world_size() if initialised else None
+        if world_size > 1 and group != world_size:
+            where = (f"the torch.distributed process group has {group} ranks" if initialised
+                     else "no torch.distributed process group is initialised to take it from")
+            raise ArgumentValueError(
+                f"world_size={world_size} was given without rank= and {where}: every process would take rank 0's "
+                f"part (the same rows), and the other parts no process; pass rank= (this process's part, an int "
+                f"in [0, {world_size}))"
+            )
+        rank = 0 if world_size == 1 else None
     if rank is None:
         rank = dist.get_rank() if initialised else 0
     world_size = _int_arg(world_size, "world_size", 1)
@@ -123,7 +159,7 @@ class _BatchSampler(Sampler[list[int]]):
         if not -(1 << 63) <= seed < 1 << 64:  # (as torch.manual_seed; the mix takes it modulo 2**64)
             raise ArgumentValueError(f"seed must be an int in [-2**63, 2**64), as torch.manual_seed takes, got {seed}")
         self.data_source = data_source
-        self.n = data_source if isinstance(data_source, int) else len(data_source)
+        self.n = _n_rows(data_source)
         self.batch_size = batch_size
         self.drop_last = bool(drop_last)
         self.seed = seed
@@ -170,7 +206,8 @@ class SequentialBatchSampler(_BatchSampler):
     Parameters
     ----------
     data_source : ActivationDataset, sized object or int
-        What to sample (its ``len``), or the number of rows.
+        What to sample (its ``len``), or the number of rows (a Python, numpy or 0-d torch
+        integer, at least 0; a bool or float raises ArgumentTypeError).
     batch_size : int
         Rows per batch (the last batch of a rank may be shorter unless ``drop_last``).
     drop_last : bool, default False
@@ -179,6 +216,8 @@ class SequentialBatchSampler(_BatchSampler):
         Unused (accepted for a uniform signature).
     rank, world_size : int, optional
         This process's part; default ``torch.distributed`` when initialised, else 0 / 1.
+        ``world_size`` > 1 without ``rank`` raises ArgumentValueError unless the process
+        group has that size (every process would take part 0).
     even : bool, default False
         Equal parts on every rank (see the module docstring).
 

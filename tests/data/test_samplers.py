@@ -97,6 +97,32 @@ def test_rank_defaults_follow_torch_distributed(tmp_path):
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("which", [SequentialBatchSampler, ShuffledBatchSampler, ChunkShuffleBatchSampler])
+def test_world_size_without_rank_is_refused_outside_a_process_group(which):
+    # (rank defaulted to 0 with no process group: two processes given world_size=2 both read
+    # part 0, the same rows, and no process read part 1)
+    with pytest.raises(ArgumentValueError, match=r"world_size=2 was given without rank= and no torch.distributed "
+                       r"process group is initialised.*pass rank= .*\[0, 2\)"):
+        which(10, 2, world_size=2)
+    assert (which(10, 2, world_size=1).rank, which(10, 2, world_size=torch.tensor(1)).world_size) == (0, 1)
+    parts = [list(which(10, 2, rank=r, world_size=2)) for r in (0, 1)]
+    assert sorted(i for p in parts for b in p for i in b) == list(range(10))
+
+
+def test_world_size_without_rank_must_match_the_process_group(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(ArgumentValueError, match="world_size=2 was given without rank= and the torch.distributed "
+                           "process group has 1 ranks"):
+            ShuffledBatchSampler(10, 2, world_size=2)
+        s = ShuffledBatchSampler(10, 2, world_size=1)
+        assert (s.rank, s.world_size) == (0, 1)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_chunk_shuffle_is_local_and_mixes():
     n, block, buffer, bs = 1000, 50, 200, 20
     s = ChunkShuffleBatchSampler(n, bs, block_rows=block, buffer_rows=buffer, seed=0)
@@ -180,3 +206,22 @@ def test_seeds_at_the_ends_of_the_range_give_other_orders(cls):
     orders = {s: [i for b in cls(100, batch_size=10, seed=s) for i in b] for s in (0, 1, 2**64 - 1, -(2**63))}
     assert all(sorted(o) == list(range(100)) for o in orders.values())
     assert len({tuple(o) for o in orders.values()}) == 4
+
+
+@pytest.mark.parametrize("which", [SequentialBatchSampler, ShuffledBatchSampler, ChunkShuffleBatchSampler])
+def test_a_row_count_takes_numpy_and_torch_integers_and_refuses_the_rest(which):
+    # (a numpy or 0-d torch count raised Python's bare "has no len()", True was taken as one
+    # row, and a negative count failed in len() or torch.arange with no word of the argument)
+    import numpy as np
+
+    from activationscope.errors import ArgumentTypeError
+
+    plain = [list(b) for b in which(5, 2, seed=1)]
+    assert plain and sorted(i for b in plain for i in b) == [0, 1, 2, 3, 4]
+    for count in (np.int64(5), torch.tensor(5), np.array(5)):
+        assert [list(b) for b in which(count, 2, seed=1)] == plain
+    for bad in (True, 5.0, torch.tensor(True), None):
+        with pytest.raises(ArgumentTypeError, match=r"data_source \(a dataset, or a number of rows\) must be"):
+            which(bad, 2)
+    with pytest.raises(ArgumentValueError, match=r"data_source \(a dataset, or a number of rows\) must be an int >= 0, got -5"):
+        which(-5, 2)
