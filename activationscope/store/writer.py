@@ -2308,8 +2308,8 @@ class StoreWriter:
         perhaps never, and would hold every commit back until it does).
 
         An array holds the commit back when, of the forwards waiting, fewer are durable in it than
-        in any other array, and another array, with durable rows past the commit, has more durable
-        (or the forwards waiting are more than twice the rows of the largest shard: an array
+        in any other array, and another array, which completed a shard since the commit, has more
+        durable (or the forwards waiting are more than twice the rows of the largest shard: an array
         getting a row each forward would have filled a shard). Each such array's partial shard is written at most once per
         ``commit_interval``, and only when rows came since the last one: the cost is a rewrite of
         up to a shard's bytes per holding array and interval (FORMAT.md section 7)."""
@@ -2325,9 +2325,12 @@ class StoreWriter:
         done = np.where(behind.any(axis=0), behind.argmax(axis=0), len(pending))
         low = int(done.min())
         holding = done == low
-        # (an array with no durable row past the commit, as one that got no row since its last
-        # partial shard, is ahead of none: the others are not behind it)
-        moved = durable > np.array([a.committed_rows for a in self._order], dtype=np.int64)
+        # (only an array that completed a shard since the commit is ahead: one durable past it by a
+        # partial shard of its own, or durable through every forward waiting because it got no row
+        # since, shows no pace the others fall behind; they are not written for it)
+        shard_rows = np.array([a.shard_rows for a in self._order], dtype=np.int64)
+        committed = np.array([a.committed_rows for a in self._order], dtype=np.int64)
+        moved = durable // shard_rows > committed // shard_rows
         ahead = bool((~holding & moved).any())
         rare = len(pending) - low > 2 * max(a.shard_rows for a in self._order)
         if not ahead and not rare:

@@ -231,3 +231,29 @@ def test_a_reader_reading_while_partial_shards_are_rewritten_reads_the_committed
     assert max(b - a for a, b in zip(points, points[1:])) <= 2 * 28, points
     st = acs.open_store(path, verify=True)
     assert check_prefix(st, xs, len(xs)) == len(xs)
+
+
+def test_only_the_array_that_holds_the_commits_back_is_written_as_a_partial_shard(tmp_path, monkeypatch):
+    """'lin' completes a shard every 4 forwards and holds no commit back but when 'rare' completes
+    one: only then is it written partial (before, a partial shard of 'rare', durable and not yet
+    committed, put it behind 'rare' after each of 'rare''s rows: up to a shard's bytes for nothing)."""
+    from activationscope.capture import _native
+
+    C = _native.load()
+    asked: list[str] = []
+    snapshot = C.ArrayWriter.snapshot
+    monkeypatch.setattr(C.ArrayWriter, "snapshot", lambda self: (asked.append((self.hook_point, model.calls)), snapshot(self))[1])
+    model, xs = RareBranch(), inputs(70)
+    path = tmp_path / "s.zarr"
+    with torch.no_grad(), acs.ActivationScope(store=path, store_options=OPTIONS).track(
+            model, include=["lin", "rare"]) as tracker:
+        for x in xs:
+            model(x)
+            tracker.writer._core.drain()
+            assert tracker.writer.n_samples_committed >= 2 * (model.calls - 6)
+    # 'rare' is written partial after each of its rows (forwards 0, 20, 40), until its shard fills
+    # (forward 60); 'lin' only when 'rare', its shard complete, is ahead of it (forwards 61-64)
+    rare = [c for hp, c in asked if hp == "rare.output"]
+    assert len(rare) == 3 and all(0 < c - 20 * i <= 6 for i, c in enumerate(rare)), asked
+    assert all(60 < c <= 66 for hp, c in asked if hp == "lin.output"), asked
+    assert check_prefix(acs.open_store(path), xs, len(xs)) == len(xs)
