@@ -71,6 +71,9 @@ _IO_THREADS = 4
 #: A local folder whose first document write of a commit took less than this (seconds)
 #: gets the commit's other documents written in the committing thread (see _set_many).
 _SERIAL_WRITE_S = 0.001
+#: The partial shards an array holding the commits back has written (:meth:`StoreWriter._request_partial_shards`)
+#: stay within this share of the bytes the capture appends (uncompressed): at most 25% more written.
+PARTIAL_REWRITE_SHARE = 0.25
 # names the writer fills itself; "pos" is reserved for sample columns too: a token dataset joins the
 # sample columns of each token's sample, where a sample column "pos" would hide the token position
 _RESERVED = {"sample": ("sample_id", "pos", "batch"), "token": ("sample_id", "pos", "batch")}
@@ -267,6 +270,11 @@ class _Array:
     # a root list it. An array first opened in a forward that is never recorded (refused or raised
     # partway) is never listed, and its files are removed by the close
     recorded: bool = True
+
+    @property
+    def row_nbytes(self) -> int:
+        """Bytes of one row, uncompressed."""
+        return math.prod(self.feature_shape) * F.itemsize(self.dtype)
 
     @property
     def shard_rows(self) -> int:
@@ -845,7 +853,8 @@ class StoreWriter:
         fast capture costs more than the capture's own bookkeeping. :meth:`commit` and
         :meth:`close` commit at once. An array that holds the commits back (a hook point called
         in some forwards only) has its open shard written as a partial shard at most once per
-        interval: up to a shard's bytes each time.
+        interval, up to a shard's bytes each time, while the partial shards written stay within
+        ``PARTIAL_REWRITE_SHARE`` (25%) of the bytes captured.
     max_pending_bytes : int, default 256 MiB
         Cap of the chunks queued for the writer thread, all arrays together; a full queue
         blocks the capture (backpressure).
@@ -1175,7 +1184,8 @@ class StoreWriter:
         self._counts = _native.load().RowCounts()  # each array's rows at the last recorded batch
         self._pending: list[_Batch] = []
         self._pending_samples = 0  # samples of the batches in _pending
-        self._keep_held = False  # (the store left its path: its held files are left where it went)
+        self._keep_held = False
+        self._partial_bytes = 0  # bytes of the partial shards asked for (_request_partial_shards)  # (the store left its path: its held files are left where it went)
         self._reductions: dict[str, dict] = {}
         self._encoders: dict[str, Any] = {}
         self._encoder_thread: threading.Thread | None = None
@@ -2311,8 +2321,9 @@ class StoreWriter:
         in any other array, and another array, which completed a shard since the commit, has more
         durable (or the forwards waiting are more than twice the rows of the largest shard: an array
         getting a row each forward would have filled a shard). Each such array's partial shard is written at most once per
-        ``commit_interval``, and only when rows came since the last one: the cost is a rewrite of
-        up to a shard's bytes per holding array and interval (FORMAT.md section 7)."""
+        ``commit_interval``, only when rows came since the last one, and only while the partial
+        shards written stay within ``PARTIAL_REWRITE_SHARE`` of the bytes appended (uncompressed):
+        a rewrite costs up to a shard's bytes (FORMAT.md section 7)."""
         pending = self._pending
         n = len(self._order)
         if not pending or not n:
@@ -2336,6 +2347,10 @@ class StoreWriter:
         if not ahead and not rare:
             return
         now = time.monotonic()
+        # byte budget: the partial shards written stay within PARTIAL_REWRITE_SHARE of the bytes the
+        # capture appended (a sample array behind token arrays holds every commit back, and a rewrite
+        # of its open shard each interval could write more than the capture itself on a slow model)
+        appended = sum(int(a.writer.n_rows) * a.row_nbytes for a in self._order if a.writer is not None)
         for i in np.flatnonzero(holding).tolist():
             a = self._order[i]
             if not a.recorded or a.writer is None:
@@ -2343,8 +2358,12 @@ class StoreWriter:
             rows = int(a.writer.n_rows)
             if rows == a.partial_rows or now - a.partial_at < self._commit_interval:
                 continue
+            cost = (rows - rows // a.shard_rows * a.shard_rows) * a.row_nbytes
+            if self._partial_bytes + cost > PARTIAL_REWRITE_SHARE * appended:
+                continue
             a.writer.snapshot()
             a.partial_at, a.partial_rows = now, rows
+            self._partial_bytes += cost
 
     def rows_since_last_batch(self) -> dict[str, int]:
         """``{hook_point: rows}`` appended since the last :meth:`add_batch` (rows of a forward

@@ -257,3 +257,59 @@ def test_only_the_array_that_holds_the_commits_back_is_written_as_a_partial_shar
     assert len(rare) == 3 and all(0 < c - 20 * i <= 6 for i, c in enumerate(rare)), asked
     assert all(60 < c <= 66 for hp, c in asked if hp == "lin.output"), asked
     assert check_prefix(acs.open_store(path), xs, len(xs)) == len(xs)
+
+
+class TokensAndPool(torch.nn.Module):
+    """Token rows (2 samples x 8 tokens x 32 features a forward) and a pooled sample array (2 x
+    64): the sample array completes its 64-row shard every 32 forwards, the token array every 4."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.tok = torch.nn.Linear(4, 32)
+        self.pool = torch.nn.Linear(32, 64)
+
+    def forward(self, x):
+        return self.pool(self.tok(x).mean(1))
+
+
+def test_partial_shards_written_stay_within_a_quarter_of_the_bytes_captured(tmp_path, monkeypatch):
+    """A sample array behind token arrays holds every commit back: before, its open shard was
+    written again at every commit (each interval), up to a shard's bytes each time, several
+    times the bytes the capture wrote on a slow model. Now the partial shards written stay
+    within PARTIAL_REWRITE_SHARE (25%) of the bytes appended, and the commits still follow
+    the token array."""
+    from activationscope.capture import _native
+    from activationscope.store.writer import PARTIAL_REWRITE_SHARE
+
+    C = _native.load()
+    asked: list[tuple[str, int]] = []
+    snapshot = C.ArrayWriter.snapshot
+    monkeypatch.setattr(C.ArrayWriter, "snapshot",
+                        lambda self: (asked.append((self.hook_point, int(self.n_rows))), snapshot(self))[1])
+    model = TokensAndPool()
+    g = torch.Generator().manual_seed(2)
+    xs = [torch.randn(2, 8, 4, generator=g) for _ in range(60)]
+    mask = torch.ones(2, 8, dtype=torch.long)
+    path = tmp_path / "s.zarr"
+    committed_early = 0
+    with torch.no_grad(), acs.ActivationScope(store=path, store_options={
+            "chunk_rows": 4, "shard_rows": 64, "commit_interval": 0}).track(model, include=["tok", "pool"]) as tracker:
+        for i, x in enumerate(xs):
+            tracker.set_batch(attention_mask=mask)
+            model(x)
+            tracker.writer._core.drain()
+            if i == 28:  # (the pooled array's first shard fills at forward 31)
+                committed_early = tracker.writer.n_samples_committed
+    row_bytes = {"tok.output": 32 * 4, "pool.output": 64 * 4}
+    written = sum(((n - 1) % 64 + 1) * row_bytes[hp] for hp, n in asked)
+    appended = len(xs) * (16 * row_bytes["tok.output"] + 2 * row_bytes["pool.output"])
+    assert any(hp == "pool.output" for hp, _ in asked), asked
+    assert PARTIAL_REWRITE_SHARE == 0.25 and written <= 0.25 * appended, (written, appended, asked)
+    assert committed_early >= 2 * 20, committed_early
+    st = acs.open_store(path, verify=True)
+    with torch.no_grad():
+        h = torch.cat([model.tok(x) for x in xs])
+        assert torch.equal(st.rows("tok.output", 0, st.n_rows("tok.output")), h.reshape(-1, 32))
+        pooled = torch.cat([model.pool(model.tok(x).mean(1)) for x in xs])
+        assert torch.equal(st.rows("pool.output", 0, st.n_rows("pool.output")), pooled)
