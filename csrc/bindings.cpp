@@ -246,6 +246,20 @@ void bind_store_writer(py::module_& m) {
           "append", [](ArrayWriter& w, const at::Tensor& rows) { w.append(rows, nullptr); }, py::arg("rows"),
           py::call_guard<ReleaseGil>())
       .def("flush", &ArrayWriter::flush, py::call_guard<ReleaseGil>())
+      .def("snapshot", &ArrayWriter::snapshot, py::call_guard<ReleaseGil>())
+      .def("held_shards", &ArrayWriter::held_shards, py::call_guard<ReleaseGil>())
+      .def("install_held",
+           [](ArrayWriter& w, std::vector<int64_t> shards) {
+             std::vector<ShardRecord> recs;
+             {
+               ReleaseGil nogil;
+               recs = w.install_held(shards);
+             }
+             py::list out;
+             for (const auto& r : recs) out.append(shard_record_to_dict(r));
+             return out;
+           })
+      .def("drop_held", &ArrayWriter::drop_held, py::call_guard<ReleaseGil>())
       .def("take_durable",
            [](ArrayWriter& w) {
              py::list out;

@@ -14,6 +14,7 @@
 
 #include <c10/util/StringUtil.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <limits>
@@ -611,6 +612,7 @@ ArrayWriter::ArrayWriter(std::shared_ptr<StoreCore> core, ArraySpec spec)
   chunked_rows_ = spec_.start_row;
   durable_rows_.store(spec_.start_row);
   next_chunk_ = spec_.start_row / spec_.chunk_rows;
+  if (spec_.hold_shard >= 0) held_shards_.push_back(spec_.hold_shard);
   if (!spec_.root.empty()) {
     const auto below = [&](const std::string& p) {
       return p == spec_.root || (p.size() > spec_.root.size() && p.compare(0, spec_.root.size(), spec_.root) == 0 &&
@@ -638,14 +640,16 @@ int ArrayWriter::open_dir(const std::string& path, bool make) const {
   return open_folder_below(root_fd_, spec_.root, path.substr(spec_.root.size()), make);
 }
 
-void ArrayWriter::unlink_tmp() noexcept {
+void ArrayWriter::unlink_tmp() noexcept { unlink_in_tmp_dir(tmp_path_); }
+
+void ArrayWriter::unlink_in_tmp_dir(const std::string& path) noexcept {
   if (root_fd_ < 0) {
-    ::unlink(tmp_path_.c_str());
+    ::unlink(path.c_str());
     return;
   }
   try {  // (a folder on the way swapped for a link: the file stays, never removed through it)
     FdCloser tmp_dir{open_dir(spec_.tmp_dir, false)};
-    ::unlinkat(tmp_dir.fd, basename_of(tmp_path_).c_str(), 0);
+    ::unlinkat(tmp_dir.fd, basename_of(path).c_str(), 0);
   } catch (...) {
   }
 }
@@ -761,6 +765,206 @@ void ArrayWriter::flush() {
   }
 }
 
+void ArrayWriter::snapshot() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (flushed_) return;
+  core_->check();
+  drain(true);  // rows still on their way from a device
+  const int64_t shard_rows = spec_.chunk_rows * spec_.shard_chunks;
+  if (chunked_rows_ % shard_rows == 0) return;  // every row in a complete shard (durable soon)
+  WorkItem item;
+  item.array = shared_from_this();
+  item.snapshot = true;
+  item.rows_end = chunked_rows_;
+  item.chunk = -1;
+  if (chunk_.defined() && fill_ > 0) {
+    std::vector<int64_t> shape{spec_.chunk_rows};
+    shape.insert(shape.end(), spec_.feature_shape.begin(), spec_.feature_shape.end());
+    at::Tensor copy = core_->take_buffer(shape, spec_.dtype, chunk_bytes_);
+    char* dst = static_cast<char*>(copy.data_ptr());
+    copy_bytes(dst, chunk_.const_data_ptr(), fill_ * row_bytes_);
+    std::memset(dst + fill_ * row_bytes_, 0, (spec_.chunk_rows - fill_) * row_bytes_);  // fill value 0
+    item.chunk = next_chunk_;
+    item.raw = std::move(copy);
+    item.budget_bytes = chunk_bytes_;
+  }
+  core_->push(std::move(item));
+}
+
+void ArrayWriter::write_index(int fd, const ShardRecord& rec, const std::string& path, int64_t* off) const {
+  // Index: (offset, nbytes) uint64 little-endian per inner chunk (C order), 2^64-1 for an
+  // empty chunk, then crc32c of those bytes (uint32 little-endian). Index at the end.
+  const uint64_t empty = std::numeric_limits<uint64_t>::max();
+  std::vector<uint64_t> index(2 * spec_.shard_chunks);
+  for (int64_t j = 0; j < spec_.shard_chunks; ++j) {
+    const bool has = rec.offsets[j] >= 0;
+    index[2 * j] = has ? static_cast<uint64_t>(rec.offsets[j]) : empty;
+    index[2 * j + 1] = has ? static_cast<uint64_t>(rec.nbytes[j]) : empty;
+  }
+  static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "little-endian host expected");
+  const size_t index_bytes = index.size() * sizeof(uint64_t);
+  const uint32_t crc = crc32c(0, index.data(), index_bytes);
+  write_all(fd, index.data(), index_bytes, path);
+  write_all(fd, &crc, sizeof(crc), path);
+  *off += static_cast<int64_t>(index_bytes + sizeof(crc));
+}
+
+void ArrayWriter::write_snapshot(WorkItem& item) {
+  const int64_t shard_rows = spec_.chunk_rows * spec_.shard_chunks;
+  const int64_t shard = (item.rows_end - 1) / shard_rows;
+  if (item.rows_end <= durable_rows_.load()) return;  // (durable already)
+  ShardRecord rec;
+  if (fd_ >= 0) {
+    ACS_CHECK(open_shard_ == shard, "hook point '", spec_.hook_point, "': a partial shard ", shard,
+              " was asked for while shard ", open_shard_, " is open");
+    rec = cur_;
+  } else {
+    if (item.chunk < 0) return;  // (no row past the complete shards)
+    rec.shard = shard;
+    rec.offsets.assign(spec_.shard_chunks, -1);
+    rec.nbytes.assign(spec_.shard_chunks, -1);
+    rec.crcs.assign(spec_.shard_chunks, 0);
+  }
+  FdCloser tmp_dir{open_dir(spec_.tmp_dir, true)};
+  const std::string name = c10::str("shard-", reinterpret_cast<uintptr_t>(this), "-", shard, "-",
+                                    static_cast<long>(::getpid()), ".snap.tmp");
+  const std::string path = spec_.tmp_dir + "/" + name;
+  const int flags = O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW;
+  int fd = ::openat(tmp_dir.fd, name.c_str(), flags, 0644);
+  if (fd < 0 && errno == EEXIST && ::unlinkat(tmp_dir.fd, name.c_str(), 0) == 0) {
+    fd = ::openat(tmp_dir.fd, name.c_str(), flags, 0644);
+  }
+  if (fd < 0) {
+    if (errno == ELOOP) not_a_folder(path);
+    io_fail("creating shard", path, errno);
+  }
+  int64_t off = 0;
+  try {
+    // the chunks the open shard holds so far, as written (the same bytes at the same offsets)
+    if (fd_ >= 0 && file_off_ > 0) {
+      std::vector<char> buf(static_cast<size_t>(std::min<int64_t>(file_off_, int64_t{8} << 20)));
+      while (off < file_off_) {
+        const size_t want = static_cast<size_t>(std::min<int64_t>(file_off_ - off, static_cast<int64_t>(buf.size())));
+        const ssize_t got = ::pread(fd_, buf.data(), want, off);
+        if (got < 0 && errno == EINTR) continue;
+        if (got <= 0) io_fail("reading back shard", tmp_path_, got < 0 ? errno : EIO);
+        write_all(fd, buf.data(), static_cast<size_t>(got), path);
+        off += got;
+      }
+    }
+    if (item.chunk >= 0) {
+      const void* data;
+      size_t n;
+      if (spec_.encoded) {
+        data = item.encoded.data();
+        n = item.encoded.size();
+      } else {
+        data = item.raw.data_ptr();
+        n = static_cast<size_t>(item.raw.nbytes());
+      }
+      const int64_t local = item.chunk % spec_.shard_chunks;
+      rec.crcs[local] = crc32c(0, data, n);
+      write_all(fd, data, n, path);
+      rec.offsets[local] = off;
+      rec.nbytes[local] = static_cast<int64_t>(n);
+      off += static_cast<int64_t>(n);
+    }
+    write_index(fd, rec, path, &off);
+    if (core_->fsync_enabled() && ::fsync(fd) != 0) io_fail("fsync of shard", path, errno);
+    const int closed = ::close(fd);
+    fd = -1;
+    if (closed != 0) io_fail("closing shard", path, errno);
+  } catch (...) {
+    if (fd >= 0) ::close(fd);
+    unlink_in_tmp_dir(path);
+    throw;
+  }
+  rec.rows_end = item.rows_end;
+  rec.file_bytes = off;
+  publish(path, std::move(rec));
+  // its key may hold committed rows from now on: every later file of this shard is held
+  if (std::find(held_shards_.begin(), held_shards_.end(), shard) == held_shards_.end()) held_shards_.push_back(shard);
+}
+
+void ArrayWriter::publish(const std::string& tmp_path, ShardRecord rec) {
+  std::string final_path = shard_path(rec.shard);
+  const bool held = std::find(held_shards_.begin(), held_shards_.end(), rec.shard) != held_shards_.end();
+  if (held) final_path += ".resumed.tmp";
+  // (a held file is renamed and noted as one step against install_held: the file it renames
+  // over the key is the one whose record it returns)
+  std::unique_lock<std::mutex> hold_lock(held_mu_, std::defer_lock);
+  if (held) hold_lock.lock();
+  // the folders opened again, none through a link (made again where one went since the
+  // shard was opened), and the shard renamed relative to them
+  int shard_dir = -1;
+  try {
+    FdCloser tmp_dir{open_dir(spec_.tmp_dir, false)};
+    FdCloser array_dir{spec_.dir == spec_.tmp_dir ? ::dup(tmp_dir.fd) : open_dir(spec_.dir, false)};
+    if (array_dir.fd < 0) io_fail("opening directory", spec_.dir, errno);
+    shard_dir = open_folder_below(array_dir.fd, spec_.dir, dirname_of(final_path).substr(spec_.dir.size()));
+    if (::renameat(tmp_dir.fd, basename_of(tmp_path).c_str(), shard_dir, basename_of(final_path).c_str()) != 0) {
+      io_fail("renaming shard to", final_path, errno);
+    }
+  } catch (...) {
+    if (shard_dir >= 0) ::close(shard_dir);
+    unlink_in_tmp_dir(tmp_path);
+    throw;
+  }
+  FdCloser renamed_in{shard_dir};
+  if (core_->fsync_enabled()) ::fsync(shard_dir);
+  const int64_t rows_end = rec.rows_end;
+  if (held) {
+    auto it = held_pending_.begin();
+    while (it != held_pending_.end() && it->second.shard < rec.shard) ++it;
+    if (it != held_pending_.end() && it->second.shard == rec.shard) {
+      it->second = std::move(rec);  // (renamed over the same held name: the latest file)
+    } else {
+      held_pending_.insert(it, {final_path, std::move(rec)});
+    }
+    hold_lock.unlock();
+  } else {
+    std::lock_guard<std::mutex> lock(rec_mu_);
+    records_.push_back(std::move(rec));
+  }
+  if (rows_end > durable_rows_.load()) durable_rows_.store(rows_end);
+  core_->bump_durable();
+}
+
+std::vector<std::pair<int64_t, int64_t>> ArrayWriter::held_shards() {
+  std::lock_guard<std::mutex> lock(held_mu_);
+  std::vector<std::pair<int64_t, int64_t>> out;
+  for (const auto& h : held_pending_) out.emplace_back(h.second.shard, h.second.rows_end);
+  return out;
+}
+
+std::vector<ShardRecord> ArrayWriter::install_held(const std::vector<int64_t>& shards) {
+  std::lock_guard<std::mutex> lock(held_mu_);
+  std::vector<ShardRecord> out;
+  const std::string suffix = ".resumed.tmp";
+  for (auto it = held_pending_.begin(); it != held_pending_.end();) {
+    if (std::find(shards.begin(), shards.end(), it->second.shard) == shards.end()) {
+      ++it;
+      continue;
+    }
+    auto& h = *it;
+    const std::string key = h.first.substr(0, h.first.size() - suffix.size());
+    if (::rename(h.first.c_str(), key.c_str()) != 0) io_fail("renaming the rewritten shard to", key, errno);
+    if (core_->fsync_enabled()) {
+      FdCloser dir{open_folder(dirname_of(key))};
+      ::fsync(dir.fd);
+    }
+    out.push_back(std::move(h.second));
+    it = held_pending_.erase(it);
+  }
+  return out;
+}
+
+void ArrayWriter::drop_held() {
+  std::lock_guard<std::mutex> lock(held_mu_);
+  for (const auto& h : held_pending_) ::unlink(h.first.c_str());
+  held_pending_.clear();
+}
+
 std::string ArrayWriter::shard_path(int64_t shard) const {
   // Zarr v3 default chunk key encoding, separator "/": c/<shard>/0/0...
   std::string p = spec_.dir + "/c/" + std::to_string(shard);
@@ -778,6 +982,10 @@ void ArrayWriter::abandon_shard() {
 }
 
 void ArrayWriter::write_chunk(WorkItem& item) {
+  if (item.snapshot) {
+    write_snapshot(item);
+    return;
+  }
   if (item.chunk < 0) {  // empty final marker
     if (fd_ >= 0) finish_shard(item.rows_end);
     return;
@@ -793,7 +1001,8 @@ void ArrayWriter::write_chunk(WorkItem& item) {
     // a file of its own (O_EXCL): never one already at that name (the names are known once one
     // is seen: a hard link to a file elsewhere planted there would be truncated and written into);
     // one found there (a planted one, or left by a killed process of the same pid) loses its name
-    const int flags = O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW;
+    // (read back too, by write_snapshot)
+    const int flags = O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW;
     fd_ = ::openat(tmp_dir.fd, tmp_name.c_str(), flags, 0644);
     if (fd_ < 0 && errno == EEXIST && ::unlinkat(tmp_dir.fd, tmp_name.c_str(), 0) == 0) {
       fd_ = ::openat(tmp_dir.fd, tmp_name.c_str(), flags, 0644);
@@ -836,56 +1045,17 @@ void ArrayWriter::write_chunk(WorkItem& item) {
 }
 
 void ArrayWriter::finish_shard(int64_t rows_end) {
-  // Index: (offset, nbytes) uint64 little-endian per inner chunk (C order), 2^64-1 for an
-  // empty chunk, then crc32c of those bytes (uint32 little-endian). Index at the end.
-  const uint64_t empty = std::numeric_limits<uint64_t>::max();
-  std::vector<uint64_t> index(2 * spec_.shard_chunks);
-  for (int64_t j = 0; j < spec_.shard_chunks; ++j) {
-    const bool has = cur_.offsets[j] >= 0;
-    index[2 * j] = has ? static_cast<uint64_t>(cur_.offsets[j]) : empty;
-    index[2 * j + 1] = has ? static_cast<uint64_t>(cur_.nbytes[j]) : empty;
-  }
-  static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "little-endian host expected");
-  const size_t index_bytes = index.size() * sizeof(uint64_t);
-  const uint32_t crc = crc32c(0, index.data(), index_bytes);
-  write_all(fd_, index.data(), index_bytes, tmp_path_);
-  write_all(fd_, &crc, sizeof(crc), tmp_path_);
-  file_off_ += static_cast<int64_t>(index_bytes + sizeof(crc));
+  write_index(fd_, cur_, tmp_path_, &file_off_);
   if (core_->fsync_enabled() && ::fsync(fd_) != 0) io_fail("fsync of shard", tmp_path_, errno);
   if (::close(fd_) != 0) {
     fd_ = -1;
     io_fail("closing shard", tmp_path_, errno);
   }
   fd_ = -1;
-  std::string final_path = shard_path(cur_.shard);
-  if (cur_.shard == spec_.hold_shard) final_path += ".resumed.tmp";
-  // the folders opened again, none through a link (made again where one went since the
-  // shard was opened), and the shard renamed relative to them
-  int shard_dir = -1;
-  try {
-    FdCloser tmp_dir{open_dir(spec_.tmp_dir, false)};
-    FdCloser array_dir{spec_.dir == spec_.tmp_dir ? ::dup(tmp_dir.fd) : open_dir(spec_.dir, false)};
-    if (array_dir.fd < 0) io_fail("opening directory", spec_.dir, errno);
-    shard_dir = open_folder_below(array_dir.fd, spec_.dir, shard_dir_.substr(spec_.dir.size()));
-    if (::renameat(tmp_dir.fd, basename_of(tmp_path_).c_str(), shard_dir, basename_of(final_path).c_str()) != 0) {
-      io_fail("renaming shard to", final_path, errno);
-    }
-  } catch (...) {
-    if (shard_dir >= 0) ::close(shard_dir);
-    unlink_tmp();
-    throw;
-  }
-  FdCloser renamed_in{shard_dir};
-  if (core_->fsync_enabled()) ::fsync(shard_dir);
+  open_shard_ = -1;
   cur_.rows_end = rows_end;
   cur_.file_bytes = file_off_;
-  {
-    std::lock_guard<std::mutex> lock(rec_mu_);
-    records_.push_back(cur_);
-  }
-  durable_rows_.store(rows_end);
-  open_shard_ = -1;
-  core_->bump_durable();
+  publish(tmp_path_, cur_);
 }
 
 std::vector<ShardRecord> ArrayWriter::take_durable() {

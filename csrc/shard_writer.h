@@ -62,7 +62,8 @@ struct ArraySpec {
   bool encoded = false;                 // chunks go through the encoder (compression)
   // A shard whose file is renamed to "<key>.resumed.tmp" instead of its key (-1: none): the
   // committed partial last shard a resume rewrites keeps its key until the resume's commit
-  // renames the new file over it (store/FORMAT.md section 7).
+  // renames the new file over it (store/FORMAT.md section 7). A shard written early as a
+  // partial shard (ArrayWriter::snapshot) is held the same way from then on.
   int64_t hold_shard = -1;
 };
 
@@ -83,6 +84,9 @@ struct WorkItem {
   int64_t chunk = 0;                    // global chunk index along rows
   int64_t rows_end = 0;                 // array rows after this chunk's real rows
   bool final = false;                   // last chunk of the array: close the shard after it
+  // a copy of the open shard made durable as a partial shard (ArrayWriter::snapshot): `raw`,
+  // when defined, is a zero-padded copy of the partial chunk (`chunk` its index, else -1)
+  bool snapshot = false;
   at::Tensor raw;                       // contiguous chunk (chunk_rows, *feature_shape)
   std::string encoded;                  // encoded bytes (compressed arrays)
   int64_t budget_bytes = 0;             // bytes held against the queue cap
@@ -182,6 +186,20 @@ class ArrayWriter : public RowConsumer, public std::enable_shared_from_this<Arra
   }
   // Push the partial chunk (zero-padded) as the array's final chunk. Idempotent.
   void flush();
+  // Make the rows appended so far durable without closing the open shard: the writer thread
+  // writes a copy of the open shard with a zero-padded copy of the partial chunk, as the
+  // close would write a partial last shard, under the shard's key (its first such copy) or
+  // held (every later file of that shard: install_held). Appends go on into the open shard.
+  // Nothing when every row is in a complete shard. No GIL.
+  void snapshot();
+  // The held files of shards (a resume's rewrite, or a shard rewritten after a snapshot)
+  // waiting for the commit that lists them, the latest of each shard: held_shards lists their
+  // (shard, rows_end); install_held renames those of `shards` over their keys, in shard order,
+  // and returns their records (a file of another shard, written since, waits for the next);
+  // drop_held removes them.
+  std::vector<std::pair<int64_t, int64_t>> held_shards();
+  std::vector<ShardRecord> install_held(const std::vector<int64_t>& shards);
+  void drop_held();
 
   int64_t n_rows() const { return n_rows_.load(); }            // rows appended (from row 0), deferred ones too
   int64_t durable_rows() const { return durable_rows_.load(); }
@@ -200,10 +218,16 @@ class ArrayWriter : public RowConsumer, public std::enable_shared_from_this<Arra
   void drain(bool all);                     // deferred rows into chunks, in order (mu_ held)
   std::string shard_path(int64_t shard) const;
   void finish_shard(int64_t rows_end);
+  void write_snapshot(WorkItem& item);
+  // Rename the finished shard file `tmp_path` (in tmp_dir) to the key of rec.shard, or to its
+  // held name, and record it (writer thread).
+  void publish(const std::string& tmp_path, ShardRecord rec);
+  void write_index(int fd, const ShardRecord& rec, const std::string& path, int64_t* off) const;
   // The folder `path` (`dir`, `tmp_dir` or one below them), each component from the root
   // opened without following a link; `make`: the missing ones are made. Returns its fd.
   int open_dir(const std::string& path, bool make) const;
   void unlink_tmp() noexcept;           // the open shard's temporary file, found the same way
+  void unlink_in_tmp_dir(const std::string& path) noexcept;
 
   std::shared_ptr<StoreCore> core_;
   ArraySpec spec_;
@@ -237,6 +261,13 @@ class ArrayWriter : public RowConsumer, public std::enable_shared_from_this<Arra
   std::string shard_dir_;               // folder of the open shard's key (made when it was opened)
   int64_t file_off_ = 0;
   ShardRecord cur_;
+  // writer thread: shards whose key may hold committed rows (the resume's hold_shard, shards
+  // written as a snapshot): their files are held, never renamed straight over the key
+  std::vector<int64_t> held_shards_;
+  // the latest held file of each shard waiting for install_held: (its path, its record),
+  // in shard order (guarded by held_mu_)
+  std::mutex held_mu_;
+  std::vector<std::pair<std::string, ShardRecord>> held_pending_;
 };
 
 }  // namespace acs

@@ -151,7 +151,7 @@ TEMP_NAME = re.compile(r"\.[^/]+\.[0-9a-f]{8}\.tmp")
 #: ``ArrayWriter::write_chunk``) fills before renaming it to its shard key:
 #: ``shard-<writer id>-<shard>-<pid>.tmp`` (decimal numbers), in its array's folder
 #: ``acts/<node>/``.
-SHARD_TEMP_NAME = re.compile(r"shard-[0-9]+-[0-9]+-[0-9]+\.tmp")
+SHARD_TEMP_NAME = re.compile(r"shard-[0-9]+-[0-9]+-[0-9]+(?:\.snap)?\.tmp")
 
 #: The name of the temporary link (or copy) of a rank shard that the commit of rank stores
 #: (``ranks._link_or_copy``) makes before renaming it to its shard key: ``.<name>.link.tmp``,
@@ -202,7 +202,8 @@ class LocalBackend:
         """Remove the temporary files of :meth:`set` / :meth:`reserve` (``.<name>.<8 hex
         digits>.tmp``, :data:`TEMP_NAME`), of the commit of rank stores (``.<name>.link.tmp``,
         :data:`LINK_TEMP_NAME`) and, with ``shards``, of the native shard writer
-        (``shard-<writer id>-<shard>-<pid>.tmp`` directly in an array folder ``acts/<node>/``,
+        (``shard-<writer id>-<shard>-<pid>.tmp``, ``.snap.tmp`` for a partial shard's copy, directly
+        in an array folder ``acts/<node>/``,
         :data:`SHARD_TEMP_NAME`) that an earlier writer process left in the store (killed
         between creating one and renaming it), in every array folder, whether the root
         document lists its array or not (a writer killed before the array's first commit).

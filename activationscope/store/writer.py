@@ -5,7 +5,9 @@ store appends full chunks to shard files. Python runs once per forward (:meth:`a
 :meth:`maybe_commit`) and commits what the writer thread made durable:
 
 1. data: complete shards (written to a temporary name, index appended, fsync'ed if asked,
-   renamed; remote targets: uploaded from the local staging directory);
+   renamed; remote targets: uploaded from the local staging directory), and the partial
+   shards of the arrays that hold the commits back (:meth:`_request_partial_shards`), whose
+   rewrites are renamed over their key here (:meth:`_install_held_shard`);
 2. row-table parts (Parquet), manifests (per-chunk crc32c), array ``zarr.json`` (shapes),
    each written atomically (temp + rename);
 3. the root ``zarr.json`` last: it holds the committed sample / row counts, so a reader or a
@@ -57,7 +59,7 @@ from .._safeio import _kind
 from . import _format as F
 from . import _validate as V
 from ._backend import (LocalBackend, check_backend_not_in_store, check_local_store_path, check_remote_store_path,
-                       fsync_dir, refuse_foreign_entries, resolve, write_root_first)
+                       refuse_foreign_entries, resolve, write_root_first)
 from ._backend import _inside as _inside_folder
 from ._format import KEPT_SUFFIX, committed_reduction_files, committed_reduction_groups
 from ._lock import WriterLock
@@ -69,6 +71,9 @@ _IO_THREADS = 4
 #: A local folder whose first document write of a commit took less than this (seconds)
 #: gets the commit's other documents written in the committing thread (see _set_many).
 _SERIAL_WRITE_S = 0.001
+#: The partial shards an array holding the commits back has written (:meth:`StoreWriter._request_partial_shards`)
+#: stay within this share of the bytes the capture appends (uncompressed): at most 25% more written.
+PARTIAL_REWRITE_SHARE = 0.25
 # names the writer fills itself; "pos" is reserved for sample columns too: a token dataset joins the
 # sample columns of each token's sample, where a sample column "pos" would hide the token position
 _RESERVED = {"sample": ("sample_id", "pos", "batch"), "token": ("sample_id", "pos", "batch")}
@@ -252,9 +257,12 @@ class _Array:
     chunks_found: bool = True  # and its folder of shards (c/)
     # resume of a local store: the committed partial last shard the re-fed rows rewrite; its new
     # file is written as "<key>.resumed.tmp" and renamed over the key by the commit that lists it
-    # (FORMAT.md section 7), so a resume killed before that commit leaves the committed file as it was
+    # (FORMAT.md section 7), so a resume killed before that commit leaves the committed file as it was.
+    # A shard made durable early as a partial shard (_request_partial_shards) is rewritten the same way
     held_shard: int = -1
-    held_ready: bool = False  # that new file is written (taken from the writer), not yet renamed
+    # when (time.monotonic()) and at how many appended rows its partial shard was last asked for
+    partial_at: float = -math.inf
+    partial_rows: int = -1
     # shard records taken from the writer thread by a commit that failed before listing them (an
     # upload that failed): the next commit lists them first
     untaken: list = field(default_factory=list)
@@ -262,6 +270,11 @@ class _Array:
     # a root list it. An array first opened in a forward that is never recorded (refused or raised
     # partway) is never listed, and its files are removed by the close
     recorded: bool = True
+
+    @property
+    def row_nbytes(self) -> int:
+        """Bytes of one row, uncompressed."""
+        return math.prod(self.feature_shape) * F.itemsize(self.dtype)
 
     @property
     def shard_rows(self) -> int:
@@ -838,7 +851,10 @@ class StoreWriter:
         again). 0 commits after every forward that completed a shard. Each commit rewrites
         every array's manifest and document and the root, so committing at every shard of a
         fast capture costs more than the capture's own bookkeeping. :meth:`commit` and
-        :meth:`close` commit at once.
+        :meth:`close` commit at once. An array that holds the commits back (a hook point called
+        in some forwards only) has its open shard written as a partial shard at most once per
+        interval, up to a shard's bytes each time, while the partial shards written stay within
+        ``PARTIAL_REWRITE_SHARE`` (25%) of the bytes captured.
     max_pending_bytes : int, default 256 MiB
         Cap of the chunks queued for the writer thread, all arrays together; a full queue
         blocks the capture (backpressure).
@@ -1168,7 +1184,8 @@ class StoreWriter:
         self._counts = _native.load().RowCounts()  # each array's rows at the last recorded batch
         self._pending: list[_Batch] = []
         self._pending_samples = 0  # samples of the batches in _pending
-        self._warned_held = False  # (_warn_held_commits: once per capture)
+        self._keep_held = False
+        self._partial_bytes = 0  # bytes of the partial shards asked for (_request_partial_shards)  # (the store left its path: its held files are left where it went)
         self._reductions: dict[str, dict] = {}
         self._encoders: dict[str, Any] = {}
         self._encoder_thread: threading.Thread | None = None
@@ -1903,7 +1920,7 @@ class StoreWriter:
             self._reserve([f"{arr.path}/zarr.json", f"{arr.path}/manifest.json"])
             return writer
 
-    def _keep_committed_shard(self, arr: _Array, shard: int) -> None:
+    def _keep_committed_shard(self, arr: _Array, shard: int, resuming: bool = True) -> None:
         """Hard-link (a copy where the file system has no hard links) the committed file of a
         partial last shard that this run will rewrite under the same name, so :meth:`discard`
         can put it back (local stores; remote ones upload only at a commit). The ``.tmp`` name
@@ -1915,6 +1932,13 @@ class StoreWriter:
         try:
             _link_or_copy(path, keep)
         except OSError as e:
+            if not resuming:
+                raise StoreError(
+                    f"store {str(self._backend)!r}: the committed partial shard {path.name!r} of hook point "
+                    f"{arr.hook_point!r} cannot be kept while its rewrite replaces it (neither a hard link nor a copy "
+                    f"at {keep}: {e}); the shard was not touched and the committed rows are unchanged (resume=True "
+                    "continues from them). Free space or fix permissions in the store's folder"
+                ) from e
             raise StoreError(
                 f"cannot resume {str(self._backend)!r}: its partial last shard {path.name!r} of hook point "
                 f"{arr.hook_point!r} cannot be kept (neither a hard link nor a copy at {keep}: {e}), so an "
@@ -1944,33 +1968,45 @@ class StoreWriter:
                              f"hook point {hook_point!r} from {chosen} failed: {e.strerror or e}; nothing was deleted. "
                              "Fix permissions in the store's folder, then resume again") from e
 
-    def _held_path(self, arr: _Array) -> Path:
-        return self._backend.root / (F.shard_key(arr.path, arr.held_shard, len(arr.feature_shape)) + ".resumed.tmp")
-
-    def _install_held_shard(self, arr: _Array) -> None:
-        """Rename the rewritten last shard of a resume (``<key>.resumed.tmp``) over its key."""
-        held = self._held_path(arr)
+    def _install_held_shard(self, arr: _Array, shards: list[int]) -> None:
+        """Commit, step 1: rename the latest rewrite of a shard whose key may hold committed rows
+        (the partial last shard a resume rewrites, or one made durable early as a partial shard,
+        :meth:`_request_partial_shards`), written as ``<key>.resumed.tmp``, over its key, and list
+        it. On a local store the file it replaces, when it holds committed rows, is kept as
+        ``<key>.committed.tmp`` until a root lists the rewrite (readers meanwhile read that one:
+        FORMAT.md section 7). A remote store's rewrite is staged: renamed there, then uploaded.
+        ``shards``: those with a rewrite written (a shard's later rewrite, written since, is the
+        one installed)."""
+        local = isinstance(self._backend, LocalBackend)
+        if local:
+            kept = {p for p, _ in self._kept_shards}
+            for shard in shards:
+                if shard * arr.shard_rows < arr.committed_rows:  # (its key holds committed rows)
+                    path = self._backend.root / F.shard_key(arr.path, shard, len(arr.feature_shape))
+                    if path not in kept:
+                        self._keep_committed_shard(arr, shard, resuming=False)
         try:
-            os.replace(held, held.with_name(held.name[: -len(".resumed.tmp")]))
-            if self._backend.fsync:
-                fsync_dir(held.parent)
-        except OSError as e:
-            raise StoreError(f"store {str(self._backend)!r}: renaming the rewritten last shard {held} of hook point "
-                             f"{arr.hook_point!r} to its key failed: {e.strerror or e}; the committed rows are "
-                             "unchanged (resume=True continues from them)") from e
-        self._installed_shards.add(held.with_name(held.name[: -len(".resumed.tmp")]))
-        arr.held_shard, arr.held_ready = -1, False
+            records = arr.writer.install_held(list(shards))
+        except StoreError as e:
+            raise StoreError(f"store {str(self._backend)!r}: renaming the rewritten shard of hook point "
+                             f"{arr.hook_point!r} to its key failed: {e}; the committed rows are unchanged "
+                             "(resume=True continues from them)") from e
+        for rec in records:
+            if local:
+                self._installed_shards.add(self._backend.root / F.shard_key(arr.path, int(rec["shard"]),
+                                                                            len(arr.feature_shape)))
+            self._list_shard(arr, rec)
 
     def _drop_held_shards(self) -> None:
-        """Remove the rewritten last shards no commit installed (an abort, a discard, a failure)."""
+        """Remove the rewritten shards no commit installed (an abort, a discard, a failure)."""
         for a in self._arrays.values():
-            if a.held_shard >= 0 and isinstance(self._backend, LocalBackend):
+            if a.writer is not None and not self._keep_held:
                 try:
-                    self._held_path(a).unlink(missing_ok=True)
-                except OSError as e:
-                    warnings.warn(f"store {str(self._backend)!r}: removing {self._held_path(a)}: {e}",
-                                  RuntimeWarning, stacklevel=3)
-                a.held_shard, a.held_ready = -1, False
+                    a.writer.drop_held()
+                except (StoreError, OSError) as e:
+                    warnings.warn(f"store {str(self._backend)!r}: removing the rewritten shard of hook point "
+                                  f"{a.hook_point!r}: {e}", RuntimeWarning, stacklevel=3)
+            a.held_shard = -1
 
     def _drop_installed_kept_shards(self) -> None:
         """After a root document was written: remove the kept committed files of the shards
@@ -2025,7 +2061,7 @@ class StoreWriter:
             store = Store(self._backend)
         except (ActivationScopeError, OSError, KeyError, TypeError, ValueError):
             return listed
-        for hp in self._old_arrays:
+        for hp in sorted(set(self._old_arrays) | set(self._arrays)):
             try:  # (an array that cannot be read has its kept file put back)
                 meta = store._meta(hp)
                 n, shard_rows = int(meta["n_rows"]), int(meta["shard_rows"])
@@ -2306,26 +2342,59 @@ class StoreWriter:
         self._pending_samples += n
         return lost
 
-    def _warn_held_commits(self, k: int, durable: np.ndarray) -> None:
-        """Warn once when the forwards waiting for a commit are more than twice the rows of
-        the largest shard: an array that gets a row every forward (as every array following
-        the row table does) fills a shard within that many forwards, so one that has not is
-        getting fewer (a module called in some forwards only) and holds back every commit:
-        a crash loses those forwards, and their bookkeeping grows until its shard fills."""
-        held = len(self._pending) - k
-        limit = 2 * max((a.shard_rows for a in self._order), default=0)
-        if not limit or held <= limit:
+    def _request_partial_shards(self, durable: np.ndarray) -> None:
+        """Commit: ask the writer thread to make durable, as a partial shard, the rows of each
+        array that holds the commit back, so that the next commit covers the forwards the other
+        arrays hold durable (a hook point called in some forwards only fills its shard slowly,
+        perhaps never, and would hold every commit back until it does).
+
+        An array holds the commit back when, of the forwards waiting, fewer are durable in it than
+        in any other array, and another array, which completed a shard since the commit, has more
+        durable (or the forwards waiting are more than twice the rows of the largest shard: an array
+        getting a row each forward would have filled a shard). Each such array's partial shard is written at most once per
+        ``commit_interval``, only when rows came since the last one, and only while the partial
+        shards written stay within ``PARTIAL_REWRITE_SHARE`` of the bytes appended (uncompressed):
+        a rewrite costs up to a shard's bytes (FORMAT.md section 7)."""
+        pending = self._pending
+        n = len(self._order)
+        if not pending or not n:
             return
-        first = self._pending[k]
-        slow = [a.hook_point for a, cum, d in zip(self._order, first.cums.tolist(), durable.tolist()) if cum > d]
-        self._warned_held = True
-        warnings.warn(
-            f"store {str(self._backend)!r}: the last {held} forwards are not committed, since forward "
-            f"{first.index} (counted from 0): hook point(s) {slow[:8]} got too few rows since then to fill "
-            "a shard, and a commit covers only the forwards whose rows are durable in every array. A crash "
-            "now loses those forwards, and each one held costs memory until the shard fills. Exclude those "
-            "hook points (exclude=), capture them into a store of their own, or pass a smaller shard_rows= "
-            "or shard_bytes=. Warned once per capture", CaptureWarning, stacklevel=2)
+        cums = np.zeros((len(pending), n), dtype=np.int64)
+        for j, batch in enumerate(pending):
+            cums[j, :len(batch.cums)] = batch.cums
+        behind = cums > durable[None, :]
+        # forwards (leading) durable in each array
+        done = np.where(behind.any(axis=0), behind.argmax(axis=0), len(pending))
+        low = int(done.min())
+        holding = done == low
+        # (only an array that completed a shard since the commit is ahead: one durable past it by a
+        # partial shard of its own, or durable through every forward waiting because it got no row
+        # since, shows no pace the others fall behind; they are not written for it)
+        shard_rows = np.array([a.shard_rows for a in self._order], dtype=np.int64)
+        committed = np.array([a.committed_rows for a in self._order], dtype=np.int64)
+        moved = durable // shard_rows > committed // shard_rows
+        ahead = bool((~holding & moved).any())
+        rare = len(pending) - low > 2 * max(a.shard_rows for a in self._order)
+        if not ahead and not rare:
+            return
+        now = time.monotonic()
+        # byte budget: the partial shards written stay within PARTIAL_REWRITE_SHARE of the bytes the
+        # capture appended (a sample array behind token arrays holds every commit back, and a rewrite
+        # of its open shard each interval could write more than the capture itself on a slow model)
+        appended = sum(int(a.writer.n_rows) * a.row_nbytes for a in self._order if a.writer is not None)
+        for i in np.flatnonzero(holding).tolist():
+            a = self._order[i]
+            if not a.recorded or a.writer is None:
+                continue
+            rows = int(a.writer.n_rows)
+            if rows == a.partial_rows or now - a.partial_at < self._commit_interval:
+                continue
+            cost = (rows - rows // a.shard_rows * a.shard_rows) * a.row_nbytes
+            if self._partial_bytes + cost > PARTIAL_REWRITE_SHARE * appended:
+                continue
+            a.writer.snapshot()
+            a.partial_at, a.partial_rows = now, rows
+            self._partial_bytes += cost
 
     def rows_since_last_batch(self) -> dict[str, int]:
         """``{hook_point: rows}`` appended since the last :meth:`add_batch` (rows of a forward
@@ -2384,7 +2453,10 @@ class StoreWriter:
     def _commit(self, status: str, force: bool = False) -> bool:
         b = self._backend
         self._check_still_held()  # (its folder replaced: every write below would land in another store)
-        # 1. data: shards made durable by the writer thread (remote: upload them first)
+        # 1. data: shards made durable by the writer thread (remote: upload them first). The held
+        # rewrites written so far are noted first: the records of the shards before each are then
+        # among those taken below (the writer thread records a shard before it writes the next)
+        held = {id(a): a.writer.held_shards() if a.recorded else [] for a in self._order}
         for a in self._arrays.values():
             if not a.recorded:  # its shards are taken once a batch records it; the close removes them
                 if self._closed:
@@ -2398,24 +2470,27 @@ class StoreWriter:
                     a.untaken = records[i:]
                     raise
         # rows listed in the manifests above (not the writer thread's durable_rows, read now: a
-        # shard it finished since take_durable() is on disk but in no manifest until the next commit)
-        durable = np.array([max(a.committed_rows, a.listed_rows) for a in self._order], dtype=np.int64)
+        # shard it finished since take_durable() is on disk but in no manifest until the next commit),
+        # and those of the held rewrites written so far (installed below, each with at least those rows)
+        durable = np.array([max([a.committed_rows, a.listed_rows] + [r for _s, r in held[id(a)]])
+                            for a in self._order], dtype=np.int64)
         k = 0
         for batch in self._pending:  # (an array opened after a batch has no count in it)
             if bool((batch.cums <= durable[:len(batch.cums)]).all()):
                 k += 1
             else:
                 break
-        if k < len(self._pending) and not self._warned_held:
-            self._warn_held_commits(k, durable)
+        if k < len(self._pending) and not self._closed:
+            self._request_partial_shards(durable)
         if k == 0 and not force and not self._unpublished:
             return False  # (the shards taken above stay in the store, noted in _found_files)
-        # the rewritten last shard of a resume replaces the committed one now, just before the
-        # manifest that describes it (the root, written last, still lists the committed rows only
+        # the rewrites of shards whose key may hold committed rows (the partial last shard of a
+        # resume, a partial shard written early) replace the committed files now, just before the
+        # manifests that describe them (the root, written last, still lists the committed rows only
         # until it is written: FORMAT.md section 7)
-        for a in self._arrays.values():
-            if a.held_ready:
-                self._install_held_shard(a)
+        for a in self._order:
+            if held[id(a)]:
+                self._install_held_shard(a, [s for s, _r in held[id(a)]])
         batches = self._pending[:k]
         # 2. row-table parts. A part that fails leaves the tables and the pending batches as they
         # were (a later commit writes them again): the arrays' rows of those batches, in the
@@ -2515,8 +2590,6 @@ class StoreWriter:
             local = self._staging / key
             b.put_file(key, local)
             local.unlink()
-        elif int(rec["shard"]) == a.held_shard:
-            a.held_ready = True  # renamed over its key once this commit goes ahead (below)
         a.manifest[int(rec["shard"])] = {
             "shard": int(rec["shard"]), "key": key, "rows_end": int(rec["rows_end"]),
             "file_bytes": int(rec["file_bytes"]),
@@ -3439,8 +3512,9 @@ class StoreWriter:
         there: it releases its resources and lock only."""
         if self._store_lost() is not None:  # (its kept and held files are where the store went: left there)
             walk, remove_if_empty = False, ()
+            self._keep_held = True
             for a in self._arrays.values():
-                a.held_shard, a.held_ready = -1, False
+                a.held_shard = -1
             self._kept_shards, self._kept_reductions = [], {}
         self._drop_held_shards()
         # a kept committed file still here: no root lists its shard's rewrite (a close or abort

@@ -67,8 +67,8 @@ if __name__ == "__main__":
 
         install = StoreWriter._install_held_shard
 
-        def _install_then_die(self, arr):
-            install(self, arr)
+        def _install_then_die(self, arr, shards):
+            install(self, arr, shards)
             os.kill(os.getpid(), signal.SIGKILL)
 
         StoreWriter._install_held_shard = _install_then_die

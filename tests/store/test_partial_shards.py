@@ -1,0 +1,315 @@
+"""A hook point called in a few forwards only fills its shard slowly, perhaps never; a commit
+covers only the forwards whose rows are durable in every array. The writer makes such an
+array's rows durable as a partial shard (rewritten under the same key as rows come), so the
+commits follow the other arrays and a killed capture keeps its forwards."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import activationscope as acs
+from acs_testing import store_target
+
+# 'lin' gets 2 rows a forward and fills an 8-row shard every 4 forwards; 'rare' runs once
+# every 20 forwards (2 rows): its 8-row shard fills after 80 forwards
+OPTIONS = {"chunk_rows": 4, "shard_rows": 8, "commit_interval": 0}
+EVERY = 20
+
+
+class RareBranch(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(4, 4)
+        self.rare = torch.nn.Linear(4, 3)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        h = self.lin(x)
+        if (self.calls - 1) % EVERY == 0:
+            h = h + self.rare(x).sum(-1, keepdim=True)
+        return h
+
+
+def inputs(n: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(2, 4, generator=g) for _ in range(n)]
+
+
+def expected(xs: list[torch.Tensor], n_forwards: int) -> dict[str, torch.Tensor]:
+    model = RareBranch()  # (the same weights, untracked)
+    with torch.no_grad():
+        return {"lin.output": torch.cat([model.lin(x) for x in xs[:n_forwards]]),
+                "rare.output": torch.cat([model.rare(x) for i, x in enumerate(xs[:n_forwards]) if i % EVERY == 0])}
+
+
+def check_prefix(st, xs, n_forwards_min: int) -> int:
+    """The store's committed forwards (at least ``n_forwards_min``), each row as PyTorch gives it."""
+    n = st.n_samples
+    assert n % 2 == 0 and n >= 2 * n_forwards_min, (n, n_forwards_min)
+    want = expected(xs, n // 2)
+    for hp, rows in want.items():
+        assert st.n_rows(hp) == len(rows), (hp, st.n_rows(hp), len(rows))
+        assert torch.equal(st.rows(hp, 0, len(rows)), rows), hp
+    return n // 2
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+@pytest.mark.parametrize("where", ["local", "memory", "s3"])
+def test_a_rare_hook_point_does_not_hold_back_the_commits(request, where, compression):
+    """Before, no forward was committed until 'rare' filled its shard (80 forwards): a reader
+    of the running capture saw none, and a crash lost them all."""
+    target, so = store_target(request, where, prefix="partial")
+    model, xs = RareBranch(), inputs(70)
+    scope = acs.ActivationScope(store=target, store_options={**OPTIONS, "compression": compression,
+                                                           "storage_options": so})
+    tracker = scope.track(model, include=["lin", "rare"]).attach()
+    early = None
+    with tracker, torch.no_grad():
+        for i, x in enumerate(xs):
+            model(x)
+            tracker.writer._core.drain()  # (the writer thread keeps up: the commits below are exact)
+            if i == 25:
+                live = acs.open_store(target, storage_options=so)
+                check_prefix(live, xs, 20)
+                early = acs.open_store(target, storage_options=so)  # read again later, never refreshed
+            elif i > 25 and i % 7 == 0:
+                live.refresh()  # the partial shard of 'rare' rewritten since: its rows read right
+                check_prefix(live, xs, i + 1 - 6)
+        live.refresh()
+        got = check_prefix(live, xs, len(xs) - 6)
+        assert got < len(xs)  # (some forwards wait for 'lin''s shard: the commits follow it)
+        check_prefix(early, xs, 20)
+    st = acs.open_store(target, storage_options=so)
+    assert check_prefix(st, xs, len(xs)) == len(xs) and st.status == "complete"
+    check_prefix(early, xs, 20)  # (its commit's rows, the shard rewritten since)
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted((root / "acts").rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_a_capture_that_is_not_killed_writes_the_same_arrays(tmp_path, monkeypatch, compression):
+    """The partial shards written meanwhile are replaced by the shards a capture writes
+    without them: the same files, byte for byte (shards, manifests, array documents)."""
+    from activationscope.store.writer import StoreWriter
+
+    def capture(path):
+        model, xs = RareBranch(), inputs(70)
+        with torch.no_grad(), acs.ActivationScope(store=path, store_options={
+                **OPTIONS, "compression": compression}).track(model, include=["lin", "rare"]) as tracker:
+            for x in xs:
+                model(x)
+                tracker.writer._core.drain()
+        return model, xs
+
+    capture(tmp_path / "a.zarr")
+    with monkeypatch.context() as m:
+        m.setattr(StoreWriter, "_request_partial_shards", lambda self, durable: None, raising=False)
+        capture(tmp_path / "b.zarr")
+    a, b = _files(tmp_path / "a.zarr"), _files(tmp_path / "b.zarr")
+    assert sorted(a) == sorted(b) and any("rare" in k and "/c/" in k for k in a)
+    assert all(a[k] == b[k] for k in a), [k for k in a if a[k] != b[k]]
+
+
+_KILLED = textwrap.dedent("""\
+    import os, signal, sys
+    import torch
+    import activationscope as acs
+    from test_partial_shards import OPTIONS, RareBranch, inputs
+
+    path, n = sys.argv[1], int(sys.argv[2])
+    model, xs = RareBranch(), inputs(n)
+    with torch.no_grad(), acs.ActivationScope(store=path, store_options=OPTIONS).track(
+            model, include=["lin", "rare"]) as tracker:
+        for x in xs:
+            model(x)
+            tracker.writer._core.drain()
+        os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+@pytest.mark.parametrize("n_forwards", [41, 58])
+def test_a_killed_capture_keeps_the_forwards_a_rare_hook_point_held_back(tmp_path, n_forwards):
+    """Killed (SIGKILL) after ``n_forwards``: the store opens with every forward up to the last
+    shard of 'lin' (or after), 'rare''s rows among them, each as PyTorch gives it; before, none."""
+    here = Path(__file__).resolve().parent
+    path = tmp_path / "killed.zarr"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here.parent.parent), str(here.parent), str(here)])}
+    done = subprocess.run([sys.executable, "-c", _KILLED, str(path), str(n_forwards)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    st = acs.open_store(path)
+    assert st.status == "incomplete"
+    check_prefix(st, inputs(n_forwards), n_forwards - 6)
+    st = acs.open_store(path, verify=True)  # (every chunk against its crc32c)
+    check_prefix(st, inputs(n_forwards), n_forwards - 6)
+    # resumed (its partial shard of 'rare' re-fed and rewritten) and killed again, then finished
+    total = n_forwards + 30
+    for kill in (True, False):
+        code = _KILLED.replace("RareBranch(), inputs(n)", "RareBranch(), inputs(n)\nopts = {**OPTIONS, 'resume': True}")
+        code = code.replace("store_options=OPTIONS", "store_options=opts").replace(
+            "    for x in xs:", "    start = tracker.writer.n_samples_committed // 2\n"
+                               "    model.calls = start\n    for x in xs[start:]:")
+        assert "xs[start:]" in code
+        if not kill:
+            code = code.replace("    os.kill(os.getpid(), signal.SIGKILL)\n", "")
+            assert "kill" not in code
+        done = subprocess.run([sys.executable, "-c", code, str(path), str(total - (15 if kill else 0))], env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == (-signal.SIGKILL if kill else 0), done.stderr
+        st = acs.open_store(path, verify=True)
+        got = check_prefix(st, inputs(total), total - (15 + 6 if kill else 0))
+        assert st.status == ("incomplete" if kill else "complete") and (kill or got == total)
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_a_reader_reading_while_partial_shards_are_rewritten_reads_the_committed_rows(tmp_path, compression):
+    """A reader in another thread refreshes and reads every committed row while the capture
+    rewrites 'rare''s partial shard under the same key (a commit renaming each rewrite over it):
+    each read gives the rows of its commit, none damaged or missing."""
+    import threading
+
+    path = tmp_path / "live.zarr"
+    model, xs = RareBranch(), inputs(400)
+    want = expected(xs, len(xs))
+    scope = acs.ActivationScope(store=path, store_options={**OPTIONS, "compression": compression})
+    tracker = scope.track(model, include=["lin", "rare"]).attach()
+    stop, seen, errors = threading.Event(), [], []
+
+    def read():
+        try:
+            st = None
+            while not stop.is_set():
+                if st is None:
+                    if not (path / "zarr.json").exists():
+                        continue
+                    st = acs.open_store(path)
+                st.refresh()
+                n = st.n_samples
+                for hp in want:
+                    if hp not in st.hook_points:  # (listed from the commit of its first forward)
+                        continue
+                    k = st.n_rows(hp)
+                    assert torch.equal(st.rows(hp, 0, k), want[hp][:k]), (hp, k)
+                seen.append(n)
+        except BaseException as e:  # (reported by the test's thread)
+            errors.append(e)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        with tracker, torch.no_grad():
+            for i, x in enumerate(xs):
+                model(x)
+                if i % 20 == 19:  # (the reader reads along: at times wait for two more of its reads)
+                    for _ in range(2):  # (the writer thread caught up, and committed: what it reads is known)
+                        tracker.writer._core.drain()
+                        tracker.writer.commit()
+                    target = len(seen) + 2
+                    while len(seen) < target and not errors and reader.is_alive():
+                        stop.wait(0.001)
+    finally:
+        stop.set()
+        reader.join()
+    assert not errors, errors[0]
+    assert len(set(seen)) > 3 and max(seen) > 0  # (it read several commits)
+    # commits follow 'lin' (8-row shards: 4 forwards), and the reader read at least every 20 forwards:
+    # it saw each 24 forwards (48 samples) or so committed. Before, 'rare', whose 8-row shards fill
+    # every 80 forwards, held the commits back for up to 60 forwards at a time
+    points = sorted(set(seen))
+    assert max(b - a for a, b in zip(points, points[1:])) <= 2 * 28, points
+    st = acs.open_store(path, verify=True)
+    assert check_prefix(st, xs, len(xs)) == len(xs)
+
+
+def test_only_the_array_that_holds_the_commits_back_is_written_as_a_partial_shard(tmp_path, monkeypatch):
+    """'lin' completes a shard every 4 forwards and holds no commit back but when 'rare' completes
+    one: only then is it written partial (before, a partial shard of 'rare', durable and not yet
+    committed, put it behind 'rare' after each of 'rare''s rows: up to a shard's bytes for nothing)."""
+    from activationscope.capture import _native
+
+    C = _native.load()
+    asked: list[str] = []
+    snapshot = C.ArrayWriter.snapshot
+    monkeypatch.setattr(C.ArrayWriter, "snapshot", lambda self: (asked.append((self.hook_point, model.calls)), snapshot(self))[1])
+    model, xs = RareBranch(), inputs(70)
+    path = tmp_path / "s.zarr"
+    with torch.no_grad(), acs.ActivationScope(store=path, store_options=OPTIONS).track(
+            model, include=["lin", "rare"]) as tracker:
+        for x in xs:
+            model(x)
+            tracker.writer._core.drain()
+            assert tracker.writer.n_samples_committed >= 2 * (model.calls - 6)
+    # 'rare' is written partial after each of its rows (forwards 0, 20, 40), until its shard fills
+    # (forward 60); 'lin' only when 'rare', its shard complete, is ahead of it (forwards 61-64)
+    rare = [c for hp, c in asked if hp == "rare.output"]
+    assert len(rare) == 3 and all(0 < c - 20 * i <= 6 for i, c in enumerate(rare)), asked
+    assert all(60 < c <= 66 for hp, c in asked if hp == "lin.output"), asked
+    assert check_prefix(acs.open_store(path), xs, len(xs)) == len(xs)
+
+
+class TokensAndPool(torch.nn.Module):
+    """Token rows (2 samples x 8 tokens x 32 features a forward) and a pooled sample array (2 x
+    64): the sample array completes its 64-row shard every 32 forwards, the token array every 4."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.tok = torch.nn.Linear(4, 32)
+        self.pool = torch.nn.Linear(32, 64)
+
+    def forward(self, x):
+        return self.pool(self.tok(x).mean(1))
+
+
+def test_partial_shards_written_stay_within_a_quarter_of_the_bytes_captured(tmp_path, monkeypatch):
+    """A sample array behind token arrays holds every commit back: before, its open shard was
+    written again at every commit (each interval), up to a shard's bytes each time, several
+    times the bytes the capture wrote on a slow model. Now the partial shards written stay
+    within PARTIAL_REWRITE_SHARE (25%) of the bytes appended, and the commits still follow
+    the token array."""
+    from activationscope.capture import _native
+    from activationscope.store.writer import PARTIAL_REWRITE_SHARE
+
+    C = _native.load()
+    asked: list[tuple[str, int]] = []
+    snapshot = C.ArrayWriter.snapshot
+    monkeypatch.setattr(C.ArrayWriter, "snapshot",
+                        lambda self: (asked.append((self.hook_point, int(self.n_rows))), snapshot(self))[1])
+    model = TokensAndPool()
+    g = torch.Generator().manual_seed(2)
+    xs = [torch.randn(2, 8, 4, generator=g) for _ in range(60)]
+    mask = torch.ones(2, 8, dtype=torch.long)
+    path = tmp_path / "s.zarr"
+    committed_early = 0
+    with torch.no_grad(), acs.ActivationScope(store=path, store_options={
+            "chunk_rows": 4, "shard_rows": 64, "commit_interval": 0}).track(model, include=["tok", "pool"]) as tracker:
+        for i, x in enumerate(xs):
+            tracker.set_batch(attention_mask=mask)
+            model(x)
+            tracker.writer._core.drain()
+            if i == 28:  # (the pooled array's first shard fills at forward 31)
+                committed_early = tracker.writer.n_samples_committed
+    row_bytes = {"tok.output": 32 * 4, "pool.output": 64 * 4}
+    written = sum(((n - 1) % 64 + 1) * row_bytes[hp] for hp, n in asked)
+    appended = len(xs) * (16 * row_bytes["tok.output"] + 2 * row_bytes["pool.output"])
+    assert any(hp == "pool.output" for hp, _ in asked), asked
+    assert PARTIAL_REWRITE_SHARE == 0.25 and written <= 0.25 * appended, (written, appended, asked)
+    assert committed_early >= 2 * 20, committed_early
+    st = acs.open_store(path, verify=True)
+    with torch.no_grad():
+        h = torch.cat([model.tok(x) for x in xs])
+        assert torch.equal(st.rows("tok.output", 0, st.n_rows("tok.output")), h.reshape(-1, 32))
+        pooled = torch.cat([model.pool(model.tok(x).mean(1)) for x in xs])
+        assert torch.equal(st.rows("pool.output", 0, st.n_rows("pool.output")), pooled)
