@@ -853,15 +853,7 @@ void ArrayWriter::write_snapshot(WorkItem& item) {
       }
     }
     if (item.chunk >= 0) {
-      const void* data;
-      size_t n;
-      if (spec_.encoded) {
-        data = item.encoded.data();
-        n = item.encoded.size();
-      } else {
-        data = item.raw.data_ptr();
-        n = static_cast<size_t>(item.raw.nbytes());
-      }
+      const auto [data, n] = item.bytes(spec_.encoded);
       const int64_t local = item.chunk % spec_.shard_chunks;
       rec.crcs[local] = crc32c(0, data, n);
       write_all(fd, data, n, path);
@@ -1026,15 +1018,7 @@ void ArrayWriter::write_chunk(WorkItem& item) {
     cur_.nbytes.assign(spec_.shard_chunks, -1);
     cur_.crcs.assign(spec_.shard_chunks, 0);
   }
-  const void* data;
-  size_t n;
-  if (spec_.encoded) {
-    data = item.encoded.data();
-    n = item.encoded.size();
-  } else {
-    data = item.raw.data_ptr();
-    n = static_cast<size_t>(item.raw.nbytes());
-  }
+  const auto [data, n] = item.bytes(spec_.encoded);
   const uint32_t crc = crc32c(0, data, n);
   write_all(fd_, data, n, tmp_path_);
   cur_.offsets[local] = file_off_;

@@ -26,6 +26,7 @@
 #include <memory>
 #include <mutex>
 #include <stdexcept>
+#include <utility>
 #include <string>
 #include <thread>
 #include <vector>
@@ -91,6 +92,12 @@ struct WorkItem {
   std::string encoded;                  // encoded bytes (compressed arrays)
   int64_t budget_bytes = 0;             // bytes held against the queue cap
   uint64_t id = 0;
+
+  // The bytes this chunk stores in its shard: `encoded` for a compressed array, else `raw`.
+  std::pair<const void*, size_t> bytes(bool is_encoded) const {
+    if (is_encoded) return {encoded.data(), encoded.size()};
+    return {raw.data_ptr(), static_cast<size_t>(raw.nbytes())};
+  }
 };
 
 // One per store: the bounded queue and the writer thread.

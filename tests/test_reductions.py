@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 import activationscope as acs
 from activationscope.capture import reductions as R
 from activationscope.errors import ActivationScopeError, CaptureError, ReductionError
+from acs_testing import SumRows
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 DEVICES = [
@@ -2606,21 +2607,7 @@ def test_an_accumulator_that_changes_dtype_is_refused(eager):
     assert torch.equal(r.result()["value"], x[:3].sum(0).half())
 
 
-class SumWithBroadcastingMerge(torch.nn.Module):
-    def forward(self, acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        s = x.double().sum(0)
-        return s if acc is None else acc + s
-
-    @torch.jit.export
-    def merge(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return a + b
-
-
-class MergeReturnsTotal(torch.nn.Module):
-    def forward(self, acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        s = x.double().sum(0)
-        return s if acc is None else acc + s
-
+class MergeReturnsTotal(SumRows):
     @torch.jit.export
     def merge(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return (a + b).sum()  # a slip: the merged accumulator is a scalar
@@ -2631,11 +2618,11 @@ def test_a_merge_of_accumulators_of_other_shapes_is_refused():
     result, each value the scalar plus one feature, without an error; a merge that returned
     another shape replaced the accumulator with it. Both are refused, the accumulator left as
     it was."""
-    sm = _quiet_script(SumWithBroadcastingMerge())
+    sm = _quiet_script(SumRows())  # (a + b: broadcasts a () accumulator)
     a, b = R.make_reduction(sm), R.make_reduction(sm)
     a.update(torch.ones(2, 3))
     b.load_state({"acc": torch.tensor(5.0, dtype=torch.float64)})
-    with pytest.raises(CaptureError, match=r"merge of custom reduction 'SumWithBroadcastingMerge' failed on "
+    with pytest.raises(CaptureError, match=r"merge of custom reduction 'SumRows' failed on "
                                            r"accumulators of shapes \(3,\) and \(\) .*same shape and dtype"):
         a.merge(b)
     assert a.result()["value"].tolist() == [2.0, 2.0, 2.0]

@@ -251,16 +251,13 @@ def test_a_hook_point_named_with_a_side_is_refused_naming_its_transformer_lens_n
     assert "records 'blocks.0.hook_resid_post" + side not in message
 
 
-def test_attention_maps_are_sample_rows_also_when_heads_equal_pos(model, tmp_path):
-    """attn.hook_pattern and attn.hook_attn_scores are (batch, head_index, query_pos, key_pos):
-    with as many positions as heads (4 here) the shape rule would take them as token rows,
-    (sample, head) pairs picked by the mask. Their layout is known: one row per sample, whole,
-    as run_with_cache gives it, and no warning about a layout to guess."""
+def _capture_with_heads_equal_pos(model, tmp_path, names):
+    """Capture ``names`` of 3 samples of 4 tokens (as many as heads), the last token of two
+    of them padding, with no CaptureWarning: (store, run_with_cache's cache, mask)."""
     assert model.cfg.n_heads == 4
     tokens = torch.randint(0, 50, (3, 4), generator=torch.Generator().manual_seed(1))
     mask = torch.ones(3, 4, dtype=torch.long)
     mask[1:, 3:] = 0
-    names = ["blocks.1.attn.hook_pattern", "blocks.1.attn.hook_attn_scores", "blocks.1.hook_resid_post"]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with acs.ActivationScope(store=str(tmp_path / "s.zarr"), reductions=["max"]).track(model, include=names) as tr, \
@@ -271,6 +268,16 @@ def test_attention_maps_are_sample_rows_also_when_heads_equal_pos(model, tmp_pat
     store = acs.open_store(str(tmp_path / "s.zarr"))
     with torch.no_grad():
         _, cache = model.run_with_cache(tokens, attention_mask=mask)
+    return store, cache, mask
+
+
+def test_attention_maps_are_sample_rows_also_when_heads_equal_pos(model, tmp_path):
+    """attn.hook_pattern and attn.hook_attn_scores are (batch, head_index, query_pos, key_pos):
+    with as many positions as heads (4 here) the shape rule would take them as token rows,
+    (sample, head) pairs picked by the mask. Their layout is known: one row per sample, whole,
+    as run_with_cache gives it, and no warning about a layout to guess."""
+    names = ["blocks.1.attn.hook_pattern", "blocks.1.attn.hook_attn_scores", "blocks.1.hook_resid_post"]
+    store, cache, mask = _capture_with_heads_equal_pos(model, tmp_path, names)
     for name in names[:2]:
         assert store.row_kind(name) == "sample"
         assert torch.equal(store[name], cache[name])
@@ -283,21 +290,8 @@ def test_per_head_activations_are_token_rows_without_a_warning_when_heads_equal_
     head_index, d_head): with as many positions as heads (4 here) the shape rule warned that they
     might be head-first and told to pass token_rows=, although their layout is known. Token rows,
     no warning."""
-    assert model.cfg.n_heads == 4
-    tokens = torch.randint(0, 50, (3, 4), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones(3, 4, dtype=torch.long)
-    mask[1:, 3:] = 0
     names = ["blocks.1.attn.hook_q", "blocks.1.attn.hook_k", "blocks.1.attn.hook_v", "blocks.1.attn.hook_z"]
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        with acs.ActivationScope(store=str(tmp_path / "s.zarr"), reductions=["max"]).track(model, include=names) as tr, \
-                torch.no_grad():
-            tr.set_batch(attention_mask=mask)
-            model(tokens, attention_mask=mask)
-    assert [str(w.message) for w in caught if issubclass(w.category, acs.CaptureWarning)] == []
-    store = acs.open_store(str(tmp_path / "s.zarr"))
-    with torch.no_grad():
-        _, cache = model.run_with_cache(tokens, attention_mask=mask)
+    store, cache, mask = _capture_with_heads_equal_pos(model, tmp_path, names)
     for name in names:
         want = cache[name][mask.bool()]                          # (real tokens, head_index, d_head)
         assert store.row_kind(name) == "token" and torch.equal(store[name], want)

@@ -306,7 +306,7 @@ def test_partial_shards_written_stay_within_a_quarter_of_the_bytes_captured(tmp_
     appended = len(xs) * (16 * row_bytes["tok.output"] + 2 * row_bytes["pool.output"])
     assert any(hp == "pool.output" for hp, _ in asked), asked
     assert PARTIAL_REWRITE_SHARE == 0.25 and written <= 0.25 * appended, (written, appended, asked)
-    assert committed_early >= 2 * 20, committed_early
+    assert committed_early >= 2 * 16, committed_early  # (none without partial shards: 0)
     st = acs.open_store(path, verify=True)
     with torch.no_grad():
         h = torch.cat([model.tok(x) for x in xs])
