@@ -1185,7 +1185,8 @@ class StoreWriter:
         self._pending: list[_Batch] = []
         self._pending_samples = 0  # samples of the batches in _pending
         self._keep_held = False
-        self._partial_bytes = 0  # bytes of the partial shards asked for (_request_partial_shards)  # (the store left its path: its held files are left where it went)
+        self._partial_bytes = 0  # bytes of the partial shards asked for (_request_partial_shards)
+        self._warned_budget = False  # (its warning: once per capture)  # (the store left its path: its held files are left where it went)
         self._reductions: dict[str, dict] = {}
         self._encoders: dict[str, Any] = {}
         self._encoder_thread: threading.Thread | None = None
@@ -2391,6 +2392,16 @@ class StoreWriter:
                 continue
             cost = (rows - rows // a.shard_rows * a.shard_rows) * a.row_nbytes
             if self._partial_bytes + cost > PARTIAL_REWRITE_SHARE * appended:
+                if rare and not self._warned_budget:
+                    self._warned_budget = True
+                    warnings.warn(
+                        f"store {str(self._backend)!r}: the last {len(pending) - low} forwards are not committed: "
+                        f"hook point {a.hook_point!r} holds them back (its shard is not full), and writing its "
+                        f"{cost} bytes as a partial shard would take the partial shards written past "
+                        f"{PARTIAL_REWRITE_SHARE:.0%} of the bytes captured. A crash now loses those forwards. "
+                        "It is written once the other arrays have captured enough; to commit sooner, exclude it, "
+                        "capture it into a store of its own, or pass a smaller shard_rows= or shard_bytes=. Warned "
+                        "once per capture", CaptureWarning, stacklevel=3)
                 continue
             a.writer.snapshot()
             a.partial_at, a.partial_rows = now, rows

@@ -313,3 +313,33 @@ def test_partial_shards_written_stay_within_a_quarter_of_the_bytes_captured(tmp_
         assert torch.equal(st.rows("tok.output", 0, st.n_rows("tok.output")), h.reshape(-1, 32))
         pooled = torch.cat([model.pool(model.tok(x).mean(1)) for x in xs])
         assert torch.equal(st.rows("pool.output", 0, st.n_rows("pool.output")), pooled)
+
+
+class WideRareBranch(RareBranch):
+    """'rare' (every 20 forwards) gives 2 rows of 4096 features (32 KiB), 'lin' 32 bytes a
+    forward: a partial shard of 'rare' would be most of the bytes captured."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rare = torch.nn.Linear(4, 4096)
+
+
+def test_a_partial_shard_over_the_byte_budget_warns_that_commits_are_held_back(tmp_path):
+    """Partial shards stay within a quarter of the bytes captured, so a wide hook point called
+    rarely can still hold the commits back: the capture says so once, naming it (before, with
+    no budget, it was written as a partial shard whatever its size)."""
+    model, xs = WideRareBranch(), inputs(30)
+    path = tmp_path / "s.zarr"
+    with pytest.warns(acs.CaptureWarning, match=r"the last \d+ forwards are not committed: hook point 'rare\.output' "
+                      r"holds them back .* past 25% of the bytes captured.*Warned once per capture") as caught:
+        with torch.no_grad(), acs.ActivationScope(store=path, store_options=OPTIONS).track(
+                model, include=["lin", "rare"]) as tracker:
+            for x in xs:
+                model(x)
+                tracker.writer._core.drain()
+            assert tracker.writer.n_samples_committed == 0
+    assert sum("are not committed" in str(w.message) for w in caught) == 1
+    st = acs.open_store(path, verify=True)
+    with torch.no_grad():
+        assert torch.equal(st.rows("rare.output", 0, 4), torch.cat([model.rare(xs[0]), model.rare(xs[20])]))
+        assert torch.equal(st.rows("lin.output", 0, 60), torch.cat([model.lin(x) for x in xs]))
