@@ -485,7 +485,7 @@ def test_a_failed_capture_joins_the_error_and_what_the_store_keeps_in_one_senten
                                     progress=False)
     message = str(e.value)
     assert "hook point 'pos.output' changed its feature shape from (2, 2) to (4, 2)" in message
-    assert message.endswith(f"leave it out of the capture (exclude= its module); {tmp_path / 'r.zarr'} keeps the rows "
+    assert message.endswith(f"or with its module (exclude= its module); {tmp_path / 'r.zarr'} keeps the rows "
                             "committed before (2 samples, status incomplete; --resume continues it)")
 
 
