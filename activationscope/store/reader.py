@@ -1280,7 +1280,46 @@ class Store:
         problem = self._chunk_crc_problem_of(meta, shard, slot, entry, data, where, key)
         if problem is not None and self._matches_current_manifest(meta, shard, slot, entry, data):
             return None  # the chunk holding the last committed rows, rewritten by a resume that committed since
+        if problem is not None and self._committed_rows_match(meta, shard, slot, data):
+            return None  # that chunk rewritten with more rows, its committed rows as committed
         return problem
+
+    def _committed_rows_match(self, meta: dict, shard: int, slot: int, data: Any) -> bool:
+        """Whether the chunk holding this store's last committed rows (when they end inside it),
+        as ``data`` holds it, has those rows exactly as committed: its committed rows followed
+        by zeros, encoded again, are the bytes whose size and crc32c the manifest records.
+        A rewrite of that chunk (a resume's, or a running capture's partial shard, FORMAT.md
+        section 7) keeps the committed rows and adds rows after them; on object storage, which
+        keeps no committed copy, a capture killed between uploading the rewrite and writing
+        its manifest leaves only the rewrite. False when they differ, or the encoder does not
+        give the bytes the writer gave."""
+        row_bytes, chunk_rows, n_chunks, full = _layout(meta)
+        n = int(meta["n_rows"])
+        if not (n % chunk_rows and (shard * n_chunks + slot + 1) * chunk_rows > n):
+            return False
+        crcs = self._checked.get(meta["path"])
+        rec = (crcs if crcs is not None else self._array_crcs(meta)).get((shard, slot))
+        if rec is None:
+            return False
+        codec = meta.get("compression")
+        try:
+            buf = np.empty(full, dtype=np.uint8)
+            if codec is None:
+                if len(data) != full:
+                    return False
+                buf[:] = np.frombuffer(data, dtype=np.uint8)
+            else:
+                _decode.decode_into(codec, self._decoder(meta), data, buf, "")
+            buf[(n % chunk_rows) * row_bytes:] = 0
+            if codec is not None:
+                size = F.itemsize(meta["dtype"])
+                typed = buf.view(f"u{size}") if size in (1, 2, 4, 8) and full % size == 0 else buf
+                encoded = bytes(F.numcodecs_encoder(codec).encode(typed))
+            else:
+                encoded = buf.tobytes()
+        except Exception:  # (undecodable, or no encoder here: not shown to match)
+            return False
+        return len(encoded) == rec[1] and F.crc32c(encoded) == rec[2]
 
     def _matches_current_manifest(self, meta: dict, shard: int, slot: int, entry: tuple[int, int], data: Any) -> bool:
         """Whether the chunk holding this store's last committed rows (when they end inside it)

@@ -280,6 +280,14 @@ class _Array:
     def shard_rows(self) -> int:
         return self.chunk_rows * self.shard_chunks
 
+    @property
+    def max_shard_file_bytes(self) -> int:
+        """The most bytes a shard file of this array can hold: each chunk as its encoder may
+        grow it (zstd and blosc add less than 1/128 of it and a header), then the index and
+        its crc32c."""
+        chunk = self.chunk_rows * self.row_nbytes
+        return min(V.MAX_FILE_BYTES, self.shard_chunks * (chunk + chunk // 128 + 1024 + 16) + 4)
+
     def meta(self) -> dict:
         return {
             "path": self.path,
@@ -2592,11 +2600,14 @@ class StoreWriter:
             # with more rows, has no hard link keeping it, so its found bytes are read first
             if int(rec["shard"]) >= self._listed_shards(a):
                 self._found_files[key] = None
-            elif not isinstance(b, LocalBackend):  # (its size as the found manifest lists it)
+            elif not isinstance(b, LocalBackend):
+                # (up to the largest shard file: a capture killed after uploading its rewrite of
+                # this shard, before the manifest that lists it, left more bytes than it lists,
+                # FORMAT.md section 7, and readers of the store as found read that file)
                 listed = a.manifest.get(int(rec["shard"])) or {}
                 size = listed.get("file_bytes")
-                self._found_files[key] = b.get(key, max_bytes=int(size) if isinstance(size, int) else
-                                               V.MAX_FILE_BYTES)
+                self._found_files[key] = b.get(key, max_bytes=max(int(size) if isinstance(size, int) else 0,
+                                                                  a.max_shard_file_bytes))
         if not isinstance(b, LocalBackend):
             local = self._staging / key
             b.put_file(key, local)

@@ -321,8 +321,10 @@ def test_to_dask_workers_never_import_torch(tmp_path):
 def test_resume_after_a_killed_resume_rereads_its_rewritten_chunk(tmp_path, compression):
     """A resume killed before its next commit leaves the shard of the last committed row
     rewritten (with rows past n_rows) under the old manifest: the chunk straddling n_rows
-    then differs from its recorded crc32c (FORMAT.md section 5). Reading it is an error; a
-    new resume re-reads it unchecked and finishes the store, which then verifies clean."""
+    then differs from its recorded crc32c (FORMAT.md section 5). Its committed rows, followed
+    by zeros and encoded again, match the record: they read as committed (a committed row
+    changed there is an error); a new resume re-reads it unchecked and finishes the store,
+    which then verifies clean."""
     import torch
 
     from activationscope.store import StoreWriter
@@ -341,8 +343,15 @@ def test_resume_after_a_killed_resume_rereads_its_rewritten_chunk(tmp_path, comp
     write(b_path, data)  # what the killed resume had written into shard 1: rows 64..95
     shard(a_path, 1).write_bytes(shard(b_path, 1).read_bytes())
     if compression:
-        with pytest.raises(StoreCorruptError, match=r"chunk 5 .*(crc32c mismatch|gives the chunk 522 bytes)"):
-            open_store(a_path).rows(HP, 80, 90)
+        assert torch.equal(open_store(a_path).rows(HP, 80, 90), data[80:90])
+        damaged = tmp_path / "d.zarr"
+        write(damaged, data[:90])
+        changed = data.clone()
+        changed[85] += 1  # (a committed row the rewrite does not keep)
+        write(tmp_path / "c.zarr", changed)
+        shard(damaged, 1).write_bytes(shard(tmp_path / "c.zarr", 1).read_bytes())
+        with pytest.raises(StoreCorruptError, match=r"chunk 5 .*(crc32c mismatch|gives the chunk \d+ bytes)"):
+            open_store(damaged).rows(HP, 80, 90)
     w = StoreWriter(a_path, resume=True, compression=compression, chunk_rows=16, shard_bytes=64 * FEATURE * 4)
     a = w.open_array(HP, (FEATURE,), torch.float32, "sample")
     a.append(data[90:])

@@ -343,3 +343,80 @@ def test_a_partial_shard_over_the_byte_budget_warns_that_commits_are_held_back(t
     with torch.no_grad():
         assert torch.equal(st.rows("rare.output", 0, 4), torch.cat([model.rare(xs[0]), model.rare(xs[20])]))
         assert torch.equal(st.rows("lin.output", 0, 60), torch.cat([model.lin(x) for x in xs]))
+
+
+_KILLED_AT_INSTALL = textwrap.dedent("""\
+    import json, os, signal, sys
+    import torch
+    import activationscope as acs
+    from activationscope.store.writer import StoreWriter
+    from test_partial_shards import OPTIONS, RareBranch, inputs
+
+    url, n, kill_at, so = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
+    install, seen = StoreWriter._install_held_shard, [0]
+
+    def install_then_die(self, arr, shards):  # (killed once the rewrite is uploaded, before its manifest)
+        install(self, arr, shards)
+        seen[0] += 1
+        if seen[0] == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    StoreWriter._install_held_shard = install_then_die
+    opts = {**OPTIONS, "compression": "zstd", "storage_options": so, "resume": kill_at == 0}
+    model, xs = RareBranch(), inputs(n)
+    with torch.no_grad(), acs.ActivationScope(store=url, store_options=opts).track(
+            model, include=["lin", "rare"]) as tracker:
+        start = tracker.writer.n_samples_committed // 2
+        model.calls = start
+        for x in xs[start:]:
+            model(x)
+            tracker.writer._core.drain()
+""")
+
+
+@pytest.mark.parametrize("kill_at", [2, 3])
+def test_an_s3_capture_killed_after_uploading_a_partial_shard_s_rewrite_resumes(request, kill_at):
+    """Killed after a commit uploaded the rewrite of 'rare''s partial shard over its key, before
+    the manifest that lists it: the object is larger than the manifest's file_bytes. Before, the
+    resume read that shard as found with the manifest's size as its limit and failed ("holds 133
+    bytes, more than the 93 such a file may hold") at its first commit, every time: the capture
+    could not go on. Now it resumes and ends with every row, as a capture not killed writes them."""
+    import json
+
+    here = Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here.parent.parent), str(here.parent), str(here)])}
+    url, so = store_target(request, "s3", prefix="partial-killed")
+    done = subprocess.run([sys.executable, "-c", _KILLED_AT_INSTALL, url, "70", str(kill_at), json.dumps(so)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    st = acs.open_store(url, storage_options=so)
+    assert st.status == "incomplete" and st.n_samples >= 2 * 20, st.n_samples
+    done = subprocess.run([sys.executable, "-c", _KILLED_AT_INSTALL, url, "70", "0", json.dumps(so)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    st = acs.open_store(url, storage_options=so, verify=True)
+    assert st.status == "complete" and check_prefix(st, inputs(70), 70) == 70 and st.verify() == []
+
+
+@pytest.mark.parametrize("compression", [None, "zstd", "blosc-lz4"])
+@pytest.mark.parametrize("kill_at", [1, 3])
+def test_an_s3_capture_killed_after_uploading_a_partial_shard_s_rewrite_reads_its_committed_rows(
+        request, kill_at, compression):
+    """Killed after a commit uploaded the rewrite of a partial shard over its key, before the
+    manifest that lists it (object storage keeps no committed copy): the chunk holding the last
+    committed rows holds more rows now. Before, every read of those rows (and open_store with
+    verify=True) raised StoreCorruptError ("crc32c mismatch ... rewritten by a resumed capture")
+    until a resume; now the committed rows, checked against the manifest (themselves, then zeros,
+    encoded again), read as committed, each as PyTorch gives it."""
+    import json
+
+    here = Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here.parent.parent), str(here.parent), str(here)])}
+    url, so = store_target(request, "s3", prefix="partial-read")
+    code = _KILLED_AT_INSTALL.replace('"compression": "zstd"', f'"compression": {compression!r}')
+    done = subprocess.run([sys.executable, "-c", code, url, "70", str(kill_at), json.dumps(so)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    for verify in (False, True):
+        st = acs.open_store(url, storage_options=so, verify=verify)
+        assert st.status == "incomplete" and check_prefix(st, inputs(70), 20) >= 20
