@@ -745,11 +745,12 @@ def manifest_problems(doc: Any, shards: dict[int, dict], meta: dict, *, hook_poi
                        "zarr.json) that end in this shard")
         if sizes is not None and k in sizes and sizes[k] is not None and rec.get("file_bytes") != sizes[k]:
             cause = ""
-            if k == last_committed and n % int(meta["chunk_rows"]) and (restorable is None or k in restorable):
-                cause = (": the shard holds the last committed rows, which end inside a chunk that a resumed capture "  # FORMAT.md §5
-                         "appends to: it was rewritten by a resume that was killed while it committed, or by an "
-                         "older version's resume still running (resume the capture: it puts the committed shard back, "
-                         "or check again once that capture has ended), or it is damaged")
+            if k == last_committed and (restorable is None or k in restorable):
+                cause = (": the shard holds the last committed rows, and a capture appending to it (a resume, or a "  # FORMAT.md §5, §7
+                         "running capture rewriting the partial shard of an array that held its commits back) was "
+                         "killed while it committed, or an older version's resume is still running (resume the "
+                         "capture: it puts the committed shard back, or check again once that capture has ended), or "
+                         "it is damaged")
             elif k == last_committed and n % int(meta["chunk_rows"]):
                 cause = (": the shard holds the last committed rows, which end inside a chunk that a resumed capture "
                          "appends to, and no committed copy of it is kept: it is damaged, or an older version's resume "

@@ -200,8 +200,9 @@ def _mismatch_cause(meta: dict, chunk: int, restorable: bool = True) -> str:
     if n % chunk_rows and (chunk + 1) * chunk_rows > n:
         last = f"{n - n % chunk_rows}-{n - 1}"
         if restorable:
-            return (f"the chunk was rewritten by a resumed capture (it holds the last committed rows, {last}, and a "
-                    "resume appends to it) that was killed while it committed, or by an older version's resume still "
+            return (f"the chunk was rewritten by a capture killed while it committed (it holds the last committed "
+                    f"rows, {last}: a resume appends to it, and a running capture rewrites the partial shard of an "
+                    "array that held its commits back, FORMAT.md section 7), or by an older version's resume still "
                     "running (resume the capture: it puts the committed shard back, or check again once that capture "
                     "has ended), or it is damaged")
         return (f"the chunk holds the last committed rows ({last}), which a resumed capture appends to, and no "

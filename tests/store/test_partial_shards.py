@@ -420,3 +420,8 @@ def test_an_s3_capture_killed_after_uploading_a_partial_shard_s_rewrite_reads_it
     for verify in (False, True):
         st = acs.open_store(url, storage_options=so, verify=verify)
         assert st.status == "incomplete" and check_prefix(st, inputs(70), 20) >= 20
+    # verify() lists the rewritten shard (it differs from its manifest until a resume) and says why
+    # and what puts it back (before: "rewritten by a resumed capture", or no cause at all)
+    lines = st.verify()
+    assert lines and all("rare.output" in line and "the partial shard of an array that held its commits back" in line
+                         and "resume the capture" in line for line in lines), lines
