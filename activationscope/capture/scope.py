@@ -2796,8 +2796,9 @@ def _mask_arg_index(forward: Any) -> int | None:
 
 
 # Modules of torch.nn whose fused fast path (torch.backends.mha) computes their children without
-# calling them: tracking a module inside one turns the fast path off while attached.
-_FUSED_PARENTS = (torch.nn.TransformerEncoderLayer, torch.nn.MultiheadAttention)
+# calling them, or (nn.TransformerEncoder given a src_key_padding_mask) passes its layers nested
+# tensors of the real tokens: tracking a module inside one turns the fast path off while attached.
+_FUSED_PARENTS = (torch.nn.TransformerEncoderLayer, torch.nn.MultiheadAttention, torch.nn.TransformerEncoder)
 _fastpath_lock = threading.Lock()
 _fastpath_users = 0
 _fastpath_saved = True
