@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copyreg
 import enum
+import functools
 import inspect
 import itertools
 import math
@@ -793,6 +794,13 @@ class Tracker:
         # needed), and the side of each hook point stored as token rows (its mask is checked
         # against that side's at each forward)
         self._seq2seq: tuple[str, ...] | None = None
+        # a model of torch.nn's encoder and decoder stacks (nn.Transformer, or a model of one's own
+        # around nn.TransformerEncoder / nn.TransformerDecoder and their layers, whose decoder
+        # layers' multihead_attn is the cross-attention): the outermost stacks of each side, and
+        # the handles of the pre-hooks that note each stack call's mask (the inverse of its
+        # key padding mask, else every position of its input)
+        self._nn_seq2seq: tuple[list[torch.nn.Module], list[torch.nn.Module]] | None = None
+        self._nn_handles: list[Any] = []
         self._seq_masks: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
         self._stacks: tuple[set[int], set[int]] | None = None
         self._token_sides: dict[str, str] = {}
@@ -920,6 +928,13 @@ class Tracker:
         self._core.closing = False
         self._core.active = True
         self._attached = True
+        if not self._seq2seq and not self._nn_handles:
+            self._nn_seq2seq = _torch_stacks(self.model)
+            for side, stacks in zip(("encoder", "decoder"), self._nn_seq2seq or ()):
+                for stack in stacks:
+                    # (bookkeeping of the capture: a compiled model calls it outside its graph)
+                    note = torch.compiler.disable(functools.partial(self._note_stack_call, side))
+                    self._nn_handles.append(stack.register_forward_pre_hook(note, with_kwargs=True))
         if not self._fastpath_off and _inside_fused(self.model, self._modules):
             _fastpath_acquire()
             self._fastpath_off = True
@@ -1126,6 +1141,8 @@ class Tracker:
         self._remove_train_probes()
         self._train_phase = ""
         self._uninstall_all()
+        while self._nn_handles:
+            self._nn_handles.pop().remove()
         self._core.release_callbacks()
         self._attached = False
         # Alias targets remember their last tensor (weakly) to compare the next call's; a
@@ -1541,7 +1558,7 @@ class Tracker:
             if not known_layout:  # (not asked for by the user: a mask that fits nothing is still warned about)
                 self._sample_rows_chosen = True
             token = False
-        if decided is None and self._seq2seq and (self.writer is not None or (
+        if decided is None and (self._seq2seq or self._nn_seq2seq) and (self.writer is not None or (
                 self._red_factories is not None
                 and self._red_factories.resolve_reductions(scope.reductions, name, self._hook_names))):
             side = self._side_of(name)
@@ -1952,6 +1969,8 @@ class Tracker:
 
     def _on_forward_start(self) -> None:
         self._model_mask = None  # (noted again by the root's Python frame, which runs next)
+        if self._nn_seq2seq:
+            self._seq_masks = (None, None)  # (noted again at the calls of the stacks)
         self._warn_head_first_found()  # (after a forward that raised)
         self._stop_learnt = self.stop_after_last and self._core.stop_learnt
         if self.stop_after_last and not self._warned_training_stop and self._core.capturing:
@@ -2373,6 +2392,31 @@ class Tracker:
         for name, side in self._token_sides.items():
             self._check_token_side(name, side, None, mask)
 
+    def _note_stack_call(self, side: str, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        """(a forward pre-hook of a torch.nn encoder or decoder stack) the mask of its sequence
+        in this forward: the inverse of its key padding mask (``src_key_padding_mask`` /
+        ``tgt_key_padding_mask``, True at padding), else every position of its input; a
+        decoder's ``memory_key_padding_mask`` (else its memory's positions) gives the
+        encoder's where no encoder stack ran. At a decoder's call both are known: each hook
+        point already stored as token rows is checked against the mask of this forward."""
+        if not self._core.capturing or self._open_forward is None:
+            return  # (a stack called on its own, outside a forward of the tracked model: not recorded)
+        given = dict(zip(_positional_names(type(module).forward)[1:], args))
+        given.update(kwargs)
+        first = _stack_batch_first(module)
+        if side == "encoder":
+            self._seq_masks = (_sequence_mask(given, "src", "src_key_padding_mask", first), self._seq_masks[1])
+            return
+        encoder = self._seq_masks[0]
+        if encoder is None:
+            encoder = _sequence_mask(given, "memory", "memory_key_padding_mask", first)
+        self._seq_masks = (encoder, _sequence_mask(given, "tgt", "tgt_key_padding_mask", first))
+        if self._seq_masks[1] is None or not self._token_sides:
+            return
+        mask = self._rows_mask()
+        for name, side_of in self._token_sides.items():
+            self._check_token_side(name, side_of, None, mask)
+
     def _rows_mask(self) -> torch.Tensor | None:
         """The (batch, pos) mask token rows are taken with in the current forward."""
         mask = (self._batch or {}).get("attention_mask")
@@ -2389,7 +2433,10 @@ class Tracker:
         starts with the encoder mask's ``(batch, S)`` whenever ``T == S``: its rows would be
         the decoder positions where the encoder has tokens, listed with the encoder's
         positions and token columns. A decoder hook point needs the decoder's mask; an encoder
-        one is refused when the mask is the decoder's and not the encoder's."""
+        one is refused when the mask is the decoder's and not the encoder's. For torch.nn's
+        stacks, a mask that is a key padding mask as given (True at padding) is refused, and a
+        hook point outside both stacks (``side == "either"``) is refused where the two
+        sequences have one length but other padding (its side cannot be told)."""
         encoder, decoder = self._seq_masks
         if decoder is None or mask is None:
             return
@@ -2397,28 +2444,55 @@ class Tracker:
         def same(a: torch.Tensor, b: torch.Tensor | None) -> bool:
             return b is not None and tuple(a.shape) == tuple(b.shape) and bool(torch.equal(a.to("cpu", torch.bool), b))
 
-        if side == "decoder":
+        nn = self._nn_seq2seq is not None and not self._seq2seq
+        names = (("the inverse of src_key_padding_mask, else every position of src",
+                  "the inverse of tgt_key_padding_mask, else every position of tgt") if nn else
+                 ("attention_mask, else every position of input_ids",
+                  "decoder_attention_mask, else every position of decoder_input_ids"))
+        sides = {"encoder": encoder} if side == "encoder" else {"decoder": decoder} if side == "decoder" else \
+            {"encoder": encoder, "decoder": decoder}
+        inverted = [k for k, m in sides.items() if nn and m is not None and same(~mask.to("cpu", torch.bool), m)]
+        if inverted:
+            what = (f"the {inverted[0]}'s key padding mask as given (True at padding, {names[inverted[0] == 'decoder']} "
+                    "being the positions of its tokens)")
+        elif side == "either":
+            if encoder is None or not (tuple(mask.shape) == tuple(encoder.shape) == tuple(decoder.shape)) \
+                    or torch.equal(encoder, decoder):
+                return
+            what = ("one of two sequences of one length and other padding, the encoder's "
+                    f"({names[0]}) and the decoder's ({names[1]}), and the hook point is outside the "
+                    "encoder and decoder stacks (nn.TransformerEncoder / nn.TransformerDecoder and their layers), so "
+                    "which it is cannot be told")
+        elif side == "decoder":
             if same(mask, decoder):
                 return
-            what = ("the encoder's (attention_mask, else every position of input_ids)" if same(mask, encoder) else
-                    "not the decoder's (decoder_attention_mask, else every position of decoder_input_ids; a mask "
+            what = (f"the encoder's ({names[0]})" if same(mask, encoder) else
+                    f"not the decoder's ({names[1]}; a mask "
                     "of your own for the decoder, as labels != -100 where the model is given no "
                     "decoder_attention_mask, is confirmed with token_rows= True below)")
         else:
             if not same(mask, decoder) or same(mask, encoder):
                 return
-            what = "the decoder's (decoder_attention_mask, else every position of decoder_input_ids), not the encoder's"
+            what = f"the decoder's ({names[1]}), not the encoder's"
         given = "tracker.set_batch(attention_mask=...)" if (self._batch or {}).get("attention_mask") is not None \
             else "rows='token' (every position of the model's first input)"
         where = f"its activation {shape} starts" if shape is not None else "its activation starts"
+        on = ("outside the encoder and decoder stacks" if side == "either" else f"on the {side} side")
+        if inverted:
+            fix = ("Describe the batch with the positions of the tokens: "
+                   "tracker.set_batch(attention_mask=~key_padding_mask)")
+            rows = "padding positions, the tokens left out"
+        else:
+            fix = ("Capture each side with its own mask: one tracker per side on the same model, nested (each "
+                   "with its own store, include= that side's modules, and its own set_batch(attention_mask=...)), see "
+                   "docs/usage/capture.md, \"Encoder-decoder models\"")
+            rows = (f"{side}'s activations at the other sequence's tokens, listed with that sequence's positions and "
+                    "columns" if side != "either" else "activations at one sequence's tokens whichever it is on")
         raise CaptureError(
-            f"hook point {name!r} is on the {side} side of the encoder-decoder model {type(self.model).__name__}, "
+            f"hook point {name!r} is {on} of the encoder-decoder model {type(self.model).__name__}, "
             f"and {where} with the (batch, pos) {tuple(mask.shape)} of the mask its token rows are taken with "
             f"({given}), which in forward {self._core.n_forwards - 1} is {what}: its rows would be the "
-            f"{side}'s activations at the other sequence's tokens, listed with that sequence's positions and "
-            f"columns. Capture each side with its own mask: one tracker per side on the same model, nested (each "
-            f"with its own store, include= the {side}'s modules, and its own set_batch(attention_mask=...)), see "
-            f"docs/usage/capture.md, \"Encoder-decoder models\"; or pass token_rows={{{name!r}: False}} for one "
+            f"{rows}. {fix}; or pass token_rows={{{name!r}: False}} for one "
             f"row per sample (padding included), or token_rows={{{name!r}: True}} if this mask is meant for it"
         )
 
@@ -2428,7 +2502,13 @@ class Tracker:
         at its first call of a forward: the encoder runs first), and for the encoder's positions
         inside the decoder (a cross-attention's key and value projections, the encoder states a
         decoder module takes), else ``"decoder"`` (the decoder's modules, and those after it, as
-        the language-model head)."""
+        the language-model head). For torch.nn's stacks: ``"encoder"`` inside an encoder stack,
+        ``"decoder"`` inside a decoder stack (its cross-attention's output too) or for an
+        ``nn.Transformer``'s output, and ``"either"`` outside both (a model's own embeddings
+        and head: which sequence it is over cannot be told from the model)."""
+        if self._stacks is None and self._nn_seq2seq is not None and not self._seq2seq:
+            self._stacks = tuple({id(m) for stack in stacks for m in stack.modules()}  # type: ignore[assignment]
+                                 for stacks in self._nn_seq2seq)
         if self._stacks is None:
             get_encoder, get_decoder = getattr(self.model, "get_encoder", None), getattr(self.model, "get_decoder", None)
             ids: list[set[int]] = []
@@ -2445,6 +2525,10 @@ class Tracker:
         module = dict(self._modules).get(path)
         if _encoder_positions(name, path, module):
             return "encoder"  # (in the decoder, but over the encoder's positions: a cross-attention's keys)
+        if self._nn_seq2seq is not None and not self._seq2seq:
+            if module is not None and (id(module) in decoder or isinstance(module, torch.nn.Transformer)):
+                return "decoder"
+            return "encoder" if module is not None and id(module) in encoder else "either"
         if module is None or id(module) not in encoder:
             return "decoder"
         if id(module) in decoder and "#" in name[len(path):]:
@@ -2736,7 +2820,61 @@ def _recurrent_layout(hook_point: str, module: str) -> str | None:
 # encoder's states or mask into the decoder's modules
 _CROSS_ATTENTION = frozenset({"EncDecAttention", "encoder_attn", "crossattention", "cross_attn"})
 _KEYS_VALUES = frozenset({"k", "v", "k_proj", "v_proj", "key", "value"})
-_ENCODER_KEYWORDS = ("key_value_states", "encoder_hidden_states", "encoder_attention_mask")
+_ENCODER_KEYWORDS = ("key_value_states", "encoder_hidden_states", "encoder_attention_mask",
+                     "memory", "memory_key_padding_mask")  # (the last two: torch.nn's decoder stacks and layers)
+# the inputs of torch.nn's cross-attention (an nn.TransformerDecoderLayer's multihead_attn) over
+# the encoder's positions, and those of nn.Transformer
+_NN_CROSS_INPUTS = ("key", "value", "key_padding_mask")
+_NN_SOURCE_INPUTS = ("src", "src_key_padding_mask", "memory_key_padding_mask")
+
+_NN_ENCODERS = (torch.nn.TransformerEncoder, torch.nn.TransformerEncoderLayer)
+_NN_DECODERS = (torch.nn.TransformerDecoder, torch.nn.TransformerDecoderLayer)
+
+
+def _torch_stacks(model: torch.nn.Module) -> tuple[list[torch.nn.Module], list[torch.nn.Module]] | None:
+    """The outermost encoder stacks (``nn.TransformerEncoder``, or an
+    ``nn.TransformerEncoderLayer`` in none) and decoder stacks (``nn.TransformerDecoder`` /
+    ``nn.TransformerDecoderLayer``) of ``model``: an encoder-decoder of torch.nn's modules
+    (``nn.Transformer``, or a model of one's own around them) where it has a decoder stack,
+    whose layers' cross-attention reads the encoder's sequence; else None."""
+    found: tuple[list[torch.nn.Module], list[torch.nn.Module]] = ([], [])
+    inside: set[int] = set()
+    for module in model.modules():  # (parents before their children)
+        if id(module) in inside:
+            continue
+        for i, kinds in enumerate((_NN_ENCODERS, _NN_DECODERS)):
+            if isinstance(module, kinds):
+                found[i].append(module)
+                inside.update(id(m) for m in module.modules())
+    return found if found[1] else None
+
+
+def _positional_names(forward: Any) -> list[str]:
+    try:
+        params = inspect.signature(forward).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
+def _stack_batch_first(stack: torch.nn.Module) -> bool:
+    layer = stack.layers[0] if hasattr(stack, "layers") and len(stack.layers) else stack
+    return bool(getattr(getattr(layer, "self_attn", None), "batch_first", True))
+
+
+def _sequence_mask(given: dict[str, Any], key: str, padding_key: str, batch_first: bool) -> torch.Tensor | None:
+    """The (batch, pos) positions of a torch.nn stack's sequence ``given[key]``, by its key
+    padding mask ``given[padding_key]`` (bool: True at padding; float: -inf at padding), else
+    all of them; None where neither tells."""
+    padding = given.get(padding_key)
+    if isinstance(padding, torch.Tensor) and padding.dim() == 2:
+        padding = padding.detach().to("cpu")
+        return ~padding if padding.dtype == torch.bool else ~torch.isneginf(padding)
+    x = given.get(key)
+    if isinstance(x, torch.Tensor) and not x.is_nested and x.dim() >= 2:
+        shape = tuple(x.shape[:2]) if batch_first or x.dim() == 2 else (x.shape[1], x.shape[0])
+        return torch.ones(shape, dtype=torch.bool)
+    return None
 
 
 def _encoder_positions(hook_point: str, path: str, module: torch.nn.Module | None) -> bool:
@@ -2751,6 +2889,11 @@ def _encoder_positions(hook_point: str, path: str, module: torch.nn.Module | Non
     rest = rest[rest.find("."):] if rest.startswith("#") and "." in rest else rest
     if not rest.startswith(".input."):
         return False
+    encoder_inputs: tuple[str, ...] = _ENCODER_KEYWORDS
+    if isinstance(module, torch.nn.MultiheadAttention) and parts[-1] == "multihead_attn":
+        encoder_inputs = _NN_CROSS_INPUTS  # (an nn.TransformerDecoderLayer's cross-attention)
+    elif isinstance(module, torch.nn.Transformer):
+        encoder_inputs = _NN_SOURCE_INPUTS
     first = rest[len(".input."):].split(".")
     if first[0] == "kw":
         param = first[1] if len(first) > 1 else ""
@@ -2764,7 +2907,7 @@ def _encoder_positions(hook_point: str, path: str, module: torch.nn.Module | Non
         param = params[i].name if i < len(params) else ""
     else:
         return False
-    return param in _ENCODER_KEYWORDS
+    return param in encoder_inputs
 
 
 def _seq2seq_parameters(forward: Any) -> tuple[str, ...] | None:
