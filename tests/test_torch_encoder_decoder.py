@@ -225,3 +225,35 @@ def test_a_model_of_ones_own_around_torch_stacks(tmp_path):
     store = acs.open_store(tmp_path / "c.zarr")
     _close(store["decoder.layers.0.output"], out["decoder.layers.0"][~tgt_pad])
     _close(store["head.output"], out["head"][~tgt_pad])
+
+
+class _DecoderOnly(torch.nn.Module):
+    """nn.TransformerDecoder as a decoder-only model: its memory is its own input, unpadded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(20, D)
+        self.decoder = torch.nn.TransformerDecoder(
+            torch.nn.TransformerDecoderLayer(D, 2, 16, dropout=0.0, batch_first=True), 1)
+
+    def forward(self, ids, pad):
+        x = self.embed(ids)
+        return self.decoder(x, x, tgt_key_padding_mask=pad)
+
+
+def test_a_decoder_only_model_of_torch_stacks_takes_its_own_mask(tmp_path):
+    # one sequence: a memory without its own key padding mask tells no second one, so the
+    # embedding (outside the stack) is not refused as of an unknown side
+    model = _DecoderOnly().eval()
+    _, _, _, pad = _batch(S)
+    ids = torch.randint(0, 20, (B, S), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected = model.embed(ids)
+    with torch.no_grad(), acs.ActivationScope(store=tmp_path / "s.zarr").track(
+            model, include=["embed", "decoder.layers.0"]) as tracker:
+        tracker.set_batch(attention_mask=~pad)
+        out = model(ids, pad)
+    store = acs.open_store(tmp_path / "s.zarr")
+    assert torch.equal(store["embed.output"], expected[~pad])
+    _close(store["decoder.layers.0.output"], out[~pad])

@@ -2396,8 +2396,7 @@ class Tracker:
         """(a forward pre-hook of a torch.nn encoder or decoder stack) the mask of its sequence
         in this forward: the inverse of its key padding mask (``src_key_padding_mask`` /
         ``tgt_key_padding_mask``, True at padding), else every position of its input; a
-        decoder's ``memory_key_padding_mask`` (else its memory's positions) gives the
-        encoder's where no encoder stack ran. At a decoder's call both are known: each hook
+        decoder's ``memory_key_padding_mask`` gives the encoder's where no encoder stack ran. At a decoder's call both are known: each hook
         point already stored as token rows is checked against the mask of this forward."""
         if not self._core.capturing or self._open_forward is None:
             return  # (a stack called on its own, outside a forward of the tracked model: not recorded)
@@ -2408,7 +2407,9 @@ class Tracker:
             self._seq_masks = (_sequence_mask(given, "src", "src_key_padding_mask", first), self._seq_masks[1])
             return
         encoder = self._seq_masks[0]
-        if encoder is None:
+        if encoder is None and isinstance(given.get("memory_key_padding_mask"), torch.Tensor):
+            # (no encoder stack ran: the memory's padding, where the decoder is given it; a memory
+            # without one, as the decoder's own input in a decoder-only model, tells nothing)
             encoder = _sequence_mask(given, "memory", "memory_key_padding_mask", first)
         self._seq_masks = (encoder, _sequence_mask(given, "tgt", "tgt_key_padding_mask", first))
         if self._seq_masks[1] is None or not self._token_sides:
@@ -2460,9 +2461,8 @@ class Tracker:
                     or torch.equal(encoder, decoder):
                 return
             what = ("one of two sequences of one length and other padding, the encoder's "
-                    f"({names[0]}) and the decoder's ({names[1]}), and the hook point is outside the "
-                    "encoder and decoder stacks (nn.TransformerEncoder / nn.TransformerDecoder and their layers), so "
-                    "which it is cannot be told")
+                    f"({names[0]}) and the decoder's ({names[1]}), and which one a module outside "
+                    "nn.TransformerEncoder / nn.TransformerDecoder (and their layers) is over cannot be told")
         elif side == "decoder":
             if same(mask, decoder):
                 return
