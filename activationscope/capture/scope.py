@@ -18,6 +18,7 @@ import itertools
 import math
 import operator
 import os
+import re
 import sys
 import threading
 import time
@@ -811,6 +812,9 @@ class Tracker:
         # store arrays already named in a warning for leaving the row table (first captured
         # late, a forward that raised, rows missing from a forward): warned once each
         self._warned_row_table: set[str] = set()
+        # hook points whose first activation (1, ...) came in a forward of more samples: a tensor
+        # shared by the batch (T5's position bias), named where its shape changes
+        self._shared_rows: dict[str, tuple[int, ...]] = {}
         self._fastpath_off = False  # this tracker holds PyTorch's MHA fast path off
         self.parameters: dict[str, torch.Tensor] = {}
         self.writer = None
@@ -1355,6 +1359,8 @@ class Tracker:
             self._with_depth -= 1
             return
         self._with_depth = 0
+        if exc is not None and self._shared_rows:
+            self._note_shared_rows(exc)
         left = self._detach()
         self._finish(status="complete" if exc is None else "incomplete", exc=exc, left_running=left)
         if self._reference_mode:
@@ -1548,6 +1554,10 @@ class Tracker:
                 "pass attention_mask= to tracker.set_batch (or rows='token'), or drop the hook point from token_rows="
             )
         self._first_shapes[name] = "(nested)" if tensor.is_nested else tuple(tensor.shape)
+        if not tensor.is_nested and tensor.dim() >= 2 and tensor.shape[0] == 1 < int(self._core.batch_size):
+            # (1, ...) in a forward of more samples: a tensor shared by the batch (named where it
+            # breaks the row table, and where its shape changes: _note_shared_rows)
+            self._shared_rows[name] = tuple(tensor.shape)
         known_layout = decided is None and _attention_map_hook_point(name, self._hook_point_paths)
         if known_layout:
             # a TransformerLens attention map is (batch, head_index, query_pos, key_pos), whatever
@@ -2287,16 +2297,39 @@ class Tracker:
         for name in sorted(set(lost) - self._warned_row_table):
             self._warned_row_table.add(name)
             got, expected = lost[name]
+            first = self._shared_rows.get(name)
+            shared = got == 1 < expected and first is not None
             warnings.warn(
                 f"hook point {name!r} recorded {got} row(s) in forward {k} of the tracked model, where the row "
                 f"table got {expected} (its module returned no tensor there, or another number of rows): from "
                 f"there on its store rows no longer follow the sample row table (store.follows_row_table({name!r}) "
-                "is False; its rows are read by their own index, without sample ids or columns). Track only hook "
-                "points whose module returns a tensor in every forward (exclude= its module), or capture it into "
-                "a store of its own",
+                "is False; its rows are read by their own index, without sample ids or columns). "
+                + (f"Its activation {first} is one tensor shared by the batch's samples (its first dimension 1 is "
+                   "broadcast over them, as T5's position bias (1, heads, query, key), which a generate() step "
+                   f"grows by one key): leave it out with exclude_hook_points=[{name!r}] (its module's other "
+                   "outputs still captured), or capture it into a store of its own" if shared else
+                   "Track only hook points whose module returns a tensor in every forward (exclude= its module), "
+                   "or capture it into a store of its own"),
                 CaptureWarning,
                 stacklevel=3,
             )
+
+    def _note_shared_rows(self, exc: BaseException) -> None:
+        """Name the cause of a store array's changed feature shape where its hook point is a
+        tensor shared by the batch (first dimension 1, named at the end of the forward where
+        it first recorded one row for many samples): the advice of the native error (an
+        attention mask, one image size) is no fix for it."""
+        found = re.match(r"hook point '(.+?)'(?: changed its feature shape|: reduction '.*' .*got rows with "
+                         r"feature shape)", str(exc))
+        name = found.group(1) if found else None
+        if name not in self._shared_rows or not hasattr(exc, "add_note"):
+            return
+        exc.add_note(
+            f"{name!r} is one tensor shared by the batch's samples, not one row per sample: its first "
+            f"activation was {self._shared_rows[name]} for a batch of more samples (its first dimension 1 broadcast "
+            "over them), as T5's position bias (1, heads, query, key), which each generate() step grows by one "
+            f"key. Leave it out of the capture: exclude_hook_points=[{name!r}] (or a pattern for every layer's, as "
+            f"{re.sub(r'[.][0-9]+[.]', '.*.', name, count=1)!r}); its module's other outputs are still captured")
 
     def _check_aliases(self) -> None:
         """Refuse a forward in which a store's alias hook point was not captured as often as its
