@@ -257,3 +257,23 @@ def test_a_decoder_only_model_of_torch_stacks_takes_its_own_mask(tmp_path):
     store = acs.open_store(tmp_path / "s.zarr")
     assert torch.equal(store["embed.output"], expected[~pad])
     _close(store["decoder.layers.0.output"], out[~pad])
+
+
+def test_encoder_hook_points_stored_as_sample_rows_under_the_target_mask_are_named(tmp_path):
+    # T != S: the encoder's (batch, S, d) does not start with the target mask's (batch, T): one
+    # row per sample, the source's padding inside; stored so, and named as the decoder's are
+    model = _transformer()
+    batch = _batch(4)
+    ref = _reference(model, ["encoder.layers.1", "decoder.layers.1"], *batch)
+    with pytest.warns(acs.CaptureWarning, match=r"encoder hook points of the encoder-decoder model Transformer start "
+                      r"with the encoder's \(batch, S\), not with the \(batch, pos\) \(3, 4\) of the decoder's mask.*"
+                      r"'encoder\.layers\.1\.output' \(3, 5, 8\)\. They are stored one row per sample, each a whole "
+                      r"source"):
+        with torch.no_grad(), acs.ActivationScope(store=tmp_path / "s.zarr").track(
+                model, include=["encoder.layers.1", "decoder.layers.1"]) as tracker:
+            tracker.set_batch(attention_mask=~batch[3])
+            _call(model, *batch)
+    store = acs.open_store(tmp_path / "s.zarr")
+    assert store.row_kind("encoder.layers.1.output") == "sample"
+    _close(store["encoder.layers.1.output"], ref["encoder.layers.1"])
+    _close(store["decoder.layers.1.output"], ref["decoder.layers.1"][~batch[3]])

@@ -807,8 +807,8 @@ class Tracker:
         self._token_sides: dict[str, str] = {}
         # decoder hook points (batch, T, ...) stored one row per sample under the encoder's mask,
         # named once per capture at the end of the forward that first gave them
-        self._decoder_sample_rows: dict[str, tuple[int, ...]] = {}
-        self._warned_decoder_sample_rows = False
+        self._side_sample_rows: dict[str, dict[str, tuple[int, ...]]] = {}
+        self._warned_side_sample_rows: set[str] = set()
         # store arrays already named in a warning for leaving the row table (first captured
         # late, a forward that raised, rows missing from a forward): warned once each
         self._warned_row_table: set[str] = set()
@@ -1572,16 +1572,17 @@ class Tracker:
                 self._red_factories is not None
                 and self._red_factories.resolve_reductions(scope.reductions, name, self._hook_names))):
             side = self._side_of(name)
-            decoder = self._seq_masks[1]
+            own = dict(zip(("encoder", "decoder"), self._seq_masks)).get(side)
             if token:
                 # an encoder-decoder model: the mask must be that of this hook point's sequence
                 self._check_token_side(name, side, tuple(tensor.shape), mask)
                 self._token_sides[name] = side
-            elif (side == "decoder" and mask is not None and decoder is not None and tensor.dim() >= 2
-                  and tuple(tensor.shape[:2]) == tuple(decoder.shape) != tuple(mask.shape)):
-                # (batch, T, ...) of the decoder, with the encoder's (batch, S) mask: one row per
-                # sample, the decoder's padding inside (named at the end of the forward)
-                self._decoder_sample_rows[name] = tuple(tensor.shape)
+            elif (mask is not None and own is not None and tensor.dim() >= 2
+                  and tuple(tensor.shape[:2]) == tuple(own.shape) != tuple(mask.shape)):
+                # (batch, T, ...) of the decoder with the encoder's (batch, S) mask, or (batch, S,
+                # ...) of the encoder with the decoder's: one row per sample, that side's padding
+                # inside (named at the end of the forward)
+                self._side_sample_rows.setdefault(side, {})[name] = tuple(tensor.shape)
         # a shape that could be token rows or not, taken as token rows (warned about below, where
         # rows matter: a store or reductions; in-memory records are whole tensors either way)
         ambiguous = None
@@ -1885,29 +1886,34 @@ class Tracker:
             isinstance(m, torch.nn.modules.dropout._DropoutNd)
             or (isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.track_running_stats))]
 
-    def _warn_decoder_sample_rows(self) -> None:
-        """Name (once per capture) the decoder hook points of an encoder-decoder model stored
-        one row per sample because the mask given is the encoder's: each row holds a whole
-        target, the decoder's padding inside, and a batch of another target length is refused."""
-        found, self._decoder_sample_rows = self._decoder_sample_rows, {}
-        if not found or self._warned_decoder_sample_rows:
-            return
-        self._warned_decoder_sample_rows = True
+    def _warn_side_sample_rows(self) -> None:
+        """Name (once per capture and side) the hook points of an encoder-decoder model stored
+        one row per sample because the mask given is the other side's: decoder hook points
+        under the encoder's mask, encoder ones under the decoder's. Each row holds a whole
+        sequence, its padding inside, and a batch of another length of it is refused."""
+        found, self._side_sample_rows = self._side_sample_rows, {}
         mask = self._rows_mask()
-        names = sorted(found)
-        shown = ", ".join(f"{n!r} {found[n]}" for n in names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6
-                                                                      else "")
-        warnings.warn(
-            f"decoder hook points of the encoder-decoder model {type(self.model).__name__} start with the "
-            f"decoder's (batch, T), not with the (batch, pos) {tuple(mask.shape) if mask is not None else ''} of the "
-            f"encoder's mask their rows are taken with: {shown}. They are stored one row per sample, each a whole "
-            "target with the decoder's padding inside (in the rows and the reductions), and a batch of another "
-            "target length is refused. For one row per decoder token capture the decoder in a tracker of its own, "
-            "described with the decoder's mask (docs/usage/capture.md, \"Encoder-decoder models\"); "
-            "token_rows={pattern: False} says that sample rows are meant",
-            CaptureWarning,
-            stacklevel=3,
-        )
+        for side, other in (("decoder", "encoder"), ("encoder", "decoder")):
+            if not found.get(side) or side in self._warned_side_sample_rows:
+                continue
+            self._warned_side_sample_rows.add(side)
+            names = sorted(found[side])
+            shown = ", ".join(f"{n!r} {found[side][n]}" for n in names[:6]) + (
+                f" and {len(names) - 6} more" if len(names) > 6 else "")
+            seq, length, tokens = (("target", "T", "decoder token") if side == "decoder" else
+                                   ("source", "S", "source token"))
+            warnings.warn(
+                f"{side} hook points of the encoder-decoder model {type(self.model).__name__} start with the "
+                f"{side}'s (batch, {length}), not with the (batch, pos) "
+                f"{tuple(mask.shape) if mask is not None else ''} of the {other}'s mask their rows are taken with: "
+                f"{shown}. They are stored one row per sample, each a whole {seq} with the {side}'s padding inside "
+                f"(in the rows and the reductions), and a batch of another {seq} length is refused. For one row per "
+                f"{tokens} capture the {side} in a tracker of its own, described with the {side}'s mask "
+                "(docs/usage/capture.md, \"Encoder-decoder models\"); token_rows={pattern: False} says that sample "
+                "rows are meant",
+                CaptureWarning,
+                stacklevel=3,
+            )
 
     def _watch_training_stop(self) -> None:
         """stop_after_last=True in training mode: note which dropout / BatchNorm modules run in
@@ -2111,7 +2117,7 @@ class Tracker:
 
     def _on_forward_end(self) -> None:
         self._warn_head_first_found()
-        self._warn_decoder_sample_rows()
+        self._warn_side_sample_rows()
         if self._train_phase:
             self._check_training_stop()
         self._open_forward = None
