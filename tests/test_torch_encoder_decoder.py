@@ -277,3 +277,15 @@ def test_encoder_hook_points_stored_as_sample_rows_under_the_target_mask_are_nam
     assert store.row_kind("encoder.layers.1.output") == "sample"
     _close(store["encoder.layers.1.output"], ref["encoder.layers.1"])
     _close(store["decoder.layers.1.output"], ref["decoder.layers.1"][~batch[3]])
+
+
+def test_rows_token_with_a_padded_target_is_refused(tmp_path):
+    # rows="token" takes every position of the model's first input, src: not the target's
+    # tokens where tgt_key_padding_mask has padding
+    model = _transformer()
+    batch = _batch(S)
+    with pytest.raises(acs.CaptureError, match=r"'decoder\.layers\.0\.output' is on the decoder side.*rows='token'.*"
+                       r"is not the decoder's \(the inverse of tgt_key_padding_mask, else every position of tgt\): "):
+        with torch.no_grad(), acs.ActivationScope(store=tmp_path / "s.zarr", rows="token").track(
+                model, include=["decoder.layers.0"]):
+            _call(model, *batch)

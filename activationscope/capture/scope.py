@@ -2506,6 +2506,7 @@ class Tracker:
             if same(mask, decoder):
                 return
             what = (f"the encoder's ({names[0]})" if same(mask, encoder) else
+                    f"not the decoder's ({names[1]})" if nn else
                     f"not the decoder's ({names[1]}; a mask "
                     "of your own for the decoder, as labels != -100 where the model is given no "
                     "decoder_attention_mask, is confirmed with token_rows= True below)")
