@@ -314,3 +314,16 @@ def test_tracking_the_layers_of_an_encoder_given_a_padding_mask_stores_dense_row
     for i in range(2):
         assert store.row_kind(f"layers.{i}.output") == "token"
         torch.testing.assert_close(store[f"layers.{i}.output"], ref[i][~pad], rtol=1e-5, atol=1e-5)
+
+
+def test_tracking_the_layers_of_an_encoder_without_nested_tensors_keeps_the_fast_path():
+    # its layers are called with dense tensors either way: only an encoder that uses nested
+    # tensors (enable_nested_tensor=True, the default) turns the fast path off
+    layer = torch.nn.TransformerEncoderLayer(16, 2, 32, batch_first=True)
+    dense = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+    with ActivationScope().track(dense, include=["layers.0"]):
+        assert torch.backends.mha.get_fastpath_enabled()
+    nested = torch.nn.TransformerEncoder(layer, 2).eval()
+    with ActivationScope().track(nested, include=["layers.0"]):
+        assert not torch.backends.mha.get_fastpath_enabled()
+    assert torch.backends.mha.get_fastpath_enabled()

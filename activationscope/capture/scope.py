@@ -2979,16 +2979,23 @@ def _mask_arg_index(forward: Any) -> int | None:
 
 
 # Modules of torch.nn whose fused fast path (torch.backends.mha) computes their children without
-# calling them, or (nn.TransformerEncoder given a src_key_padding_mask) passes its layers nested
-# tensors of the real tokens: tracking a module inside one turns the fast path off while attached.
+# calling them, or (an nn.TransformerEncoder that uses nested tensors, given a src_key_padding_mask)
+# passes its layers nested tensors of the real tokens: tracking a module inside one turns the fast
+# path off while attached.
 _FUSED_PARENTS = (torch.nn.TransformerEncoderLayer, torch.nn.MultiheadAttention, torch.nn.TransformerEncoder)
+
+
+def _fused(module: torch.nn.Module) -> bool:
+    if isinstance(module, torch.nn.TransformerEncoder):
+        return bool(getattr(module, "use_nested_tensor", False))
+    return isinstance(module, _FUSED_PARENTS)
 _fastpath_lock = threading.Lock()
 _fastpath_users = 0
 _fastpath_saved = True
 
 
 def _inside_fused(model: torch.nn.Module, modules: list[tuple[str, torch.nn.Module]]) -> bool:
-    fused = [n for n, m in model.named_modules() if isinstance(m, _FUSED_PARENTS)]
+    fused = [n for n, m in model.named_modules() if _fused(m)]
     return any(name.startswith(f + ".") or (f == "" and name != "") for name, _ in modules for f in fused)
 
 
