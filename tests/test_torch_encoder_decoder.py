@@ -289,3 +289,22 @@ def test_rows_token_with_a_padded_target_is_refused(tmp_path):
         with torch.no_grad(), acs.ActivationScope(store=tmp_path / "s.zarr", rows="token").track(
                 model, include=["decoder.layers.0"]):
             _call(model, *batch)
+
+
+def test_token_rows_of_a_sequence_first_stack_are_refused(tmp_path):
+    # batch_first=False (nn.Transformer's default): (pos, batch, d) starts with the (batch, pos)
+    # mask where batch == pos, and its rows were taken with the mask transposed
+    torch.manual_seed(0)
+    model = torch.nn.Transformer(d_model=D, nhead=2, num_encoder_layers=1, num_decoder_layers=1,
+                                 dim_feedforward=16, dropout=0.0).eval()
+    src, tgt = torch.randn(S, S, D), torch.randn(S, S, D)
+    src_pad, tgt_pad = torch.zeros(S, S, dtype=torch.bool), torch.zeros(S, S, dtype=torch.bool)
+    src_pad[1, 3:] = True
+    with pytest.raises(acs.CaptureError, match=r"'encoder\.layers\.0\.output' is inside 'encoder' "
+                       r"\(TransformerEncoder\) of the encoder-decoder model Transformer, built sequence-first.*"
+                       r"batch_first=True"):
+        with torch.no_grad(), acs.ActivationScope(store=tmp_path / "s.zarr").track(
+                model, include=["encoder.layers.0"]) as tracker:
+            tracker.set_batch(attention_mask=~src_pad)
+            _call(model, src, src_pad, tgt, tgt_pad)
+    assert not (tmp_path / "s.zarr").exists()

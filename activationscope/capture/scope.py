@@ -1575,6 +1575,7 @@ class Tracker:
             own = dict(zip(("encoder", "decoder"), self._seq_masks)).get(side)
             if token:
                 # an encoder-decoder model: the mask must be that of this hook point's sequence
+                self._check_sequence_first(name, tuple(tensor.shape), mask)
                 self._check_token_side(name, side, tuple(tensor.shape), mask)
                 self._token_sides[name] = side
             elif (mask is not None and own is not None and tensor.dim() >= 2
@@ -2534,6 +2535,31 @@ class Tracker:
             f"({given}), which in forward {self._core.n_forwards - 1} is {what}: its rows would be the "
             f"{rows}. {fix}; or pass token_rows={{{name!r}: False}} for one "
             f"row per sample (padding included), or token_rows={{{name!r}: True}} if this mask is meant for it"
+        )
+
+    def _check_sequence_first(self, name: str, shape: tuple[int, ...], mask: torch.Tensor | None) -> None:
+        """Refuse token rows of a hook point inside a torch.nn stack built sequence-first
+        (``batch_first=False``, nn.Transformer's default): its activation is ``(pos, batch,
+        ...)``, which starts with the ``(batch, pos)`` mask only where the two are equal, and its
+        rows would be taken with the mask transposed."""
+        if self._nn_seq2seq is None or self._seq2seq or mask is None:
+            return
+        module = dict(self._modules).get(self._module_of(name))
+        stacks = [st for st in (*self._nn_seq2seq[0], *self._nn_seq2seq[1]) if not _stack_batch_first(st)]
+        if isinstance(self.model, torch.nn.Transformer) and not self.model.batch_first:
+            stacks.append(self.model)
+        found = next((st for st in stacks if module is not None and any(m is module for m in st.modules())), None)
+        if found is None:
+            return
+        where = next((n for n, m in self.model.named_modules() if m is found), "")
+        raise CaptureError(
+            f"hook point {name!r} is inside {where or 'the model'!r} ({type(found).__name__}) of the encoder-decoder "
+            f"model {type(self.model).__name__}, built sequence-first (batch_first=False): its activation {shape} "
+            f"is (pos, batch, ...), and it starts with the (batch, pos) {tuple(mask.shape)} of the mask its token "
+            "rows are taken with only because the batch has as many samples as positions: its rows would be taken "
+            "with the mask transposed. Build the model with batch_first=True (the same state_dict loads) and feed "
+            f"it (batch, pos, ...) inputs, or pass token_rows={{{name!r}: False}} (one row per position, the batch "
+            "among the features)"
         )
 
     def _side_of(self, name: str) -> str:
