@@ -5,6 +5,7 @@ Token rows are taken with one mask; a decoder activation starts with the encoder
 from __future__ import annotations
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -280,8 +281,6 @@ def test_decoder_hook_points_stored_as_sample_rows_under_the_encoders_mask_are_n
 
 
 def test_decoder_sample_rows_asked_for_are_not_warned_about(tmp_path):
-    import warnings
-
     model = _t5()
     src, src_mask, tgt, tgt_mask = _batch(4)
     scope = acs.ActivationScope(store=tmp_path / "s.zarr", token_rows={"lm_head*": False})
@@ -363,3 +362,41 @@ def test_a_decoder_mask_of_ones_own_is_refused_until_confirmed(tmp_path):
         tracker.set_batch(attention_mask=mask)
         model(input_ids=src, attention_mask=src_mask, labels=labels)
     assert torch.equal(acs.open_store(tmp_path / "b.zarr")["lm_head.output"], out["lm_head"][mask])
+
+
+def test_generate_names_the_position_bias_whose_shape_grows_and_its_exclusion_captures_the_rest(tmp_path):
+    # a T5 decoder block returns its position bias (1, heads, query, key) next to its hidden
+    # state: one tensor shared by the batch, which each generate() step grows by one key. The
+    # error at the second step named attention masks and image sizes; it now names the bias
+    model = _t5()
+    src, src_mask, _, _ = _batch(S)
+    block = "decoder.block.0"
+    with pytest.raises(acs.CaptureError, match=rf"'{block}\.output\.1' changed its feature shape") as raised, \
+            warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad(), acs.ActivationScope(store=tmp_path / "a.zarr").track(model, include=[block]) as t:
+            t.set_batch(sample_ids=[0, 1, 2])
+            model.generate(input_ids=src, attention_mask=src_mask, max_new_tokens=3, min_new_tokens=3,
+                           do_sample=False)
+    # (at the first step's end: its one row for 3 samples leaves the row table)
+    lost = [str(w.message) for w in caught if "row table got 3" in str(w.message)]
+    assert len(lost) == 2 and all("one tensor shared by the batch's samples" in w for w in lost), lost
+    assert f"exclude_hook_points=['{block}.output.1']" in lost[0]
+    notes = " ".join(getattr(raised.value, "__notes__", []))
+    assert f"'{block}.output.1' is one tensor shared by the batch's samples" in notes
+    assert "(1, 2, 1, 1)" in notes and f"exclude_hook_points=['{block}.output.1']" in notes
+    steps = []
+    handle = model.get_submodule(block).register_forward_hook(lambda m, a, o: steps.append(o[0].detach().clone()))
+    with torch.no_grad():
+        expected = model.generate(input_ids=src, attention_mask=src_mask, max_new_tokens=3, min_new_tokens=3,
+                                  do_sample=False)
+    handle.remove()
+    scope = acs.ActivationScope(store=tmp_path / "b.zarr", exclude_hook_points=["decoder.block.*.output.[12]"])
+    with torch.no_grad(), scope.track(model, include=[block]) as t:
+        t.set_batch(sample_ids=[0, 1, 2])
+        out = model.generate(input_ids=src, attention_mask=src_mask, max_new_tokens=3, min_new_tokens=3,
+                             do_sample=False)
+    assert torch.equal(out, expected)
+    store = acs.open_store(tmp_path / "b.zarr")
+    assert store.hook_points == [f"{block}.output.0"]
+    assert len(steps) == 3 and torch.equal(store[f"{block}.output.0"], torch.cat(steps))

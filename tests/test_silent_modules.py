@@ -282,3 +282,48 @@ def test_modules_returning_tensors_every_forward_give_no_row_table_warning(tmp_p
         _capture_two_branches(tmp_path / "s.zarr", off=())
     s = open_store(tmp_path / "s.zarr")
     assert s.follows_row_table("a.output") and s.follows_row_table("b.output")
+
+
+def test_tracking_the_layers_of_an_encoder_given_a_padding_mask_stores_dense_rows(tmp_path):
+    # nn.TransformerEncoder (and nn.Transformer's encoder) given src_key_padding_mask in eval
+    # passes its layers a nested tensor of the real tokens: the layers' outputs could not be
+    # stored. Tracking its layers turns that path off: one row per real token
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(16, 2, 32, batch_first=True)
+    enc = torch.nn.TransformerEncoder(layer, 2).eval()
+    x = torch.randn(3, 6, 16)
+    pad = torch.zeros(3, 6, dtype=torch.bool)
+    pad[0, 4:] = True
+    pad[2, 2:] = True
+    ref = {}
+    handles = [enc.layers[i].register_forward_hook(lambda m, a, o, i=i: ref.__setitem__(i, o.detach().clone()))
+               for i in range(2)]
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        with torch.no_grad():
+            enc(x, src_key_padding_mask=pad)
+    finally:
+        torch.backends.mha.set_fastpath_enabled(True)
+        for h in handles:
+            h.remove()
+    with torch.no_grad(), ActivationScope(store=tmp_path / "s.zarr").track(enc, include=["layers.?"]) as t:
+        t.set_batch(attention_mask=~pad)
+        enc(x, src_key_padding_mask=pad)
+    assert torch.backends.mha.get_fastpath_enabled()
+    store = open_store(tmp_path / "s.zarr")
+    for i in range(2):
+        assert store.row_kind(f"layers.{i}.output") == "token"
+        torch.testing.assert_close(store[f"layers.{i}.output"], ref[i][~pad], rtol=1e-5, atol=1e-5)
+
+
+def test_tracking_the_layers_of_an_encoder_without_nested_tensors_keeps_the_fast_path():
+    # its layers are called with dense tensors either way: only an encoder that uses nested
+    # tensors (enable_nested_tensor=True, the default) turns the fast path off
+    layer = torch.nn.TransformerEncoderLayer(16, 2, 32, batch_first=True)
+    dense = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+    with ActivationScope().track(dense, include=["layers.0"]):
+        assert torch.backends.mha.get_fastpath_enabled()
+    nested = torch.nn.TransformerEncoder(layer, 2).eval()
+    with ActivationScope().track(nested, include=["layers.0"]):
+        assert not torch.backends.mha.get_fastpath_enabled()
+    assert torch.backends.mha.get_fastpath_enabled()

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import copyreg
 import enum
+import functools
 import inspect
 import itertools
 import math
 import operator
 import os
+import re
 import sys
 import threading
 import time
@@ -793,16 +795,26 @@ class Tracker:
         # needed), and the side of each hook point stored as token rows (its mask is checked
         # against that side's at each forward)
         self._seq2seq: tuple[str, ...] | None = None
+        # a model of torch.nn's encoder and decoder stacks (nn.Transformer, or a model of one's own
+        # around nn.TransformerEncoder / nn.TransformerDecoder and their layers, whose decoder
+        # layers' multihead_attn is the cross-attention): the outermost stacks of each side, and
+        # the handles of the pre-hooks that note each stack call's mask (the inverse of its
+        # key padding mask, else every position of its input)
+        self._nn_seq2seq: tuple[list[torch.nn.Module], list[torch.nn.Module]] | None = None
+        self._nn_handles: list[Any] = []
         self._seq_masks: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
         self._stacks: tuple[set[int], set[int]] | None = None
         self._token_sides: dict[str, str] = {}
         # decoder hook points (batch, T, ...) stored one row per sample under the encoder's mask,
         # named once per capture at the end of the forward that first gave them
-        self._decoder_sample_rows: dict[str, tuple[int, ...]] = {}
-        self._warned_decoder_sample_rows = False
+        self._side_sample_rows: dict[str, dict[str, tuple[int, ...]]] = {}
+        self._warned_side_sample_rows: set[str] = set()
         # store arrays already named in a warning for leaving the row table (first captured
         # late, a forward that raised, rows missing from a forward): warned once each
         self._warned_row_table: set[str] = set()
+        # hook points whose first activation (1, ...) came in a forward of more samples: a tensor
+        # shared by the batch (T5's position bias), named where its shape changes
+        self._shared_rows: dict[str, tuple[int, ...]] = {}
         self._fastpath_off = False  # this tracker holds PyTorch's MHA fast path off
         self.parameters: dict[str, torch.Tensor] = {}
         self.writer = None
@@ -920,6 +932,13 @@ class Tracker:
         self._core.closing = False
         self._core.active = True
         self._attached = True
+        if not self._seq2seq and not self._nn_handles:
+            self._nn_seq2seq = _torch_stacks(self.model)
+            for side, stacks in zip(("encoder", "decoder"), self._nn_seq2seq or ()):
+                for stack in stacks:
+                    # (bookkeeping of the capture: a compiled model calls it outside its graph)
+                    note = torch.compiler.disable(functools.partial(self._note_stack_call, side))
+                    self._nn_handles.append(stack.register_forward_pre_hook(note, with_kwargs=True))
         if not self._fastpath_off and _inside_fused(self.model, self._modules):
             _fastpath_acquire()
             self._fastpath_off = True
@@ -1126,6 +1145,8 @@ class Tracker:
         self._remove_train_probes()
         self._train_phase = ""
         self._uninstall_all()
+        while self._nn_handles:
+            self._nn_handles.pop().remove()
         self._core.release_callbacks()
         self._attached = False
         # Alias targets remember their last tensor (weakly) to compare the next call's; a
@@ -1338,6 +1359,8 @@ class Tracker:
             self._with_depth -= 1
             return
         self._with_depth = 0
+        if exc is not None and self._shared_rows:
+            self._note_shared_rows(exc)
         left = self._detach()
         self._finish(status="complete" if exc is None else "incomplete", exc=exc, left_running=left)
         if self._reference_mode:
@@ -1531,6 +1554,10 @@ class Tracker:
                 "pass attention_mask= to tracker.set_batch (or rows='token'), or drop the hook point from token_rows="
             )
         self._first_shapes[name] = "(nested)" if tensor.is_nested else tuple(tensor.shape)
+        if not tensor.is_nested and tensor.dim() >= 2 and tensor.shape[0] == 1 < int(self._core.batch_size):
+            # (1, ...) in a forward of more samples: a tensor shared by the batch (named where it
+            # breaks the row table, and where its shape changes: _note_shared_rows)
+            self._shared_rows[name] = tuple(tensor.shape)
         known_layout = decided is None and _attention_map_hook_point(name, self._hook_point_paths)
         if known_layout:
             # a TransformerLens attention map is (batch, head_index, query_pos, key_pos), whatever
@@ -1541,20 +1568,22 @@ class Tracker:
             if not known_layout:  # (not asked for by the user: a mask that fits nothing is still warned about)
                 self._sample_rows_chosen = True
             token = False
-        if decided is None and self._seq2seq and (self.writer is not None or (
+        if decided is None and (self._seq2seq or self._nn_seq2seq) and (self.writer is not None or (
                 self._red_factories is not None
                 and self._red_factories.resolve_reductions(scope.reductions, name, self._hook_names))):
             side = self._side_of(name)
-            decoder = self._seq_masks[1]
+            own = dict(zip(("encoder", "decoder"), self._seq_masks)).get(side)
             if token:
                 # an encoder-decoder model: the mask must be that of this hook point's sequence
+                self._check_sequence_first(name, tuple(tensor.shape), mask)
                 self._check_token_side(name, side, tuple(tensor.shape), mask)
                 self._token_sides[name] = side
-            elif (side == "decoder" and mask is not None and decoder is not None and tensor.dim() >= 2
-                  and tuple(tensor.shape[:2]) == tuple(decoder.shape) != tuple(mask.shape)):
-                # (batch, T, ...) of the decoder, with the encoder's (batch, S) mask: one row per
-                # sample, the decoder's padding inside (named at the end of the forward)
-                self._decoder_sample_rows[name] = tuple(tensor.shape)
+            elif (mask is not None and own is not None and tensor.dim() >= 2
+                  and tuple(tensor.shape[:2]) == tuple(own.shape) != tuple(mask.shape)):
+                # (batch, T, ...) of the decoder with the encoder's (batch, S) mask, or (batch, S,
+                # ...) of the encoder with the decoder's: one row per sample, that side's padding
+                # inside (named at the end of the forward)
+                self._side_sample_rows.setdefault(side, {})[name] = tuple(tensor.shape)
         # a shape that could be token rows or not, taken as token rows (warned about below, where
         # rows matter: a store or reductions; in-memory records are whole tensors either way)
         ambiguous = None
@@ -1858,29 +1887,34 @@ class Tracker:
             isinstance(m, torch.nn.modules.dropout._DropoutNd)
             or (isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.track_running_stats))]
 
-    def _warn_decoder_sample_rows(self) -> None:
-        """Name (once per capture) the decoder hook points of an encoder-decoder model stored
-        one row per sample because the mask given is the encoder's: each row holds a whole
-        target, the decoder's padding inside, and a batch of another target length is refused."""
-        found, self._decoder_sample_rows = self._decoder_sample_rows, {}
-        if not found or self._warned_decoder_sample_rows:
-            return
-        self._warned_decoder_sample_rows = True
+    def _warn_side_sample_rows(self) -> None:
+        """Name (once per capture and side) the hook points of an encoder-decoder model stored
+        one row per sample because the mask given is the other side's: decoder hook points
+        under the encoder's mask, encoder ones under the decoder's. Each row holds a whole
+        sequence, its padding inside, and a batch of another length of it is refused."""
+        found, self._side_sample_rows = self._side_sample_rows, {}
         mask = self._rows_mask()
-        names = sorted(found)
-        shown = ", ".join(f"{n!r} {found[n]}" for n in names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6
-                                                                      else "")
-        warnings.warn(
-            f"decoder hook points of the encoder-decoder model {type(self.model).__name__} start with the "
-            f"decoder's (batch, T), not with the (batch, pos) {tuple(mask.shape) if mask is not None else ''} of the "
-            f"encoder's mask their rows are taken with: {shown}. They are stored one row per sample, each a whole "
-            "target with the decoder's padding inside (in the rows and the reductions), and a batch of another "
-            "target length is refused. For one row per decoder token capture the decoder in a tracker of its own, "
-            "described with the decoder's mask (docs/usage/capture.md, \"Encoder-decoder models\"); "
-            "token_rows={pattern: False} says that sample rows are meant",
-            CaptureWarning,
-            stacklevel=3,
-        )
+        for side, other in (("decoder", "encoder"), ("encoder", "decoder")):
+            if not found.get(side) or side in self._warned_side_sample_rows:
+                continue
+            self._warned_side_sample_rows.add(side)
+            names = sorted(found[side])
+            shown = ", ".join(f"{n!r} {found[side][n]}" for n in names[:6]) + (
+                f" and {len(names) - 6} more" if len(names) > 6 else "")
+            seq, length, tokens = (("target", "T", "decoder token") if side == "decoder" else
+                                   ("source", "S", "source token"))
+            warnings.warn(
+                f"{side} hook points of the encoder-decoder model {type(self.model).__name__} start with the "
+                f"{side}'s (batch, {length}), not with the (batch, pos) "
+                f"{tuple(mask.shape) if mask is not None else ''} of the {other}'s mask their rows are taken with: "
+                f"{shown}. They are stored one row per sample, each a whole {seq} with the {side}'s padding inside "
+                f"(in the rows and the reductions), and a batch of another {seq} length is refused. For one row per "
+                f"{tokens} capture the {side} in a tracker of its own, described with the {side}'s mask "
+                "(docs/usage/capture.md, \"Encoder-decoder models\"); token_rows={pattern: False} says that sample "
+                "rows are meant",
+                CaptureWarning,
+                stacklevel=3,
+            )
 
     def _watch_training_stop(self) -> None:
         """stop_after_last=True in training mode: note which dropout / BatchNorm modules run in
@@ -1952,6 +1986,8 @@ class Tracker:
 
     def _on_forward_start(self) -> None:
         self._model_mask = None  # (noted again by the root's Python frame, which runs next)
+        if self._nn_seq2seq:
+            self._seq_masks = (None, None)  # (noted again at the calls of the stacks)
         self._warn_head_first_found()  # (after a forward that raised)
         self._stop_learnt = self.stop_after_last and self._core.stop_learnt
         if self.stop_after_last and not self._warned_training_stop and self._core.capturing:
@@ -2082,7 +2118,7 @@ class Tracker:
 
     def _on_forward_end(self) -> None:
         self._warn_head_first_found()
-        self._warn_decoder_sample_rows()
+        self._warn_side_sample_rows()
         if self._train_phase:
             self._check_training_stop()
         self._open_forward = None
@@ -2268,16 +2304,39 @@ class Tracker:
         for name in sorted(set(lost) - self._warned_row_table):
             self._warned_row_table.add(name)
             got, expected = lost[name]
+            first = self._shared_rows.get(name)
+            shared = got == 1 < expected and first is not None
             warnings.warn(
                 f"hook point {name!r} recorded {got} row(s) in forward {k} of the tracked model, where the row "
                 f"table got {expected} (its module returned no tensor there, or another number of rows): from "
                 f"there on its store rows no longer follow the sample row table (store.follows_row_table({name!r}) "
-                "is False; its rows are read by their own index, without sample ids or columns). Track only hook "
-                "points whose module returns a tensor in every forward (exclude= its module), or capture it into "
-                "a store of its own",
+                "is False; its rows are read by their own index, without sample ids or columns). "
+                + (f"Its activation {first} is one tensor shared by the batch's samples (its first dimension 1 is "
+                   "broadcast over them, as T5's position bias (1, heads, query, key), which a generate() step "
+                   f"grows by one key): leave it out with exclude_hook_points=[{name!r}] (its module's other "
+                   "outputs still captured), or capture it into a store of its own" if shared else
+                   "Track only hook points whose module returns a tensor in every forward (exclude= its module), "
+                   "or capture it into a store of its own"),
                 CaptureWarning,
                 stacklevel=3,
             )
+
+    def _note_shared_rows(self, exc: BaseException) -> None:
+        """Name the cause of a store array's changed feature shape where its hook point is a
+        tensor shared by the batch (first dimension 1, named at the end of the forward where
+        it first recorded one row for many samples): the advice of the native error (an
+        attention mask, one image size) is no fix for it."""
+        found = re.match(r"hook point '(.+?)'(?: changed its feature shape|: reduction '.*' .*got rows with "
+                         r"feature shape)", str(exc))
+        name = found.group(1) if found else None
+        if name not in self._shared_rows or not hasattr(exc, "add_note"):
+            return
+        exc.add_note(
+            f"{name!r} is one tensor shared by the batch's samples, not one row per sample: its first "
+            f"activation was {self._shared_rows[name]} for a batch of more samples (its first dimension 1 broadcast "
+            "over them), as T5's position bias (1, heads, query, key), which each generate() step grows by one "
+            f"key. Leave it out of the capture: exclude_hook_points=[{name!r}] (or a pattern for every layer's, as "
+            f"{re.sub(r'[.][0-9]+[.]', '.*.', name, count=1)!r}); its module's other outputs are still captured")
 
     def _check_aliases(self) -> None:
         """Refuse a forward in which a store's alias hook point was not captured as often as its
@@ -2373,6 +2432,32 @@ class Tracker:
         for name, side in self._token_sides.items():
             self._check_token_side(name, side, None, mask)
 
+    def _note_stack_call(self, side: str, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        """(a forward pre-hook of a torch.nn encoder or decoder stack) the mask of its sequence
+        in this forward: the inverse of its key padding mask (``src_key_padding_mask`` /
+        ``tgt_key_padding_mask``, True at padding), else every position of its input; a
+        decoder's ``memory_key_padding_mask`` gives the encoder's where no encoder stack ran. At a decoder's call both are known: each hook
+        point already stored as token rows is checked against the mask of this forward."""
+        if not self._core.capturing or self._open_forward is None:
+            return  # (a stack called on its own, outside a forward of the tracked model: not recorded)
+        given = dict(zip(_positional_names(type(module).forward)[1:], args))
+        given.update(kwargs)
+        first = _stack_batch_first(module)
+        if side == "encoder":
+            self._seq_masks = (_sequence_mask(given, "src", "src_key_padding_mask", first), self._seq_masks[1])
+            return
+        encoder = self._seq_masks[0]
+        if encoder is None and isinstance(given.get("memory_key_padding_mask"), torch.Tensor):
+            # (no encoder stack ran: the memory's padding, where the decoder is given it; a memory
+            # without one, as the decoder's own input in a decoder-only model, tells nothing)
+            encoder = _sequence_mask(given, "memory", "memory_key_padding_mask", first)
+        self._seq_masks = (encoder, _sequence_mask(given, "tgt", "tgt_key_padding_mask", first))
+        if self._seq_masks[1] is None or not self._token_sides:
+            return
+        mask = self._rows_mask()
+        for name, side_of in self._token_sides.items():
+            self._check_token_side(name, side_of, None, mask)
+
     def _rows_mask(self) -> torch.Tensor | None:
         """The (batch, pos) mask token rows are taken with in the current forward."""
         mask = (self._batch or {}).get("attention_mask")
@@ -2389,7 +2474,10 @@ class Tracker:
         starts with the encoder mask's ``(batch, S)`` whenever ``T == S``: its rows would be
         the decoder positions where the encoder has tokens, listed with the encoder's
         positions and token columns. A decoder hook point needs the decoder's mask; an encoder
-        one is refused when the mask is the decoder's and not the encoder's."""
+        one is refused when the mask is the decoder's and not the encoder's. For torch.nn's
+        stacks, a mask that is a key padding mask as given (True at padding) is refused, and a
+        hook point outside both stacks (``side == "either"``) is refused where the two
+        sequences have one length but other padding (its side cannot be told)."""
         encoder, decoder = self._seq_masks
         if decoder is None or mask is None:
             return
@@ -2397,29 +2485,81 @@ class Tracker:
         def same(a: torch.Tensor, b: torch.Tensor | None) -> bool:
             return b is not None and tuple(a.shape) == tuple(b.shape) and bool(torch.equal(a.to("cpu", torch.bool), b))
 
-        if side == "decoder":
+        nn = self._nn_seq2seq is not None and not self._seq2seq
+        names = (("the inverse of src_key_padding_mask, else every position of src",
+                  "the inverse of tgt_key_padding_mask, else every position of tgt") if nn else
+                 ("attention_mask, else every position of input_ids",
+                  "decoder_attention_mask, else every position of decoder_input_ids"))
+        sides = {"encoder": encoder} if side == "encoder" else {"decoder": decoder} if side == "decoder" else \
+            {"encoder": encoder, "decoder": decoder}
+        inverted = [k for k, m in sides.items() if nn and m is not None and same(~mask.to("cpu", torch.bool), m)]
+        if inverted:
+            what = (f"the {inverted[0]}'s key padding mask as given (True at padding, {names[inverted[0] == 'decoder']} "
+                    "being the positions of its tokens)")
+        elif side == "either":
+            if encoder is None or not (tuple(mask.shape) == tuple(encoder.shape) == tuple(decoder.shape)) \
+                    or torch.equal(encoder, decoder):
+                return
+            what = ("one of two sequences of one length and other padding, the encoder's "
+                    f"({names[0]}) and the decoder's ({names[1]}), and which one a module outside "
+                    "nn.TransformerEncoder / nn.TransformerDecoder (and their layers) is over cannot be told")
+        elif side == "decoder":
             if same(mask, decoder):
                 return
-            what = ("the encoder's (attention_mask, else every position of input_ids)" if same(mask, encoder) else
-                    "not the decoder's (decoder_attention_mask, else every position of decoder_input_ids; a mask "
+            what = (f"the encoder's ({names[0]})" if same(mask, encoder) else
+                    f"not the decoder's ({names[1]})" if nn else
+                    f"not the decoder's ({names[1]}; a mask "
                     "of your own for the decoder, as labels != -100 where the model is given no "
                     "decoder_attention_mask, is confirmed with token_rows= True below)")
         else:
             if not same(mask, decoder) or same(mask, encoder):
                 return
-            what = "the decoder's (decoder_attention_mask, else every position of decoder_input_ids), not the encoder's"
+            what = f"the decoder's ({names[1]}), not the encoder's"
         given = "tracker.set_batch(attention_mask=...)" if (self._batch or {}).get("attention_mask") is not None \
             else "rows='token' (every position of the model's first input)"
         where = f"its activation {shape} starts" if shape is not None else "its activation starts"
+        on = ("outside the encoder and decoder stacks" if side == "either" else f"on the {side} side")
+        if inverted:
+            fix = ("Describe the batch with the positions of the tokens: "
+                   "tracker.set_batch(attention_mask=~key_padding_mask)")
+            rows = "padding positions, the tokens left out"
+        else:
+            fix = ("Capture each side with its own mask: one tracker per side on the same model, nested (each "
+                   "with its own store, include= that side's modules, and its own set_batch(attention_mask=...)), see "
+                   "docs/usage/capture.md, \"Encoder-decoder models\"")
+            rows = (f"{side}'s activations at the other sequence's tokens, listed with that sequence's positions and "
+                    "columns" if side != "either" else "activations at one sequence's tokens whichever it is on")
         raise CaptureError(
-            f"hook point {name!r} is on the {side} side of the encoder-decoder model {type(self.model).__name__}, "
+            f"hook point {name!r} is {on} of the encoder-decoder model {type(self.model).__name__}, "
             f"and {where} with the (batch, pos) {tuple(mask.shape)} of the mask its token rows are taken with "
             f"({given}), which in forward {self._core.n_forwards - 1} is {what}: its rows would be the "
-            f"{side}'s activations at the other sequence's tokens, listed with that sequence's positions and "
-            f"columns. Capture each side with its own mask: one tracker per side on the same model, nested (each "
-            f"with its own store, include= the {side}'s modules, and its own set_batch(attention_mask=...)), see "
-            f"docs/usage/capture.md, \"Encoder-decoder models\"; or pass token_rows={{{name!r}: False}} for one "
+            f"{rows}. {fix}; or pass token_rows={{{name!r}: False}} for one "
             f"row per sample (padding included), or token_rows={{{name!r}: True}} if this mask is meant for it"
+        )
+
+    def _check_sequence_first(self, name: str, shape: tuple[int, ...], mask: torch.Tensor | None) -> None:
+        """Refuse token rows of a hook point inside a torch.nn stack built sequence-first
+        (``batch_first=False``, nn.Transformer's default): its activation is ``(pos, batch,
+        ...)``, which starts with the ``(batch, pos)`` mask only where the two are equal, and its
+        rows would be taken with the mask transposed."""
+        if self._nn_seq2seq is None or self._seq2seq or mask is None:
+            return
+        module = dict(self._modules).get(self._module_of(name))
+        stacks = [st for st in (*self._nn_seq2seq[0], *self._nn_seq2seq[1]) if not _stack_batch_first(st)]
+        if isinstance(self.model, torch.nn.Transformer) and not self.model.batch_first:
+            stacks.append(self.model)
+        found = next((st for st in stacks if module is not None and any(m is module for m in st.modules())), None)
+        if found is None:
+            return
+        where = next((n for n, m in self.model.named_modules() if m is found), "")
+        raise CaptureError(
+            f"hook point {name!r} is inside {where or 'the model'!r} ({type(found).__name__}) of the encoder-decoder "
+            f"model {type(self.model).__name__}, built sequence-first (batch_first=False): its activation {shape} "
+            f"is (pos, batch, ...), and it starts with the (batch, pos) {tuple(mask.shape)} of the mask its token "
+            "rows are taken with only because the batch has as many samples as positions: its rows would be taken "
+            "with the mask transposed. Build the model with batch_first=True (the same state_dict loads) and feed "
+            f"it (batch, pos, ...) inputs, or pass token_rows={{{name!r}: False}} (one row per position, the batch "
+            "among the features)"
         )
 
     def _side_of(self, name: str) -> str:
@@ -2428,7 +2568,13 @@ class Tracker:
         at its first call of a forward: the encoder runs first), and for the encoder's positions
         inside the decoder (a cross-attention's key and value projections, the encoder states a
         decoder module takes), else ``"decoder"`` (the decoder's modules, and those after it, as
-        the language-model head)."""
+        the language-model head). For torch.nn's stacks: ``"encoder"`` inside an encoder stack,
+        ``"decoder"`` inside a decoder stack (its cross-attention's output too) or for an
+        ``nn.Transformer``'s output, and ``"either"`` outside both (a model's own embeddings
+        and head: which sequence it is over cannot be told from the model)."""
+        if self._stacks is None and self._nn_seq2seq is not None and not self._seq2seq:
+            self._stacks = tuple({id(m) for stack in stacks for m in stack.modules()}  # type: ignore[assignment]
+                                 for stacks in self._nn_seq2seq)
         if self._stacks is None:
             get_encoder, get_decoder = getattr(self.model, "get_encoder", None), getattr(self.model, "get_decoder", None)
             ids: list[set[int]] = []
@@ -2445,6 +2591,10 @@ class Tracker:
         module = dict(self._modules).get(path)
         if _encoder_positions(name, path, module):
             return "encoder"  # (in the decoder, but over the encoder's positions: a cross-attention's keys)
+        if self._nn_seq2seq is not None and not self._seq2seq:
+            if module is not None and (id(module) in decoder or isinstance(module, torch.nn.Transformer)):
+                return "decoder"
+            return "encoder" if module is not None and id(module) in encoder else "either"
         if module is None or id(module) not in encoder:
             return "decoder"
         if id(module) in decoder and "#" in name[len(path):]:
@@ -2736,7 +2886,61 @@ def _recurrent_layout(hook_point: str, module: str) -> str | None:
 # encoder's states or mask into the decoder's modules
 _CROSS_ATTENTION = frozenset({"EncDecAttention", "encoder_attn", "crossattention", "cross_attn"})
 _KEYS_VALUES = frozenset({"k", "v", "k_proj", "v_proj", "key", "value"})
-_ENCODER_KEYWORDS = ("key_value_states", "encoder_hidden_states", "encoder_attention_mask")
+_ENCODER_KEYWORDS = ("key_value_states", "encoder_hidden_states", "encoder_attention_mask",
+                     "memory", "memory_key_padding_mask")  # (the last two: torch.nn's decoder stacks and layers)
+# the inputs of torch.nn's cross-attention (an nn.TransformerDecoderLayer's multihead_attn) over
+# the encoder's positions, and those of nn.Transformer
+_NN_CROSS_INPUTS = ("key", "value", "key_padding_mask")
+_NN_SOURCE_INPUTS = ("src", "src_key_padding_mask", "memory_key_padding_mask")
+
+_NN_ENCODERS = (torch.nn.TransformerEncoder, torch.nn.TransformerEncoderLayer)
+_NN_DECODERS = (torch.nn.TransformerDecoder, torch.nn.TransformerDecoderLayer)
+
+
+def _torch_stacks(model: torch.nn.Module) -> tuple[list[torch.nn.Module], list[torch.nn.Module]] | None:
+    """The outermost encoder stacks (``nn.TransformerEncoder``, or an
+    ``nn.TransformerEncoderLayer`` in none) and decoder stacks (``nn.TransformerDecoder`` /
+    ``nn.TransformerDecoderLayer``) of ``model``: an encoder-decoder of torch.nn's modules
+    (``nn.Transformer``, or a model of one's own around them) where it has a decoder stack,
+    whose layers' cross-attention reads the encoder's sequence; else None."""
+    found: tuple[list[torch.nn.Module], list[torch.nn.Module]] = ([], [])
+    inside: set[int] = set()
+    for module in model.modules():  # (parents before their children)
+        if id(module) in inside:
+            continue
+        for i, kinds in enumerate((_NN_ENCODERS, _NN_DECODERS)):
+            if isinstance(module, kinds):
+                found[i].append(module)
+                inside.update(id(m) for m in module.modules())
+    return found if found[1] else None
+
+
+def _positional_names(forward: Any) -> list[str]:
+    try:
+        params = inspect.signature(forward).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
+def _stack_batch_first(stack: torch.nn.Module) -> bool:
+    layer = stack.layers[0] if hasattr(stack, "layers") and len(stack.layers) else stack
+    return bool(getattr(getattr(layer, "self_attn", None), "batch_first", True))
+
+
+def _sequence_mask(given: dict[str, Any], key: str, padding_key: str, batch_first: bool) -> torch.Tensor | None:
+    """The (batch, pos) positions of a torch.nn stack's sequence ``given[key]``, by its key
+    padding mask ``given[padding_key]`` (bool: True at padding; float: -inf at padding), else
+    all of them; None where neither tells."""
+    padding = given.get(padding_key)
+    if isinstance(padding, torch.Tensor) and padding.dim() == 2:
+        padding = padding.detach().to("cpu")
+        return ~padding if padding.dtype == torch.bool else ~torch.isneginf(padding)
+    x = given.get(key)
+    if isinstance(x, torch.Tensor) and not x.is_nested and x.dim() >= 2:
+        shape = tuple(x.shape[:2]) if batch_first or x.dim() == 2 else (x.shape[1], x.shape[0])
+        return torch.ones(shape, dtype=torch.bool)
+    return None
 
 
 def _encoder_positions(hook_point: str, path: str, module: torch.nn.Module | None) -> bool:
@@ -2751,6 +2955,11 @@ def _encoder_positions(hook_point: str, path: str, module: torch.nn.Module | Non
     rest = rest[rest.find("."):] if rest.startswith("#") and "." in rest else rest
     if not rest.startswith(".input."):
         return False
+    encoder_inputs: tuple[str, ...] = _ENCODER_KEYWORDS
+    if isinstance(module, torch.nn.MultiheadAttention) and parts[-1] == "multihead_attn":
+        encoder_inputs = _NN_CROSS_INPUTS  # (an nn.TransformerDecoderLayer's cross-attention)
+    elif isinstance(module, torch.nn.Transformer):
+        encoder_inputs = _NN_SOURCE_INPUTS
     first = rest[len(".input."):].split(".")
     if first[0] == "kw":
         param = first[1] if len(first) > 1 else ""
@@ -2764,7 +2973,7 @@ def _encoder_positions(hook_point: str, path: str, module: torch.nn.Module | Non
         param = params[i].name if i < len(params) else ""
     else:
         return False
-    return param in _ENCODER_KEYWORDS
+    return param in encoder_inputs
 
 
 def _seq2seq_parameters(forward: Any) -> tuple[str, ...] | None:
@@ -2796,15 +3005,23 @@ def _mask_arg_index(forward: Any) -> int | None:
 
 
 # Modules of torch.nn whose fused fast path (torch.backends.mha) computes their children without
-# calling them: tracking a module inside one turns the fast path off while attached.
-_FUSED_PARENTS = (torch.nn.TransformerEncoderLayer, torch.nn.MultiheadAttention)
+# calling them, or (an nn.TransformerEncoder that uses nested tensors, given a src_key_padding_mask)
+# passes its layers nested tensors of the real tokens: tracking a module inside one turns the fast
+# path off while attached.
+_FUSED_PARENTS = (torch.nn.TransformerEncoderLayer, torch.nn.MultiheadAttention, torch.nn.TransformerEncoder)
+
+
+def _fused(module: torch.nn.Module) -> bool:
+    if isinstance(module, torch.nn.TransformerEncoder):
+        return bool(getattr(module, "use_nested_tensor", False))
+    return isinstance(module, _FUSED_PARENTS)
 _fastpath_lock = threading.Lock()
 _fastpath_users = 0
 _fastpath_saved = True
 
 
 def _inside_fused(model: torch.nn.Module, modules: list[tuple[str, torch.nn.Module]]) -> bool:
-    fused = [n for n, m in model.named_modules() if isinstance(m, _FUSED_PARENTS)]
+    fused = [n for n, m in model.named_modules() if _fused(m)]
     return any(name.startswith(f + ".") or (f == "" and name != "") for name, _ in modules for f in fused)
 
 

@@ -1,0 +1,310 @@
+"""Encoder-decoders of torch.nn's stacks: nn.Transformer, and a model of one's own around
+nn.TransformerEncoder / nn.TransformerDecoder. The source (batch, S) and target (batch, T)
+are told by their key padding masks (True at padding); token rows taken with the other
+side's mask, or with a key padding mask as given, are refused. References: forward hooks."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import activationscope as acs
+
+B, S, D = 3, 5, 8
+
+
+def _transformer() -> torch.nn.Transformer:
+    torch.manual_seed(0)
+    return torch.nn.Transformer(d_model=D, nhead=2, num_encoder_layers=2, num_decoder_layers=2, dim_feedforward=16,
+                                dropout=0.0, batch_first=True).eval()
+
+
+def _batch(t: int, pad: bool = True, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    src, tgt = torch.randn(B, S, D, generator=g), torch.randn(B, t, D, generator=g)
+    src_pad, tgt_pad = torch.zeros(B, S, dtype=torch.bool), torch.zeros(B, t, dtype=torch.bool)
+    if pad:
+        src_pad[1, 3:] = True
+        src_pad[2, 4:] = True
+        tgt_pad[0, t - 1:] = True
+        tgt_pad[2, 2:] = True
+    return src, src_pad, tgt, tgt_pad
+
+
+def _call(model, src, src_pad, tgt, tgt_pad):
+    return model(src, tgt, src_key_padding_mask=src_pad, tgt_key_padding_mask=tgt_pad,
+                 memory_key_padding_mask=src_pad)
+
+
+def _reference(model, names, *batch, inputs=()):
+    """The outputs (and the inputs ``(name, i)`` of ``inputs``) of the modules ``names`` in one
+    forward, by plain forward hooks, PyTorch's fast path off as while a capture runs."""
+    out = {}
+
+    def hook(m, a, o, n):
+        out[n] = (o if isinstance(o, torch.Tensor) else o[0]).detach().clone()
+        for name, i in inputs:
+            if name == n:
+                out[(n, i)] = a[i].detach().clone()
+
+    handles = [model.get_submodule(n).register_forward_hook(lambda m, a, o, n=n: hook(m, a, o, n)) for n in names]
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        with torch.no_grad():
+            _call(model, *batch)
+    finally:
+        torch.backends.mha.set_fastpath_enabled(True)
+        for h in handles:
+            h.remove()
+    return out
+
+
+def _close(a, b):
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_decoder_rows_taken_with_the_source_mask_are_refused(tmp_path):
+    # T == S: the decoder's (batch, T, d) starts with the source mask's (batch, S); its rows
+    # were the target positions where the source has tokens (13 of them, the target has 11)
+    model = _transformer()
+    batch = _batch(S)
+    scope = acs.ActivationScope(store=tmp_path / "s.zarr")
+    with pytest.raises(acs.CaptureError, match=r"hook point 'decoder\.layers\.0\.output' is on the decoder side of "
+                       r"the encoder-decoder model Transformer.*is the encoder's \(the inverse of "
+                       r"src_key_padding_mask.*one tracker per side"):
+        with torch.no_grad(), scope.track(model, include=["encoder.layers.0", "decoder.layers.0"]) as tracker:
+            tracker.set_batch(attention_mask=~batch[1])
+            _call(model, *batch)
+    assert not (tmp_path / "s.zarr").exists()  # nothing committed: the new store is removed
+
+
+def test_encoder_rows_taken_with_the_target_mask_are_refused():
+    model = _transformer()
+    batch = _batch(S)
+    scope = acs.ActivationScope(reductions=["mean"])
+    with pytest.raises(acs.CaptureError, match=r"'encoder\.layers\.1\.output' is on the encoder side.*is the "
+                       r"decoder's \(the inverse of tgt_key_padding_mask"):
+        with torch.no_grad(), scope.track(model, include=["encoder.layers.1"]) as tracker:
+            tracker.set_batch(attention_mask=~batch[3])
+            _call(model, *batch)
+
+
+def test_a_key_padding_mask_as_given_is_refused(tmp_path):
+    # src_key_padding_mask is True at padding: as set_batch's attention_mask its rows would be
+    # the padding positions (and with no padding, no row at all)
+    model = _transformer()
+    for pad in (True, False):
+        batch = _batch(4, pad=pad)
+        with pytest.raises(acs.CaptureError, match=r"'encoder\.layers\.0\.output' is on the encoder side.*the "
+                           r"encoder's key padding mask as given \(True at padding.*attention_mask=~key_padding_mask"):
+            with torch.no_grad(), acs.ActivationScope(store=tmp_path / f"{pad}.zarr").track(
+                    model, include=["encoder.layers.0"]) as tracker:
+                tracker.set_batch(attention_mask=batch[1])
+                _call(model, *batch)
+
+
+@pytest.mark.parametrize("t", [S, 4])
+def test_each_side_in_a_tracker_of_its_own_stores_its_own_tokens(tmp_path, t):
+    model = _transformer()
+    batch = src, src_pad, tgt, tgt_pad = _batch(t)
+    cross = "decoder.layers.1.multihead_attn"
+    names = ["encoder.layers.1", "decoder.layers.1", cross]
+    ref = _reference(model, names, *batch, inputs=[(cross, 0), (cross, 1)])
+    # (the encoder's tracker takes the cross-attention's inputs; its query and output, over the
+    # target's positions, and the key padding masks as one row per sample)
+    enc = acs.ActivationScope(store=tmp_path / "enc.zarr", reductions=["mean"], capture="both",
+                              token_rows={f"{cross}.input.0": False, f"{cross}.output*": False,
+                                          "*key_padding_mask": False})
+    dec = acs.ActivationScope(store=tmp_path / "dec.zarr", reductions=["mean"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad(), enc.track(model, include=["encoder.layers.1", cross]) as te, \
+                dec.track(model, include=["decoder.layers.1", cross]) as td:
+            te.set_batch(attention_mask=~src_pad, sample_ids=[10, 11, 12])
+            td.set_batch(attention_mask=~tgt_pad, sample_ids=[10, 11, 12])
+            _call(model, *batch)
+    assert not [w for w in caught if issubclass(w.category, acs.CaptureWarning)], [str(w.message) for w in caught]
+    e, d = acs.open_store(tmp_path / "enc.zarr"), acs.open_store(tmp_path / "dec.zarr")
+    src_rows, tgt_rows = ~src_pad, ~tgt_pad
+    _close(e["encoder.layers.1.output"], ref["encoder.layers.1"][src_rows])
+    # the cross-attention's key (the memory) is over the source's positions, its query and
+    # output over the target's
+    _close(e[f"{cross}.input.1"], ref[(cross, 1)][src_rows])
+    _close(d[f"{cross}.output.0"], ref[cross][tgt_rows])
+    _close(d["decoder.layers.1.output"], ref["decoder.layers.1"][tgt_rows])
+    _close(d.reductions["decoder.layers.1.output"]["mean"].float(), ref["decoder.layers.1"][tgt_rows].mean(0))
+    assert d.row_table("token").column("pos").to_pylist() == tgt_rows.nonzero()[:, 1].tolist()
+
+
+def test_decoder_hook_points_stored_as_sample_rows_under_the_source_mask_are_named(tmp_path):
+    model = _transformer()
+    batch = _batch(4)
+    ref = _reference(model, ["decoder.layers.1"], *batch)
+    with pytest.warns(acs.CaptureWarning, match=r"decoder hook points of the encoder-decoder model Transformer start "
+                      r"with the decoder's \(batch, T\), not with the \(batch, pos\) \(3, 5\).*"
+                      r"'decoder\.layers\.1\.output' \(3, 4, 8\)\. They are stored one row per sample"):
+        with torch.no_grad(), acs.ActivationScope(store=tmp_path / "s.zarr").track(
+                model, include=["encoder.layers.1", "decoder.layers.1"]) as tracker:
+            tracker.set_batch(attention_mask=~batch[1])
+            _call(model, *batch)
+    store = acs.open_store(tmp_path / "s.zarr")
+    assert store.row_kind("decoder.layers.1.output") == "sample"
+    _close(store["decoder.layers.1.output"], ref["decoder.layers.1"])
+
+
+def test_a_later_forward_whose_padding_differs_is_refused_and_the_earlier_kept(tmp_path):
+    # no padding on either side in the first batch (the masks agree); the second has some
+    model = _transformer()
+    first, second = _batch(S, pad=False), _batch(S, seed=1)
+    ref = _reference(model, ["decoder.layers.0"], *first)
+    with pytest.raises(acs.CaptureError, match=r"'decoder\.layers\.0\.output' is on the decoder side.*forward 1"):
+        with torch.no_grad(), acs.ActivationScope(store=tmp_path / "s.zarr").track(
+                model, include=["decoder.layers.0"]) as tracker:
+            for batch in (first, second):
+                tracker.set_batch(attention_mask=~batch[1])
+                _call(model, *batch)
+    store = acs.open_store(tmp_path / "s.zarr")
+    assert store.n_samples == B
+    _close(store["decoder.layers.0.output"], ref["decoder.layers.0"].reshape(B * S, D))
+
+
+class _Seq2Seq(torch.nn.Module):
+    """A model of one's own: embeddings, nn.TransformerEncoder, nn.TransformerDecoder, a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.src_embed = torch.nn.Embedding(20, D)
+        self.tgt_embed = torch.nn.Embedding(20, D)
+        self.encoder = torch.nn.TransformerEncoder(
+            torch.nn.TransformerEncoderLayer(D, 2, 16, dropout=0.0, batch_first=True), 1, enable_nested_tensor=False)
+        self.decoder = torch.nn.TransformerDecoder(
+            torch.nn.TransformerDecoderLayer(D, 2, 16, dropout=0.0, batch_first=True), 1)
+        self.head = torch.nn.Linear(D, 20)
+
+    def forward(self, src_ids, tgt_ids, src_pad, tgt_pad):
+        memory = self.encoder(self.src_embed(src_ids), src_key_padding_mask=src_pad)
+        out = self.decoder(self.tgt_embed(tgt_ids), memory, tgt_key_padding_mask=tgt_pad,
+                           memory_key_padding_mask=src_pad)
+        return self.head(out)
+
+
+def test_a_model_of_ones_own_around_torch_stacks(tmp_path):
+    model = _Seq2Seq().eval()
+    _, src_pad, _, tgt_pad = _batch(S)
+    g = torch.Generator().manual_seed(3)
+    src, tgt = torch.randint(0, 20, (B, S), generator=g), torch.randint(0, 20, (B, S), generator=g)
+    out = {}
+    handles = [model.get_submodule(n).register_forward_hook(lambda m, a, o, n=n: out.__setitem__(n, o.detach().clone()))
+               for n in ("decoder.layers.0", "head")]
+    with torch.no_grad():
+        model(src, tgt, src_pad, tgt_pad)
+    for h in handles:
+        h.remove()
+    # a hook point inside the decoder stack, with the source's mask: refused
+    with pytest.raises(acs.CaptureError, match=r"'decoder\.layers\.0\.output' is on the decoder side of the "
+                       r"encoder-decoder model _Seq2Seq.*is the encoder's"):
+        with torch.no_grad(), acs.ActivationScope(store=tmp_path / "a.zarr").track(
+                model, include=["decoder.layers.0"]) as tracker:
+            tracker.set_batch(attention_mask=~src_pad)
+            model(src, tgt, src_pad, tgt_pad)
+    # the head is outside both stacks: with S == T and other padding its side cannot be told
+    with pytest.raises(acs.CaptureError, match=r"'head\.output' is outside the encoder and decoder stacks of the "
+                       r"encoder-decoder model _Seq2Seq.*cannot be told.*token_rows=\{'head\.output': True\}"):
+        with torch.no_grad(), acs.ActivationScope(store=tmp_path / "b.zarr").track(
+                model, include=["head"]) as tracker:
+            tracker.set_batch(attention_mask=~tgt_pad)
+            model(src, tgt, src_pad, tgt_pad)
+    # the target's mask for the decoder's tracker, confirmed for the head
+    scope = acs.ActivationScope(store=tmp_path / "c.zarr", token_rows={"head*": True})
+    with torch.no_grad(), scope.track(model, include=["decoder.layers.0", "head"]) as tracker:
+        tracker.set_batch(attention_mask=~tgt_pad)
+        model(src, tgt, src_pad, tgt_pad)
+    store = acs.open_store(tmp_path / "c.zarr")
+    _close(store["decoder.layers.0.output"], out["decoder.layers.0"][~tgt_pad])
+    _close(store["head.output"], out["head"][~tgt_pad])
+
+
+class _DecoderOnly(torch.nn.Module):
+    """nn.TransformerDecoder as a decoder-only model: its memory is its own input, unpadded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(20, D)
+        self.decoder = torch.nn.TransformerDecoder(
+            torch.nn.TransformerDecoderLayer(D, 2, 16, dropout=0.0, batch_first=True), 1)
+
+    def forward(self, ids, pad):
+        x = self.embed(ids)
+        return self.decoder(x, x, tgt_key_padding_mask=pad)
+
+
+def test_a_decoder_only_model_of_torch_stacks_takes_its_own_mask(tmp_path):
+    # one sequence: a memory without its own key padding mask tells no second one, so the
+    # embedding (outside the stack) is not refused as of an unknown side
+    model = _DecoderOnly().eval()
+    _, _, _, pad = _batch(S)
+    ids = torch.randint(0, 20, (B, S), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected = model.embed(ids)
+    with torch.no_grad(), acs.ActivationScope(store=tmp_path / "s.zarr").track(
+            model, include=["embed", "decoder.layers.0"]) as tracker:
+        tracker.set_batch(attention_mask=~pad)
+        out = model(ids, pad)
+    store = acs.open_store(tmp_path / "s.zarr")
+    assert torch.equal(store["embed.output"], expected[~pad])
+    _close(store["decoder.layers.0.output"], out[~pad])
+
+
+def test_encoder_hook_points_stored_as_sample_rows_under_the_target_mask_are_named(tmp_path):
+    # T != S: the encoder's (batch, S, d) does not start with the target mask's (batch, T): one
+    # row per sample, the source's padding inside; stored so, and named as the decoder's are
+    model = _transformer()
+    batch = _batch(4)
+    ref = _reference(model, ["encoder.layers.1", "decoder.layers.1"], *batch)
+    with pytest.warns(acs.CaptureWarning, match=r"encoder hook points of the encoder-decoder model Transformer start "
+                      r"with the encoder's \(batch, S\), not with the \(batch, pos\) \(3, 4\) of the decoder's mask.*"
+                      r"'encoder\.layers\.1\.output' \(3, 5, 8\)\. They are stored one row per sample, each a whole "
+                      r"source"):
+        with torch.no_grad(), acs.ActivationScope(store=tmp_path / "s.zarr").track(
+                model, include=["encoder.layers.1", "decoder.layers.1"]) as tracker:
+            tracker.set_batch(attention_mask=~batch[3])
+            _call(model, *batch)
+    store = acs.open_store(tmp_path / "s.zarr")
+    assert store.row_kind("encoder.layers.1.output") == "sample"
+    _close(store["encoder.layers.1.output"], ref["encoder.layers.1"])
+    _close(store["decoder.layers.1.output"], ref["decoder.layers.1"][~batch[3]])
+
+
+def test_rows_token_with_a_padded_target_is_refused(tmp_path):
+    # rows="token" takes every position of the model's first input, src: not the target's
+    # tokens where tgt_key_padding_mask has padding
+    model = _transformer()
+    batch = _batch(S)
+    with pytest.raises(acs.CaptureError, match=r"'decoder\.layers\.0\.output' is on the decoder side.*rows='token'.*"
+                       r"is not the decoder's \(the inverse of tgt_key_padding_mask, else every position of tgt\): "):
+        with torch.no_grad(), acs.ActivationScope(store=tmp_path / "s.zarr", rows="token").track(
+                model, include=["decoder.layers.0"]):
+            _call(model, *batch)
+
+
+def test_token_rows_of_a_sequence_first_stack_are_refused(tmp_path):
+    # batch_first=False (nn.Transformer's default): (pos, batch, d) starts with the (batch, pos)
+    # mask where batch == pos, and its rows were taken with the mask transposed
+    torch.manual_seed(0)
+    model = torch.nn.Transformer(d_model=D, nhead=2, num_encoder_layers=1, num_decoder_layers=1,
+                                 dim_feedforward=16, dropout=0.0).eval()
+    src, tgt = torch.randn(S, S, D), torch.randn(S, S, D)
+    src_pad, tgt_pad = torch.zeros(S, S, dtype=torch.bool), torch.zeros(S, S, dtype=torch.bool)
+    src_pad[1, 3:] = True
+    with pytest.raises(acs.CaptureError, match=r"'encoder\.layers\.0\.output' is inside 'encoder' "
+                       r"\(TransformerEncoder\) of the encoder-decoder model Transformer, built sequence-first.*"
+                       r"batch_first=True"):
+        with torch.no_grad(), acs.ActivationScope(store=tmp_path / "s.zarr").track(
+                model, include=["encoder.layers.0"]) as tracker:
+            tracker.set_batch(attention_mask=~src_pad)
+            _call(model, src, src_pad, tgt, tgt_pad)
+    assert not (tmp_path / "s.zarr").exists()
