@@ -1185,7 +1185,9 @@ def text_batches(
     sample_ids: Sequence[int] | None = None, max_positions: int | None = None, warn_cut: bool = True,
     resumed: bool = False,
 ) -> Iterator[tuple[int, dict[str, Any], dict[str, Any]]]:
-    """Tokenized batches with their ``set_batch`` arguments (mask, sample ids, label, text).
+    """Tokenized batches with their ``set_batch`` arguments (mask, sample ids, label, text,
+    and the per-token column ``token_ids``: the ``input_ids``, which the store takes at the
+    mask, as it takes the token rows).
 
     The sample ids are ``sample_ids`` (one per text, e.g. line numbers of a text file) when
     given, else ``first_id``, ``first_id + 1``, ...; the ``text`` and ``label`` columns are
@@ -1211,6 +1213,9 @@ def text_batches(
                            else list(range(first_id + start, first_id + start + n))),
             "text": list(texts[start:start + n]),
         }
+        ids = enc.get("input_ids")
+        if hasattr(ids, "shape") and tuple(ids.shape) == tuple(enc["attention_mask"].shape):
+            info["token_ids"] = ids  # the tokenizer's id of every token row, taken at the mask as the rows are
         if labels is not None:
             info["label"] = list(labels[start:start + n])
         for key, col in (extra or {}).items():
