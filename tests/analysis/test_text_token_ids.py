@@ -154,3 +154,60 @@ def test_the_token_ids_of_real_text_are_the_minilm_tokenizers(tmp_path):
     assert tokenizer.convert_ids_to_tokens(ids[:3])[0] == "[CLS]" and 0 not in ids  # no [PAD] row
     assert tokenizer.decode([t for s, t in zip(sample_ids, ids) if s == 1], skip_special_tokens=True) == \
         tokenizer.decode(tokenizer(texts[1])["input_ids"], skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("file_format", ["parquet", "arrow", "hf"])
+def test_an_export_of_token_rows_names_each_token_by_its_id_and_leaves_the_text_to_the_samples(
+        tmp_path, capsys, file_format):
+    # each token row carried its sample's whole text: an Arrow file many times the size of its
+    # activations for long lines; now the token rows have token_ids, the sample rows the text
+    import datasets
+    import pyarrow as pa
+
+    from activationscope.data import read_arrow
+
+    folder = _gpt2_folder(tmp_path)
+    texts = [" ".join([t] * 40) for t in TEXTS[:4]]  # (one word of each cut to 8 tokens)
+    out = tmp_path / "s.zarr"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the warning about the texts cut)
+        assert cli.main(["capture", "--model", str(folder), "--data", str(_text_file(tmp_path, texts)), "--out",
+                         str(out), "--batch-size", "2", "--max-length", "8", "--no-progress"]) == 0
+    path = tmp_path / ("e.parquet" if file_format == "parquet" else "e.arrow" if file_format == "arrow" else "e-hf")
+
+    def export(*extra):
+        assert cli.main(["export", str(out), "--format", file_format, "--out", str(path), "--hook-points",
+                         "h.0.output", *extra]) == 0, capsys.readouterr().err
+        if file_format == "parquet":
+            return pa.parquet.read_table(path)
+        if file_format == "arrow":
+            return pa.ipc.open_file(pa.memory_map(str(path))).read_all()
+        return datasets.load_from_disk(str(path)).data.table
+
+    table = export()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
+    assert table.column_names == ["h.0.output", "sample_id", "pos", "batch", "token_ids"]
+    assert table.column("token_ids").to_pylist() == _expected(tokenizer, texts, max_length=8)[2]
+    assert table.num_rows == 32
+    if file_format == "arrow":
+        assert torch.equal(read_arrow(path)["h.0.output"], acs.open_store(str(out))["h.0.output"])
+
+    # named, the text is written (on every token row, as asked)
+    table = export("--columns", "sample_id", "token_ids", "text")
+    assert table.column_names == ["h.0.output", "sample_id", "token_ids", "text"]
+    assert table.column("text").to_pylist() == [texts[s] for s in table.column("sample_id").to_pylist()]
+    capsys.readouterr()
+
+
+def test_an_export_of_sample_rows_keeps_the_text(tmp_path, capsys):
+    from activationscope.data import export_parquet
+    import pyarrow.parquet as pq
+
+    folder = _gpt2_folder(tmp_path)
+    out = tmp_path / "s.zarr"
+    assert cli.main(["capture", "--model", str(folder), "--data", str(_text_file(tmp_path)), "--out", str(out),
+                     "--sample-rows", "h.0.output", "--include", "h.0", "--no-progress"]) == 0
+    export_parquet(str(out), tmp_path / "e.parquet")
+    table = pq.read_table(tmp_path / "e.parquet")
+    assert table.column_names == ["h.0.output", "sample_id", "batch", "text"]
+    assert table.column("text").to_pylist() == TEXTS
