@@ -933,7 +933,10 @@ def format_info(info: dict[str, Any], name: str) -> str:
     )
     tables = info.get("row_tables") or {}
     if tables:
-        lines.append("rows:     " + ", ".join(f"{k} table {v:,} rows" for k, v in tables.items()))
+        columns = info.get("row_table_columns") or {}
+        lines.append("rows:     " + ", ".join(
+            f"{k} table {v:,} rows" + (f" ({', '.join(map(str, columns[k]))})" if columns.get(k) else "")
+            for k, v in tables.items()))
     if info.get("provenance"):
         lines.append(f"provenance: {_flat(info['provenance'])}")
     if info.get("library"):

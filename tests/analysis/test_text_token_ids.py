@@ -211,3 +211,18 @@ def test_an_export_of_sample_rows_keeps_the_text(tmp_path, capsys):
     table = pq.read_table(tmp_path / "e.parquet")
     assert table.column_names == ["h.0.output", "sample_id", "batch", "text"]
     assert table.column("text").to_pylist() == TEXTS
+
+
+def test_info_names_the_columns_of_each_row_table(tmp_path, capsys):
+    # a store's token ids are found from info, not only by reading its row table
+    folder = _gpt2_folder(tmp_path)
+    out = tmp_path / "s.zarr"
+    assert cli.main(["capture", "--model", str(folder), "--data", str(_text_file(tmp_path)), "--out", str(out),
+                     "--no-progress"]) == 0
+    assert acs.open_store(str(out)).info()["row_table_columns"] == {
+        "sample": ["sample_id", "batch", "text"], "token": ["sample_id", "pos", "batch", "token_ids"]}
+    capsys.readouterr()
+    assert cli.main(["info", str(out)]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("rows:")]
+    assert lines == ["rows:     sample table 7 rows (sample_id, batch, text), token table 29 rows (sample_id, pos, "
+                     "batch, token_ids)"]
