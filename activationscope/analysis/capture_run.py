@@ -575,7 +575,8 @@ def capture_dataset(
             max_positions=model_positions(loaded.model, loaded.tokenizer), resumed=resume)
     else:
         _warn_padded_ids(dataset.tensor[first:n], loaded.tokenizer, data)
-        batches = tensor_batches(dataset.tensor[first:n], batch_size, first_id=first)
+        batches = tensor_batches(dataset.tensor[first:n], batch_size, first_id=first,
+                                 token_ids=rows == "token" and _are_token_ids(dataset.tensor))
     if on_start is not None and include_note:
         on_start(include_note)
     options = capture_store_options(
@@ -1253,13 +1254,27 @@ def _cut_lengths(texts: Sequence[str], encoded: Any, tokenizer: Any, max_length:
     return [(i, len(row)) for i, row in zip(full, ids) if len(row) > max_length]
 
 
-def tensor_batches(tensor: Any, batch_size: int, first_id: int = 0) -> Iterator[tuple[int, Any, dict[str, Any]]]:
-    """Slices of ``tensor`` along dim 0 with their sample ids."""
+def tensor_batches(tensor: Any, batch_size: int, first_id: int = 0,
+                   token_ids: bool = False) -> Iterator[tuple[int, Any, dict[str, Any]]]:
+    """Slices of ``tensor`` along dim 0 with their sample ids; with ``token_ids`` (token ids
+    ``(batch, pos)`` stored one row per token, ``--rows token``) each slice is also the
+    per-token column ``token_ids``: the id of every token row."""
     if batch_size < 1:
         raise SpecError(f"--batch-size must be a positive int, got {batch_size}")
     for start in range(0, tensor.shape[0], batch_size):
         chunk = tensor[start:start + batch_size]
-        yield start, chunk, {"sample_ids": list(range(first_id + start, first_id + start + chunk.shape[0]))}
+        info: dict[str, Any] = {"sample_ids": list(range(first_id + start, first_id + start + chunk.shape[0]))}
+        if token_ids:
+            info["token_ids"] = chunk
+        yield start, chunk, info
+
+
+def _are_token_ids(tensor: Any) -> bool:
+    """Whether tensor data is token ids: integers ``(batch, pos)`` (not bool)."""
+    import torch
+
+    return (isinstance(tensor, torch.Tensor) and tensor.dim() == 2 and tensor.dtype != torch.bool
+            and not tensor.dtype.is_floating_point and not tensor.dtype.is_complex)
 
 
 def iter_text_batches(
