@@ -226,3 +226,38 @@ def test_info_names_the_columns_of_each_row_table(tmp_path, capsys):
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("rows:")]
     assert lines == ["rows:     sample table 7 rows (sample_id, batch, text), token table 29 rows (sample_id, pos, "
                      "batch, token_ids)"]
+
+
+def test_a_store_without_token_ids_resumed_has_them_on_its_resumed_rows_only(tmp_path, monkeypatch):
+    # (what docs/usage/cli.md says of a store captured by a version that stored no token ids)
+    import pyarrow.compute as pc
+
+    from activationscope.errors import ArgumentValueError
+
+    folder = _gpt2_folder(tmp_path)
+    data, out = _text_file(tmp_path), str(tmp_path / "s.zarr")
+    batches = capture_run.text_batches
+
+    def without_ids(*args, **kwargs):
+        for start, enc, info in batches(*args, **kwargs):
+            info.pop("token_ids")
+            yield start, enc, info
+
+    monkeypatch.setattr(capture_run, "text_batches", without_ids)
+    capture_run.capture_dataset(str(folder), str(data), out, batch_size=2, max_samples=3, progress=False)
+    assert "token_ids" not in acs.open_store(out).row_table("token").column_names
+    monkeypatch.setattr(capture_run, "text_batches", batches)
+    capture_run.capture_dataset(str(folder), str(data), out, batch_size=2, resume=True, progress=False)
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
+    sample_ids, pos, ids = _stored(out)
+    expected = _expected(tokenizer, TEXTS)
+    n_old = sum(1 for s in sample_ids if s < 3)
+    assert (sample_ids, pos) == expected[:2] and ids == [None] * n_old + expected[2][n_old:]
+    store = acs.open_store(out)
+    with pytest.raises(ArgumentValueError, match=r"'token_ids' .* is null in 17 of this dataset's rows .*"
+                                                 r"filter=pc.field\('token_ids'\).is_valid\(\)"):
+        ActivationDataset(store, hook_points=["h.0.output"], columns=["token_ids"])
+    resumed = ActivationDataset(store, hook_points=["h.0.output"], columns=["token_ids"],
+                                filter=pc.field("token_ids").is_valid())
+    assert resumed[:]["token_ids"].tolist() == expected[2][n_old:]
