@@ -6,6 +6,7 @@ the tokenizer run on each text alone."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import warnings
 
 import pytest
@@ -261,3 +262,27 @@ def test_a_store_without_token_ids_resumed_has_them_on_its_resumed_rows_only(tmp
     resumed = ActivationDataset(store, hook_points=["h.0.output"], columns=["token_ids"],
                                 filter=pc.field("token_ids").is_valid())
     assert resumed[:]["token_ids"].tolist() == expected[2][n_old:]
+
+
+def test_a_resume_with_a_tokenizer_that_gives_other_ids_is_refused(tmp_path):
+    # same weights, another tokenizer ("the" and "cat" swapped): the resumed texts' rows were
+    # stored as other tokens than the stored ones, without a word; now refused, nothing changed
+    from activationscope.errors import ArgumentValueError
+
+    folder = _gpt2_folder(tmp_path)
+    data, out = _text_file(tmp_path), str(tmp_path / "s.zarr")
+    capture_run.capture_dataset(str(folder), str(data), out, batch_size=2, max_samples=3, progress=False)
+    before = acs.open_store(out).attrs
+    config = json.loads((folder / "tokenizer.json").read_text())
+    vocab = config["model"]["vocab"]
+    vocab["the"], vocab["cat"] = vocab["cat"], vocab["the"]
+    (folder / "tokenizer.json").write_text(json.dumps(config))
+    with pytest.raises(ArgumentValueError) as e:
+        capture_run.capture_dataset(str(folder), str(data), out, batch_size=2, resume=True, progress=False)
+    assert str(e.value) == (
+        f"--resume: store {out!r} holds sample 0 of --data {str(data)!r} as the token ids [2, 3, 4, 5, 2, 6], but the "
+        f"tokenizer of --model {str(folder)!r} gives its text the token ids [3, 2, 4, 5, 3, 6], so this run would "
+        "store its texts' rows as other tokens than the stored ones; resume with the tokenizer the store was "
+        "captured with, or pass --overwrite instead of --resume to capture every text again (nothing was changed)")
+    store = acs.open_store(out)
+    assert store.attrs == before and store.n_samples == 3
