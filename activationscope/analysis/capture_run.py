@@ -460,6 +460,8 @@ def capture_dataset(
         tokenizer's special tokens or exceeds the model's positions, ``resume`` with data of
         fewer samples than the store holds, with text data whose first samples are not the
         stored ones (``sample_id`` / ``text`` / ``label`` of the store's sample table), with
+        a tokenizer that gives the store's first or last sample other token ids than its
+        ``token_ids`` hold (:func:`_check_resumed_token_ids`), with
         tensor data whose first samples hash otherwise than the store's first run recorded
         (provenance ``data_fingerprint``, :func:`tensor_fingerprint`), or with another
         ``max_length`` than the store records.
@@ -556,6 +558,8 @@ def capture_dataset(
                 "--resume to capture this data into a new store (nothing was changed)")
     if resume and 0 < first <= len(dataset) and dataset.texts is not None:
         _check_resumed_texts(out, dataset, data, first)
+        if first < n:  # (the texts left are tokenized by this run)
+            _check_resumed_token_ids(out, dataset, data, model, loaded.tokenizer, first)
     if resume and 0 < first <= len(dataset) and dataset.tensor is not None:
         _check_resumed_tensor(out, dataset.tensor, data, first)
     if first >= n and not reductions:
@@ -575,7 +579,8 @@ def capture_dataset(
             max_positions=model_positions(loaded.model, loaded.tokenizer), resumed=resume)
     else:
         _warn_padded_ids(dataset.tensor[first:n], loaded.tokenizer, data)
-        batches = tensor_batches(dataset.tensor[first:n], batch_size, first_id=first)
+        batches = tensor_batches(dataset.tensor[first:n], batch_size, first_id=first,
+                                 token_ids=rows == "token" and _are_token_ids(dataset.tensor))
     if on_start is not None and include_note:
         on_start(include_note)
     options = capture_store_options(
@@ -875,6 +880,52 @@ def _check_resumed_texts(out: str, dataset: Any, data: str, first: int) -> None:
         raise ArgumentValueError(
             f"--resume: store {out!r} holds {first} samples, but {has} has labels (__label__ tags) and {lacks} has "
             f"none, so it is not the data the store was captured from; {fix}")
+
+
+def _check_resumed_token_ids(out: str, dataset: Any, data: str, model: str, tokenizer: Any, first: int) -> None:
+    """A resumed text capture tokenizes its texts as the stored ones were: the token ids the
+    store holds for its first and last stored samples (``token_ids`` of the token row table)
+    must be those the tokenizer of ``model`` gives their texts now, cut where the stored ones
+    are (a ``--max-length`` other than the store's is refused, or warned about, by
+    :func:`_resumed_max_length`). Another tokenizer with the same weights (an edited
+    ``tokenizer.json``, other special tokens, another truncation side) would store rows of
+    other tokens, named otherwise, next to the stored ones: refused (ArgumentValueError naming
+    the sample and both ids; nothing changed). A store without token ids (an earlier
+    version's), or with none for those samples, is not checked."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from ..store import open_store
+
+    store = open_store(out)
+    try:
+        table = store.row_table("token")
+    finally:
+        store.close()
+    if ("token_ids" not in table.column_names or "pos" not in table.column_names
+            or not pa.types.is_integer(table.schema.field("sample_id").type)):
+        return
+    ids = dataset.sample_ids if dataset.sample_ids is not None else range(len(dataset))
+    for k in dict.fromkeys((0, first - 1)):
+        rows = table.filter(pc.equal(table.column("sample_id"), ids[k]))
+        stored = rows.column("token_ids").to_pylist()
+        if not stored or None in stored or rows.column("pos").to_pylist() != list(range(len(stored))):
+            continue  # (no ids, or the rows of more than one text: not checked)
+        try:
+            now = [int(t) for t in tokenizer([dataset.texts[k]], padding=True, truncation=True,
+                                             max_length=len(stored), return_tensors="pt")["input_ids"][0].tolist()]
+        except Exception:  # noqa: BLE001 - a cut the tokenizer refuses (special tokens only): not checked
+            continue
+        if stored != now:
+            def short(values: list[int]) -> str:
+                return str(values) if len(values) <= 12 else str(values[:12])[:-1] + ", ...]"
+
+            raise ArgumentValueError(
+                f"--resume: store {out!r} holds sample {ids[k]} of --data {data!r} as the token ids {short(stored)}, "
+                f"but the tokenizer of --model {model!r} gives its text the token ids {short(now)}, so this run "
+                "would store its texts' rows as other tokens than the stored ones; resume with the tokenizer the "
+                "store was captured with, or pass --overwrite instead of --resume to capture every text again "
+                "(nothing was changed)")
 
 
 def tensor_fingerprint(tensor: Any, n: int) -> dict[str, Any]:
@@ -1185,7 +1236,9 @@ def text_batches(
     sample_ids: Sequence[int] | None = None, max_positions: int | None = None, warn_cut: bool = True,
     resumed: bool = False,
 ) -> Iterator[tuple[int, dict[str, Any], dict[str, Any]]]:
-    """Tokenized batches with their ``set_batch`` arguments (mask, sample ids, label, text).
+    """Tokenized batches with their ``set_batch`` arguments (mask, sample ids, label, text,
+    and the per-token column ``token_ids``: the ``input_ids``, which the store takes at the
+    mask, as it takes the token rows).
 
     The sample ids are ``sample_ids`` (one per text, e.g. line numbers of a text file) when
     given, else ``first_id``, ``first_id + 1``, ...; the ``text`` and ``label`` columns are
@@ -1211,6 +1264,9 @@ def text_batches(
                            else list(range(first_id + start, first_id + start + n))),
             "text": list(texts[start:start + n]),
         }
+        ids = enc.get("input_ids")
+        if hasattr(ids, "shape") and tuple(ids.shape) == tuple(enc["attention_mask"].shape):
+            info["token_ids"] = ids  # the tokenizer's id of every token row, taken at the mask as the rows are
         if labels is not None:
             info["label"] = list(labels[start:start + n])
         for key, col in (extra or {}).items():
@@ -1248,13 +1304,27 @@ def _cut_lengths(texts: Sequence[str], encoded: Any, tokenizer: Any, max_length:
     return [(i, len(row)) for i, row in zip(full, ids) if len(row) > max_length]
 
 
-def tensor_batches(tensor: Any, batch_size: int, first_id: int = 0) -> Iterator[tuple[int, Any, dict[str, Any]]]:
-    """Slices of ``tensor`` along dim 0 with their sample ids."""
+def tensor_batches(tensor: Any, batch_size: int, first_id: int = 0,
+                   token_ids: bool = False) -> Iterator[tuple[int, Any, dict[str, Any]]]:
+    """Slices of ``tensor`` along dim 0 with their sample ids; with ``token_ids`` (token ids
+    ``(batch, pos)`` stored one row per token, ``--rows token``) each slice is also the
+    per-token column ``token_ids``: the id of every token row."""
     if batch_size < 1:
         raise SpecError(f"--batch-size must be a positive int, got {batch_size}")
     for start in range(0, tensor.shape[0], batch_size):
         chunk = tensor[start:start + batch_size]
-        yield start, chunk, {"sample_ids": list(range(first_id + start, first_id + start + chunk.shape[0]))}
+        info: dict[str, Any] = {"sample_ids": list(range(first_id + start, first_id + start + chunk.shape[0]))}
+        if token_ids:
+            info["token_ids"] = chunk
+        yield start, chunk, info
+
+
+def _are_token_ids(tensor: Any) -> bool:
+    """Whether tensor data is token ids: integers ``(batch, pos)`` (not bool)."""
+    import torch
+
+    return (isinstance(tensor, torch.Tensor) and tensor.dim() == 2 and tensor.dtype != torch.bool
+            and not tensor.dtype.is_floating_point and not tensor.dtype.is_complex)
 
 
 def iter_text_batches(

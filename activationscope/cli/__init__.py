@@ -292,6 +292,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hook-points", nargs="+", action="extend", default=None, metavar="HP",
                    help="hook points or fnmatch patterns to export (repeatable; default: all; they must share a "
                         "row kind)")
+    p.add_argument("--columns", nargs="+", action="extend", default=None, metavar="COL",
+                   help="row-table columns to write (repeatable; default: all, but for token rows not the "
+                        "per-sample text, which each token row would repeat; e.g. --columns sample_id pos token_ids)")
 
     p = sub.add_parser("report", parents=[common], help="write an HTML report with plots",
                        description="Write an HTML page with PNG plots per hook point (activation histogram, "
@@ -754,16 +757,16 @@ def cmd_export(args: argparse.Namespace) -> int:
               f"exporting its {store.n_samples} committed samples", file=sys.stderr)
     # --out (a path or a file:// URL) is checked by the export itself, before it writes
     if args.format == "hf":
-        out = data.export_hf(store, args.out, hook_points=hook_points, context_size=args.context_size,
-                             drop_last=args.drop_last)
+        out = data.export_hf(store, args.out, hook_points=hook_points, columns=args.columns,
+                             context_size=args.context_size, drop_last=args.drop_last)
         size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
         print(f"wrote {args.out} ({format_bytes(size)}, Hugging Face datasets: "
               f"datasets.load_from_disk({str(out)!r}))")
         return 0
     fn = data.export_parquet if args.format == "parquet" else data.export_arrow
     given = {} if args.compression is None else {"compression": args.compression}  # else the format's default
-    out = fn(store, args.out, hook_points=hook_points, tensor_type=args.tensor_type or "fixed_shape_tensor",
-             overwrite=args.overwrite, **given)
+    out = fn(store, args.out, hook_points=hook_points, columns=args.columns,
+             tensor_type=args.tensor_type or "fixed_shape_tensor", overwrite=args.overwrite, **given)
     print(f"wrote {args.out} ({format_bytes(out.stat().st_size)}, {args.format})")
     return 0
 
@@ -930,7 +933,10 @@ def format_info(info: dict[str, Any], name: str) -> str:
     )
     tables = info.get("row_tables") or {}
     if tables:
-        lines.append("rows:     " + ", ".join(f"{k} table {v:,} rows" for k, v in tables.items()))
+        columns = info.get("row_table_columns") or {}
+        lines.append("rows:     " + ", ".join(
+            f"{k} table {v:,} rows" + (f" ({', '.join(map(str, columns[k]))})" if columns.get(k) else "")
+            for k, v in tables.items()))
     if info.get("provenance"):
         lines.append(f"provenance: {_flat(info['provenance'])}")
     if info.get("library"):

@@ -282,13 +282,31 @@ def _dataset_for(source: Any, hook_points: Any, columns: Any, rows: Any, filter:
     ds._columns_read = None if columns is None else _names(columns, "columns", "row-table column names")
     table = ds._row_table()
     # (a column named twice is exported once, as the dataset reads it)
-    chosen = table.column_names if columns is None else list(dict.fromkeys(_names(columns, "columns",
-                                                                                  "row-table column names")))
+    chosen = _default_columns(ds, table.column_names) if columns is None else list(dict.fromkeys(
+        _names(columns, "columns", "row-table column names")))
     missing = [c for c in chosen if c not in table.column_names]
     if missing:
         raise ArgumentValueError(f"columns {missing} are not in the {ds.row_kind} row table; it has {table.column_names}")
     ds._export_columns = chosen  # type: ignore[attr-defined]
     return ds
+
+
+#: The per-sample column that an export of token rows leaves out unless ``columns=`` names it:
+#: the whole text of a sample (``activationscope capture`` of text data), which every token row
+#: of the sample would repeat.
+TEXT_COLUMN = "text"
+
+
+def _default_columns(ds: ActivationDataset, names: list[str]) -> list[str]:
+    """The row-table columns an export writes when ``columns=`` is not given: every one, but
+    for token rows not the per-sample :data:`TEXT_COLUMN`, which would repeat a sample's whole
+    text on each of its token rows (an Arrow or Hugging Face file many times the size of its
+    activations; a token is named by its ``token_ids``, and the text is one per sample in the
+    sample row table or an export of sample rows, joined on ``sample_id``)."""
+    if ds.row_kind != "token":
+        return list(names)
+    own = ds.source.row_table("token").column_names  # (a column of the token table itself is kept)
+    return [c for c in names if c != TEXT_COLUMN or c in own]
 
 
 def _check_one_row_kind(src: Any, names: list[str]) -> None:
@@ -330,7 +348,7 @@ def _check_alone(src: Any, names: list[str], lost: list[str], columns: Any, filt
 
 
 def _export_columns(ds: ActivationDataset, columns: Any) -> list[str]:
-    """Row-table columns to export: those chosen by ``columns=``, else all of them."""
+    """Row-table columns to export: those chosen by ``columns=``, else :func:`_default_columns`."""
     chosen = getattr(ds, "_export_columns", None)
     if chosen is not None:
         return chosen
@@ -583,7 +601,8 @@ def export_arrow(
         exported alone, its rows as stored, without row-table columns.
     columns : str or list of str, optional
         Row-table columns; default all of them (none for a hook point that does not follow
-        the row table).
+        the row table), but for token rows not the per-sample ``text`` column, which would
+        repeat a sample's whole text on each of its token rows: name it to write it.
     batch_rows : int, default 65536
         Rows per record batch: bounds memory during export (a batch of rows of every hook
         point is held at once).
@@ -826,7 +845,9 @@ def export_hf(
     hook_points : str or list of str, optional
         Hook points (patterns allowed); default all, which must share a row kind and count.
     columns : str or list of str, optional
-        Row-table columns; default all of them (``[]`` for none).
+        Row-table columns; default all of them (``[]`` for none), but for token rows not the
+        per-sample ``text`` column, which would repeat a sample's whole text on each of its
+        token rows: name it to write it.
     context_size : int, optional
         Rows per example (see above); default one row per example.
     drop_last : bool, default False

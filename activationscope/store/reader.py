@@ -2784,6 +2784,8 @@ class Store:
         ratio: shard files also hold the padding of each array's last chunk (written full
         size) and the shard index, so a small uncompressed store shows well below 1; only
         for arrays much larger than a chunk does it approach the codec's compression ratio.
+        ``row_tables`` gives the rows of each row table, ``row_table_columns`` its columns
+        (``["sample_id", "pos", "batch", "token_ids"]`` for the token rows of a text capture).
 
         Every array's entry in the root document is checked against the array's own files
         before it is shown, as before its first read (FORMAT.md section 9 rules 16-17): a root
@@ -2864,6 +2866,9 @@ class Store:
                                    for hp, v in self.partial_reductions.items()},
             "refused_reductions": self.refused_reductions,
             "row_tables": {k: v.get("n_rows", 0) for k, v in (self._attrs.get("row_tables") or {}).items()},
+            # (the columns each row table has: a text capture's token_ids, labels, ...)
+            "row_table_columns": {k: list(v.get("columns") or [])
+                                  for k, v in (self._attrs.get("row_tables") or {}).items()},
             "model": self._attrs.get("model"),
             "provenance": self._attrs.get("provenance"),
             "library": self._attrs.get("library"),

@@ -517,3 +517,37 @@ def test_on_start_names_the_tracked_modules_before_the_first_forward(tmp_path, m
         capture_run.capture_dataset("m:model", str(tmp_path / "x.pt"), str(tmp_path / "r.zarr"), batch_size=4,
                                     progress=False, on_start=lambda note: calls.append(f"start: {note}"))
     assert calls[:2] == ["start: layers.0..1 (the blocks)", "forward"]
+
+
+def test_token_id_data_captured_one_row_per_token_stores_the_id_of_every_token_row(tmp_path, monkeypatch):
+    # --rows token over token ids (the SAE-caching layout) stored sample_id and pos only: a row's
+    # token was found by indexing the data file again; now the token table holds token_ids,
+    # also across a resume
+    from activationscope.analysis import specs
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(20, 4), torch.nn.Linear(4, 4))
+    mlp = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    monkeypatch.setattr(specs, "load_model_spec", lambda spec: specs.LoadedModel(
+        model=model if spec == "m:model" else mlp, name=spec))
+    ids = torch.randint(1, 20, (7, 5), dtype=torch.int32)
+    torch.save(ids, tmp_path / "ids.pt")
+    out = str(tmp_path / "r.zarr")
+    capture_run.capture_dataset("m:model", str(tmp_path / "ids.pt"), out, rows="token", batch_size=3, max_samples=4,
+                                progress=False)
+    capture_run.capture_dataset("m:model", str(tmp_path / "ids.pt"), out, rows="token", batch_size=2, resume=True,
+                                progress=False)
+    store = acs.open_store(out)
+    table = store.row_table("token")
+    assert store.n_samples == 7 and store.n_rows("1.output") == table.num_rows == 35
+    assert table.column("token_ids").to_pylist() == ids.reshape(-1).tolist()
+    assert table.column("token_ids").type == "int32"  # the data's own dtype
+    assert table.column("pos").to_pylist() == list(range(5)) * 7
+    with torch.no_grad():
+        assert torch.equal(store["0.output"], model[0](ids).reshape(35, 4))
+
+    # embeddings (batch, pos, d) are no token ids: no column
+    torch.save(torch.randn(3, 5, 4), tmp_path / "emb.pt")
+    capture_run.capture_dataset("m:mlp", str(tmp_path / "emb.pt"), str(tmp_path / "e.zarr"), rows="token",
+                                progress=False)
+    assert acs.open_store(str(tmp_path / "e.zarr")).row_table("token").column_names == ["sample_id", "pos", "batch"]
