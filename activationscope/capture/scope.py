@@ -555,6 +555,24 @@ def _check_state_fits(hook_point: str, name: str, reduction: Any, n_features: in
     )
 
 
+# Modules that return their input as it is in eval mode and a new tensor in training mode (the
+# torch.nn dropouts; drop path / stochastic depth of timm, torchvision and Hugging Face models)
+_DROP_NAMES = ("Dropout", "DropPath", "DropBlock", "StochasticDepth")
+
+
+def _drops_in_training(module: torch.nn.Module) -> bool:
+    """Whether ``module`` drops values in training mode: a dropout (``torch.nn`` or a class
+    named like one) whose probability (``p``, ``drop_prob``) is not known to be 0."""
+    if not isinstance(module, torch.nn.modules.dropout._DropoutNd) and \
+            not any(word in type(module).__name__ for word in _DROP_NAMES):
+        return False
+    for attr in ("p", "drop_prob"):
+        p = getattr(module, "__dict__", {}).get(attr)
+        if isinstance(p, (int, float)) and not isinstance(p, bool):
+            return p != 0
+    return True
+
+
 def _functorch_wrapped(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a torch.func transform's wrapper (grad, vmap: no storage)."""
     functorch = getattr(torch._C, "_functorch", None)
@@ -1638,6 +1656,15 @@ class Tracker:
                     self._sinks[name].watch_aliases(False)
             self._watching = []
 
+    def _eval_mode_dropout(self) -> str | None:
+        """The name of a module of the tracked model that returns its input as it is in eval
+        mode and a new tensor in training mode (a dropout, a drop path or stochastic depth,
+        with a nonzero probability) and is in eval mode now; None when there is none."""
+        for path, module in self.model.named_modules():
+            if not module.training and _drops_in_training(module):
+                return path
+        return None
+
     def _alias_target(self, name: str, tensor: torch.Tensor, row_kind: int) -> str | None:
         """The hook point captured earlier in this forward whose tensor ``tensor`` is (same
         storage, offset, shape, strides, dtype, unchanged since) and whose rows are of the same
@@ -1659,6 +1686,12 @@ class Tracker:
                       if other != name and other not in targets and self._sinks[other].row_kind == row_kind]
             i = _C.last_match(tensor, [self._sinks[other] for other in others])  # latest first
             target = others[i] if i >= 0 else None
+            if target is not None and self.writer is not None and name not in stored:
+                if self._eval_mode_dropout() is not None:
+                    # the same tensor maybe only because a dropout in eval mode returns its
+                    # input: in training mode it gives a new one, and a store alias cannot
+                    # follow (a validation forward, then training, would be refused)
+                    target = None
         if name in stored and target != stored[name]:
             raise CaptureError(
                 f"the resumed store holds hook point {name!r} as an alias of {stored[name]!r} (the same tensor), "

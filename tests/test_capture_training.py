@@ -1,0 +1,127 @@
+"""Captures inside training loops: eval forwards (validation) mixed with training forwards,
+dropout, optimizer steps. Reference: forward hooks of plain PyTorch that clone each output."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from activationscope import ActivationScope, open_store
+
+HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+
+
+class _Mlp(torch.nn.Module):
+    """A GPT-2 style MLP: its last step is a dropout, so in eval mode its output is its
+    projection's output, the same tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(6, 12)
+        self.proj = torch.nn.Linear(12, 6)
+        self.drop = torch.nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.drop(self.proj(torch.relu(self.fc(x))))
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(_Mlp(), torch.nn.Dropout(0.3), torch.nn.Linear(6, 2))
+
+
+def _reference_hooks(model, names):
+    """Clones of each named module's output, per call (the value the model passed on)."""
+    refs = {n: [] for n in names}
+    modules = dict(model.named_modules())
+    handles = [modules[n].register_forward_hook(
+        lambda _m, _a, out, n=n: refs[n].append(out.detach().clone())) for n in names]
+    return refs, handles
+
+
+@pytest.mark.parametrize("first", ["eval", "train"])
+def test_validation_forward_then_training_stores_every_rows_own_values(tmp_path, first):
+    # In eval mode a dropout returns its input: '0.output' is the very tensor of '0.proj.output'
+    # (and '1.output' of '0.output'). Stored as aliases at a first forward in eval mode, the
+    # training forwards after it (new tensors) raised CaptureError; each is now its own array,
+    # and every row is the value the model passed on at that step.
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    names = ["0.proj", "0", "1", "2"]
+    refs, handles = _reference_hooks(model, names)
+    torch.manual_seed(1)
+    xs = [torch.randn(4, 6) for _ in range(4)]
+    modes = ["eval", "train", "train", "eval"] if first == "eval" else ["train", "eval", "train", "eval"]
+    with ActivationScope(store=tmp_path / "s.zarr").track(model, include=["0", "0.proj", "1", "2"]):
+        for x, mode in zip(xs, modes):
+            if mode == "eval":
+                model.eval()
+                with torch.no_grad():
+                    model(x)
+            else:
+                model.train()
+                model(x).sum().backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+    for h in handles:
+        h.remove()
+    store = open_store(tmp_path / "s.zarr")
+    assert store.status == "complete"
+    assert store.aliases == {}
+    for n in names:
+        torch.testing.assert_close(store[f"{n}.output"][:], torch.cat(refs[n]), rtol=0, atol=0)
+    # the training forwards' dropout rows are not their inputs' rows
+    step = modes.index("train")
+    train_rows = slice(4 * step, 4 * step + 4)
+    assert not torch.equal(store["0.output"][train_rows], store["0.proj.output"][train_rows])
+
+
+def test_a_dropout_of_probability_zero_or_in_training_mode_keeps_the_alias(tmp_path):
+    # Dropout(p=0) returns its input in both modes, and a capture in training mode never
+    # sees a dropout return its input: these stay aliases (stored once)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.0)),
+                                torch.nn.Linear(4, 2)).eval()
+    with torch.no_grad(), ActivationScope(store=tmp_path / "a.zarr").track(model, include=["0", "0.0"]):
+        model(torch.randn(3, 4))
+    assert open_store(tmp_path / "a.zarr").aliases == {"0.output": "0.0.output"}
+    model = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5)),
+                                torch.nn.Linear(4, 2)).train()
+    x = torch.randn(3, 4)
+    torch.manual_seed(2)
+    out = model[0](x)
+    with ActivationScope(store=tmp_path / "b.zarr").track(model, include=["0", "0.1"]):
+        torch.manual_seed(2)
+        model(x)
+    store = open_store(tmp_path / "b.zarr")
+    assert store.aliases == {"0.output": "0.1.output"}
+    torch.testing.assert_close(store["0.output"][:], out.detach(), rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="needs transformers")
+def test_gpt2_validation_then_training_steps_are_stored(tmp_path):
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=1, n_head=2)
+    model = transformers.GPT2LMHeadModel(config)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    names = ["transformer.h.0.mlp", "transformer.h.0.mlp.c_proj"]
+    refs, handles = _reference_hooks(model, names)
+    ids = torch.randint(1, 50, (3, 5))
+    with ActivationScope(store=tmp_path / "g.zarr", rows="token").track(model, include=names):
+        model.eval()
+        with torch.no_grad():
+            model(input_ids=ids)
+        model.train()
+        for _ in range(2):
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    for h in handles:
+        h.remove()
+    store = open_store(tmp_path / "g.zarr")
+    for n in names:
+        torch.testing.assert_close(store[f"{n}.output"][:], torch.cat(refs[n]).reshape(-1, 16), rtol=0, atol=0)
