@@ -125,3 +125,35 @@ def test_gpt2_validation_then_training_steps_are_stored(tmp_path):
     store = open_store(tmp_path / "g.zarr")
     for n in names:
         torch.testing.assert_close(store[f"{n}.output"][:], torch.cat(refs[n]).reshape(-1, 16), rtol=0, atol=0)
+
+
+class _NormWithItsOwnDrop(torch.nn.Module):
+    """Calls its dropout itself, as Hugging Face BART and Whisper do: no dropout module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(6)
+        self.dropout = 0.4
+
+    def forward(self, x):
+        return torch.nn.functional.dropout(self.norm(x), p=self.dropout, training=self.training)
+
+
+def test_functional_dropout_validation_then_training_is_stored(tmp_path):
+    # in eval mode '1.input.0' is the very tensor of '0.norm.output'; in training mode the
+    # functional dropout between them gives a new one (it raised CaptureError at that forward)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_NormWithItsOwnDrop(), torch.nn.Linear(6, 2))
+    refs, handles = _reference_hooks(model, ["0.norm", "0"])
+    torch.manual_seed(1)
+    xs = [torch.randn(3, 6) for _ in range(3)]
+    with ActivationScope(store=tmp_path / "f.zarr", capture="both").track(model, include=["0.norm", "1"]):
+        for i, x in enumerate(xs):
+            model.train(i > 0)
+            model(x).sum().backward()
+    for h in handles:
+        h.remove()
+    store = open_store(tmp_path / "f.zarr")
+    assert store.aliases == {}
+    torch.testing.assert_close(store["0.norm.output"][:], torch.cat(refs["0.norm"]), rtol=0, atol=0)
+    torch.testing.assert_close(store["1.input.0"][:], torch.cat(refs["0"]), rtol=0, atol=0)

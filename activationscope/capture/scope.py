@@ -558,19 +558,26 @@ def _check_state_fits(hook_point: str, name: str, reduction: Any, n_features: in
 # Modules that return their input as it is in eval mode and a new tensor in training mode (the
 # torch.nn dropouts; drop path / stochastic depth of timm, torchvision and Hugging Face models)
 _DROP_NAMES = ("Dropout", "DropPath", "DropBlock", "StochasticDepth")
+# attributes of a module that calls a dropout itself, functional (Hugging Face BART, Whisper:
+# ``F.dropout(x, p=self.dropout, training=self.training)``)
+_DROP_ATTRS = ("dropout", "drop_prob", "drop_path", "droppath")
 
 
 def _drops_in_training(module: torch.nn.Module) -> bool:
     """Whether ``module`` drops values in training mode: a dropout (``torch.nn`` or a class
-    named like one) whose probability (``p``, ``drop_prob``) is not known to be 0."""
-    if not isinstance(module, torch.nn.modules.dropout._DropoutNd) and \
-            not any(word in type(module).__name__ for word in _DROP_NAMES):
-        return False
-    for attr in ("p", "drop_prob"):
-        p = getattr(module, "__dict__", {}).get(attr)
-        if isinstance(p, (int, float)) and not isinstance(p, bool):
-            return p != 0
-    return True
+    named like one) whose probability (``p``, ``drop_prob``) is not known to be 0, or a
+    module holding a dropout probability above 0 (an attribute named like ``dropout``) for
+    the functional dropout it calls."""
+    attrs = getattr(module, "__dict__", {})
+    if isinstance(module, torch.nn.modules.dropout._DropoutNd) or \
+            any(word in type(module).__name__ for word in _DROP_NAMES):
+        for attr in ("p", "drop_prob"):
+            p = attrs.get(attr)
+            if isinstance(p, (int, float)) and not isinstance(p, bool):
+                return p != 0
+        return True
+    return any(isinstance(value, float) and value > 0 and any(word in key.lower() for word in _DROP_ATTRS)
+               for key, value in attrs.items())
 
 
 def _functorch_wrapped(tensor: torch.Tensor) -> bool:
@@ -1657,9 +1664,10 @@ class Tracker:
             self._watching = []
 
     def _eval_mode_dropout(self) -> str | None:
-        """The name of a module of the tracked model that returns its input as it is in eval
-        mode and a new tensor in training mode (a dropout, a drop path or stochastic depth,
-        with a nonzero probability) and is in eval mode now; None when there is none."""
+        """The name of a module of the tracked model that may return its input as it is in
+        eval mode and a new tensor in training mode (a dropout, a drop path or stochastic
+        depth, or a module calling a functional dropout, with a nonzero probability) and is in
+        eval mode now; None when there is none."""
         for path, module in self.model.named_modules():
             if not module.training and _drops_in_training(module):
                 return path
