@@ -8,7 +8,7 @@ import importlib.util
 import pytest
 import torch
 
-from activationscope import ActivationScope, open_store
+from activationscope import ActivationScope, CaptureWarning, open_store
 
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 
@@ -157,3 +157,19 @@ def test_functional_dropout_validation_then_training_is_stored(tmp_path):
     assert store.aliases == {}
     torch.testing.assert_close(store["0.norm.output"][:], torch.cat(refs["0.norm"]), rtol=0, atol=0)
     torch.testing.assert_close(store["1.input.0"][:], torch.cat(refs["0"]), rtol=0, atol=0)
+
+
+def test_a_second_epoch_is_warned_about_as_such(tmp_path):
+    # a training loop's second epoch gives the samples' ids again: the warning said only to
+    # "pass the sample's position in the dataset", which such a loop already does
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    x = torch.randn(4, 4)
+    with pytest.warns(CaptureWarning, match=r"sample id 0 was recorded more than once.*once per epoch.*epoch=\[e\]"):
+        with ActivationScope(store=tmp_path / "e.zarr").track(model, include=["1"]) as tracker:
+            for epoch in range(2):
+                tracker.set_batch(sample_ids=range(4), epoch=[epoch] * 4)
+                model(x).sum().backward()
+    store = open_store(tmp_path / "e.zarr")
+    assert store.row_table("sample").column("epoch").to_pylist() == [0] * 4 + [1] * 4
+    assert store.row_table("sample").column("sample_id").to_pylist() == [0, 1, 2, 3] * 2
