@@ -8,7 +8,7 @@ import importlib.util
 import pytest
 import torch
 
-from activationscope import ActivationScope, CaptureWarning, open_store
+from activationscope import ActivationScope, CaptureError, CaptureWarning, open_store
 
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 
@@ -173,3 +173,30 @@ def test_a_second_epoch_is_warned_about_as_such(tmp_path):
     store = open_store(tmp_path / "e.zarr")
     assert store.row_table("sample").column("epoch").to_pylist() == [0] * 4 + [1] * 4
     assert store.row_table("sample").column("sample_id").to_pylist() == [0, 1, 2, 3] * 2
+
+
+class _Noise(torch.nn.Module):
+    """Adds noise in training mode only, and returns its input as it is in eval mode: not
+    named like a dropout and holding no dropout probability."""
+
+    def forward(self, x):
+        return x + 0.1 * torch.randn_like(x) if self.training else x
+
+
+def test_a_noise_layer_that_breaks_an_eval_mode_alias_is_refused_naming_the_mode_switch(tmp_path):
+    # the error spoke only of "a branch, or a loop": it now names the eval / train switch
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), _Noise(), torch.nn.Linear(4, 2))
+    x = torch.randn(3, 4)
+    with pytest.raises(CaptureError, match=r"'1.output' is stored once, as an alias of '0.output'.*"
+                                           r"model.eval\(\) and model.train\(\).*exclude="):
+        with ActivationScope(store=tmp_path / "n.zarr").track(model, include=["0", "1"]):
+            model.eval()
+            with torch.no_grad():
+                model(x)
+            model.train()
+            model(x)
+    store = open_store(tmp_path / "n.zarr")
+    assert store.status == "incomplete" and store.n_rows("0.output") == 3
+    with torch.no_grad():
+        torch.testing.assert_close(store["1.output"][:], model[0](x), rtol=0, atol=0)
