@@ -4,6 +4,7 @@ dropout, optimizer steps. Reference: forward hooks of plain PyTorch that clone e
 from __future__ import annotations
 
 import importlib.util
+import warnings
 
 import pytest
 import torch
@@ -200,3 +201,43 @@ def test_a_noise_layer_that_breaks_an_eval_mode_alias_is_refused_naming_the_mode
     assert store.status == "incomplete" and store.n_rows("0.output") == 3
     with torch.no_grad():
         torch.testing.assert_close(store["1.output"][:], model[0](x), rtol=0, atol=0)
+
+
+class _DropPath(torch.nn.Module):
+    """Stochastic depth as timm writes it: drops whole samples in training mode."""
+
+    def __init__(self, drop_prob: float) -> None:
+        super().__init__()
+        self.drop_prob = drop_prob
+
+    def forward(self, x):
+        if not self.training or self.drop_prob == 0:
+            return x
+        keep = (torch.rand(x.shape[0], 1) >= self.drop_prob).to(x.dtype)
+        return x * keep / (1 - self.drop_prob)
+
+
+@pytest.mark.parametrize("late", ["drop_path", "functional"])
+def test_stop_after_last_in_training_mode_names_a_skipped_drop_path_or_functional_dropout(late):
+    # a drop path, or a module calling F.dropout itself, after the stop point takes no random
+    # numbers when skipped, so later forwards' records differ from a full run's: only
+    # torch.nn dropouts were named (nothing was said of these)
+    torch.manual_seed(0)
+    tail = _DropPath(0.5) if late == "drop_path" else _NormWithItsOwnDrop()
+    model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Dropout(0.5), torch.nn.Linear(6, 6), tail).train()
+    xs = torch.randn(12, 6).split(4)
+    records = {}
+    for stop in (False, True):
+        torch.manual_seed(7)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with torch.no_grad(), ActivationScope().track(model, include=["1"], stop_after_last=stop) as tracker:
+                for x in xs:
+                    model(x)
+        said = [str(w.message) for w in caught if issubclass(w.category, CaptureWarning)]
+        records[stop] = torch.cat(tracker.activations["1.output"])
+        if stop:
+            assert len(said) == 1 and "in training mode skips '3'" in said[0] and "dropout takes no random" in said[0]
+        else:
+            assert not said, said
+    assert not torch.equal(records[True], records[False])  # what the warning is about

@@ -1894,9 +1894,11 @@ class Tracker:
 
     def _training_modules(self) -> list[tuple[str, torch.nn.Module]]:
         """Modules of the tracked model in training mode whose skipping changes later forwards:
-        dropout (random draws) and norms with running statistics (BatchNorm)."""
+        dropout (random draws: a dropout, drop path or stochastic depth module, or a module
+        calling a functional dropout, :func:`_drops_in_training`) and norms with running
+        statistics (BatchNorm)."""
         return [(n or type(m).__name__, m) for n, m in self.model.named_modules() if m.training and (
-            isinstance(m, torch.nn.modules.dropout._DropoutNd)
+            _drops_in_training(m)
             or (isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.track_running_stats))]
 
     def _warn_decoder_sample_rows(self) -> None:
@@ -1975,7 +1977,7 @@ class Tracker:
         skipped = sorted(self._train_full - self._train_ran) if self._train_full is not None else []
         if not skipped:
             return
-        dropout = {n for n, m in self._training_modules() if isinstance(m, torch.nn.modules.dropout._DropoutNd)}
+        dropout = {n for n, m in self._training_modules() if _drops_in_training(m)}
         effects = []
         if any(n in dropout for n in skipped):
             effects.append("its dropout takes no random numbers, so the dropout masks of later forwards (before the "
