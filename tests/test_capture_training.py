@@ -241,3 +241,22 @@ def test_stop_after_last_in_training_mode_names_a_skipped_drop_path_or_functiona
         else:
             assert not said, said
     assert not torch.equal(records[True], records[False])  # what the warning is about
+
+
+def test_an_eval_mode_capture_keeps_the_aliases_that_no_dropout_makes(tmp_path):
+    # Only an identity that goes through a dropout (its own output, or a module ending in one)
+    # may not last into training; a module returning its child's output (no dropout between)
+    # stays an alias in an eval-mode capture of a model that has dropouts elsewhere
+    torch.manual_seed(0)
+    inner = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))   # returns its LayerNorm's output
+    model = torch.nn.Sequential(inner, torch.nn.Dropout(0.2), torch.nn.Linear(4, 2)).eval()
+    x = torch.randn(5, 4)
+    with torch.no_grad(), ActivationScope(store=tmp_path / "e.zarr").track(model):
+        model(x)
+        model(x + 1)
+    store = open_store(tmp_path / "e.zarr")
+    assert store.aliases == {"0.output": "0.1.output"}   # not '1.output' (the dropout's)
+    with torch.no_grad():
+        expected = torch.cat([inner(x), inner(x + 1)])
+    torch.testing.assert_close(store["0.output"][:], expected, rtol=0, atol=0)
+    torch.testing.assert_close(store["1.output"][:], expected, rtol=0, atol=0)

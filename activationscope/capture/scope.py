@@ -563,6 +563,13 @@ _DROP_NAMES = ("Dropout", "DropPath", "DropBlock", "StochasticDepth")
 _DROP_ATTRS = ("dropout", "drop_prob", "drop_path", "droppath")
 
 
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` view the same bytes the same way (storage, offset, shape,
+    strides, dtype)."""
+    return (a.dtype == b.dtype and a.shape == b.shape and a.device == b.device
+            and (a.numel() == 0 or (a.data_ptr() == b.data_ptr() and a.stride() == b.stride())))
+
+
 def _drops_in_training(module: torch.nn.Module) -> bool:
     """Whether ``module`` drops values in training mode: a dropout (``torch.nn`` or a class
     named like one) whose probability (``p``, ``drop_prob``) is not known to be 0, or a
@@ -727,6 +734,14 @@ class Tracker:
         # same records for the calls where it is the other's tensor)
         self._aliases: dict[str, str] = {}
         self._watching: list[str] = []  # hook points of this forward that an alias may repeat
+        # The first store forward with a dropout in eval mode: the tensors its dropouts returned
+        # (their input as it is), so that only an alias made through one of them is not made
+        # (None: not probing this forward; the later forwards use the model-wide rule)
+        self._dropout_probes: list[Any] = []
+        self._dropout_outputs: list[torch.Tensor] | None = None
+        self._dropout_paths: tuple[str, ...] = ()  # modules calling a functional dropout, in eval mode
+        self._dropout_modules: frozenset[str] = frozenset()  # every dropout in eval mode (its output: its input)
+        self._dropouts_probed = False
         # Aliases are detected when storing both would duplicate bytes: a store, or in-memory
         # copies (REFERENCE in memory keeps the model's tensor itself: nothing duplicated).
         self._alias_candidates = scope.storage is StoragePolicy.DISK or (
@@ -1091,6 +1106,7 @@ class Tracker:
         self._installed.append((module, wrapper, site))
 
     def _uninstall_all(self) -> None:
+        self._unprobe_dropouts()  # (a forward that raised left them)
         while self._installed:
             module, wrapper, site = self._installed.pop()
             wrapper.remove_site(site)
@@ -1673,6 +1689,39 @@ class Tracker:
                 return path
         return None
 
+    def _probe_dropouts(self) -> None:
+        """At the first forward of a store capture, note the tensors that the model's dropouts
+        in eval mode return (their input as it is), so that an alias is refused only where the
+        identity goes through one of them (in training mode a dropout returns a new tensor);
+        aliases elsewhere in the model are kept. Probes stay for this forward only."""
+        self._dropouts_probed = True
+        if self.writer is None or not self._alias_candidates or self._core.in_graph:
+            return
+        drops = [(path, m) for path, m in self.model.named_modules() if not m.training and _drops_in_training(m)]
+        if not drops:
+            return
+        outputs: list[torch.Tensor] = []
+
+        def note(_module, _args, out) -> None:
+            for x in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(x, torch.Tensor):
+                    outputs.append(x)
+
+        self._dropout_outputs = outputs
+        self._dropout_paths = tuple(path for path, m in drops
+                                    if not isinstance(m, torch.nn.modules.dropout._DropoutNd)
+                                    and not any(word in type(m).__name__ for word in _DROP_NAMES))
+        self._dropout_modules = frozenset(path for path, _ in drops)
+        self._dropout_probes = [m.register_forward_hook(note) for _, m in drops]
+
+    def _unprobe_dropouts(self) -> None:
+        for handle in self._dropout_probes:
+            handle.remove()
+        self._dropout_probes = []
+        self._dropout_outputs = None
+        self._dropout_paths = ()
+        self._dropout_modules = frozenset()
+
     def _alias_target(self, name: str, tensor: torch.Tensor, row_kind: int) -> str | None:
         """The hook point captured earlier in this forward whose tensor ``tensor`` is (same
         storage, offset, shape, strides, dtype, unchanged since) and whose rows are of the same
@@ -1695,10 +1744,17 @@ class Tracker:
             i = _C.last_match(tensor, [self._sinks[other] for other in others])  # latest first
             target = others[i] if i >= 0 else None
             if target is not None and self.writer is not None and name not in stored:
-                if self._eval_mode_dropout() is not None:
-                    # the same tensor maybe only because a dropout in eval mode returns its
-                    # input: in training mode it gives a new one, and a store alias cannot
-                    # follow (a validation forward, then training, would be refused)
+                # the same tensor maybe only because a dropout in eval mode returns its input:
+                # in training mode it gives a new one, and a store alias cannot follow (a
+                # validation forward, then training, would be refused)
+                if self._dropout_outputs is not None:  # the first forward: told exactly
+                    module = self._module_of(name)
+                    tail = name[len(module) + 1:] if module else name
+                    if (module in self._dropout_modules and tail.startswith("output")) or any(
+                            _same_tensor(tensor, out) for out in self._dropout_outputs) or any(
+                            module == p or module.startswith(p + ".") or p == "" for p in self._dropout_paths):
+                        target = None
+                elif self._eval_mode_dropout() is not None:
                     target = None
         if name in stored and target != stored[name]:
             raise CaptureError(
@@ -2000,6 +2056,9 @@ class Tracker:
         if self.stop_after_last and not self._warned_training_stop and self._core.capturing:
             self._watch_training_stop()
         self._stop_watching()  # after a forward that raised
+        self._unprobe_dropouts()
+        if not self._dropouts_probed and self._core.capturing:
+            self._probe_dropouts()
         if self._open_forward is not None:
             self._forward_raised()
         if self._core.capturing and self._pending_batch is not None:
@@ -2130,6 +2189,7 @@ class Tracker:
             self._check_training_stop()
         self._open_forward = None
         self._stop_watching()
+        self._unprobe_dropouts()
         if self._hook_probes:
             self._remove_hook_probes()
             self._warn_replaced_outputs()
