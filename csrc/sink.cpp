@@ -762,8 +762,10 @@ bool Sink::consume_alias(const at::Tensor& x, const at::Tensor& token_mask) {
     ACS_CHECK(same, "hook point '", name_, "' is stored once, as an alias of '", alias_of_->name(),
             "' (it was the same tensor when first captured), but in its call ", n_calls_ + 1,
             " (counting from 1) it is another tensor or was changed in place after '", alias_of_->name(),
-            "' was taken (a branch, or a loop, that differs from forward to forward); pass exclude= for the "
-            "module of one of them (or include= only one). The store keeps every forward before this one");
+            "' was taken (a branch, or a loop, that differs from forward to forward, or a switch between "
+            "model.eval() and model.train(): a module that returns its input as it is in eval mode only, as "
+            "a dropout or a noise layer does); pass exclude= for the module of one of them (or include= only "
+            "one). The store keeps every forward before this one");
     if (options_.keep != Keep::NONE && options_.placement != Placement::DISK) {
       // a store capture that also keeps records in memory (storage=CPU or GPU): this call's
       // record is its target's (the same bytes), as for an in-memory alias; a copy of its own

@@ -557,6 +557,38 @@ def _check_state_fits(hook_point: str, name: str, reduction: Any, n_features: in
     )
 
 
+# Modules that return their input as it is in eval mode and a new tensor in training mode (the
+# torch.nn dropouts; drop path / stochastic depth of timm, torchvision and Hugging Face models)
+_DROP_NAMES = ("Dropout", "DropPath", "DropBlock", "StochasticDepth")
+# attributes of a module that calls a dropout itself, functional (Hugging Face BART, Whisper:
+# ``F.dropout(x, p=self.dropout, training=self.training)``)
+_DROP_ATTRS = ("dropout", "drop_prob", "drop_path", "droppath")
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` view the same bytes the same way (storage, offset, shape,
+    strides, dtype)."""
+    return (a.dtype == b.dtype and a.shape == b.shape and a.device == b.device
+            and (a.numel() == 0 or (a.data_ptr() == b.data_ptr() and a.stride() == b.stride())))
+
+
+def _drops_in_training(module: torch.nn.Module) -> bool:
+    """Whether ``module`` drops values in training mode: a dropout (``torch.nn`` or a class
+    named like one) whose probability (``p``, ``drop_prob``) is not known to be 0, or a
+    module holding a dropout probability above 0 (an attribute named like ``dropout``) for
+    the functional dropout it calls."""
+    attrs = getattr(module, "__dict__", {})
+    if isinstance(module, torch.nn.modules.dropout._DropoutNd) or \
+            any(word in type(module).__name__ for word in _DROP_NAMES):
+        for attr in ("p", "drop_prob"):
+            p = attrs.get(attr)
+            if isinstance(p, (int, float)) and not isinstance(p, bool):
+                return p != 0
+        return True
+    return any(isinstance(value, float) and value > 0 and any(word in key.lower() for word in _DROP_ATTRS)
+               for key, value in attrs.items())
+
+
 def _functorch_wrapped(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a torch.func transform's wrapper (grad, vmap: no storage)."""
     functorch = getattr(torch._C, "_functorch", None)
@@ -704,6 +736,14 @@ class Tracker:
         # same records for the calls where it is the other's tensor)
         self._aliases: dict[str, str] = {}
         self._watching: list[str] = []  # hook points of this forward that an alias may repeat
+        # The first store forward with a dropout in eval mode: the tensors its dropouts returned
+        # (their input as it is), so that only an alias made through one of them is not made
+        # (None: not probing this forward; the later forwards use the model-wide rule)
+        self._dropout_probes: list[Any] = []
+        self._dropout_outputs: list[torch.Tensor] | None = None
+        self._dropout_paths: tuple[str, ...] = ()  # modules calling a functional dropout, in eval mode
+        self._dropout_modules: frozenset[str] = frozenset()  # every dropout in eval mode (its output: its input)
+        self._dropouts_probed = False
         # Aliases are detected when storing both would duplicate bytes: a store, or in-memory
         # copies (REFERENCE in memory keeps the model's tensor itself: nothing duplicated).
         self._alias_candidates = scope.storage is StoragePolicy.DISK or (
@@ -1085,6 +1125,7 @@ class Tracker:
         self._installed.append((module, wrapper, site))
 
     def _uninstall_all(self) -> None:
+        self._unprobe_dropouts()  # (a forward that raised left them)
         while self._installed:
             module, wrapper, site = self._installed.pop()
             wrapper.remove_site(site)
@@ -1667,6 +1708,49 @@ class Tracker:
                     self._sinks[name].watch_aliases(False)
             self._watching = []
 
+    def _eval_mode_dropout(self) -> str | None:
+        """The name of a module of the tracked model that may return its input as it is in
+        eval mode and a new tensor in training mode (a dropout, a drop path or stochastic
+        depth, or a module calling a functional dropout, with a nonzero probability) and is in
+        eval mode now; None when there is none."""
+        for path, module in self.model.named_modules():
+            if not module.training and _drops_in_training(module):
+                return path
+        return None
+
+    def _probe_dropouts(self) -> None:
+        """At the first forward of a store capture, note the tensors that the model's dropouts
+        in eval mode return (their input as it is), so that an alias is refused only where the
+        identity goes through one of them (in training mode a dropout returns a new tensor);
+        aliases elsewhere in the model are kept. Probes stay for this forward only."""
+        self._dropouts_probed = True
+        if self.writer is None or not self._alias_candidates or self._core.in_graph:
+            return
+        drops = [(path, m) for path, m in self.model.named_modules() if not m.training and _drops_in_training(m)]
+        if not drops:
+            return
+        outputs: list[torch.Tensor] = []
+
+        def note(_module, _args, out) -> None:
+            for x in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(x, torch.Tensor):
+                    outputs.append(x)
+
+        self._dropout_outputs = outputs
+        self._dropout_paths = tuple(path for path, m in drops
+                                    if not isinstance(m, torch.nn.modules.dropout._DropoutNd)
+                                    and not any(word in type(m).__name__ for word in _DROP_NAMES))
+        self._dropout_modules = frozenset(path for path, _ in drops)
+        self._dropout_probes = [m.register_forward_hook(note) for _, m in drops]
+
+    def _unprobe_dropouts(self) -> None:
+        for handle in self._dropout_probes:
+            handle.remove()
+        self._dropout_probes = []
+        self._dropout_outputs = None
+        self._dropout_paths = ()
+        self._dropout_modules = frozenset()
+
     def _alias_target(self, name: str, tensor: torch.Tensor, row_kind: int) -> str | None:
         """The hook point captured earlier in this forward whose tensor ``tensor`` is (same
         storage, offset, shape, strides, dtype, unchanged since) and whose rows are of the same
@@ -1688,6 +1772,19 @@ class Tracker:
                       if other != name and other not in targets and self._sinks[other].row_kind == row_kind]
             i = _C.last_match(tensor, [self._sinks[other] for other in others])  # latest first
             target = others[i] if i >= 0 else None
+            if target is not None and self.writer is not None and name not in stored:
+                # the same tensor maybe only because a dropout in eval mode returns its input:
+                # in training mode it gives a new one, and a store alias cannot follow (a
+                # validation forward, then training, would be refused)
+                if self._dropout_outputs is not None:  # the first forward: told exactly
+                    module = self._module_of(name)
+                    tail = name[len(module) + 1:] if module else name
+                    if (module in self._dropout_modules and tail.startswith("output")) or any(
+                            _same_tensor(tensor, out) for out in self._dropout_outputs) or any(
+                            module == p or module.startswith(p + ".") or p == "" for p in self._dropout_paths):
+                        target = None
+                elif self._eval_mode_dropout() is not None:
+                    target = None
         if name in stored and target != stored[name]:
             raise CaptureError(
                 f"the resumed store holds hook point {name!r} as an alias of {stored[name]!r} (the same tensor), "
@@ -1882,9 +1979,11 @@ class Tracker:
 
     def _training_modules(self) -> list[tuple[str, torch.nn.Module]]:
         """Modules of the tracked model in training mode whose skipping changes later forwards:
-        dropout (random draws) and norms with running statistics (BatchNorm)."""
+        dropout (random draws: a dropout, drop path or stochastic depth module, or a module
+        calling a functional dropout, :func:`_drops_in_training`) and norms with running
+        statistics (BatchNorm)."""
         return [(n or type(m).__name__, m) for n, m in self.model.named_modules() if m.training and (
-            isinstance(m, torch.nn.modules.dropout._DropoutNd)
+            _drops_in_training(m)
             or (isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.track_running_stats))]
 
     def _warn_side_sample_rows(self) -> None:
@@ -1968,7 +2067,7 @@ class Tracker:
         skipped = sorted(self._train_full - self._train_ran) if self._train_full is not None else []
         if not skipped:
             return
-        dropout = {n for n, m in self._training_modules() if isinstance(m, torch.nn.modules.dropout._DropoutNd)}
+        dropout = {n for n, m in self._training_modules() if _drops_in_training(m)}
         effects = []
         if any(n in dropout for n in skipped):
             effects.append("its dropout takes no random numbers, so the dropout masks of later forwards (before the "
@@ -1993,6 +2092,9 @@ class Tracker:
         if self.stop_after_last and not self._warned_training_stop and self._core.capturing:
             self._watch_training_stop()
         self._stop_watching()  # after a forward that raised
+        self._unprobe_dropouts()
+        if not self._dropouts_probed and self._core.capturing:
+            self._probe_dropouts()
         if self._open_forward is not None:
             self._forward_raised()
         if self._core.capturing and self._pending_batch is not None:
@@ -2123,6 +2225,7 @@ class Tracker:
             self._check_training_stop()
         self._open_forward = None
         self._stop_watching()
+        self._unprobe_dropouts()
         if self._hook_probes:
             self._remove_hook_probes()
             self._warn_replaced_outputs()

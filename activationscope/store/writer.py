@@ -2307,7 +2307,9 @@ class StoreWriter:
             f"store {str(self._backend)!r}: sample id {repeat!r} was recorded more than once (batch "
             f"{self._n_batches + len(self._pending)}, counted from 0); each sample should have its own id "
             "(a per-batch counter such as sample_ids=range(len(batch)) repeats them: pass the sample's position "
-            "in the dataset). The capture goes on and stores every row; a sample_ids= selection of the "
+            "in the dataset; a training loop that feeds the data set again records each sample once per epoch, "
+            "as it should: give each batch an epoch column, epoch=[e] * len(batch), to tell those rows apart). "
+            "The capture goes on and stores every row; a sample_ids= selection of the "
             "store picks the rows of every sample with that id. Warned once per capture",
             CaptureWarning, stacklevel=4)
 
