@@ -1,0 +1,177 @@
+"""A disk that fills up during a capture: the error names the path, says the disk is full and
+what to do (free space, then resume); committed rows stay equal to plain PyTorch, and a resume
+once space is freed ends equal to an uninterrupted capture, reductions included. Disk full is
+made with RLIMIT_FSIZE in a child process (real writes, no root needed), or with a rename that
+fails with ENOSPC at a chosen file."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import activationscope as acs
+from activationscope.errors import StoreError
+from activationscope.store import open_store
+from activationscope.store._backend import LocalBackend
+
+import store_child
+from store_models import MLP, batches_mlp
+
+HERE = Path(__file__).parent
+N = 12
+B = store_child.BATCH
+HOOK_POINTS = ("fc1.output", "act.output", "fc2.output")
+
+
+def _plain_rows(model, xs):
+    """The hook points' rows by plain PyTorch forward hooks (no activationscope)."""
+    rows = {hp: [] for hp in HOOK_POINTS}
+    handles = [getattr(model, hp.split(".")[0]).register_forward_hook(
+        lambda m, i, o, hp=hp: rows[hp].append(o.detach().clone())) for hp in HOOK_POINTS]
+    try:
+        with torch.no_grad():
+            for x in xs:
+                model(x)
+    finally:
+        for h in handles:
+            h.remove()
+    return {hp: torch.cat(v) for hp, v in rows.items()}
+
+
+def _model_and_data():
+    torch.manual_seed(0)
+    return MLP().eval(), batches_mlp(n_batches=N, batch=B)
+
+
+def _capture(path, *, resume=False):
+    model, xs = _model_and_data()
+    scope = acs.ActivationScope(store=str(path), reductions=["mean"],
+                                store_options={**store_child.OPTIONS, "resume": resume})
+    with scope.track(model) as tr, torch.no_grad():
+        for i in range(tr.writer.n_samples_committed // B, N):
+            tr.set_batch(sample_ids=list(range(i * B, (i + 1) * B)))
+            model(xs[i])
+
+
+def _assert_prefix_of_plain(store, n_at_least=1):
+    model, xs = _model_and_data()
+    plain = _plain_rows(model, xs)
+    n = store.n_samples
+    assert n >= n_at_least
+    for hp in HOOK_POINTS:
+        assert store.n_rows(hp) == n
+        assert torch.equal(store[hp], plain[hp][:n]), hp
+    assert store.row_table().column("sample_id").to_pylist() == list(range(n))
+
+
+def _assert_whole(store):
+    model, xs = _model_and_data()
+    plain = _plain_rows(model, xs)
+    assert store.status == "complete" and store.n_samples == N * B and store.verify() == []
+    for hp in HOOK_POINTS:
+        assert torch.equal(store[hp], plain[hp]), hp
+        torch.testing.assert_close(store.reductions[hp]["mean"], plain[hp].double().mean(0))
+        assert int(store.reductions[hp]["mean.count"]) == N * B
+    assert store.partial_reductions == {}
+
+
+def _no_temp_files(path):
+    return [str(p.relative_to(path)) for p in Path(path).rglob("*")
+            if p.name.endswith(".tmp") or p.name.startswith("shard-")]
+
+
+def _fail_renames(monkeypatch, match, nth=1):
+    """os.replace onto a file whose path ends with ``match`` fails with ENOSPC at its ``nth``
+    call (the temporary file was written; the disk is full at that point)."""
+    real = os.replace
+    seen = [0]
+
+    def replace(src, dst, *a, **k):
+        if str(dst).endswith(match):
+            seen[0] += 1
+            if seen[0] == nth:
+                raise OSError(errno.ENOSPC, "No space left on device", str(dst))
+        return real(src, dst, *a, **k)
+
+    monkeypatch.setattr(os, "replace", replace)
+    return seen
+
+
+def test_a_document_that_does_not_fit_names_the_disk_and_keeps_the_old_bytes(tmp_path, monkeypatch):
+    b = LocalBackend(tmp_path)
+    b.set("a/doc.json", b"old")
+    _fail_renames(monkeypatch, "doc.json")
+    with pytest.raises(StoreError) as e:
+        b.set("a/doc.json", b"new")
+    assert str(tmp_path / "a" / "doc.json") in str(e.value)
+    assert "No space left on device: the disk holding it is full" in str(e.value)
+    assert "free space there" in str(e.value)
+    assert (tmp_path / "a" / "doc.json").read_bytes() == b"old"
+    assert _no_temp_files(tmp_path) == []
+
+
+@pytest.mark.parametrize("match, nth", [("s.zarr/zarr.json", 4), ("manifest.json", 3), ("part-000002.parquet", 1)])
+def test_a_commit_on_a_full_disk_says_free_space_then_resume(tmp_path, monkeypatch, match, nth):
+    path = tmp_path / "s.zarr"
+    seen = _fail_renames(monkeypatch, match, nth)
+    with pytest.raises(StoreError) as e:
+        _capture(path)
+    assert seen[0] >= nth
+    msg = str(e.value)
+    assert "No space left on device" in msg and "free space there" in msg, msg
+    assert "resume=True continues from them once the cause is fixed" in msg, msg
+    monkeypatch.undo()
+    store = open_store(path)
+    assert store.status == "incomplete" and store.verify() == []
+    _assert_prefix_of_plain(store)
+    assert _no_temp_files(path) == []
+    _capture(path, resume=True)
+    _assert_whole(open_store(path))
+
+
+def test_reductions_on_a_full_disk_say_how_to_get_them_back(tmp_path, monkeypatch):
+    """The rows fit, the reductions written at the close do not: every row stays committed,
+    the error says resume=True computes the reductions again, and it does (no new batch)."""
+    path = tmp_path / "s.zarr"
+    _fail_renames(monkeypatch, "/c/0")  # the first reduction chunk
+    with pytest.raises(StoreError) as e:
+        _capture(path)
+    msg = str(e.value)
+    assert "storing reduction 'mean' of hook point" in msg and "free space there" in msg, msg
+    assert "resume=True with the same reductions=" in msg and "computes the reductions again" in msg, msg
+    monkeypatch.undo()
+    store = open_store(path)
+    assert store.status == "incomplete" and store.n_samples == N * B
+    _assert_prefix_of_plain(store, N * B)
+    _capture(path, resume=True)  # no batch left to capture
+    _assert_whole(open_store(path))
+
+
+def test_a_capture_that_hits_a_file_size_limit_says_what_to_do_and_resumes(tmp_path):
+    """Real writes: the child caps its file size (RLIMIT_FSIZE) after 8 batches, so the native
+    shard writer (or a commit's document) fails with EFBIG; the error raised in the capture's
+    thread says what to do, and a resume once the limit is gone completes the store."""
+    path = tmp_path / "s.zarr"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent.parent),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, str(HERE / "store_child.py"), str(path), "diskfull", str(N), "8"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    errs = [line for line in proc.stdout.splitlines() if line.startswith("ERR ")]
+    assert errs and errs[0].startswith("ERR StoreError"), proc.stdout
+    assert "file size limit was reached; free space there" in errs[0], errs[0]
+    assert "resume=True continues from them once the cause is fixed" in errs[0], errs[0]
+    store = open_store(path)
+    assert store.status == "incomplete"
+    _assert_prefix_of_plain(store)
+    store_child.capture(str(path), N)  # a resume: the store exists
+    store = open_store(path)
+    assert store.status == "complete" and store.verify() == []
+    _assert_prefix_of_plain(store, N * B)
+    assert _no_temp_files(path) == []
