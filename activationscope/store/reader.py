@@ -3344,6 +3344,20 @@ def _refuse_copy_onto_itself(src: Any, dst: Any) -> None:
 _COPY_ATTEMPTS = 3
 
 
+def _copy_write(dst: Any, key: str, data: bytes) -> None:
+    """One write of :func:`copy_store` into the target ``dst``; a failed one (a full disk)
+    raises :class:`StoreError` saying what the target is left as and how to go on."""
+    try:
+        dst.set(key, data)
+    except StoreError as e:
+        if isinstance(e, StoreCorruptError):
+            raise
+        raise StoreError(
+            f"copy_store into {str(dst)!r}: {e}; the target is left an incomplete store with no rows (the files "
+            "copied so far take their space until it is replaced or deleted): once the cause is fixed, copy again "
+            "with overwrite=True") from e
+
+
 def copy_store(source: Any, target: Any, *, overwrite: bool = False, storage_options: dict | None = None) -> None:
     """Copy every object of a store (e.g. an in-memory one) to ``target``; root metadata last.
 
@@ -3460,7 +3474,7 @@ def copy_store(source: Any, target: Any, *, overwrite: bool = False, storage_opt
                     continue
                 data = src.get(files.get(key, key), max_bytes=None)  # regular files inside the store only (links are refused)
                 if data is not None:
-                    dst.set(key, data)
+                    _copy_write(dst, key, data)
             if src.get("zarr.json") == root:
                 break
         else:
@@ -3470,4 +3484,4 @@ def copy_store(source: Any, target: Any, *, overwrite: bool = False, storage_opt
                 f"{str(dst)!r} is left an incomplete store with no rows: copy again once the writer has finished "
                 f"(activationscope info shows status complete), with overwrite=True")
         if root is not None:
-            dst.set("zarr.json", root)
+            _copy_write(dst, "zarr.json", root)

@@ -1,8 +1,8 @@
-"""A disk that fills up during a capture: the error names the path, says the disk is full and
-what to do (free space, then resume); committed rows stay equal to plain PyTorch, and a resume
-once space is freed ends equal to an uninterrupted capture, reductions included. Disk full is
-made with RLIMIT_FSIZE in a child process (real writes, no root needed), or with a rename that
-fails with ENOSPC at a chosen file."""
+"""A disk that fills up during a capture or a copy: the error names the path, says the disk is
+full and what to do (free space, then resume / copy again); committed rows stay equal to plain
+PyTorch, and a resume once space is freed ends equal to an uninterrupted capture, reductions
+included. Disk full is made with RLIMIT_FSIZE in a child process (real writes, no root needed),
+or with a rename that fails with ENOSPC at a chosen file."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 
 import activationscope as acs
 from activationscope.errors import StoreError
-from activationscope.store import open_store
+from activationscope.store import copy_store, open_store
 from activationscope.store._backend import LocalBackend
 
 import store_child
@@ -175,3 +175,19 @@ def test_a_capture_that_hits_a_file_size_limit_says_what_to_do_and_resumes(tmp_p
     assert store.status == "complete" and store.verify() == []
     _assert_prefix_of_plain(store, N * B)
     assert _no_temp_files(path) == []
+
+
+def test_copy_store_onto_a_full_disk_says_copy_again(tmp_path, monkeypatch):
+    src = tmp_path / "src.zarr"
+    _capture(src)
+    dst = tmp_path / "dst.zarr"
+    _fail_renames(monkeypatch, "manifest.json", 2)
+    with pytest.raises(StoreError) as e:
+        copy_store(src, dst)
+    msg = str(e.value)
+    assert f"copy_store into {str(dst)!r}" in msg and "free space there" in msg, msg
+    assert "left an incomplete store with no rows" in msg and "copy again with overwrite=True" in msg, msg
+    monkeypatch.undo()
+    assert open_store(dst).n_samples == 0
+    copy_store(src, dst, overwrite=True)
+    _assert_whole(open_store(dst))
