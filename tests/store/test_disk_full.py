@@ -1,8 +1,8 @@
-"""A disk that fills up during a capture or a copy: the error names the path, says the disk is
-full and what to do (free space, then resume / copy again); committed rows stay equal to plain
-PyTorch, and a resume once space is freed ends equal to an uninterrupted capture, reductions
-included. Disk full is made with RLIMIT_FSIZE in a child process (real writes, no root needed),
-or with a rename that fails with ENOSPC at a chosen file."""
+"""A disk that fills up during a capture, a copy or an export: the error names the path, says
+the disk is full and what to do (free space, then resume / copy / export again); committed rows
+stay equal to plain PyTorch, and a resume once space is freed ends equal to an uninterrupted
+capture, reductions included. Disk full is made with RLIMIT_FSIZE in a child process (real
+writes, no root needed), or with a rename that fails with ENOSPC at a chosen file."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import errno
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -191,3 +192,44 @@ def test_copy_store_onto_a_full_disk_says_copy_again(tmp_path, monkeypatch):
     assert open_store(dst).n_samples == 0
     copy_store(src, dst, overwrite=True)
     _assert_whole(open_store(dst))
+
+
+EXPORT_CHILD = textwrap.dedent("""
+    import resource, signal, sys
+    from activationscope.data import export_arrow, export_parquet
+    from activationscope.errors import ExportError
+    src, out, kind = sys.argv[1:4]
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+    try:
+        (export_arrow if kind == "arrow" else export_parquet)(src, out, overwrite=True)
+    except ExportError as e:
+        print("ERR ExportError:", e)
+    except BaseException as e:
+        print(f"ERR other {type(e).__name__}:", e)
+    else:
+        print("done")
+""")
+
+
+@pytest.mark.parametrize("kind", ["arrow", "parquet"])
+def test_an_export_onto_a_full_disk_is_an_export_error_and_keeps_the_old_export(tmp_path, kind):
+    """The export's writes hit a file size limit (a child process): ExportError naming the
+    path and the fix, no temporary file left, the earlier export there unchanged."""
+    src = tmp_path / "src.zarr"
+    _capture(src)
+    out = tmp_path / f"out.{kind}"
+    from activationscope.data import export_arrow, export_parquet
+
+    (export_arrow if kind == "arrow" else export_parquet)(src, out, hook_points=["fc2.output"])
+    before = out.read_bytes()
+    assert len(before) < 4096
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent.parent), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", EXPORT_CHILD, str(src), str(out), kind], capture_output=True,
+                          text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    line = proc.stdout.strip().splitlines()[-1]
+    assert line.startswith("ERR ExportError: writing the export"), proc.stdout
+    assert str(out) in line and "free space there" in line and f"nothing at {str(out)!r} was changed" in line, line
+    assert out.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["src.zarr", out.name])
