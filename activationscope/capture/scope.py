@@ -1273,7 +1273,8 @@ class Tracker:
             return False
         self._store_removed = True
         if exc is not None:
-            exc.add_note(f"no row was committed, so the new store {self.writer.path!r} was removed")
+            exc.add_note(f"no row was committed, so the new store {self.writer.path!r} was removed (resume=True has "
+                         "nothing to continue: once the cause is fixed, run the capture again without it)")
         return True
 
     def _silent_modules(self) -> list[tuple[str, torch.nn.Module]]:

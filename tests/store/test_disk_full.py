@@ -233,3 +233,19 @@ def test_an_export_onto_a_full_disk_is_an_export_error_and_keeps_the_old_export(
     assert str(out) in line and "free space there" in line and f"nothing at {str(out)!r} was changed" in line, line
     assert out.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["src.zarr", out.name])
+
+
+def test_a_new_store_removed_after_a_failure_says_to_start_again_not_resume(tmp_path):
+    """A new store that committed no row is removed after the failure (a disk full before the
+    first commit, a first forward that raised): the error's note says resume=True has nothing to
+    continue, where the error itself may say resume=True continues from the committed rows."""
+    path = tmp_path / "s.zarr"
+    model, xs = _model_and_data()
+    with pytest.raises(StoreError) as e:
+        with acs.ActivationScope(store=str(path)).track(model), torch.no_grad():
+            raise StoreError("writing shard failed: No space left on device (ENOSPC); rows committed before the "
+                             "failure stay readable (open_store), and resume=True continues from them")
+    notes = getattr(e.value, "__notes__", [])
+    assert any(f"no row was committed, so the new store {str(path)!r} was removed (resume=True has nothing to "
+               "continue: once the cause is fixed, run the capture again without it)" in n for n in notes), notes
+    assert not path.exists()
