@@ -212,11 +212,12 @@ std::string errno_text(int e) {
   return s;
 }
 
-// What a write that ran out of room says: the cause, and the way out.
+// What a write that ran out of room says: the cause, and the way out (the file named is the
+// shard's: in the store's folder, or for a remote store in its local staging folder).
 const char* no_room_hint(int e) {
   if (e == ENOSPC || e == EDQUOT || e == EFBIG)
-    return ": the disk holding the store is full, or a disk quota or file size limit was reached; free space there "
-           "(or write the store elsewhere)";
+    return ": the disk holding it is full, or a disk quota or file size limit was reached; free space there (or "
+           "write elsewhere; a remote store's shards are staged in the local temporary folder, TMPDIR)";
   return "";
 }
 

@@ -262,3 +262,46 @@ def test_a_new_store_removed_after_a_failure_says_to_start_again_not_resume(tmp_
     assert any(f"no row was committed, so the new store {str(path)!r} was removed (resume=True has nothing to "
                "continue: once the cause is fixed, run the capture again without it)" in n for n in notes), notes
     assert not path.exists()
+
+
+REMOTE_CHILD = textwrap.dedent("""
+    import resource, signal, sys, uuid
+    import torch
+    import activationscope as acs
+    from activationscope.store import open_store
+    from store_models import MLP, batches_mlp
+    import store_child
+    torch.manual_seed(0)
+    model, xs = MLP().eval(), batches_mlp(n_batches=12, batch=store_child.BATCH)
+    url = f"memory://acs-test/{uuid.uuid4().hex}.zarr"
+    scope = acs.ActivationScope(store=url, store_options=store_child.OPTIONS)
+    try:
+        with scope.track(model) as tr, torch.no_grad():
+            for i, x in enumerate(xs):
+                if i == 8:
+                    tr.writer._core.drain()
+                    tr.writer.commit()
+                    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+                    resource.setrlimit(resource.RLIMIT_FSIZE, (100, 100))
+                model(x)
+    except acs.ActivationScopeError as e:
+        print("ERR", type(e).__name__, e)
+    store = open_store(url)
+    print("ROWS", store.status, store.n_samples, bool(torch.equal(store["fc2.output"], model(torch.cat(xs))[:store.n_samples])))
+""")
+
+
+def test_a_remote_capture_whose_staging_disk_fills_names_the_staging_folder(tmp_path):
+    """A remote store's shards are written first in a local staging folder (TMPDIR): when that
+    disk fills, the error names the staged shard and says where the staging is, not the store."""
+    env = dict(os.environ, TMPDIR=str(tmp_path),
+               PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent.parent), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", REMOTE_CHILD], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    errs = [line for line in proc.stdout.splitlines() if line.startswith("ERR ")]
+    assert errs and errs[0].startswith("ERR StoreError"), proc.stdout
+    assert f"{tmp_path}{os.sep}acs-staging-" in errs[0] and "free space there" in errs[0], errs[0]
+    assert "a remote store's shards are staged in the local temporary folder, TMPDIR" in errs[0], errs[0]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("ROWS ")]
+    status, n, equal = rows[0].split()[1:]
+    assert status == "incomplete" and int(n) > 0 and equal == "True", rows
