@@ -305,3 +305,36 @@ def test_a_remote_capture_whose_staging_disk_fills_names_the_staging_folder(tmp_
     rows = [line for line in proc.stdout.splitlines() if line.startswith("ROWS ")]
     status, n, equal = rows[0].split()[1:]
     assert status == "incomplete" and int(n) > 0 and equal == "True", rows
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_capture_started_on_a_full_disk_is_a_store_error_and_leaves_no_lock_held(tmp_path, monkeypatch, resume):
+    """The disk is full before the capture starts: writing the writer lock fails. A StoreError
+    naming the lock file (was: a bare OSError), the target as found (a new store's folder and
+    lock file gone, a resumed store's files unchanged), and the lock released: a capture in
+    the same process then takes the store (was: StoreLockedError, by this very process)."""
+    path = tmp_path / "s.zarr"
+    if resume:
+        _capture(path)
+        before = {p.relative_to(path): p.read_bytes() for p in path.rglob("*")
+                  if p.is_file() and p.name != ".activationscope-writer.lock"}
+    real = os.pwrite
+
+    def pwrite(fd, data, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    with pytest.raises(StoreError) as e:
+        _capture(path, resume=resume)
+    msg = str(e.value)
+    assert f"writing its writer lock {str(path / '.activationscope-writer.lock')!r} failed: No space left" in msg, msg
+    assert "free space there" in msg and "the store was left as it was found" in msg, msg
+    monkeypatch.setattr(os, "pwrite", real)
+    if resume:
+        after = {p.relative_to(path): p.read_bytes() for p in path.rglob("*")
+                 if p.is_file() and p.name != ".activationscope-writer.lock"}
+        assert after == before
+    else:
+        assert not path.exists()
+    _capture(path, resume=resume)
+    _assert_whole(open_store(path))
