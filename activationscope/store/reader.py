@@ -230,6 +230,13 @@ class _Reductions(Mapping):
             partial = self._store.partial_reductions.get(hook_point)
             why = (f"; its reductions {sorted(partial)} cover only part of its rows (see store.partial_reductions)"
                    if partial else "")
+            beyond = sorted(n for n, (covered, stored) in (partial or {}).items() if covered > stored)
+            if beyond:  # (stored by a close that failed after them, e.g. on a full disk: its last rows lost)
+                covered, stored = partial[beyond[0]]
+                why = (f"; its reductions {beyond} cover {covered} rows, more than the {stored} it stores: rows "
+                       "captured but never committed (the capture failed while it closed, e.g. on a full disk), so "
+                       "they are not the stored rows' (see store.partial_reductions); resume=True with the same "
+                       "reductions= computes them again over the stored rows")
             if not partial and self._store.status != "complete":
                 why = (f" (yet: the store is {self._store.status!r} as this handle last read it, and a capture writes "
                        "its reductions when it closes; store.refresh() sees them once it has)")
@@ -688,8 +695,10 @@ class Store:
     @property
     def partial_reductions(self) -> dict[str, dict[str, tuple[int, int]]]:
         """``{hook_point: {name: (rows covered, rows stored)}}`` of the reductions that do not
-        cover every stored row of their hook point (a resumed run that did not continue
-        them). They are left out of :attr:`reductions`."""
+        cover exactly the stored rows of their hook point: fewer (a resumed run that did not
+        continue them), or more (a capture whose close failed after storing them, e.g. on a
+        full disk, so that its last rows were never committed). They are left out of
+        :attr:`reductions`."""
         out: dict[str, dict[str, tuple[int, int]]] = {}
         for hp, entries in (self._attrs.get("reductions") or {}).items():
             for name, entry in entries.items():

@@ -338,3 +338,25 @@ def test_a_capture_started_on_a_full_disk_is_a_store_error_and_leaves_no_lock_he
         assert not path.exists()
     _capture(path, resume=resume)
     _assert_whole(open_store(path))
+
+
+def test_reductions_over_more_rows_than_a_failed_close_committed_say_so(tmp_path):
+    """A close that stored the reductions (over every captured row) and then failed to write
+    its last shards (a full disk) leaves reductions over more rows than the store holds. They
+    are partial, and the error no longer says they cover 'only part of its rows'."""
+    import json
+
+    path = tmp_path / "s.zarr"
+    _capture(path)
+    root = json.loads((path / "zarr.json").read_text())
+    meta = root["attributes"]["activationscope"]
+    for entry in meta["reductions"]["fc1.output"].values():
+        entry["n_rows"] = N * B + 2 * B  # what such a close leaves: 2 batches more than were committed
+    (path / "zarr.json").write_text(json.dumps(root))
+    store = open_store(path)
+    assert store.partial_reductions["fc1.output"]["mean"] == (N * B + 2 * B, N * B)
+    with pytest.raises(KeyError) as e:
+        store.reductions["fc1.output"]
+    msg = str(e.value)
+    assert f"cover {N * B + 2 * B} rows, more than the {N * B} it stores" in msg, msg
+    assert "only part of its rows" not in msg and "resume=True with the same reductions=" in msg, msg
