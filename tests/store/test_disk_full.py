@@ -360,3 +360,28 @@ def test_reductions_over_more_rows_than_a_failed_close_committed_say_so(tmp_path
     msg = str(e.value)
     assert f"cover {N * B + 2 * B} rows, more than the {N * B} it stores" in msg, msg
     assert "only part of its rows" not in msg and "resume=True with the same reductions=" in msg, msg
+
+
+def test_a_store_folder_removed_under_a_running_capture_is_said_so(tmp_path):
+    """The store's folder is deleted while the capture runs: the writer thread then fails to
+    create the next shard (ENOENT), and its error says the committed rows stay readable and
+    resume=True continues them. A note now says the folder was removed, and nothing more is
+    written at its path."""
+    import shutil
+
+    path = tmp_path / "s.zarr"
+    model, xs = _model_and_data()
+    scope = acs.ActivationScope(store=str(path), store_options={**store_child.OPTIONS, "commit_interval": 3600})
+    with pytest.raises(StoreError) as e:
+        with scope.track(model) as tr, torch.no_grad():
+            for i in range(N):
+                if i == 4:
+                    tr.writer._core.drain()
+                    tr.writer.commit()
+                    tr.writer._core.drain()  # (a partial shard the commit asked for)
+                    shutil.rmtree(path)
+                model(xs[i])
+                tr.writer._core.drain()  # the writer thread's error reaches the next forward
+    text = " ".join([str(e.value), *getattr(e.value, "__notes__", [])])
+    assert "was moved, removed or replaced while this" in text, text
+    assert not path.exists()
