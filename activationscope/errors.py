@@ -83,6 +83,12 @@ class ExportExistsError(ActivationScopeError, FileExistsError):
     write); it is left as it is, and the message names it and the fix."""
 
 
+class ExportError(ActivationScopeError, OSError):
+    """An export could not be written (a full disk, a folder that cannot be written); the
+    message names the path, the cause and the fix. Nothing is left at the export's path (a
+    file an ``overwrite`` was to replace stays as it was)."""
+
+
 class StoreCorruptError(StoreError):
     """A store is damaged or breaks a rule of its format (FORMAT.md §9); the message names the
     file, what is wrong and the fix."""

@@ -212,9 +212,24 @@ std::string errno_text(int e) {
   return s;
 }
 
-[[noreturn]] void io_fail(const std::string& what, const std::string& path, int e) {
-  throw StoreIOError(c10::str(what, " '", path, "' failed: ", errno_text(e)));
+// What a write that ran out of room says: the cause, and the way out (the file named is the
+// shard's: in the store's folder, or for a remote store in its local staging folder).
+const char* no_room_hint(int e) {
+  if (e == ENOSPC || e == EDQUOT || e == EFBIG)
+    return ": the disk holding it is full, or a disk quota or file size limit was reached; free space there (or "
+           "write elsewhere; a remote store's shards are staged in the local temporary folder, TMPDIR)";
+  return "";
 }
+
+[[noreturn]] void io_fail(const std::string& what, const std::string& path, int e) {
+  throw StoreIOError(c10::str(what, " '", path, "' failed: ", errno_text(e), no_room_hint(e)));
+}
+
+// Said after the writer thread's error where it reaches the caller (a forward's append, a
+// flush, check()): what the failure leaves, and how to go on.
+constexpr const char* kAfterFailure =
+    "; rows committed before the failure stay readable (open_store), and resume=True continues from them once "
+    "the cause is fixed";
 
 void write_all(int fd, const void* data, size_t n, const std::string& path) {
   const char* p = static_cast<const char*>(data);
@@ -384,7 +399,7 @@ void StoreCore::push(WorkItem item) {
     return stop_ || failed_.load() || pending_bytes_ == 0 ||
            pending_bytes_ + item.budget_bytes <= max_pending_bytes_;
   });
-  if (failed_.load()) throw StoreIOError(error_);
+  if (failed_.load()) throw StoreIOError(error_ + kAfterFailure);
   ACS_CHECK(!stop_, "the store writer is closed; rows of hook point '", item.array->spec().hook_point,
             "' cannot be appended after close()");
   pending_bytes_ += item.budget_bytes;
@@ -577,7 +592,7 @@ void StoreCore::close() {
 void StoreCore::check() const {
   if (failed_.load()) {
     std::lock_guard<std::mutex> lock(mu_);
-    throw StoreIOError(error_);
+    throw StoreIOError(error_ + kAfterFailure);
   }
 }
 

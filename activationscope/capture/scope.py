@@ -1309,9 +1309,24 @@ class Tracker:
                     stacklevel=3,
                 )
                 self.writer.abort(exc)
+            self._note_lost_store(exc)
             self._remove_unused_store(exc)
             return
         self._warn_silent(silent)
+
+    def _note_lost_store(self, exc: BaseException) -> None:
+        """After a failed capture: when the store's folder was moved, removed or replaced while
+        it was written (the writer thread's error then names a file it could not create, and
+        says the committed rows stay readable, resume=True continuing them), say so in a note
+        of ``exc``: the committed rows are wherever the folder went."""
+        lost = getattr(self.writer, "_store_lost", None)
+        why = lost() if callable(lost) else None
+        if why is None or "moved, removed or replaced" in str(exc):
+            return
+        exc.add_note(
+            f"the store {self.writer.path!r} was moved, removed or replaced while this capture wrote it ({why}): "
+            "the rows it committed are in the store's folder wherever it went (moved: resume=True there continues "
+            "them; removed: they are gone), and nothing more was written at that path")
 
     def _drop_unrecorded(self) -> None:
         """Closing a store capture: hook points first seen in a forward that was never recorded
@@ -1335,7 +1350,8 @@ class Tracker:
             return False
         self._store_removed = True
         if exc is not None:
-            exc.add_note(f"no row was committed, so the new store {self.writer.path!r} was removed")
+            exc.add_note(f"no row was committed, so the new store {self.writer.path!r} was removed (resume=True has "
+                         "nothing to continue: once the cause is fixed, run the capture again without it)")
         return True
 
     def _silent_modules(self) -> list[tuple[str, torch.nn.Module]]:

@@ -43,8 +43,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from ..errors import ArgumentTypeError, ArgumentValueError, ColumnNotFoundError, ExportExistsError
-from ..store._backend import enclosing_store, local_path, relation_to_store
+from ..errors import (ActivationScopeError, ArgumentTypeError, ArgumentValueError, ColumnNotFoundError, ExportError,
+                      ExportExistsError)
+from ..store._backend import enclosing_store, local_path, no_room_hint, relation_to_store
 from ..store._lock import _pid_alive
 from .._args import parse_flag
 from ._source import as_source
@@ -560,10 +561,23 @@ def _export(kind: str, source: Any, path: Any, hook_points: Any, columns: Any, b
                 for rb in _record_batches(ds, schema, col_names, batch_rows):
                     writer.write_batch(rb, row_group_size=batch_rows)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         tmp.unlink(missing_ok=True)
+        _raise_write_failure(e, path)
         raise
     return path
+
+
+def _raise_write_failure(e: BaseException, path: Path, replaced: bool = False) -> None:
+    """Raise :class:`ExportError` for ``e`` when it is an OS error of the export's own writes
+    (a full disk, a folder that cannot be written; our errors, e.g. of the store read, pass).
+    ``replaced``: the export found at ``path`` was removed already."""
+    if isinstance(e, OSError) and not isinstance(e, ActivationScopeError):
+        fate = (f"the export there before was removed already, so {str(path)!r} holds none" if replaced
+                else f"nothing at {str(path)!r} was changed")
+        raise ExportError(
+            f"writing the export {str(path)!r} failed: {e.strerror or e}{no_room_hint(e)}; its temporary files were "
+            f"removed, and {fate}: fix the cause, then export again") from e
 
 
 def export_arrow(
@@ -934,6 +948,7 @@ def export_hf(
     _check_replaceable(path, file_format)
     tmp = _temp_sibling(path)
     stream = _temp_sibling(path, ".stream.tmp")
+    replaced = False
     try:
         tables = _hf_tables(ds, features, shapes, col_names, n_rows, context_size, batch_rows, bfloat16)
         if file_format == "parquet":
@@ -949,10 +964,12 @@ def export_hf(
             with _quiet_datasets():
                 info = datasets.DatasetInfo(description=_HF_DESCRIPTION, features=features)  # marks it as ours
                 datasets.Dataset.from_file(str(stream), info=info).save_to_disk(str(tmp))
+        replaced = True  # (from here the export there before is gone)
         _remove(path)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         _remove(tmp)
+        _raise_write_failure(e, path, replaced)
         raise
     finally:
         stream.unlink(missing_ok=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import errno
 import functools
 import json
 import os
@@ -110,6 +111,28 @@ class StoreBackend(Protocol):
 
     def zarr_store(self, read_only: bool = True) -> Any:
         """The zarr ``Store`` of the same objects (for plain zarr-python access)."""
+
+
+#: errno values of a write that ran out of room: a full disk, a disk quota, a file size limit.
+NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+
+
+def no_room_hint(e: BaseException | None) -> str:
+    """What a write that failed with ``e`` adds to its message when it ran out of room (a full
+    disk, a quota, a file size limit: :data:`NO_ROOM`), else ``""``."""
+    if isinstance(e, OSError) and e.errno in NO_ROOM:
+        return (": the disk holding it is full, or a disk quota or file size limit was reached; free space there "
+                "(or write elsewhere)")
+    return ""
+
+
+def ran_out_of_room(e: BaseException) -> bool:
+    """Whether ``e`` (or the error it was raised from) is a write that ran out of room."""
+    while e is not None:
+        if isinstance(e, OSError) and e.errno in NO_ROOM:
+            return True
+        e = e.__cause__
+    return False
 
 
 def _inside(real: str, root_real: str) -> bool:
@@ -457,7 +480,7 @@ class LocalBackend:
                 raise corrupt(self, f"{key!r} must be a regular file, got a directory",
                               fix=f"move the folder at {str(p)!r} away (the store writes that file there), then try "
                                   "again (a capture: resume=True continues from its committed rows)") from e
-            raise StoreError(f"writing {str(p)!r} failed: {e.strerror or e}") from e
+            raise StoreError(f"writing {str(p)!r} failed: {e.strerror or e}{no_room_hint(e)}") from e
         # (a link swapped in for the temporary file is now at the key; another inode alone is no proof:
         # a FUSE mount may rename by copying)
         if not stat.S_ISREG(now.st_mode) or ((now.st_dev, now.st_ino) != (written.st_dev, written.st_ino)

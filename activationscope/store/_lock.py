@@ -24,7 +24,7 @@ from typing import Any
 
 from ..errors import StoreError, StoreLockedError
 from . import _format as F
-from ._backend import LOCK_KEY, LocalBackend
+from ._backend import LOCK_KEY, LocalBackend, no_room_hint
 from ._validate import corrupt
 
 
@@ -254,10 +254,15 @@ class WriterLock:
             if same:
                 break
             os.close(fd)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, self._me(), 0)
-        self._fd = fd
-        self.created_file = created
+        self._fd, self._held, self.created_file = fd, True, created
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, self._me(), 0)
+        except OSError as e:  # (a full disk): released, and the target left as it was found
+            self.discard_root()
+            raise StoreError(
+                f"store {str(self.backend)!r}: writing its writer lock {str(path)!r} failed: {e.strerror or e}"
+                f"{no_room_hint(e)}; the store was left as it was found: try again once the cause is fixed") from e
 
     def _acquire_marker(self) -> None:
         b = self.backend

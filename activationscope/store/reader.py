@@ -230,6 +230,13 @@ class _Reductions(Mapping):
             partial = self._store.partial_reductions.get(hook_point)
             why = (f"; its reductions {sorted(partial)} cover only part of its rows (see store.partial_reductions)"
                    if partial else "")
+            beyond = sorted(n for n, (covered, stored) in (partial or {}).items() if covered > stored)
+            if beyond:  # (stored by a close that failed after them, e.g. on a full disk: its last rows lost)
+                covered, stored = partial[beyond[0]]
+                why = (f"; its reductions {beyond} cover {covered} rows, more than the {stored} it stores: rows "
+                       "captured but never committed (the capture failed while it closed, e.g. on a full disk), so "
+                       "they are not the stored rows' (see store.partial_reductions); resume=True with the same "
+                       "reductions= computes them again over the stored rows")
             if not partial and self._store.status != "complete":
                 why = (f" (yet: the store is {self._store.status!r} as this handle last read it, and a capture writes "
                        "its reductions when it closes; store.refresh() sees them once it has)")
@@ -688,8 +695,10 @@ class Store:
     @property
     def partial_reductions(self) -> dict[str, dict[str, tuple[int, int]]]:
         """``{hook_point: {name: (rows covered, rows stored)}}`` of the reductions that do not
-        cover every stored row of their hook point (a resumed run that did not continue
-        them). They are left out of :attr:`reductions`."""
+        cover exactly the stored rows of their hook point: fewer (a resumed run that did not
+        continue them), or more (a capture whose close failed after storing them, e.g. on a
+        full disk, so that its last rows were never committed). They are left out of
+        :attr:`reductions`."""
         out: dict[str, dict[str, tuple[int, int]]] = {}
         for hp, entries in (self._attrs.get("reductions") or {}).items():
             for name, entry in entries.items():
@@ -3349,6 +3358,20 @@ def _refuse_copy_onto_itself(src: Any, dst: Any) -> None:
 _COPY_ATTEMPTS = 3
 
 
+def _copy_write(dst: Any, key: str, data: bytes) -> None:
+    """One write of :func:`copy_store` into the target ``dst``; a failed one (a full disk)
+    raises :class:`StoreError` saying what the target is left as and how to go on."""
+    try:
+        dst.set(key, data)
+    except StoreError as e:
+        if isinstance(e, StoreCorruptError):
+            raise
+        raise StoreError(
+            f"copy_store into {str(dst)!r}: {e}; the target is left an incomplete store with no rows (the files "
+            "copied so far take their space until it is replaced or deleted): once the cause is fixed, copy again "
+            "with overwrite=True") from e
+
+
 def copy_store(source: Any, target: Any, *, overwrite: bool = False, storage_options: dict | None = None) -> None:
     """Copy every object of a store (e.g. an in-memory one) to ``target``; root metadata last.
 
@@ -3465,7 +3488,7 @@ def copy_store(source: Any, target: Any, *, overwrite: bool = False, storage_opt
                     continue
                 data = src.get(files.get(key, key), max_bytes=None)  # regular files inside the store only (links are refused)
                 if data is not None:
-                    dst.set(key, data)
+                    _copy_write(dst, key, data)
             if src.get("zarr.json") == root:
                 break
         else:
@@ -3475,4 +3498,4 @@ def copy_store(source: Any, target: Any, *, overwrite: bool = False, storage_opt
                 f"{str(dst)!r} is left an incomplete store with no rows: copy again once the writer has finished "
                 f"(activationscope info shows status complete), with overwrite=True")
         if root is not None:
-            dst.set("zarr.json", root)
+            _copy_write(dst, "zarr.json", root)

@@ -58,7 +58,7 @@ from ..errors import (
 from .._safeio import _kind
 from . import _format as F
 from . import _validate as V
-from ._backend import (LocalBackend, check_backend_not_in_store, check_local_store_path, check_remote_store_path,
+from ._backend import (LocalBackend, ran_out_of_room, check_backend_not_in_store, check_local_store_path, check_remote_store_path,
                        refuse_foreign_entries, resolve, write_root_first)
 from ._backend import _inside as _inside_folder
 from ._format import KEPT_SUFFIX, committed_reduction_files, committed_reduction_groups
@@ -809,6 +809,11 @@ def _import_row_table_writer() -> None:
 
     pa.array(np.zeros(1, dtype=np.int64))
 
+
+#: What a capture's store error adds about the store it leaves (a writer thread that failed, a
+#: commit that ran out of room): its committed rows, and how to go on.
+AFTER_FAILURE = ("rows committed before the failure stay readable (open_store), and resume=True continues from "
+                 "them once the cause is fixed")
 
 class StoreWriter:
     """Writes one capture run into a store (local path, fsspec URL or zarr Store).
@@ -1792,9 +1797,7 @@ class StoreWriter:
     def _raise_if_failed(self) -> None:
         if self._core.failed:
             raise StoreError(
-                f"the store writer of {str(self._backend)!r} failed: {self._core.error}; rows committed before the "
-                "failure stay readable (open_store), and resume=True continues from them once the cause is fixed"
-            )
+                f"the store writer of {str(self._backend)!r} failed: {self._core.error}; {AFTER_FAILURE}")
 
     # ------------------------------------------------------------------ arrays
     def _warn_kept_compression(self) -> None:
@@ -2472,6 +2475,16 @@ class StoreWriter:
 
     # ------------------------------------------------------------------ commit
     def _commit(self, status: str, force: bool = False) -> bool:
+        """Commit (see :meth:`commit`); a write that ran out of room (a full disk) raises
+        :class:`StoreError` saying what the store keeps and how to go on."""
+        try:
+            return self._commit_now(status, force)
+        except StoreError as e:
+            if not ran_out_of_room(e) or AFTER_FAILURE in str(e):
+                raise
+            raise StoreError(f"{e}; {AFTER_FAILURE}") from e
+
+    def _commit_now(self, status: str, force: bool = False) -> bool:
         b = self._backend
         self._check_still_held()  # (its folder replaced: every write below would land in another store)
         # 1. data: shards made durable by the writer thread (remote: upload them first). The held
@@ -2846,6 +2859,18 @@ class StoreWriter:
             each entry: a reader shows a reduction over fewer rows than its array as partial).
         """
         self._refuse_other_process("reductions stored")
+        try:
+            self._add_reductions(hook_point, name, reduction, script_path, n_rows)
+        except StoreError as e:
+            if not ran_out_of_room(e):
+                raise
+            raise StoreError(
+                f"storing reduction {name!r} of hook point {hook_point!r} failed: {e}. "
+                "The rows stay as committed; once space is freed, resume=True with the same reductions= (and no "
+                "new batch needed) computes the reductions again from the committed rows and stores them") from e
+
+    def _add_reductions(self, hook_point: str, name: str, reduction: Any, script_path: str | os.PathLike | None,
+                        n_rows: int | None) -> None:
         with self._lock:
             self._check_still_held()
             result = reduction.result()
