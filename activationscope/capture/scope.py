@@ -1249,6 +1249,7 @@ class Tracker:
                         self.writer.close(status="incomplete")
                     except BaseException:  # noqa: BLE001
                         self.writer.abort(e)
+                    self._remove_unused_store(e)
                     raise
                 if silent and not self._sinks:
                     # nothing was recorded: never report such a store as a success
@@ -1294,7 +1295,11 @@ class Tracker:
                         "call the model inside the `with scope.track(model)` block (check that the data "
                         "yielded batches and that capture_policy / max_k let a forward through)"
                     )
-                self.writer.close(status=status)
+                try:
+                    self.writer.close(status=status)
+                except BaseException as e:
+                    self._remove_unused_store(e)  # (a first commit that failed: no row to resume)
+                    raise
                 self._warn_silent(silent)
                 return
             # The body raised: commit every whole forward captured so far (partial chunks

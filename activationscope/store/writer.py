@@ -1227,6 +1227,9 @@ class StoreWriter:
         # reader that opened the store tells a continued run from a replaced store by it
         self._run_id = st.get("run_id") or uuid.uuid4().hex
         self.n_samples_committed = int(st.get("n_samples", 0))
+        # the samples the last root written lists (n_samples_committed counts a commit's batches
+        # before its documents and root are written: a commit that failed there listed none)
+        self._root_n_samples = self.n_samples_committed
         self._n_batches = int(st.get("n_batches", 0))
         self._batches_found = self._n_batches  # (a resume that records no batch changes nothing: see abort)
         # resume, until this run commits a batch: {key: its bytes as found, None where the found
@@ -2594,6 +2597,7 @@ class StoreWriter:
         # 4. the root, last
         # (new arrays are listed, with their committed 0 rows, before their first shard)
         b.set("zarr.json", F.dumps(F.group_document({F.ATTRS_KEY: self._root_attrs(status)})))
+        self._root_n_samples = self.n_samples_committed
         self._unpublished = False
         self._drop_installed_kept_shards()  # the root lists the rewrites now: the committed files go
         self._drop_kept_reductions(restore=False)  # (likewise the reductions' committed files)
@@ -3527,7 +3531,7 @@ class StoreWriter:
         bool
             Whether the store was removed. Never raises (a failure is warned about).
         """
-        if not self._closed or not getattr(self, "_made_new", False) or self.n_samples_committed \
+        if not self._closed or not getattr(self, "_made_new", False) or self._root_n_samples \
                 or self._other_process() or self._lost is not None:
             return False
         from ._remove import remove_if_empty

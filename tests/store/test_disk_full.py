@@ -385,3 +385,37 @@ def test_a_store_folder_removed_under_a_running_capture_is_said_so(tmp_path):
     text = " ".join([str(e.value), *getattr(e.value, "__notes__", [])])
     assert "was moved, removed or replaced while this" in text, text
     assert not path.exists()
+
+
+FIRST_COMMIT_CHILD = textwrap.dedent("""
+    import resource, signal, sys
+    import torch
+    import activationscope as acs
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)).eval()
+    resource.setrlimit(resource.RLIMIT_FSIZE, (3000, 3000))
+    try:
+        with torch.no_grad(), acs.ActivationScope(store=sys.argv[1], reductions=["mean"]).track(model):
+            model(torch.randn(4, 4))
+    except BaseException as e:
+        print("ERR", type(e).__name__, str(e).replace(chr(10), " "), " ".join(getattr(e, "__notes__", [])))
+    else:
+        print("done")
+""")
+
+
+def test_a_first_commit_that_did_not_fit_leaves_no_store_of_no_rows(tmp_path):
+    """The first commit's documents hit the file size limit after its batch was counted: the
+    root lists no row, so the new store is removed (and the note says to run again without
+    resume=True), as after any failure before a row was committed; it was left as an
+    incomplete store of 0 rows."""
+    path = tmp_path / "first.zarr"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent.parent), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", FIRST_COMMIT_CHILD, str(path)], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    line = proc.stdout.strip().splitlines()[-1]
+    assert line.startswith("ERR "), proc.stdout
+    assert "no row was committed, so the new store" in line and "was removed" in line, line
+    assert not path.exists()
