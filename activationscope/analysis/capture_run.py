@@ -462,8 +462,9 @@ def capture_dataset(
         stored ones (``sample_id`` / ``text`` / ``label`` of the store's sample table), with
         a tokenizer that gives the store's first or last sample other token ids than its
         ``token_ids`` hold (:func:`_check_resumed_token_ids`), with
-        tensor data whose first samples hash otherwise than the store's first run recorded
-        (provenance ``data_fingerprint``, :func:`tensor_fingerprint`), or with another
+        tensor data whose first samples hash otherwise than the store's runs recorded
+        (provenance ``data_fingerprint``, :func:`tensor_fingerprint`) or that has fewer
+        samples than the run whose fingerprint is compared read, or with another
         ``max_length`` than the store records.
     SpecError
         A model or data spec that names nothing usable (a table, ``.csv`` / ``.jsonl`` /
@@ -944,28 +945,44 @@ def tensor_fingerprint(tensor: Any, n: int) -> dict[str, Any]:
 
 
 def _check_resumed_tensor(out: str, tensor: Any, data: str, first: int) -> None:
-    """Tensor data of a resume must start with the samples the store was captured from: the
-    store's provenance records the sha256 of the first ``samples`` samples of its first run's
-    data (``data_fingerprint``, :func:`tensor_fingerprint`); data holding at least as many
-    whose first ones hash otherwise is another data set (ArgumentValueError; nothing changed).
-    A store recording no fingerprint (an earlier version's, or a capture from Python), or
-    data with fewer samples than it covers, is not checked."""
+    """Tensor data of a resume must start with the samples the store was captured from: each
+    run records the sha256 of the first ``samples`` samples of its data (``data_fingerprint``
+    in the store's provenance, a resumed run's in its entry of ``resumes``;
+    :func:`tensor_fingerprint`). The fingerprint covering the fewest samples that still
+    cover the ``first`` stored ones is compared: data whose first ones hash otherwise is
+    another data set, and so is data with fewer samples than that fingerprint covers (the
+    run that recorded it read that many: a file cut or rewritten since), both refused with
+    ArgumentValueError, nothing changed. A store recording no fingerprint (an earlier
+    version's, or a capture from Python) is not checked; one whose fingerprints all cover
+    fewer samples than it holds is checked by the widest of them."""
     from ..store import open_store
+    from ..store.writer import resume_history
 
     provenance = open_store(out).attrs.get("provenance")
-    recorded = provenance.get("data_fingerprint") if isinstance(provenance, dict) else None
-    if not isinstance(recorded, dict):
+    if not isinstance(provenance, dict):
         return
-    n = recorded.get("samples")
-    if isinstance(n, bool) or not isinstance(n, int) or n < first or n > len(tensor):
+    runs = [provenance, *(r for r in resume_history(provenance) if isinstance(r, dict))]
+    prints = [r.get("data_fingerprint") for r in runs]
+    prints = [p for p in prints if isinstance(p, dict) and isinstance(p.get("samples"), int)
+              and not isinstance(p.get("samples"), bool) and p["samples"] > 0 and isinstance(p.get("sha256"), str)]
+    if not prints:
         return
-    if tensor_fingerprint(tensor, n)["sha256"] != recorded.get("sha256"):
+    covering = [p for p in prints if p["samples"] >= first]
+    recorded = min(covering, key=lambda p: p["samples"]) if covering else max(prints, key=lambda p: p["samples"])
+    n = recorded["samples"]
+    fix = ("resume with the data the store was captured from, or pass --overwrite instead of --resume to capture "
+           "this data into a new store (nothing was changed)")
+    if n > len(tensor):
+        raise ArgumentValueError(
+            f"--resume: store {out!r} holds {first} samples, but --data {data!r} is not the data they were captured "
+            f"from: it has {len(tensor)} samples, and the run that captured them read {n} (data_fingerprint in the "
+            f"store's provenance), so the file was cut or rewritten since and its first {first} samples cannot be "
+            f"told from those stored; {fix}")
+    if tensor_fingerprint(tensor, n)["sha256"] != recorded["sha256"]:
         raise ArgumentValueError(
             f"--resume: store {out!r} holds {first} samples, but --data {data!r} is not the data they were captured "
             f"from: its first {n} samples (dtype {tensor.dtype}, shape {tuple(tensor.shape[1:])} each) differ from "
-            "those the store recorded (sha256 in its provenance, data_fingerprint); resume with the data the store "
-            "was captured from, or pass --overwrite instead of --resume to capture this data into a new store "
-            "(nothing was changed)")
+            f"those the store recorded (sha256 in its provenance, data_fingerprint); {fix}")
 
 
 def _check_resumed_side(out: str, capture: str) -> None:
