@@ -4,6 +4,7 @@ and what a ``--resume`` compares it with."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from activationscope import cli
@@ -123,3 +124,98 @@ def _weights():
     torch.manual_seed(0)
     lin = torch.nn.Linear(6, 8)
     return lin.weight.detach(), lin.bias.detach()
+
+
+@pytest.mark.parametrize("kind", ["npy", "pt", "txt"])
+def test_labels_file_gives_tensor_data_a_label_column(tmp_path, user_package, capsys, kind):
+    # a .npy of inputs could not be labelled from the command line: no flag took the labels
+    import activationscope as acs
+
+    user_package("labelnets", NETS)
+    x = np.random.default_rng(0).standard_normal((30, 6)).astype(np.float32)
+    data = tmp_path / "x.npy"
+    np.save(data, x)
+    labels = np.arange(30) % 3
+    path = tmp_path / f"y.{kind}"
+    if kind == "npy":
+        np.save(path, labels)
+    elif kind == "pt":
+        torch.save(torch.from_numpy(labels), path)
+    else:
+        path.write_text("".join(f"c{v}\n" for v in labels))
+    out = tmp_path / "a.zarr"
+    code, _, err = run(capsys, "capture", "--model", "labelnets.nets:mlp", "--data", str(data), "--labels", str(path),
+                       "--out", str(out), "--batch-size", "7", "--no-progress")
+    assert code == 0, err
+    store = acs.open_store(str(out))
+    table = store.row_table("sample").to_pydict()
+    assert table["sample_id"] == list(range(30))
+    assert table["label"] == (labels.tolist() if kind != "txt" else [f"c{v}" for v in labels])
+    with torch.no_grad():
+        ref = _mlp()(torch.from_numpy(x))
+    assert torch.allclose(store["2.output"][:], ref, atol=1e-6)
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+
+
+@pytest.mark.parametrize("count", [29, 31])
+def test_labels_of_another_count_than_the_samples_are_refused_before_anything_is_written(
+        tmp_path, user_package, capsys, count):
+    import activationscope as acs
+
+    user_package("countnets", NETS)
+    data = tmp_path / "x.npy"
+    np.save(data, np.random.default_rng(0).standard_normal((30, 6)).astype(np.float32))
+    np.save(tmp_path / "y.npy", np.arange(count))
+    out = tmp_path / "a.zarr"
+    args = ["capture", "--model", "countnets.nets:mlp", "--data", str(data), "--out", str(out), "--no-progress"]
+    code, _, err = run(capsys, *args, "--max-samples", "4")
+    assert code == 0, err
+    before = _files(out)
+    code, _, err = run(capsys, *args, "--labels", str(tmp_path / "y.npy"), "--overwrite")
+    assert code == 1
+    _one_error_line(err, f"--labels {str(tmp_path / 'y.npy')!r} has {count} labels", "has 30 samples",
+                    "nothing was written")
+    assert _files(out) == before and acs.open_store(str(out)).n_samples == 4
+
+
+def test_labels_of_a_resume_must_be_those_of_the_stored_samples(tmp_path, user_package, capsys):
+    import activationscope as acs
+
+    user_package("resumelabelnets", NETS)
+    data = tmp_path / "x.npy"
+    np.save(data, np.random.default_rng(0).standard_normal((30, 6)).astype(np.float32))
+    labels = np.arange(30) % 2
+    np.save(tmp_path / "y.npy", labels)
+    out = tmp_path / "a.zarr"
+    args = ["capture", "--model", "resumelabelnets.nets:mlp", "--data", str(data), "--out", str(out),
+            "--no-progress", "--batch-size", "5"]
+    code, _, err = run(capsys, *args, "--labels", str(tmp_path / "y.npy"), "--max-samples", "10")
+    assert code == 0, err
+    before = _files(out)
+    code, _, err = run(capsys, *args, "--resume")  # no labels for the later rows
+    assert code == 1
+    _one_error_line(err, "holds 10 samples with labels, but no --labels was given", "nothing was changed")
+    other = labels.copy()
+    other[3] = 1 - other[3]
+    np.save(tmp_path / "z.npy", other)
+    code, _, err = run(capsys, *args, "--resume", "--labels", str(tmp_path / "z.npy"))
+    assert code == 1
+    _one_error_line(err, "--labels gives sample 3 the label '0' where the store has '1'", "nothing was changed")
+    assert _files(out) == before
+    code, _, err = run(capsys, *args, "--resume", "--labels", str(tmp_path / "y.npy"))
+    assert code == 0, err
+    assert acs.open_store(str(out)).row_table("sample").column("label").to_pylist() == labels.tolist()
+
+
+def test_labels_with_text_data_are_refused(tmp_path, capsys):
+    (tmp_path / "t.txt").write_text("a\nb\n")
+    np.save(tmp_path / "y.npy", np.arange(2))
+    code, _, err = run(capsys, "capture", "--model", "demo", "--data", str(tmp_path / "t.txt"), "--labels",
+                       str(tmp_path / "y.npy"), "--out", str(tmp_path / "a.zarr"), "--no-progress")
+    assert code == 1
+    _one_error_line(err, "--labels is for tensor data", "'__label__<name> ' prefix")
+    assert not (tmp_path / "a.zarr").exists()

@@ -373,6 +373,7 @@ def capture_dataset(
     rows: str = "auto",
     on_start: Callable[[str], None] | None = None,
     exclude_hook_points: Sequence[str] | None = None,
+    labels: str | None = None,
 ) -> CaptureSummary:
     """Capture a model spec over a data spec into a store: ``activationscope capture`` as a function.
 
@@ -390,6 +391,11 @@ def capture_dataset(
         samples along dim 0) (:func:`.specs.load_data_spec`).
     out : str
         Store path or URL.
+    labels : str, optional
+        ``--labels FILE``: one label per sample of tensor data, stored as the ``label``
+        column (:func:`.specs.load_labels_spec`: a 1-D ``.npy`` / ``.pt``, or a text file of
+        one label per line); its count must equal the data's samples. Text data is labelled
+        by ``__label__`` tags instead and refuses it.
     include, exclude : sequence of str, optional
         fnmatch patterns of module names (``["*"]``: every module). ``include`` defaults to
         the model spec's default (:func:`.specs.load_model_spec`): the demo's layers and
@@ -499,7 +505,7 @@ def capture_dataset(
     import torch
 
     from .._args import parse_flag
-    from .specs import load_data_spec, load_model_spec
+    from .specs import load_data_spec, load_labels_spec, load_model_spec
 
     # (resume="False" or overwrite="False", from a config file, are true strings: they resumed or replaced the store)
     resume, overwrite = parse_flag(resume, "resume"), parse_flag(overwrite, "overwrite")
@@ -522,6 +528,12 @@ def capture_dataset(
     check_out(out, resume=resume, overwrite=overwrite)  # before loading anything
 
     dataset = load_data_spec(data)
+    if labels is not None:
+        if dataset.texts is not None:
+            raise ArgumentValueError(
+                f"--labels is for tensor data (.npy / .pt); --data {data!r} is text, whose lines are labelled by a "
+                "'__label__<name> ' prefix: write each line's label there and leave --labels out")
+        dataset.labels = load_labels_spec(os.fspath(labels), data, len(dataset))
     if rows == "token" and dataset.texts is not None:
         raise ArgumentValueError(
             f"--rows token is for tensor data (token ids (batch, pos)); --data {data!r} is text, whose hook points "
@@ -563,6 +575,7 @@ def capture_dataset(
             _check_resumed_token_ids(out, dataset, data, model, loaded.tokenizer, first)
     if resume and 0 < first <= len(dataset) and dataset.tensor is not None:
         _check_resumed_tensor(out, dataset.tensor, data, first)
+        _check_resumed_labels(out, dataset.labels, data, first)
     if first >= n and not reductions:
         completed = _check_full_resume(
             out, loaded.model, include=include,
@@ -581,7 +594,8 @@ def capture_dataset(
     else:
         _warn_padded_ids(dataset.tensor[first:n], loaded.tokenizer, data)
         batches = tensor_batches(dataset.tensor[first:n], batch_size, first_id=first,
-                                 token_ids=rows == "token" and _are_token_ids(dataset.tensor))
+                                 token_ids=rows == "token" and _are_token_ids(dataset.tensor),
+                                 labels=dataset.labels[first:n] if dataset.labels is not None else None)
     if on_start is not None and include_note:
         on_start(include_note)
     options = capture_store_options(
@@ -985,6 +999,46 @@ def _check_resumed_tensor(out: str, tensor: Any, data: str, first: int) -> None:
             f"those the store recorded (sha256 in its provenance, data_fingerprint); {fix}")
 
 
+def _check_resumed_labels(out: str, labels: Sequence[Any] | None, data: str, first: int) -> None:
+    """The ``--labels`` of a resumed capture of tensor data must give the stored samples the
+    labels the store holds (the ``label`` column of its row table), and a store with labels
+    needs them as one without refuses them: otherwise the store's label column would stop or
+    start part way, or label the later rows by another list (ArgumentValueError; nothing
+    changed). A store whose row table does not cover its ``first`` samples is not checked."""
+    from ..store import open_store
+
+    store = open_store(out)
+    table = None
+    for kind in ("sample", "token"):
+        try:
+            table = store.row_table(kind)
+        except Exception:  # noqa: BLE001 - no row table of that kind
+            continue
+        if table is not None and table.num_rows:
+            break
+    if table is None or "sample_id" not in table.column_names:
+        return
+    fix = ("resume with the --labels the store was captured with, or pass --overwrite instead of --resume to "
+           "capture this data into a new store (nothing was changed)")
+    stored = "label" in table.column_names
+    if stored != (labels is not None):
+        raise ArgumentValueError(
+            f"--resume: store {out!r} holds {first} samples " + ("with labels, but no --labels was given" if stored
+                                                                 else "without labels, but --labels was given")
+            + f", so its label column would not cover every row; {fix}")
+    if not stored:
+        return
+    seen: dict[int, Any] = {}
+    for sid, label in zip(table.column("sample_id").to_pylist(), table.column("label").to_pylist()):
+        seen.setdefault(sid, label)
+    for sid in sorted(seen):
+        if isinstance(sid, int) and 0 <= sid < len(labels) and str(seen[sid]) != str(labels[sid]):
+            raise ArgumentValueError(
+                f"--resume: store {out!r} holds {first} samples, but --labels gives sample {sid} the label "
+                f"{str(labels[sid])!r} where the store has {str(seen[sid])!r}, so they are not the labels the store "
+                f"was captured with; {fix}")
+
+
 def _check_resumed_side(out: str, capture: str) -> None:
     """A resume with nothing left to capture runs no forward, so a ``--capture`` that would
     give other hook points is found from the store's recorded capture settings: refused
@@ -1321,11 +1375,12 @@ def _cut_lengths(texts: Sequence[str], encoded: Any, tokenizer: Any, max_length:
     return [(i, len(row)) for i, row in zip(full, ids) if len(row) > max_length]
 
 
-def tensor_batches(tensor: Any, batch_size: int, first_id: int = 0,
-                   token_ids: bool = False) -> Iterator[tuple[int, Any, dict[str, Any]]]:
+def tensor_batches(tensor: Any, batch_size: int, first_id: int = 0, token_ids: bool = False,
+                   labels: Sequence[Any] | None = None) -> Iterator[tuple[int, Any, dict[str, Any]]]:
     """Slices of ``tensor`` along dim 0 with their sample ids; with ``token_ids`` (token ids
     ``(batch, pos)`` stored one row per token, ``--rows token``) each slice is also the
-    per-token column ``token_ids``: the id of every token row."""
+    per-token column ``token_ids``: the id of every token row; with ``labels`` (one per
+    sample of ``tensor``, ``--labels``) the column ``label`` of the slice's samples."""
     if batch_size < 1:
         raise SpecError(f"--batch-size must be a positive int, got {batch_size}")
     for start in range(0, tensor.shape[0], batch_size):
@@ -1333,6 +1388,8 @@ def tensor_batches(tensor: Any, batch_size: int, first_id: int = 0,
         info: dict[str, Any] = {"sample_ids": list(range(first_id + start, first_id + start + chunk.shape[0]))}
         if token_ids:
             info["token_ids"] = chunk
+        if labels is not None:
+            info["label"] = list(labels[start:start + chunk.shape[0]])
         yield start, chunk, info
 
 

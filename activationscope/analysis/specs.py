@@ -305,7 +305,7 @@ _UTF8_MULTIBYTE = re.compile(
 )
 
 
-def _decode_text(spec: str, data: bytes) -> str:
+def _decode_text(spec: str, data: bytes, flag: str = "--data") -> str:
     """The text of a data file: a file starting with a byte order mark is decoded by it
     (UTF-8, UTF-16 or UTF-32, the mark removed); otherwise as UTF-8, and a file that is not
     UTF-8 as Windows-1252 (:func:`decode_windows_1252`: latin-1, with the punctuation of
@@ -325,11 +325,11 @@ def _decode_text(spec: str, data: bytes) -> str:
     codec = next((c for bom, c in _BOMS if data.startswith(bom)), None)
     if codec is not None:
         try:
-            return _no_nul(spec, data.decode(codec), fix)
+            return _no_nul(spec, data.decode(codec), fix, flag)
         except UnicodeDecodeError as e:
             name = codec.replace("-sig", "")
             at = e.start + (3 if codec == "utf-8-sig" else 0)  # utf-8-sig counts after its mark
-            raise SpecError(f"--data {spec!r} starts with the {name} byte order mark but is not {name} "
+            raise SpecError(f"{flag} {spec!r} starts with the {name} byte order mark but is not {name} "
                             f"(byte offset {at}: {e.reason}); {fix}") from None
     try:
         text = data.decode("utf-8")
@@ -337,29 +337,29 @@ def _decode_text(spec: str, data: bytes) -> str:
         if b"\x00" not in data and _UTF8_MULTIBYTE.search(data):
             line = data.count(b"\n", 0, e.start) + 1
             raise SpecError(
-                f"--data {spec!r} mixes encodings: it holds UTF-8 characters, but line {line} (byte offset "
+                f"{flag} {spec!r} mixes encodings: it holds UTF-8 characters, but line {line} (byte offset "
                 f"{e.start}) has the byte {data[e.start:e.start + 1]!r}, which is not UTF-8 (Windows-1252 / latin-1 is read only "
                 "from a file without UTF-8 characters); write that line's characters in UTF-8"
             ) from None
         text = decode_windows_1252(data)  # NUL bytes: refused just below
-    return _no_nul(spec, text, fix)
+    return _no_nul(spec, text, fix, flag)
 
 
-def _no_nul(spec: str, text: str, fix: str) -> str:
+def _no_nul(spec: str, text: str, fix: str, flag: str = "--data") -> str:
     """``text``, refused when it holds a NUL character or a byte order mark (U+FEFF) after
     its start (the one at byte 0 is removed by the decoding)."""
     at = text.find("\x00")
     if at >= 0:
         line = text.count("\n", 0, at) + 1
         raise SpecError(
-            f"--data {spec!r} is not a text file of one sample per line: line {line} holds a NUL character "
+            f"{flag} {spec!r} is not a text file of one sample per line: line {line} holds a NUL character "
             f"(UTF-16 or UTF-32 without a byte order mark, or a binary file); {fix}"
         )
     at = text.find("\ufeff")
     if at >= 0:
         line = text.count("\n", 0, at) + 1
         raise SpecError(
-            f"--data {spec!r}: line {line} holds a byte order mark (U+FEFF) that is not at the start of the file "
+            f"{flag} {spec!r}: line {line} holds a byte order mark (U+FEFF) that is not at the start of the file "
             "(files joined with cat keep the marks of the later ones), so it would be part of a text; remove it "
             "(e.g. sed -i 's/\\xef\\xbb\\xbf//g' on a UTF-8 file)"
         )
@@ -434,3 +434,64 @@ def _parse_text_lines(spec: str, raw: str, name: str) -> LoadedData:
         labels.append(tag[len(LABEL_PREFIX):])
         texts.append(text[0])
     return LoadedData(texts=texts, labels=labels, name=name, sample_ids=ids)
+
+
+def load_labels_spec(spec: str, data: str, n_samples: int) -> list[Any]:
+    """``--labels FILE``: one label per sample of tensor data, the i-th for the data's i-th
+    sample. ``FILE`` is a ``.npy`` or ``.pt`` file of one 1-D array / tensor (integers,
+    floats, bools or, for ``.npy``, strings), or a text file of one label per line (read as
+    ``--data`` text is: UTF-8, a byte order mark honoured, spaces and tabs at the ends
+    removed).
+
+    Raises
+    ------
+    SpecError
+        A missing or unreadable file, one that is not 1-D, a text file with a blank line
+        (which sample it labels would be unclear), or a label count other than
+        ``n_samples``, the samples of ``data`` (the labels would not line up with the rows).
+    """
+    import numpy as np
+    import torch
+
+    path = Path(spec)
+    if not path.is_file():
+        raise SpecError(f"--labels {spec!r} does not exist" if not path.exists()
+                        else f"--labels {spec!r} must be a file (.npy, .pt, or text with one label per line)")
+    suffix = path.suffix.lower()
+    if suffix == ".npy":
+        try:
+            values = np.load(path, allow_pickle=False)
+        except Exception as e:  # noqa: BLE001
+            raise SpecError(f"--labels {spec!r} is not a readable .npy file ({one_line(e)}); save the labels "
+                            "with numpy.save") from e
+        shape, kind = tuple(values.shape), values.dtype.kind
+        if kind not in "biufU":
+            raise SpecError(f"--labels {spec!r} holds {values.dtype} values; save integers, floats, bools or "
+                            "strings")
+    elif suffix in (".pt", ".pth"):
+        try:
+            values = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001
+            raise SpecError(f"--labels {spec!r} is not a readable torch file ({one_line(e)}); save one tensor "
+                            "with torch.save(labels, path)") from e
+        if not isinstance(values, torch.Tensor) or values.dtype.is_complex:
+            raise SpecError(f"--labels {spec!r} must hold one tensor of labels, got "
+                            f"{type(values).__name__ if not isinstance(values, torch.Tensor) else values.dtype}")
+        shape = tuple(values.shape)
+        values = values.detach().float().numpy() if values.dtype in (torch.float16, torch.bfloat16) \
+            else values.detach().numpy()
+    else:
+        lines = _split_lines(_decode_text(spec, path.read_bytes(), "--labels"))
+        blank = next((i for i, line in enumerate(lines) if not line.strip(_SPACES)), None)
+        if blank is not None:
+            raise SpecError(f"--labels {spec!r}: line {blank + 1} is blank; write one label per line, line i "
+                            f"for sample i of --data {data!r} (an empty string labels nothing)")
+        values = np.array([line.strip(_SPACES) for line in lines], dtype=str)
+        shape = (len(lines),)
+    if len(shape) != 1:
+        raise SpecError(f"--labels {spec!r} must be 1-D, one label per sample, got shape {shape}")
+    if shape[0] != n_samples:
+        raise SpecError(
+            f"--labels {spec!r} has {shape[0]} labels, but --data {data!r} has {n_samples} samples: label i is "
+            "sample i's, so the counts must be equal (nothing was written)")
+    return values.tolist()

@@ -204,6 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="'demo' (the labelled movie-review sentences), a text file (one sample per line; "
                         "'__label__X text' lines give labels, on every line or none), or a tensor file (.npy / .pt, samples along dim 0)")
     p.add_argument("--out", required=True, help="store path or URL")
+    p.add_argument("--labels", default=None, metavar="FILE",
+                   help="one label per sample of tensor --data, stored as the 'label' column: a 1-D .npy / .pt, or "
+                        "a text file of one label per line; as many labels as the data has samples")
     p.add_argument("--include", action="append", default=None, metavar="PATTERN",
                    help="fnmatch pattern of module names to track (repeatable or comma separated; '*': every "
                         "module). Default: for a Hugging Face model folder its blocks (the children of its stack "
@@ -513,7 +516,7 @@ def _token_rows_flags(message: str) -> str:
 
 #: Arguments that name local paths (stores, outputs, data files, model folders): a leading
 #: ``~`` is expanded in them, also where the shell leaves it (``--out=~/runs/x``, quoted).
-_PATH_ARGS = ("store", "out", "report", "data", "model")
+_PATH_ARGS = ("store", "out", "report", "data", "model", "labels")
 
 
 def _refuse_empty_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -525,7 +528,8 @@ def _refuse_empty_paths(parser: argparse.ArgumentParser, args: argparse.Namespac
         if isinstance(value, str) and not value.strip():
             flag = name if name == "store" else f"--{name}"
             fix = ("give 'demo', a Hugging Face model folder or package.module:factory" if name == "model" else
-                   "give 'demo' or a data file" if name == "data" else "give a path (. for the current folder)")
+                   "give 'demo' or a data file" if name == "data" else
+                   "give a label file, or leave --labels out" if name == "labels" else "give a path (. for the current folder)")
             _subparser(parser, args.command).error(
                 f"argument {flag}: must not be empty, got {value!r} (an empty shell variable?); {fix}")
 
@@ -623,6 +627,7 @@ def cmd_capture(args: argparse.Namespace) -> int:
         command=" ".join([PROG, *args.argv]),
         token_rows=_token_rows(args.sample_rows, args.token_rows), rows=args.rows,
         exclude_hook_points=_patterns(args.exclude_hook_points, "--exclude-hook-points"),
+        labels=args.labels,
         on_start=lambda note: print(f"tracked modules: {note}", flush=True),
     )
     if summary.nothing_to_capture:
