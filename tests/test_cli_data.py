@@ -219,3 +219,58 @@ def test_labels_with_text_data_are_refused(tmp_path, capsys):
     assert code == 1
     _one_error_line(err, "--labels is for tensor data", "'__label__<name> ' prefix")
     assert not (tmp_path / "a.zarr").exists()
+
+
+def _mapped(path) -> bool:
+    with open("/proc/self/maps") as f:
+        return any(line.rstrip().endswith(str(path)) for line in f)
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/maps"), reason="needs /proc/self/maps")
+@pytest.mark.parametrize("kind", ["npy", "pt"])
+def test_tensor_data_files_are_memory_mapped_not_read_whole(tmp_path, kind):
+    # a .npy / .pt of inputs was read whole into memory: a 2 GiB file took 2 GiB before the
+    # first batch, and a file larger than memory could not be captured
+    from activationscope.analysis import specs
+
+    x = np.random.default_rng(0).standard_normal((64, 6)).astype(np.float32)
+    path = tmp_path / f"x.{kind}"
+    np.save(path, x) if kind == "npy" else torch.save(torch.from_numpy(x), path)
+    loaded = specs.load_data_spec(str(path))
+    assert _mapped(path.resolve())
+    assert torch.equal(loaded.tensor, torch.from_numpy(x))
+    loaded.tensor.mul_(2)  # a model writing into its input: the file keeps its values
+    del loaded
+    again = np.load(path) if kind == "npy" else torch.load(path).numpy()
+    assert np.array_equal(again, x)
+
+
+def test_a_model_writing_into_its_memory_mapped_input_stores_its_rows_and_leaves_the_file(
+        tmp_path, user_package, capsys):
+    import activationscope as acs
+
+    user_package("inplacenets", """
+        import torch
+        class Doubles(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                torch.manual_seed(0)
+                self.a = torch.nn.Linear(6, 4)
+            def forward(self, x):
+                return self.a(x.mul_(2))
+        def doubles():
+            return Doubles()
+    """)
+    x = np.random.default_rng(0).standard_normal((20, 6)).astype(np.float32)
+    data = tmp_path / "x.npy"
+    np.save(data, x)
+    out = tmp_path / "a.zarr"
+    code, _, err = run(capsys, "capture", "--model", "inplacenets.nets:doubles", "--data", str(data), "--out",
+                       str(out), "--batch-size", "8", "--no-progress")
+    assert code == 0, err
+    assert np.array_equal(np.load(data), x)
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(6, 4)
+    with torch.no_grad():
+        ref = lin(torch.from_numpy(x) * 2)
+    assert torch.allclose(acs.open_store(str(out))["a.output"][:], ref, atol=1e-6)

@@ -202,7 +202,10 @@ def load_data_spec(spec: str) -> LoadedData:
     one starting with a byte order mark by that mark (UTF-8, UTF-16 or UTF-32, the mark
     removed); one that is not UTF-8 as Windows-1252 (latin-1 with its punctuation in 0x80-0x9F), when it holds no multi-byte UTF-8 character.
 
-    A ``.npy`` array stored big-endian is read as the same values in native byte order.
+    A ``.npy`` file is memory-mapped (copy-on-write: the file is never written), so a file
+    larger than memory is read batch by batch; one stored big-endian or in Fortran order is
+    read whole, as the same values in native byte order and C order. A ``.pt`` file of
+    ``torch.save`` (a zip archive) is memory-mapped too.
 
     Raises
     ------
@@ -246,7 +249,9 @@ def load_data_spec(spec: str) -> LoadedData:
                 "save arrays with numpy.save, or give text (one sample per line) a .txt name"
             )
         try:
-            array = np.load(path, allow_pickle=False)
+            # memory-mapped copy-on-write: a file larger than memory is read as its batches are,
+            # and a model writing into its input changes pages in memory, never the file
+            array = np.load(path, allow_pickle=False, mmap_mode="c")
         except Exception as e:  # noqa: BLE001
             raise SpecError(f"--data {spec!r} is not a readable .npy file: {e}") from e
         if not array.dtype.isnative:  # big-endian data (saved on another machine): the same values, native
@@ -267,7 +272,8 @@ def load_data_spec(spec: str) -> LoadedData:
                 "per line) a .txt name"
             )
         try:
-            tensor = torch.load(path, map_location="cpu", weights_only=True)
+            # a zip archive is memory-mapped (private pages: the file is never written), as a .npy is
+            tensor = torch.load(path, map_location="cpu", weights_only=True, mmap=head == b"PK\x03\x04")
         except Exception as e:  # noqa: BLE001
             what = one_line(e) if not isinstance(e, KeyError) else f"{type(e).__name__} {e}"
             raise SpecError(f"--data {spec!r} is not a readable torch file ({what}); save one tensor with "
