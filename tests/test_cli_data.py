@@ -274,3 +274,34 @@ def test_a_model_writing_into_its_memory_mapped_input_stores_its_rows_and_leaves
     with torch.no_grad():
         ref = lin(torch.from_numpy(x) * 2)
     assert torch.allclose(acs.open_store(str(out))["a.output"][:], ref, atol=1e-6)
+
+
+@pytest.mark.parametrize("array, net, needles", [
+    (np.zeros((10, 7), np.float32), "torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU())",
+     ["batch of shape (10, 7) (samples of shape (7,), float32)", "first layer '0' (Linear) takes samples whose "
+      "last dim is in_features=6"]),
+    (np.zeros((10, 6), np.int64), "torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU())",
+     ["(samples of shape (6,), int64)", "holds int64 values and the model's parameters are float32"]),
+    (np.zeros((10, 8, 8), np.float32), "torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3))",
+     ["batch of shape (10, 8, 8)", "first layer '0' (Conv2d) takes samples of shape (3, H, W)"]),
+    (np.zeros((10, 5), np.float32), "torch.nn.Sequential(torch.nn.Embedding(50, 4))",
+     ["first layer '0' (Embedding) takes integer token ids (0..49), not float32 values"]),
+])
+def test_a_forward_failing_on_tensor_data_names_the_file_its_shape_and_the_first_layers_input(
+        tmp_path, user_package, capsys, array, net, needles):
+    # a .npy of the wrong shape or dtype gave torch's message alone ("mat1 and mat2 shapes
+    # cannot be multiplied (32x7 and 6x8)"), naming neither the data file nor what the model takes
+    user_package("shapenets", f"""
+        import torch
+        def net():
+            torch.manual_seed(0)
+            return {net}
+    """)
+    data = tmp_path / "x.npy"
+    np.save(data, array)
+    out = tmp_path / "a.zarr"
+    code, _, err = run(capsys, "capture", "--model", "shapenets.nets:net", "--data", str(data), "--out", str(out),
+                       "--no-progress")
+    assert code == 1
+    _one_error_line(err, "the model raised", f"--data {str(data)!r} gave the model a batch", *needles)
+    assert not out.exists()

@@ -76,8 +76,13 @@ def run_capture(
     resumable: bool = True,
     rows: str = "auto",
     exclude_hook_points: list[str] | None = None,
+    data: str | None = None,
 ) -> CaptureSummary:
     """Run ``batches`` through ``model`` with a store tracker attached.
+
+    ``data``: the ``--data`` spec the batches come from, named by the error of a forward
+    that fails on a tensor batch (with the batch's shape and dtype and what the model's first
+    layer takes, :func:`_input_hint`).
 
     ``resumable``: whether the caller's command can resume a store (``capture --resume``;
     the demo cannot): the message of a failed capture offers ``--resume`` only then.
@@ -189,7 +194,7 @@ def run_capture(
                         f"the model raised {type(e).__name__}: {' '.join(str(e).split())} on samples "
                         f"{summary.n_samples}..{summary.n_samples + n - 1} of this run"
                         + "".join(f" ({note})" for note in getattr(e, "__notes__", ()))
-                        + _dtype_hint(model, inputs) + _decoder_hint(model, inputs)
+                        + _input_hint(model, inputs, data) + _decoder_hint(model, inputs)
                     ) from e
                 summary.n_samples += n
                 summary.n_forwards += 1
@@ -613,6 +618,7 @@ def capture_dataset(
         storage_dtype=getattr(torch, dtype) if dtype else None, store_options=options,
         progress=progress, stop_after_last=stop_after_last, token_rows=token_rows, rows=rows,
         exclude_hook_points=list(exclude_hook_points) if exclude_hook_points else None,
+        data=data if dataset.tensor is not None else None,
     )
     summary.first_sample, summary.n_target, summary.include_note = first, n, include_note
     return summary
@@ -1267,6 +1273,54 @@ def _dtype_hint(model: Any, inputs: Any) -> str:
     how = f"numpy: x.astype(np.{want}), " if want != "bfloat16" else ""  # (numpy has no bfloat16: a .pt file)
     return (f"; --data holds {got} values and the model's parameters are {want}: save it as {want} "
             f"({how}torch: x.to(torch.{want}))")
+
+
+def _first_layer(model: Any) -> tuple[str, Any] | None:
+    """The first module (in definition order) that is a Linear, ConvNd or Embedding: the
+    layer a tensor input most likely reaches first; None without one."""
+    import torch
+
+    kinds = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.Embedding)
+    return next(((name, m) for name, m in model.named_modules() if isinstance(m, kinds)), None)
+
+
+def _input_hint(model: Any, inputs: Any, data: str | None) -> str:
+    """What a forward that failed on a tensor batch of ``--data`` was given and, where it
+    does not fit, what the model's first layer (:func:`_first_layer`) takes: ``"; --data
+    'x.npy' gave the model a batch of shape (32, 7) (samples of shape (7,), float32); its first
+    layer '0' (Linear) takes samples whose last dim is in_features=6"``, then
+    :func:`_dtype_hint`. ``""`` for a batch that is not one tensor (text batches) or without
+    ``data``."""
+    import torch
+
+    if data is None or not isinstance(inputs, torch.Tensor):
+        return _dtype_hint(model, inputs)
+    got = str(inputs.dtype).removeprefix("torch.")
+    hint = (f"; --data {data!r} gave the model a batch of shape {tuple(inputs.shape)} (samples of shape "
+            f"{tuple(inputs.shape[1:])}, {got})")
+    first = _first_layer(model)
+    if first is not None:
+        name, layer = first
+        where = f"its first layer {name!r} ({type(layer).__name__})"
+        if isinstance(layer, torch.nn.Linear) and (inputs.dim() < 2 or inputs.shape[-1] != layer.in_features):
+            hint += f"; {where} takes samples whose last dim is in_features={layer.in_features}"
+        elif isinstance(layer, torch.nn.Embedding) and (inputs.dtype.is_floating_point or inputs.dtype == torch.bool):
+            hint += (f"; {where} takes integer token ids (0..{layer.num_embeddings - 1}), not {got} values: save "
+                     "the ids as int64")
+        elif isinstance(layer, (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)):
+            k = len(layer.kernel_size)
+            if inputs.dim() != k + 2 or inputs.shape[1] != layer.in_channels:
+                spatial = {1: "L", 2: "H, W", 3: "D, H, W"}[k]
+                hint += (f"; {where} takes samples of shape ({layer.in_channels}, {spatial}): in_channels="
+                         f"{layer.in_channels} first")
+        if not isinstance(layer, torch.nn.Embedding) and not inputs.dtype.is_floating_point:
+            weight = getattr(layer, "weight", None)
+            if isinstance(weight, torch.Tensor) and weight.dtype.is_floating_point:
+                want = str(weight.dtype).removeprefix("torch.")
+                how = f"numpy: x.astype(np.{want}), " if want != "bfloat16" else ""
+                return hint + (f"; --data holds {got} values and the model's parameters are {want}: save it as "
+                               f"{want} ({how}torch: x.to(torch.{want}))")
+    return hint + _dtype_hint(model, inputs)
 
 
 def _decoder_hint(model: Any, inputs: Any) -> str:
