@@ -197,7 +197,7 @@ def test_capture_unreadable_npy(capsys, tmp_path):
 
 def test_capture_pt_file_without_tensor(capsys, tmp_path):
     f = tmp_path / "d.pt"
-    torch.save({"x": torch.zeros(2)}, f)
+    torch.save({"x": [0.0, 1.0]}, f)  # (a dict of one tensor is that tensor: tests/test_cli_data.py)
     code, _, err = run(capsys, "capture", "--model", "m:f", "--data", str(f), "--out", str(tmp_path / "o.zarr"))
     assert code == 1
     _one_error_line(err, "must hold one tensor", "dict")

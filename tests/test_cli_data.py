@@ -305,3 +305,66 @@ def test_a_forward_failing_on_tensor_data_names_the_file_its_shape_and_the_first
     assert code == 1
     _one_error_line(err, "the model raised", f"--data {str(data)!r} gave the model a batch", *needles)
     assert not out.exists()
+
+
+def _save_one(path, kind, arrays):
+    if kind == "npz":
+        np.savez(path, **arrays)
+    elif kind == "pt":
+        torch.save({k: torch.from_numpy(v) for k, v in arrays.items()}, path)
+    else:
+        from safetensors.torch import save_file
+        save_file({k: torch.from_numpy(v) for k, v in arrays.items()}, str(path))
+
+
+@pytest.mark.parametrize("kind", ["npz", "pt", "safetensors"])
+def test_a_container_of_one_array_is_tensor_data_and_of_several_is_refused_naming_them(
+        tmp_path, user_package, capsys, kind):
+    # a .npz or .safetensors was read as a text file ("line 1 holds a NUL character ... save
+    # the file as UTF-8"), a .pt dict of one tensor was refused as a dict
+    import activationscope as acs
+
+    if kind == "safetensors":
+        pytest.importorskip("safetensors")
+    user_package("containernets", NETS)
+    x = np.random.default_rng(0).standard_normal((30, 6)).astype(np.float32)
+    data = tmp_path / f"x.{kind}"
+    _save_one(data, kind, {"inputs": x})
+    out = tmp_path / "a.zarr"
+    code, _, err = run(capsys, "capture", "--model", "containernets.nets:mlp", "--data", str(data), "--out", str(out),
+                       "--batch-size", "8", "--no-progress")
+    assert code == 0, err
+    with torch.no_grad():
+        ref = _mlp()(torch.from_numpy(x))
+    assert torch.allclose(acs.open_store(str(out))["2.output"][:], ref, atol=1e-6)
+    both = tmp_path / f"xy.{kind}"
+    _save_one(both, kind, {"inputs": x, "labels": np.arange(30)})
+    code, _, err = run(capsys, "capture", "--model", "containernets.nets:mlp", "--data", str(both), "--out",
+                       str(tmp_path / "b.zarr"), "--no-progress")
+    assert code == 1
+    _one_error_line(err, f"--data {str(both)!r} holds 2 arrays", "'inputs' (30, 6)", "'labels' (30,)", "--labels")
+    assert not (tmp_path / "b.zarr").exists()
+
+
+def test_a_saved_tensor_dataset_is_refused_saying_how_to_save_its_tensors(tmp_path, capsys):
+    # torch.load(weights_only=True)'s own message, several lines long with terminal escapes
+    x = torch.zeros(4, 6)
+    path = tmp_path / "td.pt"
+    torch.save(torch.utils.data.TensorDataset(x, torch.arange(4)), path)
+    code, _, err = run(capsys, "capture", "--model", "demo", "--data", str(path), "--out", str(tmp_path / "a.zarr"),
+                       "--no-progress")
+    assert code == 1
+    _one_error_line(err, "holds a pickled torch.utils.data.dataset.TensorDataset, which is not loaded",
+                    "torch.save(dataset.tensors[0], 'x.pt')", "--labels")
+    assert "\x1b" not in err
+
+
+@pytest.mark.parametrize("suffix", [".npy", ".pt"])
+def test_an_empty_tensor_file_is_said_to_be_empty(tmp_path, capsys, suffix):
+    # an empty .npy was "a text file: a .npy file starts with b'\x93NUMPY', this one with b''"
+    path = tmp_path / f"x{suffix}"
+    path.write_bytes(b"")
+    code, _, err = run(capsys, "capture", "--model", "demo", "--data", str(path), "--out", str(tmp_path / "a.zarr"),
+                       "--no-progress")
+    assert code == 1
+    _one_error_line(err, f"--data {str(path)!r} is empty (0 bytes)")

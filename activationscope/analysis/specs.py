@@ -1,7 +1,7 @@
 """Model and data specifications of the command line, loaded: ``--model`` is ``demo``, a
 Hugging Face model folder or ``package.module:factory``; ``--data`` is ``demo``, a text file
 (one sample per line, optionally ``__label__<tag> text``) or a tensor file (``.npy`` /
-``.pt``, samples along dim 0)."""
+``.pt`` / ``.npz`` / ``.safetensors`` of one tensor, samples along dim 0)."""
 
 from __future__ import annotations
 
@@ -192,7 +192,9 @@ TABLE_SUFFIXES = (".csv", ".tsv", ".json", ".jsonl", ".ndjson", ".parquet", ".ar
 
 
 def load_data_spec(spec: str) -> LoadedData:
-    """``demo``, a text file (one sample per line) or a tensor file (.npy / .pt).
+    """``demo``, a text file (one sample per line) or a tensor file (.npy / .pt / .npz /
+    .safetensors; a ``.pt`` may hold a dict of tensors): a container of one tensor is that
+    tensor, one of several is refused naming them (which one is the input cannot be told).
 
     A text file's samples are its non-blank lines, spaces and tabs at their ends removed
     (other whitespace, such as NEL, U+2028 or a form feed, is kept); each one's sample id
@@ -229,7 +231,7 @@ def load_data_spec(spec: str) -> LoadedData:
         raise SpecError(f"--data {spec!r} does not exist")
     if not path.is_file():
         what = "a folder" if path.is_dir() else "something that is not a regular file (a device, FIFO or socket)"
-        raise SpecError(f"--data {spec!r} must be a file (text, .npy or .pt), got {what}")
+        raise SpecError(f"--data {spec!r} must be a file (text, .npy, .pt, .npz or .safetensors), got {what}")
     suffix = path.suffix.lower()
     if suffix in TABLE_SUFFIXES:
         raise SpecError(
@@ -242,6 +244,8 @@ def load_data_spec(spec: str) -> LoadedData:
 
         with open(path, "rb") as f:
             magic = f.read(6)
+        if not magic:
+            raise SpecError(f"--data {spec!r} is empty (0 bytes): save the array with numpy.save")
         if magic != b"\x93NUMPY":
             kind = "a text file" if _looks_like_text(path) else "not a .npy file"
             raise SpecError(
@@ -264,6 +268,8 @@ def load_data_spec(spec: str) -> LoadedData:
     elif suffix in (".pt", ".pth"):
         with open(path, "rb") as f:
             head = f.read(4)
+        if not head:
+            raise SpecError(f"--data {spec!r} is empty (0 bytes): save the tensor with torch.save(tensor, path)")
         if head != b"PK\x03\x04" and head[:1] != b"\x80":  # torch.save: a zip archive (or legacy pickle)
             kind = "a text file" if _looks_like_text(path) else "not a torch file"
             raise SpecError(
@@ -275,11 +281,48 @@ def load_data_spec(spec: str) -> LoadedData:
             # a zip archive is memory-mapped (private pages: the file is never written), as a .npy is
             tensor = torch.load(path, map_location="cpu", weights_only=True, mmap=head == b"PK\x03\x04")
         except Exception as e:  # noqa: BLE001
+            found = re.search(r"GLOBAL ([\w.]+)", str(e))
+            if found:  # a pickled object (a TensorDataset, a custom class): never unpickled, it could run code
+                raise SpecError(
+                    f"--data {spec!r} holds a pickled {found.group(1)}, which is not loaded (unpickling an object "
+                    "can run any code): save its input tensor alone, torch.save(dataset.tensors[0], 'x.pt') for a "
+                    "TensorDataset, and give its labels with --labels (torch.save(dataset.tensors[1], "
+                    "'y.pt'))") from None
             what = one_line(e) if not isinstance(e, KeyError) else f"{type(e).__name__} {e}"
             raise SpecError(f"--data {spec!r} is not a readable torch file ({what}); save one tensor with "
                             "torch.save(tensor, path)") from e
+        if isinstance(tensor, dict) and tensor and all(isinstance(v, torch.Tensor) for v in tensor.values()):
+            tensor = _only_tensor(spec, {str(k): v for k, v in tensor.items()}, "torch.save(d['{0}'], 'x.pt')")
         if not isinstance(tensor, torch.Tensor):
             raise SpecError(f"--data {spec!r} must hold one tensor (samples along dim 0), got {type(tensor).__name__}")
+    elif suffix == ".npz":
+        import numpy as np
+
+        try:
+            with np.load(path, allow_pickle=False) as archive:
+                arrays = {name: archive[name] for name in archive.files}
+        except Exception as e:  # noqa: BLE001
+            raise SpecError(f"--data {spec!r} is not a readable .npz file ({one_line(e)}); save arrays with "
+                            "numpy.savez") from e
+        array = _only_tensor(spec, arrays, "numpy.save('x.npy', np.load(path)['{0}'])")
+        if not array.dtype.isnative:
+            array = array.astype(array.dtype.newbyteorder("="))
+        try:
+            tensor = torch.from_numpy(np.ascontiguousarray(array))
+        except TypeError as e:
+            raise SpecError(f"--data {spec!r} holds {array.dtype} values, which are not numbers torch can take "
+                            f"({e}); save a numeric array (e.g. float32)") from None
+    elif suffix == ".safetensors":
+        try:
+            from safetensors.torch import load_file
+        except ImportError:
+            raise SpecError(f"--data {spec!r} is a safetensors file, which needs the safetensors package: pip "
+                            "install safetensors") from None
+        try:
+            tensors = load_file(str(path), device="cpu")
+        except Exception as e:  # noqa: BLE001
+            raise SpecError(f"--data {spec!r} is not a readable safetensors file ({one_line(e)})") from e
+        tensor = _only_tensor(spec, tensors, "safetensors.torch.save_file({{'x': d['{0}']}}, 'x.safetensors')")
     else:
         raw = _decode_text(spec, path.read_bytes())
         if not any(line.strip() for line in _split_lines(raw)):
@@ -288,6 +331,23 @@ def load_data_spec(spec: str) -> LoadedData:
     if tensor.dim() == 0 or tensor.shape[0] == 0:
         raise SpecError(f"--data {spec!r} must have samples along dim 0, got shape {tuple(tensor.shape)}")
     return LoadedData(tensor=tensor, name=path.name)
+
+
+def _only_tensor(spec: str, tensors: dict[str, Any], save: str) -> Any:
+    """The one array / tensor of a ``.npz``, ``.safetensors`` or ``.pt`` dict; several (or
+    none) are refused, naming them: which is the input cannot be told, and a label array
+    taken for it would be captured without a word. ``save`` shows how to save one alone
+    (``{0}``: its name)."""
+    if len(tensors) == 1:
+        return next(iter(tensors.values()))
+    if not tensors:
+        raise SpecError(f"--data {spec!r} holds no array")
+    names = ", ".join(f"{k!r} {tuple(v.shape)}" for k, v in list(tensors.items())[:8])
+    names += ", ..." if len(tensors) > 8 else ""
+    first = next(iter(tensors))
+    raise SpecError(
+        f"--data {spec!r} holds {len(tensors)} arrays ({names}), and --data takes one, samples along dim 0: save "
+        f"the model's input alone, e.g. {save.format(first)}, and give labels with --labels")
 
 
 #: Prefix of a fastText-style label tag: ``__label__<tag> text``.

@@ -202,7 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="'demo', a local Hugging Face model folder, or an import path package.module:factory")
     p.add_argument("--data", required=True,
                    help="'demo' (the labelled movie-review sentences), a text file (one sample per line; "
-                        "'__label__X text' lines give labels, on every line or none), or a tensor file (.npy / .pt, samples along dim 0)")
+                        "'__label__X text' lines give labels, on every line or none), or a tensor file (.npy / .pt / .npz / "
+                        ".safetensors of one tensor, samples along dim 0)")
     p.add_argument("--out", required=True, help="store path or URL")
     p.add_argument("--labels", default=None, metavar="FILE",
                    help="one label per sample of tensor --data, stored as the 'label' column: a 1-D .npy / .pt, or "
