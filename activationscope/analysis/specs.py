@@ -187,11 +187,11 @@ def _looks_like_text(path: Path) -> bool:
     return True
 
 
-#: File name suffixes of tables, which ``--data`` refuses rather than read as lines of text.
+#: File name suffixes of tables: ``--data`` reads their text column (and label column), never their lines.
 TABLE_SUFFIXES = (".csv", ".tsv", ".json", ".jsonl", ".ndjson", ".parquet", ".arrow", ".feather")
 
 
-def load_data_spec(spec: str) -> LoadedData:
+def load_data_spec(spec: str, text_column: str | None = None, label_column: str | None = None) -> LoadedData:
     """``demo``, a text file (one sample per line) or a tensor file (.npy / .pt / .npz /
     .safetensors; a ``.pt`` may hold a dict of tensors): a container of one tensor is that
     tensor, one of several is refused naming them (which one is the input cannot be told).
@@ -229,16 +229,19 @@ def load_data_spec(spec: str) -> LoadedData:
     path = Path(spec)
     if not path.exists():
         raise SpecError(f"--data {spec!r} does not exist")
-    if not path.is_file():
-        what = "a folder" if path.is_dir() else "something that is not a regular file (a device, FIFO or socket)"
-        raise SpecError(f"--data {spec!r} must be a file (text, .npy, .pt, .npz or .safetensors), got {what}")
     suffix = path.suffix.lower()
-    if suffix in TABLE_SUFFIXES:
-        raise SpecError(
-            f"--data {spec!r} is a {suffix} file, a table: --data reads a text file as one sample per line, so every "
-            "line of it (a header, the other columns and their separators included) would be a sample's text; "
-            "write the text column to a .txt file, one sample per line (a line starting with '__label__<name> ' "
-            "gives it a label column)")
+    if suffix in TABLE_SUFFIXES or (path.is_dir() and (path / "dataset_info.json").is_file()) \
+            or (path.is_dir() and (path / "dataset_dict.json").is_file()):
+        return _load_table(spec, path, text_column, label_column)
+    if text_column is not None or label_column is not None:
+        flag = "--text-column" if text_column is not None else "--label-column"
+        raise SpecError(f"{flag} names a column of a table (.csv, .tsv, .jsonl, .json, .parquet, .arrow, .feather, "
+                        f"or a datasets.save_to_disk folder); --data {spec!r} is none: leave {flag} out")
+    if not path.is_file():
+        what = ("a folder that is not a datasets.save_to_disk folder (no dataset_info.json)" if path.is_dir()
+                else "something that is not a regular file (a device, FIFO or socket)")
+        raise SpecError(f"--data {spec!r} must be a file (text, a table, .npy, .pt, .npz or .safetensors) or a "
+                        f"datasets.save_to_disk folder, got {what}")
     if suffix == ".npy":
         import numpy as np
 
@@ -331,6 +334,107 @@ def load_data_spec(spec: str) -> LoadedData:
     if tensor.dim() == 0 or tensor.shape[0] == 0:
         raise SpecError(f"--data {spec!r} must have samples along dim 0, got shape {tuple(tensor.shape)}")
     return LoadedData(tensor=tensor, name=path.name)
+
+
+def _read_table(spec: str, path: Path, text_name: str = "text") -> Any:
+    """The pyarrow table of a table file or a ``datasets.save_to_disk`` folder. Text formats
+    (CSV, TSV, JSON lines, JSON) are decoded as ``--data`` text is (:func:`_decode_text`:
+    UTF-8, a byte order mark, Windows-1252 without UTF-8 characters); a CSV's ``text_name``
+    column is read as strings, also where every value looks like a number."""
+    import json
+
+    import pyarrow as pa
+
+    if path.is_dir():
+        try:
+            import datasets
+        except ImportError:
+            raise SpecError(f"--data {spec!r} is a datasets.save_to_disk folder, which needs the datasets package: "
+                            "pip install datasets") from None
+        if (path / "dataset_dict.json").is_file():
+            splits = sorted(p.name for p in path.iterdir() if (p / "dataset_info.json").is_file())
+            raise SpecError(f"--data {spec!r} is a DatasetDict of splits {splits}: pass one split's folder, e.g. "
+                            f"--data {str(path / (splits[0] if splits else 'train'))!r}")
+        try:
+            return datasets.load_from_disk(str(path)).with_format("arrow")[:]  # (its indices mapping applied)
+        except Exception as e:  # noqa: BLE001
+            raise SpecError(f"--data {spec!r} is not a readable datasets folder ({one_line(e)})") from e
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".parquet":
+            import pyarrow.parquet as pq
+            return pq.read_table(path)
+        if suffix in (".arrow", ".feather"):
+            import pyarrow.ipc as ipc
+            try:
+                return ipc.open_file(str(path)).read_all()
+            except pa.ArrowInvalid:  # an Arrow IPC stream (as the cache files of datasets)
+                with open(path, "rb") as f:
+                    return ipc.open_stream(f).read_all()
+        text = _decode_text(spec, path.read_bytes())
+        if suffix in (".csv", ".tsv"):
+            import pyarrow.csv as pcsv
+            return pcsv.read_csv(pa.BufferReader(text.encode("utf-8")),
+                                 parse_options=pcsv.ParseOptions(delimiter="\t" if suffix == ".tsv" else ",",
+                                                                 newlines_in_values=True),
+                                 convert_options=pcsv.ConvertOptions(strings_can_be_null=False,
+                                                                     column_types={text_name: pa.string()}))
+        if suffix == ".json" and text.lstrip().startswith("["):
+            rows = json.loads(text)
+            if not all(isinstance(r, dict) for r in rows):
+                raise SpecError(f"--data {spec!r} is a JSON list, but not of objects (one per sample)")
+            return pa.Table.from_pylist(rows)
+        import pyarrow.json as pjson
+        return pjson.read_json(pa.BufferReader(text.encode("utf-8")))
+    except SpecError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise SpecError(f"--data {spec!r} is not a readable {suffix} table ({one_line(e)})") from e
+
+
+def _load_table(spec: str, path: Path, text_column: str | None, label_column: str | None) -> LoadedData:
+    """The samples of a table: one per row, its text from ``text_column`` (default ``text``)
+    and, when given or present, its label from ``label_column`` (default ``label``); sample
+    ids are the row indices. A text that is null, not a string, or blank is refused naming
+    its row (a row left out would move the labels of the rows after it), and so is a null
+    label."""
+    import pyarrow as pa
+
+    table = _read_table(spec, path, "text" if text_column is None else text_column)
+    columns = table.column_names
+    shown = ", ".join(repr(c) for c in columns[:12]) + (", ..." if len(columns) > 12 else "")
+    text_name = "text" if text_column is None else text_column
+    if text_name not in columns:
+        flag = "--text-column" if text_column is not None else "a text column: --text-column NAME names it"
+        raise SpecError(f"--data {spec!r} has no column {text_name!r} ({flag}); its columns are [{shown}]")
+    label_name = label_column if label_column is not None else ("label" if "label" in columns else None)
+    if label_name is not None and label_name not in columns:
+        raise SpecError(f"--label-column {label_name!r} is not a column of --data {spec!r}; its columns are [{shown}]")
+    if label_name == text_name:
+        raise SpecError(f"--label-column and --text-column both name {text_name!r}: give the label its own column")
+    column = table.column(text_name)
+    if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+        raise SpecError(f"--data {spec!r}: column {text_name!r} holds {column.type} values, not text; name the text "
+                        f"column with --text-column (its columns are [{shown}])")
+    texts = column.to_pylist()
+    if not texts:
+        raise SpecError(f"--data {spec!r} has no rows")
+    bad = next((i for i, t in enumerate(texts) if t is None or not t.strip()), None)
+    if bad is not None:
+        raise SpecError(f"--data {spec!r}: row {bad} (0-based) of column {text_name!r} has "
+                        f"{'no text (null)' if texts[bad] is None else 'a blank text'}; remove the row or give it "
+                        "a text")
+    labels = None
+    if label_name is not None:
+        labels = table.column(label_name).to_pylist()
+        bad = next((i for i, v in enumerate(labels) if v is None), None)
+        if bad is not None:
+            raise SpecError(f"--data {spec!r}: row {bad} (0-based) of column {label_name!r} has no label (null); "
+                            "give it one (-1 is left out of the probes as unlabelled)")
+        if any(isinstance(v, (list, dict)) for v in labels):
+            raise SpecError(f"--data {spec!r}: column {label_name!r} holds lists or records, not one label per "
+                            "sample")
+    return LoadedData(texts=texts, labels=labels, name=path.name, sample_ids=list(range(len(texts))))
 
 
 def _only_tensor(spec: str, tensors: dict[str, Any], save: str) -> Any:

@@ -205,6 +205,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "'__label__X text' lines give labels, on every line or none), or a tensor file (.npy / .pt / .npz / "
                         ".safetensors of one tensor, samples along dim 0)")
     p.add_argument("--out", required=True, help="store path or URL")
+    p.add_argument("--text-column", default=None, metavar="NAME",
+                   help="the text column of a table --data (.csv, .tsv, .jsonl, .json, .parquet, .arrow, .feather, "
+                        "or a datasets.save_to_disk folder); default: 'text'")
+    p.add_argument("--label-column", default=None, metavar="NAME",
+                   help="the label column of a table --data; default: 'label' where the table has one")
     p.add_argument("--labels", default=None, metavar="FILE",
                    help="one label per sample of tensor --data, stored as the 'label' column: a 1-D .npy / .pt, or "
                         "a text file of one label per line; as many labels as the data has samples")
@@ -628,7 +633,7 @@ def cmd_capture(args: argparse.Namespace) -> int:
         command=" ".join([PROG, *args.argv]),
         token_rows=_token_rows(args.sample_rows, args.token_rows), rows=args.rows,
         exclude_hook_points=_patterns(args.exclude_hook_points, "--exclude-hook-points"),
-        labels=args.labels,
+        labels=args.labels, text_column=args.text_column, label_column=args.label_column,
         on_start=lambda note: print(f"tracked modules: {note}", flush=True),
     )
     if summary.nothing_to_capture:
