@@ -228,7 +228,7 @@ def _mapped(path) -> bool:
 
 @pytest.mark.skipif(not __import__("os").path.exists("/proc/self/maps"), reason="needs /proc/self/maps")
 @pytest.mark.parametrize("kind", ["npy", "pt"])
-def test_tensor_data_files_are_memory_mapped_not_read_whole(tmp_path, kind):
+def test_tensor_data_files_are_memory_mapped_not_read_whole(tmp_path, monkeypatch, kind):
     # a .npy / .pt of inputs was read whole into memory: a 2 GiB file took 2 GiB before the
     # first batch, and a file larger than memory could not be captured
     from activationscope.analysis import specs
@@ -236,6 +236,9 @@ def test_tensor_data_files_are_memory_mapped_not_read_whole(tmp_path, kind):
     x = np.random.default_rng(0).standard_normal((64, 6)).astype(np.float32)
     path = tmp_path / f"x.{kind}"
     np.save(path, x) if kind == "npy" else torch.save(torch.from_numpy(x), path)
+    small = specs.load_data_spec(str(path))  # below MMAP_MIN_BYTES: read whole, the file can be rewritten
+    assert not _mapped(path.resolve()) and torch.equal(small.tensor, torch.from_numpy(x))
+    monkeypatch.setattr(specs, "MMAP_MIN_BYTES", path.stat().st_size)
     loaded = specs.load_data_spec(str(path))
     assert _mapped(path.resolve())
     assert torch.equal(loaded.tensor, torch.from_numpy(x))
@@ -246,8 +249,11 @@ def test_tensor_data_files_are_memory_mapped_not_read_whole(tmp_path, kind):
 
 
 def test_a_model_writing_into_its_memory_mapped_input_stores_its_rows_and_leaves_the_file(
-        tmp_path, user_package, capsys):
+        tmp_path, user_package, capsys, monkeypatch):
     import activationscope as acs
+    from activationscope.analysis import specs
+
+    monkeypatch.setattr(specs, "MMAP_MIN_BYTES", 0)
 
     user_package("inplacenets", """
         import torch

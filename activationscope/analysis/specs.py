@@ -187,6 +187,18 @@ def _looks_like_text(path: Path) -> bool:
     return True
 
 
+#: Tensor files (``.npy``, ``.pt``) of at least this many bytes are memory-mapped rather than
+#: read whole: a file larger than memory is read as its batches are. A smaller one is read
+#: whole, so that a file rewritten while a capture reads it (a truncated mapping would
+#: end the process with SIGBUS) cannot touch the capture.
+MMAP_MIN_BYTES = 256 << 20
+
+
+def _mapped(path: Path) -> bool:
+    """Whether the tensor file ``path`` is memory-mapped (:data:`MMAP_MIN_BYTES`)."""
+    return path.stat().st_size >= MMAP_MIN_BYTES
+
+
 #: File name suffixes of tables: ``--data`` reads their text column (and label column), never their lines.
 TABLE_SUFFIXES = (".csv", ".tsv", ".json", ".jsonl", ".ndjson", ".parquet", ".arrow", ".feather")
 
@@ -204,10 +216,10 @@ def load_data_spec(spec: str, text_column: str | None = None, label_column: str 
     one starting with a byte order mark by that mark (UTF-8, UTF-16 or UTF-32, the mark
     removed); one that is not UTF-8 as Windows-1252 (latin-1 with its punctuation in 0x80-0x9F), when it holds no multi-byte UTF-8 character.
 
-    A ``.npy`` file is memory-mapped (copy-on-write: the file is never written), so a file
-    larger than memory is read batch by batch; one stored big-endian or in Fortran order is
-    read whole, as the same values in native byte order and C order. A ``.pt`` file of
-    ``torch.save`` (a zip archive) is memory-mapped too.
+    A ``.npy`` file of :data:`MMAP_MIN_BYTES` or more is memory-mapped (copy-on-write: the
+    file is never written), so a file larger than memory is read batch by batch; one stored
+    big-endian or in Fortran order is read whole, as the same values in native byte order
+    and C order. A large ``.pt`` file of ``torch.save`` (a zip archive) is memory-mapped too.
 
     Raises
     ------
@@ -256,9 +268,9 @@ def load_data_spec(spec: str, text_column: str | None = None, label_column: str 
                 "save arrays with numpy.save, or give text (one sample per line) a .txt name"
             )
         try:
-            # memory-mapped copy-on-write: a file larger than memory is read as its batches are,
-            # and a model writing into its input changes pages in memory, never the file
-            array = np.load(path, allow_pickle=False, mmap_mode="c")
+            # a large file memory-mapped copy-on-write: a file larger than memory is read as its
+            # batches are, and a model writing into its input changes pages in memory, never the file
+            array = np.load(path, allow_pickle=False, mmap_mode="c" if _mapped(path) else None)
         except Exception as e:  # noqa: BLE001
             raise SpecError(f"--data {spec!r} is not a readable .npy file: {e}") from e
         if not array.dtype.isnative:  # big-endian data (saved on another machine): the same values, native
@@ -281,8 +293,9 @@ def load_data_spec(spec: str, text_column: str | None = None, label_column: str 
                 "per line) a .txt name"
             )
         try:
-            # a zip archive is memory-mapped (private pages: the file is never written), as a .npy is
-            tensor = torch.load(path, map_location="cpu", weights_only=True, mmap=head == b"PK\x03\x04")
+            # a large zip archive is memory-mapped (private pages: the file is never written), as a .npy is
+            tensor = torch.load(path, map_location="cpu", weights_only=True,
+                                mmap=head == b"PK\x03\x04" and _mapped(path))
         except Exception as e:  # noqa: BLE001
             found = re.search(r"GLOBAL ([\w.]+)", str(e))
             if found:  # a pickled object (a TensorDataset, a custom class): never unpickled, it could run code
