@@ -445,6 +445,8 @@ def test_table_columns_are_named_and_checked(tmp_path):
     (tmp_path / "t.txt").write_text("a\n")
     with pytest.raises(SpecError, match=r"--text-column names a column of a table"):
         specs.load_data_spec(str(tmp_path / "t.txt"), text_column="text")
+    with pytest.raises(SpecError, match=r"--label-column names a column of a table --data; --data 'demo'"):
+        specs.load_data_spec("demo", label_column="label")  # was ignored without a word
 
 
 def test_a_windows_1252_csv_is_read_as_its_text_files_are(tmp_path):

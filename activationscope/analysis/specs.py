@@ -235,6 +235,10 @@ def load_data_spec(spec: str, text_column: str | None = None, label_column: str 
 
     from . import demo_assets as demo
 
+    if spec == "demo" and (text_column is not None or label_column is not None):
+        flag = "--text-column" if text_column is not None else "--label-column"
+        raise SpecError(f"{flag} names a column of a table --data; --data 'demo' is the demo's labelled sentences: "
+                        f"leave {flag} out")
     if spec == "demo":
         texts, labels = demo.load_polarity()
         return LoadedData(texts=texts, labels=labels, name="pang_lee_polarity")
