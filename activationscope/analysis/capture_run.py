@@ -543,8 +543,9 @@ def capture_dataset(
     if labels is not None:
         if dataset.texts is not None:
             raise ArgumentValueError(
-                f"--labels is for tensor data (.npy / .pt); --data {data!r} is text, whose lines are labelled by a "
-                "'__label__<name> ' prefix: write each line's label there and leave --labels out")
+                f"--labels is for tensor data (.npy / .pt / .npz / .safetensors); --data {data!r} is text, labelled "
+                "by the '__label__<name> ' prefix of each line (a text file) or by its label column (a table, "
+                "--label-column): give the labels there and leave --labels out")
         dataset.labels = load_labels_spec(os.fspath(labels), data, len(dataset))
     if rows == "token" and dataset.texts is not None:
         raise ArgumentValueError(
