@@ -219,6 +219,12 @@ def test_labels_with_text_data_are_refused(tmp_path, capsys):
     assert code == 1
     _one_error_line(err, "--labels is for tensor data", "'__label__<name> ' prefix")
     assert not (tmp_path / "a.zarr").exists()
+    (tmp_path / "t.csv").write_text("text,label\na,0\nb,1\n")
+    code, _, err = run(capsys, "capture", "--model", "demo", "--data", str(tmp_path / "t.csv"), "--labels",
+                       str(tmp_path / "y.npy"), "--out", str(tmp_path / "a.zarr"), "--no-progress")
+    assert code == 1
+    _one_error_line(err, "--labels is for tensor data", "its label column (a table, --label-column)")
+    assert not (tmp_path / "a.zarr").exists()
 
 
 def _mapped(path) -> bool:
