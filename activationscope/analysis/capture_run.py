@@ -76,8 +76,13 @@ def run_capture(
     resumable: bool = True,
     rows: str = "auto",
     exclude_hook_points: list[str] | None = None,
+    data: str | None = None,
 ) -> CaptureSummary:
     """Run ``batches`` through ``model`` with a store tracker attached.
+
+    ``data``: the ``--data`` spec the batches come from, named by the error of a forward
+    that fails on a tensor batch (with the batch's shape and dtype and what the model's first
+    layer takes, :func:`_input_hint`).
 
     ``resumable``: whether the caller's command can resume a store (``capture --resume``;
     the demo cannot): the message of a failed capture offers ``--resume`` only then.
@@ -189,7 +194,7 @@ def run_capture(
                         f"the model raised {type(e).__name__}: {' '.join(str(e).split())} on samples "
                         f"{summary.n_samples}..{summary.n_samples + n - 1} of this run"
                         + "".join(f" ({note})" for note in getattr(e, "__notes__", ()))
-                        + _dtype_hint(model, inputs) + _decoder_hint(model, inputs)
+                        + _input_hint(model, inputs, data) + _decoder_hint(model, inputs)
                     ) from e
                 summary.n_samples += n
                 summary.n_forwards += 1
@@ -373,6 +378,9 @@ def capture_dataset(
     rows: str = "auto",
     on_start: Callable[[str], None] | None = None,
     exclude_hook_points: Sequence[str] | None = None,
+    labels: str | None = None,
+    text_column: str | None = None,
+    label_column: str | None = None,
 ) -> CaptureSummary:
     """Capture a model spec over a data spec into a store: ``activationscope capture`` as a function.
 
@@ -390,6 +398,16 @@ def capture_dataset(
         samples along dim 0) (:func:`.specs.load_data_spec`).
     out : str
         Store path or URL.
+    labels : str, optional
+        ``--labels FILE``: one label per sample of tensor data, stored as the ``label``
+        column (:func:`.specs.load_labels_spec`: a 1-D ``.npy`` / ``.pt``, or a text file of
+        one label per line); its count must equal the data's samples. Text data is labelled
+        by ``__label__`` tags instead and refuses it.
+    text_column, label_column : str, optional
+        ``--text-column`` / ``--label-column``: the columns of a table ``data`` (``.csv``,
+        ``.tsv``, ``.jsonl``, ``.json``, ``.parquet``, ``.arrow``, ``.feather`` or a
+        ``datasets.save_to_disk`` folder) holding each sample's text and label (default
+        ``text``, and ``label`` where the table has one).
     include, exclude : sequence of str, optional
         fnmatch patterns of module names (``["*"]``: every module). ``include`` defaults to
         the model spec's default (:func:`.specs.load_model_spec`): the demo's layers and
@@ -462,8 +480,9 @@ def capture_dataset(
         stored ones (``sample_id`` / ``text`` / ``label`` of the store's sample table), with
         a tokenizer that gives the store's first or last sample other token ids than its
         ``token_ids`` hold (:func:`_check_resumed_token_ids`), with
-        tensor data whose first samples hash otherwise than the store's first run recorded
-        (provenance ``data_fingerprint``, :func:`tensor_fingerprint`), or with another
+        tensor data whose first samples hash otherwise than the store's runs recorded
+        (provenance ``data_fingerprint``, :func:`tensor_fingerprint`) or that has fewer
+        samples than the run whose fingerprint is compared read, or with another
         ``max_length`` than the store records.
     SpecError
         A model or data spec that names nothing usable (a table, ``.csv`` / ``.jsonl`` /
@@ -498,7 +517,7 @@ def capture_dataset(
     import torch
 
     from .._args import parse_flag
-    from .specs import load_data_spec, load_model_spec
+    from .specs import load_data_spec, load_labels_spec, load_model_spec
 
     # (resume="False" or overwrite="False", from a config file, are true strings: they resumed or replaced the store)
     resume, overwrite = parse_flag(resume, "resume"), parse_flag(overwrite, "overwrite")
@@ -520,7 +539,14 @@ def capture_dataset(
     out = os.fspath(out)
     check_out(out, resume=resume, overwrite=overwrite)  # before loading anything
 
-    dataset = load_data_spec(data)
+    dataset = load_data_spec(data, text_column=text_column, label_column=label_column)
+    if labels is not None:
+        if dataset.texts is not None:
+            raise ArgumentValueError(
+                f"--labels is for tensor data (.npy / .pt / .npz / .safetensors); --data {data!r} is text, labelled "
+                "by the '__label__<name> ' prefix of each line (a text file) or by its label column (a table, "
+                "--label-column): give the labels there and leave --labels out")
+        dataset.labels = load_labels_spec(os.fspath(labels), data, len(dataset))
     if rows == "token" and dataset.texts is not None:
         raise ArgumentValueError(
             f"--rows token is for tensor data (token ids (batch, pos)); --data {data!r} is text, whose hook points "
@@ -562,6 +588,7 @@ def capture_dataset(
             _check_resumed_token_ids(out, dataset, data, model, loaded.tokenizer, first)
     if resume and 0 < first <= len(dataset) and dataset.tensor is not None:
         _check_resumed_tensor(out, dataset.tensor, data, first)
+        _check_resumed_labels(out, dataset.labels, data, first)
     if first >= n and not reductions:
         completed = _check_full_resume(
             out, loaded.model, include=include,
@@ -580,7 +607,8 @@ def capture_dataset(
     else:
         _warn_padded_ids(dataset.tensor[first:n], loaded.tokenizer, data)
         batches = tensor_batches(dataset.tensor[first:n], batch_size, first_id=first,
-                                 token_ids=rows == "token" and _are_token_ids(dataset.tensor))
+                                 token_ids=rows == "token" and _are_token_ids(dataset.tensor),
+                                 labels=dataset.labels[first:n] if dataset.labels is not None else None)
     if on_start is not None and include_note:
         on_start(include_note)
     options = capture_store_options(
@@ -598,6 +626,7 @@ def capture_dataset(
         storage_dtype=getattr(torch, dtype) if dtype else None, store_options=options,
         progress=progress, stop_after_last=stop_after_last, token_rows=token_rows, rows=rows,
         exclude_hook_points=list(exclude_hook_points) if exclude_hook_points else None,
+        data=data if dataset.tensor is not None else None,
     )
     summary.first_sample, summary.n_target, summary.include_note = first, n, include_note
     return summary
@@ -944,28 +973,84 @@ def tensor_fingerprint(tensor: Any, n: int) -> dict[str, Any]:
 
 
 def _check_resumed_tensor(out: str, tensor: Any, data: str, first: int) -> None:
-    """Tensor data of a resume must start with the samples the store was captured from: the
-    store's provenance records the sha256 of the first ``samples`` samples of its first run's
-    data (``data_fingerprint``, :func:`tensor_fingerprint`); data holding at least as many
-    whose first ones hash otherwise is another data set (ArgumentValueError; nothing changed).
-    A store recording no fingerprint (an earlier version's, or a capture from Python), or
-    data with fewer samples than it covers, is not checked."""
+    """Tensor data of a resume must start with the samples the store was captured from: each
+    run records the sha256 of the first ``samples`` samples of its data (``data_fingerprint``
+    in the store's provenance, a resumed run's in its entry of ``resumes``;
+    :func:`tensor_fingerprint`). The fingerprint covering the fewest samples that still
+    cover the ``first`` stored ones is compared: data whose first ones hash otherwise is
+    another data set, and so is data with fewer samples than that fingerprint covers (the
+    run that recorded it read that many: a file cut or rewritten since), both refused with
+    ArgumentValueError, nothing changed. A store recording no fingerprint (an earlier
+    version's, or a capture from Python) is not checked; one whose fingerprints all cover
+    fewer samples than it holds is checked by the widest of them."""
     from ..store import open_store
+    from ..store.writer import resume_history
 
     provenance = open_store(out).attrs.get("provenance")
-    recorded = provenance.get("data_fingerprint") if isinstance(provenance, dict) else None
-    if not isinstance(recorded, dict):
+    if not isinstance(provenance, dict):
         return
-    n = recorded.get("samples")
-    if isinstance(n, bool) or not isinstance(n, int) or n < first or n > len(tensor):
+    runs = [provenance, *(r for r in resume_history(provenance) if isinstance(r, dict))]
+    prints = [r.get("data_fingerprint") for r in runs]
+    prints = [p for p in prints if isinstance(p, dict) and isinstance(p.get("samples"), int)
+              and not isinstance(p.get("samples"), bool) and p["samples"] > 0 and isinstance(p.get("sha256"), str)]
+    if not prints:
         return
-    if tensor_fingerprint(tensor, n)["sha256"] != recorded.get("sha256"):
+    covering = [p for p in prints if p["samples"] >= first]
+    recorded = min(covering, key=lambda p: p["samples"]) if covering else max(prints, key=lambda p: p["samples"])
+    n = recorded["samples"]
+    fix = ("resume with the data the store was captured from, or pass --overwrite instead of --resume to capture "
+           "this data into a new store (nothing was changed)")
+    if n > len(tensor):
+        raise ArgumentValueError(
+            f"--resume: store {out!r} holds {first} samples, but --data {data!r} is not the data they were captured "
+            f"from: it has {len(tensor)} samples, and the run that captured them read {n} (data_fingerprint in the "
+            f"store's provenance), so the file was cut or rewritten since and its first {first} samples cannot be "
+            f"told from those stored; {fix}")
+    if tensor_fingerprint(tensor, n)["sha256"] != recorded["sha256"]:
         raise ArgumentValueError(
             f"--resume: store {out!r} holds {first} samples, but --data {data!r} is not the data they were captured "
             f"from: its first {n} samples (dtype {tensor.dtype}, shape {tuple(tensor.shape[1:])} each) differ from "
-            "those the store recorded (sha256 in its provenance, data_fingerprint); resume with the data the store "
-            "was captured from, or pass --overwrite instead of --resume to capture this data into a new store "
-            "(nothing was changed)")
+            f"those the store recorded (sha256 in its provenance, data_fingerprint); {fix}")
+
+
+def _check_resumed_labels(out: str, labels: Sequence[Any] | None, data: str, first: int) -> None:
+    """The ``--labels`` of a resumed capture of tensor data must give the stored samples the
+    labels the store holds (the ``label`` column of its row table), and a store with labels
+    needs them as one without refuses them: otherwise the store's label column would stop or
+    start part way, or label the later rows by another list (ArgumentValueError; nothing
+    changed). A store whose row table does not cover its ``first`` samples is not checked."""
+    from ..store import open_store
+
+    store = open_store(out)
+    table = None
+    for kind in ("sample", "token"):
+        try:
+            table = store.row_table(kind)
+        except Exception:  # noqa: BLE001 - no row table of that kind
+            continue
+        if table is not None and table.num_rows:
+            break
+    if table is None or "sample_id" not in table.column_names:
+        return
+    fix = ("resume with the --labels the store was captured with, or pass --overwrite instead of --resume to "
+           "capture this data into a new store (nothing was changed)")
+    stored = "label" in table.column_names
+    if stored != (labels is not None):
+        raise ArgumentValueError(
+            f"--resume: store {out!r} holds {first} samples " + ("with labels, but no --labels was given" if stored
+                                                                 else "without labels, but --labels was given")
+            + f", so its label column would not cover every row; {fix}")
+    if not stored:
+        return
+    seen: dict[int, Any] = {}
+    for sid, label in zip(table.column("sample_id").to_pylist(), table.column("label").to_pylist()):
+        seen.setdefault(sid, label)
+    for sid in sorted(seen):
+        if isinstance(sid, int) and 0 <= sid < len(labels) and str(seen[sid]) != str(labels[sid]):
+            raise ArgumentValueError(
+                f"--resume: store {out!r} holds {first} samples, but --labels gives sample {sid} the label "
+                f"{str(labels[sid])!r} where the store has {str(seen[sid])!r}, so they are not the labels the store "
+                f"was captured with; {fix}")
 
 
 def _check_resumed_side(out: str, capture: str) -> None:
@@ -1198,6 +1283,54 @@ def _dtype_hint(model: Any, inputs: Any) -> str:
             f"({how}torch: x.to(torch.{want}))")
 
 
+def _first_layer(model: Any) -> tuple[str, Any] | None:
+    """The first module (in definition order) that is a Linear, ConvNd or Embedding: the
+    layer a tensor input most likely reaches first; None without one."""
+    import torch
+
+    kinds = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.Embedding)
+    return next(((name, m) for name, m in model.named_modules() if isinstance(m, kinds)), None)
+
+
+def _input_hint(model: Any, inputs: Any, data: str | None) -> str:
+    """What a forward that failed on a tensor batch of ``--data`` was given and, where it
+    does not fit, what the model's first layer (:func:`_first_layer`) takes: ``"; --data
+    'x.npy' gave the model a batch of shape (32, 7) (samples of shape (7,), float32); its first
+    layer '0' (Linear) takes samples whose last dim is in_features=6"``, then
+    :func:`_dtype_hint`. ``""`` for a batch that is not one tensor (text batches) or without
+    ``data``."""
+    import torch
+
+    if data is None or not isinstance(inputs, torch.Tensor):
+        return _dtype_hint(model, inputs)
+    got = str(inputs.dtype).removeprefix("torch.")
+    hint = (f"; --data {data!r} gave the model a batch of shape {tuple(inputs.shape)} (samples of shape "
+            f"{tuple(inputs.shape[1:])}, {got})")
+    first = _first_layer(model)
+    if first is not None:
+        name, layer = first
+        where = f"its first layer {name!r} ({type(layer).__name__})"
+        if isinstance(layer, torch.nn.Linear) and (inputs.dim() < 2 or inputs.shape[-1] != layer.in_features):
+            hint += f"; {where} takes samples whose last dim is in_features={layer.in_features}"
+        elif isinstance(layer, torch.nn.Embedding) and (inputs.dtype.is_floating_point or inputs.dtype == torch.bool):
+            hint += (f"; {where} takes integer token ids (0..{layer.num_embeddings - 1}), not {got} values: save "
+                     "the ids as int64")
+        elif isinstance(layer, (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)):
+            k = len(layer.kernel_size)
+            if inputs.dim() != k + 2 or inputs.shape[1] != layer.in_channels:
+                spatial = {1: "L", 2: "H, W", 3: "D, H, W"}[k]
+                hint += (f"; {where} takes samples of shape ({layer.in_channels}, {spatial}): in_channels="
+                         f"{layer.in_channels} first")
+        if not isinstance(layer, torch.nn.Embedding) and not inputs.dtype.is_floating_point:
+            weight = getattr(layer, "weight", None)
+            if isinstance(weight, torch.Tensor) and weight.dtype.is_floating_point:
+                want = str(weight.dtype).removeprefix("torch.")
+                how = f"numpy: x.astype(np.{want}), " if want != "bfloat16" else ""
+                return hint + (f"; --data holds {got} values and the model's parameters are {want}: save it as "
+                               f"{want} ({how}torch: x.to(torch.{want}))")
+    return hint + _dtype_hint(model, inputs)
+
+
 def _decoder_hint(model: Any, inputs: Any) -> str:
     """``"; <model> is an encoder-decoder model ..."`` when the failed forward was an
     encoder-decoder model's given no decoder input: the command gives a text's ``input_ids`` and
@@ -1304,11 +1437,12 @@ def _cut_lengths(texts: Sequence[str], encoded: Any, tokenizer: Any, max_length:
     return [(i, len(row)) for i, row in zip(full, ids) if len(row) > max_length]
 
 
-def tensor_batches(tensor: Any, batch_size: int, first_id: int = 0,
-                   token_ids: bool = False) -> Iterator[tuple[int, Any, dict[str, Any]]]:
+def tensor_batches(tensor: Any, batch_size: int, first_id: int = 0, token_ids: bool = False,
+                   labels: Sequence[Any] | None = None) -> Iterator[tuple[int, Any, dict[str, Any]]]:
     """Slices of ``tensor`` along dim 0 with their sample ids; with ``token_ids`` (token ids
     ``(batch, pos)`` stored one row per token, ``--rows token``) each slice is also the
-    per-token column ``token_ids``: the id of every token row."""
+    per-token column ``token_ids``: the id of every token row; with ``labels`` (one per
+    sample of ``tensor``, ``--labels``) the column ``label`` of the slice's samples."""
     if batch_size < 1:
         raise SpecError(f"--batch-size must be a positive int, got {batch_size}")
     for start in range(0, tensor.shape[0], batch_size):
@@ -1316,6 +1450,8 @@ def tensor_batches(tensor: Any, batch_size: int, first_id: int = 0,
         info: dict[str, Any] = {"sample_ids": list(range(first_id + start, first_id + start + chunk.shape[0]))}
         if token_ids:
             info["token_ids"] = chunk
+        if labels is not None:
+            info["label"] = list(labels[start:start + chunk.shape[0]])
         yield start, chunk, info
 
 

@@ -202,8 +202,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="'demo', a local Hugging Face model folder, or an import path package.module:factory")
     p.add_argument("--data", required=True,
                    help="'demo' (the labelled movie-review sentences), a text file (one sample per line; "
-                        "'__label__X text' lines give labels, on every line or none), or a tensor file (.npy / .pt, samples along dim 0)")
+                        "'__label__X text' lines give labels, on every line or none), or a tensor file (.npy / .pt / .npz / "
+                        ".safetensors of one tensor, samples along dim 0)")
     p.add_argument("--out", required=True, help="store path or URL")
+    p.add_argument("--text-column", default=None, metavar="NAME",
+                   help="the text column of a table --data (.csv, .tsv, .jsonl, .json, .parquet, .arrow, .feather, "
+                        "or a datasets.save_to_disk folder); default: 'text'")
+    p.add_argument("--label-column", default=None, metavar="NAME",
+                   help="the label column of a table --data; default: 'label' where the table has one")
+    p.add_argument("--labels", default=None, metavar="FILE",
+                   help="one label per sample of tensor --data, stored as the 'label' column: a 1-D .npy / .pt, or "
+                        "a text file of one label per line; as many labels as the data has samples")
     p.add_argument("--include", action="append", default=None, metavar="PATTERN",
                    help="fnmatch pattern of module names to track (repeatable or comma separated; '*': every "
                         "module). Default: for a Hugging Face model folder its blocks (the children of its stack "
@@ -513,7 +522,7 @@ def _token_rows_flags(message: str) -> str:
 
 #: Arguments that name local paths (stores, outputs, data files, model folders): a leading
 #: ``~`` is expanded in them, also where the shell leaves it (``--out=~/runs/x``, quoted).
-_PATH_ARGS = ("store", "out", "report", "data", "model")
+_PATH_ARGS = ("store", "out", "report", "data", "model", "labels")
 
 
 def _refuse_empty_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -525,7 +534,8 @@ def _refuse_empty_paths(parser: argparse.ArgumentParser, args: argparse.Namespac
         if isinstance(value, str) and not value.strip():
             flag = name if name == "store" else f"--{name}"
             fix = ("give 'demo', a Hugging Face model folder or package.module:factory" if name == "model" else
-                   "give 'demo' or a data file" if name == "data" else "give a path (. for the current folder)")
+                   "give 'demo' or a data file" if name == "data" else
+                   "give a label file, or leave --labels out" if name == "labels" else "give a path (. for the current folder)")
             _subparser(parser, args.command).error(
                 f"argument {flag}: must not be empty, got {value!r} (an empty shell variable?); {fix}")
 
@@ -623,6 +633,7 @@ def cmd_capture(args: argparse.Namespace) -> int:
         command=" ".join([PROG, *args.argv]),
         token_rows=_token_rows(args.sample_rows, args.token_rows), rows=args.rows,
         exclude_hook_points=_patterns(args.exclude_hook_points, "--exclude-hook-points"),
+        labels=args.labels, text_column=args.text_column, label_column=args.label_column,
         on_start=lambda note: print(f"tracked modules: {note}", flush=True),
     )
     if summary.nothing_to_capture:
