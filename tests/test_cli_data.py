@@ -494,3 +494,27 @@ def test_a_csv_capture_stores_the_rows_of_the_same_texts_as_a_text_file(tmp_path
     table = c.row_table("sample").to_pydict()
     assert table["text"] == TEXTS and table["label"] == LABELS
     assert t.row_table("sample").column("label").to_pylist() == [str(v) for v in LABELS]
+
+
+def test_a_text_labels_file_of_integers_gives_integer_labels_and_minus_one_is_unlabelled(
+        tmp_path, user_package, capsys):
+    # the lines were stored as strings: '-1' became a class of the probe, where the docs say
+    # -1 marks an unlabelled sample, and '0' / '1' did not equal the ints of a .npy's labels
+    import activationscope as acs
+    from activationscope.analysis.probes import probe_store
+
+    user_package("intlabelnets", NETS)
+    x = np.random.default_rng(0).standard_normal((30, 6)).astype(np.float32)
+    data = tmp_path / "x.npy"
+    np.save(data, x)
+    labels = [(-1 if i % 5 == 0 else i % 2) for i in range(30)]
+    path = tmp_path / "y.txt"
+    path.write_text("".join(f"{v}\n" for v in labels))
+    out = tmp_path / "i.zarr"
+    code, _, err = run(capsys, "capture", "--model", "intlabelnets.nets:mlp", "--data", str(data), "--labels", str(path),
+                       "--out", str(out), "--batch-size", "7", "--no-progress")
+    assert code == 0, err
+    store = acs.open_store(str(out))
+    assert store.row_table("sample").to_pydict()["label"] == labels
+    result = probe_store(store, "2.output", n_folds=3)["2.output"]
+    assert result.n_samples == 24 and result.n_classes == 2

@@ -623,12 +623,16 @@ def _parse_text_lines(spec: str, raw: str, name: str) -> LoadedData:
     return LoadedData(texts=texts, labels=labels, name=name, sample_ids=ids)
 
 
+_INT_LABEL = re.compile(r"[+-]?[0-9]+")
+
+
 def load_labels_spec(spec: str, data: str, n_samples: int) -> list[Any]:
     """``--labels FILE``: one label per sample of tensor data, the i-th for the data's i-th
     sample. ``FILE`` is a ``.npy`` or ``.pt`` file of one 1-D array / tensor (integers,
     floats, bools or, for ``.npy``, strings), or a text file of one label per line (read as
     ``--data`` text is: UTF-8, a byte order mark honoured, spaces and tabs at the ends
-    removed).
+    removed). A text file whose every line is an integer gives integer labels (``-1`` and
+    ``-100`` then mark unlabelled samples); any other, string labels.
 
     Raises
     ------
@@ -673,7 +677,13 @@ def load_labels_spec(spec: str, data: str, n_samples: int) -> list[Any]:
         if blank is not None:
             raise SpecError(f"--labels {spec!r}: line {blank + 1} is blank; write one label per line, line i "
                             f"for sample i of --data {data!r} (an empty string labels nothing)")
-        values = np.array([line.strip(_SPACES) for line in lines], dtype=str)
+        stripped = [line.strip(_SPACES) for line in lines]
+        if stripped and all(_INT_LABEL.fullmatch(v) for v in stripped):
+            # a file of integers is integer labels (so -1 and -100 mark unlabelled samples, as
+            # the docs say, and classes compare as the numbers they are), not strings
+            values = np.array([int(v) for v in stripped], dtype=np.int64)
+        else:
+            values = np.array(stripped, dtype=str)
         shape = (len(lines),)
     if len(shape) != 1:
         raise SpecError(f"--labels {spec!r} must be 1-D, one label per sample, got shape {shape}")
