@@ -260,3 +260,18 @@ def test_an_eval_mode_capture_keeps_the_aliases_that_no_dropout_makes(tmp_path):
         expected = torch.cat([inner(x), inner(x + 1)])
     torch.testing.assert_close(store["0.output"][:], expected, rtol=0, atol=0)
     torch.testing.assert_close(store["1.output"][:], expected, rtol=0, atol=0)
+
+
+def test_a_forward_outside_autocast_after_one_under_it_is_refused_naming_autocast(tmp_path):
+    # the dtype change (bf16 under autocast, float32 outside it) was refused naming only
+    # storage_dtype=; the cause is the autocast, which the message now names
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    with ActivationScope(store=tmp_path / "a.zarr").track(model, include=["0"]):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(torch.randn(2, 4))
+        with pytest.raises(CaptureError, match=r"changed its dtype from torch.bfloat16 to torch.float32 .*"
+                           r"A forward under torch.autocast and one outside it .* run every forward under the "
+                           r"same autocast, or pass storage_dtype="):
+            model(torch.randn(2, 4))
+    assert open_store(tmp_path / "a.zarr").n_rows("0.output") == 2
