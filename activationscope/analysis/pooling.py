@@ -90,9 +90,10 @@ def pool_by_sample(rows: torch.Tensor, sample_ids: torch.Tensor) -> tuple[torch.
     return ids, (total / count).reshape(len(ids), *rows.shape[1:])
 
 
-#: Int labels that mark a sample unlabelled: -1 (the demo's --corpus articles) and -100
+#: Labels that mark a sample unlabelled: -1 (the demo's --corpus articles) and -100
 #: (``ignore_index`` of ``torch.nn.CrossEntropyLoss``, which Hugging Face token-classification
-#: datasets put on tokens that carry no label).
+#: datasets put on tokens that carry no label); ints, or the same values of a float label column
+#: (a float tensor given to ``set_batch(label=...)``: -1.0 is -1).
 UNLABELLED_INTS = (-1, -100)
 
 
@@ -101,8 +102,8 @@ def _is_label(v: Any) -> bool:
         return False
     if isinstance(v, float) and v != v:  # NaN
         return False
-    if isinstance(v, int) and not isinstance(v, bool) and v in UNLABELLED_INTS:
-        return False  # other negative ints are classes
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and v in UNLABELLED_INTS:
+        return False  # (-1.0 and -100.0 of a float label column too); other negative numbers are classes
     return not (isinstance(v, str) and v == "")
 
 
@@ -117,7 +118,7 @@ def sentence_rows(
     across forwards or ranks (default ids count per rank) stay separate samples. Sample rows
     are used as they are, one per row, and so are token rows when ``label_column`` is a
     per-token column (given to ``set_batch`` with shape ``(batch, pos)``: a label per token).
-    Unlabelled rows (missing label, ``-1``, empty string) are dropped.
+    Unlabelled rows (missing label, ``-1``, ``-100`` as int or float, empty string) are dropped.
     Token rows are summed per sample batch by batch: memory holds one batch of rows and one
     float64 row per sample, not every token row.
 

@@ -109,6 +109,28 @@ def test_only_minus_one_and_the_ignore_index_mark_a_sample_unlabelled_and_the_pr
     assert "(12 sample(s) without a label (missing, -1, -100 or empty) left out)" in probe_store(store).skipped["head.output"]
 
 
+@pytest.mark.parametrize("mark", [-1.0, -100.0])
+def test_a_float_label_column_marks_unlabelled_samples_as_an_int_one_does(tmp_path, mark):
+    # a float tensor given to set_batch(label=...) stores -1.0 / -100.0: those samples are
+    # unlabelled, not a third class probed with the others
+    labels = torch.tensor([mark, 0.0, 1.0] * 8)
+    store = _labelled_store(tmp_path / "f.zarr", labels)
+    assert store.row_table("sample").schema.field("label").type.bit_width in (32, 64)  # a float column
+    keep = labels != mark
+    for hp in ("head.output", "layer.output"):
+        x, got, n_unlabelled = labelled_rows(store, hp)
+        assert got == [0.0, 1.0] * 8 and n_unlabelled == 8 and len(x) == 16
+    torch.testing.assert_close(labelled_rows(store, "head.output")[0], store["head.output"][keep], rtol=0, atol=0)
+    result = probe_store(store, n_folds=2)
+    for hp in ("head.output", "layer.output"):
+        assert result[hp].n_samples == 16 and result[hp].n_classes == 2
+        assert result[hp].chance == 0.5
+        assert result[hp].dropped_note == "8 sample(s) without a label (missing, -1, -100 or empty) left out"
+    # other negative floats are classes
+    store = _labelled_store(tmp_path / "g.zarr", torch.tensor([-2.0, 2.0, -1.5] * 8))
+    assert probe_store(store, n_folds=2)["head.output"].n_classes == 3
+
+
 def test_str_sample_ids_are_pooled_and_probed(tmp_path):
     model = Encoder().eval()
     gen = torch.Generator().manual_seed(7)
