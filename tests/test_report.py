@@ -404,6 +404,45 @@ def test_probe_store_and_report_say_how_many_rows_were_left_out(tmp_path):
     assert not everything and "every one of the 6 rows holds NaN or inf" in everything.skipped["0.output"]
 
 
+class _NanRows(torch.nn.Module):
+    """The rows as they are, but NaN in the rows ``rows``."""
+
+    def __init__(self, rows):
+        super().__init__()
+        self.rows = list(rows)
+
+    def forward(self, x):
+        x = x.clone()
+        x[self.rows] = float("nan")
+        return x
+
+
+def test_report_gives_each_hook_point_the_size_of_its_own_probe(tmp_path):
+    # hook point 1 loses 10 rows of class 1 to NaN: its probe has 50 samples and chance 0.6, not
+    # the 60 samples and chance 0.5 of hook point 0
+    import activationscope as acs
+    from activationscope.analysis.probes import probe_store
+
+    x, labels = _separable_rows()
+    nan_rows = [i for i in range(60) if labels[i] == 1][:10]
+    model = torch.nn.Sequential(torch.nn.Identity(), _NanRows(nan_rows))
+    with acs.ActivationScope(store=str(tmp_path / "s.zarr")).track(model) as tracker:
+        tracker.set_batch(label=labels)
+        tracker.model(x)
+    store = acs.open_store(str(tmp_path / "s.zarr"))
+    probes = probe_store(store, n_folds=5)
+    assert (probes["0.output"].n_samples, probes["0.output"].chance) == (60, 0.5)
+    assert (probes["1.output"].n_samples, probes["1.output"].chance) == (50, 0.6)
+    page = report.write_report(store, tmp_path / "rep", probes=probes).read_text()
+    assert "0.output: 60 labelled samples, 2 classes, chance 0.500." in page
+    assert "1.output: 50 labelled samples, 2 classes, chance 0.600." in page
+    assert "60 labelled samples, 2 classes, chance 0.500.</p>" not in page.split("0.output: ")[0]
+    # one size for every hook point: said once
+    clean = _store_of_rows(tmp_path / "c.zarr", x, labels)
+    page = report.write_report(clean, tmp_path / "rep2").read_text()
+    assert "5-fold stratified cross-validation, 60 labelled samples, 2 classes, chance 0.500." in page
+
+
 def test_report_table_shows_bytes_on_disk_as_info_does(tmp_path):
     from activationscope.sizes import format_bytes
 

@@ -721,7 +721,6 @@ def write_report(
     parts.append("</table>")
 
     if probe_png is not None:
-        any_p = next(iter(probes.values()))
         folds = _folds_used(probes, n_folds)
         notes = sorted({getattr(p, "note", "") for p in probes.values()} - {""})
         parts.append("<h2>Linear probes</h2>")
@@ -732,11 +731,23 @@ def write_report(
         rows = (f"one row per token row of token hook points (the label column {label_column!r} is per token; "
                 "sample rows as they are)" if per_token else
                 "one row per sample (token rows mean-pooled per sample)")
+        # the size of each problem: one line when every hook point has the same, else one per
+        # size naming its hook points (rows left out for NaN or inf differ between hook points)
+        by_size: dict[tuple[int, int, float], list[str]] = {}
+        for hp, p in probes.items():
+            by_size.setdefault((p.n_samples, p.n_classes, p.chance), []).append(hp)
+
+        def size(key: tuple[int, int, float]) -> str:
+            return f"{key[0]} labelled samples, {key[1]} classes, chance {key[2]:.3f}"
+
         parts.append(
             f"<p class='note'>L2-regularised logistic regression on {e(rows)}, {folds}-fold stratified "
-            f"cross-validation, {any_p.n_samples} labelled samples, {any_p.n_classes} classes, chance "
-            f"{any_p.chance:.3f}.</p>"
+            f"cross-validation" + (f", {size(next(iter(by_size)))}.</p>" if len(by_size) == 1 else
+                                   ", on problems of different sizes:</p>")
         )
+        if len(by_size) > 1:
+            for key, which_hps in by_size.items():
+                parts.append(f"<p class='note'>{e(', '.join(which_hps))}: {size(key)}.</p>")
         for note in notes:
             parts.append(f"<p class='note'>Folds chosen from the class counts: {e(note)}.</p>")
         by_note: dict[str, list[str]] = {}  # one line per note, naming every hook point it is about
