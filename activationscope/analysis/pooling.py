@@ -141,6 +141,17 @@ def labelled_rows(
     (missing, ``-1``, ``-100``, empty string): ``(x, labels, n_unlabelled)``, or None. Sample rows
     come in their stored dtype (a float64 copy of a wide store is 4x a bfloat16 one; the
     probe makes each fold float64), pooled token rows in float64."""
+    got = _labelled_rows(store, hook_point, label_column, batch_size)
+    return None if got is None else got[:3]
+
+
+def _labelled_rows(
+    store: Any, hook_point: str, label_column: str = "label", batch_size: int = 8192
+) -> tuple[torch.Tensor, list[Any], int, list[Any] | None] | None:
+    """:func:`labelled_rows` plus the sample of each row, ``(rank, sample_id)`` (those of the
+    two the row table has), for a per-sample label: rows of one sample in several forwards
+    (the steps of ``set_batch(same_samples=True)``) are one sample, which a probe keeps in one
+    fold. None for a per-token label (each token row has its own)."""
     import pyarrow.compute as pc
     from torch.utils.data import DataLoader
 
@@ -160,9 +171,12 @@ def labelled_rows(
     # token rows are pooled for a per-sample label; a per-token one (a (batch, pos) column of
     # set_batch, in the token row table) labels each token row
     token = ds.row_kind == "token" and label_column not in names
+    per_token = ds.row_kind == "token" and not token
     if token:  # token rows also see the per-sample columns of their sample
         keys = [c for c in ("rank", "batch") if c in names] + keys
         names = [*names, *ds.source.row_table("sample").column_names]
+    elif not per_token and "rank" in names:  # sample rows: their sample is (rank, sample_id)
+        keys = ["rank", *keys]
     if label_column not in names:
         return None
     # a label missing for some samples (set_batch(label=...) given for some batches only) is
@@ -177,6 +191,7 @@ def labelled_rows(
                            filter=None if missing is None else pc.field(label_column).is_valid())
     rows: list[torch.Tensor] = []  # sample rows: the labelled rows of each batch
     labels: list[Any] = []  # labels of the kept sample rows, or of the samples of the token rows
+    groups: list[Any] = []  # the (rank, sample_id) of each of those
     group: dict[Any, int] = {}  # token rows: (rank, batch, sample_id) -> index of the sample
     sums = torch.zeros(0, dtype=torch.float64)  # token rows: per sample, the sum of its rows so far
     counts = torch.zeros(0, dtype=torch.float64)
@@ -201,6 +216,8 @@ def labelled_rows(
         if not token:
             rows.append(x)  # (in the stored dtype)
             labels.extend(v for v, k in zip(batch_labels, kept) if k)
+            if not per_token:
+                groups.extend(key for key, k in zip(zip(*(_as_list(batch[c]) for c in keys)), kept) if k)
             n_unlabelled += len(kept) - len(x)
             continue
         index = []
@@ -211,6 +228,7 @@ def labelled_rows(
             if key not in group:
                 group[key] = len(group)
                 labels.append(v)
+                groups.append(tuple(c for c, name in zip(key, keys) if name != "batch"))
             index.append(group[key])
         x = x.to(torch.float64)  # (only this batch's labelled rows are held as float64)
         if len(group) > len(sums):  # (grown by doubling: a copy per doubling)
@@ -226,10 +244,10 @@ def labelled_rows(
     if not n_seen or not labels:
         return None
     if not token:
-        return torch.cat(rows), labels, n_unlabelled
+        return torch.cat(rows), labels, n_unlabelled, None if per_token else groups
     n = len(group)
     pooled = sums[:n] / counts[:n].reshape(n, *([1] * (sums.dim() - 1)))
-    return pooled, labels, len(unlabelled)
+    return pooled, labels, len(unlabelled), groups
 
 
 def _as_list(values: Any) -> list[Any]:

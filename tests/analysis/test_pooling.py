@@ -348,3 +348,43 @@ def test_pool_by_sample_refuses_ids_that_do_not_pair_with_the_rows():
         with pytest.raises(ArgumentValueError, match=r"sample_ids must be 1-D with one id per row of rows \(5 rows\), "
                                                      rf"got shape {re.escape(str(tuple(bad.shape)))}"):
             pool_by_sample(rows, bad)
+
+
+def test_steps_of_one_sample_stay_in_one_fold(tmp_path):
+    # a generation-like capture: each batch of samples is fed 4 times, the later forwards as
+    # set_batch(same_samples=True) steps, the label given again each step. The labels are
+    # random, so a probe that tests a sample it trained on (another step of it) scores far
+    # above chance; one that keeps every step of a sample in one fold scores as a probe of
+    # one row per sample (identical steps: the same mean loss, the same folds)
+    from activationscope.analysis.probes import choose_folds, probe_accuracy
+
+    n, steps = 40, 4
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 50, (n, 5), generator=gen)
+    mask = torch.arange(5)[None, :] < torch.randint(1, 6, (n, 1), generator=gen)
+    labels = torch.randint(0, 2, (n,), generator=gen)
+    model = Encoder(d_model=12).eval()
+    scope = acs.ActivationScope(store=str(tmp_path / "g.zarr"))
+    with scope.track(model, include=["layer", "head"]) as tracker, torch.no_grad():
+        for b in range(0, n, 10):
+            for step in range(steps):
+                tracker.set_batch(attention_mask=mask[b:b + 10], label=labels[b:b + 10], same_samples=step > 0)
+                model(ids[b:b + 10] * mask[b:b + 10])
+    store = acs.open_store(str(tmp_path / "g.zarr"))
+    assert store.n_samples == n * steps
+    results = probe_store(store, n_folds=5)
+    for hp in ("head.output", "layer.output"):
+        x, got = sentence_rows(store, hp)
+        assert len(x) == n * steps
+        first = [i for i in range(len(x)) if i % (10 * steps) < 10]  # the first forward of each batch
+        once = probe_accuracy(x[first], [got[i] for i in first], n_folds=5)
+        # (a probe of the steps as unrelated samples: 0.73 and 0.67 here, the one-row probe 0.6 and 0.625)
+        assert results[hp].fold_accuracies == pytest.approx(once.fold_accuracies, abs=1e-9)
+        assert results[hp].n_samples == n * steps and results[hp].n_groups == n
+    # folds come from the samples of the smallest class, not its rows
+    y = [0] * 12 + [1] * 28
+    groups = [i // 4 for i in range(40)]
+    assert choose_folds(y, 5, groups) == (3, "3-fold instead of 5: the smallest class (0) has 3 labelled samples")
+    assert choose_folds(y, 5) == (5, "")
+    # groups whose rows differ in label (ids given again to other samples) are not samples: rows are
+    assert choose_folds([0, 1] * 20, 5, [i // 4 for i in range(40)]) == (5, "")
