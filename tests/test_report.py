@@ -807,3 +807,33 @@ def test_hook_point_stats_of_a_store_path_equal_those_of_the_open_store(tmp_path
     got = hook_point_stats(str(tmp_path / "s.zarr"), "1.output")    # a path was indexed as a str: TypeError
     assert torch.allclose(got.mean, x.mean(0)) and torch.allclose(got.std, x.std(0, correction=0))
     assert torch.equal(got.nonzero, (x != 0).double().mean(0)) and got.n_rows == 30
+
+
+def test_the_report_of_an_incomplete_store_says_it_covers_the_committed_samples_only(tmp_path, capsys):
+    # a capture stopped by an exception after 3 of its forwards: the store holds those 3
+    # (12 samples), status incomplete; the page and the command say what the figures cover
+    import activationscope as acs
+    from activationscope import cli
+
+    x, labels = _separable_rows(n=40)
+    model = torch.nn.Sequential(torch.nn.Identity())
+    with pytest.raises(RuntimeError):
+        with acs.ActivationScope(store=str(tmp_path / "k.zarr")).track(model) as tracker:
+            for b in range(0, 40, 4):
+                tracker.set_batch(label=labels[b:b + 4])
+                tracker.model(x[b:b + 4])
+                if b == 8:
+                    raise RuntimeError("stopped")
+    store = acs.open_store(str(tmp_path / "k.zarr"))
+    assert store.status == "incomplete" and store.n_samples == 12
+    stats = report.hook_point_stats(store, "0.output")
+    torch.testing.assert_close(stats.mean, x[:12].double().mean(0), rtol=1e-12, atol=1e-12)
+    page = report.write_report(store, tmp_path / "rep").read_text()
+    note = ("incomplete store (its capture stopped before it closed, or is still running): every table, plot and "
+            "probe here is over its 12 committed samples and their rows only; forwards after the last commit are "
+            "not in the store")
+    assert note in page
+    assert cli.main(["report", str(tmp_path / "k.zarr"), "--out", str(tmp_path / "rep2")]) == 0
+    assert f"activationscope report: note: {note}" in capsys.readouterr().out
+    clean = _store_of_rows(tmp_path / "c.zarr", x, labels)
+    assert "incomplete store" not in report.write_report(clean, tmp_path / "rep3").read_text()

@@ -284,6 +284,14 @@ def _per_channel(mean: torch.Tensor, std: torch.Tensor, nonzero: torch.Tensor, s
     return mean_c, var_c.sqrt(), nz.mean(1)
 
 
+def incomplete_note(store: Any) -> str:
+    """What the report of an incomplete store covers, in words: its committed samples only."""
+    n = getattr(store, "n_samples", None)
+    held = f"its {n:,} committed samples" if isinstance(n, int) else "its committed samples"
+    return (f"incomplete store (its capture stopped before it closed, or is still running): every table, plot and "
+            f"probe here is over {held} and their rows only; forwards after the last commit are not in the store")
+
+
 def _hp_info(info: Mapping[str, Any] | None, hp: str) -> Mapping[str, Any]:
     if not isinstance(info, Mapping):
         return {}
@@ -698,6 +706,8 @@ def write_report(
         f" &middot; {len(hps)} hook points",
         "</div>",
     ]
+    if status == "incomplete":  # what every figure below covers: the committed forwards only
+        parts.append(f"<div class='meta'>{e(incomplete_note(store))}</div>")
     if isinstance(prov, Mapping) and prov:
         items = []
         for key in ("model", "data", "command", "torch", "activationscope"):
