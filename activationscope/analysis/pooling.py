@@ -62,28 +62,38 @@ def _open(store: Any) -> Any:
 def pool_by_sample(rows: torch.Tensor, sample_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean of token rows per sample.
 
+    A sample is what ``sample_ids`` names: one id per row (the row table's ``sample_id``
+    column of the same rows), or a row of key columns per row, ``(rows, k)``. The ids of a
+    store written by several ranks count per rank (rank 0 and rank 1 both have a sample 0),
+    so there a sample is ``(rank, sample_id)``: pass ``torch.stack([rank, sample_id], 1)``
+    (the id column alone would pool the rows of two samples into one); add ``batch`` to keep
+    the forwards of one sample (``set_batch(same_samples=True)`` steps) apart.
+
     Parameters
     ----------
     rows : Tensor, (rows, *feature_shape)
-    sample_ids : Tensor, (rows,), int64
+    sample_ids : Tensor, (rows,) or (rows, k), int64
 
     Returns
     -------
-    (ids, pooled) : Tensor (n_samples,) sorted unique ids, Tensor (n_samples, *feature_shape) float64
+    (ids, pooled) : Tensor (n_samples,) or (n_samples, k) sorted unique ids (keys sorted as
+        tuples), Tensor (n_samples, *feature_shape) float64
 
     Raises
     ------
     ArgumentValueError
-        ``sample_ids`` is not 1-D with one id per row of ``rows``.
+        ``sample_ids`` is not 1-D or 2-D with one id (row of keys) per row of ``rows``.
     """
-    if sample_ids.dim() != 1 or len(sample_ids) != len(rows):
+    if sample_ids.dim() not in (1, 2) or len(sample_ids) != len(rows) or (sample_ids.dim() == 2
+                                                                          and sample_ids.shape[1] == 0):
         from ..errors import ArgumentValueError
 
         raise ArgumentValueError(
-            f"sample_ids must be 1-D with one id per row of rows ({len(rows)} rows), got shape "
-            f"{tuple(sample_ids.shape)}; pass the row table's sample_id column of the same rows"
+            f"sample_ids must be 1-D with one id per row of rows ({len(rows)} rows), or 2-D with a row of key "
+            f"columns per row (rank, sample_id), got shape {tuple(sample_ids.shape)}; pass the row table's "
+            "sample_id column of the same rows (with its rank column, stacked, for a store of several ranks)"
         )
-    ids, inverse = torch.unique(sample_ids, return_inverse=True)
+    ids, inverse = torch.unique(sample_ids, dim=0, return_inverse=True)
     flat = rows.reshape(rows.shape[0], -1).to(torch.float64)
     total = torch.zeros(len(ids), flat.shape[1], dtype=torch.float64).index_add_(0, inverse, flat)
     count = torch.bincount(inverse, minlength=len(ids)).to(torch.float64).unsqueeze(1)

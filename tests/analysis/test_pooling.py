@@ -344,10 +344,32 @@ def test_pool_by_sample_refuses_ids_that_do_not_pair_with_the_rows():
     rows = torch.arange(10.0).reshape(5, 2)
     ids, pooled = pool_by_sample(rows, torch.tensor([3, 1, 3, 1, 1]))
     assert ids.tolist() == [1, 3] and torch.allclose(pooled, torch.tensor([[16 / 3, 19 / 3], [2.0, 3.0]], dtype=torch.float64))
-    for bad in (torch.tensor([0, 0, 1]), torch.zeros(5, 1, dtype=torch.long)):
+    for bad in (torch.tensor([0, 0, 1]), torch.zeros(5, 1, 1, dtype=torch.long), torch.zeros(4, 2, dtype=torch.long),
+                torch.zeros(5, 0, dtype=torch.long)):
         with pytest.raises(ArgumentValueError, match=r"sample_ids must be 1-D with one id per row of rows \(5 rows\), "
-                                                     rf"got shape {re.escape(str(tuple(bad.shape)))}"):
+                                                     rf"or 2-D .*got shape {re.escape(str(tuple(bad.shape)))}"):
             pool_by_sample(rows, bad)
+
+
+def test_pool_by_sample_keeps_samples_of_different_ranks_apart(tmp_path):
+    # the ids of a two-rank store count per rank: (rank, sample_id) names a sample, and the
+    # pooled rows are each sample's own mean, as sentence_rows gives them
+    from activationscope.analysis.pooling import pool_by_sample
+
+    store = _two_rank_store(tmp_path / "ranks.zarr")
+    tokens = store.row_table("token")
+    rank, sid, batch = (torch.tensor(tokens.column(c).to_pylist()) for c in ("rank", "sample_id", "batch"))
+    rows = store["layer.output"]
+    keys, pooled = pool_by_sample(rows, torch.stack([rank, sid], 1))
+    assert len(keys) == 24 and keys.tolist() == [list(k) for k in sorted({(r, s) for r, s in zip(rank.tolist(), sid.tolist())})]
+    for (r, s), got in zip(keys.tolist(), pooled):
+        want = rows[(rank == r) & (sid == s)].double().mean(0)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    # the same rows keyed as sentence_rows keys them, (rank, batch, sample_id): the same means
+    x, _ = sentence_rows(store, "layer.output")
+    keys3, pooled3 = pool_by_sample(rows, torch.stack([rank, batch, sid], 1))
+    order = list(dict.fromkeys(zip(rank.tolist(), batch.tolist(), sid.tolist())))
+    torch.testing.assert_close(pooled3[[keys3.tolist().index(list(k)) for k in order]], x, rtol=1e-12, atol=1e-12)
 
 
 def test_steps_of_one_sample_stay_in_one_fold(tmp_path):
