@@ -743,12 +743,15 @@ def write_report(
                 "one row per sample (token rows mean-pooled per sample)")
         # the size of each problem: one line when every hook point has the same, else one per
         # size naming its hook points (rows left out for NaN or inf differ between hook points)
-        by_size: dict[tuple[int, int, float], list[str]] = {}
+        by_size: dict[tuple[int, int, int, float], list[str]] = {}
         for hp, p in probes.items():
-            by_size.setdefault((p.n_samples, p.n_classes, p.chance), []).append(hp)
+            key = (p.n_samples, getattr(p, "n_groups", 0), p.n_classes, p.chance)
+            by_size.setdefault(key, []).append(hp)
 
-        def size(key: tuple[int, int, float]) -> str:
-            return f"{key[0]} labelled samples, {key[1]} classes, chance {key[2]:.3f}"
+        def size(key: tuple[int, int, int, float]) -> str:
+            # (samples with several rows, kept in one fold each: the steps of a generation)
+            samples = f"{key[1]} labelled samples in {key[0]} rows" if key[1] else f"{key[0]} labelled samples"
+            return f"{samples}, {key[2]} classes, chance {key[3]:.3f}"
 
         parts.append(
             f"<p class='note'>L2-regularised logistic regression on {e(rows)}, {folds}-fold stratified "

@@ -403,6 +403,10 @@ def test_steps_of_one_sample_stay_in_one_fold(tmp_path):
         # (a probe of the steps as unrelated samples: 0.73 and 0.67 here, the one-row probe 0.6 and 0.625)
         assert results[hp].fold_accuracies == pytest.approx(once.fold_accuracies, abs=1e-9)
         assert results[hp].n_samples == n * steps and results[hp].n_groups == n
+    from activationscope.analysis.report import write_report
+
+    page = write_report(store, tmp_path / "rep", probes=results).read_text()
+    assert "5-fold stratified cross-validation, 40 labelled samples in 160 rows, 2 classes, chance" in page
     # folds come from the samples of the smallest class, not its rows
     y = [0] * 12 + [1] * 28
     groups = [i // 4 for i in range(40)]
