@@ -161,7 +161,8 @@ def _labelled_rows(
     """:func:`labelled_rows` plus the sample of each row, ``(rank, sample_id)`` (those of the
     two the row table has), for a per-sample label: rows of one sample in several forwards
     (the steps of ``set_batch(same_samples=True)``) are one sample, which a probe keeps in one
-    fold. None for a per-token label (each token row has its own)."""
+    fold. For a per-token label, the ``(rank, batch, sample_id)`` of each token row: the tokens
+    of one sample in one forward."""
     import pyarrow.compute as pc
     from torch.utils.data import DataLoader
 
@@ -185,7 +186,9 @@ def _labelled_rows(
     if token:  # token rows also see the per-sample columns of their sample
         keys = [c for c in ("rank", "batch") if c in names] + keys
         names = [*names, *ds.source.row_table("sample").column_names]
-    elif not per_token and "rank" in names:  # sample rows: their sample is (rank, sample_id)
+    elif per_token:  # token rows of a per-token label: their sample is (rank, batch, sample_id)
+        keys = [c for c in ("rank", "batch") if c in names] + keys
+    elif "rank" in names:  # sample rows: their sample is (rank, sample_id)
         keys = ["rank", *keys]
     if label_column not in names:
         return None
@@ -226,8 +229,7 @@ def _labelled_rows(
         if not token:
             rows.append(x)  # (in the stored dtype)
             labels.extend(v for v, k in zip(batch_labels, kept) if k)
-            if not per_token:
-                groups.extend(key for key, k in zip(zip(*(_as_list(batch[c]) for c in keys)), kept) if k)
+            groups.extend(key for key, k in zip(zip(*(_as_list(batch[c]) for c in keys)), kept) if k)
             n_unlabelled += len(kept) - len(x)
             continue
         index = []
@@ -254,7 +256,7 @@ def _labelled_rows(
     if not n_seen or not labels:
         return None
     if not token:
-        return torch.cat(rows), labels, n_unlabelled, None if per_token else groups
+        return torch.cat(rows), labels, n_unlabelled, groups
     n = len(group)
     pooled = sums[:n] / counts[:n].reshape(n, *([1] * (sums.dim() - 1)))
     return pooled, labels, len(unlabelled), groups

@@ -399,7 +399,9 @@ def probe_store(
     folds are chosen; each result's ``dropped_note`` says how many of each (``n_dropped``
     counts the rows with NaN or inf). Rows of one sample (its ``(rank, sample_id)``: the steps
     of ``set_batch(same_samples=True)``, each with the sample's label) are kept in one fold
-    (``groups`` of :func:`probe_accuracy`); a per-token label's token rows are folded row by row.
+    (``groups`` of :func:`probe_accuracy`); so are the token rows of a sample in a forward,
+    ``(rank, batch, sample_id)``, for a per-token label that is one value per sample (a label
+    that differs within a sample is folded row by row).
 
     Parameters
     ----------

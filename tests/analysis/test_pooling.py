@@ -414,3 +414,38 @@ def test_steps_of_one_sample_stay_in_one_fold(tmp_path):
     assert choose_folds(y, 5) == (5, "")
     # groups whose rows differ in label (ids given again to other samples) are not samples: rows are
     assert choose_folds([0, 1] * 20, 5, [i // 4 for i in range(40)]) == (5, "")
+
+
+class _Context(torch.nn.Module):
+    """Token rows that carry their sentence: each token's embedding plus 3x the sentence mean."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(50, 16)
+        self.mix = torch.nn.Identity()
+
+    def forward(self, ids):
+        e = self.embed(ids)
+        return self.mix(e + 3 * e.mean(1, keepdim=True))
+
+
+def test_tokens_of_one_sentence_with_one_per_token_label_stay_in_one_fold(tmp_path):
+    # a per-token column whose value is one random tag per sentence: a probe that trains on
+    # some tokens of a sentence and tests on others learns the sentence (0.62 here, chance
+    # 0.53); with each sentence's tokens in one fold it has nothing to learn
+    model = _Context().eval()
+    gen = torch.Generator().manual_seed(0)
+    scope = acs.ActivationScope(store=str(tmp_path / "tok.zarr"))
+    with scope.track(model, include=["mix"]) as tracker, torch.no_grad():
+        for _ in range(8):
+            ids = torch.randint(0, 50, (8, 6), generator=gen)
+            tag = torch.randint(0, 2, (8, 1), generator=gen).expand(8, 6)
+            tracker.set_batch(attention_mask=torch.ones(8, 6, dtype=torch.bool), tag=tag, word=ids % 2)
+            model(ids)
+    store = acs.open_store(str(tmp_path / "tok.zarr"))
+    result = probe_store(store, label_column="tag", n_folds=5)["mix.output"]
+    assert result.accuracy < 0.53125
+    assert (result.n_samples, result.n_groups, result.chance) == (384, 64, 0.53125)
+    # a per-token label that differs within a sentence: token rows are folded row by row
+    assert probe_store(store, label_column="word", n_folds=5)["mix.output"].n_groups == 0
