@@ -837,3 +837,19 @@ def test_the_report_of_an_incomplete_store_says_it_covers_the_committed_samples_
     assert f"activationscope report: note: {note}" in capsys.readouterr().out
     clean = _store_of_rows(tmp_path / "c.zarr", x, labels)
     assert "incomplete store" not in report.write_report(clean, tmp_path / "rep3").read_text()
+
+
+def test_probe_refuses_nan_labels_naming_them():
+    # NaN equals no label, not even itself: each would have been a class of one row, refused
+    # as "n_folds must be between 2 and the smallest class's size (1)"
+    import numpy as np
+
+    from activationscope.analysis.probes import probe_accuracy
+    from activationscope.errors import ArgumentValueError
+
+    x, labels = _separable_rows(n=20)
+    for bad in (torch.tensor([0.0, 1.0] * 9 + [float("nan")] * 2), np.array([0.0, 1.0] * 9 + [np.nan] * 2)):
+        with pytest.raises(ArgumentValueError, match=r"labels hold 2 NaN value\(s\) of 20; NaN is no class"):
+            probe_accuracy(x, bad, n_folds=2)
+    keep = [i for i in range(20) if i < 18]
+    assert probe_accuracy(x[keep], [labels[i] for i in keep], n_folds=2).n_samples == 18

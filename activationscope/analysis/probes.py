@@ -301,8 +301,9 @@ def probe_accuracy(
     ------
     ValueError
         Fewer than 2 classes (also after rows with NaN or inf are left out), bool labels
-        mixed with others, mismatched lengths, too few samples for ``n_folds``, or every
-        row holding NaN or inf (:class:`ArgumentValueError`).
+        mixed with others, NaN labels (no class: leave their rows out), mismatched lengths,
+        too few samples for ``n_folds``, or every row holding NaN or inf
+        (:class:`ArgumentValueError`).
     """
     x = torch.as_tensor(x).detach().reshape(len(x), -1)
     if not x.dtype.is_floating_point:  # (a float x stays in its dtype: each fold is made float64)
@@ -313,6 +314,12 @@ def probe_accuracy(
     if len(labels) != x.shape[0]:
         raise ArgumentValueError(f"labels has {len(labels)} entries, expected one per row of x ({x.shape[0]})")
     _check_label_types(labels)
+    n_nan = sum(1 for v in labels if isinstance(v, (float, np.floating)) and v != v)
+    if n_nan:  # (NaN != NaN: each would be a class of its own, of one row)
+        raise ArgumentValueError(
+            f"labels hold {n_nan} NaN value(s) of {len(labels)}; NaN is no class (it equals no label, not even "
+            "itself): leave those rows out first, e.g. keep = ~torch.isnan(labels); probe_accuracy(x[keep], "
+            "labels[keep]) (probe_store leaves samples with a NaN or missing label out itself)")
     if groups is not None:
         groups = groups.tolist() if isinstance(groups, torch.Tensor) else list(groups)
         if len(groups) != len(labels):
