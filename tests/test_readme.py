@@ -59,3 +59,17 @@ def test_demo_table_in_the_readme_is_what_the_demo_prints():
                                ProbeResult(mean, std, chance=0.5)))
     result = DemoResult("s", None, layers, 200, 200, 1.0, 1.0, 1.0, 0, 5)
     assert result.table().splitlines()[:len(block)] == block
+
+
+def test_demo_table_names_the_folds_the_probes_used():
+    # --folds 5 with a class of 3 labelled sentences (--max-samples): the probes are 3-fold
+    from activationscope.analysis.demo import DemoResult, LayerRow
+    from activationscope.analysis.probes import ProbeResult
+
+    layers = [LayerRow(i, 40, 10, 1024, ProbeResult(0.7, 0.1, chance=0.7, n_folds=3)) for i in range(2)]
+    head = DemoResult("s", None, layers, 10, 10, 1.0, 1.0, 1.0, 0, 5).table().splitlines()[0]
+    assert head.endswith("probe acc (3-fold)")
+    layers[1].probe = None  # a layer without a probe does not count
+    assert DemoResult("s", None, layers, 10, 10, 1.0, 1.0, 1.0, 0, 5).table().splitlines()[0].endswith("(3-fold)")
+    assert DemoResult("s", None, [LayerRow(0, 4, 1, 8, None)], 1, 1, 1.0, 1.0, 1.0, 0, 5).table().splitlines()[0] \
+        .endswith("probe acc (5-fold)")

@@ -404,6 +404,45 @@ def test_probe_store_and_report_say_how_many_rows_were_left_out(tmp_path):
     assert not everything and "every one of the 6 rows holds NaN or inf" in everything.skipped["0.output"]
 
 
+class _NanRows(torch.nn.Module):
+    """The rows as they are, but NaN in the rows ``rows``."""
+
+    def __init__(self, rows):
+        super().__init__()
+        self.rows = list(rows)
+
+    def forward(self, x):
+        x = x.clone()
+        x[self.rows] = float("nan")
+        return x
+
+
+def test_report_gives_each_hook_point_the_size_of_its_own_probe(tmp_path):
+    # hook point 1 loses 10 rows of class 1 to NaN: its probe has 50 samples and chance 0.6, not
+    # the 60 samples and chance 0.5 of hook point 0
+    import activationscope as acs
+    from activationscope.analysis.probes import probe_store
+
+    x, labels = _separable_rows()
+    nan_rows = [i for i in range(60) if labels[i] == 1][:10]
+    model = torch.nn.Sequential(torch.nn.Identity(), _NanRows(nan_rows))
+    with acs.ActivationScope(store=str(tmp_path / "s.zarr")).track(model) as tracker:
+        tracker.set_batch(label=labels)
+        tracker.model(x)
+    store = acs.open_store(str(tmp_path / "s.zarr"))
+    probes = probe_store(store, n_folds=5)
+    assert (probes["0.output"].n_samples, probes["0.output"].chance) == (60, 0.5)
+    assert (probes["1.output"].n_samples, probes["1.output"].chance) == (50, 0.6)
+    page = report.write_report(store, tmp_path / "rep", probes=probes).read_text()
+    assert "0.output: 60 labelled samples, 2 classes, chance 0.500." in page
+    assert "1.output: 50 labelled samples, 2 classes, chance 0.600." in page
+    assert "60 labelled samples, 2 classes, chance 0.500.</p>" not in page.split("0.output: ")[0]
+    # one size for every hook point: said once
+    clean = _store_of_rows(tmp_path / "c.zarr", x, labels)
+    page = report.write_report(clean, tmp_path / "rep2").read_text()
+    assert "5-fold stratified cross-validation, 60 labelled samples, 2 classes, chance 0.500." in page
+
+
 def test_report_table_shows_bytes_on_disk_as_info_does(tmp_path):
     from activationscope.sizes import format_bytes
 
@@ -768,3 +807,49 @@ def test_hook_point_stats_of_a_store_path_equal_those_of_the_open_store(tmp_path
     got = hook_point_stats(str(tmp_path / "s.zarr"), "1.output")    # a path was indexed as a str: TypeError
     assert torch.allclose(got.mean, x.mean(0)) and torch.allclose(got.std, x.std(0, correction=0))
     assert torch.equal(got.nonzero, (x != 0).double().mean(0)) and got.n_rows == 30
+
+
+def test_the_report_of_an_incomplete_store_says_it_covers_the_committed_samples_only(tmp_path, capsys):
+    # a capture stopped by an exception after 3 of its forwards: the store holds those 3
+    # (12 samples), status incomplete; the page and the command say what the figures cover
+    import activationscope as acs
+    from activationscope import cli
+
+    x, labels = _separable_rows(n=40)
+    model = torch.nn.Sequential(torch.nn.Identity())
+    with pytest.raises(RuntimeError):
+        with acs.ActivationScope(store=str(tmp_path / "k.zarr")).track(model) as tracker:
+            for b in range(0, 40, 4):
+                tracker.set_batch(label=labels[b:b + 4])
+                tracker.model(x[b:b + 4])
+                if b == 8:
+                    raise RuntimeError("stopped")
+    store = acs.open_store(str(tmp_path / "k.zarr"))
+    assert store.status == "incomplete" and store.n_samples == 12
+    stats = report.hook_point_stats(store, "0.output")
+    torch.testing.assert_close(stats.mean, x[:12].double().mean(0), rtol=1e-12, atol=1e-12)
+    page = report.write_report(store, tmp_path / "rep").read_text()
+    note = ("incomplete store (its capture stopped before it closed, or is still running): every table, plot and "
+            "probe here is over its 12 committed samples and their rows only; forwards after the last commit are "
+            "not in the store")
+    assert note in page
+    assert cli.main(["report", str(tmp_path / "k.zarr"), "--out", str(tmp_path / "rep2")]) == 0
+    assert f"activationscope report: note: {note}" in capsys.readouterr().out
+    clean = _store_of_rows(tmp_path / "c.zarr", x, labels)
+    assert "incomplete store" not in report.write_report(clean, tmp_path / "rep3").read_text()
+
+
+def test_probe_refuses_nan_labels_naming_them():
+    # NaN equals no label, not even itself: each would have been a class of one row, refused
+    # as "n_folds must be between 2 and the smallest class's size (1)"
+    import numpy as np
+
+    from activationscope.analysis.probes import probe_accuracy
+    from activationscope.errors import ArgumentValueError
+
+    x, labels = _separable_rows(n=20)
+    for bad in (torch.tensor([0.0, 1.0] * 9 + [float("nan")] * 2), np.array([0.0, 1.0] * 9 + [np.nan] * 2)):
+        with pytest.raises(ArgumentValueError, match=r"labels hold 2 NaN value\(s\) of 20; NaN is no class"):
+            probe_accuracy(x, bad, n_folds=2)
+    keep = [i for i in range(20) if i < 18]
+    assert probe_accuracy(x[keep], [labels[i] for i in keep], n_folds=2).n_samples == 18

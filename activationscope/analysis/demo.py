@@ -101,7 +101,12 @@ class DemoResult:
         return self.store_path if local is None else os.path.abspath(local)
 
     def table(self) -> str:
-        head = ("layer", "token rows", "sentence rows", "on disk", f"probe acc ({self.n_folds}-fold)")
+        from .report import _folds_used
+
+        # the folds the probes used: fewer than n_folds when the smallest class has fewer samples
+        probes = {row.layer: row.probe for row in self.layers if row.probe is not None}
+        folds = _folds_used(probes, self.n_folds) if probes else self.n_folds
+        head = ("layer", "token rows", "sentence rows", "on disk", f"probe acc ({folds}-fold)")
         lines = []
         for row in self.layers:
             acc = "-" if row.probe is None else f"{row.probe.accuracy:.3f} ± {row.probe.std:.3f}"

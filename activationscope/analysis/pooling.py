@@ -62,37 +62,48 @@ def _open(store: Any) -> Any:
 def pool_by_sample(rows: torch.Tensor, sample_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean of token rows per sample.
 
+    A sample is what ``sample_ids`` names: one id per row (the row table's ``sample_id``
+    column of the same rows), or a row of key columns per row, ``(rows, k)``. The ids of a
+    store written by several ranks count per rank (rank 0 and rank 1 both have a sample 0),
+    so there a sample is ``(rank, sample_id)``: pass ``torch.stack([rank, sample_id], 1)``
+    (the id column alone would pool the rows of two samples into one); add ``batch`` to keep
+    the forwards of one sample (``set_batch(same_samples=True)`` steps) apart.
+
     Parameters
     ----------
     rows : Tensor, (rows, *feature_shape)
-    sample_ids : Tensor, (rows,), int64
+    sample_ids : Tensor, (rows,) or (rows, k), int64
 
     Returns
     -------
-    (ids, pooled) : Tensor (n_samples,) sorted unique ids, Tensor (n_samples, *feature_shape) float64
+    (ids, pooled) : Tensor (n_samples,) or (n_samples, k) sorted unique ids (keys sorted as
+        tuples), Tensor (n_samples, *feature_shape) float64
 
     Raises
     ------
     ArgumentValueError
-        ``sample_ids`` is not 1-D with one id per row of ``rows``.
+        ``sample_ids`` is not 1-D or 2-D with one id (row of keys) per row of ``rows``.
     """
-    if sample_ids.dim() != 1 or len(sample_ids) != len(rows):
+    if sample_ids.dim() not in (1, 2) or len(sample_ids) != len(rows) or (sample_ids.dim() == 2
+                                                                          and sample_ids.shape[1] == 0):
         from ..errors import ArgumentValueError
 
         raise ArgumentValueError(
-            f"sample_ids must be 1-D with one id per row of rows ({len(rows)} rows), got shape "
-            f"{tuple(sample_ids.shape)}; pass the row table's sample_id column of the same rows"
+            f"sample_ids must be 1-D with one id per row of rows ({len(rows)} rows), or 2-D with a row of key "
+            f"columns per row (rank, sample_id), got shape {tuple(sample_ids.shape)}; pass the row table's "
+            "sample_id column of the same rows (with its rank column, stacked, for a store of several ranks)"
         )
-    ids, inverse = torch.unique(sample_ids, return_inverse=True)
+    ids, inverse = torch.unique(sample_ids, dim=0, return_inverse=True)
     flat = rows.reshape(rows.shape[0], -1).to(torch.float64)
     total = torch.zeros(len(ids), flat.shape[1], dtype=torch.float64).index_add_(0, inverse, flat)
     count = torch.bincount(inverse, minlength=len(ids)).to(torch.float64).unsqueeze(1)
     return ids, (total / count).reshape(len(ids), *rows.shape[1:])
 
 
-#: Int labels that mark a sample unlabelled: -1 (the demo's --corpus articles) and -100
+#: Labels that mark a sample unlabelled: -1 (the demo's --corpus articles) and -100
 #: (``ignore_index`` of ``torch.nn.CrossEntropyLoss``, which Hugging Face token-classification
-#: datasets put on tokens that carry no label).
+#: datasets put on tokens that carry no label); ints, or the same values of a float label column
+#: (a float tensor given to ``set_batch(label=...)``: -1.0 is -1).
 UNLABELLED_INTS = (-1, -100)
 
 
@@ -101,8 +112,8 @@ def _is_label(v: Any) -> bool:
         return False
     if isinstance(v, float) and v != v:  # NaN
         return False
-    if isinstance(v, int) and not isinstance(v, bool) and v in UNLABELLED_INTS:
-        return False  # other negative ints are classes
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and v in UNLABELLED_INTS:
+        return False  # (-1.0 and -100.0 of a float label column too); other negative numbers are classes
     return not (isinstance(v, str) and v == "")
 
 
@@ -117,7 +128,7 @@ def sentence_rows(
     across forwards or ranks (default ids count per rank) stay separate samples. Sample rows
     are used as they are, one per row, and so are token rows when ``label_column`` is a
     per-token column (given to ``set_batch`` with shape ``(batch, pos)``: a label per token).
-    Unlabelled rows (missing label, ``-1``, empty string) are dropped.
+    Unlabelled rows (missing label, ``-1``, ``-100`` as int or float, empty string) are dropped.
     Token rows are summed per sample batch by batch: memory holds one batch of rows and one
     float64 row per sample, not every token row.
 
@@ -140,6 +151,18 @@ def labelled_rows(
     (missing, ``-1``, ``-100``, empty string): ``(x, labels, n_unlabelled)``, or None. Sample rows
     come in their stored dtype (a float64 copy of a wide store is 4x a bfloat16 one; the
     probe makes each fold float64), pooled token rows in float64."""
+    got = _labelled_rows(store, hook_point, label_column, batch_size)
+    return None if got is None else got[:3]
+
+
+def _labelled_rows(
+    store: Any, hook_point: str, label_column: str = "label", batch_size: int = 8192
+) -> tuple[torch.Tensor, list[Any], int, list[Any] | None] | None:
+    """:func:`labelled_rows` plus the sample of each row, ``(rank, sample_id)`` (those of the
+    two the row table has), for a per-sample label: rows of one sample in several forwards
+    (the steps of ``set_batch(same_samples=True)``) are one sample, which a probe keeps in one
+    fold. For a per-token label, the ``(rank, batch, sample_id)`` of each token row: the tokens
+    of one sample in one forward."""
     import pyarrow.compute as pc
     from torch.utils.data import DataLoader
 
@@ -159,9 +182,14 @@ def labelled_rows(
     # token rows are pooled for a per-sample label; a per-token one (a (batch, pos) column of
     # set_batch, in the token row table) labels each token row
     token = ds.row_kind == "token" and label_column not in names
+    per_token = ds.row_kind == "token" and not token
     if token:  # token rows also see the per-sample columns of their sample
         keys = [c for c in ("rank", "batch") if c in names] + keys
         names = [*names, *ds.source.row_table("sample").column_names]
+    elif per_token:  # token rows of a per-token label: their sample is (rank, batch, sample_id)
+        keys = [c for c in ("rank", "batch") if c in names] + keys
+    elif "rank" in names:  # sample rows: their sample is (rank, sample_id)
+        keys = ["rank", *keys]
     if label_column not in names:
         return None
     # a label missing for some samples (set_batch(label=...) given for some batches only) is
@@ -176,6 +204,7 @@ def labelled_rows(
                            filter=None if missing is None else pc.field(label_column).is_valid())
     rows: list[torch.Tensor] = []  # sample rows: the labelled rows of each batch
     labels: list[Any] = []  # labels of the kept sample rows, or of the samples of the token rows
+    groups: list[Any] = []  # the (rank, sample_id) of each of those
     group: dict[Any, int] = {}  # token rows: (rank, batch, sample_id) -> index of the sample
     sums = torch.zeros(0, dtype=torch.float64)  # token rows: per sample, the sum of its rows so far
     counts = torch.zeros(0, dtype=torch.float64)
@@ -200,6 +229,7 @@ def labelled_rows(
         if not token:
             rows.append(x)  # (in the stored dtype)
             labels.extend(v for v, k in zip(batch_labels, kept) if k)
+            groups.extend(key for key, k in zip(zip(*(_as_list(batch[c]) for c in keys)), kept) if k)
             n_unlabelled += len(kept) - len(x)
             continue
         index = []
@@ -210,6 +240,7 @@ def labelled_rows(
             if key not in group:
                 group[key] = len(group)
                 labels.append(v)
+                groups.append(tuple(c for c, name in zip(key, keys) if name != "batch"))
             index.append(group[key])
         x = x.to(torch.float64)  # (only this batch's labelled rows are held as float64)
         if len(group) > len(sums):  # (grown by doubling: a copy per doubling)
@@ -225,10 +256,10 @@ def labelled_rows(
     if not n_seen or not labels:
         return None
     if not token:
-        return torch.cat(rows), labels, n_unlabelled
+        return torch.cat(rows), labels, n_unlabelled, groups
     n = len(group)
     pooled = sums[:n] / counts[:n].reshape(n, *([1] * (sums.dim() - 1)))
-    return pooled, labels, len(unlabelled)
+    return pooled, labels, len(unlabelled), groups
 
 
 def _as_list(values: Any) -> list[Any]:

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from ..errors import ActivationScopeError, ArgumentValueError, StoreError
-from .pooling import _open, labelled_rows, select_hook_points
+from .pooling import _labelled_rows, _open, select_hook_points
 
 __all__ = ["ProbeResult", "ProbeResults", "choose_folds", "drop_nonfinite_rows", "probe_accuracy", "probe_store"]
 
@@ -28,6 +28,9 @@ class ProbeResult:
     n_dropped : rows holding NaN or inf, left out of the fit and of ``n_samples``.
     dropped_note : says how many rows were left out, and (:func:`probe_store`) how many
         samples had no label ("" when none).
+    n_groups : the samples whose rows the folds keep together when some sample has several
+        rows (``groups`` of :func:`probe_accuracy`: the steps of a generation); 0 when every
+        row is a sample of its own.
     """
 
     accuracy: float
@@ -41,6 +44,7 @@ class ProbeResult:
     note: str = ""
     n_dropped: int = 0
     dropped_note: str = ""
+    n_groups: int = 0
 
 
 class ProbeResults(dict):
@@ -52,9 +56,34 @@ class ProbeResults(dict):
         self.skipped: dict[str, str] = {}
 
 
-def choose_folds(labels: Sequence[Any], n_folds: int) -> tuple[int, str]:
+def _units(labels: Sequence[Any], groups: Sequence[Any] | None) -> list[int] | None:
+    """The sample of each row (an index, in order of first appearance) when ``groups`` puts
+    several rows in one sample and every sample's rows have one label; else None (each row is
+    a sample: no groups, every group a single row, or a group whose rows differ in label, as
+    ids a user gave again to other samples)."""
+    if groups is None:
+        return None
+    groups = list(groups)
+    if len(groups) != len(labels):
+        raise ArgumentValueError(f"groups has {len(groups)} entries, expected one per row ({len(labels)})")
+    index: dict[Any, int] = {}
+    label_of: list[Any] = []
+    units = []
+    for g, v in zip(groups, labels):
+        u = index.setdefault(g, len(index))
+        if u == len(label_of):
+            label_of.append(v)
+        elif label_of[u] != v or _is_bool(label_of[u]) != _is_bool(v):
+            return None
+        units.append(u)
+    return units if len(index) < len(units) else None
+
+
+def choose_folds(labels: Sequence[Any], n_folds: int, groups: Sequence[Any] | None = None) -> tuple[int, str]:
     """Folds for a stratified cross-validation of ``labels``: ``n_folds``, or fewer when the
-    smallest class has fewer samples (every fold needs one of each class).
+    smallest class has fewer samples (every fold needs one of each class). With ``groups``
+    (the sample of each row, as :func:`probe_accuracy` takes it) a class's samples are its
+    groups.
 
     Returns
     -------
@@ -70,6 +99,12 @@ def choose_folds(labels: Sequence[Any], n_folds: int) -> tuple[int, str]:
     if n_folds < 2:
         raise ArgumentValueError(f"n_folds must be at least 2, got {n_folds}")
     _check_label_types(labels)
+    units = _units(labels, groups)
+    if units is not None:  # one label per sample: count each sample once
+        first: dict[int, Any] = {}
+        for w, v in zip(units, labels):
+            first.setdefault(w, v)
+        labels = list(first.values())
     counts: dict[Any, int] = {}
     for v in labels:
         counts[v] = counts.get(v, 0) + 1
@@ -124,6 +159,13 @@ def drop_nonfinite_rows(x: torch.Tensor, labels: Sequence[Any]) -> tuple[torch.T
         Every row holds NaN or inf; or fewer than 2 classes keep a row (the message names
         the classes whose rows were all left out).
     """
+    x, labels, n_dropped, note, _ = _drop_nonfinite_rows(x, labels)
+    return x, labels, n_dropped, note
+
+
+def _drop_nonfinite_rows(x: torch.Tensor, labels: Sequence[Any]
+                         ) -> tuple[torch.Tensor, list[Any], int, str, torch.Tensor | None]:
+    """:func:`drop_nonfinite_rows` plus the rows kept (a bool mask; None when all are)."""
     notes = []
     if x.shape[0] and x.shape[1]:
         bad_cols = ~torch.isfinite(x).any(0)
@@ -135,7 +177,7 @@ def drop_nonfinite_rows(x: torch.Tensor, labels: Sequence[Any]) -> tuple[torch.T
             x = x[:, ~bad_cols]
     finite = torch.isfinite(x).all(1) if x.shape[0] else torch.ones(0, dtype=torch.bool)
     if bool(finite.all()):
-        return x, list(labels), 0, "; ".join(notes)
+        return x, list(labels), 0, "; ".join(notes), None
     n_dropped = int((~finite).sum())
     if n_dropped == x.shape[0]:
         raise ArgumentValueError(
@@ -153,7 +195,7 @@ def drop_nonfinite_rows(x: torch.Tensor, labels: Sequence[Any]) -> tuple[torch.T
                 f"leaving out those {n_dropped} row(s) only class(es) {left} remain (check the capture, e.g. its "
                 "dtype: float16 overflows above 65504)")
         notes.append(f"every row of class(es) {lost} held NaN or inf: the probe is over the other classes")
-    return x[finite], kept, n_dropped, "; ".join(notes)
+    return x[finite], kept, n_dropped, "; ".join(notes), finite
 
 
 def _stratified_folds(y: torch.Tensor, n_folds: int, seed: int) -> list[torch.Tensor]:
@@ -167,6 +209,21 @@ def _stratified_folds(y: torch.Tensor, n_folds: int, seed: int) -> list[torch.Te
             folds[(j + offset) % n_folds].append(part)
         offset += len(idx) % n_folds
     return [torch.cat(f) if f else torch.empty(0, dtype=torch.long) for f in folds]
+
+
+def _sample_folds(y: torch.Tensor, units: list[int], n_folds: int, seed: int) -> list[torch.Tensor]:
+    """:func:`_stratified_folds` of the samples (``units``: the sample of each row, each of one
+    label), each fold holding every row of its samples: no sample is in a training fold and a
+    test fold."""
+    unit = torch.tensor(units, dtype=torch.long)
+    n_units = int(unit.max()) + 1
+    first_row = torch.full((n_units,), len(units), dtype=torch.long).scatter_reduce_(
+        0, unit, torch.arange(len(units)), reduce="amin")
+    fold_of_unit = torch.empty(n_units, dtype=torch.long)
+    for f, members in enumerate(_stratified_folds(y[first_row], n_folds, seed)):
+        fold_of_unit[members] = f
+    fold_of_row = fold_of_unit[unit]
+    return [torch.nonzero(fold_of_row == f).flatten() for f in range(n_folds)]
 
 
 def _fit_predict(x_train, y_train, x_test, n_classes: int, l2: float, max_iter: int) -> torch.Tensor:
@@ -206,6 +263,7 @@ def probe_accuracy(
     seed: int = 0,
     l2: float = 1e-2,
     max_iter: int = 100,
+    groups: Sequence[Any] | torch.Tensor | None = None,
 ) -> ProbeResult:
     """k-fold cross-validated accuracy of an L2-regularised multinomial logistic regression.
 
@@ -227,6 +285,13 @@ def probe_accuracy(
         Number of folds, at least 2 and at most the smallest class's size.
     l2 : float, default 1e-2
         Weight of the squared L2 norm of the weights in the loss (mean cross-entropy).
+    groups : sequence or Tensor (rows,), optional
+        The sample of each row (any hashable): rows of one sample (a generation's steps,
+        each captured as a row with the sample's label) are kept in one fold, so that no
+        sample is both trained on and tested; folds are then stratified by sample and
+        ``n_folds`` is at most the smallest class's number of samples. Used where some
+        sample has several rows and each sample's rows have one label (else every row is
+        a sample, as without ``groups``).
 
     Returns
     -------
@@ -236,8 +301,9 @@ def probe_accuracy(
     ------
     ValueError
         Fewer than 2 classes (also after rows with NaN or inf are left out), bool labels
-        mixed with others, mismatched lengths, too few samples for ``n_folds``, or every
-        row holding NaN or inf (:class:`ArgumentValueError`).
+        mixed with others, NaN labels (no class: leave their rows out), mismatched lengths,
+        too few samples for ``n_folds``, or every row holding NaN or inf
+        (:class:`ArgumentValueError`).
     """
     x = torch.as_tensor(x).detach().reshape(len(x), -1)
     if not x.dtype.is_floating_point:  # (a float x stays in its dtype: each fold is made float64)
@@ -248,22 +314,44 @@ def probe_accuracy(
     if len(labels) != x.shape[0]:
         raise ArgumentValueError(f"labels has {len(labels)} entries, expected one per row of x ({x.shape[0]})")
     _check_label_types(labels)
-    x, labels, n_dropped, dropped_note = drop_nonfinite_rows(x, labels)
+    n_nan = sum(1 for v in labels if isinstance(v, (float, np.floating)) and v != v)
+    if n_nan:  # (NaN != NaN: each would be a class of its own, of one row)
+        raise ArgumentValueError(
+            f"labels hold {n_nan} NaN value(s) of {len(labels)}; NaN is no class (it equals no label, not even "
+            "itself): leave those rows out first, e.g. keep = ~torch.isnan(labels); probe_accuracy(x[keep], "
+            "labels[keep]) (probe_store leaves samples with a NaN or missing label out itself)")
+    if groups is not None:
+        groups = groups.tolist() if isinstance(groups, torch.Tensor) else list(groups)
+        if len(groups) != len(labels):
+            raise ArgumentValueError(f"groups has {len(groups)} entries, expected one per row of x ({len(labels)})")
+    x, labels, n_dropped, dropped_note, kept = _drop_nonfinite_rows(x, labels)
+    if groups is not None and kept is not None:
+        groups = [g for g, k in zip(groups, kept.tolist()) if k]
     classes = sorted(set(labels), key=lambda v: (str(type(v)), v))
     if len(classes) < 2:
         raise ArgumentValueError(f"a probe needs at least 2 classes, got {classes!r}")
     index = {c: i for i, c in enumerate(classes)}
     y = torch.tensor([index[v] for v in labels], dtype=torch.long)
     counts = torch.bincount(y, minlength=len(classes))
-    if n_folds < 2 or int(counts.min()) < n_folds:
+    units = _units(labels, groups)
+    # a class's samples: its rows, or the samples (groups) of its rows
+    per_class = counts
+    if units is not None:
+        first_row: dict[int, int] = {}
+        for i, u in enumerate(units):
+            first_row.setdefault(u, i)
+        per_class = torch.bincount(y[list(first_row.values())], minlength=len(classes))
+    if n_folds < 2 or int(per_class.min()) < n_folds:
         raise ArgumentValueError(
-            f"n_folds must be between 2 and the smallest class's size ({int(counts.min())}), got {n_folds}"
+            f"n_folds must be between 2 and the smallest class's size ({int(per_class.min())}"
+            f"{'' if units is None else ' samples'}), got {n_folds}"
         )
+    folds = _stratified_folds(y, n_folds, seed) if units is None else _sample_folds(y, units, n_folds, seed)
     accs = []
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # (rows, d_model) problems this small only lose time to thread sync
     try:
-        for test in _stratified_folds(y, n_folds, seed):
+        for test in folds:
             train_mask = torch.ones(len(y), dtype=torch.bool)
             train_mask[test] = False
             # each fold's rows as float64 copies, standardised in place by _fit_predict: no
@@ -285,6 +373,7 @@ def probe_accuracy(
         n_folds=n_folds,
         n_dropped=n_dropped,
         dropped_note=dropped_note,
+        n_groups=0 if units is None else max(units) + 1,
     )
 
 
@@ -315,7 +404,11 @@ def probe_store(
     are left out of the result, with the reason in its ``skipped`` mapping. Samples without a
     label (missing, ``-1``, ``-100``, empty string) and rows holding NaN or inf are left out before the
     folds are chosen; each result's ``dropped_note`` says how many of each (``n_dropped``
-    counts the rows with NaN or inf).
+    counts the rows with NaN or inf). Rows of one sample (its ``(rank, sample_id)``: the steps
+    of ``set_batch(same_samples=True)``, each with the sample's label) are kept in one fold
+    (``groups`` of :func:`probe_accuracy`); so are the token rows of a sample in a forward,
+    ``(rank, batch, sample_id)``, for a per-token label that is one value per sample (a label
+    that differs within a sample is folded row by row).
 
     Parameters
     ----------
@@ -349,7 +442,7 @@ def probe_store(
             out.skipped[hp] = "it has no rows"
             continue
         try:
-            got = labelled_rows(store, hp, label_column)
+            got = _labelled_rows(store, hp, label_column)
         except ActivationScopeError as e:  # labels that cannot be paired with the rows (one id twice in a forward)
             if isinstance(e, (StoreError, KeyError, ImportError)):  # a damaged store, an unknown hook point
                 raise
@@ -358,16 +451,19 @@ def probe_store(
         if got is None:
             out.skipped[hp] = f"the row table has no labelled {label_column!r} column"
             continue
-        x, labels, n_unlabelled = got
+        x, labels, n_unlabelled, groups = got
         unlabelled = (f"{n_unlabelled} sample(s) without a label (missing, -1, -100 or empty) left out"
                       if n_unlabelled else "")
         try:
             x = torch.as_tensor(x).detach().reshape(len(x), -1)
             # (a float x stays in its dtype: probe_accuracy makes each fold float64)
-            x, labels, n_dropped, dropped_note = drop_nonfinite_rows(
+            x, labels, n_dropped, dropped_note, kept = _drop_nonfinite_rows(
                 x if x.dtype.is_floating_point else x.to(torch.float64), labels)
-            folds, note = choose_folds(labels, n_folds)
-            result = probe_accuracy(x, labels, n_folds=folds, seed=seed)
+            if groups is not None and kept is not None:
+                groups = [g for g, k in zip(groups, kept.tolist()) if k]
+            # rows of one sample (steps of set_batch(same_samples=True)) stay in one fold
+            folds, note = choose_folds(labels, n_folds, groups)
+            result = probe_accuracy(x, labels, n_folds=folds, seed=seed, groups=groups)
         except ValueError as e:
             out.skipped[hp] = f"{e} ({unlabelled})" if unlabelled else str(e)
             continue

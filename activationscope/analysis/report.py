@@ -284,6 +284,14 @@ def _per_channel(mean: torch.Tensor, std: torch.Tensor, nonzero: torch.Tensor, s
     return mean_c, var_c.sqrt(), nz.mean(1)
 
 
+def incomplete_note(store: Any) -> str:
+    """What the report of an incomplete store covers, in words: its committed samples only."""
+    n = getattr(store, "n_samples", None)
+    held = f"its {n:,} committed samples" if isinstance(n, int) else "its committed samples"
+    return (f"incomplete store (its capture stopped before it closed, or is still running): every table, plot and "
+            f"probe here is over {held} and their rows only; forwards after the last commit are not in the store")
+
+
 def _hp_info(info: Mapping[str, Any] | None, hp: str) -> Mapping[str, Any]:
     if not isinstance(info, Mapping):
         return {}
@@ -698,6 +706,8 @@ def write_report(
         f" &middot; {len(hps)} hook points",
         "</div>",
     ]
+    if status == "incomplete":  # what every figure below covers: the committed forwards only
+        parts.append(f"<div class='meta'>{e(incomplete_note(store))}</div>")
     if isinstance(prov, Mapping) and prov:
         items = []
         for key in ("model", "data", "command", "torch", "activationscope"):
@@ -721,7 +731,6 @@ def write_report(
     parts.append("</table>")
 
     if probe_png is not None:
-        any_p = next(iter(probes.values()))
         folds = _folds_used(probes, n_folds)
         notes = sorted({getattr(p, "note", "") for p in probes.values()} - {""})
         parts.append("<h2>Linear probes</h2>")
@@ -732,11 +741,26 @@ def write_report(
         rows = (f"one row per token row of token hook points (the label column {label_column!r} is per token; "
                 "sample rows as they are)" if per_token else
                 "one row per sample (token rows mean-pooled per sample)")
+        # the size of each problem: one line when every hook point has the same, else one per
+        # size naming its hook points (rows left out for NaN or inf differ between hook points)
+        by_size: dict[tuple[int, int, int, float], list[str]] = {}
+        for hp, p in probes.items():
+            key = (p.n_samples, getattr(p, "n_groups", 0), p.n_classes, p.chance)
+            by_size.setdefault(key, []).append(hp)
+
+        def size(key: tuple[int, int, int, float]) -> str:
+            # (samples with several rows, kept in one fold each: the steps of a generation)
+            samples = f"{key[1]} labelled samples in {key[0]} rows" if key[1] else f"{key[0]} labelled samples"
+            return f"{samples}, {key[2]} classes, chance {key[3]:.3f}"
+
         parts.append(
             f"<p class='note'>L2-regularised logistic regression on {e(rows)}, {folds}-fold stratified "
-            f"cross-validation, {any_p.n_samples} labelled samples, {any_p.n_classes} classes, chance "
-            f"{any_p.chance:.3f}.</p>"
+            f"cross-validation" + (f", {size(next(iter(by_size)))}.</p>" if len(by_size) == 1 else
+                                   ", on problems of different sizes:</p>")
         )
+        if len(by_size) > 1:
+            for key, which_hps in by_size.items():
+                parts.append(f"<p class='note'>{e(', '.join(which_hps))}: {size(key)}.</p>")
         for note in notes:
             parts.append(f"<p class='note'>Folds chosen from the class counts: {e(note)}.</p>")
         by_note: dict[str, list[str]] = {}  # one line per note, naming every hook point it is about

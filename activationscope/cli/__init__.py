@@ -832,6 +832,8 @@ def cmd_report(args: argparse.Namespace) -> int:
                   "label lines up with them; its statistics and plots are in the report")
     path = report.write_report(store, args.out, hook_points=hook_points, label_column=args.label_column,
                                n_folds=args.folds)
+    if store.status == "incomplete":
+        print(f"{PROG} report: note: {report.incomplete_note(store)}")
     print(f"report: {os.path.abspath(path)}")
     return 0
 

@@ -109,6 +109,28 @@ def test_only_minus_one_and_the_ignore_index_mark_a_sample_unlabelled_and_the_pr
     assert "(12 sample(s) without a label (missing, -1, -100 or empty) left out)" in probe_store(store).skipped["head.output"]
 
 
+@pytest.mark.parametrize("mark", [-1.0, -100.0])
+def test_a_float_label_column_marks_unlabelled_samples_as_an_int_one_does(tmp_path, mark):
+    # a float tensor given to set_batch(label=...) stores -1.0 / -100.0: those samples are
+    # unlabelled, not a third class probed with the others
+    labels = torch.tensor([mark, 0.0, 1.0] * 8)
+    store = _labelled_store(tmp_path / "f.zarr", labels)
+    assert store.row_table("sample").schema.field("label").type.bit_width in (32, 64)  # a float column
+    keep = labels != mark
+    for hp in ("head.output", "layer.output"):
+        x, got, n_unlabelled = labelled_rows(store, hp)
+        assert got == [0.0, 1.0] * 8 and n_unlabelled == 8 and len(x) == 16
+    torch.testing.assert_close(labelled_rows(store, "head.output")[0], store["head.output"][keep], rtol=0, atol=0)
+    result = probe_store(store, n_folds=2)
+    for hp in ("head.output", "layer.output"):
+        assert result[hp].n_samples == 16 and result[hp].n_classes == 2
+        assert result[hp].chance == 0.5
+        assert result[hp].dropped_note == "8 sample(s) without a label (missing, -1, -100 or empty) left out"
+    # other negative floats are classes
+    store = _labelled_store(tmp_path / "g.zarr", torch.tensor([-2.0, 2.0, -1.5] * 8))
+    assert probe_store(store, n_folds=2)["head.output"].n_classes == 3
+
+
 def test_str_sample_ids_are_pooled_and_probed(tmp_path):
     model = Encoder().eval()
     gen = torch.Generator().manual_seed(7)
@@ -322,7 +344,108 @@ def test_pool_by_sample_refuses_ids_that_do_not_pair_with_the_rows():
     rows = torch.arange(10.0).reshape(5, 2)
     ids, pooled = pool_by_sample(rows, torch.tensor([3, 1, 3, 1, 1]))
     assert ids.tolist() == [1, 3] and torch.allclose(pooled, torch.tensor([[16 / 3, 19 / 3], [2.0, 3.0]], dtype=torch.float64))
-    for bad in (torch.tensor([0, 0, 1]), torch.zeros(5, 1, dtype=torch.long)):
+    for bad in (torch.tensor([0, 0, 1]), torch.zeros(5, 1, 1, dtype=torch.long), torch.zeros(4, 2, dtype=torch.long),
+                torch.zeros(5, 0, dtype=torch.long)):
         with pytest.raises(ArgumentValueError, match=r"sample_ids must be 1-D with one id per row of rows \(5 rows\), "
-                                                     rf"got shape {re.escape(str(tuple(bad.shape)))}"):
+                                                     rf"or 2-D .*got shape {re.escape(str(tuple(bad.shape)))}"):
             pool_by_sample(rows, bad)
+
+
+def test_pool_by_sample_keeps_samples_of_different_ranks_apart(tmp_path):
+    # the ids of a two-rank store count per rank: (rank, sample_id) names a sample, and the
+    # pooled rows are each sample's own mean, as sentence_rows gives them
+    from activationscope.analysis.pooling import pool_by_sample
+
+    store = _two_rank_store(tmp_path / "ranks.zarr")
+    tokens = store.row_table("token")
+    rank, sid, batch = (torch.tensor(tokens.column(c).to_pylist()) for c in ("rank", "sample_id", "batch"))
+    rows = store["layer.output"]
+    keys, pooled = pool_by_sample(rows, torch.stack([rank, sid], 1))
+    assert len(keys) == 24 and keys.tolist() == [list(k) for k in sorted({(r, s) for r, s in zip(rank.tolist(), sid.tolist())})]
+    for (r, s), got in zip(keys.tolist(), pooled):
+        want = rows[(rank == r) & (sid == s)].double().mean(0)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    # the same rows keyed as sentence_rows keys them, (rank, batch, sample_id): the same means
+    x, _ = sentence_rows(store, "layer.output")
+    keys3, pooled3 = pool_by_sample(rows, torch.stack([rank, batch, sid], 1))
+    order = list(dict.fromkeys(zip(rank.tolist(), batch.tolist(), sid.tolist())))
+    torch.testing.assert_close(pooled3[[keys3.tolist().index(list(k)) for k in order]], x, rtol=1e-12, atol=1e-12)
+
+
+def test_steps_of_one_sample_stay_in_one_fold(tmp_path):
+    # a generation-like capture: each batch of samples is fed 4 times, the later forwards as
+    # set_batch(same_samples=True) steps, the label given again each step. The labels are
+    # random, so a probe that tests a sample it trained on (another step of it) scores far
+    # above chance; one that keeps every step of a sample in one fold scores as a probe of
+    # one row per sample (identical steps: the same mean loss, the same folds)
+    from activationscope.analysis.probes import choose_folds, probe_accuracy
+
+    n, steps = 40, 4
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 50, (n, 5), generator=gen)
+    mask = torch.arange(5)[None, :] < torch.randint(1, 6, (n, 1), generator=gen)
+    labels = torch.randint(0, 2, (n,), generator=gen)
+    model = Encoder(d_model=12).eval()
+    scope = acs.ActivationScope(store=str(tmp_path / "g.zarr"))
+    with scope.track(model, include=["layer", "head"]) as tracker, torch.no_grad():
+        for b in range(0, n, 10):
+            for step in range(steps):
+                tracker.set_batch(attention_mask=mask[b:b + 10], label=labels[b:b + 10], same_samples=step > 0)
+                model(ids[b:b + 10] * mask[b:b + 10])
+    store = acs.open_store(str(tmp_path / "g.zarr"))
+    assert store.n_samples == n * steps
+    results = probe_store(store, n_folds=5)
+    for hp in ("head.output", "layer.output"):
+        x, got = sentence_rows(store, hp)
+        assert len(x) == n * steps
+        first = [i for i in range(len(x)) if i % (10 * steps) < 10]  # the first forward of each batch
+        once = probe_accuracy(x[first], [got[i] for i in first], n_folds=5)
+        # (a probe of the steps as unrelated samples: 0.73 and 0.67 here, the one-row probe 0.6 and 0.625)
+        assert results[hp].fold_accuracies == pytest.approx(once.fold_accuracies, abs=1e-9)
+        assert results[hp].n_samples == n * steps and results[hp].n_groups == n
+    from activationscope.analysis.report import write_report
+
+    page = write_report(store, tmp_path / "rep", probes=results).read_text()
+    assert "5-fold stratified cross-validation, 40 labelled samples in 160 rows, 2 classes, chance" in page
+    # folds come from the samples of the smallest class, not its rows
+    y = [0] * 12 + [1] * 28
+    groups = [i // 4 for i in range(40)]
+    assert choose_folds(y, 5, groups) == (3, "3-fold instead of 5: the smallest class (0) has 3 labelled samples")
+    assert choose_folds(y, 5) == (5, "")
+    # groups whose rows differ in label (ids given again to other samples) are not samples: rows are
+    assert choose_folds([0, 1] * 20, 5, [i // 4 for i in range(40)]) == (5, "")
+
+
+class _Context(torch.nn.Module):
+    """Token rows that carry their sentence: each token's embedding plus 3x the sentence mean."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(50, 16)
+        self.mix = torch.nn.Identity()
+
+    def forward(self, ids):
+        e = self.embed(ids)
+        return self.mix(e + 3 * e.mean(1, keepdim=True))
+
+
+def test_tokens_of_one_sentence_with_one_per_token_label_stay_in_one_fold(tmp_path):
+    # a per-token column whose value is one random tag per sentence: a probe that trains on
+    # some tokens of a sentence and tests on others learns the sentence (0.62 here, chance
+    # 0.53); with each sentence's tokens in one fold it has nothing to learn
+    model = _Context().eval()
+    gen = torch.Generator().manual_seed(0)
+    scope = acs.ActivationScope(store=str(tmp_path / "tok.zarr"))
+    with scope.track(model, include=["mix"]) as tracker, torch.no_grad():
+        for _ in range(8):
+            ids = torch.randint(0, 50, (8, 6), generator=gen)
+            tag = torch.randint(0, 2, (8, 1), generator=gen).expand(8, 6)
+            tracker.set_batch(attention_mask=torch.ones(8, 6, dtype=torch.bool), tag=tag, word=ids % 2)
+            model(ids)
+    store = acs.open_store(str(tmp_path / "tok.zarr"))
+    result = probe_store(store, label_column="tag", n_folds=5)["mix.output"]
+    assert result.accuracy < 0.53125
+    assert (result.n_samples, result.n_groups, result.chance) == (384, 64, 0.53125)
+    # a per-token label that differs within a sentence: token rows are folded row by row
+    assert probe_store(store, label_column="word", n_folds=5)["mix.output"].n_groups == 0
