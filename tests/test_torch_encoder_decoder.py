@@ -308,3 +308,32 @@ def test_token_rows_of_a_sequence_first_stack_are_refused(tmp_path):
             tracker.set_batch(attention_mask=~src_pad)
             _call(model, src, src_pad, tgt, tgt_pad)
     assert not (tmp_path / "s.zarr").exists()
+
+
+def test_the_stacks_signatures_are_read_once_not_at_every_forward(tmp_path, monkeypatch):
+    # each call of an encoder or decoder stack read its forward's signature again
+    # (inspect.signature: tens of microseconds per stack call, at every forward)
+    import inspect
+
+    from activationscope.capture import scope as scope_module
+
+    model = _transformer()
+    batch = src, src_pad, tgt, tgt_pad = _batch(4)
+    read = []
+    signature = inspect.signature
+
+    def counted(fn, *a, **k):
+        if fn in (torch.nn.TransformerEncoder.forward, torch.nn.TransformerDecoder.forward):
+            read.append(fn)
+        return signature(fn, *a, **k)
+
+    scope_module._positional_names.cache_clear()
+    monkeypatch.setattr(scope_module.inspect, "signature", counted)
+    dec = acs.ActivationScope(store=tmp_path / "dec.zarr")
+    with torch.no_grad(), dec.track(model, include=["decoder.layers.1"]) as td:
+        for _ in range(4):
+            td.set_batch(attention_mask=~tgt_pad, sample_ids=[10, 11, 12])
+            _call(model, *batch)
+    assert read.count(torch.nn.TransformerDecoder.forward) == 1
+    assert read.count(torch.nn.TransformerEncoder.forward) <= 1
+    assert acs.open_store(tmp_path / "dec.zarr").n_samples == 4 * B

@@ -3039,12 +3039,15 @@ def _torch_stacks(model: torch.nn.Module) -> tuple[list[torch.nn.Module], list[t
     return found if found[1] else None
 
 
-def _positional_names(forward: Any) -> list[str]:
+@functools.lru_cache(maxsize=64)
+def _positional_names(forward: Any) -> tuple[str, ...]:
+    """The names of the positional parameters of ``forward`` (a class's function), computed
+    once per function: a torch.nn stack's pre-hook reads them at each of its calls."""
     try:
         params = inspect.signature(forward).parameters.values()
     except (TypeError, ValueError):
-        return []
-    return [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        return ()
+    return tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
 
 
 def _stack_batch_first(stack: torch.nn.Module) -> bool:
