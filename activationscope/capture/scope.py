@@ -572,14 +572,20 @@ def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
             and (a.numel() == 0 or (a.data_ptr() == b.data_ptr() and a.stride() == b.stride())))
 
 
+def _dropout_class(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is a dropout itself: a ``torch.nn`` dropout, or of a class named like
+    one (:data:`_DROP_NAMES`), rather than a module calling a functional dropout."""
+    return isinstance(module, torch.nn.modules.dropout._DropoutNd) or \
+        any(word in type(module).__name__ for word in _DROP_NAMES)
+
+
 def _drops_in_training(module: torch.nn.Module) -> bool:
     """Whether ``module`` drops values in training mode: a dropout (``torch.nn`` or a class
     named like one) whose probability (``p``, ``drop_prob``) is not known to be 0, or a
     module holding a dropout probability above 0 (an attribute named like ``dropout``) for
     the functional dropout it calls."""
     attrs = getattr(module, "__dict__", {})
-    if isinstance(module, torch.nn.modules.dropout._DropoutNd) or \
-            any(word in type(module).__name__ for word in _DROP_NAMES):
+    if _dropout_class(module):
         for attr in ("p", "drop_prob"):
             p = attrs.get(attr)
             if isinstance(p, (int, float)) and not isinstance(p, bool):
@@ -1760,9 +1766,7 @@ class Tracker:
                     outputs.append(x)
 
         self._dropout_outputs = outputs
-        self._dropout_paths = tuple(path for path, m in drops
-                                    if not isinstance(m, torch.nn.modules.dropout._DropoutNd)
-                                    and not any(word in type(m).__name__ for word in _DROP_NAMES))
+        self._dropout_paths = tuple(path for path, m in drops if not _dropout_class(m))
         self._dropout_modules = frozenset(path for path, _ in drops)
         self._dropout_probes = [m.register_forward_hook(note) for _, m in drops]
 
