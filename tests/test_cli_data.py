@@ -518,3 +518,18 @@ def test_a_text_labels_file_of_integers_gives_integer_labels_and_minus_one_is_un
     assert store.row_table("sample").to_pydict()["label"] == labels
     result = probe_store(store, "2.output", n_folds=3)["2.output"]
     assert result.n_samples == 24 and result.n_classes == 2
+
+
+def test_a_text_labels_file_with_an_integer_too_large_for_int64_is_refused_naming_the_line(tmp_path):
+    # it raised a bare OverflowError ('Python int too large to convert to C long')
+    from activationscope.analysis.specs import load_labels_spec
+    from activationscope.errors import SpecError
+
+    path = tmp_path / "y.txt"
+    path.write_text("1\n-1\n99999999999999999999\n")
+    with pytest.raises(SpecError) as info:
+        load_labels_spec(str(path), "x.npy", 3)
+    assert "line 3" in str(info.value) and "99999999999999999999" in str(info.value)
+    assert "64-bit" in str(info.value)
+    path.write_text(f"{2**63 - 1}\n{-2**63}\n0\n")
+    assert load_labels_spec(str(path), "x.npy", 3) == [2**63 - 1, -2**63, 0]

@@ -308,3 +308,68 @@ def test_token_rows_of_a_sequence_first_stack_are_refused(tmp_path):
             tracker.set_batch(attention_mask=~src_pad)
             _call(model, src, src_pad, tgt, tgt_pad)
     assert not (tmp_path / "s.zarr").exists()
+
+
+def test_the_stacks_signatures_are_read_once_not_at_every_forward(tmp_path, monkeypatch):
+    # each call of an encoder or decoder stack read its forward's signature again
+    # (inspect.signature: tens of microseconds per stack call, at every forward)
+    import inspect
+
+    from activationscope.capture import scope as scope_module
+
+    model = _transformer()
+    batch = src, src_pad, tgt, tgt_pad = _batch(4)
+    read = []
+    signature = inspect.signature
+
+    def counted(fn, *a, **k):
+        if fn in (torch.nn.TransformerEncoder.forward, torch.nn.TransformerDecoder.forward):
+            read.append(fn)
+        return signature(fn, *a, **k)
+
+    scope_module._positional_names.cache_clear()
+    monkeypatch.setattr(scope_module.inspect, "signature", counted)
+    dec = acs.ActivationScope(store=tmp_path / "dec.zarr")
+    with torch.no_grad(), dec.track(model, include=["decoder.layers.1"]) as td:
+        for _ in range(4):
+            td.set_batch(attention_mask=~tgt_pad, sample_ids=[10, 11, 12])
+            _call(model, *batch)
+    assert read.count(torch.nn.TransformerDecoder.forward) == 1
+    assert read.count(torch.nn.TransformerEncoder.forward) <= 1
+    assert acs.open_store(tmp_path / "dec.zarr").n_samples == 4 * B
+
+
+def test_token_rows_of_a_sequence_first_module_outside_an_encoder_decoder_are_refused(tmp_path):
+    # an encoder alone (no decoder stack), an LSTM or an attention built sequence-first: with
+    # as many samples as positions their (pos, batch, d) passed for token rows, taken with the
+    # mask transposed (a CaptureWarning said one row per position), refused only for nn.Transformer
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(d_model=D, nhead=2, dim_feedforward=16, dropout=0.0)
+    encoder = torch.nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False).eval()
+    lstm = torch.nn.LSTM(D, D).eval()
+    x = torch.randn(S, S, D)  # (pos, batch, d), batch == pos
+    pad = torch.zeros(S, S, dtype=torch.bool)
+    pad[1, 2:] = True
+    for i, (model, call, include, where) in enumerate((
+            (encoder, lambda m: m(x, src_key_padding_mask=pad), ["layers.1"], r"'layers\.1' \(TransformerEncoderLayer\)"),
+            (lstm, lambda m: m(x), ["*"], r"'the model' \(LSTM\)"))):
+        with pytest.raises(acs.CaptureError, match=rf"is inside {where} of the model \w+, built sequence-first.*"
+                           r"mask transposed.*batch_first=True"):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", acs.CaptureWarning)
+                with torch.no_grad(), acs.ActivationScope(store=tmp_path / f"{i}.zarr").track(
+                        model, include=include) as tracker:
+                    tracker.set_batch(attention_mask=~pad)
+                    call(model)
+        assert not (tmp_path / f"{i}.zarr").exists()
+    # an attention's weights (batch, query, key) and the key padding masks are batch-first in
+    # a sequence-first module: still token rows
+    mha = torch.nn.MultiheadAttention(D, 2).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", acs.CaptureWarning)
+        with torch.no_grad(), acs.ActivationScope(store=tmp_path / "m.zarr", capture="both",
+                                                  token_rows={"output.0": False, "input.*": False}).track(mha) as t:
+            t.set_batch(attention_mask=~pad)
+            _, weights = mha(x, x, x, key_padding_mask=pad)
+    store = acs.open_store(tmp_path / "m.zarr")
+    _close(store["output.1"], weights[~pad])

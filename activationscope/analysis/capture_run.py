@@ -1276,8 +1276,13 @@ def _dtype_hint(model: Any, inputs: Any) -> str:
     params = {p.dtype for p in model.parameters() if p.dtype.is_floating_point}
     if len(params) != 1 or inputs.dtype in params:
         return ""
-    want = str(next(iter(params))).removeprefix("torch.")
-    got = str(inputs.dtype).removeprefix("torch.")
+    return _save_as_hint(inputs.dtype, next(iter(params)))
+
+
+def _save_as_hint(got: Any, want: Any) -> str:
+    """``"; --data holds <got> values and the model's parameters are <want>: save it as ..."``
+    for torch dtypes ``got`` (the data's) and ``want`` (the model's floating parameters')."""
+    got, want = str(got).removeprefix("torch."), str(want).removeprefix("torch.")
     how = f"numpy: x.astype(np.{want}), " if want != "bfloat16" else ""  # (numpy has no bfloat16: a .pt file)
     return (f"; --data holds {got} values and the model's parameters are {want}: save it as {want} "
             f"({how}torch: x.to(torch.{want}))")
@@ -1324,10 +1329,7 @@ def _input_hint(model: Any, inputs: Any, data: str | None) -> str:
         if not isinstance(layer, torch.nn.Embedding) and not inputs.dtype.is_floating_point:
             weight = getattr(layer, "weight", None)
             if isinstance(weight, torch.Tensor) and weight.dtype.is_floating_point:
-                want = str(weight.dtype).removeprefix("torch.")
-                how = f"numpy: x.astype(np.{want}), " if want != "bfloat16" else ""
-                return hint + (f"; --data holds {got} values and the model's parameters are {want}: save it as "
-                               f"{want} ({how}torch: x.to(torch.{want}))")
+                return hint + _save_as_hint(inputs.dtype, weight.dtype)
     return hint + _dtype_hint(model, inputs)
 
 

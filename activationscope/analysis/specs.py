@@ -681,6 +681,11 @@ def load_labels_spec(spec: str, data: str, n_samples: int) -> list[Any]:
         if stripped and all(_INT_LABEL.fullmatch(v) for v in stripped):
             # a file of integers is integer labels (so -1 and -100 mark unlabelled samples, as
             # the docs say, and classes compare as the numbers they are), not strings
+            big = next((i for i, v in enumerate(stripped) if not -2**63 <= int(v) < 2**63), None)
+            if big is not None:
+                raise SpecError(f"--labels {spec!r}: line {big + 1} holds the integer {stripped[big]}, which does "
+                                "not fit a 64-bit integer label; write smaller class numbers (or give every label a "
+                                "name that is not a number, for string labels)")
             values = np.array([int(v) for v in stripped], dtype=np.int64)
         else:
             values = np.array(stripped, dtype=str)

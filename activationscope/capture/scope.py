@@ -572,14 +572,20 @@ def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
             and (a.numel() == 0 or (a.data_ptr() == b.data_ptr() and a.stride() == b.stride())))
 
 
+def _dropout_class(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is a dropout itself: a ``torch.nn`` dropout, or of a class named like
+    one (:data:`_DROP_NAMES`), rather than a module calling a functional dropout."""
+    return isinstance(module, torch.nn.modules.dropout._DropoutNd) or \
+        any(word in type(module).__name__ for word in _DROP_NAMES)
+
+
 def _drops_in_training(module: torch.nn.Module) -> bool:
     """Whether ``module`` drops values in training mode: a dropout (``torch.nn`` or a class
     named like one) whose probability (``p``, ``drop_prob``) is not known to be 0, or a
     module holding a dropout probability above 0 (an attribute named like ``dropout``) for
     the functional dropout it calls."""
     attrs = getattr(module, "__dict__", {})
-    if isinstance(module, torch.nn.modules.dropout._DropoutNd) or \
-            any(word in type(module).__name__ for word in _DROP_NAMES):
+    if _dropout_class(module):
         for attr in ("p", "drop_prob"):
             p = attrs.get(attr)
             if isinstance(p, (int, float)) and not isinstance(p, bool):
@@ -1630,14 +1636,16 @@ class Tracker:
             if not known_layout:  # (not asked for by the user: a mask that fits nothing is still warned about)
                 self._sample_rows_chosen = True
             token = False
-        if decided is None and (self._seq2seq or self._nn_seq2seq) and (self.writer is not None or (
-                self._red_factories is not None
-                and self._red_factories.resolve_reductions(scope.reductions, name, self._hook_names))):
+        rows_matter = decided is None and (self.writer is not None or (
+            self._red_factories is not None
+            and bool(self._red_factories.resolve_reductions(scope.reductions, name, self._hook_names))))
+        if rows_matter and token:
+            self._check_sequence_first(name, tuple(tensor.shape), mask)
+        if rows_matter and (self._seq2seq or self._nn_seq2seq):
             side = self._side_of(name)
             own = dict(zip(("encoder", "decoder"), self._seq_masks)).get(side)
             if token:
                 # an encoder-decoder model: the mask must be that of this hook point's sequence
-                self._check_sequence_first(name, tuple(tensor.shape), mask)
                 self._check_token_side(name, side, tuple(tensor.shape), mask)
                 self._token_sides[name] = side
             elif (mask is not None and own is not None and tensor.dim() >= 2
@@ -1758,9 +1766,7 @@ class Tracker:
                     outputs.append(x)
 
         self._dropout_outputs = outputs
-        self._dropout_paths = tuple(path for path, m in drops
-                                    if not isinstance(m, torch.nn.modules.dropout._DropoutNd)
-                                    and not any(word in type(m).__name__ for word in _DROP_NAMES))
+        self._dropout_paths = tuple(path for path, m in drops if not _dropout_class(m))
         self._dropout_modules = frozenset(path for path, _ in drops)
         self._dropout_probes = [m.register_forward_hook(note) for _, m in drops]
 
@@ -2662,23 +2668,35 @@ class Tracker:
         )
 
     def _check_sequence_first(self, name: str, shape: tuple[int, ...], mask: torch.Tensor | None) -> None:
-        """Refuse token rows of a hook point inside a torch.nn stack built sequence-first
-        (``batch_first=False``, nn.Transformer's default): its activation is ``(pos, batch,
-        ...)``, which starts with the ``(batch, pos)`` mask only where the two are equal, and its
-        rows would be taken with the mask transposed."""
-        if self._nn_seq2seq is None or self._seq2seq or mask is None:
+        """Refuse token rows of a hook point of a torch.nn module built sequence-first, or inside
+        one (``batch_first=False``: nn.Transformer's default, its stacks and layers,
+        ``nn.MultiheadAttention``, ``nn.LSTM`` / ``GRU`` / ``RNN``; :func:`_sequence_first`): its
+        activation is ``(pos, batch, ...)``, which starts with the ``(batch, pos)`` mask only
+        where the two are equal, and its rows would be taken with the mask transposed. The
+        module named is the outermost such one below the model (the model itself where it is
+        the only one)."""
+        if mask is None or tuple(shape[:2]) != tuple(mask.shape):
             return
-        module = dict(self._modules).get(self._module_of(name))
-        stacks = [st for st in (*self._nn_seq2seq[0], *self._nn_seq2seq[1]) if not _stack_batch_first(st)]
-        if isinstance(self.model, torch.nn.Transformer) and not self.model.batch_first:
-            stacks.append(self.model)
-        found = next((st for st in stacks if module is not None and any(m is module for m in st.modules())), None)
-        if found is None:
+        path = self._module_of(name)
+        if _batch_first_part(name, path, dict(self._modules).get(path)):
             return
-        where = next((n for n, m in self.model.named_modules() if m is found), "")
+        parts = path.split(".") if path else []
+        found = []
+        for k in range(len(parts) + 1):
+            where = ".".join(parts[:k])
+            try:
+                module = self.model.get_submodule(where)
+            except (AttributeError, TypeError):
+                break
+            if _sequence_first(module):
+                found.append((where, module))
+        if not found:
+            return
+        where, module = next(((w, m) for w, m in found if w), found[0])
+        kind = "encoder-decoder model" if self._seq2seq or self._nn_seq2seq else "model"
         raise CaptureError(
-            f"hook point {name!r} is inside {where or 'the model'!r} ({type(found).__name__}) of the encoder-decoder "
-            f"model {type(self.model).__name__}, built sequence-first (batch_first=False): its activation {shape} "
+            f"hook point {name!r} is inside {where or 'the model'!r} ({type(module).__name__}) of the {kind} "
+            f"{type(self.model).__name__}, built sequence-first (batch_first=False): its activation {shape} "
             f"is (pos, batch, ...), and it starts with the (batch, pos) {tuple(mask.shape)} of the mask its token "
             "rows are taken with only because the batch has as many samples as positions: its rows would be taken "
             "with the mask transposed. Build the model with batch_first=True (the same state_dict loads) and feed "
@@ -3039,12 +3057,47 @@ def _torch_stacks(model: torch.nn.Module) -> tuple[list[torch.nn.Module], list[t
     return found if found[1] else None
 
 
-def _positional_names(forward: Any) -> list[str]:
+@functools.lru_cache(maxsize=64)
+def _positional_names(forward: Any) -> tuple[str, ...]:
+    """The names of the positional parameters of ``forward`` (a class's function), computed
+    once per function: a torch.nn stack's pre-hook reads them at each of its calls."""
     try:
         params = inspect.signature(forward).parameters.values()
     except (TypeError, ValueError):
-        return []
-    return [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        return ()
+    return tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+
+
+def _sequence_first(module: torch.nn.Module) -> bool:
+    """Whether ``module`` of torch.nn takes and gives ``(pos, batch, ...)`` tensors: built with
+    ``batch_first=False`` (nn.Transformer, nn.MultiheadAttention, nn.LSTM / GRU / RNN), or an
+    encoder / decoder stack or layer whose attention is."""
+    if isinstance(module, (*_NN_ENCODERS, *_NN_DECODERS)):
+        return not _stack_batch_first(module)
+    first = getattr(module, "batch_first", None)
+    return first is False and isinstance(module, (torch.nn.Transformer, torch.nn.MultiheadAttention,
+                                                  torch.nn.RNNBase))
+
+
+def _batch_first_part(hook_point: str, path: str, module: torch.nn.Module | None) -> bool:
+    """Whether ``hook_point`` of the module at ``path`` is ``(batch, ...)`` also where the
+    module is built sequence-first: a key padding mask it takes (``(batch, pos)``, as
+    ``src_key_padding_mask``), or ``nn.MultiheadAttention``'s attention weights (``output.1``)."""
+    rest = hook_point[len(path):] if path else "." + hook_point
+    rest = rest[rest.find("."):] if rest.startswith("#") and "." in rest else rest
+    if isinstance(module, torch.nn.MultiheadAttention) and (rest == ".output.1" or rest.startswith(".output.1.")):
+        return True
+    if not rest.startswith(".input."):
+        return False
+    first = rest[len(".input."):].split(".")
+    if first[0] == "kw":
+        param = first[1] if len(first) > 1 else ""
+    elif first[0].isdigit() and module is not None:
+        names = _positional_names(type(module).forward)[1:]
+        param = names[int(first[0])] if int(first[0]) < len(names) else ""
+    else:
+        return False
+    return "padding_mask" in param
 
 
 def _stack_batch_first(stack: torch.nn.Module) -> bool:
