@@ -440,9 +440,9 @@ def probe_store(
     folds are chosen; each result's ``dropped_note`` says how many of each (``n_dropped``
     counts the rows with NaN or inf). Rows of one sample (its ``(rank, sample_id)``: the steps
     of ``set_batch(same_samples=True)``, each with the sample's label) are kept in one fold
-    (``groups`` of :func:`probe_accuracy`); so are the token rows of a sample in a forward,
-    ``(rank, batch, sample_id)``, for a per-token label, one tag per sentence or one per token
-    (training on some tokens of a sentence and testing on others would learn the sentence).
+    (``groups`` of :func:`probe_accuracy`); so are the token rows of a sample, in every forward
+    of it, for a per-token label, one tag per sentence or one per token (training on some
+    tokens of a sentence and testing on others would learn the sentence).
     Those folds are a stratified group k-fold, bounded by the samples of each class: a
     result's ``note`` says when that gives fewer folds than ``n_folds``; ``n_groups``
     counts the samples.

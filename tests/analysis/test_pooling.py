@@ -528,3 +528,33 @@ def test_group_folds_are_those_of_scikit_learn():
         assert all(len(f) for f in shuffled)
         checked += 1
     assert checked > 80
+
+
+def test_token_rows_of_a_sample_in_several_forwards_stay_in_one_fold(tmp_path):
+    # the same sentences again in later forwards (set_batch(same_samples=True), the steps of a
+    # generation) with a per-token label: their token rows were grouped per forward, so a
+    # probe trained on a sentence's tokens in one step and tested on them in another (0.67
+    # here, chance 0.54); each sentence is now one sample in every step, as the one-step probe
+    stores = {}
+    for steps in (1, 3):
+        model = _Context().eval()
+        gen = torch.Generator().manual_seed(0)
+        scope = acs.ActivationScope(store=str(tmp_path / f"s{steps}.zarr"))
+        with scope.track(model, include=["mix"]) as tracker, torch.no_grad():
+            for _ in range(4):
+                ids = torch.randint(0, 50, (8, 6), generator=gen)
+                s = torch.randint(0, 2, (8, 1), generator=gen)
+                tag = torch.cat([s.expand(8, 5), 1 - s], 1)
+                for step in range(steps):
+                    tracker.set_batch(attention_mask=torch.ones(8, 6, dtype=torch.bool), tag=tag,
+                                      same_samples=step > 0)
+                    model(ids)
+        stores[steps] = acs.open_store(str(tmp_path / f"s{steps}.zarr"))
+    _, _, _, groups = _labelled_rows(stores[3], "mix.output", "tag")
+    assert len(groups) == 3 * 192 and len(set(groups)) == 32
+    # row r of a forward: sample r // 6 of that batch, the same in each of its 3 steps
+    assert all(groups[i] == groups[(i // 144) * 144 + i % 48] for i in range(len(groups)))
+    once, again = (probe_store(stores[k], label_column="tag")["mix.output"] for k in (1, 3))
+    assert (again.n_samples, again.n_groups, once.n_groups) == (576, 32, 32)
+    assert again.fold_accuracies == pytest.approx(once.fold_accuracies, abs=1e-9)
+    assert again.chance == once.chance
