@@ -161,8 +161,8 @@ def _labelled_rows(
     """:func:`labelled_rows` plus the sample of each row, ``(rank, sample_id)`` (those of the
     two the row table has), for a per-sample label: rows of one sample in several forwards
     (the steps of ``set_batch(same_samples=True)``) are one sample, which a probe keeps in one
-    fold. For a per-token label, the ``(rank, batch, sample_id)`` of each token row: the tokens
-    of one sample in one forward."""
+    fold. For a per-token label, the ``(rank, sample_id)`` of each token row too: the tokens of
+    one sample, in every forward of it."""
     import pyarrow.compute as pc
     from torch.utils.data import DataLoader
 
@@ -186,7 +186,7 @@ def _labelled_rows(
     if token:  # token rows also see the per-sample columns of their sample
         keys = [c for c in ("rank", "batch") if c in names] + keys
         names = [*names, *ds.source.row_table("sample").column_names]
-    elif per_token:  # token rows of a per-token label: their sample is (rank, batch, sample_id)
+    elif per_token:  # token rows of a per-token label, read with their (rank, batch, sample_id)
         keys = [c for c in ("rank", "batch") if c in names] + keys
     elif "rank" in names:  # sample rows: their sample is (rank, sample_id)
         keys = ["rank", *keys]
@@ -229,7 +229,10 @@ def _labelled_rows(
         if not token:
             rows.append(x)  # (in the stored dtype)
             labels.extend(v for v, k in zip(batch_labels, kept) if k)
-            groups.extend(key for key, k in zip(zip(*(_as_list(batch[c]) for c in keys)), kept) if k)
+            # the sample of each row, (rank, sample_id): a sample's rows in every forward of it
+            # (the steps of set_batch(same_samples=True)) are one sample, token rows too
+            groups.extend(tuple(c for c, name in zip(key, keys) if name != "batch")
+                          for key, k in zip(zip(*(_as_list(batch[c]) for c in keys)), kept) if k)
             n_unlabelled += len(kept) - len(x)
             continue
         index = []

@@ -29,8 +29,8 @@ class ProbeResult:
     dropped_note : says how many rows were left out, and (:func:`probe_store`) how many
         samples had no label ("" when none).
     n_groups : the samples whose rows the folds keep together when some sample has several
-        rows (``groups`` of :func:`probe_accuracy`: the steps of a generation); 0 when every
-        row is a sample of its own.
+        rows (``groups`` of :func:`probe_accuracy`: the steps of a generation, the tokens of a
+        sentence); 0 when every row is a sample of its own.
     """
 
     accuracy: float
@@ -58,32 +58,32 @@ class ProbeResults(dict):
 
 def _units(labels: Sequence[Any], groups: Sequence[Any] | None) -> list[int] | None:
     """The sample of each row (an index, in order of first appearance) when ``groups`` puts
-    several rows in one sample and every sample's rows have one label; else None (each row is
-    a sample: no groups, every group a single row, or a group whose rows differ in label, as
-    ids a user gave again to other samples)."""
+    several rows in one sample, whether or not its rows share a label (a sentence's tokens
+    with a tag each); else None (each row is a sample: no groups, or every group one row)."""
     if groups is None:
         return None
     groups = list(groups)
     if len(groups) != len(labels):
         raise ArgumentValueError(f"groups has {len(groups)} entries, expected one per row ({len(labels)})")
     index: dict[Any, int] = {}
-    label_of: list[Any] = []
-    units = []
-    for g, v in zip(groups, labels):
-        u = index.setdefault(g, len(index))
-        if u == len(label_of):
-            label_of.append(v)
-        elif label_of[u] != v or _is_bool(label_of[u]) != _is_bool(v):
-            return None
-        units.append(u)
+    units = [index.setdefault(g, len(index)) for g in groups]
     return units if len(index) < len(units) else None
+
+
+def _samples_per_class(labels: Sequence[Any], units: list[int]) -> dict[Any, int]:
+    """``{class: number of samples holding a row of it}``, in order of first appearance."""
+    seen: dict[Any, set[int]] = {}
+    for u, v in zip(units, labels):
+        seen.setdefault(v, set()).add(u)
+    return {v: len(s) for v, s in seen.items()}
 
 
 def choose_folds(labels: Sequence[Any], n_folds: int, groups: Sequence[Any] | None = None) -> tuple[int, str]:
     """Folds for a stratified cross-validation of ``labels``: ``n_folds``, or fewer when the
     smallest class has fewer samples (every fold needs one of each class). With ``groups``
-    (the sample of each row, as :func:`probe_accuracy` takes it) a class's samples are its
-    groups.
+    (the sample of each row, as :func:`probe_accuracy` takes it; some sample of several
+    rows) a class's samples are the groups holding a row of it, whatever their other rows'
+    labels: a group's rows stay in one fold.
 
     Returns
     -------
@@ -100,14 +100,12 @@ def choose_folds(labels: Sequence[Any], n_folds: int, groups: Sequence[Any] | No
         raise ArgumentValueError(f"n_folds must be at least 2, got {n_folds}")
     _check_label_types(labels)
     units = _units(labels, groups)
-    if units is not None:  # one label per sample: count each sample once
-        first: dict[int, Any] = {}
-        for w, v in zip(units, labels):
-            first.setdefault(w, v)
-        labels = list(first.values())
-    counts: dict[Any, int] = {}
-    for v in labels:
-        counts[v] = counts.get(v, 0) + 1
+    if units is None:
+        counts: dict[Any, int] = {}
+        for v in labels:
+            counts[v] = counts.get(v, 0) + 1
+    else:  # a class's samples: the samples holding a row of it (a sample's rows stay in one fold)
+        counts = _samples_per_class(labels, units)
     if len(counts) < 2:
         raise ArgumentValueError(f"a probe needs at least 2 classes, got {sorted(map(str, counts))}")
     smallest_class, smallest = min(counts.items(), key=lambda kv: kv[1])
@@ -117,8 +115,11 @@ def choose_folds(labels: Sequence[Any], n_folds: int, groups: Sequence[Any] | No
         )
     if smallest >= n_folds:
         return n_folds, ""
-    return smallest, (f"{smallest}-fold instead of {n_folds}: the smallest class ({smallest_class!r}) has "
-                      f"{smallest} labelled samples")
+    if units is None or len(set(units)) == sum(counts.values()):  # each sample of one class
+        return smallest, (f"{smallest}-fold instead of {n_folds}: the smallest class ({smallest_class!r}) has "
+                          f"{smallest} labelled samples")
+    return smallest, (f"{smallest}-fold instead of {n_folds}: class {smallest_class!r} is in {smallest} of the "
+                      f"{max(units) + 1} samples, and a sample's rows stay in one fold")
 
 
 def _is_bool(v: Any) -> bool:
@@ -211,18 +212,39 @@ def _stratified_folds(y: torch.Tensor, n_folds: int, seed: int) -> list[torch.Te
     return [torch.cat(f) if f else torch.empty(0, dtype=torch.long) for f in folds]
 
 
-def _sample_folds(y: torch.Tensor, units: list[int], n_folds: int, seed: int) -> list[torch.Tensor]:
-    """:func:`_stratified_folds` of the samples (``units``: the sample of each row, each of one
-    label), each fold holding every row of its samples: no sample is in a training fold and a
-    test fold."""
+def _group_folds(y: torch.Tensor, units: list[int], n_folds: int, seed: int,
+                 order: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """Stratified group k-fold: each fold holds every row of its samples (``units``: the sample
+    of each row), so that no sample is in a training fold and a test fold, and the folds' class
+    distributions are kept as even as the samples allow. The algorithm of scikit-learn's
+    ``StratifiedGroupKFold`` (Pedregosa et al., JMLR 12, 2011): the samples, shuffled with
+    ``seed`` (or taken in ``order``), are sorted (stably) by the spread (std) of their class
+    counts, largest first; each in turn goes to the fold that keeps the mean over classes of
+    the std over folds of each class's share the least, the fold with fewer rows on a tie."""
     unit = torch.tensor(units, dtype=torch.long)
-    n_units = int(unit.max()) + 1
-    first_row = torch.full((n_units,), len(units), dtype=torch.long).scatter_reduce_(
-        0, unit, torch.arange(len(units)), reduce="amin")
-    fold_of_unit = torch.empty(n_units, dtype=torch.long)
-    for f, members in enumerate(_stratified_folds(y[first_row], n_folds, seed)):
-        fold_of_unit[members] = f
-    fold_of_row = fold_of_unit[unit]
+    n_units, n_classes = int(unit.max()) + 1, int(y.max()) + 1
+    counts = np.zeros((n_units, n_classes))
+    np.add.at(counts, (unit.numpy(), y.numpy()), 1.0)
+    y_cnt = counts.sum(0)
+    if order is None:
+        order = torch.randperm(n_units, generator=torch.Generator().manual_seed(seed))
+    order = order.numpy()
+    spread = np.std(counts[order], axis=1)
+    per_fold = np.zeros((n_folds, n_classes))
+    fold_of_unit = np.empty(n_units, dtype=np.int64)
+    rows = np.arange(n_folds)
+    for g in order[np.argsort(-spread, kind="stable")]:
+        trial = np.broadcast_to(per_fold, (n_folds, n_folds, n_classes)).copy()
+        trial[rows, rows] += counts[g]  # trial[i]: the folds with g in fold i
+        evals = np.std(trial / y_cnt, axis=1).mean(1)
+        best, best_eval, best_rows = 0, np.inf, np.inf
+        for i in range(n_folds):
+            in_fold = per_fold[i].sum()
+            if evals[i] < best_eval or (np.isclose(evals[i], best_eval) and in_fold < best_rows):
+                best, best_eval, best_rows = i, evals[i], in_fold
+        per_fold[best] += counts[g]
+        fold_of_unit[g] = best
+    fold_of_row = torch.from_numpy(fold_of_unit)[unit]
     return [torch.nonzero(fold_of_row == f).flatten() for f in range(n_folds)]
 
 
@@ -255,6 +277,26 @@ def _fit_predict(x_train, y_train, x_test, n_classes: int, l2: float, max_iter: 
         return (xs @ w + b).argmax(1)
 
 
+def _fold_accuracies(x: torch.Tensor, y: torch.Tensor, folds: list[torch.Tensor], n_classes: int, l2: float,
+                     max_iter: int) -> list[float]:
+    """The accuracy on each fold (its test rows) of a probe fitted on the other folds' rows."""
+    accs = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # (rows, d_model) problems this small only lose time to thread sync
+    try:
+        for test in folds:
+            train_mask = torch.ones(len(y), dtype=torch.bool)
+            train_mask[test] = False
+            # each fold's rows as float64 copies, standardised in place by _fit_predict: no
+            # float64 copy of every row is held (a wide bfloat16 store's is 4x its size)
+            pred = _fit_predict(x[train_mask].to(torch.float64), y[train_mask], x[test].to(torch.float64),
+                                n_classes, l2, max_iter)
+            accs.append(float((pred == y[test]).double().mean()))
+    finally:
+        torch.set_num_threads(threads)
+    return accs
+
+
 def probe_accuracy(
     x: torch.Tensor,
     labels: Sequence[Any] | torch.Tensor,
@@ -267,7 +309,8 @@ def probe_accuracy(
 ) -> ProbeResult:
     """k-fold cross-validated accuracy of an L2-regularised multinomial logistic regression.
 
-    Folds are stratified by label and shuffled with ``seed``; features are standardised
+    Folds are stratified by label and shuffled with ``seed`` (with ``groups``, a stratified
+    group k-fold); features are standardised
     with the training fold's mean and std (computed after dividing each column by its
     largest magnitude, so values up to the float64 limit do not overflow); the model is
     fitted with L-BFGS in float64. Feature columns NaN or inf in every row, then rows
@@ -287,11 +330,14 @@ def probe_accuracy(
         Weight of the squared L2 norm of the weights in the loss (mean cross-entropy).
     groups : sequence or Tensor (rows,), optional
         The sample of each row (any hashable): rows of one sample (a generation's steps,
-        each captured as a row with the sample's label) are kept in one fold, so that no
-        sample is both trained on and tested; folds are then stratified by sample and
-        ``n_folds`` is at most the smallest class's number of samples. Used where some
-        sample has several rows and each sample's rows have one label (else every row is
-        a sample, as without ``groups``).
+        each captured as a row with the sample's label; a sentence's tokens, each with its
+        own tag or all with one) are kept in one fold, so that no sample is both trained on
+        and tested. Folds are then a stratified group k-fold (scikit-learn's
+        ``StratifiedGroupKFold`` algorithm, the samples shuffled with ``seed``: each fold's
+        class shares as even as whole samples allow) and ``n_folds`` is at most the number
+        of samples holding a row of the rarest class (so at most the number of samples).
+        Used where some sample has several rows (else every row is a sample, as without
+        ``groups``, and the folds are those of no ``groups``).
 
     Returns
     -------
@@ -334,33 +380,21 @@ def probe_accuracy(
     y = torch.tensor([index[v] for v in labels], dtype=torch.long)
     counts = torch.bincount(y, minlength=len(classes))
     units = _units(labels, groups)
-    # a class's samples: its rows, or the samples (groups) of its rows
+    # a class's samples: its rows, or the samples (groups) holding a row of it
     per_class = counts
     if units is not None:
-        first_row: dict[int, int] = {}
-        for i, u in enumerate(units):
-            first_row.setdefault(u, i)
-        per_class = torch.bincount(y[list(first_row.values())], minlength=len(classes))
+        n_of = _samples_per_class(labels, units)
+        per_class = torch.tensor([n_of[c] for c in classes], dtype=torch.long)
     if n_folds < 2 or int(per_class.min()) < n_folds:
         raise ArgumentValueError(
             f"n_folds must be between 2 and the smallest class's size ({int(per_class.min())}"
             f"{'' if units is None else ' samples'}), got {n_folds}"
         )
-    folds = _stratified_folds(y, n_folds, seed) if units is None else _sample_folds(y, units, n_folds, seed)
-    accs = []
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # (rows, d_model) problems this small only lose time to thread sync
-    try:
-        for test in folds:
-            train_mask = torch.ones(len(y), dtype=torch.bool)
-            train_mask[test] = False
-            # each fold's rows as float64 copies, standardised in place by _fit_predict: no
-            # float64 copy of every row is held (a wide bfloat16 store's is 4x its size)
-            pred = _fit_predict(x[train_mask].to(torch.float64), y[train_mask], x[test].to(torch.float64),
-                                len(classes), l2, max_iter)
-            accs.append(float((pred == y[test]).double().mean()))
-    finally:
-        torch.set_num_threads(threads)
+    folds = _stratified_folds(y, n_folds, seed) if units is None else _group_folds(y, units, n_folds, seed)
+    empty = [i for i, f in enumerate(folds) if not len(f)]
+    if empty:  # (not met: a fold left empty would make the std of the folds' shares larger)
+        raise ArgumentValueError(f"fold(s) {empty} of {n_folds} got no sample; give fewer n_folds")
+    accs = _fold_accuracies(x, y, folds, len(classes), l2, max_iter)
     t = torch.tensor(accs, dtype=torch.float64)
     return ProbeResult(
         accuracy=float(t.mean()),
@@ -406,9 +440,12 @@ def probe_store(
     folds are chosen; each result's ``dropped_note`` says how many of each (``n_dropped``
     counts the rows with NaN or inf). Rows of one sample (its ``(rank, sample_id)``: the steps
     of ``set_batch(same_samples=True)``, each with the sample's label) are kept in one fold
-    (``groups`` of :func:`probe_accuracy`); so are the token rows of a sample in a forward,
-    ``(rank, batch, sample_id)``, for a per-token label that is one value per sample (a label
-    that differs within a sample is folded row by row).
+    (``groups`` of :func:`probe_accuracy`); so are the token rows of a sample, in every forward
+    of it, for a per-token label, one tag per sentence or one per token (training on some
+    tokens of a sentence and testing on others would learn the sentence).
+    Those folds are a stratified group k-fold, bounded by the samples of each class: a
+    result's ``note`` says when that gives fewer folds than ``n_folds``; ``n_groups``
+    counts the samples.
 
     Parameters
     ----------

@@ -6,12 +6,14 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
 import activationscope as acs
-from activationscope.analysis.pooling import labelled_rows, sentence_rows
-from activationscope.analysis.probes import probe_store
+from activationscope.analysis.pooling import _labelled_rows, labelled_rows, sentence_rows
+from activationscope.analysis.probes import choose_folds, probe_accuracy, probe_store
+from activationscope.errors import ArgumentValueError
 
 
 class Encoder(torch.nn.Module):
@@ -378,7 +380,7 @@ def test_steps_of_one_sample_stay_in_one_fold(tmp_path):
     # random, so a probe that tests a sample it trained on (another step of it) scores far
     # above chance; one that keeps every step of a sample in one fold scores as a probe of
     # one row per sample (identical steps: the same mean loss, the same folds)
-    from activationscope.analysis.probes import choose_folds, probe_accuracy
+    from activationscope.analysis.probes import _fold_accuracies, _group_folds, choose_folds
 
     n, steps = 40, 4
     gen = torch.Generator().manual_seed(0)
@@ -399,9 +401,17 @@ def test_steps_of_one_sample_stay_in_one_fold(tmp_path):
         x, got = sentence_rows(store, hp)
         assert len(x) == n * steps
         first = [i for i in range(len(x)) if i % (10 * steps) < 10]  # the first forward of each batch
-        once = probe_accuracy(x[first], [got[i] for i in first], n_folds=5)
-        # (a probe of the steps as unrelated samples: 0.73 and 0.67 here, the one-row probe 0.6 and 0.625)
-        assert results[hp].fold_accuracies == pytest.approx(once.fold_accuracies, abs=1e-9)
+        # the folds of the steps are those of one row per sample (the stratified group k-fold
+        # looks at each sample's class shares only), each sample's steps in its sample's fold
+        y = torch.tensor(got)
+        sample = [(i // (10 * steps)) * 10 + i % 10 for i in range(len(x))]
+        folds = _group_folds(y, sample, 5, 0)
+        one = _group_folds(y[first], [sample[i] for i in first], 5, 0)
+        assert [sorted(sample[i] for i in f.tolist()) for f in folds] == \
+            [sorted(sample[first[i]] for i in f.tolist() for _ in range(steps)) for f in one]
+        once = _fold_accuracies(x[first].double(), y[first], one, 2, 1e-2, 100)
+        # (a probe of the steps as unrelated samples: 0.73 and 0.67 here)
+        assert results[hp].fold_accuracies == pytest.approx(once, abs=1e-9)
         assert results[hp].n_samples == n * steps and results[hp].n_groups == n
     from activationscope.analysis.report import write_report
 
@@ -447,5 +457,104 @@ def test_tokens_of_one_sentence_with_one_per_token_label_stay_in_one_fold(tmp_pa
     result = probe_store(store, label_column="tag", n_folds=5)["mix.output"]
     assert result.accuracy < 0.53125
     assert (result.n_samples, result.n_groups, result.chance) == (384, 64, 0.53125)
-    # a per-token label that differs within a sentence: token rows are folded row by row
-    assert probe_store(store, label_column="word", n_folds=5)["mix.output"].n_groups == 0
+    # a per-token label that differs within a sentence: its tokens stay in one fold too
+    assert probe_store(store, label_column="word", n_folds=5)["mix.output"].n_groups == 64
+
+
+def test_tokens_of_one_sentence_with_per_token_labels_that_differ_stay_in_one_fold(tmp_path):
+    # a random tag per sentence on its first 5 tokens, the other tag on its last: the tags
+    # differ within each sentence, and a probe that trains on some tokens of a sentence and
+    # tests on others learns the sentence (0.575 when folded token by token, chance 0.521)
+    model = _Context().eval()
+    gen = torch.Generator().manual_seed(0)
+    scope = acs.ActivationScope(store=str(tmp_path / "tok.zarr"))
+    with scope.track(model, include=["mix"]) as tracker, torch.no_grad():
+        for _ in range(8):
+            ids = torch.randint(0, 50, (8, 6), generator=gen)
+            s = torch.randint(0, 2, (8, 1), generator=gen)
+            tag = torch.cat([s.expand(8, 5), 1 - s], 1)
+            tracker.set_batch(attention_mask=torch.ones(8, 6, dtype=torch.bool), tag=tag)
+            model(ids)
+    store = acs.open_store(str(tmp_path / "tok.zarr"))
+    result = probe_store(store, label_column="tag", n_folds=5)["mix.output"]
+    assert result.chance == pytest.approx(200 / 384)
+    assert result.accuracy < 0.52
+    assert (result.n_samples, result.n_groups, result.n_folds, result.note) == (384, 64, 5, "")
+    # each sentence's 6 token rows (in row order) are in one fold, and each fold holds 12 or 13
+    from activationscope.analysis.probes import _group_folds
+
+    x, labels, _, groups = _labelled_rows(store, "mix.output", "tag")
+    units = [i // 6 for i in range(384)]
+    assert len(set(groups)) == 64 and all(groups[i] == groups[6 * (i // 6)] for i in range(384))
+    folds = _group_folds(torch.tensor(labels), units, 5, 0)
+    assert sorted(len(f) for f in folds) == [72, 78, 78, 78, 78]
+    assert all({i // 6 for i in f.tolist()}.isdisjoint(j // 6 for j in g.tolist())
+               for a, f in enumerate(folds) for g in folds[a + 1:])
+    # folds are bounded by the sentences holding each tag: 3 sentences of tag 0, 2 of tag 1
+    y = [0, 0, 1] + [0, 1] + [0, 0] + [1, 1] + [0, 0]
+    sentence = [0, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
+    assert choose_folds(y, 5, sentence) == (
+        3, "3-fold instead of 5: class 1 is in 3 of the 5 samples, and a sample's rows stay in one fold")
+    r = probe_accuracy(torch.randn(11, 3, generator=gen), y, n_folds=3, groups=sentence)
+    assert (r.n_folds, r.n_groups, r.n_samples) == (3, 5, 11)
+    with pytest.raises(ArgumentValueError, match=r"smallest class's size \(3 samples\), got 4"):
+        probe_accuracy(torch.randn(11, 3, generator=gen), y, n_folds=4, groups=sentence)
+
+
+def test_group_folds_are_those_of_scikit_learn():
+    # the stratified group k-fold of scikit-learn, its samples taken in order (shuffle=False):
+    # the same test folds, for groups of one label and of several
+    sklearn = pytest.importorskip("sklearn.model_selection")
+    import warnings
+
+    from activationscope.analysis.probes import _group_folds
+
+    rng = np.random.default_rng(0)
+    checked = 0
+    for t in range(120):
+        n_groups, k, c = int(rng.integers(4, 40)), int(rng.integers(2, 6)), int(rng.integers(2, 4))
+        units = np.repeat(np.arange(n_groups), rng.integers(1, 8, n_groups))
+        y = rng.integers(0, c, len(units)) if t % 2 else rng.integers(0, c, n_groups)[units]
+        if len(np.unique(y)) < c or min(len(set(units[y == v])) for v in range(c)) < k:
+            continue
+        ours = _group_folds(torch.tensor(y), units.tolist(), k, 0, order=torch.arange(n_groups))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (a class with fewer rows than folds)
+            theirs = [np.sort(test) for _, test in sklearn.StratifiedGroupKFold(k).split(y, y, units)]
+        assert [f.tolist() for f in ours] == [f.tolist() for f in theirs]
+        # shuffled by the seed: deterministic, every fold holding rows
+        shuffled = _group_folds(torch.tensor(y), units.tolist(), k, 7)
+        assert [f.tolist() for f in shuffled] == [f.tolist() for f in _group_folds(torch.tensor(y), units.tolist(), k, 7)]
+        assert all(len(f) for f in shuffled)
+        checked += 1
+    assert checked > 80
+
+
+def test_token_rows_of_a_sample_in_several_forwards_stay_in_one_fold(tmp_path):
+    # the same sentences again in later forwards (set_batch(same_samples=True), the steps of a
+    # generation) with a per-token label: their token rows were grouped per forward, so a
+    # probe trained on a sentence's tokens in one step and tested on them in another (0.67
+    # here, chance 0.54); each sentence is now one sample in every step, as the one-step probe
+    stores = {}
+    for steps in (1, 3):
+        model = _Context().eval()
+        gen = torch.Generator().manual_seed(0)
+        scope = acs.ActivationScope(store=str(tmp_path / f"s{steps}.zarr"))
+        with scope.track(model, include=["mix"]) as tracker, torch.no_grad():
+            for _ in range(4):
+                ids = torch.randint(0, 50, (8, 6), generator=gen)
+                s = torch.randint(0, 2, (8, 1), generator=gen)
+                tag = torch.cat([s.expand(8, 5), 1 - s], 1)
+                for step in range(steps):
+                    tracker.set_batch(attention_mask=torch.ones(8, 6, dtype=torch.bool), tag=tag,
+                                      same_samples=step > 0)
+                    model(ids)
+        stores[steps] = acs.open_store(str(tmp_path / f"s{steps}.zarr"))
+    _, _, _, groups = _labelled_rows(stores[3], "mix.output", "tag")
+    assert len(groups) == 3 * 192 and len(set(groups)) == 32
+    # row r of a forward: sample r // 6 of that batch, the same in each of its 3 steps
+    assert all(groups[i] == groups[(i // 144) * 144 + i % 48] for i in range(len(groups)))
+    once, again = (probe_store(stores[k], label_column="tag")["mix.output"] for k in (1, 3))
+    assert (again.n_samples, again.n_groups, once.n_groups) == (576, 32, 32)
+    assert again.fold_accuracies == pytest.approx(once.fold_accuracies, abs=1e-9)
+    assert again.chance == once.chance
