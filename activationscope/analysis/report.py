@@ -753,10 +753,12 @@ def write_report(
             samples = f"{key[1]} labelled samples in {key[0]} rows" if key[1] else f"{key[0]} labelled samples"
             return f"{samples}, {key[2]} classes, chance {key[3]:.3f}"
 
+        grouped = any(getattr(p, "n_groups", 0) for p in probes.values())
         parts.append(
             f"<p class='note'>L2-regularised logistic regression on {e(rows)}, {folds}-fold stratified "
-            f"cross-validation" + (f", {size(next(iter(by_size)))}.</p>" if len(by_size) == 1 else
-                                   ", on problems of different sizes:</p>")
+            + ("group " if grouped else "")
+            + "cross-validation" + (" (the rows of a sample kept in one fold)" if grouped else "")
+            + (f", {size(next(iter(by_size)))}.</p>" if len(by_size) == 1 else ", on problems of different sizes:</p>")
         )
         if len(by_size) > 1:
             for key, which_hps in by_size.items():

@@ -416,7 +416,8 @@ def test_steps_of_one_sample_stay_in_one_fold(tmp_path):
     from activationscope.analysis.report import write_report
 
     page = write_report(store, tmp_path / "rep", probes=results).read_text()
-    assert "5-fold stratified cross-validation, 40 labelled samples in 160 rows, 2 classes, chance" in page
+    assert ("5-fold stratified group cross-validation (the rows of a sample kept in one fold), 40 labelled samples "
+            "in 160 rows, 2 classes, chance") in page
     # folds come from the samples of the smallest class, not its rows
     y = [0] * 12 + [1] * 28
     groups = [i // 4 for i in range(40)]
