@@ -65,6 +65,17 @@ def _close(a, b):
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+def _both_sides_under(tmp_path, model, batch, mask, warning):
+    """A store of ``encoder.layers.1`` and ``decoder.layers.1`` captured under one side's
+    ``mask``, the other side's hook points warned about (``warning``, a regex)."""
+    with pytest.warns(acs.CaptureWarning, match=warning):
+        with torch.no_grad(), acs.ActivationScope(store=tmp_path / "s.zarr").track(
+                model, include=["encoder.layers.1", "decoder.layers.1"]) as tracker:
+            tracker.set_batch(attention_mask=mask)
+            _call(model, *batch)
+    return acs.open_store(tmp_path / "s.zarr")
+
+
 def test_decoder_rows_taken_with_the_source_mask_are_refused(tmp_path):
     # T == S: the decoder's (batch, T, d) starts with the source mask's (batch, S); its rows
     # were the target positions where the source has tokens (13 of them, the target has 11)
@@ -142,14 +153,9 @@ def test_decoder_hook_points_stored_as_sample_rows_under_the_source_mask_are_nam
     model = _transformer()
     batch = _batch(4)
     ref = _reference(model, ["decoder.layers.1"], *batch)
-    with pytest.warns(acs.CaptureWarning, match=r"decoder hook points of the encoder-decoder model Transformer start "
-                      r"with the decoder's \(batch, T\), not with the \(batch, pos\) \(3, 5\).*"
-                      r"'decoder\.layers\.1\.output' \(3, 4, 8\)\. They are stored one row per sample"):
-        with torch.no_grad(), acs.ActivationScope(store=tmp_path / "s.zarr").track(
-                model, include=["encoder.layers.1", "decoder.layers.1"]) as tracker:
-            tracker.set_batch(attention_mask=~batch[1])
-            _call(model, *batch)
-    store = acs.open_store(tmp_path / "s.zarr")
+    store = _both_sides_under(tmp_path, model, batch, ~batch[1], r"decoder hook points of the encoder-decoder model "
+                              r"Transformer start with the decoder's \(batch, T\), not with the \(batch, pos\) "
+                              r"\(3, 5\).*'decoder\.layers\.1\.output' \(3, 4, 8\)\. They are stored one row per sample")
     assert store.row_kind("decoder.layers.1.output") == "sample"
     _close(store["decoder.layers.1.output"], ref["decoder.layers.1"])
 
@@ -265,15 +271,10 @@ def test_encoder_hook_points_stored_as_sample_rows_under_the_target_mask_are_nam
     model = _transformer()
     batch = _batch(4)
     ref = _reference(model, ["encoder.layers.1", "decoder.layers.1"], *batch)
-    with pytest.warns(acs.CaptureWarning, match=r"encoder hook points of the encoder-decoder model Transformer start "
-                      r"with the encoder's \(batch, S\), not with the \(batch, pos\) \(3, 4\) of the decoder's mask.*"
-                      r"'encoder\.layers\.1\.output' \(3, 5, 8\)\. They are stored one row per sample, each a whole "
-                      r"source"):
-        with torch.no_grad(), acs.ActivationScope(store=tmp_path / "s.zarr").track(
-                model, include=["encoder.layers.1", "decoder.layers.1"]) as tracker:
-            tracker.set_batch(attention_mask=~batch[3])
-            _call(model, *batch)
-    store = acs.open_store(tmp_path / "s.zarr")
+    store = _both_sides_under(tmp_path, model, batch, ~batch[3], r"encoder hook points of the encoder-decoder model "
+                              r"Transformer start with the encoder's \(batch, S\), not with the \(batch, pos\) "
+                              r"\(3, 4\) of the decoder's mask.*'encoder\.layers\.1\.output' \(3, 5, 8\)\. They are "
+                              r"stored one row per sample, each a whole source")
     assert store.row_kind("encoder.layers.1.output") == "sample"
     _close(store["encoder.layers.1.output"], ref["encoder.layers.1"])
     _close(store["decoder.layers.1.output"], ref["decoder.layers.1"][~batch[3]])

@@ -441,20 +441,26 @@ class _Context(torch.nn.Module):
         return self.mix(e + 3 * e.mean(1, keepdim=True))
 
 
-def test_tokens_of_one_sentence_with_one_per_token_label_stay_in_one_fold(tmp_path):
-    # a per-token column whose value is one random tag per sentence: a probe that trains on
-    # some tokens of a sentence and tests on others learns the sentence (0.62 here, chance
-    # 0.53); with each sentence's tokens in one fold it has nothing to learn
+def _tagged_store(tmp_path, columns):
+    """A store of ``_Context``'s token rows, 8 forwards of 8 sentences of 6 tokens, each forward's
+    per-token columns ``columns(generator, ids)``."""
     model = _Context().eval()
     gen = torch.Generator().manual_seed(0)
     scope = acs.ActivationScope(store=str(tmp_path / "tok.zarr"))
     with scope.track(model, include=["mix"]) as tracker, torch.no_grad():
         for _ in range(8):
             ids = torch.randint(0, 50, (8, 6), generator=gen)
-            tag = torch.randint(0, 2, (8, 1), generator=gen).expand(8, 6)
-            tracker.set_batch(attention_mask=torch.ones(8, 6, dtype=torch.bool), tag=tag, word=ids % 2)
+            tracker.set_batch(attention_mask=torch.ones(8, 6, dtype=torch.bool), **columns(gen, ids))
             model(ids)
-    store = acs.open_store(str(tmp_path / "tok.zarr"))
+    return acs.open_store(str(tmp_path / "tok.zarr"))
+
+
+def test_tokens_of_one_sentence_with_one_per_token_label_stay_in_one_fold(tmp_path):
+    # a per-token column whose value is one random tag per sentence: a probe that trains on
+    # some tokens of a sentence and tests on others learns the sentence (0.62 here, chance
+    # 0.53); with each sentence's tokens in one fold it has nothing to learn
+    store = _tagged_store(tmp_path, lambda gen, ids: dict(
+        tag=torch.randint(0, 2, (8, 1), generator=gen).expand(8, 6), word=ids % 2))
     result = probe_store(store, label_column="tag", n_folds=5)["mix.output"]
     assert result.accuracy < 0.53125
     assert (result.n_samples, result.n_groups, result.chance) == (384, 64, 0.53125)
@@ -466,17 +472,11 @@ def test_tokens_of_one_sentence_with_per_token_labels_that_differ_stay_in_one_fo
     # a random tag per sentence on its first 5 tokens, the other tag on its last: the tags
     # differ within each sentence, and a probe that trains on some tokens of a sentence and
     # tests on others learns the sentence (0.575 when folded token by token, chance 0.521)
-    model = _Context().eval()
-    gen = torch.Generator().manual_seed(0)
-    scope = acs.ActivationScope(store=str(tmp_path / "tok.zarr"))
-    with scope.track(model, include=["mix"]) as tracker, torch.no_grad():
-        for _ in range(8):
-            ids = torch.randint(0, 50, (8, 6), generator=gen)
-            s = torch.randint(0, 2, (8, 1), generator=gen)
-            tag = torch.cat([s.expand(8, 5), 1 - s], 1)
-            tracker.set_batch(attention_mask=torch.ones(8, 6, dtype=torch.bool), tag=tag)
-            model(ids)
-    store = acs.open_store(str(tmp_path / "tok.zarr"))
+    def tags(gen, ids):
+        s = torch.randint(0, 2, (8, 1), generator=gen)
+        return dict(tag=torch.cat([s.expand(8, 5), 1 - s], 1))
+
+    store = _tagged_store(tmp_path, tags)
     result = probe_store(store, label_column="tag", n_folds=5)["mix.output"]
     assert result.chance == pytest.approx(200 / 384)
     assert result.accuracy < 0.52
@@ -496,6 +496,7 @@ def test_tokens_of_one_sentence_with_per_token_labels_that_differ_stay_in_one_fo
     sentence = [0, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
     assert choose_folds(y, 5, sentence) == (
         3, "3-fold instead of 5: class 1 is in 3 of the 5 samples, and a sample's rows stay in one fold")
+    gen = torch.Generator().manual_seed(1)
     r = probe_accuracy(torch.randn(11, 3, generator=gen), y, n_folds=3, groups=sentence)
     assert (r.n_folds, r.n_groups, r.n_samples) == (3, 5, 11)
     with pytest.raises(ArgumentValueError, match=r"smallest class's size \(3 samples\), got 4"):
