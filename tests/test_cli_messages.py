@@ -599,3 +599,46 @@ def test_exclude_leaving_none_of_the_default_modules_does_not_name_an_include_ne
 
     assert _cli_spelling("include=['a'] and exclude=['x'] leave no module of M", "capture", include_given=False) == \
         "the modules tracked by default ('a'; no --include given) and --exclude 'x' leave no module of M"
+
+
+CLI_FULL_CHILD = """
+import resource, signal, sys
+from activationscope import cli
+args = ["capture", "--model", "toymodels_full:mlp", "--data", "inputs.npy", "--out", "cli.zarr", "--overwrite",
+        "--no-progress", "--batch-size", "64", "--shard-bytes", "1048576"]
+if sys.argv[1] == "full":
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (300_000, 300_000))
+sys.exit(cli.main(args))
+"""
+
+
+def test_an_overwrite_that_filled_the_disk_before_its_first_commit_does_not_claim_the_old_rows(tmp_path):
+    # `capture --overwrite` over a whole store, and the file size limit is reached before the new
+    # capture's first shard is written: the error ended "cli.zarr keeps its 2000 committed samples
+    # (status complete)", the earlier capture's, as if this one had finished
+    (tmp_path / "toymodels_full.py").write_text(
+        "import torch\n"
+        "def mlp():\n"
+        "    torch.manual_seed(0)\n"
+        "    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))\n")
+    np.save(tmp_path / "inputs.npy", np.random.default_rng(0).standard_normal((2000, 64)).astype(np.float32))
+    import os
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.path.dirname(os.path.dirname(acs.__file__))])}
+    first = subprocess.run([sys.executable, "-c", CLI_FULL_CHILD, "plain"], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr
+    before = acs.open_store(tmp_path / "cli.zarr")["2.output"].clone()
+    full = subprocess.run([sys.executable, "-c", CLI_FULL_CHILD, "full"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert full.returncode == 1, full.stderr
+    error = [line for line in full.stderr.splitlines() if line.startswith("activationscope capture: error:")]
+    assert len(error) == 1 and "EFBIG" in error[0], full.stderr
+    assert error[0].endswith(
+        "; no row of this capture was committed, so the store that was at cli.zarr is kept as it was, with the "
+        "rows of the capture that wrote it (--overwrite replaces it only once the new capture commits); once the "
+        "cause is fixed, run the command again"), error[0]
+    assert "committed samples" not in error[0] and "overwrite=True" not in error[0]
+    kept = acs.open_store(tmp_path / "cli.zarr")
+    assert kept.status == "complete" and kept.n_samples == 2000
+    assert torch.equal(kept["2.output"], before)

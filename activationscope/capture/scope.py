@@ -773,6 +773,7 @@ class Tracker:
         self._unrecorded_forward: tuple[int, bool] | None = None
         # True once a failed capture removed the store it made (it held no committed row)
         self._store_removed = False
+        self._store_put_back: str | None = None  # overwrite=True, no row committed: the note saying the old store is kept
         self._n_samples = 0
         self._resume_from = 0  # the running counter a resumed store left (set by attach)
         # samples of the forwards a CapturePolicy skipped (SAMPLE_N): the default sample ids
@@ -1310,7 +1311,8 @@ class Tracker:
                 )
                 self.writer.abort(exc)
             self._note_lost_store(exc)
-            self._remove_unused_store(exc)
+            if not self._remove_unused_store(exc):
+                self._note_put_back(exc)
             return
         self._warn_silent(silent)
 
@@ -1327,6 +1329,21 @@ class Tracker:
             f"the store {self.writer.path!r} was moved, removed or replaced while this capture wrote it ({why}): "
             "the rows it committed are in the store's folder wherever it went (moved: resume=True there continues "
             "them; removed: they are gone), and nothing more was written at that path")
+
+    def _note_put_back(self, exc: BaseException) -> None:
+        """After a failed capture with ``overwrite=True`` that committed no row: the store it was
+        to replace was put back (the writer's ``put_back``). The error (a full disk's, say) may
+        say that committed rows stay readable and that resume=True continues them; say in a note
+        of ``exc`` that no row of this capture is there, so that neither reading nor resuming
+        the old store is taken for this capture's."""
+        if not getattr(self.writer, "put_back", False):
+            return
+        self._store_put_back = (
+            f"no row of this capture was committed, so the store that overwrite=True was to replace at "
+            f"{self.writer.path!r} is kept as it was: open_store reads that earlier store, none of this capture's "
+            "rows, and resume=True would continue that store, not this capture; once the cause is fixed, run the "
+            "capture again with overwrite=True")
+        exc.add_note(self._store_put_back)
 
     def _drop_unrecorded(self) -> None:
         """Closing a store capture: hook points first seen in a forward that was never recorded
