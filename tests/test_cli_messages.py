@@ -642,3 +642,23 @@ def test_an_overwrite_that_filled_the_disk_before_its_first_commit_does_not_clai
     kept = acs.open_store(tmp_path / "cli.zarr")
     assert kept.status == "complete" and kept.n_samples == 2000
     assert torch.equal(kept["2.output"], before)
+
+
+def test_a_capture_that_filled_the_disk_says_its_failure_once(tmp_path):
+    # the writer's error was printed three times: twice in a warning ("the store could not be fully
+    # committed after StoreError('writing shard ...'): the store writer ... failed: writing shard
+    # ...") that the close raised again for the same failure, then as the error
+    (tmp_path / "toymodels_full.py").write_text(
+        "import torch\n"
+        "def mlp():\n"
+        "    torch.manual_seed(0)\n"
+        "    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))\n")
+    np.save(tmp_path / "inputs.npy", np.random.default_rng(0).standard_normal((2000, 64)).astype(np.float32))
+    import os
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.path.dirname(os.path.dirname(acs.__file__))])}
+    full = subprocess.run([sys.executable, "-c", CLI_FULL_CHILD, "full"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert full.returncode == 1, full.stderr
+    assert full.stderr.count("File too large (EFBIG)") == 1, full.stderr
+    assert "could not be fully committed" not in full.stderr, full.stderr
+    assert full.stderr.startswith("activationscope capture: error: writing shard"), full.stderr

@@ -1304,11 +1304,12 @@ class Tracker:
             try:
                 self.writer.close(status="incomplete")
             except BaseException as e:  # noqa: BLE001
-                warnings.warn(
-                    f"the store could not be fully committed after {exc!r}: {e}; committed rows stay readable",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
+                if not (str(exc) and str(exc) in str(e)):  # (the close met the same failure: the error says it)
+                    warnings.warn(
+                        f"the store could not be fully committed after {exc!r}: {e}; committed rows stay readable",
+                        RuntimeWarning,
+                        stacklevel=3,
+                    )
                 self.writer.abort(exc)
             self._note_lost_store(exc)
             if not self._remove_unused_store(exc):
