@@ -842,6 +842,8 @@ class Tracker:
         # the handles of the pre-hooks that note each stack call's mask (the inverse of its
         # key padding mask, else every position of its input)
         self._nn_seq2seq: tuple[list[torch.nn.Module], list[torch.nn.Module]] | None = None
+        # torch.nn's stacks of a model of one sequence (found at the first token-rows hook point)
+        self._one_sequence_stacks: tuple[list[torch.nn.Module], list[torch.nn.Module]] | None = None
         self._nn_handles: list[Any] = []
         self._seq_masks: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
         self._stacks: tuple[set[int], set[int]] | None = None
@@ -1643,6 +1645,14 @@ class Tracker:
             if not known_layout:  # (not asked for by the user: a mask that fits nothing is still warned about)
                 self._sample_rows_chosen = True
             token = False
+        given_mask = self._pending_batch["attention_mask"] if self._pending_batch else None
+        if decided is None and token and given_mask is not None and not (self._seq2seq or self._nn_seq2seq) and (
+                self.writer is not None or (
+                self._red_factories is not None
+                and self._red_factories.resolve_reductions(scope.reductions, name, self._hook_names))):
+            # a model of one sequence around torch.nn's stacks (nn.TransformerEncoder): token rows
+            # inside one built sequence-first are taken with the mask transposed
+            self._check_sequence_first(name, tuple(tensor.shape), mask)
         if decided is None and (self._seq2seq or self._nn_seq2seq) and (self.writer is not None or (
                 self._red_factories is not None
                 and self._red_factories.resolve_reductions(scope.reductions, name, self._hook_names))):
@@ -2679,10 +2689,16 @@ class Tracker:
         (``batch_first=False``, nn.Transformer's default): its activation is ``(pos, batch,
         ...)``, which starts with the ``(batch, pos)`` mask only where the two are equal, and its
         rows would be taken with the mask transposed."""
-        if self._nn_seq2seq is None or self._seq2seq or mask is None:
+        if self._seq2seq or mask is None:
             return
+        if self._nn_seq2seq is not None:
+            found_stacks = self._nn_seq2seq
+        else:  # (a model of one sequence: its encoder stacks, or a decoder-only one's)
+            if self._one_sequence_stacks is None:
+                self._one_sequence_stacks = _torch_stacks(self.model, any_stack=True) or ([], [])
+            found_stacks = self._one_sequence_stacks
         module = dict(self._modules).get(self._module_of(name))
-        stacks = [st for st in (*self._nn_seq2seq[0], *self._nn_seq2seq[1]) if not _stack_batch_first(st)]
+        stacks = [st for st in (*found_stacks[0], *found_stacks[1]) if not _stack_batch_first(st)]
         if isinstance(self.model, torch.nn.Transformer) and not self.model.batch_first:
             stacks.append(self.model)
         found = next((st for st in stacks if module is not None and any(m is module for m in st.modules())), None)
@@ -2690,8 +2706,9 @@ class Tracker:
             return
         where = next((n for n, m in self.model.named_modules() if m is found), "")
         raise CaptureError(
-            f"hook point {name!r} is inside {where or 'the model'!r} ({type(found).__name__}) of the encoder-decoder "
-            f"model {type(self.model).__name__}, built sequence-first (batch_first=False): its activation {shape} "
+            f"hook point {name!r} is inside {where or 'the model'!r} ({type(found).__name__}) of the "
+            f"{'encoder-decoder ' if self._nn_seq2seq is not None else ''}model {type(self.model).__name__}, "
+            f"built sequence-first (batch_first=False): its activation {shape} "
             f"is (pos, batch, ...), and it starts with the (batch, pos) {tuple(mask.shape)} of the mask its token "
             "rows are taken with only because the batch has as many samples as positions: its rows would be taken "
             "with the mask transposed. Build the model with batch_first=True (the same state_dict loads) and feed "
@@ -3034,12 +3051,14 @@ _NN_ENCODERS = (torch.nn.TransformerEncoder, torch.nn.TransformerEncoderLayer)
 _NN_DECODERS = (torch.nn.TransformerDecoder, torch.nn.TransformerDecoderLayer)
 
 
-def _torch_stacks(model: torch.nn.Module) -> tuple[list[torch.nn.Module], list[torch.nn.Module]] | None:
+def _torch_stacks(model: torch.nn.Module, any_stack: bool = False
+                  ) -> tuple[list[torch.nn.Module], list[torch.nn.Module]] | None:
     """The outermost encoder stacks (``nn.TransformerEncoder``, or an
     ``nn.TransformerEncoderLayer`` in none) and decoder stacks (``nn.TransformerDecoder`` /
     ``nn.TransformerDecoderLayer``) of ``model``: an encoder-decoder of torch.nn's modules
     (``nn.Transformer``, or a model of one's own around them) where it has a decoder stack,
-    whose layers' cross-attention reads the encoder's sequence; else None."""
+    whose layers' cross-attention reads the encoder's sequence; else None. With ``any_stack``,
+    the stacks of any model that has one (a model of one sequence)."""
     found: tuple[list[torch.nn.Module], list[torch.nn.Module]] = ([], [])
     inside: set[int] = set()
     for module in model.modules():  # (parents before their children)
@@ -3049,7 +3068,7 @@ def _torch_stacks(model: torch.nn.Module) -> tuple[list[torch.nn.Module], list[t
             if isinstance(module, kinds):
                 found[i].append(module)
                 inside.update(id(m) for m in module.modules())
-    return found if found[1] else None
+    return found if found[1] or (any_stack and found[0]) else None
 
 
 def _positional_names(forward: Any) -> list[str]:
