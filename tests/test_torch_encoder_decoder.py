@@ -358,3 +358,24 @@ def test_token_rows_of_a_sequence_first_stack_are_refused(tmp_path):
             tracker.set_batch(attention_mask=~src_pad)
             _call(model, src, src_pad, tgt, tgt_pad)
     assert not (tmp_path / "s.zarr").exists()
+
+
+def test_token_rows_of_a_sequence_first_encoder_are_said_to_be_swapped(tmp_path):
+    # rows="token" on a sequence-first nn.TransformerEncoder: its (pos, batch, d) output was stored
+    # as 15 token rows of (position, sample) pairs listed with sample_id = position, under a
+    # warning that said one row per position with the batch among the features
+    torch.manual_seed(0)
+    enc = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(D, 2, 16, 0.0), 1,
+                                      enable_nested_tensor=False).eval()
+    x = torch.randn(5, 3, D)  # (pos, batch, d)
+    with warnings.catch_warnings(record=True) as seen, torch.no_grad(), acs.ActivationScope(
+            store=tmp_path / "s.zarr", rows="token").track(enc, include=["layers.0"]):
+        warnings.simplefilter("always")
+        out = enc(x)
+    said = [str(w.message) for w in seen if issubclass(w.category, acs.CaptureWarning) and "sequence-first" in str(w.message)]
+    assert len(said) == 1, said
+    assert "'layers.0' (TransformerEncoderLayer): layers.0.output. Their rows are (position, sample) pairs" in said[0]
+    assert "its sample_id is the position, its pos the sample" in said[0] and "among the features" not in said[0]
+    store = acs.open_store(tmp_path / "s.zarr")
+    assert torch.equal(store["layers.0.output"], out.reshape(15, D))  # what the warning says: (pos, batch) pairs
+    assert store.row_table("token").column("sample_id").to_pylist() == [p for p in range(5) for _ in range(3)]

@@ -2217,13 +2217,31 @@ class Tracker:
         for hp in self._sinks:
             if self.writer is not None or self._reduction_names.get(hp):
                 by_module.setdefault(self._module_of(hp), []).append(hp)
-        found = []
+        found, swapped = [], []
         for name, module in self._modules:
             first = getattr(module, "batch_first", None)
             if first is None:  # (nn.TransformerEncoderLayer / DecoderLayer: their attention's)
                 first = getattr(getattr(module, "self_attn", None), "batch_first", None)
             if first is False and by_module.get(name):
-                found.append(f"{name!r} ({type(module).__name__}): {', '.join(sorted(by_module[name]))}")
+                # (taken as token rows of the model's (batch, pos): rows are (pos, batch) pairs, said below)
+                token = [hp for hp in sorted(by_module[name]) if self._sinks[hp].row_kind == 1]
+                other = [hp for hp in sorted(by_module[name]) if hp not in token]
+                if token:
+                    swapped.append(f"{name!r} ({type(module).__name__}): {', '.join(token)}")
+                if other:
+                    found.append(f"{name!r} ({type(module).__name__}): {', '.join(other)}")
+        if swapped:
+            warnings.warn(
+                "tracked modules built sequence-first (batch_first=False) take and give (pos, batch, ...) "
+                f"tensors, taken as token rows of the (batch, pos) of the mask (rows='token': of the model's first "
+                f"input): {'; '.join(swapped)}. Their rows are (position, sample) pairs, listed in the token row "
+                "table with the two swapped (its sample_id is the position, its pos the sample), and a mask with "
+                "padding drops the wrong ones. Build the module "
+                "with batch_first=True (the same state_dict loads) and feed it (batch, pos, ...) inputs, or exclude= "
+                "it",
+                CaptureWarning,
+                stacklevel=2,
+            )
         if found:
             warnings.warn(
                 "tracked modules built sequence-first (batch_first=False) take and give (pos, batch, ...) "
