@@ -662,3 +662,39 @@ def test_a_capture_that_filled_the_disk_says_its_failure_once(tmp_path):
     assert full.stderr.count("File too large (EFBIG)") == 1, full.stderr
     assert "could not be fully committed" not in full.stderr, full.stderr
     assert full.stderr.startswith("activationscope capture: error: writing shard"), full.stderr
+
+
+def test_a_writer_error_in_capture_names_the_resume_flag():
+    # a full disk during `capture`: the error said "resume=True continues from them", a keyword
+    # argument the command does not take
+    from activationscope.cli import _cli_spelling
+
+    said = ("writing shard 's.zarr/acts/a/shard-1.tmp' failed: No space left on device (ENOSPC): free space there; "
+            "rows committed before the failure stay readable (open_store), and resume=True continues from them once "
+            "the cause is fixed")
+    assert _cli_spelling(said, "capture").endswith(
+        "rows committed before the failure stay readable (open_store), and --resume continues from them once the "
+        "cause is fixed")
+    assert _cli_spelling("StoreWriter(..., resume=True) failed", "capture") == "StoreWriter(..., resume=True) failed"
+    assert "resume=True" in _cli_spelling(said, "export")  # (export has no --resume)
+
+
+def test_a_capture_that_filled_the_disk_names_only_the_commands_flags(tmp_path):
+    # the error said "and resume=True continues from them" and its note "(resume=True has nothing
+    # to continue: ...)": notes were printed without the command's spelling
+    (tmp_path / "toymodels_full.py").write_text(
+        "import torch\n"
+        "def mlp():\n"
+        "    torch.manual_seed(0)\n"
+        "    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))\n")
+    np.save(tmp_path / "inputs.npy", np.random.default_rng(0).standard_normal((2000, 64)).astype(np.float32))
+    import os
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.path.dirname(os.path.dirname(acs.__file__))])}
+    full = subprocess.run([sys.executable, "-c", CLI_FULL_CHILD, "full"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert full.returncode == 1, full.stderr
+    assert "resume=True" not in full.stderr, full.stderr
+    assert "and --resume continues from them once the cause is fixed" in full.stderr, full.stderr
+    assert full.stderr.rstrip().endswith(
+        "was removed (--resume has nothing to continue: once the cause is fixed, run the capture again without it)")
+    assert not (tmp_path / "cli.zarr").exists()
