@@ -599,3 +599,102 @@ def test_exclude_leaving_none_of_the_default_modules_does_not_name_an_include_ne
 
     assert _cli_spelling("include=['a'] and exclude=['x'] leave no module of M", "capture", include_given=False) == \
         "the modules tracked by default ('a'; no --include given) and --exclude 'x' leave no module of M"
+
+
+CLI_FULL_CHILD = """
+import resource, signal, sys
+from activationscope import cli
+args = ["capture", "--model", "toymodels_full:mlp", "--data", "inputs.npy", "--out", "cli.zarr", "--overwrite",
+        "--no-progress", "--batch-size", "64", "--shard-bytes", "1048576"]
+if sys.argv[1] == "full":
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (300_000, 300_000))
+sys.exit(cli.main(args))
+"""
+
+
+def test_an_overwrite_that_filled_the_disk_before_its_first_commit_does_not_claim_the_old_rows(tmp_path):
+    # `capture --overwrite` over a whole store, and the file size limit is reached before the new
+    # capture's first shard is written: the error ended "cli.zarr keeps its 2000 committed samples
+    # (status complete)", the earlier capture's, as if this one had finished
+    (tmp_path / "toymodels_full.py").write_text(
+        "import torch\n"
+        "def mlp():\n"
+        "    torch.manual_seed(0)\n"
+        "    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))\n")
+    np.save(tmp_path / "inputs.npy", np.random.default_rng(0).standard_normal((2000, 64)).astype(np.float32))
+    import os
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.path.dirname(os.path.dirname(acs.__file__))])}
+    first = subprocess.run([sys.executable, "-c", CLI_FULL_CHILD, "plain"], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr
+    before = acs.open_store(tmp_path / "cli.zarr")["2.output"].clone()
+    full = subprocess.run([sys.executable, "-c", CLI_FULL_CHILD, "full"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert full.returncode == 1, full.stderr
+    error = [line for line in full.stderr.splitlines() if line.startswith("activationscope capture: error:")]
+    assert len(error) == 1 and "EFBIG" in error[0], full.stderr
+    assert error[0].endswith(
+        "; no row of this capture was committed, so the store that was at cli.zarr is kept as it was, with the "
+        "rows of the capture that wrote it (--overwrite replaces it only once the new capture commits); once the "
+        "cause is fixed, run the command again"), error[0]
+    assert "committed samples" not in error[0] and "overwrite=True" not in error[0]
+    kept = acs.open_store(tmp_path / "cli.zarr")
+    assert kept.status == "complete" and kept.n_samples == 2000
+    assert torch.equal(kept["2.output"], before)
+
+
+def test_a_capture_that_filled_the_disk_says_its_failure_once(tmp_path):
+    # the writer's error was printed three times: twice in a warning ("the store could not be fully
+    # committed after StoreError('writing shard ...'): the store writer ... failed: writing shard
+    # ...") that the close raised again for the same failure, then as the error
+    (tmp_path / "toymodels_full.py").write_text(
+        "import torch\n"
+        "def mlp():\n"
+        "    torch.manual_seed(0)\n"
+        "    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))\n")
+    np.save(tmp_path / "inputs.npy", np.random.default_rng(0).standard_normal((2000, 64)).astype(np.float32))
+    import os
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.path.dirname(os.path.dirname(acs.__file__))])}
+    full = subprocess.run([sys.executable, "-c", CLI_FULL_CHILD, "full"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert full.returncode == 1, full.stderr
+    assert full.stderr.count("File too large (EFBIG)") == 1, full.stderr
+    assert "could not be fully committed" not in full.stderr, full.stderr
+    assert full.stderr.startswith("activationscope capture: error: writing shard"), full.stderr
+
+
+def test_a_writer_error_in_capture_names_the_resume_flag():
+    # a full disk during `capture`: the error said "resume=True continues from them", a keyword
+    # argument the command does not take
+    from activationscope.cli import _cli_spelling
+
+    said = ("writing shard 's.zarr/acts/a/shard-1.tmp' failed: No space left on device (ENOSPC): free space there; "
+            "rows committed before the failure stay readable (open_store), and resume=True continues from them once "
+            "the cause is fixed")
+    assert _cli_spelling(said, "capture").endswith(
+        "rows committed before the failure stay readable (open_store), and --resume continues from them once the "
+        "cause is fixed")
+    assert _cli_spelling("StoreWriter(..., resume=True) failed", "capture") == "StoreWriter(..., resume=True) failed"
+    assert "resume=True" in _cli_spelling(said, "export")  # (export has no --resume)
+
+
+def test_a_capture_that_filled_the_disk_names_only_the_commands_flags(tmp_path):
+    # the error said "and resume=True continues from them" and its note "(resume=True has nothing
+    # to continue: ...)": notes were printed without the command's spelling
+    (tmp_path / "toymodels_full.py").write_text(
+        "import torch\n"
+        "def mlp():\n"
+        "    torch.manual_seed(0)\n"
+        "    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))\n")
+    np.save(tmp_path / "inputs.npy", np.random.default_rng(0).standard_normal((2000, 64)).astype(np.float32))
+    import os
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.path.dirname(os.path.dirname(acs.__file__))])}
+    full = subprocess.run([sys.executable, "-c", CLI_FULL_CHILD, "full"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert full.returncode == 1, full.stderr
+    assert "resume=True" not in full.stderr, full.stderr
+    assert "and --resume continues from them once the cause is fixed" in full.stderr, full.stderr
+    assert full.stderr.rstrip().endswith(
+        "was removed (--resume has nothing to continue: once the cause is fixed, run the capture again without it)")
+    assert not (tmp_path / "cli.zarr").exists()

@@ -295,3 +295,17 @@ def test_a_demo_report_folder_that_cannot_be_written_is_refused_before_the_captu
     assert f"--report {str(report)!r}" in line and "--out '" not in line, line
     assert ("is inside the store" in line) if where != "a file" else ("is a file" in line), line
     assert not out.exists() and not report.parent.joinpath("rep").exists()
+
+
+def test_the_demo_total_says_which_part_is_what_info_calls_on_disk():
+    # the demo ended "200 samples (200 labelled), 53.7 MiB on disk" where `activationscope info`
+    # of the same store says "53.2 MiB on disk" (shard files): two sizes under one name
+    from activationscope.analysis.demo import DemoResult, LayerRow
+
+    layers = [LayerRow(0, 10, 2, 3 * 2**20, None), LayerRow(1, 10, 2, 3 * 2**20, None)]
+    result = DemoResult("s", None, layers, 2, 2, 1.0, 1.0, 1.0, 7 * 2**20, 5, shard_bytes=6 * 2**20)
+    assert result.table().splitlines()[-1] == (
+        "2 samples (2 labelled), 7.0 MiB on disk (6.0 MiB of it shard files, the total of activationscope info); "
+        "capture 1.0 s, probes 1.0 s, report 1.0 s")
+    same = DemoResult("s", None, layers, 2, 2, 1.0, 1.0, 1.0, 6 * 2**20, 5, shard_bytes=6 * 2**20)
+    assert same.table().splitlines()[-1] == "2 samples (2 labelled), 6.0 MiB on disk; capture 1.0 s, probes 1.0 s, report 1.0 s"

@@ -292,6 +292,56 @@ def test_rows_token_with_a_padded_target_is_refused(tmp_path):
             _call(model, *batch)
 
 
+class _SequenceFirstEncoder(torch.nn.Module):
+    """A model of one sequence around nn.TransformerEncoder, built sequence-first (the default)."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(D, 2, 16, 0.0), 1,
+                                               enable_nested_tensor=False)
+
+    def forward(self, x, pad):
+        return self.enc(x, src_key_padding_mask=pad)
+
+
+@pytest.mark.parametrize("where", ["store", "reductions"])
+def test_token_rows_of_a_sequence_first_encoder_of_one_sequence_are_refused(tmp_path, where):
+    # a model of its own around a sequence-first nn.TransformerEncoder, with as many samples as
+    # positions: the (pos, batch, d) output was stored as 23 token rows taken with the mask
+    # transposed (rows of the wrong samples and positions), with a warning saying the rows were
+    # one per position with the batch among the features
+    torch.manual_seed(0)
+    model = _SequenceFirstEncoder().eval()
+    x = torch.randn(S, S, D)
+    pad = torch.zeros(S, S, dtype=torch.bool)
+    pad[1, 3:] = True
+    scope = (acs.ActivationScope(store=tmp_path / "s.zarr") if where == "store"
+             else acs.ActivationScope(reductions=["mean"]))
+    with pytest.raises(acs.CaptureError, match=r"'enc\.layers\.0\.output' is inside 'enc' \(TransformerEncoder\) "
+                       r"of the model _SequenceFirstEncoder, built sequence-first \(batch_first=False\): its "
+                       rf"activation \({S}, {S}, {D}\) is \(pos, batch, \.\.\.\).*batch_first=True"):
+        with torch.no_grad(), scope.track(model, include=["enc.layers.0"]) as tracker:
+            tracker.set_batch(attention_mask=~pad)
+            model(x, pad)
+    assert not (tmp_path / "s.zarr").exists()
+
+
+def test_a_sequence_first_encoder_of_one_sequence_keeps_token_rows_asked_for(tmp_path):
+    # token_rows=True: the mask is the user's to give (here transposed to fit the layout)
+    torch.manual_seed(0)
+    model = _SequenceFirstEncoder().eval()
+    x = torch.randn(S, S, D)
+    pad = torch.zeros(S, S, dtype=torch.bool)
+    pad[1, 3:] = True
+    seen = []
+    model.enc.layers[0].register_forward_hook(lambda m, a, o: seen.append(o.detach().clone()))
+    with torch.no_grad(), acs.ActivationScope(store=tmp_path / "s.zarr", token_rows={"enc.layers.0.output": True}
+                                              ).track(model, include=["enc.layers.0"]) as tracker:
+        tracker.set_batch(attention_mask=~pad.T)
+        model(x, pad)
+    assert torch.equal(acs.open_store(tmp_path / "s.zarr")["enc.layers.0.output"], seen[0][~pad.T])
+
+
 def test_token_rows_of_a_sequence_first_stack_are_refused(tmp_path):
     # batch_first=False (nn.Transformer's default): (pos, batch, d) starts with the (batch, pos)
     # mask where batch == pos, and its rows were taken with the mask transposed
@@ -374,3 +424,24 @@ def test_token_rows_of_a_sequence_first_module_outside_an_encoder_decoder_are_re
             _, weights = mha(x, x, x, key_padding_mask=pad)
     store = acs.open_store(tmp_path / "m.zarr")
     _close(store["output.1"], weights[~pad])
+
+
+def test_token_rows_of_a_sequence_first_encoder_are_said_to_be_swapped(tmp_path):
+    # rows="token" on a sequence-first nn.TransformerEncoder: its (pos, batch, d) output was stored
+    # as 15 token rows of (position, sample) pairs listed with sample_id = position, under a
+    # warning that said one row per position with the batch among the features
+    torch.manual_seed(0)
+    enc = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(D, 2, 16, 0.0), 1,
+                                      enable_nested_tensor=False).eval()
+    x = torch.randn(5, 3, D)  # (pos, batch, d)
+    with warnings.catch_warnings(record=True) as seen, torch.no_grad(), acs.ActivationScope(
+            store=tmp_path / "s.zarr", rows="token").track(enc, include=["layers.0"]):
+        warnings.simplefilter("always")
+        out = enc(x)
+    said = [str(w.message) for w in seen if issubclass(w.category, acs.CaptureWarning) and "sequence-first" in str(w.message)]
+    assert len(said) == 1, said
+    assert "'layers.0' (TransformerEncoderLayer): layers.0.output. Their rows are (position, sample) pairs" in said[0]
+    assert "its sample_id is the position, its pos the sample" in said[0] and "among the features" not in said[0]
+    store = acs.open_store(tmp_path / "s.zarr")
+    assert torch.equal(store["layers.0.output"], out.reshape(15, D))  # what the warning says: (pos, batch) pairs
+    assert store.row_table("token").column("sample_id").to_pylist() == [p for p in range(5) for _ in range(3)]

@@ -215,9 +215,15 @@ def run_capture(
         removed = new_store and (gone or (not (store_options or {}).get("overwrite")
                                           and remove_if_empty(out, remove_folder=not folder_existed)))
         nothing_there = local is not None and not path_existed and not os.path.lexists(local)
+        put_back = tracker._store_put_back  # (--overwrite, no row committed: the earlier store kept, said in a note)
+        if put_back is not None and put_back in (getattr(e, "__notes__", None) or ()):
+            e.__notes__.remove(put_back)  # (said below in the command's words)
         tail = (f"this capture wrote nothing; {out} is left to the writer that holds it"
                 if isinstance(e, StoreLockedError) else
                 f"no row was committed, so the new store {out} was removed" if removed else
+                f"no row of this capture was committed, so the store that was at {out} is kept as it was, with the "
+                "rows of the capture that wrote it (--overwrite replaces it only once the new capture commits); once "
+                "the cause is fixed, run the command again" if put_back is not None else
                 f"nothing was written at {out}" if nothing_there else
                 f"nothing was committed at {out}" if new_store and not (store_options or {}).get("overwrite")
                 and summary.n_forwards == 0 and not _readable_store(out) else

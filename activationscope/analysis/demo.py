@@ -90,6 +90,9 @@ class DemoResult:
     report_s: float
     total_bytes: int
     n_folds: int
+    #: bytes of the shard files of every hook point (``on disk`` of ``activationscope info``),
+    #: where ``total_bytes`` counts the store's folder (row tables, reductions, metadata too)
+    shard_bytes: int | None = None
 
     @property
     def store_location(self) -> str:
@@ -118,7 +121,9 @@ class DemoResult:
         out += [fmt(l) for l in lines]
         out.append("")
         out.append(
-            f"{self.n_samples} samples ({self.n_labelled} labelled), {format_bytes(self.total_bytes)} on disk; "
+            f"{self.n_samples} samples ({self.n_labelled} labelled), {format_bytes(self.total_bytes)} on disk"
+            + (f" ({format_bytes(self.shard_bytes)} of it shard files, the total of activationscope info)"
+               if self.shard_bytes is not None and self.shard_bytes != self.total_bytes else "") + "; "
             f"capture {self.capture_s:.1f} s, probes {self.probe_s:.1f} s, report {self.report_s:.1f} s"
             + (f"; chance accuracy {chance:.3f}" if chance is not None else "")
         )
@@ -311,7 +316,7 @@ def run_demo(
     return DemoResult(
         store_path=out, report_path=report_path, layers=layers, n_samples=summary.n_samples,
         n_labelled=n_labelled, capture_s=summary.elapsed_s, probe_s=probe_s, report_s=time.perf_counter() - t0,
-        total_bytes=dir_bytes(out) or total, n_folds=n_folds,
+        total_bytes=dir_bytes(out) or total, n_folds=n_folds, shard_bytes=total,
     )
 
 

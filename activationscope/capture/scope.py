@@ -779,6 +779,7 @@ class Tracker:
         self._unrecorded_forward: tuple[int, bool] | None = None
         # True once a failed capture removed the store it made (it held no committed row)
         self._store_removed = False
+        self._store_put_back: str | None = None  # overwrite=True, no row committed: the note saying the old store is kept
         self._n_samples = 0
         self._resume_from = 0  # the running counter a resumed store left (set by attach)
         # samples of the forwards a CapturePolicy skipped (SAMPLE_N): the default sample ids
@@ -1314,14 +1315,16 @@ class Tracker:
             try:
                 self.writer.close(status="incomplete")
             except BaseException as e:  # noqa: BLE001
-                warnings.warn(
-                    f"the store could not be fully committed after {exc!r}: {e}; committed rows stay readable",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
+                if not (str(exc) and str(exc) in str(e)):  # (the close met the same failure: the error says it)
+                    warnings.warn(
+                        f"the store could not be fully committed after {exc!r}: {e}; committed rows stay readable",
+                        RuntimeWarning,
+                        stacklevel=3,
+                    )
                 self.writer.abort(exc)
             self._note_lost_store(exc)
-            self._remove_unused_store(exc)
+            if not self._remove_unused_store(exc):
+                self._note_put_back(exc)
             return
         self._warn_silent(silent)
 
@@ -1338,6 +1341,21 @@ class Tracker:
             f"the store {self.writer.path!r} was moved, removed or replaced while this capture wrote it ({why}): "
             "the rows it committed are in the store's folder wherever it went (moved: resume=True there continues "
             "them; removed: they are gone), and nothing more was written at that path")
+
+    def _note_put_back(self, exc: BaseException) -> None:
+        """After a failed capture with ``overwrite=True`` that committed no row: the store it was
+        to replace was put back (the writer's ``put_back``). The error (a full disk's, say) may
+        say that committed rows stay readable and that resume=True continues them; say in a note
+        of ``exc`` that no row of this capture is there, so that neither reading nor resuming
+        the old store is taken for this capture's."""
+        if not getattr(self.writer, "put_back", False):
+            return
+        self._store_put_back = (
+            f"no row of this capture was committed, so the store that overwrite=True was to replace at "
+            f"{self.writer.path!r} is kept as it was: open_store reads that earlier store, none of this capture's "
+            "rows, and resume=True would continue that store, not this capture; once the cause is fixed, run the "
+            "capture again with overwrite=True")
+        exc.add_note(self._store_put_back)
 
     def _drop_unrecorded(self) -> None:
         """Closing a store capture: hook points first seen in a forward that was never recorded
@@ -1639,7 +1657,9 @@ class Tracker:
         rows_matter = decided is None and (self.writer is not None or (
             self._red_factories is not None
             and bool(self._red_factories.resolve_reductions(scope.reductions, name, self._hook_names))))
-        if rows_matter and token:
+        if rows_matter and token and self._pending_batch and self._pending_batch.get("attention_mask") is not None:
+            # (a set_batch mask: rows="token" alone takes the model's first input's positions, the
+            # (pos, batch) of a sequence-first model, whose rows are warned about as swapped)
             self._check_sequence_first(name, tuple(tensor.shape), mask)
         if rows_matter and (self._seq2seq or self._nn_seq2seq):
             side = self._side_of(name)
@@ -2200,13 +2220,31 @@ class Tracker:
         for hp in self._sinks:
             if self.writer is not None or self._reduction_names.get(hp):
                 by_module.setdefault(self._module_of(hp), []).append(hp)
-        found = []
+        found, swapped = [], []
         for name, module in self._modules:
             first = getattr(module, "batch_first", None)
             if first is None:  # (nn.TransformerEncoderLayer / DecoderLayer: their attention's)
                 first = getattr(getattr(module, "self_attn", None), "batch_first", None)
             if first is False and by_module.get(name):
-                found.append(f"{name!r} ({type(module).__name__}): {', '.join(sorted(by_module[name]))}")
+                # (taken as token rows of the model's (batch, pos): rows are (pos, batch) pairs, said below)
+                token = [hp for hp in sorted(by_module[name]) if self._sinks[hp].row_kind == 1]
+                other = [hp for hp in sorted(by_module[name]) if hp not in token]
+                if token:
+                    swapped.append(f"{name!r} ({type(module).__name__}): {', '.join(token)}")
+                if other:
+                    found.append(f"{name!r} ({type(module).__name__}): {', '.join(other)}")
+        if swapped:
+            warnings.warn(
+                "tracked modules built sequence-first (batch_first=False) take and give (pos, batch, ...) "
+                f"tensors, taken as token rows of the (batch, pos) of the mask (rows='token': of the model's first "
+                f"input): {'; '.join(swapped)}. Their rows are (position, sample) pairs, listed in the token row "
+                "table with the two swapped (its sample_id is the position, its pos the sample), and a mask with "
+                "padding drops the wrong ones. Build the module "
+                "with batch_first=True (the same state_dict loads) and feed it (batch, pos, ...) inputs, or exclude= "
+                "it",
+                CaptureWarning,
+                stacklevel=2,
+            )
         if found:
             warnings.warn(
                 "tracked modules built sequence-first (batch_first=False) take and give (pos, batch, ...) "

@@ -358,8 +358,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             notes = "".join(f"; {n}" for n in getattr(e, "__notes__", ()))
             # messages name hook points and values from the store, which may come from someone
             # else: control characters (terminal escapes) are shown escaped, never sent as is
-            spelled = _cli_spelling(one_line(e), args.command, include_given=getattr(args, "include", True) not in (None, []))
-            print(_printable(f"{PROG} {args.command}: error: {spelled}{notes}"),
+            spelled = _cli_spelling(one_line(e) + notes, args.command,
+                                    include_given=getattr(args, "include", True) not in (None, []))
+            print(_printable(f"{PROG} {args.command}: error: {spelled}"),
                   file=sys.stderr)
         return 1
     finally:
@@ -479,6 +480,8 @@ def _cli_spelling(message: str, command: str | None = None, include_given: bool 
         # overwrite=True" of a rank store)
         message = re.sub(r"(?<!\.\.\., )(?<!store_options )\boverwrite=True\b", "--overwrite", message)
         message = re.sub(r"\((overwrite) (does not allow|replaces)\b", r"(--\1 \2", message)
+    if command == "capture":  # (a store writer's error: "... and resume=True continues from them")
+        message = re.sub(r"(?<!\.\.\., )(?<!store_options )\bresume=True\b", "--resume", message)
     # the rest of the advice to leave a module out ("or exclude= them", "exclude= the module of
     # 'x'"); "include=/exclude= as the first run" names both keyword arguments and stays
     message = re.sub(r"(?<![\w/])exclude= ", "--exclude ", message)

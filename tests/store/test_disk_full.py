@@ -264,6 +264,31 @@ def test_a_new_store_removed_after_a_failure_says_to_start_again_not_resume(tmp_
     assert not path.exists()
 
 
+def test_an_overwrite_that_committed_nothing_says_the_earlier_store_is_kept_not_its_rows(tmp_path):
+    """overwrite=True over a whole store, and the disk fills before the new capture commits: the
+    earlier store is put back, and the error said only that "rows committed before the failure
+    stay readable (open_store), and resume=True continues from them", which open_store then
+    seemed to confirm with the earlier capture's rows, status complete."""
+    path = tmp_path / "s.zarr"
+    model, xs = _model_and_data()
+    with acs.ActivationScope(store=str(path)).track(model), torch.no_grad():
+        for x in xs:
+            model(x)
+    before = open_store(path)["fc2.output"].clone()
+    with pytest.raises(StoreError) as e:
+        with acs.ActivationScope(store=str(path), store_options={"overwrite": True}).track(model), torch.no_grad():
+            raise StoreError("writing shard failed: No space left on device (ENOSPC); rows committed before the "
+                             "failure stay readable (open_store), and resume=True continues from them")
+    notes = getattr(e.value, "__notes__", [])
+    assert notes == [f"no row of this capture was committed, so the store that overwrite=True was to replace at "
+                     f"{str(path)!r} is kept as it was: open_store reads that earlier store, none of this capture's "
+                     "rows, and resume=True would continue that store, not this capture; once the cause is fixed, "
+                     "run the capture again with overwrite=True"], notes
+    kept = open_store(path)
+    assert kept.status == "complete" and kept.n_samples == N * B
+    assert torch.equal(kept["fc2.output"], before)
+
+
 REMOTE_CHILD = textwrap.dedent("""
     import resource, signal, sys, uuid
     import torch
