@@ -97,8 +97,10 @@ def test_commit_with_many_arrays_writes_every_document(tmp_path):
 
 
 def test_failed_commit_write_raises_and_keeps_the_last_commit(tmp_path, monkeypatch):
-    """One manifest write of the final commit fails: close raises StoreError naming the file,
-    and the store still opens at its last commit (arrays listed, 0 rows)."""
+    """One manifest write of the final commit fails: close raises StoreError naming the file.
+    That commit was the first: no root lists a row, so the new store is removed (it was left
+    as an incomplete store of 0 rows, which resume=True had nothing to continue), the error's
+    note saying so; a store that committed rows before keeps them (test_disk_full)."""
     from activationscope.errors import StoreError
     from activationscope.store import _backend
 
@@ -112,16 +114,14 @@ def test_failed_commit_write_raises_and_keeps_the_last_commit(tmp_path, monkeypa
         real_set(self, key, data)
 
     scope = acs.ActivationScope(store=str(path))
-    with pytest.raises(StoreError, match="5.output/manifest.json"):
+    with pytest.raises(StoreError, match="5.output/manifest.json") as raised:
         with scope.track(model):
             with torch.no_grad():
                 model(torch.randn(3, 4))
             monkeypatch.setattr(_backend.LocalBackend, "set", failing_set)
     monkeypatch.setattr(_backend.LocalBackend, "set", real_set)
-    store = acs.open_store(path)
-    assert store.status == "incomplete" and store.n_samples == 0
-    assert len(store.hook_points) == 12
-    assert store.verify() == []
+    assert any("no row was committed, so the new store" in note for note in raised.value.__notes__)
+    assert not path.exists()
 
 
 def test_reserved_temporary_files_are_used_then_released(tmp_path):
