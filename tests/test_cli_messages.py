@@ -613,24 +613,35 @@ sys.exit(cli.main(args))
 """
 
 
-def test_an_overwrite_that_filled_the_disk_before_its_first_commit_does_not_claim_the_old_rows(tmp_path):
-    # `capture --overwrite` over a whole store, and the file size limit is reached before the new
-    # capture's first shard is written: the error ended "cli.zarr keeps its 2000 committed samples
-    # (status complete)", the earlier capture's, as if this one had finished
+def _cli_full_setup(tmp_path):
+    """A user module ``toymodels_full`` (an MLP) and ``inputs.npy`` (2000 samples) in
+    ``tmp_path``; the environment that lets a child process import both."""
+    import os
+
     (tmp_path / "toymodels_full.py").write_text(
         "import torch\n"
         "def mlp():\n"
         "    torch.manual_seed(0)\n"
         "    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))\n")
     np.save(tmp_path / "inputs.npy", np.random.default_rng(0).standard_normal((2000, 64)).astype(np.float32))
-    import os
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.path.dirname(os.path.dirname(acs.__file__))])}
-    first = subprocess.run([sys.executable, "-c", CLI_FULL_CHILD, "plain"], cwd=tmp_path, env=env,
-                           capture_output=True, text=True, timeout=300)
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.path.dirname(os.path.dirname(acs.__file__))])}
+
+
+def _cli_full_run(tmp_path, env, how):
+    """``CLI_FULL_CHILD`` in a child process: ``how`` "full" under a file size limit, "plain" without."""
+    return subprocess.run([sys.executable, "-c", CLI_FULL_CHILD, how], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_an_overwrite_that_filled_the_disk_before_its_first_commit_does_not_claim_the_old_rows(tmp_path):
+    # `capture --overwrite` over a whole store, and the file size limit is reached before the new
+    # capture's first shard is written: the error ended "cli.zarr keeps its 2000 committed samples
+    # (status complete)", the earlier capture's, as if this one had finished
+    env = _cli_full_setup(tmp_path)
+    first = _cli_full_run(tmp_path, env, "plain")
     assert first.returncode == 0, first.stderr
     before = acs.open_store(tmp_path / "cli.zarr")["2.output"].clone()
-    full = subprocess.run([sys.executable, "-c", CLI_FULL_CHILD, "full"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+    full = _cli_full_run(tmp_path, env, "full")
     assert full.returncode == 1, full.stderr
     error = [line for line in full.stderr.splitlines() if line.startswith("activationscope capture: error:")]
     assert len(error) == 1 and "EFBIG" in error[0], full.stderr
@@ -648,16 +659,8 @@ def test_a_capture_that_filled_the_disk_says_its_failure_once(tmp_path):
     # the writer's error was printed three times: twice in a warning ("the store could not be fully
     # committed after StoreError('writing shard ...'): the store writer ... failed: writing shard
     # ...") that the close raised again for the same failure, then as the error
-    (tmp_path / "toymodels_full.py").write_text(
-        "import torch\n"
-        "def mlp():\n"
-        "    torch.manual_seed(0)\n"
-        "    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))\n")
-    np.save(tmp_path / "inputs.npy", np.random.default_rng(0).standard_normal((2000, 64)).astype(np.float32))
-    import os
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.path.dirname(os.path.dirname(acs.__file__))])}
-    full = subprocess.run([sys.executable, "-c", CLI_FULL_CHILD, "full"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+    env = _cli_full_setup(tmp_path)
+    full = _cli_full_run(tmp_path, env, "full")
     assert full.returncode == 1, full.stderr
     assert full.stderr.count("File too large (EFBIG)") == 1, full.stderr
     assert "could not be fully committed" not in full.stderr, full.stderr
@@ -682,16 +685,8 @@ def test_a_writer_error_in_capture_names_the_resume_flag():
 def test_a_capture_that_filled_the_disk_names_only_the_commands_flags(tmp_path):
     # the error said "and resume=True continues from them" and its note "(resume=True has nothing
     # to continue: ...)": notes were printed without the command's spelling
-    (tmp_path / "toymodels_full.py").write_text(
-        "import torch\n"
-        "def mlp():\n"
-        "    torch.manual_seed(0)\n"
-        "    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))\n")
-    np.save(tmp_path / "inputs.npy", np.random.default_rng(0).standard_normal((2000, 64)).astype(np.float32))
-    import os
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.path.dirname(os.path.dirname(acs.__file__))])}
-    full = subprocess.run([sys.executable, "-c", CLI_FULL_CHILD, "full"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+    env = _cli_full_setup(tmp_path)
+    full = _cli_full_run(tmp_path, env, "full")
     assert full.returncode == 1, full.stderr
     assert "resume=True" not in full.stderr, full.stderr
     assert "and --resume continues from them once the cause is fixed" in full.stderr, full.stderr
