@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -1757,15 +1757,12 @@ class Tracker:
                     self._sinks[name].watch_aliases(False)
             self._watching = []
 
-    def _eval_mode_dropout(self) -> str | None:
-        """The name of a module of the tracked model that may return its input as it is in
-        eval mode and a new tensor in training mode (a dropout, a drop path or stochastic
-        depth, or a module calling a functional dropout, with a nonzero probability) and is in
-        eval mode now; None when there is none."""
-        for path, module in self.model.named_modules():
-            if not module.training and _drops_in_training(module):
-                return path
-        return None
+    def _eval_mode_dropouts(self) -> Iterator[tuple[str, torch.nn.Module]]:
+        """``(path, module)`` of each module of the tracked model that may return its input as
+        it is in eval mode and a new tensor in training mode (a dropout, a drop path or
+        stochastic depth, or a module calling a functional dropout, with a nonzero
+        probability) and is in eval mode now."""
+        return ((path, m) for path, m in self.model.named_modules() if not m.training and _drops_in_training(m))
 
     def _probe_dropouts(self) -> None:
         """At the first forward of a store capture, note the tensors that the model's dropouts
@@ -1775,7 +1772,7 @@ class Tracker:
         self._dropouts_probed = True
         if self.writer is None or not self._alias_candidates or self._core.in_graph:
             return
-        drops = [(path, m) for path, m in self.model.named_modules() if not m.training and _drops_in_training(m)]
+        drops = list(self._eval_mode_dropouts())
         if not drops:
             return
         outputs: list[torch.Tensor] = []
@@ -1830,7 +1827,7 @@ class Tracker:
                             _same_tensor(tensor, out) for out in self._dropout_outputs) or any(
                             module == p or module.startswith(p + ".") or p == "" for p in self._dropout_paths):
                         target = None
-                elif self._eval_mode_dropout() is not None:
+                elif next(self._eval_mode_dropouts(), None) is not None:
                     target = None
         if name in stored and target != stored[name]:
             raise CaptureError(
