@@ -76,9 +76,13 @@ def _decoded_bytes(arr: Any) -> int:
     return arr.nbytes
 
 
-def read_parquet_part(raw: bytes, where: Any, key: str, max_decoded: int = MAX_FILE_BYTES) -> Any:
+def read_parquet_part(raw: bytes, where: Any, key: str, max_decoded: int = MAX_FILE_BYTES,
+                      columns: Any = None) -> Any:
     """A row-table part (Parquet bytes, read whole and checked already) as a ``pyarrow.Table``,
     read on this thread, whose decoded size is bounded before it is decoded.
+
+    ``columns``: the names of the columns to decode (the others are not: Parquet column
+    projection), those of them the part has, in the part's order; None: every column.
 
     A part may hold at most ``max_decoded`` bytes once decoded (4 GiB, as a part's file): its
     strings and binaries, at any depth, are first read as dictionaries (no larger than the
@@ -107,8 +111,14 @@ def read_parquet_part(raw: bytes, where: Any, key: str, max_decoded: int = MAX_F
         memoryview(buf).cast("B")[:] = raw
         plain = pq.ParquetFile(pa.BufferReader(buf))
         schema, target = plain.schema, plain.schema_arrow  # (the types the file's columns read as)
+        names = None
+        if columns is not None:
+            wanted = set(columns)
+            names = [name for name in target.names if name in wanted]
+            target = pa.schema([target.field(name) for name in names])
         strings = [schema.column(i).path for i in range(len(schema)) if schema.column(i).physical_type == "BYTE_ARRAY"]
-        table = pq.ParquetFile(pa.BufferReader(buf), read_dictionary=strings or None).read(use_threads=False)
+        table = pq.ParquetFile(pa.BufferReader(buf), read_dictionary=strings or None).read(columns=names,
+                                                                                           use_threads=False)
     except Exception as e:  # noqa: BLE001 - pyarrow raises ArrowInvalid / OSError / ...
         raise corrupt(where, f"row-table part {key!r} is not a readable Parquet file ({type(e).__name__}: {e})") from None
     n = 0
@@ -125,7 +135,7 @@ def read_parquet_part(raw: bytes, where: Any, key: str, max_decoded: int = MAX_F
     except Exception:  # noqa: BLE001 - a type Arrow casts no dictionary to (string_view, list_view, ...)
         pass
     try:  # (its decoded size is bounded above: read again as the file's own types)
-        return pq.ParquetFile(pa.BufferReader(buf)).read(use_threads=False)
+        return pq.ParquetFile(pa.BufferReader(buf)).read(columns=names, use_threads=False)
     except Exception as e:  # noqa: BLE001
         raise corrupt(where, f"row-table part {key!r} is not a readable Parquet file ({type(e).__name__}: {e})") from None
 

@@ -33,7 +33,7 @@ import threading
 import uuid
 import warnings
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
@@ -2312,16 +2312,28 @@ class Store:
                                              f"{got[1]:08x})")
 
     # ------------------------------------------------------------------ row tables
-    def row_table(self, kind: str = "sample") -> Any:
+    def row_table(self, kind: str = "sample", columns: Sequence[str] | None = None) -> Any:
         """The row table of ``kind`` ("sample" or "token") as a ``pyarrow.Table``.
 
         Row ``i`` of a ``kind`` array whose ``follows_row_table`` is true is described by
         row ``i`` of this table.
 
+        Parameters
+        ----------
+        kind : {"sample", "token"}
+        columns : sequence of str, optional
+            Read only these columns (Parquet column projection: the others are not decoded,
+            e.g. ``["sample_id", "token_ids"]`` of a token table), in this order; a name the
+            table has no column of is left out (``table.column_names`` says which were
+            found). Its parts are fetched and checked as for the whole table (crc32c, rows,
+            the order of the ``batch`` column). Default: every column.
+
         Raises
         ------
         ValueError
             ``kind`` is neither "sample" nor "token".
+        TypeError
+            ``columns`` is not a sequence of str (a single str is refused too).
         StoreCorruptError
             A listed part is missing, damaged (crc32c, Parquet), or the parts hold another
             number of rows than the metadata's ``n_rows``.
@@ -2330,13 +2342,21 @@ class Store:
 
         if kind not in ("sample", "token"):
             raise ArgumentValueError(f"kind must be one of ['sample', 'token'], got {kind!r}")
+        read = None  # the columns decoded: those asked for, and those the checks below read
+        if columns is not None:
+            names = list(columns) if isinstance(columns, Iterable) and not isinstance(columns, (str, bytes)) else None
+            if names is None or not all(isinstance(c, str) for c in names):
+                raise ArgumentTypeError(f"columns must be a list of column names (str), got {columns!r}")
+            columns = list(dict.fromkeys(names))
+            read = [*columns, *(c for c in ("batch", "rank") if c not in columns)]
         if self._ranks:  # every rank's committed rows, in rank order, with a rank column
             tables = []
             for rank, st in self._ranks:
-                t = st.row_table(kind)
+                t = st.row_table(kind, read)
                 _no_rank_column(t, st, rank)
                 tables.append(t.append_column("rank", pa.array(np.full(t.num_rows, rank, dtype=np.int64))))
-            return concat_rank_tables(tables, [r for r, _ in self._ranks], [st for _, st in self._ranks], kind)
+            table = concat_rank_tables(tables, [r for r, _ in self._ranks], [st for _, st in self._ranks], kind)
+            return table if columns is None else table.select([c for c in columns if c in table.column_names])
         info = (self._attrs.get("row_tables") or {}).get(kind) or {"parts": []}
         crcs = info.get("crc32c") or {}
         tables = []
@@ -2346,7 +2366,7 @@ class Store:
                 if raw is None:
                     raise V.corrupt(self._backend, f"row-table part {key!r} listed in the metadata is missing")
                 self._check_crc(raw, crcs.get(key), f"row table {kind!r}: part {key!r}")
-                tables.append(read_parquet_part(raw, self._backend, key))
+                tables.append(read_parquet_part(raw, self._backend, key, columns=read))
         if not tables:
             if int(info.get("n_rows", 0)):
                 raise V.corrupt(self._backend, f"row table {kind!r} lists no parts, but the metadata says n_rows "
@@ -2354,16 +2374,19 @@ class Store:
             cols = {"sample_id": pa.array([], pa.int64()), "batch": pa.array([], pa.int64())}
             if kind == "token":
                 cols = {"sample_id": pa.array([], pa.int64()), "pos": pa.array([], pa.int64()), "batch": pa.array([], pa.int64())}
-            return pa.table(cols)
+            table = pa.table(cols)
+            return table if columns is None else table.select([c for c in columns if c in table.column_names])
         try:
             table = pa.concat_tables(tables, promote_options="default")
         except Exception as e:  # parts whose columns do not fit together
             raise V.corrupt(self._backend, f"the parts of row table {kind!r} do not fit together ({e})") from None
+        if not table.column_names:  # (parts holding none of the columns read: Arrow counts no rows of theirs)
+            table = pa.table({"rows": pa.nulls(sum(t.num_rows for t in tables))}).select([])
         if "n_rows" in info and table.num_rows != int(info["n_rows"]):
             raise V.corrupt(self._backend, f"row table {kind!r} has {table.num_rows} rows in its parts, but the "
                                            f"metadata says n_rows {info['n_rows']}")
         self._check_batch_order(table, kind)
-        return table
+        return table if columns is None else table.select([c for c in columns if c in table.column_names])
 
     def _check_batch_order(self, table: Any, kind: str) -> None:
         """Raise :class:`StoreCorruptError` when the row table's ``batch`` column goes back

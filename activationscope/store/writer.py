@@ -2292,7 +2292,7 @@ class StoreWriter:
             from .reader import Store
 
             try:
-                col = Store(self._backend).row_table("sample").column("sample_id")
+                col = Store(self._backend).row_table("sample", columns=["sample_id"]).column("sample_id")
                 seen.add(col.to_numpy(zero_copy_only=False)[:committed])
             except (StoreError, OSError, KeyError) as e:  # the capture goes on unchecked against them
                 warnings.warn(f"store {str(self._backend)!r}: the stored sample ids could not be read to check "

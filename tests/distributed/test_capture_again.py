@@ -435,3 +435,23 @@ def test_a_capture_again_rerun_with_fewer_tasks_is_refused_naming_the_stale_rank
     assert st.attrs["distributed"]["world_size"] == WORLD and st.verify() == [] and st.n_samples == ref.n_samples
     for hp in ref.hook_points:
         assert torch.equal(st[hp], ref[hp])
+
+
+def test_some_columns_of_the_row_table_of_rank_stores_read_as_those_of_the_whole_table(tmp_path):
+    """``row_table(kind, columns=[...])`` of a store whose ranks are not committed yet (each
+    rank store's table read with those columns, the view's ``rank`` column added) and of the
+    committed store: the columns named, in that order, equal to those of the whole table."""
+    url = str(tmp_path / "s.zarr")
+    model = _model(0)
+    for task in range(WORLD):
+        _task(url, None, task, WORLD, model)
+    for _ in range(2):  # uncommitted, then committed
+        st = acs.open_store(url)
+        whole = st.row_table("sample")
+        assert {"sample_id", "batch", "rank"} <= set(whole.column_names)
+        for columns in (["rank", "sample_id"], ["sample_id"], ["batch", "absent"]):
+            some = st.row_table("sample", columns=columns)
+            found = [c for c in columns if c in whole.column_names]
+            assert some.column_names == found
+            assert all(some.column(c).to_pylist() == whole.column(c).to_pylist() for c in found)
+        commit_ranks(url)

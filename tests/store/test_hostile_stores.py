@@ -1230,6 +1230,8 @@ def test_row_table_parts_listed_out_of_order(tmp_path, kind):
     message = rf"row table {kind!r}: its batch column goes back from 1 to 0 .*not in the order they were written"
     with pytest.raises(StoreCorruptError, match=message):
         open_store(path).row_table(kind)
+    with pytest.raises(StoreCorruptError, match=message):  # (also when the batch column is not asked for)
+        open_store(path).row_table(kind, columns=["sample_id", "label"])
     with pytest.raises(StoreCorruptError, match=message):
         acs.ActivationDataset(path, columns=["label"])[0]
     assert any("goes back from 1 to 0" in p for p in open_store(path).verify())

@@ -289,3 +289,43 @@ def test_a_list_view_of_long_dictionary_strings_counts_them_decoded():
     assert ok.column("v").to_pylist() == [["x" * 4096]] * 64
     with pytest.raises(StoreCorruptError, match=r"part 'rows/sample/part-000000.parquet' decodes to \d+ bytes"):
         read_parquet_part(raw, "s.zarr", "rows/sample/part-000000.parquet", max_decoded=64 * 4096 - 1)
+
+
+def test_a_read_of_some_columns_decodes_those_and_reads_them_as_the_whole_table(tmp_path, monkeypatch):
+    """``row_table(kind, columns=[...])`` decodes only the columns named (Parquet column
+    projection), in that order; a name the table has no column of is left out. Their values
+    are those of the whole table, a column that starts in a later part null before it."""
+    import pyarrow.parquet as pq
+
+    def columns(b):
+        out = {"name": [f"s{3 * b + i}" for i in range(3)], "score": torch.full((3,), b / 2)}
+        if b >= 3:
+            out["late"] = np.arange(3, dtype=np.int64) + 10 * b
+        return out
+
+    whole = _capture(tmp_path / "s.zarr", columns, monkeypatch, ids=lambda a, b: list(range(a, b)))
+    decoded = []
+    read = pq.ParquetFile.read
+
+    def recorded(self, columns=None, **kwargs):
+        decoded.append(columns)
+        return read(self, columns=columns, **kwargs)
+
+    monkeypatch.setattr(pq.ParquetFile, "read", recorded)
+    some = open_store(tmp_path / "s.zarr").row_table("sample", columns=["late", "sample_id", "absent", "late"])
+    assert some.column_names == ["late", "sample_id"]
+    assert some.column("late").to_pylist() == whole.column("late").to_pylist() == [None] * 9 + [
+        10 * b + i for b in range(3, 6) for i in range(3)]
+    assert some.column("sample_id").to_pylist() == whole.column("sample_id").to_pylist() == list(range(18))
+    # (batch is read too: the order of the parts is checked by it)
+    assert decoded and all(set(c) <= {"late", "sample_id", "batch"} and "name" not in c for c in decoded), decoded
+    assert open_store(tmp_path / "s.zarr").row_table("sample", columns=[]).num_rows == 18
+
+
+@pytest.mark.parametrize("columns", ["sample_id", ["sample_id", 3], 5])
+def test_columns_that_are_no_list_of_names_are_refused(tmp_path, monkeypatch, columns):
+    from activationscope.errors import ArgumentTypeError
+
+    _capture(tmp_path / "s.zarr", lambda b: {}, monkeypatch)
+    with pytest.raises(ArgumentTypeError, match=r"columns must be a list of column names \(str\), got "):
+        open_store(tmp_path / "s.zarr").row_table("sample", columns=columns)
