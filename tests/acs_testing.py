@@ -317,3 +317,25 @@ def run_killed_at_delete(code: str, at: int, *args: str, path=(), timeout: float
         shutil.rmtree(tmp, ignore_errors=True)
     assert done.returncode == 9, f"the script was to die at its delete {at}, it ended with {done.returncode}:\n" \
                                  f"{done.stdout}\n{done.stderr}"
+
+
+def count_store_reads(monkeypatch) -> dict:
+    """Count, from now on, ``"opens"``: the stores made (``Store(...)``, through ``open_store``
+    or a writer's own reader), and ``"row_tables"``: ``(kind, columns)`` of each
+    ``Store.row_table`` call (``columns`` None: every column)."""
+    from activationscope.store import reader
+
+    counts: dict = {"opens": 0, "row_tables": []}
+    init, row_table = reader.Store.__init__, reader.Store.row_table
+
+    def counted_init(self, *args, **kwargs):
+        counts["opens"] += 1
+        return init(self, *args, **kwargs)
+
+    def counted_row_table(self, kind="sample", columns=None):
+        counts["row_tables"].append((kind, None if columns is None else list(columns)))
+        return row_table(self, kind, columns) if columns is not None else row_table(self, kind)
+
+    monkeypatch.setattr(reader.Store, "__init__", counted_init)
+    monkeypatch.setattr(reader.Store, "row_table", counted_row_table)
+    return counts

@@ -211,6 +211,69 @@ def test_labels_of_a_resume_must_be_those_of_the_stored_samples(tmp_path, user_p
     assert acs.open_store(str(out)).row_table("sample").column("label").to_pylist() == labels.tolist()
 
 
+@pytest.mark.parametrize("case", ["resumed", "nothing left", "other data", "other labels"])
+def test_a_resume_opens_the_store_once_for_all_its_checks(tmp_path, user_package, capsys, monkeypatch, case):
+    # the checks of a resume (its rows, data fingerprint, labels; model and --capture when
+    # nothing is left) each opened the store again: 3 or 5 opens before its writer's own, each
+    # a read of the root (requests on object storage); now one, and the labels check reads the
+    # sample_id and label columns of the row table only. A refusal says what it said before.
+    import activationscope as acs
+    from acs_testing import count_store_reads
+
+    user_package("openednets", NETS)
+    x = np.random.default_rng(0).standard_normal((30, 6)).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    labels = np.arange(30) % 2
+    np.save(tmp_path / "y.npy", labels)
+    out = tmp_path / "a.zarr"
+    args = ["capture", "--model", "openednets.nets:mlp", "--data", str(tmp_path / "x.npy"), "--out", str(out),
+            "--no-progress", "--batch-size", "5", "--labels", str(tmp_path / "y.npy")]
+    code, _, err = run(capsys, *args, "--max-samples", "30" if case == "nothing left" else "10")
+    assert code == 0, err
+    before = _files(out)
+    if case == "other data":
+        other = x.copy()
+        other[9, 5] += 1
+        np.save(tmp_path / "x.npy", other)
+    if case == "other labels":
+        other = labels.copy()
+        other[3] = 1 - other[3]
+        np.save(tmp_path / "y.npy", other)
+    counts = count_store_reads(monkeypatch)
+    code, _, err = run(capsys, *args, "--resume")
+    if case == "other data":
+        assert code == 1
+        _one_error_line(err, f"--resume: store {str(out)!r} holds 10 samples, but --data "
+                        f"{str(tmp_path / 'x.npy')!r} is not the data they were captured from: its first 10 samples "
+                        "(dtype torch.float32, shape (6,) each) differ from those the store recorded (sha256 in its "
+                        "provenance, data_fingerprint); resume with the data the store was captured from, or pass "
+                        "--overwrite instead of --resume to capture this data into a new store (nothing was changed)")
+        assert counts == {"opens": 1, "row_tables": []} and _files(out) == before
+        return
+    if case == "other labels":
+        assert code == 1
+        _one_error_line(err, f"--resume: store {str(out)!r} holds 10 samples, but --labels gives sample 3 the label "
+                        "'0' where the store has '1', so they are not the labels the store was captured with; resume "
+                        "with the --labels the store was captured with, or pass --overwrite instead of --resume to "
+                        "capture this data into a new store (nothing was changed)")
+        assert counts == {"opens": 1, "row_tables": [("sample", ["sample_id", "label"])]}
+        assert _files(out) == before
+        return
+    assert code == 0, err
+    if case == "nothing left":
+        # the checks' store, and the writer's reader of its committed shards (the writer that
+        # finds every check passed, opened under its lock: it must read the store as it is then)
+        assert counts == {"opens": 2, "row_tables": [("sample", ["sample_id", "label"])]}
+        assert _files(out) == before
+        return
+    # the checks' store; the writer, under its lock: a reader of its committed shards, one
+    # per hook point whose partial last shard it continues (3), one of the stored sample ids
+    assert counts["opens"] == 1 + 1 + 3 + 1, counts
+    assert counts["row_tables"] == [("sample", ["sample_id", "label"]), ("sample", ["sample_id"])]
+    store = acs.open_store(str(out))
+    assert store.n_samples == 30 and store.row_table("sample").column("label").to_pylist() == labels.tolist()
+
+
 def test_labels_with_text_data_are_refused(tmp_path, capsys):
     (tmp_path / "t.txt").write_text("a\nb\n")
     np.save(tmp_path / "y.npy", np.arange(2))

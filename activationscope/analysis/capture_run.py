@@ -563,38 +563,48 @@ def capture_dataset(
             f"--data {data!r} is text, which needs a tokenizer: use --model demo or a Hugging Face model folder "
             "(or pass a .npy / .pt tensor file)"
         )
-    if dataset.texts is not None:
-        _ensure_pad_token(loaded.tokenizer, model)
-        _pad_on_the_right(loaded.tokenizer)
-        if resume:
-            max_length = _resumed_max_length(out, max_length)
-        max_length = _check_max_length(max_length, loaded.model, model, loaded.tokenizer)
-        count = getattr(loaded.tokenizer, "num_special_tokens_to_add", None)
-        n_special = int(count(pair=False)) if callable(count) else 0
-        if max_length <= n_special:  # the tokenizer cannot truncate below its special tokens: it would not truncate
-            raise ArgumentValueError(
-                f"--max-length {max_length} leaves no token of text: the tokenizer of --model {model!r} adds "
-                f"{n_special} special tokens to every sample (and would not truncate at all); pass --max-length "
-                f"{n_special + 1} or more")
-    n = len(dataset) if max_samples is None else min(len(dataset), max_samples)
-    first = resume_offset(out) if resume else 0
-    include, include_note = _include_for(include, loaded, out, resume)
-    if resume and first >= n:  # the store writer, which checks the model, is not opened when nothing is left
-        _check_no_writer(out)
-        _check_resumed_model(out, loaded.model)
-        _check_resumed_side(out, capture)
-        if len(dataset) < first:
-            raise ArgumentValueError(
-                f"--resume: store {out!r} holds {first} samples, but --data {data!r} has only {len(dataset)}, so it is "
-                "not the data the store was captured from; resume with that data, or pass --overwrite instead of "
-                "--resume to capture this data into a new store (nothing was changed)")
-    if resume and 0 < first <= len(dataset) and dataset.texts is not None:
-        _check_resumed_texts(out, dataset, data, first)
-        if first < n:  # (the texts left are tokenized by this run)
-            _check_resumed_token_ids(out, dataset, data, model, loaded.tokenizer, first)
-    if resume and 0 < first <= len(dataset) and dataset.tensor is not None:
-        _check_resumed_tensor(out, dataset.tensor, data, first)
-        _check_resumed_labels(out, dataset.labels, data, first)
+    # the store a resume continues: opened once (_open_resumed), and that one snapshot read by
+    # every check below (its rows, max_length, include patterns, model, data, labels, token ids)
+    store: Any = None
+    try:
+        if dataset.texts is not None:
+            _ensure_pad_token(loaded.tokenizer, model)
+            _pad_on_the_right(loaded.tokenizer)
+            if resume:
+                store = _open_resumed(out)
+                max_length = _resumed_max_length(out, max_length, store)
+            max_length = _check_max_length(max_length, loaded.model, model, loaded.tokenizer)
+            count = getattr(loaded.tokenizer, "num_special_tokens_to_add", None)
+            n_special = int(count(pair=False)) if callable(count) else 0
+            if max_length <= n_special:  # the tokenizer cannot truncate below its special tokens: it would not
+                raise ArgumentValueError(
+                    f"--max-length {max_length} leaves no token of text: the tokenizer of --model {model!r} adds "
+                    f"{n_special} special tokens to every sample (and would not truncate at all); pass --max-length "
+                    f"{n_special + 1} or more")
+        n = len(dataset) if max_samples is None else min(len(dataset), max_samples)
+        if resume and store is None:
+            store = _open_resumed(out)
+        first = resume_offset(store) if resume else 0
+        include, include_note = _include_for(include, loaded, out, resume, store)
+        if resume and first >= n:  # the store writer, which checks the model, is not opened when nothing is left
+            _check_no_writer(out)
+            _check_resumed_model(out, loaded.model, store)
+            _check_resumed_side(out, capture, store)
+            if len(dataset) < first:
+                raise ArgumentValueError(
+                    f"--resume: store {out!r} holds {first} samples, but --data {data!r} has only {len(dataset)}, so "
+                    "it is not the data the store was captured from; resume with that data, or pass --overwrite instead "
+                    "of --resume to capture this data into a new store (nothing was changed)")
+        if resume and 0 < first <= len(dataset) and dataset.texts is not None:
+            _check_resumed_texts(out, dataset, data, first, store)
+            if first < n:  # (the texts left are tokenized by this run)
+                _check_resumed_token_ids(out, dataset, data, model, loaded.tokenizer, first, store)
+        if resume and 0 < first <= len(dataset) and dataset.tensor is not None:
+            _check_resumed_tensor(out, dataset.tensor, data, first, store)
+            _check_resumed_labels(out, dataset.labels, data, first, store)
+    finally:
+        if store is not None:
+            store.close()
     if first >= n and not reductions:
         completed = _check_full_resume(
             out, loaded.model, include=include,
@@ -671,10 +681,11 @@ def _pad_on_the_right(tokenizer: Any) -> None:
         tokenizer.padding_side = "right"
 
 
-def _resumed_max_length(out: str, max_length: int | None) -> int | None:
+def _resumed_max_length(out: str, max_length: int | None, store: Any) -> int | None:
     """The ``max_length`` of a resumed text capture: the one the store records
     (``provenance["max_length"]``) when none is given, so the resumed samples are cut as the
     stored ones were; ``max_length`` as given for a store that records none (or none yet).
+    ``store``: the store at ``out``, opened (:func:`_open_resumed`).
 
     Raises
     ------
@@ -682,18 +693,8 @@ def _resumed_max_length(out: str, max_length: int | None) -> int | None:
         ``max_length`` other than the store's: its samples would be cut at another length
         than the stored ones, in one store. Nothing is changed.
     """
-    from ..store import open_store
-    from ..store._backend import local_path
-
-    local = local_path(out)
-    if local is not None and not os.path.exists(local):
-        return max_length  # resume_offset says the store does not exist
-    store = open_store(out)
-    try:
-        provenance = store.attrs.get("provenance")
-        n_samples = store.n_samples
-    finally:
-        store.close()
+    provenance = store.attrs.get("provenance")
+    n_samples = store.n_samples
     stored = provenance.get("max_length") if isinstance(provenance, dict) else None
     if isinstance(stored, bool) or not isinstance(stored, int):
         stored = _max_length_of_command(provenance.get("command") if isinstance(provenance, dict) else None)
@@ -769,13 +770,15 @@ def _check_max_length(max_length: int | None, module: Any, model: str, tokenizer
     return max_length
 
 
-def _include_for(include: Sequence[str] | None, loaded: Any, out: str, resume: bool) -> tuple[list[str] | None, str]:
+def _include_for(include: Sequence[str] | None, loaded: Any, out: str, resume: bool,
+                 store: Any = None) -> tuple[list[str] | None, str]:
     """The ``include`` patterns of a capture and, when none were given, what was chosen in
     a few words (:attr:`CaptureSummary.include_note`): the model spec's default
     (:attr:`.specs.LoadedModel.default_include`), except for the resume of a store that
     records ``include=None`` (every module: a Hugging Face model folder captured without
     ``--include`` by a version whose default was every module), which tracks every module
     as the store was captured, since no ``--include`` pattern selects exactly that.
+    ``store``: the store at ``out`` a resume continues, opened (:func:`_open_resumed`).
 
     Raises
     ------
@@ -785,7 +788,7 @@ def _include_for(include: Sequence[str] | None, loaded: Any, out: str, resume: b
     """
     if include:
         return list(include), ""
-    if resume and (loaded.default_include is not None or loaded.needs_include) and _recorded_include(out) is None:
+    if resume and (loaded.default_include is not None or loaded.needs_include) and _recorded_include(store) is None:
         return None, "every module, as the store was captured"
     if loaded.needs_include:
         raise SpecError(loaded.needs_include)
@@ -796,17 +799,11 @@ def _include_for(include: Sequence[str] | None, loaded: Any, out: str, resume: b
 _UNRECORDED = object()
 
 
-def _recorded_include(out: str) -> Any:
-    """The ``include`` patterns the store at ``out`` records (``capture_config["patterns"]``):
+def _recorded_include(store: Any) -> Any:
+    """The ``include`` patterns an opened ``store`` records (``capture_config["patterns"]``):
     a list of str, None (every module), or :data:`_UNRECORDED` for a store written before
     the patterns were recorded."""
-    from ..store import open_store
-
-    store = open_store(out)
-    try:
-        config = store.attrs.get("capture_config")
-    finally:
-        store.close()
+    config = store.attrs.get("capture_config")
     patterns = config.get("patterns") if isinstance(config, dict) else None
     if not isinstance(patterns, dict) or "include" not in patterns:
         return _UNRECORDED
@@ -858,28 +855,27 @@ def _check_no_writer(out: str) -> None:
         pass
 
 
-def _check_resumed_model(out: str, model: Any) -> None:
+def _check_resumed_model(out: str, model: Any, store: Any) -> None:
     """The store writer's model check (:func:`~activationscope.store.writer.check_same_model`)
-    for a resume with nothing left to capture, which opens no writer."""
+    for a resume with nothing left to capture, which opens no writer; ``store``: the store at
+    ``out``, opened."""
     import torch
 
-    from ..store import open_store
     from ..store.writer import check_same_model, model_identity
 
     if isinstance(model, torch.nn.Module):
-        check_same_model(out, open_store(out).attrs, model_identity(model))
+        check_same_model(out, store.attrs, model_identity(model))
 
 
-def _check_resumed_texts(out: str, dataset: Any, data: str, first: int) -> None:
+def _check_resumed_texts(out: str, dataset: Any, data: str, first: int, store: Any) -> None:
     """A resume continues the data the store was captured from at its next sample: text data
     whose first ``first`` samples are not the stored ones (another file, or this one edited)
     would append other texts to them under sample ids that say otherwise. The store's sample
     table records each sample's ``sample_id``, ``text`` and ``label``: the data's first
     ``first`` samples must have the same (ArgumentValueError naming the first that differs;
-    nothing changed). A store whose table has no ``text`` column is not checked."""
-    from ..store import open_store
-
-    table = open_store(out).row_table("sample")
+    nothing changed). A store whose table has no ``text`` column is not checked. ``store``: the
+    store at ``out``, opened; only those three columns of its table are read."""
+    table = store.row_table("sample", columns=["sample_id", "text", "label"])
     if "text" not in table.column_names or table.num_rows != first:
         return
     stored_ids = table.column("sample_id").to_pylist() if "sample_id" in table.column_names else list(range(first))
@@ -917,7 +913,8 @@ def _check_resumed_texts(out: str, dataset: Any, data: str, first: int) -> None:
             f"none, so it is not the data the store was captured from; {fix}")
 
 
-def _check_resumed_token_ids(out: str, dataset: Any, data: str, model: str, tokenizer: Any, first: int) -> None:
+def _check_resumed_token_ids(out: str, dataset: Any, data: str, model: str, tokenizer: Any, first: int,
+                             store: Any) -> None:
     """A resumed text capture tokenizes its texts as the stored ones were: the token ids the
     store holds for its first and last stored samples (``token_ids`` of the token row table)
     must be those the tokenizer of ``model`` gives their texts now, cut where the stored ones
@@ -926,17 +923,13 @@ def _check_resumed_token_ids(out: str, dataset: Any, data: str, model: str, toke
     ``tokenizer.json``, other special tokens, another truncation side) would store rows of
     other tokens, named otherwise, next to the stored ones: refused (ArgumentValueError naming
     the sample and both ids; nothing changed). A store without token ids (an earlier
-    version's), or with none for those samples, is not checked."""
+    version's), or with none for those samples, is not checked. ``store``: the store at
+    ``out``, opened; only the ``sample_id``, ``pos`` and ``token_ids`` of its token table are
+    read."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    from ..store import open_store
-
-    store = open_store(out)
-    try:
-        table = store.row_table("token")
-    finally:
-        store.close()
+    table = store.row_table("token", columns=["sample_id", "pos", "token_ids"])
     if ("token_ids" not in table.column_names or "pos" not in table.column_names
             or not pa.types.is_integer(table.schema.field("sample_id").type)):
         return
@@ -978,7 +971,7 @@ def tensor_fingerprint(tensor: Any, n: int) -> dict[str, Any]:
     return {"samples": int(n), "sha256": digest.hexdigest()}
 
 
-def _check_resumed_tensor(out: str, tensor: Any, data: str, first: int) -> None:
+def _check_resumed_tensor(out: str, tensor: Any, data: str, first: int, store: Any) -> None:
     """Tensor data of a resume must start with the samples the store was captured from: each
     run records the sha256 of the first ``samples`` samples of its data (``data_fingerprint``
     in the store's provenance, a resumed run's in its entry of ``resumes``;
@@ -988,11 +981,11 @@ def _check_resumed_tensor(out: str, tensor: Any, data: str, first: int) -> None:
     run that recorded it read that many: a file cut or rewritten since), both refused with
     ArgumentValueError, nothing changed. A store recording no fingerprint (an earlier
     version's, or a capture from Python) is not checked; one whose fingerprints all cover
-    fewer samples than it holds is checked by the widest of them."""
-    from ..store import open_store
+    fewer samples than it holds is checked by the widest of them. ``store``: the store at
+    ``out``, opened."""
     from ..store.writer import resume_history
 
-    provenance = open_store(out).attrs.get("provenance")
+    provenance = store.attrs.get("provenance")
     if not isinstance(provenance, dict):
         return
     runs = [provenance, *(r for r in resume_history(provenance) if isinstance(r, dict))]
@@ -1019,19 +1012,18 @@ def _check_resumed_tensor(out: str, tensor: Any, data: str, first: int) -> None:
             f"those the store recorded (sha256 in its provenance, data_fingerprint); {fix}")
 
 
-def _check_resumed_labels(out: str, labels: Sequence[Any] | None, data: str, first: int) -> None:
+def _check_resumed_labels(out: str, labels: Sequence[Any] | None, data: str, first: int, store: Any) -> None:
     """The ``--labels`` of a resumed capture of tensor data must give the stored samples the
     labels the store holds (the ``label`` column of its row table), and a store with labels
     needs them as one without refuses them: otherwise the store's label column would stop or
     start part way, or label the later rows by another list (ArgumentValueError; nothing
-    changed). A store whose row table does not cover its ``first`` samples is not checked."""
-    from ..store import open_store
-
-    store = open_store(out)
+    changed). A store whose row table does not cover its ``first`` samples is not checked.
+    ``store``: the store at ``out``, opened; only the ``sample_id`` and ``label`` of its table
+    are read."""
     table = None
     for kind in ("sample", "token"):
         try:
-            table = store.row_table(kind)
+            table = store.row_table(kind, columns=["sample_id", "label"])
         except Exception:  # noqa: BLE001 - no row table of that kind
             continue
         if table is not None and table.num_rows:
@@ -1059,14 +1051,13 @@ def _check_resumed_labels(out: str, labels: Sequence[Any] | None, data: str, fir
                 f"was captured with; {fix}")
 
 
-def _check_resumed_side(out: str, capture: str) -> None:
+def _check_resumed_side(out: str, capture: str, store: Any) -> None:
     """A resume with nothing left to capture runs no forward, so a ``--capture`` that would
-    give other hook points is found from the store's recorded capture settings: refused
-    (CaptureError, nothing changed) when they differ."""
+    give other hook points is found from the store's recorded capture settings (of ``store``,
+    the store at ``out``, opened): refused (CaptureError, nothing changed) when they differ."""
     from ..errors import CaptureError
-    from ..store import open_store
 
-    config = open_store(out).attrs.get("capture_config")
+    config = store.attrs.get("capture_config")
     stored = config.get("capture") if isinstance(config, dict) else None
     if isinstance(stored, str) and stored != capture:
         raise CaptureError(
@@ -1136,18 +1127,50 @@ def capture_store_options(
     return options
 
 
-def resume_offset(out: str) -> int:
+def resume_offset(out: Any) -> int:
     """Samples already committed in the store at ``out``: the position in the data of the
     first sample a resumed capture captures (its sample id too, except for text files with
-    blank lines, whose sample ids are line numbers)."""
-    from ..store import open_store
+    blank lines, whose sample ids are line numbers).
 
+    ``out``: the store's path or URL, or the store opened (:func:`~activationscope.store.open_store`),
+    which is read, not opened again.
+
+    Raises
+    ------
+    ArgumentValueError
+        ``out`` is a local path where nothing is.
+    StoreError
+        No store opens at ``out``.
+    """
+    from ..store import Store
+
+    if isinstance(out, Store):
+        return int(out.n_samples)
+    store = _open_resumed(out)
+    try:
+        return int(store.n_samples)
+    finally:
+        store.close()
+
+
+def _open_resumed(out: str) -> Any:
+    """The store at ``out`` that a resume continues, opened: once per resume, its one snapshot
+    read by every check of the resume (:func:`capture_dataset`).
+
+    Raises
+    ------
+    ArgumentValueError
+        ``out`` is a local path where nothing is (``--resume`` without a store).
+    StoreError
+        No store opens at ``out``.
+    """
+    from ..store import open_store
     from ..store._backend import local_path
 
     local = local_path(out)
     if local is not None and not os.path.exists(local):
         raise ArgumentValueError(f"--resume: store {out!r} does not exist; drop --resume to start a new store")
-    return int(open_store(out).n_samples)
+    return open_store(out)
 
 
 def check_reductions(names: Sequence[str] | None) -> list[Any] | None:

@@ -286,3 +286,57 @@ def test_a_resume_with_a_tokenizer_that_gives_other_ids_is_refused(tmp_path):
         "captured with, or pass --overwrite instead of --resume to capture every text again (nothing was changed)")
     store = acs.open_store(out)
     assert store.attrs == before and store.n_samples == 3
+
+
+@pytest.mark.parametrize("case", ["resumed", "other text", "other tokenizer"])
+def test_a_text_resume_opens_the_store_once_and_reads_the_columns_it_compares(tmp_path, capsys, monkeypatch, case):
+    # the checks of a text resume (max_length, rows, include, texts, token ids) each opened
+    # the store again, and the token-id check read every column of the token table; now one
+    # open, and each check reads only the columns it compares. A refusal says what it did.
+    from acs_testing import count_store_reads
+
+    folder = _gpt2_folder(tmp_path)
+    data, out = _text_file(tmp_path), str(tmp_path / "s.zarr")
+    args = ["capture", "--model", str(folder), "--data", str(data), "--out", out, "--batch-size", "2",
+            "--no-progress"]
+    assert cli.main([*args, "--max-samples", "3"]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    before = acs.open_store(out).attrs
+    if case == "other text":
+        _text_file(tmp_path, [TEXTS[0], "the cat", *TEXTS[2:]])
+    if case == "other tokenizer":
+        config = json.loads((folder / "tokenizer.json").read_text())
+        vocab = config["model"]["vocab"]
+        vocab["the"], vocab["cat"] = vocab["cat"], vocab["the"]
+        (folder / "tokenizer.json").write_text(json.dumps(config))
+    counts = count_store_reads(monkeypatch)
+    code = cli.main([*args, "--resume"])
+    err = capsys.readouterr().err
+    texts = ("sample", ["sample_id", "text", "label"])
+    if case == "other text":
+        assert code == 1
+        assert err.splitlines()[-1] == (
+            f"activationscope capture: error: --resume: store {out!r} holds 3 samples, but --data {str(data)!r} is "
+            "not the data they were captured from: sample 1 is 'the cat' there and 'hello' in the store; resume "
+            "with the data the store was captured from, or pass --overwrite instead of --resume to capture this "
+            "data into a new store (nothing was changed)")
+        assert counts == {"opens": 1, "row_tables": [texts]} and acs.open_store(out).attrs == before
+        return
+    token_ids = ("token", ["sample_id", "pos", "token_ids"])
+    if case == "other tokenizer":
+        assert code == 1
+        assert err.splitlines()[-1] == (
+            f"activationscope capture: error: --resume: store {out!r} holds sample 0 of --data {str(data)!r} as the "
+            f"token ids [2, 3, 4, 5, 2, 6], but the tokenizer of --model {str(folder)!r} gives its text the token ids "
+            "[3, 2, 4, 5, 3, 6], so this run would store its texts' rows as other tokens than the stored ones; "
+            "resume with the tokenizer the store was captured with, or pass --overwrite instead of --resume to "
+            "capture every text again (nothing was changed)")
+        assert counts == {"opens": 1, "row_tables": [texts, token_ids]} and acs.open_store(out).attrs == before
+        return
+    assert code == 0, err
+    # the checks' store; the writer, under its lock: a reader of its committed shards, one per
+    # hook point whose partial last shard it continues (2), one of the stored sample ids
+    assert counts["opens"] == 1 + 1 + 2 + 1, counts
+    assert counts["row_tables"] == [texts, token_ids, ("sample", ["sample_id"])]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    assert _stored(out) == _expected(tokenizer, TEXTS)
