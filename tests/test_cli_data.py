@@ -274,6 +274,53 @@ def test_a_resume_opens_the_store_once_for_all_its_checks(tmp_path, user_package
     assert store.n_samples == 30 and store.row_table("sample").column("label").to_pylist() == labels.tolist()
 
 
+def test_a_resume_of_an_s3_store_reads_its_root_once_for_all_its_checks(s3, tmp_path, user_package, capsys,
+                                                                        monkeypatch):
+    # each check of a resume opened the store again: on object storage a GET of its root
+    # (and HEADs of it) per check; now the checks read one snapshot of it. Rows as captured.
+    import collections
+    import uuid
+
+    import activationscope as acs
+
+    s3fs = pytest.importorskip("s3fs")
+    endpoint = pytest.importorskip("aiobotocore.endpoint")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3["key"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3["secret"])
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3["client_kwargs"]["endpoint_url"])
+    s3fs.S3FileSystem.clear_instance_cache()
+    user_package("s3resumenets", NETS)
+    x = np.random.default_rng(0).standard_normal((20, 6)).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "y.npy", np.arange(20) % 2)
+    url = f"s3://acs-bucket/resume-{uuid.uuid4().hex}.zarr"
+    args = ["capture", "--model", "s3resumenets.nets:mlp", "--data", str(tmp_path / "x.npy"), "--out", url,
+            "--no-progress", "--batch-size", "5", "--labels", str(tmp_path / "y.npy")]
+    code, _, err = run(capsys, *args, "--max-samples", "10")
+    assert code == 0, err
+    requests: collections.Counter = collections.Counter()
+    send = endpoint.AioEndpoint._send
+
+    async def counted(self, request):
+        requests[(request.method, request.url.split("?")[0].split(".zarr/")[-1])] += 1
+        return await send(self, request)
+
+    with monkeypatch.context() as m:
+        m.setattr(endpoint.AioEndpoint, "_send", counted)
+        code, _, err = run(capsys, *args, "--resume")
+    assert code == 0, err
+    # the checks' snapshot (before: 3, one each for the rows, the data fingerprint and the
+    # labels); the writer's, under its lock: its own, one per hook point whose partial last
+    # shard it continues (3), one of the stored sample ids
+    assert requests[("GET", "zarr.json")] == 1 + 1 + 3 + 1, requests
+    store = acs.open_store(url, storage_options=s3)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    with torch.no_grad():
+        torch.testing.assert_close(store["2.output"], model(torch.from_numpy(x)))
+    assert store.n_samples == 20 and store.row_table("sample").column("label").to_pylist() == [0, 1] * 10
+
+
 def test_labels_with_text_data_are_refused(tmp_path, capsys):
     (tmp_path / "t.txt").write_text("a\nb\n")
     np.save(tmp_path / "y.npy", np.arange(2))
