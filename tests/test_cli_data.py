@@ -261,14 +261,16 @@ def test_a_resume_opens_the_store_once_for_all_its_checks(tmp_path, user_package
         return
     assert code == 0, err
     if case == "nothing left":
-        # the checks' store, and the writer's reader of its committed shards (the writer that
-        # finds every check passed, opened under its lock: it must read the store as it is then)
+        # the checks' store, and the writer's store as found (its committed shards put back; the
+        # writer that finds every check passed is opened under its lock: it reads the store as
+        # it is then)
         assert counts == {"opens": 2, "row_tables": [("sample", ["sample_id", "label"])]}
         assert _files(out) == before
         return
-    # the checks' store; the writer, under its lock: a reader of its committed shards, one
-    # per hook point whose partial last shard it continues (3), one of the stored sample ids
-    assert counts["opens"] == 1 + 1 + 3 + 1, counts
+    # the checks' store; the writer's, under its lock: the store as found (its committed shards
+    # put back), the reader of the partial last shards it continues (of 3 hook points: before,
+    # one each), the stored sample ids
+    assert counts["opens"] == 1 + 1 + 1 + 1, counts
     assert counts["row_tables"] == [("sample", ["sample_id", "label"]), ("sample", ["sample_id"])]
     store = acs.open_store(str(out))
     assert store.n_samples == 30 and store.row_table("sample").column("label").to_pylist() == labels.tolist()
@@ -310,9 +312,9 @@ def test_a_resume_of_an_s3_store_reads_its_root_once_for_all_its_checks(s3, tmp_
         code, _, err = run(capsys, *args, "--resume")
     assert code == 0, err
     # the checks' snapshot (before: 3, one each for the rows, the data fingerprint and the
-    # labels); the writer's, under its lock: its own, one per hook point whose partial last
-    # shard it continues (3), one of the stored sample ids
-    assert requests[("GET", "zarr.json")] == 1 + 1 + 3 + 1, requests
+    # labels); the writer's, under its lock: its own, the reader of the partial last shards it
+    # continues (of 3 hook points: before, one each), the stored sample ids
+    assert requests[("GET", "zarr.json")] == 1 + 1 + 1 + 1, requests
     store = acs.open_store(url, storage_options=s3)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))

@@ -1213,6 +1213,8 @@ class StoreWriter:
         # resume of a local store: (shard file, hard link to it) of each committed last shard
         # the re-fed rows will rewrite; discard() puts them back, a commit drops the links
         self._kept_shards: list[tuple[Path, Path]] = []
+        # resume: the reader of the committed rows of those partial last shards (_tail_reader)
+        self._tails: Any = None
         # of those, the shards whose rewrite a commit renamed over the key, until a root lists it
         self._installed_shards: set[Path] = set()
         # resume of a local store: key -> hard link to it, of each file of a committed reduction
@@ -1916,14 +1918,12 @@ class StoreWriter:
                 arr.manifest = self._load_manifest(arr)
                 arr.manifest_dirty = True  # rewritten without the shards past the committed rows
                 if committed > start:  # re-feed the committed rows of the partial last shard
-                    from .reader import Store
-
-                    # every chunk it writes again checked against its crc32c first (a memory map is
-                    # not: a damaged one would be committed again under a fresh crc32c)
-                    st = Store(self._backend, verify=True)
-                    st._resume_tail = True  # a resume killed before its commit rewrote that chunk (FORMAT.md section 5)
-                    # read first: a missing or damaged shard is named as such (by the reader's checks)
-                    rows = st._read_rows(hook_point, start, committed, copy=True)
+                    st = self._tail_reader()
+                    try:
+                        # read first: a missing or damaged shard is named as such (by the reader's checks)
+                        rows = st._read_rows(hook_point, start, committed, copy=True)
+                    finally:
+                        st.close()  # (its mapping of the shard dropped: the rewrite replaces the file)
                     self._keep_committed_shard(arr, committed // arr.shard_rows)
                     writer.append(rows)
             self._arrays[hook_point] = arr
@@ -1934,6 +1934,22 @@ class StoreWriter:
                 self._unrecorded.append(arr)
             self._reserve([f"{arr.path}/zarr.json", f"{arr.path}/manifest.json"])
             return writer
+
+    def _tail_reader(self) -> Any:
+        """The reader of the committed rows of the partial last shards a resume re-feeds: one
+        store opened for every hook point (one read of the root, not one per hook point), on
+        the first need, after this writer took its lock and put the store back to its committed
+        rows. A hook point's last shard is untouched until that hook point is opened, so the
+        rows read are its committed ones also after a commit of this run. Every chunk it reads
+        is checked against its crc32c (a memory map is not: a damaged one would be committed
+        again under a fresh crc32c)."""
+        if self._tails is None:
+            from .reader import Store
+
+            st = Store(self._backend, verify=True)
+            st._resume_tail = True  # a resume killed before its commit rewrote that chunk (FORMAT.md section 5)
+            self._tails = st
+        return self._tails
 
     def _keep_committed_shard(self, arr: _Array, shard: int, resuming: bool = True) -> None:
         """Hard-link (a copy where the file system has no hard links) the committed file of a

@@ -334,9 +334,10 @@ def test_a_text_resume_opens_the_store_once_and_reads_the_columns_it_compares(tm
         assert counts == {"opens": 1, "row_tables": [texts, token_ids]} and acs.open_store(out).attrs == before
         return
     assert code == 0, err
-    # the checks' store; the writer, under its lock: a reader of its committed shards, one per
-    # hook point whose partial last shard it continues (2), one of the stored sample ids
-    assert counts["opens"] == 1 + 1 + 2 + 1, counts
+    # the checks' store; the writer's, under its lock: the store as found (its committed shards
+    # put back), the reader of the partial last shards it continues (of 2 hook points: before,
+    # one each), the stored sample ids
+    assert counts["opens"] == 1 + 1 + 1 + 1, counts
     assert counts["row_tables"] == [texts, token_ids, ("sample", ["sample_id"])]
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     assert _stored(out) == _expected(tokenizer, TEXTS)

@@ -202,6 +202,52 @@ def test_a_resume_refuses_a_damaged_committed_chunk_of_the_shard_it_rewrites(tmp
     assert open_store(path).verify() == found
 
 
+@pytest.mark.parametrize("compression", [None, "zstd"])
+@pytest.mark.parametrize("damaged", [None, "c"])
+def test_a_resume_reads_the_committed_rows_of_every_partial_last_shard_from_one_store(tmp_path, monkeypatch,
+                                                                                   compression, damaged):
+    """A resume re-reads the committed rows of each hook point's partial last shard: it opened
+    the store again for each hook point (on object storage a read of its root each); now one
+    store reads them all. The rows are the written ones, and a damaged committed chunk of the
+    last hook point read is still refused, naming it, before anything is written."""
+    from acs_testing import count_store_reads
+
+    path = tmp_path / "s.zarr"
+    options = {"chunk_rows": 4, "shard_bytes": 4 * 4 * 4 * 2, "compression": compression}  # 8-row shards
+    rows = {hp: torch.randn(12, 4) for hp in ("a", "b", "c")}
+    with StoreWriter(path, **options) as w:  # shard 1 of each holds rows 8-11, in one whole chunk
+        for hp, r in rows.items():
+            w.open_array(hp, (4,), torch.float32, "sample").append(r)
+        w.add_batch(12)
+    more = {hp: torch.randn(3, 4) for hp in rows}
+    if damaged:
+        shard = path / f"acts/{damaged}/c/1/0"
+        flipped = bytearray(shard.read_bytes())
+        flipped[5] ^= 0x40
+        shard.write_bytes(bytes(flipped))
+        before = _listing(path)
+        with pytest.raises(StoreCorruptError, match=rf"chunk 2 \(rows 8-11.*acts/{damaged}/c/1/0.*crc32c mismatch"):
+            with StoreWriter(path, resume=True, **options) as w:
+                for hp in rows:
+                    w.open_array(hp, (4,), torch.float32, "sample").append(more[hp])
+                w.add_batch(3)
+        assert {k: v for k, v in _listing(path).items() if k != LOCK_KEY} == \
+            {k: v for k, v in before.items() if k != LOCK_KEY}
+        return
+    counts = count_store_reads(monkeypatch)
+    with StoreWriter(path, resume=True, **options) as w:
+        for hp in rows:
+            w.open_array(hp, (4,), torch.float32, "sample").append(more[hp])
+        w.add_batch(3)
+    # the store as found (its committed shards put back), and the reader of the partial last
+    # shards of all three hook points (before: one each)
+    assert counts["opens"] == 1 + 1, counts
+    st = open_store(path)
+    assert st.verify() == [] and st.n_samples == 15
+    for hp in rows:
+        assert torch.equal(st[hp], torch.cat([rows[hp], more[hp]]))
+
+
 def test_a_file_planted_at_the_next_shard_s_temporary_name_is_never_written_into(tmp_path):
     """The shard writer's temporary names (``shard-<writer>-<shard>-<pid>.tmp``) are known once
     one is seen: a hard link to a file elsewhere planted at the next one's name, before the
