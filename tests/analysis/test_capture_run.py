@@ -95,6 +95,20 @@ def test_resume_after_a_failed_capture_starts_at_its_last_commit(nets, tmp_path)
     assert store.row_table("sample").column("sample_id").to_pylist() == list(range(50))
 
 
+def test_resume_offset_takes_a_path_or_the_store_opened(nets, tmp_path, monkeypatch):
+    # (a resume opens its store once and passes it on: the offset is read from it, not opened again)
+    from acs_testing import count_store_reads
+
+    out = str(tmp_path / "r.zarr")
+    capture_run.capture_dataset("runnets.nets:mlp", str(nets), out, max_samples=12, batch_size=8, progress=False)
+    store = acs.open_store(out)
+    counts = count_store_reads(monkeypatch)
+    assert capture_run.resume_offset(store) == 12 and counts["opens"] == 0
+    assert capture_run.resume_offset(out) == 12 and counts["opens"] == 1
+    with pytest.raises(ArgumentValueError, match=r"--resume: store '.*none.zarr' does not exist; drop --resume"):
+        capture_run.resume_offset(str(tmp_path / "none.zarr"))
+
+
 def test_store_options_hold_only_what_was_given():
     assert capture_run.capture_store_options(model="m", data="d") == {
         "provenance": {"model": "m", "data": "d", "command": ""}}
