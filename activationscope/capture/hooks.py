@@ -26,7 +26,7 @@ import torch
 from ..errors import ArgumentTypeError, CaptureError, CaptureWarning, HookPointNotFoundError
 
 __all__ = ["select_modules", "hook_point_module", "normalize_patterns", "is_hook_point_module", "rename_hook_point",
-           "pattern_hits", "pattern_selects", "block_stacks", "block_modules"]
+           "pattern_hits", "pattern_selects", "block_stacks", "block_modules", "never_called_type"]
 
 
 def pattern_hits(pattern: str, names: Iterable[str]) -> list[str]:
@@ -117,7 +117,12 @@ def select_modules(
         selected only when a pattern names it exactly.
         Modules inside a TorchScript module (``torch.jit.script`` / ``trace``) cannot be
         tracked: they are replaced by their outermost scripted ancestor, with a
-        :class:`~activationscope.errors.CaptureWarning` naming them.
+        :class:`~activationscope.errors.CaptureWarning` naming them. So are modules of a
+        ``torch.fx.GraphModule`` that its graph never calls (all of
+        ``torch.export.export(...).module()``): replaced by that GraphModule. The packed
+        weights of quantized ``Linear`` / ``Embedding`` modules and the ``GuardsFn`` of a
+        ``torch.export`` module, never called by their parents, are selected only when named
+        exactly.
     exclude : list of str, optional
         Module names or fnmatch patterns (same rule as ``include``) removed after
         ``include``; a pattern that matches no module warns
@@ -151,6 +156,9 @@ def select_modules(
     # F.multi_head_attention_forward): selected only when named exactly (then the capture
     # warns that it recorded nothing)
     never_called = {f"{n}.out_proj" if n else "out_proj" for n, m in named if type(m) is torch.nn.MultiheadAttention}
+    # nor are the packed weights of a quantized Linear / Embedding, nor the input check of a
+    # torch.export module (GuardsFn, which returns nothing): selected only when named exactly
+    never_called |= {n for n, m in named if n and never_called_type(m)}
     if include is None:
         chosen = [(n, m) for n, m in named if n != "" and n not in never_called]
         if not chosen:  # a model without submodules: track the root itself
@@ -168,6 +176,7 @@ def select_modules(
             included.update(hits)
         chosen = [(n, m) for n, m in named if n in included and (n not in never_called or n in include)]
     chosen = _replace_scripted(model, named, chosen, explicit=include is not None)
+    chosen = _replace_inlined(model, named, chosen, explicit=include is not None)
     if exclude:
         excluded: set[str] = set()
         for pat in exclude:
@@ -323,6 +332,104 @@ def _replace_scripted(
         f"({owners}) and cannot be tracked: TorchScript calls them without Python {shown}. "
         f"Tracking {owners} instead (its own output); to see inside, track the eager model before "
         "torch.jit.script / torch.jit.trace",
+        CaptureWarning,
+        stacklevel=4,
+    )
+    return out
+
+
+# types of modules that their parent never calls: qualified class names
+_NEVER_CALLED_TYPES = frozenset({
+    "torch.ao.nn.quantized.modules.linear.LinearPackedParams",  # quantized (dynamic) Linear's packed weights
+    "torch.ao.nn.quantized.modules.embedding_ops.EmbeddingPackedParams",
+    "torch.export._unlift.GuardsFn",  # a torch.export module's input check: returns nothing
+})
+
+
+def never_called_type(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is of a type its parent never calls (:data:`_NEVER_CALLED_TYPES`)."""
+    t = type(module)
+    return f"{t.__module__}.{t.__qualname__}" in _NEVER_CALLED_TYPES
+
+
+def _called_modules(model: torch.nn.Module) -> set[int] | None:
+    """``id()`` of every module of ``model`` that a forward of it can call, when ``model`` holds
+    a ``torch.fx.GraphModule`` (None when it holds none: every module may be called). A
+    GraphModule calls only the targets of its graph's ``call_module`` nodes; the modules it
+    holds for their parameters (every module of ``torch.export.export(...).module()``, a module
+    ``torch.fx.symbolic_trace`` traced through) are never called. Any other module is taken to
+    call each of its children."""
+    graph_module = torch.fx.GraphModule
+    if not any(isinstance(m, graph_module) for m in model.modules()):
+        return None
+    called: set[int] = set()
+    stack = [model]
+    while stack:
+        m = stack.pop()
+        if id(m) in called:
+            continue
+        called.add(id(m))
+        if isinstance(m, graph_module):
+            for node in m.graph.nodes:
+                if node.op == "call_module" and isinstance(node.target, str):
+                    try:
+                        stack.append(m.get_submodule(node.target))
+                    except AttributeError:  # (a graph naming no module of it fails when it runs)
+                        pass
+        else:
+            stack.extend(m.children())
+    return called
+
+
+def _replace_inlined(
+    model: torch.nn.Module,
+    named: list[tuple[str, torch.nn.Module]],
+    chosen: list[tuple[str, torch.nn.Module]],
+    explicit: bool,
+) -> list[tuple[str, torch.nn.Module]]:
+    """Modules of a ``torch.fx.GraphModule`` that its graph never calls (it computes them
+    inline from their parameters: ``torch.export.export(...).module()``, and the modules
+    ``torch.fx.symbolic_trace`` traced through) can record nothing: drop them, track the
+    GraphModule that computes them instead (its own output), and say so once. Containers whose
+    children are called (``mlp`` of ``mlp.fc1`` in a symbolic_trace GraphModule) are kept: they
+    have no forward of their own, as a ``ModuleList``."""
+    called = _called_modules(model)
+    if called is None:
+        return chosen
+    graphs = {n for n, m in named if isinstance(m, torch.fx.GraphModule) and id(m) in called}
+    by_name = dict(named)
+    dropped: dict[str, list[str]] = {}
+    out: list[tuple[str, torch.nn.Module]] = []
+    for n, m in chosen:
+        if id(m) in called or any(id(sub) in called for sub in m.modules()):
+            out.append((n, m))
+            continue
+        parts = n.split(".")
+        owner = next((p for p in (".".join(parts[:i]) for i in range(len(parts) - 1, -1, -1)) if p in graphs), None)
+        if owner is None:  # (not below a GraphModule that runs: a module nothing calls, warned about after the capture)
+            out.append((n, m))
+        else:
+            dropped.setdefault(owner, []).append(n)
+    if not dropped:
+        return chosen
+    have = {n for n, _ in out}
+    for owner in dropped:
+        if owner not in have:
+            out.append((owner, by_name[owner]))
+            have.add(owner)
+    order = {n: i for i, (n, _) in enumerate(named)}
+    out.sort(key=lambda nm: order[nm[0]])
+    inner = sorted(n for names in dropped.values() for n in names)
+    shown = inner[:8] + (["..."] if len(inner) > 8 else [])
+    owners = ", ".join(repr(o) if o else "the model itself" for o in dropped)
+    kinds = ", ".join(sorted({type(by_name[o]).__name__ for o in dropped}))
+    warnings.warn(
+        f"{len(inner)} {'selected ' if explicit else ''}module(s) of {type(model).__name__} are never called by the "
+        f"torch.fx graph of {owners} ({kinds}), which computes them inline from their parameters, so they cannot be "
+        f"tracked {shown}. Tracking {owners} instead (its own output). To see inside: for "
+        "torch.export.export(model, args), track the eager model or torch.export.unflatten(exported_program), "
+        "whose modules are called; for torch.fx.symbolic_trace, track the eager model or trace with these modules "
+        "as leaves (a torch.fx.Tracer whose is_leaf_module returns True for them)",
         CaptureWarning,
         stacklevel=4,
     )

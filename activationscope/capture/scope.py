@@ -33,8 +33,8 @@ from . import _native, compiled
 from .._args import parse_flag
 from ..errors import (ActivationScopeError, ArgumentTypeError, ArgumentValueError, CaptureError, CaptureWarning,
                       HookPointNotFoundError, ReductionError)
-from .hooks import (check_column, hook_point_module, is_hook_point_module, normalize_patterns, pattern_selects,
-                    rename_hook_point, select_modules)
+from .hooks import (check_column, hook_point_module, is_hook_point_module, never_called_type, normalize_patterns,
+                    pattern_selects, rename_hook_point, select_modules)
 from .results import HookPointResults, ReductionResults, main_result_key
 from .writer import check_writer_options, merges_reductions, open_writer, writer_options
 
@@ -3295,6 +3295,9 @@ def _silent_reason(name: str, module: torch.nn.Module, model: torch.nn.Module) -
     if isinstance(parent, torch.nn.MultiheadAttention) and name.endswith("out_proj"):
         return (f"{name!r}: nn.MultiheadAttention uses its weights directly and never calls it; track "
                 f"{parent_name!r} instead (hook point {(parent_name + '.' if parent_name else '') + 'output.0'!r})")
+    if never_called_type(module):
+        return (f"{name!r} ({type(module).__name__}): its parent never calls it (it holds the parent's packed "
+                f"weights, or a torch.export input check); track {parent_name!r} instead")
     if is_hook_point_module(module):
         switch = _transformer_lens_switch(name, model)
         if switch is not None:
