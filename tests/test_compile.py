@@ -120,6 +120,26 @@ def assert_records(got, ref):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
 
 
+_INDUCTOR: list[str | None] = []  # [None] once the inductor backend compiled here, [why not] when it cannot
+
+
+@pytest.fixture
+def inductor():
+    """Skips the test when TorchInductor, the default ``torch.compile`` backend, cannot compile
+    on this machine (no working C++ compiler): tried once, on a function of its own."""
+    if not _INDUCTOR:
+        torch._dynamo.reset()
+        try:
+            torch.compile(lambda t: t * 2 + 1)(torch.ones(3))
+            _INDUCTOR.append(None)
+        except Exception as e:  # noqa: BLE001 - any failure to build a kernel means no inductor here
+            _INDUCTOR.append(f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}")
+        finally:
+            torch._dynamo.reset()
+    if _INDUCTOR[0] is not None:
+        pytest.skip(f"torch.compile's default backend (inductor) cannot compile here: {_INDUCTOR[0]}")
+
+
 def tracked_names(model):
     return [n for n, _ in model.named_modules() if n and not n.endswith("out_proj")]
 
@@ -149,7 +169,7 @@ def test_tracked_model_compiles_to_one_graph_without_breaks(kind):
 
 @pytest.mark.parametrize("order", ["compile_then_track", "track_then_compile", "track_the_compiled"])
 @pytest.mark.parametrize("kind,dynamic", [("sequential", False), ("mlp", True), ("block", False), ("block", True)])
-def test_compiled_records_equal_plain_hooks_across_recompiles(kind, dynamic, order):
+def test_compiled_records_equal_plain_hooks_across_recompiles(kind, dynamic, order, inductor):
     model, make_x = make(kind)
     xs = [make_x(b) for b in (4, 4, 7, 2, 7)]  # new batch sizes recompile (or hit the dynamic graph)
     ref, ref_out = reference(model, tracked_names(model), xs)
@@ -179,7 +199,7 @@ def test_compiled_records_equal_plain_hooks_across_recompiles(kind, dynamic, ord
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
-def test_inputs_and_outputs_with_sample_policy():
+def test_inputs_and_outputs_with_sample_policy(inductor):
     model, make_x = make("block")
     xs = [make_x(b) for b in (3, 3, 5, 2)]
     names = ["ln1", "attn", "mlp.0"]
@@ -199,7 +219,7 @@ def test_inputs_and_outputs_with_sample_policy():
     assert sorted(set(got) - set(ref)) == []
 
 
-def test_snapshot_into_a_store_equals_plain_hooks(tmp_path):
+def test_snapshot_into_a_store_equals_plain_hooks(tmp_path, inductor):
     model, make_x = make("block")
     xs = [make_x(b) for b in (4, 6, 3)]
     names = tracked_names(model)
@@ -222,7 +242,7 @@ def test_snapshot_into_a_store_equals_plain_hooks(tmp_path):
         torch.testing.assert_close(tracker.reductions[name]["mean"], mean, rtol=1e-4, atol=1e-5)
 
 
-def test_reference_mode_keeps_copies_the_graph_cannot_overwrite():
+def test_reference_mode_keeps_copies_the_graph_cannot_overwrite(inductor):
     model, make_x = make("mlp")
     xs = [make_x(b) for b in (4, 4, 4, 6)]
     names = tracked_names(model)
@@ -235,7 +255,7 @@ def test_reference_mode_keeps_copies_the_graph_cannot_overwrite():
     assert_records(tracker.activations, ref)
 
 
-def test_grad_mode_training_step():
+def test_grad_mode_training_step(inductor):
     model, make_x = make("block")
     model.train()
     x = make_x(3)
@@ -251,7 +271,7 @@ def test_grad_mode_training_step():
     assert_records(tracker.activations, ref)
 
 
-def test_stop_after_last_leaves_the_graph_with_a_capture_warning():
+def test_stop_after_last_leaves_the_graph_with_a_capture_warning(inductor):
     model, make_x = make("sequential")
     xs = [make_x(3), make_x(3)]
     ref, _ = reference(model, ["0", "1"], xs)
@@ -267,7 +287,7 @@ def test_stop_after_last_leaves_the_graph_with_a_capture_warning():
     assert_records(tracker.activations, ref)
 
 
-def test_detached_tracker_leaves_the_compiled_model_plain():
+def test_detached_tracker_leaves_the_compiled_model_plain(inductor):
     model, make_x = make("sequential")
     x = make_x(3)
     torch._dynamo.reset()
@@ -296,7 +316,7 @@ class Nested(torch.nn.Module):
         return (x + 1, deep)
 
 
-def test_deeply_nested_output_in_a_graph_is_captured_or_warned():
+def test_deeply_nested_output_in_a_graph_is_captured_or_warned(inductor):
     # the names and leaves of the graph path are the eager wrapper's: 12 levels are walked,
     # a container 32 levels down is not, and a CaptureWarning names it
     x = torch.randn(2, 3)
@@ -324,7 +344,7 @@ class ReturnsDataclass(torch.nn.Module):
         return WithClassVar(hidden=x * 2)
 
 
-def test_dataclass_output_in_a_graph_records_its_fields_only():
+def test_dataclass_output_in_a_graph_records_its_fields_only(inductor):
     model = torch.nn.Sequential(ReturnsDataclass())
     x = torch.randn(2, 3)
     torch._dynamo.reset()
@@ -332,3 +352,39 @@ def test_dataclass_output_in_a_graph_records_its_fields_only():
         torch.compile(model)(x)
     assert list(tracker.activations) == ["0.output.hidden"]
     assert torch.equal(tracker.activations["0.output.hidden"][0], x * 2)
+
+
+@pytest.mark.parametrize("how,backend,dtype,grad", [
+    ("wrapper", "eager", torch.float16, "no_grad"),
+    ("wrapper", "aot_eager", torch.bfloat16, "inference_mode"),
+    ("wrapper", "aot_eager", torch.float64, "no_grad"),
+    ("in_place", "eager", torch.float64, "enable_grad"),
+    ("in_place", "eager", torch.bfloat16, "enable_grad"),
+    ("in_place", "aot_eager", torch.float16, "inference_mode"),
+])
+def test_compiled_in_each_dtype_and_grad_mode_records_what_it_computes(how, backend, dtype, grad, tmp_path):
+    # torch.compile(model) tracked through its wrapper, or model.compile() in place: hook points
+    # named as in the model, records in the model's dtype, equal to plain hooks on the eager
+    # model, bit for bit (inductor, whose fused kernels may round otherwise, is tested above in float32)
+    model, make_x = make("mlp")
+    model = model.to(dtype)
+    xs = [make_x(b).to(dtype) for b in (4, 3)]
+    names = tracked_names(model)
+    ref, _ = reference(model, names, xs)
+    ctx = getattr(torch, grad)
+    torch._dynamo.reset()
+    if how == "wrapper":
+        compiled = tracked = torch.compile(model, backend=backend)
+    else:
+        model.compile(backend=backend)
+        compiled = tracked = model
+    path = tmp_path / "s.zarr"
+    with ctx(), ActivationScope(store=path).track(tracked):
+        for x in xs:
+            compiled(x)
+    store = open_store(path)
+    assert sorted(store.hook_points) == sorted(ref)
+    for name, recs in ref.items():
+        got = store[name]
+        assert got.dtype == dtype, name
+        assert torch.equal(got, torch.cat(recs)), name
