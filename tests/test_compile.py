@@ -388,3 +388,42 @@ def test_compiled_in_each_dtype_and_grad_mode_records_what_it_computes(how, back
         got = store[name]
         assert got.dtype == dtype, name
         assert torch.equal(got, torch.cat(recs)), name
+
+
+class UsesWeights(torch.nn.Module):
+    """Calls ``fc`` and uses ``proj``'s weight directly: the forward torch.fx generates reads a
+    parameter itself (a get_attr node), as every forward of torch.export's modules does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = torch.nn.Linear(8, 8)
+        self.proj = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        return torch.nn.functional.linear(self.fc(x), self.proj.weight)
+
+
+@pytest.mark.parametrize("kind", ["export", "symbolic_trace"])
+def test_compiled_graph_module_with_its_own_forward_tracked(kind):
+    # TorchDynamo tracing a GraphModule's generated forward reads module.forward.__code__: the
+    # tracked root's forward is the capture's wrapper, which must answer it (it failed with
+    # InternalTorchDynamoError: 'ForwardWrapper' object has no attribute '__code__')
+    eager = UsesWeights().eval()
+    x = torch.randn(3, 8)
+    if kind == "export":
+        model = torch.export.export(eager, (x,)).module()
+    else:
+        model = torch.fx.symbolic_trace(eager)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager")
+    with pytest.warns(CaptureWarning, match=r"never called by the torch.fx graph of the model itself"):
+        with torch.no_grad(), ActivationScope().track(compiled) as tracker:
+            compiled(x)
+            compiled(x + 1)
+    with torch.no_grad():
+        want = [eager(x), eager(x + 1)]
+    assert sorted(tracker.activations) == (["output"] if kind == "export" else ["fc.output", "output"])
+    for got, ref in zip(tracker.activations["output"], want):
+        assert torch.equal(got, ref)
+    assert "forward" not in model.__dict__

@@ -22,6 +22,7 @@ import re
 import sys
 import threading
 import time
+import types
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -1122,6 +1123,11 @@ class Tracker:
                 original = _python_frame(forward, note)
             wrapper = _C.ForwardWrapper(original)
             wrapper.__wrapped__ = forward  # inspect.signature() sees the real forward; traced_call calls it
+            code = getattr(forward, "__code__", None)
+            if isinstance(module, torch.fx.GraphModule) and isinstance(code, types.CodeType):
+                # TorchDynamo, tracing the generated forward of a GraphModule (torch.export's, one
+                # of torch.fx.symbolic_trace), reads module.forward.__code__ to map its lines
+                wrapper.__code__ = code
             wrapper._acs_kw_order = _keyword_order(forward)  # (where a root forward's batch is looked for)
             wrapper.set_kw_order(list(wrapper._acs_kw_order))
             wrapper._acs_prior = current  # an instance-level forward set by someone else
