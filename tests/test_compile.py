@@ -18,7 +18,8 @@ import torch
 torch._dynamo = pytest.importorskip("torch._dynamo")
 from torch._dynamo.utils import counters  # noqa: E402
 
-from activationscope import ActivationScope, CaptureMode, CaptureWarning, open_store  # noqa: E402
+from activationscope import (ActivationScope, CaptureMode, CaptureWarning, HookPointNotFoundError,  # noqa: E402
+                             open_store)
 
 
 class Block(torch.nn.Module):
@@ -427,3 +428,60 @@ def test_compiled_graph_module_with_its_own_forward_tracked(kind):
     for got, ref in zip(tracker.activations["output"], want):
         assert torch.equal(got, ref)
     assert "forward" not in model.__dict__
+
+
+class Net(torch.nn.Module):
+    """An MLP block, a head and an eval-mode dropout, for compiling the block alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.block = MLP()
+        self.head = torch.nn.Linear(8, 4)
+        self.drop = torch.nn.Dropout(0.1)
+
+    def forward(self, x):
+        return self.drop(self.head(self.block(x)))
+
+
+def test_submodule_replaced_by_its_compiled_wrapper_is_named_as_in_the_eager_model(tmp_path):
+    # model.block = torch.compile(model.block): the wrapper (an OptimizedModule) holds the block as
+    # "_orig_mod"; hook points are named as in the eager model (they were block._orig_mod.fc1.output,
+    # with both block.output and block._orig_mod.output), recorded inside the compiled graph
+    model = Net().eval()
+    xs = [torch.randn(b, 8) for b in (4, 3)]
+    names = [n for n, _ in model.named_modules() if n]
+    ref, _ = reference(model, names, xs)
+    torch._dynamo.reset()
+    counters.clear()
+    model.block = torch.compile(model.block, backend="aot_eager")
+    with torch.no_grad(), ActivationScope(store=tmp_path / "s.zarr").track(model):
+        for x in xs:
+            model(x)
+    assert sum(counters["graph_break"].values()) == 0
+    assert counters["stats"]["unique_graphs"] >= 1
+    store = open_store(tmp_path / "s.zarr")
+    assert sorted(store.hook_points) == sorted(ref)
+    for name, recs in ref.items():
+        assert torch.equal(store[name], torch.cat(recs)), name
+    with pytest.raises(HookPointNotFoundError, match=r"named as in the eager model, without '_orig_mod' "
+                                                     r"\('block\._orig_mod\.fc1' is 'block\.fc1'\): include=\['block\.fc1'\]"):
+        ActivationScope().track(model, include=["block._orig_mod.fc1"])
+
+
+def test_children_of_a_fused_layer_compiled_as_a_submodule_are_recorded():
+    # the fused fast path of a TransformerEncoderLayer is turned off for the capture also when the
+    # layer is inside a torch.compile wrapper, so its children run and are recorded
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.TransformerEncoderLayer(16, 2, 32, batch_first=True),
+                                torch.nn.Linear(16, 4)).eval()
+    x = torch.randn(2, 5, 16)
+    ref, _ = reference(model, ["0.linear1"], [x])  # (forward hooks turn the fast path off themselves)
+    torch._dynamo.reset()
+    model[0] = torch.compile(model[0], backend="aot_eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CaptureWarning)
+        with torch.no_grad(), ActivationScope().track(model, include=["0.linear1"]) as tracker:
+            model(x)
+    assert torch.backends.mha.get_fastpath_enabled()
+    assert_records(tracker.activations, ref)

@@ -17,6 +17,7 @@ under its TransformerLens name, the module path itself (``blocks.0.hook_resid_po
 from __future__ import annotations
 
 import fnmatch
+import sys
 import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -26,7 +27,7 @@ import torch
 from ..errors import ArgumentTypeError, CaptureError, CaptureWarning, HookPointNotFoundError
 
 __all__ = ["select_modules", "hook_point_module", "normalize_patterns", "is_hook_point_module", "rename_hook_point",
-           "pattern_hits", "pattern_selects", "block_stacks", "block_modules", "never_called_type"]
+           "pattern_hits", "pattern_selects", "block_stacks", "block_modules", "never_called_type", "named_modules"]
 
 
 def pattern_hits(pattern: str, names: Iterable[str]) -> list[str]:
@@ -103,7 +104,8 @@ def select_modules(
     include: Sequence[str] | None = None,
     exclude: Sequence[str] | None = None,
 ) -> list[tuple[str, torch.nn.Module]]:
-    """Select the modules of ``model`` to track, in ``named_modules()`` order.
+    """Select the modules of ``model`` to track, in ``named_modules()`` order (a submodule
+    replaced by its ``torch.compile`` wrapper named as in the eager model: :func:`named_modules`).
 
     Parameters
     ----------
@@ -150,7 +152,7 @@ def select_modules(
         raise ArgumentTypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     include = normalize_patterns(include, "include")
     exclude = normalize_patterns(exclude, "exclude")
-    named = list(model.named_modules())
+    named = named_modules(model)
     names = [n for n, _ in named]
     # nn.MultiheadAttention never calls its out_proj (it passes the weights to
     # F.multi_head_attention_forward): selected only when named exactly (then the capture
@@ -198,6 +200,34 @@ def select_modules(
         )
     _refuse_call_index_names(chosen, type(model).__name__)
     return chosen
+
+
+def named_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """``model.named_modules()``, with a ``torch.compile`` wrapper inside the model
+    (``model.layer = torch.compile(model.layer)``, an ``OptimizedModule``) replaced by the
+    module it wraps, under the wrapper's name: its modules named as in the eager model
+    (``layer.fc1``, not ``layer._orig_mod.fc1``), each listed as itself (a fused layer, a
+    dropout, a HookPoint is recognised by its type), and captured inside the compiled graph.
+    Modules registered under several names are listed once, under the first."""
+    dynamo = sys.modules.get("torch._dynamo.eval_frame")
+    optimized = getattr(dynamo, "OptimizedModule", None)
+    if optimized is None or not any(isinstance(m, optimized) for m in model.modules()):
+        return list(model.named_modules())
+    out: list[tuple[str, torch.nn.Module]] = []
+    seen: set[int] = set()
+    stack: list[tuple[str, torch.nn.Module]] = [("", model)]
+    while stack:
+        prefix, module = stack.pop()
+        while isinstance(module, optimized):  # the wrapped module, under the wrapper's name
+            seen.add(id(module))
+            module = module._orig_mod
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        out.append((prefix, module))
+        children = [(f"{prefix}.{n}" if prefix else n, c) for n, c in module._modules.items() if c is not None]
+        stack.extend(reversed(children))
+    return out
 
 
 def block_stacks(model: torch.nn.Module) -> list[str]:
@@ -524,6 +554,9 @@ def _shared_names_hint(model: torch.nn.Module, named: list[tuple[str, torch.nn.M
     if not hits:
         return ""
     canon = list(dict.fromkeys(other[h] for h in hits))
+    if all("_orig_mod" in h.split(".") for h in hits):  # a module inside a torch.compile wrapper
+        return (f": the modules of a torch.compile wrapper (OptimizedModule) are named as in the eager model, without "
+                f"'_orig_mod' ({hits[0]!r} is {other[hits[0]]!r}): {argument}={canon!r}")
     shown = ", ".join(f"{h!r} is {other[h]!r}" for h in hits[:3]) + (", ..." if len(hits) > 3 else "")
     c = canon[0]
     fix = (f"include={canon!r} records every call of it" if argument == "include"

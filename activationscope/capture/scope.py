@@ -34,8 +34,8 @@ from . import _native, compiled
 from .._args import parse_flag
 from ..errors import (ActivationScopeError, ArgumentTypeError, ArgumentValueError, CaptureError, CaptureWarning,
                       HookPointNotFoundError, ReductionError)
-from .hooks import (check_column, hook_point_module, is_hook_point_module, never_called_type, normalize_patterns,
-                    pattern_selects, rename_hook_point, select_modules)
+from .hooks import (check_column, hook_point_module, is_hook_point_module, named_modules, never_called_type,
+                    normalize_patterns, pattern_selects, rename_hook_point, select_modules)
 from .results import HookPointResults, ReductionResults, main_result_key
 from .writer import check_writer_options, merges_reductions, open_writer, writer_options
 
@@ -1768,7 +1768,7 @@ class Tracker:
         it is in eval mode and a new tensor in training mode (a dropout, a drop path or
         stochastic depth, or a module calling a functional dropout, with a nonzero
         probability) and is in eval mode now."""
-        return ((path, m) for path, m in self.model.named_modules() if not m.training and _drops_in_training(m))
+        return ((path, m) for path, m in named_modules(self.model) if not m.training and _drops_in_training(m))
 
     def _probe_dropouts(self) -> None:
         """At the first forward of a store capture, note the tensors that the model's dropouts
@@ -2032,7 +2032,7 @@ class Tracker:
         dropout (random draws: a dropout, drop path or stochastic depth module, or a module
         calling a functional dropout, :func:`_drops_in_training`) and norms with running
         statistics (BatchNorm)."""
-        return [(n or type(m).__name__, m) for n, m in self.model.named_modules() if m.training and (
+        return [(n or type(m).__name__, m) for n, m in named_modules(self.model) if m.training and (
             _drops_in_training(m)
             or (isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.track_running_stats))]
 
@@ -3239,7 +3239,7 @@ _fastpath_saved = True
 
 
 def _inside_fused(model: torch.nn.Module, modules: list[tuple[str, torch.nn.Module]]) -> bool:
-    fused = [n for n, m in model.named_modules() if _fused(m)]
+    fused = [n for n, m in named_modules(model) if _fused(m)]
     return any(name.startswith(f + ".") or (f == "" and name != "") for name, _ in modules for f in fused)
 
 
@@ -3297,7 +3297,7 @@ def _silent_reason(name: str, module: torch.nn.Module, model: torch.nn.Module) -
     if _no_forward(module):
         return f"{name!r}: a {type(module).__name__} has no forward of its own; track its items ({name + '.*'!r})"
     parent_name = name.rpartition(".")[0] if "." in name else ""
-    parent = model.get_submodule(parent_name) if name else None
+    parent = dict(named_modules(model)).get(parent_name) if name else None
     if isinstance(parent, torch.nn.MultiheadAttention) and name.endswith("out_proj"):
         return (f"{name!r}: nn.MultiheadAttention uses its weights directly and never calls it; track "
                 f"{parent_name!r} instead (hook point {(parent_name + '.' if parent_name else '') + 'output.0'!r})")
