@@ -336,6 +336,23 @@ def test_packed_weights_of_a_quantized_linear_named_with_the_module_to_track():
             model(torch.randn(3, 4))
 
 
+def test_capture_docs_export_example_prints_what_it_says(capsys):
+    # docs/usage/capture.md, "Compiled, scripted, exported and quantized models"
+    from pathlib import Path
+
+    from acs_testing import python_blocks
+
+    page = Path(__file__).resolve().parents[1] / "docs" / "usage" / "capture.md"
+    block = next(b for b in python_blocks(page) if "torch.export.unflatten" in b)
+    exec(compile(block, str(page), "exec"), {})
+    printed = capsys.readouterr().out.splitlines()
+    assert printed == ["['output']",
+                       "2 module(s) of GraphModule are never called by the torch.fx graph of the model itself (GraphModule)",
+                       "['0.output', '1.output', '2.output']"]
+    for line in printed:
+        assert f"# {line}" in block  # the page's comments say what it prints
+
+
 def test_a_store_capture_that_captures_no_forward_is_an_error_and_its_new_store_is_removed(tmp_path):
     m = torch.nn.Linear(3, 2)
     path = str(tmp_path / "e.zarr")
