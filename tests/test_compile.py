@@ -485,3 +485,15 @@ def test_children_of_a_fused_layer_compiled_as_a_submodule_are_recorded():
             model(x)
     assert torch.backends.mha.get_fastpath_enabled()
     assert_records(tracker.activations, ref)
+
+
+def test_parameters_of_a_submodule_compiled_alone_are_named_as_in_the_eager_model():
+    model = Net().eval()
+    want = {n: p.detach().clone() for n, p in model.named_parameters()}
+    torch._dynamo.reset()
+    model.block = torch.compile(model.block, backend="eager")
+    with ActivationScope(capture_parameters=True).track(model) as tracker:
+        pass
+    assert list(tracker.parameters) == list(want)  # block.fc1.weight, not block._orig_mod.fc1.weight
+    for name, p in want.items():
+        assert torch.equal(tracker.parameters[name], p), name

@@ -672,6 +672,21 @@ def _same_output(a: list, b: list) -> bool:
     return True
 
 
+def _named_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Clones of ``model.named_parameters()``, named as the hook points are
+    (:func:`~activationscope.capture.hooks.named_modules`: no ``_orig_mod`` of a submodule's
+    ``torch.compile`` wrapper); a parameter shared by several modules once, under its first name."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for prefix, module in named_modules(model):
+        for name, p in module._parameters.items():
+            if p is None or id(p) in seen:
+                continue
+            seen.add(id(p))
+            out[f"{prefix}.{name}" if prefix else name] = p.detach().clone()
+    return out
+
+
 def _uncompiled(model: Any) -> Any:
     """The module a ``torch.compile(model)`` wraps (hook points are named as in it); other
     objects unchanged."""
@@ -955,7 +970,7 @@ class Tracker:
             self._check_rows(getattr(self.writer, "stored_capture_config", None))
         if self.scope.capture_parameters:
             with torch.no_grad():
-                self.parameters = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+                self.parameters = _named_parameters(self.model)
         cap_in = self._side in ("input", "both")
         cap_out = self._side in ("output", "both")
         root_done = False
