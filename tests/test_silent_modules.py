@@ -293,19 +293,24 @@ def test_symbolic_trace_records_the_modules_its_graph_calls_and_names_the_others
         torch.testing.assert_close(t.activations["output"][0], F.linear(h, eager.proj.weight), rtol=0, atol=0)
 
 
-def test_symbolic_trace_of_nested_modules_records_the_leaves_as_the_eager_model():
+def test_symbolic_trace_of_nested_modules_records_the_leaves_and_names_what_it_traced_through():
     eager = _Block().eval()
     x = torch.randn(3, 4)
     traced = torch.fx.symbolic_trace(eager)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", CaptureWarning)
+    # "mlp" is traced through (its forward inlined into the graph, its modules called by it): it
+    # has no hook point of its own, unlike in the eager model, and the capture says so
+    with pytest.warns(CaptureWarning, match=r"1 module\(s\) of _Block have no hook point of their own \['mlp'\]"):
         with torch.no_grad(), ActivationScope().track(traced) as t:
             traced(x)
-    ref, _ = _eager_outputs(eager, x)
-    # "mlp" is inlined into the graph (a container of the modules it called): its output is mlp.2's
+    ref, out = _eager_outputs(eager, x)
     assert sorted(t.activations) == sorted(set(ref) - {"mlp.output"})
     for name, got in t.activations.items():
         torch.testing.assert_close(got[0], ref[name], rtol=0, atol=0, msg=name)
+    with pytest.warns(CaptureWarning, match=r"1 selected module\(s\).*\['mlp'\].*Tracking the model itself instead"):
+        with torch.no_grad(), ActivationScope().track(traced, include=["mlp"]) as t:
+            traced(x)
+    assert list(t.activations) == ["output"]
+    torch.testing.assert_close(t.activations["output"][0], out, rtol=0, atol=0)
 
 
 def _quantized():

@@ -421,27 +421,47 @@ def _replace_inlined(
     inline from their parameters: ``torch.export.export(...).module()``, and the modules
     ``torch.fx.symbolic_trace`` traced through) can record nothing: drop them, track the
     GraphModule that computes them instead (its own output), and say so once. Containers whose
-    children are called (``mlp`` of ``mlp.fc1`` in a symbolic_trace GraphModule) are kept: they
-    have no forward of their own, as a ``ModuleList``."""
+    children are called (``mlp`` of ``mlp.fc1`` in a symbolic_trace GraphModule, which traced
+    through ``mlp``'s forward) are dropped (they have no call of their own), named in a CaptureWarning."""
     called = _called_modules(model)
     if called is None:
         return chosen
     graphs = {n for n, m in named if isinstance(m, torch.fx.GraphModule) and id(m) in called}
     by_name = dict(named)
     dropped: dict[str, list[str]] = {}
+    traced_through: dict[str, list[str]] = {}
     out: list[tuple[str, torch.nn.Module]] = []
     for n, m in chosen:
-        if id(m) in called or any(id(sub) in called for sub in m.modules()):
+        if id(m) in called:
             out.append((n, m))
             continue
         parts = n.split(".")
         owner = next((p for p in (".".join(parts[:i]) for i in range(len(parts) - 1, -1, -1)) if p in graphs), None)
         if owner is None:  # (not below a GraphModule that runs: a module nothing calls, warned about after the capture)
             out.append((n, m))
+        elif any(id(sub) in called for sub in m.modules()):
+            traced_through.setdefault(owner, []).append(n)  # a container of called modules: no call of its own
         else:
             dropped.setdefault(owner, []).append(n)
+    if traced_through:
+        inner = sorted(n for names in traced_through.values() for n in names)
+        shown = inner[:8] + (["..."] if len(inner) > 8 else [])
+        owners = ", ".join(repr(o) if o else "the model itself" for o in traced_through)
+        alone = not out and not dropped  # nothing else selected: the GraphModule's own output instead
+        warnings.warn(
+            f"{len(inner)} {'selected ' if explicit else ''}module(s) of {type(model).__name__} have no hook point of "
+            f"their own {shown}: the torch.fx graph of {owners} calls modules inside them, never them (torch.fx traced "
+            "through their forward, or they only hold modules, as a ModuleList), so their outputs are not recorded"
+            + (f". Tracking {owners} instead (its own output)" if alone else "")
+            + ". Track the eager model to record them, or trace with them as leaves (a torch.fx.Tracer whose "
+            "is_leaf_module returns True for them)",
+            CaptureWarning,
+            stacklevel=4,
+        )
+        if alone:
+            dropped = {o: [] for o in traced_through}
     if not dropped:
-        return chosen
+        return out if traced_through else chosen
     have = {n for n, _ in out}
     for owner in dropped:
         if owner not in have:
@@ -450,6 +470,8 @@ def _replace_inlined(
     order = {n: i for i, (n, _) in enumerate(named)}
     out.sort(key=lambda nm: order[nm[0]])
     inner = sorted(n for names in dropped.values() for n in names)
+    if not inner:
+        return out
     shown = inner[:8] + (["..."] if len(inner) > 8 else [])
     owners = ", ".join(repr(o) if o else "the model itself" for o in dropped)
     kinds = ", ".join(sorted({type(by_name[o]).__name__ for o in dropped}))
