@@ -291,6 +291,8 @@ def user_module(user_package):
             raise RuntimeError("weights missing")
         def not_a_module():
             return 42
+        def exported():
+            return torch.export.export(mlp().eval(), (torch.zeros(2, 6),)).module()
     """, bad_import="import no_such_dependency_xyz\n")
     return "usermodels"
 
@@ -309,6 +311,9 @@ def test_load_model_from_factory_and_instance(user_module):
         ("usermodels.nope:x", ["cannot import 'usermodels.nope'"]),
         ("usermodels.nets:broken", ["factory raised RuntimeError", "weights missing"]),
         ("usermodels.nets:not_a_module", ["must return a torch.nn.Module", "int"]),
+        ("usermodels.nets:exported", ["the GraphModule the factory returned cannot be put in eval mode",
+                                      "NotImplementedError: Calling eval() is not supported yet",
+                                      "return the eager model, or torch.export.unflatten(exported_program)"]),
         ("justaword", ["must be 'demo', a Hugging Face model folder"]),
     ],
 )

@@ -18,7 +18,8 @@ import torch
 torch._dynamo = pytest.importorskip("torch._dynamo")
 from torch._dynamo.utils import counters  # noqa: E402
 
-from activationscope import ActivationScope, CaptureMode, CaptureWarning, open_store  # noqa: E402
+from activationscope import (ActivationScope, CaptureMode, CaptureWarning, HookPointNotFoundError,  # noqa: E402
+                             open_store)
 
 
 class Block(torch.nn.Module):
@@ -120,6 +121,26 @@ def assert_records(got, ref):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
 
 
+_INDUCTOR: list[str | None] = []  # [None] once the inductor backend compiled here, [why not] when it cannot
+
+
+@pytest.fixture
+def inductor():
+    """Skips the test when TorchInductor, the default ``torch.compile`` backend, cannot compile
+    on this machine (no working C++ compiler): tried once, on a function of its own."""
+    if not _INDUCTOR:
+        torch._dynamo.reset()
+        try:
+            torch.compile(lambda t: t * 2 + 1)(torch.ones(3))
+            _INDUCTOR.append(None)
+        except Exception as e:  # noqa: BLE001 - any failure to build a kernel means no inductor here
+            _INDUCTOR.append(f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}")
+        finally:
+            torch._dynamo.reset()
+    if _INDUCTOR[0] is not None:
+        pytest.skip(f"torch.compile's default backend (inductor) cannot compile here: {_INDUCTOR[0]}")
+
+
 def tracked_names(model):
     return [n for n, _ in model.named_modules() if n and not n.endswith("out_proj")]
 
@@ -149,7 +170,7 @@ def test_tracked_model_compiles_to_one_graph_without_breaks(kind):
 
 @pytest.mark.parametrize("order", ["compile_then_track", "track_then_compile", "track_the_compiled"])
 @pytest.mark.parametrize("kind,dynamic", [("sequential", False), ("mlp", True), ("block", False), ("block", True)])
-def test_compiled_records_equal_plain_hooks_across_recompiles(kind, dynamic, order):
+def test_compiled_records_equal_plain_hooks_across_recompiles(kind, dynamic, order, inductor):
     model, make_x = make(kind)
     xs = [make_x(b) for b in (4, 4, 7, 2, 7)]  # new batch sizes recompile (or hit the dynamic graph)
     ref, ref_out = reference(model, tracked_names(model), xs)
@@ -179,7 +200,7 @@ def test_compiled_records_equal_plain_hooks_across_recompiles(kind, dynamic, ord
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
-def test_inputs_and_outputs_with_sample_policy():
+def test_inputs_and_outputs_with_sample_policy(inductor):
     model, make_x = make("block")
     xs = [make_x(b) for b in (3, 3, 5, 2)]
     names = ["ln1", "attn", "mlp.0"]
@@ -199,7 +220,7 @@ def test_inputs_and_outputs_with_sample_policy():
     assert sorted(set(got) - set(ref)) == []
 
 
-def test_snapshot_into_a_store_equals_plain_hooks(tmp_path):
+def test_snapshot_into_a_store_equals_plain_hooks(tmp_path, inductor):
     model, make_x = make("block")
     xs = [make_x(b) for b in (4, 6, 3)]
     names = tracked_names(model)
@@ -222,7 +243,7 @@ def test_snapshot_into_a_store_equals_plain_hooks(tmp_path):
         torch.testing.assert_close(tracker.reductions[name]["mean"], mean, rtol=1e-4, atol=1e-5)
 
 
-def test_reference_mode_keeps_copies_the_graph_cannot_overwrite():
+def test_reference_mode_keeps_copies_the_graph_cannot_overwrite(inductor):
     model, make_x = make("mlp")
     xs = [make_x(b) for b in (4, 4, 4, 6)]
     names = tracked_names(model)
@@ -235,7 +256,7 @@ def test_reference_mode_keeps_copies_the_graph_cannot_overwrite():
     assert_records(tracker.activations, ref)
 
 
-def test_grad_mode_training_step():
+def test_grad_mode_training_step(inductor):
     model, make_x = make("block")
     model.train()
     x = make_x(3)
@@ -251,7 +272,7 @@ def test_grad_mode_training_step():
     assert_records(tracker.activations, ref)
 
 
-def test_stop_after_last_leaves_the_graph_with_a_capture_warning():
+def test_stop_after_last_leaves_the_graph_with_a_capture_warning(inductor):
     model, make_x = make("sequential")
     xs = [make_x(3), make_x(3)]
     ref, _ = reference(model, ["0", "1"], xs)
@@ -267,7 +288,7 @@ def test_stop_after_last_leaves_the_graph_with_a_capture_warning():
     assert_records(tracker.activations, ref)
 
 
-def test_detached_tracker_leaves_the_compiled_model_plain():
+def test_detached_tracker_leaves_the_compiled_model_plain(inductor):
     model, make_x = make("sequential")
     x = make_x(3)
     torch._dynamo.reset()
@@ -296,7 +317,7 @@ class Nested(torch.nn.Module):
         return (x + 1, deep)
 
 
-def test_deeply_nested_output_in_a_graph_is_captured_or_warned():
+def test_deeply_nested_output_in_a_graph_is_captured_or_warned(inductor):
     # the names and leaves of the graph path are the eager wrapper's: 12 levels are walked,
     # a container 32 levels down is not, and a CaptureWarning names it
     x = torch.randn(2, 3)
@@ -324,7 +345,7 @@ class ReturnsDataclass(torch.nn.Module):
         return WithClassVar(hidden=x * 2)
 
 
-def test_dataclass_output_in_a_graph_records_its_fields_only():
+def test_dataclass_output_in_a_graph_records_its_fields_only(inductor):
     model = torch.nn.Sequential(ReturnsDataclass())
     x = torch.randn(2, 3)
     torch._dynamo.reset()
@@ -332,3 +353,147 @@ def test_dataclass_output_in_a_graph_records_its_fields_only():
         torch.compile(model)(x)
     assert list(tracker.activations) == ["0.output.hidden"]
     assert torch.equal(tracker.activations["0.output.hidden"][0], x * 2)
+
+
+@pytest.mark.parametrize("how,backend,dtype,grad", [
+    ("wrapper", "eager", torch.float16, "no_grad"),
+    ("wrapper", "aot_eager", torch.bfloat16, "inference_mode"),
+    ("wrapper", "aot_eager", torch.float64, "no_grad"),
+    ("in_place", "eager", torch.float64, "enable_grad"),
+    ("in_place", "eager", torch.bfloat16, "enable_grad"),
+    ("in_place", "aot_eager", torch.float16, "inference_mode"),
+])
+def test_compiled_in_each_dtype_and_grad_mode_records_what_it_computes(how, backend, dtype, grad, tmp_path):
+    # torch.compile(model) tracked through its wrapper, or model.compile() in place: hook points
+    # named as in the model, records in the model's dtype, equal to plain hooks on the eager
+    # model, bit for bit (inductor, whose fused kernels may round otherwise, is tested above in float32)
+    model, make_x = make("mlp")
+    model = model.to(dtype)
+    xs = [make_x(b).to(dtype) for b in (4, 3)]
+    names = tracked_names(model)
+    ref, _ = reference(model, names, xs)
+    ctx = getattr(torch, grad)
+    torch._dynamo.reset()
+    if how == "wrapper":
+        compiled = tracked = torch.compile(model, backend=backend)
+    else:
+        model.compile(backend=backend)
+        compiled = tracked = model
+    path = tmp_path / "s.zarr"
+    with ctx(), ActivationScope(store=path).track(tracked):
+        for x in xs:
+            compiled(x)
+    store = open_store(path)
+    assert sorted(store.hook_points) == sorted(ref)
+    for name, recs in ref.items():
+        got = store[name]
+        assert got.dtype == dtype, name
+        assert torch.equal(got, torch.cat(recs)), name
+
+
+class UsesWeights(torch.nn.Module):
+    """Calls ``fc`` and uses ``proj``'s weight directly: the forward torch.fx generates reads a
+    parameter itself (a get_attr node), as every forward of torch.export's modules does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = torch.nn.Linear(8, 8)
+        self.proj = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        return torch.nn.functional.linear(self.fc(x), self.proj.weight)
+
+
+@pytest.mark.parametrize("kind", ["export", "symbolic_trace"])
+def test_compiled_graph_module_with_its_own_forward_tracked(kind):
+    # TorchDynamo tracing a GraphModule's generated forward reads module.forward.__code__: the
+    # tracked root's forward is the capture's wrapper, which must answer it (it failed with
+    # InternalTorchDynamoError: 'ForwardWrapper' object has no attribute '__code__')
+    eager = UsesWeights().eval()
+    x = torch.randn(3, 8)
+    if kind == "export":
+        model = torch.export.export(eager, (x,)).module()
+    else:
+        model = torch.fx.symbolic_trace(eager)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager")
+    with pytest.warns(CaptureWarning, match=r"never called by the torch.fx graph of the model itself"):
+        with torch.no_grad(), ActivationScope().track(compiled) as tracker:
+            compiled(x)
+            compiled(x + 1)
+    with torch.no_grad():
+        want = [eager(x), eager(x + 1)]
+    assert sorted(tracker.activations) == (["output"] if kind == "export" else ["fc.output", "output"])
+    for got, ref in zip(tracker.activations["output"], want):
+        assert torch.equal(got, ref)
+    assert "forward" not in model.__dict__
+
+
+class Net(torch.nn.Module):
+    """An MLP block, a head and an eval-mode dropout, for compiling the block alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.block = MLP()
+        self.head = torch.nn.Linear(8, 4)
+        self.drop = torch.nn.Dropout(0.1)
+
+    def forward(self, x):
+        return self.drop(self.head(self.block(x)))
+
+
+def test_submodule_replaced_by_its_compiled_wrapper_is_named_as_in_the_eager_model(tmp_path):
+    # model.block = torch.compile(model.block): the wrapper (an OptimizedModule) holds the block as
+    # "_orig_mod"; hook points are named as in the eager model (they were block._orig_mod.fc1.output,
+    # with both block.output and block._orig_mod.output), recorded inside the compiled graph
+    model = Net().eval()
+    xs = [torch.randn(b, 8) for b in (4, 3)]
+    names = [n for n, _ in model.named_modules() if n]
+    ref, _ = reference(model, names, xs)
+    torch._dynamo.reset()
+    counters.clear()
+    model.block = torch.compile(model.block, backend="aot_eager")
+    with torch.no_grad(), ActivationScope(store=tmp_path / "s.zarr").track(model):
+        for x in xs:
+            model(x)
+    assert sum(counters["graph_break"].values()) == 0
+    assert counters["stats"]["unique_graphs"] >= 1
+    store = open_store(tmp_path / "s.zarr")
+    assert sorted(store.hook_points) == sorted(ref)
+    for name, recs in ref.items():
+        assert torch.equal(store[name], torch.cat(recs)), name
+    with pytest.raises(HookPointNotFoundError, match=r"named as in the eager model, without '_orig_mod' "
+                                                     r"\('block\._orig_mod\.fc1' is 'block\.fc1'\): include=\['block\.fc1'\]"):
+        ActivationScope().track(model, include=["block._orig_mod.fc1"])
+
+
+def test_children_of_a_fused_layer_compiled_as_a_submodule_are_recorded():
+    # the fused fast path of a TransformerEncoderLayer is turned off for the capture also when the
+    # layer is inside a torch.compile wrapper, so its children run and are recorded
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.TransformerEncoderLayer(16, 2, 32, batch_first=True),
+                                torch.nn.Linear(16, 4)).eval()
+    x = torch.randn(2, 5, 16)
+    ref, _ = reference(model, ["0.linear1"], [x])  # (forward hooks turn the fast path off themselves)
+    torch._dynamo.reset()
+    model[0] = torch.compile(model[0], backend="aot_eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CaptureWarning)
+        with torch.no_grad(), ActivationScope().track(model, include=["0.linear1"]) as tracker:
+            model(x)
+    assert torch.backends.mha.get_fastpath_enabled()
+    assert_records(tracker.activations, ref)
+
+
+def test_parameters_of_a_submodule_compiled_alone_are_named_as_in_the_eager_model():
+    model = Net().eval()
+    want = {n: p.detach().clone() for n, p in model.named_parameters()}
+    torch._dynamo.reset()
+    model.block = torch.compile(model.block, backend="eager")
+    with ActivationScope(capture_parameters=True).track(model) as tracker:
+        pass
+    assert list(tracker.parameters) == list(want)  # block.fc1.weight, not block._orig_mod.fc1.weight
+    for name, p in want.items():
+        assert torch.equal(tracker.parameters[name], p), name

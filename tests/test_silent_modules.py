@@ -181,6 +181,183 @@ def test_eager_parent_with_scripted_block_names_what_cannot_be_tracked():
     torch.testing.assert_close(t.activations["1.output"][0], block(h))
 
 
+# ---------------------------------------------------------------- torch.export, torch.fx, quantized
+
+
+class _Block(torch.nn.Module):
+    """An MLP inside a block: torch.export and torch.fx trace through ``mlp``'s forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.mlp = _mlp()
+        self.ln = torch.nn.LayerNorm(2)
+
+    def forward(self, x):
+        return self.ln(self.mlp(x))
+
+
+def _eager_outputs(model, x):
+    """{"<path>.output": value} of every submodule of ``model``, by plain forward hooks."""
+    recs = {}
+    handles = [m.register_forward_hook(lambda _m, _a, out, n=n: recs.__setitem__(f"{n}.output", out.detach().clone()))
+               for n, m in model.named_modules() if n]
+    try:
+        with torch.no_grad():
+            out = model(x)
+    finally:
+        for h in handles:
+            h.remove()
+    return recs, out
+
+
+def _capture_warnings(caught):
+    return [str(w.message) for w in caught if issubclass(w.category, CaptureWarning)]
+
+
+@pytest.mark.parametrize("store", [False, True])
+def test_exported_module_records_its_output_and_names_the_modules_it_inlines(tmp_path, store):
+    # torch.export.export(...).module() computes every module inline from its parameters (no
+    # module is called): the capture tracks the exported module itself and says why and what to do
+    eager = _Block().eval()
+    x = torch.randn(3, 4)
+    exported = torch.export.export(eager, (x,)).module()
+    path = str(tmp_path / "e.zarr")
+    scope = ActivationScope(store=path) if store else ActivationScope()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad(), scope.track(exported) as t:
+            exported(x)
+            exported(x + 1)
+    msgs = _capture_warnings(caught)
+    assert len(msgs) == 1, msgs  # (its GuardsFn, which returns nothing, is not selected)
+    assert "never called by the torch.fx graph of the model itself" in msgs[0]
+    assert "['ln', 'mlp', 'mlp.0', 'mlp.2']" in msgs[0] and "torch.export.unflatten" in msgs[0]
+    with torch.no_grad():
+        want = torch.cat([eager(x), eager(x + 1)])
+    got = open_store(path)["output"] if store else torch.cat(t.activations["output"])
+    assert sorted(open_store(path).hook_points if store else t.activations) == ["output"]
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_exported_module_with_an_inlined_module_included_tracks_the_exported_module():
+    eager = _Block().eval()
+    x = torch.randn(3, 4)
+    exported = torch.export.export(eager, (x,)).module()
+    with pytest.warns(CaptureWarning, match=r"1 selected module\(s\).*\['mlp\.0'\]\. Tracking the model itself"):
+        with torch.no_grad(), ActivationScope().track(exported, include=["mlp.0"]) as t:
+            exported(x)
+    with torch.no_grad():
+        torch.testing.assert_close(t.activations["output"][0], eager(x), rtol=0, atol=0)
+
+
+def test_unflattened_export_records_every_module_as_the_eager_model():
+    eager = _Block().eval()
+    x = torch.randn(3, 4)
+    unflat = torch.export.unflatten(torch.export.export(eager, (x,)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CaptureWarning)
+        with torch.no_grad(), ActivationScope().track(unflat) as t:
+            unflat(x)
+    ref, _ = _eager_outputs(eager, x)
+    assert sorted(t.activations) == sorted(ref)
+    for name, want in ref.items():
+        torch.testing.assert_close(t.activations[name][0], want, rtol=0, atol=0, msg=name)
+
+
+class _UsesWeights(torch.nn.Module):
+    """Calls ``fc`` and uses ``proj``'s weight directly: symbolic_trace keeps ``proj`` for its
+    parameters only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = torch.nn.Linear(4, 4)
+        self.proj = torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        return F.linear(self.fc(x), self.proj.weight)
+
+
+def test_symbolic_trace_records_the_modules_its_graph_calls_and_names_the_others():
+    eager = _UsesWeights().eval()
+    x = torch.randn(3, 4)
+    traced = torch.fx.symbolic_trace(eager)
+    with pytest.warns(CaptureWarning, match=r"torch.fx graph of the model itself.*\['proj'\]"):
+        with torch.no_grad(), ActivationScope().track(traced) as t:
+            traced(x)
+    assert sorted(t.activations) == ["fc.output", "output"]
+    with torch.no_grad():
+        h = eager.fc(x)
+        torch.testing.assert_close(t.activations["fc.output"][0], h, rtol=0, atol=0)
+        torch.testing.assert_close(t.activations["output"][0], F.linear(h, eager.proj.weight), rtol=0, atol=0)
+
+
+def test_symbolic_trace_of_nested_modules_records_the_leaves_and_names_what_it_traced_through():
+    eager = _Block().eval()
+    x = torch.randn(3, 4)
+    traced = torch.fx.symbolic_trace(eager)
+    # "mlp" is traced through (its forward inlined into the graph, its modules called by it): it
+    # has no hook point of its own, unlike in the eager model, and the capture says so
+    with pytest.warns(CaptureWarning, match=r"1 module\(s\) of _Block have no hook point of their own \['mlp'\]"):
+        with torch.no_grad(), ActivationScope().track(traced) as t:
+            traced(x)
+    ref, out = _eager_outputs(eager, x)
+    assert sorted(t.activations) == sorted(set(ref) - {"mlp.output"})
+    for name, got in t.activations.items():
+        torch.testing.assert_close(got[0], ref[name], rtol=0, atol=0, msg=name)
+    with pytest.warns(CaptureWarning, match=r"1 selected module\(s\).*\['mlp'\].*Tracking the model itself instead"):
+        with torch.no_grad(), ActivationScope().track(traced, include=["mlp"]) as t:
+            traced(x)
+    assert list(t.activations) == ["output"]
+    torch.testing.assert_close(t.activations["output"][0], out, rtol=0, atol=0)
+
+
+def _quantized():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch.ao.quantization's deprecation notices)
+        return torch.ao.quantization.quantize_dynamic(_mlp().eval(), {torch.nn.Linear}, dtype=torch.qint8)
+
+
+def test_dynamically_quantized_model_records_its_own_values_quietly():
+    model = _quantized()
+    x = torch.randn(3, 4)
+    ref, _ = _eager_outputs(model, x)  # the quantized model's own hooks: its int8 matmuls' values
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad(), ActivationScope().track(model) as t:
+            model(x)
+    assert _capture_warnings(caught) == []  # the packed weights, never called, are not selected
+    assert sorted(t.activations) == ["0.output", "1.output", "2.output"]
+    for name, got in t.activations.items():
+        torch.testing.assert_close(got[0], ref[name], rtol=0, atol=0, msg=name)
+
+
+def test_packed_weights_of_a_quantized_linear_named_with_the_module_to_track():
+    model = _quantized()
+    with pytest.warns(CaptureWarning, match=r"'0\._packed_params' \(LinearPackedParams\): its parent never calls it.*"
+                                            r"track '0' instead"):
+        with torch.no_grad(), ActivationScope().track(model, include=["0._packed_params", "2"]):
+            model(torch.randn(3, 4))
+
+
+def test_capture_docs_export_example_prints_what_it_says(capsys):
+    # docs/usage/capture.md, "Compiled, scripted, exported and quantized models"
+    from pathlib import Path
+
+    from acs_testing import python_blocks
+
+    page = Path(__file__).resolve().parents[1] / "docs" / "usage" / "capture.md"
+    block = next(b for b in python_blocks(page) if "torch.export.unflatten" in b)
+    exec(compile(block, str(page), "exec"), {})
+    printed = capsys.readouterr().out.splitlines()
+    assert printed == ["['output']",
+                       "2 module(s) of GraphModule are never called by the torch.fx graph of the model itself (GraphModule)",
+                       "['0.output', '1.output', '2.output']"]
+    for line in printed:
+        assert f"# {line}" in block  # the page's comments say what it prints
+
+
 def test_a_store_capture_that_captures_no_forward_is_an_error_and_its_new_store_is_removed(tmp_path):
     m = torch.nn.Linear(3, 2)
     path = str(tmp_path / "e.zarr")

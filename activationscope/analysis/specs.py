@@ -156,7 +156,15 @@ def load_model_spec(spec: str) -> LoadedModel:
             raise SpecError(f"--model {spec!r}: the factory raised {type(e).__name__}: {e}") from e
     if not isinstance(obj, torch.nn.Module):
         raise SpecError(f"--model {spec!r}: the factory must return a torch.nn.Module, got {type(obj).__name__}")
-    obj.eval()
+    try:
+        obj.eval()
+    except Exception as e:  # noqa: BLE001 - a module that refuses eval mode (torch.export's) is no model to run here
+        fix = ("a torch.export.export(...).module() refuses train() / eval() (its mode is the one it was exported in), "
+               "and calls none of its modules, so only its output could be captured: return the eager model, or "
+               "torch.export.unflatten(exported_program) of a model exported in eval mode"
+               if isinstance(obj, torch.fx.GraphModule) else "return a model whose eval() works")
+        raise SpecError(f"--model {spec!r}: the {type(obj).__name__} the factory returned cannot be put in eval mode "
+                        f"({type(e).__name__}: {e}); {fix}") from e
     return LoadedModel(obj, None, spec)
 
 

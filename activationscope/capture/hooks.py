@@ -17,6 +17,7 @@ under its TransformerLens name, the module path itself (``blocks.0.hook_resid_po
 from __future__ import annotations
 
 import fnmatch
+import sys
 import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -26,7 +27,7 @@ import torch
 from ..errors import ArgumentTypeError, CaptureError, CaptureWarning, HookPointNotFoundError
 
 __all__ = ["select_modules", "hook_point_module", "normalize_patterns", "is_hook_point_module", "rename_hook_point",
-           "pattern_hits", "pattern_selects", "block_stacks", "block_modules"]
+           "pattern_hits", "pattern_selects", "block_stacks", "block_modules", "never_called_type", "named_modules"]
 
 
 def pattern_hits(pattern: str, names: Iterable[str]) -> list[str]:
@@ -103,7 +104,8 @@ def select_modules(
     include: Sequence[str] | None = None,
     exclude: Sequence[str] | None = None,
 ) -> list[tuple[str, torch.nn.Module]]:
-    """Select the modules of ``model`` to track, in ``named_modules()`` order.
+    """Select the modules of ``model`` to track, in ``named_modules()`` order (a submodule
+    replaced by its ``torch.compile`` wrapper named as in the eager model: :func:`named_modules`).
 
     Parameters
     ----------
@@ -117,7 +119,12 @@ def select_modules(
         selected only when a pattern names it exactly.
         Modules inside a TorchScript module (``torch.jit.script`` / ``trace``) cannot be
         tracked: they are replaced by their outermost scripted ancestor, with a
-        :class:`~activationscope.errors.CaptureWarning` naming them.
+        :class:`~activationscope.errors.CaptureWarning` naming them. So are modules of a
+        ``torch.fx.GraphModule`` that its graph never calls (all of
+        ``torch.export.export(...).module()``): replaced by that GraphModule. The packed
+        weights of quantized ``Linear`` / ``Embedding`` modules and the ``GuardsFn`` of a
+        ``torch.export`` module, never called by their parents, are selected only when named
+        exactly.
     exclude : list of str, optional
         Module names or fnmatch patterns (same rule as ``include``) removed after
         ``include``; a pattern that matches no module warns
@@ -145,12 +152,15 @@ def select_modules(
         raise ArgumentTypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     include = normalize_patterns(include, "include")
     exclude = normalize_patterns(exclude, "exclude")
-    named = list(model.named_modules())
+    named = named_modules(model)
     names = [n for n, _ in named]
     # nn.MultiheadAttention never calls its out_proj (it passes the weights to
     # F.multi_head_attention_forward): selected only when named exactly (then the capture
     # warns that it recorded nothing)
     never_called = {f"{n}.out_proj" if n else "out_proj" for n, m in named if type(m) is torch.nn.MultiheadAttention}
+    # nor are the packed weights of a quantized Linear / Embedding, nor the input check of a
+    # torch.export module (GuardsFn, which returns nothing): selected only when named exactly
+    never_called |= {n for n, m in named if n and never_called_type(m)}
     if include is None:
         chosen = [(n, m) for n, m in named if n != "" and n not in never_called]
         if not chosen:  # a model without submodules: track the root itself
@@ -168,6 +178,7 @@ def select_modules(
             included.update(hits)
         chosen = [(n, m) for n, m in named if n in included and (n not in never_called or n in include)]
     chosen = _replace_scripted(model, named, chosen, explicit=include is not None)
+    chosen = _replace_inlined(model, named, chosen, explicit=include is not None)
     if exclude:
         excluded: set[str] = set()
         for pat in exclude:
@@ -189,6 +200,34 @@ def select_modules(
         )
     _refuse_call_index_names(chosen, type(model).__name__)
     return chosen
+
+
+def named_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """``model.named_modules()``, with a ``torch.compile`` wrapper inside the model
+    (``model.layer = torch.compile(model.layer)``, an ``OptimizedModule``) replaced by the
+    module it wraps, under the wrapper's name: its modules named as in the eager model
+    (``layer.fc1``, not ``layer._orig_mod.fc1``), each listed as itself (a fused layer, a
+    dropout, a HookPoint is recognised by its type), and captured inside the compiled graph.
+    Modules registered under several names are listed once, under the first."""
+    dynamo = sys.modules.get("torch._dynamo.eval_frame")
+    optimized = getattr(dynamo, "OptimizedModule", None)
+    if optimized is None or not any(isinstance(m, optimized) for m in model.modules()):
+        return list(model.named_modules())
+    out: list[tuple[str, torch.nn.Module]] = []
+    seen: set[int] = set()
+    stack: list[tuple[str, torch.nn.Module]] = [("", model)]
+    while stack:
+        prefix, module = stack.pop()
+        while isinstance(module, optimized):  # the wrapped module, under the wrapper's name
+            seen.add(id(module))
+            module = module._orig_mod
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        out.append((prefix, module))
+        children = [(f"{prefix}.{n}" if prefix else n, c) for n, c in module._modules.items() if c is not None]
+        stack.extend(reversed(children))
+    return out
 
 
 def block_stacks(model: torch.nn.Module) -> list[str]:
@@ -329,6 +368,126 @@ def _replace_scripted(
     return out
 
 
+# types of modules that their parent never calls: qualified class names
+_NEVER_CALLED_TYPES = frozenset({
+    "torch.ao.nn.quantized.modules.linear.LinearPackedParams",  # quantized (dynamic) Linear's packed weights
+    "torch.ao.nn.quantized.modules.embedding_ops.EmbeddingPackedParams",
+    "torch.export._unlift.GuardsFn",  # a torch.export module's input check: returns nothing
+})
+
+
+def never_called_type(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is of a type its parent never calls (:data:`_NEVER_CALLED_TYPES`)."""
+    t = type(module)
+    return f"{t.__module__}.{t.__qualname__}" in _NEVER_CALLED_TYPES
+
+
+def _called_modules(model: torch.nn.Module) -> set[int] | None:
+    """``id()`` of every module of ``model`` that a forward of it can call, when ``model`` holds
+    a ``torch.fx.GraphModule`` (None when it holds none: every module may be called). A
+    GraphModule calls only the targets of its graph's ``call_module`` nodes; the modules it
+    holds for their parameters (every module of ``torch.export.export(...).module()``, a module
+    ``torch.fx.symbolic_trace`` traced through) are never called. Any other module is taken to
+    call each of its children."""
+    graph_module = torch.fx.GraphModule
+    if not any(isinstance(m, graph_module) for m in model.modules()):
+        return None
+    called: set[int] = set()
+    stack = [model]
+    while stack:
+        m = stack.pop()
+        if id(m) in called:
+            continue
+        called.add(id(m))
+        if isinstance(m, graph_module):
+            for node in m.graph.nodes:
+                if node.op == "call_module" and isinstance(node.target, str):
+                    try:
+                        stack.append(m.get_submodule(node.target))
+                    except AttributeError:  # (a graph naming no module of it fails when it runs)
+                        pass
+        else:
+            stack.extend(m.children())
+    return called
+
+
+def _replace_inlined(
+    model: torch.nn.Module,
+    named: list[tuple[str, torch.nn.Module]],
+    chosen: list[tuple[str, torch.nn.Module]],
+    explicit: bool,
+) -> list[tuple[str, torch.nn.Module]]:
+    """Modules of a ``torch.fx.GraphModule`` that its graph never calls (it computes them
+    inline from their parameters: ``torch.export.export(...).module()``, and the modules
+    ``torch.fx.symbolic_trace`` traced through) can record nothing: drop them, track the
+    GraphModule that computes them instead (its own output), and say so once. Containers whose
+    children are called (``mlp`` of ``mlp.fc1`` in a symbolic_trace GraphModule, which traced
+    through ``mlp``'s forward) are dropped (they have no call of their own), named in a CaptureWarning."""
+    called = _called_modules(model)
+    if called is None:
+        return chosen
+    graphs = {n for n, m in named if isinstance(m, torch.fx.GraphModule) and id(m) in called}
+    by_name = dict(named)
+    dropped: dict[str, list[str]] = {}
+    traced_through: dict[str, list[str]] = {}
+    out: list[tuple[str, torch.nn.Module]] = []
+    for n, m in chosen:
+        if id(m) in called:
+            out.append((n, m))
+            continue
+        parts = n.split(".")
+        owner = next((p for p in (".".join(parts[:i]) for i in range(len(parts) - 1, -1, -1)) if p in graphs), None)
+        if owner is None:  # (not below a GraphModule that runs: a module nothing calls, warned about after the capture)
+            out.append((n, m))
+        elif any(id(sub) in called for sub in m.modules()):
+            traced_through.setdefault(owner, []).append(n)  # a container of called modules: no call of its own
+        else:
+            dropped.setdefault(owner, []).append(n)
+    if traced_through:
+        inner = sorted(n for names in traced_through.values() for n in names)
+        shown = inner[:8] + (["..."] if len(inner) > 8 else [])
+        owners = ", ".join(repr(o) if o else "the model itself" for o in traced_through)
+        alone = not out and not dropped  # nothing else selected: the GraphModule's own output instead
+        warnings.warn(
+            f"{len(inner)} {'selected ' if explicit else ''}module(s) of {type(model).__name__} have no hook point of "
+            f"their own {shown}: the torch.fx graph of {owners} calls modules inside them, never them (torch.fx traced "
+            "through their forward, or they only hold modules, as a ModuleList), so their outputs are not recorded"
+            + (f". Tracking {owners} instead (its own output)" if alone else "")
+            + ". Track the eager model to record them, or trace with them as leaves (a torch.fx.Tracer whose "
+            "is_leaf_module returns True for them)",
+            CaptureWarning,
+            stacklevel=4,
+        )
+        if alone:
+            dropped = {o: [] for o in traced_through}
+    if not dropped:
+        return out if traced_through else chosen
+    have = {n for n, _ in out}
+    for owner in dropped:
+        if owner not in have:
+            out.append((owner, by_name[owner]))
+            have.add(owner)
+    order = {n: i for i, (n, _) in enumerate(named)}
+    out.sort(key=lambda nm: order[nm[0]])
+    inner = sorted(n for names in dropped.values() for n in names)
+    if not inner:
+        return out
+    shown = inner[:8] + (["..."] if len(inner) > 8 else [])
+    owners = ", ".join(repr(o) if o else "the model itself" for o in dropped)
+    kinds = ", ".join(sorted({type(by_name[o]).__name__ for o in dropped}))
+    warnings.warn(
+        f"{len(inner)} {'selected ' if explicit else ''}module(s) of {type(model).__name__} are never called by the "
+        f"torch.fx graph of {owners} ({kinds}), which computes them inline from their parameters, so they cannot be "
+        f"tracked {shown}. Tracking {owners} instead (its own output). To see inside: for "
+        "torch.export.export(model, args), track the eager model or torch.export.unflatten(exported_program), "
+        "whose modules are called; for torch.fx.symbolic_trace, track the eager model or trace with these modules "
+        "as leaves (a torch.fx.Tracer whose is_leaf_module returns True for them)",
+        CaptureWarning,
+        stacklevel=4,
+    )
+    return out
+
+
 def hook_point_module(hook_point: str, modules: Any = None, hook_point_paths: Any = ()) -> str:
     """Module path of a hook point name (``"enc.0#1.output.x"`` -> ``"enc.0"``).
 
@@ -417,6 +576,9 @@ def _shared_names_hint(model: torch.nn.Module, named: list[tuple[str, torch.nn.M
     if not hits:
         return ""
     canon = list(dict.fromkeys(other[h] for h in hits))
+    if all("_orig_mod" in h.split(".") for h in hits):  # a module inside a torch.compile wrapper
+        return (f": the modules of a torch.compile wrapper (OptimizedModule) are named as in the eager model, without "
+                f"'_orig_mod' ({hits[0]!r} is {other[hits[0]]!r}): {argument}={canon!r}")
     shown = ", ".join(f"{h!r} is {other[h]!r}" for h in hits[:3]) + (", ..." if len(hits) > 3 else "")
     c = canon[0]
     fix = (f"include={canon!r} records every call of it" if argument == "include"

@@ -22,6 +22,7 @@ import re
 import sys
 import threading
 import time
+import types
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -33,8 +34,8 @@ from . import _native, compiled
 from .._args import parse_flag
 from ..errors import (ActivationScopeError, ArgumentTypeError, ArgumentValueError, CaptureError, CaptureWarning,
                       HookPointNotFoundError, ReductionError)
-from .hooks import (check_column, hook_point_module, is_hook_point_module, normalize_patterns, pattern_selects,
-                    rename_hook_point, select_modules)
+from .hooks import (check_column, hook_point_module, is_hook_point_module, named_modules, never_called_type,
+                    normalize_patterns, pattern_selects, rename_hook_point, select_modules)
 from .results import HookPointResults, ReductionResults, main_result_key
 from .writer import check_writer_options, merges_reductions, open_writer, writer_options
 
@@ -671,6 +672,21 @@ def _same_output(a: list, b: list) -> bool:
     return True
 
 
+def _named_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Clones of ``model.named_parameters()``, named as the hook points are
+    (:func:`~activationscope.capture.hooks.named_modules`: no ``_orig_mod`` of a submodule's
+    ``torch.compile`` wrapper); a parameter shared by several modules once, under its first name."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for prefix, module in named_modules(model):
+        for name, p in module._parameters.items():
+            if p is None or id(p) in seen:
+                continue
+            seen.add(id(p))
+            out[f"{prefix}.{name}" if prefix else name] = p.detach().clone()
+    return out
+
+
 def _uncompiled(model: Any) -> Any:
     """The module a ``torch.compile(model)`` wraps (hook points are named as in it); other
     objects unchanged."""
@@ -954,7 +970,7 @@ class Tracker:
             self._check_rows(getattr(self.writer, "stored_capture_config", None))
         if self.scope.capture_parameters:
             with torch.no_grad():
-                self.parameters = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+                self.parameters = _named_parameters(self.model)
         cap_in = self._side in ("input", "both")
         cap_out = self._side in ("output", "both")
         root_done = False
@@ -1122,6 +1138,11 @@ class Tracker:
                 original = _python_frame(forward, note)
             wrapper = _C.ForwardWrapper(original)
             wrapper.__wrapped__ = forward  # inspect.signature() sees the real forward; traced_call calls it
+            code = getattr(forward, "__code__", None)
+            if isinstance(module, torch.fx.GraphModule) and isinstance(code, types.CodeType):
+                # TorchDynamo, tracing the generated forward of a GraphModule (torch.export's, one
+                # of torch.fx.symbolic_trace), reads module.forward.__code__ to map its lines
+                wrapper.__code__ = code
             wrapper._acs_kw_order = _keyword_order(forward)  # (where a root forward's batch is looked for)
             wrapper.set_kw_order(list(wrapper._acs_kw_order))
             wrapper._acs_prior = current  # an instance-level forward set by someone else
@@ -1762,7 +1783,7 @@ class Tracker:
         it is in eval mode and a new tensor in training mode (a dropout, a drop path or
         stochastic depth, or a module calling a functional dropout, with a nonzero
         probability) and is in eval mode now."""
-        return ((path, m) for path, m in self.model.named_modules() if not m.training and _drops_in_training(m))
+        return ((path, m) for path, m in named_modules(self.model) if not m.training and _drops_in_training(m))
 
     def _probe_dropouts(self) -> None:
         """At the first forward of a store capture, note the tensors that the model's dropouts
@@ -2026,7 +2047,7 @@ class Tracker:
         dropout (random draws: a dropout, drop path or stochastic depth module, or a module
         calling a functional dropout, :func:`_drops_in_training`) and norms with running
         statistics (BatchNorm)."""
-        return [(n or type(m).__name__, m) for n, m in self.model.named_modules() if m.training and (
+        return [(n or type(m).__name__, m) for n, m in named_modules(self.model) if m.training and (
             _drops_in_training(m)
             or (isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.track_running_stats))]
 
@@ -3233,7 +3254,7 @@ _fastpath_saved = True
 
 
 def _inside_fused(model: torch.nn.Module, modules: list[tuple[str, torch.nn.Module]]) -> bool:
-    fused = [n for n, m in model.named_modules() if _fused(m)]
+    fused = [n for n, m in named_modules(model) if _fused(m)]
     return any(name.startswith(f + ".") or (f == "" and name != "") for name, _ in modules for f in fused)
 
 
@@ -3291,10 +3312,13 @@ def _silent_reason(name: str, module: torch.nn.Module, model: torch.nn.Module) -
     if _no_forward(module):
         return f"{name!r}: a {type(module).__name__} has no forward of its own; track its items ({name + '.*'!r})"
     parent_name = name.rpartition(".")[0] if "." in name else ""
-    parent = model.get_submodule(parent_name) if name else None
+    parent = dict(named_modules(model)).get(parent_name) if name else None
     if isinstance(parent, torch.nn.MultiheadAttention) and name.endswith("out_proj"):
         return (f"{name!r}: nn.MultiheadAttention uses its weights directly and never calls it; track "
                 f"{parent_name!r} instead (hook point {(parent_name + '.' if parent_name else '') + 'output.0'!r})")
+    if never_called_type(module):
+        return (f"{name!r} ({type(module).__name__}): its parent never calls it (it holds the parent's packed "
+                f"weights, or a torch.export input check); track {parent_name!r} instead")
     if is_hook_point_module(module):
         switch = _transformer_lens_switch(name, model)
         if switch is not None:
