@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -174,6 +175,11 @@ _KEEP_CODE = {ReductionPolicy.STORE_ALL: 0, ReductionPolicy.FINAL_ONLY: 1, Reduc
 _PLACEMENT_CODE = {StoragePolicy.AUTO: 0, StoragePolicy.CPU: 1, StoragePolicy.GPU: 2, StoragePolicy.DISK: 3}
 # The close of a tracker waits this long for calls of its modules still running in other threads.
 _CLOSE_WAIT_S = 30.0
+# Trackers attached (or attaching) in this process, each with the thread that attached it
+# (Tracker._thread) and the ids of the modules it wraps (Tracker._module_ids): trackers that
+# share a module must be attached from one thread (Tracker._claim_modules)
+_ATTACHED: "weakref.WeakSet[Tracker]" = weakref.WeakSet()
+_ATTACHED_LOCK = threading.Lock()
 
 
 def _parse_enum(value: Any, cls: type[enum.Enum], argument: str) -> enum.Enum:
@@ -756,6 +762,8 @@ class Tracker:
             scope.capture_mode is CaptureMode.SNAPSHOT and scope.reduction_policy is not ReductionPolicy.STREAMING
         )
         self._installed: list[tuple[torch.nn.Module, Any, Any]] = []
+        self._thread: tuple[int | None, str] = (None, "")  # (ident, name) of the thread that attached it
+        self._module_ids: frozenset[int] = frozenset()
         self._attached = False
         self._closed = False
         self._with_depth = 0  # `with tracker:` blocks entered and not yet left
@@ -894,6 +902,52 @@ class Tracker:
             return self
         if self._closed and self.writer is not None:
             raise CaptureError("this tracker's store is closed; make a new tracker with resume=True to add rows")
+        self._claim_modules()  # (before the store is opened: a refusal writes nothing)
+        try:
+            return self._attach()
+        except BaseException:
+            self._release_modules()
+            raise
+
+    def _claim_modules(self) -> None:
+        """Note this tracker as attached by this thread; refuse (CaptureError) when another
+        tracker attached by another thread wraps one of its modules.
+
+        Every forward of a tracked model, from any thread, is captured by every tracker attached
+        to it: two threads that each track the same model (or two models sharing a submodule)
+        with a tracker of their own would record each other's forwards, their rows in the other
+        thread's store under that thread's sample ids."""
+        ids = {id(self.model): ""} | {id(m): n for n, m in self._modules}
+        me = threading.current_thread()
+        with _ATTACHED_LOCK:
+            for other in list(_ATTACHED):
+                if other is self or other._thread[0] == me.ident:
+                    continue
+                shared = [n for i, n in ids.items() if i in other._module_ids]
+                if not shared:
+                    continue
+                path = shared[0]
+                what = (f"module {path!r} of {type(self.model).__name__}" if path
+                        else f"{type(self.model).__name__} itself")
+                same = other.model is self.model
+                raise CaptureError(
+                    f"cannot attach a tracker of {type(self.model).__name__} in thread {me.name!r}: {what} is also "
+                    f"tracked by a tracker of {'the same model' if same else type(other.model).__name__} attached in "
+                    f"thread {other._thread[1]!r}. Every call of a tracked module, from any thread, is captured by "
+                    "every tracker attached to it, so each thread's forwards would be recorded by both captures (the "
+                    "rows of one thread in the other's store). Give each thread its own copy of the model "
+                    "(copy.deepcopy(model), tracked by that thread's tracker), or attach both trackers in one thread "
+                    "(nothing was written)"
+                )
+            self._thread = (me.ident, me.name)
+            self._module_ids = frozenset(ids)
+            _ATTACHED.add(self)
+
+    def _release_modules(self) -> None:
+        with _ATTACHED_LOCK:
+            _ATTACHED.discard(self)
+
+    def _attach(self) -> "Tracker":
         if self.scope.store is not None and self.writer is None:
             if self._red_factories is not None and merges_reductions(self.scope.store, self.scope.store_options):
                 # a multi-rank capture merges every rank's reduction states when it commits
@@ -1205,6 +1259,7 @@ class Tracker:
         if self._fastpath_off:
             self._fastpath_off = False
             _fastpath_release()
+        self._release_modules()
         return left
 
     def _warn_outside_calls(self) -> None:
