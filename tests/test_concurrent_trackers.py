@@ -1,0 +1,167 @@
+"""Several trackers open at once in one process: on two models, on a submodule two models
+share, and in threads of their own. Each capture holds its own model's forwards, equal to a
+plain-PyTorch reference (forward hooks recording clones), or the combination is refused with
+CaptureError before anything is written."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+
+from activationscope import ActivationScope, CaptureError, open_store
+
+
+def _mlp(seed=0, width=8):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(width, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+def _reference(model, xs):
+    """{'<module>.output': rows of every call in order} of the submodules of `model`, by
+    plain forward hooks."""
+    out: dict[str, list[torch.Tensor]] = {}
+    handles = [m.register_forward_hook(lambda _m, _a, o, n=n: out.setdefault(f"{n}.output", []).append(o.clone()))
+               for n, m in model.named_modules() if n]
+    try:
+        with torch.no_grad():
+            for x in xs:
+                model(x)
+    finally:
+        for h in handles:
+            h.remove()
+    return {k: torch.cat(v) for k, v in out.items()}
+
+
+def _in_thread(fn):
+    errors: list[BaseException] = []
+
+    def body():
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    th = threading.Thread(target=body, name="other")
+    th.start()
+    th.join(60)
+    return errors
+
+
+def _assert_store_equals(path, ref):
+    s = open_store(path)
+    assert s.status == "complete"
+    assert sorted(s.hook_points) == sorted(ref)
+    for k, v in ref.items():
+        torch.testing.assert_close(s[k], v, rtol=0, atol=0)
+
+
+def test_a_thread_tracking_a_model_another_thread_tracks_is_refused_and_writes_nothing(tmp_path):
+    # each thread with its own tracker of one model: every forward, from either thread, was
+    # captured by both trackers, so one thread's rows went into the other's store under that
+    # thread's sample ids, without an error
+    m = _mlp()
+    xs, ys = [torch.randn(5, 8) for _ in range(2)], [torch.randn(5, 8) + 10 for _ in range(2)]
+
+    def other():
+        with torch.no_grad(), ActivationScope(store=tmp_path / "b.zarr").track(m) as t:
+            for y in ys:
+                t.set_batch(label=[1] * 5)
+                m(y)
+
+    with torch.no_grad(), ActivationScope(store=tmp_path / "a.zarr").track(m) as t:
+        t.set_batch(label=[0] * 5)
+        m(xs[0])
+        errors = _in_thread(other)
+        t.set_batch(label=[0] * 5)
+        m(xs[1])
+    assert len(errors) == 1 and isinstance(errors[0], CaptureError)
+    msg = str(errors[0])
+    assert "thread 'other'" in msg and "same model" in msg and "MainThread" in msg and "copy.deepcopy" in msg
+    assert not (tmp_path / "b.zarr").exists()  # refused before the store was made
+    assert "forward" not in m.__dict__ and not any("forward" in c.__dict__ for c in m)
+    _assert_store_equals(tmp_path / "a.zarr", _reference(m, xs))
+    # once the first tracker is gone, the other thread tracks the model (or its own copy at any time)
+    assert _in_thread(other) == []
+    _assert_store_equals(tmp_path / "b.zarr", _reference(m, ys))
+    assert open_store(tmp_path / "b.zarr").row_table("sample").column("label").to_pylist() == [1] * 10
+
+
+def test_a_submodule_shared_with_a_model_another_thread_tracks_is_refused():
+    shared = torch.nn.Linear(8, 8)
+    a = torch.nn.Sequential(shared, torch.nn.ReLU())
+    b = torch.nn.Sequential(torch.nn.Tanh(), shared)
+
+    def other():
+        with ActivationScope().track(b):
+            pass
+
+    with ActivationScope().track(a):
+        errors = _in_thread(other)
+    assert len(errors) == 1 and isinstance(errors[0], CaptureError)
+    assert "module '1' of Sequential is also tracked by a tracker of Sequential" in str(errors[0])
+    assert "forward" not in shared.__dict__ and "forward" not in b.__dict__
+    assert _in_thread(other) == []  # not shared with a tracker any more
+
+
+@pytest.mark.parametrize("store", [False, True])
+def test_a_submodule_shared_by_two_models_records_each_models_own_calls(tmp_path, store):
+    # in memory, the tracker of b also recorded the shared module's calls in a's forwards (as
+    # calls on their own): b's records of it were twice as many as b's forwards, interleaved
+    shared = torch.nn.Linear(8, 8)
+    a = torch.nn.Sequential(shared, torch.nn.ReLU())
+    b = torch.nn.Sequential(torch.nn.Tanh(), shared)
+    xs = [torch.randn(5, 8) for _ in range(3)]
+    ref_a, ref_b = _reference(a, xs), _reference(b, [x * 3 for x in xs])
+    scope_a = ActivationScope(store=tmp_path / "a.zarr" if store else None)
+    scope_b = ActivationScope(store=tmp_path / "b.zarr" if store else None)
+    with torch.no_grad(), scope_a.track(a) as ta, scope_b.track(b) as tb:
+        for x in xs:
+            a(x)
+            b(x * 3)
+    if store:
+        _assert_store_equals(tmp_path / "a.zarr", ref_a)
+        _assert_store_equals(tmp_path / "b.zarr", ref_b)
+        return
+    for t, ref in ((ta, ref_a), (tb, ref_b)):
+        acts = t.activations
+        assert sorted(acts) == sorted(ref)
+        for k, v in ref.items():
+            assert len(acts[k]) == 3, k
+            torch.testing.assert_close(torch.cat(acts[k]), v, rtol=0, atol=0)
+
+
+def test_threads_each_tracking_a_model_of_their_own_equal_plain_pytorch(tmp_path):
+    models = [_mlp(0, 32), _mlp(1, 32)]
+    models.append(copy.deepcopy(models[0]))  # a copy per thread: its own modules
+    xss = [[torch.randn(16, 32) + i for _ in range(40)] for i in range(3)]
+    refs = [_reference(m, xs) for m, xs in zip(models, xss)]
+    barrier = threading.Barrier(3, timeout=30)
+    errors: list[BaseException] = []
+
+    def work(i):
+        try:
+            scope = ActivationScope(store=tmp_path / f"{i}.zarr", reductions=["mean"],
+                                    store_options={"chunk_rows": 8, "shard_bytes": 1 << 12})
+            with torch.no_grad(), scope.track(models[i]) as t:
+                barrier.wait()
+                for k, x in enumerate(xss[i]):
+                    t.set_batch(sample_ids=list(range(1000 * i + 16 * k, 1000 * i + 16 * k + 16)))
+                    models[i](x)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(3)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(120)
+    assert errors == []
+    for i, ref in enumerate(refs):
+        _assert_store_equals(tmp_path / f"{i}.zarr", ref)
+        s = open_store(tmp_path / f"{i}.zarr")
+        assert s.row_table("sample").column("sample_id").to_pylist() == list(range(1000 * i, 1000 * i + 640))
+        for k, v in ref.items():
+            torch.testing.assert_close(s.reductions[k]["mean"], v.double().mean(0))
