@@ -165,3 +165,39 @@ def test_threads_each_tracking_a_model_of_their_own_equal_plain_pytorch(tmp_path
         assert s.row_table("sample").column("sample_id").to_pylist() == list(range(1000 * i, 1000 * i + 640))
         for k, v in ref.items():
             torch.testing.assert_close(s.reductions[k]["mean"], v.double().mean(0))
+
+
+@pytest.mark.parametrize("how", ["remove", "exit"])
+@pytest.mark.parametrize("store", [False, True])
+def test_closing_a_tracker_inside_a_forward_of_its_model_is_refused_and_the_capture_goes_on(tmp_path, how, store):
+    # a forward hook closed the tracker of the model it runs in: the forward then failed with
+    # "closed ... while this call ran in another thread" (it was this thread), and the close
+    # called the forward one that raised (a store: removed as holding no whole forward)
+    m = _mlp()
+    xs = [torch.randn(5, 8) for _ in range(2)]
+    ref = _reference(m, xs)
+    t = ActivationScope(store=tmp_path / "s.zarr" if store else None).track(m)
+    refused = []
+
+    def close_it(_module, _args, _out):
+        if not refused:
+            try:
+                t.remove() if how == "remove" else t.__exit__(None, None, None)
+            except CaptureError as e:
+                refused.append(e)
+
+    handle = m[1].register_forward_hook(close_it)
+    try:
+        with torch.no_grad(), t:
+            for x in xs:
+                m(x)
+    finally:
+        handle.remove()
+    assert len(refused) == 1
+    assert "inside a forward of its own model" in str(refused[0]) and "forward 0" in str(refused[0])
+    assert "forward" not in m.__dict__ and not any("forward" in c.__dict__ for c in m)
+    if store:
+        _assert_store_equals(tmp_path / "s.zarr", ref)
+    else:
+        for k, v in ref.items():
+            torch.testing.assert_close(torch.cat(t.activations[k]), v, rtol=0, atol=0)

@@ -1210,10 +1210,26 @@ class Tracker:
         CaptureError
             Such calls still ran after 30 s: the wrappers are removed anyway, and those calls
             fail with CaptureError when they go on (their capture cannot be completed).
+        CaptureError
+            Called inside a forward of the tracked model on this thread (from a forward hook or
+            a module): nothing is changed, the tracker stays attached.
         """
+        self._refuse_close_inside_forward()
         left = self._detach()
         self._finish(status="complete", left_running=left)
         self._raise_left_running(left)
+
+    def _refuse_close_inside_forward(self) -> None:
+        """Refuse (CaptureError) to close this tracker inside a forward of its own model on this
+        thread (a forward hook or a module calling remove()): the forward could not be completed,
+        and its partial capture would be taken for a forward that raised."""
+        if self._attached and self._core.open_here:
+            raise CaptureError(
+                f"the tracker of {type(self.model).__name__} cannot be closed (remove(), or its `with` block left) "
+                f"inside a forward of its own model: forward {int(self._core.n_forwards) - 1} is still running on "
+                "this thread (a forward hook or a module closed it), and its capture could not be completed. The "
+                "tracker stays attached; close it after the forward returns"
+            )
 
     def _wait_other_threads(self) -> int:
         """Wait (up to ``_CLOSE_WAIT_S``) until no call of a tracked module runs in another
@@ -1499,6 +1515,7 @@ class Tracker:
         if self._with_depth > 1:
             self._with_depth -= 1
             return
+        self._refuse_close_inside_forward()
         self._with_depth = 0
         if exc is not None and self._shared_rows:
             self._note_shared_rows(exc)
