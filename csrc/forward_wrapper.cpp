@@ -387,11 +387,14 @@ std::vector<std::string> ForwardWrapper::paths() const {
 
 // One tracker records one forward at a time: a call from another thread while a root
 // forward runs would interleave its records, names (#k) and forward boundaries with that
-// forward's. The fields read here change only with the GIL held.
+// forward's. The fields read here change only with the GIL held. A submodule shared with
+// another tracked model, called in a forward of that model open on this thread, is that
+// forward's call: it is no call of this tracker (take_call leaves it out), so it is let through.
 void ForwardWrapper::check_one_thread() const {
   for (auto& s : sites_) {
     const TrackerCore& c = *s->core;
-    if (c.active && c.depth > 0 && c.owner != std::this_thread::get_id()) {
+    if (c.active && c.depth > 0 && c.owner != std::this_thread::get_id() &&
+        (s->is_root || !in_other_forward(c, sites_))) {
       throw UserError("module '" + (s->path.empty() ? std::string("(the tracked model)") : s->path) +
                       "' was called from one thread while the tracked model runs a forward in another; a "
                       "tracker records one forward at a time: call the tracked model from one thread at a "
@@ -448,6 +451,9 @@ bool ForwardWrapper::take_call(Site& s, const std::vector<std::shared_ptr<Site>>
                                int64_t* k, bool* outside, void* opened) {
   TrackerCore& c = *s.core;
   if (!c.live()) return false;
+  // (a root forward of this tracker open on another thread: this call, let through by
+  // check_one_thread, is part of another tracked model's forward on this one)
+  if (c.depth > 0 && c.owner != std::this_thread::get_id()) return false;
   *outside = c.depth == 0;
   // A module shared with another tracked model, called in a forward of that model, is part of
   // that forward (its tracker records it), never a call on its own of this one: in memory its

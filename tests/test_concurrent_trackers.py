@@ -201,3 +201,50 @@ def test_closing_a_tracker_inside_a_forward_of_its_model_is_refused_and_the_capt
     else:
         for k, v in ref.items():
             torch.testing.assert_close(torch.cat(t.activations[k]), v, rtol=0, atol=0)
+
+
+def test_two_models_sharing_a_submodule_run_at_once_in_two_threads_each_record_their_own_calls(tmp_path):
+    # trackers attached in one thread, the models run in two: b's forward called the shared
+    # module while a's forward, open in the other thread, waited after its own call of it; the
+    # call was refused ("called from one thread while the tracked model runs a forward in
+    # another", naming the module by a's path), failing b's forward
+    a_waits, b_called = threading.Event(), threading.Event()
+
+    class WaitForB(torch.nn.Module):
+        def forward(self, x):
+            a_waits.set()
+            b_called.wait(10)  # (b's forward failing never sets it)
+            return x + 1
+
+    class TellA(torch.nn.Module):
+        def forward(self, x):
+            b_called.set()
+            return x * 2
+
+    torch.manual_seed(0)
+    shared = torch.nn.Linear(8, 8)
+    a = torch.nn.Sequential(shared, WaitForB())
+    b = torch.nn.Sequential(torch.nn.Tanh(), shared, TellA())
+    x, y = torch.randn(3, 8), torch.randn(4, 8)
+    a_waits.set(), b_called.set()
+    ref_a, ref_b = _reference(a, [x]), _reference(b, [y])
+    a_waits.clear(), b_called.clear()
+    errors: list[BaseException] = []
+
+    def run_b():
+        try:
+            assert a_waits.wait(10)  # a's forward is open in the main thread, past its shared call
+            with torch.no_grad():
+                b(y)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    with torch.no_grad(), ActivationScope(store=tmp_path / "a.zarr").track(a), \
+            ActivationScope(store=tmp_path / "b.zarr").track(b):
+        th = threading.Thread(target=run_b)
+        th.start()
+        a(x)
+        th.join(30)
+    assert errors == []
+    _assert_store_equals(tmp_path / "a.zarr", ref_a)
+    _assert_store_equals(tmp_path / "b.zarr", ref_b)
