@@ -248,3 +248,22 @@ def test_two_models_sharing_a_submodule_run_at_once_in_two_threads_each_record_t
     assert errors == []
     _assert_store_equals(tmp_path / "a.zarr", ref_a)
     _assert_store_equals(tmp_path / "b.zarr", ref_b)
+
+
+def test_a_tracker_left_attached_by_a_thread_that_ended_still_refuses_another_threads_tracker():
+    # a new thread may get the ended thread's identifier: it is still another thread, whose
+    # forwards the tracker left attached would capture too
+    m = _mlp()
+    left = []
+
+    def attach():
+        left.append(ActivationScope().track(m).attach())
+
+    assert _in_thread(attach) == []
+    try:
+        errors = _in_thread(lambda: ActivationScope().track(m).attach())
+        assert len(errors) == 1 and isinstance(errors[0], CaptureError), errors
+        assert "same model attached in thread 'other'" in str(errors[0])
+    finally:
+        left[0].remove()
+    assert "forward" not in m.__dict__

@@ -762,7 +762,8 @@ class Tracker:
             scope.capture_mode is CaptureMode.SNAPSHOT and scope.reduction_policy is not ReductionPolicy.STREAMING
         )
         self._installed: list[tuple[torch.nn.Module, Any, Any]] = []
-        self._thread: tuple[int | None, str] = (None, "")  # (ident, name) of the thread that attached it
+        # the thread that attached it (a weak reference: a thread that ended is never this one) and its name
+        self._thread: tuple[Any, str] = (lambda: None, "")
         self._module_ids: frozenset[int] = frozenset()
         self._attached = False
         self._closed = False
@@ -921,7 +922,7 @@ class Tracker:
         me = threading.current_thread()
         with _ATTACHED_LOCK:
             for other in list(_ATTACHED):
-                if other is self or other._thread[0] == me.ident:
+                if other is self or other._thread[0]() is me:
                     continue
                 shared = [n for i, n in ids.items() if i in other._module_ids]
                 if not shared:
@@ -939,7 +940,7 @@ class Tracker:
                     "(copy.deepcopy(model), tracked by that thread's tracker), or attach both trackers in one thread "
                     "(nothing was written)"
                 )
-            self._thread = (me.ident, me.name)
+            self._thread = (weakref.ref(me), me.name)
             self._module_ids = frozenset(ids)
             _ATTACHED.add(self)
 
