@@ -377,6 +377,9 @@ void bind_capture(py::module_& m) {
       .def_readwrite("closing", &TrackerCore::closing)
       .def_readonly("in_flight", &TrackerCore::in_flight)
       .def_property_readonly("calls_elsewhere", &TrackerCore::calls_elsewhere)
+      // a root forward of this tracker is running on the calling thread (the close is called inside it)
+      .def_property_readonly("open_here",
+                             [](const TrackerCore& c) { return c.depth > 0 && c.owner == std::this_thread::get_id(); })
       .def_readwrite("on_new_hook_point", &TrackerCore::on_new_hook_point)
       .def_readwrite("on_forward_start", &TrackerCore::on_forward_start)
       .def_readwrite("on_forward_end", &TrackerCore::on_forward_end)

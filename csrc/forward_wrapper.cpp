@@ -387,11 +387,14 @@ std::vector<std::string> ForwardWrapper::paths() const {
 
 // One tracker records one forward at a time: a call from another thread while a root
 // forward runs would interleave its records, names (#k) and forward boundaries with that
-// forward's. The fields read here change only with the GIL held.
+// forward's. The fields read here change only with the GIL held. A submodule shared with
+// another tracked model, called in a forward of that model open on this thread, is that
+// forward's call: it is no call of this tracker (take_call leaves it out), so it is let through.
 void ForwardWrapper::check_one_thread() const {
   for (auto& s : sites_) {
     const TrackerCore& c = *s->core;
-    if (c.active && c.depth > 0 && c.owner != std::this_thread::get_id()) {
+    if (c.active && c.depth > 0 && c.owner != std::this_thread::get_id() &&
+        (s->is_root || !in_other_forward(c, sites_))) {
       throw UserError("module '" + (s->path.empty() ? std::string("(the tracked model)") : s->path) +
                       "' was called from one thread while the tracked model runs a forward in another; a "
                       "tracker records one forward at a time: call the tracked model from one thread at a "
@@ -431,12 +434,31 @@ void ForwardWrapper::start_forward(TrackerCore& c, const at::Tensor& first) {
   }
 }
 
+// Whether another tracker wrapping this module captures the call as part of a root forward of
+// its own, open on this thread (a submodule shared by two tracked models, called in the other's forward).
+bool ForwardWrapper::in_other_forward(const TrackerCore& c, const std::vector<std::shared_ptr<Site>>& sites) {
+  const std::thread::id me = std::this_thread::get_id();
+  for (const auto& o : sites) {
+    const TrackerCore& oc = *o->core;
+    if (&oc != &c && oc.active && oc.depth > 0 && oc.owner == me) return true;
+  }
+  return false;
+}
+
 // Whether site `s` captures this call; if so, the name base it captures under ("<path>" or
 // "<path>#k" for its k-th call in this root forward).
-bool ForwardWrapper::take_call(Site& s, std::string* base, int64_t* k, bool* outside, void* opened) {
+bool ForwardWrapper::take_call(Site& s, const std::vector<std::shared_ptr<Site>>& sites, std::string* base,
+                               int64_t* k, bool* outside, void* opened) {
   TrackerCore& c = *s.core;
   if (!c.live()) return false;
+  // (a root forward of this tracker open on another thread: this call, let through by
+  // check_one_thread, is part of another tracked model's forward on this one)
+  if (c.depth > 0 && c.owner != std::this_thread::get_id()) return false;
   *outside = c.depth == 0;
+  // A module shared with another tracked model, called in a forward of that model, is part of
+  // that forward (its tracker records it), never a call on its own of this one: in memory its
+  // records would no longer be this model's calls, one per forward
+  if (c.depth == 0 && in_other_forward(c, sites)) return false;
   if (c.depth == 0 && c.roots_only) {
     // a tracked module called on its own, outside a forward of the tracked model: a store's
     // rows follow its row table, one entry per sample of a forward, so it records nothing
@@ -542,7 +564,7 @@ py::object ForwardWrapper::call(py::args args, py::kwargs kwargs) {
     std::string base;
     int64_t k;
     bool outside = false;
-    if (take_call(*s, &base, &k, &outside, &outside_calls)) active.push_back({s, std::move(base), k, outside});
+    if (take_call(*s, sites_, &base, &k, &outside, &outside_calls)) active.push_back({s, std::move(base), k, outside});
   }
   if (!active.empty()) {
     Leaves in_leaves;
@@ -797,7 +819,7 @@ void ForwardWrapper::op_begin(at::TensorList leaves, const std::vector<std::stri
     std::string base;
     int64_t k;
     bool outside = false;
-    if (take_call(*s, &base, &k, &outside, &outside_calls)) f.active.emplace_back(s, std::move(base));
+    if (take_call(*s, sites_, &base, &k, &outside, &outside_calls)) f.active.emplace_back(s, std::move(base));
   }
   outside_calls.close();
   op_frames_.back() = f;

@@ -243,7 +243,9 @@ class ForwardWrapper {
   };
   void check_one_thread() const;
   // `opened`: an OutsideCalls (forward_wrapper.cpp) that ends the outside call this one opens.
-  static bool take_call(Site& s, std::string* base, int64_t* k, bool* outside, void* opened);
+  static bool take_call(Site& s, const std::vector<std::shared_ptr<Site>>& sites, std::string* base, int64_t* k,
+                        bool* outside, void* opened);
+  static bool in_other_forward(const TrackerCore& c, const std::vector<std::shared_ptr<Site>>& sites);
   static void start_forward(TrackerCore& c, const at::Tensor& first);
   static void capture_named(TrackerCore& core, const std::string& base, at::TensorList leaves,
                             const std::vector<std::string>& names);

@@ -24,6 +24,7 @@ import threading
 import time
 import types
 import warnings
+import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -175,6 +176,11 @@ _KEEP_CODE = {ReductionPolicy.STORE_ALL: 0, ReductionPolicy.FINAL_ONLY: 1, Reduc
 _PLACEMENT_CODE = {StoragePolicy.AUTO: 0, StoragePolicy.CPU: 1, StoragePolicy.GPU: 2, StoragePolicy.DISK: 3}
 # The close of a tracker waits this long for calls of its modules still running in other threads.
 _CLOSE_WAIT_S = 30.0
+# Trackers attached (or attaching) in this process, each with the thread that attached it
+# (Tracker._thread) and the ids of the modules it wraps (Tracker._module_ids): trackers that
+# share a module must be attached from one thread (Tracker._claim_modules)
+_ATTACHED: "weakref.WeakSet[Tracker]" = weakref.WeakSet()
+_ATTACHED_LOCK = threading.Lock()
 
 
 def _parse_enum(value: Any, cls: type[enum.Enum], argument: str) -> enum.Enum:
@@ -772,6 +778,9 @@ class Tracker:
             scope.capture_mode is CaptureMode.SNAPSHOT and scope.reduction_policy is not ReductionPolicy.STREAMING
         )
         self._installed: list[tuple[torch.nn.Module, Any, Any]] = []
+        # the thread that attached it (a weak reference: a thread that ended is never this one) and its name
+        self._thread: tuple[Any, str] = (lambda: None, "")
+        self._module_ids: frozenset[int] = frozenset()
         self._attached = False
         self._closed = False
         self._with_depth = 0  # `with tracker:` blocks entered and not yet left
@@ -910,6 +919,52 @@ class Tracker:
             return self
         if self._closed and self.writer is not None:
             raise CaptureError("this tracker's store is closed; make a new tracker with resume=True to add rows")
+        self._claim_modules()  # (before the store is opened: a refusal writes nothing)
+        try:
+            return self._attach()
+        except BaseException:
+            self._release_modules()
+            raise
+
+    def _claim_modules(self) -> None:
+        """Note this tracker as attached by this thread; refuse (CaptureError) when another
+        tracker attached by another thread wraps one of its modules.
+
+        Every forward of a tracked model, from any thread, is captured by every tracker attached
+        to it: two threads that each track the same model (or two models sharing a submodule)
+        with a tracker of their own would record each other's forwards, their rows in the other
+        thread's store under that thread's sample ids."""
+        ids = {id(self.model): ""} | {id(m): n for n, m in self._modules}
+        me = threading.current_thread()
+        with _ATTACHED_LOCK:
+            for other in list(_ATTACHED):
+                if other is self or other._thread[0]() is me:
+                    continue
+                shared = [n for i, n in ids.items() if i in other._module_ids]
+                if not shared:
+                    continue
+                path = shared[0]
+                what = (f"module {path!r} of {type(self.model).__name__}" if path
+                        else f"{type(self.model).__name__} itself")
+                same = other.model is self.model
+                raise CaptureError(
+                    f"cannot attach a tracker of {type(self.model).__name__} in thread {me.name!r}: {what} is also "
+                    f"tracked by a tracker of {'the same model' if same else type(other.model).__name__} attached in "
+                    f"thread {other._thread[1]!r}. Every call of a tracked module, from any thread, is captured by "
+                    "every tracker attached to it, so each thread's forwards would be recorded by both captures (the "
+                    "rows of one thread in the other's store). Give each thread its own copy of the model "
+                    "(copy.deepcopy(model), tracked by that thread's tracker), or attach both trackers in one thread "
+                    "(nothing was written)"
+                )
+            self._thread = (weakref.ref(me), me.name)
+            self._module_ids = frozenset(ids)
+            _ATTACHED.add(self)
+
+    def _release_modules(self) -> None:
+        with _ATTACHED_LOCK:
+            _ATTACHED.discard(self)
+
+    def _attach(self) -> "Tracker":
         if self.scope.store is not None and self.writer is None:
             if self._red_factories is not None and merges_reductions(self.scope.store, self.scope.store_options):
                 # a multi-rank capture merges every rank's reduction states when it commits
@@ -1177,10 +1232,26 @@ class Tracker:
         CaptureError
             Such calls still ran after 30 s: the wrappers are removed anyway, and those calls
             fail with CaptureError when they go on (their capture cannot be completed).
+        CaptureError
+            Called inside a forward of the tracked model on this thread (from a forward hook or
+            a module): nothing is changed, the tracker stays attached.
         """
+        self._refuse_close_inside_forward()
         left = self._detach()
         self._finish(status="complete", left_running=left)
         self._raise_left_running(left)
+
+    def _refuse_close_inside_forward(self) -> None:
+        """Refuse (CaptureError) to close this tracker inside a forward of its own model on this
+        thread (a forward hook or a module calling remove()): the forward could not be completed,
+        and its partial capture would be taken for a forward that raised."""
+        if self._attached and self._core.open_here:
+            raise CaptureError(
+                f"the tracker of {type(self.model).__name__} cannot be closed (remove(), or its `with` block left) "
+                f"inside a forward of its own model: forward {int(self._core.n_forwards) - 1} is still running on "
+                "this thread (a forward hook or a module closed it), and its capture could not be completed. The "
+                "tracker stays attached; close it after the forward returns"
+            )
 
     def _wait_other_threads(self) -> int:
         """Wait (up to ``_CLOSE_WAIT_S``) until no call of a tracked module runs in another
@@ -1226,6 +1297,7 @@ class Tracker:
         if self._fastpath_off:
             self._fastpath_off = False
             _fastpath_release()
+        self._release_modules()
         return left
 
     def _warn_outside_calls(self) -> None:
@@ -1465,6 +1537,7 @@ class Tracker:
         if self._with_depth > 1:
             self._with_depth -= 1
             return
+        self._refuse_close_inside_forward()
         self._with_depth = 0
         if exc is not None and self._shared_rows:
             self._note_shared_rows(exc)
