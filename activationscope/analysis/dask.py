@@ -450,9 +450,9 @@ def _nonfinite_rows(x64: Any) -> tuple[Any, Any]:
 def moments(x: Any, *, drop_nonfinite: bool = False) -> dict[str, Any]:
     """Per-feature mean and population variance (ddof 0) of a dask array, in float64.
 
-    Two passes (the mean, then the squared deviations from it), each a tree reduction of
-    per-block partial sums in float64; no block is held longer than its own task. A finite
-    mean is kept within its column's [min, max] (``sum / n`` may round out of it), so a
+    Two passes (the mean, then the squared deviations from it; a third when rows are left
+    out), each a tree reduction of per-block partial sums in float64; no block is held
+    longer than its own task. A finite mean is kept within its column's [min, max] (``sum / n`` may round out of it), so a
     constant column has its value as mean and a variance of exactly 0, as ``torch.var`` and
     the built-in ``var`` reduction give.
 
@@ -498,7 +498,8 @@ def moments(x: Any, *, drop_nonfinite: bool = False) -> dict[str, Any]:
                 "nonfinite_rows": np.zeros(0, dtype=np.int64), "n_dropped": 0}
     da = _require("dask.array")
     finite, bad_rows = _nonfinite_rows(x64)
-    (bad,) = dask.compute(bad_rows)
+    # (the rows holding NaN or inf found in the first pass; rows left out take one more)
+    bad, mean, lo, hi = dask.compute(bad_rows, x64.mean(axis=0), x64.min(axis=0), x64.max(axis=0))
     bad = np.asarray(bad, dtype=np.int64)
     count = n - len(bad) if drop_nonfinite else n
     if drop_nonfinite and len(bad):
@@ -513,7 +514,6 @@ def moments(x: Any, *, drop_nonfinite: bool = False) -> dict[str, Any]:
             (var,) = dask.compute((da.where(finite, x64 - mean, 0.0) ** 2).sum(axis=0))
             var = var / count
     else:
-        mean, lo, hi = dask.compute(x64.mean(axis=0), x64.min(axis=0), x64.max(axis=0))
         with np.errstate(invalid="ignore"):
             mean = np.where(np.isfinite(mean), np.clip(mean, lo, hi), mean)
         (var,) = dask.compute(((x64 - mean) ** 2).mean(axis=0))
