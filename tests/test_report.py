@@ -718,7 +718,10 @@ def test_values_nan_or_inf_left_out_of_the_histogram_are_counted(tmp_path):
     x[7] = float("inf")
     st = report.hook_point_stats(TinyStore({"h": x}), "h")
     assert int(st.hist_counts.sum()) == 160 - 5
-    assert st.notes == ["histogram: 5 of the 160 sampled values are NaN or inf and left out of it"]
+    assert st.notes == ["histogram: 5 of the 160 sampled values are NaN or inf and left out of it",
+                        "mean / std: 4 of the 4 units have a NaN or inf mean or std (not plotted): some rows hold NaN "
+                        "or inf, and the mean and std (from the sampled rows) count every row, where the PCA and the "
+                        "probe leave those rows out"]
     assert st.pca_note == "2 row(s) with NaN or inf left out of the PCA"
     page = report.write_report(TinyStore({"h": x}), tmp_path / "rep", probes={}).read_text()
     assert "histogram: 5 of the 160 sampled values are NaN or inf and left out of it" in page
@@ -955,3 +958,32 @@ def test_probe_store_warns_when_reused_sample_ids_give_fewer_folds(tmp_path):
         warnings.simplefilter("error", acs.FewerGroupsWarning)
         clean = probe_store(_store_of_rows(tmp_path / "c.zarr", x, labels), n_folds=5)
     assert clean["0.output"].n_folds == 5 and clean["0.output"].n_groups == 0
+
+
+@pytest.mark.parametrize("reductions", [["mean", "var", "nonzero"], []])
+def test_units_whose_mean_or_std_a_nan_row_made_nan_are_named(tmp_path, reductions):
+    # a NaN value and an inf row: the mean and std count every row (as numpy does over them),
+    # so every unit's is NaN or inf and nothing was drawn, with nothing on the page saying why
+    import numpy as np
+
+    import activationscope as acs
+
+    x = torch.randn(40, 5, generator=torch.Generator().manual_seed(0))
+    x[3, 1], x[7] = float("nan"), float("inf")
+    path = tmp_path / "n.zarr"
+    with acs.ActivationScope(store=str(path), reductions=reductions).track(torch.nn.Sequential(torch.nn.Identity())) as tr:
+        tr.set_batch(label=[0, 1] * 20)
+        tr.model(x)
+    st = report.hook_point_stats(str(path), "0.output")
+    ref = x.double().numpy()
+    with np.errstate(invalid="ignore"):
+        np.testing.assert_array_equal(st.mean.numpy(), ref.mean(0))  # (NaN and inf where numpy has them)
+    source = "reductions" if reductions else "sampled rows"
+    note = (f"mean / std: 5 of the 5 units have a NaN or inf mean or std (not plotted): some rows hold NaN or inf, "
+            f"and the mean and std (from the {source}) count every row, where the PCA and the probe leave those "
+            "rows out")
+    assert note in st.notes
+    page = report.write_report(str(path), tmp_path / "rep").read_text()
+    assert note in page
+    clean = report.hook_point_stats(_store_of_rows(tmp_path / "c.zarr", x[8:], [0, 1] * 16), "0.output")
+    assert not [n for n in clean.notes if n.startswith("mean / std")]

@@ -236,6 +236,12 @@ def hook_point_stats(
     if finite.numel() < rows.numel():
         notes.append(f"histogram: {rows.numel() - finite.numel():,} of the {rows.numel():,} sampled values are NaN or inf "
                      "and left out of it")
+    bad_units = int((~(torch.isfinite(mean) & torch.isfinite(std))).sum()) if n_units and not no_rows else 0
+    if bad_units:  # (rows holding NaN or inf: the mean and std count every row, and are not plotted there)
+        notes.append(f"mean / std: {bad_units} of the {n_units} {'unit' if axis is None else ('channel' if axis == 0 else 'feature')}s "
+                     f"have a NaN or inf mean or std (not plotted): some rows hold NaN or inf, and the mean and std "
+                     "(from the " + ("reductions" if {"mean", "std"} & set(reduced) else "sampled rows") + ") count every row, where the PCA "
+                     "and the probe leave those rows out")
     if finite.numel():
         finite = finite.double()
         lo, hi = float(finite.min()), float(finite.max())
