@@ -27,6 +27,24 @@ class CaptureError(ActivationScopeError, RuntimeError):
     """A capture could not proceed (raised from the native hot path)."""
 
 
+class IncompleteStoreWarning(UserWarning):
+    """An analysis of an incomplete store (its capture stopped before it closed, or is still
+    running) covers its committed samples only; the message names the store, the samples
+    covered and the fix (resume the capture, or wait for it to close). A UserWarning."""
+
+
+class FewerGroupsWarning(UserWarning):
+    """A cross-validation by sample got fewer folds than asked because rows share sample ids
+    (steps of one sample, or ids given again to other samples); the message names the groups
+    and folds used. A UserWarning."""
+
+
+class NonFiniteRowsWarning(UserWarning):
+    """Rows holding NaN or inf were left out of a statistic, or made some of its values NaN
+    or inf; the message says how many, which, and how to get the other behaviour. A
+    UserWarning."""
+
+
 class CaptureWarning(RuntimeWarning):
     """A capture records less than was asked for (modules that never ran, modules inside
     TorchScript, a partial forward, a forward whose hook points did not reach the stop point

@@ -718,7 +718,10 @@ def test_values_nan_or_inf_left_out_of_the_histogram_are_counted(tmp_path):
     x[7] = float("inf")
     st = report.hook_point_stats(TinyStore({"h": x}), "h")
     assert int(st.hist_counts.sum()) == 160 - 5
-    assert st.notes == ["histogram: 5 of the 160 sampled values are NaN or inf and left out of it"]
+    assert st.notes == ["histogram: 5 of the 160 sampled values are NaN or inf and left out of it",
+                        "mean / std: 4 of the 4 units have a NaN or inf mean or std (not plotted): some rows hold NaN "
+                        "or inf, and the mean and std (from the sampled rows) count every row, where the PCA and the "
+                        "probe leave those rows out"]
     assert st.pca_note == "2 row(s) with NaN or inf left out of the PCA"
     page = report.write_report(TinyStore({"h": x}), tmp_path / "rep", probes={}).read_text()
     assert "histogram: 5 of the 160 sampled values are NaN or inf and left out of it" in page
@@ -853,3 +856,134 @@ def test_probe_refuses_nan_labels_naming_them():
             probe_accuracy(x, bad, n_folds=2)
     keep = [i for i in range(20) if i < 18]
     assert probe_accuracy(x[keep], [labels[i] for i in keep], n_folds=2).n_samples == 18
+
+
+def test_probe_store_of_an_incomplete_store_says_so_in_its_result_and_a_warning(tmp_path):
+    # a capture stopped by an exception after 3 of its 10 forwards: the probes cover those 12
+    # samples; the result said nothing of it (only the report and the CLI did)
+    import warnings
+
+    import activationscope as acs
+    from activationscope.analysis.probes import probe_store
+
+    x, labels = _separable_rows(n=40)
+    path = tmp_path / "k.zarr"
+    with pytest.raises(RuntimeError):
+        with acs.ActivationScope(store=str(path)).track(torch.nn.Sequential(torch.nn.Identity())) as tracker:
+            for b in range(0, 40, 4):
+                tracker.set_batch(label=labels[b:b + 4])
+                tracker.model(x[b:b + 4])
+                if b == 8:
+                    raise RuntimeError("stopped")
+    with pytest.warns(acs.IncompleteStoreWarning) as caught:
+        got = probe_store(str(path), n_folds=2)
+    message = str(caught[0].message)
+    assert str(path) in message and "incomplete" in message and "its 12 committed samples only" in message
+    assert "resume" in message and "wait for it to close" in message
+    assert got.status == "incomplete" and got.complete is False and got.n_store_samples == 12
+    assert got["0.output"].n_samples == 12 and got["0.output"].n_folds == 2  # the other fields as they were
+    assert isinstance(got["0.output"].accuracy, float)
+    clean = _store_of_rows(tmp_path / "c.zarr", x, labels)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", acs.IncompleteStoreWarning)
+        done = probe_store(clean, n_folds=2)
+        report.write_report(str(path), tmp_path / "rep", n_folds=2)  # (the page says it: no warning too)
+    assert done.status == "complete" and done.complete is True and done.n_store_samples == 40
+
+
+def _probe_figure(monkeypatch, probes, tmp_path):
+    """The figure plot_probes draws (captured as it is saved)."""
+    import matplotlib.figure
+
+    figures = []
+    real = matplotlib.figure.Figure.savefig
+
+    def keep(fig, *args, **kwargs):
+        figures.append(fig)
+        return real(fig, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", keep)
+    report.plot_probes(probes, tmp_path / "p.png", 2)
+    return figures[0].axes[0]
+
+
+def test_probe_plot_draws_the_chance_of_each_hook_point(tmp_path, monkeypatch):
+    # three hook points whose probes have different chances (0.5, 0.75, 0.6): one line at the
+    # largest (0.75) was drawn for all, putting 0.5 and 0.6 probes under "chance"
+    from matplotlib.collections import LineCollection
+
+    chances = {"a.output": 0.5, "b.output": 0.75, "c.output": 0.6}
+    probes = {n: ProbeResult(accuracy=0.8, std=0.05, chance=c, n_samples=40, n_classes=2, n_folds=2)
+              for n, c in chances.items()}
+    ax = _probe_figure(monkeypatch, probes, tmp_path)
+    drawn = [c for c in ax.collections if isinstance(c, LineCollection) and c.get_label().startswith("chance")]
+    assert len(drawn) == 1
+    segments = drawn[0].get_segments()
+    assert [float(s[0][1]) for s in segments] == [0.5, 0.75, 0.6]  # each at its own height
+    assert [float(s[1][1]) for s in segments] == [0.5, 0.75, 0.6]
+    assert [round(float(s[:, 0].mean()), 9) for s in segments] == [0, 1, 2]  # under its own point
+    assert not [ln for ln in ax.lines if ln.get_label().startswith("chance")]  # no single line across
+    # equal chances: one line across, at that chance
+    same = {n: ProbeResult(accuracy=0.8, std=0.05, chance=0.5, n_samples=40, n_classes=2, n_folds=2)
+            for n in chances}
+    ax = _probe_figure(monkeypatch, same, tmp_path)
+    lines = [ln for ln in ax.lines if ln.get_label().startswith("chance")]
+    assert len(lines) == 1 and list(lines[0].get_ydata()) == [0.5, 0.5] and lines[0].get_label() == "chance (0.50)"
+
+
+def test_probe_store_warns_when_reused_sample_ids_give_fewer_folds(tmp_path):
+    # ids 0..3 given again in each of 6 forwards (a per-batch counter): the 24 samples are 4
+    # groups, 2 per class, so 2-fold instead of 5; only the note said so, no warning
+    import warnings
+
+    import activationscope as acs
+    from activationscope.analysis.probes import probe_store
+
+    x, labels = _separable_rows(n=24)
+    path = tmp_path / "r.zarr"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", acs.CaptureWarning)  # (the capture warns of the reused ids)
+        with acs.ActivationScope(store=str(path)).track(torch.nn.Sequential(torch.nn.Identity())) as tracker:
+            for b in range(0, 24, 4):
+                tracker.set_batch(label=labels[b:b + 4], sample_ids=range(4))
+                tracker.model(x[b:b + 4])
+    with pytest.warns(acs.FewerGroupsWarning) as caught:
+        got = probe_store(str(path), n_folds=5)
+    r = got["0.output"]
+    assert r.n_folds == 2 and r.n_groups == 4 and r.n_samples == 24 and len(r.fold_accuracies) == 2
+    message = str(caught[0].message)
+    assert "hook point '0.output': 2-fold instead of 5: its 24 rows are 4 samples by (rank, sample_id)" in message
+    assert "give each sample its own id" in message
+    with warnings.catch_warnings():  # own ids: 5 folds, no warning
+        warnings.simplefilter("error", acs.FewerGroupsWarning)
+        clean = probe_store(_store_of_rows(tmp_path / "c.zarr", x, labels), n_folds=5)
+    assert clean["0.output"].n_folds == 5 and clean["0.output"].n_groups == 0
+
+
+@pytest.mark.parametrize("reductions", [["mean", "var", "nonzero"], []])
+def test_units_whose_mean_or_std_a_nan_row_made_nan_are_named(tmp_path, reductions):
+    # a NaN value and an inf row: the mean and std count every row (as numpy does over them),
+    # so every unit's is NaN or inf and nothing was drawn, with nothing on the page saying why
+    import numpy as np
+
+    import activationscope as acs
+
+    x = torch.randn(40, 5, generator=torch.Generator().manual_seed(0))
+    x[3, 1], x[7] = float("nan"), float("inf")
+    path = tmp_path / "n.zarr"
+    with acs.ActivationScope(store=str(path), reductions=reductions).track(torch.nn.Sequential(torch.nn.Identity())) as tr:
+        tr.set_batch(label=[0, 1] * 20)
+        tr.model(x)
+    st = report.hook_point_stats(str(path), "0.output")
+    ref = x.double().numpy()
+    with np.errstate(invalid="ignore"):
+        np.testing.assert_array_equal(st.mean.numpy(), ref.mean(0))  # (NaN and inf where numpy has them)
+    source = "reductions" if reductions else "sampled rows"
+    note = (f"mean / std: 5 of the 5 units have a NaN or inf mean or std (not plotted): some rows hold NaN or inf, "
+            f"and the mean and std (from the {source}) count every row, where the PCA and the probe leave those "
+            "rows out")
+    assert note in st.notes
+    page = report.write_report(str(path), tmp_path / "rep").read_text()
+    assert note in page
+    clean = report.hook_point_stats(_store_of_rows(tmp_path / "c.zarr", x[8:], [0, 1] * 16), "0.output")
+    assert not [n for n in clean.notes if n.startswith("mean / std")]

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ArgumentValueError, StoreCorruptError, StoreError
+from ..errors import ArgumentValueError, NonFiniteRowsWarning, StoreCorruptError, StoreError
 from ..store import _format as F
 from ..store import _validate as V
 from ..store._backend import LocalBackend
@@ -434,35 +434,101 @@ def _checked_part(root: str, zarr_store: Any, spec: dict) -> Any:
     return table.to_pandas()
 
 
-def moments(x: Any) -> dict[str, Any]:
+def _rows_named(rows: np.ndarray, n: int) -> str:
+    """``"rows 3, 17, ..."``: the first 10 row indices of ``rows`` (of ``n`` rows)."""
+    shown = ", ".join(str(int(r)) for r in rows[:10]) + (", ..." if len(rows) > 10 else "")
+    return f"{len(rows)} of the {n} rows (row {shown})" if len(rows) == 1 else f"{len(rows)} of the {n} rows (rows {shown})"
+
+
+def _nonfinite_rows(x64: Any) -> tuple[Any, Any]:
+    """(a (rows, 1) dask bool array: the row is finite; the indices of the other rows, lazy)."""
+    da = _require("dask.array")
+    finite = da.isfinite(x64).all(axis=tuple(range(1, x64.ndim))) if x64.ndim > 1 else da.isfinite(x64)
+    return finite.reshape(-1, *([1] * (x64.ndim - 1))), da.flatnonzero(~finite)
+
+
+def moments(x: Any, *, drop_nonfinite: bool = False) -> dict[str, Any]:
     """Per-feature mean and population variance (ddof 0) of a dask array, in float64.
 
-    Two passes (the mean, then the squared deviations from it), each a tree reduction of
-    per-block partial sums in float64; no block is held longer than its own task. A finite
-    mean is kept within its column's [min, max] (``sum / n`` may round out of it), so a
+    Two passes (the mean, then the squared deviations from it; a third when rows are left
+    out), each a tree reduction of per-block partial sums in float64; no block is held
+    longer than its own task. A finite mean is kept within its column's [min, max] (``sum / n`` may round out of it), so a
     constant column has its value as mean and a variance of exactly 0, as ``torch.var`` and
     the built-in ``var`` reduction give.
+
+    Rows holding NaN or inf: by default every row counts (as in the store's ``mean`` / ``var``
+    reductions), so a column with NaN or inf in some row has a NaN or inf mean and a NaN
+    variance, and a :class:`~activationscope.errors.NonFiniteRowsWarning` says how many rows
+    and which (:func:`pca` leaves those rows out). With ``drop_nonfinite=True`` they are left
+    out of both passes, as :func:`pca` leaves them out (the same rows, the same mean), and the
+    warning says how many were left out.
 
     Parameters
     ----------
     x : dask.array.Array, (rows, *feature_shape), any real dtype (bfloat16 as ml_dtypes)
+    drop_nonfinite : bool, default False
+        Leave out the rows holding NaN or inf (any feature).
 
     Returns
     -------
     dict
-        ``{"mean": ndarray (*feature_shape,) float64, "var": same, "count": int}``.
+        ``{"mean": ndarray (*feature_shape,) float64, "var": same, "count": int}``: ``count``
+        the rows used; ``n_nonfinite`` the rows holding NaN or inf, ``nonfinite_rows`` their
+        indices (int64 ndarray), ``n_dropped`` those left out (``n_nonfinite`` with
+        ``drop_nonfinite``, else 0).
+
+    Raises
+    ------
+    ArgumentValueError
+        ``drop_nonfinite`` is not a bool.
+
+    Warns
+    -----
+    NonFiniteRowsWarning
+        Some row holds NaN or inf (how many, the first indices, and what was done).
     """
+    if not isinstance(drop_nonfinite, bool):
+        raise ArgumentValueError(f"drop_nonfinite must be a bool, got {drop_nonfinite!r}")
     dask = _require("dask")
     n = int(x.shape[0])
     x64 = x.astype(np.float64)
     if not n:
         mean = np.full(x.shape[1:], np.nan)
-        return {"mean": mean, "var": mean.copy(), "count": 0}
-    mean, lo, hi = dask.compute(x64.mean(axis=0), x64.min(axis=0), x64.max(axis=0))
-    with np.errstate(invalid="ignore"):
-        mean = np.where(np.isfinite(mean), np.clip(mean, lo, hi), mean)
-    (var,) = dask.compute(((x64 - mean) ** 2).mean(axis=0))
-    return {"mean": mean, "var": var, "count": n}
+        return {"mean": mean, "var": mean.copy(), "count": 0, "n_nonfinite": 0,
+                "nonfinite_rows": np.zeros(0, dtype=np.int64), "n_dropped": 0}
+    da = _require("dask.array")
+    finite, bad_rows = _nonfinite_rows(x64)
+    # (the rows holding NaN or inf found in the first pass; rows left out take one more)
+    bad, mean, lo, hi = dask.compute(bad_rows, x64.mean(axis=0), x64.min(axis=0), x64.max(axis=0))
+    bad = np.asarray(bad, dtype=np.int64)
+    count = n - len(bad) if drop_nonfinite else n
+    if drop_nonfinite and len(bad):
+        if count == 0:
+            mean = np.full(x.shape[1:], np.nan)
+            var = mean.copy()
+        else:
+            xs = da.where(finite, x64, 0.0)
+            total, lo, hi = dask.compute(xs.sum(axis=0), da.where(finite, x64, np.inf).min(axis=0),
+                                         da.where(finite, x64, -np.inf).max(axis=0))
+            mean = np.clip(total / count, lo, hi)
+            (var,) = dask.compute((da.where(finite, x64 - mean, 0.0) ** 2).sum(axis=0))
+            var = var / count
+    else:
+        with np.errstate(invalid="ignore"):
+            mean = np.where(np.isfinite(mean), np.clip(mean, lo, hi), mean)
+        (var,) = dask.compute(((x64 - mean) ** 2).mean(axis=0))
+    if len(bad):
+        import warnings
+
+        if drop_nonfinite:
+            done = (f"left out of the mean and var (count {count}), as pca leaves them out"
+                    if count else "left out: no row is left, mean and var are NaN")
+        else:
+            done = ("counted: the mean and var of the features they touch are NaN or inf (pca leaves those rows "
+                    "out); moments(x, drop_nonfinite=True) gives the statistics of the rows pca uses")
+        warnings.warn(f"{_rows_named(bad, n)} hold NaN or inf, {done}", NonFiniteRowsWarning, stacklevel=2)
+    return {"mean": mean, "var": var, "count": count, "n_nonfinite": len(bad), "nonfinite_rows": bad,
+            "n_dropped": len(bad) if drop_nonfinite else 0}
 
 
 def pca(x: Any, n_components: int | None = None) -> dict[str, Any]:
@@ -471,8 +537,9 @@ def pca(x: Any, n_components: int | None = None) -> dict[str, Any]:
     Two passes: the mean, then ``C = (X - mean)^T (X - mean) / rows`` (population
     covariance, as the store's ``cov`` reduction) as a tree sum of per-block products in
     float64; then ``numpy.linalg.eigh`` of ``C`` on the client. Rows holding NaN or inf are
-    left out of both passes (as the report's PCA leaves them out); ``n_dropped`` says how
-    many. The client holds only
+    left out of both passes (as the report's PCA leaves them out; ``moments(x,
+    drop_nonfinite=True)`` leaves out the same rows); ``n_dropped`` says how many and a
+    warning names them. The client holds only
     ``(features, features)`` float64, so the feature count must be moderate (a few
     thousand); the rows can be any number.
 
@@ -489,7 +556,13 @@ def pca(x: Any, n_components: int | None = None) -> dict[str, Any]:
         (k,) in decreasing order, ``explained_variance_ratio`` (k,), ``components``
         (k, features), unit rows (the sign of each is fixed so that its largest-magnitude
         entry is positive); all float64 numpy arrays. ``count``: rows used;
-        ``n_dropped``: rows left out for holding NaN or inf.
+        ``n_dropped``: rows left out for holding NaN or inf, ``dropped_rows`` their indices
+        (int64 ndarray).
+
+    Warns
+    -----
+    NonFiniteRowsWarning
+        Some row holds NaN or inf: how many were left out, and the first indices.
 
     Raises
     ------
@@ -511,12 +584,18 @@ def pca(x: Any, n_components: int | None = None) -> dict[str, Any]:
         raise ArgumentValueError(f"n_components must be an int in 1..{d}, got {n_components!r}")
     dask, da = _require("dask"), _require("dask.array")
     x64 = x.astype(np.float64)
-    finite = da.isfinite(x64).all(axis=1)[:, None]  # rows holding NaN or inf are left out
-    n_ok, total = dask.compute(finite.sum(), da.where(finite, x64, 0.0).sum(axis=0))
-    n_ok = int(n_ok)
+    finite, bad_rows = _nonfinite_rows(x64)  # rows holding NaN or inf are left out
+    bad, total = dask.compute(bad_rows, da.where(finite, x64, 0.0).sum(axis=0))
+    bad = np.asarray(bad, dtype=np.int64)
+    n_ok = n - len(bad)
     if n_ok < 2:
         raise ArgumentValueError(f"pca needs at least 2 rows without NaN or inf, got {n_ok} of {n}; check the "
                                  "capture (e.g. its dtype: float16 overflows above 65504)")
+    if len(bad):
+        import warnings
+
+        warnings.warn(f"{_rows_named(bad, n)} hold NaN or inf, left out of the PCA (count {n_ok}); moments(x) counts "
+                      "them unless given drop_nonfinite=True", NonFiniteRowsWarning, stacklevel=2)
     mean = total / n_ok
     xc = da.where(finite, x64 - mean, 0.0)
     cov = (xc.T @ xc).compute() / n_ok
@@ -529,5 +608,5 @@ def pca(x: Any, n_components: int | None = None) -> dict[str, Any]:
     return {
         "mean": mean, "cov": cov, "explained_variance": values,
         "explained_variance_ratio": values / total if total > 0 else np.full(k, np.nan),
-        "components": comps, "count": n_ok, "n_dropped": n - n_ok,
+        "components": comps, "count": n_ok, "n_dropped": n - n_ok, "dropped_rows": bad,
     }

@@ -11,7 +11,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import ActivationScopeError, ArgumentValueError, StoreError
+import warnings
+
+from ..errors import ActivationScopeError, ArgumentValueError, FewerGroupsWarning, IncompleteStoreWarning, StoreError
 from .pooling import _labelled_rows, _open, select_hook_points
 
 __all__ = ["ProbeResult", "ProbeResults", "choose_folds", "drop_nonfinite_rows", "probe_accuracy", "probe_store"]
@@ -49,11 +51,20 @@ class ProbeResult:
 
 class ProbeResults(dict):
     """``{hook point: ProbeResult}`` of :func:`probe_store`; ``skipped`` holds
-    ``{hook point: reason}`` for the hook points it could not probe."""
+    ``{hook point: reason}`` for the hook points it could not probe.
+
+    ``status`` is the store's status when it was probed (``"complete"``, ``"incomplete"``:
+    its capture stopped before it closed, or is still running; ``""`` for an object without
+    one), ``complete`` is ``status != "incomplete"``, and ``n_store_samples`` the store's
+    committed samples (``None`` when it does not say): the probes of an incomplete store are
+    over those samples only."""
 
     def __init__(self) -> None:
         super().__init__()
         self.skipped: dict[str, str] = {}
+        self.status: str = ""
+        self.complete: bool = True
+        self.n_store_samples: int | None = None
 
 
 def _units(labels: Sequence[Any], groups: Sequence[Any] | None) -> list[int] | None:
@@ -457,7 +468,18 @@ def probe_store(
     Returns
     -------
     ProbeResults
-        ``{hook point: ProbeResult}`` plus ``.skipped`` ``{hook point: reason}``.
+        ``{hook point: ProbeResult}`` plus ``.skipped`` ``{hook point: reason}``, and the
+        store's ``.status``, ``.complete`` and ``.n_store_samples``.
+
+    Warns
+    -----
+    IncompleteStoreWarning
+        The store is incomplete (a capture stopped before it closed, or still running): the
+        probes are over its committed samples only (the result's ``complete`` is False,
+        ``n_store_samples`` says how many); resume the capture or wait for it to close.
+    FewerGroupsWarning
+        Rows sharing a sample id (kept in one fold) gave a hook point fewer folds than
+        ``n_folds``; names the rows, the samples (``n_groups``) and the folds used.
 
     Raises
     ------
@@ -470,6 +492,17 @@ def probe_store(
         raise ArgumentValueError(f"n_folds must be an int of at least 2, got {n_folds!r}")
     store = _open(store)
     out = ProbeResults()
+    status = getattr(store, "status", "")
+    out.status = status if isinstance(status, str) else ""
+    out.complete = out.status != "incomplete"
+    n = getattr(store, "n_samples", None)
+    out.n_store_samples = n if isinstance(n, int) and not isinstance(n, bool) else None
+    if not out.complete:
+        held = "its committed samples" if out.n_store_samples is None else f"its {out.n_store_samples} committed samples"
+        warnings.warn(
+            f"store {getattr(store, 'path', store)!r} is incomplete (its capture stopped before it closed, or is still "
+            f"running): the probes are over {held} only; resume the capture (capture --resume, or store_options "
+            "resume=True) or wait for it to close, then probe again", IncompleteStoreWarning, stacklevel=2)
     follows = getattr(store, "follows_row_table", None)
     for hp in select_hook_points(store, hook_points):
         if follows is not None and not follows(hp):
@@ -505,6 +538,11 @@ def probe_store(
             out.skipped[hp] = f"{e} ({unlabelled})" if unlabelled else str(e)
             continue
         result.note = note
+        if note and result.n_groups:  # fewer folds because rows share a sample id
+            warnings.warn(
+                f"hook point {hp!r}: {result.n_folds}-fold instead of {n_folds}: its {result.n_samples} rows are "
+                f"{result.n_groups} samples by (rank, sample_id), each kept in one fold ({note}); if some ids were "
+                "given again to other samples, give each sample its own id", FewerGroupsWarning, stacklevel=2)
         result.n_dropped = n_dropped
         result.dropped_note = "; ".join(n for n in (unlabelled, dropped_note) if n)
         out[hp] = result

@@ -236,6 +236,12 @@ def hook_point_stats(
     if finite.numel() < rows.numel():
         notes.append(f"histogram: {rows.numel() - finite.numel():,} of the {rows.numel():,} sampled values are NaN or inf "
                      "and left out of it")
+    bad_units = int((~(torch.isfinite(mean) & torch.isfinite(std))).sum()) if n_units and not no_rows else 0
+    if bad_units:  # (rows holding NaN or inf: the mean and std count every row, and are not plotted there)
+        notes.append(f"mean / std: {bad_units} of the {n_units} {'unit' if axis is None else ('channel' if axis == 0 else 'feature')}s "
+                     f"have a NaN or inf mean or std (not plotted): some rows hold NaN or inf, and the mean and std "
+                     "(from the " + ("reductions" if {"mean", "std"} & set(reduced) else "sampled rows") + ") count every row, where the PCA "
+                     "and the probe leave those rows out")
     if finite.numel():
         finite = finite.double()
         lo, hi = float(finite.min()), float(finite.max())
@@ -428,19 +434,28 @@ def _folds_used(probes: Mapping[str, Any], n_folds: int) -> int | str:
 
 
 def plot_probes(probes: Mapping[str, Any], path: str | os.PathLike, n_folds: int) -> Path:
-    """Probe accuracy (mean ± std over folds) per hook point, with the chance level."""
+    """Probe accuracy (mean ± std over folds) per hook point, with the chance level of each:
+    one dashed line when every hook point has the same chance, else a short dashed line at
+    each hook point's own chance (the probes' rows, labels or class balances differ: rows
+    left out for NaN or inf, a per-token label on token hook points)."""
     plt = _plt()
     names = list(probes)
     acc = [probes[n].accuracy for n in names]
     err = [probes[n].std for n in names]
-    chance = max(p.chance for p in probes.values())
+    chances = [float(probes[n].chance) for n in names]
     fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(names) + 2), 3.6), dpi=80)
     ax.errorbar(range(len(names)), acc, yerr=err, marker="o", color="#4c72b0", capsize=3, label="probe accuracy")
-    ax.axhline(chance, color="#999999", linestyle="--", linewidth=1, label=f"chance ({chance:.2f})")
+    if len(set(chances)) == 1:
+        ax.axhline(chances[0], color="#999999", linestyle="--", linewidth=1, label=f"chance ({chances[0]:.2f})")
+    else:  # each hook point's own chance, a short line under its point
+        ax.hlines(chances, [i - 0.35 for i in range(len(names))], [i + 0.35 for i in range(len(names))],
+                  color="#999999", linestyle="--", linewidth=1.5,
+                  label=f"chance of each hook point ({min(chances):.2f}-{max(chances):.2f})")
     ax.set_xticks(range(len(names)))
     # '$' escaped: matplotlib reads text between two '$' as TeX math (a module named '$\\foo$' would fail)
     ax.set_xticklabels([n.replace("$", "\\$") for n in names], rotation=30, ha="right", fontsize=9)
-    ax.set_ylim(min(chance, min(acc) - max(err, default=0)) - 0.05, 1.0)
+    ax.set_xlim(-0.6, len(names) - 0.4)
+    ax.set_ylim(min(min(chances), min(acc) - max(err, default=0)) - 0.05, 1.0)
     ax.set_ylabel(f"accuracy ({n_folds}-fold CV)")
     ax.set_title("linear probe per hook point")
     ax.legend(loc="best", fontsize=8, frameon=False)
@@ -671,7 +686,12 @@ def write_report(
     if probes is None:
         from .probes import probe_store
 
-        probes = probe_store(store, hps, label_column=label_column, n_folds=n_folds)
+        from ..errors import FewerGroupsWarning, IncompleteStoreWarning
+
+        with warnings.catch_warnings():  # (the page says both: the store's status, the folds used)
+            warnings.simplefilter("ignore", IncompleteStoreWarning)
+            warnings.simplefilter("ignore", FewerGroupsWarning)
+            probes = probe_store(store, hps, label_column=label_column, n_folds=n_folds)
 
     slugs = _unique_slugs(hps)
     stats = []

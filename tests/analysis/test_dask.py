@@ -162,7 +162,8 @@ def test_moments_of_a_constant_column_are_its_value_and_zero(value):
     rows[:, 1] = np.arange(7)
     rows[3, 2] = np.nan
     rows[:, 3] = np.inf
-    m = moments(da.from_array(rows, chunks=(3, 4)))
+    with pytest.warns(acs.NonFiniteRowsWarning, match=r"7 of the 7 rows \(rows 0, 1, 2, 3, 4, 5, 6\) hold NaN or inf"):
+        m = moments(da.from_array(rows, chunks=(3, 4)))
     want = torch.from_numpy(rows).var(0, correction=0).numpy()
     assert m["mean"][0] == value and m["var"][0] == 0.0 == want[0]
     np.testing.assert_allclose(m["var"][1], want[1], rtol=1e-12)
@@ -188,7 +189,8 @@ def test_pca_leaves_out_rows_with_nan_or_inf(tmp_path):
     ref = rows[finite]
     xc = ref - ref.mean(0)
     cov = (xc.T @ xc / len(ref)).numpy()
-    p = pca(to_dask(store, store.hook_points[0]), n_components=3)
+    with pytest.warns(acs.NonFiniteRowsWarning, match="left out of the PCA"):
+        p = pca(to_dask(store, store.hook_points[0]), n_components=3)
     assert p["count"] == len(ref) and p["n_dropped"] == int((~finite).sum())
     np.testing.assert_allclose(p["mean"], ref.mean(0).numpy(), rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(p["cov"], cov, rtol=1e-10, atol=1e-13)
@@ -396,3 +398,66 @@ def test_pca_of_conv_maps_says_how_to_flatten_them(tmp_path):
     p = pca(x.reshape(x.shape[0], -1), n_components=3)
     store = acs.open_store(path)
     np.testing.assert_allclose(p["cov"], store.reductions["0.output"]["cov"].numpy(), rtol=1e-9, atol=1e-12)
+
+
+def test_moments_and_pca_say_which_rows_hold_nan_or_inf_and_agree_when_asked(tmp_path):
+    """pca left out rows holding NaN or inf, and moments counted them (NaN columns) with
+    nothing said; now both name those rows, and moments(drop_nonfinite=True) is over pca's
+    rows, against a numpy float64 reference of the same rows."""
+    model = torch.nn.Linear(5, 5).eval()
+    scope = acs.ActivationScope(store=str(tmp_path / "h.zarr"), store_options={"shard_rows": 8, "chunk_rows": 8})
+    gen = torch.Generator().manual_seed(2)
+    with scope.track(model, include=["*"]) as tracker, torch.no_grad():
+        for b in range(4):
+            tracker.set_batch(sample_ids=torch.arange(6 * b, 6 * b + 6))
+            x = torch.randn(6, 5, generator=gen)
+            x[b % 6] *= 1e38
+            model(x * 1e3)
+    store = acs.open_store(str(tmp_path / "h.zarr"))
+    hp = store.hook_points[0]
+    rows = store[hp].double().numpy()
+    finite = np.isfinite(rows).all(1)
+    bad = np.flatnonzero(~finite)
+    assert 0 < len(bad) < len(rows)
+    x = to_dask(store, hp)
+    with pytest.warns(acs.NonFiniteRowsWarning) as caught:
+        m = moments(x)
+    shown = ", ".join(map(str, bad))
+    assert str(caught[0].message).startswith(f"{len(bad)} of the 24 rows (rows {shown}) hold NaN or inf, counted")
+    assert "drop_nonfinite=True" in str(caught[0].message)
+    assert m["count"] == 24 and m["n_nonfinite"] == len(bad) and m["n_dropped"] == 0
+    np.testing.assert_array_equal(m["nonfinite_rows"], bad)
+    with np.errstate(invalid="ignore", over="ignore"):
+        want_mean, want_var = rows.mean(0), rows.var(0)
+    np.testing.assert_array_equal(np.isfinite(m["mean"]), np.isfinite(want_mean))  # the columns they touch
+    assert not np.isfinite(m["var"]).any() and not np.isfinite(want_var).any()
+    with pytest.warns(acs.NonFiniteRowsWarning) as caught:
+        kept = moments(x, drop_nonfinite=True)
+    assert str(caught[0].message).startswith(f"{len(bad)} of the 24 rows (rows {shown}) hold NaN or inf, left out")
+    ref = rows[finite]
+    assert kept["count"] == len(ref) and kept["n_dropped"] == len(bad) == kept["n_nonfinite"]
+    np.testing.assert_allclose(kept["mean"], ref.mean(0), rtol=1e-12, atol=0)
+    np.testing.assert_allclose(kept["var"], ref.var(0), rtol=1e-10, atol=0)
+    with pytest.warns(acs.NonFiniteRowsWarning) as caught:
+        p = pca(x, n_components=2)
+    assert str(caught[0].message).startswith(f"{len(bad)} of the 24 rows (rows {shown}) hold NaN or inf, left out")
+    np.testing.assert_array_equal(p["dropped_rows"], bad)
+    np.testing.assert_allclose(p["mean"], kept["mean"], rtol=1e-12, atol=0)  # the same rows
+    np.testing.assert_allclose(np.diag(p["cov"]), kept["var"], rtol=1e-10, atol=0)
+    # rows of several dimensions (a conv map): a row with one NaN value is the row left out
+    maps = np.random.default_rng(0).normal(size=(7, 2, 3))
+    maps[4, 1, 2] = np.nan
+    with pytest.warns(acs.NonFiniteRowsWarning, match=r"1 of the 7 rows \(row 4\)"):
+        got = moments(da.from_array(maps, chunks=(3, 2, 3)), drop_nonfinite=True)
+    keep = np.delete(maps, 4, axis=0)
+    np.testing.assert_allclose(got["mean"], keep.mean(0), rtol=1e-12, atol=0)
+    np.testing.assert_allclose(got["var"], keep.var(0), rtol=1e-10, atol=0)
+    import warnings
+
+    with warnings.catch_warnings():  # finite rows: nothing to say, the same numbers either way
+        warnings.simplefilter("error", acs.NonFiniteRowsWarning)
+        a, b = moments(da.from_array(keep, chunks=(3, 2, 3))), moments(da.from_array(keep, chunks=(3, 2, 3)),
+                                                                        drop_nonfinite=True)
+    assert a["n_nonfinite"] == 0 and np.array_equal(a["mean"], b["mean"]) and np.array_equal(a["var"], b["var"])
+    with pytest.raises(ValueError, match="drop_nonfinite must be a bool, got 1"):
+        moments(x, drop_nonfinite=1)
