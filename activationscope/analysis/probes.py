@@ -338,7 +338,11 @@ def probe_accuracy(
     n_folds : int, default 5
         Number of folds, at least 2 and at most the smallest class's size.
     l2 : float, default 1e-2
-        Weight of the squared L2 norm of the weights in the loss (mean cross-entropy).
+        Weight of the squared L2 norm of the weights in the loss (mean cross-entropy over a
+        softmax of one weight column per class, on standardised rows). With 3 or more classes
+        this is scikit-learn's multinomial ``LogisticRegression(C=1 / (2 * l2 * n_train))``; with
+        2 classes, whose two columns act as one weight vector (their difference) with half the
+        penalty, its binary ``LogisticRegression(C=1 / (l2 * n_train))``.
     groups : sequence or Tensor (rows,), optional
         The sample of each row (any hashable): rows of one sample (a generation's steps,
         each captured as a row with the sample's label; a sentence's tokens, each with its

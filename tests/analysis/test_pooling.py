@@ -560,3 +560,31 @@ def test_token_rows_of_a_sample_in_several_forwards_stay_in_one_fold(tmp_path):
     assert (again.n_samples, again.n_groups, once.n_groups) == (576, 32, 32)
     assert again.fold_accuracies == pytest.approx(once.fold_accuracies, abs=1e-9)
     assert again.chance == once.chance
+
+
+@pytest.mark.parametrize("n_classes", [2, 3])
+def test_the_probe_is_scikit_learns_logistic_regression_at_the_c_its_docstring_gives(n_classes):
+    """probe_accuracy's l2 is C = 1 / (l2 * n_train) of scikit-learn's binary logistic regression
+    with 2 classes and C = 1 / (2 * l2 * n_train) of its multinomial one with more: the decision
+    boundaries over a fine grid of test points agree with the C given, not with the other one."""
+    linear_model = pytest.importorskip("sklearn.linear_model")
+    from activationscope.analysis.probes import _fit_predict
+
+    g = torch.Generator().manual_seed(0)
+    n, l2 = 60, 0.05
+    # (classes of unequal sizes: the penalty then moves the boundaries, not only the slopes)
+    y = torch.tensor([0] * 30 + [1] * 20 + [2] * 10)[:n] if n_classes == 3 else (torch.arange(n) % 4 == 0).long()
+    x = (y.double() * 1.5 + torch.randn(n, generator=g, dtype=torch.float64)).unsqueeze(1)
+    grid = torch.linspace(-3, 3 * n_classes, 2000, dtype=torch.float64).unsqueeze(1)
+    ours = _fit_predict(x.clone(), y, grid.clone(), n_classes, l2, 500).numpy()
+    mean, std = x.mean(0), x.std(0, correction=0)
+    xs, gs = ((x - mean) / std).numpy(), ((grid - mean) / std).numpy()
+
+    def theirs(c):
+        clf = linear_model.LogisticRegression(C=c, max_iter=10000, tol=1e-12).fit(xs, y.numpy())
+        return clf.predict(gs)
+
+    documented = 1 / (l2 * n) if n_classes == 2 else 1 / (2 * l2 * n)
+    other = documented / 2 if n_classes == 2 else documented * 2
+    assert (ours != theirs(documented)).sum() <= 2
+    assert (ours != theirs(other)).sum() > 10  # (the grid sees the boundaries move)
