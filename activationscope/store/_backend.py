@@ -890,6 +890,21 @@ def with_remote_defaults(url: str, storage_options: Mapping | None) -> dict | No
     return options
 
 
+def unreachable(e: BaseException) -> bool:
+    """Whether ``e`` (or what caused it) says the object store did not answer (no connection,
+    or no answer in time): asking again at once would wait again."""
+    seen, n = e, 0
+    while seen is not None and n < 8:
+        if type(seen).__name__ in _UNREACHABLE or isinstance(seen, TimeoutError):
+            return True
+        seen, n = seen.__cause__ or seen.__context__, n + 1
+    return False
+
+
+_UNREACHABLE = frozenset({"EndpointConnectionError", "ConnectTimeoutError", "ClientConnectorError",
+                          "ReadTimeoutError", "ReadTimeout", "FSTimeoutError", "ConnectionClosedError"})
+
+
 def _botocore_tries(retries: Any) -> int | None:
     """Tries of one request that botocore's ``retries`` config makes (None: unknown)."""
     if not isinstance(retries, Mapping):
@@ -994,16 +1009,37 @@ class ZarrBackend:
         return None if buf is None else buf.to_bytes()
 
     def get(self, key: str, max_bytes: int | None = MAX_JSON_BYTES) -> bytes | None:
+        """The object's bytes, None when it is not there; with ``max_bytes``, a
+        :class:`StoreCorruptError` for an object larger than that, read no further.
+
+        An object store's request costs its latency: a bound of at most ``MAX_JSON_BYTES`` (a
+        document, a manifest, the lock) is one ranged read of ``max_bytes + 1`` bytes, which
+        tells a larger object by its length, with no size asked first; a larger bound asks for
+        the size first (one metadata request), then reads it in one request (a file system that
+        reads a large object in parallel parts does so above that bound)."""
+        from zarr.abc.store import RangeByteRequest
+
         check_key(key, store=self, what="key")
-        if max_bytes is not None:
+        if max_bytes is None:
+            return self._get(key)
+        if max_bytes > MAX_JSON_BYTES:
             size = self.size(key)
             if size is None:
                 return None
             if size > max_bytes:
                 raise corrupt(self, f"{key!r} holds {size} bytes, more than the {max_bytes} such a file may hold")
-        data = self._get(key)
-        if data is not None and max_bytes is not None and len(data) > max_bytes:
-            raise corrupt(self, f"{key!r} holds {len(data)} bytes, more than the {max_bytes} such a file may hold")
+            if size > MAX_JSON_BYTES:
+                return self._get(key)
+        try:
+            data = self._get(key, RangeByteRequest(0, max_bytes + 1))
+        except StoreError as e:
+            if unreachable(e):
+                raise
+            data = self._get(key)  # (a store that refuses a range past the end of the object)
+        if data is not None and len(data) > max_bytes:
+            size = self.size(key) if len(data) == max_bytes + 1 else len(data)
+            shown = f"{size} bytes" if size is not None and size > max_bytes else f"more than {max_bytes} bytes"
+            raise corrupt(self, f"{key!r} holds {shown}, more than the {max_bytes} such a file may hold")
         return data
 
     def get_range(self, key: str, start: int, length: int) -> bytes | None:
@@ -1016,7 +1052,9 @@ class ZarrBackend:
             return b"" if self.size(key) is not None else None
         try:  # one ranged read (an object store's request costs its latency: no size asked first)
             data = self._get(key, RangeByteRequest(start, start + length))
-        except StoreError:
+        except StoreError as e:
+            if unreachable(e):  # (asked again, it would be waited for again)
+                raise
             data = None  # (a range past the end is refused by some stores: asked again with the size)
         else:
             if data is None or len(data) <= length:

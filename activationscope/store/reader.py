@@ -917,11 +917,9 @@ class Store:
         """
         if self._parts:
             return self._rank_bounds(hook_point, lambda st, hp: st.row_blocks(hp))
-        if self.compressed_array(hook_point) is None:
+        meta = self._checked_meta(hook_point)
+        if self._mappable(meta):
             return self.segments(hook_point), True
-        meta = self._meta(hook_point)
-        if meta["path"] not in self._checked:
-            self._array_crcs(meta)
         n, step = int(meta["n_rows"]), int(meta["chunk_rows"])
         return list(range(0, n, step)) + [n], False
 
@@ -1734,7 +1732,8 @@ class Store:
 
             exit_safe_zarr()
             try:
-                arr = zarr.open_array(self._backend.zarr_store(read_only=True), path=path, mode="r")
+                # (format 3 named: zarr looks for no format 2 documents, a request each on object storage)
+                arr = zarr.open_array(self._backend.zarr_store(read_only=True), path=path, mode="r", zarr_format=3)
             except StoreError:  # the document is not a regular file, or too large (named)
                 raise
             except Exception as e:  # zarr raises many classes for a damaged document

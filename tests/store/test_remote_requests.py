@@ -138,3 +138,39 @@ def test_a_run_is_asked_for_just_before_its_chunks_decode(monkeypatch, cache_byt
     assert torch.equal(store.rows("h", 0, 128), x)
     assert kinds == (["run"] + ["chunk"] * 8) * 4
     assert _Run.future({}, 0) is None
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_opening_an_s3_store_and_its_dataset_makes_few_requests(s3, monkeypatch, compression, tmp_path):
+    """Each request to object storage costs its latency. Opening a store asked for the root
+    document's stamp, then its size twice (ours, then s3fs's before a whole read), then read
+    it: 3 HEAD + 1 GET; now its stamp and one read bounded by the document size limit. Each
+    array document and manifest likewise (3 requests each, now 1), and the first read of an
+    array opened it through zarr as well (its document again, and a HEAD and a listing each for
+    two zarr format 2 documents): now nothing of it. Rows read equal a local copy's."""
+    requests = _counted_requests(monkeypatch)
+    url = f"s3://acs-bucket/open-{uuid.uuid4().hex}.zarr"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16))
+    options = {"storage_options": s3, "chunk_rows": 4, "shard_rows": 16, "compression": compression}
+    with acs.ActivationScope(store=url, store_options=options).track(model, include=["0"]), torch.no_grad():
+        for _ in range(4):
+            model(torch.randn(8, 16))
+    requests.clear()
+    acs.open_store(url, storage_options=s3)
+    assert dict(requests) == {("HEAD", "zarr.json"): 1, ("GET", "zarr.json"): 1}
+    requests.clear()
+    ds = acs.ActivationDataset(url, open_options={"storage_options": s3})
+    got = ds[0:8]["0.output"]
+    # the root (stamp, read), the array's document and manifest, the size of the shard of its
+    # last row (it exists), the root's stamp after them (the store not replaced meanwhile); the
+    # read: the shard's index and its chunks in one run
+    assert dict(requests) == {("HEAD", "zarr.json"): 2, ("GET", "zarr.json"): 1,
+                              ("GET", "acts/0.output/zarr.json"): 1, ("GET", "acts/0.output/manifest.json"): 1,
+                              ("HEAD", "acts/0.output/c/1/0"): 1, ("GET", "acts/0.output/c/0/0"): 2}, requests
+    from activationscope.store import copy_store
+
+    local = str(tmp_path / "local.zarr")
+    copy_store(url, local, storage_options=s3)
+    assert torch.equal(got, acs.open_store(local)["0.output", 0:8])
+    assert torch.equal(acs.open_store(url, storage_options=s3)["0.output"], acs.open_store(local)["0.output"])
