@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import copy
 import errno
 import functools
 import json
@@ -886,8 +887,22 @@ def with_remote_defaults(url: str, storage_options: Mapping | None) -> dict | No
     given = options.get("config_kwargs")
     if given is not None and not isinstance(given, Mapping):
         return options  # (s3fs says what is wrong with it)
-    options["config_kwargs"] = {**S3_CONFIG_DEFAULTS, **(given or {})}
+    # (copies: botocore rewrites the retries dict it is given, e.g. max_attempts to total_max_attempts)
+    options["config_kwargs"] = copy.deepcopy({**S3_CONFIG_DEFAULTS, **(given or {})})
     return options
+
+
+def _no_expect_continue(request: Any, **kwargs: Any) -> None:
+    """botocore ``before-send`` handler of an s3 store's client: drops the header
+    ``Expect: 100-continue`` that botocore puts on every upload (PutObject, UploadPart). With
+    it, aiohttp waits for the endpoint's "100 Continue" before sending the body, and that wait
+    has no timeout (``read_timeout`` starts once the body is sent): an endpoint that takes the
+    connection and never answers held a capture's first write (its lock) forever. Without it
+    the body is sent at once and ``read_timeout`` bounds the wait for the answer. The header is
+    not signed (SigV4 leaves ``expect`` out), so the request stays valid."""
+    headers = getattr(request, "headers", None)
+    if headers is not None and "Expect" in headers:
+        del headers["Expect"]
 
 
 def unreachable(e: BaseException) -> bool:
@@ -1203,7 +1218,22 @@ class FsspecBackend(ZarrBackend):
         if "S3FileSystem" in names:  # (its own tries, around botocore's: see S3_CONFIG_DEFAULTS)
             for f in {id(x): x for x in (fs, inner) if type(x).__name__ == "S3FileSystem"}.values():
                 f.retries = S3FS_TRIES
+                self._drop_expect_continue(f)
         self.forget_listings()
+
+    def _drop_expect_continue(self, fs: Any) -> None:
+        """Have ``fs`` (an s3fs file system) send its uploads without ``Expect: 100-continue``
+        (:func:`_no_expect_continue`). Its client is made here (no request is sent); a file
+        system whose client cannot be made is left as it is (its first request says why)."""
+        try:
+            if fs.asynchronous:
+                self._sync(fs.set_session())
+            else:
+                fs.connect()
+            fs._s3.meta.events.register("before-send.s3", _no_expect_continue,
+                                        unique_id="activationscope-no-expect-continue")
+        except Exception:  # noqa: BLE001 - (see above)
+            pass
 
     def _failure(self, e: BaseException) -> str:
         fs = getattr(self.store, "fs", None)
@@ -1491,11 +1521,15 @@ def remote_store_above(backend: "FsspecBackend") -> str | None:
         try:
             if await fs._size(f"{prefix}/zarr.json") <= MAX_JSON_BYTES:
                 raw = await fs._cat_file(f"{prefix}/zarr.json")
-        except (FileNotFoundError, OSError, ValueError, TypeError):
+        except (FileNotFoundError, OSError, ValueError, TypeError) as e:
+            if unreachable(e):
+                raise
             raw = None
         try:
             locked = bool(await fs._exists(f"{prefix}/{LOCK_KEY}"))
-        except (OSError, ValueError):
+        except (OSError, ValueError) as e:
+            if unreachable(e):
+                raise
             locked = False
         return _parse_marks(raw, locked)
 
@@ -1504,7 +1538,10 @@ def remote_store_above(backend: "FsspecBackend") -> str | None:
         prefix = "/".join(parts[:i])
         try:
             is_store, attrs = backend._sync(marks(prefix))
-        except Exception:  # noqa: BLE001 - a prefix that cannot be read (no permission): not known as a store
+        except Exception as e:  # noqa: BLE001 - a prefix that cannot be read (no permission): not known as a store
+            if unreachable(e):  # (an endpoint that does not answer: each next request would wait as long)
+                raise StoreError(f"reading the prefix {prefix!r} above {backend.label} failed: "
+                                 f"{backend._failure(e)}") from e
             continue
         if not is_store:
             continue
@@ -1569,7 +1606,9 @@ def check_remote_store_path(backend: Any) -> None:
         return
     try:
         info = backend.path_info()
-    except Exception:  # noqa: BLE001 - nothing there, or a failure the writer's next request names
+    except Exception as e:  # noqa: BLE001 - nothing there, or a failure the writer's next request names
+        if unreachable(e):  # (... after waiting as long again: said now)
+            raise StoreError(f"reading {backend.label} failed: {backend._failure(e)}") from e
         return
     if not isinstance(info, dict) or info.get("type") != "file" or backend.size("zarr.json") is not None:
         return

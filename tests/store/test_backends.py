@@ -327,7 +327,7 @@ def test_a_store_is_not_written_beside_an_object_at_its_own_s3_path(s3, mlp, tmp
 
 @contextlib.contextmanager
 def _silent_endpoint():
-    """``(endpoint URL, list of the request heads it got)`` of a local server that takes every
+    """``(endpoint URL, list of the request heads it got, request line first)`` of a local server that takes every
     connection and reads each request, but never answers (a port of another service, a
     stalled proxy)."""
     import socket
@@ -351,7 +351,7 @@ def _silent_endpoint():
             data += got
             while b"\r\n\r\n" in data:  # (a request's head; its body, if any, is not counted)
                 head, data = data.split(b"\r\n\r\n", 1)
-                heads.append(head.split(b"\r\n", 1)[0])
+                heads.append(head)
 
     def take() -> None:
         while True:
@@ -400,6 +400,61 @@ def test_an_endpoint_that_never_answers_fails_after_a_bounded_number_of_tries(s3
         assert len(heads) == 2, heads
 
 
+def _in_a_thread(fn, timeout_s: float = 60):
+    """What ``fn()`` raised (None when it returned), run in a daemon thread given ``timeout_s``
+    seconds: a call that never returns fails the test instead of hanging it."""
+    import threading
+
+    raised: list = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - returned to the test
+            raised.append(e)
+        else:
+            raised.append(None)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    assert not t.is_alive(), f"still waiting after {timeout_s} s"
+    return raised[0]
+
+
+def test_a_capture_and_an_upload_to_an_endpoint_that_never_answers_fail_after_bounded_tries(mlp):
+    """A capture into an endpoint that takes the connection and never answers: three checks of
+    the path made their requests (each waited for, then taken as "nothing there"), then the
+    writer lock's upload waited forever: botocore sends an upload with "Expect: 100-continue"
+    and aiohttp waits for the "100 Continue" with no timeout. Now the first request that the
+    endpoint does not answer ends the capture (StoreError naming the URL and the endpoint), and
+    uploads go without that header, so read_timeout bounds them too (4 tries each)."""
+    from activationscope.store import _backend
+
+    with _silent_endpoint() as (endpoint, heads):
+        options = {"key": "k", "secret": "s", "client_kwargs": {"endpoint_url": endpoint},
+                   "config_kwargs": {"read_timeout": 0.2}}
+
+        def capture() -> None:
+            scope = acs.ActivationScope(store="s3://acs-bucket/silent.zarr", store_options={"storage_options": options})
+            with scope.track(mlp), torch.no_grad():
+                mlp(torch.randn(3, 8))
+
+        e = _in_a_thread(capture)
+        assert isinstance(e, acs.StoreError) and re.search(
+            rf"s3://acs-bucket/silent\.zarr failed: .*the endpoint {re.escape(endpoint)} took the connection but did "
+            r"not answer within read_timeout 0\.2 s; each request was tried 4 times", str(e)), e
+        assert len(heads) == 4, [h.split(b"\r\n", 1)[0] for h in heads]
+        heads.clear()
+        backend = _backend.resolve("s3://acs-bucket/silent.zarr", storage_options=options)
+        e = _in_a_thread(lambda: backend.set("notes.txt", b"x" * 1000))
+        assert isinstance(e, acs.StoreError) and re.search(
+            rf"writing 'notes\.txt' to s3://acs-bucket/silent\.zarr failed: .*the endpoint {re.escape(endpoint)} took "
+            r"the connection but did not answer within read_timeout 0\.2 s", str(e)), e
+        assert [h.split(b"\r\n", 1)[0] for h in heads] == [b"PUT /acs-bucket/silent.zarr/notes.txt HTTP/1.1"] * 4
+        assert not any(b"\r\nexpect:" in h.lower() for h in heads), heads
+
+
 def test_an_s3_store_s_client_gets_timeouts_and_tries_the_caller_s_options_override(s3):
     """The limits an s3:// store's client gets (S3_CONFIG_DEFAULTS, S3FS_TRIES): each key of
     the caller's config_kwargs wins; other URLs' options are left as given."""
@@ -412,8 +467,11 @@ def test_an_s3_store_s_client_gets_timeouts_and_tries_the_caller_s_options_overr
     assert b.store.fs.config_kwargs == defaults and b.store.fs.retries == _backend.S3FS_TRIES == 2
     mine = {**s3, "config_kwargs": {"read_timeout": 120, "retries": {"max_attempts": 9}}}
     b = _backend.resolve("s3a://acs-bucket/limits.zarr", storage_options=mine)
-    assert b.store.fs.config_kwargs == {"connect_timeout": 5, "read_timeout": 120, "retries": {"max_attempts": 9}}
-    assert mine["config_kwargs"] == {"read_timeout": 120, "retries": {"max_attempts": 9}}
+    got = b.store.fs.config_kwargs
+    assert (got["connect_timeout"], got["read_timeout"]) == (5, 120)
+    assert got["retries"] in ({"max_attempts": 9}, {"total_max_attempts": 10, "mode": "legacy"})  # (as botocore reads it)
+    assert mine["config_kwargs"] == {"read_timeout": 120, "retries": {"max_attempts": 9}}  # (the caller's, unchanged)
+    assert defaults["retries"] == {"mode": "standard", "total_max_attempts": 2}
     assert _backend.with_remote_defaults("memory://x.zarr", {"a": 1}) == {"a": 1}
     assert _backend.with_remote_defaults("gs://b/x.zarr", None) is None
 
