@@ -1143,6 +1143,10 @@ class ZarrBackend:
             self._sync(self.store.delete(key))
         except (FileNotFoundError, KeyError):
             pass
+        except Exception as e:  # remote errors come in many classes (botocore's are no OSError)
+            if isinstance(e, StoreError):
+                raise
+            raise StoreError(f"deleting {key!r} from {self.label} failed: {self._failure(e)}") from e
 
     def list(self, prefix: str = "") -> Iterator[str]:
         if prefix:
@@ -1151,7 +1155,13 @@ class ZarrBackend:
         async def collect() -> list[str]:
             return [k async for k in self.store.list_prefix(prefix)]
 
-        for key in self._sync(collect()):
+        try:
+            keys = self._sync(collect())
+        except (FileNotFoundError, KeyError, StoreError):
+            raise
+        except Exception as e:  # remote errors come in many classes (botocore's are no OSError)
+            raise StoreError(f"listing {prefix or 'the objects'!r} of {self.label} failed: {self._failure(e)}") from e
+        for key in keys:
             if key != LOCK_KEY:
                 yield key
 

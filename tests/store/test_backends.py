@@ -453,6 +453,11 @@ def test_a_capture_and_an_upload_to_an_endpoint_that_never_answers_fail_after_bo
             r"the connection but did not answer within read_timeout 0\.2 s", str(e)), e
         assert [h.split(b"\r\n", 1)[0] for h in heads] == [b"PUT /acs-bucket/silent.zarr/notes.txt HTTP/1.1"] * 4
         assert not any(b"\r\nexpect:" in h.lower() for h in heads), heads
+        for what, fn in (("listing 'acts/'", lambda: list(backend.list("acts/"))),
+                         ("deleting 'notes.txt'", lambda: backend.delete("notes.txt"))):
+            e = _in_a_thread(fn)  # (botocore's own ReadTimeoutError before, with no fix named)
+            assert isinstance(e, acs.StoreError) and re.search(
+                rf"{what} of|{what} from", str(e)) and f"the endpoint {endpoint} took the connection" in str(e), e
 
 
 def test_an_s3_store_s_client_gets_timeouts_and_tries_the_caller_s_options_override(s3):
