@@ -509,6 +509,10 @@ class StoreSource:
         if index.numel() == 0:
             return torch.empty((0, *self.feature_shape(hp)), dtype=self.dtype(hp))
         index = index.contiguous()  # (a strided view of the caller's index: searchsorted warns on it)
+        if not _memoize and index.numel() > 1:  # decoded chunks (object storage): asked for at once, not one by one
+            prefetch = getattr(self.store, "prefetch", None)
+            if prefetch is not None:
+                prefetch(hp, index.tolist())
         if len(bl) <= 2:
             return torch.index_select(self._segment(hp, 0, layout), 0, index)
         lo, hi = int(index.min()), int(index.max())

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import copy
 import errno
 import functools
 import json
@@ -862,32 +863,117 @@ def _no_bucket(bucket: str) -> str:
             "bucket's name in the URL")
 
 
-def remote_failure(e: BaseException) -> str:
+#: Limits an ``s3://`` (``s3a://``) store's client gets unless its ``storage_options`` set them
+#: (``config_kwargs``, botocore's ``Config``; each key the caller gives wins): seconds to connect
+#: and to wait for an answer, and the tries of each request by botocore. s3fs tries each
+#: request again around botocore's tries (``S3FS_TRIES`` times). An endpoint that takes the
+#: connection but never answers then fails a request after ``S3FS_TRIES * 2`` waits of
+#: ``read_timeout`` (about a minute), not after 25 (botocore's 5 tries within each of s3fs's 5).
+S3_CONFIG_DEFAULTS: dict[str, Any] = {"connect_timeout": 5, "read_timeout": 15,
+                                      "retries": {"mode": "standard", "total_max_attempts": 2}}
+#: Tries s3fs makes of each request of a store (its own default: 5), each one a whole series
+#: of botocore's tries.
+S3FS_TRIES = 2
+_S3_PROTOCOLS = ("s3", "s3a")
+
+
+def with_remote_defaults(url: str, storage_options: Mapping | None) -> dict | None:
+    """``storage_options`` of ``url`` with :data:`S3_CONFIG_DEFAULTS` added to its
+    ``config_kwargs`` where the URL is ``s3://`` or ``s3a://`` (the caller's own keys kept
+    as given); other URLs' options unchanged. Never changes the caller's dict."""
+    if url.split("://", 1)[0].lower() not in _S3_PROTOCOLS:
+        return None if storage_options is None else dict(storage_options)
+    options = dict(storage_options or {})
+    given = options.get("config_kwargs")
+    if given is not None and not isinstance(given, Mapping):
+        return options  # (s3fs says what is wrong with it)
+    # (copies: botocore rewrites the retries dict it is given, e.g. max_attempts to total_max_attempts)
+    options["config_kwargs"] = copy.deepcopy({**S3_CONFIG_DEFAULTS, **(given or {})})
+    return options
+
+
+def _no_expect_continue(request: Any, **kwargs: Any) -> None:
+    """botocore ``before-send`` handler of an s3 store's client: drops the header
+    ``Expect: 100-continue`` that botocore puts on every upload (PutObject, UploadPart). With
+    it, aiohttp waits for the endpoint's "100 Continue" before sending the body, and that wait
+    has no timeout (``read_timeout`` starts once the body is sent): an endpoint that takes the
+    connection and never answers held a capture's first write (its lock) forever. Without it
+    the body is sent at once and ``read_timeout`` bounds the wait for the answer. The header is
+    not signed (SigV4 leaves ``expect`` out), so the request stays valid."""
+    headers = getattr(request, "headers", None)
+    if headers is not None and "Expect" in headers:
+        del headers["Expect"]
+
+
+def unreachable(e: BaseException) -> bool:
+    """Whether ``e`` (or what caused it) says the object store did not answer (no connection,
+    or no answer in time): asking again at once would wait again."""
+    seen, n = e, 0
+    while seen is not None and n < 8:
+        if type(seen).__name__ in _UNREACHABLE or isinstance(seen, TimeoutError):
+            return True
+        seen, n = seen.__cause__ or seen.__context__, n + 1
+    return False
+
+
+_UNREACHABLE = frozenset({"EndpointConnectionError", "ConnectTimeoutError", "ClientConnectorError",
+                          "ReadTimeoutError", "ReadTimeout", "FSTimeoutError", "ConnectionClosedError"})
+
+
+def _botocore_tries(retries: Any) -> int | None:
+    """Tries of one request that botocore's ``retries`` config makes (None: unknown)."""
+    if not isinstance(retries, Mapping):
+        return None
+    total = retries.get("total_max_attempts")
+    if isinstance(total, int) and not isinstance(total, bool) and total >= 1:
+        return total
+    more = retries.get("max_attempts")
+    if isinstance(more, int) and not isinstance(more, bool) and more >= 0:
+        return more + 1
+    return None
+
+
+def remote_failure(e: BaseException, endpoint: str | None = None, config: Mapping | None = None,
+                   s3fs_tries: int | None = None) -> str:
     """``e`` (an error of an object store's client) as text, with the fix where it is a missing
     credential, a refused one or an endpoint that does not answer: where ``storage_options``
     (``store_options={"storage_options": ...}`` of a capture) or the environment the command
     line reads (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE``,
-    ``AWS_ENDPOINT_URL``) give them."""
+    ``AWS_ENDPOINT_URL``) give them. ``endpoint``, ``config`` (the client's ``config_kwargs``)
+    and ``s3fs_tries``, when known, name the endpoint, its waits and its tries."""
     chain, seen = [], e
     while seen is not None and len(chain) < 8:
         chain.append(seen)
         seen = seen.__cause__ or seen.__context__
     names = {type(x).__name__ for x in chain}
     text = " ".join(str(x) for x in chain)
+    config = config if isinstance(config, Mapping) else {}
+    at = f" {endpoint}" if endpoint else ""
+    tries = _botocore_tries(config.get("retries"))
+    tried = (f"; each request was tried {tries * s3fs_tries} times ({s3fs_tries} by s3fs, each {tries} by botocore)"
+             if tries and s3fs_tries else "; each request was tried again by s3fs and botocore")
+
+    def waited(key: str) -> str:
+        value = config.get(key)
+        return f"{key} {value} s" if isinstance(value, (int, float)) and not isinstance(value, bool) else key
+
     if names & {"NoCredentialsError", "PartialCredentialsError"} or "Unable to locate credentials" in text:
         hint = ("no credentials were found: pass storage_options={'key': ..., 'secret': ...} (a capture: "
                 "store_options={'storage_options': ...}), or set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
                 "(or AWS_PROFILE) in the environment, as the command line reads them")
     elif names & {"EndpointConnectionError", "ConnectTimeoutError", "ClientConnectorError"} or \
             "Could not connect to the endpoint URL" in text:
-        hint = ("the endpoint did not answer: check storage_options={'client_kwargs': {'endpoint_url': ...}} "
-                "or AWS_ENDPOINT_URL in the environment (the command line reads it)")
+        how = (f"no connection within {waited('connect_timeout')}" if "ConnectTimeoutError" in names or
+               "Connect timeout on endpoint" in text else "the connection was refused, or the host is unknown")
+        hint = (f"the endpoint{at} did not answer ({how}{tried}): check "
+                "storage_options={'client_kwargs': {'endpoint_url': ...}} or AWS_ENDPOINT_URL in the environment "
+                "(the command line reads it); where it is slow to take a connection, give it longer: "
+                "storage_options={'config_kwargs': {'connect_timeout': 30}}")
     elif names & {"ReadTimeoutError", "ReadTimeout", "TimeoutError", "FSTimeoutError"} or "Read timeout on endpoint" in text:
-        hint = ("the endpoint took the connection but did not answer in time (each request was retried: s3fs and "
-                "botocore retry it, waiting read_timeout, 60 s by default, each time): check that the endpoint "
-                "(storage_options={'client_kwargs': {'endpoint_url': ...}} or AWS_ENDPOINT_URL) is an S3 service "
-                "that is up; to fail sooner pass storage_options={'config_kwargs': "
-                "{'read_timeout': 10, 'retries': {'max_attempts': 1}}}")
+        hint = (f"the endpoint{at} took the connection but did not answer within {waited('read_timeout')}{tried}: "
+                "check that the endpoint (storage_options={'client_kwargs': {'endpoint_url': ...}} or "
+                "AWS_ENDPOINT_URL) is an S3 service that is up; on a slow link give it longer: "
+                "storage_options={'config_kwargs': {'read_timeout': 60}}")
     elif "NoSuchBucket" in names or "NoSuchBucket" in text or "specified bucket does not exist" in text:
         hint = (f"{_no_bucket('<bucket>')} (and the endpoint: storage_options={{'client_kwargs': "
                 "{'endpoint_url': ...}} or AWS_ENDPOINT_URL)")
@@ -917,6 +1003,10 @@ class ZarrBackend:
     def __repr__(self) -> str:
         return self.label
 
+    def _failure(self, e: BaseException) -> str:
+        """``e`` as :func:`remote_failure` says it, with what this store knows of its endpoint."""
+        return remote_failure(e)
+
     def _sync(self, coro: Any) -> Any:
         from .._safeio import zarr_sync
 
@@ -930,20 +1020,41 @@ class ZarrBackend:
         except (FileNotFoundError, KeyError):
             return None
         except OSError as e:
-            raise StoreError(f"reading {key!r} from {self.label} failed: {remote_failure(e)}") from e
+            raise StoreError(f"reading {key!r} from {self.label} failed: {self._failure(e)}") from e
         return None if buf is None else buf.to_bytes()
 
     def get(self, key: str, max_bytes: int | None = MAX_JSON_BYTES) -> bytes | None:
+        """The object's bytes, None when it is not there; with ``max_bytes``, a
+        :class:`StoreCorruptError` for an object larger than that, read no further.
+
+        An object store's request costs its latency: a bound of at most ``MAX_JSON_BYTES`` (a
+        document, a manifest, the lock) is one ranged read of ``max_bytes + 1`` bytes, which
+        tells a larger object by its length, with no size asked first; a larger bound asks for
+        the size first (one metadata request), then reads it in one request (a file system that
+        reads a large object in parallel parts does so above that bound)."""
+        from zarr.abc.store import RangeByteRequest
+
         check_key(key, store=self, what="key")
-        if max_bytes is not None:
+        if max_bytes is None:
+            return self._get(key)
+        if max_bytes > MAX_JSON_BYTES:
             size = self.size(key)
             if size is None:
                 return None
             if size > max_bytes:
                 raise corrupt(self, f"{key!r} holds {size} bytes, more than the {max_bytes} such a file may hold")
-        data = self._get(key)
-        if data is not None and max_bytes is not None and len(data) > max_bytes:
-            raise corrupt(self, f"{key!r} holds {len(data)} bytes, more than the {max_bytes} such a file may hold")
+            if size > MAX_JSON_BYTES:
+                return self._get(key)
+        try:
+            data = self._get(key, RangeByteRequest(0, max_bytes + 1))
+        except StoreError as e:
+            if unreachable(e):
+                raise
+            data = self._get(key)  # (a store that refuses a range past the end of the object)
+        if data is not None and len(data) > max_bytes:
+            size = self.size(key) if len(data) == max_bytes + 1 else len(data)
+            shown = f"{size} bytes" if size is not None and size > max_bytes else f"more than {max_bytes} bytes"
+            raise corrupt(self, f"{key!r} holds {shown}, more than the {max_bytes} such a file may hold")
         return data
 
     def get_range(self, key: str, start: int, length: int) -> bytes | None:
@@ -956,7 +1067,9 @@ class ZarrBackend:
             return b"" if self.size(key) is not None else None
         try:  # one ranged read (an object store's request costs its latency: no size asked first)
             data = self._get(key, RangeByteRequest(start, start + length))
-        except StoreError:
+        except StoreError as e:
+            if unreachable(e):  # (asked again, it would be waited for again)
+                raise
             data = None  # (a range past the end is refused by some stores: asked again with the size)
         else:
             if data is None or len(data) <= length:
@@ -982,7 +1095,7 @@ class ZarrBackend:
         except (FileNotFoundError, KeyError):
             return None
         except OSError as e:  # (a refused credential, an endpoint that does not answer: with the fix)
-            raise StoreError(f"reading the size of {key!r} in {self.label} failed: {remote_failure(e)}") from e
+            raise StoreError(f"reading the size of {key!r} in {self.label} failed: {self._failure(e)}") from e
         return None if n is None else int(n)
 
     def tail(self, key: str, length: int, size_hint: int | None = None) -> tuple[int, bytes] | None:
@@ -1011,7 +1124,7 @@ class ZarrBackend:
         try:
             self._sync(self.store.set(key, cpu.Buffer.from_bytes(data)))
         except Exception as e:  # remote errors come in many classes
-            raise StoreError(f"writing {key!r} to {self.label} failed: {remote_failure(e)}") from e
+            raise StoreError(f"writing {key!r} to {self.label} failed: {self._failure(e)}") from e
 
     def set_if_absent(self, key: str, data: bytes) -> bool:
         """Write ``key`` unless it exists; True when this call wrote it (not atomic here)."""
@@ -1030,6 +1143,10 @@ class ZarrBackend:
             self._sync(self.store.delete(key))
         except (FileNotFoundError, KeyError):
             pass
+        except Exception as e:  # remote errors come in many classes (botocore's are no OSError)
+            if isinstance(e, StoreError):
+                raise
+            raise StoreError(f"deleting {key!r} from {self.label} failed: {self._failure(e)}") from e
 
     def list(self, prefix: str = "") -> Iterator[str]:
         if prefix:
@@ -1038,7 +1155,13 @@ class ZarrBackend:
         async def collect() -> list[str]:
             return [k async for k in self.store.list_prefix(prefix)]
 
-        for key in self._sync(collect()):
+        try:
+            keys = self._sync(collect())
+        except (FileNotFoundError, KeyError, StoreError):
+            raise
+        except Exception as e:  # remote errors come in many classes (botocore's are no OSError)
+            raise StoreError(f"listing {prefix or 'the objects'!r} of {self.label} failed: {self._failure(e)}") from e
+        for key in keys:
             if key != LOCK_KEY:
                 yield key
 
@@ -1102,7 +1225,38 @@ class FsspecBackend(ZarrBackend):
         self._conditional = bool(names & {"S3FileSystem", "MemoryFileSystem"})
         self.capabilities = Capabilities(atomic_write=True, atomic_rename=False,
                                          conditional_write=self._conditional, mmap=False)
+        if "S3FileSystem" in names:  # (its own tries, around botocore's: see S3_CONFIG_DEFAULTS)
+            for f in {id(x): x for x in (fs, inner) if type(x).__name__ == "S3FileSystem"}.values():
+                f.retries = S3FS_TRIES
+                self._drop_expect_continue(f)
         self.forget_listings()
+
+    def _drop_expect_continue(self, fs: Any) -> None:
+        """Have ``fs`` (an s3fs file system) send its uploads without ``Expect: 100-continue``
+        (:func:`_no_expect_continue`). Its client is made here (no request is sent); a file
+        system whose client cannot be made is left as it is (its first request says why)."""
+        try:
+            if fs.asynchronous:
+                self._sync(fs.set_session())
+            else:
+                fs.connect()
+            fs._s3.meta.events.register("before-send.s3", _no_expect_continue,
+                                        unique_id="activationscope-no-expect-continue")
+        except Exception:  # noqa: BLE001 - (see above)
+            pass
+
+    def _failure(self, e: BaseException) -> str:
+        fs = getattr(self.store, "fs", None)
+        fs = getattr(fs, "sync_fs", fs)
+        if type(fs).__name__ != "S3FileSystem":
+            return remote_failure(e)
+        client = getattr(fs, "_s3", None)  # (the endpoint the client was made for, once it is made)
+        endpoint = getattr(getattr(client, "meta", None), "endpoint_url", None)
+        if not endpoint:
+            endpoint = ((getattr(fs, "client_kwargs", None) or {}).get("endpoint_url") or getattr(fs, "endpoint_url", None)
+                        or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL"))
+        return remote_failure(e, endpoint=str(endpoint) if endpoint else None,
+                              config=getattr(fs, "_prepare_config_kwargs", dict)(), s3fs_tries=getattr(fs, "retries", None))
 
     def forget_listings(self) -> None:
         """Drop the listings of this store's folders that the file system cached (s3fs and
@@ -1182,7 +1336,7 @@ class FsspecBackend(ZarrBackend):
         except FileNotFoundError:
             return None
         except Exception as e:  # remote errors come in many classes
-            raise StoreError(f"reading the size of {key!r} in {self.label} failed: {remote_failure(e)}") from e
+            raise StoreError(f"reading the size of {key!r} in {self.label} failed: {self._failure(e)}") from e
         ident = tuple(str(info.get(k)) for k in ("ETag", "LastModified", "created", "mtime", "VersionId")
                       if info.get(k) is not None)
         if not ident:
@@ -1213,7 +1367,7 @@ class FsspecBackend(ZarrBackend):
         except Exception as e:  # remote errors come in many classes
             if "PreconditionFailed" in str(e) or "412" in str(e):
                 return False
-            raise StoreError(f"writing {key!r} to {self.label} failed: {remote_failure(e)}") from e
+            raise StoreError(f"writing {key!r} to {self.label} failed: {self._failure(e)}") from e
 
 
 def describe_local_path(path: str | os.PathLike) -> tuple[str, str] | None:
@@ -1377,11 +1531,15 @@ def remote_store_above(backend: "FsspecBackend") -> str | None:
         try:
             if await fs._size(f"{prefix}/zarr.json") <= MAX_JSON_BYTES:
                 raw = await fs._cat_file(f"{prefix}/zarr.json")
-        except (FileNotFoundError, OSError, ValueError, TypeError):
+        except (FileNotFoundError, OSError, ValueError, TypeError) as e:
+            if unreachable(e):
+                raise
             raw = None
         try:
             locked = bool(await fs._exists(f"{prefix}/{LOCK_KEY}"))
-        except (OSError, ValueError):
+        except (OSError, ValueError) as e:
+            if unreachable(e):
+                raise
             locked = False
         return _parse_marks(raw, locked)
 
@@ -1390,7 +1548,10 @@ def remote_store_above(backend: "FsspecBackend") -> str | None:
         prefix = "/".join(parts[:i])
         try:
             is_store, attrs = backend._sync(marks(prefix))
-        except Exception:  # noqa: BLE001 - a prefix that cannot be read (no permission): not known as a store
+        except Exception as e:  # noqa: BLE001 - a prefix that cannot be read (no permission): not known as a store
+            if unreachable(e):  # (an endpoint that does not answer: each next request would wait as long)
+                raise StoreError(f"reading the prefix {prefix!r} above {backend.label} failed: "
+                                 f"{backend._failure(e)}") from e
             continue
         if not is_store:
             continue
@@ -1455,7 +1616,9 @@ def check_remote_store_path(backend: Any) -> None:
         return
     try:
         info = backend.path_info()
-    except Exception:  # noqa: BLE001 - nothing there, or a failure the writer's next request names
+    except Exception as e:  # noqa: BLE001 - nothing there, or a failure the writer's next request names
+        if unreachable(e):  # (... after waiting as long again: said now)
+            raise StoreError(f"reading {backend.label} failed: {backend._failure(e)}") from e
         return
     if not isinstance(info, dict) or info.get("type") != "file" or backend.size("zarr.json") is not None:
         return
@@ -1525,7 +1688,8 @@ def resolve(target: Any, *, fsync: bool = False, read_only: bool = False,
         if "://" not in target:
             return LocalBackend(target, fsync=fsync)
         try:
-            zstore = zarr.storage.FsspecStore.from_url(target, read_only=read_only, storage_options=storage_options)
+            zstore = zarr.storage.FsspecStore.from_url(target, read_only=read_only,
+                                                       storage_options=with_remote_defaults(target, storage_options))
         except Exception as e:
             raise StoreError(f"cannot open the store URL {target!r} through fsspec: {e}") from e
         return FsspecBackend(zstore, label=target)

@@ -167,6 +167,10 @@ class _Run:
 #: Most bytes of one ranged request that reads neighbouring chunks of a shard together on
 #: object storage (a sequential read): one round trip for a run of chunks, not one per chunk.
 _RUN_READ_BYTES = 8 << 20
+#: Most bytes of committed chunks between two chunks of a shuffled batch (:meth:`Store.prefetch`)
+#: that a ranged request reads with them, to read both in one request: about what S3 sends in
+#: the time of one more request's latency.
+_RUN_GAP_BYTES = 1 << 20
 #: rows of a strided read that is a copy (``store[hp, ::k]``) are read this many bytes at a time
 _STRIDED_BLOCK_BYTES = 64 << 20
 # bytes of one read of a file whose crc32c is checked in pieces (a reduction file, its script):
@@ -407,6 +411,7 @@ class Store:
         # the decoded chunks cache under the same keys, of the commit read last only
         self._inflight: dict[tuple, Any] = {}
         self._next_start: dict[str, int] = {}  # where a sequential reader of a hook point goes next
+        self._prefetched: dict[str, frozenset[int]] = {}  # the chunks of a hook point's last prefetch()
         self._advised: dict[str, tuple[int, int]] = {}  # hook point -> (last hinted start, advised until row)
         self._hints: dict[str, tuple] = {}  # hook point -> (meta, eligible, n_rows, row_bytes, read-ahead rows)
         self._pid = os.getpid()
@@ -917,11 +922,9 @@ class Store:
         """
         if self._parts:
             return self._rank_bounds(hook_point, lambda st, hp: st.row_blocks(hp))
-        if self.compressed_array(hook_point) is None:
+        meta = self._checked_meta(hook_point)
+        if self._mappable(meta):
             return self.segments(hook_point), True
-        meta = self._meta(hook_point)
-        if meta["path"] not in self._checked:
-            self._array_crcs(meta)
         n, step = int(meta["n_rows"]), int(meta["chunk_rows"])
         return list(range(0, n, step)) + [n], False
 
@@ -1734,7 +1737,8 @@ class Store:
 
             exit_safe_zarr()
             try:
-                arr = zarr.open_array(self._backend.zarr_store(read_only=True), path=path, mode="r")
+                # (format 3 named: zarr looks for no format 2 documents, a request each on object storage)
+                arr = zarr.open_array(self._backend.zarr_store(read_only=True), path=path, mode="r", zarr_format=3)
             except StoreError:  # the document is not a regular file, or too large (named)
                 raise
             except Exception as e:  # zarr raises many classes for a damaged document
@@ -1873,11 +1877,14 @@ class Store:
             out[shard * n_chunks + j] = (idx.key, (off, nb), bytes(view[off - off0 : off - off0 + nb]))
         return out
 
-    def _plan_runs(self, meta: dict, chunks: list[int]) -> dict[int, "_Run"]:
+    def _plan_runs(self, meta: dict, chunks: list[int], gap_bytes: int = 0) -> dict[int, "_Run"]:
         """On object storage: chunk -> its :class:`_Run` for each chunk of ``chunks``
         (ascending) that lies back to back with a neighbour of the list in the same shard, at
         most ``_RUN_READ_BYTES`` a run: a sequential read of a shard makes a few requests, not
-        one per chunk. Elsewhere (a local folder: each chunk is a pread) none."""
+        one per chunk. With ``gap_bytes``, two chunks of the list in a shard with committed
+        chunks of at most that many bytes between them are read in one run with those chunks
+        (planned too: the caller decodes them, their bytes being read anyway). Elsewhere (a
+        local folder: each chunk is a pread) none."""
         if isinstance(self._backend, LocalBackend) or len(chunks) < 2:
             return {}
         n_chunks = _layout(meta)[2]
@@ -1890,14 +1897,18 @@ class Store:
                 continue
             if j >= len(idx.entries) or j in idx.bad:
                 continue
-            off, nb = idx.entries[j]
-            if runs:
-                k, slots = runs[-1]
-                poff, pnb = idx.entries[slots[-1]] if k == shard else (None, None)
-                size = sum(idx.entries[i][1] for i in slots) if k == shard else 0
-                if k == shard and slots[-1] == j - 1 and poff + pnb == off and size + nb <= _RUN_READ_BYTES:
-                    slots.append(j)
-                    continue
+            if runs and runs[-1][0] == shard and j > runs[-1][1][-1]:
+                slots = runs[-1][1]
+                added = list(range(slots[-1] + 1, j + 1))
+                gap = added[:-1]
+                if (not gap or gap_bytes > 0) and not any(i in idx.bad for i in gap):
+                    entries = [idx.entries[i] for i in (slots[-1], *added)]
+                    back_to_back = all(entries[t + 1][0] == entries[t][0] + entries[t][1]
+                                       for t in range(len(entries) - 1))
+                    size = sum(idx.entries[i][1] for i in slots) + sum(nb for _, nb in entries[1:])
+                    if back_to_back and sum(nb for _, nb in entries[1:-1]) <= gap_bytes and size <= _RUN_READ_BYTES:
+                        slots.extend(added)
+                        continue
             runs.append((shard, [j]))
         planned: dict[int, _Run] = {}
         for shard, slots in runs:
@@ -1906,6 +1917,62 @@ class Store:
                 for j in slots:
                     planned[shard * n_chunks + j] = run
         return planned
+
+    def prefetch(self, hook_point: str, rows: Iterable[int]) -> None:
+        """Hint that store rows ``rows`` (any order) of ``hook_point`` are read next, as a
+        shuffled batch's are: on object storage the chunks holding them that are not cached are
+        asked for at once, side by side, those of a shard in one ranged request (also across
+        up to ``_RUN_GAP_BYTES`` of other chunks between them, decoded and cached too: the
+        batches after it read neighbouring rows; an array of at most a quarter of the cache
+        has the whole shard of each such chunk read so), and decoded into the chunk cache, for
+        the reads that follow. At most half the cache is asked for at a time. Elsewhere (a
+        local store: a read is a pread or a mapped view) nothing.
+
+        Parameters
+        ----------
+        hook_point : str
+        rows : iterable of int
+            Store rows, in ``[0, n_rows)`` (others are left to the read, which raises).
+
+        Example
+        -------
+        >>> store.prefetch("blocks.0.output", batch_rows)          # doctest: +SKIP
+        >>> x = torch.stack([store.rows("blocks.0.output", r, r + 1)[0] for r in batch_rows])  # doctest: +SKIP
+        """
+        if self._parts or isinstance(self._backend, LocalBackend):
+            return
+        meta = self._checked_meta(hook_point)
+        chunk_rows, n = int(meta["chunk_rows"]), int(meta["n_rows"])
+        per_chunk = chunk_rows * V.row_bytes(meta)
+        if per_chunk <= 0 or n == 0:
+            return
+        if self._pid != os.getpid():  # forked: the parent's decode futures never finish here
+            with self._lock:
+                self._inflight.clear()
+                self._pid = os.getpid()
+        wanted = sorted({int(r) // chunk_rows for r in rows if 0 <= int(r) < n})
+        if n * V.row_bytes(meta) <= self._cache_bytes // 4:  # an array that fits in the cache: each whole
+            # shard (its other rows are read by the batches that follow), as a read of one row does
+            shard_chunks, last = int(meta["shard_rows"]) // chunk_rows, (n - 1) // chunk_rows
+            wanted = sorted({x for k in {c // shard_chunks for c in wanted}
+                             for x in range(k * shard_chunks, min((k + 1) * shard_chunks - 1, last) + 1)})
+        budget = max(0, (self._cache_bytes // 2) // per_chunk)
+        mid = id(meta)
+        with self._lock:
+            self._prefetched[hook_point] = frozenset(wanted)
+            wanted = [c for c in wanted if (hook_point, c, mid) not in self._cache
+                      and (hook_point, c, mid) not in self._inflight][:budget]
+        if not wanted:
+            return
+        runs = self._plan_runs(meta, wanted, gap_bytes=_RUN_GAP_BYTES)
+        extra = sorted(set(runs) - set(wanted))
+        if len(wanted) + len(extra) > budget:  # (the chunks between rows asked for only while they fit)
+            runs = self._plan_runs(meta, wanted)
+            extra = []
+        with self._lock:
+            self._prefetched[hook_point] = self._prefetched.get(hook_point, frozenset()) | set(extra)
+        for c in sorted([*wanted, *extra]):
+            self._chunk_future(hook_point, meta, c, _Run.future(runs, c))
 
     def _read_decoded(self, hook_point: str, meta: dict, start: int, stop: int) -> torch.Tensor:
         """Rows ``[start, stop)`` of a local compressed array: one new tensor.
@@ -1954,8 +2021,8 @@ class Store:
                 todo.append((c, lo, hi, dst))
         # a sequential reader: decode the chunks after this read while it is consumed (on object
         # storage, in runs read together, asked for when half the window is left)
-        with self._lock:
-            sequential = self._next_start.get(hook_point, 0) == start
+        with self._lock:  # (a shuffled batch's chunks read in turn after its prefetch() are not a sequential read)
+            sequential = self._next_start.get(hook_point, 0) == start and c0 not in self._prefetched.get(hook_point, ())
             self._next_start[hook_point] = stop
         remote = not isinstance(self._backend, LocalBackend)
         ahead_chunks: list[int] = []
@@ -1973,8 +2040,21 @@ class Store:
                                 if (hook_point, c, mid) not in self._cache and (hook_point, c, mid) not in self._inflight]
             if remote and ahead_chunks and c1 + 1 not in ahead_chunks and len(ahead_chunks) < max(1, ahead // 2):
                 ahead_chunks = []  # (more than half the window is on its way: the rest with the next run)
+        elif remote and todo and not big and n * row_bytes <= self._cache_bytes // 4:
+            # a read elsewhere (a shuffled reader's) of an array that fits in the cache: the chunks
+            # around the one it misses, in its shard, come in the same request, cached for the
+            # reads of their rows that follow (one request per run of the shard, not per chunk)
+            shard_chunks = int(meta["shard_rows"]) // chunk_rows
+            window = max(1, _RUN_READ_BYTES // max(1, chunk_rows * row_bytes))
+            c = todo[0][0]
+            first_c = (c // shard_chunks) * shard_chunks
+            lo_c = max(first_c, c - window // 2)
+            hi_c = min(first_c + shard_chunks - 1, (n - 1) // chunk_rows, lo_c + window - 1)
+            with self._lock:
+                ahead_chunks = [x for x in range(lo_c, hi_c + 1) if x not in {t[0] for t in todo}
+                                and (hook_point, x, mid) not in self._cache and (hook_point, x, mid) not in self._inflight]
         with self._lock:
-            fetch = [c for c, *_ in todo if (hook_point, c, mid) not in self._inflight] + ahead_chunks
+            fetch = sorted({c for c, *_ in todo if (hook_point, c, mid) not in self._inflight} | set(ahead_chunks))
         runs = self._plan_runs(meta, fetch)
         waits = []
         for c, lo, hi, dst in todo:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -246,8 +247,11 @@ def test_a_remote_store_without_credentials_or_endpoint_names_the_fix(s3, mlp, n
         with acs.ActivationScope(store="s3://acs-bucket/new.zarr", store_options={"storage_options": no_key}).track(mlp):
             mlp(torch.randn(3, 8))
     elsewhere = {**s3, "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{_closed_port()}"}}
-    with pytest.raises(acs.StoreError, match=r"the endpoint did not answer: check storage_options=\{'client_kwargs': "
-                       r"\{'endpoint_url': \.\.\.\}\} or AWS_ENDPOINT_URL"):
+    port = elsewhere["client_kwargs"]["endpoint_url"].rsplit(":", 1)[1]
+    with pytest.raises(acs.StoreError, match=rf"the endpoint http://127\.0\.0\.1:{port} did not answer \(the connection "
+                       r"was refused, or the host is unknown; each request was tried 4 times .*\): check storage_options="
+                       r"\{'client_kwargs': \{'endpoint_url': \.\.\.\}\} or AWS_ENDPOINT_URL.*"
+                       r"storage_options=\{'config_kwargs': \{'connect_timeout': 30\}\}"):
         open_store(url, storage_options=elsewhere)
     anonymous = {"anon": True, "client_kwargs": endpoint}
     with pytest.raises(acs.StoreError, match=r"the object store refused the credentials or this bucket"):
@@ -321,39 +325,160 @@ def test_a_store_is_not_written_beside_an_object_at_its_own_s3_path(s3, mlp, tmp
     assert [k for k in fs.find("acs-bucket") if k.startswith(key + "/")] == []
 
 
-def test_an_endpoint_that_never_answers_is_named_with_the_fix(tmp_path):
-    """An endpoint that takes the connection and never answers (a port of another service, a
-    stalled proxy): the error said only botocore's "Read timeout on endpoint URL", after every
-    retry of s3fs and botocore (about 25 minutes with the default 60 s read timeout). It now
-    names the endpoint's settings and the storage_options that make it fail sooner (used here)."""
+@contextlib.contextmanager
+def _silent_endpoint():
+    """``(endpoint URL, list of the request heads it got, request line first)`` of a local server that takes every
+    connection and reads each request, but never answers (a port of another service, a
+    stalled proxy)."""
     import socket
     import threading
 
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
-    server.listen(16)
+    server.listen(64)
+    heads: list[bytes] = []
     held: list = []
+
+    def read(conn) -> None:
+        data = b""
+        while True:
+            try:
+                got = conn.recv(65536)
+            except OSError:
+                return
+            if not got:
+                return
+            data += got
+            while b"\r\n\r\n" in data:  # (a request's head; its body, if any, is not counted)
+                head, data = data.split(b"\r\n\r\n", 1)
+                heads.append(head)
 
     def take() -> None:
         while True:
             try:
-                held.append(server.accept()[0])
+                conn = server.accept()[0]
             except OSError:
                 return
+            held.append(conn)
+            threading.Thread(target=read, args=(conn,), daemon=True).start()
 
     threading.Thread(target=take, daemon=True).start()
-    options = {"key": "k", "secret": "s",
-               "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{server.getsockname()[1]}"},
-               "config_kwargs": {"read_timeout": 0.5, "connect_timeout": 1, "retries": {"max_attempts": 1}}}
     try:
-        with pytest.raises(acs.StoreError, match=r"in s3://acs-bucket/silent.zarr failed: .*Read timeout.*; the endpoint "
-                           r"took the connection but did not answer in time .*to fail sooner pass storage_options="
-                           r"\{'config_kwargs': \{'read_timeout': 10"):
-            open_store("s3://acs-bucket/silent.zarr", storage_options=options)
+        yield f"http://127.0.0.1:{server.getsockname()[1]}", heads
     finally:
         server.close()
         for c in held:
             c.close()
+
+
+def test_an_endpoint_that_never_answers_fails_after_a_bounded_number_of_tries(s3):
+    """An endpoint that takes the connection and never answers: each request was tried 25
+    times (s3fs's 5 tries, each botocore's 5), waiting read_timeout each time (about 25 minutes
+    with a 60 s wait, 7 minutes with s3fs's 15 s), before botocore's bare "Read timeout". Now
+    the store's client tries each request 4 times (2 by s3fs, each 2 by botocore: about a minute
+    with the default 15 s wait) and the error names the URL, the endpoint, the wait and the
+    storage_options key that raises it. A short read_timeout of the test's own keeps it fast."""
+    with _silent_endpoint() as (endpoint, heads):
+        options = {"key": "k", "secret": "s", "client_kwargs": {"endpoint_url": endpoint},
+                   "config_kwargs": {"read_timeout": 0.2}}
+        with pytest.raises(acs.StoreError) as got:
+            open_store("s3://acs-bucket/silent.zarr", storage_options=options)
+        message = str(got.value)
+        assert re.search(rf"in s3://acs-bucket/silent\.zarr failed: .*; the endpoint {re.escape(endpoint)} took the "
+                         r"connection but did not answer within read_timeout 0\.2 s; each request was tried 4 times "
+                         r"\(2 by s3fs, each 2 by botocore\): check that the endpoint .*; on a slow link give it "
+                         r"longer: storage_options=\{'config_kwargs': \{'read_timeout': 60\}\}$", message), message
+        assert len(heads) == 4, heads
+        assert all(h.startswith(b"HEAD /acs-bucket/silent.zarr/zarr.json ") for h in heads), heads
+        assert options["config_kwargs"] == {"read_timeout": 0.2}  # (the caller's dict left as it was)
+    with _silent_endpoint() as (endpoint, heads):  # the caller's own tries win over the defaults
+        options = {"key": "k", "secret": "s", "client_kwargs": {"endpoint_url": endpoint},
+                   "config_kwargs": {"read_timeout": 0.2, "retries": {"total_max_attempts": 1}}}
+        with pytest.raises(acs.StoreError, match=r"within read_timeout 0\.2 s; each request was tried 2 times "
+                           r"\(2 by s3fs, each 1 by botocore\)"):
+            open_store("s3://acs-bucket/silent.zarr", storage_options=options)
+        assert len(heads) == 2, heads
+
+
+def _in_a_thread(fn, timeout_s: float = 60):
+    """What ``fn()`` raised (None when it returned), run in a daemon thread given ``timeout_s``
+    seconds: a call that never returns fails the test instead of hanging it."""
+    import threading
+
+    raised: list = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - returned to the test
+            raised.append(e)
+        else:
+            raised.append(None)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    assert not t.is_alive(), f"still waiting after {timeout_s} s"
+    return raised[0]
+
+
+def test_a_capture_and_an_upload_to_an_endpoint_that_never_answers_fail_after_bounded_tries(mlp):
+    """A capture into an endpoint that takes the connection and never answers: three checks of
+    the path made their requests (each waited for, then taken as "nothing there"), then the
+    writer lock's upload waited forever: botocore sends an upload with "Expect: 100-continue"
+    and aiohttp waits for the "100 Continue" with no timeout. Now the first request that the
+    endpoint does not answer ends the capture (StoreError naming the URL and the endpoint), and
+    uploads go without that header, so read_timeout bounds them too (4 tries each)."""
+    from activationscope.store import _backend
+
+    with _silent_endpoint() as (endpoint, heads):
+        options = {"key": "k", "secret": "s", "client_kwargs": {"endpoint_url": endpoint},
+                   "config_kwargs": {"read_timeout": 0.2}}
+
+        def capture() -> None:
+            scope = acs.ActivationScope(store="s3://acs-bucket/silent.zarr", store_options={"storage_options": options})
+            with scope.track(mlp), torch.no_grad():
+                mlp(torch.randn(3, 8))
+
+        e = _in_a_thread(capture)
+        assert isinstance(e, acs.StoreError) and re.search(
+            rf"s3://acs-bucket/silent\.zarr failed: .*the endpoint {re.escape(endpoint)} took the connection but did "
+            r"not answer within read_timeout 0\.2 s; each request was tried 4 times", str(e)), e
+        assert len(heads) == 4, [h.split(b"\r\n", 1)[0] for h in heads]
+        heads.clear()
+        backend = _backend.resolve("s3://acs-bucket/silent.zarr", storage_options=options)
+        e = _in_a_thread(lambda: backend.set("notes.txt", b"x" * 1000))
+        assert isinstance(e, acs.StoreError) and re.search(
+            rf"writing 'notes\.txt' to s3://acs-bucket/silent\.zarr failed: .*the endpoint {re.escape(endpoint)} took "
+            r"the connection but did not answer within read_timeout 0\.2 s", str(e)), e
+        assert [h.split(b"\r\n", 1)[0] for h in heads] == [b"PUT /acs-bucket/silent.zarr/notes.txt HTTP/1.1"] * 4
+        assert not any(b"\r\nexpect:" in h.lower() for h in heads), heads
+        for what, fn in (("listing 'acts/'", lambda: list(backend.list("acts/"))),
+                         ("deleting 'notes.txt'", lambda: backend.delete("notes.txt"))):
+            e = _in_a_thread(fn)  # (botocore's own ReadTimeoutError before, with no fix named)
+            assert isinstance(e, acs.StoreError) and re.search(
+                rf"{what} of|{what} from", str(e)) and f"the endpoint {endpoint} took the connection" in str(e), e
+
+
+def test_an_s3_store_s_client_gets_timeouts_and_tries_the_caller_s_options_override(s3):
+    """The limits an s3:// store's client gets (S3_CONFIG_DEFAULTS, S3FS_TRIES): each key of
+    the caller's config_kwargs wins; other URLs' options are left as given."""
+    from activationscope.store import _backend
+
+    defaults = _backend.S3_CONFIG_DEFAULTS
+    assert defaults == {"connect_timeout": 5, "read_timeout": 15,
+                        "retries": {"mode": "standard", "total_max_attempts": 2}}
+    b = _backend.resolve("s3://acs-bucket/limits.zarr", storage_options=s3)
+    assert b.store.fs.config_kwargs == defaults and b.store.fs.retries == _backend.S3FS_TRIES == 2
+    mine = {**s3, "config_kwargs": {"read_timeout": 120, "retries": {"max_attempts": 9}}}
+    b = _backend.resolve("s3a://acs-bucket/limits.zarr", storage_options=mine)
+    got = b.store.fs.config_kwargs
+    assert (got["connect_timeout"], got["read_timeout"]) == (5, 120)
+    assert got["retries"] in ({"max_attempts": 9}, {"total_max_attempts": 10, "mode": "legacy"})  # (as botocore reads it)
+    assert mine["config_kwargs"] == {"read_timeout": 120, "retries": {"max_attempts": 9}}  # (the caller's, unchanged)
+    assert defaults["retries"] == {"mode": "standard", "total_max_attempts": 2}
+    assert _backend.with_remote_defaults("memory://x.zarr", {"a": 1}) == {"a": 1}
+    assert _backend.with_remote_defaults("gs://b/x.zarr", None) is None
 
 
 @pytest.fixture
