@@ -215,6 +215,9 @@ def no_aws_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    # (nor a file system an earlier test made with the variables it set: s3fs keeps instances)
+    s3fs = pytest.importorskip("s3fs")
+    s3fs.S3FileSystem.clear_instance_cache()
 
 
 def _closed_port() -> int:
