@@ -916,6 +916,12 @@ class Tracker:
             ``storage_dtype``: the store is left as it was. Hook points that differ
             only by what a forward reaches are refused at the first resumed forward, before
             any of its rows is committed.
+        CaptureError
+            A tracker attached by another thread (still attached) wraps a module of this
+            tracker's model, or this tracker would wrap a module of that tracker's model (the
+            same model, a submodule both models share, a model and one of its submodules):
+            each would capture the other thread's forwards. Nothing is written; give each
+            thread its own copy of the model, or attach both trackers in one thread.
         """
         if self._attached:
             return self
@@ -1544,7 +1550,14 @@ class Tracker:
         """Remove this tracker's wrappers and close its store: status ``complete``, or
         ``incomplete`` when the body raised (the exception propagates). The end of a nested
         ``with`` block of the same tracker does nothing. Calls of the tracked modules still
-        running in other threads are waited for first, as :meth:`remove` does."""
+        running in other threads are waited for first, as :meth:`remove` does.
+
+        Raises
+        ------
+        CaptureError
+            As :meth:`remove`: left inside a forward of the tracked model on this thread
+            (nothing is changed, the tracker stays attached), or calls in other threads still
+            ran after 30 s."""
         if self._with_depth > 1:
             self._with_depth -= 1
             return
