@@ -211,6 +211,34 @@ def test_labels_of_a_resume_must_be_those_of_the_stored_samples(tmp_path, user_p
     assert acs.open_store(str(out)).row_table("sample").column("label").to_pylist() == labels.tolist()
 
 
+@pytest.mark.parametrize("labels", [True, False])
+def test_a_resume_of_a_store_whose_row_table_part_is_damaged_names_the_damage(tmp_path, user_package, capsys,
+                                                                             labels):
+    # the labels check of a resume took a row table it could not read for no row table: a
+    # store with labels whose sample table part was damaged was said to hold its samples
+    # "without labels, but --labels was given"; now the damage is named (as the writer names it
+    # for a resume without --labels), nothing changed
+    user_package("damagedrowsnets", NETS)
+    data = tmp_path / "x.npy"
+    np.save(data, np.random.default_rng(0).standard_normal((30, 6)).astype(np.float32))
+    np.save(tmp_path / "y.npy", np.arange(30) % 2)
+    out = tmp_path / "a.zarr"
+    args = ["capture", "--model", "damagedrowsnets.nets:mlp", "--data", str(data), "--out", str(out),
+            "--no-progress", "--batch-size", "5"]
+    code, _, err = run(capsys, *args, "--labels", str(tmp_path / "y.npy"), "--max-samples", "10")
+    assert code == 0, err
+    part = out / "rows" / "sample" / "part-000000.parquet"
+    damaged = bytearray(part.read_bytes())
+    damaged[len(damaged) // 2] ^= 0x40
+    part.write_bytes(bytes(damaged))
+    before = _files(out)
+    code, _, err = run(capsys, *args, "--resume", *(["--labels", str(tmp_path / "y.npy")] if labels else []))
+    assert code == 1
+    _one_error_line(err, "row table 'sample'", "part 'rows/sample/part-000000.parquet'", "crc32c")
+    assert "without labels" not in err
+    assert _files(out) == before
+
+
 @pytest.mark.parametrize("case", ["resumed", "nothing left", "other data", "other labels"])
 def test_a_resume_opens_the_store_once_for_all_its_checks(tmp_path, user_package, capsys, monkeypatch, case):
     # the checks of a resume (its rows, data fingerprint, labels; model and --capture when

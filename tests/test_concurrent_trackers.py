@@ -106,6 +106,44 @@ def test_a_submodule_shared_with_a_model_another_thread_tracks_is_refused():
     assert _in_thread(other) == []  # not shared with a tracker any more
 
 
+@pytest.mark.parametrize("first", ["submodule", "model"])
+def test_a_model_and_its_submodule_tracked_in_two_threads_is_refused(tmp_path, first):
+    # one thread tracked m.0 alone while another tracked m (only m.2 selected: m.0 not wrapped
+    # by its tracker): every forward of m, from the other thread, called m.0 and was recorded
+    # by the first thread's tracker as a forward of its own, the other thread's rows in its
+    # store, without an error
+    m = _mlp()
+    sub = m[0]
+    trackers = {"submodule": lambda: ActivationScope(store=tmp_path / "sub.zarr").track(sub),
+                "model": lambda: ActivationScope(store=tmp_path / "m.zarr").track(m, include=["2"])}
+    second = "model" if first == "submodule" else "submodule"
+
+    def other():
+        with torch.no_grad(), trackers[second]():
+            m(torch.randn(3, 8))
+
+    xs = [torch.randn(5, 8)]
+    with torch.no_grad(), trackers[first]() as t:
+        errors = _in_thread(other)
+        (sub if first == "submodule" else m)(xs[0])
+    assert len(errors) == 1 and isinstance(errors[0], CaptureError)
+    msg = str(errors[0])
+    assert "thread 'other'" in msg and "MainThread" in msg and "copy.deepcopy" in msg
+    if second == "model":
+        assert "module '0' of Sequential is also tracked by a tracker of Linear" in msg
+    else:
+        assert "Linear itself is also a module of the model of a tracker of Sequential" in msg
+    assert not (tmp_path / f"{'m' if second == 'model' else 'sub'}.zarr").exists()  # nothing written
+    assert "forward" not in m.__dict__ and not any("forward" in c.__dict__ for c in m)
+    if first == "submodule":  # the first thread's store holds its own forward only
+        s = open_store(tmp_path / "sub.zarr")
+        assert s.n_samples == 5
+        torch.testing.assert_close(s["output"], sub(xs[0]).detach(), rtol=0, atol=0)
+    else:
+        _assert_store_equals(tmp_path / "m.zarr", {"2.output": _reference(m, xs)["2.output"]})
+    del t
+
+
 @pytest.mark.parametrize("store", [False, True])
 def test_a_submodule_shared_by_two_models_records_each_models_own_calls(tmp_path, store):
     # in memory, the tracker of b also recorded the shared module's calls in a's forwards (as

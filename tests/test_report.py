@@ -960,7 +960,7 @@ def test_probe_store_warns_when_reused_sample_ids_give_fewer_folds(tmp_path):
     assert clean["0.output"].n_folds == 5 and clean["0.output"].n_groups == 0
 
 
-@pytest.mark.parametrize("reductions", [["mean", "var", "nonzero"], []])
+@pytest.mark.parametrize("reductions", [["mean", "var", "nonzero"], [], ["mean"]])
 def test_units_whose_mean_or_std_a_nan_row_made_nan_are_named(tmp_path, reductions):
     # a NaN value and an inf row: the mean and std count every row (as numpy does over them),
     # so every unit's is NaN or inf and nothing was drawn, with nothing on the page saying why
@@ -978,9 +978,12 @@ def test_units_whose_mean_or_std_a_nan_row_made_nan_are_named(tmp_path, reductio
     ref = x.double().numpy()
     with np.errstate(invalid="ignore"):
         np.testing.assert_array_equal(st.mean.numpy(), ref.mean(0))  # (NaN and inf where numpy has them)
-    source = "reductions" if reductions else "sampled rows"
+    # (with a mean reduction only, the std is from the sampled rows: the note said both were
+    # from the reductions)
+    source = {3: "from the reductions", 0: "from the sampled rows",
+              1: "the mean from the reductions, the std from the sampled rows"}[len(reductions)]
     note = (f"mean / std: 5 of the 5 units have a NaN or inf mean or std (not plotted): some rows hold NaN or inf, "
-            f"and the mean and std (from the {source}) count every row, where the PCA and the probe leave those "
+            f"and the mean and std ({source}) count every row, where the PCA and the probe leave those "
             "rows out")
     assert note in st.notes
     page = report.write_report(str(path), tmp_path / "rep").read_text()

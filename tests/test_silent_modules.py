@@ -504,3 +504,31 @@ def test_tracking_the_layers_of_an_encoder_without_nested_tensors_keeps_the_fast
     with ActivationScope().track(nested, include=["layers.0"]):
         assert not torch.backends.mha.get_fastpath_enabled()
     assert torch.backends.mha.get_fastpath_enabled()
+
+
+
+@pytest.mark.parametrize("how", ["export", "symbolic_trace", "script", "exclude"])
+@pytest.mark.parametrize("call", ["select_modules", "track"])
+def test_module_selection_warnings_name_the_callers_line(how, call):
+    # select_modules' warnings (modules a torch.fx graph inlines or traced through, modules
+    # inside TorchScript, an exclude pattern matching nothing) named a line a fixed number of
+    # frames above them, right for scope.track only: select_modules called directly (or track
+    # called by the library's own capture functions) had them name a line of pytest, or of
+    # the library
+    from activationscope.capture.hooks import select_modules
+
+    eager = _Block().eval()
+    x = torch.randn(3, 4)
+    model = {"export": lambda: torch.export.export(eager, (x,)).module(),
+             "symbolic_trace": lambda: torch.fx.symbolic_trace(eager),
+             "script": lambda: torch.nn.Sequential(torch.nn.Linear(4, 4), torch.jit.script(_mlp())),
+             "exclude": lambda: eager}[how]()
+    exclude = ["nothing_here"] if how == "exclude" else None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if call == "select_modules":
+            select_modules(model, exclude=exclude)
+        else:
+            ActivationScope().track(model, exclude=exclude)
+    got = [(w.filename, str(w.message)[:60]) for w in caught if issubclass(w.category, CaptureWarning)]
+    assert got and all(f == __file__ for f, _ in got), got

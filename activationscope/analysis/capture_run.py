@@ -1019,14 +1019,12 @@ def _check_resumed_labels(out: str, labels: Sequence[Any] | None, data: str, fir
     start part way, or label the later rows by another list (ArgumentValueError; nothing
     changed). A store whose row table does not cover its ``first`` samples is not checked.
     ``store``: the store at ``out``, opened; only the ``sample_id`` and ``label`` of its table
-    are read."""
+    are read. A row table that cannot be read (a damaged part) raises its StoreError: it says
+    nothing of the store's labels."""
     table = None
-    for kind in ("sample", "token"):
-        try:
-            table = store.row_table(kind, columns=["sample_id", "label"])
-        except Exception:  # noqa: BLE001 - no row table of that kind
-            continue
-        if table is not None and table.num_rows:
+    for kind in ("sample", "token"):  # (a store without a table of a kind reads an empty one)
+        table = store.row_table(kind, columns=["sample_id", "label"])
+        if table.num_rows:
             break
     if table is None or "sample_id" not in table.column_names:
         return

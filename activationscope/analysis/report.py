@@ -238,10 +238,12 @@ def hook_point_stats(
                      "and left out of it")
     bad_units = int((~(torch.isfinite(mean) & torch.isfinite(std))).sum()) if n_units and not no_rows else 0
     if bad_units:  # (rows holding NaN or inf: the mean and std count every row, and are not plotted there)
+        source = {name: "reductions" if name in reduced else "sampled rows" for name in ("mean", "std")}
+        sources = (f"from the {source['mean']}" if source["mean"] == source["std"]
+                   else f"the mean from the {source['mean']}, the std from the {source['std']}")
         notes.append(f"mean / std: {bad_units} of the {n_units} {'unit' if axis is None else ('channel' if axis == 0 else 'feature')}s "
                      f"have a NaN or inf mean or std (not plotted): some rows hold NaN or inf, and the mean and std "
-                     "(from the " + ("reductions" if {"mean", "std"} & set(reduced) else "sampled rows") + ") count every row, where the PCA "
-                     "and the probe leave those rows out")
+                     f"({sources}) count every row, where the PCA and the probe leave those rows out")
     if finite.numel():
         finite = finite.double()
         lo, hi = float(finite.min()), float(finite.max())

@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from ..errors import ArgumentTypeError, CaptureError, CaptureWarning, HookPointNotFoundError
+from ..errors import (ArgumentTypeError, CaptureError, CaptureWarning, HookPointNotFoundError,
+                      stacklevel_outside_package)
 
 __all__ = ["select_modules", "hook_point_module", "normalize_patterns", "is_hook_point_module", "rename_hook_point",
            "pattern_hits", "pattern_selects", "block_stacks", "block_modules", "never_called_type", "named_modules"]
@@ -189,7 +190,7 @@ def select_modules(
                     f"exclude pattern {pat!r} matches no module of {type(model).__name__}, so it excludes nothing"
                     + (_shared_names_hint(model, named, pat, "exclude")
                        or f"; module names look like {_examples(names)}" + (f"; did you mean {close}?" if close else "")),
-                    CaptureWarning, stacklevel=3,
+                    CaptureWarning, stacklevel=stacklevel_outside_package(),
                 )
             excluded.update(hits)
         chosen = [(n, m) for n, m in chosen if n not in excluded]
@@ -363,7 +364,7 @@ def _replace_scripted(
         f"Tracking {owners} instead (its own output); to see inside, track the eager model before "
         "torch.jit.script / torch.jit.trace",
         CaptureWarning,
-        stacklevel=4,
+        stacklevel=stacklevel_outside_package(),  # the caller's line, however it got here
     )
     return out
 
@@ -456,7 +457,7 @@ def _replace_inlined(
             + ". Track the eager model to record them, or trace with them as leaves (a torch.fx.Tracer whose "
             "is_leaf_module returns True for them)",
             CaptureWarning,
-            stacklevel=4,
+            stacklevel=stacklevel_outside_package(),  # the caller's line, however it got here
         )
         if alone:
             dropped = {o: [] for o in traced_through}
@@ -483,7 +484,7 @@ def _replace_inlined(
         "whose modules are called; for torch.fx.symbolic_trace, track the eager model or trace with these modules "
         "as leaves (a torch.fx.Tracer whose is_leaf_module returns True for them)",
         CaptureWarning,
-        stacklevel=4,
+        stacklevel=stacklevel_outside_package(),  # the caller's line, however it got here
     )
     return out
 

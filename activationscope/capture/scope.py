@@ -177,8 +177,9 @@ _PLACEMENT_CODE = {StoragePolicy.AUTO: 0, StoragePolicy.CPU: 1, StoragePolicy.GP
 # The close of a tracker waits this long for calls of its modules still running in other threads.
 _CLOSE_WAIT_S = 30.0
 # Trackers attached (or attaching) in this process, each with the thread that attached it
-# (Tracker._thread) and the ids of the modules it wraps (Tracker._module_ids): trackers that
-# share a module must be attached from one thread (Tracker._claim_modules)
+# (Tracker._thread), the ids of the modules it wraps (Tracker._module_ids) and of every module
+# of its model (Tracker._tree_ids): trackers one of which wraps a module of the other's model
+# must be attached from one thread (Tracker._claim_modules)
 _ATTACHED: "weakref.WeakSet[Tracker]" = weakref.WeakSet()
 _ATTACHED_LOCK = threading.Lock()
 
@@ -781,6 +782,7 @@ class Tracker:
         # the thread that attached it (a weak reference: a thread that ended is never this one) and its name
         self._thread: tuple[Any, str] = (lambda: None, "")
         self._module_ids: frozenset[int] = frozenset()
+        self._tree_ids: frozenset[int] = frozenset()  # every module of the model (its forwards call them)
         self._attached = False
         self._closed = False
         self._with_depth = 0  # `with tracker:` blocks entered and not yet left
@@ -914,6 +916,12 @@ class Tracker:
             ``storage_dtype``: the store is left as it was. Hook points that differ
             only by what a forward reaches are refused at the first resumed forward, before
             any of its rows is committed.
+        CaptureError
+            A tracker attached by another thread (still attached) wraps a module of this
+            tracker's model, or this tracker would wrap a module of that tracker's model (the
+            same model, a submodule both models share, a model and one of its submodules):
+            each would capture the other thread's forwards. Nothing is written; give each
+            thread its own copy of the model, or attach both trackers in one thread.
         """
         if self._attached:
             return self
@@ -928,28 +936,36 @@ class Tracker:
 
     def _claim_modules(self) -> None:
         """Note this tracker as attached by this thread; refuse (CaptureError) when another
-        tracker attached by another thread wraps one of its modules.
+        tracker attached by another thread wraps a module of this tracker's model, or this
+        tracker wraps a module of the other's model.
 
-        Every forward of a tracked model, from any thread, is captured by every tracker attached
-        to it: two threads that each track the same model (or two models sharing a submodule)
-        with a tracker of their own would record each other's forwards, their rows in the other
-        thread's store under that thread's sample ids."""
+        Every call of a tracked module, from any thread, is captured by every tracker attached
+        to it: two threads that each track the same model (or two models sharing a submodule,
+        or a model and one of its submodules) with a tracker of their own would record each
+        other's forwards, their rows in the other thread's store under that thread's sample ids."""
         ids = {id(self.model): ""} | {id(m): n for n, m in self._modules}
+        tree = {id(m): n for n, m in named_modules(self.model)}
+        for i, n in ids.items():
+            tree.setdefault(i, n)
         me = threading.current_thread()
         with _ATTACHED_LOCK:
             for other in list(_ATTACHED):
                 if other is self or other._thread[0]() is me:
                     continue
-                shared = [n for i, n in ids.items() if i in other._module_ids]
+                # a module of this model the other tracker wraps, or one this tracker wraps that
+                # the other's model calls
+                shared = [(n, i in other._module_ids) for i, n in tree.items()
+                          if i in other._module_ids or (i in ids and i in other._tree_ids)]
                 if not shared:
                     continue
-                path = shared[0]
+                path, wrapped = shared[0]
                 what = (f"module {path!r} of {type(self.model).__name__}" if path
                         else f"{type(self.model).__name__} itself")
                 same = other.model is self.model
+                how = "also tracked by" if wrapped else "also a module of the model of"
                 raise CaptureError(
-                    f"cannot attach a tracker of {type(self.model).__name__} in thread {me.name!r}: {what} is also "
-                    f"tracked by a tracker of {'the same model' if same else type(other.model).__name__} attached in "
+                    f"cannot attach a tracker of {type(self.model).__name__} in thread {me.name!r}: {what} is {how} "
+                    f"a tracker of {'the same model' if same else type(other.model).__name__} attached in "
                     f"thread {other._thread[1]!r}. Every call of a tracked module, from any thread, is captured by "
                     "every tracker attached to it, so each thread's forwards would be recorded by both captures (the "
                     "rows of one thread in the other's store). Give each thread its own copy of the model "
@@ -958,6 +974,7 @@ class Tracker:
                 )
             self._thread = (weakref.ref(me), me.name)
             self._module_ids = frozenset(ids)
+            self._tree_ids = frozenset(tree)
             _ATTACHED.add(self)
 
     def _release_modules(self) -> None:
@@ -1533,7 +1550,14 @@ class Tracker:
         """Remove this tracker's wrappers and close its store: status ``complete``, or
         ``incomplete`` when the body raised (the exception propagates). The end of a nested
         ``with`` block of the same tracker does nothing. Calls of the tracked modules still
-        running in other threads are waited for first, as :meth:`remove` does."""
+        running in other threads are waited for first, as :meth:`remove` does.
+
+        Raises
+        ------
+        CaptureError
+            As :meth:`remove`: left inside a forward of the tracked model on this thread
+            (nothing is changed, the tracker stays attached), or calls in other threads still
+            ran after 30 s."""
         if self._with_depth > 1:
             self._with_depth -= 1
             return

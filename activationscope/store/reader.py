@@ -2406,7 +2406,9 @@ class Store:
             e.g. ``["sample_id", "token_ids"]`` of a token table), in this order; a name the
             table has no column of is left out (``table.column_names`` says which were
             found). Its parts are fetched and checked as for the whole table (crc32c, rows,
-            the order of the ``batch`` column). Default: every column.
+            the order of the ``batch`` column); of a store of rank stores, only the columns
+            read are checked for the same type on every rank (a column of other types on two
+            ranks, not read, does not raise). Default: every column.
 
         Raises
         ------
