@@ -778,13 +778,14 @@ void ForwardWrapper::consume_all(TrackerCore& core, const Leaves& leaves, bool o
 // original forward into call_begin / call_end ops. Both run with the GIL held.
 
 void ForwardWrapper::op_begin(at::TensorList leaves, const std::vector<std::string>& names, const at::Tensor& first) {
-  if (op_frames_.size() > 64) op_frames_.clear();  // frames of graphs that raised midway
+  std::vector<OpFrame>& frames = op_frames_[std::this_thread::get_id()];
+  if (frames.size() > 64) frames.clear();  // frames of graphs that raised midway
   if (sites_.empty() || torch::autograd::get_current_graph_task_id() != -1) {
-    op_frames_.emplace_back().skip = true;
+    frames.emplace_back().skip = true;
     return;
   }
   check_one_thread();
-  op_frames_.emplace_back();
+  frames.emplace_back();
   OpFrame f;
   try {
     for (auto& s : sites_) {
@@ -810,7 +811,8 @@ void ForwardWrapper::op_begin(at::TensorList leaves, const std::vector<std::stri
       --c->depth;
       --c->op_depth;
     }
-    op_frames_.pop_back();
+    frames.pop_back();
+    if (frames.empty()) op_frames_.erase(std::this_thread::get_id());
     throw;
   }
   // (a call on its own inside a graph names the calls inside it as before: each its own)
@@ -822,15 +824,17 @@ void ForwardWrapper::op_begin(at::TensorList leaves, const std::vector<std::stri
     if (take_call(*s, sites_, &base, &k, &outside, &outside_calls)) f.active.emplace_back(s, std::move(base));
   }
   outside_calls.close();
-  op_frames_.back() = f;
+  frames.back() = f;
   for (auto& [site, base] : f.active)
     if (site->capture_input && !leaves.empty()) capture_named(*site->core, base, leaves, names);
 }
 
 void ForwardWrapper::op_end(at::TensorList leaves, const std::vector<std::string>& names) {
-  if (op_frames_.empty()) return;  // frames dropped after a graph that raised
-  OpFrame f = std::move(op_frames_.back());
-  op_frames_.pop_back();
+  auto it = op_frames_.find(std::this_thread::get_id());
+  if (it == op_frames_.end() || it->second.empty()) return;  // frames dropped after a graph that raised
+  OpFrame f = std::move(it->second.back());
+  it->second.pop_back();
+  if (it->second.empty()) op_frames_.erase(it);
   if (f.skip) return;
   struct Guard {
     std::vector<std::shared_ptr<TrackerCore>>& roots;

@@ -262,7 +262,9 @@ class ForwardWrapper {
   std::vector<std::string> kw_order_;
   std::vector<std::shared_ptr<Site>> sites_;
   int64_t key_ = 0;
-  std::vector<OpFrame> op_frames_;
+  // the in-graph calls open on each thread, innermost last (two models sharing this module,
+  // compiled and run in two threads, can both be inside it at once)
+  std::unordered_map<std::thread::id, std::vector<OpFrame>> op_frames_;
   bool needs_eager_ = false;  // plan()'s last field
   bool warned_eager_ = false;
 };

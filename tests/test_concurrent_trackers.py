@@ -305,3 +305,56 @@ def test_a_tracker_left_attached_by_a_thread_that_ended_still_refuses_another_th
     finally:
         left[0].remove()
     assert "forward" not in m.__dict__
+
+
+def test_in_graph_calls_of_a_shared_submodule_open_in_two_threads_at_once_stay_each_threads_own():
+    # the in-graph path (torch.compile: call_begin / call_end ops around each tracked call)
+    # kept one stack of open calls per module: two compiled models sharing a submodule, each
+    # run in its own thread, both inside the shared call at once, had each call's end take the
+    # other thread's frame, recording a's rows in b's capture and b's in a's. The ops are
+    # driven here in the order a compiled graph in each thread would run them, interleaved
+    from activationscope.capture.compiled import _TOKEN
+
+    ops = torch.ops.activationscope
+    shared = torch.nn.Linear(8, 8)
+    a = torch.nn.Sequential(shared, torch.nn.ReLU())
+    b = torch.nn.Sequential(torch.nn.Tanh(), shared)
+    x, y = torch.randn(3, 8), torch.randn(5, 8)
+    out_a, out_b = torch.randn(3, 8), torch.randn(5, 8)
+    steps = [threading.Event() for _ in range(3)]
+    with torch.no_grad(), ActivationScope().track(a, include=["0"]) as ta, \
+            ActivationScope().track(b, include=["1"]) as tb:
+        root_a, root_b, key = a.forward._acs_key, b.forward._acs_key, shared.forward._acs_key
+
+        def run_b():
+            assert steps[0].wait(10)  # a is inside its shared call
+            ops.call_begin(_TOKEN, root_b, [], [], y)
+            ops.call_begin(_TOKEN, key, [], [], None)
+            steps[1].set()
+            assert steps[2].wait(10)  # a closed its calls
+            ops.call_end(_TOKEN, key, [out_b], ["output"])
+            ops.call_end(_TOKEN, root_b, [], [])
+
+        errors: list[BaseException] = []
+
+        def body():
+            try:
+                run_b()
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+
+        th = threading.Thread(target=body)
+        ops.call_begin(_TOKEN, root_a, [], [], x)
+        ops.call_begin(_TOKEN, key, [], [], None)
+        th.start()
+        steps[0].set()
+        assert steps[1].wait(10)
+        ops.call_end(_TOKEN, key, [out_a], ["output"])
+        ops.call_end(_TOKEN, root_a, [], [])
+        steps[2].set()
+        th.join(30)
+    assert errors == []
+    assert list(ta.activations) == ["0.output"] and list(tb.activations) == ["1.output"]
+    assert len(ta.activations["0.output"]) == 1 and len(tb.activations["1.output"]) == 1
+    torch.testing.assert_close(ta.activations["0.output"][0], out_a, rtol=0, atol=0)
+    torch.testing.assert_close(tb.activations["1.output"][0], out_b, rtol=0, atol=0)
