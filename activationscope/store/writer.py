@@ -2422,6 +2422,11 @@ class StoreWriter:
             rows = int(a.writer.n_rows)
             if rows == a.partial_rows or now - a.partial_at < self._commit_interval:
                 continue
+            if rows // a.shard_rows * a.shard_rows > durable[i]:
+                # a complete shard past its durable rows is queued for the writer thread (many
+                # arrays, each a shard a few forwards): it holds the commit back only until that
+                # shard is written, which a partial shard, queued after it, cannot come before
+                continue
             cost = (rows - rows // a.shard_rows * a.shard_rows) * a.row_nbytes
             if self._partial_bytes + cost > PARTIAL_REWRITE_SHARE * appended:
                 if rare and not self._warned_budget:
