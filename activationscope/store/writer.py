@@ -250,6 +250,9 @@ class _Array:
     committed_rows: int = 0
     follows_row_table: bool = True
     manifest: dict = field(default_factory=dict)  # shard -> record
+    # shard -> (record, its JSON): a manifest lists every shard and is written whole at each
+    # commit that lists a new one, so each record is encoded once, not at every commit
+    manifest_json: dict = field(default_factory=dict)
     listed_rows: int = 0  # rows the shards taken into the manifest hold (their largest rows_end)
     manifest_dirty: bool = False  # a new array has no manifest until its first durable shard
     doc_rows: int = -1  # rows in the written zarr.json (-1: not written)
@@ -287,6 +290,21 @@ class _Array:
         its crc32c."""
         chunk = self.chunk_rows * self.row_nbytes
         return min(V.MAX_FILE_BYTES, self.shard_chunks * (chunk + chunk // 128 + 1024 + 16) + 4)
+
+    def manifest_bytes(self) -> bytes:
+        """The manifest document (FORMAT.md section 5), as ``json.dumps`` writes it; each shard's
+        record encoded once (a record replaced since, e.g. a partial shard's rewrite, again)."""
+        parts = []
+        for s in sorted(self.manifest):
+            rec, hit = self.manifest[s], self.manifest_json.get(s)
+            if hit is None or hit[0] is not rec:
+                hit = self.manifest_json[s] = (rec, json.dumps(rec))
+            parts.append(hit[1])
+        for s in [s for s in self.manifest_json if s not in self.manifest]:
+            del self.manifest_json[s]
+        head = json.dumps({"hook_point": self.hook_point, "chunk_rows": self.chunk_rows,
+                           "shard_rows": self.shard_rows, "shards": []})
+        return (head[:-3] + "[" + ", ".join(parts) + "]}").encode()
 
     def meta(self) -> dict:
         return {
@@ -2589,11 +2607,7 @@ class StoreWriter:
             if not a.recorded:  # no root lists it: it gets no document
                 continue
             if a.manifest_dirty:
-                doc = {
-                    "hook_point": a.hook_point, "chunk_rows": a.chunk_rows, "shard_rows": a.shard_rows,
-                    "shards": [a.manifest[s] for s in sorted(a.manifest)],
-                }
-                writes.append((f"{a.path}/manifest.json", json.dumps(doc).encode()))
+                writes.append((f"{a.path}/manifest.json", a.manifest_bytes()))
             # an array without rows gets its document with its first rows, or at the close
             # (until then the root lists it with n_rows 0: one file per commit, not one per array)
             if a.doc_rows != a.committed_rows and (a.committed_rows > 0 or force):
