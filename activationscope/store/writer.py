@@ -1233,6 +1233,7 @@ class StoreWriter:
         self._kept_shards: list[tuple[Path, Path]] = []
         # resume: the reader of the committed rows of those partial last shards (_tail_reader)
         self._tails: Any = None
+        self._committed: Any = None  # (_committed_reader)
         # of those, the shards whose rewrite a commit renamed over the key, until a root lists it
         self._installed_shards: set[Path] = set()
         # resume of a local store: key -> hard link to it, of each file of a committed reduction
@@ -1968,6 +1969,21 @@ class StoreWriter:
             st._resume_tail = True  # a resume killed before its commit rewrote that chunk (FORMAT.md section 5)
             self._tails = st
         return self._tails
+
+    def _committed_reader(self) -> Any:
+        """The reader of what a resume continues from (the stored reductions' states, the committed
+        rows a reduction is computed again over): one store opened for every hook point, on the
+        first need, not one per hook point (each a read and check of the whole root: quadratic in
+        the hook points). Its entries are those this writer found (``_old_reductions``); the rows a
+        hook point's reductions read are read before that hook point's first commit of this run,
+        which alone rewrites its last shard (as :meth:`_tail_reader`)."""
+        if self._committed is None:
+            from .reader import Store
+
+            st = Store(self._backend)
+            st._resume_tail = True  # as the re-fed rows: that chunk may be a killed resume's (FORMAT.md section 5)
+            self._committed = st
+        return self._committed
 
     def _keep_committed_shard(self, arr: _Array, shard: int, resuming: bool = True) -> None:
         """Hard-link (a copy where the file system has no hard links) the committed file of a
@@ -3309,9 +3325,7 @@ class StoreWriter:
             return None
         if options is not None and (owner.get("options") or {}) != dict(options):
             return None  # as a commit of rank stores compares them (ranks._merge_states)
-        from .reader import Store
-
-        reader = Store(self._backend)
+        reader = self._committed_reader()
         if script is not _NOT_CUSTOM:
             key = owner.get("script")
             if script is None or not isinstance(key, str):
@@ -3391,11 +3405,11 @@ class StoreWriter:
 
     def read_committed_rows(self, hook_point: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``[start, stop)`` of ``hook_point`` as committed before this writer opened (a copy)."""
-        from .reader import Store
-
-        st = Store(self._backend)
-        st._resume_tail = True  # as the re-fed rows: that chunk may be a killed resume's (FORMAT.md section 5)
-        return st._read_rows(hook_point, start, stop, copy=True)
+        st = self._committed_reader()
+        try:
+            return st._read_rows(hook_point, start, stop, copy=True)
+        finally:
+            st.close()  # (its mapping of the shard dropped: a commit of this run may rewrite that file)
 
     def _write_small_array(self, path: str, t: torch.Tensor, attrs: dict,
                            dimension_names: list[str] | None = None) -> dict[str, int]:
