@@ -2487,12 +2487,20 @@ class Store:
         # has since rewritten and listed in the manifests this reads now)
         with self._lock:
             self._indexes.clear()
+            kept = set(self._maps)
         for hp in list(self._attrs.get("arrays", {})):  # aliases have no files of their own
             mine: list[str] = []
             try:
                 self._verify_array(hp, mine)
             except StoreCorruptError as e:
                 mine.append(f"hook point {hp!r}: {e}")
+            finally:
+                # the shards it mapped to check them are unmapped again: each is one of the process's
+                # vm.max_map_count mappings (65530), which a store of 1500 hook points of 50 shards
+                # each would use up, every check after that failing
+                with self._lock:
+                    for key in [key for key in self._maps if key not in kept]:
+                        del self._maps[key]
             if len(mine) > 20:
                 mine = mine[:20] + [f"hook point {hp!r}: ... and {len(mine) - 20} more problems"]
             problems += mine

@@ -628,3 +628,39 @@ def test_a_shard_that_cannot_be_mapped_for_want_of_mappings_is_not_called_damage
     st = open_store(path, verify=True)
     assert np.array_equal(st[HP].numpy(), data.numpy())
     assert np.array_equal(st.rows(HP, 70, 71).numpy(), data[70:71].numpy())
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="counts the process's mappings (Linux)")
+def test_verify_unmaps_the_shards_it_checked(tmp_path):
+    """verify() mapped every shard of every array to check it, and kept every mapping: each is one of
+    the process's vm.max_map_count (65530) mappings, so a store of 1500 hook points of 50 shards
+    each ran out before its last arrays, which were then reported damaged (or the verify failed).
+    Now the shards of each array are unmapped once it is checked; the mappings a reader made
+    before stay theirs."""
+    import torch
+
+    import activationscope as acs
+
+    def n_maps() -> int:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(12)])
+    xs = [torch.randn(2, 4) for _ in range(40)]  # 80 rows: 10 shards of 8 rows per hook point
+    path = tmp_path / "s.zarr"
+    with torch.no_grad(), acs.ActivationScope(store=str(path), store_options={"chunk_rows": 8, "shard_rows": 8}).track(
+            model):
+        for x in xs:
+            model(x)
+    st = open_store(path)
+    held = st.rows("0.output", 0, 80)  # (a read before: its mappings stay)
+    before = n_maps()
+    assert st.verify() == []
+    assert n_maps() - before < 10 + 5, n_maps() - before  # (before: 110, the 11 other arrays' shards)
+    with torch.no_grad():
+        h = torch.cat(xs)
+        for i, layer in enumerate(model):
+            h = layer(h)
+            assert torch.equal(st.rows(f"{i}.output", 0, 80), h)
+    assert torch.equal(held, model[0](torch.cat(xs)).detach())
