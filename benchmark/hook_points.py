@@ -150,7 +150,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             proc = subprocess.run([sys.executable, "-W", "ignore", "-m", "benchmark.hook_points", "--child", str(n),
                                    "--forwards", str(a.forwards), "--workdir", work],
-                                  env=env, capture_output=True, text=True, check=True, cwd=root)
+                                  env=env, capture_output=True, text=True, cwd=root)
+            if proc.returncode != 0:  # (what failed, not only that it did)
+                print(proc.stderr[-4000:], file=sys.stderr)
+                proc.check_returncode()
         finally:
             shutil.rmtree(work, ignore_errors=True)
         m = doc["sizes"][str(n)] = json.loads(proc.stdout.strip().splitlines()[-1])
