@@ -598,3 +598,20 @@ def test_cold_compressed_stores_read_the_same_rows_and_report_their_size_on_disk
         assert cold.epoch_acs(paths[k], 1024, buf, sums[k]) == 3000
     expected = float(sum(acs.open_store(paths["raw"])["output"][a:a + 1024].double().sum() for a in range(0, 3000, 1024)))
     assert all(abs(next(iter(s)) - expected) <= 1e-6 * abs(expected) for s in sums.values())
+
+
+@pytest.mark.slow
+def test_hook_points_reports_each_size_with_its_counts(tmp_path, capsys):
+    from benchmark import hook_points
+
+    out = tmp_path / "hook_points.json"
+    assert hook_points.main(["--sizes", "3,6", "--forwards", "12", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert set(doc["sizes"]) == {"3", "6"}
+    for n, m in doc["sizes"].items():
+        assert m["hook_points"] == int(n) and m["info_hook_points"] == int(n)
+        assert m["commits"] >= 3 and m["verify_problems"] == 0
+        # every array gets every forward's rows: no partial shard; a resume opens a fixed number of stores
+        assert m["partial_shards_asked"] == 0
+    assert doc["sizes"]["3"]["resume_stores_opened"] == doc["sizes"]["6"]["resume_stores_opened"]
+    assert "hook points" in capsys.readouterr().out

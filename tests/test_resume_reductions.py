@@ -913,3 +913,47 @@ def test_builtin_reductions_rebuilt_on_resume_equal_an_uninterrupted_run_bit_for
     assert sorted(a) == sorted(b)
     for key in a:
         assert torch.equal(a[key], b[key]), key
+
+
+def _stack(n):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(6, 6) for _ in range(n)])
+
+
+@pytest.mark.parametrize("killed", [False, True], ids=["states", "rows-read-back"])
+def test_a_resume_opens_the_store_a_fixed_number_of_times_whatever_the_hook_points(tmp_path, monkeypatch, killed):
+    """A resume continued each hook point's reductions through a store opened anew for that
+    hook point (for its stored states, and again for the rows it reads back), each a read and
+    check of the whole root, which lists every hook point: quadratic in the hook points (300
+    hook points: 15 s before the first forward's end; 1500: minutes). Now one store is opened
+    for all of them, and every reduction still covers every row."""
+    from activationscope.store import reader as R
+
+    opened: list[int] = []
+    init = R.Store.__init__
+
+    def counting(self, *a, **k):
+        opened.append(1)
+        return init(self, *a, **k)
+
+    xs = _batches(6)
+    counts = {}
+    for n in (2, 8):
+        model, path = _stack(n), tmp_path / f"s{n}.zarr"
+        # a killed first run stores no reduction state: the resume reads every row back
+        _run(model, path, xs[:3], ["mean", "var"], kill=killed)
+        monkeypatch.setattr(R.Store, "__init__", counting)
+        opened.clear()
+        _run(model, path, xs[3:], ["mean", "var"], resume=True)
+        monkeypatch.setattr(R.Store, "__init__", init)
+        counts[n] = len(opened)
+        st = open_store(path)
+        with torch.no_grad():
+            h = torch.cat(xs)
+            for i, layer in enumerate(model):
+                h = layer(h)
+                r = st.reductions[f"{i}.output"]
+                assert st.n_rows(f"{i}.output") == 48
+                torch.testing.assert_close(r["mean"], h.double().mean(0))
+                torch.testing.assert_close(r["var"], h.double().var(0, correction=0))
+    assert counts[8] == counts[2], counts

@@ -1105,9 +1105,17 @@ class Tracker:
             return self._side in ("output", "both")
         return True
 
+    def _module_by_name(self) -> dict[str, torch.nn.Module]:
+        """``{name: module}`` of the tracked modules, made once (not at each new hook point: a
+        first forward of N hook points would make it N times)."""
+        cached = self.__dict__.get("_modules_dict")
+        if cached is None or cached[0] is not self._modules or len(cached[1]) != len(self._modules):
+            cached = self._modules_dict = (self._modules, dict(self._modules))
+        return cached[1]
+
     def _module_of(self, hook_point: str) -> str:
         """The tracked module whose hook point ``hook_point`` is."""
-        return hook_point_module(hook_point, {n for n, _ in self._modules}, self._hook_point_paths)
+        return hook_point_module(hook_point, self._module_by_name().keys(), self._hook_point_paths)
 
     def _check_patterns(self, stored_config: Any) -> None:
         """Refuse a resume whose include= / exclude= patterns differ from those the store
@@ -2831,7 +2839,7 @@ class Tracker:
         if mask is None or tuple(shape[:2]) != tuple(mask.shape):
             return
         path = self._module_of(name)
-        if _batch_first_part(name, path, dict(self._modules).get(path)):
+        if _batch_first_part(name, path, self._module_by_name().get(path)):
             return
         parts = path.split(".") if path else []
         found = []
@@ -2883,7 +2891,7 @@ class Tracker:
             self._stacks = (ids[0], ids[1])
         encoder, decoder = self._stacks
         path = self._module_of(name)
-        module = dict(self._modules).get(path)
+        module = self._module_by_name().get(path)
         if _encoder_positions(name, path, module):
             return "encoder"  # (in the decoder, but over the encoder's positions: a cross-attention's keys)
         if self._nn_seq2seq is not None and not self._seq2seq:

@@ -215,6 +215,31 @@ def _mismatch_cause(meta: dict, chunk: int, restorable: bool = True) -> str:
     return "the chunk is damaged"
 
 
+def _out_of_mappings(backend: Any, what: str, e: BaseException) -> StoreError | None:
+    """The error of a shard mapping refused for want of memory or of mappings (ENOMEM: the
+    process holds ``vm.max_map_count`` mappings, one per shard file read zero-copy, e.g. every
+    hook point of a store of hundreds read at once), which says so: the store is not damaged.
+    None for any other failure."""
+    import errno as _errno
+
+    if not (getattr(e, "errno", None) == _errno.ENOMEM or os.strerror(_errno.ENOMEM) in str(e)):
+        return None
+    held = ""
+    try:  # (Linux)
+        with open("/proc/self/maps", "rb") as f:
+            held = f" (it holds {sum(1 for _ in f)}"
+        with open("/proc/sys/vm/max_map_count", "rb") as f:
+            held += f", the limit vm.max_map_count is {int(f.read())}"
+    except (OSError, ValueError):
+        pass
+    held += ")" if held else ""
+    return StoreError(
+        f"store {str(backend)!r}: {what} cannot be mapped: {e}. The store is not damaged: this process has run "
+        f"out of memory mappings{held}, and each shard file read zero-copy is one. Read fewer hook points at a "
+        "time and drop the tensors and datasets of the others (Store.close() releases the store's own), capture "
+        "with larger shards (store_options={'shard_bytes': ...}), or raise the limit (sysctl vm.max_map_count)")
+
+
 def _layout(meta: dict) -> tuple[int, int, int, int]:
     """(row_bytes, chunk_rows, chunks per shard, chunk_bytes) of an array entry (validated)."""
     rb = V.row_bytes(meta)
@@ -1663,7 +1688,8 @@ class Store:
             except StoreError:
                 raise
             except (OSError, ValueError, RuntimeError) as e:
-                raise V.corrupt(self._backend, f"shard {key!r} cannot be mapped: {e}") from None
+                raise (_out_of_mappings(self._backend, f"shard {key!r}", e)
+                       or V.corrupt(self._backend, f"shard {key!r} cannot be mapped: {e}")) from None
         with self._lock:
             if meta is None or self._current(meta):
                 self._maps[key] = t
@@ -1719,7 +1745,8 @@ class Store:
         if failed is not None:
             if self._forget_kept(meta, n_shards - 1, self._shard_index(meta, n_shards - 1)):
                 return self._whole_rows(meta)  # (the kept file of the last shard, gone: at its key)
-            raise V.corrupt(self._backend, f"the shards of array {meta['path']!r} cannot be mapped: {failed}") from None
+            raise (_out_of_mappings(self._backend, f"the shards of array {meta['path']!r}", failed)
+                   or V.corrupt(self._backend, f"the shards of array {meta['path']!r} cannot be mapped: {failed}")) from None
         view = flat.view(F.torch_dtype(meta["dtype"])).view(n, *meta["feature_shape"])
         with self._lock:
             if self._current(meta):
@@ -2542,12 +2569,20 @@ class Store:
         # has since rewritten and listed in the manifests this reads now)
         with self._lock:
             self._indexes.clear()
+            kept = set(self._maps)
         for hp in list(self._attrs.get("arrays", {})):  # aliases have no files of their own
             mine: list[str] = []
             try:
                 self._verify_array(hp, mine)
             except StoreCorruptError as e:
                 mine.append(f"hook point {hp!r}: {e}")
+            finally:
+                # the shards it mapped to check them are unmapped again: each is one of the process's
+                # vm.max_map_count mappings (65530), which a store of 1500 hook points of 50 shards
+                # each would use up, every check after that failing
+                with self._lock:
+                    for key in [key for key in self._maps if key not in kept]:
+                        del self._maps[key]
             if len(mine) > 20:
                 mine = mine[:20] + [f"hook point {hp!r}: ... and {len(mine) - 20} more problems"]
             problems += mine

@@ -250,6 +250,9 @@ class _Array:
     committed_rows: int = 0
     follows_row_table: bool = True
     manifest: dict = field(default_factory=dict)  # shard -> record
+    # shard -> (record, its JSON): a manifest lists every shard and is written whole at each
+    # commit that lists a new one, so each record is encoded once, not at every commit
+    manifest_json: dict = field(default_factory=dict)
     listed_rows: int = 0  # rows the shards taken into the manifest hold (their largest rows_end)
     manifest_dirty: bool = False  # a new array has no manifest until its first durable shard
     doc_rows: int = -1  # rows in the written zarr.json (-1: not written)
@@ -287,6 +290,21 @@ class _Array:
         its crc32c."""
         chunk = self.chunk_rows * self.row_nbytes
         return min(V.MAX_FILE_BYTES, self.shard_chunks * (chunk + chunk // 128 + 1024 + 16) + 4)
+
+    def manifest_bytes(self) -> bytes:
+        """The manifest document (FORMAT.md section 5), as ``json.dumps`` writes it; each shard's
+        record encoded once (a record replaced since, e.g. a partial shard's rewrite, again)."""
+        parts = []
+        for s in sorted(self.manifest):
+            rec, hit = self.manifest[s], self.manifest_json.get(s)
+            if hit is None or hit[0] is not rec:
+                hit = self.manifest_json[s] = (rec, json.dumps(rec))
+            parts.append(hit[1])
+        for s in [s for s in self.manifest_json if s not in self.manifest]:
+            del self.manifest_json[s]
+        head = json.dumps({"hook_point": self.hook_point, "chunk_rows": self.chunk_rows,
+                           "shard_rows": self.shard_rows, "shards": []})
+        return (head[:-3] + "[" + ", ".join(parts) + "]}").encode()
 
     def meta(self) -> dict:
         return {
@@ -1215,6 +1233,7 @@ class StoreWriter:
         self._kept_shards: list[tuple[Path, Path]] = []
         # resume: the reader of the committed rows of those partial last shards (_tail_reader)
         self._tails: Any = None
+        self._committed: Any = None  # (_committed_reader)
         # of those, the shards whose rewrite a commit renamed over the key, until a root lists it
         self._installed_shards: set[Path] = set()
         # resume of a local store: key -> hard link to it, of each file of a committed reduction
@@ -1951,6 +1970,21 @@ class StoreWriter:
             self._tails = st
         return self._tails
 
+    def _committed_reader(self) -> Any:
+        """The reader of what a resume continues from (the stored reductions' states, the committed
+        rows a reduction is computed again over): one store opened for every hook point, on the
+        first need, not one per hook point (each a read and check of the whole root: quadratic in
+        the hook points). Its entries are those this writer found (``_old_reductions``); the rows a
+        hook point's reductions read are read before that hook point's first commit of this run,
+        which alone rewrites its last shard (as :meth:`_tail_reader`)."""
+        if self._committed is None:
+            from .reader import Store
+
+            st = Store(self._backend)
+            st._resume_tail = True  # as the re-fed rows: that chunk may be a killed resume's (FORMAT.md section 5)
+            self._committed = st
+        return self._committed
+
     def _keep_committed_shard(self, arr: _Array, shard: int, resuming: bool = True) -> None:
         """Hard-link (a copy where the file system has no hard links) the committed file of a
         partial last shard that this run will rewrite under the same name, so :meth:`discard`
@@ -2422,6 +2456,11 @@ class StoreWriter:
             rows = int(a.writer.n_rows)
             if rows == a.partial_rows or now - a.partial_at < self._commit_interval:
                 continue
+            if rows // a.shard_rows * a.shard_rows > durable[i]:
+                # a complete shard past its durable rows is queued for the writer thread (many
+                # arrays, each a shard a few forwards): it holds the commit back only until that
+                # shard is written, which a partial shard, queued after it, cannot come before
+                continue
             cost = (rows - rows // a.shard_rows * a.shard_rows) * a.row_nbytes
             if self._partial_bytes + cost > PARTIAL_REWRITE_SHARE * appended:
                 if rare and not self._warned_budget:
@@ -2584,11 +2623,7 @@ class StoreWriter:
             if not a.recorded:  # no root lists it: it gets no document
                 continue
             if a.manifest_dirty:
-                doc = {
-                    "hook_point": a.hook_point, "chunk_rows": a.chunk_rows, "shard_rows": a.shard_rows,
-                    "shards": [a.manifest[s] for s in sorted(a.manifest)],
-                }
-                writes.append((f"{a.path}/manifest.json", json.dumps(doc).encode()))
+                writes.append((f"{a.path}/manifest.json", a.manifest_bytes()))
             # an array without rows gets its document with its first rows, or at the close
             # (until then the root lists it with n_rows 0: one file per commit, not one per array)
             if a.doc_rows != a.committed_rows and (a.committed_rows > 0 or force):
@@ -3290,9 +3325,7 @@ class StoreWriter:
             return None
         if options is not None and (owner.get("options") or {}) != dict(options):
             return None  # as a commit of rank stores compares them (ranks._merge_states)
-        from .reader import Store
-
-        reader = Store(self._backend)
+        reader = self._committed_reader()
         if script is not _NOT_CUSTOM:
             key = owner.get("script")
             if script is None or not isinstance(key, str):
@@ -3372,11 +3405,11 @@ class StoreWriter:
 
     def read_committed_rows(self, hook_point: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``[start, stop)`` of ``hook_point`` as committed before this writer opened (a copy)."""
-        from .reader import Store
-
-        st = Store(self._backend)
-        st._resume_tail = True  # as the re-fed rows: that chunk may be a killed resume's (FORMAT.md section 5)
-        return st._read_rows(hook_point, start, stop, copy=True)
+        st = self._committed_reader()
+        try:
+            return st._read_rows(hook_point, start, stop, copy=True)
+        finally:
+            st.close()  # (its mapping of the shard dropped: a commit of this run may rewrite that file)
 
     def _write_small_array(self, path: str, t: torch.Tensor, attrs: dict,
                            dimension_names: list[str] | None = None) -> dict[str, int]:

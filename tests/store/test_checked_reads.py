@@ -590,3 +590,77 @@ def test_a_row_table_part_decoding_beyond_its_bound_is_refused_before_it_is_deco
 
     with pytest.raises(StoreCorruptError, match=rf"part 'rows/sample/{part.name}' decodes to \d+ bytes"):
         row_table_dask(str(tmp_path / "big.zarr")).compute(scheduler="sync")
+
+
+def test_a_shard_that_cannot_be_mapped_for_want_of_mappings_is_not_called_damaged(tmp_path, monkeypatch):
+    """Each shard file read zero-copy is one memory mapping, and a process holds at most
+    vm.max_map_count of them (65530 by default): a store of 1500 hook points of 50 shards each,
+    every hook point read by an ActivationDataset, runs out. The mapping then fails with ENOMEM,
+    and before, that was a StoreCorruptError telling the user to restore the store from an
+    intact copy or capture it again, for a store that is whole. Now it is a StoreError that says
+    the store is not damaged, and why, and how to read it; the store reads as before once
+    mappings are free."""
+    from activationscope.store import reader as R
+
+    path = tmp_path / "s.zarr"
+    data = make_store(path)
+    real = R._native.optional()
+
+    class OutOfMappings:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        @staticmethod
+        def map_files_contiguous(paths, stride, total):
+            # (the native error, as mmap's ENOMEM gives it)
+            raise RuntimeError(f"mapping shard '{paths[0]}' failed: {os.strerror(12)}")
+
+    monkeypatch.setattr(R._native, "optional", lambda: OutOfMappings())
+    st = open_store(path)
+    for read in (lambda: st[HP], lambda: st.rows(HP, 70, 71)):
+        with pytest.raises(StoreError) as e:
+            read()
+        assert not isinstance(e.value, StoreCorruptError), e.value
+        msg = str(e.value)
+        assert "not damaged" in msg and "memory mappings" in msg and "vm.max_map_count" in msg, msg
+        assert "restore the store" not in msg, msg
+    monkeypatch.undo()
+    st = open_store(path, verify=True)
+    assert np.array_equal(st[HP].numpy(), data.numpy())
+    assert np.array_equal(st.rows(HP, 70, 71).numpy(), data[70:71].numpy())
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="counts the process's mappings (Linux)")
+def test_verify_unmaps_the_shards_it_checked(tmp_path):
+    """verify() mapped every shard of every array to check it, and kept every mapping: each is one of
+    the process's vm.max_map_count (65530) mappings, so a store of 1500 hook points of 50 shards
+    each ran out before its last arrays, which were then reported damaged (or the verify failed).
+    Now the shards of each array are unmapped once it is checked; the mappings a reader made
+    before stay theirs."""
+    import torch
+
+    import activationscope as acs
+
+    def n_maps() -> int:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(12)])
+    xs = [torch.randn(2, 4) for _ in range(40)]  # 80 rows: 10 shards of 8 rows per hook point
+    path = tmp_path / "s.zarr"
+    with torch.no_grad(), acs.ActivationScope(store=str(path), store_options={"chunk_rows": 8, "shard_rows": 8}).track(
+            model):
+        for x in xs:
+            model(x)
+    st = open_store(path)
+    held = st.rows("0.output", 0, 80)  # (a read before: its mappings stay)
+    before = n_maps()
+    assert st.verify() == []
+    assert n_maps() - before < 10 + 5, n_maps() - before  # (before: 110, the 11 other arrays' shards)
+    with torch.no_grad():
+        h = torch.cat(xs)
+        for i, layer in enumerate(model):
+            h = layer(h)
+            assert torch.equal(st.rows(f"{i}.output", 0, 80), h)
+    assert torch.equal(held, model[0](torch.cat(xs)).detach())

@@ -277,3 +277,48 @@ def test_a_commit_whose_shard_upload_fails_uploads_those_shards_with_the_next_co
     assert s.verify() == [] and s.n_samples == 9
     assert s["x"][:, 0].tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
     assert s.row_table("sample").column("sample_id").to_pylist() == list(range(9))
+
+
+def test_a_commit_encodes_only_the_shard_records_it_adds_to_a_manifest(tmp_path, monkeypatch):
+    """A manifest lists every shard of its array and is written whole by each commit that lists
+    a new shard. Before, each commit encoded every record again: over a capture of S shards an
+    array's records were encoded about S*S/2 times (quadratic in the commits; with hundreds of
+    hook points most of a commit's time). Now each record is encoded once, and the manifest
+    written is the same document, byte for byte, as one encoding of the whole."""
+    import json
+
+    encoded: list[str] = []
+    real = json.dumps
+
+    def dumps(obj, *args, **kwargs):
+        if isinstance(obj, dict) and "rows_end" in obj and "chunks" in obj:
+            encoded.append(obj["key"])  # a shard's record
+        elif isinstance(obj, dict) and "shards" in obj:
+            encoded.extend(rec["key"] for rec in obj["shards"])  # a manifest, its records in it
+        return real(obj, *args, **kwargs)
+
+    monkeypatch.setattr(json, "dumps", dumps)
+    model = _Model(3)
+    xs = [torch.randn(2, 4) for _ in range(60)]  # 8-row shards: one each 4 forwards, 30 in all
+    path = tmp_path / "s.zarr"
+    with torch.no_grad(), acs.ActivationScope(store=str(path), store_options={
+            "chunk_rows": 4, "shard_rows": 8, "commit_interval": 0}).track(model) as tracker:
+        for x in xs:
+            model(x)
+            tracker.writer._core.drain()
+            tracker.writer.commit()
+    monkeypatch.setattr(json, "dumps", real)
+    st = acs.open_store(path, verify=True)
+    assert st.n_samples == 120
+    # every shard record encoded once (a shard listed by the commit that found it)
+    assert sorted(encoded) == sorted(set(encoded)) and len(encoded) == 3 * 15, (len(encoded), len(set(encoded)))
+    for i in range(3):
+        data = (path / f"acts/layers.{i}.output/manifest.json").read_bytes()
+        doc = json.loads(data)
+        assert [s["shard"] for s in doc["shards"]] == list(range(15))
+        assert data == json.dumps(doc).encode()
+    with torch.no_grad():
+        h = torch.cat(xs)
+        for i, layer in enumerate(model.layers):
+            h = layer(h)
+            assert torch.equal(st.rows(f"layers.{i}.output", 0, 120), h)

@@ -427,3 +427,53 @@ def test_an_s3_capture_killed_after_uploading_a_partial_shard_s_rewrite_reads_it
     lines = st.verify()
     assert lines and all("rare.output" in line and "the partial shard of an array that held its commits back" in line
                          and "resume the capture" in line for line in lines), lines
+
+
+def test_an_array_whose_complete_shard_is_still_queued_is_not_written_as_a_partial_shard(tmp_path, monkeypatch):
+    """Every array gets every forward's rows, but the writer thread, one thread for all of them,
+    makes some durable later than others (hundreds of hook points, a shard each few forwards).
+    Before, such an array counted as holding the commit back, and its open shard was written as
+    a partial shard at nearly every commit (on a 300-layer MLP, about half the shards written
+    twice, and a warning naming a hook point whose shard "is not full"); a partial shard, queued
+    after the complete one, cannot make it durable sooner. Now it is not asked for; the commits
+    follow as the queued shard is listed. The writer thread's lag is made here: the shards of
+    '1.output' are listed one commit late."""
+    from activationscope.capture import _native
+
+    C = _native.load()
+    asked: list[tuple[str, int]] = []
+    snapshot, take = C.ArrayWriter.snapshot, C.ArrayWriter.take_durable
+    monkeypatch.setattr(C.ArrayWriter, "snapshot",
+                        lambda self: (asked.append((self.hook_point, int(self.n_rows))), snapshot(self))[1])
+    late: list = []
+
+    def take_late(self):
+        got = list(take(self))
+        if self.hook_point != "1.output":
+            return got
+        out = late[:]
+        late[:] = got
+        return out
+
+    monkeypatch.setattr(C.ArrayWriter, "take_durable", take_late)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    xs = [torch.randn(3, 4) for _ in range(40)]
+    path = tmp_path / "s.zarr"
+    committed = []
+    with torch.no_grad(), acs.ActivationScope(store=path, store_options=OPTIONS).track(model) as tracker:
+        for x in xs:
+            model(x)
+            tracker.writer._core.drain()
+            committed.append(tracker.writer.n_samples_committed)
+    assert asked == [], asked
+    # the commits follow '1.output' one shard (8 rows: 2 or 3 forwards) behind the others
+    assert committed[-1] >= 3 * 40 - 3 * 8, committed
+    assert committed == sorted(committed) and len(set(committed)) >= 10, committed
+    st = acs.open_store(path, verify=True)
+    assert st.n_samples == 3 * 40
+    with torch.no_grad():
+        h = torch.cat(xs)
+        for i, layer in enumerate(model):
+            h = layer(h)
+            assert torch.equal(st.rows(f"{i}.output", 0, 3 * 40), h)
