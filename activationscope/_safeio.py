@@ -77,12 +77,14 @@ def _decoded_bytes(arr: Any) -> int:
 
 
 def read_parquet_part(raw: bytes, where: Any, key: str, max_decoded: int = MAX_FILE_BYTES,
-                      columns: Any = None) -> Any:
+                      columns: Any = None, schemas: list | None = None) -> Any:
     """A row-table part (Parquet bytes, read whole and checked already) as a ``pyarrow.Table``,
     read on this thread, whose decoded size is bounded before it is decoded.
 
     ``columns``: the names of the columns to decode (the others are not: Parquet column
     projection), those of them the part has, in the part's order; None: every column.
+    ``schemas``: a list the part's full Arrow schema (every column's, read from the Parquet
+    footer, none decoded) is appended to.
 
     A part may hold at most ``max_decoded`` bytes once decoded (4 GiB, as a part's file): its
     strings and binaries, at any depth, are first read as dictionaries (no larger than the
@@ -111,6 +113,8 @@ def read_parquet_part(raw: bytes, where: Any, key: str, max_decoded: int = MAX_F
         memoryview(buf).cast("B")[:] = raw
         plain = pq.ParquetFile(pa.BufferReader(buf))
         schema, target = plain.schema, plain.schema_arrow  # (the types the file's columns read as)
+        if schemas is not None:
+            schemas.append(target)
         names = None
         if columns is not None:
             wanted = set(columns)

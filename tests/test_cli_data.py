@@ -239,6 +239,41 @@ def test_a_resume_of_a_store_whose_row_table_part_is_damaged_names_the_damage(tm
     assert _files(out) == before
 
 
+def test_a_resume_with_labels_of_a_store_whose_sample_table_lacks_sample_id_names_it(tmp_path, user_package,
+                                                                                    capsys):
+    # a sample table (intact parts) without its sample_id column: the labels check of a resume
+    # took it for no table and checked nothing; now the store, the table and the column are
+    # named, nothing changed
+    import io
+    import json
+
+    import google_crc32c
+    import pyarrow.parquet as pq
+
+    user_package("nosampleidnets", NETS)
+    data = tmp_path / "x.npy"
+    np.save(data, np.random.default_rng(0).standard_normal((30, 6)).astype(np.float32))
+    np.save(tmp_path / "y.npy", np.arange(30) % 2)
+    out = tmp_path / "a.zarr"
+    args = ["capture", "--model", "nosampleidnets.nets:mlp", "--data", str(data), "--out", str(out),
+            "--no-progress", "--batch-size", "5"]
+    code, _, err = run(capsys, *args, "--labels", str(tmp_path / "y.npy"), "--max-samples", "10")
+    assert code == 0, err
+    root = json.loads((out / "zarr.json").read_text())
+    info = root["attributes"]["activationscope"]["row_tables"]["sample"]
+    for key in info["parts"]:
+        sink = io.BytesIO()
+        pq.write_table(pq.read_table(out / key).drop_columns(["sample_id"]), sink)
+        (out / key).write_bytes(sink.getvalue())
+        info["crc32c"][key] = int(google_crc32c.value(sink.getvalue()))
+    (out / "zarr.json").write_text(json.dumps(root))
+    before = _files(out)
+    code, _, err = run(capsys, *args, "--resume", "--labels", str(tmp_path / "y.npy"))
+    assert code == 1
+    _one_error_line(err, f"store {str(out)!r}: its sample row table holds 10 rows but no 'sample_id' column")
+    assert _files(out) == before
+
+
 @pytest.mark.parametrize("case", ["resumed", "nothing left", "other data", "other labels"])
 def test_a_resume_opens_the_store_once_for_all_its_checks(tmp_path, user_package, capsys, monkeypatch, case):
     # the checks of a resume (its rows, data fingerprint, labels; model and --capture when

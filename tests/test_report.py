@@ -952,12 +952,95 @@ def test_probe_store_warns_when_reused_sample_ids_give_fewer_folds(tmp_path):
     r = got["0.output"]
     assert r.n_folds == 2 and r.n_groups == 4 and r.n_samples == 24 and len(r.fold_accuracies) == 2
     message = str(caught[0].message)
-    assert "hook point '0.output': 2-fold instead of 5: its 24 rows are 4 samples by (rank, sample_id)" in message
-    assert "give each sample its own id" in message
+    assert message == ("hook point '0.output': 2-fold instead of 5: its 24 rows are 4 samples by (rank, sample_id), "
+                       "each kept in one fold, and class 0 has 12 rows in 2 samples; if some ids were given again to "
+                       "other samples, give each sample its own id")
+    assert caught[0].filename == __file__
     with warnings.catch_warnings():  # own ids: 5 folds, no warning
         warnings.simplefilter("error", acs.FewerGroupsWarning)
         clean = probe_store(_store_of_rows(tmp_path / "c.zarr", x, labels), n_folds=5)
     assert clean["0.output"].n_folds == 5 and clean["0.output"].n_groups == 0
+
+
+def _store_of_forwards(path, forwards):
+    """A store of one Identity hook point captured from ``forwards``: ``(labels, sample_ids)``
+    per forward, each row shifted by its label (separable classes)."""
+    import warnings
+
+    import activationscope as acs
+
+    g = torch.Generator().manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", acs.CaptureWarning)  # (the capture warns of reused ids)
+        with acs.ActivationScope(store=str(path)).track(torch.nn.Sequential(torch.nn.Identity())) as tracker:
+            for labels, ids in forwards:
+                tracker.set_batch(label=list(labels), sample_ids=list(ids))
+                tracker.model(torch.randn(len(labels), 4, generator=g) + torch.tensor(labels, dtype=torch.float32)[:, None])
+    return str(path)
+
+
+def test_probe_store_says_when_a_small_class_not_reused_ids_gave_fewer_folds(tmp_path):
+    # class 0 has 3 rows, each its own sample; class 1's 20 rows are 10 samples (ids given again in
+    # a second forward): 3 folds, which one id per row would not have raised, yet the warning
+    # told the user to give each sample its own id
+    import activationscope as acs
+    from activationscope.analysis.probes import probe_store
+
+    path = _store_of_forwards(tmp_path / "s.zarr", [([0] * 3 + [1] * 10, range(13)), ([1] * 10, range(3, 13))])
+    with pytest.warns(acs.FewerGroupsWarning) as caught:
+        got = probe_store(path, n_folds=5)
+    r = got["0.output"]
+    assert r.n_folds == 3 and r.n_groups == 13 and r.n_samples == 23
+    assert [str(w.message) for w in caught] == [
+        "hook point '0.output': 3-fold instead of 5: the smallest class (0) has 3 labelled rows (3 samples by "
+        "(rank, sample_id)), fewer than the 5 folds, not the rows sharing sample ids (its 23 rows are 13 samples); "
+        "label more samples of class 0 or ask for fewer folds (n_folds=)"]
+    assert caught[0].filename == __file__
+
+
+def test_probe_store_says_when_both_reused_ids_and_a_small_class_gave_fewer_folds(tmp_path):
+    # class 0's 4 rows are 2 samples (ids 0 and 1 given again), fewer than 5 rows too: one id per
+    # row would give 4 folds, not 5; the warning names both causes and their numbers
+    import activationscope as acs
+    from activationscope.analysis.probes import probe_store
+
+    path = _store_of_forwards(tmp_path / "s.zarr", [([0] * 2 + [1] * 20, range(22)), ([0] * 2, range(2))])
+    with pytest.warns(acs.FewerGroupsWarning) as caught:
+        got = probe_store(path, n_folds=5)
+    r = got["0.output"]
+    assert r.n_folds == 2 and r.n_groups == 22 and r.n_samples == 24
+    assert [str(w.message) for w in caught] == [
+        "hook point '0.output': 2-fold instead of 5: both the rows sharing sample ids and the smallest class bound "
+        "the folds: its 24 rows are 22 samples by (rank, sample_id), each kept in one fold, and class 0 has 4 rows "
+        "in 2 samples, and its 4 labelled rows are fewer than the 5 folds (one id per row would give 4-fold); "
+        "if some ids were given again to other samples, give each sample its own id, and label more samples of "
+        "class 0 or ask for fewer folds (n_folds=)"]
+
+
+def test_probe_store_warnings_name_the_line_outside_the_package(tmp_path):
+    # called from a function of the package (as the demo calls it), the warnings named that
+    # function's line (stacklevel=2), not the user's
+    import os
+
+    import activationscope as acs
+    from activationscope.analysis import probes
+
+    x, labels = _separable_rows(n=24)
+    reused = _store_of_forwards(tmp_path / "r.zarr", [(labels[b:b + 4], range(4)) for b in range(0, 24, 4)])
+    incomplete = tmp_path / "k.zarr"
+    with pytest.raises(RuntimeError):
+        with acs.ActivationScope(store=str(incomplete)).track(torch.nn.Sequential(torch.nn.Identity())) as tracker:
+            tracker.set_batch(label=labels[:8])
+            tracker.model(x[:8])
+            raise RuntimeError("stopped")
+    inside = os.path.join(os.path.dirname(probes.__file__), "_caller.py")  # (a frame of the package, as demo's)
+    caller = compile("def call(path):\n    return probe_store(path, n_folds=5)\n", inside, "exec")
+    scope = {"probe_store": probes.probe_store}
+    exec(caller, scope)
+    for path, kind in ((reused, acs.FewerGroupsWarning), (str(incomplete), acs.IncompleteStoreWarning)):
+        with pytest.warns(kind) as caught:
+            scope["call"](path)
+        assert [w.filename for w in caught if issubclass(w.category, kind)] == [__file__]
 
 
 @pytest.mark.parametrize("reductions", [["mean", "var", "nonzero"], [], ["mean"]])

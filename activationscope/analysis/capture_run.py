@@ -878,7 +878,8 @@ def _check_resumed_texts(out: str, dataset: Any, data: str, first: int, store: A
     table = store.row_table("sample", columns=["sample_id", "text", "label"])
     if "text" not in table.column_names or table.num_rows != first:
         return
-    stored_ids = table.column("sample_id").to_pylist() if "sample_id" in table.column_names else list(range(first))
+    _require_row_columns(store, "sample", table, ["sample_id"])
+    stored_ids = table.column("sample_id").to_pylist()
     stored_texts = table.column("text").to_pylist()
     stored_labels = table.column("label").to_pylist() if "label" in table.column_names else None
     order = sorted(range(first), key=lambda i: stored_ids[i])
@@ -913,6 +914,19 @@ def _check_resumed_texts(out: str, dataset: Any, data: str, first: int, store: A
             f"none, so it is not the data the store was captured from; {fix}")
 
 
+def _require_row_columns(store: Any, kind: str, table: Any, names: Sequence[str]) -> None:
+    """Raise :class:`StoreCorruptError` naming the store, the ``kind`` row table and the column
+    when a table holding rows lacks one of ``names``, columns every row table of its kind has
+    (FORMAT.md §4: ``sample_id``; ``pos`` of a token table): a damaged or hand-made store,
+    whose rows the resume checks cannot tell."""
+    from ..store import _validate as V
+
+    missing = [c for c in names if c not in table.column_names]
+    if table.num_rows and missing:
+        raise V.corrupt(store._backend, f"its {kind} row table holds {table.num_rows} rows but no {missing[0]!r} "
+                                        f"column, which every {kind} row table has (it has {table.column_names})")
+
+
 def _check_resumed_token_ids(out: str, dataset: Any, data: str, model: str, tokenizer: Any, first: int,
                              store: Any) -> None:
     """A resumed text capture tokenizes its texts as the stored ones were: the token ids the
@@ -930,8 +944,10 @@ def _check_resumed_token_ids(out: str, dataset: Any, data: str, model: str, toke
     import pyarrow.compute as pc
 
     table = store.row_table("token", columns=["sample_id", "pos", "token_ids"])
-    if ("token_ids" not in table.column_names or "pos" not in table.column_names
-            or not pa.types.is_integer(table.schema.field("sample_id").type)):
+    if "token_ids" not in table.column_names:
+        return
+    _require_row_columns(store, "token", table, ["sample_id", "pos"])
+    if not table.num_rows or not pa.types.is_integer(table.schema.field("sample_id").type):
         return
     ids = dataset.sample_ids if dataset.sample_ids is not None else range(len(dataset))
     for k in dict.fromkeys((0, first - 1)):
@@ -1026,7 +1042,10 @@ def _check_resumed_labels(out: str, labels: Sequence[Any] | None, data: str, fir
         table = store.row_table(kind, columns=["sample_id", "label"])
         if table.num_rows:
             break
-    if table is None or "sample_id" not in table.column_names:
+    if table is None:
+        return
+    _require_row_columns(store, kind, table, ["sample_id"])
+    if "sample_id" not in table.column_names:  # (an empty table)
         return
     fix = ("resume with the --labels the store was captured with, or pass --overwrite instead of --resume to "
            "capture this data into a new store (nothing was changed)")

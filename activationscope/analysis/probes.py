@@ -4,6 +4,7 @@ row per token for a per-token label column)."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,9 +12,8 @@ from typing import Any
 import numpy as np
 import torch
 
-import warnings
-
-from ..errors import ActivationScopeError, ArgumentValueError, FewerGroupsWarning, IncompleteStoreWarning, StoreError
+from ..errors import (ActivationScopeError, ArgumentValueError, FewerGroupsWarning, IncompleteStoreWarning, StoreError,
+                      stacklevel_outside_package)
 from .pooling import _labelled_rows, _open, select_hook_points
 
 __all__ = ["ProbeResult", "ProbeResults", "choose_folds", "drop_nonfinite_rows", "probe_accuracy", "probe_store"]
@@ -433,6 +433,36 @@ OFF_TABLE = ("its rows do not follow the row table (store.follows_row_table() is
              "lines up with them")
 
 
+def _fewer_folds_message(hp: str, labels: Sequence[Any], groups: Sequence[Any], n_folds: int, result: Any) -> str:
+    """The :class:`FewerGroupsWarning` of a hook point whose probe got fewer folds than
+    ``n_folds`` while some rows share a sample id, saying what bounded the folds: the rows
+    sharing ids (a class has rows enough, but in fewer samples), a class with too few rows
+    (its samples would bound the folds even with an id per row), or both; with the numbers."""
+    rows: dict[Any, int] = {}
+    for v in labels:
+        rows[v] = rows.get(v, 0) + 1
+    units = _units(labels, groups)
+    samples = _samples_per_class(labels, units) if units is not None else dict(rows)
+    folds = result.n_folds
+    by_samples, n_samples = min(samples.items(), key=lambda kv: kv[1])
+    by_rows, n_rows = min(rows.items(), key=lambda kv: kv[1])
+    head = f"hook point {hp!r}: {folds}-fold instead of {n_folds}: "
+    grouped = (f"its {result.n_samples} rows are {result.n_groups} samples by (rank, sample_id), each kept in one "
+               f"fold, and class {by_samples!r} has {rows[by_samples]} rows in {n_samples} samples")
+    ids_fix = "if some ids were given again to other samples, give each sample its own id"
+    class_fix = f"label more samples of class {by_rows!r} or ask for fewer folds (n_folds=)"
+    if n_rows >= n_folds:  # one id per row would have given every fold asked for
+        return f"{head}{grouped}; {ids_fix}"
+    if n_rows <= folds:  # one id per row would not have given more folds
+        return (f"{head}the smallest class ({by_rows!r}) has {n_rows} labelled rows ({samples[by_rows]} samples "
+                f"by (rank, sample_id)), fewer than the {n_folds} folds, not the rows sharing sample ids (its "
+                f"{result.n_samples} rows are {result.n_groups} samples); {class_fix}")
+    small = "its" if by_rows == by_samples else f"class {by_rows!r}'s"
+    return (f"{head}both the rows sharing sample ids and the smallest class bound the folds: {grouped}, and {small} "
+            f"{n_rows} labelled rows are fewer than the {n_folds} folds (one id per row would give {n_rows}-fold); "
+            f"{ids_fix}, and {class_fix}")
+
+
 def probe_store(
     store: Any,
     hook_points: Sequence[str] | None = None,
@@ -482,8 +512,11 @@ def probe_store(
         probes are over its committed samples only (the result's ``complete`` is False,
         ``n_store_samples`` says how many); resume the capture or wait for it to close.
     FewerGroupsWarning
-        Rows sharing a sample id (kept in one fold) gave a hook point fewer folds than
-        ``n_folds``; names the rows, the samples (``n_groups``) and the folds used.
+        A hook point whose rows share sample ids (kept in one fold) got fewer folds than
+        ``n_folds``; says what bounded them: the rows sharing ids (a class's rows are fewer
+        samples), a class with fewer labelled rows than ``n_folds``, or both, naming the
+        rows, the samples (``n_groups``), the class and the folds used. Both warnings name
+        the caller's line.
 
     Raises
     ------
@@ -506,7 +539,8 @@ def probe_store(
         warnings.warn(
             f"store {getattr(store, 'path', store)!r} is incomplete (its capture stopped before it closed, or is still "
             f"running): the probes are over {held} only; resume the capture (capture --resume, or store_options "
-            "resume=True) or wait for it to close, then probe again", IncompleteStoreWarning, stacklevel=2)
+            "resume=True) or wait for it to close, then probe again", IncompleteStoreWarning,
+            stacklevel=stacklevel_outside_package())
     follows = getattr(store, "follows_row_table", None)
     for hp in select_hook_points(store, hook_points):
         if follows is not None and not follows(hp):
@@ -542,11 +576,9 @@ def probe_store(
             out.skipped[hp] = f"{e} ({unlabelled})" if unlabelled else str(e)
             continue
         result.note = note
-        if note and result.n_groups:  # fewer folds because rows share a sample id
-            warnings.warn(
-                f"hook point {hp!r}: {result.n_folds}-fold instead of {n_folds}: its {result.n_samples} rows are "
-                f"{result.n_groups} samples by (rank, sample_id), each kept in one fold ({note}); if some ids were "
-                "given again to other samples, give each sample its own id", FewerGroupsWarning, stacklevel=2)
+        if note and result.n_groups:  # fewer folds, with rows sharing a sample id
+            warnings.warn(_fewer_folds_message(hp, labels, groups, n_folds, result), FewerGroupsWarning,
+                          stacklevel=stacklevel_outside_package())
         result.n_dropped = n_dropped
         result.dropped_note = "; ".join(n for n in (unlabelled, dropped_note) if n)
         out[hp] = result

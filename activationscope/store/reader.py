@@ -357,12 +357,12 @@ def check_rank_column_types(tables: list, ranks: list[int], stores: list, kind: 
     """Raise :class:`StoreError` when two ranks' row tables hold a column of the same name
     with other types (a user column given as int64 by one rank and float by another; a
     column all null on a rank takes any type), naming the column, both ranks and types.
-    ``after``: the end of the message."""
+    ``tables``: each rank's table, or its ``pyarrow.Schema``. ``after``: the end of the message."""
     import pyarrow as pa
 
     seen: dict[str, tuple[int, Any]] = {}
     for r, st, t in zip(ranks, stores, tables):
-        for field in t.schema:
+        for field in (t if isinstance(t, pa.Schema) else t.schema):
             first = seen.setdefault(field.name, (r, field.type))
             if first[1] != field.type and not pa.types.is_null(first[1]) and not pa.types.is_null(field.type):
                 raise StoreError(
@@ -2419,7 +2419,8 @@ class Store:
                                              f"{got[1]:08x})")
 
     # ------------------------------------------------------------------ row tables
-    def row_table(self, kind: str = "sample", columns: Sequence[str] | None = None) -> Any:
+    def row_table(self, kind: str = "sample", columns: Sequence[str] | None = None, *,
+                  _schemas: list | None = None) -> Any:
         """The row table of ``kind`` ("sample" or "token") as a ``pyarrow.Table``.
 
         Row ``i`` of a ``kind`` array whose ``follows_row_table`` is true is described by
@@ -2433,9 +2434,10 @@ class Store:
             e.g. ``["sample_id", "token_ids"]`` of a token table), in this order; a name the
             table has no column of is left out (``table.column_names`` says which were
             found). Its parts are fetched and checked as for the whole table (crc32c, rows,
-            the order of the ``batch`` column); of a store of rank stores, only the columns
-            read are checked for the same type on every rank (a column of other types on two
-            ranks, not read, does not raise). Default: every column.
+            the order of the ``batch`` column, and every column's type, read from each
+            part's Parquet footer without decoding the columns not read: parts, or the ranks
+            of a store of rank stores, that disagree on the type of a column not read raise
+            as the whole table's read does). Default: every column.
 
         Raises
         ------
@@ -2445,7 +2447,9 @@ class Store:
             ``columns`` is not a sequence of str (a single str is refused too).
         StoreCorruptError
             A listed part is missing, damaged (crc32c, Parquet), or the parts hold another
-            number of rows than the metadata's ``n_rows``.
+            number of rows than the metadata's ``n_rows``, or columns of other types.
+        StoreError
+            Of a store of rank stores: two ranks hold a column (read or not) of other types.
         """
         import pyarrow as pa
 
@@ -2459,23 +2463,36 @@ class Store:
             columns = list(dict.fromkeys(names))
             read = [*columns, *(c for c in ("batch", "rank") if c not in columns)]
         if self._ranks:  # every rank's committed rows, in rank order, with a rank column
-            tables = []
+            tables, full = [], []
             for rank, st in self._ranks:
-                t = st.row_table(kind, read)
+                schema: list = []  # the rank's whole table's schema
+                t = st.row_table(kind, read, _schemas=schema)
                 _no_rank_column(t, st, rank)
                 tables.append(t.append_column("rank", pa.array(np.full(t.num_rows, rank, dtype=np.int64))))
-            table = concat_rank_tables(tables, [r for r, _ in self._ranks], [st for _, st in self._ranks], kind)
+                full.append(schema[0].append(pa.field("rank", pa.int64())))
+            ranks, stores = [r for r, _ in self._ranks], [st for _, st in self._ranks]
+            if columns is not None:  # every column's type, as the whole table's read checks them
+                check_rank_column_types(full, ranks, stores, kind)
+            table = concat_rank_tables(tables, ranks, stores, kind)
             return table if columns is None else table.select([c for c in columns if c in table.column_names])
         info = (self._attrs.get("row_tables") or {}).get(kind) or {"parts": []}
         crcs = info.get("crc32c") or {}
-        tables = []
+        tables: list = []
+        schemas: list = []  # each part's full schema (from its Parquet footer)
         with self._reads_of_the_opened_run():  # (the root checked once the parts are read)
             for key in info.get("parts", []):
                 raw = self._backend.get(key, max_bytes=V.MAX_FILE_BYTES)
                 if raw is None:
                     raise V.corrupt(self._backend, f"row-table part {key!r} listed in the metadata is missing")
                 self._check_crc(raw, crcs.get(key), f"row table {kind!r}: part {key!r}")
-                tables.append(read_parquet_part(raw, self._backend, key, columns=read))
+                tables.append(read_parquet_part(raw, self._backend, key, columns=read, schemas=schemas))
+        if tables:
+            try:  # the columns not read too: a projected read raises where the whole table's does
+                full = pa.unify_schemas(schemas, promote_options="default")
+            except Exception as e:  # parts whose columns do not fit together
+                raise V.corrupt(self._backend, f"the parts of row table {kind!r} do not fit together ({e})") from None
+            if _schemas is not None:
+                _schemas.append(full)
         if not tables:
             if int(info.get("n_rows", 0)):
                 raise V.corrupt(self._backend, f"row table {kind!r} lists no parts, but the metadata says n_rows "
@@ -2484,6 +2501,8 @@ class Store:
             if kind == "token":
                 cols = {"sample_id": pa.array([], pa.int64()), "pos": pa.array([], pa.int64()), "batch": pa.array([], pa.int64())}
             table = pa.table(cols)
+            if _schemas is not None:
+                _schemas.append(table.schema)
             return table if columns is None else table.select([c for c in columns if c in table.column_names])
         try:
             table = pa.concat_tables(tables, promote_options="default")

@@ -1374,6 +1374,26 @@ def test_rank_row_tables_with_a_column_of_other_types_are_refused_before_writing
         assert torch.equal(s["0.output"], torch.cat([model(x) for x in xs]))
 
 
+def test_a_projected_row_table_of_rank_stores_checks_the_columns_not_read(tmp_path):
+    """Task 0 gave its labels as int64, task 1 as float32: row_table("sample") raised, while
+    row_table("sample", columns=["sample_id"]) checked only sample_id and returned the rows.
+    Both now raise the same error (the types read from each part's Parquet footer)."""
+    store = tmp_path / "s.zarr"
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    for task in (0, 1):
+        with acs.ActivationScope(store=str(store), store_options={"process_group": acs.RankStore(task, 2)}) \
+                .track(model) as tracker, torch.no_grad():
+            tracker.set_batch(label=torch.arange(3).to(torch.float32 if task else torch.int64))
+            model(torch.randn(3, 8))
+    s = acs.open_store(store)
+    with pytest.raises(acs.StoreError) as whole:
+        s.row_table("sample")
+    with pytest.raises(acs.StoreError) as projected:
+        s.row_table("sample", columns=["sample_id"])
+    assert type(projected.value) is type(whole.value) and str(projected.value) == str(whole.value)
+    assert "disagree on column 'label': rank 0 holds int64, rank 1" in str(projected.value)
+
+
 @pytest.mark.parametrize("opts", [{"overwrite": True}, {"resume": True}])
 def test_a_rank_store_left_by_a_stopped_commit_names_consolidate(tmp_path, opts):
     """A commit stopped after its root, before it removed the rank stores: capturing a rank

@@ -1787,3 +1787,42 @@ def test_a_commit_of_rank_stores_refuses_a_refused_reduction_entry(tmp_path):
                        + r".*got 'float32'; .*capture that reduction again"):
         commit_ranks(path)
     assert _files(path) == before and open_store(path).status == "incomplete"
+
+
+def test_a_projected_row_table_checks_the_types_of_the_columns_not_read(plain):
+    """Two intact row-table parts holding ``label`` as int64 and as float32: the whole table
+    was refused while ``row_table(columns=["sample_id"])`` decoded only sample_id and returned
+    the rows. Both now raise the same error (each part's types read from its Parquet footer)."""
+    import io
+
+    import google_crc32c
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path, _ = plain
+    key = root(path)["attributes"]["activationscope"]["row_tables"]["sample"]["parts"][0]
+    t = pq.read_table(path / key)
+    assert t.num_rows >= 2 and t.schema.field("label").type == pa.int64()
+    half = t.num_rows // 2
+    second = t.slice(half)
+    second = second.set_column(second.column_names.index("label"), "label", second.column("label").cast(pa.float32()))
+    key2 = key.replace("part-000000", "part-000001")
+    assert key2 != key
+    crcs = {}
+    for k, part in ((key, t.slice(0, half)), (key2, second)):
+        sink = io.BytesIO()
+        pq.write_table(part, sink)
+        (path / k).write_bytes(sink.getvalue())
+        crcs[k] = int(google_crc32c.value(sink.getvalue()))
+
+    def edit(a):
+        a["row_tables"]["sample"]["parts"] = [key, key2]
+        a["row_tables"]["sample"]["crc32c"] = crcs
+    edit_root(path, edit)
+    s = open_store(path)
+    with pytest.raises(StoreCorruptError, match="the parts of row table 'sample' do not fit together") as whole:
+        s.row_table("sample")
+    with pytest.raises(StoreCorruptError) as projected:
+        s.row_table("sample", columns=["sample_id"])
+    assert str(projected.value) == str(whole.value)
+    assert "label" in str(projected.value)
