@@ -144,6 +144,52 @@ def read_parquet_part(raw: bytes, where: Any, key: str, max_decoded: int = MAX_F
         raise corrupt(where, f"row-table part {key!r} is not a readable Parquet file ({type(e).__name__}: {e})") from None
 
 
+#: The columns every part of a row table holds (FORMAT.md section 4): a writer fills them for
+#: every row. A store committed from rank stores adds ``rank`` (section 10).
+REQUIRED_COLUMNS = {"sample": ("sample_id", "batch"), "token": ("sample_id", "pos", "batch")}
+
+
+def required_columns(kind: str, by_rank: bool = False) -> tuple[str, ...]:
+    """The columns every part of row table ``kind`` holds (``rank`` too when ``by_rank``)."""
+    return REQUIRED_COLUMNS[kind] + (("rank",) if by_rank else ())
+
+
+def row_part_problem(schema: Any, kind: str, by_rank: bool = False, table: Any = None) -> str | None:
+    """What is wrong with the required columns of a part of row table ``kind`` (FORMAT.md
+    section 4, section 9 rule 15), as a phrase after "part 'KEY' " (None: nothing).
+
+    ``schema``: the part's full Arrow schema (its Parquet footer's). Each required column is
+    there once; ``sample_id`` holds one value a row (any type a writer stores ids as: ints,
+    floats, strings, bytes, bools; not lists or structs); ``pos``, ``batch`` (and ``rank``) are
+    integers. ``table``: the part's decoded columns, whose ``pos`` (and ``batch``, ``rank``),
+    where decoded, must hold no nulls. A part without its ``sample_id`` column would read
+    as rows of null ids next to the other parts' ids (Arrow fills a missing column with
+    nulls), and a resume would append after them."""
+    import pyarrow as pa
+
+    required = required_columns(kind, by_rank)
+    listed = " and ".join([", ".join(required[:-1]), required[-1]])
+    names = list(schema.names)
+    for c in required:
+        if c not in names:
+            return (f"has no {c!r} column (every part of the {kind} row table holds {listed}: FORMAT.md section 4), "
+                    f"so its rows would read with null {c} values")
+        if names.count(c) > 1:
+            return f"has {names.count(c)} columns named {c!r} (one each of {listed})"
+        typ = schema.field(c).type
+        if c == "sample_id":
+            if pa.types.is_nested(typ) or pa.types.is_dictionary(typ) and pa.types.is_nested(typ.value_type):
+                return f"has a 'sample_id' column of {typ}, where a sample id is one value a row (an int or a string)"
+        elif not pa.types.is_integer(typ):
+            return f"has a {c!r} column of {typ}, where the format says integers (FORMAT.md section 4)"
+    if table is not None:
+        for c in required:
+            if c != "sample_id" and c in table.column_names and table.column(c).null_count:
+                return (f"has {table.column(c).null_count} nulls in its {c!r} column, which a writer fills for every "
+                        "row")
+    return None
+
+
 def batch_order(table: Any, by_rank: bool) -> tuple[str, tuple] | None:
     """Where a row table (with a ``batch`` column) breaks the order a writer appends its
     forwards in (FORMAT.md section 5, section 9 rule 15), per ``rank`` when ``by_rank`` (a

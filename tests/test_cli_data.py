@@ -270,7 +270,8 @@ def test_a_resume_with_labels_of_a_store_whose_sample_table_lacks_sample_id_name
     before = _files(out)
     code, _, err = run(capsys, *args, "--resume", "--labels", str(tmp_path / "y.npy"))
     assert code == 1
-    _one_error_line(err, f"store {str(out)!r}: its sample row table holds 10 rows but no 'sample_id' column")
+    _one_error_line(err, f"store {str(out)!r}: row table 'sample': part 'rows/sample/part-000000.parquet' has no "
+                         "'sample_id' column")
     assert _files(out) == before
 
 

@@ -13,7 +13,8 @@ import math
 import re
 from typing import Any, Iterable
 
-from .._safeio import FIX, MAX_FILE_BYTES, MAX_JSON_BYTES, corrupt  # noqa: F401 - re-exported
+from .._safeio import (FIX, MAX_FILE_BYTES, MAX_JSON_BYTES, corrupt, required_columns,  # noqa: F401 - re-exported
+                       row_part_problem)
 from ..errors import StoreCorruptError, StoreError
 from . import _format as F
 

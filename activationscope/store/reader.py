@@ -52,7 +52,7 @@ from ..errors import (
     StoreError,
 )
 from .._args import parse_flag
-from .._safeio import batch_order, read_parquet_part
+from .._safeio import batch_order, read_parquet_part, row_part_problem
 from . import _decode
 from . import _format as F
 from . import _validate as V
@@ -2446,7 +2446,9 @@ class Store:
         TypeError
             ``columns`` is not a sequence of str (a single str is refused too).
         StoreCorruptError
-            A listed part is missing, damaged (crc32c, Parquet), or the parts hold another
+            A listed part is missing, damaged (crc32c, Parquet), lacks a required column
+            (``sample_id``, ``batch``; ``pos`` of the token table: FORMAT.md section 4) or
+            holds one of another type (named with the part), or the parts hold another
             number of rows than the metadata's ``n_rows``, or columns of other types.
         StoreError
             Of a store of rank stores: two ranks hold a column (read or not) of other types.
@@ -2461,7 +2463,9 @@ class Store:
             if names is None or not all(isinstance(c, str) for c in names):
                 raise ArgumentTypeError(f"columns must be a list of column names (str), got {columns!r}")
             columns = list(dict.fromkeys(names))
-            read = [*columns, *(c for c in ("batch", "rank") if c not in columns)]
+            # (and the required integer columns, whose nulls are checked: a projected read raises where the whole
+            # table's does)
+            read = [*columns, *(c for c in (*V.required_columns(kind), "rank") if c not in columns and c != "sample_id")]
         if self._ranks:  # every rank's committed rows, in rank order, with a rank column
             tables, full = [], []
             for rank, st in self._ranks:
@@ -2479,6 +2483,8 @@ class Store:
         crcs = info.get("crc32c") or {}
         tables: list = []
         schemas: list = []  # each part's full schema (from its Parquet footer)
+        dist = self._attrs.get("distributed")
+        by_rank = isinstance(dist, dict) and dist.get("committed") is True
         with self._reads_of_the_opened_run():  # (the root checked once the parts are read)
             for key in info.get("parts", []):
                 raw = self._backend.get(key, max_bytes=V.MAX_FILE_BYTES)
@@ -2486,6 +2492,9 @@ class Store:
                     raise V.corrupt(self._backend, f"row-table part {key!r} listed in the metadata is missing")
                 self._check_crc(raw, crcs.get(key), f"row table {kind!r}: part {key!r}")
                 tables.append(read_parquet_part(raw, self._backend, key, columns=read, schemas=schemas))
+                problem = row_part_problem(schemas[-1], kind, by_rank, tables[-1])
+                if problem is not None:  # (a missing column would read as nulls: ids no sample has)
+                    raise V.corrupt(self._backend, f"row table {kind!r}: part {key!r} {problem}")
         if tables:
             try:  # the columns not read too: a projected read raises where the whole table's does
                 full = pa.unify_schemas(schemas, promote_options="default")
@@ -2554,7 +2563,8 @@ class Store:
         file_bytes, which reads do not use), every shard's index (crc32c, each
         committed chunk present and inside the file), each committed chunk's crc32c and (for
         compressed arrays) that it decodes to the right size. Row tables: every part present,
-        its crc32c (when recorded), readable, the parts' rows equal to ``n_rows``; every token
+        its crc32c (when recorded), readable, its required columns there and of their types
+        (FORMAT.md section 4), the parts' rows equal to ``n_rows``; every token
         row paired with a sample row (its ``sample_id``, and its ``batch`` and ``rank`` with it,
         in the sample table: FORMAT.md section 9 rule 15); no array that follows its row table
         holding more rows than the table, nor fewer where no writer leaves that (inside a

@@ -55,7 +55,7 @@ from ..errors import (
     StoreExistsError,
     stacklevel_outside_package,
 )
-from .._safeio import _kind
+from .._safeio import _kind, read_parquet_part
 from . import _format as F
 from . import _validate as V
 from ._backend import (LocalBackend, ran_out_of_room, check_backend_not_in_store, check_local_store_path, check_remote_store_path,
@@ -1624,8 +1624,10 @@ class StoreWriter:
     def _refuse_damaged_parts(self) -> None:
         """Resume: refuse, before anything is deleted or written, a row table that readers and
         ``verify`` refuse (FORMAT.md section 9 rule 15): a listed part whose bytes fail the
-        crc32c the root records for it, or that is not readable Parquet, or parts that together
-        hold another number of rows than the table's ``n_rows``. A resume keeps every listed part
+        crc32c the root records for it, or that is not readable Parquet, or that lacks a required
+        column or holds one of another type (FORMAT.md section 4: a part without ``sample_id``
+        reads as rows of null ids), or parts that together hold another number of rows than
+        the table's ``n_rows``. A resume keeps every listed part
         (it drops only unlisted ones, and recomputes none) and appends after them: it would mark
         the store complete on a table whose rows no reader returns. One part in memory at a time.
 
@@ -1643,6 +1645,8 @@ class StoreWriter:
               "a row table no reader returns; nothing was deleted or written"
         fix = ("restore that file from an intact copy of the store, or capture the store again with overwrite=True "
                "(`activationscope verify STORE` lists every damaged file)")
+        dist = self._state.get("distributed") if isinstance(self._state, dict) else None
+        by_rank = isinstance(dist, dict) and dist.get("committed") is True
         for kind, tbl in self._row_tables.items():
             crcs = tbl.get("crc32c") or {}
             total = 0
@@ -1658,10 +1662,19 @@ class StoreWriter:
                                        f"zarr.json records {int(want):08x} for it (its bytes changed since they were "
                                        f"committed){end}", fix=fix)
                 try:
-                    total += pq.read_metadata(pa.BufferReader(raw)).num_rows
+                    footer = pq.read_metadata(pa.BufferReader(raw))
+                    schema = footer.schema.to_arrow_schema()
                 except Exception as e:  # noqa: BLE001 - any Parquet failure
                     raise V.corrupt(b, f"cannot resume: row table {kind!r}: part {key!r} is not a readable Parquet "
                                        f"file ({e}){end}", fix=fix) from None
+                total += footer.num_rows
+                # its required columns (FORMAT.md section 4): a part without sample_id reads as null ids
+                problem = V.row_part_problem(schema, kind, by_rank)
+                if problem is None:  # (their nulls: the integer columns decoded, bounded as a reader reads them)
+                    ints = [c for c in V.required_columns(kind, by_rank) if c != "sample_id"]
+                    problem = V.row_part_problem(schema, kind, by_rank, read_parquet_part(raw, b, key, columns=ints))
+                if problem is not None:
+                    raise V.corrupt(b, f"cannot resume: row table {kind!r}: part {key!r} {problem}{end}", fix=fix)
             if total != int(tbl.get("n_rows", 0)):
                 raise V.corrupt(b, f"cannot resume: row table {kind!r}: its parts hold {total} rows, but zarr.json "
                                    f"says n_rows {tbl.get('n_rows', 0)}{end}", fix=fix)

@@ -371,7 +371,7 @@ def test_a_text_resume_of_a_store_whose_row_table_lacks_a_column_names_it(tmp_pa
     """A store whose token table holds token_ids but no sample_id raised a bare KeyError from
     the resume's check of the stored token ids (one without pos skipped the check; a sample
     table without sample_id was taken to number its texts 0, 1, ...). Each now raises
-    StoreCorruptError naming the store, the table and the column; nothing changes."""
+    StoreCorruptError naming the store, the table, its part and the column; nothing changes."""
     folder = _gpt2_folder(tmp_path)
     data, out = _text_file(tmp_path), str(tmp_path / "s.zarr")
     capture_run.capture_dataset(str(folder), str(data), out, batch_size=2, max_samples=3, progress=False)
@@ -380,5 +380,6 @@ def test_a_text_resume_of_a_store_whose_row_table_lacks_a_column_names_it(tmp_pa
     with pytest.raises(acs.StoreCorruptError) as e:
         capture_run.capture_dataset(str(folder), str(data), out, batch_size=2, resume=True, progress=False)
     msg = str(e.value)
-    assert msg.startswith(f"store {out!r}: its {kind} row table holds ") and f"but no {column!r} column" in msg, msg
+    assert msg.startswith(f"store {out!r}: row table {kind!r}: part 'rows/{kind}/part-") and \
+        f"has no {column!r} column" in msg, msg
     assert {p: p.read_bytes() for p in sorted((tmp_path / "s.zarr").rglob("*")) if p.is_file()} == before

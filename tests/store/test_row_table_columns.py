@@ -1,0 +1,149 @@
+"""A row table's required columns (FORMAT.md §4: ``sample_id`` and ``batch`` of the sample
+table, ``sample_id``, ``pos`` and ``batch`` of the token table) in every part: a part that is
+intact (its crc32c rewritten to match) but lacks one, or holds one of another type, is
+refused by every read of the table, named by verify(), and a resume refuses the store before
+it changes a byte. Before, a sample part without ``sample_id`` verified clean, and a resume
+appended after it: the ids read back as [None, None, None, 3, 4]."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+import activationscope as acs
+from activationscope.errors import StoreCorruptError
+from activationscope.store import StoreWriter, open_store
+from activationscope.store import _format as F
+
+OPTIONS = {"chunk_rows": 4, "shard_bytes": 16 * 4 * 4}
+
+
+def _store(path: Path, ids=((0, 1), (2, 3))) -> None:
+    """Two forwards, the second by a resume (so two parts per row table), of 2 samples, 2 and 3
+    tokens each: a sample array ``x``, a token array ``t`` and a per-sample ``label``."""
+    for b, pair in enumerate(ids):
+        w = StoreWriter(path, resume=b > 0, **OPTIONS)
+        w.open_array("x", (4,), torch.float32, "sample").append(torch.randn(2, 4))
+        w.open_array("t", (4,), torch.float32, "token").append(torch.randn(5, 4))
+        w.add_batch(2, list(pair), torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.bool),
+                    {"label": torch.tensor([b, b + 1])})
+        w.close()
+    assert all(len(open_store(path).attrs["row_tables"][k]["parts"]) == 2 for k in ("sample", "token"))
+
+
+def _files(p: Path) -> dict[str, bytes]:
+    return {str(q.relative_to(p)): q.read_bytes() for q in sorted(p.rglob("*")) if q.is_file()}
+
+
+def _edit_part(path: Path, kind: str, index: int, edit) -> str:
+    """Rewrite part ``index`` of row table ``kind`` as ``edit(table)``, its crc32c recomputed in
+    the root (an intact, readable part: only a check of its columns can tell). Its key."""
+    doc = json.loads((path / "zarr.json").read_text())
+    info = doc["attributes"]["activationscope"]["row_tables"][kind]
+    key = info["parts"][index]
+    sink = io.BytesIO()
+    pq.write_table(edit(pq.read_table(path / key)), sink)
+    (path / key).write_bytes(sink.getvalue())
+    info["crc32c"][key] = F.crc32c(sink.getvalue())
+    (path / "zarr.json").write_text(json.dumps(doc))
+    return key
+
+
+def _set(column: str, array):
+    def edit(t):
+        return t.set_column(t.schema.get_field_index(column), column, array(t))
+    return edit
+
+
+def _drop(column: str):
+    return lambda t: t.drop_columns([column])
+
+
+CASES = {
+    # (kind, edit, what the message says of the column)
+    "sample without sample_id": ("sample", _drop("sample_id"), r"has no 'sample_id' column"),
+    "sample without batch": ("sample", _drop("batch"), r"has no 'batch' column"),
+    "token without sample_id": ("token", _drop("sample_id"), r"has no 'sample_id' column"),
+    "token without pos": ("token", _drop("pos"), r"has no 'pos' column"),
+    "token without batch": ("token", _drop("batch"), r"has no 'batch' column"),
+    "pos as strings": ("token", _set("pos", lambda t: pa.array([str(v) for v in t.column("pos").to_pylist()])),
+                       r"has a 'pos' column of string, where the format says integers"),
+    "pos as floats": ("token", _set("pos", lambda t: t.column("pos").cast(pa.float64())),
+                      r"has a 'pos' column of double, where the format says integers"),
+    "pos with a null": ("token", _set("pos", lambda t: pa.array([None] + t.column("pos").to_pylist()[1:], pa.int64())),
+                        r"has 1 nulls in its 'pos' column"),
+    "batch as floats": ("sample", _set("batch", lambda t: t.column("batch").cast(pa.float64())),
+                        r"has a 'batch' column of double, where the format says integers"),
+    "sample_id as lists": ("sample", _set("sample_id", lambda t: pa.array([[v] for v in t.column("sample_id").to_pylist()])),
+                           r"has a 'sample_id' column of list<\w+: int64>, where a sample id is one value a row"),
+    "sample_id twice": ("sample", lambda t: t.append_column("sample_id", t.column("sample_id")),
+                        r"has 2 columns named 'sample_id'"),
+}
+
+
+@pytest.mark.parametrize("index", [0, 1])
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_part_without_a_required_column_or_of_another_type_is_refused_everywhere(tmp_path, case, index):
+    kind, edit, said = CASES[case]
+    path = tmp_path / "s.zarr"
+    _store(path)
+    assert open_store(path).verify() == []
+    key = _edit_part(path, kind, index, edit)
+    named = rf"store '{re.escape(str(path))}': row table '{kind}': part '{re.escape(key)}' {said}"
+    s = open_store(path)
+    problems = s.verify()
+    assert len(problems) == 1 and re.search(named, problems[0]), problems
+    with pytest.raises(StoreCorruptError, match=named):
+        s.row_table(kind)
+    other = "label" if kind == "sample" else "t"
+    with pytest.raises(StoreCorruptError, match=named):  # a read of another column raises as the whole table's
+        s.row_table(kind, columns=[other] if kind == "sample" else ["sample_id"])
+    before = _files(path)
+    with pytest.raises(StoreCorruptError, match=rf"store '{re.escape(str(path))}': cannot resume: row table '{kind}': "
+                                                rf"part '{re.escape(key)}' {said}.*nothing was deleted or written"):
+        StoreWriter(path, resume=True, **OPTIONS)
+    assert _files(path) == before
+    assert open_store(path).verify() == problems  # (and the lock was let go)
+
+
+def test_a_capture_resume_of_a_sample_part_without_sample_id_changes_nothing(tmp_path):
+    """The capture API's resume (one more forward) raised nothing: it resumed, and the ids read
+    back as [None, None, None, 3, 4]. Now it raises naming the store, the table, the part and
+    the column, and leaves every file as it was."""
+    path = tmp_path / "s.zarr"
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with acs.ActivationScope(store=str(path)).track(m) as t, torch.no_grad():
+        t.set_batch(label=[0, 1, 0])
+        m(torch.randn(3, 4))
+    key = _edit_part(path, "sample", 0, _drop("sample_id"))
+    assert open_store(path).verify() != []
+    before = _files(path)
+    with pytest.raises(StoreCorruptError, match=rf"store '{re.escape(str(path))}': cannot resume: row table 'sample': "
+                                                rf"part '{re.escape(key)}' has no 'sample_id' column"):
+        with acs.ActivationScope(store=str(path), store_options={"resume": True}).track(m) as t, torch.no_grad():
+            t.set_batch(label=[1, 1])
+            m(torch.randn(2, 4))
+    assert _files(path) == before
+
+
+@pytest.mark.parametrize("ids", [((0.5, 1.5), (2.5, 3.5)), (("a", "b"), ("c", "d")), ((b"a", b"b"), (b"c", b"d"))])
+def test_sample_ids_of_a_type_the_writer_stores_are_read_and_resumed(tmp_path, ids):
+    """``sample_id`` holds the user's type (FORMAT.md §4): float, string and bytes ids the writer
+    stores are not refused by the column checks."""
+    path = tmp_path / "s.zarr"
+    _store(path, ids)
+    s = open_store(path)
+    assert s.verify() == []
+    assert s.row_table("sample").column("sample_id").to_pylist() == [v for pair in ids for v in pair]
+    assert s.row_table("token").column("pos").to_pylist() == [0, 1, 0, 1, 2] * 2
+    w = StoreWriter(path, resume=True, **OPTIONS)
+    w.close()
+    assert open_store(path).verify() == []
+
