@@ -237,9 +237,10 @@ def row_table_dask(store: Any, kind: str = "sample", *, storage_options: dict | 
     ValueError
         ``kind`` is not "sample" or "token".
     StoreCorruptError
-        A listed part is missing, has no readable Parquet footer, or the parts hold another
-        number of rows than the metadata's ``n_rows`` (named); when computed, a part that is
-        damaged or disagrees with its footer (named).
+        A listed part is missing, has no readable Parquet footer, lacks a required column or
+        holds one of another type (FORMAT.md section 4), or the parts hold another number of
+        rows than the metadata's ``n_rows`` (named); when computed, a part that is damaged,
+        lacks a required column or disagrees with its footer (named).
     StoreError
         When computed: the store was replaced since the graph was made.
     """
@@ -286,6 +287,9 @@ def _part_specs(st: Store, kind: str, info: dict, parts: list[str]) -> list | No
         footers = [_footer(st, kind, key) for key in parts]
     for key, footer in zip(parts, footers):
         part_schema = footer.schema.to_arrow_schema()
+        problem = V.row_part_problem(part_schema, kind, by_rank)  # (its required columns: FORMAT.md section 4)
+        if problem is not None:
+            raise V.corrupt(st._backend, f"row table {kind!r}: part {key!r} {problem}")
         names = part_schema.names
         if len(set(names)) != len(names) or (schema is not None and not part_schema.equals(schema)):
             return None
@@ -401,7 +405,7 @@ def _checked_part(root: str, zarr_store: Any, spec: dict) -> Any:
     import pyarrow.compute as pc
 
     from .._safeio import (MAX_FILE_BYTES, _inside, _remote_get, batch_order, corrupt, crc32c, read_parquet_part,
-                          read_regular)
+                          read_regular, row_part_problem)
 
     key, kind = spec["key"], spec["kind"]
     if zarr_store is None:
@@ -420,8 +424,10 @@ def _checked_part(root: str, zarr_store: Any, spec: dict) -> Any:
     table = read_parquet_part(raw, root, key)
     batch = table.column("batch") if "batch" in table.column_names else None
     found = batch_order(table, spec["by_rank"]) if batch is not None else ("type", ("batch",))
-    problem = None
-    if table.num_rows != spec["n_rows"]:
+    problem = row_part_problem(table.schema, kind, spec["by_rank"], table)  # (its required columns)
+    if problem is not None:
+        pass  # (named first: the checks below read its batch column)
+    elif table.num_rows != spec["n_rows"]:
         problem = f"holds {table.num_rows} rows, but its footer said {spec['n_rows']} when the graph was made"
     elif found is not None and found[0] == "type":
         problem = f"has no {found[1][0]} column of integers without nulls"

@@ -147,3 +147,37 @@ def test_sample_ids_of_a_type_the_writer_stores_are_read_and_resumed(tmp_path, i
     w.close()
     assert open_store(path).verify() == []
 
+
+def test_row_table_dask_refuses_a_part_without_sample_id(tmp_path):
+    """row_table_dask reads each part in its own task: a part of the same schema as the others
+    (every part lacking sample_id) is refused when the graph is made."""
+    pytest.importorskip("dask.dataframe")
+    from activationscope.analysis.dask import row_table_dask
+
+    path = tmp_path / "s.zarr"
+    _store(path)
+    keys = [_edit_part(path, "sample", i, _drop("sample_id")) for i in (0, 1)]
+    with pytest.raises(StoreCorruptError, match=rf"row table 'sample': part '{re.escape(keys[0])}' has no 'sample_id'"):
+        row_table_dask(str(path), "sample").compute()
+
+
+def test_row_table_dask_refuses_a_part_that_lost_sample_id_after_the_graph_was_made(tmp_path):
+    """A partition checks its part when it reads it: a part without recorded crc32c (a store
+    written before parts were checksummed) rewritten without sample_id after the graph was made,
+    same rows and batch values, is refused instead of giving a frame without its ids."""
+    pytest.importorskip("dask.dataframe")
+    from activationscope.analysis.dask import row_table_dask
+
+    path = tmp_path / "s.zarr"
+    _store(path)
+    doc = json.loads((path / "zarr.json").read_text())
+    info = doc["attributes"]["activationscope"]["row_tables"]["sample"]
+    del info["crc32c"]
+    (path / "zarr.json").write_text(json.dumps(doc))
+    frame = row_table_dask(str(path), "sample")
+    key = info["parts"][1]
+    sink = io.BytesIO()
+    pq.write_table(pq.read_table(path / key).drop_columns(["sample_id"]), sink)
+    (path / key).write_bytes(sink.getvalue())
+    with pytest.raises(StoreCorruptError, match=rf"row table 'sample': part '{re.escape(key)}' has no 'sample_id'"):
+        frame.compute()
