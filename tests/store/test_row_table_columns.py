@@ -181,3 +181,23 @@ def test_row_table_dask_refuses_a_part_that_lost_sample_id_after_the_graph_was_m
     (path / key).write_bytes(sink.getvalue())
     with pytest.raises(StoreCorruptError, match=rf"row table 'sample': part '{re.escape(key)}' has no 'sample_id'"):
         frame.compute()
+
+
+def test_a_part_of_a_store_committed_from_rank_stores_without_its_rank_column_is_refused(tmp_path):
+    """A store committed from rank stores pairs (rank, sample_id) and orders batches per rank
+    (FORMAT.md §10): a part that lost its rank column is refused, not read as one rank."""
+    from activationscope.store.ranks import commit_ranks
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2))
+    path = tmp_path / "m.zarr"
+    for task in range(2):
+        with acs.ActivationScope(store=str(path), store_options={"process_group": acs.RankStore(task, 2)}).track(
+                model), torch.no_grad():
+            model(torch.randn(2, 3))
+    commit_ranks(path)
+    assert open_store(path).verify() == []
+    key = _edit_part(path, "sample", 0, _drop("rank"))
+    s = open_store(path)
+    with pytest.raises(StoreCorruptError, match=rf"row table 'sample': part '{re.escape(key)}' has no 'rank' column"):
+        s.row_table("sample")
+    assert len(s.verify()) == 1 and "has no 'rank' column" in s.verify()[0]
