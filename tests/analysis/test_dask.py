@@ -171,8 +171,9 @@ def test_moments_of_a_constant_column_are_its_value_and_zero(value):
     assert m["mean"][3] == np.inf and np.isnan(m["var"][3]) and np.isnan(want[3])
 
 
-def test_pca_leaves_out_rows_with_nan_or_inf(tmp_path):
-    # a model whose output overflows float32 for one sample per forward: inf (and NaN) rows
+def _overflowing_store(tmp_path):
+    """tmp_path/h.zarr: a model whose output overflows float32 for one sample per forward: inf
+    (and NaN) rows among finite ones (4 forwards of 6 samples)."""
     model = torch.nn.Linear(5, 5).eval()
     scope = acs.ActivationScope(store=str(tmp_path / "h.zarr"), store_options={"shard_rows": 8, "chunk_rows": 8})
     gen = torch.Generator().manual_seed(2)
@@ -182,6 +183,10 @@ def test_pca_leaves_out_rows_with_nan_or_inf(tmp_path):
             x = torch.randn(6, 5, generator=gen)
             x[b % 6] *= 1e38
             model(x * 1e3)
+
+
+def test_pca_leaves_out_rows_with_nan_or_inf(tmp_path):
+    _overflowing_store(tmp_path)
     store = acs.open_store(str(tmp_path / "h.zarr"))
     rows = store[store.hook_points[0]].double()
     finite = torch.isfinite(rows).all(1)
@@ -404,15 +409,7 @@ def test_moments_and_pca_say_which_rows_hold_nan_or_inf_and_agree_when_asked(tmp
     """pca left out rows holding NaN or inf, and moments counted them (NaN columns) with
     nothing said; now both name those rows, and moments(drop_nonfinite=True) is over pca's
     rows, against a numpy float64 reference of the same rows."""
-    model = torch.nn.Linear(5, 5).eval()
-    scope = acs.ActivationScope(store=str(tmp_path / "h.zarr"), store_options={"shard_rows": 8, "chunk_rows": 8})
-    gen = torch.Generator().manual_seed(2)
-    with scope.track(model, include=["*"]) as tracker, torch.no_grad():
-        for b in range(4):
-            tracker.set_batch(sample_ids=torch.arange(6 * b, 6 * b + 6))
-            x = torch.randn(6, 5, generator=gen)
-            x[b % 6] *= 1e38
-            model(x * 1e3)
+    _overflowing_store(tmp_path)
     store = acs.open_store(str(tmp_path / "h.zarr"))
     hp = store.hook_points[0]
     rows = store[hp].double().numpy()
