@@ -2554,6 +2554,16 @@ class Store:
         )
 
     # ------------------------------------------------------------------ checks and info
+    def _table_problem(self, kind: str, e: StoreCorruptError) -> str:
+        """A verify() line of row table ``kind`` from the error a read of it raised: the table
+        named once, without the store the error names again (every line is this store's)."""
+        text = str(e)
+        own = f"store {str(self._backend)!r}: "
+        if text.startswith(own):
+            text = text[len(own):]
+        head = f"row table {kind!r}: "
+        return text if text.startswith(head) else head + text
+
     def verify(self) -> list[str]:
         """Check that every read succeeds and returns what was written.
 
@@ -2624,7 +2634,7 @@ class Store:
                 try:
                     data = self._backend.get(key, max_bytes=V.MAX_FILE_BYTES)
                 except StoreCorruptError as e:
-                    problems.append(f"row table {kind!r}: {e}")
+                    problems.append(self._table_problem(kind, e))
                     readable = False
                     continue
                 if data is None:
@@ -2650,7 +2660,7 @@ class Store:
                 try:
                     self.row_table(kind)
                 except StoreCorruptError as e:
-                    problems.append(f"row table {kind!r}: {e}")
+                    problems.append(self._table_problem(kind, e))
         read = {}
         for kind in ("sample", "token"):
             if (tables.get(kind) or {}).get("parts"):

@@ -583,8 +583,8 @@ def test_a_row_table_part_decoding_beyond_its_bound_is_refused_before_it_is_deco
     assert decoded and int(decoded.group(1)) > 96 * (48 << 20), out.stdout
     assert f"more than the {4 << 30} a part may hold" in out.stdout and "big.zarr" in out.stdout
     problems = open_store(tmp_path / "big.zarr").verify()  # (reads the footers, then the bounded part)
-    assert len(problems) == 1 and f"row table 'sample': store '{tmp_path / 'big.zarr'}': row-table part " \
-        f"'rows/sample/{part.name}' decodes to" in problems[0], problems
+    assert len(problems) == 1 and problems[0].startswith(f"row table 'sample': row-table part "
+                                                         f"'rows/sample/{part.name}' decodes to"), problems
     pytest.importorskip("dask.dataframe")
     from activationscope.analysis.dask import row_table_dask
 
