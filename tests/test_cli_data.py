@@ -211,6 +211,21 @@ def test_labels_of_a_resume_must_be_those_of_the_stored_samples(tmp_path, user_p
     assert acs.open_store(str(out)).row_table("sample").column("label").to_pylist() == labels.tolist()
 
 
+def _labelled_first_run(tmp_path, user_package, capsys, name):
+    """A CLI capture of 10 of 30 labelled samples (x.npy, y.npy) into tmp_path/a.zarr by the
+    user package ``name``: (its arguments without --labels, the store's path)."""
+    user_package(name, NETS)
+    data = tmp_path / "x.npy"
+    np.save(data, np.random.default_rng(0).standard_normal((30, 6)).astype(np.float32))
+    np.save(tmp_path / "y.npy", np.arange(30) % 2)
+    out = tmp_path / "a.zarr"
+    args = ["capture", "--model", f"{name}.nets:mlp", "--data", str(data), "--out", str(out),
+            "--no-progress", "--batch-size", "5"]
+    code, _, err = run(capsys, *args, "--labels", str(tmp_path / "y.npy"), "--max-samples", "10")
+    assert code == 0, err
+    return args, out
+
+
 @pytest.mark.parametrize("labels", [True, False])
 def test_a_resume_of_a_store_whose_row_table_part_is_damaged_names_the_damage(tmp_path, user_package, capsys,
                                                                              labels):
@@ -218,15 +233,7 @@ def test_a_resume_of_a_store_whose_row_table_part_is_damaged_names_the_damage(tm
     # store with labels whose sample table part was damaged was said to hold its samples
     # "without labels, but --labels was given"; now the damage is named (as the writer names it
     # for a resume without --labels), nothing changed
-    user_package("damagedrowsnets", NETS)
-    data = tmp_path / "x.npy"
-    np.save(data, np.random.default_rng(0).standard_normal((30, 6)).astype(np.float32))
-    np.save(tmp_path / "y.npy", np.arange(30) % 2)
-    out = tmp_path / "a.zarr"
-    args = ["capture", "--model", "damagedrowsnets.nets:mlp", "--data", str(data), "--out", str(out),
-            "--no-progress", "--batch-size", "5"]
-    code, _, err = run(capsys, *args, "--labels", str(tmp_path / "y.npy"), "--max-samples", "10")
-    assert code == 0, err
+    args, out = _labelled_first_run(tmp_path, user_package, capsys, "damagedrowsnets")
     part = out / "rows" / "sample" / "part-000000.parquet"
     damaged = bytearray(part.read_bytes())
     damaged[len(damaged) // 2] ^= 0x40
@@ -250,15 +257,7 @@ def test_a_resume_with_labels_of_a_store_whose_sample_table_lacks_sample_id_name
     import google_crc32c
     import pyarrow.parquet as pq
 
-    user_package("nosampleidnets", NETS)
-    data = tmp_path / "x.npy"
-    np.save(data, np.random.default_rng(0).standard_normal((30, 6)).astype(np.float32))
-    np.save(tmp_path / "y.npy", np.arange(30) % 2)
-    out = tmp_path / "a.zarr"
-    args = ["capture", "--model", "nosampleidnets.nets:mlp", "--data", str(data), "--out", str(out),
-            "--no-progress", "--batch-size", "5"]
-    code, _, err = run(capsys, *args, "--labels", str(tmp_path / "y.npy"), "--max-samples", "10")
-    assert code == 0, err
+    args, out = _labelled_first_run(tmp_path, user_package, capsys, "nosampleidnets")
     root = json.loads((out / "zarr.json").read_text())
     info = root["attributes"]["activationscope"]["row_tables"]["sample"]
     for key in info["parts"]:
