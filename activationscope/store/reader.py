@@ -32,6 +32,7 @@ import sys
 import threading
 import uuid
 import warnings
+import weakref
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -71,6 +72,28 @@ READ_AHEAD_BYTES = 64 << 20
 #: it are warm too (``Store.will_read``).
 WARM_WINDOW_FACTOR = 3
 _MADV_WILLNEED = 3
+
+#: The most memory mappings a store keeps cached for its zero-copy reads (each shard file
+#: mapped is one; an array's shards mapped back to back as one view count one each). None:
+#: :func:`_default_map_budget`, taken when the store first maps. Past it, the mappings used
+#: least recently are dropped from the cache (a tensor returned before keeps its own).
+_MAP_BUDGET: int | None = None
+#: The least :func:`_default_map_budget` gives.
+_MIN_MAP_BUDGET = 1024
+
+
+def _default_map_budget() -> int:
+    """Half of the process's limit of memory mappings (``vm.max_map_count``, 65530 where it
+    cannot be read) less the mappings it holds now, at least ``_MIN_MAP_BUDGET``."""
+    limit, held = 65530, 0
+    try:  # (Linux)
+        with open("/proc/sys/vm/max_map_count", "rb") as f:
+            limit = int(f.read())
+        with open("/proc/self/maps", "rb") as f:
+            held = sum(1 for _ in f)
+    except (OSError, ValueError):
+        pass
+    return max(_MIN_MAP_BUDGET, limit // 2 - held)
 
 
 def _load_libc(name: str, argtypes: list) -> Any:
@@ -421,6 +444,13 @@ class Store:
         self._index_gates: dict[str, threading.Lock] = {}  # (see _shard_index)
         self._gates_pid = os.getpid()  # the process whose threads hold _index_gates
         self._whole: dict[str, tuple[int, torch.Tensor]] = {}
+        # the mappings _maps and _whole hold, least recently used first: ("shard", key) or
+        # ("whole", array path) -> how many of the process's mappings it is (_keep_mapping)
+        self._mapped: OrderedDict[tuple[str, str], int] = OrderedDict()
+        self._n_mapped = 0
+        self._map_budget: int | None = None  # (_budget)
+        self._total_shards: tuple[dict, int] | None = None  # (root attrs, their arrays' shards): _whole_fits
+        self._unmap_listeners: list[Any] = []  # (on_unmap)
         self._zarrays: dict[str, Any] = {}
         self._checked: dict[str, _ChunkCrcs] = {}  # array path -> (shard, slot) -> (offset, nbytes, crc32c)
         # A resuming writer re-reads the chunk holding its last committed row unchecked: after a
@@ -520,11 +550,12 @@ class Store:
             self._shown = seq
             for _, old in self._ranks:
                 old.close()
+            for _, st in ranks:  # (their mappings dropped are said to this store's listeners)
+                st._unmap_listeners = self._unmap_listeners
             self._ranks, self._parts = ranks, parts
             self._attrs, self._refused = attrs, refused
             if getattr(self, "_run", run) != run:  # another run in its place: nothing mapped is its
-                self._maps.clear()
-                self._whole.clear()
+                self._clear_mappings()
             self._stamp, self._run = stamp, run
             self._shown_stamp = stamp  # (_stamp moves on with commits of the same run; this does not)
             self._live = frozenset(id(m) for m in (attrs.get("arrays") or {}).values())
@@ -920,8 +951,9 @@ class Store:
         """Row boundaries ``[0, ..., n_rows]`` of the units of zero-copy memory.
 
         One segment ``[0, n_rows]`` when the array's shards are mapped back to back as one
-        view (local, uncompressed, the default layout, native extension present); otherwise
-        one segment per shard. ``rows(hook_point, a, b)`` within one segment is a view;
+        view (local, uncompressed, the default layout, native extension present, and the
+        shards of all the store's arrays fit in its budget of memory mappings: see
+        docs/usage/store.md); otherwise one segment per shard. ``rows(hook_point, a, b)`` within one segment is a view;
         across segments one copy.
         """
         if self._parts:
@@ -1619,7 +1651,7 @@ class Store:
         with self._lock:
             if self._indexes.get(key) is idx:
                 del self._indexes[key]
-            self._maps.pop(idx.key, None)
+            self._forget_mapping("shard", idx.key)
         return True
 
     def _check_shard_crcs(self, hook_point: str, shard: int, fix: str = V.FIX) -> None:
@@ -1663,13 +1695,17 @@ class Store:
 
     # ---------------------------------------------------------------- mapped reads
     def _map(self, key: str, nbytes: int, meta: dict | None = None) -> torch.Tensor:
-        """A private (copy-on-write) read mapping of the first ``nbytes`` of a shard, uint8."""
+        """A private (copy-on-write) read mapping of the first ``nbytes`` of a shard, uint8;
+        cached (:meth:`_keep_mapping`)."""
         with self._lock:
             t = self._maps.get(key)
+            if t is not None and ("shard", key) in self._mapped:
+                self._mapped.move_to_end(("shard", key))
         if t is not None and t.numel() >= nbytes:
             return t
         path = str(self._backend.path(key))
         C = _native.optional()
+        self._make_room(1)
         with self._reads_of_the_opened_run():  # (the root checked once the file is mapped)
             try:
                 if C is not None:  # opens non-blocking and maps regular files only
@@ -1690,9 +1726,13 @@ class Store:
             except (OSError, ValueError, RuntimeError) as e:
                 raise (_out_of_mappings(self._backend, f"shard {key!r}", e)
                        or V.corrupt(self._backend, f"shard {key!r} cannot be mapped: {e}")) from None
+        dropped: list = []
         with self._lock:
             if meta is None or self._current(meta):
-                self._maps[key] = t
+                dropped = self._keep_mapping("shard", key, t, 1)
+        if dropped:
+            del dropped[:]  # (unmapped here, outside the lock, unless a view still holds one)
+            self._said_unmapped()
         return t
 
     def _mapped_rows(self, meta: dict, shard: int, local_start: int, n: int) -> torch.Tensor | None:
@@ -1718,12 +1758,16 @@ class Store:
         The shard files are mapped back to back into one contiguous range of address space
         (``_C.map_files_contiguous``), which works when a shard's data is a whole number of
         pages (the default chunk layout ensures it) and each shard's chunks lie back to back.
-        Cached per array and committed row count; None when the layout does not allow it or
-        the native extension is absent.
+        Cached per array and committed row count (it counts one mapping per shard against the
+        store's budget, ``_MAP_BUDGET``); None when the layout does not allow it, the native
+        extension is absent, or the store has more shards than the budget
+        (:meth:`_whole_fits`: its rows are then read per shard).
         """
         n = int(meta["n_rows"])
         with self._lock:
             cached = self._whole.get(meta["path"])
+            if cached is not None and ("whole", meta["path"]) in self._mapped:
+                self._mapped.move_to_end(("whole", meta["path"]))
         if cached is not None and cached[0] == n:
             return cached[1]
         C = _native.optional()
@@ -1733,9 +1777,12 @@ class Store:
         if C is None or n == 0 or rb == 0 or stride % mmap.PAGESIZE:
             return None
         n_shards = -(-n // shard_rows)
+        if not self._whole_fits(n_shards):
+            return None
         if not all(self._shard_index(meta, k).contiguous for k in range(n_shards)):
             return None
         paths = [str(self._backend.path(self._shard_index(meta, k).key)) for k in range(n_shards)]
+        self._make_room(n_shards)
         failed: Exception | None = None
         with self._reads_of_the_opened_run():
             try:
@@ -1748,10 +1795,116 @@ class Store:
             raise (_out_of_mappings(self._backend, f"the shards of array {meta['path']!r}", failed)
                    or V.corrupt(self._backend, f"the shards of array {meta['path']!r} cannot be mapped: {failed}")) from None
         view = flat.view(F.torch_dtype(meta["dtype"])).view(n, *meta["feature_shape"])
+        dropped: list = []
         with self._lock:
             if self._current(meta):
-                self._whole[meta["path"]] = (n, view)
+                dropped = self._keep_mapping("whole", meta["path"], (n, view), n_shards)
+        if dropped:
+            del dropped[:]  # (unmapped here, outside the lock, unless a view still holds one)
+            self._said_unmapped()
         return view
+
+    def _whole_fits(self, n_shards: int) -> bool:
+        """Whether an array of ``n_shards`` shards may be mapped back to back as one view:
+        when the shards of every uncompressed array of the store together fit in
+        :meth:`_budget`. A store of more is read per shard: a view of some rows then holds
+        the mapping of their shard only, not of every shard of the array, so that a batch of
+        a dataset of every hook point (a view of each) holds one mapping per hook point, and
+        the cache holds the most recently used shards, not a few whole arrays."""
+        budget = self._budget()
+        if n_shards > budget:
+            return False
+        attrs = self._attrs
+        total = self._total_shards
+        if total is None or total[0] is not attrs:
+            n = 0
+            for m in (attrs.get("arrays") or {}).values():
+                if isinstance(m, dict) and m.get("compression") is None:
+                    try:
+                        n += -(-int(m["n_rows"]) // max(1, int(m["shard_rows"])))
+                    except (KeyError, TypeError, ValueError):
+                        pass
+            total = self._total_shards = (attrs, n)
+        return total[1] <= budget
+
+    def _budget(self) -> int:
+        """The most mappings this store's caches hold (``_MAP_BUDGET``, else
+        :func:`_default_map_budget` as it was when the store first asked)."""
+        if _MAP_BUDGET is not None:
+            return max(1, int(_MAP_BUDGET))
+        if self._map_budget is None:
+            self._map_budget = _default_map_budget()
+        return self._map_budget
+
+    def _keep_mapping(self, kind: str, key: str, value: Any, n_maps: int) -> list:
+        """Cache ``value`` (a shard's mapping, ``kind`` "shard", in ``_maps``; an array's
+        shards mapped back to back, "whole", in ``_whole``) as ``n_maps`` of the process's
+        mappings, and drop the least recently used others while the cache holds more than
+        :meth:`_budget` (never the one just kept). Returns what it dropped: the caller lets
+        go of it once the lock is released (a view of it keeps its mapping alive; the
+        mapping is unmapped with the last reference) and calls :meth:`_said_unmapped`.
+        Call with the lock held."""
+        (self._maps if kind == "shard" else self._whole)[key] = value
+        slot = (kind, key)
+        self._n_mapped += n_maps - self._mapped.pop(slot, 0)
+        self._mapped[slot] = n_maps
+        budget = self._budget()
+        dropped = []
+        while self._n_mapped > budget and len(self._mapped) > 1:
+            (kind_old, key_old), n_old = self._mapped.popitem(last=False)
+            self._n_mapped -= n_old
+            dropped.append((self._maps if kind_old == "shard" else self._whole).pop(key_old, None))
+        return dropped
+
+    def _make_room(self, n_maps: int) -> None:
+        """Before ``n_maps`` mappings are made: drop the least recently used cached ones until
+        they fit in :meth:`_budget` with them (the cache never holds more than its budget,
+        also while a new mapping is made)."""
+        dropped = []
+        with self._lock:
+            budget = self._budget()
+            while self._mapped and self._n_mapped + n_maps > budget:
+                (kind, key), n_old = self._mapped.popitem(last=False)
+                self._n_mapped -= n_old
+                dropped.append((self._maps if kind == "shard" else self._whole).pop(key, None))
+        if dropped:
+            del dropped[:]  # (unmapped here, outside the lock, unless a view still holds one)
+            self._said_unmapped()
+
+    def _forget_mapping(self, kind: str, key: str) -> None:
+        """Drop one cached mapping (call with the lock held)."""
+        self._n_mapped -= self._mapped.pop((kind, key), 0)
+        (self._maps if kind == "shard" else self._whole).pop(key, None)
+
+    def _clear_mappings(self) -> None:
+        """Drop every cached mapping (call with the lock held)."""
+        self._maps.clear()
+        self._whole.clear()
+        self._mapped.clear()
+        self._n_mapped = 0
+
+    def on_unmap(self, callback: Any) -> None:
+        """Have ``callback()`` (no arguments) called whenever this store drops mappings from
+        its cache: to stay within its budget of the process's memory mappings
+        (``vm.max_map_count``; see docs/usage/store.md), or on :meth:`close`.
+
+        A reader that keeps views of the store's rows between reads (a dataset's views of
+        whole shards) drops them then, so that the mappings behind them are released too; it
+        reads them again from the store when it needs them. Called in the thread whose read
+        made the store drop them, without the store's lock held. A bound method is held weakly
+        (it does not keep its object alive); any other callable strongly.
+        """
+        ref: Any = weakref.WeakMethod(callback) if hasattr(callback, "__self__") else (lambda: callback)
+        with self._lock:
+            self._unmap_listeners.append(ref)
+            self._unmap_listeners[:] = [r for r in self._unmap_listeners if r() is not None]
+
+    def _said_unmapped(self) -> None:
+        """Call the :meth:`on_unmap` callbacks (without the lock held)."""
+        for ref in list(self._unmap_listeners):
+            callback = ref()
+            if callback is not None:
+                callback()
 
     # ---------------------------------------------------------------- decoded reads
     def _zarray(self, meta: dict) -> Any:
@@ -2621,7 +2774,7 @@ class Store:
                 # each would use up, every check after that failing
                 with self._lock:
                     for key in [key for key in self._maps if key not in kept]:
-                        del self._maps[key]
+                        self._forget_mapping("shard", key)
             if len(mine) > 20:
                 mine = mine[:20] + [f"hook point {hp!r}: ... and {len(mine) - 20} more problems"]
             problems += mine
@@ -3077,13 +3230,15 @@ class Store:
         for _, st in self._ranks:
             st.close()
         with self._lock:
-            self._maps.clear()
+            dropped = bool(self._mapped)
+            self._clear_mappings()
             self._indexes.clear()
-            self._whole.clear()
             self._zarrays.clear()
             self._checked.clear()
             self._cache.clear()
             self._cached = 0
+        if dropped:
+            self._said_unmapped()
 
     def __enter__(self) -> "Store":
         """Return the store; :meth:`close` on exit."""

@@ -1,0 +1,146 @@
+"""A store keeps a bounded number of memory mappings cached (``reader._MAP_BUDGET``).
+
+Each shard file read zero-copy is one of the process's ``vm.max_map_count`` mappings (65530
+by default). A store of 1500 hook points of 50 shards each, every hook point read in turn,
+used to keep every mapping it ever made (per shard, and per array mapped back to back), ran
+out, and its reads failed with ENOMEM although the store was whole. Here the limit is
+simulated (the native map refuses past a few live mappings of the store's files, as mmap
+does past the limit) and the budget made small: every hook point reads with the right
+values, through ``Store.rows``, and the mappings held stay within the budget.
+"""
+
+from __future__ import annotations
+
+import errno
+import gc
+import os
+
+import pytest
+import torch
+
+import activationscope as acs
+from activationscope.capture import _native
+from activationscope.store import reader as R
+
+pytestmark = [
+    pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="counts the process's mappings (Linux)"),
+    pytest.mark.skipif(_native.optional() is None, reason="needs the native extension (shards mapped back to back)"),
+]
+
+N_LAYERS = 6
+ROWS = 80  # 5 shards of 16 rows (one 4 KiB chunk of 16 rows of 64 float32) per hook point
+SHARD_ROWS = 16
+
+
+def _capture(path):
+    """A store of N_LAYERS hook points of 5 shards each; the rows fed in, per hook point."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(N_LAYERS)])
+    xs = [torch.randn(8, 64) for _ in range(ROWS // 8)]
+    opts = {"chunk_rows": SHARD_ROWS, "shard_rows": SHARD_ROWS}
+    with torch.no_grad(), acs.ActivationScope(store=str(path), store_options=opts).track(model):
+        for x in xs:
+            model(x)
+    ref = {}
+    with torch.no_grad():
+        h = torch.cat(xs)
+        for i, layer in enumerate(model):
+            h = layer(h)
+            ref[f"{i}.output"] = h.clone()
+    return ref
+
+
+def _store_maps(path) -> int:
+    """How many of the process's mappings are of files of the store at ``path``."""
+    root = str(path)
+    with open("/proc/self/maps") as f:
+        return sum(1 for line in f if root in line)
+
+
+@pytest.fixture
+def limited(tmp_path, monkeypatch):
+    """make(budget, limit) -> (path, reference rows): a store, the budget patched small, and
+    the native map refusing (ENOMEM, as mmap past vm.max_map_count) a mapping that would make
+    more than ``limit`` live mappings of the store's files (the store's cache, and what a
+    caller holds: a batch of views of a shard of each hook point)."""
+
+    def make(budget: int, limit: int):
+        path = tmp_path / "s.zarr"
+        ref = _capture(path)
+        real = _native.optional()
+
+        class Limited:
+            def __getattr__(self, name):
+                return getattr(real, name)
+
+            @staticmethod
+            def map_files_contiguous(paths, stride, total):
+                n = -(-total // stride)  # (the files it maps)
+                if _store_maps(path) + n > limit:
+                    raise RuntimeError(f"mapping shard '{paths[0]}' failed: {os.strerror(errno.ENOMEM)}")
+                return real.map_files_contiguous(paths, stride, total)
+
+        monkeypatch.setattr(R._native, "optional", lambda: Limited())
+        monkeypatch.setattr(R, "_MAP_BUDGET", budget, raising=False)
+        return path, ref
+
+    gc.collect()  # (mappings of stores of earlier tests, freed)
+    return make
+
+
+@pytest.mark.parametrize("budget", [40, 8, 3], ids=["whole-arrays", "per-shard", "fewer-than-an-array"])
+def test_every_hook_point_reads_through_rows_within_the_budget(limited, budget):
+    """40: every array's 5 shards map back to back (one view each; the store's 30 shards fit),
+    and the least recently used mappings are dropped for the shards read one by one; 8 and
+    3: the store's shards do not fit, so every array is read per shard (a read across shards
+    is one copy). Before, the mappings were never dropped, and a read needed more live
+    mappings than the limit: 'cannot be mapped ... out of memory mappings'."""
+    path, ref = limited(budget, limit=budget + 5)
+    st = acs.open_store(path)
+    for _ in range(2):  # (a second pass: mappings dropped before are made again)
+        for hp, want in ref.items():
+            assert torch.equal(st.rows(hp, 0, ROWS), want)
+            for s in range(0, ROWS, 8):  # within one shard: views of one shard's mapping
+                assert torch.equal(st.rows(hp, s, s + 8), want[s:s + 8])
+            assert torch.equal(st[hp, 5:70:3], want[5:70:3])
+            assert _store_maps(path) <= budget
+            assert st._n_mapped <= budget
+    if budget < N_LAYERS * ROWS // SHARD_ROWS:
+        assert st.segments("0.output") == list(range(0, ROWS + 1, SHARD_ROWS))
+    else:
+        assert st.segments("0.output") == [0, ROWS]
+
+
+def test_a_view_kept_past_its_mapping_being_dropped_still_reads_the_stored_rows(limited):
+    """The store drops its cached mapping of an array for another's; a tensor returned before
+    holds its own reference to the mapping, which stays until that tensor is gone."""
+    budget = N_LAYERS * ROWS // SHARD_ROWS  # (every array mapped back to back fits)
+    path, ref = limited(budget, limit=budget + 5 + 1 + 5)
+    st = acs.open_store(path)
+    kept = st.rows("0.output", 0, ROWS)  # a view of the five shards mapped back to back
+    part = st.rows("1.output", 16, 24)  # a view of one shard of another array
+    for hp in ref:
+        assert torch.equal(st.rows(hp, 0, ROWS), ref[hp])
+        for s in range(0, ROWS, SHARD_ROWS):
+            assert torch.equal(st.rows(hp, s, s + 1), ref[hp][s:s + 1])
+    assert st._n_mapped <= budget
+    assert ("whole", st.attrs["arrays"]["0.output"]["path"]) not in st._mapped  # dropped from the cache
+    assert not any(k == "shard" and "1.output/c/1/" in key for k, key in st._mapped)
+    assert torch.equal(kept, ref["0.output"])
+    assert torch.equal(part, ref["1.output"][16:24])
+    assert _store_maps(path) <= budget + 5 + 1  # the cache's, and the two views' own
+    del kept, part
+    assert _store_maps(path) <= budget
+
+
+def test_the_default_budget_is_half_the_limit_less_what_is_held(monkeypatch, tmp_path):
+    """Without a patched budget: half of vm.max_map_count less the mappings the process
+    holds when the store first maps, never below _MIN_MAP_BUDGET."""
+    monkeypatch.setattr(R, "_MAP_BUDGET", None)
+    with open("/proc/sys/vm/max_map_count") as f:
+        limit = int(f.read())
+    with open("/proc/self/maps") as f:
+        held = sum(1 for _ in f)
+    got = R._default_map_budget()
+    assert got >= R._MIN_MAP_BUDGET
+    assert abs(got - max(R._MIN_MAP_BUDGET, limit // 2 - held)) <= 64  # (the process maps a few more meanwhile)
