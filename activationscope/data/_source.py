@@ -47,7 +47,10 @@ class RowSource(Protocol):
     Optional: an ``attrs`` attribute, the store's metadata object, replaced by a new object
     whenever the rows may have changed (``Store.refresh()``): a source forgets the row
     layouts and segments it cached when it is no longer the object they were cached under.
-    A store without it is taken as never changing.
+    A store without it is taken as never changing. And an ``on_unmap(callback)`` method
+    (``Store.on_unmap``): the store calls ``callback()`` when it drops mappings from its
+    cache, and the source then drops the segment views it keeps, which would hold those
+    mappings alive (the process has a limited number of them).
     """
 
     @property
@@ -176,6 +179,7 @@ class StoreSource:
         else:
             self._spec = spec
             self._store = spec if isinstance(spec, RowSource) else None
+            self._watch_unmaps(self._store)
             opened_with = getattr(spec, "open_options", None)  # (a Store: verify=, cache_bytes=, ...)
             if callable(opened_with) and "opener" not in self._options:  # reopened elsewhere (a DataLoader
                 # worker) by open_store as it was opened here
@@ -235,6 +239,24 @@ class StoreSource:
         self._hints = {}
         self._seen = None
 
+    def _watch_unmaps(self, store: Any) -> None:
+        """Have ``store`` (if it says so: ``on_unmap``) call :meth:`_drop_views` when it drops
+        mappings from its cache."""
+        on_unmap = getattr(store, "on_unmap", None)
+        if callable(on_unmap):
+            on_unmap(self._drop_views)
+
+    def _drop_views(self) -> None:
+        """Drop the segment views kept (the memo of each layout, the gather's segment lists,
+        the last read's window): the store dropped mappings from its cache, and a view kept
+        here would hold its mapping alive past the store's budget of the process's mappings.
+        Each dict is replaced, never cleared in place (see :meth:`_forget_layouts`): a reader
+        filling the old one meanwhile fills a dict no longer used; a dataset's gather plan and
+        sequential window (tied to ``_seg_lists`` and ``_recent`` by identity) are made again."""
+        self._views = {}
+        self._recent = {}
+        self._seg_lists = {}
+
     def _sync(self, store: Any) -> None:
         """Forget the cached layouts when ``store`` was refreshed since they were cached
         (``Store.refresh()`` replaces ``store.attrs``): another writer may have committed rows
@@ -278,6 +300,7 @@ class StoreSource:
                     except StoreError as e:
                         self._raise_if_memory_elsewhere(spec, e)
                         raise
+                    self._watch_unmaps(self._store)
                     if not isinstance(self._store, RowSource):
                         missing = [m for m in _CONTRACT if not hasattr(self._store, m)]
                         raise ArgumentTypeError(

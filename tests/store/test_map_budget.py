@@ -6,7 +6,8 @@ used to keep every mapping it ever made (per shard, and per array mapped back to
 out, and its reads failed with ENOMEM although the store was whole. Here the limit is
 simulated (the native map refuses past a few live mappings of the store's files, as mmap
 does past the limit) and the budget made small: every hook point reads with the right
-values, through ``Store.rows``, and the mappings held stay within the budget.
+values, through ``Store.rows`` and through ``ActivationDataset``, and the mappings held stay
+within the budget.
 """
 
 from __future__ import annotations
@@ -131,6 +132,46 @@ def test_a_view_kept_past_its_mapping_being_dropped_still_reads_the_stored_rows(
     assert _store_maps(path) <= budget + 5 + 1  # the cache's, and the two views' own
     del kept, part
     assert _store_maps(path) <= budget
+
+
+@pytest.mark.parametrize("shuffle", [False, True], ids=["sequential", "shuffled"])
+@pytest.mark.parametrize("budget", [32, 8, 3], ids=["whole-arrays", "per-shard", "fewer-than-an-array"])
+def test_a_dataset_of_every_hook_point_reads_within_the_budget(limited, budget, shuffle):
+    """One dataset of all the hook points, and one dataset of each in turn over the same
+    opened store: a DataLoader epoch gives every row of every hook point, and the store's
+    mappings (its own and the dataset's memo of them) stay within the budget."""
+    whole = budget >= N_LAYERS * ROWS // SHARD_ROWS
+    # (a batch of views holds a mapping of each hook point: of its 5 shards when mapped back to back)
+    path, ref = limited(budget, limit=budget + N_LAYERS * (ROWS // SHARD_ROWS if whole else 1))
+    st = acs.open_store(path)
+    hps = list(ref)
+    ds = acs.ActivationDataset(st, hook_points=hps)
+    g = torch.Generator().manual_seed(1)
+    for _epoch in range(2):
+        seen = torch.zeros(ROWS, dtype=torch.bool)
+        order = torch.randperm(ROWS, generator=g).tolist() if shuffle else list(range(ROWS))
+        # (a sequential batch as a range: the dataset's read path of views; positions: its gather)
+        batches = [order[s:s + 8] if shuffle else range(s, s + 8) for s in range(0, ROWS, 8)]
+        loader = iter(torch.utils.data.DataLoader(ds, batch_sampler=batches))
+        for i in batches:
+            batch = next(loader)  # (not zip: its result tuple would keep the last batch)
+            idx = torch.as_tensor(list(i))
+            for hp in hps:
+                assert torch.equal(batch[hp], ref[hp][idx]), hp
+            seen[idx] = True
+            del batch
+            assert _store_maps(path) <= budget
+            assert st._n_mapped <= budget
+        assert bool(seen.all())
+    for hp in hps:  # a dataset of each hook point in turn
+        one = acs.ActivationDataset(st, hook_points=[hp])
+        got = torch.cat([b[hp] for b in torch.utils.data.DataLoader(one, batch_size=8, shuffle=False)])
+        assert torch.equal(got, ref[hp])
+        idx = torch.randperm(ROWS, generator=g)[:24]
+        assert torch.equal(one.get_batch(idx.tolist())[hp], ref[hp][idx])
+        del got, one
+        assert st._n_mapped <= budget
+        assert _store_maps(path) <= budget
 
 
 def test_the_default_budget_is_half_the_limit_less_what_is_held(monkeypatch, tmp_path):
