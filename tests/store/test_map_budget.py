@@ -185,3 +185,21 @@ def test_the_default_budget_is_half_the_limit_less_what_is_held(monkeypatch, tmp
     got = R._default_map_budget()
     assert got >= R._MIN_MAP_BUDGET
     assert abs(got - max(R._MIN_MAP_BUDGET, limit // 2 - held)) <= 64  # (the process maps a few more meanwhile)
+
+
+@pytest.mark.parametrize("shuffle", [False, True], ids=["sequential", "shuffled"])
+def test_dataloader_workers_read_every_hook_point_within_the_budget(limited, shuffle):
+    """Two forked DataLoader workers, each with the store reopened and its own budget (and the
+    simulated limit: a worker's map past it raises, and the epoch with it)."""
+    budget = 3
+    path, ref = limited(budget, limit=budget + N_LAYERS)
+    hps = list(ref)
+    ds = acs.ActivationDataset(str(path), hook_points=hps)
+    order = torch.randperm(ROWS, generator=torch.Generator().manual_seed(2)).tolist() if shuffle else list(range(ROWS))
+    batches = [order[s:s + 8] for s in range(0, ROWS, 8)]
+    loader = torch.utils.data.DataLoader(ds, batch_sampler=batches, num_workers=2, multiprocessing_context="fork")
+    got = list(loader)
+    assert len(got) == len(batches)
+    for i, batch in zip(batches, got):
+        for hp in hps:
+            assert torch.equal(batch[hp], ref[hp][torch.as_tensor(i)]), hp
