@@ -132,6 +132,21 @@ def test_a_warning_at_the_end_of_the_with_block_names_the_with_statement():
     assert _place(w) == (__file__, line)
 
 
+def test_a_store_writer_s_warning_at_the_start_of_the_with_block_names_the_with_statement(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3)).eval()
+    path = str(tmp_path / "s.zarr")
+    with acs.ActivationScope(store=path, store_options={"compression": None}).track(model), torch.no_grad():
+        model(torch.randn(2, 4))
+    scope = acs.ActivationScope(store=path, store_options={"compression": "zstd", "resume": True})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = _here() + 1
+        with scope.track(model), torch.no_grad():
+            model(torch.randn(2, 4))
+    w = _only(caught, "the resumed capture asks for compression 'zstd'")
+    assert w.category is RuntimeWarning and _place(w) == (__file__, line)
+
+
 def _store_being_overwritten(path):
     w = StoreWriter(path, capture_config={}, model=None, storage_dtype=None)
     w.open_array("a", (3,), torch.float32, "sample").append(torch.ones(2, 3))
