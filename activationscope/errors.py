@@ -183,9 +183,12 @@ def warn_at_caller(message: str | Warning, category: type[Warning] = UserWarning
     """
     issued = sys._getframe(1)
     frame: types.FrameType | None = issued
+    below = issued
     while frame is not None and _inside_library(frame):
-        frame = frame.f_back
-    if frame is None:
+        frame, below = frame.f_back, frame
+    if frame is None or (frame.f_back is None and frame.f_code.co_filename == "<string>"
+                         and below.f_code.co_filename.startswith(_STDLIB + os.sep)):
+        # (the second: the ``python -c`` code of a process multiprocessing started with spawn)
         frame = issued
     if not isinstance(message, Warning):
         message = category(str(message))

@@ -223,6 +223,39 @@ def test_a_warning_with_no_user_frame_names_the_library_s_line():
     assert [(w.filename, w.lineno, str(w.message)) for w in caught] == [(acs.errors.__file__, 2, "from a thread")]
 
 
+# a row reader of this package (its frames are the library's), for a DataLoader's workers
+_LIBRARY = {"__name__": "activationscope._rows", "warn_at_caller": warn_at_caller, "warnings": warnings}
+exec(compile("def get_row(self, i):\n"
+             "    with warnings.catch_warnings(record=True) as caught:\n"
+             "        warnings.simplefilter('always')\n"
+             "        warn_at_caller('a row', RuntimeWarning)\n"
+             "    return (caught[0].filename, caught[0].lineno)\n", acs.errors.__file__, "exec"), _LIBRARY)
+
+
+class _LibraryRows(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 2
+
+    __getitem__ = _LIBRARY["get_row"]
+
+
+def _as_list(batch):
+    return batch
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_a_warning_in_a_dataloader_worker_names_the_loop_or_the_library_s_line(context):
+    # fork: the worker's stack goes on from the loop that started it; spawn: it starts from
+    # the `python -c` code of multiprocessing, which is nobody's line
+    loader = torch.utils.data.DataLoader(_LibraryRows(), batch_size=2, num_workers=1, collate_fn=_as_list,
+                                         multiprocessing_context=context)
+    got = []
+    line = _here() + 1
+    for batch in loader:
+        got.extend(batch)
+    assert got == ([(__file__, line)] * 2 if context == "fork" else [(acs.errors.__file__, 4)] * 2)
+
+
 def test_warn_at_caller_keeps_category_and_the_once_filter():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("once")
