@@ -6,6 +6,11 @@ Every error is an :class:`ActivationScopeError`; most also inherit the builtin t
 
 from __future__ import annotations
 
+import os
+import sys
+import types
+import warnings
+
 
 class ActivationScopeError(Exception):
     """Root of every error raised by activationscope."""
@@ -127,16 +132,69 @@ def one_line(e: BaseException) -> str:
     return text
 
 
-def stacklevel_outside_package() -> int:
-    """The ``stacklevel`` of a ``warnings.warn`` made by the caller of this function that
-    attributes the warning to the first frame outside this package: the user's line (the
-    ``with scope.track(model)``, the ``StoreWriter(...)``), however many of our frames lie
-    between (a one-process or a multi-rank capture open the store through other calls)."""
-    import os
-    import sys
+def _inside_library(frame: types.FrameType) -> bool:
+    """Whether ``frame`` runs code of this package, of torch or of the Python standard library
+    (contextlib, threading, functools, runpy ...): the frames between a user's line and the
+    place a warning is made."""
+    name = frame.f_globals.get("__name__")
+    if isinstance(name, str) and name.split(".", 1)[0] in ("activationscope", "torch"):
+        return True  # (also code made by exec in our modules' globals: a dataclass's __init__)
+    filename = frame.f_code.co_filename
+    found = _LIBRARY_FILES.get(filename)
+    if found is None:
+        if filename.startswith("<frozen "):
+            found = True
+        else:
+            path = os.path.abspath(filename)
+            torch = sys.modules.get("torch")
+            roots = [os.path.dirname(os.path.abspath(__file__))]
+            if getattr(torch, "__file__", None):
+                roots.append(os.path.dirname(os.path.abspath(torch.__file__)))
+            found = any(path.startswith(root + os.sep) for root in roots) or (
+                path.startswith(_STDLIB + os.sep)
+                and not {"site-packages", "dist-packages"} & set(path[len(_STDLIB):].split(os.sep)))
+        if len(_LIBRARY_FILES) < 4096:
+            _LIBRARY_FILES[filename] = found
+    return found
 
-    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
-    frame, level = sys._getframe(1), 1
-    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
-        frame, level = frame.f_back, level + 1
-    return level  # (the outermost frame when every one is ours)
+
+_STDLIB = os.path.dirname(os.path.abspath(os.__file__))
+_LIBRARY_FILES: dict[str, bool] = {}
+
+
+def warn_at_caller(message: str | Warning, category: type[Warning] = UserWarning) -> None:
+    """``warnings.warn(message, category)`` attributed to the user's line: the first frame of
+    the stack outside this package, torch and the standard library's helpers between them
+    (the ``model(x)`` whose hook warned, the ``with scope.track(model)`` whose exit warned, the
+    ``for batch in loader`` that read rows, ``StoreWriter(...)``). Its file and line are shown,
+    and filters match its module (``warnings.filterwarnings(..., module=...)``), its ``once``
+    and ``default`` actions its own registry, as for ``warnings.warn`` there.
+
+    A warning made where no frame is the user's (a background thread of this package, a
+    DataLoader worker started with spawn, the command line) is attributed to the line of this
+    package that made it.
+
+    Parameters
+    ----------
+    message : str or Warning
+        The text, or a warning instance (its class is then the category).
+    category : type of Warning
+        The category of a text message (default ``UserWarning``).
+    """
+    issued = sys._getframe(1)
+    frame: types.FrameType | None = issued
+    below = issued
+    while frame is not None and _inside_library(frame):
+        frame, below = frame.f_back, frame
+    if frame is None or (frame.f_back is None and frame.f_code.co_filename == "<string>"
+                         and below.f_code.co_filename.startswith(_STDLIB + os.sep)):
+        # (the second: the ``python -c`` code of a process multiprocessing started with spawn)
+        frame = issued
+    if not isinstance(message, Warning):
+        message = category(str(message))
+    message._from_activationscope = True  # (how the command line tells the library's warnings)
+    module_globals = frame.f_globals
+    registry = module_globals.setdefault("__warningregistry__", {})
+    # (as warnings.warn does it: no module_globals, whose loader may have no source to give)
+    warnings.warn_explicit(message, type(message), frame.f_code.co_filename, frame.f_lineno,
+                           module=module_globals.get("__name__", "<string>"), registry=registry)

@@ -445,8 +445,8 @@ def test_cli_spelling_turns_token_rows_advice_into_the_row_flags():
     from activationscope.capture import scope
 
     with pytest.warns(acs.CaptureWarning) as caught:
-        scope._warn_2d_token_rows("embeddings.input.kw.input_ids", (10, 39), 1)
-        scope._warn_head_first_token_rows({"a.output": (2, 5, 5), "b'q.output": (2, 5, 5, 3)}, 1)
+        scope._warn_2d_token_rows("embeddings.input.kw.input_ids", (10, 39))
+        scope._warn_head_first_token_rows({"a.output": (2, 5, 5), "b'q.output": (2, 5, 5, 3)})
     first, second = (_cli_spelling(" ".join(str(w.message).split()), "capture") for w in caught)
     assert "token_rows" not in first + second
     assert "pass --sample-rows 'embeddings.input.kw.input_ids' (one row per sample), or --token-rows " \

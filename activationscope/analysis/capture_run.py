@@ -19,7 +19,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import ActivationScopeError, ArgumentValueError, CaptureError, CaptureWarning, SpecError, StoreLockedError
+from ..errors import (ActivationScopeError, ArgumentValueError, CaptureError, CaptureWarning, SpecError,
+                      StoreLockedError, warn_at_caller)
 from ..sizes import dir_bytes, format_bytes
 
 #: Tokens per text at most (longer texts are truncated).
@@ -700,12 +701,12 @@ def _resumed_max_length(out: str, max_length: int | None, store: Any) -> int | N
         stored = _max_length_of_command(provenance.get("command") if isinstance(provenance, dict) else None)
     if stored is None:
         if max_length is not None and n_samples:
-            warnings.warn(CaptureWarning(
+            warn_at_caller(CaptureWarning(
                 f"--resume --max-length {max_length}: store {out!r} records no --max-length (an earlier version "
                 f"wrote it, and its command line gave none: it cut texts at {MAX_LENGTH} tokens unless the model "
                 f"took fewer); where its {n_samples} stored samples were cut at another length than "
                 f"{max_length}, the resumed ones are cut differently; pass --overwrite instead of --resume to "
-                "capture every text at one length"), stacklevel=3)
+                "capture every text at one length"))
         return max_length
     if max_length is not None and max_length != stored:
         raise ArgumentValueError(
@@ -835,13 +836,13 @@ def _warn_padded_ids(tensor: Any, tokenizer: Any, data: str) -> None:
     if padded:
         from ..errors import CaptureWarning
 
-        warnings.warn(CaptureWarning(
+        warn_at_caller(CaptureWarning(
             f"--data {data!r} holds token ids padded with the tokenizer's pad token id {pad} ({padded} of "
             f"{tensor.shape[0]} samples start or end with it), but a tensor file gives the model no attention "
             "mask: padded positions are attended to and stored as rows like real tokens. Give the text instead "
             "(a text file, one sample per line: each batch is tokenized with its attention mask, and padding "
             "never enters the store), or ids of one length without padding"
-        ), stacklevel=3)
+        ))
 
 
 def _check_no_writer(out: str) -> None:
@@ -1464,11 +1465,11 @@ def text_batches(
                 fix = f"pass {flag} {max_positions} to keep more; " + fix
         else:
             fix = f"pass {flag} {longest[0]} to keep every token"
-        warnings.warn(CaptureWarning(
+        warn_at_caller(CaptureWarning(
             f"{n_cut} of the {len(texts)} text samples of this run are longer than --max-length {max_length} tokens "
             f"(special tokens included; the longest, sample {-longest[1]}, has {longest[0]}): each was cut to its "
             f"{'last' if getattr(tokenizer, 'truncation_side', 'right') == 'left' else 'first'} {max_length} tokens, "
-            f"and the rest of it is not in the store; {fix}"), stacklevel=2)
+            f"and the rest of it is not in the store; {fix}"))
 
 
 def _cut_lengths(texts: Sequence[str], encoded: Any, tokenizer: Any, max_length: int) -> list[tuple[int, int]]:

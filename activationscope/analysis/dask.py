@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ArgumentValueError, NonFiniteRowsWarning, StoreCorruptError, StoreError
+from ..errors import ArgumentValueError, NonFiniteRowsWarning, StoreCorruptError, StoreError, warn_at_caller
 from ..store import _format as F
 from ..store import _validate as V
 from ..store._backend import LocalBackend
@@ -524,15 +524,13 @@ def moments(x: Any, *, drop_nonfinite: bool = False) -> dict[str, Any]:
             mean = np.where(np.isfinite(mean), np.clip(mean, lo, hi), mean)
         (var,) = dask.compute(((x64 - mean) ** 2).mean(axis=0))
     if len(bad):
-        import warnings
-
         if drop_nonfinite:
             done = (f"left out of the mean and var (count {count}), as pca leaves them out"
                     if count else "left out: no row is left, mean and var are NaN")
         else:
             done = ("counted: the mean and var of the features they touch are NaN or inf (pca leaves those rows "
                     "out); moments(x, drop_nonfinite=True) gives the statistics of the rows pca uses")
-        warnings.warn(f"{_rows_named(bad, n)} hold NaN or inf, {done}", NonFiniteRowsWarning, stacklevel=2)
+        warn_at_caller(f"{_rows_named(bad, n)} hold NaN or inf, {done}", NonFiniteRowsWarning)
     return {"mean": mean, "var": var, "count": count, "n_nonfinite": len(bad), "nonfinite_rows": bad,
             "n_dropped": len(bad) if drop_nonfinite else 0}
 
@@ -598,10 +596,8 @@ def pca(x: Any, n_components: int | None = None) -> dict[str, Any]:
         raise ArgumentValueError(f"pca needs at least 2 rows without NaN or inf, got {n_ok} of {n}; check the "
                                  "capture (e.g. its dtype: float16 overflows above 65504)")
     if len(bad):
-        import warnings
-
-        warnings.warn(f"{_rows_named(bad, n)} hold NaN or inf, left out of the PCA (count {n_ok}); moments(x) counts "
-                      "them unless given drop_nonfinite=True", NonFiniteRowsWarning, stacklevel=2)
+        warn_at_caller(f"{_rows_named(bad, n)} hold NaN or inf, left out of the PCA (count {n_ok}); moments(x) counts "
+                       "them unless given drop_nonfinite=True", NonFiniteRowsWarning)
     mean = total / n_ok
     xc = da.where(finite, x64 - mean, 0.0)
     cov = (xc.T @ xc).compute() / n_ok

@@ -4,7 +4,6 @@ row per token for a per-token label column)."""
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,7 +12,7 @@ import numpy as np
 import torch
 
 from ..errors import (ActivationScopeError, ArgumentValueError, FewerGroupsWarning, IncompleteStoreWarning, StoreError,
-                      stacklevel_outside_package)
+                      warn_at_caller)
 from .pooling import _labelled_rows, _open, select_hook_points
 
 __all__ = ["ProbeResult", "ProbeResults", "choose_folds", "drop_nonfinite_rows", "probe_accuracy", "probe_store"]
@@ -536,11 +535,10 @@ def probe_store(
     out.n_store_samples = n if isinstance(n, int) and not isinstance(n, bool) else None
     if not out.complete:
         held = "its committed samples" if out.n_store_samples is None else f"its {out.n_store_samples} committed samples"
-        warnings.warn(
+        warn_at_caller(
             f"store {getattr(store, 'path', store)!r} is incomplete (its capture stopped before it closed, or is still "
             f"running): the probes are over {held} only; resume the capture (capture --resume, or store_options "
-            "resume=True) or wait for it to close, then probe again", IncompleteStoreWarning,
-            stacklevel=stacklevel_outside_package())
+            "resume=True) or wait for it to close, then probe again", IncompleteStoreWarning)
     follows = getattr(store, "follows_row_table", None)
     for hp in select_hook_points(store, hook_points):
         if follows is not None and not follows(hp):
@@ -577,8 +575,7 @@ def probe_store(
             continue
         result.note = note
         if note and result.n_groups:  # fewer folds, with rows sharing a sample id
-            warnings.warn(_fewer_folds_message(hp, labels, groups, n_folds, result), FewerGroupsWarning,
-                          stacklevel=stacklevel_outside_package())
+            warn_at_caller(_fewer_folds_message(hp, labels, groups, n_folds, result), FewerGroupsWarning)
         result.n_dropped = n_dropped
         result.dropped_note = "; ".join(n for n in (unlabelled, dropped_note) if n)
         out[hp] = result

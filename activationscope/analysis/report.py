@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ..errors import ArgumentValueError
+from ..errors import ArgumentValueError, warn_at_caller
 from ..sizes import format_bytes
 from ..store._backend import enclosing_store, relation_to_store
 from .pca import explained_variance_ratio
@@ -231,8 +231,7 @@ def hook_point_stats(
         note = (f"reductions: the store's reduction {name!r} of this hook point is refused ({problem}), so its "
                 "reductions are not used: mean, std and non-zero fraction are computed from the sampled rows")
         notes.append(note)
-        warnings.warn(f"hook point {hook_point!r}: {note}; capture that reduction again to use it", UserWarning,
-                      stacklevel=2)
+        warn_at_caller(f"hook point {hook_point!r}: {note}; capture that reduction again to use it", UserWarning)
     if finite.numel() < rows.numel():
         notes.append(f"histogram: {rows.numel() - finite.numel():,} of the {rows.numel():,} sampled values are NaN or inf "
                      "and left out of it")

@@ -9,12 +9,11 @@ import importlib
 import os
 import re
 import sys
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import SpecError, one_line
+from ..errors import SpecError, one_line, warn_at_caller
 from ._text import decode_windows_1252
 
 
@@ -604,9 +603,9 @@ def _parse_text_lines(spec: str, raw: str, name: str) -> LoadedData:
         )
     n_blank = len(all_lines) - len(numbered)
     if n_blank:
-        warnings.warn(
+        warn_at_caller(
             f"--data {spec!r}: skipped {n_blank} blank line{'s' if n_blank != 1 else ''}; sample ids are line "
-            "numbers counted from 0 (blank lines included), so they have gaps", UserWarning, stacklevel=3)
+            "numbers counted from 0 (blank lines included), so they have gaps", UserWarning)
     if not any(tagged):
         return LoadedData(texts=[line for _, line in numbered], name=name, sample_ids=ids)
     labels, texts = [], []

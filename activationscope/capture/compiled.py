@@ -27,12 +27,11 @@ import collections
 import dataclasses
 import itertools
 import types
-import warnings
 from typing import Any
 
 import torch
 
-from ..errors import CaptureWarning
+from ..errors import CaptureWarning, warn_at_caller
 from . import _native
 
 _C = _native.load()
@@ -86,12 +85,11 @@ def warn_too_deep(path: str) -> None:
     """The CaptureWarning of a container nested ``_MAX_DEPTH`` levels deep in a tracked module's
     inputs or outputs (``path``: its hook point prefix): the capture does not walk it, so the
     tensors inside it are not captured. Also called by the native ``collect``."""
-    warnings.warn(
+    warn_at_caller(
         f"{path!r} is a tuple, list, dict or dataclass nested {_MAX_DEPTH} levels deep in a tracked "
         "module's inputs or outputs: the capture walks no deeper, so the tensors inside it are not captured. "
         "Track the modules that compute those tensors, return a flatter structure, or exclude= this module",
         CaptureWarning,
-        stacklevel=2,
     )
 
 
@@ -199,13 +197,12 @@ def warn_unwalked(path: str, obj: Any) -> bool:
     if held is None:
         return False
     kind = f"{type(obj).__module__}.{type(obj).__qualname__}"
-    warnings.warn(
+    warn_at_caller(
         f"{path!r} is a {kind} holding tensors (e.g. {held!r}): the capture walks tuples, lists, dicts and "
         f"dataclasses only, so tensors held by other objects are not captured (here, and wherever a {kind} "
         "appears in this capture). Track the modules that compute them (for a Hugging Face cache: the attention's "
         "key / value projections), or return them in a tuple, dict or dataclass",
         CaptureWarning,
-        stacklevel=2,
     )
     return True
 
@@ -280,13 +277,12 @@ def warn_eager(paths: list[str]) -> None:
     """The warning of a wrapper (tracking the modules ``paths``) that cannot capture inside a
     compiled graph; called once per wrapper by the native side, when it runs under dynamo."""
     paths = [p or "(the tracked model)" for p in paths]
-    warnings.warn(
+    warn_at_caller(
         f"tracked module {', '.join(repr(p) for p in paths)} runs outside the torch.compile graph: its tracker has "
         "stop_after_last=True, which ends a forward by raising and cannot run inside a compiled graph. Its records "
         "stay exact, but each tracked module is a graph break (the compiled model runs about as fast as the eager "
         "one); track without stop_after_last to capture inside the graph",
         CaptureWarning,
-        stacklevel=2,
     )
 
 

@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import fnmatch
 import sys
-import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 
 from ..errors import (ArgumentTypeError, CaptureError, CaptureWarning, HookPointNotFoundError,
-                      stacklevel_outside_package)
+                      warn_at_caller)
 
 __all__ = ["select_modules", "hook_point_module", "normalize_patterns", "is_hook_point_module", "rename_hook_point",
            "pattern_hits", "pattern_selects", "block_stacks", "block_modules", "never_called_type", "named_modules"]
@@ -186,11 +185,11 @@ def select_modules(
             hits = pattern_hits(pat, names)
             if not hits:
                 close = _close_names(pat, names)
-                warnings.warn(
+                warn_at_caller(
                     f"exclude pattern {pat!r} matches no module of {type(model).__name__}, so it excludes nothing"
                     + (_shared_names_hint(model, named, pat, "exclude")
                        or f"; module names look like {_examples(names)}" + (f"; did you mean {close}?" if close else "")),
-                    CaptureWarning, stacklevel=stacklevel_outside_package(),
+                    CaptureWarning,
                 )
             excluded.update(hits)
         chosen = [(n, m) for n, m in chosen if n not in excluded]
@@ -358,13 +357,12 @@ def _replace_scripted(
     inner = sorted(n for names in dropped.values() for n in names)
     shown = inner[:8] + (["..."] if len(inner) > 8 else [])
     owners = ", ".join(repr(o) if o else "the model itself" for o in dropped)
-    warnings.warn(
+    warn_at_caller(
         f"{len(inner)} {'selected ' if explicit else ''}module(s) of {type(model).__name__} are inside TorchScript "
         f"({owners}) and cannot be tracked: TorchScript calls them without Python {shown}. "
         f"Tracking {owners} instead (its own output); to see inside, track the eager model before "
         "torch.jit.script / torch.jit.trace",
         CaptureWarning,
-        stacklevel=stacklevel_outside_package(),  # the caller's line, however it got here
     )
     return out
 
@@ -449,7 +447,7 @@ def _replace_inlined(
         shown = inner[:8] + (["..."] if len(inner) > 8 else [])
         owners = ", ".join(repr(o) if o else "the model itself" for o in traced_through)
         alone = not out and not dropped  # nothing else selected: the GraphModule's own output instead
-        warnings.warn(
+        warn_at_caller(
             f"{len(inner)} {'selected ' if explicit else ''}module(s) of {type(model).__name__} have no hook point of "
             f"their own {shown}: the torch.fx graph of {owners} calls modules inside them, never them (torch.fx traced "
             "through their forward, or they only hold modules, as a ModuleList), so their outputs are not recorded"
@@ -457,7 +455,6 @@ def _replace_inlined(
             + ". Track the eager model to record them, or trace with them as leaves (a torch.fx.Tracer whose "
             "is_leaf_module returns True for them)",
             CaptureWarning,
-            stacklevel=stacklevel_outside_package(),  # the caller's line, however it got here
         )
         if alone:
             dropped = {o: [] for o in traced_through}
@@ -476,7 +473,7 @@ def _replace_inlined(
     shown = inner[:8] + (["..."] if len(inner) > 8 else [])
     owners = ", ".join(repr(o) if o else "the model itself" for o in dropped)
     kinds = ", ".join(sorted({type(by_name[o]).__name__ for o in dropped}))
-    warnings.warn(
+    warn_at_caller(
         f"{len(inner)} {'selected ' if explicit else ''}module(s) of {type(model).__name__} are never called by the "
         f"torch.fx graph of {owners} ({kinds}), which computes them inline from their parameters, so they cannot be "
         f"tracked {shown}. Tracking {owners} instead (its own output). To see inside: for "
@@ -484,7 +481,6 @@ def _replace_inlined(
         "whose modules are called; for torch.fx.symbolic_trace, track the eager model or trace with these modules "
         "as leaves (a torch.fx.Tracer whose is_leaf_module returns True for them)",
         CaptureWarning,
-        stacklevel=stacklevel_outside_package(),  # the caller's line, however it got here
     )
     return out
 

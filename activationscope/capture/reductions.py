@@ -57,7 +57,7 @@ from activationscope.errors import (
     ArgumentValueError,
     CaptureError,
     ReductionError,
-    stacklevel_outside_package,
+    warn_at_caller,
 )
 
 from .hooks import pattern_selects
@@ -252,13 +252,12 @@ def _compile(fn: Callable, *, strict: bool) -> Optional[Any]:
             raise ReductionError(
                 f"custom reduction {_fn_name(fn)!r} cannot be compiled with TorchScript: {e}"
             ) from e
-        warnings.warn(
+        warn_at_caller(
             f"custom reduction {_fn_name(fn)!r} could not be compiled with TorchScript "
             f"({type(e).__name__}: {_first_line(e)}); "
             "it will run as eager Python once per captured batch, holding the GIL. "
             "Make it TorchScript-compatible to run it natively.",
             EagerFallbackWarning,
-            stacklevel=stacklevel_outside_package(),  # the user's line: make_reduction, ActivationScope(...)
         )
         return None
 

@@ -23,7 +23,6 @@ import sys
 import threading
 import time
 import types
-import warnings
 import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -34,7 +33,7 @@ import torch
 from . import _native, compiled
 from .._args import parse_flag
 from ..errors import (ActivationScopeError, ArgumentTypeError, ArgumentValueError, CaptureError, CaptureWarning,
-                      HookPointNotFoundError, ReductionError)
+                      HookPointNotFoundError, ReductionError, warn_at_caller)
 from .hooks import (check_column, hook_point_module, is_hook_point_module, named_modules, never_called_type,
                     normalize_patterns, pattern_selects, rename_hook_point, select_modules)
 from .results import HookPointResults, ReductionResults, main_result_key
@@ -44,20 +43,19 @@ _C = _native.load()
 compiled.install()  # the in-graph path of a torch.compile'd tracked model
 
 
-def _warn_2d_token_rows(name: str, shape: tuple[int, ...], stacklevel: int) -> None:
+def _warn_2d_token_rows(name: str, shape: tuple[int, ...]) -> None:
     """The CaptureWarning for a 2-D hook point shaped like the mask, taken as token rows (one
     scalar per real token) while a mask has padding: its padded columns are dropped."""
-    warnings.warn(
+    warn_at_caller(
         f"hook point {name!r} has shape {shape}, the attention mask's (batch, pos): it is "
         "stored as one scalar row per real token and its padded columns are dropped. If it is a pooled "
         "(batch, features) output whose width only happens to equal pos, pass token_rows={"
         f"{name!r}: False}} (one row per sample), or token_rows={{{name!r}: True}} to confirm token rows",
         CaptureWarning,
-        stacklevel=stacklevel + 1,
     )
 
 
-def _warn_head_first_token_rows(found: Mapping[str, tuple[int, ...]], stacklevel: int) -> None:
+def _warn_head_first_token_rows(found: Mapping[str, tuple[int, ...]]) -> None:
     """One CaptureWarning for the hook points of shape ``(batch, pos, pos, ...)`` first captured
     in a forward, taken as token rows: an attention map or per-head tensor ``(batch, heads, pos,
     ...)`` whose number of heads only happens to equal pos has that shape too, and would be
@@ -65,14 +63,13 @@ def _warn_head_first_token_rows(found: Mapping[str, tuple[int, ...]], stacklevel
     point: a model returning its attention maps has several per layer.)"""
     listed = "; ".join(f"{name!r} {shape}, rows of {shape[2:]}" for name, shape in found.items())
     sample = ", ".join(f"{name!r}: False" for name in found)
-    warnings.warn(
+    warn_at_caller(
         f"hook point{'s' if len(found) > 1 else ''} {listed}: the second dimension equals pos (of the attention "
         "mask, or under rows='token' without one, of the model's first input), and so does the third, so each "
         "is stored as one row per real token. If it is head-first, (batch, heads, pos, ...) like an attention "
         f"map whose number of heads only happens to equal pos, pass token_rows={{{sample}}} (one row per "
         "sample; fnmatch patterns work too); True instead of False confirms token rows",
         CaptureWarning,
-        stacklevel=stacklevel + 1,
     )
 
 
@@ -1331,13 +1328,12 @@ class Tracker:
         n = int(self._core.outside_calls)
         if n and not self._warned_outside:
             self._warned_outside = True
-            warnings.warn(
+            warn_at_caller(
                 f"tracked modules of {type(self.model).__name__} were called on their own, outside a forward of the "
                 f"tracked model ({n} call(s) so far): a store records forwards of the tracked model only (row i of "
                 "each array is row i of its row table, one entry per sample of a forward), so those calls were not "
                 "recorded. Call the tracked model, or track the module you call (scope.track(that module))",
                 CaptureWarning,
-                stacklevel=3,
             )
 
     def _finish(self, status: str, exc: BaseException | None = None, left_running: int = 0) -> None:
@@ -1387,12 +1383,11 @@ class Tracker:
                         and not self._n_raised and getattr(self.writer, "may_be_empty", False):
                     # one rank of a multi-rank capture whose share of the data was empty: it
                     # adds no row (the commit takes the hook points from the other ranks)
-                    warnings.warn(
+                    warn_at_caller(
                         f"the capture into {self.writer.path!r} captured no forward of {type(self.model).__name__} "
                         "(this rank's data yielded no batch): its rank store holds no row; the other ranks' rows are "
                         "committed without it",
                         CaptureWarning,
-                        stacklevel=3,
                     )
                     self.writer.close(status=status)
                     return
@@ -1434,10 +1429,9 @@ class Tracker:
                 self.writer.close(status="incomplete")
             except BaseException as e:  # noqa: BLE001
                 if not (str(exc) and str(exc) in str(e)):  # (the close met the same failure: the error says it)
-                    warnings.warn(
+                    warn_at_caller(
                         f"the store could not be fully committed after {exc!r}: {e}; committed rows stay readable",
                         RuntimeWarning,
-                        stacklevel=3,
                     )
                 self.writer.abort(exc)
             self._note_lost_store(exc)
@@ -1517,12 +1511,11 @@ class Tracker:
         unused = [p for p in self._skip_patterns or () if self._n_captured
                   and not any(pattern_selects(p, h, self._hook_names) for h in self._skipped_hook_points)]
         if unused:
-            warnings.warn(
+            warn_at_caller(
                 f"exclude_hook_points pattern(s) {unused} left out no hook point of the {self._n_captured} captured "
                 f"forward(s), so they excluded nothing; the hook points captured: {sorted(self._sinks)[:8]}"
                 + (", ..." if len(self._sinks) > 8 else ""),
                 CaptureWarning,
-                stacklevel=4,
             )
         if silent:
             outside = ""
@@ -1536,11 +1529,10 @@ class Tracker:
                     "in a tracker of its own, with a store of its own (scope.track(model.get_encoder())): its calls "
                     "are that tracker's forwards"
                 )
-            warnings.warn(
+            warn_at_caller(
                 f"{len(silent)} tracked module(s) of {type(self.model).__name__} recorded nothing in "
                 f"{self._n_captured} captured forward(s): {_silent_message(silent, self.model)}{outside}",
                 CaptureWarning,
-                stacklevel=4,
             )
 
     def __enter__(self) -> "Tracker":
@@ -1714,7 +1706,7 @@ class Tracker:
             check(sample_ids)
         if mask is not None and self._unwarned_2d_token and not bool(mask.all()):
             for name, shape in self._unwarned_2d_token.items():
-                _warn_2d_token_rows(name, shape, stacklevel=2)
+                _warn_2d_token_rows(name, shape)
             self._unwarned_2d_token.clear()
         self._core.token_mask = mask if mask is not None else torch.Tensor()
         self._pending_batch = {"attention_mask": mask, "sample_ids": sample_ids, "columns": columns,
@@ -1740,14 +1732,13 @@ class Tracker:
         if self._stored is not None and name not in self._stored:
             self._refuse([], [name])
         if self.writer is not None and self._n_captured > 0 and name not in self._intermittent:
-            warnings.warn(
+            warn_at_caller(
                 f"hook point {name!r} was first captured in forward {self._core.n_forwards - 1} of the tracked "
                 f"model, after {self._n_captured} captured forward(s) without it: its store array starts there, so "
                 f"its rows do not line up with the sample row table (store.follows_row_table({name!r}) is False). "
                 "Track only hook points every forward reaches (exclude= its module), or capture it into a "
                 "store of its own",
                 CaptureWarning,
-                stacklevel=2,
             )
         scope = self.scope
         self._check_layout(name, tensor)
@@ -1849,7 +1840,7 @@ class Tracker:
             elif bool(mask.bool().all()):
                 self._unwarned_2d_token[name] = tuple(tensor.shape)  # warned at the first mask with padding
             else:
-                _warn_2d_token_rows(name, tuple(tensor.shape), stacklevel=2)
+                _warn_2d_token_rows(name, tuple(tensor.shape))
         target = self._alias_target(name, tensor, 1 if token else 0)
         if target is not None:
             # the same tensor as an earlier hook point of this forward: kept and stored once (in
@@ -2145,7 +2136,7 @@ class Tracker:
     def _warn_head_first_found(self) -> None:
         if self._head_first_found:
             found, self._head_first_found = self._head_first_found, {}
-            _warn_head_first_token_rows(found, stacklevel=3)
+            _warn_head_first_token_rows(found)
 
     def _training_modules(self) -> list[tuple[str, torch.nn.Module]]:
         """Modules of the tracked model in training mode whose skipping changes later forwards:
@@ -2172,7 +2163,7 @@ class Tracker:
                 f" and {len(names) - 6} more" if len(names) > 6 else "")
             seq, length, tokens = (("target", "T", "decoder token") if side == "decoder" else
                                    ("source", "S", "source token"))
-            warnings.warn(
+            warn_at_caller(
                 f"{side} hook points of the encoder-decoder model {type(self.model).__name__} start with the "
                 f"{side}'s (batch, {length}), not with the (batch, pos) "
                 f"{tuple(mask.shape) if mask is not None else ''} of the {other}'s mask their rows are taken with: "
@@ -2182,7 +2173,6 @@ class Tracker:
                 "(docs/usage/capture.md, \"Encoder-decoder models\"); token_rows={pattern: False} says that sample "
                 "rows are meant",
                 CaptureWarning,
-                stacklevel=3,
             )
 
     def _watch_training_stop(self) -> None:
@@ -2246,11 +2236,10 @@ class Tracker:
             effects.append("its BatchNorm running statistics are not updated, so the model's state after the capture "
                            "differs from a full run's")
         shown = ", ".join(repr(n) for n in skipped[:6]) + (f" and {len(skipped) - 6} more" if len(skipped) > 6 else "")
-        warnings.warn(
+        warn_at_caller(
             f"stop_after_last=True with the model in training mode skips {shown} after the stop point: "
             f"{'; '.join(effects)}. Call model.eval() for the capture, or pass stop_after_last=False",
             CaptureWarning,
-            stacklevel=3,
         )
 
     def _on_forward_start(self) -> None:
@@ -2318,7 +2307,7 @@ class Tracker:
         names = [n or "(the tracked model)" for n in self._hook_replaced]
         shown = ", ".join(repr(n) for n in names[:4]) + (", ..." if len(names) > 4 else "")
         self._hook_replaced = []
-        warnings.warn(
+        warn_at_caller(
             f"forward hooks of the tracked modules {shown} replaced or changed their output in the first captured "
             "forward: activationscope records a module's output as its forward returns it, before its forward hooks "
             "run, so what is recorded there is not what the model passed on (a steered, ablated or patched value). "
@@ -2329,7 +2318,6 @@ class Tracker:
                 "tensor in place, the in-memory record holds the hooks' value (and is named as changed in place "
                 "when read)" if self._reference_mode else ""),
             CaptureWarning,
-            stacklevel=3,
         )
 
     def _warn_sequence_first(self) -> None:
@@ -2357,7 +2345,7 @@ class Tracker:
                 if other:
                     found.append(f"{name!r} ({type(module).__name__}): {', '.join(other)}")
         if swapped:
-            warnings.warn(
+            warn_at_caller(
                 "tracked modules built sequence-first (batch_first=False) take and give (pos, batch, ...) "
                 f"tensors, taken as token rows of the (batch, pos) of the mask (rows='token': of the model's first "
                 f"input): {'; '.join(swapped)}. Their rows are (position, sample) pairs, listed in the token row "
@@ -2366,17 +2354,15 @@ class Tracker:
                 "with batch_first=True (the same state_dict loads) and feed it (batch, pos, ...) inputs, or exclude= "
                 "it",
                 CaptureWarning,
-                stacklevel=2,
             )
         if found:
-            warnings.warn(
+            warn_at_caller(
                 "tracked modules built sequence-first (batch_first=False) take and give (pos, batch, ...) "
                 f"tensors: {'; '.join(found)}. Rows are the first dimension of each activation, so these hook "
                 "points store (and reduce over) one row per position, with the batch among the features, and the "
                 "row table lists those rows as samples. Build the module with batch_first=True (the same "
                 "state_dict loads) and feed it (batch, pos, ...) inputs, or exclude= it",
                 CaptureWarning,
-                stacklevel=2,
             )
         # a recurrent module built batch-first still gives its hidden state layer-first, and a
         # PackedSequence's fields in packed order: their rows are not samples either
@@ -2387,7 +2373,7 @@ class Tracker:
                 if odd:
                     recurrent.append(f"{name!r} ({type(module).__name__}): {', '.join(odd)}")
         if recurrent:
-            warnings.warn(
+            warn_at_caller(
                 f"tracked recurrent modules give tensors whose first dimension is not the batch: "
                 f"{'; '.join(recurrent)}. A hidden state (output.1, h_n and c_n, and the hx input) is "
                 "(num_layers * num_directions, batch, hidden) whatever batch_first says: its rows are layers, with "
@@ -2398,7 +2384,6 @@ class Tracker:
                 "(their labels and ids). Track the module that takes the padded output (after "
                 "pad_packed_sequence), or one of your own that returns h_n.transpose(0, 1); or exclude= it",
                 CaptureWarning,
-                stacklevel=2,
             )
 
     def _next_counted_id(self) -> int:
@@ -2442,14 +2427,13 @@ class Tracker:
                 self._warn_sequence_first()
         if self._stop_learnt and not (self._core.stopped or self._core.past_stop) and not self._warned_stop:
             self._warned_stop = True
-            warnings.warn(
+            warn_at_caller(
                 f"forward {self._core.n_forwards - 1} of the tracked model ran to its end without reaching the stop "
                 "point of stop_after_last=True (the last hook point of the first captured forward, after as many "
                 "captures): its hook points differ from the first forward's. Its capture is whole, but a forward "
                 "whose extra hook points come after the stop point would lose them; use stop_after_last=False "
                 "for models whose hook points change from forward to forward",
                 CaptureWarning,
-                stacklevel=2,
             )
         if self._aliases:
             self._check_aliases()
@@ -2525,13 +2509,13 @@ class Tracker:
             return
         self._warned_step = True
         k = self._core.n_forwards - 1
-        warnings.warn(
+        warn_at_caller(
             f"forward {k} of the tracked model fed one token per sample, (batch, pos) = {shape}, right after a "
             f"forward of {last}, and no set_batch described its samples, so the running counter gave its rows new "
             "sample ids. If it is a generation step with a key-value cache (generate()), its rows continue the "
             "samples of the forward before: give their ids once before generate() with "
             "tracker.set_batch(sample_ids=...) (it is sticky: every step keeps them), or describe each step from a "
-            "forward pre-hook of the model with set_batch(same_samples=True)", CaptureWarning, stacklevel=3)
+            "forward pre-hook of the model with set_batch(same_samples=True)", CaptureWarning)
 
     def _warn_stale_batch(self, batch: Mapping[str, Any]) -> None:
         """Warn (once per capture) when a forward keeps the last forward's ``set_batch``
@@ -2557,13 +2541,13 @@ class Tracker:
             return
         self._warned_stale_batch = True
         k = self._core.n_forwards - 1
-        warnings.warn(
+        warn_at_caller(
             f"forward {k} of the tracked model kept the set_batch description of an earlier forward (set_batch is "
             f"sticky), so the {' and '.join(what)} given there were applied to forward {k}'s new samples (numbered "
             "on by the counter). "
             "If this forward fed another batch of data, its padding and columns are wrong: call set_batch(...) "
             "before each batch; if it continued the same samples (a generation step), pass same_samples=True "
-            "(or the same sample_ids=)", CaptureWarning, stacklevel=3)
+            "(or the same sample_ids=)", CaptureWarning)
 
     def _check_batch_size(self, batch: Mapping[str, Any]) -> None:
         """Refuse a ``set_batch`` that describes another number of samples than the forward's
@@ -2597,7 +2581,7 @@ class Tracker:
             got, expected = lost[name]
             first = self._shared_rows.get(name)
             shared = got == 1 < expected and first is not None
-            warnings.warn(
+            warn_at_caller(
                 f"hook point {name!r} recorded {got} row(s) in forward {k} of the tracked model, where the row "
                 f"table got {expected} (its module returned no tensor there, or another number of rows): from "
                 f"there on its store rows no longer follow the sample row table (store.follows_row_table({name!r}) "
@@ -2609,7 +2593,6 @@ class Tracker:
                    "Track only hook points whose module returns a tensor in every forward (exclude= its module), "
                    "or capture it into a store of its own"),
                 CaptureWarning,
-                stacklevel=3,
             )
 
     def _note_shared_rows(self, exc: BaseException) -> None:
@@ -2668,7 +2651,7 @@ class Tracker:
         )
         # what it is, for callers that say it in their own words (the command line)
         warning.reason, warning.mask_shape, warning.first_shapes = "mask_unused", tuple(mask.shape), f"{{{shown}}}"
-        warnings.warn(warning, stacklevel=3)
+        warn_at_caller(warning)
 
     def _note_model_mask(self, args: tuple, kwargs: dict) -> None:
         """(rows="token", in the root's Python frame) the ``attention_mask`` the tracked model
@@ -2923,14 +2906,13 @@ class Tracker:
             return
         self._warned_model_mask = True
         k = self._core.n_forwards - 1
-        warnings.warn(
+        warn_at_caller(
             f"forward {k} of the tracked model was given attention_mask= with padding ({n_pad} of {mask.numel()} "
             f"positions are 0), but rows='token' with no attention_mask in tracker.set_batch stores every position "
             f"of its (batch, pos) = {tuple(mask.shape)}: the padded positions are stored as token rows and enter the "
             "reductions. Give the mask to tracker.set_batch(attention_mask=mask) before each forward to leave "
             "padding out (warned once per capture)",
             CaptureWarning,
-            stacklevel=3,
         )
 
     def _warn_token_rows_unused(self) -> None:
@@ -2951,7 +2933,7 @@ class Tracker:
                 "tracker.set_batch; or token_rows=False if one row per sample is what you want"
             )
             warning.reason, warning.first_shapes = "token_rows_unused", f"{{{shown}}}"
-            warnings.warn(warning, stacklevel=3)
+            warn_at_caller(warning)
             return
         first = f"(batch, pos) = {tuple(auto.shape)}" if auto.dim() == 2 else "no (batch, pos) (it has fewer than 2 dims)"
         warning = CaptureWarning(
@@ -2961,7 +2943,7 @@ class Tracker:
             "a column for a token the model prepends), or token_rows=False if one row per sample is what you want"
         )
         warning.reason, warning.first_shapes = "token_rows_unused", f"{{{shown}}}"
-        warnings.warn(warning, stacklevel=3)
+        warn_at_caller(warning)
 
     def _forward_raised(self, at_exit: bool = False, warn: bool = True) -> None:
         """A root forward raised, the exception was caught and the capture went on: the hook
@@ -2982,14 +2964,13 @@ class Tracker:
                       "the store does not (it ends at the last whole forward).")
         elif self.writer is not None and not partial:  # (refused by a hook point before any stored a row)
             if warn:
-                warnings.warn(
+                warn_at_caller(
                     f"forward {k} of the tracked model raised and the exception was caught inside the capture "
                     "before any hook point stored a row of it: the store leaves that forward out whole and its "
                     "rows still line up with the sample row table; in-memory records and streaming reductions "
                     "of hook points that ran before the error may include it. Check the batch before calling "
                     "the model to keep every hook point's records whole.",
                     CaptureWarning,
-                    stacklevel=3,
                 )
             return
         else:
@@ -3001,24 +2982,22 @@ class Tracker:
             effect += f" Hook points kept as aliases of others ({aliased}) show their target's records."
         if not warn:
             return
-        warnings.warn(
+        warn_at_caller(
             f"forward {k} of the tracked model raised and the exception was caught inside the capture; "
             f"{where}, the others did not. {effect} To keep every hook point aligned, let the exception "
             "leave the `with` block (a store then commits every whole forward before it, status "
             "'incomplete', and resume=True continues) or check the batch before calling the model.",
             CaptureWarning,
-            stacklevel=3,
         )
 
     def _warn_changed(self, all_records: bool) -> None:
         changed = (rename_hook_point(n, self._hook_point_paths, self._side) for n in self._core.changed_references(all_records))
         for name in sorted(n for n in changed if n is not None):
-            warnings.warn(
+            warn_at_caller(
                 f"hook point {name!r}: a tensor kept by CaptureMode.REFERENCE was changed in place "
                 "after it was captured (its version counter moved), so the record no longer holds the "
                 "value at capture time; use CaptureMode.SNAPSHOT (the default) for this model",
                 CaptureWarning,
-                stacklevel=3,
             )
 
     # ------------------------------------------------------------------ results

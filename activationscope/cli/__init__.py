@@ -394,7 +394,8 @@ def _warning_formatter(command: str) -> Callable[..., str]:
 
     def format_warning(message: Any, category: type, filename: str, lineno: int, line: str | None = None) -> str:
         text = " ".join(str(message).split())
-        ours = getattr(category, "__module__", "").startswith("activationscope.") or _in_package(filename)
+        ours = (getattr(category, "__module__", "").startswith("activationscope.") or _in_package(filename)
+                or getattr(message, "_from_activationscope", False))  # (shown at the caller's line)
         kind = "" if ours or category is UserWarning else f"{category.__name__}: "
         return _printable(f"{PROG} {command}: warning: {kind}{_cli_spelling(text, command)}") + "\n"
 

@@ -31,7 +31,6 @@ import stat
 import sys
 import threading
 import uuid
-import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -51,6 +50,7 @@ from ..errors import (
     RowIndexError,
     StoreCorruptError,
     StoreError,
+    warn_at_caller,
 )
 from .._args import parse_flag
 from .._safeio import batch_order, read_parquet_part, row_part_problem
@@ -303,8 +303,8 @@ class _Reductions(Mapping):
         if names:
             error = self._store._refused_error(hook_point, names)
             out.refused = {n: functools.partial(self._store._refused_error, hook_point, [n]) for n in names}
-            warnings.warn(f"{error}; the hook point's other reductions are returned without "
-                          f"{'it' if len(names) == 1 else 'them'}", UserWarning, stacklevel=2)
+            warn_at_caller(f"{error}; the hook point's other reductions are returned without "
+                           f"{'it' if len(names) == 1 else 'them'}", UserWarning)
         return out
 
     def __iter__(self) -> Iterator[str]:
@@ -489,14 +489,14 @@ class Store:
             return
         if moved:
             shown = " and ".join(repr(str(p)) for p in moved)
-            warnings.warn(
+            warn_at_caller(
                 f"store {str(self._backend)!r} holds no rows yet: an overwrite=True is writing a new store there "
                 f"and has not committed (or its writer was killed before its first commit); the store it replaces "
                 f"is in {shown} until then. With no writer running, run the capture again with overwrite=True "
                 "(the old store is put back whole if the new one commits nothing), or, to keep the old store, "
                 f"delete the new one's entries in {str(self._backend.root)!r} and move every entry of that folder "
                 "back into it (zarr.json last)",
-                UserWarning, stacklevel=4)  # (the caller of open_store)
+                UserWarning)
 
     # ------------------------------------------------------------------ metadata
     def refresh(self) -> None:

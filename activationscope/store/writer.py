@@ -31,7 +31,6 @@ import tempfile
 import threading
 import time
 import uuid
-import warnings
 import weakref
 import zipfile
 from dataclasses import dataclass, field
@@ -53,7 +52,7 @@ from ..errors import (
     StoreCorruptError,
     StoreError,
     StoreExistsError,
-    stacklevel_outside_package,
+    warn_at_caller,
 )
 from .._safeio import _kind, read_parquet_part
 from . import _format as F
@@ -483,18 +482,17 @@ class _ModelIdentity:
                 except BaseException as e:  # noqa: BLE001
                     self._error = e
                 else:
-                    warnings.warn(
+                    warn_at_caller(
                         f"the model's weights changed in place ({', '.join(changed[:3])}"
                         f"{', ...' if len(changed) > 3 else ''}) while the store was taking their sha256 in the "
                         "background: the store records them as they are after that change, not as they were when it "
                         "opened, and a resume is checked against those. Put the model in training mode "
                         "(model.train()) before opening the store when it is fine-tuned while capturing: its "
-                        "weights are then hashed at the open", CaptureWarning, stacklevel=3)
+                        "weights are then hashed at the open", CaptureWarning)
             if self._error is not None:
-                warnings.warn(f"the model's weights could not be hashed for the store's model record "
-                              f"({type(self._error).__name__}: {self._error}); the store records no model, so a "
-                              "resume cannot check that it continues with the same model", CaptureWarning,
-                              stacklevel=3)
+                warn_at_caller(f"the model's weights could not be hashed for the store's model record "
+                               f"({type(self._error).__name__}: {self._error}); the store records no model, so a "
+                               "resume cannot check that it continues with the same model", CaptureWarning)
                 self._result = None
         return self._result
 
@@ -1061,18 +1059,18 @@ class StoreWriter:
         except OSError:
             return
         if remains:  # (a deletion of a settled old store cut short: its root document goes first)
-            warnings.warn(
+            warn_at_caller(
                 f"store {str(b)!r}: {remains[0]!r}{f' (and {len(remains) - 1} more)' if len(remains) > 1 else ''} "
                 "holds what is left of a store an earlier overwrite=True replaced and was deleting (its root document "
                 "is gone: nothing reads it as a store); delete it, unless it holds entries you are moving back by hand",
-                RuntimeWarning, stacklevel=stacklevel_outside_package())
+                RuntimeWarning)
         if left:
-            warnings.warn(
+            warn_at_caller(
                 f"store {str(b)!r}: {left[0]!r}{f' (and {len(left) - 1} more)' if len(left) > 1 else ''} holds a store "
                 "that an earlier overwrite=True moved aside and never settled (its writer was killed before the new "
                 "store there committed a forward, or before it deleted the old one); it is not this store. To keep "
                 f"it, move its entries back into {str(b)!r} (by hand, with no writer running); else delete it",
-                RuntimeWarning, stacklevel=stacklevel_outside_package())
+                RuntimeWarning)
 
     def _drop_unstarted_store(self) -> None:
         """overwrite=True, local: the store at the path is the new store of an earlier overwrite
@@ -1848,12 +1846,12 @@ class StoreWriter:
             return
         names = sorted(other)
         kept = sorted({c["name"] if c else "uncompressed" for c in other.values()})
-        warnings.warn(
+        warn_at_caller(
             f"store {str(self._backend)!r}: the resumed capture asks for compression {self._compression['name']!r}, "
             f"but the stored hook points {names[:5]}{' ...' if len(names) > 5 else ''} are {', '.join(kept)}: a resume "
             "keeps each stored array's compression and layout, so compression= applies to hook points new in this "
             "run only (a capture into a new store compresses every hook point)",
-            RuntimeWarning, stacklevel=4)
+            RuntimeWarning)
 
     def open_array(self, hook_point: str, feature_shape: tuple, dtype: torch.dtype, row_kind: str) -> Any:
         """Create (or, when resuming, reopen) the array of a hook point; returns its native writer.
@@ -2082,8 +2080,8 @@ class StoreWriter:
                 try:
                     a.writer.drop_held()
                 except (StoreError, OSError) as e:
-                    warnings.warn(f"store {str(self._backend)!r}: removing the rewritten shard of hook point "
-                                  f"{a.hook_point!r}: {e}", RuntimeWarning, stacklevel=3)
+                    warn_at_caller(f"store {str(self._backend)!r}: removing the rewritten shard of hook point "
+                                   f"{a.hook_point!r}: {e}", RuntimeWarning)
             a.held_shard = -1
 
     def _drop_installed_kept_shards(self) -> None:
@@ -2100,7 +2098,7 @@ class StoreWriter:
                 try:
                     keep.unlink(missing_ok=True)
                 except OSError as e:
-                    warnings.warn(f"store {str(self._backend)!r}: removing {keep}: {e}", RuntimeWarning, stacklevel=3)
+                    warn_at_caller(f"store {str(self._backend)!r}: removing {keep}: {e}", RuntimeWarning)
             else:
                 keep_on.append((path, keep))
         self._kept_shards = keep_on
@@ -2122,8 +2120,8 @@ class StoreWriter:
                 else:
                     keep.unlink(missing_ok=True)
             except OSError as e:
-                warnings.warn(f"store {str(self._backend)!r}: {'restoring' if restore else 'removing'} {keep}: {e}",
-                              RuntimeWarning, stacklevel=3)
+                warn_at_caller(f"store {str(self._backend)!r}: {'restoring' if restore else 'removing'} {keep}: {e}",
+                               RuntimeWarning)
 
     def _rewrite_listed(self) -> set[Path]:
         """The keys (paths) of the kept shards whose rewrite, now under the key, is the file
@@ -2232,9 +2230,9 @@ class StoreWriter:
             col = Store(self._backend).row_table("sample").column("sample_id")
             return int(pc.count_distinct(col.slice(0, committed)).as_py())
         except (StoreError, OSError, KeyError) as e:
-            warnings.warn(f"store {str(self._backend)!r}: the stored sample ids could not be read to count its "
-                          f"samples ({e}); default sample ids continue from its {committed} sample rows",
-                          CaptureWarning, stacklevel=4)
+            warn_at_caller(f"store {str(self._backend)!r}: the stored sample ids could not be read to count its "
+                           f"samples ({e}); default sample ids continue from its {committed} sample rows",
+                           CaptureWarning)
             return committed
 
     def add_batch(self, n_samples: int, sample_ids: Any = None, token_mask: torch.Tensor | None = None,
@@ -2358,8 +2356,8 @@ class StoreWriter:
                 col = Store(self._backend).row_table("sample", columns=["sample_id"]).column("sample_id")
                 seen.add(col.to_numpy(zero_copy_only=False)[:committed])
             except (StoreError, OSError, KeyError) as e:  # the capture goes on unchecked against them
-                warnings.warn(f"store {str(self._backend)!r}: the stored sample ids could not be read to check "
-                              f"the new ones against them ({e})", CaptureWarning, stacklevel=4)
+                warn_at_caller(f"store {str(self._backend)!r}: the stored sample ids could not be read to check "
+                               f"the new ones against them ({e})", CaptureWarning)
         elif committed:
             seen.add_range(0, committed)
         for b in self._pending:
@@ -2372,7 +2370,7 @@ class StoreWriter:
         if self._ids_seen is None or self._ids_seen.warned:
             return
         self._ids_seen.warned = True
-        warnings.warn(
+        warn_at_caller(
             f"store {str(self._backend)!r}: sample id {repeat!r} was recorded more than once (batch "
             f"{self._n_batches + len(self._pending)}, counted from 0); each sample should have its own id "
             "(a per-batch counter such as sample_ids=range(len(batch)) repeats them: pass the sample's position "
@@ -2380,7 +2378,7 @@ class StoreWriter:
             "as it should: give each batch an epoch column, epoch=[e] * len(batch), to tell those rows apart). "
             "The capture goes on and stores every row; a sample_ids= selection of the "
             "store picks the rows of every sample with that id. Warned once per capture",
-            CaptureWarning, stacklevel=4)
+            CaptureWarning)
 
     def _add_plain_batch(self, n: int, next_id: int | None = None) -> dict[str, tuple[int, int]]:
         """:meth:`add_batch` of a forward with default sample ids, no token rows and no
@@ -2478,14 +2476,14 @@ class StoreWriter:
             if self._partial_bytes + cost > PARTIAL_REWRITE_SHARE * appended:
                 if rare and not self._warned_budget:
                     self._warned_budget = True
-                    warnings.warn(
+                    warn_at_caller(
                         f"store {str(self._backend)!r}: the last {len(pending) - low} forwards are not committed: "
                         f"hook point {a.hook_point!r} holds them back (its shard is not full), and writing its "
                         f"{cost} bytes as a partial shard would take the partial shards written past "
                         f"{PARTIAL_REWRITE_SHARE:.0%} of the bytes captured. A crash now loses those forwards. "
                         "It is written once the other arrays have captured enough; to commit sooner, exclude it, "
                         "capture it into a store of its own, or pass a smaller shard_rows= or shard_bytes=. Warned "
-                        "once per capture", CaptureWarning, stacklevel=3)
+                        "once per capture", CaptureWarning)
                 continue
             a.writer.snapshot()
             a.partial_at, a.partial_rows = now, rows
@@ -2823,9 +2821,9 @@ class StoreWriter:
                 self._backend.restore_aside(aside)
                 self.put_back = True
             except OSError as e:
-                warnings.warn(f"store {str(self._backend)!r}: the new capture committed nothing, but putting the old "
-                              f"store back from {str(aside)!r} failed ({e}); it is still there: move its contents "
-                              "back by hand", RuntimeWarning, stacklevel=3)
+                warn_at_caller(f"store {str(self._backend)!r}: the new capture committed nothing, but putting the old "
+                               f"store back from {str(aside)!r} failed ({e}); it is still there: move its contents "
+                               "back by hand", RuntimeWarning)
 
     def _reserve(self, keys: list[str]) -> None:
         reserve = getattr(self._backend, "reserve", None)
@@ -3077,8 +3075,8 @@ class StoreWriter:
                 else:
                     keep.unlink(missing_ok=True)
             except (OSError, StoreError) as e:
-                warnings.warn(f"store {str(self._backend)!r}: {'restoring' if restore else 'removing'} {keep}: {e}",
-                              RuntimeWarning, stacklevel=3)
+                warn_at_caller(f"store {str(self._backend)!r}: {'restoring' if restore else 'removing'} {keep}: {e}",
+                               RuntimeWarning)
 
     def _refuse_unwritable_reduction_keys(self) -> None:
         """Resume of a local store: refuse, before anything is deleted, captured or written, a
@@ -3536,8 +3534,8 @@ class StoreWriter:
                 self._stop_threads()
                 self._commit("incomplete", force=True)
             except BaseException as e:  # noqa: BLE001 - never mask the original exception
-                warnings.warn(f"store {str(self._backend)!r}: committing after {exc!r} failed too: {e}", RuntimeWarning,
-                              stacklevel=2)
+                warn_at_caller(f"store {str(self._backend)!r}: committing after {exc!r} failed too: {e}",
+                               RuntimeWarning)
             finally:
                 try:
                     if self._aside is not None:  # overwrite, and the new store committed no row: the old one back
@@ -3573,8 +3571,8 @@ class StoreWriter:
                 # after the found manifests went back: a rewrite they do not list is never kept
                 self._drop_kept_shards(restore=True)
             except BaseException as e:  # noqa: BLE001 - the refusal stays the error the caller sees
-                warnings.warn(f"store {str(self._backend)!r}: putting it back as found failed: {e}",
-                              RuntimeWarning, stacklevel=2)
+                warn_at_caller(f"store {str(self._backend)!r}: putting it back as found failed: {e}",
+                               RuntimeWarning)
             finally:
                 try:
                     self._cleanup(remove_if_empty=empty)
@@ -3601,8 +3599,8 @@ class StoreWriter:
         try:
             return remove_if_empty(self._backend, remove_folder=self._writer_lock.created_root)
         except Exception as e:  # noqa: BLE001 - the caller's error stays the one raised
-            warnings.warn(f"store {str(self._backend)!r}: removing the store that holds no row failed: {e}",
-                          RuntimeWarning, stacklevel=2)
+            warn_at_caller(f"store {str(self._backend)!r}: removing the store that holds no row failed: {e}",
+                           RuntimeWarning)
             return False
 
     def _remove_temp_files(self, shards: bool = True) -> None:
@@ -3616,8 +3614,7 @@ class StoreWriter:
         try:
             remove(shards=shards)
         except (OSError, StoreError) as e:
-            warnings.warn(f"store {str(self._backend)!r}: removing leftover temporary files: {e}", RuntimeWarning,
-                          stacklevel=3)
+            warn_at_caller(f"store {str(self._backend)!r}: removing leftover temporary files: {e}", RuntimeWarning)
 
     def _cleanup(self, walk: bool = True, remove_if_empty: list[Path] = ()) -> None:
         """Release the writer's resources and the lock; with ``walk``, remove any temporary
