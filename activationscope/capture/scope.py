@@ -274,9 +274,10 @@ class ActivationScope:
     storage_dtype : torch.dtype, optional
         Cast stored activations (e.g. ``torch.bfloat16`` to halve memory and disk). Records,
         stored rows and reductions are all the cast values (a reduction equals the float64
-        statistic of ``store[hook_point]``). A cast that turns a finite value into inf
-        raises :class:`CaptureError` naming the hook point; a resume must use the store's
-        ``storage_dtype``.
+        statistic of ``store[hook_point]``). A cast that turns a finite value into inf, or
+        an integer into another one (token id 257 in bfloat16, which holds every integer only
+        up to 256), raises :class:`CaptureError` naming the hook point; a resume must use the
+        store's ``storage_dtype``.
     capture_parameters : bool, default False
         Snapshot the model's parameters when the tracker attaches
         (``tracker.parameters``).
