@@ -151,12 +151,14 @@ void Sink::check_integers(const at::Tensor& src, const at::Tensor& cast) {
   const double exact = exact_integers_up_to(dtype);
   char bound[40];
   std::snprintf(bound, sizeof bound, "%.17g", exact);
+  // (the advice in the words the CLI rewrites: cli._CLI_SPELLINGS)
+  const bool input = name_.find(".input") != std::string::npos;
   ACS_CHECK(false, "hook point '", name_, "' is ", dtype_name(from), " and storage_dtype=", dtype_name(dtype),
             " changes its integers (", before, " would be stored as ", after, "; ", dtype_name(dtype),
             " holds every integer only up to ", bound, "), so the stored rows and their reductions would not be ",
-            "the captured values (token ids, indices); pass exclude= the module of '", name_,
-            "' (capture=\"output\" for a module's integer input), a storage_dtype that holds them ",
-            "(torch.float32: integers up to 2**24, torch.float64: up to 2**53), or none");
+            "the captured values (token ids, indices); pass a storage_dtype that holds them (torch.float32: ",
+            "integers up to 2**24, torch.float64: up to 2**53) or none, or leave the hook point out ",
+            input ? "(exclude= its module, or capture=\"output\": it is an input of its module)" : "(exclude= its module)");
 }
 
 void Sink::check_overflow(const at::Tensor& src, const at::Tensor& cast) {

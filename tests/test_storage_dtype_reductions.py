@@ -269,7 +269,8 @@ def test_integer_activations_a_storage_dtype_would_change_are_an_error(tmp_path,
         model(torch.tensor([[1, bad_id, 2, 3]]))      # one it does not: refused
     msg = str(err.value)
     assert "hook point 'emb.input.0' is torch.int64 and storage_dtype=" + str(dtype) in msg
-    assert shown in msg and "exclude= the module of 'emb.input.0'" in msg and "torch.float32" in msg
+    assert shown in msg and '(exclude= its module, or capture="output": it is an input of its module)' in msg
+    assert "pass a storage_dtype that holds them (torch.float32" in msg
     if store:  # the store keeps the forward before, its ids exact
         s = open_store(tmp_path / "s.zarr")
         assert s.n_rows("emb.input.0") == 1

@@ -420,6 +420,8 @@ _CLI_SPELLINGS = (
     ('(exclude= its module, or capture="output": it is an input of its module)',
      "(--exclude its module, or --capture output: it is an input of its module)"),
     ("(exclude= its module)", "(--exclude its module)"),
+    ("pass a storage_dtype that holds them (torch.float32: integers up to 2**24, torch.float64: up to 2**53) or none",
+     "pass a --dtype that holds them (float32: integers up to 2**24, float64: up to 2**53) or none"),
     ("resume with the same include=/exclude=/capture= as the first run",
      "resume with the same --include / --exclude / --capture as the first run"),
     ("is set to token rows by token_rows=", "is set to token rows by --token-rows"),
