@@ -197,6 +197,20 @@ def test_the_same_type_from_other_containers_is_accepted(tmp_path):
     assert acs.open_store(path).row_table("sample").column("label").to_pylist() == [0, 1, 1, 0, 1, 1]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_columns_of_floats_numpy_lacks_hold_their_values_exactly(tmp_path, dtype):
+    # a float8 column raised numpy's "Got unsupported ScalarType Float8_e4m3fn" from set_batch
+    model, path = _model(), tmp_path / "s.zarr"
+    score = torch.tensor([1.5, -0.375, 3.0, 0.0]).to(dtype)
+    with acs.ActivationScope(store=str(path)).track(model) as tr, torch.no_grad():
+        tr.set_batch(score=score)
+        model(torch.randn(4, 6))
+    col = acs.open_store(path).row_table("sample").column("score")
+    assert str(col.type) == "float" and col.to_pylist() == score.float().tolist()
+    got = acs.ActivationDataset(path, columns=["score"])[0:4]["score"]
+    assert got.dtype == torch.float32 and torch.equal(got, score.float())
+
+
 def test_a_resumed_capture_keeps_the_stored_column_types(tmp_path):
     model, path = _model(), tmp_path / "s.zarr"
     with acs.ActivationScope(store=str(path)).track(model) as tr, torch.no_grad():

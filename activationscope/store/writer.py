@@ -648,8 +648,8 @@ def _to_column(value: Any) -> Any:
     row table is written at a commit, after the caller may have reused its tensor or array."""
     if isinstance(value, torch.Tensor):
         t = value.detach().to("cpu")
-        if t.dtype == torch.bfloat16:
-            t = t.float()
+        if t.dtype == torch.bfloat16 or t.dtype.is_floating_point and t.dtype.itemsize == 1:
+            t = t.float()  # (numpy has no bfloat16 nor float8 types: float32 holds their values exactly)
         a = t.numpy().copy()
         return a if a.ndim <= 1 else list(a)
     if isinstance(value, np.ndarray):
