@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 
-from activationscope import ActivationScope, CaptureError, StoragePolicy, open_store
+from activationscope import ActivationScope, CaptureError, StoragePolicy, StoreError, open_store
 
 
 def _model(scale=1.0):
@@ -202,6 +202,30 @@ def test_a_resume_with_another_storage_dtype_is_refused_and_the_store_untouched(
     assert f"(CLI: {cli})" in msg and "overwrite=True (CLI: --overwrite)" in msg
     assert _files(path) == before
     assert open_store(path).status == "complete"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_a_resume_with_the_model_in_another_dtype_is_refused_saying_so(tmp_path, dtype):
+    # model.to(torch.bfloat16) between two runs: the refusal named two state-dict hashes only
+    model, xs = _model(), _batches(2)
+    path = tmp_path / "s.zarr"
+    with torch.no_grad(), ActivationScope(store=path, reductions=["mean"]).track(model):
+        model(xs[0])
+    before = _files(path)
+    model = model.to(dtype)
+    with pytest.raises(StoreError) as err:
+        with torch.no_grad(), ActivationScope(store=path, store_options={"resume": True}).track(model):
+            model(xs[1].to(dtype))
+    msg = str(err.value)
+    assert "cannot resume" in msg and "nothing was changed" in msg
+    assert "the same weights in another dtype, as after model.to(torch.bfloat16)" in msg
+    assert _files(path) == before
+    # another model altogether gets no such guess
+    other = torch.nn.Sequential(torch.nn.Linear(6, 3))
+    with pytest.raises(StoreError) as err:
+        with torch.no_grad(), ActivationScope(store=path, store_options={"resume": True}).track(other):
+            other(xs[1])
+    assert "cannot resume" in str(err.value) and "another dtype" not in str(err.value)
 
 
 @pytest.mark.parametrize("store, reductions", [(False, ["mean"]), (True, None), (True, ["mean"])])
