@@ -3,6 +3,7 @@ or a mask that is not 0/1, is refused naming the argument, expected and actual (
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import numpy as np
@@ -124,6 +125,29 @@ def test_bad_masks_are_refused(mask, error, match):
     with pytest.raises(error, match=match) as e:
         tr.set_batch(attention_mask=mask)
     assert isinstance(e.value, ActivationScopeError)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_float_mask_is_refused_with_the_conversion_that_keeps_its_tokens(tmp_path, dtype):
+    # an additive mask (0 at tokens, -inf or a large negative value at padding) was told
+    # "pass mask.bool()", which keeps the padding and leaves out every token
+    keep = torch.tensor([[True, True, False], [True, False, False]])
+    x = torch.randn(2, 3, 6)
+    model = _model()
+    for mask, advice in [(keep.to(dtype), "; pass mask.bool()"),
+                         (torch.zeros(2, 3, dtype=dtype).masked_fill(~keep, float("-inf")), "pass (mask == 0)"),
+                         (torch.zeros(2, 3, dtype=dtype).masked_fill(~keep, torch.finfo(dtype).min), "pass (mask == 0)")]:
+        with acs.ActivationScope().track(model) as tr:
+            with pytest.raises(ArgumentTypeError, match=re.escape(advice)):
+                tr.set_batch(attention_mask=mask)
+        # the conversion the message names stores the real tokens' rows
+        fixed = mask.bool() if advice.endswith("mask.bool()") else (mask == 0)
+        path = tmp_path / f"{len(list(tmp_path.iterdir()))}.zarr"
+        with acs.ActivationScope(store=str(path)).track(model) as tr, torch.no_grad():
+            tr.set_batch(attention_mask=fixed)
+            model(x)
+        with torch.no_grad():
+            assert torch.equal(acs.open_store(path)["1.output"], model(x)[keep])
 
 
 @pytest.mark.parametrize("mask, error, match", [
