@@ -1188,9 +1188,33 @@ def test_dtype_that_would_change_token_ids_is_one_line_in_flags(tmp_path, user_p
     code, _, err = run(capsys, "capture", "--model", "idmodels.nets:embed", "--data", str(ids), "--out", str(out),
                        "--capture", "both", "--dtype", "bfloat16", "--no-progress")
     assert code == 1
-    _one_error_line(err, "hook point '0.input.0' is torch.int64", "257 would be stored as 256",
-                    "pass a --dtype that holds them (float32: integers up to 2**24",
-                    "(--exclude its module, or --capture output: it is an input of its module)")
+    _one_error_line(err, "hook point '0.input.0' is torch.int64 and --dtype bfloat16 changes its integers",
+                    "257 would be stored as 256", "pass a --dtype that holds them (float32: integers up to 2**24",
+                    "or no --dtype", "(--exclude its module, or --capture output: it is an input of its module)")
+    assert "storage_dtype" not in err
+    assert not out.exists()
+
+
+def test_dtype_that_overflows_is_one_line_in_flags(tmp_path, user_package, capsys):
+    # the refusal told a command-line user to pass "a wider storage_dtype (torch.bfloat16 ...)"
+    user_package("bigmodels", """
+        import torch
+        def big():
+            torch.manual_seed(0)
+            m = torch.nn.Sequential(torch.nn.Linear(4, 2))
+            with torch.no_grad():
+                m[0].weight.fill_(1e5)
+            return m
+    """)
+    x = tmp_path / "x.npy"
+    np.save(x, np.ones((3, 4), dtype=np.float32))
+    out = tmp_path / "o.zarr"
+    code, _, err = run(capsys, "capture", "--model", "bigmodels.nets:big", "--data", str(x), "--out", str(out),
+                       "--dtype", "float16", "--no-progress")
+    assert code == 1
+    _one_error_line(err, "hook point '0.output': --dtype float16 turns finite values into inf",
+                    "pass a wider --dtype (bfloat16 keeps float32's range, or float32), or no --dtype")
+    assert "storage_dtype" not in err
     assert not out.exists()
 
 
