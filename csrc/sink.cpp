@@ -95,7 +95,73 @@ bool cast_may_overflow(at::ScalarType from, at::ScalarType to) {
 }
 }  // namespace
 
+namespace {
+// The largest integer n such that every integer in [-n, n] is a value of a floating dtype
+// (2^(significand bits)); 0 for other dtypes.
+double exact_integers_up_to(at::ScalarType t) {
+  switch (t) {
+    case at::kHalf: return 2048.0;
+    case at::kBFloat16: return 256.0;
+    case at::kFloat: case at::kComplexFloat: return 16777216.0;
+    case at::kDouble: case at::kComplexDouble: return 9007199254740992.0;
+    default: return 0.0;
+  }
+}
+
+// Whether a cast from -> to can turn an integer into another one (a floating dtype with too
+// few significand bits for the integer dtype's range: int16 and wider in bfloat16, int64 in
+// float64). uint16, uint32 and uint64 have no entry in largest_finite: always checked.
+bool cast_may_round_integers(at::ScalarType from, at::ScalarType to) {
+  if (!at::isIntegralType(from, /*includeBool=*/false)) return false;
+  if (!(at::isFloatingType(to) || at::isComplexType(to))) return false;
+  const double widest = largest_finite(from);
+  return !(widest > 0 && widest <= exact_integers_up_to(to));
+}
+}  // namespace
+
+bool Sink::cast_may_change(at::ScalarType from, at::ScalarType to) {
+  return cast_may_overflow(from, to) || cast_may_round_integers(from, to);
+}
+
 void Sink::check_cast(const at::Tensor& src, const at::Tensor& cast) {
+  check_overflow(src, cast);
+  check_integers(src, cast);
+}
+
+void Sink::check_integers(const at::Tensor& src, const at::Tensor& cast) {
+  const at::ScalarType from = src.scalar_type();
+  const at::ScalarType dtype = cast.scalar_type();
+  if (!cast_may_round_integers(from, dtype) || src.numel() == 0) return;
+  // Compared as int64: the cast's values (float64 holds every float16 / bfloat16 / float32 value)
+  // back to int64 where they are in its range. (uint64 values from 2^63 wrap in src's int64
+  // bits and are past the range in the cast's: told as changed, never as kept.)
+  const at::Tensor s = src.to(at::kLong);
+  const at::Tensor c = (at::isComplexType(dtype) ? at::real(cast) : cast).to(at::kDouble);
+  const double two63 = 9223372036854775808.0;
+  const at::Tensor in_range = at::logical_and(c >= -two63, c < two63);
+  const at::Tensor back = at::where(in_range, c, at::zeros({}, c.options())).to(at::kLong);
+  const at::Tensor changed = at::logical_or(at::logical_not(in_range), back != s);
+  if (!changed.any().item<bool>()) return;
+  const int64_t first = changed.flatten().nonzero().select(1, 0).min().item<int64_t>();
+  const at::Tensor value = src.flatten()[first];
+  const std::string before = from == at::kUInt64 ? std::to_string(static_cast<uint64_t>(value.item<int64_t>()))
+                                                 : std::to_string(value.item<int64_t>());
+  char after[40];
+  std::snprintf(after, sizeof after, "%.17g", c.flatten()[first].item<double>());
+  const double exact = exact_integers_up_to(dtype);
+  char bound[40];
+  std::snprintf(bound, sizeof bound, "%.17g", exact);
+  // (the advice in the words the CLI rewrites: cli._CLI_SPELLINGS)
+  const bool input = name_.find(".input") != std::string::npos;
+  ACS_CHECK(false, "hook point '", name_, "' is ", dtype_name(from), " and storage_dtype=", dtype_name(dtype),
+            " changes its integers (", before, " would be stored as ", after, "; ", dtype_name(dtype),
+            " holds every integer only up to ", bound, "), so the stored rows and their reductions would not be ",
+            "the captured values (token ids, indices); pass a storage_dtype that holds them (torch.float32: ",
+            "integers up to 2**24, torch.float64: up to 2**53) or none, or leave the hook point out ",
+            input ? "(exclude= its module, or capture=\"output\": it is an input of its module)" : "(exclude= its module)");
+}
+
+void Sink::check_overflow(const at::Tensor& src, const at::Tensor& cast) {
   const at::ScalarType dtype = cast.scalar_type();
   if (!cast_may_overflow(src.scalar_type(), dtype)) return;
   bool maybe = true;  // some value is inf or NaN after the cast
@@ -312,7 +378,7 @@ Sink::Record Sink::snapshot(const at::Tensor& x, bool check_overflow) {
       pending_.erase(pending_.begin(), pending_.begin() + static_cast<std::ptrdiff_t>(done));
     }
     rec.t = at::empty(x.sizes(), at::TensorOptions().dtype(dtype).pinned_memory(true));
-    if (check_overflow && dtype != x.scalar_type() && cast_may_overflow(x.scalar_type(), dtype)) {
+    if (check_overflow && dtype != x.scalar_type() && cast_may_change(x.scalar_type(), dtype)) {
       // A narrowing storage_dtype (float32 -> float16): checked for overflow on the device
       // before the copy, as a record cast on the CPU is (the check waits for the cast); not
       // when the call has rows (a store or reductions), whose values are checked as rows

@@ -126,9 +126,12 @@ class Sink {
   bool matches_last(const at::Tensor& x);
 
   // src cast to storage_dtype; CaptureError naming the hook point when the cast turns a
-  // finite value into inf (overflow). check_cast checks a cast made elsewhere.
+  // finite value into inf (overflow) or an integer into another one (token ids in bfloat16).
+  // check_cast checks a cast made elsewhere.
   at::Tensor cast_checked(const at::Tensor& src, at::ScalarType dtype);
   void check_cast(const at::Tensor& src, const at::Tensor& cast);
+  // Whether check_cast can refuse a cast from -> to (else it checks nothing).
+  static bool cast_may_change(at::ScalarType from, at::ScalarType to);
 
   void add_reduction(std::shared_ptr<Reduction> r) { reductions_.push_back(std::move(r)); }
   // Copies of the result of reduction `index` (in the order added), taken under the sink's
@@ -196,6 +199,9 @@ class Sink {
   static Record refer(const at::Tensor& x);
   static bool can_refer(const at::Tensor& x);
   static at::Tensor referred(const Record& r);
+  // The two halves of check_cast: finite values turned into inf; integers turned into others.
+  void check_overflow(const at::Tensor& src, const at::Tensor& cast);
+  void check_integers(const at::Tensor& src, const at::Tensor& cast);
   // check_overflow: a narrowing storage_dtype of a device tensor is checked on the device
   Record snapshot(const at::Tensor& x, bool check_overflow);
   void check_layout(const at::Tensor& x) const;  // CaptureError for values it cannot read

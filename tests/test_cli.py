@@ -1174,6 +1174,50 @@ def test_data_of_another_float_dtype_than_the_model_names_both(tmp_path, user_mo
     assert not out.exists()
 
 
+def test_dtype_that_would_change_token_ids_is_one_line_in_flags(tmp_path, user_package, capsys):
+    # --capture both --dtype bfloat16 stored the embedding's input ids rounded (257 as 256)
+    user_package("idmodels", """
+        import torch
+        def embed():
+            torch.manual_seed(0)
+            return torch.nn.Sequential(torch.nn.Embedding(1000, 4), torch.nn.Linear(4, 2))
+    """)
+    ids = tmp_path / "ids.npy"
+    np.save(ids, np.array([[3, 257, 9], [1, 2, 4]], dtype=np.int64))
+    out = tmp_path / "o.zarr"
+    code, _, err = run(capsys, "capture", "--model", "idmodels.nets:embed", "--data", str(ids), "--out", str(out),
+                       "--capture", "both", "--dtype", "bfloat16", "--no-progress")
+    assert code == 1
+    _one_error_line(err, "hook point '0.input.0' is torch.int64 and --dtype bfloat16 changes its integers",
+                    "257 would be stored as 256", "pass a --dtype that holds them (float32: integers up to 2**24",
+                    "or no --dtype", "(--exclude its module, or --capture output: it is an input of its module)")
+    assert "storage_dtype" not in err
+    assert not out.exists()
+
+
+def test_dtype_that_overflows_is_one_line_in_flags(tmp_path, user_package, capsys):
+    # the refusal told a command-line user to pass "a wider storage_dtype (torch.bfloat16 ...)"
+    user_package("bigmodels", """
+        import torch
+        def big():
+            torch.manual_seed(0)
+            m = torch.nn.Sequential(torch.nn.Linear(4, 2))
+            with torch.no_grad():
+                m[0].weight.fill_(1e5)
+            return m
+    """)
+    x = tmp_path / "x.npy"
+    np.save(x, np.ones((3, 4), dtype=np.float32))
+    out = tmp_path / "o.zarr"
+    code, _, err = run(capsys, "capture", "--model", "bigmodels.nets:big", "--data", str(x), "--out", str(out),
+                       "--dtype", "float16", "--no-progress")
+    assert code == 1
+    _one_error_line(err, "hook point '0.output': --dtype float16 turns finite values into inf",
+                    "pass a wider --dtype (bfloat16 keeps float32's range, or float32), or no --dtype")
+    assert "storage_dtype" not in err
+    assert not out.exists()
+
+
 def test_model_failing_mid_capture_is_one_line_and_store_incomplete(tmp_path, toy_store, user_package, capsys):
     import activationscope as acs
 

@@ -54,6 +54,18 @@ def test_stats_from_rows_match_direct_computation():
 
 
 
+def test_complex_rows_are_described_by_their_modulus_and_say_so():
+    # float64 of complex rows kept the real parts: a unit that is 0 + 5j was a dead unit
+    g = torch.Generator().manual_seed(0)
+    x = torch.complex(torch.randn(200, 4, generator=g), torch.randn(200, 4, generator=g))
+    x[:, 1] = torch.complex(torch.zeros(200), torch.randn(200, generator=g))  # real part 0, not dead
+    st = report.hook_point_stats(TinyStore({"fft.output": x}), "fft.output")
+    torch.testing.assert_close(st.mean, x.abs().double().mean(0))
+    torch.testing.assert_close(st.std, x.abs().double().std(0, correction=0))
+    assert st.dead_fraction == 0 and st.dtype == "complex64"
+    assert any(n.startswith("complex64 values: every panel shows their modulus |x|") for n in st.notes)
+
+
 def test_wide_rows_are_sampled_within_a_memory_bound(monkeypatch):
     # a (pos, d_model) sample row of 128 x 768 values: 20 000 of them would be 15.7 GB of float64
     # (and a few copies more); the report samples at most MAX_SAMPLED_BYTES of them

@@ -3,6 +3,7 @@ or a mask that is not 0/1, is refused naming the argument, expected and actual (
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import numpy as np
@@ -126,6 +127,29 @@ def test_bad_masks_are_refused(mask, error, match):
     assert isinstance(e.value, ActivationScopeError)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_float_mask_is_refused_with_the_conversion_that_keeps_its_tokens(tmp_path, dtype):
+    # an additive mask (0 at tokens, -inf or a large negative value at padding) was told
+    # "pass mask.bool()", which keeps the padding and leaves out every token
+    keep = torch.tensor([[True, True, False], [True, False, False]])
+    x = torch.randn(2, 3, 6)
+    model = _model()
+    for mask, advice in [(keep.to(dtype), "; pass mask.bool()"),
+                         (torch.zeros(2, 3, dtype=dtype).masked_fill(~keep, float("-inf")), "pass (mask == 0)"),
+                         (torch.zeros(2, 3, dtype=dtype).masked_fill(~keep, torch.finfo(dtype).min), "pass (mask == 0)")]:
+        with acs.ActivationScope().track(model) as tr:
+            with pytest.raises(ArgumentTypeError, match=re.escape(advice)):
+                tr.set_batch(attention_mask=mask)
+        # the conversion the message names stores the real tokens' rows
+        fixed = mask.bool() if advice.endswith("mask.bool()") else (mask == 0)
+        path = tmp_path / f"{len(list(tmp_path.iterdir()))}.zarr"
+        with acs.ActivationScope(store=str(path)).track(model) as tr, torch.no_grad():
+            tr.set_batch(attention_mask=fixed)
+            model(x)
+        with torch.no_grad():
+            assert torch.equal(acs.open_store(path)["1.output"], model(x)[keep])
+
+
 @pytest.mark.parametrize("mask, error, match", [
     ([[1, 1, 0]], TypeError, r"attention_mask must be a torch\.Tensor or numpy array \(batch, pos\), got list"),
     (torch.ones(3, dtype=torch.bool), ValueError, r"attention_mask must be 2-D \(batch, pos\), got shape \(3,\)"),
@@ -195,6 +219,20 @@ def test_the_same_type_from_other_containers_is_accepted(tmp_path):
             tr.set_batch(label=label)
             model(torch.randn(2, 6))
     assert acs.open_store(path).row_table("sample").column("label").to_pylist() == [0, 1, 1, 0, 1, 1]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_columns_of_floats_numpy_lacks_hold_their_values_exactly(tmp_path, dtype):
+    # a float8 column raised numpy's "Got unsupported ScalarType Float8_e4m3fn" from set_batch
+    model, path = _model(), tmp_path / "s.zarr"
+    score = torch.tensor([1.5, -0.375, 3.0, 0.0]).to(dtype)
+    with acs.ActivationScope(store=str(path)).track(model) as tr, torch.no_grad():
+        tr.set_batch(score=score)
+        model(torch.randn(4, 6))
+    col = acs.open_store(path).row_table("sample").column("score")
+    assert str(col.type) == "float" and col.to_pylist() == score.float().tolist()
+    got = acs.ActivationDataset(path, columns=["score"])[0:4]["score"]
+    assert got.dtype == torch.float32 and torch.equal(got, score.float())
 
 
 def test_a_resumed_capture_keeps_the_stored_column_types(tmp_path):

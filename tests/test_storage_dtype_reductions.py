@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 
-from activationscope import ActivationScope, CaptureError, StoragePolicy, open_store
+from activationscope import ActivationScope, CaptureError, StoragePolicy, StoreError, open_store
 
 
 def _model(scale=1.0):
@@ -204,6 +204,30 @@ def test_a_resume_with_another_storage_dtype_is_refused_and_the_store_untouched(
     assert open_store(path).status == "complete"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_a_resume_with_the_model_in_another_dtype_is_refused_saying_so(tmp_path, dtype):
+    # model.to(torch.bfloat16) between two runs: the refusal named two state-dict hashes only
+    model, xs = _model(), _batches(2)
+    path = tmp_path / "s.zarr"
+    with torch.no_grad(), ActivationScope(store=path, reductions=["mean"]).track(model):
+        model(xs[0])
+    before = _files(path)
+    model = model.to(dtype)
+    with pytest.raises(StoreError) as err:
+        with torch.no_grad(), ActivationScope(store=path, store_options={"resume": True}).track(model):
+            model(xs[1].to(dtype))
+    msg = str(err.value)
+    assert "cannot resume" in msg and "nothing was changed" in msg
+    assert "the same weights in another dtype, as after model.to(torch.bfloat16)" in msg
+    assert _files(path) == before
+    # another model altogether gets no such guess
+    other = torch.nn.Sequential(torch.nn.Linear(6, 3))
+    with pytest.raises(StoreError) as err:
+        with torch.no_grad(), ActivationScope(store=path, store_options={"resume": True}).track(other):
+            other(xs[1])
+    assert "cannot resume" in str(err.value) and "another dtype" not in str(err.value)
+
+
 @pytest.mark.parametrize("store, reductions", [(False, ["mean"]), (True, None), (True, ["mean"])])
 def test_a_record_whose_padding_overflows_is_an_error_as_without_a_mask(tmp_path, store, reductions):
     """A record keeps the whole activation, padding positions too: a float16 cast that turns a
@@ -231,3 +255,57 @@ def test_a_record_whose_padding_overflows_is_an_error_as_without_a_mask(tmp_path
     assert torch.equal(tr.activations["0.output"][0], x.half())
     if store:
         assert torch.equal(open_store(tmp_path / "s.zarr")["0.output"], x[mask.bool()].half())
+
+
+class _Ids(torch.nn.Module):
+    """Token ids in, an embedding's rows and a mask of the ids out."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(70000, 3)
+        self.mask = _Nonzero()
+
+    def forward(self, ids):
+        rows = self.emb(ids)
+        self.mask(ids)
+        return rows
+
+
+class _Nonzero(torch.nn.Module):
+    def forward(self, ids):
+        return ids != 0
+
+
+@pytest.mark.parametrize("store", [True, False])
+@pytest.mark.parametrize("dtype, ok_ids, bad_id, shown", [
+    (torch.bfloat16, [0, 255, 256, 4096], 257, "257 would be stored as 256; torch.bfloat16 holds every integer only up to 256"),
+    (torch.float16, [0, 2047, 2048, 4096], 4097, "4097 would be stored as 4096; torch.float16 holds every integer only up to 2048"),
+])
+def test_integer_activations_a_storage_dtype_would_change_are_an_error(tmp_path, store, dtype, ok_ids, bad_id, shown):
+    # token ids captured as an input: cast to bfloat16, id 257 became 256 without a word
+    model = _Ids()
+    first = torch.tensor([ok_ids])
+    kwargs = {"store": tmp_path / "s.zarr"} if store else {}
+    scope = ActivationScope(capture="both", storage_dtype=dtype, reductions=["max"], **kwargs)
+    with pytest.raises(CaptureError) as err, torch.no_grad(), scope.track(model, include=["emb", "mask"]) as tr:
+        model(first)                                  # integers the dtype holds: kept
+        model(torch.tensor([[1, bad_id, 2, 3]]))      # one it does not: refused
+    msg = str(err.value)
+    assert "hook point 'emb.input.0' is torch.int64 and storage_dtype=" + str(dtype) in msg
+    assert shown in msg and '(exclude= its module, or capture="output": it is an input of its module)' in msg
+    assert "pass a storage_dtype that holds them (torch.float32" in msg
+    if store:  # the store keeps the forward before, its ids exact
+        s = open_store(tmp_path / "s.zarr")
+        assert s.n_rows("emb.input.0") == 1
+        assert s["emb.input.0"][:].double().tolist() == [[float(i) for i in ok_ids]]
+        assert s["mask.output"][:].tolist() == [[i != 0 for i in ok_ids]]  # bools are exact in any float
+    else:
+        assert [r.double().tolist() for r in tr.activations["emb.input.0"]] == [[[float(i) for i in ok_ids]]]
+    # the fix the message names: a storage_dtype that holds them
+    ids = torch.tensor([[1, bad_id, 69999, 3]])
+    with torch.no_grad(), ActivationScope(capture="both", storage_dtype=torch.float32, **{
+            k: tmp_path / "f.zarr" for k in kwargs}).track(model, include=["emb"]) as tr:
+        model(ids)
+    got = open_store(tmp_path / "f.zarr")["emb.input.0"][:] if store else tr.activations["emb.input.0"][0]
+    assert got.dtype == torch.float32 and got.long().tolist() == ids.tolist()

@@ -34,7 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ArgumentValueError, NonFiniteRowsWarning, StoreCorruptError, StoreError, warn_at_caller
+from ..errors import (ArgumentTypeError, ArgumentValueError, NonFiniteRowsWarning, StoreCorruptError, StoreError,
+                      warn_at_caller)
 from ..store import _format as F
 from ..store import _validate as V
 from ..store._backend import LocalBackend
@@ -453,6 +454,17 @@ def _nonfinite_rows(x64: Any) -> tuple[Any, Any]:
     return finite.reshape(-1, *([1] * (x64.ndim - 1))), da.flatnonzero(~finite)
 
 
+def _check_real(x: Any, what: str) -> None:
+    """ArgumentTypeError for a complex dask array: its float64 statistics would drop the
+    imaginary parts."""
+    if np.dtype(x.dtype).kind == "c":
+        raise ArgumentTypeError(
+            f"{what} needs real values, got a {np.dtype(x.dtype).name} array (float64 statistics of it would drop "
+            f"the imaginary parts); pass x.real, x.imag or abs(x), or both parts as features: "
+            f"dask.array.concatenate([x.real, x.imag], axis=1)"
+        )
+
+
 def moments(x: Any, *, drop_nonfinite: bool = False) -> dict[str, Any]:
     """Per-feature mean and population variance (ddof 0) of a dask array, in float64.
 
@@ -487,6 +499,8 @@ def moments(x: Any, *, drop_nonfinite: bool = False) -> dict[str, Any]:
     ------
     ArgumentValueError
         ``drop_nonfinite`` is not a bool.
+    ArgumentTypeError
+        ``x`` is complex (float64 sums would drop the imaginary parts).
 
     Warns
     -----
@@ -495,6 +509,7 @@ def moments(x: Any, *, drop_nonfinite: bool = False) -> dict[str, Any]:
     """
     if not isinstance(drop_nonfinite, bool):
         raise ArgumentValueError(f"drop_nonfinite must be a bool, got {drop_nonfinite!r}")
+    _check_real(x, "moments")
     dask = _require("dask")
     n = int(x.shape[0])
     x64 = x.astype(np.float64)
@@ -573,7 +588,10 @@ def pca(x: Any, n_components: int | None = None) -> dict[str, Any]:
     ValueError
         ``x`` is not 2-d, has fewer than 2 rows (without NaN or inf), or ``n_components``
         is out of range.
+    ArgumentTypeError
+        ``x`` is complex (a float64 covariance would drop the imaginary parts).
     """
+    _check_real(x, "pca")
     if x.ndim != 2:
         raise ArgumentValueError(
             f"pca needs a (rows, features) array, got shape {tuple(x.shape)}; flatten each row first, "

@@ -77,7 +77,7 @@ def pool_by_sample(rows: torch.Tensor, sample_ids: torch.Tensor) -> tuple[torch.
     Returns
     -------
     (ids, pooled) : Tensor (n_samples,) or (n_samples, k) sorted unique ids (keys sorted as
-        tuples), Tensor (n_samples, *feature_shape) float64
+        tuples), Tensor (n_samples, *feature_shape) float64 (complex128 for complex rows)
 
     Raises
     ------
@@ -94,8 +94,10 @@ def pool_by_sample(rows: torch.Tensor, sample_ids: torch.Tensor) -> tuple[torch.
             "sample_id column of the same rows (with its rank column, stacked, for a store of several ranks)"
         )
     ids, inverse = torch.unique(sample_ids, dim=0, return_inverse=True)
-    flat = rows.reshape(rows.shape[0], -1).to(torch.float64)
-    total = torch.zeros(len(ids), flat.shape[1], dtype=torch.float64).index_add_(0, inverse, flat)
+    # (complex rows in complex128: float64 would drop their imaginary parts)
+    dtype = torch.complex128 if rows.is_complex() else torch.float64
+    flat = rows.reshape(rows.shape[0], -1).to(dtype)
+    total = torch.zeros(len(ids), flat.shape[1], dtype=dtype).index_add_(0, inverse, flat)
     count = torch.bincount(inverse, minlength=len(ids)).to(torch.float64).unsqueeze(1)
     return ids, (total / count).reshape(len(ids), *rows.shape[1:])
 

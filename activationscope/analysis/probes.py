@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import (ActivationScopeError, ArgumentValueError, FewerGroupsWarning, IncompleteStoreWarning, StoreError,
-                      warn_at_caller)
+from ..errors import (ActivationScopeError, ArgumentTypeError, ArgumentValueError, FewerGroupsWarning,
+                      IncompleteStoreWarning, StoreError, warn_at_caller)
 from .pooling import _labelled_rows, _open, select_hook_points
 
 __all__ = ["ProbeResult", "ProbeResults", "choose_folds", "drop_nonfinite_rows", "probe_accuracy", "probe_store"]
@@ -330,7 +330,9 @@ def probe_accuracy(
     Parameters
     ----------
     x : Tensor, (rows, *feature_shape), any real dtype, CPU
-        One row per sample (features are flattened).
+        One row per sample (features are flattened). Complex rows are refused (a float64 copy
+        would drop their imaginary parts): pass ``torch.view_as_real(x)`` (real and imaginary
+        parts as features), ``x.abs()`` or ``x.real``.
     labels : sequence or Tensor (rows,)
         Any hashable labels (ints, strings); at least 2 classes. Bools mixed with other
         labels are refused (``True == 1`` would merge two classes).
@@ -359,6 +361,8 @@ def probe_accuracy(
 
     Raises
     ------
+    ArgumentTypeError
+        ``x`` is complex.
     ValueError
         Fewer than 2 classes (also after rows with NaN or inf are left out), bool labels
         mixed with others, NaN labels (no class: leave their rows out), mismatched lengths,
@@ -366,6 +370,8 @@ def probe_accuracy(
         (:class:`ArgumentValueError`).
     """
     x = torch.as_tensor(x).detach().reshape(len(x), -1)
+    if x.is_complex():
+        raise ArgumentTypeError(f"x must be real, got {x.dtype}: {COMPLEX_ADVICE}")
     if not x.dtype.is_floating_point:  # (a float x stays in its dtype: each fold is made float64)
         x = x.to(torch.float64)
     if isinstance(labels, torch.Tensor):
@@ -426,6 +432,11 @@ def probe_accuracy(
 
 
 
+
+#: What to probe instead of complex rows (a probe is of real values; float64 would drop the
+#: imaginary parts).
+COMPLEX_ADVICE = ("a probe takes real values; probe torch.view_as_real(x) (real and imaginary parts as features), "
+                  "x.abs() or x.real with probe_accuracy")
 
 OFF_TABLE = ("its rows do not follow the row table (store.follows_row_table() is False: first captured after "
              "some forwards, or another number of rows than the row table's, or none, in some forward), so no label "
@@ -543,6 +554,10 @@ def probe_store(
     for hp in select_hook_points(store, hook_points):
         if follows is not None and not follows(hp):
             out.skipped[hp] = OFF_TABLE
+            continue
+        dtype = store.dtype(hp) if callable(getattr(store, "dtype", None)) else None
+        if isinstance(dtype, torch.dtype) and dtype.is_complex:
+            out.skipped[hp] = f"its rows are complex ({str(dtype).replace('torch.', '')}): {COMPLEX_ADVICE}"
             continue
         if callable(getattr(store, "n_rows", None)) and store.n_rows(hp) == 0:
             out.skipped[hp] = "it has no rows"

@@ -102,6 +102,8 @@ def _sample_rows(acts: torch.Tensor, max_rows: int) -> torch.Tensor:
     else:
         idx = torch.linspace(0, n - 1, max_rows).round().long()
         rows = acts.index_select(0, idx)
+    if rows.is_complex():  # (the modulus: float64 of the rows would drop their imaginary parts)
+        rows = rows.abs()
     return rows.reshape(rows.shape[0], -1).to(torch.float64)
 
 
@@ -226,6 +228,9 @@ def hook_point_stats(
 
     finite = rows[torch.isfinite(rows)]
     notes = []
+    if acts.dtype.is_complex:
+        notes.append(f"{str(acts.dtype).replace('torch.', '')} values: every panel shows their modulus |x| "
+                     "(the probe skips complex rows)")
     if refused:
         name, problem = next(iter(refused.items()))
         note = (f"reductions: the store's reduction {name!r} of this hook point is refused ({problem}), so its "

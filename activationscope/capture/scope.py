@@ -271,9 +271,10 @@ class ActivationScope:
     storage_dtype : torch.dtype, optional
         Cast stored activations (e.g. ``torch.bfloat16`` to halve memory and disk). Records,
         stored rows and reductions are all the cast values (a reduction equals the float64
-        statistic of ``store[hook_point]``). A cast that turns a finite value into inf
-        raises :class:`CaptureError` naming the hook point; a resume must use the store's
-        ``storage_dtype``.
+        statistic of ``store[hook_point]``). A cast that turns a finite value into inf, or
+        an integer into another one (token id 257 in bfloat16, which holds every integer only
+        up to 256), raises :class:`CaptureError` naming the hook point; a resume must use the
+        store's ``storage_dtype``.
     capture_parameters : bool, default False
         Snapshot the model's parameters when the tracker attaches
         (``tracker.parameters``).
@@ -1598,7 +1599,10 @@ class Tracker:
         Parameters
         ----------
         attention_mask : Tensor or numpy array, (batch, pos), bool or 0/1 integers, any device, optional
-            Real tokens. Hook points whose activation starts with ``(batch, pos)`` then
+            Real tokens (True or 1). A float mask is refused (``ArgumentTypeError``) with the
+            conversion that keeps its tokens: ``mask.bool()`` of 0 / 1 values, ``mask == 0`` of
+            an additive mask (0 at tokens, -inf or a large negative value at padding).
+            Hook points whose activation starts with ``(batch, pos)`` then
             store one row per real token (padding never enters the store or the
             reductions); other hook points store one row per sample.
             A mask that fits no tracked hook point (the model prepends a token, so
@@ -1678,7 +1682,8 @@ class Tracker:
                     f"attention_mask must be 2-D (batch, pos), got shape {tuple(attention_mask.shape)}")
             if attention_mask.dtype.is_floating_point or attention_mask.dtype.is_complex:
                 raise ArgumentTypeError(
-                    f"attention_mask must be bool or 0/1 integers, got dtype {attention_mask.dtype}; pass mask.bool()"
+                    f"attention_mask must be bool or 0/1 integers, got dtype {attention_mask.dtype}; "
+                    + _float_mask_advice(attention_mask)
                 )
             if attention_mask.dtype != torch.bool and attention_mask.numel():
                 lo, hi = int(attention_mask.min()), int(attention_mask.max())
@@ -3243,6 +3248,23 @@ def _batch_first_part(hook_point: str, path: str, module: torch.nn.Module | None
 def _stack_batch_first(stack: torch.nn.Module) -> bool:
     layer = stack.layers[0] if hasattr(stack, "layers") and len(stack.layers) else stack
     return bool(getattr(getattr(layer, "self_attn", None), "batch_first", True))
+
+
+def _float_mask_advice(mask: torch.Tensor) -> str:
+    """How to make a float attention mask (batch, pos) the bool one set_batch takes: ``mask.bool()``
+    of 0 / 1 values, ``mask == 0`` of an additive mask (0 at tokens, a large negative value or
+    -inf at padding), whose ``mask.bool()`` would keep the padding and drop the tokens."""
+    if mask.is_complex() or not mask.numel():
+        return "pass a bool mask, True at the real tokens"
+    values = mask.detach().to("cpu", torch.float64)
+    if bool(((values == 0) | (values == 1)).all()):
+        return "pass mask.bool()"
+    if bool((values <= 0).all()):
+        return (f"its values are 0 and negative (down to {float(values.min()):g}), as in an additive mask (0 where a "
+                "token is attended, a large negative value or -inf at padding): pass (mask == 0); mask.bool() would "
+                "keep the padding and leave out the tokens")
+    return ("pass (mask > 0) or mask.bool() where a nonzero value marks a real token, or (mask == 0) for an additive "
+            "mask (0 at the real tokens)")
 
 
 def _sequence_mask(given: dict[str, Any], key: str, padding_key: str, batch_first: bool) -> torch.Tensor | None:

@@ -421,6 +421,10 @@ _CLI_SPELLINGS = (
     ('(exclude= its module, or capture="output": it is an input of its module)',
      "(--exclude its module, or --capture output: it is an input of its module)"),
     ("(exclude= its module)", "(--exclude its module)"),
+    ("pass a storage_dtype that holds them (torch.float32: integers up to 2**24, torch.float64: up to 2**53) or none",
+     "pass a --dtype that holds them (float32: integers up to 2**24, float64: up to 2**53) or no --dtype"),
+    ("pass a wider storage_dtype (torch.bfloat16 keeps float32's range, or torch.float32), or none",
+     "pass a wider --dtype (bfloat16 keeps float32's range, or float32), or no --dtype"),
     ("resume with the same include=/exclude=/capture= as the first run",
      "resume with the same --include / --exclude / --capture as the first run"),
     ("is set to token rows by token_rows=", "is set to token rows by --token-rows"),
@@ -483,6 +487,9 @@ def _cli_spelling(message: str, command: str | None = None, include_given: bool 
         message = re.sub(r"\((overwrite) (does not allow|replaces)\b", r"(--\1 \2", message)
     if command == "capture":  # (a store writer's error: "... and resume=True continues from them")
         message = re.sub(r"(?<!\.\.\., )(?<!store_options )\bresume=True\b", "--resume", message)
+        # sink.cpp's refusals of a cast: "storage_dtype=torch.float16 turns finite values into inf"
+        message = re.sub(r"\bstorage_dtype=torch\.(\w+) (turns finite values|changes its integers)", r"--dtype \1 \2",
+                         message)
     # the rest of the advice to leave a module out ("or exclude= them", "exclude= the module of
     # 'x'"); "include=/exclude= as the first run" names both keyword arguments and stays
     message = re.sub(r"(?<![\w/])exclude= ", "--exclude ", message)

@@ -567,11 +567,18 @@ def check_same_model(target: str, state: Mapping[str, Any], model: dict | None) 
     old = (record or {}).get("state_dict_sha256")
     if old is None or old == model["state_dict_sha256"]:
         return
+    # the same class and number of weights: other values, or the same ones in another dtype
+    # (model.to(torch.bfloat16) changes every byte of the state dict)
+    same_shape = (record.get("class") == model.get("class") and record.get("n_elements") is not None
+                  and record.get("n_elements") == model.get("n_elements"))
+    hint = (" (the same class and number of weights: other weights, or the same weights in another dtype, as "
+            "after model.to(torch.bfloat16) or model.half(); resume with the model in its dtype of the first run)"
+            if same_shape else "")
     raise StoreError(
         f"cannot resume {target!r} (status {state.get('status')!r}, {int(state.get('n_samples', 0))} samples): it "
         f"was captured from a model with state dict sha256 {old[:12]}..., this model has "
-        f"{model['state_dict_sha256'][:12]}...; nothing was changed. Resume with the model it was captured from, "
-        "or pass overwrite=True (CLI: --overwrite) to capture it again with this model"
+        f"{model['state_dict_sha256'][:12]}...{hint}; nothing was changed. Resume with the model it was captured "
+        "from, or pass overwrite=True (CLI: --overwrite) to capture it again with this model"
     )
 
 
@@ -646,8 +653,8 @@ def _to_column(value: Any) -> Any:
     row table is written at a commit, after the caller may have reused its tensor or array."""
     if isinstance(value, torch.Tensor):
         t = value.detach().to("cpu")
-        if t.dtype == torch.bfloat16:
-            t = t.float()
+        if t.dtype == torch.bfloat16 or t.dtype.is_floating_point and t.dtype.itemsize == 1:
+            t = t.float()  # (numpy has no bfloat16 nor float8 types: float32 holds their values exactly)
         a = t.numpy().copy()
         return a if a.ndim <= 1 else list(a)
     if isinstance(value, np.ndarray):

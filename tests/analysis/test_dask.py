@@ -458,3 +458,16 @@ def test_moments_and_pca_say_which_rows_hold_nan_or_inf_and_agree_when_asked(tmp
     assert a["n_nonfinite"] == 0 and np.array_equal(a["mean"], b["mean"]) and np.array_equal(a["var"], b["var"])
     with pytest.raises(ValueError, match="drop_nonfinite must be a bool, got 1"):
         moments(x, drop_nonfinite=1)
+
+
+@pytest.mark.parametrize("fn", [moments, pca])
+def test_complex_arrays_are_refused_not_reduced_to_their_real_part(fn):
+    # x.astype(float64) of a complex array kept the real parts (a numpy ComplexWarning the only sign)
+    from activationscope.errors import ArgumentTypeError
+
+    x = da.from_array(np.array([[1 + 1j, 2], [3, 4 - 2j], [0, 1j]], dtype=np.complex64), chunks=(2, 2))
+    with pytest.raises(ArgumentTypeError, match=rf"{fn.__name__} needs real values, got a complex64 array.*x.real"):
+        fn(x)
+    both = da.concatenate([x.real, x.imag], axis=1)  # the fix the message names
+    ref = np.concatenate([x.compute().real, x.compute().imag], axis=1).astype(np.float64)
+    np.testing.assert_allclose(moments(both)["mean"], ref.mean(0))

@@ -588,3 +588,41 @@ def test_the_probe_is_scikit_learns_logistic_regression_at_the_c_its_docstring_g
     other = documented / 2 if n_classes == 2 else documented * 2
     assert (ours != theirs(documented)).sum() <= 2
     assert (ours != theirs(other)).sum() > 10  # (the grid sees the boundaries move)
+
+
+class _Spectrum(torch.nn.Module):
+    """Complex activations: a Linear layer's outputs as the real part, their squares as the imaginary one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(3, 3)
+        self.cx = torch.nn.Identity()
+
+    def forward(self, x):
+        h = self.lin(x)
+        return self.cx(torch.complex(h, 10 * h * h))
+
+
+def test_complex_rows_are_pooled_whole_and_not_probed_as_their_real_part(tmp_path):
+    # the probe and the pooling cast complex rows to float64: the imaginary parts were dropped
+    # (a torch UserWarning the only sign) and a probe of the real parts was reported
+    from activationscope.analysis.pooling import pool_by_sample
+    from activationscope.errors import ArgumentTypeError
+
+    rows = torch.tensor([[1 + 2j], [3 - 4j], [5j]], dtype=torch.complex64)
+    ids, pooled = pool_by_sample(rows, torch.tensor([7, 7, 8]))
+    assert ids.tolist() == [7, 8]
+    assert pooled.dtype == torch.complex128 and pooled[:, 0].tolist() == [2 - 1j, 5j]
+
+    with pytest.raises(ArgumentTypeError, match=r"x must be real, got torch.complex64.*torch.view_as_real\(x\)"):
+        probe_accuracy(torch.randn(20, 3, dtype=torch.complex64), [0, 1] * 10)
+
+    model = _Spectrum()
+    with acs.ActivationScope(store=tmp_path / "s.zarr").track(model, include=["cx"]) as tr, torch.no_grad():
+        for _ in range(4):
+            tr.set_batch(label=torch.tensor([0, 1] * 5))
+            model(torch.randn(10, 3))
+    res = probe_store(tmp_path / "s.zarr")
+    assert "cx.output" not in res
+    assert res.skipped["cx.output"].startswith("its rows are complex (complex64): a probe takes real values")
