@@ -200,6 +200,11 @@ class LocalBackend:
     fill an existing one). A writer that knows which keys its next commit will write can
     :meth:`reserve` them: a background thread creates their (empty) temporary files ahead of
     time, and ``set`` then only fills and renames one. :meth:`release` removes the unused.
+
+    ``make_root`` (default True): whether ``set`` / ``set_if_absent`` make the store's folder
+    when it is missing. A writer turns it off once its lock is taken (the folder exists then):
+    a folder moved or removed under it is never made again, and the write fails with
+    :class:`StoreError` instead of leaving a half store at the path.
     """
 
     is_local = True
@@ -213,6 +218,7 @@ class LocalBackend:
         self._spare_queue: queue.SimpleQueue | None = None
         self._spare_thread: threading.Thread | None = None
         self._releasing = False
+        self.make_root = True  # False: set() never makes the store's folder (see the class docstring)
 
     @staticmethod
     def _temp_name(p: Path) -> Path:
@@ -394,6 +400,17 @@ class LocalBackend:
                 d.mkdir(exist_ok=True)
         self._check_inside(p.parent, key, cached=False)
 
+    def _make_parent_or_fail(self, p: Path, key: str) -> None:
+        """:meth:`_make_parent` of a write (the store's folder made only with :attr:`make_root`);
+        the store's folder gone (without ``make_root``) raises :class:`StoreError`."""
+        try:
+            self._make_parent(p, key, make_root=self.make_root)
+        except FileNotFoundError as e:
+            if self.make_root or self.root.is_dir():
+                raise
+            raise StoreError(f"writing {str(p)!r} failed: the store's folder {str(self.root)!r} is gone (moved or "
+                             "removed while it was written); it is not made again") from e
+
     def path(self, key: str, write: bool = False) -> Path:
         """The local path of a key: checked to be inside the store (symlinks resolved; with
         ``write``, every folder on the way looked at again, see :meth:`_check_inside`)."""
@@ -456,7 +473,7 @@ class LocalBackend:
             self._check_inside(p.parent, key, cached=False)
             fd = _open_spare(tmp)
         if fd < 0:
-            self._make_parent(p, key)
+            self._make_parent_or_fail(p, key)
             tmp = self._temp_name(p)
         try:
             if fd < 0:  # a new name, made here (never a file or link someone put there)
@@ -497,7 +514,7 @@ class LocalBackend:
         """Create ``key`` with ``data`` unless it exists (``O_EXCL``: atomic); True when created."""
         check_key(key, store=self, what="key")
         p = self.root / key
-        self._make_parent(p, key)
+        self._make_parent_or_fail(p, key)
         try:
             fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
         except FileExistsError:

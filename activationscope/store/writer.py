@@ -1023,6 +1023,8 @@ class StoreWriter:
             self._closed = True  # until the end of __init__: __del__ and close() do nothing
             # one writer at a time: the lock is held from here to close() / abort()
             self._writer_lock = WriterLock(self._backend).acquire()
+            if isinstance(self._backend, LocalBackend):  # (the lock made the folder: one removed later stays so)
+                self._backend.make_root = False
             self._lost: str | None = None  # why the store at the path is no longer this writer's (_check_still_held)
             self._aside: Path | None = None  # overwrite: the old store, until the new one commits
             self.put_back = False  # overwrite: the old store was put back (the new one committed nothing)

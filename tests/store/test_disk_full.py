@@ -416,6 +416,44 @@ def test_a_store_folder_removed_under_a_running_capture_is_said_so(tmp_path):
     assert not path.exists()
 
 
+def test_a_store_folder_removed_during_a_commit_is_not_made_again(tmp_path, monkeypatch):
+    """The store's folder is deleted while a commit writes (after its check that the store is
+    still this writer's, before its first file): the commit's writes fail, and make neither the
+    folder nor any of its files again (no half store of manifests and a root over shards that
+    are gone, which open_store would read); the error says the folder is gone."""
+    import shutil
+
+    path = tmp_path / "s.zarr"
+    model, xs = _model_and_data()
+    scope = acs.ActivationScope(store=str(path), reductions=["mean"],
+                                store_options={**store_child.OPTIONS, "commit_interval": 3600})
+    with pytest.raises(StoreError) as e:
+        with scope.track(model) as tr, torch.no_grad():
+            for i in range(N):
+                tr.set_batch(sample_ids=list(range(i * B, (i + 1) * B)))
+                model(xs[i])
+                if i == 4:
+                    tr.writer._core.drain()
+                    tr.writer.commit()
+                    tr.writer._core.drain()  # (the partial shards the commit asked for: the next commit lists them)
+                    real_set = tr.writer._backend.set
+                    written = []
+
+                    def set_after_removal(key, data):
+                        if not written:
+                            shutil.rmtree(path)
+                        written.append(key)
+                        return real_set(key, data)
+
+                    monkeypatch.setattr(tr.writer._backend, "set", set_after_removal)
+                    tr.writer.commit()
+    assert written, "the commit wrote nothing"
+    assert not path.exists(), sorted(str(p.relative_to(path)) for p in path.rglob("*"))
+    text = " ".join([str(e.value), *getattr(e.value, "__notes__", [])])
+    assert f"the store's folder {str(path)!r} is gone" in text, text
+    assert "was moved, removed or replaced while this" in text, text
+
+
 FIRST_COMMIT_CHILD = textwrap.dedent("""
     import resource, signal, sys
     import torch
