@@ -3074,7 +3074,8 @@ class StoreWriter:
             try:
                 if restore:
                     target = self._backend.path(key, write=True)
-                    target.parent.mkdir(parents=True, exist_ok=True)  # (its array's folder may be gone)
+                    # (its array's folder may be gone; the store's folder is never made again)
+                    self._backend._make_parent(target, key, make_root=False)
                     os.replace(keep, target)
                 else:
                     keep.unlink(missing_ok=True)

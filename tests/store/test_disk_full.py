@@ -19,6 +19,7 @@ import torch
 import activationscope as acs
 from activationscope.errors import StoreError
 from activationscope.store import copy_store, open_store
+from activationscope.store import _format as F
 from activationscope.store._backend import LocalBackend
 
 import store_child
@@ -485,4 +486,27 @@ def test_a_first_commit_that_did_not_fit_leaves_no_store_of_no_rows(tmp_path):
     line = proc.stdout.strip().splitlines()[-1]
     assert line.startswith("ERR "), proc.stdout
     assert "no row was committed, so the new store" in line and "was removed" in line, line
+    assert not path.exists()
+
+
+def test_a_kept_reduction_file_put_back_after_its_store_folder_was_removed_makes_no_folder(tmp_path):
+    """A close that puts back the committed bytes of a reduction it was rewriting (kept next to
+    the key, FORMAT.md section 6) after the store's folder was removed: putting it back fails
+    (warned about) and makes neither the store's folder nor the reduction's folders again."""
+    import shutil
+
+    path = tmp_path / "s.zarr"
+    model, xs = _model_and_data()
+    scope = acs.ActivationScope(store=str(path), store_options=store_child.OPTIONS)
+    with pytest.raises(StoreError, match="moved, removed or replaced"):
+        with scope.track(model) as tr, torch.no_grad():
+            model(xs[0])
+            key = "reductions/fc1.output/mean/c/0"
+            tr.writer._kept_reductions = {key: path / F.kept_reduction_key(key)}
+            tr.writer._core.drain()
+            tr.writer._backend.release()  # (no file made in the folder while it is removed)
+            shutil.rmtree(path)
+            with pytest.warns(RuntimeWarning, match="restoring"):
+                tr.writer._drop_kept_reductions(restore=True)
+            assert not path.exists()
     assert not path.exists()
