@@ -218,6 +218,7 @@ class LocalBackend:
         self._spare_queue: queue.SimpleQueue | None = None
         self._spare_thread: threading.Thread | None = None
         self._releasing = False
+        self._reserved_folders: set[Path] = set()  # folders below the root _reserve_loop made or found
         self.make_root = True  # False: set() never makes the store's folder (see the class docstring)
 
     @staticmethod
@@ -294,8 +295,8 @@ class LocalBackend:
                 if key in self._spare:
                     continue
             tmp = self._temp_name(self.root / key)
-            try:  # (below the store's folder: one moved or removed meanwhile is never made again)
-                self._make_parent(tmp, key, make_root=False)
+            try:  # (the store's folder, or a folder made before, moved or removed meanwhile: never made again)
+                self._make_parent(tmp, key, make_root=False, not_again=self._reserved_folders)
                 os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
             except OSError:
                 continue  # set() makes its own
@@ -379,10 +380,12 @@ class LocalBackend:
             raise corrupt(self, f"{key!r} resolves to {real!r}, outside the store (a symlink "
                                 "leaving the store); a store never refers to files outside itself")
 
-    def _make_parent(self, p: Path, key: str, make_root: bool = True) -> None:
+    def _make_parent(self, p: Path, key: str, make_root: bool = True, not_again: set[Path] | None = None) -> None:
         """Make the folders of ``p``, checking first that the deepest existing one is inside the
         store (without ``make_root``, only below the store's folder: FileNotFoundError when it
-        is gone)."""
+        is gone). ``not_again`` (without ``make_root``): folders made or found by earlier calls,
+        never made again (one gone since was removed: FileNotFoundError below it); the folders
+        of ``p`` are added to it."""
         if make_root:
             self.root.mkdir(parents=True, exist_ok=True)
         elif not self.root.is_dir():
@@ -397,8 +400,14 @@ class LocalBackend:
             d = self.root
             for part in p.parent.relative_to(self.root).parts:
                 d = d / part
-                d.mkdir(exist_ok=True)
+                if not_again is None or d not in not_again:
+                    d.mkdir(exist_ok=True)
         self._check_inside(p.parent, key, cached=False)
+        if not_again is not None:
+            d = p.parent
+            while d != self.root and d not in not_again:
+                not_again.add(d)
+                d = d.parent
 
     def _make_parent_or_fail(self, p: Path, key: str) -> None:
         """:meth:`_make_parent` of a write (the store's folder made only with :attr:`make_root`);
