@@ -3494,7 +3494,11 @@ class StoreWriter:
             self._closed = True
             clean = False
             try:
-                for a in self._arrays.values():
+                # the rows in the chunk buffers go to shards only while the store at the path is still
+                # this writer's (the chunks queued before are written first): one moved, removed,
+                # replaced or taken by another writer gets nothing more (see _check_still_held)
+                self._core.drain()
+                for a in self._arrays.values() if self._store_lost() is None else ():
                     try:
                         a.writer.flush()
                     except ActivationScopeError:
