@@ -200,6 +200,11 @@ class LocalBackend:
     fill an existing one). A writer that knows which keys its next commit will write can
     :meth:`reserve` them: a background thread creates their (empty) temporary files ahead of
     time, and ``set`` then only fills and renames one. :meth:`release` removes the unused.
+
+    ``make_root`` (default True): whether ``set`` / ``set_if_absent`` make the store's folder
+    when it is missing. A writer turns it off once its lock is taken (the folder exists then):
+    a folder moved or removed under it is never made again, and the write fails with
+    :class:`StoreError` instead of leaving a half store at the path.
     """
 
     is_local = True
@@ -213,6 +218,8 @@ class LocalBackend:
         self._spare_queue: queue.SimpleQueue | None = None
         self._spare_thread: threading.Thread | None = None
         self._releasing = False
+        self._reserved_folders: set[Path] = set()  # folders below the root _reserve_loop made or found
+        self.make_root = True  # False: set() never makes the store's folder (see the class docstring)
 
     @staticmethod
     def _temp_name(p: Path) -> Path:
@@ -288,8 +295,8 @@ class LocalBackend:
                 if key in self._spare:
                     continue
             tmp = self._temp_name(self.root / key)
-            try:  # (below the store's folder: one moved or removed meanwhile is never made again)
-                self._make_parent(tmp, key, make_root=False)
+            try:  # (the store's folder, or a folder made before, moved or removed meanwhile: never made again)
+                self._make_parent(tmp, key, make_root=False, not_again=self._reserved_folders)
                 os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
             except OSError:
                 continue  # set() makes its own
@@ -373,10 +380,12 @@ class LocalBackend:
             raise corrupt(self, f"{key!r} resolves to {real!r}, outside the store (a symlink "
                                 "leaving the store); a store never refers to files outside itself")
 
-    def _make_parent(self, p: Path, key: str, make_root: bool = True) -> None:
+    def _make_parent(self, p: Path, key: str, make_root: bool = True, not_again: set[Path] | None = None) -> None:
         """Make the folders of ``p``, checking first that the deepest existing one is inside the
         store (without ``make_root``, only below the store's folder: FileNotFoundError when it
-        is gone)."""
+        is gone). ``not_again`` (without ``make_root``): folders made or found by earlier calls,
+        never made again (one gone since was removed: FileNotFoundError below it); the folders
+        of ``p`` are added to it."""
         if make_root:
             self.root.mkdir(parents=True, exist_ok=True)
         elif not self.root.is_dir():
@@ -391,8 +400,25 @@ class LocalBackend:
             d = self.root
             for part in p.parent.relative_to(self.root).parts:
                 d = d / part
-                d.mkdir(exist_ok=True)
+                if not_again is None or d not in not_again:
+                    d.mkdir(exist_ok=True)
         self._check_inside(p.parent, key, cached=False)
+        if not_again is not None:
+            d = p.parent
+            while d != self.root and d not in not_again:
+                not_again.add(d)
+                d = d.parent
+
+    def _make_parent_or_fail(self, p: Path, key: str) -> None:
+        """:meth:`_make_parent` of a write (the store's folder made only with :attr:`make_root`);
+        the store's folder gone (without ``make_root``) raises :class:`StoreError`."""
+        try:
+            self._make_parent(p, key, make_root=self.make_root)
+        except FileNotFoundError as e:
+            if self.make_root or self.root.is_dir():
+                raise
+            raise StoreError(f"writing {str(p)!r} failed: the store's folder {str(self.root)!r} is gone (moved or "
+                             "removed while it was written); it is not made again") from e
 
     def path(self, key: str, write: bool = False) -> Path:
         """The local path of a key: checked to be inside the store (symlinks resolved; with
@@ -456,7 +482,7 @@ class LocalBackend:
             self._check_inside(p.parent, key, cached=False)
             fd = _open_spare(tmp)
         if fd < 0:
-            self._make_parent(p, key)
+            self._make_parent_or_fail(p, key)
             tmp = self._temp_name(p)
         try:
             if fd < 0:  # a new name, made here (never a file or link someone put there)
@@ -497,7 +523,7 @@ class LocalBackend:
         """Create ``key`` with ``data`` unless it exists (``O_EXCL``: atomic); True when created."""
         check_key(key, store=self, what="key")
         p = self.root / key
-        self._make_parent(p, key)
+        self._make_parent_or_fail(p, key)
         try:
             fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
         except FileExistsError:

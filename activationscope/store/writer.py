@@ -1028,6 +1028,8 @@ class StoreWriter:
             self._closed = True  # until the end of __init__: __del__ and close() do nothing
             # one writer at a time: the lock is held from here to close() / abort()
             self._writer_lock = WriterLock(self._backend).acquire()
+            if isinstance(self._backend, LocalBackend):  # (the lock made the folder: one removed later stays so)
+                self._backend.make_root = False
             self._lost: str | None = None  # why the store at the path is no longer this writer's (_check_still_held)
             self._aside: Path | None = None  # overwrite: the old store, until the new one commits
             self.put_back = False  # overwrite: the old store was put back (the new one committed nothing)
@@ -3077,7 +3079,8 @@ class StoreWriter:
             try:
                 if restore:
                     target = self._backend.path(key, write=True)
-                    target.parent.mkdir(parents=True, exist_ok=True)  # (its array's folder may be gone)
+                    # (its array's folder may be gone; the store's folder is never made again)
+                    self._backend._make_parent(target, key, make_root=False)
                     os.replace(keep, target)
                 else:
                     keep.unlink(missing_ok=True)
@@ -3496,7 +3499,11 @@ class StoreWriter:
             self._closed = True
             clean = False
             try:
-                for a in self._arrays.values():
+                # the rows in the chunk buffers go to shards only while the store at the path is still
+                # this writer's (the chunks queued before are written first): one moved, removed,
+                # replaced or taken by another writer gets nothing more (see _check_still_held)
+                self._core.drain()
+                for a in self._arrays.values() if self._store_lost() is None else ():
                     try:
                         a.writer.flush()
                     except ActivationScopeError:

@@ -19,6 +19,7 @@ import torch
 import activationscope as acs
 from activationscope.errors import StoreError
 from activationscope.store import copy_store, open_store
+from activationscope.store import _format as F
 from activationscope.store._backend import LocalBackend
 
 import store_child
@@ -404,16 +405,53 @@ def test_a_store_folder_removed_under_a_running_capture_is_said_so(tmp_path):
                     tr.writer._core.drain()
                     tr.writer.commit()
                     tr.writer._core.drain()  # (a partial shard the commit asked for)
-                    for _ in range(20):  # (a file made during the removal fails its last rmdir: again)
-                        shutil.rmtree(path, ignore_errors=True)
-                        if not path.exists():
-                            break
-                    assert not path.exists()
+                    # the commit's background reservations of its next files end first: one made
+                    # while the folder is removed (in a folder not removed yet) fails the removal
+                    tr.writer._backend.release()
+                    shutil.rmtree(path)
                 model(xs[i])
                 tr.writer._core.drain()  # the writer thread's error reaches the next forward
     text = " ".join([str(e.value), *getattr(e.value, "__notes__", [])])
     assert "was moved, removed or replaced while this" in text, text
     assert not path.exists()
+
+
+def test_a_store_folder_removed_during_a_commit_is_not_made_again(tmp_path, monkeypatch):
+    """The store's folder is deleted while a commit writes (after its check that the store is
+    still this writer's, before its first file): the commit's writes fail, and make neither the
+    folder nor any of its files again (no half store of manifests and a root over shards that
+    are gone, which open_store would read); the error says the folder is gone."""
+    import shutil
+
+    path = tmp_path / "s.zarr"
+    model, xs = _model_and_data()
+    scope = acs.ActivationScope(store=str(path), reductions=["mean"],
+                                store_options={**store_child.OPTIONS, "commit_interval": 3600})
+    with pytest.raises(StoreError) as e:
+        with scope.track(model) as tr, torch.no_grad():
+            for i in range(N):
+                tr.set_batch(sample_ids=list(range(i * B, (i + 1) * B)))
+                model(xs[i])
+                if i == 4:
+                    tr.writer._core.drain()
+                    tr.writer.commit()
+                    tr.writer._core.drain()  # (the partial shards the commit asked for: the next commit lists them)
+                    real_set = tr.writer._backend.set
+                    written = []
+
+                    def set_after_removal(key, data):
+                        if not written:
+                            shutil.rmtree(path)
+                        written.append(key)
+                        return real_set(key, data)
+
+                    monkeypatch.setattr(tr.writer._backend, "set", set_after_removal)
+                    tr.writer.commit()
+    assert written, "the commit wrote nothing"
+    assert not path.exists(), sorted(str(p.relative_to(path)) for p in path.rglob("*"))
+    text = " ".join([str(e.value), *getattr(e.value, "__notes__", [])])
+    assert f"the store's folder {str(path)!r} is gone" in text, text
+    assert "was moved, removed or replaced while this" in text, text
 
 
 FIRST_COMMIT_CHILD = textwrap.dedent("""
@@ -447,4 +485,27 @@ def test_a_first_commit_that_did_not_fit_leaves_no_store_of_no_rows(tmp_path):
     line = proc.stdout.strip().splitlines()[-1]
     assert line.startswith("ERR "), proc.stdout
     assert "no row was committed, so the new store" in line and "was removed" in line, line
+    assert not path.exists()
+
+
+def test_a_kept_reduction_file_put_back_after_its_store_folder_was_removed_makes_no_folder(tmp_path):
+    """A close that puts back the committed bytes of a reduction it was rewriting (kept next to
+    the key, FORMAT.md section 6) after the store's folder was removed: putting it back fails
+    (warned about) and makes neither the store's folder nor the reduction's folders again."""
+    import shutil
+
+    path = tmp_path / "s.zarr"
+    model, xs = _model_and_data()
+    scope = acs.ActivationScope(store=str(path), store_options=store_child.OPTIONS)
+    with pytest.raises(StoreError, match="moved, removed or replaced"):
+        with scope.track(model) as tr, torch.no_grad():
+            model(xs[0])
+            key = "reductions/fc1.output/mean/c/0"
+            tr.writer._kept_reductions = {key: path / F.kept_reduction_key(key)}
+            tr.writer._core.drain()
+            tr.writer._backend.release()  # (no file made in the folder while it is removed)
+            shutil.rmtree(path)
+            with pytest.warns(RuntimeWarning, match="restoring"):
+                tr.writer._drop_kept_reductions(restore=True)
+            assert not path.exists()
     assert not path.exists()

@@ -154,6 +154,35 @@ def test_reserved_temporary_files_are_used_then_released(tmp_path):
     assert files == ["a/zarr.json"]
 
 
+def test_reserve_never_makes_a_removed_folder_again(tmp_path):
+    """A folder LocalBackend.reserve made (or found) once and that is gone since was removed (a
+    store being deleted under its capture): later reservations make neither it nor anything in
+    it, so a removal of the store is never undone; a folder it never had is made as before."""
+    import shutil
+
+    from activationscope.store._backend import LocalBackend
+
+    def reserve_now(b, keys):  # the reserving thread's loop, run here to its end
+        b._spare_queue = queue.SimpleQueue()
+        for key in [*keys, None]:
+            b._spare_queue.put(key)
+        b._reserve_loop()
+
+    (tmp_path / "s").mkdir()
+    b = LocalBackend(tmp_path / "s")
+    reserve_now(b, ["acts/a/zarr.json", "acts/b/zarr.json"])
+    assert sorted(b._spare) == ["acts/a/zarr.json", "acts/b/zarr.json"]
+    shutil.rmtree(tmp_path / "s" / "acts" / "a")
+    b._spare.clear()
+    reserve_now(b, ["acts/a/zarr.json", "acts/a/manifest.json", "acts/b/manifest.json", "acts/c/zarr.json"])
+    assert not (tmp_path / "s" / "acts" / "a").exists()
+    assert sorted(b._spare) == ["acts/b/manifest.json", "acts/c/zarr.json"]
+    shutil.rmtree(tmp_path / "s" / "acts")
+    b._spare.clear()
+    reserve_now(b, ["acts/d/zarr.json", "zarr.json"])
+    assert [p.name for p in (tmp_path / "s").iterdir()] == [b._spare["zarr.json"].name]
+
+
 def test_capture_leaves_no_temporary_files(tmp_path):
     """Commits during the capture (small shards) and at the close use reserved files; the
     closed store holds no temporary file."""

@@ -415,6 +415,39 @@ def test_a_writer_whose_store_folder_was_replaced_writes_nothing_into_the_new_on
         assert torch.equal(old["x"], torch.cat([torch.full((5, 8), float(i)) for i in range(4)])[:committed])
 
 
+def test_a_writer_whose_lock_file_was_deleted_and_taken_writes_no_shard_at_its_close(tmp_path):
+    """The lock file of a local writer still alive deleted by hand, and the store taken by a
+    second writer (resume): the first one's commit says nothing more is written there, and its
+    close then wrote the rows still in its chunk buffers as shards into the second writer's
+    store (a partial shard renamed to a shard key, a rewrite of its partial last shard). The
+    close writes nothing there, so the second writer's store stays whole."""
+    path = tmp_path / "s.zarr"
+    a = StoreWriter(path, chunk_rows=4, shard_bytes=4 * 8 * 4 * 2, commit_interval=0)
+    arr = a.open_array("x", (8,), torch.float32, "sample")
+    for i in range(4):
+        arr.append(torch.full((5, 8), float(i)))
+        a.add_batch(5, list(range(i * 5, i * 5 + 5)))
+        a._core.drain()
+        a.commit()
+    committed = open_store(path).n_samples
+    arr.append(torch.full((5, 8), 4.0))  # (rows past a whole chunk: in the writer's buffers until its close)
+    a.add_batch(5, list(range(20, 25)))
+    a._core.drain()
+    a._backend.release()  # (no spare file of its next commit made meanwhile)
+    (path / LOCK_KEY).unlink()
+    with StoreWriter(path, resume=True) as b:
+        _write_rows(b, torch.full((16, 8), 9.0))  # (into the shards the first one's rows would go to)
+    new = _listing(path)
+    with pytest.raises(StoreError, match=r"s\.zarr.*(moved|removed|replaced).*nothing"):
+        a.commit()
+    with pytest.raises(StoreError, match=r"s\.zarr.*(moved|removed|replaced)"):
+        a.close()
+    assert sorted(k for k in set(_listing(path)) | set(new) if _listing(path).get(k) != new.get(k)) == []
+    s = open_store(path)
+    assert s.n_samples == committed + 16 and s.verify() == []
+    assert torch.equal(s["x"][committed:], torch.full((16, 8), 9.0))
+
+
 def test_a_writer_whose_object_store_marker_was_taken_writes_nothing_more(tmp_path):
     """On object storage the marker of a writer still alive deleted by hand (as the refusal of
     a second writer tells to do for a writer that is gone) and taken by a second writer: the
