@@ -558,7 +558,8 @@ def _expand_paths(args: argparse.Namespace) -> None:
 def _open(path: str, verify: bool = False) -> Any:
     """Open a store read-only, with a clear error for a path that is not one (``verify``:
     every chunk read is checked against its crc32c, ``open_store(verify=True)``)."""
-    if "://" not in path and not os.path.exists(path):
+    if "://" not in path and not path.startswith("file:") and not os.path.exists(path):
+        # (a 'file:/x' URL: open_store says how it would be misread)
         raise CLIError(f"store {path!r} does not exist")
     from ..store import open_store
 

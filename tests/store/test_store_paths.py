@@ -4,6 +4,7 @@ should go, resume=True with nothing to resume, compression levels out of range."
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -161,6 +162,43 @@ def test_tilde_is_expanded_in_every_local_store_path(tmp_path, monkeypatch):
     w.close()
     assert np.array_equal(acs.open_store(str(home / "w.zarr"))["x"].numpy(), np.ones((3, 2), np.float32))
     assert not any(p.name == "~" for p in work.rglob("*")) and not (work / "~").exists()
+
+
+@pytest.mark.parametrize("url, fix", [
+    ("file:{path}", "give 'file://{path}' or the path '{path}'"),
+    ("file://localhost{path}", "give 'file://{path}' or the path '{path}'"),
+    ("file://{quoted}", "give the path itself, '{path}'"),
+])
+def test_a_file_url_read_other_than_the_standard_reads_it_is_refused(tmp_path, monkeypatch, capsys, url, fix):
+    """``file:/p`` (one slash), ``file://localhost/p`` and the ``%20`` of ``Path.as_uri()``
+    name ``/p`` and ``/my run.zarr`` by the URL standard, but would be read as a folder
+    ``file:`` or ``localhost`` in the current folder, or a folder named with ``%20``: each is
+    refused naming the path to give, for a capture, a writer, a reader, a dataset and the CLI,
+    and nothing is made anywhere."""
+    from pathlib import Path
+
+    from activationscope import cli
+    from activationscope.data import ActivationDataset
+
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    path = str(tmp_path / "my run.zarr")
+    url = url.format(path=path, quoted=Path(path).as_uri()[len("file://"):])
+    fix = fix.format(path=path)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    with pytest.raises(acs.ActivationScopeError, match=re.escape(fix)) as e:
+        with acs.ActivationScope(store=url).track(model):
+            model(torch.randn(1, 2))
+    assert isinstance(e.value, ValueError)
+    for call in (lambda: StoreWriter(url), lambda: acs.open_store(url), lambda: ActivationDataset(url)):
+        with pytest.raises(ValueError, match=re.escape(fix)):
+            call()
+    for command in ("info", "verify"):
+        capsys.readouterr()
+        assert cli.main([command, url]) == 1
+        assert fix in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["work"] and not any(work.iterdir())
 
 
 def test_hook_points_with_names_longer_than_a_file_name_are_stored_and_read_back(tmp_path):
