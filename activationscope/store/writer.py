@@ -114,6 +114,35 @@ def _stop_hashes_at_exit() -> None:
             pass
 
 
+def _folded(name: str) -> str:
+    """``name`` as a file system that folds case and Unicode normalization compares it."""
+    import unicodedata
+
+    return unicodedata.normalize("NFC", unicodedata.normalize("NFD", name).casefold())
+
+
+def _spelled(a: str, b: str) -> str:
+    """`` (written ...)`` with both names in ASCII escapes when they print alike (``é`` as one
+    character and as ``e`` plus a combining accent), else nothing."""
+    import unicodedata
+
+    if unicodedata.normalize("NFC", a) != unicodedata.normalize("NFC", b):
+        return ""
+    return f" (written {ascii(a)} and {ascii(b)})"
+
+
+def _folds_names(folder: Path, a: str, b: str) -> bool:
+    """Whether the file system of ``folder`` takes the file names ``a`` and ``b`` for one: a
+    file ``a`` is made in a new temporary folder there (``.<...>.tmp``, which readers ignore)
+    and ``b`` looked up beside it."""
+    probe = Path(tempfile.mkdtemp(prefix=".names-", suffix=".tmp", dir=folder))
+    try:
+        (probe / a).touch()
+        return os.path.lexists(probe / b)
+    finally:
+        shutil.rmtree(probe, ignore_errors=True)
+
+
 def _remove_staging(core: Any, staging: str, pid: int) -> None:
     """Stop the native writer thread of ``core`` (it writes shards into ``staging``), then
     remove the staging folder of a remote store's writer: a ``weakref.finalize`` callback, so
@@ -1211,6 +1240,7 @@ class StoreWriter:
                                                        os.getpid())
         self._threads_stopped = False
         self._arrays: dict[str, _Array] = {}
+        self._folded_nodes: dict[str, tuple[str, str]] | None = None  # _refuse_folded_node: folded node -> (hook point, node)
         self._order: list[_Array] = []  # the arrays in the order opened: _Batch.cums and _counts follow it
         self._counts = _native.load().RowCounts()  # each array's rows at the last recorded batch
         self._pending: list[_Batch] = []
@@ -1920,6 +1950,8 @@ class StoreWriter:
                                                                 compressed=self._compression is not None)
                 compression = F.codec_for_array(self._compression, name)
                 committed = 0
+            if old is None:
+                self._refuse_folded_node(hook_point, node)
             arr = _Array(hook_point, node, f"acts/{node}", feature_shape, name, row_kind, chunk_rows, shard_chunks,
                          compression, committed_rows=committed)
             if old is None and isinstance(self._backend, LocalBackend):  # (a stored array's: checked by the resume)
@@ -1966,6 +1998,40 @@ class StoreWriter:
                 self._unrecorded.append(arr)
             self._reserve([f"{arr.path}/zarr.json", f"{arr.path}/manifest.json"])
             return writer
+
+    def _refuse_folded_node(self, hook_point: str, node: str) -> None:
+        """A new hook point whose node name equals another array's of this store but for case
+        or Unicode normalization (``d.Attn.output`` and ``d.attn.output``; ``é`` written as one
+        character or as ``e`` and an accent): a file system that folds names (macOS, Windows,
+        ext4 with casefold) keeps both arrays' shards in one folder, so one hook point's rows
+        would be read as the other's. Refused (StoreError, before anything of it is written)
+        when the folder its shards are written in (the store's, or the staging folder of a
+        remote store) folds the two names; elsewhere the capture goes on and a warning says
+        that such a store cannot be copied to one that does."""
+        if self._folded_nodes is None:  # (the stored arrays' node names, once)
+            stored = ((hp, str(meta.get("path", "")).partition("/")[2]) for hp, meta in self._old_arrays.items())
+            self._folded_nodes = {_folded(n): (hp, n) for hp, n in stored}
+        key = _folded(node)
+        other, other_node = self._folded_nodes.get(key, (None, node))
+        if other_node == node:
+            self._folded_nodes[key] = (hook_point, node)
+            return
+        if _folds_names(self._staging, node, other_node):
+            raise StoreError(
+                f"hook points {other!r} and {hook_point!r}{_spelled(other, hook_point)} differ only in case or Unicode normalization, and the file "
+                f"system of store {str(self._backend)!r}"
+                f"{f' (its staging folder {str(self._staging)!r})' if self._own_staging else ''} does not tell such names "
+                f"apart: both arrays would be one folder, and the rows of one read as the other's; rename one module, "
+                f"leave one out (track(exclude=...) or exclude_hook_points=[{hook_point!r}]), or capture into a "
+                f"store on a case-sensitive file system"
+            )
+        warnings.warn(
+            f"store {str(self._backend)!r}: hook points {other!r} and {hook_point!r}{_spelled(other, hook_point)} differ "
+            f"only in case or Unicode "
+            f"normalization: they are stored apart here, but a copy of this store on a file system that does not "
+            f"tell such names apart (macOS, Windows) holds one folder for both, and reads the rows of one as the "
+            f"other's; rename one module, or leave one out (exclude_hook_points=[{hook_point!r}])",
+            RuntimeWarning, stacklevel=stacklevel_outside_package())
 
     def _tail_reader(self) -> Any:
         """The reader of the committed rows of the partial last shards a resume re-feeds: one
