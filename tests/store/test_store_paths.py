@@ -44,6 +44,27 @@ def test_scope_on_a_regular_file(tmp_path, overwrite):
     assert f.read_bytes() == b"not a store"
 
 
+def test_a_store_path_that_is_a_link_to_nothing_says_so(tmp_path):
+    """A symbolic link to a folder that does not exist (yet) is named with its target, not
+    refused as 'File exists'; once the folder is made, the store is written into it."""
+    (tmp_path / "run.zarr").symlink_to(tmp_path / "disk" / "run")
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    x = torch.randn(3, 2)
+    fix = f"its path is a symbolic link to {str(tmp_path / 'disk' / 'run')!r}, which does not exist; create that folder"
+    with pytest.raises(StoreError, match=re.escape(fix)):
+        StoreWriter(str(tmp_path / "run.zarr"))
+    with pytest.raises(StoreError, match=re.escape(fix)):
+        with acs.ActivationScope(store=str(tmp_path / "run.zarr")).track(model):
+            model(x)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.zarr"]
+    (tmp_path / "disk" / "run").mkdir(parents=True)
+    with acs.ActivationScope(store=str(tmp_path / "run.zarr")).track(model), torch.no_grad():
+        model(x)
+    with torch.no_grad():
+        torch.testing.assert_close(acs.open_store(str(tmp_path / "run.zarr"))["0.output"], model(x), rtol=0, atol=0)
+    assert (tmp_path / "disk" / "run" / "zarr.json").is_file()
+
+
 def test_resume_with_nothing_to_resume(tmp_path):
     path = tmp_path / "nope.zarr"
     with pytest.raises(StoreError, match=r"nothing to resume at .*nope\.zarr.*drop resume=True"):
