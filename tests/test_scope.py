@@ -1975,6 +1975,33 @@ def test_a_module_named_like_another_modules_repeated_call_is_refused_at_track(t
     assert tr.hook_points == ["d.a.output", "d.a#1.output"]
 
 
+@pytest.mark.parametrize("to_store", [False, True])
+def test_a_module_whose_name_is_not_utf8_text_is_refused_at_track(tmp_path, to_store):
+    """A ModuleDict key with a lone surrogate (os.fsdecode of a file name's undecodable byte)
+    failed the attach with pybind11's 'incompatible constructor arguments' (a store folder
+    left behind); refused naming the module and the fix, before anything is written.
+    Excluding it captures the others."""
+    d = torch.nn.ModuleDict({"s\udc80x": torch.nn.Linear(2, 2), "b": torch.nn.Linear(2, 2)})
+    model = torch.nn.Module()
+    model.d = d
+    model.forward = lambda x: [m(x) for m in d.values()]
+    store = str(tmp_path / "s.zarr") if to_store else None
+    x = torch.randn(3, 2)
+    with pytest.raises(acs.CaptureError, match=re.escape(
+            r"tracked module 'd.s\udc80x' of Module has a name that is not UTF-8 text (the character '\udc80' at "
+            r"3, a lone surrogate)") + r".*rename the module.*exclude="):
+        with acs.ActivationScope(store=store).track(model), torch.no_grad():
+            model(x)
+    if to_store:
+        assert not (tmp_path / "s.zarr").exists()
+    with acs.ActivationScope(store=store).track(model, exclude=["d.s\udc80x"]) as tr, torch.no_grad():
+        model(x)
+    assert tr.hook_points == ["d.b.output"]
+    got = acs.open_store(store)["d.b.output"] if to_store else tr.activations["d.b.output"][0]
+    with torch.no_grad():
+        torch.testing.assert_close(got, d["b"](x), rtol=0, atol=0)
+
+
 class _HashInName(torch.nn.Module):
     def __init__(self):
         super().__init__()

@@ -200,7 +200,23 @@ def select_modules(
             f"module names look like {_examples(names)}"
         )
     _refuse_call_index_names(chosen, type(model).__name__)
+    _refuse_unencodable_names(chosen, type(model).__name__)
     return chosen
+
+
+def _refuse_unencodable_names(chosen: list[tuple[str, torch.nn.Module]], model_name: str) -> None:
+    """Refuse a tracked module whose name is no UTF-8 text (a lone surrogate, such as
+    ``os.fsdecode`` makes of a file name's undecodable byte): hook points name arrays, files
+    and row-table columns, all UTF-8, so it could be stored under no name."""
+    for n, _ in chosen:
+        try:
+            n.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise CaptureError(
+                f"tracked module {ascii(n)} of {model_name} has a name that is not UTF-8 text (the character "
+                f"{ascii(n[e.start])} at {e.start}, a lone surrogate), so no hook point can be named after it; rename "
+                f"the module (its nn.ModuleDict key), or pass exclude=[{n!r}] to track()"
+            ) from None
 
 
 def named_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
