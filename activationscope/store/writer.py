@@ -114,11 +114,7 @@ def _stop_hashes_at_exit() -> None:
             pass
 
 
-def _folded(name: str) -> str:
-    """``name`` as a file system that folds case and Unicode normalization compares it."""
-    import unicodedata
-
-    return unicodedata.normalize("NFC", unicodedata.normalize("NFD", name).casefold())
+_folded = F.folded
 
 
 def _spelled(a: str, b: str) -> str:
