@@ -2002,6 +2002,34 @@ def test_a_module_whose_name_is_not_utf8_text_is_refused_at_track(tmp_path, to_s
         torch.testing.assert_close(got, d["b"](x), rtol=0, atol=0)
 
 
+class _SurrogateKey(torch.nn.Module):
+    def forward(self, x):
+        return {"ok": x + 1, "s\udc80": x * 2}
+
+
+@pytest.mark.parametrize("to_store", [False, True])
+def test_an_output_dict_key_that_is_not_utf8_text_is_refused_naming_it(tmp_path, to_store):
+    """A dict key with a lone surrogate failed the forward with pybind11's 'Unable to cast
+    Python instance of type str to C++ type'; refused naming the key, its hook point and the fix."""
+    model = torch.nn.Module()
+    model.r = _SurrogateKey()
+    model.lin = torch.nn.Linear(2, 2)
+    model.forward = lambda x: (model.r(x), model.lin(x))
+    store = str(tmp_path / "s.zarr") if to_store else None
+    x = torch.randn(3, 2)
+    with pytest.raises(acs.CaptureError, match=re.escape(
+            r"the key 's\udc80' below hook point 'r.output' is not UTF-8 text") + r".*rename the key.*exclude="):
+        with acs.ActivationScope(store=store).track(model), torch.no_grad():
+            model(x)
+    with acs.ActivationScope(store=store, store_options={"overwrite": True} if to_store else None).track(
+            model, exclude=["r"]) as tr, torch.no_grad():
+        model(x)
+    assert tr.hook_points == ["lin.output"]
+    got = acs.open_store(store)["lin.output"] if to_store else tr.activations["lin.output"][0]
+    with torch.no_grad():
+        torch.testing.assert_close(got, model.lin(x), rtol=0, atol=0)
+
+
 class _HashInName(torch.nn.Module):
     def __init__(self):
         super().__init__()
