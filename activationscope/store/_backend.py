@@ -22,6 +22,7 @@ import queue
 import re
 import shutil
 import stat
+import tempfile
 import threading
 import uuid
 from collections.abc import Collection, Mapping
@@ -1627,6 +1628,19 @@ def check_remote_store_path(backend: Any) -> None:
         f"existing object (a file) of {info.get('size')} bytes; choose another path, or delete that object if it "
         "is not needed (overwrite=True never deletes an object that is not a store)"
     )
+
+
+def folds_names(folder: Path, a: str, b: str) -> bool:
+    """Whether the file system of the local ``folder`` takes the file names ``a`` and ``b`` for
+    one (macOS and Windows fold case and Unicode normalization): a file ``a`` is made in a new
+    temporary folder there (``.names-<...>.tmp``, which readers ignore) and ``b`` looked up
+    beside it; the folder is removed."""
+    probe = Path(tempfile.mkdtemp(prefix=".names-", suffix=".tmp", dir=folder))
+    try:
+        (probe / a).touch()
+        return os.path.lexists(probe / b)
+    finally:
+        shutil.rmtree(probe, ignore_errors=True)
 
 
 _PERCENT_ESCAPE = re.compile(r"%[0-9A-Fa-f]{2}")

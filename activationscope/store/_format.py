@@ -117,6 +117,14 @@ def _whole_node_name(hook_point: str) -> str:
     return out
 
 
+def spelled_alike(a: str, b: str) -> str:
+    """`` (written ...)`` with both names in ASCII escapes when they print alike (``é`` as one
+    character and as ``e`` plus a combining accent), else nothing: for a message naming both."""
+    if unicodedata.normalize("NFC", a) != unicodedata.normalize("NFC", b):
+        return ""
+    return f" (written {ascii(a)} and {ascii(b)})"
+
+
 def folded(name: str) -> str:
     """``name`` as a file system that folds case and Unicode normalization (macOS, Windows)
     compares it: ``"Zarr.JSON"`` and ``"zarr.json"`` are one file there."""

@@ -61,6 +61,7 @@ from . import _validate as V
 from ._backend import (LocalBackend, ran_out_of_room, check_backend_not_in_store, check_local_store_path, check_remote_store_path,
                        refuse_foreign_entries, resolve, write_root_first)
 from ._backend import _inside as _inside_folder
+from ._backend import folds_names as _folds_names
 from ._format import KEPT_SUFFIX, committed_reduction_files, committed_reduction_groups
 from ._lock import WriterLock
 
@@ -115,28 +116,7 @@ def _stop_hashes_at_exit() -> None:
 
 
 _folded = F.folded
-
-
-def _spelled(a: str, b: str) -> str:
-    """`` (written ...)`` with both names in ASCII escapes when they print alike (``é`` as one
-    character and as ``e`` plus a combining accent), else nothing."""
-    import unicodedata
-
-    if unicodedata.normalize("NFC", a) != unicodedata.normalize("NFC", b):
-        return ""
-    return f" (written {ascii(a)} and {ascii(b)})"
-
-
-def _folds_names(folder: Path, a: str, b: str) -> bool:
-    """Whether the file system of ``folder`` takes the file names ``a`` and ``b`` for one: a
-    file ``a`` is made in a new temporary folder there (``.<...>.tmp``, which readers ignore)
-    and ``b`` looked up beside it."""
-    probe = Path(tempfile.mkdtemp(prefix=".names-", suffix=".tmp", dir=folder))
-    try:
-        (probe / a).touch()
-        return os.path.lexists(probe / b)
-    finally:
-        shutil.rmtree(probe, ignore_errors=True)
+_spelled = F.spelled_alike
 
 
 def _remove_staging(core: Any, staging: str, pid: int) -> None:
@@ -1236,7 +1216,8 @@ class StoreWriter:
                                                        os.getpid())
         self._threads_stopped = False
         self._arrays: dict[str, _Array] = {}
-        self._folded_nodes: dict[str, tuple[str, str]] | None = None  # _refuse_folded_node: folded node -> (hook point, node)
+        # _refuse_folded_node: the folded node name of each array -> (hook point, node name)
+        self._folded_nodes: dict[str, tuple[str, str]] | None = None
         self._order: list[_Array] = []  # the arrays in the order opened: _Batch.cums and _counts follow it
         self._counts = _native.load().RowCounts()  # each array's rows at the last recorded batch
         self._pending: list[_Batch] = []
@@ -2013,11 +1994,11 @@ class StoreWriter:
             self._folded_nodes[key] = (hook_point, node)
             return
         if _folds_names(self._staging, node, other_node):
+            staging = f" (its staging folder {str(self._staging)!r})" if self._own_staging else ""
             raise StoreError(
-                f"hook points {other!r} and {hook_point!r}{_spelled(other, hook_point)} differ only in case or Unicode normalization, and the file "
-                f"system of store {str(self._backend)!r}"
-                f"{f' (its staging folder {str(self._staging)!r})' if self._own_staging else ''} does not tell such names "
-                f"apart: both arrays would be one folder, and the rows of one read as the other's; rename one module, "
+                f"hook points {other!r} and {hook_point!r}{_spelled(other, hook_point)} differ only in case or "
+                f"Unicode normalization, and the file system of store {str(self._backend)!r}{staging} does not tell "
+                f"such names apart: both arrays would be one folder, and the rows of one read as the other's; rename one module, "
                 f"leave one out (track(exclude=...) or exclude_hook_points=[{hook_point!r}]), or capture into a "
                 f"store on a case-sensitive file system"
             )

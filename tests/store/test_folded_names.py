@@ -12,7 +12,8 @@ import torch
 
 import activationscope as acs
 from activationscope.errors import StoreError
-from activationscope.store import StoreWriter
+from activationscope.store import StoreWriter, copy_store
+from activationscope.store import reader as reader_module
 from activationscope.store import writer as writer_module
 
 NAMES = ["Attn", "attn", "e\u0301", "\u00e9", "b"]
@@ -94,3 +95,27 @@ def test_the_probe_reads_the_file_system_and_leaves_nothing(tmp_path):
     assert writer_module._folds_names(tmp_path, "d.a.output", "d.a.output") is True
     assert writer_module._folds_names(tmp_path, "d.a.output", "d.b.output") is False
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("source", ["memory", "local"])
+def test_a_copy_onto_a_file_system_that_folds_them_is_refused_before_anything_is_copied(tmp_path, monkeypatch, source):
+    """copy_store of a store holding 'd.Attn.output' and 'd.attn.output' (made on Linux or
+    object storage) into a folder whose file system folds the names is refused naming both,
+    with nothing copied; a file system that tells them apart gets both, each its own rows."""
+    model, x = Dict(), torch.randn(5, 4)
+    src = "memory://folded/s.zarr" if source == "memory" else str(tmp_path / "src.zarr")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # (said by the test above)
+        _capture(model, src, x)
+    monkeypatch.setattr(reader_module, "folds_names",
+                        lambda folder, a, b: writer_module._folded(a) == writer_module._folded(b))
+    with pytest.raises(StoreError, match=r"holds 'acts/d\.Attn\.output/.*' and 'acts/d\.attn\.output/.*', which differ "
+                                         r"only in case.*nothing was copied"):
+        copy_store(src, tmp_path / "copy.zarr")
+    assert not (tmp_path / "copy.zarr" / "zarr.json").exists()
+    monkeypatch.undo()
+    copy_store(src, tmp_path / "copy.zarr")
+    store = acs.open_store(tmp_path / "copy.zarr")
+    with torch.no_grad():
+        for k in NAMES:
+            torch.testing.assert_close(store[f"d.{k}.output"], model.d[k](x), rtol=0, atol=0)
