@@ -1656,8 +1656,9 @@ def _refuse_misread_file_url(target: str) -> None:
     if target.startswith("file:") and not target.startswith("file://"):
         raise ArgumentValueError(
             f"path {target!r} must be a local path or a file:// URL (two slashes before the path, "
-            f"file:///runs/a.zarr for /runs/a.zarr), got a 'file:' URL that would be read as a folder 'file:' in "
-            f"the current one; give {'file://' + target[len('file:'):]!r} or the path {target[len('file:'):]!r}"
+            f"file:///runs/a.zarr for /runs/a.zarr), got a 'file:' URL that would be read as a path relative to the "
+            f"current folder; give {'file://' + target[len('file:'):]!r} or the path {target[len('file:'):]!r} "
+            f"({'./' + target!r} for a folder of that name)"
         )
     if not target.startswith("file://"):
         return
