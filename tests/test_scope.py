@@ -252,6 +252,47 @@ def test_exclude_exact_module_name_wins_over_its_pattern_reading():
     assert tr.hook_points == ["d.a1.output"]
 
 
+class _BracketBlocks(torch.nn.Module):
+    """ModuleDict keys 'a[1]' and 'a1', each a block with submodules 0 and 1."""
+
+    def __init__(self):
+        super().__init__()
+        block = lambda: torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())  # noqa: E731
+        self.d = torch.nn.ModuleDict({"a[1]": block(), "a1": block()})
+
+    def forward(self, x):
+        return [m(x) for m in self.d.values()]
+
+
+def test_a_bracket_pattern_that_selects_other_modules_than_the_brackets_names_says_so():
+    """include=['d.a[1].*'] meant the blocks below the key 'a[1]', but fnmatch reads '[1]' as
+    one of '1': it selected the blocks of 'a1' without a word (or matched nothing, with
+    names unrelated to the brackets). Now a CaptureWarning (an error when nothing matches)
+    names the modules holding the brackets and the pattern that selects them; it selects them."""
+    model, x = _BracketBlocks().eval(), torch.randn(3, 2)
+    hint = ("fnmatch reads '[...]' in it as a character class (one of its characters): the modules whose names hold "
+            "those brackets are ['d.a[1].0', 'd.a[1].1'], which {}=['d.a[[]1].*'] {}")
+    with pytest.warns(acs.CaptureWarning, match=re.escape(
+            "include pattern 'd.a[1].*' selects ['d.a1.0', 'd.a1.1']; " + hint.format("include", "selects"))):
+        with acs.ActivationScope().track(model, include=["d.a[1].*"]) as tr, torch.no_grad():
+            model(x)
+    assert tr.hook_points == ["d.a1.0.output", "d.a1.1.output"]
+    with pytest.warns(acs.CaptureWarning, match=re.escape(hint.format("exclude", "leaves out"))):
+        with acs.ActivationScope().track(model, include=["d.*.0"], exclude=["d.a[1].*"]) as tr, torch.no_grad():
+            model(x)
+    assert tr.hook_points == ["d.a[1].0.output"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", acs.CaptureWarning)
+        with acs.ActivationScope().track(model, include=["d.a[[]1].*"]) as tr, torch.no_grad():
+            model(x)
+    assert tr.hook_points == ["d.a[1].0.output", "d.a[1].1.output"]
+    with torch.no_grad():
+        torch.testing.assert_close(tr.activations["d.a[1].0.output"][0], model.d["a[1]"][0](x), rtol=0, atol=0)
+    del model.d["a1"]
+    with pytest.raises(acs.HookPointNotFoundError, match=re.escape(hint.format("include", "selects"))):
+        acs.ActivationScope().track(model, include=["d.a[1].*"])
+
+
 def test_pattern_hits_exact_names_first():
     from activationscope.capture.hooks import pattern_hits
 
