@@ -43,6 +43,22 @@ bool is_container(py::handle obj) {
   return py::hasattr(reinterpret_cast<PyObject*>(Py_TYPE(obj.ptr())), "__dataclass_fields__");
 }
 
+// The name a key of a structured output (a dict key, a named tuple's or a dataclass's field)
+// gives the hook points below it: its str(), which must be UTF-8 text; a str holding a lone
+// surrogate (os.fsdecode of an undecodable byte) is refused naming the key and where it is.
+std::string key_name(py::handle key, const std::string& prefix) {
+  py::str text(key);
+  Py_ssize_t n = 0;
+  const char* data = PyUnicode_AsUTF8AndSize(text.ptr(), &n);
+  if (data != nullptr) return std::string(data, static_cast<size_t>(n));
+  PyErr_Clear();
+  py::object shown = py::reinterpret_steal<py::object>(PyObject_ASCII(text.ptr()));
+  if (!shown) throw py::error_already_set();
+  throw UserError(c10::str("the key ", shown.cast<std::string>(), " below hook point '", prefix,
+                           "' is not UTF-8 text (it holds a lone surrogate), so no hook point can be named after it; "
+                           "rename the key, or leave its module out with track(exclude=...)"));
+}
+
 // Flatten a module input / output into named tensor leaves: tensors, tuples / lists
 // (named tuples by field), dicts (HF ModelOutput included, by key) and dataclasses (by
 // field). None and other objects are skipped. A container kMaxDepth levels down is not
@@ -69,7 +85,7 @@ void collect(py::handle obj, const std::string& prefix, Leaves& out, int depth, 
     const size_t n = py::len(seq);
     for (size_t i = 0; i < n; ++i) {
       std::string key = (!fields.is_none() && PyTuple_Check(fields.ptr()) && i < py::len(fields))
-                            ? py::str(fields[py::int_(i)]).cast<std::string>()
+                            ? key_name(fields[py::int_(i)], prefix)
                             : std::to_string(i);
       collect(seq[i], prefix + "." + key, out, depth + 1, warn, unwalked);
     }
@@ -77,7 +93,7 @@ void collect(py::handle obj, const std::string& prefix, Leaves& out, int depth, 
   }
   if (PyDict_Check(obj.ptr())) {
     for (auto item : py::reinterpret_borrow<py::dict>(obj)) {
-      collect(item.second, prefix + "." + py::str(item.first).cast<std::string>(), out, depth + 1, warn, unwalked);
+      collect(item.second, prefix + "." + key_name(item.first, prefix), out, depth + 1, warn, unwalked);
     }
     return;
   }
@@ -89,7 +105,7 @@ void collect(py::handle obj, const std::string& prefix, Leaves& out, int depth, 
     py::dict fields = type.attr("__dataclass_fields__");
     for (auto item : fields) {
       if (py::getattr(item.second, "_field_type", py::none()).ptr() != field_kind) continue;
-      std::string name = py::str(item.first).cast<std::string>();
+      std::string name = key_name(item.first, prefix);
       collect(py::getattr(obj, name.c_str(), py::none()), prefix + "." + name, out, depth + 1, warn, unwalked);
     }
     return;

@@ -1803,6 +1803,35 @@ def test_info_shows_control_characters_from_the_store_escaped(tmp_path, capsys):
     assert "\\x1b[2J" in stdout and "\\r\\nstatus:   complete (FORGED)" in stdout
 
 
+def test_info_lines_up_hook_points_with_escaped_wide_and_combining_characters(tmp_path, capsys):
+    """The hook point column is measured as printed: a name with a newline (shown as '\\n'), a
+    wide CJK character (two columns) or an accent written as a combining character (none)
+    leaves every row's next column where the header's is."""
+    import unicodedata
+
+    import activationscope as acs
+
+    keys = ["n\nl", "\x1b[31mred", "\u5c42\u5c42", "e\u0301", "b"]
+    model = torch.nn.Module()
+    model.d = torch.nn.ModuleDict({k: torch.nn.Linear(2, 2) for k in keys})
+    model.forward = lambda x: [m(x) for m in model.d.values()]
+    with acs.ActivationScope(store=str(tmp_path / "s.zarr")).track(model), torch.no_grad():
+        model(torch.randn(3, 2))
+    code, stdout, _ = run(capsys, "info", str(tmp_path / "s.zarr"))
+    assert code == 0
+
+    def at(line, word):  # the terminal column where word starts
+        head = line[:line.index(word)]
+        return sum(0 if unicodedata.combining(c) else 2 if c == "\u5c42" else 1 for c in head)
+
+    lines = stdout.splitlines()
+    header = next(line for line in lines if line.startswith("hook point"))
+    table = [line for line in lines if line.startswith("d.")]
+    assert [line.split("  ")[0] for line in table] == ["d.n\\nl.output", "d.\\x1b[31mred.output", "d.\u5c42\u5c42.output",
+                                                       "d.e\u0301.output", "d.b.output"]
+    assert [at(line, "sample") for line in table] == [at(header, "kind")] * len(keys)
+
+
 def test_errors_and_warnings_show_control_characters_from_the_store_escaped(tmp_path, capsys):
     """Hook point names are the store's strings too: an error listing them, or a warning
     quoting one, shows their control characters escaped."""

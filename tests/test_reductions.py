@@ -1879,7 +1879,7 @@ def test_float32_rows_reduce_as_the_same_rows_in_float64_bit_for_bit(width, spec
         assert_matches("var", got[1].result(), x)
 
 
-@pytest.mark.parametrize("name", ["../../escape", "a/b", "a\\b", "..", ".", "zarr.json"])
+@pytest.mark.parametrize("name", ["../../escape", "a/b", "a\\b", "..", ".", "zarr.json", "Zarr.JSON"])
 def test_a_reduction_name_that_is_not_one_store_node_is_refused_before_any_capture(name, tmp_path):
     """A name names the arrays reductions/<hook point>/<name>: one that is not a node name is
     refused when the scope is made, not at the end of the capture (where it failed, with the
@@ -1887,6 +1887,19 @@ def test_a_reduction_name_that_is_not_one_store_node_is_refused_before_any_captu
     with pytest.raises(ReductionError, match=r"reduction name must be a non-empty str.*got " + re.escape(repr(name))):
         acs.ActivationScope(reductions=[(name, "mean")], store=str(tmp_path / "s.zarr"))
     assert not (tmp_path / "escape").exists() and not (tmp_path / "s.zarr").exists()
+
+
+@pytest.mark.parametrize("specs, match", [
+    ([("Mean", "mean"), ("mean", "max")], r"reductions named 'Mean' and 'mean', which differ only in case"),
+    ([("e\u0301", "mean"), ("\u00e9", "max")], r"\(written 'e\\u0301' and '\\xe9'\), which differ only in case"),
+    (["var", ("VAR.mean", "max")], r"reductions named 'var' and 'VAR.mean'.*on a file system that does not tell"),
+])
+def test_reductions_whose_names_differ_only_in_case_are_refused(specs, match, tmp_path):
+    """'Mean' and 'mean' are two files on Linux but one on macOS or Windows (a store copied
+    there read one reduction as the other's): refused when the scope is made, naming both."""
+    with pytest.raises(ReductionError, match=match):
+        acs.ActivationScope(reductions=specs, store=str(tmp_path / "s.zarr"))
+    assert not (tmp_path / "s.zarr").exists()
 
 
 @pytest.mark.parametrize("specs", [["var", ("var.mean", "max")], [("topk.values", "mean"), ("topk", "topk")],

@@ -252,6 +252,47 @@ def test_exclude_exact_module_name_wins_over_its_pattern_reading():
     assert tr.hook_points == ["d.a1.output"]
 
 
+class _BracketBlocks(torch.nn.Module):
+    """ModuleDict keys 'a[1]' and 'a1', each a block with submodules 0 and 1."""
+
+    def __init__(self):
+        super().__init__()
+        block = lambda: torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())  # noqa: E731
+        self.d = torch.nn.ModuleDict({"a[1]": block(), "a1": block()})
+
+    def forward(self, x):
+        return [m(x) for m in self.d.values()]
+
+
+def test_a_bracket_pattern_that_selects_other_modules_than_the_brackets_names_says_so():
+    """include=['d.a[1].*'] meant the blocks below the key 'a[1]', but fnmatch reads '[1]' as
+    one of '1': it selected the blocks of 'a1' without a word (or matched nothing, with
+    names unrelated to the brackets). Now a CaptureWarning (an error when nothing matches)
+    names the modules holding the brackets and the pattern that selects them; it selects them."""
+    model, x = _BracketBlocks().eval(), torch.randn(3, 2)
+    hint = ("fnmatch reads '[...]' in it as a character class (one of its characters): the modules whose names hold "
+            "those brackets are ['d.a[1].0', 'd.a[1].1'], which {}=['d.a[[]1].*'] {}")
+    with pytest.warns(acs.CaptureWarning, match=re.escape(
+            "include pattern 'd.a[1].*' selects ['d.a1.0', 'd.a1.1']; " + hint.format("include", "selects"))):
+        with acs.ActivationScope().track(model, include=["d.a[1].*"]) as tr, torch.no_grad():
+            model(x)
+    assert tr.hook_points == ["d.a1.0.output", "d.a1.1.output"]
+    with pytest.warns(acs.CaptureWarning, match=re.escape(hint.format("exclude", "leaves out"))):
+        with acs.ActivationScope().track(model, include=["d.*.0"], exclude=["d.a[1].*"]) as tr, torch.no_grad():
+            model(x)
+    assert tr.hook_points == ["d.a[1].0.output"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", acs.CaptureWarning)
+        with acs.ActivationScope().track(model, include=["d.a[[]1].*"]) as tr, torch.no_grad():
+            model(x)
+    assert tr.hook_points == ["d.a[1].0.output", "d.a[1].1.output"]
+    with torch.no_grad():
+        torch.testing.assert_close(tr.activations["d.a[1].0.output"][0], model.d["a[1]"][0](x), rtol=0, atol=0)
+    del model.d["a1"]
+    with pytest.raises(acs.HookPointNotFoundError, match=re.escape(hint.format("include", "selects"))):
+        acs.ActivationScope().track(model, include=["d.a[1].*"])
+
+
 def test_pattern_hits_exact_names_first():
     from activationscope.capture.hooks import pattern_hits
 
@@ -1973,6 +2014,61 @@ def test_a_module_named_like_another_modules_repeated_call_is_refused_at_track(t
     with acs.ActivationScope(store=store).track(model, exclude=["d.a#1"]) as tr, torch.no_grad():
         model(x, True) if model_class is _CollidingAcrossForwards else model(x)
     assert tr.hook_points == ["d.a.output", "d.a#1.output"]
+
+
+@pytest.mark.parametrize("to_store", [False, True])
+def test_a_module_whose_name_is_not_utf8_text_is_refused_at_track(tmp_path, to_store):
+    """A ModuleDict key with a lone surrogate (os.fsdecode of a file name's undecodable byte)
+    failed the attach with pybind11's 'incompatible constructor arguments' (a store folder
+    left behind); refused naming the module and the fix, before anything is written.
+    Excluding it captures the others."""
+    d = torch.nn.ModuleDict({"s\udc80x": torch.nn.Linear(2, 2), "b": torch.nn.Linear(2, 2)})
+    model = torch.nn.Module()
+    model.d = d
+    model.forward = lambda x: [m(x) for m in d.values()]
+    store = str(tmp_path / "s.zarr") if to_store else None
+    x = torch.randn(3, 2)
+    with pytest.raises(acs.CaptureError, match=re.escape(
+            r"tracked module 'd.s\udc80x' of Module has a name that is not UTF-8 text (the character '\udc80' at "
+            r"3, a lone surrogate)") + r".*rename the module.*exclude="):
+        with acs.ActivationScope(store=store).track(model), torch.no_grad():
+            model(x)
+    if to_store:
+        assert not (tmp_path / "s.zarr").exists()
+    with acs.ActivationScope(store=store).track(model, exclude=["d.s\udc80x"]) as tr, torch.no_grad():
+        model(x)
+    assert tr.hook_points == ["d.b.output"]
+    got = acs.open_store(store)["d.b.output"] if to_store else tr.activations["d.b.output"][0]
+    with torch.no_grad():
+        torch.testing.assert_close(got, d["b"](x), rtol=0, atol=0)
+
+
+class _SurrogateKey(torch.nn.Module):
+    def forward(self, x):
+        return {"ok": x + 1, "s\udc80": x * 2}
+
+
+@pytest.mark.parametrize("to_store", [False, True])
+def test_an_output_dict_key_that_is_not_utf8_text_is_refused_naming_it(tmp_path, to_store):
+    """A dict key with a lone surrogate failed the forward with pybind11's 'Unable to cast
+    Python instance of type str to C++ type'; refused naming the key, its hook point and the fix."""
+    model = torch.nn.Module()
+    model.r = _SurrogateKey()
+    model.lin = torch.nn.Linear(2, 2)
+    model.forward = lambda x: (model.r(x), model.lin(x))
+    store = str(tmp_path / "s.zarr") if to_store else None
+    x = torch.randn(3, 2)
+    with pytest.raises(acs.CaptureError, match=re.escape(
+            r"the key 's\udc80' below hook point 'r.output' is not UTF-8 text") + r".*rename the key.*exclude="):
+        with acs.ActivationScope(store=store).track(model), torch.no_grad():
+            model(x)
+    with acs.ActivationScope(store=store, store_options={"overwrite": True} if to_store else None).track(
+            model, exclude=["r"]) as tr, torch.no_grad():
+        model(x)
+    assert tr.hook_points == ["lin.output"]
+    got = acs.open_store(store)["lin.output"] if to_store else tr.activations["lin.output"][0]
+    with torch.no_grad():
+        torch.testing.assert_close(got, model.lin(x), rtol=0, atol=0)
 
 
 class _HashInName(torch.nn.Module):

@@ -169,12 +169,16 @@ def select_modules(
         included: set[str] = set()
         for pat in include:
             hits = pattern_hits(pat, names)
+            bracket = _bracket_hint(pat, names, hits, "include")
             if not hits:
                 raise HookPointNotFoundError(
                     f"include pattern {pat!r} matches no module of {type(model).__name__}"
-                    + (_shared_names_hint(model, named, pat, "include")
+                    + (bracket or _shared_names_hint(model, named, pat, "include")
                        or f"; module names look like {_examples(names)}" + _hook_point_hint(pat, names, named))
                 )
+            if bracket:
+                warnings.warn(f"include pattern {pat!r} selects {_examples(hits)}{bracket}", CaptureWarning,
+                              stacklevel=stacklevel_outside_package())
             included.update(hits)
         chosen = [(n, m) for n, m in named if n in included and (n not in never_called or n in include)]
     chosen = _replace_scripted(model, named, chosen, explicit=include is not None)
@@ -183,11 +187,15 @@ def select_modules(
         excluded: set[str] = set()
         for pat in exclude:
             hits = pattern_hits(pat, names)
+            bracket = _bracket_hint(pat, names, hits, "exclude")
+            if bracket and hits:
+                warnings.warn(f"exclude pattern {pat!r} leaves out {_examples(hits)}{bracket}", CaptureWarning,
+                              stacklevel=stacklevel_outside_package())
             if not hits:
                 close = _close_names(pat, names)
                 warn_at_caller(
                     f"exclude pattern {pat!r} matches no module of {type(model).__name__}, so it excludes nothing"
-                    + (_shared_names_hint(model, named, pat, "exclude")
+                    + (bracket or _shared_names_hint(model, named, pat, "exclude")
                        or f"; module names look like {_examples(names)}" + (f"; did you mean {close}?" if close else "")),
                     CaptureWarning,
                 )
@@ -199,7 +207,39 @@ def select_modules(
             f"module names look like {_examples(names)}"
         )
     _refuse_call_index_names(chosen, type(model).__name__)
+    _refuse_unencodable_names(chosen, type(model).__name__)
     return chosen
+
+
+def _bracket_hint(pattern: str, names: list[str], hits: list[str], argument: str) -> str:
+    """A pattern holding ``[`` (``d.a[1].*``, for the modules below the ``nn.ModuleDict`` key
+    ``a[1]``) that fnmatch reads as a character class (one of ``1``), so it selects other names
+    than the ones that hold the brackets themselves: ``"; ..."`` naming those and the pattern
+    that selects them (``d.a[[]1].*``); ``""`` when both readings select the same names."""
+    if "[" not in pattern or pattern in names:
+        return ""
+    literal = pattern.replace("[", "[[]")
+    held = [n for n in names if fnmatch.fnmatchcase(n, literal)]
+    if not held or held == hits:
+        return ""
+    verb = "selects" if argument == "include" else "leaves out"
+    return (f"; fnmatch reads '[...]' in it as a character class (one of its characters): the modules whose names "
+            f"hold those brackets are {_examples(held)}, which {argument}=[{literal!r}] {verb}")
+
+
+def _refuse_unencodable_names(chosen: list[tuple[str, torch.nn.Module]], model_name: str) -> None:
+    """Refuse a tracked module whose name is no UTF-8 text (a lone surrogate, such as
+    ``os.fsdecode`` makes of a file name's undecodable byte): hook points name arrays, files
+    and row-table columns, all UTF-8, so it could be stored under no name."""
+    for n, _ in chosen:
+        try:
+            n.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise CaptureError(
+                f"tracked module {ascii(n)} of {model_name} has a name that is not UTF-8 text (the character "
+                f"{ascii(n[e.start])} at {e.start}, a lone surrogate), so no hook point can be named after it; rename "
+                f"the module (its nn.ModuleDict key), or pass exclude=[{n!r}] to track()"
+            ) from None
 
 
 def named_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:

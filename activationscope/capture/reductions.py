@@ -776,26 +776,52 @@ def _check_name(name: Any) -> None:
             f"of a store), got {len(name.encode('utf-8', 'surrogatepass'))} bytes ({name[:40]!r}...); give a shorter "
             "one with (name, spec)"
         )
-    if not isinstance(name, str) or not name or name in (".", "..", "zarr.json") or "/" in name or "\\" in name:
+    if (not isinstance(name, str) or not name or name in (".", "..") or _folded(name) == "zarr.json" or "/" in name
+            or "\\" in name):
         raise ReductionError(
-            f"reduction name must be a non-empty str without '/' or '\\', and not '.', '..' or 'zarr.json' "
+            f"reduction name must be a non-empty str without '/' or '\\', and not '.', '..' or 'zarr.json' (in any case) "
             f"(it names the arrays reductions/<hook point>/<name> of a store), got {name!r}; "
             "give another with (name, spec)"
         )
 
 
+def _folded(name: str) -> str:
+    """``name`` as a file system that folds case and Unicode normalization (macOS, Windows)
+    compares it."""
+    import unicodedata
+
+    return unicodedata.normalize("NFC", unicodedata.normalize("NFD", name).casefold())
+
+
+def _spelled(a: str, b: str) -> str:
+    """`` (written ...)`` with both names in ASCII escapes when they print alike, else nothing."""
+    import unicodedata
+
+    return f" (written {ascii(a)} and {ascii(b)})" if unicodedata.normalize("NFC", a) == unicodedata.normalize("NFC", b) else ""
+
+
 def _check_overlapping_names(names: Iterable[str], where: str) -> None:
     """Two reductions of one hook point whose arrays would be the same: ``<name>.<key>`` of
     one (its other outputs ``var.mean``, states ``var.state.m2``, script ``var.pt``) is the
-    other's name (``var`` and ``var.mean``)."""
+    other's name (``var`` and ``var.mean``), also where the names differ only in case or Unicode
+    normalization (``Mean`` and ``mean``), as a file system that folds names compares them."""
     names = sorted(set(names))
     for a in names:
         for b in names:
-            if b.startswith(a + "."):
+            if a < b and _folded(a) == _folded(b):
+                raise ReductionError(
+                    f"{where} has reductions named {a!r} and {b!r}{_spelled(a, b)}, which differ only in case or Unicode "
+                    "normalization: a file system that does not tell such names apart (macOS, Windows) holds their "
+                    "arrays as one file, so a store there, or a copy of it, would read one as the other; rename one "
+                    "with (name, spec)"
+                )
+            if b.startswith(a + ".") or (a != b and _folded(b).startswith(_folded(a) + ".")):
+                folds = "" if b.startswith(a + ".") else (
+                    " on a file system that does not tell names differing only in case apart (macOS, Windows)")
                 raise ReductionError(
                     f"{where} has reductions named {a!r} and {b!r}: the arrays of {a!r} are stored as "
                     f"'{a}.<key>' (e.g. '{a}.count', '{a}.state.<key>'), so {b!r} would overwrite or be "
-                    "overwritten by one of them; rename one with (name, spec)"
+                    f"overwritten by one of them{folds}; rename one with (name, spec)"
                 )
 
 

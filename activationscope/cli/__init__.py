@@ -566,7 +566,8 @@ def _expand_paths(args: argparse.Namespace) -> None:
 def _open(path: str, verify: bool = False) -> Any:
     """Open a store read-only, with a clear error for a path that is not one (``verify``:
     every chunk read is checked against its crc32c, ``open_store(verify=True)``)."""
-    if "://" not in path and not os.path.exists(path):
+    if "://" not in path and not path.startswith("file:") and not os.path.exists(path):
+        # (a 'file:/x' URL: open_store says how it would be misread)
         raise CLIError(f"store {path!r} does not exist")
     from ..store import open_store
 
@@ -883,6 +884,15 @@ def _printable(text: str) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
+def _columns(text: str) -> int:
+    """Terminal columns of printable ``text``: a combining accent takes none, a wide (East
+    Asian) character two, so that names such as ``d.层.output`` or an ``é`` written as ``e``
+    plus an accent line up in a table."""
+    import unicodedata
+
+    return sum(0 if unicodedata.combining(c) else 2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in text)
+
+
 def format_info(info: dict[str, Any], name: str) -> str:
     """Human-readable text of a store's ``info()``: a header, one line per hook point, totals."""
     fmt = info.get("format")
@@ -914,7 +924,7 @@ def format_info(info: dict[str, Any], name: str) -> str:
         if a.get("compression"):
             dtype += f" ({a['compression']})"
         rows.append((
-            hp, str(a.get("row_kind", "?")), f"{a.get('n_rows', 0):,}", str(shape), dtype,
+            _printable(hp), str(a.get("row_kind", "?")), f"{a.get('n_rows', 0):,}", str(shape), dtype,
             format_bytes(a.get("bytes")), format_bytes(a.get("bytes_on_disk")),
             "-" if ratio is None else f"{ratio:.2f}",
             _reduction_names(reductions.get(hp, []), (info.get("partial_reductions") or {}).get(hp),
@@ -922,10 +932,12 @@ def format_info(info: dict[str, Any], name: str) -> str:
         ))
     lines.append("")
     if rows:
-        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+        rows = [tuple(_printable(c) for c in r) for r in rows]  # (escaped before the columns are measured)
+        widths = [max(len(h), *(_columns(r[i]) for r in rows)) for i, h in enumerate(head)]
         numeric = {2, 5, 6, 7}
+        pad = lambda c, w: " " * (w - _columns(c))  # noqa: E731
         line = lambda cells: "  ".join(  # noqa: E731
-            c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))
+            pad(c, w) + c if i in numeric else c + pad(c, w) for i, (c, w) in enumerate(zip(cells, widths))
         ).rstrip()
         lines.append(line(head))
         lines.extend(line(r) for r in rows)

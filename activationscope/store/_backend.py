@@ -22,6 +22,7 @@ import queue
 import re
 import shutil
 import stat
+import tempfile
 import threading
 import uuid
 from collections.abc import Collection, Mapping
@@ -1655,6 +1656,55 @@ def check_remote_store_path(backend: Any) -> None:
     )
 
 
+def folds_names(folder: Path, a: str, b: str) -> bool:
+    """Whether the file system of the local ``folder`` takes the file names ``a`` and ``b`` for
+    one (macOS and Windows fold case and Unicode normalization): a file ``a`` is made in a new
+    temporary folder there (``.names-<...>.tmp``, which readers ignore) and ``b`` looked up
+    beside it; the folder is removed."""
+    probe = Path(tempfile.mkdtemp(prefix=".names-", suffix=".tmp", dir=folder))
+    try:
+        (probe / a).touch()
+        return os.path.lexists(probe / b)
+    finally:
+        shutil.rmtree(probe, ignore_errors=True)
+
+
+_PERCENT_ESCAPE = re.compile(r"%[0-9A-Fa-f]{2}")
+
+
+def _refuse_misread_file_url(target: str) -> None:
+    """Refuse the ``file:`` URLs whose path would be read other than the URL standard (RFC 8089)
+    reads it: a local path is ``file://`` followed by the path as it is (``file:///runs/a.zarr``
+    is ``/runs/a.zarr``), so ``file:/runs/a.zarr`` would be a folder ``file:`` in the current
+    one, ``file://localhost/runs/a.zarr`` a folder ``localhost``, and the ``%20`` of
+    ``pathlib.Path.as_uri()`` a ``%20`` in the folder's name. ArgumentValueError naming the URL
+    and the path to give instead."""
+    if target.startswith("file:") and not target.startswith("file://"):
+        raise ArgumentValueError(
+            f"path {target!r} must be a local path or a file:// URL (two slashes before the path, "
+            f"file:///runs/a.zarr for /runs/a.zarr), got a 'file:' URL that would be read as a path relative to the "
+            f"current folder; give {'file://' + target[len('file:'):]!r} or the path {target[len('file:'):]!r} "
+            f"({'./' + target!r} for a folder of that name)"
+        )
+    if not target.startswith("file://"):
+        return
+    path = target[len("file://"):]
+    if path == "localhost" or path.startswith("localhost/"):
+        raise ArgumentValueError(
+            f"path {target!r} names the host 'localhost', which is read as a folder 'localhost' in the current "
+            f"one (as fsspec reads it); give {'file://' + path[len('localhost'):]!r} or the path "
+            f"{path[len('localhost'):] or '/'!r}"
+        )
+    if _PERCENT_ESCAPE.search(path):
+        import urllib.parse
+
+        raise ArgumentValueError(
+            f"path {target!r} holds percent escapes (such as pathlib's Path.as_uri() writes), which are not "
+            f"decoded: the file or folder would be named with them; give the path itself, "
+            f"{urllib.parse.unquote(path)!r} (or {path!r} if that is its real name)"
+        )
+
+
 def expand_local(target: Any) -> Any:
     """``target`` with a leading ``~`` or ``~user`` of a local path expanded (as a shell does,
     ``os.path.expanduser``): a str without ``://``, a ``file://~...`` URL, or an
@@ -1667,6 +1717,7 @@ def expand_local(target: Any) -> Any:
             return Path(os.path.expanduser(fs))
         return target
     if isinstance(target, str):
+        _refuse_misread_file_url(target)
         if target.startswith("file://~"):
             return "file://" + os.path.expanduser(target[len("file://"):])
         if target.startswith("~") and "://" not in target:

@@ -11,6 +11,7 @@ import functools
 import hashlib
 import json
 import math
+import unicodedata
 from typing import Any
 
 import torch
@@ -111,9 +112,23 @@ def _whole_node_name(hook_point: str) -> str:
     out = hook_point.replace("%", "%25").replace("/", "%2F").replace("\\", "%5C").replace("\x00", "%00")
     if out.startswith("__"):
         out = "%5F" + out[1:]
-    if out in (".", ".."):
+    if out in (".", "..") or folded(out) == "zarr.json":  # (a folder named as its group's document)
         out = out.replace(".", "%2E")
     return out
+
+
+def spelled_alike(a: str, b: str) -> str:
+    """`` (written ...)`` with both names in ASCII escapes when they print alike (``é`` as one
+    character and as ``e`` plus a combining accent), else nothing: for a message naming both."""
+    if unicodedata.normalize("NFC", a) != unicodedata.normalize("NFC", b):
+        return ""
+    return f" (written {ascii(a)} and {ascii(b)})"
+
+
+def folded(name: str) -> str:
+    """``name`` as a file system that folds case and Unicode normalization (macOS, Windows)
+    compares it: ``"Zarr.JSON"`` and ``"zarr.json"`` are one file there."""
+    return unicodedata.normalize("NFC", unicodedata.normalize("NFD", name).casefold())
 
 
 def node_names(hook_point: str) -> tuple[str, ...]:
@@ -125,7 +140,8 @@ def node_names(hook_point: str) -> tuple[str, ...]:
 
 
 def node_name(hook_point: str) -> str:
-    """The Zarr node name of a hook point (``/``, ``\\``, NUL and a leading ``__`` escaped with ``%``).
+    """The Zarr node name of a hook point (``/``, ``\\``, NUL and a leading ``__`` escaped with
+    ``%``; the ``.`` of a hook point ``.``, ``..`` or ``zarr.json``, any case, as ``%2E``).
 
     A name longer than :data:`MAX_NODE_BYTES` UTF-8 bytes is cut to its first 100 bytes (at a
     character boundary) plus ``~`` and the first 16 hex digits of the sha256 of the hook point

@@ -229,6 +229,10 @@ class WriterLock:
             try:
                 root.mkdir(parents=True, exist_ok=True)
             except OSError as e:
+                if root.is_symlink():  # (a link to nothing: 'File exists' would say nothing of it)
+                    raise StoreError(f"store {str(self.backend)!r}: its path is a symbolic link to "
+                                     f"{os.readlink(root)!r}, which does not exist; create that folder (the store "
+                                     "is written into it), or choose another store path") from e
                 raise StoreError(f"store {str(self.backend)!r}: cannot create its folder: {e.strerror or e} "
                                  f"({e.filename or root}); choose a store path where this process may create "
                                  "folders") from e

@@ -57,7 +57,7 @@ from .._safeio import batch_order, read_parquet_part, row_part_problem
 from . import _decode
 from . import _format as F
 from . import _validate as V
-from ._backend import (LocalBackend, _kind, check_backend_not_in_store, check_remote_store_path,
+from ._backend import (LocalBackend, _kind, check_backend_not_in_store, check_remote_store_path, folds_names,
                        open_regular, refuse_foreign_entries, resolve,
                        store_above, write_root_first)
 
@@ -3706,6 +3706,32 @@ def _copy_write(dst: Any, key: str, data: bytes) -> None:
             "with overwrite=True") from e
 
 
+def _refuse_folded_keys(src: Any, dst: LocalBackend) -> None:
+    """copy_store into a local folder whose file system folds case and Unicode normalization
+    (macOS, Windows): refuse a source two of whose objects would be one file there (the
+    arrays of hook points ``d.Attn.output`` and ``d.attn.output``, stored apart on Linux or
+    object storage), before anything is written: the copy would read the rows of one as the
+    other's."""
+    seen: dict[str, str] = {}
+    probed: dict[tuple[str, str], bool] = {}
+    for key in sorted(src.list("")):
+        if key.endswith(".tmp"):
+            continue
+        other = seen.setdefault(F.folded(key), key)
+        if other == key:
+            continue
+        a, b = next((x, y) for x, y in zip(other.split("/"), key.split("/")) if x != y)  # the names that differ
+        if (a, b) not in probed:
+            probed[(a, b)] = folds_names(dst.root, a, b)
+        if probed[(a, b)]:
+            raise StoreError(
+                f"source {str(src)!r} of copy_store holds {other!r} and {key!r}{F.spelled_alike(other, key)}, which "
+                f"differ only in case or Unicode normalization, and the file system of {str(dst)!r} does not tell "
+                f"such names apart: the copy would hold them as one file, and read the rows of one hook point as "
+                f"another's; nothing was copied. Copy to a case-sensitive file system or to object storage"
+            )
+
+
 def copy_store(source: Any, target: Any, *, overwrite: bool = False, storage_options: dict | None = None) -> None:
     """Copy every object of a store (e.g. an in-memory one) to ``target``; root metadata last.
 
@@ -3747,6 +3773,9 @@ def copy_store(source: Any, target: Any, *, overwrite: bool = False, storage_opt
         started, whenever no commit lands while the copy runs. Or the source's root names a
         format version newer than this reader's (its files are known only to a newer
         activationscope); nothing is changed.
+        Or ``target`` is a local folder whose file system takes two of the source's objects for
+        one file (names that differ only in case or Unicode normalization, on macOS or Windows);
+        nothing is copied.
     StoreCorruptError
         The source holds a file that is not a regular file inside it (a symlink leaving it,
         a FIFO, a device): nothing is copied through it.
@@ -3800,6 +3829,8 @@ def copy_store(source: Any, target: Any, *, overwrite: bool = False, storage_opt
                     f"would already have deleted the store at {str(dst)!r}; nothing was changed. Copy once the writer "
                     f"has finished (activationscope info shows status complete), or copy into a new path (a copy "
                     f"failing there loses nothing){gone}")
+        if isinstance(dst, LocalBackend):
+            _refuse_folded_keys(src, dst)
         # FORMAT.md section 7: the root of the copy's run comes first (incomplete, no rows), over the old
         # store's root, then the old objects go, then the copy's objects, its own root last. Killed at any
         # point, the target is the old store intact or an incomplete store listing no row of the old one;

@@ -60,6 +60,7 @@ from . import _validate as V
 from ._backend import (LocalBackend, ran_out_of_room, check_backend_not_in_store, check_local_store_path, check_remote_store_path,
                        refuse_foreign_entries, resolve, write_root_first)
 from ._backend import _inside as _inside_folder
+from ._backend import folds_names as _folds_names
 from ._format import KEPT_SUFFIX, committed_reduction_files, committed_reduction_groups
 from ._lock import WriterLock
 
@@ -111,6 +112,10 @@ def _stop_hashes_at_exit() -> None:
             identity.cancel()
         except Exception:  # noqa: BLE001 - exiting: never mask the process's own outcome
             pass
+
+
+_folded = F.folded
+_spelled = F.spelled_alike
 
 
 def _remove_staging(core: Any, staging: str, pid: int) -> None:
@@ -1218,6 +1223,8 @@ class StoreWriter:
                                                        os.getpid())
         self._threads_stopped = False
         self._arrays: dict[str, _Array] = {}
+        # _refuse_folded_node: the folded node name of each array -> (hook point, node name)
+        self._folded_nodes: dict[str, tuple[str, str]] | None = None
         self._order: list[_Array] = []  # the arrays in the order opened: _Batch.cums and _counts follow it
         self._counts = _native.load().RowCounts()  # each array's rows at the last recorded batch
         self._pending: list[_Batch] = []
@@ -1927,6 +1934,8 @@ class StoreWriter:
                                                                 compressed=self._compression is not None)
                 compression = F.codec_for_array(self._compression, name)
                 committed = 0
+            if old is None:
+                self._refuse_folded_node(hook_point, node)
             arr = _Array(hook_point, node, f"acts/{node}", feature_shape, name, row_kind, chunk_rows, shard_chunks,
                          compression, committed_rows=committed)
             if old is None and isinstance(self._backend, LocalBackend):  # (a stored array's: checked by the resume)
@@ -1973,6 +1982,40 @@ class StoreWriter:
                 self._unrecorded.append(arr)
             self._reserve([f"{arr.path}/zarr.json", f"{arr.path}/manifest.json"])
             return writer
+
+    def _refuse_folded_node(self, hook_point: str, node: str) -> None:
+        """A new hook point whose node name equals another array's of this store but for case
+        or Unicode normalization (``d.Attn.output`` and ``d.attn.output``; ``é`` written as one
+        character or as ``e`` and an accent): a file system that folds names (macOS, Windows,
+        ext4 with casefold) keeps both arrays' shards in one folder, so one hook point's rows
+        would be read as the other's. Refused (StoreError, before anything of it is written)
+        when the folder its shards are written in (the store's, or the staging folder of a
+        remote store) folds the two names; elsewhere the capture goes on and a warning says
+        that such a store cannot be copied to one that does."""
+        if self._folded_nodes is None:  # (the stored arrays' node names, once)
+            stored = ((hp, str(meta.get("path", "")).partition("/")[2]) for hp, meta in self._old_arrays.items())
+            self._folded_nodes = {_folded(n): (hp, n) for hp, n in stored}
+        key = _folded(node)
+        other, other_node = self._folded_nodes.get(key, (None, node))
+        if other_node == node:
+            self._folded_nodes[key] = (hook_point, node)
+            return
+        if _folds_names(self._staging, node, other_node):
+            staging = f" (its staging folder {str(self._staging)!r})" if self._own_staging else ""
+            raise StoreError(
+                f"hook points {other!r} and {hook_point!r}{_spelled(other, hook_point)} differ only in case or "
+                f"Unicode normalization, and the file system of store {str(self._backend)!r}{staging} does not tell "
+                f"such names apart: both arrays would be one folder, and the rows of one read as the other's; rename one module, "
+                f"leave one out (track(exclude=...) or exclude_hook_points=[{hook_point!r}]), or capture into a "
+                f"store on a case-sensitive file system"
+            )
+        warnings.warn(
+            f"store {str(self._backend)!r}: hook points {other!r} and {hook_point!r}{_spelled(other, hook_point)} differ "
+            f"only in case or Unicode "
+            f"normalization: they are stored apart here, but a copy of this store on a file system that does not "
+            f"tell such names apart (macOS, Windows) holds one folder for both, and reads the rows of one as the "
+            f"other's; rename one module, or leave one out (exclude_hook_points=[{hook_point!r}])",
+            RuntimeWarning, stacklevel=stacklevel_outside_package())
 
     def _tail_reader(self) -> Any:
         """The reader of the committed rows of the partial last shards a resume re-feeds: one

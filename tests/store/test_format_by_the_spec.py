@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import unicodedata
 from pathlib import Path
 from typing import Optional
 
@@ -19,6 +20,7 @@ import pytest
 import torch
 import zarr
 from acs_testing import small_transformer, toy_mlp
+from hostile import _Mean
 
 import activationscope as acs
 from activationscope.reductions import script_reduction
@@ -42,7 +44,7 @@ def spec_node_name(hook_point: str) -> str:
     out = hook_point.replace("%", "%25").replace("/", "%2F").replace("\\", "%5C").replace("\x00", "%00")
     if out.startswith("__"):
         out = "%5F_" + out[2:]
-    if out in (".", ".."):
+    if out in (".", "..") or unicodedata.normalize("NFC", unicodedata.normalize("NFD", out).casefold()) == "zarr.json":
         out = out.replace(".", "%2E")
     raw = out.encode("utf-8")
     if len(raw) > 128:
@@ -268,10 +270,15 @@ def stores(tmp_path_factory):
         _samples("memory://spec/copied.zarr", compression="zstd", batches=2)
         copy_store("memory://spec/copied.zarr", base / "copied.zarr")
     w = StoreWriter(base / "names.zarr", capture_config={}, model=None, storage_dtype=None, chunk_rows=2, shard_rows=4)
-    for i, hp in enumerate([".", "..", "a/b%c.output", "__init__.output", "x" * 140 + ".output", "é.output"]):
-        w.open_array(hp, (2, 3), torch.float32, "sample").append(torch.arange(30.0).view(5, 2, 3) + i)
+    names = [".", "..", "a/b%c.output", "__init__.output", "x" * 140 + ".output", "é.output", "zarr.json",
+             "Zarr.JSON"]  # (a TransformerLens HookPoint 'json' under a module 'zarr': named as its group's document)
+    with pytest.warns(RuntimeWarning, match="'zarr.json' and 'Zarr.JSON' differ only in case"):
+        for i, hp in enumerate(names):
+            w.open_array(hp, (2, 3), torch.float32, "sample").append(torch.arange(30.0).view(5, 2, 3) + i)
     w.open_array("empty.output", (3, 0), torch.float32, "sample").append(torch.zeros(5, 3, 0))
     w.add_batch(5, list(range(5)), None, {})
+    w.commit()
+    w.add_reductions("zarr.json", "mean", _Mean((torch.arange(30.0).view(5, 2, 3) + 6).double().mean(0)))
     w.close()
     w = StoreWriter(base / "empty_zstd.zarr", capture_config={}, model=None, storage_dtype=None, chunk_rows=2,
                     shard_rows=4, compression="zstd")

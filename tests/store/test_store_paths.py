@@ -4,6 +4,7 @@ should go, resume=True with nothing to resume, compression levels out of range."
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -41,6 +42,27 @@ def test_scope_on_a_regular_file(tmp_path, overwrite):
             model(torch.randn(1, 2))
     assert not isinstance(e.value, NotADirectoryError)
     assert f.read_bytes() == b"not a store"
+
+
+def test_a_store_path_that_is_a_link_to_nothing_says_so(tmp_path):
+    """A symbolic link to a folder that does not exist (yet) is named with its target, not
+    refused as 'File exists'; once the folder is made, the store is written into it."""
+    (tmp_path / "run.zarr").symlink_to(tmp_path / "disk" / "run")
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    x = torch.randn(3, 2)
+    fix = f"its path is a symbolic link to {str(tmp_path / 'disk' / 'run')!r}, which does not exist; create that folder"
+    with pytest.raises(StoreError, match=re.escape(fix)):
+        StoreWriter(str(tmp_path / "run.zarr"))
+    with pytest.raises(StoreError, match=re.escape(fix)):
+        with acs.ActivationScope(store=str(tmp_path / "run.zarr")).track(model):
+            model(x)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.zarr"]
+    (tmp_path / "disk" / "run").mkdir(parents=True)
+    with acs.ActivationScope(store=str(tmp_path / "run.zarr")).track(model), torch.no_grad():
+        model(x)
+    with torch.no_grad():
+        torch.testing.assert_close(acs.open_store(str(tmp_path / "run.zarr"))["0.output"], model(x), rtol=0, atol=0)
+    assert (tmp_path / "disk" / "run" / "zarr.json").is_file()
 
 
 def test_resume_with_nothing_to_resume(tmp_path):
@@ -161,6 +183,43 @@ def test_tilde_is_expanded_in_every_local_store_path(tmp_path, monkeypatch):
     w.close()
     assert np.array_equal(acs.open_store(str(home / "w.zarr"))["x"].numpy(), np.ones((3, 2), np.float32))
     assert not any(p.name == "~" for p in work.rglob("*")) and not (work / "~").exists()
+
+
+@pytest.mark.parametrize("url, fix", [
+    ("file:{path}", "give 'file://{path}' or the path '{path}'"),
+    ("file://localhost{path}", "give 'file://{path}' or the path '{path}'"),
+    ("file://{quoted}", "give the path itself, '{path}'"),
+])
+def test_a_file_url_read_other_than_the_standard_reads_it_is_refused(tmp_path, monkeypatch, capsys, url, fix):
+    """``file:/p`` (one slash), ``file://localhost/p`` and the ``%20`` of ``Path.as_uri()``
+    name ``/p`` and ``/my run.zarr`` by the URL standard, but would be read as a folder
+    ``file:`` or ``localhost`` in the current folder, or a folder named with ``%20``: each is
+    refused naming the path to give, for a capture, a writer, a reader, a dataset and the CLI,
+    and nothing is made anywhere."""
+    from pathlib import Path
+
+    from activationscope import cli
+    from activationscope.data import ActivationDataset
+
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    path = str(tmp_path / "my run.zarr")
+    url = url.format(path=path, quoted=Path(path).as_uri()[len("file://"):])
+    fix = fix.format(path=path)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    with pytest.raises(acs.ActivationScopeError, match=re.escape(fix)) as e:
+        with acs.ActivationScope(store=url).track(model):
+            model(torch.randn(1, 2))
+    assert isinstance(e.value, ValueError)
+    for call in (lambda: StoreWriter(url), lambda: acs.open_store(url), lambda: ActivationDataset(url)):
+        with pytest.raises(ValueError, match=re.escape(fix)):
+            call()
+    for command in ("info", "verify"):
+        capsys.readouterr()
+        assert cli.main([command, url]) == 1
+        assert fix in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["work"] and not any(work.iterdir())
 
 
 def test_hook_points_with_names_longer_than_a_file_name_are_stored_and_read_back(tmp_path):
