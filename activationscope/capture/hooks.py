@@ -177,8 +177,7 @@ def select_modules(
                        or f"; module names look like {_examples(names)}" + _hook_point_hint(pat, names, named))
                 )
             if bracket:
-                warnings.warn(f"include pattern {pat!r} selects {_examples(hits)}{bracket}", CaptureWarning,
-                              stacklevel=stacklevel_outside_package())
+                warn_at_caller(f"include pattern {pat!r} selects {_examples(hits)}{bracket}", CaptureWarning)
             included.update(hits)
         chosen = [(n, m) for n, m in named if n in included and (n not in never_called or n in include)]
     chosen = _replace_scripted(model, named, chosen, explicit=include is not None)
@@ -189,8 +188,7 @@ def select_modules(
             hits = pattern_hits(pat, names)
             bracket = _bracket_hint(pat, names, hits, "exclude")
             if bracket and hits:
-                warnings.warn(f"exclude pattern {pat!r} leaves out {_examples(hits)}{bracket}", CaptureWarning,
-                              stacklevel=stacklevel_outside_package())
+                warn_at_caller(f"exclude pattern {pat!r} leaves out {_examples(hits)}{bracket}", CaptureWarning)
             if not hits:
                 close = _close_names(pat, names)
                 warn_at_caller(

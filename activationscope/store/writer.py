@@ -2009,13 +2009,12 @@ class StoreWriter:
                 f"leave one out (track(exclude=...) or exclude_hook_points=[{hook_point!r}]), or capture into a "
                 f"store on a case-sensitive file system"
             )
-        warnings.warn(
+        warn_at_caller(
             f"store {str(self._backend)!r}: hook points {other!r} and {hook_point!r}{_spelled(other, hook_point)} differ "
             f"only in case or Unicode "
             f"normalization: they are stored apart here, but a copy of this store on a file system that does not "
             f"tell such names apart (macOS, Windows) holds one folder for both, and reads the rows of one as the "
-            f"other's; rename one module, or leave one out (exclude_hook_points=[{hook_point!r}])",
-            RuntimeWarning, stacklevel=stacklevel_outside_package())
+            f"other's; rename one module, or leave one out (exclude_hook_points=[{hook_point!r}])", RuntimeWarning)
 
     def _tail_reader(self) -> Any:
         """The reader of the committed rows of the partial last shards a resume re-feeds: one
