@@ -353,14 +353,14 @@ def test_a_resumed_store_that_holds_an_integer_hook_point_cast_keeps_casting_it(
     assert got.dtype == torch.int64 and got.tolist() == [[1, 257, 2, 3]]
 
 
-class _FloatThenIds(torch.nn.Module):
+class _Echo(torch.nn.Module):
     def forward(self, x):
         return x
 
 
 def test_a_hook_point_first_floating_point_then_integer_is_cast_and_checked():
     # its rows have one dtype (the first call's, cast): an integer that cast would change is refused
-    model = torch.nn.Sequential(_FloatThenIds())
+    model = torch.nn.Sequential(_Echo())
     with pytest.raises(CaptureError) as err, torch.no_grad(), \
             ActivationScope(storage_dtype=torch.bfloat16).track(model) as tr:
         model(torch.tensor([[1.5, 2.0]]))
@@ -370,3 +370,20 @@ def test_a_hook_point_first_floating_point_then_integer_is_cast_and_checked():
     msg = str(err.value)
     assert "257 would be stored as 256" in msg
     assert "this one is cast because its first call was torch.float32" in msg and "(exclude= its module)" in msg
+
+
+def test_an_integer_hook_point_turning_floating_point_is_refused_without_advising_storage_dtype(tmp_path):
+    # its store array is int64 (not cast): the refusal advised "pass storage_dtype=", which
+    # casts floating-point hook points only
+    model, path = torch.nn.Sequential(_Echo()), tmp_path / "s.zarr"
+    with pytest.raises(CaptureError) as err, torch.no_grad(), \
+            ActivationScope(store=path, storage_dtype=torch.bfloat16).track(model):
+        model(torch.tensor([[1, 257]]))
+        model(torch.tensor([[1.5, 2.0]]))
+    msg = str(err.value)
+    assert "hook point '0.output' changed its dtype from torch.int64 to torch.float32 during the capture" in msg
+    assert msg.endswith("storage_dtype casts floating-point hook points only: capture each dtype into its own "
+                        "store, or exclude= its module.")
+    assert "ass storage_dtype=" not in msg
+    got = open_store(path)["0.output"][:]
+    assert got.dtype == torch.int64 and got.tolist() == [[1, 257]]
