@@ -284,6 +284,7 @@ def test_integer_and_bool_hook_points_keep_their_dtype(tmp_path, store, dtype):
     # bfloat16 (257 as 256; later refused): now only floating-point hook points are cast
     model = _Ids()
     batches = [torch.tensor([[0, 255, 257, 69999]]), torch.tensor([[1, 4097, 65537, 3]])]
+    ids_all = torch.cat(batches)
     kwargs = {"store": tmp_path / "s.zarr"} if store else {}
     scope = ActivationScope(capture="both", storage_dtype=dtype, reductions=["max"], **kwargs)
     with torch.no_grad(), scope.track(model, include=["emb", "mask"]) as tr:
@@ -306,6 +307,10 @@ def test_integer_and_bool_hook_points_keep_their_dtype(tmp_path, store, dtype):
         row = ActivationDataset(tmp_path / "s.zarr", hook_points=["emb.input.0", "mask.output"])[1]
         assert row["emb.input.0"].dtype == torch.int64 and row["emb.input.0"].tolist() == batches[1][0].tolist()
         assert row["mask.output"].dtype == torch.bool
+        from activationscope.data import export_arrow, read_arrow
+        table = read_arrow(export_arrow(tmp_path / "s.zarr", tmp_path / "e.arrow", ["emb.input.0", "emb.output"]))
+        assert table["emb.input.0"].dtype == torch.int64 and torch.equal(table["emb.input.0"], ids_all)
+        assert table["emb.output"].dtype == dtype
         red = s.reductions
     else:
         got = {hp: torch.cat(tr.activations[hp]) for hp in want}
