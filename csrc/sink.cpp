@@ -153,11 +153,22 @@ void Sink::check_integers(const at::Tensor& src, const at::Tensor& cast) {
   std::snprintf(bound, sizeof bound, "%.17g", exact);
   // (the advice in the words the CLI rewrites: cli._CLI_SPELLINGS)
   const bool input = name_.find(".input") != std::string::npos;
+  // storage_dtype casts floating-point hook points only (the Python side gives an integer or
+  // bool one no storage_dtype); an integer reaches a cast in two cases: a hook point whose first
+  // call was floating-point (its rows have one dtype), or a resumed store that holds the hook
+  // point cast (written by a version that cast every hook point).
+  const bool first_float = seen_dtype_ && (at::isFloatingType(*seen_dtype_) || at::isComplexType(*seen_dtype_));
+  const std::string why =
+      first_float ? c10::str("its first call was ", dtype_name(*seen_dtype_), " and a hook point's rows have one ",
+                             "dtype: leave the hook point out ")
+                  : c10::str("its store array holds ", dtype_name(dtype), " (a store written by an earlier version, ",
+                             "which cast integer hook points too): capture into a new store (or overwrite=True), where ",
+                             "it keeps its own dtype, or leave the hook point out ");
   ACS_CHECK(false, "hook point '", name_, "' is ", dtype_name(from), " and storage_dtype=", dtype_name(dtype),
             " changes its integers (", before, " would be stored as ", after, "; ", dtype_name(dtype),
             " holds every integer only up to ", bound, "), so the stored rows and their reductions would not be ",
-            "the captured values (token ids, indices); pass a storage_dtype that holds them (torch.float32: ",
-            "integers up to 2**24, torch.float64: up to 2**53) or none, or leave the hook point out ",
+            "the captured values (token ids, indices). storage_dtype casts floating-point hook points only; this ",
+            "one is cast because ", why,
             input ? "(exclude= its module, or capture=\"output\": it is an input of its module)" : "(exclude= its module)");
 }
 
@@ -534,15 +545,18 @@ void Sink::consume(const at::Tensor& x_in, const at::Tensor& token_mask) {
     // call keeps, reduces or writes anything.
     count_call(-1);
     auto half = [](at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; };
-    const bool autocast_like = at::isFloatingType(x.scalar_type()) && at::isFloatingType(*seen_dtype_) &&
-                               half(x.scalar_type()) != half(*seen_dtype_);
+    const bool floats = at::isFloatingType(x.scalar_type()) && at::isFloatingType(*seen_dtype_);
+    const bool autocast_like = floats && half(x.scalar_type()) != half(*seen_dtype_);
     ACS_CHECK(false, "hook point '", name_, "' changed its dtype from ", dtype_name(*seen_dtype_), " to ",
               dtype_name(x.scalar_type()), " during the capture; its store array holds ",
               dtype_name(*seen_dtype_), ". ",
               autocast_like ? "A forward under torch.autocast and one outside it (or under another autocast "
                               "dtype) give such a change: run every forward under the same autocast, or p"
-                            : "P",
-              "ass storage_dtype= to cast every row to one dtype, or capture each dtype into its own store.");
+                            : floats ? "P" : "",
+              // (storage_dtype casts floating-point hook points only: no fix for an integer or bool one)
+              floats ? "ass storage_dtype= to cast every row to one dtype, or capture each dtype into its own store."
+                     : "storage_dtype casts floating-point hook points only: capture each dtype into its own store, "
+                       "or exclude= its module.");
   }
 
   if (alias_of_) {

@@ -1174,25 +1174,51 @@ def test_data_of_another_float_dtype_than_the_model_names_both(tmp_path, user_mo
     assert not out.exists()
 
 
-def test_dtype_that_would_change_token_ids_is_one_line_in_flags(tmp_path, user_package, capsys):
-    # --capture both --dtype bfloat16 stored the embedding's input ids rounded (257 as 256)
+def test_dtype_casts_floats_only_and_keeps_token_ids_exact(tmp_path, user_package, capsys):
+    # --capture both --dtype bfloat16 stored the embedding's input ids rounded (257 as 256),
+    # later refused them: now the ids keep int64 and the floats are bfloat16
     user_package("idmodels", """
         import torch
         def embed():
             torch.manual_seed(0)
             return torch.nn.Sequential(torch.nn.Embedding(1000, 4), torch.nn.Linear(4, 2))
     """)
+    import json
+
+    import activationscope as acs
+    from idmodels.nets import embed
+
     ids = tmp_path / "ids.npy"
-    np.save(ids, np.array([[3, 257, 9], [1, 2, 4]], dtype=np.int64))
+    np.save(ids, np.array([[3, 257, 9], [1, 2, 999]], dtype=np.int64))
     out = tmp_path / "o.zarr"
     code, _, err = run(capsys, "capture", "--model", "idmodels.nets:embed", "--data", str(ids), "--out", str(out),
                        "--capture", "both", "--dtype", "bfloat16", "--no-progress")
-    assert code == 1
-    _one_error_line(err, "hook point '0.input.0' is torch.int64 and --dtype bfloat16 changes its integers",
-                    "257 would be stored as 256", "pass a --dtype that holds them (float32: integers up to 2**24",
-                    "or no --dtype", "(--exclude its module, or --capture output: it is an input of its module)")
-    assert "storage_dtype" not in err
-    assert not out.exists()
+    assert code == 0, err
+    s = acs.open_store(out)
+    got = torch.as_tensor(s["0.input.0"][:])
+    assert got.dtype == torch.int64 and got.tolist() == [[3, 257, 9], [1, 2, 999]]
+    with torch.no_grad():
+        want = embed()[0](torch.tensor([[3, 257, 9], [1, 2, 999]])).to(torch.bfloat16)
+    assert torch.equal(torch.as_tensor(s["0.output"][:]), want)
+    code, printed, _ = run(capsys, "info", str(out), "--json")
+    assert code == 0
+    arrays = json.loads(printed)["arrays"]
+    assert arrays["0.input.0"]["dtype"] == "int64" and arrays["0.output"]["dtype"] == "bfloat16"
+
+
+def test_dtype_refusal_of_a_cast_integer_is_in_flags():
+    from activationscope.cli import _cli_spelling
+
+    got = _cli_spelling(
+        "hook point '0.input.0' is torch.int64 and storage_dtype=torch.bfloat16 changes its integers (257 would be "
+        "stored as 256; ...). storage_dtype casts floating-point hook points only; this one is cast because its "
+        "store array holds torch.bfloat16 (...): capture into a new store (or overwrite=True), where it keeps its "
+        "own dtype, or leave the hook point out (exclude= its module, or capture=\"output\": it is an input of "
+        "its module)", "capture")
+    assert got.startswith("hook point '0.input.0' is torch.int64 and --dtype bfloat16 changes its integers")
+    assert "--dtype casts floating-point hook points only" in got and "(or --overwrite)" in got
+    assert "(--exclude its module, or --capture output: it is an input of its module)" in got
+    assert "storage_dtype" not in got and "overwrite=" not in got
 
 
 def test_dtype_that_overflows_is_one_line_in_flags(tmp_path, user_package, capsys):

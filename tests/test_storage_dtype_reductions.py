@@ -278,34 +278,117 @@ class _Nonzero(torch.nn.Module):
 
 
 @pytest.mark.parametrize("store", [True, False])
-@pytest.mark.parametrize("dtype, ok_ids, bad_id, shown", [
-    (torch.bfloat16, [0, 255, 256, 4096], 257, "257 would be stored as 256; torch.bfloat16 holds every integer only up to 256"),
-    (torch.float16, [0, 2047, 2048, 4096], 4097, "4097 would be stored as 4096; torch.float16 holds every integer only up to 2048"),
-])
-def test_integer_activations_a_storage_dtype_would_change_are_an_error(tmp_path, store, dtype, ok_ids, bad_id, shown):
-    # token ids captured as an input: cast to bfloat16, id 257 became 256 without a word
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_integer_and_bool_hook_points_keep_their_dtype(tmp_path, store, dtype):
+    # capture="both" with storage_dtype=bfloat16 cast the embedding's input token ids to
+    # bfloat16 (257 as 256; later refused): now only floating-point hook points are cast
     model = _Ids()
-    first = torch.tensor([ok_ids])
+    batches = [torch.tensor([[0, 255, 257, 69999]]), torch.tensor([[1, 4097, 65537, 3]])]
+    ids_all = torch.cat(batches)
     kwargs = {"store": tmp_path / "s.zarr"} if store else {}
     scope = ActivationScope(capture="both", storage_dtype=dtype, reductions=["max"], **kwargs)
-    with pytest.raises(CaptureError) as err, torch.no_grad(), scope.track(model, include=["emb", "mask"]) as tr:
-        model(first)                                  # integers the dtype holds: kept
-        model(torch.tensor([[1, bad_id, 2, 3]]))      # one it does not: refused
-    msg = str(err.value)
-    assert "hook point 'emb.input.0' is torch.int64 and storage_dtype=" + str(dtype) in msg
-    assert shown in msg and '(exclude= its module, or capture="output": it is an input of its module)' in msg
-    assert "pass a storage_dtype that holds them (torch.float32" in msg
-    if store:  # the store keeps the forward before, its ids exact
+    with torch.no_grad(), scope.track(model, include=["emb", "mask"]) as tr:
+        for ids in batches:
+            model(ids)
+    ids = torch.cat(batches)
+    want = {"emb.input.0": ids, "mask.input.0": ids, "mask.output": ids != 0,
+            "emb.output": model.emb(ids).detach().to(dtype)}
+    if store:
         s = open_store(tmp_path / "s.zarr")
-        assert s.n_rows("emb.input.0") == 1
-        assert s["emb.input.0"][:].double().tolist() == [[float(i) for i in ok_ids]]
-        assert s["mask.output"][:].tolist() == [[i != 0 for i in ok_ids]]  # bools are exact in any float
+        assert s.attrs["storage_dtype"] == str(dtype).replace("torch.", "")
+        got = {hp: torch.as_tensor(s[hp][:]) for hp in want}
+        assert s.rows("emb.input.0", 1, 2).dtype == torch.int64
+        assert {hp: a["dtype"] for hp, a in s.info()["arrays"].items()} == {  # (mask.input.0: an alias)
+            "emb.input.0": "int64", "mask.output": "bool", "emb.output": str(dtype).replace("torch.", "")}
+        import zarr  # a reader that is not ours: the array's own metadata says the stored dtype
+        group = zarr.open_group(str(tmp_path / "s.zarr"), mode="r")
+        assert str(group["acts/emb.input.0"].dtype) == "int64"
+        from activationscope import ActivationDataset
+        row = ActivationDataset(tmp_path / "s.zarr", hook_points=["emb.input.0", "mask.output"])[1]
+        assert row["emb.input.0"].dtype == torch.int64 and row["emb.input.0"].tolist() == batches[1][0].tolist()
+        assert row["mask.output"].dtype == torch.bool
+        from activationscope.data import export_arrow, read_arrow
+        table = read_arrow(export_arrow(tmp_path / "s.zarr", tmp_path / "e.arrow", ["emb.input.0", "emb.output"]))
+        assert table["emb.input.0"].dtype == torch.int64 and torch.equal(table["emb.input.0"], ids_all)
+        assert table["emb.output"].dtype == dtype
+        red = s.reductions
     else:
-        assert [r.double().tolist() for r in tr.activations["emb.input.0"]] == [[[float(i) for i in ok_ids]]]
-    # the fix the message names: a storage_dtype that holds them
-    ids = torch.tensor([[1, bad_id, 69999, 3]])
-    with torch.no_grad(), ActivationScope(capture="both", storage_dtype=torch.float32, **{
-            k: tmp_path / "f.zarr" for k in kwargs}).track(model, include=["emb"]) as tr:
-        model(ids)
-    got = open_store(tmp_path / "f.zarr")["emb.input.0"][:] if store else tr.activations["emb.input.0"][0]
-    assert got.dtype == torch.float32 and got.long().tolist() == ids.tolist()
+        got = {hp: torch.cat(tr.activations[hp]) for hp in want}
+        red = tr.reductions
+    for hp, w in want.items():
+        assert got[hp].dtype == w.dtype, hp
+        assert torch.equal(got[hp], w), hp
+    assert red["emb.input.0"]["max"].tolist() == ids.max(0).values.tolist()  # the uncast ids, exactly
+
+
+def test_a_resumed_store_that_holds_an_integer_hook_point_cast_keeps_casting_it(tmp_path, monkeypatch):
+    # a store written when storage_dtype cast every hook point holds the ids as bfloat16: a
+    # resume casts them again (one dtype per array), and an id bfloat16 would change is refused
+    from activationscope.capture.scope import Tracker
+
+    model, path = _Ids(), tmp_path / "s.zarr"
+
+    def capture(ids, resume, **options):
+        scope = ActivationScope(capture="both", storage_dtype=torch.bfloat16, reductions=["max"],
+                                store=path, store_options={"resume": resume, **options})
+        with torch.no_grad(), scope.track(model, include=["emb"]):
+            for x in ids:
+                model(x)
+
+    with monkeypatch.context() as m:  # the earlier version: every hook point cast
+        m.setattr(Tracker, "_cast_dtype", lambda self, name, tensor: self.scope.storage_dtype)
+        capture([torch.tensor([[0, 255, 256, 4096]])], False)
+    assert open_store(path).info()["arrays"]["emb.input.0"]["dtype"] == "bfloat16"
+    capture([torch.tensor([[1, 2, 3, 4]])], True)
+    s = open_store(path)
+    assert s.info()["arrays"]["emb.input.0"]["dtype"] == "bfloat16"
+    assert s["emb.input.0"][:].double().tolist() == [[0.0, 255.0, 256.0, 4096.0], [1.0, 2.0, 3.0, 4.0]]
+    with pytest.raises(CaptureError) as err:
+        capture([torch.tensor([[1, 257, 2, 3]])], True)
+    msg = str(err.value)
+    assert "hook point 'emb.input.0' is torch.int64 and storage_dtype=torch.bfloat16 changes its integers" in msg
+    assert "257 would be stored as 256; torch.bfloat16 holds every integer only up to 256" in msg
+    assert "its store array holds torch.bfloat16 (a store written by an earlier version" in msg
+    assert "capture into a new store (or overwrite=True), where it keeps its own dtype" in msg
+    assert open_store(path).n_rows("emb.input.0") == 2  # the stored rows kept, the refused forward not added
+    assert open_store(path)["emb.input.0"][:].double().tolist() == [[0.0, 255.0, 256.0, 4096.0], [1.0, 2.0, 3.0, 4.0]]
+    # the fix the message names: a new store, where the ids keep their dtype
+    capture([torch.tensor([[1, 257, 2, 3]])], False, overwrite=True)
+    got = open_store(path)["emb.input.0"][:]
+    assert got.dtype == torch.int64 and got.tolist() == [[1, 257, 2, 3]]
+
+
+class _Echo(torch.nn.Module):
+    def forward(self, x):
+        return x
+
+
+def test_a_hook_point_first_floating_point_then_integer_is_cast_and_checked():
+    # its rows have one dtype (the first call's, cast): an integer that cast would change is refused
+    model = torch.nn.Sequential(_Echo())
+    with pytest.raises(CaptureError) as err, torch.no_grad(), \
+            ActivationScope(storage_dtype=torch.bfloat16).track(model) as tr:
+        model(torch.tensor([[1.5, 2.0]]))
+        model(torch.tensor([[3, 256]]))
+        assert [r.dtype for r in tr.activations["0.output"]] == [torch.bfloat16] * 2
+        model(torch.tensor([[3, 257]]))
+    msg = str(err.value)
+    assert "257 would be stored as 256" in msg
+    assert "this one is cast because its first call was torch.float32" in msg and "(exclude= its module)" in msg
+
+
+def test_an_integer_hook_point_turning_floating_point_is_refused_without_advising_storage_dtype(tmp_path):
+    # its store array is int64 (not cast): the refusal advised "pass storage_dtype=", which
+    # casts floating-point hook points only
+    model, path = torch.nn.Sequential(_Echo()), tmp_path / "s.zarr"
+    with pytest.raises(CaptureError) as err, torch.no_grad(), \
+            ActivationScope(store=path, storage_dtype=torch.bfloat16).track(model):
+        model(torch.tensor([[1, 257]]))
+        model(torch.tensor([[1.5, 2.0]]))
+    msg = str(err.value)
+    assert "hook point '0.output' changed its dtype from torch.int64 to torch.float32 during the capture" in msg
+    assert msg.endswith("storage_dtype casts floating-point hook points only: capture each dtype into its own "
+                        "store, or exclude= its module.")
+    assert "ass storage_dtype=" not in msg
+    got = open_store(path)["0.output"][:]
+    assert got.dtype == torch.int64 and got.tolist() == [[1, 257]]

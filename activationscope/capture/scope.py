@@ -269,12 +269,17 @@ class ActivationScope:
         ``chunk_rows``, ``shard_bytes``, ``provenance``, ...), see
         :class:`activationscope.store.StoreWriter`.
     storage_dtype : torch.dtype, optional
-        Cast stored activations (e.g. ``torch.bfloat16`` to halve memory and disk). Records,
-        stored rows and reductions are all the cast values (a reduction equals the float64
-        statistic of ``store[hook_point]``). A cast that turns a finite value into inf, or
-        an integer into another one (token id 257 in bfloat16, which holds every integer only
-        up to 256), raises :class:`CaptureError` naming the hook point; a resume must use the
-        store's ``storage_dtype``.
+        Cast the activations of floating-point hook points (float16, bfloat16, float32,
+        float64) to it (e.g. ``torch.bfloat16`` to halve memory and disk); integer and bool
+        hook points (token ids as an input, argmax outputs, masks) keep their own dtype, in
+        records and in the store. Records, stored rows and reductions are all the stored
+        values (a reduction equals the float64 statistic of ``store[hook_point]``). A cast
+        that turns a finite value into inf raises :class:`CaptureError` naming the hook
+        point, as does a complex hook point (the cast would drop its imaginary part). A resume
+        must use the store's ``storage_dtype``; an integer hook point that a store written by
+        an earlier version holds cast (its array is ``storage_dtype``) is cast again, and an
+        integer the cast would change (token id 257 in bfloat16, which holds every integer
+        only up to 256) raises :class:`CaptureError`.
     capture_parameters : bool, default False
         Snapshot the model's parameters when the tracker attaches
         (``tracker.parameters``).
@@ -1819,7 +1824,7 @@ class Tracker:
             snapshot=scope.capture_mode is CaptureMode.SNAPSHOT or scope.storage_dtype is not None,
             keep=keep,
             placement=_PLACEMENT_CODE[scope.storage],
-            storage_dtype=scope.storage_dtype,
+            storage_dtype=self._cast_dtype(name, tensor),
             arena=self._arena,
             row_kind=1 if token else (0 if decided is False else -1),
             module=self._module_of(name),  # named by the native layout check of later calls
@@ -1856,7 +1861,7 @@ class Tracker:
                 self.writer.add_alias(name, target)
         elif self.writer is not None:
             feature_shape = tuple(tensor.shape[2:] if token else tensor.shape[1:]) if tensor.dim() else ()
-            dtype = scope.storage_dtype or tensor.dtype
+            dtype = self._cast_dtype(name, tensor) or tensor.dtype
             sink.set_writer(
                 self.writer.open_array(name, feature_shape, dtype, "token" if token else "sample")
             )
@@ -2005,10 +2010,25 @@ class Tracker:
             "capture with capture_mode=CaptureMode.REFERENCE and no reductions keeps such a tensor as it is"
         )
 
+    def _cast_dtype(self, name: str, tensor: torch.Tensor) -> torch.dtype | None:
+        """The dtype the rows of hook point ``name`` are cast to (None: kept as they are), from
+        its first activation ``tensor``: ``storage_dtype`` for a floating-point one (a complex
+        one is refused by :meth:`_check_dtype`); an integer or bool one keeps its dtype, except
+        where a resumed store holds it cast to ``storage_dtype`` (written by an earlier version,
+        which cast every hook point): cast again, so its array keeps one dtype (the native sink
+        refuses an integer the cast would change)."""
+        dtype = self.scope.storage_dtype
+        if dtype is None or tensor.is_floating_point() or tensor.is_complex():
+            return dtype
+        stored = getattr(self.writer, "stored_dtype", None)
+        if stored is not None and stored(name) == str(dtype).replace("torch.", ""):
+            return dtype
+        return None
+
     def _check_dtype(self, name: str, tensor: torch.Tensor) -> None:
         """Refuse, before the hook point's first row is kept, a dtype its destination cannot
         hold exactly."""
-        dtype = self.scope.storage_dtype
+        dtype = self._cast_dtype(name, tensor)
         if dtype is not None and tensor.is_complex() and not dtype.is_complex:
             raise CaptureError(
                 f"hook point {name!r} is complex ({tensor.dtype}) but storage_dtype={dtype} is real: the cast would "
@@ -3015,7 +3035,8 @@ class Tracker:
     def activations(self) -> dict[str, list[torch.Tensor]]:
         """``{hook_point: [Tensor per captured call]}`` kept in memory.
 
-        Each tensor has the activation's own shape and dtype (``storage_dtype`` if given),
+        Each tensor has the activation's own shape and dtype (``storage_dtype`` if given and
+        the activation is floating-point),
         on the host (or the activation's device with ``StoragePolicy.GPU``). SNAPSHOT records
         are the tracker's own copies (each owning exactly its bytes in a pooled staging slab,
         alive as long as you hold them); REFERENCE records are the model's tensors, detached

@@ -76,6 +76,11 @@ class ActivationWriter(Protocol):
     def committed_rows(self, hook_point: str) -> int:
         """Rows of ``hook_point`` committed before the writer opened (resume; 0 otherwise)."""
 
+    def stored_dtype(self, hook_point: str) -> str | None:
+        """Optional: the dtype name of ``hook_point``'s array when the writer opened (resume), or
+        None. A resume casts an integer hook point stored as ``storage_dtype`` (an earlier
+        version cast every hook point) again; a writer without it keeps integers uncast."""
+
     def stored_reduction_state(self, hook_point: str, name: str, kind: str, options: Any = None, *,
                                script: Any = ...) -> Any:
         """``(state, rows covered)`` of a reduction stored by an earlier run with this kind and

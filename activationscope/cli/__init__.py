@@ -229,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reduce", type=_specs, default=None, metavar="NAMES",
                    help="built-in reductions, comma separated, options in brackets, e.g. "
                         "mean,var[ddof=1],nonzero,hist[lo=-4,hi=4,bins=64],topk[k=5]")
-    p.add_argument("--dtype", choices=STORAGE_DTYPES, default=None, help="store activations as this dtype")
+    p.add_argument("--dtype", choices=STORAGE_DTYPES, default=None, help="store floating-point activations as this dtype (integer and bool ones keep theirs)")
     p.add_argument("--compression", choices=COMPRESSIONS, default=None, help="chunk compression (default: none)")
     p.add_argument("--shard-bytes", type=_size, default=None, metavar="BYTES",
                    help="target bytes per shard file, e.g. 4MiB (default: 64 MiB but at most 16384 rows); rows are "
@@ -421,8 +421,7 @@ _CLI_SPELLINGS = (
     ('(exclude= its module, or capture="output": it is an input of its module)',
      "(--exclude its module, or --capture output: it is an input of its module)"),
     ("(exclude= its module)", "(--exclude its module)"),
-    ("pass a storage_dtype that holds them (torch.float32: integers up to 2**24, torch.float64: up to 2**53) or none",
-     "pass a --dtype that holds them (float32: integers up to 2**24, float64: up to 2**53) or no --dtype"),
+    ("storage_dtype casts floating-point hook points only", "--dtype casts floating-point hook points only"),
     ("pass a wider storage_dtype (torch.bfloat16 keeps float32's range, or torch.float32), or none",
      "pass a wider --dtype (bfloat16 keeps float32's range, or float32), or no --dtype"),
     ("resume with the same include=/exclude=/capture= as the first run",

@@ -3350,6 +3350,15 @@ class StoreWriter:
                 self.aliases[hook_point] = target
                 self._unrecorded_aliases.add(hook_point)
 
+    def stored_dtype(self, hook_point: str) -> str | None:
+        """The dtype name (``"bfloat16"``, ``"int64"``, ...) of the array that held
+        ``hook_point`` (or the target of its alias) when this writer opened; None for a hook
+        point the store did not hold (a new store: always None). A resume casts a stored
+        integer hook point whose array holds ``storage_dtype`` (written by an earlier version)
+        again, so the array keeps one dtype."""
+        meta = self._old_arrays.get(self.aliases.get(hook_point, hook_point))
+        return None if meta is None else meta.get("dtype")
+
     def committed_rows(self, hook_point: str) -> int:
         """Rows of ``hook_point`` committed before this writer opened (0 for a new array)."""
         old = self._old_arrays.get(hook_point)
