@@ -1972,7 +1972,9 @@ class Tracker:
                     found = sorted(found + self._watch_by_storage[None])
                 others = [other for _, other in found if other != name and other not in self._watch_targets]
             others = [other for other in others if self._sinks[other].row_kind == row_kind]
-            i = _C.last_match(tensor, [self._sinks[other] for other in others])  # latest first
+            # (latest first; none to compare: no native call, whose GIL release and take-back
+            # cost more than the search on a capture whose writer threads run)
+            i = _C.last_match(tensor, [self._sinks[other] for other in others]) if others else -1
             target = others[i] if i >= 0 else None
             if target is not None and self.writer is not None and name not in stored:
                 # the same tensor maybe only because a dropout in eval mode returns its input:
