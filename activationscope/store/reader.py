@@ -434,10 +434,10 @@ class Store:
         # resume killed before its next commit, that chunk was rewritten (FORMAT.md section 5).
         self._resume_tail = False
         self._lock = threading.RLock()
-        # ids of the array entries (``meta``) of the commit read last: a cache entry built from
-        # another commit's entry (a reader that took it before another thread's refresh()) is
-        # returned to that reader but never kept for the others (``_current``)
-        self._live: frozenset[int] = frozenset()
+        # ids of the array entries (``meta``) of the commit read last, to their hook point: a cache
+        # entry built from another commit's entry (a reader that took it before another thread's
+        # refresh()) is returned to that reader but never kept for the others (``_current``)
+        self._live: dict[int, str] = {}
         self._refreshes = self._shown = 0  # refresh() calls started; the one whose commit is shown
         # (hook point, chunk, id of the array entry it is decoded for) -> Future of its decode;
         # the decoded chunks cache under the same keys, of the commit read last only
@@ -534,7 +534,7 @@ class Store:
                 self._whole.clear()
             self._stamp, self._run = stamp, run
             self._shown_stamp = stamp  # (_stamp moves on with commits of the same run; this does not)
-            self._live = frozenset(id(m) for m in (attrs.get("arrays") or {}).values())
+            self._live = {id(m): hp for hp, m in (attrs.get("arrays") or {}).items()}
             self._zarrays.clear()
             self._indexes.clear()
             self._checked.clear()
@@ -1286,6 +1286,9 @@ class Store:
         read before a ``refresh()`` of another thread replaced it) the one of the same array
         path."""
         arrays = self._attrs.get("arrays") or {}
+        hp = self._live.get(id(meta))
+        if hp is not None and arrays.get(hp) is meta:  # an entry of the commit read last: no scan
+            return hp
         for hp, m in arrays.items():
             if m is meta:
                 return hp

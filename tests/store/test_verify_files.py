@@ -233,6 +233,33 @@ def test_info_parses_each_manifest_once(tmp_path, monkeypatch):
     assert parsed == [] and not any(k in manifests for k in decoded)
 
 
+class _CountedEntries(dict):
+    """The root's ``arrays``, counting the entries looked at through ``items()``."""
+
+    looked = 0
+
+    def items(self):
+        for entry in super().items():
+            type(self).looked += 1
+            yield entry
+
+
+def test_info_names_each_array_without_a_scan_of_the_root(tmp_path, monkeypatch):
+    """Checking an array's document names its hook point, found from its root entry: a scan of
+    the root's arrays for it looked at n^2/2 entries in an info() of n arrays."""
+    n = 40
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(n - 1)], torch.nn.Linear(4, 2))
+    path = tmp_path / "s.zarr"
+    with torch.no_grad(), acs.ActivationScope(store=path).track(model):
+        model(torch.randn(3, 4))
+    s = acs.open_store(path)
+    monkeypatch.setitem(s._attrs, "arrays", _CountedEntries(s._attrs["arrays"]))
+    monkeypatch.setattr(_CountedEntries, "looked", 0)
+    info = s.info()
+    assert len(info["arrays"]) == n and all(a["n_rows"] == 3 for a in info["arrays"].values())
+    assert _CountedEntries.looked <= 2 * n, _CountedEntries.looked
+
+
 def _sum_rows(acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     s = x.sum(0)
     if acc is None:
