@@ -328,6 +328,51 @@ def test_an_alias_target_is_found_among_many_hook_points(tmp_path):
     assert set(s.hook_points) == {"0.output", "1.output", *(f"0.layers.{i}.output" for i in range(24))}
 
 
+def test_a_new_hook_point_is_compared_only_with_those_on_its_tensors_storage(tmp_path, monkeypatch):
+    # n distinct outputs: compared with every earlier hook point of the forward, the first
+    # forward would give the native check n^2/2 candidates; those on the same storage are a few
+    from activationscope.capture import scope as scope_module
+
+    n = 200
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(n)]), torch.nn.Linear(4, 2))
+    given = []
+    last_match = scope_module._C.last_match
+
+    def counted(x, sinks):
+        given.append(len(sinks))
+        return last_match(x, sinks)
+
+    monkeypatch.setattr(scope_module._C, "last_match", counted)
+    xs = [torch.randn(3, 4), torch.randn(3, 4)]
+    with torch.no_grad(), ActivationScope(store=tmp_path / "s.zarr", capture="output").track(m):
+        for x in xs:
+            m(x)
+    assert 1 <= len(given) <= n + 2  # at most one search per hook point, in its first forward
+    assert sum(given) <= 3 * (n + 2), sum(given)
+    s = open_store(tmp_path / "s.zarr")
+    assert s.aliases == {"0.output": f"0.{n - 1}.output"}  # the container's output: its last child's
+    with torch.no_grad():
+        want = torch.cat([m[0](x) for x in xs])
+    torch.testing.assert_close(s["0.output"][:], want, rtol=0, atol=0)
+
+
+def test_an_alias_of_a_module_called_on_its_own_is_found_after_another_call_of_its_target():
+    # outside a forward of the tracked model each call is its own: "0.output" is watched with
+    # its first call's tensor, then holds its second call's, which "1.output" (an Identity) is
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Identity())
+    x = torch.randn(2, 4)
+    with torch.no_grad(), ActivationScope(capture="output").track(m) as t:
+        m[0](x)
+        y = m[0](x + 1)
+        m[1](y)
+    assert t._aliases == {"1.output": "0.output"}
+    acts = t.activations
+    assert acts["1.output"][0].data_ptr() == acts["0.output"][1].data_ptr()  # kept once
+    torch.testing.assert_close(acts["1.output"][0], y, rtol=0, atol=0)
+
+
 def test_a_repeated_tensor_with_other_rows_than_its_target_is_stored_as_its_own_array(tmp_path):
     # token_rows= makes the Identity's output (the same tensor as "0.output") one row per
     # sample while "0.output" stores one row per token: an alias would store it as token rows

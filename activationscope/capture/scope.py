@@ -655,6 +655,17 @@ def _same_tensor(x: torch.Tensor, y: torch.Tensor) -> bool:
         return False
 
 
+def _storage_key(x: torch.Tensor) -> int | None:
+    """The address of the storage ``x`` is on (its ``StorageImpl``, what the native alias
+    check ``Sink.matches_last`` compares): the same for every tensor on that storage while it
+    lives. None when Python cannot reach the storage (sparse, nested, a tensor subclass
+    without one)."""
+    try:
+        return x.untyped_storage()._cdata
+    except Exception:  # (any subclass's refusal: the caller then compares with every candidate)
+        return None
+
+
 def _same_output(a: list, b: list) -> bool:
     """Whether two :func:`_output_state` (``a`` as the forward returned it, ``b`` after the
     forward hooks) hold the same values, unchanged in place: the same tensors, or tensors
@@ -768,6 +779,11 @@ class Tracker:
         # same records for the calls where it is the other's tensor)
         self._aliases: dict[str, str] = {}
         self._watching: list[str] = []  # hook points of this forward that an alias may repeat
+        # the same, by the storage of their tensor (_storage_key; None: unknown), in capture order
+        # (position in _watching, name), and those an alias repeats since: an alias's candidates
+        # are the hook points on its tensor's storage, not every one of this forward
+        self._watch_by_storage: dict[int | None, list[tuple[int, str]]] = {}
+        self._watch_targets: set[str] = set()
         # The first store forward with a dropout in eval mode: the tensors its dropouts returned
         # (their input as it is), so that only an alias made through one of them is not made
         # (None: not probing this forward; the later forwards use the model-wide rule)
@@ -1322,6 +1338,7 @@ class Tracker:
         for sink in self._sinks.values():
             sink.watch_aliases(False)
         self._watching = []
+        self._watch_by_storage, self._watch_targets = {}, set()
         if self._fastpath_off:
             self._fastpath_off = False
             _fastpath_release()
@@ -1857,6 +1874,7 @@ class Tracker:
             # memory each later call that is not its target's tensor is kept on its own)
             sink.set_alias_of(self._sinks[target], shares_records=self.writer is None)
             self._aliases[name] = target
+            self._watch_targets.add(target)
             if self.writer is not None:
                 self.writer.add_alias(name, target)
         elif self.writer is not None:
@@ -1870,6 +1888,7 @@ class Tracker:
         if self._alias_candidates and target is None and not self._core.in_graph:
             # (not inside a compiled graph: it reuses buffers, so identity means nothing there)
             sink.watch_aliases(True)  # until the end of this forward, or for good once a target
+            self._watch_by_storage.setdefault(_storage_key(tensor), []).append((len(self._watching), name))
             self._watching.append(name)
         self._sinks[name] = sink
         return sink
@@ -1883,6 +1902,7 @@ class Tracker:
                 if name not in targets:
                     self._sinks[name].watch_aliases(False)
             self._watching = []
+            self._watch_by_storage, self._watch_targets = {}, set()
 
     def _eval_mode_dropouts(self) -> Iterator[tuple[str, torch.nn.Module]]:
         """``(path, module)`` of each module of the tracked model that may return its input as
@@ -1938,10 +1958,24 @@ class Tracker:
             # a target has one alias: it keeps its last tensor for one alias check per call
             # (a second alias of it, the same tensor passed twice, as attn(h, h, h), would
             # fail that check from the next forward on)
-            targets = set(self._aliases.values())
-            others = [other for other in self._watching
-                      if other != name and other not in targets and self._sinks[other].row_kind == row_kind]
-            i = _C.last_match(tensor, [self._sinks[other] for other in others])  # latest first
+            key = _storage_key(tensor)
+            if key is None or not self._core.open_here:
+                # (a tensor whose storage Python cannot tell, or a tracked module called on its own:
+                # such calls may give a watched hook point another tensor, so each is compared)
+                targets = set(self._aliases.values())
+                others = [other for other in self._watching if other != name and other not in targets]
+            else:
+                # inside a forward each watched hook point still holds the tensor it was first
+                # seen with (a second tensor under one name is refused): only those on this
+                # tensor's storage can be it (and those of a storage Python could not tell)
+                found = self._watch_by_storage.get(key, [])
+                if None in self._watch_by_storage:
+                    found = sorted(found + self._watch_by_storage[None])
+                others = [other for _, other in found if other != name and other not in self._watch_targets]
+            others = [other for other in others if self._sinks[other].row_kind == row_kind]
+            # (latest first; none to compare: no native call, whose GIL release and take-back
+            # cost more than the search on a capture whose writer threads run)
+            i = _C.last_match(tensor, [self._sinks[other] for other in others]) if others else -1
             target = others[i] if i >= 0 else None
             if target is not None and self.writer is not None and name not in stored:
                 # the same tensor maybe only because a dropout in eval mode returns its input:

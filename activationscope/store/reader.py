@@ -341,6 +341,13 @@ class _ChunkCrcs:
             self._by_shard[shard] = got
         return got.get(slot)
 
+    @property
+    def shards(self) -> dict[int, dict]:
+        """``{shard: record}`` of the manifest as :func:`~activationscope.store._validate.parse_manifest`
+        gave it (``check_chunks=False``), every listed shard; empty for an array without
+        committed rows."""
+        return self._shards
+
     def __contains__(self, key: tuple[int, int]) -> bool:
         return self.get(key) is not None
 
@@ -457,10 +464,10 @@ class Store:
         # resume killed before its next commit, that chunk was rewritten (FORMAT.md section 5).
         self._resume_tail = False
         self._lock = threading.RLock()
-        # ids of the array entries (``meta``) of the commit read last: a cache entry built from
-        # another commit's entry (a reader that took it before another thread's refresh()) is
-        # returned to that reader but never kept for the others (``_current``)
-        self._live: frozenset[int] = frozenset()
+        # ids of the array entries (``meta``) of the commit read last, to their hook point: a cache
+        # entry built from another commit's entry (a reader that took it before another thread's
+        # refresh()) is returned to that reader but never kept for the others (``_current``)
+        self._live: dict[int, str] = {}
         self._refreshes = self._shown = 0  # refresh() calls started; the one whose commit is shown
         # (hook point, chunk, id of the array entry it is decoded for) -> Future of its decode;
         # the decoded chunks cache under the same keys, of the commit read last only
@@ -558,7 +565,7 @@ class Store:
                 self._clear_mappings()
             self._stamp, self._run = stamp, run
             self._shown_stamp = stamp  # (_stamp moves on with commits of the same run; this does not)
-            self._live = frozenset(id(m) for m in (attrs.get("arrays") or {}).values())
+            self._live = {id(m): hp for hp, m in (attrs.get("arrays") or {}).items()}
             self._zarrays.clear()
             self._indexes.clear()
             self._checked.clear()
@@ -1311,6 +1318,9 @@ class Store:
         read before a ``refresh()`` of another thread replaced it) the one of the same array
         path."""
         arrays = self._attrs.get("arrays") or {}
+        hp = self._live.get(id(meta))
+        if hp is not None and arrays.get(hp) is meta:  # an entry of the commit read last: no scan
+            return hp
         for hp, m in arrays.items():
             if m is meta:
                 return hp
@@ -3150,17 +3160,29 @@ class Store:
         arrays = {}
         total_raw = total_disk = 0
         for hp in list(self._attrs.get("arrays", {})):  # aliases are listed apart: no bytes of their own
-            meta = self._checked_meta(hp)
+            meta = self._meta(hp)
+            # checked against its own files (once: rules 16-17), which parses its manifest; that
+            # parse's shards are the ones sized here (a store of many arrays: each manifest once)
+            crcs = None if self._parts else self._array_crcs(meta)
             n = int(meta["n_rows"])
             feat = tuple(meta["feature_shape"])
             raw_bytes = n * V.row_bytes(meta)
             disk = 0
-            man = None if self._parts else self._backend.get(meta["manifest"])
             for _, st, _first in self._parts.get(hp, []):
                 disk += int(st.info()["arrays"][hp]["bytes_on_disk"])
-            if man is not None:
-                shards = V.parse_manifest(V.loads_json(man, store=self._backend, key=meta["manifest"]), meta,
-                                          store=self._backend, key=meta["manifest"])
+            shards = None
+            if crcs is not None and n:
+                shards = crcs.shards
+                n_chunks = int(meta["shard_rows"]) // int(meta["chunk_rows"])
+                for i, rec in enumerate(shards.values()):  # (its chunk entries too, as a full parse checks them)
+                    V.check_chunk_entries(rec, n_chunks, store=self._backend, key=meta["manifest"],
+                                          field=f"shards[{i}]")
+            elif crcs is not None:  # no committed rows: a manifest there may be, checked as any
+                man = self._backend.get(meta["manifest"])
+                if man is not None:
+                    shards = V.parse_manifest(V.loads_json(man, store=self._backend, key=meta["manifest"]), meta,
+                                              store=self._backend, key=meta["manifest"])
+            if shards is not None:
                 local = isinstance(self._backend, LocalBackend)
                 for k, rec in shards.items():
                     if k * int(meta["shard_rows"]) >= n:

@@ -194,6 +194,72 @@ def test_info_gives_the_shard_files_as_they_are_on_disk(tmp_path):
     assert any("file_bytes" in line and "1000 bytes" in line for line in acs.open_store(path).verify())
 
 
+def test_info_parses_each_manifest_once(tmp_path, monkeypatch):
+    """info() reads and parses each array's manifest once: its check of the array against the
+    root and its shard sizes use the same parse (they parsed it twice), and a second info()
+    uses it again; the sizes are those of the shard files."""
+    from activationscope.store import _validate
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(5)], torch.nn.Linear(4, 2))
+    path = tmp_path / "s.zarr"
+    with torch.no_grad(), acs.ActivationScope(store=path, store_options={"chunk_rows": 4, "shard_rows": 8}).track(model):
+        for _ in range(3):
+            model(torch.randn(4, 4))  # 12 rows: 2 shards an array
+    parsed, decoded = [], []
+    parse_manifest, loads_json = _validate.parse_manifest, _validate.loads_json
+
+    def counted_parse(doc, meta, **kw):
+        parsed.append(kw["key"])
+        return parse_manifest(doc, meta, **kw)
+
+    def counted_loads(raw, **kw):
+        decoded.append(kw["key"])
+        return loads_json(raw, **kw)
+
+    monkeypatch.setattr(_validate, "parse_manifest", counted_parse)
+    monkeypatch.setattr(_validate, "loads_json", counted_loads)
+    s = acs.open_store(path)
+    info = s.info()
+    manifests = sorted(s.attrs["arrays"][hp]["manifest"] for hp in info["arrays"])
+    assert len(manifests) == 6 and sorted(parsed) == manifests
+    assert sorted(k for k in decoded if k in manifests) == manifests
+    for hp, entry in info["arrays"].items():
+        shards = [f for f in (path / s.attrs["arrays"][hp]["path"] / "c").rglob("*") if f.is_file()]
+        assert entry["n_rows"] == 12 and len(shards) == 2
+        assert entry["bytes_on_disk"] == sum(f.stat().st_size for f in shards) > 0
+    parsed.clear()
+    decoded.clear()
+    assert s.info()["arrays"] == info["arrays"]
+    assert parsed == [] and not any(k in manifests for k in decoded)
+
+
+class _CountedEntries(dict):
+    """The root's ``arrays``, counting the entries looked at through ``items()``."""
+
+    looked = 0
+
+    def items(self):
+        for entry in super().items():
+            type(self).looked += 1
+            yield entry
+
+
+def test_info_names_each_array_without_a_scan_of_the_root(tmp_path, monkeypatch):
+    """Checking an array's document names its hook point, found from its root entry: a scan of
+    the root's arrays for it looked at n^2/2 entries in an info() of n arrays."""
+    n = 40
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(n - 1)], torch.nn.Linear(4, 2))
+    path = tmp_path / "s.zarr"
+    with torch.no_grad(), acs.ActivationScope(store=path).track(model):
+        model(torch.randn(3, 4))
+    s = acs.open_store(path)
+    monkeypatch.setitem(s._attrs, "arrays", _CountedEntries(s._attrs["arrays"]))
+    monkeypatch.setattr(_CountedEntries, "looked", 0)
+    info = s.info()
+    assert len(info["arrays"]) == n and all(a["n_rows"] == 3 for a in info["arrays"].values())
+    assert _CountedEntries.looked <= 2 * n, _CountedEntries.looked
+
+
 def _sum_rows(acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     s = x.sum(0)
     if acc is None:
