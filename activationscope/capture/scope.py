@@ -576,13 +576,6 @@ _DROP_NAMES = ("Dropout", "DropPath", "DropBlock", "StochasticDepth")
 _DROP_ATTRS = ("dropout", "drop_prob", "drop_path", "droppath")
 
 
-def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``a`` and ``b`` view the same bytes the same way (storage, offset, shape,
-    strides, dtype)."""
-    return (a.dtype == b.dtype and a.shape == b.shape and a.device == b.device
-            and (a.numel() == 0 or (a.data_ptr() == b.data_ptr() and a.stride() == b.stride())))
-
-
 def _dropout_class(module: torch.nn.Module) -> bool:
     """Whether ``module`` is a dropout itself: a ``torch.nn`` dropout, or of a class named like
     one (:data:`_DROP_NAMES`), rather than a module calling a functional dropout."""
