@@ -710,3 +710,40 @@ def test_sequences_of_one_token_fed_from_the_start_do_not_warn(tmp_path):
             dec(torch.randint(1, 20, (4, 5)))
             dec(torch.randint(1, 20, (2, 1)))                  # another batch size: new data
     assert [w for w in caught if issubclass(w.category, acs.CaptureWarning)] == []
+
+
+def test_a_column_named_like_a_hook_point_is_refused_before_anything_is_stored(tmp_path):
+    """A row-table column and a hook point of one name were both stored, then every dataset
+    or export selecting both refused the store ('column names clash'); now the capture
+    refuses it, in the forward that brings the second name, keeping the forwards before."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    path = tmp_path / "s.zarr"
+    with pytest.raises(ArgumentValueError, match=r"column '0\.output' has the name of a hook point.*rename the column"):
+        with torch.no_grad(), acs.ActivationScope(store=path).track(model) as tr:
+            tr.set_batch(**{"0.output": [1, 2]})
+            model(torch.randn(2, 2))
+    assert not path.exists()  # (nothing committed: the folder the capture made is removed)
+
+    class Late(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+
+        def forward(self, x, late=False):
+            return self.b(x) if late else self.a(x)
+
+    torch.manual_seed(0)
+    late, x = Late(), torch.randn(2, 2)
+    path = tmp_path / "t.zarr"
+    with pytest.raises(ArgumentValueError, match=r"hook point 'b\.output' has the name of a row-table column.*"
+                                                    r"exclude_hook_points=\['b\.output'\]"):
+        with torch.no_grad(), acs.ActivationScope(store=path).track(late) as tr:
+            tr.set_batch(**{"b.output": [1, 2]})
+            late(x)
+            tr.set_batch(**{"b.output": [3, 4]})
+            late(x, late=True)
+    st = acs.open_store(path)  # the first forward stays, whole
+    assert st.n_samples == 2 and st.hook_points == ["a.output"]
+    with torch.no_grad():
+        assert torch.equal(st.rows("a.output", 0, 2), late.a(x))
+    assert st.row_table("sample").column("b.output").to_pylist() == [1, 2]

@@ -1349,6 +1349,12 @@ class StoreWriter:
             if key in _RESERVED[kind]:
                 raise ArgumentValueError(f"column {key!r} clashes with a reserved row-table column "
                                          f"{list(_RESERVED[kind])}; rename it")
+            if key in self._arrays or key in self._old_arrays or key in self.aliases:
+                # (a dataset and the exports name columns and hook points in one namespace: the
+                # store would be written, then refused at every read that selects both)
+                raise ArgumentValueError(
+                    f"column {key!r} has the name of a hook point of store {str(self._backend)!r}: a dataset and an "
+                    "export read columns and hook points by one name, so one would hide the other; rename the column")
             if key == "rank" and self.rank_store is not None:
                 raise ArgumentValueError(
                     "column 'rank' clashes with the rank column a multi-rank store adds to its row tables (this "
@@ -1904,6 +1910,12 @@ class StoreWriter:
                 raise StoreError(f"the store writer of {str(self._backend)!r} is closed")
             if hook_point in self._arrays:
                 raise StoreError(f"hook point {hook_point!r} already has an array in this store writer")
+            if any(col == hook_point for _, col in self._column_types):
+                raise ArgumentValueError(
+                    f"hook point {hook_point!r} has the name of a row-table column of store {str(self._backend)!r} "
+                    "(given to set_batch): a dataset and an export read columns and hook points by one name, so one "
+                    f"would hide the other; rename the column, or leave the hook point out "
+                    f"(exclude_hook_points=[{hook_point!r}])")
             name = F.parse_dtype(dtype, f"dtype of hook point {hook_point!r}")
             if row_kind not in ROW_KINDS:
                 raise ArgumentValueError(f"row_kind must be one of {list(ROW_KINDS)}, got {row_kind!r}")
