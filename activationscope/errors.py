@@ -158,7 +158,20 @@ def _inside_library(frame: types.FrameType) -> bool:
     return found
 
 
+def _installed(frame: types.FrameType) -> bool:
+    """Whether ``frame`` runs code of an installed package (a file under ``site-packages`` or
+    ``dist-packages``)."""
+    filename = frame.f_code.co_filename
+    found = _INSTALLED_FILES.get(filename)
+    if found is None:
+        found = bool({"site-packages", "dist-packages"} & set(os.path.abspath(filename).split(os.sep)))
+        if len(_INSTALLED_FILES) < 4096:
+            _INSTALLED_FILES[filename] = found
+    return found
+
+
 _STDLIB = os.path.dirname(os.path.abspath(os.__file__))
+_INSTALLED_FILES: dict[str, bool] = {}
 _LIBRARY_FILES: dict[str, bool] = {}
 
 
@@ -182,9 +195,22 @@ def warn_at_caller(message: str | Warning, category: type[Warning] = UserWarning
         The category of a text message (default ``UserWarning``).
     """
     issued = sys._getframe(1)
+    # the outermost call of a torch module on the stack: the frames below it of installed
+    # packages (a Hugging Face model's forward calling its blocks) are the model's, not the
+    # user's, whose line is the one that called the model; a model of the user's own files
+    # is named at its line that called the module
+    outer = None
+    g: types.FrameType | None = issued
+    while g is not None:
+        if g.f_globals.get("__name__") == "torch.nn.modules.module":
+            outer = g
+        g = g.f_back
     frame: types.FrameType | None = issued
     below = issued
-    while frame is not None and _inside_library(frame):
+    in_model = outer is not None
+    while frame is not None and (_inside_library(frame) or (in_model and _installed(frame))):
+        if frame is outer:
+            in_model = False
         frame, below = frame.f_back, frame
     if frame is None or (frame.f_back is None and frame.f_code.co_filename == "<string>"
                          and below.f_code.co_filename.startswith(_STDLIB + os.sep)):

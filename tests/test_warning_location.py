@@ -90,6 +90,48 @@ def test_a_warning_from_a_hook_of_a_submodule_names_the_model_s_line_that_called
     assert _place(w) == (__file__, model.line)
 
 
+_INSTALLED_MODEL = """
+import torch
+
+
+class LateBranch(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Identity()
+        self.b = torch.nn.Identity()
+        self.k = 0
+
+    def forward(self, x):
+        self.k += 1
+        if self.k > 1:
+            x = self.b(x)
+        return self.a(x)
+"""
+
+
+def test_a_warning_from_a_hook_inside_an_installed_package_s_model_names_the_line_that_called_the_model(
+        tmp_path, monkeypatch):
+    """A model of an installed package (a Hugging Face model's forward calling its blocks):
+    its lines are not the user's, who called the model."""
+    pkg = tmp_path / "site-packages" / "installed_model_pkg"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(_INSTALLED_MODEL)
+    monkeypatch.syspath_prepend(str(tmp_path / "site-packages"))
+    monkeypatch.delitem(sys.modules, "installed_model_pkg", raising=False)
+    from installed_model_pkg import LateBranch
+
+    model = LateBranch()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with acs.ActivationScope(store=str(tmp_path / "s.zarr")).track(model, include=["a", "b"]):
+            model(torch.ones(2, 3))
+            line = _here() + 1
+            model(torch.ones(2, 3))
+    w = _only(caught, "'b.output' was first captured in forward 1")
+    assert _place(w) == (__file__, line)
+    assert w.filename != str(pkg / "__init__.py")
+
+
 def test_a_warning_from_a_hook_inside_torch_modules_names_the_line_that_called_the_model(tmp_path):
     model = torch.nn.Sequential(torch.nn.Linear(4, 3)).eval()
     with warnings.catch_warnings(record=True) as caught:
