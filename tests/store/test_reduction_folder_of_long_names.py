@@ -37,3 +37,49 @@ def test_a_store_whose_long_hook_point_has_the_folders_of_its_whole_name_opens(t
     assert torch.equal(st[LONG], data)
     assert torch.equal(st.reductions[LONG]["mean"], data.double().mean(0))
     assert st.verify() == []
+
+
+def _node_name_before_zarr_json_escape(hook_point: str) -> str:
+    return _node_name_before_shortening(hook_point)
+
+
+def test_a_store_whose_hook_point_folds_to_zarr_json_written_before_its_escape_opens(tmp_path, monkeypatch):
+    # 'Zarr.JSON' was a folder of its own on a case-sensitive file system before such names became
+    # 'Zarr%2EJSON': its reductions there are still its own
+    hp = "Zarr.JSON"
+    assert F.node_name(hp) != _node_name_before_zarr_json_escape(hp)
+    data = torch.randn(8, 4)
+    with monkeypatch.context() as m:
+        m.setattr(F, "node_name", _node_name_before_zarr_json_escape)
+        w = StoreWriter(tmp_path / "s.zarr")
+        w.open_array(hp, (4,), torch.float32, "sample").append(data)
+        w.add_batch(8, list(range(8)), None, {})
+        w.commit()
+        w.add_reductions(hp, "mean", _Mean(data.double().mean(0)))
+        w.close()
+    assert (tmp_path / "s.zarr" / "reductions" / hp).is_dir()
+    st = open_store(tmp_path / "s.zarr")
+    assert torch.equal(st[hp], data)
+    assert torch.equal(st.reductions[hp]["mean"], data.double().mean(0))
+    assert st.verify() == []
+
+
+def test_a_resume_of_a_store_written_before_the_zarr_json_escape_appends_to_its_folder(tmp_path, monkeypatch):
+    # the resumed rows go to the array's stored folder 'acts/Zarr.JSON', not a new 'acts/Zarr%2EJSON'
+    # missing the rows committed before
+    hp = "Zarr.JSON"
+    data = torch.randn(12, 4)
+    with monkeypatch.context() as m:
+        m.setattr(F, "node_name", _node_name_before_zarr_json_escape)
+        w = StoreWriter(tmp_path / "s.zarr", chunk_rows=2, shard_rows=4)
+        w.open_array(hp, (4,), torch.float32, "sample").append(data[:6])
+        w.add_batch(6, list(range(6)), None, {})
+        w.close()
+    w = StoreWriter(tmp_path / "s.zarr", resume=True)
+    w.open_array(hp, (4,), torch.float32, "sample").append(data[6:])
+    w.add_batch(6, list(range(6, 12)), None, {})
+    w.close()
+    st = open_store(tmp_path / "s.zarr")
+    assert (tmp_path / "s.zarr" / "acts" / hp).is_dir() and not (tmp_path / "s.zarr" / "acts" / F.node_name(hp)).exists()
+    assert torch.equal(st[hp], data)
+    assert st.verify() == []
