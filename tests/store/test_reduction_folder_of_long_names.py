@@ -1,8 +1,10 @@
 """A store written before long hook point names were shortened (FORMAT.md section 1: a node
 name over 128 UTF-8 bytes is cut and given a hash) keeps its arrays and reductions in the
-folders of the whole name; it still opens and reads its reductions."""
+folders of the whole name; it still opens, reads its reductions and resumes there; as does one holding a hook point folding to
+zarr.json (`Zarr.JSON`) written before such names were escaped."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from activationscope.store import StoreWriter, open_store
@@ -64,10 +66,11 @@ def test_a_store_whose_hook_point_folds_to_zarr_json_written_before_its_escape_o
     assert st.verify() == []
 
 
-def test_a_resume_of_a_store_written_before_the_zarr_json_escape_appends_to_its_folder(tmp_path, monkeypatch):
-    # the resumed rows go to the array's stored folder 'acts/Zarr.JSON', not a new 'acts/Zarr%2EJSON'
-    # missing the rows committed before
-    hp = "Zarr.JSON"
+@pytest.mark.parametrize("hp", ["Zarr.JSON", LONG])
+def test_a_resume_of_a_store_written_before_the_name_was_escaped_or_shortened_appends_to_its_folder(
+        tmp_path, monkeypatch, hp):
+    # the resumed rows go to the array's stored folder ('acts/Zarr.JSON', the long name whole), not a
+    # new one ('acts/Zarr%2EJSON', the shortened name) missing the rows committed before
     data = torch.randn(12, 4)
     with monkeypatch.context() as m:
         m.setattr(F, "node_name", _node_name_before_zarr_json_escape)
