@@ -556,8 +556,7 @@ class Store:
                     st.close()
                 return
             self._shown = seq
-            for _, old in self._ranks:
-                old.close()
+            replaced = self._ranks  # (closed once the lock is released: on_unmap callbacks run without it)
             for _, st in ranks:  # (their mappings dropped are said to this store's listeners)
                 st._unmap_listeners = self._unmap_listeners
                 st._budget_share = len(ranks)  # (one budget for them all, as for one store)
@@ -577,6 +576,8 @@ class Store:
             # or a last shard a resume rewrote (a new file), whose pages were never hinted. A new
             # dict: a hint given meanwhile (from the old commit) goes into the old one
             self._advised = {}
+        for _, old in replaced:
+            old.close()
 
     def _refuse_node_of_a_store(self, raw: bytes | None) -> None:
         """Raise :class:`StoreError` naming the store to open when this local path, which holds

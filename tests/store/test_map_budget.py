@@ -231,3 +231,20 @@ def test_the_rank_stores_of_an_uncommitted_multi_rank_store_share_its_budget(tmp
         for s in range(0, 2 * ROWS, 8):
             st.rows(hp, s, s + 8)
             assert sum(rank._n_mapped for _, rank in st._ranks) <= budget
+
+
+def test_the_unmap_callbacks_of_a_refresh_of_an_uncommitted_multi_rank_store_run_without_its_lock(tmp_path):
+    """Store.on_unmap callbacks are called without the store's lock held, also when a refresh()
+    closes the rank stores it read before (their mappings dropped)."""
+    path = tmp_path / "tasks.zarr"
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64))
+    for task in range(2):
+        opts = {"chunk_rows": SHARD_ROWS, "shard_rows": SHARD_ROWS, "process_group": acs.RankStore(task, 2)}
+        with torch.no_grad(), acs.ActivationScope(store=str(path), store_options=opts).track(model):
+            model(torch.randn(ROWS, 64))
+    st = acs.open_store(path)
+    held = []
+    st.on_unmap(lambda: held.append(st._lock._is_owned()))
+    st.rows("0.output", 0, 8)  # (a shard of rank 0 mapped)
+    st.refresh()
+    assert held == [False]
