@@ -139,11 +139,12 @@ def sentence_rows(
 
     Returns
     -------
-    (x, labels) : Tensor (n_samples, *feature_shape) float64 (samples in store order), list
-        of labels; or None when the store's row table has no ``label_column``.
+    (x, labels) : Tensor (n_samples, *feature_shape) float64 (complex128 for complex rows;
+        samples in store order), list of labels; or None when the store's row table has no
+        ``label_column``.
     """
     got = labelled_rows(store, hook_point, label_column, batch_size)
-    return None if got is None else (got[0].to(torch.float64), got[1])
+    return None if got is None else (got[0].to(torch.complex128 if got[0].is_complex() else torch.float64), got[1])
 
 
 def labelled_rows(
@@ -152,7 +153,7 @@ def labelled_rows(
     """:func:`sentence_rows` plus the number of samples left out for having no label
     (missing, ``-1``, ``-100``, empty string): ``(x, labels, n_unlabelled)``, or None. Sample rows
     come in their stored dtype (a float64 copy of a wide store is 4x a bfloat16 one; the
-    probe makes each fold float64), pooled token rows in float64."""
+    probe makes each fold float64), pooled token rows in float64 (complex128 for complex rows)."""
     got = _labelled_rows(store, hook_point, label_column, batch_size)
     return None if got is None else got[:3]
 
@@ -247,9 +248,11 @@ def _labelled_rows(
                 labels.append(v)
                 groups.append(tuple(c for c, name in zip(key, keys) if name != "batch"))
             index.append(group[key])
-        x = x.to(torch.float64)  # (only this batch's labelled rows are held as float64)
+        # (only this batch's labelled rows are held as float64; complex rows as complex128, whose
+        # imaginary parts float64 would drop)
+        x = x.to(torch.complex128 if x.is_complex() else torch.float64)
         if len(group) > len(sums):  # (grown by doubling: a copy per doubling)
-            grown = torch.zeros(max(len(group), 2 * len(sums)), *x.shape[1:], dtype=torch.float64)
+            grown = torch.zeros(max(len(group), 2 * len(sums)), *x.shape[1:], dtype=x.dtype)
             if len(sums):
                 grown[:len(sums)] = sums
             sums = grown

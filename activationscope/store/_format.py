@@ -104,15 +104,17 @@ def itemsize(name: str) -> int:
 MAX_NODE_BYTES = 128
 
 
-def _whole_node_name(hook_point: str) -> str:
-    """:func:`node_name` before a long one is shortened: the hook point, escaped."""
+def _whole_node_name(hook_point: str, *, escape_document: bool = True) -> str:
+    """:func:`node_name` before a long one is shortened: the hook point, escaped (with
+    ``escape_document=False``, a name that folds to ``zarr.json`` as stores written before
+    it was escaped kept it)."""
     if not isinstance(hook_point, str) or not hook_point:
         raise ArgumentValueError(f"hook point must be a non-empty str, got {hook_point!r}")
     # (a backslash or NUL is no character of a store key: a module named "a\\b" is a folder "a%5Cb")
     out = hook_point.replace("%", "%25").replace("/", "%2F").replace("\\", "%5C").replace("\x00", "%00")
     if out.startswith("__"):
         out = "%5F" + out[1:]
-    if out in (".", "..") or folded(out) == "zarr.json":  # (a folder named as its group's document)
+    if out in (".", "..") or (escape_document and folded(out) == "zarr.json"):  # (named as its group's document)
         out = out.replace(".", "%2E")
     return out
 
@@ -134,9 +136,14 @@ def folded(name: str) -> str:
 def node_names(hook_point: str) -> tuple[str, ...]:
     """The node names a store may keep ``hook_point``'s folders under: :func:`node_name`, and
     for a name it shortens also the whole escaped name, which stores written before names
-    were shortened use (on object storage, or on a file system within its name limit)."""
-    names = (node_name(hook_point), _whole_node_name(hook_point))
-    return names[:1] if names[0] == names[1] else names
+    were shortened use (on object storage, or on a file system within its name limit); for a
+    name folding to ``zarr.json`` in another case (``Zarr.JSON``) also the name with its
+    ``.``, which stores written before it was escaped use (on a case-sensitive file system)."""
+    names = [node_name(hook_point)]
+    for other in (_whole_node_name(hook_point), _whole_node_name(hook_point, escape_document=False)):
+        if other not in names:
+            names.append(other)
+    return tuple(names)
 
 
 def node_name(hook_point: str) -> str:

@@ -256,8 +256,8 @@ def _check_reduction_places(hp: str, name: str, e: dict, owners: dict[str, str],
     for field, path in places:
         if not path.startswith(tuple(folders)):
             raise c.fail(field, f"a key in the hook point's folder {folders[0]!r}"
-                         + (f" (or {folders[1]!r}, as stores written before long names were shortened)"
-                            if len(folders) > 1 else ""), path)
+                         + (f" (or {' or '.join(repr(x) for x in folders[1:])}, as stores written before its "
+                            f"name was shortened or escaped)" if len(folders) > 1 else ""), path)
         if path in owners:
             raise c.fail(field, "unique", f"{path} (also the file of {owners[path]})")
         owners[path] = field

@@ -456,6 +456,7 @@ class Store:
         self._mapped: OrderedDict[tuple[str, str], int] = OrderedDict()
         self._n_mapped = 0
         self._map_budget: int | None = None  # (_budget)
+        self._budget_share = 1  # (_budget: a rank store of an uncommitted multi-rank store, one of this many)
         self._total_shards: tuple[dict, int] | None = None  # (root attrs, their arrays' shards): _whole_fits
         self._unmap_listeners: list[Any] = []  # (on_unmap)
         self._zarrays: dict[str, Any] = {}
@@ -555,10 +556,10 @@ class Store:
                     st.close()
                 return
             self._shown = seq
-            for _, old in self._ranks:
-                old.close()
+            replaced = self._ranks  # (closed once the lock is released: on_unmap callbacks run without it)
             for _, st in ranks:  # (their mappings dropped are said to this store's listeners)
                 st._unmap_listeners = self._unmap_listeners
+                st._budget_share = len(ranks)  # (one budget for them all, as for one store)
             self._ranks, self._parts = ranks, parts
             self._attrs, self._refused = attrs, refused
             if getattr(self, "_run", run) != run:  # another run in its place: nothing mapped is its
@@ -575,6 +576,8 @@ class Store:
             # or a last shard a resume rewrote (a new file), whose pages were never hinted. A new
             # dict: a hint given meanwhile (from the old commit) goes into the old one
             self._advised = {}
+        for _, old in replaced:
+            old.close()
 
     def _refuse_node_of_a_store(self, raw: bytes | None) -> None:
         """Raise :class:`StoreError` naming the store to open when this local path, which holds
@@ -1839,12 +1842,15 @@ class Store:
 
     def _budget(self) -> int:
         """The most mappings this store's caches hold (``_MAP_BUDGET``, else
-        :func:`_default_map_budget` as it was when the store first asked)."""
+        :func:`_default_map_budget` as it was when the store first asked); the rank stores of
+        an uncommitted multi-rank store share it, each holding its part."""
         if _MAP_BUDGET is not None:
-            return max(1, int(_MAP_BUDGET))
-        if self._map_budget is None:
-            self._map_budget = _default_map_budget()
-        return self._map_budget
+            base = max(1, int(_MAP_BUDGET))
+        else:
+            if self._map_budget is None:
+                self._map_budget = _default_map_budget()
+            base = self._map_budget
+        return max(1, base // self._budget_share)
 
     def _keep_mapping(self, kind: str, key: str, value: Any, n_maps: int) -> list:
         """Cache ``value`` (a shard's mapping, ``kind`` "shard", in ``_maps``; an array's

@@ -1924,7 +1924,8 @@ class StoreWriter:
                 raise ArgumentValueError(f"feature_shape of hook point {hook_point!r} must be non-negative, got {feature_shape}")
             node = F.node_name(hook_point)
             old = self._old_arrays.get(hook_point)
-            if old is not None:
+            if old is not None:  # (its stored folder: one of F.node_names, an older store's name too)
+                node = str(old["path"]).partition("/")[2]
                 got = (list(feature_shape), name, row_kind)
                 want = (list(old["feature_shape"]), old["dtype"], old["row_kind"])
                 if got != want:

@@ -626,3 +626,23 @@ def test_complex_rows_are_pooled_whole_and_not_probed_as_their_real_part(tmp_pat
     res = probe_store(tmp_path / "s.zarr")
     assert "cx.output" not in res
     assert res.skipped["cx.output"].startswith("its rows are complex (complex64): a probe takes real values")
+
+
+def test_sentence_rows_of_complex_rows_keep_their_imaginary_parts(tmp_path):
+    # sentence_rows cast its result, and labelled_rows its token rows, to float64: the imaginary
+    # parts were dropped (a torch UserWarning the only sign)
+    from activationscope.analysis.pooling import labelled_rows, sentence_rows
+    from activationscope.store import StoreWriter
+
+    x = torch.complex(torch.arange(24.0).view(4, 3, 2), -torch.arange(24.0).view(4, 3, 2) ** 2)  # 4 samples x 3 tokens
+    w = StoreWriter(tmp_path / "s.zarr")
+    w.open_array("t.output", (2,), torch.complex64, "token").append(x.reshape(12, 2))
+    w.open_array("s.output", (2,), torch.complex64, "sample").append(x[:, 0])
+    w.add_batch(4, list(range(4)), torch.ones(4, 3, dtype=torch.bool), {"label": torch.tensor([0, 1, 0, 1])})
+    w.close()
+    want = {"t.output": x.to(torch.complex128).mean(1), "s.output": x[:, 0].to(torch.complex128)}
+    for hp, rows in want.items():
+        got, labels = sentence_rows(tmp_path / "s.zarr", hp)
+        assert got.dtype == torch.complex128 and labels == [0, 1, 0, 1]
+        assert torch.equal(got, rows), hp
+        assert torch.equal(labelled_rows(tmp_path / "s.zarr", hp)[0].to(torch.complex128), rows), hp

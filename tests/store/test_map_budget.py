@@ -203,3 +203,48 @@ def test_dataloader_workers_read_every_hook_point_within_the_budget(limited, shu
     for i, batch in zip(batches, got):
         for hp in hps:
             assert torch.equal(batch[hp], ref[hp][torch.as_tensor(i)]), hp
+
+
+def test_the_rank_stores_of_an_uncommitted_multi_rank_store_share_its_budget(tmp_path, monkeypatch):
+    """A store of rank stores not committed yet reads each rank's shards through a store of
+    its own: together they keep the budget of one store (each keeping a whole budget, two
+    ranks held twice the mappings, past vm.max_map_count when the budget is half of it)."""
+    budget = 6
+    monkeypatch.setattr(R, "_MAP_BUDGET", budget, raising=False)
+    path = tmp_path / "tasks.zarr"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(2)])
+    refs = []
+    for task in range(2):
+        xs = [torch.randn(8, 64) for _ in range(ROWS // 8)]
+        opts = {"chunk_rows": SHARD_ROWS, "shard_rows": SHARD_ROWS, "process_group": acs.RankStore(task, 2)}
+        with torch.no_grad(), acs.ActivationScope(store=str(path), store_options=opts).track(model):
+            for x in xs:
+                model(x)
+        with torch.no_grad():
+            refs.append(model[0](torch.cat(xs)))
+    st = acs.open_store(path)
+    assert st.status == "incomplete" and st._ranks
+    got = torch.cat([st.rows("0.output", s, s + 8) for s in range(0, 2 * ROWS, 8)])
+    assert sorted(map(tuple, got.tolist())) == sorted(map(tuple, torch.cat(refs).tolist()))
+    for hp in ("0.output", "1.output"):
+        for s in range(0, 2 * ROWS, 8):
+            st.rows(hp, s, s + 8)
+            assert sum(rank._n_mapped for _, rank in st._ranks) <= budget
+
+
+def test_the_unmap_callbacks_of_a_refresh_of_an_uncommitted_multi_rank_store_run_without_its_lock(tmp_path):
+    """Store.on_unmap callbacks are called without the store's lock held, also when a refresh()
+    closes the rank stores it read before (their mappings dropped)."""
+    path = tmp_path / "tasks.zarr"
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64))
+    for task in range(2):
+        opts = {"chunk_rows": SHARD_ROWS, "shard_rows": SHARD_ROWS, "process_group": acs.RankStore(task, 2)}
+        with torch.no_grad(), acs.ActivationScope(store=str(path), store_options=opts).track(model):
+            model(torch.randn(ROWS, 64))
+    st = acs.open_store(path)
+    held = []
+    st.on_unmap(lambda: held.append(st._lock._is_owned()))
+    st.rows("0.output", 0, 8)  # (a shard of rank 0 mapped)
+    st.refresh()
+    assert held == [False]

@@ -1,8 +1,10 @@
 """A store written before long hook point names were shortened (FORMAT.md section 1: a node
 name over 128 UTF-8 bytes is cut and given a hash) keeps its arrays and reductions in the
-folders of the whole name; it still opens and reads its reductions."""
+folders of the whole name; it still opens, reads its reductions and resumes there; as does one holding a hook point folding to
+zarr.json (`Zarr.JSON`) written before such names were escaped."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from activationscope.store import StoreWriter, open_store
@@ -36,4 +38,51 @@ def test_a_store_whose_long_hook_point_has_the_folders_of_its_whole_name_opens(t
     st = open_store(tmp_path / "s.zarr")
     assert torch.equal(st[LONG], data)
     assert torch.equal(st.reductions[LONG]["mean"], data.double().mean(0))
+    assert st.verify() == []
+
+
+def _node_name_before_zarr_json_escape(hook_point: str) -> str:
+    return _node_name_before_shortening(hook_point)
+
+
+def test_a_store_whose_hook_point_folds_to_zarr_json_written_before_its_escape_opens(tmp_path, monkeypatch):
+    # 'Zarr.JSON' was a folder of its own on a case-sensitive file system before such names became
+    # 'Zarr%2EJSON': its reductions there are still its own
+    hp = "Zarr.JSON"
+    assert F.node_name(hp) != _node_name_before_zarr_json_escape(hp)
+    data = torch.randn(8, 4)
+    with monkeypatch.context() as m:
+        m.setattr(F, "node_name", _node_name_before_zarr_json_escape)
+        w = StoreWriter(tmp_path / "s.zarr")
+        w.open_array(hp, (4,), torch.float32, "sample").append(data)
+        w.add_batch(8, list(range(8)), None, {})
+        w.commit()
+        w.add_reductions(hp, "mean", _Mean(data.double().mean(0)))
+        w.close()
+    assert (tmp_path / "s.zarr" / "reductions" / hp).is_dir()
+    st = open_store(tmp_path / "s.zarr")
+    assert torch.equal(st[hp], data)
+    assert torch.equal(st.reductions[hp]["mean"], data.double().mean(0))
+    assert st.verify() == []
+
+
+@pytest.mark.parametrize("hp", ["Zarr.JSON", LONG])
+def test_a_resume_of_a_store_written_before_the_name_was_escaped_or_shortened_appends_to_its_folder(
+        tmp_path, monkeypatch, hp):
+    # the resumed rows go to the array's stored folder ('acts/Zarr.JSON', the long name whole), not a
+    # new one ('acts/Zarr%2EJSON', the shortened name) missing the rows committed before
+    data = torch.randn(12, 4)
+    with monkeypatch.context() as m:
+        m.setattr(F, "node_name", _node_name_before_zarr_json_escape)
+        w = StoreWriter(tmp_path / "s.zarr", chunk_rows=2, shard_rows=4)
+        w.open_array(hp, (4,), torch.float32, "sample").append(data[:6])
+        w.add_batch(6, list(range(6)), None, {})
+        w.close()
+    w = StoreWriter(tmp_path / "s.zarr", resume=True)
+    w.open_array(hp, (4,), torch.float32, "sample").append(data[6:])
+    w.add_batch(6, list(range(6, 12)), None, {})
+    w.close()
+    st = open_store(tmp_path / "s.zarr")
+    assert (tmp_path / "s.zarr" / "acts" / hp).is_dir() and not (tmp_path / "s.zarr" / "acts" / F.node_name(hp)).exists()
+    assert torch.equal(st[hp], data)
     assert st.verify() == []
