@@ -1854,8 +1854,31 @@ def test_info_lines_up_hook_points_with_escaped_wide_and_combining_characters(tm
     header = next(line for line in lines if line.startswith("hook point"))
     table = [line for line in lines if line.startswith("d.")]
     assert [line.split("  ")[0] for line in table] == ["d.n\\nl.output", "d.\\x1b[31mred.output", "d.\u5c42\u5c42.output",
-                                                       "d.e\u0301.output", "d.b.output"]
+                                                       "d.e\\u0301.output", "d.b.output"]
     assert [at(line, "sample") for line in table] == [at(header, "kind")] * len(keys)
+
+
+def test_info_and_errors_tell_apart_hook_points_that_print_alike(tmp_path, capsys):
+    """Hook points 'd.\u00e9.output' and 'd.e\u0301.output' ('e' plus a combining accent)
+    printed alike in the info table and in the list of an error, so a user could not tell
+    which is which; now the one not in NFC form is shown with its escapes."""
+    import activationscope as acs
+
+    model = torch.nn.Module()
+    model.d = torch.nn.ModuleDict({"\u00e9": torch.nn.Linear(2, 2), "e\u0301": torch.nn.Linear(2, 2)})
+    model.forward = lambda x: [m(x) for m in model.d.values()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the warning that a copy on macOS would fold them)
+        with acs.ActivationScope(store=str(tmp_path / "s.zarr")).track(model), torch.no_grad():
+            model(torch.randn(3, 2))
+    code, stdout, _ = run(capsys, "info", str(tmp_path / "s.zarr"))
+    assert code == 0
+    table = [line.split("  ")[0] for line in stdout.splitlines() if line.startswith("d.")]
+    assert table == ["d.\u00e9.output", "d.e\\u0301.output"]
+    code, _, err = run(capsys, "export", str(tmp_path / "s.zarr"), "--format", "parquet",
+                       "--out", str(tmp_path / "x.parquet"), "--hook-points", "d.x.output")
+    assert code == 1
+    _one_error_line(err, "it holds ['d.\u00e9.output', 'd.e\\u0301.output']")
 
 
 def test_errors_and_warnings_show_control_characters_from_the_store_escaped(tmp_path, capsys):

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ..errors import (ArgumentTypeError, CaptureError, CaptureWarning, HookPointNotFoundError,
+from ..errors import (ArgumentTypeError, CaptureError, CaptureWarning, HookPointNotFoundError, name_repr, names_repr,
                       warn_at_caller)
 
 __all__ = ["select_modules", "hook_point_module", "normalize_patterns", "is_hook_point_module", "rename_hook_point",
@@ -194,7 +194,7 @@ def select_modules(
                 warn_at_caller(
                     f"exclude pattern {pat!r} matches no module of {type(model).__name__}, so it excludes nothing"
                     + (bracket or _shared_names_hint(model, named, pat, "exclude")
-                       or f"; module names look like {_examples(names)}" + (f"; did you mean {close}?" if close else "")),
+                       or f"; module names look like {_examples(names)}" + (f"; did you mean {names_repr(close)}?" if close else "")),
                     CaptureWarning,
                 )
             excluded.update(hits)
@@ -648,7 +648,7 @@ def _shared_names_hint(model: torch.nn.Module, named: list[tuple[str, torch.nn.M
 
 
 def _examples(names: Sequence[str], n: int = 8) -> str:
-    shown = [repr(x) for x in names if x][:n]
+    shown = [name_repr(x) for x in names if x][:n]  # (names that print alike told apart: name_repr)
     more = "" if len([x for x in names if x]) <= n else ", ..."
     return "[" + ", ".join(shown) + more + "]"
 
@@ -670,7 +670,7 @@ def _hook_point_hint(pattern: str, names: list[str], named: list[tuple[str, torc
             return (f". Patterns name modules, not hook points: include={module!r} records "
                     f"{pattern!r}" + (" (with capture='input' or 'both')" if side == ".input" else ""))
     close = _close_names(pattern, names)
-    return f"; did you mean {close}?" if close else ""
+    return f"; did you mean {names_repr(close)}?" if close else ""
 
 
 def _close_names(pattern: str, names: list[str], n: int = 3) -> list[str]:

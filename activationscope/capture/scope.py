@@ -33,7 +33,7 @@ import torch
 from . import _native, compiled
 from .._args import parse_flag
 from ..errors import (ActivationScopeError, ArgumentTypeError, ArgumentValueError, CaptureError, CaptureWarning,
-                      HookPointNotFoundError, ReductionError, warn_at_caller)
+                      HookPointNotFoundError, ReductionError, names_repr, warn_at_caller)
 from .hooks import (check_column, hook_point_module, is_hook_point_module, named_modules, never_called_type,
                     bracket_hint, normalize_patterns, pattern_selects, rename_hook_point, select_modules)
 from .results import HookPointResults, ReductionResults, main_result_key
@@ -3534,8 +3534,7 @@ def _silent_message(silent: list[tuple[str, torch.nn.Module]], model: torch.nn.M
 
 
 def _names(names: list[str], n: int = 8) -> str:
-    shown = ", ".join(repr(x) for x in names[:n])
-    return f"[{shown}{', ...' if len(names) > n else ''}]"
+    return names_repr(names, n)  # (names that print alike, NFC and NFD, told apart by escapes)
 
 
 def _discard(writer: Any) -> None:

@@ -186,6 +186,18 @@ def test_errors_name_the_problem(tmp_path, arrays):
         ActivationDataset(store, hook_points=["tok"], filter=lambda t: np.ones(3, bool))
 
 
+def test_hook_points_that_print_alike_are_told_apart_in_the_no_match_error(tmp_path):
+    """Two hook points differing only in Unicode normalization ('\u00e9' and 'e' plus a
+    combining accent) printed alike in the error's list of the store's hook points; now the
+    one not in NFC form is shown with its escapes."""
+    nfc, nfd = "d.\u00e9.output", "d.e\u0301.output"
+    store = FakeStore(write_fake_store(tmp_path / "s", {nfc: torch.zeros(2, 1), nfd: torch.ones(2, 1)},
+                                       tables={"sample": _rows_table(2, "sample")}))
+    with pytest.raises(HookPointNotFoundError) as e:
+        ActivationDataset(store, hook_points=["d.x.output"])
+    assert "['d.\u00e9.output', 'd.e\\u0301.output']" in str(e.value)
+
+
 def test_pickles_as_path_and_reopens(store, arrays):
     ds = ActivationDataset(store.path, hook_points=["a.output"], columns=["label"], filter=pc.field("pos") > 0,
                            open_options={"opener": open_fake})
