@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -1879,6 +1880,43 @@ def test_info_and_errors_tell_apart_hook_points_that_print_alike(tmp_path, capsy
                        "--out", str(tmp_path / "x.parquet"), "--hook-points", "d.x.output")
     assert code == 1
     _one_error_line(err, "it holds ['d.\u00e9.output', 'd.e\\u0301.output']")
+
+
+def test_export_hook_points_bracket_pattern_that_selects_other_hook_points_says_so(tmp_path, capsys):
+    """--hook-points 'd.a[1].*' meant the hook points below the key 'a[1]', but fnmatch read
+    '[1]' as one of '1' and exported d.a1's without a word; now a warning names the hook points
+    holding the brackets and --hook-points 'd.a[[]1].*', which exports them; an error says so
+    when the pattern matches nothing."""
+    import pyarrow.parquet as pq
+
+    import activationscope as acs
+
+    model = torch.nn.Module()
+    model.d = torch.nn.ModuleDict({k: torch.nn.Linear(2, 2) for k in ("a[1]", "a1", "b[2]")})
+    model.forward = lambda x: [m(x) for m in model.d.values()]
+    with acs.ActivationScope(store=str(tmp_path / "s.zarr")).track(model), torch.no_grad():
+        model(torch.randn(3, 2))
+    hint = ("fnmatch reads '[...]' in it as a character class (one of its characters): the hook points whose names "
+            "hold those brackets are ['d.a[1].output'], which --hook-points 'd.a[[]1].*' selects")
+    out = tmp_path / "x.parquet"
+    with pytest.warns(UserWarning, match=re.escape("--hook-points pattern 'd.a[1].*' selects ['d.a1.output']; "
+                                                   + hint)):
+        code, _, err = run(capsys, "export", str(tmp_path / "s.zarr"), "--format", "parquet", "--out", str(out),
+                           "--hook-points", "d.a[1].*")
+    assert code == 0, err
+    assert "d.a1.output" in pq.read_table(out).column_names
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        code, _, err = run(capsys, "export", str(tmp_path / "s.zarr"), "--format", "parquet", "--out", str(out),
+                           "--hook-points", "d.a[[]1].*", "--overwrite")
+    assert code == 0, err
+    names = pq.read_table(out).column_names
+    assert "d.a[1].output" in names and "d.a1.output" not in names
+    code, _, err = run(capsys, "export", str(tmp_path / "s.zarr"), "--format", "parquet", "--out", str(out),
+                       "--hook-points", "d.b[2].*", "--overwrite")
+    assert code == 1
+    _one_error_line(err, "pattern 'd.b[2].*' matches no hook point of the store; fnmatch reads '[...]' in it as a "
+                    "character class", "are ['d.b[2].output'], which --hook-points 'd.b[[]2].*' selects")
 
 
 def test_errors_and_warnings_show_control_characters_from_the_store_escaped(tmp_path, capsys):

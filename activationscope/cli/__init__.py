@@ -30,7 +30,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from ..analysis.capture_run import COMPRESSIONS, STORAGE_DTYPES
-from ..errors import ActivationScopeError, ArgumentValueError, HookPointNotFoundError, name_repr, names_repr, one_line
+from ..errors import (ActivationScopeError, ArgumentValueError, HookPointNotFoundError, name_repr, names_repr, one_line,
+                      warn_at_caller)
 from ..sizes import format_bytes
 
 __all__ = ["main", "build_parser", "CLIError"]
@@ -796,7 +797,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def _check_hook_points(store: Any, hook_points: list[str] | None) -> list[str] | None:
     """Resolve names and fnmatch patterns against the store's hook points, in store order
     (a pattern equal to a hook point selects that hook point only)."""
-    from ..capture.hooks import pattern_hits
+    from ..capture.hooks import bracket_hint, pattern_hits
 
     if hook_points is None:
         return None
@@ -804,12 +805,15 @@ def _check_hook_points(store: Any, hook_points: list[str] | None) -> list[str] |
     chosen: set[str] = set()
     for hp in hook_points:
         hits = pattern_hits(hp, known)
+        bracket = bracket_hint(hp, known, hits, "--hook-points", spelled="--hook-points {}")
         if not hits:
             # (names that print alike, 'é' and 'e' plus an accent, are told apart by their escapes)
-            shown = f"; it holds {names_repr(known, 8)}"
+            shown = bracket or f"; it holds {names_repr(known, 8)}"
             if any(c in hp for c in "*?["):
                 raise HookPointNotFoundError(f"pattern {name_repr(hp)} matches no hook point of the store{shown}")
             raise HookPointNotFoundError(f"hook point {name_repr(hp)} is not in the store{shown}")
+        if bracket:
+            warn_at_caller(f"--hook-points pattern {name_repr(hp)} selects {names_repr(hits, 8)}{bracket}")
         chosen.update(hits)
     return [k for k in known if k in chosen]
 
