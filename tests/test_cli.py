@@ -1919,6 +1919,45 @@ def test_export_hook_points_bracket_pattern_that_selects_other_hook_points_says_
                     "character class", "are ['d.b[2].output'], which --hook-points 'd.b[[]2].*' selects")
 
 
+def test_capture_labels_column_named_like_a_hook_point_is_refused_in_command_line_words(user_package, capsys):
+    """A TransformerLens HookPoint at the model's root named 'label' and --labels (stored as
+    the column 'label') was refused advising 'rename the column', which the command line
+    cannot do; now the refusal names the option the column comes from and the fix
+    --exclude-hook-points 'label', which captures."""
+    x = user_package("hpnets", """
+        import torch
+        class HookPoint(torch.nn.Module):
+            def forward(self, x):
+                return x
+        HookPoint.__module__ = "transformer_lens.hook_points"
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = torch.nn.Linear(6, 4)
+                self.label = HookPoint()
+            def forward(self, x):
+                return self.label(self.lin(x))
+        def net():
+            torch.manual_seed(0)
+            return Net()
+    """, data=(10, 6, 0))
+    np.save("y.npy", np.arange(10))
+    argv = ["capture", "--model", "hpnets.nets:net", "--data", str(x), "--labels", "y.npy", "--out", "s.zarr",
+            "--no-progress"]
+    code, _, err = run(capsys, *argv)
+    assert code == 1
+    _one_error_line(err, "column 'label' (of --labels, --label-column or a text --data) has the name of a hook point",
+                    "leave the hook point out: --exclude-hook-points 'label'")
+    assert "rename the column" not in err and "set_batch" not in err
+    code, _, err = run(capsys, *argv, "--exclude-hook-points", "label")
+    assert code == 0, err
+    import activationscope as acs
+
+    store = acs.open_store("s.zarr")
+    assert store.hook_points == ["lin.output"]
+    assert store.row_table("sample", columns=["label"]).column("label").to_pylist() == list(range(10))
+
+
 def test_errors_and_warnings_show_control_characters_from_the_store_escaped(tmp_path, capsys):
     """Hook point names are the store's strings too: an error listing them, or a warning
     quoting one, shows their control characters escaped."""

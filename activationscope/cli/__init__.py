@@ -487,6 +487,13 @@ def _cli_spelling(message: str, command: str | None = None, include_given: bool 
         message = re.sub(r"\((overwrite) (does not allow|replaces)\b", r"(--\1 \2", message)
     if command == "capture":  # (a store writer's error: "... and resume=True continues from them")
         message = re.sub(r"(?<!\.\.\., )(?<!store_options )\bresume=True\b", "--resume", message)
+        # the store writer's refusal of a row-table column named like a hook point: the command
+        # names its columns itself (a table --data's label is 'label'), so the fix is the hook point's
+        message = re.sub(r"column ('[^']*') has the name of a hook point (of store .*?); rename the column\b",
+                         lambda m: f"column {m[1]} (of --labels, --label-column or a text --data) has the name of a "
+                                   f"hook point {m[2]}; leave the hook point out: --exclude-hook-points {m[1]}", message)
+        message = message.replace(" (given to set_batch): ", " (of --labels, --label-column or a text --data): ")
+        message = message.replace("; rename the column, or leave the hook point out ", "; leave the hook point out ")
         # sink.cpp's refusals of a cast: "storage_dtype=torch.float16 turns finite values into inf"
         message = re.sub(r"\bstorage_dtype=torch\.(\w+) (turns finite values|changes its integers)", r"--dtype \1 \2",
                          message)
