@@ -9,7 +9,9 @@ from __future__ import annotations
 import os
 import sys
 import types
+import unicodedata
 import warnings
+from collections.abc import Iterable
 
 
 class ActivationScopeError(Exception):
@@ -130,6 +132,24 @@ def one_line(e: BaseException) -> str:
     if not isinstance(e, (ActivationScopeError, OSError, ValueError, KeyError, ImportError)):
         text = f"{type(e).__name__}: {text}"
     return text
+
+
+def name_repr(name: object) -> str:
+    """``repr(name)`` for a message or a listing, but ``ascii(name)`` for a str that is not in
+    Unicode NFC form. A hook point ``d.\u00e9.output`` (one character) and ``d.e\u0301.output``
+    (``e`` plus a combining accent) print alike; the second is shown with its escapes, as a
+    command line shows a control character, so that a reader can tell them apart."""
+    if isinstance(name, str) and not unicodedata.is_normalized("NFC", name):
+        return ascii(name)
+    return repr(name)
+
+
+def names_repr(names: Iterable[object], n: int | None = None) -> str:
+    """``[...]`` of :func:`name_repr` of each of ``names`` (the first ``n`` and ``...`` when
+    there are more), for a message listing names that may print alike."""
+    names = list(names)
+    shown = names if n is None else names[:n]
+    return "[" + ", ".join(name_repr(x) for x in shown) + (", ..." if len(shown) < len(names) else "") + "]"
 
 
 def _inside_library(frame: types.FrameType) -> bool:

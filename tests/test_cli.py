@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -1854,8 +1855,107 @@ def test_info_lines_up_hook_points_with_escaped_wide_and_combining_characters(tm
     header = next(line for line in lines if line.startswith("hook point"))
     table = [line for line in lines if line.startswith("d.")]
     assert [line.split("  ")[0] for line in table] == ["d.n\\nl.output", "d.\\x1b[31mred.output", "d.\u5c42\u5c42.output",
-                                                       "d.e\u0301.output", "d.b.output"]
+                                                       "d.e\\u0301.output", "d.b.output"]
     assert [at(line, "sample") for line in table] == [at(header, "kind")] * len(keys)
+
+
+def test_info_and_errors_tell_apart_hook_points_that_print_alike(tmp_path, capsys):
+    """Hook points 'd.\u00e9.output' and 'd.e\u0301.output' ('e' plus a combining accent)
+    printed alike in the info table and in the list of an error, so a user could not tell
+    which is which; now the one not in NFC form is shown with its escapes."""
+    import activationscope as acs
+
+    model = torch.nn.Module()
+    model.d = torch.nn.ModuleDict({"\u00e9": torch.nn.Linear(2, 2), "e\u0301": torch.nn.Linear(2, 2)})
+    model.forward = lambda x: [m(x) for m in model.d.values()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the warning that a copy on macOS would fold them)
+        with acs.ActivationScope(store=str(tmp_path / "s.zarr")).track(model), torch.no_grad():
+            model(torch.randn(3, 2))
+    code, stdout, _ = run(capsys, "info", str(tmp_path / "s.zarr"))
+    assert code == 0
+    table = [line.split("  ")[0] for line in stdout.splitlines() if line.startswith("d.")]
+    assert table == ["d.\u00e9.output", "d.e\\u0301.output"]
+    code, _, err = run(capsys, "export", str(tmp_path / "s.zarr"), "--format", "parquet",
+                       "--out", str(tmp_path / "x.parquet"), "--hook-points", "d.x.output")
+    assert code == 1
+    _one_error_line(err, "it holds ['d.\u00e9.output', 'd.e\\u0301.output']")
+
+
+def test_export_hook_points_bracket_pattern_that_selects_other_hook_points_says_so(tmp_path, capsys):
+    """--hook-points 'd.a[1].*' meant the hook points below the key 'a[1]', but fnmatch read
+    '[1]' as one of '1' and exported d.a1's without a word; now a warning names the hook points
+    holding the brackets and --hook-points 'd.a[[]1].*', which exports them; an error says so
+    when the pattern matches nothing."""
+    import pyarrow.parquet as pq
+
+    import activationscope as acs
+
+    model = torch.nn.Module()
+    model.d = torch.nn.ModuleDict({k: torch.nn.Linear(2, 2) for k in ("a[1]", "a1", "b[2]")})
+    model.forward = lambda x: [m(x) for m in model.d.values()]
+    with acs.ActivationScope(store=str(tmp_path / "s.zarr")).track(model), torch.no_grad():
+        model(torch.randn(3, 2))
+    hint = ("fnmatch reads '[...]' in it as a character class (one of its characters): the hook points whose names "
+            "hold those brackets are ['d.a[1].output'], which --hook-points 'd.a[[]1].*' selects")
+    out = tmp_path / "x.parquet"
+    with pytest.warns(UserWarning, match=re.escape("--hook-points pattern 'd.a[1].*' selects ['d.a1.output']; "
+                                                   + hint)):
+        code, _, err = run(capsys, "export", str(tmp_path / "s.zarr"), "--format", "parquet", "--out", str(out),
+                           "--hook-points", "d.a[1].*")
+    assert code == 0, err
+    assert "d.a1.output" in pq.read_table(out).column_names
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        code, _, err = run(capsys, "export", str(tmp_path / "s.zarr"), "--format", "parquet", "--out", str(out),
+                           "--hook-points", "d.a[[]1].*", "--overwrite")
+    assert code == 0, err
+    names = pq.read_table(out).column_names
+    assert "d.a[1].output" in names and "d.a1.output" not in names
+    code, _, err = run(capsys, "export", str(tmp_path / "s.zarr"), "--format", "parquet", "--out", str(out),
+                       "--hook-points", "d.b[2].*", "--overwrite")
+    assert code == 1
+    _one_error_line(err, "pattern 'd.b[2].*' matches no hook point of the store; fnmatch reads '[...]' in it as a "
+                    "character class", "are ['d.b[2].output'], which --hook-points 'd.b[[]2].*' selects")
+
+
+def test_capture_labels_column_named_like_a_hook_point_is_refused_in_command_line_words(user_package, capsys):
+    """A TransformerLens HookPoint at the model's root named 'label' and --labels (stored as
+    the column 'label') was refused advising 'rename the column', which the command line
+    cannot do; now the refusal names the option the column comes from and the fix
+    --exclude-hook-points 'label', which captures."""
+    x = user_package("hpnets", """
+        import torch
+        class HookPoint(torch.nn.Module):
+            def forward(self, x):
+                return x
+        HookPoint.__module__ = "transformer_lens.hook_points"
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = torch.nn.Linear(6, 4)
+                self.label = HookPoint()
+            def forward(self, x):
+                return self.label(self.lin(x))
+        def net():
+            torch.manual_seed(0)
+            return Net()
+    """, data=(10, 6, 0))
+    np.save("y.npy", np.arange(10))
+    argv = ["capture", "--model", "hpnets.nets:net", "--data", str(x), "--labels", "y.npy", "--out", "s.zarr",
+            "--no-progress"]
+    code, _, err = run(capsys, *argv)
+    assert code == 1
+    _one_error_line(err, "column 'label' (of --labels, --label-column or a text --data) has the name of a hook point",
+                    "leave the hook point out: --exclude-hook-points 'label'")
+    assert "rename the column" not in err and "set_batch" not in err
+    code, _, err = run(capsys, *argv, "--exclude-hook-points", "label")
+    assert code == 0, err
+    import activationscope as acs
+
+    store = acs.open_store("s.zarr")
+    assert store.hook_points == ["lin.output"]
+    assert store.row_table("sample", columns=["label"]).column("label").to_pylist() == list(range(10))
 
 
 def test_errors_and_warnings_show_control_characters_from_the_store_escaped(tmp_path, capsys):

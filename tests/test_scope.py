@@ -293,6 +293,69 @@ def test_a_bracket_pattern_that_selects_other_modules_than_the_brackets_names_sa
         acs.ActivationScope().track(model, include=["d.a[1].*"])
 
 
+_HOOK_HINT = ("fnmatch reads '[...]' in it as a character class (one of its characters): the hook points whose names "
+              "hold those brackets are ['d.a[1].0.output', 'd.a[1].1.output', 'd.a[1].output'], which {}")
+
+
+@pytest.mark.parametrize("argument, value, fix", [
+    ("reductions", {"d.a[1].*": ["mean"]}, "reductions={'d.a[[]1].*': ...} selects"),
+    ("token_rows", {"d.a[1].*": False}, "token_rows={'d.a[[]1].*': ...} selects"),
+])
+def test_a_bracket_pattern_of_reductions_or_token_rows_that_selects_other_hook_points_says_so(argument, value, fix):
+    """reductions={'d.a[1].*': [...]} (and token_rows=) meant the hook points below the key
+    'a[1]', but fnmatch read '[1]' as one of '1': the reductions went to d.a1's hook points
+    without a word, or the no-match error named no reason. Now a CaptureWarning names the hook
+    points holding the brackets and the pattern that selects them, and the error says so."""
+    model, x = _BracketBlocks().eval(), torch.randn(3, 2)
+    with pytest.warns(acs.CaptureWarning, match=re.escape(
+            f"{argument}= pattern 'd.a[1].*' selects ['d.a1.0.output', 'd.a1.1.output', 'd.a1.output']; "
+            + _HOOK_HINT.format(fix))):
+        with acs.ActivationScope(**{argument: value}).track(model) as tr, torch.no_grad():
+            model(x)
+    if argument == "reductions":
+        assert sorted(tr.reductions) == ["d.a1.0.output", "d.a1.1.output", "d.a1.output"]
+    escaped = {k.replace("[", "[[]"): v for k, v in value.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", acs.CaptureWarning)
+        with acs.ActivationScope(**{argument: escaped}).track(model) as tr, torch.no_grad():
+            model(x)
+    if argument == "reductions":
+        assert sorted(tr.reductions) == ["d.a[1].0.output", "d.a[1].1.output", "d.a[1].output"]
+        torch.testing.assert_close(tr.reductions["d.a[1].0.output"]["mean"],
+                                   model.d["a[1]"][0](x).detach().double().mean(0))
+    del model.d["a1"]
+    with pytest.raises(acs.HookPointNotFoundError, match=re.escape(_HOOK_HINT.format(fix))):
+        with acs.ActivationScope(**{argument: value}).track(model), torch.no_grad():
+            model(x)
+
+
+def test_a_bracket_pattern_of_exclude_hook_points_that_leaves_out_other_hook_points_says_so():
+    """exclude_hook_points=['d.a[1].*'] meant the hook points below the key 'a[1]', but left
+    out d.a1's without a word. Now a CaptureWarning at the first forward names the hook points
+    holding the brackets and the pattern that leaves them out; that one leaves them out."""
+    model, x = _BracketBlocks().eval(), torch.randn(3, 2)
+    fix = "exclude_hook_points=['d.a[[]1].*'] leaves out"
+    with pytest.warns(acs.CaptureWarning, match=re.escape(
+            "exclude_hook_points= pattern 'd.a[1].*' leaves out ['d.a1.0.output', 'd.a1.1.output', 'd.a1.output']; "
+            + _HOOK_HINT.format(fix))):
+        with acs.ActivationScope().track(model, exclude_hook_points=["d.a[1].*"]) as tr, torch.no_grad():
+            model(x)
+    assert "d.a1.0.output" not in tr.hook_points and "d.a[1].0.output" in tr.hook_points
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", acs.CaptureWarning)
+        with acs.ActivationScope().track(model, exclude_hook_points=["d.a[[]1].*"]) as tr, torch.no_grad():
+            model(x)
+    assert "d.a[1].0.output" not in tr.hook_points and "d.a1.0.output" in tr.hook_points
+    del model.d["a1"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with acs.ActivationScope().track(model, exclude_hook_points=["d.a[1].*"]), torch.no_grad():
+            model(x)
+    said = [str(w.message) for w in caught if w.category is acs.CaptureWarning]
+    assert said[0] == "exclude_hook_points= pattern 'd.a[1].*' leaves out no hook point; " + _HOOK_HINT.format(fix)
+    assert "left out no hook point" in said[1] and len(said) == 2  # (the exit's word on a pattern that did nothing)
+
+
 def test_pattern_hits_exact_names_first():
     from activationscope.capture.hooks import pattern_hits
 

@@ -23,11 +23,11 @@ from typing import Any
 
 import torch
 
-from ..errors import (ArgumentTypeError, CaptureError, CaptureWarning, HookPointNotFoundError,
+from ..errors import (ArgumentTypeError, CaptureError, CaptureWarning, HookPointNotFoundError, name_repr, names_repr,
                       warn_at_caller)
 
 __all__ = ["select_modules", "hook_point_module", "normalize_patterns", "is_hook_point_module", "rename_hook_point",
-           "pattern_hits", "pattern_selects", "block_stacks", "block_modules", "never_called_type", "named_modules"]
+           "pattern_hits", "pattern_selects", "bracket_hint", "block_stacks", "block_modules", "never_called_type", "named_modules"]
 
 
 def pattern_hits(pattern: str, names: Iterable[str]) -> list[str]:
@@ -169,7 +169,7 @@ def select_modules(
         included: set[str] = set()
         for pat in include:
             hits = pattern_hits(pat, names)
-            bracket = _bracket_hint(pat, names, hits, "include")
+            bracket = bracket_hint(pat, names, hits, "include", "modules")
             if not hits:
                 raise HookPointNotFoundError(
                     f"include pattern {pat!r} matches no module of {type(model).__name__}"
@@ -186,7 +186,7 @@ def select_modules(
         excluded: set[str] = set()
         for pat in exclude:
             hits = pattern_hits(pat, names)
-            bracket = _bracket_hint(pat, names, hits, "exclude")
+            bracket = bracket_hint(pat, names, hits, "exclude", "modules", "leaves out")
             if bracket and hits:
                 warn_at_caller(f"exclude pattern {pat!r} leaves out {_examples(hits)}{bracket}", CaptureWarning)
             if not hits:
@@ -194,7 +194,7 @@ def select_modules(
                 warn_at_caller(
                     f"exclude pattern {pat!r} matches no module of {type(model).__name__}, so it excludes nothing"
                     + (bracket or _shared_names_hint(model, named, pat, "exclude")
-                       or f"; module names look like {_examples(names)}" + (f"; did you mean {close}?" if close else "")),
+                       or f"; module names look like {_examples(names)}" + (f"; did you mean {names_repr(close)}?" if close else "")),
                     CaptureWarning,
                 )
             excluded.update(hits)
@@ -209,20 +209,43 @@ def select_modules(
     return chosen
 
 
-def _bracket_hint(pattern: str, names: list[str], hits: list[str], argument: str) -> str:
-    """A pattern holding ``[`` (``d.a[1].*``, for the modules below the ``nn.ModuleDict`` key
-    ``a[1]``) that fnmatch reads as a character class (one of ``1``), so it selects other names
-    than the ones that hold the brackets themselves: ``"; ..."`` naming those and the pattern
-    that selects them (``d.a[[]1].*``); ``""`` when both readings select the same names."""
+def bracket_hint(pattern: str, names: Iterable[str], hits: Sequence[str], argument: str, noun: str = "hook points",
+                 verb: str = "selects", spelled: str | None = None) -> str:
+    """For a pattern holding ``[`` (``d.a[1].*``, meant for the names below the
+    ``nn.ModuleDict`` key ``a[1]``) that fnmatch reads as a character class (one of ``1``), so
+    that it selects other names than those holding the brackets themselves: ``"; ..."`` naming
+    those and the pattern that selects them (``d.a[[]1].*``). ``""`` when the pattern holds no
+    ``[``, equals one of ``names`` (an exact name selects itself only), no name holds its
+    brackets, or both readings select the same names. The same text for every argument that
+    takes patterns: ``include=`` / ``exclude=``, ``reductions=`` / ``token_rows=`` /
+    ``exclude_hook_points=`` keys, ``ActivationDataset(hook_points=...)``, ``--hook-points``.
+
+    Parameters
+    ----------
+    pattern : str
+        The pattern as given.
+    names : iterable of str
+        The names the pattern chooses from (module names or hook points).
+    hits : sequence of str
+        What the pattern selected (:func:`pattern_hits`).
+    argument : str
+        The argument's name, as the fix spells it (``include`` gives ``include=['d.a[[]1].*']``).
+    noun, verb : str
+        What ``names`` are (``"modules"``) and what the argument does with them (``"leaves out"``).
+    spelled : str, optional
+        The fix's spelling with ``{}`` where the escaped pattern goes (``"--hook-points {}"``);
+        default ``"<argument>=[{}]"``.
+    """
+    names = list(names)
     if "[" not in pattern or pattern in names:
         return ""
     literal = pattern.replace("[", "[[]")
     held = [n for n in names if fnmatch.fnmatchcase(n, literal)]
-    if not held or held == hits:
+    if not held or held == list(hits):
         return ""
-    verb = "selects" if argument == "include" else "leaves out"
-    return (f"; fnmatch reads '[...]' in it as a character class (one of its characters): the modules whose names "
-            f"hold those brackets are {_examples(held)}, which {argument}=[{literal!r}] {verb}")
+    fix = (spelled or argument + "=[{}]").replace("{}", repr(literal))
+    return (f"; fnmatch reads '[...]' in it as a character class (one of its characters): the {noun} whose names "
+            f"hold those brackets are {_examples(held)}, which {fix} {verb}")
 
 
 def _refuse_unencodable_names(chosen: list[tuple[str, torch.nn.Module]], model_name: str) -> None:
@@ -625,7 +648,7 @@ def _shared_names_hint(model: torch.nn.Module, named: list[tuple[str, torch.nn.M
 
 
 def _examples(names: Sequence[str], n: int = 8) -> str:
-    shown = [repr(x) for x in names if x][:n]
+    shown = [name_repr(x) for x in names if x][:n]  # (names that print alike told apart: name_repr)
     more = "" if len([x for x in names if x]) <= n else ", ..."
     return "[" + ", ".join(shown) + more + "]"
 
@@ -647,7 +670,7 @@ def _hook_point_hint(pattern: str, names: list[str], named: list[tuple[str, torc
             return (f". Patterns name modules, not hook points: include={module!r} records "
                     f"{pattern!r}" + (" (with capture='input' or 'both')" if side == ".input" else ""))
     close = _close_names(pattern, names)
-    return f"; did you mean {close}?" if close else ""
+    return f"; did you mean {names_repr(close)}?" if close else ""
 
 
 def _close_names(pattern: str, names: list[str], n: int = 3) -> list[str]:

@@ -33,9 +33,9 @@ import torch
 from . import _native, compiled
 from .._args import parse_flag
 from ..errors import (ActivationScopeError, ArgumentTypeError, ArgumentValueError, CaptureError, CaptureWarning,
-                      HookPointNotFoundError, ReductionError, warn_at_caller)
+                      HookPointNotFoundError, ReductionError, names_repr, warn_at_caller)
 from .hooks import (check_column, hook_point_module, is_hook_point_module, named_modules, never_called_type,
-                    normalize_patterns, pattern_selects, rename_hook_point, select_modules)
+                    bracket_hint, normalize_patterns, pattern_selects, rename_hook_point, select_modules)
 from .results import HookPointResults, ReductionResults, main_result_key
 from .writer import check_writer_options, merges_reductions, open_writer, writer_options
 
@@ -2097,26 +2097,43 @@ class Tracker:
         (what ``source`` gave) raises HookPointNotFoundError, as an ``include=`` pattern that
         matches no module does; nothing of this run is committed (a store is left as it was
         found). The error's ``argument`` is ``"reductions"`` or ``"token_rows"``, its
-        ``pattern`` the pattern, its ``hook_points`` the sorted ``hook_points``."""
+        ``pattern`` the pattern, its ``hook_points`` the sorted ``hook_points``. A pattern of
+        these or of ``exclude_hook_points=`` holding ``[`` that selects other hook points than
+        those holding the brackets (``'d.a[1].*'`` selecting ``d.a1.*``) gets a CaptureWarning
+        naming those and the pattern that selects them (:func:`~.hooks.bracket_hint`), once."""
         if self._refused is not None:
             return
         reductions = self.scope.reductions
         token_rows = self._token_rows
         patterns = [("reductions", p) for p in (reductions if isinstance(reductions, Mapping) else ())]
         patterns += [("token_rows", p) for p in (token_rows if isinstance(token_rows, Mapping) else ())]
-        if not patterns:
+        skip = [p for p in self._skip_patterns or () if "[" in p]  # (checked for the bracket reading only)
+        if not patterns and not skip:
             return
         modules = {n for n, _m in self._modules}
+        # a hook point of a tracked module reached only in a later forward (a branch) counts
         later = [h for h in self._hook_names if self._can_capture(h, modules)]
-        for argument, pattern in patterns:
-            # a hook point of a tracked module reached only in a later forward (a branch) counts
-            if not any(pattern_selects(pattern, h, self._hook_names)
-                       for h in itertools.chain(hook_points, later)):
+        names = list(dict.fromkeys(itertools.chain(hook_points, sorted(later))))
+        left_out = list(dict.fromkeys(itertools.chain(names, sorted(self._skipped_hook_points))))
+        warned = self.__dict__.setdefault("_bracket_warned", set())  # (checked again on a resume's exit)
+        for argument, pattern in [*patterns, *(("exclude_hook_points", p) for p in skip)]:
+            leaves = argument == "exclude_hook_points"
+            among = left_out if leaves else names
+            hits = [h for h in among if pattern_selects(pattern, h, self._hook_names)]
+            bracket = bracket_hint(pattern, among, hits, argument, verb="leaves out" if leaves else "selects",
+                                   spelled=None if leaves else argument + "={" + "{}" + ": ...}")
+            if bracket and (hits or leaves) and (argument, pattern) not in warned:
+                warned.add((argument, pattern))
+                done = "leaves out" if leaves else "selects"
+                warn_at_caller(f"{argument}= pattern {pattern!r} {done} {_names(hits) if hits else 'no hook point'}"
+                               f"{bracket}", CaptureWarning)
+            if not hits and not leaves:
                 self._refused_error = HookPointNotFoundError
                 self._refused = (
-                    f"{argument}= pattern {pattern!r} selects no hook point: {source} {_names(sorted(hook_points))}; "
-                    "a pattern names hook points (a module path plus '.output' or '.input.0'), not modules: "
-                    "fix the pattern or drop it" + ("" if self.writer is None else " (no row of this run is stored)")
+                    f"{argument}= pattern {pattern!r} selects no hook point: {source} {_names(sorted(hook_points))}"
+                    + (bracket or "; a pattern names hook points (a module path plus '.output' or '.input.0'), not "
+                       "modules: fix the pattern or drop it")
+                    + ("" if self.writer is None else " (no row of this run is stored)")
                 )
                 if self.writer is not None and self._closed:
                     _discard(self.writer)
@@ -3517,8 +3534,7 @@ def _silent_message(silent: list[tuple[str, torch.nn.Module]], model: torch.nn.M
 
 
 def _names(names: list[str], n: int = 8) -> str:
-    shown = ", ".join(repr(x) for x in names[:n])
-    return f"[{shown}{', ...' if len(names) > n else ''}]"
+    return names_repr(names, n)  # (names that print alike, NFC and NFD, told apart by escapes)
 
 
 def _discard(writer: Any) -> None:

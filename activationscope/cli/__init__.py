@@ -30,7 +30,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from ..analysis.capture_run import COMPRESSIONS, STORAGE_DTYPES
-from ..errors import ActivationScopeError, ArgumentValueError, HookPointNotFoundError, one_line
+from ..errors import (ActivationScopeError, ArgumentValueError, HookPointNotFoundError, name_repr, names_repr, one_line,
+                      warn_at_caller)
 from ..sizes import format_bytes
 
 __all__ = ["main", "build_parser", "CLIError"]
@@ -486,6 +487,13 @@ def _cli_spelling(message: str, command: str | None = None, include_given: bool 
         message = re.sub(r"\((overwrite) (does not allow|replaces)\b", r"(--\1 \2", message)
     if command == "capture":  # (a store writer's error: "... and resume=True continues from them")
         message = re.sub(r"(?<!\.\.\., )(?<!store_options )\bresume=True\b", "--resume", message)
+        # the store writer's refusal of a row-table column named like a hook point: the command
+        # names its columns itself (a table --data's label is 'label'), so the fix is the hook point's
+        message = re.sub(r"column ('[^']*') has the name of a hook point (of store .*?); rename the column\b",
+                         lambda m: f"column {m[1]} (of --labels, --label-column or a text --data) has the name of a "
+                                   f"hook point {m[2]}; leave the hook point out: --exclude-hook-points {m[1]}", message)
+        message = message.replace(" (given to set_batch): ", " (of --labels, --label-column or a text --data): ")
+        message = message.replace("; rename the column, or leave the hook point out ", "; leave the hook point out ")
         # sink.cpp's refusals of a cast: "storage_dtype=torch.float16 turns finite values into inf"
         message = re.sub(r"\bstorage_dtype=torch\.(\w+) (turns finite values|changes its integers)", r"--dtype \1 \2",
                          message)
@@ -796,7 +804,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def _check_hook_points(store: Any, hook_points: list[str] | None) -> list[str] | None:
     """Resolve names and fnmatch patterns against the store's hook points, in store order
     (a pattern equal to a hook point selects that hook point only)."""
-    from ..capture.hooks import pattern_hits
+    from ..capture.hooks import bracket_hint, pattern_hits
 
     if hook_points is None:
         return None
@@ -804,11 +812,15 @@ def _check_hook_points(store: Any, hook_points: list[str] | None) -> list[str] |
     chosen: set[str] = set()
     for hp in hook_points:
         hits = pattern_hits(hp, known)
+        bracket = bracket_hint(hp, known, hits, "--hook-points", spelled="--hook-points {}")
         if not hits:
-            shown = ", ".join(known[:8]) + (", ..." if len(known) > 8 else "")
+            # (names that print alike, 'é' and 'e' plus an accent, are told apart by their escapes)
+            shown = bracket or f"; it holds {names_repr(known, 8)}"
             if any(c in hp for c in "*?["):
-                raise HookPointNotFoundError(f"pattern {hp!r} matches no hook point of the store; it holds [{shown}]")
-            raise HookPointNotFoundError(f"hook point {hp!r} is not in the store; it holds [{shown}]")
+                raise HookPointNotFoundError(f"pattern {name_repr(hp)} matches no hook point of the store{shown}")
+            raise HookPointNotFoundError(f"hook point {name_repr(hp)} is not in the store{shown}")
+        if bracket:
+            warn_at_caller(f"--hook-points pattern {name_repr(hp)} selects {names_repr(hits, 8)}{bracket}")
         chosen.update(hits)
     return [k for k in known if k in chosen]
 
@@ -883,6 +895,14 @@ def _printable(text: str) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
+def _shown_name(name: str) -> str:
+    """A hook point for a table: as is, but with the escapes of :func:`~activationscope.errors.name_repr`
+    (no quotes) when it is not in Unicode NFC form, so that ``d.\u00e9.output`` and
+    ``d.e\u0301.output`` (``e`` plus a combining accent), which print alike, are told apart."""
+    shown = name_repr(name)
+    return name if shown == repr(name) else shown[1:-1]
+
+
 def _columns(text: str) -> int:
     """Terminal columns of printable ``text``: a combining accent takes none, a wide (East
     Asian) character two, so that names such as ``d.层.output`` or an ``é`` written as ``e``
@@ -923,7 +943,7 @@ def format_info(info: dict[str, Any], name: str) -> str:
         if a.get("compression"):
             dtype += f" ({a['compression']})"
         rows.append((
-            _printable(hp), str(a.get("row_kind", "?")), f"{a.get('n_rows', 0):,}", str(shape), dtype,
+            _printable(_shown_name(hp)), str(a.get("row_kind", "?")), f"{a.get('n_rows', 0):,}", str(shape), dtype,
             format_bytes(a.get("bytes")), format_bytes(a.get("bytes_on_disk")),
             "-" if ratio is None else f"{ratio:.2f}",
             _reduction_names(reductions.get(hp, []), (info.get("partial_reductions") or {}).get(hp),
@@ -948,12 +968,12 @@ def format_info(info: dict[str, Any], name: str) -> str:
         lines.append("refused reductions (no built-in reduction writes them; reading one raises, "
                      "store.reductions[hook point] returns the others with a warning, the rest of the store reads as "
                      "usual; `activationscope verify STORE` says why):")
-        lines.extend(f"  {hp}: {', '.join(sorted(names))}" for hp, names in refused.items())
+        lines.extend(f"  {_shown_name(hp)}: {', '.join(sorted(names))}" for hp, names in refused.items())
     aliases = info.get("aliases") or {}
     if aliases:
         lines.append("")
         lines.append("stored once (the same tensor as another hook point at every call):")
-        lines.extend(f"  {a} = {t}" for a, t in aliases.items())
+        lines.extend(f"  {_shown_name(a)} = {_shown_name(t)}" for a, t in aliases.items())
     if info.get("status") == "incomplete" and not info.get("n_samples"):
         lines.append("")
         lines.append("no samples committed yet: a commit needs the rows of whole forwards in complete shards of every "

@@ -31,8 +31,11 @@ from ..errors import (
     RowIndexError,
     StoreCorruptError,
     StoreError,
+    name_repr,
+    names_repr,
+    warn_at_caller,
 )
-from ..capture.hooks import pattern_hits
+from ..capture.hooks import bracket_hint, pattern_hits
 from ..store._validate import row_table_type_clashes, short_of_row_table_line, token_rows_without_sample_lines
 from ._source import StoreSource, as_source
 
@@ -628,11 +631,15 @@ def select_hook_points(source: StoreSource, hook_points: Any) -> list[str]:
         if not isinstance(pat, str):
             raise ArgumentTypeError(f"hook_points must be str patterns, got {pat!r}")
         hits = pattern_hits(pat, available)
+        bracket = bracket_hint(pat, available, hits, "hook_points")
         if not hits:
-            what = (f"pattern {pat!r} matches no hook point of" if any(c in pat for c in "*?[")
-                    else f"hook point {pat!r} is not in")
-            raise HookPointNotFoundError(f"{what} the store {source.describe()}; it has {available}"
+            what = (f"pattern {name_repr(pat)} matches no hook point of" if any(c in pat for c in "*?[")
+                    else f"hook point {name_repr(pat)} is not in")
+            raise HookPointNotFoundError(f"{what} the store {source.describe()}"
+                                         + (bracket or f"; it has {names_repr(available)}")
                                          + (pending if not available else ""))
+        if bracket:
+            warn_at_caller(f"hook_points pattern {name_repr(pat)} selects {names_repr(hits, 8)}{bracket}")
         chosen.extend(h for h in hits if h not in chosen)
     return chosen
 

@@ -50,6 +50,8 @@ from ..errors import (
     RowIndexError,
     StoreCorruptError,
     StoreError,
+    name_repr,
+    names_repr,
     warn_at_caller,
 )
 from .._args import parse_flag
@@ -293,8 +295,8 @@ class _Reductions(Mapping):
                 why = (f" (yet: the store is {self._store.status!r} as this handle last read it, and a capture writes "
                        "its reductions when it closes; store.refresh() sees them once it has)")
             raise HookPointNotFoundError(
-                f"hook point {hook_point!r} has no reductions in this store{why}; "
-                f"hook points with reductions: {list(self)}"
+                f"hook point {name_repr(hook_point)} has no reductions in this store{why}; "
+                f"hook points with reductions: {names_repr(self)}"
             )
         refused = self._store._refused.get(hook_point) or {}
         out = ReductionResults(hook_point, {name: self._store._read_small(e) for name, e in entries.items()
@@ -801,7 +803,8 @@ class Store:
 
     def _meta(self, hook_point: str) -> dict:
         if not isinstance(hook_point, str):
-            raise HookPointNotFoundError(f"hook point must be a str, got {hook_point!r}; this store has {self.hook_points}")
+            raise HookPointNotFoundError(f"hook point must be a str, got {hook_point!r}; this store has "
+                                         f"{names_repr(self.hook_points)}")
         arrays = self._attrs.get("arrays", {})
         if hook_point not in arrays and hook_point in self.aliases:
             hook_point = self.aliases[hook_point]  # stored once, as its target
@@ -815,7 +818,8 @@ class Store:
                            "commit?), and a capture's hook points appear with its first commit; call "
                            "store.refresh() once rows are committed")
             raise HookPointNotFoundError(
-                f"hook point {hook_point!r} is not in the store {str(self._backend)!r}; it has {self.hook_points}"
+                f"hook point {name_repr(hook_point)} is not in the store {str(self._backend)!r}; it has "
+                f"{names_repr(self.hook_points)}"
                 f"{pending}"
             ) from None
 
@@ -2532,8 +2536,8 @@ class Store:
             entries = stored.get(self.aliases[hook_point])
         if entries is None:
             raise HookPointNotFoundError(
-                f"hook point {hook_point!r} has no reductions in the store {str(self._backend)!r}; hook points with "
-                f"reductions: {sorted(stored)}"
+                f"hook point {name_repr(hook_point)} has no reductions in the store {str(self._backend)!r}; hook "
+                f"points with reductions: {names_repr(sorted(stored))}"
             )
         # (an entry per result array, "var.mean", "var.count": each names its reduction)
         of = {n: (e.get("reduction") if isinstance(e, dict) and isinstance(e.get("reduction"), str) else n)

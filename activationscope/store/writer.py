@@ -52,6 +52,7 @@ from ..errors import (
     StoreCorruptError,
     StoreError,
     StoreExistsError,
+    name_repr,
     warn_at_caller,
 )
 from .._safeio import _kind, read_parquet_part
@@ -2019,7 +2020,7 @@ class StoreWriter:
                 f"hook points {other!r} and {hook_point!r}{_spelled(other, hook_point)} differ only in case or "
                 f"Unicode normalization, and the file system of store {str(self._backend)!r}{staging} does not tell "
                 f"such names apart: both arrays would be one folder, and the rows of one read as the other's; rename one module, "
-                f"leave one out (track(exclude=...) or exclude_hook_points=[{hook_point!r}]), or capture into a "
+                f"leave one out (track(exclude=...) or exclude_hook_points=[{name_repr(hook_point)}]), or capture into a "
                 f"store on a case-sensitive file system"
             )
         warn_at_caller(
@@ -2027,7 +2028,7 @@ class StoreWriter:
             f"only in case or Unicode "
             f"normalization: they are stored apart here, but a copy of this store on a file system that does not "
             f"tell such names apart (macOS, Windows) holds one folder for both, and reads the rows of one as the "
-            f"other's; rename one module, or leave one out (exclude_hook_points=[{hook_point!r}])", RuntimeWarning)
+            f"other's; rename one module, or leave one out (exclude_hook_points=[{name_repr(hook_point)}])", RuntimeWarning)
 
     def _tail_reader(self) -> Any:
         """The reader of the committed rows of the partial last shards a resume re-feeds: one

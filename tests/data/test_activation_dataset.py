@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pickle
 import re
+import warnings
 
 import numpy as np
 import pyarrow as pa
@@ -184,6 +185,42 @@ def test_errors_name_the_problem(tmp_path, arrays):
         ActivationDataset(store, hook_points=["tok"], columns=["lbl"])
     with pytest.raises(ValueError, match="bool mask of shape \\(8,\\)"):
         ActivationDataset(store, hook_points=["tok"], filter=lambda t: np.ones(3, bool))
+
+
+def test_a_bracket_pattern_of_hook_points_that_selects_other_hook_points_says_so(tmp_path):
+    """hook_points=['d.a[1].*'] meant the hook points below the key 'a[1]', but fnmatch read
+    '[1]' as one of '1': the dataset read d.a1's rows without a word, or the no-match error
+    listed the store. Now a warning (the hint in the error) names the hook points holding the
+    brackets and the pattern 'd.a[[]1].*' that selects them; that one selects them."""
+    arrays = {"d.a[1].0.output": torch.arange(8.0).reshape(4, 2), "d.a1.0.output": -torch.arange(8.0).reshape(4, 2)}
+    store = FakeStore(write_fake_store(tmp_path / "s", arrays, tables={"sample": _rows_table(4, "sample")}))
+    hint = ("; fnmatch reads '[...]' in it as a character class (one of its characters): the hook points whose names "
+            "hold those brackets are ['d.a[1].0.output'], which hook_points=['d.a[[]1].*'] selects")
+    with pytest.warns(UserWarning, match=re.escape("hook_points pattern 'd.a[1].*' selects ['d.a1.0.output']" + hint)):
+        ds = ActivationDataset(store, hook_points=["d.a[1].*"])
+    assert ds.hook_points == ["d.a1.0.output"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ds = ActivationDataset(store, hook_points=["d.a[[]1].*"])
+    assert ds.hook_points == ["d.a[1].0.output"]
+    assert torch.equal(ds[:]["d.a[1].0.output"], arrays["d.a[1].0.output"])
+    store = FakeStore(write_fake_store(tmp_path / "t", {"d.a[1].0.output": arrays["d.a[1].0.output"]},
+                                       tables={"sample": _rows_table(4, "sample")}))
+    with pytest.raises(HookPointNotFoundError, match=re.escape("matches no hook point of the store") + ".*"
+                       + re.escape(hint)):
+        ActivationDataset(store, hook_points=["d.a[1].*"])
+
+
+def test_hook_points_that_print_alike_are_told_apart_in_the_no_match_error(tmp_path):
+    """Two hook points differing only in Unicode normalization ('\u00e9' and 'e' plus a
+    combining accent) printed alike in the error's list of the store's hook points; now the
+    one not in NFC form is shown with its escapes."""
+    nfc, nfd = "d.\u00e9.output", "d.e\u0301.output"
+    store = FakeStore(write_fake_store(tmp_path / "s", {nfc: torch.zeros(2, 1), nfd: torch.ones(2, 1)},
+                                       tables={"sample": _rows_table(2, "sample")}))
+    with pytest.raises(HookPointNotFoundError) as e:
+        ActivationDataset(store, hook_points=["d.x.output"])
+    assert "['d.\u00e9.output', 'd.e\\u0301.output']" in str(e.value)
 
 
 def test_pickles_as_path_and_reopens(store, arrays):

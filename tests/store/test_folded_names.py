@@ -119,3 +119,24 @@ def test_a_copy_onto_a_file_system_that_folds_them_is_refused_before_anything_is
     with torch.no_grad():
         for k in NAMES:
             torch.testing.assert_close(store[f"d.{k}.output"], model.d[k](x), rtol=0, atol=0)
+
+
+def test_errors_listing_hook_points_tell_apart_those_that_print_alike(tmp_path):
+    """'d.e\u0301.output' ('e' plus a combining accent) and 'd.\u00e9.output' printed alike
+    in the lists of a HookPointNotFoundError (the store's hook points, the modules of a
+    no-match include= error), so a user could not tell which is which; now the one not in
+    NFC form is shown with its escapes, the other as it is."""
+    model, x = Dict(), torch.randn(5, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the warning that a copy on macOS would fold them)
+        _capture(model, tmp_path / "s.zarr", x, include=["d.e\u0301", "d.\u00e9"])
+    store = acs.open_store(tmp_path / "s.zarr")
+    with pytest.raises(acs.HookPointNotFoundError) as e:
+        store["d.x.output"]
+    assert "it has ['d.e\\u0301.output', 'd.\u00e9.output']" in str(e.value)
+    with pytest.raises(acs.HookPointNotFoundError) as e:
+        store.reductions["d.e\u0301.output"]
+    assert "hook point 'd.e\\u0301.output' has no reductions" in str(e.value)
+    with pytest.raises(acs.HookPointNotFoundError) as e:
+        acs.ActivationScope().track(model, include=["d.x"])
+    assert "'d.e\\u0301'" in str(e.value) and "'d.\u00e9'" in str(e.value)
