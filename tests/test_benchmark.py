@@ -613,7 +613,7 @@ def test_hook_points_reports_each_size_with_its_counts(tmp_path, capsys):
         # the first forward's commit lists the new arrays and the close commits the rest; the
         # commits between wait for the writer thread (asynchronous), so a busy machine may merge them
         assert m["commits"] >= 2 and m["verify_problems"] == 0
-        assert m["metadata_files_per_commit"] > 0 and m["ms_per_commit"] > 0
+        assert m["metadata_files_per_commit"] > 0 and m["ms_per_commit"] > 0 and m["first_forward_s"] > 0
         # every array gets every forward's rows: no partial shard; a resume opens a fixed number of stores
         assert m["partial_shards_asked"] == 0
     assert doc["sizes"]["3"]["resume_stores_opened"] == doc["sizes"]["6"]["resume_stores_opened"]
