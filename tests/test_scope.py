@@ -140,8 +140,37 @@ def test_bad_arguments_name_the_argument(kwargs, match):
         acs.ActivationScope(**kwargs)
 
 
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"max_k": 2}, r"max_k=2 counts the forwards of capture_policy=CapturePolicy.MAX_K only, and this capture has "
+                       r"capture_policy=CapturePolicy.EVERY: pass capture_policy=CapturePolicy.MAX_K"),
+        ({"capture_policy": "sample_n", "sample_every": 3, "max_k": 2}, r"max_k=2 .*=CapturePolicy.SAMPLE_N: pass"),
+        ({"sample_every": 3}, r"sample_every=3 is the period of capture_policy=CapturePolicy.SAMPLE_N only, and this "
+                              r"capture has capture_policy=CapturePolicy.EVERY: pass capture_policy=CapturePolicy.SAMPLE_N"),
+        ({"capture_policy": "max_k", "max_k": 2, "sample_every": 3}, r"sample_every=3 .*=CapturePolicy.MAX_K: pass"),
+        ({"capture_policy": "sample_n"}, r"CapturePolicy.SAMPLE_N needs sample_every= a positive int"),
+        ({"capture_policy": "sample_n", "sample_every": True}, r"sample_every must be a positive int, got True"),
+    ],
+)
+def test_a_policy_argument_without_its_policy_is_refused(mlp, kwargs, match):
+    """max_k= or sample_every= without the capture policy that reads it (or that policy without
+    it) was ignored: the capture kept every forward it was meant to leave out."""
+    from activationscope.errors import ArgumentValueError
+
+    with pytest.raises(ArgumentValueError, match=match):
+        acs.ActivationScope(**kwargs)
+    # with their policies they are taken at their word
+    for kw, n in (({"capture_policy": "max_k", "max_k": 2}, 2), ({"capture_policy": "sample_n", "sample_every": 3}, 2),
+                  ({"capture_policy": "sample_n", "sample_every": 1}, 5), ({"sample_every": 1}, 5)):
+        with torch.no_grad(), acs.ActivationScope(**kw).track(mlp, include=["0"]) as tr:
+            for _ in range(5):
+                mlp(torch.randn(2, 16))
+        assert len(tr.activations["0.output"]) == n, kw
+
+
 def test_policies_accept_strings():
-    scope = acs.ActivationScope(capture_policy="sample_n", capture_mode="reference", storage="cpu")
+    scope = acs.ActivationScope(capture_policy="sample_n", sample_every=2, capture_mode="reference", storage="cpu")
     assert scope.capture_policy is CapturePolicy.SAMPLE_N
     assert scope.capture_mode is CaptureMode.REFERENCE
     assert scope.storage is StoragePolicy.CPU

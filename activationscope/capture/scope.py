@@ -241,10 +241,12 @@ class ActivationScope:
         ``<module>.input.kw.<name>``.
     capture_policy : CapturePolicy, default EVERY
         When to capture (counted in forwards of the tracked model).
-    sample_every : int, default 1
-        Period of ``CapturePolicy.SAMPLE_N``.
+    sample_every : int, optional
+        Period of ``CapturePolicy.SAMPLE_N`` (required by it; refused with another policy,
+        which would ignore it).
     max_k : int, optional
-        Number of forwards captured by ``CapturePolicy.MAX_K``.
+        Number of forwards captured by ``CapturePolicy.MAX_K`` (required by it; refused with
+        another policy, which would ignore it).
     capture_mode : CaptureMode, default SNAPSHOT
         Copy now (SNAPSHOT) or keep the tensor (REFERENCE).
     storage : StoragePolicy, default AUTO
@@ -337,7 +339,8 @@ class ActivationScope:
         does not take, or a value of the wrong type (``overwrite`` / ``resume`` / ``fsync``
         not a bool, ``process_group``, ``provenance`` or ``storage_options`` of another type).
     ValueError
-        An unknown policy, side or non-positive ``sample_every`` / ``max_k``; a
+        An unknown policy, side or non-positive ``sample_every`` / ``max_k``; ``sample_every``
+        (other than 1) or ``max_k`` without the policy that uses it, or that policy without it; a
         ``store_options`` value the writer refuses (``compression``, ``chunk_rows``,
         ``shard_rows``, ...: checked here, before a model runs).
 
@@ -353,7 +356,7 @@ class ActivationScope:
         *,
         capture: str = "output",
         capture_policy: CapturePolicy | str = CapturePolicy.EVERY,
-        sample_every: int = 1,
+        sample_every: int | None = None,
         max_k: int | None = None,
         capture_mode: CaptureMode | str = CaptureMode.SNAPSHOT,
         storage: StoragePolicy | str = StoragePolicy.AUTO,
@@ -381,12 +384,31 @@ class ActivationScope:
         self.capture_mode = _parse_enum(capture_mode, CaptureMode, "capture_mode")
         self.storage = _parse_enum(storage, StoragePolicy, "storage")
         self.reduction_policy = _parse_enum(reduction_policy, ReductionPolicy, "reduction_policy")
-        if not isinstance(sample_every, int) or sample_every < 1:
+        if sample_every is not None and (not isinstance(sample_every, int) or isinstance(sample_every, bool)
+                                         or sample_every < 1):
             raise ArgumentValueError(f"sample_every must be a positive int, got {sample_every!r}")
         if self.capture_policy is CapturePolicy.MAX_K:
             if not isinstance(max_k, int) or isinstance(max_k, bool) or max_k < 1:
                 raise ArgumentValueError(f"capture_policy=CapturePolicy.MAX_K needs max_k= a positive int (max_k=0 "
                                          f"would record nothing), got {max_k!r}")
+        elif max_k is not None:
+            # (ignored, it would capture every forward it meant to leave out)
+            raise ArgumentValueError(
+                f"max_k={max_k!r} counts the forwards of capture_policy=CapturePolicy.MAX_K only, and this capture has "
+                f"capture_policy=CapturePolicy.{self.capture_policy.name}: pass capture_policy=CapturePolicy.MAX_K to "
+                "capture the first max_k forwards, or leave max_k out")
+        if self.capture_policy is CapturePolicy.SAMPLE_N:
+            if sample_every is None:
+                raise ArgumentValueError(
+                    "capture_policy=CapturePolicy.SAMPLE_N needs sample_every= a positive int (forwards 0, n, 2n, ... "
+                    "are captured; without it every forward would be), got None")
+        elif sample_every not in (None, 1):
+            raise ArgumentValueError(
+                f"sample_every={sample_every!r} is the period of capture_policy=CapturePolicy.SAMPLE_N only, and this "
+                f"capture has capture_policy=CapturePolicy.{self.capture_policy.name}: pass "
+                "capture_policy=CapturePolicy.SAMPLE_N to capture forwards 0, n, 2n, ..., or leave sample_every out")
+        if sample_every is None:
+            sample_every = 1
         if storage_dtype is not None and not isinstance(storage_dtype, torch.dtype):
             raise ArgumentTypeError(f"storage_dtype must be a torch.dtype, got {storage_dtype!r}")
         if storage_dtype is not None and not storage_dtype.is_floating_point:
