@@ -2277,6 +2277,37 @@ def test_a_resume_of_a_sample_n_capture_is_refused_and_the_store_kept(tmp_path):
         assert torch.equal(acs.open_store(path)["0.output"], torch.cat([model(xs[0]), model(xs[1])]))
 
 
+@pytest.mark.parametrize("stored,resumed,fix", [
+    ({"capture_policy": acs.CapturePolicy.MAX_K, "max_k": 4}, {},
+     r"resume with capture_policy=CapturePolicy.MAX_K, max_k=4"),
+    ({"capture_policy": acs.CapturePolicy.MAX_K, "max_k": 4}, {"capture_policy": acs.CapturePolicy.MAX_K, "max_k": 5},
+     r"resume with capture_policy=CapturePolicy.MAX_K, max_k=4"),
+    ({"capture_policy": acs.CapturePolicy.SAMPLE_N, "sample_every": 2}, {},
+     r"a store captured with CapturePolicy.SAMPLE_N cannot be resumed"),
+    ({}, {"capture_policy": acs.CapturePolicy.MAX_K, "max_k": 4}, r"resume with capture_policy=CapturePolicy.EVERY \("),
+])
+def test_a_resume_with_another_capture_policy_is_refused_and_the_store_kept(tmp_path, stored, resumed, fix):
+    """A resume under another policy than the store's picked its forwards by another rule (a
+    MAX_K or SAMPLE_N store resumed with the default EVERY stored every later forward) and
+    recorded only its own policy in capture_config: refused before anything is written."""
+    model, xs, path, _ = _killed_policy_capture(tmp_path / "p.zarr", 2, **stored)
+    files = {p: p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file() and p.name != ".activationscope-writer.lock"}
+    with pytest.raises(acs.CaptureError, match=r"cannot resume .*: it was captured with capture_policy=CapturePolicy\."
+                                               r".*, which would pick the resumed forwards by another rule .*" + fix):
+        with torch.no_grad(), acs.ActivationScope(store=path, store_options={"resume": True}, **resumed).track(model):
+            for i in range(2, 6):
+                model(xs[i])
+    assert {p: p.read_bytes() for p in sorted(path.rglob("*"))
+            if p.is_file() and p.name != ".activationscope-writer.lock"} == files
+    # SAMPLE_N with sample_every=1 is EVERY: resumed as it
+    with torch.no_grad(), acs.ActivationScope(store=tmp_path / "e.zarr").track(model):
+        model(xs[0])
+    with torch.no_grad(), acs.ActivationScope(store=tmp_path / "e.zarr", store_options={"resume": True},
+                                              capture_policy=acs.CapturePolicy.SAMPLE_N, sample_every=1).track(model):
+        model(xs[1])
+    assert acs.open_store(tmp_path / "e.zarr").n_rows("0.output") == 4
+
+
 @pytest.mark.parametrize("columns", [False, True])
 def test_default_sample_ids_of_a_sample_n_capture_count_the_skipped_forwards(tmp_path, columns):
     """The default ids number the samples of every forward, those SAMPLE_N skipped too: a stored

@@ -1046,6 +1046,7 @@ class Tracker:
                 # a resume continues the capture's first max_k forwards: those stored count
                 done = int(getattr(self.writer, "n_batches_committed", 0))
                 self._core.max_k = max(0, self.scope.max_k - done)
+            self._check_policy(getattr(self.writer, "stored_capture_config", None))
             if (self.scope.capture_policy is CapturePolicy.SAMPLE_N and self.scope.sample_every > 1
                     and int(getattr(self.writer, "n_batches_committed", 0)) > 0):
                 # the store holds the forwards it captured, not those it skipped: a resume cannot
@@ -1183,6 +1184,53 @@ class Tracker:
             f"every sample, so resume with the same include=/exclude= as the first run"
             f"{f' (CLI: {cli})' if cli else ''}, or write the other hook points into a new store (the store is "
             "left as it was)"
+        )
+        _discard(self.writer)
+        raise CaptureError(self._refused)
+
+    def _check_policy(self, stored_config: Any) -> None:
+        """Refuse a resume whose capture policy differs from the one the store records
+        (``capture_config["capture_policy"]``, ``sample_every``, ``max_k``) once it holds a
+        committed forward: the resumed forwards would be picked by another rule than the stored
+        ones (every forward after a ``MAX_K`` or ``SAMPLE_N`` run), and the store's
+        ``capture_config`` would record the resume's policy alone. ``SAMPLE_N`` with
+        ``sample_every=1`` is ``EVERY``. Stores without the record are not checked. The writer is
+        discarded: the store is left as it was."""
+        if not isinstance(stored_config, Mapping) or int(getattr(self.writer, "n_batches_committed", 0)) <= 0:
+            return
+        name, every, k = (stored_config.get(key) for key in ("capture_policy", "sample_every", "max_k"))
+
+        def positive(x: Any) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool) and x >= 1
+
+        if name == "EVERY" or (name == "SAMPLE_N" and every == 1):
+            stored: tuple[Any, ...] = (CapturePolicy.EVERY,)
+        elif name == "SAMPLE_N" and positive(every):
+            stored = (CapturePolicy.SAMPLE_N, every)
+        elif name == "MAX_K" and positive(k):
+            stored = (CapturePolicy.MAX_K, k)
+        else:
+            return  # (no record, or one of another version: not checked)
+        policy = self.scope.capture_policy
+        if policy is CapturePolicy.SAMPLE_N and self.scope.sample_every == 1:
+            policy = CapturePolicy.EVERY
+        this = ((policy,) if policy is CapturePolicy.EVERY else
+                (policy, self.scope.sample_every if policy is CapturePolicy.SAMPLE_N else self.scope.max_k))
+        if this == stored:
+            return
+
+        def shown(key: tuple[Any, ...]) -> str:
+            arg = {CapturePolicy.SAMPLE_N: "sample_every", CapturePolicy.MAX_K: "max_k"}.get(key[0])
+            return f"capture_policy=CapturePolicy.{key[0].name}" + (f", {arg}={key[1]}" if arg else "")
+
+        fix = (f"resume with {shown(stored)} (the resumed forwards then continue its rule)"
+               if stored[0] is not CapturePolicy.SAMPLE_N else
+               "a store captured with CapturePolicy.SAMPLE_N cannot be resumed: start again with overwrite=True")
+        self._closed = True
+        self._refused = (
+            f"cannot resume {self.writer.path!r}: it was captured with {shown(stored)}, this capture has "
+            f"{shown(this)}, which would pick the resumed forwards by another rule than the stored ones (and "
+            f"record only this capture's policy); {fix}, or capture into a new store (the store is left as it was)"
         )
         _discard(self.writer)
         raise CaptureError(self._refused)
