@@ -169,6 +169,26 @@ def test_a_policy_argument_without_its_policy_is_refused(mlp, kwargs, match):
         assert len(tr.activations["0.output"]) == n, kw
 
 
+@pytest.mark.parametrize("policy", ["streaming", "final_only"])
+def test_a_reduction_policy_a_store_would_not_follow_is_refused(tmp_path, mlp, policy):
+    """STREAMING ("reductions only; activations are reduced and dropped") or FINAL_ONLY with a
+    store wrote every captured row into it all the same: refused, naming the fix."""
+    from activationscope.errors import ArgumentValueError
+
+    with pytest.raises(ArgumentValueError, match=rf"reduction_policy=ReductionPolicy.{policy.upper()} decides which "
+                                                 r"activations are kept in memory.*the store would hold every captured "
+                                                 r"row.*capture without store="):
+        acs.ActivationScope(store=tmp_path / "s.zarr", reductions=["mean"], reduction_policy=policy)
+    assert not (tmp_path / "s.zarr").exists()
+    # records kept in memory as well (storage=CPU): the policy is theirs, the store has every row
+    scope = acs.ActivationScope(store=tmp_path / "c.zarr", storage="cpu", reductions=["mean"], reduction_policy=policy)
+    with torch.no_grad(), scope.track(mlp, include=["0"]) as tr:
+        for _ in range(3):
+            mlp(torch.randn(2, 16))
+    assert len(tr.activations["0.output"]) == (0 if policy == "streaming" else 1)
+    assert acs.open_store(tmp_path / "c.zarr").n_rows("0.output") == 6
+
+
 def test_policies_accept_strings():
     scope = acs.ActivationScope(capture_policy="sample_n", sample_every=2, capture_mode="reference", storage="cpu")
     assert scope.capture_policy is CapturePolicy.SAMPLE_N

@@ -123,7 +123,7 @@ class StoragePolicy(enum.Enum):
 
 
 class ReductionPolicy(enum.Enum):
-    """What is kept next to the reductions.
+    """What is kept in memory next to the reductions (a store holds every captured row).
 
     STORE_ALL : every captured activation, plus the reductions.
     STREAMING : reductions only; activations are reduced and dropped (memory stays flat).
@@ -253,7 +253,9 @@ class ActivationScope:
         Where activations go; DISK (the default when ``store=`` is given) streams them into
         the store.
     reduction_policy : ReductionPolicy, default STORE_ALL
-        Whether activations are kept next to the reductions.
+        Whether activations are kept in memory next to the reductions. A store holds every
+        captured row whatever it says: with ``storage=StoragePolicy.DISK`` (the default with
+        ``store=``) another policy than STORE_ALL is refused.
     reductions : list or dict, optional
         Online reductions: a list of specs for every hook point (``["mean", "var"]``, a
         Python function ``(acc: Optional[Tensor], x: Tensor) -> Tensor`` compiled with
@@ -339,7 +341,8 @@ class ActivationScope:
         does not take, or a value of the wrong type (``overwrite`` / ``resume`` / ``fsync``
         not a bool, ``process_group``, ``provenance`` or ``storage_options`` of another type).
     ValueError
-        An unknown policy, side or non-positive ``sample_every`` / ``max_k``; ``sample_every``
+        An unknown policy, side or non-positive ``sample_every`` / ``max_k``; a
+        ``reduction_policy`` other than STORE_ALL with ``storage=StoragePolicy.DISK``; ``sample_every``
         (other than 1) or ``max_k`` without the policy that uses it, or that policy without it; a
         ``store_options`` value the writer refuses (``compression``, ``chunk_rows``,
         ``shard_rows``, ...: checked here, before a model runs).
@@ -429,6 +432,15 @@ class ActivationScope:
             raise ArgumentValueError("storage=StoragePolicy.DISK needs store= (a path, URL or zarr store) to write into")
         if store is not None and self.storage is StoragePolicy.AUTO:
             self.storage = StoragePolicy.DISK
+        if self.storage is StoragePolicy.DISK and self.reduction_policy is not ReductionPolicy.STORE_ALL:
+            # (it decides which records stay in memory; a store holds every captured row whatever it says)
+            raise ArgumentValueError(
+                f"reduction_policy=ReductionPolicy.{self.reduction_policy.name} decides which activations are kept in "
+                "memory next to the reductions, and a store capture (storage=StoragePolicy.DISK) keeps none there: "
+                "the store would hold every captured row, not only the reductions. To keep only the reductions, "
+                "capture without store= (read tracker.reductions); to store every row with its reductions, leave "
+                "reduction_policy out; to also keep records in memory, pass storage=StoragePolicy.CPU"
+            )
         if self.reduction_policy is ReductionPolicy.STREAMING and store is None and not reductions:
             raise ArgumentValueError(
                 "reduction_policy=ReductionPolicy.STREAMING keeps only reductions, and none were given, so the "
