@@ -2328,6 +2328,31 @@ def test_a_resume_with_another_capture_policy_is_refused_and_the_store_kept(tmp_
     assert acs.open_store(tmp_path / "e.zarr").n_rows("0.output") == 4
 
 
+def test_a_skipped_forward_described_with_another_number_of_samples_is_refused(tmp_path):
+    """A forward SAMPLE_N skips counts its samples by its description: one of 3 samples for a
+    batch of 5 went through, and every later default id was 2 short (the stored rows of data
+    rows 10..14 listed as samples 8..12). Refused as in a captured forward."""
+    from activationscope.errors import ArgumentValueError
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    data = torch.randn(15, 4)
+    path = tmp_path / "n.zarr"
+    with torch.no_grad(), acs.ActivationScope(store=path, capture_policy=acs.CapturePolicy.SAMPLE_N,
+                                              sample_every=2).track(model) as tr:
+        for f in range(3):
+            tr.set_batch(label=[f] * (3 if f == 1 else 5))
+            if f == 1:
+                with pytest.raises(ArgumentValueError, match=r"set_batch\(column 'label'=...\) describes 3 samples, "
+                                                             r"but the forward's batch has 5"):
+                    model(data[5:10])
+                tr.set_batch(label=[f] * 5)  # described again: the same forward, counted once
+            model(data[5 * f:5 * f + 5])
+    store = acs.open_store(path)
+    assert store.row_table("sample").column("sample_id").to_pylist() == [0, 1, 2, 3, 4, 10, 11, 12, 13, 14]
+    with torch.no_grad():
+        assert torch.equal(store["0.output"], torch.cat([model(data[:5]), model(data[10:])]))
+
+
 @pytest.mark.parametrize("columns", [False, True])
 def test_default_sample_ids_of_a_sample_n_capture_count_the_skipped_forwards(tmp_path, columns):
     """The default ids number the samples of every forward, those SAMPLE_N skipped too: a stored

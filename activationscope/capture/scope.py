@@ -2390,9 +2390,10 @@ class Tracker:
             self._probe_dropouts()
         if self._open_forward is not None:
             self._forward_raised()
-        if self._core.capturing and self._pending_batch is not None:
+        if self._pending_batch is not None:
             # refused before any module of this forward records a row (the end of the forward
-            # checks again when only the first activation tells the batch size)
+            # checks again when only the first activation tells the batch size); a forward the
+            # policy skips too: the running counter counts its samples by the description
             self._check_batch_size(self._pending_batch)
         self._open_forward = self._core.n_forwards - 1 if self._core.capturing else None
         if self._pending_batch is not None:
