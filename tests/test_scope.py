@@ -2353,6 +2353,51 @@ def test_a_skipped_forward_described_with_another_number_of_samples_is_refused(t
         assert torch.equal(store["0.output"], torch.cat([model(data[:5]), model(data[10:])]))
 
 
+class _TextModel(torch.nn.Module):
+    """Takes a list of texts and makes its token ids inside: its input holds no tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.e = torch.nn.Embedding(100, 3)
+
+    def forward(self, texts):
+        return self.e(torch.tensor([int(t[1:]) for t in texts]))
+
+
+def test_a_skipped_forward_of_a_model_without_tensor_input_is_refused_unless_described(tmp_path):
+    """A forward SAMPLE_N skips, of a model taking texts, had no batch size to count: counted
+    as 0 samples, texts 10..14 were stored as samples 5..9. Refused at that forward unless a
+    set_batch description tells its samples."""
+    from activationscope.errors import ArgumentValueError
+
+    torch.manual_seed(0)
+    model = _TextModel().eval()
+    texts = [f"t{i}" for i in range(20)]
+    path = tmp_path / "t.zarr"
+    scope = acs.ActivationScope(store=path, capture_policy=acs.CapturePolicy.SAMPLE_N, sample_every=2)
+    with pytest.raises(ArgumentValueError, match=r"forward 1 of the tracked model is skipped by CapturePolicy.SAMPLE_N "
+                                                 r"\(sample_every=2\), and its input holds no tensor.*"
+                                                 r"tracker.set_batch\(sample_ids=...\)"):
+        with torch.no_grad(), scope.track(model):
+            for s in range(0, 20, 5):
+                model(texts[s:s + 5])
+    assert acs.open_store(path).row_table("sample").column("sample_id").to_pylist() == [0, 1, 2, 3, 4]
+    for described in ({"text": True}, {"ids": True}):
+        path = tmp_path / f"{list(described)[0]}.zarr"
+        scope = acs.ActivationScope(store=path, capture_policy=acs.CapturePolicy.SAMPLE_N, sample_every=2)
+        with torch.no_grad(), scope.track(model) as tr:
+            for s in range(0, 20, 5):
+                if "ids" in described:
+                    tr.set_batch(sample_ids=range(s, s + 5))
+                else:
+                    tr.set_batch(text=texts[s:s + 5])
+                model(texts[s:s + 5])
+        store = acs.open_store(path)
+        assert store.row_table("sample").column("sample_id").to_pylist() == [0, 1, 2, 3, 4, 10, 11, 12, 13, 14]
+        with torch.no_grad():
+            assert torch.equal(store["e.output"], model.e.weight[[0, 1, 2, 3, 4, 10, 11, 12, 13, 14]])
+
+
 @pytest.mark.parametrize("columns", [False, True])
 def test_default_sample_ids_of_a_sample_n_capture_count_the_skipped_forwards(tmp_path, columns):
     """The default ids number the samples of every forward, those SAMPLE_N skipped too: a stored

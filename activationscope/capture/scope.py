@@ -2395,6 +2395,8 @@ class Tracker:
             # checks again when only the first activation tells the batch size); a forward the
             # policy skips too: the running counter counts its samples by the description
             self._check_batch_size(self._pending_batch)
+        if not self._core.capturing and self.writer is not None:
+            self._check_skipped_counted(self._pending_batch or {})
         self._open_forward = self._core.n_forwards - 1 if self._core.capturing else None
         if self._pending_batch is not None:
             self._batch = self._pending_batch
@@ -2683,6 +2685,23 @@ class Tracker:
             "If this forward fed another batch of data, its padding and columns are wrong: call set_batch(...) "
             "before each batch; if it continued the same samples (a generation step), pass same_samples=True "
             "(or the same sample_ids=)", CaptureWarning)
+
+    def _check_skipped_counted(self, batch: Mapping[str, Any]) -> None:
+        """Refuse a forward that ``SAMPLE_N`` skips in a store capture when nothing tells its
+        number of samples: no tensor in the model's input (texts, images tokenized inside the
+        model) and no ``set_batch`` description. A captured forward learns it from its first
+        activation; a skipped one, counted as 0, would give every later sample a default id
+        that is not its place in the data."""
+        if (self.scope.capture_policy is not CapturePolicy.SAMPLE_N or int(self._core.batch_size) >= 0
+                or batch.get("same_samples") or batch.get("attention_mask") is not None
+                or batch.get("sample_ids") is not None or batch.get("columns")):
+            return
+        raise ArgumentValueError(
+            f"forward {self._core.n_forwards - 1} of the tracked model is skipped by CapturePolicy.SAMPLE_N "
+            f"(sample_every={self.scope.sample_every}), and its input holds no tensor, so its samples cannot be "
+            "counted: the default sample ids of the later forwards would not be their place in the data. Describe "
+            "every forward, skipped ones too, with tracker.set_batch(sample_ids=...) (or a per-sample column)"
+        )
 
     def _check_batch_size(self, batch: Mapping[str, Any]) -> None:
         """Refuse a ``set_batch`` that describes another number of samples than the forward's
