@@ -131,6 +131,8 @@ def test_capture_policy_passed_as_capture_raises_typeerror():
         ({"storage": "tape"}, "storage must be one of"),
         ({"reduction_policy": "all"}, "reduction_policy must be one of"),
         ({"sample_every": 0}, "sample_every must be a positive int"),
+        ({"rows": "sample"}, r"rows must be one of \['auto', 'token'\], got 'sample'; for one row per sample whatever "
+                             r"the shapes, pass token_rows=False"),
         ({"capture_policy": CapturePolicy.MAX_K}, "needs max_k="),
         ({"storage": StoragePolicy.DISK}, "needs store="),
     ],

@@ -379,7 +379,10 @@ class ActivationScope:
         self.capture = _parse_capture(capture)
         self.token_rows = _parse_token_rows(token_rows)
         if rows not in _ROWS:
-            raise ArgumentValueError(f"rows must be one of {list(_ROWS)}, got {rows!r}")
+            raise ArgumentValueError(
+                f"rows must be one of {list(_ROWS)}, got {rows!r}"
+                + ("; for one row per sample whatever the shapes, pass token_rows=False (rows='auto' stores one row "
+                   "per sample unless set_batch gives an attention mask)" if rows == "sample" else ""))
         stop_after_last = parse_flag(stop_after_last, "stop_after_last")
         self.rows = rows
         self.stop_after_last = stop_after_last
