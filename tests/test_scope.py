@@ -1680,6 +1680,34 @@ def test_a_forward_refused_before_any_row_was_stored_is_said_to_leave_the_store_
     assert torch.allclose(store.reductions["0.output"]["mean"], want.double().mean(0))
 
 
+@pytest.mark.parametrize("ids", [False, True])
+def test_a_caught_forward_says_its_samples_were_not_counted(tmp_path, ids):
+    """A forward that raised and was caught is not counted by the default sample ids: the next
+    forward takes its ids (data rows 5..7 stored as samples 3..5 when it fed the next batch). The
+    warning says so, and how to keep ids the samples' places; not when ids are given."""
+    from activationscope.errors import CaptureWarning
+
+    model = _bomb_model({2})
+    xs = torch.randn(9, 4)
+    path = tmp_path / "s.zarr"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad(), acs.ActivationScope(store=path).track(model) as tr:
+            for b in range(3):
+                if ids:
+                    tr.set_batch(sample_ids=range(3 * b, 3 * b + 3))
+                try:
+                    model(xs[3 * b:3 * b + 3])
+                except RuntimeError:
+                    pass
+    msgs = [str(w.message) for w in caught if issubclass(w.category, CaptureWarning) and "raised" in str(w.message)]
+    assert len(msgs) == 1
+    assert ("Its samples were not counted: the default sample ids of the next forward start where this one's did"
+            in msgs[0]) is not ids
+    stored = acs.open_store(path).row_table("sample").column("sample_id").to_pylist()
+    assert stored == ([0, 1, 2, 6, 7, 8] if ids else [0, 1, 2, 3, 4, 5])
+
+
 def test_uncaught_or_uncaptured_failures_do_not_warn(tmp_path):
     import warnings
 

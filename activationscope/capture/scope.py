@@ -3116,6 +3116,13 @@ class Tracker:
             self._warned_row_table.update(partial)
         where = f"hook points {sorted(partial)} recorded rows of it" if partial else \
             "the hook points that ran before the error recorded it"
+        batch = self._batch or {}
+        counted = ""
+        if self.writer is not None and not at_exit and batch.get("sample_ids") is None and not batch.get("same_samples"):
+            # (the running counter counts recorded forwards only: the next batch takes these ids)
+            counted = (" Its samples were not counted: the default sample ids of the next forward start where this "
+                       "one's did (right when it feeds the same batch again; when it feeds the next batch, pass "
+                       "set_batch(sample_ids=...) so that ids stay the samples' places in the data).")
         if at_exit:  # the last forward: the store ends at the whole forward before it
             effect = ("Their in-memory records and streaming reductions include that partial forward; "
                       "the store does not (it ends at the last whole forward).")
@@ -3126,7 +3133,7 @@ class Tracker:
                     "before any hook point stored a row of it: the store leaves that forward out whole and its "
                     "rows still line up with the sample row table; in-memory records and streaming reductions "
                     "of hook points that ran before the error may include it. Check the batch before calling "
-                    "the model to keep every hook point's records whole.",
+                    "the model to keep every hook point's records whole." + counted,
                     CaptureWarning,
                 )
             return
@@ -3143,7 +3150,7 @@ class Tracker:
             f"forward {k} of the tracked model raised and the exception was caught inside the capture; "
             f"{where}, the others did not. {effect} To keep every hook point aligned, let the exception "
             "leave the `with` block (a store then commits every whole forward before it, status "
-            "'incomplete', and resume=True continues) or check the batch before calling the model.",
+            "'incomplete', and resume=True continues) or check the batch before calling the model." + counted,
             CaptureWarning,
         )
 
