@@ -131,6 +131,8 @@ def test_capture_policy_passed_as_capture_raises_typeerror():
         ({"storage": "tape"}, "storage must be one of"),
         ({"reduction_policy": "all"}, "reduction_policy must be one of"),
         ({"sample_every": 0}, "sample_every must be a positive int"),
+        ({"rows": "sample"}, r"rows must be one of \['auto', 'token'\], got 'sample'; for one row per sample whatever "
+                             r"the shapes, pass token_rows=False"),
         ({"capture_policy": CapturePolicy.MAX_K}, "needs max_k="),
         ({"storage": StoragePolicy.DISK}, "needs store="),
     ],
@@ -140,8 +142,57 @@ def test_bad_arguments_name_the_argument(kwargs, match):
         acs.ActivationScope(**kwargs)
 
 
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"max_k": 2}, r"max_k=2 counts the forwards of capture_policy=CapturePolicy.MAX_K only, and this capture has "
+                       r"capture_policy=CapturePolicy.EVERY: pass capture_policy=CapturePolicy.MAX_K"),
+        ({"capture_policy": "sample_n", "sample_every": 3, "max_k": 2}, r"max_k=2 .*=CapturePolicy.SAMPLE_N: pass"),
+        ({"sample_every": 3}, r"sample_every=3 is the period of capture_policy=CapturePolicy.SAMPLE_N only, and this "
+                              r"capture has capture_policy=CapturePolicy.EVERY: pass capture_policy=CapturePolicy.SAMPLE_N"),
+        ({"capture_policy": "max_k", "max_k": 2, "sample_every": 3}, r"sample_every=3 .*=CapturePolicy.MAX_K: pass"),
+        ({"capture_policy": "sample_n"}, r"CapturePolicy.SAMPLE_N needs sample_every= a positive int"),
+        ({"capture_policy": "sample_n", "sample_every": True}, r"sample_every must be a positive int, got True"),
+    ],
+)
+def test_a_policy_argument_without_its_policy_is_refused(mlp, kwargs, match):
+    """max_k= or sample_every= without the capture policy that reads it (or that policy without
+    it) was ignored: the capture kept every forward it was meant to leave out."""
+    from activationscope.errors import ArgumentValueError
+
+    with pytest.raises(ArgumentValueError, match=match):
+        acs.ActivationScope(**kwargs)
+    # with their policies they are taken at their word
+    for kw, n in (({"capture_policy": "max_k", "max_k": 2}, 2), ({"capture_policy": "sample_n", "sample_every": 3}, 2),
+                  ({"capture_policy": "sample_n", "sample_every": 1}, 5), ({"sample_every": 1}, 5)):
+        with torch.no_grad(), acs.ActivationScope(**kw).track(mlp, include=["0"]) as tr:
+            for _ in range(5):
+                mlp(torch.randn(2, 16))
+        assert len(tr.activations["0.output"]) == n, kw
+
+
+@pytest.mark.parametrize("policy", ["streaming", "final_only"])
+def test_a_reduction_policy_a_store_would_not_follow_is_refused(tmp_path, mlp, policy):
+    """STREAMING ("reductions only; activations are reduced and dropped") or FINAL_ONLY with a
+    store wrote every captured row into it all the same: refused, naming the fix."""
+    from activationscope.errors import ArgumentValueError
+
+    with pytest.raises(ArgumentValueError, match=rf"reduction_policy=ReductionPolicy.{policy.upper()} decides which "
+                                                 r"activations are kept in memory.*the store would hold every captured "
+                                                 r"row.*capture without store="):
+        acs.ActivationScope(store=tmp_path / "s.zarr", reductions=["mean"], reduction_policy=policy)
+    assert not (tmp_path / "s.zarr").exists()
+    # records kept in memory as well (storage=CPU): the policy is theirs, the store has every row
+    scope = acs.ActivationScope(store=tmp_path / "c.zarr", storage="cpu", reductions=["mean"], reduction_policy=policy)
+    with torch.no_grad(), scope.track(mlp, include=["0"]) as tr:
+        for _ in range(3):
+            mlp(torch.randn(2, 16))
+    assert len(tr.activations["0.output"]) == (0 if policy == "streaming" else 1)
+    assert acs.open_store(tmp_path / "c.zarr").n_rows("0.output") == 6
+
+
 def test_policies_accept_strings():
-    scope = acs.ActivationScope(capture_policy="sample_n", capture_mode="reference", storage="cpu")
+    scope = acs.ActivationScope(capture_policy="sample_n", sample_every=2, capture_mode="reference", storage="cpu")
     assert scope.capture_policy is CapturePolicy.SAMPLE_N
     assert scope.capture_mode is CaptureMode.REFERENCE
     assert scope.storage is StoragePolicy.CPU
@@ -1692,6 +1743,34 @@ def test_a_forward_refused_before_any_row_was_stored_is_said_to_leave_the_store_
     assert torch.allclose(store.reductions["0.output"]["mean"], want.double().mean(0))
 
 
+@pytest.mark.parametrize("ids", [False, True])
+def test_a_caught_forward_says_its_samples_were_not_counted(tmp_path, ids):
+    """A forward that raised and was caught is not counted by the default sample ids: the next
+    forward takes its ids (data rows 5..7 stored as samples 3..5 when it fed the next batch). The
+    warning says so, and how to keep ids the samples' places; not when ids are given."""
+    from activationscope.errors import CaptureWarning
+
+    model = _bomb_model({2})
+    xs = torch.randn(9, 4)
+    path = tmp_path / "s.zarr"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad(), acs.ActivationScope(store=path).track(model) as tr:
+            for b in range(3):
+                if ids:
+                    tr.set_batch(sample_ids=range(3 * b, 3 * b + 3))
+                try:
+                    model(xs[3 * b:3 * b + 3])
+                except RuntimeError:
+                    pass
+    msgs = [str(w.message) for w in caught if issubclass(w.category, CaptureWarning) and "raised" in str(w.message)]
+    assert len(msgs) == 1
+    assert ("Its samples were not counted: the default sample ids of the next forward start where this one's did"
+            in msgs[0]) is not ids
+    stored = acs.open_store(path).row_table("sample").column("sample_id").to_pylist()
+    assert stored == ([0, 1, 2, 6, 7, 8] if ids else [0, 1, 2, 3, 4, 5])
+
+
 def test_uncaught_or_uncaptured_failures_do_not_warn(tmp_path):
     import warnings
 
@@ -2309,6 +2388,107 @@ def test_a_resume_of_a_sample_n_capture_is_refused_and_the_store_kept(tmp_path):
         model(xs[1])
     with torch.no_grad():
         assert torch.equal(acs.open_store(path)["0.output"], torch.cat([model(xs[0]), model(xs[1])]))
+
+
+@pytest.mark.parametrize("stored,resumed,fix", [
+    ({"capture_policy": acs.CapturePolicy.MAX_K, "max_k": 4}, {},
+     r"resume with capture_policy=CapturePolicy.MAX_K, max_k=4"),
+    ({"capture_policy": acs.CapturePolicy.MAX_K, "max_k": 4}, {"capture_policy": acs.CapturePolicy.MAX_K, "max_k": 5},
+     r"resume with capture_policy=CapturePolicy.MAX_K, max_k=4"),
+    ({"capture_policy": acs.CapturePolicy.SAMPLE_N, "sample_every": 2}, {},
+     r"a store captured with CapturePolicy.SAMPLE_N cannot be resumed"),
+    ({}, {"capture_policy": acs.CapturePolicy.MAX_K, "max_k": 4}, r"resume with capture_policy=CapturePolicy.EVERY \("),
+])
+def test_a_resume_with_another_capture_policy_is_refused_and_the_store_kept(tmp_path, stored, resumed, fix):
+    """A resume under another policy than the store's picked its forwards by another rule (a
+    MAX_K or SAMPLE_N store resumed with the default EVERY stored every later forward) and
+    recorded only its own policy in capture_config: refused before anything is written."""
+    model, xs, path, _ = _killed_policy_capture(tmp_path / "p.zarr", 2, **stored)
+    files = {p: p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file() and p.name != ".activationscope-writer.lock"}
+    with pytest.raises(acs.CaptureError, match=r"cannot resume .*: it was captured with capture_policy=CapturePolicy\."
+                                               r".*, which would pick the resumed forwards by another rule .*" + fix):
+        with torch.no_grad(), acs.ActivationScope(store=path, store_options={"resume": True}, **resumed).track(model):
+            for i in range(2, 6):
+                model(xs[i])
+    assert {p: p.read_bytes() for p in sorted(path.rglob("*"))
+            if p.is_file() and p.name != ".activationscope-writer.lock"} == files
+    # SAMPLE_N with sample_every=1 is EVERY: resumed as it
+    with torch.no_grad(), acs.ActivationScope(store=tmp_path / "e.zarr").track(model):
+        model(xs[0])
+    with torch.no_grad(), acs.ActivationScope(store=tmp_path / "e.zarr", store_options={"resume": True},
+                                              capture_policy=acs.CapturePolicy.SAMPLE_N, sample_every=1).track(model):
+        model(xs[1])
+    assert acs.open_store(tmp_path / "e.zarr").n_rows("0.output") == 4
+
+
+def test_a_skipped_forward_described_with_another_number_of_samples_is_refused(tmp_path):
+    """A forward SAMPLE_N skips counts its samples by its description: one of 3 samples for a
+    batch of 5 went through, and every later default id was 2 short (the stored rows of data
+    rows 10..14 listed as samples 8..12). Refused as in a captured forward."""
+    from activationscope.errors import ArgumentValueError
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    data = torch.randn(15, 4)
+    path = tmp_path / "n.zarr"
+    with torch.no_grad(), acs.ActivationScope(store=path, capture_policy=acs.CapturePolicy.SAMPLE_N,
+                                              sample_every=2).track(model) as tr:
+        for f in range(3):
+            tr.set_batch(label=[f] * (3 if f == 1 else 5))
+            if f == 1:
+                with pytest.raises(ArgumentValueError, match=r"set_batch\(column 'label'=...\) describes 3 samples, "
+                                                             r"but the forward's batch has 5"):
+                    model(data[5:10])
+                tr.set_batch(label=[f] * 5)  # described again: the same forward, counted once
+            model(data[5 * f:5 * f + 5])
+    store = acs.open_store(path)
+    assert store.row_table("sample").column("sample_id").to_pylist() == [0, 1, 2, 3, 4, 10, 11, 12, 13, 14]
+    with torch.no_grad():
+        assert torch.equal(store["0.output"], torch.cat([model(data[:5]), model(data[10:])]))
+
+
+class _TextModel(torch.nn.Module):
+    """Takes a list of texts and makes its token ids inside: its input holds no tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.e = torch.nn.Embedding(100, 3)
+
+    def forward(self, texts):
+        return self.e(torch.tensor([int(t[1:]) for t in texts]))
+
+
+def test_a_skipped_forward_of_a_model_without_tensor_input_is_refused_unless_described(tmp_path):
+    """A forward SAMPLE_N skips, of a model taking texts, had no batch size to count: counted
+    as 0 samples, texts 10..14 were stored as samples 5..9. Refused at that forward unless a
+    set_batch description tells its samples."""
+    from activationscope.errors import ArgumentValueError
+
+    torch.manual_seed(0)
+    model = _TextModel().eval()
+    texts = [f"t{i}" for i in range(20)]
+    path = tmp_path / "t.zarr"
+    scope = acs.ActivationScope(store=path, capture_policy=acs.CapturePolicy.SAMPLE_N, sample_every=2)
+    with pytest.raises(ArgumentValueError, match=r"forward 1 of the tracked model is skipped by CapturePolicy.SAMPLE_N "
+                                                 r"\(sample_every=2\), and its input holds no tensor.*"
+                                                 r"tracker.set_batch\(sample_ids=...\)"):
+        with torch.no_grad(), scope.track(model):
+            for s in range(0, 20, 5):
+                model(texts[s:s + 5])
+    assert acs.open_store(path).row_table("sample").column("sample_id").to_pylist() == [0, 1, 2, 3, 4]
+    for described in ({"text": True}, {"ids": True}):
+        path = tmp_path / f"{list(described)[0]}.zarr"
+        scope = acs.ActivationScope(store=path, capture_policy=acs.CapturePolicy.SAMPLE_N, sample_every=2)
+        with torch.no_grad(), scope.track(model) as tr:
+            for s in range(0, 20, 5):
+                if "ids" in described:
+                    tr.set_batch(sample_ids=range(s, s + 5))
+                else:
+                    tr.set_batch(text=texts[s:s + 5])
+                model(texts[s:s + 5])
+        store = acs.open_store(path)
+        assert store.row_table("sample").column("sample_id").to_pylist() == [0, 1, 2, 3, 4, 10, 11, 12, 13, 14]
+        with torch.no_grad():
+            assert torch.equal(store["e.output"], model.e.weight[[0, 1, 2, 3, 4, 10, 11, 12, 13, 14]])
 
 
 @pytest.mark.parametrize("columns", [False, True])

@@ -123,7 +123,7 @@ class StoragePolicy(enum.Enum):
 
 
 class ReductionPolicy(enum.Enum):
-    """What is kept next to the reductions.
+    """What is kept in memory next to the reductions (a store holds every captured row).
 
     STORE_ALL : every captured activation, plus the reductions.
     STREAMING : reductions only; activations are reduced and dropped (memory stays flat).
@@ -241,17 +241,21 @@ class ActivationScope:
         ``<module>.input.kw.<name>``.
     capture_policy : CapturePolicy, default EVERY
         When to capture (counted in forwards of the tracked model).
-    sample_every : int, default 1
-        Period of ``CapturePolicy.SAMPLE_N``.
+    sample_every : int, optional
+        Period of ``CapturePolicy.SAMPLE_N`` (required by it; refused with another policy,
+        which would ignore it).
     max_k : int, optional
-        Number of forwards captured by ``CapturePolicy.MAX_K``.
+        Number of forwards captured by ``CapturePolicy.MAX_K`` (required by it; refused with
+        another policy, which would ignore it).
     capture_mode : CaptureMode, default SNAPSHOT
         Copy now (SNAPSHOT) or keep the tensor (REFERENCE).
     storage : StoragePolicy, default AUTO
         Where activations go; DISK (the default when ``store=`` is given) streams them into
         the store.
     reduction_policy : ReductionPolicy, default STORE_ALL
-        Whether activations are kept next to the reductions.
+        Whether activations are kept in memory next to the reductions. A store holds every
+        captured row whatever it says: with ``storage=StoragePolicy.DISK`` (the default with
+        ``store=``) another policy than STORE_ALL is refused.
     reductions : list or dict, optional
         Online reductions: a list of specs for every hook point (``["mean", "var"]``, a
         Python function ``(acc: Optional[Tensor], x: Tensor) -> Tensor`` compiled with
@@ -338,6 +342,8 @@ class ActivationScope:
         not a bool, ``process_group``, ``provenance`` or ``storage_options`` of another type).
     ValueError
         An unknown policy, side or non-positive ``sample_every`` / ``max_k``; a
+        ``reduction_policy`` other than STORE_ALL with ``storage=StoragePolicy.DISK``; ``sample_every``
+        (other than 1) or ``max_k`` without the policy that uses it, or that policy without it; a
         ``store_options`` value the writer refuses (``compression``, ``chunk_rows``,
         ``shard_rows``, ...: checked here, before a model runs).
 
@@ -353,7 +359,7 @@ class ActivationScope:
         *,
         capture: str = "output",
         capture_policy: CapturePolicy | str = CapturePolicy.EVERY,
-        sample_every: int = 1,
+        sample_every: int | None = None,
         max_k: int | None = None,
         capture_mode: CaptureMode | str = CaptureMode.SNAPSHOT,
         storage: StoragePolicy | str = StoragePolicy.AUTO,
@@ -373,7 +379,10 @@ class ActivationScope:
         self.capture = _parse_capture(capture)
         self.token_rows = _parse_token_rows(token_rows)
         if rows not in _ROWS:
-            raise ArgumentValueError(f"rows must be one of {list(_ROWS)}, got {rows!r}")
+            raise ArgumentValueError(
+                f"rows must be one of {list(_ROWS)}, got {rows!r}"
+                + ("; for one row per sample whatever the shapes, pass token_rows=False (rows='auto' stores one row "
+                   "per sample unless set_batch gives an attention mask)" if rows == "sample" else ""))
         stop_after_last = parse_flag(stop_after_last, "stop_after_last")
         self.rows = rows
         self.stop_after_last = stop_after_last
@@ -381,12 +390,31 @@ class ActivationScope:
         self.capture_mode = _parse_enum(capture_mode, CaptureMode, "capture_mode")
         self.storage = _parse_enum(storage, StoragePolicy, "storage")
         self.reduction_policy = _parse_enum(reduction_policy, ReductionPolicy, "reduction_policy")
-        if not isinstance(sample_every, int) or sample_every < 1:
+        if sample_every is not None and (not isinstance(sample_every, int) or isinstance(sample_every, bool)
+                                         or sample_every < 1):
             raise ArgumentValueError(f"sample_every must be a positive int, got {sample_every!r}")
         if self.capture_policy is CapturePolicy.MAX_K:
             if not isinstance(max_k, int) or isinstance(max_k, bool) or max_k < 1:
                 raise ArgumentValueError(f"capture_policy=CapturePolicy.MAX_K needs max_k= a positive int (max_k=0 "
                                          f"would record nothing), got {max_k!r}")
+        elif max_k is not None:
+            # (ignored, it would capture every forward it meant to leave out)
+            raise ArgumentValueError(
+                f"max_k={max_k!r} counts the forwards of capture_policy=CapturePolicy.MAX_K only, and this capture has "
+                f"capture_policy=CapturePolicy.{self.capture_policy.name}: pass capture_policy=CapturePolicy.MAX_K to "
+                "capture the first max_k forwards, or leave max_k out")
+        if self.capture_policy is CapturePolicy.SAMPLE_N:
+            if sample_every is None:
+                raise ArgumentValueError(
+                    "capture_policy=CapturePolicy.SAMPLE_N needs sample_every= a positive int (forwards 0, n, 2n, ... "
+                    "are captured; without it every forward would be), got None")
+        elif sample_every not in (None, 1):
+            raise ArgumentValueError(
+                f"sample_every={sample_every!r} is the period of capture_policy=CapturePolicy.SAMPLE_N only, and this "
+                f"capture has capture_policy=CapturePolicy.{self.capture_policy.name}: pass "
+                "capture_policy=CapturePolicy.SAMPLE_N to capture forwards 0, n, 2n, ..., or leave sample_every out")
+        if sample_every is None:
+            sample_every = 1
         if storage_dtype is not None and not isinstance(storage_dtype, torch.dtype):
             raise ArgumentTypeError(f"storage_dtype must be a torch.dtype, got {storage_dtype!r}")
         if storage_dtype is not None and not storage_dtype.is_floating_point:
@@ -407,6 +435,15 @@ class ActivationScope:
             raise ArgumentValueError("storage=StoragePolicy.DISK needs store= (a path, URL or zarr store) to write into")
         if store is not None and self.storage is StoragePolicy.AUTO:
             self.storage = StoragePolicy.DISK
+        if self.storage is StoragePolicy.DISK and self.reduction_policy is not ReductionPolicy.STORE_ALL:
+            # (it decides which records stay in memory; a store holds every captured row whatever it says)
+            raise ArgumentValueError(
+                f"reduction_policy=ReductionPolicy.{self.reduction_policy.name} decides which activations are kept in "
+                "memory next to the reductions, and a store capture (storage=StoragePolicy.DISK) keeps none there: "
+                "the store would hold every captured row, not only the reductions. To keep only the reductions, "
+                "capture without store= (read tracker.reductions); to store every row with its reductions, leave "
+                "reduction_policy out; to also keep records in memory, pass storage=StoragePolicy.CPU"
+            )
         if self.reduction_policy is ReductionPolicy.STREAMING and store is None and not reductions:
             raise ArgumentValueError(
                 "reduction_policy=ReductionPolicy.STREAMING keeps only reductions, and none were given, so the "
@@ -1024,6 +1061,7 @@ class Tracker:
                 # a resume continues the capture's first max_k forwards: those stored count
                 done = int(getattr(self.writer, "n_batches_committed", 0))
                 self._core.max_k = max(0, self.scope.max_k - done)
+            self._check_policy(getattr(self.writer, "stored_capture_config", None))
             if (self.scope.capture_policy is CapturePolicy.SAMPLE_N and self.scope.sample_every > 1
                     and int(getattr(self.writer, "n_batches_committed", 0)) > 0):
                 # the store holds the forwards it captured, not those it skipped: a resume cannot
@@ -1161,6 +1199,53 @@ class Tracker:
             f"every sample, so resume with the same include=/exclude= as the first run"
             f"{f' (CLI: {cli})' if cli else ''}, or write the other hook points into a new store (the store is "
             "left as it was)"
+        )
+        _discard(self.writer)
+        raise CaptureError(self._refused)
+
+    def _check_policy(self, stored_config: Any) -> None:
+        """Refuse a resume whose capture policy differs from the one the store records
+        (``capture_config["capture_policy"]``, ``sample_every``, ``max_k``) once it holds a
+        committed forward: the resumed forwards would be picked by another rule than the stored
+        ones (every forward after a ``MAX_K`` or ``SAMPLE_N`` run), and the store's
+        ``capture_config`` would record the resume's policy alone. ``SAMPLE_N`` with
+        ``sample_every=1`` is ``EVERY``. Stores without the record are not checked. The writer is
+        discarded: the store is left as it was."""
+        if not isinstance(stored_config, Mapping) or int(getattr(self.writer, "n_batches_committed", 0)) <= 0:
+            return
+        name, every, k = (stored_config.get(key) for key in ("capture_policy", "sample_every", "max_k"))
+
+        def positive(x: Any) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool) and x >= 1
+
+        if name == "EVERY" or (name == "SAMPLE_N" and every == 1):
+            stored: tuple[Any, ...] = (CapturePolicy.EVERY,)
+        elif name == "SAMPLE_N" and positive(every):
+            stored = (CapturePolicy.SAMPLE_N, every)
+        elif name == "MAX_K" and positive(k):
+            stored = (CapturePolicy.MAX_K, k)
+        else:
+            return  # (no record, or one of another version: not checked)
+        policy = self.scope.capture_policy
+        if policy is CapturePolicy.SAMPLE_N and self.scope.sample_every == 1:
+            policy = CapturePolicy.EVERY
+        this = ((policy,) if policy is CapturePolicy.EVERY else
+                (policy, self.scope.sample_every if policy is CapturePolicy.SAMPLE_N else self.scope.max_k))
+        if this == stored:
+            return
+
+        def shown(key: tuple[Any, ...]) -> str:
+            arg = {CapturePolicy.SAMPLE_N: "sample_every", CapturePolicy.MAX_K: "max_k"}.get(key[0])
+            return f"capture_policy=CapturePolicy.{key[0].name}" + (f", {arg}={key[1]}" if arg else "")
+
+        fix = (f"resume with {shown(stored)} (the resumed forwards then continue its rule)"
+               if stored[0] is not CapturePolicy.SAMPLE_N else
+               "a store captured with CapturePolicy.SAMPLE_N cannot be resumed: start again with overwrite=True")
+        self._closed = True
+        self._refused = (
+            f"cannot resume {self.writer.path!r}: it was captured with {shown(stored)}, this capture has "
+            f"{shown(this)}, which would pick the resumed forwards by another rule than the stored ones (and "
+            f"record only this capture's policy); {fix}, or capture into a new store (the store is left as it was)"
         )
         _discard(self.writer)
         raise CaptureError(self._refused)
@@ -2325,10 +2410,13 @@ class Tracker:
             self._probe_dropouts()
         if self._open_forward is not None:
             self._forward_raised()
-        if self._core.capturing and self._pending_batch is not None:
+        if self._pending_batch is not None:
             # refused before any module of this forward records a row (the end of the forward
-            # checks again when only the first activation tells the batch size)
+            # checks again when only the first activation tells the batch size); a forward the
+            # policy skips too: the running counter counts its samples by the description
             self._check_batch_size(self._pending_batch)
+        if not self._core.capturing and self.writer is not None:
+            self._check_skipped_counted(self._pending_batch or {})
         self._open_forward = self._core.n_forwards - 1 if self._core.capturing else None
         if self._pending_batch is not None:
             self._batch = self._pending_batch
@@ -2617,6 +2705,23 @@ class Tracker:
             "If this forward fed another batch of data, its padding and columns are wrong: call set_batch(...) "
             "before each batch; if it continued the same samples (a generation step), pass same_samples=True "
             "(or the same sample_ids=)", CaptureWarning)
+
+    def _check_skipped_counted(self, batch: Mapping[str, Any]) -> None:
+        """Refuse a forward that ``SAMPLE_N`` skips in a store capture when nothing tells its
+        number of samples: no tensor in the model's input (texts, images tokenized inside the
+        model) and no ``set_batch`` description. A captured forward learns it from its first
+        activation; a skipped one, counted as 0, would give every later sample a default id
+        that is not its place in the data."""
+        if (self.scope.capture_policy is not CapturePolicy.SAMPLE_N or int(self._core.batch_size) >= 0
+                or batch.get("same_samples") or batch.get("attention_mask") is not None
+                or batch.get("sample_ids") is not None or batch.get("columns")):
+            return
+        raise ArgumentValueError(
+            f"forward {self._core.n_forwards - 1} of the tracked model is skipped by CapturePolicy.SAMPLE_N "
+            f"(sample_every={self.scope.sample_every}), and its input holds no tensor, so its samples cannot be "
+            "counted: the default sample ids of the later forwards would not be their place in the data. Describe "
+            "every forward, skipped ones too, with tracker.set_batch(sample_ids=...) (or a per-sample column)"
+        )
 
     def _check_batch_size(self, batch: Mapping[str, Any]) -> None:
         """Refuse a ``set_batch`` that describes another number of samples than the forward's
@@ -3028,6 +3133,13 @@ class Tracker:
             self._warned_row_table.update(partial)
         where = f"hook points {sorted(partial)} recorded rows of it" if partial else \
             "the hook points that ran before the error recorded it"
+        batch = self._batch or {}
+        counted = ""
+        if self.writer is not None and not at_exit and batch.get("sample_ids") is None and not batch.get("same_samples"):
+            # (the running counter counts recorded forwards only: the next batch takes these ids)
+            counted = (" Its samples were not counted: the default sample ids of the next forward start where this "
+                       "one's did (right when it feeds the same batch again; when it feeds the next batch, pass "
+                       "set_batch(sample_ids=...) so that ids stay the samples' places in the data).")
         if at_exit:  # the last forward: the store ends at the whole forward before it
             effect = ("Their in-memory records and streaming reductions include that partial forward; "
                       "the store does not (it ends at the last whole forward).")
@@ -3038,7 +3150,7 @@ class Tracker:
                     "before any hook point stored a row of it: the store leaves that forward out whole and its "
                     "rows still line up with the sample row table; in-memory records and streaming reductions "
                     "of hook points that ran before the error may include it. Check the batch before calling "
-                    "the model to keep every hook point's records whole.",
+                    "the model to keep every hook point's records whole." + counted,
                     CaptureWarning,
                 )
             return
@@ -3055,7 +3167,7 @@ class Tracker:
             f"forward {k} of the tracked model raised and the exception was caught inside the capture; "
             f"{where}, the others did not. {effect} To keep every hook point aligned, let the exception "
             "leave the `with` block (a store then commits every whole forward before it, status "
-            "'incomplete', and resume=True continues) or check the batch before calling the model.",
+            "'incomplete', and resume=True continues) or check the batch before calling the model." + counted,
             CaptureWarning,
         )
 
