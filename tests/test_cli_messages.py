@@ -696,3 +696,63 @@ def test_a_capture_that_filled_the_disk_names_only_the_commands_flags(tmp_path):
     assert full.stderr.rstrip().endswith(
         "was removed (--resume has nothing to continue: once the cause is fixed, run the capture again without it)")
     assert not (tmp_path / "cli.zarr").exists()
+
+
+@pytest.fixture
+def bracket_module(user_package):
+    """``bracketnets.nets.make``: a ModuleDict holding the keys 'a[1]' and 'a1' (a Linear 6->6
+    each, called in turn); the data: 16 samples of 6 features."""
+    return user_package("bracketnets", """
+        import torch
+
+        class Block(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = torch.nn.Linear(6, 6)
+            def forward(self, x):
+                return self.fc(x)
+
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                torch.manual_seed(0)
+                self.d = torch.nn.ModuleDict({"a[1]": Block(), "a1": Block()})
+            def forward(self, x):
+                return self.d["a1"](self.d["a[1]"](x))
+
+        def make():
+            return Net()
+    """, data=(16, 6, 0))
+
+
+@pytest.mark.parametrize("flag, said", [
+    ("--include", "include pattern 'd.a[1].*' selects ['d.a1.fc']; fnmatch reads '[...]' in it as a character class "
+                  "(one of its characters): the modules whose names hold those brackets are ['d.a[1].fc'], which "
+                  "--include 'd.a[[]1].*' selects"),
+    ("--exclude", "exclude pattern 'd.a[1].*' leaves out ['d.a1.fc']; fnmatch reads '[...]' in it as a character "
+                  "class (one of its characters): the modules whose names hold those brackets are ['d.a[1].fc'], "
+                  "which --exclude 'd.a[[]1].*' leaves out"),
+    ("--exclude-hook-points", "--exclude-hook-points pattern 'd.a[1].*' leaves out ['d.a1.fc.output', "
+                              "'d.a1.output']; fnmatch reads '[...]' in it as a character class (one of its "
+                              "characters): the hook points whose names hold those brackets are ['d.a[1].fc.output', "
+                              "'d.a[1].output'], which --exclude-hook-points 'd.a[[]1].*' leaves out"),
+    ("--sample-rows", "--sample-rows / --token-rows pattern 'd.a[1].*' selects ['d.a1.fc.output', 'd.a1.output']; "
+                      "fnmatch reads '[...]' in it as a character class (one of its characters): the hook points "
+                      "whose names hold those brackets are ['d.a[1].fc.output', 'd.a[1].output'], which "
+                      "--sample-rows or --token-rows 'd.a[[]1].*' selects"),
+])
+def test_a_pattern_read_as_a_character_class_is_fixed_with_the_flag(bracket_module, tmp_path, capsys, recwarn,
+                                                                     flag, said):
+    # the warning named the fix as a keyword argument: include=['d.a[[]1].*'], token_rows={'d.a[[]1].*': ...},
+    # and exclude_hook_points=['d.a[[]1].*'] as "--exclude-hook-points ['d.a[[]1].*'" (its list cut at the first ']')
+    from activationscope import cli
+
+    code, _, err = run(capsys, "capture", "--model", "bracketnets.nets:make", "--data", str(bracket_module),
+                       "--out", str(tmp_path / "s.zarr"), "--no-progress", flag, "d.a[1].*")
+    assert code == 0, err
+    caught = [w for w in recwarn if "character class" in str(w.message)]
+    assert len(caught) == 1, [str(w.message) for w in recwarn]
+    w = caught[0]
+    assert cli._warning_formatter("capture")(w.message, w.category, w.filename, w.lineno) == \
+        f"activationscope capture: warning: {said}\n"
+

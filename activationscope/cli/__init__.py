@@ -469,9 +469,18 @@ def _cli_spelling(message: str, command: str | None = None, include_given: bool 
     for python, cli in _CLI_SPELLINGS:
         message = message.replace(python, cli)
     message = _token_rows_flags(message)
+    # hooks.bracket_hint, the fix of a pattern holding '[': "which include=['d.a[[]1].*'] selects",
+    # "which token_rows={'d.a[[]1].*': ...} selects"; and the pattern it is about ("exclude_hook_points=
+    # pattern 'd.a[1].*' leaves out", "token_rows= pattern 'd.a[1].*' selects")
+    message = re.sub(rf"\bwhich (include|exclude|exclude_hook_points)=({_LIST}) (selects|leaves out)\b",
+                     lambda m: f"which --{m[1].replace('_', '-')} {_pattern_list(m[2])} {m[3]}", message)
+    message = re.sub(rf"\bwhich token_rows=\{{({_REPR}): \.\.\.\}} selects\b",
+                     r"which --sample-rows or --token-rows \1 selects", message)
+    message = re.sub(r"\bexclude_hook_points= pattern\b", "--exclude-hook-points pattern", message)
+    message = re.sub(r"\btoken_rows= pattern\b", "--sample-rows / --token-rows pattern", message)
     # sink.cpp: "alone with exclude_hook_points=['h.0.output.1']"; scope: "exclude_hook_points pattern(s) [...]"
-    message = re.sub(r"\bexclude_hook_points=(\[.*?\])", lambda m: f"--exclude-hook-points {_pattern_list(m.group(1))}",
-                     message)
+    message = re.sub(rf"\bexclude_hook_points=({_LIST})",
+                     lambda m: f"--exclude-hook-points {_pattern_list(m.group(1))}", message)
     message = message.replace("exclude_hook_points pattern(s)", "--exclude-hook-points pattern(s)")
     # hooks.select_modules: "include=['a', 'b'] and exclude=['c'] leave no module of M to track"
     message = re.sub(r"\binclude=(\[.*?\]|None) and exclude=(\[.*?\]|None) leave no module",
@@ -502,6 +511,11 @@ def _cli_spelling(message: str, command: str | None = None, include_given: bool 
     message = re.sub(r"(?<![\w/])exclude= ", "--exclude ", message)
     return message
 
+
+#: A string's repr in a library message (single or double quotes), and a Python list of them
+#: (``['d.a[[]1].*', 'b']``: the brackets inside the quotes do not end the list).
+_REPR = r"(?:'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\")"
+_LIST = rf"\[(?:{_REPR}(?:, {_REPR})*)?\]"
 
 #: ``token_rows={'a': False, 'b': True}`` in a library message, and one entry of it (a hook
 #: point's repr, in single or double quotes).
