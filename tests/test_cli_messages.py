@@ -756,3 +756,26 @@ def test_a_pattern_read_as_a_character_class_is_fixed_with_the_flag(bracket_modu
     assert cli._warning_formatter("capture")(w.message, w.category, w.filename, w.lineno) == \
         f"activationscope capture: warning: {said}\n"
 
+
+@pytest.mark.parametrize("policy, options, fix", [
+    ("MAX_K", {"max_k": 1}, "resume it from Python with capture_policy=CapturePolicy.MAX_K, max_k=1, or capture into "
+                            "a new store"),
+    ("SAMPLE_N", {"sample_every": 2}, "a store captured with CapturePolicy.SAMPLE_N cannot be resumed: start again "
+                                      "with --overwrite, or capture into a new store"),
+])
+def test_a_resume_of_a_store_of_another_capture_policy_names_what_the_command_can_do(bracket_module, tmp_path,
+                                                                                      capsys, policy, options, fix):
+    # the refusal said "this capture has capture_policy=CapturePolicy.EVERY" and "resume with
+    # capture_policy=CapturePolicy.MAX_K, max_k=1", which the command has no option for
+    from bracketnets.nets import make
+
+    out, model = tmp_path / "s.zarr", make()
+    with acs.ActivationScope(store=str(out), capture_policy=getattr(acs.CapturePolicy, policy), **options).track(model):
+        model(torch.randn(8, 6))
+    code, _, err = run(capsys, "capture", "--model", "bracketnets.nets:make", "--data", str(bracket_module),
+                       "--out", str(out), "--no-progress", "--resume")
+    assert code == 1
+    assert "this capture captures every forward (the command line has no capture policy), " in err, err
+    assert fix in err and "capture_policy=CapturePolicy.EVERY" not in err and "overwrite=" not in err, err
+    assert acs.open_store(str(out)).n_samples == 8
+

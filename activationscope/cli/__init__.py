@@ -503,6 +503,12 @@ def _cli_spelling(message: str, command: str | None = None, include_given: bool 
                                    f"hook point {m[2]}; leave the hook point out: --exclude-hook-points {m[1]}", message)
         message = message.replace(" (given to set_batch): ", " (of --labels, --label-column or a text --data): ")
         message = message.replace("; rename the column, or leave the hook point out ", "; leave the hook point out ")
+        # a resume of a store captured with another capture policy: the command has no option for
+        # one (it captures every forward), so the store resumes from Python only
+        message = message.replace("this capture has capture_policy=CapturePolicy.EVERY, ",
+                                  "this capture captures every forward (the command line has no capture policy), ")
+        message = re.sub(r"\bresume with (capture_policy=CapturePolicy\.\w+(?:, \w+=\d+)?) \(the resumed forwards "
+                         r"then continue its rule\)", r"resume it from Python with \1", message)
         # sink.cpp's refusals of a cast: "storage_dtype=torch.float16 turns finite values into inf"
         message = re.sub(r"\bstorage_dtype=torch\.(\w+) (turns finite values|changes its integers)", r"--dtype \1 \2",
                          message)
