@@ -779,3 +779,31 @@ def test_a_resume_of_a_store_of_another_capture_policy_names_what_the_command_ca
     assert fix in err and "capture_policy=CapturePolicy.EVERY" not in err and "overwrite=" not in err, err
     assert acs.open_store(str(out)).n_samples == 8
 
+
+def test_a_hook_point_turning_float64_is_given_the_dtype_flag(user_package, tmp_path, capsys):
+    # the refusal advised "Pass storage_dtype= to cast every row to one dtype"
+    x = user_package("doublenets", """
+        import torch
+
+        class Doubles(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                torch.manual_seed(0)
+                self.fc = torch.nn.Linear(6, 6)
+                self.n = 0
+            def forward(self, x):
+                self.n += 1
+                y = self.fc(x) * 2
+                return y if self.n == 1 else y.double()
+
+        def make():
+            return torch.nn.Sequential(Doubles())
+    """, data=(16, 6, 0))
+    code, _, err = run(capsys, "capture", "--model", "doublenets.nets:make", "--data", str(x), "--out",
+                       str(tmp_path / "s.zarr"), "--no-progress", "--batch-size", "8")
+    assert code == 1
+    assert ("hook point '0.output' changed its dtype from torch.float32 to torch.float64 during the capture; its store "
+            "array holds torch.float32. Pass --dtype to cast every row to one dtype, or capture each dtype into its "
+            "own store") in err, err
+    assert "storage_dtype" not in err, err
+

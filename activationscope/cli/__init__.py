@@ -423,6 +423,7 @@ _CLI_SPELLINGS = (
      "(--exclude its module, or --capture output: it is an input of its module)"),
     ("(exclude= its module)", "(--exclude its module)"),
     ("storage_dtype casts floating-point hook points only", "--dtype casts floating-point hook points only"),
+    ("ass storage_dtype= to cast every row to one dtype", "ass --dtype to cast every row to one dtype"),
     ("pass a wider storage_dtype (torch.bfloat16 keeps float32's range, or torch.float32), or none",
      "pass a wider --dtype (bfloat16 keeps float32's range, or float32), or no --dtype"),
     ("resume with the same include=/exclude=/capture= as the first run",
