@@ -807,3 +807,60 @@ def test_a_hook_point_turning_float64_is_given_the_dtype_flag(user_package, tmp_
             "own store") in err, err
     assert "storage_dtype" not in err, err
 
+
+@pytest.fixture
+def alike_module(user_package):
+    """``alikenets.nets``: ``case()``, a ModuleDict of the keys 'Attn' and 'attn', and ``nfc()``,
+    one of '\\u00e9' and 'e\\u0301' (the same letter, one character or two); each a Linear 6->6
+    called in turn; the data: 16 samples of 6 features."""
+    return user_package("alikenets", """
+        import torch
+
+        class Two(torch.nn.Module):
+            def __init__(self, a, b):
+                super().__init__()
+                torch.manual_seed(0)
+                self.d = torch.nn.ModuleDict({a: torch.nn.Linear(6, 6), b: torch.nn.Linear(6, 6)})
+                self.order = (a, b)
+            def forward(self, x):
+                return self.d[self.order[1]](self.d[self.order[0]](x))
+
+        def case():
+            return Two("Attn", "attn")
+        def nfc():
+            return Two("\\u00e9", "e\\u0301")
+    """, data=(16, 6, 0))
+
+
+def test_names_alike_but_for_normalization_are_left_out_with_a_value_the_shell_gives(alike_module, tmp_path, capsys,
+                                                                                   recwarn):
+    # the advice "--exclude-hook-points 'd.é.output'" printed the decomposed name as the other one
+    # prints: copied from the terminal it could name either hook point
+    from activationscope import cli
+
+    out = tmp_path / "s.zarr"
+    code, _, err = run(capsys, "capture", "--model", "alikenets.nets:nfc", "--data", str(alike_module), "--out",
+                       str(out), "--no-progress")
+    assert code == 0, err
+    w = next(w for w in recwarn if "differ only in case" in str(w.message))
+    said = cli._warning_formatter("capture")(w.message, w.category, w.filename, w.lineno)
+    assert said.endswith("; rename one module, or leave one out (--exclude-hook-points $'d.e\\u0301.output')\n"), said
+    # what the shell makes of $'d.e\u0301.output' leaves out that hook point, the other one kept
+    code, _, err = run(capsys, "capture", "--model", "alikenets.nets:nfc", "--data", str(alike_module), "--out",
+                       str(out), "--no-progress", "--overwrite", "--exclude-hook-points", "d.e\u0301.output")
+    assert code == 0, err
+    assert acs.open_store(str(out)).hook_points == ["d.\u00e9.output"]
+
+
+def test_names_alike_on_a_file_system_that_folds_them_are_refused_in_the_commands_flags(alike_module, tmp_path,
+                                                                                      capsys, monkeypatch):
+    # the refusal advised "leave one out (track(exclude=...) or ...)", a call the command line has not
+    import activationscope.store.writer as writer
+
+    monkeypatch.setattr(writer, "_folds_names", lambda *names: True)  # (as on macOS or Windows)
+    code, _, err = run(capsys, "capture", "--model", "alikenets.nets:case", "--data", str(alike_module), "--out",
+                       str(tmp_path / "s.zarr"), "--no-progress")
+    assert code == 1
+    assert "; rename one module, leave one out (--exclude its module or --exclude-hook-points 'd.attn.output'), or " \
+           "capture into a store on a case-sensitive file system" in err, err
+    assert "track(" not in err and not (tmp_path / "s.zarr").exists()

@@ -422,6 +422,7 @@ _CLI_SPELLINGS = (
     ('(exclude= its module, or capture="output": it is an input of its module)',
      "(--exclude its module, or --capture output: it is an input of its module)"),
     ("(exclude= its module)", "(--exclude its module)"),
+    ("leave one out (track(exclude=...) or ", "leave one out (--exclude its module or "),
     ("storage_dtype casts floating-point hook points only", "--dtype casts floating-point hook points only"),
     ("ass storage_dtype= to cast every row to one dtype", "ass --dtype to cast every row to one dtype"),
     ("pass a wider storage_dtype (torch.bfloat16 keeps float32's range, or torch.float32), or none",
@@ -533,7 +534,10 @@ _TOKEN_ROWS_ENTRY = re.compile(r"('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"): (True
 
 def _pattern_list(shown: str) -> str:
     """A Python list of patterns as a message shows it (``['a', 'b']``) in the words of a
-    comma-separated flag value (``'a,b'``); ``None`` (no patterns: every module) as ``'*'``."""
+    comma-separated flag value (``'a,b'``); ``None`` (no patterns: every module) as ``'*'``.
+    Patterns not in Unicode NFC form or holding a control character are given as a shell
+    ``$'...'`` string with ``\\uXXXX`` escapes (``$'d.e\\u0301.output'``), which a shell
+    turns into those characters, where their printed form looks like another name."""
     import ast
 
     try:
@@ -544,7 +548,13 @@ def _pattern_list(shown: str) -> str:
         return "'*'"
     if not isinstance(patterns, list) or not all(isinstance(p, str) for p in patterns):
         return shown
-    return repr(",".join(patterns))
+    joined = ",".join(patterns)
+    if name_repr(joined) != repr(joined) or not joined.isprintable():
+        # a name that prints as another (not NFC: 'd.e\u0301.output' beside 'd.\u00e9.output') or
+        # holds a control character: the shell's $'...' with its escapes, which gives those characters
+        return "$'" + "".join(c if " " <= c <= "~" and c not in "\\'" else "\\" + c if c in "\\'" else
+                              f"\\u{ord(c):04x}" if ord(c) <= 0xFFFF else f"\\U{ord(c):08x}" for c in joined) + "'"
+    return repr(joined)
 
 
 def _token_rows_flags(message: str) -> str:
