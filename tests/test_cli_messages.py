@@ -696,3 +696,171 @@ def test_a_capture_that_filled_the_disk_names_only_the_commands_flags(tmp_path):
     assert full.stderr.rstrip().endswith(
         "was removed (--resume has nothing to continue: once the cause is fixed, run the capture again without it)")
     assert not (tmp_path / "cli.zarr").exists()
+
+
+@pytest.fixture
+def bracket_module(user_package):
+    """``bracketnets.nets.make``: a ModuleDict holding the keys 'a[1]' and 'a1' (a Linear 6->6
+    each, called in turn); the data: 16 samples of 6 features."""
+    return user_package("bracketnets", """
+        import torch
+
+        class Block(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = torch.nn.Linear(6, 6)
+            def forward(self, x):
+                return self.fc(x)
+
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                torch.manual_seed(0)
+                self.d = torch.nn.ModuleDict({"a[1]": Block(), "a1": Block()})
+            def forward(self, x):
+                return self.d["a1"](self.d["a[1]"](x))
+
+        def make():
+            return Net()
+    """, data=(16, 6, 0))
+
+
+@pytest.mark.parametrize("flag, said", [
+    ("--include", "include pattern 'd.a[1].*' selects ['d.a1.fc']; fnmatch reads '[...]' in it as a character class "
+                  "(one of its characters): the modules whose names hold those brackets are ['d.a[1].fc'], which "
+                  "--include 'd.a[[]1].*' selects"),
+    ("--exclude", "exclude pattern 'd.a[1].*' leaves out ['d.a1.fc']; fnmatch reads '[...]' in it as a character "
+                  "class (one of its characters): the modules whose names hold those brackets are ['d.a[1].fc'], "
+                  "which --exclude 'd.a[[]1].*' leaves out"),
+    ("--exclude-hook-points", "--exclude-hook-points pattern 'd.a[1].*' leaves out ['d.a1.fc.output', "
+                              "'d.a1.output']; fnmatch reads '[...]' in it as a character class (one of its "
+                              "characters): the hook points whose names hold those brackets are ['d.a[1].fc.output', "
+                              "'d.a[1].output'], which --exclude-hook-points 'd.a[[]1].*' leaves out"),
+    ("--sample-rows", "--sample-rows / --token-rows pattern 'd.a[1].*' selects ['d.a1.fc.output', 'd.a1.output']; "
+                      "fnmatch reads '[...]' in it as a character class (one of its characters): the hook points "
+                      "whose names hold those brackets are ['d.a[1].fc.output', 'd.a[1].output'], which "
+                      "--sample-rows or --token-rows 'd.a[[]1].*' selects"),
+])
+def test_a_pattern_read_as_a_character_class_is_fixed_with_the_flag(bracket_module, tmp_path, capsys, recwarn,
+                                                                     flag, said):
+    # the warning named the fix as a keyword argument: include=['d.a[[]1].*'], token_rows={'d.a[[]1].*': ...},
+    # and exclude_hook_points=['d.a[[]1].*'] as "--exclude-hook-points ['d.a[[]1].*'" (its list cut at the first ']')
+    from activationscope import cli
+
+    code, _, err = run(capsys, "capture", "--model", "bracketnets.nets:make", "--data", str(bracket_module),
+                       "--out", str(tmp_path / "s.zarr"), "--no-progress", flag, "d.a[1].*")
+    assert code == 0, err
+    caught = [w for w in recwarn if "character class" in str(w.message)]
+    assert len(caught) == 1, [str(w.message) for w in recwarn]
+    w = caught[0]
+    assert cli._warning_formatter("capture")(w.message, w.category, w.filename, w.lineno) == \
+        f"activationscope capture: warning: {said}\n"
+
+
+@pytest.mark.parametrize("policy, options, fix", [
+    ("MAX_K", {"max_k": 1}, "resume it from Python with capture_policy=CapturePolicy.MAX_K, max_k=1, or capture into "
+                            "a new store"),
+    ("SAMPLE_N", {"sample_every": 2}, "a store captured with CapturePolicy.SAMPLE_N cannot be resumed: start again "
+                                      "with --overwrite, or capture into a new store"),
+])
+def test_a_resume_of_a_store_of_another_capture_policy_names_what_the_command_can_do(bracket_module, tmp_path,
+                                                                                      capsys, policy, options, fix):
+    # the refusal said "this capture has capture_policy=CapturePolicy.EVERY" and "resume with
+    # capture_policy=CapturePolicy.MAX_K, max_k=1", which the command has no option for
+    from bracketnets.nets import make
+
+    out, model = tmp_path / "s.zarr", make()
+    with acs.ActivationScope(store=str(out), capture_policy=getattr(acs.CapturePolicy, policy), **options).track(model):
+        model(torch.randn(8, 6))
+    code, _, err = run(capsys, "capture", "--model", "bracketnets.nets:make", "--data", str(bracket_module),
+                       "--out", str(out), "--no-progress", "--resume")
+    assert code == 1
+    assert "this capture captures every forward (the command line has no capture policy), " in err, err
+    assert fix in err and "capture_policy=CapturePolicy.EVERY" not in err and "overwrite=" not in err, err
+    assert acs.open_store(str(out)).n_samples == 8
+
+
+def test_a_hook_point_turning_float64_is_given_the_dtype_flag(user_package, tmp_path, capsys):
+    # the refusal advised "Pass storage_dtype= to cast every row to one dtype"
+    x = user_package("doublenets", """
+        import torch
+
+        class Doubles(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                torch.manual_seed(0)
+                self.fc = torch.nn.Linear(6, 6)
+                self.n = 0
+            def forward(self, x):
+                self.n += 1
+                y = self.fc(x) * 2
+                return y if self.n == 1 else y.double()
+
+        def make():
+            return torch.nn.Sequential(Doubles())
+    """, data=(16, 6, 0))
+    code, _, err = run(capsys, "capture", "--model", "doublenets.nets:make", "--data", str(x), "--out",
+                       str(tmp_path / "s.zarr"), "--no-progress", "--batch-size", "8")
+    assert code == 1
+    assert ("hook point '0.output' changed its dtype from torch.float32 to torch.float64 during the capture; its store "
+            "array holds torch.float32. Pass --dtype to cast every row to one dtype, or capture each dtype into its "
+            "own store") in err, err
+    assert "storage_dtype" not in err, err
+
+
+@pytest.fixture
+def alike_module(user_package):
+    """``alikenets.nets``: ``case()``, a ModuleDict of the keys 'Attn' and 'attn', and ``nfc()``,
+    one of '\\u00e9' and 'e\\u0301' (the same letter, one character or two); each a Linear 6->6
+    called in turn; the data: 16 samples of 6 features."""
+    return user_package("alikenets", """
+        import torch
+
+        class Two(torch.nn.Module):
+            def __init__(self, a, b):
+                super().__init__()
+                torch.manual_seed(0)
+                self.d = torch.nn.ModuleDict({a: torch.nn.Linear(6, 6), b: torch.nn.Linear(6, 6)})
+                self.order = (a, b)
+            def forward(self, x):
+                return self.d[self.order[1]](self.d[self.order[0]](x))
+
+        def case():
+            return Two("Attn", "attn")
+        def nfc():
+            return Two("\\u00e9", "e\\u0301")
+    """, data=(16, 6, 0))
+
+
+def test_names_alike_but_for_normalization_are_left_out_with_a_value_the_shell_gives(alike_module, tmp_path, capsys,
+                                                                                   recwarn):
+    # the advice "--exclude-hook-points 'd.é.output'" printed the decomposed name as the other one
+    # prints: copied from the terminal it could name either hook point
+    from activationscope import cli
+
+    out = tmp_path / "s.zarr"
+    code, _, err = run(capsys, "capture", "--model", "alikenets.nets:nfc", "--data", str(alike_module), "--out",
+                       str(out), "--no-progress")
+    assert code == 0, err
+    w = next(w for w in recwarn if "differ only in case" in str(w.message))
+    said = cli._warning_formatter("capture")(w.message, w.category, w.filename, w.lineno)
+    assert said.endswith("; rename one module, or leave one out (--exclude-hook-points $'d.e\\u0301.output')\n"), said
+    # what the shell makes of $'d.e\u0301.output' leaves out that hook point, the other one kept
+    code, _, err = run(capsys, "capture", "--model", "alikenets.nets:nfc", "--data", str(alike_module), "--out",
+                       str(out), "--no-progress", "--overwrite", "--exclude-hook-points", "d.e\u0301.output")
+    assert code == 0, err
+    assert acs.open_store(str(out)).hook_points == ["d.\u00e9.output"]
+
+
+def test_names_alike_on_a_file_system_that_folds_them_are_refused_in_the_commands_flags(alike_module, tmp_path,
+                                                                                      capsys, monkeypatch):
+    # the refusal advised "leave one out (track(exclude=...) or ...)", a call the command line has not
+    import activationscope.store.writer as writer
+
+    monkeypatch.setattr(writer, "_folds_names", lambda *names: True)  # (as on macOS or Windows)
+    code, _, err = run(capsys, "capture", "--model", "alikenets.nets:case", "--data", str(alike_module), "--out",
+                       str(tmp_path / "s.zarr"), "--no-progress")
+    assert code == 1
+    assert "; rename one module, leave one out (--exclude its module or --exclude-hook-points 'd.attn.output'), or " \
+           "capture into a store on a case-sensitive file system" in err, err
+    assert "track(" not in err and not (tmp_path / "s.zarr").exists()

@@ -422,7 +422,9 @@ _CLI_SPELLINGS = (
     ('(exclude= its module, or capture="output": it is an input of its module)',
      "(--exclude its module, or --capture output: it is an input of its module)"),
     ("(exclude= its module)", "(--exclude its module)"),
+    ("leave one out (track(exclude=...) or ", "leave one out (--exclude its module or "),
     ("storage_dtype casts floating-point hook points only", "--dtype casts floating-point hook points only"),
+    ("ass storage_dtype= to cast every row to one dtype", "ass --dtype to cast every row to one dtype"),
     ("pass a wider storage_dtype (torch.bfloat16 keeps float32's range, or torch.float32), or none",
      "pass a wider --dtype (bfloat16 keeps float32's range, or float32), or no --dtype"),
     ("resume with the same include=/exclude=/capture= as the first run",
@@ -469,9 +471,18 @@ def _cli_spelling(message: str, command: str | None = None, include_given: bool 
     for python, cli in _CLI_SPELLINGS:
         message = message.replace(python, cli)
     message = _token_rows_flags(message)
+    # hooks.bracket_hint, the fix of a pattern holding '[': "which include=['d.a[[]1].*'] selects",
+    # "which token_rows={'d.a[[]1].*': ...} selects"; and the pattern it is about ("exclude_hook_points=
+    # pattern 'd.a[1].*' leaves out", "token_rows= pattern 'd.a[1].*' selects")
+    message = re.sub(rf"\bwhich (include|exclude|exclude_hook_points)=({_LIST}) (selects|leaves out)\b",
+                     lambda m: f"which --{m[1].replace('_', '-')} {_pattern_list(m[2])} {m[3]}", message)
+    message = re.sub(rf"\bwhich token_rows=\{{({_REPR}): \.\.\.\}} selects\b",
+                     r"which --sample-rows or --token-rows \1 selects", message)
+    message = re.sub(r"\bexclude_hook_points= pattern\b", "--exclude-hook-points pattern", message)
+    message = re.sub(r"\btoken_rows= pattern\b", "--sample-rows / --token-rows pattern", message)
     # sink.cpp: "alone with exclude_hook_points=['h.0.output.1']"; scope: "exclude_hook_points pattern(s) [...]"
-    message = re.sub(r"\bexclude_hook_points=(\[.*?\])", lambda m: f"--exclude-hook-points {_pattern_list(m.group(1))}",
-                     message)
+    message = re.sub(rf"\bexclude_hook_points=({_LIST})",
+                     lambda m: f"--exclude-hook-points {_pattern_list(m.group(1))}", message)
     message = message.replace("exclude_hook_points pattern(s)", "--exclude-hook-points pattern(s)")
     # hooks.select_modules: "include=['a', 'b'] and exclude=['c'] leave no module of M to track"
     message = re.sub(r"\binclude=(\[.*?\]|None) and exclude=(\[.*?\]|None) leave no module",
@@ -494,6 +505,12 @@ def _cli_spelling(message: str, command: str | None = None, include_given: bool 
                                    f"hook point {m[2]}; leave the hook point out: --exclude-hook-points {m[1]}", message)
         message = message.replace(" (given to set_batch): ", " (of --labels, --label-column or a text --data): ")
         message = message.replace("; rename the column, or leave the hook point out ", "; leave the hook point out ")
+        # a resume of a store captured with another capture policy: the command has no option for
+        # one (it captures every forward), so the store resumes from Python only
+        message = message.replace("this capture has capture_policy=CapturePolicy.EVERY, ",
+                                  "this capture captures every forward (the command line has no capture policy), ")
+        message = re.sub(r"\bresume with (capture_policy=CapturePolicy\.\w+(?:, \w+=\d+)?) \(the resumed forwards "
+                         r"then continue its rule\)", r"resume it from Python with \1", message)
         # sink.cpp's refusals of a cast: "storage_dtype=torch.float16 turns finite values into inf"
         message = re.sub(r"\bstorage_dtype=torch\.(\w+) (turns finite values|changes its integers)", r"--dtype \1 \2",
                          message)
@@ -502,6 +519,11 @@ def _cli_spelling(message: str, command: str | None = None, include_given: bool 
     message = re.sub(r"(?<![\w/])exclude= ", "--exclude ", message)
     return message
 
+
+#: A string's repr in a library message (single or double quotes), and a Python list of them
+#: (``['d.a[[]1].*', 'b']``: the brackets inside the quotes do not end the list).
+_REPR = r"(?:'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\")"
+_LIST = rf"\[(?:{_REPR}(?:, {_REPR})*)?\]"
 
 #: ``token_rows={'a': False, 'b': True}`` in a library message, and one entry of it (a hook
 #: point's repr, in single or double quotes).
@@ -512,7 +534,10 @@ _TOKEN_ROWS_ENTRY = re.compile(r"('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"): (True
 
 def _pattern_list(shown: str) -> str:
     """A Python list of patterns as a message shows it (``['a', 'b']``) in the words of a
-    comma-separated flag value (``'a,b'``); ``None`` (no patterns: every module) as ``'*'``."""
+    comma-separated flag value (``'a,b'``); ``None`` (no patterns: every module) as ``'*'``.
+    Patterns not in Unicode NFC form or holding a control character are given as a shell
+    ``$'...'`` string with ``\\uXXXX`` escapes (``$'d.e\\u0301.output'``), which a shell
+    turns into those characters, where their printed form looks like another name."""
     import ast
 
     try:
@@ -523,7 +548,13 @@ def _pattern_list(shown: str) -> str:
         return "'*'"
     if not isinstance(patterns, list) or not all(isinstance(p, str) for p in patterns):
         return shown
-    return repr(",".join(patterns))
+    joined = ",".join(patterns)
+    if name_repr(joined) != repr(joined) or not joined.isprintable():
+        # a name that prints as another (not NFC: 'd.e\u0301.output' beside 'd.\u00e9.output') or
+        # holds a control character: the shell's $'...' with its escapes, which gives those characters
+        return "$'" + "".join(c if " " <= c <= "~" and c not in "\\'" else "\\" + c if c in "\\'" else
+                              f"\\u{ord(c):04x}" if ord(c) <= 0xFFFF else f"\\U{ord(c):08x}" for c in joined) + "'"
+    return repr(joined)
 
 
 def _token_rows_flags(message: str) -> str:
