@@ -2012,6 +2012,12 @@ class StoreWriter:
         key = _folded(node)
         other, other_node = self._folded_nodes.get(key, (None, node))
         if other_node == node:
+            if other is not None and other != hook_point:  # (one name spelled as another's shortened one)
+                raise StoreError(
+                    f"hook points {other!r} and {hook_point!r} would share one folder {'acts/' + node!r} of store "
+                    f"{str(self._backend)!r} (a name longer than {F.MAX_NODE_BYTES} bytes is kept as its first 100 "
+                    "bytes, '~' and a hash of it, and the other is spelled so): rename one module, or leave one out "
+                    f"(exclude_hook_points=[{name_repr(hook_point)}])")
             self._folded_nodes[key] = (hook_point, node)
             return
         if _folds_names(self._staging, node, other_node):

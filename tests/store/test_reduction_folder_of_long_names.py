@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from activationscope.errors import StoreError
 from activationscope.store import StoreWriter, open_store
 from activationscope.store import _format as F
 
@@ -86,3 +87,17 @@ def test_a_resume_of_a_store_written_before_the_name_was_escaped_or_shortened_ap
     assert (tmp_path / "s.zarr" / "acts" / hp).is_dir() and not (tmp_path / "s.zarr" / "acts" / F.node_name(hp)).exists()
     assert torch.equal(st[hp], data)
     assert st.verify() == []
+
+
+def test_a_hook_point_spelled_as_another_s_shortened_folder_name_is_refused(tmp_path):
+    """A long hook point's folder is its first 100 bytes, '~' and a hash; a second hook point
+    spelled exactly so had the same folder, its shards over the first's, without a word."""
+    long_name = "m" * 300 + ".output"
+    node = F.node_name(long_name)
+    assert node != long_name and len(node.encode()) <= F.MAX_NODE_BYTES
+    w = StoreWriter(tmp_path / "s.zarr")
+    w.open_array(long_name, (3,), torch.float32, "sample")
+    with pytest.raises(StoreError, match=r"would share one folder 'acts/m+~[0-9a-f]{16}'.*exclude_hook_points"):
+        w.open_array(node, (3,), torch.float32, "sample")
+    w.open_array("other.output", (3,), torch.float32, "sample")  # (the writer goes on)
+    w.close()
