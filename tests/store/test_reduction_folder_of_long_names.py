@@ -23,37 +23,15 @@ def _node_name_before_shortening(hook_point: str) -> str:
     return out.replace(".", "%2E") if out in (".", "..") else out
 
 
-def test_a_store_whose_long_hook_point_has_the_folders_of_its_whole_name_opens(tmp_path, monkeypatch):
-    assert F.node_name(LONG) != _node_name_before_shortening(LONG)
+@pytest.mark.parametrize("hp", [LONG, "Zarr.JSON"])
+def test_a_store_written_before_the_name_was_shortened_or_escaped_opens_with_its_reductions(tmp_path, monkeypatch, hp):
+    # a long name's folders were its whole name; 'Zarr.JSON' was a folder of its own on a
+    # case-sensitive file system before such names became 'Zarr%2EJSON': its reductions there
+    # are still its own
+    assert F.node_name(hp) != _node_name_before_shortening(hp)
     data = torch.randn(8, 4)
     with monkeypatch.context() as m:
         m.setattr(F, "node_name", _node_name_before_shortening)
-        w = StoreWriter(tmp_path / "s.zarr")
-        a = w.open_array(LONG, (4,), torch.float32, "sample")
-        a.append(data)
-        w.add_batch(8, list(range(8)), None, {})
-        w.commit()
-        w.add_reductions(LONG, "mean", _Mean(data.double().mean(0)))
-        w.close()
-    assert (tmp_path / "s.zarr" / "reductions" / LONG).is_dir()
-    st = open_store(tmp_path / "s.zarr")
-    assert torch.equal(st[LONG], data)
-    assert torch.equal(st.reductions[LONG]["mean"], data.double().mean(0))
-    assert st.verify() == []
-
-
-def _node_name_before_zarr_json_escape(hook_point: str) -> str:
-    return _node_name_before_shortening(hook_point)
-
-
-def test_a_store_whose_hook_point_folds_to_zarr_json_written_before_its_escape_opens(tmp_path, monkeypatch):
-    # 'Zarr.JSON' was a folder of its own on a case-sensitive file system before such names became
-    # 'Zarr%2EJSON': its reductions there are still its own
-    hp = "Zarr.JSON"
-    assert F.node_name(hp) != _node_name_before_zarr_json_escape(hp)
-    data = torch.randn(8, 4)
-    with monkeypatch.context() as m:
-        m.setattr(F, "node_name", _node_name_before_zarr_json_escape)
         w = StoreWriter(tmp_path / "s.zarr")
         w.open_array(hp, (4,), torch.float32, "sample").append(data)
         w.add_batch(8, list(range(8)), None, {})
@@ -74,7 +52,7 @@ def test_a_resume_of_a_store_written_before_the_name_was_escaped_or_shortened_ap
     # new one ('acts/Zarr%2EJSON', the shortened name) missing the rows committed before
     data = torch.randn(12, 4)
     with monkeypatch.context() as m:
-        m.setattr(F, "node_name", _node_name_before_zarr_json_escape)
+        m.setattr(F, "node_name", _node_name_before_shortening)
         w = StoreWriter(tmp_path / "s.zarr", chunk_rows=2, shard_rows=4)
         w.open_array(hp, (4,), torch.float32, "sample").append(data[:6])
         w.add_batch(6, list(range(6)), None, {})

@@ -368,6 +368,19 @@ def _read_only_store_checks(tmp_path: Path) -> None:
     assert _listing(path) == before
 
 
+def _four_commits(path):
+    """A writer of hook point 'x' (8 floats a row) after 4 committed forwards of 5 rows (row values
+    the forward's number): the writer, its array and the samples committed."""
+    a = StoreWriter(path, chunk_rows=4, shard_bytes=4 * 8 * 4 * 2, commit_interval=0)
+    arr = a.open_array("x", (8,), torch.float32, "sample")
+    for i in range(4):
+        arr.append(torch.full((5, 8), float(i)))
+        a.add_batch(5, list(range(i * 5, i * 5 + 5)))
+        a._core.drain()
+        a.commit()
+    return a, arr, open_store(path).n_samples
+
+
 @pytest.mark.parametrize("how", ["moved", "removed"])
 def test_a_writer_whose_store_folder_was_replaced_writes_nothing_into_the_new_one(tmp_path, how):
     """The store folder moved away (or deleted) while a writer writes it, and another writer
@@ -376,14 +389,7 @@ def test_a_writer_whose_store_folder_was_replaced_writes_nothing_into_the_new_on
     the new store's would take that store's rows away). The new store stays whole, and a moved
     one keeps every row its writer committed."""
     path = tmp_path / "s.zarr"
-    a = StoreWriter(path, chunk_rows=4, shard_bytes=4 * 8 * 4 * 2, commit_interval=0)
-    arr = a.open_array("x", (8,), torch.float32, "sample")
-    for i in range(4):
-        arr.append(torch.full((5, 8), float(i)))
-        a.add_batch(5, list(range(i * 5, i * 5 + 5)))
-        a._core.drain()
-        a.commit()
-    committed = open_store(path).n_samples
+    a, arr, committed = _four_commits(path)
     assert committed > 0
     arr.append(torch.full((5, 8), 4.0))
     a.add_batch(5, list(range(20, 25)))
@@ -422,14 +428,7 @@ def test_a_writer_whose_lock_file_was_deleted_and_taken_writes_no_shard_at_its_c
     store (a partial shard renamed to a shard key, a rewrite of its partial last shard). The
     close writes nothing there, so the second writer's store stays whole."""
     path = tmp_path / "s.zarr"
-    a = StoreWriter(path, chunk_rows=4, shard_bytes=4 * 8 * 4 * 2, commit_interval=0)
-    arr = a.open_array("x", (8,), torch.float32, "sample")
-    for i in range(4):
-        arr.append(torch.full((5, 8), float(i)))
-        a.add_batch(5, list(range(i * 5, i * 5 + 5)))
-        a._core.drain()
-        a.commit()
-    committed = open_store(path).n_samples
+    a, arr, committed = _four_commits(path)
     arr.append(torch.full((5, 8), 4.0))  # (rows past a whole chunk: in the writer's buffers until its close)
     a.add_batch(5, list(range(20, 25)))
     a._core.drain()
