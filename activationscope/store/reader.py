@@ -1868,25 +1868,26 @@ class Store:
         slot = (kind, key)
         self._n_mapped += n_maps - self._mapped.pop(slot, 0)
         self._mapped[slot] = n_maps
+        return self._drop_least_recent(0, keep=1)
+
+    def _drop_least_recent(self, n_new: int, keep: int) -> list:
+        """Drop the least recently used cached mappings, leaving at least ``keep`` of them,
+        until they and ``n_new`` more fit in :meth:`_budget`; returns what was dropped (see
+        :meth:`_keep_mapping`). Call with the lock held."""
         budget = self._budget()
         dropped = []
-        while self._n_mapped > budget and len(self._mapped) > 1:
-            (kind_old, key_old), n_old = self._mapped.popitem(last=False)
+        while len(self._mapped) > keep and self._n_mapped + n_new > budget:
+            (kind, key), n_old = self._mapped.popitem(last=False)
             self._n_mapped -= n_old
-            dropped.append((self._maps if kind_old == "shard" else self._whole).pop(key_old, None))
+            dropped.append((self._maps if kind == "shard" else self._whole).pop(key, None))
         return dropped
 
     def _make_room(self, n_maps: int) -> None:
         """Before ``n_maps`` mappings are made: drop the least recently used cached ones until
         they fit in :meth:`_budget` with them (the cache never holds more than its budget,
         also while a new mapping is made)."""
-        dropped = []
         with self._lock:
-            budget = self._budget()
-            while self._mapped and self._n_mapped + n_maps > budget:
-                (kind, key), n_old = self._mapped.popitem(last=False)
-                self._n_mapped -= n_old
-                dropped.append((self._maps if kind == "shard" else self._whole).pop(key, None))
+            dropped = self._drop_least_recent(n_maps, keep=0)
         if dropped:
             del dropped[:]  # (unmapped here, outside the lock, unless a view still holds one)
             self._said_unmapped()
