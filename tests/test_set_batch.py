@@ -7,10 +7,12 @@ import re
 import warnings
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 import torch
 
 import activationscope as acs
+from activationscope.data import export_parquet
 from activationscope.errors import ActivationScopeError, ArgumentTypeError, ArgumentValueError
 
 
@@ -233,6 +235,42 @@ def test_columns_of_floats_numpy_lacks_hold_their_values_exactly(tmp_path, dtype
     assert str(col.type) == "float" and col.to_pylist() == score.float().tolist()
     got = acs.ActivationDataset(path, columns=["score"])[0:4]["score"]
     assert got.dtype == torch.float32 and torch.equal(got, score.float())
+
+
+_COLUMN_VALUES = {torch.uint8: [0, 255, 7, 1], torch.uint16: [0, 65535, 7, 1], torch.uint32: [0, 2**32 - 1, 7, 1],
+                  torch.uint64: [0, 2**64 - 1, 7, 1], torch.int8: [-128, 127, 7, 1], torch.int16: [-32768, 32767, 7, 1],
+                  torch.float16: [-0.5, 65504.0, 7.0, 1.0], torch.bool: [True, False, True, True]}
+
+
+@pytest.mark.parametrize("dtype", list(_COLUMN_VALUES), ids=str)
+def test_columns_keep_their_dtype_from_set_batch_to_the_dataset_and_export(tmp_path, dtype):
+    # uint16 and uint32 columns came back from ActivationDataset as int64 tensors (values right)
+    model, path = _model(), tmp_path / "s.zarr"
+    values = _COLUMN_VALUES[dtype]
+    score = torch.tensor(values, dtype=dtype) if dtype != torch.uint64 else torch.tensor(
+        np.array(values, dtype=np.uint64).view(np.int64)).view(torch.uint64)
+    mask = torch.tensor([[1, 1], [1, 0], [1, 1], [0, 0]], dtype=torch.bool)
+    tok = torch.stack([score, score], 1)  # (batch, pos): a token column
+    with acs.ActivationScope(store=str(path)).track(model) as tr, torch.no_grad():
+        tr.set_batch(score=score)
+        model(torch.randn(4, 6))
+    with acs.ActivationScope(store=str(tmp_path / "t.zarr")).track(model) as tr, torch.no_grad():
+        tr.set_batch(attention_mask=mask, score=score, tok=tok)
+        model(torch.randn(4, 2, 6))
+    arrow = str(score.numpy().dtype) if dtype not in (torch.float16, torch.uint64) else \
+        {torch.float16: "halffloat", torch.uint64: "uint64"}[dtype]
+    assert str(acs.open_store(path).row_table("sample").schema.field("score").type) == arrow
+    ds = acs.ActivationDataset(path, columns=["score"])
+    for got in (ds[0:4]["score"], ds[[0, 1, 2, 3]]["score"], torch.stack([ds[i]["score"] for i in range(4)])):
+        assert got.dtype == dtype and got.tolist() == values
+    loader = torch.utils.data.DataLoader(ds, batch_size=4)
+    assert next(iter(loader))["score"].dtype == dtype
+    toks = acs.ActivationDataset(tmp_path / "t.zarr", hook_points="0.output", columns=["score", "tok"])
+    got = toks[[0, 1, 2, 3, 4]]  # real tokens (0,0) (0,1) (1,0) (2,0) (2,1)
+    assert got["score"].dtype == dtype and got["score"].tolist() == [values[i] for i in (0, 0, 1, 2, 2)]
+    assert got["tok"].dtype == dtype and got["tok"].tolist() == [values[i] for i in (0, 0, 1, 2, 2)]
+    export_parquet(path, tmp_path / "e.parquet", hook_points=["1.output"], columns=["score"])
+    assert str(pq.read_schema(tmp_path / "e.parquet").field("score").type) == arrow
 
 
 def test_a_resumed_capture_keeps_the_stored_column_types(tmp_path):

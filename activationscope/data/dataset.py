@@ -667,7 +667,8 @@ class ActivationDataset(Dataset):
         count from the end. Index tensors on any device but ``meta`` are taken.
     columns : str or list of str, optional
         Row-table columns to return with each item (``"label"``, ``"sample_id"``, ``"pos"``,
-        user columns). Numeric and bool columns come back as tensors, strings as ``str``.
+        user columns). Numeric and bool columns come back as tensors of their row-table
+        type (a ``uint16`` column as ``torch.uint16``), strings as ``str``.
         Token rows also see the per-sample columns of their sample (``label`` given to
         ``set_batch``), joined on ``(rank, batch, sample_id)``: the sample of the same forward
         (and rank), so ids repeated across forwards or ranks get their own sample's values
@@ -1535,10 +1536,9 @@ def _column_to_torch(col: pa.Array, name: str) -> Any:
     if _numeric(t):
         if col.null_count:
             raise ArgumentValueError(f"row-table column {name!r} has {col.null_count} nulls; filter them out first")
-        arr = col.to_numpy(zero_copy_only=False)
-        if pa.types.is_unsigned_integer(t) and arr.dtype.itemsize > 1 and arr.dtype != np.uint64:
-            arr = arr.astype(np.int64)
-        return torch.from_numpy(np.array(arr, copy=True))
+        # the column's own dtype (uint16 / uint32 included: torch has them, and a column's
+        # tensor is only sliced and indexed, which they support)
+        return torch.from_numpy(np.array(col.to_numpy(zero_copy_only=False), copy=True))
     if pa.types.is_nested(t):
         return _NestedColumn(col)
     return col.to_pylist()
