@@ -277,6 +277,24 @@ class _Nonzero(torch.nn.Module):
         return ids != 0
 
 
+@pytest.mark.parametrize("reductions", [None, ["max"]])
+def test_reference_records_of_integer_hook_points_are_the_model_tensors(reductions):
+    # CaptureMode.REFERENCE with storage_dtype copied every hook point, also the integer ones
+    # it does not cast: now only a cast hook point's record is a copy
+    model = _Ids()
+    ids = torch.tensor([[0, 255, 257, 69999]])
+    scope = ActivationScope(capture="both", storage_dtype=torch.bfloat16, capture_mode="reference",
+                            reductions=reductions)
+    with torch.no_grad(), scope.track(model, include=["emb"]) as tr:
+        out = model(ids)
+    rec = tr.activations["emb.input.0"][0]
+    assert rec.dtype == torch.int64 and torch.equal(rec, ids)
+    assert rec.data_ptr() == ids.data_ptr()  # the model's tensor, not a copy
+    cast = tr.activations["emb.output"][0]
+    assert cast.dtype == torch.bfloat16 and torch.equal(cast, out.to(torch.bfloat16))
+    assert cast.data_ptr() != out.data_ptr()
+
+
 @pytest.mark.parametrize("store", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_integer_and_bool_hook_points_keep_their_dtype(tmp_path, store, dtype):

@@ -158,7 +158,8 @@ class CaptureMode(enum.Enum):
         detected through the tensor's version counter and warned about, naming the hook point,
         when the records are read (``activations``) and when the ``with`` block ends.
         Under ``torch.inference_mode`` tensors have no version counter: they are copied.
-        With ``storage_dtype`` a record holds the cast values, so it is a copy too.
+        With ``storage_dtype`` a record of a floating-point hook point holds the cast values,
+        so it is a copy too; an integer or bool hook point (not cast) is kept without a copy.
     """
 
     REFERENCE = "reference"
@@ -1913,13 +1914,15 @@ class Tracker:
         keep = _KEEP_CODE[scope.reduction_policy]
         if not self._in_memory:
             keep = 2
+        cast = self._cast_dtype(name, tensor)
         sink = _C.Sink(
             name,
-            # REFERENCE with storage_dtype: a record of the cast values is a copy
-            snapshot=scope.capture_mode is CaptureMode.SNAPSHOT or scope.storage_dtype is not None,
+            # REFERENCE of a hook point cast to storage_dtype: a record of the cast values is a
+            # copy (an integer or bool one is not cast: its record is the model's tensor)
+            snapshot=scope.capture_mode is CaptureMode.SNAPSHOT or cast is not None,
             keep=keep,
             placement=_PLACEMENT_CODE[scope.storage],
-            storage_dtype=self._cast_dtype(name, tensor),
+            storage_dtype=cast,
             arena=self._arena,
             row_kind=1 if token else (0 if decided is False else -1),
             module=self._module_of(name),  # named by the native layout check of later calls
