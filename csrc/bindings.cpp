@@ -193,6 +193,7 @@ void bind_store_writer(py::module_& m) {
       .def("drain", &StoreCore::drain, py::call_guard<ReleaseGil>())
       .def("close", &StoreCore::close, py::call_guard<ReleaseGil>())
       .def("check", &StoreCore::check)
+      .def("refuse", &StoreCore::refuse, py::arg("why"))
       .def_property_readonly("failed", &StoreCore::failed)
       .def_property_readonly("error", &StoreCore::error)
       .def_property_readonly("pending_bytes", &StoreCore::pending_bytes)

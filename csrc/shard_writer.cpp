@@ -399,7 +399,7 @@ void StoreCore::push(WorkItem item) {
     return stop_ || failed_.load() || pending_bytes_ == 0 ||
            pending_bytes_ + item.budget_bytes <= max_pending_bytes_;
   });
-  if (failed_.load()) throw StoreIOError(error_ + kAfterFailure);
+  if (failed_.load()) throw StoreIOError(refused_ ? error_ : error_ + kAfterFailure);
   ACS_CHECK(!stop_, "the store writer is closed; rows of hook point '", item.array->spec().hook_point,
             "' cannot be appended after close()");
   pending_bytes_ += item.budget_bytes;
@@ -566,6 +566,17 @@ void StoreCore::set_error(const std::string& e) {
   cv_encode_.notify_all();
 }
 
+void StoreCore::refuse(const std::string& why) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!failed_.load()) {
+    error_ = why;
+    refused_ = true;
+    failed_.store(true);
+  }
+  cv_space_.notify_all();
+  cv_encode_.notify_all();
+}
+
 void StoreCore::drain() {
   // A forked child's copy has no writer thread (and its locks may be held by the parent's):
   // waiting would never end.
@@ -592,7 +603,7 @@ void StoreCore::close() {
 void StoreCore::check() const {
   if (failed_.load()) {
     std::lock_guard<std::mutex> lock(mu_);
-    throw StoreIOError(error_ + kAfterFailure);
+    throw StoreIOError(refused_ ? error_ : error_ + kAfterFailure);
   }
 }
 

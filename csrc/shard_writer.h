@@ -125,6 +125,10 @@ class StoreCore : public std::enable_shared_from_this<StoreCore> {
   bool failed() const;
   std::string error() const;
   void set_error(const std::string& e);
+  // Refuse every later append and drop the chunks still queued (none of them is written):
+  // the store at the writer's path is no longer the one it locked. `why` is the whole
+  // message of the error raised (StoreIOError), no advice added. An earlier error is kept.
+  void refuse(const std::string& why);
   bool fsync_enabled() const { return fsync_; }
   int64_t pending_bytes() const;
   uint64_t durable_version() const { return durable_version_.load(); }
@@ -169,6 +173,7 @@ class StoreCore : public std::enable_shared_from_this<StoreCore> {
   bool stop_ = false;
   std::string error_;
   std::atomic<bool> failed_{false};
+  bool refused_ = false;                // failed_ by refuse(): error_ is the whole message
   std::atomic<uint64_t> durable_version_{0};
   std::mutex pool_mu_;
   std::vector<at::Tensor> pool_;         // free chunk buffers (uint8, flat), at most pool_cap_ bytes

@@ -1829,30 +1829,43 @@ class StoreWriter:
     def _store_lost(self) -> str | None:
         """Why the store at this writer's path is no longer the one it locked (its folder
         moved, removed or replaced, or its lock deleted), remembered once found; None while
-        it is. Nothing more may be written there: it may be another writer's store."""
+        it is. Nothing more may be written there: it may be another writer's store. Once
+        found, the writer thread writes no chunk still queued and every later append of rows
+        is refused (:class:`StoreError`, :meth:`_lost_message`)."""
         if self._lost is None:
             self._lost = self._writer_lock.lost()
+            core = getattr(self, "_core", None)  # (none yet: a writer that failed to open)
+            if self._lost is not None and core is not None:
+                core.refuse(self._lost_message(self._lost))
         return self._lost
+
+    def _lost_message(self, why: str) -> str:
+        """The error of a writer whose store is no longer at its path (see :meth:`_store_lost`)."""
+        where = str(self._backend)
+        if isinstance(self._backend, LocalBackend):
+            return (f"store {where!r} was moved, removed or replaced while this writer wrote it ({why}); nothing more "
+                    f"is written at {where!r}, so whatever is there now stays as it is. The rows this writer committed "
+                    "are in the store's folder wherever it went (moved: resume=True there continues them); write one "
+                    "store from one capture at a time, and move or delete a store only once its capture has ended")
+        return (f"store {where!r}: {why}, while this writer held it (deleted by hand, and maybe taken by another "
+                "writer); this writer writes nothing more there, so another writer's rows stay as they are. Rows "
+                "committed before stay readable; resume=True continues once no other writer holds the store")
 
     def _check_still_held(self) -> None:
         """Raise :class:`StoreError` when the store at this writer's path is no longer the
         one it locked (see :meth:`_store_lost`), before anything is written there."""
         why = self._store_lost()
-        if why is None:
-            return
-        where = str(self._backend)
-        if isinstance(self._backend, LocalBackend):
-            raise StoreError(
-                f"store {where!r} was moved, removed or replaced while this writer wrote it ({why}); nothing more is "
-                f"written at {where!r}, so whatever is there now stays as it is. The rows this writer committed are "
-                "in the store's folder wherever it went (moved: resume=True there continues them); write one store "
-                "from one capture at a time, and move or delete a store only once its capture has ended")
-        raise StoreError(
-            f"store {where!r}: {why}, while this writer held it (deleted by hand, and maybe taken by another "
-            "writer); this writer writes nothing more there, so another writer's rows stay as they are. Rows "
-            "committed before stay readable; resume=True continues once no other writer holds the store")
+        if why is not None:
+            raise StoreError(self._lost_message(why))
+
+    def _refuse_if_lost(self) -> None:
+        """Raise :class:`StoreError` when a commit (or close) of this writer found its store
+        no longer at its path: nothing more of it is recorded or written (no new stat here)."""
+        if self._lost is not None:
+            raise StoreError(self._lost_message(self._lost))
 
     def _raise_if_failed(self) -> None:
+        self._refuse_if_lost()  # (the writer thread's error then is that one, without the advice below)
         if self._core.failed:
             raise StoreError(
                 f"the store writer of {str(self._backend)!r} failed: {self._core.error}; {AFTER_FAILURE}")
@@ -1906,6 +1919,7 @@ class StoreWriter:
             Unsupported dtype, invalid feature shape or row kind.
         """
         self._refuse_other_process("a hook point opened")
+        self._refuse_if_lost()
         with self._lock:
             if self._closed:
                 raise StoreError(f"the store writer of {str(self._backend)!r} is closed")
@@ -2348,6 +2362,7 @@ class StoreWriter:
             Lengths that do not match ``n_samples``, or a column named like a reserved one.
         """
         self._refuse_other_process("a batch recorded")
+        self._refuse_if_lost()
         with self._lock:
             if self._closed:
                 raise StoreError(f"the store writer of {str(self._backend)!r} is closed")
@@ -2996,6 +3011,7 @@ class StoreWriter:
             each entry: a reader shows a reduction over fewer rows than its array as partial).
         """
         self._refuse_other_process("reductions stored")
+        self._refuse_if_lost()
         try:
             self._add_reductions(hook_point, name, reduction, script_path, n_rows)
         except StoreError as e:
@@ -3358,6 +3374,7 @@ class StoreWriter:
             store holds ``hook_point`` as an alias of another hook point.
         """
         self._refuse_other_process("an alias recorded")
+        self._refuse_if_lost()
         with self._lock:
             if target not in self._arrays and target not in self._old_arrays:
                 raise StoreError(f"alias {hook_point!r}: its target {target!r} has no array in this store")

@@ -447,6 +447,45 @@ def test_a_writer_whose_lock_file_was_deleted_and_taken_writes_no_shard_at_its_c
     assert torch.equal(s["x"][committed:], torch.full((16, 8), 9.0))
 
 
+def test_a_writer_told_its_lock_was_taken_refuses_every_later_write(tmp_path):
+    """After a commit said the store is no longer this writer's (its lock file deleted, the
+    store taken by a second writer), rows appended to its array went on as full shards into
+    the second writer's store (over that writer's shard 2, whose rows then failed their
+    crc32c). Every later append, batch, array, alias, reduction and commit is refused
+    (StoreError naming the path), and nothing of them is written there."""
+    path = tmp_path / "s.zarr"
+    a = StoreWriter(path, chunk_rows=4, shard_bytes=4 * 8 * 4 * 2, commit_interval=0)  # shards of 8 rows
+    arr = a.open_array("x", (8,), torch.float32, "sample")
+    for i in range(2):
+        arr.append(torch.full((8, 8), float(i)))
+        a.add_batch(8)
+        a._core.drain()
+        a.commit()
+    assert open_store(path).n_samples == 16
+    a._backend.release()  # (no spare file of its next commit made meanwhile)
+    (path / LOCK_KEY).unlink()
+    with StoreWriter(path, resume=True) as b:
+        _write_rows(b, torch.full((3, 8), 9.0))  # (rows 16-18: its shard 2, partial)
+    new = _listing(path)
+    lost = r"s\.zarr.*(moved|removed|replaced).*nothing more is written"
+    with pytest.raises(StoreError, match=lost):
+        a.commit()
+    with pytest.raises(StoreError, match=lost):
+        arr.append(torch.full((16, 8), 7.0))  # (shards 2 and 3 of the first writer)
+    for write in (lambda: a.add_batch(16), lambda: a.open_array("y", (2,), torch.float32, "sample"),
+                  lambda: a.add_alias("z", "x"), lambda: a.add_reductions("x", "mean", torch.zeros(8)),
+                  a.maybe_commit, a.commit):
+        with pytest.raises(StoreError, match=lost):
+            write()
+    a._core.drain()
+    with pytest.raises(StoreError, match=lost):
+        a.close()
+    assert _listing(path) == new
+    s = open_store(path)
+    assert s.n_samples == 19 and s.verify() == []
+    assert torch.equal(s["x"][:], torch.cat([torch.zeros(8, 8), torch.ones(8, 8), torch.full((3, 8), 9.0)]))
+
+
 def test_a_writer_whose_object_store_marker_was_taken_writes_nothing_more(tmp_path):
     """On object storage the marker of a writer still alive deleted by hand (as the refusal of
     a second writer tells to do for a writer that is gone) and taken by a second writer: the
