@@ -1,5 +1,6 @@
 #include "sink.h"
 
+#include <limits>
 #include <random>
 
 #include <ATen/core/grad_mode.h>
@@ -43,6 +44,9 @@ std::string dtype_name(at::ScalarType t) {
     case at::kInt: return "torch.int32";
     case at::kLong: return "torch.int64";
     case at::kByte: return "torch.uint8";
+    case at::kUInt16: return "torch.uint16";
+    case at::kUInt32: return "torch.uint32";
+    case at::kUInt64: return "torch.uint64";
     case at::kBool: return "torch.bool";
     case at::kQInt8: return "torch.qint8";
     case at::kQUInt8: return "torch.quint8";
@@ -132,20 +136,30 @@ void Sink::check_integers(const at::Tensor& src, const at::Tensor& cast) {
   const at::ScalarType from = src.scalar_type();
   const at::ScalarType dtype = cast.scalar_type();
   if (!cast_may_round_integers(from, dtype) || src.numel() == 0) return;
-  // Compared as int64: the cast's values (float64 holds every float16 / bfloat16 / float32 value)
-  // back to int64 where they are in its range. (uint64 values from 2^63 wrap in src's int64
-  // bits and are past the range in the cast's: told as changed, never as kept.)
+  // Compared as int64 bits: the cast's values (float64 holds every float16 / bfloat16 / float32
+  // value) back to integers where they are in the source dtype's range. uint64 values from 2^63
+  // are int64 bits v - 2^64: a cast value c in [2^63, 2^64) is compared as (c - 2^63) - 2^63
+  // (c - 2^63 is exact in float64: c is a multiple of 2^11 there), so that an exact cast
+  // (2^63 to float64 or float32) is kept and only a changed value is refused.
+  const bool u64 = from == at::kUInt64;
   const at::Tensor s = src.to(at::kLong);
   const at::Tensor c = (at::isComplexType(dtype) ? at::real(cast) : cast).to(at::kDouble);
   const double two63 = 9223372036854775808.0;
-  const at::Tensor in_range = at::logical_and(c >= -two63, c < two63);
-  const at::Tensor back = at::where(in_range, c, at::zeros({}, c.options())).to(at::kLong);
+  const at::Tensor in_range = u64 ? at::logical_and(c >= 0.0, c < 2.0 * two63) : at::logical_and(c >= -two63, c < two63);
+  const at::Tensor zero = at::zeros({}, c.options());
+  at::Tensor back = at::where(in_range, c, zero);
+  if (u64) {
+    const at::Tensor high = back >= two63;
+    back = at::where(high, back - two63, back).to(at::kLong);
+    back = at::where(high, back + std::numeric_limits<int64_t>::min(), back);
+  } else {
+    back = back.to(at::kLong);
+  }
   const at::Tensor changed = at::logical_or(at::logical_not(in_range), back != s);
   if (!changed.any().item<bool>()) return;
   const int64_t first = changed.flatten().nonzero().select(1, 0).min().item<int64_t>();
-  const at::Tensor value = src.flatten()[first];
-  const std::string before = from == at::kUInt64 ? std::to_string(static_cast<uint64_t>(value.item<int64_t>()))
-                                                 : std::to_string(value.item<int64_t>());
+  const int64_t bits = s.flatten()[first].item<int64_t>();  // (item<int64_t> of a uint64 from 2^63 throws)
+  const std::string before = u64 ? std::to_string(static_cast<uint64_t>(bits)) : std::to_string(bits);
   char after[40];
   std::snprintf(after, sizeof after, "%.17g", c.flatten()[first].item<double>());
   const double exact = exact_integers_up_to(dtype);

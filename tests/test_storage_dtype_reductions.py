@@ -339,6 +339,41 @@ def test_integer_and_bool_hook_points_keep_their_dtype(tmp_path, store, dtype):
     assert red["emb.input.0"]["max"].tolist() == ids.max(0).values.tolist()  # the uncast ids, exactly
 
 
+class _Same(torch.nn.Module):
+    def forward(self, x):
+        return x.clone()
+
+
+@pytest.mark.parametrize("store", [True, False])
+@pytest.mark.parametrize("dtype, values", [
+    (torch.float64, [2**63, 2**64 - 2048, 5]),  # (2**64 - 2048: float64's largest value below 2**64)
+    (torch.float32, [2**63, 2**64 - 2**40, 7]),
+])
+def test_uint64_values_from_2_63_that_the_cast_keeps_are_stored(tmp_path, store, dtype, values):
+    # a uint64 hook point cast to storage_dtype (its first call was floating-point) was refused
+    # for every value from 2**63 on, exact or not (compared as int64, where they wrap)
+    model = torch.nn.Sequential(_Same())
+    big = torch.tensor(values, dtype=torch.uint64)
+    kwargs = {"store": tmp_path / "s.zarr"} if store else {}
+    with torch.no_grad(), ActivationScope(storage_dtype=dtype, **kwargs).track(model) as tr:
+        model(torch.tensor([1.5, 2.0, 3.0]))
+        model(big)
+    got = open_store(tmp_path / "s.zarr")["0.output"][3:] if store else tr.activations["0.output"][1]
+    assert got.dtype == dtype and [int(v) for v in got.double().tolist()] == values
+
+
+@pytest.mark.parametrize("dtype, value", [(torch.float64, 2**63 + 1), (torch.float32, 2**64 - 1)])
+def test_uint64_values_from_2_63_that_the_cast_changes_are_refused(tmp_path, dtype, value):
+    model = torch.nn.Sequential(_Same())
+    with pytest.raises(CaptureError) as err:
+        with torch.no_grad(), ActivationScope(storage_dtype=dtype, store=tmp_path / "s.zarr").track(model):
+            model(torch.tensor([1.5, 2.0]))
+            model(torch.tensor([2**63, value], dtype=torch.uint64))
+    assert (f"hook point '0.output' is torch.uint64 and storage_dtype={dtype} changes its integers ({value} would "
+            "be stored as ") in str(err.value)
+    assert open_store(tmp_path / "s.zarr")["0.output"][:].tolist() == [1.5, 2.0]
+
+
 def test_a_resumed_store_that_holds_an_integer_hook_point_cast_keeps_casting_it(tmp_path, monkeypatch):
     # a store written when storage_dtype cast every hook point holds the ids as bfloat16: a
     # resume casts them again (one dtype per array), and an id bfloat16 would change is refused
