@@ -1914,7 +1914,9 @@ class StoreWriter:
         Raises
         ------
         StoreError
-            The writer is closed, or a resumed array has another shape / dtype / row kind.
+            The writer is closed, or a resumed array has another shape / dtype / row kind; or
+            an earlier commit or close found the store at the writer's path no longer the one
+            it locked (moved, removed, or its lock deleted and taken): nothing more is written.
         ValueError, TypeError
             Unsupported dtype, invalid feature shape or row kind.
         """
@@ -2360,6 +2362,9 @@ class StoreWriter:
         ------
         ValueError
             Lengths that do not match ``n_samples``, or a column named like a reserved one.
+        StoreError
+            An earlier commit or close found the store at the writer's path no longer the one
+            it locked (moved, removed, or its lock deleted and taken): nothing more is written.
         """
         self._refuse_other_process("a batch recorded")
         self._refuse_if_lost()
@@ -2595,7 +2600,10 @@ class StoreWriter:
         Raises
         ------
         StoreError
-            The writer thread failed (disk full, I/O error); committed rows stay readable.
+            The writer thread failed (disk full, I/O error); committed rows stay readable. Or
+            the store at the writer's path is no longer the one it locked (moved, removed, or
+            its lock deleted and taken): nothing more is written there, and every later write
+            (an append of rows included) raises this too.
         """
         self._refuse_other_process("a commit")
         self._raise_if_failed()
@@ -2618,7 +2626,10 @@ class StoreWriter:
         Raises
         ------
         StoreError
-            The writer thread failed (disk full, I/O error); committed rows stay readable.
+            The writer thread failed (disk full, I/O error); committed rows stay readable. Or
+            the store at the writer's path is no longer the one it locked (moved, removed, or
+            its lock deleted and taken): nothing more is written there, and every later write
+            (an append of rows included) raises this too.
         """
         self._refuse_other_process("a commit")
         self._raise_if_failed()
