@@ -2736,3 +2736,57 @@ def test_a_lone_tensor_as_init_of_a_built_in_names_what_init_is_there():
     r = R.make_reduction("mean", init=src.state())  # a state dict still seeds it
     r.update(torch.zeros(2, 3))
     assert r.result()["mean"].tolist() == [0.5] * 3 and int(r.result()["count"]) == 4
+
+
+def _sum_as_captured(acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    s = x.sum(0)
+    return s if acc is None else acc + s
+
+
+def _sum_in_float64(acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    s = x.double().sum(0)
+    return s if acc is None else acc + s
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("in_store", [False, True], ids=["memory", "store"])
+def test_a_custom_sum_kept_in_half_precision_warns_naming_it_and_its_hook_point(dtype, in_store, tmp_path):
+    """A custom reduction runs in the captured dtype: a running sum kept in bfloat16 that is at
+    512 stays there when batches of two rows of ones follow (512 + 2 rounds back to 512; in
+    float16 4096 + 2 is 4096), with no word. The capture warns once, naming the reduction, the
+    hook point, the dtype and the fix; the fix (x.double() inside) gives the float64 reference
+    exactly and no warning."""
+    model = torch.nn.Sequential(_Clone())
+    big = 512.0 if dtype == torch.bfloat16 else 4096.0
+    xs = [torch.full((1, 3), big, dtype=dtype)] + [torch.ones(2, 3, dtype=dtype) for _ in range(300)]
+    want = torch.cat(xs).double().sum(0)
+    store = tmp_path / "s.zarr" if in_store else None
+    scope = acs.ActivationScope(store=store, reductions=[_sum_as_captured, _sum_in_float64])
+    with pytest.warns(acs.CaptureWarning) as caught:
+        with scope.track(model) as tracker:
+            for x in xs:
+                model(x)
+    half = [str(w.message) for w in caught if "half-precision accumulator" in str(w.message)]
+    assert len(half) == 1
+    assert f"'_sum_as_captured' of hook point '0.output' ({str(dtype).replace('torch.', '')})" in half[0]
+    assert "_sum_in_float64" not in half[0] and "x.double()" in half[0]
+    got = acs.open_store(store).reductions["0.output"] if in_store else tracker.reductions["0.output"]
+    assert got["_sum_as_captured"].dtype == dtype
+    assert float(got["_sum_as_captured"][0]) < 0.9 * float(want[0])  # what the warning is about
+    assert got["_sum_in_float64"].dtype == torch.float64
+    torch.testing.assert_close(got["_sum_in_float64"], want, rtol=0, atol=0)
+
+
+def test_a_custom_reduction_of_float32_rows_gives_no_half_precision_warning():
+    """The warning is about float16 / bfloat16 accumulators only: a float32 running sum of
+    float32 rows stays quiet (and equals the float64 reference to float32 round-off)."""
+    model = torch.nn.Sequential(_Clone())
+    xs = [torch.randn(4, 3, generator=torch.Generator().manual_seed(i)) for i in range(5)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", acs.CaptureWarning)
+        with acs.ActivationScope(reductions=[_sum_as_captured]).track(model) as tracker:
+            for x in xs:
+                model(x)
+    torch.testing.assert_close(tracker.reductions["0.output"]["_sum_as_captured"].double(),
+                               torch.cat(xs).double().sum(0), rtol=1e-6, atol=1e-6)
+
