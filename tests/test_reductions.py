@@ -2790,3 +2790,25 @@ def test_a_custom_reduction_of_float32_rows_gives_no_half_precision_warning():
     torch.testing.assert_close(tracker.reductions["0.output"]["_sum_as_captured"].double(),
                                torch.cat(xs).double().sum(0), rtol=1e-6, atol=1e-6)
 
+
+@pytest.mark.parametrize("policy", [{"capture_policy": "sample_n", "sample_every": 3},
+                                    {"capture_policy": "max_k", "max_k": 2}], ids=["sample_n", "max_k"])
+@pytest.mark.parametrize("in_store", [False, True], ids=["memory", "store"])
+def test_reductions_of_a_sampling_capture_policy_cover_the_kept_forwards_only(policy, in_store, tmp_path):
+    """Under SAMPLE_N / MAX_K a skipped forward reaches no reduction (capture.md): every
+    built-in equals the float64 reference over the rows of the kept forwards (rtol 1e-12),
+    and its count is their number of rows, in memory and from a store."""
+    model = torch.nn.Sequential(_Clone())
+    g = torch.Generator().manual_seed(5)
+    xs = [torch.randn(3 + i, 4, generator=g, dtype=torch.float32) * 2 + 1e4 for i in range(7)]
+    kept = xs[::3] if policy["capture_policy"] == "sample_n" else xs[:2]
+    store = tmp_path / "s.zarr" if in_store else None
+    with acs.ActivationScope(store=store, reductions=["mean", "var", "max"], **policy).track(model) as tracker:
+        for x in xs:
+            model(x)
+    got = acs.open_store(store).reductions["0.output"] if in_store else tracker.reductions["0.output"]
+    rows = torch.cat(kept).double()
+    assert int(got["mean.count"]) == int(got["var.count"]) == rows.shape[0]
+    torch.testing.assert_close(got["mean"], rows.mean(0), rtol=1e-12, atol=0)
+    torch.testing.assert_close(got["var"], rows.var(0, correction=0), rtol=1e-9, atol=0)
+    torch.testing.assert_close(got["max"], rows.amax(0), rtol=0, atol=0)
