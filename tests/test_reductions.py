@@ -2812,3 +2812,28 @@ def test_reductions_of_a_sampling_capture_policy_cover_the_kept_forwards_only(po
     torch.testing.assert_close(got["mean"], rows.mean(0), rtol=1e-12, atol=0)
     torch.testing.assert_close(got["var"], rows.var(0, correction=0), rtol=1e-9, atol=0)
     torch.testing.assert_close(got["max"], rows.amax(0), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("with_reductions", [True, False])
+def test_reference_mode_reductions_are_of_the_value_at_capture_time_and_the_warning_says_so(with_reductions):
+    """Under CaptureMode.REFERENCE an in-place ReLU after the tracked Linear changes the record,
+    not the reductions (computed during the call): the mean equals the float64 mean of the
+    Linear's output (rtol 1e-12) and differs from the record's; the warning says the
+    reductions no longer match the record (only where the hook point has reductions)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(inplace=True))
+    x = torch.randn(6, 4)
+    with torch.no_grad():
+        before = model[0](x).double()
+    scope = acs.ActivationScope(capture_mode="reference", include=["0"],
+                                reductions=["mean"] if with_reductions else None)
+    with pytest.warns(acs.CaptureWarning, match="changed in place") as caught:
+        with torch.no_grad(), scope.track(model) as tracker:
+            model(x)
+    said = [str(w.message) for w in caught if "changed in place" in str(w.message)]
+    assert len(said) == 1
+    assert ("its reductions are of the value at capture time" in said[0]) == with_reductions
+    if with_reductions:
+        mean = tracker.reductions["0.output"]["mean"]
+        torch.testing.assert_close(mean, before.mean(0), rtol=1e-12, atol=1e-12)
+        assert not torch.allclose(mean, tracker.activations["0.output"][0].double().mean(0))

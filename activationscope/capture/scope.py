@@ -3217,10 +3217,12 @@ class Tracker:
     def _warn_changed(self, all_records: bool) -> None:
         changed = (rename_hook_point(n, self._hook_point_paths, self._side) for n in self._core.changed_references(all_records))
         for name in sorted(n for n in changed if n is not None):
+            reduced = (" (its reductions are of the value at capture time, so they no longer match the record)"
+                       if self._reduction_names.get(name) else "")
             warn_at_caller(
                 f"hook point {name!r}: a tensor kept by CaptureMode.REFERENCE was changed in place "
                 "after it was captured (its version counter moved), so the record no longer holds the "
-                "value at capture time; use CaptureMode.SNAPSHOT (the default) for this model",
+                f"value at capture time{reduced}; use CaptureMode.SNAPSHOT (the default) for this model",
                 CaptureWarning,
             )
 
