@@ -2837,3 +2837,27 @@ def test_reference_mode_reductions_are_of_the_value_at_capture_time_and_the_warn
         mean = tracker.reductions["0.output"]["mean"]
         torch.testing.assert_close(mean, before.mean(0), rtol=1e-12, atol=1e-12)
         assert not torch.allclose(mean, tracker.activations["0.output"][0].double().mean(0))
+
+
+def test_sequences_of_varying_length_name_token_rows_as_the_fix_and_token_rows_reduce_exactly():
+    """(batch, pos, d) activations of batches of another pos, captured in memory with per-feature
+    reductions and no mask, are refused naming the hook point; the message named only
+    per_feature=0 (a scalar over every value) as the way out, not token rows. It names
+    rows="token" / attention_mask= too, and with rows="token" the mean and var over every token
+    equal the float64 reference (rtol 1e-12)."""
+    model = torch.nn.Sequential(_Clone())
+    g = torch.Generator().manual_seed(2)
+    xs = [torch.randn(2, 5, 4, generator=g), torch.randn(2, 6, 4, generator=g)]
+    with pytest.raises(CaptureError, match=r"hook point '0.output': .*feature shape \(6, 4\) after \(5, 4\).*"
+                                           r"attention_mask= to tracker.set_batch\(\), or rows=\"token\""):
+        with acs.ActivationScope(reductions=["mean"]).track(model):
+            for x in xs:
+                model(x)
+    with acs.ActivationScope(reductions=["mean", "var"], rows="token").track(model) as tracker:
+        for x in xs:
+            model(x)
+    tokens = torch.cat([x.reshape(-1, 4) for x in xs]).double()
+    got = tracker.reductions["0.output"]
+    assert int(got["mean.count"]) == 22
+    torch.testing.assert_close(got["mean"], tokens.mean(0), rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(got["var"], tokens.var(0, correction=0), rtol=1e-12, atol=1e-15)
