@@ -201,7 +201,8 @@ class Builtin : public Reduction {
                 "' (per_feature=1) got rows with feature shape ", shape_str(feat),
                 " after ", shape_str(feat_),
                 "; per-feature statistics need one feature shape (use per_feature=0 for a "
-                "whole-tensor statistic)");
+                "whole-tensor statistic; for sequences of varying length in a capture, pass attention_mask= to "
+                "tracker.set_batch(), or rows=\"token\", so that rows are tokens of one feature shape)");
     }
   }
 
@@ -492,7 +493,8 @@ class Builtin : public Reduction {
               "' (per_feature=1) got rows with feature shape ", shape_str(feat),
               " after ", shape_str(feat_),
               "; per-feature statistics need one feature shape (use per_feature=0 for a "
-              "whole-tensor statistic)");
+              "whole-tensor statistic; for sequences of varying length in a capture, pass attention_mask= to "
+              "tracker.set_batch(), or rows=\"token\", so that rows are tokens of one feature shape)");
   }
 };
 

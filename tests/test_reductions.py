@@ -2736,3 +2736,128 @@ def test_a_lone_tensor_as_init_of_a_built_in_names_what_init_is_there():
     r = R.make_reduction("mean", init=src.state())  # a state dict still seeds it
     r.update(torch.zeros(2, 3))
     assert r.result()["mean"].tolist() == [0.5] * 3 and int(r.result()["count"]) == 4
+
+
+def _sum_as_captured(acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    s = x.sum(0)
+    return s if acc is None else acc + s
+
+
+def _sum_in_float64(acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    s = x.double().sum(0)
+    return s if acc is None else acc + s
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("in_store", [False, True], ids=["memory", "store"])
+def test_a_custom_sum_kept_in_half_precision_warns_naming_it_and_its_hook_point(dtype, in_store, tmp_path):
+    """A custom reduction runs in the captured dtype: a running sum kept in bfloat16 that is at
+    512 stays there when batches of two rows of ones follow (512 + 2 rounds back to 512; in
+    float16 4096 + 2 is 4096), with no word. The capture warns once, naming the reduction, the
+    hook point, the dtype and the fix; the fix (x.double() inside) gives the float64 reference
+    exactly and no warning."""
+    model = torch.nn.Sequential(_Clone())
+    big = 512.0 if dtype == torch.bfloat16 else 4096.0
+    xs = [torch.full((1, 3), big, dtype=dtype)] + [torch.ones(2, 3, dtype=dtype) for _ in range(300)]
+    want = torch.cat(xs).double().sum(0)
+    store = tmp_path / "s.zarr" if in_store else None
+    scope = acs.ActivationScope(store=store, reductions=[_sum_as_captured, _sum_in_float64])
+    with pytest.warns(acs.CaptureWarning) as caught:
+        with scope.track(model) as tracker:
+            for x in xs:
+                model(x)
+    half = [str(w.message) for w in caught if "half-precision accumulator" in str(w.message)]
+    assert len(half) == 1
+    assert f"'_sum_as_captured' of hook point '0.output' ({str(dtype).replace('torch.', '')})" in half[0]
+    assert "_sum_in_float64" not in half[0] and "x.double()" in half[0]
+    got = acs.open_store(store).reductions["0.output"] if in_store else tracker.reductions["0.output"]
+    assert got["_sum_as_captured"].dtype == dtype
+    assert float(got["_sum_as_captured"][0]) < 0.9 * float(want[0])  # what the warning is about
+    assert got["_sum_in_float64"].dtype == torch.float64
+    torch.testing.assert_close(got["_sum_in_float64"], want, rtol=0, atol=0)
+
+
+def test_a_custom_reduction_of_float32_rows_gives_no_half_precision_warning():
+    """The warning is about float16 / bfloat16 accumulators only: a float32 running sum of
+    float32 rows stays quiet (and equals the float64 reference to float32 round-off)."""
+    model = torch.nn.Sequential(_Clone())
+    xs = [torch.randn(4, 3, generator=torch.Generator().manual_seed(i)) for i in range(5)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", acs.CaptureWarning)
+        with acs.ActivationScope(reductions=[_sum_as_captured]).track(model) as tracker:
+            for x in xs:
+                model(x)
+    torch.testing.assert_close(tracker.reductions["0.output"]["_sum_as_captured"].double(),
+                               torch.cat(xs).double().sum(0), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("policy", [{"capture_policy": "sample_n", "sample_every": 3},
+                                    {"capture_policy": "max_k", "max_k": 2}], ids=["sample_n", "max_k"])
+@pytest.mark.parametrize("in_store", [False, True], ids=["memory", "store"])
+def test_reductions_of_a_sampling_capture_policy_cover_the_kept_forwards_only(policy, in_store, tmp_path):
+    """Under SAMPLE_N / MAX_K a skipped forward reaches no reduction (capture.md): every
+    built-in equals the float64 reference over the rows of the kept forwards (rtol 1e-12),
+    and its count is their number of rows, in memory and from a store."""
+    model = torch.nn.Sequential(_Clone())
+    g = torch.Generator().manual_seed(5)
+    xs = [torch.randn(3 + i, 4, generator=g, dtype=torch.float32) * 2 + 1e4 for i in range(7)]
+    kept = xs[::3] if policy["capture_policy"] == "sample_n" else xs[:2]
+    store = tmp_path / "s.zarr" if in_store else None
+    with acs.ActivationScope(store=store, reductions=["mean", "var", "max"], **policy).track(model) as tracker:
+        for x in xs:
+            model(x)
+    got = acs.open_store(store).reductions["0.output"] if in_store else tracker.reductions["0.output"]
+    rows = torch.cat(kept).double()
+    assert int(got["mean.count"]) == int(got["var.count"]) == rows.shape[0]
+    torch.testing.assert_close(got["mean"], rows.mean(0), rtol=1e-12, atol=0)
+    torch.testing.assert_close(got["var"], rows.var(0, correction=0), rtol=1e-9, atol=0)
+    torch.testing.assert_close(got["max"], rows.amax(0), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("with_reductions", [True, False])
+def test_reference_mode_reductions_are_of_the_value_at_capture_time_and_the_warning_says_so(with_reductions):
+    """Under CaptureMode.REFERENCE an in-place ReLU after the tracked Linear changes the record,
+    not the reductions (computed during the call): the mean equals the float64 mean of the
+    Linear's output (rtol 1e-12) and differs from the record's; the warning says the
+    reductions no longer match the record (only where the hook point has reductions)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(inplace=True))
+    x = torch.randn(6, 4)
+    with torch.no_grad():
+        before = model[0](x).double()
+    scope = acs.ActivationScope(capture_mode="reference", include=["0"],
+                                reductions=["mean"] if with_reductions else None)
+    with pytest.warns(acs.CaptureWarning, match="changed in place") as caught:
+        with torch.no_grad(), scope.track(model) as tracker:
+            model(x)
+    said = [str(w.message) for w in caught if "changed in place" in str(w.message)]
+    assert len(said) == 1
+    assert ("its reductions are of the value at capture time" in said[0]) == with_reductions
+    if with_reductions:
+        mean = tracker.reductions["0.output"]["mean"]
+        torch.testing.assert_close(mean, before.mean(0), rtol=1e-12, atol=1e-12)
+        assert not torch.allclose(mean, tracker.activations["0.output"][0].double().mean(0))
+
+
+def test_sequences_of_varying_length_name_token_rows_as_the_fix_and_token_rows_reduce_exactly():
+    """(batch, pos, d) activations of batches of another pos, captured in memory with per-feature
+    reductions and no mask, are refused naming the hook point; the message named only
+    per_feature=0 (a scalar over every value) as the way out, not token rows. It names
+    rows="token" / attention_mask= too, and with rows="token" the mean and var over every token
+    equal the float64 reference (rtol 1e-12)."""
+    model = torch.nn.Sequential(_Clone())
+    g = torch.Generator().manual_seed(2)
+    xs = [torch.randn(2, 5, 4, generator=g), torch.randn(2, 6, 4, generator=g)]
+    with pytest.raises(CaptureError, match=r"hook point '0.output': .*feature shape \(6, 4\) after \(5, 4\).*"
+                                           r"attention_mask= to tracker.set_batch\(\), or rows=\"token\""):
+        with acs.ActivationScope(reductions=["mean"]).track(model):
+            for x in xs:
+                model(x)
+    with acs.ActivationScope(reductions=["mean", "var"], rows="token").track(model) as tracker:
+        for x in xs:
+            model(x)
+    tokens = torch.cat([x.reshape(-1, 4) for x in xs]).double()
+    got = tracker.reductions["0.output"]
+    assert int(got["mean.count"]) == 22
+    torch.testing.assert_close(got["mean"], tokens.mean(0), rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(got["var"], tokens.var(0, correction=0), rtol=1e-12, atol=1e-15)

@@ -414,14 +414,18 @@ def test_a_stored_builtin_state_is_continued_without_reading_rows_back(tmp_path,
     ("var", "m2", torch.full((5,), -1.0, dtype=torch.float64)),
     ("hist", "counts", torch.full((5, 4), -3)),
     ("hist", "counts", torch.full((5, 4), 10 ** 12)),
+    ("cov", "comoment", -torch.eye(5, dtype=torch.float64)),
+    ("absmax", "value", torch.full((5,), -1.0, dtype=torch.float64)),
 ])
 def test_a_stored_state_that_does_not_fit_its_rows_is_recomputed(tmp_path, name, key, value):
     """A state whose count is not the rows it claims, whose row ids point past the stored
-    rows, or with a negative count or sum of squares was continued (a mean over 10**15 rows,
-    row ids 999 of a 32-row store, a negative variance); it is now computed again."""
+    rows, or with a negative count, sum of squares, co-moment diagonal or absmax was continued
+    (a mean over 10**15 rows, row ids 999 of a 32-row store, a negative variance, a cov whose
+    diagonal is short of the variance, an absmax of the resumed rows only); it is now computed
+    again."""
     model, xs = _model(), _batches(4, rows=5)
     path = tmp_path / "s.zarr"
-    specs = ["mean", "var", "topk", ("hist", "hist", {"lo": -1, "hi": 1, "bins": 4})]
+    specs = ["mean", "var", "topk", ("hist", "hist", {"lo": -1, "hi": 1, "bins": 4}), "cov", "absmax"]
     _run(model, path, xs[:2], specs)
     set_reduction_state(path, name, key, value)
     assert open_store(path).verify() == []
@@ -430,6 +434,8 @@ def test_a_stored_state_that_does_not_fit_its_rows_is_recomputed(tmp_path, name,
     s = open_store(path)
     _check(s, ref, ["mean", "var", "topk"])
     torch.testing.assert_close(s.reductions["0.output"]["hist.counts"].long(), _hist_ref(ref, -1, 1, 4))
+    torch.testing.assert_close(s.reductions["0.output"]["cov"], torch.cov(ref.T, correction=0), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(s.reductions["0.output"]["absmax"], ref.abs().amax(0), rtol=0, atol=0)
 
 
 def test_reductions_of_an_incomplete_store_say_they_come_at_close(tmp_path):

@@ -886,6 +886,9 @@ class Tracker:
         self._hook_probes_done = False
         self._hook_probes_done_compiled = False
         self._warned_outside = False
+        # hook points whose custom reductions' accumulator dtype is still to be looked at
+        # (_warn_half_accumulators)
+        self._half_pending: set[str] = set()
         self._hook_probes: list[Any] = []
         self._hook_replaced: list[str] = []
         self._refused: str | None = None
@@ -1942,6 +1945,8 @@ class Tracker:
                 objects.append(reduction)  # keeps Python subclasses (eager reductions) alive
             self._reduction_names[name] = names
             self._reduction_objects[name] = objects
+            if any(str(r.kind) in ("script", "eager") for r in objects):
+                self._half_pending.add(name)
         if ambiguous is not None and (self.writer is not None or self._reduction_names.get(name)):
             if ambiguous == "head-first":
                 self._head_first_found[name] = tuple(tensor.shape)  # warned at the forward's end, all at once
@@ -2546,6 +2551,42 @@ class Tracker:
                 CaptureWarning,
             )
 
+    def _warn_half_accumulators(self) -> None:
+        """A custom reduction (TorchScript or eager) runs in the captured dtype: one whose
+        accumulator is float16 or bfloat16 after its first batch gets a CaptureWarning naming it,
+        its hook point and the fix, once per hook point (a sum in bfloat16 stops growing:
+        256 + 1 is 256 there). Looked at at the end of each forward for the hook points with
+        custom reductions that have not yet shown their accumulators."""
+        with self._new_hook_point_lock:
+            pending = [(n, self._reduction_names[n], self._reduction_objects[n], self._sinks.get(n))
+                       for n in sorted(self._half_pending)]
+        found = []
+        for hook_point, names, objects, sink in pending:
+            if sink is None:
+                continue
+            shown = True
+            for i, (red_name, red) in enumerate(zip(names, objects)):
+                if str(red.kind) not in ("script", "eager"):
+                    continue
+                value = sink.reduction_result(i).get("value")
+                if value is None:  # no batch yet (every row so far was padding)
+                    shown = False
+                elif value.dtype in (torch.float16, torch.bfloat16):
+                    found.append((hook_point, red_name, value.dtype))
+            if shown:
+                self._half_pending.discard(hook_point)
+        if found:
+            where = "; ".join(f"{red_name!r} of hook point {hp!r} ({str(dtype).replace('torch.', '')})"
+                              for hp, red_name, dtype in found[:8]) + ("; ..." if len(found) > 8 else "")
+            warn_at_caller(
+                f"custom reduction(s) with a half-precision accumulator: {where}. A custom reduction runs in the "
+                "captured dtype, and a sum or mean kept in float16 / bfloat16 stops growing once its total is a few "
+                "hundred (bfloat16) or thousand (float16) times a batch's (in bfloat16, 256 + 1 is 256), without "
+                "an error; convert inside the function (x.double().sum(0)) or give init= a float64 tensor. An "
+                "accumulator of exact values (a running max or min) may stay in that dtype",
+                CaptureWarning,
+            )
+
     def _next_counted_id(self) -> int:
         """The id the running counter gives the next sample: the samples fed before it (those a
         policy skipped too, not the forwards that described the same samples again)."""
@@ -2597,6 +2638,8 @@ class Tracker:
             )
         if self._aliases:
             self._check_aliases()
+        if self._half_pending:
+            self._warn_half_accumulators()
         self._n_captured += 1
         batch = self._batch or {}
         n = _batch_size(batch, self._core.batch_size)
@@ -3177,10 +3220,12 @@ class Tracker:
     def _warn_changed(self, all_records: bool) -> None:
         changed = (rename_hook_point(n, self._hook_point_paths, self._side) for n in self._core.changed_references(all_records))
         for name in sorted(n for n in changed if n is not None):
+            reduced = (" (its reductions are of the value at capture time, so they no longer match the record)"
+                       if self._reduction_names.get(name) else "")
             warn_at_caller(
                 f"hook point {name!r}: a tensor kept by CaptureMode.REFERENCE was changed in place "
                 "after it was captured (its version counter moved), so the record no longer holds the "
-                "value at capture time; use CaptureMode.SNAPSHOT (the default) for this model",
+                f"value at capture time{reduced}; use CaptureMode.SNAPSHOT (the default) for this model",
                 CaptureWarning,
             )
 

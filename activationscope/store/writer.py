@@ -735,8 +735,8 @@ def _builtin_state_fits(kind: str, options: Mapping[str, Any], state: Mapping[st
     integer rows in int64, float rows in float64; when None, either is taken, as a store
     written before integer states were kept holds float64 ones of integer rows): the keys,
     shapes and dtypes of a reduction of the same kind fed as many rows as shape it (zeros), the count of those rows, row ids
-    among them, no negative count or sum of squares, as many hist values (bins, under, over,
-    NaN) and no more nonzero values than observations."""
+    among them, no negative count, sum of squares, co-moment diagonal or absmax, as many hist
+    values (bins, under, over, NaN) and no more nonzero values than observations."""
     from ..capture.reductions import make_reduction
 
     try:
@@ -761,6 +761,12 @@ def _builtin_state_fits(kind: str, options: Mapping[str, Any], state: Mapping[st
     for key in ("counts", "nan", "overflow", "underflow", "n_nonzero", "m2", "sumsq"):
         if key in state and bool((state[key] < 0).any()):
             return False
+    # a sum of squared deviations (the co-moment's diagonal) or a largest |x| is never negative
+    # (NaN, from NaN rows, is no sign of damage)
+    if kind == "cov" and "comoment" in state and bool((state["comoment"].diagonal() < 0).any()):
+        return False
+    if kind == "absmax" and "value" in state and bool((state["value"] < 0).any()):
+        return False
     if kind == "hist" and "counts" in state and state["counts"].numel() and not bool(
             (state["counts"].sum(-1) + state["underflow"] + state["overflow"] + state["nan"] == state["count"]).all()):
         return False  # every value of a feature is in one bin, under, over or NaN

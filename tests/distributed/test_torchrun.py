@@ -1139,17 +1139,21 @@ def test_consolidate_keeps_every_rank_s_provenance_and_resumes(tmp_path):
 
 
 @pytest.mark.parametrize("name, key, value", [("h", "counts", torch.full((8, 4), 10 ** 12)),
-                                              ("nz", "n_nonzero", torch.full((8,), 19))])
-def test_consolidate_refuses_a_rank_hist_or_nonzero_state_of_more_values_than_rows(tmp_path, name, key, value):
+                                              ("nz", "n_nonzero", torch.full((8,), 19)),
+                                              ("c", "comoment", -torch.eye(8, dtype=torch.float64)),
+                                              ("a", "value", torch.full((8,), -1.0, dtype=torch.float64))])
+def test_consolidate_refuses_a_rank_state_of_values_no_such_reduction_can_hold(tmp_path, name, key, value):
     """A rank store's hist counts (or nonzero counts) edited with their checksums kept, 10**12
     values in the bins of a feature of 18 rows, passed the fit check (shapes, count, no negative)
-    and were merged; they are refused naming the rank, and nothing is written."""
+    and were merged; so were a cov co-moment with a negative diagonal and a negative absmax
+    (the merged cov's diagonal then short of the variance, the absmax the other rank's alone).
+    They are refused naming the rank, and nothing is written."""
     from activationscope.store.ranks import commit_ranks
 
     store = tmp_path / "s.zarr"
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8))
-    reductions = [("h", "hist", {"lo": -1, "hi": 1, "bins": 4}), ("nz", "nonzero")]
+    reductions = [("h", "hist", {"lo": -1, "hi": 1, "bins": 4}), ("nz", "nonzero"), ("c", "cov"), ("a", "absmax")]
     for task in (0, 1):
         opts = {"process_group": acs.RankStore(task, 2)}
         with acs.ActivationScope(store=str(store), store_options=opts, reductions=reductions).track(model), \
@@ -1159,7 +1163,7 @@ def test_consolidate_refuses_a_rank_hist_or_nonzero_state_of_more_values_than_ro
     set_reduction_state(store / "ranks" / "00001", name, key, value)
     before = _tree(store)
     with pytest.raises(acs.StoreCorruptError, match=rf"rank 1 store .*: the state of reduction '{name}' of hook point "
-                       r"'0.output' is not one a '(hist|nonzero)' reduction can hold after its 18 rows"):
+                       r"'0.output' is not one a '(hist|nonzero|cov|absmax)' reduction can hold after its 18 rows"):
         commit_ranks(store)
     assert _tree(store) == before
 
