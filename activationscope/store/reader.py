@@ -1781,8 +1781,8 @@ class Store:
 
     # ---------------------------------------------------------------- mapped reads
     def _map(self, key: str, nbytes: int, meta: dict | None = None) -> torch.Tensor:
-        """A private (copy-on-write) read mapping of the first ``nbytes`` of a shard, uint8;
-        cached (:meth:`_keep_mapping`)."""
+        """A private (copy-on-write) read mapping of the first ``nbytes`` (or more) of a shard,
+        uint8; cached (:meth:`_keep_mapping`)."""
         t = self._cached_mapping("shard", key)
         if t is not None and t.numel() >= nbytes:
             return t
@@ -1817,12 +1817,18 @@ class Store:
         return t
 
     def _mapped_rows(self, meta: dict, shard: int, local_start: int, n: int) -> torch.Tensor | None:
-        """A view of rows of one shard, or None when its chunks are not laid back to back."""
+        """A view of rows of one shard, or None when its chunks are not laid back to back. Of
+        the array's shards mapped back to back when the cache holds them (:meth:`_whole_rows`
+        of the same rows), so that a file is never mapped twice, else of the shard's mapping."""
         feat = tuple(meta["feature_shape"])
         dtype = F.torch_dtype(meta["dtype"])
         idx = self._shard_index(meta, shard)
         if not idx.contiguous:
             return None
+        whole = self._cached_mapping("whole", meta["path"])
+        if whole is not None and whole[0] == int(meta["n_rows"]):
+            first = shard * int(meta["shard_rows"]) + local_start
+            return whole[1][first:first + n]
         rb, chunk_rows, n_chunks, _ = _layout(meta)
         committed = min(int(meta["n_rows"]) - shard * n_chunks * chunk_rows, n_chunks * chunk_rows)
         try:
@@ -1840,9 +1846,10 @@ class Store:
         (``_C.map_files_contiguous``), which works when a shard's data is a whole number of
         pages (the default chunk layout ensures it) and each shard's chunks lie back to back.
         Cached per array and committed row count (it counts one mapping per shard against the
-        process's budget, ``_MAP_BUDGET``); None when the layout does not allow it, the native
-        extension is absent, or the store has more shards than the budget
-        (:meth:`_whole_fits`: its rows are then read per shard).
+        process's budget, ``_MAP_BUDGET``, and takes the place of the shards' own mappings in
+        the cache); None when the layout does not allow it, the native extension is absent,
+        or the store has more shards than the budget (:meth:`_whole_fits`: its rows are then
+        read per shard).
         """
         n = int(meta["n_rows"])
         cached = self._cached_mapping("whole", meta["path"])
@@ -1859,7 +1866,8 @@ class Store:
             return None
         if not all(self._shard_index(meta, k).contiguous for k in range(n_shards)):
             return None
-        paths = [str(self._backend.path(self._shard_index(meta, k).key)) for k in range(n_shards)]
+        keys = [self._shard_index(meta, k).key for k in range(n_shards)]
+        paths = [str(self._backend.path(key)) for key in keys]
         self._make_room(n_shards)
         failed: Exception | None = None
         with self._reads_of_the_opened_run():
@@ -1876,7 +1884,7 @@ class Store:
         dropped: list = []
         with self._lock:
             if self._current(meta):
-                (_, view), dropped = self._keep_mapping("whole", meta["path"], (n, view), n_shards)
+                (_, view), dropped = self._keep_mapping("whole", meta["path"], (n, view), n_shards, keys)
         _let_go(dropped)
         return view
 
@@ -1923,11 +1931,14 @@ class Store:
                 _MAPPINGS.lru.move_to_end(slot)
         return value
 
-    def _keep_mapping(self, kind: str, key: str, value: Any, n_maps: int) -> tuple:
+    def _keep_mapping(self, kind: str, key: str, value: Any, n_maps: int, covers: Sequence[str] = ()) -> tuple:
         """Cache ``value`` (a shard's mapping, ``kind`` "shard", in ``_maps``; an array's
         shards mapped back to back, "whole", in ``_whole``) as ``n_maps`` of the process's
         mappings, and drop the least recently used others, of any store, while the caches
-        hold more than :meth:`_budget` (never the one just kept).
+        hold more than :meth:`_budget` (never the one just kept). A mapping of the same file
+        that another thread kept meanwhile, at least as long, is kept instead (``value`` is
+        then let go of: a file is mapped once). ``covers``: the shard keys a "whole" mapping
+        maps, whose own mappings are dropped (they map the same files once more).
 
         Returns ``(what to use, dropped)``: ``dropped`` holds ``(store, mapping)`` pairs the
         caller lets go of with :func:`_let_go` once every lock is released (a view of one
@@ -1940,6 +1951,8 @@ class Store:
             M.purge()
             old = cache.get(key)
             if old is not None:
+                if (old.numel() >= value.numel()) if kind == "shard" else (old[0] == value[0]):
+                    return old, dropped
                 dropped.append((self, old))
             cache[key] = value
             slot = (kind, key)
@@ -1949,6 +1962,8 @@ class Store:
             self._n_mapped += n_maps - n_old
             M.lru[(self._map_token, kind, key)] = n_maps
             M.n += n_maps - n_old
+            for shard_key in covers:
+                dropped += self._forget_locked("shard", shard_key)
             dropped += self._drop_least_recent(0, keep=(self._map_token, kind, key))
         return value, dropped
 

@@ -120,10 +120,10 @@ def test_a_view_kept_past_its_mapping_being_dropped_still_reads_the_stored_rows(
     st = acs.open_store(path)
     kept = st.rows("0.output", 0, ROWS)  # a view of the five shards mapped back to back
     part = st.rows("1.output", 16, 24)  # a view of one shard of another array
-    for hp in ref:
-        assert torch.equal(st.rows(hp, 0, ROWS), ref[hp])
+    for hp in ref:  # (each shard on its own, then all of them back to back in their place)
         for s in range(0, ROWS, SHARD_ROWS):
             assert torch.equal(st.rows(hp, s, s + 1), ref[hp][s:s + 1])
+        assert torch.equal(st.rows(hp, 0, ROWS), ref[hp])
     assert st._n_mapped <= budget
     assert ("whole", st.attrs["arrays"]["0.output"]["path"]) not in st._mapped  # dropped from the cache
     assert not any(k == "shard" and "1.output/c/1/" in key for k, key in st._mapped)
@@ -417,6 +417,44 @@ def test_a_commit_since_that_maps_an_array_again_tells_the_unmap_callbacks(tmp_p
         w.close()
 
 
+def _file_maps(file: str) -> int:
+    """How many of the process's mappings are of ``file``."""
+    with open("/proc/self/maps") as f:
+        return sum(1 for line in f if line.rstrip("\n").endswith(" " + file))
+
+
+def _shard_file(st, hp: str, k: int) -> str:
+    meta = st.attrs["arrays"][hp]
+    return str(st._backend.path(st._shard_index(meta, k).key))
+
+
+@pytest.mark.parametrize("order", ["shard-then-read-ahead", "whole-then-read-back"])
+def test_a_shard_file_is_mapped_once(tmp_path, monkeypatch, order):
+    """A shard's own mapping and the array's shards mapped back to back (a read across shards,
+    or the read-ahead of will_read) both held the file: two mappings of it at once, two of the
+    budget. Now the array's mapping takes the shard's place in the cache, and a read of rows
+    of one shard takes them from the array's mapping while the cache holds it."""
+    monkeypatch.setattr(R, "_MAP_BUDGET", 1000)
+    path = tmp_path / "s.zarr"
+    ref = _capture(path)["0.output"]
+    gc.collect()
+    st = acs.open_store(path)
+    first = _shard_file(st, "0.output", 0)
+    if order == "shard-then-read-ahead":
+        assert torch.equal(st.rows("0.output", 0, 8), ref[:8])  # shard 0 mapped on its own
+        assert _file_maps(first) == 1
+        st.will_read("0.output", 0, 8)  # the read-ahead past shard 0: the array's shards back to back
+    else:
+        assert torch.equal(st.rows("0.output", 0, ROWS), ref)  # the array's shards back to back
+        st.will_read("0.output", 64, 72)
+        st.will_read("0.output", 8, 16)  # (backwards: rows of shard 0 only)
+        assert torch.equal(st.rows("0.output", 8, 16), ref[8:16])
+    assert _file_maps(first) == 1
+    assert st._n_mapped == ROWS // SHARD_ROWS
+    assert torch.equal(st.rows("0.output", 40, 48), ref[40:48])
+    assert _file_maps(first) == 1 and _file_maps(_shard_file(st, "0.output", 2)) == 1
+
+
 _ARMED: list = []  # (test_a_fork_while_another_thread_holds_the_cache_lock: events set just before a fork)
 if hasattr(os, "register_at_fork"):  # (registered after the reader's own: runs before it)
     os.register_at_fork(before=lambda: [e.set() for e in _ARMED])
@@ -499,3 +537,26 @@ def test_threads_reading_several_stores_keep_the_count_and_the_budget(tmp_path, 
         for st in stores:
             assert {(k, key): n for (token, k, key), n in mine.items() if token == st._map_token} == st._mapped
     assert _store_maps(tmp_path) <= budget
+
+
+def test_two_readers_that_both_find_a_shard_unmapped_keep_one_mapping_of_it(tmp_path, monkeypatch):
+    """Two threads that both find a shard not mapped yet both map it; the one that caches its
+    mapping second takes the first one's instead of replacing it (its own is let go of): the
+    file is mapped once, and nothing the first one returned is dropped from the cache."""
+    monkeypatch.setattr(R, "_MAP_BUDGET", 1000)
+    path = tmp_path / "s.zarr"
+    ref = _capture(path)["0.output"]
+    gc.collect()
+    st = acs.open_store(path)
+    calls = []
+    st.on_unmap(lambda: calls.append(1))
+    first = st.rows("0.output", 0, 8)
+    real = R.Store._cached_mapping
+    # (the second reader looked into the cache before the first one kept its mapping)
+    monkeypatch.setattr(R.Store, "_cached_mapping", lambda self, kind, key: None)
+    second = st.rows("0.output", 8, 16)
+    monkeypatch.setattr(R.Store, "_cached_mapping", real)
+    assert torch.equal(first, ref[:8]) and torch.equal(second, ref[8:16])
+    assert _file_maps(_shard_file(st, "0.output", 0)) == 1
+    assert first.untyped_storage().data_ptr() == second.untyped_storage().data_ptr()
+    assert calls == [] and st._n_mapped == 1
