@@ -75,10 +75,11 @@ READ_AHEAD_BYTES = 64 << 20
 WARM_WINDOW_FACTOR = 3
 _MADV_WILLNEED = 3
 
-#: The most memory mappings a store keeps cached for its zero-copy reads (each shard file
-#: mapped is one; an array's shards mapped back to back as one view count one each). None:
-#: :func:`_default_map_budget`, taken when the store first maps. Past it, the mappings used
-#: least recently are dropped from the cache (a tensor returned before keeps its own).
+#: The most memory mappings the open stores of a process keep cached, all together, for their
+#: zero-copy reads (each shard file mapped is one; an array's shards mapped back to back as one
+#: view count one each). None: :func:`_default_map_budget`, taken when the process first maps.
+#: Past it, the mappings used least recently, of whichever store, are dropped from the cache (a
+#: tensor returned before keeps its own).
 _MAP_BUDGET: int | None = None
 #: The least :func:`_default_map_budget` gives.
 _MIN_MAP_BUDGET = 1024
@@ -96,6 +97,72 @@ def _default_map_budget() -> int:
     except (OSError, ValueError):
         pass
     return max(_MIN_MAP_BUDGET, limit // 2 - held)
+
+
+class _ProcessMappings:
+    """The memory mappings the open stores of this process keep cached (each store's
+    ``_maps`` and ``_whole``), least recently used first across all of them, under one budget
+    (:meth:`Store._budget`): ``vm.max_map_count`` is a limit of the process, however many
+    stores it opens (one per layer, a sweep over many, a DataLoader worker's reopened ones).
+
+    ``lock`` guards every store's ``_maps``, ``_whole``, ``_mapped`` and ``_n_mapped`` and the
+    state here. It is taken after a store's own lock, never before, and nothing under it takes
+    another lock, calls back, or unmaps: what is dropped is handed back to be let go of once
+    it is released. It is held across ``fork`` (taken before, released after in both
+    processes), so that a child starts with the state whole. A forked child (a DataLoader
+    worker) keeps the parent's count: it holds the parent's mappings too (``fork`` copies
+    them, and the parent's Store objects live on in the child with their caches), and drops
+    them, least recently used first, like its own.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        # (store's token, "shard" | "whole", key) -> how many of the process's mappings it is
+        self.lru: OrderedDict[tuple[int, str, str], int] = OrderedDict()
+        self.n = 0
+        self.stores: dict[int, weakref.ref] = {}  # token -> the store (weakly)
+        self.gone: list[int] = []  # tokens of stores collected since (appended without the lock)
+        self.default_budget: int | None = None  # _default_map_budget(), taken once per process
+        self._tokens = itertools.count()
+
+    def register(self, store: "Store") -> int:
+        """A token for ``store``'s entries; they are forgotten once the store is collected
+        (its cached mappings with it)."""
+        token = next(self._tokens)
+        gone = self.gone
+        with self.lock:
+            self.stores[token] = weakref.ref(store, lambda _ref: gone.append(token))
+        return token
+
+    def purge(self) -> None:
+        """Forget the entries of the stores collected since (call with the lock held)."""
+        if not self.gone:
+            return
+        tokens = set()
+        while self.gone:
+            tokens.add(self.gone.pop())
+        for token in tokens:
+            self.stores.pop(token, None)
+        for slot in [slot for slot in self.lru if slot[0] in tokens]:
+            self.n -= self.lru.pop(slot)
+
+
+_MAPPINGS = _ProcessMappings()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_MAPPINGS.lock.acquire, after_in_parent=_MAPPINGS.lock.release,
+                        after_in_child=_MAPPINGS.lock.release)
+
+
+def _let_go(dropped: list) -> None:
+    """Let go of the cached mappings ``dropped`` (``(store, mapping)`` pairs a store's cache
+    handed back; each is unmapped here unless a view still holds it), then call the
+    :meth:`Store.on_unmap` callbacks of each store they were of. Call with no lock held."""
+    if not dropped:
+        return
+    stores = list({id(st): st for st, _ in dropped}.values())
+    del dropped[:]
+    for st in stores:
+        st._said_unmapped()
 
 
 def _load_libc(name: str, argtypes: list) -> Any:
@@ -453,12 +520,12 @@ class Store:
         self._index_gates: dict[str, threading.Lock] = {}  # (see _shard_index)
         self._gates_pid = os.getpid()  # the process whose threads hold _index_gates
         self._whole: dict[str, tuple[int, torch.Tensor]] = {}
-        # the mappings _maps and _whole hold, least recently used first: ("shard", key) or
-        # ("whole", array path) -> how many of the process's mappings it is (_keep_mapping)
-        self._mapped: OrderedDict[tuple[str, str], int] = OrderedDict()
+        # the mappings _maps and _whole hold: ("shard", key) or ("whole", array path) -> how many
+        # of the process's mappings it is (_keep_mapping; the order of use is _MAPPINGS's, of
+        # every store of the process). These four change under _MAPPINGS.lock only.
+        self._mapped: dict[tuple[str, str], int] = {}
         self._n_mapped = 0
-        self._map_budget: int | None = None  # (_budget)
-        self._budget_share = 1  # (_budget: a rank store of an uncommitted multi-rank store, one of this many)
+        self._map_token = _MAPPINGS.register(self)
         self._total_shards: tuple[dict, int] | None = None  # (root attrs, their arrays' shards): _whole_fits
         self._unmap_listeners: list[Any] = []  # (on_unmap)
         self._zarrays: dict[str, Any] = {}
@@ -561,11 +628,11 @@ class Store:
             replaced = self._ranks  # (closed once the lock is released: on_unmap callbacks run without it)
             for _, st in ranks:  # (their mappings dropped are said to this store's listeners)
                 st._unmap_listeners = self._unmap_listeners
-                st._budget_share = len(ranks)  # (one budget for them all, as for one store)
             self._ranks, self._parts = ranks, parts
             self._attrs, self._refused = attrs, refused
+            dropped: list = []
             if getattr(self, "_run", run) != run:  # another run in its place: nothing mapped is its
-                self._clear_mappings()
+                dropped = self._clear_mappings()
             self._stamp, self._run = stamp, run
             self._shown_stamp = stamp  # (_stamp moves on with commits of the same run; this does not)
             self._live = {id(m): hp for hp, m in (attrs.get("arrays") or {}).items()}
@@ -580,6 +647,7 @@ class Store:
             self._advised = {}
         for _, old in replaced:
             old.close()
+        _let_go(dropped)
 
     def _refuse_node_of_a_store(self, raw: bytes | None) -> None:
         """Raise :class:`StoreError` naming the store to open when this local path, which holds
@@ -1668,7 +1736,8 @@ class Store:
         with self._lock:
             if self._indexes.get(key) is idx:
                 del self._indexes[key]
-            self._forget_mapping("shard", idx.key)
+            dropped = self._forget_mapping("shard", idx.key)
+        _let_go(dropped)
         return True
 
     def _check_shard_crcs(self, hook_point: str, shard: int, fix: str = V.FIX) -> None:
@@ -1712,12 +1781,9 @@ class Store:
 
     # ---------------------------------------------------------------- mapped reads
     def _map(self, key: str, nbytes: int, meta: dict | None = None) -> torch.Tensor:
-        """A private (copy-on-write) read mapping of the first ``nbytes`` of a shard, uint8;
-        cached (:meth:`_keep_mapping`)."""
-        with self._lock:
-            t = self._maps.get(key)
-            if t is not None and ("shard", key) in self._mapped:
-                self._mapped.move_to_end(("shard", key))
+        """A private (copy-on-write) read mapping of the first ``nbytes`` (or more) of a shard,
+        uint8; cached (:meth:`_keep_mapping`)."""
+        t = self._cached_mapping("shard", key)
         if t is not None and t.numel() >= nbytes:
             return t
         path = str(self._backend.path(key))
@@ -1746,19 +1812,23 @@ class Store:
         dropped: list = []
         with self._lock:
             if meta is None or self._current(meta):
-                dropped = self._keep_mapping("shard", key, t, 1)
-        if dropped:
-            del dropped[:]  # (unmapped here, outside the lock, unless a view still holds one)
-            self._said_unmapped()
+                t, dropped = self._keep_mapping("shard", key, t, 1)
+        _let_go(dropped)
         return t
 
     def _mapped_rows(self, meta: dict, shard: int, local_start: int, n: int) -> torch.Tensor | None:
-        """A view of rows of one shard, or None when its chunks are not laid back to back."""
+        """A view of rows of one shard, or None when its chunks are not laid back to back. Of
+        the array's shards mapped back to back when the cache holds them (:meth:`_whole_rows`
+        of the same rows), so that a file is never mapped twice, else of the shard's mapping."""
         feat = tuple(meta["feature_shape"])
         dtype = F.torch_dtype(meta["dtype"])
         idx = self._shard_index(meta, shard)
         if not idx.contiguous:
             return None
+        whole = self._cached_mapping("whole", meta["path"])
+        if whole is not None and whole[0] == int(meta["n_rows"]):
+            first = shard * int(meta["shard_rows"]) + local_start
+            return whole[1][first:first + n]
         rb, chunk_rows, n_chunks, _ = _layout(meta)
         committed = min(int(meta["n_rows"]) - shard * n_chunks * chunk_rows, n_chunks * chunk_rows)
         try:
@@ -1776,15 +1846,13 @@ class Store:
         (``_C.map_files_contiguous``), which works when a shard's data is a whole number of
         pages (the default chunk layout ensures it) and each shard's chunks lie back to back.
         Cached per array and committed row count (it counts one mapping per shard against the
-        store's budget, ``_MAP_BUDGET``); None when the layout does not allow it, the native
-        extension is absent, or the store has more shards than the budget
-        (:meth:`_whole_fits`: its rows are then read per shard).
+        process's budget, ``_MAP_BUDGET``, and takes the place of the shards' own mappings in
+        the cache); None when the layout does not allow it, the native extension is absent,
+        or the store has more shards than the budget (:meth:`_whole_fits`: its rows are then
+        read per shard).
         """
         n = int(meta["n_rows"])
-        with self._lock:
-            cached = self._whole.get(meta["path"])
-            if cached is not None and ("whole", meta["path"]) in self._mapped:
-                self._mapped.move_to_end(("whole", meta["path"]))
+        cached = self._cached_mapping("whole", meta["path"])
         if cached is not None and cached[0] == n:
             return cached[1]
         C = _native.optional()
@@ -1798,7 +1866,8 @@ class Store:
             return None
         if not all(self._shard_index(meta, k).contiguous for k in range(n_shards)):
             return None
-        paths = [str(self._backend.path(self._shard_index(meta, k).key)) for k in range(n_shards)]
+        keys = [self._shard_index(meta, k).key for k in range(n_shards)]
+        paths = [str(self._backend.path(key)) for key in keys]
         self._make_room(n_shards)
         failed: Exception | None = None
         with self._reads_of_the_opened_run():
@@ -1815,10 +1884,8 @@ class Store:
         dropped: list = []
         with self._lock:
             if self._current(meta):
-                dropped = self._keep_mapping("whole", meta["path"], (n, view), n_shards)
-        if dropped:
-            del dropped[:]  # (unmapped here, outside the lock, unless a view still holds one)
-            self._said_unmapped()
+                (_, view), dropped = self._keep_mapping("whole", meta["path"], (n, view), n_shards, keys)
+        _let_go(dropped)
         return view
 
     def _whole_fits(self, n_shards: int) -> bool:
@@ -1845,75 +1912,137 @@ class Store:
         return total[1] <= budget
 
     def _budget(self) -> int:
-        """The most mappings this store's caches hold (``_MAP_BUDGET``, else
-        :func:`_default_map_budget` as it was when the store first asked); the rank stores of
-        an uncommitted multi-rank store share it, each holding its part."""
+        """The most mappings the caches of all the process's open stores hold together
+        (``_MAP_BUDGET``, else :func:`_default_map_budget` as it was when the process first
+        asked)."""
         if _MAP_BUDGET is not None:
-            base = max(1, int(_MAP_BUDGET))
-        else:
-            if self._map_budget is None:
-                self._map_budget = _default_map_budget()
-            base = self._map_budget
-        return max(1, base // self._budget_share)
+            return max(1, int(_MAP_BUDGET))
+        if _MAPPINGS.default_budget is None:
+            _MAPPINGS.default_budget = _default_map_budget()
+        return _MAPPINGS.default_budget
 
-    def _keep_mapping(self, kind: str, key: str, value: Any, n_maps: int) -> list:
+    def _cached_mapping(self, kind: str, key: str) -> Any:
+        """The cached mapping of ``kind`` ("shard": a shard's, ``_maps``; "whole": an array's
+        shards back to back, ``_whole``) at ``key``, marked as the most recently used, or None."""
+        with _MAPPINGS.lock:
+            value = (self._maps if kind == "shard" else self._whole).get(key)
+            slot = (self._map_token, kind, key)
+            if value is not None and slot in _MAPPINGS.lru:
+                _MAPPINGS.lru.move_to_end(slot)
+        return value
+
+    def _keep_mapping(self, kind: str, key: str, value: Any, n_maps: int, covers: Sequence[str] = ()) -> tuple:
         """Cache ``value`` (a shard's mapping, ``kind`` "shard", in ``_maps``; an array's
         shards mapped back to back, "whole", in ``_whole``) as ``n_maps`` of the process's
-        mappings, and drop the least recently used others while the cache holds more than
-        :meth:`_budget` (never the one just kept). Returns what it dropped: the caller lets
-        go of it once the lock is released (a view of it keeps its mapping alive; the
-        mapping is unmapped with the last reference) and calls :meth:`_said_unmapped`.
-        Call with the lock held."""
-        (self._maps if kind == "shard" else self._whole)[key] = value
-        slot = (kind, key)
-        self._n_mapped += n_maps - self._mapped.pop(slot, 0)
-        self._mapped[slot] = n_maps
-        return self._drop_least_recent(0, keep=1)
+        mappings, and drop the least recently used others, of any store, while the caches
+        hold more than :meth:`_budget` (never the one just kept). A mapping of the same file
+        that another thread kept meanwhile, at least as long, is kept instead (``value`` is
+        then let go of: a file is mapped once). ``covers``: the shard keys a "whole" mapping
+        maps, whose own mappings are dropped (they map the same files once more).
 
-    def _drop_least_recent(self, n_new: int, keep: int) -> list:
-        """Drop the least recently used cached mappings, leaving at least ``keep`` of them,
-        until they and ``n_new`` more fit in :meth:`_budget`; returns what was dropped (see
-        :meth:`_keep_mapping`). Call with the lock held."""
+        Returns ``(what to use, dropped)``: ``dropped`` holds ``(store, mapping)`` pairs the
+        caller lets go of with :func:`_let_go` once every lock is released (a view of one
+        keeps its mapping alive; the mapping is unmapped with the last reference). Call with
+        this store's lock held."""
+        M = _MAPPINGS
+        cache = self._maps if kind == "shard" else self._whole
+        dropped: list = []
+        with M.lock:
+            M.purge()
+            old = cache.get(key)
+            if old is not None:
+                if (old.numel() >= value.numel()) if kind == "shard" else (old[0] == value[0]):
+                    return old, dropped
+                dropped.append((self, old))
+            cache[key] = value
+            slot = (kind, key)
+            n_old = self._mapped.pop(slot, 0)
+            M.lru.pop((self._map_token, kind, key), None)
+            self._mapped[slot] = n_maps
+            self._n_mapped += n_maps - n_old
+            M.lru[(self._map_token, kind, key)] = n_maps
+            M.n += n_maps - n_old
+            for shard_key in covers:
+                dropped += self._forget_locked("shard", shard_key)
+            dropped += self._drop_least_recent(0, keep=(self._map_token, kind, key))
+        return value, dropped
+
+    def _drop_least_recent(self, n_new: int, keep: tuple | None = None) -> list:
+        """Drop the least recently used cached mappings of the process's stores, but ``keep``,
+        until they and ``n_new`` more fit in :meth:`_budget`; returns ``(store, mapping)``
+        pairs of what was dropped (see :meth:`_keep_mapping`). Call with ``_MAPPINGS.lock``
+        held."""
+        M = _MAPPINGS
+        M.purge()
         budget = self._budget()
         dropped = []
-        while len(self._mapped) > keep and self._n_mapped + n_new > budget:
-            (kind, key), n_old = self._mapped.popitem(last=False)
-            self._n_mapped -= n_old
-            dropped.append((self._maps if kind == "shard" else self._whole).pop(key, None))
+        while len(M.lru) > (keep is not None) and M.n + n_new > budget:
+            slot, n_old = M.lru.popitem(last=False)
+            if slot == keep:  # (never: it was used last; kept all the same)
+                M.lru[slot] = n_old
+                continue
+            M.n -= n_old
+            ref = M.stores.get(slot[0])
+            st = ref() if ref is not None else None
+            if st is None:  # (collected: its mappings went with it)
+                continue
+            _, kind, key = slot
+            st._n_mapped -= st._mapped.pop((kind, key), 0)
+            value = (st._maps if kind == "shard" else st._whole).pop(key, None)
+            if value is not None:
+                dropped.append((st, value))
         return dropped
 
     def _make_room(self, n_maps: int) -> None:
-        """Before ``n_maps`` mappings are made: drop the least recently used cached ones until
-        they fit in :meth:`_budget` with them (the cache never holds more than its budget,
-        also while a new mapping is made)."""
-        with self._lock:
-            dropped = self._drop_least_recent(n_maps, keep=0)
-        if dropped:
-            del dropped[:]  # (unmapped here, outside the lock, unless a view still holds one)
-            self._said_unmapped()
+        """Before ``n_maps`` mappings are made: drop the least recently used cached ones (of
+        any store of the process) until they fit in :meth:`_budget` with them (the caches
+        never hold more than the budget, also while a new mapping is made)."""
+        with _MAPPINGS.lock:
+            dropped = self._drop_least_recent(n_maps)
+        _let_go(dropped)
 
-    def _forget_mapping(self, kind: str, key: str) -> None:
-        """Drop one cached mapping (call with the lock held)."""
+    def _forget_locked(self, kind: str, key: str) -> list:
+        """Drop one cached mapping; ``(store, mapping)`` pairs of what was dropped (see
+        :meth:`_keep_mapping`). Call with ``_MAPPINGS.lock`` held."""
+        _MAPPINGS.n -= _MAPPINGS.lru.pop((self._map_token, kind, key), 0)
         self._n_mapped -= self._mapped.pop((kind, key), 0)
-        (self._maps if kind == "shard" else self._whole).pop(key, None)
+        value = (self._maps if kind == "shard" else self._whole).pop(key, None)
+        return [] if value is None else [(self, value)]
 
-    def _clear_mappings(self) -> None:
-        """Drop every cached mapping (call with the lock held)."""
-        self._maps.clear()
-        self._whole.clear()
-        self._mapped.clear()
-        self._n_mapped = 0
+    def _forget_mapping(self, kind: str, key: str) -> list:
+        """Drop one cached mapping; what was dropped, for :func:`_let_go` (call it without
+        any lock held)."""
+        with _MAPPINGS.lock:
+            return self._forget_locked(kind, key)
+
+    def _clear_mappings(self) -> list:
+        """Drop every cached mapping of this store; what was dropped, for :func:`_let_go`
+        (call it without any lock held)."""
+        with _MAPPINGS.lock:
+            dropped = []
+            for kind, key in list(self._mapped):
+                dropped += self._forget_locked(kind, key)
+            dropped += [(self, v) for v in itertools.chain(self._maps.values(), self._whole.values())]
+            self._maps.clear()
+            self._whole.clear()
+            self._mapped.clear()
+            self._n_mapped = 0
+        return dropped
 
     def on_unmap(self, callback: Any) -> None:
         """Have ``callback()`` (no arguments) called whenever this store drops mappings from
-        its cache: to stay within its budget of the process's memory mappings
-        (``vm.max_map_count``; see docs/usage/store.md), or on :meth:`close`.
+        its cache: to stay within the process's budget of memory mappings
+        (``vm.max_map_count``, shared by every open store; see docs/usage/store.md), when a
+        mapping is replaced by a longer one of the same file (rows committed since) or by
+        the array's shards mapped back to back, when :meth:`refresh` finds another run in
+        the store's place, after :meth:`verify`, or on :meth:`close`.
 
         A reader that keeps views of the store's rows between reads (a dataset's views of
         whole shards) drops them then, so that the mappings behind them are released too; it
         reads them again from the store when it needs them. Called in the thread whose read
-        made the store drop them, without the store's lock held. A bound method is held weakly
-        (it does not keep its object alive); any other callable strongly.
+        made the store drop them (for the budget, also a read of another store), without any
+        store's lock held. A bound method is held weakly (it does not keep its object alive);
+        any other callable strongly.
         """
         ref: Any = weakref.WeakMethod(callback) if hasattr(callback, "__self__") else (lambda: callback)
         with self._lock:
@@ -2782,7 +2911,8 @@ class Store:
         # has since rewritten and listed in the manifests this reads now)
         with self._lock:
             self._indexes.clear()
-            kept = set(self._maps)
+            with _MAPPINGS.lock:
+                kept = set(self._maps)
         for hp in list(self._attrs.get("arrays", {})):  # aliases have no files of their own
             mine: list[str] = []
             try:
@@ -2793,9 +2923,11 @@ class Store:
                 # the shards it mapped to check them are unmapped again: each is one of the process's
                 # vm.max_map_count mappings (65530), which a store of 1500 hook points of 50 shards
                 # each would use up, every check after that failing
-                with self._lock:
+                dropped: list = []
+                with self._lock, _MAPPINGS.lock:
                     for key in [key for key in self._maps if key not in kept]:
-                        self._forget_mapping("shard", key)
+                        dropped += self._forget_locked("shard", key)
+                _let_go(dropped)  # (a reader in another thread may hold views of them: said)
             if len(mine) > 20:
                 mine = mine[:20] + [f"hook point {hp!r}: ... and {len(mine) - 20} more problems"]
             problems += mine
@@ -3263,15 +3395,13 @@ class Store:
         for _, st in self._ranks:
             st.close()
         with self._lock:
-            dropped = bool(self._mapped)
-            self._clear_mappings()
+            dropped = self._clear_mappings()
             self._indexes.clear()
             self._zarrays.clear()
             self._checked.clear()
             self._cache.clear()
             self._cached = 0
-        if dropped:
-            self._said_unmapped()
+        _let_go(dropped)
 
     def __enter__(self) -> "Store":
         """Return the store; :meth:`close` on exit."""

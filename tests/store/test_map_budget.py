@@ -120,10 +120,10 @@ def test_a_view_kept_past_its_mapping_being_dropped_still_reads_the_stored_rows(
     st = acs.open_store(path)
     kept = st.rows("0.output", 0, ROWS)  # a view of the five shards mapped back to back
     part = st.rows("1.output", 16, 24)  # a view of one shard of another array
-    for hp in ref:
-        assert torch.equal(st.rows(hp, 0, ROWS), ref[hp])
+    for hp in ref:  # (each shard on its own, then all of them back to back in their place)
         for s in range(0, ROWS, SHARD_ROWS):
             assert torch.equal(st.rows(hp, s, s + 1), ref[hp][s:s + 1])
+        assert torch.equal(st.rows(hp, 0, ROWS), ref[hp])
     assert st._n_mapped <= budget
     assert ("whole", st.attrs["arrays"]["0.output"]["path"]) not in st._mapped  # dropped from the cache
     assert not any(k == "shard" and "1.output/c/1/" in key for k, key in st._mapped)
@@ -248,3 +248,315 @@ def test_the_unmap_callbacks_of_a_refresh_of_an_uncommitted_multi_rank_store_run
     st.rows("0.output", 0, 8)  # (a shard of rank 0 mapped)
     st.refresh()
     assert held == [False]
+
+
+@pytest.mark.parametrize("budget", [40, 8], ids=["whole-arrays", "per-shard"])
+def test_stores_open_at_once_keep_one_budget_for_the_process(tmp_path, monkeypatch, budget):
+    """vm.max_map_count is a limit of the process: four stores open at once (one per layer, a
+    sweep over many) keep the budget together, the least recently used mapping dropped
+    whichever store it is of. Before, each store kept a budget of its own (half of the limit
+    each: two stores could use it all up, and the next map failed with ENOMEM)."""
+    monkeypatch.setattr(R, "_MAP_BUDGET", budget)
+    refs = [_capture(tmp_path / f"s{i}.zarr") for i in range(4)]
+    gc.collect()
+    stores = [acs.open_store(tmp_path / f"s{i}.zarr") for i in range(4)]
+    kept = stores[0].rows("0.output", 16, 24)  # a view of one shard, held across all the reads
+    for _ in range(2):
+        for st, ref in zip(stores, refs):
+            for hp, want in ref.items():
+                assert torch.equal(st.rows(hp, 0, ROWS), want)
+                for s in range(0, ROWS, 8):
+                    assert torch.equal(st.rows(hp, s, s + 8), want[s:s + 8])
+                assert sum(x._n_mapped for x in stores) <= budget
+                assert _store_maps(tmp_path) <= budget + 1  # (and the kept view's own)
+    assert torch.equal(kept, refs[0]["0.output"][16:24])
+    del kept
+    assert _store_maps(tmp_path) <= budget
+    for st in stores:
+        st.close()
+    assert _store_maps(tmp_path) == 0
+
+
+def test_a_store_let_go_of_without_close_leaves_the_budget_to_the_others(tmp_path, monkeypatch):
+    """A store collected without close() takes its cached mappings with it: the budget they
+    held is the other stores' again (not counted as held forever)."""
+    monkeypatch.setattr(R, "_MAP_BUDGET", 8)
+    ref = _capture(tmp_path / "a.zarr")
+    _capture(tmp_path / "b.zarr")
+    a = acs.open_store(tmp_path / "a.zarr")
+    b = acs.open_store(tmp_path / "b.zarr")
+    calls = []
+    a.on_unmap(lambda: calls.append(1))
+    for s in range(0, 3 * SHARD_ROWS, SHARD_ROWS):
+        assert torch.equal(a.rows("0.output", s, s + 8), ref["0.output"][s:s + 8])
+    for s in range(0, ROWS, SHARD_ROWS):  # (used after a's: a's would be dropped first)
+        b.rows("0.output", s, s + 1)
+    assert b._n_mapped == ROWS // SHARD_ROWS and a._n_mapped == 3 and calls == []
+    del b
+    gc.collect()
+    for s in range(ROWS - SHARD_ROWS, -1, -SHARD_ROWS):  # (the shards a has not mapped yet first)
+        assert torch.equal(a.rows("0.output", s, s + 8), ref["0.output"][s:s + 8])
+    assert a._n_mapped == ROWS // SHARD_ROWS and calls == []  # (nothing of a's dropped for b's)
+
+
+def test_a_forked_child_counts_the_mappings_it_inherited(tmp_path, monkeypatch):
+    """A forked child (a DataLoader worker) holds its parent's mappings too (fork copies them,
+    and the parent's stores live on in the child): it counts them against its budget and drops
+    them, least recently used first, for its own; its mappings of the stores' files stay
+    within the budget."""
+    import multiprocessing
+
+    budget = 8
+    monkeypatch.setattr(R, "_MAP_BUDGET", budget)
+    ref = _capture(tmp_path / "s.zarr")
+    gc.collect()
+    parent = acs.open_store(tmp_path / "s.zarr")
+    for s in range(0, ROWS, SHARD_ROWS):  # the parent's cache full
+        for hp in list(ref)[:2]:
+            parent.rows(hp, s, s + 1)
+    assert parent._n_mapped == budget
+
+    def child(queue):
+        try:
+            st = acs.open_store(tmp_path / "s.zarr")  # (as a worker reopens a dataset's store)
+            most, right = 0, True
+            for hp, want in ref.items():
+                for s in range(0, ROWS, 8):
+                    right = right and torch.equal(st.rows(hp, s, s + 8), want[s:s + 8])
+                    most = max(most, _store_maps(tmp_path))
+            queue.put((most, right, parent._n_mapped + st._n_mapped))
+        except BaseException as e:  # (said to the test, not lost in the child)
+            queue.put(repr(e))
+
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=child, args=(queue,))
+    proc.start()
+    got = queue.get(timeout=120)
+    proc.join(timeout=60)
+    most, right, n_cached = got
+    assert right
+    assert n_cached <= budget
+    assert most <= budget
+
+
+def _rewrite(path, seed: int) -> dict:
+    """Another run written in the place of the store at ``path`` (overwrite=True); its rows."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64))
+    x = torch.randn(ROWS, 64)
+    opts = {"chunk_rows": SHARD_ROWS, "shard_rows": SHARD_ROWS, "overwrite": True}
+    with torch.no_grad(), acs.ActivationScope(store=str(path), store_options=opts).track(model):
+        model(x)
+    with torch.no_grad():
+        return {"0.output": model(x)}
+
+
+def test_a_refresh_that_finds_another_run_tells_the_unmap_callbacks(tmp_path):
+    """refresh() of a store another run was written in place of drops every cached mapping (its
+    files are not the new run's): a dataset holding views of them is told, as for any other
+    drop. Before, they were dropped without a word, and the views kept held the mappings."""
+    path = tmp_path / "s.zarr"
+    _capture(path)
+    st = acs.open_store(path)
+    calls = []
+    st.on_unmap(lambda: calls.append(st._n_mapped))
+    st.rows("0.output", 0, 8)
+    assert st._n_mapped == 1 and calls == []
+    st.refresh()  # the same run: nothing dropped
+    assert calls == []
+    ref = _rewrite(path, seed=1)
+    st.refresh()
+    assert calls == [0]
+    assert torch.equal(st.rows("0.output", 0, 8), ref["0.output"][:8])
+
+
+def test_verify_tells_the_unmap_callbacks_of_the_mappings_it_drops(tmp_path, monkeypatch):
+    """verify() maps shards to check them and drops them again: said to the on_unmap callbacks
+    (a reader in another thread may have taken views of them meanwhile)."""
+    monkeypatch.setattr(R, "_MAP_BUDGET", 8)  # (read per shard: the store's 30 shards do not fit)
+    path = tmp_path / "s.zarr"
+    _capture(path)
+    st = acs.open_store(path)
+    calls = []
+    st.on_unmap(lambda: calls.append(1))
+    before = dict(st._mapped)
+    assert st.verify() == []
+    assert calls and st._mapped == before
+
+
+def test_a_commit_since_that_maps_an_array_again_tells_the_unmap_callbacks(tmp_path):
+    """An array's shards mapped back to back are mapped again once a commit adds rows (a longer
+    view): the mapping it replaces in the cache is said dropped, so that a dataset's views of it
+    go too (held, they kept a mapping the budget no longer counts)."""
+    from activationscope.store import StoreWriter
+
+    data = torch.randn(4 * SHARD_ROWS, 64, generator=torch.Generator().manual_seed(0))
+    w = StoreWriter(tmp_path / "s.zarr", chunk_rows=SHARD_ROWS, shard_bytes=SHARD_ROWS * 64 * 4)
+    a = w.open_array("0.output", (64,), torch.float32, "sample")
+
+    def commit_shard(s):
+        a.append(data[s:s + SHARD_ROWS])
+        w.add_batch(SHARD_ROWS, list(range(s, s + SHARD_ROWS)), None, None)
+        w._core.drain()
+        assert w.commit()
+
+    try:
+        commit_shard(0)
+        commit_shard(SHARD_ROWS)
+        st = acs.open_store(tmp_path / "s.zarr")
+        calls = []
+        st.on_unmap(lambda: calls.append(1))
+        assert torch.equal(st.rows("0.output", 0, 2 * SHARD_ROWS), data[:2 * SHARD_ROWS])
+        assert st._n_mapped == 2 and calls == []
+        commit_shard(2 * SHARD_ROWS)
+        st.refresh()
+        assert torch.equal(st.rows("0.output", 0, 3 * SHARD_ROWS), data[:3 * SHARD_ROWS])
+        assert st._n_mapped == 3 and calls == [1]
+    finally:
+        w.close()
+
+
+def _file_maps(file: str) -> int:
+    """How many of the process's mappings are of ``file``."""
+    with open("/proc/self/maps") as f:
+        return sum(1 for line in f if line.rstrip("\n").endswith(" " + file))
+
+
+def _shard_file(st, hp: str, k: int) -> str:
+    meta = st.attrs["arrays"][hp]
+    return str(st._backend.path(st._shard_index(meta, k).key))
+
+
+@pytest.mark.parametrize("order", ["shard-then-read-ahead", "whole-then-read-back"])
+def test_a_shard_file_is_mapped_once(tmp_path, monkeypatch, order):
+    """A shard's own mapping and the array's shards mapped back to back (a read across shards,
+    or the read-ahead of will_read) both held the file: two mappings of it at once, two of the
+    budget. Now the array's mapping takes the shard's place in the cache, and a read of rows
+    of one shard takes them from the array's mapping while the cache holds it."""
+    monkeypatch.setattr(R, "_MAP_BUDGET", 1000)
+    path = tmp_path / "s.zarr"
+    ref = _capture(path)["0.output"]
+    gc.collect()
+    st = acs.open_store(path)
+    first = _shard_file(st, "0.output", 0)
+    if order == "shard-then-read-ahead":
+        assert torch.equal(st.rows("0.output", 0, 8), ref[:8])  # shard 0 mapped on its own
+        assert _file_maps(first) == 1
+        st.will_read("0.output", 0, 8)  # the read-ahead past shard 0: the array's shards back to back
+    else:
+        assert torch.equal(st.rows("0.output", 0, ROWS), ref)  # the array's shards back to back
+        st.will_read("0.output", 64, 72)
+        st.will_read("0.output", 8, 16)  # (backwards: rows of shard 0 only)
+        assert torch.equal(st.rows("0.output", 8, 16), ref[8:16])
+    assert _file_maps(first) == 1
+    assert st._n_mapped == ROWS // SHARD_ROWS
+    assert torch.equal(st.rows("0.output", 40, 48), ref[40:48])
+    assert _file_maps(first) == 1 and _file_maps(_shard_file(st, "0.output", 2)) == 1
+
+
+_ARMED: list = []  # (test_a_fork_while_another_thread_holds_the_cache_lock: events set just before a fork)
+if hasattr(os, "register_at_fork"):  # (registered after the reader's own: runs before it)
+    os.register_at_fork(before=lambda: [e.set() for e in _ARMED])
+
+
+def test_a_fork_while_another_thread_holds_the_cache_lock_leaves_it_free_in_the_child():
+    """The lock of the process's mapping caches is held across fork: a fork while another
+    thread holds it (a read in a prefetch thread as a DataLoader starts its workers) waits for
+    it, and the child starts with it free and the caches whole. Before, the child could start
+    with it held by a thread it does not have, and its first read hung."""
+    import multiprocessing
+    import threading
+
+    held, go = threading.Event(), threading.Event()
+
+    def hold():
+        with R._MAPPINGS.lock:
+            held.set()
+            go.wait(timeout=60)  # (set just before the fork)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    assert held.wait(timeout=60)
+
+    def child(queue):
+        got = R._MAPPINGS.lock.acquire(timeout=10)
+        queue.put(got)
+
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    _ARMED.append(go)
+    try:
+        proc = ctx.Process(target=child, args=(queue,))
+        proc.start()
+    finally:
+        _ARMED.remove(go)
+        go.set()
+        t.join(timeout=60)
+    assert queue.get(timeout=60) is True
+    proc.join(timeout=60)
+
+
+def test_threads_reading_several_stores_keep_the_count_and_the_budget(tmp_path, monkeypatch):
+    """Four threads, each reading its own store and a store they all share, per shard and
+    whole arrays (each drops the others' mappings for its own): every read has the right
+    rows, and once they are done the count of the process's cached mappings is what the
+    stores hold, within the budget."""
+    import threading
+
+    budget = 40
+    monkeypatch.setattr(R, "_MAP_BUDGET", budget)
+    refs = [_capture(tmp_path / f"s{i}.zarr") for i in range(5)]
+    gc.collect()
+    stores = [acs.open_store(tmp_path / f"s{i}.zarr") for i in range(5)]
+    wrong: list = []
+
+    def read(i):
+        try:
+            for _ in range(3):
+                for st, ref in ((stores[i], refs[i]), (stores[4], refs[4])):
+                    for hp, want in ref.items():
+                        for s in range(0, ROWS, 8):
+                            if not torch.equal(st.rows(hp, s, s + 8), want[s:s + 8]):
+                                wrong.append((i, hp, s))
+                        if not torch.equal(st.rows(hp, 0, ROWS), want):
+                            wrong.append((i, hp))
+        except BaseException as e:  # (said to the test)
+            wrong.append(repr(e))
+
+    threads = [threading.Thread(target=read, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not any(t.is_alive() for t in threads)
+    assert wrong == []
+    with R._MAPPINGS.lock:
+        mine = {slot: n for slot, n in R._MAPPINGS.lru.items() if slot[0] in {st._map_token for st in stores}}
+        assert sum(mine.values()) == sum(st._n_mapped for st in stores) <= budget
+        for st in stores:
+            assert {(k, key): n for (token, k, key), n in mine.items() if token == st._map_token} == st._mapped
+    assert _store_maps(tmp_path) <= budget
+
+
+def test_two_readers_that_both_find_a_shard_unmapped_keep_one_mapping_of_it(tmp_path, monkeypatch):
+    """Two threads that both find a shard not mapped yet both map it; the one that caches its
+    mapping second takes the first one's instead of replacing it (its own is let go of): the
+    file is mapped once, and nothing the first one returned is dropped from the cache."""
+    monkeypatch.setattr(R, "_MAP_BUDGET", 1000)
+    path = tmp_path / "s.zarr"
+    ref = _capture(path)["0.output"]
+    gc.collect()
+    st = acs.open_store(path)
+    calls = []
+    st.on_unmap(lambda: calls.append(1))
+    first = st.rows("0.output", 0, 8)
+    real = R.Store._cached_mapping
+    # (the second reader looked into the cache before the first one kept its mapping)
+    monkeypatch.setattr(R.Store, "_cached_mapping", lambda self, kind, key: None)
+    second = st.rows("0.output", 8, 16)
+    monkeypatch.setattr(R.Store, "_cached_mapping", real)
+    assert torch.equal(first, ref[:8]) and torch.equal(second, ref[8:16])
+    assert _file_maps(_shard_file(st, "0.output", 0)) == 1
+    assert first.untyped_storage().data_ptr() == second.untyped_storage().data_ptr()
+    assert calls == [] and st._n_mapped == 1
