@@ -223,7 +223,10 @@ def row_table_dask(store: Any, kind: str = "sample", *, storage_options: dict | 
     -------
     dask.dataframe.DataFrame
         Rows in row-table order (partition ``p`` is part ``p``); row *i* describes row *i* of
-        every ``kind`` array whose ``follows_row_table`` is true. Only the parts listed in
+        every ``kind`` array whose ``follows_row_table`` is true. The index is that row
+        number *i* (int64, over the whole table, not restarting in each partition; divisions
+        known when no part is empty), so ``ddf[ddf.label == 1].index`` selects the rows of
+        ``to_dask(store, hp)``. Only the parts listed in
         the root metadata are read. Each partition is read when computed, checked as
         :meth:`Store.row_table` checks its parts (FORMAT.md section 9 rule 15): a regular
         file inside the store, its crc32c when recorded, its rows and ``batch`` column as its
@@ -263,8 +266,12 @@ def row_table_dask(store: Any, kind: str = "sample", *, storage_options: dict | 
         local = isinstance(st._backend, LocalBackend)
         root = str(st._backend.root) if local else str(st._backend)
         zstore = None if local else st._backend.zarr_store(read_only=True)
+        # the index is the row number: partition p holds rows [first_row, first_row + n_rows)
+        starts = [sp["first_row"] for sp in specs]
+        divisions = (*starts, starts[-1] + specs[-1]["n_rows"] - 1) \
+            if all(sp["n_rows"] for sp in specs) else None  # (a part of 0 rows: divisions unknown)
         return dd.from_map(_read_part, [root] * len(specs), [zstore] * len(specs), specs, meta=meta,
-                           enforce_metadata=False)
+                           divisions=divisions, enforce_metadata=False)
     table = st.row_table(kind).to_pandas()
     return dd.from_pandas(table, npartitions=max(1, len(parts)), sort=False)
 
@@ -303,7 +310,8 @@ def _part_specs(st: Store, kind: str, info: dict, parts: list[str]) -> list | No
             return None
         if specs and not by_rank and batch[0] < specs[-1]["batch"][1]:
             return None  # parts out of order: the eager read names the row where the batch goes back
-        specs.append({"key": key, "kind": kind, "n_rows": footer.num_rows, "batch": batch,
+        first = specs[-1]["first_row"] + specs[-1]["n_rows"] if specs else 0
+        specs.append({"key": key, "kind": kind, "n_rows": footer.num_rows, "first_row": first, "batch": batch,
                       "crc32c": crcs.get(key), "by_rank": by_rank, "run": run})
     if by_rank and len(specs) > 1:
         return None  # (the order is per rank: checked on the whole table)
@@ -403,6 +411,7 @@ def _read_part(root: str, zarr_store: Any, spec: dict) -> Any:
 def _checked_part(root: str, zarr_store: Any, spec: dict) -> Any:
     import os
 
+    import pandas as pd
     import pyarrow.compute as pc
 
     from .._safeio import (MAX_FILE_BYTES, _inside, _remote_get, batch_order, corrupt, crc32c, read_parquet_part,
@@ -438,7 +447,9 @@ def _checked_part(root: str, zarr_store: Any, spec: dict) -> Any:
         problem = "has batch values other than its footer's statistics"
     if problem is not None:
         raise corrupt(root, f"row table {kind!r}: part {key!r} {problem}")
-    return table.to_pandas()
+    frame = table.to_pandas()
+    frame.index = pd.RangeIndex(spec["first_row"], spec["first_row"] + len(frame))  # the rows' numbers in the store
+    return frame
 
 
 def _rows_named(rows: np.ndarray, n: int) -> str:

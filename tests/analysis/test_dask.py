@@ -129,6 +129,31 @@ def test_row_table_dask(tmp_path):
     assert len(row_table_dask(store, "token")) == store.n_rows("encoder.0.output")
 
 
+def test_row_table_dask_index_is_the_row_of_the_arrays(tmp_path):
+    """A row table of several parts (one per capture: the store is resumed twice): its index
+    is the row number of the store's arrays (not each part's own 0..), so rows selected by a
+    column index the activations."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4)).eval()
+    for run in range(3):
+        scope = acs.ActivationScope(store=str(tmp_path / "s.zarr"), store_options={"resume": run > 0})
+        with scope.track(model) as tracker, torch.no_grad():
+            for b in range(2):
+                tracker.set_batch(label=(torch.arange(5) + b + run) % 3)
+                model(torch.randn(5, 4))
+    store = acs.open_store(str(tmp_path / "s.zarr"))
+    assert len(store.attrs["row_tables"]["sample"]["parts"]) == 3
+    ddf = row_table_dask(store, "sample")
+    got = ddf.compute()
+    np.testing.assert_array_equal(got.index.to_numpy(), np.arange(30))
+    assert ddf.known_divisions and ddf.divisions == (0, 10, 20, 29)
+    rows = ddf[ddf["label"] == 1].index.compute().to_numpy()
+    labels = store.row_table("sample").column("label").to_numpy()
+    np.testing.assert_array_equal(rows, np.flatnonzero(labels == 1))
+    x = to_dask(store, "0.output")
+    np.testing.assert_array_equal(x[rows].compute(), store["0.output"].numpy()[rows])
+    assert ddf.loc[7:12].compute()["label"].tolist() == labels[7:13].tolist()
+
+
 def test_moments_and_pca_equal_store_and_float64_reference(tmp_path):
     store = _capture(tmp_path / "s.zarr", n_batches=6, shard_bytes=1024)
     hp = "encoder.1.output"
