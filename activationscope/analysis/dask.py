@@ -476,6 +476,17 @@ def _check_real(x: Any, what: str) -> None:
         )
 
 
+def _check_known_shape(x: Any, what: str) -> None:
+    """ArgumentValueError for a dask array whose shape is not known (``nan``: a selection by
+    a dask boolean mask), naming the ways to a known one."""
+    if any(isinstance(d, float) and np.isnan(d) for d in x.shape):
+        raise ArgumentValueError(
+            f"{what} needs an array of known shape, got shape {tuple(x.shape)} (rows selected by a dask mask, "
+            f"x[mask], are counted only when computed); select with a numpy mask, x[mask.compute()], or call "
+            f"x = x.compute_chunk_sizes() first (one more read of the selection)"
+        )
+
+
 def moments(x: Any, *, drop_nonfinite: bool = False) -> dict[str, Any]:
     """Per-feature mean and population variance (ddof 0) of a dask array, in float64.
 
@@ -509,7 +520,9 @@ def moments(x: Any, *, drop_nonfinite: bool = False) -> dict[str, Any]:
     Raises
     ------
     ArgumentValueError
-        ``drop_nonfinite`` is not a bool.
+        ``drop_nonfinite`` is not a bool, or ``x``'s shape is not known (``nan`` rows: a
+        selection by a dask mask; select with ``x[mask.compute()]`` or call
+        ``x.compute_chunk_sizes()``).
     ArgumentTypeError
         ``x`` is complex (float64 sums would drop the imaginary parts).
 
@@ -521,6 +534,7 @@ def moments(x: Any, *, drop_nonfinite: bool = False) -> dict[str, Any]:
     if not isinstance(drop_nonfinite, bool):
         raise ArgumentValueError(f"drop_nonfinite must be a bool, got {drop_nonfinite!r}")
     _check_real(x, "moments")
+    _check_known_shape(x, "moments")
     dask = _require("dask")
     n = int(x.shape[0])
     x64 = x.astype(np.float64)
@@ -597,12 +611,13 @@ def pca(x: Any, n_components: int | None = None) -> dict[str, Any]:
     Raises
     ------
     ValueError
-        ``x`` is not 2-d, has fewer than 2 rows (without NaN or inf), or ``n_components``
-        is out of range.
+        ``x`` is not 2-d, has fewer than 2 rows (without NaN or inf), its shape is not known
+        (as for :func:`moments`), or ``n_components`` is out of range.
     ArgumentTypeError
         ``x`` is complex (a float64 covariance would drop the imaginary parts).
     """
     _check_real(x, "pca")
+    _check_known_shape(x, "pca")
     if x.ndim != 2:
         raise ArgumentValueError(
             f"pca needs a (rows, features) array, got shape {tuple(x.shape)}; flatten each row first, "

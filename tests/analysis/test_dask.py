@@ -496,3 +496,20 @@ def test_complex_arrays_are_refused_not_reduced_to_their_real_part(fn):
     both = da.concatenate([x.real, x.imag], axis=1)  # the fix the message names
     ref = np.concatenate([x.compute().real, x.compute().imag], axis=1).astype(np.float64)
     np.testing.assert_allclose(moments(both)["mean"], ref.mean(0))
+
+
+@pytest.mark.parametrize("fn", [moments, pca])
+def test_rows_selected_by_a_dask_mask_are_refused_naming_the_fixes(fn):
+    # x[mask] with a dask mask (a column of row_table_dask) has nan rows until computed:
+    # moments and pca failed with "cannot convert float NaN to integer"
+    from activationscope.errors import ArgumentValueError
+
+    values = np.random.default_rng(0).normal(size=(9, 3))
+    x = da.from_array(values, chunks=(4, 3))
+    keep = np.arange(9) % 3 != 1
+    mask = da.from_array(keep, chunks=4)
+    with pytest.raises(ArgumentValueError, match=rf"{fn.__name__} needs an array of known shape, got shape "
+                                                 r"\(nan, 3\).*x\[mask.compute\(\)\].*compute_chunk_sizes"):
+        fn(x[mask])
+    for known in (x[mask.compute()], x[mask].compute_chunk_sizes()):  # the fixes the message names
+        np.testing.assert_allclose(fn(known)["mean"], values[keep].mean(0), rtol=1e-12)
