@@ -585,7 +585,9 @@ def pca(x: Any, n_components: int | None = None) -> dict[str, Any]:
     drop_nonfinite=True)`` leaves out the same rows); ``n_dropped`` says how many and a
     warning names them. The client holds only
     ``(features, features)`` float64, so the feature count must be moderate (a few
-    thousand); the rows can be any number.
+    thousand); the rows can be any number. A worker holds, besides a block and its float64
+    copy, the ``(features, features)`` float64 products of several blocks until they are
+    summed (a dozen or more; 128 MiB each for 4096 features): size ``memory_limit`` for them.
 
     Parameters
     ----------
