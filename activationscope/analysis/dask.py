@@ -223,7 +223,10 @@ def row_table_dask(store: Any, kind: str = "sample", *, storage_options: dict | 
     -------
     dask.dataframe.DataFrame
         Rows in row-table order (partition ``p`` is part ``p``); row *i* describes row *i* of
-        every ``kind`` array whose ``follows_row_table`` is true. Only the parts listed in
+        every ``kind`` array whose ``follows_row_table`` is true. The index is that row
+        number *i* (int64, over the whole table, not restarting in each partition; divisions
+        known when no part is empty), so ``ddf[ddf.label == 1].index`` selects the rows of
+        ``to_dask(store, hp)``. Only the parts listed in
         the root metadata are read. Each partition is read when computed, checked as
         :meth:`Store.row_table` checks its parts (FORMAT.md section 9 rule 15): a regular
         file inside the store, its crc32c when recorded, its rows and ``batch`` column as its
@@ -263,8 +266,12 @@ def row_table_dask(store: Any, kind: str = "sample", *, storage_options: dict | 
         local = isinstance(st._backend, LocalBackend)
         root = str(st._backend.root) if local else str(st._backend)
         zstore = None if local else st._backend.zarr_store(read_only=True)
+        # the index is the row number: partition p holds rows [first_row, first_row + n_rows)
+        starts = [sp["first_row"] for sp in specs]
+        divisions = (*starts, starts[-1] + specs[-1]["n_rows"] - 1) \
+            if all(sp["n_rows"] for sp in specs) else None  # (a part of 0 rows: divisions unknown)
         return dd.from_map(_read_part, [root] * len(specs), [zstore] * len(specs), specs, meta=meta,
-                           enforce_metadata=False)
+                           divisions=divisions, enforce_metadata=False)
     table = st.row_table(kind).to_pandas()
     return dd.from_pandas(table, npartitions=max(1, len(parts)), sort=False)
 
@@ -303,7 +310,8 @@ def _part_specs(st: Store, kind: str, info: dict, parts: list[str]) -> list | No
             return None
         if specs and not by_rank and batch[0] < specs[-1]["batch"][1]:
             return None  # parts out of order: the eager read names the row where the batch goes back
-        specs.append({"key": key, "kind": kind, "n_rows": footer.num_rows, "batch": batch,
+        first = specs[-1]["first_row"] + specs[-1]["n_rows"] if specs else 0
+        specs.append({"key": key, "kind": kind, "n_rows": footer.num_rows, "first_row": first, "batch": batch,
                       "crc32c": crcs.get(key), "by_rank": by_rank, "run": run})
     if by_rank and len(specs) > 1:
         return None  # (the order is per rank: checked on the whole table)
@@ -403,6 +411,7 @@ def _read_part(root: str, zarr_store: Any, spec: dict) -> Any:
 def _checked_part(root: str, zarr_store: Any, spec: dict) -> Any:
     import os
 
+    import pandas as pd
     import pyarrow.compute as pc
 
     from .._safeio import (MAX_FILE_BYTES, _inside, _remote_get, batch_order, corrupt, crc32c, read_parquet_part,
@@ -438,7 +447,9 @@ def _checked_part(root: str, zarr_store: Any, spec: dict) -> Any:
         problem = "has batch values other than its footer's statistics"
     if problem is not None:
         raise corrupt(root, f"row table {kind!r}: part {key!r} {problem}")
-    return table.to_pandas()
+    frame = table.to_pandas()
+    frame.index = pd.RangeIndex(spec["first_row"], spec["first_row"] + len(frame))  # the rows' numbers in the store
+    return frame
 
 
 def _rows_named(rows: np.ndarray, n: int) -> str:
@@ -462,6 +473,17 @@ def _check_real(x: Any, what: str) -> None:
             f"{what} needs real values, got a {np.dtype(x.dtype).name} array (float64 statistics of it would drop "
             f"the imaginary parts); pass x.real, x.imag or abs(x), or both parts as features: "
             f"dask.array.concatenate([x.real, x.imag], axis=1)"
+        )
+
+
+def _check_known_shape(x: Any, what: str) -> None:
+    """ArgumentValueError for a dask array whose shape is not known (``nan``: a selection by
+    a dask boolean mask), naming the ways to a known one."""
+    if any(isinstance(d, float) and np.isnan(d) for d in x.shape):
+        raise ArgumentValueError(
+            f"{what} needs an array of known shape, got shape {tuple(x.shape)} (rows selected by a dask mask, "
+            f"x[mask], are counted only when computed); select with a numpy mask, x[mask.compute()], or call "
+            f"x = x.compute_chunk_sizes() first (one more read of the selection)"
         )
 
 
@@ -498,7 +520,9 @@ def moments(x: Any, *, drop_nonfinite: bool = False) -> dict[str, Any]:
     Raises
     ------
     ArgumentValueError
-        ``drop_nonfinite`` is not a bool.
+        ``drop_nonfinite`` is not a bool, or ``x``'s shape is not known (``nan`` rows: a
+        selection by a dask mask; select with ``x[mask.compute()]`` or call
+        ``x.compute_chunk_sizes()``).
     ArgumentTypeError
         ``x`` is complex (float64 sums would drop the imaginary parts).
 
@@ -510,6 +534,7 @@ def moments(x: Any, *, drop_nonfinite: bool = False) -> dict[str, Any]:
     if not isinstance(drop_nonfinite, bool):
         raise ArgumentValueError(f"drop_nonfinite must be a bool, got {drop_nonfinite!r}")
     _check_real(x, "moments")
+    _check_known_shape(x, "moments")
     dask = _require("dask")
     n = int(x.shape[0])
     x64 = x.astype(np.float64)
@@ -560,7 +585,9 @@ def pca(x: Any, n_components: int | None = None) -> dict[str, Any]:
     drop_nonfinite=True)`` leaves out the same rows); ``n_dropped`` says how many and a
     warning names them. The client holds only
     ``(features, features)`` float64, so the feature count must be moderate (a few
-    thousand); the rows can be any number.
+    thousand); the rows can be any number. A worker holds, besides a block and its float64
+    copy, the ``(features, features)`` float64 products of several blocks until they are
+    summed (a dozen or more; 128 MiB each for 4096 features): size ``memory_limit`` for them.
 
     Parameters
     ----------
@@ -586,12 +613,13 @@ def pca(x: Any, n_components: int | None = None) -> dict[str, Any]:
     Raises
     ------
     ValueError
-        ``x`` is not 2-d, has fewer than 2 rows (without NaN or inf), or ``n_components``
-        is out of range.
+        ``x`` is not 2-d, has fewer than 2 rows (without NaN or inf), its shape is not known
+        (as for :func:`moments`), or ``n_components`` is out of range.
     ArgumentTypeError
         ``x`` is complex (a float64 covariance would drop the imaginary parts).
     """
     _check_real(x, "pca")
+    _check_known_shape(x, "pca")
     if x.ndim != 2:
         raise ArgumentValueError(
             f"pca needs a (rows, features) array, got shape {tuple(x.shape)}; flatten each row first, "

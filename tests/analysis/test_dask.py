@@ -129,6 +129,31 @@ def test_row_table_dask(tmp_path):
     assert len(row_table_dask(store, "token")) == store.n_rows("encoder.0.output")
 
 
+def test_row_table_dask_index_is_the_row_of_the_arrays(tmp_path):
+    """A row table of several parts (one per capture: the store is resumed twice): its index
+    is the row number of the store's arrays (not each part's own 0..), so rows selected by a
+    column index the activations."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4)).eval()
+    for run in range(3):
+        scope = acs.ActivationScope(store=str(tmp_path / "s.zarr"), store_options={"resume": run > 0})
+        with scope.track(model) as tracker, torch.no_grad():
+            for b in range(2):
+                tracker.set_batch(label=(torch.arange(5) + b + run) % 3)
+                model(torch.randn(5, 4))
+    store = acs.open_store(str(tmp_path / "s.zarr"))
+    assert len(store.attrs["row_tables"]["sample"]["parts"]) == 3
+    ddf = row_table_dask(store, "sample")
+    got = ddf.compute()
+    np.testing.assert_array_equal(got.index.to_numpy(), np.arange(30))
+    assert ddf.known_divisions and ddf.divisions == (0, 10, 20, 29)
+    rows = ddf[ddf["label"] == 1].index.compute().to_numpy()
+    labels = store.row_table("sample").column("label").to_numpy()
+    np.testing.assert_array_equal(rows, np.flatnonzero(labels == 1))
+    x = to_dask(store, "0.output")
+    np.testing.assert_array_equal(x[rows].compute(), store["0.output"].numpy()[rows])
+    assert ddf.loc[7:12].compute()["label"].tolist() == labels[7:13].tolist()
+
+
 def test_moments_and_pca_equal_store_and_float64_reference(tmp_path):
     store = _capture(tmp_path / "s.zarr", n_batches=6, shard_bytes=1024)
     hp = "encoder.1.output"
@@ -471,3 +496,20 @@ def test_complex_arrays_are_refused_not_reduced_to_their_real_part(fn):
     both = da.concatenate([x.real, x.imag], axis=1)  # the fix the message names
     ref = np.concatenate([x.compute().real, x.compute().imag], axis=1).astype(np.float64)
     np.testing.assert_allclose(moments(both)["mean"], ref.mean(0))
+
+
+@pytest.mark.parametrize("fn", [moments, pca])
+def test_rows_selected_by_a_dask_mask_are_refused_naming_the_fixes(fn):
+    # x[mask] with a dask mask (a column of row_table_dask) has nan rows until computed:
+    # moments and pca failed with "cannot convert float NaN to integer"
+    from activationscope.errors import ArgumentValueError
+
+    values = np.random.default_rng(0).normal(size=(9, 3))
+    x = da.from_array(values, chunks=(4, 3))
+    keep = np.arange(9) % 3 != 1
+    mask = da.from_array(keep, chunks=4)
+    with pytest.raises(ArgumentValueError, match=rf"{fn.__name__} needs an array of known shape, got shape "
+                                                 r"\(nan, 3\).*x\[mask.compute\(\)\].*compute_chunk_sizes"):
+        fn(x[mask])
+    for known in (x[mask.compute()], x[mask].compute_chunk_sizes()):  # the fixes the message names
+        np.testing.assert_allclose(fn(known)["mean"], values[keep].mean(0), rtol=1e-12)
