@@ -445,6 +445,8 @@ class Store:
         if storage_options is not None:
             self._open_options["storage_options"] = storage_options
         self._backend = resolve(target, read_only=True, storage_options=storage_options)
+        if callable(getattr(self._backend, "reopened", None)):  # (a file system of client sessions: see _after_fork)
+            _REOPENED_AFTER_FORK.add(self)
         self._cache_bytes = int(cache_bytes)
         self._cache: OrderedDict[tuple, torch.Tensor] = OrderedDict()
         self._cached = 0
@@ -485,6 +487,25 @@ class Store:
         self._parts: dict[str, list[tuple[int, "Store", int]]] = {}  # hook point -> (rank, store, first row)
         self.refresh()
         self._warn_store_moved_aside()
+
+    def _after_fork(self) -> None:
+        """In a forked child: drop the backend (and the zarr arrays made over it), whose file
+        system's client sessions belong to the parent's event loop; the next use makes it again
+        (:meth:`__getattr__`). The parent's is kept, never finalised here: closing its sessions in
+        the child would print "Unclosed client session" (aiohttp)."""
+        backend = self.__dict__.pop("_backend", None)
+        if backend is not None:
+            self._parent_backend = backend
+        self._zarrays = {}
+
+    def __getattr__(self, name: str) -> Any:
+        # (only for attributes not set: the backend of a forked child, made again on first use)
+        if name == "_backend":
+            parent = self.__dict__.get("_parent_backend")
+            if parent is not None:
+                backend = self.__dict__["_backend"] = parent.reopened()
+                return backend
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def _warn_store_moved_aside(self) -> None:
         """A local store that holds no rows yet while a folder next to it holds the store an
@@ -3304,6 +3325,19 @@ def _sub_backend(backend: Any, prefix: str) -> Any:
 
     sub = zarr.storage.FsspecStore(fs, read_only=True, path=f"{path.rstrip('/')}/{prefix}")
     return FsspecBackend(sub, label=f"{str(backend).rstrip('/')}/{prefix}")
+
+
+#: Stores whose backend is made again in a forked child (:meth:`Store._after_fork`).
+_REOPENED_AFTER_FORK: "weakref.WeakSet[Store]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for store in list(_REOPENED_AFTER_FORK):
+        store._after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 #: Most rank stores an uncommitted multi-rank store is shown with.
