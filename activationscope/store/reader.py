@@ -445,8 +445,6 @@ class Store:
         if storage_options is not None:
             self._open_options["storage_options"] = storage_options
         self._backend = resolve(target, read_only=True, storage_options=storage_options)
-        if callable(getattr(self._backend, "reopened", None)):  # (a file system of client sessions: see _after_fork)
-            _REOPENED_AFTER_FORK.add(self)
         self._cache_bytes = int(cache_bytes)
         self._cache: OrderedDict[tuple, torch.Tensor] = OrderedDict()
         self._cached = 0
@@ -469,6 +467,7 @@ class Store:
         # resume killed before its next commit, that chunk was rewritten (FORMAT.md section 5).
         self._resume_tail = False
         self._lock = threading.RLock()
+        _OPEN_STORES.add(self)  # (see _after_fork)
         # ids of the array entries (``meta``) of the commit read last, to their hook point: a cache
         # entry built from another commit's entry (a reader that took it before another thread's
         # refresh()) is returned to that reader but never kept for the others (``_current``)
@@ -489,14 +488,17 @@ class Store:
         self._warn_store_moved_aside()
 
     def _after_fork(self) -> None:
-        """In a forked child: drop the backend (and the zarr arrays made over it), whose file
-        system's client sessions belong to the parent's event loop; the next use makes it again
-        (:meth:`__getattr__`). The parent's is kept, never finalised here: closing its sessions in
-        the child would print "Unclosed client session" (aiohttp)."""
-        backend = self.__dict__.pop("_backend", None)
-        if backend is not None:
-            self._parent_backend = backend
-        self._zarrays = {}
+        """In a forked child: a new lock (one a thread of the parent held at the fork is never
+        released here: every read would wait forever), and, on object storage, drop the backend
+        (and the zarr arrays made over it), whose file system's client sessions belong to the
+        parent's event loop; the next use makes it again (:meth:`__getattr__`). The parent's is
+        kept, never finalised here: closing its sessions in the child would print "Unclosed
+        client session" (aiohttp)."""
+        self._lock = threading.RLock()
+        backend = self.__dict__.get("_backend")
+        if callable(getattr(backend, "reopened", None)):
+            self._parent_backend = self.__dict__.pop("_backend")
+            self._zarrays = {}
 
     def __getattr__(self, name: str) -> Any:
         # (only for attributes not set: the backend of a forked child, made again on first use)
@@ -3327,12 +3329,12 @@ def _sub_backend(backend: Any, prefix: str) -> Any:
     return FsspecBackend(sub, label=f"{str(backend).rstrip('/')}/{prefix}")
 
 
-#: Stores whose backend is made again in a forked child (:meth:`Store._after_fork`).
-_REOPENED_AFTER_FORK: "weakref.WeakSet[Store]" = weakref.WeakSet()
+#: The open stores of this process, made usable in a forked child (:meth:`Store._after_fork`).
+_OPEN_STORES: "weakref.WeakSet[Store]" = weakref.WeakSet()
 
 
 def _after_fork_in_child() -> None:
-    for store in list(_REOPENED_AFTER_FORK):
+    for store in list(_OPEN_STORES):
         store._after_fork()
 
 
