@@ -414,6 +414,10 @@ def _index_from_items(x: Sequence[Any], what: str, n: int, unit: str) -> torch.T
             raise _out_of_range(what, n, unit, e.value, where=f" at element {e.k}") from None
         v = e.value
         fix = "" if v is not None else "; rows=None selects every row" if what == "rows" else "; use ds[:] for every row"
+        if what != "rows" and all(isinstance(b, (list, tuple, range)) for b in x):
+            # (what a DataLoader makes of a batch sampler given as sampler=: its batches grouped by batch_size=)
+            fix = ("; this is a list of batches, as DataLoader(ds, sampler=batch_sampler, batch_size=n) makes of a "
+                   "batch sampler given as sampler=: pass it as DataLoader(ds, batch_sampler=batch_sampler)")
         raise ArgumentTypeError(
             f"{what} must be a sequence of ints (positions), got {_short(v)} ({type(v).__name__}) at "
             f"element {e.k} of {_short(x)}{fix}"

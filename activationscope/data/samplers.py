@@ -11,7 +11,10 @@ Splitting
   same seed) is cut into ``world_size`` contiguous parts whose sizes differ by at most one
   row; rank ``r`` batches part ``r``. The parts cover every position exactly once (no
   padding, no duplicates). ``even=True`` drops the ``len % world_size`` last positions of the
-  global order instead, so every rank gets the same number of rows (and batches).
+  global order instead, so every rank gets the same number of rows (and batches). Without it,
+  parts one row apart may hold different numbers of batches: the samplers then warn
+  (``UserWarning``), since a step that synchronises the ranks per batch (DDP) would wait
+  forever on the rank with the extra batch.
 - Across DataLoader workers: the DataLoader iterates the batch sampler in the main process
   and hands whole batches to workers, so workers never overlap or lose rows.
 
@@ -35,7 +38,7 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
-from ..errors import ArgumentTypeError, ArgumentValueError
+from ..errors import ArgumentTypeError, ArgumentValueError, warn_at_caller
 
 __all__ = [
     "SequentialBatchSampler",
@@ -166,6 +169,31 @@ class _BatchSampler(Sampler[list[int]]):
         self.rank, self.world_size = _dist_defaults(rank, world_size)
         self.even = bool(even)
         self.epoch = 0
+        self._warn_uneven_batches()
+
+    def _warn_uneven_batches(self) -> None:
+        """Warn when the ranks do not all read the same number of batches per epoch (parts of
+        ``n // world_size`` and one more row on either side of a multiple of ``batch_size``): a
+        step that synchronises the ranks on every batch (DistributedDataParallel's backward)
+        waits forever on the rank with the extra batch, as ``DistributedSampler`` (which repeats
+        rows to make the parts equal) never lets happen."""
+        if self.world_size == 1 or self.even:
+            return
+        n, world, bs = self.n, self.world_size, self.batch_size
+        counts = {}
+        for r in {0, world - 1}:  # (parts grow with the rank: the first and last have the fewest and most rows)
+            a, b = partition_bounds(n, r, world)
+            counts[r] = (b - a) // bs if self.drop_last else -(-(b - a) // bs)
+        if counts[0] != counts[world - 1]:
+            warn_at_caller(
+                f"{type(self).__name__}: the {world} ranks do not read the same number of batches per epoch "
+                f"({n} rows in parts of {n // world} or {n // world + 1} rows, batch_size={bs}"
+                f"{', drop_last=True' if self.drop_last else ''}: rank 0 reads {counts[0]}, rank {world - 1} reads "
+                f"{counts[world - 1]}); a step that synchronises the ranks on every batch (DistributedDataParallel's "
+                "backward, an all_reduce) waits forever on the rank with one batch more. Pass even=True for equal "
+                f"parts (it leaves out the last {n % world} of the {n} rows of each epoch's order), or ignore this "
+                "warning when the ranks do not synchronise per batch"
+            )
 
     def set_epoch(self, epoch: int) -> None:
         """Use the order of ``epoch`` (call before each epoch; every rank with the same value)."""
@@ -219,7 +247,8 @@ class SequentialBatchSampler(_BatchSampler):
         ``world_size`` > 1 without ``rank`` raises ArgumentValueError unless the process
         group has that size (every process would take part 0).
     even : bool, default False
-        Equal parts on every rank (see the module docstring).
+        Equal parts on every rank (see the module docstring). Without it, a UserWarning says
+        when the ranks read different numbers of batches per epoch (a DDP step would hang).
 
     Integer arguments (and ``set_epoch``'s) take Python, numpy and 0-d torch integers; a
     bool, float or str raises ArgumentTypeError, a value out of range ArgumentValueError.

@@ -1258,6 +1258,19 @@ class FsspecBackend(ZarrBackend):
                 self._drop_expect_continue(f)
         self.forget_listings()
 
+    def reopened(self) -> "FsspecBackend":
+        """This backend over a new file system object, made with the options of this one, for a
+        forked child: the parent's object holds client sessions of the parent's event loop (s3fs:
+        aiobotocore), which fail in the child ("attached to a different loop"). fsspec makes a
+        new object in a process other than the one that cached it."""
+        import zarr
+
+        zstore = self.store
+        fs = zstore.fs
+        fresh = type(fs)(*getattr(fs, "storage_args", ()), **getattr(fs, "storage_options", {}))
+        return FsspecBackend(zarr.storage.FsspecStore(fresh, read_only=zstore.read_only, path=zstore.path),
+                             label=self.label)
+
     def _drop_expect_continue(self, fs: Any) -> None:
         """Have ``fs`` (an s3fs file system) send its uploads without ``Expect: 100-continue``
         (:func:`_no_expect_continue`). Its client is made here (no request is sent); a file

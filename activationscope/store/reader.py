@@ -534,6 +534,7 @@ class Store:
         # resume killed before its next commit, that chunk was rewritten (FORMAT.md section 5).
         self._resume_tail = False
         self._lock = threading.RLock()
+        _OPEN_STORES.add(self)  # (see _after_fork)
         # ids of the array entries (``meta``) of the commit read last, to their hook point: a cache
         # entry built from another commit's entry (a reader that took it before another thread's
         # refresh()) is returned to that reader but never kept for the others (``_current``)
@@ -552,6 +553,28 @@ class Store:
         self._parts: dict[str, list[tuple[int, "Store", int]]] = {}  # hook point -> (rank, store, first row)
         self.refresh()
         self._warn_store_moved_aside()
+
+    def _after_fork(self) -> None:
+        """In a forked child: a new lock (one a thread of the parent held at the fork is never
+        released here: every read would wait forever), and, on object storage, drop the backend
+        (and the zarr arrays made over it), whose file system's client sessions belong to the
+        parent's event loop; the next use makes it again (:meth:`__getattr__`). The parent's is
+        kept, never finalised here: closing its sessions in the child would print "Unclosed
+        client session" (aiohttp)."""
+        self._lock = threading.RLock()
+        backend = self.__dict__.get("_backend")
+        if callable(getattr(backend, "reopened", None)):
+            self._parent_backend = self.__dict__.pop("_backend")
+            self._zarrays = {}
+
+    def __getattr__(self, name: str) -> Any:
+        # (only for attributes not set: the backend of a forked child, made again on first use)
+        if name == "_backend":
+            parent = self.__dict__.get("_parent_backend")
+            if parent is not None:
+                backend = self.__dict__["_backend"] = parent.reopened()
+                return backend
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def _warn_store_moved_aside(self) -> None:
         """A local store that holds no rows yet while a folder next to it holds the store an
@@ -3434,6 +3457,19 @@ def _sub_backend(backend: Any, prefix: str) -> Any:
 
     sub = zarr.storage.FsspecStore(fs, read_only=True, path=f"{path.rstrip('/')}/{prefix}")
     return FsspecBackend(sub, label=f"{str(backend).rstrip('/')}/{prefix}")
+
+
+#: The open stores of this process, made usable in a forked child (:meth:`Store._after_fork`).
+_OPEN_STORES: "weakref.WeakSet[Store]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for store in list(_OPEN_STORES):
+        store._after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 #: Most rank stores an uncommitted multi-rank store is shown with.

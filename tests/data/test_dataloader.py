@@ -198,6 +198,27 @@ def test_worker_batches_never_carry_the_whole_store_map(store_path):
 
 
 
+@pytest.mark.parametrize("which", ["shuffled", "sequential"])
+def test_a_batch_sampler_given_as_sampler_says_to_pass_it_as_batch_sampler(store_path, which):
+    # (with batch_size= the DataLoader groups the sampler's batches into lists of batches; the
+    # error named only "[3, 1, ...] (list) at element 0", not the DataLoader argument to change)
+    from activationscope.data import SequentialBatchSampler
+    from activationscope.errors import ArgumentTypeError
+
+    path, acts = store_path
+    ds = ActivationDataset(str(path), open_options={"opener": open_fake})
+    sampler = ShuffledBatchSampler(ds, 4, seed=0) if which == "shuffled" else SequentialBatchSampler(ds, 4)
+    with pytest.raises(ArgumentTypeError, match=r"at element 0 of .*; this is a list of batches, as "
+                       r"DataLoader\(ds, sampler=batch_sampler, batch_size=n\) makes .*: pass it as "
+                       r"DataLoader\(ds, batch_sampler=batch_sampler\)$"):
+        next(iter(DataLoader(ds, sampler=sampler, batch_size=8)))
+    with pytest.raises(ArgumentTypeError, match=r"got \[2\] \(list\) at element 1 of \[1, \[2\]\]$"):
+        ds[[1, [2]]]  # (one stray list among positions is no list of batches)
+    order = [i for b in sampler for i in b]
+    batches = list(DataLoader(ds, batch_sampler=sampler))
+    assert torch.equal(torch.cat([b["x"] for b in batches]), acts[order])
+
+
 _FORKED_S3_CHILD = """
 import json, sys
 import torch

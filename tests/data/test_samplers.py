@@ -51,6 +51,7 @@ def test_epochs_and_seeds_change_the_order(cls):
     assert _flat(cls(500, 50, seed=2)) != _flat(cls(500, 50, seed=1))
 
 
+@pytest.mark.filterwarnings("ignore:.*do not read the same number of batches per epoch")
 @settings(max_examples=40, deadline=None)
 @given(n=st.integers(0, 300), world=st.integers(1, 7), bs=st.integers(1, 40), epoch=st.integers(0, 3),
        which=st.sampled_from(SAMPLERS))
@@ -63,6 +64,35 @@ def test_ranks_partition_without_overlap_or_loss(n, world, bs, epoch, which):
         assert len(part) == s.n_rows()
         seen += part
     assert sorted(seen) == list(range(n))
+
+
+@pytest.mark.parametrize("which", SAMPLERS)
+@pytest.mark.parametrize("n, world, bs, drop_last", [
+    (10, 3, 3, False), (11, 3, 3, True), (96, 3, 32, True), (97, 3, 32, False), (99, 4, 8, False), (12, 3, 3, False),
+    (100, 4, 32, False), (0, 2, 4, False), (1, 2, 4, False),
+])
+def test_ranks_reading_unequal_numbers_of_batches_are_warned_of(which, n, world, bs, drop_last):
+    # (parts of n // world and one more row straddling a multiple of batch_size gave one rank a
+    # batch more than another, without a word: a DDP step on that batch waits forever)
+    import warnings
+
+    counts, warned = [], []
+    for rank in range(world):
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            sampler = which(n, bs, rank=rank, world_size=world, drop_last=drop_last)
+        warned.append([str(x.message) for x in w])
+        counts.append(sum(1 for _ in sampler))
+        assert counts[-1] == len(sampler)
+    uneven = len(set(counts)) > 1
+    for messages in warned:
+        assert len(messages) == int(uneven), (counts, messages)
+        if uneven:
+            assert f"rank 0 reads {counts[0]}, rank {world - 1} reads {counts[-1]}" in messages[0]
+            assert "Pass even=True for equal parts" in messages[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert len({len(which(n, bs, rank=r, world_size=world, drop_last=drop_last, even=True)) for r in range(world)}) == 1
 
 
 def test_even_parts_drop_only_the_remainder():
