@@ -1143,7 +1143,7 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
                          "is no row to commit; nothing was written. Check that the ranks' data yielded batches")
     held = [stores[r] for r in used]
     _check_same_hook_points(held, used)
-    hps = sorted(held[0].hook_points)
+    hps = list(held[0].hook_points)  # (capture order, as a store of one process lists them)
     layout_keys = ("row_kind", "feature_shape", "dtype", "storage_dtype", "chunk_rows", "shard_rows", "compression")
     shard_rows: dict[str, int] = {}
     metas: dict[str, dict] = {}

@@ -1505,3 +1505,37 @@ def test_a_hook_point_that_one_rank_lacks_is_not_committed_and_the_error_names_i
     assert st.info()["arrays"]["extra.output"]["follows_row_table"] is False
     assert st.info()["arrays"]["lin.output"]["follows_row_table"] is True
     assert st.verify() == []
+
+
+def test_a_committed_store_lists_its_hook_points_in_capture_order(tmp_path):
+    """The commit listed the hook points sorted by name (``store.hook_points``, the order of
+    the root's ``arrays``), where a store of one process and the uncommitted view of the same
+    rank stores list them in capture order, as ``Store.hook_points`` says: readers that follow
+    that order (export columns, datasets over every hook point) changed order at the commit.
+    It now keeps the capture order."""
+    from collections import OrderedDict
+
+    from activationscope.store.ranks import commit_ranks
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(OrderedDict([("z", torch.nn.Linear(8, 8)), ("b", torch.nn.ReLU()),
+                                             ("a", torch.nn.Linear(8, 4))])).eval()
+    xs = [torch.randn(5, 8) for _ in range(4)]
+    one = tmp_path / "one.zarr"
+    with acs.ActivationScope(store=str(one), store_options={"process_group": False}).track(model), torch.no_grad():
+        for x in xs:
+            model(x)
+    expected = ["z.output", "b.output", "a.output"]
+    assert acs.open_store(one).hook_points == expected
+    store = tmp_path / "s.zarr"
+    for task in (0, 1):
+        opts = {"shard_rows": 8, "chunk_rows": 4, "process_group": acs.RankStore(task, 2)}
+        with acs.ActivationScope(store=str(store), store_options=opts, reductions=["mean"]).track(model), \
+                torch.no_grad():
+            for x in xs[2 * task:2 * task + 2]:
+                model(x)
+    assert acs.open_store(store).hook_points == expected  # the uncommitted view
+    commit_ranks(store)
+    s = acs.open_store(store)
+    assert s.status == "complete" and s.hook_points == expected
+    assert list(s.reductions) == expected
