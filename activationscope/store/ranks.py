@@ -407,6 +407,21 @@ def _check_same_hook_points(stores: list[Store], ranks: list[int]) -> None:
         f"capture them into a store of their own")
 
 
+def _capture_policy(st: Store) -> dict:
+    """The rule that picked a rank store's forwards (``capture_config["capture_policy"]``, and
+    its ``sample_every`` or ``max_k``; ``SAMPLE_N`` with ``sample_every=1`` is ``EVERY``), as
+    the commit compares it: a committed store records one ``capture_config`` for the rows of
+    every rank. ``{}`` for a rank store without the record."""
+    config = st.attrs.get("capture_config")
+    name = config.get("capture_policy") if isinstance(config, dict) else None
+    if name is None:
+        return {}
+    if name == "SAMPLE_N" and config.get("sample_every") == 1:
+        name = "EVERY"
+    extra = {"SAMPLE_N": "sample_every", "MAX_K": "max_k"}.get(name)
+    return {"capture_policy": name, **({extra: config.get(extra)} if extra else {})}
+
+
 def _n_rows(st: Store, hp: str) -> int:
     """Rows of ``hp`` in a rank store; 0 in a rank store that captured no forward."""
     return st.n_rows(hp) if hp in st.hook_points else 0
@@ -1143,6 +1158,7 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
                          "is no row to commit; nothing was written. Check that the ranks' data yielded batches")
     held = [stores[r] for r in used]
     _check_same_hook_points(held, used)
+    _check_same(held, "the capture policy", _capture_policy, used)
     hps = list(held[0].hook_points)  # (capture order, as a store of one process lists them)
     layout_keys = ("row_kind", "feature_shape", "dtype", "storage_dtype", "chunk_rows", "shard_rows", "compression")
     shard_rows: dict[str, int] = {}

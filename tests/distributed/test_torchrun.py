@@ -1539,3 +1539,31 @@ def test_a_committed_store_lists_its_hook_points_in_capture_order(tmp_path):
     s = acs.open_store(store)
     assert s.status == "complete" and s.hook_points == expected
     assert list(s.reductions) == expected
+
+
+@pytest.mark.parametrize("rank1", [{"capture_policy": acs.CapturePolicy.SAMPLE_N, "sample_every": 2},
+                                   {"capture_policy": acs.CapturePolicy.MAX_K, "max_k": 2}])
+def test_rank_stores_captured_with_another_capture_policy_are_not_committed(tmp_path, capsys, rank1):
+    """Task 1 captured every second batch (or its first two) where task 0 captured every
+    batch: consolidate committed both, and the store's capture_config said EVERY for every row,
+    rank 1's included. It is refused as a resume with another policy is, naming both ranks'
+    policies; nothing is written."""
+    from activationscope import cli
+
+    store = tmp_path / "s.zarr"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    xs = [torch.randn(6, 8) for _ in range(6)]
+    for task in (0, 1):
+        opts = {"shard_rows": 8, "chunk_rows": 4, "process_group": acs.RankStore(task, 2)}
+        with acs.ActivationScope(store=str(store), store_options=opts, reductions=["mean"],
+                                 **(rank1 if task else {})).track(model), torch.no_grad():
+            for x in xs[task * 3:(task + 1) * 3]:
+                model(x)
+    before = _tree(store)
+    assert cli.main(["consolidate", str(store)]) == 1
+    err = capsys.readouterr().err
+    assert "rank stores disagree on the capture policy" in err and "nothing was written" in err, err
+    shown = "'SAMPLE_N', 'sample_every': 2" if "sample_every" in rank1 else "'MAX_K', 'max_k': 2"
+    assert "rank 0 has {'capture_policy': 'EVERY'}" in err and f"rank 1 has {{'capture_policy': {shown}}}" in err, err
+    assert _tree(store) == before and acs.open_store(store).status == "incomplete"
