@@ -44,7 +44,7 @@ from . import _format as F
 from . import _validate as V
 from ._backend import (LocalBackend, _foreign_names, check_backend_not_in_store, rank_stores_allowed,
                        refuse_foreign_entries, resolve, write_root_first)
-from ._lock import WriterLock
+from ._lock import WriterLock, writer_holding
 from .reader import (Store, _no_rank_column, _sub_backend, capture_again_run_id, check_rank_column_types,
                      listed_rank_stores, rank_store_run_id, ranks_run_id, split_rank_stores_by_run)
 from .reader import recorded_world_size as _recorded_world_size
@@ -1141,6 +1141,11 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
               Store(rank_target(target, r), storage_options=storage_options) for r in ranks]
     for r, st in enumerate(stores):
         if st.status != "complete":
+            # (a local lock is held only by a live writer: flock, FORMAT.md section 7)
+            holder = writer_holding(st._backend) if local else None
+            if holder is not None:
+                raise StoreError(f"rank {r} store {st.path!r} is still being written (its writer lock is held by "
+                                 f"{holder}): wait for it to finish, then consolidate again; nothing was written")
             raise StoreError(f"rank {r} store {st.path!r} is {st.status!r}: resume that rank (resume=True) so it "
                              "completes, then commit")
     _check_rank_world_sizes(b, stores, expected)

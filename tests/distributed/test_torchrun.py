@@ -1567,3 +1567,34 @@ def test_rank_stores_captured_with_another_capture_policy_are_not_committed(tmp_
     shown = "'SAMPLE_N', 'sample_every': 2" if "sample_every" in rank1 else "'MAX_K', 'max_k': 2"
     assert "rank 0 has {'capture_policy': 'EVERY'}" in err and f"rank 1 has {{'capture_policy': {shown}}}" in err, err
     assert _tree(store) == before and acs.open_store(store).status == "incomplete"
+
+
+def test_consolidate_while_a_task_is_still_writing_says_to_wait_for_it(tmp_path, capsys):
+    """Consolidate run while task 1 was still capturing said its rank store was incomplete and
+    to resume it, which would be refused (the task holds the lock) or, once it finished,
+    capture its rows twice. It now names the task that holds the rank store's writer lock and
+    says to wait for it; nothing is written, and the commit goes through once the task ends."""
+    from activationscope import cli
+
+    store = tmp_path / "s.zarr"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    xs = [torch.randn(6, 8) for _ in range(6)]
+
+    def opts(task):
+        return {"shard_rows": 8, "chunk_rows": 4, "process_group": acs.RankStore(task, 2)}
+    with acs.ActivationScope(store=str(store), store_options=opts(0)).track(model), torch.no_grad():
+        for x in xs[:3]:
+            model(x)
+    with acs.ActivationScope(store=str(store), store_options=opts(1)).track(model) as tracker, torch.no_grad():
+        for x in xs[3:]:
+            model(x)
+            tracker.writer.commit()
+            before = {k: v for k, v in _tree(store).items() if not k.startswith("ranks/00001/")}  # (task 1's own)
+            assert cli.main(["consolidate", str(store)]) == 1
+            err = capsys.readouterr().err
+            assert f"rank 1 store {str(store / 'ranks' / '00001')!r} is still being written" in err, err
+            assert f"pid {os.getpid()}" in err and "wait for it to finish" in err and "resume" not in err, err
+            assert {k: v for k, v in _tree(store).items() if not k.startswith("ranks/00001/")} == before
+    assert cli.main(["consolidate", str(store)]) == 0
+    assert acs.open_store(store).n_samples == 36
