@@ -151,6 +151,14 @@ def _prepare_root(b: Any, world_size: int, overwrite: bool, resume: bool) -> str
         elif resume and attrs is not None:
             dist = attrs.get("distributed") or {}
             if dist.get("committed"):
+                left = sorted({k.split("/")[1] for k in b.list(f"{RANKS_DIR}/")
+                               if k.count("/") >= 2 and k.split("/")[1].isdigit() and len(k.split("/")[1]) == 5})
+                if left:  # (a commit stopped after its root: a restart of its ranks finds it so)
+                    raise StoreError(
+                        f"the multi-rank store {str(b)!r} is already committed (it holds every rank's rows); its "
+                        f"commit stopped before it removed the rank stores {left} under {_ranks_dir(b)!r}; there is "
+                        f"nothing to resume: run {_consolidate_call(str(b))} to remove them (the store reads as "
+                        "committed meanwhile), or pass overwrite=True to capture it again; nothing was changed")
                 raise StoreError(f"the multi-rank store {str(b)!r} is already committed; there is nothing to resume "
                                  "(pass overwrite=True to capture it again)")
             if dist.get("world_size") not in (None, world_size):

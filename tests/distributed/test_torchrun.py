@@ -1598,3 +1598,35 @@ def test_consolidate_while_a_task_is_still_writing_says_to_wait_for_it(tmp_path,
             assert {k: v for k, v in _tree(store).items() if not k.startswith("ranks/00001/")} == before
     assert cli.main(["consolidate", str(store)]) == 0
     assert acs.open_store(store).n_samples == 36
+
+
+def test_a_resume_of_a_store_whose_commit_stopped_before_removing_the_rank_stores_names_consolidate(tmp_path,
+                                                                                                       monkeypatch):
+    """Rank 0 killed after the commit's root, before it removed the rank stores (so torchrun
+    --max-restarts restarts the ranks with resume=True): the restart was told only to pass
+    overwrite=True, that is to capture every rank again, though the store holds every row. It
+    now says the commit stopped before removing the rank stores and names the consolidate that
+    removes them; nothing is changed, and that consolidate does it."""
+    from activationscope import cli
+    from activationscope.store import ranks as R
+
+    store = tmp_path / "s.zarr"
+    _small_rank_stores(store)
+
+    def killed(b):
+        raise KeyboardInterrupt("killed")
+    monkeypatch.setattr(R, "_remove_ranks", killed)
+    with pytest.raises(KeyboardInterrupt):
+        R.commit_ranks(store)
+    monkeypatch.undo()
+    before = _tree(store)
+    assert acs.open_store(store).status == "complete" and (store / "ranks" / "00001").is_dir()
+    with pytest.raises(acs.StoreError) as e:
+        R.prepare_root(store, world_size=2, resume=True)
+    msg = str(e.value)
+    assert "already committed (it holds every rank's rows)" in msg and "['00000', '00001']" in msg, msg
+    assert f"run `activationscope consolidate {store}` to remove them" in msg and "nothing was changed" in msg, msg
+    assert _tree(store) == before
+    assert cli.main(["consolidate", str(store)]) == 0 and not (store / "ranks").exists()
+    with pytest.raises(acs.StoreError, match="already committed; there is nothing to resume"):
+        R.prepare_root(store, world_size=2, resume=True)
