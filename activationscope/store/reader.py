@@ -3429,7 +3429,9 @@ def pending_ranks(backend: Any, attrs: dict, raw: Any = ..., opened: dict[int, "
     dict or None
         ``{"capture": "again" | "this" | "left_by_commit" | "other", "run_id": str | None,
         "world_size": int | None, "ranks": [{"rank", "status", "n_samples", "n_rows": {hook
-        point: rows}, "world_size"} | {"rank", "error"}], "missing": [int] (at most 100),
+        point: rows}, "world_size"} (and ``"writer"``, ``"pid ... on host ..."``, for an incomplete
+        local rank store whose writer lock a live task holds: still being written) | {"rank",
+        "error"}], "missing": [int] (at most 100),
         "n_missing": int, "beyond": [int], "incomplete": [int], "other_runs": [int], "ready":
         bool}`` (:meth:`Store.info` shows ``capture`` ``"unreadable"`` and the ``error`` where
         ``ranks/`` cannot be listed or read). ``capture``: ``"again"`` a capture again (its commit replaces the store's rows),
@@ -3498,6 +3500,11 @@ def pending_ranks(backend: Any, attrs: dict, raw: Any = ..., opened: dict[int, "
                             "world_size": n if isinstance(n, int) and not isinstance(n, bool) else None})
             if st.status != "complete":
                 incomplete.append(r)
+                from ._lock import writer_holding  # (a local lock is held only by a live writer)
+
+                holder = writer_holding(st._backend) if isinstance(st._backend, LocalBackend) else None
+                if holder is not None:
+                    entries[-1]["writer"] = holder
         finally:
             if own:
                 st.close()
