@@ -47,6 +47,7 @@ from ._backend import (LocalBackend, _foreign_names, check_backend_not_in_store,
 from ._lock import WriterLock, writer_holding
 from .reader import (Store, _no_rank_column, _sub_backend, capture_again_run_id, check_rank_column_types,
                      listed_rank_stores, rank_store_run_id, ranks_run_id, split_rank_stores_by_run)
+from .reader import other_feature_shape
 from .reader import recorded_world_size as _recorded_world_size
 from .writer import ROW_KINDS, _builtin_state_fits, _library_versions, _write_small_array, resume_history
 
@@ -1177,6 +1178,12 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
     shard_rows: dict[str, int] = {}
     metas: dict[str, dict] = {}
     for hp in hps:
+        metas_hp = [{k: s.attrs["arrays"][hp].get(k) for k in layout_keys} for s in held]
+        for r, m in zip(used[1:], metas_hp[1:]):
+            if m != metas_hp[0] and all(m[k] == metas_hp[0][k] for k in layout_keys if k != "feature_shape"):
+                why, fix = other_feature_shape(hp, r, m["feature_shape"], used[0], metas_hp[0]["feature_shape"])
+                raise StoreError(f"{why}; their rows cannot be one array, so these rank stores cannot be committed "
+                                 f"as they are; nothing was written. Fix: {fix}")
         meta = _check_same(held, f"the layout of hook point {hp!r}",
                            lambda s: {k: s.attrs["arrays"][hp].get(k) for k in layout_keys}, used)
         kind, S = meta["row_kind"], int(meta["shard_rows"])

@@ -1630,3 +1630,30 @@ def test_a_resume_of_a_store_whose_commit_stopped_before_removing_the_rank_store
     assert cli.main(["consolidate", str(store)]) == 0 and not (store / "ranks").exists()
     with pytest.raises(acs.StoreError, match="already committed; there is nothing to resume"):
         R.prepare_root(store, world_size=2, resume=True)
+
+
+def test_rank_stores_of_inputs_of_other_sizes_are_refused_naming_the_sizes_not_the_options(tmp_path, capsys):
+    """Task 1's inputs were longer than task 0's (same model and options): consolidate and the
+    uncommitted store said the ranks were captured with other options and to capture rank 1
+    again with rank 0's options, which gives the same shapes again. Both now say that the
+    inputs had other sizes, with each rank's feature shape and the fix; nothing is written."""
+    from activationscope import cli
+
+    store = tmp_path / "s.zarr"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv1d(2, 3, 3))
+    for task, length in ((0, 10), (1, 12)):
+        opts = {"process_group": acs.RankStore(task, 2)}
+        with acs.ActivationScope(store=str(store), store_options=opts, reductions=["mean"]).track(model), \
+                torch.no_grad():
+            model(torch.randn(4, 2, length))
+    before = _tree(store)
+    assert cli.main(["consolidate", str(store)]) == 1
+    err = capsys.readouterr().err
+    with pytest.raises(acs.StoreCorruptError) as e:
+        acs.open_store(store)
+    for msg in (err, str(e.value)):
+        assert "rank 1 stores hook point '0.output' with feature shape [3, 10], rank 0 with [3, 8]" in msg, msg
+        assert "their inputs had other sizes" in msg and "give every rank inputs of one size" in msg, msg
+        assert "with the same options" not in msg and "with the options of rank 0" not in msg, msg
+    assert "nothing was written" in err and _tree(store) == before
