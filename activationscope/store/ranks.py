@@ -1537,6 +1537,11 @@ def _local_root(store: Any) -> str:
     return path
 
 
+#: Seconds a rank waits at the end of a multi-rank capture for the other ranks to finish their
+#: share and for rank 0's commit (the timeout of the group of those waits): 24 hours.
+OUTCOME_WAIT_S = 24 * 3600
+
+
 class RankSession:
     """One rank's part of a multi-rank capture (see the module docstring)."""
 
@@ -1552,12 +1557,15 @@ class RankSession:
         #: ``time.monotonic()`` when this rank's store was closed, and the seconds spent after
         #: it: waiting for the other ranks' outcome, and (rank 0) committing.
         self.timings: dict[str, float] = {}
+        #: the group of the exchanges at the end (:meth:`finish`): a gloo group of the default
+        #: group's ranks whose timeout is OUTCOME_WAIT_S, made by :meth:`writer_options`
+        self._wait_group: Any = None
 
-    def _gather(self, obj: Any) -> list:
+    def _gather(self, obj: Any, group: Any = None) -> list:
         import torch.distributed as dist
 
         out: list = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
+        dist.all_gather_object(out, obj, group=self.group if group is None else group)
         return out
 
     def writer_options(self, store_options: dict) -> tuple[str, dict]:
@@ -1606,6 +1614,16 @@ class RankSession:
             raise error
         if seen[0]["error"] is not None:
             raise StoreError(f"rank 0 could not prepare the store {self.root!r}: {seen[0]['error']}")
+        if self.group is None:
+            # a rank whose share ends first waits at the end for the slowest one (uneven data:
+            # hours, maybe), which the default group's timeout (30 minutes for gloo, 10 for
+            # nccl) would end with a timeout of every rank: the waits at the end go through a
+            # group of their own (a rank that dies closes its connections: noticed at once)
+            import datetime
+
+            import torch.distributed as dist
+
+            self._wait_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=OUTCOME_WAIT_S))
         target = rank_target(self.root, self.rank)
         self.storage_options = opts.get("storage_options")
         self.run_id = seen[0].get("run_id")
@@ -1641,8 +1659,20 @@ class RankSession:
             if error is not None:
                 raise error
             return
+        try:
+            self._finish(w, live, exc, error, mine)
+        finally:
+            if self._wait_group is not None:
+                import torch.distributed as dist
+
+                dist.destroy_process_group(self._wait_group)
+                self._wait_group = None
+
+    def _finish(self, w: Any, live: dict, exc: BaseException | None, error: BaseException | None,
+                mine: BaseException | None) -> None:
+        """:meth:`finish` once this rank's store is closed: the outcome exchange and rank 0's commit."""
         t0 = time.monotonic()
-        seen = self._gather(None if mine is None else f"{type(mine).__name__}: {mine}")
+        seen = self._gather(None if mine is None else f"{type(mine).__name__}: {mine}", self._wait_group)
         self.timings["wait_s"] = time.monotonic() - t0
         failed = {r: s for r, s in enumerate(seen) if s is not None}
         outcome = None
@@ -1659,7 +1689,7 @@ class RankSession:
                 self.timings["commit_s"] = time.monotonic() - t0
             except BaseException as e:  # noqa: BLE001
                 outcome = f"{type(e).__name__}: {e}"
-        outcomes = self._gather(outcome)
+        outcomes = self._gather(outcome, self._wait_group)
         if error is not None:
             raise error
         if failed and exc is None:

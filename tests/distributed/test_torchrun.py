@@ -1657,3 +1657,20 @@ def test_rank_stores_of_inputs_of_other_sizes_are_refused_naming_the_sizes_not_t
         assert "their inputs had other sizes" in msg and "give every rank inputs of one size" in msg, msg
         assert "with the same options" not in msg and "with the options of rank 0" not in msg, msg
     assert "nothing was written" in err and _tree(store) == before
+
+
+def test_a_rank_that_finishes_long_before_the_others_waits_for_them(captured, tmp_path):
+    """Rank 1 finished its share while rank 0 still captured (uneven data), and waited for rank
+    0's outcome in a collective of the default group: once that wait passed the group's timeout
+    (30 minutes with gloo, 10 with nccl; 3 seconds here), rank 1 failed with gloo's "Timed out
+    waiting ... for send operation" and torchrun ended the capture, nothing committed. The waits
+    at the end now go through a group of their own with a long timeout: the store is committed,
+    equal to an uninterrupted run."""
+    store = tmp_path / "slow.zarr"
+    out = _torchrun(store, "--timeout-s", "3", "--slow-rank0-s", "7")
+    assert out.returncode == 0, out.stderr[-3000:]
+    ref, got = acs.open_store(captured[0]), acs.open_store(store)
+    assert got.status == "complete" and got.hook_points == ref.hook_points
+    for hp in ref.hook_points:
+        assert torch.equal(got[hp], ref[hp])
+    assert got.row_table("sample").equals(ref.row_table("sample"))
