@@ -39,7 +39,8 @@ import numpy as np
 import torch
 
 from ..capture import _native
-from ..errors import ArgumentTypeError, ArgumentValueError, StoreCorruptError, StoreError, StoreExistsError
+from ..errors import (ArgumentTypeError, ArgumentValueError, StoreCorruptError, StoreError, StoreExistsError,
+                      StoreLockedError)
 from . import _format as F
 from . import _validate as V
 from ._backend import (LocalBackend, _foreign_names, check_backend_not_in_store, rank_stores_allowed,
@@ -1806,7 +1807,16 @@ def open_capture_writer(target: Any, *, process_group: Any = None, **options: An
 
     session = detect(process_group, target)
     if session is None:
-        return StoreWriter(target, **options)
+        try:
+            return StoreWriter(target, **options)
+        except StoreLockedError as e:
+            if process_group is not False:
+                raise
+            # (under torchrun, every rank given one path with process_group=False: all but one are refused)
+            raise StoreLockedError(
+                f"{e}. With store_options process_group=False each process writes a store of its own: give each "
+                "rank its own path (with its rank in it, e.g. f'runs/x.rank{torch.distributed.get_rank()}.zarr'), or "
+                "leave process_group out to capture every rank of a torch.distributed run into this one store") from None
     fixed = {k: options.pop(k) for k in ("capture_config", "model", "storage_dtype") if k in options}
     rank_target_, opts = session.writer_options(options)
     # a task capturing a complete store again writes its rank store under that store's root

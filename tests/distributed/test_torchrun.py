@@ -1674,3 +1674,21 @@ def test_a_rank_that_finishes_long_before_the_others_waits_for_them(captured, tm
     for hp in ref.hook_points:
         assert torch.equal(got[hp], ref[hp])
     assert got.row_table("sample").equals(ref.row_table("sample"))
+
+
+def test_a_store_path_shared_with_process_group_false_names_the_fix(tmp_path):
+    """Under torchrun, every rank given the same store with store_options process_group=False
+    (one store per rank) was refused, but for the first, with "being written by pid ...; one
+    writer at a time: wait for it to finish", the holder being another rank of the same run. The error now
+    says that each rank needs a path of its own, or to leave process_group out."""
+    store = str(tmp_path / "s.zarr")
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    with acs.ActivationScope(store=store).track(model), torch.no_grad():  # (holds the store: another rank)
+        model(torch.randn(2, 8))
+        scope = acs.ActivationScope(store=store, store_options={"process_group": False})
+        with pytest.raises(acs.StoreLockedError) as e:
+            with scope.track(model):
+                model(torch.randn(2, 8))
+    msg = str(e.value)
+    assert "is being written by" in msg and "each process writes a store of its own: give each rank its own path" in msg
+    assert "leave process_group out" in msg
