@@ -1816,7 +1816,8 @@ def open_capture_writer(target: Any, *, process_group: Any = None, **options: An
             raise StoreLockedError(
                 f"{e}. With store_options process_group=False each process writes a store of its own: give each "
                 "rank its own path (with its rank in it, e.g. f'runs/x.rank{torch.distributed.get_rank()}.zarr'), or "
-                "leave process_group out to capture every rank of a torch.distributed run into this one store") from None
+                "leave process_group out to capture every rank of a torch.distributed run into this one store"
+            ) from None
     fixed = {k: options.pop(k) for k in ("capture_config", "model", "storage_dtype") if k in options}
     rank_target_, opts = session.writer_options(options)
     # a task capturing a complete store again writes its rank store under that store's root
