@@ -408,6 +408,17 @@ def _check_same_hook_points(stores: list[Store], ranks: list[int]) -> None:
     r, hps = next(iter(lacking.items()))
     holder = next(q for q, s in zip(ranks, stores) if hps[0] in s.hook_points)
     more = f" (and rank(s) {sorted(lacking)[1:10]} lack others)" if len(lacking) > 1 else ""
+
+    def side(q: int) -> Any:  # capture= "output" | "input" | "both" of rank q's store
+        config = stores[ranks.index(q)].attrs.get("capture_config")
+        return config.get("capture") if isinstance(config, dict) else None
+    if isinstance(side(r), str) and isinstance(side(holder), str) and side(r) != side(holder):
+        raise StoreError(
+            f"rank stores disagree on the hook points: rank {r} lacks {shown(hps)}, which rank {holder} holds{more}: "
+            f"rank {r} was captured with capture={side(r)!r}, rank {holder} with capture={side(holder)!r}; a committed "
+            "store holds every hook point for the rows of every rank, so these rank stores cannot be committed as they "
+            f"are; nothing was written. Capture rank {r} again with capture={side(holder)!r} (store_options "
+            f"overwrite=True), or rank {holder} with capture={side(r)!r}")
     raise StoreError(
         f"rank stores disagree on the hook points: rank {r} lacks {shown(hps)}, which rank {holder} holds{more}; "
         "a committed store holds every hook point for the rows of every rank, so these rank stores cannot be committed as they are; "

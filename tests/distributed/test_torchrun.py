@@ -1692,3 +1692,24 @@ def test_a_store_path_shared_with_process_group_false_names_the_fix(tmp_path):
     msg = str(e.value)
     assert "is being written by" in msg and "each process writes a store of its own: give each rank its own path" in msg
     assert "leave process_group out" in msg
+
+
+def test_rank_stores_captured_with_another_capture_side_name_it(tmp_path, capsys):
+    """Task 1 captured inputs and outputs (capture="both"), task 0 outputs only: consolidate
+    said the ranks were captured with other include=/exclude= or their modules never ran, neither
+    of which was so. It now names each rank's capture= and the fix; nothing is written."""
+    from activationscope import cli
+
+    store = tmp_path / "s.zarr"
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    for task, side in ((0, "output"), (1, "both")):
+        opts = {"process_group": acs.RankStore(task, 2)}
+        with acs.ActivationScope(store=str(store), capture=side, store_options=opts).track(model), torch.no_grad():
+            model(torch.randn(3, 4))
+    before = _tree(store)
+    assert cli.main(["consolidate", str(store)]) == 1
+    err = capsys.readouterr().err
+    assert "rank 0 lacks ['0.input.0', '1.input.0'], which rank 1 holds" in err, err
+    assert "rank 0 was captured with capture='output', rank 1 with capture='both'" in err, err
+    assert "Capture rank 0 again with capture='both'" in err and "include=" not in err, err
+    assert "nothing was written" in err and _tree(store) == before
