@@ -1078,7 +1078,8 @@ def _pending_ranks_lines(p: dict[str, Any], info: dict[str, Any], name: str) -> 
         if "error" in e:
             lines.append(f"            rank {e.get('rank')}: cannot be opened: {e['error']}")
         else:
-            lines.append(f"            rank {e.get('rank')}: {e.get('status')}, {e.get('n_samples')} samples, "
+            writing = f", being written by {e['writer']}" if e.get("writer") else ""
+            lines.append(f"            rank {e.get('rank')}: {e.get('status')}{writing}, {e.get('n_samples')} samples, "
                          f"{_rank_rows(e)}")
     if len(entries) > _MAX_RANK_LINES:
         lines.append(f"            ... ({len(entries) - _MAX_RANK_LINES} more rank stores)")
@@ -1102,8 +1103,12 @@ def _pending_ranks_lines(p: dict[str, Any], info: dict[str, Any], name: str) -> 
         with_opts = " with store_options overwrite=True, as the others" if kind == "again" else ""
         todo.append(f"run the task(s) of rank(s) {_shown_ranks(missing, p.get('n_missing') or len(missing))}"
                     f"{with_opts}")
-    if incomplete:
-        todo.append(f"resume rank(s) {_shown_ranks(incomplete)} (store_options resume=True) until complete")
+    writing = [e.get("rank") for e in entries if e.get("writer")]
+    stopped = [r for r in incomplete if r not in writing]
+    if writing:
+        todo.append(f"wait for the task(s) writing rank(s) {_shown_ranks(writing)} to finish")
+    if stopped:
+        todo.append(f"resume rank(s) {_shown_ranks(stopped)} (store_options resume=True) until complete")
     if beyond:
         todo.append(f"remove the rank store(s) {_shown_ranks(beyond)} beyond its {world} ranks (an earlier attempt's)")
     inside = [r for r in others if world is not None and r < world]

@@ -39,14 +39,16 @@ import numpy as np
 import torch
 
 from ..capture import _native
-from ..errors import ArgumentTypeError, ArgumentValueError, StoreCorruptError, StoreError, StoreExistsError
+from ..errors import (ArgumentTypeError, ArgumentValueError, StoreCorruptError, StoreError, StoreExistsError,
+                      StoreLockedError)
 from . import _format as F
 from . import _validate as V
 from ._backend import (LocalBackend, _foreign_names, check_backend_not_in_store, rank_stores_allowed,
                        refuse_foreign_entries, resolve, write_root_first)
-from ._lock import WriterLock
+from ._lock import WriterLock, writer_holding
 from .reader import (Store, _no_rank_column, _sub_backend, capture_again_run_id, check_rank_column_types,
                      listed_rank_stores, rank_store_run_id, ranks_run_id, split_rank_stores_by_run)
+from .reader import other_feature_shape
 from .reader import recorded_world_size as _recorded_world_size
 from .writer import ROW_KINDS, _builtin_state_fits, _library_versions, _write_small_array, resume_history
 
@@ -151,6 +153,14 @@ def _prepare_root(b: Any, world_size: int, overwrite: bool, resume: bool) -> str
         elif resume and attrs is not None:
             dist = attrs.get("distributed") or {}
             if dist.get("committed"):
+                left = sorted({k.split("/")[1] for k in b.list(f"{RANKS_DIR}/")
+                               if k.count("/") >= 2 and k.split("/")[1].isdigit() and len(k.split("/")[1]) == 5})
+                if left:  # (a commit stopped after its root: a restart of its ranks finds it so)
+                    raise StoreError(
+                        f"the multi-rank store {str(b)!r} is already committed (it holds every rank's rows); its "
+                        f"commit stopped before it removed the rank stores {left} under {_ranks_dir(b)!r}; there is "
+                        f"nothing to resume: run {_consolidate_call(str(b))} to remove them (the store reads as "
+                        "committed meanwhile), or pass overwrite=True to capture it again; nothing was changed")
                 raise StoreError(f"the multi-rank store {str(b)!r} is already committed; there is nothing to resume "
                                  "(pass overwrite=True to capture it again)")
             if dist.get("world_size") not in (None, world_size):
@@ -398,6 +408,17 @@ def _check_same_hook_points(stores: list[Store], ranks: list[int]) -> None:
     r, hps = next(iter(lacking.items()))
     holder = next(q for q, s in zip(ranks, stores) if hps[0] in s.hook_points)
     more = f" (and rank(s) {sorted(lacking)[1:10]} lack others)" if len(lacking) > 1 else ""
+
+    def side(q: int) -> Any:  # capture= "output" | "input" | "both" of rank q's store
+        config = stores[ranks.index(q)].attrs.get("capture_config")
+        return config.get("capture") if isinstance(config, dict) else None
+    if isinstance(side(r), str) and isinstance(side(holder), str) and side(r) != side(holder):
+        raise StoreError(
+            f"rank stores disagree on the hook points: rank {r} lacks {shown(hps)}, which rank {holder} holds{more}: "
+            f"rank {r} was captured with capture={side(r)!r}, rank {holder} with capture={side(holder)!r}; a committed "
+            "store holds every hook point for the rows of every rank, so these rank stores cannot be committed as they "
+            f"are; nothing was written. Capture rank {r} again with capture={side(holder)!r} (store_options "
+            f"overwrite=True), or rank {holder} with capture={side(r)!r}")
     raise StoreError(
         f"rank stores disagree on the hook points: rank {r} lacks {shown(hps)}, which rank {holder} holds{more}; "
         "a committed store holds every hook point for the rows of every rank, so these rank stores cannot be committed as they are; "
@@ -405,6 +426,21 @@ def _check_same_hook_points(stores: list[Store], ranks: list[int]) -> None:
         f"{r} again with those of rank {holder}, store_options overwrite=True), or no forward of rank {r} ran "
         f"those modules (its data never reaches them): capture every rank again leaving them out (exclude=), or "
         f"capture them into a store of their own")
+
+
+def _capture_policy(st: Store) -> dict:
+    """The rule that picked a rank store's forwards (``capture_config["capture_policy"]``, and
+    its ``sample_every`` or ``max_k``; ``SAMPLE_N`` with ``sample_every=1`` is ``EVERY``), as
+    the commit compares it: a committed store records one ``capture_config`` for the rows of
+    every rank. ``{}`` for a rank store without the record."""
+    config = st.attrs.get("capture_config")
+    name = config.get("capture_policy") if isinstance(config, dict) else None
+    if name is None:
+        return {}
+    if name == "SAMPLE_N" and config.get("sample_every") == 1:
+        name = "EVERY"
+    extra = {"SAMPLE_N": "sample_every", "MAX_K": "max_k"}.get(name)
+    return {"capture_policy": name, **({extra: config.get(extra)} if extra else {})}
 
 
 def _n_rows(st: Store, hp: str) -> int:
@@ -1126,6 +1162,11 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
               Store(rank_target(target, r), storage_options=storage_options) for r in ranks]
     for r, st in enumerate(stores):
         if st.status != "complete":
+            # (a local lock is held only by a live writer: flock, FORMAT.md section 7)
+            holder = writer_holding(st._backend) if local else None
+            if holder is not None:
+                raise StoreError(f"rank {r} store {st.path!r} is still being written (its writer lock is held by "
+                                 f"{holder}): wait for it to finish, then consolidate again; nothing was written")
             raise StoreError(f"rank {r} store {st.path!r} is {st.status!r}: resume that rank (resume=True) so it "
                              "completes, then commit")
     _check_rank_world_sizes(b, stores, expected)
@@ -1143,11 +1184,18 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
                          "is no row to commit; nothing was written. Check that the ranks' data yielded batches")
     held = [stores[r] for r in used]
     _check_same_hook_points(held, used)
-    hps = sorted(held[0].hook_points)
+    _check_same(held, "the capture policy", _capture_policy, used)
+    hps = list(held[0].hook_points)  # (capture order, as a store of one process lists them)
     layout_keys = ("row_kind", "feature_shape", "dtype", "storage_dtype", "chunk_rows", "shard_rows", "compression")
     shard_rows: dict[str, int] = {}
     metas: dict[str, dict] = {}
     for hp in hps:
+        metas_hp = [{k: s.attrs["arrays"][hp].get(k) for k in layout_keys} for s in held]
+        for r, m in zip(used[1:], metas_hp[1:]):
+            if m != metas_hp[0] and all(m[k] == metas_hp[0][k] for k in layout_keys if k != "feature_shape"):
+                why, fix = other_feature_shape(hp, r, m["feature_shape"], used[0], metas_hp[0]["feature_shape"])
+                raise StoreError(f"{why}; their rows cannot be one array, so these rank stores cannot be committed "
+                                 f"as they are; nothing was written. Fix: {fix}")
         meta = _check_same(held, f"the layout of hook point {hp!r}",
                            lambda s: {k: s.attrs["arrays"][hp].get(k) for k in layout_keys}, used)
         kind, S = meta["row_kind"], int(meta["shard_rows"])
@@ -1501,6 +1549,11 @@ def _local_root(store: Any) -> str:
     return path
 
 
+#: Seconds a rank waits at the end of a multi-rank capture for the other ranks to finish their
+#: share and for rank 0's commit (the timeout of the group of those waits): 24 hours.
+OUTCOME_WAIT_S = 24 * 3600
+
+
 class RankSession:
     """One rank's part of a multi-rank capture (see the module docstring)."""
 
@@ -1516,12 +1569,15 @@ class RankSession:
         #: ``time.monotonic()`` when this rank's store was closed, and the seconds spent after
         #: it: waiting for the other ranks' outcome, and (rank 0) committing.
         self.timings: dict[str, float] = {}
+        #: the group of the exchanges at the end (:meth:`finish`): a gloo group of the default
+        #: group's ranks whose timeout is OUTCOME_WAIT_S, made by :meth:`writer_options`
+        self._wait_group: Any = None
 
-    def _gather(self, obj: Any) -> list:
+    def _gather(self, obj: Any, group: Any = None) -> list:
         import torch.distributed as dist
 
         out: list = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
+        dist.all_gather_object(out, obj, group=self.group if group is None else group)
         return out
 
     def writer_options(self, store_options: dict) -> tuple[str, dict]:
@@ -1570,6 +1626,16 @@ class RankSession:
             raise error
         if seen[0]["error"] is not None:
             raise StoreError(f"rank 0 could not prepare the store {self.root!r}: {seen[0]['error']}")
+        if self.group is None:
+            # a rank whose share ends first waits at the end for the slowest one (uneven data:
+            # hours, maybe), which the default group's timeout (30 minutes for gloo, 10 for
+            # nccl) would end with a timeout of every rank: the waits at the end go through a
+            # group of their own (a rank that dies closes its connections: noticed at once)
+            import datetime
+
+            import torch.distributed as dist
+
+            self._wait_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=OUTCOME_WAIT_S))
         target = rank_target(self.root, self.rank)
         self.storage_options = opts.get("storage_options")
         self.run_id = seen[0].get("run_id")
@@ -1605,8 +1671,20 @@ class RankSession:
             if error is not None:
                 raise error
             return
+        try:
+            self._finish(w, live, exc, error, mine)
+        finally:
+            if self._wait_group is not None:
+                import torch.distributed as dist
+
+                dist.destroy_process_group(self._wait_group)
+                self._wait_group = None
+
+    def _finish(self, w: Any, live: dict, exc: BaseException | None, error: BaseException | None,
+                mine: BaseException | None) -> None:
+        """:meth:`finish` once this rank's store is closed: the outcome exchange and rank 0's commit."""
         t0 = time.monotonic()
-        seen = self._gather(None if mine is None else f"{type(mine).__name__}: {mine}")
+        seen = self._gather(None if mine is None else f"{type(mine).__name__}: {mine}", self._wait_group)
         self.timings["wait_s"] = time.monotonic() - t0
         failed = {r: s for r, s in enumerate(seen) if s is not None}
         outcome = None
@@ -1623,7 +1701,7 @@ class RankSession:
                 self.timings["commit_s"] = time.monotonic() - t0
             except BaseException as e:  # noqa: BLE001
                 outcome = f"{type(e).__name__}: {e}"
-        outcomes = self._gather(outcome)
+        outcomes = self._gather(outcome, self._wait_group)
         if error is not None:
             raise error
         if failed and exc is None:
@@ -1740,7 +1818,17 @@ def open_capture_writer(target: Any, *, process_group: Any = None, **options: An
 
     session = detect(process_group, target)
     if session is None:
-        return StoreWriter(target, **options)
+        try:
+            return StoreWriter(target, **options)
+        except StoreLockedError as e:
+            if process_group is not False:
+                raise
+            # (under torchrun, every rank given one path with process_group=False: all but one are refused)
+            raise StoreLockedError(
+                f"{e}. With store_options process_group=False each process writes a store of its own: give each "
+                "rank its own path (with its rank in it, e.g. f'runs/x.rank{torch.distributed.get_rank()}.zarr'), or "
+                "leave process_group out to capture every rank of a torch.distributed run into this one store"
+            ) from None
     fixed = {k: options.pop(k) for k in ("capture_config", "model", "storage_dtype") if k in options}
     rank_target_, opts = session.writer_options(options)
     # a task capturing a complete store again writes its rank store under that store's root

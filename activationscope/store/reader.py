@@ -3595,7 +3595,9 @@ def pending_ranks(backend: Any, attrs: dict, raw: Any = ..., opened: dict[int, "
     dict or None
         ``{"capture": "again" | "this" | "left_by_commit" | "other", "run_id": str | None,
         "world_size": int | None, "ranks": [{"rank", "status", "n_samples", "n_rows": {hook
-        point: rows}, "world_size"} | {"rank", "error"}], "missing": [int] (at most 100),
+        point: rows}, "world_size"} (and ``"writer"``, ``"pid ... on host ..."``, for an incomplete
+        local rank store whose writer lock a live task holds: still being written) | {"rank",
+        "error"}], "missing": [int] (at most 100),
         "n_missing": int, "beyond": [int], "incomplete": [int], "other_runs": [int], "ready":
         bool}`` (:meth:`Store.info` shows ``capture`` ``"unreadable"`` and the ``error`` where
         ``ranks/`` cannot be listed or read). ``capture``: ``"again"`` a capture again (its commit replaces the store's rows),
@@ -3664,6 +3666,11 @@ def pending_ranks(backend: Any, attrs: dict, raw: Any = ..., opened: dict[int, "
                             "world_size": n if isinstance(n, int) and not isinstance(n, bool) else None})
             if st.status != "complete":
                 incomplete.append(r)
+                from ._lock import writer_holding  # (a local lock is held only by a live writer)
+
+                holder = writer_holding(st._backend) if isinstance(st._backend, LocalBackend) else None
+                if holder is not None:
+                    entries[-1]["writer"] = holder
         finally:
             if own:
                 st.close()
@@ -3679,6 +3686,19 @@ def pending_ranks(backend: Any, attrs: dict, raw: Any = ..., opened: dict[int, "
     return {"capture": capture, "run_id": run, "world_size": world, "ranks": entries, "missing": missing,
             "n_missing": n_missing, "beyond": beyond, "incomplete": incomplete, "other_runs": others,
             "ready": ready}
+
+
+def other_feature_shape(hp: str, r: int, shape: Any, first: int, first_shape: Any) -> tuple[str, str]:
+    """Why rank stores of one capture hold hook point ``hp`` with other feature shapes (the
+    same options and model, inputs of other sizes), and what to do: the errors of the
+    uncommitted view and of the commit."""
+    why = (f"rank {r} stores hook point {hp!r} with feature shape {shape}, rank {first} with {first_shape}: the "
+           "model gave activations of other shapes on the two ranks, so their inputs had other sizes (sequences "
+           "of another length without an attention mask, images of another size)")
+    fix = ("give every rank inputs of one size (pad or crop them; for one row per token, give set_batch an attention "
+           f"mask), then capture rank {r} again (store_options overwrite=True and the same process_group "
+           f"RankStore({r}, world size)), or rank {first} if its sizes were the wrong ones")
+    return why, fix
 
 
 def _rank_view(store: "Store", attrs: dict, dist: dict) -> tuple[dict, list, dict]:
@@ -3730,6 +3750,11 @@ def _rank_view(store: "Store", attrs: dict, dist: dict) -> tuple[dict, list, dic
             meta = st.attrs["arrays"][hp]
             if hp in arrays and any(arrays[hp][k] != meta[k] for k in layout):
                 first = arrays[hp]["ranks"][0]["rank"]
+                if all(arrays[hp][k] == meta[k] for k in layout if k != "feature_shape"):
+                    why, fix = other_feature_shape(hp, r, meta["feature_shape"], first, arrays[hp]["feature_shape"])
+                    raise V.corrupt(store._backend, f"{why}, and their rows cannot be shown as one array",
+                                    f"{fix}; until then each rank store opens on its own: "
+                                    f"open_store('{str(store._backend).rstrip('/')}/ranks/{r:05d}')")
                 raise V.corrupt(
                     store._backend,
                     f"rank {r} stores hook point {hp!r} as {dict((k, meta[k]) for k in layout)}, rank {first} as "

@@ -145,3 +145,26 @@ def test_info_says_consolidate_removes_a_rank_store_of_another_run_beside_a_read
             "commits: move them away first if you keep them") in out, out
     assert cli.main(["consolidate", url]) == 0  # (what info said: the rank store of the other run is gone)
     assert not (Path(url) / "ranks" / "00002").exists()
+
+
+def test_info_tells_a_rank_store_still_being_written_from_one_to_resume(tmp_path, capsys):
+    """While task 1 was still capturing, info said to resume rank 1, which its running task
+    would refuse (it holds the lock) or, once it finished, capture its rows twice. The rank
+    store is now named as being written by its task, and what to run is to wait for it (a task
+    that stopped part way is still to be resumed: the capture-again test above)."""
+    import os
+
+    url = str(tmp_path / "u.zarr")
+    _task(url, None, 0, 2, _model(0))
+    model = _model(0)
+    with acs.ActivationScope(store=url, store_options={**job.STORE_OPTIONS, "process_group": acs.RankStore(1, 2)}
+                             ).track(model) as tracker, torch.no_grad():
+        model(job.batch(1))
+        tracker.writer.commit()
+        p = acs.open_store(url).info()["pending_ranks"]
+        assert p["incomplete"] == [1] and f"pid {os.getpid()}" in p["ranks"][1]["writer"], p
+        out = _info(url, capsys)
+        assert f"rank 1: incomplete, being written by pid {os.getpid()} on host" in out, out
+        assert "next:     wait for the task(s) writing rank(s) [1] to finish; then" in out and "resume" not in out, out
+    p = acs.open_store(url).info()["pending_ranks"]
+    assert p["ready"] and "writer" not in p["ranks"][1]

@@ -1509,3 +1509,211 @@ def test_a_hook_point_that_one_rank_lacks_is_not_committed_and_the_error_names_i
     assert st.info()["arrays"]["extra.output"]["follows_row_table"] is False
     assert st.info()["arrays"]["lin.output"]["follows_row_table"] is True
     assert st.verify() == []
+
+
+def test_a_committed_store_lists_its_hook_points_in_capture_order(tmp_path):
+    """The commit listed the hook points sorted by name (``store.hook_points``, the order of
+    the root's ``arrays``), where a store of one process and the uncommitted view of the same
+    rank stores list them in capture order, as ``Store.hook_points`` says: readers that follow
+    that order (export columns, datasets over every hook point) changed order at the commit.
+    It now keeps the capture order."""
+    from collections import OrderedDict
+
+    from activationscope.store.ranks import commit_ranks
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(OrderedDict([("z", torch.nn.Linear(8, 8)), ("b", torch.nn.ReLU()),
+                                             ("a", torch.nn.Linear(8, 4))])).eval()
+    xs = [torch.randn(5, 8) for _ in range(4)]
+    one = tmp_path / "one.zarr"
+    with acs.ActivationScope(store=str(one), store_options={"process_group": False}).track(model), torch.no_grad():
+        for x in xs:
+            model(x)
+    expected = ["z.output", "b.output", "a.output"]
+    assert acs.open_store(one).hook_points == expected
+    store = tmp_path / "s.zarr"
+    for task in (0, 1):
+        opts = {"shard_rows": 8, "chunk_rows": 4, "process_group": acs.RankStore(task, 2)}
+        with acs.ActivationScope(store=str(store), store_options=opts, reductions=["mean"]).track(model), \
+                torch.no_grad():
+            for x in xs[2 * task:2 * task + 2]:
+                model(x)
+    assert acs.open_store(store).hook_points == expected  # the uncommitted view
+    commit_ranks(store)
+    s = acs.open_store(store)
+    assert s.status == "complete" and s.hook_points == expected
+    assert list(s.reductions) == expected
+
+
+@pytest.mark.parametrize("rank1", [{"capture_policy": acs.CapturePolicy.SAMPLE_N, "sample_every": 2},
+                                   {"capture_policy": acs.CapturePolicy.MAX_K, "max_k": 2}])
+def test_rank_stores_captured_with_another_capture_policy_are_not_committed(tmp_path, capsys, rank1):
+    """Task 1 captured every second batch (or its first two) where task 0 captured every
+    batch: consolidate committed both, and the store's capture_config said EVERY for every row,
+    rank 1's included. It is refused as a resume with another policy is, naming both ranks'
+    policies; nothing is written."""
+    from activationscope import cli
+
+    store = tmp_path / "s.zarr"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    xs = [torch.randn(6, 8) for _ in range(6)]
+    for task in (0, 1):
+        opts = {"shard_rows": 8, "chunk_rows": 4, "process_group": acs.RankStore(task, 2)}
+        with acs.ActivationScope(store=str(store), store_options=opts, reductions=["mean"],
+                                 **(rank1 if task else {})).track(model), torch.no_grad():
+            for x in xs[task * 3:(task + 1) * 3]:
+                model(x)
+    before = _tree(store)
+    assert cli.main(["consolidate", str(store)]) == 1
+    err = capsys.readouterr().err
+    assert "rank stores disagree on the capture policy" in err and "nothing was written" in err, err
+    shown = "'SAMPLE_N', 'sample_every': 2" if "sample_every" in rank1 else "'MAX_K', 'max_k': 2"
+    assert "rank 0 has {'capture_policy': 'EVERY'}" in err and f"rank 1 has {{'capture_policy': {shown}}}" in err, err
+    assert _tree(store) == before and acs.open_store(store).status == "incomplete"
+
+
+def test_consolidate_while_a_task_is_still_writing_says_to_wait_for_it(tmp_path, capsys):
+    """Consolidate run while task 1 was still capturing said its rank store was incomplete and
+    to resume it, which would be refused (the task holds the lock) or, once it finished,
+    capture its rows twice. It now names the task that holds the rank store's writer lock and
+    says to wait for it; nothing is written, and the commit goes through once the task ends."""
+    from activationscope import cli
+
+    store = tmp_path / "s.zarr"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    xs = [torch.randn(6, 8) for _ in range(6)]
+
+    def opts(task):
+        return {"shard_rows": 8, "chunk_rows": 4, "process_group": acs.RankStore(task, 2)}
+    with acs.ActivationScope(store=str(store), store_options=opts(0)).track(model), torch.no_grad():
+        for x in xs[:3]:
+            model(x)
+    with acs.ActivationScope(store=str(store), store_options=opts(1)).track(model) as tracker, torch.no_grad():
+        for x in xs[3:]:
+            model(x)
+            tracker.writer.commit()
+            before = {k: v for k, v in _tree(store).items() if not k.startswith("ranks/00001/")}  # (task 1's own)
+            assert cli.main(["consolidate", str(store)]) == 1
+            err = capsys.readouterr().err
+            assert f"rank 1 store {str(store / 'ranks' / '00001')!r} is still being written" in err, err
+            assert f"pid {os.getpid()}" in err and "wait for it to finish" in err and "resume" not in err, err
+            assert {k: v for k, v in _tree(store).items() if not k.startswith("ranks/00001/")} == before
+    assert cli.main(["consolidate", str(store)]) == 0
+    assert acs.open_store(store).n_samples == 36
+
+
+def test_a_resume_of_a_store_whose_commit_stopped_before_removing_the_rank_stores_names_consolidate(tmp_path,
+                                                                                                       monkeypatch):
+    """Rank 0 killed after the commit's root, before it removed the rank stores (so torchrun
+    --max-restarts restarts the ranks with resume=True): the restart was told only to pass
+    overwrite=True, that is to capture every rank again, though the store holds every row. It
+    now says the commit stopped before removing the rank stores and names the consolidate that
+    removes them; nothing is changed, and that consolidate does it."""
+    from activationscope import cli
+    from activationscope.store import ranks as R
+
+    store = tmp_path / "s.zarr"
+    _small_rank_stores(store)
+
+    def killed(b):
+        raise KeyboardInterrupt("killed")
+    monkeypatch.setattr(R, "_remove_ranks", killed)
+    with pytest.raises(KeyboardInterrupt):
+        R.commit_ranks(store)
+    monkeypatch.undo()
+    before = _tree(store)
+    assert acs.open_store(store).status == "complete" and (store / "ranks" / "00001").is_dir()
+    with pytest.raises(acs.StoreError) as e:
+        R.prepare_root(store, world_size=2, resume=True)
+    msg = str(e.value)
+    assert "already committed (it holds every rank's rows)" in msg and "['00000', '00001']" in msg, msg
+    assert f"run `activationscope consolidate {store}` to remove them" in msg and "nothing was changed" in msg, msg
+    assert _tree(store) == before
+    assert cli.main(["consolidate", str(store)]) == 0 and not (store / "ranks").exists()
+    with pytest.raises(acs.StoreError, match="already committed; there is nothing to resume"):
+        R.prepare_root(store, world_size=2, resume=True)
+
+
+def test_rank_stores_of_inputs_of_other_sizes_are_refused_naming_the_sizes_not_the_options(tmp_path, capsys):
+    """Task 1's inputs were longer than task 0's (same model and options): consolidate and the
+    uncommitted store said the ranks were captured with other options and to capture rank 1
+    again with rank 0's options, which gives the same shapes again. Both now say that the
+    inputs had other sizes, with each rank's feature shape and the fix; nothing is written."""
+    from activationscope import cli
+
+    store = tmp_path / "s.zarr"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv1d(2, 3, 3))
+    for task, length in ((0, 10), (1, 12)):
+        opts = {"process_group": acs.RankStore(task, 2)}
+        with acs.ActivationScope(store=str(store), store_options=opts, reductions=["mean"]).track(model), \
+                torch.no_grad():
+            model(torch.randn(4, 2, length))
+    before = _tree(store)
+    assert cli.main(["consolidate", str(store)]) == 1
+    err = capsys.readouterr().err
+    with pytest.raises(acs.StoreCorruptError) as e:
+        acs.open_store(store)
+    for msg in (err, str(e.value)):
+        assert "rank 1 stores hook point '0.output' with feature shape [3, 10], rank 0 with [3, 8]" in msg, msg
+        assert "their inputs had other sizes" in msg and "give every rank inputs of one size" in msg, msg
+        assert "with the same options" not in msg and "with the options of rank 0" not in msg, msg
+    assert "nothing was written" in err and _tree(store) == before
+
+
+def test_a_rank_that_finishes_long_before_the_others_waits_for_them(captured, tmp_path):
+    """Rank 1 finished its share while rank 0 still captured (uneven data), and waited for rank
+    0's outcome in a collective of the default group: once that wait passed the group's timeout
+    (30 minutes with gloo, 10 with nccl; 3 seconds here), rank 1 failed with gloo's "Timed out
+    waiting ... for send operation" and torchrun ended the capture, nothing committed. The waits
+    at the end now go through a group of their own with a long timeout: the store is committed,
+    equal to an uninterrupted run."""
+    store = tmp_path / "slow.zarr"
+    out = _torchrun(store, "--timeout-s", "3", "--slow-rank0-s", "7")
+    assert out.returncode == 0, out.stderr[-3000:]
+    ref, got = acs.open_store(captured[0]), acs.open_store(store)
+    assert got.status == "complete" and got.hook_points == ref.hook_points
+    for hp in ref.hook_points:
+        assert torch.equal(got[hp], ref[hp])
+    assert got.row_table("sample").equals(ref.row_table("sample"))
+
+
+def test_a_store_path_shared_with_process_group_false_names_the_fix(tmp_path):
+    """Under torchrun, every rank given the same store with store_options process_group=False
+    (one store per rank) was refused, but for the first, with "being written by pid ...; one
+    writer at a time: wait for it to finish", the holder being another rank of the same run. The error now
+    says that each rank needs a path of its own, or to leave process_group out."""
+    store = str(tmp_path / "s.zarr")
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    with acs.ActivationScope(store=store).track(model), torch.no_grad():  # (holds the store: another rank)
+        model(torch.randn(2, 8))
+        scope = acs.ActivationScope(store=store, store_options={"process_group": False})
+        with pytest.raises(acs.StoreLockedError) as e:
+            with scope.track(model):
+                model(torch.randn(2, 8))
+    msg = str(e.value)
+    assert "is being written by" in msg and "each process writes a store of its own: give each rank its own path" in msg
+    assert "leave process_group out" in msg
+
+
+def test_rank_stores_captured_with_another_capture_side_name_it(tmp_path, capsys):
+    """Task 1 captured inputs and outputs (capture="both"), task 0 outputs only: consolidate
+    said the ranks were captured with other include=/exclude= or their modules never ran, neither
+    of which was so. It now names each rank's capture= and the fix; nothing is written."""
+    from activationscope import cli
+
+    store = tmp_path / "s.zarr"
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    for task, side in ((0, "output"), (1, "both")):
+        opts = {"process_group": acs.RankStore(task, 2)}
+        with acs.ActivationScope(store=str(store), capture=side, store_options=opts).track(model), torch.no_grad():
+            model(torch.randn(3, 4))
+    before = _tree(store)
+    assert cli.main(["consolidate", str(store)]) == 1
+    err = capsys.readouterr().err
+    assert "rank 0 lacks ['0.input.0', '1.input.0'], which rank 1 holds" in err, err
+    assert "rank 0 was captured with capture='output', rank 1 with capture='both'" in err, err
+    assert "Capture rank 0 again with capture='both'" in err and "include=" not in err, err
+    assert "nothing was written" in err and _tree(store) == before

@@ -10,6 +10,8 @@ SIGKILL of its own pid), once something is committed. ``--die-once``: die only i
 (``TORCHELASTIC_RESTART_COUNT`` 0), so ``--max-restarts=1`` reruns the ranks. The process group
 comes from ``acs.init_process_group`` (``--plain-init``: ``torch.distributed``'s own). The summary of rank 0's commit goes to STORE + ".summary.json"
 (a local STORE only). ``--storage-options``: fsspec options of a URL STORE (``s3://...``), as JSON.
+``--timeout-s T``: the process group's timeout (seconds); ``--slow-rank0-s S``: rank 0 sleeps S
+seconds before its last batch (its share takes longer than the other ranks').
 """
 
 from __future__ import annotations
@@ -68,14 +70,19 @@ def main() -> None:
     p.add_argument("--plain-init", action="store_true")
     p.add_argument("--storage-options", type=json.loads, default=None)
     p.add_argument("--device", default="cpu", help="the model's device (cuda: every rank on the current one, gloo)")
+    p.add_argument("--timeout-s", type=float, default=None)
+    p.add_argument("--slow-rank0-s", type=float, default=0.0)
     args = p.parse_args()
     torch.set_num_threads(1)
     distributed = "WORLD_SIZE" in os.environ
     if distributed:
+        import datetime
+
+        timeout = {} if args.timeout_s is None else {"timeout": datetime.timedelta(seconds=args.timeout_s)}
         if args.plain_init:
-            dist.init_process_group("gloo")
+            dist.init_process_group("gloo", **timeout)
         else:
-            acs.init_process_group("gloo")
+            acs.init_process_group("gloo", **timeout)
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     model = toy_mlp(WIDTH, 3).eval().to(args.device)
     scope = acs.ActivationScope(store=args.store, reductions=["mean", "var", "cov"],
@@ -101,6 +108,8 @@ def main() -> None:
                     os._exit(3)
 
                 model[2].register_forward_hook(die)
+            if rank == 0 and args.slow_rank0_s and i == len(batches_of(rank, world)) - 1:
+                time.sleep(args.slow_rank0_s)
             tracker.set_batch(sample_ids=torch.arange(b * BATCH, (b + 1) * BATCH))
             model(batch(b).to(args.device))
     summary = getattr(tracker.writer, "summary", None)
