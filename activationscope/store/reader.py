@@ -1937,7 +1937,7 @@ class Store:
         mappings, and drop the least recently used others, of any store, while the caches
         hold more than :meth:`_budget` (never the one just kept). A mapping of the same file
         that another thread kept meanwhile, at least as long, is kept instead (``value`` is
-        then let go of: a file is mapped once). ``covers``: the shard keys a "whole" mapping
+        then let go of: a file is mapped once), and marked as the most recently used. ``covers``: the shard keys a "whole" mapping
         maps, whose own mappings are dropped (they map the same files once more).
 
         Returns ``(what to use, dropped)``: ``dropped`` holds ``(store, mapping)`` pairs the
@@ -1952,6 +1952,8 @@ class Store:
             old = cache.get(key)
             if old is not None:
                 if (old.numel() >= value.numel()) if kind == "shard" else (old[0] == value[0]):
+                    if (self._map_token, kind, key) in M.lru:  # (used now: not the next dropped)
+                        M.lru.move_to_end((self._map_token, kind, key))
                     return old, dropped
                 dropped.append((self, old))
             cache[key] = value
