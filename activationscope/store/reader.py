@@ -152,6 +152,21 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(before=_MAPPINGS.lock.acquire, after_in_parent=_MAPPINGS.lock.release,
                         after_in_child=_MAPPINGS.lock.release)
 
+#: The stores open in this process (weakly): a forked child gives each new locks (:meth:`Store._forked`).
+_LIVE_STORES: "weakref.WeakSet[Store]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    # Another thread of the parent (a read-ahead, a refresh in a background thread, a prefetch
+    # thread) may have held a store's lock at the fork: the child has no such thread, and its
+    # first read would wait for it forever.
+    for st in list(_LIVE_STORES):
+        st._forked()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
 
 def _let_go(dropped: list) -> None:
     """Let go of the cached mappings ``dropped`` (``(store, mapping)`` pairs a store's cache
@@ -550,8 +565,26 @@ class Store:
         self._rank_view_allowed = _rank_view  # rank stores are opened without a view of their own
         self._ranks: list[tuple[int, "Store"]] = []  # an uncommitted multi-rank store: its rank stores
         self._parts: dict[str, list[tuple[int, "Store", int]]] = {}  # hook point -> (rank, store, first row)
+        _LIVE_STORES.add(self)
         self.refresh()
         self._warn_store_moved_aside()
+
+    def _forked(self) -> None:
+        """In a forked child (``os.register_at_fork``): new locks, free, in place of the
+        parent's (a thread of the parent may have held one at the fork, and the child has no
+        such thread), and the caches a thread of the parent may have been filling emptied
+        (re-read when used). The parent's decode futures never finish here: forgotten. The
+        mapping caches are whole (their lock is held across the fork) and kept."""
+        self._lock = threading.RLock()
+        self._index_gates, self._gates_pid = {}, os.getpid()
+        self._inflight = {}
+        self._pid = os.getpid()
+        self._indexes = {}
+        self._checked = {}
+        self._zarrays = {}
+        self._cache = OrderedDict()
+        self._cached = 0
+        self._advised = {}
 
     def _warn_store_moved_aside(self) -> None:
         """A local store that holds no rows yet while a folder next to it holds the store an
