@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from activationscope import _safeio
+from activationscope.capture import _native
 from activationscope.store import StoreWriter, open_store
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
@@ -125,3 +126,41 @@ def test_a_fork_while_another_thread_holds_the_zarr_executor_lock_leaves_it_free
 
     assert _in_forked_child(_safeio._zarr_lock, take) is True
 
+
+_ARMED: list[int] = []  # pipe ends written to just before a fork (the native test below)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=lambda: [os.write(fd, b"\x01") for fd in _ARMED])
+
+
+@pytest.mark.skipif(_native.optional() is None, reason="needs the native extension (its mappings)")
+def test_a_fork_while_another_thread_holds_the_native_mapping_registry_waits_for_it(tmp_path):
+    """The native registry of mappings (each mapped shard is registered there, for the
+    SIGBUS guard) has a lock that a thread mapping or letting go of a shard holds: a fork
+    meanwhile waits for it, and the child maps shards. Before, the child could start with it
+    held by a thread it does not have, and its first mapping hung."""
+    import select
+
+    C = _native.optional()
+    t = torch.randn(64, 16)
+    _write(tmp_path / "s.zarr", t)
+    st = open_store(tmp_path / "s.zarr")  # (nothing mapped yet: the child maps)
+    ready_r, ready_w = os.pipe()
+    release_r, release_w = os.pipe()
+    # holds the lock until a byte comes (written by the fork, just before it), then 0.2 s more
+    holder = threading.Thread(target=C._hold_map_guard, args=(ready_w, release_r, 0.2))
+    holder.start()
+    try:
+        assert select.select([ready_r], [], [], WAIT_S)[0], "the lock was never taken"
+        _ARMED.append(release_w)
+        try:
+            got = _forked(lambda: [torch.equal(st.rows("x", 0, 64), t), torch.equal(st.rows("x", 40, 48), t[40:48])])
+        finally:
+            _ARMED.remove(release_w)
+    finally:
+        os.write(release_w, b"\x01")  # (a second byte: never read)
+        holder.join(timeout=WAIT_S)
+        for fd in (ready_r, ready_w, release_r, release_w):
+            os.close(fd)
+    assert got == [True, True]
+    assert torch.equal(st.rows("x", 8, 16), t[8:16])
+    st.close()
