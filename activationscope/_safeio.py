@@ -500,6 +500,15 @@ class _ExitSafeExecutor(ThreadPoolExecutor):
 _zarr_lock = threading.Lock()
 
 
+def _after_fork_in_child() -> None:
+    global _zarr_lock
+    _zarr_lock = threading.Lock()  # (another thread of the parent may have held it at the fork)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def exit_safe_zarr() -> None:
     """Give zarr's event loop a default executor that keeps working once the interpreter began
     its exit; call before each use of zarr's synchronous API.

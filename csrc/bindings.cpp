@@ -531,6 +531,10 @@ void bind_store(py::module_& m) {
   m.def("map_files_contiguous", &map_files_contiguous, py::arg("paths"), py::arg("stride_bytes"),
         py::arg("total_bytes"), py::call_guard<ReleaseGil>(),
         "Map files back to back into one contiguous copy-on-write uint8 tensor (see shard_map.h).");
+  m.def("_hold_map_guard", &hold_map_guard_for_tests, py::arg("ready_fd"), py::arg("release_fd"),
+        py::arg("then_s"), py::call_guard<ReleaseGil>(),
+        "Hold the lock of the mapping registry until a byte is read from release_fd, then then_s seconds "
+        "more (see shard_map.h; tests).");
   m.def("gather_rows", &gather_rows, py::arg("index"), py::arg("n"), py::arg("start"), py::arg("bounds"),
         py::arg("segments"), py::arg("want_ids") = false, py::arg("out") = py::none(), py::arg("hint") = py::none(),
         "Rows at dataset positions from an array's mapped segments, in one pass (see row_gather.h).");

@@ -2,6 +2,7 @@
 
 #include <Python.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -43,6 +44,15 @@ struct Guarded {
 
 Guarded g_guarded[kMaxGuarded];
 std::mutex g_guard_mu;  // registration, and the paths below (never taken in the handler)
+// A fork while another thread holds g_guard_mu (mapping or letting go of a shard: a read-ahead,
+// a DataLoader's prefetch thread) waits for it, so that the child (a DataLoader worker) starts
+// with it free and the slots whole: the thread that held it does not exist in the child, whose
+// first mapping would wait for it forever. Nothing done under it waits for the GIL (which the
+// forking thread holds) or for another lock.
+void guard_lock_for_fork() { g_guard_mu.lock(); }
+void guard_unlock_after_fork() { g_guard_mu.unlock(); }
+[[maybe_unused]] const int g_guard_at_fork =
+    pthread_atfork(guard_lock_for_fork, guard_unlock_after_fork, guard_unlock_after_fork);
 std::vector<std::string> g_paths[kMaxGuarded];
 int64_t g_stride[kMaxGuarded];
 std::atomic<uintptr_t> g_fault_addr{0};
@@ -177,6 +187,17 @@ void unmap_region(void* ctx) {
 }
 
 }  // namespace
+
+void hold_map_guard_for_tests(int ready_fd, int release_fd, double then_s) {
+  std::lock_guard<std::mutex> lock(g_guard_mu);
+  const char one = 1;
+  while (write(ready_fd, &one, 1) < 0 && errno == EINTR) {
+  }
+  char got = 0;
+  while (read(release_fd, &got, 1) < 0 && errno == EINTR) {
+  }
+  if (then_s > 0) usleep(static_cast<useconds_t>(then_s * 1e6));
+}
 
 uint64_t mapped_fault_count() { return g_fault_count.load(std::memory_order_acquire); }
 

@@ -29,4 +29,9 @@ uint64_t mapped_fault_count();
 // those faults so that the main thread does not raise them a second time. Any thread.
 void check_mapped_faults(uint64_t since, const std::vector<std::pair<const void*, size_t>>& ranges);
 
+// (tests) Hold the lock of the mapping registry: write one byte to `ready_fd` once it is
+// held, read one byte from `release_fd`, wait `then_s` seconds more, and let it go. Call
+// without the GIL. What a thread mapping or letting go of a shard does, for longer.
+void hold_map_guard_for_tests(int ready_fd, int release_fd, double then_s);
+
 }  // namespace acs

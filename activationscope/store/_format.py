@@ -104,18 +104,34 @@ def itemsize(name: str) -> int:
 MAX_NODE_BYTES = 128
 
 
-def _whole_node_name(hook_point: str, *, escape_document: bool = True) -> str:
+#: Characters no Windows file name holds (nor a macOS SMB share's), written ``%XX`` in a node
+#: name (FORMAT.md section 1), with the control characters U+0001 .. U+001F.
+_NOT_PORTABLE = '<>:"|?*' + "".join(chr(c) for c in range(1, 32))
+#: Windows device names: a file named so, with any extension (``nul.txt``), cannot be made.
+_DEVICE_NAMES = frozenset(["CON", "PRN", "AUX", "NUL", *(f"{d}{i}" for d in ("COM", "LPT") for i in "0123456789¹²³")])
+
+
+def _whole_node_name(hook_point: str, *, escape_document: bool = True, portable: bool = True) -> str:
     """:func:`node_name` before a long one is shortened: the hook point, escaped (with
     ``escape_document=False``, a name that folds to ``zarr.json`` as stores written before
-    it was escaped kept it)."""
+    it was escaped kept it; with ``portable=False``, without the escapes of names Windows
+    cannot hold, as stores written before them kept them)."""
     if not isinstance(hook_point, str) or not hook_point:
         raise ArgumentValueError(f"hook point must be a non-empty str, got {hook_point!r}")
     # (a backslash or NUL is no character of a store key: a module named "a\\b" is a folder "a%5Cb")
     out = hook_point.replace("%", "%25").replace("/", "%2F").replace("\\", "%5C").replace("\x00", "%00")
+    if portable:  # (a folder that can be copied to Windows, or to a share macOS mounts from it)
+        out = "".join(f"%{ord(c):02X}" if c in _NOT_PORTABLE else c for c in out)
     if out.startswith("__"):
         out = "%5F" + out[1:]
     if out in (".", "..") or (escape_document and folded(out) == "zarr.json"):  # (named as its group's document)
         out = out.replace(".", "%2E")
+    if portable:
+        if out[-1] in ". ":  # (Windows drops a trailing dot or space: "a." would be "a")
+            out = out[:-1] + f"%{ord(out[-1]):02X}"
+        base = out.split(".", 1)[0].rstrip(" ")
+        if base.upper() in _DEVICE_NAMES and all(c.isascii() or c in "¹²³" for c in base):  # ("con", "nul.txt")
+            out = f"%{ord(out[0]):02X}" + out[1:]
     return out
 
 
@@ -138,9 +154,13 @@ def node_names(hook_point: str) -> tuple[str, ...]:
     for a name it shortens also the whole escaped name, which stores written before names
     were shortened use (on object storage, or on a file system within its name limit); for a
     name folding to ``zarr.json`` in another case (``Zarr.JSON``) also the name with its
-    ``.``, which stores written before it was escaped use (on a case-sensitive file system)."""
+    ``.``, which stores written before it was escaped use (on a case-sensitive file system);
+    for a name holding a character or spelling Windows cannot hold (``a:b``, ``con``,
+    ``a.``) also the name without those escapes, which stores written before them use."""
     names = [node_name(hook_point)]
-    for other in (_whole_node_name(hook_point), _whole_node_name(hook_point, escape_document=False)):
+    for other in (_whole_node_name(hook_point), _shortened(_whole_node_name(hook_point, portable=False), hook_point),
+                  _whole_node_name(hook_point, portable=False),
+                  _whole_node_name(hook_point, escape_document=False, portable=False)):
         if other not in names:
             names.append(other)
     return tuple(names)
@@ -148,12 +168,19 @@ def node_names(hook_point: str) -> tuple[str, ...]:
 
 def node_name(hook_point: str) -> str:
     """The Zarr node name of a hook point (``/``, ``\\``, NUL and a leading ``__`` escaped with
-    ``%``; the ``.`` of a hook point ``.``, ``..`` or ``zarr.json``, any case, as ``%2E``).
+    ``%``; the ``.`` of a hook point ``.``, ``..`` or ``zarr.json``, any case, as ``%2E``; and
+    what a Windows file name cannot hold: ``<>:"|?*`` and U+0001 .. U+001F as ``%XX``, a
+    trailing ``.`` or space as ``%2E`` / ``%20``, the first character of a device name such as
+    ``con`` or ``nul.txt`` as ``%XX``).
 
     A name longer than :data:`MAX_NODE_BYTES` UTF-8 bytes is cut to its first 100 bytes (at a
     character boundary) plus ``~`` and the first 16 hex digits of the sha256 of the hook point
     (FORMAT.md section 1): a folder a file system can make, one per hook point."""
-    out = _whole_node_name(hook_point)
+    return _shortened(_whole_node_name(hook_point), hook_point)
+
+
+def _shortened(out: str, hook_point: str) -> str:
+    """The escaped name ``out`` of ``hook_point``, shortened when it is too long (:func:`node_name`)."""
     raw = out.encode("utf-8", "surrogatepass")
     if len(raw) > MAX_NODE_BYTES:
         head = raw[:100].decode("utf-8", "ignore")  # (a character cut in two is left out)

@@ -152,6 +152,21 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(before=_MAPPINGS.lock.acquire, after_in_parent=_MAPPINGS.lock.release,
                         after_in_child=_MAPPINGS.lock.release)
 
+#: The stores open in this process (weakly): a forked child gives each new locks (:meth:`Store._forked`).
+_LIVE_STORES: "weakref.WeakSet[Store]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    # Another thread of the parent (a read-ahead, a refresh in a background thread, a prefetch
+    # thread) may have held a store's lock at the fork: the child has no such thread, and its
+    # first read would wait for it forever.
+    for st in list(_LIVE_STORES):
+        st._forked()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
 
 def _let_go(dropped: list) -> None:
     """Let go of the cached mappings ``dropped`` (``(store, mapping)`` pairs a store's cache
@@ -534,7 +549,6 @@ class Store:
         # resume killed before its next commit, that chunk was rewritten (FORMAT.md section 5).
         self._resume_tail = False
         self._lock = threading.RLock()
-        _OPEN_STORES.add(self)  # (see _after_fork)
         # ids of the array entries (``meta``) of the commit read last, to their hook point: a cache
         # entry built from another commit's entry (a reader that took it before another thread's
         # refresh()) is returned to that reader but never kept for the others (``_current``)
@@ -551,21 +565,33 @@ class Store:
         self._rank_view_allowed = _rank_view  # rank stores are opened without a view of their own
         self._ranks: list[tuple[int, "Store"]] = []  # an uncommitted multi-rank store: its rank stores
         self._parts: dict[str, list[tuple[int, "Store", int]]] = {}  # hook point -> (rank, store, first row)
+        _LIVE_STORES.add(self)
         self.refresh()
         self._warn_store_moved_aside()
 
-    def _after_fork(self) -> None:
-        """In a forked child: a new lock (one a thread of the parent held at the fork is never
-        released here: every read would wait forever), and, on object storage, drop the backend
-        (and the zarr arrays made over it), whose file system's client sessions belong to the
-        parent's event loop; the next use makes it again (:meth:`__getattr__`). The parent's is
-        kept, never finalised here: closing its sessions in the child would print "Unclosed
-        client session" (aiohttp)."""
+    def _forked(self) -> None:
+        """In a forked child (``os.register_at_fork``): new locks, free, in place of the
+        parent's (a thread of the parent may have held one at the fork, and the child has no
+        such thread), and the caches a thread of the parent may have been filling emptied
+        (re-read when used). The parent's decode futures never finish here: forgotten. The
+        mapping caches are whole (their lock is held across the fork) and kept. On object
+        storage the backend (and the zarr arrays made over it) is dropped: its file system's
+        client sessions belong to the parent's event loop; the next use makes it again
+        (:meth:`__getattr__`). The parent's is kept, never finalised here: closing its sessions
+        in the child would print "Unclosed client session" (aiohttp)."""
         self._lock = threading.RLock()
+        self._index_gates, self._gates_pid = {}, os.getpid()
+        self._inflight = {}
+        self._pid = os.getpid()
+        self._indexes = {}
+        self._checked = {}
+        self._zarrays = {}
+        self._cache = OrderedDict()
+        self._cached = 0
+        self._advised = {}
         backend = self.__dict__.get("_backend")
         if callable(getattr(backend, "reopened", None)):
             self._parent_backend = self.__dict__.pop("_backend")
-            self._zarrays = {}
 
     def __getattr__(self, name: str) -> Any:
         # (only for attributes not set: the backend of a forked child, made again on first use)
@@ -1960,7 +1986,7 @@ class Store:
         mappings, and drop the least recently used others, of any store, while the caches
         hold more than :meth:`_budget` (never the one just kept). A mapping of the same file
         that another thread kept meanwhile, at least as long, is kept instead (``value`` is
-        then let go of: a file is mapped once). ``covers``: the shard keys a "whole" mapping
+        then let go of: a file is mapped once), and marked as the most recently used. ``covers``: the shard keys a "whole" mapping
         maps, whose own mappings are dropped (they map the same files once more).
 
         Returns ``(what to use, dropped)``: ``dropped`` holds ``(store, mapping)`` pairs the
@@ -1975,6 +2001,8 @@ class Store:
             old = cache.get(key)
             if old is not None:
                 if (old.numel() >= value.numel()) if kind == "shard" else (old[0] == value[0]):
+                    if (self._map_token, kind, key) in M.lru:  # (used now: not the next dropped)
+                        M.lru.move_to_end((self._map_token, kind, key))
                     return old, dropped
                 dropped.append((self, old))
             cache[key] = value
@@ -3457,19 +3485,6 @@ def _sub_backend(backend: Any, prefix: str) -> Any:
 
     sub = zarr.storage.FsspecStore(fs, read_only=True, path=f"{path.rstrip('/')}/{prefix}")
     return FsspecBackend(sub, label=f"{str(backend).rstrip('/')}/{prefix}")
-
-
-#: The open stores of this process, made usable in a forked child (:meth:`Store._after_fork`).
-_OPEN_STORES: "weakref.WeakSet[Store]" = weakref.WeakSet()
-
-
-def _after_fork_in_child() -> None:
-    for store in list(_OPEN_STORES):
-        store._after_fork()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 #: Most rank stores an uncommitted multi-rank store is shown with.

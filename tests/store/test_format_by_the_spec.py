@@ -46,6 +46,12 @@ def spec_node_name(hook_point: str) -> str:
         out = "%5F_" + out[2:]
     if out in (".", "..") or unicodedata.normalize("NFC", unicodedata.normalize("NFD", out).casefold()) == "zarr.json":
         out = out.replace(".", "%2E")
+    out = "".join(f"%{ord(c):02X}" if c in '<>:"|?*' or 0 < ord(c) < 32 else c for c in out)
+    if out.endswith((".", " ")):
+        out = out[:-1] + {".": "%2E", " ": "%20"}[out[-1]]
+    devices = {"CON", "PRN", "AUX", "NUL"} | {f"{d}{i}" for d in ("COM", "LPT") for i in "0123456789¹²³"}
+    if out.split(".", 1)[0].rstrip(" ").upper() in devices:
+        out = f"%{ord(out[0]):02X}" + out[1:]
     raw = out.encode("utf-8")
     if len(raw) > 128:
         out = raw[:100].decode("utf-8", "ignore") + "~" + hashlib.sha256(hook_point.encode("utf-8")).hexdigest()[:16]
@@ -271,7 +277,8 @@ def stores(tmp_path_factory):
         copy_store("memory://spec/copied.zarr", base / "copied.zarr")
     w = StoreWriter(base / "names.zarr", capture_config={}, model=None, storage_dtype=None, chunk_rows=2, shard_rows=4)
     names = [".", "..", "a/b%c.output", "__init__.output", "x" * 140 + ".output", "é.output", "zarr.json",
-             "Zarr.JSON"]  # (a TransformerLens HookPoint 'json' under a module 'zarr': named as its group's document)
+             "Zarr.JSON",  # (a TransformerLens HookPoint 'json' under a module 'zarr': named as its group's document)
+             "a:b", "x?", "con", "nul.txt", "a.", "a "]  # (no Windows file name: escaped)
     with pytest.warns(RuntimeWarning, match="'zarr.json' and 'Zarr.JSON' differ only in case"):
         for i, hp in enumerate(names):
             w.open_array(hp, (2, 3), torch.float32, "sample").append(torch.arange(30.0).view(5, 2, 3) + i)

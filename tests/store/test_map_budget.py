@@ -560,3 +560,28 @@ def test_two_readers_that_both_find_a_shard_unmapped_keep_one_mapping_of_it(tmp_
     assert _file_maps(_shard_file(st, "0.output", 0)) == 1
     assert first.untyped_storage().data_ptr() == second.untyped_storage().data_ptr()
     assert calls == [] and st._n_mapped == 1
+
+
+def test_a_mapping_kept_in_place_of_a_second_one_is_marked_as_used(tmp_path, monkeypatch):
+    """A reader that mapped a shard another thread had cached meanwhile uses the cached
+    mapping: it is marked as the most recently used, and the next mapping past the budget
+    drops the least recently used other one. Before, it kept its old place and was the next
+    dropped, while in use."""
+    monkeypatch.setattr(R, "_MAP_BUDGET", 3)
+    path = tmp_path / "s.zarr"
+    ref = _capture(path)["0.output"]
+    gc.collect()
+    st = acs.open_store(path)
+    key = [st._shard_index(st.attrs["arrays"]["0.output"], k).key for k in range(4)]
+    assert torch.equal(st.rows("0.output", 0, 8), ref[:8])  # shard 0, then 1, mapped
+    assert torch.equal(st.rows("0.output", 16, 24), ref[16:24])
+    real = R.Store._cached_mapping
+    # (a reader that looked into the cache before another thread kept shard 0's mapping)
+    monkeypatch.setattr(R.Store, "_cached_mapping", lambda self, kind, k: None)
+    assert torch.equal(st.rows("0.output", 8, 16), ref[8:16])
+    monkeypatch.setattr(R.Store, "_cached_mapping", real)
+    assert set(st._mapped) == {("shard", key[0]), ("shard", key[1])}
+    assert torch.equal(st.rows("0.output", 32, 40), ref[32:40])  # shard 2: within the budget
+    assert torch.equal(st.rows("0.output", 48, 56), ref[48:56])  # shard 3: one dropped
+    assert set(st._mapped) == {("shard", key[0]), ("shard", key[2]), ("shard", key[3])}
+    st.close()
