@@ -237,3 +237,52 @@ def test_stop_after_last_in_training_mode_before_a_batchnorm_names_its_statistic
     assert len(said) == 1 and "skips '1' after the stop point: its BatchNorm running statistics are not updated" in said[0]
     assert "dropout" not in said[0]
     assert int(model[1].num_batches_tracked) == 1  # only the first, full forward ran it
+
+
+class _TinyViT(torch.nn.Module):
+    """Patches of 8x8 pixels, a class token, one layer: (batch, 3, 16, 16) -> (batch, 5, 8)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.patch = torch.nn.Conv2d(3, 8, 8, stride=8)
+        self.cls = torch.nn.Parameter(torch.randn(1, 1, 8))
+        self.layer = torch.nn.Linear(8, 8)
+
+    def forward(self, pixel_values):
+        x = self.patch(pixel_values).flatten(2).transpose(1, 2)
+        return self.layer(torch.cat([self.cls.expand(len(x), -1, -1), x], dim=1))
+
+
+def test_token_rows_taken_from_an_image_input_warn_and_a_patch_mask_stores_patches(tmp_path):
+    """rows="token" takes (batch, pos) from the model's first input; for pixel values
+    (batch, channels, height, width) that is (batch, channels): under capture="both" the image
+    itself was stored as one token row per channel, labelled with the channel as pos, and the
+    (batch, patches, d) hidden states one row per sample, without a word. A warning now names
+    the hook points taken so and the mask that gives one row per patch, which works."""
+    torch.manual_seed(0)
+    model = _TinyViT().eval()
+    pixels = torch.randn(2, 3, 16, 16)
+    scope = acs.ActivationScope(store=str(tmp_path / "a.zarr"), rows="token", capture="both")
+    with pytest.warns(acs.CaptureWarning, match=r"rows='token' took \(batch, pos\) = \(2, 3\)") as caught:
+        with torch.no_grad(), scope.track(model, include=["patch", "layer"]):
+            model(pixels)
+            model(pixels)
+    messages = [str(w.message) for w in caught if "rows='token' took" in str(w.message)]
+    assert len(messages) == 1  # once per capture
+    assert "'patch.input.0' stored 3 token rows per sample" in messages[0]
+    assert "(2, 3, 16, 16)" in messages[0] and "set_batch(attention_mask=" in messages[0]
+    store = acs.open_store(tmp_path / "a.zarr")
+    assert store.row_kind("patch.input.0") == "token" and store.row_kind("layer.output") == "sample"
+
+    # the fix the warning names: a mask of the hidden states' (batch, pos)
+    scope = acs.ActivationScope(store=str(tmp_path / "b.zarr"), rows="token", capture="both")
+    with torch.no_grad(), scope.track(model, include=["patch", "layer"]) as tracker:
+        tracker.set_batch(attention_mask=torch.ones(2, 5, dtype=torch.bool))
+        model(pixels)
+    store = acs.open_store(tmp_path / "b.zarr")
+    assert store.row_kind("patch.input.0") == "sample" and store.row_kind("layer.output") == "token"
+    with torch.no_grad():
+        reference = model(pixels)
+    assert torch.equal(store["layer.output"], reference.reshape(10, 8))
+    assert torch.equal(store["patch.input.0"], pixels)
+    assert store.row_table("token").column("pos").to_pylist() == [0, 1, 2, 3, 4] * 2

@@ -915,6 +915,11 @@ class Tracker:
         self._warned_model_mask = False
         self._mask_arg_index: int | None = None
         self._first_arg_type: str | None = None
+        # rows="token": the shape of the model's first tensor input in the current forward when
+        # it has 4 dims or more (images (batch, channels, height, width), video), whose first two
+        # are not (batch, pos); warned about once when hook points took them as token rows
+        self._image_input: tuple[int, ...] | None = None
+        self._warned_image_input = False
         # an encoder-decoder model (its forward takes decoder_input_ids / decoder_inputs_embeds):
         # the names of its positional parameters, the masks of the current forward's two
         # sequences (noted by the root's Python frame; the decoder's None when the forward gives
@@ -2654,6 +2659,7 @@ class Tracker:
             self._warn_token_rows_unused()
         if self.scope.rows == "token" and batch.get("attention_mask") is None:
             self._warn_model_mask_padding()
+            self._warn_image_token_rows()
         if self.writer is not None and self.scope.rows == "token":
             self._warn_generation_step(batch)
         if self.writer is not None:
@@ -2881,6 +2887,10 @@ class Tracker:
         text = isinstance(first, str) or (isinstance(first, (list, tuple)) and bool(first)
                                           and all(isinstance(x, str) for x in first))
         self._first_arg_type = type(first).__name__ if text else None
+        if not self._warned_image_input:
+            wrapper = self.model.__dict__.get("forward")
+            t = compiled.first_input(args, kwargs, getattr(wrapper, "_acs_kw_order", ()))
+            self._image_input = tuple(t.shape) if t is not None and t.dim() >= 4 else None
         if self._warned_model_mask:
             return
         mask = kwargs.get("attention_mask")
@@ -3132,6 +3142,36 @@ class Tracker:
             f"of its (batch, pos) = {tuple(mask.shape)}: the padded positions are stored as token rows and enter the "
             "reductions. Give the mask to tracker.set_batch(attention_mask=mask) before each forward to leave "
             "padding out (warned once per capture)",
+            CaptureWarning,
+        )
+
+    def _warn_image_token_rows(self) -> None:
+        """Warn (once per capture) when ``rows="token"`` without a ``set_batch`` mask took token
+        rows from a model whose first tensor input has 4 dims or more (pixel values
+        ``(batch, channels, height, width)``): its first two dims are the batch and the channels,
+        not ``(batch, pos)``, so hook points starting with them (the image itself under
+        ``capture="both"``) were stored one row per channel labelled as tokens, while the
+        transformer's ``(batch, patches, d)`` hidden states were stored one row per sample."""
+        shape = self._image_input
+        if shape is None or self._warned_image_input:
+            return
+        if self.writer is None and not any(self._reduction_names.values()):
+            return  # (in memory, records are whole tensors: no rows taken)
+        taken = [n for n, s in self._sinks.items() if s.row_kind == 1]
+        if not taken:
+            return  # (no token rows: warned about as rows='token' finding none)
+        self._warned_image_input = True
+        k = self._core.n_forwards - 1
+        shown = ", ".join(repr(n) for n in taken[:6]) + (f" and {len(taken) - 6} more" if len(taken) > 6 else "")
+        warn_at_caller(
+            f"rows='token' took (batch, pos) = {shape[:2]} from the first two dims of the model's first tensor "
+            f"input in forward {k}, of shape {shape} (an image (batch, channels, height, width) or a video, not "
+            f"token ids (batch, pos) or embeddings (batch, pos, d)), so {shown} stored {shape[1]} token rows per "
+            "sample, one per entry of that second dim (a channel) given as its pos, and the other hook points one "
+            "row per sample. For one row per patch, give tracker.set_batch(attention_mask=...) a mask of the "
+            "hidden states' (batch, pos) (all True, e.g. torch.ones(batch, n_patches + 1, dtype=torch.bool) for a "
+            "ViT's patches and class token) before each forward; or token_rows=False for one row per sample "
+            "(warned once per capture)",
             CaptureWarning,
         )
 
