@@ -1675,6 +1675,8 @@ class Tracker:
         self._with_depth = 0
         if exc is not None and self._shared_rows:
             self._note_shared_rows(exc)
+        if exc is not None:
+            self._note_broadcast_token_rows(exc)
         left = self._detach()
         self._finish(status="complete" if exc is None else "incomplete", exc=exc, left_running=left)
         if self._reference_mode:
@@ -2837,6 +2839,27 @@ class Tracker:
             "over them), as T5's position bias (1, heads, query, key), which each generate() step grows by one "
             f"key. Leave it out of the capture: exclude_hook_points=[{name!r}] (or a pattern for every layer's, as "
             f"{re.sub(r'[.][0-9]+[.]', '.*.', name, count=1)!r}); its module's other outputs are still captured")
+
+    def _note_broadcast_token_rows(self, exc: BaseException) -> None:
+        """Name the cause of a token-row hook point refused for its mask where it is a tensor
+        shared by the batch (first dimension 1) taken as token rows at a first forward of one
+        sample, whose (1, pos) mask it started with: the native error's advice (a mask for each
+        forward, generation steps) is no fix for it."""
+        found = re.match(r"hook point '(.+?)' stores token rows and needs an attention mask .*?; got activation "
+                         r"\((\d+), .*? and mask \((\d+), ", str(exc))
+        if found is None or not hasattr(exc, "add_note"):
+            return
+        name, rows, n = found.group(1), int(found.group(2)), int(found.group(3))
+        first = self._first_shapes.get(name)
+        if rows != 1 or n <= 1 or not isinstance(first, tuple) or not first or first[0] != 1:
+            return
+        exc.add_note(
+            f"{name!r} is one tensor shared by the batch's samples, not one row per token: its first dimension "
+            f"stays 1 in a batch of {n} samples (broadcast over them, as the (1, pos) position_ids and (1, pos, "
+            "head_dim) rotary cos / sin a Llama model gives each layer). It was taken as token rows because its "
+            f"first activation, {first}, came in a forward of one sample and started with that forward's (1, pos) "
+            f"mask. Leave it out of the capture: exclude_hook_points=[{name!r}] (or a pattern for every layer's, as "
+            f"{re.sub(r'[.][0-9]+[.]', '.*.', name, count=1)!r}); its module's other hook points are still captured")
 
     def _check_aliases(self) -> None:
         """Refuse a forward in which a store's alias hook point was not captured as often as its
