@@ -286,3 +286,32 @@ def test_token_rows_taken_from_an_image_input_warn_and_a_patch_mask_stores_patch
     assert torch.equal(store["layer.output"], reference.reshape(10, 8))
     assert torch.equal(store["patch.input.0"], pixels)
     assert store.row_table("token").column("pos").to_pylist() == [0, 1, 2, 3, 4] * 2
+
+
+class _TinyAudioEncoder(torch.nn.Module):
+    """Log-mel features (batch, 8 mel bins, 20 frames) -> a strided conv -> (batch, 10, 8)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv1d(8, 6, 3, stride=2, padding=1)
+        self.layer = torch.nn.Linear(6, 8)
+
+    def forward(self, input_features):
+        return self.layer(self.conv(input_features).transpose(1, 2))
+
+
+def test_token_rows_taken_from_audio_features_by_keyword_are_warned_about(tmp_path):
+    """Whisper's input_features (batch, mel bins, frames) are 3-D like embeddings: rows="token"
+    took (batch, mel bins) as (batch, pos) and stored the conv's input one row per mel bin as
+    tokens, silently. The Hugging Face name of the input now tells them apart."""
+    torch.manual_seed(0)
+    model = _TinyAudioEncoder().eval()
+    features = torch.randn(2, 8, 20)
+    scope = acs.ActivationScope(store=str(tmp_path / "a.zarr"), rows="token", capture="both")
+    with pytest.warns(acs.CaptureWarning, match=r"input_features of shape \(2, 8, 20\)") as caught:
+        with torch.no_grad(), scope.track(model, include=["conv", "layer"]):
+            model(input_features=features)
+    message = next(str(w.message) for w in caught if "rows='token' took" in str(w.message))
+    assert "'conv.input.0' stored 8 token rows per sample" in message and "'conv.output'" not in message
+    store = acs.open_store(tmp_path / "a.zarr")
+    assert store.row_kind("conv.input.0") == "token" and store.row_kind("layer.output") == "sample"

@@ -915,10 +915,11 @@ class Tracker:
         self._warned_model_mask = False
         self._mask_arg_index: int | None = None
         self._first_arg_type: str | None = None
-        # rows="token": the shape of the model's first tensor input in the current forward when
-        # it has 4 dims or more (images (batch, channels, height, width), video), whose first two
-        # are not (batch, pos); warned about once when hook points took them as token rows
-        self._image_input: tuple[int, ...] | None = None
+        # rows="token": the shape (and parameter name) of the model's first tensor input in the
+        # current forward when it is an image (batch, channels, height, width), a video or audio
+        # (_MEDIA_INPUTS), whose first two dims are not (batch, pos); warned about once when hook
+        # points took them as token rows
+        self._image_input: tuple[tuple[int, ...], str | None] | None = None
         self._warned_image_input = False
         # an encoder-decoder model (its forward takes decoder_input_ids / decoder_inputs_embeds):
         # the names of its positional parameters, the masks of the current forward's two
@@ -2912,8 +2913,11 @@ class Tracker:
         self._first_arg_type = type(first).__name__ if text else None
         if not self._warned_image_input:
             wrapper = self.model.__dict__.get("forward")
-            t = compiled.first_input(args, kwargs, getattr(wrapper, "_acs_kw_order", ()))
-            self._image_input = tuple(t.shape) if t is not None and t.dim() >= 4 else None
+            order = getattr(wrapper, "_acs_kw_order", ())
+            t = compiled.first_input(args, kwargs, order)
+            named = [k for k, v in zip(order, args) if v is t] or [k for k, v in kwargs.items() if v is t]
+            media = t is not None and (t.dim() >= 4 or (named and named[0] in _MEDIA_INPUTS and t.dim() >= 2))
+            self._image_input = (tuple(t.shape), named[0] if named else None) if media else None
         if self._warned_model_mask:
             return
         mask = kwargs.get("attention_mask")
@@ -3171,13 +3175,14 @@ class Tracker:
     def _warn_image_token_rows(self) -> None:
         """Warn (once per capture) when ``rows="token"`` without a ``set_batch`` mask took token
         rows from a model whose first tensor input has 4 dims or more (pixel values
-        ``(batch, channels, height, width)``): its first two dims are the batch and the channels,
-        not ``(batch, pos)``, so hook points starting with them (the image itself under
+        ``(batch, channels, height, width)``), or is an audio input by its Hugging Face name
+        (``input_features`` ``(batch, mel bins, frames)``): its first two dims are not
+        ``(batch, pos)``, so hook points starting with them (the image itself under
         ``capture="both"``) were stored one row per channel labelled as tokens, while the
         transformer's ``(batch, patches, d)`` hidden states were stored one row per sample."""
-        shape = self._image_input
-        if shape is None or self._warned_image_input:
+        if self._image_input is None or self._warned_image_input:
             return
+        shape, param = self._image_input
         if self.writer is None and not any(self._reduction_names.values()):
             return  # (in memory, records are whole tensors: no rows taken)
         taken = [n for n, s in self._sinks.items() if s.row_kind == 1]
@@ -3188,13 +3193,13 @@ class Tracker:
         shown = ", ".join(repr(n) for n in taken[:6]) + (f" and {len(taken) - 6} more" if len(taken) > 6 else "")
         warn_at_caller(
             f"rows='token' took (batch, pos) = {shape[:2]} from the first two dims of the model's first tensor "
-            f"input in forward {k}, of shape {shape} (an image (batch, channels, height, width) or a video, not "
-            f"token ids (batch, pos) or embeddings (batch, pos, d)), so {shown} stored {shape[1]} token rows per "
-            "sample, one per entry of that second dim (a channel) given as its pos, and the other hook points one "
-            "row per sample. For one row per patch, give tracker.set_batch(attention_mask=...) a mask of the "
-            "hidden states' (batch, pos) (all True, e.g. torch.ones(batch, n_patches + 1, dtype=torch.bool) for a "
-            "ViT's patches and class token) before each forward; or token_rows=False for one row per sample "
-            "(warned once per capture)",
+            f"input in forward {k}, {param + ' ' if param else ''}of shape {shape}: not token ids (batch, pos) or "
+            "embeddings (batch, pos, d) but an image (batch, channels, height, width), a video or audio (batch, "
+            f"mel bins, frames), so {shown} stored {shape[1]} token rows per sample, one per entry of that second "
+            "dim given as its pos, and the other hook points one row per sample. For one row per patch or frame, "
+            "give tracker.set_batch(attention_mask=...) a mask of the hidden states' (batch, pos) (all True, e.g. "
+            "torch.ones(batch, n_patches + 1, dtype=torch.bool) for a ViT's patches and class token) before each "
+            "forward; or token_rows=False for one row per sample (warned once per capture)",
             CaptureWarning,
         )
 
@@ -3425,6 +3430,12 @@ def _python_frame(forward: Any, note: Any = None) -> Any:
             return forward(*args, **kwargs)
 
     return forward_of_tracked_model
+
+
+# Hugging Face's names of a model's image, video and audio inputs: their first two dims are not
+# the (batch, pos) of tokens (pixel values (batch, channels, height, width), Whisper's log-mel
+# features (batch, mel bins, frames), wav2vec2's raw audio (batch, samples))
+_MEDIA_INPUTS = frozenset({"pixel_values", "pixel_values_videos", "input_features", "input_values"})
 
 
 def _keyword_order(forward: Any) -> tuple[str, ...]:
