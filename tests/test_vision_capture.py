@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -315,3 +317,50 @@ def test_token_rows_taken_from_audio_features_by_keyword_are_warned_about(tmp_pa
     assert "'conv.input.0' stored 8 token rows per sample" in message and "'conv.output'" not in message
     store = acs.open_store(tmp_path / "a.zarr")
     assert store.row_kind("conv.input.0") == "token" and store.row_kind("layer.output") == "sample"
+
+
+class _TinyCLIP(torch.nn.Module):
+    """A text tower over token ids (batch, 5) and a vision tower over (batch, 3, 16, 16)
+    images, whose 4 patches and class token make (batch, 5, 8) as well."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.text_model = torch.nn.Sequential(torch.nn.Embedding(50, 8), torch.nn.Linear(8, 8))
+        self.vision_model = _TinyViT()
+
+    def forward(self, input_ids, pixel_values, attention_mask=None):
+        return self.text_model(input_ids)[:, 0] @ self.vision_model(pixel_values)[:, 0].T
+
+
+@pytest.mark.parametrize("token_rows", [None, {"vision_model.*": False}])
+def test_vision_tower_rows_taken_with_the_text_mask_are_warned_about(tmp_path, token_rows):
+    """A text-and-image model whose vision tower has as many positions as the text: its hidden
+    states (batch, 5, d) start with the text's (batch, 5) mask, so they were stored as token
+    rows, patches dropped by the text's padding and labelled with text positions, silently.
+    A warning now names them and token_rows={'vision_model.*': False}, which stores one row per
+    image."""
+    torch.manual_seed(0)
+    model = _TinyCLIP().eval()
+    ids = torch.randint(0, 50, (2, 5))
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    pixels = torch.randn(2, 3, 16, 16)
+    scope = acs.ActivationScope(store=str(tmp_path / "a.zarr"), token_rows=token_rows)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad(), scope.track(model, include=["text_model.1", "vision_model.layer"]) as tracker:
+            tracker.set_batch(attention_mask=mask)
+            model(ids, pixels, attention_mask=mask)
+    messages = [str(w.message) for w in caught if "vision or audio tower" in str(w.message)]
+    store = acs.open_store(tmp_path / "a.zarr")
+    assert store.row_kind("text_model.1.output") == "token" and store.n_rows("text_model.1.output") == 8
+    if token_rows is None:
+        assert len(messages) == 1
+        assert "'vision_model.layer.output'" in messages[0] and "(batch, pos) = (2, 5)" in messages[0]
+        assert "token_rows={'vision_model.*': False}" in messages[0] and "'text_model.1.output'" not in messages[0]
+        assert store.row_kind("vision_model.layer.output") == "token"
+    else:
+        assert messages == []
+        with torch.no_grad():
+            reference = model.vision_model(pixels)
+        assert store.row_kind("vision_model.layer.output") == "sample"
+        assert torch.equal(store["vision_model.layer.output"], reference)

@@ -921,6 +921,11 @@ class Tracker:
         # points took them as token rows
         self._image_input: tuple[tuple[int, ...], str | None] | None = None
         self._warned_image_input = False
+        # a model taking token ids and an image or audio input (CLIP, LLaVA): its media inputs
+        # by name; hook points of its vision / audio tower taken as token rows are warned about
+        order = _keyword_order(getattr(model, "forward", None))
+        self._media_params = sorted(_MEDIA_INPUTS & set(order)) if "input_ids" in order else []
+        self._warned_media_tower = False
         # an encoder-decoder model (its forward takes decoder_input_ids / decoder_inputs_embeds):
         # the names of its positional parameters, the masks of the current forward's two
         # sequences (noted by the root's Python frame; the decoder's None when the forward gives
@@ -2663,6 +2668,8 @@ class Tracker:
         if self.scope.rows == "token" and batch.get("attention_mask") is None:
             self._warn_model_mask_padding()
             self._warn_image_token_rows()
+        if self._media_params and not self._warned_media_tower:
+            self._warn_media_tower_token_rows(batch)
         if self.writer is not None and self.scope.rows == "token":
             self._warn_generation_step(batch)
         if self.writer is not None:
@@ -3203,6 +3210,38 @@ class Tracker:
             CaptureWarning,
         )
 
+    def _warn_media_tower_token_rows(self, batch: Mapping[str, Any]) -> None:
+        """Warn (once per capture) when a model of token ids and images or audio (CLIP's
+        ``forward(input_ids, pixel_values, ...)``) stored hook points of its vision or audio tower
+        (a module path with ``vision``, ``visual``, ``image``, ``audio`` or ``speech`` in a name)
+        as token rows: their activations start with the text's (batch, pos) only by coincidence
+        (as many patches and a class token as text positions), so their rows are the image's
+        patches picked by the text's mask and labelled with the text's positions."""
+        if self.writer is None and not any(self._reduction_names.values()):
+            return  # (in memory, records are whole tensors: no rows taken)
+        taken = [n for n, sink in self._sinks.items() if sink.row_kind == 1
+                 and _MEDIA_TOWER.search(self._module_of(n))]
+        if not taken:
+            return
+        self._warned_media_tower = True
+        mask = batch.get("attention_mask")
+        if mask is None:
+            mask = self._core.auto_token_mask
+        tower = _MEDIA_TOWER.search(self._module_of(taken[0]))
+        pattern = self._module_of(taken[0])[:tower.end(1)] + ".*"
+        shown = ", ".join(repr(n) for n in taken[:6]) + (f" and {len(taken) - 6} more" if len(taken) > 6 else "")
+        k = self._core.n_forwards - 1
+        warn_at_caller(
+            f"{type(self.model).__name__} takes token ids and {' / '.join(self._media_params)}, and in forward {k} "
+            f"the hook points {shown} of its vision or audio tower were stored as token rows with the attention mask "
+            f"(batch, pos) = {tuple(mask.shape)} of the token ids: their activations start with it only because the "
+            "tower has as many positions (patches and a class token, frames) as the text, so their rows are the "
+            "tower's positions picked by the text's mask, padding included or patches dropped, and labelled with "
+            f"the text's positions. Pass token_rows={{{pattern!r}: False}} for one row per image, or track the tower "
+            f"itself (track(model.{pattern[:-2]})) with a mask of its own (batch, pos) (warned once per capture)",
+            CaptureWarning,
+        )
+
     def _warn_token_rows_unused(self) -> None:
         """Warn (once per capture) when ``rows="token"`` makes no hook point token rows: no
         activation starts with the (batch, pos) of the model's first input (a model that
@@ -3436,6 +3475,11 @@ def _python_frame(forward: Any, note: Any = None) -> Any:
 # the (batch, pos) of tokens (pixel values (batch, channels, height, width), Whisper's log-mel
 # features (batch, mel bins, frames), wav2vec2's raw audio (batch, samples))
 _MEDIA_INPUTS = frozenset({"pixel_values", "pixel_values_videos", "input_features", "input_values"})
+
+
+# a module path of a vision or audio tower (CLIP's vision_model, LLaVA's vision_tower); group 1
+# ends at the end of the first such name
+_MEDIA_TOWER = re.compile(r"^((?:[^.]*\.)*?[^.]*(?:vision|visual|image|audio|speech)[^.]*)(?:\.|$)", re.IGNORECASE)
 
 
 def _keyword_order(forward: Any) -> tuple[str, ...]:
