@@ -332,13 +332,13 @@ class _TinyCLIP(torch.nn.Module):
         return self.text_model(input_ids)[:, 0] @ self.vision_model(pixel_values)[:, 0].T
 
 
-@pytest.mark.parametrize("token_rows", [None, {"vision_model.*": False}])
+@pytest.mark.parametrize("token_rows", [None, {"vision_model.*": False}, {"vision_model.*": True}])
 def test_vision_tower_rows_taken_with_the_text_mask_are_warned_about(tmp_path, token_rows):
     """A text-and-image model whose vision tower has as many positions as the text: its hidden
     states (batch, 5, d) start with the text's (batch, 5) mask, so they were stored as token
     rows, patches dropped by the text's padding and labelled with text positions, silently.
     A warning now names them and token_rows={'vision_model.*': False}, which stores one row per
-    image."""
+    image; token_rows={'vision_model.*': True} confirms token rows without it."""
     torch.manual_seed(0)
     model = _TinyCLIP().eval()
     ids = torch.randint(0, 50, (2, 5))
@@ -357,6 +357,9 @@ def test_vision_tower_rows_taken_with_the_text_mask_are_warned_about(tmp_path, t
         assert len(messages) == 1
         assert "'vision_model.layer.output'" in messages[0] and "(batch, pos) = (2, 5)" in messages[0]
         assert "token_rows={'vision_model.*': False}" in messages[0] and "'text_model.1.output'" not in messages[0]
+        assert store.row_kind("vision_model.layer.output") == "token"
+    elif token_rows["vision_model.*"]:  # confirmed: no warning
+        assert messages == []
         assert store.row_kind("vision_model.layer.output") == "token"
     else:
         assert messages == []

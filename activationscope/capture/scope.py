@@ -3219,8 +3219,9 @@ class Tracker:
         patches picked by the text's mask and labelled with the text's positions."""
         if self.writer is None and not any(self._reduction_names.values()):
             return  # (in memory, records are whole tensors: no rows taken)
+        chosen = self._token_rows if isinstance(self._token_rows, Mapping) else None  # (True: confirmed)
         taken = [n for n, sink in self._sinks.items() if sink.row_kind == 1
-                 and _MEDIA_TOWER.search(self._module_of(n))]
+                 and _MEDIA_TOWER.search(self._module_of(n)) and not _token_rows_for(n, chosen, self._hook_names)]
         if not taken:
             return
         self._warned_media_tower = True
@@ -3238,7 +3239,8 @@ class Tracker:
             "tower has as many positions (patches and a class token, frames) as the text, so their rows are the "
             "tower's positions picked by the text's mask, padding included or patches dropped, and labelled with "
             f"the text's positions. Pass token_rows={{{pattern!r}: False}} for one row per image, or track the tower "
-            f"itself (track(model.{pattern[:-2]})) with a mask of its own (batch, pos) (warned once per capture)",
+            f"itself (track(model.{pattern[:-2]})) with a mask of its own (batch, pos); token_rows={{{pattern!r}: True}} "
+            "confirms token rows (warned once per capture)",
             CaptureWarning,
         )
 
