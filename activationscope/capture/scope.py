@@ -926,6 +926,11 @@ class Tracker:
         order = _keyword_order(getattr(model, "forward", None))
         self._media_params = sorted(_MEDIA_INPUTS & set(order)) if "input_ids" in order else []
         self._warned_media_tower = False
+        # a store capture: the module paths of mixture-of-experts experts (children of a
+        # ModuleList / ModuleDict named "experts"; None until the first forward's end), whose
+        # hook points are stored off the sample row table, and the hook points decided so far
+        self._expert_paths: tuple[str, ...] | None = None
+        self._experts_decided: set[str] = set()
         # an encoder-decoder model (its forward takes decoder_input_ids / decoder_inputs_embeds):
         # the names of its positional parameters, the masks of the current forward's two
         # sequences (noted by the root's Python frame; the decoder's None when the forward gives
@@ -2703,6 +2708,10 @@ class Tracker:
             )
             if lost and self._refused is None:  # a refused resume commits nothing
                 self._warn_row_table_lost(lost)
+            if self._expert_paths is None:
+                self._expert_paths = _expert_paths(self.model)
+            if self._expert_paths:
+                self._leave_row_table_experts()
             self.writer.maybe_commit()
         else:
             self._last_ids = (_copy_ids(batch.get("sample_ids")), self._next_counted_id(), n)
@@ -2807,6 +2816,41 @@ class Tracker:
                    "each row and the prompt's as a column, e.g. prompt=ids.repeat_interleave(k))"
                    if n > 0 and actual > n and actual % n == 0 else "")
             )
+
+    def _leave_row_table_experts(self) -> None:
+        """Store the sample-row hook points of mixture-of-experts experts off the row table from
+        their first forward: an expert's rows are the tokens routed to it, and where their number
+        equals the batch's samples (in every forward, with a fixed routing or short captures)
+        the store would label them with the samples' ids and columns. Warned once per capture."""
+        leave = getattr(self.writer, "leave_row_table", None)
+        if leave is None:
+            return
+        marked = []
+        for name, sink in self._sinks.items():
+            if name in self._experts_decided or sink.row_kind == -1:
+                continue
+            module = self._module_of(name)
+            if sink.row_kind != 0 or not any(module == e or module.startswith(e + ".") for e in self._expert_paths):
+                self._experts_decided.add(name)
+                continue
+            followed = leave(name)
+            if followed is None:
+                continue  # (no array yet: an alias, or its rows are not written yet)
+            self._experts_decided.add(name)
+            if followed:
+                marked.append(name)
+        if not marked:
+            return
+        shown = ", ".join(repr(n) for n in marked[:6]) + (f" and {len(marked) - 6} more" if len(marked) > 6 else "")
+        k = self._core.n_forwards - 1
+        warn_at_caller(
+            f"hook point(s) {shown} of mixture-of-experts experts (modules in a ModuleList / ModuleDict named "
+            f"'experts') gave as many rows as the batch's samples in forward {k}, but an expert's rows are the "
+            "tokens routed to it: they are stored off the sample row table (store.follows_row_table() is False for "
+            "them; their rows are read by their own index, without sample ids or columns). Track the "
+            "mixture-of-experts block itself for rows of the samples' tokens",
+            CaptureWarning,
+        )
 
     def _warn_row_table_lost(self, lost: Mapping[str, tuple[int, int]]) -> None:
         """Warn once per hook point whose store rows stopped following the row table in this
@@ -3477,6 +3521,16 @@ def _python_frame(forward: Any, note: Any = None) -> Any:
 # the (batch, pos) of tokens (pixel values (batch, channels, height, width), Whisper's log-mel
 # features (batch, mel bins, frames), wav2vec2's raw audio (batch, samples))
 _MEDIA_INPUTS = frozenset({"pixel_values", "pixel_values_videos", "input_features", "input_values"})
+
+
+def _expert_paths(model: torch.nn.Module) -> tuple[str, ...]:
+    """The module paths of ``model``'s mixture-of-experts experts: the children of an
+    ``nn.ModuleList`` / ``nn.ModuleDict`` whose name is ``experts`` (Switch Transformers'
+    ``mlp.experts.expert_0``, ``moe.experts.3`` of research code), each called with the tokens
+    routed to it."""
+    containers = {name for name, m in model.named_modules()
+                  if name.rpartition(".")[2] == "experts" and isinstance(m, (torch.nn.ModuleList, torch.nn.ModuleDict))}
+    return tuple(name for name, _m in model.named_modules() if name.rpartition(".")[0] in containers)
 
 
 # a module path of a vision or audio tower (CLIP's vision_model, LLaVA's vision_tower); group 1
