@@ -2962,7 +2962,8 @@ class Tracker:
         text = isinstance(first, str) or (isinstance(first, (list, tuple)) and bool(first)
                                           and all(isinstance(x, str) for x in first))
         self._first_arg_type = type(first).__name__ if text else None
-        if not self._warned_image_input:
+        if not self._warned_image_input and (self.writer is not None or self.scope.reductions is not None):
+            # (in memory without reductions no rows are taken: nothing to warn about)
             wrapper = self.model.__dict__.get("forward")
             order = getattr(wrapper, "_acs_kw_order", ())
             t = compiled.first_input(args, kwargs, order)
