@@ -499,3 +499,48 @@ def test_keyword_inputs_passed_in_another_order_take_the_batch_from_the_first_pa
         else:
             assert torch.equal(store["out.output"], ref), order
         assert store.follows_row_table("out.output") and store.follows_row_table("tok.output")
+
+
+class _LearnedPositions(torch.nn.Module):
+    """Token ids (batch, pos) plus a position embedding called on arange(pos)[None], whose
+    (1, pos, d) output is one tensor broadcast over the batch (GPT-2's wpe, CLIP's)."""
+
+    def __init__(self, vocab: int = 50, d: int = 8) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(vocab, d)
+        self.positions = torch.nn.Embedding(16, d)
+        self.block = torch.nn.Linear(d, d)
+
+    def forward(self, ids):
+        return self.block(self.embed(ids) + self.positions(torch.arange(ids.shape[1])[None]))
+
+
+def test_a_broadcast_tensor_taken_as_token_rows_at_a_first_batch_of_one_names_the_cause(tmp_path):
+    """At a first forward of one sample, a (1, pos, d) tensor shared by the batch starts with
+    the (1, pos) mask and is taken as token rows; the next batch of 2 samples was refused with
+    advice about masks for each forward and generation steps, none of which fixes it. The error
+    now says it is a tensor shared by the batch and names exclude_hook_points=, which works."""
+    model = _LearnedPositions().eval()
+    ids = torch.randint(0, 50, (3, 5), generator=torch.Generator().manual_seed(0))
+    scope = acs.ActivationScope(store=str(tmp_path / "a.zarr"), rows="token")
+    with pytest.raises(acs.CaptureError) as info:
+        with torch.no_grad(), scope.track(model):
+            model(ids[:1])
+            model(ids[1:])
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert "'positions.output' is one tensor shared by the batch's samples" in notes
+    assert "stays 1 in a batch of 2 samples" in notes and "its first activation, (1, 5, 8)" in notes
+    assert "exclude_hook_points=['positions.output']" in notes
+    store = acs.open_store(tmp_path / "a.zarr")
+    assert store.n_rows("block.output") == 5  # the first forward is kept whole
+
+    scope = acs.ActivationScope(store=str(tmp_path / "b.zarr"), rows="token",
+                                exclude_hook_points=["positions.output"])
+    with torch.no_grad(), scope.track(model):
+        model(ids[:1])
+        model(ids[1:])
+    store = acs.open_store(tmp_path / "b.zarr")
+    assert store.hook_points == ["embed.output", "block.output"]
+    with torch.no_grad():
+        assert torch.equal(store["block.output"], model(ids).reshape(15, 8))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -237,3 +239,131 @@ def test_stop_after_last_in_training_mode_before_a_batchnorm_names_its_statistic
     assert len(said) == 1 and "skips '1' after the stop point: its BatchNorm running statistics are not updated" in said[0]
     assert "dropout" not in said[0]
     assert int(model[1].num_batches_tracked) == 1  # only the first, full forward ran it
+
+
+class _TinyViT(torch.nn.Module):
+    """Patches of 8x8 pixels, a class token, one layer: (batch, 3, 16, 16) -> (batch, 5, 8)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.patch = torch.nn.Conv2d(3, 8, 8, stride=8)
+        self.cls = torch.nn.Parameter(torch.randn(1, 1, 8))
+        self.layer = torch.nn.Linear(8, 8)
+
+    def forward(self, pixel_values):
+        x = self.patch(pixel_values).flatten(2).transpose(1, 2)
+        return self.layer(torch.cat([self.cls.expand(len(x), -1, -1), x], dim=1))
+
+
+def test_token_rows_taken_from_an_image_input_warn_and_a_patch_mask_stores_patches(tmp_path):
+    """rows="token" takes (batch, pos) from the model's first input; for pixel values
+    (batch, channels, height, width) that is (batch, channels): under capture="both" the image
+    itself was stored as one token row per channel, labelled with the channel as pos, and the
+    (batch, patches, d) hidden states one row per sample, without a word. A warning now names
+    the hook points taken so and the mask that gives one row per patch, which works."""
+    torch.manual_seed(0)
+    model = _TinyViT().eval()
+    pixels = torch.randn(2, 3, 16, 16)
+    scope = acs.ActivationScope(store=str(tmp_path / "a.zarr"), rows="token", capture="both")
+    with pytest.warns(acs.CaptureWarning, match=r"rows='token' took \(batch, pos\) = \(2, 3\)") as caught:
+        with torch.no_grad(), scope.track(model, include=["patch", "layer"]):
+            model(pixels)
+            model(pixels)
+    messages = [str(w.message) for w in caught if "rows='token' took" in str(w.message)]
+    assert len(messages) == 1  # once per capture
+    assert "'patch.input.0' stored 3 token rows per sample" in messages[0]
+    assert "(2, 3, 16, 16)" in messages[0] and "set_batch(attention_mask=" in messages[0]
+    store = acs.open_store(tmp_path / "a.zarr")
+    assert store.row_kind("patch.input.0") == "token" and store.row_kind("layer.output") == "sample"
+
+    # the fix the warning names: a mask of the hidden states' (batch, pos)
+    scope = acs.ActivationScope(store=str(tmp_path / "b.zarr"), rows="token", capture="both")
+    with torch.no_grad(), scope.track(model, include=["patch", "layer"]) as tracker:
+        tracker.set_batch(attention_mask=torch.ones(2, 5, dtype=torch.bool))
+        model(pixels)
+    store = acs.open_store(tmp_path / "b.zarr")
+    assert store.row_kind("patch.input.0") == "sample" and store.row_kind("layer.output") == "token"
+    with torch.no_grad():
+        reference = model(pixels)
+    assert torch.equal(store["layer.output"], reference.reshape(10, 8))
+    assert torch.equal(store["patch.input.0"], pixels)
+    assert store.row_table("token").column("pos").to_pylist() == [0, 1, 2, 3, 4] * 2
+
+
+class _TinyAudioEncoder(torch.nn.Module):
+    """Log-mel features (batch, 8 mel bins, 20 frames) -> a strided conv -> (batch, 10, 8)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv1d(8, 6, 3, stride=2, padding=1)
+        self.layer = torch.nn.Linear(6, 8)
+
+    def forward(self, input_features):
+        return self.layer(self.conv(input_features).transpose(1, 2))
+
+
+def test_token_rows_taken_from_audio_features_by_keyword_are_warned_about(tmp_path):
+    """Whisper's input_features (batch, mel bins, frames) are 3-D like embeddings: rows="token"
+    took (batch, mel bins) as (batch, pos) and stored the conv's input one row per mel bin as
+    tokens, silently. The Hugging Face name of the input now tells them apart."""
+    torch.manual_seed(0)
+    model = _TinyAudioEncoder().eval()
+    features = torch.randn(2, 8, 20)
+    scope = acs.ActivationScope(store=str(tmp_path / "a.zarr"), rows="token", capture="both")
+    with pytest.warns(acs.CaptureWarning, match=r"input_features of shape \(2, 8, 20\)") as caught:
+        with torch.no_grad(), scope.track(model, include=["conv", "layer"]):
+            model(input_features=features)
+    message = next(str(w.message) for w in caught if "rows='token' took" in str(w.message))
+    assert "'conv.input.0' stored 8 token rows per sample" in message and "'conv.output'" not in message
+    store = acs.open_store(tmp_path / "a.zarr")
+    assert store.row_kind("conv.input.0") == "token" and store.row_kind("layer.output") == "sample"
+
+
+class _TinyCLIP(torch.nn.Module):
+    """A text tower over token ids (batch, 5) and a vision tower over (batch, 3, 16, 16)
+    images, whose 4 patches and class token make (batch, 5, 8) as well."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.text_model = torch.nn.Sequential(torch.nn.Embedding(50, 8), torch.nn.Linear(8, 8))
+        self.vision_model = _TinyViT()
+
+    def forward(self, input_ids, pixel_values, attention_mask=None):
+        return self.text_model(input_ids)[:, 0] @ self.vision_model(pixel_values)[:, 0].T
+
+
+@pytest.mark.parametrize("token_rows", [None, {"vision_model.*": False}, {"vision_model.*": True}])
+def test_vision_tower_rows_taken_with_the_text_mask_are_warned_about(tmp_path, token_rows):
+    """A text-and-image model whose vision tower has as many positions as the text: its hidden
+    states (batch, 5, d) start with the text's (batch, 5) mask, so they were stored as token
+    rows, patches dropped by the text's padding and labelled with text positions, silently.
+    A warning now names them and token_rows={'vision_model.*': False}, which stores one row per
+    image; token_rows={'vision_model.*': True} confirms token rows without it."""
+    torch.manual_seed(0)
+    model = _TinyCLIP().eval()
+    ids = torch.randint(0, 50, (2, 5))
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    pixels = torch.randn(2, 3, 16, 16)
+    scope = acs.ActivationScope(store=str(tmp_path / "a.zarr"), token_rows=token_rows)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad(), scope.track(model, include=["text_model.1", "vision_model.layer"]) as tracker:
+            tracker.set_batch(attention_mask=mask)
+            model(ids, pixels, attention_mask=mask)
+    messages = [str(w.message) for w in caught if "vision or audio tower" in str(w.message)]
+    store = acs.open_store(tmp_path / "a.zarr")
+    assert store.row_kind("text_model.1.output") == "token" and store.n_rows("text_model.1.output") == 8
+    if token_rows is None:
+        assert len(messages) == 1
+        assert "'vision_model.layer.output'" in messages[0] and "(batch, pos) = (2, 5)" in messages[0]
+        assert "token_rows={'vision_model.*': False}" in messages[0] and "'text_model.1.output'" not in messages[0]
+        assert store.row_kind("vision_model.layer.output") == "token"
+    elif token_rows["vision_model.*"]:  # confirmed: no warning
+        assert messages == []
+        assert store.row_kind("vision_model.layer.output") == "token"
+    else:
+        assert messages == []
+        with torch.no_grad():
+            reference = model.vision_model(pixels)
+        assert store.row_kind("vision_model.layer.output") == "sample"
+        assert torch.equal(store["vision_model.layer.output"], reference)

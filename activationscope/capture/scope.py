@@ -915,6 +915,22 @@ class Tracker:
         self._warned_model_mask = False
         self._mask_arg_index: int | None = None
         self._first_arg_type: str | None = None
+        # rows="token": the shape (and parameter name) of the model's first tensor input in the
+        # current forward when it is an image (batch, channels, height, width), a video or audio
+        # (_MEDIA_INPUTS), whose first two dims are not (batch, pos); warned about once when hook
+        # points took them as token rows
+        self._image_input: tuple[tuple[int, ...], str | None] | None = None
+        self._warned_image_input = False
+        # a model taking token ids and an image or audio input (CLIP, LLaVA): its media inputs
+        # by name; hook points of its vision / audio tower taken as token rows are warned about
+        order = _keyword_order(getattr(model, "forward", None))
+        self._media_params = sorted(_MEDIA_INPUTS & set(order)) if "input_ids" in order else []
+        self._warned_media_tower = False
+        # a store capture: the module paths of mixture-of-experts experts (children of a
+        # ModuleList / ModuleDict named "experts"; None until the first forward's end), whose
+        # hook points are stored off the sample row table, and the hook points decided so far
+        self._expert_paths: tuple[str, ...] | None = None
+        self._experts_decided: set[str] = set()
         # an encoder-decoder model (its forward takes decoder_input_ids / decoder_inputs_embeds):
         # the names of its positional parameters, the masks of the current forward's two
         # sequences (noted by the root's Python frame; the decoder's None when the forward gives
@@ -1670,6 +1686,8 @@ class Tracker:
         self._with_depth = 0
         if exc is not None and self._shared_rows:
             self._note_shared_rows(exc)
+        if exc is not None:
+            self._note_broadcast_token_rows(exc)
         left = self._detach()
         self._finish(status="complete" if exc is None else "incomplete", exc=exc, left_running=left)
         if self._reference_mode:
@@ -2654,6 +2672,9 @@ class Tracker:
             self._warn_token_rows_unused()
         if self.scope.rows == "token" and batch.get("attention_mask") is None:
             self._warn_model_mask_padding()
+            self._warn_image_token_rows()
+        if self._media_params and not self._warned_media_tower:
+            self._warn_media_tower_token_rows(batch)
         if self.writer is not None and self.scope.rows == "token":
             self._warn_generation_step(batch)
         if self.writer is not None:
@@ -2687,6 +2708,10 @@ class Tracker:
             )
             if lost and self._refused is None:  # a refused resume commits nothing
                 self._warn_row_table_lost(lost)
+            if self._expert_paths is None:
+                self._expert_paths = _expert_paths(self.model)
+            if self._expert_paths:
+                self._leave_row_table_experts()
             self.writer.maybe_commit()
         else:
             self._last_ids = (_copy_ids(batch.get("sample_ids")), self._next_counted_id(), n)
@@ -2792,6 +2817,41 @@ class Tracker:
                    if n > 0 and actual > n and actual % n == 0 else "")
             )
 
+    def _leave_row_table_experts(self) -> None:
+        """Store the sample-row hook points of mixture-of-experts experts off the row table from
+        their first forward: an expert's rows are the tokens routed to it, and where their number
+        equals the batch's samples (in every forward, with a fixed routing or short captures)
+        the store would label them with the samples' ids and columns. Warned once per capture."""
+        leave = getattr(self.writer, "leave_row_table", None)
+        if leave is None:
+            return
+        marked = []
+        for name, sink in self._sinks.items():
+            if name in self._experts_decided or sink.row_kind == -1:
+                continue
+            module = self._module_of(name)
+            if sink.row_kind != 0 or not any(module == e or module.startswith(e + ".") for e in self._expert_paths):
+                self._experts_decided.add(name)
+                continue
+            followed = leave(name)
+            if followed is None:
+                continue  # (no array yet: an alias, or its rows are not written yet)
+            self._experts_decided.add(name)
+            if followed:
+                marked.append(name)
+        if not marked:
+            return
+        shown = ", ".join(repr(n) for n in marked[:6]) + (f" and {len(marked) - 6} more" if len(marked) > 6 else "")
+        k = self._core.n_forwards - 1
+        warn_at_caller(
+            f"hook point(s) {shown} of mixture-of-experts experts (modules in a ModuleList / ModuleDict named "
+            f"'experts') gave as many rows as the batch's samples in forward {k}, but an expert's rows are the "
+            "tokens routed to it: they are stored off the sample row table (store.follows_row_table() is False for "
+            "them; their rows are read by their own index, without sample ids or columns). Track the "
+            "mixture-of-experts block itself for rows of the samples' tokens",
+            CaptureWarning,
+        )
+
     def _warn_row_table_lost(self, lost: Mapping[str, tuple[int, int]]) -> None:
         """Warn once per hook point whose store rows stopped following the row table in this
         forward (its module returned no tensor, or another number of rows, in it)."""
@@ -2831,6 +2891,27 @@ class Tracker:
             "over them), as T5's position bias (1, heads, query, key), which each generate() step grows by one "
             f"key. Leave it out of the capture: exclude_hook_points=[{name!r}] (or a pattern for every layer's, as "
             f"{re.sub(r'[.][0-9]+[.]', '.*.', name, count=1)!r}); its module's other outputs are still captured")
+
+    def _note_broadcast_token_rows(self, exc: BaseException) -> None:
+        """Name the cause of a token-row hook point refused for its mask where it is a tensor
+        shared by the batch (first dimension 1) taken as token rows at a first forward of one
+        sample, whose (1, pos) mask it started with: the native error's advice (a mask for each
+        forward, generation steps) is no fix for it."""
+        found = re.match(r"hook point '(.+?)' stores token rows and needs an attention mask .*?; got activation "
+                         r"\((\d+), .*? and mask \((\d+), ", str(exc))
+        if found is None or not hasattr(exc, "add_note"):
+            return
+        name, rows, n = found.group(1), int(found.group(2)), int(found.group(3))
+        first = self._first_shapes.get(name)
+        if rows != 1 or n <= 1 or not isinstance(first, tuple) or not first or first[0] != 1:
+            return
+        exc.add_note(
+            f"{name!r} is one tensor shared by the batch's samples, not one row per token: its first dimension "
+            f"stays 1 in a batch of {n} samples (broadcast over them, as the (1, pos) position_ids and (1, pos, "
+            "head_dim) rotary cos / sin a Llama model gives each layer). It was taken as token rows because its "
+            f"first activation, {first}, came in a forward of one sample and started with that forward's (1, pos) "
+            f"mask. Leave it out of the capture: exclude_hook_points=[{name!r}] (or a pattern for every layer's, as "
+            f"{re.sub(r'[.][0-9]+[.]', '.*.', name, count=1)!r}); its module's other hook points are still captured")
 
     def _check_aliases(self) -> None:
         """Refuse a forward in which a store's alias hook point was not captured as often as its
@@ -2881,6 +2962,14 @@ class Tracker:
         text = isinstance(first, str) or (isinstance(first, (list, tuple)) and bool(first)
                                           and all(isinstance(x, str) for x in first))
         self._first_arg_type = type(first).__name__ if text else None
+        if not self._warned_image_input and (self.writer is not None or self.scope.reductions is not None):
+            # (in memory without reductions no rows are taken: nothing to warn about)
+            wrapper = self.model.__dict__.get("forward")
+            order = getattr(wrapper, "_acs_kw_order", ())
+            t = compiled.first_input(args, kwargs, order)
+            named = [k for k, v in zip(order, args) if v is t] or [k for k, v in kwargs.items() if v is t]
+            media = t is not None and (t.dim() >= 4 or (named and named[0] in _MEDIA_INPUTS and t.dim() >= 2))
+            self._image_input = (tuple(t.shape), named[0] if named else None) if media else None
         if self._warned_model_mask:
             return
         mask = kwargs.get("attention_mask")
@@ -3135,6 +3224,71 @@ class Tracker:
             CaptureWarning,
         )
 
+    def _warn_image_token_rows(self) -> None:
+        """Warn (once per capture) when ``rows="token"`` without a ``set_batch`` mask took token
+        rows from a model whose first tensor input has 4 dims or more (pixel values
+        ``(batch, channels, height, width)``), or is an audio input by its Hugging Face name
+        (``input_features`` ``(batch, mel bins, frames)``): its first two dims are not
+        ``(batch, pos)``, so hook points starting with them (the image itself under
+        ``capture="both"``) were stored one row per channel labelled as tokens, while the
+        transformer's ``(batch, patches, d)`` hidden states were stored one row per sample."""
+        if self._image_input is None or self._warned_image_input:
+            return
+        shape, param = self._image_input
+        if self.writer is None and not any(self._reduction_names.values()):
+            return  # (in memory, records are whole tensors: no rows taken)
+        taken = [n for n, s in self._sinks.items() if s.row_kind == 1]
+        if not taken:
+            return  # (no token rows: warned about as rows='token' finding none)
+        self._warned_image_input = True
+        k = self._core.n_forwards - 1
+        shown = ", ".join(repr(n) for n in taken[:6]) + (f" and {len(taken) - 6} more" if len(taken) > 6 else "")
+        warn_at_caller(
+            f"rows='token' took (batch, pos) = {shape[:2]} from the first two dims of the model's first tensor "
+            f"input in forward {k}, {param + ' ' if param else ''}of shape {shape}: not token ids (batch, pos) or "
+            "embeddings (batch, pos, d) but an image (batch, channels, height, width), a video or audio (batch, "
+            f"mel bins, frames), so {shown} stored {shape[1]} token rows per sample, one per entry of that second "
+            "dim given as its pos, and the other hook points one row per sample. For one row per patch or frame, "
+            "give tracker.set_batch(attention_mask=...) a mask of the hidden states' (batch, pos) (all True, e.g. "
+            "torch.ones(batch, n_patches + 1, dtype=torch.bool) for a ViT's patches and class token) before each "
+            "forward; or token_rows=False for one row per sample (warned once per capture)",
+            CaptureWarning,
+        )
+
+    def _warn_media_tower_token_rows(self, batch: Mapping[str, Any]) -> None:
+        """Warn (once per capture) when a model of token ids and images or audio (CLIP's
+        ``forward(input_ids, pixel_values, ...)``) stored hook points of its vision or audio tower
+        (a module path with ``vision``, ``visual``, ``image``, ``audio`` or ``speech`` in a name)
+        as token rows: their activations start with the text's (batch, pos) only by coincidence
+        (as many patches and a class token as text positions), so their rows are the image's
+        patches picked by the text's mask and labelled with the text's positions."""
+        if self.writer is None and not any(self._reduction_names.values()):
+            return  # (in memory, records are whole tensors: no rows taken)
+        chosen = self._token_rows if isinstance(self._token_rows, Mapping) else None  # (True: confirmed)
+        taken = [n for n, sink in self._sinks.items() if sink.row_kind == 1
+                 and _MEDIA_TOWER.search(self._module_of(n)) and not _token_rows_for(n, chosen, self._hook_names)]
+        if not taken:
+            return
+        self._warned_media_tower = True
+        mask = batch.get("attention_mask")
+        if mask is None:
+            mask = self._core.auto_token_mask
+        tower = _MEDIA_TOWER.search(self._module_of(taken[0]))
+        pattern = self._module_of(taken[0])[:tower.end(1)] + ".*"
+        shown = ", ".join(repr(n) for n in taken[:6]) + (f" and {len(taken) - 6} more" if len(taken) > 6 else "")
+        k = self._core.n_forwards - 1
+        warn_at_caller(
+            f"{type(self.model).__name__} takes token ids and {' / '.join(self._media_params)}, and in forward {k} "
+            f"the hook points {shown} of its vision or audio tower were stored as token rows with the attention mask "
+            f"(batch, pos) = {tuple(mask.shape)} of the token ids: their activations start with it only because the "
+            "tower has as many positions (patches and a class token, frames) as the text, so their rows are the "
+            "tower's positions picked by the text's mask, padding included or patches dropped, and labelled with "
+            f"the text's positions. Pass token_rows={{{pattern!r}: False}} for one row per image, or track the tower "
+            f"itself (track(model.{pattern[:-2]})) with a mask of its own (batch, pos); token_rows={{{pattern!r}: True}} "
+            "confirms token rows (warned once per capture)",
+            CaptureWarning,
+        )
+
     def _warn_token_rows_unused(self) -> None:
         """Warn (once per capture) when ``rows="token"`` makes no hook point token rows: no
         activation starts with the (batch, pos) of the model's first input (a model that
@@ -3362,6 +3516,27 @@ def _python_frame(forward: Any, note: Any = None) -> Any:
             return forward(*args, **kwargs)
 
     return forward_of_tracked_model
+
+
+# Hugging Face's names of a model's image, video and audio inputs: their first two dims are not
+# the (batch, pos) of tokens (pixel values (batch, channels, height, width), Whisper's log-mel
+# features (batch, mel bins, frames), wav2vec2's raw audio (batch, samples))
+_MEDIA_INPUTS = frozenset({"pixel_values", "pixel_values_videos", "input_features", "input_values"})
+
+
+def _expert_paths(model: torch.nn.Module) -> tuple[str, ...]:
+    """The module paths of ``model``'s mixture-of-experts experts: the children of an
+    ``nn.ModuleList`` / ``nn.ModuleDict`` whose name is ``experts`` (Switch Transformers'
+    ``mlp.experts.expert_0``, ``moe.experts.3`` of research code), each called with the tokens
+    routed to it."""
+    containers = {name for name, m in model.named_modules()
+                  if name.rpartition(".")[2] == "experts" and isinstance(m, (torch.nn.ModuleList, torch.nn.ModuleDict))}
+    return tuple(name for name, _m in model.named_modules() if name.rpartition(".")[0] in containers)
+
+
+# a module path of a vision or audio tower (CLIP's vision_model, LLaVA's vision_tower); group 1
+# ends at the end of the first such name
+_MEDIA_TOWER = re.compile(r"^((?:[^.]*\.)*?[^.]*(?:vision|visual|image|audio|speech)[^.]*)(?:\.|$)", re.IGNORECASE)
 
 
 def _keyword_order(forward: Any) -> tuple[str, ...]:

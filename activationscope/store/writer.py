@@ -2328,6 +2328,25 @@ class StoreWriter:
                            CaptureWarning)
             return committed
 
+    def leave_row_table(self, hook_point: str) -> bool | None:
+        """Store the rows of ``hook_point`` off the row table from now on, as a forward that gave
+        it another number of rows than its samples does: ``follows_row_table`` False, its rows
+        read by their own index without sample ids or columns (a mixture-of-experts expert's
+        rows are the tokens routed to it, as many as the batch's samples only by chance).
+
+        Returns
+        -------
+        bool | None
+            True when its rows followed the row table until now, False when they no longer did,
+            None when the store has no array of it yet (nothing is changed).
+        """
+        with self._lock:
+            a = self._arrays.get(hook_point)
+            if a is None:
+                return None
+            followed, a.follows_row_table = a.follows_row_table, False
+            return followed
+
     def add_batch(self, n_samples: int, sample_ids: Any = None, token_mask: torch.Tensor | None = None,
                   columns: Mapping[str, Any] | None = None, described_again: bool = False,
                   next_id: int | None = None) -> dict[str, tuple[int, int]]:
