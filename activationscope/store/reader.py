@@ -127,10 +127,12 @@ class _ProcessMappings:
 
     def register(self, store: "Store") -> int:
         """A token for ``store``'s entries; they are forgotten once the store is collected
-        (its cached mappings with it)."""
+        (its cached mappings with it), at the next store opened or file mapped, so that a
+        process that opens stores it never maps keeps no entry per store it ever opened."""
         token = next(self._tokens)
         gone = self.gone
         with self.lock:
+            self.purge()
             self.stores[token] = weakref.ref(store, lambda _ref: gone.append(token))
         return token
 

@@ -299,6 +299,30 @@ def test_a_store_let_go_of_without_close_leaves_the_budget_to_the_others(tmp_pat
     assert a._n_mapped == ROWS // SHARD_ROWS and calls == []  # (nothing of a's dropped for b's)
 
 
+def test_stores_opened_and_let_go_of_without_mapping_leave_no_entry_behind(tmp_path):
+    """The process-wide cache keeps an entry per open store, forgotten once the store is
+    collected. It was forgotten only when some store next mapped a file: a process that opens
+    stores it never maps (object storage, compressed arrays, a loop polling a running
+    capture's progress) kept an entry for every store it ever opened. Now opening a store
+    forgets those of the stores collected since."""
+    _capture(tmp_path / "s.zarr")
+    gc.collect()
+    live = acs.open_store(tmp_path / "s.zarr")
+    with R._MAPPINGS.lock:
+        before = set(R._MAPPINGS.stores)
+    for _ in range(50):
+        st = acs.open_store(tmp_path / "s.zarr")
+        assert st.n_samples == ROWS
+        st.close()
+        del st
+    gc.collect()
+    last = acs.open_store(tmp_path / "s.zarr")
+    with R._MAPPINGS.lock:
+        new = set(R._MAPPINGS.stores) - before
+    assert new == {last._map_token}
+    assert torch.equal(live.rows("0.output", 0, 2), last.rows("0.output", 0, 2))
+
+
 def test_a_forked_child_counts_the_mappings_it_inherited(tmp_path, monkeypatch):
     """A forked child (a DataLoader worker) holds its parent's mappings too (fork copies them,
     and the parent's stores live on in the child): it counts them against its budget and drops
