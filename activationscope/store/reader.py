@@ -1075,15 +1075,32 @@ class Store:
     def rows(self, hook_point: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``[start, stop)`` of a hook point (a view within one shard, else one copy).
 
+        Parameters
+        ----------
+        hook_point : str
+        start, stop : int
+            Row positions, ``0 <= start <= stop <= n_rows(hook_point)``; Python, numpy or
+            0-d integer torch ints (a bool is no position).
+
+        Returns
+        -------
+        Tensor, (stop - start, *feature_shape), the stored dtype, CPU
+            Read-only in effect: writing into a view never changes the store.
+
         Raises
         ------
-        TypeError
-            ``start`` or ``stop`` is not an int.
-        IndexError
-            Not ``0 <= start <= stop <= n_rows``.
+        HookPointNotFoundError
+            ``hook_point`` is not in the store (a KeyError).
+        ArgumentTypeError
+            ``start`` or ``stop`` is not an int (a bool, a float, ...); a TypeError.
+        RowIndexError
+            Not ``0 <= start <= stop <= n_rows``; an IndexError.
         """
         n = self.n_rows(hook_point)
         try:
+            if any(isinstance(v, (bool, np.bool_)) or (isinstance(v, torch.Tensor) and v.dtype == torch.bool)
+                   for v in (start, stop)):
+                raise TypeError("a bool is no row position")
             start, stop = operator.index(start), operator.index(stop)
         except TypeError:
             raise ArgumentTypeError(f"rows({hook_point!r}, start, stop): start and stop must be ints, got {start!r}, {stop!r}") from None
