@@ -30,3 +30,14 @@ def test_rows_takes_python_numpy_and_0d_torch_ints(store):
         got = store.rows("0.output", start, stop)
         assert got.shape == (3, 3) and got.dtype == torch.float32
         assert torch.equal(got, whole[1:4])
+
+
+def test_reduction_specs_of_a_hook_point_not_in_the_store_raises(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 2))
+    with acs.ActivationScope(store=str(tmp_path / "s.zarr"), reductions={"0.output": ["mean"]}).track(model), torch.no_grad():
+        model(torch.ones(4, 2))
+    store = acs.open_store(tmp_path / "s.zarr")
+    assert store.reduction_specs("0.output") == {"mean": ("mean", {"per_feature": 1.0})}
+    assert store.reduction_specs("1.output") == {}  # stored, without reductions
+    with pytest.raises(acs.HookPointNotFoundError, match=r"hook point '0\.outptu' is not in the store"):
+        store.reduction_specs("0.outptu")  # a typo is no "no reductions"
