@@ -135,7 +135,36 @@ def partition_bounds(n: int, rank: int, world_size: int, even: bool = False) -> 
     Parts are contiguous, disjoint and cover ``[0, n)`` (sizes ``n // world_size`` or one
     more); with ``even=True`` every part has ``n // world_size`` positions and the last
     ``n % world_size`` positions are left out.
+
+    Parameters
+    ----------
+    n : int
+        Number of positions (rows), at least 0.
+    rank : int
+        The part, in ``[0, world_size)``.
+    world_size : int
+        Number of parts, at least 1.
+    even : bool, default False
+        Give every part the same size (see above).
+
+    Returns
+    -------
+    (int, int)
+        ``(start, stop)`` with ``0 <= start <= stop <= n``.
+
+    Raises
+    ------
+    ArgumentTypeError
+        An argument that is no int (a bool, a float, ...); a TypeError.
+    ArgumentValueError
+        ``n`` below 0, ``world_size`` below 1, or ``rank`` outside ``[0, world_size)``; a
+        ValueError.
     """
+    n = _int_arg(n, "n", 0)
+    world_size = _int_arg(world_size, "world_size", 1)
+    rank = _int_arg(rank, "rank")
+    if not 0 <= rank < world_size:
+        raise ArgumentValueError(f"rank must be an int in [0, {world_size}), got {rank!r}")
     if even:
         size = n // world_size
         return rank * size, (rank + 1) * size

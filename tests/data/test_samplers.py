@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -225,3 +226,22 @@ def test_a_row_count_takes_numpy_and_torch_integers_and_refuses_the_rest(which):
             which(bad, 2)
     with pytest.raises(ArgumentValueError, match=r"data_source \(a dataset, or a number of rows\) must be an int >= 0, got -5"):
         which(-5, 2)
+
+
+@pytest.mark.parametrize("args, error, match", [
+    ((10, 3, 2), ValueError, r"rank must be an int in \[0, 2\), got 3"),
+    ((10, -1, 2), ValueError, r"rank must be an int in \[0, 2\), got -1"),
+    ((10, 0, 0), ValueError, "world_size must be a positive int, got 0"),
+    ((-5, 0, 2), ValueError, "n must be an int >= 0, got -5"),
+    ((10, True, 2), TypeError, "rank must be an int, got True"),
+    ((10.0, 0, 2), TypeError, "n must be an int"),
+])
+def test_partition_bounds_refuses_arguments_that_give_no_part_of_the_positions(args, error, match):
+    with pytest.raises(error, match=match):
+        partition_bounds(*args)  # (rank 3 of 2 gave (15, 20), outside [0, 10), without an error)
+
+
+def test_partition_bounds_cover_the_positions():
+    assert [partition_bounds(10, r, 3) for r in range(3)] == [(0, 3), (3, 6), (6, 10)]
+    assert [partition_bounds(10, r, 3, even=True) for r in range(3)] == [(0, 3), (3, 6), (6, 9)]
+    assert partition_bounds(np.int64(10), torch.tensor(1), 2) == (5, 10)
