@@ -52,6 +52,13 @@ class Batch(Sequence):
     row so that torch's ``default_collate`` accepts it; activationscope registers a collate
     function for those rows that returns ``batch.data`` without stacking (no copy), see
     :func:`collate`.
+
+    Parameters
+    ----------
+    data : dict
+        ``{hook point: Tensor (rows, *feature_shape)}`` plus ``{column: Tensor (rows,) | list}``.
+    n_rows : int
+        The batch's rows (its length as a sequence).
     """
 
     __slots__ = ("data", "_n")
@@ -61,9 +68,24 @@ class Batch(Sequence):
         self._n = n_rows
 
     def __len__(self) -> int:
+        """Number of rows of the batch."""
         return self._n
 
     def __getitem__(self, i: int) -> "_Row":  # type: ignore[override]
+        """Row ``i`` as a mapping of views into the batch's tensors (for ``default_collate``).
+
+        Parameters
+        ----------
+        i : int
+            A position in ``[-len(batch), len(batch))``.
+
+        Raises
+        ------
+        ArgumentTypeError
+            ``i`` is a slice, a str or no int (read ``batch.data`` instead); a TypeError.
+        RowIndexError
+            ``i`` is out of range; an IndexError.
+        """
         if type(i) is int and i == 0 and self._n:  # default_collate looks at the first row of every batch
             return _Row(self, 0)
         if isinstance(i, slice):
@@ -175,6 +197,10 @@ def collate(batch: Any, *, collate_fn_map: Any = None) -> Any:
     ----------
     batch : Batch or list of row mappings
         What :meth:`ActivationDataset.__getitems__` returned, or rows of one.
+    collate_fn_map : dict, optional
+        ``{type: collate function}`` for the values of rows from elsewhere (what
+        ``default_collate`` passes to the functions it registers); default: torch's
+        ``default_collate_fn_map``.
 
     Returns
     -------
@@ -1262,6 +1288,12 @@ class ActivationDataset(Dataset):
         dict of :meth:`get_batch` without stacking rows. In a DataLoader worker its tensors
         are already in shared memory (one copy, also for a view of the store), so that the
         batch crosses to the main process as it is, whatever ``collate_fn`` does with it.
+
+        Parameters
+        ----------
+        indices : sequence of int
+            Dataset positions (a list or range, as a batch sampler yields them); taken as
+            :meth:`get_batch` takes them.
         """
         batch = self._getitems(indices)
         if get_worker_info() is not None:  # (never a view of the store's map: see get_batch)
@@ -1358,6 +1390,11 @@ class ActivationDataset(Dataset):
         ``i`` is an int, a numpy integer, or a 0-d integer Tensor / ndarray (any device but
         ``meta``); a 0-d float or bool one raises ArgumentTypeError, a position outside
         ``[-len(ds), len(ds))`` RowIndexError. Other indexes raise as :meth:`get_batch` says.
+
+        Parameters
+        ----------
+        index : int, slice, range, sequence of int, or Tensor / ndarray
+            A position, or the positions of a batch.
         """
         if _is_int(index):
             i = int(index)
