@@ -85,11 +85,25 @@ def check_compression(format: str, compression: str | None) -> str | None:
     """``compression`` of a ``format`` export as pyarrow takes it (``None`` for none), checked
     against :data:`EXPORT_COMPRESSIONS` before anything is read or written.
 
+    Parameters
+    ----------
+    format : {"parquet", "arrow", "hf"}
+        The export format (:data:`EXPORT_FORMATS`).
+    compression : str or None
+        A codec name (any case), ``"none"`` or None.
+
     Raises
     ------
     ArgumentValueError
-        A name that ``format`` does not accept; the message lists those it does.
+        A name that ``format`` does not accept (the message lists those it does), a ``format``
+        that takes no compression (``"hf"``, even with ``compression=None``), or one that is not
+        an export format.
     """
+    if format not in EXPORT_FORMATS:
+        raise ArgumentValueError(f"format must be one of {list(EXPORT_FORMATS)}, got {format!r} (nothing was written)")
+    if format not in EXPORT_COMPRESSIONS:
+        raise ArgumentValueError(f"compression applies to the export formats {list(EXPORT_COMPRESSIONS)}, got "
+                                 f"{format!r}; leave compression out (nothing was written)")
     accepted = EXPORT_COMPRESSIONS[format]
     name = compression.lower() if isinstance(compression, str) else compression
     if name is None or name == "none":

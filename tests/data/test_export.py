@@ -753,3 +753,14 @@ def test_an_export_keeps_the_temporary_file_of_another_host_of_a_similar_name(st
     monkeypatch.setattr(socket, "gethostname", lambda: "gpu-node-cluster-a-0016")
     fn(store, out, hook_points=["f32"])
     assert all(f.read_text() == "another host's export, at work" for f in others)
+
+
+def test_check_compression_names_the_formats_that_take_one():
+    from activationscope.data import check_compression
+
+    assert check_compression("parquet", "ZSTD") == "zstd" and check_compression("arrow", "none") is None
+    with pytest.raises(ArgumentValueError, match=r"compression applies to the export formats \['parquet', 'arrow'\], "
+                                                 r"got 'hf'"):
+        check_compression("hf", "zstd")  # (a bare KeyError 'hf' before)
+    with pytest.raises(ArgumentValueError, match=r"format must be one of \['parquet', 'arrow', 'hf'\], got 'csv'"):
+        check_compression("csv", None)
