@@ -3315,7 +3315,19 @@ class Tracker:
         return out
 
     def reduction_objects(self, hook_point: str) -> dict[str, Any]:
-        """The live reduction objects of one hook point (for ``state()`` / ``merge()``)."""
+        """The live reduction objects of one hook point (for ``state()`` / ``merge()``).
+
+        Parameters
+        ----------
+        hook_point : str
+            A hook point of this tracker.
+
+        Returns
+        -------
+        dict of str to reduction
+            ``{name: reduction}`` (the objects themselves, not copies); ``{}`` for a hook point
+            without reductions, or one not captured (yet).
+        """
         return dict(zip(self._reduction_names.get(hook_point, []), self._reduction_objects.get(hook_point, [])))
 
     def _write_reductions(self) -> None:
