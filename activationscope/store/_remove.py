@@ -23,6 +23,9 @@ def remove_if_empty(target: Any, *, remove_folder: bool = True, storage_options:
     remove_folder : bool, default True
         For a local store, also remove its (then empty) folder; pass False when the folder
         existed before the capture.
+    storage_options : dict, optional
+        fsspec options of a URL ``target`` (credentials, ``client_kwargs``), as
+        :func:`open_store` takes them.
 
     Returns
     -------
