@@ -22,15 +22,30 @@ __all__ = ["ProbeResult", "ProbeResults", "choose_folds", "drop_nonfinite_rows",
 class ProbeResult:
     """k-fold cross-validated accuracy of a linear probe.
 
-    accuracy : mean accuracy over folds, in [0, 1]. std : its standard deviation over folds.
-    fold_accuracies : one per fold. n_samples, n_features, n_classes : the problem's size.
-    chance : accuracy of always predicting the most frequent class.
-    n_folds : folds used. note : why they differ from the folds asked for ("" when they do not).
-    n_dropped : rows holding NaN or inf, left out of the fit and of ``n_samples``.
-    dropped_note : says how many rows were left out, and (:func:`probe_store`) how many
-        samples had no label ("" when none).
-    n_groups : the samples whose rows the folds keep together when some sample has several
-        rows (``groups`` of :func:`probe_accuracy`: the steps of a generation, the tokens of a
+    Attributes
+    ----------
+    accuracy : float
+        Mean accuracy over folds, in [0, 1].
+    std : float
+        Its standard deviation over folds (population: ``correction=0``).
+    fold_accuracies : list of float
+        One per fold, each in [0, 1].
+    n_samples, n_features, n_classes : int
+        The problem's size (``n_samples``: rows fitted, those left out not counted).
+    chance : float
+        Accuracy of always predicting the most frequent class, in [0, 1].
+    n_folds : int
+        Folds used.
+    note : str
+        Why they differ from the folds asked for ("" when they do not).
+    n_dropped : int
+        Rows holding NaN or inf, left out of the fit and of ``n_samples``.
+    dropped_note : str
+        Says how many rows were left out, and (:func:`probe_store`) how many samples had no
+        label ("" when none).
+    n_groups : int
+        The samples whose rows the folds keep together when some sample has several rows
+        (``groups`` of :func:`probe_accuracy`: the steps of a generation, the tokens of a
         sentence); 0 when every row is a sample of its own.
     """
 
@@ -88,12 +103,29 @@ def _samples_per_class(labels: Sequence[Any], units: list[int]) -> dict[Any, int
     return {v: len(s) for v, s in seen.items()}
 
 
+def _check_n_folds(n_folds: Any) -> int:
+    """``n_folds`` as an int (Python or numpy) of at least 2; ArgumentValueError otherwise (a
+    bool, a float, a str)."""
+    if isinstance(n_folds, (bool, np.bool_)) or not isinstance(n_folds, (int, np.integer)) or n_folds < 2:
+        raise ArgumentValueError(f"n_folds must be an int of at least 2, got {n_folds!r}")
+    return int(n_folds)
+
+
 def choose_folds(labels: Sequence[Any], n_folds: int, groups: Sequence[Any] | None = None) -> tuple[int, str]:
     """Folds for a stratified cross-validation of ``labels``: ``n_folds``, or fewer when the
     smallest class has fewer samples (every fold needs one of each class). With ``groups``
     (the sample of each row, as :func:`probe_accuracy` takes it; some sample of several
     rows) a class's samples are the groups holding a row of it, whatever their other rows'
     labels: a group's rows stay in one fold.
+
+    Parameters
+    ----------
+    labels : sequence (rows,)
+        Any hashable labels.
+    n_folds : int
+        Folds asked for, at least 2.
+    groups : sequence (rows,), optional
+        The sample of each row.
 
     Returns
     -------
@@ -104,10 +136,9 @@ def choose_folds(labels: Sequence[Any], n_folds: int, groups: Sequence[Any] | No
     ------
     ValueError
         Fewer than 2 classes, a class with a single sample, bool labels mixed with others
-        (``True == 1``), or ``n_folds < 2``.
+        (``True == 1``), or ``n_folds`` not an int of at least 2 (ArgumentValueError).
     """
-    if n_folds < 2:
-        raise ArgumentValueError(f"n_folds must be at least 2, got {n_folds}")
+    n_folds = _check_n_folds(n_folds)
     _check_label_types(labels)
     units = _units(labels, groups)
     if units is None:
@@ -338,12 +369,18 @@ def probe_accuracy(
         labels are refused (``True == 1`` would merge two classes).
     n_folds : int, default 5
         Number of folds, at least 2 and at most the smallest class's size.
+    seed : int, default 0
+        Seed of the shuffle that assigns rows (or samples, with ``groups``) to folds; the
+        same seed gives the same folds and the same result.
     l2 : float, default 1e-2
         Weight of the squared L2 norm of the weights in the loss (mean cross-entropy over a
         softmax of one weight column per class, on standardised rows). With 3 or more classes
         this is scikit-learn's multinomial ``LogisticRegression(C=1 / (2 * l2 * n_train))``; with
         2 classes, whose two columns act as one weight vector (their difference) with half the
         penalty, its binary ``LogisticRegression(C=1 / (l2 * n_train))``.
+    max_iter : int, default 100
+        Iterations of L-BFGS (``torch.optim.LBFGS(max_iter=...)``, strong Wolfe line search)
+        per fold.
     groups : sequence or Tensor (rows,), optional
         The sample of each row (any hashable): rows of one sample (a generation's steps,
         each captured as a row with the sample's label; a sentence's tokens, each with its
@@ -366,9 +403,10 @@ def probe_accuracy(
     ValueError
         Fewer than 2 classes (also after rows with NaN or inf are left out), bool labels
         mixed with others, NaN labels (no class: leave their rows out), mismatched lengths,
-        too few samples for ``n_folds``, or every row holding NaN or inf
-        (:class:`ArgumentValueError`).
+        ``n_folds`` not an int of at least 2, too few samples for ``n_folds``, or every row
+        holding NaN or inf (:class:`ArgumentValueError`).
     """
+    n_folds = _check_n_folds(n_folds)
     x = torch.as_tensor(x).detach().reshape(len(x), -1)
     if x.is_complex():
         raise ArgumentTypeError(f"x must be real, got {x.dtype}: {COMPLEX_ADVICE}")
@@ -508,6 +546,12 @@ def probe_store(
     hook_points : str or list of str, optional
         Hook point names or fnmatch patterns (``"pool.*"``; the rule of
         ``ActivationDataset(hook_points=...)``), in the order given; default: all.
+    label_column : str, default "label"
+        The row-table column holding the labels (per sample, or per token for token rows).
+    n_folds : int, default 5
+        Folds asked for (at least 2); fewer where the classes are too small (see above).
+    seed : int, default 0
+        As :func:`probe_accuracy`'s.
 
     Returns
     -------
@@ -535,8 +579,7 @@ def probe_store(
     HookPointNotFoundError
         A name that is not a hook point of the store, or a pattern that matches none.
     """
-    if isinstance(n_folds, bool) or not isinstance(n_folds, int) or n_folds < 2:
-        raise ArgumentValueError(f"n_folds must be an int of at least 2, got {n_folds!r}")
+    n_folds = _check_n_folds(n_folds)
     store = _open(store)
     out = ProbeResults()
     status = getattr(store, "status", "")

@@ -216,6 +216,23 @@ def test_probe_store_refuses_bad_folds_instead_of_skipping_every_hook_point(tmp_
             probe_store(store, n_folds=bad)
 
 
+@pytest.mark.parametrize("bad", [1, 2.5, 3.0, "3", True])
+def test_choose_folds_and_probe_accuracy_refuse_folds_that_are_not_an_int_of_at_least_2(bad):
+    labels = [0, 1] * 10
+    x = torch.randn(20, 3, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ArgumentValueError, match=f"n_folds must be an int of at least 2, got {bad!r}"):
+        choose_folds(labels, bad)  # (2.5 came back as 2.5 folds, "" for the note)
+    with pytest.raises(ArgumentValueError, match=f"n_folds must be an int of at least 2, got {bad!r}"):
+        probe_accuracy(x, labels, n_folds=bad)  # (a bare TypeError from deep inside for 2.5, "3")
+
+
+def test_folds_may_be_numpy_ints():
+    labels = [0, 1] * 10
+    assert choose_folds(labels, np.int64(3)) == (3, "")
+    x = torch.randn(20, 3, generator=torch.Generator().manual_seed(0))
+    assert probe_accuracy(x, labels, n_folds=np.int64(4)).n_folds == 4
+
+
 def test_probes_of_bfloat16_rows_equal_those_of_their_float64_copy_without_holding_it(tmp_path):
     """Sample rows are handed to the probe in their stored dtype and each fold is made
     float64 there (no float64 copy of every row is held): the fold accuracies are exactly
