@@ -6,7 +6,8 @@ import (those two packages export nothing themselves), with the public methods o
 they export. A parameter is documented when a numpy-style ``Parameters`` (or ``Other
 Parameters``) section has an entry for it (``name : type``, or ``a, b : type`` for several); a
 class's constructor parameters may be documented in the class docstring, and a dataclass's
-fields in an ``Attributes`` section. Parameters whose name starts with ``_`` are private.
+fields in an ``Attributes`` section. Parameters whose name starts with ``_`` are private. An
+entry for a parameter the callable does not take (renamed or removed) is an error too.
 """
 
 from __future__ import annotations
@@ -122,8 +123,12 @@ def test_public_callable_documents_each_parameter(name, obj):
         if dataclasses.is_dataclass(obj):
             sections += ("Attributes",)
     parameters = [p for p in inspect.signature(obj).parameters if p not in ("self", "cls") and not p.startswith("_")]
-    missing = [p for p in parameters if p not in documented(doc, sections) and p not in EXCEPTIONS.get(name, ())]
+    entries = documented(doc, sections)
+    missing = [p for p in parameters if p not in entries and p not in EXCEPTIONS.get(name, ())]
     assert missing == [], f"{name}: parameters without an entry in its docstring's Parameters section: {missing}"
+    if not dataclasses.is_dataclass(obj):  # (a dataclass's Attributes may hold more than its fields)
+        stale = entries - set(inspect.signature(obj).parameters) - {"others"}  # ("others : as f", f's parameters)
+        assert stale == set(), f"{name}: its Parameters section names what it does not take: {sorted(stale)}"
 
 
 def test_the_exceptions_name_parameters_there_are():
