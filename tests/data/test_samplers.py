@@ -15,7 +15,7 @@ from activationscope.data import (
     partition_bounds,
 )
 
-from activationscope.errors import ArgumentValueError
+from activationscope.errors import ArgumentTypeError, ArgumentValueError
 
 SAMPLERS = [SequentialBatchSampler, ShuffledBatchSampler, ChunkShuffleBatchSampler]
 
@@ -245,3 +245,14 @@ def test_partition_bounds_cover_the_positions():
     assert [partition_bounds(10, r, 3) for r in range(3)] == [(0, 3), (3, 6), (6, 10)]
     assert [partition_bounds(10, r, 3, even=True) for r in range(3)] == [(0, 3), (3, 6), (6, 9)]
     assert partition_bounds(np.int64(10), torch.tensor(1), 2) == (5, 10)
+
+
+@pytest.mark.parametrize("which", [SequentialBatchSampler, ShuffledBatchSampler, ChunkShuffleBatchSampler])
+@pytest.mark.parametrize("flag", ["drop_last", "even"])
+def test_flags_take_a_bool_only(which, flag):
+    # drop_last="no" (a true string) dropped the short last batch without a word
+    with pytest.raises(ArgumentTypeError, match=f"{flag} must be True or False, got 'no'"):
+        which(10, 3, **{flag: "no"})
+    assert getattr(which(10, 3, **{flag: np.bool_(True)}), flag) is True
+    with pytest.raises(ArgumentTypeError, match="even must be True or False, got 'no'"):
+        partition_bounds(10, 0, 3, even="no")
