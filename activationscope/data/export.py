@@ -920,6 +920,7 @@ def export_hf(
     """
     if file_format not in ("arrow", "parquet"):
         raise ArgumentValueError(f"file_format must be one of ['arrow', 'parquet'], got {file_format!r}")
+    drop_last = parse_flag(drop_last, "drop_last")  # (drop_last="False" is a true string)
     check_format_options("hf", context_size=context_size, drop_last=drop_last)
     if bfloat16 not in ("float32", "bits"):
         raise ArgumentValueError(f"bfloat16 must be one of ['float32', 'bits'], got {bfloat16!r}")
@@ -1318,7 +1319,6 @@ def read_arrow(
         (``ArgumentTypeError`` for a type) A hook point column that cannot be read as a tensor: nulls, a type with no tensor
         equivalent, or field metadata ``activationscope.shape`` that does not describe it
         (see :func:`arrow_to_torch`).
-
     ArgumentValueError
         ``path`` is not an Arrow IPC file: a Parquet file, an Arrow stream, a folder (a
         ``--format hf`` export), an empty file or other bytes; the message names the path and
@@ -1328,6 +1328,7 @@ def read_arrow(
     -------
     >>> acts = read_arrow("demo.arrow")["blocks.0.output"]   # doctest: +SKIP
     """
+    batches = parse_flag(batches, "batches")
     _check_arrow_file(path)
     base = _MapBase(path)
     reader = pa.ipc.open_file(pa.py_buffer(base.mm))
