@@ -717,7 +717,10 @@ def commit_ranks(target: Any, *, storage_options: dict | None = None,
         damaged rank manifest or rank shard; nothing was changed.
     ArgumentValueError
         ``world_size`` not a positive int.
+    ArgumentTypeError
+        ``verify`` not a bool.
     """
+    verify = F.parse_flag(verify, "verify")  # (verify="False" is a true string)
     if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1):
         raise ArgumentValueError(f"world_size must be a positive int or None, got {world_size!r}")
     b = resolve(target, storage_options=storage_options)
