@@ -434,10 +434,15 @@ class EagerReduction(_C.Reduction):
         )
 
     def result(self) -> dict[str, torch.Tensor]:
+        """``{"value": acc}``: the accumulator as ``fn`` returned it (its shape, dtype and
+        device; not a copy, and later updates leave it as it is), or ``{}`` before the first
+        update."""
         self._acc_shared = True
         return {} if self._acc is None else {"value": self._acc}
 
     def state(self) -> dict[str, torch.Tensor]:
+        """``{"acc": acc}`` (what :meth:`load_state` takes; not a copy, and later updates leave
+        it as it is), or ``{}`` before the first update."""
         self._acc_shared = True
         return {} if self._acc is None else {"acc": self._acc}
 
@@ -465,6 +470,7 @@ class EagerReduction(_C.Reduction):
         self._rows_device = None  # (moved to the rows' device at the next update)
 
     def fresh(self) -> "EagerReduction":
+        """An empty reduction of the same function and options."""
         return EagerReduction(self._fn, self._options)
 
     def __repr__(self) -> str:
