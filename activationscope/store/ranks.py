@@ -1455,6 +1455,12 @@ class RankStore:
         0 .. world_size - 1.
     world_size : int
         Number of rank stores the store will hold.
+
+    Raises
+    ------
+    ArgumentValueError
+        ``world_size`` is not a positive int, or ``rank`` not an int in
+        ``0 .. world_size - 1`` (a bool or a float is no int).
     """
 
     def __init__(self, rank: int, world_size: int) -> None:
