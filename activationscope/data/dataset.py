@@ -754,7 +754,7 @@ class ActivationDataset(Dataset):
         a tensor on the meta device (ArgumentValueError).
     ArgumentTypeError
         ``rows=`` of a kind that selects no rows (a set, None inside a list, a str, floats,
-        2-D); ``hook_points=`` or ``columns=`` neither a str nor an iterable of str;
+        2-D, a uint8 tensor: pass ``.bool()`` or ``.long()``); ``hook_points=`` or ``columns=`` neither a str nor an iterable of str;
         ``open_options=`` not a dict, or with a key ``open_store`` does not take. A TypeError.
     RowIndexError
         ``rows=`` positions outside ``[-n_rows, n_rows)``, a range past the end included; an
@@ -1165,8 +1165,9 @@ class ActivationDataset(Dataset):
             end); a 1-D bool tensor, ndarray or list with one entry per dataset row reads the
             rows where it is True, in order (as ``tensor[mask]``). A slice is clipped to the rows there are, as in Python; a range is its list
             of positions and is never clipped. Integer tensors of any device but ``meta`` and
-            any integer dtype are taken (uint64 positions of 2**63 and beyond are out of
-            range, not wrapped round).
+            any integer dtype but uint8 are taken (uint64 positions of 2**63 and beyond are
+            out of range, not wrapped round; a uint8 tensor is refused, as torch indexing
+            reads it as a mask: pass ``.bool()`` or ``.long()``; a uint8 ndarray is positions).
 
         Returns
         -------
@@ -1188,7 +1189,7 @@ class ActivationDataset(Dataset):
             An index of a kind that selects no rows: a set or frozenset (no order), a str
             (rows are selected by position; the message names the hook points and columns),
             None, a float or bool, a list holding anything but ints (a bool among ints
-            included), a float or 2-D tensor, a 2-D bool mask, a sparse tensor. A TypeError; the message names the index and the fix.
+            included), a float, uint8 or 2-D tensor, a 2-D bool mask, a sparse tensor. A TypeError; the message names the index and the fix.
         ArgumentValueError
             An index tensor on the meta device (it holds no values); a bool mask whose
             length is not ``len(ds)``.
