@@ -196,7 +196,7 @@ def hook_point_stats(
         wide rows, at most ``MAX_SAMPLED_BYTES`` (512 MiB) of float64 values (``source``
         and ``n_sampled`` say how many).
     bins : int
-        Histogram bins over [min, max] of the sampled values.
+        Histogram bins over [min, max] of the sampled values, at least 1.
     info : dict, optional
         The store's ``store.info()``, when the caller has it (:func:`write_report` reads it
         once for every hook point): ``n_bytes`` comes from its ``bytes_on_disk``; None:
@@ -213,6 +213,8 @@ def hook_point_stats(
     """
     if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
         raise ArgumentValueError(f"max_rows must be a positive int, got {max_rows!r}")
+    if isinstance(bins, bool) or not isinstance(bins, int) or bins < 1:
+        raise ArgumentValueError(f"bins must be a positive int, got {bins!r}")
     store = _open(store)
     acts = store[hook_point]
     n_rows = int(acts.shape[0])
