@@ -4,6 +4,7 @@ row per token for a per-token label column)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -109,6 +110,12 @@ def _check_n_folds(n_folds: Any) -> int:
     if isinstance(n_folds, (bool, np.bool_)) or not isinstance(n_folds, (int, np.integer)) or n_folds < 2:
         raise ArgumentValueError(f"n_folds must be an int of at least 2, got {n_folds!r}")
     return int(n_folds)
+
+
+def _check_seed(seed: Any) -> None:
+    """ArgumentValueError unless ``seed`` is an int (Python or numpy; a bool is none)."""
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)):
+        raise ArgumentValueError(f"seed must be an int, got {seed!r}")
 
 
 def choose_folds(labels: Sequence[Any], n_folds: int, groups: Sequence[Any] | None = None) -> tuple[int, str]:
@@ -404,9 +411,16 @@ def probe_accuracy(
         Fewer than 2 classes (also after rows with NaN or inf are left out), bool labels
         mixed with others, NaN labels (no class: leave their rows out), mismatched lengths,
         ``n_folds`` not an int of at least 2, too few samples for ``n_folds``, or every row
-        holding NaN or inf (:class:`ArgumentValueError`).
+        holding NaN or inf (:class:`ArgumentValueError`); ``seed`` not an int, ``max_iter``
+        not a positive int, ``l2`` not a finite number of at least 0 (ArgumentValueError).
     """
     n_folds = _check_n_folds(n_folds)
+    _check_seed(seed)
+    if isinstance(max_iter, (bool, np.bool_)) or not isinstance(max_iter, (int, np.integer)) or max_iter < 1:
+        raise ArgumentValueError(f"max_iter must be a positive int, got {max_iter!r}")
+    if isinstance(l2, (bool, np.bool_)) or not isinstance(l2, (int, float, np.integer, np.floating)) \
+            or not math.isfinite(l2) or l2 < 0:
+        raise ArgumentValueError(f"l2 must be a finite number of at least 0, got {l2!r}")
     x = torch.as_tensor(x).detach().reshape(len(x), -1)
     if x.is_complex():
         raise ArgumentTypeError(f"x must be real, got {x.dtype}: {COMPLEX_ADVICE}")
@@ -575,11 +589,13 @@ def probe_store(
     Raises
     ------
     ArgumentValueError
-        ``n_folds`` is not an int of at least 2 (before any hook point is read).
+        ``n_folds`` is not an int of at least 2, or ``seed`` no int (before any hook point
+        is read).
     HookPointNotFoundError
         A name that is not a hook point of the store, or a pattern that matches none.
     """
     n_folds = _check_n_folds(n_folds)
+    _check_seed(seed)  # (before any hook point: a bad seed is no reason to skip each of them)
     store = _open(store)
     out = ProbeResults()
     status = getattr(store, "status", "")
