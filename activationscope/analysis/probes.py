@@ -361,7 +361,8 @@ def probe_accuracy(
     group k-fold); features are standardised
     with the training fold's mean and std (computed after dividing each column by its
     largest magnitude, so values up to the float64 limit do not overflow); the model is
-    fitted with L-BFGS in float64. Feature columns NaN or inf in every row, then rows
+    fitted with L-BFGS (Liu & Nocedal, Math. Programming 45, 1989; ``torch.optim.LBFGS``)
+    in float64. Feature columns NaN or inf in every row, then rows
     holding NaN or inf are left out (with their labels) before anything else; the result's
     ``n_dropped`` and ``dropped_note`` say how many (:func:`drop_nonfinite_rows`).
 
