@@ -786,6 +786,15 @@ def test_max_rows_is_checked_and_kept():
             report.hook_point_stats(TinyStore({"h": x}), "h", max_rows=bad)
 
 
+def test_bins_is_checked_and_kept():
+    # bins=0 / 2.5 / True raised torch's RuntimeError / TypeError naming histc, not the argument
+    x = _relu_rows(n=50)
+    assert len(report.hook_point_stats(TinyStore({"h": x}), "h", bins=7).hist_counts) == 7
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match=f"bins must be a positive int, got {bad!r}"):
+            report.hook_point_stats(TinyStore({"h": x}), "h", bins=bad)
+
+
 def test_write_report_takes_one_name_or_patterns_of_hook_points(tmp_path):
     import activationscope as acs
     from activationscope.analysis.report import write_report

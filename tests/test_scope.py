@@ -14,6 +14,7 @@ from collections import defaultdict
 from typing import Optional
 
 import pytest
+import numpy as np
 import torch
 import torch.utils.checkpoint
 
@@ -2564,3 +2565,22 @@ def test_a_first_forward_walks_the_tracked_modules_a_fixed_number_of_times(tmp_p
                 h = layer(h)
                 assert torch.equal(st[f"{i}.output"], h)
     assert counts[32] == counts[8], counts
+
+
+@pytest.mark.parametrize("flag", ["False", "yes", 0, None])
+def test_capture_parameters_takes_a_bool_only(flag):
+    # capture_parameters="False" (from a config file) is a true string: it snapshotted every parameter
+    with pytest.raises(acs.errors.ArgumentTypeError, match="capture_parameters must be True or False, got"):
+        acs.ActivationScope(capture_parameters=flag)
+    assert acs.ActivationScope(capture_parameters=np.bool_(True)).capture_parameters is True
+
+
+@pytest.mark.parametrize("argument", ["include", "exclude", "exclude_hook_points"])
+def test_patterns_that_are_not_a_str_or_a_list_are_named_in_the_error(argument):
+    # include=3 was a bare TypeError ("'int' object is not iterable") naming no argument
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    match = f"{argument} must be a str or a list of fnmatch patterns \\(str\\), got 3"
+    with pytest.raises(acs.errors.ArgumentTypeError, match=match):
+        acs.ActivationScope(**{argument: 3})
+    with pytest.raises(acs.errors.ArgumentTypeError, match=match):
+        acs.ActivationScope().track(model, **{argument: 3})

@@ -57,7 +57,18 @@ def _require(module: str) -> Any:
 
 
 def numpy_dtype(dtype_name: str) -> np.dtype:
-    """The numpy dtype of a stored torch dtype name; ``"bfloat16"`` -> ``ml_dtypes.bfloat16``."""
+    """The numpy dtype of a stored torch dtype name; ``"bfloat16"`` -> ``ml_dtypes.bfloat16``.
+
+    Parameters
+    ----------
+    dtype_name : str
+        A dtype name of FORMAT.md (``"float32"``, ``"bfloat16"``, ``"int64"``, ``"bool"``, ...).
+
+    Raises
+    ------
+    ArgumentValueError
+        A name the format does not have.
+    """
     if dtype_name == "bfloat16":
         return np.dtype(_require("ml_dtypes").bfloat16)
     if dtype_name not in F.SUPPORTED_DTYPES:

@@ -137,6 +137,18 @@ def sentence_rows(
     ``hook_point`` is one hook point: a name, or a pattern that matches exactly one (else
     :class:`~activationscope.errors.ArgumentValueError` naming those it matches).
 
+    Parameters
+    ----------
+    store : str, os.PathLike, or Store
+        A store path or URL, or an open store (as :class:`~activationscope.data.ActivationDataset`
+        takes it).
+    hook_point : str
+        One hook point, or a pattern matching exactly one.
+    label_column : str, default "label"
+        The row-table column holding the labels.
+    batch_size : int, default 8192
+        Rows read per batch (memory: one batch of rows at a time).
+
     Returns
     -------
     (x, labels) : Tensor (n_samples, *feature_shape) float64 (complex128 for complex rows;
@@ -153,7 +165,20 @@ def labelled_rows(
     """:func:`sentence_rows` plus the number of samples left out for having no label
     (missing, ``-1``, ``-100``, empty string): ``(x, labels, n_unlabelled)``, or None. Sample rows
     come in their stored dtype (a float64 copy of a wide store is 4x a bfloat16 one; the
-    probe makes each fold float64), pooled token rows in float64 (complex128 for complex rows)."""
+    probe makes each fold float64), pooled token rows in float64 (complex128 for complex rows).
+
+    Parameters
+    ----------
+    store : str, os.PathLike, or Store
+        A store path or URL, or an open store (as :class:`~activationscope.data.ActivationDataset`
+        takes it).
+    hook_point : str
+        One hook point, or a pattern matching exactly one.
+    label_column : str, default "label"
+        The row-table column holding the labels.
+    batch_size : int, default 8192
+        Rows read per batch (memory: one batch of rows at a time).
+    """
     got = _labelled_rows(store, hook_point, label_column, batch_size)
     return None if got is None else got[:3]
 

@@ -4,6 +4,7 @@ row per token for a per-token label column)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,15 +23,30 @@ __all__ = ["ProbeResult", "ProbeResults", "choose_folds", "drop_nonfinite_rows",
 class ProbeResult:
     """k-fold cross-validated accuracy of a linear probe.
 
-    accuracy : mean accuracy over folds, in [0, 1]. std : its standard deviation over folds.
-    fold_accuracies : one per fold. n_samples, n_features, n_classes : the problem's size.
-    chance : accuracy of always predicting the most frequent class.
-    n_folds : folds used. note : why they differ from the folds asked for ("" when they do not).
-    n_dropped : rows holding NaN or inf, left out of the fit and of ``n_samples``.
-    dropped_note : says how many rows were left out, and (:func:`probe_store`) how many
-        samples had no label ("" when none).
-    n_groups : the samples whose rows the folds keep together when some sample has several
-        rows (``groups`` of :func:`probe_accuracy`: the steps of a generation, the tokens of a
+    Attributes
+    ----------
+    accuracy : float
+        Mean accuracy over folds, in [0, 1].
+    std : float
+        Its standard deviation over folds (population: ``correction=0``).
+    fold_accuracies : list of float
+        One per fold, each in [0, 1].
+    n_samples, n_features, n_classes : int
+        The problem's size (``n_samples``: rows fitted, those left out not counted).
+    chance : float
+        Accuracy of always predicting the most frequent class, in [0, 1].
+    n_folds : int
+        Folds used.
+    note : str
+        Why they differ from the folds asked for ("" when they do not).
+    n_dropped : int
+        Rows holding NaN or inf, left out of the fit and of ``n_samples``.
+    dropped_note : str
+        Says how many rows were left out, and (:func:`probe_store`) how many samples had no
+        label ("" when none).
+    n_groups : int
+        The samples whose rows the folds keep together when some sample has several rows
+        (``groups`` of :func:`probe_accuracy`: the steps of a generation, the tokens of a
         sentence); 0 when every row is a sample of its own.
     """
 
@@ -88,12 +104,35 @@ def _samples_per_class(labels: Sequence[Any], units: list[int]) -> dict[Any, int
     return {v: len(s) for v, s in seen.items()}
 
 
+def _check_n_folds(n_folds: Any) -> int:
+    """``n_folds`` as an int (Python or numpy) of at least 2; ArgumentValueError otherwise (a
+    bool, a float, a str)."""
+    if isinstance(n_folds, (bool, np.bool_)) or not isinstance(n_folds, (int, np.integer)) or n_folds < 2:
+        raise ArgumentValueError(f"n_folds must be an int of at least 2, got {n_folds!r}")
+    return int(n_folds)
+
+
+def _check_seed(seed: Any) -> None:
+    """ArgumentValueError unless ``seed`` is an int (Python or numpy; a bool is none)."""
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)):
+        raise ArgumentValueError(f"seed must be an int, got {seed!r}")
+
+
 def choose_folds(labels: Sequence[Any], n_folds: int, groups: Sequence[Any] | None = None) -> tuple[int, str]:
     """Folds for a stratified cross-validation of ``labels``: ``n_folds``, or fewer when the
     smallest class has fewer samples (every fold needs one of each class). With ``groups``
     (the sample of each row, as :func:`probe_accuracy` takes it; some sample of several
     rows) a class's samples are the groups holding a row of it, whatever their other rows'
     labels: a group's rows stay in one fold.
+
+    Parameters
+    ----------
+    labels : sequence (rows,)
+        Any hashable labels.
+    n_folds : int
+        Folds asked for, at least 2.
+    groups : sequence (rows,), optional
+        The sample of each row.
 
     Returns
     -------
@@ -104,10 +143,9 @@ def choose_folds(labels: Sequence[Any], n_folds: int, groups: Sequence[Any] | No
     ------
     ValueError
         Fewer than 2 classes, a class with a single sample, bool labels mixed with others
-        (``True == 1``), or ``n_folds < 2``.
+        (``True == 1``), or ``n_folds`` not an int of at least 2 (ArgumentValueError).
     """
-    if n_folds < 2:
-        raise ArgumentValueError(f"n_folds must be at least 2, got {n_folds}")
+    n_folds = _check_n_folds(n_folds)
     _check_label_types(labels)
     units = _units(labels, groups)
     if units is None:
@@ -323,7 +361,8 @@ def probe_accuracy(
     group k-fold); features are standardised
     with the training fold's mean and std (computed after dividing each column by its
     largest magnitude, so values up to the float64 limit do not overflow); the model is
-    fitted with L-BFGS in float64. Feature columns NaN or inf in every row, then rows
+    fitted with L-BFGS (Liu & Nocedal, Math. Programming 45, 1989; ``torch.optim.LBFGS``)
+    in float64. Feature columns NaN or inf in every row, then rows
     holding NaN or inf are left out (with their labels) before anything else; the result's
     ``n_dropped`` and ``dropped_note`` say how many (:func:`drop_nonfinite_rows`).
 
@@ -338,12 +377,18 @@ def probe_accuracy(
         labels are refused (``True == 1`` would merge two classes).
     n_folds : int, default 5
         Number of folds, at least 2 and at most the smallest class's size.
+    seed : int, default 0
+        Seed of the shuffle that assigns rows (or samples, with ``groups``) to folds; the
+        same seed gives the same folds and the same result.
     l2 : float, default 1e-2
         Weight of the squared L2 norm of the weights in the loss (mean cross-entropy over a
         softmax of one weight column per class, on standardised rows). With 3 or more classes
         this is scikit-learn's multinomial ``LogisticRegression(C=1 / (2 * l2 * n_train))``; with
         2 classes, whose two columns act as one weight vector (their difference) with half the
         penalty, its binary ``LogisticRegression(C=1 / (l2 * n_train))``.
+    max_iter : int, default 100
+        Iterations of L-BFGS (``torch.optim.LBFGS(max_iter=...)``, strong Wolfe line search)
+        per fold.
     groups : sequence or Tensor (rows,), optional
         The sample of each row (any hashable): rows of one sample (a generation's steps,
         each captured as a row with the sample's label; a sentence's tokens, each with its
@@ -366,9 +411,17 @@ def probe_accuracy(
     ValueError
         Fewer than 2 classes (also after rows with NaN or inf are left out), bool labels
         mixed with others, NaN labels (no class: leave their rows out), mismatched lengths,
-        too few samples for ``n_folds``, or every row holding NaN or inf
-        (:class:`ArgumentValueError`).
+        ``n_folds`` not an int of at least 2, too few samples for ``n_folds``, or every row
+        holding NaN or inf (:class:`ArgumentValueError`); ``seed`` not an int, ``max_iter``
+        not a positive int, ``l2`` not a finite number of at least 0 (ArgumentValueError).
     """
+    n_folds = _check_n_folds(n_folds)
+    _check_seed(seed)
+    if isinstance(max_iter, (bool, np.bool_)) or not isinstance(max_iter, (int, np.integer)) or max_iter < 1:
+        raise ArgumentValueError(f"max_iter must be a positive int, got {max_iter!r}")
+    if isinstance(l2, (bool, np.bool_)) or not isinstance(l2, (int, float, np.integer, np.floating)) \
+            or not math.isfinite(l2) or l2 < 0:
+        raise ArgumentValueError(f"l2 must be a finite number of at least 0, got {l2!r}")
     x = torch.as_tensor(x).detach().reshape(len(x), -1)
     if x.is_complex():
         raise ArgumentTypeError(f"x must be real, got {x.dtype}: {COMPLEX_ADVICE}")
@@ -508,6 +561,12 @@ def probe_store(
     hook_points : str or list of str, optional
         Hook point names or fnmatch patterns (``"pool.*"``; the rule of
         ``ActivationDataset(hook_points=...)``), in the order given; default: all.
+    label_column : str, default "label"
+        The row-table column holding the labels (per sample, or per token for token rows).
+    n_folds : int, default 5
+        Folds asked for (at least 2); fewer where the classes are too small (see above).
+    seed : int, default 0
+        As :func:`probe_accuracy`'s.
 
     Returns
     -------
@@ -531,12 +590,13 @@ def probe_store(
     Raises
     ------
     ArgumentValueError
-        ``n_folds`` is not an int of at least 2 (before any hook point is read).
+        ``n_folds`` is not an int of at least 2, or ``seed`` no int (before any hook point
+        is read).
     HookPointNotFoundError
         A name that is not a hook point of the store, or a pattern that matches none.
     """
-    if isinstance(n_folds, bool) or not isinstance(n_folds, int) or n_folds < 2:
-        raise ArgumentValueError(f"n_folds must be an int of at least 2, got {n_folds!r}")
+    n_folds = _check_n_folds(n_folds)
+    _check_seed(seed)  # (before any hook point: a bad seed is no reason to skip each of them)
     store = _open(store)
     out = ProbeResults()
     status = getattr(store, "status", "")

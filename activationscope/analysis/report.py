@@ -47,23 +47,48 @@ N_PCA_COMPONENTS = 50
 class HookPointStats:
     """Statistics of one hook point, as plotted.
 
-    mean, std, nonzero : Tensor (units,) float64, per unit: a flattened feature, or with
-        ``feature_axis`` a channel (statistics over rows and every other feature position).
-    unit_name : "unit" or "channel"; feature_axis : the axis of ``feature_shape`` a channel
-        indexes (None: every position is a unit).
-    hist_counts : Tensor (bins,) int64; hist_edges : Tensor (bins + 1,) float64.
-    explained : Tensor (k,) float64, PCA explained variance ratio of the first k components,
-        or None when PCA was skipped (``pca_note`` says why).
-    dead_fraction : fraction of units that are zero in every row (from the ``nonzero``
-        reduction when the store has it, else from the sampled rows); NaN for a hook point
-        without rows, whose mean, std and nonzero are NaN too.
-    source : "reductions", "rows (n of N)", or both with the statistics each gave
+    Attributes
+    ----------
+    hook_point : str
+    n_rows : int
+        Committed rows of the hook point.
+    feature_shape : tuple of int
+        Shape of one row.
+    dtype : str
+        The stored dtype's name (``"float32"``, ``"bfloat16"``, ...).
+    kind : str
+        The row kind, ``"sample"`` or ``"token"``.
+    n_bytes : int or None
+        Bytes on disk of the hook point's shard files (``bytes_on_disk`` of
+        ``store.info()``, the ``on disk`` column of ``activationscope info``), or None.
+    mean, std, nonzero : Tensor, (units,), float64, CPU
+        Per unit: a flattened feature, or with ``feature_axis`` a channel (statistics over
+        rows and every other feature position); ``std`` with ddof 0, ``nonzero`` the fraction
+        of values that are not 0.
+    hist_counts : Tensor, (bins,), int64
+    hist_edges : Tensor, (bins + 1,), float64
+    explained : Tensor, (k,), float64, or None
+        PCA explained variance ratio of the first k components, or None when PCA was
+        skipped (``pca_note`` says why).
+    dead_fraction : float
+        Fraction of units that are zero in every row (from the ``nonzero`` reduction when
+        the store has it, else from the sampled rows); NaN for a hook point without rows,
+        whose mean, std and nonzero are NaN too.
+    source : str
+        "reductions", "rows (n of N)", or both with the statistics each gave
         (``"reductions (mean, std) and rows (n of N) (non-zero)"``): where mean / std /
         nonzero came from.
-    n_bytes : bytes on disk of the hook point's shard files (``bytes_on_disk`` of
-        ``store.info()``, the ``on disk`` column of ``activationscope info``), or None.
-    notes : what the panels leave out, in words (sampled values NaN or inf, which the
-        histogram cannot bin); shown on the page.
+    n_sampled : int
+        Rows sampled for the histogram, PCA and the statistics no reduction gave.
+    pca_note : str
+        Why PCA was skipped ("" when it was not).
+    notes : list of str
+        What the panels leave out, in words (sampled values NaN or inf, which the histogram
+        cannot bin); shown on the page.
+    unit_name : str
+        ``"unit"`` or ``"channel"``.
+    feature_axis : int or None
+        The axis of ``feature_shape`` a channel indexes (None: every position is a unit).
     """
 
     hook_point: str
@@ -171,7 +196,11 @@ def hook_point_stats(
         wide rows, at most ``MAX_SAMPLED_BYTES`` (512 MiB) of float64 values (``source``
         and ``n_sampled`` say how many).
     bins : int
-        Histogram bins over [min, max] of the sampled values.
+        Histogram bins over [min, max] of the sampled values, at least 1.
+    info : dict, optional
+        The store's ``store.info()``, when the caller has it (:func:`write_report` reads it
+        once for every hook point): ``n_bytes`` comes from its ``bytes_on_disk``; None:
+        ``n_bytes`` is None.
     feature_axis : int, None or "auto", default "auto"
         What a *unit* of the per-unit panels is. An int ``k``: the indices along axis ``k``
         of the feature shape, each reduced over rows and every other feature position (a
@@ -184,6 +213,8 @@ def hook_point_stats(
     """
     if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
         raise ArgumentValueError(f"max_rows must be a positive int, got {max_rows!r}")
+    if isinstance(bins, bool) or not isinstance(bins, int) or bins < 1:
+        raise ArgumentValueError(f"bins must be a positive int, got {bins!r}")
     store = _open(store)
     acts = store[hook_point]
     n_rows = int(acts.shape[0])
@@ -629,6 +660,8 @@ def write_report(
     n_folds : int, default 5
         Folds of the probes computed here (fewer when the smallest class is smaller; the
         page says so).
+    title : str, optional
+        The page's title and heading (HTML-escaped); default: "activationscope report".
     max_rows : int, default 20000
         Rows sampled per hook point for histograms and PCA (fewer for wide rows, see
         :func:`hook_point_stats`).

@@ -85,14 +85,18 @@ def normalize_patterns(patterns: str | Iterable[str] | None, argument: str) -> l
 
     Raises
     ------
-    TypeError
+    ArgumentTypeError
         If ``patterns`` is not a string or an iterable of strings; names ``argument``.
     """
     if patterns is None:
         return None
     if isinstance(patterns, str):
         return [patterns]
-    out = list(patterns)
+    try:
+        out = list(patterns)
+    except TypeError:
+        raise ArgumentTypeError(f"{argument} must be a str or a list of fnmatch patterns (str), got "
+                                f"{patterns!r}") from None
     for p in out:
         if not isinstance(p, str):
             raise ArgumentTypeError(f"{argument} must be a list of fnmatch patterns (str), got {p!r} in {patterns!r}")

@@ -329,7 +329,26 @@ class EagerReduction(_C.Reduction):
         return f"hook point {self.hook_point!r}: " if self.hook_point else ""
 
     def update(self, rows: torch.Tensor, row_offset: int = 0) -> None:
-        """Fold a batch ``rows : Tensor, (n_rows, *feature_shape), any dtype, any device``."""
+        """Fold a batch of rows into the accumulator (one call of ``fn(acc, rows)``).
+
+        Parameters
+        ----------
+        rows : Tensor, (n_rows, *feature_shape), any dtype, any device
+            The batch; an empty one (``n_rows`` 0) changes nothing.
+        row_offset : int, default 0
+            Row index of the batch's first row in the hook point's array, as the native
+            reductions take it (``topk`` records row ids from it); ``fn`` does not see it.
+
+        Raises
+        ------
+        CaptureError
+            ``fn`` raised, changed ``rows`` in place, or returned an accumulator of another
+            shape or dtype than the one it was given.
+        ReductionError
+            ``fn`` returned something other than a Tensor.
+
+        The accumulator is left as it was before the batch whenever one of these is raised.
+        """
         if rows.dim() >= 1 and rows.shape[0] == 0:
             return
         # (an inference tensor, rows of a model run under torch.inference_mode, has no version counter)
@@ -396,20 +415,51 @@ class EagerReduction(_C.Reduction):
         self._rows_device = rows.device
 
     def merge(self, other: "EagerReduction") -> None:
+        """Not supported: a plain function has no merge rule.
+
+        Parameters
+        ----------
+        other : EagerReduction
+            Another reduction of the same function.
+
+        Raises
+        ------
+        ReductionError
+            Always; script a ``torch.nn.Module`` with ``forward(acc, x)`` and ``merge(a, b)``
+            methods, or merge the states yourself.
+        """
         raise ReductionError(
             f"custom reduction {_fn_name(self._fn)!r} cannot merge: a plain function has no merge rule. "
             "Script a torch.nn.Module with forward(acc, x) and merge(a, b) methods, or merge the states yourself"
         )
 
     def result(self) -> dict[str, torch.Tensor]:
+        """``{"value": acc}``: the accumulator as ``fn`` returned it (its shape, dtype and
+        device; not a copy, and later updates leave it as it is), or ``{}`` before the first
+        update."""
         self._acc_shared = True
         return {} if self._acc is None else {"value": self._acc}
 
     def state(self) -> dict[str, torch.Tensor]:
+        """``{"acc": acc}`` (what :meth:`load_state` takes; not a copy, and later updates leave
+        it as it is), or ``{}`` before the first update."""
         self._acc_shared = True
         return {} if self._acc is None else {"acc": self._acc}
 
     def load_state(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Replace the accumulator with a saved one (what :meth:`state` returned).
+
+        Parameters
+        ----------
+        state : mapping of str to Tensor
+            ``{"acc": Tensor}``, or ``{}`` for an empty reduction; the tensor is kept (detached,
+            not copied) and moved to the rows' device at the next :meth:`update`.
+
+        Raises
+        ------
+        ReductionError
+            A key other than ``"acc"``.
+        """
         unknown = set(state) - {"acc"}
         if unknown:
             raise ReductionError(f"state of a custom reduction has only the key 'acc', got {sorted(unknown)}")
@@ -420,6 +470,7 @@ class EagerReduction(_C.Reduction):
         self._rows_device = None  # (moved to the rows' device at the next update)
 
     def fresh(self) -> "EagerReduction":
+        """An empty reduction of the same function and options."""
         return EagerReduction(self._fn, self._options)
 
     def __repr__(self) -> str:
@@ -982,6 +1033,14 @@ def reductions_for(
     Same rules as :func:`resolve_reductions`, with each factory called once. The objects are
     native ``_C.Reduction``s except :class:`EagerReduction` (TorchScript fallback), which
     must be updated from Python.
+
+    Parameters
+    ----------
+    reductions : sequence of specs, mapping of str to sequence of specs, or None
+        As ``ActivationScope(reductions=...)`` takes them: specs for every hook point, or
+        ``{hook point or fnmatch pattern: specs}``.
+    hook_point : str
+        The hook point to make them for.
     """
     return [(name, factory()) for name, factory in resolve_reductions(reductions, hook_point)]
 
@@ -1002,6 +1061,8 @@ def merge_states(spec: Any, states: Iterable[Mapping[str, torch.Tensor]], **opti
         states were made with.
     states : iterable of dict[str, Tensor]
         Outputs of ``Reduction.state()``.
+    **options : float
+        The reduction's options (``ddof=1``, ``k=5``, ...), as :func:`make_reduction` takes them.
 
     Returns
     -------

@@ -287,7 +287,7 @@ class ActivationScope:
         only up to 256) raises :class:`CaptureError`.
     capture_parameters : bool, default False
         Snapshot the model's parameters when the tracker attaches
-        (``tracker.parameters``).
+        (``tracker.parameters``); anything but a bool (``"False"``) raises ArgumentTypeError.
     include, exclude : list of str, optional
         Default fnmatch patterns of modules for :meth:`track`.
     exclude_hook_points : list of str, optional
@@ -456,7 +456,7 @@ class ActivationScope:
         self.store = store
         self.store_options = dict(store_options or {})
         self.storage_dtype = storage_dtype
-        self.capture_parameters = bool(capture_parameters)
+        self.capture_parameters = parse_flag(capture_parameters, "capture_parameters")  # ("False" is a true string)
         self.include = normalize_patterns(include, "include")
         self.exclude = normalize_patterns(exclude, "exclude")
         self.exclude_hook_points = normalize_patterns(exclude_hook_points, "exclude_hook_points")
@@ -518,7 +518,11 @@ class ActivationScope:
         Raises
         ------
         HookPointNotFoundError
-            A pattern matches no module.
+            An ``include`` pattern matches no module, or the selection ends up empty (an
+            ``exclude`` pattern that matches no module warns, ``CaptureWarning``).
+        ArgumentTypeError
+            ``stop_after_last`` is not a bool, or ``include`` / ``exclude`` is neither a str
+            nor a list of str.
 
         Example
         -------
@@ -3469,7 +3473,19 @@ class Tracker:
         return out
 
     def reduction_objects(self, hook_point: str) -> dict[str, Any]:
-        """The live reduction objects of one hook point (for ``state()`` / ``merge()``)."""
+        """The live reduction objects of one hook point (for ``state()`` / ``merge()``).
+
+        Parameters
+        ----------
+        hook_point : str
+            A hook point of this tracker.
+
+        Returns
+        -------
+        dict of str to reduction
+            ``{name: reduction}`` (the objects themselves, not copies); ``{}`` for a hook point
+            without reductions, or one not captured (yet).
+        """
         return dict(zip(self._reduction_names.get(hook_point, []), self._reduction_objects.get(hook_point, [])))
 
     def _write_reductions(self) -> None:

@@ -52,6 +52,13 @@ class Batch(Sequence):
     row so that torch's ``default_collate`` accepts it; activationscope registers a collate
     function for those rows that returns ``batch.data`` without stacking (no copy), see
     :func:`collate`.
+
+    Parameters
+    ----------
+    data : dict
+        ``{hook point: Tensor (rows, *feature_shape)}`` plus ``{column: Tensor (rows,) | list}``.
+    n_rows : int
+        The batch's rows (its length as a sequence).
     """
 
     __slots__ = ("data", "_n")
@@ -61,9 +68,24 @@ class Batch(Sequence):
         self._n = n_rows
 
     def __len__(self) -> int:
+        """Number of rows of the batch."""
         return self._n
 
     def __getitem__(self, i: int) -> "_Row":  # type: ignore[override]
+        """Row ``i`` as a mapping of views into the batch's tensors (for ``default_collate``).
+
+        Parameters
+        ----------
+        i : int
+            A position in ``[-len(batch), len(batch))``.
+
+        Raises
+        ------
+        ArgumentTypeError
+            ``i`` is a slice, a str or no int (read ``batch.data`` instead); a TypeError.
+        RowIndexError
+            ``i`` is out of range; an IndexError.
+        """
         if type(i) is int and i == 0 and self._n:  # default_collate looks at the first row of every batch
             return _Row(self, 0)
         if isinstance(i, slice):
@@ -175,6 +197,10 @@ def collate(batch: Any, *, collate_fn_map: Any = None) -> Any:
     ----------
     batch : Batch or list of row mappings
         What :meth:`ActivationDataset.__getitems__` returned, or rows of one.
+    collate_fn_map : dict, optional
+        ``{type: collate function}`` for the values of rows from elsewhere (what
+        ``default_collate`` passes to the functions it registers); default: torch's
+        ``default_collate_fn_map``.
 
     Returns
     -------
@@ -732,7 +758,7 @@ class ActivationDataset(Dataset):
         a tensor on the meta device (ArgumentValueError).
     ArgumentTypeError
         ``rows=`` of a kind that selects no rows (a set, None inside a list, a str, floats,
-        2-D); ``hook_points=`` or ``columns=`` neither a str nor an iterable of str;
+        2-D, a uint8 tensor: pass ``.bool()`` or ``.long()``); ``hook_points=`` or ``columns=`` neither a str nor an iterable of str;
         ``open_options=`` not a dict, or with a key ``open_store`` does not take. A TypeError.
     RowIndexError
         ``rows=`` positions outside ``[-n_rows, n_rows)``, a range past the end included; an
@@ -1143,8 +1169,9 @@ class ActivationDataset(Dataset):
             end); a 1-D bool tensor, ndarray or list with one entry per dataset row reads the
             rows where it is True, in order (as ``tensor[mask]``). A slice is clipped to the rows there are, as in Python; a range is its list
             of positions and is never clipped. Integer tensors of any device but ``meta`` and
-            any integer dtype are taken (uint64 positions of 2**63 and beyond are out of
-            range, not wrapped round).
+            any integer dtype but uint8 are taken (uint64 positions of 2**63 and beyond are
+            out of range, not wrapped round; a uint8 tensor is refused, as torch indexing
+            reads it as a mask: pass ``.bool()`` or ``.long()``; a uint8 ndarray is positions).
 
         Returns
         -------
@@ -1166,7 +1193,7 @@ class ActivationDataset(Dataset):
             An index of a kind that selects no rows: a set or frozenset (no order), a str
             (rows are selected by position; the message names the hook points and columns),
             None, a float or bool, a list holding anything but ints (a bool among ints
-            included), a float or 2-D tensor, a 2-D bool mask, a sparse tensor. A TypeError; the message names the index and the fix.
+            included), a float, uint8 or 2-D tensor, a 2-D bool mask, a sparse tensor. A TypeError; the message names the index and the fix.
         ArgumentValueError
             An index tensor on the meta device (it holds no values); a bool mask whose
             length is not ``len(ds)``.
@@ -1266,6 +1293,12 @@ class ActivationDataset(Dataset):
         dict of :meth:`get_batch` without stacking rows. In a DataLoader worker its tensors
         are already in shared memory (one copy, also for a view of the store), so that the
         batch crosses to the main process as it is, whatever ``collate_fn`` does with it.
+
+        Parameters
+        ----------
+        indices : sequence of int
+            Dataset positions (a list or range, as a batch sampler yields them); taken as
+            :meth:`get_batch` takes them.
         """
         batch = self._getitems(indices)
         if get_worker_info() is not None:  # (never a view of the store's map: see get_batch)
@@ -1362,6 +1395,11 @@ class ActivationDataset(Dataset):
         ``i`` is an int, a numpy integer, or a 0-d integer Tensor / ndarray (any device but
         ``meta``); a 0-d float or bool one raises ArgumentTypeError, a position outside
         ``[-len(ds), len(ds))`` RowIndexError. Other indexes raise as :meth:`get_batch` says.
+
+        Parameters
+        ----------
+        index : int, slice, range, sequence of int, or Tensor / ndarray
+            A position, or the positions of a batch.
         """
         if _is_int(index):
             i = int(index)

@@ -85,11 +85,25 @@ def check_compression(format: str, compression: str | None) -> str | None:
     """``compression`` of a ``format`` export as pyarrow takes it (``None`` for none), checked
     against :data:`EXPORT_COMPRESSIONS` before anything is read or written.
 
+    Parameters
+    ----------
+    format : {"parquet", "arrow", "hf"}
+        The export format (:data:`EXPORT_FORMATS`).
+    compression : str or None
+        A codec name (any case), ``"none"`` or None.
+
     Raises
     ------
     ArgumentValueError
-        A name that ``format`` does not accept; the message lists those it does.
+        A name that ``format`` does not accept (the message lists those it does), a ``format``
+        that takes no compression (``"hf"``, even with ``compression=None``), or one that is not
+        an export format.
     """
+    if format not in EXPORT_FORMATS:
+        raise ArgumentValueError(f"format must be one of {list(EXPORT_FORMATS)}, got {format!r} (nothing was written)")
+    if format not in EXPORT_COMPRESSIONS:
+        raise ArgumentValueError(f"compression applies to the export formats {list(EXPORT_COMPRESSIONS)}, got "
+                                 f"{format!r}; leave compression out (nothing was written)")
     accepted = EXPORT_COMPRESSIONS[format]
     name = compression.lower() if isinstance(compression, str) else compression
     if name is None or name == "none":
@@ -906,6 +920,7 @@ def export_hf(
     """
     if file_format not in ("arrow", "parquet"):
         raise ArgumentValueError(f"file_format must be one of ['arrow', 'parquet'], got {file_format!r}")
+    drop_last = parse_flag(drop_last, "drop_last")  # (drop_last="False" is a true string)
     check_format_options("hf", context_size=context_size, drop_last=drop_last)
     if bfloat16 not in ("float32", "bits"):
         raise ArgumentValueError(f"bfloat16 must be one of ['float32', 'bits'], got {bfloat16!r}")
@@ -1304,7 +1319,6 @@ def read_arrow(
         (``ArgumentTypeError`` for a type) A hook point column that cannot be read as a tensor: nulls, a type with no tensor
         equivalent, or field metadata ``activationscope.shape`` that does not describe it
         (see :func:`arrow_to_torch`).
-
     ArgumentValueError
         ``path`` is not an Arrow IPC file: a Parquet file, an Arrow stream, a folder (a
         ``--format hf`` export), an empty file or other bytes; the message names the path and
@@ -1314,6 +1328,7 @@ def read_arrow(
     -------
     >>> acts = read_arrow("demo.arrow")["blocks.0.output"]   # doctest: +SKIP
     """
+    batches = parse_flag(batches, "batches")
     _check_arrow_file(path)
     base = _MapBase(path)
     reader = pa.ipc.open_file(pa.py_buffer(base.mm))

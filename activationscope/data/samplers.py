@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
+from .._args import parse_flag
 from ..errors import ArgumentTypeError, ArgumentValueError, warn_at_caller
 
 __all__ = [
@@ -138,7 +139,37 @@ def partition_bounds(n: int, rank: int, world_size: int, even: bool = False) -> 
     Parts are contiguous, disjoint and cover ``[0, n)`` (sizes ``n // world_size`` or one
     more); with ``even=True`` every part has ``n // world_size`` positions and the last
     ``n % world_size`` positions are left out.
+
+    Parameters
+    ----------
+    n : int
+        Number of positions (rows), at least 0.
+    rank : int
+        The part, in ``[0, world_size)``.
+    world_size : int
+        Number of parts, at least 1.
+    even : bool, default False
+        Give every part the same size (see above).
+
+    Returns
+    -------
+    (int, int)
+        ``(start, stop)`` with ``0 <= start <= stop <= n``.
+
+    Raises
+    ------
+    ArgumentTypeError
+        An argument that is no int (a bool, a float, ...), or ``even`` no bool; a TypeError.
+    ArgumentValueError
+        ``n`` below 0, ``world_size`` below 1, or ``rank`` outside ``[0, world_size)``; a
+        ValueError.
     """
+    n = _int_arg(n, "n", 0)
+    even = parse_flag(even, "even")
+    world_size = _int_arg(world_size, "world_size", 1)
+    rank = _int_arg(rank, "rank")
+    if not 0 <= rank < world_size:
+        raise ArgumentValueError(f"rank must be an int in [0, {world_size}), got {rank!r}")
     if even:
         size = n // world_size
         return rank * size, (rank + 1) * size
@@ -164,10 +195,10 @@ class _BatchSampler(Sampler[list[int]]):
         self.data_source = data_source
         self.n = _n_rows(data_source)
         self.batch_size = batch_size
-        self.drop_last = bool(drop_last)
+        self.drop_last = parse_flag(drop_last, "drop_last")  # (drop_last="False" is a true string)
         self.seed = seed
         self.rank, self.world_size = _dist_defaults(rank, world_size)
-        self.even = bool(even)
+        self.even = parse_flag(even, "even")
         self.epoch = 0
         self._warn_uneven_batches()
 
@@ -252,6 +283,7 @@ class SequentialBatchSampler(_BatchSampler):
 
     Integer arguments (and ``set_epoch``'s) take Python, numpy and 0-d torch integers; a
     bool, float or str raises ArgumentTypeError, a value out of range ArgumentValueError.
+    ``drop_last`` and ``even`` take a bool (or numpy bool) only: ``"False"`` is a true string.
 
     Yields
     ------

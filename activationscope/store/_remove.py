@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .._args import parse_flag
 from ._backend import LOCK_KEY, LocalBackend, resolve
 from ._lock import WriterLock
 
@@ -23,14 +24,23 @@ def remove_if_empty(target: Any, *, remove_folder: bool = True, storage_options:
     remove_folder : bool, default True
         For a local store, also remove its (then empty) folder; pass False when the folder
         existed before the capture.
+    storage_options : dict, optional
+        fsspec options of a URL ``target`` (credentials, ``client_kwargs``), as
+        :func:`open_store` takes them.
 
     Returns
     -------
     bool
         Whether the store was removed.
+
+    Raises
+    ------
+    ArgumentTypeError
+        ``remove_folder`` is not a bool; nothing is removed.
     """
     from .reader import open_store
 
+    remove_folder = parse_flag(remove_folder, "remove_folder")  # (before anything is removed)
     try:
         backend = resolve(target, storage_options=storage_options)
     except Exception:  # noqa: BLE001 - not a store location: nothing to remove

@@ -753,7 +753,10 @@ def commit_ranks(target: Any, *, storage_options: dict | None = None,
         damaged rank manifest or rank shard; nothing was changed.
     ArgumentValueError
         ``world_size`` not a positive int.
+    ArgumentTypeError
+        ``verify`` not a bool.
     """
+    verify = F.parse_flag(verify, "verify")  # (verify="False" is a true string)
     if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1):
         raise ArgumentValueError(f"world_size must be a positive int or None, got {world_size!r}")
     b = resolve(target, storage_options=storage_options)
@@ -1500,6 +1503,12 @@ class RankStore:
         0 .. world_size - 1.
     world_size : int
         Number of rank stores the store will hold.
+
+    Raises
+    ------
+    ArgumentValueError
+        ``world_size`` is not a positive int, or ``rank`` not an int in
+        ``0 .. world_size - 1`` (a bool or a float is no int).
     """
 
     def __init__(self, rank: int, world_size: int) -> None:

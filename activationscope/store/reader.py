@@ -948,6 +948,11 @@ class Store:
         Checked against the array's own files on first use (FORMAT.md section 9 rule 16),
         since readers size buffers and index lists from it.
 
+        Parameters
+        ----------
+        hook_point : str
+            A stored hook point (or an alias of one).
+
         Raises
         ------
         HookPointNotFoundError
@@ -967,11 +972,22 @@ class Store:
         return meta
 
     def row_kind(self, hook_point: str) -> str:
-        """``"sample"`` or ``"token"``."""
+        """``"sample"`` or ``"token"``.
+
+        Parameters
+        ----------
+        hook_point : str
+            A stored hook point (or an alias of one).
+        """
         return self._meta(hook_point)["row_kind"]
 
     def feature_shape(self, hook_point: str) -> tuple[int, ...]:
         """Shape of one row of ``hook_point`` (its array is ``(rows, *feature_shape)``).
+
+        Parameters
+        ----------
+        hook_point : str
+            A stored hook point (or an alias of one).
 
         Raises
         ------
@@ -984,6 +1000,11 @@ class Store:
 
     def dtype(self, hook_point: str) -> torch.dtype:
         """The stored torch dtype of ``hook_point`` (``torch.bfloat16`` included).
+
+        Parameters
+        ----------
+        hook_point : str
+            A stored hook point (or an alias of one).
 
         Raises
         ------
@@ -1010,6 +1031,11 @@ class Store:
     def __getitem__(self, key: Any) -> torch.Tensor:
         """``store[hook_point]`` or ``store[hook_point, rows]`` with ``rows`` a slice (any step).
 
+        Parameters
+        ----------
+        key : str or (str, slice)
+            A hook point, or a hook point and a slice of its rows (any step but 0).
+
         Returns
         -------
         Tensor, (rows, *feature_shape), the stored dtype, CPU
@@ -1022,8 +1048,11 @@ class Store:
         ------
         HookPointNotFoundError
             The hook point is not in the store.
-        TypeError
-            ``rows`` is not a slice of ints.
+        ArgumentTypeError
+            ``key`` is neither a str nor a (str, slice) pair, or ``rows`` is not a slice of
+            ints; a TypeError.
+        ArgumentValueError
+            The slice's step is 0; a ValueError.
         """
         if isinstance(key, tuple):
             if len(key) != 2 or not isinstance(key[1], slice):
@@ -1074,7 +1103,13 @@ class Store:
         return self._whole_rows(meta) is not None
 
     def array(self, hook_point: str) -> torch.Tensor:
-        """Same as ``store[hook_point]``."""
+        """Same as ``store[hook_point]``.
+
+        Parameters
+        ----------
+        hook_point : str
+            A stored hook point (or an alias of one).
+        """
         return self[hook_point]
 
     def _mappable(self, meta: dict) -> bool:
@@ -1088,6 +1123,11 @@ class Store:
         shards of all the store's arrays fit in its budget of memory mappings: see
         docs/usage/store.md); otherwise one segment per shard. ``rows(hook_point, a, b)`` within one segment is a view;
         across segments one copy.
+
+        Parameters
+        ----------
+        hook_point : str
+            A stored hook point (or an alias of one).
         """
         if self._parts:
             return self._rank_bounds(hook_point, lambda st, hp: (st.segments(hp), True))[0]
@@ -1101,6 +1141,11 @@ class Store:
 
     def row_blocks(self, hook_point: str) -> tuple[list[int], bool]:
         """The units a reader should read ``hook_point`` in, and whether they are views.
+
+        Parameters
+        ----------
+        hook_point : str
+            A stored hook point (or an alias of one).
 
         Returns
         -------
@@ -1120,21 +1165,44 @@ class Store:
 
     def follows_row_table(self, hook_point: str) -> bool:
         """Whether row i of ``hook_point`` is row i of its row table (the array's
-        ``follows_row_table`` metadata, store/FORMAT.md; True when absent)."""
+        ``follows_row_table`` metadata, store/FORMAT.md; True when absent).
+
+        Parameters
+        ----------
+        hook_point : str
+            A stored hook point (or an alias of one).
+        """
         return bool(self._meta(hook_point).get("follows_row_table", True))
 
     def rows(self, hook_point: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``[start, stop)`` of a hook point (a view within one shard, else one copy).
 
+        Parameters
+        ----------
+        hook_point : str
+        start, stop : int
+            Row positions, ``0 <= start <= stop <= n_rows(hook_point)``; Python, numpy or
+            0-d integer torch ints (a bool is no position).
+
+        Returns
+        -------
+        Tensor, (stop - start, *feature_shape), the stored dtype, CPU
+            Read-only in effect: writing into a view never changes the store.
+
         Raises
         ------
-        TypeError
-            ``start`` or ``stop`` is not an int.
-        IndexError
-            Not ``0 <= start <= stop <= n_rows``.
+        HookPointNotFoundError
+            ``hook_point`` is not in the store (a KeyError).
+        ArgumentTypeError
+            ``start`` or ``stop`` is not an int (a bool, a float, ...); a TypeError.
+        RowIndexError
+            Not ``0 <= start <= stop <= n_rows``; an IndexError.
         """
         n = self.n_rows(hook_point)
         try:
+            if any(isinstance(v, (bool, np.bool_)) or (isinstance(v, torch.Tensor) and v.dtype == torch.bool)
+                   for v in (start, stop)):
+                raise TypeError("a bool is no row position")
             start, stop = operator.index(start), operator.index(stop)
         except TypeError:
             raise ArgumentTypeError(f"rows({hook_point!r}, start, stop): start and stop must be ints, got {start!r}, {stop!r}") from None
@@ -1165,6 +1233,14 @@ class Store:
         its own rows hinted but no read-ahead after them (their reads return the same rows,
         the cold ones page in one fault at a time). Give each such reader its own
         ``open_store`` (or ``ActivationDataset`` of the path) to keep each one's read-ahead.
+
+        Parameters
+        ----------
+        hook_point : str
+            A stored hook point (or an alias of one).
+        start, stop : int
+            The rows ``[start, stop)`` to be read; positions outside ``[0, n_rows]`` are clipped
+            (a hint raises nothing for them).
 
         Returns
         -------
@@ -1261,7 +1337,13 @@ class Store:
         """``(zarr array, chunk_rows, torch dtype)`` of an array read by decoding chunks
         (compressed or non-local), or None when it is read zero-copy from memory-mapped shards.
         The zarr array holds bfloat16 as uint16 bit patterns (plain zarr-python access; the
-        store's own reads validate each shard first)."""
+        store's own reads validate each shard first).
+
+        Parameters
+        ----------
+        hook_point : str
+            A stored hook point (or an alias of one).
+        """
         if self._parts:
             self._meta(hook_point)  # HookPointNotFoundError for a hook point no rank has
             return None  # an uncommitted multi-rank store: read it with rows() / row_blocks()
@@ -2096,6 +2178,11 @@ class Store:
         made the store drop them (for the budget, also a read of another store), without any
         store's lock held. A bound method is held weakly (it does not keep its object alive);
         any other callable strongly.
+
+        Parameters
+        ----------
+        callback : callable
+            Called as ``callback()``; its return value is ignored.
         """
         ref: Any = weakref.WeakMethod(callback) if hasattr(callback, "__self__") else (lambda: callback)
         with self._lock:
@@ -2680,12 +2767,25 @@ class Store:
         """``{name: (kind, options)}`` of the reductions of ``hook_point`` in :attr:`reductions`
         (each name as given at capture, e.g. ``"var"``; its results are ``name`` and
         ``name.<key>``), so a reader can pick a statistic by kind rather than by name.
-        ``{}`` when the hook point has none. ``kind`` is the built-in's name, ``"script"`` for a
+        ``{}`` when the hook point is stored without reductions. ``kind`` is the built-in's name, ``"script"`` for a
         custom TorchScript reduction and ``"eager"`` for a custom one run as Python (an entry
         that records no kind, from another writer, reads as ``"custom"``; a reduction one of whose
-        entries the store refuses, :attr:`refused_reductions`, is left out)."""
+        entries the store refuses, :attr:`refused_reductions`, is left out).
+
+        Parameters
+        ----------
+        hook_point : str
+            A stored hook point (or an alias of one).
+
+        Raises
+        ------
+        HookPointNotFoundError
+            ``hook_point`` is not in the store (a misspelt name is not "no reductions").
+        """
         out: dict[str, tuple[str, dict[str, float]]] = {}
         entries = self._complete_reductions().get(hook_point) or {}
+        if not entries:
+            self._meta(hook_point)  # HookPointNotFoundError for a hook point the store lacks
         refused = {str(e.get("reduction", n)) if isinstance(e, dict) else n
                    for n, e in entries.items() if n in (self._refused.get(hook_point) or {})}
         for full, entry in entries.items():
@@ -2705,6 +2805,13 @@ class Store:
 
         Never loaded or run here. ``torch.jit.load(io.BytesIO(b))`` of a file from a store
         someone else wrote runs code of theirs: load it only from a store you trust.
+
+        Parameters
+        ----------
+        hook_point : str
+            A stored hook point (or an alias of one).
+        name : str
+            The reduction's name (a key of ``store.reductions[hook_point]``).
 
         Raises
         ------
@@ -3438,8 +3545,26 @@ class Store:
     def save(self, target: Any, *, overwrite: bool = False, storage_options: dict | None = None) -> "Store":
         """Copy the store to ``target`` (a path, URL or zarr Store); returns it opened.
 
-        ``storage_options`` are the fsspec options (credentials, endpoint) of a URL ``target``
-        (``s3://...``), as :func:`copy_store` takes them."""
+        Parameters
+        ----------
+        target : str, os.PathLike, or zarr Store
+            Where the copy goes.
+        overwrite : bool, default False
+            Replace a store already at ``target`` (see :func:`copy_store`).
+        storage_options : dict, optional
+            The fsspec options (credentials, endpoint) of a URL ``target`` (``s3://...``), as
+            :func:`copy_store` takes them.
+
+        Returns
+        -------
+        Store
+            The copy, opened read-only.
+
+        Raises
+        ------
+        StoreExistsError, StoreLockedError, StoreError, StoreCorruptError, ArgumentTypeError
+            As :func:`copy_store` raises them.
+        """
         copy_store(self, target, overwrite=overwrite, storage_options=storage_options)
         return open_store(target, storage_options=storage_options)
 
@@ -3976,12 +4101,19 @@ def _refuse_folded_keys(src: Any, dst: LocalBackend) -> None:
 def copy_store(source: Any, target: Any, *, overwrite: bool = False, storage_options: dict | None = None) -> None:
     """Copy every object of a store (e.g. an in-memory one) to ``target``; root metadata last.
 
-    ``source`` and ``target`` are each a local path, an fsspec URL (``s3://bucket/run.zarr``),
-    a zarr Store, and for ``source`` also an opened :class:`Store` (which reads with the
-    options it was opened with). ``storage_options`` are the fsspec options (credentials,
-    ``client_kwargs={"endpoint_url": ...}``) of whichever of them is a URL; to copy between
-    two services that need different ones, pass the source opened
-    (``open_store(url, storage_options=...)``).
+    Parameters
+    ----------
+    source : str, os.PathLike, zarr Store, or Store
+        A local path, an fsspec URL (``s3://bucket/run.zarr``), a zarr Store, or an opened
+        :class:`Store` (which reads with the options it was opened with).
+    target : str, os.PathLike, or zarr Store
+        A local path, an fsspec URL or a zarr Store.
+    overwrite : bool, default False
+        Replace a store already at ``target`` (see Raises for what is never replaced).
+    storage_options : dict, optional
+        The fsspec options (credentials, ``client_kwargs={"endpoint_url": ...}``) of
+        whichever of ``source`` and ``target`` is a URL; to copy between two services that
+        need different ones, pass the source opened (``open_store(url, storage_options=...)``).
 
     The target's first write is the root of a new, incomplete store with no rows (over the old
     root, with ``overwrite``); then the old store's objects are deleted and the source's copied.

@@ -377,7 +377,18 @@ def model_identity(model: torch.nn.Module | None) -> dict | None:
     A store writer takes it when the store opens, before any forward, for a model in training
     mode (fine-tuning while capturing: recorded as it was then) and for a resume (compared
     with the stored one); for a new store's model in eval mode it is taken in a background
-    thread while the first forwards run (see :class:`_ModelIdentity`)."""
+    thread while the first forwards run (see :class:`_ModelIdentity`).
+
+    Parameters
+    ----------
+    model : torch.nn.Module or None
+
+    Returns
+    -------
+    dict or None
+        ``{"class": str, "state_dict_sha256": str (hex), "n_elements": int}``; None for
+        ``model=None``.
+    """
     if model is None:
         return None
     return _hash_state(type(model), _state_tensors(model))
@@ -1445,6 +1456,11 @@ class StoreWriter:
         """Check a batch's sample ids before a forward (``Tracker.set_batch``) as
         :meth:`add_batch` will: their type against the earlier batches'. Records nothing.
 
+        Parameters
+        ----------
+        sample_ids : sequence of int or str, 1-D Tensor / ndarray (batch,), or pyarrow Array
+            The batch's sample ids, as ``Tracker.set_batch`` takes them.
+
         Raises
         ------
         TypeError
@@ -1457,6 +1473,14 @@ class StoreWriter:
     def check_columns(self, columns: Mapping[str, Any], token_mask: torch.Tensor | None = None) -> None:
         """Check user columns before a forward (``Tracker.set_batch``) as :meth:`add_batch`
         will: names, and types against the column's earlier batches. Records nothing.
+
+        Parameters
+        ----------
+        columns : mapping of str to sequence, Tensor / ndarray (batch,) or (batch, pos)
+            User columns of the batch, as ``Tracker.set_batch`` takes them.
+        token_mask : Tensor, (batch, pos), bool or integer, any device, optional
+            The attention mask of token rows: a ``(batch, pos)`` column keeps the values of real
+            tokens only.
 
         Raises
         ------
@@ -3403,6 +3427,13 @@ class StoreWriter:
         """Record that ``hook_point`` is stored as ``target``'s array (the same tensor at every
         captured call): no array of its own; readers resolve it (``aliases`` in the root).
 
+        Parameters
+        ----------
+        hook_point : str
+            The hook point stored as ``target``.
+        target : str
+            A hook point with an array in this writer.
+
         Raises
         ------
         StoreError
@@ -3428,12 +3459,24 @@ class StoreWriter:
         ``hook_point`` (or the target of its alias) when this writer opened; None for a hook
         point the store did not hold (a new store: always None). A resume casts a stored
         integer hook point whose array holds ``storage_dtype`` (written by an earlier version)
-        again, so the array keeps one dtype."""
+        again, so the array keeps one dtype.
+
+        Parameters
+        ----------
+        hook_point : str
+            A hook point of this capture.
+        """
         meta = self._old_arrays.get(self.aliases.get(hook_point, hook_point))
         return None if meta is None else meta.get("dtype")
 
     def committed_rows(self, hook_point: str) -> int:
-        """Rows of ``hook_point`` committed before this writer opened (0 for a new array)."""
+        """Rows of ``hook_point`` committed before this writer opened (0 for a new array).
+
+        Parameters
+        ----------
+        hook_point : str
+            A hook point of this capture.
+        """
         old = self._old_arrays.get(hook_point)
         return 0 if old is None else int(old["n_rows"])
 
@@ -3446,6 +3489,13 @@ class StoreWriter:
 
         Parameters
         ----------
+        hook_point : str
+            A hook point of this capture.
+        name : str
+            The reduction's name (``reductions/<hook point>/<name>``).
+        kind : str
+            The built-in's name (``"mean"``, ``"hist"``, ...), ``"script"`` or ``"eager"``; a
+            stored state of another kind is not used.
         options : mapping, optional
             The reduction's options (its ``options``, defaults filled in); a stored state
             recorded with other options (``hist`` with another range or bin count, ``topk``
@@ -3525,6 +3575,11 @@ class StoreWriter:
         A reduction recomputed from the stored rows is fed them forward by forward, as the
         capture fed it: a custom one's result may depend on how the rows were cut (a count of
         batches, a maximum of batch means), and a built-in one's float64 round-off does.
+
+        Parameters
+        ----------
+        hook_point : str
+            A hook point of this capture.
         """
         array = self.aliases.get(hook_point, hook_point)
         meta = self._old_arrays.get(array)
@@ -3549,7 +3604,20 @@ class StoreWriter:
         return [int(e) for e in ends] + [n]
 
     def read_committed_rows(self, hook_point: str, start: int, stop: int) -> torch.Tensor:
-        """Rows ``[start, stop)`` of ``hook_point`` as committed before this writer opened (a copy)."""
+        """Rows ``[start, stop)`` of ``hook_point`` as committed before this writer opened (a copy).
+
+        Parameters
+        ----------
+        hook_point : str
+            A hook point of this capture.
+        start, stop : int
+            Rows ``0 <= start <= stop <= committed_rows(hook_point)``.
+
+        Returns
+        -------
+        Tensor, (stop - start, *feature_shape), the stored dtype, CPU
+            A copy.
+        """
         st = self._committed_reader()
         try:
             return st._read_rows(hook_point, start, stop, copy=True)
@@ -3605,8 +3673,15 @@ class StoreWriter:
         ``"incomplete"`` for a resume that recorded no batch and stored no reduction: the
         store is left as it was found (:meth:`discard`), as by :meth:`abort`.
 
+        Parameters
+        ----------
+        status : {"complete", "incomplete"}, default "complete"
+            The status the store's root records.
+
         Raises
         ------
+        ArgumentValueError
+            ``status`` is neither; nothing is committed.
         StoreError
             The writer thread failed; what was durable before is committed (status
             "incomplete") and stays readable.
@@ -3656,6 +3731,11 @@ class StoreWriter:
 
         Never raises (a failure here is reported as a warning, so the first error stays the
         one the caller sees).
+
+        Parameters
+        ----------
+        exc : BaseException, optional
+            The exception that stopped the capture (named in the warning of a failed commit).
         """
         if self._other_process():  # a forked copy: the store is its owner's; nothing is done
             return

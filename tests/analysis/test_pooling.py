@@ -214,6 +214,41 @@ def test_probe_store_refuses_bad_folds_instead_of_skipping_every_hook_point(tmp_
     for bad in (1, 0, "5", True, 2.0):
         with pytest.raises(ArgumentValueError, match=f"n_folds must be an int of at least 2, got {bad!r}"):
             probe_store(store, n_folds=bad)
+    with pytest.raises(ArgumentValueError, match="seed must be an int, got 1.5"):
+        probe_store(store, seed=1.5)  # (not every hook point skipped with the reason)
+
+
+@pytest.mark.parametrize("bad", [1, 2.5, 3.0, "3", True])
+def test_choose_folds_and_probe_accuracy_refuse_folds_that_are_not_an_int_of_at_least_2(bad):
+    labels = [0, 1] * 10
+    x = torch.randn(20, 3, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ArgumentValueError, match=f"n_folds must be an int of at least 2, got {bad!r}"):
+        choose_folds(labels, bad)  # (2.5 came back as 2.5 folds, "" for the note)
+    with pytest.raises(ArgumentValueError, match=f"n_folds must be an int of at least 2, got {bad!r}"):
+        probe_accuracy(x, labels, n_folds=bad)  # (a bare TypeError from deep inside for 2.5, "3")
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"max_iter": 0}, "max_iter must be a positive int, got 0"),
+    ({"max_iter": 1.5}, "max_iter must be a positive int, got 1.5"),
+    ({"max_iter": True}, "max_iter must be a positive int, got True"),
+    ({"l2": -1.0}, "l2 must be a finite number of at least 0, got -1.0"),
+    ({"l2": float("nan")}, "l2 must be a finite number of at least 0, got nan"),
+    ({"seed": 1.5}, "seed must be an int, got 1.5"),
+])
+def test_probe_accuracy_refuses_a_fit_it_cannot_make(kwargs, match):
+    # max_iter=0 gave the accuracy of an untrained probe, l2=-1 rewarded large weights, both
+    # without a word; seed=1.5 raised torch's RuntimeError naming no argument
+    x = torch.randn(20, 3, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ArgumentValueError, match=match):
+        probe_accuracy(x, [0, 1] * 10, **kwargs)
+
+
+def test_folds_may_be_numpy_ints():
+    labels = [0, 1] * 10
+    assert choose_folds(labels, np.int64(3)) == (3, "")
+    x = torch.randn(20, 3, generator=torch.Generator().manual_seed(0))
+    assert probe_accuracy(x, labels, n_folds=np.int64(4)).n_folds == 4
 
 
 def test_probes_of_bfloat16_rows_equal_those_of_their_float64_copy_without_holding_it(tmp_path):

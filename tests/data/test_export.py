@@ -753,3 +753,25 @@ def test_an_export_keeps_the_temporary_file_of_another_host_of_a_similar_name(st
     monkeypatch.setattr(socket, "gethostname", lambda: "gpu-node-cluster-a-0016")
     fn(store, out, hook_points=["f32"])
     assert all(f.read_text() == "another host's export, at work" for f in others)
+
+
+def test_check_compression_names_the_formats_that_take_one():
+    from activationscope.data import check_compression
+
+    assert check_compression("parquet", "ZSTD") == "zstd" and check_compression("arrow", "none") is None
+    with pytest.raises(ArgumentValueError, match=r"compression applies to the export formats \['parquet', 'arrow'\], "
+                                                 r"got 'hf'"):
+        check_compression("hf", "zstd")  # (a bare KeyError 'hf' before)
+    with pytest.raises(ArgumentValueError, match=r"format must be one of \['parquet', 'arrow', 'hf'\], got 'csv'"):
+        check_compression("csv", None)
+
+
+def test_read_arrow_batches_takes_a_bool_only(tmp_path):
+    # batches="no" (a true string) returned a list of dicts where one dict was asked for
+    store = FakeStore(write_fake_store(tmp_path / "s", {"a": torch.arange(12.0).reshape(6, 2)},
+                                       tables={"sample": pa.table({"sample_id": list(range(6))})}, shard_rows=4))
+    export_arrow(store, tmp_path / "a.arrow", hook_points="a", columns=[], batch_rows=4)
+    with pytest.raises(ArgumentTypeError, match="batches must be True or False, got 'no'"):
+        read_arrow(tmp_path / "a.arrow", batches="no")
+    assert torch.equal(read_arrow(tmp_path / "a.arrow", batches=np.bool_(False))["a"], torch.arange(12.0).reshape(6, 2))
+    assert len(read_arrow(tmp_path / "a.arrow", batches=True)) == 2

@@ -342,3 +342,14 @@ def test_hf_export_never_deletes_anything_else_next_to_the_caches(store, tmp_pat
         export_hf(store, out, hook_points=["f16"])
     assert sorted((str(p.relative_to(out)), p.is_dir() or p.read_bytes()) for p in out.rglob("*")) == before
     assert all((out / c).is_file() for c in caches) and target.read_text() == "keep me too"
+
+
+def test_hf_export_drop_last_takes_a_bool_only(store, tmp_path):
+    # drop_last="no" (a true string) left out the rows of the last example without a word
+    from activationscope.errors import ArgumentTypeError
+
+    with pytest.raises(ArgumentTypeError, match="drop_last must be True or False, got 'no'"):
+        export_hf(store, tmp_path / "hf", hook_points=["f32"], context_size=5, drop_last="no")
+    assert not (tmp_path / "hf").exists()
+    export_hf(store, tmp_path / "hf", hook_points=["f32"], context_size=5, drop_last=np.bool_(True))
+    assert len(datasets.load_from_disk(str(tmp_path / "hf"))) == N // 5

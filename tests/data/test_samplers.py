@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -14,7 +15,7 @@ from activationscope.data import (
     partition_bounds,
 )
 
-from activationscope.errors import ArgumentValueError
+from activationscope.errors import ArgumentTypeError, ArgumentValueError
 
 SAMPLERS = [SequentialBatchSampler, ShuffledBatchSampler, ChunkShuffleBatchSampler]
 
@@ -255,3 +256,33 @@ def test_a_row_count_takes_numpy_and_torch_integers_and_refuses_the_rest(which):
             which(bad, 2)
     with pytest.raises(ArgumentValueError, match=r"data_source \(a dataset, or a number of rows\) must be an int >= 0, got -5"):
         which(-5, 2)
+
+
+@pytest.mark.parametrize("args, error, match", [
+    ((10, 3, 2), ValueError, r"rank must be an int in \[0, 2\), got 3"),
+    ((10, -1, 2), ValueError, r"rank must be an int in \[0, 2\), got -1"),
+    ((10, 0, 0), ValueError, "world_size must be a positive int, got 0"),
+    ((-5, 0, 2), ValueError, "n must be an int >= 0, got -5"),
+    ((10, True, 2), TypeError, "rank must be an int, got True"),
+    ((10.0, 0, 2), TypeError, "n must be an int"),
+])
+def test_partition_bounds_refuses_arguments_that_give_no_part_of_the_positions(args, error, match):
+    with pytest.raises(error, match=match):
+        partition_bounds(*args)  # (rank 3 of 2 gave (15, 20), outside [0, 10), without an error)
+
+
+def test_partition_bounds_cover_the_positions():
+    assert [partition_bounds(10, r, 3) for r in range(3)] == [(0, 3), (3, 6), (6, 10)]
+    assert [partition_bounds(10, r, 3, even=True) for r in range(3)] == [(0, 3), (3, 6), (6, 9)]
+    assert partition_bounds(np.int64(10), torch.tensor(1), 2) == (5, 10)
+
+
+@pytest.mark.parametrize("which", [SequentialBatchSampler, ShuffledBatchSampler, ChunkShuffleBatchSampler])
+@pytest.mark.parametrize("flag", ["drop_last", "even"])
+def test_flags_take_a_bool_only(which, flag):
+    # drop_last="no" (a true string) dropped the short last batch without a word
+    with pytest.raises(ArgumentTypeError, match=f"{flag} must be True or False, got 'no'"):
+        which(10, 3, **{flag: "no"})
+    assert getattr(which(10, 3, **{flag: np.bool_(True)}), flag) is True
+    with pytest.raises(ArgumentTypeError, match="even must be True or False, got 'no'"):
+        partition_bounds(10, 0, 3, even="no")
