@@ -2358,6 +2358,11 @@ class StoreWriter:
         read by their own index without sample ids or columns (a mixture-of-experts expert's
         rows are the tokens routed to it, as many as the batch's samples only by chance).
 
+        Parameters
+        ----------
+        hook_point : str
+            The hook point's name, as given to :meth:`open_array`.
+
         Returns
         -------
         bool | None
