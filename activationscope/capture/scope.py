@@ -931,6 +931,9 @@ class Tracker:
         # hook points are stored off the sample row table, and the hook points decided so far
         self._expert_paths: tuple[str, ...] | None = None
         self._experts_decided: set[str] = set()
+        # hook points of T5's relative position bias (no batch dimension), found at their first
+        # forward and warned about (and, in a store, put off the row table) at its end
+        self._position_bias_found: dict[str, tuple[int, ...]] = {}
         # an encoder-decoder model (its forward takes decoder_input_ids / decoder_inputs_embeds):
         # the names of its positional parameters, the masks of the current forward's two
         # sequences (noted by the root's Python frame; the decoder's None when the forward gives
@@ -1898,6 +1901,15 @@ class Tracker:
             if not known_layout:  # (not asked for by the user: a mask that fits nothing is still warned about)
                 self._sample_rows_chosen = True
             token = False
+        path = self._module_of(name)
+        batchless = decided is not True and _position_bias_hook_point(
+            name, path, self._module_by_name().get(path), tensor)
+        if batchless:
+            # T5's relative position bias (query, key, heads), or its (query, key) buckets: no
+            # batch dimension, whatever its first two sizes say (with as many samples as positions
+            # they are those of the mask): stored off the row table, warned about at the forward's end
+            self._position_bias_found[name] = tuple(tensor.shape)
+            token = False
         rows_matter = decided is None and (self.writer is not None or (
             self._red_factories is not None
             and bool(self._red_factories.resolve_reductions(scope.reductions, name, self._hook_names))))
@@ -1945,7 +1957,7 @@ class Tracker:
             placement=_PLACEMENT_CODE[scope.storage],
             storage_dtype=cast,
             arena=self._arena,
-            row_kind=1 if token else (0 if decided is False else -1),
+            row_kind=1 if token else (0 if decided is False or batchless else -1),
             module=self._module_of(name),  # named by the native layout check of later calls
         )
         if self._red_factories is not None:
@@ -2675,6 +2687,8 @@ class Tracker:
             self._warn_image_token_rows()
         if self._media_params and not self._warned_media_tower:
             self._warn_media_tower_token_rows(batch)
+        if self._position_bias_found:
+            self._leave_row_table_position_bias()
         if self.writer is not None and self.scope.rows == "token":
             self._warn_generation_step(batch)
         if self.writer is not None:
@@ -2849,6 +2863,36 @@ class Tracker:
             "tokens routed to it: they are stored off the sample row table (store.follows_row_table() is False for "
             "them; their rows are read by their own index, without sample ids or columns). Track the "
             "mixture-of-experts block itself for rows of the samples' tokens",
+            CaptureWarning,
+        )
+
+    def _leave_row_table_position_bias(self) -> None:
+        """Warn about the hook points of a relative position bias (T5's ``relative_attention_bias``:
+        ``(query, key, heads)``, its input ``(query, key)``) first captured in this forward,
+        where rows matter (a store, or the hook point's reductions), and store them off the
+        sample row table: they have no batch dimension, and with as many samples as positions
+        their first two sizes are those of the ``(batch, pos)`` mask, so they would be listed as
+        the samples' tokens (or, with as many samples as queries, as the samples)."""
+        found, self._position_bias_found = self._position_bias_found, {}
+        leave = getattr(self.writer, "leave_row_table", None) if self.writer is not None else None
+        shown = []
+        for name, shape in found.items():
+            if self.writer is None and not self._reduction_names.get(name):
+                continue  # (records in memory are whole tensors)
+            if leave is not None and name not in self._aliases:
+                leave(name)
+            shown.append(f"{name!r} {shape}")
+        if not shown:
+            return
+        warn_at_caller(
+            f"hook point(s) {', '.join(shown)} of a relative position bias (a module named "
+            "'relative_attention_bias', as T5's: (query, key, heads), computed from the positions alone) have no "
+            "batch dimension: their rows are queries, not samples nor tokens, whatever their first two sizes "
+            "(those of the (batch, pos) mask where the batch has as many samples as positions). They are stored "
+            "off the sample row table (store.follows_row_table() is False for them; rows read by their own "
+            "index, without sample ids or columns), and reductions take their queries as observations. Leave "
+            "them out with exclude_hook_points=['*relative_attention_bias.*'] (or token_rows={hook_point: True} "
+            "if such a hook point does start with (batch, pos))",
             CaptureWarning,
         )
 
@@ -3783,6 +3827,18 @@ def _fastpath_release() -> None:
 
 def _no_forward(module: torch.nn.Module) -> bool:
     return getattr(type(module), "forward", None) is torch.nn.Module.forward
+
+
+def _position_bias_hook_point(name: str, path: str, module: torch.nn.Module | None, tensor: torch.Tensor) -> bool:
+    """Whether ``name`` (a hook point of the module at ``path``) is one of a relative position
+    bias without a batch dimension: an ``nn.Embedding`` named ``relative_attention_bias`` (T5,
+    mT5, LongT5, UMT5, Switch Transformers) called on ``(query, key)`` buckets, whose output
+    is ``(query, key, heads)``. (MPNet's, called on ``(batch, query, key)`` buckets, has a
+    batch dimension: not this.)"""
+    if not isinstance(module, torch.nn.Embedding) or tensor.is_nested or path.rpartition(".")[2] != "relative_attention_bias":
+        return False
+    side = re.sub(r"^#\d+", "", name[len(path):]).lstrip(".") if name.startswith(path) else ""
+    return tensor.dim() == (3 if side.startswith("output") else 2)
 
 
 def _attention_map_hook_point(name: str, hook_point_paths: frozenset[str]) -> bool:
