@@ -173,3 +173,18 @@ def test_home_made_encoder_decoder_one_tracker_per_side_is_not_warned_about(tmp_
             model(src, tgt)
     assert not [w for w in caught if "second sequence" in str(w.message)]
     assert tuple(acs.open_store(tmp_path / "dec.zarr")["dec.output"].shape) == (int(tgt_mask.sum()), 8)
+
+
+def test_t5_position_bias_buckets_input_is_not_token_rows(tmp_path):
+    model = _t5_encoder()
+    buckets = BIAS.replace(".output", ".input.0")
+    scope = acs.ActivationScope(store=tmp_path / "s.zarr", rows="token", capture="both")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad(), scope.track(model, include=["*relative_attention_bias", "encoder.final_layer_norm"]):
+            model(torch.randint(1, 50, (4, 4)))
+    assert any(buckets in str(w.message) and "no batch dimension" in str(w.message) for w in caught)
+    store = acs.open_store(tmp_path / "s.zarr")
+    assert store.row_kind(buckets) == "sample" and not store.follows_row_table(buckets)
+    assert tuple(store[buckets].shape) == (4, 4)            # (query, key) buckets, one row per query
+    assert store[buckets][0, 0].item() == 0                  # query 0, key 0: bucket 0
