@@ -935,6 +935,15 @@ class Tracker:
         # hook points are stored off the sample row table, and the hook points decided so far
         self._expert_paths: tuple[str, ...] | None = None
         self._experts_decided: set[str] = set()
+        # hook points of T5's relative position bias (no batch dimension), found at their first
+        # forward and warned about (and, in a store, put off the row table) at its end
+        self._position_bias_found: dict[str, tuple[int, ...]] = {}
+        # a model of its own with a second (target / decoder) sequence input (forward(src, tgt)):
+        # that parameter's (position, name), the (batch, S) of its tensor in the current forward,
+        # and whether token rows taken with a mask of as many positions were warned about
+        self._target_param: tuple[int, str] | None = None
+        self._target_shape: tuple[int, int] | None = None
+        self._warned_target = False
         # an encoder-decoder model (its forward takes decoder_input_ids / decoder_inputs_embeds):
         # the names of its positional parameters, the masks of the current forward's two
         # sequences (noted by the root's Python frame; the decoder's None when the forward gives
@@ -1328,7 +1337,9 @@ class Tracker:
             note_mask = module is self.model and self.scope.rows == "token"
             if module is self.model:
                 self._seq2seq = _seq2seq_parameters(forward)
-            note = self._note_root_call if note_mask or (module is self.model and self._seq2seq) else None
+                self._target_param = None if self._seq2seq else _target_parameter(forward)
+            note = self._note_root_call if note_mask or (module is self.model and (
+                self._seq2seq or self._target_param is not None)) else None
             if module is self.model and (_in_torch(forward) or note is not None):
                 # a model compiled after tracking: TorchDynamo starts at the first Python frame
                 # under the native root wrapper and skips torch.nn's own (nn.Sequential.forward),
@@ -1902,6 +1913,15 @@ class Tracker:
             if not known_layout:  # (not asked for by the user: a mask that fits nothing is still warned about)
                 self._sample_rows_chosen = True
             token = False
+        path = self._module_of(name)
+        batchless = decided is not True and _position_bias_hook_point(
+            name, path, self._module_by_name().get(path), tensor)
+        if batchless:
+            # T5's relative position bias (query, key, heads), or its (query, key) buckets: no
+            # batch dimension, whatever its first two sizes say (with as many samples as positions
+            # they are those of the mask): stored off the row table, warned about at the forward's end
+            self._position_bias_found[name] = tuple(tensor.shape)
+            token = False
         rows_matter = decided is None and (self.writer is not None or (
             self._red_factories is not None
             and bool(self._red_factories.resolve_reductions(scope.reductions, name, self._hook_names))))
@@ -1949,7 +1969,7 @@ class Tracker:
             placement=_PLACEMENT_CODE[scope.storage],
             storage_dtype=cast,
             arena=self._arena,
-            row_kind=1 if token else (0 if decided is False else -1),
+            row_kind=1 if token else (0 if decided is False or batchless else -1),
             module=self._module_of(name),  # named by the native layout check of later calls
         )
         if self._red_factories is not None:
@@ -2679,6 +2699,10 @@ class Tracker:
             self._warn_image_token_rows()
         if self._media_params and not self._warned_media_tower:
             self._warn_media_tower_token_rows(batch)
+        if self._position_bias_found:
+            self._leave_row_table_position_bias()
+        if self._target_param is not None and not self._warned_target:
+            self._warn_target_token_rows(batch)
         if self.writer is not None and self.scope.rows == "token":
             self._warn_generation_step(batch)
         if self.writer is not None:
@@ -2856,6 +2880,78 @@ class Tracker:
             CaptureWarning,
         )
 
+    def _leave_row_table_position_bias(self) -> None:
+        """Warn about the hook points of a relative position bias (T5's ``relative_attention_bias``:
+        ``(query, key, heads)``, its input ``(query, key)``) first captured in this forward,
+        where rows matter (a store, or the hook point's reductions), and store them off the
+        sample row table: they have no batch dimension, and with as many samples as positions
+        their first two sizes are those of the ``(batch, pos)`` mask, so they would be listed as
+        the samples' tokens (or, with as many samples as queries, as the samples)."""
+        found, self._position_bias_found = self._position_bias_found, {}
+        leave = getattr(self.writer, "leave_row_table", None) if self.writer is not None else None
+        shown = []
+        for name, shape in found.items():
+            if self.writer is None and not self._reduction_names.get(name):
+                continue  # (records in memory are whole tensors)
+            if leave is not None and name not in self._aliases:
+                leave(name)
+            shown.append(f"{name!r} {shape}")
+        if not shown:
+            return
+        warn_at_caller(
+            f"hook point(s) {', '.join(shown)} of a relative position bias (a module named "
+            "'relative_attention_bias', as T5's: (query, key, heads), computed from the positions alone) have no "
+            "batch dimension: their rows are queries, not samples nor tokens, whatever their first two sizes "
+            "(those of the (batch, pos) mask where the batch has as many samples as positions). They are stored "
+            "off the sample row table (store.follows_row_table() is False for them; rows read by their own "
+            "index, without sample ids or columns), and reductions take their queries as observations. Leave "
+            "them out with exclude_hook_points=['*relative_attention_bias.*'] (or token_rows={hook_point: True} "
+            "if such a hook point does start with (batch, pos))",
+            CaptureWarning,
+        )
+
+    def _warn_target_token_rows(self, batch: Mapping[str, Any]) -> None:
+        """Warn (once per capture) when a model of its own whose forward takes a second sequence
+        (a parameter named like ``tgt``, ``trg``, ``decoder_input``: a home-made encoder-decoder)
+        is given one of as many positions as the mask token rows are taken with, and that mask
+        has padding (or the batch has per-token columns): the hook points over the second
+        sequence start with the mask's ``(batch, pos)`` too, so they are taken as token rows
+        picked by the first sequence's padding and listed with its positions and columns."""
+        self._target_shape, shape = None, self._target_shape
+        if shape is None or self._nn_seq2seq or isinstance(self._token_rows, Mapping):
+            return  # (torch.nn's stacks are checked by their own masks; token_rows= decided)
+        if getattr(self.model.__dict__.get("forward"), "n_sites", 1) > 1:
+            return  # (another tracker on the model: one per side, each with its own mask, as documented)
+        if self.writer is None and not any(self._reduction_names.values()):
+            return  # (in memory, records are whole tensors: no rows taken)
+        mask = self._rows_mask()
+        if mask is None or tuple(mask.shape) != shape:
+            return
+        given = batch.get("attention_mask")
+        columns = [k for k, v in (batch.get("columns") or {}).items()
+                   if tuple(getattr(v, "shape", ())[:2]) == shape and len(getattr(v, "shape", ())) == 2]
+        if (given is None or bool(given.all())) and not columns:
+            return  # (every position of both: rows (sample, position) of whichever sequence, as listed)
+        token = [n for n, sink in self._sinks.items() if sink.row_kind == 1]
+        if not token:
+            return
+        self._warned_target = True
+        key = self._target_param[1] if self._target_param else "tgt"
+        shown = ", ".join(repr(n) for n in token[:6]) + (f" and {len(token) - 6} more" if len(token) > 6 else "")
+        what = (f"the mask of tracker.set_batch, {tuple(mask.shape)}, with padding" if given is not None
+                and not bool(given.all()) else f"the per-token column(s) {', '.join(map(repr, columns))}")
+        warn_at_caller(
+            f"forward {self._core.n_forwards - 1} of {type(self.model).__name__} took a second sequence, {key!r} "
+            f"(batch, pos) = {shape}, of as many positions as {what}, which describes its first input: hook points "
+            f"over {key!r} (a decoder's) start with the same (batch, pos) and are taken as token rows picked by the "
+            f"first sequence's padding and listed with its positions and columns. Taken as token rows: {shown}. "
+            "Capture each sequence with its own mask (one tracker per side, nested, each with its own store, "
+            "include= that side's modules and its own set_batch(attention_mask=...)), or pass "
+            "token_rows={pattern: False} for one row per sample of the other side's hook points "
+            "(token_rows= given, or another tracker on the model: not warned; warned once per capture)",
+            CaptureWarning,
+        )
+
     def _warn_row_table_lost(self, lost: Mapping[str, tuple[int, int]]) -> None:
         """Warn once per hook point whose store rows stopped following the row table in this
         forward (its module returned no tensor, or another number of rows, in it)."""
@@ -2989,6 +3085,10 @@ class Tracker:
             self._note_model_mask(args, kwargs)
         if self._seq2seq:
             self._note_sequences(args, kwargs)
+        if self._target_param is not None and not self._warned_target:
+            i, key = self._target_param
+            t = args[i] if i < len(args) else kwargs.get(key)
+            self._target_shape = tuple(t.shape[:2]) if isinstance(t, torch.Tensor) and t.dim() >= 2 else None
 
     def _note_sequences(self, args: tuple, kwargs: dict) -> None:
         """The masks of an encoder-decoder forward's sequences: the encoder's (its
@@ -3799,6 +3899,38 @@ def _fastpath_release() -> None:
 
 def _no_forward(module: torch.nn.Module) -> bool:
     return getattr(type(module), "forward", None) is torch.nn.Module.forward
+
+
+_TARGET_PARAMETER = re.compile(r"(tgt|trg|dec|decoder)(_\w+)?|target_(ids|tokens|input|inputs|seq)")
+
+
+def _target_parameter(forward: Any) -> tuple[int, str] | None:
+    """The (position, name) of the second sequence a model's own ``forward`` takes (an
+    encoder-decoder's ``forward(src, tgt)``: a parameter after the first named ``tgt``,
+    ``trg``, ``dec`` or ``decoder`` (alone or with a suffix: ``tgt_ids``, ``decoder_input``),
+    or ``target_ids`` / ``_tokens`` / ``_input(s)`` / ``_seq``), or None. (``targets``, the
+    labels of nanoGPT's ``forward(idx, targets)``, is not one: it is over the first sequence.)"""
+    names = _positional_names(forward)
+    try:
+        params = list(inspect.signature(forward).parameters)
+    except (TypeError, ValueError):
+        return None
+    for name in params[1:]:
+        if _TARGET_PARAMETER.fullmatch(name) and not name.endswith(("mask", "_padding_mask", "_lengths", "_len")):
+            return (names.index(name) if name in names else len(names) + len(params), name)
+    return None
+
+
+def _position_bias_hook_point(name: str, path: str, module: torch.nn.Module | None, tensor: torch.Tensor) -> bool:
+    """Whether ``name`` (a hook point of the module at ``path``) is one of a relative position
+    bias without a batch dimension: an ``nn.Embedding`` named ``relative_attention_bias`` (T5,
+    mT5, LongT5, UMT5, Switch Transformers) called on ``(query, key)`` buckets, whose output
+    is ``(query, key, heads)``. (MPNet's, called on ``(batch, query, key)`` buckets, has a
+    batch dimension: not this.)"""
+    if not isinstance(module, torch.nn.Embedding) or tensor.is_nested or path.rpartition(".")[2] != "relative_attention_bias":
+        return False
+    side = re.sub(r"^#\d+", "", name[len(path):]).lstrip(".") if name.startswith(path) else ""
+    return tensor.dim() == (3 if side.startswith("output") else 2)
 
 
 def _attention_map_hook_point(name: str, hook_point_paths: frozenset[str]) -> bool:
