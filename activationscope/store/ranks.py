@@ -1835,8 +1835,8 @@ def open_capture_writer(target: Any, *, process_group: Any = None, **options: An
         try:
             return StoreWriter(target, **options)
         except StoreLockedError as e:
-            if process_group is not False:
-                raise
+            if process_group is not False or not _several_ranks():
+                raise  # (one process of its own: the lock's holder is another program, as it says)
             # (under torchrun, every rank given one path with process_group=False: all but one are refused)
             raise StoreLockedError(
                 f"{e}. With store_options process_group=False each process writes a store of its own: give each "
@@ -1859,6 +1859,19 @@ def open_capture_writer(target: Any, *, process_group: Any = None, **options: An
     inner.rank_store = {"rank": session.rank, "world_size": session.world_size,  # checked by commit_ranks
                         **({"run_id": session.run_id} if session.run_id is not None else {})}
     return RankWriter(session, inner)
+
+
+def _several_ranks() -> bool:
+    """Whether this process is one of several ranks: ``torch.distributed`` initialised with
+    more than one, or a launcher's ``WORLD_SIZE`` (torchrun) above 1."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size() > 1
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1")) > 1
+    except ValueError:
+        return False
 
 
 def _capture_writer_signature() -> Any:

@@ -1680,11 +1680,12 @@ def test_a_rank_that_finishes_long_before_the_others_waits_for_them(captured, tm
     assert got.row_table("sample").equals(ref.row_table("sample"))
 
 
-def test_a_store_path_shared_with_process_group_false_names_the_fix(tmp_path):
+def test_a_store_path_shared_with_process_group_false_names_the_fix(tmp_path, monkeypatch):
     """Under torchrun, every rank given the same store with store_options process_group=False
     (one store per rank) was refused, but for the first, with "being written by pid ...; one
     writer at a time: wait for it to finish", the holder being another rank of the same run. The error now
     says that each rank needs a path of its own, or to leave process_group out."""
+    monkeypatch.setenv("WORLD_SIZE", "2")  # (as torchrun sets it)
     store = str(tmp_path / "s.zarr")
     model = torch.nn.Sequential(torch.nn.Linear(8, 8))
     with acs.ActivationScope(store=store).track(model), torch.no_grad():  # (holds the store: another rank)
@@ -1757,3 +1758,22 @@ def test_a_rank_whose_writer_does_not_open_lets_go_of_its_group_of_the_final_wai
     for r in results:
         assert r["error"] is not None and "chunk_rows" in r["error"], r
         assert r["after"] == r["before"], r
+
+
+def test_a_locked_store_of_one_process_with_process_group_false_is_no_rank_matter(tmp_path, monkeypatch):
+    """One process, no torch.distributed, no launcher, store_options process_group=False, a
+    store another writer holds: the error went on to tell it to give each rank its own path,
+    with torch.distributed.get_rank() (which raises without a process group). It now says only
+    who holds the store and to wait for it."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    store = str(tmp_path / "s.zarr")
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    with acs.ActivationScope(store=store).track(model), torch.no_grad():  # (holds the store)
+        model(torch.randn(2, 8))
+        scope = acs.ActivationScope(store=store, store_options={"process_group": False})
+        with pytest.raises(acs.StoreLockedError) as e:
+            with scope.track(model):
+                model(torch.randn(2, 8))
+    msg = str(e.value)
+    assert "is being written by" in msg and "wait for it to finish" in msg, msg
+    assert "rank" not in msg and "get_rank" not in msg, msg
