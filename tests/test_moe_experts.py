@@ -52,3 +52,44 @@ def test_expert_rows_as_many_as_the_samples_are_not_labelled_with_them(tmp_path)
         expected = torch.cat([model.experts[0](model.embed(ids).reshape(-1, 8)[:2]) for ids in batches])
     assert torch.equal(store["experts.0.output"], expected)
     assert store.row_table("sample").column("label").to_pylist() == [0, 0, 1, 1]
+
+
+class _MultiGateMoE(torch.nn.Module):
+    """A dense multi-gate mixture of experts (MMoE, as in recommendation models): every expert
+    is given every sample's features (batch, d), and gates weigh their outputs."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.experts = torch.nn.ModuleList([torch.nn.Linear(d, 4) for _ in range(3)])
+        self.gate = torch.nn.Linear(d, 3)
+
+    def forward(self, x):
+        out = torch.stack([e(x) for e in self.experts], 1)
+        return (torch.softmax(self.gate(x), -1).unsqueeze(-1) * out).sum(1)
+
+
+def test_experts_given_every_sample_keep_their_sample_rows(tmp_path):
+    """Each expert of a dense mixture is called with the batch's features (batch, d): its rows
+    are the samples'. They were stored off the row table all the same, without the samples'
+    ids and columns, with a warning saying they are routed tokens. No hook point of the capture
+    has positions, so they now stay sample rows, without a warning."""
+    model = _MultiGateMoE().eval()
+    xs = [torch.randn(5, 8, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    scope = acs.ActivationScope(store=str(tmp_path / "mmoe.zarr"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad(), scope.track(model) as tracker:
+            for i, x in enumerate(xs):
+                tracker.set_batch(sample_ids=torch.arange(10 * i, 10 * i + 5), label=[i] * 5)
+                model(x)
+    assert [str(w.message) for w in caught if "mixture-of-experts" in str(w.message)] == []
+    store = acs.open_store(tmp_path / "mmoe.zarr")
+    for k in range(3):
+        hp = f"experts.{k}.output"
+        assert store.follows_row_table(hp) and store.row_kind(hp) == "sample", hp
+        with torch.no_grad():
+            assert torch.equal(store[hp], torch.cat([model.experts[k](x) for x in xs])), hp
+    table = store.row_table("sample")
+    assert table.column("sample_id").to_pylist() == [10 * i + j for i in range(3) for j in range(5)]
+    assert table.column("label").to_pylist() == [i for i in range(3) for _ in range(5)]

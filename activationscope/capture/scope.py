@@ -944,6 +944,7 @@ class Tracker:
         self._target_param: tuple[int, str] | None = None
         self._target_shape: tuple[int, int] | None = None
         self._warned_target = False
+        self._expert_set: frozenset[str] = frozenset()  # (the same paths, for look-ups)
         # an encoder-decoder model (its forward takes decoder_input_ids / decoder_inputs_embeds):
         # the names of its positional parameters, the masks of the current forward's two
         # sequences (noted by the root's Python frame; the decoder's None when the forward gives
@@ -2738,6 +2739,7 @@ class Tracker:
                 self._warn_row_table_lost(lost)
             if self._expert_paths is None:
                 self._expert_paths = _expert_paths(self.model)
+                self._expert_set = frozenset(self._expert_paths)
             if self._expert_paths:
                 self._leave_row_table_experts()
             self.writer.maybe_commit()
@@ -2854,11 +2856,21 @@ class Tracker:
         if leave is None:
             return
         marked = []
+        widest: int | None = None  # (_widest_other, once per forward where it is needed)
         for name, sink in self._sinks.items():
             if name in self._experts_decided or sink.row_kind == -1:
                 continue
-            module = self._module_of(name)
-            if sink.row_kind != 0 or not any(module == e or module.startswith(e + ".") for e in self._expert_paths):
+            if sink.row_kind != 0 or not self._is_expert(name):
+                self._experts_decided.add(name)
+                continue
+            # its rows are tokens where its first activation has fewer dims than a hook point's
+            # that is no expert's (the (batch, pos, d) hidden states flattened to (tokens, d) for
+            # the routing), or none tells; where none has more (features (batch, d) everywhere:
+            # a dense mixture, as a multi-gate one, MMoE, gives every expert every sample) its
+            # rows are the samples'
+            widest = self._widest_other() if widest is None else widest
+            first = self._first_shapes.get(name)
+            if widest >= 0 and isinstance(first, tuple) and widest <= len(first):
                 self._experts_decided.add(name)
                 continue
             followed = leave(name)
@@ -2951,6 +2963,17 @@ class Tracker:
             "(token_rows= given, or another tracker on the model: not warned; warned once per capture)",
             CaptureWarning,
         )
+
+    def _is_expert(self, name: str) -> bool:
+        """Whether hook point ``name`` is one of a mixture-of-experts expert (its module or one under it)."""
+        parts = self._module_of(name).split(".")
+        return any(".".join(parts[:i]) in self._expert_set for i in range(1, len(parts) + 1))
+
+    def _widest_other(self) -> int:
+        """The most dims of a first activation of a hook point of this capture that is no
+        expert's; -1 when there is none."""
+        return max((len(s) for n, s in self._first_shapes.items() if isinstance(s, tuple) and not self._is_expert(n)),
+                   default=-1)
 
     def _warn_row_table_lost(self, lost: Mapping[str, tuple[int, int]]) -> None:
         """Warn once per hook point whose store rows stopped following the row table in this

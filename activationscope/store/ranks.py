@@ -1683,11 +1683,16 @@ class RankSession:
         try:
             self._finish(w, live, exc, error, mine)
         finally:
-            if self._wait_group is not None:
-                import torch.distributed as dist
+            self.drop_wait_group()
 
-                dist.destroy_process_group(self._wait_group)
-                self._wait_group = None
+    def drop_wait_group(self) -> None:
+        """Let go of the group of the waits at the end (its connections to every other rank):
+        when the capture ends, or when this rank's store did not open."""
+        if self._wait_group is not None:
+            import torch.distributed as dist
+
+            group, self._wait_group = self._wait_group, None
+            dist.destroy_process_group(group)
 
     def _finish(self, w: Any, live: dict, exc: BaseException | None, error: BaseException | None,
                 mine: BaseException | None) -> None:
@@ -1830,8 +1835,8 @@ def open_capture_writer(target: Any, *, process_group: Any = None, **options: An
         try:
             return StoreWriter(target, **options)
         except StoreLockedError as e:
-            if process_group is not False:
-                raise
+            if process_group is not False or not _several_ranks():
+                raise  # (one process of its own: the lock's holder is another program, as it says)
             # (under torchrun, every rank given one path with process_group=False: all but one are refused)
             raise StoreLockedError(
                 f"{e}. With store_options process_group=False each process writes a store of its own: give each "
@@ -1839,15 +1844,34 @@ def open_capture_writer(target: Any, *, process_group: Any = None, **options: An
                 "leave process_group out to capture every rank of a torch.distributed run into this one store"
             ) from None
     fixed = {k: options.pop(k) for k in ("capture_config", "model", "storage_dtype") if k in options}
-    rank_target_, opts = session.writer_options(options)
-    # a task capturing a complete store again writes its rank store under that store's root
-    allowed = rank_stores_allowed(resolve(session.root, storage_options=opts.get("storage_options"))) \
-        if session.again else contextlib.nullcontext()
-    with allowed:
-        inner = StoreWriter(rank_target_, **fixed, **opts)
+    try:
+        rank_target_, opts = session.writer_options(options)
+        # a task capturing a complete store again writes its rank store under that store's root
+        allowed = rank_stores_allowed(resolve(session.root, storage_options=opts.get("storage_options"))) \
+            if session.again else contextlib.nullcontext()
+        with allowed:
+            inner = StoreWriter(rank_target_, **fixed, **opts)
+    except BaseException:
+        # (no finish() will come: a rank that kept the group would leave the others that opened
+        # waiting for it at the end until OUTCOME_WAIT_S, and hold its connections meanwhile)
+        session.drop_wait_group()
+        raise
     inner.rank_store = {"rank": session.rank, "world_size": session.world_size,  # checked by commit_ranks
                         **({"run_id": session.run_id} if session.run_id is not None else {})}
     return RankWriter(session, inner)
+
+
+def _several_ranks() -> bool:
+    """Whether this process is one of several ranks: ``torch.distributed`` initialised with
+    more than one, or a launcher's ``WORLD_SIZE`` (torchrun) above 1."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size() > 1
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1")) > 1
+    except ValueError:
+        return False
 
 
 def _capture_writer_signature() -> Any:

@@ -3111,7 +3111,7 @@ class StoreWriter:
                             "only; cast it (.double()) or give the reduction another kind"
                         )
             main = main_result_key(kind, result)
-            node = F.node_name(hook_point)
+            node = self._reduction_node(hook_point)
             entries = self._reductions.setdefault(hook_point, {})
             state_fn = getattr(reduction, "state", None)
             state = state_fn() if callable(state_fn) else None
@@ -3387,6 +3387,19 @@ class StoreWriter:
                 raise StoreError(f"cannot resume {str(b)!r}: settling the kept reduction file {keep!r} failed: "
                                  f"{getattr(e, 'strerror', None) or e}; fix permissions in the store's folder, then "
                                  "resume again") from e
+
+    def _reduction_node(self, hook_point: str) -> str:
+        """The node name of ``hook_point``'s reductions folder: the one its stored reductions are
+        in when the store has some (a store written before a node name rule, FORMAT.md section 1,
+        keeps its folder: a new one would leave the old one behind, empty), else
+        :func:`F.node_name`. Only one of :func:`F.node_names` is taken from the store."""
+        allowed = F.node_names(hook_point)
+        for entry in (self._old_reductions.get(hook_point) or {}).values():
+            path = entry.get("path") if isinstance(entry, dict) else None
+            parts = path.split("/") if isinstance(path, str) else []
+            if len(parts) == 3 and parts[0] == "reductions" and parts[1] in allowed:
+                return parts[1]
+        return F.node_name(hook_point)
 
     def _drop_old_reduction(self, hook_point: str, name: str, planned: Mapping[str, tuple[int, ...]]) -> None:
         """Remove the arrays of reduction ``name`` of ``hook_point`` that an earlier run (or

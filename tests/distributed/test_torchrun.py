@@ -1680,11 +1680,12 @@ def test_a_rank_that_finishes_long_before_the_others_waits_for_them(captured, tm
     assert got.row_table("sample").equals(ref.row_table("sample"))
 
 
-def test_a_store_path_shared_with_process_group_false_names_the_fix(tmp_path):
+def test_a_store_path_shared_with_process_group_false_names_the_fix(tmp_path, monkeypatch):
     """Under torchrun, every rank given the same store with store_options process_group=False
     (one store per rank) was refused, but for the first, with "being written by pid ...; one
     writer at a time: wait for it to finish", the holder being another rank of the same run. The error now
     says that each rank needs a path of its own, or to leave process_group out."""
+    monkeypatch.setenv("WORLD_SIZE", "2")  # (as torchrun sets it)
     store = str(tmp_path / "s.zarr")
     model = torch.nn.Sequential(torch.nn.Linear(8, 8))
     with acs.ActivationScope(store=store).track(model), torch.no_grad():  # (holds the store: another rank)
@@ -1717,3 +1718,62 @@ def test_rank_stores_captured_with_another_capture_side_name_it(tmp_path, capsys
     assert "rank 0 was captured with capture='output', rank 1 with capture='both'" in err, err
     assert "Capture rank 0 again with capture='both'" in err and "include=" not in err, err
     assert "nothing was written" in err and _tree(store) == before
+
+
+_OPEN_FAILS = '''
+import json, sys
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+import activationscope as acs
+from activationscope.store.ranks import open_capture_writer
+
+acs.init_process_group("gloo")
+before = len(c10d._world.pg_map)
+try:
+    open_capture_writer(sys.argv[1], chunk_rows="four")  # (refused by the rank's StoreWriter)
+except Exception as e:
+    error = f"{type(e).__name__}: {e}"
+else:
+    error = None
+print("RESULT " + json.dumps({"rank": dist.get_rank(), "before": before, "after": len(c10d._world.pg_map),
+                              "error": error}), flush=True)
+dist.destroy_process_group()
+'''
+
+
+def test_a_rank_whose_writer_does_not_open_lets_go_of_its_group_of_the_final_waits(tmp_path):
+    """The gloo group of the waits at the end of a multi-rank capture is made as the rank's
+    store is prepared, and let go only when the capture ends; a rank store that then failed to
+    open (a refused option, a lock, a damaged store) kept it, with its connections to every
+    other rank, for the life of the process: one more group per failed capture, and ranks that
+    did open waited for it at the end for up to 24 hours instead of failing when it left. It is
+    now let go as the error is raised."""
+    script = tmp_path / "open_fails.py"
+    script.write_text(_OPEN_FAILS)
+    out = _torchrun(tmp_path / "s.zarr", script=script)
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = sorted((json.loads(line.split("RESULT ", 1)[1]) for line in out.stdout.splitlines()
+                      if "RESULT " in line), key=lambda r: r["rank"])
+    assert [r["rank"] for r in results] == [0, 1], out.stdout
+    for r in results:
+        assert r["error"] is not None and "chunk_rows" in r["error"], r
+        assert r["after"] == r["before"], r
+
+
+def test_a_locked_store_of_one_process_with_process_group_false_is_no_rank_matter(tmp_path, monkeypatch):
+    """One process, no torch.distributed, no launcher, store_options process_group=False, a
+    store another writer holds: the error went on to tell it to give each rank its own path,
+    with torch.distributed.get_rank() (which raises without a process group). It now says only
+    who holds the store and to wait for it."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    store = str(tmp_path / "s.zarr")
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    with acs.ActivationScope(store=store).track(model), torch.no_grad():  # (holds the store)
+        model(torch.randn(2, 8))
+        scope = acs.ActivationScope(store=store, store_options={"process_group": False})
+        with pytest.raises(acs.StoreLockedError) as e:
+            with scope.track(model):
+                model(torch.randn(2, 8))
+    msg = str(e.value)
+    assert "is being written by" in msg and "wait for it to finish" in msg, msg
+    assert "rank" not in msg and "get_rank" not in msg, msg

@@ -142,3 +142,35 @@ def test_a_store_written_before_the_escapes_reads_and_resumes_in_its_folders(tmp
         assert torch.equal(st[hp], torch.cat([data[hp], more[hp]])), hp
         assert torch.equal(st.reductions[hp]["mean"], data[hp].double().mean(0)), hp
     assert st.verify() == []
+
+
+def test_a_resume_of_a_store_written_before_the_escapes_keeps_its_reductions_folders(tmp_path, monkeypatch):
+    """A resume of a store written before the escapes wrote the hook points' reductions again
+    into new folders (``reductions/a%3Ab``), leaving the stored ones (``reductions/a:b``)
+    behind as empty groups naming the same hook point, which a copy to Windows still refused;
+    FORMAT.md says reductions are resumed where they are. They now are."""
+    path = tmp_path / "s.zarr"
+    names = NAMES[:3]
+    with monkeypatch.context() as m:
+        m.setattr(F, "node_name", _before_the_escapes)
+        data = _write(path, names)
+    assert sorted(os.listdir(path / "reductions")) == sorted(["zarr.json", *names])
+    more = {hp: torch.full((4, 3), -1.0 - i) for i, hp in enumerate(names)}
+    w = StoreWriter(path, resume=True)
+    for hp in names:
+        w.open_array(hp, (3,), torch.float32, "sample").append(more[hp])
+    w.add_batch(4, list(range(6, 10)), None, {})
+    w.commit()
+    for hp in names:
+        w.add_reductions(hp, "mean", _Mean(torch.cat([data[hp], more[hp]]).double().mean(0)))
+    w.close()
+    assert sorted(os.listdir(path / "reductions")) == sorted(["zarr.json", *names])
+    st = open_store(path)
+    for hp in names:
+        assert st.attrs["reductions"][hp]["mean"]["path"] == f"reductions/{hp}/mean", hp
+        assert torch.equal(st.reductions[hp]["mean"], torch.cat([data[hp], more[hp]]).double().mean(0)), hp
+    assert st.verify() == []
+    # a store of the current rule writes its reductions in the escaped folders, as before
+    data = _write(tmp_path / "new.zarr", names)
+    assert sorted(os.listdir(tmp_path / "new.zarr" / "reductions")) == sorted(
+        ["zarr.json", *(F.node_name(hp) for hp in names)])
