@@ -609,3 +609,55 @@ def test_a_mapping_kept_in_place_of_a_second_one_is_marked_as_used(tmp_path, mon
     assert torch.equal(st.rows("0.output", 48, 56), ref[48:56])  # shard 3: one dropped
     assert set(st._mapped) == {("shard", key[0]), ("shard", key[2]), ("shard", key[3])}
     st.close()
+
+
+class _CountingLock:
+    """A lock that counts how often it is taken (``with`` and ``acquire``)."""
+
+    def __init__(self, lock):
+        self.lock, self.n = lock, 0
+
+    def acquire(self, *a, **kw):
+        self.n += 1
+        return self.lock.acquire(*a, **kw)
+
+    def release(self):
+        self.lock.release()
+
+    def __enter__(self):
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+@pytest.mark.parametrize("order", ["sequential", "chunk_shuffled", "shuffled"])
+def test_warm_dataset_batches_take_no_cache_lock_and_map_nothing(tmp_path, monkeypatch, order):
+    """Once a dataset has read its rows, further batches of every order are served from the
+    views it holds: they neither take the process's mapping-cache lock (one lock for every
+    store of the process, which the DataLoader's batches would otherwise queue on) nor map
+    a file, and read the stored rows."""
+    from activationscope.data import ChunkShuffleBatchSampler, SequentialBatchSampler, ShuffledBatchSampler
+
+    path = tmp_path / "s.zarr"
+    ref = _capture(path)["0.output"]
+    gc.collect()
+    ds = acs.ActivationDataset(str(path), hook_points=["0.output"])
+    sampler = {"sequential": lambda: SequentialBatchSampler(ds, batch_size=8),
+               "chunk_shuffled": lambda: ChunkShuffleBatchSampler(ds, batch_size=8, seed=0),
+               "shuffled": lambda: ShuffledBatchSampler(ds, batch_size=8, seed=0)}[order]
+    for b in sampler():  # (the first epoch maps the layer)
+        ds.__getitems__(b)
+    counting = _CountingLock(R._MAPPINGS.lock)
+    monkeypatch.setattr(R._MAPPINGS, "lock", counting)
+    maps: list = []
+    real_map = R.Store._map
+    monkeypatch.setattr(R.Store, "_map", lambda self, *a, **kw: maps.append(a) or real_map(self, *a, **kw))
+    n = 0
+    for b in sampler():
+        got = ds.__getitems__(b).data["0.output"]
+        assert torch.equal(got, ref[torch.as_tensor(list(b))])
+        n += 1
+    assert n == ROWS // 8
+    assert counting.n == 0 and maps == []
