@@ -11,7 +11,8 @@ SIGKILL of its own pid), once something is committed. ``--die-once``: die only i
 comes from ``acs.init_process_group`` (``--plain-init``: ``torch.distributed``'s own). The summary of rank 0's commit goes to STORE + ".summary.json"
 (a local STORE only). ``--storage-options``: fsspec options of a URL STORE (``s3://...``), as JSON.
 ``--timeout-s T``: the process group's timeout (seconds); ``--slow-rank0-s S``: rank 0 sleeps S
-seconds before its last batch (its share takes longer than the other ranks').
+seconds before its last batch (its share takes longer than the other ranks'); ``--slow-prepare-s S``:
+rank 0's preparation of the store (``prepare_root``) takes S seconds more.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ def main() -> None:
     p.add_argument("--device", default="cpu", help="the model's device (cuda: every rank on the current one, gloo)")
     p.add_argument("--timeout-s", type=float, default=None)
     p.add_argument("--slow-rank0-s", type=float, default=0.0)
+    p.add_argument("--slow-prepare-s", type=float, default=0.0)
     args = p.parse_args()
     torch.set_num_threads(1)
     distributed = "WORLD_SIZE" in os.environ
@@ -84,6 +86,16 @@ def main() -> None:
         else:
             acs.init_process_group("gloo", **timeout)
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    if rank == 0 and args.slow_prepare_s:
+        from activationscope.store import ranks
+
+        prepare_root = ranks.prepare_root
+
+        def slow_prepare_root(*a, **kw):  # (an overwrite of a large old store on object storage)
+            time.sleep(args.slow_prepare_s)
+            return prepare_root(*a, **kw)
+
+        ranks.prepare_root = slow_prepare_root
     model = toy_mlp(WIDTH, 3).eval().to(args.device)
     scope = acs.ActivationScope(store=args.store, reductions=["mean", "var", "cov"],
                                 store_options={**STORE_OPTIONS, "resume": args.resume, "overwrite": args.overwrite,
