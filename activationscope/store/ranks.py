@@ -1656,10 +1656,33 @@ class RankSession:
         target = rank_target(self.root, self.rank)
         self.storage_options = opts.get("storage_options")
         self.run_id = seen[0].get("run_id")
-        exists, other = self._rank_store_found(target, opts.get("storage_options"))
+        try:
+            exists, other = self._rank_store_found(target, opts.get("storage_options"))
+        except BaseException as e:
+            self.fail(e)
+            raise
         opts["resume"] = resume and exists
         opts["overwrite"] = overwrite or (not resume and exists) or other
         return target, opts
+
+    def fail(self, exc: BaseException) -> None:
+        """Tell the other ranks that this rank failed before its capture started (its rank
+        store not opened, ``exc`` about to be raised to the caller) and release the wait group.
+
+        The failure goes through the outcome exchange of :meth:`finish`, which the other ranks
+        reach at the end of their capture: they then raise naming this rank and ``exc`` (and
+        rank 0 commits nothing) instead of waiting for an outcome this rank would never send,
+        up to ``OUTCOME_WAIT_S``, when the caller catches ``exc`` and its process goes on. This
+        rank returns once they got there. Never raises.
+        """
+        if self.standalone:
+            return
+        try:
+            self._finish(None, {}, exc, None, exc)
+        except Exception:  # noqa: BLE001 - the caller raises exc
+            pass
+        finally:
+            self._release_wait_group()
 
     def _release_wait_group(self) -> None:
         """Destroy the group of the waits (:meth:`writer_options`), when there is one."""
@@ -1855,8 +1878,13 @@ def open_capture_writer(target: Any, *, process_group: Any = None, **options: An
     # a task capturing a complete store again writes its rank store under that store's root
     allowed = rank_stores_allowed(resolve(session.root, storage_options=opts.get("storage_options"))) \
         if session.again else contextlib.nullcontext()
-    with allowed:
-        inner = StoreWriter(rank_target_, **fixed, **opts)
+    try:
+        with allowed:
+            inner = StoreWriter(rank_target_, **fixed, **opts)
+    except BaseException as e:
+        # (the other ranks go on capturing, then wait for this rank's outcome: it is sent now)
+        session.fail(e)
+        raise
     inner.rank_store = {"rank": session.rank, "world_size": session.world_size,  # checked by commit_ranks
                         **({"run_id": session.run_id} if session.run_id is not None else {})}
     return RankWriter(session, inner)
