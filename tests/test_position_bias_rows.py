@@ -4,6 +4,8 @@ as many samples as positions it would be stored as the samples' tokens."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import warnings
 
 import pytest
@@ -188,3 +190,59 @@ def test_t5_position_bias_buckets_input_is_not_token_rows(tmp_path):
     assert store.row_kind(buckets) == "sample" and not store.follows_row_table(buckets)
     assert tuple(store[buckets].shape) == (4, 4)            # (query, key) buckets, one row per query
     assert store[buckets][0, 0].item() == 0                  # query 0, key 0: bucket 0
+
+
+def _old_layout_store(path, model, ids, mask):
+    """A store as the version before position biases were stored off the row table wrote it:
+    the bias as the samples' token rows (forced with token_rows=), its capture_config without
+    that token_rows record (the old version decided by the shape alone)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CaptureWarning)
+        with torch.no_grad(), acs.ActivationScope(store=path, rows="token").track(
+                model, include=["*relative_attention_bias", "encoder.final_layer_norm"],
+                token_rows={BIAS: True}) as tracker:
+            tracker.set_batch(attention_mask=mask)
+            model(ids)
+    doc = json.loads((path / "zarr.json").read_text())
+    doc["attributes"]["activationscope"]["capture_config"]["token_rows"] = None
+    (path / "zarr.json").write_text(json.dumps(doc))
+    store = acs.open_store(path)
+    assert store.row_kind(BIAS) == "token" and store.follows_row_table(BIAS)
+    assert tuple(store[BIAS].shape) == (16, 4)
+
+
+@pytest.mark.parametrize("how", ["plain", "token_rows", "overwrite"])
+def test_resume_of_a_store_with_the_position_bias_as_token_rows_names_how_to_go_on(tmp_path, how):
+    """A store captured when T5's position bias was stored as token rows was refused on resume
+    with "resume with the same model and options, or overwrite=True" only, though the model and
+    options were the same. The error now says why and names the ways on that work: token_rows=
+    to continue as before, or a new store; each of them does."""
+    model = _t5_encoder()
+    ids, mask = torch.randint(1, 50, (4, 4)), torch.ones(4, 4, dtype=torch.bool)
+    path = tmp_path / "old.zarr"
+    _old_layout_store(path, model, ids, mask)
+    before = acs.open_store(path)[BIAS].clone()
+    kwargs = {"token_rows": {BIAS: True}} if how == "token_rows" else {}
+    options = {"overwrite": True} if how == "overwrite" else {"resume": True}
+    scope = acs.ActivationScope(store=path, rows="token", store_options=options)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CaptureWarning)
+        with contextlib.ExitStack() as stack:
+            if how == "plain":
+                refused = stack.enter_context(pytest.raises(acs.StoreError))
+            with torch.no_grad(), scope.track(model, include=["*relative_attention_bias", "encoder.final_layer_norm"],
+                                              **kwargs) as tracker:
+                tracker.set_batch(attention_mask=mask)
+                model(ids)
+    store = acs.open_store(path)
+    if how == "plain":
+        msg = str(refused.value)
+        assert BIAS in msg and f"token_rows={{{BIAS!r}: True}}" in msg and "new store" in msg, msg
+        assert "exclude_hook_points" not in msg, msg          # (a resume must give every stored hook point)
+        assert store.status == "complete" and torch.equal(store[BIAS], before)
+    elif how == "token_rows":                               # continued as before: token rows
+        assert store.status == "complete" and store.row_kind(BIAS) == "token" and store.follows_row_table(BIAS)
+        assert torch.equal(store[BIAS], torch.cat([before, before]))
+    else:                                                   # captured again: one row per query
+        assert store.row_kind(BIAS) == "sample" and not store.follows_row_table(BIAS)
+        assert tuple(store[BIAS].shape) == (4, 4, 4)

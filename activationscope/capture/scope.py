@@ -33,7 +33,7 @@ import torch
 from . import _native, compiled
 from .._args import parse_flag
 from ..errors import (ActivationScopeError, ArgumentTypeError, ArgumentValueError, CaptureError, CaptureWarning,
-                      HookPointNotFoundError, ReductionError, names_repr, warn_at_caller)
+                      HookPointNotFoundError, ReductionError, StoreError, names_repr, warn_at_caller)
 from .hooks import (check_column, hook_point_module, is_hook_point_module, named_modules, never_called_type,
                     bracket_hint, normalize_patterns, pattern_selects, rename_hook_point, select_modules)
 from .results import HookPointResults, ReductionResults, main_result_key
@@ -2009,9 +2009,21 @@ class Tracker:
         elif self.writer is not None:
             feature_shape = tuple(tensor.shape[2:] if token else tensor.shape[1:]) if tensor.dim() else ()
             dtype = self._cast_dtype(name, tensor) or tensor.dtype
-            sink.set_writer(
-                self.writer.open_array(name, feature_shape, dtype, "token" if token else "sample")
-            )
+            try:
+                sink.set_writer(
+                    self.writer.open_array(name, feature_shape, dtype, "token" if token else "sample")
+                )
+            except StoreError as e:
+                stored_kind = getattr(self.writer, "stored_row_kind", None)
+                if not (batchless and stored_kind is not None and stored_kind(name) == "token"):
+                    raise
+                # a store captured before such hook points were stored off the row table
+                raise StoreError(
+                    f"{e}. Hook point {name!r} is a relative position bias without a batch dimension, stored "
+                    "as token rows by an earlier version (now one row per query, off the row table): resume with "
+                    f"token_rows={{{name!r}: True}} to continue it as before, or capture into a new store (or "
+                    "overwrite=True) to store it one row per query; the store is left as it was"
+                ) from None
         if self.writer is not None and self._reduction_names.get(name):
             self._resume_reductions(name, sink)
         if self._alias_candidates and target is None and not self._core.in_graph:

@@ -1558,8 +1558,9 @@ def _local_root(store: Any) -> str:
     return path
 
 
-#: Seconds a rank waits at the end of a multi-rank capture for the other ranks to finish their
-#: share and for rank 0's commit (the timeout of the group of those waits): 24 hours.
+#: Seconds a rank of a multi-rank capture waits for rank 0 to prepare the store, and at the end
+#: for the other ranks to finish their share and for rank 0's commit (the timeout of the group
+#: of those waits): 24 hours.
 OUTCOME_WAIT_S = 24 * 3600
 
 
@@ -1578,8 +1579,9 @@ class RankSession:
         #: ``time.monotonic()`` when this rank's store was closed, and the seconds spent after
         #: it: waiting for the other ranks' outcome, and (rank 0) committing.
         self.timings: dict[str, float] = {}
-        #: the group of the exchanges at the end (:meth:`finish`): a gloo group of the default
-        #: group's ranks whose timeout is OUTCOME_WAIT_S, made by :meth:`writer_options`
+        #: the group of the waits (rank 0's preparation in :meth:`writer_options`, the exchanges
+        #: at the end in :meth:`finish`): a gloo group of the default group's ranks whose timeout
+        #: is OUTCOME_WAIT_S, made by :meth:`writer_options` before the preparation
         self._wait_group: Any = None
 
     def _gather(self, obj: Any, group: Any = None) -> list:
@@ -1617,41 +1619,78 @@ class RankSession:
             exists, other = self._rank_store_found(target, so)
             opts["resume"], opts["overwrite"] = resume and exists, (overwrite and exists) or other
             return target, opts
-        error = run_id = None
-        if self.rank == 0:
-            try:
-                run_id = prepare_root(self.root, world_size=self.world_size, overwrite=overwrite, resume=resume,
-                               storage_options=opts.get("storage_options"))
-            except Exception as e:  # noqa: BLE001 - every rank must learn it
-                error = e
-        seen = self._gather({"root": self.root if "://" in self.root else os.path.abspath(self.root),
-                             "error": None if error is None else f"{type(error).__name__}: {error}",
-                             "run_id": run_id})
-        roots = {s["root"] for s in seen}
-        if len(roots) != 1:
-            raise StoreError(f"the ranks of a multi-rank capture must name one store, got {sorted(roots)}; pass "
-                             "process_group=False to give each rank its own store")
-        if error is not None:
-            raise error
-        if seen[0]["error"] is not None:
-            raise StoreError(f"rank 0 could not prepare the store {self.root!r}: {seen[0]['error']}")
         if self.group is None:
-            # a rank whose share ends first waits at the end for the slowest one (uneven data:
-            # hours, maybe), which the default group's timeout (30 minutes for gloo, 10 for
-            # nccl) would end with a timeout of every rank: the waits at the end go through a
-            # group of their own (a rank that dies closes its connections: noticed at once)
+            # rank 0 prepares the root while the others wait (an overwrite=True of a large old
+            # store on object storage deletes for a long time), and a rank whose share ends first
+            # waits at the end for the slowest one (uneven data: hours, maybe): the default
+            # group's timeout (30 minutes for gloo, 10 for nccl) would end either wait with a
+            # timeout of every rank, so both go through a group of their own, made before the
+            # preparation (a rank that dies closes its connections: noticed at once)
             import datetime
 
             import torch.distributed as dist
 
             self._wait_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=OUTCOME_WAIT_S))
+        try:
+            error = run_id = None
+            if self.rank == 0:
+                try:
+                    run_id = prepare_root(self.root, world_size=self.world_size, overwrite=overwrite, resume=resume,
+                                          storage_options=opts.get("storage_options"))
+                except Exception as e:  # noqa: BLE001 - every rank must learn it
+                    error = e
+            seen = self._gather({"root": self.root if "://" in self.root else os.path.abspath(self.root),
+                                 "error": None if error is None else f"{type(error).__name__}: {error}",
+                                 "run_id": run_id}, self._wait_group)
+            roots = {s["root"] for s in seen}
+            if len(roots) != 1:
+                raise StoreError(f"the ranks of a multi-rank capture must name one store, got {sorted(roots)}; pass "
+                                 "process_group=False to give each rank its own store")
+            if error is not None:
+                raise error
+            if seen[0]["error"] is not None:
+                raise StoreError(f"rank 0 could not prepare the store {self.root!r}: {seen[0]['error']}")
+        except BaseException:  # (every rank raises here alike: nothing more to exchange)
+            self._release_wait_group()
+            raise
         target = rank_target(self.root, self.rank)
         self.storage_options = opts.get("storage_options")
         self.run_id = seen[0].get("run_id")
-        exists, other = self._rank_store_found(target, opts.get("storage_options"))
+        try:
+            exists, other = self._rank_store_found(target, opts.get("storage_options"))
+        except BaseException as e:
+            self.fail(e)
+            raise
         opts["resume"] = resume and exists
         opts["overwrite"] = overwrite or (not resume and exists) or other
         return target, opts
+
+    def fail(self, exc: BaseException) -> None:
+        """Tell the other ranks that this rank failed before its capture started (its rank
+        store not opened, ``exc`` about to be raised to the caller) and release the wait group.
+
+        The failure goes through the outcome exchange of :meth:`finish`, which the other ranks
+        reach at the end of their capture: they then raise naming this rank and ``exc`` (and
+        rank 0 commits nothing) instead of waiting for an outcome this rank would never send,
+        up to ``OUTCOME_WAIT_S``, when the caller catches ``exc`` and its process goes on. This
+        rank returns once they got there. Never raises.
+        """
+        if self.standalone:
+            return
+        try:
+            self._finish(None, {}, exc, None, exc)
+        except Exception:  # noqa: BLE001 - the caller raises exc
+            pass
+        finally:
+            self._release_wait_group()
+
+    def _release_wait_group(self) -> None:
+        """Destroy the group of the waits (:meth:`writer_options`), when there is one."""
+        if self._wait_group is not None:
+            import torch.distributed as dist
+
+            group, self._wait_group = self._wait_group, None
+            dist.destroy_process_group(group)
 
     def _rank_store_found(self, target: str, storage_options: dict | None) -> tuple[bool, bool]:
         """``(exists, of another run)`` of this rank's store: one recording another run than the
@@ -1683,16 +1722,7 @@ class RankSession:
         try:
             self._finish(w, live, exc, error, mine)
         finally:
-            self.drop_wait_group()
-
-    def drop_wait_group(self) -> None:
-        """Let go of the group of the waits at the end (its connections to every other rank):
-        when the capture ends, or when this rank's store did not open."""
-        if self._wait_group is not None:
-            import torch.distributed as dist
-
-            group, self._wait_group = self._wait_group, None
-            dist.destroy_process_group(group)
+            self._release_wait_group()
 
     def _finish(self, w: Any, live: dict, exc: BaseException | None, error: BaseException | None,
                 mine: BaseException | None) -> None:
@@ -1844,17 +1874,17 @@ def open_capture_writer(target: Any, *, process_group: Any = None, **options: An
                 "leave process_group out to capture every rank of a torch.distributed run into this one store"
             ) from None
     fixed = {k: options.pop(k) for k in ("capture_config", "model", "storage_dtype") if k in options}
+    rank_target_, opts = session.writer_options(options)  # (its own errors let go of the wait group)
     try:
-        rank_target_, opts = session.writer_options(options)
         # a task capturing a complete store again writes its rank store under that store's root
         allowed = rank_stores_allowed(resolve(session.root, storage_options=opts.get("storage_options"))) \
             if session.again else contextlib.nullcontext()
         with allowed:
             inner = StoreWriter(rank_target_, **fixed, **opts)
-    except BaseException:
-        # (no finish() will come: a rank that kept the group would leave the others that opened
-        # waiting for it at the end until OUTCOME_WAIT_S, and hold its connections meanwhile)
-        session.drop_wait_group()
+    except BaseException as e:
+        # (the other ranks go on capturing, then wait for this rank's outcome: it is sent now,
+        # and the wait group let go of)
+        session.fail(e)
         raise
     inner.rank_store = {"rank": session.rank, "world_size": session.world_size,  # checked by commit_ranks
                         **({"run_id": session.run_id} if session.run_id is not None else {})}

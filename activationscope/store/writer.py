@@ -3487,6 +3487,19 @@ class StoreWriter:
         meta = self._old_arrays.get(self.aliases.get(hook_point, hook_point))
         return None if meta is None else meta.get("dtype")
 
+    def stored_row_kind(self, hook_point: str) -> str | None:
+        """The row kind (``"sample"`` or ``"token"``) of the array that held ``hook_point``
+        (or the target of its alias) when this writer opened; None for a hook point the store
+        did not hold (a new store: always None).
+
+        Parameters
+        ----------
+        hook_point : str
+            A hook point of this capture.
+        """
+        meta = self._old_arrays.get(self.aliases.get(hook_point, hook_point))
+        return None if meta is None else meta.get("row_kind")
+
     def committed_rows(self, hook_point: str) -> int:
         """Rows of ``hook_point`` committed before this writer opened (0 for a new array).
 

@@ -1680,6 +1680,40 @@ def test_a_rank_that_finishes_long_before_the_others_waits_for_them(captured, tm
     assert got.row_table("sample").equals(ref.row_table("sample"))
 
 
+def test_the_other_ranks_wait_for_rank_0_s_long_preparation_of_the_store(captured, tmp_path):
+    """Rank 0 prepared the store (an overwrite=True of a large old store on object storage
+    deletes for a long time) while the other ranks waited in a collective of the default group:
+    once that wait passed the group's timeout (30 minutes with gloo, 10 with nccl; 3 seconds
+    here), rank 1 failed with gloo's timeout and torchrun ended the capture before its first
+    forward. That wait now goes through the group of the waits at the end, with its long
+    timeout: the store is committed, equal to an uninterrupted run."""
+    store = tmp_path / "slow_prepare.zarr"
+    out = _torchrun(store, "--timeout-s", "3", "--slow-prepare-s", "7")
+    assert out.returncode == 0, out.stderr[-3000:]
+    ref, got = acs.open_store(captured[0]), acs.open_store(store)
+    assert got.status == "complete" and got.hook_points == ref.hook_points
+    for hp in ref.hook_points:
+        assert torch.equal(got[hp], ref[hp])
+    assert got.row_table("sample").equals(ref.row_table("sample"))
+
+
+def test_a_rank_whose_store_fails_to_open_tells_the_others(tmp_path):
+    """Rank 1's store failed to open before its capture started, and its process went on (the
+    error caught): rank 0 captured its share, then waited for rank 1's outcome in the group of
+    the waits at the end, up to its timeout of 24 hours (here until rank 1's process exited,
+    with gloo's "Connection closed by peer", rank 1's error unsaid). Rank 1 now sends its
+    failure through that group before it raises: rank 0 raises naming rank 1 and its error,
+    and nothing is committed."""
+    store = tmp_path / "fail_open.zarr"
+    out = _torchrun(store, "--fail-open-rank", "1", "--alive-s", "10")
+    assert out.returncode != 0
+    err = out.stdout + out.stderr
+    assert "rank 1 caught: injected failure to open the store of rank 1" in err, err[-3000:]
+    assert "rank(s) [1] failed (StoreError: injected failure to open the store of rank 1)" in err, err[-3000:]
+    assert "nothing was committed" in err
+    assert acs.open_store(store).status == "incomplete"
+
+
 def test_a_store_path_shared_with_process_group_false_names_the_fix(tmp_path, monkeypatch):
     """Under torchrun, every rank given the same store with store_options process_group=False
     (one store per rank) was refused, but for the first, with "being written by pid ...; one

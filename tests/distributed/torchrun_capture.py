@@ -11,7 +11,10 @@ SIGKILL of its own pid), once something is committed. ``--die-once``: die only i
 comes from ``acs.init_process_group`` (``--plain-init``: ``torch.distributed``'s own). The summary of rank 0's commit goes to STORE + ".summary.json"
 (a local STORE only). ``--storage-options``: fsspec options of a URL STORE (``s3://...``), as JSON.
 ``--timeout-s T``: the process group's timeout (seconds); ``--slow-rank0-s S``: rank 0 sleeps S
-seconds before its last batch (its share takes longer than the other ranks').
+seconds before its last batch (its share takes longer than the other ranks'); ``--slow-prepare-s S``:
+rank 0's preparation of the store (``prepare_root``) takes S seconds more. ``--fail-open-rank R``: rank
+R's store fails to open (a StoreError) before its capture starts; the script catches it, prints
+it, and its process stays alive ``--alive-s`` seconds more before it exits.
 """
 
 from __future__ import annotations
@@ -72,6 +75,9 @@ def main() -> None:
     p.add_argument("--device", default="cpu", help="the model's device (cuda: every rank on the current one, gloo)")
     p.add_argument("--timeout-s", type=float, default=None)
     p.add_argument("--slow-rank0-s", type=float, default=0.0)
+    p.add_argument("--slow-prepare-s", type=float, default=0.0)
+    p.add_argument("--fail-open-rank", type=int, default=-1)
+    p.add_argument("--alive-s", type=float, default=0.0)
     args = p.parse_args()
     torch.set_num_threads(1)
     distributed = "WORLD_SIZE" in os.environ
@@ -84,10 +90,38 @@ def main() -> None:
         else:
             acs.init_process_group("gloo", **timeout)
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    if rank == 0 and args.slow_prepare_s:
+        from activationscope.store import ranks
+
+        prepare_root = ranks.prepare_root
+
+        def slow_prepare_root(*a, **kw):  # (an overwrite of a large old store on object storage)
+            time.sleep(args.slow_prepare_s)
+            return prepare_root(*a, **kw)
+
+        ranks.prepare_root = slow_prepare_root
+    if rank == args.fail_open_rank:
+        from activationscope.store import writer
+
+        class FailingWriter(writer.StoreWriter):
+            def __init__(self, *a, **kw):
+                raise acs.StoreError(f"injected failure to open the store of rank {rank}")
+
+        writer.StoreWriter = FailingWriter
     model = toy_mlp(WIDTH, 3).eval().to(args.device)
     scope = acs.ActivationScope(store=args.store, reductions=["mean", "var", "cov"],
                                 store_options={**STORE_OPTIONS, "resume": args.resume, "overwrite": args.overwrite,
                                                **({"storage_options": args.storage_options} if args.storage_options else {})})
+    if rank == args.fail_open_rank:
+        try:
+            with scope.track(model):
+                raise AssertionError("the store of this rank opened")
+        except acs.StoreError as e:
+            print(f"rank {rank} caught: {e}", flush=True)
+        time.sleep(args.alive_s)  # (the process goes on with other work)
+        if distributed:
+            dist.destroy_process_group()
+        return
     with scope.track(model) as tracker, torch.no_grad():
         skip = tracker.resume_from // BATCH
         for i, b in enumerate(batches_of(rank, world)):
