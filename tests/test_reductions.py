@@ -2861,3 +2861,30 @@ def test_sequences_of_varying_length_name_token_rows_as_the_fix_and_token_rows_r
     assert int(got["mean.count"]) == 22
     torch.testing.assert_close(got["mean"], tokens.mean(0), rtol=1e-12, atol=1e-15)
     torch.testing.assert_close(got["var"], tokens.var(0, correction=0), rtol=1e-12, atol=1e-15)
+
+
+def test_a_function_compiled_for_each_capture_leaves_no_file_behind(tmp_path):
+    """Each function object a custom reduction is given is compiled to a ``.pt`` file in a
+    scratch folder; the file stayed there until the process exited, so a loop defining its
+    reduction anew for each capture (a closure, a lambda) left one file per capture in the
+    temporary folder. A file now goes once its function is freed, and each store still keeps
+    the script with the right values."""
+    import gc
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    x = torch.randn(5, 4)
+    R._scratch_dir()
+    before = sorted(os.listdir(R._cache_dir))
+    for i in range(4):
+        def row_sum(acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+            s = x.double().sum(0)
+            return s if acc is None else acc + s
+
+        with acs.ActivationScope(store=str(tmp_path / f"s{i}.zarr"), reductions=[row_sum]).track(model):
+            model(x)
+        del row_sum
+        gc.collect()
+        assert sorted(os.listdir(R._cache_dir)) == before
+        s = acs.open_store(tmp_path / f"s{i}.zarr")
+        torch.testing.assert_close(s.reductions["0.output"]["row_sum"], model(x).detach().double().sum(0))
+        assert any(p.suffix == ".pt" for p in (tmp_path / f"s{i}.zarr" / "reductions" / "0.output").iterdir())

@@ -2584,3 +2584,38 @@ def test_patterns_that_are_not_a_str_or_a_list_are_named_in_the_error(argument):
         acs.ActivationScope(**{argument: 3})
     with pytest.raises(acs.errors.ArgumentTypeError, match=match):
         acs.ActivationScope().track(model, **{argument: 3})
+
+
+def test_a_tracked_model_is_freed_once_the_user_drops_it():
+    """The check of a model's forward for a second sequence cached its bound ``forward`` (64
+    of them), so the last 64 models tracked stayed alive, with their parameters, after the
+    user dropped them and the tracker. Now no model outlives its last reference, and attaching
+    and detaching 200 times leaves no hook, wrapper or instance ``forward`` behind."""
+    import weakref
+
+    x = torch.randn(2, 8)
+    refs = []
+    for _ in range(3):
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+        with acs.ActivationScope().track(model) as tr:
+            model(x)
+        refs.append(weakref.ref(model))
+        del model, tr
+    gc.collect()
+    assert [r() for r in refs] == [None, None, None]
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    scope = acs.ActivationScope()
+    for _ in range(200):
+        with scope.track(model) as tr:
+            model(x)
+        assert [r.shape for r in tr.activations["2.output"]] == [(2, 4)]
+    del tr
+    gc.collect()
+    for m in model.modules():
+        assert "forward" not in m.__dict__
+        assert (len(m._forward_hooks), len(m._forward_pre_hooks)) == (0, 0)
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None

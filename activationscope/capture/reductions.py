@@ -125,6 +125,14 @@ def _remove_scratch_dir(path: Path, pid: int) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def _remove_scratch_file(path: Path, pid: int) -> None:
+    """Once its function is freed: remove the ``.pt`` file compiled from it, only in the
+    process that made it (a forked process shares the file with its parent)."""
+    if os.getpid() == pid:
+        with contextlib.suppress(OSError):
+            path.unlink()
+
+
 def _scratch_dir() -> Path:
     global _cache_dir
     if _cache_dir is None:
@@ -282,6 +290,10 @@ def _pt_for(obj: Any) -> Optional[tuple[Path, bool]]:
             entry = (path, optional)
         with contextlib.suppress(TypeError):
             _compiled[obj] = entry
+            if entry is not None:
+                # the file goes with its function: a function made anew for each capture (a
+                # closure, a lambda) would otherwise leave one file per capture until exit
+                weakref.finalize(obj, _remove_scratch_file, entry[0], os.getpid()).atexit = False
         return entry
 
 

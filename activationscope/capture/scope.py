@@ -3755,8 +3755,9 @@ def _torch_stacks(model: torch.nn.Module) -> tuple[list[torch.nn.Module], list[t
 
 @functools.lru_cache(maxsize=64)
 def _positional_names(forward: Any) -> tuple[str, ...]:
-    """The names of the positional parameters of ``forward`` (a class's function), computed
-    once per function: a torch.nn stack's pre-hook reads them at each of its calls."""
+    """The names of the positional parameters of ``forward`` (a class's function, never a bound
+    method: the cache would keep its module alive), computed once per function: a torch.nn
+    stack's pre-hook reads them at each of its calls."""
     try:
         params = inspect.signature(forward).parameters.values()
     except (TypeError, ValueError):
@@ -3945,7 +3946,8 @@ def _target_parameter(forward: Any) -> tuple[int, str] | None:
     ``trg``, ``dec`` or ``decoder`` (alone or with a suffix: ``tgt_ids``, ``decoder_input``),
     or ``target_ids`` / ``_tokens`` / ``_input(s)`` / ``_seq``), or None. (``targets``, the
     labels of nanoGPT's ``forward(idx, targets)``, is not one: it is over the first sequence.)"""
-    names = _positional_names(forward)
+    # (not cached: ``forward`` is the model's bound method, and a cache would keep the model alive)
+    names = _positional_names.__wrapped__(forward)
     try:
         params = list(inspect.signature(forward).parameters)
     except (TypeError, ValueError):
