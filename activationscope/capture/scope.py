@@ -1005,16 +1005,28 @@ class Tracker:
             same model, a submodule both models share, a model and one of its submodules):
             each would capture the other thread's forwards. Nothing is written; give each
             thread its own copy of the model, or attach both trackers in one thread.
+
+        Any error raised after the store opened (a refusal above, a module that cannot be
+        wrapped) closes the store without committing anything of this run (left as it was
+        found); in a multi-rank capture the other ranks then raise naming this rank and the
+        error, and nothing is committed.
         """
         if self._attached:
             return self
         if self._closed and self.writer is not None:
             raise CaptureError("this tracker's store is closed; make a new tracker with resume=True to add rows")
         self._claim_modules()  # (before the store is opened: a refusal writes nothing)
+        opening = self.scope.store is not None and self.writer is None
         try:
             return self._attach()
-        except BaseException:
+        except BaseException as e:
             self._release_modules()
+            if opening and self.writer is not None and not self._closed:
+                # the store opened, then the setup failed (wrapping a module, a check): nothing
+                # of this run is committed, the writer is closed, and the other ranks of a
+                # multi-rank capture learn of the failure instead of waiting for this rank
+                self._closed = True
+                _discard(self.writer, e)
             raise
 
     def _claim_modules(self) -> None:
@@ -1234,7 +1246,7 @@ class Tracker:
             f"{f' (CLI: {cli})' if cli else ''}, or write the other hook points into a new store (the store is "
             "left as it was)"
         )
-        _discard(self.writer)
+        _discard(self.writer, CaptureError(self._refused))
         raise CaptureError(self._refused)
 
     def _check_policy(self, stored_config: Any) -> None:
@@ -1281,7 +1293,7 @@ class Tracker:
             f"{shown(this)}, which would pick the resumed forwards by another rule than the stored ones (and "
             f"record only this capture's policy); {fix}, or capture into a new store (the store is left as it was)"
         )
-        _discard(self.writer)
+        _discard(self.writer, CaptureError(self._refused))
         raise CaptureError(self._refused)
 
     def _check_rows(self, stored_config: Any) -> None:
@@ -1305,7 +1317,7 @@ class Tracker:
             f"its rows one way, so resume with rows={stored!r} (CLI: --rows {stored}), or capture into a new store "
             "(the store is left as it was)"
         )
-        _discard(self.writer)
+        _discard(self.writer, CaptureError(self._refused))
         raise CaptureError(self._refused)
 
     def _refuse(self, missing: list[str], extra: list[str]) -> None:
@@ -1324,7 +1336,7 @@ class Tracker:
             "other hook points into a new store (the store is left as it was)"
         )
         if self._closed:  # refused at attach: nothing to undo
-            _discard(self.writer)
+            _discard(self.writer, CaptureError(self._refused))
         raise CaptureError(self._refused)
 
     def _install(self, module: torch.nn.Module, site: Any) -> None:
@@ -1484,7 +1496,7 @@ class Tracker:
             self._warn_outside_calls()
         if self._refused is not None:  # nothing of this run is committed
             if self.writer is not None:
-                _discard(self.writer)
+                _discard(self.writer, self._refused_error(self._refused))
             if exc is None:  # the refusal was caught inside the block: say it again
                 raise self._refusal()
             return
@@ -2284,7 +2296,7 @@ class Tracker:
                     + ("" if self.writer is None else " (no row of this run is stored)")
                 )
                 if self.writer is not None and self._closed:
-                    _discard(self.writer)
+                    _discard(self.writer, self._refused_error(self._refused))
                 self._refused_attrs = {"argument": argument, "pattern": pattern, "hook_points": sorted(hook_points)}
                 raise self._refusal()
 
@@ -4057,13 +4069,16 @@ def _names(names: list[str], n: int = 8) -> str:
     return names_repr(names, n)  # (names that print alike, NFC and NFD, told apart by escapes)
 
 
-def _discard(writer: Any) -> None:
-    """Close a writer without committing this run (never raises)."""
+def _discard(writer: Any, exc: BaseException | None = None) -> None:
+    """Close a writer without committing this run (never raises); ``exc``, the reason, goes
+    to a writer whose ``discard`` takes it (a rank's writer tells the other ranks)."""
     discard = getattr(writer, "discard", None)
-    if discard is not None:
-        discard()
-    else:
+    if discard is None:
         writer.abort(None)
+    elif exc is not None and _takes_keyword(discard, "exc"):
+        discard(exc=exc)
+    else:
+        discard()
 
 
 def _token_rows_for(name: str, token_rows: bool | Mapping[str, bool] | None, names: Any = None) -> bool | None:

@@ -1667,7 +1667,8 @@ class RankSession:
 
     def fail(self, exc: BaseException) -> None:
         """Tell the other ranks that this rank failed before its capture started (its rank
-        store not opened, ``exc`` about to be raised to the caller) and release the wait group.
+        store not opened, or discarded: ``exc`` about to be raised to the caller) and release
+        the wait group.
 
         The failure goes through the outcome exchange of :meth:`finish`, which the other ranks
         reach at the end of their capture: they then raise naming this rank and ``exc`` (and
@@ -1830,6 +1831,19 @@ class RankWriter:
         self._done = True
         exc = None if status == "complete" else StoreError("the capture on this rank stopped early")
         self._session.finish(self._inner, self._live, exc)
+
+    def discard(self, exc: BaseException | None = None) -> None:
+        """Close the rank store without committing anything of this run (as
+        :meth:`StoreWriter.discard`: a capture refused, or whose setup failed before its first
+        forward); the other ranks learn that this rank failed, with ``exc``, and nothing is
+        committed. Never raises."""
+        if self._done:
+            return
+        self._done = True
+        try:
+            self._inner.discard()
+        finally:
+            self._session.fail(exc if exc is not None else StoreError("the capture on this rank was discarded"))
 
     def abort(self, exc: BaseException | None = None) -> None:
         """After an exception: the rank store keeps its commits; the others learn of it. Never raises."""

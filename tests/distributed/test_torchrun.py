@@ -1714,6 +1714,22 @@ def test_a_rank_whose_store_fails_to_open_tells_the_others(tmp_path):
     assert acs.open_store(store).status == "incomplete"
 
 
+def test_a_rank_whose_setup_fails_after_its_store_opened_tells_the_others(tmp_path):
+    """Rank 1's store opened, then wrapping its modules failed, and its process went on (the
+    error caught): its writer was never closed nor its failure sent, so rank 0 waited for its
+    outcome up to 24 hours (here until rank 1's process exited). Rank 1's writer is now
+    discarded with that error sent through the outcome exchange: rank 0 raises naming rank 1
+    and its error, and nothing is committed."""
+    store = tmp_path / "fail_attach.zarr"
+    out = _torchrun(store, "--fail-attach-rank", "1", "--alive-s", "10")
+    assert out.returncode != 0
+    err = out.stdout + out.stderr
+    assert "rank 1 caught: injected failure to wrap a module on rank 1" in err, err[-3000:]
+    assert "rank(s) [1] failed (RuntimeError: injected failure to wrap a module on rank 1)" in err, err[-3000:]
+    assert "nothing was committed" in err
+    assert acs.open_store(store).status == "incomplete"
+
+
 def test_a_store_path_shared_with_process_group_false_names_the_fix(tmp_path, monkeypatch):
     """Under torchrun, every rank given the same store with store_options process_group=False
     (one store per rank) was refused, but for the first, with "being written by pid ...; one

@@ -14,7 +14,8 @@ comes from ``acs.init_process_group`` (``--plain-init``: ``torch.distributed``'s
 seconds before its last batch (its share takes longer than the other ranks'); ``--slow-prepare-s S``:
 rank 0's preparation of the store (``prepare_root``) takes S seconds more. ``--fail-open-rank R``: rank
 R's store fails to open (a StoreError) before its capture starts; the script catches it, prints
-it, and its process stays alive ``--alive-s`` seconds more before it exits.
+it, and its process stays alive ``--alive-s`` seconds more before it exits. ``--fail-attach-rank R``: rank
+R's store opens, then wrapping its modules fails (a RuntimeError), caught and printed the same way.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ def main() -> None:
     p.add_argument("--slow-prepare-s", type=float, default=0.0)
     p.add_argument("--fail-open-rank", type=int, default=-1)
     p.add_argument("--alive-s", type=float, default=0.0)
+    p.add_argument("--fail-attach-rank", type=int, default=-1)
     args = p.parse_args()
     torch.set_num_threads(1)
     distributed = "WORLD_SIZE" in os.environ
@@ -108,15 +110,23 @@ def main() -> None:
                 raise acs.StoreError(f"injected failure to open the store of rank {rank}")
 
         writer.StoreWriter = FailingWriter
+    if rank == args.fail_attach_rank:
+        from activationscope.capture import scope as scope_module
+
+        def failing_install(self, module, site):
+            assert self.writer is not None  # (after the store opened)
+            raise RuntimeError(f"injected failure to wrap a module on rank {rank}")
+
+        scope_module.Tracker._install = failing_install
     model = toy_mlp(WIDTH, 3).eval().to(args.device)
     scope = acs.ActivationScope(store=args.store, reductions=["mean", "var", "cov"],
                                 store_options={**STORE_OPTIONS, "resume": args.resume, "overwrite": args.overwrite,
                                                **({"storage_options": args.storage_options} if args.storage_options else {})})
-    if rank == args.fail_open_rank:
+    if rank in (args.fail_open_rank, args.fail_attach_rank):
         try:
             with scope.track(model):
-                raise AssertionError("the store of this rank opened")
-        except acs.StoreError as e:
+                raise AssertionError("the capture of this rank started")
+        except (acs.StoreError, RuntimeError) as e:
             print(f"rank {rank} caught: {e}", flush=True)
         time.sleep(args.alive_s)  # (the process goes on with other work)
         if distributed:
