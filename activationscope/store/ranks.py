@@ -39,8 +39,8 @@ import numpy as np
 import torch
 
 from ..capture import _native
-from ..errors import (ArgumentTypeError, ArgumentValueError, StoreCorruptError, StoreError, StoreExistsError,
-                      StoreLockedError)
+from ..errors import (ArgumentTypeError, ArgumentValueError, CaptureWarning, StoreCorruptError, StoreError,
+                      StoreExistsError, StoreLockedError, warn_at_caller)
 from . import _format as F
 from . import _validate as V
 from ._backend import (LocalBackend, _foreign_names, check_backend_not_in_store, rank_stores_allowed,
@@ -1581,7 +1581,8 @@ class RankSession:
         self.timings: dict[str, float] = {}
         #: the group of the waits (rank 0's preparation in :meth:`writer_options`, the exchanges
         #: at the end in :meth:`finish`): a gloo group of the default group's ranks whose timeout
-        #: is OUTCOME_WAIT_S, made by :meth:`writer_options` before the preparation
+        #: is OUTCOME_WAIT_S, made by :meth:`writer_options` before the preparation (None: the
+        #: default group, when that gloo group could not be made)
         self._wait_group: Any = None
 
     def _gather(self, obj: Any, group: Any = None) -> list:
@@ -1630,7 +1631,18 @@ class RankSession:
 
             import torch.distributed as dist
 
-            self._wait_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=OUTCOME_WAIT_S))
+            try:
+                self._wait_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=OUTCOME_WAIT_S))
+            except Exception as e:  # noqa: BLE001 - e.g. gloo finds no network interface (nccl clusters)
+                warn_at_caller(
+                    f"rank {self.rank}: the gloo group of the long waits of a multi-rank capture could not be made "
+                    f"({type(e).__name__}: {e}); the waits (rank 0 preparing the store, the ranks waiting for each "
+                    "other and for rank 0's commit at the end) go through the default group instead, and end with "
+                    "its timeout (30 minutes for gloo, 10 for nccl by default). Set GLOO_SOCKET_IFNAME to the "
+                    "network interface the ranks reach each other by (e.g. GLOO_SOCKET_IFNAME=eth0), or pass a "
+                    "longer timeout= to init_process_group",
+                    CaptureWarning,
+                )
         try:
             error = run_id = None
             if self.rank == 0:
@@ -1871,6 +1883,14 @@ def open_capture_writer(target: Any, *, process_group: Any = None, **options: An
         None: the default group when ``torch.distributed`` is initialised with more than one
         rank; False: never (one store per process); a process group; or a
         :class:`RankStore` (a task without a process group).
+
+    Warns
+    -----
+    CaptureWarning
+        The gloo group of the long waits (up to ``OUTCOME_WAIT_S``) of a capture on the
+        default group could not be made (gloo found no network interface): the waits go
+        through the default group, ending with its timeout; set ``GLOO_SOCKET_IFNAME`` or
+        pass a longer ``timeout=`` to ``init_process_group``.
     """
     from .writer import StoreWriter
 

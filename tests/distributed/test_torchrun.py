@@ -1730,6 +1730,29 @@ def test_a_rank_whose_setup_fails_after_its_store_opened_tells_the_others(tmp_pa
     assert acs.open_store(store).status == "incomplete"
 
 
+def test_a_wait_group_gloo_cannot_make_falls_back_to_the_default_group(tmp_path, captured):
+    """The group of the long waits is a gloo group, made even when the default group is nccl:
+    where gloo finds no network interface, dist.new_group(backend="gloo") raised and the capture
+    failed at its start. Each rank now warns once, naming the cause and the fix, and waits on
+    the default group: the capture commits."""
+    store = tmp_path / "no_gloo.zarr"
+    out = _torchrun(store, env={"ACS_TEST_NO_GLOO_GROUP": "1"})
+    err = out.stdout + out.stderr
+    assert out.returncode == 0, err[-3000:]
+    for rank in (0, 1):
+        said = f"rank {rank}: the gloo group of the long waits of a multi-rank capture could not be made"
+        assert err.count(said) == 1, err[-3000:]
+    assert err.count("could not be made (RuntimeError: [enforce fail at gloo/transport/tcp/device.cc] no network "
+                     "interface found)") == 2, err[-3000:]
+    assert err.count("Set GLOO_SOCKET_IFNAME to the network interface") == 2
+    st, ref = acs.open_store(store), acs.open_store(captured[0])  # (the same capture, with the gloo group)
+    assert st.status == "complete" and st.hook_points == ref.hook_points
+    for hp in st.hook_points:
+        assert st[hp].shape == (job.N_BATCHES * job.BATCH, job.WIDTH)
+        assert torch.equal(st[hp].view(torch.int32), ref[hp].view(torch.int32))
+    assert st.row_table("sample").column("sample_id").equals(ref.row_table("sample").column("sample_id"))
+
+
 def test_a_store_path_shared_with_process_group_false_names_the_fix(tmp_path, monkeypatch):
     """Under torchrun, every rank given the same store with store_options process_group=False
     (one store per rank) was refused, but for the first, with "being written by pid ...; one

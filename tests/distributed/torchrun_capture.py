@@ -16,6 +16,8 @@ rank 0's preparation of the store (``prepare_root``) takes S seconds more. ``--f
 R's store fails to open (a StoreError) before its capture starts; the script catches it, prints
 it, and its process stays alive ``--alive-s`` seconds more before it exits. ``--fail-attach-rank R``: rank
 R's store opens, then wrapping its modules fails (a RuntimeError), caught and printed the same way.
+With ``ACS_TEST_NO_GLOO_GROUP=1`` in the environment, ``torch.distributed.new_group(backend="gloo")``
+raises, as where gloo finds no network interface (the default group is made without it).
 """
 
 from __future__ import annotations
@@ -92,6 +94,15 @@ def main() -> None:
         else:
             acs.init_process_group("gloo", **timeout)
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    if os.environ.get("ACS_TEST_NO_GLOO_GROUP") == "1":
+        new_group = dist.new_group
+
+        def no_gloo_group(*a, **kw):
+            if kw.get("backend") == "gloo":
+                raise RuntimeError("[enforce fail at gloo/transport/tcp/device.cc] no network interface found")
+            return new_group(*a, **kw)
+
+        dist.new_group = no_gloo_group
     if rank == 0 and args.slow_prepare_s:
         from activationscope.store import ranks
 
