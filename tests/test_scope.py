@@ -2619,3 +2619,34 @@ def test_a_tracked_model_is_freed_once_the_user_drops_it():
     del model
     gc.collect()
     assert ref() is None
+
+
+def test_a_setup_that_fails_after_the_store_opened_closes_it_as_found(tmp_path, monkeypatch):
+    """Wrapping a module failed after the store opened (the error caught): the writer stayed
+    open, holding the store's lock, so the next capture into it was refused with
+    StoreLockedError. The writer is now discarded: the store is as it was found, and a resume
+    continues it."""
+    from activationscope.capture import scope as scope_module
+
+    store = str(tmp_path / "s.zarr")
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    x = torch.randn(2, 4)
+    with acs.ActivationScope(store=store).track(model), torch.no_grad():
+        model(x)
+    install = scope_module.Tracker._install
+
+    def failing_install(self, module, site):
+        raise RuntimeError("injected failure to wrap a module")
+
+    monkeypatch.setattr(scope_module.Tracker, "_install", failing_install)
+    with pytest.raises(RuntimeError, match="injected failure to wrap a module"):
+        with acs.ActivationScope(store=store, store_options={"resume": True}).track(model):
+            pass
+    monkeypatch.setattr(scope_module.Tracker, "_install", install)
+    st = acs.open_store(store)
+    assert st.status == "complete" and st["0.output"].shape == (2, 4)
+    with acs.ActivationScope(store=store, store_options={"resume": True}).track(model), torch.no_grad():
+        model(-x)
+    got = acs.open_store(store)["0.output"]
+    with torch.no_grad():
+        assert torch.equal(got, torch.cat([model(x), model(-x)]))
