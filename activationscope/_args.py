@@ -48,8 +48,9 @@ def unportable_name(name: str) -> Optional[str]:
     """Why ``name`` cannot be one file or folder name on every file system a store may be copied
     to (Windows, a share macOS mounts from one) or one Zarr node name, or None when it can: a
     character of ``<>:"|?*``, NUL or U+0001 .. U+001F, a last ``.`` or space, a Windows device
-    name before its first ``.`` (``con``, ``nul.txt``, any case), or a leading ``__`` (reserved
-    by Zarr)."""
+    name before its first ``.`` (``con``, ``nul.txt``, any case), a leading ``__`` (reserved
+    by Zarr), or the name of a file a resume keeps (``mean%2Fc%2F0.committed.tmp``, FORMAT.md
+    section 6)."""
     bad = sorted({c for c in name if c in _NOT_PORTABLE})
     if bad:
         return f"holds {', '.join(ascii(c) for c in bad)}, which a Windows file name cannot hold"
@@ -60,6 +61,9 @@ def unportable_name(name: str) -> Optional[str]:
         return f"is the Windows device name {base!r} (before its first '.'), which no Windows file can be named"
     if name.startswith("__"):
         return "starts with '__', which Zarr reserves"
+    if "%2f" in _folded(name) and _folded(name).endswith(".committed.tmp"):
+        return ("is spelled as the file a resume keeps of another reduction's file (its path with '/' as '%2F', plus "
+                "'.committed.tmp'), where a folder makes the store refuse every resume")
     return None
 
 

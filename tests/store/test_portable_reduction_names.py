@@ -23,7 +23,8 @@ from activationscope.store import writer as W
 
 from hostile import _Mean
 
-UNPORTABLE = ["a:b", "x?", "con", "nul.txt", "a.", "a ", "__x", "tab\there", "a\x00b", 'q"<>|*', "COM1", "lpt¹.x"]
+UNPORTABLE = ["a:b", "x?", "con", "nul.txt", "a.", "a ", "__x", "tab\there", "a\x00b", 'q"<>|*', "COM1", "lpt¹.x",
+              "mean%2Fc%2F0.committed.tmp", "m%2fzarr.json.Committed.TMP"]
 NOT_NODES = ["mean/../../evil", ".", "..", "zarr.json", "Zarr.JSON", "x" * 300, "a\\b"]
 
 
@@ -38,7 +39,7 @@ def test_a_capture_refuses_a_reduction_name_windows_cannot_hold_before_it_starts
 def test_a_portable_name_that_looks_like_one_is_accepted(tmp_path):
     model = torch.nn.Sequential(torch.nn.Linear(3, 2)).eval()
     x = torch.randn(5, 3)
-    names = ["console", "con_", "m.con", "a_b", "_x", "%41", "é"]
+    names = ["console", "con_", "m.con", "a_b", "_x", "%41", "é", "m.committed.tmp", "a%2Fb"]
     scope = acs.ActivationScope(reductions=[(n, "mean") for n in names], store=str(tmp_path / "s.zarr"))
     with torch.no_grad(), scope.track(model):
         y = model(x)
@@ -155,3 +156,20 @@ def test_store_writer_refuses_a_name_sharing_a_file_with_a_stored_reduction(stor
     st = open_store(path)
     assert list(st.reductions["0.output"]) == [stored]
     assert torch.equal(st.reductions["0.output"][stored], torch.ones(3, dtype=torch.float64))
+
+
+def test_a_name_spelled_as_a_kept_reduction_file_is_refused(tmp_path):
+    """'mean%2Fc%2F0.committed.tmp' is where a resume keeps the committed chunk of 'mean': a
+    store holding both reductions (the writer took it) failed verify() and refused every resume."""
+    path = tmp_path / "s.zarr"
+    w = _rows(path)
+    w.add_reductions("0.output", "mean", _Mean(torch.ones(3, dtype=torch.float64)))
+    with pytest.raises(ReductionError, match=r"got 'mean%2Fc%2F0\.committed\.tmp' \(hook point '0\.output'\), which is "
+                       r"spelled as the file a resume keeps"):
+        w.add_reductions("0.output", "mean%2Fc%2F0.committed.tmp", _Mean(torch.ones(3, dtype=torch.float64)))
+    w.close()
+    assert open_store(path).verify() == []
+    w = StoreWriter(path, resume=True)
+    w.add_reductions("0.output", "mean", _Mean(torch.full((3,), 2.0, dtype=torch.float64)))
+    w.close()
+    assert torch.equal(open_store(path).reductions["0.output"]["mean"], torch.full((3,), 2.0, dtype=torch.float64))
