@@ -103,15 +103,16 @@ def check_reduction_name(name: Any, where: str = "", *, portable: bool = True) -
     why = unportable_name(name) if portable or "\x00" in name else None
     if why is not None:
         raise ReductionError(
-            f"reduction name must be a name every file system holds (it names the arrays reductions/<hook point>/<name> "
-            f"of a store, which a copy to Windows or to a share macOS mounts from one would lose or refuse), got "
+            f"reduction name must be a name every file system holds as it is (it names the arrays "
+            f"reductions/<hook point>/<name> of a store, which a copy to Windows or to a share macOS mounts from one "
+            f"must hold as they are), got "
             f"{name!r}{where}, which {why}; give another with (name, spec), e.g. {_portable_example(name)!r}"
         )
 
 
 def _portable_example(name: str) -> str:
-    """``name`` with what :func:`unportable_name` refuses replaced by ``_``."""
-    out = "".join("_" if c in _NOT_PORTABLE else c for c in name).rstrip(". ") or "r"
+    """``name`` with what :func:`unportable_name` refuses (and ``%``) replaced by ``_``."""
+    out = "".join("_" if c in _NOT_PORTABLE + "%" else c for c in name).rstrip(". ") or "r"
     if unportable_name(out) is not None:
         out = "r_" + out.lstrip("_")
     return out

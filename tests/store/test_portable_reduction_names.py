@@ -165,7 +165,7 @@ def test_a_name_spelled_as_a_kept_reduction_file_is_refused(tmp_path):
     w = _rows(path)
     w.add_reductions("0.output", "mean", _Mean(torch.ones(3, dtype=torch.float64)))
     with pytest.raises(ReductionError, match=r"got 'mean%2Fc%2F0\.committed\.tmp' \(hook point '0\.output'\), which is "
-                       r"spelled as the file a resume keeps"):
+                       r"spelled as the file a resume keeps.*e\.g\. 'mean_2Fc_2F0\.committed\.tmp'"):
         w.add_reductions("0.output", "mean%2Fc%2F0.committed.tmp", _Mean(torch.ones(3, dtype=torch.float64)))
     w.close()
     assert open_store(path).verify() == []
