@@ -60,6 +60,7 @@ from activationscope.errors import (
     warn_at_caller,
 )
 
+from .._args import check_reduction_name
 from .hooks import pattern_selects
 
 __all__ = [
@@ -829,25 +830,6 @@ def _default_name(spec: Any) -> str:
     return str(name)
 
 
-def _check_name(name: Any) -> None:
-    """A reduction's name names the arrays ``reductions/<hook point>/<name>[.<key>]`` of a
-    store: it must be one store node name (not empty, no ``/`` or ``\\``, not ``.``, ``..``
-    or ``zarr.json``, at most 100 UTF-8 bytes)."""
-    if isinstance(name, str) and len(name.encode("utf-8", "surrogatepass")) > 100:
-        raise ReductionError(
-            f"reduction name must be at most 100 UTF-8 bytes (it names the files reductions/<hook point>/<name>.<key> "
-            f"of a store), got {len(name.encode('utf-8', 'surrogatepass'))} bytes ({name[:40]!r}...); give a shorter "
-            "one with (name, spec)"
-        )
-    if (not isinstance(name, str) or not name or name in (".", "..") or _folded(name) == "zarr.json" or "/" in name
-            or "\\" in name):
-        raise ReductionError(
-            f"reduction name must be a non-empty str without '/' or '\\', and not '.', '..' or 'zarr.json' (in any case) "
-            f"(it names the arrays reductions/<hook point>/<name> of a store), got {name!r}; "
-            "give another with (name, spec)"
-        )
-
-
 def _folded(name: str) -> str:
     """``name`` as a file system that folds case and Unicode normalization (macOS, Windows)
     compares it."""
@@ -888,7 +870,7 @@ def _check_overlapping_names(names: Iterable[str], where: str) -> None:
                 )
 
 
-def _factory(item: Any) -> ReductionFactory:
+def _factory(item: Any, where: str = "") -> ReductionFactory:
     options: dict = {}
     if isinstance(item, tuple):
         if not 2 <= len(item) <= 3 or not isinstance(item[0], str):
@@ -911,7 +893,7 @@ def _factory(item: Any) -> ReductionFactory:
     else:
         spec, name = item, _default_name(item)
     init = options.pop("init", None)
-    _check_name(name)
+    check_reduction_name(name, where)
     f = ReductionFactory(name=name, spec=spec, options=_parse_options(options, spec), init=init)
     f()  # validate now (name, signature, options, TorchScript), not at the first batch
     return f
@@ -957,7 +939,7 @@ def resolve_reductions(
     out: list[tuple[str, ReductionFactory]] = []
     seen: dict[str, str] = {}
     for pattern, item in items:
-        f = _factory(item)
+        f = _factory(item, f" (hook point {hook_point!r}, pattern {pattern!r})")
         if f.name in seen:
             raise ReductionError(
                 f"hook point {hook_point!r} has two reductions named {f.name!r} (patterns "
@@ -1000,7 +982,7 @@ def validate_reductions(reductions: Union[Sequence[Any], Mapping[str, Sequence[A
     for pattern, specs in groups:
         seen: set[str] = set()
         for item in _as_list(specs):
-            name = _factory(item).name
+            name = _factory(item, f" (pattern {pattern!r})").name
             if name in seen:
                 raise ReductionError(
                     f"two reductions named {name!r} for pattern {pattern!r}; name one with (name, spec)"

@@ -49,12 +49,14 @@ from ..errors import (
     ArgumentValueError,
     CaptureError,
     CaptureWarning,
+    ReductionError,
     StoreCorruptError,
     StoreError,
     StoreExistsError,
     name_repr,
     warn_at_caller,
 )
+from .._args import check_reduction_name
 from .._safeio import _kind, read_parquet_part
 from . import _format as F
 from . import _validate as V
@@ -3074,7 +3076,16 @@ class StoreWriter:
         n_rows : int, optional
             Rows of the hook point's array the reduction covers (recorded as ``n_rows`` of
             each entry: a reader shows a reduction over fewer rows than its array as partial).
+
+        Raises
+        ------
+        ReductionError
+            Before anything is written: a name that is no portable node name, or one sharing a
+            file with another reduction of the hook point (FORMAT.md section 6), naming both.
+        StoreError
+            The store could not be written.
         """
+        self._refuse_reduction_name(hook_point, name)
         self._refuse_other_process("reductions stored")
         self._refuse_if_lost()
         try:
@@ -3086,6 +3097,35 @@ class StoreWriter:
                 f"storing reduction {name!r} of hook point {hook_point!r} failed: {e}. "
                 "The rows stay as committed; once space is freed, resume=True with the same reductions= (and no "
                 "new batch needed) computes the reductions again from the committed rows and stores them") from e
+
+    def _refuse_reduction_name(self, hook_point: str, name: str) -> None:
+        """Raise ReductionError, naming ``name``, ``hook_point`` and the fix, when reduction
+        ``name`` cannot be stored as ``reductions/<node>/<name>`` (FORMAT.md section 6): a name
+        that is no portable node name (unless the store, written before the rule, already holds
+        it: it is resumed there), or one whose arrays share a file with those of another
+        reduction of the hook point, stored or written by this run, on a file system that folds
+        case and Unicode normalization (``Mean`` and ``mean``), or by its ``.<key>`` arrays
+        (``var`` and ``var.mean``), unless the store already holds both."""
+        # a name that is no portable node name is refused before anything is written, unless
+        # the store (written before the rule, FORMAT.md section 6) already holds it: resumed there
+        stored = {e.get("reduction") for e in (self._old_reductions.get(hook_point) or {}).values()
+                  if isinstance(e, dict)}
+        check_reduction_name(name, f" (hook point {hook_point!r})", portable=name not in stored)
+        # one folder on a file system that folds case and Unicode normalization (macOS, Windows)
+        others = stored | {e.get("reduction") for e in (self._reductions.get(hook_point) or {}).values()}
+        others = {o for o in others if isinstance(o, str) and o != name and not (o in stored and name in stored)}
+        for other in sorted(o for o in others if _folded(o) == _folded(name)):
+            raise ReductionError(
+                f"reduction {name!r} of hook point {hook_point!r} and the store's reduction {other!r}"
+                f"{F.spelled_alike(name, other)} differ only in case or Unicode normalization: a file system that does "
+                "not tell such names apart (macOS, Windows) holds their arrays as one, so a store there, or a copy of "
+                f"it, would read one as the other; give it another name with (name, spec), or {other!r}")
+        for other in sorted(o for o in others if _folded(o) != _folded(name)
+                            and (_folded(name).startswith(_folded(o) + ".") or _folded(o).startswith(_folded(name) + "."))):
+            raise ReductionError(
+                f"reduction {name!r} of hook point {hook_point!r} and the store's reduction {other!r}: the arrays of "
+                "a reduction 'r' are stored as 'r.<key>' (e.g. 'r.count', 'r.state.<key>'), so one would overwrite or "
+                "be overwritten by an array of the other; give it another name with (name, spec)")
 
     def _add_reductions(self, hook_point: str, name: str, reduction: Any, script_path: str | os.PathLike | None,
                         n_rows: int | None) -> None:
@@ -3545,6 +3585,7 @@ class StoreWriter:
         failed while it closed (a full disk, a kill) may have rewritten those files without
         committing the root that lists them (FORMAT.md section 6).
         """
+        self._refuse_reduction_name(hook_point, name)  # (before the capture goes on, not at its close)
         entries = self._old_reductions.get(hook_point) or {}
         owner = next((e for e in entries.values() if e.get("reduction") == name and "state" in e), None)
         if owner is None or owner.get("kind") != kind or "n_rows" not in owner:
