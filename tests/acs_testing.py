@@ -339,3 +339,23 @@ def count_store_reads(monkeypatch) -> dict:
     monkeypatch.setattr(reader.Store, "__init__", counted_init)
     monkeypatch.setattr(reader.Store, "row_table", counted_row_table)
     return counts
+
+
+def wait_for_child(pid: int, timeout: float, what: str) -> int:
+    """The exit code of the forked child ``pid``, waited for at most ``timeout`` seconds; past
+    that it is killed and the test fails with ``what`` (a child that hangs fails, never hangs)."""
+    import os
+    import signal
+    import time
+
+    import pytest
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    pytest.fail(what)

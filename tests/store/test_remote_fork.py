@@ -6,15 +6,13 @@ held client sessions of the parent's event loop, and every read of the child fai
 from __future__ import annotations
 
 import os
-import signal
-import time
 
 import pytest
 import torch
 
 from activationscope.store import open_store
 
-from acs_testing import store_target
+from acs_testing import store_target, wait_for_child
 from hostile import HP, SHARD_ROWS
 from test_remote_overwrite_race import _write
 
@@ -40,17 +38,8 @@ def test_a_forked_child_reads_the_s3_store_its_parent_opened(request, tmp_path):
             print(f"{type(e).__name__}: {e}", file=open(err, "a"))
         finally:
             os._exit(code)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        time.sleep(0.05)
-    else:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        pytest.fail("the forked child did not finish reading")
+    code = wait_for_child(pid, 60, "the forked child did not finish reading")
     said = err.read_text() if err.exists() else ""
-    assert os.waitstatus_to_exitcode(status) == 0, said
+    assert code == 0, said
     assert "Unclosed" not in said and "different loop" not in said, said
     assert torch.equal(st.rows(HP, 2 * SHARD_ROWS, 3 * SHARD_ROWS), want[2 * SHARD_ROWS:])  # (the parent still reads)
