@@ -385,8 +385,8 @@ def _check_builtin_entry(hp: str, name: str, e: dict, kind: str, features: Any, 
     if want is None:
         raise c.fail(f, f"an output of the built-in reduction {kind!r} (the entry {red!r} or {red!r}.<output>)", name)
     per_feature = bool(options.get("per_feature", 1))
-    if per_feature and not isinstance(features, list) and want != [] and key != "edges":
-        return  # no array of this hook point: its feature shape is not known
+    if not isinstance(features, list) and want != _builtin_output_shape(kind, key, options, [2, 3]):
+        return  # no array of this hook point: the shape of an output per feature is not known
     shape = e["shape"]
     if isinstance(want, tuple):
         k = int(options.get("k", 10))

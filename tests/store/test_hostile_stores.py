@@ -1678,6 +1678,40 @@ def test_a_writer_refuses_a_built_in_kind_of_another_dtype_before_it_writes(tmp_
     assert "state" not in root(path)["attributes"]["activationscope"]["reductions"][HP]["m64"]
 
 
+@pytest.mark.parametrize("per_feature,shape,refused", [(1, [3], False), (1, [2, 2], False), (0, [], False),
+                                                       (0, [3], True)])
+def test_a_built_in_reduction_of_a_hook_point_without_an_array(tmp_path, per_feature, shape, refused):
+    """StoreWriter.add_reductions of a hook point that has no array (nothing tells its feature
+    shape): an output per feature reads whatever its shape (it was refused, compared with the
+    shape over rows of no feature), and an output whose shape the feature shape does not decide
+    (per_feature=0) is still checked (FORMAT.md section 9 rule 10)."""
+    path = tmp_path / "r.zarr"
+    value = torch.arange(float(math.prod(shape)), dtype=torch.float64).reshape(shape)
+
+    class Mean:
+        kind = "mean"
+        options = {"per_feature": per_feature}
+
+        def result(self):
+            return {"mean": value, "count": torch.tensor(5)}
+
+        def state(self):
+            return {"mean": value, "count": torch.tensor(5)}
+
+    w = StoreWriter(path)
+    w.add_reductions("x.output", "mean", Mean())
+    w.close()
+    s = open_store(path)
+    if refused:
+        assert list(s.refused_reductions["x.output"]) == ["mean"]
+        assert "reductions['x.output']['mean'].shape must be [] " in s.refused_reductions["x.output"]["mean"]
+        assert len(s.verify()) == 1
+        return
+    assert s.refused_reductions == {} and s.verify() == []
+    assert torch.equal(s.reductions["x.output"]["mean"], value)
+    assert s.reductions["x.output"]["mean.count"].item() == 5
+
+
 def test_a_built_in_reduction_count_stored_as_float64_still_reads(tmp_path):
     """int64 outputs stored as float64 (exact below 2**53; the extrema of some integer rows are
     float64 in stores written before they were int64) are values the reduction wrote."""
