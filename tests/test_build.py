@@ -100,3 +100,13 @@ def test_sdist_leaves_out_build_outputs_and_tests(sdist):
     assert [m for m in members if m.startswith(("tests/", "build/", "benchmark/results/"))] == []
     assert [m for m in members if m.endswith((".so", ".o", ".pyc"))] == []
 
+
+def test_sdist_takes_its_version_from_version_py(sdist):
+    _, pkg_info, version = sdist
+    assert f"Version: {version}" in pkg_info.splitlines()
+
+
+def test_installed_version_is_the_package_version():
+    import activationscope
+
+    assert importlib.metadata.version("activationscope") == activationscope.__version__
