@@ -110,3 +110,32 @@ def test_installed_version_is_the_package_version():
     import activationscope
 
     assert importlib.metadata.version("activationscope") == activationscope.__version__
+
+
+# ----------------------------------------------------------------------------- the extension
+def _elf_section_names(path: str) -> list[str]:
+    """Names of the sections of the 64-bit little-endian ELF file at ``path``."""
+    import struct
+
+    with open(path, "rb") as f:
+        head = f.read(64)
+        assert head[:4] == b"\x7fELF" and head[4] == 2 and head[5] == 1, f"{path} is not a 64-bit little-endian ELF"
+        shoff, = struct.unpack_from("<Q", head, 0x28)
+        shentsize, shnum, shstrndx = struct.unpack_from("<HHH", head, 0x3A)
+        f.seek(shoff)
+        table = f.read(shentsize * shnum)
+        headers = [struct.unpack_from("<IIQQQQ", table, i * shentsize) for i in range(shnum)]
+        _, _, _, _, str_offset, str_size = headers[shstrndx]
+        f.seek(str_offset)
+        strings = f.read(str_size)
+    return [strings[h[0]:strings.index(b"\0", h[0])].decode() for h in headers]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads the extension as an ELF file")
+def test_the_extension_carries_no_debug_information():
+    # Python's CFLAGS usually hold -g: the extension then weighs 51 MB, in every wheel
+    from activationscope.capture import _native
+
+    names = _elf_section_names(_native.load().__file__)
+    assert ".text" in names
+    assert [n for n in names if n.startswith(".debug_")] == []
