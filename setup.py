@@ -27,6 +27,9 @@ extra_compile_args = {
         "-ffp-contract=off",
         "-std=c++20",
         "-fvisibility=hidden",
+        # no debug information, whatever Python's own CFLAGS say (they usually hold -g): with it
+        # the extension is 51 MB instead of 2 MB, in every wheel and install
+        "-g0",
         f'-DACS_TORCH_VERSION="{torch.__version__}"',
     ]
 }

@@ -136,3 +136,17 @@ def test_readme_lists_every_usage_page():
     docs = readme[readme.index("## Documentation"):]
     for page in sorted((ROOT / "docs" / "usage").glob("*.md")):
         assert f"(docs/usage/{page.name})" in docs, page.name
+
+
+def test_public_names_import_no_optional_extra():
+    # the extras (demo, dask, interop) are optional: only their own modules may import them
+    extras = ("transformers", "matplotlib", "sklearn", "dask", "distributed", "xarray", "tensorstore", "datasets",
+              "pandas", "polars", "sae_lens", "transformer_lens", "gensim")
+    code = ("import sys, activationscope as a\n"
+            "for name in a.__all__:\n"
+            "    if name != 'to_dask':\n"
+            "        getattr(a, name)\n"
+            "import activationscope.cli, activationscope.reductions, activationscope.data, activationscope.analysis\n"
+            f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({extras!r})))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split("\n")[-2] == "[]", out.stdout

@@ -1,12 +1,18 @@
-"""The build installs numpy before compiling (torch warns "Failed to initialize NumPy" otherwise)."""
+"""The build installs numpy before compiling (torch warns "Failed to initialize NumPy" otherwise);
+the sdist holds what builds the extension and nothing a checkout gathers besides."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import re
+import shutil
 import subprocess
 import sys
+import tarfile
 import tomllib
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,3 +40,102 @@ def test_setup_refuses_to_build_without_numpy(tmp_path):
                          env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
     assert out.returncode != 0
     assert "numpy must be installed before building" in out.stderr
+
+
+# ----------------------------------------------------------------------------- the sdist
+@pytest.fixture(scope="module")
+def sdist(tmp_path_factory):
+    """``(members, PKG-INFO text, version written)`` of an sdist built (PEP 517, as pip builds
+    one) from a copy of the checkout's files, with what an in-place build and a test run leave
+    in a checkout added, and another version in ``_version.py``."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                            capture_output=True)
+    if listed.returncode != 0:
+        pytest.skip("needs a git checkout")
+    src = tmp_path_factory.mktemp("checkout")
+    for name in filter(None, listed.stdout.decode().split("\0")):
+        if (ROOT / name).is_file():
+            (src / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, src / name)
+    (src / "activationscope" / "_C.cpython-311-x86_64-linux-gnu.so").write_bytes(b"\x7fELF")
+    (src / "build" / "temp").mkdir(parents=True)
+    (src / "build" / "temp" / "sink.o").write_bytes(b"\x7fELF")
+    (src / "tests" / "scratch.zarr").mkdir()
+    (src / "tests" / "scratch.zarr" / "zarr.json").write_text("{}")
+    version = "0.1.0.dev7"
+    (src / "activationscope" / "_version.py").write_text(f'__version__ = "{version}"\n')
+    dist = tmp_path_factory.mktemp("dist")
+    out = subprocess.run([sys.executable, "-c", "import sys; from setuptools import build_meta; "
+                          "print(build_meta.build_sdist(sys.argv[1]))", str(dist)],
+                         cwd=src, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    with tarfile.open(dist / out.stdout.split()[-1]) as tar:
+        top = tar.getmembers()[0].name.split("/")[0]
+        members = {m.name.split("/", 1)[1] for m in tar.getmembers() if "/" in m.name and m.isfile()}
+        pkg_info = tar.extractfile(f"{top}/PKG-INFO").read().decode()
+    return members, pkg_info, version
+
+
+def test_sdist_holds_every_native_source_and_header(sdist):
+    members, _, _ = sdist
+    native = {f"csrc/{p.name}" for p in (ROOT / "csrc").iterdir() if p.suffix in (".cpp", ".h")}
+    assert native - members == set()
+    # every header a source includes is there (the extension builds from the sdist alone)
+    included = {f"csrc/{name}" for m in members if m.startswith("csrc/")
+                for name in re.findall(r'#include "([^"]+)"', (ROOT / m).read_text())}
+    assert included and included - members == set()
+
+
+def test_sdist_holds_the_license_readme_and_format(sdist):
+    members, pkg_info, _ = sdist
+    assert {"LICENSE", "README.md", "pyproject.toml", "setup.py", "store/FORMAT.md"} <= members
+    assert "License-File: LICENSE" in pkg_info.splitlines()
+    assert "Description-Content-Type: text/markdown" in pkg_info.splitlines()
+    assert "Apache License" in (ROOT / "LICENSE").read_text()
+
+
+def test_sdist_leaves_out_build_outputs_and_tests(sdist):
+    members, _, _ = sdist
+    # the tests need the whole checkout (docs, benchmark, golden stores): none, rather than some
+    assert [m for m in members if m.startswith(("tests/", "build/", "benchmark/results/"))] == []
+    assert [m for m in members if m.endswith((".so", ".o", ".pyc"))] == []
+
+
+def test_sdist_takes_its_version_from_version_py(sdist):
+    _, pkg_info, version = sdist
+    assert f"Version: {version}" in pkg_info.splitlines()
+
+
+def test_installed_version_is_the_package_version():
+    import activationscope
+
+    assert importlib.metadata.version("activationscope") == activationscope.__version__
+
+
+# ----------------------------------------------------------------------------- the extension
+def _elf_section_names(path: str) -> list[str]:
+    """Names of the sections of the 64-bit little-endian ELF file at ``path``."""
+    import struct
+
+    with open(path, "rb") as f:
+        head = f.read(64)
+        assert head[:4] == b"\x7fELF" and head[4] == 2 and head[5] == 1, f"{path} is not a 64-bit little-endian ELF"
+        shoff, = struct.unpack_from("<Q", head, 0x28)
+        shentsize, shnum, shstrndx = struct.unpack_from("<HHH", head, 0x3A)
+        f.seek(shoff)
+        table = f.read(shentsize * shnum)
+        headers = [struct.unpack_from("<IIQQQQ", table, i * shentsize) for i in range(shnum)]
+        _, _, _, _, str_offset, str_size = headers[shstrndx]
+        f.seek(str_offset)
+        strings = f.read(str_size)
+    return [strings[h[0]:strings.index(b"\0", h[0])].decode() for h in headers]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads the extension as an ELF file")
+def test_the_extension_carries_no_debug_information():
+    # Python's CFLAGS usually hold -g: the extension then weighs 51 MB, in every wheel
+    from activationscope.capture import _native
+
+    names = _elf_section_names(_native.load().__file__)
+    assert ".text" in names
+    assert [n for n in names if n.startswith(".debug_")] == []

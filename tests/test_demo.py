@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 
 import pytest
 import torch
@@ -50,8 +51,18 @@ def test_polarity_reads_latin1(tmp_path):
 
 def test_missing_package_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(demo_assets, "MODEL_PACKAGE", "no_such_package_acs")  # where model_dir reads it
-    with pytest.raises(demo.DemoDependencyError, match=r"no_such_package_acs.*pip install -e '.\[demo\]'"):
+    with pytest.raises(demo.DemoDependencyError, match=r"no_such_package_acs.*pip install 'activationscope\[demo\]' "
+                       r"\(in a source checkout: pip install -e '.\[demo\]'\)"):
         demo.model_dir()
+
+
+def test_missing_transformers_names_the_extra_as_installed(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # not installed
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "TOKENIZERS_PARALLELISM"):  # (set if unset)
+        monkeypatch.setenv(name, "1" if name != "TOKENIZERS_PARALLELISM" else "false")
+    with pytest.raises(demo.DemoDependencyError, match=r"transformers is not installed .*pip install "
+                       r"'activationscope\[demo\]' \(in a source checkout: pip install -e '.\[demo\]'\)"):
+        demo_assets._transformers()
 
 
 # ---------------------------------------------------------------------------- pooling and probe

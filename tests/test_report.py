@@ -1094,3 +1094,22 @@ def test_units_whose_mean_or_std_a_nan_row_made_nan_are_named(tmp_path, reductio
     assert note in page
     clean = report.hook_point_stats(_store_of_rows(tmp_path / "c.zarr", x[8:], [0, 1] * 16), "0.output")
     assert not [n for n in clean.notes if n.startswith("mean / std")]
+
+
+def test_report_without_matplotlib_names_the_install_and_makes_no_folder(tmp_path, monkeypatch, capsys):
+    import sys
+
+    from activationscope import cli
+
+    x, labels = _separable_rows()
+    _store_of_rows(tmp_path / "s.zarr", x, labels)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # not installed
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
+    with pytest.raises(ImportError, match=r"matplotlib, which is not installed .*: pip install 'matplotlib>=3.8' "
+                       r"\(the demo extra has it: pip install 'activationscope\[demo\]'\)"):
+        report.write_report(tmp_path / "s.zarr", tmp_path / "rep")
+    assert not (tmp_path / "rep").exists()
+    assert cli.main(["report", str(tmp_path / "s.zarr"), "--out", str(tmp_path / "rep")]) == 1
+    err = capsys.readouterr().err
+    assert "activationscope report: error: the report draws its plots with matplotlib" in err
+    assert not (tmp_path / "rep").exists()

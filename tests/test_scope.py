@@ -1436,6 +1436,29 @@ def test_native_extension_built_from_older_sources_is_refused(monkeypatch):
     assert _native.load().is_token_rows is not None
 
 
+def test_native_extension_advice_names_a_fix_that_works_where_the_package_comes_from(monkeypatch):
+    from activationscope.capture import _native
+
+    built = _native.load().TORCH_VERSION
+    assert _native.in_source_checkout()  # (the tests run from one)
+    monkeypatch.setattr(_native, "_module", None)
+    monkeypatch.setattr(torch, "__version__", "0.0.1-other")
+    with pytest.raises(acs.NativeExtensionError, match=r"but torch 0.0.1-other is installed; rebuild it with `pip install "
+                       r"--no-build-isolation -e .` \(or `make build`\)"):
+        _native.load()
+    # installed from a wheel: no checkout to rebuild in; the torch it was built for, or a build from the sdist
+    monkeypatch.setattr(_native, "in_source_checkout", lambda: False)
+    with pytest.raises(acs.NativeExtensionError) as e:
+        _native.load()
+    assert f"`pip install torch=={built}`" in str(e.value)
+    assert "--no-build-isolation --no-binary activationscope" in str(e.value) and "-e ." not in str(e.value)
+
+    monkeypatch.setitem(sys.modules, "activationscope._C", None)  # an extension that is not there
+    with pytest.raises(acs.NativeExtensionError, match=r"activationscope._C could not be loaded") as e:
+        _native.load()
+    assert "--no-binary activationscope" in str(e.value) and "torch==" not in str(e.value)
+
+
 # ----------------------------------------------------------------------------- the GIL
 def test_gil_is_released_while_copying():
     big = torch.randn(16, 1 << 20)  # 64 MiB

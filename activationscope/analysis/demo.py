@@ -13,7 +13,8 @@ hook point of its own (``pool.<i>.output``, one row per sample), next to the tok
 ``encoder.layer.<i>.output`` (one row per real token; padding never enters the store).
 
 The probes are :mod:`activationscope.analysis.probes`, the pooling of token rows
-:mod:`activationscope.analysis.pooling`. Everything here needs the ``demo`` extra (``pip install -e '.[demo]'``).
+:mod:`activationscope.analysis.pooling`. Everything here needs the ``demo`` extra
+(``pip install 'activationscope[demo]'``, or ``pip install -e '.[demo]'`` in a source checkout).
 """
 
 from __future__ import annotations

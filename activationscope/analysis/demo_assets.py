@@ -49,7 +49,8 @@ def _package_dir(name: str, extra_hint: str) -> Path:
         spec = None
     if spec is None or not spec.submodule_search_locations:
         raise DemoDependencyError(
-            f"package {name!r} is not installed; install the demo extra: pip install -e '.[demo]' ({extra_hint})"
+            f"package {name!r} is not installed; install the demo extra: pip install 'activationscope[demo]' (in a source "
+            f"checkout: pip install -e '.[demo]') ({extra_hint})"
         )
     return Path(next(iter(spec.submodule_search_locations)))
 
@@ -158,7 +159,8 @@ def _transformers():
         import transformers
     except ImportError as e:
         raise DemoDependencyError(
-            f"transformers is not installed ({e}); install the demo extra: pip install -e '.[demo]'"
+            f"transformers is not installed ({e}); install the demo extra: pip install 'activationscope[demo]' (in a "
+            "source checkout: pip install -e '.[demo]')"
         ) from None
     transformers.logging.set_verbosity_error()
     try:

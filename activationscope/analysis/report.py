@@ -363,7 +363,13 @@ def _int_or_none(entry: Mapping[str, Any], *keys: str) -> int | None:
 
 
 def _plt():
-    import matplotlib
+    """``matplotlib.pyplot`` on the Agg backend; ImportError naming the install when there is none."""
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise ImportError(
+            f"the report draws its plots with matplotlib, which is not installed ({e}): pip install 'matplotlib>=3.8' "
+            "(the demo extra has it: pip install 'activationscope[demo]')") from None
 
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
@@ -681,12 +687,15 @@ def write_report(
         ``out_dir`` inside the store, or one holding an ``index.html`` that is not an earlier
         report (nothing in the folder is changed; an earlier report's page and plots are
         replaced).
+    ImportError
+        matplotlib is not installed (nothing is written, no folder made).
     """
     from ..errors import ArgumentValueError
 
     if isinstance(n_folds, bool) or not isinstance(n_folds, int) or n_folds < 2:
         raise ArgumentValueError(f"n_folds must be an int of at least 2, got {n_folds!r}")
     out = check_out_dir(out_dir)
+    _plt()  # before the folder is made
     if isinstance(store, (str, os.PathLike)):
         from ..store import open_store
 

@@ -41,6 +41,27 @@ def check_pool_env() -> None:
             "536870912 for 512 MiB, or 0 to keep none, or unset it for the default of 1 GiB")
 
 
+def in_source_checkout() -> bool:
+    """Whether the package is imported from a source checkout (``setup.py`` and ``csrc/`` next
+    to it) rather than from an installed wheel or sdist."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return os.path.isfile(os.path.join(root, "setup.py")) and os.path.isdir(os.path.join(root, "csrc"))
+
+
+def rebuild_advice(built: str | None = None) -> str:
+    """How to get an extension that matches the running torch, in the words of where the package
+    comes from: a source checkout rebuilds in place; an installed package is built again from its
+    sdist (or, ``built`` being the torch version the extension was built against, that torch is
+    installed)."""
+    if in_source_checkout():
+        return "rebuild it with `pip install --no-build-isolation -e .` (or `make build`) in this environment"
+    pin = f"install the torch it was built against (`pip install torch=={built}`) or " if built and built != "unknown" else ""
+    return (f"{pin}build activationscope again against this torch, from its sdist, with build requirements installed "
+            "first (`pip install setuptools wheel pybind11 ninja numpy`, then `pip install --no-build-isolation "
+            "--no-binary activationscope --no-deps --force-reinstall activationscope`, or the sdist's path in place of "
+            "the last word)")
+
+
 def load() -> ModuleType:
     """Import ``activationscope._C`` and check it was built against the running torch.
 
@@ -54,7 +75,7 @@ def load() -> ModuleType:
     global _module
     if _module is not None:
         return _module
-    fix = "rebuild it with `pip install --no-build-isolation -e .` (or `make build`) in this environment"
+    fix = rebuild_advice()
     try:
         mod = importlib.import_module("activationscope._C")
     except ImportError as e:
@@ -65,7 +86,8 @@ def load() -> ModuleType:
     built = getattr(mod, "TORCH_VERSION", "unknown")
     if built != torch.__version__:
         raise NativeExtensionError(
-            f"activationscope._C was built against torch {built} but torch {torch.__version__} is installed; {fix}"
+            f"activationscope._C was built against torch {built} but torch {torch.__version__} is installed; "
+            f"{rebuild_advice(built)}"
         )
     missing = [name for name in REQUIRED if not _has(mod, name)]
     if missing:
