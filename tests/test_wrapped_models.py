@@ -1,0 +1,139 @@
+"""Capture through model wrappers (DataParallel, DistributedDataParallel, fully_shard),
+parametrizations and hooks of the user's own, checked against plain ``register_forward_hook``."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import activationscope as acs
+from activationscope.store import model_identity
+
+
+class MLP(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(8, 16)
+        self.act = torch.nn.ReLU()
+        self.fc2 = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+def _reference(model, names, xs):
+    """Outputs of ``names`` over ``xs`` by plain forward hooks: {hook point: (rows, ...)}."""
+    mods = dict(model.named_modules())
+    got: dict[str, list[torch.Tensor]] = {}
+    handles = [mods[n].register_forward_hook(lambda m, a, o, n=n: got.setdefault(f"{n}.output", []).append(o.detach().clone()))
+               for n in names]
+    try:
+        with torch.no_grad():
+            for x in xs:
+                model(x)
+    finally:
+        for h in handles:
+            h.remove()
+    return {k: torch.cat(v) for k, v in got.items()}
+
+
+_FULLY_SHARD = textwrap.dedent("""
+    import os, sys, tempfile
+    import torch, torch.distributed as dist
+    import activationscope as acs
+    from activationscope.store import model_identity
+    sys.path.insert(0, {tests!r})
+    from test_wrapped_models import MLP, _reference
+    dist.init_process_group("gloo", init_method="file://" + {pg!r}, rank=0, world_size=1)
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(0)
+    model = MLP()
+    plain = model_identity(model)
+    fully_shard(model.fc1)
+    fully_shard(model)
+    xs = [torch.randn(5, 8) for _ in range(3)]
+    ref = _reference(model, ["fc1", "act"], xs)
+    path = {store!r}
+    with acs.ActivationScope(store=path, reductions={{"*": ["mean", "var"]}}).track(model, include=["fc1", "act"]):
+        with torch.no_grad():
+            for x in xs:
+                model(x)
+    store = acs.open_store(path)
+    for k, v in ref.items():
+        assert torch.equal(store[k], v), k
+        assert torch.allclose(store.reductions[k]["mean"], v.double().mean(0)), k
+        assert torch.allclose(store.reductions[k]["var"], v.double().var(0, correction=0)), k
+    assert store.attrs["model"]["state_dict_sha256"] == plain["state_dict_sha256"]
+    dist.destroy_process_group()
+    print("ok")
+""")
+
+
+def test_fully_shard_model_captures_into_a_store(tmp_path):
+    # the weights of a fully_shard (FSDP2) model are DTensors, with no memory of their own
+    # (data_ptr() 0): the store's sha256 of the weights read address 0 and the process died
+    # (SIGSEGV) when the tracker attached. In one process they are hashed by their local
+    # tensors: the sha256 of the unsharded model
+    script = _FULLY_SHARD.format(tests=str(Path(__file__).parent), pg=str(tmp_path / "pg"),
+                                 store=str(tmp_path / "s.zarr"))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().endswith("ok")
+
+
+def test_model_identity_refuses_a_tensor_without_memory():
+    # a tensor subclass without storage (data_ptr() 0) was read at address 0: the process died
+    class NoMemory(torch.Tensor):
+        @staticmethod
+        def __new__(cls, shape):
+            return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=torch.float32)
+
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
+                return args[0]
+            raise NotImplementedError(str(func))
+
+    model = MLP()
+    model.register_buffer("odd", NoMemory((3,)))
+    with pytest.raises(acs.ActivationScopeError, match=r"state dict entry 'odd' is a NoMemory with no memory"):
+        model_identity(model)
+
+
+_SPLIT = textwrap.dedent("""
+    import sys
+    import torch, torch.distributed as dist, torch.multiprocessing as mp
+    from activationscope.errors import ArgumentValueError
+    from activationscope.store import model_identity
+
+    def run(rank):
+        dist.init_process_group("gloo", init_method="file://" + {pg!r}, rank=rank, world_size=2)
+        from torch.distributed.fsdp import fully_shard
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16))
+        fully_shard(model)
+        try:
+            model_identity(model)
+        except ArgumentValueError as e:
+            print(rank, e, flush=True)
+        dist.destroy_process_group()
+
+    if __name__ == "__main__":
+        mp.spawn(run, nprocs=2)
+""")
+
+
+def test_model_identity_refuses_weights_split_across_ranks(tmp_path):
+    # each rank holds a part of a fully_shard model's weights: no rank can hash the model
+    script = tmp_path / "split.py"
+    script.write_text(_SPLIT.format(pg=str(tmp_path / "pg")))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = sorted(proc.stdout.strip().splitlines())
+    assert len(lines) == 2 and [line[0] for line in lines] == ["0", "1"], proc.stdout
+    assert all("state dict entry '0.bias' is a DTensor split across 2 ranks (Shard(dim=0))" in line for line in lines)
