@@ -137,3 +137,35 @@ def test_model_identity_refuses_weights_split_across_ranks(tmp_path):
     lines = sorted(proc.stdout.strip().splitlines())
     assert len(lines) == 2 and [line[0] for line in lines] == ["0", "1"], proc.stdout
     assert all("state dict entry '0.bias' is a DTensor split across 2 ranks (Shard(dim=0))" in line for line in lines)
+
+
+@pytest.mark.parametrize("offload", ["cpu_offload", "disk_offload", "dispatch_model"])
+def test_accelerate_offloaded_model_captures_into_a_store(tmp_path, offload):
+    # accelerate leaves an offloaded module's weights on the meta device between forwards (its
+    # hook loads them for each forward): a store capture was refused as a model whose weights
+    # were never loaded ("load them ... before capturing"); now its offloaded values are hashed
+    accelerate = pytest.importorskip("accelerate")
+    torch.manual_seed(0)
+    model = MLP()
+    plain = model_identity(model)
+    if offload == "cpu_offload":
+        accelerate.cpu_offload(model, execution_device=torch.device("cpu"))
+    elif offload == "disk_offload":
+        accelerate.disk_offload(model, str(tmp_path / "off"), execution_device=torch.device("cpu"))
+    else:
+        accelerate.dispatch_model(model, device_map={"fc1": "cpu", "act": "cpu", "fc2": "disk"},
+                                  offload_dir=str(tmp_path / "off"), main_device="cpu")
+    assert model.state_dict()["fc2.weight"].is_meta
+    xs = [torch.randn(5, 8) for _ in range(3)]
+    ref = _reference(model, ["fc1", "act", "fc2"], xs)
+    path = tmp_path / "s.zarr"
+    with torch.no_grad(), acs.ActivationScope(store=path, reductions={"*": ["mean", "var"]}).track(model):
+        for x in xs:
+            model(x)
+    store = acs.open_store(path)
+    assert sorted(store.hook_points) == sorted(ref)
+    for k, v in ref.items():
+        assert torch.equal(store[k], v), k
+        assert torch.allclose(store.reductions[k]["mean"], v.double().mean(0)), k
+        assert torch.allclose(store.reductions[k]["var"], v.double().var(0, correction=0)), k
+    assert store.attrs["model"]["state_dict_sha256"] == plain["state_dict_sha256"]

@@ -408,6 +408,8 @@ def _state_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
         if not isinstance(t, torch.Tensor):
             continue
         if t.is_meta:
+            t = _offloaded(model, name, t)
+        if t.is_meta:
             raise ArgumentValueError(
                 f"the model's state dict entry {name!r} is on the meta device (shapes only, no values): a "
                 "store records the sha256 of the model's weights; load them (e.g. model.to_empty(device=...) "
@@ -415,6 +417,31 @@ def _state_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
             )
         out.append((name, _hashable(name, t)))
     return out
+
+
+def _offloaded(model: torch.nn.Module, name: str, meta: torch.Tensor) -> torch.Tensor:
+    """The values Hugging Face accelerate keeps of a state dict entry it offloaded to the CPU or
+    to disk (``cpu_offload``, ``disk_offload``, ``dispatch_model`` / ``device_map`` to ``"cpu"`` or
+    ``"disk"``: the module's own is on the meta device between forwards), read from its module's
+    ``AlignDevicesHook`` weights map; ``meta`` itself where there are none."""
+    module_name, _, key = name.rpartition(".")
+    try:
+        module = model.get_submodule(module_name)
+    except AttributeError:
+        return meta
+    hook = getattr(module, "_hf_hook", None)
+    for h in getattr(hook, "hooks", None) or [hook]:  # (a SequentialHook holds several)
+        weights = getattr(h, "weights_map", None)
+        if weights is None or not getattr(h, "offload", False):
+            continue
+        try:
+            value = weights[key]
+        except (KeyError, TypeError, OSError, RuntimeError):
+            continue
+        if isinstance(value, torch.Tensor) and not value.is_meta and value.shape == meta.shape \
+                and value.dtype == meta.dtype:
+            return value
+    return meta
 
 
 def _hashable(name: str, t: torch.Tensor) -> torch.Tensor:
