@@ -169,3 +169,50 @@ def test_accelerate_offloaded_model_captures_into_a_store(tmp_path, offload):
         assert torch.allclose(store.reductions[k]["mean"], v.double().mean(0)), k
         assert torch.allclose(store.reductions[k]["var"], v.double().var(0, correction=0)), k
     assert store.attrs["model"]["state_dict_sha256"] == plain["state_dict_sha256"]
+
+
+def _capture_warnings(caught):
+    return [str(w.message) for w in caught if issubclass(w.category, acs.CaptureWarning)]
+
+
+def test_global_forward_hook_that_replaces_an_output_is_warned_about():
+    # a global forward hook (register_module_forward_hook) runs after the forward the capture
+    # records: its replacement went on to the next module with no warning, only module hooks
+    # were looked at
+    torch.manual_seed(0)
+    model = MLP()
+    x = torch.randn(5, 8)
+    doubled = torch.nn.modules.module.register_module_forward_hook(
+        lambda m, a, o: o * 2 if isinstance(m, torch.nn.ReLU) else None)
+    received = []
+    pre = model.fc2.register_forward_pre_hook(lambda m, a: received.append(a[0].clone()))
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with torch.no_grad(), acs.ActivationScope().track(model, include=["fc1", "act"]) as tracker:
+                model(x)
+                model(x)
+    finally:
+        doubled.remove()
+        pre.remove()
+    said = _capture_warnings(caught)
+    assert len(said) == 1 and "forward hooks of the tracked modules 'act' replaced or changed their output" in said[0]
+    assert "register_module_forward_hook" in said[0]
+    recorded = tracker.activations["act.output"]
+    assert torch.equal(recorded[0], torch.relu(model.fc1(x))) and torch.equal(received[0], 2 * recorded[0])
+    assert len(torch.nn.modules.module._global_forward_hooks) == 0  # the probe went with the first forward
+
+
+def test_global_forward_hook_that_only_reads_is_not_warned_about():
+    model = MLP()
+    seen = []
+    reading = torch.nn.modules.module.register_module_forward_hook(lambda m, a, o: seen.append(type(m).__name__))
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with torch.no_grad(), acs.ActivationScope().track(model) as tracker:
+                model(torch.randn(2, 8))
+    finally:
+        reading.remove()
+    assert _capture_warnings(caught) == [] and seen == ["Linear", "ReLU", "Linear", "MLP"]
+    assert sorted(tracker.activations) == ["act.output", "fc1.output", "fc2.output"]

@@ -2510,15 +2510,30 @@ class Tracker:
         the output its forward returned, and one last, that sees what the hooks made of it. An
         output is recorded as the forward returns it, before its hooks run; one that a hook
         replaced or changed in place (steering, ablation, patching) is named in a warning at the
-        end of the forward. Modules without forward hooks get nothing; later forwards neither."""
+        end of the forward. Global forward hooks (``register_module_forward_hook``) run before
+        each module's own: while there are some, every tracked module is looked at, its output
+        noted by a global hook put first. Modules without forward hooks get nothing; later
+        forwards neither."""
         seen: dict[int, Any] = {}
         replaced = self._hook_replaced
+        # the global forward hooks (torch.nn.modules.module.register_module_forward_hook) run
+        # before each module's own: the output is noted by a global hook put first among them
+        global_hooks = torch.nn.modules.module._global_forward_hooks
+        tracked = {id(module) for _, module in self._modules}
 
         def first(module: Any, args: Any, out: Any) -> None:
             seen[id(module)] = _output_state(out)
 
+        def first_global(module: Any, args: Any, out: Any) -> None:
+            if id(module) in tracked:
+                seen[id(module)] = _output_state(out)
+
+        if global_hooks:
+            handle = torch.nn.modules.module.register_module_forward_hook(first_global)
+            global_hooks.move_to_end(handle.id, last=False)
+            self._hook_probes.append(handle)
         for name, module in self._modules:
-            if not module._forward_hooks:
+            if not module._forward_hooks and not global_hooks:
                 continue
 
             def last(module: Any, args: Any, out: Any, _name: str = name) -> None:
@@ -2526,7 +2541,8 @@ class Tracker:
                 if before is not None and not _same_output(_output_state(out), before) and _name not in replaced:
                     replaced.append(_name)
 
-            self._hook_probes.append(module.register_forward_hook(first, prepend=True))
+            if not global_hooks:
+                self._hook_probes.append(module.register_forward_hook(first, prepend=True))
             self._hook_probes.append(module.register_forward_hook(last))
 
     def _remove_hook_probes(self) -> None:
@@ -2542,7 +2558,7 @@ class Tracker:
         warn_at_caller(
             f"forward hooks of the tracked modules {shown} replaced or changed their output in the first captured "
             "forward: activationscope records a module's output as its forward returns it, before its forward hooks "
-            "run, so what is recorded there is not what the model passed on (a steered, ablated or patched value). "
+            "run (its own and the global ones of register_module_forward_hook), so what is recorded there is not what the model passed on (a steered, ablated or patched value). "
             "To record the value the hooks made, track the module that receives it (capture='input' of the next "
             "module, or the next TransformerLens hook point, e.g. blocks.1.hook_resid_pre after "
             "blocks.0.hook_resid_post)" + (
