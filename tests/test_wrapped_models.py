@@ -216,3 +216,36 @@ def test_global_forward_hook_that_only_reads_is_not_warned_about():
         reading.remove()
     assert _capture_warnings(caught) == [] and seen == ["Linear", "ReLU", "Linear", "MLP"]
     assert sorted(tracker.activations) == ["act.output", "fc1.output", "fc2.output"]
+
+
+@pytest.mark.parametrize("parametrization", ["weight_norm", "orthogonal", "spectral_norm"])
+def test_parametrizations_are_not_tracked_by_default(tmp_path, parametrization):
+    # the parametrizations of torch.nn.utils.parametrize compute the weight at each read: they
+    # were tracked by default, and a store took the weight (out_features rows per forward) as
+    # rows of the batch, out of step with the row table, with a warning
+    from torch.nn.utils import parametrizations
+
+    torch.manual_seed(0)
+    model = MLP().eval()
+    getattr(parametrizations, parametrization)(model.fc2)
+    xs = [torch.randn(5, 8) for _ in range(3)]
+    ref = _reference(model, ["fc1", "act", "fc2"], xs)
+    path = tmp_path / "s.zarr"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad(), acs.ActivationScope(store=path, reductions={"*": ["mean", "var"]}).track(model):
+            for x in xs:
+                model(x)
+    assert _capture_warnings(caught) == []
+    store = acs.open_store(path)
+    assert sorted(store.hook_points) == ["act.output", "fc1.output", "fc2.output"]
+    for k, v in ref.items():
+        assert torch.equal(store[k], v), k
+        assert torch.allclose(store.reductions[k]["var"], v.double().var(0, correction=0)), k
+    # named exactly, a parametrization is tracked (its output is the weight)
+    with torch.no_grad(), acs.ActivationScope().track(model, include=["fc2.parametrizations.weight"]) as tracker:
+        model(xs[0])
+    assert torch.equal(tracker.activations["fc2.parametrizations.weight.output"][0], model.fc2.weight)
+    with torch.no_grad(), acs.ActivationScope().track(model, include=["fc2*"]) as tracker:
+        model(xs[0])
+    assert tracker.hook_points == ["fc2.output"]

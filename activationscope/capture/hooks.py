@@ -128,7 +128,9 @@ def select_modules(
         ``torch.export.export(...).module()``): replaced by that GraphModule. The packed
         weights of quantized ``Linear`` / ``Embedding`` modules and the ``GuardsFn`` of a
         ``torch.export`` module, never called by their parents, are selected only when named
-        exactly.
+        exactly; so are the parametrizations of ``torch.nn.utils.parametrize``
+        (``<module>.parametrizations.weight...`` of ``weight_norm``, ``orthogonal``,
+        ``spectral_norm``), which compute a weight, not an activation.
     exclude : list of str, optional
         Module names or fnmatch patterns (same rule as ``include``) removed after
         ``include``; a pattern that matches no module warns
@@ -165,6 +167,11 @@ def select_modules(
     # nor are the packed weights of a quantized Linear / Embedding, nor the input check of a
     # torch.export module (GuardsFn, which returns nothing): selected only when named exactly
     never_called |= {n for n, m in named if n and never_called_type(m)}
+    # the parametrizations of torch.nn.utils.parametrize (weight_norm, orthogonal, spectral_norm,
+    # ...) compute a weight each time it is read, not an activation of the forward: selected
+    # only when named exactly (their rows would be the weight's)
+    weights = [f"{n}.parametrizations" if n else "parametrizations" for n, m in named if _parametrized(m)]
+    never_called |= {n for n in names if any(n == w or n.startswith(w + ".") for w in weights)}
     if include is None:
         chosen = [(n, m) for n, m in named if n != "" and n not in never_called]
         if not chosen:  # a model without submodules: track the root itself
@@ -438,6 +445,13 @@ _NEVER_CALLED_TYPES = frozenset({
     "torch.ao.nn.quantized.modules.embedding_ops.EmbeddingPackedParams",
     "torch.export._unlift.GuardsFn",  # a torch.export module's input check: returns nothing
 })
+
+
+def _parametrized(module: torch.nn.Module) -> bool:
+    """Whether ``module`` holds ``torch.nn.utils.parametrize`` parametrizations."""
+    from torch.nn.utils import parametrize
+
+    return parametrize.is_parametrized(module)
 
 
 def never_called_type(module: torch.nn.Module) -> bool:
