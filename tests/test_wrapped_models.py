@@ -3,6 +3,7 @@ parametrizations and hooks of the user's own, checked against plain ``register_f
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -249,3 +250,25 @@ def test_parametrizations_are_not_tracked_by_default(tmp_path, parametrization):
     with torch.no_grad(), acs.ActivationScope().track(model, include=["fc2*"]) as tracker:
         model(xs[0])
     assert tracker.hook_points == ["fc2.output"]
+
+
+def test_names_without_the_wrapper_attribute_are_told_what_to_write():
+    # a DataParallel / DistributedDataParallel model names its modules 'module.fc1': include=['fc1']
+    # was refused listing names only ("module names look like [...]"), not what to write
+    model = torch.nn.DataParallel(MLP())
+    with pytest.raises(acs.HookPointNotFoundError, match=re.escape(
+            "include pattern 'fc*' matches no module of DataParallel: the modules of DataParallel are named with the "
+            "attributes of the wrappers that hold them ('module.fc1' for 'fc1'): include=['module.fc*'], or track the "
+            "wrapped model itself (model.module, a MLP)")):
+        acs.ActivationScope().track(model, include=["fc*"])
+    with pytest.warns(acs.CaptureWarning, match=re.escape("exclude pattern 'act' matches no module of DataParallel, so "
+                                                          "it excludes nothing: the modules of DataParallel are named "
+                                                          "with the attributes") + ".*exclude=\\['module.act'\\]"):
+        acs.ActivationScope().track(model, exclude=["act"])
+    x = torch.randn(5, 8)
+    ref = _reference(model.module, ["fc1"], [x])
+    with torch.no_grad(), acs.ActivationScope().track(model, include=["module.fc1"]) as wrapped, \
+            acs.ActivationScope().track(model.module, include=["fc1"]) as inner:
+        model(x)
+    assert torch.equal(wrapped.activations["module.fc1.output"][0], ref["fc1.output"])
+    assert torch.equal(inner.activations["fc1.output"][0], ref["fc1.output"])

@@ -185,6 +185,7 @@ def select_modules(
                 raise HookPointNotFoundError(
                     f"include pattern {pat!r} matches no module of {type(model).__name__}"
                     + (bracket or _shared_names_hint(model, named, pat, "include")
+                       or _wrapper_hint(model, pat, names, "include")
                        or f"; module names look like {_examples(names)}" + _hook_point_hint(pat, names, named))
                 )
             if bracket:
@@ -205,6 +206,7 @@ def select_modules(
                 warn_at_caller(
                     f"exclude pattern {pat!r} matches no module of {type(model).__name__}, so it excludes nothing"
                     + (bracket or _shared_names_hint(model, named, pat, "exclude")
+                       or _wrapper_hint(model, pat, names, "exclude")
                        or f"; module names look like {_examples(names)}" + (f"; did you mean {names_repr(close)}?" if close else "")),
                     CaptureWarning,
                 )
@@ -635,6 +637,41 @@ def rename_hook_point(name: str, hook_point_paths: frozenset[str], side: str) ->
             if base.split("#")[0] in hook_point_paths:
                 return None if is_input and side == "both" else base
     return name
+
+
+# the attribute under which a wrapper holds the model it wraps: nn.DataParallel and
+# DistributedDataParallel (module), FSDP's FullyShardedDataParallel (_fsdp_wrapped_module),
+# torch.distributed's checkpoint_wrapper / offload_wrapper (_checkpoint_wrapped_module)
+_WRAPPED_ATTRS = ("module", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+
+
+def _wrapper_hint(model: torch.nn.Module, pattern: str, names: list[str], argument: str) -> str:
+    """For a pattern that selects no module of ``model`` but would, were the wrappers'
+    attributes (``module.`` of ``nn.DataParallel`` / ``DistributedDataParallel``,
+    ``_fsdp_wrapped_module.`` of FSDP, ...) left out of the names: the names to write, and
+    that tracking the wrapped model itself names hook points as in it. Else ``""``."""
+    unwrapped: dict[str, list[str]] = {}
+    for n in names:
+        parts = n.split(".")
+        bare = ".".join(p for p in parts if p not in _WRAPPED_ATTRS)
+        if bare != n and bare:
+            unwrapped.setdefault(bare, []).append(n)
+    hits = pattern_hits(pattern, list(unwrapped))
+    if not hits:
+        return ""
+    real = [n for h in hits for n in unwrapped[h]]
+    leads = {n[: len(n) - len(h)] for h in hits for n in unwrapped[h] if n.endswith("." + h)}
+    if len(leads) == 1 and all(n.endswith("." + h) for h in hits for n in unwrapped[h]):
+        written: Any = leads.pop() + pattern  # (the wrappers are all in front: "module." + pattern)
+    else:  # (wrappers inside the path: the names themselves)
+        written = real[:8]
+    hint = (f": the modules of {type(model).__name__} are named with the attributes of the wrappers that hold them "
+            f"({real[0]!r} for {hits[0]!r}): {argument}={[written] if isinstance(written, str) else written!r}")
+    inner = next((a for a in _WRAPPED_ATTRS if isinstance(model._modules.get(a), torch.nn.Module)), None)
+    if inner is not None:
+        hint += (f", or track the wrapped model itself (model.{inner}, a {type(model._modules[inner]).__name__}): its "
+                 "hook points are then named as without the wrapper")
+    return hint
 
 
 def _shared_names_hint(model: torch.nn.Module, named: list[tuple[str, torch.nn.Module]], pattern: str,
