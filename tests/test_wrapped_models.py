@@ -272,3 +272,31 @@ def test_names_without_the_wrapper_attribute_are_told_what_to_write():
         model(x)
     assert torch.equal(wrapped.activations["module.fc1.output"][0], ref["fc1.output"])
     assert torch.equal(inner.activations["fc1.output"][0], ref["fc1.output"])
+
+
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("first_wrapped", [True, False])
+def test_resume_through_another_wrapping_names_the_wrapper(tmp_path, first_wrapped):
+    # a store captured through DataParallel ('module.fc1.output') and resumed with the model
+    # itself ('fc1.output'), or the other way round, was refused as other hook points only
+    model = MLP()
+    wrapped = torch.nn.DataParallel(model)
+    first, then = (wrapped, model) if first_wrapped else (model, wrapped)
+    x = torch.randn(5, 8)
+    path = tmp_path / "s.zarr"
+    with pytest.raises(_Stop), torch.no_grad(), acs.ActivationScope(store=path).track(first):
+        first(x)
+        raise _Stop
+    side = "store" if first_wrapped else "capture"
+    with pytest.raises(acs.CaptureError, match=re.escape(f"The {side}'s names hold a wrapper's attribute") +
+                       ".*track the model as the first run did, the wrapper or the model it wraps"):
+        with torch.no_grad(), acs.ActivationScope(store=path, store_options={"resume": True}).track(then):
+            then(x)
+    with torch.no_grad(), acs.ActivationScope(store=path, store_options={"resume": True}).track(first):
+        first(x)
+    store = acs.open_store(path)
+    name = "module.fc1.output" if first_wrapped else "fc1.output"
+    assert torch.equal(store[name], torch.cat([model.fc1(x)] * 2).detach())

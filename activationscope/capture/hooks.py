@@ -645,6 +645,12 @@ def rename_hook_point(name: str, hook_point_paths: frozenset[str], side: str) ->
 _WRAPPED_ATTRS = ("module", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
 
 
+def without_wrappers(name: str) -> str:
+    """``name`` (a module name or hook point) without the attributes of the wrappers on its path
+    (``module.fc1.output`` of a ``DataParallel`` gives ``fc1.output``)."""
+    return ".".join(p for p in name.split(".") if p not in _WRAPPED_ATTRS)
+
+
 def _wrapper_hint(model: torch.nn.Module, pattern: str, names: list[str], argument: str) -> str:
     """For a pattern that selects no module of ``model`` but would, were the wrappers'
     attributes (``module.`` of ``nn.DataParallel`` / ``DistributedDataParallel``,
@@ -652,8 +658,7 @@ def _wrapper_hint(model: torch.nn.Module, pattern: str, names: list[str], argume
     that tracking the wrapped model itself names hook points as in it. Else ``""``."""
     unwrapped: dict[str, list[str]] = {}
     for n in names:
-        parts = n.split(".")
-        bare = ".".join(p for p in parts if p not in _WRAPPED_ATTRS)
+        bare = without_wrappers(n)
         if bare != n and bare:
             unwrapped.setdefault(bare, []).append(n)
     hits = pattern_hits(pattern, list(unwrapped))

@@ -35,7 +35,8 @@ from .._args import parse_flag
 from ..errors import (ActivationScopeError, ArgumentTypeError, ArgumentValueError, CaptureError, CaptureWarning,
                       HookPointNotFoundError, ReductionError, StoreError, names_repr, warn_at_caller)
 from .hooks import (check_column, hook_point_module, is_hook_point_module, named_modules, never_called_type,
-                    bracket_hint, normalize_patterns, pattern_selects, rename_hook_point, select_modules)
+                    bracket_hint, normalize_patterns, pattern_selects, rename_hook_point, select_modules,
+                    without_wrappers)
 from .results import HookPointResults, ReductionResults, main_result_key
 from .writer import check_writer_options, merges_reductions, open_writer, writer_options
 
@@ -1335,6 +1336,15 @@ class Tracker:
             f"({_names(stored)}): resume with the same include=/exclude=/capture= as the first run, or write the "
             "other hook points into a new store (the store is left as it was)"
         )
+        theirs = [x for x in missing if without_wrappers(x) != x]
+        mine = [n for n, _ in self._modules if without_wrappers(n) != n]
+        if bool(theirs) != bool(mine):  # one run tracked a wrapper (DataParallel: module.fc1), the other not
+            self._refused += (
+                f". The {'store' if theirs else 'capture'}'s names hold a wrapper's attribute "
+                f"({(theirs or mine)[0]!r}: the 'module.' of DataParallel / DistributedDataParallel, "
+                f"'_fsdp_wrapped_module.' of FSDP) and the {'capture' if theirs else 'store'}'s do not: track the model "
+                "as the first run did, the wrapper or the model it wraps (the wrapper's .module)"
+            )
         if self._closed:  # refused at attach: nothing to undo
             _discard(self.writer, CaptureError(self._refused))
         raise CaptureError(self._refused)
