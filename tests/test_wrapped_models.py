@@ -300,3 +300,40 @@ def test_resume_through_another_wrapping_names_the_wrapper(tmp_path, first_wrapp
     store = acs.open_store(path)
     name = "module.fc1.output" if first_wrapped else "fc1.output"
     assert torch.equal(store[name], torch.cat([model.fc1(x)] * 2).detach())
+
+
+def test_a_replica_of_a_tracked_module_runs_the_original_forward():
+    # what an nn.DataParallel over several devices does at each forward: replicas made by
+    # Module._replicate_for_data_parallel share the instance __dict__, so the capture's
+    # wrapper of the original, which runs the original's forward and parameters
+    model = torch.nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+
+    def replica():
+        r = model._replicate_for_data_parallel()
+        for k, p in model._parameters.items():
+            setattr(r, k, torch.zeros_like(p))
+        return r
+
+    assert torch.equal(replica()(x), torch.zeros(2, 4))
+    with torch.no_grad(), acs.ActivationScope().track(model, include=[""]):
+        assert torch.equal(replica()(x), model(x))  # not the replica's own parameters: refused below
+
+
+@pytest.mark.parametrize("inside", [False, True])
+def test_data_parallel_over_several_devices_is_refused(tmp_path, inside):
+    parallel = torch.nn.DataParallel(MLP())
+    parallel.device_ids = [0, 1]  # (as made on a machine of two GPUs)
+    model = torch.nn.Sequential(parallel) if inside else parallel
+    where = "the model's '0'" if inside else "the model"
+    with pytest.raises(acs.CaptureError, match=re.escape(
+            f"{where} is an nn.DataParallel over 2 devices (device_ids=[0, 1]): it copies the model to each device") +
+            ".*DistributedDataParallel.*device_ids=\\[0\\]"):
+        with acs.ActivationScope(store=tmp_path / "s.zarr").track(model):
+            pass
+    assert not (tmp_path / "s.zarr").exists()
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    parallel.device_ids = []
+    with torch.no_grad(), acs.ActivationScope().track(model) as tracker:
+        model(torch.randn(3, 8))
+    assert len(tracker.hook_points) == (5 if inside else 4)

@@ -744,6 +744,24 @@ def _named_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def _refuse_replicating(model: torch.nn.Module) -> None:
+    """CaptureError for a model holding an ``nn.DataParallel`` over several devices: at each
+    forward it copies its module to each device with ``Module._replicate_for_data_parallel``,
+    which copies the instance ``__dict__``, so each replica would call the capture's wrapper of
+    the original module, running the original's forward (its parameters, on the first device)
+    on that replica's part of the batch, from one thread per device."""
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.DataParallel) and len(module.device_ids or ()) > 1:
+            where = f"the model's {name!r}" if name else "the model"
+            raise CaptureError(
+                f"{where} is an nn.DataParallel over {len(module.device_ids)} devices "
+                f"(device_ids={list(module.device_ids)!r}): it copies the model to each device at every forward, and "
+                "those copies would run the forwards of the tracked modules of the original. Capture with "
+                "DistributedDataParallel (one process per device, torchrun: each rank's rows go to one store), or "
+                "with DataParallel over one device (device_ids=[0]); nothing was written"
+            )
+
+
 def _uncompiled(model: Any) -> Any:
     """The module a ``torch.compile(model)`` wraps (hook points are named as in it); other
     objects unchanged."""
@@ -1006,6 +1024,10 @@ class Tracker:
             same model, a submodule both models share, a model and one of its submodules):
             each would capture the other thread's forwards. Nothing is written; give each
             thread its own copy of the model, or attach both trackers in one thread.
+        CaptureError
+            The model holds an ``nn.DataParallel`` over several devices: its replicas of the
+            tracked modules would run the forwards of the originals (see
+            :func:`_refuse_replicating`). Nothing is written.
 
         Any error raised after the store opened (a refusal above, a module that cannot be
         wrapped) closes the store without committing anything of this run (left as it was
@@ -1016,6 +1038,7 @@ class Tracker:
             return self
         if self._closed and self.writer is not None:
             raise CaptureError("this tracker's store is closed; make a new tracker with resume=True to add rows")
+        _refuse_replicating(self.model)
         self._claim_modules()  # (before the store is opened: a refusal writes nothing)
         opening = self.scope.store is not None and self.writer is None
         try:
