@@ -337,3 +337,24 @@ def test_data_parallel_over_several_devices_is_refused(tmp_path, inside):
     with torch.no_grad(), acs.ActivationScope().track(model) as tracker:
         model(torch.randn(3, 8))
     assert len(tracker.hook_points) == (5 if inside else 4)
+
+
+def test_hook_point_patterns_without_the_wrapper_attribute_are_told_what_to_write():
+    # reductions= / exclude_hook_points= patterns of the model's own names selected nothing of a
+    # DataParallel's hook points ('module.fc1.output'), and the messages listed names only
+    model = torch.nn.DataParallel(MLP())
+    x = torch.randn(5, 8)
+    with pytest.raises(acs.HookPointNotFoundError, match=re.escape(
+            "reductions= pattern 'fc*.output' selects no hook point") + ".*" + re.escape(
+            ": the hook points of DataParallel are named with the attributes of the wrappers that hold them "
+            "('module.fc1.output' for 'fc1.output'): reductions={'module.fc*.output': ...}, or track the wrapped model "
+            "itself (model.module, a MLP)")):
+        with torch.no_grad(), acs.ActivationScope(reductions={"fc*.output": ["mean"]}).track(model):
+            model(x)
+    with pytest.warns(acs.CaptureWarning, match=re.escape("exclude_hook_points pattern(s) ['act.output'] left out no "
+                                                          "hook point") + ".*exclude_hook_points=\\['module.act.output'\\]"):
+        with torch.no_grad(), acs.ActivationScope(exclude_hook_points=["act.output"]).track(model):
+            model(x)
+    with torch.no_grad(), acs.ActivationScope(reductions={"module.fc*.output": ["mean"]}).track(model) as tracker:
+        model(x)
+    assert torch.allclose(tracker.reductions["module.fc1.output"]["mean"], model.module.fc1(x).double().mean(0))

@@ -185,7 +185,7 @@ def select_modules(
                 raise HookPointNotFoundError(
                     f"include pattern {pat!r} matches no module of {type(model).__name__}"
                     + (bracket or _shared_names_hint(model, named, pat, "include")
-                       or _wrapper_hint(model, pat, names, "include")
+                       or wrapper_hint(model, pat, names, "include")
                        or f"; module names look like {_examples(names)}" + _hook_point_hint(pat, names, named))
                 )
             if bracket:
@@ -206,7 +206,7 @@ def select_modules(
                 warn_at_caller(
                     f"exclude pattern {pat!r} matches no module of {type(model).__name__}, so it excludes nothing"
                     + (bracket or _shared_names_hint(model, named, pat, "exclude")
-                       or _wrapper_hint(model, pat, names, "exclude")
+                       or wrapper_hint(model, pat, names, "exclude")
                        or f"; module names look like {_examples(names)}" + (f"; did you mean {names_repr(close)}?" if close else "")),
                     CaptureWarning,
                 )
@@ -651,7 +651,8 @@ def without_wrappers(name: str) -> str:
     return ".".join(p for p in name.split(".") if p not in _WRAPPED_ATTRS)
 
 
-def _wrapper_hint(model: torch.nn.Module, pattern: str, names: list[str], argument: str) -> str:
+def wrapper_hint(model: torch.nn.Module, pattern: str, names: list[str], argument: str, noun: str = "modules",
+                 spelled: str | None = None) -> str:
     """For a pattern that selects no module of ``model`` but would, were the wrappers'
     attributes (``module.`` of ``nn.DataParallel`` / ``DistributedDataParallel``,
     ``_fsdp_wrapped_module.`` of FSDP, ...) left out of the names: the names to write, and
@@ -670,8 +671,11 @@ def _wrapper_hint(model: torch.nn.Module, pattern: str, names: list[str], argume
         written: Any = leads.pop() + pattern  # (the wrappers are all in front: "module." + pattern)
     else:  # (wrappers inside the path: the names themselves)
         written = real[:8]
-    hint = (f": the modules of {type(model).__name__} are named with the attributes of the wrappers that hold them "
-            f"({real[0]!r} for {hits[0]!r}): {argument}={[written] if isinstance(written, str) else written!r}")
+    shown = repr([written] if isinstance(written, str) else written)
+    if spelled is not None:  # (a mapping's key: reductions={'module.fc1.output': ...})
+        shown = spelled.format(repr(written) if isinstance(written, str) else shown)
+    hint = (f": the {noun} of {type(model).__name__} are named with the attributes of the wrappers that hold them "
+            f"({real[0]!r} for {hits[0]!r}): {argument}={shown}")
     inner = next((a for a in _WRAPPED_ATTRS if isinstance(model._modules.get(a), torch.nn.Module)), None)
     if inner is not None:
         hint += (f", or track the wrapped model itself (model.{inner}, a {type(model._modules[inner]).__name__}): its "

@@ -36,7 +36,7 @@ from ..errors import (ActivationScopeError, ArgumentTypeError, ArgumentValueErro
                       HookPointNotFoundError, ReductionError, StoreError, names_repr, warn_at_caller)
 from .hooks import (check_column, hook_point_module, is_hook_point_module, named_modules, never_called_type,
                     bracket_hint, normalize_patterns, pattern_selects, rename_hook_point, select_modules,
-                    without_wrappers)
+                    without_wrappers, wrapper_hint)
 from .results import HookPointResults, ReductionResults, main_result_key
 from .writer import check_writer_options, merges_reductions, open_writer, writer_options
 
@@ -1696,7 +1696,8 @@ class Tracker:
             warn_at_caller(
                 f"exclude_hook_points pattern(s) {unused} left out no hook point of the {self._n_captured} captured "
                 f"forward(s), so they excluded nothing; the hook points captured: {sorted(self._sinks)[:8]}"
-                + (", ..." if len(self._sinks) > 8 else ""),
+                + (", ..." if len(self._sinks) > 8 else "")
+                + wrapper_hint(self.model, unused[0], sorted(self._sinks), "exclude_hook_points", "hook points"),
                 CaptureWarning,
             )
         if silent:
@@ -2324,7 +2325,9 @@ class Tracker:
                 self._refused_error = HookPointNotFoundError
                 self._refused = (
                     f"{argument}= pattern {pattern!r} selects no hook point: {source} {_names(sorted(hook_points))}"
-                    + (bracket or "; a pattern names hook points (a module path plus '.output' or '.input.0'), not "
+                    + (bracket or wrapper_hint(self.model, pattern, names, argument, "hook points",
+                                               spelled="{{{}: ...}}")
+                       or "; a pattern names hook points (a module path plus '.output' or '.input.0'), not "
                        "modules: fix the pattern or drop it")
                     + ("" if self.writer is None else " (no row of this run is stored)")
                 )
