@@ -2594,7 +2594,8 @@ class Tracker:
         warn_at_caller(
             f"forward hooks of the tracked modules {shown} replaced or changed their output in the first captured "
             "forward: activationscope records a module's output as its forward returns it, before its forward hooks "
-            "run (its own and the global ones of register_module_forward_hook), so what is recorded there is not what the model passed on (a steered, ablated or patched value). "
+            "run (its own and the global ones of register_module_forward_hook), so what is recorded there is not "
+            "what the model passed on (a steered, ablated or patched value). "
             "To record the value the hooks made, track the module that receives it (capture='input' of the next "
             "module, or the next TransformerLens hook point, e.g. blocks.1.hook_resid_pre after "
             "blocks.0.hook_resid_post)" + (
