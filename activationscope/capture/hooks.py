@@ -128,7 +128,9 @@ def select_modules(
         ``torch.export.export(...).module()``): replaced by that GraphModule. The packed
         weights of quantized ``Linear`` / ``Embedding`` modules and the ``GuardsFn`` of a
         ``torch.export`` module, never called by their parents, are selected only when named
-        exactly.
+        exactly; so are the parametrizations of ``torch.nn.utils.parametrize``
+        (``<module>.parametrizations.weight...`` of ``weight_norm``, ``orthogonal``,
+        ``spectral_norm``), which compute a weight, not an activation.
     exclude : list of str, optional
         Module names or fnmatch patterns (same rule as ``include``) removed after
         ``include``; a pattern that matches no module warns
@@ -165,6 +167,11 @@ def select_modules(
     # nor are the packed weights of a quantized Linear / Embedding, nor the input check of a
     # torch.export module (GuardsFn, which returns nothing): selected only when named exactly
     never_called |= {n for n, m in named if n and never_called_type(m)}
+    # the parametrizations of torch.nn.utils.parametrize (weight_norm, orthogonal, spectral_norm,
+    # ...) compute a weight each time it is read, not an activation of the forward: selected
+    # only when named exactly (their rows would be the weight's)
+    weights = [f"{n}.parametrizations" if n else "parametrizations" for n, m in named if _parametrized(m)]
+    never_called |= {n for n in names if any(n == w or n.startswith(w + ".") for w in weights)}
     if include is None:
         chosen = [(n, m) for n, m in named if n != "" and n not in never_called]
         if not chosen:  # a model without submodules: track the root itself
@@ -178,6 +185,7 @@ def select_modules(
                 raise HookPointNotFoundError(
                     f"include pattern {pat!r} matches no module of {type(model).__name__}"
                     + (bracket or _shared_names_hint(model, named, pat, "include")
+                       or wrapper_hint(model, pat, names, "include")
                        or f"; module names look like {_examples(names)}" + _hook_point_hint(pat, names, named))
                 )
             if bracket:
@@ -198,6 +206,7 @@ def select_modules(
                 warn_at_caller(
                     f"exclude pattern {pat!r} matches no module of {type(model).__name__}, so it excludes nothing"
                     + (bracket or _shared_names_hint(model, named, pat, "exclude")
+                       or wrapper_hint(model, pat, names, "exclude")
                        or f"; module names look like {_examples(names)}" + (f"; did you mean {names_repr(close)}?" if close else "")),
                     CaptureWarning,
                 )
@@ -440,6 +449,13 @@ _NEVER_CALLED_TYPES = frozenset({
 })
 
 
+def _parametrized(module: torch.nn.Module) -> bool:
+    """Whether ``module`` holds ``torch.nn.utils.parametrize`` parametrizations."""
+    from torch.nn.utils import parametrize
+
+    return parametrize.is_parametrized(module)
+
+
 def never_called_type(module: torch.nn.Module) -> bool:
     """Whether ``module`` is of a type its parent never calls (:data:`_NEVER_CALLED_TYPES`)."""
     t = type(module)
@@ -621,6 +637,50 @@ def rename_hook_point(name: str, hook_point_paths: frozenset[str], side: str) ->
             if base.split("#")[0] in hook_point_paths:
                 return None if is_input and side == "both" else base
     return name
+
+
+# the attribute under which a wrapper holds the model it wraps: nn.DataParallel and
+# DistributedDataParallel (module), FSDP's FullyShardedDataParallel (_fsdp_wrapped_module),
+# torch.distributed's checkpoint_wrapper / offload_wrapper (_checkpoint_wrapped_module)
+_WRAPPED_ATTRS = ("module", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+
+
+def without_wrappers(name: str) -> str:
+    """``name`` (a module name or hook point) without the attributes of the wrappers on its path
+    (``module.fc1.output`` of a ``DataParallel`` gives ``fc1.output``)."""
+    return ".".join(p for p in name.split(".") if p not in _WRAPPED_ATTRS)
+
+
+def wrapper_hint(model: torch.nn.Module, pattern: str, names: list[str], argument: str, noun: str = "modules",
+                 spelled: str | None = None) -> str:
+    """For a pattern that selects no module of ``model`` but would, were the wrappers'
+    attributes (``module.`` of ``nn.DataParallel`` / ``DistributedDataParallel``,
+    ``_fsdp_wrapped_module.`` of FSDP, ...) left out of the names: the names to write, and
+    that tracking the wrapped model itself names hook points as in it. Else ``""``."""
+    unwrapped: dict[str, list[str]] = {}
+    for n in names:
+        bare = without_wrappers(n)
+        if bare != n and bare:
+            unwrapped.setdefault(bare, []).append(n)
+    hits = pattern_hits(pattern, list(unwrapped))
+    if not hits:
+        return ""
+    real = [n for h in hits for n in unwrapped[h]]
+    leads = {n[: len(n) - len(h)] for h in hits for n in unwrapped[h] if n.endswith("." + h)}
+    if len(leads) == 1 and all(n.endswith("." + h) for h in hits for n in unwrapped[h]):
+        written: Any = leads.pop() + pattern  # (the wrappers are all in front: "module." + pattern)
+    else:  # (wrappers inside the path: the names themselves)
+        written = real[:8]
+    shown = repr([written] if isinstance(written, str) else written)
+    if spelled is not None:  # (a mapping's key: reductions={'module.fc1.output': ...})
+        shown = spelled.format(repr(written) if isinstance(written, str) else shown)
+    hint = (f": the {noun} of {type(model).__name__} are named with the attributes of the wrappers that hold them "
+            f"({real[0]!r} for {hits[0]!r}): {argument}={shown}")
+    inner = next((a for a in _WRAPPED_ATTRS if isinstance(model._modules.get(a), torch.nn.Module)), None)
+    if inner is not None:
+        hint += (f", or track the wrapped model itself (model.{inner}, a {type(model._modules[inner]).__name__}): its "
+                 "hook points are then named as without the wrapper")
+    return hint
 
 
 def _shared_names_hint(model: torch.nn.Module, named: list[tuple[str, torch.nn.Module]], pattern: str,

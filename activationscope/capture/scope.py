@@ -35,7 +35,8 @@ from .._args import parse_flag
 from ..errors import (ActivationScopeError, ArgumentTypeError, ArgumentValueError, CaptureError, CaptureWarning,
                       HookPointNotFoundError, ReductionError, StoreError, names_repr, warn_at_caller)
 from .hooks import (check_column, hook_point_module, is_hook_point_module, named_modules, never_called_type,
-                    bracket_hint, normalize_patterns, pattern_selects, rename_hook_point, select_modules)
+                    bracket_hint, normalize_patterns, pattern_selects, rename_hook_point, select_modules,
+                    without_wrappers, wrapper_hint)
 from .results import HookPointResults, ReductionResults, main_result_key
 from .writer import check_writer_options, merges_reductions, open_writer, writer_options
 
@@ -743,6 +744,24 @@ def _named_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def _refuse_replicating(model: torch.nn.Module) -> None:
+    """CaptureError for a model holding an ``nn.DataParallel`` over several devices: at each
+    forward it copies its module to each device with ``Module._replicate_for_data_parallel``,
+    which copies the instance ``__dict__``, so each replica would call the capture's wrapper of
+    the original module, running the original's forward (its parameters, on the first device)
+    on that replica's part of the batch, from one thread per device."""
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.DataParallel) and len(module.device_ids or ()) > 1:
+            where = f"the model's {name!r}" if name else "the model"
+            raise CaptureError(
+                f"{where} is an nn.DataParallel over {len(module.device_ids)} devices "
+                f"(device_ids={list(module.device_ids)!r}): it copies the model to each device at every forward, and "
+                "those copies would run the forwards of the tracked modules of the original. Capture with "
+                "DistributedDataParallel (one process per device, torchrun: each rank's rows go to one store), or "
+                "with DataParallel over one device (device_ids=[0]); nothing was written"
+            )
+
+
 def _uncompiled(model: Any) -> Any:
     """The module a ``torch.compile(model)`` wraps (hook points are named as in it); other
     objects unchanged."""
@@ -1005,6 +1024,10 @@ class Tracker:
             same model, a submodule both models share, a model and one of its submodules):
             each would capture the other thread's forwards. Nothing is written; give each
             thread its own copy of the model, or attach both trackers in one thread.
+        CaptureError
+            The model holds an ``nn.DataParallel`` over several devices: its replicas of the
+            tracked modules would run the forwards of the originals (see
+            :func:`_refuse_replicating`). Nothing is written.
 
         Any error raised after the store opened (a refusal above, a module that cannot be
         wrapped) closes the store without committing anything of this run (left as it was
@@ -1015,6 +1038,7 @@ class Tracker:
             return self
         if self._closed and self.writer is not None:
             raise CaptureError("this tracker's store is closed; make a new tracker with resume=True to add rows")
+        _refuse_replicating(self.model)
         self._claim_modules()  # (before the store is opened: a refusal writes nothing)
         opening = self.scope.store is not None and self.writer is None
         try:
@@ -1335,6 +1359,15 @@ class Tracker:
             f"({_names(stored)}): resume with the same include=/exclude=/capture= as the first run, or write the "
             "other hook points into a new store (the store is left as it was)"
         )
+        theirs = [x for x in missing if without_wrappers(x) != x]
+        mine = [n for n, _ in self._modules if without_wrappers(n) != n]
+        if bool(theirs) != bool(mine):  # one run tracked a wrapper (DataParallel: module.fc1), the other not
+            self._refused += (
+                f". The {'store' if theirs else 'capture'}'s names hold a wrapper's attribute "
+                f"({(theirs or mine)[0]!r}: the 'module.' of DataParallel / DistributedDataParallel, "
+                f"'_fsdp_wrapped_module.' of FSDP) and the {'capture' if theirs else 'store'}'s do not: track the model "
+                "as the first run did, the wrapper or the model it wraps (the wrapper's .module)"
+            )
         if self._closed:  # refused at attach: nothing to undo
             _discard(self.writer, CaptureError(self._refused))
         raise CaptureError(self._refused)
@@ -1663,7 +1696,8 @@ class Tracker:
             warn_at_caller(
                 f"exclude_hook_points pattern(s) {unused} left out no hook point of the {self._n_captured} captured "
                 f"forward(s), so they excluded nothing; the hook points captured: {sorted(self._sinks)[:8]}"
-                + (", ..." if len(self._sinks) > 8 else ""),
+                + (", ..." if len(self._sinks) > 8 else "")
+                + wrapper_hint(self.model, unused[0], sorted(self._sinks), "exclude_hook_points", "hook points"),
                 CaptureWarning,
             )
         if silent:
@@ -2291,7 +2325,9 @@ class Tracker:
                 self._refused_error = HookPointNotFoundError
                 self._refused = (
                     f"{argument}= pattern {pattern!r} selects no hook point: {source} {_names(sorted(hook_points))}"
-                    + (bracket or "; a pattern names hook points (a module path plus '.output' or '.input.0'), not "
+                    + (bracket or wrapper_hint(self.model, pattern, names, argument, "hook points",
+                                               spelled="{{{}: ...}}")
+                       or "; a pattern names hook points (a module path plus '.output' or '.input.0'), not "
                        "modules: fix the pattern or drop it")
                     + ("" if self.writer is None else " (no row of this run is stored)")
                 )
@@ -2510,15 +2546,30 @@ class Tracker:
         the output its forward returned, and one last, that sees what the hooks made of it. An
         output is recorded as the forward returns it, before its hooks run; one that a hook
         replaced or changed in place (steering, ablation, patching) is named in a warning at the
-        end of the forward. Modules without forward hooks get nothing; later forwards neither."""
+        end of the forward. Global forward hooks (``register_module_forward_hook``) run before
+        each module's own: while there are some, every tracked module is looked at, its output
+        noted by a global hook put first. Modules without forward hooks get nothing; later
+        forwards neither."""
         seen: dict[int, Any] = {}
         replaced = self._hook_replaced
+        # the global forward hooks (torch.nn.modules.module.register_module_forward_hook) run
+        # before each module's own: the output is noted by a global hook put first among them
+        global_hooks = torch.nn.modules.module._global_forward_hooks
+        tracked = {id(module) for _, module in self._modules}
 
         def first(module: Any, args: Any, out: Any) -> None:
             seen[id(module)] = _output_state(out)
 
+        def first_global(module: Any, args: Any, out: Any) -> None:
+            if id(module) in tracked:
+                seen[id(module)] = _output_state(out)
+
+        if global_hooks:
+            handle = torch.nn.modules.module.register_module_forward_hook(first_global)
+            global_hooks.move_to_end(handle.id, last=False)
+            self._hook_probes.append(handle)
         for name, module in self._modules:
-            if not module._forward_hooks:
+            if not module._forward_hooks and not global_hooks:
                 continue
 
             def last(module: Any, args: Any, out: Any, _name: str = name) -> None:
@@ -2526,7 +2577,8 @@ class Tracker:
                 if before is not None and not _same_output(_output_state(out), before) and _name not in replaced:
                     replaced.append(_name)
 
-            self._hook_probes.append(module.register_forward_hook(first, prepend=True))
+            if not global_hooks:
+                self._hook_probes.append(module.register_forward_hook(first, prepend=True))
             self._hook_probes.append(module.register_forward_hook(last))
 
     def _remove_hook_probes(self) -> None:
@@ -2542,7 +2594,8 @@ class Tracker:
         warn_at_caller(
             f"forward hooks of the tracked modules {shown} replaced or changed their output in the first captured "
             "forward: activationscope records a module's output as its forward returns it, before its forward hooks "
-            "run, so what is recorded there is not what the model passed on (a steered, ablated or patched value). "
+            "run (its own and the global ones of register_module_forward_hook), so what is recorded there is not "
+            "what the model passed on (a steered, ablated or patched value). "
             "To record the value the hooks made, track the module that receives it (capture='input' of the next "
             "module, or the next TransformerLens hook point, e.g. blocks.1.hook_resid_pre after "
             "blocks.0.hook_resid_post)" + (

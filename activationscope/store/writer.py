@@ -27,6 +27,7 @@ import operator
 import os
 import shutil
 import stat
+import sys
 import tempfile
 import threading
 import time
@@ -407,13 +408,67 @@ def _state_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
         if not isinstance(t, torch.Tensor):
             continue
         if t.is_meta:
+            t = _offloaded(model, name, t)
+        if t.is_meta:
             raise ArgumentValueError(
                 f"the model's state dict entry {name!r} is on the meta device (shapes only, no values): a "
                 "store records the sha256 of the model's weights; load them (e.g. model.to_empty(device=...) "
                 "then load_state_dict) before capturing into a store"
             )
-        out.append((name, t))
+        out.append((name, _hashable(name, t)))
     return out
+
+
+def _offloaded(model: torch.nn.Module, name: str, meta: torch.Tensor) -> torch.Tensor:
+    """The values Hugging Face accelerate keeps of a state dict entry it offloaded to the CPU or
+    to disk (``cpu_offload``, ``disk_offload``, ``dispatch_model`` / ``device_map`` to ``"cpu"`` or
+    ``"disk"``: the module's own is on the meta device between forwards), read from its module's
+    ``AlignDevicesHook`` weights map; ``meta`` itself where there are none."""
+    module_name, _, key = name.rpartition(".")
+    try:
+        module = model.get_submodule(module_name)
+    except AttributeError:
+        return meta
+    hook = getattr(module, "_hf_hook", None)
+    for h in getattr(hook, "hooks", None) or [hook]:  # (a SequentialHook holds several)
+        weights = getattr(h, "weights_map", None)
+        if weights is None or not getattr(h, "offload", False):
+            continue
+        try:
+            value = weights[key]
+        except (KeyError, TypeError, OSError, RuntimeError):
+            continue
+        if isinstance(value, torch.Tensor) and not value.is_meta and value.shape == meta.shape \
+                and value.dtype == meta.dtype:
+            return value
+    return meta
+
+
+def _hashable(name: str, t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a tensor whose memory holds its values: a ``DTensor`` (``fully_shard``, FSDP2;
+    tensor parallelism) has no memory of its own (``data_ptr()`` 0), its local tensor holds
+    them where no mesh dimension of more than one rank shards it or holds partial sums (a
+    one-process group, replicated); ArgumentValueError for one split across ranks, and for any
+    other tensor without memory, naming the entry."""
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    if dtensor is not None and isinstance(t, dtensor):
+        mesh = t.device_mesh
+        split = [(p, mesh.size(i)) for i, p in enumerate(t.placements) if not p.is_replicate() and mesh.size(i) > 1]
+        if split:
+            raise ArgumentValueError(
+                f"the model's state dict entry {name!r} is a DTensor split across {split[0][1]} ranks "
+                f"({split[0][0]!r}): a store records the sha256 of the model's whole weights, which no rank holds. "
+                "Capture into a store a model whose every rank holds all of its weights (DistributedDataParallel, "
+                "or fully_shard on a mesh of one rank), or capture in memory (store=None)"
+            )
+        t = t.to_local()
+    if t.layout == torch.strided and t.numel() and t.data_ptr() == 0:
+        raise ArgumentValueError(
+            f"the model's state dict entry {name!r} is a {type(t).__name__} with no memory of its values "
+            "(a tensor subclass without storage): a store records the sha256 of the model's weights; capture "
+            "with plain tensors as weights, or in memory (store=None)"
+        )
+    return t
 
 
 class _HashCancelled(Exception):
