@@ -86,6 +86,28 @@ def test_reference_in_memory_keeps_the_tensor(kind):
     assert record.is_nested == out.is_nested and record.layout == out.layout and record.device == out.device
 
 
+@pytest.mark.parametrize("reductions", [[], {"0.output": ["mean"]}], ids=["empty", "other-hook-point"])
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_reference_keeps_the_tensor_when_reductions_are_for_other_hook_points(kind, reductions):
+    """REFERENCE keeps a sparse / nested / meta tensor also where reductions= is given but none
+    applies to its hook point (a nested tensor of the default layout raised torch's
+    'NestedTensorImpl doesn't support sizes' from sizing reductions it does not have)."""
+    model = _model(kind)
+    x = torch.randn(2, 3)
+    scope = acs.ActivationScope(capture_mode=acs.CaptureMode.REFERENCE, reductions=reductions)
+    with torch.no_grad(), scope.track(model, include=["0", "1"]) as tr:
+        model(x)
+    with torch.no_grad():
+        first = model[0](x)
+        out = model[1](first)
+    record = tr.activations["1.output"][0]
+    assert record.is_nested == out.is_nested and record.layout == out.layout and record.device == out.device
+    assert torch.equal(tr.activations["0.output"][0], first)
+    if reductions:
+        assert "1.output" not in tr.reductions
+        torch.testing.assert_close(tr.reductions["0.output"]["mean"], first.double().mean(0), rtol=1e-12, atol=1e-12)
+
+
 # ------------------------------------------------- dense first, sparse / nested / meta later
 
 

@@ -1987,8 +1987,10 @@ class Tracker:
         )
         if self._red_factories is not None:
             names, objects = [], []
-            n_features = math.prod(tensor.shape[2:] if token else tensor.shape[1:]) if tensor.dim() else 1
-            for red_name, factory in self._red_factories.resolve_reductions(scope.reductions, name, self._hook_names):
+            resolved = self._red_factories.resolve_reductions(scope.reductions, name, self._hook_names)
+            # (sized only where a reduction applies: a nested tensor kept by REFERENCE has no sizes)
+            n_features = (math.prod(tensor.shape[2:] if token else tensor.shape[1:]) if tensor.dim() else 1) if resolved else 0
+            for red_name, factory in resolved:
                 before = _script_of(factory)
                 reduction = factory()
                 _check_state_fits(name, red_name, reduction, n_features, self._red_factories.state_bytes)
