@@ -126,6 +126,35 @@ def test_autocast_switched_on_mid_capture_is_refused_in_a_store_not_cast(tmp_pat
     assert store["0.output"].dtype == torch.float32 and store["0.output"].shape == (5, 16)
 
 
+def test_a_resume_outside_the_autocast_of_the_stored_forwards_is_refused_naming_the_autocast(tmp_path):
+    """A store captured under autocast (bf16 arrays) resumed without it (float32 rows), with the
+    same model and options: refused naming both dtypes and the autocast (it said only "resume
+    with the same model and options"), the stored rows kept; the resume under the same autocast
+    appends."""
+    model = _mlp().eval()
+    xs = [torch.randn(5, 8) + i for i in range(3)]
+    path = tmp_path / "autocast.zarr"
+
+    def run(x):
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            return model(x)
+
+    with acs.ActivationScope(store=path).track(model, include=["0"]):
+        run(xs[0])
+    with pytest.raises(acs.StoreError, match=r"'0\.output'.*now give float32 where the stored ones gave bfloat16.*"
+                                              r"torch\.autocast"):
+        with torch.no_grad(), acs.ActivationScope(store=path, store_options={"resume": True}).track(model, include=["0"]):
+            model(xs[1])
+    store = acs.open_store(path)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        first = model[0](xs[0])
+        second = model[0](xs[2])
+    assert store["0.output"].dtype == torch.bfloat16 and torch.equal(store["0.output"][:], first)
+    with acs.ActivationScope(store=path, store_options={"resume": True}).track(model, include=["0"]):
+        run(xs[2])
+    assert torch.equal(acs.open_store(path)["0.output"][:], torch.cat([first, second]))
+
+
 # ---------------------------------------------------------------------- training loop
 
 
