@@ -561,16 +561,24 @@ void Sink::consume(const at::Tensor& x_in, const at::Tensor& token_mask) {
     auto half = [](at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; };
     const bool floats = at::isFloatingType(x.scalar_type()) && at::isFloatingType(*seen_dtype_);
     const bool autocast_like = floats && half(x.scalar_type()) != half(*seen_dtype_);
+    // integer or bool rows of a hook point whose first call was floating-point: storage_dtype
+    // casts them too (an integer it cannot hold exactly is refused, check_integer_cast)
+    const bool ints_of_floats = at::isFloatingType(*seen_dtype_) &&
+                                (at::isIntegralType(x.scalar_type(), /*includeBool=*/true));
     ACS_CHECK(false, "hook point '", name_, "' changed its dtype from ", dtype_name(*seen_dtype_), " to ",
               dtype_name(x.scalar_type()), " during the capture; its store array holds ",
               dtype_name(*seen_dtype_), ". ",
               autocast_like ? "A forward under torch.autocast and one outside it (or under another autocast "
                               "dtype) give such a change: run every forward under the same autocast, or p"
-                            : floats ? "P" : "",
+                            : floats || ints_of_floats ? "P" : "",
               // (storage_dtype casts floating-point hook points only: no fix for an integer or bool one)
               floats ? "ass storage_dtype= to cast every row to one dtype, or capture each dtype into its own store."
-                     : "storage_dtype casts floating-point hook points only: capture each dtype into its own store, "
-                       "or exclude= its module.");
+              : ints_of_floats
+                  ? "ass storage_dtype= to cast every row to one dtype (its first call was floating-point, so its "
+                    "integer rows are cast too, and an integer the dtype cannot hold exactly is refused), or capture "
+                    "each dtype into its own store, or exclude= its module."
+                  : "storage_dtype casts floating-point hook points only: capture each dtype into its own store, "
+                    "or exclude= its module.");
   }
 
   if (alias_of_) {
