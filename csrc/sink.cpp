@@ -855,7 +855,16 @@ void Sink::reduce(const at::Tensor& rows) {
   } catch (const StoreIOError&) {
     throw;
   } catch (const UserError& e) {
-    throw UserError(c10::str("hook point '", name_, "': ", e.what()));
+    // complex rows refused by a built-in reduction: the fix is to give it no reductions
+    const bool complex_refused =
+        rows.is_complex() && std::string(e.what()).find("needs real-valued rows") != std::string::npos;
+    throw UserError(c10::str("hook point '", name_, "': ", e.what(),
+                             complex_refused
+                                 ? c10::str(" (", dtype_name(rows.scalar_type()),
+                                            "); built-in reductions take real rows: give reductions= as a dict of "
+                                            "patterns that leaves '", name_, "' out ({\"pattern\": [...]}), or "
+                                            "exclude= its module")
+                                 : std::string()));
   }
 }
 
