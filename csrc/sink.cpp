@@ -316,6 +316,21 @@ std::string layout_name(c10::Layout layout) {
   }
 }
 
+// A __torch_dispatch__ wrapper subclass (torch.Tensor._make_wrapper_subclass: DTensor,
+// torchao's quantized and float8 tensors, a tensor of your own) has sizes and strides but no
+// bytes: its values are what its Python code computes, and its data pointer is null (a copy
+// of its memory read address 0).
+bool has_no_bytes(const at::Tensor& x) {
+  c10::TensorImpl* impl = x.unsafeGetTensorImpl();
+  if (!impl->is_python_dispatch() || x.numel() == 0) return false;
+  if (!impl->has_storage()) return true;
+  try {
+    return impl->storage().data() == nullptr;
+  } catch (const c10::Error&) {  // a storage that refuses to give its pointer holds none we may read
+    return true;
+  }
+}
+
 }  // namespace
 
 void Sink::check_layout(const at::Tensor& x) const {
@@ -330,7 +345,8 @@ void Sink::check_layout(const at::Tensor& x) const {
   static const c10::DispatchKeySet kFuncTorch(
       {c10::DispatchKey::FuncTorchGradWrapper, c10::DispatchKey::FuncTorchBatched});
   const bool functorch = x.key_set().has_any(kFuncTorch);
-  if (!nested && strided && !x.is_meta() && !quantized && !complex_to_real && !functorch) return;
+  const bool no_bytes = !nested && strided && !x.is_meta() && !quantized && has_no_bytes(x);
+  if (!nested && strided && !x.is_meta() && !quantized && !complex_to_real && !functorch && !no_bytes) return;
   // A tensor of a torch.func transform (grad, vmap, jacrev, ...): a wrapper without storage
   // of its own, valid inside the transform only; refused in every mode (the first call's
   // message: ActivationScope._check_layout).
@@ -358,6 +374,10 @@ void Sink::check_layout(const at::Tensor& x) const {
   } else if (!strided) {
     what = "a " + layout_name(x.layout()) + " tensor (not strided)";
     convert = "x.to_dense()";
+  } else if (no_bytes) {
+    what = "a tensor subclass with no bytes of its own (a __torch_dispatch__ wrapper: its values are computed by "
+           "its Python code)";
+    convert = "a plain torch.Tensor of its values";
   } else {
     what = "on the meta device (it has a shape but no values)";
     convert = "a model on a real device";

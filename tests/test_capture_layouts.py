@@ -1,6 +1,6 @@
-"""Activations a capture cannot record (sparse, nested, meta-device tensors) raise
-CaptureError naming the hook point, what it is and the fix, on a hook point's first call or
-a later one; a store stays readable."""
+"""Activations a capture cannot record (sparse, nested, meta-device tensors, tensor subclasses
+with no bytes of their own) raise CaptureError naming the hook point, what it is and the fix,
+on a hook point's first call or a later one; a store stays readable."""
 
 from __future__ import annotations
 
@@ -12,6 +12,29 @@ import torch
 import activationscope as acs
 
 
+class Wrapper(torch.Tensor):
+    """A ``__torch_dispatch__`` wrapper subclass (as DTensor and torchao's tensors are): sizes
+    and strides, no bytes of its own (a null data pointer); its values are ``elem``'s."""
+
+    @staticmethod
+    def __new__(cls, elem):
+        return torch.Tensor._make_wrapper_subclass(cls, elem.size(), strides=elem.stride(), dtype=elem.dtype,
+                                                   device=elem.device)
+
+    def __init__(self, elem):
+        self.elem = elem
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        from torch.utils._pytree import tree_map
+
+        out = func(*tree_map(lambda a: a.elem if isinstance(a, Wrapper) else a, args),
+                   **tree_map(lambda a: a.elem if isinstance(a, Wrapper) else a, kwargs or {}))
+        return tree_map(lambda a: Wrapper(a) if isinstance(a, torch.Tensor) else a, out)
+
+
 class Out(torch.nn.Module):
     def __init__(self, kind: str) -> None:
         super().__init__()
@@ -20,6 +43,8 @@ class Out(torch.nn.Module):
     def forward(self, x):
         if self.kind == "sparse":
             return x.to_sparse()
+        if self.kind == "wrapper":
+            return Wrapper(x * 2)
         if self.kind == "nested":
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # nested tensors are a prototype
@@ -27,7 +52,8 @@ class Out(torch.nn.Module):
         return torch.empty(x.shape, device="meta")
 
 
-KINDS = {"sparse": "sparse_coo tensor", "nested": "nested tensor", "meta": "meta device"}
+KINDS = {"sparse": "sparse_coo tensor", "nested": "nested tensor", "meta": "meta device",
+         "wrapper": "tensor subclass with no bytes of its own"}
 
 
 def _model(kind: str) -> torch.nn.Module:
