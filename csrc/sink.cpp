@@ -3,6 +3,7 @@
 #include <limits>
 #include <random>
 
+#include <ATen/autocast_mode.h>
 #include <ATen/core/grad_mode.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -869,8 +870,36 @@ NamedTensors Sink::reduction_result(int64_t index) {
   return out;
 }
 
+namespace {
+
+// A capture reduces inside the model's forward, so under its torch.autocast: there a custom
+// reduction's matmul of float32 rows ran in bfloat16, and TorchScript's executor, which
+// specialises on the autocast state, computed one batch unlike the next. A reduction describes
+// the rows themselves: it runs as make_reduction(...).update(rows) runs outside any autocast.
+class NoAutocast {
+ public:
+  NoAutocast()
+      : cpu_(at::autocast::is_autocast_enabled(at::kCPU)), cuda_(at::autocast::is_autocast_enabled(at::kCUDA)) {
+    at::autocast::set_autocast_enabled(at::kCPU, false);
+    at::autocast::set_autocast_enabled(at::kCUDA, false);
+  }
+  ~NoAutocast() {
+    at::autocast::set_autocast_enabled(at::kCPU, cpu_);
+    at::autocast::set_autocast_enabled(at::kCUDA, cuda_);
+  }
+  NoAutocast(const NoAutocast&) = delete;
+  NoAutocast& operator=(const NoAutocast&) = delete;
+
+ private:
+  c10::impl::ExcludeDispatchKeyGuard keys_{c10::autocast_dispatch_keyset};  // (every device's)
+  bool cpu_, cuda_;
+};
+
+}  // namespace
+
 void Sink::reduce(const at::Tensor& rows) {
   try {
+    NoAutocast no_autocast;
     update_reductions(reductions_, rows, row_base_ + n_rows_);
   } catch (const StoreIOError&) {
     throw;
