@@ -3,6 +3,7 @@
 #include <limits>
 #include <random>
 
+#include <ATen/autocast_mode.h>
 #include <ATen/core/grad_mode.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -316,6 +317,21 @@ std::string layout_name(c10::Layout layout) {
   }
 }
 
+// A __torch_dispatch__ wrapper subclass (torch.Tensor._make_wrapper_subclass: DTensor,
+// torchao's quantized and float8 tensors, a tensor of your own) has sizes and strides but no
+// bytes: its values are what its Python code computes, and its data pointer is null (a copy
+// of its memory read address 0).
+bool has_no_bytes(const at::Tensor& x) {
+  c10::TensorImpl* impl = x.unsafeGetTensorImpl();
+  if (!impl->is_python_dispatch() || x.numel() == 0) return false;
+  if (!impl->has_storage()) return true;
+  try {
+    return impl->storage().data() == nullptr;
+  } catch (const c10::Error&) {  // a storage that refuses to give its pointer holds none we may read
+    return true;
+  }
+}
+
 }  // namespace
 
 void Sink::check_layout(const at::Tensor& x) const {
@@ -330,7 +346,8 @@ void Sink::check_layout(const at::Tensor& x) const {
   static const c10::DispatchKeySet kFuncTorch(
       {c10::DispatchKey::FuncTorchGradWrapper, c10::DispatchKey::FuncTorchBatched});
   const bool functorch = x.key_set().has_any(kFuncTorch);
-  if (!nested && strided && !x.is_meta() && !quantized && !complex_to_real && !functorch) return;
+  const bool no_bytes = !nested && strided && !x.is_meta() && !quantized && has_no_bytes(x);
+  if (!nested && strided && !x.is_meta() && !quantized && !complex_to_real && !functorch && !no_bytes) return;
   // A tensor of a torch.func transform (grad, vmap, jacrev, ...): a wrapper without storage
   // of its own, valid inside the transform only; refused in every mode (the first call's
   // message: ActivationScope._check_layout).
@@ -358,6 +375,10 @@ void Sink::check_layout(const at::Tensor& x) const {
   } else if (!strided) {
     what = "a " + layout_name(x.layout()) + " tensor (not strided)";
     convert = "x.to_dense()";
+  } else if (no_bytes) {
+    what = "a tensor subclass with no bytes of its own (a __torch_dispatch__ wrapper: its values are computed by "
+           "its Python code)";
+    convert = "a plain torch.Tensor of its values";
   } else {
     what = "on the meta device (it has a shape but no values)";
     convert = "a model on a real device";
@@ -561,16 +582,24 @@ void Sink::consume(const at::Tensor& x_in, const at::Tensor& token_mask) {
     auto half = [](at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; };
     const bool floats = at::isFloatingType(x.scalar_type()) && at::isFloatingType(*seen_dtype_);
     const bool autocast_like = floats && half(x.scalar_type()) != half(*seen_dtype_);
+    // integer or bool rows of a hook point whose first call was floating-point: storage_dtype
+    // casts them too (an integer it cannot hold exactly is refused, check_integer_cast)
+    const bool ints_of_floats = at::isFloatingType(*seen_dtype_) &&
+                                (at::isIntegralType(x.scalar_type(), /*includeBool=*/true));
     ACS_CHECK(false, "hook point '", name_, "' changed its dtype from ", dtype_name(*seen_dtype_), " to ",
               dtype_name(x.scalar_type()), " during the capture; its store array holds ",
               dtype_name(*seen_dtype_), ". ",
               autocast_like ? "A forward under torch.autocast and one outside it (or under another autocast "
                               "dtype) give such a change: run every forward under the same autocast, or p"
-                            : floats ? "P" : "",
+                            : floats || ints_of_floats ? "P" : "",
               // (storage_dtype casts floating-point hook points only: no fix for an integer or bool one)
               floats ? "ass storage_dtype= to cast every row to one dtype, or capture each dtype into its own store."
-                     : "storage_dtype casts floating-point hook points only: capture each dtype into its own store, "
-                       "or exclude= its module.");
+              : ints_of_floats
+                  ? "ass storage_dtype= to cast every row to one dtype (its first call was floating-point, so its "
+                    "integer rows are cast too, and an integer the dtype cannot hold exactly is refused), or capture "
+                    "each dtype into its own store, or exclude= its module."
+                  : "storage_dtype casts floating-point hook points only: capture each dtype into its own store, "
+                    "or exclude= its module.");
   }
 
   if (alias_of_) {
@@ -841,13 +870,50 @@ NamedTensors Sink::reduction_result(int64_t index) {
   return out;
 }
 
+namespace {
+
+// A capture reduces inside the model's forward, so under its torch.autocast: there a custom
+// reduction's matmul of float32 rows ran in bfloat16, and TorchScript's executor, which
+// specialises on the autocast state, computed one batch unlike the next. A reduction describes
+// the rows themselves: it runs as make_reduction(...).update(rows) runs outside any autocast.
+class NoAutocast {
+ public:
+  NoAutocast()
+      : cpu_(at::autocast::is_autocast_enabled(at::kCPU)), cuda_(at::autocast::is_autocast_enabled(at::kCUDA)) {
+    at::autocast::set_autocast_enabled(at::kCPU, false);
+    at::autocast::set_autocast_enabled(at::kCUDA, false);
+  }
+  ~NoAutocast() {
+    at::autocast::set_autocast_enabled(at::kCPU, cpu_);
+    at::autocast::set_autocast_enabled(at::kCUDA, cuda_);
+  }
+  NoAutocast(const NoAutocast&) = delete;
+  NoAutocast& operator=(const NoAutocast&) = delete;
+
+ private:
+  c10::impl::ExcludeDispatchKeyGuard keys_{c10::autocast_dispatch_keyset};  // (every device's)
+  bool cpu_, cuda_;
+};
+
+}  // namespace
+
 void Sink::reduce(const at::Tensor& rows) {
   try {
+    NoAutocast no_autocast;
     update_reductions(reductions_, rows, row_base_ + n_rows_);
   } catch (const StoreIOError&) {
     throw;
   } catch (const UserError& e) {
-    throw UserError(c10::str("hook point '", name_, "': ", e.what()));
+    // complex rows refused by a built-in reduction: the fix is to give it no reductions
+    const bool complex_refused =
+        rows.is_complex() && std::string(e.what()).find("needs real-valued rows") != std::string::npos;
+    throw UserError(c10::str("hook point '", name_, "': ", e.what(),
+                             complex_refused
+                                 ? c10::str(" (", dtype_name(rows.scalar_type()),
+                                            "); built-in reductions take real rows: give reductions= as a dict of "
+                                            "patterns that leaves '", name_, "' out ({\"pattern\": [...]}), or "
+                                            "exclude= its module")
+                                 : std::string()));
   }
 }
 

@@ -73,3 +73,28 @@ def test_dtype_a_store_cannot_hold_is_refused_before_its_first_row(tmp_path, dty
         x = torch.randn(2, 4)
         m(x)
     torch.testing.assert_close(open_store(tmp_path / "t.zarr")["1.output"][:], m(x).float())
+
+
+@pytest.mark.parametrize("in_store", [False, True], ids=["memory", "store"])
+def test_reductions_refusing_a_complex_hook_point_name_the_fix_that_works(tmp_path, in_store):
+    """reductions= for every hook point reaching a complex one: the refusal names the hook point,
+    its dtype and the fix (reductions as a dict that leaves it out), which keeps its rows exact
+    and reduces the others (it named the reduction only: 'needs real-valued rows, got dtype
+    ComplexFloat')."""
+    m = Spectrum(torch.float32)
+    xs = [torch.randn(5, 4) for _ in range(2)]
+    store = (lambda name: tmp_path / name) if in_store else (lambda name: None)
+    with pytest.raises(CaptureError, match=r"hook point 'fft.output': reduction 'mean' needs real-valued rows.*"
+                                           r"\(torch\.complex64\).*reductions= as a dict of patterns that leaves "
+                                           r"'fft.output' out.*exclude= its module"):
+        with ActivationScope(store=store("s.zarr"), reductions=["mean"]).track(m):
+            m(xs[0])
+    with ActivationScope(store=store("t.zarr"), reductions={"lin.output": ["mean"]}).track(m) as tr:
+        for x in xs:
+            m(x)
+    with torch.no_grad():
+        lin = torch.cat([m.lin(x) for x in xs])
+    got, mean = (open_store(tmp_path / "t.zarr")["fft.output"][:], open_store(tmp_path / "t.zarr").reductions["lin.output"]["mean"]) \
+        if in_store else (torch.cat(tr.activations["fft.output"]), tr.reductions["lin.output"]["mean"])
+    assert got.dtype == torch.complex64 and torch.equal(got, torch.fft.fft(lin))
+    torch.testing.assert_close(mean, lin.double().mean(0), rtol=1e-12, atol=1e-12)

@@ -1,6 +1,6 @@
-"""Activations a capture cannot record (sparse, nested, meta-device tensors) raise
-CaptureError naming the hook point, what it is and the fix, on a hook point's first call or
-a later one; a store stays readable."""
+"""Activations a capture cannot record (sparse, nested, meta-device tensors, tensor subclasses
+with no bytes of their own) raise CaptureError naming the hook point, what it is and the fix,
+on a hook point's first call or a later one; a store stays readable."""
 
 from __future__ import annotations
 
@@ -12,6 +12,29 @@ import torch
 import activationscope as acs
 
 
+class Wrapper(torch.Tensor):
+    """A ``__torch_dispatch__`` wrapper subclass (as DTensor and torchao's tensors are): sizes
+    and strides, no bytes of its own (a null data pointer); its values are ``elem``'s."""
+
+    @staticmethod
+    def __new__(cls, elem):
+        return torch.Tensor._make_wrapper_subclass(cls, elem.size(), strides=elem.stride(), dtype=elem.dtype,
+                                                   device=elem.device)
+
+    def __init__(self, elem):
+        self.elem = elem
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        from torch.utils._pytree import tree_map
+
+        out = func(*tree_map(lambda a: a.elem if isinstance(a, Wrapper) else a, args),
+                   **tree_map(lambda a: a.elem if isinstance(a, Wrapper) else a, kwargs or {}))
+        return tree_map(lambda a: Wrapper(a) if isinstance(a, torch.Tensor) else a, out)
+
+
 class Out(torch.nn.Module):
     def __init__(self, kind: str) -> None:
         super().__init__()
@@ -20,6 +43,8 @@ class Out(torch.nn.Module):
     def forward(self, x):
         if self.kind == "sparse":
             return x.to_sparse()
+        if self.kind == "wrapper":
+            return Wrapper(x * 2)
         if self.kind == "nested":
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # nested tensors are a prototype
@@ -27,7 +52,8 @@ class Out(torch.nn.Module):
         return torch.empty(x.shape, device="meta")
 
 
-KINDS = {"sparse": "sparse_coo tensor", "nested": "nested tensor", "meta": "meta device"}
+KINDS = {"sparse": "sparse_coo tensor", "nested": "nested tensor", "meta": "meta device",
+         "wrapper": "tensor subclass with no bytes of its own"}
 
 
 def _model(kind: str) -> torch.nn.Module:
@@ -84,6 +110,28 @@ def test_reference_in_memory_keeps_the_tensor(kind):
         out = model[1](model[0](torch.randn(2, 3)))
     record = tr.activations["1.output"][0]
     assert record.is_nested == out.is_nested and record.layout == out.layout and record.device == out.device
+
+
+@pytest.mark.parametrize("reductions", [[], {"0.output": ["mean"]}], ids=["empty", "other-hook-point"])
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_reference_keeps_the_tensor_when_reductions_are_for_other_hook_points(kind, reductions):
+    """REFERENCE keeps a sparse / nested / meta tensor also where reductions= is given but none
+    applies to its hook point (a nested tensor of the default layout raised torch's
+    'NestedTensorImpl doesn't support sizes' from sizing reductions it does not have)."""
+    model = _model(kind)
+    x = torch.randn(2, 3)
+    scope = acs.ActivationScope(capture_mode=acs.CaptureMode.REFERENCE, reductions=reductions)
+    with torch.no_grad(), scope.track(model, include=["0", "1"]) as tr:
+        model(x)
+    with torch.no_grad():
+        first = model[0](x)
+        out = model[1](first)
+    record = tr.activations["1.output"][0]
+    assert record.is_nested == out.is_nested and record.layout == out.layout and record.device == out.device
+    assert torch.equal(tr.activations["0.output"][0], first)
+    if reductions:
+        assert "1.output" not in tr.reductions
+        torch.testing.assert_close(tr.reductions["0.output"]["mean"], first.double().mean(0), rtol=1e-12, atol=1e-12)
 
 
 # ------------------------------------------------- dense first, sparse / nested / meta later

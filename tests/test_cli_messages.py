@@ -780,6 +780,27 @@ def test_a_resume_of_a_store_of_another_capture_policy_names_what_the_command_ca
     assert acs.open_store(str(out)).n_samples == 8
 
 
+def test_reduce_refusing_a_complex_hook_point_names_the_flags_that_fix_it(user_package, tmp_path, capsys):
+    # --reduce applies to every hook point: the library's fix (reductions= as a dict) has no flag
+    x = user_package("fftnets", """
+        import torch
+
+        class FFT(torch.nn.Module):
+            def forward(self, x):
+                return torch.fft.fft(x)
+
+        def make():
+            torch.manual_seed(0)
+            return torch.nn.Sequential(torch.nn.Linear(6, 6), FFT())
+    """, data=(16, 6, 0))
+    code, _, err = run(capsys, "capture", "--model", "fftnets.nets:make", "--data", str(x), "--out",
+                       str(tmp_path / "s.zarr"), "--no-progress", "--batch-size", "8", "--reduce", "mean")
+    assert code == 1
+    assert ("hook point '1.output': reduction 'mean' needs real-valued rows, got dtype ComplexFloat (torch.complex64); "
+            "built-in reductions take real rows: capture without --reduce, or --exclude the module of '1.output'") in err, err
+    assert "reductions=" not in err, err
+
+
 def test_a_hook_point_turning_float64_is_given_the_dtype_flag(user_package, tmp_path, capsys):
     # the refusal advised "Pass storage_dtype= to cast every row to one dtype"
     x = user_package("doublenets", """

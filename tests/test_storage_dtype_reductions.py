@@ -430,6 +430,28 @@ def test_a_hook_point_first_floating_point_then_integer_is_cast_and_checked():
     assert "this one is cast because its first call was torch.float32" in msg and "(exclude= its module)" in msg
 
 
+def test_a_floating_point_hook_point_turning_integer_in_a_store_advises_the_storage_dtype_that_stores_it(tmp_path):
+    # its first call was float32, so storage_dtype casts its integer rows too: the refusal said
+    # "storage_dtype casts floating-point hook points only", as if it could not help
+    model = torch.nn.Sequential(_Echo())
+    first, then = torch.tensor([[1.5, 2.0]]), torch.tensor([[3, 256]])
+    with pytest.raises(CaptureError) as err, torch.no_grad(), \
+            ActivationScope(store=tmp_path / "s.zarr").track(model):
+        model(first)
+        model(then)
+    msg = str(err.value)
+    assert "hook point '0.output' changed its dtype from torch.float32 to torch.int64 during the capture" in msg
+    assert "Pass storage_dtype= to cast every row to one dtype (its first call was floating-point" in msg
+    assert "storage_dtype casts floating-point hook points only" not in msg
+    assert open_store(tmp_path / "s.zarr")["0.output"][:].tolist() == [[1.5, 2.0]]  # the whole forward before it
+    # the fix it names stores both, cast
+    with torch.no_grad(), ActivationScope(store=tmp_path / "t.zarr", storage_dtype=torch.bfloat16).track(model):
+        model(first)
+        model(then)
+    got = open_store(tmp_path / "t.zarr")["0.output"][:]
+    assert got.dtype == torch.bfloat16 and torch.equal(got, torch.cat([first, then.float()]).bfloat16())
+
+
 def test_an_integer_hook_point_turning_floating_point_is_refused_without_advising_storage_dtype(tmp_path):
     # its store array is int64 (not cast): the refusal advised "pass storage_dtype=", which
     # casts floating-point hook points only

@@ -9,6 +9,7 @@ import gc
 import os
 import re
 import warnings
+from typing import Optional
 
 import pytest
 import torch
@@ -124,6 +125,74 @@ def test_autocast_switched_on_mid_capture_is_refused_in_a_store_not_cast(tmp_pat
                 model(torch.randn(5, 8))
     store = acs.open_store(path)
     assert store["0.output"].dtype == torch.float32 and store["0.output"].shape == (5, 16)
+
+
+def _gram(acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    g = x.t() @ x
+    if acc is None:
+        return g
+    return acc + g
+
+
+class _Scale(torch.nn.Module):
+    def forward(self, x):
+        return x * 2  # (not an autocast op: float32 rows under a bf16 autocast too)
+
+
+@pytest.mark.filterwarnings(r"ignore:custom reduction\(s\) with a half-precision accumulator")
+@pytest.mark.parametrize("store", [False, True], ids=["memory", "store"])
+def test_custom_reductions_of_forwards_under_autocast_equal_those_of_the_rows_outside_it(tmp_path, store):
+    """A custom reduction runs inside the model's forward: under its autocast the gram matrix of
+    float32 rows was computed in bfloat16 (a bf16 accumulator where make_reduction on the same rows
+    gives float32), and a bf16 hook point's second batch was refused (TorchScript's executor
+    specialises on the autocast state). Now it is the offline reduction of the captured rows."""
+    from activationscope.reductions import make_reduction
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_Scale(), torch.nn.Linear(8, 8))
+    xs = [torch.randn(16, 8) for _ in range(3)]
+    path = tmp_path / "gram.zarr" if store else None
+    with acs.ActivationScope(store=path, reductions=[("gram", _gram)]).track(model) as tracker:
+        for x in xs:
+            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+                model(x)
+    for name, dtype in (("0.output", torch.float32), ("1.output", torch.bfloat16)):
+        rows = acs.open_store(path)[name][:] if store else torch.cat(tracker.activations[name])
+        got = (acs.open_store(path).reductions if store else tracker.reductions)[name]["gram"]
+        offline = make_reduction(_gram)
+        for part in rows.split(16):
+            offline.update(part)
+        assert rows.dtype == dtype and got.dtype == dtype, (name, got.dtype)
+        assert torch.equal(got, offline.result()["value"]), name
+
+
+def test_a_resume_outside_the_autocast_of_the_stored_forwards_is_refused_naming_the_autocast(tmp_path):
+    """A store captured under autocast (bf16 arrays) resumed without it (float32 rows), with the
+    same model and options: refused naming both dtypes and the autocast (it said only "resume
+    with the same model and options"), the stored rows kept; the resume under the same autocast
+    appends."""
+    model = _mlp().eval()
+    xs = [torch.randn(5, 8) + i for i in range(3)]
+    path = tmp_path / "autocast.zarr"
+
+    def run(x):
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            return model(x)
+
+    with acs.ActivationScope(store=path).track(model, include=["0"]):
+        run(xs[0])
+    with pytest.raises(acs.StoreError, match=r"'0\.output'.*now give float32 where the stored ones gave bfloat16.*"
+                                              r"torch\.autocast"):
+        with torch.no_grad(), acs.ActivationScope(store=path, store_options={"resume": True}).track(model, include=["0"]):
+            model(xs[1])
+    store = acs.open_store(path)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        first = model[0](xs[0])
+        second = model[0](xs[2])
+    assert store["0.output"].dtype == torch.bfloat16 and torch.equal(store["0.output"][:], first)
+    with acs.ActivationScope(store=path, store_options={"resume": True}).track(model, include=["0"]):
+        run(xs[2])
+    assert torch.equal(acs.open_store(path)["0.output"][:], torch.cat([first, second]))
 
 
 # ---------------------------------------------------------------------- training loop

@@ -2021,8 +2021,10 @@ class Tracker:
         )
         if self._red_factories is not None:
             names, objects = [], []
-            n_features = math.prod(tensor.shape[2:] if token else tensor.shape[1:]) if tensor.dim() else 1
-            for red_name, factory in self._red_factories.resolve_reductions(scope.reductions, name, self._hook_names):
+            resolved = self._red_factories.resolve_reductions(scope.reductions, name, self._hook_names)
+            # (sized only where a reduction applies: a nested tensor kept by REFERENCE has no sizes)
+            n_features = (math.prod(tensor.shape[2:] if token else tensor.shape[1:]) if tensor.dim() else 1) if resolved else 0
+            for red_name, factory in resolved:
                 before = _script_of(factory)
                 reduction = factory()
                 _check_state_fits(name, red_name, reduction, n_features, self._red_factories.state_bytes)
@@ -2210,6 +2212,10 @@ class Tracker:
             what, convert = "on the meta device (it has a shape but no values)", "a model on a real device"
         elif tensor.is_quantized:
             what, convert = f"a quantized tensor ({tensor.dtype})", "x.dequantize()"
+        elif _has_no_bytes(tensor):
+            what = ("a tensor subclass with no bytes of its own (a __torch_dispatch__ wrapper: its values are computed "
+                    f"by its Python code; {type(tensor).__qualname__})")
+            convert = "a plain torch.Tensor of its values"
         else:
             return
         uses = []
@@ -3798,6 +3804,18 @@ _NN_SOURCE_INPUTS = ("src", "src_key_padding_mask", "memory_key_padding_mask")
 
 _NN_ENCODERS = (torch.nn.TransformerEncoder, torch.nn.TransformerEncoderLayer)
 _NN_DECODERS = (torch.nn.TransformerDecoder, torch.nn.TransformerDecoderLayer)
+
+
+def _has_no_bytes(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a ``__torch_dispatch__`` wrapper subclass without bytes of its own
+    (``torch.Tensor._make_wrapper_subclass``: DTensor, torchao's tensors): its data pointer is
+    null, its values are what its Python code computes (``has_no_bytes`` in csrc/sink.cpp)."""
+    if not torch._C._dispatch_keys(tensor).has(torch._C.DispatchKey.Python) or tensor.numel() == 0:
+        return False
+    try:
+        return tensor.data_ptr() == 0
+    except RuntimeError:  # a storage that refuses to give its pointer holds none we may read
+        return True
 
 
 def _torch_stacks(model: torch.nn.Module) -> tuple[list[torch.nn.Module], list[torch.nn.Module]] | None:

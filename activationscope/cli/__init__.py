@@ -471,6 +471,9 @@ def _cli_spelling(message: str, command: str | None = None, include_given: bool 
     for python, cli in _CLI_SPELLINGS:
         message = message.replace(python, cli)
     message = _token_rows_flags(message)
+    # sink.cpp: built-in reductions refusing a complex hook point (--reduce applies to every one)
+    message = re.sub(r"give reductions= as a dict of patterns that leaves ('.*?') out \(\{\"pattern\": \[\.\.\.\]\}\), "
+                     r"or exclude= its module", r"capture without --reduce, or --exclude the module of \1", message)
     # hooks.bracket_hint, the fix of a pattern holding '[': "which include=['d.a[[]1].*'] selects",
     # "which token_rows={'d.a[[]1].*': ...} selects"; and the pattern it is about ("exclude_hook_points=
     # pattern 'd.a[1].*' leaves out", "token_rows= pattern 'd.a[1].*' selects")

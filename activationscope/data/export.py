@@ -217,9 +217,19 @@ def _check_has_values(name: str, shape: tuple[int, ...]) -> None:
         )
 
 
+def _unsupported_dtype(name: str, dtype: torch.dtype) -> ArgumentValueError:
+    """The refusal of a hook point whose dtype has no column type in an export."""
+    held = ", ".join(_dtype_name(d) for d in _TORCH_TO_ARROW)
+    return ArgumentValueError(
+        f"hook point {name!r} has dtype {dtype}, which export does not support (it writes {held}); leave it out "
+        "of hook_points (CLI: --hook-points), and read it with open_store or ActivationDataset, which give every "
+        "stored dtype"
+    )
+
+
 def _hook_point_field(name: str, dtype: torch.dtype, shape: tuple[int, ...], tensor_type: str) -> pa.Field:
     if dtype not in _TORCH_TO_ARROW:
-        raise ArgumentValueError(f"hook point {name!r} has dtype {dtype}, which export does not support")
+        raise _unsupported_dtype(name, dtype)
     _check_has_values(name, shape)
     value_type = _TORCH_TO_ARROW[dtype]
     if not shape:
@@ -772,7 +782,7 @@ def _hf_plan(ds: ActivationDataset, col_names: list[str], context_size: int | No
         elif dtype in _TORCH_TO_ARROW:
             name = _dtype_name(dtype)
         else:
-            raise ArgumentValueError(f"hook point {hp!r} has dtype {dtype}, which export does not support")
+            raise _unsupported_dtype(hp, dtype)
         feature_shape = tuple(ds.source.feature_shape(hp))
         _check_has_values(hp, feature_shape)
         if context_size is not None and len(feature_shape) > 1:

@@ -2033,9 +2033,17 @@ class StoreWriter:
                 got = (list(feature_shape), name, row_kind)
                 want = (list(old["feature_shape"]), old["dtype"], old["row_kind"])
                 if got != want:
+                    floats = ("float16", "bfloat16", "float32", "float64")
+                    fix = "resume with the same model and options, or overwrite=True"
+                    if got[0::2] == want[0::2] and name in floats and old["dtype"] in floats:
+                        # the same model and options give another float dtype under another autocast
+                        fix = (f"its forwards now give {name} where the stored ones gave {old['dtype']}: a forward under "
+                               "torch.autocast and one outside it (or a model cast with .half() / .to(dtype) since) "
+                               "give such a change; resume with the forwards run as the stored ones were, or "
+                               "overwrite=True")
                     raise StoreError(
                         f"hook point {hook_point!r} is stored with (feature_shape, dtype, row_kind) = {want} but the "
-                        f"resumed capture gives {got}; resume with the same model and options, or overwrite=True"
+                        f"resumed capture gives {got}; {fix}"
                     )
                 chunk_rows = int(old["chunk_rows"])
                 shard_chunks = int(old["shard_rows"]) // chunk_rows

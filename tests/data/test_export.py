@@ -274,6 +274,30 @@ def test_a_hook_point_of_rows_without_values_is_named(tmp_path):
     assert torch.equal(back["f32"], arrays["f32"])
 
 
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.uint32])
+def test_a_hook_point_of_a_dtype_export_cannot_write_is_named_with_the_fix(tmp_path, dtype):
+    # a store holds complex and uint32 hook points exactly; an export has no column type for
+    # them: the refusal named the dtype only, now the dtypes it writes and what to do
+    from activationscope.data import export_hf
+    from activationscope.errors import ActivationScopeError
+
+    odd = (torch.randn(6, 2) * 9).abs().to(dtype)
+    arrays = {"odd": odd, "f32": torch.randn(6, 3)}
+    store = FakeStore(write_fake_store(tmp_path / "s", arrays, tables={"sample": pa.table({"sample_id": list(range(6))})},
+                                       shard_rows=8))
+    for fn in (export_arrow, export_parquet, export_hf):
+        with pytest.raises(ActivationScopeError, match=rf"hook point 'odd' has dtype {dtype}, which export does not "
+                                                       r"support \(it writes float32, .*bfloat16.*bool\); leave it out "
+                                                       r"of hook_points .*open_store or ActivationDataset"):
+            fn(store, tmp_path / "x")
+        assert not (tmp_path / "x").exists()
+    # the fix it names: the other hook points export, and the dataset gives the odd one exactly
+    back = read_arrow(export_arrow(store, tmp_path / "f.arrow", hook_points=["f32"]))
+    assert torch.equal(back["f32"], arrays["f32"])
+    got = ActivationDataset(store, hook_points=["odd"])[0:6]["odd"]
+    assert got.dtype == dtype and torch.equal(got, odd)
+
+
 @pytest.mark.parametrize("overwrite", ["False", 0, None])
 @pytest.mark.parametrize("fn", [export_parquet, export_arrow])
 def test_overwrite_must_be_a_bool_and_nothing_is_replaced(store, tmp_path, fn, overwrite):
