@@ -664,6 +664,33 @@ class LocalBackend:
             except OSError:
                 pass
 
+    def unwritable_folder(self) -> tuple[str, str] | None:
+        """``(folder, why)`` of the first folder of the store (its own folder, then every
+        folder under it, links not followed) in which this process may not make, rename or
+        remove entries: a read-only mount, a folder of another user that is not writable to
+        this one, a folder it may not list. None when it may write in every one. A writer
+        that changes an existing store (resume, copy_store over it) asks before its first
+        write, so that such a store is refused whole rather than left half written."""
+        found: list[tuple[str, str]] = []
+
+        def unlisted(e: OSError) -> None:
+            if not found:
+                found.append((str(e.filename or self.root), e.strerror or str(e)))
+
+        flags = os.W_OK | os.X_OK
+        effective = os.access in os.supports_effective_ids
+        for folder, _dirs, _files in os.walk(self.root, onerror=unlisted):
+            if found:
+                break
+            if not os.access(folder, flags, effective_ids=effective):
+                try:  # (why: a read-only file system says so; else the folder's permissions)
+                    read_only = bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
+                except OSError:
+                    read_only = False
+                return folder, ("read-only file system" if read_only
+                                else "permission denied: not writable by this process")
+        return found[0] if found else None
+
     def moved_roots(self) -> list[Path]:
         """The folders of :meth:`aside_folders` that hold the root document of an
         activationscope store (``zarr.json`` with our attributes): a store an overwrite moved
