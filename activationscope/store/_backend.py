@@ -115,6 +115,12 @@ class StoreBackend(Protocol):
         """The zarr ``Store`` of the same objects (for plain zarr-python access)."""
 
 
+#: errno values of a write this process may not make (permissions, a read-only file system).
+_NO_WRITE = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
+_NO_WRITE_FIX = ("This process may not write there: capture into another path (whose folder you may write to), or "
+                 "remove the old store yourself (its entries, leaving the folder empty) and capture into it without "
+                 "overwrite=True")
+
 #: errno values of a write that ran out of room: a full disk, a disk quota, a file size limit.
 NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
@@ -598,7 +604,13 @@ class LocalBackend:
             return None
         real = Path(os.path.realpath(self.root))
         aside = real.parent / f".{real.name}.replaced-{uuid.uuid4().hex[:8]}"
-        aside.mkdir()
+        try:
+            aside.mkdir()
+        except OSError as e:  # (a folder of another user, a read-only mount: the parent only may be so)
+            raise StoreError(
+                f"overwrite: the old store {str(self.root)!r} is moved aside into a new folder next to it until the "
+                f"new one commits, and making {str(aside)!r} failed: {e.strerror or e}; nothing was changed. "
+                f"{_NO_WRITE_FIX if e.errno in _NO_WRITE else 'Fix the cause, then run again'}") from e
         done: list[str] = []
         try:
             for p in entries:
@@ -621,8 +633,9 @@ class LocalBackend:
             if undone:
                 with contextlib.suppress(OSError):
                     aside.rmdir()
+            fix = f". {_NO_WRITE_FIX}" if e.errno in _NO_WRITE else ""
             raise StoreError(f"overwrite: moving the old store {str(self.root)!r} aside to {str(aside)!r} failed: "
-                             f"{e.strerror or e}; " + ("nothing was changed" if undone else
+                             f"{e.strerror or e}; " + (f"nothing was changed{fix}" if undone else
                              "some of its entries could not be moved back and are in that folder, with its root "
                              "document: once the cause is fixed, run again with overwrite=True (it finishes the "
                              "move)")) from e

@@ -146,3 +146,24 @@ def test_copy_store_over_a_store_with_a_folder_it_may_not_write_changes_nothing(
     assert _listing(path) == before
     s = open_store(path)
     assert s.status == "complete" and torch.equal(s["x"], data) and s.verify() == []
+
+
+def test_overwrite_of_a_store_whose_parent_it_may_not_write_is_a_store_error(shared):
+    """overwrite=True moves the old store into a new folder next to it: where this process may
+    write in the store's folder but not in its parent, that was a bare PermissionError; now a
+    StoreError naming the folder and the ways out, the old store unchanged."""
+    _warm(shared)
+    parent = shared / "team"
+    parent.mkdir()
+    path = parent / "s.zarr"
+    data = _store(path)
+    os.chmod(path, 0o777)
+    os.chmod(path / LOCK_KEY, 0o666)  # (a store of this user's: its lock file too)
+    os.chmod(parent, 0o755 if ROOT_USER else 0o555)
+    before = _listing(path)
+    name, msg = _as_other_user(lambda: StoreWriter(path, overwrite=True))
+    assert name == "StoreError", (name, msg)
+    assert f"overwrite: the old store '{path}' is moved aside into a new folder next to it" in msg
+    assert "Permission denied; nothing was changed" in msg and "capture into another path" in msg
+    assert _listing(path) == before and sorted(p.name for p in parent.iterdir()) == ["s.zarr"]
+    assert torch.equal(open_store(path)["x"], data)
