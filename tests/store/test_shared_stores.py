@@ -167,3 +167,18 @@ def test_overwrite_of_a_store_whose_parent_it_may_not_write_is_a_store_error(sha
     assert "Permission denied; nothing was changed" in msg and "capture into another path" in msg
     assert _listing(path) == before and sorted(p.name for p in parent.iterdir()) == ["s.zarr"]
     assert torch.equal(open_store(path)["x"], data)
+
+
+def test_a_file_it_may_not_read_is_named_with_the_fix_not_as_damage(shared):
+    """A store unpacked with its maker's modes (one shard readable by its owner only): the
+    read names the file, says the store is not damaged and what gives read permission."""
+    path = shared / "s.zarr"
+    _store(path)
+    shard = path / "acts" / "x" / "c" / "1" / "0"
+    assert shard.is_file()
+    os.chmod(shard, 0o600 if ROOT_USER else 0o000)
+    s = open_store(path) if not ROOT_USER else None  # (a non-root owner: opened before, read after)
+    name, msg = _as_other_user(lambda: (s or open_store(path))["x"])
+    assert name == "StoreError", (name, msg)
+    assert "cannot open 'acts/x/c/1/0': Permission denied" in msg
+    assert "the store is not damaged" in msg and "read permission" in msg
