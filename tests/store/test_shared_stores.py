@@ -182,3 +182,41 @@ def test_a_file_it_may_not_read_is_named_with_the_fix_not_as_damage(shared):
     assert name == "StoreError", (name, msg)
     assert "cannot open 'acts/x/c/1/0': Permission denied" in msg
     assert "the store is not damaged" in msg and "read permission" in msg
+
+
+def test_every_read_of_a_store_it_may_only_read(shared):
+    """A store of another user, every folder and file read-only to this one: open_store, rows,
+    reductions, row table, verify, info, a dataset read by fork DataLoader workers and Dask all
+    read the stored values, and nothing is written in the store."""
+    from torch.utils.data import DataLoader
+
+    import activationscope as acs
+    from activationscope.analysis.dask import to_dask
+    from activationscope.data import SequentialBatchSampler
+
+    path = shared / "s.zarr"
+    data = _store(path)
+    for d, _dirs, files in os.walk(path):
+        for name in files:
+            os.chmod(os.path.join(d, name), 0o444)
+        os.chmod(d, 0o555)
+    before = _listing(path)
+
+    def read() -> None:
+        s = open_store(path)
+        assert torch.equal(s["x"], data) and torch.equal(s.rows("x", 5, 30), data[5:30])
+        assert torch.allclose(s.reductions["x"]["mean"], data.double().mean(0))
+        assert s.row_table("sample").num_rows == 36 and s.verify() == [] and s.info()["n_samples"] == 36
+        assert torch.equal(open_store(path, verify=True)["x"], data)
+        ds = acs.ActivationDataset(s, hook_points=["x"])
+        loader = DataLoader(ds, batch_sampler=SequentialBatchSampler(ds, batch_size=12), num_workers=2,
+                            multiprocessing_context="fork")
+        assert torch.equal(torch.cat([b["x"] for b in loader]), data)
+        # (Dask's default threaded scheduler does not work in a child forked after it ran)
+        total = to_dask(s, "x").sum().compute(scheduler="synchronous")
+        assert float(total) == pytest.approx(float(data.double().sum()))
+
+    read()  # (here first: what it imports is imported before the child drops root)
+    name, msg = _as_other_user(read)
+    assert (name, msg) == ("", "")
+    assert _listing(path) == before
