@@ -2990,6 +2990,14 @@ class StoreWriter:
             except OSError:
                 pass
             shutil.rmtree(aside, ignore_errors=True)
+            if os.path.lexists(aside):  # (a folder of it this process may not write in): once more, to say why
+                try:
+                    shutil.rmtree(aside)
+                except OSError as e:
+                    warn_at_caller(
+                        f"store {str(self._backend)!r}: the new store has committed, but deleting the old one it "
+                        f"replaced from {str(aside)!r} failed ({e}); that folder holds no store any more: delete it "
+                        "(with the permission it needs)", RuntimeWarning)
         else:
             try:
                 self._backend.restore_aside(aside)

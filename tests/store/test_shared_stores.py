@@ -169,6 +169,47 @@ def test_overwrite_of_a_store_whose_parent_it_may_not_write_is_a_store_error(sha
     assert torch.equal(open_store(path)["x"], data)
 
 
+def test_overwrite_that_cannot_delete_the_old_store_says_so(shared):
+    """overwrite=True of a store of another user whose top folders this process may move but
+    whose deeper folders it may not write in: the new store commits, and the old store's files
+    that could not be deleted were left in the folder next to it without a word; now a warning
+    names that folder and says to delete it."""
+    _warm(shared)
+    parent = shared / "team"
+    parent.mkdir()
+    path = parent / "s.zarr"
+    _store(path)
+    _folder_of_another_user(path)
+    for entry in path.iterdir():
+        if entry.is_dir():
+            os.chmod(entry, 0o777)
+    os.chmod(parent, 0o777)
+    rows = torch.arange(24.0).reshape(3, 8)
+
+    def overwrite() -> None:
+        import warnings
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            w = StoreWriter(path, overwrite=True)
+            a = w.open_array("x", (8,), torch.float32, "sample")
+            a.append(rows)
+            w.add_batch(3)
+            w.close()
+        said = [str(c.message) for c in caught if "deleting the old one it replaced" in str(c.message)]
+        if len(said) != 1:
+            raise AssertionError(f"warnings: {[str(c.message) for c in caught]}")
+        raise RuntimeError(said[0])
+
+    name, msg = _as_other_user(overwrite)
+    (aside,) = [p for p in parent.iterdir() if ".replaced-" in p.name]
+    assert name == "RuntimeError", (name, msg)
+    assert f"store '{path}': the new store has committed" in msg and f"from '{aside}' failed (" in msg
+    assert "Permission denied" in msg and "delete it" in msg
+    assert not (aside / "zarr.json").exists()
+    assert torch.equal(open_store(path)["x"], rows)
+
+
 def test_a_file_it_may_not_read_is_named_with_the_fix_not_as_damage(shared):
     """A store unpacked with its maker's modes (one shard readable by its owner only): the
     read names the file, says the store is not damaged and what gives read permission."""
