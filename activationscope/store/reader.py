@@ -3493,10 +3493,15 @@ class Store:
                     if not local:  # an object store: as its manifest records them (no request per shard)
                         disk += int(rec["file_bytes"])
                         continue
+                    key = self._shard_file(meta, k)
                     try:  # the files as they are
-                        disk += int(self._backend.size(self._shard_file(meta, k)) or 0)
-                    except StoreError:  # (not a regular file: verify names it)
+                        disk += int(self._backend.size(key) or 0)
+                    except StoreCorruptError:  # (not a regular file: verify names it)
                         pass
+                    except StoreError:  # (one this process may not open: sized as it is, as ls would)
+                        with contextlib.suppress(OSError, StoreError):
+                            st_ = os.stat(self._backend.path(key), follow_symlinks=False)
+                            disk += st_.st_size if stat.S_ISREG(st_.st_mode) else 0
             total_raw += raw_bytes
             total_disk += disk
             arrays[hp] = {

@@ -261,3 +261,20 @@ def test_every_read_of_a_store_it_may_only_read(shared):
     name, msg = _as_other_user(read)
     assert (name, msg) == ("", "")
     assert _listing(path) == before
+
+
+def test_info_sizes_a_shard_it_may_not_read_as_it_is(shared):
+    """info()'s bytes on disk counted a shard this process may not open as 0 bytes (a smaller
+    store than the one on disk, without a word); now it is sized as it is, as `ls` does."""
+    path = shared / "s.zarr"
+    _store(path)
+    want = open_store(path).info()
+    os.chmod(path / "acts" / "x" / "c" / "1" / "0", 0o600 if ROOT_USER else 0o000)
+
+    def info() -> None:
+        got = open_store(path).info()
+        if (got["bytes_on_disk"], got["arrays"]["x"]["bytes_on_disk"]) != (want["bytes_on_disk"],
+                                                                          want["arrays"]["x"]["bytes_on_disk"]):
+            raise AssertionError(f"bytes on disk {got['bytes_on_disk']}, the files hold {want['bytes_on_disk']}")
+
+    assert _as_other_user(info) == ("", "")
