@@ -13,6 +13,7 @@ record before it is decoded, and a decoded size against the chunk's before decod
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import threading
@@ -20,6 +21,12 @@ from concurrent.futures import BrokenExecutor, Future, ThreadPoolExecutor
 from typing import Any
 
 from .errors import StoreCorruptError, StoreError
+
+#: The fix named when a file of a store may not be read by this process (a store of another user,
+#: an archive unpacked with the permissions of its maker): the store is not damaged.
+READ_PERMISSION_FIX = (" (this process may not read it; the store is not damaged: reading a store needs read "
+                       "permission on all its files and folders, e.g. its owner runs `chmod -R a+rX` on its folder, "
+                       "or read a copy made by someone who may read it)")
 
 #: Cap of a metadata document (root / array ``zarr.json``, manifest) read from a store.
 MAX_JSON_BYTES = 64 << 20
@@ -249,7 +256,8 @@ def open_regular(path: str | os.PathLike, *, store: Any, key: str) -> tuple[int,
     except IsADirectoryError:
         raise corrupt(store, f"{key!r} must be a regular file, got a directory") from None
     except OSError as e:
-        raise StoreError(f"store {str(store)!r}: cannot open {key!r}: {e.strerror or e}") from e
+        raise StoreError(f"store {str(store)!r}: cannot open {key!r}: {e.strerror or e}"
+                         + (READ_PERMISSION_FIX if e.errno in (errno.EACCES, errno.EPERM) else "")) from e
     try:
         st = os.fstat(fd)
     except OSError as e:

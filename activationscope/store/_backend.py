@@ -115,6 +115,12 @@ class StoreBackend(Protocol):
         """The zarr ``Store`` of the same objects (for plain zarr-python access)."""
 
 
+#: errno values of a write this process may not make (permissions, a read-only file system).
+_NO_WRITE = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
+_NO_WRITE_FIX = ("This process may not write there: capture into another path (whose folder you may write to), or "
+                 "remove the old store yourself (its entries, leaving the folder empty) and capture into it without "
+                 "overwrite=True")
+
 #: errno values of a write that ran out of room: a full disk, a disk quota, a file size limit.
 NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
@@ -598,7 +604,13 @@ class LocalBackend:
             return None
         real = Path(os.path.realpath(self.root))
         aside = real.parent / f".{real.name}.replaced-{uuid.uuid4().hex[:8]}"
-        aside.mkdir()
+        try:
+            aside.mkdir()
+        except OSError as e:  # (a folder of another user, a read-only mount: the parent only may be so)
+            raise StoreError(
+                f"overwrite: the old store {str(self.root)!r} is moved aside into a new folder next to it until the "
+                f"new one commits, and making {str(aside)!r} failed: {e.strerror or e}; nothing was changed. "
+                f"{_NO_WRITE_FIX if e.errno in _NO_WRITE else 'Fix the cause, then run again'}") from e
         done: list[str] = []
         try:
             for p in entries:
@@ -621,8 +633,9 @@ class LocalBackend:
             if undone:
                 with contextlib.suppress(OSError):
                     aside.rmdir()
+            fix = f". {_NO_WRITE_FIX}" if e.errno in _NO_WRITE else ""
             raise StoreError(f"overwrite: moving the old store {str(self.root)!r} aside to {str(aside)!r} failed: "
-                             f"{e.strerror or e}; " + ("nothing was changed" if undone else
+                             f"{e.strerror or e}; " + (f"nothing was changed{fix}" if undone else
                              "some of its entries could not be moved back and are in that folder, with its root "
                              "document: once the cause is fixed, run again with overwrite=True (it finishes the "
                              "move)")) from e
@@ -663,6 +676,33 @@ class LocalBackend:
                 p.rmdir()  # (fails, changing nothing, on a folder that is not empty)
             except OSError:
                 pass
+
+    def unwritable_folder(self) -> tuple[str, str] | None:
+        """``(folder, why)`` of the first folder of the store (its own folder, then every
+        folder under it, links not followed) in which this process may not make, rename or
+        remove entries: a read-only mount, a folder of another user that is not writable to
+        this one, a folder it may not list. None when it may write in every one. A writer
+        that changes an existing store (resume, copy_store over it) asks before its first
+        write, so that such a store is refused whole rather than left half written."""
+        found: list[tuple[str, str]] = []
+
+        def unlisted(e: OSError) -> None:
+            if not found:
+                found.append((str(e.filename or self.root), e.strerror or str(e)))
+
+        flags = os.W_OK | os.X_OK
+        effective = os.access in os.supports_effective_ids
+        for folder, _dirs, _files in os.walk(self.root, onerror=unlisted):
+            if found:
+                break
+            if not os.access(folder, flags, effective_ids=effective):
+                try:  # (why: a read-only file system says so; else the folder's permissions)
+                    read_only = bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
+                except OSError:
+                    read_only = False
+                return folder, ("read-only file system" if read_only
+                                else "permission denied: not writable by this process")
+        return found[0] if found else None
 
     def moved_roots(self) -> list[Path]:
         """The folders of :meth:`aside_folders` that hold the root document of an

@@ -3493,10 +3493,15 @@ class Store:
                     if not local:  # an object store: as its manifest records them (no request per shard)
                         disk += int(rec["file_bytes"])
                         continue
+                    key = self._shard_file(meta, k)
                     try:  # the files as they are
-                        disk += int(self._backend.size(self._shard_file(meta, k)) or 0)
-                    except StoreError:  # (not a regular file: verify names it)
+                        disk += int(self._backend.size(key) or 0)
+                    except StoreCorruptError:  # (not a regular file: verify names it)
                         pass
+                    except StoreError:  # (one this process may not open: sized as it is, as ls would)
+                        with contextlib.suppress(OSError, StoreError):
+                            st_ = os.stat(self._backend.path(key), follow_symlinks=False)
+                            disk += st_.st_size if stat.S_ISREG(st_.st_mode) else 0
             total_raw += raw_bytes
             total_disk += disk
             arrays[hp] = {
@@ -4148,7 +4153,8 @@ def copy_store(source: Any, target: Any, *, overwrite: bool = False, storage_opt
         activationscope); nothing is changed.
         Or ``target`` is a local folder whose file system takes two of the source's objects for
         one file (names that differ only in case or Unicode normalization, on macOS or Windows);
-        nothing is copied.
+        nothing is copied. Or, with ``overwrite``, ``target`` is a local store with a folder this
+        process may not write in (a read-only mount, a store of another user); nothing is changed.
     StoreCorruptError
         The source holds a file that is not a regular file inside it (a symlink leaving it,
         a FIFO, a device): nothing is copied through it.
@@ -4202,6 +4208,14 @@ def copy_store(source: Any, target: Any, *, overwrite: bool = False, storage_opt
                     f"would already have deleted the store at {str(dst)!r}; nothing was changed. Copy once the writer "
                     f"has finished (activationscope info shows status complete), or copy into a new path (a copy "
                     f"failing there loses nothing){gone}")
+            # the old store's files go from every one of its folders: one this process may not write in
+            # would stop the copy after the old root was replaced, the old rows unreadable (FORMAT.md section 7)
+            found = dst.unwritable_folder() if isinstance(dst, LocalBackend) else None
+            if found is not None:
+                raise StoreError(
+                    f"copy_store cannot replace the store at {str(dst)!r}: this process may not write in its folder "
+                    f"{found[0]!r} ({found[1]}), and replacing it deletes the files of every folder of the store; "
+                    "nothing was changed. Copy into a new path, or ask the store's owner for write permission")
         if isinstance(dst, LocalBackend):
             _refuse_folded_keys(src, dst)
         # FORMAT.md section 7: the root of the copy's run comes first (incomplete, no rows), over the old

@@ -995,7 +995,10 @@ class StoreWriter:
         A store exists at ``target`` and neither ``overwrite`` nor ``resume`` is set.
     StoreError
         ``target`` is an existing file (not a directory), or ``resume`` is set and there is
-        nothing at ``target``.
+        nothing at ``target``. Or this process may not write the store (a read-only mount, a
+        store of another user): its writer lock cannot be made, a resume finds a folder of it
+        this process may not write in, or ``overwrite`` cannot move it aside; the error names
+        the path and the fix, and nothing of the store was changed.
     ValueError, TypeError
         Invalid options (checked before anything is written).
     """
@@ -1240,6 +1243,8 @@ class StoreWriter:
                     raise V.corrupt(self._backend, f"hook point {hp!r}: reduction {name!r} is refused: {problem}; "
                                     "a resume neither continues nor carries such an entry, so this store cannot be "
                                     "resumed (nothing was written)", fix=V.REFUSED_REDUCTION_FIX)
+                if isinstance(self._backend, LocalBackend):
+                    self._refuse_unwritable_folder()
                 self._state = ours
                 self._found_root = bytes(raw)
             else:
@@ -1257,6 +1262,22 @@ class StoreWriter:
                 f"{str(self._backend)!r} exists and is not empty but holds no Zarr store; choose another path "
                 "or remove it (overwrite=True only replaces stores)"
             )
+
+    def _refuse_unwritable_folder(self) -> None:
+        """Resume of a local store: refuse, before anything is deleted or written, a store with
+        a folder this process may not write in (a store of another user whose own folder is
+        writable to this one but not the folders under it; one on a read-only mount is refused
+        earlier, by its writer lock). A resume writes in every folder of the store (the root,
+        array documents and manifests, shards, row-table parts, reductions): it would fail there
+        after its first root document, leaving a complete store marked incomplete."""
+        found = self._backend.unwritable_folder()
+        if found is not None:
+            folder, why = found
+            raise StoreError(
+                f"cannot resume {str(self._backend)!r}: this process may not write in the folder {folder!r} of the "
+                f"store ({why}); a resume writes in every folder of the store. Nothing of the store was deleted or "
+                "written. Read it with open_store() (reading needs read permission only), or copy it "
+                "(activationscope.store.copy_store) to a folder you may write to and resume the copy")
 
     # ------------------------------------------------------------------ helpers
     def _setup(self, max_pending_bytes: int) -> None:
@@ -3032,6 +3053,14 @@ class StoreWriter:
             except OSError:
                 pass
             shutil.rmtree(aside, ignore_errors=True)
+            if os.path.lexists(aside):  # (a folder of it this process may not write in): once more, to say why
+                try:
+                    shutil.rmtree(aside)
+                except OSError as e:
+                    warn_at_caller(
+                        f"store {str(self._backend)!r}: the new store has committed, but deleting the old one it "
+                        f"replaced from {str(aside)!r} failed ({e}); that folder holds no store any more: delete it "
+                        "(with the permission it needs)", RuntimeWarning)
         else:
             try:
                 self._backend.restore_aside(aside)
