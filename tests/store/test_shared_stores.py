@@ -18,7 +18,6 @@ import pytest
 import torch
 
 from acs_testing import wait_for_child
-from activationscope.errors import StoreError
 from activationscope.store import StoreWriter, copy_store, open_store
 from activationscope.store._backend import LOCK_KEY
 
