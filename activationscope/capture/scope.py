@@ -338,7 +338,8 @@ class ActivationScope:
     ------
     TypeError
         ``capture=`` given a CapturePolicy (use ``capture_policy=``), or a ``token_rows``
-        that is not a bool or a dict of pattern to bool; a ``store_options`` key the writer
+        that is not a bool or a dict of pattern to bool; ``store_options`` that is not a dict; a
+        ``store_options`` key the writer
         does not take, or a value of the wrong type (``overwrite`` / ``resume`` / ``fsync``
         not a bool, ``process_group``, ``provenance`` or ``storage_options`` of another type).
     ValueError
@@ -428,6 +429,10 @@ class ActivationScope:
                 f"storage_dtype={storage_dtype} is not supported (8-bit floats have no overflow check nor "
                 "reductions on the CPU, and a store cannot hold them); use torch.float16 or torch.bfloat16"
             )
+        if store_options is not None and not isinstance(store_options, Mapping):
+            raise ArgumentTypeError(
+                f"store_options must be a dict of writer options (e.g. {{'overwrite': True}}), got "
+                f"{type(store_options).__name__} {store_options!r}")
         if store_options:
             if store is None:
                 raise ArgumentValueError(f"store_options={dict(store_options)!r} needs store= (a path, URL or zarr store)")
