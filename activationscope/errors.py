@@ -152,6 +152,24 @@ def names_repr(names: Iterable[object], n: int | None = None) -> str:
     return "[" + ", ".join(name_repr(x) for x in shown) + (", ..." if len(shown) < len(names) else "") + "]"
 
 
+def hook_point_hint(name: object, hook_points: Iterable[str], n: int = 3) -> str:
+    """``"; did you mean [...]?"`` for a hook point name that is not one of ``hook_points``:
+    the hook points of the module it names (``"blocks.0"`` for ``blocks.0.output``: a hook point
+    is a module path plus ``.output`` or ``.input.<k>``), else up to ``n`` names closest to it
+    (a typo; difflib's ratio of at least 0.8); ``""`` when none is close or ``name`` is no str."""
+    import difflib
+
+    if not isinstance(name, str) or not name:
+        return ""
+    names = [h for h in hook_points if isinstance(h, str)]
+    below = [h for h in names if h.startswith(name + ".")]
+    if below:
+        return (f"; did you mean {names_repr(below, n)}? (a hook point is a module path plus '.output' or "
+                "'.input.<k>')")
+    close = difflib.get_close_matches(name, names, n=n, cutoff=0.8)
+    return f"; did you mean {names_repr(close)}?" if close else ""
+
+
 def _inside_library(frame: types.FrameType) -> bool:
     """Whether ``frame`` runs code of this package, of torch or of the Python standard library
     (contextlib, threading, functools, runpy ...): the frames between a user's line and the

@@ -3559,13 +3559,15 @@ class Tracker:
         in a call is the very tensor another hook point recorded just before (an alias: a
         container's output and its last child's) shares that record's bytes for that call
         instead of copying them; its records are always its own calls'. Empty with
-        ``StoragePolicy.DISK`` (read the store) and ``ReductionPolicy.STREAMING``.
+        ``StoragePolicy.DISK`` (read the store) and ``ReductionPolicy.STREAMING``. A hook point
+        that was not captured raises :class:`~activationscope.errors.HookPointNotFoundError` (a
+        ``KeyError``) naming those that were and the closest to it.
         """
         if self._reference_mode:
             self._warn_changed(all_records=True)
         with self._new_hook_point_lock:  # (another thread capturing may add a hook point meanwhile)
             sinks = list(self._sinks.items())
-        return {name: sink.records() for name, sink in sinks}
+        return HookPointResults("activations", {name: sink.records() for name, sink in sinks}, hint=True)
 
     @property
     def reductions(self) -> dict[str, dict[str, torch.Tensor]]:

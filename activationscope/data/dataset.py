@@ -31,6 +31,7 @@ from ..errors import (
     RowIndexError,
     StoreCorruptError,
     StoreError,
+    hook_point_hint,
     name_repr,
     names_repr,
     warn_at_caller,
@@ -666,7 +667,8 @@ def select_hook_points(source: StoreSource, hook_points: Any) -> list[str]:
             what = (f"pattern {name_repr(pat)} matches no hook point of" if any(c in pat for c in "*?[")
                     else f"hook point {name_repr(pat)} is not in")
             raise HookPointNotFoundError(f"{what} the store {source.describe()}"
-                                         + (bracket or f"; it has {names_repr(available)}")
+                                         + (bracket or f"; it has {names_repr(available)}"
+                                            + ("" if what.startswith("pattern") else hook_point_hint(pat, available)))
                                          + (pending if not available else ""))
         if bracket:
             warn_at_caller(f"hook_points pattern {name_repr(pat)} selects {names_repr(hits, 8)}{bracket}")

@@ -50,6 +50,7 @@ from ..errors import (
     RowIndexError,
     StoreCorruptError,
     StoreError,
+    hook_point_hint,
     name_repr,
     names_repr,
     warn_at_caller,
@@ -381,6 +382,7 @@ class _Reductions(Mapping):
             raise HookPointNotFoundError(
                 f"hook point {name_repr(hook_point)} has no reductions in this store{why}; "
                 f"hook points with reductions: {names_repr(self)}"
+                + ("" if hook_point in self._store.hook_points else hook_point_hint(hook_point, self._store.hook_points))
             )
         refused = self._store._refused.get(hook_point) or {}
         out = ReductionResults(hook_point, {name: self._store._read_small(e) for name, e in entries.items()
@@ -938,7 +940,7 @@ class Store:
                            "store.refresh() once rows are committed")
             raise HookPointNotFoundError(
                 f"hook point {name_repr(hook_point)} is not in the store {str(self._backend)!r}; it has "
-                f"{names_repr(self.hook_points)}"
+                f"{names_repr(self.hook_points)}{hook_point_hint(hook_point, self.hook_points)}"
                 f"{pending}"
             ) from None
 
@@ -2828,6 +2830,7 @@ class Store:
             raise HookPointNotFoundError(
                 f"hook point {name_repr(hook_point)} has no reductions in the store {str(self._backend)!r}; hook "
                 f"points with reductions: {names_repr(sorted(stored))}"
+                + ("" if hook_point in self.hook_points else hook_point_hint(hook_point, self.hook_points))
             )
         # (an entry per result array, "var.mean", "var.count": each names its reduction)
         of = {n: (e.get("reduction") if isinstance(e, dict) and isinstance(e.get("reduction"), str) else n)
