@@ -13,7 +13,7 @@ import torch
 import activationscope as acs
 from activationscope.analysis.pooling import _labelled_rows, labelled_rows, sentence_rows
 from activationscope.analysis.probes import choose_folds, probe_accuracy, probe_store
-from activationscope.errors import ArgumentValueError
+from activationscope.errors import ArgumentTypeError, ArgumentValueError
 
 
 class Encoder(torch.nn.Module):
@@ -372,6 +372,22 @@ def test_sentence_rows_of_a_pattern_needs_exactly_one_hook_point(tmp_path):
     with pytest.raises(ArgumentValueError, match=r"hook_point must select one hook point, got 'd\.\*', which matches "
                                                  r"\['d\.0\.output', 'd\.1\.output'\]; call once per hook point"):
         sentence_rows(store, "d.*")
+
+
+@pytest.mark.parametrize("bad, cls, match", [
+    (0, ArgumentValueError, r"batch_size must be a positive int \(rows read per batch\), got 0"),
+    (-8, ArgumentValueError, r"batch_size must be a positive int \(rows read per batch\), got -8"),
+    (2.5, ArgumentTypeError, r"batch_size must be an int \(rows read per batch\), got 2\.5 \(float\)"),
+    (True, ArgumentTypeError, r"batch_size must be an int \(rows read per batch\), got True \(bool\)"),
+])
+def test_sentence_rows_names_a_batch_size_it_cannot_read_by(tmp_path, bad, cls, match):
+    # batch_size=0 was refused by the DataLoader inside, a ValueError of torch's own
+    store, labels = _layered_store(tmp_path / "p.zarr")
+    for read in (sentence_rows, labelled_rows):
+        with pytest.raises(cls, match=match):
+            read(store, "head.output", batch_size=bad)
+    x, got = sentence_rows(store, "head.output", batch_size=np.int64(1))
+    assert torch.equal(x, store["head.output"].double()) and got == labels
 
 
 def test_pool_by_sample_refuses_ids_that_do_not_pair_with_the_rows():
