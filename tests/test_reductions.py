@@ -1206,6 +1206,32 @@ def test_errors_are_activationscope_errors():
         R.make_reduction("missing/dir/red.pt")
 
 
+@pytest.mark.parametrize("content, what", [
+    ("state dict", r"It holds no TorchScript code: a file of torch\.save \(a tensor, a state dict, a pickled module\), "
+                   r"not of torch\.jit\.save"),
+    (b"not a program", r"It is no TorchScript file \(not a zip archive\)"),
+    (b"", r"It is no TorchScript file \(not a zip archive\)"),
+])
+def test_a_pt_file_that_is_no_torchscript_is_named_without_torchs_stack(tmp_path, content, what):
+    # the message held torch's C++ stack ("Exception raised from ... frame #0: c10::Error::Error") and
+    # its advice about checkpoints, and no way to make a file that loads
+    path = tmp_path / "red.pt"
+    if content == "state dict":
+        torch.save({"acc": torch.zeros(3)}, path)
+    else:
+        path.write_bytes(content)
+    for make in (lambda: R.make_reduction(str(path)), lambda: acs.ActivationScope(reductions=[str(path)])):
+        with pytest.raises(ReductionError) as e:
+            make()
+        text = str(e.value)
+        assert re.search(rf"^custom reduction 'red': custom reduction file '{re.escape(str(path))}' could not be loaded "
+                         rf"as TorchScript: PytorchStreamReader failed .*?\. {what}; save the reduction with "
+                         r"script_reduction\(fn, path\) \(activationscope\.reductions\) or "
+                         r"torch\.jit\.save\(torch\.jit\.script\(fn\), path\), or pass the function itself in "
+                         r"reductions=$", text), text
+        assert "Exception raised from" not in text and "c10::" not in text and "miniz" not in text
+
+
 # ---------------------------------------------------------------------------- docs
 
 
