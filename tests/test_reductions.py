@@ -1206,6 +1206,23 @@ def test_errors_are_activationscope_errors():
         R.make_reduction("missing/dir/red.pt")
 
 
+def test_a_name_and_options_tuple_says_where_the_options_go():
+    # ("hist", {...}) was refused as "reduction must be a built-in name ..., got dict": the tuple is
+    # (name, spec) and the options are its third entry
+    for make in (lambda r: acs.ActivationScope(reductions=[r]), lambda r: acs.ActivationScope(reductions={"*": [r]})):
+        with pytest.raises(ReductionError, match=re.escape(
+                "a reduction tuple must be (name, spec) or (name, spec, {options}), got ('hist', {'lo': 0, 'hi': 1}): "
+                "its second entry is the spec, not the options; write ('hist', 'hist', {'lo': 0, 'hi': 1}) for the "
+                "built-in 'hist' with these options")):
+            make(("hist", {"lo": 0, "hi": 1}))
+        with pytest.raises(ReductionError, match=re.escape(
+                "got ('mine', {'k': 3}): its second entry is the spec (a built-in name, a function or a .pt path), "
+                "not the options; write (name, spec, {'k': 3})")):
+            make(("mine", {"k": 3}))
+    r = R.resolve_reductions([("hist", "hist", {"lo": 0, "hi": 1, "bins": 4})], "0.output")
+    assert [name for name, _ in r] == ["hist"] and r[0][1]().options["bins"] == 4
+
+
 @pytest.mark.parametrize("content, what", [
     ("state dict", r"It holds no TorchScript code: a file of torch\.save \(a tensor, a state dict, a pickled module\), "
                    r"not of torch\.jit\.save"),

@@ -904,6 +904,15 @@ def _factory(item: Any, where: str = "") -> ReductionFactory:
                 f"a reduction tuple must be (name, spec) or (name, spec, {{options}}), got {item!r}"
             )
         name, spec = item[0], item[1]
+        if len(item) == 2 and isinstance(spec, Mapping):
+            # (name, {options}): the options where the spec goes, which would be refused as "got dict"
+            raise ReductionError(
+                f"a reduction tuple must be (name, spec) or (name, spec, {{options}}), got {item!r}: its second entry "
+                f"is the spec, not the options; write ({name!r}, {name!r}, {dict(spec)!r}) for the built-in "
+                f"{name!r} with these options" if name in BUILTIN_REDUCTIONS else
+                f"a reduction tuple must be (name, spec) or (name, spec, {{options}}), got {item!r}: its second entry "
+                f"is the spec (a built-in name, a function or a .pt path), not the options; write (name, spec, "
+                f"{dict(spec)!r})")
         if len(item) == 3:
             if not isinstance(item[2], Mapping):
                 raise ReductionError(f"options of reduction {name!r} must be a dict, got {item[2]!r}")
