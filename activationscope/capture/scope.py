@@ -1801,7 +1801,17 @@ class Tracker:
             a column whose type differs
             from its type in earlier batches (``int64`` labels, then ``float``: a row-table
             column has one type), or a column that is not a sequence.
+        CaptureError
+            A store capture's tracker that is closed (its ``with`` block ended): no forward it
+            would describe is captured.
         """
+        if self._closed and self.writer is not None and not self._attached:
+            # (a loop after the with block: its forwards would run without a hook, stored nowhere)
+            raise CaptureError(
+                f"set_batch on a closed tracker: its store {self.writer.path!r} is closed (its `with` block ended, "
+                "or close() was called), so the forwards it would describe are not captured; call set_batch and "
+                "the model inside the `with scope.track(model)` block, or make a new tracker with "
+                "store_options={'resume': True} to add rows")
         same_samples = parse_flag(same_samples, "same_samples")  # (same_samples="False" is a true string)
         if same_samples:
             if sample_ids is not None:
