@@ -174,6 +174,27 @@ def _is_bool(v: Any) -> bool:
     return isinstance(v, (bool, np.bool_))  # numpy bools too (np.True_ is not a bool)
 
 
+def _check_one_per_row(values: Any, what: str) -> None:
+    """Refuse ``labels`` / ``groups`` that are not one hashable value per row: a tensor or
+    array of another shape than ``(rows,)`` (one-hot labels ``(rows, n_classes)``), or entries
+    that are lists (their classes could not be counted)."""
+    shape = getattr(values, "shape", None)
+    if isinstance(values, (torch.Tensor, np.ndarray)) and len(shape) != 1:
+        raise ArgumentValueError(
+            f"{what} must be 1-D, one value per row of x, got shape {tuple(shape)}"
+            + ("; for one-hot labels pass labels.argmax(1)" if what == "labels" and len(shape) == 2 else ""))
+    if isinstance(values, (torch.Tensor, np.ndarray)):
+        return
+    values = values if isinstance(values, (list, tuple)) else []  # (another iterable: checked once a list)
+    for i, v in enumerate(values):
+        try:
+            hash(v)
+        except TypeError:
+            raise ArgumentTypeError(
+                f"{what} must hold one hashable value per row of x (an int, a str, ...), got {type(v).__name__} "
+                f"{v!r} at row {i}") from None
+
+
 def _check_label_types(labels: Sequence[Any]) -> None:
     """Refuse bool labels mixed with others: ``True == 1`` would merge two classes."""
     bools = [v for v in labels if _is_bool(v)]
@@ -407,9 +428,9 @@ def probe_accuracy(
     Raises
     ------
     ArgumentTypeError
-        ``x`` is complex.
+        ``x`` is complex; ``labels`` or ``groups`` holding an unhashable entry (a list).
     ValueError
-        Fewer than 2 classes (also after rows with NaN or inf are left out), bool labels
+        ``labels`` or ``groups`` a tensor or array that is not 1-D; fewer than 2 classes (also after rows with NaN or inf are left out), bool labels
         mixed with others, NaN labels (no class: leave their rows out), mismatched lengths,
         ``n_folds`` not an int of at least 2, too few samples for ``n_folds``, or every row
         holding NaN or inf (:class:`ArgumentValueError`); ``seed`` not an int, ``max_iter``
@@ -427,9 +448,11 @@ def probe_accuracy(
         raise ArgumentTypeError(f"x must be real, got {x.dtype}: {COMPLEX_ADVICE}")
     if not x.dtype.is_floating_point:  # (a float x stays in its dtype: each fold is made float64)
         x = x.to(torch.float64)
+    _check_one_per_row(labels, "labels")
     if isinstance(labels, torch.Tensor):
         labels = labels.tolist()
     labels = list(labels)
+    _check_one_per_row(labels, "labels")
     if len(labels) != x.shape[0]:
         raise ArgumentValueError(f"labels has {len(labels)} entries, expected one per row of x ({x.shape[0]})")
     _check_label_types(labels)
@@ -440,7 +463,9 @@ def probe_accuracy(
             "itself): leave those rows out first, e.g. keep = ~torch.isnan(labels); probe_accuracy(x[keep], "
             "labels[keep]) (probe_store leaves samples with a NaN or missing label out itself)")
     if groups is not None:
+        _check_one_per_row(groups, "groups")
         groups = groups.tolist() if isinstance(groups, torch.Tensor) else list(groups)
+        _check_one_per_row(groups, "groups")
         if len(groups) != len(labels):
             raise ArgumentValueError(f"groups has {len(groups)} entries, expected one per row of x ({len(labels)})")
     x, labels, n_dropped, dropped_note, kept = _drop_nonfinite_rows(x, labels)

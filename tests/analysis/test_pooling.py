@@ -244,6 +244,25 @@ def test_probe_accuracy_refuses_a_fit_it_cannot_make(kwargs, match):
         probe_accuracy(x, [0, 1] * 10, **kwargs)
 
 
+@pytest.mark.parametrize("labels, groups, cls, match", [
+    (torch.nn.functional.one_hot(torch.arange(20) % 2), None, ArgumentValueError,
+     r"labels must be 1-D, one value per row of x, got shape \(20, 2\); for one-hot labels pass labels\.argmax\(1\)"),
+    (np.zeros((20, 1)), None, ArgumentValueError, r"labels must be 1-D, one value per row of x, got shape \(20, 1\)"),
+    ([[i % 2] for i in range(20)], None, ArgumentTypeError,
+     r"labels must hold one hashable value per row of x \(an int, a str, \.\.\.\), got list \[0\] at row 0"),
+    ([0, 1] * 10, torch.arange(40).reshape(20, 2), ArgumentValueError,
+     r"groups must be 1-D, one value per row of x, got shape \(20, 2\)$"),
+    ([0, 1] * 10, [[i] for i in range(20)], ArgumentTypeError,
+     r"groups must hold one hashable value per row of x \(an int, a str, \.\.\.\), got list \[0\] at row 0"),
+])
+def test_probe_accuracy_names_labels_or_groups_that_are_not_one_value_per_row(labels, groups, cls, match):
+    # one-hot labels (20, 2) raised Python's "unhashable type: 'list'" from inside the probe
+    x = torch.randn(20, 3, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(cls, match=match):
+        probe_accuracy(x, labels, groups=groups)
+    assert probe_accuracy(x, torch.nn.functional.one_hot(torch.arange(20) % 2).argmax(1)).n_classes == 2
+
+
 def test_folds_may_be_numpy_ints():
     labels = [0, 1] * 10
     assert choose_folds(labels, np.int64(3)) == (3, "")
