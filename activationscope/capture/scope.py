@@ -930,6 +930,9 @@ class Tracker:
         # points took them as token rows
         self._image_input: tuple[tuple[int, ...], str | None] | None = None
         self._warned_image_input = False
+        # rows="token": likewise when that input is a floating-point (batch, features) matrix (an
+        # MLP's), whose second dim is no pos
+        self._feature_input: tuple[tuple[int, ...], str | None] | None = None
         # a model taking token ids and an image or audio input (CLIP, LLaVA): its media inputs
         # by name; hook points of its vision / audio tower taken as token rows are warned about
         order = _keyword_order(getattr(model, "forward", None))
@@ -3132,6 +3135,8 @@ class Tracker:
             named = [k for k, v in zip(order, args) if v is t] or [k for k, v in kwargs.items() if v is t]
             media = t is not None and (t.dim() >= 4 or (named and named[0] in _MEDIA_INPUTS and t.dim() >= 2))
             self._image_input = (tuple(t.shape), named[0] if named else None) if media else None
+            features = (t is not None and not media and t.dim() == 2 and (t.is_floating_point() or t.is_complex()))
+            self._feature_input = (tuple(t.shape), named[0] if named else None) if features else None
         if self._warned_model_mask:
             return
         mask = kwargs.get("attention_mask")
@@ -3397,18 +3402,36 @@ class Tracker:
         (``input_features`` ``(batch, mel bins, frames)``): its first two dims are not
         ``(batch, pos)``, so hook points starting with them (the image itself under
         ``capture="both"``) were stored one row per channel labelled as tokens, while the
-        transformer's ``(batch, patches, d)`` hidden states were stored one row per sample."""
-        if self._image_input is None or self._warned_image_input:
+        transformer's ``(batch, patches, d)`` hidden states were stored one row per sample. Also
+        for a floating-point ``(batch, features)`` first input (an MLP's) when every hook point
+        taken as token rows is 2-D: each feature was stored as a token row of one value."""
+        if (self._image_input is None and self._feature_input is None) or self._warned_image_input:
             return
-        shape, param = self._image_input
         if self.writer is None and not any(self._reduction_names.values()):
             return  # (in memory, records are whole tensors: no rows taken)
         taken = [n for n, s in self._sinks.items() if s.row_kind == 1]
         if not taken:
             return  # (no token rows: warned about as rows='token' finding none)
-        self._warned_image_input = True
         k = self._core.n_forwards - 1
         shown = ", ".join(repr(n) for n in taken[:6]) + (f" and {len(taken) - 6} more" if len(taken) > 6 else "")
+        if self._image_input is None:
+            shape, param = self._feature_input
+            if any(not isinstance(self._first_shapes.get(n), tuple) or len(self._first_shapes[n]) != 2 for n in taken):
+                return  # (a hook point of (batch, pos, d): a sequence of values, one per position, embedded)
+            self._warned_image_input = True
+            warn_at_caller(
+                f"rows='token' took (batch, pos) = {shape} from the model's first tensor input in forward {k}, "
+                f"{param + ' ' if param else ''}of shape {shape}: floating-point (batch, features), not token ids "
+                f"(batch, pos) or embeddings (batch, pos, d), so {shown} stored {shape[1]} token rows per sample, one "
+                "value each, one per feature given as its pos. For one row per sample (an MLP's features), leave "
+                "rows='token' out (rows='auto') or pass token_rows=False; for token rows of a sequence model, give "
+                "tracker.set_batch(attention_mask=...) a mask of its (batch, pos) before each forward (warned once "
+                "per capture)",
+                CaptureWarning,
+            )
+            return
+        shape, param = self._image_input
+        self._warned_image_input = True
         warn_at_caller(
             f"rows='token' took (batch, pos) = {shape[:2]} from the first two dims of the model's first tensor "
             f"input in forward {k}, {param + ' ' if param else ''}of shape {shape}: not token ids (batch, pos) or "
