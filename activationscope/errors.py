@@ -170,6 +170,18 @@ def hook_point_hint(name: object, hook_points: Iterable[str], n: int = 3) -> str
     return f"; did you mean {names_repr(close)}?" if close else ""
 
 
+def column_hint(missing: Iterable[str], columns: Iterable[str], n: int = 3) -> str:
+    """``"; did you mean [...] for 'x'?"`` naming, for each of the ``missing`` column names
+    that has any, up to ``n`` of ``columns`` closest to it (a typo: ``'lable'`` for
+    ``'label'``; difflib's ratio of at least 0.8); ``""`` when none is close."""
+    import difflib
+
+    columns = [c for c in columns if isinstance(c, str)]
+    found = [(m, difflib.get_close_matches(m, columns, n=n, cutoff=0.8)) for m in missing if isinstance(m, str)]
+    found = [f"{names_repr(close)} for {name_repr(m)}" for m, close in found if close]
+    return f"; did you mean {', '.join(found)}?" if found else ""
+
+
 def _inside_library(frame: types.FrameType) -> bool:
     """Whether ``frame`` runs code of this package, of torch or of the Python standard library
     (contextlib, threading, functools, runpy ...): the frames between a user's line and the

@@ -3,6 +3,8 @@ given, and the fix (STYLE.md, Errors); one mistake worded alike wherever it is m
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -69,3 +71,33 @@ def test_tracker_activations_of_a_hook_point_not_captured_is_a_hook_point_error(
         acts["0.outptu"]
     with pytest.raises(KeyError, match=r"did you mean \['1\.output'\]\? \(a hook point is a module path"):
         acts["1"]
+
+
+@pytest.fixture(scope="module")
+def labelled_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("columns") / "s.zarr"
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3))
+    with acs.ActivationScope(store=str(path)).track(model) as tracker, torch.no_grad():
+        tracker.set_batch(label=[0, 1, 0, 1])
+        model(torch.ones(4, 2))
+    return str(path)
+
+
+@pytest.mark.parametrize("read", ["ActivationDataset", "export_parquet", "export_arrow"])
+def test_a_column_typo_is_named_alike_with_the_store_and_the_closest_column(labelled_path, tmp_path, read):
+    # the export's message named no store, and neither suggested 'label' for 'lable'
+    from activationscope.data import export_arrow, export_parquet
+
+    calls = {
+        "ActivationDataset": lambda cols: ActivationDataset(labelled_path, hook_points="0.output", columns=cols),
+        "export_parquet": lambda cols: export_parquet(labelled_path, tmp_path / "o.parquet", columns=cols),
+        "export_arrow": lambda cols: export_arrow(labelled_path, tmp_path / "o.arrow", columns=cols),
+    }
+    with pytest.raises(ValueError, match=re.escape(
+            f"columns ['lable', 'zzz'] are not in the sample row table of {labelled_path!r}; it has ['sample_id', "
+            "'batch', 'label']; did you mean ['label'] for 'lable'?")):
+        calls[read](["lable", "zzz"])
+    with pytest.raises(ValueError) as e:
+        calls[read](["zzz"])
+    assert str(e.value).endswith("it has ['sample_id', 'batch', 'label']")
+    assert not (tmp_path / "o.parquet").exists() and not (tmp_path / "o.arrow").exists()

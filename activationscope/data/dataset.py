@@ -31,6 +31,7 @@ from ..errors import (
     RowIndexError,
     StoreCorruptError,
     StoreError,
+    column_hint,
     hook_point_hint,
     name_repr,
     names_repr,
@@ -810,7 +811,7 @@ class ActivationDataset(Dataset):
                              "make the dataset again once rows are committed")
                 raise ArgumentValueError(
                     f"columns {missing} are not in the {self.row_kind} row table of {self.source.describe()}; "
-                    f"it has {table.column_names}{empty}"
+                    f"it has {table.column_names}{column_hint(missing, table.column_names)}{empty}"
                 )
         clash = set(self.columns) & set(self.hook_points)
         if clash:
