@@ -1058,7 +1058,10 @@ class Store:
         """
         if isinstance(key, tuple):
             if len(key) != 2 or not isinstance(key[1], slice):
-                raise ArgumentTypeError(f"store[...] takes a hook point or (hook point, slice), got {key!r}")
+                raise ArgumentTypeError(
+                    f"store[...] takes a hook point or (hook point, slice), got {key!r}"
+                    + ("; rows are read by a slice: store[hook_point, i:i + 1] for row i, or for rows at other "
+                       "positions ActivationDataset(store, hook_points=hook_point)[positions]" if len(key) == 2 else ""))
             hook_point, sl = key
         else:
             hook_point, sl = key, slice(None)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -41,3 +43,16 @@ def test_reduction_specs_of_a_hook_point_not_in_the_store_raises(tmp_path):
     assert store.reduction_specs("1.output") == {}  # stored, without reductions
     with pytest.raises(acs.HookPointNotFoundError, match=r"hook point '0\.outptu' is not in the store"):
         store.reduction_specs("0.outptu")  # a typo is no "no reductions"
+
+
+@pytest.mark.parametrize("rows", [-1, 3, 1.5, [0, 2], np.int64(2)])
+def test_store_getitem_with_rows_that_are_no_slice_says_how_to_read_them(store, rows):
+    # the message said only what it takes, not how to read one row or a list of positions
+    with pytest.raises(ArgumentTypeError, match=re.escape(
+            f"store[...] takes a hook point or (hook point, slice), got ('0.output', {rows!r}); rows are read by a "
+            "slice: store[hook_point, i:i + 1] for row i, or for rows at other positions "
+            "ActivationDataset(store, hook_points=hook_point)[positions]")):
+        store["0.output", rows]
+    assert torch.equal(store["0.output", 3:4], store["0.output"][3:4])
+    with pytest.raises(ArgumentTypeError, match=r"got \('0\.output', slice\(0, 1, None\), 0\)$"):
+        store["0.output", 0:1, 0]
