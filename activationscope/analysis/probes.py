@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from ..errors import (ActivationScopeError, ArgumentTypeError, ArgumentValueError, FewerGroupsWarning,
-                      IncompleteStoreWarning, StoreError, warn_at_caller)
+                      IncompleteStoreWarning, StoreError, column_hint, warn_at_caller)
 from .pooling import _labelled_rows, _open, select_hook_points
 
 __all__ = ["ProbeResult", "ProbeResults", "choose_folds", "drop_nonfinite_rows", "probe_accuracy", "probe_store"]
@@ -172,6 +172,19 @@ def choose_folds(labels: Sequence[Any], n_folds: int, groups: Sequence[Any] | No
 
 def _is_bool(v: Any) -> bool:
     return isinstance(v, (bool, np.bool_))  # numpy bools too (np.True_ is not a bool)
+
+
+def _columns_note(store: Any, hook_point: str, label_column: str) -> str:
+    """``"; its columns are [...]"`` of the row tables that label ``hook_point``'s rows (the
+    sample table's, and the token table's first for token rows), with the closest to
+    ``label_column`` (a typo); ``""`` when they cannot be read."""
+    names: list[str] = []
+    try:
+        for kind in ("token", "sample") if store.row_kind(hook_point) == "token" else ("sample",):
+            names += [c for c in store.row_table(kind).column_names if c not in names]
+    except (ActivationScopeError, AttributeError):  # (no reason to fail a probe: the note only helps)
+        return ""
+    return f"; its columns are {names}{column_hint([label_column], names)}; pass label_column= one of them"
 
 
 def _check_one_per_row(values: Any, what: str) -> None:
@@ -655,7 +668,7 @@ def probe_store(
             out.skipped[hp] = str(e)
             continue
         if got is None:
-            out.skipped[hp] = f"the row table has no labelled {label_column!r} column"
+            out.skipped[hp] = f"the row table has no labelled {label_column!r} column" + _columns_note(store, hp, label_column)
             continue
         x, labels, n_unlabelled, groups = got
         unlabelled = (f"{n_unlabelled} sample(s) without a label (missing, -1, -100 or empty) left out"

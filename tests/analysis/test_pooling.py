@@ -382,6 +382,17 @@ def test_probe_store_names_a_pattern_or_hook_point_the_store_lacks(tmp_path):
         probe_store(store, ["d.0.output", 3])
 
 
+def test_probe_store_of_a_mistyped_label_column_names_the_columns_there_are(tmp_path):
+    # each hook point was skipped as "the row table has no labelled 'lable' column", naming neither the
+    # columns there are nor the one meant
+    store, _ = _layered_store(tmp_path / "p.zarr")
+    got = probe_store(store, "d.0.output", label_column="lable")
+    assert dict(got) == {} and got.skipped == {
+        "d.0.output": "the row table has no labelled 'lable' column; its columns are ['sample_id', 'batch', 'label']; "
+                      "did you mean ['label'] for 'lable'?; pass label_column= one of them"}
+    assert "d.0.output" in probe_store(store, "d.0.output", label_column="label")
+
+
 def test_sentence_rows_of_a_pattern_needs_exactly_one_hook_point(tmp_path):
     from activationscope.errors import ArgumentValueError
 
