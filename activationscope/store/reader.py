@@ -1212,7 +1212,11 @@ class Store:
         except TypeError:
             raise ArgumentTypeError(f"rows({hook_point!r}, start, stop): start and stop must be ints, got {start!r}, {stop!r}") from None
         if not (0 <= start <= stop <= n):
-            raise RowIndexError(f"rows [{start}, {stop}) out of range for hook point {hook_point!r} with {n} rows")
+            raise RowIndexError(
+                f"rows [{start}, {stop}) out of range for hook point {hook_point!r} with {n} rows: start and stop must "
+                f"satisfy 0 <= start <= stop <= {n} (positions from 0, none negative); store[{hook_point!r}, "
+                f"{start}:{stop}] reads a slice, clipped to the rows there are and counting negative positions from "
+                "the end")
         return self._read_rows(hook_point, start, stop)
 
     def will_read(self, hook_point: str, start: int, stop: int) -> tuple[int, int]:

@@ -56,3 +56,14 @@ def test_store_getitem_with_rows_that_are_no_slice_says_how_to_read_them(store, 
     assert torch.equal(store["0.output", 3:4], store["0.output"][3:4])
     with pytest.raises(ArgumentTypeError, match=r"got \('0\.output', slice\(0, 1, None\), 0\)$"):
         store["0.output", 0:1, 0]
+
+
+@pytest.mark.parametrize("start, stop", [(-1, 2), (0, 6), (4, 2)])
+def test_rows_out_of_range_say_the_bounds_and_the_slice_that_clips(store, start, stop):
+    # the message said "out of range" only: not the bounds (no negative position) nor the read that clips
+    with pytest.raises(acs.errors.RowIndexError, match=re.escape(
+            f"rows [{start}, {stop}) out of range for hook point '0.output' with 5 rows: start and stop must satisfy "
+            f"0 <= start <= stop <= 5 (positions from 0, none negative); store['0.output', {start}:{stop}] reads a "
+            "slice, clipped to the rows there are and counting negative positions from the end")):
+        store.rows("0.output", start, stop)
+    assert torch.equal(store["0.output", start:stop], store["0.output"][start:stop])
