@@ -154,6 +154,7 @@ def names_repr(names: Iterable[object], n: int | None = None) -> str:
 
 def hook_point_hint(name: object, hook_points: Iterable[str], n: int = 3) -> str:
     """``"; did you mean [...]?"`` for a hook point name that is not one of ``hook_points``:
+    for an fnmatch pattern given where one name is read, the hook points it would match; else
     the hook points of the module it names (``"blocks.0"`` for ``blocks.0.output``: a hook point
     is a module path plus ``.output`` or ``.input.<k>``), else up to ``n`` names closest to it
     (a typo; difflib's ratio of at least 0.8); ``""`` when none is close or ``name`` is no str."""
@@ -162,6 +163,13 @@ def hook_point_hint(name: object, hook_points: Iterable[str], n: int = 3) -> str
     if not isinstance(name, str) or not name:
         return ""
     names = [h for h in hook_points if isinstance(h, str)]
+    if any(c in name for c in "*?["):
+        import fnmatch
+
+        hits = [h for h in names if fnmatch.fnmatchcase(h, name)]
+        if hits:  # (a pattern where one hook point is read: store[...], to_dask)
+            return (f"; {name_repr(name)} is read as one name, not a pattern (it would match {names_repr(hits, n)}): "
+                    "pass one hook point")
     below = [h for h in names if h.startswith(name + ".")]
     if below:
         return (f"; did you mean {names_repr(below, n)}? (a hook point is a module path plus '.output' or "

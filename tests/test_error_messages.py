@@ -101,3 +101,19 @@ def test_a_column_typo_is_named_alike_with_the_store_and_the_closest_column(labe
         calls[read](["zzz"])
     assert str(e.value).endswith("it has ['sample_id', 'batch', 'label']")
     assert not (tmp_path / "o.parquet").exists() and not (tmp_path / "o.arrow").exists()
+
+
+def test_a_pattern_where_one_hook_point_is_read_says_so(store_path):
+    # store["*.output"] and to_dask(store, "0.*") were told only that no such hook point exists
+    from activationscope.analysis.dask import to_dask
+
+    store = acs.open_store(store_path)
+    for read, pattern, hits in [(lambda p: store[p], "*.output", "['0.output', '1.output', '2.output']"),
+                                (lambda p: store.n_rows(p), "0.*", "['0.output']"),
+                                (lambda p: to_dask(store_path, p), "[01].output", "['0.output', '1.output']")]:
+        with pytest.raises(HookPointNotFoundError, match=re.escape(
+                f"; {pattern!r} is read as one name, not a pattern (it would match {hits}): pass one hook point")):
+            read(pattern)
+    with pytest.raises(HookPointNotFoundError) as e:  # a pattern matching nothing: no such note
+        store["9.*"]
+    assert "not a pattern" not in str(e.value)
