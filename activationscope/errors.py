@@ -152,6 +152,44 @@ def names_repr(names: Iterable[object], n: int | None = None) -> str:
     return "[" + ", ".join(name_repr(x) for x in shown) + (", ..." if len(shown) < len(names) else "") + "]"
 
 
+def hook_point_hint(name: object, hook_points: Iterable[str], n: int = 3) -> str:
+    """``"; did you mean [...]?"`` for a hook point name that is not one of ``hook_points``:
+    for an fnmatch pattern given where one name is read, the hook points it would match; else
+    the hook points of the module it names (``"blocks.0"`` for ``blocks.0.output``: a hook point
+    is a module path plus ``.output`` or ``.input.<k>``), else up to ``n`` names closest to it
+    (a typo; difflib's ratio of at least 0.8); ``""`` when none is close or ``name`` is no str."""
+    import difflib
+
+    if not isinstance(name, str) or not name:
+        return ""
+    names = [h for h in hook_points if isinstance(h, str)]
+    if any(c in name for c in "*?["):
+        import fnmatch
+
+        hits = [h for h in names if fnmatch.fnmatchcase(h, name)]
+        if hits:  # (a pattern where one hook point is read: store[...], to_dask)
+            return (f"; {name_repr(name)} is read as one name, not a pattern (it would match {names_repr(hits, n)}): "
+                    "pass one hook point")
+    below = [h for h in names if h.startswith(name + ".")]
+    if below:
+        return (f"; did you mean {names_repr(below, n)}? (a hook point is a module path plus '.output' or "
+                "'.input.<k>')")
+    close = difflib.get_close_matches(name, names, n=n, cutoff=0.8)
+    return f"; did you mean {names_repr(close)}?" if close else ""
+
+
+def column_hint(missing: Iterable[str], columns: Iterable[str], n: int = 3) -> str:
+    """``"; did you mean [...] for 'x'?"`` naming, for each of the ``missing`` column names
+    that has any, up to ``n`` of ``columns`` closest to it (a typo: ``'lable'`` for
+    ``'label'``; difflib's ratio of at least 0.8); ``""`` when none is close."""
+    import difflib
+
+    columns = [c for c in columns if isinstance(c, str)]
+    found = [(m, difflib.get_close_matches(m, columns, n=n, cutoff=0.8)) for m in missing if isinstance(m, str)]
+    found = [f"{names_repr(close)} for {name_repr(m)}" for m, close in found if close]
+    return f"; did you mean {', '.join(found)}?" if found else ""
+
+
 def _inside_library(frame: types.FrameType) -> bool:
     """Whether ``frame`` runs code of this package, of torch or of the Python standard library
     (contextlib, threading, functools, runpy ...): the frames between a user's line and the

@@ -1206,6 +1206,49 @@ def test_errors_are_activationscope_errors():
         R.make_reduction("missing/dir/red.pt")
 
 
+def test_a_name_and_options_tuple_says_where_the_options_go():
+    # ("hist", {...}) was refused as "reduction must be a built-in name ..., got dict": the tuple is
+    # (name, spec) and the options are its third entry
+    for make in (lambda r: acs.ActivationScope(reductions=[r]), lambda r: acs.ActivationScope(reductions={"*": [r]})):
+        with pytest.raises(ReductionError, match=re.escape(
+                "a reduction tuple must be (name, spec) or (name, spec, {options}), got ('hist', {'lo': 0, 'hi': 1}): "
+                "its second entry is the spec, not the options; write ('hist', 'hist', {'lo': 0, 'hi': 1}) for the "
+                "built-in 'hist' with these options")):
+            make(("hist", {"lo": 0, "hi": 1}))
+        with pytest.raises(ReductionError, match=re.escape(
+                "got ('mine', {'k': 3}): its second entry is the spec (a built-in name, a function or a .pt path), "
+                "not the options; write (name, spec, {'k': 3})")):
+            make(("mine", {"k": 3}))
+    r = R.resolve_reductions([("hist", "hist", {"lo": 0, "hi": 1, "bins": 4})], "0.output")
+    assert [name for name, _ in r] == ["hist"] and r[0][1]().options["bins"] == 4
+
+
+@pytest.mark.parametrize("content, what", [
+    ("state dict", r"It holds no TorchScript code: a file of torch\.save \(a tensor, a state dict, a pickled module\), "
+                   r"not of torch\.jit\.save"),
+    (b"not a program", r"It is no TorchScript file \(not a zip archive\)"),
+    (b"", r"It is no TorchScript file \(not a zip archive\)"),
+])
+def test_a_pt_file_that_is_no_torchscript_is_named_without_torchs_stack(tmp_path, content, what):
+    # the message held torch's C++ stack ("Exception raised from ... frame #0: c10::Error::Error") and
+    # its advice about checkpoints, and no way to make a file that loads
+    path = tmp_path / "red.pt"
+    if content == "state dict":
+        torch.save({"acc": torch.zeros(3)}, path)
+    else:
+        path.write_bytes(content)
+    for make in (lambda: R.make_reduction(str(path)), lambda: acs.ActivationScope(reductions=[str(path)])):
+        with pytest.raises(ReductionError) as e:
+            make()
+        text = str(e.value)
+        assert re.search(rf"^custom reduction 'red': custom reduction file '{re.escape(str(path))}' could not be loaded "
+                         rf"as TorchScript: PytorchStreamReader failed .*?\. {what}; save the reduction with "
+                         r"script_reduction\(fn, path\) \(activationscope\.reductions\) or "
+                         r"torch\.jit\.save\(torch\.jit\.script\(fn\), path\), or pass the function itself in "
+                         r"reductions=$", text), text
+        assert "Exception raised from" not in text and "c10::" not in text and "miniz" not in text
+
+
 # ---------------------------------------------------------------------------- docs
 
 

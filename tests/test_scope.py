@@ -1590,6 +1590,15 @@ def test_store_option_flags_must_be_bools(tmp_path, options):
     assert not (tmp_path / "s.zarr").exists()
 
 
+@pytest.mark.parametrize("options", [True, "overwrite", ["overwrite"], []])
+def test_store_options_that_are_not_a_dict_are_named(tmp_path, options):
+    # store_options=True (meant: overwrite) was read key by key, a TypeError of Python's own
+    with pytest.raises(ArgumentTypeError, match=rf"store_options must be a dict of writer options "
+                                                rf"\(e.g. \{{'overwrite': True\}}\), got {type(options).__name__}"):
+        acs.ActivationScope(store=str(tmp_path / "s.zarr"), store_options=options)
+    assert not (tmp_path / "s.zarr").exists()
+
+
 def test_store_writer_check_options_takes_every_store_option_with_its_default():
     # ActivationScope checks store_options with StoreWriter.check_options(**options): an option
     # StoreWriter takes and check_options lacks would fail there as an unexpected keyword

@@ -785,3 +785,31 @@ def test_a_column_named_like_a_hook_point_is_refused_before_anything_is_stored(t
     with torch.no_grad():
         assert torch.equal(st.rows("a.output", 0, 2), late.a(x))
     assert st.row_table("sample").column("b.output").to_pylist() == [1, 2]
+
+
+def test_set_batch_on_a_closed_store_tracker_is_refused_and_the_store_kept(tmp_path):
+    # a loop left outside the with block ran its forwards unhooked, described and stored nowhere, without a word
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3))
+    path = tmp_path / "s.zarr"
+    with acs.ActivationScope(store=str(path)).track(model) as tracker, torch.no_grad():
+        tracker.set_batch(label=[0, 1])
+        model(torch.ones(2, 2))
+    for kwargs in ({"label": [2, 3]}, {"sample_ids": [5, 6]}, {}):
+        with pytest.raises(acs.CaptureError, match=re.escape(
+                f"set_batch on a closed tracker: its store {str(path)!r} is closed (its `with` block ended, or "
+                "close() was called), so the forwards it would describe are not captured; call set_batch and the "
+                "model inside the `with scope.track(model)` block, or make a new tracker with "
+                "store_options={'resume': True} to add rows")):
+            tracker.set_batch(**kwargs)
+    store = acs.open_store(path)
+    assert store.status == "complete" and store.n_rows("0.output") == 2
+    assert store.row_table("sample")["label"].to_pylist() == [0, 1]
+
+
+def test_set_batch_before_a_store_tracker_is_entered_describes_its_first_forward(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3))
+    tracker = acs.ActivationScope(store=str(tmp_path / "s.zarr")).track(model)
+    tracker.set_batch(label=[4, 5])
+    with tracker, torch.no_grad():
+        model(torch.ones(2, 2))
+    assert acs.open_store(tmp_path / "s.zarr").row_table("sample")["label"].to_pylist() == [4, 5]

@@ -3,6 +3,8 @@ of the model's first input; a mask, when given, still leaves padding out."""
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -131,6 +133,41 @@ def test_in_memory_reductions_and_embedding_inputs(transformer):
     assert torch.allclose(tracker.reductions["layers.0.output"]["mean"], ref.mean(0), atol=1e-6)
     assert torch.allclose(tracker.reductions["layers.0.output"]["max"], ref.max(0).values, atol=1e-6, rtol=0)
     assert tracker.activations["layers.0.output"][0].shape == (4, 6, 16)  # records keep their shape
+
+
+def test_rows_token_of_an_mlps_features_is_warned_about_once(tmp_path):
+    # an MLP fed (batch, features) floats stored each feature as a token row of one value, without a word
+    mlp = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(0))
+    with pytest.warns(acs.CaptureWarning) as caught:
+        with torch.no_grad(), acs.ActivationScope(store=tmp_path / "s.zarr", rows="token").track(mlp):
+            mlp(x)
+            mlp(x)
+    texts = [str(w.message) for w in caught if "floating-point (batch, features)" in str(w.message)]
+    assert texts == [
+        "rows='token' took (batch, pos) = (5, 4) from the model's first tensor input in forward 0, input of shape "
+        "(5, 4): floating-point (batch, features), not token ids (batch, pos) or embeddings (batch, pos, d), so "
+        "'0.output', '1.output' stored 4 token rows per sample, one value each, one per feature given as its pos. For "
+        "one row per sample (an MLP's features), leave rows='token' out (rows='auto') or pass token_rows=False; for "
+        "token rows of a sequence model, give tracker.set_batch(attention_mask=...) a mask of its (batch, pos) before "
+        "each forward (warned once per capture)"]
+    store = acs.open_store(tmp_path / "s.zarr")  # stored as the warning says
+    assert store.row_kind("0.output") == "token" and store["0.output"].shape == (40,)
+    assert store.row_kind("2.output") == "sample"
+
+
+@pytest.mark.parametrize("model, x", [
+    (TinyLM(), _batches()[0]),                                                  # token ids
+    (torch.nn.Sequential(torch.nn.Unflatten(1, (6, 1)), torch.nn.Linear(1, 8)),  # a sequence of values, embedded
+     torch.randn(3, 6)),
+])
+def test_rows_token_of_ids_or_a_sequence_of_values_is_not_warned_about_as_features(tmp_path, model, x):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", acs.CaptureWarning)
+        with torch.no_grad(), acs.ActivationScope(store=tmp_path / "s.zarr", rows="token").track(model):
+            model(x)
+    store = acs.open_store(tmp_path / "s.zarr")
+    assert any(store.row_kind(hp) == "token" for hp in store.hook_points)
 
 
 def test_rows_is_validated():

@@ -149,6 +149,15 @@ def sentence_rows(
     batch_size : int, default 8192
         Rows read per batch (memory: one batch of rows at a time).
 
+    Raises
+    ------
+    ArgumentTypeError
+        ``batch_size`` is no int.
+    ArgumentValueError
+        ``batch_size`` is below 1, or ``hook_point`` a pattern matching several hook points.
+    HookPointNotFoundError
+        ``hook_point`` names no hook point of the store.
+
     Returns
     -------
     (x, labels) : Tensor (n_samples, *feature_shape) float64 (complex128 for complex rows;
@@ -178,6 +187,10 @@ def labelled_rows(
         The row-table column holding the labels.
     batch_size : int, default 8192
         Rows read per batch (memory: one batch of rows at a time).
+
+    Raises
+    ------
+    As :func:`sentence_rows`.
     """
     got = _labelled_rows(store, hook_point, label_column, batch_size)
     return None if got is None else got[:3]
@@ -195,11 +208,17 @@ def _labelled_rows(
     from torch.utils.data import DataLoader
 
     from ..data import ActivationDataset
+    from ..errors import ArgumentTypeError, ArgumentValueError
 
+    # (checked here, not by the DataLoader: its ValueError names neither this function nor the fix)
+    if isinstance(batch_size, (bool, np.bool_)) or not isinstance(batch_size, (int, np.integer)):
+        raise ArgumentTypeError(f"batch_size must be an int (rows read per batch), got {batch_size!r} "
+                                f"({type(batch_size).__name__})")
+    if batch_size < 1:
+        raise ArgumentValueError(f"batch_size must be a positive int (rows read per batch), got {batch_size}")
+    batch_size = int(batch_size)  # (the DataLoader refuses a numpy int)
     ds = ActivationDataset(store, hook_points=[hook_point])
     if len(ds.hook_points) != 1:  # (a pattern: the rows of one hook point are pooled here)
-        from ..errors import ArgumentValueError
-
         raise ArgumentValueError(
             f"hook_point must select one hook point, got {hook_point!r}, which matches {ds.hook_points}; "
             "call once per hook point"

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from ..errors import (ActivationScopeError, ArgumentTypeError, ArgumentValueError, FewerGroupsWarning,
-                      IncompleteStoreWarning, StoreError, warn_at_caller)
+                      IncompleteStoreWarning, StoreError, column_hint, warn_at_caller)
 from .pooling import _labelled_rows, _open, select_hook_points
 
 __all__ = ["ProbeResult", "ProbeResults", "choose_folds", "drop_nonfinite_rows", "probe_accuracy", "probe_store"]
@@ -172,6 +172,40 @@ def choose_folds(labels: Sequence[Any], n_folds: int, groups: Sequence[Any] | No
 
 def _is_bool(v: Any) -> bool:
     return isinstance(v, (bool, np.bool_))  # numpy bools too (np.True_ is not a bool)
+
+
+def _columns_note(store: Any, hook_point: str, label_column: str) -> str:
+    """``"; its columns are [...]"`` of the row tables that label ``hook_point``'s rows (the
+    sample table's, and the token table's first for token rows), with the closest to
+    ``label_column`` (a typo); ``""`` when they cannot be read."""
+    names: list[str] = []
+    try:
+        for kind in ("token", "sample") if store.row_kind(hook_point) == "token" else ("sample",):
+            names += [c for c in store.row_table(kind).column_names if c not in names]
+    except (ActivationScopeError, AttributeError):  # (no reason to fail a probe: the note only helps)
+        return ""
+    return f"; its columns are {names}{column_hint([label_column], names)}; pass label_column= one of them"
+
+
+def _check_one_per_row(values: Any, what: str) -> None:
+    """Refuse ``labels`` / ``groups`` that are not one hashable value per row: a tensor or
+    array of another shape than ``(rows,)`` (one-hot labels ``(rows, n_classes)``), or entries
+    that are lists (their classes could not be counted)."""
+    shape = getattr(values, "shape", None)
+    if isinstance(values, (torch.Tensor, np.ndarray)) and len(shape) != 1:
+        raise ArgumentValueError(
+            f"{what} must be 1-D, one value per row of x, got shape {tuple(shape)}"
+            + ("; for one-hot labels pass labels.argmax(1)" if what == "labels" and len(shape) == 2 else ""))
+    if isinstance(values, (torch.Tensor, np.ndarray)):
+        return
+    values = values if isinstance(values, (list, tuple)) else []  # (another iterable: checked once a list)
+    for i, v in enumerate(values):
+        try:
+            hash(v)
+        except TypeError:
+            raise ArgumentTypeError(
+                f"{what} must hold one hashable value per row of x (an int, a str, ...), got {type(v).__name__} "
+                f"{v!r} at row {i}") from None
 
 
 def _check_label_types(labels: Sequence[Any]) -> None:
@@ -407,9 +441,9 @@ def probe_accuracy(
     Raises
     ------
     ArgumentTypeError
-        ``x`` is complex.
+        ``x`` is complex; ``labels`` or ``groups`` holding an unhashable entry (a list).
     ValueError
-        Fewer than 2 classes (also after rows with NaN or inf are left out), bool labels
+        ``labels`` or ``groups`` a tensor or array that is not 1-D; fewer than 2 classes (also after rows with NaN or inf are left out), bool labels
         mixed with others, NaN labels (no class: leave their rows out), mismatched lengths,
         ``n_folds`` not an int of at least 2, too few samples for ``n_folds``, or every row
         holding NaN or inf (:class:`ArgumentValueError`); ``seed`` not an int, ``max_iter``
@@ -427,9 +461,11 @@ def probe_accuracy(
         raise ArgumentTypeError(f"x must be real, got {x.dtype}: {COMPLEX_ADVICE}")
     if not x.dtype.is_floating_point:  # (a float x stays in its dtype: each fold is made float64)
         x = x.to(torch.float64)
+    _check_one_per_row(labels, "labels")
     if isinstance(labels, torch.Tensor):
         labels = labels.tolist()
     labels = list(labels)
+    _check_one_per_row(labels, "labels")
     if len(labels) != x.shape[0]:
         raise ArgumentValueError(f"labels has {len(labels)} entries, expected one per row of x ({x.shape[0]})")
     _check_label_types(labels)
@@ -440,7 +476,9 @@ def probe_accuracy(
             "itself): leave those rows out first, e.g. keep = ~torch.isnan(labels); probe_accuracy(x[keep], "
             "labels[keep]) (probe_store leaves samples with a NaN or missing label out itself)")
     if groups is not None:
+        _check_one_per_row(groups, "groups")
         groups = groups.tolist() if isinstance(groups, torch.Tensor) else list(groups)
+        _check_one_per_row(groups, "groups")
         if len(groups) != len(labels):
             raise ArgumentValueError(f"groups has {len(groups)} entries, expected one per row of x ({len(labels)})")
     x, labels, n_dropped, dropped_note, kept = _drop_nonfinite_rows(x, labels)
@@ -630,7 +668,7 @@ def probe_store(
             out.skipped[hp] = str(e)
             continue
         if got is None:
-            out.skipped[hp] = f"the row table has no labelled {label_column!r} column"
+            out.skipped[hp] = f"the row table has no labelled {label_column!r} column" + _columns_note(store, hp, label_column)
             continue
         x, labels, n_unlabelled, groups = got
         unlabelled = (f"{n_unlabelled} sample(s) without a label (missing, -1, -100 or empty) left out"

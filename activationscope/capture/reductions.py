@@ -44,6 +44,7 @@ import threading
 import uuid
 import warnings
 import weakref
+import zipfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -593,7 +594,32 @@ def _from_pt(path: Path, options: dict[str, float], name: str, *, scratch: bool 
     try:
         return _C.make_script_reduction(str(path), options, name if scratch else "")
     except ActivationScopeError as e:
-        raise ReductionError(f"custom reduction {name!r}: {e}") from e
+        raise ReductionError(f"custom reduction {name!r}: {_load_error_text(str(e), path)}") from e
+
+
+def _load_error_text(text: str, path: Path) -> str:
+    """The native error of a ``.pt`` file that did not load, without torch's C++ stack and
+    advice of its own (``Exception raised from ...``, ``This is an internal miniz error ...``),
+    plus what the file seems to be and how to make one that loads."""
+    if "could not be loaded as TorchScript" not in text:
+        return text
+    for cut in (" This is an internal miniz error", "Exception raised from"):
+        text = text.split(cut, 1)[0]
+    text = text.rstrip(" .\n") + "."
+    try:
+        with zipfile.ZipFile(path) as z:
+            entries = z.namelist()
+    except (OSError, zipfile.BadZipFile, ValueError):
+        entries = None
+    if entries is None:
+        what = " It is no TorchScript file (not a zip archive)"
+    elif not any(e.split("/", 1)[-1].startswith("code/") for e in entries):
+        what = (" It holds no TorchScript code: a file of torch.save (a tensor, a state dict, a pickled module), "
+                "not of torch.jit.save")
+    else:
+        what = " It may come from another torch version, or be damaged"
+    return (f"{text}{what}; save the reduction with script_reduction(fn, path) (activationscope.reductions) or "
+            "torch.jit.save(torch.jit.script(fn), path), or pass the function itself in reductions=")
 
 
 def make_reduction(spec: Any, *, init: Any = None, **options: float) -> ReductionLike:
@@ -878,6 +904,15 @@ def _factory(item: Any, where: str = "") -> ReductionFactory:
                 f"a reduction tuple must be (name, spec) or (name, spec, {{options}}), got {item!r}"
             )
         name, spec = item[0], item[1]
+        if len(item) == 2 and isinstance(spec, Mapping):
+            # (name, {options}): the options where the spec goes, which would be refused as "got dict"
+            raise ReductionError(
+                f"a reduction tuple must be (name, spec) or (name, spec, {{options}}), got {item!r}: its second entry "
+                f"is the spec, not the options; write ({name!r}, {name!r}, {dict(spec)!r}) for the built-in "
+                f"{name!r} with these options" if name in BUILTIN_REDUCTIONS else
+                f"a reduction tuple must be (name, spec) or (name, spec, {{options}}), got {item!r}: its second entry "
+                f"is the spec (a built-in name, a function or a .pt path), not the options; write (name, spec, "
+                f"{dict(spec)!r})")
         if len(item) == 3:
             if not isinstance(item[2], Mapping):
                 raise ReductionError(f"options of reduction {name!r} must be a dict, got {item[2]!r}")

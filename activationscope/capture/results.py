@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
-from ..errors import HookPointNotFoundError, ReductionNotFoundError
+from ..errors import HookPointNotFoundError, ReductionNotFoundError, hook_point_hint
 
 
 def main_result_key(kind: str, result: Mapping[str, Any]) -> str | None:
@@ -40,12 +40,16 @@ class HookPointResults(_Results):
 
     _error = HookPointNotFoundError
 
-    def __init__(self, what: str, *args, **kwargs) -> None:
+    def __init__(self, what: str, *args, hint: bool = False, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.what = what
+        #: whether the keys are every hook point (a missing one is then no hook point: the names
+        #: closest to it are suggested)
+        self.hint = hint
 
     def _missing_message(self, hook_point: str) -> str:
-        return f"hook point {hook_point!r} has no {self.what}; hook points with {self.what}: {sorted(self)}"
+        return (f"hook point {hook_point!r} has no {self.what}; hook points with {self.what}: {sorted(self)}"
+                + (hook_point_hint(hook_point, self) if self.hint else ""))
 
 
 class ReductionResults(_Results):

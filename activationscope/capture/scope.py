@@ -339,7 +339,8 @@ class ActivationScope:
     ------
     TypeError
         ``capture=`` given a CapturePolicy (use ``capture_policy=``), or a ``token_rows``
-        that is not a bool or a dict of pattern to bool; a ``store_options`` key the writer
+        that is not a bool or a dict of pattern to bool; ``store_options`` that is not a dict; a
+        ``store_options`` key the writer
         does not take, or a value of the wrong type (``overwrite`` / ``resume`` / ``fsync``
         not a bool, ``process_group``, ``provenance`` or ``storage_options`` of another type).
     ValueError
@@ -429,6 +430,10 @@ class ActivationScope:
                 f"storage_dtype={storage_dtype} is not supported (8-bit floats have no overflow check nor "
                 "reductions on the CPU, and a store cannot hold them); use torch.float16 or torch.bfloat16"
             )
+        if store_options is not None and not isinstance(store_options, Mapping):
+            raise ArgumentTypeError(
+                f"store_options must be a dict of writer options (e.g. {{'overwrite': True}}), got "
+                f"{type(store_options).__name__} {store_options!r}")
         if store_options:
             if store is None:
                 raise ArgumentValueError(f"store_options={dict(store_options)!r} needs store= (a path, URL or zarr store)")
@@ -944,6 +949,9 @@ class Tracker:
         # points took them as token rows
         self._image_input: tuple[tuple[int, ...], str | None] | None = None
         self._warned_image_input = False
+        # rows="token": likewise when that input is a floating-point (batch, features) matrix (an
+        # MLP's), whose second dim is no pos
+        self._feature_input: tuple[tuple[int, ...], str | None] | None = None
         # a model taking token ids and an image or audio input (CLIP, LLaVA): its media inputs
         # by name; hook points of its vision / audio tower taken as token rows are warned about
         order = _keyword_order(getattr(model, "forward", None))
@@ -1830,7 +1838,17 @@ class Tracker:
             a column whose type differs
             from its type in earlier batches (``int64`` labels, then ``float``: a row-table
             column has one type), or a column that is not a sequence.
+        CaptureError
+            A store capture's tracker that is closed (its ``with`` block ended): no forward it
+            would describe is captured.
         """
+        if self._closed and self.writer is not None and not self._attached:
+            # (a loop after the with block: its forwards would run without a hook, stored nowhere)
+            raise CaptureError(
+                f"set_batch on a closed tracker: its store {self.writer.path!r} is closed (its `with` block ended, "
+                "or close() was called), so the forwards it would describe are not captured; call set_batch and "
+                "the model inside the `with scope.track(model)` block, or make a new tracker with "
+                "store_options={'resume': True} to add rows")
         same_samples = parse_flag(same_samples, "same_samples")  # (same_samples="False" is a true string)
         if same_samples:
             if sample_ids is not None:
@@ -3176,6 +3194,8 @@ class Tracker:
             named = [k for k, v in zip(order, args) if v is t] or [k for k, v in kwargs.items() if v is t]
             media = t is not None and (t.dim() >= 4 or (named and named[0] in _MEDIA_INPUTS and t.dim() >= 2))
             self._image_input = (tuple(t.shape), named[0] if named else None) if media else None
+            features = (t is not None and not media and t.dim() == 2 and (t.is_floating_point() or t.is_complex()))
+            self._feature_input = (tuple(t.shape), named[0] if named else None) if features else None
         if self._warned_model_mask:
             return
         mask = kwargs.get("attention_mask")
@@ -3441,18 +3461,36 @@ class Tracker:
         (``input_features`` ``(batch, mel bins, frames)``): its first two dims are not
         ``(batch, pos)``, so hook points starting with them (the image itself under
         ``capture="both"``) were stored one row per channel labelled as tokens, while the
-        transformer's ``(batch, patches, d)`` hidden states were stored one row per sample."""
-        if self._image_input is None or self._warned_image_input:
+        transformer's ``(batch, patches, d)`` hidden states were stored one row per sample. Also
+        for a floating-point ``(batch, features)`` first input (an MLP's) when every hook point
+        taken as token rows is 2-D: each feature was stored as a token row of one value."""
+        if (self._image_input is None and self._feature_input is None) or self._warned_image_input:
             return
-        shape, param = self._image_input
         if self.writer is None and not any(self._reduction_names.values()):
             return  # (in memory, records are whole tensors: no rows taken)
         taken = [n for n, s in self._sinks.items() if s.row_kind == 1]
         if not taken:
             return  # (no token rows: warned about as rows='token' finding none)
-        self._warned_image_input = True
         k = self._core.n_forwards - 1
         shown = ", ".join(repr(n) for n in taken[:6]) + (f" and {len(taken) - 6} more" if len(taken) > 6 else "")
+        if self._image_input is None:
+            shape, param = self._feature_input
+            if any(not isinstance(self._first_shapes.get(n), tuple) or len(self._first_shapes[n]) != 2 for n in taken):
+                return  # (a hook point of (batch, pos, d): a sequence of values, one per position, embedded)
+            self._warned_image_input = True
+            warn_at_caller(
+                f"rows='token' took (batch, pos) = {shape} from the model's first tensor input in forward {k}, "
+                f"{param + ' ' if param else ''}of shape {shape}: floating-point (batch, features), not token ids "
+                f"(batch, pos) or embeddings (batch, pos, d), so {shown} stored {shape[1]} token rows per sample, one "
+                "value each, one per feature given as its pos. For one row per sample (an MLP's features), leave "
+                "rows='token' out (rows='auto') or pass token_rows=False; for token rows of a sequence model, give "
+                "tracker.set_batch(attention_mask=...) a mask of its (batch, pos) before each forward (warned once "
+                "per capture)",
+                CaptureWarning,
+            )
+            return
+        shape, param = self._image_input
+        self._warned_image_input = True
         warn_at_caller(
             f"rows='token' took (batch, pos) = {shape[:2]} from the first two dims of the model's first tensor "
             f"input in forward {k}, {param + ' ' if param else ''}of shape {shape}: not token ids (batch, pos) or "
@@ -3613,13 +3651,15 @@ class Tracker:
         in a call is the very tensor another hook point recorded just before (an alias: a
         container's output and its last child's) shares that record's bytes for that call
         instead of copying them; its records are always its own calls'. Empty with
-        ``StoragePolicy.DISK`` (read the store) and ``ReductionPolicy.STREAMING``.
+        ``StoragePolicy.DISK`` (read the store) and ``ReductionPolicy.STREAMING``. A hook point
+        that was not captured raises :class:`~activationscope.errors.HookPointNotFoundError` (a
+        ``KeyError``) naming those that were and the closest to it.
         """
         if self._reference_mode:
             self._warn_changed(all_records=True)
         with self._new_hook_point_lock:  # (another thread capturing may add a hook point meanwhile)
             sinks = list(self._sinks.items())
-        return {name: sink.records() for name, sink in sinks}
+        return HookPointResults("activations", {name: sink.records() for name, sink in sinks}, hint=True)
 
     @property
     def reductions(self) -> dict[str, dict[str, torch.Tensor]]:

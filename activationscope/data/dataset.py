@@ -31,6 +31,8 @@ from ..errors import (
     RowIndexError,
     StoreCorruptError,
     StoreError,
+    column_hint,
+    hook_point_hint,
     name_repr,
     names_repr,
     warn_at_caller,
@@ -666,7 +668,8 @@ def select_hook_points(source: StoreSource, hook_points: Any) -> list[str]:
             what = (f"pattern {name_repr(pat)} matches no hook point of" if any(c in pat for c in "*?[")
                     else f"hook point {name_repr(pat)} is not in")
             raise HookPointNotFoundError(f"{what} the store {source.describe()}"
-                                         + (bracket or f"; it has {names_repr(available)}")
+                                         + (bracket or f"; it has {names_repr(available)}"
+                                            + ("" if what.startswith("pattern") else hook_point_hint(pat, available)))
                                          + (pending if not available else ""))
         if bracket:
             warn_at_caller(f"hook_points pattern {name_repr(pat)} selects {names_repr(hits, 8)}{bracket}")
@@ -808,7 +811,7 @@ class ActivationDataset(Dataset):
                              "make the dataset again once rows are committed")
                 raise ArgumentValueError(
                     f"columns {missing} are not in the {self.row_kind} row table of {self.source.describe()}; "
-                    f"it has {table.column_names}{empty}"
+                    f"it has {table.column_names}{column_hint(missing, table.column_names)}{empty}"
                 )
         clash = set(self.columns) & set(self.hook_points)
         if clash:

@@ -44,7 +44,7 @@ import pyarrow.parquet as pq
 import torch
 
 from ..errors import (ActivationScopeError, ArgumentTypeError, ArgumentValueError, ColumnNotFoundError, ExportError,
-                      ExportExistsError)
+                      ExportExistsError, column_hint)
 from ..store._backend import enclosing_store, local_path, no_room_hint, relation_to_store
 from ..store._lock import _pid_alive
 from .._args import parse_flag
@@ -311,7 +311,8 @@ def _dataset_for(source: Any, hook_points: Any, columns: Any, rows: Any, filter:
         _names(columns, "columns", "row-table column names")))
     missing = [c for c in chosen if c not in table.column_names]
     if missing:
-        raise ArgumentValueError(f"columns {missing} are not in the {ds.row_kind} row table; it has {table.column_names}")
+        raise ArgumentValueError(f"columns {missing} are not in the {ds.row_kind} row table of {ds.source.describe()}; "
+                                 f"it has {table.column_names}{column_hint(missing, table.column_names)}")
     ds._export_columns = chosen  # type: ignore[attr-defined]
     return ds
 

@@ -162,7 +162,7 @@ class WriterLock:
             # (the holder is a writer of this very process that is still open: no file to delete; a
             # marker of this process whose writer was dropped unclosed is taken over before this)
             extra = ("; that writer is in this process and still open: close it first (leave its `with` block, "
-                     "or call its close())")
+                     "or call its close(), tracker.remove() for a tracker)")
         return StoreLockedError(
             f"store {str(self.backend)!r} is being written by {_holder_text(holder)}; one writer at a time: wait "
             f"for it to finish, or write elsewhere (overwrite=True is refused while a writer holds the store){extra}"

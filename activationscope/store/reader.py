@@ -50,6 +50,7 @@ from ..errors import (
     RowIndexError,
     StoreCorruptError,
     StoreError,
+    hook_point_hint,
     name_repr,
     names_repr,
     warn_at_caller,
@@ -381,6 +382,7 @@ class _Reductions(Mapping):
             raise HookPointNotFoundError(
                 f"hook point {name_repr(hook_point)} has no reductions in this store{why}; "
                 f"hook points with reductions: {names_repr(self)}"
+                + ("" if hook_point in self._store.hook_points else hook_point_hint(hook_point, self._store.hook_points))
             )
         refused = self._store._refused.get(hook_point) or {}
         out = ReductionResults(hook_point, {name: self._store._read_small(e) for name, e in entries.items()
@@ -938,7 +940,7 @@ class Store:
                            "store.refresh() once rows are committed")
             raise HookPointNotFoundError(
                 f"hook point {name_repr(hook_point)} is not in the store {str(self._backend)!r}; it has "
-                f"{names_repr(self.hook_points)}"
+                f"{names_repr(self.hook_points)}{hook_point_hint(hook_point, self.hook_points)}"
                 f"{pending}"
             ) from None
 
@@ -1056,7 +1058,10 @@ class Store:
         """
         if isinstance(key, tuple):
             if len(key) != 2 or not isinstance(key[1], slice):
-                raise ArgumentTypeError(f"store[...] takes a hook point or (hook point, slice), got {key!r}")
+                raise ArgumentTypeError(
+                    f"store[...] takes a hook point or (hook point, slice), got {key!r}"
+                    + ("; rows are read by a slice: store[hook_point, i:i + 1] for row i, or for rows at other "
+                       "positions ActivationDataset(store, hook_points=hook_point)[positions]" if len(key) == 2 else ""))
             hook_point, sl = key
         else:
             hook_point, sl = key, slice(None)
@@ -1207,7 +1212,11 @@ class Store:
         except TypeError:
             raise ArgumentTypeError(f"rows({hook_point!r}, start, stop): start and stop must be ints, got {start!r}, {stop!r}") from None
         if not (0 <= start <= stop <= n):
-            raise RowIndexError(f"rows [{start}, {stop}) out of range for hook point {hook_point!r} with {n} rows")
+            raise RowIndexError(
+                f"rows [{start}, {stop}) out of range for hook point {hook_point!r} with {n} rows: start and stop must "
+                f"satisfy 0 <= start <= stop <= {n} (positions from 0, none negative); store[{hook_point!r}, "
+                f"{start}:{stop}] reads a slice, clipped to the rows there are and counting negative positions from "
+                "the end")
         return self._read_rows(hook_point, start, stop)
 
     def will_read(self, hook_point: str, start: int, stop: int) -> tuple[int, int]:
@@ -2828,6 +2837,7 @@ class Store:
             raise HookPointNotFoundError(
                 f"hook point {name_repr(hook_point)} has no reductions in the store {str(self._backend)!r}; hook "
                 f"points with reductions: {names_repr(sorted(stored))}"
+                + ("" if hook_point in self.hook_points else hook_point_hint(hook_point, self.hook_points))
             )
         # (an entry per result array, "var.mean", "var.count": each names its reduction)
         of = {n: (e.get("reduction") if isinstance(e, dict) and isinstance(e.get("reduction"), str) else n)

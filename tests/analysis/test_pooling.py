@@ -13,7 +13,7 @@ import torch
 import activationscope as acs
 from activationscope.analysis.pooling import _labelled_rows, labelled_rows, sentence_rows
 from activationscope.analysis.probes import choose_folds, probe_accuracy, probe_store
-from activationscope.errors import ArgumentValueError
+from activationscope.errors import ArgumentTypeError, ArgumentValueError
 
 
 class Encoder(torch.nn.Module):
@@ -244,6 +244,25 @@ def test_probe_accuracy_refuses_a_fit_it_cannot_make(kwargs, match):
         probe_accuracy(x, [0, 1] * 10, **kwargs)
 
 
+@pytest.mark.parametrize("labels, groups, cls, match", [
+    (torch.nn.functional.one_hot(torch.arange(20) % 2), None, ArgumentValueError,
+     r"labels must be 1-D, one value per row of x, got shape \(20, 2\); for one-hot labels pass labels\.argmax\(1\)"),
+    (np.zeros((20, 1)), None, ArgumentValueError, r"labels must be 1-D, one value per row of x, got shape \(20, 1\)"),
+    ([[i % 2] for i in range(20)], None, ArgumentTypeError,
+     r"labels must hold one hashable value per row of x \(an int, a str, \.\.\.\), got list \[0\] at row 0"),
+    ([0, 1] * 10, torch.arange(40).reshape(20, 2), ArgumentValueError,
+     r"groups must be 1-D, one value per row of x, got shape \(20, 2\)$"),
+    ([0, 1] * 10, [[i] for i in range(20)], ArgumentTypeError,
+     r"groups must hold one hashable value per row of x \(an int, a str, \.\.\.\), got list \[0\] at row 0"),
+])
+def test_probe_accuracy_names_labels_or_groups_that_are_not_one_value_per_row(labels, groups, cls, match):
+    # one-hot labels (20, 2) raised Python's "unhashable type: 'list'" from inside the probe
+    x = torch.randn(20, 3, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(cls, match=match):
+        probe_accuracy(x, labels, groups=groups)
+    assert probe_accuracy(x, torch.nn.functional.one_hot(torch.arange(20) % 2).argmax(1)).n_classes == 2
+
+
 def test_folds_may_be_numpy_ints():
     labels = [0, 1] * 10
     assert choose_folds(labels, np.int64(3)) == (3, "")
@@ -363,6 +382,17 @@ def test_probe_store_names_a_pattern_or_hook_point_the_store_lacks(tmp_path):
         probe_store(store, ["d.0.output", 3])
 
 
+def test_probe_store_of_a_mistyped_label_column_names_the_columns_there_are(tmp_path):
+    # each hook point was skipped as "the row table has no labelled 'lable' column", naming neither the
+    # columns there are nor the one meant
+    store, _ = _layered_store(tmp_path / "p.zarr")
+    got = probe_store(store, "d.0.output", label_column="lable")
+    assert dict(got) == {} and got.skipped == {
+        "d.0.output": "the row table has no labelled 'lable' column; its columns are ['sample_id', 'batch', 'label']; "
+                      "did you mean ['label'] for 'lable'?; pass label_column= one of them"}
+    assert "d.0.output" in probe_store(store, "d.0.output", label_column="label")
+
+
 def test_sentence_rows_of_a_pattern_needs_exactly_one_hook_point(tmp_path):
     from activationscope.errors import ArgumentValueError
 
@@ -372,6 +402,22 @@ def test_sentence_rows_of_a_pattern_needs_exactly_one_hook_point(tmp_path):
     with pytest.raises(ArgumentValueError, match=r"hook_point must select one hook point, got 'd\.\*', which matches "
                                                  r"\['d\.0\.output', 'd\.1\.output'\]; call once per hook point"):
         sentence_rows(store, "d.*")
+
+
+@pytest.mark.parametrize("bad, cls, match", [
+    (0, ArgumentValueError, r"batch_size must be a positive int \(rows read per batch\), got 0"),
+    (-8, ArgumentValueError, r"batch_size must be a positive int \(rows read per batch\), got -8"),
+    (2.5, ArgumentTypeError, r"batch_size must be an int \(rows read per batch\), got 2\.5 \(float\)"),
+    (True, ArgumentTypeError, r"batch_size must be an int \(rows read per batch\), got True \(bool\)"),
+])
+def test_sentence_rows_names_a_batch_size_it_cannot_read_by(tmp_path, bad, cls, match):
+    # batch_size=0 was refused by the DataLoader inside, a ValueError of torch's own
+    store, labels = _layered_store(tmp_path / "p.zarr")
+    for read in (sentence_rows, labelled_rows):
+        with pytest.raises(cls, match=match):
+            read(store, "head.output", batch_size=bad)
+    x, got = sentence_rows(store, "head.output", batch_size=np.int64(1))
+    assert torch.equal(x, store["head.output"].double()) and got == labels
 
 
 def test_pool_by_sample_refuses_ids_that_do_not_pair_with_the_rows():

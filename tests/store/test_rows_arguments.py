@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -41,3 +43,27 @@ def test_reduction_specs_of_a_hook_point_not_in_the_store_raises(tmp_path):
     assert store.reduction_specs("1.output") == {}  # stored, without reductions
     with pytest.raises(acs.HookPointNotFoundError, match=r"hook point '0\.outptu' is not in the store"):
         store.reduction_specs("0.outptu")  # a typo is no "no reductions"
+
+
+@pytest.mark.parametrize("rows", [-1, 3, 1.5, [0, 2], np.int64(2)])
+def test_store_getitem_with_rows_that_are_no_slice_says_how_to_read_them(store, rows):
+    # the message said only what it takes, not how to read one row or a list of positions
+    with pytest.raises(ArgumentTypeError, match=re.escape(
+            f"store[...] takes a hook point or (hook point, slice), got ('0.output', {rows!r}); rows are read by a "
+            "slice: store[hook_point, i:i + 1] for row i, or for rows at other positions "
+            "ActivationDataset(store, hook_points=hook_point)[positions]")):
+        store["0.output", rows]
+    assert torch.equal(store["0.output", 3:4], store["0.output"][3:4])
+    with pytest.raises(ArgumentTypeError, match=r"got \('0\.output', slice\(0, 1, None\), 0\)$"):
+        store["0.output", 0:1, 0]
+
+
+@pytest.mark.parametrize("start, stop", [(-1, 2), (0, 6), (4, 2)])
+def test_rows_out_of_range_say_the_bounds_and_the_slice_that_clips(store, start, stop):
+    # the message said "out of range" only: not the bounds (no negative position) nor the read that clips
+    with pytest.raises(acs.errors.RowIndexError, match=re.escape(
+            f"rows [{start}, {stop}) out of range for hook point '0.output' with 5 rows: start and stop must satisfy "
+            f"0 <= start <= stop <= 5 (positions from 0, none negative); store['0.output', {start}:{stop}] reads a "
+            "slice, clipped to the rows there are and counting negative positions from the end")):
+        store.rows("0.output", start, stop)
+    assert torch.equal(store["0.output", start:stop], store["0.output"][start:stop])

@@ -633,6 +633,24 @@ def test_an_object_store_marker_released_while_a_writer_starts_is_taken(monkeypa
             StoreWriter(url, resume=True)
 
 
+def test_a_second_capture_while_a_tracker_of_this_process_holds_the_store_names_what_releases_it(tmp_path):
+    # the message said "call its close()", which a Tracker has not (AttributeError): it is remove()
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    path = str(tmp_path / "s.zarr")
+    first = acs.ActivationScope(store=path).track(model)
+    first.attach()
+    with torch.no_grad():
+        model(torch.ones(3, 2))
+    with pytest.raises(acs.StoreLockedError, match=r"still open: close it first \(leave its `with` block, or call "
+                                                   r"its close\(\), tracker\.remove\(\) for a tracker\)$"):
+        acs.ActivationScope(store=path, store_options={"overwrite": True}).track(model).attach()
+    first.remove()  # (what the message says releases it)
+    assert acs.open_store(path).status == "complete" and acs.open_store(path).n_rows("0.output") == 3
+    with acs.ActivationScope(store=path, store_options={"resume": True}).track(model), torch.no_grad():
+        model(torch.ones(2, 2))
+    assert acs.open_store(path).n_rows("0.output") == 5
+
+
 @pytest.mark.parametrize("where", ["local", "memory"])
 def test_a_second_writer_of_the_same_process_is_told_to_close_the_first(tmp_path, where):
     """The holder is a writer of this process that is still open: the message says so and how to
@@ -644,7 +662,8 @@ def test_a_second_writer_of_the_same_process_is_told_to_close_the_first(tmp_path
     target = str(tmp_path / "s.zarr") if where == "local" else f"memory://same-{uuid.uuid4().hex}.zarr"
     first = StoreWriter(target, capture_config={}, model=None, storage_dtype=None)
     with pytest.raises(acs.StoreLockedError, match=rf"pid {os.getpid()} .*that writer is in this process and still "
-                       r"open: close it first \(leave its `with` block, or call its close\(\)\)$") as e:
+                       r"open: close it first \(leave its `with` block, or call its close\(\), tracker\.remove\(\) "
+                       r"for a tracker\)$") as e:
         StoreWriter(target, capture_config={}, model=None, storage_dtype=None, resume=True)
     assert "delete" not in str(e.value)
     first.open_array("x", (2,), torch.float32, "sample").append(torch.ones(3, 2))
