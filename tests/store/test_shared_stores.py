@@ -32,6 +32,7 @@ def _as_other_user(fn) -> tuple[str, str]:
     pid = os.fork()
     if pid == 0:  # the child: never returns into pytest
         os.close(r)
+        torch.set_num_threads(1)  # (torch's OpenMP pool does not survive a fork: a parallel op would hang)
         out = b""
         try:
             if ROOT_USER:
