@@ -1020,6 +1020,13 @@ class Tracker:
         try:
             return self._attach()
         except BaseException as e:
+            if self._installed or self._nn_handles or self._attached:
+                # failed (or interrupted: Ctrl-C) after wrappers went on: every one comes off, so
+                # that the model never keeps calling a capture that is not there
+                try:
+                    self._detach()
+                except BaseException:  # noqa: BLE001 - the first error stays the one raised
+                    pass
             self._release_modules()
             if opening and self.writer is not None and not self._closed:
                 # the store opened, then the setup failed (wrapping a module, a check): nothing
@@ -1027,6 +1034,7 @@ class Tracker:
                 # multi-rank capture learn of the failure instead of waiting for this rank
                 self._closed = True
                 _discard(self.writer, e)
+                self._remove_unused_store(e)  # (a new store: the rerun needs neither overwrite= nor resume=)
             raise
 
     def _claim_modules(self) -> None:
@@ -1342,6 +1350,7 @@ class Tracker:
     def _install(self, module: torch.nn.Module, site: Any) -> None:
         current = module.__dict__.get("forward")
         if isinstance(current, _C.ForwardWrapper):
+            self._installed.append((module, current, site))  # (noted first: see below)
             current.add_site(site)
             wrapper = current
         else:
@@ -1372,16 +1381,20 @@ class Tracker:
             wrapper.set_kw_order(list(wrapper._acs_kw_order))
             wrapper._acs_prior = current  # an instance-level forward set by someone else
             wrapper._acs_key = str(wrapper.key)  # names the wrapper in the in-graph ops
+            # noted before the module's forward is replaced: an exception arriving anywhere after
+            # (Ctrl-C in a notebook) is undone by _uninstall_all, never a wrapper left on the model
+            self._installed.append((module, wrapper, site))
             wrapper.add_site(site)
             object.__setattr__(module, "forward", wrapper)
         wrapper._acs_plan = wrapper.plan()  # what the traced __call__ emits (compiled.traced_call)
-        self._installed.append((module, wrapper, site))
 
     def _uninstall_all(self) -> None:
         self._unprobe_dropouts()  # (a forward that raised left them)
         while self._installed:
-            module, wrapper, site = self._installed.pop()
-            wrapper.remove_site(site)
+            # each entry is undone before it leaves the list (every step may be done again): an
+            # exception in between (Ctrl-C) leaves it to the next call, never a wrapper unlisted
+            module, wrapper, site = self._installed[-1]
+            wrapper.remove_site(site)  # (False when it was not added yet)
             wrapper._acs_plan = wrapper.plan()
             if wrapper.n_sites == 0 and module.__dict__.get("forward") is wrapper:
                 prior = getattr(wrapper, "_acs_prior", None)
@@ -1389,6 +1402,7 @@ class Tracker:
                     object.__delattr__(module, "forward")
                 else:
                     object.__setattr__(module, "forward", prior)
+            self._installed.pop()
 
     def remove(self) -> None:
         """Remove exactly this tracker's wrappers and close its store (if any).
@@ -1406,10 +1420,36 @@ class Tracker:
             Called inside a forward of the tracked model on this thread (from a forward hook or
             a module): nothing is changed, the tracker stays attached.
         """
-        self._refuse_close_inside_forward()
-        left = self._detach()
-        self._finish(status="complete", left_running=left)
+        try:
+            self._refuse_close_inside_forward()
+            left = self._detach()
+            self._finish(status="complete", left_running=left)
+        except BaseException as e:
+            if not (self._attached and self._core.open_here):  # (refused inside a forward: stays attached)
+                self._close_after_error(e)
+            raise
         self._raise_left_running(left)
+
+    def _close_after_error(self, error: BaseException) -> None:
+        """The close raised ``error``, or was interrupted by it (a second Ctrl-C in a notebook while
+        the first one's close ran): every wrapper comes off and the store is left at its last
+        commit (status ``incomplete``, its lock released; a new store without a committed row
+        removed), so that neither the model nor the store stays held by a capture that no one
+        can close. Nothing more is done where the close had done it. Never raises."""
+        try:
+            if self._attached or self._installed or self._nn_handles:
+                self._detach()
+        except BaseException:  # noqa: BLE001 - the error stays the one raised
+            pass
+        if self.writer is None:
+            return
+        self._closed = True
+        try:
+            self.writer.abort(error)  # (nothing where the writer is closed already)
+            if not self._store_removed:
+                self._remove_unused_store(error)
+        except BaseException:  # noqa: BLE001
+            pass
 
     def _refuse_close_inside_forward(self) -> None:
         """Refuse (CaptureError) to close this tracker inside a forward of its own model on this
@@ -1456,7 +1496,8 @@ class Tracker:
         self._train_phase = ""
         self._uninstall_all()
         while self._nn_handles:
-            self._nn_handles.pop().remove()
+            self._nn_handles[-1].remove()  # (removed before it leaves the list: see _uninstall_all)
+            self._nn_handles.pop()
         self._core.release_callbacks()
         self._attached = False
         # Alias targets remember their last tensor (weakly) to compare the next call's; a
@@ -1691,9 +1732,14 @@ class Tracker:
         if self._attached and self._with_depth > 0:
             self._with_depth += 1
             return self
-        self.attach()
-        self._with_depth = 1
-        return self
+        try:
+            self.attach()
+            self._with_depth = 1
+            return self
+        except BaseException as e:
+            if self._attached:  # interrupted (Ctrl-C) once attached, before the block began: no __exit__ follows
+                self.__exit__(type(e), e, e.__traceback__)
+            raise
 
     def __exit__(self, exc_type, exc, tb) -> None:
         """Remove this tracker's wrappers and close its store: status ``complete``, or
@@ -1710,14 +1756,19 @@ class Tracker:
         if self._with_depth > 1:
             self._with_depth -= 1
             return
-        self._refuse_close_inside_forward()
-        self._with_depth = 0
-        if exc is not None and self._shared_rows:
-            self._note_shared_rows(exc)
-        if exc is not None:
-            self._note_broadcast_token_rows(exc)
-        left = self._detach()
-        self._finish(status="complete" if exc is None else "incomplete", exc=exc, left_running=left)
+        try:
+            self._refuse_close_inside_forward()
+            self._with_depth = 0
+            if exc is not None and self._shared_rows:
+                self._note_shared_rows(exc)
+            if exc is not None:
+                self._note_broadcast_token_rows(exc)
+            left = self._detach()
+            self._finish(status="complete" if exc is None else "incomplete", exc=exc, left_running=left)
+        except BaseException as e:
+            if not (self._attached and self._core.open_here):  # (refused inside a forward: stays attached)
+                self._close_after_error(e)
+            raise
         if self._reference_mode:
             self._warn_changed(all_records=True)
         if exc is None:
