@@ -2650,3 +2650,21 @@ def test_a_setup_that_fails_after_the_store_opened_closes_it_as_found(tmp_path, 
     got = acs.open_store(store)["0.output"]
     with torch.no_grad():
         assert torch.equal(got, torch.cat([model(x), model(-x)]))
+
+
+def test_a_capture_cell_run_again_says_where_overwrite_goes(tmp_path):
+    # the error names overwrite=True and resume=True, which ActivationScope takes in store_options
+    model = toy_mlp(depth=1)
+    path = tmp_path / "s.zarr"
+    for _ in range(2):
+        try:
+            with torch.no_grad(), acs.ActivationScope(store=path).track(model):
+                model(torch.randn(2, 16))
+        except acs.StoreExistsError as e:
+            error = e
+    assert "pass overwrite=True" in str(error)
+    assert error.__notes__ == ["ActivationScope takes them as store options: ActivationScope(store=..., "
+                               "store_options={'overwrite': True}) or store_options={'resume': True}"]
+    with torch.no_grad(), acs.ActivationScope(store=path, store_options={"overwrite": True}).track(model):
+        model(torch.randn(2, 16))
+    assert acs.open_store(path).status == "complete"

@@ -33,7 +33,8 @@ import torch
 from . import _native, compiled
 from .._args import parse_flag
 from ..errors import (ActivationScopeError, ArgumentTypeError, ArgumentValueError, CaptureError, CaptureWarning,
-                      HookPointNotFoundError, ReductionError, StoreError, names_repr, warn_at_caller)
+                      HookPointNotFoundError, ReductionError, StoreError, StoreExistsError, names_repr,
+                      warn_at_caller)
 from .hooks import (check_column, hook_point_module, is_hook_point_module, named_modules, never_called_type,
                     bracket_hint, normalize_patterns, pattern_selects, rename_hook_point, select_modules)
 from .results import HookPointResults, ReductionResults, main_result_key
@@ -1097,13 +1098,19 @@ class Tracker:
                         "(docs/usage/reductions.md, 'Merging custom reductions'), or capture a store per rank with "
                         "store_options={'process_group': False}; nothing was written"
                     )
-            self.writer = open_writer(
-                self.scope.store,
-                capture_config=self._capture_config(),
-                model=self.model,
-                storage_dtype=self.scope.storage_dtype,
-                **self.scope.store_options,
-            )
+            try:
+                self.writer = open_writer(
+                    self.scope.store,
+                    capture_config=self._capture_config(),
+                    model=self.model,
+                    storage_dtype=self.scope.storage_dtype,
+                    **self.scope.store_options,
+                )
+            except StoreExistsError as e:  # (a cell run again: say where the scope takes those options)
+                if not self.scope.store_options.get("overwrite") and not self.scope.store_options.get("resume"):
+                    e.add_note("ActivationScope takes them as store options: ActivationScope(store=..., "
+                               "store_options={'overwrite': True}) or store_options={'resume': True}")
+                raise
             # a store's rows follow its row table: tracked modules called on their own, outside
             # a forward of the tracked model, are left out (and warned about)
             self._core.roots_only = True
