@@ -467,6 +467,19 @@ class ActivationScope:
             _red.validate_reductions(reductions)
         _native.check_pool_env()  # the staging pool's cap, read once the first capture needs a slab
 
+    def __repr__(self) -> str:
+        where = "memory" if self.store is None else repr(str(self.store) if isinstance(self.store, (str, os.PathLike))
+                                                         else type(self.store).__name__)
+        parts = [f"store={where}", f"capture={self.capture!r}", f"capture_policy={self.capture_policy.name}"]
+        if self.reductions:  # (names: a custom reduction's repr may be a whole TorchScript module)
+            red = self.reductions
+            names = list(red) if isinstance(red, Mapping) else [
+                r if isinstance(r, str) else getattr(r, "__name__", type(r).__name__) for r in red]
+            parts.append(f"reductions={names!r}")
+        if self.store_options:
+            parts.append(f"store_options={self.store_options!r}")
+        return f"<ActivationScope {', '.join(parts)}>"
+
     def config(self) -> dict[str, Any]:
         """The capture configuration as plain JSON-able values (stored as provenance)."""
         return {
