@@ -33,8 +33,8 @@ import torch
 from . import _native, compiled
 from .._args import parse_flag
 from ..errors import (ActivationScopeError, ArgumentTypeError, ArgumentValueError, CaptureError, CaptureWarning,
-                      HookPointNotFoundError, ReductionError, StoreError, StoreExistsError, names_repr,
-                      warn_at_caller)
+                      HookPointNotFoundError, ReductionError, StoreError, StoreExistsError, StoreLockedError,
+                      names_repr, warn_at_caller)
 from .hooks import (check_column, hook_point_module, is_hook_point_module, named_modules, never_called_type,
                     bracket_hint, normalize_patterns, pattern_selects, rename_hook_point, select_modules)
 from .results import HookPointResults, ReductionResults, main_result_key
@@ -1119,6 +1119,9 @@ class Tracker:
                     storage_dtype=self.scope.storage_dtype,
                     **self.scope.store_options,
                 )
+            except StoreLockedError as e:  # (held by a tracker of this process that was never closed?)
+                self._note_lock_holder(e)
+                raise
             except StoreExistsError as e:  # (a cell run again: say where the scope takes those options)
                 if not self.scope.store_options.get("overwrite") and not self.scope.store_options.get("resume"):
                     e.add_note("ActivationScope takes them as store options: ActivationScope(store=..., "
@@ -1202,6 +1205,26 @@ class Tracker:
             _fastpath_acquire()
             self._fastpath_off = True
         return self
+
+    def _note_lock_holder(self, error: BaseException) -> None:
+        """The store is locked: when the holder is an attached tracker of this process with
+        the same store (attached by ``attach()`` and never removed, as by a notebook cell run
+        again), say so in a note of ``error``, and how to close it."""
+        def where(target: Any) -> Any:
+            return os.path.realpath(target) if isinstance(target, (str, os.PathLike)) and "://" not in str(
+                target) else target
+
+        with _ATTACHED_LOCK:
+            found = list(_ATTACHED)
+        mine = where(self.scope.store)
+        holders = [t for t in found if t is not self and t._attached and t.writer is not None
+                   and where(t.scope.store) == mine]
+        if holders:
+            model = type(holders[0].model).__name__
+            error.add_note(
+                f"it is held by a tracker of {model} attached in this process and not closed (attach() without "
+                "remove(): a notebook cell run again leaves the earlier tracker attached, its wrappers on the model); "
+                f"close it, and commit its rows, with `for t in acs.Tracker.attached_to(model): t.remove()`")
 
     def _capture_config(self) -> dict[str, Any]:
         """The store's ``capture_config``: the scope's configuration with what ``track()``
@@ -3726,6 +3749,33 @@ class Tracker:
     def n_forwards(self) -> int:
         """Forwards of the tracked model seen while attached (captured or not)."""
         return self._core.n_forwards
+
+    @staticmethod
+    def attached_to(model: torch.nn.Module) -> list["Tracker"]:
+        """The trackers of this process attached now to ``model`` or to one of its modules, in
+        no set order: those of `with` blocks still open, and those attached by :meth:`attach`
+        and not removed, a variable naming them or not (a notebook cell that calls ``attach()``
+        and is run again leaves the earlier tracker attached: it records every forward, or
+        holds its store, until its :meth:`remove`).
+
+        Parameters
+        ----------
+        model : torch.nn.Module
+            The model (or module) to look at.
+
+        Returns
+        -------
+        list[Tracker]
+
+        Example
+        -------
+        >>> for tracker in Tracker.attached_to(model):  # doctest: +SKIP
+        ...     tracker.remove()
+        """
+        ids = {id(m) for m in model.modules()}
+        with _ATTACHED_LOCK:
+            found = list(_ATTACHED)
+        return [t for t in found if t._attached and (t._module_ids & ids or id(model) in t._tree_ids)]
 
     def __repr__(self) -> str:
         state = "attached" if self._attached else "detached"
