@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
+import linecache
+import sys
 from typing import Optional
 
 import torch
@@ -359,3 +362,54 @@ def wait_for_child(pid: int, timeout: float, what: str) -> int:
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
     pytest.fail(what)
+
+
+def _before_try(fn) -> tuple:
+    """The code of ``fn`` and the numbers of its lines up to its first ``try:``."""
+    lines, first = inspect.getsourcelines(fn)
+    n = next(i for i, line in enumerate(lines) if line.strip() == "try:")
+    return fn.__code__, frozenset(range(first, first + n + 1))
+
+
+def _unguarded() -> dict:
+    if not _UNGUARDED:
+        import activationscope as acs
+
+        _UNGUARDED.update(_before_try(f) for f in (acs.Tracker.__enter__, acs.Tracker.__exit__))
+    return _UNGUARDED
+
+
+_UNGUARDED: dict = {}  # {code: line numbers} where InterruptAt raises nothing
+
+
+class InterruptAt:
+    """Raise KeyboardInterrupt at the ``at``-th line run in activationscope's code (1: the first),
+    as a signal delivered there would (Ctrl-C in a notebook), in this thread; ``at=None`` counts
+    the lines only (``n``). ``where``: the function and line it was raised at."""
+
+    def __init__(self, at: int | None) -> None:
+        self.at, self.n, self.where = at, 0, None
+
+    def __enter__(self) -> "InterruptAt":
+        sys.settrace(self._call)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        sys.settrace(None)
+
+    def _call(self, frame, event, arg):
+        return self._line if f"activationscope{'/'}" in frame.f_code.co_filename.replace("\\", "/") else None
+
+    def _line(self, frame, event, arg):
+        # Not at the line of a `with` statement (the event there also comes before its __exit__
+        # call) or of a `try:` (one raised there skips the handlers around it): no signal is
+        # delivered at either. Nor at the lines of the tracker's __enter__ / __exit__ before their
+        # `try:`: a signal delivered there, as the `with` statement calls them, is out of any
+        # code's reach (Python's own limit)
+        if event == "line" and frame.f_lineno not in _unguarded().get(frame.f_code, ()) and not linecache.getline(
+                frame.f_code.co_filename, frame.f_lineno).lstrip().startswith(("with ", "async with ", "try:")):
+            self.n += 1
+            if self.n == self.at:
+                self.where = f"{frame.f_code.co_name}:{frame.f_lineno}"
+                raise KeyboardInterrupt(self.where)
+        return self._line

@@ -2682,3 +2682,53 @@ def test_a_setup_that_fails_after_the_store_opened_closes_it_as_found(tmp_path, 
     got = acs.open_store(store)["0.output"]
     with torch.no_grad():
         assert torch.equal(got, torch.cat([model(x), model(-x)]))
+
+
+def test_a_capture_cell_run_again_says_where_overwrite_goes(tmp_path):
+    # the error names overwrite=True and resume=True, which ActivationScope takes in store_options
+    model = toy_mlp(depth=1)
+    path = tmp_path / "s.zarr"
+    for _ in range(2):
+        try:
+            with torch.no_grad(), acs.ActivationScope(store=path).track(model):
+                model(torch.randn(2, 16))
+        except acs.StoreExistsError as e:
+            error = e
+    assert "pass overwrite=True" in str(error)
+    assert error.__notes__ == ["ActivationScope takes them as store options: ActivationScope(store=..., "
+                               "store_options={'overwrite': True}) or store_options={'resume': True}"]
+    with torch.no_grad(), acs.ActivationScope(store=path, store_options={"overwrite": True}).track(model):
+        model(torch.randn(2, 16))
+    assert acs.open_store(path).status == "complete"
+
+
+def test_a_tracker_left_attached_by_a_cell_run_again_is_found_and_closed(tmp_path):
+    # `tracker = scope.track(model); tracker.attach()` in a notebook cell run twice: the first
+    # tracker is no longer named but still attached; the error names it and Tracker.attached_to
+    # finds it, and its remove() commits its rows
+    model = toy_mlp(depth=1)
+    path = tmp_path / "s.zarr"
+    x = torch.randn(2, 16)
+    tracker = acs.ActivationScope(store=path).track(model)
+    tracker.attach()
+    with torch.no_grad():
+        model(x)
+    tracker = acs.ActivationScope(store=path, store_options={"resume": True}).track(model)
+    with pytest.raises(acs.StoreLockedError) as e:
+        tracker.attach()
+    assert e.value.__notes__ == [
+        "it is held by a tracker of Sequential attached in this process and not closed (attach() without remove(): "
+        "a notebook cell run again leaves the earlier tracker attached, its wrappers on the model); close it, and "
+        "commit its rows, with `for t in acs.Tracker.attached_to(model): t.remove()`"]
+    left = acs.Tracker.attached_to(model)
+    assert len(left) == 1 and left[0] is not tracker and acs.Tracker.attached_to(model[0]) == left
+    with acs.ActivationScope().track(model) as memory:
+        assert acs.Tracker.attached_to(model) in ([left[0], memory], [memory, left[0]])
+    for t in acs.Tracker.attached_to(model):
+        t.remove()
+    assert acs.Tracker.attached_to(model) == [] and not any("forward" in m.__dict__ for m in model.modules())
+    with torch.no_grad(), acs.ActivationScope(store=path, store_options={"resume": True}).track(model):
+        model(-x)
+    store = acs.open_store(path)
+    with torch.no_grad():
+        assert store.status == "complete" and torch.equal(store["1.output"], torch.cat([model(x), model(-x)]))

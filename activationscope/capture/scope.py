@@ -33,7 +33,8 @@ import torch
 from . import _native, compiled
 from .._args import parse_flag
 from ..errors import (ActivationScopeError, ArgumentTypeError, ArgumentValueError, CaptureError, CaptureWarning,
-                      HookPointNotFoundError, ReductionError, StoreError, names_repr, warn_at_caller)
+                      HookPointNotFoundError, ReductionError, StoreError, StoreExistsError, StoreLockedError,
+                      names_repr, warn_at_caller)
 from .hooks import (check_column, hook_point_module, is_hook_point_module, named_modules, never_called_type,
                     bracket_hint, normalize_patterns, pattern_selects, rename_hook_point, select_modules,
                     without_wrappers, wrapper_hint)
@@ -471,6 +472,19 @@ class ActivationScope:
 
             _red.validate_reductions(reductions)
         _native.check_pool_env()  # the staging pool's cap, read once the first capture needs a slab
+
+    def __repr__(self) -> str:
+        where = "memory" if self.store is None else repr(str(self.store) if isinstance(self.store, (str, os.PathLike))
+                                                         else type(self.store).__name__)
+        parts = [f"store={where}", f"capture={self.capture!r}", f"capture_policy={self.capture_policy.name}"]
+        if self.reductions:  # (names: a custom reduction's repr may be a whole TorchScript module)
+            red = self.reductions
+            names = list(red) if isinstance(red, Mapping) else [
+                r if isinstance(r, str) else getattr(r, "__name__", type(r).__name__) for r in red]
+            parts.append(f"reductions={names!r}")
+        if self.store_options:
+            parts.append(f"store_options={self.store_options!r}")
+        return f"<ActivationScope {', '.join(parts)}>"
 
     def config(self) -> dict[str, Any]:
         """The capture configuration as plain JSON-able values (stored as provenance)."""
@@ -1052,6 +1066,13 @@ class Tracker:
         try:
             return self._attach()
         except BaseException as e:
+            if self._installed or self._nn_handles or self._attached:
+                # failed (or interrupted: Ctrl-C) after wrappers went on: every one comes off, so
+                # that the model never keeps calling a capture that is not there
+                try:
+                    self._detach()
+                except BaseException:  # noqa: BLE001 - the first error stays the one raised
+                    pass
             self._release_modules()
             if opening and self.writer is not None and not self._closed:
                 # the store opened, then the setup failed (wrapping a module, a check): nothing
@@ -1059,6 +1080,7 @@ class Tracker:
                 # multi-rank capture learn of the failure instead of waiting for this rank
                 self._closed = True
                 _discard(self.writer, e)
+                self._remove_unused_store(e)  # (a new store: the rerun needs neither overwrite= nor resume=)
             raise
 
     def _claim_modules(self) -> None:
@@ -1121,13 +1143,22 @@ class Tracker:
                         "(docs/usage/reductions.md, 'Merging custom reductions'), or capture a store per rank with "
                         "store_options={'process_group': False}; nothing was written"
                     )
-            self.writer = open_writer(
-                self.scope.store,
-                capture_config=self._capture_config(),
-                model=self.model,
-                storage_dtype=self.scope.storage_dtype,
-                **self.scope.store_options,
-            )
+            try:
+                self.writer = open_writer(
+                    self.scope.store,
+                    capture_config=self._capture_config(),
+                    model=self.model,
+                    storage_dtype=self.scope.storage_dtype,
+                    **self.scope.store_options,
+                )
+            except StoreLockedError as e:  # (held by a tracker of this process that was never closed?)
+                self._note_lock_holder(e)
+                raise
+            except StoreExistsError as e:  # (a cell run again: say where the scope takes those options)
+                if not self.scope.store_options.get("overwrite") and not self.scope.store_options.get("resume"):
+                    e.add_note("ActivationScope takes them as store options: ActivationScope(store=..., "
+                               "store_options={'overwrite': True}) or store_options={'resume': True}")
+                raise
             # a store's rows follow its row table: tracked modules called on their own, outside
             # a forward of the tracked model, are left out (and warned about)
             self._core.roots_only = True
@@ -1206,6 +1237,26 @@ class Tracker:
             _fastpath_acquire()
             self._fastpath_off = True
         return self
+
+    def _note_lock_holder(self, error: BaseException) -> None:
+        """The store is locked: when the holder is an attached tracker of this process with
+        the same store (attached by ``attach()`` and never removed, as by a notebook cell run
+        again), say so in a note of ``error``, and how to close it."""
+        def where(target: Any) -> Any:
+            return os.path.realpath(target) if isinstance(target, (str, os.PathLike)) and "://" not in str(
+                target) else target
+
+        with _ATTACHED_LOCK:
+            found = list(_ATTACHED)
+        mine = where(self.scope.store)
+        holders = [t for t in found if t is not self and t._attached and t.writer is not None
+                   and where(t.scope.store) == mine]
+        if holders:
+            model = type(holders[0].model).__name__
+            error.add_note(
+                f"it is held by a tracker of {model} attached in this process and not closed (attach() without "
+                "remove(): a notebook cell run again leaves the earlier tracker attached, its wrappers on the model); "
+                f"close it, and commit its rows, with `for t in acs.Tracker.attached_to(model): t.remove()`")
 
     def _capture_config(self) -> dict[str, Any]:
         """The store's ``capture_config``: the scope's configuration with what ``track()``
@@ -1383,6 +1434,7 @@ class Tracker:
     def _install(self, module: torch.nn.Module, site: Any) -> None:
         current = module.__dict__.get("forward")
         if isinstance(current, _C.ForwardWrapper):
+            self._installed.append((module, current, site))  # (noted first: see below)
             current.add_site(site)
             wrapper = current
         else:
@@ -1413,16 +1465,20 @@ class Tracker:
             wrapper.set_kw_order(list(wrapper._acs_kw_order))
             wrapper._acs_prior = current  # an instance-level forward set by someone else
             wrapper._acs_key = str(wrapper.key)  # names the wrapper in the in-graph ops
+            # noted before the module's forward is replaced: an exception arriving anywhere after
+            # (Ctrl-C in a notebook) is undone by _uninstall_all, never a wrapper left on the model
+            self._installed.append((module, wrapper, site))
             wrapper.add_site(site)
             object.__setattr__(module, "forward", wrapper)
         wrapper._acs_plan = wrapper.plan()  # what the traced __call__ emits (compiled.traced_call)
-        self._installed.append((module, wrapper, site))
 
     def _uninstall_all(self) -> None:
         self._unprobe_dropouts()  # (a forward that raised left them)
         while self._installed:
-            module, wrapper, site = self._installed.pop()
-            wrapper.remove_site(site)
+            # each entry is undone before it leaves the list (every step may be done again): an
+            # exception in between (Ctrl-C) leaves it to the next call, never a wrapper unlisted
+            module, wrapper, site = self._installed[-1]
+            wrapper.remove_site(site)  # (False when it was not added yet)
             wrapper._acs_plan = wrapper.plan()
             if wrapper.n_sites == 0 and module.__dict__.get("forward") is wrapper:
                 prior = getattr(wrapper, "_acs_prior", None)
@@ -1430,6 +1486,7 @@ class Tracker:
                     object.__delattr__(module, "forward")
                 else:
                     object.__setattr__(module, "forward", prior)
+            self._installed.pop()
 
     def remove(self) -> None:
         """Remove exactly this tracker's wrappers and close its store (if any).
@@ -1447,10 +1504,36 @@ class Tracker:
             Called inside a forward of the tracked model on this thread (from a forward hook or
             a module): nothing is changed, the tracker stays attached.
         """
-        self._refuse_close_inside_forward()
-        left = self._detach()
-        self._finish(status="complete", left_running=left)
+        try:
+            self._refuse_close_inside_forward()
+            left = self._detach()
+            self._finish(status="complete", left_running=left)
+        except BaseException as e:
+            if not (self._attached and self._core.open_here):  # (refused inside a forward: stays attached)
+                self._close_after_error(e)
+            raise
         self._raise_left_running(left)
+
+    def _close_after_error(self, error: BaseException) -> None:
+        """The close raised ``error``, or was interrupted by it (a second Ctrl-C in a notebook while
+        the first one's close ran): every wrapper comes off and the store is left at its last
+        commit (status ``incomplete``, its lock released; a new store without a committed row
+        removed), so that neither the model nor the store stays held by a capture that no one
+        can close. Nothing more is done where the close had done it. Never raises."""
+        try:
+            if self._attached or self._installed or self._nn_handles:
+                self._detach()
+        except BaseException:  # noqa: BLE001 - the error stays the one raised
+            pass
+        if self.writer is None:
+            return
+        self._closed = True
+        try:
+            self.writer.abort(error)  # (nothing where the writer is closed already)
+            if not self._store_removed:
+                self._remove_unused_store(error)
+        except BaseException:  # noqa: BLE001
+            pass
 
     def _refuse_close_inside_forward(self) -> None:
         """Refuse (CaptureError) to close this tracker inside a forward of its own model on this
@@ -1497,7 +1580,8 @@ class Tracker:
         self._train_phase = ""
         self._uninstall_all()
         while self._nn_handles:
-            self._nn_handles.pop().remove()
+            self._nn_handles[-1].remove()  # (removed before it leaves the list: see _uninstall_all)
+            self._nn_handles.pop()
         self._core.release_callbacks()
         self._attached = False
         # Alias targets remember their last tensor (weakly) to compare the next call's; a
@@ -1733,9 +1817,14 @@ class Tracker:
         if self._attached and self._with_depth > 0:
             self._with_depth += 1
             return self
-        self.attach()
-        self._with_depth = 1
-        return self
+        try:
+            self.attach()
+            self._with_depth = 1
+            return self
+        except BaseException as e:
+            if self._attached:  # interrupted (Ctrl-C) once attached, before the block began: no __exit__ follows
+                self.__exit__(type(e), e, e.__traceback__)
+            raise
 
     def __exit__(self, exc_type, exc, tb) -> None:
         """Remove this tracker's wrappers and close its store: status ``complete``, or
@@ -1752,14 +1841,19 @@ class Tracker:
         if self._with_depth > 1:
             self._with_depth -= 1
             return
-        self._refuse_close_inside_forward()
-        self._with_depth = 0
-        if exc is not None and self._shared_rows:
-            self._note_shared_rows(exc)
-        if exc is not None:
-            self._note_broadcast_token_rows(exc)
-        left = self._detach()
-        self._finish(status="complete" if exc is None else "incomplete", exc=exc, left_running=left)
+        try:
+            self._refuse_close_inside_forward()
+            self._with_depth = 0
+            if exc is not None and self._shared_rows:
+                self._note_shared_rows(exc)
+            if exc is not None:
+                self._note_broadcast_token_rows(exc)
+            left = self._detach()
+            self._finish(status="complete" if exc is None else "incomplete", exc=exc, left_running=left)
+        except BaseException as e:
+            if not (self._attached and self._core.open_here):  # (refused inside a forward: stays attached)
+                self._close_after_error(e)
+            raise
         if self._reference_mode:
             self._warn_changed(all_records=True)
         if exc is None:
@@ -3754,6 +3848,33 @@ class Tracker:
     def n_forwards(self) -> int:
         """Forwards of the tracked model seen while attached (captured or not)."""
         return self._core.n_forwards
+
+    @staticmethod
+    def attached_to(model: torch.nn.Module) -> list["Tracker"]:
+        """The trackers of this process attached now to ``model`` or to one of its modules, in
+        no set order: those of `with` blocks still open, and those attached by :meth:`attach`
+        and not removed, a variable naming them or not (a notebook cell that calls ``attach()``
+        and is run again leaves the earlier tracker attached: it records every forward, or
+        holds its store, until its :meth:`remove`).
+
+        Parameters
+        ----------
+        model : torch.nn.Module
+            The model (or module) to look at.
+
+        Returns
+        -------
+        list[Tracker]
+
+        Example
+        -------
+        >>> for tracker in Tracker.attached_to(model):  # doctest: +SKIP
+        ...     tracker.remove()
+        """
+        ids = {id(m) for m in model.modules()}
+        with _ATTACHED_LOCK:
+            found = list(_ATTACHED)
+        return [t for t in found if t._attached and (t._module_ids & ids or id(model) in t._tree_ids)]
 
     def __repr__(self) -> str:
         state = "attached" if self._attached else "detached"

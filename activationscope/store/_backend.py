@@ -503,13 +503,18 @@ class LocalBackend:
                 written = os.fstat(f.fileno())
             os.replace(tmp, p)
             now = os.lstat(p)
-        except OSError as e:
+        except BaseException as e:  # (Ctrl-C too: no temporary file is left in the store)
             if fd >= 0:
-                os.close(fd)
+                try:
+                    os.close(fd)
+                except OSError:  # (closed by the file object it was given to)
+                    pass
             try:
                 tmp.unlink()
             except OSError:
                 pass
+            if not isinstance(e, OSError):
+                raise
             if isinstance(e, IsADirectoryError) or (p.is_dir() and not p.is_symlink()):
                 raise corrupt(self, f"{key!r} must be a regular file, got a directory",
                               fix=f"move the folder at {str(p)!r} away (the store writes that file there), then try "

@@ -146,12 +146,20 @@ class WriterLock:
             and host.
         """
         self._pid = os.getpid()
-        if isinstance(self.backend, LocalBackend):
-            self._acquire_local()
-        else:
-            self._acquire_marker()
-        self._held = True
-        return self
+        try:
+            if isinstance(self.backend, LocalBackend):
+                self._acquire_local()
+            else:
+                self._acquire_marker()
+            self._held = True
+            return self
+        except BaseException:
+            if self._fd is not None or self.token in _HELD_TOKENS:
+                # taken, then interrupted (Ctrl-C) before the caller got it: given back, since the
+                # traceback a notebook keeps would hold it for as long
+                self._held = True
+                self.discard_root()
+            raise
 
     def _locked_error(self, holder: bytes | None, extra: str = "") -> StoreLockedError:
         try:
@@ -238,35 +246,45 @@ class WriterLock:
                                  "folders") from e
             self.created_root = True
         path = root / LOCK_KEY
-        while True:
-            fd, created = self._open_lock_file(path)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                try:
-                    holder = self._holder_unless_freed(fd)
-                except BaseException:
-                    os.close(fd)
-                    raise
-                if holder is not None:
-                    os.close(fd)
-                    raise self._locked_error(holder) from None
-            try:  # the file may have been replaced between open and flock: lock the current one
-                same = os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
-            except FileNotFoundError:
-                same = False
-            if same:
-                break
-            os.close(fd)
-        self._fd, self._held, self.created_file = fd, True, created
+        fd: int | None = None  # (open, not yet this lock's: closed by the handler below)
         try:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, self._me(), 0)
-        except OSError as e:  # (a full disk): released, and the target left as it was found
-            self.discard_root()
-            raise StoreError(
-                f"store {str(self.backend)!r}: writing its writer lock {str(path)!r} failed: {e.strerror or e}"
-                f"{no_room_hint(e)}; the store was left as it was found: try again once the cause is fixed") from e
+            while True:
+                fd, created = self._open_lock_file(path)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    holder = self._holder_unless_freed(fd)
+                    if holder is not None:
+                        os.close(fd)
+                        fd = None
+                        raise self._locked_error(holder) from None
+                try:  # the file may have been replaced between open and flock: lock the current one
+                    same = os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
+                except FileNotFoundError:
+                    same = False
+                if same:
+                    break
+                os.close(fd)
+                fd = None
+            self._fd, self._held, self.created_file = fd, True, created
+            fd = None
+            try:
+                os.ftruncate(self._fd, 0)
+                os.pwrite(self._fd, self._me(), 0)
+            except OSError as e:  # (a full disk): released, and the target left as it was found
+                self.discard_root()
+                raise StoreError(
+                    f"store {str(self.backend)!r}: writing its writer lock {str(path)!r} failed: {e.strerror or e}"
+                    f"{no_room_hint(e)}; the store was left as it was found: try again once the cause is fixed"
+                ) from e
+        except BaseException:
+            # interrupted partway (Ctrl-C in a notebook): no lock is kept by the traceback's frames,
+            # which a notebook keeps alive, and the target is left as it was found
+            if self._fd is not None:  # (fd is None, or this one)
+                self.discard_root()
+            elif fd is not None:
+                os.close(fd)
+            raise
 
     def _acquire_marker(self) -> None:
         b = self.backend

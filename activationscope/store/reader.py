@@ -401,6 +401,11 @@ class _Reductions(Mapping):
     def __len__(self) -> int:
         return len(self._store._complete_reductions())
 
+    def __repr__(self) -> str:
+        # (names only, from the root document: nothing is read)
+        names = {hp: sorted(entries) for hp, entries in self._store._complete_reductions().items()}
+        return f"<reductions of {str(self._store._backend)!r}: {names}>"
+
 
 
 class _ChunkCrcs:

@@ -1129,6 +1129,15 @@ class StoreWriter:
                 staging = getattr(self, "_staging_finalizer", None)
                 if staging is not None:  # made before the failure: nothing of this writer needs it
                     staging()
+                if getattr(self, "_made_new", False):
+                    # its root may be written (interrupted, Ctrl-C, or failed after it): a new
+                    # store of no row is removed, so that the rerun needs neither overwrite= nor resume=
+                    from ._remove import remove_if_empty
+
+                    try:
+                        remove_if_empty(self._backend, remove_folder=self._writer_lock.created_root)
+                    except Exception:  # noqa: BLE001 - the first error stays the one raised
+                        pass
                 raise
         except BaseException:
             if self._model_hash is not None:  # (no store to record it in)

@@ -713,3 +713,25 @@ def test_an_aborted_remote_resume_whose_commit_failed_uploading_removes_the_shar
     store = open_store(url)
     assert store.status == "complete" and store.n_samples == 36
     assert torch.equal(store["0.output"], data) and store.verify() == []
+
+
+@pytest.mark.parametrize("fsync", [False, True])
+def test_ctrl_c_while_a_key_is_written_leaves_no_temporary_file(tmp_path, fsync):
+    # Ctrl-C at any line of a local write: the key holds the old bytes or the new ones, and no
+    # temporary file is left beside it (in a new store's folder one would make it "not empty but
+    # holds no Zarr store" to the rerun)
+    from acs_testing import InterruptAt
+
+    from activationscope.store._backend import LocalBackend
+
+    backend = LocalBackend(tmp_path / "s", fsync=fsync)
+    backend.set("a/zarr.json", b"old")
+    with InterruptAt(None) as count:
+        backend.set("a/zarr.json", b"old")
+    assert count.n > 5
+    for k in range(1, count.n + 1):
+        with pytest.raises(KeyboardInterrupt), InterruptAt(k) as where:
+            backend.set("a/zarr.json", b"new")
+        assert sorted(p.name for p in (tmp_path / "s" / "a").iterdir()) == ["zarr.json"], where.where
+        assert backend.get("a/zarr.json") in (b"old", b"new"), where.where
+        backend.set("a/zarr.json", b"old")

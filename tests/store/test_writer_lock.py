@@ -671,3 +671,31 @@ def test_a_second_writer_of_the_same_process_is_told_to_close_the_first(tmp_path
     first.add_batch(3, [0, 1, 2], None, {})
     first.close()
     assert torch.equal(acs.open_store(target)["x"], torch.ones(3, 2))
+
+
+def test_ctrl_c_while_taking_the_lock_keeps_no_lock(tmp_path):
+    # Ctrl-C at any line of taking the lock, whose frames a notebook keeps alive (its last
+    # traceback): the next writer of this process takes the store, not a StoreLockedError
+    # naming "another process (it has not written its pid yet)"
+    from acs_testing import InterruptAt
+
+    from activationscope.store._backend import LocalBackend
+    from activationscope.store._lock import WriterLock
+
+    path = tmp_path / "s.zarr"
+    with InterruptAt(None) as count:
+        WriterLock(LocalBackend(path)).acquire().discard_root()
+    assert count.n > 10
+    for k in range(1, count.n + 2):
+        lock = WriterLock(LocalBackend(path))
+        with pytest.raises(KeyboardInterrupt) as interrupted, InterruptAt(k) as where:
+            lock.acquire()
+            raise KeyboardInterrupt  # (k past the last line: taken)
+        if not interrupted.value.args:
+            lock.discard_root()
+        try:
+            other = WriterLock(LocalBackend(path)).acquire()  # (`lock` and the traceback still alive)
+        except StoreLockedError as e:
+            pytest.fail(f"Ctrl-C at {where.where} kept the lock: {e}")
+        other.discard_root()
+    assert count.n >= k - 1 and not interrupted.value.args
