@@ -75,14 +75,23 @@ class Cast(torch.nn.Module):
 
 
 class Next(torch.nn.Module):
-    """A second hook point of the same dtype and shape."""
+    """A second hook point of the same dtype and shape, in a given memory layout."""
+
+    def __init__(self, layout: str = "contiguous") -> None:
+        super().__init__()
+        self.layout = layout
 
     def forward(self, a):
-        if a.dtype == torch.bool:
-            return ~a
-        if a.dtype == torch.uint8:
-            return a // 2 + 1
-        return a * 2 + 1
+        z = ~a if a.dtype == torch.bool else a // 2 + 1 if a.dtype == torch.uint8 else a * 2 + 1
+        if self.layout == "transposed":  # the batch dimension not the outermost
+            return z.transpose(0, -1).contiguous().transpose(0, -1)
+        if self.layout == "strided":  # every other element of a wider tensor
+            return torch.stack([z, z], dim=-1)[..., 0]
+        if self.layout == "expanded" and len(z):  # stride 0: every row the first one
+            return z[:1].expand_as(z)
+        if self.layout == "offset":  # a view starting inside its storage
+            return torch.cat([z[:1], z])[1:]
+        return z
 
 
 class Pool(torch.nn.Module):
@@ -93,10 +102,10 @@ class Pool(torch.nn.Module):
 
 
 class Model(torch.nn.Module):
-    def __init__(self, dtype: torch.dtype, token: bool) -> None:
+    def __init__(self, dtype: torch.dtype, token: bool, layout: str = "contiguous") -> None:
         super().__init__()
         self.a = Cast(dtype)
-        self.b = Next()
+        self.b = Next(layout)
         self.c = Pool()
         self.token = token
 
@@ -125,7 +134,14 @@ def cases(draw, stop=False):
         else:
             masks.append(draw(st.lists(st.lists(st.booleans(), min_size=pos, max_size=pos), min_size=b, max_size=b)))
     chunk_rows = draw(st.integers(1, 5))
-    shard_rows = chunk_rows * draw(st.integers(1, 3))
+    # shards of a few chunks by rows (one count, or one per row kind) or by bytes
+    shards = draw(st.sampled_from(["rows", "per_kind", "bytes"]))
+    if shards == "bytes":
+        shard = {"shard_bytes": chunk_rows * draw(st.integers(1, 3)) * draw(st.sampled_from([8, 64, 512]))}
+    elif shards == "per_kind":
+        shard = {"shard_rows": {kind: chunk_rows * draw(st.integers(1, 3)) for kind in ("sample", "token")}}
+    else:
+        shard = {"shard_rows": chunk_rows * draw(st.integers(1, 3))}
     stops = sorted(set(draw(st.lists(st.integers(1, max(1, n_forwards - 1)), min_size=int(stop), max_size=2))))
     stops = [k for k in stops if k < n_forwards]
     # each run (the first and every resume) its own reductions: some continued, some added, some
@@ -136,9 +152,10 @@ def cases(draw, stop=False):
     return {
         "dtype": draw(st.sampled_from(DTYPES)), "storage_dtype": draw(st.sampled_from(STORAGE_DTYPES)),
         "rows": rows, "batches": batches, "positions": positions, "trailing": trailing, "masks": masks,
-        "chunk_rows": chunk_rows, "shard_rows": shard_rows,
+        "chunk_rows": chunk_rows, "shard": shard,
         "compression": draw(st.sampled_from([None, "zstd", "blosc-lz4"])),
         "runs": runs, "stops": stops,
+        "layout": draw(st.sampled_from(["contiguous", "transposed", "strided", "expanded", "offset"])),
         # values: any float, or multiples of 1/4 (ties for topk, values on the hist edges), or with NaN / inf
         "values": draw(st.sampled_from(["any", "quarters", "special"])), "seed": draw(st.integers(0, 2**16)),
     }
@@ -162,7 +179,7 @@ def _inputs(case):
 
 def _reference(case, xs):
     """Rows of plain register_forward_hook clones, cast and ordered as documented."""
-    model = Model(case["dtype"], case["rows"] == "token").eval()
+    model = Model(case["dtype"], case["rows"] == "token", case["layout"]).eval()
     got = {hp: [] for hp in HOOK_POINTS}
     handles = [getattr(model, name).register_forward_hook(
         lambda m, i, o, hp=f"{name}.output": got[hp].append(o.detach().clone())) for name in "abc"]
@@ -213,13 +230,13 @@ class _Stop(Exception):
 
 
 def _capture(case, path, xs, forwards, resume, kill=False, run=0):
-    model = Model(case["dtype"], case["rows"] == "token").eval()
+    model = Model(case["dtype"], case["rows"] == "token", case["layout"]).eval()
     scope = acs.ActivationScope(
         store=str(path), rows="token" if case["rows"] == "token" else "auto",
         token_rows={"c.output": False, "*": case["rows"] == "token"}, storage_dtype=case["storage_dtype"],
         reductions=[_spec(n, case["runs"][run]["hist_lo"], case["runs"][run]["k"])
                     for n in case["runs"][run]["reductions"]],
-        store_options={"chunk_rows": case["chunk_rows"], "shard_rows": case["shard_rows"], "resume": resume,
+        store_options={"chunk_rows": case["chunk_rows"], **case["shard"], "resume": resume,
                        "compression": case["compression"],
                        "commit_interval": 0})
     tracker = scope.track(model).attach()
