@@ -39,7 +39,7 @@ from activationscope.errors import StoreError
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.bool, torch.int32,
           torch.uint8]
-STORAGE_DTYPES = [None, torch.bfloat16, torch.float16, torch.float32]
+STORAGE_DTYPES = [None, torch.bfloat16, torch.float16, torch.float32, torch.float64]
 HIST = {"bins": 4, "lo": -2.0, "hi": 2.0}
 TOPK = 3
 REDUCTIONS = {  # name -> spec given to the scope (hist and topk: each run may change their options)
@@ -48,12 +48,12 @@ REDUCTIONS = {  # name -> spec given to the scope (hist and topk: each run may c
 }
 
 
-def _spec(name, hist_lo, k):
+def _spec(name, hist_lo, k, per_feature):
     if name == "hist":
-        return ("hist", "hist", {**HIST, "lo": hist_lo})
+        return ("hist", "hist", {**HIST, "lo": hist_lo, "per_feature": per_feature})
     if name == "topk":
-        return ("topk", "topk", {"k": k})
-    return REDUCTIONS[name]
+        return ("topk", "topk", {"k": k, "per_feature": per_feature})
+    return (name, name, {"per_feature": per_feature})
 HOOK_POINTS = ["a.output", "b.output", "c.output"]
 PROPS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                        HealthCheck.function_scoped_fixture])
@@ -147,7 +147,8 @@ def cases(draw, stop=False):
     # each run (the first and every resume) its own reductions: some continued, some added, some
     # dropped, hist / topk with other options
     runs = [{"reductions": draw(st.lists(st.sampled_from(sorted(REDUCTIONS)), unique=True, max_size=4)),
-             "hist_lo": draw(st.sampled_from([-2.0, -1.0])), "k": draw(st.sampled_from([TOPK, 1]))}
+             "hist_lo": draw(st.sampled_from([-2.0, -1.0])), "k": draw(st.sampled_from([TOPK, 1])),
+             "per_feature": draw(st.sampled_from([1, 0]))}
             for _ in range(len(stops) + 1)]
     return {
         "dtype": draw(st.sampled_from(DTYPES)), "storage_dtype": draw(st.sampled_from(STORAGE_DTYPES)),
@@ -235,7 +236,7 @@ def _capture(case, path, xs, forwards, resume, kill=False, run=0):
     scope = acs.ActivationScope(
         store=str(path), rows="token" if case["rows"] == "token" else "auto",
         token_rows={"c.output": False, "*": case["rows"] == "token"}, storage_dtype=case["storage_dtype"],
-        reductions=[_spec(n, case["runs"][run]["hist_lo"], case["runs"][run]["k"])
+        reductions=[_spec(n, case["runs"][run]["hist_lo"], case["runs"][run]["k"], case["runs"][run]["per_feature"])
                     for n in case["runs"][run]["reductions"]],
         store_options={"chunk_rows": case["chunk_rows"], **case["shard"], "resume": resume,
                        "compression": case["compression"],
@@ -296,6 +297,9 @@ def _check_reductions(store, hp, stored, run):
         return
     assert {key.split(".")[0] for key in store.reductions[hp]} == set(names), (hp, list(store.reductions[hp]))
     red = store.reductions[hp]
+    n_features = stored[0].numel() if len(stored) else 1
+    if not run["per_feature"]:  # every value one observation: as rows of one value each
+        stored = stored.reshape(-1)
     n = stored.shape[0]
     if n == 0:
         for name in names:
@@ -306,10 +310,10 @@ def _check_reductions(store, hp, stored, run):
     close = dict(rtol=1e-7, atol=1e-12, equal_nan=True)  # reductions.md: float64 defaults of assert_close
     exact = dict(rtol=0, atol=0, equal_nan=True)
     with np.errstate(invalid="ignore", over="ignore"):  # inf - inf in the references: NaN, as expected
-        _check_values(red, stored, x, n, names, run, integer, close, exact)
+        _check_values(red, stored, x, n, names, run, integer, close, exact, n_features)
 
 
-def _check_values(red, stored, x, n, names, run, integer, close, exact):
+def _check_values(red, stored, x, n, names, run, integer, close, exact, n_features):
     for name in names:
         if name == "mean":
             torch.testing.assert_close(red["mean"], torch.from_numpy(np.asarray(x.mean(0))), **close)
@@ -329,6 +333,9 @@ def _check_values(red, stored, x, n, names, run, integer, close, exact):
             assert torch.equal(red["hist.nan"], torch.from_numpy(np.asarray(np.isnan(x).sum(0))).long())
         elif name == "topk":
             values, ids = _topk_reference(stored.long().numpy() if integer else x, run["k"])
+            if not run["per_feature"]:  # flat indices: ties to the lower row, then the lower feature
+                assert torch.equal(red["topk.feature_ids"], torch.from_numpy(ids % n_features))
+                ids = ids // n_features
             assert torch.equal(red["topk.row_ids"], torch.from_numpy(ids))
             torch.testing.assert_close(red["topk.values"], torch.from_numpy(values), **exact)
         elif name == "cov":
