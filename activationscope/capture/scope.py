@@ -2143,6 +2143,12 @@ class Tracker:
                         target = None
                 elif next(self._eval_mode_dropouts(), None) is not None:
                     target = None
+        if (target is None and name in stored and stored[name] in self._sinks and tensor.dim() >= 1
+                and tensor.shape[0] == 0):
+            # an empty batch keeps no rows, and no tensor for an alias to be compared with (the
+            # native sink returns before remembering it): the stored alias stays one, and the
+            # next call with rows is checked against its target's as every later call is
+            target = stored[name]
         if name in stored and target != stored[name]:
             raise CaptureError(
                 f"the resumed store holds hook point {name!r} as an alias of {stored[name]!r} (the same tensor), "
