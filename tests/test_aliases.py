@@ -198,6 +198,29 @@ def test_resume_refuses_an_alias_that_is_another_tensor_after_an_empty_batch(tmp
     assert open_store(tmp_path / "s.zarr").n_rows("lin.output") == 2
 
 
+def test_resume_of_a_store_of_empty_batches_keeps_its_arrays(tmp_path):
+    # a first forward of an empty batch stores each hook point as an array of its own (there is
+    # no tensor to compare): a resume with rows made '0.output' an alias again and was refused
+    # ("has an array in this store; it cannot become an alias")
+    m = _features()
+    xs = [torch.randn(0, 6), torch.randn(4, 6), torch.randn(3, 6)]
+    with torch.no_grad():
+        with ActivationScope(store=tmp_path / "s.zarr", reductions=["mean"]).track(m):
+            m(xs[0])
+        assert open_store(tmp_path / "s.zarr").aliases == {}
+        with ActivationScope(store=tmp_path / "s.zarr", reductions=["mean"],
+                             store_options={"resume": True}).track(m):
+            for x in xs[1:]:
+                m(x)
+        ref = torch.cat([m[0](x) for x in xs])
+    s = open_store(tmp_path / "s.zarr")
+    assert s.aliases == {} and s.status == "complete"
+    torch.testing.assert_close(s["0.output"][:], ref, rtol=0, atol=0)
+    torch.testing.assert_close(s["0.2.output"][:], ref, rtol=0, atol=0)
+    torch.testing.assert_close(s.reductions["0.output"]["mean"], ref.double().mean(0))
+    assert s.verify() == []
+
+
 class _RaisesOnce(torch.nn.Module):
     """Returns its input (so its output is an alias of the previous module's); raises once."""
 

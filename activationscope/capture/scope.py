@@ -2106,8 +2106,12 @@ class Tracker:
             return None  # a writer that cannot store aliases (a rank of a multi-rank capture)
         stored = self.writer.aliases if self.writer is not None else {}
         target = None
-        if self._alias_candidates and not self._core.in_graph and not (
-                self.writer is not None and self.writer.committed_rows(name)):
+        # a hook point the store holds as an array stays one, rows or not (an array of 0 rows:
+        # its first forwards were empty batches, which have no tensor to compare)
+        stored_dtype = getattr(self.writer, "stored_dtype", None)
+        held = self.writer is not None and name not in stored and (
+            self.writer.committed_rows(name) or (stored_dtype is not None and stored_dtype(name) is not None))
+        if self._alias_candidates and not self._core.in_graph and not held:
             # a target has one alias: it keeps its last tensor for one alias check per call
             # (a second alias of it, the same tensor passed twice, as attn(h, h, h), would
             # fail that check from the next forward on)
