@@ -161,6 +161,8 @@ def cases(draw, stop=False):
         "chunk_rows": chunk_rows, "shard": shard,
         "compression": draw(st.sampled_from([None, "zstd", "blosc-lz4"])),
         "runs": runs, "stops": stops,
+        # each stop: an exception leaving the with block (False), or the with block left as usual
+        "closes": draw(st.lists(st.booleans(), min_size=len(stops), max_size=len(stops))),
         "capture": draw(st.sampled_from(["output", "both"])),
         "ids": draw(st.sampled_from(["given", "default"])),
         "layout": draw(st.sampled_from(["contiguous", "transposed", "strided", "expanded", "offset"])),
@@ -243,7 +245,7 @@ class _Stop(Exception):
     pass
 
 
-def _capture(case, path, xs, forwards, resume, kill=False, run=0):
+def _capture(case, path, xs, forwards, resume, kill=False, run=0, close=False):
     model = Model(case["dtype"], case["rows"] == "token", case["layout"]).eval()
     scope = acs.ActivationScope(
         store=str(path), rows="token" if case["rows"] == "token" else "auto", capture=case["capture"],
@@ -263,6 +265,8 @@ def _capture(case, path, xs, forwards, resume, kill=False, run=0):
             if i == forwards:
                 if kill:
                     os._exit(0)  # no close, no commit: what a kill -9 leaves
+                if close:
+                    break
                 raise _Stop  # a stop between two forwards: the store keeps the forwards before it
             # sample ids given, or the default counter (it runs on from the committed samples)
             ids = {"sample_ids": list(range(100 + starts[i], 100 + starts[i + 1]))} if case["ids"] == "given" else {}
@@ -299,15 +303,19 @@ def _topk_reference(rows, k):
     return values.reshape(k, *rows.shape[1:]), ids.reshape(k, *rows.shape[1:])
 
 
-def _check_reductions(store, hp, stored, run):
-    """The last run's reductions, over every stored row; those of the stopped runs before it
-    were never written (reductions.md, "Merging, saving and resuming")."""
+def _check_reductions(store, hp, stored, run, kept, partial):
+    """The last run's reductions, over every stored row. Those of a run stopped by an exception
+    were never written; those of a closed run that the last one does not continue are kept,
+    reported partial when rows came after it (reductions.md, "Merging, saving and resuming")."""
     names = run["reductions"]
-    assert store.partial_reductions == {}
-    if not names:
+    reported = {key.split(".")[0] for key in store.partial_reductions.get(hp, {})}
+    assert reported == partial, (hp, store.partial_reductions, partial)
+    if not names and not kept:
         assert hp not in store.reductions
         return
-    assert {key.split(".")[0] for key in store.reductions[hp]} == set(names), (hp, list(store.reductions[hp]))
+    assert {key.split(".")[0] for key in store.reductions[hp]} == set(names) | kept, (hp, list(store.reductions[hp]))
+    if not names:
+        return
     red = store.reductions[hp]
     n_features = stored[0].numel() if len(stored) else 1
     if not run["per_feature"]:  # every value one observation: as rows of one value each
@@ -377,15 +385,20 @@ def check_roundtrip(case, path, kill=False):
     path = Path(path)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # CaptureWarning of (batch, pos) outputs taken as token rows
-        done = 0
-        for run, k in enumerate(case["stops"]):  # stop before forward k, then resume
+        done, written = 0, {}  # written: reduction name -> the forward its closed run stopped before
+        for run, (k, close) in enumerate(zip(case["stops"], case["closes"])):  # stop before forward k, resume
             if kill:
                 _killed_capture(case, path, k, run)
                 if not (path / "zarr.json").exists():
                     continue
+            elif close:
+                _capture(case, path, xs, k, resume=(path / "zarr.json").exists(), run=run, close=True)
+                written.update((name, k) for name in case["runs"][run]["reductions"])
+                done = k
+                continue
             else:
                 with pytest.raises(_Stop):
-                    _capture(case, path, xs, k, resume=bool(done), run=run)
+                    _capture(case, path, xs, k, resume=(path / "zarr.json").exists(), run=run)
                 if not (path / "zarr.json").exists():  # no row committed: the new store is removed
                     assert counts["a.output"][k] == 0
                     continue
@@ -408,7 +421,9 @@ def check_roundtrip(case, path, kill=False):
         got = store[hp]
         assert got.dtype == want[hp].dtype and got.shape == want[hp].shape, (hp, got.dtype, got.shape)
         assert _same(got, want[hp]), hp
-        _check_reductions(store, hp, got, case["runs"][-1])
+        left = {name: k for name, k in written.items() if name not in case["runs"][-1]["reductions"]}
+        partial = {name for name, k in left.items() if counts[hp][k] != counts[hp][-1]}
+        _check_reductions(store, hp, got, case["runs"][-1], set(left) - partial, partial)
     g = np.random.default_rng(case["seed"])
     groups = [[hp for hp in _hook_points(case) if hp != "c.output"], ["c.output"]]  # one row kind each
     for group in groups:
@@ -451,7 +466,8 @@ EMPTY_FIRST_RESUMED = {
     "trailing": (), "masks": [[[True]], [], []], "chunk_rows": 1, "shard": {"shard_rows": 1}, "compression": None,
     "runs": [{"reductions": [], "hist_lo": -2.0, "k": 3, "per_feature": 1},
              {"reductions": ["mean"], "hist_lo": -2.0, "k": 3, "per_feature": 1}],
-    "stops": [1], "capture": "both", "ids": "given", "layout": "contiguous", "values": "any", "seed": 0,
+    "stops": [1], "closes": [False], "capture": "both", "ids": "given", "layout": "contiguous", "values": "any",
+    "seed": 0,
 }
 
 
